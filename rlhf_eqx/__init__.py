@@ -1,0 +1,29 @@
+"""rlhf_eqx: pure-functional preference alignment for language models in JAX.
+
+Models are immutable ``eqx.Module`` pytrees; updates are pure functions
+``(params, opt_state, batch) -> (params, opt_state, metrics)``. Set
+``RLHF_EQX_TYPECHECK=1`` before import to check every public function's array shapes
+at trace time (see ``rlhf_eqx._typecheck``).
+"""
+
+from ._typecheck import typecheck_requested as _typecheck_requested
+
+if _typecheck_requested():
+    from ._typecheck import install_hook as _install_hook
+
+    _install_hook()
+
+from . import ops as ops
+from .ops import (
+    entropy_from_logits as entropy_from_logits,
+    logprobs_from_logits as logprobs_from_logits,
+    masked_mean as masked_mean,
+    masked_sum as masked_sum,
+    masked_var as masked_var,
+    masked_whiten as masked_whiten,
+    previous_real_index as previous_real_index,
+    token_entropy as token_entropy,
+    token_logprobs as token_logprobs,
+)
+
+__version__ = "0.1.0"

@@ -1,0 +1,75 @@
+"""Test configuration: strict JAX promotion rules, a key fixture, tree comparison helpers.
+
+Shape checks are switched on for the whole package by pytest's
+``--jaxtyping-packages=rlhf_eqx,beartype.beartype`` (pyproject ``addopts``).
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+settings.register_profile(
+    "default",
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "thorough", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+SHARED = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "shared"))
+
+
+@pytest.fixture
+def getkey():
+    """Return a function producing fresh PRNG keys (deterministic per test)."""
+    state = {"key": jax.random.key(0)}
+
+    def _getkey():
+        state["key"], sub = jax.random.split(state["key"])
+        return sub
+
+    return _getkey
+
+
+@pytest.fixture
+def shared_dir():
+    """Path of the read-only shared material (models, datasets); skip if absent."""
+    if not os.path.isdir(SHARED):
+        pytest.skip("../shared is not present")
+    return SHARED
+
+
+def tree_allclose(a, b, *, rtol=1e-5, atol=1e-6) -> bool:
+    """Whether two pytrees have equal structure and allclose array leaves."""
+    la, ta = jax.tree_util.tree_flatten(a)
+    lb, tb = jax.tree_util.tree_flatten(b)
+    if ta != tb:
+        return False
+    return all(
+        np.allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=rtol, atol=atol)
+        for x, y in zip(la, lb)
+    )
+
+
+def assert_tree_allclose(a, b, *, rtol=1e-5, atol=1e-6):
+    la, ta = jax.tree_util.tree_flatten(a)
+    lb, tb = jax.tree_util.tree_flatten(b)
+    assert ta == tb, f"tree structures differ: {ta} vs {tb}"
+    for i, (x, y) in enumerate(zip(la, lb)):
+        np.testing.assert_allclose(
+            np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=rtol, atol=atol,
+            err_msg=f"leaf {i}",
+        )
+
+
+__all__ = ["tree_allclose", "assert_tree_allclose", "SHARED", "jnp"]

@@ -27,3 +27,9 @@ from .ops import (
 )
 
 __version__ = "0.1.0"
+
+from ._batches import (
+    PreferenceBatch as PreferenceBatch,
+    PromptBatch as PromptBatch,
+    SequenceBatch as SequenceBatch,
+)

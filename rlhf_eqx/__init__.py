@@ -13,7 +13,15 @@ if _typecheck_requested():
 
     _install_hook()
 
-from . import ops as ops
+from . import models as models, ops as ops
+from .models import (
+    KVCache as KVCache,
+    Policy as Policy,
+    RewardModel as RewardModel,
+    Transformer as Transformer,
+    TransformerConfig as TransformerConfig,
+    ValueModel as ValueModel,
+)
 from .ops import (
     entropy_from_logits as entropy_from_logits,
     logprobs_from_logits as logprobs_from_logits,
@@ -28,6 +36,12 @@ from .ops import (
 
 __version__ = "0.1.0"
 
+from ._sampling import (
+    GenerationOutput as GenerationOutput,
+    generate as generate,
+    generate_batch as generate_batch,
+    sample_token as sample_token,
+)
 from ._batches import (
     PreferenceBatch as PreferenceBatch,
     PromptBatch as PromptBatch,

@@ -143,3 +143,12 @@ def test_bad_arguments_raise(policy):
         rx.generate_batch(policy, toks, masks, jax.random.key(0), max_new_tokens=0)
     with pytest.raises(TypeError, match="prefill"):
         rx.generate_batch(lambda t, m: t, toks, masks, jax.random.key(0), max_new_tokens=2)
+
+
+def test_filtered_tokens_are_never_sampled():
+    logits = jnp.log(jnp.array([0.05, 0.6, 0.05, 0.3], jnp.float32))
+    keys = jax.random.split(jax.random.key(1), 3000)
+    toks, _ = jax.vmap(lambda k: rx.sample_token(k, logits, top_k=2))(keys)
+    freq = np.bincount(np.asarray(toks), minlength=4) / 3000
+    assert freq[0] == 0.0 and freq[2] == 0.0
+    np.testing.assert_allclose(freq[[1, 3]], [2 / 3, 1 / 3], atol=0.03)

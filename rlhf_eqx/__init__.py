@@ -13,7 +13,7 @@ if _typecheck_requested():
 
     _install_hook()
 
-from . import models as models, ops as ops
+from . import data as data, models as models, ops as ops
 from .models import (
     KVCache as KVCache,
     Policy as Policy,

@@ -1,0 +1,58 @@
+"""Data: tokenizers, preference and prompt readers, fixed-shape batches, iteration, sharding.
+
+Everything here runs on the host (plain Python and numpy); the collate functions return
+the batch pytrees of `rlhf_eqx` (`SequenceBatch`, `PreferenceBatch`, `PromptBatch`) as
+jax arrays (int32 tokens, bool masks). A typical DPO input pipeline:
+
+```python
+from rlhf_eqx import data
+
+tok = data.load_tokenizer("tok512.bin")
+pairs, report = data.tokenize_preferences(
+    data.load_preferences("train.jsonl.gz"), tok, max_length=512, max_prompt_length=256
+)
+for idx in data.BatchIterator(len(pairs), batch_size=8, seed=0, num_epochs=1):
+    batch = data.collate_preferences(
+        [pairs[i] for i in idx], max_length=512, pad_id=tok.pad_id
+    )
+```
+"""
+
+from ._answers import exact_match_reward as exact_match_reward
+from ._answers import extract_gsm8k_answer as extract_gsm8k_answer
+from ._answers import extract_last_number as extract_last_number
+from ._answers import normalise_number as normalise_number
+from ._batching import TokenizedPair as TokenizedPair
+from ._batching import TokenizedSequence as TokenizedSequence
+from ._batching import TokenizeReport as TokenizeReport
+from ._batching import collate_preferences as collate_preferences
+from ._batching import collate_prompts as collate_prompts
+from ._batching import collate_sft as collate_sft
+from ._batching import tokenize_preferences as tokenize_preferences
+from ._batching import tokenize_prompts as tokenize_prompts
+from ._batching import tokenize_sft as tokenize_sft
+from ._chat import CHATML_TEMPLATE as CHATML_TEMPLATE
+from ._chat import HH_TEMPLATE as HH_TEMPLATE
+from ._chat import ChatTemplate as ChatTemplate
+from ._chat import format_chat as format_chat
+from ._errors import DataError as DataError
+from ._io import LoadReport as LoadReport
+from ._loader import BatchIterator as BatchIterator
+from ._loader import IteratorState as IteratorState
+from ._loader import epoch_permutation as epoch_permutation
+from ._preferences import PreferenceDataset as PreferenceDataset
+from ._preferences import PreferenceRecord as PreferenceRecord
+from ._preferences import load_preferences as load_preferences
+from ._preferences import split_hh_transcript as split_hh_transcript
+from ._prompts import PromptDataset as PromptDataset
+from ._prompts import PromptRecord as PromptRecord
+from ._prompts import load_prompts as load_prompts
+from ._sharding import assign_shards as assign_shards
+from ._sharding import prompt_hash as prompt_hash
+from ._sharding import shard_of as shard_of
+from ._tokenizers import ByteTokenizer as ByteTokenizer
+from ._tokenizers import HFTokenizer as HFTokenizer
+from ._tokenizers import Llama2cTokenizer as Llama2cTokenizer
+from ._tokenizers import SentencePieceTokenizer as SentencePieceTokenizer
+from ._tokenizers import Tokenizer as Tokenizer
+from ._tokenizers import load_tokenizer as load_tokenizer

@@ -1,0 +1,125 @@
+"""Rendering multi-turn conversations into prompt text.
+
+A conversation is a list of messages `{"role": ..., "content": ...}` with roles
+`"system"`, `"user"` and `"assistant"` (ShareGPT's `"human"`/`"gpt"` and HH's
+`"Human"`/`"Assistant"` are accepted as aliases). A `ChatTemplate` renders each message
+with a format string and ends with a generation prompt when asked.
+
+Built-in templates:
+
+- `"hh"` (the default), Anthropic HH-RLHF transcripts:
+  `"\\n\\nHuman: {content}"`, `"\\n\\nAssistant: {content}"`, generation prompt
+  `"\\n\\nAssistant:"` (the completion then starts with a space, as in HH-RLHF); a
+  system message is written first as plain text.
+- `"chatml"`, OpenAI ChatML / Qwen style:
+  `"<|im_start|>{role}\\n{content}<|im_end|>\\n"`, generation prompt
+  `"<|im_start|>assistant\\n"`.
+"""
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from ._errors import DataError
+
+__all__ = ["ChatTemplate", "HH_TEMPLATE", "CHATML_TEMPLATE", "format_chat", "normalise_role"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatTemplate:
+    """Format strings (with a `{content}` field) for each role, and the generation prompt.
+
+    A template can split a rendered conversation into prompt and completion when every
+    rendered assistant message starts with `generation_prompt`.
+    """
+
+    system: str
+    user: str
+    assistant: str
+    generation_prompt: str
+
+
+HH_TEMPLATE = ChatTemplate(
+    system="{content}",
+    user="\n\nHuman: {content}",
+    assistant="\n\nAssistant: {content}",
+    generation_prompt="\n\nAssistant:",
+)
+
+CHATML_TEMPLATE = ChatTemplate(
+    system="<|im_start|>system\n{content}<|im_end|>\n",
+    user="<|im_start|>user\n{content}<|im_end|>\n",
+    assistant="<|im_start|>assistant\n{content}<|im_end|>\n",
+    generation_prompt="<|im_start|>assistant\n",
+)
+
+_TEMPLATES = {"hh": HH_TEMPLATE, "chatml": CHATML_TEMPLATE}
+
+_ROLE_ALIASES = {
+    "system": "system",
+    "user": "user",
+    "human": "user",
+    "prompter": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "bot": "assistant",
+    "model": "assistant",
+}
+
+
+def normalise_role(role: str) -> str:
+    """`"system"`, `"user"` or `"assistant"` for a role name or one of its aliases."""
+    try:
+        return _ROLE_ALIASES[role.strip().lower()]
+    except KeyError:
+        raise DataError(f"unknown chat role {role!r}") from None
+
+
+def _template(template: str | ChatTemplate) -> ChatTemplate:
+    if isinstance(template, ChatTemplate):
+        return template
+    try:
+        return _TEMPLATES[template]
+    except KeyError:
+        raise DataError(
+            f"unknown chat template {template!r}; use one of {sorted(_TEMPLATES)}"
+        ) from None
+
+
+def format_chat(
+    messages: Sequence[Mapping[str, object]],
+    template: str | ChatTemplate = "hh",
+    *,
+    add_generation_prompt: bool = True,
+) -> str:
+    """Render a conversation as text.
+
+    **Arguments:**
+
+    - `messages`: `[{"role": "user", "content": "Hi"}, ...]`.
+    - `template`: `"hh"` (default), `"chatml"` or a `ChatTemplate`.
+    - `add_generation_prompt`: append the template's generation prompt (the start of an
+      assistant turn) so that a model continues with the assistant's reply.
+
+    **Returns:** the concatenation of each message's rendering (plus the generation
+    prompt). For example `format_chat([{"role": "user", "content": "Hi"}])` is
+    `"\\n\\nHuman: Hi\\n\\nAssistant:"`.
+    """
+    tmpl = _template(template)
+    parts = []
+    for message in messages:
+        if "role" not in message or "content" not in message:
+            raise DataError(
+                f"a chat message needs 'role' and 'content', got keys {sorted(message)}"
+            )
+        role, content = message["role"], message["content"]
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise DataError(
+                f"message role and content must be strings, got {type(role).__name__} "
+                f"and {type(content).__name__}"
+            )
+        role = normalise_role(role)
+        fmt = {"system": tmpl.system, "user": tmpl.user, "assistant": tmpl.assistant}[role]
+        parts.append(fmt.format(content=content, role=role))
+    if add_generation_prompt:
+        parts.append(tmpl.generation_prompt)
+    return "".join(parts)

@@ -1,0 +1,174 @@
+"""Reading JSON records from `.jsonl`, `.json` and gzipped files, with a load report.
+
+Two kinds of bad input are told apart:
+
+- **malformed input** — a line that is not valid JSON or not valid UTF-8, a record that
+  is not an object, a missing key, a value of the wrong type: an error
+  (`DataError` naming the file and line) unless `lenient=True`, in which case the record
+  is skipped and counted in the report;
+- **unusable records** — well-formed, but with nothing to learn from (a preference pair
+  that cannot be split into prompt and completions, identical completions, an empty
+  completion or prompt): always skipped and counted, never guessed at.
+"""
+
+import dataclasses
+import gzip
+import json
+import os
+from collections.abc import Iterator
+
+from ._errors import DataError
+
+__all__ = ["LoadReport", "Malformed", "Unusable", "read_json_records", "parse_records"]
+
+_MAX_EXAMPLES = 20
+
+
+class Malformed(Exception):
+    """A record that is not well-formed (raised while parsing one record).
+
+    `Malformed(reason, detail)`: `reason` is the report's category (e.g.
+    `"missing key"`), `detail` says what exactly.
+    """
+
+
+class Unusable(Exception):
+    """A well-formed record that is skipped (raised while parsing one record)."""
+
+
+@dataclasses.dataclass
+class LoadReport:
+    """What a reader kept and skipped.
+
+    - `path`: the file read; `format`: the record format used.
+    - `read`: records (non-blank lines / list items) seen; `kept`: records returned.
+    - `skipped`: `{reason: count}`; `examples`: the first few `"path:line: reason"`.
+    """
+
+    path: str
+    format: str = ""
+    read: int = 0
+    kept: int = 0
+    skipped: dict[str, int] = dataclasses.field(default_factory=dict)
+    examples: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_skipped(self) -> int:
+        return sum(self.skipped.values())
+
+    def skip(self, where: str, reason: str, detail: str = "") -> None:
+        """Count one skipped record under `reason`."""
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        if len(self.examples) < _MAX_EXAMPLES:
+            self.examples.append(f"{where}: {reason}" + (f" ({detail})" if detail else ""))
+
+    def __str__(self) -> str:
+        reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.skipped.items()))
+        return (
+            f"{self.path} [{self.format}]: read {self.read}, kept {self.kept}, "
+            f"skipped {self.num_skipped}" + (f" ({reasons})" if reasons else "")
+        )
+
+
+def _open_bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
+        data = f.read()
+    if path.endswith(".gz") or data[:2] == b"\x1f\x8b":
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError) as e:
+            raise DataError(f"{path}: cannot decompress: {e}") from None
+    return data
+
+
+def _is_json_list(path: str, data: bytes) -> bool:
+    """`.json` files holding a list; `.json` files of one object per line are JSON lines."""
+    base = path[:-3] if path.endswith(".gz") else path
+    if not base.endswith(".json"):
+        return False
+    return data.lstrip()[:1] == b"["
+
+
+def read_json_records(
+    path: str | os.PathLike, report: LoadReport, *, lenient: bool
+) -> Iterator[tuple[str, dict]]:
+    """Yield `(location, record)` for each JSON object in the file.
+
+    `location` is `"path:LINE"` for JSON lines and `"path:item N"` (0-based) for a JSON
+    list. Blank lines are ignored. Malformed lines raise `DataError`, or are counted in
+    `report` when `lenient`. A `.json` list that is not valid JSON as a whole cannot be
+    read past the error and always raises.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: no such file")
+    data = _open_bytes(path)
+
+    def bad(where: str, reason: str, detail: str) -> None:
+        if not lenient:
+            raise DataError(f"{where}: {reason}: {detail}")
+        report.skip(where, reason, detail)
+
+    if _is_json_list(path, data):
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = data[: e.start].count(b"\n") + 1
+            raise DataError(f"{path}:{line}: invalid UTF-8: {e.reason}") from None
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
+        if not isinstance(items, list):
+            raise DataError(f"{path}: a .json file must hold a list of records")
+        for n, item in enumerate(items):
+            where = f"{path}:item {n}"
+            report.read += 1
+            if not isinstance(item, dict):
+                bad(where, "not a JSON object", type(item).__name__)
+                continue
+            yield where, item
+        return
+
+    for lineno, raw in enumerate(data.split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        where = f"{path}:{lineno}"
+        report.read += 1
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            bad(where, "invalid UTF-8", f"byte {e.start}: {e.reason}")
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            bad(where, "invalid JSON", f"column {e.colno}: {e.msg}")
+            continue
+        if not isinstance(item, dict):
+            bad(where, "not a JSON object", type(item).__name__)
+            continue
+        yield where, item
+
+
+def parse_records(
+    records: Iterator[tuple[str, dict]], parse, report: LoadReport, *, lenient: bool
+) -> list:
+    """Apply `parse(record)` to each record, sorting failures into errors and skips."""
+    out = []
+    for where, item in records:
+        try:
+            out.append(parse(item))
+        except Malformed as e:
+            reason, detail = e.args[0], (e.args[1] if len(e.args) > 1 else "")
+            if not lenient:
+                raise DataError(f"{where}: {reason}: {detail}") from None
+            report.skip(where, reason, detail)
+        except Unusable as e:
+            report.skip(where, str(e))
+        except DataError as e:  # e.g. an unknown chat role inside a message list
+            if not lenient:
+                raise DataError(f"{where}: {e}") from None
+            report.skip(where, "malformed record", str(e))
+    report.kept = len(out)
+    return out

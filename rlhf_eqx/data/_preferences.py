@@ -1,0 +1,306 @@
+"""Preference datasets: records of `(prompt, chosen, rejected)` text.
+
+`load_preferences` reads four layouts (auto-detected from the keys of the first
+record):
+
+- `"hh"` — `{"chosen": str, "rejected": str}`, full Anthropic HH-RLHF transcripts
+  `\n\nHuman: …\n\nAssistant: …`; split at the last `\n\nAssistant:` inside the
+  common prefix of the two transcripts.
+- `"messages"` — `{"prompt"?, "chosen": [msg], "rejected": [msg]}` with OpenAI-style
+  `{"role", "content"}` messages (UltraFeedback-binarized; TRL's conversational layout,
+  where `prompt` is a message list and `chosen`/`rejected` hold only the reply); the
+  prompt is the longest shared message prefix that is followed by an assistant message
+  in both.
+- `"sharegpt"` — `{"conversations": [{"from", "value"}, ...], "chosen": {"from",
+  "value"}, "rejected": {...}}`; the conversation is the prompt.
+- `"plain"` — `{"prompt": str, "chosen": str, "rejected": str}`, used as given.
+
+Message formats are rendered with a chat template (`format_chat`, HH style by default):
+the prompt is the shared messages plus the generation prompt, and each completion is
+the rest of its rendered conversation, so `prompt + chosen` is exactly the rendered
+chosen conversation. HH transcripts give prompts ending in `\\n\\nAssistant:` and
+completions starting with a space (TRL's `extract_prompt` does the same split).
+
+Pairs that cannot be split (no shared prefix ending in `\\n\\nAssistant:`, no shared
+message prefix before an assistant turn), pairs with identical completions and pairs
+with an empty (or blank) completion are skipped and counted in `dataset.report`.
+"""
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import overload
+
+from ._chat import ChatTemplate, _template, format_chat, normalise_role
+from ._errors import DataError
+from ._io import LoadReport, Malformed, Unusable, parse_records, read_json_records
+
+__all__ = ["PreferenceRecord", "PreferenceDataset", "load_preferences", "split_hh_transcript"]
+
+HH_ASSISTANT = "\n\nAssistant:"
+PREFERENCE_FORMATS = ("hh", "messages", "sharegpt", "plain")
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferenceRecord:
+    """One preference pair: `prompt + chosen` is preferred over `prompt + rejected`."""
+
+    prompt: str
+    chosen: str
+    rejected: str
+
+
+class PreferenceDataset(Sequence):
+    """An immutable sequence of `PreferenceRecord`s with the `LoadReport` of its file."""
+
+    def __init__(self, records: Sequence[PreferenceRecord], report: LoadReport):
+        self._records: tuple[PreferenceRecord, ...] = tuple(records)
+        self.report: LoadReport = report
+
+    @overload
+    def __getitem__(self, index: int) -> PreferenceRecord: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> "PreferenceDataset": ...
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return PreferenceDataset(self._records[index], self.report)
+        return self._records[index]
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __repr__(self) -> str:
+        return f"PreferenceDataset({len(self)} pairs; {self.report})"
+
+
+def _common_prefix_length(a: Sequence, b: Sequence) -> int:
+    n = min(len(a), len(b))
+    k = 0
+    while k < n and a[k] == b[k]:
+        k += 1
+    return k
+
+
+def split_hh_transcript(chosen: str, rejected: str) -> tuple[str, str, str] | None:
+    """Split two HH-RLHF transcripts into `(prompt, chosen, rejected)`.
+
+    The prompt is the longest common prefix of the two transcripts cut just after its
+    last `"\\n\\nAssistant:"`; the completions are the rest. `None` when the common
+    prefix holds no `"\\n\\nAssistant:"`.
+    """
+    common = chosen[: _common_prefix_length(chosen, rejected)]
+    cut = common.rfind(HH_ASSISTANT)
+    if cut < 0:
+        return None
+    end = cut + len(HH_ASSISTANT)
+    return chosen[:end], chosen[end:], rejected[end:]
+
+
+def _string(record: dict, key: str) -> str:
+    if key not in record:
+        raise Malformed("missing key", f"no {key!r} in a record with keys {sorted(record)}")
+    value = record[key]
+    if not isinstance(value, str):
+        raise Malformed("wrong type", f"{key!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _checked(prompt: str, chosen: str, rejected: str) -> PreferenceRecord:
+    if not chosen.strip() or not rejected.strip():
+        raise Unusable("empty completion")
+    if chosen == rejected:
+        raise Unusable("identical completions")
+    return PreferenceRecord(prompt, chosen, rejected)
+
+
+def _parse_hh(record: dict) -> PreferenceRecord:
+    chosen, rejected = _string(record, "chosen"), _string(record, "rejected")
+    split = split_hh_transcript(chosen, rejected)
+    if split is None:
+        if chosen == rejected:
+            raise Unusable("identical completions")
+        raise Unusable("unsplittable")
+    return _checked(*split)
+
+
+def _parse_plain(record: dict) -> PreferenceRecord:
+    return _checked(
+        _string(record, "prompt"), _string(record, "chosen"), _string(record, "rejected")
+    )
+
+
+def _message(value: object, key: str) -> dict[str, str]:
+    """`{"role", "content"}` or ShareGPT `{"from", "value"}` -> `{"role", "content"}`."""
+    if not isinstance(value, dict):
+        raise Malformed(
+            "wrong type", f"{key!r} must hold message objects, got {type(value).__name__}"
+        )
+    role = value.get("role", value.get("from"))
+    content = value.get("content", value.get("value"))
+    if not isinstance(role, str) or not isinstance(content, str):
+        raise Malformed(
+            "wrong type", f"a message in {key!r} needs string role/content (or from/value)"
+        )
+    return {"role": normalise_role(role), "content": content}
+
+
+def _messages(record: dict, key: str) -> list[dict[str, str]]:
+    if key not in record:
+        raise Malformed("missing key", f"no {key!r} in a record with keys {sorted(record)}")
+    value = record[key]
+    if not isinstance(value, list):
+        raise Malformed(
+            "wrong type", f"{key!r} must be a list of messages, got {type(value).__name__}"
+        )
+    return [_message(m, key) for m in value]
+
+
+def _split_messages(
+    chosen: list[dict[str, str]], rejected: list[dict[str, str]], template: ChatTemplate
+) -> PreferenceRecord:
+    """Prompt = the longest shared message prefix followed, in both, by an assistant turn."""
+    if chosen == rejected:
+        raise Unusable("identical completions")
+    k = _common_prefix_length(chosen, rejected)
+    while k >= 0:
+        if (
+            k < len(chosen)
+            and k < len(rejected)
+            and chosen[k]["role"] == "assistant"
+            and rejected[k]["role"] == "assistant"
+        ):
+            break
+        k -= 1
+    if k < 0:
+        raise Unusable("unsplittable")
+    prompt = format_chat(chosen[:k], template, add_generation_prompt=True)
+    completions = []
+    for messages in (chosen, rejected):
+        if not any(m["content"].strip() for m in messages[k:]):
+            raise Unusable("empty completion")
+        full = format_chat(messages, template, add_generation_prompt=False)
+        if not full.startswith(prompt):
+            raise DataError(
+                "the chat template's assistant turn does not start with its generation "
+                "prompt, so conversations cannot be split into prompt and completion"
+            )
+        completions.append(full[len(prompt) :])
+    return _checked(prompt, *completions)
+
+
+def _prompt_messages(record: dict) -> list[dict[str, str]]:
+    prompt = record.get("prompt")
+    if prompt is None:
+        return []
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if isinstance(prompt, list):
+        return [_message(m, "prompt") for m in prompt]
+    raise Malformed(
+        "wrong type", f"'prompt' must be a string or messages, got {type(prompt).__name__}"
+    )
+
+
+def _parse_messages(record: dict, template: ChatTemplate) -> PreferenceRecord:
+    chosen, rejected = _messages(record, "chosen"), _messages(record, "rejected")
+    # TRL's conversational layout stores only the reply under chosen/rejected.
+    prefix = _prompt_messages(record)
+    if chosen and chosen[0]["role"] == "assistant":
+        chosen = prefix + chosen
+    if rejected and rejected[0]["role"] == "assistant":
+        rejected = prefix + rejected
+    return _split_messages(chosen, rejected, template)
+
+
+def _parse_sharegpt(record: dict, template: ChatTemplate) -> PreferenceRecord:
+    conversation = _messages(record, "conversations")
+    for key in ("chosen", "rejected"):
+        if key not in record:
+            raise Malformed("missing key", f"no {key!r} in a record with keys {sorted(record)}")
+    chosen = _message(record["chosen"], "chosen")
+    rejected = _message(record["rejected"], "rejected")
+    if chosen["role"] != "assistant" or rejected["role"] != "assistant":
+        raise Malformed("wrong type", "'chosen' and 'rejected' must be assistant messages")
+    return _split_messages(conversation + [chosen], conversation + [rejected], template)
+
+
+def detect_preference_format(record: dict) -> str | None:
+    """The preference format of a record from its keys (`None` when unknown)."""
+    if "conversations" in record:
+        return "sharegpt"
+    if "chosen" in record and "rejected" in record:
+        if isinstance(record["chosen"], list):
+            return "messages"
+        return "plain" if "prompt" in record else "hh"
+    return None
+
+
+def load_preferences(
+    path: str | os.PathLike,
+    format: str = "auto",
+    *,
+    lenient: bool = False,
+    template: str | ChatTemplate = "hh",
+) -> PreferenceDataset:
+    """Read a preference dataset.
+
+    **Arguments:**
+
+    - `path`: a `.jsonl` file (one JSON object a line), a `.json` file (a list of
+      objects) or either gzipped (`.gz`).
+    - `format`: `"auto"` (from the keys of the first record), `"hh"`, `"messages"`,
+      `"sharegpt"` or `"plain"` (see the module docstring).
+    - `lenient`: skip malformed lines/records (invalid JSON or UTF-8, missing keys,
+      wrong types) and count them in the report instead of raising `DataError`.
+    - `template`: chat template for message formats (`"hh"`, `"chatml"` or a
+      `ChatTemplate`).
+
+    **Returns:** a `PreferenceDataset` of `PreferenceRecord(prompt, chosen, rejected)`;
+    `dataset.report` counts what was read, kept and skipped (with reasons).
+
+    **Raises:** `DataError` (a `ValueError`) naming the file and line for malformed
+    input when not `lenient`, and for an unknown format.
+    """
+    path = os.fspath(path)
+    if format != "auto" and format not in PREFERENCE_FORMATS:
+        raise DataError(
+            f"unknown preference format {format!r}; use 'auto' or one of {PREFERENCE_FORMATS}"
+        )
+    tmpl = _template(template)
+    report = LoadReport(path=path, format=format)
+    records = read_json_records(path, report, lenient=lenient)
+    first = next(records, None)
+    if first is None:
+        report.format = format if format != "auto" else "empty"
+        return PreferenceDataset([], report)
+    if format == "auto":
+        detected = detect_preference_format(first[1])
+        if detected is None:
+            raise DataError(
+                f"{first[0]}: cannot tell the preference format from the keys {sorted(first[1])}; "
+                "expected 'chosen'/'rejected' (HH transcripts or message lists), "
+                "'prompt'/'chosen'/'rejected', or 'conversations'/'chosen'/'rejected'"
+            )
+        format = detected
+    report.format = format
+    if format in ("messages", "sharegpt") and not tmpl.assistant.format(
+        content="x", role="assistant"
+    ).startswith(tmpl.generation_prompt):
+        raise DataError(
+            "the chat template's assistant turn does not start with its generation prompt, "
+            "so conversations cannot be split into prompt and completion"
+        )
+    parse = {
+        "hh": _parse_hh,
+        "plain": _parse_plain,
+        "messages": lambda r: _parse_messages(r, tmpl),
+        "sharegpt": lambda r: _parse_sharegpt(r, tmpl),
+    }[format]
+
+    def all_records():
+        yield first
+        yield from records
+
+    return PreferenceDataset(parse_records(all_records(), parse, report, lenient=lenient), report)

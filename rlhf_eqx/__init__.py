@@ -13,7 +13,7 @@ if _typecheck_requested():
 
     _install_hook()
 
-from . import data as data, models as models, ops as ops
+from . import data as data, losses as losses, models as models, ops as ops, train as train
 from .models import (
     KVCache as KVCache,
     Policy as Policy,

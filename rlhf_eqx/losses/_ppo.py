@@ -1,0 +1,183 @@
+r"""PPO: clipped policy loss, clipped value loss, generalised advantage estimation.
+
+All functions take the per-token arrays of **one sequence** (`[T]`, the completion's
+positions selected by `mask`) and return per-token values; reduce them over a batch
+with `aggregate` (`"token-mean"` is TRL's `masked_mean`).
+"""
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
+
+from ..ops import masked_whiten
+
+__all__ = ["ppo_policy_loss", "ppo_value_loss", "gae", "whiten_advantages"]
+
+# Bound on |log π_θ - log π_old| before exponentiating (veRL `compute_policy_loss`).
+LOG_RATIO_CLAMP = 20.0
+
+
+def _zero_where_masked(x: Array, mask: Array) -> Array:
+    return jnp.where(mask, x, jnp.zeros_like(x))
+
+
+def ppo_policy_loss(
+    logp: Float[Array, " T"],
+    old_logp: Float[Array, " T"],
+    advantages: Float[Array, " T"],
+    mask: Bool[Array, " T"],
+    *,
+    clip_eps: float | int = 0.2,
+    clip_eps_high: float | int | None = None,
+    dual_clip: float | int | None = None,
+) -> tuple[Float[Array, " T"], dict[str, Float[Array, " T"]]]:
+    r"""Per-token clipped surrogate loss of PPO (Schulman et al. 2017, eq. 7).
+
+    $$\rho_t = \exp(\log\pi_\theta(y_t) - \log\pi_{\rm old}(y_t)),\qquad
+    \ell_t = \max\big(-A_t\rho_t,\;
+      -A_t\,\mathrm{clip}(\rho_t, 1-\varepsilon_{\rm low}, 1+\varepsilon_{\rm high})\big)$$
+
+    - `clip_eps_high` different from `clip_eps` gives the asymmetric "clip-higher" of
+      DAPO (Yu et al. 2025); `None` means symmetric.
+    - `dual_clip=c` ($c > 1$) additionally bounds the loss of negative-advantage tokens
+      by $-cA_t$ (dual-clip PPO, Ye et al. 2020): $\ell_t = \min(\ell_t, -cA_t)$ where
+      $A_t < 0$ (veRL `clip_ratio_c`).
+
+    The log-ratio is clamped to $[-20, 20]$ before exponentiating, as veRL does. Same
+    numbers as TRL `PPOTrainer` (`pg_loss_max`) and veRL `core_algos.compute_policy_loss`
+    (before aggregation). Where the ratio has left the clip region in the direction the
+    advantage pushes it, the gradient with respect to `logp` is exactly zero.
+
+    **Arguments:**
+
+    - `logp`: `[T]` current policy log-probabilities.
+    - `old_logp`: `[T]` log-probabilities of the policy that sampled the tokens.
+    - `advantages`: `[T]` per-token advantages (e.g. from `gae`, whitened).
+    - `mask`: `[T]` positions that count.
+
+    **Returns:** `(per_token_loss, stats)`, all `[T]` and 0 where masked; `stats` has
+    `"ratio"`, `"clipped"` (1.0 where the clipped branch is active: TRL/veRL clipfrac),
+    `"clipped_dual"` (1.0 where the dual clip is active; zeros without `dual_clip`),
+    `"approx_kl"` ($\tfrac12(\log\rho)^2$, TRL's `approxkl`) and `"approx_kl_k3"`
+    ($\rho - 1 - \log\rho$, the k3 estimator).
+    """
+    eps_low = clip_eps
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    log_ratio = jnp.clip(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_ratio = _zero_where_masked(log_ratio, mask)
+    ratio = jnp.exp(log_ratio)
+    pg1 = -advantages * ratio
+    pg2 = -advantages * jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    loss = jnp.maximum(pg1, pg2)
+    clipped = (pg2 > pg1).astype(loss.dtype)
+    if dual_clip is not None:
+        pg3 = -advantages * dual_clip
+        negative = advantages < 0
+        dual_active = negative & (loss > pg3)
+        loss = jnp.where(negative, jnp.minimum(loss, pg3), loss)
+        clipped_dual = dual_active.astype(loss.dtype)
+    else:
+        clipped_dual = jnp.zeros_like(loss)
+    stats = {
+        "ratio": ratio,
+        "clipped": clipped,
+        "clipped_dual": clipped_dual,
+        "approx_kl": 0.5 * jnp.square(log_ratio),
+        "approx_kl_k3": jnp.maximum(jnp.expm1(log_ratio) - log_ratio, 0.0),
+    }
+    stats = {k: _zero_where_masked(v, mask) for k, v in stats.items()}
+    return _zero_where_masked(loss, mask), stats
+
+
+def ppo_value_loss(
+    values: Float[Array, " T"],
+    old_values: Float[Array, " T"],
+    returns: Float[Array, " T"],
+    mask: Bool[Array, " T"],
+    *,
+    clip_range: float | int | None = 0.2,
+) -> tuple[Float[Array, " T"], Float[Array, " T"]]:
+    r"""Per-token clipped value loss.
+
+    $$\ell_t = \tfrac12\max\big((V_t - R_t)^2,\;
+      (\mathrm{clip}(V_t, V^{\rm old}_t - \epsilon, V^{\rm old}_t + \epsilon) - R_t)^2\big)$$
+
+    (OpenAI baselines PPO2; TRL `PPOTrainer` with `cliprange_value`; veRL
+    `compute_value_loss`.) `clip_range=None` gives the unclipped $\tfrac12(V_t - R_t)^2$.
+
+    **Returns:** `(per_token_loss, clipped)`, both `[T]`, 0 where masked; `clipped` is
+    1.0 where the clipped branch is larger (TRL `val/clipfrac`).
+    """
+    l1 = jnp.square(values - returns)
+    if clip_range is None:
+        loss = 0.5 * l1
+        clipped = jnp.zeros_like(l1)
+    else:
+        v_clipped = jnp.clip(values, old_values - clip_range, old_values + clip_range)
+        l2 = jnp.square(v_clipped - returns)
+        loss = 0.5 * jnp.maximum(l1, l2)
+        clipped = (l2 > l1).astype(l1.dtype)
+    return _zero_where_masked(loss, mask), _zero_where_masked(clipped, mask)
+
+
+def gae(
+    rewards: Float[Array, " T"],
+    values: Float[Array, " T"],
+    mask: Bool[Array, " T"],
+    *,
+    gamma: float | int,
+    lam: float | int,
+) -> tuple[Float[Array, " T"], Float[Array, " T"]]:
+    r"""Generalised advantage estimation (Schulman et al. 2016) over the real positions.
+
+    $$\delta_t = r_t + \gamma V_{t'} - V_t,\qquad A_t = \delta_t + \gamma\lambda A_{t'}$$
+
+    where $t'$ is the next *real* position after $t$ (masked positions are skipped, so
+    padding anywhere — right, left or in between — is harmless) and $V = A = 0$ after the
+    last real position. Returns $R_t = A_t + V_t$. Written as a reverse `jax.lax.scan`
+    (PureJaxRL `_calculate_gae`); matches TRL `PPOTrainer`'s loop on right-padded
+    sequences (whose padded values and rewards are zero). Special cases: $\lambda = 1$
+    gives the discounted return minus $V_t$; $\lambda = 0$ the TD error $\delta_t$.
+
+    **Arguments:**
+
+    - `rewards`: `[T]` per-token rewards (e.g. `kl_shaped_rewards`).
+    - `values`: `[T]` value estimates $V_t$.
+    - `mask`: `[T]` real positions; values at other positions are never read.
+    - `gamma`, `lam`: discount $\gamma$ and GAE $\lambda$.
+
+    **Returns:** `(advantages, returns)`, both `[T]`, 0 where masked.
+    """
+    zero = jnp.zeros_like(rewards)
+    r = jnp.where(mask, rewards, zero)
+    v = jnp.where(mask, values, zero)
+
+    def step(carry, x):
+        next_value, next_adv = carry
+        r_t, v_t, m_t = x
+        delta = r_t + gamma * next_value - v_t
+        adv = delta + (gamma * lam) * next_adv
+        carry = (jnp.where(m_t, v_t, next_value), jnp.where(m_t, adv, next_adv))
+        return carry, jnp.where(m_t, adv, jnp.zeros_like(adv))
+
+    init = (jnp.zeros((), rewards.dtype), jnp.zeros((), rewards.dtype))
+    _, advantages = jax.lax.scan(step, init, (r, v, mask), reverse=True)
+    returns = jnp.where(mask, advantages + v, zero)
+    return advantages, returns
+
+
+def whiten_advantages(
+    advantages: Float[Array, "*shape"],
+    mask: Bool[Array, "*shape"],
+    *,
+    shift_mean: bool = True,
+) -> Float[Array, "*shape"]:
+    r"""Whiten advantages over every real position given (call it on the whole batch).
+
+    $(A - \mu) / \sqrt{\sigma^2 + 10^{-8}}$ with the masked mean and unbiased variance
+    (TRL `masked_whiten`, veRL `masked_whiten`); 0 where masked. `shift_mean=False`
+    adds the mean back after scaling.
+    """
+    return masked_whiten(advantages, mask, shift_mean=shift_mean)

@@ -1,0 +1,171 @@
+r"""Gradient accumulation over micro-batches, and the pieces every step builder shares.
+
+A step's loss is written as a sum of per-micro-batch *contributions*: numerators
+(sums over rows of per-token or per-pair values) divided by denominators computed once
+from the masks of the **full** batch (`rlhf_eqx.losses.aggregate_parts`). Summing the
+contributions — and their gradients — over the micro-batches therefore gives exactly
+the full-batch loss and gradient, whatever the aggregation mode (Levanter's
+`grad_accum`; DESIGN principle 3).
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import Array, Float, PRNGKeyArray, PyTree
+
+from ._optim import learning_rate_from_state
+
+__all__ = [
+    "Sums",
+    "split_micro_batches",
+    "accumulate_gradients",
+    "apply_optimizer",
+    "sums_to_means",
+]
+
+# name -> (sum, count): a masked mean that can be added up over micro-batches.
+Sums = dict[str, tuple[Array, Array]]
+
+
+def split_micro_batches(batch: PyTree, micro_batches: int) -> PyTree:
+    """Reshape every array leaf `[B, ...]` to `[micro_batches, B // micro_batches, ...]`.
+
+    Rows `i * b : (i + 1) * b` form micro-batch `i`. Raises if `B` is not divisible.
+    """
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+
+    def split(x):
+        B = x.shape[0]
+        if B % micro_batches != 0:
+            raise ValueError(
+                f"batch size {B} is not divisible by micro_batches={micro_batches}"
+            )
+        return x.reshape((micro_batches, B // micro_batches) + x.shape[1:])
+
+    return jax.tree.map(split, batch)
+
+
+def _add(a, b):
+    return jax.tree.map(jnp.add, a, b)
+
+
+def accumulate_gradients(
+    fn: Callable[..., tuple[Array, tuple[Sums, dict[str, Array]]]],
+    params: PyTree,
+    batch: PyTree,
+    *,
+    micro_batches: int = 1,
+    key: PRNGKeyArray | None = None,
+) -> tuple[Float[Array, ""], PyTree, Sums, dict[str, Array]]:
+    r"""Sum of `fn`'s contributions and of their gradients over micro-batches of `batch`.
+
+    `fn(params, micro_batch, key) -> (contribution, (sums, rows))`:
+
+    - `contribution`: scalar, this micro-batch's share of the loss (its numerators over
+      the full batch's denominators), differentiated with respect to the floating-point
+      arrays of `params`;
+    - `sums`: `{name: (sum, count)}` of masked sums for metrics, added up;
+    - `rows`: `{name: [b]}` per-row values, concatenated back to `[B]` in batch order.
+
+    With `micro_batches = k > 1` the batch is split along axis 0 (`split_micro_batches`)
+    and `fn` runs under a `jax.lax.scan`, so only one micro-batch's activations are
+    alive at a time; `key` (if any) is split into one key per micro-batch.
+
+    **Returns:** `(loss, grads, sums, rows)`, `loss = Σ contributions` and `grads` its
+    gradient (same structure as `eqx.filter(params, eqx.is_inexact_array)`).
+    """
+    grad_fn = eqx.filter_value_and_grad(fn, has_aux=True)
+    if micro_batches == 1:
+        (loss, (sums, rows)), grads = grad_fn(params, batch, key)
+        return loss, grads, sums, rows
+
+    micro = split_micro_batches(batch, micro_batches)
+    keys = None if key is None else jax.random.split(key, micro_batches)
+    first = jax.tree.map(lambda x: x[0], micro)
+    k0 = None if keys is None else keys[0]
+    # Shapes of the carry, without running anything.
+    (loss_s, (sums_s, _)), grads_s = eqx.filter_eval_shape(grad_fn, params, first, k0)
+    zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t)
+    init = (zeros(loss_s), zeros(grads_s), zeros(sums_s))
+
+    def body(carry, xs):
+        mb, k = xs
+        (loss, (sums, rows)), grads = grad_fn(params, mb, k)
+        loss_acc, grads_acc, sums_acc = carry
+        return (loss_acc + loss, _add(grads_acc, grads), _add(sums_acc, sums)), rows
+
+    (loss, grads, sums), rows = jax.lax.scan(body, init, (micro, keys))
+    rows = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), rows)
+    return loss, grads, sums, rows
+
+
+def sums_to_means(sums: Sums) -> dict[str, Float[Array, ""]]:
+    """`{name: sum / max(count, 1)}`: masked means (0 where nothing was counted).
+
+    An entry whose counts are all 0 reports its sum: use it for quantities that are
+    already contributions to a full-batch mean (e.g. one term of the loss).
+    """
+    return {k: (s / jnp.maximum(c, 1.0)).astype(jnp.float32) for k, (s, c) in sums.items()}
+
+
+def apply_optimizer(
+    optimizer: optax.GradientTransformation,
+    params: PyTree,
+    opt_state: Any,
+    grads: PyTree,
+) -> tuple[PyTree, Any, dict[str, Float[Array, ""]]]:
+    """One optimiser update: `(params, opt_state, {"grad_norm", "learning_rate"?})`.
+
+    `grad_norm` is the global norm of the gradient before clipping (TRL's `grad_norm`);
+    `learning_rate` is logged when the optimiser injects it (see `make_optimizer`).
+    """
+    trainable = eqx.filter(params, eqx.is_inexact_array)
+    # Optax mixes Python floats with int32 step counts (e.g. Adam's bias correction),
+    # which strict dtype promotion rejects; its arithmetic is well defined under the
+    # standard rules, so use them for the optimiser only.
+    with jax.numpy_dtype_promotion("standard"):
+        updates, opt_state = optimizer.update(grads, opt_state, trainable)
+    params = eqx.apply_updates(params, updates)
+    metrics = {"grad_norm": optax.tree.norm(grads).astype(jnp.float32)}
+    lr = learning_rate_from_state(opt_state)
+    if lr is not None:
+        metrics["learning_rate"] = lr
+    return params, opt_state, metrics
+
+
+def call_model(model: Callable[..., Any], tokens: Array, mask: Array, key: PRNGKeyArray | None) -> Any:
+    """`model(tokens, mask)`, with `key=` only when a key is given (custom models need not take one)."""
+    if key is None:
+        return model(tokens, mask)
+    return model(tokens, mask, key=key)
+
+
+def row_keys(key: PRNGKeyArray | None, n: int) -> PRNGKeyArray | None:
+    """One key per row (or `None`)."""
+    return None if key is None else jax.random.split(key, n)
+
+
+def vmap_model(model: Callable[..., Any], tokens: Array, mask: Array, key: PRNGKeyArray | None) -> Any:
+    """`model` over the rows of `tokens` / `mask` (`[B, T]`), with per-row keys if `key` is given."""
+    keys = row_keys(key, tokens.shape[0])
+    if keys is None:
+        return jax.vmap(lambda t, m: model(t, m))(tokens, mask)
+    return jax.vmap(lambda t, m, k: model(t, m, key=k))(tokens, mask, keys)
+
+
+def make_jitted(
+    update: Callable[..., Any], *, donate: bool
+) -> Callable[..., Any]:
+    """Wrap `update(rest, params, opt_state)` in one `eqx.filter_jit` region.
+
+    With `donate`, the buffers of `params` and `opt_state` are donated (updated in place:
+    do not reuse the arrays passed in); `rest` (batch, frozen weights, reference models,
+    keys) never is.
+    """
+    return eqx.filter_jit(update, donate="all-except-first" if donate else "none")
+

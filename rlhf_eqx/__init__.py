@@ -16,6 +16,17 @@ if _typecheck_requested():
 from . import data as data, losses as losses, models as models, ops as ops, train as train
 from .models import (
     KVCache as KVCache,
+    LoRAConfig as LoRAConfig,
+    apply_lora as apply_lora,
+    count_params as count_params,
+    dequantize as dequantize,
+    load_hf as load_hf,
+    load_llama2c as load_llama2c,
+    lora_filter as lora_filter,
+    merge_lora as merge_lora,
+    quantize_int8 as quantize_int8,
+    save_hf as save_hf,
+    without_lora as without_lora,
     Policy as Policy,
     RewardModel as RewardModel,
     Transformer as Transformer,

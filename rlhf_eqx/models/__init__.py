@@ -14,3 +14,19 @@ from ._transformer import (
     KVCache as KVCache,
     Transformer as Transformer,
 )
+from ._hf import (
+    config_from_hf as config_from_hf,
+    config_to_hf as config_to_hf,
+    load_hf as load_hf,
+    save_hf as save_hf,
+)
+from ._llama2c import load_llama2c as load_llama2c, read_llama2c as read_llama2c
+from ._lora import (
+    LoRAConfig as LoRAConfig,
+    apply_lora as apply_lora,
+    count_params as count_params,
+    lora_filter as lora_filter,
+    merge_lora as merge_lora,
+    without_lora as without_lora,
+)
+from ._quant import dequantize as dequantize, quantize_int8 as quantize_int8

@@ -1,0 +1,259 @@
+"""LoRA: low-rank adapters on the decoder's projections (Hu et al. 2021, arXiv:2106.09685).
+
+A targeted projection `W` (stored `[in, out]`) computes `x @ W + dropout(x) @ A @ B ·
+(alpha / rank)`, with `A [in, r]` and `B [r, out]`. `B` starts at zero, so attaching
+adapters does not change the model; only `A` and `B` are trained. As in Hugging Face
+PEFT (`LoraLayer.reset_lora_parameters`), `A` is kaiming-uniform with `a = √5`, i.e.
+uniform on `±1/√in`.
+
+Adapters live in `transformer.layers.lora` (a dict keyed by projection name, arrays
+stacked over layers: `a [L, in, r]`, `b [L, r, out]`), so they are scanned with the
+rest of the layer. Freezing is a filter spec, not a flag:
+
+```python
+model = apply_lora(policy, LoRAConfig(rank=8), key=key)
+trainable, frozen = eqx.partition(model, lora_filter(model))
+opt_state = optimiser.init(eqx.filter(trainable, eqx.is_array))   # adapters only
+reference = without_lora(model)   # the base model, sharing the same base arrays
+```
+
+Inside the differentiated function recombine with `eqx.combine(trainable, frozen)`.
+Dropout on the adapter input is active only when the model is called with a `key`.
+The frozen base may be int8 (`quantize_int8`, QLoRA-style: Dettmers et al. 2023).
+"""
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import PRNGKeyArray, PyTree
+
+from ._config import TransformerConfig
+from ._layers import Int8Weight, LoRAAdapter
+from ._transformer import LORA_TARGETS, DecoderLayer, Transformer
+
+__all__ = [
+    "LoRAConfig",
+    "apply_lora",
+    "lora_filter",
+    "without_lora",
+    "merge_lora",
+    "count_params",
+    "lora_shapes",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """Hyperparameters of LoRA adapters.
+
+    **Arguments:**
+
+    - `rank`: inner dimension `r` of each adapter.
+    - `alpha`: the update is scaled by `alpha / rank`.
+    - `dropout`: dropout probability on the adapter's input (training calls with a
+      `key` only).
+    - `targets`: projections to adapt, a subset of `("q", "k", "v", "o", "gate",
+      "up", "down")` (any sequence of names; stored as a tuple).
+    """
+
+    rank: int = 16
+    alpha: float | int = 32.0
+    dropout: float = 0.05
+    targets: Sequence[str] = ("q", "v")
+
+    def __post_init__(self):
+        if isinstance(self.targets, str):
+            object.__setattr__(self, "targets", (self.targets,))
+        object.__setattr__(self, "targets", tuple(self.targets))
+        if not isinstance(self.rank, int) or self.rank <= 0:
+            raise ValueError(f"LoRAConfig.rank must be a positive int, got {self.rank!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRAConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        if not self.targets:
+            raise ValueError(f"LoRAConfig.targets is empty; choose from {list(LORA_TARGETS)}")
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if unknown:
+            raise ValueError(
+                f"LoRAConfig.targets has unknown projection(s) {unknown}; "
+                f"allowed: {list(LORA_TARGETS)}"
+            )
+        if len(set(self.targets)) != len(self.targets):
+            raise ValueError(f"LoRAConfig.targets has duplicates: {list(self.targets)}")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+def _where_layers(model: Any):
+    """Accessor of the stacked `DecoderLayer` of a Transformer or of a model holding one."""
+    if isinstance(model, Transformer):
+        return lambda m: m.layers
+    if isinstance(getattr(model, "transformer", None), Transformer):
+        return lambda m: m.transformer.layers
+    raise TypeError(
+        "expected a Transformer or a model with a `transformer` field (Policy, ValueModel, "
+        f"RewardModel); got {type(model).__name__}"
+    )
+
+
+def _cfg(model: Any) -> TransformerConfig:
+    return model.cfg if isinstance(model, Transformer) else model.transformer.cfg
+
+
+def lora_shapes(cfg: TransformerConfig) -> dict[str, tuple[int, int]]:
+    """`(in, out)` of each adaptable projection."""
+    D, Q, KV, F = cfg.d_model, cfg.q_size, cfg.kv_size, cfg.d_ff
+    return {
+        "q": (D, Q),
+        "k": (D, KV),
+        "v": (D, KV),
+        "o": (Q, D),
+        "gate": (D, F),
+        "up": (D, F),
+        "down": (F, D),
+    }
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _init_adapters(key, n_layers: int, shapes: tuple[tuple[int, int], ...], rank: int):
+    """Per target: `a [L, in, r]` uniform on `±1/√in` (PEFT's kaiming-uniform with
+    `a = √5`) and `b [L, r, out]` zero. One compiled call for all targets."""
+    out = []
+    for k, (fan_in, fan_out) in zip(jax.random.split(key, len(shapes)), shapes):
+        bound = 1.0 / math.sqrt(fan_in)
+        a = jax.random.uniform(k, (n_layers, fan_in, rank), jnp.float32, -bound, bound)
+        out.append((a, jnp.zeros((n_layers, rank, fan_out), jnp.float32)))
+    return tuple(out)
+
+
+def apply_lora(model: PyTree, config: LoRAConfig, *, key: PRNGKeyArray) -> PyTree:
+    """Attach fresh LoRA adapters to every layer of `model`'s decoder.
+
+    **Arguments:**
+
+    - `model`: a `Policy`, `ValueModel`, `RewardModel` or bare `Transformer` without
+      adapters (dense or int8 base).
+    - `config`: a `LoRAConfig`.
+    - `key`: initialises the `A` matrices.
+
+    **Returns:** the same model with `layers.lora = {target: LoRAAdapter}`, `a [L, in,
+    r]` uniform on `±1/√in` and `b [L, r, out]` zero (float32), so its outputs are
+    unchanged. The base arrays are shared with the input model, not copied.
+    """
+    where = _where_layers(model)
+    if where(model).lora is not None:
+        raise ValueError("the model already has LoRA adapters; merge_lora or without_lora it first")
+    cfg = _cfg(model)
+    shapes = lora_shapes(cfg)
+    arrays = _init_adapters(
+        key, cfg.n_layers, tuple(shapes[t] for t in config.targets), config.rank
+    )
+    make = lambda a, b: LoRAAdapter(a=a, b=b, scale=config.scale, dropout=config.dropout)
+    adapters = {name: jax.vmap(make)(a, b) for name, (a, b) in zip(config.targets, arrays)}
+    return eqx.tree_at(lambda m: where(m).lora, model, adapters, is_leaf=lambda x: x is None)
+
+
+def lora_filter(model: PyTree) -> PyTree:
+    """Filter spec for `eqx.partition`: `True` exactly on the adapter arrays.
+
+    Raises `ValueError` when the model has no adapters.
+    """
+    where = _where_layers(model)
+    lora = where(model).lora
+    if lora is None:
+        raise ValueError("the model has no LoRA adapters; call apply_lora first")
+    spec = jax.tree_util.tree_map(lambda _: False, model)
+    return eqx.tree_at(lambda m: where(m).lora, spec, jax.tree_util.tree_map(eqx.is_array, lora))
+
+
+def without_lora(model: PyTree) -> PyTree:
+    """The model with its adapters removed (`lora = None`): the frozen base.
+
+    No array is copied: the result's base weights are the very same array objects as
+    `model`'s, so using it as the reference model of DPO / PPO costs no memory.
+    """
+    where = _where_layers(model)
+    if where(model).lora is None:
+        return model
+    return eqx.tree_at(lambda m: where(m).lora, model, None)
+
+
+_COLUMNS = {
+    "q": "wqkv",
+    "k": "wqkv",
+    "v": "wqkv",
+    "o": "wo",
+    "gate": "w_gate_up",
+    "up": "w_gate_up",
+    "down": "w_down",
+}
+
+
+def _column_range(name: str, cfg: TransformerConfig) -> tuple[int, int]:
+    Q, KV, F = cfg.q_size, cfg.kv_size, cfg.d_ff
+    return {
+        "q": (0, Q),
+        "k": (Q, Q + KV),
+        "v": (Q + KV, Q + 2 * KV),
+        "gate": (0, F),
+        "up": (F, 2 * F),
+    }.get(name, (0, -1))
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5))
+def _add_low_rank(w, a, b, scale: float, lo: int, hi: int):
+    """`w[..., lo:hi] += a @ b · scale` per layer, in float32, cast back to `w.dtype`."""
+    delta = jnp.einsum("lir,lro->lio", a.astype(jnp.float32), b.astype(jnp.float32)) * scale
+    updated = w[..., lo:hi].astype(jnp.float32) + delta
+    return w.at[..., lo:hi].set(updated.astype(w.dtype))
+
+
+def merge_lora(model: PyTree) -> PyTree:
+    """Fold the adapters into the base weights: `W[:, cols] += A @ B · (alpha / rank)`.
+
+    q/k/v update their column ranges of the fused `wqkv`, gate/up those of
+    `w_gate_up`. The sum is computed in float32 and cast back to the base dtype.
+    Returns the model with `lora = None`; a model without adapters is returned as is.
+    Raises `TypeError` for an int8 base (`dequantize` it first; re-quantising would
+    lose the update's precision).
+    """
+    where = _where_layers(model)
+    layers: DecoderLayer = where(model)
+    if layers.lora is None:
+        return model
+    cfg = _cfg(model)
+    new = {f: getattr(layers, f) for f in set(_COLUMNS.values())}
+    for name, adapter in layers.lora.items():
+        field = _COLUMNS[name]
+        w = new[field]
+        if isinstance(w, Int8Weight):
+            raise TypeError(
+                f"merge_lora: the base `{field}` is an Int8Weight; merging into an int8 base is "
+                "not supported — call dequantize(model) first"
+            )
+        lo, hi = _column_range(name, cfg)
+        hi = w.shape[-1] if hi < 0 else hi
+        new[field] = _add_low_rank(w, adapter.a, adapter.b, adapter.scale, lo, hi)
+    fields = sorted(new)
+    model = eqx.tree_at(
+        lambda m: [getattr(where(m), f) for f in fields], model, [new[f] for f in fields]
+    )
+    return without_lora(model)
+
+
+def count_params(model: PyTree, filter_spec: PyTree | None = None) -> int:
+    """Number of array elements in `model`, or in its part selected by `filter_spec`.
+
+    `count_params(model, lora_filter(model))` counts the trainable adapter parameters.
+    Int8 weights count their int8 entries and their scales.
+    """
+    if filter_spec is not None:
+        model = eqx.filter(model, filter_spec)
+    return int(sum(x.size for x in jax.tree_util.tree_leaves(model) if eqx.is_array(x)))

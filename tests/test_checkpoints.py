@@ -1,0 +1,609 @@
+"""Checkpoint import/export: llama2.c `.bin` files and Hugging Face safetensors.
+
+The layouts are pinned by numpy reference forward passes written here in each source's
+own conventions (llama2.c `run.c` with interleaved rotary pairs; Hugging Face Llama /
+Qwen2 with rotate-half and `[out, in]` weights), independent of the loaders.
+"""
+
+import json
+import os
+import struct
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rlhf_eqx as rx
+from rlhf_eqx.models import config_from_hf, load_hf, load_llama2c, read_llama2c, save_hf
+from rlhf_eqx.models._llama2c import permute_rotary_rows
+
+# --------------------------------------------------------------------------------------
+# numpy references
+# --------------------------------------------------------------------------------------
+
+
+def _softmax(x):
+    x = x - np.max(x, axis=-1, keepdims=True)
+    e = np.exp(x)
+    return e / np.sum(e, axis=-1, keepdims=True)
+
+
+def _rmsnorm(x, g, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * g
+
+
+def _causal_attention(q, k, v):
+    """q [H, T, hd], k/v [H, T, hd] -> [T, H*hd]."""
+    H, T, hd = q.shape
+    s = q @ np.swapaxes(k, -1, -2) / np.sqrt(hd)
+    s = np.where(np.tril(np.ones((T, T), bool))[None], s, -np.inf)
+    return np.swapaxes(_softmax(s) @ v, 0, 1).reshape(T, H * hd)
+
+
+def llama2c_reference(w, sizes, shared, tokens):
+    """llama2.c `run.c` forward (float64), interleaved rotary pairs (2i, 2i+1) per head."""
+    D, L, H, K = sizes["dim"], sizes["n_layers"], sizes["n_heads"], sizes["n_kv_heads"]
+    hd = D // H
+    T = len(tokens)
+    pos = np.arange(T, dtype=np.float64)
+    x = w["token_embedding"][np.asarray(tokens)].astype(np.float64)
+
+    def rope(z):
+        z = z.copy()
+        for i in range(0, z.shape[1], 2):
+            freq = 1.0 / 10000.0 ** ((i % hd) / hd)
+            c, s = np.cos(pos * freq), np.sin(pos * freq)
+            z0, z1 = z[:, i].copy(), z[:, i + 1].copy()
+            z[:, i] = z0 * c - z1 * s
+            z[:, i + 1] = z0 * s + z1 * c
+        return z
+
+    for i in range(L):
+        xb = _rmsnorm(x, w["rms_att"][i], 1e-5)
+        q = rope(xb @ w["wq"][i].T).reshape(T, H, hd).transpose(1, 0, 2)
+        k = rope(xb @ w["wk"][i].T).reshape(T, K, hd).transpose(1, 0, 2)
+        v = (xb @ w["wv"][i].T).reshape(T, K, hd).transpose(1, 0, 2)
+        k, v = np.repeat(k, H // K, axis=0), np.repeat(v, H // K, axis=0)
+        x = x + _causal_attention(q, k, v) @ w["wo"][i].T
+        xb = _rmsnorm(x, w["rms_ffn"][i], 1e-5)
+        h1, h3 = xb @ w["w1"][i].T, xb @ w["w3"][i].T
+        x = x + (h1 / (1.0 + np.exp(-h1)) * h3) @ w["w2"][i].T
+    x = _rmsnorm(x, w["rms_final"], 1e-5)
+    return x @ (w["token_embedding"] if shared else w["wcls"]).T
+
+
+def hf_reference(t, c, tokens):
+    """Hugging Face Llama/Qwen2 forward (float64): `[out, in]` weights, rotate-half rotary."""
+    D, H = c["hidden_size"], c["num_attention_heads"]
+    K = c.get("num_key_value_heads", H)
+    hd = c.get("head_dim") or D // H
+    eps, theta = c["rms_norm_eps"], c["rope_theta"]
+    T = len(tokens)
+    inv_freq = 1.0 / theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
+    freqs = np.arange(T, dtype=np.float64)[:, None] * inv_freq[None, :]
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    cos, sin = np.cos(emb)[None], np.sin(emb)[None]
+
+    def rotate_half(z):
+        return np.concatenate([-z[..., hd // 2 :], z[..., : hd // 2]], axis=-1)
+
+    def proj(x, name, n):
+        y = x @ t[name + ".weight"].T
+        if name + ".bias" in t:
+            y = y + t[name + ".bias"]
+        return y.reshape(T, n, hd).transpose(1, 0, 2)
+
+    x = t["model.embed_tokens.weight"][np.asarray(tokens)].astype(np.float64)
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        h = _rmsnorm(x, t[p + "input_layernorm.weight"], eps)
+        q = proj(h, p + "self_attn.q_proj", H)
+        k = proj(h, p + "self_attn.k_proj", K)
+        v = proj(h, p + "self_attn.v_proj", K)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        k, v = np.repeat(k, H // K, axis=0), np.repeat(v, H // K, axis=0)
+        x = x + _causal_attention(q, k, v) @ t[p + "self_attn.o_proj.weight"].T
+        h = _rmsnorm(x, t[p + "post_attention_layernorm.weight"], eps)
+        g, u = h @ t[p + "mlp.gate_proj.weight"].T, h @ t[p + "mlp.up_proj.weight"].T
+        x = x + (g / (1.0 + np.exp(-g)) * u) @ t[p + "mlp.down_proj.weight"].T
+    x = _rmsnorm(x, t["model.norm.weight"], eps)
+    head = t["model.embed_tokens.weight"] if c.get("tie_word_embeddings") else t["lm_head.weight"]
+    return x @ head.T
+
+
+@eqx.filter_jit
+def _forward(policy, tokens):
+    return policy(tokens, jnp.ones(tokens.shape, jnp.bool_))
+
+
+def _logits(policy, tokens):
+    return np.asarray(_forward(policy, jnp.asarray(tokens, jnp.int32)))
+
+
+# --------------------------------------------------------------------------------------
+# llama2.c
+# --------------------------------------------------------------------------------------
+
+_NAMES = ("dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "seq_len")
+
+
+def _parse_legacy(path):
+    """Independent reader of a legacy llama2.c file (run.c's `memory_map_weights`)."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    header = struct.unpack_from("<7i", raw, 0)
+    sizes = dict(zip(_NAMES, header))
+    shared = sizes["vocab_size"] > 0
+    sizes["vocab_size"] = abs(sizes["vocab_size"])
+    D, F, L, H, K, V, S = (sizes[n] for n in _NAMES)
+    hd = D // H
+    data = np.frombuffer(raw, dtype="<f4", offset=28)
+    w, pos = {}, 0
+    for name, shape in [
+        ("token_embedding", (V, D)),
+        ("rms_att", (L, D)),
+        ("wq", (L, H * hd, D)),
+        ("wk", (L, K * hd, D)),
+        ("wv", (L, K * hd, D)),
+        ("wo", (L, D, H * hd)),
+        ("rms_ffn", (L, D)),
+        ("w1", (L, F, D)),
+        ("w2", (L, D, F)),
+        ("w3", (L, F, D)),
+        ("rms_final", (D,)),
+        ("freq", (2, S, hd // 2)),
+    ] + ([] if shared else [("wcls", (V, D))]):
+        n = int(np.prod(shape))
+        w[name] = data[pos : pos + n].reshape(shape).astype(np.float64)
+        pos += n
+    assert pos == data.size
+    return sizes, shared, w
+
+
+def _random_llama2c(rng, sizes):
+    D, F, L, H, K, V = (sizes[n] for n in _NAMES[:6])
+    hd = D // H
+    n = lambda *s: (0.3 * rng.standard_normal(s)).astype(np.float32)
+    return {
+        "token_embedding": n(V, D),
+        "rms_att": 1 + n(L, D),
+        "wq": n(L, H * hd, D),
+        "wk": n(L, K * hd, D),
+        "wv": n(L, K * hd, D),
+        "wo": n(L, D, H * hd),
+        "rms_ffn": 1 + n(L, D),
+        "w1": n(L, F, D),
+        "w2": n(L, D, F),
+        "w3": n(L, F, D),
+        "rms_final": 1 + n(D),
+        "wcls": n(V, D),
+    }
+
+
+def _write_llama2c(path, sizes, w, *, shared, version):
+    D, F, L, H, K, V, S = (sizes[n] for n in _NAMES)
+    with open(path, "wb") as f:
+        if version == 0:
+            f.write(struct.pack("<7i", D, F, L, H, K, V if shared else -V, S))
+            order = [
+                "token_embedding",
+                "rms_att",
+                "wq",
+                "wk",
+                "wv",
+                "wo",
+                "rms_ffn",
+                "w1",
+                "w2",
+                "w3",
+                "rms_final",
+            ]
+            tail = [np.full((2, S, D // H // 2), 7.0, np.float32)]  # rotary tables, ignored
+        else:
+            f.write(struct.pack("<Ii", 0x616B3432, 1))
+            f.write(struct.pack("<7i", D, F, L, H, K, V, S))
+            f.write(struct.pack("B", int(shared)))
+            f.write(b"\0" * (256 - f.tell()))
+            order = [
+                "rms_att",
+                "rms_ffn",
+                "rms_final",
+                "token_embedding",
+                "wq",
+                "wk",
+                "wv",
+                "wo",
+                "w1",
+                "w2",
+                "w3",
+            ]
+            tail = []
+        for name in order:
+            f.write(np.ascontiguousarray(w[name], "<f4").tobytes())
+        for arr in tail:
+            f.write(arr.astype("<f4").tobytes())
+        if not shared:
+            f.write(np.ascontiguousarray(w["wcls"], "<f4").tobytes())
+
+
+STORIES = ("models", "stories260K", "stories260K.bin")
+TOKENS = [1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421]
+
+
+def test_permute_rotary_rows_closed_form():
+    # one head of size 8: rows (0..7) -> [0, 2, 4, 6, 1, 3, 5, 7]; two heads independently.
+    w = np.arange(16, dtype=np.float32)[:, None] * np.ones((1, 3), np.float32)
+    out = permute_rotary_rows(w, 2)
+    np.testing.assert_array_equal(out[:, 0], [0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15])
+    stacked = permute_rotary_rows(np.stack([w, 2 * w]), 2)
+    np.testing.assert_array_equal(stacked[1], 2 * out)
+
+
+def test_stories260k_matches_run_c_reference(shared_dir):
+    path = os.path.join(shared_dir, *STORIES)
+    policy, tok = load_llama2c(path)
+    assert tok is None
+    cfg = policy.cfg
+    assert (cfg.d_model, cfg.d_ff, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads) == (64, 172, 5, 8, 4)
+    assert (cfg.vocab_size, cfg.max_seq_len, cfg.tie_embeddings) == (512, 512, True)
+    assert policy.lm_head is None
+    sizes, shared, w = _parse_legacy(path)
+    ref = llama2c_reference(w, sizes, shared, TOKENS)
+    got = _logits(policy, TOKENS)
+    assert got.shape == (len(TOKENS), 512)
+    np.testing.assert_allclose(got, ref, atol=2e-4, rtol=1e-4)
+    # Without the rotary permutation the logits differ after position 0.
+    wrong = eqx.tree_at(
+        lambda p: p.transformer.layers.wqkv,
+        policy,
+        jnp.concatenate(
+            [
+                jnp.asarray(np.swapaxes(w["wq"], -1, -2), jnp.float32),
+                policy.transformer.layers.wqkv[..., cfg.q_size :],
+            ],
+            axis=-1,
+        ),
+    )
+    assert np.max(np.abs(_logits(wrong, TOKENS)[1:] - ref[1:])) > 1e-2
+
+
+def test_stories260k_greedy_story(shared_dir):
+    base = os.path.join(shared_dir, "models", "stories260K")
+    policy, tok = load_llama2c(
+        os.path.join(base, "stories260K.bin"), os.path.join(base, "tok512.bin")
+    )
+    assert tok is not None and tok.vocab_size == 512 and tok.bos_id == 1
+    prompt = jnp.asarray([tok.bos_id], jnp.int32)
+    out = rx.generate(
+        policy,
+        prompt,
+        jnp.ones((1,), jnp.bool_),
+        jax.random.key(0),
+        max_new_tokens=48,
+        temperature=0.0,
+    )
+    text = tok.decode([int(t) for t in out.tokens])
+    assert text.startswith("Once upon a time, there was a little girl named Lily."), text
+    # The continuation is a sentence of plain words, as run.c prints for this model.
+    rest = text[len("Once upon a time, there was a little girl named Lily.") :]
+    assert rest.startswith(" She "), text
+    words = rest.split()
+    assert len(words) >= 10 and all(word.strip(".,!?'\"").isalpha() for word in words[:-1]), text
+
+
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("version", [0, 1])
+def test_llama2c_formats_match_reference(tmp_path, shared, version):
+    sizes = dict(
+        dim=16, hidden_dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=40, seq_len=32
+    )
+    w = _random_llama2c(np.random.default_rng(version + 2 * shared), sizes)
+    path = tmp_path / "model.bin"
+    _write_llama2c(path, sizes, w, shared=shared, version=version)
+    read_sizes, read_shared, arrays = read_llama2c(path)
+    assert read_sizes == sizes and read_shared == shared
+    policy, _ = load_llama2c(path)
+    assert (policy.lm_head is None) == shared
+    tokens = [1, 5, 39, 0, 7, 7, 21, 3]
+    ref = llama2c_reference({k: v.astype(np.float64) for k, v in w.items()}, sizes, shared, tokens)
+    np.testing.assert_allclose(_logits(policy, tokens), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_llama2c_bfloat16(tmp_path):
+    sizes = dict(
+        dim=16, hidden_dim=24, n_layers=1, n_heads=2, n_kv_heads=2, vocab_size=40, seq_len=32
+    )
+    w = _random_llama2c(np.random.default_rng(0), sizes)
+    _write_llama2c(tmp_path / "m.bin", sizes, w, shared=True, version=0)
+    policy, _ = load_llama2c(tmp_path / "m.bin", dtype="bfloat16")
+    assert policy.transformer.embed.dtype == jnp.bfloat16
+    ref = llama2c_reference({k: v.astype(np.float64) for k, v in w.items()}, sizes, True, [1, 2, 3])
+    np.testing.assert_allclose(_logits(policy, [1, 2, 3]), ref, atol=0.15, rtol=0.05)
+
+
+def test_llama2c_size_mismatch_names_file(shared_dir, tmp_path):
+    src = os.path.join(shared_dir, *STORIES)
+    bad = tmp_path / "truncated.bin"
+    with open(src, "rb") as f:
+        bad.write_bytes(f.read()[:-4])
+    with pytest.raises(ValueError, match="truncated.bin.*size mismatch"):
+        load_llama2c(bad)
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(struct.pack("<7i", -5, 3, 2, 1, 1, 9, 4) + b"\0" * 64)
+    with pytest.raises(ValueError, match="junk.bin.*not a llama2.c checkpoint"):
+        load_llama2c(junk)
+    small = tmp_path / "small.bin"
+    sizes = dict(dim=8, hidden_dim=8, n_layers=1, n_heads=2, n_kv_heads=2, vocab_size=40, seq_len=8)
+    _write_llama2c(
+        small, sizes, _random_llama2c(np.random.default_rng(0), sizes), shared=True, version=1
+    )
+    tok512 = os.path.join(shared_dir, "models", "stories260K", "tok512.bin")
+    with pytest.raises(ValueError, match="tok512.bin.*512 pieces.*small.bin.*40"):
+        load_llama2c(small, tok512)
+    v2 = tmp_path / "q80.bin"
+    v2.write_bytes(struct.pack("<Ii", 0x616B3432, 2) + b"\0" * 300)
+    with pytest.raises(ValueError, match="q80.bin.*version 2"):
+        load_llama2c(v2)
+
+
+# --------------------------------------------------------------------------------------
+# Hugging Face
+# --------------------------------------------------------------------------------------
+
+
+def _randomise(model, key, scale=0.1):
+    leaves, treedef = jax.tree_util.tree_flatten(model)
+    keys = jax.random.split(key, len(leaves))
+    leaves = [
+        x + (scale * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype)
+        for x, k in zip(leaves, keys)
+    ]
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _small_cfg(**kw):
+    base = dict(
+        vocab_size=48, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24, max_seq_len=64
+    )
+    base.update(kw)
+    return rx.TransformerConfig(**base)
+
+
+@pytest.mark.parametrize(
+    "kw, shard",
+    [
+        (dict(), None),
+        (dict(tie_embeddings=True), None),
+        (dict(attn_bias=True, head_dim=6, rope_theta=5e5, norm_eps=1e-6), None),
+        (dict(), 4096),
+        (dict(tie_embeddings=True, attn_bias=True), 2000),
+    ],
+)
+def test_hf_round_trip(tmp_path, getkey, kw, shard):
+    policy = _randomise(rx.Policy(_small_cfg(**kw), key=getkey()), getkey())
+    kwargs = {} if shard is None else {"max_shard_bytes": shard}
+    save_hf(policy, tmp_path, **kwargs)
+    files = sorted(os.listdir(tmp_path))
+    if shard is None:
+        assert files == ["config.json", "model.safetensors"]
+    else:
+        shards = [f for f in files if f.startswith("model-")]
+        assert len(shards) >= 2 and "model.safetensors.index.json" in files
+        for f in shards:
+            assert os.path.getsize(tmp_path / f) <= shard + 4096  # + safetensors header
+    loaded = load_hf(tmp_path)
+    assert loaded.cfg == policy.cfg
+    assert (loaded.lm_head is None) == policy.cfg.tie_embeddings
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6]
+    np.testing.assert_array_equal(_logits(loaded, tokens), _logits(policy, tokens))
+    assert jax.tree_util.tree_structure(loaded) == jax.tree_util.tree_structure(policy)
+    for a, b in zip(jax.tree_util.tree_leaves(loaded), jax.tree_util.tree_leaves(policy)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_hf_round_trip_replaces_stale_files(tmp_path, getkey):
+    small = _randomise(rx.Policy(_small_cfg(), key=getkey()), getkey())
+    save_hf(small, tmp_path, max_shard_bytes=2000)
+    other = _randomise(rx.Policy(_small_cfg(), key=getkey()), getkey())
+    save_hf(other, tmp_path)  # single file now: the old index and shards must go
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+    np.testing.assert_array_equal(_logits(load_hf(tmp_path), [1, 2]), _logits(other, [1, 2]))
+
+
+def test_hf_bfloat16_round_trip(tmp_path, getkey):
+    policy = _randomise(rx.Policy(_small_cfg(dtype="bfloat16"), key=getkey()), getkey())
+    save_hf(policy, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    loaded = load_hf(tmp_path)
+    assert loaded.transformer.embed.dtype == jnp.bfloat16
+    for a, b in zip(jax.tree_util.tree_leaves(loaded), jax.tree_util.tree_leaves(policy)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    as32 = load_hf(tmp_path, dtype="float32")
+    assert as32.cfg.dtype == "float32" and as32.transformer.layers.wqkv.dtype == jnp.float32
+    # float32 export of a bfloat16 model
+    save_hf(policy, tmp_path / "f32", dtype="float32")
+    assert load_hf(tmp_path / "f32").transformer.embed.dtype == jnp.float32
+
+
+def _hf_config(arch, **kw):
+    c = dict(
+        architectures=[arch],
+        hidden_size=24,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=50,
+        rms_norm_eps=1e-6,
+        rope_theta=1000.0,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+        hidden_act="silu",
+        rope_scaling=None,
+    )
+    c.update(kw)
+    return c
+
+
+def _hf_tensors(rng, c):
+    D, F, V = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    H, K, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    n = lambda *s: (0.3 * rng.standard_normal(s)).astype(np.float32)
+    t = {"model.embed_tokens.weight": n(V, D), "model.norm.weight": 1 + n(D)}
+    if not c["tie_word_embeddings"]:
+        t["lm_head.weight"] = n(V, D)
+    bias = c["architectures"][0] == "Qwen2ForCausalLM"
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = 1 + n(D)
+        t[p + "post_attention_layernorm.weight"] = 1 + n(D)
+        for name, out in (("q", H * hd), ("k", K * hd), ("v", K * hd)):
+            t[p + f"self_attn.{name}_proj.weight"] = n(out, D)
+            if bias:
+                t[p + f"self_attn.{name}_proj.bias"] = n(out)
+        t[p + "self_attn.o_proj.weight"] = n(D, H * hd)
+        t[p + "mlp.gate_proj.weight"] = n(F, D)
+        t[p + "mlp.up_proj.weight"] = n(F, D)
+        t[p + "mlp.down_proj.weight"] = n(D, F)
+    return t
+
+
+@pytest.mark.parametrize(
+    "arch, kw, sharded",
+    [
+        ("LlamaForCausalLM", dict(), False),
+        (
+            "LlamaForCausalLM",
+            dict(tie_word_embeddings=True, head_dim=6, num_key_value_heads=4),
+            True,
+        ),
+        ("Qwen2ForCausalLM", dict(use_sliding_window=False, sliding_window=4096), True),
+        ("MistralForCausalLM", dict(sliding_window=None), False),
+    ],
+)
+def test_hf_load_hand_built_checkpoint(tmp_path, arch, kw, sharded):
+    from safetensors.numpy import save_file
+
+    c = _hf_config(arch, **kw)
+    t = _hf_tensors(np.random.default_rng(0), c)
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    if sharded:
+        names = sorted(t)
+        half = {
+            n: ("model-00001-of-00002.safetensors" if i % 2 else "model-00002-of-00002.safetensors")
+            for i, n in enumerate(names)
+        }
+        for fname in set(half.values()):
+            save_file({n: t[n] for n in names if half[n] == fname}, tmp_path / fname)
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": half}))
+    else:
+        save_file(t, tmp_path / "model.safetensors")
+    policy = load_hf(tmp_path)
+    assert policy.cfg.attn_bias == (arch == "Qwen2ForCausalLM")
+    assert policy.cfg.head_dim == c["head_dim"] and policy.cfg.rope_theta == c["rope_theta"]
+    tokens = [0, 7, 49, 3, 3, 12, 30, 1, 2]
+    ref = hf_reference({k: v.astype(np.float64) for k, v in t.items()}, c, tokens)
+    np.testing.assert_allclose(_logits(policy, tokens), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "field, kw",
+    [
+        ("rope_scaling", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0})),
+        ("rope_scaling", dict(rope_scaling={"type": "linear", "factor": 2.0})),
+        ("sliding_window", dict(architectures=["MistralForCausalLM"], sliding_window=64)),
+        (
+            "sliding_window",
+            dict(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=64),
+        ),
+        ("attention_bias", dict(attention_bias=True)),
+        ("mlp_bias", dict(mlp_bias=True)),
+        ("hidden_act", dict(hidden_act="gelu")),
+        ("architectures", dict(architectures=["GPT2LMHeadModel"])),
+        (
+            "rope_parameters.rope_type",
+            dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}),
+        ),
+    ],
+)
+def test_hf_unsupported_config_fields(tmp_path, field, kw):
+    c = _hf_config("LlamaForCausalLM")
+    c.update(kw)
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    with pytest.raises(ValueError, match=f"`{field}`.*not supported"):
+        load_hf(tmp_path)
+
+
+def test_hf_config_defaults_and_new_style_rope():
+    c = _hf_config("MistralForCausalLM", sliding_window=4096, max_position_embeddings=4096)
+    c.pop("head_dim")
+    cfg = config_from_hf(c)  # window as long as the context: plain causal attention
+    assert cfg.head_dim == 6 and cfg.tie_embeddings is False and cfg.dtype == "float32"
+    c = _hf_config("LlamaForCausalLM", torch_dtype="bfloat16")
+    c.pop("rope_theta")
+    c["rope_parameters"] = {"rope_type": "default", "rope_theta": 123.0}
+    cfg = config_from_hf(c)
+    assert cfg.rope_theta == 123.0 and cfg.dtype == "bfloat16"
+    assert config_from_hf(c, dtype="float32").dtype == "float32"
+
+
+def test_hf_missing_and_misshaped_tensors(tmp_path):
+    from safetensors.numpy import save_file
+
+    c = _hf_config("LlamaForCausalLM")
+    t = _hf_tensors(np.random.default_rng(1), c)
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    missing = dict(t)
+    del missing["model.layers.1.mlp.up_proj.weight"]
+    save_file(missing, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
+        load_hf(tmp_path)
+    bad = dict(t)
+    bad["model.norm.weight"] = np.ones((7,), np.float32)
+    save_file(bad, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="final_norm.*shape"):
+        load_hf(tmp_path)
+    os.remove(tmp_path / "model.safetensors")
+    with pytest.raises(FileNotFoundError):
+        load_hf(tmp_path)
+
+
+def test_save_hf_refuses_lora_and_accepts_int8(tmp_path, getkey):
+    from rlhf_eqx.models import LoRAConfig, apply_lora, dequantize, quantize_int8
+
+    policy = _randomise(rx.Policy(_small_cfg(), key=getkey()), getkey())
+    with pytest.raises(ValueError, match="merge_lora"):
+        save_hf(apply_lora(policy, LoRAConfig(rank=2), key=getkey()), tmp_path)
+    q = quantize_int8(policy)
+    save_hf(q, tmp_path)
+    tokens = [4, 8, 15, 16, 23, 42]
+    np.testing.assert_allclose(
+        _logits(load_hf(tmp_path), tokens), _logits(dequantize(q), tokens), atol=1e-5
+    )
+
+
+def test_stories260k_exported_to_hf_matches_run_c(shared_dir, tmp_path):
+    """save_hf's layout, checked by the HF-convention reference on the written tensors."""
+    from safetensors.numpy import load_file
+
+    path = os.path.join(shared_dir, *STORIES)
+    policy, _ = load_llama2c(path)
+    save_hf(policy, tmp_path)
+    c = json.loads((tmp_path / "config.json").read_text())
+    assert c["architectures"] == ["LlamaForCausalLM"] and c["tie_word_embeddings"] is True
+    t = {k: v.astype(np.float64) for k, v in load_file(tmp_path / "model.safetensors").items()}
+    assert "lm_head.weight" not in t
+    sizes, shared, w = _parse_legacy(path)
+    tokens = TOKENS[:6]
+    np.testing.assert_allclose(
+        hf_reference(t, c, tokens),
+        llama2c_reference(w, sizes, shared, tokens),
+        atol=1e-4,
+        rtol=1e-4,
+    )
+    np.testing.assert_array_equal(_logits(load_hf(tmp_path), tokens), _logits(policy, tokens))

@@ -78,17 +78,8 @@ class Policy(eqx.Module):
         return self.logits_from_hidden(h), cache
 
 
-def _scalar_head(cfg: TransformerConfig, key: PRNGKeyArray) -> Float[Array, " D"]:
-    return (jax.random.normal(key, (cfg.d_model,), jnp.float32) / jnp.sqrt(cfg.d_model + 1.0)).astype(
-        jnp.float32
-    )
-
-
-class ValueModel(eqx.Module):
-    """A critic: `value(tokens, mask) -> values [T]`, one scalar per position (float32).
-
-    `values[t]` estimates the return from the state after token `t`.
-    """
+class _ScalarHeadModel(eqx.Module):
+    """A backbone plus a linear scalar read-out (shared by `ValueModel` and `RewardModel`)."""
 
     transformer: Transformer
     head: Float[Array, " D"]
@@ -97,7 +88,7 @@ class ValueModel(eqx.Module):
     def __init__(self, cfg: TransformerConfig, *, key: PRNGKeyArray):
         kt, kh = jax.random.split(key)
         self.transformer = Transformer(cfg, key=kt)
-        self.head = _scalar_head(cfg, kh)
+        self.head = jax.random.normal(kh, (cfg.d_model,), jnp.float32) / jnp.sqrt(cfg.d_model + 1.0)
         self.bias = jnp.zeros((), jnp.float32)
 
     @property
@@ -105,10 +96,20 @@ class ValueModel(eqx.Module):
         return self.transformer.cfg
 
     @classmethod
-    def from_policy(cls, policy: Policy, *, key: PRNGKeyArray) -> "ValueModel":
-        """A critic sharing a copy of `policy`'s backbone, with a fresh head."""
+    def from_policy(cls, policy: Policy, *, key: PRNGKeyArray):
+        """A model on `policy`'s backbone (the same arrays) with a fresh scalar head."""
         model = cls(policy.cfg, key=key)
         return eqx.tree_at(lambda m: m.transformer, model, policy.transformer)
+
+    def _read_out(self, h: Float[Array, "*T D"]) -> Float[Array, "*T"]:
+        return jnp.matmul(h, self.head.astype(h.dtype), preferred_element_type=jnp.float32) + self.bias
+
+
+class ValueModel(_ScalarHeadModel):
+    """A critic: `value(tokens, mask) -> values [T]`, one scalar per position (float32).
+
+    `values[t]` estimates the return from the state after token `t`.
+    """
 
     def __call__(
         self,
@@ -118,32 +119,11 @@ class ValueModel(eqx.Module):
         segment_ids: Int[Array, " T"] | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, " T"]:
-        h = self.transformer(tokens, mask, segment_ids=segment_ids, key=key)
-        return jnp.matmul(h, self.head.astype(h.dtype), preferred_element_type=jnp.float32) + self.bias
+        return self._read_out(self.transformer(tokens, mask, segment_ids=segment_ids, key=key))
 
 
-class RewardModel(eqx.Module):
+class RewardModel(_ScalarHeadModel):
     """A scalar reward: `reward(tokens, mask) -> r`, read at the last real token (float32)."""
-
-    transformer: Transformer
-    head: Float[Array, " D"]
-    bias: Float[Array, ""]
-
-    def __init__(self, cfg: TransformerConfig, *, key: PRNGKeyArray):
-        kt, kh = jax.random.split(key)
-        self.transformer = Transformer(cfg, key=kt)
-        self.head = _scalar_head(cfg, kh)
-        self.bias = jnp.zeros((), jnp.float32)
-
-    @property
-    def cfg(self) -> TransformerConfig:
-        return self.transformer.cfg
-
-    @classmethod
-    def from_policy(cls, policy: Policy, *, key: PRNGKeyArray) -> "RewardModel":
-        """A reward model on `policy`'s backbone with a fresh scalar head."""
-        model = cls(policy.cfg, key=key)
-        return eqx.tree_at(lambda m: m.transformer, model, policy.transformer)
 
     def __call__(
         self,
@@ -153,5 +133,4 @@ class RewardModel(eqx.Module):
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, ""]:
         h = self.transformer(tokens, mask, key=key)
-        last = h[last_real_index(mask)]
-        return jnp.dot(last, self.head.astype(last.dtype), preferred_element_type=jnp.float32) + self.bias
+        return self._read_out(h[last_real_index(mask)])

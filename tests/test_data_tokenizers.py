@@ -319,3 +319,15 @@ def test_load_tokenizer_errors(tmp_path):
         data.load_tokenizer(tmp_path / "vocab.txt")
     with pytest.raises(data.DataError, match="no tokenizer.json"):
         data.load_tokenizer(tmp_path)
+
+
+def test_decode_continuation_keeps_the_leading_space(shared_dir):
+    from rlhf_eqx.data import Llama2cTokenizer, decode_continuation
+
+    tok = Llama2cTokenizer.from_file(f"{shared_dir}/models/stories260K/tok512.bin")
+    prompt = tok.encode("Once upon a time, there was a")
+    full = tok.encode("Once upon a time, there was a little girl")
+    assert full[: len(prompt)] == prompt
+    cont = decode_continuation(tok, prompt, full[len(prompt) :])
+    assert cont == " little girl"
+    assert tok.decode(full[len(prompt) :]) == "little girl"  # decoding alone loses the space

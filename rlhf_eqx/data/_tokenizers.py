@@ -475,3 +475,23 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     if suffix == ".bin":
         return Llama2cTokenizer.from_file(path)
     raise DataError(f"{path}: unknown tokenizer file type (expected .json, .model or .bin)")
+
+
+def decode_continuation(tokenizer: Tokenizer, prompt_ids: TokenIds, completion_ids: TokenIds) -> str:
+    """The text that `completion_ids` add after `prompt_ids`.
+
+    Decoding a completion on its own drops the leading space of its first piece
+    (SentencePiece-style tokenizers strip the dummy prefix at the start of a text), so
+    `prompt + decode(completion)` can glue two words together. This decodes prompt and
+    completion together and cuts the prompt's text off, so that
+    `decode(prompt_ids) + decode_continuation(...)` is the decoded sequence. Falls back to
+    decoding the completion alone when the joint text does not start with the prompt's
+    text (byte-fallback pieces split across the boundary).
+    """
+    prompt = _int_ids(prompt_ids)
+    completion = _int_ids(completion_ids)
+    head = tokenizer.decode(prompt)
+    full = tokenizer.decode(prompt + completion)
+    if full.startswith(head):
+        return full[len(head) :]
+    return tokenizer.decode(completion)

@@ -134,6 +134,9 @@ def make_dpo_step(
     `rewards/margins`, `rewards/accuracies`, `logps/chosen`, `logps/rejected`,
     `logits/chosen`, `logits/rejected` (mean logit over the completion positions and
     the vocabulary), `nll_loss` (with `rpo_alpha`), `grad_norm`, `learning_rate`.
+    `rewards/accuracies` counts pairs with a strictly larger chosen reward, as TRL does:
+    while the policy equals the reference the rewards are rounding noise (~1e-7), so
+    the first step's accuracy is not meaningful.
     """
     if reference not in ("model", "cached", "none"):
         raise ValueError(f"reference must be 'model', 'cached' or 'none', got {reference!r}")

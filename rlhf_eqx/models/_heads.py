@@ -1,11 +1,14 @@
 """Policy (LM head), value model (per-token scalar) and reward model (scalar at the last real token)."""
 
+import math
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ._config import TransformerConfig
+from ._layers import normal_init
 from ._transformer import KVCache, Transformer
 
 __all__ = ["Policy", "ValueModel", "RewardModel", "last_real_index"]
@@ -33,8 +36,9 @@ class Policy(eqx.Module):
         if cfg.tie_embeddings:
             self.lm_head = None
         else:
-            w = 0.02 * jax.random.normal(kh, (cfg.d_model, cfg.vocab_size), jnp.float32)
-            self.lm_head = w.astype(cfg.param_dtype)
+            (self.lm_head,) = normal_init(
+                kh, shapes=((cfg.d_model, cfg.vocab_size),), scales=(0.02,), dtype=cfg.param_dtype
+            )
 
     @property
     def cfg(self) -> TransformerConfig:
@@ -88,7 +92,8 @@ class _ScalarHeadModel(eqx.Module):
     def __init__(self, cfg: TransformerConfig, *, key: PRNGKeyArray):
         kt, kh = jax.random.split(key)
         self.transformer = Transformer(cfg, key=kt)
-        self.head = jax.random.normal(kh, (cfg.d_model,), jnp.float32) / jnp.sqrt(cfg.d_model + 1.0)
+        scale = 1.0 / math.sqrt(cfg.d_model + 1.0)
+        (self.head,) = normal_init(kh, shapes=((cfg.d_model,),), scales=(scale,), dtype=jnp.float32)
         self.bias = jnp.zeros((), jnp.float32)
 
     @property

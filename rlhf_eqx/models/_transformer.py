@@ -14,7 +14,16 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ._config import TransformerConfig
-from ._layers import Int8Weight, LoRAAdapter, apply_rope, attention, matmul, rms_norm, rope_tables
+from ._layers import (
+    Int8Weight,
+    LoRAAdapter,
+    apply_rope,
+    attention,
+    matmul,
+    normal_init,
+    rms_norm,
+    rope_tables,
+)
 
 __all__ = ["DecoderLayer", "Transformer", "KVCache", "LORA_TARGETS"]
 
@@ -40,28 +49,28 @@ class DecoderLayer(eqx.Module):
     projection's output.
     """
 
-    attn_norm: Float[Array, " D"]
+    attn_norm: Float[Array, "*L D"]
     wqkv: Array | Int8Weight
-    bqkv: Float[Array, " QKV"] | None
+    bqkv: Float[Array, "*L QKV"] | None
     wo: Array | Int8Weight
-    mlp_norm: Float[Array, " D"]
+    mlp_norm: Float[Array, "*L D"]
     w_gate_up: Array | Int8Weight
     w_down: Array | Int8Weight
     lora: dict[str, LoRAAdapter] | None
 
-    def __init__(self, cfg: TransformerConfig, *, key: PRNGKeyArray):
-        k1, k2, k3, k4 = jax.random.split(key, 4)
+    def __init__(self, cfg: TransformerConfig, *, key: PRNGKeyArray, n_layers: int | None = None):
+        """One layer, or with `n_layers` a stack of them (every array gets a leading axis)."""
+        lead = () if n_layers is None else (n_layers,)
         D, F = cfg.d_model, cfg.d_ff
         dt = cfg.param_dtype
-        std = 0.02
         qkv = cfg.q_size + 2 * cfg.kv_size
-        self.attn_norm = jnp.ones((D,), dt)
-        self.wqkv = (std * jax.random.normal(k1, (D, qkv), jnp.float32)).astype(dt)
-        self.bqkv = jnp.zeros((qkv,), dt) if cfg.attn_bias else None
-        self.wo = (std * jax.random.normal(k2, (cfg.q_size, D), jnp.float32)).astype(dt)
-        self.mlp_norm = jnp.ones((D,), dt)
-        self.w_gate_up = (std * jax.random.normal(k3, (D, 2 * F), jnp.float32)).astype(dt)
-        self.w_down = (std * jax.random.normal(k4, (F, D), jnp.float32)).astype(dt)
+        shapes = (lead + (D, qkv), lead + (cfg.q_size, D), lead + (D, 2 * F), lead + (F, D))
+        self.wqkv, self.wo, self.w_gate_up, self.w_down = normal_init(
+            key, shapes=shapes, scales=(0.02,) * 4, dtype=dt
+        )
+        self.attn_norm = jnp.ones(lead + (D,), dt)
+        self.bqkv = jnp.zeros(lead + (qkv,), dt) if cfg.attn_bias else None
+        self.mlp_norm = jnp.ones(lead + (D,), dt)
         self.lora = None
 
     def _lora(self, name: str, x, keys):
@@ -136,9 +145,8 @@ class Transformer(eqx.Module):
         ke, kl = jax.random.split(key)
         self.cfg = cfg
         dt = cfg.param_dtype
-        self.embed = (0.02 * jax.random.normal(ke, (cfg.vocab_size, cfg.d_model), jnp.float32)).astype(dt)
-        make = lambda k: DecoderLayer(cfg, key=k)
-        self.layers = eqx.filter_vmap(make)(jax.random.split(kl, cfg.n_layers))
+        (self.embed,) = normal_init(ke, shapes=((cfg.vocab_size, cfg.d_model),), scales=(0.02,), dtype=dt)
+        self.layers = DecoderLayer(cfg, key=kl, n_layers=cfg.n_layers)
         self.final_norm = jnp.ones((cfg.d_model,), dt)
 
     def _embed(self, tokens: Int[Array, " T"]) -> Float[Array, "T D"]:

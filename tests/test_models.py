@@ -183,3 +183,22 @@ def test_pytree_is_immutable(policy):
         policy.lm_head = None  # type: ignore[misc]
     leaves = jax.tree_util.tree_leaves(policy)
     assert_tree_allclose(jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(policy), leaves), policy)
+
+
+def test_batched_call_equals_vmap(policy, getkey):
+    toks = jax.random.randint(getkey(), (3, 9), 0, CFG.vocab_size, dtype=jnp.int32)
+    masks = jnp.array([[1] * 9, [1] * 6 + [0] * 3, [0] * 4 + [1] * 5], bool)
+    seg = jnp.array([[0] * 4 + [1] * 5, [0] * 9, [0] * 9], jnp.int32)
+    value = rx.ValueModel.from_policy(policy, key=getkey())
+    reward = rx.RewardModel.from_policy(policy, key=getkey())
+
+    @eqx.filter_jit
+    def both(model, *args, **kwargs):
+        return model(*args, **kwargs), jax.vmap(lambda *a: model(*a, **kwargs))(*args)
+
+    for model in (policy, value, reward):
+        batched, mapped = both(model, toks, masks)
+        np.testing.assert_allclose(batched, mapped, atol=1e-5, rtol=1e-5)
+    batched = call(policy, toks, masks, segment_ids=seg)
+    mapped = jnp.stack([call(policy, t, m, segment_ids=s) for t, m, s in zip(toks, masks, seg)])
+    np.testing.assert_allclose(batched, mapped, atol=1e-5, rtol=1e-5)

@@ -34,8 +34,8 @@ def test_wrong_dtype_is_rejected():
 def test_model_call_is_checked():
     policy = rx.Policy(CFG, key=jax.random.key(0))
     with pytest.raises(TypeCheckError) as info:
-        policy(jnp.zeros((2, 5), jnp.int32), jnp.ones((2, 5), bool))  # batch axis without vmap
-    assert "tokens" in str(info.value)
+        policy(jnp.zeros((2, 5), jnp.int32), jnp.ones((2, 4), bool))  # mask shorter than tokens
+    assert "mask" in str(info.value) and "T=5" in str(info.value)
 
 
 def test_checks_run_at_trace_time_only():

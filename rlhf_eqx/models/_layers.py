@@ -53,9 +53,16 @@ def dense_weight(w: Array | Int8Weight, dtype) -> Array:
     return w
 
 
-def matmul(x: Float[Array, "T i"], w: Array | Int8Weight) -> Float[Array, "T o"]:
-    """`x @ w` for a dense or int8-quantised weight, in `x`'s dtype."""
-    return x @ dense_weight(w, x.dtype)
+def matmul(x: Float[Array, "*N i"], w: Array | Int8Weight) -> Float[Array, "*N o"]:
+    """`x @ w` for a dense or int8-quantised weight, in `x`'s dtype.
+
+    Leading axes are flattened into one, so that with a batch `[B, T, i]` the forward
+    and both backward products are plain 2-D matrix products (the weight gradient
+    contracts one axis, not two), which is markedly faster on CPU.
+    """
+    wd = dense_weight(w, x.dtype)
+    lead = x.shape[:-1]
+    return (x.reshape(-1, x.shape[-1]) @ wd).reshape(lead + (wd.shape[-1],))
 
 
 class LoRAAdapter(eqx.Module):
@@ -69,53 +76,67 @@ class LoRAAdapter(eqx.Module):
     scale: float = eqx.field(static=True)
     dropout: float = eqx.field(static=True)
 
-    def __call__(self, x: Float[Array, "T i"], key: PRNGKeyArray | None = None) -> Float[Array, "T o"]:
+    def __call__(self, x: Float[Array, "*N i"], key: PRNGKeyArray | None = None) -> Float[Array, "*N o"]:
         if key is not None and self.dropout > 0.0:
             keep = jax.random.bernoulli(key, 1.0 - self.dropout, x.shape)
             x = jnp.where(keep, x / (1.0 - self.dropout), jnp.zeros_like(x))
-        return ((x @ self.a.astype(x.dtype)) @ self.b.astype(x.dtype)) * self.scale
+        return matmul(matmul(x, self.a.astype(x.dtype)), self.b.astype(x.dtype)) * self.scale
 
 
-def rms_norm(x: Float[Array, "T D"], weight: Float[Array, " D"], eps: float) -> Float[Array, "T D"]:
+def _lift(x: Array, ndim: int) -> Array:
+    """Prepend unit axes to `x` up to `ndim` dimensions (explicit broadcasting)."""
+    return x.reshape((1,) * (ndim - x.ndim) + x.shape)
+
+
+def rms_norm(x: Float[Array, "*N D"], weight: Float[Array, " D"], eps: float) -> Float[Array, "*N D"]:
     """RMSNorm (Zhang & Sennrich 2019) accumulated in float32, returned in `x`'s dtype."""
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return normed.astype(x.dtype) * weight.astype(x.dtype)[None, :]
+    return normed.astype(x.dtype) * _lift(weight.astype(x.dtype), x.ndim)
 
 
-def rope_tables(positions: Int[Array, " T"], head_dim: int, theta: float):
-    """cos/sin tables `[T, head_dim]` in float32 (rotate-half layout, as in Hugging Face Llama)."""
+def rope_tables(
+    positions: Int[Array, "*B T"], head_dim: int, theta: float
+) -> tuple[Float[Array, "*B T hd"], Float[Array, "*B T hd"]]:
+    """cos/sin tables `[..., T, head_dim]` in float32 (rotate-half layout, as in Hugging Face Llama)."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    angles = positions.astype(jnp.float32)[..., None] * _lift(inv_freq, positions.ndim + 1)
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)
 
 
-def apply_rope(x: Float[Array, "T N hd"], cos: Float[Array, "T hd"], sin: Float[Array, "T hd"]) -> Float[Array, "T N hd"]:
+def apply_rope(
+    x: Float[Array, "*B T N hd"], cos: Float[Array, "*B T hd"], sin: Float[Array, "*B T hd"]
+) -> Float[Array, "*B T N hd"]:
     """Rotary position embedding (Su et al. 2021), rotate-half convention, float32 inside."""
     half = x.shape[-1] // 2
     x32 = x.astype(jnp.float32)
     rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-    out = x32 * cos[:, None, :] + rotated * sin[:, None, :]
+    out = x32 * cos[..., None, :] + rotated * sin[..., None, :]
     return out.astype(x.dtype)
 
 
 def attention(
-    q: Float[Array, "T H hd"],
-    k: Float[Array, "K S hd"],
-    v: Float[Array, "K S hd"],
-    allowed: Bool[Array, "T S"],
-) -> Float[Array, "T H hd"]:
-    """Grouped-query softmax attention; keys/values are head-major (`[K, S, hd]`).
+    q: Float[Array, "*B T H hd"],
+    k: Float[Array, "*B K S hd"],
+    v: Float[Array, "*B K S hd"],
+    allowed: Bool[Array, "*B T S"],
+) -> Float[Array, "*B T H hd"]:
+    """Grouped-query softmax attention; keys/values are head-major (`[..., K, S, hd]`).
 
     Scores and softmax are float32. Rows with no allowed key (padding) get finite values.
     """
-    T, H, hd = q.shape
-    K = k.shape[0]
-    qg = q.reshape(T, K, H // K, hd)
-    scores = jnp.einsum("tkgd,ksd->kgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / math.sqrt(hd))
-    scores = jnp.where(allowed[None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("kgts,ksd->tkgd", probs, v)
-    return out.reshape(T, H, hd)
+    *lead, T, H, hd = q.shape
+    lead = tuple(lead)
+    n = len(lead)
+    K, S = k.shape[-3], k.shape[-2]
+    G = H // K
+    # [..., T, K, G, hd] -> [..., K, G·T, hd]: both products become plain batched matrix
+    # products over the kv heads (no transposes inside them, forward or backward).
+    qg = jnp.moveaxis(q.reshape(lead + (T, K, G, hd)), n, n + 2).reshape(lead + (K, G * T, hd))
+    scores = jnp.einsum("...qd,...sd->...qs", qg, k, preferred_element_type=jnp.float32)
+    scores = scores.reshape(lead + (K, G, T, S)) * (1.0 / math.sqrt(hd))
+    scores = jnp.where(allowed[..., None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(lead + (K, G * T, S))
+    out = jnp.einsum("...qs,...sd->...qd", probs, v).reshape(lead + (K, G, T, hd))
+    return jnp.moveaxis(out, n + 2, n).reshape(lead + (T, H, hd))

@@ -79,15 +79,15 @@ class DecoderLayer(eqx.Module):
         key = None if keys is None else keys[LORA_TARGETS.index(name)]
         return self.lora[name](x, key)
 
-    def qkv(self, h: Float[Array, "T D"], cfg: TransformerConfig, keys=None):
-        """Project to `q [T, H, hd]`, `k [T, K, hd]`, `v [T, K, hd]` (before rotary)."""
-        T = h.shape[0]
+    def qkv(self, h: Float[Array, "*B T D"], cfg: TransformerConfig, keys=None):
+        """Project to `q [..., T, H, hd]`, `k`, `v [..., T, K, hd]` (before rotary)."""
+        lead = h.shape[:-1]
         qkv = matmul(h, self.wqkv)
         if self.bqkv is not None:
-            qkv = qkv + self.bqkv.astype(qkv.dtype)[None, :]
-        q = qkv[:, : cfg.q_size]
-        k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size]
-        v = qkv[:, cfg.q_size + cfg.kv_size :]
+            qkv = qkv + self.bqkv.astype(qkv.dtype).reshape((1,) * len(lead) + (-1,))
+        q = qkv[..., : cfg.q_size]
+        k = qkv[..., cfg.q_size : cfg.q_size + cfg.kv_size]
+        v = qkv[..., cfg.q_size + cfg.kv_size :]
         for name, part in (("q", q), ("k", k), ("v", v)):
             delta = self._lora(name, h, keys)
             if delta is not None:
@@ -99,20 +99,20 @@ class DecoderLayer(eqx.Module):
                     v = part + delta
         hd = cfg.head_dim
         return (
-            q.reshape(T, cfg.n_heads, hd),
-            k.reshape(T, cfg.n_kv_heads, hd),
-            v.reshape(T, cfg.n_kv_heads, hd),
+            q.reshape(lead + (cfg.n_heads, hd)),
+            k.reshape(lead + (cfg.n_kv_heads, hd)),
+            v.reshape(lead + (cfg.n_kv_heads, hd)),
         )
 
-    def attn_out(self, o: Float[Array, "T Q"], keys=None) -> Float[Array, "T D"]:
+    def attn_out(self, o: Float[Array, "*B T Q"], keys=None) -> Float[Array, "*B T D"]:
         out = matmul(o, self.wo)
         delta = self._lora("o", o, keys)
         return out if delta is None else out + delta
 
-    def mlp(self, x: Float[Array, "T D"], cfg: TransformerConfig, keys=None) -> Float[Array, "T D"]:
+    def mlp(self, x: Float[Array, "*B T D"], cfg: TransformerConfig, keys=None) -> Float[Array, "*B T D"]:
         h = rms_norm(x, self.mlp_norm, cfg.norm_eps)
         gu = matmul(h, self.w_gate_up)
-        gate, up = gu[:, : cfg.d_ff], gu[:, cfg.d_ff :]
+        gate, up = gu[..., : cfg.d_ff], gu[..., cfg.d_ff :]
         dg, du = self._lora("gate", h, keys), self._lora("up", h, keys)
         if dg is not None:
             gate = gate + dg
@@ -149,7 +149,7 @@ class Transformer(eqx.Module):
         self.layers = DecoderLayer(cfg, key=kl, n_layers=cfg.n_layers)
         self.final_norm = jnp.ones((cfg.d_model,), dt)
 
-    def _embed(self, tokens: Int[Array, " T"]) -> Float[Array, "T D"]:
+    def _embed(self, tokens: Int[Array, "*B T"]) -> Float[Array, "*B T D"]:
         return jnp.take(self.embed, tokens, axis=0)
 
     def _scan(self, x, allowed, positions, key, collect_kv: bool):
@@ -164,9 +164,9 @@ class Transformer(eqx.Module):
             h = rms_norm(x, layer.attn_norm, cfg.norm_eps)
             q, k, v = layer.qkv(h, cfg, lkeys)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            kh, vh = jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1)
+            kh, vh = jnp.swapaxes(k, -3, -2), jnp.swapaxes(v, -3, -2)
             o = attention(q, kh, vh, allowed)
-            x = x + layer.attn_out(o.reshape(o.shape[0], -1), lkeys)
+            x = x + layer.attn_out(o.reshape(o.shape[:-2] + (-1,)), lkeys)
             x = x + layer.mlp(x, cfg, lkeys)
             return x, ((kh, vh) if collect_kv else None)
 
@@ -175,13 +175,13 @@ class Transformer(eqx.Module):
 
     def __call__(
         self,
-        tokens: Int[Array, " T"],
-        mask: Bool[Array, " T"],
+        tokens: Int[Array, "*B T"],
+        mask: Bool[Array, "*B T"],
         *,
-        segment_ids: Int[Array, " T"] | None = None,
+        segment_ids: Int[Array, "*B T"] | None = None,
         key: PRNGKeyArray | None = None,
-    ) -> Float[Array, "T D"]:
-        """Hidden states for one sequence.
+    ) -> Float[Array, "*B T D"]:
+        """Hidden states for one sequence (or a batch: any leading axes, same result as `jax.vmap`).
 
         **Arguments:**
 
@@ -256,17 +256,17 @@ class Transformer(eqx.Module):
 
 
 def _attention_layout(
-    mask: Bool[Array, " T"], segment_ids: Int[Array, " T"] | None
-) -> tuple[Bool[Array, "T T"], Int[Array, " T"]]:
+    mask: Bool[Array, "*B T"], segment_ids: Int[Array, "*B T"] | None
+) -> tuple[Bool[Array, "*B T T"], Int[Array, "*B T"]]:
     """Which keys each query may attend to, and each token's rotary position.
 
     Causal, real keys only, same segment only. A token's position is the number of
     real keys it may attend to before itself, so padding never shifts positions.
     """
-    (T,) = mask.shape
+    T = mask.shape[-1]
     causal = jnp.asarray(np.tril(np.ones((T, T), dtype=bool)))
-    allowed = causal & mask[None, :]
+    allowed = causal.reshape((1,) * (mask.ndim - 1) + (T, T)) & mask[..., None, :]
     if segment_ids is not None:
-        allowed = allowed & (segment_ids[:, None] == segment_ids[None, :])
+        allowed = allowed & (segment_ids[..., :, None] == segment_ids[..., None, :])
     positions = jnp.maximum(jnp.sum(allowed, axis=-1, dtype=jnp.int32) - 1, 0)
     return allowed, positions

@@ -150,8 +150,20 @@ def row_keys(key: PRNGKeyArray | None, n: int) -> PRNGKeyArray | None:
     return None if key is None else jax.random.split(key, n)
 
 
+def _takes_batches(model: Any) -> bool:
+    from ..models import Policy, RewardModel, Transformer, ValueModel
+
+    return isinstance(model, (Policy, ValueModel, RewardModel, Transformer))
+
+
 def vmap_model(model: Callable[..., Any], tokens: Array, mask: Array, key: PRNGKeyArray | None) -> Any:
-    """`model` over the rows of `tokens` / `mask` (`[B, T]`), with per-row keys if `key` is given."""
+    """`model` over the rows of `tokens` / `mask` (`[B, T]`), with per-row keys if `key` is given.
+
+    rlhf_eqx's own models take the batch directly (same values as `jax.vmap`, flat 2-D
+    matrix products, faster on CPU); any other per-sample model is vmapped.
+    """
+    if _takes_batches(model):
+        return model(tokens, mask) if key is None else model(tokens, mask, key=key)
     keys = row_keys(key, tokens.shape[0])
     if keys is None:
         return jax.vmap(lambda t, m: model(t, m))(tokens, mask)

@@ -14,7 +14,6 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FAST_COMPILE).strip()
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
@@ -79,4 +78,4 @@ def assert_tree_allclose(a, b, *, rtol=1e-5, atol=1e-6):
         )
 
 
-__all__ = ["tree_allclose", "assert_tree_allclose", "SHARED", "jnp"]
+__all__ = ["tree_allclose", "assert_tree_allclose", "SHARED"]

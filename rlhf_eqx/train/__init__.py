@@ -1,6 +1,10 @@
-"""Training: optimisers and schedules, train state, micro-batching, pure step builders.
+"""Training: optimisers and schedules, train state, one step factory and the algorithms' steps.
 
-Every step builder returns a pure function
+Every update is built by one factory, `make_step(loss_fn, optimizer, *, micro_batches,
+axis_name, donate, nonfinite)`, from a per-algorithm loss function
+`loss_fn(params, frozen, batch, key) -> (numerators, denominators, metrics)`; the
+builders `make_sft_step`, `make_reward_step`, `make_dpo_step`, `make_ppo_step` and
+`make_grpo_step` are thin wrappers around it. Each returns a pure function
 
 ```python
 step(params, opt_state, batch, *, frozen=None, key=None, ...) -> (params, opt_state, metrics)
@@ -11,40 +15,101 @@ model (or the whole model), `frozen` the rest (combined inside the step), refere
 models are explicit keyword arguments and never differentiated, and `metrics` is a dict
 of float32 scalars. `TrainState.apply(step, batch, ...)` runs the same step on a
 `TrainState`.
+
+**Micro-batches and devices.** `micro_batches=k` accumulates over a scan and
+`axis_name="data"` makes the step exact under `jax.pmap(step, axis_name="data")`:
+numerators, denominators, gradients and metric sums are summed over micro-batches and
+devices before dividing, so every aggregation mode gives the full-batch loss and
+gradient.
+
+**Non-finite updates.** A step whose loss or gradient is not finite is skipped by
+default (`params` and `opt_state` unchanged, metric `nonfinite = 1`, counted in
+`TrainState.skipped`); `nonfinite="raise"` stops instead.
+
+**Donation.** Steps called directly never donate their inputs (unless built or called
+with `donate=True`); `TrainState.apply` donates the state's own buffers, which
+`init_train_state` copied. A buffer that appears anywhere else in the call is never
+donated. See `rlhf_eqx.train.make_step`.
 """
 
 from ._accumulate import (
     accumulate_gradients as accumulate_gradients,
+)
+from ._accumulate import (
     apply_optimizer as apply_optimizer,
+)
+from ._accumulate import (
     split_micro_batches as split_micro_batches,
+)
+from ._accumulate import (
     sums_to_means as sums_to_means,
-)
-from ._optim import (
-    learning_rate_from_state as learning_rate_from_state,
-    make_optimizer as make_optimizer,
-    make_schedule as make_schedule,
-)
-from ._sft import make_sft_step as make_sft_step
-from ._state import (
-    TrainState as TrainState,
-    init_train_state as init_train_state,
-    partition_trainable as partition_trainable,
 )
 from ._dpo import (
     compute_reference_logps as compute_reference_logps,
+)
+from ._dpo import (
+    dpo_loss_fn as dpo_loss_fn,
+)
+from ._dpo import (
     make_dpo_step as make_dpo_step,
+)
+from ._dpo import (
     sequence_logps as sequence_logps,
 )
 from ._grpo import (
     GRPOBatch as GRPOBatch,
+)
+from ._grpo import (
     grpo_advantages as grpo_advantages,
+)
+from ._grpo import (
+    grpo_loss as grpo_loss,
+)
+from ._grpo import (
     make_grpo_step as make_grpo_step,
+)
+from ._optim import (
+    decay_mask as decay_mask,
+)
+from ._optim import (
+    learning_rate_from_state as learning_rate_from_state,
+)
+from ._optim import (
+    make_optimizer as make_optimizer,
+)
+from ._optim import (
+    make_schedule as make_schedule,
 )
 from ._ppo import (
     PPOBatch as PPOBatch,
+)
+from ._ppo import (
     compute_advantages as compute_advantages,
+)
+from ._ppo import (
     make_ppo_step as make_ppo_step,
+)
+from ._ppo import (
+    ppo_loss as ppo_loss,
+)
+from ._ppo import (
     prepare_ppo_batch as prepare_ppo_batch,
+)
+from ._ppo import (
     token_values as token_values,
 )
 from ._reward import make_reward_step as make_reward_step
+from ._reward import reward_loss as reward_loss
+from ._sft import make_sft_step as make_sft_step
+from ._sft import sft_loss as sft_loss
+from ._state import (
+    TrainState as TrainState,
+)
+from ._state import (
+    init_train_state as init_train_state,
+)
+from ._state import (
+    partition_trainable as partition_trainable,
+)
+from ._step import Step as Step
+from ._step import make_step as make_step

@@ -1,11 +1,11 @@
-r"""Gradient accumulation over micro-batches, and the pieces every step builder shares.
+r"""Gradient accumulation over micro-batches, and how steps call a model on a batch.
 
-A step's loss is written as a sum of per-micro-batch *contributions*: numerators
-(sums over rows of per-token or per-pair values) divided by denominators computed once
-from the masks of the **full** batch (`rlhf_eqx.losses.aggregate_parts`). Summing the
-contributions — and their gradients — over the micro-batches therefore gives exactly
-the full-batch loss and gradient, whatever the aggregation mode (Levanter's
-`grad_accum`; DESIGN principle 3).
+A step's loss is a sum of per-micro-batch *contributions*: numerators (sums over rows
+of per-token or per-pair values) divided by denominators computed once from the masks
+of the **full** batch (`rlhf_eqx.losses.aggregate_parts`). Summing the contributions —
+and their gradients — over the micro-batches therefore gives exactly the full-batch
+loss and gradient, whatever the aggregation mode (Levanter's `grad_accum`; DESIGN
+principle 3).
 """
 
 from collections.abc import Callable
@@ -18,16 +18,9 @@ import optax
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from ._optim import learning_rate_from_state
+from ._validate import check_positive_int
 
-__all__ = [
-    "Sums",
-    "split_micro_batches",
-    "accumulate_gradients",
-    "apply_optimizer",
-    "sums_to_means",
-]
-
-# name -> (sum, count): a masked mean that can be added up over micro-batches.
+# name -> (sum, count): a masked mean that can be added up over micro-batches and devices.
 Sums = dict[str, tuple[Array, Array]]
 
 
@@ -36,8 +29,7 @@ def split_micro_batches(batch: PyTree, micro_batches: int) -> PyTree:
 
     Rows `i * b : (i + 1) * b` form micro-batch `i`. Raises if `B` is not divisible.
     """
-    if micro_batches < 1:
-        raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+    check_positive_int("micro_batches", micro_batches)
 
     def split(x):
         B = x.shape[0]
@@ -55,61 +47,56 @@ def _add(a, b):
 
 
 def accumulate_gradients(
-    fn: Callable[..., tuple[Array, tuple[Sums, dict[str, Array]]]],
+    fn: Callable[..., tuple[Array, PyTree]],
     params: PyTree,
     batch: PyTree,
     *,
     micro_batches: int = 1,
     key: PRNGKeyArray | None = None,
-) -> tuple[Float[Array, ""], PyTree, Sums, dict[str, Array]]:
-    r"""Sum of `fn`'s contributions and of their gradients over micro-batches of `batch`.
+) -> tuple[Float[Array, ""], PyTree, PyTree]:
+    r"""Sum of `fn`'s contributions, their gradients and their auxiliary sums over micro-batches.
 
-    `fn(params, micro_batch, key) -> (contribution, (sums, rows))`:
+    `fn(params, micro_batch, key) -> (contribution, aux)`:
 
     - `contribution`: scalar, this micro-batch's share of the loss (its numerators over
       the full batch's denominators), differentiated with respect to the floating-point
       arrays of `params`;
-    - `sums`: `{name: (sum, count)}` of masked sums for metrics, added up;
-    - `rows`: `{name: [b]}` per-row values, concatenated back to `[B]` in batch order.
+    - `aux`: a pytree of arrays that are added up over the micro-batches (e.g. masked
+      sums and counts for metrics).
 
     With `micro_batches = k > 1` the batch is split along axis 0 (`split_micro_batches`)
     and `fn` runs under a `jax.lax.scan`, so only one micro-batch's activations are
     alive at a time; `key` (if any) is split into one key per micro-batch.
 
-    **Returns:** `(loss, grads, sums, rows)`, `loss = Σ contributions` and `grads` its
-    gradient (same structure as `eqx.filter(params, eqx.is_inexact_array)`).
+    **Returns:** `(loss, grads, aux)`, `loss = Σ contributions`, `grads` its gradient
+    (same structure as `eqx.filter(params, eqx.is_inexact_array)`) and `aux` the sum.
     """
     grad_fn = eqx.filter_value_and_grad(fn, has_aux=True)
+    check_positive_int("micro_batches", micro_batches)
     if micro_batches == 1:
-        (loss, (sums, rows)), grads = grad_fn(params, batch, key)
-        return loss, grads, sums, rows
+        (loss, aux), grads = grad_fn(params, batch, key)
+        return loss, grads, aux
 
     micro = split_micro_batches(batch, micro_batches)
     keys = None if key is None else jax.random.split(key, micro_batches)
     first = jax.tree.map(lambda x: x[0], micro)
     k0 = None if keys is None else keys[0]
     # Shapes of the carry, without running anything.
-    (loss_s, (sums_s, _)), grads_s = eqx.filter_eval_shape(grad_fn, params, first, k0)
+    (loss_s, aux_s), grads_s = eqx.filter_eval_shape(grad_fn, params, first, k0)
     zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t)
-    init = (zeros(loss_s), zeros(grads_s), zeros(sums_s))
+    init = (zeros(loss_s), zeros(grads_s), zeros(aux_s))
 
     def body(carry, xs):
         mb, k = xs
-        (loss, (sums, rows)), grads = grad_fn(params, mb, k)
-        loss_acc, grads_acc, sums_acc = carry
-        return (loss_acc + loss, _add(grads_acc, grads), _add(sums_acc, sums)), rows
+        (loss, aux), grads = grad_fn(params, mb, k)
+        return _add(carry, (loss, grads, aux)), None
 
-    (loss, grads, sums), rows = jax.lax.scan(body, init, (micro, keys))
-    rows = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), rows)
-    return loss, grads, sums, rows
+    (loss, grads, aux), _ = jax.lax.scan(body, init, (micro, keys))
+    return loss, grads, aux
 
 
 def sums_to_means(sums: Sums) -> dict[str, Float[Array, ""]]:
-    """`{name: sum / max(count, 1)}`: masked means (0 where nothing was counted).
-
-    An entry whose counts are all 0 reports its sum: use it for quantities that are
-    already contributions to a full-batch mean (e.g. one term of the loss).
-    """
+    """`{name: sum / max(count, 1)}`: masked means (0 where nothing was counted)."""
     return {k: (s / jnp.maximum(c, 1.0)).astype(jnp.float32) for k, (s, c) in sums.items()}
 
 
@@ -159,25 +146,13 @@ def _takes_batches(model: Any) -> bool:
 def vmap_model(model: Callable[..., Any], tokens: Array, mask: Array, key: PRNGKeyArray | None) -> Any:
     """`model` over the rows of `tokens` / `mask` (`[B, T]`), with per-row keys if `key` is given.
 
-    rlhf_eqx's own models take the batch directly (same values as `jax.vmap`, flat 2-D
-    matrix products, faster on CPU); any other per-sample model is vmapped.
+    Models that accept a batch directly (rlhf_eqx's own: same values as `jax.vmap`, flat
+    2-D matrix products, faster on CPU) get it whole; any other per-sample model is
+    vmapped.
     """
     if _takes_batches(model):
-        return model(tokens, mask) if key is None else model(tokens, mask, key=key)
+        return call_model(model, tokens, mask, key)
     keys = row_keys(key, tokens.shape[0])
     if keys is None:
         return jax.vmap(lambda t, m: model(t, m))(tokens, mask)
     return jax.vmap(lambda t, m, k: model(t, m, key=k))(tokens, mask, keys)
-
-
-def make_jitted(
-    update: Callable[..., Any], *, donate: bool
-) -> Callable[..., Any]:
-    """Wrap `update(rest, params, opt_state)` in one `eqx.filter_jit` region.
-
-    With `donate`, the buffers of `params` and `opt_state` are donated (updated in place:
-    do not reuse the arrays passed in); `rest` (batch, frozen weights, reference models,
-    keys) never is.
-    """
-    return eqx.filter_jit(update, donate="all-except-first" if donate else "none")
-

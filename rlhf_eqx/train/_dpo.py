@@ -1,7 +1,7 @@
 """DPO-family step, with the reference log-probabilities computed on the fly or cached."""
 
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import equinox as eqx
 import jax
@@ -12,23 +12,15 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 from .._batches import PreferenceBatch
 from ..losses import (
     DPOLossType,
-    combine_losses,
     dpo_batch_loss,
     dpo_implicit_rewards,
-    safe_divide,
     sft_nll,
 )
 from ..ops import logprobs_from_logits, masked_sum, previous_real_index
-from ._accumulate import (
-    accumulate_gradients,
-    apply_optimizer,
-    make_jitted,
-    sums_to_means,
-    vmap_model,
-)
+from ._accumulate import vmap_model
 from ._state import combine
-
-__all__ = ["make_dpo_step", "compute_reference_logps", "sequence_logps"]
+from ._step import LossFn, NonFinite, Step, make_step
+from ._validate import check_choice, check_number
 
 ReferenceMode = Literal["model", "cached", "none"]
 _SORTING_TYPES = ("aot", "aot_pair")
@@ -86,31 +78,124 @@ def compute_reference_logps(
     )
 
 
+def dpo_loss_fn(
+    *,
+    beta: float | Float[Array, ""] = 0.1,
+    loss_type: DPOLossType = "sigmoid",
+    label_smoothing: float | Float[Array, ""] = 0.0,
+    reference: ReferenceMode = "model",
+    rpo_alpha: float | None = None,
+    loss_kwargs: Mapping[str, Any] | None = None,
+) -> LossFn:
+    r"""The DPO-family loss function for `make_step` on a `PreferenceBatch`.
+
+    `frozen` is `(frozen_part_of_the_policy, reference_model)`; see `make_dpo_step`.
+    Numerators: `dpo` (sum of per-pair losses; denominator the number of pairs) and,
+    with `rpo_alpha`, `nll` (α × the summed chosen-completion NLL; denominator the
+    number of chosen completion tokens).
+    """
+    check_choice("loss_type", loss_type, get_args(DPOLossType))
+    check_choice("reference", reference, ("model", "cached", "none"))
+    check_number("beta", beta, low=0.0, low_open=True)
+    check_number("label_smoothing", label_smoothing, low=0.0, high=0.5, high_open=True)
+    check_number("rpo_alpha", rpo_alpha, low=0.0, allow_none=True)
+    uses_reference = reference != "none" and loss_type not in _REFERENCE_FREE_TYPES
+    extra = dict(loss_kwargs or {})
+    sg = jax.lax.stop_gradient
+    f32 = jnp.float32
+
+    def loss_fn(params: PyTree, frozen: PyTree, batch: PreferenceBatch, key: PRNGKeyArray | None):
+        frozen_part, ref_model = frozen
+        if uses_reference and reference == "model" and ref_model is None:
+            raise ValueError("make_dpo_step(reference='model') needs the step's `reference=` model")
+        if uses_reference and reference == "cached" and batch.ref_chosen_logp is None:
+            raise ValueError(
+                "make_dpo_step(reference='cached') needs batch.ref_chosen_logp / "
+                "ref_rejected_logp (see compute_reference_logps)"
+            )
+        model = combine(params, frozen_part)
+        kc, kr = (None, None) if key is None else tuple(jax.random.split(key))
+        cm = batch.chosen_completion_mask & batch.chosen_mask
+        rm = batch.rejected_completion_mask & batch.rejected_mask
+        c_tok, c, c_logit = _forward(model, batch.chosen_tokens, batch.chosen_mask, cm, kc)
+        _, r, r_logit = _forward(model, batch.rejected_tokens, batch.rejected_mask, rm, kr)
+        if not uses_reference:
+            rc = rr = None
+        elif reference == "cached":
+            rc, rr = batch.ref_chosen_logp, batch.ref_rejected_logp
+        else:
+            rc = sequence_logps(ref_model, batch.chosen_tokens, batch.chosen_mask, cm)
+            rr = sequence_logps(ref_model, batch.rejected_tokens, batch.rejected_mask, rm)
+        if rc is not None:
+            rc, rr = sg(rc.astype(f32)), sg(rr.astype(f32))
+        losses = dpo_batch_loss(
+            c, r, rc, rr,
+            beta=beta,
+            loss_type=loss_type,
+            label_smoothing=label_smoothing,
+            chosen_len=jnp.sum(cm, axis=-1),
+            rejected_len=jnp.sum(rm, axis=-1),
+            reference_free=not uses_reference,
+            **extra,
+        )
+        n = jnp.asarray(c.shape[0], f32)
+        nums, dens = {"dpo": jnp.sum(losses)}, {"dpo": n}
+        n_c, n_r = jnp.sum(cm).astype(f32), jnp.sum(rm).astype(f32)
+        metrics = {}
+        if rpo_alpha is not None:
+            nll = masked_sum(jax.vmap(sft_nll)(c_tok, cm), cm)
+            nums["nll"], dens["nll"] = rpo_alpha * nll, n_c
+            metrics["nll_loss"] = (nll, n_c)
+        if rc is None:
+            rw, rl = jax.vmap(lambda a, b: dpo_implicit_rewards(a, b, beta=beta))(c, r)
+        else:
+            rw, rl = jax.vmap(lambda a, b, x, y: dpo_implicit_rewards(a, b, x, y, beta=beta))(
+                c, r, rc, rr
+            )
+        metrics.update({
+            "rewards/chosen": (jnp.sum(rw), n),
+            "rewards/rejected": (jnp.sum(rl), n),
+            "rewards/margins": (jnp.sum(rw - rl), n),
+            "rewards/accuracies": (jnp.sum((rw > rl).astype(f32)), n),
+            "logps/chosen": (jnp.sum(c), n),
+            "logps/rejected": (jnp.sum(r), n),
+            "logits/chosen": (jnp.sum(c_logit), n_c),
+            "logits/rejected": (jnp.sum(r_logit), n_r),
+        })
+        return nums, dens, metrics
+
+    return loss_fn
+
+
 def make_dpo_step(
     optimizer: optax.GradientTransformation,
     *,
-    beta: float = 0.1,
+    beta: float | Float[Array, ""] = 0.1,
     loss_type: DPOLossType = "sigmoid",
-    label_smoothing: float = 0.0,
+    label_smoothing: float | Float[Array, ""] = 0.0,
     reference: ReferenceMode = "model",
     rpo_alpha: float | None = None,
     loss_kwargs: Mapping[str, Any] | None = None,
     micro_batches: int = 1,
-    donate: bool = True,
-) -> Callable[..., tuple[PyTree, Any, dict]]:
+    axis_name: str | None = None,
+    donate: bool = False,
+    nonfinite: NonFinite = "skip",
+    check_token_ids: int | None = None,
+) -> Step:
     r"""Build the DPO-family update (Rafailov et al. 2023; TRL `DPOTrainer`).
 
     Sequence log-probabilities are sums of token log-probabilities over each completion
     (`*_completion_mask & *_mask`). The per-pair losses come from
     `rlhf_eqx.losses.dpo_batch_loss` (every `loss_type`, including the batch-sorting
-    `"aot"` / `"aot_pair"`, which need `micro_batches=1`) and are averaged over the pairs.
-    With `rpo_alpha=α` the token-mean NLL of the chosen completions is added with
-    weight α (RPO, Pang et al. 2024; TRL `rpo_alpha`), via `combine_losses`.
+    `"aot"` / `"aot_pair"`, which need `micro_batches=1` and one device) and are
+    averaged over the pairs. With `rpo_alpha=α` the token-mean NLL of the chosen
+    completions is added with weight α (RPO, Pang et al. 2024; TRL `rpo_alpha`).
 
     **Arguments:**
 
     - `optimizer`: e.g. from `make_optimizer`.
-    - `beta`, `loss_type`, `label_smoothing`: see `rlhf_eqx.losses.dpo_loss`.
+    - `beta`, `loss_type`, `label_smoothing`: see `rlhf_eqx.losses.dpo_loss`. `beta`
+      and `label_smoothing` may be JAX arrays (e.g. traced, to `jax.vmap` a run over β).
     - `reference`: where the reference log-probabilities come from:
       `"model"` — a frozen reference model passed to the step as `reference=` (its
       output is wrapped in `jax.lax.stop_gradient` and it is never differentiated);
@@ -120,7 +205,10 @@ def make_dpo_step(
     - `rpo_alpha`: weight of the chosen NLL term (`None`: no term).
     - `loss_kwargs`: further keyword arguments of `dpo_batch_loss` (`bco_delta`,
       `discopop_tau`, `simpo_gamma`).
-    - `micro_batches`, `donate`: see `make_sft_step`.
+    - `micro_batches`, `axis_name`, `donate`, `nonfinite`, `check_token_ids`: see
+      `make_step`.
+
+    Invalid choices and out-of-range numbers raise `ValueError` here, at build time.
 
     **Returns:**
 
@@ -133,116 +221,31 @@ def make_dpo_step(
     `rewards/chosen`, `rewards/rejected` (implicit rewards $\beta(\log\pi_\theta - \log\pi_{\rm ref})$),
     `rewards/margins`, `rewards/accuracies`, `logps/chosen`, `logps/rejected`,
     `logits/chosen`, `logits/rejected` (mean logit over the completion positions and
-    the vocabulary), `nll_loss` (with `rpo_alpha`), `grad_norm`, `learning_rate`.
-    `rewards/accuracies` counts pairs with a strictly larger chosen reward, as TRL does:
-    while the policy equals the reference the rewards are rounding noise (~1e-7), so
-    the first step's accuracy is not meaningful.
+    the vocabulary), `nll_loss` (with `rpo_alpha`), `grad_norm`, `learning_rate`,
+    `nonfinite`. `rewards/accuracies` counts pairs with a strictly larger chosen reward,
+    as TRL does: while the policy equals the reference the rewards are rounding noise
+    (~1e-7), so the first step's accuracy is not meaningful.
     """
-    if reference not in ("model", "cached", "none"):
-        raise ValueError(f"reference must be 'model', 'cached' or 'none', got {reference!r}")
-    if loss_type in _SORTING_TYPES and micro_batches != 1:
+    if loss_type in _SORTING_TYPES and (micro_batches != 1 or axis_name is not None):
         raise ValueError(
-            f"loss_type={loss_type!r} sorts over the whole batch; it needs micro_batches=1"
+            f"loss_type={loss_type!r} sorts over the whole batch; it needs micro_batches=1 "
+            "and no axis_name"
         )
-    uses_reference = reference != "none" and loss_type not in _REFERENCE_FREE_TYPES
-    extra = dict(loss_kwargs or {})
-
-    def update(rest, params, opt_state):
-        batch, frozen, ref_model, key = rest
-        n_pairs = float(batch.chosen_tokens.shape[0])
-        if uses_reference and reference == "model" and ref_model is None:
-            raise ValueError("make_dpo_step(reference='model') needs the step's `reference=` model")
-        if uses_reference and reference == "cached" and batch.ref_chosen_logp is None:
-            raise ValueError(
-                "make_dpo_step(reference='cached') needs batch.ref_chosen_logp / "
-                "ref_rejected_logp (see compute_reference_logps)"
-            )
-        chosen_m = batch.chosen_completion_mask & batch.chosen_mask
-        nll_denom = jnp.sum(chosen_m).astype(jnp.float32)
-
-        def contribution(p, mb, k):
-            model = combine(p, frozen)
-            kc, kr = (None, None) if k is None else tuple(jax.random.split(k))
-            cm = mb.chosen_completion_mask & mb.chosen_mask
-            rm = mb.rejected_completion_mask & mb.rejected_mask
-            c_tok, c, c_logit = _forward(model, mb.chosen_tokens, mb.chosen_mask, cm, kc)
-            _, r, r_logit = _forward(model, mb.rejected_tokens, mb.rejected_mask, rm, kr)
-            if not uses_reference:
-                rc = rr = None
-            elif reference == "cached":
-                rc, rr = mb.ref_chosen_logp, mb.ref_rejected_logp
-            else:
-                rc = sequence_logps(ref_model, mb.chosen_tokens, mb.chosen_mask, cm)
-                rr = sequence_logps(ref_model, mb.rejected_tokens, mb.rejected_mask, rm)
-            if rc is not None:
-                rc = jax.lax.stop_gradient(rc.astype(jnp.float32))
-                rr = jax.lax.stop_gradient(rr.astype(jnp.float32))
-            losses = dpo_batch_loss(
-                c,
-                r,
-                rc,
-                rr,
-                beta=beta,
-                loss_type=loss_type,
-                label_smoothing=label_smoothing,
-                chosen_len=jnp.sum(cm, axis=-1),
-                rejected_len=jnp.sum(rm, axis=-1),
-                reference_free=not uses_reference,
-                **extra,
-            )
-            dpo_term = jnp.sum(losses) / n_pairs
-            if rpo_alpha is None:
-                total = dpo_term
-                sums = {}
-            else:
-                nll = jax.vmap(sft_nll)(c_tok, cm)
-                nll_term = safe_divide(masked_sum(nll, cm), nll_denom)
-                total = combine_losses(
-                    {"dpo": dpo_term, "nll": nll_term}, {"dpo": 1.0, "nll": rpo_alpha}
-                )
-                sums = {"nll_loss": (jax.lax.stop_gradient(nll_term), jnp.zeros((), jnp.float32))}
-            if rc is None:
-                rw, rl = jax.vmap(lambda a, b: dpo_implicit_rewards(a, b, beta=beta))(c, r)
-            else:
-                rw, rl = jax.vmap(lambda a, b, x, y: dpo_implicit_rewards(a, b, x, y, beta=beta))(
-                    c, r, rc, rr
-                )
-            sg = jax.lax.stop_gradient
-            sums["logits/chosen"] = (sg(jnp.sum(c_logit)), jnp.sum(cm).astype(jnp.float32))
-            sums["logits/rejected"] = (sg(jnp.sum(r_logit)), jnp.sum(rm).astype(jnp.float32))
-            rows = {"c": sg(c), "r": sg(r), "rw": sg(rw), "rl": sg(rl)}
-            return total, (sums, rows)
-
-        loss, grads, sums, rows = accumulate_gradients(
-            contribution, params, batch, micro_batches=micro_batches, key=key
-        )
-        params, opt_state, opt_metrics = apply_optimizer(optimizer, params, opt_state, grads)
-        metrics = {"loss": loss, **sums_to_means(sums)}
-        rw, rl = rows["rw"], rows["rl"]
-        metrics.update(
-            {
-                "rewards/chosen": jnp.mean(rw),
-                "rewards/rejected": jnp.mean(rl),
-                "rewards/margins": jnp.mean(rw - rl),
-                "rewards/accuracies": jnp.mean((rw > rl).astype(jnp.float32)),
-                "logps/chosen": jnp.mean(rows["c"]),
-                "logps/rejected": jnp.mean(rows["r"]),
-                **opt_metrics,
-            }
-        )
-        return params, opt_state, metrics
-
-    jitted = make_jitted(update, donate=donate)
-
-    def step(
-        params: PyTree,
-        opt_state: Any,
-        batch: PreferenceBatch,
-        *,
-        frozen: PyTree = None,
-        reference: PyTree = None,
-        key: PRNGKeyArray | None = None,
-    ) -> tuple[PyTree, Any, dict]:
-        return jitted((batch, frozen, reference, key), params, opt_state)
-
-    return step
+    return make_step(
+        dpo_loss_fn(
+            beta=beta,
+            loss_type=loss_type,
+            label_smoothing=label_smoothing,
+            reference=reference,
+            rpo_alpha=rpo_alpha,
+            loss_kwargs=loss_kwargs,
+        ),
+        optimizer,
+        micro_batches=micro_batches,
+        axis_name=axis_name,
+        donate=donate,
+        nonfinite=nonfinite,
+        check_token_ids=check_token_ids,
+        batch_type=PreferenceBatch,
+        extras=("reference",),
+    )

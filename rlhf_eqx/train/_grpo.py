@@ -1,7 +1,6 @@
 """GRPO-family step: group-relative advantages and the clipped token/sequence-level loss."""
 
-from collections.abc import Callable
-from typing import Any, Literal
+from typing import Literal
 
 import equinox as eqx
 import jax
@@ -15,19 +14,12 @@ from ..losses import (
     group_advantages,
     grpo_policy_loss,
     mask_truncated,
-    safe_divide,
 )
 from ..ops import entropy_from_logits, logprobs_from_logits, masked_sum
-from ._accumulate import (
-    accumulate_gradients,
-    apply_optimizer,
-    make_jitted,
-    sums_to_means,
-    vmap_model,
-)
+from ._accumulate import vmap_model
 from ._state import combine
-
-__all__ = ["GRPOBatch", "grpo_advantages", "make_grpo_step"]
+from ._step import LossFn, NonFinite, PrepareFn, Step, make_step
+from ._validate import check_aggregation, check_choice, check_number, check_positive_int
 
 
 class GRPOBatch(eqx.Module):
@@ -54,46 +46,207 @@ class GRPOBatch(eqx.Module):
     truncated: Bool[Array, " B"] | None = None
 
 
+AdvantageScale = Literal["group", "batch", "none"]
+
+
 def grpo_advantages(
     rewards: Float[Array, " B"],
     *,
     group_size: int,
-    scale: Literal["group", "batch", "none"] = "group",
+    scale: AdvantageScale = "group",
     eps: float = 1e-4,
+    axis_name: str | None = None,
 ) -> Float[Array, " B"]:
     """Group-relative advantages of a flat batch whose consecutive `group_size` rows share
     a prompt: `group_advantages` on the rewards reshaped to `[B / G, G]`, flattened back.
+
+    With `axis_name` (inside `jax.pmap`), `scale="batch"` divides by the standard
+    deviation of the rewards of **every** device, as on one device with the whole batch;
+    groups never straddle devices, so the other scales are local.
     """
+    check_positive_int("group_size", group_size)
     (B,) = rewards.shape
     if B % group_size != 0:
         raise ValueError(f"batch size {B} is not a multiple of group_size={group_size}")
     grouped = rewards.reshape(B // group_size, group_size)
-    return group_advantages(grouped, scale=scale, eps=eps).reshape(B)
+    if scale != "batch" or axis_name is None:
+        return group_advantages(grouped, scale=scale, eps=eps).reshape(B)
+    centred = group_advantages(grouped, scale="none").reshape(B)
+    n, s = jax.lax.psum((jnp.asarray(B, rewards.dtype), jnp.sum(rewards)), axis_name)
+    ss = jax.lax.psum(jnp.sum(jnp.square(rewards - s / n)), axis_name)
+    var = ss / jnp.maximum(n - 1, 1)
+    positive = (var > 0) & (n > 1)
+    std = jnp.where(positive, jnp.sqrt(jnp.where(positive, var, 1.0)), 0.0)
+    return centred / (std + eps)
+
+
+def _grpo_prepare(
+    *, group_size: int, scale: AdvantageScale, mask_truncated_completions: bool
+) -> PrepareFn:
+    """Advantages from the rewards of the whole (per-device) batch, the loss mask, and the
+    reward metrics; the result goes in `batch.advantages` / `batch.completion_mask`."""
+    f32 = jnp.float32
+
+    def prepare(batch: GRPOBatch, axis_name: str | None):
+        if batch.advantages is not None:
+            adv = batch.advantages.astype(f32)
+        elif batch.rewards is not None:
+            adv = grpo_advantages(
+                batch.rewards.astype(f32), group_size=group_size, scale=scale, axis_name=axis_name
+            )
+        else:
+            raise ValueError("GRPOBatch needs `rewards` or `advantages`")
+        loss_mask = batch.completion_mask & batch.mask
+        if mask_truncated_completions:
+            if batch.truncated is None:
+                raise ValueError("mask_truncated_completions=True needs batch.truncated")
+            loss_mask = jax.vmap(mask_truncated)(loss_mask, batch.truncated)
+        n = jnp.asarray(adv.shape[0], f32)
+        sums = {"advantages/mean": (jnp.sum(adv), n), "advantages/_sq": (jnp.sum(adv * adv), n)}
+        if batch.rewards is not None:
+            rewards = batch.rewards.astype(f32)
+            if rewards.shape[0] % group_size != 0:
+                raise ValueError(
+                    f"batch size {rewards.shape[0]} is not a multiple of group_size={group_size}"
+                )
+            grouped = rewards.reshape(-1, group_size)
+            g = jnp.asarray(grouped.shape[0], f32)
+            if group_size > 1:
+                std = jnp.std(grouped, axis=-1, ddof=1)
+            else:
+                std = jnp.zeros(grouped.shape[:1], f32)
+            sums["reward"] = (jnp.sum(rewards), n)
+            sums["reward_std"] = (jnp.sum(std), g)
+            zero_std = jnp.all(grouped == grouped[:, :1], axis=-1)
+            sums["frac_reward_zero_std"] = (jnp.sum(zero_std.astype(f32)), g)
+        batch = eqx.tree_at(
+            lambda b: (b.advantages, b.completion_mask), batch, (adv, loss_mask),
+            is_leaf=lambda x: x is None,
+        )
+        return batch, sums
+
+    return prepare
+
+
+def grpo_loss(
+    *,
+    clip_eps: float | Float[Array, ""] = 0.2,
+    clip_eps_high: float | Float[Array, ""] | None = None,
+    importance: Literal["token", "sequence"] = "token",
+    beta: float | Float[Array, ""] = 0.0,
+    delta: float | None = None,
+    mode: AggregationMode = "seq-mean-token-mean",
+    constant: float | None = None,
+    temperature: float = 1.0,
+) -> LossFn:
+    """The GRPO-family loss function for `make_step` on a prepared `GRPOBatch` (advantages
+    filled, `completion_mask` the loss mask); `frozen` is `(frozen_part, reference_model)`."""
+    check_number("clip_eps", clip_eps, low=0.0, low_open=True)
+    check_number("clip_eps_high", clip_eps_high, low=0.0, low_open=True, allow_none=True)
+    check_choice("importance", importance, ("token", "sequence"))
+    check_number("beta", beta, low=0.0)
+    check_number("delta", delta, low=1.0, low_open=True, allow_none=True)
+    check_number("temperature", temperature, low=0.0, low_open=True)
+    check_aggregation(mode, constant)
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    uses_kl = not (isinstance(beta, int | float) and beta == 0)
+    f32 = jnp.float32
+
+    def logprobs(model, batch, key):
+        logits = vmap_model(model, batch.tokens, batch.mask, key)
+        logp = jax.vmap(
+            lambda lg, t, m: logprobs_from_logits(lg, t, m, temperature=temperature)
+        )(logits, batch.tokens, batch.mask)
+        return logits, logp
+
+    def loss_fn(params: PyTree, frozen: PyTree, batch: GRPOBatch, key: PRNGKeyArray | None):
+        frozen_part, ref_model = frozen
+        need_ref = uses_kl and batch.ref_logp is None
+        if need_ref and ref_model is None:
+            raise ValueError("beta != 0 needs batch.ref_logp or the step's `reference=` model")
+        m = batch.completion_mask
+        logits, logp = logprobs(combine(params, frozen_part), batch, key)
+        old_logp = jax.lax.stop_gradient(logp) if batch.old_logp is None else batch.old_logp
+        ref_logp = batch.ref_logp
+        if need_ref:
+            ref_logp = logprobs(ref_model, batch, None)[1]
+        if ref_logp is not None:
+            ref_logp = jax.lax.stop_gradient(ref_logp.astype(f32))
+
+        def one(lp, olp, adv_i, mi, rlp):
+            return grpo_policy_loss(
+                lp, olp, adv_i, mi,
+                clip_eps_low=clip_eps,
+                clip_eps_high=eps_high,
+                importance=importance,
+                ref_logp=rlp,
+                beta=beta,
+                delta=delta,
+            )
+
+        adv = batch.advantages
+        if ref_logp is None:
+            per_token, stats = jax.vmap(lambda a, b, c, d: one(a, b, c, d, None))(
+                logp, old_logp.astype(f32), adv, m
+            )
+        else:
+            per_token, stats = jax.vmap(one)(logp, old_logp.astype(f32), adv, m, ref_logp)
+        num, den = aggregate_parts(per_token, m, mode=mode, constant=constant)
+        ent = jax.vmap(lambda lg, mk: entropy_from_logits(lg, mk, temperature=temperature))(
+            logits, batch.mask
+        )
+        n = jnp.sum(m).astype(f32)
+        metrics = {
+            "clip_ratio": (masked_sum(stats["clipped"], m), n),
+            "clip_ratio/low_mean": (masked_sum(stats["clipped_low"], m), n),
+            "clip_ratio/high_mean": (masked_sum(stats["clipped_high"], m), n),
+            "kl": (masked_sum(stats["kl"], m), n),
+            "entropy": (masked_sum(ent, m), n),
+        }
+        return {"policy": num}, {"policy": den}, metrics
+
+    return loss_fn
+
+
+def _advantage_std(metrics, grads):
+    del grads
+    metrics = dict(metrics)
+    sq = metrics.pop("advantages/_sq")
+    mean = metrics.pop("advantages/mean")
+    metrics["advantages/std"] = jnp.sqrt(jnp.maximum(sq - jnp.square(mean), 0.0))
+    return metrics
 
 
 def make_grpo_step(
     optimizer: optax.GradientTransformation,
     *,
     group_size: int,
-    scale: Literal["group", "batch", "none"] = "group",
-    clip_eps_low: float = 0.2,
-    clip_eps_high: float | None = None,
+    scale: AdvantageScale = "group",
+    clip_eps: float | Float[Array, ""] = 0.2,
+    clip_eps_high: float | Float[Array, ""] | None = None,
     importance: Literal["token", "sequence"] = "token",
-    beta: float = 0.0,
+    beta: float | Float[Array, ""] = 0.0,
     delta: float | None = None,
     mode: AggregationMode = "seq-mean-token-mean",
     constant: float | None = None,
     mask_truncated_completions: bool = False,
+    temperature: float = 1.0,
     micro_batches: int = 1,
-    donate: bool = True,
-) -> Callable[..., tuple[PyTree, Any, dict]]:
+    axis_name: str | None = None,
+    donate: bool = False,
+    nonfinite: NonFinite = "skip",
+    check_token_ids: int | None = None,
+) -> Step:
     r"""Build the GRPO-family update (Shao et al. 2024; TRL `GRPOTrainer`).
 
     Advantages are computed once on the **full** batch (`grpo_advantages` of
-    `batch.rewards`, or `batch.advantages` as given); the loss is
-    `aggregate_mode(grpo_policy_loss(...))` over the completion tokens. Variants:
+    `batch.rewards`, or `batch.advantages` as given; with `axis_name`, `scale="batch"`
+    uses the rewards of every device); the loss is
+    `aggregate_mode(grpo_policy_loss(...))` over the completion tokens. Log-probabilities
+    and entropies are taken at the sampling `temperature` (logits / T), which must be
+    the one the completions were sampled at. Variants:
 
-    - DAPO (Yu et al. 2025): `clip_eps_high > clip_eps_low` (clip-higher),
+    - DAPO (Yu et al. 2025): `clip_eps_high > clip_eps` (clip-higher),
       `mode="token-mean"`, `mask_truncated_completions=True` (overlong filtering);
     - Dr.GRPO (Liu et al. 2025): `scale="none"`, `mode="seq-mean-token-sum-norm"`
       with `constant` = the maximum completion length;
@@ -101,11 +254,13 @@ def make_grpo_step(
     - KL to a reference: `beta > 0` (k3 estimator; reference log-probabilities from
       `batch.ref_logp`, or from the step's `reference=` model when that is `None`).
 
-    **Arguments:** `group_size` $G$ (rows `i*G : (i+1)*G` share a prompt), `scale`
-    (see `group_advantages`), `clip_eps_low`, `clip_eps_high` (`None`: same as low),
-    `importance`, `beta`, `delta` (see `grpo_policy_loss`), `mode` / `constant` (see
-    `aggregate_parts`), `mask_truncated_completions`, `micro_batches`, `donate` (see
-    `make_sft_step`).
+    **Arguments:** `group_size` $G$ (rows `i*G : (i+1)*G` share a prompt; per device
+    under `pmap`), `scale` (see `group_advantages`), `clip_eps`, `clip_eps_high`
+    (`None`: same as `clip_eps`), `importance`, `beta`, `delta` (see
+    `grpo_policy_loss`), `mode` / `constant` (see `aggregate_parts`),
+    `mask_truncated_completions`, `temperature`; `micro_batches`, `axis_name`,
+    `donate`, `nonfinite`, `check_token_ids` (see `make_step`). Invalid values raise
+    `ValueError` here, at build time.
 
     **Returns:**
 
@@ -117,107 +272,36 @@ def make_grpo_step(
     one `eqx.filter_jit` region. Metrics (token means over the completion tokens that
     count): `loss`, `clip_ratio` (and `clip_ratio/low_mean`, `clip_ratio/high_mean`),
     `kl` (k3 to the reference, 0 without one), `entropy`, `reward` (mean), `reward_std`
-    (mean of the per-group standard deviations, as TRL),
-    `advantages/std`, `grad_norm`, `learning_rate`.
+    (mean of the per-group standard deviations, as TRL), `frac_reward_zero_std`
+    (fraction of groups whose rewards are all equal: they carry no signal),
+    `advantages/std`, `grad_norm`, `learning_rate`, `nonfinite`.
     """
-    eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
-
-    def update(rest, params, opt_state):
-        batch, frozen, ref_model, key = rest
-        if batch.advantages is not None:
-            adv = batch.advantages.astype(jnp.float32)
-        elif batch.rewards is not None:
-            adv = grpo_advantages(batch.rewards.astype(jnp.float32), group_size=group_size, scale=scale)
-        else:
-            raise ValueError("GRPOBatch needs `rewards` or `advantages`")
-        loss_mask = batch.completion_mask & batch.mask
-        if mask_truncated_completions:
-            if batch.truncated is None:
-                raise ValueError("mask_truncated_completions=True needs batch.truncated")
-            loss_mask = jax.vmap(mask_truncated)(loss_mask, batch.truncated)
-        need_ref = beta != 0.0 and batch.ref_logp is None
-        if need_ref and ref_model is None:
-            raise ValueError("beta != 0 needs batch.ref_logp or the step's `reference=` model")
-        _, denom = aggregate_parts(
-            jnp.zeros(loss_mask.shape, jnp.float32), loss_mask, mode=mode, constant=constant
-        )
-        parts = (batch.tokens, batch.mask, loss_mask, adv, batch.old_logp, batch.ref_logp)
-
-        def contribution(p, mb, k):
-            tokens, mask, m, a, old_logp, ref_logp = mb
-            model = combine(p, frozen)
-            logits = vmap_model(model, tokens, mask, k)
-            logp = jax.vmap(logprobs_from_logits)(logits, tokens, mask)
-            if old_logp is None:
-                old_logp = jax.lax.stop_gradient(logp)
-            if need_ref:
-                ref_logits = vmap_model(ref_model, tokens, mask, None)
-                ref_logp = jax.vmap(logprobs_from_logits)(ref_logits, tokens, mask)
-            if ref_logp is not None:
-                ref_logp = jax.lax.stop_gradient(ref_logp.astype(jnp.float32))
-
-            def one(lp, olp, adv_i, mi, rlp):
-                return grpo_policy_loss(
-                    lp,
-                    olp,
-                    adv_i,
-                    mi,
-                    clip_eps_low=clip_eps_low,
-                    clip_eps_high=eps_high,
-                    importance=importance,
-                    ref_logp=rlp,
-                    beta=beta,
-                    delta=delta,
-                )
-
-            if ref_logp is None:
-                per_token, stats = jax.vmap(lambda a_, b_, c_, d_: one(a_, b_, c_, d_, None))(
-                    logp, old_logp.astype(jnp.float32), a, m
-                )
-            else:
-                per_token, stats = jax.vmap(one)(logp, old_logp.astype(jnp.float32), a, m, ref_logp)
-            num, _ = aggregate_parts(per_token, m, mode=mode, constant=constant)
-            ent = jax.vmap(entropy_from_logits)(logits, m)
-            n = jnp.sum(m).astype(jnp.float32)
-            sg = jax.lax.stop_gradient
-            sums = {
-                "clip_ratio": (masked_sum(stats["clipped"], m), n),
-                "clip_ratio/low_mean": (masked_sum(stats["clipped_low"], m), n),
-                "clip_ratio/high_mean": (masked_sum(stats["clipped_high"], m), n),
-                "kl": (sg(masked_sum(stats["kl"], m)), n),
-                "entropy": (sg(masked_sum(ent, m)), n),
-            }
-            return safe_divide(num, denom), (sums, {})
-
-        loss, grads, sums, _ = accumulate_gradients(
-            contribution, params, parts, micro_batches=micro_batches, key=key
-        )
-        params, opt_state, opt_metrics = apply_optimizer(optimizer, params, opt_state, grads)
-        metrics = {"loss": loss}
-        metrics.update(sums_to_means(sums))
-        if batch.rewards is not None:
-            rewards = batch.rewards.astype(jnp.float32)
-            metrics["reward"] = jnp.mean(rewards)
-            if group_size > 1:
-                grouped = rewards.reshape(-1, group_size)
-                metrics["reward_std"] = jnp.mean(jnp.std(grouped, axis=-1, ddof=1))
-            else:
-                metrics["reward_std"] = jnp.zeros((), jnp.float32)
-        metrics["advantages/std"] = jnp.std(adv)
-        metrics.update(opt_metrics)
-        return params, opt_state, metrics
-
-    jitted = make_jitted(update, donate=donate)
-
-    def step(
-        params: PyTree,
-        opt_state: Any,
-        batch: GRPOBatch,
-        *,
-        frozen: PyTree = None,
-        reference: PyTree = None,
-        key: PRNGKeyArray | None = None,
-    ) -> tuple[PyTree, Any, dict]:
-        return jitted((batch, frozen, reference, key), params, opt_state)
-
-    return step
+    check_positive_int("group_size", group_size)
+    check_choice("scale", scale, ("group", "batch", "none"))
+    loss_fn = grpo_loss(
+        clip_eps=clip_eps,
+        clip_eps_high=clip_eps_high,
+        importance=importance,
+        beta=beta,
+        delta=delta,
+        mode=mode,
+        constant=constant,
+        temperature=temperature,
+    )
+    return make_step(
+        loss_fn,
+        optimizer,
+        micro_batches=micro_batches,
+        axis_name=axis_name,
+        donate=donate,
+        nonfinite=nonfinite,
+        check_token_ids=check_token_ids,
+        prepare=_grpo_prepare(
+            group_size=group_size,
+            scale=scale,
+            mask_truncated_completions=mask_truncated_completions,
+        ),
+        metrics_fn=_advantage_std,
+        batch_type=GRPOBatch,
+        extras=("reference",),
+    )

@@ -1,6 +1,7 @@
 """Optimisers and learning-rate schedules (Optax): AdamW, warmup + decay, global-norm clipping."""
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, PyTree
 
-__all__ = ["ScheduleName", "make_schedule", "make_optimizer", "learning_rate_from_state"]
+from ._validate import check_choice, check_number, check_positive_int, is_traced_or_array
 
 ScheduleName = Literal["cosine", "constant", "linear"]
 _SCHEDULES = ("cosine", "constant", "linear")
@@ -17,7 +18,7 @@ _SCHEDULES = ("cosine", "constant", "linear")
 
 def make_schedule(
     *,
-    learning_rate: float,
+    learning_rate: float | Float[Array, ""],
     total_steps: int,
     warmup_ratio: float = 0.0,
     schedule: ScheduleName = "cosine",
@@ -35,17 +36,19 @@ def make_schedule(
     These are Hugging Face `transformers`' `get_cosine_schedule_with_warmup`,
     `get_linear_schedule_with_warmup` and `get_constant_schedule_with_warmup` (TRL's
     `lr_scheduler_type`). The returned `optax.Schedule` maps a step count to a float32
-    scalar (jittable; safe under strict dtype promotion).
+    scalar (jittable; safe under strict dtype promotion). `learning_rate` may be a JAX
+    array (e.g. traced, to `jax.vmap` a whole run over learning rates).
     """
-    if schedule not in _SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; expected one of {_SCHEDULES}")
-    if total_steps <= 0:
-        raise ValueError(f"total_steps must be positive, got {total_steps}")
-    if not 0.0 <= warmup_ratio < 1.0:
-        raise ValueError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}")
+    check_choice("schedule", schedule, _SCHEDULES)
+    check_positive_int("total_steps", total_steps)
+    check_number("warmup_ratio", warmup_ratio, low=0.0, high=1.0, high_open=True)
+    check_number("learning_rate", learning_rate, low=0.0)
     warmup = int(math.ceil(warmup_ratio * total_steps))
     decay_steps = max(total_steps - warmup, 1)
-    peak = float(learning_rate)
+    if is_traced_or_array(learning_rate):
+        peak = jnp.asarray(learning_rate).astype(jnp.float32)
+    else:
+        peak = float(learning_rate)
 
     def lr(count):
         s = jnp.asarray(count).astype(jnp.float32)
@@ -63,16 +66,46 @@ def make_schedule(
     return lr
 
 
-def _matrices_only(params: PyTree) -> PyTree:
-    return jax.tree.map(lambda x: getattr(x, "ndim", 0) >= 2, params)
+# Leaves never decayed, by name: norm weights (also when stacked `[L, D]`), biases
+# (`bias`, Qwen2's fused `bqkv`), norm/scale vectors and scalar heads.
+_NO_DECAY = re.compile(r"(norm|bias|^bqkv$|scale)", re.IGNORECASE)
+
+
+def _path_names(path) -> list[str]:
+    names = []
+    for entry in path:
+        name = getattr(entry, "name", None)
+        if name is None:
+            name = getattr(entry, "key", None)
+        if isinstance(name, str):
+            names.append(name)
+    return names
+
+
+def decay_mask(params: PyTree) -> PyTree:
+    """Which leaves get weight decay: weight matrices and embeddings, decided by name.
+
+    A leaf is decayed when it has at least two dimensions **and** no name on its path
+    (module field or dict key) names a norm, a bias or a scale (`attn_norm`,
+    `final_norm`, `bias`, `bqkv`, ...). Stacked layers make norm weights and biases
+    `[L, D]`, so the rank alone cannot tell (Hugging Face and TRL exclude `bias` and
+    norm weights by name too).
+    """
+
+    def decide(path, x):
+        if getattr(x, "ndim", 0) < 2:
+            return False
+        return not any(_NO_DECAY.search(n) for n in _path_names(path))
+
+    return jax.tree_util.tree_map_with_path(decide, params)
 
 
 def make_optimizer(
     *,
-    learning_rate: float,
+    learning_rate: float | Float[Array, ""],
     total_steps: int,
     warmup_ratio: float = 0.0,
-    weight_decay: float = 0.0,
+    weight_decay: float | Float[Array, ""] = 0.0,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
@@ -110,27 +143,33 @@ def make_optimizer(
     - `max_grad_norm`: clip the gradient to this global norm; `None` disables clipping.
     - `schedule`: `"cosine"`, `"linear"` or `"constant"` after the warmup.
     - `weight_decay_mask`: which parameters are decayed (a pytree of bools or a function
-      of the parameters returning one). Default: every array with at least two
-      dimensions (weight matrices and embeddings; not norms, biases or scalar heads).
+      of the parameters returning one). Default: `decay_mask` (weight matrices and
+      embeddings, by name; not norms, biases or scalar heads, stacked or not).
+
+    `learning_rate` and `weight_decay` may be JAX arrays (also traced: a whole run can
+    be `jax.vmap`-ed over them); Python numbers are validated here.
 
     **Returns:** an `optax.GradientTransformation`. Initialise it on the trainable
     arrays: `optimizer.init(eqx.filter(params, eqx.is_inexact_array))` (or use
     `init_train_state`).
     """
-    if max_grad_norm is not None and max_grad_norm <= 0:
-        raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm}")
+    check_number("max_grad_norm", max_grad_norm, low=0.0, low_open=True, allow_none=True)
+    check_number("weight_decay", weight_decay, low=0.0)
+    check_number("b1", b1, low=0.0, high=1.0, high_open=True)
+    check_number("b2", b2, low=0.0, high=1.0, high_open=True)
+    check_number("eps", eps, low=0.0)
     lr = make_schedule(
         learning_rate=learning_rate,
         total_steps=total_steps,
         warmup_ratio=warmup_ratio,
         schedule=schedule,
     )
-    mask = _matrices_only if weight_decay_mask is None else weight_decay_mask
+    mask = decay_mask if weight_decay_mask is None else weight_decay_mask
     parts = []
     if max_grad_norm is not None:
         parts.append(optax.clip_by_global_norm(max_grad_norm))
     parts.append(optax.scale_by_adam(b1=b1, b2=b2, eps=eps))
-    if weight_decay != 0.0:
+    if is_traced_or_array(weight_decay) or weight_decay != 0.0:
         parts.append(optax.add_decayed_weights(weight_decay, mask))
     parts.append(optax.inject_hyperparams(optax.scale_by_learning_rate)(learning_rate=lr))
     return optax.chain(*parts)

@@ -1,7 +1,7 @@
 """PPO step (policy + value), the rollout batch it consumes, and advantage computation."""
 
 from collections.abc import Callable
-from typing import Any
+from typing import get_args
 
 import equinox as eqx
 import jax
@@ -18,20 +18,18 @@ from ..losses import (
     kl_shaped_rewards,
     ppo_policy_loss,
     ppo_value_loss,
-    safe_divide,
     whiten_advantages,
 )
-from ..ops import entropy_from_logits, logprobs_from_logits, masked_mean, masked_sum, previous_real_index
-from ._accumulate import (
-    accumulate_gradients,
-    apply_optimizer,
-    make_jitted,
-    sums_to_means,
-    vmap_model,
+from ..ops import (
+    entropy_from_logits,
+    logprobs_from_logits,
+    masked_sum,
+    previous_real_index,
 )
+from ._accumulate import vmap_model
 from ._state import combine
-
-__all__ = ["PPOBatch", "token_values", "compute_advantages", "prepare_ppo_batch", "make_ppo_step"]
+from ._step import LossFn, NonFinite, Step, make_step
+from ._validate import check_aggregation, check_choice, check_number
 
 
 class PPOBatch(eqx.Module):
@@ -135,13 +133,19 @@ def _policy_and_values(model, frozen, tokens, mask, key):
     return logits, values
 
 
+def _logprobs(logits, tokens, mask, temperature):
+    return jax.vmap(lambda lg, t, m: logprobs_from_logits(lg, t, m, temperature=temperature))(
+        logits, tokens, mask
+    )
+
+
 @eqx.filter_jit
 def _prepare(model, reference, tokens, mask, completion_mask, scores, kl_coef, settings):
-    gamma, lam, kl_kind, whiten = settings
+    gamma, lam, kl_kind, whiten, temperature = settings
     logits, values = _policy_and_values(model, None, tokens, mask, None)
-    logp = jax.vmap(logprobs_from_logits)(logits, tokens, mask)
+    logp = _logprobs(logits, tokens, mask, temperature)
     ref_logits = vmap_model(reference, tokens, mask, None)
-    ref_logp = jax.vmap(logprobs_from_logits)(ref_logits, tokens, mask)
+    ref_logp = _logprobs(ref_logits, tokens, mask, temperature)
     m = completion_mask & mask
     adv, ret, stats = compute_advantages(
         scores, logp, ref_logp, values, m,
@@ -173,46 +177,152 @@ def prepare_ppo_batch(
     lam: float = 0.95,
     kl_kind: KLKind = "k1",
     whiten: bool = True,
+    temperature: float = 1.0,
 ) -> tuple[PPOBatch, dict[str, Float[Array, ""]]]:
     """Turn sampled sequences and their scores into a `PPOBatch` (one jitted pass).
 
     `model` is the `(policy, value_model)` pair (or one model returning
     `(logits, values)`), as used by `make_ppo_step`; `reference` the frozen reference
-    policy. Computes the sampling policy's token log-probabilities, the token-aligned
-    values and the reference log-probabilities, then `compute_advantages`.
+    policy. Computes the sampling policy's token log-probabilities and the reference's
+    at the sampling `temperature` (logits / T, as `rlhf_eqx.generate` reports them, so
+    an on-policy ratio is exactly 1), the token-aligned values, then
+    `compute_advantages`. Pass the same `temperature` to `make_ppo_step`.
 
     **Returns:** `(batch, stats)`; `stats` as `compute_advantages`.
     """
+    check_number("kl_coef", kl_coef, low=0.0)
+    check_number("gamma", gamma, low=0.0, high=1.0)
+    check_number("lam", lam, low=0.0, high=1.0)
+    check_number("temperature", temperature, low=0.0, low_open=True)
+    check_choice("kl_kind", kl_kind, get_args(KLKind))
     coef = jnp.asarray(kl_coef, jnp.float32)
     return _prepare(
         model, reference, tokens, mask, completion_mask, scores.astype(jnp.float32), coef,
-        (gamma, lam, kl_kind, whiten),
+        (gamma, lam, kl_kind, whiten, float(temperature)),
     )
+
+
+def ppo_loss(
+    *,
+    clip_eps: float | Float[Array, ""] = 0.2,
+    clip_eps_high: float | Float[Array, ""] | None = None,
+    dual_clip: float | None = None,
+    vf_coef: float | Float[Array, ""] = 0.1,
+    vf_clip_eps: float | Float[Array, ""] | None = 0.2,
+    ent_coef: float | Float[Array, ""] = 0.0,
+    mode: AggregationMode = "token-mean",
+    constant: float | None = None,
+    temperature: float = 1.0,
+) -> LossFn:
+    r"""The PPO loss function (policy + value + entropy) for `make_step` on a `PPOBatch`.
+
+    Numerators `policy`, `value` (× `vf_coef`) and `entropy` (× −`ent_coef`, when
+    non-zero) share the aggregation denominator of `mode` over the completion tokens.
+    """
+    check_number("clip_eps", clip_eps, low=0.0, low_open=True)
+    check_number("clip_eps_high", clip_eps_high, low=0.0, low_open=True, allow_none=True)
+    check_number("dual_clip", dual_clip, low=1.0, low_open=True, allow_none=True)
+    check_number("vf_coef", vf_coef, low=0.0)
+    check_number("vf_clip_eps", vf_clip_eps, low=0.0, low_open=True, allow_none=True)
+    check_number("ent_coef", ent_coef)
+    check_number("temperature", temperature, low=0.0, low_open=True)
+    check_aggregation(mode, constant)
+    use_entropy = not (isinstance(ent_coef, int | float) and ent_coef == 0)
+    f32 = jnp.float32
+
+    def loss_fn(params: PyTree, frozen: PyTree, batch: PPOBatch, key: PRNGKeyArray | None):
+        m = batch.completion_mask & batch.mask
+        logits, values = _policy_and_values(params, frozen, batch.tokens, batch.mask, key)
+        logp = _logprobs(logits, batch.tokens, batch.mask, temperature)
+        pg, stats = jax.vmap(
+            lambda a, b, c, d: ppo_policy_loss(
+                a, b, c, d, clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip
+            )
+        )(logp, batch.old_logp, batch.advantages, m)
+        vf, vclipped = jax.vmap(
+            lambda a, b, c, d: ppo_value_loss(a, b, c, d, clip_range=vf_clip_eps)
+        )(values, batch.old_values, batch.returns, m)
+        # The entropy of the distribution each completion token was sampled from: the
+        # predecessor is found from the real-token mask, then the completion is kept.
+        ent = jax.vmap(lambda lg, mk: entropy_from_logits(lg, mk, temperature=temperature))(
+            logits, batch.mask
+        )
+        ent = jnp.where(m, ent, jnp.zeros_like(ent))
+        pg_num, den = aggregate_parts(pg, m, mode=mode, constant=constant)
+        vf_num, _ = aggregate_parts(vf, m, mode=mode, constant=constant)
+        nums = {"policy": pg_num, "value": vf_coef * vf_num}
+        dens = {"policy": den, "value": den}
+        if use_entropy:
+            ent_num, _ = aggregate_parts(ent, m, mode=mode, constant=constant)
+            nums["entropy"], dens["entropy"] = -ent_coef * ent_num, den
+        n = jnp.sum(m).astype(f32)
+        metrics = {
+            "policy/clipfrac": (masked_sum(stats["clipped"], m), n),
+            "policy/approxkl": (masked_sum(stats["approx_kl"], m), n),
+            "policy/ratio": (masked_sum(stats["ratio"], m), n),
+            "policy/entropy": (masked_sum(ent, m), n),
+            "val/clipfrac": (masked_sum(vclipped, m), n),
+            "val/vpred": (masked_sum(values, m), n),
+            "val/error": (masked_sum(jnp.square(values - batch.returns), m), n),
+        }
+        return nums, dens, metrics
+
+    return loss_fn
+
+
+def _pair_optimizer(
+    policy_opt: optax.GradientTransformation, value_opt: optax.GradientTransformation
+) -> optax.GradientTransformation:
+    """Apply `policy_opt` to `params[0]` and `value_opt` to `params[1]` (separately clipped)."""
+
+    def init(params):
+        return (policy_opt.init(params[0]), value_opt.init(params[1]))
+
+    def update(grads, state, params=None):
+        p0, p1 = (None, None) if params is None else params
+        u0, s0 = policy_opt.update(grads[0], state[0], p0)
+        u1, s1 = value_opt.update(grads[1], state[1], p1)
+        return (u0, u1), (s0, s1)
+
+    return optax.GradientTransformation(init, update)
+
+
+def _pair_grad_norms(metrics, grads):
+    metrics = dict(metrics)
+    metrics["grad_norm/policy"] = optax.tree.norm(grads[0]).astype(jnp.float32)
+    metrics["grad_norm/value"] = optax.tree.norm(grads[1]).astype(jnp.float32)
+    return metrics
 
 
 def make_ppo_step(
     optimizer: optax.GradientTransformation,
     *,
     value_optimizer: optax.GradientTransformation | None = None,
-    clip_eps: float = 0.2,
-    clip_eps_high: float | None = None,
+    clip_eps: float | Float[Array, ""] = 0.2,
+    clip_eps_high: float | Float[Array, ""] | None = None,
     dual_clip: float | None = None,
-    vf_coef: float = 0.1,
-    vf_clip: float | None = 0.2,
-    ent_coef: float = 0.0,
+    vf_coef: float | Float[Array, ""] = 0.1,
+    vf_clip_eps: float | Float[Array, ""] | None = 0.2,
+    ent_coef: float | Float[Array, ""] = 0.0,
     mode: AggregationMode = "token-mean",
     constant: float | None = None,
+    temperature: float = 1.0,
     micro_batches: int = 1,
-    donate: bool = True,
-) -> Callable[..., tuple[PyTree, Any, dict]]:
+    axis_name: str | None = None,
+    donate: bool = False,
+    nonfinite: NonFinite = "skip",
+    check_token_ids: int | None = None,
+) -> Step:
     r"""Build the PPO update of the policy and the critic (Schulman et al. 2017; TRL `PPOTrainer`).
 
     $$\mathcal L = \mathrm{agg}\big(\ell^{\rm clip}_t\big) + c_v\,\mathrm{agg}\big(\ell^{V}_t\big) - c_e\,\mathrm{agg}\big(H_t\big)$$
 
     with `ppo_policy_loss` (clipped surrogate; `clip_eps_high` for clip-higher,
-    `dual_clip`), `ppo_value_loss` (clipped at `vf_clip` around `batch.old_values`,
-    includes the ½), the entropy $H_t$ of the policy's next-token distribution, and
-    `agg` the aggregation `mode` over `batch.completion_mask`.
+    `dual_clip`), `ppo_value_loss` (clipped at `vf_clip_eps` around `batch.old_values`,
+    includes the ½), the entropy $H_t$ of the distribution token $t$ was sampled from,
+    and `agg` the aggregation `mode` over `batch.completion_mask`. Log-probabilities and
+    entropies are taken at the sampling `temperature` (logits / T; TRL divides by
+    `temperature` too), which must be the one the rollout was sampled at.
 
     Two layouts:
 
@@ -224,93 +334,55 @@ def make_ppo_step(
       optimiser (separately clipped).
 
     `frozen` has the same layout as `params` (a pair of frozen parts, or `None`).
+    See `make_step` for `micro_batches`, `axis_name`, `donate`, `nonfinite`,
+    `check_token_ids`. Invalid values raise `ValueError` here, at build time.
 
     **Returns:** `step(params, opt_state, batch: PPOBatch, *, frozen=None, key=None) ->
     (params, opt_state, metrics)`, one `eqx.filter_jit` region. Metrics (masked means
-    over the completion tokens): `loss`, `loss/policy`, `loss/value`, `policy/clipfrac`,
+    over the completion tokens): `loss`, `loss/policy`, `loss/value` (× `vf_coef`),
+    `loss/entropy` (× −`ent_coef`, when non-zero), `policy/clipfrac`,
     `policy/approxkl`, `policy/entropy`, `policy/ratio`, `val/clipfrac`, `val/vpred`,
     `val/error`, `grad_norm` (and `grad_norm/policy`, `grad_norm/value` with two
-    optimisers), `learning_rate`. The rollout metrics (`objective/kl`,
+    optimisers), `learning_rate`, `nonfinite`. The rollout metrics (`objective/kl`,
     `objective/scores`, ...) come from `compute_advantages` / `prepare_ppo_batch`.
     """
+    loss_fn = ppo_loss(
+        clip_eps=clip_eps,
+        clip_eps_high=clip_eps_high,
+        dual_clip=dual_clip,
+        vf_coef=vf_coef,
+        vf_clip_eps=vf_clip_eps,
+        ent_coef=ent_coef,
+        mode=mode,
+        constant=constant,
+        temperature=temperature,
+    )
+    opt, metrics_fn = optimizer, None
+    if value_optimizer is not None:
+        opt, metrics_fn = _pair_optimizer(optimizer, value_optimizer), _pair_grad_norms
+    step = make_step(
+        loss_fn,
+        opt,
+        micro_batches=micro_batches,
+        axis_name=axis_name,
+        donate=donate,
+        nonfinite=nonfinite,
+        check_token_ids=check_token_ids,
+        metrics_fn=metrics_fn,
+        batch_type=PPOBatch,
+    )
+    if value_optimizer is None:
+        return step
+    return _PairStep(step)
 
-    def update(rest, params, opt_state):
-        batch, frozen, key = rest
-        if value_optimizer is not None and not isinstance(params, tuple):
+
+class _PairStep(Step):
+    """A two-optimiser PPO step: checks that `params` is a `(policy, value_model)` pair."""
+
+    def __init__(self, inner: Step):
+        self.__dict__.update(inner.__dict__)
+
+    def __call__(self, params, opt_state, batch, **kwargs):
+        if not (isinstance(params, tuple) and len(params) == 2):
             raise ValueError("with value_optimizer, params must be a (policy, value_model) pair")
-        loss_mask = batch.completion_mask & batch.mask
-        _, denom = aggregate_parts(
-            jnp.zeros(loss_mask.shape, jnp.float32), loss_mask, mode=mode, constant=constant
-        )
-
-        def contribution(p, mb, k):
-            m = mb.completion_mask & mb.mask
-            logits, values = _policy_and_values(p, frozen, mb.tokens, mb.mask, k)
-            logp = jax.vmap(logprobs_from_logits)(logits, mb.tokens, mb.mask)
-            pg, stats = jax.vmap(
-                lambda a, b, c, d: ppo_policy_loss(
-                    a, b, c, d, clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip
-                )
-            )(logp, mb.old_logp, mb.advantages, m)
-            vf, vclipped = jax.vmap(
-                lambda a, b, c, d: ppo_value_loss(a, b, c, d, clip_range=vf_clip)
-            )(values, mb.old_values, mb.returns, m)
-            ent = jax.vmap(entropy_from_logits)(logits, m)
-            pg_term = safe_divide(aggregate_parts(pg, m, mode=mode, constant=constant)[0], denom)
-            vf_term = safe_divide(aggregate_parts(vf, m, mode=mode, constant=constant)[0], denom)
-            total = pg_term + vf_coef * vf_term
-            if ent_coef != 0.0:
-                ent_term = safe_divide(
-                    aggregate_parts(ent, m, mode=mode, constant=constant)[0], denom
-                )
-                total = total - ent_coef * ent_term
-            sg = jax.lax.stop_gradient
-            n = jnp.sum(m).astype(jnp.float32)
-            zero = jnp.zeros((), jnp.float32)
-            sums = {
-                "loss/policy": (sg(pg_term), zero),
-                "loss/value": (sg(vf_term), zero),
-                "policy/clipfrac": (masked_sum(stats["clipped"], m), n),
-                "policy/approxkl": (sg(masked_sum(stats["approx_kl"], m)), n),
-                "policy/ratio": (sg(masked_sum(stats["ratio"], m)), n),
-                "policy/entropy": (sg(masked_sum(ent, m)), n),
-                "val/clipfrac": (masked_sum(vclipped, m), n),
-                "val/vpred": (sg(masked_sum(values, m)), n),
-                "val/error": (sg(masked_sum(jnp.square(values - mb.returns), m)), n),
-            }
-            return total, (sums, {})
-
-        loss, grads, sums, _ = accumulate_gradients(
-            contribution, params, batch, micro_batches=micro_batches, key=key
-        )
-        if value_optimizer is None:
-            params, opt_state, opt_metrics = apply_optimizer(optimizer, params, opt_state, grads)
-        else:
-            policy, value = params
-            p_state, v_state = opt_state
-            policy, p_state, pm = apply_optimizer(optimizer, policy, p_state, grads[0])
-            value, v_state, vm = apply_optimizer(value_optimizer, value, v_state, grads[1])
-            params, opt_state = (policy, value), (p_state, v_state)
-            opt_metrics = {
-                "grad_norm": optax.tree.norm(grads).astype(jnp.float32),
-                "grad_norm/policy": pm["grad_norm"],
-                "grad_norm/value": vm["grad_norm"],
-            }
-            if "learning_rate" in pm:
-                opt_metrics["learning_rate"] = pm["learning_rate"]
-        metrics = {"loss": loss, **sums_to_means(sums), **opt_metrics}
-        return params, opt_state, metrics
-
-    jitted = make_jitted(update, donate=donate)
-
-    def step(
-        params: PyTree,
-        opt_state: Any,
-        batch: PPOBatch,
-        *,
-        frozen: PyTree = None,
-        key: PRNGKeyArray | None = None,
-    ) -> tuple[PyTree, Any, dict]:
-        return jitted((batch, frozen, key), params, opt_state)
-
-    return step
+        return super().__call__(params, opt_state, batch, **kwargs)

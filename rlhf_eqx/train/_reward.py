@@ -1,7 +1,4 @@
-"""Reward-model step: Bradley-Terry loss on the scores of chosen vs rejected completions."""
-
-from collections.abc import Callable
-from typing import Any
+"""Reward model: Bradley-Terry loss on the scores of chosen vs rejected completions."""
 
 import jax
 import jax.numpy as jnp
@@ -10,78 +7,99 @@ from jaxtyping import PRNGKeyArray, PyTree
 
 from .._batches import PreferenceBatch
 from ..losses import bradley_terry_loss
-from ._accumulate import accumulate_gradients, apply_optimizer, make_jitted, vmap_model
+from ._accumulate import vmap_model
 from ._state import combine
+from ._step import LossFn, NonFinite, Step, make_step
+from ._validate import check_number
 
-__all__ = ["make_reward_step"]
+
+def _scores(model, tokens, mask, key, which):
+    out = vmap_model(model, tokens, mask, key)
+    if not hasattr(out, "shape") or out.shape != tokens.shape[:1]:
+        shape = getattr(out, "shape", type(out).__name__)
+        raise ValueError(
+            f"the reward model must return one scalar per sequence: {type(model).__name__} "
+            f"returned {shape} for {which} tokens of shape {tokens.shape} (expected "
+            f"{tokens.shape[:1]}); use a scalar-head model such as rlhf_eqx.RewardModel"
+        )
+    return out.astype(jnp.float32)
+
+
+def reward_loss(*, center_coef: float = 0.0, margin: float = 0.0) -> LossFn:
+    r"""The Bradley-Terry loss function for `make_step` on a `PreferenceBatch`:
+    $\frac1B\sum_i -\log\sigma(r^w_i - r^l_i - m) + \lambda_c (r^w_i + r^l_i)^2$.
+    """
+    check_number("center_coef", center_coef, low=0.0)
+    check_number("margin", margin)
+
+    def loss_fn(params: PyTree, frozen: PyTree, batch: PreferenceBatch, key: PRNGKeyArray | None):
+        model = combine(params, frozen)
+        kc, kr = (None, None) if key is None else tuple(jax.random.split(key))
+        rc = _scores(model, batch.chosen_tokens, batch.chosen_mask, kc, "chosen")
+        rr = _scores(model, batch.rejected_tokens, batch.rejected_mask, kr, "rejected")
+        losses = jax.vmap(
+            lambda a, b: bradley_terry_loss(a, b, margin=margin, center_coef=center_coef)
+        )(rc, rr)
+        n = jnp.asarray(rc.shape[0], jnp.float32)
+        both = jnp.concatenate([rc, rr])
+        metrics = {
+            "accuracy": (jnp.sum((rc > rr).astype(jnp.float32)), n),
+            "margin": (jnp.sum(rc - rr), n),
+            "rewards/chosen": (jnp.sum(rc), n),
+            "rewards/rejected": (jnp.sum(rr), n),
+            "rewards/mean": (jnp.sum(both), 2 * n),
+            "rewards/_sq": (jnp.sum(jnp.square(both)), 2 * n),
+        }
+        return {"bt": jnp.sum(losses)}, {"bt": n}, metrics
+
+    return loss_fn
+
+
+def _reward_std(metrics, grads):
+    del grads
+    metrics = dict(metrics)
+    sq = metrics.pop("rewards/_sq")
+    metrics["rewards/std"] = jnp.sqrt(jnp.maximum(sq - jnp.square(metrics["rewards/mean"]), 0.0))
+    return metrics
 
 
 def make_reward_step(
     optimizer: optax.GradientTransformation,
     *,
     center_coef: float = 0.0,
+    margin: float = 0.0,
     micro_batches: int = 1,
-    donate: bool = True,
-) -> Callable[..., tuple[PyTree, Any, dict]]:
+    axis_name: str | None = None,
+    donate: bool = False,
+    nonfinite: NonFinite = "skip",
+    check_token_ids: int | None = None,
+) -> Step:
     r"""Build the reward-model update (Bradley-Terry pairwise loss).
 
-    $$\mathcal{L}(\phi) = \frac1B\sum_{i} -\log\sigma\big(r_\phi(x_i, y^w_i) - r_\phi(x_i, y^l_i)\big)
+    $$\mathcal{L}(\phi) = \frac1B\sum_{i} -\log\sigma\big(r_\phi(x_i, y^w_i) - r_\phi(x_i, y^l_i) - m\big)
     + \lambda_c\,(r^w_i + r^l_i)^2$$
 
     (Ouyang et al. 2022; TRL `RewardTrainer`, `center_rewards_coefficient` = $\lambda_c$),
     via `rlhf_eqx.losses.bradley_terry_loss`. The model is any callable
     `(tokens, mask) -> scalar` (e.g. `RewardModel`), applied to the full chosen and
-    rejected sequences.
+    rejected sequences; a model that does not return one scalar per sequence (e.g. a
+    `Policy`) is refused when the step is first traced.
 
     **Returns:** `step(params, opt_state, batch: PreferenceBatch, *, frozen=None, key=None)
-    -> (params, opt_state, metrics)`, one `eqx.filter_jit` region (see `make_sft_step`
-    for `params` / `frozen` / `key` / `donate` / `micro_batches`). Metrics: `loss`,
-    `accuracy` (fraction of pairs with $r^w > r^l$), `margin` (mean $r^w - r^l$),
-    `rewards/chosen`, `rewards/rejected` (means), `rewards/mean`, `rewards/std` (over
-    all $2B$ scores), `grad_norm`, `learning_rate`.
+    -> (params, opt_state, metrics)` (see `make_step` for `micro_batches`, `axis_name`,
+    `donate`, `nonfinite`, `check_token_ids`). Metrics: `loss`, `accuracy` (fraction of
+    pairs with $r^w > r^l$), `margin` (mean $r^w - r^l$), `rewards/chosen`,
+    `rewards/rejected` (means), `rewards/mean`, `rewards/std` (over all $2B$ scores),
+    `grad_norm`, `learning_rate`, `nonfinite`.
     """
-
-    def update(rest, params, opt_state):
-        batch, frozen, key = rest
-        n_pairs = float(batch.chosen_tokens.shape[0])
-
-        def contribution(p, mb, k):
-            model = combine(p, frozen)
-            kc, kr = (None, None) if k is None else tuple(jax.random.split(k))
-            rc = vmap_model(model, mb.chosen_tokens, mb.chosen_mask, kc).astype(jnp.float32)
-            rr = vmap_model(model, mb.rejected_tokens, mb.rejected_mask, kr).astype(jnp.float32)
-            losses = jax.vmap(lambda a, b: bradley_terry_loss(a, b, center_coef=center_coef))(rc, rr)
-            rows = {"chosen": jax.lax.stop_gradient(rc), "rejected": jax.lax.stop_gradient(rr)}
-            return jnp.sum(losses) / n_pairs, ({}, rows)
-
-        loss, grads, _, rows = accumulate_gradients(
-            contribution, params, batch, micro_batches=micro_batches, key=key
-        )
-        params, opt_state, opt_metrics = apply_optimizer(optimizer, params, opt_state, grads)
-        rc, rr = rows["chosen"], rows["rejected"]
-        both = jnp.concatenate([rc, rr])
-        metrics = {
-            "loss": loss,
-            "accuracy": jnp.mean((rc > rr).astype(jnp.float32)),
-            "margin": jnp.mean(rc - rr),
-            "rewards/chosen": jnp.mean(rc),
-            "rewards/rejected": jnp.mean(rr),
-            "rewards/mean": jnp.mean(both),
-            "rewards/std": jnp.std(both),
-            **opt_metrics,
-        }
-        return params, opt_state, metrics
-
-    jitted = make_jitted(update, donate=donate)
-
-    def step(
-        params: PyTree,
-        opt_state: Any,
-        batch: PreferenceBatch,
-        *,
-        frozen: PyTree = None,
-        key: PRNGKeyArray | None = None,
-    ) -> tuple[PyTree, Any, dict]:
-        return jitted((batch, frozen, key), params, opt_state)
-
-    return step
+    return make_step(
+        reward_loss(center_coef=center_coef, margin=margin),
+        optimizer,
+        micro_batches=micro_batches,
+        axis_name=axis_name,
+        donate=donate,
+        nonfinite=nonfinite,
+        check_token_ids=check_token_ids,
+        metrics_fn=_reward_std,
+        batch_type=PreferenceBatch,
+    )

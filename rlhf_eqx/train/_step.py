@@ -1,0 +1,250 @@
+r"""One step factory: every update of this package is `make_step(loss_fn, optimizer, ...)`.
+
+A **loss function** describes one algorithm on one (micro-)batch:
+
+```python
+loss_fn(params, frozen, batch, key) -> (numerators, denominators, metrics)
+```
+
+- `numerators`: `{term: scalar}`, sums over the rows of the batch (e.g. the masked sum
+  of per-token losses, already multiplied by the term's coefficient);
+- `denominators`: `{term: scalar}`, the same keys, computed from the masks only (never
+  from parameters), so that they add up over rows;
+- `metrics`: `{name: (sum, count)}`, masked sums that add up over rows.
+
+The loss of the whole (global) batch is $\sum_k N_k / D_k$ where $N_k$ and $D_k$ are the
+sums of the numerators and denominators over every micro-batch and every device. The
+factory computes the denominators of the full batch first (a mask-only pass: the model
+calls in it are dead code that XLA removes), then differentiates
+$\sum_k N_k^{(i)} / D_k$ on each micro-batch $i$ under a `lax.scan`, and, with
+`axis_name`, `psum`s numerators, denominators, gradients and metric sums over the
+device axis before dividing. Every aggregation mode is therefore exact across
+micro-batches **and** devices.
+
+**Donation (the one rule).** A step never donates its inputs unless asked to
+(`donate=True` at build time or per call). `TrainState.apply` asks: a `TrainState` owns
+its trainable buffers (`init_train_state` copies them), so they may be updated in
+place. Even then, a buffer that also appears elsewhere in the call (e.g. a reference
+model sharing arrays with `params`, or the same array twice) is never donated: the step
+falls back to its non-donating version.
+"""
+
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import Array, Float, PRNGKeyArray, PyTree
+
+from ..losses import safe_divide
+from ._accumulate import Sums, accumulate_gradients, apply_optimizer, sums_to_means
+from ._validate import check_choice, check_positive_int
+
+LossFn = Callable[
+    [PyTree, PyTree, PyTree, PRNGKeyArray | None],
+    tuple[Mapping[str, Array], Mapping[str, Array], Sums],
+]
+PrepareFn = Callable[[PyTree, str | None], tuple[PyTree, Sums]]
+MetricsFn = Callable[[dict[str, Array], PyTree], dict[str, Array]]
+NonFinite = Literal["skip", "raise"]
+
+
+def _psum(tree: PyTree, axis_name: str | None) -> PyTree:
+    return tree if axis_name is None else jax.lax.psum(tree, axis_name)
+
+
+def _all_finite(loss: Array, grads: PyTree) -> Array:
+    leaves = [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]
+    return jnp.logical_and(jnp.isfinite(loss), jnp.all(jnp.stack(leaves)) if leaves else True)
+
+
+def _select(pred: Array, on_true: PyTree, on_false: PyTree) -> PyTree:
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+def _check_token_ids(batch: PyTree, vocab_size: int) -> PyTree:
+    """Raise at run time (`eqx.error_if`) if an integer leaf of `batch` leaves `[0, vocab_size)`."""
+
+    def check(x):
+        if not (eqx.is_array(x) and jnp.issubdtype(x.dtype, jnp.integer)):
+            return x
+        bad = (x < 0) | (x >= vocab_size)
+        return eqx.error_if(x, jnp.any(bad), f"token id outside [0, {vocab_size}) in the batch")
+
+    return jax.tree.map(check, batch)
+
+
+def _leaf_ids(tree: PyTree) -> list[int]:
+    return [id(x) for x in jax.tree.leaves(tree) if eqx.is_array(x)]
+
+
+def _safe_to_donate(donated: PyTree, kept: PyTree) -> bool:
+    """Donate only concrete arrays that appear once and nowhere else in the call."""
+    leaves = [x for x in jax.tree.leaves(donated) if eqx.is_array(x)]
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return False
+    ids = [id(x) for x in leaves]
+    return len(set(ids)) == len(ids) and not set(ids) & set(_leaf_ids(kept))
+
+
+class Step:
+    """A compiled update `step(params, opt_state, batch, *, frozen=None, key=None, ...)`.
+
+    Built by `make_step`. Calling it runs one `eqx.filter_jit` region and returns
+    `(params, opt_state, metrics)`. Keyword arguments named in `extras` (e.g.
+    `reference=`) are passed to the loss function inside `frozen`, as the tuple
+    `(frozen, *extras)`. `donate=True` (per call, or the build-time default) updates
+    `params` and `opt_state` in place when no other argument shares their buffers;
+    see the module docstring for the rule.
+    """
+
+    def __init__(
+        self,
+        update: Callable[..., Any],
+        *,
+        donate: bool,
+        batch_type: type | tuple[type, ...] | None = None,
+        extras: Sequence[str] = (),
+    ):
+        self._plain = eqx.filter_jit(update)
+        self._donating = eqx.filter_jit(update, donate="all-except-first")
+        self.donate = donate
+        self.batch_type = batch_type
+        self.extras = tuple(extras)
+
+    def __call__(
+        self,
+        params: PyTree,
+        opt_state: Any,
+        batch: PyTree,
+        *,
+        frozen: PyTree = None,
+        key: PRNGKeyArray | None = None,
+        donate: bool | None = None,
+        **extras: Any,
+    ) -> tuple[PyTree, Any, dict[str, Float[Array, ""]]]:
+        unknown = set(extras) - set(self.extras)
+        if unknown:
+            allowed = ("frozen", "key", "donate") + self.extras
+            raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)}; expected {allowed}")
+        if self.batch_type is not None and not isinstance(batch, self.batch_type):
+            raise TypeError(
+                f"batch must be a {getattr(self.batch_type, '__name__', self.batch_type)}, "
+                f"got {type(batch).__name__}"
+            )
+        if self.extras:
+            frozen = (frozen, *(extras.get(name) for name in self.extras))
+        rest = (batch, frozen, key)
+        want = self.donate if donate is None else donate
+        if want and _safe_to_donate((params, opt_state), rest):
+            return self._donating(rest, params, opt_state)
+        return self._plain(rest, params, opt_state)
+
+
+def make_step(
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    *,
+    micro_batches: int = 1,
+    axis_name: str | None = None,
+    donate: bool = False,
+    nonfinite: NonFinite = "skip",
+    prepare: PrepareFn | None = None,
+    metrics_fn: MetricsFn | None = None,
+    check_token_ids: int | None = None,
+    batch_type: type | tuple[type, ...] | None = None,
+    extras: Sequence[str] = (),
+) -> Step:
+    r"""Build one pure, jitted update from a loss function (see the module docstring).
+
+    **Arguments:**
+
+    - `loss_fn`: `(params, frozen, batch, key) -> (numerators, denominators, metrics)`.
+    - `optimizer`: an `optax.GradientTransformation` (e.g. `make_optimizer`).
+    - `micro_batches`: split the (per-device) batch into this many micro-batches and
+      accumulate; same loss and gradient as the full batch.
+    - `axis_name`: the device axis of `jax.pmap` (or `shard_map`) this step runs under;
+      numerators, denominators, gradients and metric sums are `psum`-reduced over it.
+      A `key` is folded with the device index, so dropout differs across devices.
+    - `donate`: default for donating `params` / `opt_state` (see the module docstring).
+    - `nonfinite`: what to do when the loss or a gradient is not finite: `"skip"`
+      (default) leaves `params` and `opt_state` unchanged and reports `nonfinite = 1`;
+      `"raise"` stops with an error (`eqx.error_if`).
+    - `prepare`: `(batch, axis_name) -> (batch, metric sums)`, run once on the full
+      (per-device) batch before micro-batching (e.g. group-relative advantages).
+    - `metrics_fn`: `(metrics, grads) -> metrics`, applied last (derived metrics).
+    - `check_token_ids`: a vocabulary size; every integer array of the batch is checked
+      to lie in `[0, vocab)` inside the step (an opt-in `eqx.error_if`).
+    - `batch_type`, `extras`: see `Step`.
+
+    **Returns:** a `Step`,
+    `step(params, opt_state, batch, *, frozen=None, key=None, donate=None, **extras)
+    -> (params, opt_state, metrics)`. Metrics: `loss`, `loss/<term>` (when the loss has
+    several terms), the loss function's metric means, `grad_norm`, `learning_rate`
+    (when the optimiser injects it) and `nonfinite` (1.0 when this update was skipped).
+    """
+    check_positive_int("micro_batches", micro_batches)
+    check_choice("nonfinite", nonfinite, ("skip", "raise"))
+    if axis_name is not None and not isinstance(axis_name, str):
+        raise ValueError(f"axis_name must be a string or None, got {axis_name!r}")
+    if check_token_ids is not None:
+        if isinstance(check_token_ids, bool) or not isinstance(check_token_ids, numbers.Integral):
+            raise ValueError(f"check_token_ids must be a vocabulary size (int), got {check_token_ids!r}")
+    sg = jax.lax.stop_gradient
+
+    def update(rest, params, opt_state):
+        batch, frozen, key = rest
+        if key is not None and axis_name is not None:
+            key = jax.random.fold_in(key, jax.lax.axis_index(axis_name))
+        if check_token_ids is not None:
+            batch = _check_token_ids(batch, check_token_ids)
+        prep_sums: Sums = {}
+        if prepare is not None:
+            batch, prep_sums = prepare(batch, axis_name)
+        full_denoms = None
+        if micro_batches > 1:
+            # Denominators of the full batch: mask arithmetic only (the forward passes
+            # in this call are unused, and XLA removes them).
+            _, dens, _ = loss_fn(params, frozen, batch, key)
+            full_denoms = _psum(sg(dict(dens)), axis_name)
+
+        def contribution(p, mb, k):
+            nums, dens, sums = loss_fn(p, frozen, mb, k)
+            if set(nums) != set(dens):
+                raise ValueError(
+                    f"loss_fn returned numerators {sorted(nums)} but denominators {sorted(dens)}"
+                )
+            dens = _psum(sg(dict(dens)), axis_name) if full_denoms is None else full_denoms
+            terms = {n: safe_divide(nums[n].astype(jnp.float32), dens[n].astype(jnp.float32))
+                     for n in nums}
+            total = sum(terms.values(), start=jnp.zeros((), jnp.float32))
+            sums = {n: (sg(s).astype(jnp.float32), sg(c).astype(jnp.float32)) for n, (s, c) in sums.items()}
+            return total, (sg(terms), sums)
+
+        loss, grads, (terms, sums) = accumulate_gradients(
+            contribution, params, batch, micro_batches=micro_batches, key=key
+        )
+        loss, grads, terms, sums, prep_sums = _psum(
+            (loss, grads, terms, sums, prep_sums), axis_name
+        )
+        finite = _all_finite(loss, grads)
+        if nonfinite == "raise":
+            loss = eqx.error_if(loss, ~finite, "non-finite loss or gradient in the update")
+        new_params, new_opt_state, opt_metrics = apply_optimizer(optimizer, params, opt_state, grads)
+        if nonfinite == "skip":
+            new_params = _select(finite, new_params, params)
+            new_opt_state = _select(finite, new_opt_state, opt_state)
+        metrics = {"loss": loss}
+        if len(terms) > 1:
+            metrics.update({f"loss/{n}": v for n, v in terms.items()})
+        metrics.update(sums_to_means({**prep_sums, **sums}))
+        metrics.update(opt_metrics)
+        metrics["nonfinite"] = (~finite).astype(jnp.float32)
+        if metrics_fn is not None:
+            metrics = metrics_fn(metrics, grads)
+        return new_params, new_opt_state, metrics
+
+    return Step(update, donate=donate, batch_type=batch_type, extras=extras)

@@ -1,6 +1,8 @@
 """Sharded-mesh training: sharding rules, placement helpers, and one jitted DPO / PPO step
 and generation on ("data", "model") meshes of 8 simulated CPU devices equal to one device."""
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -142,51 +144,63 @@ def test_shard_batch_splits_rows_and_names_a_field_that_does_not_divide(getkey):
 # ------------------------------------------------------------------ equivalence
 
 
-MESHES = [((8, 1), False), ((8, 1), True), ((4, 2), True), ((2, 4), False), ((2, 4), True)]
+def _slow_unless(shape, fsdp, fast):
+    marks = () if (shape, fsdp) == fast else (pytest.mark.slow,)
+    return pytest.param(shape, fsdp, marks=marks, id=f"{shape[0]}x{shape[1]}{'-fsdp' if fsdp else ''}")
 
 
-@pytest.mark.parametrize("shape, fsdp", MESHES)
-def test_dpo_step_on_a_mesh_equals_one_device(getkey, shape, fsdp):
-    policy = rx.Policy(_config(), key=jax.random.key(0))
-    batch = _preference_batch(jax.random.key(1))
-    # Make the first step informative: the policy differs from the reference.
-    policy_moved = jax.tree.map(
-        lambda x: x + 0.01 * jax.random.normal(jax.random.key(2), x.shape) if eqx.is_inexact_array(x) else x,
-        policy,
+# Each case compiles the step for its mesh (several seconds): one case per algorithm
+# runs in the fast suite, the others with `-m slow`.
+DPO_MESHES = [
+    _slow_unless(shape, fsdp, ((4, 2), True))
+    for shape, fsdp in [((8, 1), False), ((8, 1), True), ((4, 2), True), ((2, 4), False), ((2, 4), True)]
+]
+PPO_MESHES = [
+    _slow_unless(shape, fsdp, ((2, 4), True))
+    for shape, fsdp in [((8, 1), True), ((4, 2), False), ((2, 4), True)]
+]
+
+
+def _perturbed(model, seed):
+    return jax.tree.map(
+        lambda x: x + 0.01 * jax.random.normal(jax.random.key(seed), x.shape) if eqx.is_inexact_array(x) else x,
+        model,
     )
+
+
+@functools.cache
+def _dpo_setup():
+    policy = rx.Policy(_config(), key=jax.random.key(0))
+    # The first step is informative only when the policy differs from the reference.
+    moved = _perturbed(policy, 2)
+    batch = _preference_batch(jax.random.key(1))
     opt = make_optimizer(learning_rate=1e-3, total_steps=10)
     step = make_dpo_step(opt, beta=0.1, donate=False)
+    single = init_train_state(moved, opt).apply(step, batch, reference=policy)
+    return policy, moved, batch, opt, step, single
 
-    def run(mesh):
-        state = init_train_state(policy_moved, opt)
-        ref, b = policy, batch
-        if mesh is not None:
-            state = dist.shard_train_state(state, mesh, fsdp=fsdp)
-            ref = dist.shard_model(policy, mesh, fsdp=fsdp)
-            b = dist.shard_batch(batch, mesh)
-        return state.apply(step, b, reference=ref)
 
-    single, m1 = run(None)
+@pytest.mark.parametrize("shape, fsdp", DPO_MESHES)
+def test_dpo_step_on_a_mesh_equals_one_device(shape, fsdp):
+    policy, moved, batch, opt, step, (single, m1) = _dpo_setup()
     mesh = dist.make_mesh(*shape)
-    sharded, m2 = run(mesh)
+    state = dist.shard_train_state(init_train_state(moved, opt), mesh, fsdp=fsdp)
+    reference = dist.shard_model(policy, mesh, fsdp=fsdp)
+    sharded, m2 = state.apply(step, dist.shard_batch(batch, mesh), reference=reference)
     assert _max_abs_diff(single.params, sharded.params) < 1e-5
     assert _max_abs_diff(single.opt_state, sharded.opt_state) < 1e-5
     np.testing.assert_allclose(float(m1["loss"]), float(m2["loss"]), rtol=1e-5)
     np.testing.assert_allclose(float(m1["grad_norm"]), float(m2["grad_norm"]), rtol=1e-5)
-    # The result lives on the mesh, sharded as it was given.
-    wqkv = sharded.params.transformer.layers.wqkv
-    assert len(wqkv.sharding.device_set) == 8
+    # The result lives on the mesh.
+    assert len(sharded.params.transformer.layers.wqkv.sharding.device_set) == 8
 
 
-@pytest.mark.parametrize("shape, fsdp", [((8, 1), True), ((4, 2), True), ((2, 4), False)])
-def test_ppo_step_on_a_mesh_equals_one_device(getkey, shape, fsdp):
+@pytest.mark.parametrize("shape, fsdp", PPO_MESHES)
+def test_ppo_step_on_a_mesh_equals_one_device(shape, fsdp):
     cfg = _config()
     policy = rx.Policy(cfg, key=jax.random.key(0))
     value = rx.ValueModel.from_policy(policy, key=jax.random.key(3))
-    reference = jax.tree.map(
-        lambda x: x + 0.01 * jax.random.normal(jax.random.key(4), x.shape) if eqx.is_inexact_array(x) else x,
-        policy,
-    )
+    reference = _perturbed(policy, 4)
     tokens, mask, cm = _rows(jax.random.key(5), [12, 10, 8, 4, 11, 9, 12, 7])
     scores = jnp.linspace(-1.0, 1.0, B)
     batch, _ = prepare_ppo_batch((policy, value), reference, tokens, mask, cm, scores, kl_coef=0.05)
@@ -210,7 +224,7 @@ def test_ppo_step_on_a_mesh_equals_one_device(getkey, shape, fsdp):
         np.testing.assert_allclose(float(m1[name]), float(m2[name]), rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("shape", [(8, 1), (2, 4)])
+@pytest.mark.parametrize("shape", [(2, 4), pytest.param((8, 1), marks=pytest.mark.slow)])
 def test_generation_on_a_mesh_gives_the_same_tokens(shape):
     policy = rx.Policy(_config(), key=jax.random.key(0))
     prompts = jax.random.randint(jax.random.key(1), (B, 4), 3, VOCAB)
@@ -224,3 +238,38 @@ def test_generation_on_a_mesh_gives_the_same_tokens(shape):
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
     np.testing.assert_array_equal(np.asarray(out.completion_mask), np.asarray(ref.completion_mask))
     np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(ref.logprobs), atol=1e-5)
+
+
+# ------------------------------------------------------------------ pmap helpers
+
+
+def test_replicate_and_unreplicate_round_trip(getkey):
+    devices = jax.local_devices()[:8]
+    policy = rx.Policy(_config(), key=getkey())
+    rep = dist.replicate(policy, devices)
+    wqkv = rep.transformer.layers.wqkv
+    assert wqkv.shape == (8,) + policy.transformer.layers.wqkv.shape
+    assert {s.device for s in wqkv.addressable_shards} == set(devices)
+    assert all(s.data.shape[0] == 1 for s in wqkv.addressable_shards)
+    assert rep.cfg == policy.cfg  # static fields are kept
+    assert _max_abs_diff(dist.unreplicate(rep), policy) == 0.0
+
+
+def test_shard_batch_for_pmap_round_trip_and_a_global_reduction(getkey):
+    batch = _preference_batch(getkey())
+    per_device = dist.shard_batch_for_pmap(batch, 4)
+    assert per_device.chosen_tokens.shape == (4, 2, T)
+    back = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), per_device)
+    assert _max_abs_diff(back, batch) == 0.0
+    # Under pmap, a psum of per-device sums is the global token count.
+    count = jax.pmap(lambda m: jax.lax.psum(jnp.sum(m), "data"), axis_name="data", devices=jax.local_devices()[:4])(
+        per_device.chosen_mask
+    )
+    assert int(count[0]) == int(jnp.sum(batch.chosen_mask))
+
+
+def test_shard_batch_for_pmap_refuses_a_batch_that_does_not_divide(getkey):
+    with pytest.raises(ValueError, match=r"\.chosen_tokens has 8 rows .*n_devices=3"):
+        dist.shard_batch_for_pmap(_preference_batch(getkey()), 3)
+    with pytest.raises(ValueError, match="scalar"):
+        dist.shard_batch_for_pmap({"x": jnp.zeros(())}, 2)

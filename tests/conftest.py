@@ -12,10 +12,11 @@ import os
 _FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FAST_COMPILE).strip()
-# Eight simulated CPU devices for the data-parallel / sharded equivalence tests (single-device
-# tests run on the first one, unchanged).
-if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+# Eight simulated CPU devices, for the data-parallel, mesh and multi-device tests.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
 
 import jax
 import numpy as np

@@ -1,0 +1,275 @@
+"""Sharded-mesh training: sharding rules, placement helpers, and one jitted DPO / PPO step
+and generation on ("data", "model") meshes of 8 simulated CPU devices equal to one device."""
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import rlhf_eqx as rx
+from rlhf_eqx import distributed as dist
+from rlhf_eqx.train import (
+    init_train_state,
+    make_dpo_step,
+    make_optimizer,
+    make_ppo_step,
+    prepare_ppo_batch,
+)
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+
+VOCAB = 64
+B, T, PROMPT = 8, 12, 3
+
+
+def _config():
+    return rx.TransformerConfig(
+        vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=T
+    )
+
+
+def _rows(key, lengths):
+    tokens = jax.random.randint(key, (B, T), 0, VOCAB)
+    pos = jnp.arange(T)[None, :]
+    mask = pos < jnp.asarray(lengths)[:, None]
+    return tokens, mask, mask & (pos >= PROMPT)
+
+
+def _preference_batch(key):
+    """Right-padded pairs whose masks differ from row to row (and so from device to device)."""
+    k1, k2 = jax.random.split(key)
+    ct, cm, ccm = _rows(k1, [12, 10, 8, 4, 11, 9, 12, 7])
+    rt, rm, rcm = _rows(k2, [11, 12, 9, 10, 12, 8, 11, 12])
+    rt = rt.at[:, :PROMPT].set(ct[:, :PROMPT])
+    return rx.PreferenceBatch(
+        chosen_tokens=ct, chosen_mask=cm, chosen_completion_mask=ccm,
+        rejected_tokens=rt, rejected_mask=rm, rejected_completion_mask=rcm,
+    )
+
+
+def _max_abs_diff(a, b) -> float:
+    la = jax.tree.leaves(eqx.filter(a, eqx.is_array))
+    lb = jax.tree.leaves(eqx.filter(b, eqx.is_array))
+    assert len(la) == len(lb)
+    return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))) for x, y in zip(la, lb))
+
+
+# ------------------------------------------------------------------ rules and helpers
+
+
+def test_partition_specs_follow_the_megatron_layout_and_fsdp(getkey):
+    policy = rx.apply_lora(rx.Policy(_config(), key=getkey()), rx.LoRAConfig(rank=4, targets=("q", "o", "up")),
+                           key=getkey())
+    tp = dist.partition_specs(policy)
+    assert tp.transformer.layers.wqkv == P(None, None, "model")
+    assert tp.transformer.layers.w_gate_up == P(None, None, "model")
+    assert tp.transformer.layers.wo == P(None, "model", None)
+    assert tp.transformer.layers.w_down == P(None, "model", None)
+    assert tp.transformer.embed == P("model", None)
+    assert tp.lm_head == P(None, "model")
+    assert tp.transformer.layers.attn_norm == P(None, None)
+    assert tp.transformer.final_norm == P(None)
+    lora = tp.transformer.layers.lora
+    assert (lora["q"].a, lora["q"].b) == (P(None, None, None), P(None, None, "model"))
+    assert (lora["o"].a, lora["o"].b) == (P(None, "model", None), P(None, None, None))
+    full = dist.partition_specs(policy, fsdp=True)
+    assert full.transformer.layers.wqkv == P(None, "data", "model")
+    assert full.transformer.layers.wo == P(None, "model", "data")
+    assert full.transformer.embed == P("model", "data")
+    assert full.transformer.layers.lora["up"].a == P(None, "data", None)
+    dp = dist.partition_specs(policy, tensor_parallel=False)
+    assert all(all(a is None for a in s) for s in jax.tree.leaves(dp, is_leaf=lambda x: isinstance(x, P)))
+
+
+def test_partition_specs_of_int8_base_and_of_a_partition(getkey):
+    policy = rx.quantize_int8(rx.Policy(_config(), key=getkey()))
+    specs = dist.partition_specs(policy, fsdp=True)
+    w = specs.transformer.layers.wqkv
+    assert (w.q, w.scale) == (P(None, "data", "model"), P(None, "model"))
+    assert specs.transformer.layers.w_down.scale == P(None, None)
+    # A trainable partition (None elsewhere) keeps its structure.
+    params, _ = eqx.partition(rx.Policy(_config(), key=getkey()), lambda x: eqx.is_array(x) and x.ndim == 3)
+    pspecs = dist.partition_specs(params)
+    assert jax.tree.structure(pspecs) == jax.tree.structure(params)
+
+
+def test_make_mesh_has_auto_axes_and_checks_the_device_count():
+    mesh = dist.make_mesh(4, 2)
+    assert dict(mesh.shape) == {"data": 4, "model": 2}
+    assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+    with pytest.raises(ValueError, match="3 × 2 = 6 devices"):
+        dist.make_mesh(3, 2)
+
+
+def test_fit_spec_replicates_dimensions_that_do_not_divide():
+    mesh = dist.make_mesh(4, 2)
+    assert dist.fit_spec(P("model", "data"), (6, 8), mesh) == P("model", "data")
+    assert dist.fit_spec(P("model", "data"), (5, 6), mesh) == P(None, None)
+    assert dist.fit_spec(P("data"), (8, 3), mesh) == P("data", None)
+
+
+def test_shard_model_and_opt_state_place_leaves_by_the_rules(getkey):
+    mesh = dist.make_mesh(2, 4)
+    policy = rx.Policy(_config(), key=getkey())
+    opt = make_optimizer(learning_rate=1e-3, total_steps=10)
+    state = dist.shard_train_state(init_train_state(policy, opt), mesh, fsdp=True)
+    wqkv = state.params.transformer.layers.wqkv
+    assert wqkv.sharding == NamedSharding(mesh, P(None, "data", "model"))
+    assert wqkv.addressable_shards[0].data.shape == (2, 16, 16)
+    # Adam's moments mirror the params; the step counts are replicated.
+    moments = [x for x in jax.tree.leaves(state.opt_state) if x.shape == wqkv.shape]
+    assert len(moments) == 2
+    assert all(m.sharding.spec == wqkv.sharding.spec for m in moments)
+    scalars = [x for x in jax.tree.leaves(state.opt_state) if x.ndim == 0]
+    assert scalars and all(s.sharding.is_fully_replicated for s in scalars)
+    # Values are unchanged by placement.
+    assert _max_abs_diff(state.params, policy) == 0.0
+
+
+def test_shard_batch_splits_rows_and_names_a_field_that_does_not_divide(getkey):
+    mesh = dist.make_mesh(4, 2)
+    batch = dist.shard_batch(_preference_batch(getkey()), mesh)
+    assert batch.chosen_tokens.sharding == NamedSharding(mesh, P("data"))
+    assert batch.chosen_tokens.addressable_shards[0].data.shape == (2, T)
+    odd = rx.SequenceBatch(tokens=jnp.zeros((6, T), jnp.int32), mask=jnp.ones((6, T), bool),
+                           completion_mask=jnp.ones((6, T), bool))
+    with pytest.raises(ValueError, match=r"\.tokens has 6 rows.*4 devices"):
+        dist.shard_batch(odd, mesh)
+
+
+# ------------------------------------------------------------------ equivalence
+
+
+def _slow_unless(shape, fsdp, fast):
+    marks = () if (shape, fsdp) == fast else (pytest.mark.slow,)
+    return pytest.param(shape, fsdp, marks=marks, id=f"{shape[0]}x{shape[1]}{'-fsdp' if fsdp else ''}")
+
+
+# Each case compiles the step for its mesh (several seconds): one case per algorithm
+# runs in the fast suite, the others with `-m slow`.
+DPO_MESHES = [
+    _slow_unless(shape, fsdp, ((4, 2), True))
+    for shape, fsdp in [((8, 1), False), ((8, 1), True), ((4, 2), True), ((2, 4), False), ((2, 4), True)]
+]
+PPO_MESHES = [
+    _slow_unless(shape, fsdp, ((2, 4), True))
+    for shape, fsdp in [((8, 1), True), ((4, 2), False), ((2, 4), True)]
+]
+
+
+def _perturbed(model, seed):
+    return jax.tree.map(
+        lambda x: x + 0.01 * jax.random.normal(jax.random.key(seed), x.shape) if eqx.is_inexact_array(x) else x,
+        model,
+    )
+
+
+@functools.cache
+def _dpo_setup():
+    policy = rx.Policy(_config(), key=jax.random.key(0))
+    # The first step is informative only when the policy differs from the reference.
+    moved = _perturbed(policy, 2)
+    batch = _preference_batch(jax.random.key(1))
+    opt = make_optimizer(learning_rate=1e-3, total_steps=10)
+    step = make_dpo_step(opt, beta=0.1, donate=False)
+    single = init_train_state(moved, opt).apply(step, batch, reference=policy)
+    return policy, moved, batch, opt, step, single
+
+
+@pytest.mark.parametrize("shape, fsdp", DPO_MESHES)
+def test_dpo_step_on_a_mesh_equals_one_device(shape, fsdp):
+    policy, moved, batch, opt, step, (single, m1) = _dpo_setup()
+    mesh = dist.make_mesh(*shape)
+    state = dist.shard_train_state(init_train_state(moved, opt), mesh, fsdp=fsdp)
+    reference = dist.shard_model(policy, mesh, fsdp=fsdp)
+    sharded, m2 = state.apply(step, dist.shard_batch(batch, mesh), reference=reference)
+    assert _max_abs_diff(single.params, sharded.params) < 1e-5
+    assert _max_abs_diff(single.opt_state, sharded.opt_state) < 1e-5
+    np.testing.assert_allclose(float(m1["loss"]), float(m2["loss"]), rtol=1e-5)
+    np.testing.assert_allclose(float(m1["grad_norm"]), float(m2["grad_norm"]), rtol=1e-5)
+    # The result lives on the mesh.
+    assert len(sharded.params.transformer.layers.wqkv.sharding.device_set) == 8
+
+
+@pytest.mark.parametrize("shape, fsdp", PPO_MESHES)
+def test_ppo_step_on_a_mesh_equals_one_device(shape, fsdp):
+    cfg = _config()
+    policy = rx.Policy(cfg, key=jax.random.key(0))
+    value = rx.ValueModel.from_policy(policy, key=jax.random.key(3))
+    reference = _perturbed(policy, 4)
+    tokens, mask, cm = _rows(jax.random.key(5), [12, 10, 8, 4, 11, 9, 12, 7])
+    scores = jnp.linspace(-1.0, 1.0, B)
+    batch, _ = prepare_ppo_batch((policy, value), reference, tokens, mask, cm, scores, kl_coef=0.05)
+    noise = 0.3 * jax.random.normal(jax.random.key(6), batch.old_logp.shape)
+    batch = eqx.tree_at(lambda b: b.old_logp, batch, jnp.where(batch.completion_mask, batch.old_logp + noise, 0.0))
+    opt = make_optimizer(learning_rate=1e-3, total_steps=10)
+    step = make_ppo_step(opt, donate=False)
+
+    def run(mesh):
+        state = init_train_state((policy, value), opt)
+        b = batch
+        if mesh is not None:
+            state = dist.shard_train_state(state, mesh, fsdp=fsdp)
+            b = dist.shard_batch(batch, mesh)
+        return state.apply(step, b)
+
+    single, m1 = run(None)
+    sharded, m2 = run(dist.make_mesh(*shape))
+    assert _max_abs_diff(single.params, sharded.params) < 1e-5
+    for name in ("loss", "policy/clipfrac", "val/clipfrac"):
+        np.testing.assert_allclose(float(m1[name]), float(m2[name]), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("shape", [(2, 4), pytest.param((8, 1), marks=pytest.mark.slow)])
+def test_generation_on_a_mesh_gives_the_same_tokens(shape):
+    policy = rx.Policy(_config(), key=jax.random.key(0))
+    prompts = jax.random.randint(jax.random.key(1), (B, 4), 3, VOCAB)
+    pmask = jnp.arange(4)[None, :] >= jnp.asarray([0, 1, 2, 3, 0, 2, 1, 0])[:, None]  # left-padded
+    kw = dict(max_new_tokens=6, temperature=1.0, top_k=8)
+    ref = rx.generate_batch(policy, prompts, pmask, jax.random.key(2), **kw)
+    mesh = dist.make_mesh(*shape)
+    sp = dist.shard_model(policy, mesh, fsdp=True)
+    prompts_s, pmask_s = dist.shard_batch((prompts, pmask), mesh)
+    out = rx.generate_batch(sp, prompts_s, pmask_s, jax.random.key(2), **kw)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    np.testing.assert_array_equal(np.asarray(out.completion_mask), np.asarray(ref.completion_mask))
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(ref.logprobs), atol=1e-5)
+
+
+# ------------------------------------------------------------------ pmap helpers
+
+
+def test_replicate_and_unreplicate_round_trip(getkey):
+    devices = jax.local_devices()[:8]
+    policy = rx.Policy(_config(), key=getkey())
+    rep = dist.replicate(policy, devices)
+    wqkv = rep.transformer.layers.wqkv
+    assert wqkv.shape == (8,) + policy.transformer.layers.wqkv.shape
+    assert {s.device for s in wqkv.addressable_shards} == set(devices)
+    assert all(s.data.shape[0] == 1 for s in wqkv.addressable_shards)
+    assert rep.cfg == policy.cfg  # static fields are kept
+    assert _max_abs_diff(dist.unreplicate(rep), policy) == 0.0
+
+
+def test_shard_batch_for_pmap_round_trip_and_a_global_reduction(getkey):
+    batch = _preference_batch(getkey())
+    per_device = dist.shard_batch_for_pmap(batch, 4)
+    assert per_device.chosen_tokens.shape == (4, 2, T)
+    back = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), per_device)
+    assert _max_abs_diff(back, batch) == 0.0
+    # Under pmap, a psum of per-device sums is the global token count.
+    count = jax.pmap(lambda m: jax.lax.psum(jnp.sum(m), "data"), axis_name="data", devices=jax.local_devices()[:4])(
+        per_device.chosen_mask
+    )
+    assert int(count[0]) == int(jnp.sum(batch.chosen_mask))
+
+
+def test_shard_batch_for_pmap_refuses_a_batch_that_does_not_divide(getkey):
+    with pytest.raises(ValueError, match=r"\.chosen_tokens has 8 rows .*n_devices=3"):
+        dist.shard_batch_for_pmap(_preference_batch(getkey()), 3)
+    with pytest.raises(ValueError, match="scalar"):
+        dist.shard_batch_for_pmap({"x": jnp.zeros(())}, 2)

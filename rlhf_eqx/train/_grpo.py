@@ -162,7 +162,7 @@ def make_grpo_step(
                     olp,
                     adv_i,
                     mi,
-                    clip_eps_low=clip_eps_low,
+                    clip_eps=clip_eps_low,
                     clip_eps_high=eps_high,
                     importance=importance,
                     ref_logp=rlp,

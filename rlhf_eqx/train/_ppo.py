@@ -253,7 +253,7 @@ def make_ppo_step(
                 )
             )(logp, mb.old_logp, mb.advantages, m)
             vf, vclipped = jax.vmap(
-                lambda a, b, c, d: ppo_value_loss(a, b, c, d, clip_range=vf_clip)
+                lambda a, b, c, d: ppo_value_loss(a, b, c, d, clip_eps=vf_clip)
             )(values, mb.old_values, mb.returns, m)
             ent = jax.vmap(entropy_from_logits)(logits, m)
             pg_term = safe_divide(aggregate_parts(pg, m, mode=mode, constant=constant)[0], denom)

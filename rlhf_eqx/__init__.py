@@ -49,9 +49,11 @@ __version__ = "0.1.0"
 
 from ._sampling import (
     GenerationOutput as GenerationOutput,
+    SamplingOptions as SamplingOptions,
     generate as generate,
     generate_batch as generate_batch,
     sample_token as sample_token,
+    truncate_at_stop_strings as truncate_at_stop_strings,
 )
 from ._batches import (
     PreferenceBatch as PreferenceBatch,

@@ -7,13 +7,97 @@ The output row is always `prompt (as given, with its padding) ++ completion`.
 """
 
 import functools
+import numbers
+from collections.abc import Sequence
+from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-__all__ = ["GenerationOutput", "generate", "generate_batch", "sample_token", "filter_logits"]
+from .models._protocols import AbstractDecoder
+
+__all__ = [
+    "GenerationOutput",
+    "SamplingOptions",
+    "generate",
+    "generate_batch",
+    "sample_token",
+    "filter_logits",
+    "truncate_at_stop_strings",
+]
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _check_top_k(top_k: object) -> None:
+    if top_k is not None and not (_is_int(top_k) and top_k > 0):  # type: ignore[operator]
+        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+
+
+def _check_top_p(top_p: object) -> None:
+    if top_p is not None and not (
+        isinstance(top_p, numbers.Real) and not isinstance(top_p, bool) and 0.0 < top_p <= 1.0
+    ):
+        raise ValueError(f"top_p must be a number in (0, 1] or None, got {top_p!r}")
+
+
+def _check_temperature(temperature: object) -> None:
+    if not (
+        isinstance(temperature, numbers.Real)
+        and not isinstance(temperature, bool)
+        and temperature >= 0.0
+    ):
+        raise ValueError(f"temperature must be a number >= 0 (0 is greedy), got {temperature!r}")
+
+
+def _stop_ids(eos_id: object) -> tuple[int, ...]:
+    """`eos_id` as a tuple of ids: `None` -> `()`, `2` -> `(2,)`, `[2, 7]` -> `(2, 7)`."""
+    if eos_id is None:
+        return ()
+    ids = (eos_id,) if not isinstance(eos_id, Sequence) else tuple(eos_id)
+    for i in ids:
+        if not (_is_int(i) and i >= 0):  # type: ignore[operator]
+            raise ValueError(f"eos_id must be a non-negative int or a sequence of them, got {eos_id!r}")
+    return tuple(int(i) for i in ids)
+
+
+class SamplingOptions(eqx.Module):
+    """Settings of `generate` / `generate_batch` (their keyword arguments), validated once.
+
+    - `max_new_tokens`: number of tokens to sample (a positive int).
+    - `temperature`: 0 means greedy; otherwise logits are divided by it.
+    - `top_k`, `top_p`: optional filters (a positive int; a number in (0, 1]).
+    - `eos_id`: a stop id, several stop ids (`[2, 13]`) or `None`; a row stops at the
+      first of them, which is kept in its completion.
+    - `pad_id`: fills rows after they stop.
+    - `check_ids`: also check prompt ids against the vocabulary inside the compiled
+      program (`eqx.error_if`), for prompts that are traced (under the caller's `jit`
+      or `vmap`); concrete prompts are always checked on the host.
+    """
+
+    max_new_tokens: Any
+    temperature: float | int = 1.0
+    top_k: Any = None
+    top_p: float | int | None = None
+    eos_id: tuple[int, ...] = eqx.field(default=(), converter=_stop_ids)
+    pad_id: int = 0
+    check_ids: bool = False
+
+    def __check_init__(self):
+        if not (_is_int(self.max_new_tokens) and self.max_new_tokens > 0):
+            raise ValueError(
+                f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}"
+            )
+        _check_temperature(self.temperature)
+        _check_top_k(self.top_k)
+        _check_top_p(self.top_p)
+        if not _is_int(self.pad_id):
+            raise ValueError(f"pad_id must be an int, got {self.pad_id!r}")
 
 
 class GenerationOutput(eqx.Module):
@@ -36,25 +120,23 @@ class GenerationOutput(eqx.Module):
 
 
 def filter_logits(
-    logits: Float[Array, " V"], *, top_k: int | None = None, top_p: float | None = None
+    logits: Float[Array, " V"], *, top_k: int | None = None, top_p: float | int | None = None
 ) -> Float[Array, " V"]:
     """Set logits outside the top-k set and outside the top-p nucleus (Holtzman et al. 2020) to -inf.
 
     Skips all sorting when both are off; with `top_k`, top-p works on the `k` best only.
     """
+    _check_top_k(top_k)
+    _check_top_p(top_p)
     if top_k is None and top_p is None:
         return logits
     neg = jnp.asarray(-jnp.inf, logits.dtype)
     if top_k is not None:
-        if top_k <= 0:
-            raise ValueError(f"top_k must be positive, got {top_k}")
         best = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0]
     else:
         best = jnp.sort(logits)[::-1]
     threshold = best[-1]
     if top_p is not None:
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         probs = jax.nn.softmax(best)
         before = jnp.cumsum(probs) - probs  # mass strictly above each candidate
         keep = before < top_p  # always keeps the best token
@@ -66,18 +148,17 @@ def sample_token(
     key: PRNGKeyArray,
     logits: Float[Array, " V"],
     *,
-    temperature: float = 1.0,
+    temperature: float | int = 1.0,
     top_k: int | None = None,
-    top_p: float | None = None,
+    top_p: float | int | None = None,
 ) -> tuple[Int[Array, ""], Float[Array, ""]]:
     """Sample one token; return it and its log-probability at `temperature` (1 when greedy)."""
+    _check_temperature(temperature)
     logits = logits.astype(jnp.float32)
     if temperature == 0.0:
         token = jnp.argmax(logits).astype(jnp.int32)
         scaled = logits
     else:
-        if temperature < 0.0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
         scaled = logits / temperature
         filtered = filter_logits(scaled, top_k=top_k, top_p=top_p)
         token = _inverse_cdf_sample(key, filtered)
@@ -98,83 +179,116 @@ def _inverse_cdf_sample(key: PRNGKeyArray, logits: Float[Array, " V"]) -> Int[Ar
     return jnp.minimum(token, logits.shape[0] - 1).astype(jnp.int32)
 
 
-def _check_policy(policy) -> None:
-    if not (hasattr(policy, "prefill") and hasattr(policy, "decode_step")):
+def _check_decoder(policy: object) -> AbstractDecoder:
+    if not isinstance(policy, AbstractDecoder):
         raise TypeError(
-            "generate needs a model with prefill/decode_step (an rlhf_eqx Policy); "
-            f"got {type(policy).__name__}"
+            "generate needs a decoder: a model inheriting rlhf_eqx.models.AbstractDecoder "
+            f"(init_cache / prefill / decode_step), such as rlhf_eqx.Policy; got {type(policy).__name__}"
+        )
+    return policy
+
+
+def _check_prompt_ids(prompts: Any, vocab_size: int) -> None:
+    """Raise naming the first bad row, position and id, if `prompts` are concrete."""
+    if isinstance(prompts, jax.core.Tracer):
+        return
+    ids = np.asarray(prompts)
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+        row, col = (int(x) for x in np.argwhere(bad)[0])
+        raise ValueError(
+            f"prompt row {row} has id {int(ids[row, col])} at position {col}, "
+            f"outside the vocabulary [0, {vocab_size})"
         )
 
 
+class _DecodeState(eqx.Module):
+    """Carry of the decode loop; `tokens` / `logprobs` / `real` are the `[B, N]` outputs."""
+
+    step: Int[Array, ""]
+    logits: Float[Array, "B V"]
+    cache: Any
+    done: Bool[Array, " B"]
+    positions: Int[Array, " B"]
+    tokens: Int[Array, "B N"]
+    logprobs: Float[Array, "B N"]
+    real: Bool[Array, "B N"]
+
+
 def _generate_batch(
-    policy,
+    policy: AbstractDecoder,
     prompts: Int[Array, "B P"],
     prompt_masks: Bool[Array, "B P"],
     key: PRNGKeyArray,
-    *,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    eos_id: int | None,
-    pad_id: int,
+    opts: SamplingOptions,
 ) -> GenerationOutput:
     B, P = prompts.shape
-    N = max_new_tokens
-    S = P + N
-    logits, cache = jax.vmap(lambda t, m: policy.prefill(t, m, cache_size=S))(prompts, prompt_masks)
-    positions = jnp.sum(prompt_masks, axis=-1, dtype=jnp.int32)
+    N = opts.max_new_tokens
+    prompts = prompts.astype(jnp.int32)
+    if opts.check_ids:
+        bad = (prompts < 0) | (prompts >= policy.vocab_size)
+        prompts = eqx.error_if(prompts, jnp.any(bad), "prompt ids outside [0, vocab_size)")
+    logits, cache = jax.vmap(lambda t, m: policy.prefill(t, m, cache_size=P + N))(prompts, prompt_masks)
     sample = jax.vmap(
-        functools.partial(sample_token, temperature=temperature, top_k=top_k, top_p=top_p)
+        functools.partial(
+            sample_token, temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p
+        )
     )
     decode = jax.vmap(
         lambda tok, c, pos, idx: policy.decode_step(tok, c, index=idx, position=pos),
         in_axes=(0, 0, 0, None),
     )
+    stop_ids = jnp.asarray(opts.eos_id, jnp.int32)
+    zero = jnp.zeros((), jnp.int32)  # int32 indices also under jax_enable_x64
 
-    def choose(i, logits, done, key):
-        tok, lp = sample(jax.random.split(jax.random.fold_in(key, i), B), logits)
-        real = ~done
-        tok = jnp.where(real, tok, pad_id)
-        lp = jnp.where(real, lp, 0.0)
-        if eos_id is not None:
-            done = done | (real & (tok == eos_id))
-        return tok, lp, real, done
+    def cond(s: _DecodeState):
+        return (s.step < N) & ~jnp.all(s.done)
 
-    out_tok = jnp.full((B, N), pad_id, jnp.int32)
-    out_lp = jnp.zeros((B, N), jnp.float32)
-    out_real = jnp.zeros((B, N), jnp.bool_)
-
-    def cond(state):
-        i, _, _, done, *_ = state
-        return (i < N) & ~jnp.all(done)
-
-    def body(state):
-        i, logits, cache, done, positions, out_tok, out_lp, out_real = state
-        tok, lp, real, done = choose(i, logits, done, key)
-        out_tok = jax.lax.dynamic_update_slice(out_tok, tok[:, None], (0, i))
-        out_lp = jax.lax.dynamic_update_slice(out_lp, lp[:, None], (0, i))
-        out_real = jax.lax.dynamic_update_slice(out_real, real[:, None], (0, i))
+    def body(s: _DecodeState) -> _DecodeState:
+        tok, lp = sample(jax.random.split(jax.random.fold_in(key, s.step), B), s.logits)
+        real = ~s.done
+        tok = jnp.where(real, tok, jnp.asarray(opts.pad_id, jnp.int32))
+        lp = jnp.where(real, lp, jnp.zeros_like(lp))
+        done = s.done
+        if opts.eos_id:
+            done = done | (real & jnp.any(tok[:, None] == stop_ids[None, :], axis=-1))
 
         def advance(args):
             logits, cache, positions = args
-            logits, cache = decode(tok, cache, positions, P + i)
+            logits, cache = decode(tok, cache, positions, P + s.step)
             return logits, cache, positions + 1
 
         logits, cache, positions = jax.lax.cond(
-            i + 1 < N, advance, lambda args: args, (logits, cache, positions)
+            s.step + 1 < N, advance, lambda args: args, (s.logits, s.cache, s.positions)
         )
-        return i + 1, logits, cache, done, positions, out_tok, out_lp, out_real
+        at = (zero, s.step)
+        return _DecodeState(
+            step=s.step + 1,
+            logits=logits,
+            cache=cache,
+            done=done,
+            positions=positions,
+            tokens=jax.lax.dynamic_update_slice(s.tokens, tok[:, None], at),
+            logprobs=jax.lax.dynamic_update_slice(s.logprobs, lp[:, None], at),
+            real=jax.lax.dynamic_update_slice(s.real, real[:, None], at),
+        )
 
-    done = jnp.zeros((B,), jnp.bool_)
-    state = (jnp.zeros((), jnp.int32), logits, cache, done, positions, out_tok, out_lp, out_real)
-    state = jax.lax.while_loop(cond, body, state)
-    out_tok, out_lp, out_real = state[5], state[6], state[7]
+    init = _DecodeState(
+        step=zero,
+        logits=logits,
+        cache=cache,
+        done=jnp.zeros((B,), jnp.bool_),
+        positions=jnp.sum(prompt_masks, axis=-1, dtype=jnp.int32),
+        tokens=jnp.full((B, N), opts.pad_id, jnp.int32),
+        logprobs=jnp.zeros((B, N), jnp.float32),
+        real=jnp.zeros((B, N), jnp.bool_),
+    )
+    s = jax.lax.while_loop(cond, body, init)
     return GenerationOutput(
-        tokens=jnp.concatenate([prompts.astype(jnp.int32), out_tok], axis=1),
-        mask=jnp.concatenate([prompt_masks, out_real], axis=1),
-        completion_mask=jnp.concatenate([jnp.zeros_like(prompt_masks), out_real], axis=1),
-        logprobs=jnp.concatenate([jnp.zeros((B, P), jnp.float32), out_lp], axis=1),
+        tokens=jnp.concatenate([prompts, s.tokens], axis=1),
+        mask=jnp.concatenate([prompt_masks, s.real], axis=1),
+        completion_mask=jnp.concatenate([jnp.zeros_like(prompt_masks), s.real], axis=1),
+        logprobs=jnp.concatenate([jnp.zeros((B, P), jnp.float32), s.logprobs], axis=1),
     )
 
 
@@ -182,83 +296,120 @@ _generate_batch_jit = eqx.filter_jit(_generate_batch)
 
 
 def generate_batch(
-    policy,
+    policy: AbstractDecoder,
     prompts: Int[Array, "B P"],
     prompt_masks: Bool[Array, "B P"],
     key: PRNGKeyArray,
-    *,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    eos_id: int | None = None,
-    pad_id: int = 0,
+    **options: Any,
 ) -> GenerationOutput:
     """Sample completions for a batch of prompts in one compiled program.
 
     Prefill runs all prompts at once; the decode loop is a `lax.while_loop` that stops
-    as soon as every row has emitted `eos_id` (or after `max_new_tokens`). One compile
-    per (batch, prompt length, `max_new_tokens`, sampling settings).
+    as soon as every row has emitted a stop id (or after `max_new_tokens`), with no
+    Python work per step. One compile per (batch, prompt length, options).
 
     **Arguments:**
 
-    - `policy`: an rlhf_eqx `Policy` (anything with `prefill` / `decode_step`).
+    - `policy`: a decoder (`rlhf_eqx.models.AbstractDecoder`, e.g. `rlhf_eqx.Policy`).
     - `prompts`, `prompt_masks`: `[B, P]` ids and real-token masks; each row needs at
-      least one real token.
+      least one real token. Concrete ids outside `[0, vocab_size)` raise a `ValueError`
+      naming the row and the id.
     - `key`: PRNG key (ignored when greedy).
-    - `temperature`: 0 means greedy; `top_k`, `top_p`: optional filters.
-    - `eos_id`: stop token (kept in the completion), `pad_id`: fills rows after EOS.
+    - `**options`: the fields of `SamplingOptions`: `max_new_tokens` (required),
+      `temperature=1.0` (0 is greedy), `top_k=None`, `top_p=None`, `eos_id=None` (one
+      id or several), `pad_id=0`, `check_ids=False`.
 
-    **Returns:** a `GenerationOutput` with a leading batch axis, rows of length `P + max_new_tokens`.
+    **Returns:** a `GenerationOutput` with a leading batch axis, rows of length
+    `P + max_new_tokens`. Cut completions at stop *strings* afterwards with
+    `truncate_at_stop_strings`.
     """
-    _check_policy(policy)
-    if max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+    opts = SamplingOptions(**options)
+    policy = _check_decoder(policy)
     if prompts.shape != prompt_masks.shape:
-        raise ValueError(f"prompts {prompts.shape} and prompt_masks {prompt_masks.shape} differ in shape")
-    return _generate_batch_jit(
-        policy,
-        prompts,
-        prompt_masks,
-        key,
-        max_new_tokens=max_new_tokens,
-        temperature=float(temperature),
-        top_k=top_k,
-        top_p=top_p,
-        eos_id=eos_id,
-        pad_id=pad_id,
-    )
+        raise ValueError(
+            f"prompts {prompts.shape} and prompt_masks {prompt_masks.shape} differ in shape"
+        )
+    _check_prompt_ids(prompts, policy.vocab_size)
+    return _generate_batch_jit(policy, prompts, prompt_masks, key, opts)
 
 
 def generate(
-    policy,
+    policy: AbstractDecoder,
     prompt: Int[Array, " P"],
     prompt_mask: Bool[Array, " P"],
     key: PRNGKeyArray,
-    *,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    eos_id: int | None = None,
-    pad_id: int = 0,
+    **options: Any,
 ) -> GenerationOutput:
     """Sample a completion of one prompt (jitted; vmappable over a batch of prompts).
 
-    Same arguments as `generate_batch` without the batch axis. Under `jax.vmap` the
-    loop runs until every row of the batch is done; `generate_batch` is the batched
-    entry point.
+    `generate_batch` on a batch of one: same `options` (`SamplingOptions`), no batch axis.
+    Under `jax.vmap` the loop runs until every row of the batch is done; `generate_batch`
+    is the batched entry point.
     """
-    out = generate_batch(
-        policy,
-        prompt[None],
-        prompt_mask[None],
-        key,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        eos_id=eos_id,
-        pad_id=pad_id,
-    )
+    out = generate_batch(policy, prompt[None], prompt_mask[None], key, **options)
     return jax.tree_util.tree_map(lambda x: x[0], out)
+
+
+def truncate_at_stop_strings(
+    out: GenerationOutput,
+    tokenizer: Any,
+    stop_strings: Sequence[str],
+    *,
+    pad_id: int = 0,
+) -> GenerationOutput:
+    """Cut each row's completion where a stop string first appears in its decoded text.
+
+    Host-side (call it on the output of `generate_batch`, outside `jit`). For every row,
+    the completion is decoded with `tokenizer.decode`; if a stop string occurs, the
+    completion keeps its longest token prefix whose text ends at or before the first
+    occurrence (the stop string itself is dropped), and the remaining completion
+    positions get `pad_id`, mask `False` and log-probability 0. A chat model that starts
+    a new turn, e.g. `"\\n\\nHuman:"`, is cut there. Rows without a stop string are
+    unchanged.
+
+    **Arguments:**
+
+    - `out`: a batched `GenerationOutput` (`[B, T]` fields).
+    - `tokenizer`: anything with `decode(ids: list[int]) -> str`.
+    - `stop_strings`: the strings to stop at (non-empty).
+    - `pad_id`: the id written over cut tokens.
+
+    **Returns:** a `GenerationOutput` of the same shapes.
+    """
+    if isinstance(stop_strings, str):
+        raise TypeError("stop_strings must be a sequence of strings, not one string")
+    if not all(isinstance(s, str) and s for s in stop_strings):
+        raise ValueError(f"stop_strings must be non-empty strings, got {stop_strings!r}")
+    tokens = np.array(out.tokens)
+    mask = np.array(out.mask)
+    cmask = np.array(out.completion_mask)
+    logprobs = np.array(out.logprobs)
+    if tokens.ndim != 2:
+        raise ValueError(f"expected a batched output with [B, T] fields, got tokens of shape {tokens.shape}")
+    for row in range(tokens.shape[0]):
+        cols = np.flatnonzero(cmask[row])
+        ids = tokens[row, cols].tolist()
+        text = tokenizer.decode(ids)
+        hits = [i for i in (text.find(s) for s in stop_strings) if i >= 0]
+        if not hits:
+            continue
+        start = min(hits)
+        # Longest prefix of tokens whose text ends at or before the stop string.
+        lo, hi = 0, len(ids)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if len(tokenizer.decode(ids[:mid])) <= start:
+                lo = mid
+            else:
+                hi = mid - 1
+        cut = cols[lo:]
+        tokens[row, cut] = pad_id
+        mask[row, cut] = False
+        cmask[row, cut] = False
+        logprobs[row, cut] = 0.0
+    return GenerationOutput(
+        tokens=jnp.asarray(tokens, jnp.int32),
+        mask=jnp.asarray(mask),
+        completion_mask=jnp.asarray(cmask),
+        logprobs=jnp.asarray(logprobs, jnp.float32),
+    )

@@ -129,3 +129,10 @@ def test_seq_mean_token_mean_equals_python_loop():
     assert_tree_allclose(
         aggregate(x, mask, mode="token-mean"), jnp.asarray(xs[ms].mean(), jnp.float32)
     )
+
+
+def test_traced_dr_grpo_constant():
+    f = jax.jit(lambda c: aggregate(X, M, mode="seq-mean-token-sum-norm", constant=c))
+    np.testing.assert_allclose(
+        f(jnp.asarray(7.0)), aggregate(X, M, mode="seq-mean-token-sum-norm", constant=7), rtol=1e-6
+    )

@@ -8,11 +8,16 @@ import numpy as np
 import pytest
 from helpers import assert_tree_allclose
 from hypothesis import given
+from jaxtyping import TypeCheckError
 
 import rlhf_eqx.testing as rt
 from rlhf_eqx.losses import (
+    DPO_BATCH_LOSS_TYPES,
+    DPO_LOSS_TYPES,
+    DPOLossType,
     RunningMean,
     bradley_terry_loss,
+    check_choice,
     combine_losses,
     dpo_batch_loss,
     dpo_implicit_rewards,
@@ -22,23 +27,8 @@ from rlhf_eqx.losses import (
     running_mean_update,
 )
 
-PAIR_TYPES = [
-    "sigmoid",
-    "robust",
-    "hinge",
-    "ipo",
-    "exo_pair",
-    "nca_pair",
-    "bco_pair",
-    "sppo_hard",
-    "apo_zero",
-    "apo_down",
-    "discopop",
-    "sigmoid_norm",
-    "simpo",
-    "orpo",
-]
-SORT_TYPES = ["aot", "aot_pair"]
+PAIR_TYPES = [t for t in DPO_LOSS_TYPES if t not in DPO_BATCH_LOSS_TYPES]
+SORT_TYPES = list(DPO_BATCH_LOSS_TYPES)
 
 
 # --- plain-Python references, transcribed from TRL's DPOTrainer.dpo_loss / CPO / ORPO ---
@@ -336,3 +326,65 @@ def test_extremes_are_finite():
         for c, r in ((0.0, -1e4), (-1e4, 0.0)):
             out = dpo_loss(c, r, -5e3, -5e3, beta=1.0, loss_type=t, chosen_len=1, rejected_len=1)
             assert np.isfinite(float(out)), t
+
+
+# --- the registry and traced hyperparameters --------------------------------------------
+
+
+def test_loss_type_literal_and_reference_cover_the_registry():
+    assert DPOLossType.__args__ == DPO_LOSS_TYPES
+    assert len(set(DPO_LOSS_TYPES)) == len(DPO_LOSS_TYPES) == 16
+    for t in PAIR_TYPES:  # every per-pair type has a hand-written reference
+        reference_loss(t)
+    # The shape checker rejects it first when on (TypeCheckError); both name the value.
+    with pytest.raises((ValueError, TypeCheckError), match="sigmoyd"):
+        dpo_loss(C, R, RC, RR, loss_type="sigmoyd")  # pyright: ignore
+    with pytest.raises(ValueError, match="^unknown loss_type 'sigmoyd'; expected one of 'sigmoid'"):
+        check_choice("loss_type", "sigmoyd", DPO_LOSS_TYPES)
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "exo_pair", "discopop", "simpo", "robust"])
+def test_vmap_over_traced_beta_equals_per_value(loss_type):
+    betas = jnp.array([0.05, 0.5, 2.0])
+    eps = 0.1 if loss_type != "exo_pair" else jnp.asarray(0.1)
+
+    def f(beta, label_smoothing=eps):
+        return dpo_loss(
+            C, R, RC, RR, beta=beta, loss_type=loss_type, label_smoothing=label_smoothing,
+            chosen_len=LC, rejected_len=LR, discopop_tau=TAU, simpo_gamma=GAMMA,
+        )
+
+    swept = jax.vmap(f)(betas)
+    for i, b in enumerate([0.05, 0.5, 2.0]):
+        np.testing.assert_allclose(swept[i], f(b), rtol=1e-6)
+    # Traced label smoothing too, including 0 (EXO's 1e-3 default).
+    grid = jax.vmap(lambda e: f(0.5, e))(jnp.array([0.0, 0.1]))
+    np.testing.assert_allclose(grid, [f(0.5, 0.0), f(0.5, 0.1)], rtol=1e-6)
+
+
+def test_jit_traced_beta_batch_and_aot():
+    args = [jnp.array([x, -2.0 - i]) for i, x in enumerate((C, R, RC, RR))]
+    for t in ("sigmoid", "aot", "bco_pair"):
+        f = jax.jit(lambda b, t=t: dpo_batch_loss(*args, loss_type=t, beta=b, label_smoothing=b / 10))
+        np.testing.assert_allclose(
+            f(jnp.asarray(0.3)), dpo_batch_loss(*args, loss_type=t, beta=0.3, label_smoothing=0.03),
+            rtol=1e-6,
+        )
+
+
+def test_python_hyperparameters_are_still_validated():
+    with pytest.raises(ValueError, match="beta must be positive"):
+        dpo_loss(C, R, RC, RR, beta=0.0)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        dpo_loss(C, R, RC, RR, label_smoothing=0.5)
+    with pytest.raises(ValueError, match="center_coef"):
+        bradley_terry_loss(1.0, 0.0, center_coef=-1.0)
+
+
+def test_bradley_terry_traced_center_coef():
+    f = jax.vmap(lambda c: bradley_terry_loss(1.0, 0.5, center_coef=c))
+    np.testing.assert_allclose(
+        f(jnp.array([0.0, 0.01])),
+        [bradley_terry_loss(1.0, 0.5), bradley_terry_loss(1.0, 0.5, center_coef=0.01)],
+        rtol=1e-6,
+    )

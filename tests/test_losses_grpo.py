@@ -9,10 +9,15 @@ import pytest
 from helpers import assert_tree_allclose
 from hypothesis import given
 from hypothesis import strategies as st
+from jaxtyping import TypeCheckError
 
 import rlhf_eqx.testing as rt
 from rlhf_eqx.losses import (
+    ADVANTAGE_SCALES,
+    AGGREGATION_MODES,
+    KL_KINDS,
     aggregate,
+    check_choice,
     group_advantages,
     grpo_policy_loss,
     kl_penalty,
@@ -94,12 +99,12 @@ def test_reinforce_pp():
 
 
 def _grpo_token(logp, old_logp, adv, mask):
-    return grpo_policy_loss(logp, old_logp, adv, mask, clip_eps_low=0.2, clip_eps_high=0.28)
+    return grpo_policy_loss(logp, old_logp, adv, mask, clip_eps=0.2, clip_eps_high=0.28)
 
 
 def _grpo_seq(logp, old_logp, adv, mask):
     return grpo_policy_loss(
-        logp, old_logp, adv, mask, importance="sequence", clip_eps_low=3e-4, clip_eps_high=4e-4
+        logp, old_logp, adv, mask, importance="sequence", clip_eps=3e-4, clip_eps_high=4e-4
     )
 
 
@@ -120,7 +125,7 @@ def test_grpo_token_matches_ppo_and_clip_gradient(data, adv):
     assert_tree_allclose(loss, ppo)
     assert_tree_allclose(stats["ratio"], ppo_stats["ratio"])
     rt.check_ppo_clip_gradient_zero(
-        _grpo_token, logp, old, a, mask, clip_eps_low=0.2, clip_eps_high=0.28
+        _grpo_token, logp, old, a, mask, clip_eps=0.2, clip_eps_high=0.28
     )
 
 
@@ -152,7 +157,7 @@ def _trl_gspo(logp, old, adv, mask, eps_low, eps_high):
 def _gspo_vs_trl(logp, old, a, mask, *, eps):
     def ours(lp):
         per_token, _ = grpo_policy_loss(
-            lp, old, a, mask, importance="sequence", clip_eps_low=eps[0], clip_eps_high=eps[1]
+            lp, old, a, mask, importance="sequence", clip_eps=eps[0], clip_eps_high=eps[1]
         )
         return aggregate(per_token[None], mask[None], mode="seq-mean-token-mean")
 
@@ -237,3 +242,49 @@ def test_jit_and_vmap(getkey):
     looped = [_grpo_seq(logp[i], old[i], adv[i], mask[i]) for i in range(B)]
     assert_tree_allclose(batched, jax.tree.map(lambda *x: jnp.stack(x), *looped))
     assert_tree_allclose(jax.jit(jax.vmap(_grpo_seq))(logp, old, adv, mask), batched)
+
+
+def test_grpo_traced_hyperparameters_under_jit_and_vmap(getkey):
+    T = 6
+    logp = -jnp.abs(jax.random.normal(getkey(), (T,)))
+    old = logp + 0.5 * jax.random.normal(getkey(), (T,))
+    ref = logp + 0.3 * jax.random.normal(getkey(), (T,))
+    mask = jnp.arange(T) < 5
+    a = jnp.asarray(-0.7)
+
+    def f(eps, eps_high, beta, delta):
+        return grpo_policy_loss(
+            logp, old, a, mask, clip_eps=eps, clip_eps_high=eps_high, ref_logp=ref,
+            beta=beta, delta=delta,
+        )[0]
+
+    jitted = jax.jit(f)
+    for args in ((0.2, 0.28, 0.04, 1.5), (0.1, 0.1, 0.0, 3.0)):
+        assert_tree_allclose(jitted(*(jnp.asarray(x) for x in args)), f(*args))
+    betas = jnp.array([0.0, 0.1])
+    swept = jax.vmap(lambda b: f(0.2, 0.28, b, 1.5))(betas)
+    assert_tree_allclose(swept, jnp.stack([f(0.2, 0.28, 0.0, 1.5), f(0.2, 0.28, 0.1, 1.5)]))
+
+
+def test_grpo_uses_ppo_clipping():
+    """Token-level GRPO with a per-token copy of its advantage is PPO's clipped surrogate."""
+    logp = jnp.log(jnp.array([0.5, 0.9, 0.2, 0.6]))
+    old = jnp.log(jnp.array([0.6, 0.5, 0.4, 0.6]))
+    mask = jnp.ones(4, bool)
+    for a in (1.0, -1.0):
+        g, _ = grpo_policy_loss(logp, old, jnp.asarray(a), mask, clip_eps=0.2, clip_eps_high=0.3)
+        p, _ = ppo_policy_loss(logp, old, jnp.full((4,), a), mask, clip_eps=0.2, clip_eps_high=0.3)
+        np.testing.assert_array_equal(g, p)
+
+
+def test_choice_tuples_and_errors():
+    assert ADVANTAGE_SCALES == ("group", "batch", "none")
+    for scale in ADVANTAGE_SCALES:
+        group_advantages(jnp.array([[1.0, 2.0, 4.0]]), scale=scale)
+    with pytest.raises(ValueError, match="^unknown scale 'std'; expected one of 'group', 'batch', 'none'$"):
+        check_choice("scale", "std", ADVANTAGE_SCALES)
+    with pytest.raises((ValueError, TypeCheckError), match="std"):
+        group_advantages(jnp.array([1.0, 2.0]), scale="std")  # pyright: ignore
+    with pytest.raises(ValueError, match="^unknown mode 'mean'; expected one of 'token-mean'"):
+        check_choice("mode", "mean", AGGREGATION_MODES)
+    check_choice("kind", "k3", KL_KINDS)

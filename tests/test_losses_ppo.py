@@ -10,6 +10,7 @@ import pytest
 from helpers import assert_tree_allclose
 from hypothesis import given
 from hypothesis import strategies as st
+from jaxtyping import TypeCheckError
 
 import rlhf_eqx.testing as rt
 from rlhf_eqx.losses import (
@@ -124,10 +125,10 @@ def test_ppo_gradient_is_zero_where_clipped(data, adv):
     logp, old_logp, mask = data
     adv = jnp.asarray(adv, jnp.float32)
     rt.check_ppo_clip_gradient_zero(
-        _ppo, logp, old_logp, adv, mask, clip_eps_low=0.2, clip_eps_high=0.28
+        _ppo, logp, old_logp, adv, mask, clip_eps=0.2, clip_eps_high=0.28
     )
     rt.check_ppo_clip_gradient_zero(
-        _ppo_dual, logp, old_logp, adv, mask, clip_eps_low=0.2, check_inside=False
+        _ppo_dual, logp, old_logp, adv, mask, clip_eps=0.2, check_inside=False
     )
 
 
@@ -141,7 +142,7 @@ def test_ppo_losses_finite_and_padding_invariant(data):
 
 
 def _value(values, old_values, returns, mask):
-    return ppo_value_loss(values, old_values, returns, mask, clip_range=0.2)
+    return ppo_value_loss(values, old_values, returns, mask, clip_eps=0.2)
 
 
 def test_ppo_policy_loss_closed_form():
@@ -181,7 +182,7 @@ def test_ppo_value_loss_closed_form():
     v_old = jnp.array([1.0, 1.0, 0.0, 0.0])
     ret = jnp.array([0.0, 0.0, 1.0, 2.0])
     mask = jnp.array([True, True, True, False])
-    loss, clipped = ppo_value_loss(v, v_old, ret, mask, clip_range=0.2)
+    loss, clipped = ppo_value_loss(v, v_old, ret, mask, clip_eps=0.2)
     # pos 1: unclipped (2-0)^2 = 4, clipped (1.2-0)^2 = 1.44 -> 0.5·4 = 2 (not clipped)
     # pos 0: (1-0)^2 both = 1 -> 0.5
     # pos 2: v = v_old: 1 -> 0.5
@@ -194,11 +195,11 @@ def test_ppo_value_loss_closed_form():
         jnp.array([0.0, 1.0]),
         jnp.array([1.1, 0.5]),
         jnp.array([True, True]),
-        clip_range=0.2,
+        clip_eps=0.2,
     )
     np.testing.assert_allclose(np.asarray(loss2), [0.5 * 0.9**2, 0.5 * 0.5**2], rtol=1e-5)
     np.testing.assert_array_equal(np.asarray(clipped2), [1.0, 0.0])
-    loss3, _ = ppo_value_loss(v, v_old, ret, mask, clip_range=None)
+    loss3, _ = ppo_value_loss(v, v_old, ret, mask, clip_eps=None)
     np.testing.assert_allclose(np.asarray(loss3), [0.5, 2.0, 0.5, 0.0], rtol=1e-6)
 
 
@@ -303,3 +304,47 @@ def test_ppo_step_aggregation_matches_trl_masked_mean(getkey):
     assert float(aggregate(per_token, mask, mode="token-mean")) == pytest.approx(
         float(pg[m].mean()), rel=1e-5
     )
+
+
+def test_traced_clip_eps_and_kl_coef_under_jit(getkey):
+    T = 7
+    logp = -jnp.abs(jax.random.normal(getkey(), (T,)))
+    old = logp + 0.4 * jax.random.normal(getkey(), (T,))
+    adv = jax.random.normal(getkey(), (T,))
+    v, v_old, ret = (jax.random.normal(getkey(), (T,)) for _ in range(3))
+    mask = jnp.arange(T) < 5
+
+    @jax.jit
+    def f(eps, eps_high, dual, kl_coef):
+        pol, _ = ppo_policy_loss(
+            logp, old, adv, mask, clip_eps=eps, clip_eps_high=eps_high, dual_clip=dual
+        )
+        val, _ = ppo_value_loss(v, v_old, ret, mask, clip_eps=eps)
+        shaped = kl_shaped_rewards(1.0, logp, old, mask, kl_coef=kl_coef, kind="k3")
+        return pol, val, shaped
+
+    for eps, eps_high, dual, kl_coef in ((0.1, 0.3, 2.0, 0.05), (0.25, 0.25, 3.0, 0.5)):
+        got = f(*(jnp.asarray(x) for x in (eps, eps_high, dual, kl_coef)))
+        want = (
+            ppo_policy_loss(logp, old, adv, mask, clip_eps=eps, clip_eps_high=eps_high, dual_clip=dual)[0],
+            ppo_value_loss(v, v_old, ret, mask, clip_eps=eps)[0],
+            kl_shaped_rewards(1.0, logp, old, mask, kl_coef=kl_coef, kind="k3"),
+        )
+        assert_tree_allclose(got, want)
+    # vmap over a traced clip_eps equals one call per value.
+    swept = jax.vmap(lambda e: ppo_policy_loss(logp, old, adv, mask, clip_eps=e)[0])(
+        jnp.array([0.1, 0.2])
+    )
+    for i, e in enumerate((0.1, 0.2)):
+        assert_tree_allclose(swept[i], ppo_policy_loss(logp, old, adv, mask, clip_eps=e)[0])
+
+
+def test_python_clip_values_are_validated():
+    x = jnp.zeros(3)
+    m = jnp.ones(3, bool)
+    with pytest.raises(ValueError, match="dual_clip must be > 1"):
+        ppo_policy_loss(x, x, x, m, dual_clip=1.0)
+    with pytest.raises(ValueError, match="clip_eps must be non-negative"):
+        ppo_value_loss(x, x, x, m, clip_eps=-0.1)
+    with pytest.raises((ValueError, TypeCheckError), match="k4"):
+        kl_penalty(x, x, kind="k4")  # pyright: ignore

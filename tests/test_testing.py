@@ -147,11 +147,11 @@ def test_check_ppo_clip_gradient_zero():
     old = jnp.zeros(5)
     adv = jnp.array([1.0, -1.0, 2.0, -0.5, 1.0])
     mask = jnp.array([True, True, True, True, False])
-    rt.check_ppo_clip_gradient_zero(_good_ppo, logp, old, adv, mask, clip_eps_low=0.2)
+    rt.check_ppo_clip_gradient_zero(_good_ppo, logp, old, adv, mask, clip_eps=0.2)
     with pytest.raises(AssertionError, match="clipped"):
-        rt.check_ppo_clip_gradient_zero(_unclipped, logp, old, adv, mask, clip_eps_low=0.2)
+        rt.check_ppo_clip_gradient_zero(_unclipped, logp, old, adv, mask, clip_eps=0.2)
     with pytest.raises(AssertionError, match="inside"):
-        rt.check_ppo_clip_gradient_zero(_no_gradient, logp, old, adv, mask, clip_eps_low=0.2)
+        rt.check_ppo_clip_gradient_zero(_no_gradient, logp, old, adv, mask, clip_eps=0.2)
 
 
 def test_docstring_example_runs():

@@ -18,13 +18,18 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from ..ops import masked_mean, masked_sum
+from ._validation import Hyperparameter, check_choice, check_python_number
 
-__all__ = ["AggregationMode", "aggregate_parts", "aggregate", "safe_divide"]
+__all__ = ["AGGREGATION_MODES", "AggregationMode", "aggregate_parts", "aggregate", "safe_divide"]
 
-AggregationMode = Literal[
-    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
-]
-_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+AGGREGATION_MODES: tuple[str, ...] = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+)
+"""The `mode`s of `aggregate` / `aggregate_parts`."""
+AggregationMode = Literal[AGGREGATION_MODES]  # type: ignore[valid-type]
 
 
 def aggregate_parts(
@@ -32,7 +37,7 @@ def aggregate_parts(
     mask: Bool[Array, "B T"],
     *,
     mode: AggregationMode,
-    constant: float | int | None = None,
+    constant: Hyperparameter | None = None,
 ) -> tuple[Float[Array, ""], Float[Array, ""]]:
     r"""Numerator and denominator of a batch reduction of per-token values.
 
@@ -69,8 +74,7 @@ def aggregate_parts(
     **Returns:** `(numerator, denominator)`, float scalars; the denominator is 0 only when
     every row is fully masked.
     """
-    if mode not in _MODES:
-        raise ValueError(f"unknown aggregation mode {mode!r}; expected one of {_MODES}")
+    check_choice("mode", mode, AGGREGATION_MODES)
     if constant is not None and mode != "seq-mean-token-sum-norm":
         raise ValueError("`constant` is only used by mode='seq-mean-token-sum-norm'")
     dtype = per_token.dtype
@@ -82,9 +86,13 @@ def aggregate_parts(
         return jnp.sum(masked_mean(per_token, mask, axis=-1)), non_empty
     if mode == "seq-mean-token-sum":
         return masked_sum(per_token, mask), non_empty
-    c = float(per_token.shape[-1]) if constant is None else float(constant)
-    if c <= 0:
-        raise ValueError(f"`constant` must be positive, got {c}")
+    check_python_number("constant", constant, lambda c: c > 0.0, "positive")
+    if constant is None:
+        c = float(per_token.shape[-1])
+    elif isinstance(constant, (int, float)):
+        c = float(constant)
+    else:
+        c = jnp.asarray(constant).astype(dtype)
     return masked_sum(per_token, mask), non_empty * c
 
 
@@ -101,7 +109,7 @@ def aggregate(
     mask: Bool[Array, "B T"],
     *,
     mode: AggregationMode,
-    constant: float | int | None = None,
+    constant: Hyperparameter | None = None,
 ) -> Float[Array, ""]:
     """Reduce per-token values over a batch: `numerator / denominator` of `aggregate_parts`.
 

@@ -19,79 +19,77 @@ TRL's), `CPOTrainer.cpo_loss` (SimPO) and `ORPOTrainer.odds_ratio_loss` (ORPO).
 """
 
 import math
-from collections.abc import Mapping
-from typing import Literal
+from collections.abc import Callable
+from typing import Literal, NamedTuple
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Real
 
+from ._validation import Hyperparameter, check_choice, check_python_number, is_python_number
+
 __all__ = [
+    "DPO_LOSS_TYPES",
+    "DPO_BATCH_LOSS_TYPES",
+    "DPO_REFERENCE_FREE_LOSS_TYPES",
     "DPOLossType",
     "dpo_loss",
     "dpo_batch_loss",
     "dpo_implicit_rewards",
     "orpo_log_odds",
     "orpo_loss",
-    "combine_losses",
-    "RunningMean",
-    "running_mean_update",
 ]
 
-DPOLossType = Literal[
-    "sigmoid",
-    "robust",
-    "hinge",
-    "ipo",
-    "exo_pair",
-    "nca_pair",
-    "bco_pair",
-    "sppo_hard",
-    "apo_zero",
-    "apo_down",
-    "discopop",
-    "sigmoid_norm",
-    "simpo",
-    "orpo",
-    "aot",
-    "aot_pair",
-]
-
-_PAIR_TYPES = (
-    "sigmoid",
-    "robust",
-    "hinge",
-    "ipo",
-    "exo_pair",
-    "nca_pair",
-    "bco_pair",
-    "sppo_hard",
-    "apo_zero",
-    "apo_down",
-    "discopop",
-    "sigmoid_norm",
-    "simpo",
-    "orpo",
-)
-_SORTING_TYPES = ("aot", "aot_pair")
-# Types whose definition has no reference model.
-_REFERENCE_FREE_TYPES = ("simpo", "orpo")
-# Types that use length-normalised (per-token average) log-probabilities.
-_LENGTH_NORMALISED_TYPES = ("ipo", "sigmoid_norm", "simpo", "orpo")
 # Largest average log-probability fed to log(1 - p) in ORPO (keeps it finite at p = 1).
 _ORPO_MAX_AVG_LOGP = -1e-7
 
 
-def _smoothed_sigmoid_loss(z: Array, label_smoothing: float | int) -> Array:
+class _Pair(NamedTuple):
+    """Sequence log-probabilities of a pair (scalars, or `[B]` for the batch losses)."""
+
+    chosen: Array
+    rejected: Array
+    ref_chosen: Array
+    ref_rejected: Array
+
+    @property
+    def h_w(self) -> Array:
+        r"""Chosen log-ratio $h_w = \log\pi_\theta(y_w) - \log\pi_{\rm ref}(y_w)$."""
+        return self.chosen - self.ref_chosen
+
+    @property
+    def h_l(self) -> Array:
+        r"""Rejected log-ratio $h_l$."""
+        return self.rejected - self.ref_rejected
+
+    @property
+    def u(self) -> Array:
+        r"""The DPO logit $u = h_w - h_l$, computed as TRL does (same rounding)."""
+        return (self.chosen - self.rejected) - (self.ref_chosen - self.ref_rejected)
+
+
+class _Hyper(NamedTuple):
+    beta: Hyperparameter
+    label_smoothing: Hyperparameter
+    bco_delta: Array
+    discopop_tau: Hyperparameter
+    simpo_gamma: Hyperparameter
+
+
+def _log(x: Hyperparameter) -> Hyperparameter:
+    """`log` in double precision for Python numbers, `jnp.log` for arrays."""
+    return math.log(x) if is_python_number(x) else jnp.log(x)
+
+
+def _smoothed_sigmoid_loss(z: Array, label_smoothing: Hyperparameter) -> Array:
     """`-(1-ε) log σ(z) - ε log σ(-z)` (cDPO, Mitchell 2023)."""
     loss = -jax.nn.log_sigmoid(z)
-    if label_smoothing != 0.0:
-        loss = loss * (1.0 - label_smoothing) - jax.nn.log_sigmoid(-z) * label_smoothing
-    return loss
+    if is_python_number(label_smoothing) and label_smoothing == 0.0:
+        return loss
+    return loss * (1.0 - label_smoothing) - jax.nn.log_sigmoid(-z) * label_smoothing
 
 
-def _per_token(logp: Array, length: Real[ArrayLike, ""] | None) -> Array:
+def _per_token(logp: Array, length: Real[ArrayLike, "*B"] | None) -> Array:
     if length is None:
         return logp
     n = jnp.asarray(length).astype(logp.dtype)
@@ -109,98 +107,219 @@ def _log1mexp(x: Array) -> Array:
     )
 
 
+# --- one function per loss: (pair, hyperparameters) -> loss ------------------------------
+
+
+def _sigmoid(p: _Pair, hp: _Hyper) -> Array:
+    r"""$-(1-\varepsilon)\log\sigma(\beta u) - \varepsilon\log\sigma(-\beta u)$.
+
+    DPO (Rafailov et al. 2023, eq. 7); with $\varepsilon > 0$ conservative DPO (cDPO,
+    Mitchell 2023). `"sigmoid_norm"` is the same on per-token averaged log-probabilities.
+    """
+    return _smoothed_sigmoid_loss(hp.beta * p.u, hp.label_smoothing)
+
+
+def _robust(p: _Pair, hp: _Hyper) -> Array:
+    r"""$\big[-(1-\varepsilon)\log\sigma(\beta u) + \varepsilon\log\sigma(-\beta u)\big]/(1-2\varepsilon)$.
+
+    Robust DPO (rDPO), Chowdhury et al. 2024, eq. 8.
+    """
+    eps = hp.label_smoothing
+    z = hp.beta * p.u
+    return (-jax.nn.log_sigmoid(z) * (1.0 - eps) + jax.nn.log_sigmoid(-z) * eps) / (1.0 - 2.0 * eps)
+
+
+def _hinge(p: _Pair, hp: _Hyper) -> Array:
+    r"""$\max(0, 1 - \beta u)$. SLiC-HF, Zhao et al. 2023, eq. 1."""
+    return jax.nn.relu(1.0 - hp.beta * p.u)
+
+
+def _ipo(p: _Pair, hp: _Hyper) -> Array:
+    r"""$(\bar u - \frac{1}{2\beta})^2$ on per-token averages. IPO, Azar et al. 2023, eq. 17."""
+    return jnp.square(p.u - 1.0 / (2.0 * hp.beta))
+
+
+def _exo_pair(p: _Pair, hp: _Hyper) -> Array:
+    r"""$\sigma(\beta u)[\log\sigma(\beta u) - \log(1-\varepsilon)]
+    + \sigma(-\beta u)[\log\sigma(-\beta u) - \log\varepsilon]$, $\varepsilon$ = 1e-3 when 0.
+
+    EXO, Ji et al. 2024, eq. 16.
+    """
+    eps = hp.label_smoothing
+    if is_python_number(eps):
+        e = eps if eps != 0.0 else 1e-3
+    else:
+        e = jnp.where(eps == 0.0, 1e-3, eps)
+    z = hp.beta * p.u
+    return jax.nn.sigmoid(z) * (jax.nn.log_sigmoid(z) - _log(1.0 - e)) + jax.nn.sigmoid(-z) * (
+        jax.nn.log_sigmoid(-z) - _log(e)
+    )
+
+
+def _nca_pair(p: _Pair, hp: _Hyper) -> Array:
+    r"""$-\log\sigma(\beta h_w) - \tfrac12\log\sigma(-\beta h_w) - \tfrac12\log\sigma(-\beta h_l)$.
+
+    NCA, Chen et al. 2024, eq. 11.
+    """
+    rw = hp.beta * p.h_w
+    rl = hp.beta * p.h_l
+    return -jax.nn.log_sigmoid(rw) - 0.5 * jax.nn.log_sigmoid(-rw) - 0.5 * jax.nn.log_sigmoid(-rl)
+
+
+def _bco_pair(p: _Pair, hp: _Hyper) -> Array:
+    r"""$-\log\sigma(\beta h_w - \delta) - \log\sigma(-(\beta h_l - \delta))$.
+
+    BCO, Jung et al. 2024, eq. 6 ($\delta$ the running mean of the implicit rewards).
+    """
+    return -jax.nn.log_sigmoid(hp.beta * p.h_w - hp.bco_delta) - jax.nn.log_sigmoid(
+        -(hp.beta * p.h_l - hp.bco_delta)
+    )
+
+
+def _sppo_hard(p: _Pair, hp: _Hyper) -> Array:
+    r"""$(h_w - \frac{1}{2\beta})^2 + (h_l + \frac{1}{2\beta})^2$. SPPO, Wu et al. 2024, eq. 4.6."""
+    return jnp.square(p.h_w - 0.5 / hp.beta) + jnp.square(p.h_l + 0.5 / hp.beta)
+
+
+def _apo_zero(p: _Pair, hp: _Hyper) -> Array:
+    r"""$1 - \sigma(\beta h_w) + \sigma(\beta h_l)$. APO-zero, D'Oosterlinck et al. 2024, eq. 7."""
+    return (1.0 - jax.nn.sigmoid(hp.beta * p.h_w)) + jax.nn.sigmoid(hp.beta * p.h_l)
+
+
+def _apo_down(p: _Pair, hp: _Hyper) -> Array:
+    r"""$\sigma(\beta h_w) + 1 - \sigma(\beta u)$. APO-down, D'Oosterlinck et al. 2024, eq. 8."""
+    return jax.nn.sigmoid(hp.beta * p.h_w) + (1.0 - jax.nn.sigmoid(hp.beta * (p.h_w - p.h_l)))
+
+
+def _discopop(p: _Pair, hp: _Hyper) -> Array:
+    r"""$-\log\sigma(\beta u)(1 - \sigma(\beta u/\tau)) + e^{-\beta u}\sigma(\beta u/\tau)$.
+
+    DiscoPOP, Chris Lu et al. 2024, eq. 5. The second term is one exponential,
+    $\exp(-\beta u + \log\sigma(\beta u/\tau))$, finite for $\beta u \ll 0$ when $\tau < 1$.
+    """
+    z = hp.beta * p.u
+    tau = hp.discopop_tau
+    logistic = -jax.nn.log_sigmoid(z)
+    exp_part = jnp.exp(-z + jax.nn.log_sigmoid(z / tau))
+    return logistic * jax.nn.sigmoid(-z / tau) + exp_part
+
+
+def _simpo(p: _Pair, hp: _Hyper) -> Array:
+    r"""$-(1-\varepsilon)\log\sigma(z) - \varepsilon\log\sigma(-z)$,
+    $z = \beta(\bar\ell_w - \bar\ell_l) - \gamma$ (reference-free).
+
+    SimPO, Meng et al. 2024, eq. 6; TRL `CPOTrainer` `loss_type="simpo"`.
+    """
+    z = hp.beta * (p.chosen - p.rejected) - hp.simpo_gamma
+    return _smoothed_sigmoid_loss(z, hp.label_smoothing)
+
+
+def _orpo(p: _Pair, hp: _Hyper) -> Array:
+    r"""$-\beta\log\sigma(\log\mathrm{OR})$ of per-token averages (reference-free).
+
+    ORPO's odds-ratio term, Hong et al. 2024, eq. 4-6 ($\beta$ is the paper's $\lambda$).
+    """
+    return -hp.beta * jax.nn.log_sigmoid(orpo_log_odds(p.chosen, p.rejected))
+
+
+def _aot(p: _Pair, hp: _Hyper) -> Array:
+    r"""Smoothed sigmoid of $\beta\,[\mathrm{sort}(\ell_w - \ell_l) - \mathrm{sort}(\ell^{\rm ref}_w - \ell^{\rm ref}_l)]$.
+
+    AOT (paired), Melnyk et al. 2024, eq. 12; needs the batch (`[B]` arrays).
+    """
+    delta = jnp.sort(p.chosen - p.rejected) - jnp.sort(p.ref_chosen - p.ref_rejected)
+    return _smoothed_sigmoid_loss(hp.beta * delta, hp.label_smoothing)
+
+
+def _aot_pair(p: _Pair, hp: _Hyper) -> Array:
+    r"""Smoothed sigmoid of $\beta\,[\mathrm{sort}(h_w) - \mathrm{sort}(h_l)]$.
+
+    AOT (unpaired), Melnyk et al. 2024, eq. 11; needs the batch (`[B]` arrays).
+    """
+    delta = jnp.sort(p.h_w) - jnp.sort(p.h_l)
+    return _smoothed_sigmoid_loss(hp.beta * delta, hp.label_smoothing)
+
+
+class _LossSpec(NamedTuple):
+    fn: Callable[[_Pair, _Hyper], Array]
+    length_normalised: bool = False  # per-token averaged log-probabilities
+    reference_free: bool = False  # defined without a reference model
+    batch: bool = False  # sorts over the batch: only in `dpo_batch_loss`
+
+
+# The one list of DPO-family losses; names are TRL's `loss_type`s.
+_LOSSES: dict[str, _LossSpec] = {
+    "sigmoid": _LossSpec(_sigmoid),
+    "robust": _LossSpec(_robust),
+    "hinge": _LossSpec(_hinge),
+    "ipo": _LossSpec(_ipo, length_normalised=True),
+    "exo_pair": _LossSpec(_exo_pair),
+    "nca_pair": _LossSpec(_nca_pair),
+    "bco_pair": _LossSpec(_bco_pair),
+    "sppo_hard": _LossSpec(_sppo_hard),
+    "apo_zero": _LossSpec(_apo_zero),
+    "apo_down": _LossSpec(_apo_down),
+    "discopop": _LossSpec(_discopop),
+    "sigmoid_norm": _LossSpec(_sigmoid, length_normalised=True),
+    "simpo": _LossSpec(_simpo, length_normalised=True, reference_free=True),
+    "orpo": _LossSpec(_orpo, length_normalised=True, reference_free=True),
+    "aot": _LossSpec(_aot, batch=True),
+    "aot_pair": _LossSpec(_aot_pair, batch=True),
+}
+
+DPO_LOSS_TYPES: tuple[str, ...] = tuple(_LOSSES)
+"""Every `loss_type` of `dpo_loss` / `dpo_batch_loss`, in a fixed order."""
+DPO_BATCH_LOSS_TYPES: tuple[str, ...] = tuple(k for k, s in _LOSSES.items() if s.batch)
+"""The `loss_type`s that sort over the batch (only `dpo_batch_loss`; no micro-batching)."""
+DPO_REFERENCE_FREE_LOSS_TYPES: tuple[str, ...] = tuple(
+    k for k, s in _LOSSES.items() if s.reference_free
+)
+"""The `loss_type`s defined without a reference model."""
+
+DPOLossType = Literal[DPO_LOSS_TYPES]  # type: ignore[valid-type]
+
+
 def _validate(
     loss_type: str,
-    beta: float | int,
-    label_smoothing: float | int,
+    beta: Hyperparameter,
+    label_smoothing: Hyperparameter,
     ref_missing: bool,
     reference_free: bool,
-) -> None:
-    if loss_type not in _PAIR_TYPES + _SORTING_TYPES:
-        raise ValueError(f"unknown DPO loss_type {loss_type!r}")
-    if beta <= 0.0:
-        raise ValueError(f"beta must be positive, got {beta}")
-    if not 0.0 <= label_smoothing < 0.5:
-        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
-    if ref_missing and not (reference_free or loss_type in _REFERENCE_FREE_TYPES):
+) -> _LossSpec:
+    check_choice("loss_type", loss_type, DPO_LOSS_TYPES)
+    check_python_number("beta", beta, lambda b: b > 0.0, "positive")
+    check_python_number(
+        "label_smoothing", label_smoothing, lambda e: 0.0 <= e < 0.5, "in [0, 0.5)"
+    )
+    spec = _LOSSES[loss_type]
+    if ref_missing and not (reference_free or spec.reference_free):
         raise ValueError(
             f"loss_type={loss_type!r} needs reference log-probabilities "
             "(pass them, or reference_free=True)"
         )
+    return spec
 
 
-def _pair_loss(
-    chosen_logp: Array,
-    rejected_logp: Array,
-    ref_chosen_logp: Array,
-    ref_rejected_logp: Array,
-    *,
-    beta: float | int,
-    loss_type: str,
-    label_smoothing: float | int,
-    chosen_len: Real[ArrayLike, ""] | None,
-    rejected_len: Real[ArrayLike, ""] | None,
-    bco_delta: Array,
-    discopop_tau: float | int,
-    simpo_gamma: float | int,
-) -> Array:
-    if loss_type in _LENGTH_NORMALISED_TYPES:
-        chosen_logp = _per_token(chosen_logp, chosen_len)
-        rejected_logp = _per_token(rejected_logp, rejected_len)
-        ref_chosen_logp = _per_token(ref_chosen_logp, chosen_len)
-        ref_rejected_logp = _per_token(ref_rejected_logp, rejected_len)
-
-    h_w = chosen_logp - ref_chosen_logp
-    h_l = rejected_logp - ref_rejected_logp
-    # TRL computes the logit as (π_w - π_l) - (ref_w - ref_l); same value, same rounding.
-    u = (chosen_logp - rejected_logp) - (ref_chosen_logp - ref_rejected_logp)
-    eps = label_smoothing
-
-    if loss_type in ("sigmoid", "sigmoid_norm"):
-        return _smoothed_sigmoid_loss(beta * u, eps)
-    if loss_type == "robust":
-        z = beta * u
-        return (-jax.nn.log_sigmoid(z) * (1.0 - eps) + jax.nn.log_sigmoid(-z) * eps) / (
-            1.0 - 2.0 * eps
-        )
-    if loss_type == "hinge":
-        return jax.nn.relu(1.0 - beta * u)
-    if loss_type == "ipo":
-        return jnp.square(u - 1.0 / (2.0 * beta))
-    if loss_type == "exo_pair":
-        e = eps if eps != 0.0 else 1e-3
-        z = beta * u
-        return jax.nn.sigmoid(z) * (jax.nn.log_sigmoid(z) - math.log(1.0 - e)) + jax.nn.sigmoid(
-            -z
-        ) * (jax.nn.log_sigmoid(-z) - math.log(e))
-    if loss_type == "nca_pair":
-        rw = beta * h_w
-        rl = beta * h_l
-        return (
-            -jax.nn.log_sigmoid(rw) - 0.5 * jax.nn.log_sigmoid(-rw) - 0.5 * jax.nn.log_sigmoid(-rl)
-        )
-    if loss_type == "bco_pair":
-        return -jax.nn.log_sigmoid(beta * h_w - bco_delta) - jax.nn.log_sigmoid(
-            -(beta * h_l - bco_delta)
-        )
-    if loss_type == "sppo_hard":
-        return jnp.square(h_w - 0.5 / beta) + jnp.square(h_l + 0.5 / beta)
-    if loss_type == "apo_zero":
-        return (1.0 - jax.nn.sigmoid(beta * h_w)) + jax.nn.sigmoid(beta * h_l)
-    if loss_type == "apo_down":
-        return jax.nn.sigmoid(beta * h_w) + (1.0 - jax.nn.sigmoid(beta * (h_w - h_l)))
-    if loss_type == "discopop":
-        z = beta * u
-        logistic = -jax.nn.log_sigmoid(z)
-        # σ(z/τ)·exp(-z) computed as one exponential so that it stays finite for z ≪ 0.
-        exp_part = jnp.exp(-z + jax.nn.log_sigmoid(z / discopop_tau))
-        return logistic * jax.nn.sigmoid(-z / discopop_tau) + exp_part
-    if loss_type == "simpo":
-        z = beta * (chosen_logp - rejected_logp) - simpo_gamma
-        return _smoothed_sigmoid_loss(z, eps)
-    if loss_type == "orpo":
-        return -beta * jax.nn.log_sigmoid(orpo_log_odds(chosen_logp, rejected_logp))
-    raise ValueError(f"loss_type={loss_type!r} sorts over the batch: use dpo_batch_loss")
+def _make_pair(
+    spec: _LossSpec,
+    chosen_logp: Float[ArrayLike, "*B"],
+    rejected_logp: Float[ArrayLike, "*B"],
+    ref_chosen_logp: Float[ArrayLike, "*B"] | None,
+    ref_rejected_logp: Float[ArrayLike, "*B"] | None,
+    reference_free: bool,
+    chosen_len: Real[ArrayLike, "*B"] | None,
+    rejected_len: Real[ArrayLike, "*B"] | None,
+) -> _Pair:
+    c = jnp.asarray(chosen_logp)
+    r = jnp.asarray(rejected_logp)
+    if ref_chosen_logp is None or ref_rejected_logp is None or reference_free or spec.reference_free:
+        rc, rr = jnp.zeros_like(c), jnp.zeros_like(r)
+    else:
+        rc, rr = jnp.asarray(ref_chosen_logp), jnp.asarray(ref_rejected_logp)
+    if spec.length_normalised:
+        c, rc = _per_token(c, chosen_len), _per_token(rc, chosen_len)
+        r, rr = _per_token(r, rejected_len), _per_token(rr, rejected_len)
+    return _Pair(c, r, rc, rr)
 
 
 def dpo_loss(
@@ -209,15 +328,15 @@ def dpo_loss(
     ref_chosen_logp: Float[ArrayLike, ""] | None = None,
     ref_rejected_logp: Float[ArrayLike, ""] | None = None,
     *,
-    beta: float | int = 0.1,
+    beta: Hyperparameter = 0.1,
     loss_type: DPOLossType = "sigmoid",
-    label_smoothing: float | int = 0.0,
+    label_smoothing: Hyperparameter = 0.0,
     chosen_len: Real[ArrayLike, ""] | None = None,
     rejected_len: Real[ArrayLike, ""] | None = None,
     reference_free: bool = False,
     bco_delta: Float[ArrayLike, ""] = 0.0,
-    discopop_tau: float | int = 0.05,
-    simpo_gamma: float | int = 0.5,
+    discopop_tau: Hyperparameter = 0.05,
+    simpo_gamma: Hyperparameter = 0.5,
 ) -> Float[Array, ""]:
     r"""Loss of one preference pair for the DPO family (TRL `DPOTrainer.dpo_loss`).
 
@@ -272,7 +391,7 @@ def dpo_loss(
     - `ref_chosen_logp`, `ref_rejected_logp`: reference sequence log-probabilities; may
       be `None` for `simpo` / `orpo` or with `reference_free=True`.
     - `beta`: $\beta > 0$ (for `ipo` the regulariser $\tau$; for `orpo` the weight $\lambda$).
-    - `loss_type`: one of the names above.
+    - `loss_type`: one of the names above (`DPO_LOSS_TYPES`).
     - `label_smoothing`: $\varepsilon \in [0, 0.5)$ (`sigmoid`, `sigmoid_norm`, `robust`,
       `exo_pair`, `simpo`, `aot*`).
     - `chosen_len`, `rejected_len`: number of completion tokens (length-normalised types).
@@ -282,34 +401,29 @@ def dpo_loss(
     - `discopop_tau`: $\tau$ for `discopop` (TRL default 0.05).
     - `simpo_gamma`: the target margin $\gamma$ for `simpo` (TRL default 0.5).
 
+    Hyperparameters (`beta`, `label_smoothing`, `bco_delta`, `discopop_tau`,
+    `simpo_gamma`) may be JAX scalars, traced under `jax.jit` or `jax.vmap` (a sweep over
+    β is `jax.vmap(lambda b: dpo_loss(..., beta=b))(betas)`); only Python numbers are
+    range-checked.
+
     **Returns:** the scalar loss of the pair.
     """
     ref_missing = ref_chosen_logp is None or ref_rejected_logp is None
-    _validate(loss_type, beta, label_smoothing, ref_missing, reference_free)
-    if loss_type in _SORTING_TYPES:
+    spec = _validate(loss_type, beta, label_smoothing, ref_missing, reference_free)
+    if spec.batch:
         raise ValueError(f"loss_type={loss_type!r} sorts over the batch: use dpo_batch_loss")
-    c = jnp.asarray(chosen_logp)
-    r = jnp.asarray(rejected_logp)
-    if ref_missing or reference_free or loss_type in _REFERENCE_FREE_TYPES:
-        rc = jnp.zeros_like(c)
-        rr = jnp.zeros_like(r)
-    else:
-        rc = jnp.asarray(ref_chosen_logp)
-        rr = jnp.asarray(ref_rejected_logp)
-    return _pair_loss(
-        c,
-        r,
-        rc,
-        rr,
-        beta=beta,
-        loss_type=loss_type,
-        label_smoothing=label_smoothing,
-        chosen_len=chosen_len,
-        rejected_len=rejected_len,
-        bco_delta=jnp.asarray(bco_delta),
-        discopop_tau=discopop_tau,
-        simpo_gamma=simpo_gamma,
+    pair = _make_pair(
+        spec,
+        chosen_logp,
+        rejected_logp,
+        ref_chosen_logp,
+        ref_rejected_logp,
+        reference_free,
+        chosen_len,
+        rejected_len,
     )
+    hp = _Hyper(beta, label_smoothing, jnp.asarray(bco_delta), discopop_tau, simpo_gamma)
+    return spec.fn(pair, hp)
 
 
 def dpo_batch_loss(
@@ -318,15 +432,15 @@ def dpo_batch_loss(
     ref_chosen_logp: Float[Array, " B"] | None = None,
     ref_rejected_logp: Float[Array, " B"] | None = None,
     *,
-    beta: float | int = 0.1,
+    beta: Hyperparameter = 0.1,
     loss_type: DPOLossType = "sigmoid",
-    label_smoothing: float | int = 0.0,
+    label_smoothing: Hyperparameter = 0.0,
     chosen_len: Real[Array, " B"] | None = None,
     rejected_len: Real[Array, " B"] | None = None,
     reference_free: bool = False,
     bco_delta: Float[ArrayLike, ""] = 0.0,
-    discopop_tau: float | int = 0.05,
-    simpo_gamma: float | int = 0.5,
+    discopop_tau: Hyperparameter = 0.05,
+    simpo_gamma: Hyperparameter = 0.5,
 ) -> Float[Array, " B"]:
     r"""Per-pair losses of a batch, for every `loss_type` including the sorting ones.
 
@@ -346,16 +460,13 @@ def dpo_batch_loss(
     **Returns:** `[B]` losses (rank-ordered for the AOT types).
     """
     ref_missing = ref_chosen_logp is None or ref_rejected_logp is None
-    _validate(loss_type, beta, label_smoothing, ref_missing, reference_free)
-    use_ref = not (ref_missing or reference_free or loss_type in _REFERENCE_FREE_TYPES)
+    spec = _validate(loss_type, beta, label_smoothing, ref_missing, reference_free)
+    use_ref = not (ref_missing or reference_free or spec.reference_free)
     rc = ref_chosen_logp if use_ref else jnp.zeros_like(chosen_logp)
     rr = ref_rejected_logp if use_ref else jnp.zeros_like(rejected_logp)
-    if loss_type in _SORTING_TYPES:
-        if loss_type == "aot":
-            delta = jnp.sort(chosen_logp - rejected_logp) - jnp.sort(rc - rr)
-        else:
-            delta = jnp.sort(chosen_logp - rc) - jnp.sort(rejected_logp - rr)
-        return _smoothed_sigmoid_loss(beta * delta, label_smoothing)
+    if spec.batch:
+        hp = _Hyper(beta, label_smoothing, jnp.asarray(bco_delta), discopop_tau, simpo_gamma)
+        return spec.fn(_Pair(chosen_logp, rejected_logp, rc, rr), hp)
 
     def one(c, r, rc_, rr_, cl, rl):
         return dpo_loss(
@@ -383,7 +494,7 @@ def dpo_implicit_rewards(
     ref_chosen_logp: Float[ArrayLike, ""] | None = None,
     ref_rejected_logp: Float[ArrayLike, ""] | None = None,
     *,
-    beta: float | int = 0.1,
+    beta: Hyperparameter = 0.1,
 ) -> tuple[Float[Array, ""], Float[Array, ""]]:
     r"""DPO's implicit rewards $\beta(\log\pi_\theta(y) - \log\pi_{\rm ref}(y))$ of a pair.
 
@@ -421,7 +532,7 @@ def orpo_loss(
     *,
     chosen_len: Real[ArrayLike, ""],
     rejected_len: Real[ArrayLike, ""],
-    beta: float | int = 0.1,
+    beta: Hyperparameter = 0.1,
 ) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
     r"""ORPO (Hong et al. 2024): supervised NLL of the chosen completion plus $\lambda$ times
     the odds-ratio loss, for one pair.
@@ -447,66 +558,3 @@ def orpo_loss(
     or_loss = -beta * ratio
     parts = {"nll": nll, "or_loss": or_loss, "log_odds": log_odds, "ratio": ratio}
     return nll + or_loss, parts
-
-
-def combine_losses(
-    terms: Mapping[str, Float[Array, "*shape"]], weights: Mapping[str, float | int]
-) -> Float[Array, "*shape"]:
-    r"""Weighted sum $\sum_k w_k \mathcal{L}_k$ of named loss terms.
-
-    Mirrors TRL's `DPOConfig(loss_type=[...], loss_weights=[...])` and `rpo_alpha`:
-    RPO (Pang et al. 2024, "Iterative Reasoning Preference Optimization") is
-
-    ```python
-    combine_losses({"dpo": dpo_term, "nll": nll_chosen}, {"dpo": 1.0, "nll": alpha})
-    ```
-
-    with `nll_chosen` the chosen completion's token-mean NLL. Every weighted term must be
-    present and every term must have a weight (a typo raises instead of silently
-    dropping a term).
-    """
-    if set(terms) != set(weights):
-        raise ValueError(
-            f"terms {sorted(terms)} and weights {sorted(weights)} must have the same keys"
-        )
-    if not terms:
-        raise ValueError("combine_losses needs at least one term")
-    keys = sorted(terms)
-    total = terms[keys[0]] * weights[keys[0]]
-    for k in keys[1:]:
-        total = total + terms[k] * weights[k]
-    return total
-
-
-class RunningMean(eqx.Module):
-    """Running mean of every value seen so far (the BCO reward baseline $\\delta$).
-
-    TRL's `RunningMoments` keeps the same mean (it starts with a count of 1e-24).
-    """
-
-    mean: Float[Array, ""]
-    count: Float[Array, ""]
-
-    def __init__(self, mean: Float[ArrayLike, ""] = 0.0, count: Float[ArrayLike, ""] = 0.0):
-        self.mean = jnp.asarray(mean, dtype=jnp.float32)
-        self.count = jnp.asarray(count, dtype=jnp.float32)
-
-
-def running_mean_update(state: RunningMean, values: Float[Array, "*n"]) -> RunningMean:
-    r"""Fold a batch into the running mean: $\mu \leftarrow \mu + (\bar x - \mu)\,\frac{n}{N + n}$.
-
-    For BCO (`bco_pair`), TRL updates the mean with the batch's detached implicit rewards
-    (chosen and rejected together) *before* computing the loss, then uses it as
-    `bco_delta`:
-
-    ```python
-    rc, rr = jax.vmap(dpo_implicit_rewards)(c, r, ref_c, ref_r)
-    state = running_mean_update(state, jax.lax.stop_gradient(jnp.concatenate([rc, rr])))
-    losses = dpo_batch_loss(c, r, ref_c, ref_r, loss_type="bco_pair", bco_delta=state.mean)
-    ```
-    """
-    x = values.astype(jnp.float32)
-    n = jnp.asarray(float(x.size), dtype=jnp.float32)
-    total = state.count + n
-    mean = state.mean + (jnp.mean(x) - state.mean) * (n / total)
-    return RunningMean(mean=mean, count=total)

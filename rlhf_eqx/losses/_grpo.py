@@ -11,15 +11,24 @@ from jaxtyping import Array, ArrayLike, Bool, Float
 
 from ..ops import masked_mean, masked_whiten
 from ._kl import kl_penalty
-from ._ppo import LOG_RATIO_CLAMP, gae
+from ._ppo import LOG_RATIO_CLAMP, clipped_surrogate, gae
+from ._validation import Hyperparameter, check_choice, is_python_number
 
 __all__ = [
+    "ADVANTAGE_SCALES",
+    "IMPORTANCE_LEVELS",
     "group_advantages",
     "rloo_advantages",
     "reinforce_pp_advantages",
     "grpo_policy_loss",
     "mask_truncated",
 ]
+
+
+ADVANTAGE_SCALES: tuple[str, ...] = ("group", "batch", "none")
+"""The `scale`s of `group_advantages`."""
+IMPORTANCE_LEVELS: tuple[str, ...] = ("token", "sequence")
+"""The `importance` levels of `grpo_policy_loss`."""
 
 
 def _std(x: Array, axis: int | None) -> Array:
@@ -47,7 +56,7 @@ def group_advantages(
     rewards: Float[Array, "*batch G"],
     *,
     scale: Literal["group", "batch", "none"] = "group",
-    eps: float | int = 1e-4,
+    eps: Hyperparameter = 1e-4,
 ) -> Float[Array, "*batch G"]:
     r"""Group-relative advantages of the $G$ completions sampled for each prompt.
 
@@ -73,15 +82,11 @@ def group_advantages(
 
     **Returns:** advantages of the same shape.
     """
+    check_choice("scale", scale, ADVANTAGE_SCALES)
     centred = _centred(rewards)
     if scale == "none":
         return centred
-    if scale == "group":
-        std = _std(rewards, axis=-1)
-    elif scale == "batch":
-        std = _std(rewards, axis=None)
-    else:
-        raise ValueError(f"unknown scale {scale!r}; expected 'group', 'batch' or 'none'")
+    std = _std(rewards, axis=-1 if scale == "group" else None)
     return centred / (std + eps)
 
 
@@ -106,7 +111,7 @@ def reinforce_pp_advantages(
     token_rewards: Float[Array, "B T"],
     mask: Bool[Array, "B T"],
     *,
-    gamma: float | int = 1.0,
+    gamma: Hyperparameter = 1.0,
 ) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
     r"""REINFORCE++ advantages (Hu 2025): per-token discounted returns, whitened over the batch.
 
@@ -132,12 +137,12 @@ def grpo_policy_loss(
     advantage: Float[ArrayLike, ""],
     mask: Bool[Array, " T"],
     *,
-    clip_eps_low: float | int = 0.2,
-    clip_eps_high: float | int = 0.2,
+    clip_eps: Hyperparameter = 0.2,
+    clip_eps_high: Hyperparameter | None = None,
     importance: Literal["token", "sequence"] = "token",
     ref_logp: Float[Array, " T"] | None = None,
-    beta: float | int = 0.0,
-    delta: float | int | None = None,
+    beta: Hyperparameter = 0.0,
+    delta: Hyperparameter | None = None,
 ) -> tuple[Float[Array, " T"], dict[str, Float[Array, " T"]]]:
     r"""Per-token clipped policy loss of one completion with a sequence-level advantage.
 
@@ -154,8 +159,9 @@ def grpo_policy_loss(
       every token carries the value $s$ and the gradient $s\,\nabla\log\pi_\theta(y_t)$,
       which after `"seq-mean-token-mean"` aggregation is exactly the gradient of TRL's
       `importance_sampling_level="sequence"`.
-    - $\varepsilon_{\rm high} \neq \varepsilon_{\rm low}$: DAPO's clip-higher (Yu et al.
-      2025; TRL `epsilon_high`).
+    - $\varepsilon_{\rm low}$ is `clip_eps`, $\varepsilon_{\rm high}$ is `clip_eps_high`
+      (`None`: same as `clip_eps`); a larger high side is DAPO's clip-higher (Yu et al.
+      2025; TRL `epsilon_high`). The clipping is PPO's (`clipped_surrogate`).
     - `delta`: upper bound on $w_t$ in the unclipped branch (two-sided clipping, TRL
       `delta`), `None` to disable.
     - $\beta > 0$ adds the k3 KL to `ref_logp` (TRL's `beta`; `kl_penalty(kind="k3")`).
@@ -176,31 +182,28 @@ def grpo_policy_loss(
     clipped branch is active on the low / high side, as TRL's clip ratios) and `"kl"`
     (k3 to the reference; zeros without `ref_logp`).
     """
-    if beta != 0.0 and ref_logp is None:
+    check_choice("importance", importance, IMPORTANCE_LEVELS)
+    if ref_logp is None and not (is_python_number(beta) and beta == 0.0):
         raise ValueError("beta != 0 needs ref_logp")
     zero = jnp.zeros_like(logp)
     log_ratio = jnp.where(mask, logp - old_logp, zero)
     if importance == "token":
         log_w = jnp.clip(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    elif importance == "sequence":
+    else:
         seq = jnp.clip(masked_mean(log_ratio, mask), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         log_w = jax.lax.stop_gradient(seq) + logp - jax.lax.stop_gradient(logp)
         log_w = jnp.where(mask, log_w, zero)
-    else:
-        raise ValueError(f"unknown importance {importance!r}; expected 'token' or 'sequence'")
     adv = jnp.asarray(advantage, dtype=logp.dtype)
     w = jnp.exp(log_w)
-    w_clipped = jnp.clip(w, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
-    w_unclipped = w if delta is None else jnp.minimum(w, delta)
-    loss = -jnp.minimum(w_unclipped * adv, w_clipped * adv)
-    if ref_logp is not None:
-        kl = kl_penalty(logp, ref_logp, kind="k3")
-    else:
-        kl = zero
-    if beta != 0.0:
+    loss, _ = clipped_surrogate(
+        w, adv, clip_eps=clip_eps, clip_eps_high=clip_eps_high, ratio_max=delta
+    )
+    kl = zero if ref_logp is None else kl_penalty(logp, ref_logp, kind="k3")
+    if not (is_python_number(beta) and beta == 0.0):
         loss = loss + beta * kl
-    low = (w < 1.0 - clip_eps_low) & (adv < 0)
-    high = (w > 1.0 + clip_eps_high) & (adv > 0)
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    low = (w < 1.0 - clip_eps) & (adv < 0)
+    high = (w > 1.0 + eps_high) & (adv > 0)
     stats = {
         "ratio": w,
         "clipped_low": low.astype(logp.dtype),

@@ -11,7 +11,10 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
+from ._validation import Hyperparameter, check_choice
+
 __all__ = [
+    "KL_KINDS",
     "KLKind",
     "kl_penalty",
     "kl_shaped_rewards",
@@ -20,7 +23,9 @@ __all__ = [
     "fixed_kl_update",
 ]
 
-KLKind = Literal["k1", "k2", "k3", "abs"]
+KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3", "abs")
+"""The per-token KL estimators of `kl_penalty`."""
+KLKind = Literal[KL_KINDS]  # type: ignore[valid-type]
 # Bound on |log r| before exponentiating in k3 (veRL `kl_penalty` low_var_kl clamps at 20).
 _K3_LOGR_CLAMP = 20.0
 
@@ -30,7 +35,7 @@ def kl_penalty(
     ref_logp: Float[Array, "*T"],
     *,
     kind: KLKind = "k1",
-    clamp: float | int | None = None,
+    clamp: Hyperparameter | None = None,
 ) -> Float[Array, "*T"]:
     r"""Per-token KL estimator between the policy and the reference.
 
@@ -51,6 +56,7 @@ def kl_penalty(
     Works on any shape (one sequence `[T]`, or a batch); zero where `logp == ref_logp`,
     hence zero at masked positions of `token_logprobs` outputs.
     """
+    check_choice("kind", kind, KL_KINDS)
     log_r = ref_logp - logp
     if kind == "k1":
         kl = -log_r
@@ -60,10 +66,8 @@ def kl_penalty(
         lr = jnp.clip(log_r, -_K3_LOGR_CLAMP, _K3_LOGR_CLAMP)
         # expm1(x) - x is exact near 0, where exp(x) - x - 1 cancels catastrophically.
         kl = jnp.maximum(jnp.expm1(lr) - lr, 0.0)
-    elif kind == "abs":
-        kl = jnp.abs(log_r)
     else:
-        raise ValueError(f"unknown KL estimator {kind!r}; expected 'k1', 'k2', 'k3' or 'abs'")
+        kl = jnp.abs(log_r)
     if clamp is not None:
         kl = jnp.clip(kl, -clamp, clamp)
     return kl
@@ -75,7 +79,7 @@ def kl_shaped_rewards(
     ref_logp: Float[Array, " T"],
     mask: Bool[Array, " T"],
     *,
-    kl_coef: float | int | Float[Array, ""],
+    kl_coef: Hyperparameter,
     kind: KLKind = "k1",
 ) -> Float[Array, " T"]:
     r"""Per-token PPO rewards: a KL penalty on every token and the score on the last one.
@@ -119,8 +123,8 @@ def adaptive_kl_update(
     current_kl: Float[ArrayLike, ""],
     n_steps: int | Float[ArrayLike, ""],
     *,
-    target: float | int,
-    horizon: float | int,
+    target: Hyperparameter,
+    horizon: Hyperparameter,
 ) -> KLControllerState:
     r"""Adaptive KL controller of Ziegler et al. (2019, eq. 2).
 

@@ -10,8 +10,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from ..ops import masked_whiten
+from ._validation import Hyperparameter, check_python_number
 
-__all__ = ["ppo_policy_loss", "ppo_value_loss", "gae", "whiten_advantages"]
+__all__ = ["clipped_surrogate", "ppo_policy_loss", "ppo_value_loss", "gae", "whiten_advantages"]
 
 # Bound on |log π_θ - log π_old| before exponentiating (veRL `compute_policy_loss`).
 LOG_RATIO_CLAMP = 20.0
@@ -21,15 +22,55 @@ def _zero_where_masked(x: Array, mask: Array) -> Array:
     return jnp.where(mask, x, jnp.zeros_like(x))
 
 
+def _check_clip(clip_eps: Hyperparameter, clip_eps_high: Hyperparameter | None) -> None:
+    check_python_number("clip_eps", clip_eps, lambda e: e >= 0.0, "non-negative")
+    check_python_number("clip_eps_high", clip_eps_high, lambda e: e >= 0.0, "non-negative")
+
+
+def clipped_surrogate(
+    ratio: Float[Array, "*T"],
+    advantages: Float[Array, "*#T"],
+    *,
+    clip_eps: Hyperparameter = 0.2,
+    clip_eps_high: Hyperparameter | None = None,
+    ratio_max: Hyperparameter | None = None,
+) -> tuple[Float[Array, "*T"], Bool[Array, "*T"]]:
+    r"""Per-token clipped surrogate of PPO, given the importance ratios.
+
+    $$\ell_t = -\min\big(\min(\rho_t, \rho_{\max})A_t,\;
+      \mathrm{clip}(\rho_t, 1-\varepsilon, 1+\varepsilon_{\rm high})A_t\big)$$
+
+    (Schulman et al. 2017, eq. 7; asymmetric clip-higher of DAPO, Yu et al. 2025; the
+    bound $\rho_{\max}$ on the unclipped branch is TRL GRPO's `delta`). Shared by
+    `ppo_policy_loss` and `grpo_policy_loss`.
+
+    **Arguments:**
+
+    - `ratio`: importance ratios $\rho_t$ (any shape).
+    - `advantages`: advantages $A_t$, same shape or broadcastable to it (a scalar).
+    - `clip_eps`: $\varepsilon$ (the low side); `clip_eps_high`: the high side (`None`:
+      same as `clip_eps`); `ratio_max`: $\rho_{\max}$ (`None`: no bound).
+
+    **Returns:** `(loss, clipped)`: the per-token loss and where the clipped branch is
+    strictly larger (TRL/veRL clipfrac).
+    """
+    _check_clip(clip_eps, clip_eps_high)
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    unclipped = ratio if ratio_max is None else jnp.minimum(ratio, ratio_max)
+    pg1 = -advantages * unclipped
+    pg2 = -advantages * jnp.clip(ratio, 1.0 - clip_eps, 1.0 + eps_high)
+    return jnp.maximum(pg1, pg2), pg2 > pg1
+
+
 def ppo_policy_loss(
     logp: Float[Array, " T"],
     old_logp: Float[Array, " T"],
     advantages: Float[Array, " T"],
     mask: Bool[Array, " T"],
     *,
-    clip_eps: float | int = 0.2,
-    clip_eps_high: float | int | None = None,
-    dual_clip: float | int | None = None,
+    clip_eps: Hyperparameter = 0.2,
+    clip_eps_high: Hyperparameter | None = None,
+    dual_clip: Hyperparameter | None = None,
 ) -> tuple[Float[Array, " T"], dict[str, Float[Array, " T"]]]:
     r"""Per-token clipped surrogate loss of PPO (Schulman et al. 2017, eq. 7).
 
@@ -61,17 +102,14 @@ def ppo_policy_loss(
     `"approx_kl"` ($\tfrac12(\log\rho)^2$, TRL's `approxkl`) and `"approx_kl_k3"`
     ($\rho - 1 - \log\rho$, the k3 estimator).
     """
-    eps_low = clip_eps
-    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    check_python_number("dual_clip", dual_clip, lambda c: c > 1.0, "> 1")
     log_ratio = jnp.clip(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     log_ratio = _zero_where_masked(log_ratio, mask)
     ratio = jnp.exp(log_ratio)
-    pg1 = -advantages * ratio
-    pg2 = -advantages * jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    loss = jnp.maximum(pg1, pg2)
-    clipped = (pg2 > pg1).astype(loss.dtype)
+    loss, clipped = clipped_surrogate(
+        ratio, advantages, clip_eps=clip_eps, clip_eps_high=clip_eps_high
+    )
+    clipped = clipped.astype(loss.dtype)
     if dual_clip is not None:
         pg3 = -advantages * dual_clip
         negative = advantages < 0
@@ -97,7 +135,7 @@ def ppo_value_loss(
     returns: Float[Array, " T"],
     mask: Bool[Array, " T"],
     *,
-    clip_range: float | int | None = 0.2,
+    clip_eps: Hyperparameter | None = 0.2,
 ) -> tuple[Float[Array, " T"], Float[Array, " T"]]:
     r"""Per-token clipped value loss.
 
@@ -105,17 +143,18 @@ def ppo_value_loss(
       (\mathrm{clip}(V_t, V^{\rm old}_t - \epsilon, V^{\rm old}_t + \epsilon) - R_t)^2\big)$$
 
     (OpenAI baselines PPO2; TRL `PPOTrainer` with `cliprange_value`; veRL
-    `compute_value_loss`.) `clip_range=None` gives the unclipped $\tfrac12(V_t - R_t)^2$.
+    `compute_value_loss`.) $\epsilon$ is `clip_eps`; `clip_eps=None` gives the unclipped $\tfrac12(V_t - R_t)^2$.
 
     **Returns:** `(per_token_loss, clipped)`, both `[T]`, 0 where masked; `clipped` is
     1.0 where the clipped branch is larger (TRL `val/clipfrac`).
     """
+    check_python_number("clip_eps", clip_eps, lambda e: e >= 0.0, "non-negative")
     l1 = jnp.square(values - returns)
-    if clip_range is None:
+    if clip_eps is None:
         loss = 0.5 * l1
         clipped = jnp.zeros_like(l1)
     else:
-        v_clipped = jnp.clip(values, old_values - clip_range, old_values + clip_range)
+        v_clipped = jnp.clip(values, old_values - clip_eps, old_values + clip_eps)
         l2 = jnp.square(v_clipped - returns)
         loss = 0.5 * jnp.maximum(l1, l2)
         clipped = (l2 > l1).astype(l1.dtype)
@@ -127,8 +166,8 @@ def gae(
     values: Float[Array, " T"],
     mask: Bool[Array, " T"],
     *,
-    gamma: float | int,
-    lam: float | int,
+    gamma: Hyperparameter,
+    lam: Hyperparameter,
 ) -> tuple[Float[Array, " T"], Float[Array, " T"]]:
     r"""Generalised advantage estimation (Schulman et al. 2016) over the real positions.
 

@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float
 
+from ._validation import Hyperparameter, check_python_number, is_python_number
+
 __all__ = ["bradley_terry_loss"]
 
 
@@ -12,7 +14,7 @@ def bradley_terry_loss(
     rejected_reward: Float[ArrayLike, ""],
     *,
     margin: Float[ArrayLike, ""] = 0.0,
-    center_coef: float | int = 0.0,
+    center_coef: Hyperparameter = 0.0,
 ) -> Float[Array, ""]:
     r"""Bradley-Terry negative log-likelihood of one preference pair.
 
@@ -34,7 +36,8 @@ def bradley_terry_loss(
     """
     rc = jnp.asarray(chosen_reward)
     rr = jnp.asarray(rejected_reward)
+    check_python_number("center_coef", center_coef, lambda c: c >= 0.0, "non-negative")
     loss = -jax.nn.log_sigmoid(rc - rr - margin)
-    if center_coef != 0.0:
+    if not (is_python_number(center_coef) and center_coef == 0.0):
         loss = loss + center_coef * jnp.square(rc + rr)
     return loss

@@ -1,6 +1,12 @@
 """Llama-family models as immutable pytrees: `Policy`, `ValueModel`, `RewardModel`."""
 
 from ._config import TransformerConfig as TransformerConfig
+from ._protocols import (
+    AbstractBatchedModel as AbstractBatchedModel,
+    AbstractDecoder as AbstractDecoder,
+    AbstractScalarModel as AbstractScalarModel,
+    AbstractSequenceModel as AbstractSequenceModel,
+)
 from ._heads import (
     Policy as Policy,
     RewardModel as RewardModel,

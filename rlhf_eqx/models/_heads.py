@@ -9,6 +9,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ._config import TransformerConfig
 from ._layers import normal_init
+from ._protocols import AbstractBatchedModel, AbstractDecoder, AbstractScalarModel, AbstractSequenceModel
 from ._transformer import KVCache, Transformer
 
 __all__ = ["Policy", "ValueModel", "RewardModel", "last_real_index"]
@@ -28,7 +29,7 @@ def _dot_f32(h: Float[Array, "*N D"], w: Float[Array, "D O"]) -> Float[Array, "*
     return out.reshape(h.shape[:-1] + (w.shape[-1],))
 
 
-class Policy(eqx.Module):
+class Policy(AbstractDecoder[KVCache], AbstractBatchedModel):
     """A causal language model: `policy(tokens, mask) -> logits [T, V]` (float32).
 
     Written for one sequence; a batch `[B, T]` may also be passed directly (the result
@@ -55,6 +56,16 @@ class Policy(eqx.Module):
     @property
     def cfg(self) -> TransformerConfig:
         return self.transformer.cfg
+
+    @property
+    def vocab_size(self) -> int:
+        return self.transformer.cfg.vocab_size
+
+    def init_cache(self, cache_size: int) -> KVCache:
+        """An empty cache with `cache_size` slots (the layout `prefill` returns)."""
+        cfg = self.cfg
+        zeros = jnp.zeros((cfg.n_layers, cfg.n_kv_heads, cache_size, cfg.head_dim), cfg.param_dtype)
+        return KVCache(k=zeros, v=zeros, mask=jnp.zeros((cache_size,), jnp.bool_))
 
     def logits_from_hidden(self, hidden: Float[Array, "*T D"]) -> Float[Array, "*T V"]:
         """Apply the LM head (float32 accumulation)."""
@@ -119,7 +130,7 @@ class _ScalarHeadModel(eqx.Module):
         return _dot_f32(h, self.head[:, None])[..., 0] + self.bias
 
 
-class ValueModel(_ScalarHeadModel):
+class ValueModel(_ScalarHeadModel, AbstractSequenceModel, AbstractBatchedModel):
     """A critic: `value(tokens, mask) -> values [T]`, one scalar per position (float32).
 
     `values[t]` estimates the return from the state after token `t`.
@@ -136,7 +147,7 @@ class ValueModel(_ScalarHeadModel):
         return self._read_out(self.transformer(tokens, mask, segment_ids=segment_ids, key=key))
 
 
-class RewardModel(_ScalarHeadModel):
+class RewardModel(_ScalarHeadModel, AbstractScalarModel, AbstractBatchedModel):
     """A scalar reward: `reward(tokens, mask) -> r`, read at the last real token (float32)."""
 
     def __call__(

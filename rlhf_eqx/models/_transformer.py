@@ -14,6 +14,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ._config import TransformerConfig
+from ._protocols import AbstractBatchedModel, AbstractSequenceModel
 from ._layers import (
     Int8Weight,
     LoRAAdapter,
@@ -130,7 +131,7 @@ def _layer_keys(key: PRNGKeyArray | None, n_layers: int):
     return jax.random.split(key, (n_layers, len(LORA_TARGETS)))
 
 
-class Transformer(eqx.Module):
+class Transformer(AbstractSequenceModel, AbstractBatchedModel):
     """Token embedding, `n_layers` stacked `DecoderLayer`s (scanned), final RMSNorm.
 
     `__call__(tokens, mask)` returns the final hidden states `[T, D]`.

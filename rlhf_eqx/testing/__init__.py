@@ -32,7 +32,7 @@ The checks compile `fn` with `jax.jit` (pass `jit=False` to run eagerly); fixed 
 and module-level functions let every hypothesis example reuse one compilation.
 
 For a clipped policy loss, `check_ppo_clip_gradient_zero(loss_fn, logp, old_logp,
-advantages, mask, clip_eps_low=..., clip_eps_high=...)` checks that no gradient flows
+advantages, mask, clip_eps=..., clip_eps_high=...)` checks that no gradient flows
 where the ratio is clipped, nor at masked positions.
 """
 

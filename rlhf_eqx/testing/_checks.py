@@ -304,7 +304,7 @@ def check_ppo_clip_gradient_zero(
     advantages: Float[ArrayLike, "..."],
     mask: Bool[Array, "*B T"],
     *,
-    clip_eps_low: float | int = 0.2,
+    clip_eps: float | int = 0.2,
     clip_eps_high: float | int | None = None,
     margin: float | int = 1e-3,
     check_inside: bool = True,
@@ -327,7 +327,7 @@ def check_ppo_clip_gradient_zero(
     `margin` keeps positions within a relative `margin` of the clip boundaries out of
     both checks. `advantages` may be per-token or a per-sequence scalar (broadcast).
     """
-    eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
 
     g = np.asarray(_clip_grad_jit(loss_fn, logp, old_logp, advantages, mask))
     adv = np.asarray(advantages, np.float64)
@@ -336,7 +336,7 @@ def check_ppo_clip_gradient_zero(
     m = np.asarray(mask)
     ratio = np.exp(np.asarray(logp, np.float64) - np.asarray(old_logp, np.float64))
     hi = (1.0 + eps_high) * (1.0 + margin)
-    lo = (1.0 - clip_eps_low) * (1.0 - margin)
+    lo = (1.0 - clip_eps) * (1.0 - margin)
     outside = m & (((adv > 0) & (ratio > hi)) | ((adv < 0) & (ratio < lo)))
     assert np.all(g[outside] == 0.0), (
         "non-zero gradient where the ratio is clipped: positions "
@@ -346,7 +346,7 @@ def check_ppo_clip_gradient_zero(
         f"non-zero gradient at masked positions {np.argwhere(~m & (g != 0)).tolist()}"
     )
     if check_inside:
-        inside_lo = (1.0 - clip_eps_low) * (1.0 + margin)
+        inside_lo = (1.0 - clip_eps) * (1.0 + margin)
         inside_hi = (1.0 + eps_high) * (1.0 - margin)
         inside = m & (np.abs(adv) > 1e-6) & (ratio > inside_lo) & (ratio < inside_hi)
         assert np.all(g[inside] != 0.0), (

@@ -1,7 +1,7 @@
 """DPO-family step, with the reference log-probabilities computed on the fly or cached."""
 
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
@@ -11,6 +11,9 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 
 from .._batches import PreferenceBatch
 from ..losses import (
+    DPO_BATCH_LOSS_TYPES,
+    DPO_LOSS_TYPES,
+    DPO_REFERENCE_FREE_LOSS_TYPES,
     DPOLossType,
     dpo_batch_loss,
     dpo_implicit_rewards,
@@ -23,8 +26,6 @@ from ._step import LossFn, NonFinite, Step, make_step
 from ._validate import check_choice, check_number
 
 ReferenceMode = Literal["model", "cached", "none"]
-_SORTING_TYPES = ("aot", "aot_pair")
-_REFERENCE_FREE_TYPES = ("simpo", "orpo")
 
 
 def _forward(model, tokens, mask, completion_mask, key):
@@ -94,12 +95,12 @@ def dpo_loss_fn(
     with `rpo_alpha`, `nll` (α × the summed chosen-completion NLL; denominator the
     number of chosen completion tokens).
     """
-    check_choice("loss_type", loss_type, get_args(DPOLossType))
+    check_choice("loss_type", loss_type, DPO_LOSS_TYPES)
     check_choice("reference", reference, ("model", "cached", "none"))
     check_number("beta", beta, low=0.0, low_open=True)
     check_number("label_smoothing", label_smoothing, low=0.0, high=0.5, high_open=True)
     check_number("rpo_alpha", rpo_alpha, low=0.0, allow_none=True)
-    uses_reference = reference != "none" and loss_type not in _REFERENCE_FREE_TYPES
+    uses_reference = reference != "none" and loss_type not in DPO_REFERENCE_FREE_LOSS_TYPES
     extra = dict(loss_kwargs or {})
     sg = jax.lax.stop_gradient
     f32 = jnp.float32
@@ -226,7 +227,7 @@ def make_dpo_step(
     as TRL does: while the policy equals the reference the rewards are rounding noise
     (~1e-7), so the first step's accuracy is not meaningful.
     """
-    if loss_type in _SORTING_TYPES and (micro_batches != 1 or axis_name is not None):
+    if loss_type in DPO_BATCH_LOSS_TYPES and (micro_batches != 1 or axis_name is not None):
         raise ValueError(
             f"loss_type={loss_type!r} sorts over the whole batch; it needs micro_batches=1 "
             "and no axis_name"

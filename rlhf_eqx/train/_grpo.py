@@ -9,6 +9,8 @@ import optax
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 
 from ..losses import (
+    ADVANTAGE_SCALES,
+    IMPORTANCE_LEVELS,
     AggregationMode,
     aggregate_parts,
     group_advantages,
@@ -143,7 +145,7 @@ def grpo_loss(
     filled, `completion_mask` the loss mask); `frozen` is `(frozen_part, reference_model)`."""
     check_number("clip_eps", clip_eps, low=0.0, low_open=True)
     check_number("clip_eps_high", clip_eps_high, low=0.0, low_open=True, allow_none=True)
-    check_choice("importance", importance, ("token", "sequence"))
+    check_choice("importance", importance, IMPORTANCE_LEVELS)
     check_number("beta", beta, low=0.0)
     check_number("delta", delta, low=1.0, low_open=True, allow_none=True)
     check_number("temperature", temperature, low=0.0, low_open=True)
@@ -176,7 +178,7 @@ def grpo_loss(
         def one(lp, olp, adv_i, mi, rlp):
             return grpo_policy_loss(
                 lp, olp, adv_i, mi,
-                clip_eps_low=clip_eps,
+                clip_eps=clip_eps,
                 clip_eps_high=eps_high,
                 importance=importance,
                 ref_logp=rlp,
@@ -277,7 +279,7 @@ def make_grpo_step(
     `advantages/std`, `grad_norm`, `learning_rate`, `nonfinite`.
     """
     check_positive_int("group_size", group_size)
-    check_choice("scale", scale, ("group", "batch", "none"))
+    check_choice("scale", scale, ADVANTAGE_SCALES)
     loss_fn = grpo_loss(
         clip_eps=clip_eps,
         clip_eps_high=clip_eps_high,

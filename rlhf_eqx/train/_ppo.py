@@ -1,7 +1,6 @@
 """PPO step (policy + value), the rollout batch it consumes, and advantage computation."""
 
 from collections.abc import Callable
-from typing import get_args
 
 import equinox as eqx
 import jax
@@ -10,6 +9,7 @@ import optax
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, PyTree
 
 from ..losses import (
+    KL_KINDS,
     AggregationMode,
     KLKind,
     aggregate_parts,
@@ -194,7 +194,7 @@ def prepare_ppo_batch(
     check_number("gamma", gamma, low=0.0, high=1.0)
     check_number("lam", lam, low=0.0, high=1.0)
     check_number("temperature", temperature, low=0.0, low_open=True)
-    check_choice("kl_kind", kl_kind, get_args(KLKind))
+    check_choice("kl_kind", kl_kind, KL_KINDS)
     coef = jnp.asarray(kl_coef, jnp.float32)
     return _prepare(
         model, reference, tokens, mask, completion_mask, scores.astype(jnp.float32), coef,
@@ -240,7 +240,7 @@ def ppo_loss(
             )
         )(logp, batch.old_logp, batch.advantages, m)
         vf, vclipped = jax.vmap(
-            lambda a, b, c, d: ppo_value_loss(a, b, c, d, clip_range=vf_clip_eps)
+            lambda a, b, c, d: ppo_value_loss(a, b, c, d, clip_eps=vf_clip_eps)
         )(values, batch.old_values, batch.returns, m)
         # The entropy of the distribution each completion token was sampled from: the
         # predecessor is found from the real-token mask, then the completion is kept.

@@ -6,21 +6,16 @@ whole run can be `jax.vmap`-ed over a hyperparameter) are accepted as they are.
 
 import math
 import numbers
-from collections.abc import Iterable
 from typing import Any
 
 import jax
+
+from ..losses import AGGREGATION_MODES, check_choice
 
 
 def is_traced_or_array(value: Any) -> bool:
     """Whether `value` is a JAX array or tracer (checked by the caller, not here)."""
     return isinstance(value, jax.Array | jax.core.Tracer)
-
-
-def check_choice(name: str, value: Any, choices: Iterable[Any]) -> None:
-    choices = tuple(choices)
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} is not valid; expected one of {choices}")
 
 
 def check_positive_int(name: str, value: Any) -> None:
@@ -61,9 +56,6 @@ def check_number(
         bad |= v >= high if high_open else v > high
     if bad:
         raise ValueError(f"{name}={value!r} is out of range; expected a finite value in {interval}")
-
-
-AGGREGATION_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 def check_aggregation(mode: Any, constant: Any) -> None:

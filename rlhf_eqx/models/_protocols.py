@@ -1,0 +1,157 @@
+r"""The model protocols: what a model must provide to run rlhf_eqx's steps and sampler.
+
+rlhf_eqx never asks *which* class a model is; it asks which of these abstract
+`eqx.Module`s the model inherits. Any model that subclasses them and implements their
+methods runs every step builder and the sampler, exactly as rlhf_eqx's own models do.
+
+| protocol | call | rlhf_eqx models | used by |
+| --- | --- | --- | --- |
+| `AbstractSequenceModel` | `model(tokens Int[" T"], mask Bool[" T"], *, key=None) -> Float["T ..."]` | `Transformer`, `Policy`, `ValueModel` | SFT / DPO / PPO / GRPO steps (`[T, V]` logits), critics (`[T]` values) |
+| `AbstractBatchedModel` | the same call also accepts `[B, T]` and returns what `jax.vmap(model)` would | `Transformer`, `Policy`, `ValueModel`, `RewardModel` | steps call it on the batch directly instead of vmapping |
+| `AbstractScalarModel` | `model(tokens Int[" T"], mask Bool[" T"], *, key=None) -> Float[""]` | `RewardModel` | reward-model step, reward scoring |
+| `AbstractDecoder[Cache]` | `init_cache`, `prefill`, `decode_step`, `vocab_size` (and a sequence-model call) | `Policy` (cache `KVCache`) | `generate`, `generate_batch` |
+
+Everything is per sample: steps batch a plain `AbstractSequenceModel` with `jax.vmap`,
+and the sampler vmaps `prefill` / `decode_step` over the rows of a batch. `key` is a
+PRNG key for stochastic layers (dropout); `None` means deterministic.
+
+A decoder keeps its own cache type (any pytree, usually an `eqx.Module`):
+
+- `init_cache(cache_size)`: an empty cache with room for `cache_size` tokens;
+- `prefill(tokens[P], mask[P], *, cache_size)`: run a (possibly padded) prompt and
+  return the next-token logits `[V]` after its last real token and the filled cache;
+- `decode_step(token[], cache, *, index, position)`: feed one token, stored at cache
+  slot `index` with position `position` (the number of real tokens before it), and
+  return the next-token logits `[V]` and the updated cache.
+
+The sampler calls `prefill(..., cache_size=P + max_new_tokens)`, then `decode_step`
+with `index = P + i` for the `i`-th new token. A minimal decoder is a few lines (see
+`examples/custom_model.py`):
+
+```python
+class Bigram(AbstractDecoder[Int[Array, ""]]):   # the cache is the last token
+    table: Float[Array, "V V"]
+    vocab_size: int = eqx.field(static=True)
+
+    def __call__(self, tokens, mask, *, key=None):
+        return self.table[tokens]
+    def init_cache(self, cache_size):
+        return jnp.zeros((), jnp.int32)
+    def prefill(self, tokens, mask, *, cache_size):
+        last = tokens[jnp.max(jnp.where(mask, jnp.arange(tokens.shape[0]), 0))]
+        return self.table[last], last
+    def decode_step(self, token, cache, *, index, position):
+        return self.table[token], token
+```
+"""
+
+import abc
+from typing import Generic, TypeVar
+
+import equinox as eqx
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+
+__all__ = [
+    "AbstractSequenceModel",
+    "AbstractBatchedModel",
+    "AbstractScalarModel",
+    "AbstractDecoder",
+]
+
+Cache = TypeVar("Cache")
+
+
+class AbstractSequenceModel(eqx.Module):
+    """A per-sample sequence model: `model(tokens[T], mask[T], *, key=None) -> out[T, ...]`.
+
+    `out[t]` depends only on the real tokens up to `t` for causal models (a policy's
+    `[T, V]` next-token logits, a critic's `[T]` values). Steps batch it with
+    `jax.vmap` unless it is also an `AbstractBatchedModel`.
+    """
+
+    @abc.abstractmethod
+    def __call__(
+        self,
+        tokens: Int[Array, " T"],
+        mask: Bool[Array, " T"],
+        *,
+        key: PRNGKeyArray | None = None,
+    ) -> Float[Array, "T ..."]:
+        """One sequence's per-position outputs."""
+        raise NotImplementedError
+
+
+class AbstractBatchedModel(eqx.Module):
+    """A model whose call also accepts a batch `[B, T]` directly.
+
+    The result must equal `jax.vmap(model)(tokens, mask)` (with per-row keys when a key
+    is given); the point is a faster implementation (flat 2-D matrix products). Combine
+    it with `AbstractSequenceModel` or `AbstractScalarModel`.
+    """
+
+    @abc.abstractmethod
+    def __call__(
+        self,
+        tokens: Int[Array, "*B T"],
+        mask: Bool[Array, "*B T"],
+        *,
+        key: PRNGKeyArray | None = None,
+    ) -> Float[Array, "..."]:
+        """Outputs for one sequence or a batch of them."""
+        raise NotImplementedError
+
+
+class AbstractScalarModel(eqx.Module):
+    """A scalar-head model: one scalar per sequence (a reward model).
+
+    `model(tokens[T], mask[T], *, key=None) -> Float[""]`.
+    """
+
+    @abc.abstractmethod
+    def __call__(
+        self,
+        tokens: Int[Array, " T"],
+        mask: Bool[Array, " T"],
+        *,
+        key: PRNGKeyArray | None = None,
+    ) -> Float[Array, ""]:
+        """The sequence's scalar score."""
+        raise NotImplementedError
+
+
+class AbstractDecoder(AbstractSequenceModel, Generic[Cache]):
+    """An autoregressive model with a cache: what `generate` / `generate_batch` need.
+
+    `Cache` is the decoder's own cache type (a pytree). See the module docstring for
+    the contract of each method.
+    """
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int:
+        """Size of the output distribution (ids are in `[0, vocab_size)`)."""
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    def init_cache(self, cache_size: int) -> Cache:
+        """An empty cache with room for `cache_size` tokens."""
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    def prefill(
+        self, tokens: Int[Array, " P"], mask: Bool[Array, " P"], *, cache_size: int
+    ) -> tuple[Float[Array, " V"], Cache]:
+        """Run a prompt: next-token logits after its last real token, and the cache."""
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    def decode_step(
+        self,
+        token: Int[Array, ""],
+        cache: Cache,
+        *,
+        index: Int[Array, ""] | int,
+        position: Int[Array, ""],
+    ) -> tuple[Float[Array, " V"], Cache]:
+        """Feed one token at slot `index`, position `position`: next logits and the cache."""
+        raise NotImplementedError

@@ -55,4 +55,6 @@ from ._tokenizers import HFTokenizer as HFTokenizer
 from ._tokenizers import Llama2cTokenizer as Llama2cTokenizer
 from ._tokenizers import SentencePieceTokenizer as SentencePieceTokenizer
 from ._tokenizers import Tokenizer as Tokenizer
-from ._tokenizers import decode_continuation as decode_continuation, load_tokenizer as load_tokenizer
+from ._tokenizers import check_vocab as check_vocab
+from ._tokenizers import decode_continuation as decode_continuation
+from ._tokenizers import load_tokenizer as load_tokenizer

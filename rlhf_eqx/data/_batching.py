@@ -334,12 +334,34 @@ def tokenize_prompts(
     return out, report
 
 
+def _check_ids(
+    tokens: np.ndarray, mask: np.ndarray, pad_id: int, vocab_size: int | None, what: str
+) -> None:
+    """Refuse ids outside `[0, vocab_size)` (or, with no `vocab_size`, negative ids and
+    ids that do not fit in int32), real tokens and the padding id alike."""
+    if vocab_size is not None and vocab_size < 1:
+        raise DataError(f"vocab_size must be positive, got {vocab_size}")
+    limit = vocab_size if vocab_size is not None else int(np.iinfo(np.int32).max) + 1
+    where = "the model's vocabulary" if vocab_size is not None else "the int32 range"
+    if not 0 <= pad_id < limit:
+        raise DataError(f"pad_id={pad_id} is outside {where} [0, {limit})")
+    bad = mask & ((tokens < 0) | (tokens >= limit))
+    if bad.any():
+        row, col = (int(i[0]) for i in np.nonzero(bad))
+        raise DataError(
+            f"{what} {row} has token id {int(tokens[row, col])} at position {col}, "
+            f"outside {where} [0, {limit})"
+        )
+
+
 def _right_padded(
-    seqs: Sequence[TokenizedSequence], max_length: int, pad_id: int
+    seqs: Sequence[TokenizedSequence], max_length: int, pad_id: int, vocab_size: int | None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if not seqs:
         raise DataError("cannot collate an empty batch")
-    tokens = np.full((len(seqs), max_length), pad_id, dtype=np.int32)
+    if max_length < 1:
+        raise DataError(f"max_length must be positive, got {max_length}")
+    tokens = np.full((len(seqs), max_length), pad_id, dtype=np.int64)
     mask = np.zeros((len(seqs), max_length), dtype=bool)
     completion_mask = np.zeros((len(seqs), max_length), dtype=bool)
     for i, s in enumerate(seqs):
@@ -350,19 +372,39 @@ def _right_padded(
         tokens[i, n_prompt:n] = s.completion
         mask[i, :n] = True
         completion_mask[i, n_prompt:n] = True
-    return tokens, mask, completion_mask
+    _check_ids(tokens, mask, pad_id, vocab_size, "row")
+    return tokens.astype(np.int32), mask, completion_mask
 
 
 def collate_preferences(
-    pairs: Sequence[TokenizedPair], *, max_length: int, pad_id: int
+    pairs: Sequence[TokenizedPair],
+    *,
+    max_length: int,
+    pad_id: int,
+    vocab_size: int | None = None,
 ) -> PreferenceBatch:
     """Right-pad pairs into a `PreferenceBatch` of shape `[len(pairs), max_length]`.
 
     Each row is prompt, then completion, then `pad_id`; `*_mask` marks the real tokens
     and `*_completion_mask` the completion (with its EOS). Tokens are int32, masks bool.
+
+    **Arguments:**
+
+    - `pairs`: from `tokenize_preferences` (at least one).
+    - `max_length`: the row length `T`.
+    - `pad_id`: the id written at padded positions (always masked).
+    - `vocab_size`: the model's vocabulary size; when given, every token id and
+      `pad_id` must lie in `[0, vocab_size)` (an id outside gives NaN logits or wraps
+      around inside the model), else `DataError` names the row, position and id.
+
+    **Returns:** the `PreferenceBatch` (with no cached reference log-probabilities).
     """
-    c_tokens, c_mask, c_cmask = _right_padded([p.chosen for p in pairs], max_length, pad_id)
-    r_tokens, r_mask, r_cmask = _right_padded([p.rejected for p in pairs], max_length, pad_id)
+    c_tokens, c_mask, c_cmask = _right_padded(
+        [p.chosen for p in pairs], max_length, pad_id, vocab_size
+    )
+    r_tokens, r_mask, r_cmask = _right_padded(
+        [p.rejected for p in pairs], max_length, pad_id, vocab_size
+    )
     return PreferenceBatch(
         chosen_tokens=jnp.asarray(c_tokens),
         chosen_mask=jnp.asarray(c_mask),
@@ -374,11 +416,15 @@ def collate_preferences(
 
 
 def collate_sft(
-    seqs: Sequence[TokenizedSequence], *, max_length: int, pad_id: int
+    seqs: Sequence[TokenizedSequence],
+    *,
+    max_length: int,
+    pad_id: int,
+    vocab_size: int | None = None,
 ) -> SequenceBatch:
     """Right-pad sequences into a `SequenceBatch` of shape `[len(seqs), max_length]`
-    (layout as `collate_preferences`)."""
-    tokens, mask, completion_mask = _right_padded(seqs, max_length, pad_id)
+    (layout and arguments as `collate_preferences`)."""
+    tokens, mask, completion_mask = _right_padded(seqs, max_length, pad_id, vocab_size)
     return SequenceBatch(
         tokens=jnp.asarray(tokens),
         mask=jnp.asarray(mask),
@@ -387,16 +433,23 @@ def collate_sft(
 
 
 def collate_prompts(
-    prompts: Sequence[Sequence[int]], *, max_length: int, pad_id: int
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_length: int,
+    pad_id: int,
+    vocab_size: int | None = None,
 ) -> PromptBatch:
     """Left-pad prompt ids into a `PromptBatch` of shape `[len(prompts), max_length]`.
 
     Row `i` is `[pad ... pad, prompt_i]`; `mask` marks the prompt tokens. A prompt
-    longer than `max_length` is an error (truncate with `tokenize_prompts`).
+    longer than `max_length` is an error (truncate with `tokenize_prompts`); with
+    `vocab_size`, so is an id outside `[0, vocab_size)` (see `collate_preferences`).
     """
     if not prompts:
         raise DataError("cannot collate an empty batch")
-    tokens = np.full((len(prompts), max_length), pad_id, dtype=np.int32)
+    if max_length < 1:
+        raise DataError(f"max_length must be positive, got {max_length}")
+    tokens = np.full((len(prompts), max_length), pad_id, dtype=np.int64)
     mask = np.zeros((len(prompts), max_length), dtype=bool)
     for i, ids in enumerate(prompts):
         n = len(ids)
@@ -405,4 +458,5 @@ def collate_prompts(
         if n:
             tokens[i, max_length - n :] = ids
             mask[i, max_length - n :] = True
-    return PromptBatch(tokens=jnp.asarray(tokens), mask=jnp.asarray(mask))
+    _check_ids(tokens, mask, pad_id, vocab_size, "prompt")
+    return PromptBatch(tokens=jnp.asarray(tokens.astype(np.int32)), mask=jnp.asarray(mask))

@@ -35,6 +35,7 @@ __all__ = [
     "HFTokenizer",
     "ByteTokenizer",
     "load_tokenizer",
+    "check_vocab",
 ]
 
 
@@ -69,6 +70,37 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: TokenIds) -> str: ...
+
+
+def check_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:
+    """Refuse a tokenizer whose ids do not all fit a model's vocabulary.
+
+    A model's embedding has `vocab_size` rows; an id at or past it gives NaN logits
+    (or, negative, silently wraps around). A tokenizer may have *fewer* ids than the
+    model (vocabularies are often padded to a multiple of 64), never more.
+
+    **Arguments:**
+
+    - `tokenizer`: any `Tokenizer`.
+    - `vocab_size`: the model's vocabulary size (`TransformerConfig.vocab_size`).
+
+    **Raises:** `DataError` naming both sizes (or the special id that does not fit).
+    """
+    if vocab_size < 1:
+        raise DataError(f"vocab_size must be positive, got {vocab_size}")
+    if tokenizer.vocab_size > vocab_size:
+        raise DataError(
+            f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary has "
+            f"only {vocab_size}: ids {vocab_size}..{tokenizer.vocab_size - 1} would be "
+            "outside the model's embedding"
+        )
+    for name in ("bos_id", "eos_id", "pad_id"):
+        value = getattr(tokenizer, name)
+        if not 0 <= value < vocab_size:
+            raise DataError(
+                f"the tokenizer's {name}={value} is outside the model's vocabulary "
+                f"[0, {vocab_size})"
+            )
 
 
 def _int_ids(ids: TokenIds) -> list[int]:

@@ -3,6 +3,7 @@
 import itertools
 import json
 
+import jaxtyping
 import numpy as np
 import pytest
 from hypothesis import given
@@ -65,7 +66,7 @@ def test_resume_is_identical(n, batch_size, seed, k, drop_last, shards):
         reference = take(data.BatchIterator(n, batch_size, seed, **kwargs), k + 10)
         it = data.BatchIterator(n, batch_size, seed, **kwargs)
         assert take(it, k) == reference[:k]
-        state = it.state()
+        state = it.state
         restored = data.IteratorState.from_dict(json.loads(json.dumps(state.to_dict())))
         assert restored == state
         assert take(data.BatchIterator.from_state(restored), 10) == reference[k:]
@@ -96,7 +97,7 @@ def test_shards_partition_the_global_batch(n, batch_size, shards, seed, drop_las
 def test_state_fields_and_errors():
     it = data.BatchIterator(10, 3, seed=7, shard_index=1, shard_count=2)
     next(it)
-    state = it.state()
+    state = it.state
     assert (state.epoch, state.position, state.seed, state.shard_index) == (0, 1, 7, 1)
     assert it.steps_per_epoch == 1  # 10 records, global batch 6
     next(it)
@@ -107,3 +108,44 @@ def test_state_fields_and_errors():
         data.BatchIterator(0, 3, seed=0)
     with pytest.raises(data.DataError, match="invalid position"):
         data.BatchIterator(10, 3, seed=0, position=99)
+
+
+def test_iterator_holds_one_state():
+    it = data.BatchIterator(10, 3, seed=7, drop_last=False)
+    assert isinstance(it.state, data.IteratorState)
+    for name in data.IteratorState.__dataclass_fields__:
+        assert getattr(it, name) == getattr(it.state, name)
+    before = it.state
+    next(it)
+    assert before.position == 0 and it.state.position == 1 and it.position == 1  # replaced
+    with pytest.raises(AttributeError):
+        it.seed = 3
+
+
+def test_resuming_with_a_changed_configuration_is_refused():
+    it = data.BatchIterator(10, 2, seed=7)
+    next(it)
+    saved = data.IteratorState.from_dict(it.state.to_dict())
+    resumed = data.BatchIterator.from_state(saved, dataset_size=10, batch_size=2, seed=7)
+    assert next(resumed).tolist() == next(it).tolist()
+    with pytest.raises(data.DataError, match="dataset_size=10 but this run has dataset_size=12"):
+        data.BatchIterator.from_state(saved, dataset_size=12)
+    with pytest.raises(data.DataError, match="batch_size=2 but this run has batch_size=4"):
+        data.BatchIterator.from_state(saved, batch_size=4)
+    with pytest.raises(data.DataError, match="seed=7 but this run has seed=0"):
+        data.BatchIterator.from_state(saved, seed=0)
+
+
+def test_state_from_dict_names_bad_fields():
+    good = data.BatchIterator(10, 2, seed=7).state.to_dict()
+    with pytest.raises(data.DataError, match=r"unknown keys \['dataset'\].*missing keys \['dataset_size'\]"):
+        data.IteratorState.from_dict({**{k: v for k, v in good.items() if k != "dataset_size"},
+                                      "dataset": 10})
+    jaxtyping.config.update("jaxtyping_disable", True)  # as users run it
+    try:
+        with pytest.raises(data.DataError, match="IteratorState.position must be an int, got .1."):
+            data.IteratorState.from_dict({**good, "position": "1"})
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", False)
+    with pytest.raises(data.DataError, match="invalid position: epoch 0, position 9 of 5"):
+        data.IteratorState.from_dict({**good, "position": 9})

@@ -36,7 +36,7 @@ import numpy as np
 
 from .._batches import PreferenceBatch, PromptBatch, SequenceBatch
 from ._errors import DataError
-from ._tokenizers import Tokenizer
+from ._tokenizer import Tokenizer
 
 __all__ = [
     "TokenizedSequence",

@@ -100,6 +100,8 @@ def read_json_records(
     read past the error and always raises.
     """
     path = os.fspath(path)
+    if os.path.isdir(path):
+        raise DataError(f"{path}: is a directory; give the path of a .jsonl, .json or .gz file")
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such file")
     data = _open_bytes(path)

@@ -8,13 +8,14 @@ jax arrays (int32 tokens, bool masks). A typical DPO input pipeline:
 from rlhf_eqx import data
 
 tok = data.load_tokenizer("tok512.bin")
-pairs, report = data.tokenize_preferences(
-    data.load_preferences("train.jsonl.gz"), tok, max_length=512, max_prompt_length=256
-)
+data.check_vocab(tok, policy.cfg.vocab_size)
+lengths = data.SequenceLengths(max_length=512, max_prompt_length=256)
+pairs, report = data.tokenize_preferences(data.load_preferences("train.jsonl.gz"), tok,
+                                          lengths=lengths)
+print(report.summary())  # e.g. "12% (96/800) of prompts were cut to 256 tokens (kept the end); ..."
 for idx in data.BatchIterator(len(pairs), batch_size=8, seed=0, num_epochs=1):
-    batch = data.collate_preferences(
-        [pairs[i] for i in idx], max_length=512, pad_id=tok.pad_id
-    )
+    batch = data.collate_preferences([pairs[i] for i in idx], lengths=lengths,
+                                     pad_id=tok.pad_id, vocab_size=policy.cfg.vocab_size)
 ```
 """
 
@@ -22,15 +23,10 @@ from ._answers import exact_match_reward as exact_match_reward
 from ._answers import extract_gsm8k_answer as extract_gsm8k_answer
 from ._answers import extract_last_number as extract_last_number
 from ._answers import normalise_number as normalise_number
-from ._batching import TokenizedPair as TokenizedPair
-from ._batching import TokenizedSequence as TokenizedSequence
-from ._batching import TokenizeReport as TokenizeReport
-from ._batching import collate_preferences as collate_preferences
-from ._batching import collate_prompts as collate_prompts
-from ._batching import collate_sft as collate_sft
-from ._batching import tokenize_preferences as tokenize_preferences
-from ._batching import tokenize_prompts as tokenize_prompts
-from ._batching import tokenize_sft as tokenize_sft
+from ._collate import collate_preferences as collate_preferences
+from ._collate import collate_prompts as collate_prompts
+from ._collate import collate_sft as collate_sft
+from ._collate import padding_stats as padding_stats
 from ._chat import CHATML_TEMPLATE as CHATML_TEMPLATE
 from ._chat import HH_TEMPLATE as HH_TEMPLATE
 from ._chat import ChatTemplate as ChatTemplate
@@ -58,3 +54,10 @@ from ._sentencepiece_tokenizer import SentencePieceTokenizer as SentencePieceTok
 from ._tokenizer import Tokenizer as Tokenizer
 from ._tokenizer import check_vocab as check_vocab
 from ._tokenizer import decode_continuation as decode_continuation
+from ._tokenize import SequenceLengths as SequenceLengths
+from ._tokenize import TokenizedPair as TokenizedPair
+from ._tokenize import TokenizedSequence as TokenizedSequence
+from ._tokenize import TokenizeReport as TokenizeReport
+from ._tokenize import tokenize_preferences as tokenize_preferences
+from ._tokenize import tokenize_prompts as tokenize_prompts
+from ._tokenize import tokenize_sft as tokenize_sft

@@ -1,6 +1,5 @@
 """The error type raised by the data readers."""
 
-__all__ = ["DataError"]
 
 
 class DataError(ValueError):

@@ -21,7 +21,6 @@ from collections.abc import Sequence
 
 from ._errors import DataError
 
-__all__ = ["prompt_hash", "shard_of", "assign_shards"]
 
 
 def prompt_hash(prompt: str) -> int:

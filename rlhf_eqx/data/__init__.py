@@ -43,9 +43,15 @@ from ._preferences import split_hh_transcript as split_hh_transcript
 from ._prompts import PromptDataset as PromptDataset
 from ._prompts import PromptRecord as PromptRecord
 from ._prompts import load_prompts as load_prompts
+from ._quality import LengthStats as LengthStats
+from ._quality import PreferenceQuality as PreferenceQuality
+from ._quality import distinct_n as distinct_n
+from ._quality import filter_preferences as filter_preferences
+from ._quality import preference_quality as preference_quality
 from ._sharding import assign_shards as assign_shards
 from ._sharding import prompt_hash as prompt_hash
 from ._sharding import shard_of as shard_of
+from ._sharding import split_held_out as split_held_out
 from ._byte_tokenizer import ByteTokenizer as ByteTokenizer
 from ._hf_tokenizer import HFTokenizer as HFTokenizer
 from ._llama2c_tokenizer import Llama2cTokenizer as Llama2cTokenizer

@@ -87,23 +87,30 @@ def test_bucketed_rows_round_up_to_a_multiple():
 @pytest.mark.slow
 def test_bucketing_on_hh_rlhf(shared_dir):
     """HH-RLHF harmless-base (test split) tokenised with the stories260K tokenizer, max
-    length 512: buckets of 64 against padding every batch to 512."""
+    length 512, batches of 8 pairs: padding to 512, to the longest row rounded up to 64,
+    and the same with batches grouped by length."""
     tok = data.load_tokenizer(os.path.join(shared_dir, "models", "stories260K", "tok512.bin"))
     records = data.load_preferences(
         os.path.join(shared_dir, "data", "hh-rlhf", "harmless-base", "test.jsonl.gz")
-    )[:512]
+    )
     lengths = data.SequenceLengths(max_length=512, max_prompt_length=256)
     pairs, _ = data.tokenize_preferences(records, tok, lengths=lengths)
-    it = data.BatchIterator(len(pairs), 8, seed=0, num_epochs=1)
-    batches = [[pairs[i] for i in idx] for idx in it]
-    fixed = data.padding_stats(
-        [data.collate_preferences(b, lengths=lengths, pad_id=tok.pad_id) for b in batches]
-    )
-    bucketed = data.padding_stats(
-        [data.collate_preferences(b, lengths=lengths, pad_id=tok.pad_id, bucket_size=64)
-         for b in batches]
-    )
-    print(f"fixed: {fixed}\nbucketed: {bucketed}")
+    sizes = [max(len(p.chosen), len(p.rejected)) for p in pairs]
+
+    def stats(bucket_size, group_by_length=0):
+        it = data.BatchIterator(len(pairs), 8, seed=0, num_epochs=1,
+                                group_by_length=group_by_length, lengths=sizes)
+        return data.padding_stats([
+            data.collate_preferences([pairs[i] for i in idx], lengths=lengths,
+                                     pad_id=tok.pad_id, bucket_size=bucket_size)
+            for idx in it
+        ])
+
+    fixed, bucketed, grouped = stats(None), stats(64), stats(64, group_by_length=50)
+    for name, s in (("max length", fixed), ("buckets of 64", bucketed),
+                    ("buckets of 64, grouped by length", grouped)):
+        print(f"{len(pairs)} pairs, {name}: {100 * s['padding_fraction']:.1f}% padding, "
+              f"{s['num_shapes']} shapes")
     assert fixed["num_shapes"] == 1 and bucketed["tokens"] == fixed["tokens"]
-    assert bucketed["num_shapes"] <= 8
-    assert bucketed["padding_fraction"] < fixed["padding_fraction"]
+    assert bucketed["num_shapes"] <= 8 and grouped["num_shapes"] <= 8
+    assert grouped["padding_fraction"] < bucketed["padding_fraction"] < fixed["padding_fraction"]

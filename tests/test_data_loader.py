@@ -149,3 +149,22 @@ def test_state_from_dict_names_bad_fields():
         jaxtyping.config.update("jaxtyping_disable", False)
     with pytest.raises(data.DataError, match="invalid position: epoch 0, position 9 of 5"):
         data.IteratorState.from_dict({**good, "position": 9})
+
+
+def test_group_by_length_sorts_windows_and_resumes():
+    lengths = [(i * 37) % 23 for i in range(24)]
+    it = data.BatchIterator(24, 2, seed=1, group_by_length=3, lengths=lengths)
+    batches = take(it, 12)
+    perm = data.epoch_permutation(24, 1, 0).tolist()
+    for w in range(4):  # windows of 3 batches x 2 rows, each sorted longest first
+        window = sum(batches[3 * w : 3 * w + 3], [])
+        assert sorted(window) == sorted(perm[6 * w : 6 * w + 6])
+        assert [lengths[i] for i in window] == sorted((lengths[i] for i in window), reverse=True)
+    it = data.BatchIterator(24, 2, seed=1, group_by_length=3, lengths=lengths)
+    take(it, 5)
+    resumed = data.BatchIterator.from_state(it.state, lengths=lengths)
+    assert take(resumed, 7) == batches[5:12]
+    with pytest.raises(data.DataError, match="needs the lengths of all 24 records, got none"):
+        data.BatchIterator.from_state(it.state)
+    with pytest.raises(data.DataError, match="got 3"):
+        data.BatchIterator(24, 2, seed=1, group_by_length=3, lengths=[1, 2, 3])

@@ -15,6 +15,12 @@ disjoint, and together they cover the global batch — the same batches a single
 process with batch size `G` would see. With `drop_last=False` the last, shorter
 global batch is split as evenly as possible across the shards.
 
+**Grouping by length** (`group_by_length=k` with the records' `lengths`; TRL's
+`group_by_length`): each epoch's permutation is cut into windows of `k` global
+batches and each window is sorted by length, longest first (stable), before it is cut
+into batches. Batches then hold rows of similar length, so collating with a
+`bucket_size` pads little; the order is still a function of `(seed, epoch, lengths)`.
+
 **Why not Grain.** Grain (the loader Tunix uses) offers the same guarantees —
 deterministic, checkpointable, sharded index sampling — along with multi-process
 prefetching. rlhf_eqx's records are small text pairs that are tokenised once and held
@@ -27,6 +33,8 @@ pipeline can wrap the same tokenised records if asynchronous loading is ever nee
 import dataclasses
 
 import numpy as np
+from collections.abc import Sequence
+
 from jaxtyping import Int
 
 from ._errors import DataError
@@ -56,6 +64,7 @@ class IteratorState:
     shard_index: int = 0
     shard_count: int = 1
     num_epochs: int | None = None
+    group_by_length: int = 0
     epoch: int = 0
     position: int = 0
 
@@ -71,6 +80,10 @@ class IteratorState:
                 )
             if not ok:
                 raise DataError(f"IteratorState.{name} must be {kind}, got {value!r}")
+        if self.group_by_length < 0:
+            raise DataError(
+                f"IteratorState.group_by_length must be >= 0, got {self.group_by_length}"
+            )
         if self.dataset_size < 1 or self.batch_size < 1:
             raise DataError(
                 "need a positive dataset_size and batch_size, got "
@@ -128,6 +141,10 @@ class BatchIterator:
     - `shuffle`: `False` visits records in order every epoch.
     - `shard_index`, `shard_count`: this shard and the number of shards.
     - `num_epochs`: stop after this many epochs (`None`: never stop).
+    - `group_by_length`: `k > 0` sorts windows of `k` global batches by `lengths`
+      (module docstring); 0 (the default) does not.
+    - `lengths`: each record's length (e.g. `len(pair.chosen) + len(pair.rejected)`);
+      needed with `group_by_length`.
     - `epoch`, `position`: where to start (as restored by `from_state`).
 
     Iterating yields `int64` index arrays of shape `[batch_size]`. The iterator holds
@@ -146,6 +163,8 @@ class BatchIterator:
         shard_index: int = 0,
         shard_count: int = 1,
         num_epochs: int | None = None,
+        group_by_length: int = 0,
+        lengths: Sequence[int] | None = None,
         epoch: int = 0,
         position: int = 0,
     ):
@@ -158,9 +177,18 @@ class BatchIterator:
             shard_index=shard_index,
             shard_count=shard_count,
             num_epochs=num_epochs,
+            group_by_length=group_by_length,
             epoch=epoch,
             position=position,
         )
+        self._lengths: np.ndarray | None = None
+        if group_by_length:
+            if lengths is None or len(lengths) != dataset_size:
+                got = "none" if lengths is None else f"{len(lengths)}"
+                raise DataError(
+                    f"group_by_length needs the lengths of all {dataset_size} records, got {got}"
+                )
+            self._lengths = np.asarray(lengths, dtype=np.int64)
         self._perm_epoch: int | None = None
         self._perm: np.ndarray | None = None
 
@@ -180,6 +208,14 @@ class BatchIterator:
                 self._perm = epoch_permutation(s.dataset_size, s.seed, epoch)
             else:
                 self._perm = np.arange(s.dataset_size)
+            if self._lengths is not None:
+                window = s.group_by_length * s.batch_size * s.shard_count
+                parts = [
+                    self._perm[i : i + window] for i in range(0, s.dataset_size, window)
+                ]
+                self._perm = np.concatenate(
+                    [p[np.argsort(-self._lengths[p], kind="stable")] for p in parts]
+                )
             self._perm_epoch = epoch
         return self._perm
 
@@ -212,13 +248,15 @@ class BatchIterator:
         dataset_size: int | None = None,
         batch_size: int | None = None,
         seed: int | None = None,
+        lengths: Sequence[int] | None = None,
     ) -> "BatchIterator":
         """An iterator at `state` (from `it.state`, or `IteratorState.from_dict`).
 
         Pass the current run's `dataset_size` (and `batch_size`, `seed`) to have them
         checked against the saved state: a dataset that changed size since the state
         was saved would continue with a different permutation, silently revisiting or
-        skipping records, so any difference is a `DataError` naming the field.
+        skipping records, so any difference is a `DataError` naming the field. A state
+        saved with `group_by_length` needs the records' `lengths` again.
         """
         for name, now in (("dataset_size", dataset_size), ("batch_size", batch_size), ("seed", seed)):
             saved = getattr(state, name)
@@ -229,7 +267,7 @@ class BatchIterator:
                 )
         if not isinstance(state, IteratorState):
             raise DataError(f"expected an IteratorState, got {type(state).__name__}")
-        return cls(**dataclasses.asdict(state))
+        return cls(**dataclasses.asdict(state), lengths=lengths)
 
     def __repr__(self) -> str:
         s = self._state

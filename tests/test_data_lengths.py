@@ -19,7 +19,9 @@ def test_defaults_are_trl_like_and_checked():
     )
     with pytest.raises(data.DataError, match="max_prompt_length < max_length.*=8 and max_length=8"):
         data.SequenceLengths(max_length=8, max_prompt_length=8)
-    with pytest.raises(data.DataError, match="SequenceLengths.max_completion_length must be a positive int"):
+    with pytest.raises(
+        data.DataError, match="SequenceLengths.max_completion_length must be a positive int"
+    ):
         data.SequenceLengths(max_completion_length=0)
     with pytest.raises(data.DataError, match="SequenceLengths.max_length must be a positive int"):
         data.SequenceLengths(max_length=0)
@@ -98,19 +100,31 @@ def test_bucketing_on_hh_rlhf(shared_dir):
     sizes = [max(len(p.chosen), len(p.rejected)) for p in pairs]
 
     def stats(bucket_size, group_by_length=0):
-        it = data.BatchIterator(len(pairs), 8, seed=0, num_epochs=1,
-                                group_by_length=group_by_length, lengths=sizes)
-        return data.padding_stats([
-            data.collate_preferences([pairs[i] for i in idx], lengths=lengths,
-                                     pad_id=tok.pad_id, bucket_size=bucket_size)
-            for idx in it
-        ])
+        it = data.BatchIterator(
+            len(pairs), 8, seed=0, num_epochs=1, group_by_length=group_by_length, lengths=sizes
+        )
+        return data.padding_stats(
+            [
+                data.collate_preferences(
+                    [pairs[i] for i in idx],
+                    lengths=lengths,
+                    pad_id=tok.pad_id,
+                    bucket_size=bucket_size,
+                )
+                for idx in it
+            ]
+        )
 
     fixed, bucketed, grouped = stats(None), stats(64), stats(64, group_by_length=50)
-    for name, s in (("max length", fixed), ("buckets of 64", bucketed),
-                    ("buckets of 64, grouped by length", grouped)):
-        print(f"{len(pairs)} pairs, {name}: {100 * s['padding_fraction']:.1f}% padding, "
-              f"{s['num_shapes']} shapes")
+    for name, s in (
+        ("max length", fixed),
+        ("buckets of 64", bucketed),
+        ("buckets of 64, grouped by length", grouped),
+    ):
+        print(
+            f"{len(pairs)} pairs, {name}: {100 * s['padding_fraction']:.1f}% padding, "
+            f"{s['num_shapes']} shapes"
+        )
     assert fixed["num_shapes"] == 1 and bucketed["tokens"] == fixed["tokens"]
     assert bucketed["num_shapes"] <= 8 and grouped["num_shapes"] <= 8
     assert grouped["padding_fraction"] < bucketed["padding_fraction"] < fixed["padding_fraction"]

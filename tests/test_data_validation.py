@@ -108,15 +108,37 @@ def preference(**changes):
     [
         (
             {"rejected_mask": jnp.ones((B, T + 1), bool)},
-            r"rejected_mask has shape \(3, 6\) but PreferenceBatch.chosen_tokens has shape \(3, 5\)",
+            r"rejected_mask has shape \(3, 6\) but PreferenceBatch.chosen_tokens has shape "
+            r"\(3, 5\)",
         ),
-        ({"rejected_tokens": jnp.zeros((B + 1, T), jnp.int32)}, r"rejected_tokens has shape \(4, 5\)"),
-        ({"chosen_mask": jnp.ones((B, T), jnp.int32)}, "chosen_mask must be a boolean mask, got dtype int32"),
-        ({"chosen_completion_mask": jnp.ones((B, T), jnp.float32)}, "chosen_completion_mask must be a boolean"),
-        ({"chosen_tokens": jnp.zeros((B, T), jnp.float32)}, "chosen_tokens must hold integer token ids"),
-        ({"chosen_tokens": jnp.zeros((T,), jnp.int32)}, r"chosen_tokens must be a batch .*\[B, T\], got shape \(5,\)"),
-        ({"ref_chosen_logp": jnp.zeros((B + 1,), jnp.float32)}, r"ref_chosen_logp has shape \(4,\).*B=3"),
-        ({"ref_rejected_logp": jnp.zeros((B,), jnp.int32)}, "ref_rejected_logp must be floating point"),
+        (
+            {"rejected_tokens": jnp.zeros((B + 1, T), jnp.int32)},
+            r"rejected_tokens has shape \(4, 5\)",
+        ),
+        (
+            {"chosen_mask": jnp.ones((B, T), jnp.int32)},
+            "chosen_mask must be a boolean mask, got dtype int32",
+        ),
+        (
+            {"chosen_completion_mask": jnp.ones((B, T), jnp.float32)},
+            "chosen_completion_mask must be a boolean",
+        ),
+        (
+            {"chosen_tokens": jnp.zeros((B, T), jnp.float32)},
+            "chosen_tokens must hold integer token ids",
+        ),
+        (
+            {"chosen_tokens": jnp.zeros((T,), jnp.int32)},
+            r"chosen_tokens must be a batch .*\[B, T\], got shape \(5,\)",
+        ),
+        (
+            {"ref_chosen_logp": jnp.zeros((B + 1,), jnp.float32)},
+            r"ref_chosen_logp has shape \(4,\).*B=3",
+        ),
+        (
+            {"ref_rejected_logp": jnp.zeros((B,), jnp.int32)},
+            "ref_rejected_logp must be floating point",
+        ),
     ],
 )
 def test_preference_batch_refuses(changes, message):
@@ -131,8 +153,14 @@ def test_batches_refuse_empty(shape):
     for make in (
         lambda: rx.SequenceBatch(tok, mask, mask),
         lambda: rx.PromptBatch(tok, mask),
-        lambda: preference(chosen_tokens=tok, chosen_mask=mask, chosen_completion_mask=mask,
-                           rejected_tokens=tok, rejected_mask=mask, rejected_completion_mask=mask),
+        lambda: preference(
+            chosen_tokens=tok,
+            chosen_mask=mask,
+            chosen_completion_mask=mask,
+            rejected_tokens=tok,
+            rejected_mask=mask,
+            rejected_completion_mask=mask,
+        ),
     ):
         with pytest.raises(data.DataError, match="at least one row and one position"):
             make()
@@ -149,15 +177,20 @@ def test_sequence_and_prompt_batches_refuse():
 
 
 def test_batches_still_work_under_transformations():
-    batch = preference(ref_chosen_logp=jnp.zeros((B,), jnp.float32),
-                       ref_rejected_logp=jnp.zeros((B,), jnp.float32))
+    batch = preference(
+        ref_chosen_logp=jnp.zeros((B,), jnp.float32), ref_rejected_logp=jnp.zeros((B,), jnp.float32)
+    )
     # Per-sample code under vmap sees rows without the batch axis.
     lengths = jax.vmap(lambda b: jnp.sum(b.chosen_mask))(batch)
     np.testing.assert_array_equal(lengths, [T] * B)
     jitted = jax.jit(lambda b: preference(chosen_tokens=b.chosen_tokens + 1))(batch)
     assert int(jitted.chosen_tokens[0, 0]) == 1
-    filled = eqx.tree_at(lambda b: b.ref_chosen_logp, preference(), jnp.ones((B,), jnp.float32),
-                         is_leaf=lambda x: x is None)
+    filled = eqx.tree_at(
+        lambda b: b.ref_chosen_logp,
+        preference(),
+        jnp.ones((B,), jnp.float32),
+        is_leaf=lambda x: x is None,
+    )
     assert filled.ref_chosen_logp.shape == (B,)
     micro = jax.tree.map(lambda x: x.reshape((B, 1) + x.shape[1:]), batch)
     assert micro.chosen_tokens.shape == (B, 1, T)

@@ -12,7 +12,6 @@ from decimal import Decimal, InvalidOperation
 import numpy as np
 from jaxtyping import Float
 
-
 _NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
 _GSM8K_ANSWER = re.compile(r"####\s*\$?\s*(" + _NUMBER + ")")
 _ANY_NUMBER = re.compile(_NUMBER)

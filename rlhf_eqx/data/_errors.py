@@ -1,7 +1,6 @@
 """The error type raised by the data readers."""
 
 
-
 class DataError(ValueError):
     """Malformed or unusable input data.
 

@@ -31,10 +31,9 @@ pipeline can wrap the same tokenised records if asynchronous loading is ever nee
 """
 
 import dataclasses
-
-import numpy as np
 from collections.abc import Sequence
 
+import numpy as np
 from jaxtyping import Int
 
 from ._errors import DataError
@@ -123,9 +122,7 @@ class IteratorState:
         unknown = sorted(set(d) - set(names))
         missing = sorted(required - set(d))
         if unknown or missing:
-            raise DataError(
-                f"not an IteratorState: unknown keys {unknown}, missing keys {missing}"
-            )
+            raise DataError(f"not an IteratorState: unknown keys {unknown}, missing keys {missing}")
         return cls(**d)
 
 
@@ -210,9 +207,7 @@ class BatchIterator:
                 self._perm = np.arange(s.dataset_size)
             if self._lengths is not None:
                 window = s.group_by_length * s.batch_size * s.shard_count
-                parts = [
-                    self._perm[i : i + window] for i in range(0, s.dataset_size, window)
-                ]
+                parts = [self._perm[i : i + window] for i in range(0, s.dataset_size, window)]
                 self._perm = np.concatenate(
                     [p[np.argsort(-self._lengths[p], kind="stable")] for p in parts]
                 )
@@ -258,7 +253,11 @@ class BatchIterator:
         skipping records, so any difference is a `DataError` naming the field. A state
         saved with `group_by_length` needs the records' `lengths` again.
         """
-        for name, now in (("dataset_size", dataset_size), ("batch_size", batch_size), ("seed", seed)):
+        for name, now in (
+            ("dataset_size", dataset_size),
+            ("batch_size", batch_size),
+            ("seed", seed),
+        ):
             saved = getattr(state, name)
             if now is not None and now != saved:
                 raise DataError(

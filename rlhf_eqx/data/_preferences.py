@@ -94,7 +94,9 @@ def _parse_hh(record: dict) -> PreferenceRecord:
 
 def _parse_plain(record: dict) -> PreferenceRecord:
     return _checked(
-        string_field(record, "prompt"), string_field(record, "chosen"), string_field(record, "rejected")
+        string_field(record, "prompt"),
+        string_field(record, "chosen"),
+        string_field(record, "rejected"),
     )
 
 

@@ -14,7 +14,6 @@ import os
 
 from ._answers import extract_gsm8k_answer
 from ._chat import ChatTemplate, _template, format_chat, message_field
-from ._errors import DataError
 from ._io import (
     Malformed,
     RecordDataset,

@@ -42,7 +42,9 @@ class SentencePieceTokenizer:
         return [int(i) for i in self.processor.encode(text, out_type=int)]
 
     def decode(self, ids: TokenIds) -> str:
-        return self.processor.decode([i for i in int_ids(ids, self.vocab_size) if i not in self._skip])
+        return self.processor.decode(
+            [i for i in int_ids(ids, self.vocab_size) if i not in self._skip]
+        )
 
     def __repr__(self) -> str:
         return f"SentencePieceTokenizer(vocab_size={self.vocab_size})"

@@ -26,7 +26,6 @@ from ._errors import DataError
 from ._io import RecordDataset
 
 
-
 def prompt_hash(prompt: str) -> int:
     """A stable 64-bit hash of a prompt (BLAKE2b, 8-byte digest, big-endian)."""
     digest = hashlib.blake2b(prompt.encode("utf-8", errors="surrogatepass"), digest_size=8).digest()

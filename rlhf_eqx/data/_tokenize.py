@@ -166,7 +166,9 @@ class TokenizeReport:
         lengths = self.lengths
         if self.truncation == "keep_end":
             limit = f" to {lengths.max_prompt_length} tokens" if lengths else ""
-            parts.append(f"{share(self.prompt_truncated)} of prompts were cut{limit} (kept the end)")
+            parts.append(
+                f"{share(self.prompt_truncated)} of prompts were cut{limit} (kept the end)"
+            )
             if lengths is not None:
                 room = f"{lengths.max_length} tokens in all"
                 if lengths.max_completion_length is not None:

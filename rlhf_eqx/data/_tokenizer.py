@@ -117,7 +117,9 @@ def check_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:
             )
 
 
-def decode_continuation(tokenizer: Tokenizer, prompt_ids: TokenIds, completion_ids: TokenIds) -> str:
+def decode_continuation(
+    tokenizer: Tokenizer, prompt_ids: TokenIds, completion_ids: TokenIds
+) -> str:
     """The text that `completion_ids` add after `prompt_ids`.
 
     Decoding a completion on its own drops the leading space of its first piece

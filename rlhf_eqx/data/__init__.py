@@ -1,8 +1,10 @@
-"""Data: tokenizers, preference and prompt readers, fixed-shape batches, iteration, sharding.
+"""Data: tokenizers, preference and prompt readers, quality checks, fixed-shape batches,
+iteration, sharding.
 
 Everything here runs on the host (plain Python and numpy); the collate functions return
 the batch pytrees of `rlhf_eqx` (`SequenceBatch`, `PreferenceBatch`, `PromptBatch`) as
-jax arrays (int32 tokens, bool masks). A typical DPO input pipeline:
+jax arrays (int32 tokens, bool masks). This module is the one public list of the data
+layer's names; the private modules behind it have none. A typical DPO input pipeline:
 
 ```python
 from rlhf_eqx import data
@@ -10,8 +12,11 @@ from rlhf_eqx import data
 tok = data.load_tokenizer("tok512.bin")
 data.check_vocab(tok, policy.cfg.vocab_size)
 lengths = data.SequenceLengths(max_length=512, max_prompt_length=256)
-pairs, report = data.tokenize_preferences(data.load_preferences("train.jsonl.gz"), tok,
-                                          lengths=lengths)
+records = data.load_preferences("train.jsonl.gz")
+print(data.preference_quality(records, tokenizer=tok, lengths=lengths).summary())
+records, dropped = data.filter_preferences(records)    # identical, empty, duplicate pairs
+train, held_out = data.split_held_out(records, fraction=0.05, seed=0)
+pairs, report = data.tokenize_preferences(train, tok, lengths=lengths)
 print(report.summary())  # e.g. "12% (96/800) of prompts were cut to 256 tokens (kept the end); ..."
 for idx in data.BatchIterator(len(pairs), batch_size=8, seed=0, num_epochs=1):
     batch = data.collate_preferences([pairs[i] for i in idx], lengths=lengths,

@@ -392,3 +392,11 @@ def test_decode_accepts_arrays():
     ids = tok.encode("hi")
     assert tok.decode(np.array(ids, np.int32)) == "hi" == tok.decode(jnp.asarray(ids, jnp.int32))
     assert tok.decode(tuple(ids)) == "hi"
+
+
+def test_every_tokenizer_refuses_ids_outside_its_vocabulary(tok512, hf_tok):
+    for tok in (tok512, hf_tok, data.ByteTokenizer()):
+        with pytest.raises(data.DataError, match="token id -1 at position 0"):
+            tok.decode([-1, 5])
+        with pytest.raises(data.DataError, match=f"token id {tok.vocab_size} at position 1"):
+            tok.decode([5, tok.vocab_size])

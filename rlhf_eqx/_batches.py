@@ -3,12 +3,79 @@
 Every field carries a leading batch axis `B`. Sequences are right-padded (real tokens
 first, then padding) unless stated otherwise; the models accept any padding, because
 positions come from the mask.
+
+**Validation.** A batch checks itself when it is constructed (`__check_init__`), from
+static shapes and dtypes only, so construction works the same under `jax.jit`,
+`jax.vmap` and `eqx.tree_at`: token fields must be integer arrays of rank 2, masks
+boolean arrays of the same shape, cached reference log-probabilities floating arrays of
+shape `[B]`, and neither `B` nor `T` may be 0. A `DataError` (a `ValueError`) names the
+batch, the field and the shapes. Only array fields are checked; other leaves (such as
+the integers of an `in_axes` specification, or `None` for an optional field) pass
+untouched. Transformations that rebuild a batch from its leaves (`jax.tree.map`,
+`jax.vmap` of a per-sample function, which sees a batch without its leading axis,
+`eqx.tree_at`, micro-batch reshapes) do not construct it again and are not checked.
 """
 
 import equinox as eqx
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-__all__ = ["SequenceBatch", "PreferenceBatch", "PromptBatch"]
+from .data._errors import DataError
+
+
+def _is_array(x: object) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _validate(
+    batch: eqx.Module,
+    tokens: tuple[str, ...],
+    masks: tuple[str, ...],
+    per_row: tuple[str, ...] = (),
+) -> None:
+    """Check ranks, dtypes and shared shapes of a batch's array fields (static only)."""
+    kind = type(batch).__name__
+    shape: tuple[int, ...] | None = None
+    first = ""
+    for name in tokens + masks:
+        x = getattr(batch, name)
+        if not _is_array(x):
+            continue
+        if len(x.shape) != 2:
+            raise DataError(
+                f"{kind}.{name} must be a batch of sequences [B, T], got shape "
+                f"{tuple(x.shape)} (an unbatched row? add a leading batch axis)"
+            )
+        if name in tokens and not np.issubdtype(np.dtype(x.dtype), np.integer):
+            raise DataError(f"{kind}.{name} must hold integer token ids, got dtype {x.dtype}")
+        if name in masks and np.dtype(x.dtype) != np.bool_:
+            raise DataError(
+                f"{kind}.{name} must be a boolean mask, got dtype {x.dtype} "
+                "(convert with `mask.astype(bool)`)"
+            )
+        if shape is None:
+            shape, first = tuple(x.shape), name
+            if 0 in shape:
+                raise DataError(
+                    f"{kind}.{name} has shape {shape}: a batch needs at least one row "
+                    "and one position"
+                )
+        elif tuple(x.shape) != shape:
+            raise DataError(
+                f"{kind}.{name} has shape {tuple(x.shape)} but {kind}.{first} has shape "
+                f"{shape}; every field must have the same [B, T]"
+            )
+    for name in per_row:
+        x = getattr(batch, name)
+        if not _is_array(x):
+            continue
+        if not np.issubdtype(np.dtype(x.dtype), np.floating):
+            raise DataError(f"{kind}.{name} must be floating point, got dtype {x.dtype}")
+        if shape is not None and tuple(x.shape) != shape[:1]:
+            raise DataError(
+                f"{kind}.{name} has shape {tuple(x.shape)} but the batch has "
+                f"B={shape[0]} rows ({kind}.{first} has shape {shape}); expected ({shape[0]},)"
+            )
 
 
 class SequenceBatch(eqx.Module):
@@ -21,6 +88,9 @@ class SequenceBatch(eqx.Module):
     tokens: Int[Array, "B T"]
     mask: Bool[Array, "B T"]
     completion_mask: Bool[Array, "B T"]
+
+    def __check_init__(self):
+        _validate(self, ("tokens",), ("mask", "completion_mask"))
 
 
 class PreferenceBatch(eqx.Module):
@@ -40,9 +110,25 @@ class PreferenceBatch(eqx.Module):
     ref_chosen_logp: Float[Array, " B"] | None = None
     ref_rejected_logp: Float[Array, " B"] | None = None
 
+    def __check_init__(self):
+        _validate(
+            self,
+            ("chosen_tokens", "rejected_tokens"),
+            (
+                "chosen_mask",
+                "chosen_completion_mask",
+                "rejected_mask",
+                "rejected_completion_mask",
+            ),
+            ("ref_chosen_logp", "ref_rejected_logp"),
+        )
+
 
 class PromptBatch(eqx.Module):
     """Left-padded prompts for generation (PPO / GRPO rollouts)."""
 
     tokens: Int[Array, "B P"]
     mask: Bool[Array, "B P"]
+
+    def __check_init__(self):
+        _validate(self, ("tokens",), ("mask",))

@@ -360,3 +360,10 @@ def test_prompt_formats_and_errors(tmp_path):
     mt = write_jsonl(tmp_path / "mt.jsonl", [{"turns": []}])
     with pytest.raises(data.DataError, match="mt.jsonl:1: wrong type"):
         data.load_prompts(mt)
+
+
+def test_a_directory_is_named_as_such(tmp_path):
+    with pytest.raises(data.DataError, match="is a directory"):
+        data.load_preferences(tmp_path)
+    with pytest.raises(data.DataError, match="is a directory"):
+        data.load_prompts(tmp_path)

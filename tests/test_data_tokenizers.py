@@ -6,6 +6,8 @@ import os
 import random
 import struct
 
+import jax.numpy as jnp
+import jaxtyping
 import numpy as np
 import pytest
 from hypothesis import given
@@ -331,3 +333,70 @@ def test_decode_continuation_keeps_the_leading_space(shared_dir):
     cont = decode_continuation(tok, prompt, full[len(prompt) :])
     assert cont == " little girl"
     assert tok.decode(full[len(prompt) :]) == "little girl"  # decoding alone loses the space
+
+
+def test_llama2c_truncated_on_a_piece_boundary_is_refused(shared_dir, tmp_path):
+    with open(os.path.join(shared_dir, TOK512), "rb") as f:
+        raw = f.read()
+    offset, ends = 4, []
+    while offset < len(raw):
+        (length,) = struct.unpack_from("<i", raw, offset + 4)
+        offset += 8 + length
+        ends.append(offset)
+    cut = tmp_path / "tok301.bin"
+    cut.write_bytes(raw[: ends[300]])  # 301 whole pieces
+    promise = r"tok301.bin: the header promises pieces of up to 7 .*301 pieces"
+    with pytest.raises(data.DataError, match=promise):
+        data.Llama2cTokenizer.from_file(cut)
+    late = tmp_path / "tok400.bin"
+    late.write_bytes(raw[: ends[399]])  # the longest pieces survive: the count tells
+    assert data.Llama2cTokenizer.from_file(late).vocab_size == 400
+    with pytest.raises(data.DataError, match="tok400.bin: 400 pieces read but .* has 512"):
+        data.Llama2cTokenizer.from_file(late, vocab_size=512)
+    full = data.Llama2cTokenizer.from_file(os.path.join(shared_dir, TOK512), vocab_size=512)
+    assert full.vocab_size == 512
+    long_piece = tmp_path / "long.bin"
+    long_piece.write_bytes(struct.pack("<i", 2) + struct.pack("<fi", 0.0, 3) + b"abc")
+    with pytest.raises(data.DataError, match="piece 0 has 3 bytes, more than .*=2"):
+        data.Llama2cTokenizer.from_file(long_piece)
+    with pytest.raises(data.DataError, match="is a directory"):
+        data.Llama2cTokenizer.from_file(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "ids, message",
+    [
+        ([5, -1], "token id -1 at position 1 is outside the vocabulary"),
+        ([5, 3.7], "must be integers, got 3.7 at position 1"),
+        (np.array([5.0, 6.0]), "must be integers, got dtype float64"),
+        ([259], "token id 259 at position 0 is outside"),
+        ([True], "must be integers, got True"),
+    ],
+)
+def test_decode_refuses_bad_ids(ids, message):
+    # Shape checks (on in these tests, off for users) would refuse some of these first.
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        _decode_refuses(ids, message)
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", False)
+
+
+def _decode_refuses(ids, message):
+    with pytest.raises(data.DataError, match=message):
+        data.ByteTokenizer().decode(ids)
+
+
+def test_decode_accepts_arrays():
+    tok = data.ByteTokenizer()
+    ids = tok.encode("hi")
+    assert tok.decode(np.array(ids, np.int32)) == "hi" == tok.decode(jnp.asarray(ids, jnp.int32))
+    assert tok.decode(tuple(ids)) == "hi"
+
+
+def test_every_tokenizer_refuses_ids_outside_its_vocabulary(tok512, hf_tok):
+    for tok in (tok512, hf_tok, data.ByteTokenizer()):
+        with pytest.raises(data.DataError, match="token id -1 at position 0"):
+            tok.decode([-1, 5])
+        with pytest.raises(data.DataError, match=f"token id {tok.vocab_size} at position 1"):
+            tok.decode([5, tok.vocab_size])

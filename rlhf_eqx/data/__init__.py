@@ -1,20 +1,26 @@
-"""Data: tokenizers, preference and prompt readers, fixed-shape batches, iteration, sharding.
+"""Data: tokenizers, preference and prompt readers, quality checks, fixed-shape batches,
+iteration, sharding.
 
 Everything here runs on the host (plain Python and numpy); the collate functions return
 the batch pytrees of `rlhf_eqx` (`SequenceBatch`, `PreferenceBatch`, `PromptBatch`) as
-jax arrays (int32 tokens, bool masks). A typical DPO input pipeline:
+jax arrays (int32 tokens, bool masks). This module is the one public list of the data
+layer's names; the private modules behind it have none. A typical DPO input pipeline:
 
 ```python
 from rlhf_eqx import data
 
 tok = data.load_tokenizer("tok512.bin")
-pairs, report = data.tokenize_preferences(
-    data.load_preferences("train.jsonl.gz"), tok, max_length=512, max_prompt_length=256
-)
+data.check_vocab(tok, policy.cfg.vocab_size)
+lengths = data.SequenceLengths(max_length=512, max_prompt_length=256)
+records = data.load_preferences("train.jsonl.gz")
+print(data.preference_quality(records, tokenizer=tok, lengths=lengths).summary())
+records, dropped = data.filter_preferences(records)    # identical, empty, duplicate pairs
+train, held_out = data.split_held_out(records, fraction=0.05, seed=0)
+pairs, report = data.tokenize_preferences(train, tok, lengths=lengths)
+print(report.summary())  # e.g. "12% (96/800) of prompts were cut to 256 tokens (kept the end); ..."
 for idx in data.BatchIterator(len(pairs), batch_size=8, seed=0, num_epochs=1):
-    batch = data.collate_preferences(
-        [pairs[i] for i in idx], max_length=512, pad_id=tok.pad_id
-    )
+    batch = data.collate_preferences([pairs[i] for i in idx], lengths=lengths,
+                                     pad_id=tok.pad_id, vocab_size=policy.cfg.vocab_size)
 ```
 """
 
@@ -22,21 +28,20 @@ from ._answers import exact_match_reward as exact_match_reward
 from ._answers import extract_gsm8k_answer as extract_gsm8k_answer
 from ._answers import extract_last_number as extract_last_number
 from ._answers import normalise_number as normalise_number
-from ._batching import TokenizedPair as TokenizedPair
-from ._batching import TokenizedSequence as TokenizedSequence
-from ._batching import TokenizeReport as TokenizeReport
-from ._batching import collate_preferences as collate_preferences
-from ._batching import collate_prompts as collate_prompts
-from ._batching import collate_sft as collate_sft
-from ._batching import tokenize_preferences as tokenize_preferences
-from ._batching import tokenize_prompts as tokenize_prompts
-from ._batching import tokenize_sft as tokenize_sft
+from ._byte_tokenizer import ByteTokenizer as ByteTokenizer
 from ._chat import CHATML_TEMPLATE as CHATML_TEMPLATE
 from ._chat import HH_TEMPLATE as HH_TEMPLATE
 from ._chat import ChatTemplate as ChatTemplate
 from ._chat import format_chat as format_chat
+from ._collate import collate_preferences as collate_preferences
+from ._collate import collate_prompts as collate_prompts
+from ._collate import collate_sft as collate_sft
+from ._collate import padding_stats as padding_stats
 from ._errors import DataError as DataError
+from ._hf_tokenizer import HFTokenizer as HFTokenizer
 from ._io import LoadReport as LoadReport
+from ._llama2c_tokenizer import Llama2cTokenizer as Llama2cTokenizer
+from ._load_tokenizer import load_tokenizer as load_tokenizer
 from ._loader import BatchIterator as BatchIterator
 from ._loader import IteratorState as IteratorState
 from ._loader import epoch_permutation as epoch_permutation
@@ -47,12 +52,23 @@ from ._preferences import split_hh_transcript as split_hh_transcript
 from ._prompts import PromptDataset as PromptDataset
 from ._prompts import PromptRecord as PromptRecord
 from ._prompts import load_prompts as load_prompts
+from ._quality import LengthStats as LengthStats
+from ._quality import PreferenceQuality as PreferenceQuality
+from ._quality import distinct_n as distinct_n
+from ._quality import filter_preferences as filter_preferences
+from ._quality import preference_quality as preference_quality
+from ._sentencepiece_tokenizer import SentencePieceTokenizer as SentencePieceTokenizer
 from ._sharding import assign_shards as assign_shards
 from ._sharding import prompt_hash as prompt_hash
 from ._sharding import shard_of as shard_of
-from ._tokenizers import ByteTokenizer as ByteTokenizer
-from ._tokenizers import HFTokenizer as HFTokenizer
-from ._tokenizers import Llama2cTokenizer as Llama2cTokenizer
-from ._tokenizers import SentencePieceTokenizer as SentencePieceTokenizer
-from ._tokenizers import Tokenizer as Tokenizer
-from ._tokenizers import decode_continuation as decode_continuation, load_tokenizer as load_tokenizer
+from ._sharding import split_held_out as split_held_out
+from ._tokenize import SequenceLengths as SequenceLengths
+from ._tokenize import TokenizedPair as TokenizedPair
+from ._tokenize import TokenizedSequence as TokenizedSequence
+from ._tokenize import TokenizeReport as TokenizeReport
+from ._tokenize import tokenize_preferences as tokenize_preferences
+from ._tokenize import tokenize_prompts as tokenize_prompts
+from ._tokenize import tokenize_sft as tokenize_sft
+from ._tokenizer import Tokenizer as Tokenizer
+from ._tokenizer import check_vocab as check_vocab
+from ._tokenizer import decode_continuation as decode_continuation

@@ -12,8 +12,6 @@ from decimal import Decimal, InvalidOperation
 import numpy as np
 from jaxtyping import Float
 
-__all__ = ["extract_gsm8k_answer", "extract_last_number", "normalise_number", "exact_match_reward"]
-
 _NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
 _GSM8K_ANSWER = re.compile(r"####\s*\$?\s*(" + _NUMBER + ")")
 _ANY_NUMBER = re.compile(_NUMBER)

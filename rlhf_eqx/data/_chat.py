@@ -20,8 +20,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from ._errors import DataError
-
-__all__ = ["ChatTemplate", "HH_TEMPLATE", "CHATML_TEMPLATE", "format_chat", "normalise_role"]
+from ._io import Malformed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +71,21 @@ def normalise_role(role: str) -> str:
         return _ROLE_ALIASES[role.strip().lower()]
     except KeyError:
         raise DataError(f"unknown chat role {role!r}") from None
+
+
+def message_field(value: object, key: str) -> dict[str, str]:
+    """`{"role", "content"}` or ShareGPT `{"from", "value"}` -> `{"role", "content"}`."""
+    if not isinstance(value, dict):
+        raise Malformed(
+            "wrong type", f"{key!r} must hold message objects, got {type(value).__name__}"
+        )
+    role = value.get("role", value.get("from"))
+    content = value.get("content", value.get("value"))
+    if not isinstance(role, str) or not isinstance(content, str):
+        raise Malformed(
+            "wrong type", f"a message in {key!r} needs string role/content (or from/value)"
+        )
+    return {"role": normalise_role(role), "content": content}
 
 
 def _template(template: str | ChatTemplate) -> ChatTemplate:

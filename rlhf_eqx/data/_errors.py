@@ -1,7 +1,5 @@
 """The error type raised by the data readers."""
 
-__all__ = ["DataError"]
-
 
 class DataError(ValueError):
     """Malformed or unusable input data.

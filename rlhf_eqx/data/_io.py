@@ -13,13 +13,15 @@ Two kinds of bad input are told apart:
 
 import dataclasses
 import gzip
+import itertools
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import ClassVar, Generic, TypeVar, overload
 
 from ._errors import DataError
 
-__all__ = ["LoadReport", "Malformed", "Unusable", "read_json_records", "parse_records"]
+R = TypeVar("R")
 
 _MAX_EXAMPLES = 20
 
@@ -100,6 +102,8 @@ def read_json_records(
     read past the error and always raises.
     """
     path = os.fspath(path)
+    if os.path.isdir(path):
+        raise DataError(f"{path}: is a directory; give the path of a .jsonl, .json or .gz file")
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such file")
     data = _open_bytes(path)
@@ -172,3 +176,96 @@ def parse_records(
             report.skip(where, "malformed record", str(e))
     report.kept = len(out)
     return out
+
+
+def load_records(
+    path: str | os.PathLike,
+    format: str,
+    *,
+    kind: str,
+    formats: tuple[str, ...],
+    detect: Callable[[dict], str | None],
+    expected: str,
+    make_parser: Callable[[str], Callable[[dict], R]],
+    lenient: bool,
+) -> tuple[list[R], LoadReport]:
+    """Read a file of `kind` records in `format` (`"auto"`: `detect` it from the keys of
+    the first record) and parse each with `make_parser(format)`.
+
+    `expected` describes the keys of the known formats, for the error when none fits.
+    """
+    path = os.fspath(path)
+    if format != "auto" and format not in formats:
+        raise DataError(f"unknown {kind} format {format!r}; use 'auto' or one of {formats}")
+    report = LoadReport(path=path, format=format)
+    records = read_json_records(path, report, lenient=lenient)
+    first = next(records, None)
+    if first is None:
+        report.format = format if format != "auto" else "empty"
+        return [], report
+    if format == "auto":
+        detected = detect(first[1])
+        if detected is None:
+            raise DataError(
+                f"{first[0]}: cannot tell the {kind} format from the keys {sorted(first[1])}; "
+                f"expected {expected}"
+            )
+        format = detected
+    report.format = format
+    parse = make_parser(format)
+    rows = parse_records(itertools.chain([first], records), parse, report, lenient=lenient)
+    return rows, report
+
+
+def string_field(record: dict, key: str) -> str:
+    """`record[key]`, which must be a string (`Malformed` naming the key otherwise)."""
+    if key not in record:
+        raise Malformed("missing key", f"no {key!r} in a record with keys {sorted(record)}")
+    value = record[key]
+    if not isinstance(value, str):
+        raise Malformed("wrong type", f"{key!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+def common_prefix_length(a: Sequence, b: Sequence) -> int:
+    """The number of leading items `a` and `b` share."""
+    n = min(len(a), len(b))
+    k = 0
+    while k < n and a[k] == b[k]:
+        k += 1
+    return k
+
+
+class RecordDataset(Sequence, Generic[R]):
+    """An immutable sequence of records with the `LoadReport` of the file they came from.
+
+    Indexing with an int gives a record; with a slice, a dataset of the same class (and
+    report). `select(indices)` takes any rows, in the order given.
+    """
+
+    noun: ClassVar[str] = "records"
+
+    def __init__(self, records: Sequence[R], report: LoadReport):
+        self._records: tuple[R, ...] = tuple(records)
+        self.report: LoadReport = report
+
+    @overload
+    def __getitem__(self, index: int) -> R: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> "RecordDataset[R]": ...
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return type(self)(self._records[index], self.report)
+        return self._records[index]
+
+    def select(self, indices: Sequence[int]) -> "RecordDataset[R]":
+        """The records at `indices` (in that order), as a dataset of the same class."""
+        return type(self)([self._records[int(i)] for i in indices], self.report)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self)} {self.noun}; {self.report})"

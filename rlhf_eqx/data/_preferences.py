@@ -28,17 +28,26 @@ with an empty (or blank) completion are skipped and counted in `dataset.report`.
 
 import dataclasses
 import os
-from collections.abc import Sequence
-from typing import overload
 
-from ._chat import ChatTemplate, _template, format_chat, normalise_role
+from ._chat import ChatTemplate, _template, format_chat, message_field
 from ._errors import DataError
-from ._io import LoadReport, Malformed, Unusable, parse_records, read_json_records
-
-__all__ = ["PreferenceRecord", "PreferenceDataset", "load_preferences", "split_hh_transcript"]
+from ._io import (
+    Malformed,
+    RecordDataset,
+    Unusable,
+    common_prefix_length,
+    load_records,
+    string_field,
+)
 
 HH_ASSISTANT = "\n\nAssistant:"
 PREFERENCE_FORMATS = ("hh", "messages", "sharegpt", "plain")
+
+
+class PreferenceDataset(RecordDataset["PreferenceRecord"]):
+    """An immutable sequence of `PreferenceRecord`s with the `LoadReport` of its file."""
+
+    noun = "pairs"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,39 +59,6 @@ class PreferenceRecord:
     rejected: str
 
 
-class PreferenceDataset(Sequence):
-    """An immutable sequence of `PreferenceRecord`s with the `LoadReport` of its file."""
-
-    def __init__(self, records: Sequence[PreferenceRecord], report: LoadReport):
-        self._records: tuple[PreferenceRecord, ...] = tuple(records)
-        self.report: LoadReport = report
-
-    @overload
-    def __getitem__(self, index: int) -> PreferenceRecord: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> "PreferenceDataset": ...
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return PreferenceDataset(self._records[index], self.report)
-        return self._records[index]
-
-    def __len__(self) -> int:
-        return len(self._records)
-
-    def __repr__(self) -> str:
-        return f"PreferenceDataset({len(self)} pairs; {self.report})"
-
-
-def _common_prefix_length(a: Sequence, b: Sequence) -> int:
-    n = min(len(a), len(b))
-    k = 0
-    while k < n and a[k] == b[k]:
-        k += 1
-    return k
-
-
 def split_hh_transcript(chosen: str, rejected: str) -> tuple[str, str, str] | None:
     """Split two HH-RLHF transcripts into `(prompt, chosen, rejected)`.
 
@@ -90,21 +66,12 @@ def split_hh_transcript(chosen: str, rejected: str) -> tuple[str, str, str] | No
     last `"\\n\\nAssistant:"`; the completions are the rest. `None` when the common
     prefix holds no `"\\n\\nAssistant:"`.
     """
-    common = chosen[: _common_prefix_length(chosen, rejected)]
+    common = chosen[: common_prefix_length(chosen, rejected)]
     cut = common.rfind(HH_ASSISTANT)
     if cut < 0:
         return None
     end = cut + len(HH_ASSISTANT)
     return chosen[:end], chosen[end:], rejected[end:]
-
-
-def _string(record: dict, key: str) -> str:
-    if key not in record:
-        raise Malformed("missing key", f"no {key!r} in a record with keys {sorted(record)}")
-    value = record[key]
-    if not isinstance(value, str):
-        raise Malformed("wrong type", f"{key!r} must be a string, got {type(value).__name__}")
-    return value
 
 
 def _checked(prompt: str, chosen: str, rejected: str) -> PreferenceRecord:
@@ -116,7 +83,7 @@ def _checked(prompt: str, chosen: str, rejected: str) -> PreferenceRecord:
 
 
 def _parse_hh(record: dict) -> PreferenceRecord:
-    chosen, rejected = _string(record, "chosen"), _string(record, "rejected")
+    chosen, rejected = string_field(record, "chosen"), string_field(record, "rejected")
     split = split_hh_transcript(chosen, rejected)
     if split is None:
         if chosen == rejected:
@@ -127,23 +94,10 @@ def _parse_hh(record: dict) -> PreferenceRecord:
 
 def _parse_plain(record: dict) -> PreferenceRecord:
     return _checked(
-        _string(record, "prompt"), _string(record, "chosen"), _string(record, "rejected")
+        string_field(record, "prompt"),
+        string_field(record, "chosen"),
+        string_field(record, "rejected"),
     )
-
-
-def _message(value: object, key: str) -> dict[str, str]:
-    """`{"role", "content"}` or ShareGPT `{"from", "value"}` -> `{"role", "content"}`."""
-    if not isinstance(value, dict):
-        raise Malformed(
-            "wrong type", f"{key!r} must hold message objects, got {type(value).__name__}"
-        )
-    role = value.get("role", value.get("from"))
-    content = value.get("content", value.get("value"))
-    if not isinstance(role, str) or not isinstance(content, str):
-        raise Malformed(
-            "wrong type", f"a message in {key!r} needs string role/content (or from/value)"
-        )
-    return {"role": normalise_role(role), "content": content}
 
 
 def _messages(record: dict, key: str) -> list[dict[str, str]]:
@@ -154,7 +108,7 @@ def _messages(record: dict, key: str) -> list[dict[str, str]]:
         raise Malformed(
             "wrong type", f"{key!r} must be a list of messages, got {type(value).__name__}"
         )
-    return [_message(m, key) for m in value]
+    return [message_field(m, key) for m in value]
 
 
 def _split_messages(
@@ -163,7 +117,7 @@ def _split_messages(
     """Prompt = the longest shared message prefix followed, in both, by an assistant turn."""
     if chosen == rejected:
         raise Unusable("identical completions")
-    k = _common_prefix_length(chosen, rejected)
+    k = common_prefix_length(chosen, rejected)
     while k >= 0:
         if (
             k < len(chosen)
@@ -197,7 +151,7 @@ def _prompt_messages(record: dict) -> list[dict[str, str]]:
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]
     if isinstance(prompt, list):
-        return [_message(m, "prompt") for m in prompt]
+        return [message_field(m, "prompt") for m in prompt]
     raise Malformed(
         "wrong type", f"'prompt' must be a string or messages, got {type(prompt).__name__}"
     )
@@ -219,8 +173,8 @@ def _parse_sharegpt(record: dict, template: ChatTemplate) -> PreferenceRecord:
     for key in ("chosen", "rejected"):
         if key not in record:
             raise Malformed("missing key", f"no {key!r} in a record with keys {sorted(record)}")
-    chosen = _message(record["chosen"], "chosen")
-    rejected = _message(record["rejected"], "rejected")
+    chosen = message_field(record["chosen"], "chosen")
+    rejected = message_field(record["rejected"], "rejected")
     if chosen["role"] != "assistant" or rejected["role"] != "assistant":
         raise Malformed("wrong type", "'chosen' and 'rejected' must be assistant messages")
     return _split_messages(conversation + [chosen], conversation + [rejected], template)
@@ -263,44 +217,32 @@ def load_preferences(
     **Raises:** `DataError` (a `ValueError`) naming the file and line for malformed
     input when not `lenient`, and for an unknown format.
     """
-    path = os.fspath(path)
-    if format != "auto" and format not in PREFERENCE_FORMATS:
-        raise DataError(
-            f"unknown preference format {format!r}; use 'auto' or one of {PREFERENCE_FORMATS}"
-        )
     tmpl = _template(template)
-    report = LoadReport(path=path, format=format)
-    records = read_json_records(path, report, lenient=lenient)
-    first = next(records, None)
-    if first is None:
-        report.format = format if format != "auto" else "empty"
-        return PreferenceDataset([], report)
-    if format == "auto":
-        detected = detect_preference_format(first[1])
-        if detected is None:
+
+    def make_parser(fmt: str):
+        if fmt in ("messages", "sharegpt") and not tmpl.assistant.format(
+            content="x", role="assistant"
+        ).startswith(tmpl.generation_prompt):
             raise DataError(
-                f"{first[0]}: cannot tell the preference format from the keys {sorted(first[1])}; "
-                "expected 'chosen'/'rejected' (HH transcripts or message lists), "
-                "'prompt'/'chosen'/'rejected', or 'conversations'/'chosen'/'rejected'"
+                "the chat template's assistant turn does not start with its generation "
+                "prompt, so conversations cannot be split into prompt and completion"
             )
-        format = detected
-    report.format = format
-    if format in ("messages", "sharegpt") and not tmpl.assistant.format(
-        content="x", role="assistant"
-    ).startswith(tmpl.generation_prompt):
-        raise DataError(
-            "the chat template's assistant turn does not start with its generation prompt, "
-            "so conversations cannot be split into prompt and completion"
-        )
-    parse = {
-        "hh": _parse_hh,
-        "plain": _parse_plain,
-        "messages": lambda r: _parse_messages(r, tmpl),
-        "sharegpt": lambda r: _parse_sharegpt(r, tmpl),
-    }[format]
+        return {
+            "hh": _parse_hh,
+            "plain": _parse_plain,
+            "messages": lambda r: _parse_messages(r, tmpl),
+            "sharegpt": lambda r: _parse_sharegpt(r, tmpl),
+        }[fmt]
 
-    def all_records():
-        yield first
-        yield from records
-
-    return PreferenceDataset(parse_records(all_records(), parse, report, lenient=lenient), report)
+    records, report = load_records(
+        path,
+        format,
+        kind="preference",
+        formats=PREFERENCE_FORMATS,
+        detect=detect_preference_format,
+        expected="'chosen'/'rejected' (HH transcripts or message lists), "
+        "'prompt'/'chosen'/'rejected', or 'conversations'/'chosen'/'rejected'",
+        make_parser=make_parser,
+        lenient=lenient,
+    )
+    return PreferenceDataset(records, report)

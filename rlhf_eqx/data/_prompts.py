@@ -11,18 +11,24 @@
 
 import dataclasses
 import os
-from collections.abc import Sequence
-from typing import overload
 
 from ._answers import extract_gsm8k_answer
-from ._chat import ChatTemplate, _template, format_chat
-from ._errors import DataError
-from ._io import LoadReport, Malformed, Unusable, parse_records, read_json_records
-from ._preferences import _message, _string
-
-__all__ = ["PromptRecord", "PromptDataset", "load_prompts"]
+from ._chat import ChatTemplate, _template, format_chat, message_field
+from ._io import (
+    Malformed,
+    RecordDataset,
+    Unusable,
+    load_records,
+    string_field,
+)
 
 PROMPT_FORMATS = ("gsm8k", "mt-bench", "plain")
+
+
+class PromptDataset(RecordDataset["PromptRecord"]):
+    """An immutable sequence of `PromptRecord`s with the `LoadReport` of its file."""
+
+    noun = "prompts"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,31 +37,6 @@ class PromptRecord:
 
     prompt: str
     answer: str | None = None
-
-
-class PromptDataset(Sequence):
-    """An immutable sequence of `PromptRecord`s with the `LoadReport` of its file."""
-
-    def __init__(self, records: Sequence[PromptRecord], report: LoadReport):
-        self._records: tuple[PromptRecord, ...] = tuple(records)
-        self.report: LoadReport = report
-
-    @overload
-    def __getitem__(self, index: int) -> PromptRecord: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> "PromptDataset": ...
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return PromptDataset(self._records[index], self.report)
-        return self._records[index]
-
-    def __len__(self) -> int:
-        return len(self._records)
-
-    def __repr__(self) -> str:
-        return f"PromptDataset({len(self)} prompts; {self.report})"
 
 
 def detect_prompt_format(record: dict) -> str | None:
@@ -78,7 +59,7 @@ def _render(text: str, template: ChatTemplate | None) -> str:
 
 
 def _parse_gsm8k(record: dict, template: ChatTemplate | None) -> PromptRecord:
-    question, solution = _string(record, "question"), _string(record, "answer")
+    question, solution = string_field(record, "question"), string_field(record, "answer")
     answer = extract_gsm8k_answer(solution)
     if answer is None:
         raise Malformed("no answer", "the 'answer' has no '#### <number>'")
@@ -99,13 +80,13 @@ def _parse_plain(record: dict, template: ChatTemplate | None) -> PromptRecord:
         raise Malformed("wrong type", f"'answer' must be a string, got {type(answer).__name__}")
     answer = None if answer is None else str(answer)
     if isinstance(prompt, list):
-        messages = [_message(m, "prompt") for m in prompt]
+        messages = [message_field(m, "prompt") for m in prompt]
         if not any(m["content"].strip() for m in messages):
             raise Unusable("empty prompt")
         return PromptRecord(
             format_chat(messages, template or "hh", add_generation_prompt=True), answer
         )
-    return PromptRecord(_render(_string(record, "prompt"), template), answer)
+    return PromptRecord(_render(string_field(record, "prompt"), template), answer)
 
 
 def load_prompts(
@@ -131,34 +112,25 @@ def load_prompts(
     `None` when the dataset has none. Records with an empty prompt are skipped and
     counted in `dataset.report`.
     """
-    path = os.fspath(path)
-    if format != "auto" and format not in PROMPT_FORMATS:
-        raise DataError(f"unknown prompt format {format!r}; use 'auto' or one of {PROMPT_FORMATS}")
     tmpl = None if template is None else _template(template)
-    report = LoadReport(path=path, format=format)
-    records = read_json_records(path, report, lenient=lenient)
-    first = next(records, None)
-    if first is None:
-        report.format = format if format != "auto" else "empty"
-        return PromptDataset([], report)
-    if format == "auto":
-        detected = detect_prompt_format(first[1])
-        if detected is None:
-            raise DataError(
-                f"{first[0]}: cannot tell the prompt format from the keys {sorted(first[1])}; "
-                "expected 'question'/'answer' (GSM8K), 'turns' (MT-Bench) or 'prompt'"
-            )
-        format = detected
-    report.format = format
-    parser = {"gsm8k": _parse_gsm8k, "mt-bench": _parse_mt_bench, "plain": _parse_plain}[format]
+    parsers = {"gsm8k": _parse_gsm8k, "mt-bench": _parse_mt_bench, "plain": _parse_plain}
 
-    def parse(record: dict) -> PromptRecord:
-        if format == "mt-bench" and "turns" not in record:
-            raise Malformed("missing key", f"no 'turns' in a record with keys {sorted(record)}")
-        return parser(record, tmpl)
+    def make_parser(fmt: str):
+        def parse(record: dict) -> PromptRecord:
+            if fmt == "mt-bench" and "turns" not in record:
+                raise Malformed("missing key", f"no 'turns' in a record with keys {sorted(record)}")
+            return parsers[fmt](record, tmpl)
 
-    def all_records():
-        yield first
-        yield from records
+        return parse
 
-    return PromptDataset(parse_records(all_records(), parse, report, lenient=lenient), report)
+    records, report = load_records(
+        path,
+        format,
+        kind="prompt",
+        formats=PROMPT_FORMATS,
+        detect=detect_prompt_format,
+        expected="'question'/'answer' (GSM8K), 'turns' (MT-Bench) or 'prompt'",
+        make_parser=make_parser,
+        lenient=lenient,
+    )
+    return PromptDataset(records, report)

@@ -1,4 +1,5 @@
-"""Splitting records across processes and devices by prompt.
+"""Splitting records by prompt: across processes and devices, and into training and
+held-out parts.
 
 All pairs that share a prompt go to the same shard: prefix sharing (computing a prompt
 once for several completions) and per-prompt statistics (GRPO groups) then stay local,
@@ -14,14 +15,15 @@ and no prompt is seen by two shards of one step.
   processes (or two devices of a process) differ by at most the size of the largest
   prompt group. The result depends only on the records' prompts, not on their order
   or on the host.
+- `split_held_out(records, fraction=..., seed=...)`: a seeded train / held-out split
+  decided by each prompt's keyed hash, so one prompt never lands on both sides.
 """
 
 import hashlib
 from collections.abc import Sequence
 
 from ._errors import DataError
-
-__all__ = ["prompt_hash", "shard_of", "assign_shards"]
+from ._io import RecordDataset
 
 
 def prompt_hash(prompt: str) -> int:
@@ -85,3 +87,38 @@ def assign_shards(
         devices = _greedy(process_groups, local_devices)
         assignment.append([sorted(i for _, idx in dev for i in idx) for dev in devices])
     return assignment
+
+
+def split_held_out(
+    records: Sequence, *, fraction: float, seed: int = 0
+) -> tuple[Sequence, Sequence]:
+    """Split records into a training and a held-out part, by prompt.
+
+    A record is held out when the hash of its prompt (BLAKE2b keyed by `seed`) falls in
+    the lowest `fraction` of the hash range, so: every record of a prompt lands on the
+    same side (no prompt is both trained on and evaluated); the split is the same on
+    every host, in every run and whatever the records' order; and a prompt keeps its
+    side when records are added or removed. The held-out share of prompts is `fraction`
+    in expectation, not exactly.
+
+    **Arguments:**
+
+    - `records`: objects with a `.prompt` (e.g. a `PreferenceDataset`) or prompt strings.
+    - `fraction`: the expected share held out, in `[0, 1]`.
+    - `seed`: another seed gives another, independent split.
+
+    **Returns:** `(train, held_out)`, in the records' order; datasets of the records'
+    class when `records` is a `PreferenceDataset` / `PromptDataset`, else lists.
+    """
+    if not 0.0 <= fraction <= 1.0:
+        raise DataError(f"fraction must be in [0, 1], got {fraction}")
+    threshold = int(fraction * 2**64)
+    key = int(seed).to_bytes(16, "big", signed=True)
+    train, held_out = [], []
+    for i, record in enumerate(records):
+        text = _prompt(record).encode("utf-8", errors="surrogatepass")
+        digest = hashlib.blake2b(text, digest_size=8, key=key).digest()
+        (held_out if int.from_bytes(digest, "big") < threshold else train).append(i)
+    if isinstance(records, RecordDataset):
+        return records.select(train), records.select(held_out)
+    return [records[i] for i in train], [records[i] for i in held_out]

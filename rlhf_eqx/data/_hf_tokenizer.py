@@ -1,0 +1,90 @@
+"""Hugging Face `tokenizers` files (`tokenizer.json`) as tokenizers."""
+
+import json
+import os
+
+from ._errors import DataError
+from ._tokenizer import TokenIds, int_ids
+
+_BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>", "<|endoftext|>", "[CLS]")
+_EOS_CANDIDATES = ("</s>", "<|end_of_text|>", "<eos>", "<|endoftext|>", "<|im_end|>", "[SEP]")
+_PAD_CANDIDATES = ("<pad>", "[PAD]", "<|pad|>", "<|finetune_right_pad_id|>")
+
+
+def _token_content(value: object) -> str | None:
+    """`"<s>"` or `{"content": "<s>", ...}` (tokenizer_config.json) -> `"<s>"`."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizers` tokenizer (`tokenizer.json`).
+
+    `encode` never adds the post-processor's special tokens. Special tokens are named
+    by the `bos_token` / `eos_token` / `pad_token` arguments of `from_file`, else by a
+    `tokenizer_config.json` beside the file, else by the usual names (`<s>`, `</s>`,
+    `<|endoftext|>`, `<pad>`, ...); padding falls back to EOS.
+    """
+
+    def __init__(self, tokenizer, *, bos_token: str, eos_token: str, pad_token: str | None = None):
+        self.tokenizer = tokenizer
+        self.vocab_size: int = int(tokenizer.get_vocab_size(with_added_tokens=True))
+
+        def token_id(token: str) -> int:
+            i = tokenizer.token_to_id(token)
+            if i is None:
+                raise DataError(f"special token {token!r} is not in the vocabulary")
+            return int(i)
+
+        self.bos_id: int = token_id(bos_token)
+        self.eos_id: int = token_id(eos_token)
+        self.pad_id: int = token_id(pad_token) if pad_token is not None else self.eos_id
+        self._skip: frozenset[int] = frozenset((self.bos_id, self.eos_id, self.pad_id))
+
+    @classmethod
+    def from_file(
+        cls,
+        path: str | os.PathLike,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        pad_token: str | None = None,
+    ) -> "HFTokenizer":
+        from tokenizers import Tokenizer as _HFTok
+
+        path = os.fspath(path)
+        tok = _HFTok.from_file(path)
+        config_path = os.path.join(os.path.dirname(path), "tokenizer_config.json")
+        config: dict = {}
+        if os.path.isfile(config_path):
+            with open(config_path, encoding="utf-8") as f:
+                config = json.load(f)
+        vocab = tok.get_vocab(with_added_tokens=True)
+
+        def resolve(given: str | None, key: str, candidates: tuple[str, ...]) -> str | None:
+            if given is not None:
+                return given
+            named = _token_content(config.get(key))
+            if named is not None:
+                return named
+            return next((c for c in candidates if c in vocab), None)
+
+        bos = resolve(bos_token, "bos_token", _BOS_CANDIDATES)
+        eos = resolve(eos_token, "eos_token", _EOS_CANDIDATES)
+        pad = resolve(pad_token, "pad_token", _PAD_CANDIDATES)
+        if eos is None:
+            raise DataError(f"{path}: cannot tell the EOS token; pass eos_token=...")
+        return cls(tok, bos_token=bos if bos is not None else eos, eos_token=eos, pad_token=pad)
+
+    def encode(self, text: str) -> list[int]:
+        return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False).ids]
+
+    def decode(self, ids: TokenIds) -> str:
+        kept = [i for i in int_ids(ids, self.vocab_size) if i not in self._skip]
+        return self.tokenizer.decode(kept, skip_special_tokens=True)
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer(vocab_size={self.vocab_size})"

@@ -1,0 +1,35 @@
+"""`load_tokenizer`: the tokenizer class from a file's type."""
+
+import os
+
+from ._errors import DataError
+from ._hf_tokenizer import HFTokenizer
+from ._llama2c_tokenizer import Llama2cTokenizer
+from ._sentencepiece_tokenizer import SentencePieceTokenizer
+from ._tokenizer import Tokenizer
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """Load a tokenizer, choosing the class from the file type.
+
+    `*.json` → `HFTokenizer`, `*.model` → `SentencePieceTokenizer`, `*.bin` →
+    `Llama2cTokenizer`; a directory is searched for `tokenizer.json`,
+    `tokenizer.model`, `tokenizer.bin` (in that order).
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        for name in ("tokenizer.json", "tokenizer.model", "tokenizer.bin"):
+            candidate = os.path.join(path, name)
+            if os.path.isfile(candidate):
+                return load_tokenizer(candidate)
+        raise DataError(f"{path}: no tokenizer.json, tokenizer.model or tokenizer.bin")
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: no such tokenizer file")
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix == ".json":
+        return HFTokenizer.from_file(path)
+    if suffix == ".model":
+        return SentencePieceTokenizer.from_file(path)
+    if suffix == ".bin":
+        return Llama2cTokenizer.from_file(path)
+    raise DataError(f"{path}: unknown tokenizer file type (expected .json, .model or .bin)")

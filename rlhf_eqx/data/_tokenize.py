@@ -1,0 +1,441 @@
+"""Tokenising records into prompt and completion ids, within stated lengths.
+
+**Lengths.** `SequenceLengths` states the limits once — `max_length` (prompt +
+completion), `max_prompt_length`, `max_completion_length` — with TRL's defaults
+(`DPOConfig`: 1024, 512, no completion limit); the tokenising functions take it (or
+override single numbers), and the collate functions take it for the row length.
+
+**Prompt and completion ids.** The completion's ids are those of the *full* text
+`prompt + completion` after the prompt's ids, so a pair tokenises exactly as the
+concatenated text does (no spurious dummy-prefix space at the start of a completion).
+When the tokenizer merges characters across the boundary (the full text's ids do not
+start with the prompt's), the split moves left to where the two agree, and the merged
+token counts as completion — the rule of TRL's `DPOTrainer.build_tokenized_answer`;
+such pairs are counted in the report (`boundary_merged`).
+
+**Truncation** (`truncation="keep_end"`): a prompt longer than `max_prompt_length`
+keeps its end (truncated from the left; BOS, when added, stays first); then a
+completion longer than `max_completion_length` or than the room `max_length` leaves is
+cut at the end (its start is kept; its EOS is lost, so the model is not taught to stop
+there). `truncation="drop"` drops the record instead of truncating anything. Both are
+counted in the `TokenizeReport`, whose `summary()` states the policy and the rates in a
+line a run log can print.
+"""
+
+import dataclasses
+from collections.abc import Sequence
+
+from ._errors import DataError
+from ._io import common_prefix_length
+from ._tokenizer import Tokenizer
+
+_TRUNCATIONS = ("keep_end", "drop")
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceLengths:
+    """The length limits of tokenised sequences, stated once for tokenising and collating.
+
+    - `max_length`: the most tokens of a sequence, prompt + completion (TRL 1024); also
+      the row length of collated batches.
+    - `max_prompt_length`: the most prompt tokens, BOS included (TRL 512;
+      `< max_length`).
+    - `max_completion_length`: the most completion tokens, EOS included (`None`, TRL's
+      default: whatever room `max_length` leaves).
+
+    A `DataError` names the field that is out of range.
+    """
+
+    max_length: int = 1024
+    max_prompt_length: int = 512
+    max_completion_length: int | None = None
+
+    def __post_init__(self):
+        for name in ("max_length", "max_prompt_length", "max_completion_length"):
+            value = getattr(self, name)
+            if value is None and name == "max_completion_length":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise DataError(f"SequenceLengths.{name} must be a positive int, got {value!r}")
+        if self.max_prompt_length >= self.max_length:
+            raise DataError(
+                "need max_prompt_length < max_length, got "
+                f"max_prompt_length={self.max_prompt_length} and max_length={self.max_length}"
+            )
+
+    def completion_room(self, prompt_length: int) -> int:
+        """The most completion tokens that fit after a prompt of `prompt_length` tokens."""
+        room = self.max_length - prompt_length
+        if self.max_completion_length is not None:
+            room = min(room, self.max_completion_length)
+        return room
+
+
+def resolve_lengths(
+    lengths: SequenceLengths | None,
+    max_length: int | None = None,
+    max_prompt_length: int | None = None,
+    max_completion_length: int | None = None,
+) -> SequenceLengths:
+    """`lengths` (default `SequenceLengths()`) with the numbers given here replacing its own."""
+    base = SequenceLengths() if lengths is None else lengths
+    changes = {
+        k: v
+        for k, v in (
+            ("max_length", max_length),
+            ("max_prompt_length", max_prompt_length),
+            ("max_completion_length", max_completion_length),
+        )
+        if v is not None
+    }
+    return dataclasses.replace(base, **changes) if changes else base
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizedSequence:
+    """Prompt ids (with BOS when added) and completion ids (with EOS when added and kept)."""
+
+    prompt: tuple[int, ...]
+    completion: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.completion)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizedPair:
+    """The two sequences of a preference pair (their prompts are equal unless a token
+    merged across the prompt/completion boundary)."""
+
+    chosen: TokenizedSequence
+    rejected: TokenizedSequence
+
+
+@dataclasses.dataclass
+class TokenizeReport:
+    """What a tokenisation pass kept, cut and dropped (records, not sequences: a pair
+    counts once), and under which limits.
+
+    - `total`: records seen; `kept`: records returned.
+    - `prompt_truncated` / `completion_truncated`: kept records with a truncated prompt /
+      completion (`truncation="keep_end"`).
+    - `dropped`: `{reason: count}` (`"too long"` under `truncation="drop"`,
+      `"empty completion"` when nothing of a completion is left).
+    - `boundary_merged`: records where a token spans the prompt/completion boundary.
+    - `lengths`, `truncation`: the limits and policy applied.
+
+    `summary()` (also `str(report)`) puts the policy and the rates in one line, e.g.
+    `"67% of prompts (2/3) were cut to 128 tokens (kept the end); ..."`.
+    """
+
+    total: int = 0
+    kept: int = 0
+    prompt_truncated: int = 0
+    completion_truncated: int = 0
+    boundary_merged: int = 0
+    dropped: dict[str, int] = dataclasses.field(default_factory=dict)
+    lengths: SequenceLengths | None = None
+    truncation: str = "keep_end"
+
+    @property
+    def num_dropped(self) -> int:
+        return sum(self.dropped.values())
+
+    def drop(self, reason: str) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+
+    @property
+    def prompt_truncation_rate(self) -> float:
+        """The share of records seen whose prompt was cut (0 when none were seen)."""
+        return self.prompt_truncated / self.total if self.total else 0.0
+
+    @property
+    def completion_truncation_rate(self) -> float:
+        """The share of records seen whose completion was cut (0 when none were seen)."""
+        return self.completion_truncated / self.total if self.total else 0.0
+
+    def summary(self) -> str:
+        """One line for a run log: the truncation policy and how often it applied."""
+        if not self.total:
+            return "no records tokenised"
+
+        def share(n: int) -> str:
+            return f"{100 * n / self.total:.0f}% ({n}/{self.total})"
+
+        parts = []
+        lengths = self.lengths
+        if self.truncation == "keep_end":
+            limit = f" to {lengths.max_prompt_length} tokens" if lengths else ""
+            parts.append(
+                f"{share(self.prompt_truncated)} of prompts were cut{limit} (kept the end)"
+            )
+            if lengths is not None:
+                room = f"{lengths.max_length} tokens in all"
+                if lengths.max_completion_length is not None:
+                    room += f", {lengths.max_completion_length} for the completion"
+                room = f" to fit {room}"
+            else:
+                room = ""
+            parts.append(
+                f"{share(self.completion_truncated)} of records had a completion cut{room} "
+                "(kept the start, lost the EOS)"
+            )
+        if self.dropped:
+            reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.dropped.items()))
+            parts.append(f"{share(self.num_dropped)} dropped ({reasons})")
+        parts.append(f"kept {self.kept} of {self.total}")
+        return "; ".join(parts)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+class _Drop(Exception):
+    pass
+
+
+def _check_truncation(truncation: str) -> None:
+    if truncation not in _TRUNCATIONS:
+        raise DataError(f"truncation must be one of {_TRUNCATIONS}, got {truncation!r}")
+
+
+def _cut_prompt(ids: list[int], limit: int, *, truncation: str, add_bos: bool) -> list[int] | None:
+    """`ids` cut to `limit` keeping the end (BOS kept first); `None` when it fits;
+    `_Drop` under `truncation="drop"`."""
+    if len(ids) <= limit:
+        return None
+    if truncation == "drop":
+        raise _Drop("too long")
+    head = ids[:1] if add_bos else []
+    return head + ids[len(ids) - (limit - len(head)) :]
+
+
+def _split_ids(
+    tokenizer: Tokenizer, prompt: str, completion: str, prompt_ids: list[int]
+) -> tuple[list[int], list[int], bool]:
+    """`(prompt ids, completion ids, merged across the boundary)` from the full text."""
+    full = tokenizer.encode(prompt + completion)
+    n = len(prompt_ids)
+    if full[:n] == prompt_ids:
+        return prompt_ids, full[n:], False
+    k = common_prefix_length(full, prompt_ids)
+    return full[:k], full[k:], True
+
+
+def _fit(
+    prompt: list[int],
+    completion: list[int],
+    *,
+    lengths: SequenceLengths,
+    truncation: str,
+    add_bos: bool,
+    flags: list[bool],
+) -> TokenizedSequence:
+    """Truncate one sequence; `flags` collects `[prompt_truncated, completion_truncated]`."""
+    cut = _cut_prompt(prompt, lengths.max_prompt_length, truncation=truncation, add_bos=add_bos)
+    if cut is not None:
+        prompt = cut
+        flags[0] = True
+    room = lengths.completion_room(len(prompt))
+    if len(completion) > room:
+        if truncation == "drop":
+            raise _Drop("too long")
+        completion = completion[:room]
+        flags[1] = True
+    if not completion:
+        raise _Drop("empty completion")
+    return TokenizedSequence(tuple(prompt), tuple(completion))
+
+
+def _prompt_and_completions(record: object) -> tuple[str, list[str]]:
+    if isinstance(record, tuple) and len(record) == 2:
+        return record[0], [record[1]]
+    prompt = getattr(record, "prompt", None)
+    completion = getattr(record, "completion", None)
+    if completion is None:
+        completion = getattr(record, "chosen", None)
+    if not isinstance(prompt, str) or not isinstance(completion, str):
+        raise DataError(
+            "SFT records must be (prompt, completion) tuples or have string .prompt and "
+            f".completion (or .chosen) attributes, got {type(record).__name__}"
+        )
+    return prompt, [completion]
+
+
+def _tokenize(
+    items: Sequence[tuple[str, list[str]]],
+    tokenizer: Tokenizer,
+    *,
+    lengths: SequenceLengths,
+    truncation: str,
+    add_bos: bool,
+    add_eos: bool,
+) -> tuple[list[list[TokenizedSequence]], TokenizeReport]:
+    _check_truncation(truncation)
+    report = TokenizeReport(lengths=lengths, truncation=truncation)
+    out = []
+    bos = [tokenizer.bos_id] if add_bos else []
+    eos = [tokenizer.eos_id] if add_eos else []
+    for prompt, completions in items:
+        report.total += 1
+        prompt_ids = tokenizer.encode(prompt)
+        flags = [False, False]
+        merged = False
+        try:
+            seqs = []
+            for completion in completions:
+                p, c, m = _split_ids(tokenizer, prompt, completion, prompt_ids)
+                merged |= m
+                seqs.append(
+                    _fit(
+                        bos + p,
+                        c + eos,
+                        lengths=lengths,
+                        truncation=truncation,
+                        add_bos=add_bos,
+                        flags=flags,
+                    )
+                )
+        except _Drop as e:
+            report.drop(str(e))
+            continue
+        report.kept += 1
+        report.prompt_truncated += flags[0]
+        report.completion_truncated += flags[1]
+        report.boundary_merged += merged
+        out.append(seqs)
+    return out, report
+
+
+def _preference_items(records: Sequence) -> list[tuple[str, list[str]]]:
+    items = []
+    for r in records:
+        for key in ("prompt", "chosen", "rejected"):
+            if not isinstance(getattr(r, key, None), str):
+                raise DataError(f"preference records need a string .{key}, got {type(r).__name__}")
+        items.append((r.prompt, [r.chosen, r.rejected]))
+    return items
+
+
+def tokenize_preferences(
+    records: Sequence,
+    tokenizer: Tokenizer,
+    *,
+    lengths: SequenceLengths | None = None,
+    max_length: int | None = None,
+    max_prompt_length: int | None = None,
+    max_completion_length: int | None = None,
+    truncation: str = "keep_end",
+    add_bos: bool = True,
+    add_eos: bool = True,
+) -> tuple[list[TokenizedPair], TokenizeReport]:
+    """Tokenise preference records (`.prompt`, `.chosen`, `.rejected`) into pairs.
+
+    **Arguments:**
+
+    - `records`: e.g. a `PreferenceDataset`.
+    - `tokenizer`: any `Tokenizer`.
+    - `lengths`: the `SequenceLengths` (default: TRL's, `SequenceLengths()`).
+    - `max_length`, `max_prompt_length`, `max_completion_length`: replace the field of
+      that name in `lengths`.
+    - `truncation`: `"keep_end"` (truncate; see the module docstring) or `"drop"`.
+    - `add_bos` / `add_eos`: start prompts with BOS / end completions with EOS.
+
+    **Returns:** `(pairs, report)`: a `TokenizedPair` for each kept record, and a
+    `TokenizeReport` counting truncated, dropped and boundary-merged records.
+    """
+    return _tokenize_as(
+        _preference_items(records),
+        tokenizer,
+        resolve_lengths(lengths, max_length, max_prompt_length, max_completion_length),
+        truncation=truncation,
+        add_bos=add_bos,
+        add_eos=add_eos,
+        build=lambda seqs: TokenizedPair(*seqs),
+    )
+
+
+def tokenize_sft(
+    records: Sequence,
+    tokenizer: Tokenizer,
+    *,
+    lengths: SequenceLengths | None = None,
+    max_length: int | None = None,
+    max_prompt_length: int | None = None,
+    max_completion_length: int | None = None,
+    truncation: str = "keep_end",
+    add_bos: bool = True,
+    add_eos: bool = True,
+) -> tuple[list[TokenizedSequence], TokenizeReport]:
+    """Tokenise `(prompt, completion)` records for supervised fine-tuning.
+
+    Records are `(prompt, completion)` tuples, or objects with `.prompt` and
+    `.completion` — or `.prompt` and `.chosen`, so a `PreferenceDataset` gives SFT on
+    the chosen replies. Arguments and truncation as in `tokenize_preferences`.
+    """
+    return _tokenize_as(
+        [_prompt_and_completions(r) for r in records],
+        tokenizer,
+        resolve_lengths(lengths, max_length, max_prompt_length, max_completion_length),
+        truncation=truncation,
+        add_bos=add_bos,
+        add_eos=add_eos,
+        build=lambda seqs: seqs[0],
+    )
+
+
+def _tokenize_as(items, tokenizer, lengths, *, truncation, add_bos, add_eos, build):
+    seqs, report = _tokenize(
+        items, tokenizer, lengths=lengths, truncation=truncation, add_bos=add_bos, add_eos=add_eos
+    )
+    return [build(s) for s in seqs], report
+
+
+def tokenize_prompts(
+    records: Sequence,
+    tokenizer: Tokenizer,
+    *,
+    lengths: SequenceLengths | None = None,
+    max_prompt_length: int | None = None,
+    truncation: str = "keep_end",
+    add_bos: bool = True,
+) -> tuple[list[tuple[int, ...]], TokenizeReport]:
+    """Tokenise prompts for generation (records with `.prompt`, or strings).
+
+    A prompt longer than `max_prompt_length` (default: `lengths.max_prompt_length`)
+    keeps its end (`"keep_end"`, BOS kept first) or is dropped (`"drop"`). Returns
+    `(prompt ids, report)`.
+    """
+    _check_truncation(truncation)
+    if max_prompt_length is not None and (
+        isinstance(max_prompt_length, bool) or max_prompt_length < 1
+    ):
+        raise DataError(f"max_prompt_length must be a positive int, got {max_prompt_length!r}")
+    base = SequenceLengths() if lengths is None else lengths
+    limit = base.max_prompt_length if max_prompt_length is None else max_prompt_length
+    if limit >= base.max_length:  # a prompt-only pass: let the prompt limit stand alone
+        base = dataclasses.replace(base, max_length=limit + 1)
+    report = TokenizeReport(
+        lengths=dataclasses.replace(base, max_prompt_length=limit), truncation=truncation
+    )
+    out = []
+    for r in records:
+        text = r if isinstance(r, str) else getattr(r, "prompt", None)
+        if not isinstance(text, str):
+            raise DataError(f"prompt records need a string .prompt, got {type(r).__name__}")
+        report.total += 1
+        ids = ([tokenizer.bos_id] if add_bos else []) + tokenizer.encode(text)
+        try:
+            cut = _cut_prompt(ids, limit, truncation=truncation, add_bos=add_bos)
+        except _Drop as e:
+            report.drop(str(e))
+            continue
+        if cut is not None:
+            ids = cut
+            report.prompt_truncated += 1
+        if not ids:
+            report.drop("empty prompt")
+            continue
+        report.kept += 1
+        out.append(tuple(ids))
+    return out, report

@@ -171,7 +171,8 @@ def make_step(
       A `key` is folded with the device index, so dropout differs across devices.
     - `donate`: default for donating `params` / `opt_state` (see the module docstring).
     - `nonfinite`: what to do when the loss or a gradient is not finite: `"skip"`
-      (default) leaves `params` and `opt_state` unchanged and reports `nonfinite = 1`;
+      (default) leaves `params` and `opt_state` unchanged (also when the update
+      itself is not finite, e.g. with an infinite learning rate) and reports `nonfinite = 1`;
       `"raise"` stops with an error (`eqx.error_if`).
     - `prepare`: `(batch, axis_name) -> (batch, metric sums)`, run once on the full
       (per-device) batch before micro-batching (e.g. group-relative advantages).
@@ -230,10 +231,12 @@ def make_step(
         loss, grads, terms, sums, prep_sums = _psum(
             (loss, grads, terms, sums, prep_sums), axis_name
         )
-        finite = _all_finite(loss, grads)
-        if nonfinite == "raise":
-            loss = eqx.error_if(loss, ~finite, "non-finite loss or gradient in the update")
         new_params, new_opt_state, opt_metrics = apply_optimizer(optimizer, params, opt_state, grads)
+        # A finite gradient can still give non-finite parameters (e.g. an infinite
+        # learning rate): check both.
+        finite = _all_finite(loss, (grads, eqx.filter(new_params, eqx.is_inexact_array)))
+        if nonfinite == "raise":
+            loss = eqx.error_if(loss, ~finite, "non-finite loss, gradient or update")
         if nonfinite == "skip":
             new_params = _select(finite, new_params, params)
             new_opt_state = _select(finite, new_opt_state, opt_state)

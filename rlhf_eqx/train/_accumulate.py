@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
+from ..models import AbstractBatchedModel
 from ._optim import learning_rate_from_state
 from ._validate import check_positive_int
 
@@ -137,20 +138,14 @@ def row_keys(key: PRNGKeyArray | None, n: int) -> PRNGKeyArray | None:
     return None if key is None else jax.random.split(key, n)
 
 
-def _takes_batches(model: Any) -> bool:
-    from ..models import Policy, RewardModel, Transformer, ValueModel
-
-    return isinstance(model, (Policy, ValueModel, RewardModel, Transformer))
-
-
 def vmap_model(model: Callable[..., Any], tokens: Array, mask: Array, key: PRNGKeyArray | None) -> Any:
     """`model` over the rows of `tokens` / `mask` (`[B, T]`), with per-row keys if `key` is given.
 
-    Models that accept a batch directly (rlhf_eqx's own: same values as `jax.vmap`, flat
-    2-D matrix products, faster on CPU) get it whole; any other per-sample model is
-    vmapped.
+    Models that meet the batched-call protocol (`rlhf_eqx.models.AbstractBatchedModel`,
+    e.g. rlhf_eqx's own: same values as `jax.vmap`, flat 2-D matrix products, faster on
+    CPU) get the batch whole; any other per-sample model is vmapped.
     """
-    if _takes_batches(model):
+    if isinstance(model, AbstractBatchedModel):
         return call_model(model, tokens, mask, key)
     keys = row_keys(key, tokens.shape[0])
     if keys is None:

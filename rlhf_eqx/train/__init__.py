@@ -34,82 +34,40 @@ donated. See `rlhf_eqx.train.make_step`.
 
 from ._accumulate import (
     accumulate_gradients as accumulate_gradients,
-)
-from ._accumulate import (
     apply_optimizer as apply_optimizer,
-)
-from ._accumulate import (
     split_micro_batches as split_micro_batches,
-)
-from ._accumulate import (
     sums_to_means as sums_to_means,
 )
 from ._dpo import (
     compute_reference_logps as compute_reference_logps,
-)
-from ._dpo import (
     dpo_loss_fn as dpo_loss_fn,
-)
-from ._dpo import (
     make_dpo_step as make_dpo_step,
-)
-from ._dpo import (
     sequence_logps as sequence_logps,
 )
 from ._grpo import (
     GRPOBatch as GRPOBatch,
-)
-from ._grpo import (
     grpo_advantages as grpo_advantages,
-)
-from ._grpo import (
     grpo_loss as grpo_loss,
-)
-from ._grpo import (
     make_grpo_step as make_grpo_step,
 )
 from ._optim import (
     decay_mask as decay_mask,
-)
-from ._optim import (
     learning_rate_from_state as learning_rate_from_state,
-)
-from ._optim import (
     make_optimizer as make_optimizer,
-)
-from ._optim import (
     make_schedule as make_schedule,
 )
-from ._ppo import (
+from ._ppo import make_ppo_step as make_ppo_step, ppo_loss as ppo_loss
+from ._reward import make_reward_step as make_reward_step, reward_loss as reward_loss
+from ._rollout import (
     PPOBatch as PPOBatch,
-)
-from ._ppo import (
     compute_advantages as compute_advantages,
-)
-from ._ppo import (
-    make_ppo_step as make_ppo_step,
-)
-from ._ppo import (
-    ppo_loss as ppo_loss,
-)
-from ._ppo import (
     prepare_ppo_batch as prepare_ppo_batch,
-)
-from ._ppo import (
     token_values as token_values,
 )
-from ._reward import make_reward_step as make_reward_step
-from ._reward import reward_loss as reward_loss
-from ._sft import make_sft_step as make_sft_step
-from ._sft import sft_loss as sft_loss
+from ._sft import make_sft_step as make_sft_step, sft_loss as sft_loss
 from ._state import (
     TrainState as TrainState,
-)
-from ._state import (
     init_train_state as init_train_state,
-)
-from ._state import (
     partition_trainable as partition_trainable,
 )
-from ._step import Step as Step
-from ._step import make_step as make_step
+from ._step import Step as Step, make_step as make_step

@@ -1,205 +1,23 @@
-"""PPO step (policy + value), the rollout batch it consumes, and advantage computation."""
+"""PPO step: the clipped policy loss, the clipped value loss and the entropy bonus."""
 
-from collections.abc import Callable
-
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, PyTree
+from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from ..losses import (
-    KL_KINDS,
     AggregationMode,
-    KLKind,
     aggregate_parts,
-    gae,
-    kl_penalty,
-    kl_shaped_rewards,
     ppo_policy_loss,
     ppo_value_loss,
-    whiten_advantages,
 )
 from ..ops import (
     entropy_from_logits,
-    logprobs_from_logits,
     masked_sum,
-    previous_real_index,
 )
-from ._accumulate import vmap_model
-from ._state import combine
+from ._rollout import PPOBatch, policy_and_values, tempered_logprobs
 from ._step import LossFn, NonFinite, Step, make_step
-from ._validate import check_aggregation, check_choice, check_number
-
-
-class PPOBatch(eqx.Module):
-    """A PPO rollout, every per-token field aligned with the token it concerns.
-
-    - `tokens`, `mask`, `completion_mask`: prompt + completion, real tokens, and the
-      generated tokens (the actions).
-    - `old_logp`: log-probability of each token under the policy that sampled it.
-    - `old_values`: value of the state each token was sampled from (`token_values`).
-    - `advantages`, `returns`: from `compute_advantages` (0 outside the completion).
-    """
-
-    tokens: Int[Array, "B T"]
-    mask: Bool[Array, "B T"]
-    completion_mask: Bool[Array, "B T"]
-    old_logp: Float[Array, "B T"]
-    old_values: Float[Array, "B T"]
-    advantages: Float[Array, "B T"]
-    returns: Float[Array, "B T"]
-
-
-def token_values(values: Float[Array, " T"], mask: Bool[Array, " T"]) -> Float[Array, " T"]:
-    """Align a critic's outputs with the tokens: `out[t] = values[prev(t)]`.
-
-    A `ValueModel`'s `values[s]` is the value of the state after token `s`; token `t`
-    is sampled from the state after the previous real token, so its value is read
-    there (TRL `PPOTrainer`: `full_value[:, context_length - 1 : -1]`). 0 where `t` has
-    no previous real token or is masked.
-    """
-    prev, has_prev = previous_real_index(mask)
-    return jnp.where(mask & has_prev, values[prev], jnp.zeros_like(values))
-
-
-def compute_advantages(
-    scores: Float[Array, " B"],
-    logp: Float[Array, "B T"],
-    ref_logp: Float[Array, "B T"],
-    values: Float[Array, "B T"],
-    completion_mask: Bool[Array, "B T"],
-    *,
-    kl_coef: float | Float[Array, ""],
-    gamma: float = 1.0,
-    lam: float = 0.95,
-    kl_kind: KLKind = "k1",
-    whiten: bool = True,
-) -> tuple[Float[Array, "B T"], Float[Array, "B T"], dict[str, Float[Array, ""]]]:
-    r"""PPO advantages of a rollout: KL-shaped per-token rewards → GAE → whitening.
-
-    $$r_t = -\beta_{\rm KL}\,\mathrm{kl}_t + \mathbb 1[t = t_{\rm last}]\,s,\qquad
-    (A, R) = \mathrm{GAE}_{\gamma,\lambda}(r, V),\qquad A \leftarrow \mathrm{whiten}(A)$$
-
-    over the completion tokens (Ziegler et al. 2019; Ouyang et al. 2022; TRL
-    `PPOTrainer`), with `kl_shaped_rewards`, `gae` and `whiten_advantages` (masked mean
-    and variance over the whole batch). The returns are not whitened.
-
-    **Arguments:** `scores` `[B]` (reward-model scores), `logp` / `ref_logp` `[B, T]`
-    (token log-probabilities of the sampling policy and the reference), `values`
-    `[B, T]` (token-aligned, see `token_values`), `completion_mask` `[B, T]`; `kl_coef`
-    $\beta_{\rm KL}$, `gamma`, `lam`, `kl_kind` (see `kl_penalty`), `whiten`.
-
-    **Returns:** `(advantages, returns, stats)` with the TRL metrics
-    `objective/kl` (mean over sequences of the summed per-token KL), `objective/scores`,
-    `objective/non_score_reward` (mean summed KL penalty) and `objective/rlhf_reward`.
-    """
-    m = completion_mask
-    f32 = jnp.float32
-    logp = logp.astype(f32)
-    ref_logp = ref_logp.astype(f32)
-    rewards = jax.vmap(
-        lambda s, a, b, mi: kl_shaped_rewards(s, a, b, mi, kl_coef=kl_coef, kind=kl_kind)
-    )(scores.astype(f32), logp, ref_logp, m)
-    adv, ret = jax.vmap(lambda r, v, mi: gae(r, v, mi, gamma=gamma, lam=lam))(
-        rewards, values.astype(f32), m
-    )
-    if whiten:
-        adv = whiten_advantages(adv, m)
-    kl = kl_penalty(logp, ref_logp, kind=kl_kind)
-    seq_kl = masked_sum(kl, m, axis=-1)
-    non_score = -jnp.asarray(kl_coef, f32) * jnp.mean(seq_kl)
-    stats = {
-        "objective/kl": jnp.mean(seq_kl),
-        "objective/scores": jnp.mean(scores.astype(f32)),
-        "objective/non_score_reward": non_score,
-        "objective/rlhf_reward": jnp.mean(scores.astype(f32)) + non_score,
-    }
-    return adv, ret, stats
-
-
-def _policy_and_values(model, frozen, tokens, mask, key):
-    """`(logits [b, T, V], token-aligned values [b, T])` of a `(policy, value)` pair or of a
-    combined model returning `(logits, values)`."""
-    if isinstance(model, tuple):
-        policy, value = model
-        pf, vf = (None, None) if frozen is None else frozen
-        kp, kv = (None, None) if key is None else tuple(jax.random.split(key))
-        logits = vmap_model(combine(policy, pf), tokens, mask, kp)
-        values = vmap_model(combine(value, vf), tokens, mask, kv)
-    else:
-        logits, values = vmap_model(combine(model, frozen), tokens, mask, key)
-    values = jax.vmap(token_values)(values.astype(jnp.float32), mask)
-    return logits, values
-
-
-def _logprobs(logits, tokens, mask, temperature):
-    return jax.vmap(lambda lg, t, m: logprobs_from_logits(lg, t, m, temperature=temperature))(
-        logits, tokens, mask
-    )
-
-
-@eqx.filter_jit
-def _prepare(model, reference, tokens, mask, completion_mask, scores, kl_coef, settings):
-    gamma, lam, kl_kind, whiten, temperature = settings
-    logits, values = _policy_and_values(model, None, tokens, mask, None)
-    logp = _logprobs(logits, tokens, mask, temperature)
-    ref_logits = vmap_model(reference, tokens, mask, None)
-    ref_logp = _logprobs(ref_logits, tokens, mask, temperature)
-    m = completion_mask & mask
-    adv, ret, stats = compute_advantages(
-        scores, logp, ref_logp, values, m,
-        kl_coef=kl_coef, gamma=gamma, lam=lam, kl_kind=kl_kind, whiten=whiten,
-    )
-    zero = jnp.zeros_like(logp)
-    batch = PPOBatch(
-        tokens=tokens,
-        mask=mask,
-        completion_mask=m,
-        old_logp=jnp.where(m, logp, zero),
-        old_values=jnp.where(m, values, zero),
-        advantages=adv,
-        returns=ret,
-    )
-    return batch, stats
-
-
-def prepare_ppo_batch(
-    model: PyTree,
-    reference: Callable[..., Float[Array, "T V"]],
-    tokens: Int[Array, "B T"],
-    mask: Bool[Array, "B T"],
-    completion_mask: Bool[Array, "B T"],
-    scores: Float[Array, " B"],
-    *,
-    kl_coef: float | Float[ArrayLike, ""],
-    gamma: float = 1.0,
-    lam: float = 0.95,
-    kl_kind: KLKind = "k1",
-    whiten: bool = True,
-    temperature: float = 1.0,
-) -> tuple[PPOBatch, dict[str, Float[Array, ""]]]:
-    """Turn sampled sequences and their scores into a `PPOBatch` (one jitted pass).
-
-    `model` is the `(policy, value_model)` pair (or one model returning
-    `(logits, values)`), as used by `make_ppo_step`; `reference` the frozen reference
-    policy. Computes the sampling policy's token log-probabilities and the reference's
-    at the sampling `temperature` (logits / T, as `rlhf_eqx.generate` reports them, so
-    an on-policy ratio is exactly 1), the token-aligned values, then
-    `compute_advantages`. Pass the same `temperature` to `make_ppo_step`.
-
-    **Returns:** `(batch, stats)`; `stats` as `compute_advantages`.
-    """
-    check_number("kl_coef", kl_coef, low=0.0)
-    check_number("gamma", gamma, low=0.0, high=1.0)
-    check_number("lam", lam, low=0.0, high=1.0)
-    check_number("temperature", temperature, low=0.0, low_open=True)
-    check_choice("kl_kind", kl_kind, KL_KINDS)
-    coef = jnp.asarray(kl_coef, jnp.float32)
-    return _prepare(
-        model, reference, tokens, mask, completion_mask, scores.astype(jnp.float32), coef,
-        (gamma, lam, kl_kind, whiten, float(temperature)),
-    )
+from ._validate import check_aggregation, check_number
 
 
 def ppo_loss(
@@ -232,8 +50,8 @@ def ppo_loss(
 
     def loss_fn(params: PyTree, frozen: PyTree, batch: PPOBatch, key: PRNGKeyArray | None):
         m = batch.completion_mask & batch.mask
-        logits, values = _policy_and_values(params, frozen, batch.tokens, batch.mask, key)
-        logp = _logprobs(logits, batch.tokens, batch.mask, temperature)
+        logits, values = policy_and_values(params, frozen, batch.tokens, batch.mask, key)
+        logp = tempered_logprobs(logits, batch.tokens, batch.mask, temperature)
         pg, stats = jax.vmap(
             lambda a, b, c, d: ppo_policy_loss(
                 a, b, c, d, clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip

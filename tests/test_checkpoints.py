@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import rlhf_eqx as rx
-from rlhf_eqx.models import config_from_hf, load_hf, load_llama2c, read_llama2c, save_hf
+from rlhf_eqx import load_llama2c
+from rlhf_eqx.models import config_from_hf, load_hf, read_llama2c, save_hf
 from rlhf_eqx.models._llama2c import permute_rotary_rows
 
 # --------------------------------------------------------------------------------------
@@ -514,17 +515,22 @@ def test_hf_load_hand_built_checkpoint(tmp_path, arch, kw, sharded):
 @pytest.mark.parametrize(
     "field, kw",
     [
-        ("rope_scaling", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0})),
-        ("rope_scaling", dict(rope_scaling={"type": "linear", "factor": 2.0})),
-        ("sliding_window", dict(architectures=["MistralForCausalLM"], sliding_window=64)),
-        (
-            "sliding_window",
-            dict(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=64),
-        ),
+        ("rope_scaling.rope_type", dict(rope_scaling={"rope_type": "dynamic", "factor": 8.0})),
+        ("rope_scaling.rope_type", dict(rope_scaling={"type": "yarn", "factor": 2.0})),
         ("attention_bias", dict(attention_bias=True)),
         ("mlp_bias", dict(mlp_bias=True)),
+        ("partial_rotary_factor", dict(partial_rotary_factor=0.5)),
+        ("qk_layernorm", dict(qk_layernorm=True)),
+        ("attn_logit_softcapping", dict(attn_logit_softcapping=50.0)),
+        ("final_logit_softcapping", dict(final_logit_softcapping=30.0)),
+        ("use_bidirectional_attention", dict(architectures=["Gemma3ForCausalLM"], use_bidirectional_attention=True)),
         ("hidden_act", dict(hidden_act="gelu")),
+        ("hidden_act", dict(architectures=["GemmaForCausalLM"], hidden_act="relu")),
         ("architectures", dict(architectures=["GPT2LMHeadModel"])),
+        (
+            "layer_types",
+            dict(architectures=["Gemma2ForCausalLM"], hidden_act="gelu_pytorch_tanh", sliding_window=4, layer_types=["full_attention"]),
+        ),
         (
             "rope_parameters.rope_type",
             dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}),
@@ -566,7 +572,7 @@ def test_hf_missing_and_misshaped_tensors(tmp_path):
     bad = dict(t)
     bad["model.norm.weight"] = np.ones((7,), np.float32)
     save_file(bad, tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match="final_norm.*shape"):
+    with pytest.raises(ValueError, match="model.norm.weight.*shape"):
         load_hf(tmp_path)
     os.remove(tmp_path / "model.safetensors")
     with pytest.raises(FileNotFoundError):

@@ -1,6 +1,6 @@
-"""Llama-family models as immutable pytrees: `Policy`, `ValueModel`, `RewardModel`."""
+"""The decoder models as immutable pytrees (`Policy`, `ValueModel`, `RewardModel`) and their checkpoints."""
 
-from ._config import TransformerConfig as TransformerConfig
+from ._config import RopeScaling as RopeScaling, TransformerConfig as TransformerConfig
 from ._heads import (
     Policy as Policy,
     RewardModel as RewardModel,
@@ -20,7 +20,7 @@ from ._hf import (
     load_hf as load_hf,
     save_hf as save_hf,
 )
-from ._llama2c import load_llama2c as load_llama2c, read_llama2c as read_llama2c
+from ._llama2c import load_llama2c_policy as load_llama2c_policy, read_llama2c as read_llama2c
 from ._lora import (
     LoRAConfig as LoRAConfig,
     apply_lora as apply_lora,

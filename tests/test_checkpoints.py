@@ -613,3 +613,115 @@ def test_stories260k_exported_to_hf_matches_run_c(shared_dir, tmp_path):
         rtol=1e-4,
     )
     np.testing.assert_array_equal(_logits(load_hf(tmp_path), tokens), _logits(policy, tokens))
+
+
+def _write_hf(directory, c, t):
+    from safetensors.numpy import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(c))
+    save_file(t, directory / "model.safetensors")
+
+
+def test_save_hf_failure_keeps_the_old_checkpoint(tmp_path, getkey, monkeypatch):
+    import safetensors.numpy as stnp
+
+    target = tmp_path / "ckpt"
+    old = _randomise(rx.Policy(_small_cfg(), key=getkey()), getkey())
+    save_hf(old, target)
+    (target / "tokenizer.json").write_text("{}")
+    new = _randomise(rx.Policy(_small_cfg(), key=getkey()), getkey())
+
+    def broken(tensors, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"\x00" * 100)  # half-written, then the disk fills up
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(stnp, "save_file", broken)
+    with pytest.raises(OSError, match="No space"):
+        save_hf(new, target)
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no staging directory left behind
+    assert sorted(os.listdir(target)) == ["config.json", "model.safetensors", "tokenizer.json"]
+    np.testing.assert_array_equal(_logits(load_hf(target), [1, 2, 3]), _logits(old, [1, 2, 3]))
+    save_hf(new, target)  # a later save replaces it and keeps the other files
+    assert sorted(os.listdir(target)) == ["config.json", "model.safetensors", "tokenizer.json"]
+    np.testing.assert_array_equal(_logits(load_hf(target), [1, 2, 3]), _logits(new, [1, 2, 3]))
+
+
+def test_save_hf_cleans_stale_staging_and_keeps_permissions(tmp_path, getkey):
+    target = tmp_path / "ckpt"
+    stale = tmp_path / ".ckpt.tmp-deadbeef0000"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"partial")
+    unrelated = tmp_path / "other"
+    unrelated.mkdir()
+    policy = _randomise(rx.Policy(_small_cfg(), key=getkey()), getkey())
+    save_hf(policy, target, max_shard_bytes=2000)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "other"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(target).st_mode & 0o777 == 0o777 & ~umask
+    config_mode = os.stat(target / "config.json").st_mode & 0o777
+    for name in os.listdir(target):
+        assert os.stat(target / name).st_mode & 0o777 == config_mode, name
+
+
+def test_hf_config_layer_count_must_match_and_be_an_integer(tmp_path):
+    c = _hf_config("LlamaForCausalLM")
+    t = _hf_tensors(np.random.default_rng(2), c)
+    _write_hf(tmp_path / "fewer", dict(c, num_hidden_layers=1), t)
+    with pytest.raises(ValueError, match=r"model\.layers\.1\..*num_hidden_layers=1"):
+        load_hf(tmp_path / "fewer")
+    _write_hf(tmp_path / "frac", dict(c, num_hidden_layers=2.9), t)
+    with pytest.raises(ValueError, match=r"config\.json: `num_hidden_layers` must be an integer, got 2\.9"):
+        load_hf(tmp_path / "frac")
+
+
+def test_hf_misshaped_tensor_in_one_layer_is_named(tmp_path):
+    c = _hf_config("LlamaForCausalLM")
+    t = _hf_tensors(np.random.default_rng(3), c)
+    t["model.layers.1.self_attn.k_proj.weight"] = t["model.layers.1.self_attn.k_proj.weight"][:8]
+    _write_hf(tmp_path, c, t)
+    with pytest.raises(ValueError, match=r"'model\.layers\.1\.self_attn\.k_proj\.weight' has shape \(8, 24\), expected \(16, 24\)"):
+        load_hf(tmp_path)
+
+
+def test_hf_unexpected_tensor_is_named(tmp_path):
+    c = _hf_config("LlamaForCausalLM")
+    t = _hf_tensors(np.random.default_rng(4), c)
+    t["model.layers.0.self_attn.o_proj.bias"] = np.zeros((24,), np.float32)
+    _write_hf(tmp_path, c, t)
+    with pytest.raises(ValueError, match=r"unexpected tensor 'model\.layers\.0\.self_attn\.o_proj\.bias'"):
+        load_hf(tmp_path)
+
+
+def test_hf_bad_files_are_named(tmp_path):
+    c = _hf_config("LlamaForCausalLM")
+    t = _hf_tensors(np.random.default_rng(5), c)
+    missing = dict(c)
+    del missing["hidden_size"]
+    _write_hf(tmp_path / "a", missing, t)
+    with pytest.raises(ValueError, match=r"a/config\.json: required field `hidden_size` is missing"):
+        load_hf(tmp_path / "a")
+    _write_hf(tmp_path / "b", c, t)
+    (tmp_path / "b" / "config.json").write_text('{"hidden_size": 24,')
+    with pytest.raises(ValueError, match=r"b/config\.json: not valid JSON"):
+        load_hf(tmp_path / "b")
+    _write_hf(tmp_path / "c", c, t)
+    weights = tmp_path / "c" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # truncated
+    with pytest.raises(ValueError, match=r"c/model\.safetensors: not a readable safetensors file"):
+        load_hf(tmp_path / "c")
+    weights.write_bytes(np.random.default_rng(0).bytes(5000))  # random bytes
+    with pytest.raises(ValueError, match=r"c/model\.safetensors: not a readable safetensors file"):
+        load_hf(tmp_path / "c")
+    (tmp_path / "d").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"d/config\.json"):
+        load_hf(tmp_path / "d")
+
+
+def test_config_to_hf_refuses_what_no_architecture_expresses():
+    cfg = _small_cfg(attn_bias=True, sliding_window=8, window_layers=(True, False))
+    with pytest.raises(ValueError, match="window_layers"):
+        rx.models.config_to_hf(cfg)

@@ -725,3 +725,14 @@ def test_config_to_hf_refuses_what_no_architecture_expresses():
     cfg = _small_cfg(attn_bias=True, sliding_window=8, window_layers=(True, False))
     with pytest.raises(ValueError, match="window_layers"):
         rx.models.config_to_hf(cfg)
+
+
+def test_models_layer_loads_llama2c_without_the_tokenizer(shared_dir):
+    from rlhf_eqx.models import load_llama2c_policy
+
+    path = os.path.join(shared_dir, *STORIES)
+    policy = load_llama2c_policy(path)
+    paired, tok = load_llama2c(path, os.path.join(shared_dir, "models", "stories260K", "tok512.bin"))
+    assert tok.vocab_size == policy.cfg.vocab_size == 512
+    for a, b in zip(jax.tree_util.tree_leaves(policy), jax.tree_util.tree_leaves(paired)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -201,3 +201,49 @@ def test_lora_and_int8_cover_the_family(family, getkey):
     np.testing.assert_allclose(forward(rx.merge_lora(model), tokens, mask), adapted, atol=1e-4)
     int8 = forward(rx.quantize_int8(policy), tokens, mask)
     assert float(jnp.max(jnp.abs(int8 - forward(policy, tokens, mask)))) < 0.25
+
+
+# The published config.json of a real checkpoint per family (as on the Hugging Face Hub).
+REAL_CONFIGS = {
+    "Llama-3.2-1B": (
+        dict(architectures=["LlamaForCausalLM"], attention_bias=False, attention_dropout=0.0, bos_token_id=128000,
+             eos_token_id=128001, head_dim=64, hidden_act="silu", hidden_size=2048, initializer_range=0.02,
+             intermediate_size=8192, max_position_embeddings=131072, mlp_bias=False, model_type="llama",
+             num_attention_heads=32, num_hidden_layers=16, num_key_value_heads=8, pretraining_tp=1,
+             rms_norm_eps=1e-05, rope_scaling=dict(factor=32.0, high_freq_factor=4.0, low_freq_factor=1.0,
+                                                   original_max_position_embeddings=8192, rope_type="llama3"),
+             rope_theta=500000.0, tie_word_embeddings=True, torch_dtype="bfloat16", use_cache=True,
+             vocab_size=128256),
+        1_235_814_400,
+    ),
+    "gemma-2-2b": (
+        dict(architectures=["Gemma2ForCausalLM"], attention_bias=False, attention_dropout=0.0,
+             attn_logit_softcapping=50.0, bos_token_id=2, cache_implementation="hybrid", eos_token_id=1,
+             final_logit_softcapping=30.0, head_dim=256, hidden_act="gelu_pytorch_tanh",
+             hidden_activation="gelu_pytorch_tanh", hidden_size=2304, initializer_range=0.02,
+             intermediate_size=9216, max_position_embeddings=8192, model_type="gemma2", num_attention_heads=8,
+             num_hidden_layers=26, num_key_value_heads=4, pad_token_id=0, query_pre_attn_scalar=256,
+             rms_norm_eps=1e-06, rope_theta=10000.0, sliding_window=4096, torch_dtype="float32", use_cache=True,
+             vocab_size=256000),
+        2_614_341_888,
+    ),
+    "Qwen3-0.6B": (
+        dict(architectures=["Qwen3ForCausalLM"], attention_bias=False, attention_dropout=0.0, bos_token_id=151643,
+             eos_token_id=151645, head_dim=128, hidden_act="silu", hidden_size=1024, initializer_range=0.02,
+             intermediate_size=3072, max_position_embeddings=40960, max_window_layers=28, model_type="qwen3",
+             num_attention_heads=16, num_hidden_layers=28, num_key_value_heads=8, rms_norm_eps=1e-06,
+             rope_scaling=None, rope_theta=1000000, sliding_window=None, tie_word_embeddings=True,
+             torch_dtype="bfloat16", use_cache=True, use_sliding_window=False, vocab_size=151936),
+        596_049_920,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REAL_CONFIGS))
+def test_published_configs_translate_with_the_published_sizes(name):
+    config, n_params = REAL_CONFIGS[name]
+    cfg = rx.models.config_from_hf(config)
+    assert cfg.num_params() == n_params
+    back = rx.models.config_to_hf(cfg)
+    assert back["architectures"] == config["architectures"]
+    assert rx.models.config_from_hf(back) == cfg

@@ -247,3 +247,19 @@ def test_published_configs_translate_with_the_published_sizes(name):
     back = rx.models.config_to_hf(cfg)
     assert back["architectures"] == config["architectures"]
     assert rx.models.config_from_hf(back) == cfg
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma3", "mistral"])
+def test_one_dpo_step_with_lora_on_the_family(family, getkey):
+    from test_train_common import preference_batch
+
+    from rlhf_eqx.train import init_train_state, make_dpo_step, make_optimizer
+
+    policy = rx.apply_lora(load(family), rx.LoRAConfig(rank=2, targets=("q", "v", "down")), key=getkey())
+    batch = preference_batch(getkey(), B=2, T=10, vocab=policy.cfg.vocab_size)
+    opt = make_optimizer(learning_rate=1e-2, total_steps=2)
+    state = init_train_state(policy, opt, filter_spec=rx.lora_filter(policy))
+    state, metrics = state.apply(make_dpo_step(opt, beta=0.1), batch, reference=rx.without_lora(policy))
+    np.testing.assert_allclose(float(metrics["loss"]), np.log(2.0), rtol=1e-5)
+    assert np.isfinite(float(metrics["grad_norm"])) and float(metrics["grad_norm"]) > 0

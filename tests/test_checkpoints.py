@@ -736,3 +736,33 @@ def test_models_layer_loads_llama2c_without_the_tokenizer(shared_dir):
     assert tok.vocab_size == policy.cfg.vocab_size == 512
     for a, b in zip(jax.tree_util.tree_leaves(policy), jax.tree_util.tree_leaves(paired)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_reward_and_value_models_export_as_sequence_classifiers(tmp_path, getkey):
+    policy = _randomise(rx.Policy(_small_cfg(), key=getkey()), getkey())
+    reward = rx.RewardModel.from_policy(policy, key=getkey())
+    value = rx.ValueModel.from_policy(policy, key=getkey())
+    tokens = jnp.array([[5, 6, 7, 8, 9, 0], [0, 0, 3, 4, 5, 6]], jnp.int32)
+    mask = jnp.array([[1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]], bool)
+    save_hf(reward, tmp_path / "rm", pad_token_id=0)
+    config = json.loads((tmp_path / "rm" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForSequenceClassification"]
+    assert config["id2label"] == {"0": "LABEL_0"} and config["pad_token_id"] == 0
+    from safetensors.numpy import load_file
+
+    stored = load_file(tmp_path / "rm" / "model.safetensors")
+    assert stored["score.weight"].shape == (1, 16) and "lm_head.weight" not in stored
+    loaded = load_hf(tmp_path / "rm")
+    assert isinstance(loaded, rx.RewardModel)
+    np.testing.assert_allclose(eqx.filter_jit(loaded)(tokens, mask), eqx.filter_jit(reward)(tokens, mask), atol=1e-6)
+    save_hf(value, tmp_path / "vm")
+    as_reward = load_hf(tmp_path / "vm")
+    per_token = eqx.filter_jit(value)(tokens, mask)
+    np.testing.assert_allclose(eqx.filter_jit(as_reward)(tokens, mask), per_token[jnp.arange(2), jnp.array([4, 5])], atol=1e-6)
+    biased = eqx.tree_at(lambda m: m.bias, reward, jnp.ones((), jnp.float32))
+    with pytest.raises(ValueError, match="`bias` is 1.0"):
+        save_hf(biased, tmp_path / "bad")
+    config["id2label"] = {"0": "A", "1": "B"}
+    (tmp_path / "rm" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="`id2label`.*exactly one label"):
+        load_hf(tmp_path / "rm")

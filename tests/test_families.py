@@ -153,12 +153,16 @@ def test_save_hf_round_trip_is_identical(family, tmp_path):
 
 
 def test_reference_implementation_reads_what_save_hf_writes():
-    """Recorded by make_fixtures.py: transformers loaded each `save_hf` output."""
+    """Recorded by make_fixtures.py: transformers loaded each `save_hf` output, the
+    policy as a causal LM and a reward model as a sequence classifier."""
     with open(os.path.join(HF, "export_check.json")) as f:
         check = json.load(f)
     for family in FAMILIES:
         assert check[family]["architecture"] == ARCHITECTURES[family]
         assert check[family]["max_abs_logit_diff"] < 1e-4, family
+        scorer = ARCHITECTURES[family].replace("ForCausalLM", "ForSequenceClassification")
+        assert check[family]["reward_architecture"] == scorer.replace("Gemma3", "Gemma3Text"), family
+        assert check[family]["max_abs_reward_diff"] < 1e-4, family
 
 
 def test_sliding_window_with_packed_segments():

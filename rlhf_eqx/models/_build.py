@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._config import TransformerConfig
-from ._heads import Policy
+from ._heads import Policy, RewardModel, ValueModel
 from ._transformer import Transformer
 
-__all__ = ["LAYER_FIELDS", "policy_from_arrays", "where_layers", "model_config"]
+__all__ = ["LAYER_FIELDS", "policy_from_arrays", "model_from_arrays", "where_layers", "model_config"]
 
 LAYER_FIELDS = (
     "attn_norm",
@@ -41,22 +41,35 @@ def _layer_field_used(name: str, cfg: TransformerConfig) -> bool:
 def policy_from_arrays(
     cfg: TransformerConfig, arrays: dict[str, np.ndarray | None], *, source: str
 ) -> Policy:
-    """A `Policy` of configuration `cfg` whose parameters are the given host arrays.
+    """A `Policy` of configuration `cfg` whose parameters are the given host arrays (see
+    `model_from_arrays`)."""
+    return model_from_arrays(Policy, cfg, arrays, source=source)
 
-    `arrays` holds `embed [V, D]`, `final_norm [D]`, `lm_head [D, V]` (`None` when tied)
-    and the stacked layer fields `attn_norm [L, D]`, `wqkv [L, D, Q+2KV]`, `wo [L, Q,
+
+def model_from_arrays(
+    cls: type, cfg: TransformerConfig, arrays: dict[str, np.ndarray | None], *, source: str
+) -> Any:
+    """A `Policy`, `RewardModel` or `ValueModel` of configuration `cfg` whose parameters
+    are the given host arrays.
+
+    `arrays` holds `embed [V, D]`, `final_norm [D]`, for a `Policy` `lm_head [D, V]`
+    (`None` when tied), for a scalar-head model `head [D]` and `bias []`, and the stacked layer fields `attn_norm [L, D]`, `wqkv [L, D, Q+2KV]`, `wo [L, Q,
     D]`, `mlp_norm [L, D]`, `w_gate_up [L, D, 2F]`, `w_down [L, F, D]`, and as the
     configuration requires `bqkv [L, Q+2KV]`, `q_norm`/`k_norm [L, hd]`,
     `attn_post_norm`/`mlp_post_norm [L, D]`. The model is built abstractly
     (`eqx.filter_eval_shape`, no random initialisation) and filled with `eqx.tree_at`;
     every array is checked against the expected shape and cast to `cfg.dtype`.
     """
-    skeleton = eqx.filter_eval_shape(Policy, cfg, key=jax.random.key(0))
+    if cls not in (Policy, RewardModel, ValueModel):
+        raise TypeError(f"expected Policy, RewardModel or ValueModel, got {cls!r}")
+    skeleton = eqx.filter_eval_shape(cls, cfg, key=jax.random.key(0))
     fields: list[tuple[str, Any]] = [
         ("embed", lambda p: p.transformer.embed),
         ("final_norm", lambda p: p.transformer.final_norm),
     ]
-    if not cfg.tie_embeddings:
+    if cls is not Policy:
+        fields += [("head", lambda p: p.head), ("bias", lambda p: p.bias)]
+    elif not cfg.tie_embeddings:
         fields.append(("lm_head", lambda p: p.lm_head))
     for name in LAYER_FIELDS:
         if _layer_field_used(name, cfg):

@@ -28,10 +28,10 @@ from typing import Any
 
 import numpy as np
 
-from ._build import policy_from_arrays
-from ._heads import Policy
-from ._hf_config import config_from_hf, config_to_hf
-from ._hf_tensors import arrays_from_tensors, tensors_from_policy
+from ._build import model_from_arrays
+from ._heads import Policy, RewardModel, ValueModel
+from ._hf_config import config_from_hf, config_to_hf, hf_head
+from ._hf_tensors import arrays_from_tensors, tensors_from_model
 
 __all__ = ["load_hf", "save_hf", "config_from_hf", "config_to_hf"]
 
@@ -94,8 +94,9 @@ def _read_tensors(directory: str) -> dict[str, np.ndarray]:
     return tensors
 
 
-def load_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> Policy:
-    """Load a Hugging Face causal-LM checkpoint (Llama, Mistral, Qwen2/3, Gemma 1/2/3) as a `Policy`.
+def load_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> Policy | RewardModel:
+    """Load a Hugging Face checkpoint (Llama, Mistral, Qwen2/3, Gemma 1/2/3): a causal LM
+    as a `Policy`, a one-label `...ForSequenceClassification` as a `RewardModel`.
 
     **Arguments:**
 
@@ -104,7 +105,8 @@ def load_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> Policy
     - `dtype`: parameter dtype (`"float32"`, `"bfloat16"`, `"float16"`); `None` keeps
       the checkpoint's `torch_dtype`.
 
-    **Returns:** a `Policy` whose logits equal the Hugging Face model's.
+    **Returns:** a `Policy` whose logits equal the Hugging Face model's, or a
+    `RewardModel` whose reward is the classifier's score at the last real token.
 
     Raises `ValueError` naming the file and field for invalid or unsupported config
     fields, the file for unreadable JSON or safetensors, and the tensor for missing,
@@ -112,10 +114,12 @@ def load_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> Policy
     """
     directory = os.fspath(directory)
     config_path = os.path.join(directory, _CONFIG)
-    cfg = config_from_hf(_read_json(config_path), dtype=dtype, source=config_path)
+    config = _read_json(config_path)
+    cfg = config_from_hf(config, dtype=dtype, source=config_path)
+    head = hf_head(config, source=config_path)
     tensors = _read_tensors(directory)
-    arrays = arrays_from_tensors(cfg, tensors, source=directory)
-    return policy_from_arrays(cfg, arrays, source=directory)
+    arrays = arrays_from_tensors(cfg, tensors, source=directory, head=head)
+    return model_from_arrays(Policy if head == "lm" else RewardModel, cfg, arrays, source=directory)
 
 
 def _plan_shards(tensors: dict[str, np.ndarray], max_shard_bytes: int) -> list[list[str]]:
@@ -203,19 +207,22 @@ def _remove_stale(target: str) -> None:
 
 
 def save_hf(
-    policy: Policy,
+    policy: Policy | RewardModel | ValueModel,
     directory: str | os.PathLike,
     *,
     max_shard_bytes: int = 5 * 2**30,
     dtype: str | None = None,
+    pad_token_id: int | None = None,
 ) -> None:
-    """Write `policy` as a Hugging Face checkpoint (`config.json` + safetensors).
+    """Write a model as a Hugging Face checkpoint (`config.json` + safetensors).
 
     **Arguments:**
 
-    - `policy`: a `Policy` without LoRA adapters (merge them first with `merge_lora`,
-      or drop them with `without_lora`). Int8-quantised projections are written
-      dequantised.
+    - `policy`: a `Policy` (written as the family's causal LM), or a `RewardModel` /
+      `ValueModel` (written as the family's one-label `...ForSequenceClassification`:
+      `score.weight [1, D]`; its scalar `bias` must be zero), without LoRA adapters
+      (merge them first with `merge_lora`, or drop them with `without_lora`).
+      Int8-quantised projections are written dequantised.
     - `directory`: the checkpoint directory. The checkpoint is written into a fresh
       directory beside it and then swapped into place: an existing checkpoint there is
       replaced only once the new one is complete, other files in it are kept, and
@@ -226,24 +233,27 @@ def save_hf(
       `model.safetensors`.
     - `dtype`: dtype written (`"float32"`, `"bfloat16"`, `"float16"`); default the
       model's parameter dtype.
+    - `pad_token_id`: written to `config.json` when given (a sequence classifier reads
+      its score at the last token that is not `pad_token_id`).
 
     The architecture written is the family the configuration's switches describe
-    (`config_to_hf`). `ValueModel` / `RewardModel` heads are not exported.
+    (`config_to_hf`).
     """
-    if not isinstance(policy, Policy):
-        raise TypeError(f"save_hf exports a Policy, got {type(policy).__name__}")
+    if not isinstance(policy, (Policy, RewardModel, ValueModel)):
+        raise TypeError(f"save_hf exports a Policy, RewardModel or ValueModel, got {type(policy).__name__}")
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     if policy.transformer.layers.lora is not None:
         raise ValueError(
-            "save_hf: the policy has LoRA adapters; fold them in with merge_lora(policy) "
+            "save_hf: the model has LoRA adapters; fold them in with merge_lora(policy) "
             "(or drop them with without_lora(policy)) before exporting"
         )
     dtype = dtype or policy.cfg.dtype
     if dtype not in _TORCH_DTYPES:
         raise ValueError(f"save_hf: dtype must be one of {list(_TORCH_DTYPES)}, got {dtype!r}")
-    config = config_to_hf(policy.cfg, dtype=dtype)
-    tensors = tensors_from_policy(policy, dtype)
+    head = "lm" if isinstance(policy, Policy) else "score"
+    config = config_to_hf(policy.cfg, dtype=dtype, head=head, pad_token_id=pad_token_id)
+    tensors = tensors_from_model(policy, dtype)
     target = os.path.abspath(os.fspath(directory))
     if os.path.exists(target) and not os.path.isdir(target):
         raise ValueError(f"save_hf: {target} exists and is not a directory")

@@ -20,7 +20,7 @@ from typing import Any
 
 from ._config import RopeScaling, TransformerConfig
 
-__all__ = ["config_from_hf", "config_to_hf", "FAMILIES"]
+__all__ = ["config_from_hf", "config_to_hf", "hf_head", "FAMILIES", "SCORERS"]
 
 # family -> (architecture, model_type)
 FAMILIES = {
@@ -31,6 +31,16 @@ FAMILIES = {
     "gemma": ("GemmaForCausalLM", "gemma"),
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+}
+# family -> sequence-classification architecture (a backbone plus `score.weight [labels, D]`)
+SCORERS = {
+    "llama": "LlamaForSequenceClassification",
+    "mistral": "MistralForSequenceClassification",
+    "qwen2": "Qwen2ForSequenceClassification",
+    "qwen3": "Qwen3ForSequenceClassification",
+    "gemma": "GemmaForSequenceClassification",
+    "gemma2": "Gemma2ForSequenceClassification",
+    "gemma3": "Gemma3TextForSequenceClassification",
 }
 _GEMMA = ("gemma", "gemma2", "gemma3")
 _TORCH_DTYPES = ("float32", "bfloat16", "float16")
@@ -66,6 +76,7 @@ def _err(source: str, field: str, value: Any, why: str) -> ValueError:
 def _family(config: dict[str, Any], source: str) -> str:
     archs = config.get("architectures") or []
     by_arch = {arch: fam for fam, (arch, _) in FAMILIES.items()}
+    by_arch.update({arch: fam for fam, arch in SCORERS.items()})
     known = [a for a in archs if a in by_arch]
     if known:
         return by_arch[known[0]]
@@ -74,8 +85,20 @@ def _family(config: dict[str, Any], source: str) -> str:
         return by_type[config["model_type"]]
     raise _err(
         source, "architectures", archs or config.get("model_type"),
-        f"supported architectures are {sorted(a for a, _ in FAMILIES.values())}",
+        f"supported architectures are {sorted(a for a, _ in FAMILIES.values()) + sorted(SCORERS.values())}",
     )
+
+
+def hf_head(config: dict[str, Any], *, source: str = "config.json") -> str:
+    """`"lm"` for a causal-LM checkpoint, `"score"` for a one-label sequence classifier."""
+    _family(config, source)
+    archs = config.get("architectures") or []
+    if not any(a in SCORERS.values() for a in archs):
+        return "lm"
+    labels = config.get("num_labels", len(config.get("id2label") or {"0": "LABEL_0"}))
+    if labels != 1:
+        raise _err(source, "id2label", config.get("id2label", labels), "a reward model has exactly one label")
+    return "score"
 
 
 def _int(config, name: str, source: str, default: Any = _UNSET) -> int:
@@ -266,15 +289,25 @@ def _rope_scaling_json(rs: RopeScaling | None) -> dict[str, Any] | None:
     }
 
 
-def config_to_hf(cfg: TransformerConfig, *, dtype: str | None = None) -> dict[str, Any]:
+def config_to_hf(
+    cfg: TransformerConfig, *, dtype: str | None = None, head: str = "lm", pad_token_id: int | None = None
+) -> dict[str, Any]:
     """A Hugging Face `config.json` dictionary for `cfg`, in the field layout of the
     family's published checkpoints (see the module docstring for the families).
+
+    `head="score"` writes the family's one-label `...ForSequenceClassification`
+    architecture (a reward model); `pad_token_id`, when given, is written (the
+    classifier reads the score at the last token that is not padding).
 
     Raises `ValueError` naming the field when no supported architecture expresses
     `cfg` (e.g. a window pattern the family cannot write).
     """
+    if head not in ("lm", "score"):
+        raise ValueError(f"config_to_hf: head must be 'lm' or 'score', got {head!r}")
     family = hf_family(cfg)
     arch, model_type = FAMILIES[family]
+    if head == "score":
+        arch = SCORERS[family]
     out: dict[str, Any] = {
         "architectures": [arch],
         "model_type": model_type,
@@ -316,6 +349,10 @@ def config_to_hf(cfg: TransformerConfig, *, dtype: str | None = None) -> dict[st
             sliding_window=cfg.sliding_window,
             layer_types=layer_types,
         )
+    if head == "score":
+        out.update(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    if pad_token_id is not None:
+        out["pad_token_id"] = int(pad_token_id)
     if family == "gemma3":
         out["rope_local_base_freq"] = cfg.rope_local_theta if cfg.rope_local_theta is not None else cfg.rope_theta
     back = config_from_hf(out, dtype=cfg.dtype)

@@ -24,6 +24,7 @@ marked ᵀ are transposed.
 | `P mlp.down_proj.weight` | `[D, F]` | `layers.w_down[i]` ᵀ |
 | `model.norm.weight` | `[D]` | `transformer.final_norm` |
 | `lm_head.weight` | `[V, D]` | `lm_head` ᵀ (absent / ignored with `tie_word_embeddings`) |
+| `score.weight` | `[1, D]` | `head` of a `RewardModel` / `ValueModel` (`...ForSequenceClassification`) |
 
 Both libraries use the rotate-half rotary convention with heads contiguous in the q/k
 columns, so no permutation is needed. Gemma's RMSNorm weights are stored as `w` of the
@@ -37,10 +38,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._config import TransformerConfig
-from ._heads import Policy
+from ._heads import Policy, RewardModel, ValueModel
 from ._layers import Int8Weight
 
-__all__ = ["arrays_from_tensors", "tensors_from_policy"]
+__all__ = ["arrays_from_tensors", "tensors_from_model"]
 
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _IGNORED = re.compile(r"(model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq)")
@@ -82,9 +83,10 @@ def _norm_fields(cfg: TransformerConfig) -> dict[str, str]:
 
 
 def arrays_from_tensors(
-    cfg: TransformerConfig, tensors: dict[str, np.ndarray], *, source: str
+    cfg: TransformerConfig, tensors: dict[str, np.ndarray], *, source: str, head: str = "lm"
 ) -> dict[str, np.ndarray | None]:
-    """The host arrays of `policy_from_arrays` from a checkpoint's tensors.
+    """The host arrays of `model_from_arrays` from a checkpoint's tensors (`head="score"`:
+    a sequence classifier's backbone and `score.weight`).
 
     Raises `ValueError` naming the tensor when one is missing, has the wrong shape or
     a non-float dtype, belongs to a layer beyond `num_hidden_layers`, or is not part of
@@ -92,7 +94,8 @@ def arrays_from_tensors(
     """
     D, V = cfg.d_model, cfg.vocab_size
     per_layer = _layer_names(cfg)
-    top = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,), "lm_head.weight": (V, D)}
+    top = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
+    top.update({"score.weight": (1, D)} if head == "score" else {"lm_head.weight": (V, D)})
     for name, arr in tensors.items():
         m = _LAYER_NAME.fullmatch(name)
         if _IGNORED.fullmatch(name):
@@ -125,7 +128,7 @@ def arrays_from_tensors(
     arrays: dict[str, np.ndarray | None] = {
         "embed": get("model.embed_tokens.weight"),
         "final_norm": get("model.norm.weight"),
-        "lm_head": None if cfg.tie_embeddings else get("lm_head.weight").T,
+        "lm_head": None if cfg.tie_embeddings or head == "score" else get("lm_head.weight").T,
         "wqkv": np.concatenate([stack_t(attn + f"{p}_proj.weight") for p in "qkv"], axis=-1),
         "wo": stack_t(attn + "o_proj.weight"),
         "w_gate_up": np.concatenate([stack_t(mlp + "gate_proj.weight"), stack_t(mlp + "up_proj.weight")], axis=-1),
@@ -138,11 +141,16 @@ def arrays_from_tensors(
     if cfg.qk_norm:
         arrays["q_norm"] = stack(attn + "q_norm.weight")
         arrays["k_norm"] = stack(attn + "k_norm.weight")
+    if head == "score":
+        arrays["head"] = get("score.weight")[0]
+        arrays["bias"] = np.zeros((), np.float32)
     return arrays
 
 
-def tensors_from_policy(policy: Policy, dtype: str) -> dict[str, np.ndarray]:
-    """The Hugging Face tensors of `policy` (int8 projections dequantised), in `dtype`."""
+def tensors_from_model(policy: Policy | RewardModel | ValueModel, dtype: str) -> dict[str, np.ndarray]:
+    """The Hugging Face tensors of a model (int8 projections dequantised), in `dtype`:
+    a `Policy` as a causal LM, a scalar-head model as a one-label sequence classifier
+    (`score.weight`; its `bias` must be zero, which the classifier cannot express)."""
     cfg, layers = policy.cfg, policy.transformer.layers
     jdt = getattr(jnp, dtype)
     Q, KV, F = cfg.q_size, cfg.kv_size, cfg.d_ff
@@ -181,6 +189,14 @@ def tensors_from_policy(policy: Policy, dtype: str) -> dict[str, np.ndarray]:
         tensors[p + "mlp.up_proj.weight"] = T(wgu[i][:, F:])
         tensors[p + "mlp.down_proj.weight"] = T(wdown[i])
     tensors["model.norm.weight"] = c(host(policy.transformer.final_norm))
-    if policy.lm_head is not None:
+    if isinstance(policy, (RewardModel, ValueModel)):
+        if float(policy.bias) != 0.0:
+            raise ValueError(
+                f"save_hf: the {type(policy).__name__}'s `bias` is {float(policy.bias)}, but a "
+                "...ForSequenceClassification score has no bias; a Bradley-Terry reward is "
+                "shift-invariant, so zero it first (eqx.tree_at(lambda m: m.bias, model, jnp.zeros(())))"
+            )
+        tensors["score.weight"] = c(host(policy.head)[None, :])
+    elif policy.lm_head is not None:
         tensors["lm_head.weight"] = T(host(policy.lm_head))
     return tensors

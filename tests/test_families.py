@@ -163,6 +163,10 @@ def test_reference_implementation_reads_what_save_hf_writes():
         scorer = ARCHITECTURES[family].replace("ForCausalLM", "ForSequenceClassification")
         assert check[family]["reward_architecture"] == scorer.replace("Gemma3", "Gemma3Text"), family
         assert check[family]["max_abs_reward_diff"] < 1e-4, family
+        # PEFT loads save_lora_adapter's output onto the reference base: same logits,
+        # and the adapters do change them
+        assert check[family]["peft_max_abs_logit_diff"] < 1e-4, family
+        assert check[family]["peft_adapter_effect"] > 0.1, family
 
 
 def test_sliding_window_with_packed_segments():

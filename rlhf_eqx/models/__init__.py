@@ -29,4 +29,5 @@ from ._lora import (
     merge_lora as merge_lora,
     without_lora as without_lora,
 )
+from ._peft import load_lora_adapter as load_lora_adapter, save_lora_adapter as save_lora_adapter
 from ._quant import dequantize as dequantize, quantize_int8 as quantize_int8

@@ -766,3 +766,15 @@ def test_reward_and_value_models_export_as_sequence_classifiers(tmp_path, getkey
     (tmp_path / "rm" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="`id2label`.*exactly one label"):
         load_hf(tmp_path / "rm")
+
+
+def test_hf_window_fields_per_family():
+    qwen = _hf_config("Qwen2ForCausalLM", use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    cfg = config_from_hf(qwen)
+    assert cfg.sliding_window == 16 and cfg.local_layers == (False, True)
+    assert config_from_hf(dict(qwen, use_sliding_window=False)).sliding_window is None
+    assert config_from_hf(_hf_config("MistralForCausalLM", sliding_window=None)).sliding_window is None
+    gemma3 = _hf_config("Gemma3ForCausalLM", hidden_activation="gelu_pytorch_tanh", sliding_window=8,
+                        layer_types=["full_attention", "sliding_attention"])
+    assert config_from_hf(gemma3).local_layers == (False, True)
+    assert rx.models.config_to_hf(cfg)["max_window_layers"] == 1

@@ -21,7 +21,6 @@ from .models import (
     count_params as count_params,
     dequantize as dequantize,
     load_hf as load_hf,
-    load_llama2c as load_llama2c,
     lora_filter as lora_filter,
     merge_lora as merge_lora,
     quantize_int8 as quantize_int8,
@@ -55,6 +54,7 @@ from ._sampling import (
     sample_token as sample_token,
     truncate_at_stop_strings as truncate_at_stop_strings,
 )
+from ._pretrained import load_llama2c as load_llama2c
 from ._batches import (
     PreferenceBatch as PreferenceBatch,
     PromptBatch as PromptBatch,

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import rlhf_eqx as rx
-from rlhf_eqx.models import config_from_hf, load_hf, load_llama2c, read_llama2c, save_hf
+from rlhf_eqx import load_llama2c
+from rlhf_eqx.models import config_from_hf, load_hf, read_llama2c, save_hf
 from rlhf_eqx.models._llama2c import permute_rotary_rows
 
 # --------------------------------------------------------------------------------------
@@ -514,17 +515,22 @@ def test_hf_load_hand_built_checkpoint(tmp_path, arch, kw, sharded):
 @pytest.mark.parametrize(
     "field, kw",
     [
-        ("rope_scaling", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0})),
-        ("rope_scaling", dict(rope_scaling={"type": "linear", "factor": 2.0})),
-        ("sliding_window", dict(architectures=["MistralForCausalLM"], sliding_window=64)),
-        (
-            "sliding_window",
-            dict(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=64),
-        ),
+        ("rope_scaling.rope_type", dict(rope_scaling={"rope_type": "dynamic", "factor": 8.0})),
+        ("rope_scaling.rope_type", dict(rope_scaling={"type": "yarn", "factor": 2.0})),
         ("attention_bias", dict(attention_bias=True)),
         ("mlp_bias", dict(mlp_bias=True)),
+        ("partial_rotary_factor", dict(partial_rotary_factor=0.5)),
+        ("qk_layernorm", dict(qk_layernorm=True)),
+        ("attn_logit_softcapping", dict(attn_logit_softcapping=50.0)),
+        ("final_logit_softcapping", dict(final_logit_softcapping=30.0)),
+        ("use_bidirectional_attention", dict(architectures=["Gemma3ForCausalLM"], use_bidirectional_attention=True)),
         ("hidden_act", dict(hidden_act="gelu")),
+        ("hidden_act", dict(architectures=["GemmaForCausalLM"], hidden_act="relu")),
         ("architectures", dict(architectures=["GPT2LMHeadModel"])),
+        (
+            "layer_types",
+            dict(architectures=["Gemma2ForCausalLM"], hidden_act="gelu_pytorch_tanh", sliding_window=4, layer_types=["full_attention"]),
+        ),
         (
             "rope_parameters.rope_type",
             dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}),
@@ -566,7 +572,7 @@ def test_hf_missing_and_misshaped_tensors(tmp_path):
     bad = dict(t)
     bad["model.norm.weight"] = np.ones((7,), np.float32)
     save_file(bad, tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match="final_norm.*shape"):
+    with pytest.raises(ValueError, match="model.norm.weight.*shape"):
         load_hf(tmp_path)
     os.remove(tmp_path / "model.safetensors")
     with pytest.raises(FileNotFoundError):
@@ -607,3 +613,168 @@ def test_stories260k_exported_to_hf_matches_run_c(shared_dir, tmp_path):
         rtol=1e-4,
     )
     np.testing.assert_array_equal(_logits(load_hf(tmp_path), tokens), _logits(policy, tokens))
+
+
+def _write_hf(directory, c, t):
+    from safetensors.numpy import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(c))
+    save_file(t, directory / "model.safetensors")
+
+
+def test_save_hf_failure_keeps_the_old_checkpoint(tmp_path, getkey, monkeypatch):
+    import safetensors.numpy as stnp
+
+    target = tmp_path / "ckpt"
+    old = _randomise(rx.Policy(_small_cfg(), key=getkey()), getkey())
+    save_hf(old, target)
+    (target / "tokenizer.json").write_text("{}")
+    new = _randomise(rx.Policy(_small_cfg(), key=getkey()), getkey())
+
+    def broken(tensors, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"\x00" * 100)  # half-written, then the disk fills up
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(stnp, "save_file", broken)
+    with pytest.raises(OSError, match="No space"):
+        save_hf(new, target)
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no staging directory left behind
+    assert sorted(os.listdir(target)) == ["config.json", "model.safetensors", "tokenizer.json"]
+    np.testing.assert_array_equal(_logits(load_hf(target), [1, 2, 3]), _logits(old, [1, 2, 3]))
+    save_hf(new, target)  # a later save replaces it and keeps the other files
+    assert sorted(os.listdir(target)) == ["config.json", "model.safetensors", "tokenizer.json"]
+    np.testing.assert_array_equal(_logits(load_hf(target), [1, 2, 3]), _logits(new, [1, 2, 3]))
+
+
+def test_save_hf_cleans_stale_staging_and_keeps_permissions(tmp_path, getkey):
+    target = tmp_path / "ckpt"
+    stale = tmp_path / ".ckpt.tmp-deadbeef0000"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"partial")
+    unrelated = tmp_path / "other"
+    unrelated.mkdir()
+    policy = _randomise(rx.Policy(_small_cfg(), key=getkey()), getkey())
+    save_hf(policy, target, max_shard_bytes=2000)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "other"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(target).st_mode & 0o777 == 0o777 & ~umask
+    config_mode = os.stat(target / "config.json").st_mode & 0o777
+    for name in os.listdir(target):
+        assert os.stat(target / name).st_mode & 0o777 == config_mode, name
+
+
+def test_hf_config_layer_count_must_match_and_be_an_integer(tmp_path):
+    c = _hf_config("LlamaForCausalLM")
+    t = _hf_tensors(np.random.default_rng(2), c)
+    _write_hf(tmp_path / "fewer", dict(c, num_hidden_layers=1), t)
+    with pytest.raises(ValueError, match=r"model\.layers\.1\..*num_hidden_layers=1"):
+        load_hf(tmp_path / "fewer")
+    _write_hf(tmp_path / "frac", dict(c, num_hidden_layers=2.9), t)
+    with pytest.raises(ValueError, match=r"config\.json: `num_hidden_layers` must be an integer, got 2\.9"):
+        load_hf(tmp_path / "frac")
+
+
+def test_hf_misshaped_tensor_in_one_layer_is_named(tmp_path):
+    c = _hf_config("LlamaForCausalLM")
+    t = _hf_tensors(np.random.default_rng(3), c)
+    t["model.layers.1.self_attn.k_proj.weight"] = t["model.layers.1.self_attn.k_proj.weight"][:8]
+    _write_hf(tmp_path, c, t)
+    with pytest.raises(ValueError, match=r"'model\.layers\.1\.self_attn\.k_proj\.weight' has shape \(8, 24\), expected \(16, 24\)"):
+        load_hf(tmp_path)
+
+
+def test_hf_unexpected_tensor_is_named(tmp_path):
+    c = _hf_config("LlamaForCausalLM")
+    t = _hf_tensors(np.random.default_rng(4), c)
+    t["model.layers.0.self_attn.o_proj.bias"] = np.zeros((24,), np.float32)
+    _write_hf(tmp_path, c, t)
+    with pytest.raises(ValueError, match=r"unexpected tensor 'model\.layers\.0\.self_attn\.o_proj\.bias'"):
+        load_hf(tmp_path)
+
+
+def test_hf_bad_files_are_named(tmp_path):
+    c = _hf_config("LlamaForCausalLM")
+    t = _hf_tensors(np.random.default_rng(5), c)
+    missing = dict(c)
+    del missing["hidden_size"]
+    _write_hf(tmp_path / "a", missing, t)
+    with pytest.raises(ValueError, match=r"a/config\.json: required field `hidden_size` is missing"):
+        load_hf(tmp_path / "a")
+    _write_hf(tmp_path / "b", c, t)
+    (tmp_path / "b" / "config.json").write_text('{"hidden_size": 24,')
+    with pytest.raises(ValueError, match=r"b/config\.json: not valid JSON"):
+        load_hf(tmp_path / "b")
+    _write_hf(tmp_path / "c", c, t)
+    weights = tmp_path / "c" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # truncated
+    with pytest.raises(ValueError, match=r"c/model\.safetensors: not a readable safetensors file"):
+        load_hf(tmp_path / "c")
+    weights.write_bytes(np.random.default_rng(0).bytes(5000))  # random bytes
+    with pytest.raises(ValueError, match=r"c/model\.safetensors: not a readable safetensors file"):
+        load_hf(tmp_path / "c")
+    (tmp_path / "d").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"d/config\.json"):
+        load_hf(tmp_path / "d")
+
+
+def test_config_to_hf_refuses_what_no_architecture_expresses():
+    cfg = _small_cfg(attn_bias=True, sliding_window=8, window_layers=(True, False))
+    with pytest.raises(ValueError, match="window_layers"):
+        rx.models.config_to_hf(cfg)
+
+
+def test_models_layer_loads_llama2c_without_the_tokenizer(shared_dir):
+    from rlhf_eqx.models import load_llama2c_policy
+
+    path = os.path.join(shared_dir, *STORIES)
+    policy = load_llama2c_policy(path)
+    paired, tok = load_llama2c(path, os.path.join(shared_dir, "models", "stories260K", "tok512.bin"))
+    assert tok.vocab_size == policy.cfg.vocab_size == 512
+    for a, b in zip(jax.tree_util.tree_leaves(policy), jax.tree_util.tree_leaves(paired)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_reward_and_value_models_export_as_sequence_classifiers(tmp_path, getkey):
+    policy = _randomise(rx.Policy(_small_cfg(), key=getkey()), getkey())
+    reward = rx.RewardModel.from_policy(policy, key=getkey())
+    value = rx.ValueModel.from_policy(policy, key=getkey())
+    tokens = jnp.array([[5, 6, 7, 8, 9, 0], [0, 0, 3, 4, 5, 6]], jnp.int32)
+    mask = jnp.array([[1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]], bool)
+    save_hf(reward, tmp_path / "rm", pad_token_id=0)
+    config = json.loads((tmp_path / "rm" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForSequenceClassification"]
+    assert config["id2label"] == {"0": "LABEL_0"} and config["pad_token_id"] == 0
+    from safetensors.numpy import load_file
+
+    stored = load_file(tmp_path / "rm" / "model.safetensors")
+    assert stored["score.weight"].shape == (1, 16) and "lm_head.weight" not in stored
+    loaded = load_hf(tmp_path / "rm")
+    assert isinstance(loaded, rx.RewardModel)
+    np.testing.assert_allclose(eqx.filter_jit(loaded)(tokens, mask), eqx.filter_jit(reward)(tokens, mask), atol=1e-6)
+    save_hf(value, tmp_path / "vm")
+    as_reward = load_hf(tmp_path / "vm")
+    per_token = eqx.filter_jit(value)(tokens, mask)
+    np.testing.assert_allclose(eqx.filter_jit(as_reward)(tokens, mask), per_token[jnp.arange(2), jnp.array([4, 5])], atol=1e-6)
+    biased = eqx.tree_at(lambda m: m.bias, reward, jnp.ones((), jnp.float32))
+    with pytest.raises(ValueError, match="`bias` is 1.0"):
+        save_hf(biased, tmp_path / "bad")
+    config["id2label"] = {"0": "A", "1": "B"}
+    (tmp_path / "rm" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="`id2label`.*exactly one label"):
+        load_hf(tmp_path / "rm")
+
+
+def test_hf_window_fields_per_family():
+    qwen = _hf_config("Qwen2ForCausalLM", use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    cfg = config_from_hf(qwen)
+    assert cfg.sliding_window == 16 and cfg.local_layers == (False, True)
+    assert config_from_hf(dict(qwen, use_sliding_window=False)).sliding_window is None
+    assert config_from_hf(_hf_config("MistralForCausalLM", sliding_window=None)).sliding_window is None
+    gemma3 = _hf_config("Gemma3ForCausalLM", hidden_activation="gelu_pytorch_tanh", sliding_window=8,
+                        layer_types=["full_attention", "sliding_attention"])
+    assert config_from_hf(gemma3).local_layers == (False, True)
+    assert rx.models.config_to_hf(cfg)["max_window_layers"] == 1

@@ -202,3 +202,43 @@ def test_batched_call_equals_vmap(policy, getkey):
     batched = call(policy, toks, masks, segment_ids=seg)
     mapped = jnp.stack([call(policy, t, m, segment_ids=s) for t, m, s in zip(toks, masks, seg)])
     np.testing.assert_allclose(batched, mapped, atol=1e-5, rtol=1e-5)
+
+
+def test_remat_gives_the_same_values_and_gradients(policy, getkey):
+    remat = jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(rx.Policy(rx.TransformerConfig(**{**CFG.__dict__, "remat": True}), key=getkey())),
+        jax.tree_util.tree_leaves(policy),
+    )
+    assert remat.cfg.remat and not policy.cfg.remat
+    toks = _tokens(getkey(), 8)
+    mask = jnp.ones((8,), bool)
+
+    def loss(model):
+        return -jnp.sum(rx.token_logprobs(model, toks, mask))
+
+    grad = eqx.filter_jit(eqx.filter_value_and_grad(loss))
+    (l1, g1), (l2, g2) = grad(policy), grad(remat)
+    np.testing.assert_allclose(l1, l2, rtol=1e-6)
+    for a, b in zip(jax.tree_util.tree_leaves(g1), jax.tree_util.tree_leaves(g2)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda m: loss(m)))(remat))
+    assert "remat" in jaxpr or "checkpoint" in jaxpr
+
+
+def test_models_layer_imports_nothing_above_it():
+    """models is the lowest layer: no module of it imports ops, sampling, losses, train or data."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(rx.__file__).parent / "models"
+    above = ("data", "ops", "losses", "train", "_sampling", "_batches", "_pretrained", "pipelines")
+    for path in root.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                module = ("." * node.level) + (node.module or "")
+                parts = module.lstrip(".").split(".")
+                assert not (node.level >= 2 and parts[0] in above), (path.name, module)
+                assert not (module.startswith("rlhf_eqx.") and parts[1] in above), (path.name, module)
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    assert not alias.name.startswith("rlhf_eqx.") or alias.name.split(".")[1] == "models"

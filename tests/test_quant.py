@@ -19,7 +19,6 @@ from rlhf_eqx.models import (
     apply_lora,
     count_params,
     dequantize,
-    load_llama2c,
     lora_filter,
     merge_lora,
     quantize_int8,
@@ -167,7 +166,7 @@ def test_lora_on_int8_base_trains_only_adapters(getkey):
 
 def test_stories260k_int8(shared_dir):
     base = os.path.join(shared_dir, "models", "stories260K")
-    policy, tok = load_llama2c(
+    policy, tok = rx.load_llama2c(
         os.path.join(base, "stories260K.bin"), os.path.join(base, "tok512.bin")
     )
     q = quantize_int8(policy)

@@ -1,6 +1,6 @@
-"""Llama-family models as immutable pytrees: `Policy`, `ValueModel`, `RewardModel`."""
+"""The decoder models as immutable pytrees (`Policy`, `ValueModel`, `RewardModel`) and their checkpoints."""
 
-from ._config import TransformerConfig as TransformerConfig
+from ._config import RopeScaling as RopeScaling, TransformerConfig as TransformerConfig
 from ._protocols import (
     AbstractBatchedModel as AbstractBatchedModel,
     AbstractDecoder as AbstractDecoder,
@@ -26,7 +26,7 @@ from ._hf import (
     load_hf as load_hf,
     save_hf as save_hf,
 )
-from ._llama2c import load_llama2c as load_llama2c, read_llama2c as read_llama2c
+from ._llama2c import load_llama2c_policy as load_llama2c_policy, read_llama2c as read_llama2c
 from ._lora import (
     LoRAConfig as LoRAConfig,
     apply_lora as apply_lora,
@@ -35,4 +35,5 @@ from ._lora import (
     merge_lora as merge_lora,
     without_lora as without_lora,
 )
+from ._peft import load_lora_adapter as load_lora_adapter, save_lora_adapter as save_lora_adapter
 from ._quant import dequantize as dequantize, quantize_int8 as quantize_int8

@@ -1,24 +1,81 @@
-"""Configuration of the Llama-family decoder."""
+"""Configuration of the decoder: sizes plus small named architecture switches."""
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
+import numpy as np
 
-__all__ = ["TransformerConfig"]
+__all__ = ["TransformerConfig", "RopeScaling"]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+_ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+_ROPE_KINDS = ("linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Rescaled rotary frequencies for long contexts.
+
+    **Arguments:**
+
+    - `kind`: `"linear"` (position interpolation, Chen et al. 2023: every inverse
+      frequency divided by `factor`) or `"llama3"` (Meta's Llama 3.1 rule: wavelengths
+      longer than `original_max_position / low_freq_factor` are divided by `factor`,
+      shorter than `original_max_position / high_freq_factor` are kept, and the band
+      between is interpolated smoothly).
+    - `factor`: the context extension factor.
+    - `low_freq_factor`, `high_freq_factor`, `original_max_position`: the `llama3`
+      parameters (Hugging Face `rope_scaling` fields `low_freq_factor`,
+      `high_freq_factor`, `original_max_position_embeddings`).
+    """
+
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    def __post_init__(self):
+        if self.kind not in _ROPE_KINDS:
+            raise ValueError(f"RopeScaling.kind must be one of {_ROPE_KINDS}, got {self.kind!r}")
+        if not self.factor > 0:
+            raise ValueError(f"RopeScaling.factor must be positive, got {self.factor!r}")
+        if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(
+                "RopeScaling.high_freq_factor must exceed low_freq_factor, got "
+                f"{self.high_freq_factor!r} <= {self.low_freq_factor!r}"
+            )
+
+    def apply(self, inv_freq: np.ndarray) -> np.ndarray:
+        """The rescaled inverse frequencies (float32, as Hugging Face computes them)."""
+        inv_freq = inv_freq.astype(np.float32)
+        factor = np.float32(self.factor)
+        if self.kind == "linear":
+            return (inv_freq / factor).astype(np.float32)
+        old = np.float32(self.original_max_position)
+        low, high = np.float32(self.low_freq_factor), np.float32(self.high_freq_factor)
+        wavelen = np.float32(2 * math.pi) / inv_freq
+        scaled = np.where(wavelen > old / low, inv_freq / factor, inv_freq)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-    """Hyperparameters of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, llama2.c).
+    """Hyperparameters of the decoder: Llama 2/3, Mistral, Qwen2/2.5/3, Gemma 1/2/3, llama2.c.
+
+    One decoder serves every family; the families differ by the switches below, never
+    by a copy of the layer code.
 
     **Arguments:**
 
     - `vocab_size`, `d_model`, `n_layers`, `n_heads`: the usual sizes.
     - `n_kv_heads`: key/value heads for grouped-query attention (defaults to `n_heads`;
       must divide it).
-    - `d_ff`: hidden size of the SwiGLU MLP.
+    - `d_ff`: hidden size of the gated MLP.
     - `max_seq_len`: longest sequence the model is used on (informational; rotary
       embeddings are computed on the fly).
     - `rope_theta`: rotary base frequency.
@@ -28,6 +85,28 @@ class TransformerConfig:
     - `attn_bias`: biases on the q/k/v projections (Qwen2).
     - `dtype`: parameter dtype, `"float32"` or `"bfloat16"` (or `"float16"`); norms,
       softmax and logits are always accumulated in float32.
+    - `norm_plus_one`: RMSNorm scales by `1 + w` instead of `w` (Gemma); its weights
+      start at zero.
+    - `mlp_activation`: the gate's activation, `"silu"` (SwiGLU), `"gelu_tanh"`
+      (GeGLU with the tanh approximation, Gemma) or `"gelu"` (exact).
+    - `embed_scale`: token embeddings are multiplied by `√d_model` (Gemma).
+    - `post_norms`: extra RMSNorms on the attention and MLP outputs before the
+      residual additions (Gemma 2/3).
+    - `qk_norm`: RMSNorm over `head_dim` of every query and key head before rotary
+      (Qwen3, Gemma 3).
+    - `query_scale`: the attention score scale (default `head_dim ** -0.5`; Gemma 2/3
+      use `query_pre_attn_scalar ** -0.5`).
+    - `attn_softcap`, `final_softcap`: `c · tanh(x / c)` on the attention scores and
+      on the final logits (Gemma 2).
+    - `sliding_window`: a query attends to keys at most `sliding_window - 1` positions
+      back (Mistral, Gemma 2/3 local layers).
+    - `window_layers`: per layer, whether it uses the sliding window (`None`: every
+      layer, when `sliding_window` is set). Carried through the layer scan as data.
+    - `rope_scaling`: a `RopeScaling` (Llama 3.x `llama3`, `linear`), or `None`.
+    - `rope_local_theta`: rotary base of the sliding-window layers, without scaling
+      (Gemma 3); `None` uses the global rotary embedding everywhere.
+    - `remat`: recompute each layer in the backward pass (`jax.checkpoint` around the
+      scanned layer): less activation memory, same values.
     """
 
     vocab_size: int
@@ -43,11 +122,24 @@ class TransformerConfig:
     head_dim: int | None = None
     attn_bias: bool = False
     dtype: str = "float32"
+    norm_plus_one: bool = False
+    mlp_activation: str = "silu"
+    embed_scale: bool = False
+    post_norms: bool = False
+    qk_norm: bool = False
+    query_scale: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    sliding_window: int | None = None
+    window_layers: tuple[bool, ...] | None = None
+    rope_scaling: RopeScaling | None = None
+    rope_local_theta: float | None = None
+    remat: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"TransformerConfig.{name} must be a positive int, got {value!r}")
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
@@ -66,6 +158,33 @@ class TransformerConfig:
             raise ValueError(f"TransformerConfig.head_dim={self.head_dim} must be even (rotary)")
         if self.dtype not in _DTYPES:
             raise ValueError(f"TransformerConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.mlp_activation not in _ACTIVATIONS:
+            raise ValueError(
+                f"TransformerConfig.mlp_activation must be one of {_ACTIVATIONS}, got {self.mlp_activation!r}"
+            )
+        for name in ("query_scale", "attn_softcap", "final_softcap", "rope_local_theta"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"TransformerConfig.{name} must be positive or None, got {value!r}")
+        if self.sliding_window is not None and (
+            not isinstance(self.sliding_window, int) or self.sliding_window <= 0
+        ):
+            raise ValueError(
+                f"TransformerConfig.sliding_window must be a positive int or None, got {self.sliding_window!r}"
+            )
+        if self.window_layers is not None:
+            object.__setattr__(self, "window_layers", tuple(bool(w) for w in self.window_layers))
+            if len(self.window_layers) != self.n_layers:
+                raise ValueError(
+                    f"TransformerConfig.window_layers has {len(self.window_layers)} entries for "
+                    f"n_layers={self.n_layers}"
+                )
+            if self.sliding_window is None and any(self.window_layers):
+                raise ValueError("TransformerConfig.window_layers marks local layers but sliding_window is None")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(
+                f"TransformerConfig.rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}"
+            )
 
     @property
     def param_dtype(self):
@@ -80,12 +199,37 @@ class TransformerConfig:
     def kv_size(self) -> int:
         return self.n_kv_heads * self.head_dim
 
+    @property
+    def local_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether it attends within the sliding window."""
+        if self.sliding_window is None:
+            return (False,) * self.n_layers
+        return self.window_layers if self.window_layers is not None else (True,) * self.n_layers
+
+    @property
+    def norm_init(self) -> float:
+        """The RMSNorm weight value of the identity scale (0 with `norm_plus_one`)."""
+        return 0.0 if self.norm_plus_one else 1.0
+
+    def inv_freq(self, *, local: bool = False) -> np.ndarray:
+        """Rotary inverse frequencies `[head_dim / 2]` (float32), of the local layers with `local`."""
+        theta = self.rope_local_theta if local and self.rope_local_theta is not None else self.rope_theta
+        exponent = np.arange(0, self.head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(self.head_dim)
+        inv = (np.float32(1.0) / (np.float32(theta) ** exponent)).astype(np.float32)
+        if self.rope_scaling is not None and not (local and self.rope_local_theta is not None):
+            inv = self.rope_scaling.apply(inv)
+        return inv
+
     def num_params(self) -> int:
         """Number of parameters of a `Policy` with this configuration."""
         D, F, V, L = self.d_model, self.d_ff, self.vocab_size, self.n_layers
         per_layer = D * (self.q_size + 2 * self.kv_size) + self.q_size * D + 3 * D * F + 2 * D
         if self.attn_bias:
             per_layer += self.q_size + 2 * self.kv_size
+        if self.post_norms:
+            per_layer += 2 * D
+        if self.qk_norm:
+            per_layer += 2 * self.head_dim
         head = 0 if self.tie_embeddings else D * V
         return V * D + L * per_layer + D + head
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ._config import TransformerConfig
-from ._layers import normal_init
+from ._layers import normal_init, softcap
 from ._protocols import AbstractBatchedModel, AbstractDecoder, AbstractScalarModel, AbstractSequenceModel
 from ._transformer import KVCache, Transformer
 
@@ -68,9 +68,9 @@ class Policy(AbstractDecoder[KVCache], AbstractBatchedModel):
         return KVCache(k=zeros, v=zeros, mask=jnp.zeros((cache_size,), jnp.bool_))
 
     def logits_from_hidden(self, hidden: Float[Array, "*T D"]) -> Float[Array, "*T V"]:
-        """Apply the LM head (float32 accumulation)."""
+        """Apply the LM head (float32 accumulation; soft-capped with `cfg.final_softcap`)."""
         w = self.transformer.embed.T if self.lm_head is None else self.lm_head
-        return _dot_f32(hidden, w)
+        return softcap(_dot_f32(hidden, w), self.cfg.final_softcap)
 
     def __call__(
         self,

@@ -1,44 +1,11 @@
-"""Hugging Face checkpoints: `config.json` + `*.safetensors` for the Llama architecture family.
+"""Hugging Face checkpoints: `config.json` + `*.safetensors`.
 
-Supported architectures: `LlamaForCausalLM` (Llama 2 / Llama 3 without rope scaling),
-`MistralForCausalLM` (without an active sliding window) and `Qwen2ForCausalLM` (q/k/v
-attention biases), with tied or untied embeddings. A checkpoint is either one
-`model.safetensors` or shards `model-0000i-of-0000n.safetensors` listed in
-`model.safetensors.index.json` (`weight_map`).
-
-Tensor mapping. `L` layers, `D` hidden, `Q = n_heads·head_dim`, `KV =
-n_kv_heads·head_dim`, `F` intermediate; `P` is `model.layers.{i}.` and `layers` is
-`transformer.layers` (layer `i` is index `i` of its leading `L` axis); `[:, a:b]` is a
-column range. HF linear weights are `[out, in]`, rlhf_eqx stores `[in, out]`: rows
-marked ᵀ are transposed.
-
-| Hugging Face name | HF shape | rlhf_eqx field |
-| --- | --- | --- |
-| `model.embed_tokens.weight` | `[V, D]` | `transformer.embed` |
-| `P input_layernorm.weight` | `[D]` | `layers.attn_norm[i]` |
-| `P self_attn.q_proj.weight` | `[Q, D]` | `layers.wqkv[i][:, 0:Q]` ᵀ |
-| `P self_attn.k_proj.weight` | `[KV, D]` | `layers.wqkv[i][:, Q:Q+KV]` ᵀ |
-| `P self_attn.v_proj.weight` | `[KV, D]` | `layers.wqkv[i][:, Q+KV:Q+2KV]` ᵀ |
-| `P self_attn.{q,k,v}_proj.bias` | `[Q]`, `[KV]`, `[KV]` | `layers.bqkv[i]`, same ranges (Qwen2) |
-| `P self_attn.o_proj.weight` | `[D, Q]` | `layers.wo[i]` ᵀ |
-| `P post_attention_layernorm.weight` | `[D]` | `layers.mlp_norm[i]` |
-| `P mlp.gate_proj.weight` | `[F, D]` | `layers.w_gate_up[i][:, 0:F]` ᵀ |
-| `P mlp.up_proj.weight` | `[F, D]` | `layers.w_gate_up[i][:, F:2F]` ᵀ |
-| `P mlp.down_proj.weight` | `[D, F]` | `layers.w_down[i]` ᵀ |
-| `model.norm.weight` | `[D]` | `transformer.final_norm` |
-| `lm_head.weight` | `[V, D]` | `lm_head` ᵀ (absent / ignored with `tie_word_embeddings`) |
-
-Both libraries use the rotate-half rotary convention with heads contiguous in the q/k
-columns, so no permutation is needed.
-
-Config fields read: `architectures` / `model_type`, `hidden_size`,
-`intermediate_size`, `num_hidden_layers`, `num_attention_heads`,
-`num_key_value_heads`, `vocab_size`, `rms_norm_eps`, `rope_theta` (or
-`rope_parameters.rope_theta`), `max_position_embeddings`, `head_dim`,
-`tie_word_embeddings`, `torch_dtype` / `dtype`, `hidden_act` (must be `silu`).
-Features the decoder does not implement are rejected with a `ValueError` naming the
-field: a non-null `rope_scaling` (llama3, linear, dynamic, yarn, ...), a sliding window
-in use, `attention_bias` (Llama: also an `o_proj` bias) and `mlp_bias`.
+Families (see `_hf_config` for the config fields and `_hf_tensors` for the tensor
+names): Llama 2/3.x (`llama3` and `linear` rope scaling, tied or untied embeddings),
+Mistral (sliding window), Qwen2/2.5 (q/k/v biases), Qwen3 (QK-norm), Gemma, Gemma 2
+and Gemma 3 text models. A checkpoint is either one `model.safetensors` or shards
+`model-0000i-of-0000n.safetensors` listed in `model.safetensors.index.json`
+(`weight_map`).
 
 **dtypes.** numpy has no native bfloat16; `ml_dtypes.bfloat16` (installed with jax)
 fills the gap and the `safetensors` numpy API reads and writes it, so bfloat16
@@ -47,34 +14,32 @@ parameter dtype unless `dtype` says otherwise.
 
 **Safety.** Tensors are read with `safetensors.numpy` (a JSON header plus raw
 buffers) and the config with `json`: loading never executes code from the checkpoint
-(no pickle, no `torch.load`).
+(no pickle, no `torch.load`). `save_hf` writes the new checkpoint into a fresh
+directory beside the target and swaps it into place, so the target never holds a
+half-written checkpoint.
 """
 
 import json
 import os
 import re
+import shutil
+import uuid
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from ._config import TransformerConfig
-from ._heads import Policy
-from ._layers import Int8Weight
-from ._llama2c import _policy_from_arrays
+from ._build import model_from_arrays
+from ._heads import Policy, RewardModel, ValueModel
+from ._hf_config import config_from_hf, config_to_hf, hf_head
+from ._hf_tensors import arrays_from_tensors, tensors_from_model
 
 __all__ = ["load_hf", "save_hf", "config_from_hf", "config_to_hf"]
 
-_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
-_TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+_TORCH_DTYPES = ("float32", "bfloat16", "float16")
 _SINGLE = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+_CONFIG = "config.json"
 
 
 def _safetensors_numpy():
@@ -88,137 +53,32 @@ def _safetensors_numpy():
     return stnp
 
 
-def _unsupported(field: str, value: Any, why: str) -> ValueError:
-    return ValueError(f"config.json: `{field}` = {value!r} is not supported: {why}")
+def _read_json(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
-def config_from_hf(config: dict[str, Any], *, dtype: str | None = None) -> TransformerConfig:
-    """Translate a Hugging Face `config.json` dictionary into a `TransformerConfig`.
-
-    `dtype=None` takes the checkpoint's `torch_dtype` / `dtype` (float32 when absent or
-    not one of float32 / bfloat16 / float16). Raises `ValueError` naming the field for
-    unsupported architectures and features (see the module docstring).
-    """
-    archs = config.get("architectures") or []
-    model_type = config.get("model_type")
-    known = [a for a in archs if a in _ARCHITECTURES]
-    if known:
-        family = _ARCHITECTURES[known[0]]
-    elif not archs and model_type in _ARCHITECTURES.values():
-        family = model_type
-    else:
-        raise _unsupported(
-            "architectures",
-            archs or model_type,
-            f"supported architectures are {sorted(_ARCHITECTURES)}",
-        )
-    if config.get("rope_scaling") is not None:
-        raise _unsupported(
-            "rope_scaling",
-            config["rope_scaling"],
-            "only plain rotary embeddings (rope_scaling null) are implemented",
-        )
-    rope_theta = config.get("rope_theta")
-    params = config.get("rope_parameters")
-    if params is not None:
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type != "default":
-            raise _unsupported(
-                "rope_parameters.rope_type",
-                rope_type,
-                "only plain rotary embeddings ('default') are implemented",
-            )
-        rope_theta = params.get("rope_theta", rope_theta)
-    if rope_theta is None:
-        rope_theta = 10000.0
-    window = config.get("sliding_window")
-    if family == "qwen2":
-        window_used = bool(config.get("use_sliding_window", False)) and window is not None
-    else:
-        window_used = (
-            window is not None
-            and bool(config.get("use_sliding_window", True))
-            and window < config.get("max_position_embeddings", 2**62)
-        )
-    if window_used:
-        raise _unsupported(
-            "sliding_window",
-            window,
-            "sliding-window attention is not implemented (full causal attention only)",
-        )
-    if family != "qwen2" and config.get("attention_bias", False):
-        raise _unsupported(
-            "attention_bias",
-            True,
-            "Llama-style attention biases (including o_proj.bias) are not implemented",
-        )
-    if config.get("mlp_bias", False):
-        raise _unsupported("mlp_bias", True, "MLP biases are not implemented")
-    act = config.get("hidden_act", "silu")
-    if act != "silu":
-        raise _unsupported("hidden_act", act, "only the SwiGLU MLP (silu) is implemented")
-    if dtype is None:
-        raw = config.get("torch_dtype", config.get("dtype"))
-        dtype = _TORCH_DTYPES.get(str(raw), "float32")
-    n_heads = int(config["num_attention_heads"])
-    hidden = int(config["hidden_size"])
-    head_dim = config.get("head_dim")
-    return TransformerConfig(
-        vocab_size=int(config["vocab_size"]),
-        d_model=hidden,
-        n_layers=int(config["num_hidden_layers"]),
-        n_heads=n_heads,
-        n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
-        d_ff=int(config["intermediate_size"]),
-        max_seq_len=int(config.get("max_position_embeddings", 2048)),
-        rope_theta=float(rope_theta),
-        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        head_dim=int(head_dim) if head_dim is not None else hidden // n_heads,
-        attn_bias=family == "qwen2",
-        dtype=dtype,
-    )
-
-
-def config_to_hf(cfg: TransformerConfig, *, dtype: str | None = None) -> dict[str, Any]:
-    """A Hugging Face `config.json` dictionary for `cfg`.
-
-    Written as `Qwen2ForCausalLM` when the model has q/k/v biases (`cfg.attn_bias`),
-    `LlamaForCausalLM` otherwise.
-    """
-    qwen = cfg.attn_bias
-    out: dict[str, Any] = {
-        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
-        "model_type": "qwen2" if qwen else "llama",
-        "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.d_ff,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,
-        "vocab_size": cfg.vocab_size,
-        "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
-        "hidden_act": "silu",
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "torch_dtype": dtype or cfg.dtype,
-    }
-    if qwen:
-        out.update(use_sliding_window=False, sliding_window=None)
-    else:
-        out.update(attention_bias=False, mlp_bias=False)
-    return out
+def _load_file(path: str) -> dict[str, np.ndarray]:
+    stnp = _safetensors_numpy()
+    try:
+        return stnp.load_file(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: file not found") from None
+    except Exception as e:  # safetensors raises its own error types for bad headers/data
+        raise ValueError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
 
 
 def _read_tensors(directory: str) -> dict[str, np.ndarray]:
-    stnp = _safetensors_numpy()
     index_path = os.path.join(directory, _INDEX)
     single = os.path.join(directory, _SINGLE)
     if os.path.exists(index_path):
-        with open(index_path, encoding="utf-8") as f:
-            weight_map = json.load(f).get("weight_map")
+        index = _read_json(index_path)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index_path}: no `weight_map` object")
         files = sorted(set(weight_map.values()))
@@ -228,14 +88,15 @@ def _read_tensors(directory: str) -> dict[str, np.ndarray]:
         raise FileNotFoundError(f"{directory}: neither {_SINGLE} nor {_INDEX} found")
     tensors: dict[str, np.ndarray] = {}
     for name in files:
-        if os.path.basename(name) != name:
+        if not isinstance(name, str) or os.path.basename(name) != name:
             raise ValueError(f"{index_path}: shard name {name!r} is not a plain file name")
-        tensors.update(stnp.load_file(os.path.join(directory, name)))
+        tensors.update(_load_file(os.path.join(directory, name)))
     return tensors
 
 
-def load_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> Policy:
-    """Load a Hugging Face Llama / Mistral / Qwen2 causal-LM checkpoint as a `Policy`.
+def load_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> Policy | RewardModel:
+    """Load a Hugging Face checkpoint (Llama, Mistral, Qwen2/3, Gemma 1/2/3): a causal LM
+    as a `Policy`, a one-label `...ForSequenceClassification` as a `RewardModel`.
 
     **Arguments:**
 
@@ -244,133 +105,26 @@ def load_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> Policy
     - `dtype`: parameter dtype (`"float32"`, `"bfloat16"`, `"float16"`); `None` keeps
       the checkpoint's `torch_dtype`.
 
-    **Returns:** a `Policy` whose logits equal the Hugging Face model's (tensor
-    mapping in the module docstring).
+    **Returns:** a `Policy` whose logits equal the Hugging Face model's, or a
+    `RewardModel` whose reward is the classifier's score at the last real token.
 
-    Raises `ValueError` naming the config field for unsupported features, and naming
-    the tensor for missing or mis-shaped weights. No code from the checkpoint is
-    executed (safetensors + JSON only).
+    Raises `ValueError` naming the file and field for invalid or unsupported config
+    fields, the file for unreadable JSON or safetensors, and the tensor for missing,
+    extra or mis-shaped weights. No code from the checkpoint is executed.
     """
     directory = os.fspath(directory)
-    with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
-        config = json.load(f)
-    cfg = config_from_hf(config, dtype=dtype)
+    config_path = os.path.join(directory, _CONFIG)
+    config = _read_json(config_path)
+    cfg = config_from_hf(config, dtype=dtype, source=config_path)
+    head = hf_head(config, source=config_path)
     tensors = _read_tensors(directory)
-    source = directory
-
-    def get(name: str) -> np.ndarray:
-        if name not in tensors:
-            raise ValueError(f"{source}: tensor {name!r} is missing from the checkpoint")
-        return tensors[name]
-
-    def stack(fmt: str) -> np.ndarray:
-        return np.stack([get(fmt.format(i)) for i in range(cfg.n_layers)])
-
-    def stack_t(fmt: str) -> np.ndarray:
-        return np.swapaxes(stack(fmt), -1, -2)
-
-    attn = "model.layers.{}.self_attn."
-    mlp = "model.layers.{}.mlp."
-    wqkv = np.concatenate([stack_t(attn + f"{p}_proj.weight") for p in "qkv"], axis=-1)
-    arrays: dict[str, np.ndarray | None] = {
-        "embed": get("model.embed_tokens.weight"),
-        "final_norm": get("model.norm.weight"),
-        "lm_head": None if cfg.tie_embeddings else get("lm_head.weight").T,
-        "attn_norm": stack("model.layers.{}.input_layernorm.weight"),
-        "wqkv": wqkv,
-        "wo": stack_t(attn + "o_proj.weight"),
-        "mlp_norm": stack("model.layers.{}.post_attention_layernorm.weight"),
-        "w_gate_up": np.concatenate(
-            [stack_t(mlp + "gate_proj.weight"), stack_t(mlp + "up_proj.weight")], axis=-1
-        ),
-        "w_down": stack_t(mlp + "down_proj.weight"),
-    }
-    if cfg.attn_bias:
-        arrays["bqkv"] = np.concatenate([stack(attn + f"{p}_proj.bias") for p in "qkv"], axis=-1)
-    for name, arr in list(arrays.items()):
-        if arr is not None and arr.dtype.kind not in "fV":
-            # ml_dtypes bfloat16 has kind 'V'; anything else non-float is an error.
-            raise ValueError(f"{source}: weight for {name!r} has non-float dtype {arr.dtype}")
-    return _policy_from_arrays(cfg, arrays, source=source)
+    arrays = arrays_from_tensors(cfg, tensors, source=directory, head=head)
+    return model_from_arrays(Policy if head == "lm" else RewardModel, cfg, arrays, source=directory)
 
 
-def save_hf(
-    policy: Policy,
-    directory: str | os.PathLike,
-    *,
-    max_shard_bytes: int = 5 * 2**30,
-    dtype: str | None = None,
-) -> None:
-    """Write `policy` as a Hugging Face checkpoint (`config.json` + safetensors).
-
-    **Arguments:**
-
-    - `policy`: a `Policy` without LoRA adapters (merge them first with `merge_lora`,
-      or drop them with `without_lora`). Int8-quantised projections are written
-      dequantised.
-    - `directory`: created if needed; an existing `config.json` and safetensors
-      checkpoint there (single file, index and shards) are replaced.
-    - `max_shard_bytes`: shard size limit; when the weights exceed it they are split
-      into `model-0000i-of-0000n.safetensors` (a tensor larger than the limit gets a
-      shard of its own) with `model.safetensors.index.json`, else one
-      `model.safetensors`.
-    - `dtype`: dtype written (`"float32"`, `"bfloat16"`, `"float16"`); default the
-      model's parameter dtype.
-
-    Architecture written: `Qwen2ForCausalLM` with q/k/v biases, else
-    `LlamaForCausalLM`. `ValueModel` / `RewardModel` heads are not exported.
-    """
-    if not isinstance(policy, Policy):
-        raise TypeError(f"save_hf exports a Policy, got {type(policy).__name__}")
-    if max_shard_bytes <= 0:
-        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    layers = policy.transformer.layers
-    if layers.lora is not None:
-        raise ValueError(
-            "save_hf: the policy has LoRA adapters; fold them in with merge_lora(policy) "
-            "(or drop them with without_lora(policy)) before exporting"
-        )
-    cfg = policy.cfg
-    dtype = dtype or cfg.dtype
-    if dtype not in _TORCH_DTYPES:
-        raise ValueError(f"save_hf: dtype must be one of {sorted(_TORCH_DTYPES)}, got {dtype!r}")
-    jdt = getattr(jnp, dtype)
-    Q, KV, F = cfg.q_size, cfg.kv_size, cfg.d_ff
-
-    def host(w) -> np.ndarray:
-        """The whole (stacked) array on the host in the written dtype."""
-        if isinstance(w, Int8Weight):
-            w = jax.vmap(lambda x: x.dequantize(jnp.float32))(w)
-        return np.asarray(jnp.asarray(w).astype(jdt))
-
-    c = np.ascontiguousarray
-    T = lambda x: c(np.swapaxes(x, -1, -2))
-    wqkv, wo = host(layers.wqkv), host(layers.wo)
-    wgu, wdown = host(layers.w_gate_up), host(layers.w_down)
-    attn_norm, mlp_norm = host(layers.attn_norm), host(layers.mlp_norm)
-    bqkv = None if layers.bqkv is None else host(layers.bqkv)
-    tensors: dict[str, np.ndarray] = {
-        "model.embed_tokens.weight": c(host(policy.transformer.embed))
-    }
-    for i in range(cfg.n_layers):
-        p = f"model.layers.{i}."
-        tensors[p + "input_layernorm.weight"] = c(attn_norm[i])
-        tensors[p + "self_attn.q_proj.weight"] = T(wqkv[i][:, :Q])
-        tensors[p + "self_attn.k_proj.weight"] = T(wqkv[i][:, Q : Q + KV])
-        tensors[p + "self_attn.v_proj.weight"] = T(wqkv[i][:, Q + KV :])
-        if bqkv is not None:
-            tensors[p + "self_attn.q_proj.bias"] = c(bqkv[i][:Q])
-            tensors[p + "self_attn.k_proj.bias"] = c(bqkv[i][Q : Q + KV])
-            tensors[p + "self_attn.v_proj.bias"] = c(bqkv[i][Q + KV :])
-        tensors[p + "self_attn.o_proj.weight"] = T(wo[i])
-        tensors[p + "post_attention_layernorm.weight"] = c(mlp_norm[i])
-        tensors[p + "mlp.gate_proj.weight"] = T(wgu[i][:, :F])
-        tensors[p + "mlp.up_proj.weight"] = T(wgu[i][:, F:])
-        tensors[p + "mlp.down_proj.weight"] = T(wdown[i])
-    tensors["model.norm.weight"] = c(host(policy.transformer.final_norm))
-    if policy.lm_head is not None:
-        tensors["lm_head.weight"] = T(host(policy.lm_head))
-
+def _plan_shards(tensors: dict[str, np.ndarray], max_shard_bytes: int) -> list[list[str]]:
+    """Tensor names per shard, in order, each shard at most `max_shard_bytes` (a larger
+    tensor gets a shard of its own)."""
     shards: list[list[str]] = [[]]
     used = 0
     for name, arr in tensors.items():
@@ -379,32 +133,137 @@ def save_hf(
             used = 0
         shards[-1].append(name)
         used += arr.nbytes
+    return shards
 
+
+def _write_files(directory: str, config: dict[str, Any], tensors: dict[str, np.ndarray], shards) -> None:
+    """Write `config.json`, the safetensors file(s) and the index into `directory`;
+    weight files get the config's permissions."""
     stnp = _safetensors_numpy()
-    directory = os.fspath(directory)
-    os.makedirs(directory, exist_ok=True)
-    for stale in os.listdir(directory):
-        if stale in (_SINGLE, _INDEX) or _SHARD_NAME.fullmatch(stale):
-            os.remove(os.path.join(directory, stale))
-    with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(config_to_hf(cfg, dtype=dtype), f, indent=2)
+    config_path = os.path.join(directory, _CONFIG)
+    with open(config_path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
     metadata = {"format": "pt"}
+    written = []
     if len(shards) == 1:
+        written.append(_SINGLE)
         stnp.save_file(tensors, os.path.join(directory, _SINGLE), metadata=metadata)
+    else:
+        n = len(shards)
+        weight_map = {}
+        for k, names in enumerate(shards, start=1):
+            fname = f"model-{k:05d}-of-{n:05d}.safetensors"
+            stnp.save_file({name: tensors[name] for name in names}, os.path.join(directory, fname), metadata=metadata)
+            weight_map.update({name: fname for name in names})
+            written.append(fname)
+        index = {"metadata": {"total_size": int(sum(a.nbytes for a in tensors.values()))}, "weight_map": weight_map}
+        with open(os.path.join(directory, _INDEX), "w", encoding="utf-8") as f:
+            json.dump(index, f, indent=2)
+        written.append(_INDEX)
+    mode = os.stat(config_path).st_mode & 0o777
+    for fname in written:
+        os.chmod(os.path.join(directory, fname), mode)
+
+
+def _is_checkpoint_file(name: str) -> bool:
+    return name in (_CONFIG, _SINGLE, _INDEX) or bool(_SHARD_NAME.fullmatch(name))
+
+
+def _swap_into_place(staging: str, target: str) -> None:
+    """Make `staging` the new `target`: other files already in `target` (tokenizer,
+    generation config, ...) are carried over, old checkpoint files are dropped."""
+    if not os.path.isdir(target):
+        os.rename(staging, target)
         return
-    n = len(shards)
-    weight_map = {}
-    for k, names in enumerate(shards, start=1):
-        fname = f"model-{k:05d}-of-{n:05d}.safetensors"
-        stnp.save_file(
-            {name: tensors[name] for name in names},
-            os.path.join(directory, fname),
-            metadata=metadata,
+    for name in os.listdir(target):
+        if not _is_checkpoint_file(name) and not os.path.exists(os.path.join(staging, name)):
+            src = os.path.join(target, name)
+            dst = os.path.join(staging, name)
+            if os.path.isdir(src) and not os.path.islink(src):
+                shutil.copytree(src, dst, symlinks=True)
+            else:
+                shutil.copy2(src, dst, follow_symlinks=False)
+    os.chmod(staging, os.stat(target).st_mode & 0o7777)
+    old = _sibling(target, "old")
+    os.rename(target, old)
+    os.rename(staging, target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _sibling(target: str, kind: str) -> str:
+    parent, name = os.path.split(target)
+    return os.path.join(parent, f".{name}.{kind}-{uuid.uuid4().hex[:12]}")
+
+
+def _remove_stale(target: str) -> None:
+    """Delete staging directories a crashed `save_hf` left beside `target`."""
+    parent, name = os.path.split(target)
+    if not os.path.isdir(parent or "."):
+        return
+    for entry in os.listdir(parent or "."):
+        stale = entry.startswith(f".{name}.tmp-") or (entry.startswith(f".{name}.old-") and os.path.isdir(target))
+        if stale:
+            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+
+
+def save_hf(
+    policy: Policy | RewardModel | ValueModel,
+    directory: str | os.PathLike,
+    *,
+    max_shard_bytes: int = 5 * 2**30,
+    dtype: str | None = None,
+    pad_token_id: int | None = None,
+) -> None:
+    """Write a model as a Hugging Face checkpoint (`config.json` + safetensors).
+
+    **Arguments:**
+
+    - `policy`: a `Policy` (written as the family's causal LM), or a `RewardModel` /
+      `ValueModel` (written as the family's one-label `...ForSequenceClassification`:
+      `score.weight [1, D]`; its scalar `bias` must be zero), without LoRA adapters
+      (merge them first with `merge_lora`, or drop them with `without_lora`).
+      Int8-quantised projections are written dequantised.
+    - `directory`: the checkpoint directory. The checkpoint is written into a fresh
+      directory beside it and then swapped into place: an existing checkpoint there is
+      replaced only once the new one is complete, other files in it are kept, and
+      staging directories left by an interrupted save are removed.
+    - `max_shard_bytes`: shard size limit; when the weights exceed it they are split
+      into `model-0000i-of-0000n.safetensors` (a tensor larger than the limit gets a
+      shard of its own) with `model.safetensors.index.json`, else one
+      `model.safetensors`.
+    - `dtype`: dtype written (`"float32"`, `"bfloat16"`, `"float16"`); default the
+      model's parameter dtype.
+    - `pad_token_id`: written to `config.json` when given (a sequence classifier reads
+      its score at the last token that is not `pad_token_id`).
+
+    The architecture written is the family the configuration's switches describe
+    (`config_to_hf`).
+    """
+    if not isinstance(policy, (Policy, RewardModel, ValueModel)):
+        raise TypeError(f"save_hf exports a Policy, RewardModel or ValueModel, got {type(policy).__name__}")
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    if policy.transformer.layers.lora is not None:
+        raise ValueError(
+            "save_hf: the model has LoRA adapters; fold them in with merge_lora(policy) "
+            "(or drop them with without_lora(policy)) before exporting"
         )
-        weight_map.update({name: fname for name in names})
-    index = {
-        "metadata": {"total_size": int(sum(a.nbytes for a in tensors.values()))},
-        "weight_map": weight_map,
-    }
-    with open(os.path.join(directory, _INDEX), "w", encoding="utf-8") as f:
-        json.dump(index, f, indent=2)
+    dtype = dtype or policy.cfg.dtype
+    if dtype not in _TORCH_DTYPES:
+        raise ValueError(f"save_hf: dtype must be one of {list(_TORCH_DTYPES)}, got {dtype!r}")
+    head = "lm" if isinstance(policy, Policy) else "score"
+    config = config_to_hf(policy.cfg, dtype=dtype, head=head, pad_token_id=pad_token_id)
+    tensors = tensors_from_model(policy, dtype)
+    target = os.path.abspath(os.fspath(directory))
+    if os.path.exists(target) and not os.path.isdir(target):
+        raise ValueError(f"save_hf: {target} exists and is not a directory")
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    _remove_stale(target)
+    staging = _sibling(target, "tmp")
+    os.mkdir(staging)
+    try:
+        _write_files(staging, config, tensors, _plan_shards(tensors, max_shard_bytes))
+        _swap_into_place(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise

@@ -1,4 +1,4 @@
-"""Building blocks: weights that may be quantised, LoRA adapters, RMSNorm, rotary embeddings, attention."""
+"""Building blocks: weights that may be quantised, LoRA adapters, RMSNorm, MLP activations, soft-capping."""
 
 import functools
 import math
@@ -6,9 +6,9 @@ import math
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, PRNGKeyArray
 
-__all__ = ["normal_init", "Int8Weight", "LoRAAdapter", "matmul", "dense_weight", "rms_norm", "apply_rope", "attention"]
+__all__ = ["normal_init", "Int8Weight", "LoRAAdapter", "matmul", "dense_weight", "rms_norm", "activation", "softcap"]
 
 
 @functools.partial(jax.jit, static_argnames=("shapes", "scales", "dtype"))
@@ -88,55 +88,34 @@ def _lift(x: Array, ndim: int) -> Array:
     return x.reshape((1,) * (ndim - x.ndim) + x.shape)
 
 
-def rms_norm(x: Float[Array, "*N D"], weight: Float[Array, " D"], eps: float) -> Float[Array, "*N D"]:
-    """RMSNorm (Zhang & Sennrich 2019) accumulated in float32, returned in `x`'s dtype."""
+def rms_norm(
+    x: Float[Array, "*N D"], weight: Float[Array, " D"], eps: float, *, plus_one: bool = False
+) -> Float[Array, "*N D"]:
+    """RMSNorm (Zhang & Sennrich 2019) accumulated in float32, returned in `x`'s dtype.
+
+    `x / √(mean(x²) + eps) · w`; with `plus_one` (Gemma) the scale is `1 + w`, applied
+    in float32 before the cast back, as Gemma's reference does.
+    """
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if plus_one:
+        return (normed * _lift(1.0 + weight.astype(jnp.float32), x.ndim)).astype(x.dtype)
     return normed.astype(x.dtype) * _lift(weight.astype(x.dtype), x.ndim)
 
 
-def rope_tables(
-    positions: Int[Array, "*B T"], head_dim: int, theta: float
-) -> tuple[Float[Array, "*B T hd"], Float[Array, "*B T hd"]]:
-    """cos/sin tables `[..., T, head_dim]` in float32 (rotate-half layout, as in Hugging Face Llama)."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    angles = positions.astype(jnp.float32)[..., None] * _lift(inv_freq, positions.ndim + 1)
-    angles = jnp.concatenate([angles, angles], axis=-1)
-    return jnp.cos(angles), jnp.sin(angles)
+def activation(x: Float[Array, "*N F"], kind: str) -> Float[Array, "*N F"]:
+    """The MLP gate activation: `silu` (SwiGLU), `gelu_tanh` (GeGLU, Gemma) or exact `gelu`."""
+    if kind == "silu":
+        return jax.nn.silu(x)
+    if kind == "gelu_tanh":
+        return jax.nn.gelu(x, approximate=True)
+    if kind == "gelu":
+        return jax.nn.gelu(x, approximate=False)
+    raise ValueError(f"unknown MLP activation {kind!r}")
 
 
-def apply_rope(
-    x: Float[Array, "*B T N hd"], cos: Float[Array, "*B T hd"], sin: Float[Array, "*B T hd"]
-) -> Float[Array, "*B T N hd"]:
-    """Rotary position embedding (Su et al. 2021), rotate-half convention, float32 inside."""
-    half = x.shape[-1] // 2
-    x32 = x.astype(jnp.float32)
-    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-    out = x32 * cos[..., None, :] + rotated * sin[..., None, :]
-    return out.astype(x.dtype)
-
-
-def attention(
-    q: Float[Array, "*B T H hd"],
-    k: Float[Array, "*B K S hd"],
-    v: Float[Array, "*B K S hd"],
-    allowed: Bool[Array, "*B T S"],
-) -> Float[Array, "*B T H hd"]:
-    """Grouped-query softmax attention; keys/values are head-major (`[..., K, S, hd]`).
-
-    Scores and softmax are float32. Rows with no allowed key (padding) get finite values.
-    """
-    *lead, T, H, hd = q.shape
-    lead = tuple(lead)
-    n = len(lead)
-    K, S = k.shape[-3], k.shape[-2]
-    G = H // K
-    # [..., T, K, G, hd] -> [..., K, G·T, hd]: both products become plain batched matrix
-    # products over the kv heads (no transposes inside them, forward or backward).
-    qg = jnp.moveaxis(q.reshape(lead + (T, K, G, hd)), n, n + 2).reshape(lead + (K, G * T, hd))
-    scores = jnp.einsum("...qd,...sd->...qs", qg, k, preferred_element_type=jnp.float32)
-    scores = scores.reshape(lead + (K, G, T, S)) * (1.0 / math.sqrt(hd))
-    scores = jnp.where(allowed[..., None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(lead + (K, G * T, S))
-    out = jnp.einsum("...qs,...sd->...qd", probs, v).reshape(lead + (K, G, T, hd))
-    return jnp.moveaxis(out, n + 2, n).reshape(lead + (T, H, hd))
+def softcap(x: Array, cap: float | None) -> Array:
+    """`cap · tanh(x / cap)` (Gemma 2's logit soft-capping); identity when `cap` is None."""
+    if cap is None:
+        return x
+    return jnp.tanh(x / cap) * cap

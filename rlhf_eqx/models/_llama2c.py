@@ -33,17 +33,13 @@ executes code from the file (no pickle).
 """
 
 import os
-from typing import Any
-
-import equinox as eqx
-import jax
-import jax.numpy as jnp
 import numpy as np
 
+from ._build import policy_from_arrays
 from ._config import TransformerConfig
 from ._heads import Policy
 
-__all__ = ["load_llama2c", "read_llama2c", "llama2c_config", "permute_rotary_rows"]
+__all__ = ["load_llama2c_policy", "read_llama2c", "llama2c_config", "permute_rotary_rows"]
 
 _MAGIC = 0x616B3432
 _V1_HEADER_BYTES = 256
@@ -210,29 +206,26 @@ def llama2c_config(
     )
 
 
-def load_llama2c(
+def load_llama2c_policy(
     model_path: str | os.PathLike,
-    tokenizer_path: str | os.PathLike | None = None,
     *,
     dtype: str = "float32",
     norm_eps: float = 1e-5,
     rope_theta: float = 10000.0,
-) -> tuple[Policy, Any]:
-    """Load a llama2.c `.bin` checkpoint as a `Policy` (and its tokenizer).
+) -> Policy:
+    """Load a llama2.c `.bin` checkpoint as a `Policy`.
 
     **Arguments:**
 
     - `model_path`: a float32 llama2.c checkpoint (legacy or version-1 format; see the
       module docstring).
-    - `tokenizer_path`: optional llama2.c tokenizer file (`tokenizer.bin`, `tok512.bin`),
-      read with `rlhf_eqx.data.Llama2cTokenizer.from_file`.
     - `dtype`: parameter dtype of the returned model (`"float32"`, `"bfloat16"`, ...).
     - `norm_eps`, `rope_theta`: not stored in the file; llama2.c's `run.c` uses `1e-5`
       and `10000`.
 
-    **Returns:** `(policy, tokenizer)`, the tokenizer being `None` without
-    `tokenizer_path`. The q/k rows are permuted from llama2.c's interleaved rotary
-    layout to rotate-half, so the policy computes exactly llama2.c's logits.
+    **Returns:** the policy. The q/k rows are permuted from llama2.c's interleaved
+    rotary layout to rotate-half, so it computes exactly llama2.c's logits. The
+    tokenizer is read by `rlhf_eqx.load_llama2c`, which pairs the two.
 
     The file is read as raw float32 with numpy; no code from it is executed.
     """
@@ -255,59 +248,4 @@ def load_llama2c(
         "final_norm": w["rms_final"],
         "lm_head": None if shared else w["wcls"].T,
     }
-    policy = _policy_from_arrays(cfg, arrays, source=os.fspath(model_path))
-    tokenizer = None
-    if tokenizer_path is not None:
-        from rlhf_eqx.data import Llama2cTokenizer
-
-        tokenizer = Llama2cTokenizer.from_file(tokenizer_path)
-        if tokenizer.vocab_size != cfg.vocab_size:
-            raise ValueError(
-                f"{os.fspath(tokenizer_path)}: tokenizer has {tokenizer.vocab_size} pieces but "
-                f"{os.fspath(model_path)} has a vocabulary of {cfg.vocab_size}"
-            )
-    return policy, tokenizer
-
-
-_LAYER_FIELDS = ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "w_gate_up", "w_down")
-
-
-def _policy_from_arrays(
-    cfg: TransformerConfig, arrays: dict[str, np.ndarray | None], *, source: str
-) -> Policy:
-    """A `Policy` of configuration `cfg` whose parameters are the given host arrays.
-
-    `arrays` holds `embed [V, D]`, `final_norm [D]`, `lm_head [D, V]` (`None` when tied)
-    and the stacked layer fields `attn_norm [L, D]`, `wqkv [L, D, Q+2KV]`, `bqkv
-    [L, Q+2KV]` (optional, with `cfg.attn_bias`), `wo [L, Q, D]`, `mlp_norm [L, D]`,
-    `w_gate_up [L, D, 2F]`, `w_down [L, F, D]`. The model is built abstractly
-    (`eqx.filter_eval_shape`, no random initialisation) and filled with `eqx.tree_at`;
-    every array is checked against the expected shape and cast to `cfg.dtype`.
-    """
-    skeleton = eqx.filter_eval_shape(Policy, cfg, key=jax.random.key(0))
-    fields: list[tuple[str, Any]] = [
-        ("embed", lambda p: p.transformer.embed),
-        ("final_norm", lambda p: p.transformer.final_norm),
-    ]
-    if not cfg.tie_embeddings:
-        fields.append(("lm_head", lambda p: p.lm_head))
-    for name in _LAYER_FIELDS:
-        if name == "bqkv" and not cfg.attn_bias:
-            continue
-        fields.append((name, (lambda n: lambda p: getattr(p.transformer.layers, n))(name)))
-    values = []
-    for name, get in fields:
-        spec = get(skeleton)
-        arr = arrays.get(name)
-        if arr is None:
-            raise ValueError(
-                f"{source}: missing weight {name!r} (expected shape {tuple(spec.shape)})"
-            )
-        if tuple(arr.shape) != tuple(spec.shape):
-            raise ValueError(
-                f"{source}: weight {name!r} has shape {tuple(arr.shape)}, expected "
-                f"{tuple(spec.shape)} for {cfg}"
-            )
-        values.append(jnp.asarray(arr).astype(spec.dtype))
-    getters = [get for _, get in fields]
-    return eqx.tree_at(lambda p: [g(p) for g in getters], skeleton, values)
+    return policy_from_arrays(cfg, arrays, source=os.fspath(model_path))

@@ -26,7 +26,6 @@ import dataclasses
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import equinox as eqx
 import jax
@@ -35,7 +34,8 @@ from jaxtyping import PRNGKeyArray, PyTree
 
 from ._config import TransformerConfig
 from ._layers import Int8Weight, LoRAAdapter
-from ._transformer import LORA_TARGETS, DecoderLayer, Transformer
+from ._build import model_config, where_layers
+from ._transformer import LORA_TARGETS, DecoderLayer
 
 __all__ = [
     "LoRAConfig",
@@ -91,22 +91,6 @@ class LoRAConfig:
         return self.alpha / self.rank
 
 
-def _where_layers(model: Any):
-    """Accessor of the stacked `DecoderLayer` of a Transformer or of a model holding one."""
-    if isinstance(model, Transformer):
-        return lambda m: m.layers
-    if isinstance(getattr(model, "transformer", None), Transformer):
-        return lambda m: m.transformer.layers
-    raise TypeError(
-        "expected a Transformer or a model with a `transformer` field (Policy, ValueModel, "
-        f"RewardModel); got {type(model).__name__}"
-    )
-
-
-def _cfg(model: Any) -> TransformerConfig:
-    return model.cfg if isinstance(model, Transformer) else model.transformer.cfg
-
-
 def lora_shapes(cfg: TransformerConfig) -> dict[str, tuple[int, int]]:
     """`(in, out)` of each adaptable projection."""
     D, Q, KV, F = cfg.d_model, cfg.q_size, cfg.kv_size, cfg.d_ff
@@ -147,10 +131,10 @@ def apply_lora(model: PyTree, config: LoRAConfig, *, key: PRNGKeyArray) -> PyTre
     r]` uniform on `±1/√in` and `b [L, r, out]` zero (float32), so its outputs are
     unchanged. The base arrays are shared with the input model, not copied.
     """
-    where = _where_layers(model)
+    where = where_layers(model)
     if where(model).lora is not None:
         raise ValueError("the model already has LoRA adapters; merge_lora or without_lora it first")
-    cfg = _cfg(model)
+    cfg = model_config(model)
     shapes = lora_shapes(cfg)
     arrays = _init_adapters(
         key, cfg.n_layers, tuple(shapes[t] for t in config.targets), config.rank
@@ -165,7 +149,7 @@ def lora_filter(model: PyTree) -> PyTree:
 
     Raises `ValueError` when the model has no adapters.
     """
-    where = _where_layers(model)
+    where = where_layers(model)
     lora = where(model).lora
     if lora is None:
         raise ValueError("the model has no LoRA adapters; call apply_lora first")
@@ -179,7 +163,7 @@ def without_lora(model: PyTree) -> PyTree:
     No array is copied: the result's base weights are the very same array objects as
     `model`'s, so using it as the reference model of DPO / PPO costs no memory.
     """
-    where = _where_layers(model)
+    where = where_layers(model)
     if where(model).lora is None:
         return model
     return eqx.tree_at(lambda m: where(m).lora, model, None)
@@ -224,11 +208,11 @@ def merge_lora(model: PyTree) -> PyTree:
     Raises `TypeError` for an int8 base (`dequantize` it first; re-quantising would
     lose the update's precision).
     """
-    where = _where_layers(model)
+    where = where_layers(model)
     layers: DecoderLayer = where(model)
     if layers.lora is None:
         return model
-    cfg = _cfg(model)
+    cfg = model_config(model)
     new = {f: getattr(layers, f) for f in set(_COLUMNS.values())}
     for name, adapter in layers.lora.items():
         field = _COLUMNS[name]

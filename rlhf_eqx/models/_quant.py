@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PyTree
 
 from ._layers import Int8Weight
-from ._lora import _cfg, _where_layers
+from ._build import model_config, where_layers
 
 __all__ = ["quantize_int8", "dequantize", "quantize_weight"]
 
@@ -54,7 +54,7 @@ def quantize_int8(model: PyTree) -> PyTree:
     without LoRA adapters, which stay float). Already-quantised weights are kept.
     Quantisation is per layer and per output channel (see the module docstring).
     """
-    where = _where_layers(model)
+    where = where_layers(model)
     layers = where(model)
     fields = [f for f in _FIELDS if not isinstance(getattr(layers, f), Int8Weight)]
     if not fields:
@@ -68,9 +68,9 @@ def dequantize(model: PyTree, *, dtype: str | None = None) -> PyTree:
 
     `dtype` defaults to the model's parameter dtype (`cfg.dtype`).
     """
-    where = _where_layers(model)
+    where = where_layers(model)
     layers = where(model)
-    jdt = getattr(jnp, dtype or _cfg(model).dtype)
+    jdt = getattr(jnp, dtype or model_config(model).dtype)
     fields = [f for f in _FIELDS if isinstance(getattr(layers, f), Int8Weight)]
     if not fields:
         return model

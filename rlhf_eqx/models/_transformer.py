@@ -1,11 +1,18 @@
-"""The Llama-family decoder: a stack of pre-norm blocks applied with `jax.lax.scan`.
+"""The decoder: a stack of pre-norm blocks applied with `jax.lax.scan`.
 
 The model is written for one sequence (no batch axis); batch it with `jax.vmap`.
 Positions come from the mask (the `t`-th real token of a segment gets position
 `t`), so left padding, right padding and padding between a prompt and its completion
 all give the same outputs at real positions. Projections are fused (`wqkv`,
 `w_gate_up`) and the KV cache is head-major (`[L, K, S, hd]`) and updated in place.
+
+Per-layer differences (sliding window or global attention, local or global rotary
+base) are data scanned with the weights — `window[l]` (0 for a global layer) and
+`local[l]` — so a stack that alternates local and global layers still compiles one
+layer body.
 """
+
+from collections.abc import Callable
 
 import equinox as eqx
 import jax
@@ -13,18 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
+from ._attention import apply_rope, attention, attention_layout, rope_tables, within_window
 from ._config import TransformerConfig
+from ._layers import Int8Weight, LoRAAdapter, activation, matmul, normal_init, rms_norm
 from ._protocols import AbstractBatchedModel, AbstractSequenceModel
-from ._layers import (
-    Int8Weight,
-    LoRAAdapter,
-    apply_rope,
-    attention,
-    matmul,
-    normal_init,
-    rms_norm,
-    rope_tables,
-)
 
 __all__ = ["DecoderLayer", "Transformer", "KVCache", "LORA_TARGETS"]
 
@@ -34,29 +33,38 @@ LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 class KVCache(eqx.Module):
     """Per-sequence key/value cache, head-major: `k[l, h, s]` is layer `l`, kv head `h`, slot `s`.
 
-    `mask[s]` says whether slot `s` holds a real token that later tokens may attend to.
+    `mask[s]` says whether slot `s` holds a real token that later tokens may attend to;
+    `positions[s]` is that token's rotary position (for sliding-window layers).
     """
 
     k: Float[Array, "L K S hd"]
     v: Float[Array, "L K S hd"]
     mask: Bool[Array, " S"]
+    positions: Int[Array, " S"]
 
 
 class DecoderLayer(eqx.Module):
-    """One pre-norm block: RMSNorm → GQA attention (fused q/k/v) → RMSNorm → SwiGLU MLP.
+    """One pre-norm block: RMSNorm → GQA attention (fused q/k/v) → RMSNorm → gated MLP.
 
-    Inside `Transformer` its array fields carry a leading `n_layers` axis.
-    `lora`, when set, maps projection names (`LORA_TARGETS`) to adapters added to that
-    projection's output.
+    Optional parts, set by the configuration: q/k/v biases (`bqkv`, Qwen2), per-head
+    RMSNorm of queries and keys (`q_norm`, `k_norm`, Qwen3 / Gemma 3) and RMSNorms of
+    the attention and MLP outputs (`attn_post_norm`, `mlp_post_norm`, Gemma 2/3).
+    Inside `Transformer` its array fields carry a leading `n_layers` axis. `lora`, when
+    set, maps projection names (`LORA_TARGETS`) to adapters added to that projection's
+    output.
     """
 
     attn_norm: Float[Array, "*L D"]
     wqkv: Array | Int8Weight
     bqkv: Float[Array, "*L QKV"] | None
+    q_norm: Float[Array, "*L hd"] | None
+    k_norm: Float[Array, "*L hd"] | None
     wo: Array | Int8Weight
+    attn_post_norm: Float[Array, "*L D"] | None
     mlp_norm: Float[Array, "*L D"]
     w_gate_up: Array | Int8Weight
     w_down: Array | Int8Weight
+    mlp_post_norm: Float[Array, "*L D"] | None
     lora: dict[str, LoRAAdapter] | None
 
     def __init__(self, cfg: TransformerConfig, *, key: PRNGKeyArray, n_layers: int | None = None):
@@ -69,9 +77,14 @@ class DecoderLayer(eqx.Module):
         self.wqkv, self.wo, self.w_gate_up, self.w_down = normal_init(
             key, shapes=shapes, scales=(0.02,) * 4, dtype=dt
         )
-        self.attn_norm = jnp.ones(lead + (D,), dt)
+        norm = lambda n: jnp.full(lead + (n,), cfg.norm_init, dt)
+        self.attn_norm = norm(D)
+        self.mlp_norm = norm(D)
         self.bqkv = jnp.zeros(lead + (qkv,), dt) if cfg.attn_bias else None
-        self.mlp_norm = jnp.ones(lead + (D,), dt)
+        self.q_norm = norm(cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = norm(cfg.head_dim) if cfg.qk_norm else None
+        self.attn_post_norm = norm(D) if cfg.post_norms else None
+        self.mlp_post_norm = norm(D) if cfg.post_norms else None
         self.lora = None
 
     def _lora(self, name: str, x, keys):
@@ -80,55 +93,87 @@ class DecoderLayer(eqx.Module):
         key = None if keys is None else keys[LORA_TARGETS.index(name)]
         return self.lora[name](x, key)
 
+    def _plus_lora(self, name: str, out, x, keys):
+        delta = self._lora(name, x, keys)
+        return out if delta is None else out + delta
+
     def qkv(self, h: Float[Array, "*B T D"], cfg: TransformerConfig, keys=None):
-        """Project to `q [..., T, H, hd]`, `k`, `v [..., T, K, hd]` (before rotary)."""
+        """Project to `q [..., T, H, hd]`, `k`, `v [..., T, K, hd]` (before QK-norm and rotary)."""
         lead = h.shape[:-1]
         qkv = matmul(h, self.wqkv)
         if self.bqkv is not None:
             qkv = qkv + self.bqkv.astype(qkv.dtype).reshape((1,) * len(lead) + (-1,))
-        q = qkv[..., : cfg.q_size]
-        k = qkv[..., cfg.q_size : cfg.q_size + cfg.kv_size]
-        v = qkv[..., cfg.q_size + cfg.kv_size :]
-        for name, part in (("q", q), ("k", k), ("v", v)):
-            delta = self._lora(name, h, keys)
-            if delta is not None:
-                if name == "q":
-                    q = part + delta
-                elif name == "k":
-                    k = part + delta
-                else:
-                    v = part + delta
-        hd = cfg.head_dim
+        Q, KV, hd = cfg.q_size, cfg.kv_size, cfg.head_dim
+        q = self._plus_lora("q", qkv[..., :Q], h, keys)
+        k = self._plus_lora("k", qkv[..., Q : Q + KV], h, keys)
+        v = self._plus_lora("v", qkv[..., Q + KV :], h, keys)
         return (
             q.reshape(lead + (cfg.n_heads, hd)),
             k.reshape(lead + (cfg.n_kv_heads, hd)),
             v.reshape(lead + (cfg.n_kv_heads, hd)),
         )
 
-    def attn_out(self, o: Float[Array, "*B T Q"], keys=None) -> Float[Array, "*B T D"]:
-        out = matmul(o, self.wo)
-        delta = self._lora("o", o, keys)
-        return out if delta is None else out + delta
-
-    def mlp(self, x: Float[Array, "*B T D"], cfg: TransformerConfig, keys=None) -> Float[Array, "*B T D"]:
-        h = rms_norm(x, self.mlp_norm, cfg.norm_eps)
+    def mlp(self, h: Float[Array, "*B T D"], cfg: TransformerConfig, keys=None) -> Float[Array, "*B T D"]:
+        """The gated MLP `down(act(gate(h)) · up(h))` of the normalised input `h`."""
         gu = matmul(h, self.w_gate_up)
-        gate, up = gu[..., : cfg.d_ff], gu[..., cfg.d_ff :]
-        dg, du = self._lora("gate", h, keys), self._lora("up", h, keys)
-        if dg is not None:
-            gate = gate + dg
-        if du is not None:
-            up = up + du
-        act = jax.nn.silu(gate) * up
-        out = matmul(act, self.w_down)
-        dd = self._lora("down", act, keys)
-        return out if dd is None else out + dd
+        gate = self._plus_lora("gate", gu[..., : cfg.d_ff], h, keys)
+        up = self._plus_lora("up", gu[..., cfg.d_ff :], h, keys)
+        act = activation(gate, cfg.mlp_activation) * up
+        return self._plus_lora("down", matmul(act, self.w_down), act, keys)
+
+    def block(
+        self,
+        x: Float[Array, "*B T D"],
+        cfg: TransformerConfig,
+        rope: tuple[Array, Array],
+        attend: Callable,
+        keys=None,
+    ):
+        """The whole block on the residual stream `x`; `attend(q, k, v)` (after rotary)
+        returns the attention output `[..., T, H, hd]` and anything to collect."""
+        norm = lambda y, w: rms_norm(y, w, cfg.norm_eps, plus_one=cfg.norm_plus_one)
+        q, k, v = self.qkv(norm(x, self.attn_norm), cfg, keys)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = norm(q, self.q_norm), norm(k, self.k_norm)
+        cos, sin = rope
+        o, collected = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+        o = o.reshape(o.shape[:-2] + (-1,))
+        a = self._plus_lora("o", matmul(o, self.wo), o, keys)
+        if self.attn_post_norm is not None:
+            a = norm(a, self.attn_post_norm)
+        x = x + a
+        m = self.mlp(norm(x, self.mlp_norm), cfg, keys)
+        if self.mlp_post_norm is not None:
+            m = norm(m, self.mlp_post_norm)
+        return x + m, collected
 
 
 def _layer_keys(key: PRNGKeyArray | None, n_layers: int):
     if key is None:
         return None
     return jax.random.split(key, (n_layers, len(LORA_TARGETS)))
+
+
+def _per_layer(cfg: TransformerConfig) -> tuple[Int[Array, " L"], Bool[Array, " L"]]:
+    """Per-layer scan data: the window (0 = global attention) and whether the layer is local."""
+    local = np.array(cfg.local_layers, dtype=bool)
+    window = np.where(local, cfg.sliding_window or 0, 0).astype(np.int32)
+    return jnp.asarray(window), jnp.asarray(local)
+
+
+def _rope(cfg: TransformerConfig, positions: Int[Array, "*B T"]):
+    """Global and (Gemma 3) local rotary tables; the local ones are `None` when shared."""
+    glob = rope_tables(positions, jnp.asarray(cfg.inv_freq()))
+    if cfg.rope_local_theta is None:
+        return glob, None
+    return glob, rope_tables(positions, jnp.asarray(cfg.inv_freq(local=True)))
+
+
+def _select(rope, local: Bool[Array, ""]):
+    glob, loc = rope
+    if loc is None:
+        return glob
+    return tuple(jnp.where(local, a, b) for a, b in zip(loc, glob))
 
 
 class Transformer(AbstractSequenceModel, AbstractBatchedModel):
@@ -148,31 +193,41 @@ class Transformer(AbstractSequenceModel, AbstractBatchedModel):
         dt = cfg.param_dtype
         (self.embed,) = normal_init(ke, shapes=((cfg.vocab_size, cfg.d_model),), scales=(0.02,), dtype=dt)
         self.layers = DecoderLayer(cfg, key=kl, n_layers=cfg.n_layers)
-        self.final_norm = jnp.ones((cfg.d_model,), dt)
+        self.final_norm = jnp.full((cfg.d_model,), cfg.norm_init, dt)
 
     def _embed(self, tokens: Int[Array, "*B T"]) -> Float[Array, "*B T D"]:
-        return jnp.take(self.embed, tokens, axis=0)
+        x = jnp.take(self.embed, tokens, axis=0)
+        if self.cfg.embed_scale:
+            x = x * jnp.asarray(self.cfg.d_model**0.5, x.dtype)
+        return x
+
+    def _final(self, x):
+        return rms_norm(x, self.final_norm, self.cfg.norm_eps, plus_one=self.cfg.norm_plus_one)
 
     def _scan(self, x, allowed, positions, key, collect_kv: bool):
         cfg = self.cfg
-        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+        rope = _rope(cfg, positions)
         dynamic, static = eqx.partition(self.layers, eqx.is_array)
         keys = _layer_keys(key, cfg.n_layers)
+        windows, local = _per_layer(cfg)
+        windowed = cfg.sliding_window is not None
 
         def body(x, xs):
-            layer_dyn, lkeys = xs
+            layer_dyn, lkeys, window, is_local = xs
             layer = eqx.combine(layer_dyn, static)
-            h = rms_norm(x, layer.attn_norm, cfg.norm_eps)
-            q, k, v = layer.qkv(h, cfg, lkeys)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            kh, vh = jnp.swapaxes(k, -3, -2), jnp.swapaxes(v, -3, -2)
-            o = attention(q, kh, vh, allowed)
-            x = x + layer.attn_out(o.reshape(o.shape[:-2] + (-1,)), lkeys)
-            x = x + layer.mlp(x, cfg, lkeys)
-            return x, ((kh, vh) if collect_kv else None)
+            ok = allowed & within_window(positions, positions, window) if windowed else allowed
 
-        x, kv = jax.lax.scan(body, x, (dynamic, keys))
-        return rms_norm(x, self.final_norm, cfg.norm_eps), kv
+            def attend(q, k, v):
+                kh, vh = jnp.swapaxes(k, -3, -2), jnp.swapaxes(v, -3, -2)
+                o = attention(q, kh, vh, ok, scale=cfg.query_scale, cap=cfg.attn_softcap)
+                return o, ((kh, vh) if collect_kv else None)
+
+            return layer.block(x, cfg, _select(rope, is_local), attend, lkeys)
+
+        if cfg.remat:
+            body = jax.checkpoint(body)
+        x, kv = jax.lax.scan(body, x, (dynamic, keys, windows, local))
+        return self._final(x), kv
 
     def __call__(
         self,
@@ -192,7 +247,7 @@ class Transformer(AbstractSequenceModel, AbstractBatchedModel):
         - `key`: enables LoRA dropout when adapters are attached (training); `None`
           is deterministic.
         """
-        allowed, positions = _attention_layout(mask, segment_ids)
+        allowed, positions = attention_layout(mask, segment_ids)
         h, _ = self._scan(self._embed(tokens), allowed, positions, key, collect_kv=False)
         return h
 
@@ -203,13 +258,15 @@ class Transformer(AbstractSequenceModel, AbstractBatchedModel):
         P = tokens.shape[0]
         if cache_size < P:
             raise ValueError(f"cache_size={cache_size} is smaller than the prompt length {P}")
-        allowed, positions = _attention_layout(mask, None)
+        allowed, positions = attention_layout(mask, None)
         h, (k, v) = self._scan(self._embed(tokens), allowed, positions, None, collect_kv=True)
         pad = [(0, 0), (0, 0), (0, cache_size - P), (0, 0)]
+        extra = cache_size - P
         cache = KVCache(
             k=jnp.pad(k, pad),
             v=jnp.pad(v, pad),
-            mask=jnp.concatenate([mask, jnp.zeros((cache_size - P,), jnp.bool_)]),
+            mask=jnp.concatenate([mask, jnp.zeros((extra,), jnp.bool_)]),
+            positions=jnp.concatenate([positions, jnp.zeros((extra,), jnp.int32)]),
         )
         return h, cache
 
@@ -223,51 +280,40 @@ class Transformer(AbstractSequenceModel, AbstractBatchedModel):
     ) -> tuple[Float[Array, " D"], KVCache]:
         """Feed one token at cache slot `index` with rotary position `position`.
 
-        The token attends to every valid slot and to itself; its keys and values are
-        written into the cache in place (`dynamic_update_slice` inside the layer scan).
+        The token attends to every valid slot (within the window on sliding-window
+        layers) and to itself; its keys and values are written into the cache in place
+        (`dynamic_update_slice` inside the layer scan).
         """
         cfg = self.cfg
         index = jnp.asarray(index, jnp.int32)
+        position = jnp.asarray(position, jnp.int32)
         x = self._embed(token[None])
-        cos, sin = rope_tables(position[None], cfg.head_dim, cfg.rope_theta)
+        rope = _rope(cfg, position[None])
         slot_mask = cache.mask.at[index].set(True)
-        allowed = slot_mask[None, :]
+        slot_pos = cache.positions.at[index].set(position)
         dynamic, static = eqx.partition(self.layers, eqx.is_array)
         zero = jnp.zeros((), jnp.int32)
+        windows, local = _per_layer(cfg)
+        windowed = cfg.sliding_window is not None
 
         def body(carry, xs):
             x, kc, vc = carry
-            layer_dyn, l = xs
+            layer_dyn, l, window, is_local = xs
             layer = eqx.combine(layer_dyn, static)
-            h = rms_norm(x, layer.attn_norm, cfg.norm_eps)
-            q, k, v = layer.qkv(h, cfg)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            start = (l, zero, index, zero)
-            kc = jax.lax.dynamic_update_slice(kc, jnp.swapaxes(k, 0, 1)[None].astype(kc.dtype), start)
-            vc = jax.lax.dynamic_update_slice(vc, jnp.swapaxes(v, 0, 1)[None].astype(vc.dtype), start)
-            o = attention(q, kc[l], vc[l], allowed)
-            x = x + layer.attn_out(o.reshape(1, -1))
-            x = x + layer.mlp(x, cfg)
+            allowed = slot_mask[None, :]
+            if windowed:
+                allowed = allowed & within_window(position[None], slot_pos, window)
+
+            def attend(q, k, v):
+                start = (l, zero, index, zero)
+                kc2 = jax.lax.dynamic_update_slice(kc, jnp.swapaxes(k, 0, 1)[None].astype(kc.dtype), start)
+                vc2 = jax.lax.dynamic_update_slice(vc, jnp.swapaxes(v, 0, 1)[None].astype(vc.dtype), start)
+                o = attention(q, kc2[l], vc2[l], allowed, scale=cfg.query_scale, cap=cfg.attn_softcap)
+                return o, (kc2, vc2)
+
+            x, (kc, vc) = layer.block(x, cfg, _select(rope, is_local), attend)
             return (x, kc, vc), None
 
         layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)
-        (x, kc, vc), _ = jax.lax.scan(body, (x, cache.k, cache.v), (dynamic, layer_ids))
-        h = rms_norm(x, self.final_norm, cfg.norm_eps)
-        return h[0], KVCache(k=kc, v=vc, mask=slot_mask)
-
-
-def _attention_layout(
-    mask: Bool[Array, "*B T"], segment_ids: Int[Array, "*B T"] | None
-) -> tuple[Bool[Array, "*B T T"], Int[Array, "*B T"]]:
-    """Which keys each query may attend to, and each token's rotary position.
-
-    Causal, real keys only, same segment only. A token's position is the number of
-    real keys it may attend to before itself, so padding never shifts positions.
-    """
-    T = mask.shape[-1]
-    causal = jnp.asarray(np.tril(np.ones((T, T), dtype=bool)))
-    allowed = causal.reshape((1,) * (mask.ndim - 1) + (T, T)) & mask[..., None, :]
-    if segment_ids is not None:
-        allowed = allowed & (segment_ids[..., :, None] == segment_ids[..., None, :])
-    positions = jnp.maximum(jnp.sum(allowed, axis=-1, dtype=jnp.int32) - 1, 0)
-    return allowed, positions
+        (x, kc, vc), _ = jax.lax.scan(body, (x, cache.k, cache.v), (dynamic, layer_ids, windows, local))
+        return self._final(x)[0], KVCache(k=kc, v=vc, mask=slot_mask, positions=slot_pos)

@@ -1,0 +1,370 @@
+"""Hugging Face `config.json` ⇄ `TransformerConfig` for every supported family.
+
+| family | `architectures` / `model_type` | switches set |
+| --- | --- | --- |
+| Llama 2/3.x | `LlamaForCausalLM` / `llama` | `rope_scaling` (`llama3`, `linear`) |
+| Mistral | `MistralForCausalLM` / `mistral` | `sliding_window` on every layer |
+| Qwen2/2.5 | `Qwen2ForCausalLM` / `qwen2` | `attn_bias`; window on layers ≥ `max_window_layers` with `use_sliding_window` |
+| Qwen3 | `Qwen3ForCausalLM` / `qwen3` | `qk_norm` (no q/k/v bias) |
+| Gemma | `GemmaForCausalLM` / `gemma` | `norm_plus_one`, `embed_scale`, `gelu_tanh` |
+| Gemma 2 | `Gemma2ForCausalLM` / `gemma2` | + `post_norms`, soft-caps, `query_scale`, alternating windows |
+| Gemma 3 (text) | `Gemma3ForCausalLM` / `gemma3_text` | + `qk_norm`, `rope_local_theta`, window pattern |
+
+Fields that would change the architecture but are not implemented (other rope types,
+`partial_rotary_factor`, `attention_bias` on Llama, `mlp_bias`, bidirectional
+attention, ...) are refused with a `ValueError` naming the field and the file.
+"""
+
+import math
+from typing import Any
+
+from ._config import RopeScaling, TransformerConfig
+
+__all__ = ["config_from_hf", "config_to_hf", "hf_head", "FAMILIES", "SCORERS"]
+
+# family -> (architecture, model_type)
+FAMILIES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "mistral": ("MistralForCausalLM", "mistral"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma": ("GemmaForCausalLM", "gemma"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+}
+# family -> sequence-classification architecture (a backbone plus `score.weight [labels, D]`)
+SCORERS = {
+    "llama": "LlamaForSequenceClassification",
+    "mistral": "MistralForSequenceClassification",
+    "qwen2": "Qwen2ForSequenceClassification",
+    "qwen3": "Qwen3ForSequenceClassification",
+    "gemma": "GemmaForSequenceClassification",
+    "gemma2": "Gemma2ForSequenceClassification",
+    "gemma3": "Gemma3TextForSequenceClassification",
+}
+_GEMMA = ("gemma", "gemma2", "gemma3")
+_TORCH_DTYPES = ("float32", "bfloat16", "float16")
+_GELU_TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
+_UNSET = object()
+
+# Fields that change the architecture when set; each is refused unless the family
+# implements it (value considered inactive when None / False / the listed default).
+_ARCH_FIELDS: dict[str, tuple[Any, tuple[str, ...]]] = {
+    "attention_bias": (False, ("qwen2",)),
+    "mlp_bias": (False, ()),
+    "partial_rotary_factor": (1.0, ()),
+    "qk_layernorm": (False, ()),
+    "use_qk_norm": (False, ()),
+    "attn_logit_softcapping": (None, ("gemma2", "gemma3")),
+    "final_logit_softcapping": (None, ("gemma2", "gemma3")),
+    "use_bidirectional_attention": (False, ()),
+    "num_experts": (None, ()),
+    "num_local_experts": (None, ()),
+    "layer_norm_type": (None, ()),
+    "position_embedding_type": (None, ()),
+    "logits_scaling": (None, ()),
+    "embedding_multiplier": (None, ()),
+    "residual_multiplier": (None, ()),
+    "attention_multiplier": (None, ()),
+}
+
+
+def _err(source: str, field: str, value: Any, why: str) -> ValueError:
+    return ValueError(f"{source}: `{field}` = {value!r} is not supported: {why}")
+
+
+def _family(config: dict[str, Any], source: str) -> str:
+    archs = config.get("architectures") or []
+    by_arch = {arch: fam for fam, (arch, _) in FAMILIES.items()}
+    by_arch.update({arch: fam for fam, arch in SCORERS.items()})
+    known = [a for a in archs if a in by_arch]
+    if known:
+        return by_arch[known[0]]
+    by_type = {mt: fam for fam, (_, mt) in FAMILIES.items()}
+    if not archs and config.get("model_type") in by_type:
+        return by_type[config["model_type"]]
+    raise _err(
+        source, "architectures", archs or config.get("model_type"),
+        f"supported architectures are {sorted(a for a, _ in FAMILIES.values()) + sorted(SCORERS.values())}",
+    )
+
+
+def hf_head(config: dict[str, Any], *, source: str = "config.json") -> str:
+    """`"lm"` for a causal-LM checkpoint, `"score"` for a one-label sequence classifier."""
+    _family(config, source)
+    archs = config.get("architectures") or []
+    if not any(a in SCORERS.values() for a in archs):
+        return "lm"
+    labels = config.get("num_labels", len(config.get("id2label") or {"0": "LABEL_0"}))
+    if labels != 1:
+        raise _err(source, "id2label", config.get("id2label", labels), "a reward model has exactly one label")
+    return "score"
+
+
+def _int(config, name: str, source: str, default: Any = _UNSET) -> int:
+    value = config.get(name)
+    if value is None:
+        if default is _UNSET:
+            raise ValueError(f"{source}: required field `{name}` is missing")
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer():
+        raise ValueError(f"{source}: `{name}` must be an integer, got {value!r}")
+    return int(value)
+
+
+def _float(config, name: str, source: str, default: Any = _UNSET) -> float | None:
+    value = config.get(name)
+    if value is None:
+        if default is _UNSET:
+            raise ValueError(f"{source}: required field `{name}` is missing")
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{source}: `{name}` must be a number, got {value!r}")
+    return float(value)
+
+
+def _rope(config, source: str) -> tuple[float, RopeScaling | None, float | None]:
+    """`(rope_theta, rope_scaling, local_theta)` from old-style or new-style (`rope_parameters`) fields."""
+    theta = config.get("rope_theta")
+    local_theta = config.get("rope_local_base_freq")
+    scaling = config.get("rope_scaling")
+    field = "rope_scaling"
+    params = config.get("rope_parameters")
+    if isinstance(params, dict):
+        if "full_attention" in params or "sliding_attention" in params:
+            local = params.get("sliding_attention") or {}
+            local_theta = local.get("rope_theta", local_theta)
+            if local.get("rope_type", "default") != "default":
+                raise _err(source, "rope_parameters.sliding_attention.rope_type", local.get("rope_type"),
+                           "the local rotary embedding must be 'default'")
+            params = params.get("full_attention") or {}
+        theta = params.get("rope_theta", theta)
+        scaling, field = params, "rope_parameters"
+    if scaling is None:
+        return float(theta if theta is not None else 10000.0), None, local_theta
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    theta = float(theta if theta is not None else 10000.0)
+    if kind == "default":
+        return theta, None, local_theta
+    get = lambda name, default=_UNSET: _float(scaling, name, f"{source}: {field}", default)
+    if kind == "linear":
+        return theta, RopeScaling("linear", get("factor")), local_theta
+    if kind == "llama3":
+        rs = RopeScaling(
+            "llama3",
+            get("factor"),
+            low_freq_factor=get("low_freq_factor", 1.0),
+            high_freq_factor=get("high_freq_factor", 4.0),
+            original_max_position=_int(scaling, "original_max_position_embeddings", f"{source}: {field}", 8192),
+        )
+        return theta, rs, local_theta
+    raise _err(source, f"{field}.rope_type", kind, "implemented rotary scalings are 'linear' and 'llama3'")
+
+
+def _windows(config, family: str, n_layers: int, source: str) -> tuple[int | None, tuple[bool, ...] | None]:
+    if family in ("llama", "gemma"):
+        return None, None
+    window = config.get("sliding_window")
+    if family in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
+        window = None
+    if window is None:
+        return None, None
+    window = _int(config, "sliding_window", source)
+    types = config.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != n_layers or any(
+            t not in ("sliding_attention", "full_attention") for t in types
+        ):
+            raise _err(source, "layer_types", types,
+                       f"expected {n_layers} entries of 'sliding_attention' / 'full_attention'")
+        local = tuple(t == "sliding_attention" for t in types)
+    elif family == "mistral":
+        local = (True,) * n_layers
+    elif family in ("qwen2", "qwen3"):
+        first = _int(config, "max_window_layers", source, n_layers)
+        local = tuple(i >= first for i in range(n_layers))
+    else:
+        pattern = 2 if family == "gemma2" else _int(config, "sliding_window_pattern", source, 6)
+        local = tuple(bool((i + 1) % pattern) for i in range(n_layers))
+    return (window, local) if any(local) else (None, None)
+
+
+def _activation(config, family: str, source: str) -> str:
+    field = "hidden_activation" if config.get("hidden_activation") is not None else "hidden_act"
+    act = config.get(field, "gelu_pytorch_tanh" if family in _GEMMA else "silu")
+    if family in _GEMMA and (act in _GELU_TANH or (family == "gemma" and act == "gelu")):
+        return "gelu_tanh"  # Gemma 1's legacy `gelu` means the tanh approximation
+    if family not in _GEMMA and act == "silu":
+        return "silu"
+    raise _err(source, field, act, f"the {family} MLP is implemented with "
+               + ("gelu_pytorch_tanh" if family in _GEMMA else "silu"))
+
+
+def config_from_hf(
+    config: dict[str, Any], *, dtype: str | None = None, source: str = "config.json"
+) -> TransformerConfig:
+    """Translate a Hugging Face `config.json` dictionary into a `TransformerConfig`.
+
+    `dtype=None` takes the checkpoint's `torch_dtype` / `dtype` (float32 when absent or
+    not one of float32 / bfloat16 / float16). `source` names the file in errors.
+    Raises `ValueError` naming the field for missing or non-integer sizes and for
+    unsupported architectures and features (see the module docstring).
+    """
+    if not isinstance(config, dict):
+        raise ValueError(f"{source}: expected a JSON object, got {type(config).__name__}")
+    family = _family(config, source)
+    for field, (inactive, families) in _ARCH_FIELDS.items():
+        value = config.get(field)
+        if value is not None and value != inactive and value is not False and family not in families:
+            raise _err(source, field, value, f"not implemented for {FAMILIES[family][0]}")
+    act = _activation(config, family, source)
+    theta, scaling, local_theta = _rope(config, source)
+    if family == "gemma3":  # Gemma3TextConfig's defaults
+        theta = theta if "rope_theta" in config or "rope_parameters" in config else 1_000_000.0
+        local_theta = 10_000.0 if local_theta is None else local_theta
+    if dtype is None:
+        raw = str(config.get("torch_dtype", config.get("dtype")))
+        dtype = raw if raw in _TORCH_DTYPES else "float32"
+    n_layers = _int(config, "num_hidden_layers", source)
+    n_heads = _int(config, "num_attention_heads", source)
+    hidden = _int(config, "hidden_size", source)
+    window, local = _windows(config, family, n_layers, source)
+    gemma = family in _GEMMA
+    later_gemma = family in ("gemma2", "gemma3")
+    qpas = _float(config, "query_pre_attn_scalar", source, None) if later_gemma else None
+    head_dim = config.get("head_dim")
+    return TransformerConfig(
+        vocab_size=_int(config, "vocab_size", source),
+        d_model=hidden,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=_int(config, "num_key_value_heads", source, n_heads),
+        d_ff=_int(config, "intermediate_size", source),
+        max_seq_len=_int(config, "max_position_embeddings", source, 2048),
+        rope_theta=theta,
+        norm_eps=_float(config, "rms_norm_eps", source, 1e-6),
+        tie_embeddings=bool(config.get("tie_word_embeddings", gemma)),
+        head_dim=_int(config, "head_dim", source, None) if head_dim is not None else None,
+        attn_bias=family == "qwen2" and bool(config.get("attention_bias", True)),
+        dtype=dtype,
+        norm_plus_one=gemma,
+        mlp_activation=act,
+        embed_scale=gemma,
+        post_norms=later_gemma,
+        qk_norm=family in ("qwen3", "gemma3"),
+        query_scale=qpas**-0.5 if qpas is not None else None,
+        attn_softcap=_float(config, "attn_logit_softcapping", source, None) if later_gemma else None,
+        final_softcap=_float(config, "final_logit_softcapping", source, None) if later_gemma else None,
+        sliding_window=window,
+        window_layers=local,
+        rope_scaling=scaling,
+        rope_local_theta=float(local_theta) if family == "gemma3" and local_theta is not None else None,
+    )
+
+
+def hf_family(cfg: TransformerConfig) -> str:
+    """The Hugging Face family whose architecture has exactly `cfg`'s switches."""
+    if cfg.norm_plus_one:
+        if cfg.qk_norm:
+            return "gemma3"
+        return "gemma2" if cfg.post_norms else "gemma"
+    if cfg.qk_norm:
+        return "qwen3"
+    if cfg.attn_bias:
+        return "qwen2"
+    return "mistral" if cfg.sliding_window is not None else "llama"
+
+
+def _rope_scaling_json(rs: RopeScaling | None) -> dict[str, Any] | None:
+    if rs is None:
+        return None
+    if rs.kind == "linear":
+        return {"rope_type": "linear", "factor": rs.factor}
+    return {
+        "rope_type": "llama3",
+        "factor": rs.factor,
+        "low_freq_factor": rs.low_freq_factor,
+        "high_freq_factor": rs.high_freq_factor,
+        "original_max_position_embeddings": rs.original_max_position,
+    }
+
+
+def config_to_hf(
+    cfg: TransformerConfig, *, dtype: str | None = None, head: str = "lm", pad_token_id: int | None = None
+) -> dict[str, Any]:
+    """A Hugging Face `config.json` dictionary for `cfg`, in the field layout of the
+    family's published checkpoints (see the module docstring for the families).
+
+    `head="score"` writes the family's one-label `...ForSequenceClassification`
+    architecture (a reward model); `pad_token_id`, when given, is written (the
+    classifier reads the score at the last token that is not padding).
+
+    Raises `ValueError` naming the field when no supported architecture expresses
+    `cfg` (e.g. a window pattern the family cannot write).
+    """
+    if head not in ("lm", "score"):
+        raise ValueError(f"config_to_hf: head must be 'lm' or 'score', got {head!r}")
+    family = hf_family(cfg)
+    arch, model_type = FAMILIES[family]
+    if head == "score":
+        arch = SCORERS[family]
+    out: dict[str, Any] = {
+        "architectures": [arch],
+        "model_type": model_type,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.d_ff,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": _rope_scaling_json(cfg.rope_scaling),
+        "hidden_act": "gelu_pytorch_tanh" if cfg.mlp_activation == "gelu_tanh" else cfg.mlp_activation,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "torch_dtype": dtype or cfg.dtype,
+    }
+    layer_types = ["sliding_attention" if x else "full_attention" for x in cfg.local_layers]
+    if family in ("llama", "mistral"):
+        out.update(attention_bias=False, mlp_bias=False)
+    if family == "mistral":
+        out["sliding_window"] = cfg.sliding_window
+    if family in ("qwen2", "qwen3"):
+        first = next((i for i, x in enumerate(cfg.local_layers) if x), cfg.n_layers)
+        out.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
+                   max_window_layers=first)
+        if family == "qwen3":
+            out["attention_bias"] = False
+    if family in _GEMMA:
+        out["hidden_activation"] = out["hidden_act"]
+    if family in ("gemma2", "gemma3"):
+        scale = cfg.query_scale if cfg.query_scale is not None else cfg.head_dim**-0.5
+        qpas = scale**-2.0
+        out.update(
+            query_pre_attn_scalar=int(round(qpas)) if abs(qpas - round(qpas)) < 1e-6 else qpas,
+            attn_logit_softcapping=cfg.attn_softcap,
+            final_logit_softcapping=cfg.final_softcap,
+            sliding_window=cfg.sliding_window,
+            layer_types=layer_types,
+        )
+    if head == "score":
+        out.update(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    if pad_token_id is not None:
+        out["pad_token_id"] = int(pad_token_id)
+    if family == "gemma3":
+        out["rope_local_base_freq"] = cfg.rope_local_theta if cfg.rope_local_theta is not None else cfg.rope_theta
+    back = config_from_hf(out, dtype=cfg.dtype)
+    for field in back.__dataclass_fields__:
+        mine, theirs = getattr(cfg, field), getattr(back, field)
+        if field in ("remat", "dtype"):
+            continue
+        if isinstance(mine, float) and isinstance(theirs, float) and math.isclose(mine, theirs, rel_tol=1e-9):
+            continue
+        if mine != theirs:
+            raise ValueError(
+                f"TransformerConfig.{field}={mine!r} cannot be written as a {arch} config.json "
+                f"(it would read back as {theirs!r})"
+            )
+    return out

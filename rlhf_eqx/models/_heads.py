@@ -65,7 +65,12 @@ class Policy(AbstractDecoder[KVCache], AbstractBatchedModel):
         """An empty cache with `cache_size` slots (the layout `prefill` returns)."""
         cfg = self.cfg
         zeros = jnp.zeros((cfg.n_layers, cfg.n_kv_heads, cache_size, cfg.head_dim), cfg.param_dtype)
-        return KVCache(k=zeros, v=zeros, mask=jnp.zeros((cache_size,), jnp.bool_))
+        return KVCache(
+            k=zeros,
+            v=zeros,
+            mask=jnp.zeros((cache_size,), jnp.bool_),
+            positions=jnp.zeros((cache_size,), jnp.int32),
+        )
 
     def logits_from_hidden(self, hidden: Float[Array, "*T D"]) -> Float[Array, "*T V"]:
         """Apply the LM head (float32 accumulation; soft-capped with `cfg.final_softcap`)."""

@@ -6,6 +6,7 @@ import sys
 import textwrap
 
 import chex
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import pytest
@@ -92,3 +93,69 @@ def test_hook_is_not_installed_twice():
     assert _typecheck.hook_installed()  # by pytest's --jaxtyping-packages
     _typecheck.install_hook()
     assert [f for f in sys.meta_path if type(f).__name__ == "_JaxtypingFinder"] == finders
+
+
+def test_default_hook_wraps_public_entry_points_only():
+    import ast
+    import typing
+
+    from rlhf_eqx._typecheck import instrument
+
+    source = textwrap.dedent(
+        '''
+        """Doc."""
+        def public(x):
+            def nested(y):
+                return y
+            return nested(x)
+        def _private(x):
+            return x
+        @typing.no_type_check
+        def opted_out(x):
+            return x
+        class Model:
+            def __call__(self, x):
+                return x
+            def method(self, x):
+                return x
+            def _helper(self, x):
+                return x
+        class _Hidden:
+            def method(self, x):
+                return x
+        '''
+    )
+    tree = instrument(ast.parse(source))
+    decorated = {
+        node.name
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef))
+        and any(ast.unparse(d) == "_rlhf_eqx_typecheck.checked" for d in node.decorator_list)
+    }
+    assert decorated == {"public", "Model", "__call__", "method"}
+    assert len([n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "_Hidden"]) == 1
+    assert ast.unparse(tree.body[1]) == "import rlhf_eqx._typecheck as _rlhf_eqx_typecheck"
+    del typing
+
+
+def test_checked_builds_on_first_call_and_checks_modules():
+    from jaxtyping import Float
+
+    from rlhf_eqx._typecheck import checked
+
+    @checked
+    def f(x: Float[jax.Array, " n"], y: Float[jax.Array, " n"]) -> Float[jax.Array, " n"]:
+        return x + y
+
+    assert f(jnp.ones(2), jnp.ones(2)).shape == (2,)
+    with pytest.raises(TypeCheckError, match="y"):
+        f(jnp.ones(2), jnp.ones(3))
+
+    @checked
+    class M(eqx.Module):
+        a: Float[jax.Array, " n"]
+        b: Float[jax.Array, " n"]
+
+    M(jnp.ones(2), jnp.ones(2))
+    with pytest.raises(TypeCheckError):
+        M(jnp.ones(2), jnp.ones(3))

@@ -1,9 +1,10 @@
 """rlhf_eqx: pure-functional preference alignment for language models in JAX.
 
 Models are immutable ``eqx.Module`` pytrees; updates are pure functions
-``(params, opt_state, batch) -> (params, opt_state, metrics)``. Set
-``RLHF_EQX_TYPECHECK=1`` before import to check every public function's array shapes
-at trace time (see ``rlhf_eqx._typecheck``).
+``(params, opt_state, batch) -> (params, opt_state, metrics)``. Every public function's
+array shapes and dtypes are checked at runtime by default (at trace time under
+``jax.jit``); set ``RLHF_EQX_TYPECHECK=0`` before import to turn the checks off (see
+``rlhf_eqx._typecheck``).
 """
 
 from ._typecheck import typecheck_requested as _typecheck_requested

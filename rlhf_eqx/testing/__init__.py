@@ -31,6 +31,12 @@ def test_my_kl_loss(data):
 The checks compile `fn` with `jax.jit` (pass `jit=False` to run eagerly); fixed shapes
 and module-level functions let every hypothesis example reuse one compilation.
 
+Because the first example of a test compiles, Hypothesis' per-example deadline (200 ms
+in its default profile) would fail it. Importing `rlhf_eqx.testing` therefore turns the
+deadline off: if the active settings profile has a deadline, it loads a profile
+`"rlhf_eqx"` equal to it with `deadline=None`. A profile you load afterwards, or
+`@settings(deadline=...)` on a test, takes precedence.
+
 For a clipped policy loss, `check_ppo_clip_gradient_zero(loss_fn, logp, old_logp,
 advantages, mask, clip_eps=..., clip_eps_high=...)` checks that no gradient flows
 where the ratio is clipped, nor at masked positions.
@@ -46,3 +52,7 @@ from ._strategies import logprob_arrays as logprob_arrays
 from ._strategies import masks as masks
 from ._strategies import preference_pairs as preference_pairs
 from ._strategies import reward_groups as reward_groups
+
+from ._strategies import use_no_deadline as _use_no_deadline
+
+_use_no_deadline()

@@ -4,11 +4,25 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from jaxtyping import Array, Float, Int
 
 __all__ = ["PreferencePairs", "logprob_arrays", "masks", "preference_pairs", "reward_groups"]
+
+PROFILE = "rlhf_eqx"
+
+
+def use_no_deadline() -> None:
+    """Load a copy of the active Hypothesis profile without a deadline (JAX compiles on
+    the first example, which no per-example deadline should count)."""
+    current = settings.default
+    if current is None or current.deadline is None:
+        return
+    settings.register_profile(PROFILE, parent=current, deadline=None)
+    settings.load_profile(PROFILE)
+
 
 _MASK_PATTERNS = ("random", "right-padded", "left-padded", "all-real", "all-masked")
 

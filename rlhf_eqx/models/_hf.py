@@ -30,7 +30,8 @@ import numpy as np
 
 from ._build import model_from_arrays
 from ._heads import Policy, RewardModel, ValueModel
-from ._hf_config import config_from_hf, config_to_hf, hf_head
+from ._hf_config import config_from_hf, hf_head
+from ._hf_export import config_to_hf
 from ._hf_tensors import arrays_from_tensors, tensors_from_model
 
 __all__ = ["load_hf", "save_hf", "config_from_hf", "config_to_hf"]

@@ -197,5 +197,37 @@ def test_two_processes_train_like_one(tmp_path):
         np.testing.assert_allclose(x, y, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize(
+    "env, kwargs, message",
+    [
+        ({"RLHF_EQX_COORDINATOR": "127.0.0.1:1"}, {}, r"missing num_processes \(or RLHF_EQX_NUM_PROCESSES\), process_id"),
+        ({"RLHF_EQX_NUM_PROCESSES": "two"}, {}, r"RLHF_EQX_NUM_PROCESSES='two' is not an integer"),
+        ({}, {"coordinator_address": "127.0.0.1:1", "num_processes": 2, "process_id": 2}, r"process_id=2 is not in \[0, num_processes=2\)"),
+    ],
+)
+def test_initialize_distributed_names_missing_or_bad_settings(monkeypatch, env, kwargs, message):
+    from rlhf_eqx import distributed as dist
+
+    for name in (dist.ENV_COORDINATOR, dist.ENV_NUM_PROCESSES, dist.ENV_PROCESS_ID):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
+        dist.initialize_distributed(**kwargs)
+
+
+def test_process_record_indices_give_each_record_to_one_process_and_device():
+    from rlhf_eqx import distributed as dist
+
+    prompts = ["a", "b", "a", "c", "d", "b", "e", "f", "g"]
+    shards = [dist.process_record_indices(prompts, process_id=p, num_processes=3, local_devices=2) for p in range(3)]
+    flat = [i for process in shards for device in process for i in device]
+    assert sorted(flat) == list(range(len(prompts)))
+    for process in shards:
+        for device in process:
+            others = [i for p2 in shards for d2 in p2 if d2 is not device for i in d2]
+            assert not {prompts[i] for i in device} & {prompts[i] for i in others}
+
+
 if __name__ == "__main__":
     _worker(sys.argv[1], sys.argv[2])

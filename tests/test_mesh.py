@@ -253,6 +253,13 @@ def test_replicate_and_unreplicate_round_trip(getkey):
     assert all(s.data.shape[0] == 1 for s in wqkv.addressable_shards)
     assert rep.cfg == policy.cfg  # static fields are kept
     assert _max_abs_diff(dist.unreplicate(rep), policy) == 0.0
+    # Replicated params and a device-split batch run under pmap like one device.
+    batch = dist.shard_batch_for_pmap(_preference_batch(getkey()), 8)
+    logits = jax.pmap(lambda p, t, m: p(t, m), devices=devices)(rep, batch.chosen_tokens, batch.chosen_mask)
+    flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), batch)
+    np.testing.assert_allclose(
+        np.asarray(logits).reshape(B, T, VOCAB), np.asarray(policy(flat.chosen_tokens, flat.chosen_mask)), atol=1e-5
+    )
 
 
 def test_shard_batch_for_pmap_round_trip_and_a_global_reduction(getkey):

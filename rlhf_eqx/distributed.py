@@ -26,7 +26,7 @@ size of the axis it names, that dimension is replicated instead (`fit_spec`).
 """
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -94,14 +94,17 @@ def make_mesh(data: int, model: int = 1, *, devices: Sequence[jax.Device] | None
     )
 
 
-def fit_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+def fit_spec(
+    spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh | Mapping[str, int]
+) -> PartitionSpec:
     """`spec` with every mesh axis dropped (dimension replicated) where it does not divide
-    the dimension, or names no axis of `mesh`."""
+    the dimension, or names no axis of `mesh` (a `Mesh`, or a mapping of axis sizes)."""
+    sizes = dict(mesh.shape) if isinstance(mesh, Mesh) else dict(mesh)
     out = []
     for i, axes in enumerate(tuple(spec) + (None,) * (len(shape) - len(spec))):
         names = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
-        names = tuple(a for a in names if a in mesh.shape)
-        size = int(np.prod([mesh.shape[a] for a in names])) if names else 1
+        names = tuple(a for a in names if a in sizes)
+        size = int(np.prod([sizes[a] for a in names])) if names else 1
         if not names or shape[i] % size != 0:
             out.append(None)
         else:

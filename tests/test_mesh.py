@@ -253,6 +253,13 @@ def test_replicate_and_unreplicate_round_trip(getkey):
     assert all(s.data.shape[0] == 1 for s in wqkv.addressable_shards)
     assert rep.cfg == policy.cfg  # static fields are kept
     assert _max_abs_diff(dist.unreplicate(rep), policy) == 0.0
+    # Replicated params and a device-split batch run under pmap like one device.
+    batch = dist.shard_batch_for_pmap(_preference_batch(getkey()), 8)
+    logits = jax.pmap(lambda p, t, m: p(t, m), devices=devices)(rep, batch.chosen_tokens, batch.chosen_mask)
+    flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), batch)
+    np.testing.assert_allclose(
+        np.asarray(logits).reshape(B, T, VOCAB), np.asarray(policy(flat.chosen_tokens, flat.chosen_mask)), atol=1e-5
+    )
 
 
 def test_shard_batch_for_pmap_round_trip_and_a_global_reduction(getkey):
@@ -273,3 +280,27 @@ def test_shard_batch_for_pmap_refuses_a_batch_that_does_not_divide(getkey):
         dist.shard_batch_for_pmap(_preference_batch(getkey()), 3)
     with pytest.raises(ValueError, match="scalar"):
         dist.shard_batch_for_pmap({"x": jnp.zeros(())}, 2)
+
+
+@pytest.mark.slow
+def test_lora_dpo_step_with_int8_base_on_a_mesh_equals_one_device():
+    policy = rx.quantize_int8(rx.Policy(_config(), key=jax.random.key(0)))
+    policy = rx.apply_lora(policy, rx.LoRAConfig(rank=4, targets=("q", "o", "up", "down")), key=jax.random.key(1))
+    # Non-zero `b` so that the adapters change the output from the first step on.
+    policy = eqx.tree_at(
+        lambda m: [a.b for a in m.transformer.layers.lora.values()],
+        policy,
+        [0.05 * jax.random.normal(jax.random.key(i), a.b.shape) for i, a in enumerate(policy.transformer.layers.lora.values())],
+    )
+    batch = _preference_batch(jax.random.key(2))
+    opt = make_optimizer(learning_rate=1e-3, total_steps=10)
+    step = make_dpo_step(opt, beta=0.1, donate=False)
+    state = init_train_state(policy, opt, filter_spec=rx.lora_filter(policy))
+    single, _ = state.apply(step, batch, reference=rx.without_lora(policy))
+    mesh = dist.make_mesh(4, 2)
+    sharded_state = dist.shard_train_state(state, mesh, fsdp=True)
+    reference = rx.without_lora(sharded_state.model)  # shares the sharded base
+    sharded, _ = sharded_state.apply(step, dist.shard_batch(batch, mesh), reference=reference)
+    assert _max_abs_diff(single.params, sharded.params) < 1e-5
+    a = sharded.params.transformer.layers.lora["up"].a
+    assert a.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "data", None)), a.ndim)

@@ -1,0 +1,233 @@
+"""Multi-process training: two processes on 127.0.0.1, each with two CPU devices, join one
+run (`initialize_distributed`, gloo CPU collectives), read only their prompt-hash shard of
+the data, and run DPO steps on a (2, 2) mesh spanning both (data parallel across the
+processes, FSDP + tensor parallel within). Both end with identical parameters, equal to a
+single-process run on the same global batch.
+
+Run as a script (`python tests/test_multiprocess.py OUT_FILE`) this file is one worker;
+the coordinator address, process count and id come from the `RLHF_EQX_*` variables.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+STEPS = 3
+N_PAIRS = 8
+MAX_LEN = 24
+LOCAL_DEVICES = 2
+
+
+def _records():
+    from rlhf_eqx.data import PreferenceRecord
+
+    animals = ["cat", "dog", "fox", "owl", "bee", "elk", "yak", "emu"]
+    return [
+        PreferenceRecord(
+            prompt=f"Story {i}: the",
+            chosen=f" {animals[i]} ran" + " far" * (i % 3),
+            rejected=" it sat" + "." * (i % 4),
+        )
+        for i in range(N_PAIRS)
+    ]
+
+
+def _setup():
+    """Tokenised pairs, initial policy, optimiser and step (identical in every process)."""
+    import jax
+
+    import rlhf_eqx as rx
+    from rlhf_eqx import data
+    from rlhf_eqx.train import make_dpo_step, make_optimizer
+
+    tok = data.ByteTokenizer()
+    pairs, _ = data.tokenize_preferences(_records(), tok, max_length=MAX_LEN, max_prompt_length=12)
+    cfg = rx.TransformerConfig(
+        vocab_size=260, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=MAX_LEN
+    )
+    policy = rx.Policy(cfg, key=jax.random.key(0))
+    opt = make_optimizer(learning_rate=1e-3, total_steps=10)
+    return tok, pairs, policy, opt, make_dpo_step(opt, beta=0.1, donate=False)
+
+
+def _order(num_processes: int):
+    """Global row order: process by process, device by device (prompt-hash assignment)."""
+    from rlhf_eqx import distributed as dist
+
+    per_process = [
+        dist.process_record_indices(
+            _records(), process_id=p, num_processes=num_processes, local_devices=LOCAL_DEVICES
+        )
+        for p in range(num_processes)
+    ]
+    return [[i for device in devices for i in device] for devices in per_process]
+
+
+def _worker(mode: str, out_path: str) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    from rlhf_eqx import distributed as dist
+
+    process_id, num_processes = dist.initialize_distributed(initialization_timeout=60)
+    assert jax.device_count() == LOCAL_DEVICES * num_processes, jax.devices()
+    from jax.experimental import multihost_utils
+
+    from rlhf_eqx import data
+    from rlhf_eqx.train import init_train_state
+
+    tok, pairs, policy, opt, step = _setup()
+    mine = [i for device in dist.process_record_indices(_records()) for i in device]
+    assert mine == _order(num_processes)[process_id]
+    local = data.collate_preferences([pairs[i] for i in mine], max_length=MAX_LEN, pad_id=tok.pad_id)
+    mesh = dist.make_mesh(num_processes, LOCAL_DEVICES)
+    batch = dist.global_batch(local, mesh)
+    if mode == "count":
+        # A cross-process reduction over the global batch, without training.
+        count = jax.jit(lambda b: jnp.sum(b.chosen_mask.astype(jnp.int32), axis=1))(batch)
+        counts = np.asarray(multihost_utils.process_allgather(count, tiled=True))
+        np.savez(out_path, counts=counts, mine=np.asarray(mine))
+        jax.distributed.shutdown()
+        return
+    state = dist.shard_train_state(init_train_state(policy, opt), mesh, fsdp=True)
+    reference = dist.shard_model(policy, mesh, fsdp=True)
+    losses = []
+    for _ in range(STEPS):
+        state, metrics = state.apply(step, batch, reference=reference)
+        loss = metrics["loss"]
+        assert loss.sharding.is_fully_replicated
+        losses.append(float(loss.addressable_data(0)))
+    leaves = [np.asarray(multihost_utils.process_allgather(x, tiled=True))
+              for x in jax.tree.leaves(state.params)]
+    np.savez(out_path, losses=np.asarray(losses), mine=np.asarray(mine), *leaves)
+    jax.distributed.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _single_process(order):
+    import jax
+
+    from rlhf_eqx import data
+    from rlhf_eqx.train import init_train_state
+
+    tok, pairs, policy, opt, step = _setup()
+    batch = data.collate_preferences([pairs[i] for i in order], max_length=MAX_LEN, pad_id=tok.pad_id)
+    state = init_train_state(policy, opt)
+    losses = []
+    for _ in range(STEPS):
+        state, metrics = state.apply(step, batch, reference=policy)
+        losses.append(float(metrics["loss"]))
+    return np.asarray(losses), [np.asarray(x) for x in jax.tree.leaves(state.params)]
+
+
+def _launch(mode: str, tmp_path, *, timeout: float):
+    """Run two workers in `mode`; return their saved results (after checking both succeeded)."""
+    num_processes = 2
+    port = _free_port()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    procs, outs = [], []
+    for p in range(num_processes):
+        env = dict(os.environ)
+        env.update(
+            PYTHONPATH=root + os.pathsep + env.get("PYTHONPATH", ""),
+            JAX_PLATFORMS="cpu",
+            XLA_FLAGS=f"--xla_force_host_platform_device_count={LOCAL_DEVICES}",
+            RLHF_EQX_COORDINATOR=f"127.0.0.1:{port}",
+            RLHF_EQX_NUM_PROCESSES=str(num_processes),
+            RLHF_EQX_PROCESS_ID=str(p),
+        )
+        outs.append(str(tmp_path / f"process{p}.npz"))
+        procs.append(subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), mode, outs[-1]],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=root,
+        ))
+    logs = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=timeout)
+            logs.append(out.decode(errors="replace"))
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+        pytest.fail(f"the two processes did not finish within {timeout} s")
+    for p, (proc, log) in enumerate(zip(procs, logs)):
+        assert proc.returncode == 0, f"process {p} failed:\n{log[-4000:]}"
+    return [np.load(path) for path in outs]
+
+
+def test_two_processes_read_their_shards_and_reduce_the_global_batch(tmp_path):
+    results = _launch("count", tmp_path, timeout=120)
+    order = _order(2)
+    assert [list(r["mine"]) for r in results] == order
+    assert sorted(i for o in order for i in o) == list(range(N_PAIRS))
+    pairs = _setup()[1]
+    expected = [len(pairs[i].chosen) for o in order for i in o]
+    for r in results:
+        np.testing.assert_array_equal(r["counts"], expected)
+
+
+@pytest.mark.slow
+def test_two_processes_train_like_one(tmp_path):
+    results = _launch("train", tmp_path, timeout=300)
+    order = _order(2)
+    # Each process read only its own records, and together they read each record once.
+    assert [list(r["mine"]) for r in results] == order
+    assert sorted(i for o in order for i in o) == list(range(N_PAIRS))
+    n = len([k for k in results[0].files if k.startswith("arr_")])
+    a = [results[0][f"arr_{i}"] for i in range(n)]
+    b = [results[1][f"arr_{i}"] for i in range(n)]
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+    losses, single = _single_process([i for o in order for i in o])
+    np.testing.assert_allclose(results[0]["losses"], losses, rtol=1e-5)
+    assert losses[-1] < losses[0]
+    assert len(single) == n
+    for x, y in zip(a, single):
+        assert x.shape == y.shape
+        np.testing.assert_allclose(x, y, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "env, kwargs, message",
+    [
+        ({"RLHF_EQX_COORDINATOR": "127.0.0.1:1"}, {}, r"missing num_processes \(or RLHF_EQX_NUM_PROCESSES\), process_id"),
+        ({"RLHF_EQX_NUM_PROCESSES": "two"}, {}, r"RLHF_EQX_NUM_PROCESSES='two' is not an integer"),
+        ({}, {"coordinator_address": "127.0.0.1:1", "num_processes": 2, "process_id": 2}, r"process_id=2 is not in \[0, num_processes=2\)"),
+    ],
+)
+def test_initialize_distributed_names_missing_or_bad_settings(monkeypatch, env, kwargs, message):
+    from rlhf_eqx import distributed as dist
+
+    for name in (dist.ENV_COORDINATOR, dist.ENV_NUM_PROCESSES, dist.ENV_PROCESS_ID):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
+        dist.initialize_distributed(**kwargs)
+
+
+def test_process_record_indices_give_each_record_to_one_process_and_device():
+    from rlhf_eqx import distributed as dist
+
+    prompts = ["a", "b", "a", "c", "d", "b", "e", "f", "g"]
+    shards = [dist.process_record_indices(prompts, process_id=p, num_processes=3, local_devices=2) for p in range(3)]
+    flat = [i for process in shards for device in process for i in device]
+    assert sorted(flat) == list(range(len(prompts)))
+    for process in shards:
+        for device in process:
+            others = [i for p2 in shards for d2 in p2 if d2 is not device for i in d2]
+            assert not {prompts[i] for i in device} & {prompts[i] for i in others}
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], sys.argv[2])

@@ -17,6 +17,7 @@ from typing import Any
 __all__ = [
     "ConfigError",
     "ModelConfig",
+    "DataConfig",
     "LoRASettings",
     "OptimConfig",
     "SamplingConfig",
@@ -53,6 +54,21 @@ class ModelConfig:
 
     source: str = "builtin"
     tokenizer: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """A data file for a single-stage run (`rlhf_eqx dpo|reward|sft|grpo --set
+    data.path=...`): preferences (HH-RLHF, OpenAI messages, ShareGPT, plain) for
+    `sft`/`reward`/`dpo`, prompts with answers (GSM8K) for `grpo`. The first `limit`
+    records are read (0: all); `heldout_fraction` of them, chosen with `seed`, are held
+    out for evaluation."""
+
+    path: str | None = None
+    format: str = "auto"
+    limit: int = 512
+    heldout_fraction: float = 0.1
+    seed: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,10 +217,12 @@ class PipelineConfig:
 
     `stages` selects stages (`"sft"` always runs first); `label_noise` is the
     probability that a preference label is flipped; `eval_samples` completions per
-    held-out prompt evaluate each stage; `out` is the run directory.
+    held-out prompt evaluate each stage; `out` is the run directory (empty: `runs/<command>`
+    under the current directory).
     """
 
     model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
     sampling: SamplingConfig = SamplingConfig()
     ops: OpsConfig = OpsConfig()
     sft: SFTConfig = SFTConfig()
@@ -215,7 +233,7 @@ class PipelineConfig:
     stages: tuple[str, ...] = ("sft", "reward", "ppo", "dpo", "grpo")
     label_noise: float = 0.1
     eval_samples: int = 8
-    out: str = "runs/animals"
+    out: str = ""
     notes: str = ""
 
 
@@ -426,6 +444,13 @@ def validate_config(cfg: PipelineConfig, *, device_count: int = 1) -> None:
         _fail("model.tokenizer", m.tokenizer, "no such file")
     if m.source.endswith(".bin") and m.tokenizer is None:
         _fail("model.tokenizer", None, "a llama2.c checkpoint needs a tokenizer file")
+    dc = cfg.data
+    if dc.path is not None and not os.path.isfile(dc.path):
+        _fail("data.path", dc.path, "no such file")
+    if dc.limit < 0:
+        _fail("data.limit", dc.limit, "must be >= 0 (0: all records)")
+    if not 0 < dc.heldout_fraction < 1:
+        _fail("data.heldout_fraction", dc.heldout_fraction, "must be in (0, 1)")
     s = cfg.sampling
     _positive("sampling.prompt_length", s.prompt_length)
     _positive("sampling.max_new_tokens", s.max_new_tokens)
@@ -449,8 +474,9 @@ def validate_config(cfg: PipelineConfig, *, device_count: int = 1) -> None:
     for st in cfg.stages:
         if st not in known:
             _fail("stages", cfg.stages, f"unknown stage {st!r} (known: {', '.join(known)})")
-    if "ppo" in cfg.stages and "reward" not in cfg.stages:
-        _fail("stages", cfg.stages, "ppo needs the reward stage")
+    for st in ("ppo", "online-dpo"):
+        if st in cfg.stages and "reward" not in cfg.stages:
+            _fail("stages", cfg.stages, f"{st} needs the reward stage")
     if not 0 <= cfg.label_noise < 0.5:
         _fail("label_noise", cfg.label_noise, "must be in [0, 0.5)")
     _positive("eval_samples", cfg.eval_samples)

@@ -319,6 +319,10 @@ def run_iterations(
     stopped = "done"
     bar = _progress(num_iterations, start, log.stage, ops.quiet)
     i = start
+    # The loss a step reports is computed before its update, so a bad update shows in
+    # the next iteration's loss: rollback returns to the state before the previous
+    # iteration (kept as a copy, safe from buffer donation) and runs it again.
+    before_prev: tuple[int, Any] | None = None
     while i < num_iterations:
         good = _copy(state)
         t0 = time.perf_counter()
@@ -328,10 +332,16 @@ def run_iterations(
         problem = _problem(metrics, info, losses, ops) if ops.rollback else None
         if problem is not None and rollbacks < ops.max_rollbacks:
             rollbacks += 1
-            scale = get_lr_scale(good.opt_state) / ops.lr_backoff
-            state = _with_opt_state(good, scale)
-            log.event("rollback", f"iteration {i}: {problem}; restored the last good state, "
-                      f"learning-rate factor now {scale:.3g}", iteration=i, lr_scale=scale)
+            back_to, restored = before_prev if before_prev is not None else (i, good)
+            scale = get_lr_scale(restored.opt_state) / ops.lr_backoff
+            state = _with_opt_state(restored, scale)
+            history = [h for h in history if h["iteration"] < back_to]
+            losses = [h.get("loss", 0.0) for h in history]
+            before_prev = None
+            log.event("rollback", f"iteration {i}: {problem}; restored the state before "
+                      f"iteration {back_to}, learning-rate factor now {scale:.3g}",
+                      iteration=i, restored=back_to, lr_scale=scale)
+            i = back_to
             continue
         if kl_target is not None and info.get("kl", 0.0) > kl_target:
             state = good
@@ -339,6 +349,7 @@ def run_iterations(
             log.event("kl_guard", f"iteration {i}: KL to the reference {info['kl']:.4f} > "
                       f"target {kl_target}; stopping early", iteration=i, kl=info["kl"])
             break
+        before_prev = (i, good)
         state = new_state
         for j, m in enumerate(metrics):
             losses.append(m.get("loss", 0.0))

@@ -63,6 +63,20 @@ def _labels(noise: float, seed: int):
     return label
 
 
+def _rm_label(rm, tok, cfg: PipelineConfig):
+    """Labels from a reward model's scores of `prompt + completion` (RLAIF)."""
+    from ._rollout import reward_model_scores
+
+    def label(prompts, texts, salt):
+        del salt
+        seqs, _ = data.tokenize_sft(list(zip(prompts, texts)), tok, max_length=cfg.dpo.max_length,
+                                    max_prompt_length=cfg.sampling.prompt_length, add_eos=False)
+        batch = data.collate_sft(seqs, max_length=cfg.dpo.max_length, pad_id=tok.pad_id)
+        return np.asarray(reward_model_scores(rm, batch.tokens, batch.mask)).tolist()
+
+    return label
+
+
 def _ctx(cfg: PipelineConfig, run_dir: str, stage: str, key, resume: bool) -> RunContext:
     s = cfg.sampling
     return RunContext(
@@ -96,7 +110,7 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
     """Run the pipeline of `cfg` in `cfg.out`: `summary.json`, `metrics.jsonl`,
     `config.json`, PNG plots, `<stage>/hf/` checkpoints; returns the summary."""
     t0 = time.perf_counter()
-    run_dir = cfg.out
+    run_dir = cfg.out or os.path.join("runs", "pipeline")
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "config.json"), "w") as f:
         json.dump(config_to_dict(cfg), f, indent=1)
@@ -104,7 +118,7 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
     s = cfg.sampling
     base, tok = load_model(cfg.model.source, cfg.model.tokenizer)
     key = jax.random.key(cfg.ops.seed)
-    k_eval, k_sft, k_rm, k_ppo, k_dpo, k_grpo, k_data = jax.random.split(key, 7)
+    k_eval, k_sft, k_rm, k_ppo, k_dpo, k_grpo, k_data, k_online = jax.random.split(key, 8)
     label = _labels(cfg.label_noise, cfg.ops.seed)
     log = MetricsLog(run_dir, "pipeline", quiet=cfg.ops.quiet)
 
@@ -181,6 +195,10 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
                           ctx=_ctx(cfg, run_dir, "ppo", k_ppo, resume))
             summary.setdefault("stopped", {})["ppo"] = res.loop.stopped
             finish("ppo", final_policy(res.state.model[0]))
+        if "online-dpo" in cfg.stages:
+            res = run_online_dpo(sft, tok, TRAIN_PROMPTS, _rm_label(rm, tok, cfg), cfg=cfg.dpo,
+                                 ctx=_ctx(cfg, run_dir, "online-dpo", k_online, resume))
+            finish("online-dpo", final_policy(res.state.model))
     if "dpo" in cfg.stages:
         res = run_online_dpo(sft, tok, TRAIN_PROMPTS, label, cfg=cfg.dpo,
                              ctx=_ctx(cfg, run_dir, "dpo", k_dpo, resume))

@@ -43,13 +43,14 @@ def plot_run(run_dir: str) -> list[str]:
     """Draw one PNG per stage (loss, reward/score, KL, entropy, clip fraction, accuracy
     against the step) and, with a `summary.json`, `summary.png` (held-out score and win
     rate per stage). Returns the files written."""
+    stages = read_metrics(run_dir)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     written = []
-    for stage, recs in read_metrics(run_dir).items():
+    for stage, recs in stages.items():
         panels = []
         for title, names in _PANELS.items():
             for name in names:

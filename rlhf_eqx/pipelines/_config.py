@@ -254,14 +254,14 @@ def animal_task_config() -> PipelineConfig:
     return PipelineConfig(
         sft=SFTConfig(steps=30, batch_size=16, samples=2,
                       optim=OptimConfig(lr=5e-4), lora=lora),
-        reward=RewardConfig(steps=80, batch_size=32, pairs_per_prompt=4,
-                            optim=OptimConfig(lr=2e-3)),
+        reward=RewardConfig(steps=80, batch_size=32, pairs_per_prompt=12,
+                            optim=OptimConfig(lr=1e-3)),
         dpo=DPOConfig(beta=0.1, rounds=3, steps=20, batch_size=16, samples=4,
                       optim=OptimConfig(lr=5e-4), lora=lora),
         ppo=PPOConfig(rollouts=16, prompts_per_rollout=64, epochs=2, minibatches=2,
                       kl_coef=0.02, kl_target=1.0, optim=OptimConfig(lr=1e-3), lora=lora),
         grpo=GRPOConfig(rollouts=12, prompts_per_rollout=8, group_size=8, beta=0.02,
-                        kl_target=1.0, optim=OptimConfig(lr=1e-3), lora=lora),
+                        kl_target=1.0, optim=OptimConfig(lr=2e-3), lora=lora),
         notes=_TASK_NOTES,
     )
 

@@ -29,7 +29,10 @@ def _kl(policy, reference, rollout: Rollout) -> float:
     return float(((lp - ref) * m).sum() / max(m.sum(), 1))
 
 
-def win_rate(scores: Sequence[float], baseline: Sequence[float]) -> float:
+def win_rate(
+    scores: Sequence[float] | Float[np.ndarray, " N"],
+    baseline: Sequence[float] | Float[np.ndarray, " M"],
+) -> float:
     """Fraction of paired samples where `scores` beats `baseline` (ties count one half)."""
     a, b = np.asarray(scores, np.float64), np.asarray(baseline, np.float64)
     if a.shape != b.shape:

@@ -70,7 +70,9 @@ def resolve_config(args: argparse.Namespace):
         overrides.append("ops.quiet=true")
     cfg = apply_overrides(cfg, overrides)
     cmd = args.command
-    if cmd in STAGE_COMMANDS and cfg.data.path is None:
+    if cmd in STAGE_COMMANDS and cfg.data.path is not None:
+        cfg = dataclasses.replace(cfg, stages=(cmd,))
+    elif cmd in STAGE_COMMANDS:
         needs = {"sft": ("sft",), "reward": ("sft", "reward"), "dpo": ("sft", "dpo"),
                  "grpo": ("sft", "grpo"), "ppo": ("sft", "reward", "ppo"),
                  "online-dpo": ("sft", "reward", "online-dpo")}[cmd]

@@ -485,7 +485,8 @@ def validate_config(cfg: PipelineConfig, *, device_count: int = 1) -> None:
         _check_optim(f"{name}.optim", c.optim)
         if hasattr(c, "lora"):
             _check_lora(f"{name}.lora", c.lora)
-        if hasattr(c, "max_length") and c.max_length <= s.prompt_length:
+        used = name in cfg.stages or (name == "dpo" and "online-dpo" in cfg.stages)
+        if used and hasattr(c, "max_length") and c.max_length <= s.prompt_length:
             _fail(f"{name}.max_length", c.max_length,
                   f"must exceed sampling.prompt_length={s.prompt_length}")
     for name in ("steps", "batch_size", "samples"):

@@ -35,7 +35,8 @@ The steps, each a small function below:
     python examples/dpo_stories.py [--rounds 3] [--steps 20] [--batch-size 16] [--lr 5e-4]
                                    [--beta 0.1] [--words dog,cat] [--seed 0] [--save DIR]
 
-By default the model is read from `../shared/models/stories260K/` next to the checkout.
+By default the model is the stories260K checkpoint shipped in `rlhf_eqx/assets/`. The
+same run, folded into the package with PPO and GRPO beside it, is `python -m rlhf_eqx`.
 Training metrics use TRL's names (`loss`, `rewards/accuracies`, `rewards/margins`,
 `grad_norm`); the loss starts at ln 2, as the policy starts equal to the reference.
 The script exits with an error if the loss becomes NaN or infinite.
@@ -58,8 +59,7 @@ import numpy as np
 import rlhf_eqx as rx
 from rlhf_eqx import data
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_DIR = os.path.join(HERE, "..", "..", "shared", "models", "stories260K")
+from rlhf_eqx.assets import asset_path
 
 # Story openings the policy is trained on (completions are sampled for each of them).
 TRAIN_PROMPTS = [
@@ -117,8 +117,8 @@ ANIMALS = ("dog", "cat", "bird", "puppy", "kitten", "fish", "frog", "duck", "bun
 class Config:
     """Settings of a run (the command-line flags of the same names)."""
 
-    model: str = os.path.join(DEFAULT_DIR, "stories260K.bin")
-    tokenizer: str = os.path.join(DEFAULT_DIR, "tok512.bin")
+    model: str = asset_path("stories260K.bin")
+    tokenizer: str = asset_path("tok512.bin")
     words: tuple[str, ...] = ANIMALS
     train_prompts: tuple[str, ...] = tuple(TRAIN_PROMPTS)
     eval_prompts: tuple[str, ...] = tuple(EVAL_PROMPTS)

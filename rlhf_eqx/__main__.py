@@ -1,0 +1,159 @@
+"""Command line: `python -m rlhf_eqx [COMMAND] [options]` (console script `rlhf_eqx`).
+
+With no command, runs the built-in pipeline on the shipped stories260K model: SFT, then
+reward model -> PPO, DPO and GRPO from SFT, teaching the model to write stories in which
+an animal appears; prints a table of held-out gains and writes a run directory.
+
+Commands:
+
+- `pipeline` (the default): the whole pipeline (`--set stages=sft,dpo` to choose).
+- `sft`, `reward`, `dpo`, `grpo`: one stage; on the built-in task (after SFT), or on a
+  data file with `--data FILE` (preferences for sft/reward/dpo, e.g. HH-RLHF; prompts
+  with answers for grpo, e.g. GSM8K).
+- `ppo`, `online-dpo`: SFT, the reward model, then this stage on the built-in task.
+- `sample`: print completions of a model; `eval`: score a model on the built-in task's
+  held-out prompts; `plot RUN_DIR`: redraw a run's PNG plots.
+
+Configuration: built-in defaults (`--show-config` prints them), then `--config FILE`
+(JSON or YAML), then `--set field.sub=value` overrides. Invalid values stop the run
+before anything is compiled, with one line naming the field.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+STAGE_COMMANDS = ("sft", "reward", "dpo", "ppo", "grpo", "online-dpo")
+COMMANDS = ("pipeline", *STAGE_COMMANDS, "sample", "eval", "plot")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rlhf_eqx", description=(__doc__ or "").splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__,
+    )
+    p.add_argument("command", nargs="?", default="pipeline", choices=COMMANDS)
+    p.add_argument("run_dir", nargs="?", help="run directory (plot)")
+    p.add_argument("--config", help="JSON or YAML config file")
+    p.add_argument("--set", dest="overrides", action="append", default=[],
+                   metavar="FIELD=VALUE", help="dotted override, e.g. dpo.beta=0.2 (repeatable)")
+    p.add_argument("--out", help="run directory (default: runs/<command> under the cwd)")
+    p.add_argument("--data", help="data file (same as --set data.path=FILE)")
+    p.add_argument("--model", help="model: builtin, a llama2.c .bin or an HF directory")
+    p.add_argument("--tokenizer", help="tokenizer file for --model")
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoints")
+    p.add_argument("--quiet", action="store_true", help="no progress bars or step lines")
+    p.add_argument("--show-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--prompt", action="append", default=[], help="prompt (sample; repeatable)")
+    p.add_argument("-n", "--num-samples", type=int, default=4, help="samples per prompt (sample)")
+    return p
+
+
+def resolve_config(args: argparse.Namespace):
+    """The resolved `PipelineConfig` of parsed arguments (defaults < file < flags)."""
+    from rlhf_eqx.pipelines import animal_task_config, apply_overrides, load_config
+
+    cfg = animal_task_config()
+    if args.config:
+        cfg = load_config(args.config, base=cfg)
+    overrides = list(args.overrides)
+    if args.data:
+        overrides.append(f"data.path={args.data}")
+    if args.model:
+        overrides.append(f"model.source={args.model}")
+    if args.tokenizer:
+        overrides.append(f"model.tokenizer={args.tokenizer}")
+    if args.quiet:
+        overrides.append("ops.quiet=true")
+    cfg = apply_overrides(cfg, overrides)
+    cmd = args.command
+    if cmd in STAGE_COMMANDS and cfg.data.path is not None:
+        cfg = dataclasses.replace(cfg, stages=(cmd,))
+    elif cmd in STAGE_COMMANDS:
+        needs = {"sft": ("sft",), "reward": ("sft", "reward"), "dpo": ("sft", "dpo"),
+                 "grpo": ("sft", "grpo"), "ppo": ("sft", "reward", "ppo"),
+                 "online-dpo": ("sft", "reward", "online-dpo")}[cmd]
+        cfg = dataclasses.replace(cfg, stages=needs)
+    out = args.out or cfg.out or os.path.join("runs", cmd)
+    return dataclasses.replace(cfg, out=out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from rlhf_eqx.pipelines import ConfigError, config_to_dict, validate_config
+
+    if args.command == "plot":
+        from rlhf_eqx.pipelines import plot_run
+
+        if not args.run_dir:
+            print("error: plot needs a run directory: rlhf_eqx plot RUN_DIR", file=sys.stderr)
+            return 2
+        try:
+            for path in plot_run(args.run_dir):
+                print(path)
+        except (FileNotFoundError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        except ImportError:
+            print("error: plots need matplotlib (pip install 'rlhf_eqx[plot]')", file=sys.stderr)
+            return 2
+        return 0
+    try:
+        import jax
+
+        cfg = resolve_config(args)
+        validate_config(cfg, device_count=jax.device_count())
+    except ConfigError as e:
+        print(f"error: invalid configuration: {e}", file=sys.stderr)
+        return 2
+    resolved = json.dumps(config_to_dict(cfg), indent=1)
+    if args.show_config:
+        print(resolved)
+        return 0
+    if not cfg.ops.quiet:
+        print(f"rlhf_eqx {args.command}: resolved config (saved as {cfg.out}/config.json)")
+        print(resolved)
+    try:
+        return _run(args, cfg)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def _run(args, cfg) -> int:
+    from rlhf_eqx import pipelines as pl
+
+    cmd = args.command
+    if cmd == "pipeline" or (cmd in STAGE_COMMANDS and cfg.data.path is None):
+        pl.run_pipeline(cfg, resume=args.resume)
+        return 0
+    if cmd in STAGE_COMMANDS:
+        pl.run_on_data(cfg, cmd, resume=args.resume)
+        return 0
+    import jax
+
+    policy, tok = pl.load_model(cfg.model.source, cfg.model.tokenizer)
+    s = cfg.sampling
+    if cmd == "sample":
+        prompts = args.prompt or list(pl.HELDOUT_PROMPTS[:2])
+        roll = pl.sample_rollout(policy, tok, prompts, jax.random.key(cfg.ops.seed),
+                                 group_size=args.num_samples, prompt_length=s.prompt_length,
+                                 max_new_tokens=s.max_new_tokens, temperature=s.temperature)
+        for p, t in zip(roll.prompts, roll.texts):
+            print(f"{p}{t}\n")
+        return 0
+    base, _ = pl.load_model("builtin") if policy.cfg.vocab_size == 512 else (policy, tok)
+    metrics, _, _ = pl.evaluate_policy(
+        policy, tok, pl.HELDOUT_PROMPTS, jax.random.key(cfg.ops.seed), scorer=pl.animal_score,
+        base=base, reference=base, samples=cfg.eval_samples, prompt_length=s.prompt_length,
+        max_new_tokens=s.max_new_tokens, temperature=s.temperature,
+    )
+    print(json.dumps(metrics, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Whole training runs above `rlhf_eqx.train`: typed configs, rollouts, checkpoints with
+exact resume, the KL guard, divergence rollback, evaluation, metrics and plots, and the
+built-in pipeline (`python -m rlhf_eqx`). See `docs/pipelines.md`."""
+
+from ._config import (
+    ConfigError as ConfigError,
+    DataConfig as DataConfig,
+    DPOConfig as DPOConfig,
+    GRPOConfig as GRPOConfig,
+    LoRASettings as LoRASettings,
+    ModelConfig as ModelConfig,
+    OpsConfig as OpsConfig,
+    OptimConfig as OptimConfig,
+    PipelineConfig as PipelineConfig,
+    PPOConfig as PPOConfig,
+    RewardConfig as RewardConfig,
+    SamplingConfig as SamplingConfig,
+    SFTConfig as SFTConfig,
+    animal_task_config as animal_task_config,
+    apply_overrides as apply_overrides,
+    config_from_dict as config_from_dict,
+    config_to_dict as config_to_dict,
+    load_config as load_config,
+    validate_config as validate_config,
+)
+from ._data_runs import run_on_data as run_on_data, split_records as split_records
+from ._evaluate import (
+    completion_nll as completion_nll,
+    evaluate_policy as evaluate_policy,
+    reward_accuracy as reward_accuracy,
+    win_rate as win_rate,
+)
+from ._ops import (
+    LoopResult as LoopResult,
+    MetricsLog as MetricsLog,
+    build_optimizer as build_optimizer,
+    get_lr_scale as get_lr_scale,
+    latest_checkpoint as latest_checkpoint,
+    restore_checkpoint as restore_checkpoint,
+    run_iterations as run_iterations,
+    save_checkpoint as save_checkpoint,
+    scale_by_lr_factor as scale_by_lr_factor,
+    set_lr_scale as set_lr_scale,
+)
+from ._pipeline import format_table as format_table, load_model as load_model, run_pipeline as run_pipeline
+from ._plots import plot_run as plot_run, read_metrics as read_metrics
+from ._rollout import (
+    RewardFunction as RewardFunction,
+    Rollout as Rollout,
+    group_signal as group_signal,
+    reward_model_scores as reward_model_scores,
+    sample_rollout as sample_rollout,
+    score_rollout as score_rollout,
+    token_logps as token_logps,
+)
+from ._runs import (
+    RunContext as RunContext,
+    RunResult as RunResult,
+    best_worst_pairs as best_worst_pairs,
+    final_policy as final_policy,
+    rows_at as rows_at,
+    run_dpo as run_dpo,
+    run_grpo as run_grpo,
+    run_online_dpo as run_online_dpo,
+    run_ppo as run_ppo,
+    run_reward as run_reward,
+    run_sft as run_sft,
+    with_lora as with_lora,
+)
+from ._task import (
+    ANIMALS as ANIMALS,
+    HELDOUT_PROMPTS as HELDOUT_PROMPTS,
+    TRAIN_PROMPTS as TRAIN_PROMPTS,
+    animal_score as animal_score,
+    noisy_scores as noisy_scores,
+)

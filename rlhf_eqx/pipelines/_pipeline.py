@@ -1,0 +1,229 @@
+"""The default pipeline on the built-in animal task: SFT, then reward model -> PPO, DPO
+and GRPO from SFT, each evaluated on held-out prompts against SFT."""
+
+import dataclasses
+import json
+import os
+import time
+
+import jax
+import numpy as np
+
+import rlhf_eqx as rx
+from rlhf_eqx import data
+
+from ._config import PipelineConfig, config_to_dict
+from ._evaluate import evaluate_policy, reward_accuracy, win_rate
+from ._ops import MetricsLog
+from ._rollout import RewardFunction, sample_rollout
+from ._runs import (
+    RunContext,
+    best_worst_pairs,
+    collate_pairs,
+    final_policy,
+    run_grpo,
+    run_online_dpo,
+    run_ppo,
+    run_reward,
+    run_sft,
+)
+from ._task import HELDOUT_PROMPTS, TRAIN_PROMPTS, animal_score, noisy_scores
+
+__all__ = ["load_model", "run_pipeline", "format_table"]
+
+
+def load_model(source: str = "builtin", tokenizer: str | None = None):
+    """`(policy, tokenizer)` from `"builtin"` (the shipped stories260K), a llama2.c `.bin`
+    file (with `tokenizer`) or a Hugging Face checkpoint directory."""
+    from rlhf_eqx.assets import asset_path
+
+    if source == "builtin":
+        return rx.load_llama2c(asset_path("stories260K.bin"), tokenizer or asset_path("tok512.bin"))
+    if os.path.isdir(source):
+        policy = rx.load_hf(source)
+        tok_path = tokenizer or os.path.join(source, "tokenizer.json")
+        tok = data.load_tokenizer(tok_path)
+    else:
+        policy, tok = rx.load_llama2c(source, tokenizer)
+    if tok.vocab_size != policy.cfg.vocab_size:
+        raise ValueError(
+            f"model.tokenizer: vocabulary {tok.vocab_size} does not match the model's "
+            f"{policy.cfg.vocab_size}"
+        )
+    return policy, tok
+
+
+def _labels(noise: float, seed: int):
+    """Noisy scorer labels (deterministic per call site `salt`)."""
+
+    def label(prompts, texts, salt):
+        del prompts
+        return noisy_scores([animal_score(t) for t in texts], noise=noise, seed=seed * 7919 + salt)
+
+    return label
+
+
+def _rm_label(rm, tok, cfg: PipelineConfig):
+    """Labels from a reward model's scores of `prompt + completion` (RLAIF)."""
+    from ._rollout import reward_model_scores
+
+    def label(prompts, texts, salt):
+        del salt
+        seqs, _ = data.tokenize_sft(list(zip(prompts, texts)), tok, max_length=cfg.dpo.max_length,
+                                    max_prompt_length=cfg.sampling.prompt_length, add_eos=False)
+        batch = data.collate_sft(seqs, max_length=cfg.dpo.max_length, pad_id=tok.pad_id)
+        return np.asarray(reward_model_scores(rm, batch.tokens, batch.mask)).tolist()
+
+    return label
+
+
+def _ctx(cfg: PipelineConfig, run_dir: str, stage: str, key, resume: bool) -> RunContext:
+    s = cfg.sampling
+    return RunContext(
+        ops=cfg.ops, log=MetricsLog(run_dir, stage, quiet=cfg.ops.quiet), key=key,
+        checkpoint_dir=os.path.join(run_dir, stage, "checkpoints"), resume=resume,
+        prompt_length=s.prompt_length, max_new_tokens=s.max_new_tokens,
+        temperature=s.temperature, meta={"stage": stage, "config": config_to_dict(cfg)},
+    )
+
+
+def format_table(summary: dict) -> str:
+    """The printed final table of a pipeline summary."""
+    lines = [f"{'stage':<8} {'score':>7} {'win vs SFT':>11} {'KL/token':>9} {'base NLL':>9}"]
+    for stage in ("base", "sft", "ppo", "dpo", "grpo", "online-dpo"):
+        if stage not in summary:
+            continue
+        s = summary[stage]
+        win = s.get("win_rate_vs_sft")
+        kl = s.get("kl")
+        lines.append(
+            f"{stage:<8} {s['score']:>7.1%} {'' if win is None else f'{win:.1%}':>11} "
+            f"{'' if kl is None else f'{kl:.3f}':>9} {s['base_nll']:>9.2f}"
+        )
+    if "reward_model" in summary:
+        lines.append(f"reward model held-out accuracy: "
+                     f"{summary['reward_model']['heldout_accuracy']:.1%}")
+    return "\n".join(lines)
+
+
+def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
+    """Run the pipeline of `cfg` in `cfg.out`: `summary.json`, `metrics.jsonl`,
+    `config.json`, PNG plots, `<stage>/hf/` checkpoints; returns the summary."""
+    t0 = time.perf_counter()
+    run_dir = cfg.out or os.path.join("runs", "pipeline")
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+        json.dump(config_to_dict(cfg), f, indent=1)
+    say = (lambda *a: None) if cfg.ops.quiet else print
+    s = cfg.sampling
+    base, tok = load_model(cfg.model.source, cfg.model.tokenizer)
+    key = jax.random.key(cfg.ops.seed)
+    k_eval, k_sft, k_rm, k_ppo, k_dpo, k_grpo, k_data, k_online = jax.random.split(key, 8)
+    label = _labels(cfg.label_noise, cfg.ops.seed)
+    log = MetricsLog(run_dir, "pipeline", quiet=cfg.ops.quiet)
+
+    def evaluate(policy, reference):
+        return evaluate_policy(
+            policy, tok, HELDOUT_PROMPTS, k_eval, scorer=animal_score, base=base,
+            reference=reference, samples=cfg.eval_samples, prompt_length=s.prompt_length,
+            max_new_tokens=s.max_new_tokens, temperature=s.temperature,
+        )
+
+    summary: dict = {}
+    base_metrics, _, _ = evaluate(base, None)
+    summary["base"] = base_metrics
+    say(f"base model: {base_metrics['score']:.1%} of held-out stories mention an animal")
+
+    # SFT on the base model's best-of-n samples (by noisy labels).
+    roll = sample_rollout(base, tok, TRAIN_PROMPTS, jax.random.fold_in(k_data, 0),
+                          group_size=cfg.sft.samples, prompt_length=s.prompt_length,
+                          max_new_tokens=s.max_new_tokens, temperature=s.temperature)
+    labels = np.asarray(label(roll.prompts, roll.texts, 1)).reshape(-1, cfg.sft.samples)
+    best = labels.argmax(axis=1)
+    records = [(p, roll.texts[j * cfg.sft.samples + b]) for j, (p, b) in
+               enumerate(zip(TRAIN_PROMPTS, best))]
+    say(f"sft: {len(records)} demonstrations (best of {cfg.sft.samples} by noisy labels)")
+    res = run_sft(base, tok, records, cfg=cfg.sft, ctx=_ctx(cfg, run_dir, "sft", k_sft, resume))
+    sft = final_policy(res.state.model)
+    sft_metrics, _, sft_scores = evaluate(sft, base)
+    summary["sft"] = sft_metrics
+    _export(sft, run_dir, "sft")
+    say(f"sft: {sft_metrics['score']:.1%}")
+
+    def finish(stage, policy):
+        m, _, scores = evaluate(policy, sft)
+        m["win_rate_vs_sft"] = win_rate(scores, sft_scores)
+        summary[stage] = m
+        _export(policy, run_dir, stage)
+        say(f"{stage}: {m['score']:.1%} (win rate vs SFT {m['win_rate_vs_sft']:.1%}, "
+            f"KL {m['kl']:.3f})")
+
+    if "reward" in cfg.stages:
+        r = cfg.reward
+        n = r.pairs_per_prompt
+        roll = sample_rollout(sft, tok, TRAIN_PROMPTS, jax.random.fold_in(k_data, 1),
+                              group_size=2 * n, prompt_length=s.prompt_length,
+                              max_new_tokens=s.max_new_tokens, temperature=s.temperature)
+        true = np.asarray([animal_score(t) for t in roll.texts])
+        noisy = np.asarray(label(roll.prompts, roll.texts, 2))
+        pairs, clean = [], []
+        for j in range(0, len(roll.texts), 2):
+            if true[j] != true[j + 1]:
+                c, w = (j, j + 1) if noisy[j] > noisy[j + 1] or (
+                    noisy[j] == noisy[j + 1] and true[j] > true[j + 1]) else (j + 1, j)
+                pairs.append(data.PreferenceRecord(roll.prompts[j], roll.texts[c], roll.texts[w]))
+        heldout_roll = sample_rollout(
+            sft, tok, HELDOUT_PROMPTS, jax.random.fold_in(k_data, 2), group_size=2 * n,
+            prompt_length=s.prompt_length, max_new_tokens=s.max_new_tokens,
+            temperature=s.temperature)
+        ht = np.asarray([animal_score(t) for t in heldout_roll.texts])
+        for j in range(0, len(heldout_roll.texts), 2):
+            if ht[j] != ht[j + 1]:
+                c, w = (j, j + 1) if ht[j] > ht[j + 1] else (j + 1, j)
+                clean.append(data.PreferenceRecord(
+                    heldout_roll.prompts[j], heldout_roll.texts[c], heldout_roll.texts[w]))
+        say(f"reward: {len(pairs)} noisily labelled training pairs, {len(clean)} held-out pairs")
+        res = run_reward(sft, tok, pairs, cfg=r, ctx=_ctx(cfg, run_dir, "reward", k_rm, resume))
+        rm = res.state.model
+        held = collate_pairs(clean, tok, max_length=r.max_length, prompt_length=s.prompt_length)
+        acc = reward_accuracy(rm, held)
+        summary["reward_model"] = {"heldout_accuracy": acc, "train_pairs": len(pairs),
+                                   "heldout_pairs": len(clean)}
+        say(f"reward model: held-out accuracy {acc:.1%}")
+        if "ppo" in cfg.stages:
+            res = run_ppo(sft, tok, TRAIN_PROMPTS, reward=rm, cfg=cfg.ppo,
+                          ctx=_ctx(cfg, run_dir, "ppo", k_ppo, resume))
+            summary.setdefault("stopped", {})["ppo"] = res.loop.stopped
+            finish("ppo", final_policy(res.state.model[0]))
+        if "online-dpo" in cfg.stages:
+            res = run_online_dpo(sft, tok, TRAIN_PROMPTS, _rm_label(rm, tok, cfg), cfg=cfg.dpo,
+                                 ctx=_ctx(cfg, run_dir, "online-dpo", k_online, resume))
+            finish("online-dpo", final_policy(res.state.model))
+    if "dpo" in cfg.stages:
+        res = run_online_dpo(sft, tok, TRAIN_PROMPTS, label, cfg=cfg.dpo,
+                             ctx=_ctx(cfg, run_dir, "dpo", k_dpo, resume))
+        finish("dpo", final_policy(res.state.model))
+    if "grpo" in cfg.stages:
+        fns = [RewardFunction("animal", lambda p, t: animal_score(t))]
+        res = run_grpo(sft, tok, TRAIN_PROMPTS, reward_fns=fns, cfg=cfg.grpo,
+                       ctx=_ctx(cfg, run_dir, "grpo", k_grpo, resume))
+        summary.setdefault("stopped", {})["grpo"] = res.loop.stopped
+        finish("grpo", final_policy(res.state.model))
+
+    summary["seconds"] = time.perf_counter() - t0
+    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    log.write({"event": "summary", **{k: v for k, v in summary.items() if k == "seconds"}})
+    try:
+        from ._plots import plot_run
+
+        plot_run(run_dir)
+    except ImportError:
+        print("note: install matplotlib (pip install 'rlhf_eqx[plot]') for PNG plots")
+    say("\n" + format_table(summary))
+    say(f"\nrun directory: {run_dir} ({summary['seconds']:.0f} s)")
+    return summary
+
+
+def _export(policy, run_dir: str, stage: str) -> None:
+    rx.save_hf(policy, os.path.join(run_dir, stage, "hf"))

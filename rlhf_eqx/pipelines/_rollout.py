@@ -1,0 +1,183 @@
+"""Rollouts: sample G completions per prompt, cut them at stop ids, decode, score.
+
+Scoring is host-side Python on decoded text (`RewardFunction`s, weighted) or a jitted
+model (`reward_model_scores`); both give one float per completion.
+"""
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+__all__ = [
+    "Rollout",
+    "RewardFunction",
+    "sample_rollout",
+    "score_rollout",
+    "group_signal",
+    "reward_model_scores",
+    "token_logps",
+    "encode_prompts",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """Sampled completions: `B = len(prompts) * group_size` rows, groups contiguous.
+
+    - `tokens`, `mask`, `completion_mask`: `[B, T]` left-padded prompt + completion, the
+      real tokens and the completion tokens (after the first stop id: masked out).
+    - `logprobs`: `[B, T]` the sampler's log-probabilities of the completion tokens at
+      the sampling temperature (0 elsewhere): the PPO/GRPO `old_logp`.
+    - `truncated`: `[B]` completions that hit `max_new_tokens` without a stop id.
+    - `prompts`, `texts`: the prompt of each row and its decoded completion.
+    """
+
+    tokens: Int[Array, "B T"]
+    mask: Bool[Array, "B T"]
+    completion_mask: Bool[Array, "B T"]
+    logprobs: Float[Array, "B T"]
+    truncated: Bool[Array, " B"]
+    prompts: tuple[str, ...]
+    texts: tuple[str, ...]
+    group_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardFunction:
+    """A named reward `fn(prompt, completion) -> float` with a weight; a run's reward is
+    the weighted sum of its reward functions."""
+
+    name: str
+    fn: Callable[[str, str], float]
+    weight: float = 1.0
+
+
+def encode_prompts(tok, prompts: Sequence[str], *, prompt_length: int) -> list[list[int]]:
+    """Token ids of each prompt (with BOS); a prompt longer than `prompt_length` is an
+    error naming it."""
+    ids = []
+    for i, p in enumerate(prompts):
+        x = [tok.bos_id] + list(tok.encode(p))
+        if len(x) > prompt_length:
+            raise ValueError(
+                f"prompt {i} ({p[:40]!r}...) has {len(x)} tokens > prompt_length={prompt_length}"
+            )
+        ids.append(x)
+    return ids
+
+
+def _cut_at_stop(tokens: np.ndarray, completion: np.ndarray, stop_ids: Sequence[int]):
+    """Mask completion tokens after the first stop id (the stop id itself is kept)."""
+    completion = completion.copy()
+    stopped = np.zeros(tokens.shape[0], bool)
+    if not stop_ids:
+        return completion, stopped
+    is_stop = np.isin(tokens, np.asarray(stop_ids)) & completion
+    for b in range(tokens.shape[0]):
+        hits = np.nonzero(is_stop[b])[0]
+        if hits.size:
+            stopped[b] = True
+            completion[b, hits[0] + 1 :] = False
+    return completion, stopped
+
+
+def sample_rollout(
+    policy,
+    tok,
+    prompts: Sequence[str],
+    key: jax.Array,
+    *,
+    group_size: int = 1,
+    prompt_length: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    stop_ids: Sequence[int] | None = None,
+) -> Rollout:
+    """Sample `group_size` completions of each prompt with `rlhf_eqx.generate_batch`.
+
+    Prompts are left-padded to `prompt_length` (one compiled sampler per batch size);
+    completions end at EOS or at the first of `stop_ids` (default: EOS and BOS — the
+    stories260K model starts a new story with BOS). The same `temperature` must be
+    given to the training steps.
+    """
+    import rlhf_eqx as rx
+    from rlhf_eqx import data
+
+    if stop_ids is None:
+        stop_ids = tuple(sorted({tok.eos_id, tok.bos_id}))
+    ids = encode_prompts(tok, prompts, prompt_length=prompt_length)
+    repeated = [x for x in ids for _ in range(group_size)]
+    batch = data.collate_prompts(repeated, max_length=prompt_length, pad_id=tok.pad_id)
+    out = rx.generate_batch(
+        policy, batch.tokens, batch.mask, key, max_new_tokens=max_new_tokens,
+        temperature=temperature, eos_id=tok.eos_id, pad_id=tok.pad_id,
+    )
+    tokens = np.asarray(out.tokens)
+    completion, stopped = _cut_at_stop(tokens, np.asarray(out.completion_mask), stop_ids)
+    mask = np.asarray(out.mask) & (completion | ~np.asarray(out.completion_mask))
+    logprobs = np.where(completion, np.asarray(out.logprobs), 0.0).astype(np.float32)
+    texts = []
+    rows_prompts = tuple(p for p in prompts for _ in range(group_size))
+    for b, prompt_ids in enumerate(repeated):
+        comp = [t for t in tokens[b][completion[b]].tolist() if t not in stop_ids]
+        texts.append(data.decode_continuation(tok, prompt_ids, comp))
+    return Rollout(
+        tokens=jnp.asarray(tokens),
+        mask=jnp.asarray(mask),
+        completion_mask=jnp.asarray(completion),
+        logprobs=jnp.asarray(logprobs),
+        truncated=jnp.asarray(~stopped),
+        prompts=rows_prompts,
+        texts=tuple(texts),
+        group_size=group_size,
+    )
+
+
+def score_rollout(
+    rollout: Rollout, reward_fns: Sequence[RewardFunction]
+) -> tuple[np.ndarray, dict[str, float]]:
+    """Weighted sum of `reward_fns` on each completion: `(rewards [B], metrics)` with the
+    mean of each named reward (`reward/<name>`)."""
+    if not reward_fns:
+        raise ValueError("score_rollout needs at least one reward function")
+    total = np.zeros(len(rollout.texts), np.float32)
+    metrics = {}
+    for rf in reward_fns:
+        values = np.asarray(
+            [float(rf.fn(p, t)) for p, t in zip(rollout.prompts, rollout.texts)], np.float32
+        )
+        if not np.all(np.isfinite(values)):
+            raise ValueError(f"reward function {rf.name!r} returned a non-finite value")
+        metrics[f"reward/{rf.name}"] = float(values.mean())
+        total += rf.weight * values
+    return total, metrics
+
+
+def group_signal(rewards: np.ndarray, group_size: int) -> float:
+    """`frac_reward_zero_std`: the fraction of groups whose rewards are all equal (their
+    group-relative advantages are 0: no learning signal)."""
+    groups = np.asarray(rewards).reshape(-1, group_size)
+    return float(np.mean(np.std(groups, axis=1) == 0.0))
+
+
+@eqx.filter_jit
+def reward_model_scores(
+    reward_model, tokens: Int[Array, "B T"], mask: Bool[Array, "B T"]
+) -> Float[Array, " B"]:
+    """Scalar reward of each sequence under a `RewardModel` (jitted)."""
+    return jax.vmap(reward_model)(tokens, mask).astype(jnp.float32)
+
+
+@eqx.filter_jit
+def token_logps(
+    model, tokens: Int[Array, "B T"], mask: Bool[Array, "B T"]
+) -> Float[Array, "B T"]:
+    """`log p(tokens[t] | tokens[<t])` of every row under `model` (0 where undefined)."""
+    import rlhf_eqx as rx
+
+    return jax.vmap(lambda t, m: rx.token_logprobs(model, t, m))(tokens, mask)

@@ -270,11 +270,6 @@ def run_online_dpo(
 # --- PPO -------------------------------------------------------------------------------
 
 
-def _temperature_kwargs(t: float) -> dict:
-    # The steps compute log-probabilities at the sampling temperature when given one.
-    return {} if t == 1.0 else {"temperature": t}
-
-
 def _prompts_at(prompts: Sequence[str], per_rollout: int, seed: int, r: int) -> list[str]:
     return [prompts[j] for j in rows_at(len(prompts), per_rollout, seed, r)]
 
@@ -312,7 +307,7 @@ def run_ppo(
     state = rx.train.init_train_state((pol, value), opt, filter_spec=filter_spec)
     step = rx.train.make_ppo_step(opt, clip_eps=cfg.clip, vf_coef=cfg.vf_coef,
                                   ent_coef=cfg.ent_coef, donate=False,
-                                  **_temperature_kwargs(ctx.temperature))
+                                  temperature=ctx.temperature)
     mb = cfg.prompts_per_rollout // cfg.minibatches
 
     def iteration(state, key, r):
@@ -333,7 +328,7 @@ def run_ppo(
         batch, stats = rx.train.prepare_ppo_batch(
             (pol_now, val_now), reference, roll.tokens, roll.mask, roll.completion_mask,
             scores, kl_coef=cfg.kl_coef, gamma=cfg.gamma, lam=cfg.lam,
-            **_temperature_kwargs(ctx.temperature),
+            temperature=ctx.temperature,
         )
         m = roll.completion_mask & roll.mask
         batch = eqx.tree_at(lambda b: b.old_logp, batch, jnp.where(m, roll.logprobs, 0.0))
@@ -382,9 +377,9 @@ def run_grpo(
     reference = rx.without_lora(pol) if spec is not None else policy
     opt = build_optimizer(cfg.optim, cfg.rollouts * cfg.epochs)
     state = rx.train.init_train_state(pol, opt, filter_spec=spec)
-    step = rx.train.make_grpo_step(opt, group_size=cfg.group_size, clip_eps_low=cfg.clip,
+    step = rx.train.make_grpo_step(opt, group_size=cfg.group_size, clip_eps=cfg.clip,
                                    beta=cfg.beta, donate=False,
-                                   **_temperature_kwargs(ctx.temperature))
+                                   temperature=ctx.temperature)
 
     def iteration(state, key, r):
         k_sample, k_steps = jax.random.split(key)

@@ -778,3 +778,9 @@ def test_hf_window_fields_per_family():
                         layer_types=["full_attention", "sliding_attention"])
     assert config_from_hf(gemma3).local_layers == (False, True)
     assert rx.models.config_to_hf(cfg)["max_window_layers"] == 1
+
+
+def test_hf_inconsistent_sizes_name_the_file():
+    c = _hf_config("LlamaForCausalLM", num_key_value_heads=3)
+    with pytest.raises(ValueError, match=r"config\.json: TransformerConfig\.n_kv_heads=3 must divide n_heads=4"):
+        config_from_hf(c)

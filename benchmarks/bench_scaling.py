@@ -45,18 +45,26 @@ def _worker(n_devices: int, quick: bool) -> dict:
 
     assert jax.device_count() >= n_devices, jax.devices()
     if quick:
-        cfg = rx.TransformerConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=172)
+        cfg = rx.TransformerConfig(
+            vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=172
+        )
         pairs, T, repeats = 8, 32, 3
     else:
-        cfg = rx.TransformerConfig(vocab_size=1024, d_model=128, n_layers=4, n_heads=8, n_kv_heads=4, d_ff=344)
+        cfg = rx.TransformerConfig(
+            vocab_size=1024, d_model=128, n_layers=4, n_heads=8, n_kv_heads=4, d_ff=344
+        )
         pairs, T, repeats = 16, 128, 5
     policy = rx.Policy(cfg, key=jax.random.key(0))
     lengths = T - (jnp.arange(pairs) % 5) * (T // 8)  # uneven rows
     mask = jnp.arange(T)[None, :] < lengths[:, None]
     tokens = jax.random.randint(jax.random.key(1), (pairs, T), 3, cfg.vocab_size)
     batch = rx.PreferenceBatch(
-        chosen_tokens=tokens, chosen_mask=mask, chosen_completion_mask=mask.at[:, : T // 4].set(False),
-        rejected_tokens=jnp.flip(tokens, 1), rejected_mask=mask, rejected_completion_mask=mask.at[:, : T // 4].set(False),
+        chosen_tokens=tokens,
+        chosen_mask=mask,
+        chosen_completion_mask=mask.at[:, : T // 4].set(False),
+        rejected_tokens=jnp.flip(tokens, 1),
+        rejected_mask=mask,
+        rejected_completion_mask=mask.at[:, : T // 4].set(False),
     )
     opt = make_optimizer(learning_rate=1e-4, total_steps=100)
     step = make_dpo_step(opt, reference="cached", donate=False)
@@ -77,7 +85,11 @@ def _worker(n_devices: int, quick: bool) -> dict:
     # The same step on each device's own rows, nothing reduced across devices.
     local_step = jax.jit(
         jax.shard_map(
-            run, mesh=mesh, in_specs=(params_spec, opt_spec, batch_spec), out_specs=P(), check_vma=False
+            run,
+            mesh=mesh,
+            in_specs=(params_spec, opt_spec, batch_spec),
+            out_specs=P(),
+            check_vma=False,
         )
     )
 
@@ -114,7 +126,9 @@ def scaling_table(device_counts, quick: bool) -> list[dict]:
             env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
         ).strip()
         env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-        args = [sys.executable, os.path.abspath(__file__), "--worker", str(n)] + (["--quick"] if quick else [])
+        args = [sys.executable, os.path.abspath(__file__), "--worker", str(n)] + (
+            ["--quick"] if quick else []
+        )
         out = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
         if out.returncode != 0:
             raise RuntimeError(f"the {n}-device run failed:\n{out.stderr[-4000:]}")
@@ -124,20 +138,35 @@ def scaling_table(device_counts, quick: bool) -> list[dict]:
 
 def print_scaling(rows) -> None:
     r0 = rows[0]
-    print(f"DPO step, {r0['pairs']} pairs × {r0['seq_len']} tokens (global batch), (N, 1) mesh, data parallel\n")
-    print("| devices | step (ms) | speed-up | no-collective step (ms) | collective share | compile (s) |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(
+        f"DPO step, {r0['pairs']} pairs × {r0['seq_len']} tokens (global batch), "
+        "(N, 1) mesh, data parallel\n"
+    )
+    header = ["devices", "step (ms)", "speed-up", "no-collective step (ms)", "collective share"]
+    print(_row(header + ["compile (s)"]))
+    print(_row(["---"] * 6))
     for r in rows:
-        print(
-            f"| {r['devices']} | {1e3 * r['step_s']:.1f} | {r0['step_s'] / r['step_s']:.2f}× | "
-            f"{1e3 * r['no_collective_s']:.1f} | {100 * r['collective_share']:.0f}% | {r['compile_s']:.1f} |"
-        )
+        cells = [
+            r["devices"],
+            f"{1e3 * r['step_s']:.1f}",
+            f"{r0['step_s'] / r['step_s']:.2f}×",
+            f"{1e3 * r['no_collective_s']:.1f}",
+            f"{100 * r['collective_share']:.0f}%",
+            f"{r['compile_s']:.1f}",
+        ]
+        print(_row(cells))
+
+
+def _row(cells) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
 LLAMA = {
     "Llama-2-7B": dict(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, d_ff=11008),
     "Llama-2-13B": dict(vocab_size=32000, d_model=5120, n_layers=40, n_heads=40, d_ff=13824),
-    "Llama-2-70B": dict(vocab_size=32000, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, d_ff=28672),
+    "Llama-2-70B": dict(
+        vocab_size=32000, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, d_ff=28672
+    ),
 }
 
 
@@ -149,15 +178,28 @@ def memory_table(*, pairs: int = 8, seq_len: int = 1024) -> str:
     modes = [
         ("full, FSDP", (8, 1), {}),
         ("full, FSDP + TP", (2, 4), {}),
-        ("LoRA r=16 (all projections)", (8, 1), {"lora": rx.LoRAConfig(rank=16, targets=rx.models.LORA_TARGETS)}),
-        ("LoRA r=16, int8 base", (8, 1), {"lora": rx.LoRAConfig(rank=16, targets=rx.models.LORA_TARGETS), "int8_base": True}),
+        (
+            "LoRA r=16 (all projections)",
+            (8, 1),
+            {"lora": rx.LoRAConfig(rank=16, targets=rx.models.LORA_TARGETS)},
+        ),
+        (
+            "LoRA r=16, int8 base",
+            (8, 1),
+            {"lora": rx.LoRAConfig(rank=16, targets=rx.models.LORA_TARGETS), "int8_base": True},
+        ),
     ]
     lines = [
-        f"DPO, {pairs} pairs × {seq_len} tokens per step ({2 * pairs} sequences), bfloat16 weights and "
-        "AdamW moments, reference model held (full) or shared base (LoRA); GiB per device.",
+        f"DPO, {pairs} pairs × {seq_len} tokens per step ({2 * pairs} sequences), "
+        "bfloat16 weights and AdamW moments, reference model held (full) or shared base "
+        "(LoRA); GiB per device.",
         "",
-        "| model | mode | mesh (data, model) | weights | grads + optimiser | reference | activations | activations (remat) | total | total (remat) | v5e-8 (16 GB) | 8×H100 (80 GB) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        _row(
+            ["model", "mode", "mesh (data, model)", "weights", "grads + optimiser", "reference"]
+            + ["activations", "activations (remat)", "total", "total (remat)"]
+            + ["v5e-8 (16 GB)", "8×H100 (80 GB)"]
+        ),
+        _row(["---"] * 12),
     ]
 
     def verdict(est, device_bytes):
@@ -171,18 +213,26 @@ def memory_table(*, pairs: int = 8, seq_len: int = 1024) -> str:
         cfg = rx.TransformerConfig(**sizes, max_seq_len=4096, dtype="bfloat16")
         for mode, mesh, kw in modes:
             est = estimate_memory(cfg, mesh, (2 * pairs, seq_len), **kw)
-            lines.append(
-                f"| {name} | {mode} | {mesh} | {est.params / gib:.1f} | {(est.grads + est.optimizer) / gib:.1f} | "
-                f"{est.reference / gib:.1f} | {est.activations / gib:.1f} | {est.activations_remat / gib:.1f} | "
-                f"{est.total / gib:.1f} | {est.total_remat / gib:.1f} | {verdict(est, 16e9)} | {verdict(est, 80e9)} |"
-            )
+            sizes_gib = [
+                est.params,
+                est.grads + est.optimizer,
+                est.reference,
+                est.activations,
+                est.activations_remat,
+                est.total,
+                est.total_remat,
+            ]
+            cells = [name, mode, mesh] + [f"{b / gib:.1f}" for b in sizes_gib]
+            lines.append(_row(cells + [verdict(est, 16e9), verdict(est, 80e9)]))
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, nargs="+", default=[1, 2, 8])
-    parser.add_argument("--quick", action="store_true", help="a smaller model and batch (smoke run)")
+    parser.add_argument(
+        "--quick", action="store_true", help="a smaller model and batch (smoke run)"
+    )
     parser.add_argument("--memory-table", action="store_true", help="print the docs memory table")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -25,6 +25,7 @@ from .models._sharding import partition_specs
 
 __all__ = ["MemoryEstimate", "estimate_memory"]
 
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:8.2f} GiB"
 
@@ -54,7 +55,7 @@ class MemoryEstimate:
 
     @property
     def state(self) -> int:
-        """Bytes that live across steps and in the step: weights, gradients, optimiser, reference."""
+        """Weights, gradients, optimiser state and reference: everything but activations."""
         return self.params + self.grads + self.optimizer + self.reference
 
     @property
@@ -89,7 +90,10 @@ class MemoryEstimate:
 
 def _sharded_bytes(tree, specs, sizes: Mapping[str, int]) -> int:
     total = 0
-    for x, spec in zip(jax.tree.leaves(tree), jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec))):
+    for x, spec in zip(
+        jax.tree.leaves(tree),
+        jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec)),
+    ):
         spec = fit_spec(spec, x.shape, sizes)
         n = 1
         for dim, axes in zip(x.shape, tuple(spec) + (None,) * (len(x.shape) - len(spec))):
@@ -189,14 +193,18 @@ def estimate_memory(
         sizes = {"data": int(mesh_shape.get("data", 1)), "model": int(mesh_shape.get("model", 1))}
     else:
         if len(mesh_shape) != 2:
-            raise ValueError(f"estimate_memory: mesh_shape must be (data, model), got {mesh_shape!r}")
+            raise ValueError(
+                f"estimate_memory: mesh_shape must be (data, model), got {mesh_shape!r}"
+            )
         sizes = {"data": int(mesh_shape[0]), "model": int(mesh_shape[1])}
     if min(sizes.values()) < 1:
         raise ValueError(f"estimate_memory: mesh sizes must be positive, got {sizes}")
     if not (isinstance(batch, Sequence) and len(batch) == 2 and min(batch) >= 1):
         raise ValueError(f"estimate_memory: batch must be (sequences, seq_len) >= 1, got {batch!r}")
     if reference not in ("model", "cached", "none"):
-        raise ValueError(f"estimate_memory: reference must be 'model', 'cached' or 'none', got {reference!r}")
+        raise ValueError(
+            f"estimate_memory: reference must be 'model', 'cached' or 'none', got {reference!r}"
+        )
     optimizer = optax.adamw(1e-4) if optimizer is None else optimizer
 
     def build():

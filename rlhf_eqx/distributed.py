@@ -185,15 +185,19 @@ def shard_opt_state(
     param_specs = partition_specs(params, fsdp=fsdp, tensor_parallel=tensor_parallel)
     specs = _opt_state_specs(opt_state, params, param_specs)
     return jax.tree.map(
-        lambda x, s: x if not eqx.is_array(x) else jax.device_put(
-            x, NamedSharding(mesh, fit_spec(s, x.shape, mesh))
+        lambda x, s: (
+            x
+            if not eqx.is_array(x)
+            else jax.device_put(x, NamedSharding(mesh, fit_spec(s, x.shape, mesh)))
         ),
         opt_state,
         specs,
     )
 
 
-def shard_train_state(state: Any, mesh: Mesh, *, fsdp: bool = False, tensor_parallel: bool = True) -> Any:
+def shard_train_state(
+    state: Any, mesh: Mesh, *, fsdp: bool = False, tensor_parallel: bool = True
+) -> Any:
     """Place a `rlhf_eqx.train.TrainState` on `mesh`: params and frozen parts by the model
     rules, optimiser state like its params, the step counter replicated."""
     kw = dict(fsdp=fsdp, tensor_parallel=tensor_parallel)
@@ -315,7 +319,7 @@ def initialize_distributed(
 
     | argument | environment variable | example |
     | --- | --- | --- |
-    | `coordinator_address` | `RLHF_EQX_COORDINATOR` | `10.0.0.1:1234` (process 0's host, a free port) |
+    | `coordinator_address` | `RLHF_EQX_COORDINATOR` | `10.0.0.1:1234` (process 0's host) |
     | `num_processes` | `RLHF_EQX_NUM_PROCESSES` | `2` |
     | `process_id` | `RLHF_EQX_PROCESS_ID` | `0` … `num_processes - 1` |
 
@@ -341,7 +345,8 @@ def initialize_distributed(
         raise ValueError(f"initialize_distributed: missing {', '.join(missing)}")
     if num_processes is not None and not 0 <= process_id < num_processes:
         raise ValueError(
-            f"initialize_distributed: process_id={process_id} is not in [0, num_processes={num_processes})"
+            f"initialize_distributed: process_id={process_id} is not in "
+            f"[0, num_processes={num_processes})"
         )
     jax.distributed.initialize(
         coordinator_address=coordinator_address,

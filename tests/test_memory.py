@@ -11,7 +11,13 @@ from rlhf_eqx._memory import MemoryEstimate, estimate_memory
 from rlhf_eqx.train import init_train_state, make_dpo_step, make_sft_step
 
 LLAMA_7B = rx.TransformerConfig(
-    vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, d_ff=11008, max_seq_len=4096, dtype="bfloat16"
+    vocab_size=32000,
+    d_model=4096,
+    n_layers=32,
+    n_heads=32,
+    d_ff=11008,
+    max_seq_len=4096,
+    dtype="bfloat16",
 )
 
 
@@ -22,7 +28,12 @@ def _xla_bytes(step, args) -> int:
     temporaries are float32-sized, unlike an accelerator's (which the estimate models).
     """
     ma = jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile().memory_analysis()
-    return ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
+    return (
+        ma.argument_size_in_bytes
+        + ma.output_size_in_bytes
+        - ma.alias_size_in_bytes
+        + ma.temp_size_in_bytes
+    )
 
 
 @pytest.mark.parametrize(
@@ -35,12 +46,21 @@ def _xla_bytes(step, args) -> int:
     ],
 )
 def test_sft_estimate_is_within_20_percent_of_xla(d_model, n_layers, vocab, d_ff, rows, seq_len):
-    cfg = rx.TransformerConfig(vocab_size=vocab, d_model=d_model, n_layers=n_layers, n_heads=4, n_kv_heads=2,
-                               d_ff=d_ff, max_seq_len=seq_len)
+    cfg = rx.TransformerConfig(
+        vocab_size=vocab,
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=d_ff,
+        max_seq_len=seq_len,
+    )
     opt = optax.adamw(1e-4)
     state = init_train_state(rx.Policy(cfg, key=jax.random.key(0)), opt)
     ones = jnp.ones((rows, seq_len), bool)
-    batch = rx.SequenceBatch(tokens=jnp.zeros((rows, seq_len), jnp.int32), mask=ones, completion_mask=ones)
+    batch = rx.SequenceBatch(
+        tokens=jnp.zeros((rows, seq_len), jnp.int32), mask=ones, completion_mask=ones
+    )
     step = make_sft_step(opt)
     measured = _xla_bytes(lambda p, o, b: step(p, o, b), (state.params, state.opt_state, batch))
     est = estimate_memory(cfg, (1, 1), (rows, seq_len), optimizer=opt, reference="none")
@@ -48,7 +68,9 @@ def test_sft_estimate_is_within_20_percent_of_xla(d_model, n_layers, vocab, d_ff
 
 
 def test_dpo_estimate_with_reference_model_is_within_20_percent_of_xla():
-    cfg = rx.TransformerConfig(vocab_size=512, d_model=128, n_layers=2, n_heads=4, d_ff=256, max_seq_len=64)
+    cfg = rx.TransformerConfig(
+        vocab_size=512, d_model=128, n_layers=2, n_heads=4, d_ff=256, max_seq_len=64
+    )
     opt = optax.adamw(1e-4)
     policy = rx.Policy(cfg, key=jax.random.key(0))
     state = init_train_state(policy, opt)
@@ -56,7 +78,10 @@ def test_dpo_estimate_with_reference_model_is_within_20_percent_of_xla():
     t, m = jnp.zeros((pairs, T), jnp.int32), jnp.ones((pairs, T), bool)
     batch = rx.PreferenceBatch(t, m, m, t, m, m)
     step = make_dpo_step(opt)
-    measured = _xla_bytes(lambda p, o, b, r: step(p, o, b, reference=r), (state.params, state.opt_state, batch, policy))
+    measured = _xla_bytes(
+        lambda p, o, b, r: step(p, o, b, reference=r),
+        (state.params, state.opt_state, batch, policy),
+    )
     est = estimate_memory(cfg, (1, 1), (2 * pairs, T), optimizer=opt, reference="model")
     assert est.reference == est.params
     assert abs(est.total - measured) <= 0.2 * measured, (str(est), measured)
@@ -77,14 +102,18 @@ def test_weights_and_optimizer_are_exact_and_split_by_the_mesh():
     assert dp.activations == fsdp.activations == pytest.approx(one.activations / 8, rel=1e-6)
     tp = estimate_memory(LLAMA_7B, (1, 8), (8, 512))
     assert tp.params < one.params / 7  # only the norms are replicated
-    assert one.activations / 8 < tp.activations < one.activations  # the residual stream is replicated
+    assert (
+        one.activations / 8 < tp.activations < one.activations
+    )  # the residual stream is replicated
 
 
 def test_lora_int8_and_bfloat16_variants():
     full32 = estimate_memory(dataclass_replace(LLAMA_7B, dtype="float32"), (8, 1), (8, 512))
     full16 = estimate_memory(LLAMA_7B, (8, 1), (8, 512))
     assert full16.params * 2 == full32.params
-    lora = estimate_memory(LLAMA_7B, (8, 1), (8, 512), lora=rx.LoRAConfig(rank=16, targets=("q", "v")))
+    lora = estimate_memory(
+        LLAMA_7B, (8, 1), (8, 512), lora=rx.LoRAConfig(rank=16, targets=("q", "v"))
+    )
     assert lora.trainable_params == 32 * 2 * 16 * (4096 + 4096)
     assert lora.reference == 0 and lora.params > full16.params  # base + adapters, no second copy
     assert lora.optimizer < full16.optimizer / 50  # float32 adapters, two moments

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import rlhf_eqx as rx
 from rlhf_eqx import distributed as dist
@@ -46,8 +47,12 @@ def _preference_batch(key):
     rt, rm, rcm = _rows(k2, [11, 12, 9, 10, 12, 8, 11, 12])
     rt = rt.at[:, :PROMPT].set(ct[:, :PROMPT])
     return rx.PreferenceBatch(
-        chosen_tokens=ct, chosen_mask=cm, chosen_completion_mask=ccm,
-        rejected_tokens=rt, rejected_mask=rm, rejected_completion_mask=rcm,
+        chosen_tokens=ct,
+        chosen_mask=cm,
+        chosen_completion_mask=ccm,
+        rejected_tokens=rt,
+        rejected_mask=rm,
+        rejected_completion_mask=rcm,
     )
 
 
@@ -55,15 +60,21 @@ def _max_abs_diff(a, b) -> float:
     la = jax.tree.leaves(eqx.filter(a, eqx.is_array))
     lb = jax.tree.leaves(eqx.filter(b, eqx.is_array))
     assert len(la) == len(lb)
-    return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))) for x, y in zip(la, lb))
+    return max(
+        float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+        for x, y in zip(la, lb)
+    )
 
 
 # ------------------------------------------------------------------ rules and helpers
 
 
 def test_partition_specs_follow_the_megatron_layout_and_fsdp(getkey):
-    policy = rx.apply_lora(rx.Policy(_config(), key=getkey()), rx.LoRAConfig(rank=4, targets=("q", "o", "up")),
-                           key=getkey())
+    policy = rx.apply_lora(
+        rx.Policy(_config(), key=getkey()),
+        rx.LoRAConfig(rank=4, targets=("q", "o", "up")),
+        key=getkey(),
+    )
     tp = dist.partition_specs(policy)
     assert tp.transformer.layers.wqkv == P(None, None, "model")
     assert tp.transformer.layers.w_gate_up == P(None, None, "model")
@@ -82,7 +93,9 @@ def test_partition_specs_follow_the_megatron_layout_and_fsdp(getkey):
     assert full.transformer.embed == P("model", "data")
     assert full.transformer.layers.lora["up"].a == P(None, "data", None)
     dp = dist.partition_specs(policy, tensor_parallel=False)
-    assert all(all(a is None for a in s) for s in jax.tree.leaves(dp, is_leaf=lambda x: isinstance(x, P)))
+    assert all(
+        all(a is None for a in s) for s in jax.tree.leaves(dp, is_leaf=lambda x: isinstance(x, P))
+    )
 
 
 def test_partition_specs_of_int8_base_and_of_a_partition(getkey):
@@ -92,7 +105,9 @@ def test_partition_specs_of_int8_base_and_of_a_partition(getkey):
     assert (w.q, w.scale) == (P(None, "data", "model"), P(None, "model"))
     assert specs.transformer.layers.w_down.scale == P(None, None)
     # A trainable partition (None elsewhere) keeps its structure.
-    params, _ = eqx.partition(rx.Policy(_config(), key=getkey()), lambda x: eqx.is_array(x) and x.ndim == 3)
+    params, _ = eqx.partition(
+        rx.Policy(_config(), key=getkey()), lambda x: eqx.is_array(x) and x.ndim == 3
+    )
     pspecs = dist.partition_specs(params)
     assert jax.tree.structure(pspecs) == jax.tree.structure(params)
 
@@ -135,8 +150,11 @@ def test_shard_batch_splits_rows_and_names_a_field_that_does_not_divide(getkey):
     batch = dist.shard_batch(_preference_batch(getkey()), mesh)
     assert batch.chosen_tokens.sharding == NamedSharding(mesh, P("data"))
     assert batch.chosen_tokens.addressable_shards[0].data.shape == (2, T)
-    odd = rx.SequenceBatch(tokens=jnp.zeros((6, T), jnp.int32), mask=jnp.ones((6, T), bool),
-                           completion_mask=jnp.ones((6, T), bool))
+    odd = rx.SequenceBatch(
+        tokens=jnp.zeros((6, T), jnp.int32),
+        mask=jnp.ones((6, T), bool),
+        completion_mask=jnp.ones((6, T), bool),
+    )
     with pytest.raises(ValueError, match=r"\.tokens has 6 rows.*4 devices"):
         dist.shard_batch(odd, mesh)
 
@@ -146,14 +164,22 @@ def test_shard_batch_splits_rows_and_names_a_field_that_does_not_divide(getkey):
 
 def _slow_unless(shape, fsdp, fast):
     marks = () if (shape, fsdp) == fast else (pytest.mark.slow,)
-    return pytest.param(shape, fsdp, marks=marks, id=f"{shape[0]}x{shape[1]}{'-fsdp' if fsdp else ''}")
+    return pytest.param(
+        shape, fsdp, marks=marks, id=f"{shape[0]}x{shape[1]}{'-fsdp' if fsdp else ''}"
+    )
 
 
 # Each case compiles the step for its mesh (several seconds): one case per algorithm
 # runs in the fast suite, the others with `-m slow`.
 DPO_MESHES = [
     _slow_unless(shape, fsdp, ((4, 2), True))
-    for shape, fsdp in [((8, 1), False), ((8, 1), True), ((4, 2), True), ((2, 4), False), ((2, 4), True)]
+    for shape, fsdp in [
+        ((8, 1), False),
+        ((8, 1), True),
+        ((4, 2), True),
+        ((2, 4), False),
+        ((2, 4), True),
+    ]
 ]
 PPO_MESHES = [
     _slow_unless(shape, fsdp, ((2, 4), True))
@@ -163,7 +189,11 @@ PPO_MESHES = [
 
 def _perturbed(model, seed):
     return jax.tree.map(
-        lambda x: x + 0.01 * jax.random.normal(jax.random.key(seed), x.shape) if eqx.is_inexact_array(x) else x,
+        lambda x: (
+            x + 0.01 * jax.random.normal(jax.random.key(seed), x.shape)
+            if eqx.is_inexact_array(x)
+            else x
+        ),
         model,
     )
 
@@ -205,7 +235,9 @@ def test_ppo_step_on_a_mesh_equals_one_device(shape, fsdp):
     scores = jnp.linspace(-1.0, 1.0, B)
     batch, _ = prepare_ppo_batch((policy, value), reference, tokens, mask, cm, scores, kl_coef=0.05)
     noise = 0.3 * jax.random.normal(jax.random.key(6), batch.old_logp.shape)
-    batch = eqx.tree_at(lambda b: b.old_logp, batch, jnp.where(batch.completion_mask, batch.old_logp + noise, 0.0))
+    batch = eqx.tree_at(
+        lambda b: b.old_logp, batch, jnp.where(batch.completion_mask, batch.old_logp + noise, 0.0)
+    )
     opt = make_optimizer(learning_rate=1e-3, total_steps=10)
     step = make_ppo_step(opt, donate=False)
 
@@ -255,10 +287,14 @@ def test_replicate_and_unreplicate_round_trip(getkey):
     assert _max_abs_diff(dist.unreplicate(rep), policy) == 0.0
     # Replicated params and a device-split batch run under pmap like one device.
     batch = dist.shard_batch_for_pmap(_preference_batch(getkey()), 8)
-    logits = jax.pmap(lambda p, t, m: p(t, m), devices=devices)(rep, batch.chosen_tokens, batch.chosen_mask)
+    logits = jax.pmap(lambda p, t, m: p(t, m), devices=devices)(
+        rep, batch.chosen_tokens, batch.chosen_mask
+    )
     flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), batch)
     np.testing.assert_allclose(
-        np.asarray(logits).reshape(B, T, VOCAB), np.asarray(policy(flat.chosen_tokens, flat.chosen_mask)), atol=1e-5
+        np.asarray(logits).reshape(B, T, VOCAB),
+        np.asarray(policy(flat.chosen_tokens, flat.chosen_mask)),
+        atol=1e-5,
     )
 
 
@@ -269,9 +305,11 @@ def test_shard_batch_for_pmap_round_trip_and_a_global_reduction(getkey):
     back = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), per_device)
     assert _max_abs_diff(back, batch) == 0.0
     # Under pmap, a psum of per-device sums is the global token count.
-    count = jax.pmap(lambda m: jax.lax.psum(jnp.sum(m), "data"), axis_name="data", devices=jax.local_devices()[:4])(
-        per_device.chosen_mask
-    )
+    count = jax.pmap(
+        lambda m: jax.lax.psum(jnp.sum(m), "data"),
+        axis_name="data",
+        devices=jax.local_devices()[:4],
+    )(per_device.chosen_mask)
     assert int(count[0]) == int(jnp.sum(batch.chosen_mask))
 
 
@@ -285,12 +323,17 @@ def test_shard_batch_for_pmap_refuses_a_batch_that_does_not_divide(getkey):
 @pytest.mark.slow
 def test_lora_dpo_step_with_int8_base_on_a_mesh_equals_one_device():
     policy = rx.quantize_int8(rx.Policy(_config(), key=jax.random.key(0)))
-    policy = rx.apply_lora(policy, rx.LoRAConfig(rank=4, targets=("q", "o", "up", "down")), key=jax.random.key(1))
+    policy = rx.apply_lora(
+        policy, rx.LoRAConfig(rank=4, targets=("q", "o", "up", "down")), key=jax.random.key(1)
+    )
     # Non-zero `b` so that the adapters change the output from the first step on.
     policy = eqx.tree_at(
         lambda m: [a.b for a in m.transformer.layers.lora.values()],
         policy,
-        [0.05 * jax.random.normal(jax.random.key(i), a.b.shape) for i, a in enumerate(policy.transformer.layers.lora.values())],
+        [
+            0.05 * jax.random.normal(jax.random.key(i), a.b.shape)
+            for i, a in enumerate(policy.transformer.layers.lora.values())
+        ],
     )
     batch = _preference_batch(jax.random.key(2))
     opt = make_optimizer(learning_rate=1e-3, total_steps=10)

@@ -47,7 +47,13 @@ def _setup():
     tok = data.ByteTokenizer()
     pairs, _ = data.tokenize_preferences(_records(), tok, max_length=MAX_LEN, max_prompt_length=12)
     cfg = rx.TransformerConfig(
-        vocab_size=260, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=MAX_LEN
+        vocab_size=260,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=64,
+        max_seq_len=MAX_LEN,
     )
     policy = rx.Policy(cfg, key=jax.random.key(0))
     opt = make_optimizer(learning_rate=1e-3, total_steps=10)
@@ -84,7 +90,9 @@ def _worker(mode: str, out_path: str) -> None:
     tok, pairs, policy, opt, step = _setup()
     mine = [i for device in dist.process_record_indices(_records()) for i in device]
     assert mine == _order(num_processes)[process_id]
-    local = data.collate_preferences([pairs[i] for i in mine], max_length=MAX_LEN, pad_id=tok.pad_id)
+    local = data.collate_preferences(
+        [pairs[i] for i in mine], max_length=MAX_LEN, pad_id=tok.pad_id
+    )
     mesh = dist.make_mesh(num_processes, LOCAL_DEVICES)
     batch = dist.global_batch(local, mesh)
     if mode == "count":
@@ -102,8 +110,10 @@ def _worker(mode: str, out_path: str) -> None:
         loss = metrics["loss"]
         assert loss.sharding.is_fully_replicated
         losses.append(float(loss.addressable_data(0)))
-    leaves = [np.asarray(multihost_utils.process_allgather(x, tiled=True))
-              for x in jax.tree.leaves(state.params)]
+    leaves = [
+        np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        for x in jax.tree.leaves(state.params)
+    ]
     np.savez(out_path, losses=np.asarray(losses), mine=np.asarray(mine), *leaves)
     jax.distributed.shutdown()
 
@@ -121,7 +131,9 @@ def _single_process(order):
     from rlhf_eqx.train import init_train_state
 
     tok, pairs, policy, opt, step = _setup()
-    batch = data.collate_preferences([pairs[i] for i in order], max_length=MAX_LEN, pad_id=tok.pad_id)
+    batch = data.collate_preferences(
+        [pairs[i] for i in order], max_length=MAX_LEN, pad_id=tok.pad_id
+    )
     state = init_train_state(policy, opt)
     losses = []
     for _ in range(STEPS):
@@ -147,10 +159,15 @@ def _launch(mode: str, tmp_path, *, timeout: float):
             RLHF_EQX_PROCESS_ID=str(p),
         )
         outs.append(str(tmp_path / f"process{p}.npz"))
-        procs.append(subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), mode, outs[-1]],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=root,
-        ))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), mode, outs[-1]],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                cwd=root,
+            )
+        )
     logs = []
     try:
         for proc in procs:
@@ -200,9 +217,17 @@ def test_two_processes_train_like_one(tmp_path):
 @pytest.mark.parametrize(
     "env, kwargs, message",
     [
-        ({"RLHF_EQX_COORDINATOR": "127.0.0.1:1"}, {}, r"missing num_processes \(or RLHF_EQX_NUM_PROCESSES\), process_id"),
+        (
+            {"RLHF_EQX_COORDINATOR": "127.0.0.1:1"},
+            {},
+            r"missing num_processes \(or RLHF_EQX_NUM_PROCESSES\), process_id",
+        ),
         ({"RLHF_EQX_NUM_PROCESSES": "two"}, {}, r"RLHF_EQX_NUM_PROCESSES='two' is not an integer"),
-        ({}, {"coordinator_address": "127.0.0.1:1", "num_processes": 2, "process_id": 2}, r"process_id=2 is not in \[0, num_processes=2\)"),
+        (
+            {},
+            {"coordinator_address": "127.0.0.1:1", "num_processes": 2, "process_id": 2},
+            r"process_id=2 is not in \[0, num_processes=2\)",
+        ),
     ],
 )
 def test_initialize_distributed_names_missing_or_bad_settings(monkeypatch, env, kwargs, message):
@@ -220,7 +245,10 @@ def test_process_record_indices_give_each_record_to_one_process_and_device():
     from rlhf_eqx import distributed as dist
 
     prompts = ["a", "b", "a", "c", "d", "b", "e", "f", "g"]
-    shards = [dist.process_record_indices(prompts, process_id=p, num_processes=3, local_devices=2) for p in range(3)]
+    shards = [
+        dist.process_record_indices(prompts, process_id=p, num_processes=3, local_devices=2)
+        for p in range(3)
+    ]
     flat = [i for process in shards for device in process for i in device]
     assert sorted(flat) == list(range(len(prompts)))
     for process in shards:

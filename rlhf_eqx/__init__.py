@@ -61,3 +61,10 @@ from ._batches import (
     PromptBatch as PromptBatch,
     SequenceBatch as SequenceBatch,
 )
+from . import distributed as distributed
+from ._memory import MemoryEstimate as MemoryEstimate, estimate_memory as estimate_memory
+from .models import (
+    RopeScaling as RopeScaling,
+    load_lora_adapter as load_lora_adapter,
+    save_lora_adapter as save_lora_adapter,
+)

@@ -36,4 +36,5 @@ from ._lora import (
     without_lora as without_lora,
 )
 from ._peft import load_lora_adapter as load_lora_adapter, save_lora_adapter as save_lora_adapter
+from ._sharding import partition_specs as partition_specs
 from ._quant import dequantize as dequantize, quantize_int8 as quantize_int8

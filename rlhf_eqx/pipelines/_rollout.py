@@ -114,8 +114,14 @@ def sample_rollout(
     repeated = [x for x in ids for _ in range(group_size)]
     batch = data.collate_prompts(repeated, max_length=prompt_length, pad_id=tok.pad_id)
     out = rx.generate_batch(
-        policy, batch.tokens, batch.mask, key, max_new_tokens=max_new_tokens,
-        temperature=temperature, eos_id=tok.eos_id, pad_id=tok.pad_id,
+        policy,
+        batch.tokens,
+        batch.mask,
+        key,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        eos_id=tok.eos_id,
+        pad_id=tok.pad_id,
     )
     tokens = np.asarray(out.tokens)
     completion, stopped = _cut_at_stop(tokens, np.asarray(out.completion_mask), stop_ids)
@@ -174,9 +180,7 @@ def reward_model_scores(
 
 
 @eqx.filter_jit
-def token_logps(
-    model, tokens: Int[Array, "B T"], mask: Bool[Array, "B T"]
-) -> Float[Array, "B T"]:
+def token_logps(model, tokens: Int[Array, "B T"], mask: Bool[Array, "B T"]) -> Float[Array, "B T"]:
     """`log p(tokens[t] | tokens[<t])` of every row under `model` (0 where undefined)."""
     import rlhf_eqx as rx
 

@@ -24,6 +24,7 @@ import numpy as np
 import optax
 from jaxtyping import Array, Float, PyTree
 
+from ..train import make_optimizer
 from ._config import OpsConfig, OptimConfig
 
 __all__ = [
@@ -72,7 +73,7 @@ def scale_by_lr_factor() -> optax.GradientTransformation:
 def build_optimizer(optim: OptimConfig, total_steps: int) -> optax.GradientTransformation:
     """AdamW + warmup/cosine + clipping (`rlhf_eqx.train.make_optimizer`), then the
     rollback's learning-rate factor."""
-    base = __import__("rlhf_eqx").train.make_optimizer(
+    base = make_optimizer(
         learning_rate=optim.lr,
         total_steps=max(total_steps, 1),
         warmup_ratio=optim.warmup_ratio,

@@ -13,6 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+import rlhf_eqx as rx
+from rlhf_eqx import data
+
 __all__ = [
     "Rollout",
     "RewardFunction",
@@ -105,9 +108,6 @@ def sample_rollout(
     stories260K model starts a new story with BOS). The same `temperature` must be
     given to the training steps.
     """
-    import rlhf_eqx as rx
-    from rlhf_eqx import data
-
     if stop_ids is None:
         stop_ids = tuple(sorted({tok.eos_id, tok.bos_id}))
     ids = encode_prompts(tok, prompts, prompt_length=prompt_length)
@@ -182,6 +182,4 @@ def reward_model_scores(
 @eqx.filter_jit
 def token_logps(model, tokens: Int[Array, "B T"], mask: Bool[Array, "B T"]) -> Float[Array, "B T"]:
     """`log p(tokens[t] | tokens[<t])` of every row under `model` (0 where undefined)."""
-    import rlhf_eqx as rx
-
     return jax.vmap(lambda t, m: rx.token_logprobs(model, t, m))(tokens, mask)

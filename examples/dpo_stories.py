@@ -58,7 +58,6 @@ import numpy as np
 
 import rlhf_eqx as rx
 from rlhf_eqx import data
-
 from rlhf_eqx.assets import asset_path
 
 # Story openings the policy is trained on (completions are sampled for each of them).

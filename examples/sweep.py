@@ -25,7 +25,8 @@ import numpy as np
 import optax
 
 import rlhf_eqx as rx
-from rlhf_eqx import data, pipelines as pl
+from rlhf_eqx import data
+from rlhf_eqx import pipelines as pl
 
 BETAS = (0.03, 0.1, 0.3, 1.0)
 SEEDS = 8
@@ -34,12 +35,14 @@ SEEDS = 8
 def make_pairs(policy, tok, key, *, prompts, samples=4, new_tokens=32, max_length=64):
     """Preference pairs (best vs worst of `samples` by the animal scorer) as a batch with
     the base model's (reference) log-probs cached."""
-    roll = pl.sample_rollout(policy, tok, prompts, key, group_size=samples, prompt_length=32,
-                             max_new_tokens=new_tokens)
+    roll = pl.sample_rollout(
+        policy, tok, prompts, key, group_size=samples, prompt_length=32, max_new_tokens=new_tokens
+    )
     labels = [pl.animal_score(t) for t in roll.texts]
     pairs = pl.best_worst_pairs(prompts, roll.texts, labels, samples)
-    tokenized, _ = data.tokenize_preferences(pairs, tok, max_length=max_length,
-                                             max_prompt_length=32, add_eos=False)
+    tokenized, _ = data.tokenize_preferences(
+        pairs, tok, max_length=max_length, max_prompt_length=32, add_eos=False
+    )
     batch = data.collate_preferences(tokenized, max_length=max_length, pad_id=tok.pad_id)
     return jax.tree.map(jnp.asarray, rx.train.compute_reference_logps(policy, batch))
 
@@ -71,9 +74,15 @@ def make_train(policy, train_batch, held_batch, *, steps, batch_size, lr):
                 c, r = margins(eqx.combine(p, frozen), mb)
                 # The sigmoid loss depends on beta only through beta * (log-ratio margin),
                 # so a traced beta scales the log-probs and the loss takes beta=1.
-                return jnp.mean(rx.losses.dpo_batch_loss(
-                    beta * c, beta * r, beta * mb.ref_chosen_logp, beta * mb.ref_rejected_logp,
-                    beta=1.0))
+                return jnp.mean(
+                    rx.losses.dpo_batch_loss(
+                        beta * c,
+                        beta * r,
+                        beta * mb.ref_chosen_logp,
+                        beta * mb.ref_rejected_logp,
+                        beta=1.0,
+                    )
+                )
 
             loss, grads = eqx.filter_value_and_grad(loss_fn)(params)
             updates, opt_state = opt.update(grads, opt_state, params)
@@ -81,8 +90,11 @@ def make_train(policy, train_batch, held_batch, *, steps, batch_size, lr):
 
         (params, _), losses = jax.lax.scan(body, (params, opt_state), jnp.arange(steps))
         c, r = margins(eqx.combine(params, frozen), held_batch)
-        acc = jnp.mean(((c - held_batch.ref_chosen_logp) > (r - held_batch.ref_rejected_logp))
-                       .astype(jnp.float32))
+        acc = jnp.mean(
+            ((c - held_batch.ref_chosen_logp) > (r - held_batch.ref_rejected_logp)).astype(
+                jnp.float32
+            )
+        )
         return losses, acc
 
     return train
@@ -101,24 +113,33 @@ def main():
     k_train, k_held, k_seeds = jax.random.split(jax.random.key(0), 3)
     train_batch = make_pairs(policy, tok, k_train, prompts=pl.TRAIN_PROMPTS)
     held_batch = make_pairs(policy, tok, k_held, prompts=pl.HELDOUT_PROMPTS)
-    print(f"{train_batch.chosen_tokens.shape[0]} training pairs, "
-          f"{held_batch.chosen_tokens.shape[0]} held-out pairs")
-    train = make_train(policy, train_batch, held_batch, steps=args.steps,
-                       batch_size=args.batch_size, lr=args.lr)
+    print(
+        f"{train_batch.chosen_tokens.shape[0]} training pairs, "
+        f"{held_batch.chosen_tokens.shape[0]} held-out pairs"
+    )
+    train = make_train(
+        policy, train_batch, held_batch, steps=args.steps, batch_size=args.batch_size, lr=args.lr
+    )
     seeds = jax.random.split(k_seeds, SEEDS)
     betas = jnp.asarray(BETAS, jnp.float32)
     sweep = jax.jit(jax.vmap(jax.vmap(train, in_axes=(0, None)), in_axes=(None, 0)))
 
     t0 = time.perf_counter()
-    losses, acc = jax.block_until_ready(sweep(seeds, betas))  # [betas, seeds, steps], [betas, seeds]
+    losses, acc = jax.block_until_ready(
+        sweep(seeds, betas)
+    )  # [betas, seeds, steps], [betas, seeds]
     t_first = time.perf_counter() - t0
     losses, acc = np.asarray(losses), np.asarray(acc)
-    print(f"{len(BETAS) * SEEDS} runs x {args.steps} steps in one call: {t_first:.1f} s "
-          "(including compilation)")
+    print(
+        f"{len(BETAS) * SEEDS} runs x {args.steps} steps in one call: {t_first:.1f} s "
+        "(including compilation)"
+    )
     for b, beta in enumerate(BETAS):
-        print(f"  beta {beta:<5}  final loss {losses[b, :, -1].mean():.3f} +- "
-              f"{losses[b, :, -1].std():.3f}   held-out accuracy {acc[b].mean():.1%} +- "
-              f"{acc[b].std():.1%}")
+        print(
+            f"  beta {beta:<5}  final loss {losses[b, :, -1].mean():.3f} +- "
+            f"{losses[b, :, -1].std():.3f}   held-out accuracy {acc[b].mean():.1%} +- "
+            f"{acc[b].std():.1%}"
+        )
 
     try:
         import matplotlib
@@ -152,8 +173,10 @@ def main():
             for s in seeds:
                 jax.block_until_ready(one(s, beta))
         t_seq = time.perf_counter() - t0
-        print(f"benchmark ({len(BETAS) * SEEDS} runs, compiled): vmapped {t_vmap:.2f} s, "
-              f"sequential {t_seq:.2f} s ({t_seq / t_vmap:.2f}x)")
+        print(
+            f"benchmark ({len(BETAS) * SEEDS} runs, compiled): vmapped {t_vmap:.2f} s, "
+            f"sequential {t_seq:.2f} s ({t_seq / t_vmap:.2f}x)"
+        )
 
 
 if __name__ == "__main__":

@@ -32,14 +32,22 @@ COMMANDS = ("pipeline", *STAGE_COMMANDS, "sample", "eval", "plot")
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="rlhf_eqx", description=(__doc__ or "").splitlines()[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__,
+        prog="rlhf_eqx",
+        description=(__doc__ or "").splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
     )
     p.add_argument("command", nargs="?", default="pipeline", choices=COMMANDS)
     p.add_argument("run_dir", nargs="?", help="run directory (plot)")
     p.add_argument("--config", help="JSON or YAML config file")
-    p.add_argument("--set", dest="overrides", action="append", default=[],
-                   metavar="FIELD=VALUE", help="dotted override, e.g. dpo.beta=0.2 (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="dotted override, e.g. dpo.beta=0.2 (repeatable)",
+    )
     p.add_argument("--out", help="run directory (default: runs/<command> under the cwd)")
     p.add_argument("--data", help="data file (same as --set data.path=FILE)")
     p.add_argument("--model", help="model: builtin, a llama2.c .bin or an HF directory")
@@ -73,9 +81,14 @@ def resolve_config(args: argparse.Namespace):
     if cmd in STAGE_COMMANDS and cfg.data.path is not None:
         cfg = dataclasses.replace(cfg, stages=(cmd,))
     elif cmd in STAGE_COMMANDS:
-        needs = {"sft": ("sft",), "reward": ("sft", "reward"), "dpo": ("sft", "dpo"),
-                 "grpo": ("sft", "grpo"), "ppo": ("sft", "reward", "ppo"),
-                 "online-dpo": ("sft", "reward", "online-dpo")}[cmd]
+        needs = {
+            "sft": ("sft",),
+            "reward": ("sft", "reward"),
+            "dpo": ("sft", "dpo"),
+            "grpo": ("sft", "grpo"),
+            "ppo": ("sft", "reward", "ppo"),
+            "online-dpo": ("sft", "reward", "online-dpo"),
+        }[cmd]
         cfg = dataclasses.replace(cfg, stages=needs)
     out = args.out or cfg.out or os.path.join("runs", cmd)
     return dataclasses.replace(cfg, out=out)
@@ -139,17 +152,32 @@ def _run(args, cfg) -> int:
     s = cfg.sampling
     if cmd == "sample":
         prompts = args.prompt or list(pl.HELDOUT_PROMPTS[:2])
-        roll = pl.sample_rollout(policy, tok, prompts, jax.random.key(cfg.ops.seed),
-                                 group_size=args.num_samples, prompt_length=s.prompt_length,
-                                 max_new_tokens=s.max_new_tokens, temperature=s.temperature)
+        roll = pl.sample_rollout(
+            policy,
+            tok,
+            prompts,
+            jax.random.key(cfg.ops.seed),
+            group_size=args.num_samples,
+            prompt_length=s.prompt_length,
+            max_new_tokens=s.max_new_tokens,
+            temperature=s.temperature,
+        )
         for p, t in zip(roll.prompts, roll.texts):
             print(f"{p}{t}\n")
         return 0
     base, _ = pl.load_model("builtin") if policy.cfg.vocab_size == 512 else (policy, tok)
     metrics, _, _ = pl.evaluate_policy(
-        policy, tok, pl.HELDOUT_PROMPTS, jax.random.key(cfg.ops.seed), scorer=pl.animal_score,
-        base=base, reference=base, samples=cfg.eval_samples, prompt_length=s.prompt_length,
-        max_new_tokens=s.max_new_tokens, temperature=s.temperature,
+        policy,
+        tok,
+        pl.HELDOUT_PROMPTS,
+        jax.random.key(cfg.ops.seed),
+        scorer=pl.animal_score,
+        base=base,
+        reference=base,
+        samples=cfg.eval_samples,
+        prompt_length=s.prompt_length,
+        max_new_tokens=s.max_new_tokens,
+        temperature=s.temperature,
     )
     print(json.dumps(metrics, indent=1))
     return 0

@@ -20,7 +20,10 @@ def _err_line(capsys):
         (["--set", "dpo.beta=-1"], "dpo.beta=-1.0"),
         (["ppo", "--set", "ppo.clip=1.5"], "ppo.clip=1.5"),
         (["dpo", "--data", "/no/such/file.jsonl"], "data.path='/no/such/file.jsonl'"),
-        (["--model", "/no/model.bin", "--tokenizer", "/no/tok.bin"], "model.source='/no/model.bin'"),
+        (
+            ["--model", "/no/model.bin", "--tokenizer", "/no/tok.bin"],
+            "model.source='/no/model.bin'",
+        ),
         (["--set", "sft.batch_size=x"], "sft.batch_size='x'"),
         (["--set", "dpo.nope=1"], "dpo.nope: unknown field"),
     ],
@@ -50,12 +53,21 @@ def test_a_bad_config_file_names_the_line(tmp_path, capsys):
 
 def test_plot_redraws_a_run_directory(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    lines = [{"stage": "dpo", "iteration": i, "step": i, "loss": 0.7 - 0.1 * i,
-              "rewards/accuracies": 0.5 + 0.1 * i} for i in range(4)]
+    lines = [
+        {
+            "stage": "dpo",
+            "iteration": i,
+            "step": i,
+            "loss": 0.7 - 0.1 * i,
+            "rewards/accuracies": 0.5 + 0.1 * i,
+        }
+        for i in range(4)
+    ]
     lines.append({"stage": "dpo", "event": "rollback", "message": "x"})
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
-    (tmp_path / "summary.json").write_text(json.dumps(
-        {"sft": {"score": 0.2}, "dpo": {"score": 0.8, "win_rate_vs_sft": 0.8}}))
+    (tmp_path / "summary.json").write_text(
+        json.dumps({"sft": {"score": 0.2}, "dpo": {"score": 0.8, "win_rate_vs_sft": 0.8}})
+    )
     assert main(["plot", str(tmp_path)]) == 0
     assert (tmp_path / "dpo.png").stat().st_size > 0 and (tmp_path / "summary.png").exists()
 

@@ -20,8 +20,9 @@ from rlhf_eqx.pipelines._rollout import _cut_at_stop
 
 
 def _tiny_policy(seed=0):
-    cfg = rx.TransformerConfig(vocab_size=512, d_model=16, n_layers=1, n_heads=2,
-                               n_kv_heads=1, d_ff=32, max_seq_len=96)
+    cfg = rx.TransformerConfig(
+        vocab_size=512, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32, max_seq_len=96
+    )
     return rx.Policy(cfg, key=jax.random.key(seed))
 
 
@@ -37,9 +38,14 @@ def _lines(path):
 
 def _ctx(tmp_path, **ops):
     o = pl.OpsConfig(quiet=True, **ops)
-    return pl.RunContext(ops=o, log=pl.MetricsLog(str(tmp_path), "t", quiet=True),
-                         key=jax.random.key(0), checkpoint_dir=str(tmp_path / "ckpt"),
-                         prompt_length=24, max_new_tokens=8)
+    return pl.RunContext(
+        ops=o,
+        log=pl.MetricsLog(str(tmp_path), "t", quiet=True),
+        key=jax.random.key(0),
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        prompt_length=24,
+        max_new_tokens=8,
+    )
 
 
 # --- the task --------------------------------------------------------------------------
@@ -75,11 +81,21 @@ def test_train_and_heldout_prompts_are_disjoint_and_fit(tok):
 def test_defaults_are_the_usual_ones_and_the_task_says_what_it_overrides():
     c = pl.PipelineConfig()
     assert (c.dpo.beta, c.dpo.optim.lr, c.dpo.optim.warmup_ratio, c.dpo.optim.max_grad_norm) == (
-        0.1, 1e-5, 0.1, 1.0)
+        0.1,
+        1e-5,
+        0.1,
+        1.0,
+    )
     assert c.dpo.optim.schedule == "cosine" and c.reward.optim.lr == 1e-5
     p = c.ppo
     assert (p.clip, p.vf_coef, p.ent_coef, p.gamma, p.lam, p.kl_target) == (
-        0.2, 0.5, 0.01, 1.0, 0.95, 0.05)
+        0.2,
+        0.5,
+        0.01,
+        1.0,
+        0.95,
+        0.05,
+    )
     assert c.dpo.lora == pl.LoRASettings(rank=16, alpha=32.0, dropout=0.05, targets=("q", "v"))
     task = pl.animal_task_config()
     assert "Overrides" in task.notes and "LoRA" in task.notes and "KL target" in task.notes
@@ -87,9 +103,10 @@ def test_defaults_are_the_usual_ones_and_the_task_says_what_it_overrides():
 
 
 def test_overrides_and_files(tmp_path):
-    c = pl.apply_overrides(pl.animal_task_config(),
-                           ["dpo.beta=0.2", "ppo.lora.targets=q,v", "ops.quiet=true",
-                            "model.tokenizer=none"])
+    c = pl.apply_overrides(
+        pl.animal_task_config(),
+        ["dpo.beta=0.2", "ppo.lora.targets=q,v", "ops.quiet=true", "model.tokenizer=none"],
+    )
     assert c.dpo.beta == 0.2 and c.ppo.lora.targets == ("q", "v") and c.ops.quiet
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"grpo": {"group_size": 4}, "stages": ["sft", "dpo"]}))
@@ -105,8 +122,11 @@ def test_overrides_and_files(tmp_path):
         (["ppo.clip=1.5"], 1, "ppo.clip=1.5: must be in (0, 1)"),
         (["grpo.clip=0"], 1, "grpo.clip=0.0: must be in (0, 1)"),
         (["dpo.batch_size=6"], 4, "dpo.batch_size=6: must divide by the device count 4"),
-        (["model.source=/no/such/model.bin", "model.tokenizer=/no/tok.bin"], 1,
-         "model.source='/no/such/model.bin': no such file"),
+        (
+            ["model.source=/no/such/model.bin", "model.tokenizer=/no/tok.bin"],
+            1,
+            "model.source='/no/such/model.bin': no such file",
+        ),
         (["data.path=/no/such.jsonl"], 1, "data.path='/no/such.jsonl': no such file"),
         (["sft.optim.lr=0"], 1, "sft.optim.lr=0.0: must be > 0"),
         (["stages=sft,ppo"], 1, "ppo needs the reward stage"),
@@ -114,8 +134,9 @@ def test_overrides_and_files(tmp_path):
 )
 def test_invalid_configs_fail_naming_the_field(overrides, device_count, message):
     with pytest.raises(pl.ConfigError) as info:
-        pl.validate_config(pl.apply_overrides(pl.animal_task_config(), overrides),
-                           device_count=device_count)
+        pl.validate_config(
+            pl.apply_overrides(pl.animal_task_config(), overrides), device_count=device_count
+        )
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
@@ -180,8 +201,9 @@ def _quadratic_iteration(opt, poison=None):
         if poison is not None and poison(i, state):
             params = jax.tree.map(lambda x: x * jnp.nan, params)
             loss = jnp.nan
-        new = eqx.tree_at(lambda s: (s.params, s.opt_state, s.step), state,
-                          (params, opt_state, state.step + 1))
+        new = eqx.tree_at(
+            lambda s: (s.params, s.opt_state, s.step), state, (params, opt_state, state.step + 1)
+        )
         return new, [{"loss": loss}], {}
 
     return iteration
@@ -192,8 +214,9 @@ def test_resume_after_an_interruption_is_exact(tmp_path):
     ops = pl.OpsConfig(quiet=True, checkpoint_every=1, keep=2)
     log = pl.MetricsLog(str(tmp_path), "q", quiet=True)
     key = jax.random.key(5)
-    full = pl.run_iterations(state, _quadratic_iteration(opt), num_iterations=8, key=key,
-                             ops=ops, log=log)
+    full = pl.run_iterations(
+        state, _quadratic_iteration(opt), num_iterations=8, key=key, ops=ops, log=log
+    )
 
     class Crash(Exception):
         pass
@@ -205,11 +228,20 @@ def test_resume_after_an_interruption_is_exact(tmp_path):
 
     d = str(tmp_path / "ck")
     with pytest.raises(Crash):
-        pl.run_iterations(state, crashing, num_iterations=8, key=key, ops=ops, log=log,
-                          checkpoint_dir=d)
+        pl.run_iterations(
+            state, crashing, num_iterations=8, key=key, ops=ops, log=log, checkpoint_dir=d
+        )
     assert pl.latest_checkpoint(d).endswith("iter_00000005")
-    resumed = pl.run_iterations(state, _quadratic_iteration(opt), num_iterations=8, key=key,
-                                ops=ops, log=log, checkpoint_dir=d, resume=True)
+    resumed = pl.run_iterations(
+        state,
+        _quadratic_iteration(opt),
+        num_iterations=8,
+        key=key,
+        ops=ops,
+        log=log,
+        checkpoint_dir=d,
+        resume=True,
+    )
     assert resumed.iterations == 8 and len(resumed.history) == 3
     np.testing.assert_array_equal(resumed.state.params["w"], full.state.params["w"])
     assert int(resumed.state.step) == 8
@@ -224,8 +256,14 @@ def test_rollback_on_an_injected_nan_restores_and_lowers_the_lr(tmp_path):
         return i == 3 and pl.get_lr_scale(s.opt_state) == 1.0
 
     log = pl.MetricsLog(str(tmp_path), "q", quiet=True)
-    res = pl.run_iterations(state, _quadratic_iteration(opt, poison), num_iterations=6,
-                            key=jax.random.key(0), ops=pl.OpsConfig(quiet=True), log=log)
+    res = pl.run_iterations(
+        state,
+        _quadratic_iteration(opt, poison),
+        num_iterations=6,
+        key=jax.random.key(0),
+        ops=pl.OpsConfig(quiet=True),
+        log=log,
+    )
     assert res.rollbacks == 1 and seen.count(3) == 2
     assert bool(jnp.all(jnp.isfinite(res.state.params["w"])))
     assert pl.get_lr_scale(res.state.opt_state) == pytest.approx(0.1)
@@ -243,8 +281,9 @@ def test_rollback_on_a_learning_rate_spike(tmp_path):
     state = rx.train.init_train_state(params, opt)
     log = pl.MetricsLog(str(tmp_path), "q", quiet=True)
     ops = pl.OpsConfig(quiet=True, lr_backoff=10.0, max_rollbacks=6, loss_spike=10.0)
-    res = pl.run_iterations(state, _quadratic_iteration(opt), num_iterations=12,
-                            key=jax.random.key(1), ops=ops, log=log)
+    res = pl.run_iterations(
+        state, _quadratic_iteration(opt), num_iterations=12, key=jax.random.key(1), ops=ops, log=log
+    )
     assert res.rollbacks >= 1
     assert all(math.isfinite(h["loss"]) for h in res.history)
     assert max(h["loss"] for h in res.history) < 1e3
@@ -260,8 +299,15 @@ def test_kl_guard_stops_early_and_discards_the_update(tmp_path):
         return s2, m, {"kl": 0.01 * i}
 
     log = pl.MetricsLog(str(tmp_path), "q", quiet=True)
-    res = pl.run_iterations(state, iteration, num_iterations=10, key=jax.random.key(0),
-                            ops=pl.OpsConfig(quiet=True), log=log, kl_target=0.045)
+    res = pl.run_iterations(
+        state,
+        iteration,
+        num_iterations=10,
+        key=jax.random.key(0),
+        ops=pl.OpsConfig(quiet=True),
+        log=log,
+        kl_target=0.045,
+    )
     assert res.stopped == "kl_guard" and res.iterations == 5 and int(res.state.step) == 5
     assert any('"kl_guard"' in line for line in _lines(log.path))
 
@@ -281,25 +327,42 @@ def test_cut_at_stop_keeps_the_stop_token_and_masks_the_rest():
 def test_sample_rollout_repeats_prompts_and_matches_the_model(tok):
     policy = _tiny_policy()
     prompts = ["Once upon a time", "The dog"]
-    roll = pl.sample_rollout(policy, tok, prompts, jax.random.key(0), group_size=3,
-                             prompt_length=12, max_new_tokens=6)
-    assert roll.tokens.shape == (6, 18) and roll.prompts == tuple(p for p in prompts for _ in range(3))
+    roll = pl.sample_rollout(
+        policy, tok, prompts, jax.random.key(0), group_size=3, prompt_length=12, max_new_tokens=6
+    )
+    assert roll.tokens.shape == (6, 18) and roll.prompts == tuple(
+        p for p in prompts for _ in range(3)
+    )
     assert len(roll.texts) == 6 and roll.truncated.shape == (6,)
     lp = pl.token_logps(policy, roll.tokens, roll.mask)
     m = roll.completion_mask & roll.mask
     np.testing.assert_allclose(np.where(m, lp, 0.0), roll.logprobs, atol=2e-5)
     with pytest.raises(ValueError, match="prompt_length=4"):
-        pl.sample_rollout(policy, tok, ["a long prompt with many words"], jax.random.key(0),
-                          prompt_length=4, max_new_tokens=2)
+        pl.sample_rollout(
+            policy,
+            tok,
+            ["a long prompt with many words"],
+            jax.random.key(0),
+            prompt_length=4,
+            max_new_tokens=2,
+        )
 
 
 def test_reward_functions_weights_and_zero_std():
-    roll = pl.Rollout(tokens=jnp.zeros((4, 2), jnp.int32), mask=jnp.ones((4, 2), bool),
-                      completion_mask=jnp.ones((4, 2), bool), logprobs=jnp.zeros((4, 2)),
-                      truncated=jnp.zeros((4,), bool), prompts=("p",) * 4,
-                      texts=("a dog", "nothing", "a cat", "x"), group_size=2)
-    fns = [pl.RewardFunction("animal", lambda p, t: pl.animal_score(t), 2.0),
-           pl.RewardFunction("short", lambda p, t: float(len(t) < 3), 1.0)]
+    roll = pl.Rollout(
+        tokens=jnp.zeros((4, 2), jnp.int32),
+        mask=jnp.ones((4, 2), bool),
+        completion_mask=jnp.ones((4, 2), bool),
+        logprobs=jnp.zeros((4, 2)),
+        truncated=jnp.zeros((4,), bool),
+        prompts=("p",) * 4,
+        texts=("a dog", "nothing", "a cat", "x"),
+        group_size=2,
+    )
+    fns = [
+        pl.RewardFunction("animal", lambda p, t: pl.animal_score(t), 2.0),
+        pl.RewardFunction("short", lambda p, t: float(len(t) < 3), 1.0),
+    ]
     total, metrics = pl.score_rollout(roll, fns)
     np.testing.assert_allclose(total, [2.0, 0.0, 2.0, 1.0])
     assert metrics == {"reward/animal": 0.5, "reward/short": 0.25}
@@ -329,21 +392,48 @@ def test_win_rate_pairs_and_ties():
 def test_sft_run_lowers_the_loss_and_grpo_run_logs_its_signal(tmp_path, tok):
     policy = _tiny_policy()
     records = [("Once upon a time", " there was a dog."), ("The cat", " sat on a mat.")] * 4
-    cfg = pl.SFTConfig(steps=6, batch_size=4, max_length=32,
-                       optim=pl.OptimConfig(lr=3e-2, warmup_ratio=0.0),
-                       lora=pl.LoRASettings(rank=8, alpha=16.0, dropout=0.0,
-                                            targets=("q", "v", "up", "down")))
-    res = pl.run_sft(policy, tok, records, cfg=cfg, ctx=_ctx(tmp_path))
+    cfg = pl.SFTConfig(
+        steps=6,
+        batch_size=4,
+        max_length=32,
+        optim=pl.OptimConfig(lr=3e-2, warmup_ratio=0.0),
+        lora=pl.LoRASettings(rank=8, alpha=16.0, dropout=0.0, targets=("q", "v", "up", "down")),
+    )
+    calls = []
+
+    def evaluate(model):
+        calls.append(model)
+        return {"score": 0.5}
+
+    ctx = dataclasses.replace(_ctx(tmp_path, eval_every=2), evaluate=evaluate)
+    res = pl.run_sft(policy, tok, records, cfg=cfg, ctx=ctx)
     assert len(res.history) == 6 and res.history[-1]["loss"] < res.history[0]["loss"]
+    # Periodic evaluation on the merged policy at iterations 2 and 4 (the end is the
+    # caller's final evaluation).
+    assert len(calls) == 2 and all(isinstance(m, rx.Policy) for m in calls)
+    evals = [json.loads(x) for x in _lines(ctx.log.path) if '"eval"' in x]
+    assert [e["iteration"] for e in evals] == [2, 4] and evals[0]["score"] == 0.5
     merged = pl.final_policy(res.state.model)
     assert isinstance(merged, rx.Policy)
 
-    gcfg = pl.GRPOConfig(rollouts=2, prompts_per_rollout=2, group_size=2, beta=0.0,
-                         kl_target=10.0, optim=pl.OptimConfig(lr=1e-2),
-                         lora=pl.LoRASettings(rank=2, alpha=4.0, dropout=0.0))
+    gcfg = pl.GRPOConfig(
+        rollouts=2,
+        prompts_per_rollout=2,
+        group_size=2,
+        beta=0.0,
+        kl_target=10.0,
+        optim=pl.OptimConfig(lr=1e-2),
+        lora=pl.LoRASettings(rank=2, alpha=4.0, dropout=0.0),
+    )
     fns = [pl.RewardFunction("len", lambda p, t: float(len(t) % 2))]
-    res = pl.run_grpo(policy, tok, ["Once upon a time", "The dog"], reward_fns=fns,
-                      cfg=gcfg, ctx=_ctx(tmp_path / "g"))
+    res = pl.run_grpo(
+        policy,
+        tok,
+        ["Once upon a time", "The dog"],
+        reward_fns=fns,
+        cfg=gcfg,
+        ctx=_ctx(tmp_path / "g"),
+    )
     assert res.loop.iterations == 2
     last = res.history[-1]
     for k in ("rollout/frac_reward_zero_std", "rollout/kl", "rollout/reward/len", "loss"):

@@ -13,14 +13,39 @@ from rlhf_eqx.__main__ import main
 def test_pipeline_end_to_end_small(tmp_path, capsys):
     out = tmp_path / "run"
     argv = [
-        "--out", str(out), "--quiet",
-        "--set", "stages=sft,reward,ppo,dpo,grpo,online-dpo",
-        "--set", "sft.steps=2", "--set", "reward.steps=2", "--set", "reward.pairs_per_prompt=1",
-        "--set", "ppo.rollouts=1", "--set", "ppo.prompts_per_rollout=8",
-        "--set", "dpo.rounds=1", "--set", "dpo.steps=2", "--set", "dpo.samples=2",
-        "--set", "grpo.rollouts=1", "--set", "grpo.prompts_per_rollout=2",
-        "--set", "grpo.group_size=2", "--set", "eval_samples=1",
-        "--set", "sampling.max_new_tokens=8", "--set", "ops.checkpoint_every=1",
+        "--out",
+        str(out),
+        "--quiet",
+        "--set",
+        "stages=sft,reward,ppo,dpo,grpo,online-dpo",
+        "--set",
+        "sft.steps=2",
+        "--set",
+        "reward.steps=2",
+        "--set",
+        "reward.pairs_per_prompt=1",
+        "--set",
+        "ppo.rollouts=1",
+        "--set",
+        "ppo.prompts_per_rollout=8",
+        "--set",
+        "dpo.rounds=1",
+        "--set",
+        "dpo.steps=2",
+        "--set",
+        "dpo.samples=2",
+        "--set",
+        "grpo.rollouts=1",
+        "--set",
+        "grpo.prompts_per_rollout=2",
+        "--set",
+        "grpo.group_size=2",
+        "--set",
+        "eval_samples=1",
+        "--set",
+        "sampling.max_new_tokens=8",
+        "--set",
+        "ops.checkpoint_every=1",
     ]
     assert main(argv) == 0
     summary = json.loads((out / "summary.json").read_text())
@@ -36,9 +61,23 @@ def test_pipeline_end_to_end_small(tmp_path, capsys):
     assert {"sft", "reward", "ppo", "dpo", "grpo"} <= set(stages)
     assert pl.latest_checkpoint(str(out / "ppo" / "checkpoints")) is not None
     # The saved policy reloads and samples.
-    assert main(["sample", "--model", str(out / "dpo" / "hf"), "--tokenizer",
-                 _tok(), "-n", "1",
-                 "--quiet", "--set", "sampling.max_new_tokens=4"]) == 0
+    assert (
+        main(
+            [
+                "sample",
+                "--model",
+                str(out / "dpo" / "hf"),
+                "--tokenizer",
+                _tok(),
+                "-n",
+                "1",
+                "--quiet",
+                "--set",
+                "sampling.max_new_tokens=4",
+            ]
+        )
+        == 0
+    )
 
 
 def _tok():

@@ -52,8 +52,14 @@ def _run(tmp_path, name, resume, pause, **kw):
     script = tmp_path / "run.py"
     script.write_text(SCRIPT)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    args = [sys.executable, str(script), str(tmp_path / name), str(tmp_path / f"{name}.eqx"),
-            "1" if resume else "0", str(pause)]
+    args = [
+        sys.executable,
+        str(script),
+        str(tmp_path / name),
+        str(tmp_path / f"{name}.eqx"),
+        "1" if resume else "0",
+        str(pause),
+    ]
     return subprocess.Popen(args, env=env, **kw)
 
 

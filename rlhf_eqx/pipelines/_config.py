@@ -249,19 +249,42 @@ _TASK_NOTES = (
 def animal_task_config() -> PipelineConfig:
     """The built-in task's configuration (`python -m rlhf_eqx`); `notes` says what it
     changes from the usual defaults and why."""
-    lora = LoRASettings(rank=8, alpha=16.0, dropout=0.0,
-                        targets=("q", "k", "v", "o", "gate", "up", "down"))
+    lora = LoRASettings(
+        rank=8, alpha=16.0, dropout=0.0, targets=("q", "k", "v", "o", "gate", "up", "down")
+    )
     return PipelineConfig(
-        sft=SFTConfig(steps=30, batch_size=16, samples=2,
-                      optim=OptimConfig(lr=5e-4), lora=lora),
-        reward=RewardConfig(steps=80, batch_size=32, pairs_per_prompt=12,
-                            optim=OptimConfig(lr=1e-3)),
-        dpo=DPOConfig(beta=0.1, rounds=3, steps=20, batch_size=16, samples=4,
-                      optim=OptimConfig(lr=5e-4), lora=lora),
-        ppo=PPOConfig(rollouts=16, prompts_per_rollout=64, epochs=2, minibatches=2,
-                      kl_coef=0.02, kl_target=1.0, optim=OptimConfig(lr=1e-3), lora=lora),
-        grpo=GRPOConfig(rollouts=12, prompts_per_rollout=8, group_size=8, beta=0.02,
-                        kl_target=1.0, optim=OptimConfig(lr=2e-3), lora=lora),
+        sft=SFTConfig(steps=30, batch_size=16, samples=2, optim=OptimConfig(lr=5e-4), lora=lora),
+        reward=RewardConfig(
+            steps=80, batch_size=32, pairs_per_prompt=12, optim=OptimConfig(lr=1e-3)
+        ),
+        dpo=DPOConfig(
+            beta=0.1,
+            rounds=3,
+            steps=20,
+            batch_size=16,
+            samples=4,
+            optim=OptimConfig(lr=5e-4),
+            lora=lora,
+        ),
+        ppo=PPOConfig(
+            rollouts=16,
+            prompts_per_rollout=64,
+            epochs=2,
+            minibatches=2,
+            kl_coef=0.02,
+            kl_target=1.0,
+            optim=OptimConfig(lr=1e-3),
+            lora=lora,
+        ),
+        grpo=GRPOConfig(
+            rollouts=12,
+            prompts_per_rollout=8,
+            group_size=8,
+            beta=0.02,
+            kl_target=1.0,
+            optim=OptimConfig(lr=2e-3),
+            lora=lora,
+        ),
         notes=_TASK_NOTES,
     )
 
@@ -367,7 +390,9 @@ def load_config(path: str, cls: type = PipelineConfig, *, base: Any = None) -> A
 def _deep_merge(a: dict, b: dict) -> dict:
     out = dict(a)
     for k, v in b.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = (
+            _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        )
     return out
 
 
@@ -421,7 +446,9 @@ def _check_lora(name: str, lo: LoRASettings) -> None:
     known = {"q", "k", "v", "o", "gate", "up", "down"}
     for t in lo.targets:
         if t not in known:
-            _fail(f"{name}.targets", lo.targets, f"unknown projection {t!r} (known: {sorted(known)})")
+            _fail(
+                f"{name}.targets", lo.targets, f"unknown projection {t!r} (known: {sorted(known)})"
+            )
 
 
 def _positive(name: str, value: int) -> None:
@@ -480,15 +507,23 @@ def validate_config(cfg: PipelineConfig, *, device_count: int = 1) -> None:
     if not 0 <= cfg.label_noise < 0.5:
         _fail("label_noise", cfg.label_noise, "must be in [0, 0.5)")
     _positive("eval_samples", cfg.eval_samples)
-    for name, c in (("sft", cfg.sft), ("reward", cfg.reward), ("dpo", cfg.dpo),
-                    ("ppo", cfg.ppo), ("grpo", cfg.grpo)):
+    for name, c in (
+        ("sft", cfg.sft),
+        ("reward", cfg.reward),
+        ("dpo", cfg.dpo),
+        ("ppo", cfg.ppo),
+        ("grpo", cfg.grpo),
+    ):
         _check_optim(f"{name}.optim", c.optim)
         if hasattr(c, "lora"):
             _check_lora(f"{name}.lora", c.lora)
         used = name in cfg.stages or (name == "dpo" and "online-dpo" in cfg.stages)
         if used and hasattr(c, "max_length") and c.max_length <= s.prompt_length:
-            _fail(f"{name}.max_length", c.max_length,
-                  f"must exceed sampling.prompt_length={s.prompt_length}")
+            _fail(
+                f"{name}.max_length",
+                c.max_length,
+                f"must exceed sampling.prompt_length={s.prompt_length}",
+            )
     for name in ("steps", "batch_size", "samples"):
         _positive(f"sft.{name}", getattr(cfg.sft, name))
     _divides("sft.batch_size", cfg.sft.batch_size, device_count)
@@ -510,8 +545,11 @@ def validate_config(cfg: PipelineConfig, *, device_count: int = 1) -> None:
     for name in ("rollouts", "prompts_per_rollout", "epochs", "minibatches"):
         _positive(f"ppo.{name}", getattr(p, name))
     if p.prompts_per_rollout % p.minibatches:
-        _fail("ppo.minibatches", p.minibatches,
-              f"must divide ppo.prompts_per_rollout={p.prompts_per_rollout}")
+        _fail(
+            "ppo.minibatches",
+            p.minibatches,
+            f"must divide ppo.prompts_per_rollout={p.prompts_per_rollout}",
+        )
     _divides("ppo.prompts_per_rollout", p.prompts_per_rollout // p.minibatches * 1, device_count)
     if not 0 < p.clip < 1:
         _fail("ppo.clip", p.clip, "must be in (0, 1)")

@@ -64,57 +64,81 @@ def run_on_data(cfg: PipelineConfig, stage: str, *, resume: bool = False) -> dic
     policy, tok = load_model(cfg.model.source, cfg.model.tokenizer)
     s = cfg.sampling
     ctx = RunContext(
-        ops=cfg.ops, log=MetricsLog(run_dir, stage, quiet=cfg.ops.quiet),
+        ops=cfg.ops,
+        log=MetricsLog(run_dir, stage, quiet=cfg.ops.quiet),
         key=jax.random.key(cfg.ops.seed),
-        checkpoint_dir=os.path.join(run_dir, stage, "checkpoints"), resume=resume,
-        prompt_length=s.prompt_length, max_new_tokens=s.max_new_tokens,
-        temperature=s.temperature, meta={"stage": stage, "config": config_to_dict(cfg)},
+        checkpoint_dir=os.path.join(run_dir, stage, "checkpoints"),
+        resume=resume,
+        prompt_length=s.prompt_length,
+        max_new_tokens=s.max_new_tokens,
+        temperature=s.temperature,
+        meta={"stage": stage, "config": config_to_dict(cfg)},
     )
     say = (lambda *a: None) if cfg.ops.quiet else print
-    split = dict(heldout_fraction=cfg.data.heldout_fraction, seed=cfg.data.seed,
-                 limit=cfg.data.limit)
+    split = dict(
+        heldout_fraction=cfg.data.heldout_fraction, seed=cfg.data.seed, limit=cfg.data.limit
+    )
     summary: dict = {"data": cfg.data.path}
     if stage in ("sft", "reward", "dpo"):
         records = data.load_preferences(cfg.data.path, cfg.data.format)
         train, held = split_records(records, **split)
         c = {"sft": cfg.sft, "reward": cfg.reward, "dpo": cfg.dpo}[stage]
-        _, report = data.tokenize_preferences(train, tok, max_length=c.max_length,
-                                              max_prompt_length=s.prompt_length, add_eos=False)
+        _, report = data.tokenize_preferences(
+            train, tok, max_length=c.max_length, max_prompt_length=s.prompt_length, add_eos=False
+        )
         summary["truncation"] = {
             "records": report.total,
             "prompt_truncated": report.prompt_truncated,
             "completion_truncated": report.completion_truncated,
         }
-        say(f"{stage}: {len(train)} training / {len(held)} held-out records; "
+        say(
+            f"{stage}: {len(train)} training / {len(held)} held-out records; "
             f"{report.prompt_truncated} prompts and {report.completion_truncated} "
             f"completions truncated (sampling.prompt_length={s.prompt_length}, "
-            f"{stage}.max_length={c.max_length})")
-        held_batch = collate_pairs(held, tok, max_length=c.max_length, prompt_length=s.prompt_length)
+            f"{stage}.max_length={c.max_length})"
+        )
+        held_batch = collate_pairs(
+            held, tok, max_length=c.max_length, prompt_length=s.prompt_length
+        )
         if stage == "sft":
-            seqs, _ = data.tokenize_sft(held, tok, max_length=c.max_length,
-                                        max_prompt_length=s.prompt_length, add_eos=False)
+            seqs, _ = data.tokenize_sft(
+                held, tok, max_length=c.max_length, max_prompt_length=s.prompt_length, add_eos=False
+            )
             hb = data.collate_sft(seqs, max_length=c.max_length, pad_id=tok.pad_id)
             before = float(_nll(policy, hb))
             res = run_sft(policy, tok, [(r.prompt, r.chosen) for r in train], cfg=c, ctx=ctx)
             trained = final_policy(res.state.model)
             after = float(_nll(trained, hb))
-            summary["sft"] = {"heldout_nll_before": before, "heldout_nll": after,
-                              "heldout_perplexity": float(np.exp(after))}
+            summary["sft"] = {
+                "heldout_nll_before": before,
+                "heldout_nll": after,
+                "heldout_perplexity": float(np.exp(after)),
+            }
         elif stage == "reward":
             res = run_reward(policy, tok, train, cfg=c, ctx=ctx)
-            summary["reward_model"] = {"heldout_accuracy": reward_accuracy(res.state.model, held_batch)}
+            summary["reward_model"] = {
+                "heldout_accuracy": reward_accuracy(res.state.model, held_batch)
+            }
             trained = None
         else:
             res = run_dpo(policy, tok, train, cfg=c, ctx=ctx)
             trained = final_policy(res.state.model)
-            summary["dpo"] = {"heldout_reward_accuracy": float(
-                _implicit_accuracy(trained, policy, held_batch, c.beta))}
+            summary["dpo"] = {
+                "heldout_reward_accuracy": float(
+                    _implicit_accuracy(trained, policy, held_batch, c.beta)
+                )
+            }
     elif stage == "grpo":
         prompts = data.load_prompts(cfg.data.path, cfg.data.format)
-        fits = [r for r in prompts if r.answer is not None
-                and len(tok.encode(r.prompt)) + 1 <= s.prompt_length]
-        say(f"grpo: {len(fits)} of {len(prompts)} prompts have an answer and fit "
-            f"sampling.prompt_length={s.prompt_length}")
+        fits = [
+            r
+            for r in prompts
+            if r.answer is not None and len(tok.encode(r.prompt)) + 1 <= s.prompt_length
+        ]
+        say(
+            f"grpo: {len(fits)} of {len(prompts)} prompts have an answer and fit "
+            f"sampling.prompt_length={s.prompt_length}"
+        )
         train, held = split_records(fits, **split)
         answers = {r.prompt: r.answer for r in fits}
 
@@ -122,14 +146,23 @@ def run_on_data(cfg: PipelineConfig, stage: str, *, resume: bool = False) -> dic
             return float(data.exact_match_reward([completion], [answers[prompt]])[0])
 
         fns = [RewardFunction("exact_match", exact)]
-        res = run_grpo(policy, tok, [r.prompt for r in train], reward_fns=fns, cfg=cfg.grpo, ctx=ctx)
+        res = run_grpo(
+            policy, tok, [r.prompt for r in train], reward_fns=fns, cfg=cfg.grpo, ctx=ctx
+        )
         trained = final_policy(res.state.model)
         hp = [r.prompt for r in held]
         k = jax.random.key(cfg.ops.seed + 1)
         rates = []
         for m in (policy, trained):
-            roll = sample_rollout(m, tok, hp, k, prompt_length=s.prompt_length,
-                                  max_new_tokens=s.max_new_tokens, temperature=s.temperature)
+            roll = sample_rollout(
+                m,
+                tok,
+                hp,
+                k,
+                prompt_length=s.prompt_length,
+                max_new_tokens=s.max_new_tokens,
+                temperature=s.temperature,
+            )
             rates.append(float(np.mean([exact(p, t) for p, t in zip(roll.prompts, roll.texts)])))
         summary["grpo"] = {"heldout_exact_match_before": rates[0], "heldout_exact_match": rates[1]}
     else:

@@ -62,8 +62,14 @@ def evaluate_policy(
     `win_rate`.
     """
     rollout = sample_rollout(
-        policy, tok, prompts, key, group_size=samples, prompt_length=prompt_length,
-        max_new_tokens=max_new_tokens, temperature=temperature,
+        policy,
+        tok,
+        prompts,
+        key,
+        group_size=samples,
+        prompt_length=prompt_length,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
     )
     scores = np.asarray([scorer(t) for t in rollout.texts], np.float32)
     metrics = {"score": float(scores.mean()), "base_nll": completion_nll(base, rollout)}
@@ -73,13 +79,23 @@ def evaluate_policy(
 
 
 @eqx.filter_jit
-def _pair_rewards(model, ct: Int[Array, "B T"], cm: Bool[Array, "B T"],
-                  rt: Int[Array, "B T"], rm: Bool[Array, "B T"]) -> Float[Array, " B"]:
+def _pair_rewards(
+    model,
+    ct: Int[Array, "B T"],
+    cm: Bool[Array, "B T"],
+    rt: Int[Array, "B T"],
+    rm: Bool[Array, "B T"],
+) -> Float[Array, " B"]:
     return jax.vmap(model)(ct, cm) - jax.vmap(model)(rt, rm)
 
 
 def reward_accuracy(reward_model, batch) -> float:
     """Fraction of pairs of a `PreferenceBatch` the reward model orders chosen > rejected."""
-    margin = _pair_rewards(reward_model, batch.chosen_tokens, batch.chosen_mask,
-                           batch.rejected_tokens, batch.rejected_mask)
+    margin = _pair_rewards(
+        reward_model,
+        batch.chosen_tokens,
+        batch.chosen_mask,
+        batch.rejected_tokens,
+        batch.rejected_mask,
+    )
     return float(jnp.mean((margin > 0).astype(jnp.float32)))

@@ -24,6 +24,7 @@ import numpy as np
 import optax
 from jaxtyping import Array, Float, PyTree
 
+from ..train import make_optimizer
 from ._config import OpsConfig, OptimConfig
 
 __all__ = [
@@ -72,7 +73,7 @@ def scale_by_lr_factor() -> optax.GradientTransformation:
 def build_optimizer(optim: OptimConfig, total_steps: int) -> optax.GradientTransformation:
     """AdamW + warmup/cosine + clipping (`rlhf_eqx.train.make_optimizer`), then the
     rollback's learning-rate factor."""
-    base = __import__("rlhf_eqx").train.make_optimizer(
+    base = make_optimizer(
         learning_rate=optim.lr,
         total_steps=max(total_steps, 1),
         warmup_ratio=optim.warmup_ratio,
@@ -115,9 +116,7 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def save_checkpoint(
-    directory: str, iteration: int, tree: PyTree, meta: dict, *, keep: int
-) -> str:
+def save_checkpoint(directory: str, iteration: int, tree: PyTree, meta: dict, *, keep: int) -> str:
     """Write `tree` (arrays via `eqx.tree_serialise_leaves`) and `meta` (JSON) as
     `directory/iter_<iteration>/`, atomically, and keep only the last `keep`.
 
@@ -153,8 +152,9 @@ def _checkpoints(directory: str) -> list[str]:
     if not os.path.isdir(directory):
         return []
     names = [
-        n for n in os.listdir(directory)
-        if n.startswith(_CKPT_PREFIX) and n[len(_CKPT_PREFIX):].isdigit()
+        n
+        for n in os.listdir(directory)
+        if n.startswith(_CKPT_PREFIX) and n[len(_CKPT_PREFIX) :].isdigit()
     ]
     return sorted(names)
 
@@ -338,16 +338,26 @@ def run_iterations(
             history = [h for h in history if h["iteration"] < back_to]
             losses = [h.get("loss", 0.0) for h in history]
             before_prev = None
-            log.event("rollback", f"iteration {i}: {problem}; restored the state before "
-                      f"iteration {back_to}, learning-rate factor now {scale:.3g}",
-                      iteration=i, restored=back_to, lr_scale=scale)
+            log.event(
+                "rollback",
+                f"iteration {i}: {problem}; restored the state before "
+                f"iteration {back_to}, learning-rate factor now {scale:.3g}",
+                iteration=i,
+                restored=back_to,
+                lr_scale=scale,
+            )
             i = back_to
             continue
         if kl_target is not None and info.get("kl", 0.0) > kl_target:
             state = good
             stopped = "kl_guard"
-            log.event("kl_guard", f"iteration {i}: KL to the reference {info['kl']:.4f} > "
-                      f"target {kl_target}; stopping early", iteration=i, kl=info["kl"])
+            log.event(
+                "kl_guard",
+                f"iteration {i}: KL to the reference {info['kl']:.4f} > "
+                f"target {kl_target}; stopping early",
+                iteration=i,
+                kl=info["kl"],
+            )
             break
         before_prev = (i, good)
         state = new_state
@@ -368,18 +378,30 @@ def run_iterations(
             if metrics:
                 bar.set_postfix(loss=f"{metrics[-1].get('loss', float('nan')):.4f}")
         elif not log.quiet and metrics and (i % ops.log_every == 0 or i == num_iterations):
-            shown = {k: v for k, v in {**metrics[-1], **info}.items()
-                     if k in ("loss", "accuracy", "rewards/accuracies", "reward", "score", "kl")}
-            log.info(f"iter {i}/{num_iterations} " +
-                     " ".join(f"{k} {v:.4f}" for k, v in shown.items()))
-        if evaluate is not None and ops.eval_every and i % ops.eval_every == 0 and i < num_iterations:
+            shown = {
+                k: v
+                for k, v in {**metrics[-1], **info}.items()
+                if k in ("loss", "accuracy", "rewards/accuracies", "reward", "score", "kl")
+            }
+            log.info(
+                f"iter {i}/{num_iterations} " + " ".join(f"{k} {v:.4f}" for k, v in shown.items())
+            )
+        if (
+            evaluate is not None
+            and ops.eval_every
+            and i % ops.eval_every == 0
+            and i < num_iterations
+        ):
             log.write({"eval": True, "iteration": i, **evaluate(state, i)})
         if checkpoint_dir is not None and (
             (ops.checkpoint_every and i % ops.checkpoint_every == 0) or i == num_iterations
         ):
             save_checkpoint(
-                checkpoint_dir, i, {"state": state, "key": jax.random.key_data(key)},
-                meta, keep=ops.keep,
+                checkpoint_dir,
+                i,
+                {"state": state, "key": jax.random.key_data(key)},
+                meta,
+                keep=ops.keep,
             )
     if bar is not None:
         bar.close()

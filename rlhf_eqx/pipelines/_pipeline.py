@@ -1,7 +1,6 @@
 """The default pipeline on the built-in animal task: SFT, then reward model -> PPO, DPO
 and GRPO from SFT, each evaluated on held-out prompts against SFT."""
 
-import dataclasses
 import json
 import os
 import time
@@ -18,7 +17,6 @@ from ._ops import MetricsLog
 from ._rollout import RewardFunction, sample_rollout
 from ._runs import (
     RunContext,
-    best_worst_pairs,
     collate_pairs,
     final_policy,
     run_grpo,
@@ -69,21 +67,34 @@ def _rm_label(rm, tok, cfg: PipelineConfig):
 
     def label(prompts, texts, salt):
         del salt
-        seqs, _ = data.tokenize_sft(list(zip(prompts, texts)), tok, max_length=cfg.dpo.max_length,
-                                    max_prompt_length=cfg.sampling.prompt_length, add_eos=False)
+        seqs, _ = data.tokenize_sft(
+            list(zip(prompts, texts)),
+            tok,
+            max_length=cfg.dpo.max_length,
+            max_prompt_length=cfg.sampling.prompt_length,
+            add_eos=False,
+        )
         batch = data.collate_sft(seqs, max_length=cfg.dpo.max_length, pad_id=tok.pad_id)
         return np.asarray(reward_model_scores(rm, batch.tokens, batch.mask)).tolist()
 
     return label
 
 
-def _ctx(cfg: PipelineConfig, run_dir: str, stage: str, key, resume: bool) -> RunContext:
+def _ctx(
+    cfg: PipelineConfig, run_dir: str, stage: str, key, resume: bool, evaluate=None
+) -> RunContext:
     s = cfg.sampling
     return RunContext(
-        ops=cfg.ops, log=MetricsLog(run_dir, stage, quiet=cfg.ops.quiet), key=key,
-        checkpoint_dir=os.path.join(run_dir, stage, "checkpoints"), resume=resume,
-        prompt_length=s.prompt_length, max_new_tokens=s.max_new_tokens,
-        temperature=s.temperature, meta={"stage": stage, "config": config_to_dict(cfg)},
+        ops=cfg.ops,
+        log=MetricsLog(run_dir, stage, quiet=cfg.ops.quiet),
+        key=key,
+        checkpoint_dir=os.path.join(run_dir, stage, "checkpoints"),
+        resume=resume,
+        prompt_length=s.prompt_length,
+        max_new_tokens=s.max_new_tokens,
+        temperature=s.temperature,
+        meta={"stage": stage, "config": config_to_dict(cfg)},
+        evaluate=evaluate,
     )
 
 
@@ -101,8 +112,9 @@ def format_table(summary: dict) -> str:
             f"{'' if kl is None else f'{kl:.3f}':>9} {s['base_nll']:>9.2f}"
         )
     if "reward_model" in summary:
-        lines.append(f"reward model held-out accuracy: "
-                     f"{summary['reward_model']['heldout_accuracy']:.1%}")
+        lines.append(
+            f"reward model held-out accuracy: {summary['reward_model']['heldout_accuracy']:.1%}"
+        )
     return "\n".join(lines)
 
 
@@ -124,9 +136,17 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
 
     def evaluate(policy, reference):
         return evaluate_policy(
-            policy, tok, HELDOUT_PROMPTS, k_eval, scorer=animal_score, base=base,
-            reference=reference, samples=cfg.eval_samples, prompt_length=s.prompt_length,
-            max_new_tokens=s.max_new_tokens, temperature=s.temperature,
+            policy,
+            tok,
+            HELDOUT_PROMPTS,
+            k_eval,
+            scorer=animal_score,
+            base=base,
+            reference=reference,
+            samples=cfg.eval_samples,
+            prompt_length=s.prompt_length,
+            max_new_tokens=s.max_new_tokens,
+            temperature=s.temperature,
         )
 
     summary: dict = {}
@@ -135,13 +155,22 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
     say(f"base model: {base_metrics['score']:.1%} of held-out stories mention an animal")
 
     # SFT on the base model's best-of-n samples (by noisy labels).
-    roll = sample_rollout(base, tok, TRAIN_PROMPTS, jax.random.fold_in(k_data, 0),
-                          group_size=cfg.sft.samples, prompt_length=s.prompt_length,
-                          max_new_tokens=s.max_new_tokens, temperature=s.temperature)
+    roll = sample_rollout(
+        base,
+        tok,
+        TRAIN_PROMPTS,
+        jax.random.fold_in(k_data, 0),
+        group_size=cfg.sft.samples,
+        prompt_length=s.prompt_length,
+        max_new_tokens=s.max_new_tokens,
+        temperature=s.temperature,
+    )
     labels = np.asarray(label(roll.prompts, roll.texts, 1)).reshape(-1, cfg.sft.samples)
     best = labels.argmax(axis=1)
-    records = [(p, roll.texts[j * cfg.sft.samples + b]) for j, (p, b) in
-               enumerate(zip(TRAIN_PROMPTS, best))]
+    records = [
+        (p, roll.texts[j * cfg.sft.samples + b])
+        for j, (p, b) in enumerate(zip(TRAIN_PROMPTS, best))
+    ]
     say(f"sft: {len(records)} demonstrations (best of {cfg.sft.samples} by noisy labels)")
     res = run_sft(base, tok, records, cfg=cfg.sft, ctx=_ctx(cfg, run_dir, "sft", k_sft, resume))
     sft = final_policy(res.state.model)
@@ -150,63 +179,117 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
     _export(sft, run_dir, "sft")
     say(f"sft: {sft_metrics['score']:.1%}")
 
+    def periodic(policy):
+        m, _, scores = evaluate(policy, sft)
+        m["win_rate_vs_sft"] = win_rate(scores, sft_scores)
+        return m
+
     def finish(stage, policy):
         m, _, scores = evaluate(policy, sft)
         m["win_rate_vs_sft"] = win_rate(scores, sft_scores)
         summary[stage] = m
         _export(policy, run_dir, stage)
-        say(f"{stage}: {m['score']:.1%} (win rate vs SFT {m['win_rate_vs_sft']:.1%}, "
-            f"KL {m['kl']:.3f})")
+        say(
+            f"{stage}: {m['score']:.1%} (win rate vs SFT {m['win_rate_vs_sft']:.1%}, "
+            f"KL {m['kl']:.3f})"
+        )
 
     if "reward" in cfg.stages:
         r = cfg.reward
         n = r.pairs_per_prompt
-        roll = sample_rollout(sft, tok, TRAIN_PROMPTS, jax.random.fold_in(k_data, 1),
-                              group_size=2 * n, prompt_length=s.prompt_length,
-                              max_new_tokens=s.max_new_tokens, temperature=s.temperature)
+        roll = sample_rollout(
+            sft,
+            tok,
+            TRAIN_PROMPTS,
+            jax.random.fold_in(k_data, 1),
+            group_size=2 * n,
+            prompt_length=s.prompt_length,
+            max_new_tokens=s.max_new_tokens,
+            temperature=s.temperature,
+        )
         true = np.asarray([animal_score(t) for t in roll.texts])
         noisy = np.asarray(label(roll.prompts, roll.texts, 2))
         pairs, clean = [], []
         for j in range(0, len(roll.texts), 2):
             if true[j] != true[j + 1]:
-                c, w = (j, j + 1) if noisy[j] > noisy[j + 1] or (
-                    noisy[j] == noisy[j + 1] and true[j] > true[j + 1]) else (j + 1, j)
+                c, w = (
+                    (j, j + 1)
+                    if noisy[j] > noisy[j + 1]
+                    or (noisy[j] == noisy[j + 1] and true[j] > true[j + 1])
+                    else (j + 1, j)
+                )
                 pairs.append(data.PreferenceRecord(roll.prompts[j], roll.texts[c], roll.texts[w]))
         heldout_roll = sample_rollout(
-            sft, tok, HELDOUT_PROMPTS, jax.random.fold_in(k_data, 2), group_size=2 * n,
-            prompt_length=s.prompt_length, max_new_tokens=s.max_new_tokens,
-            temperature=s.temperature)
+            sft,
+            tok,
+            HELDOUT_PROMPTS,
+            jax.random.fold_in(k_data, 2),
+            group_size=2 * n,
+            prompt_length=s.prompt_length,
+            max_new_tokens=s.max_new_tokens,
+            temperature=s.temperature,
+        )
         ht = np.asarray([animal_score(t) for t in heldout_roll.texts])
         for j in range(0, len(heldout_roll.texts), 2):
             if ht[j] != ht[j + 1]:
                 c, w = (j, j + 1) if ht[j] > ht[j + 1] else (j + 1, j)
-                clean.append(data.PreferenceRecord(
-                    heldout_roll.prompts[j], heldout_roll.texts[c], heldout_roll.texts[w]))
+                clean.append(
+                    data.PreferenceRecord(
+                        heldout_roll.prompts[j], heldout_roll.texts[c], heldout_roll.texts[w]
+                    )
+                )
         say(f"reward: {len(pairs)} noisily labelled training pairs, {len(clean)} held-out pairs")
         res = run_reward(sft, tok, pairs, cfg=r, ctx=_ctx(cfg, run_dir, "reward", k_rm, resume))
         rm = res.state.model
         held = collate_pairs(clean, tok, max_length=r.max_length, prompt_length=s.prompt_length)
         acc = reward_accuracy(rm, held)
-        summary["reward_model"] = {"heldout_accuracy": acc, "train_pairs": len(pairs),
-                                   "heldout_pairs": len(clean)}
+        summary["reward_model"] = {
+            "heldout_accuracy": acc,
+            "train_pairs": len(pairs),
+            "heldout_pairs": len(clean),
+        }
         say(f"reward model: held-out accuracy {acc:.1%}")
         if "ppo" in cfg.stages:
-            res = run_ppo(sft, tok, TRAIN_PROMPTS, reward=rm, cfg=cfg.ppo,
-                          ctx=_ctx(cfg, run_dir, "ppo", k_ppo, resume))
+            res = run_ppo(
+                sft,
+                tok,
+                TRAIN_PROMPTS,
+                reward=rm,
+                cfg=cfg.ppo,
+                ctx=_ctx(cfg, run_dir, "ppo", k_ppo, resume, periodic),
+            )
             summary.setdefault("stopped", {})["ppo"] = res.loop.stopped
             finish("ppo", final_policy(res.state.model[0]))
         if "online-dpo" in cfg.stages:
-            res = run_online_dpo(sft, tok, TRAIN_PROMPTS, _rm_label(rm, tok, cfg), cfg=cfg.dpo,
-                                 ctx=_ctx(cfg, run_dir, "online-dpo", k_online, resume))
+            res = run_online_dpo(
+                sft,
+                tok,
+                TRAIN_PROMPTS,
+                _rm_label(rm, tok, cfg),
+                cfg=cfg.dpo,
+                ctx=_ctx(cfg, run_dir, "online-dpo", k_online, resume, periodic),
+            )
             finish("online-dpo", final_policy(res.state.model))
     if "dpo" in cfg.stages:
-        res = run_online_dpo(sft, tok, TRAIN_PROMPTS, label, cfg=cfg.dpo,
-                             ctx=_ctx(cfg, run_dir, "dpo", k_dpo, resume))
+        res = run_online_dpo(
+            sft,
+            tok,
+            TRAIN_PROMPTS,
+            label,
+            cfg=cfg.dpo,
+            ctx=_ctx(cfg, run_dir, "dpo", k_dpo, resume, periodic),
+        )
         finish("dpo", final_policy(res.state.model))
     if "grpo" in cfg.stages:
         fns = [RewardFunction("animal", lambda p, t: animal_score(t))]
-        res = run_grpo(sft, tok, TRAIN_PROMPTS, reward_fns=fns, cfg=cfg.grpo,
-                       ctx=_ctx(cfg, run_dir, "grpo", k_grpo, resume))
+        res = run_grpo(
+            sft,
+            tok,
+            TRAIN_PROMPTS,
+            reward_fns=fns,
+            cfg=cfg.grpo,
+            ctx=_ctx(cfg, run_dir, "grpo", k_grpo, resume, periodic),
+        )
         summary.setdefault("stopped", {})["grpo"] = res.loop.stopped
         finish("grpo", final_policy(res.state.model))
 

@@ -54,8 +54,11 @@ def plot_run(run_dir: str) -> list[str]:
         panels = []
         for title, names in _PANELS.items():
             for name in names:
-                pts = [(r["step"], r[name]) for r in recs
-                       if isinstance(r.get(name), (int, float)) and "step" in r]
+                pts = [
+                    (r["step"], r[name])
+                    for r in recs
+                    if isinstance(r.get(name), (int, float)) and "step" in r
+                ]
                 if pts:
                     panels.append((title, name, pts))
                     break

@@ -13,6 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+import rlhf_eqx as rx
+from rlhf_eqx import data
+
 __all__ = [
     "Rollout",
     "RewardFunction",
@@ -105,17 +108,20 @@ def sample_rollout(
     stories260K model starts a new story with BOS). The same `temperature` must be
     given to the training steps.
     """
-    import rlhf_eqx as rx
-    from rlhf_eqx import data
-
     if stop_ids is None:
         stop_ids = tuple(sorted({tok.eos_id, tok.bos_id}))
     ids = encode_prompts(tok, prompts, prompt_length=prompt_length)
     repeated = [x for x in ids for _ in range(group_size)]
     batch = data.collate_prompts(repeated, max_length=prompt_length, pad_id=tok.pad_id)
     out = rx.generate_batch(
-        policy, batch.tokens, batch.mask, key, max_new_tokens=max_new_tokens,
-        temperature=temperature, eos_id=tok.eos_id, pad_id=tok.pad_id,
+        policy,
+        batch.tokens,
+        batch.mask,
+        key,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        eos_id=tok.eos_id,
+        pad_id=tok.pad_id,
     )
     tokens = np.asarray(out.tokens)
     completion, stopped = _cut_at_stop(tokens, np.asarray(out.completion_mask), stop_ids)
@@ -174,10 +180,6 @@ def reward_model_scores(
 
 
 @eqx.filter_jit
-def token_logps(
-    model, tokens: Int[Array, "B T"], mask: Bool[Array, "B T"]
-) -> Float[Array, "B T"]:
+def token_logps(model, tokens: Int[Array, "B T"], mask: Bool[Array, "B T"]) -> Float[Array, "B T"]:
     """`log p(tokens[t] | tokens[<t])` of every row under `model` (0 where undefined)."""
-    import rlhf_eqx as rx
-
     return jax.vmap(lambda t, m: rx.token_logprobs(model, t, m))(tokens, mask)

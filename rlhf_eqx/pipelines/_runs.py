@@ -18,7 +18,15 @@ import numpy as np
 import rlhf_eqx as rx
 from rlhf_eqx import data
 
-from ._config import DPOConfig, GRPOConfig, LoRASettings, OpsConfig, PPOConfig, RewardConfig, SFTConfig
+from ._config import (
+    DPOConfig,
+    GRPOConfig,
+    LoRASettings,
+    OpsConfig,
+    PPOConfig,
+    RewardConfig,
+    SFTConfig,
+)
 from ._ops import LoopResult, MetricsLog, build_optimizer, run_iterations
 from ._rollout import (
     RewardFunction,
@@ -48,7 +56,8 @@ __all__ = [
 class RunContext:
     """Where and how a run executes: its operations settings, its metrics log, its
     checkpoint directory (`None`: no checkpoints), whether to resume, its PRNG key, and
-    the sampling settings of rollouts."""
+    the sampling settings of rollouts. `evaluate(policy) -> metrics`, when given, runs
+    every `ops.eval_every` iterations on the current policy (LoRA merged)."""
 
     ops: OpsConfig
     log: MetricsLog
@@ -59,6 +68,7 @@ class RunContext:
     max_new_tokens: int = 40
     temperature: float = 1.0
     meta: dict | None = None
+    evaluate: Callable[[object], dict] | None = None
 
 
 @dataclasses.dataclass
@@ -74,8 +84,9 @@ def with_lora(model, lora: LoRASettings, key: jax.Array):
     """`(model with adapters, filter spec)`; `lora.rank == 0`: `(model, None)` (train all)."""
     if lora.rank == 0:
         return model, None
-    cfg = rx.LoRAConfig(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
-                        targets=lora.targets)
+    cfg = rx.LoRAConfig(
+        rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=lora.targets
+    )
     adapted = rx.apply_lora(model, cfg, key=key)
     return adapted, rx.lora_filter(adapted)
 
@@ -101,10 +112,22 @@ def _take(batch, idx):
     return jax.tree.map(lambda x: None if x is None else x[idx], batch)
 
 
-def _loop(state, iteration, ctx: RunContext, num, **kw) -> RunResult:
+def _loop(state, iteration, ctx: RunContext, num, *, policy_of=None, **kw) -> RunResult:
+    evaluate = None
+    if ctx.evaluate is not None and policy_of is not None:
+        evaluate = lambda s, i: ctx.evaluate(final_policy(policy_of(s)))  # noqa: E731
     loop = run_iterations(
-        state, iteration, num_iterations=num, key=ctx.key, ops=ctx.ops, log=ctx.log,
-        checkpoint_dir=ctx.checkpoint_dir, resume=ctx.resume, meta=ctx.meta, **kw,
+        state,
+        iteration,
+        num_iterations=num,
+        key=ctx.key,
+        ops=ctx.ops,
+        log=ctx.log,
+        checkpoint_dir=ctx.checkpoint_dir,
+        resume=ctx.resume,
+        meta=ctx.meta,
+        evaluate=evaluate,
+        **kw,
     )
     return RunResult(loop.state, loop.history, loop)
 
@@ -117,8 +140,13 @@ def run_sft(
 ) -> RunResult:
     """Supervised fine-tuning (NLL of the completion tokens) on `(prompt, completion)`
     records, `cfg.steps` steps of `cfg.batch_size` rows, LoRA per `cfg.lora`."""
-    seqs, _ = data.tokenize_sft(list(records), tok, max_length=cfg.max_length,
-                                max_prompt_length=ctx.prompt_length, add_eos=False)
+    seqs, _ = data.tokenize_sft(
+        list(records),
+        tok,
+        max_length=cfg.max_length,
+        max_prompt_length=ctx.prompt_length,
+        add_eos=False,
+    )
     full = data.collate_sft(seqs, max_length=cfg.max_length, pad_id=tok.pad_id)
     k_lora, ctx_key = jax.random.split(ctx.key)
     model, spec = with_lora(model, cfg.lora, k_lora)
@@ -133,15 +161,22 @@ def run_sft(
         return state, [m], {}
 
     ctx = dataclasses.replace(ctx, key=ctx_key)
-    return _loop(state, iteration, ctx, cfg.steps,
-                 tokens_per_iteration=cfg.batch_size * cfg.max_length)
+    return _loop(
+        state,
+        iteration,
+        ctx,
+        cfg.steps,
+        policy_of=lambda s: s.model,
+        tokens_per_iteration=cfg.batch_size * cfg.max_length,
+    )
 
 
 # --- reward model ----------------------------------------------------------------------
 
 
-def collate_pairs(pairs: Sequence[data.PreferenceRecord], tok, *, max_length: int,
-                  prompt_length: int) -> rx.PreferenceBatch:
+def collate_pairs(
+    pairs: Sequence[data.PreferenceRecord], tok, *, max_length: int, prompt_length: int
+) -> rx.PreferenceBatch:
     """Tokenise `prompt + chosen` / `prompt + rejected` (no EOS: completions stop at a
     length limit), right-padded to `max_length`."""
     tokenized, _ = data.tokenize_preferences(
@@ -169,8 +204,9 @@ def run_reward(
         return state, [m], {}
 
     ctx = dataclasses.replace(ctx, key=ctx_key)
-    return _loop(state, iteration, ctx, cfg.steps,
-                 tokens_per_iteration=2 * cfg.batch_size * cfg.max_length)
+    return _loop(
+        state, iteration, ctx, cfg.steps, tokens_per_iteration=2 * cfg.batch_size * cfg.max_length
+    )
 
 
 # --- DPO -------------------------------------------------------------------------------
@@ -181,8 +217,9 @@ def _dpo_setup(model, cfg: DPOConfig, total_steps: int, key):
     reference = rx.without_lora(model) if spec is not None else model
     opt = build_optimizer(cfg.optim, total_steps)
     state = rx.train.init_train_state(model, opt, filter_spec=spec)
-    step = rx.train.make_dpo_step(opt, beta=cfg.beta, loss_type=cfg.loss_type,
-                                  reference="cached", donate=False)
+    step = rx.train.make_dpo_step(
+        opt, beta=cfg.beta, loss_type=cfg.loss_type, reference="cached", donate=False
+    )
     return state, reference, step
 
 
@@ -203,8 +240,14 @@ def run_dpo(
         return state, [m], {}
 
     ctx = dataclasses.replace(ctx, key=ctx_key)
-    return _loop(state, iteration, ctx, cfg.steps,
-                 tokens_per_iteration=2 * cfg.batch_size * cfg.max_length)
+    return _loop(
+        state,
+        iteration,
+        ctx,
+        cfg.steps,
+        policy_of=lambda s: s.model,
+        tokens_per_iteration=2 * cfg.batch_size * cfg.max_length,
+    )
 
 
 def best_worst_pairs(
@@ -216,8 +259,9 @@ def best_worst_pairs(
         lab = np.asarray(labels[j * samples : (j + 1) * samples])
         best, worst = int(np.argmax(lab)), int(np.argmin(lab))
         if lab[best] > lab[worst]:
-            pairs.append(data.PreferenceRecord(
-                prompt, texts[j * samples + best], texts[j * samples + worst]))
+            pairs.append(
+                data.PreferenceRecord(prompt, texts[j * samples + best], texts[j * samples + worst])
+            )
     return pairs
 
 
@@ -241,19 +285,26 @@ def run_online_dpo(
     def iteration(state, key, r):
         k_sample, k_steps = jax.random.split(key)
         roll = sample_rollout(
-            state.model, tok, prompts, k_sample, group_size=cfg.samples,
-            prompt_length=ctx.prompt_length, max_new_tokens=ctx.max_new_tokens,
+            state.model,
+            tok,
+            prompts,
+            k_sample,
+            group_size=cfg.samples,
+            prompt_length=ctx.prompt_length,
+            max_new_tokens=ctx.max_new_tokens,
             temperature=ctx.temperature,
         )
         labels = label(roll.prompts, roll.texts, r)
         pairs = best_worst_pairs(prompts, roll.texts, labels, cfg.samples)
         info = {"pairs": float(len(pairs)), "label_mean": float(np.mean(labels))}
         if not pairs:
-            ctx.log.event("no_signal", f"round {r}: all completions of every prompt got "
-                          "the same label; no pairs", iteration=r)
+            ctx.log.event(
+                "no_signal",
+                f"round {r}: all completions of every prompt got the same label; no pairs",
+                iteration=r,
+            )
             return state, [], info
-        full = collate_pairs(pairs, tok, max_length=cfg.max_length,
-                             prompt_length=ctx.prompt_length)
+        full = collate_pairs(pairs, tok, max_length=cfg.max_length, prompt_length=ctx.prompt_length)
         full = rx.train.compute_reference_logps(reference, full)
         n = full.chosen_tokens.shape[0]
         metrics = []
@@ -264,7 +315,7 @@ def run_online_dpo(
         return state, metrics, info
 
     ctx = dataclasses.replace(ctx, key=ctx_key)
-    return _loop(state, iteration, ctx, cfg.rounds)
+    return _loop(state, iteration, ctx, cfg.rounds, policy_of=lambda s: s.model)
 
 
 # --- PPO -------------------------------------------------------------------------------
@@ -305,17 +356,26 @@ def run_ppo(
     opt = build_optimizer(cfg.optim, total)
     filter_spec = (spec if spec is not None else eqx.is_inexact_array, eqx.is_inexact_array)
     state = rx.train.init_train_state((pol, value), opt, filter_spec=filter_spec)
-    step = rx.train.make_ppo_step(opt, clip_eps=cfg.clip, vf_coef=cfg.vf_coef,
-                                  ent_coef=cfg.ent_coef, donate=False,
-                                  temperature=ctx.temperature)
+    step = rx.train.make_ppo_step(
+        opt,
+        clip_eps=cfg.clip,
+        vf_coef=cfg.vf_coef,
+        ent_coef=cfg.ent_coef,
+        donate=False,
+        temperature=ctx.temperature,
+    )
     mb = cfg.prompts_per_rollout // cfg.minibatches
 
     def iteration(state, key, r):
         k_sample, k_steps = jax.random.split(key)
         pol_now, val_now = state.model
         roll = sample_rollout(
-            pol_now, tok, _prompts_at(prompts, cfg.prompts_per_rollout, ctx.ops.seed, r),
-            k_sample, prompt_length=ctx.prompt_length, max_new_tokens=ctx.max_new_tokens,
+            pol_now,
+            tok,
+            _prompts_at(prompts, cfg.prompts_per_rollout, ctx.ops.seed, r),
+            k_sample,
+            prompt_length=ctx.prompt_length,
+            max_new_tokens=ctx.max_new_tokens,
             temperature=ctx.temperature,
         )
         if isinstance(reward, rx.RewardModel):
@@ -326,8 +386,15 @@ def run_ppo(
             scores = jnp.asarray(s)
             info["score"] = float(s.mean())
         batch, stats = rx.train.prepare_ppo_batch(
-            (pol_now, val_now), reference, roll.tokens, roll.mask, roll.completion_mask,
-            scores, kl_coef=cfg.kl_coef, gamma=cfg.gamma, lam=cfg.lam,
+            (pol_now, val_now),
+            reference,
+            roll.tokens,
+            roll.mask,
+            roll.completion_mask,
+            scores,
+            kl_coef=cfg.kl_coef,
+            gamma=cfg.gamma,
+            lam=cfg.lam,
             temperature=ctx.temperature,
         )
         m = roll.completion_mask & roll.mask
@@ -342,14 +409,22 @@ def run_ppo(
             perm = np.asarray(jax.random.permutation(jax.random.fold_in(k_steps, e), n))
             for j in range(cfg.minibatches):
                 idx = perm[j * mb : (j + 1) * mb]
-                state, met = state.apply(step, _take(batch, idx),
-                                         key=jax.random.fold_in(k_steps, 1000 + e * 100 + j))
+                state, met = state.apply(
+                    step, _take(batch, idx), key=jax.random.fold_in(k_steps, 1000 + e * 100 + j)
+                )
                 metrics.append(met)
         return state, metrics, info
 
     ctx = dataclasses.replace(ctx, key=ctx_key)
-    return _loop(state, iteration, ctx, cfg.rollouts, kl_target=cfg.kl_target,
-                 tokens_per_iteration=cfg.prompts_per_rollout * ctx.max_new_tokens)
+    return _loop(
+        state,
+        iteration,
+        ctx,
+        cfg.rollouts,
+        kl_target=cfg.kl_target,
+        policy_of=lambda s: s.model[0],
+        tokens_per_iteration=cfg.prompts_per_rollout * ctx.max_new_tokens,
+    )
 
 
 # --- GRPO ------------------------------------------------------------------------------
@@ -377,16 +452,26 @@ def run_grpo(
     reference = rx.without_lora(pol) if spec is not None else policy
     opt = build_optimizer(cfg.optim, cfg.rollouts * cfg.epochs)
     state = rx.train.init_train_state(pol, opt, filter_spec=spec)
-    step = rx.train.make_grpo_step(opt, group_size=cfg.group_size, clip_eps=cfg.clip,
-                                   beta=cfg.beta, donate=False,
-                                   temperature=ctx.temperature)
+    step = rx.train.make_grpo_step(
+        opt,
+        group_size=cfg.group_size,
+        clip_eps=cfg.clip,
+        beta=cfg.beta,
+        donate=False,
+        temperature=ctx.temperature,
+    )
 
     def iteration(state, key, r):
         k_sample, k_steps = jax.random.split(key)
         roll = sample_rollout(
-            state.model, tok, _prompts_at(prompts, cfg.prompts_per_rollout, ctx.ops.seed, r),
-            k_sample, group_size=cfg.group_size, prompt_length=ctx.prompt_length,
-            max_new_tokens=ctx.max_new_tokens, temperature=ctx.temperature,
+            state.model,
+            tok,
+            _prompts_at(prompts, cfg.prompts_per_rollout, ctx.ops.seed, r),
+            k_sample,
+            group_size=cfg.group_size,
+            prompt_length=ctx.prompt_length,
+            max_new_tokens=ctx.max_new_tokens,
+            temperature=ctx.temperature,
         )
         rewards, info = score_rollout(roll, reward_fns)
         info["score"] = float(rewards.mean())
@@ -396,12 +481,19 @@ def run_grpo(
         info["kl"] = _per_token_kl(roll.logprobs, ref_logp, m)
         info["truncated"] = float(jnp.mean(roll.truncated.astype(jnp.float32)))
         if info["frac_reward_zero_std"] == 1.0:
-            ctx.log.event("no_signal", f"rollout {r}: every group has equal rewards; "
-                          "the update is zero", iteration=r)
+            ctx.log.event(
+                "no_signal",
+                f"rollout {r}: every group has equal rewards; the update is zero",
+                iteration=r,
+            )
         batch = rx.train.GRPOBatch(
-            tokens=roll.tokens, mask=roll.mask, completion_mask=roll.completion_mask,
-            rewards=jnp.asarray(rewards), old_logp=roll.logprobs,
-            ref_logp=jnp.where(m, ref_logp, 0.0), truncated=roll.truncated,
+            tokens=roll.tokens,
+            mask=roll.mask,
+            completion_mask=roll.completion_mask,
+            rewards=jnp.asarray(rewards),
+            old_logp=roll.logprobs,
+            ref_logp=jnp.where(m, ref_logp, 0.0),
+            truncated=roll.truncated,
         )
         metrics = []
         for e in range(cfg.epochs):
@@ -410,5 +502,12 @@ def run_grpo(
         return state, metrics, info
 
     ctx = dataclasses.replace(ctx, key=ctx_key)
-    return _loop(state, iteration, ctx, cfg.rollouts, kl_target=cfg.kl_target,
-                 tokens_per_iteration=cfg.prompts_per_rollout * cfg.group_size * ctx.max_new_tokens)
+    return _loop(
+        state,
+        iteration,
+        ctx,
+        cfg.rollouts,
+        kl_target=cfg.kl_target,
+        policy_of=lambda s: s.model,
+        tokens_per_iteration=cfg.prompts_per_rollout * cfg.group_size * ctx.max_new_tokens,
+    )

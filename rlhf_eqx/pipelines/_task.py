@@ -21,11 +21,34 @@ __all__ = [
 
 # The scorer's words: each with its plural forms (irregular ones included).
 ANIMALS: tuple[str, ...] = (
-    "cat", "dog", "bird", "fish", "bunny", "rabbit", "bear", "lion", "frog", "duck",
-    "horse", "cow", "pig", "mouse", "monkey", "elephant", "owl", "puppy", "kitten", "fox",
+    "cat",
+    "dog",
+    "bird",
+    "fish",
+    "bunny",
+    "rabbit",
+    "bear",
+    "lion",
+    "frog",
+    "duck",
+    "horse",
+    "cow",
+    "pig",
+    "mouse",
+    "monkey",
+    "elephant",
+    "owl",
+    "puppy",
+    "kitten",
+    "fox",
 )
-_IRREGULAR = {"mouse": ("mice",), "puppy": ("puppies",), "bunny": ("bunnies",),
-              "fox": ("foxes",), "fish": ("fishes",)}
+_IRREGULAR = {
+    "mouse": ("mice",),
+    "puppy": ("puppies",),
+    "bunny": ("bunnies",),
+    "fox": ("foxes",),
+    "fish": ("fishes",),
+}
 
 
 def _forms(word: str) -> tuple[str, ...]:
@@ -33,7 +56,8 @@ def _forms(word: str) -> tuple[str, ...]:
 
 
 _PATTERN = re.compile(
-    r"\b(?:" + "|".join(sorted({f for w in ANIMALS for f in _forms(w)}, key=len, reverse=True))
+    r"\b(?:"
+    + "|".join(sorted({f for w in ANIMALS for f in _forms(w)}, key=len, reverse=True))
     + r")\b",
     flags=re.IGNORECASE,
 )

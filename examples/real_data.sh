@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The real data formats from the command line, with the shipped stories260K model.
+#
+# The model is a 260K-parameter story writer with a 512-piece vocabulary: it will not
+# learn to be a harmless assistant or to solve grade-school maths here. What these runs
+# show is that the real files go through the whole system — readers, truncation report,
+# tokenisation, training, held-out evaluation, checkpoints, plots, HF export — and what
+# each run measures. Sizes are small so that each finishes in a few minutes on 2 CPU
+# cores; raise data.limit and the step counts for real runs.
+set -euo pipefail
+SHARED=${SHARED:-../shared}
+HH=$SHARED/data/hh-rlhf/harmless-base/test.jsonl.gz
+GSM8K=$SHARED/data/gsm8k/test.jsonl
+
+# DPO on HH-RLHF (harmless-base): prompts are the dialogue up to the last "Assistant:",
+# chosen/rejected the two final replies. Measures the held-out implicit-reward accuracy:
+# the fraction of held-out pairs where beta*log(pi/ref) is higher for the chosen reply
+# (0.5 = chance). summary.json also reports how many prompts/completions were truncated
+# at sampling.prompt_length / dpo.max_length tokens.
+python -m rlhf_eqx dpo --data "$HH" --out runs/hh-dpo \
+  --set data.limit=256 --set dpo.steps=40 --set dpo.batch_size=8 \
+  --set sampling.prompt_length=128 --set dpo.max_length=192 --set dpo.optim.lr=5e-4
+
+# A reward model on the same file. Measures held-out pairwise accuracy (chosen scored
+# above rejected; 0.5 = chance).
+python -m rlhf_eqx reward --data "$HH" --out runs/hh-reward \
+  --set data.limit=256 --set reward.steps=40 --set reward.batch_size=8 \
+  --set sampling.prompt_length=128 --set reward.max_length=192 --set reward.optim.lr=5e-4
+
+# GRPO on GSM8K with the exact-match reward (the number after "####", else the last
+# number, against the reference answer). Measures the held-out exact-match rate before
+# and after; logs frac_reward_zero_std and warns when no group carries any signal
+# (expected for this model: it never produces the right number).
+python -m rlhf_eqx grpo --data "$GSM8K" --out runs/gsm8k-grpo \
+  --set data.limit=128 --set grpo.rollouts=4 --set grpo.prompts_per_rollout=4 \
+  --set grpo.group_size=4 --set sampling.prompt_length=256 --set sampling.max_new_tokens=48

@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec
 
-from .distributed import _opt_state_specs, fit_spec
+from .distributed import opt_state_specs, fit_spec
 from .models import LoRAConfig, Policy, TransformerConfig, apply_lora, quantize_int8
-from .models._sharding import partition_specs
+from .models import partition_specs
 
 __all__ = ["MemoryEstimate", "estimate_memory"]
 
@@ -223,7 +223,7 @@ def estimate_memory(
     model_bytes = _sharded_bytes(model, partition_specs(model, **spec_kw), sizes)
     param_specs = partition_specs(params, **spec_kw)
     grad_bytes = _sharded_bytes(params, param_specs, sizes)
-    opt_specs = _opt_state_specs(opt_state, params, param_specs)
+    opt_specs = opt_state_specs(opt_state, params, param_specs)
     opt_bytes = _sharded_bytes(opt_state, opt_specs, sizes)
     ref_bytes = model_bytes if (reference == "model" and lora is None) else 0
     act, act_remat = _activation_bytes(

@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from .models._sharding import partition_specs
+from .models import partition_specs
 
 __all__ = [
     "make_mesh",
@@ -141,7 +141,7 @@ def shard_model(
     return _place(model, specs, mesh)
 
 
-def _opt_state_specs(opt_state: PyTree, params: PyTree, param_specs: PyTree) -> PyTree:
+def opt_state_specs(opt_state: PyTree, params: PyTree, param_specs: PyTree) -> PyTree:
     params_def = jax.tree.structure(params)
     leaves = jax.tree.leaves(params)
     shapes = [getattr(x, "shape", None) for x in leaves]
@@ -183,7 +183,7 @@ def shard_opt_state(
     **Returns:** the optimiser state with every array on `mesh`.
     """
     param_specs = partition_specs(params, fsdp=fsdp, tensor_parallel=tensor_parallel)
-    specs = _opt_state_specs(opt_state, params, param_specs)
+    specs = opt_state_specs(opt_state, params, param_specs)
     return jax.tree.map(
         lambda x, s: (
             x

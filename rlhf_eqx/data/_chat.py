@@ -88,7 +88,8 @@ def message_field(value: object, key: str) -> dict[str, str]:
     return {"role": normalise_role(role), "content": content}
 
 
-def _template(template: str | ChatTemplate) -> ChatTemplate:
+def resolve_template(template: str | ChatTemplate) -> ChatTemplate:
+    """A `ChatTemplate` as given, or the built-in one of that name."""
     if isinstance(template, ChatTemplate):
         return template
     try:
@@ -118,7 +119,7 @@ def format_chat(
     prompt). For example `format_chat([{"role": "user", "content": "Hi"}])` is
     `"\\n\\nHuman: Hi\\n\\nAssistant:"`.
     """
-    tmpl = _template(template)
+    tmpl = resolve_template(template)
     parts = []
     for message in messages:
         if "role" not in message or "content" not in message:

@@ -29,7 +29,7 @@ with an empty (or blank) completion are skipped and counted in `dataset.report`.
 import dataclasses
 import os
 
-from ._chat import ChatTemplate, _template, format_chat, message_field
+from ._chat import ChatTemplate, resolve_template, format_chat, message_field
 from ._errors import DataError
 from ._io import (
     Malformed,
@@ -217,7 +217,7 @@ def load_preferences(
     **Raises:** `DataError` (a `ValueError`) naming the file and line for malformed
     input when not `lenient`, and for an unknown format.
     """
-    tmpl = _template(template)
+    tmpl = resolve_template(template)
 
     def make_parser(fmt: str):
         if fmt in ("messages", "sharegpt") and not tmpl.assistant.format(

@@ -13,7 +13,7 @@ import dataclasses
 import os
 
 from ._answers import extract_gsm8k_answer
-from ._chat import ChatTemplate, _template, format_chat, message_field
+from ._chat import ChatTemplate, resolve_template, format_chat, message_field
 from ._io import (
     Malformed,
     RecordDataset,
@@ -112,7 +112,7 @@ def load_prompts(
     `None` when the dataset has none. Records with an empty prompt are skipped and
     counted in `dataset.report`.
     """
-    tmpl = None if template is None else _template(template)
+    tmpl = None if template is None else resolve_template(template)
     parsers = {"gsm8k": _parse_gsm8k, "mt-bench": _parse_mt_bench, "plain": _parse_plain}
 
     def make_parser(fmt: str):

@@ -1,0 +1,135 @@
+"""Fast paths equal the reference computations: completion-only LM head, the joint
+chosen/rejected forward, blockwise attention and NF4 weights."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_tree_allclose
+
+import rlhf_eqx as rx
+from rlhf_eqx import train
+
+
+def tiny_cfg(**kw):
+    base = dict(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, max_seq_len=128)
+    base.update(kw)
+    return rx.TransformerConfig(**base)
+
+
+def random_rows(key, B, T, V):
+    """Random tokens; masks with left, right and middle padding; a random selection."""
+    k1, k2, k3 = jax.random.split(key, 3)
+    tokens = jax.random.randint(k1, (B, T), 0, V)
+    mask = jax.random.bernoulli(k2, 0.8, (B, T))
+    mask = mask.at[:, 1].set(True).at[0, :].set(True)
+    select = jax.random.bernoulli(k3, 0.6, (B, T))
+    return tokens, mask, select
+
+
+def reference_selected(policy, tokens, mask, select):
+    logits = policy(tokens, mask)
+    logp = jax.vmap(rx.logprobs_from_logits)(logits, tokens, mask)
+    prev, has_prev = jax.vmap(rx.previous_real_index)(mask)
+    keep = select & mask & has_prev
+    mean = jnp.take_along_axis(jnp.mean(logits, axis=-1), prev, axis=-1)
+    return jnp.where(keep, logp, 0.0), jnp.where(keep, mean, 0.0)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 512])
+@pytest.mark.parametrize("kw", [{}, dict(tie_embeddings=True, final_softcap=5.0)])
+def test_selected_logprobs_equals_full_head(getkey, chunk, kw):
+    policy = rx.Policy(tiny_cfg(**kw), key=getkey())
+    tokens, mask, select = random_rows(getkey(), 3, 19, 61)
+    want = reference_selected(policy, tokens, mask, select)
+    got = policy.selected_logprobs(tokens, mask, select, chunk=chunk)
+    assert_tree_allclose(got, want, rtol=1e-5, atol=1e-5)
+    jitted = eqx.filter_jit(lambda p, *a: p.selected_logprobs(*a, chunk=chunk))(policy, tokens, mask, select)
+    assert_tree_allclose(jitted, want, rtol=1e-5, atol=1e-5)
+    one = policy.selected_logprobs(tokens[1], mask[1], select[1], chunk=chunk)
+    assert_tree_allclose(one, (want[0][1], want[1][1]), rtol=1e-5, atol=1e-5)
+
+
+def test_selected_logprobs_gradient_and_skipped_chunks(getkey):
+    policy = rx.Policy(tiny_cfg(), key=getkey())
+    tokens, mask, _ = random_rows(getkey(), 2, 16, 61)
+    select = jnp.zeros_like(mask).at[:, 10:13].set(True)  # few positions: most chunks skipped
+
+    def fast(p):
+        return jnp.sum(p.selected_logprobs(tokens, mask, select, chunk=2)[0])
+
+    def slow(p):
+        return jnp.sum(reference_selected(p, tokens, mask, select)[0])
+
+    gf = eqx.filter_grad(fast)(policy)
+    gs = eqx.filter_grad(slow)(policy)
+    assert_tree_allclose(gf, gs, rtol=1e-4, atol=1e-6)
+    assert float(fast(policy)) == pytest.approx(float(slow(policy)), rel=1e-5)
+
+
+def test_selected_logprobs_padding_invariance(getkey):
+    policy = rx.Policy(tiny_cfg(), key=getkey())
+    tokens = jax.random.randint(getkey(), (1, 12), 0, 61)
+    mask = jnp.ones((1, 12), bool)
+    select = jnp.arange(12)[None] >= 5
+    base = policy.selected_logprobs(tokens, mask, select, chunk=4)[0]
+    padded_tokens = jnp.concatenate([jnp.zeros((1, 3), tokens.dtype), tokens, jnp.zeros((1, 2), tokens.dtype)], 1)
+    padded_mask = jnp.concatenate([jnp.zeros((1, 3), bool), mask, jnp.zeros((1, 2), bool)], 1)
+    padded_select = jnp.concatenate([jnp.zeros((1, 3), bool), select, jnp.ones((1, 2), bool)], 1)
+    got = policy.selected_logprobs(padded_tokens, padded_mask, padded_select, chunk=4)[0]
+    np.testing.assert_allclose(got[:, 3:15], base, rtol=1e-5, atol=1e-5)
+    assert not np.any(np.asarray(got[:, :3])) and not np.any(np.asarray(got[:, 15:]))
+
+
+def test_selected_logprobs_rejects_bad_chunk(getkey):
+    policy = rx.Policy(tiny_cfg(), key=getkey())
+    tokens = jnp.zeros((1, 4), jnp.int32)
+    mask = jnp.ones((1, 4), bool)
+    with pytest.raises(ValueError, match="chunk"):
+        policy.selected_logprobs(tokens, mask, mask, chunk=0)
+
+
+class _Plain(eqx.Module):
+    """A per-sample model that is not a `Policy`: the step takes the full-logits path."""
+
+    policy: rx.Policy
+
+    def __call__(self, tokens, mask):
+        return self.policy(tokens, mask)
+
+
+def _pref_batch(key, B, T, V):
+    tokens, mask, _ = random_rows(key, 2 * B, T, V)
+    cm = jnp.arange(T)[None, :] >= T // 3
+    cm = jnp.broadcast_to(cm, mask.shape)
+    return rx.PreferenceBatch(
+        chosen_tokens=tokens[:B], chosen_mask=mask[:B], chosen_completion_mask=cm[:B],
+        rejected_tokens=tokens[B:], rejected_mask=mask[B:], rejected_completion_mask=cm[B:],
+    )
+
+
+@pytest.mark.parametrize("reference", ["model", "cached"])
+def test_dpo_step_fast_path_equals_full_logits_path(getkey, reference):
+    policy = rx.Policy(tiny_cfg(), key=getkey())
+    ref = rx.Policy(tiny_cfg(), key=getkey())
+    batch = _pref_batch(getkey(), 3, 17, 61)
+    opt = train.make_optimizer(learning_rate=1e-3, total_steps=10)
+    step = train.make_dpo_step(opt, reference=reference, rpo_alpha=0.5)
+    if reference == "cached":
+        fast_batch = train.compute_reference_logps(ref, batch)
+        slow_batch = train.compute_reference_logps(_Plain(ref), batch)
+        assert_tree_allclose(
+            (fast_batch.ref_chosen_logp, fast_batch.ref_rejected_logp),
+            (slow_batch.ref_chosen_logp, slow_batch.ref_rejected_logp),
+            rtol=1e-5, atol=1e-5,
+        )
+    else:
+        fast_batch = slow_batch = batch
+    state = opt.init(eqx.filter(policy, eqx.is_inexact_array))
+    p_fast, _, m_fast = step(policy, state, fast_batch, reference=ref)
+    plain = _Plain(policy)
+    plain_state = opt.init(eqx.filter(plain, eqx.is_inexact_array))
+    p_slow, _, m_slow = step(plain, plain_state, slow_batch, reference=_Plain(ref))
+    assert_tree_allclose(m_fast, m_slow, rtol=1e-4, atol=1e-5)
+    assert_tree_allclose(p_fast, p_slow.policy, rtol=1e-4, atol=1e-6)

@@ -125,3 +125,17 @@ def workload_arg():
 
 def log(*args):
     print(*args, file=sys.stderr, flush=True)
+
+
+def word_tokenizer(vocab_size: int):
+    """A word-level tokenizer `t0 … t{V-1}` (ids = the numbers): TRL needs a tokenizer
+    object; the benchmark feeds token ids directly."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t3"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="t0", bos_token="t1", eos_token="t2", unk_token="t3"
+    )

@@ -34,20 +34,6 @@ def matmul_peak(n: int = 1024, repeats: int = 5) -> float:
     return 2 * n**3 / best / 1e9
 
 
-def word_tokenizer(vocab_size: int):
-    """A word-level tokenizer `t0 … t{V-1}` (ids = the numbers): TRL needs a tokenizer
-    object; the benchmark feeds token ids directly."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"t{i}": i for i in range(vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t3"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="t0", bos_token="t1", eos_token="t2", unk_token="t3"
-    )
-
-
 def text_dataset():
     from datasets import Dataset
 
@@ -109,7 +95,7 @@ def main():
         from trl.trainer.dpo_trainer import DataCollatorForPreference
 
         key = "dpo" if w in ("dpo", "dpo_cached") else w
-        tok = word_tokenizer(common.CONFIG["vocab_size"])
+        tok = common.word_tokenizer(common.CONFIG["vocab_size"])
         T = inputs[f"{key}_prompt"].shape[1] + inputs[f"{key}_chosen"].shape[1]
         trainer = dpo_trainer(model_dir, tok, precompute=w == "dpo_cached", max_length=T)
         collate = DataCollatorForPreference(pad_token_id=tok.pad_token_id)
@@ -130,7 +116,7 @@ def main():
     elif w == "hh_dpo":
         from trl.trainer.dpo_trainer import DataCollatorForPreference
 
-        tok = word_tokenizer(common.HH_VOCAB)
+        tok = common.word_tokenizer(common.HH_VOCAB)
         trainer = dpo_trainer(os.path.join(args.inputs, "model_hh"), tok, precompute=False, max_length=common.HH_MAX_LEN)
         collate = DataCollatorForPreference(pad_token_id=tok.pad_token_id)
 
@@ -185,7 +171,7 @@ def main():
         from trl import RewardConfig, RewardTrainer
         from trl.trainer.reward_trainer import DataCollatorForPreference
 
-        tok = word_tokenizer(common.CONFIG["vocab_size"])
+        tok = common.word_tokenizer(common.CONFIG["vocab_size"])
         model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
         model.config.pad_token_id = 0
         out = tempfile.mkdtemp()

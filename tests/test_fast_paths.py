@@ -133,3 +133,74 @@ def test_dpo_step_fast_path_equals_full_logits_path(getkey, reference):
     p_slow, _, m_slow = step(plain, plain_state, slow_batch, reference=_Plain(ref))
     assert_tree_allclose(m_fast, m_slow, rtol=1e-4, atol=1e-5)
     assert_tree_allclose(p_fast, p_slow.policy, rtol=1e-4, atol=1e-6)
+
+
+NF4_TABLE = np.array(
+    [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+     -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+     0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+     0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0],
+    np.float32,
+)
+
+
+def reference_nf4(w, block):
+    """Reference blockwise NF4 round trip in numpy: nearest level by brute force."""
+    flat = np.asarray(w, np.float32).reshape(-1)
+    n = flat.size
+    flat = np.concatenate([flat, np.zeros((-n) % block, np.float32)]).reshape(-1, block)
+    absmax = np.abs(flat).max(axis=1)
+    x = flat / np.where(absmax > 0, absmax, 1.0)[:, None]
+    idx = np.argmin(np.abs(x[..., None] - NF4_TABLE), axis=-1)
+    return (NF4_TABLE[idx] * absmax[:, None]).reshape(-1)[:n].reshape(w.shape)
+
+
+@pytest.mark.parametrize("shape,block", [((32, 48), 64), ((7, 9), 4), ((5, 3), 64)])
+def test_nf4_weight_matches_reference_dequantisation(getkey, shape, block):
+    from rlhf_eqx.models._quant import quantize_weight_nf4
+
+    w = jax.random.normal(getkey(), shape) * 0.02
+    w = w.at[0, :].set(0.0)  # an all-zero stretch
+    q = quantize_weight_nf4(w, block_size=block)
+    assert q.shape == shape
+    assert q.codes.dtype == jnp.uint8
+    np.testing.assert_allclose(q.dequantize(jnp.float32), reference_nf4(np.asarray(w), block), rtol=1e-6, atol=1e-9)
+
+
+def test_nf4_rejects_bad_block_size():
+    from rlhf_eqx.models._quant import quantize_weight_nf4
+
+    with pytest.raises(ValueError, match="block_size"):
+        quantize_weight_nf4(jnp.zeros((4, 4)), block_size=3)
+
+
+def test_nf4_model_memory_forward_and_lora(getkey):
+    cfg = tiny_cfg(d_model=64, d_ff=128)
+    policy = rx.Policy(cfg, key=getkey())
+    q = rx.models.quantize_nf4(policy)
+    layers = q.transformer.layers
+    assert isinstance(layers.wqkv, rx.models.NF4Weight)
+    fields = ("wqkv", "wo", "w_gate_up", "w_down")
+    dense_bytes = sum(getattr(policy.transformer.layers, f).nbytes for f in fields)
+    nf4_bytes = sum(getattr(layers, f).codes.nbytes + getattr(layers, f).absmax.nbytes for f in fields)
+    assert nf4_bytes / dense_bytes <= 0.16
+    tokens = jax.random.randint(getkey(), (2, 9), 0, 61)
+    mask = jnp.ones((2, 9), bool)
+    dense = rx.models.dequantize(q)
+    assert_tree_allclose(q(tokens, mask), dense(tokens, mask), rtol=1e-5, atol=1e-5)
+    # dequantised within reach of the float weights
+    err = jnp.max(jnp.abs(dense.transformer.layers.wqkv - policy.transformer.layers.wqkv))
+    assert float(err) <= float(jnp.max(jnp.abs(policy.transformer.layers.wqkv))) * 0.2
+    # LoRA on the NF4 base: only adapters get gradients; the step runs
+    lora = rx.apply_lora(q, rx.LoRAConfig(rank=4), key=getkey())
+    params, frozen = eqx.partition(lora, rx.lora_filter(lora))
+
+    def loss(p):
+        m = eqx.combine(p, frozen)
+        return jnp.mean(m(tokens, mask) ** 2)
+
+    g = eqx.filter_grad(loss)(params)
+    assert np.isfinite(float(sum(jnp.sum(x) for x in jax.tree.leaves(g))))
+    assert jax.tree.leaves(eqx.filter(params, eqx.is_inexact_array))
+    with pytest.raises(TypeError, match="quantised base"):
+        rx.merge_lora(lora)

@@ -204,3 +204,44 @@ def test_nf4_model_memory_forward_and_lora(getkey):
     assert jax.tree.leaves(eqx.filter(params, eqx.is_inexact_array))
     with pytest.raises(TypeError, match="quantised base"):
         rx.merge_lora(lora)
+
+
+@pytest.mark.parametrize("T,block", [(13, 4), (16, 8), (9, 9)])
+def test_blockwise_attention_equals_dense(getkey, T, block):
+    from rlhf_eqx.models._attention import attention, attention_layout
+
+    B, H, K, hd = 2, 4, 2, 8
+    q = jax.random.normal(getkey(), (B, T, H, hd))
+    k = jax.random.normal(getkey(), (B, K, T, hd))
+    v = jax.random.normal(getkey(), (B, K, T, hd))
+    mask = jax.random.bernoulli(getkey(), 0.8, (B, T)).at[:, 0].set(True)
+    seg = jnp.concatenate([jnp.zeros((B, T // 2), jnp.int32), jnp.ones((B, T - T // 2), jnp.int32)], 1)
+    allowed, _ = attention_layout(mask, seg)
+    dense = attention(q, k, v, allowed, cap=30.0)
+    fast = attention(q, k, v, allowed, cap=30.0, causal_block=block)
+    rows = jnp.any(allowed, axis=-1)[..., None, None]
+    np.testing.assert_allclose(jnp.where(rows, fast, 0.0), jnp.where(rows, dense, 0.0), rtol=1e-5, atol=1e-5)
+
+    def loss(fn_block, q, k, v):
+        out = attention(q, k, v, allowed, causal_block=fn_block)
+        return jnp.sum(jnp.where(rows, out, 0.0) ** 2)
+
+    g_dense = jax.grad(lambda *a: loss(None, *a), argnums=(0, 1, 2))(q, k, v)
+    g_fast = jax.jit(jax.grad(lambda *a: loss(block, *a), argnums=(0, 1, 2)))(q, k, v)
+    assert_tree_allclose(g_fast, g_dense, rtol=1e-4, atol=1e-5)
+
+
+def test_long_sequence_forward_uses_blocks_and_matches_short_prefix(getkey):
+    """A sequence longer than the attention block gives, on its first positions, the
+    hidden states of its prefix alone (causality holds across blocks)."""
+    from rlhf_eqx.models import _transformer
+
+    cfg = tiny_cfg(max_seq_len=1024)
+    policy = rx.Policy(cfg, key=getkey())
+    T = _transformer.ATTENTION_BLOCK + 40
+    tokens = jax.random.randint(getkey(), (1, T), 0, 61)
+    mask = jnp.ones((1, T), bool)
+    full = eqx.filter_jit(lambda p, t, m: p(t, m))(policy, tokens, mask)
+    n = _transformer.ATTENTION_BLOCK - 10
+    prefix = policy(tokens[:, :n], mask[:, :n])
+    np.testing.assert_allclose(full[:, :n], prefix, rtol=1e-4, atol=1e-4)

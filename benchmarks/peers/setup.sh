@@ -8,7 +8,7 @@
 # TRL:   /work/venv-trl   torch 2.13.0 (CPU wheel), trl 1.16.0, a transformers that trl accepts.
 # Tunix: /work/venv-tunix google-tunix 0.1.7 with the flax it pins.
 # Each venv also gets numpy and matplotlib (the plot script runs in venv-trl).
-# Logs go to benchmarks/peers/setup-<peer>.log.
+# Logs go to $PEER_ROOT/venv-<peer>-setup.log.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="${PEER_ROOT:-/work}"
@@ -30,11 +30,11 @@ setup_tunix() {
 }
 
 case "$which" in
-  trl) setup_trl 2>&1 | tee "$here/setup-trl.log" ;;
-  tunix) setup_tunix 2>&1 | tee "$here/setup-tunix.log" ;;
+  trl) setup_trl 2>&1 | tee "$root/venv-trl-setup.log" ;;
+  tunix) setup_tunix 2>&1 | tee "$root/venv-tunix-setup.log" ;;
   all)
-    setup_trl 2>&1 | tee "$here/setup-trl.log"
-    setup_tunix 2>&1 | tee "$here/setup-tunix.log"
+    setup_trl 2>&1 | tee "$root/venv-trl-setup.log"
+    setup_tunix 2>&1 | tee "$root/venv-tunix-setup.log"
     ;;
   *) echo "unknown peer '$which' (expected trl, tunix or all)" >&2; exit 2 ;;
 esac

@@ -245,3 +245,26 @@ def test_long_sequence_forward_uses_blocks_and_matches_short_prefix(getkey):
     n = _transformer.ATTENTION_BLOCK - 10
     prefix = policy(tokens[:, :n], mask[:, :n])
     np.testing.assert_allclose(full[:, :n], prefix, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_num_samples_prefills_once_and_equals_repeated_prompts(getkey, temperature):
+    policy = rx.Policy(tiny_cfg(), key=getkey())
+    prompts = jax.random.randint(getkey(), (2, 5), 3, 61)
+    masks = jnp.ones((2, 5), bool).at[1, :2].set(False)
+    key = getkey()
+    opts = dict(max_new_tokens=6, temperature=temperature, eos_id=2)
+    grouped = rx.generate_batch(policy, prompts, masks, key, num_samples=3, **opts)
+    repeated = rx.generate_batch(policy, jnp.repeat(prompts, 3, 0), jnp.repeat(masks, 3, 0), key, **opts)
+    assert grouped.tokens.shape == (6, 11)
+    for a, b in zip(jax.tree.leaves(grouped), jax.tree.leaves(repeated)):
+        np.testing.assert_array_equal(a, b) if a.dtype != jnp.float32 else np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_num_samples_is_validated(getkey):
+    policy = rx.Policy(tiny_cfg(), key=getkey())
+    prompt = jnp.ones((3,), jnp.int32)
+    with pytest.raises(ValueError, match="num_samples"):
+        rx.generate_batch(policy, prompt[None], prompt[None] > 0, getkey(), max_new_tokens=2, num_samples=0)
+    with pytest.raises(ValueError, match="num_samples"):
+        rx.generate(policy, prompt, prompt > 0, getkey(), max_new_tokens=2, num_samples=2)

@@ -33,7 +33,7 @@ RUNNERS = {
 # which libraries run which workload
 SUPPORTED = {
     "rlhf_eqx": set(common.WORKLOADS),
-    "trl": {"dpo", "dpo_cached", "gen_sample", "gen_greedy", "rm", "hh_dpo"} | {f"curve_{t}" for t in common.CURVE_T},
+    "trl": {"dpo", "dpo_cached", "gen_sample", "gen_greedy", "rm", "hh_dpo", "grpo"} | {f"curve_{t}" for t in common.CURVE_T},
     "floor": {"gen_sample", "gen_greedy"},
     "tunix": {"gen_sample", "gen_greedy"},
 }

@@ -170,7 +170,7 @@ def main():
     elif w == "grpo":
         g = common.GRPO
         G = g["group"]
-        prompts = jnp.asarray(np.repeat(inputs["grpo_prompt"], G, axis=0))
+        prompts = jnp.asarray(inputs["grpo_prompt"])  # each prompt prefilled once for its group
         pmask = jnp.ones(prompts.shape, bool)
         rewards = jnp.asarray(inputs["grpo_rewards"])
         opt = optimizer()
@@ -181,7 +181,7 @@ def main():
         def run():
             state["k"], sub = jax.random.split(state["k"])
             t0 = time.perf_counter()
-            out = rx.generate_batch(state["p"], prompts, pmask, sub, max_new_tokens=g["new"], temperature=1.0)
+            out = rx.generate_batch(state["p"], prompts, pmask, sub, max_new_tokens=g["new"], temperature=1.0, num_samples=G)
             jax.block_until_ready(out.tokens)
             t1 = time.perf_counter()
             batch = train.GRPOBatch(

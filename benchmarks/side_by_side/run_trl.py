@@ -188,6 +188,43 @@ def main():
         ])
         run = step_fn(trainer, lambda: dict(batch))
         first, times = common.time_steps(run, args.steps)
+    elif w == "grpo":
+        from datasets import Dataset
+        from transformers import AutoModelForCausalLM, TrainerCallback
+        from trl import GRPOConfig, GRPOTrainer
+
+        g = common.GRPO
+        tok = common.word_tokenizer(common.CONFIG["vocab_size"])
+        tok.padding_side = "left"
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        prompts = [" ".join(f"t{i}" for i in row) for row in inputs["grpo_prompt"]]
+        n_steps = args.steps + 1
+        ds = Dataset.from_list([{"prompt": p} for p in prompts] * n_steps)
+        rewards = inputs["grpo_rewards"].tolist()
+
+        def reward(completions, **kw):
+            return [rewards[i % len(rewards)] for i in range(len(completions))]
+
+        gargs = GRPOConfig(
+            output_dir=tempfile.mkdtemp(), per_device_train_batch_size=g["prompts"] * g["group"],
+            num_generations=g["group"], max_completion_length=g["new"], learning_rate=1e-5,
+            max_grad_norm=1.0, max_steps=n_steps, report_to=[], use_cpu=True, logging_steps=10**9,
+            save_strategy="no", temperature=1.0, top_k=0, top_p=1.0, shuffle_dataset=False, beta=0.0,
+            generation_kwargs={"min_new_tokens": g["new"]},  # every completion is 128 tokens, as in rlhf_eqx
+        )
+        marks = []
+
+        class Timer(TrainerCallback):
+            def on_step_begin(self, *a, **k):
+                marks.append(time.perf_counter())
+
+            def on_step_end(self, *a, **k):
+                marks[-1] = time.perf_counter() - marks[-1]
+
+        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=gargs, train_dataset=ds,
+                              processing_class=tok, callbacks=[Timer()])
+        trainer.train()
+        first, times = marks[0], marks[1:]
     else:
         raise SystemExit(f"workload {w} is not run for TRL")
     common.emit(LIB, w, first, times, peak_gflops=matmul_peak(), **extra)

@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from ..ops import previous_real_index
 from ._config import TransformerConfig
 from ._layers import normal_init, softcap
 from ._protocols import AbstractBatchedModel, AbstractDecoder, AbstractScalarModel, AbstractSequenceModel
@@ -21,6 +20,16 @@ def last_real_index(mask: Bool[Array, "*B T"]) -> Int[Array, "*B"]:
     T = mask.shape[-1]
     positions = jnp.arange(T, dtype=jnp.int32).reshape((1,) * (mask.ndim - 1) + (T,))
     return jnp.max(jnp.where(mask, positions, 0), axis=-1)
+
+
+def _previous_real(mask: Bool[Array, "N T"]) -> tuple[Int[Array, "N T"], Bool[Array, "N T"]]:
+    """Per row, the index of the last real position before each position (0 where there
+    is none) and whether there is one (`rlhf_eqx.ops.previous_real_index`, batched)."""
+    T = mask.shape[-1]
+    idx = jnp.where(mask, jnp.arange(T, dtype=jnp.int32)[None, :], -1)
+    running = jax.lax.cummax(idx, axis=1)
+    prev = jnp.concatenate([jnp.full((mask.shape[0], 1), -1, jnp.int32), running[:, :-1]], axis=1)
+    return jnp.maximum(prev, 0), prev >= 0
 
 
 def _dot_f32(h: Float[Array, "*N D"], w: Float[Array, "D O"]) -> Float[Array, "*N O"]:
@@ -118,7 +127,7 @@ class Policy(AbstractDecoder[KVCache], AbstractBatchedModel):
         h = self.transformer(tokens, mask, key=key)
         lead, T = tokens.shape[:-1], tokens.shape[-1]
         flat_mask = mask.reshape(-1, T)
-        prev, has_prev = jax.vmap(previous_real_index)(flat_mask)
+        prev, has_prev = _previous_real(flat_mask)
         valid = (select.reshape(-1, T) & flat_mask & has_prev).reshape(-1)
         N = valid.shape[0]
         rows = jnp.arange(N, dtype=jnp.int32) // T

@@ -268,3 +268,28 @@ def test_num_samples_is_validated(getkey):
         rx.generate_batch(policy, prompt[None], prompt[None] > 0, getkey(), max_new_tokens=2, num_samples=0)
     with pytest.raises(ValueError, match="num_samples"):
         rx.generate(policy, prompt, prompt > 0, getkey(), max_new_tokens=2, num_samples=2)
+
+
+def _flat_inverse_cdf(key, logits):
+    probs = jnp.exp(logits - jnp.max(logits))
+    cdf = jnp.cumsum(probs)
+    u = jax.random.uniform(key, (), jnp.float32) * cdf[-1]
+    return jnp.minimum(jnp.searchsorted(cdf, u, side="right"), logits.shape[0] - 1)
+
+
+@pytest.mark.parametrize("V", [1, 2, 5, 61, 300])
+def test_two_level_inverse_cdf_equals_flat_search(getkey, V):
+    from rlhf_eqx._sampling import _inverse_cdf_sample
+
+    logits = jax.random.normal(getkey(), (V,)) * 3.0
+    if V > 2:
+        logits = logits.at[::3].set(-jnp.inf)  # filtered tokens: never drawn
+    keys = jax.random.split(getkey(), 2000)
+    fast = jax.vmap(_inverse_cdf_sample, in_axes=(0, None))(keys, logits)
+    flat = jax.vmap(_flat_inverse_cdf, in_axes=(0, None))(keys, logits)
+    assert np.mean(np.asarray(fast) == np.asarray(flat)) >= 0.999
+    assert np.all(np.isfinite(np.asarray(logits)[np.asarray(fast)]))
+    if V > 2:
+        p = np.asarray(jax.nn.softmax(logits))
+        freq = np.bincount(np.asarray(fast), minlength=V) / fast.shape[0]
+        assert np.max(np.abs(freq - p)) < 0.05

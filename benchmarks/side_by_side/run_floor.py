@@ -31,10 +31,11 @@ def load_weights(model_dir):
     def stack_vec(name):
         return jnp.stack([jnp.asarray(t[f"model.layers.{i}.{name}"]) for i in range(L)])
 
+    cat = lambda *names: jnp.concatenate([stack(n) for n in names], axis=-1)  # fused projections
     layers = dict(
-        wq=stack("self_attn.q_proj.weight"), wk=stack("self_attn.k_proj.weight"),
-        wv=stack("self_attn.v_proj.weight"), wo=stack("self_attn.o_proj.weight"),
-        wg=stack("mlp.gate_proj.weight"), wu=stack("mlp.up_proj.weight"), wd=stack("mlp.down_proj.weight"),
+        wqkv=cat("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+        wo=stack("self_attn.o_proj.weight"),
+        wgu=cat("mlp.gate_proj.weight", "mlp.up_proj.weight"), wd=stack("mlp.down_proj.weight"),
         n1=stack_vec("input_layernorm.weight"), n2=stack_vec("post_attention_layernorm.weight"),
     )
     head = t.get("lm_head.weight", t["model.embed_tokens.weight"])
@@ -63,32 +64,37 @@ def make_generate(cfg, B, P, N, sample):
     S = P + N
 
     def layer(x, lw, kc, vc, pos, start, allowed):
-        """x [B, T, D]; caches [B, S, K, hd]; writes the T new keys at `start`."""
+        """x [B, T, D]; head-major caches [B, K, S, hd]; writes the T new keys at `start`."""
         T = x.shape[1]
-        h = rms(x, lw["n1"], eps)
-        q = rope((h @ lw["wq"]).reshape(B, T, H, hd), pos, theta)
-        k = rope((h @ lw["wk"]).reshape(B, T, K, hd), pos, theta)
-        v = (h @ lw["wv"]).reshape(B, T, K, hd)
-        kc = jax.lax.dynamic_update_slice(kc, k, (0, start, 0, 0))
-        vc = jax.lax.dynamic_update_slice(vc, v, (0, start, 0, 0))
-        qg = q.reshape(B, T, K, H // K, hd)
-        s = jnp.einsum("btkgd,bskd->bkgts", qg, kc) / jnp.sqrt(hd).astype(jnp.float32)
-        s = jnp.where(allowed[:, None, None], s, -1e30)
-        o = jnp.einsum("bkgts,bskd->btkgd", jax.nn.softmax(s, -1), vc).reshape(B, T, D)
-        x = x + o @ lw["wo"]
-        h = rms(x, lw["n2"], eps)
-        x = x + (jax.nn.silu(h @ lw["wg"]) * (h @ lw["wu"])) @ lw["wd"]
+        h = rms(x, lw["n1"], eps).reshape(B * T, D)
+        qkv = h @ lw["wqkv"]
+        q = rope(qkv[:, :D].reshape(B, T, H, hd), pos, theta)
+        k = rope(qkv[:, D : D + K * hd].reshape(B, T, K, hd), pos, theta)
+        v = qkv[:, D + K * hd :].reshape(B, T, K, hd)
+        kc = jax.lax.dynamic_update_slice(kc, k.transpose(0, 2, 1, 3), (0, 0, start, 0))
+        vc = jax.lax.dynamic_update_slice(vc, v.transpose(0, 2, 1, 3), (0, 0, start, 0))
+        # [B, T, K, G, hd] -> [B, K, G·T, hd]: one batched matmul per kv head
+        qg = q.reshape(B, T, K, H // K, hd).transpose(0, 2, 3, 1, 4).reshape(B, K, -1, hd)
+        s = jnp.einsum("bkqd,bksd->bkqs", qg, kc) * (1.0 / hd**0.5)
+        s = jnp.where(jnp.tile(allowed, (1, H // K, 1))[:, None], s, -1e30)
+        o = jnp.einsum("bkqs,bksd->bkqd", jax.nn.softmax(s, -1), vc)
+        o = o.reshape(B, K, H // K, T, hd).transpose(0, 3, 1, 2, 4).reshape(B * T, D)
+        x = x + (o @ lw["wo"]).reshape(B, T, D)
+        h = rms(x, lw["n2"], eps).reshape(B * T, D)
+        gu = h @ lw["wgu"]
+        F = gu.shape[-1] // 2
+        x = x + ((jax.nn.silu(gu[:, :F]) * gu[:, F:]) @ lw["wd"]).reshape(B, T, D)
         return x, kc, vc
 
     def forward(w, tokens, kcs, vcs, start):
         T = tokens.shape[1]
         pos = jnp.broadcast_to(start + jnp.arange(T), (B, T))
-        allowed = jnp.broadcast_to(jnp.arange(S)[None, :] <= (start + jnp.arange(T))[:, None], (B, T, S))
+        allowed = jnp.broadcast_to(jnp.arange(S)[None, :] <= (start + jnp.arange(T))[:, None], (B, T, S))  # [B, T, S]
         x = w["embed"][tokens]
 
         def body(x, xs):
             lw, kc, vc = xs
-            x, kc, vc = layer(x, lw, kc, vc, pos, start, allowed)
+            x, kc, vc = layer(x, lw, kc, vc, pos, start, allowed)  # allowed tiled over G inside
             return x, (kc, vc)
 
         x, (kcs, vcs) = jax.lax.scan(body, x, (w["layers"], kcs, vcs))
@@ -96,9 +102,9 @@ def make_generate(cfg, B, P, N, sample):
 
     @jax.jit
     def generate(w, prompts, key):
-        L = w["layers"]["wq"].shape[0]
-        kcs = jnp.zeros((L, B, S, K, hd), jnp.float32)
-        vcs = jnp.zeros((L, B, S, K, hd), jnp.float32)
+        L = w["layers"]["wo"].shape[0]
+        kcs = jnp.zeros((L, B, K, S, hd), jnp.float32)
+        vcs = jnp.zeros((L, B, K, S, hd), jnp.float32)
         logits, kcs, vcs = forward(w, prompts, kcs, vcs, 0)
         out = jnp.zeros((B, N), jnp.int32)
 

@@ -100,7 +100,8 @@ def report(rows):
                 extra.append(f"{common.median([r['tokens'] / r['median_s'] for r in rs]):,.0f} tok/s")
             if "real_tokens_per_s" in rs[0]:
                 extra.append(
-                    f"{common.median([r['real_tokens_per_s'] for r in rs]):,.0f} real tok/s, "
+                    f"{common.median([r['real_tokens_per_s'] for r in rs]):,.0f} real tok/s over the pass "
+                    f"({common.median([r.get('steady_real_tokens_per_s', 0) for r in rs]):,.0f} once compiled), "
                     f"padding {rs[0]['padding_fraction']:.0%}, {rs[0]['compiled_shapes']} shapes"
                 )
             if "gen_s" in rs[0]:

@@ -79,7 +79,8 @@ def main():
         os.path.join(SHARED, "data", "hh-rlhf", "harmless-base", "test.jsonl.gz"), "hh"
     )
     order = rng.permutation(len(ds))[: args.hh_pairs * 2]
-    pairs, _ = data.tokenize_preferences([ds[int(i)] for i in order], tok, max_length=common.HH_MAX_LEN, max_prompt_length=common.HH_MAX_LEN // 2
+    pairs, _ = data.tokenize_preferences(
+        [ds[int(i)] for i in order], tok, max_length=common.HH_MAX_LEN, max_prompt_length=common.HH_MAX_LEN // 2
     )
     pairs = pairs[: args.hh_pairs]
     for name, seqs in (

@@ -127,6 +127,7 @@ def main():
         run = dpo_runner(policy, batch, cached=w == "dpo_cached")
         first, times = common.time_steps(run, args.steps)
         T = batch.chosen_tokens.shape[1]
+        extra["tokens"] = int(2 * batch.chosen_tokens.size)
         extra["flops"] = common.dpo_flops(batch.chosen_tokens.shape[0], T, with_reference=w == "dpo")
     elif w.startswith("curve_"):
         t = int(w.split("_")[1])
@@ -204,13 +205,19 @@ def main():
         state = {"p": policy, "o": opt.init(eqx.filter(policy, eqx.is_inexact_array)), "i": 0}
         shapes = set()
 
+        seen = []  # (real tokens, seconds) of steps whose shape was compiled before
+
         def run():
             b = batches[state["i"] % len(batches)]
             state["i"] += 1
+            new_shape = b.chosen_tokens.shape not in shapes
             shapes.add(b.chosen_tokens.shape)
+            t0 = time.perf_counter()
             p, o, m = step(state["p"], state["o"], b, reference=policy)
             jax.block_until_ready(m["loss"])
             state["p"], state["o"] = p, o
+            if not new_shape:
+                seen.append((int(jnp.sum(b.chosen_mask) + jnp.sum(b.rejected_mask)), time.perf_counter() - t0))
 
         # first step, then one pass over every batch (compiles of new shapes included)
         t_start = time.perf_counter()
@@ -222,6 +229,7 @@ def main():
             real_tokens_per_s=real / total,
             padding_fraction=1.0 - real / computed,
             compiled_shapes=len(shapes),
+            steady_real_tokens_per_s=sum(n for n, _ in seen) / max(1e-9, sum(t for _, t in seen)),
             total_s=total,
             steps=len(batches),
         )

@@ -144,7 +144,7 @@ def main():
         real = sum(int(b["attention_mask"].sum()) for b in batches)
         computed = sum(int(b["attention_mask"].numel()) for b in batches)
         extra.update(
-            real_tokens_per_s=real / total, padding_fraction=1 - real / computed,
+            real_tokens_per_s=real / total, steady_real_tokens_per_s=real / total, padding_fraction=1 - real / computed,
             compiled_shapes=0, total_s=total, steps=len(batches),
         )
     elif w in ("gen_sample", "gen_greedy"):

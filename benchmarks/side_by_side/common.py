@@ -83,6 +83,7 @@ def emit(library: str, workload: str, first_s: float, times, *, peak_gflops: flo
         median_s=median(times),
         peak_rss_mb=peak_rss_mb(),
         matmul_gflops=peak_gflops,
+        loadavg_1min=os.getloadavg()[0],  # how busy the machine was (2 cores)
         **extra,
     )
     print("RESULT " + json.dumps(out), flush=True)

@@ -114,6 +114,12 @@ def report(rows):
                 f"{common.median([r['first_s'] for r in rs]):.2f} | {common.median([r['peak_rss_mb'] for r in rs]):,.0f} | "
                 f"{common.median([r['matmul_gflops'] for r in rs]):.0f} | {fmt(mfu, '.0%')} | {'; '.join(extra)} |"
             )
+    loads = [r["loadavg_1min"] for r in rows if "loadavg_1min" in r]
+    if loads:
+        lines.append(
+            f"\nLoad average (1 min) at the end of each run: median {common.median(loads):.1f}, "
+            f"min {min(loads):.1f}, max {max(loads):.1f} (2 cores)."
+        )
     errors = [r for r in rows if "error" in r]
     for e in errors:
         lines.append(f"\nerror: {e['library']} {e['workload']}: {e['error'][:300]}")

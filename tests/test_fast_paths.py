@@ -293,3 +293,16 @@ def test_two_level_inverse_cdf_equals_flat_search(getkey, V):
         p = np.asarray(jax.nn.softmax(logits))
         freq = np.bincount(np.asarray(fast), minlength=V) / fast.shape[0]
         assert np.max(np.abs(freq - p)) < 0.05
+
+
+def test_reward_step_one_pass_equals_separate_scores(getkey):
+    model = rx.RewardModel(tiny_cfg(), key=getkey())
+    batch = _pref_batch(getkey(), 3, 11, 61)
+    opt = train.make_optimizer(learning_rate=1e-3, total_steps=10)
+    step = train.make_reward_step(opt)
+    _, _, metrics = step(model, opt.init(eqx.filter(model, eqx.is_inexact_array)), batch)
+    rc = model(batch.chosen_tokens, batch.chosen_mask)
+    rr = model(batch.rejected_tokens, batch.rejected_mask)
+    loss = jnp.mean(-jax.nn.log_sigmoid(rc - rr))
+    assert float(metrics["loss"]) == pytest.approx(float(loss), rel=1e-5)
+    assert float(metrics["margin"]) == pytest.approx(float(jnp.mean(rc - rr)), rel=1e-4, abs=1e-6)

@@ -7,6 +7,7 @@ The output row is always `prompt (as given, with its padding) ++ completion`.
 """
 
 import functools
+import math
 import numbers
 from collections.abc import Sequence
 from typing import Any
@@ -78,6 +79,11 @@ class SamplingOptions(eqx.Module):
     - `check_ids`: also check prompt ids against the vocabulary inside the compiled
       program (`eqx.error_if`), for prompts that are traced (under the caller's `jit`
       or `vmap`); concrete prompts are always checked on the host.
+    - `num_samples`: completions per prompt (a positive int). Each prompt is run
+      through the model once and its cache copied to its `num_samples` rows (GRPO's
+      groups): the output has `B · num_samples` rows, those of prompt `i` at
+      `i · num_samples …`, identical to passing every prompt repeated `num_samples`
+      times.
     """
 
     max_new_tokens: Any
@@ -87,8 +93,11 @@ class SamplingOptions(eqx.Module):
     eos_id: tuple[int, ...] = eqx.field(default=(), converter=_stop_ids)
     pad_id: int = 0
     check_ids: bool = False
+    num_samples: int = 1
 
     def __check_init__(self):
+        if not (_is_int(self.num_samples) and self.num_samples > 0):
+            raise ValueError(f"num_samples must be a positive int, got {self.num_samples!r}")
         if not (_is_int(self.max_new_tokens) and self.max_new_tokens > 0):
             raise ValueError(
                 f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}"
@@ -170,13 +179,37 @@ def _inverse_cdf_sample(key: PRNGKeyArray, logits: Float[Array, " V"]) -> Int[Ar
     """Exact categorical sample from one uniform draw: the first index whose CDF exceeds `u`.
 
     Needs one random number per row instead of one per vocabulary entry (as Gumbel-max
-    does), which matters on CPUs where the PRNG dominates a decode step.
+    does), which matters on CPUs where the PRNG dominates a decode step. The CDF is
+    searched in two levels — the cumulative sums of about `√V` blocks, then the running
+    sum inside the one block that holds `u` — instead of a prefix sum over the whole
+    vocabulary, the slow part of a sampled decode step on CPU. Tokens of probability 0
+    (filtered out) are never returned.
     """
+    V = logits.shape[0]
     probs = jnp.exp(logits - jnp.max(logits))
-    cdf = jnp.cumsum(probs)
-    u = jax.random.uniform(key, (), jnp.float32) * cdf[-1]
-    token = jnp.searchsorted(cdf, u, side="right")
-    return jnp.minimum(token, logits.shape[0] - 1).astype(jnp.int32)
+    size = max(1, math.isqrt(V - 1) + 1)
+    n_blocks = -(-V // size)
+    blocks = jnp.pad(probs, (0, n_blocks * size - V)).reshape(n_blocks, size)
+    sums = jnp.sum(blocks, axis=-1)
+    block_cdf = jnp.cumsum(sums)
+    u = jax.random.uniform(key, (), jnp.float32) * block_cdf[-1]
+    i32 = lambda x: jnp.asarray(x).astype(jnp.int32)  # int32 indices also under jax_enable_x64
+    b = jnp.minimum(i32(jnp.searchsorted(block_cdf, u, side="right")), n_blocks - 1)
+    # b may land on an empty block only through rounding at the very top: step back to
+    # the last block with mass
+    has_mass = sums > 0
+    last_block = n_blocks - 1 - i32(jnp.argmax(has_mass[::-1]))
+    b = jnp.where(has_mass[b], b, last_block)
+    row = blocks[b]
+    within = jnp.cumsum(row)
+    j = i32(jnp.searchsorted(within, u - (block_cdf[b] - sums[b]), side="right"))
+    # rounding can put the target just outside the block's running sum: clamp to its
+    # first / last token with mass
+    first = i32(jnp.argmax(row > 0))
+    last = size - 1 - i32(jnp.argmax((row > 0)[::-1]))
+    j = jnp.where(j >= size, last, j)
+    j = jnp.where(row[j] > 0, j, first)
+    return jnp.minimum(b * size + j, V - 1).astype(jnp.int32)
 
 
 def _check_decoder(policy: object) -> AbstractDecoder:
@@ -229,6 +262,11 @@ def _generate_batch(
         bad = (prompts < 0) | (prompts >= policy.vocab_size)
         prompts = eqx.error_if(prompts, jnp.any(bad), "prompt ids outside [0, vocab_size)")
     logits, cache = jax.vmap(lambda t, m: policy.prefill(t, m, cache_size=P + N))(prompts, prompt_masks)
+    if opts.num_samples > 1:
+        # one prefill per prompt, its cache shared by the prompt's samples
+        rep = lambda x: jnp.repeat(x, opts.num_samples, axis=0)
+        logits, cache, prompts, prompt_masks = jax.tree.map(rep, (logits, cache, prompts, prompt_masks))
+        B = B * opts.num_samples
     sample = jax.vmap(
         functools.partial(
             sample_token, temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p
@@ -317,10 +355,11 @@ def generate_batch(
     - `key`: PRNG key (ignored when greedy).
     - `**options`: the fields of `SamplingOptions`: `max_new_tokens` (required),
       `temperature=1.0` (0 is greedy), `top_k=None`, `top_p=None`, `eos_id=None` (one
-      id or several), `pad_id=0`, `check_ids=False`.
+      id or several), `pad_id=0`, `check_ids=False`, `num_samples=1` (completions per
+      prompt, each prompt prefilled once).
 
-    **Returns:** a `GenerationOutput` with a leading batch axis, rows of length
-    `P + max_new_tokens`. Cut completions at stop *strings* afterwards with
+    **Returns:** a `GenerationOutput` with a leading batch axis (`B · num_samples`
+    rows), rows of length `P + max_new_tokens`. Cut completions at stop *strings* afterwards with
     `truncate_at_stop_strings`.
     """
     opts = SamplingOptions(**options)
@@ -346,6 +385,11 @@ def generate(
     Under `jax.vmap` the loop runs until every row of the batch is done; `generate_batch`
     is the batched entry point.
     """
+    if options.get("num_samples", 1) != 1:
+        raise ValueError(
+            f"generate samples one completion (got num_samples={options['num_samples']!r}); "
+            "use generate_batch(..., num_samples=n)"
+        )
     out = generate_batch(policy, prompt[None], prompt_mask[None], key, **options)
     return jax.tree_util.tree_map(lambda x: x[0], out)
 

@@ -13,7 +13,12 @@ from ._heads import (
     ValueModel as ValueModel,
     last_real_index as last_real_index,
 )
-from ._layers import Int8Weight as Int8Weight, LoRAAdapter as LoRAAdapter
+from ._layers import (
+    AbstractQuantizedWeight as AbstractQuantizedWeight,
+    Int8Weight as Int8Weight,
+    LoRAAdapter as LoRAAdapter,
+    NF4Weight as NF4Weight,
+)
 from ._transformer import (
     LORA_TARGETS as LORA_TARGETS,
     DecoderLayer as DecoderLayer,
@@ -37,4 +42,8 @@ from ._lora import (
 )
 from ._peft import load_lora_adapter as load_lora_adapter, save_lora_adapter as save_lora_adapter
 from ._sharding import partition_specs as partition_specs
-from ._quant import dequantize as dequantize, quantize_int8 as quantize_int8
+from ._quant import (
+    dequantize as dequantize,
+    quantize_int8 as quantize_int8,
+    quantize_nf4 as quantize_nf4,
+)

@@ -1,5 +1,6 @@
 """Rotary embeddings, the attention mask (causal, padding, segments, sliding window) and attention."""
 
+import functools
 import math
 
 import jax
@@ -34,23 +35,9 @@ def apply_rope(
     return out.astype(x.dtype)
 
 
-def attention(
-    q: Float[Array, "*B T H hd"],
-    k: Float[Array, "*B K S hd"],
-    v: Float[Array, "*B K S hd"],
-    allowed: Bool[Array, "*B T S"],
-    *,
-    scale: float | None = None,
-    cap: float | None = None,
-) -> Float[Array, "*B T H hd"]:
-    """Grouped-query softmax attention; keys/values are head-major (`[..., K, S, hd]`).
-
-    `softmax(cap·tanh(scale · q kᵀ / cap))` over allowed keys (`scale` defaults to
-    `hd ** -0.5`; no capping when `cap` is None). Scores and softmax are float32. Rows
-    with no allowed key (padding) get finite values.
-    """
+def _dense_attention(q, k, v, allowed, *, scale: float, cap: float | None):
+    """The scores of every query against every key, materialised (see `attention`)."""
     T, K = q.shape[-3], k.shape[-3]
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     # query head h = kv head · G + g; [..., T, K·G, hd] -> [..., K, G·T, hd]: both
     # products become plain batched matrix products over the kv heads (no transposes
     # inside them, forward or backward).
@@ -61,6 +48,47 @@ def attention(
     probs = rearrange(jax.nn.softmax(scores, axis=-1).astype(v.dtype), "... k g t s -> ... k (g t) s")
     out = jnp.einsum("...qs,...sd->...qd", probs, v)
     return rearrange(out, "... k (g t) d -> ... t (k g) d", t=T)
+
+
+def attention(
+    q: Float[Array, "*B T H hd"],
+    k: Float[Array, "*B K S hd"],
+    v: Float[Array, "*B K S hd"],
+    allowed: Bool[Array, "*B T S"],
+    *,
+    scale: float | None = None,
+    cap: float | None = None,
+    causal_block: int | None = None,
+) -> Float[Array, "*B T H hd"]:
+    """Grouped-query softmax attention; keys/values are head-major (`[..., K, S, hd]`).
+
+    `softmax(cap·tanh(scale · q kᵀ / cap))` over allowed keys (`scale` defaults to
+    `hd ** -0.5`; no capping when `cap` is None). Scores and softmax are float32. Rows
+    with no allowed key (padding) get finite values.
+
+    With `causal_block=n` — only valid when `allowed` is causal (no query at `t` may
+    see a key at `s > t`) and queries and keys are the same positions (`T == S`) — the
+    queries are taken in blocks of `n`: block `[i, i + n)` is scored only against the
+    keys `[0, i + n)` (the keys after it are masked anyway), which skips about half of
+    the score and softmax work at long `T`, and each block is rematerialised in the
+    backward pass (`jax.checkpoint`), so that the saved activations grow linearly in
+    `T` instead of holding `T × T` probabilities per layer. Outputs at allowed rows
+    are those of the dense computation up to float32 rounding.
+    """
+    T, S = q.shape[-3], k.shape[-2]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if causal_block is None or T != S or T <= causal_block:
+        return _dense_attention(q, k, v, allowed, scale=scale, cap=cap)
+    if causal_block < 1:
+        raise ValueError(f"causal_block must be a positive int, got {causal_block!r}")
+    block = jax.checkpoint(functools.partial(_dense_attention, scale=scale, cap=cap))
+    outs = []
+    for start in range(0, T, causal_block):
+        end = min(start + causal_block, T)
+        outs.append(
+            block(q[..., start:end, :, :], k[..., :end, :], v[..., :end, :], allowed[..., start:end, :end])
+        )
+    return jnp.concatenate(outs, axis=-3)
 
 
 def within_window(

@@ -22,6 +22,16 @@ def last_real_index(mask: Bool[Array, "*B T"]) -> Int[Array, "*B"]:
     return jnp.max(jnp.where(mask, positions, 0), axis=-1)
 
 
+def _previous_real(mask: Bool[Array, "N T"]) -> tuple[Int[Array, "N T"], Bool[Array, "N T"]]:
+    """Per row, the index of the last real position before each position (0 where there
+    is none) and whether there is one (`rlhf_eqx.ops.previous_real_index`, batched)."""
+    T = mask.shape[-1]
+    idx = jnp.where(mask, jnp.arange(T, dtype=jnp.int32)[None, :], -1)
+    running = jax.lax.cummax(idx, axis=1)
+    prev = jnp.concatenate([jnp.full((mask.shape[0], 1), -1, jnp.int32), running[:, :-1]], axis=1)
+    return jnp.maximum(prev, 0), prev >= 0
+
+
 def _dot_f32(h: Float[Array, "*N D"], w: Float[Array, "D O"]) -> Float[Array, "*N O"]:
     """`h @ w` accumulated and returned in float32, leading axes flattened (see `matmul`)."""
     flat = h.reshape(-1, h.shape[-1])
@@ -86,6 +96,78 @@ class Policy(AbstractDecoder[KVCache], AbstractBatchedModel):
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "*B T V"]:
         return self.logits_from_hidden(self.transformer(tokens, mask, segment_ids=segment_ids, key=key))
+
+    def selected_logprobs(
+        self,
+        tokens: Int[Array, "*B T"],
+        mask: Bool[Array, "*B T"],
+        select: Bool[Array, "*B T"],
+        *,
+        key: PRNGKeyArray | None = None,
+        chunk: int = 512,
+    ) -> tuple[Float[Array, "*B T"], Float[Array, "*B T"]]:
+        """Log-probabilities of the selected tokens, with the LM head applied only where needed.
+
+        Equals `logprobs_from_logits(policy(tokens, mask), tokens, mask)` at the tokens
+        where `select & mask` holds and a real token precedes (0 elsewhere), but the
+        head and the vocabulary log-softmax run only on the hidden states that predict
+        those tokens: their positions are gathered (all rows together, selected first),
+        cut into chunks of `chunk` positions, and chunks holding no selected position
+        are skipped (`jax.lax.cond`, forward and backward). The `[T, V]` logits are
+        never materialised; at most `[chunk, V]` are alive at a time.
+
+        **Arguments:**
+
+        - `tokens`, `mask`: as for `__call__` (one sequence or a batch).
+        - `select`: which tokens to score (e.g. a completion mask).
+        - `key`: LoRA dropout key, as for `__call__`.
+        - `chunk`: positions per head chunk (a positive int).
+
+        **Returns:** `(logp, mean_logit)`, both `[..., T]` float32: `logp[t] = log
+        p(tokens[t] | tokens[<t])` and `mean_logit[t]` the mean over the vocabulary of
+        the logits that predicted token `t`, at the scored tokens, 0 elsewhere.
+        """
+        if chunk < 1:
+            raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+        h = self.transformer(tokens, mask, key=key)
+        lead, T = tokens.shape[:-1], tokens.shape[-1]
+        flat_mask = mask.reshape(-1, T)
+        prev, has_prev = _previous_real(flat_mask)
+        valid = (select.reshape(-1, T) & flat_mask & has_prev).reshape(-1)
+        N = valid.shape[0]
+        rows = jnp.arange(N, dtype=jnp.int32) // T
+        src = rows * T + prev.reshape(-1).astype(jnp.int32)
+        # selected positions first (stable), padded up to whole chunks
+        order = jnp.argsort(~valid, stable=True)
+        n_chunks = -(-N // chunk)
+        pad = n_chunks * chunk - N
+        order = jnp.concatenate([order, jnp.zeros((pad,), order.dtype)])
+        hs = h.reshape(N, -1)[src[order]].reshape(n_chunks, chunk, -1)
+        tgt = tokens.reshape(-1)[order].reshape(n_chunks, chunk)
+        count = jnp.sum(valid, dtype=jnp.int32)
+        starts = jnp.arange(n_chunks, dtype=jnp.int32) * chunk
+
+        def scored(args):
+            hc, tc = args
+            logits = self.logits_from_hidden(hc).astype(jnp.float32)
+            lse = jax.nn.logsumexp(logits, axis=-1)
+            target = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
+            return target - lse, jnp.mean(logits, axis=-1)
+
+        def skipped(args):
+            zero = jnp.zeros((chunk,), jnp.float32)
+            return zero, zero
+
+        def body(_, xs):
+            hc, tc, start = xs
+            return None, jax.lax.cond(start < count, scored, skipped, (hc, tc))
+
+        _, (lp, ml) = jax.lax.scan(body, None, (hs, tgt, starts))
+        inverse = jnp.argsort(order[:N], stable=True)
+        keep = valid.reshape(-1)
+        lp = jnp.where(keep, lp.reshape(-1)[:N][inverse], 0.0)
+        ml = jnp.where(keep, ml.reshape(-1)[:N][inverse], 0.0)
+        return lp.reshape(lead + (T,)), ml.reshape(lead + (T,))
 
     def prefill(
         self, tokens: Int[Array, " P"], mask: Bool[Array, " P"], *, cache_size: int

@@ -39,7 +39,7 @@ import numpy as np
 
 from ._config import TransformerConfig
 from ._heads import Policy, RewardModel, ValueModel
-from ._layers import Int8Weight
+from ._layers import AbstractQuantizedWeight
 
 __all__ = ["arrays_from_tensors", "tensors_from_model"]
 
@@ -157,7 +157,7 @@ def tensors_from_model(policy: Policy | RewardModel | ValueModel, dtype: str) ->
 
     def host(w) -> np.ndarray:
         """The whole (stacked) array on the host in the written dtype."""
-        if isinstance(w, Int8Weight):
+        if isinstance(w, AbstractQuantizedWeight):
             w = jax.vmap(lambda x: x.dequantize(jnp.float32))(w)
         return np.asarray(jnp.asarray(w).astype(jdt))
 

@@ -1,5 +1,6 @@
 """Building blocks: weights that may be quantised, LoRA adapters, RMSNorm, MLP activations, soft-capping."""
 
+import abc
 import functools
 import math
 
@@ -8,7 +9,19 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
-__all__ = ["normal_init", "Int8Weight", "LoRAAdapter", "matmul", "dense_weight", "rms_norm", "activation", "softcap"]
+__all__ = [
+    "normal_init",
+    "AbstractQuantizedWeight",
+    "Int8Weight",
+    "NF4Weight",
+    "NF4_LEVELS",
+    "LoRAAdapter",
+    "matmul",
+    "dense_weight",
+    "rms_norm",
+    "activation",
+    "softcap",
+]
 
 
 @functools.partial(jax.jit, static_argnames=("shapes", "scales", "dtype"))
@@ -29,7 +42,21 @@ def normal_init(
     return tuple(out)
 
 
-class Int8Weight(eqx.Module):
+class AbstractQuantizedWeight(eqx.Module):
+    """A frozen `[in, out]` weight (or a stack of them) kept in a compact form and
+    dequantised inside the forward pass (`dequantize(dtype)`)."""
+
+    @property
+    @abc.abstractmethod
+    def shape(self) -> tuple[int, ...]:
+        """The dense weight's shape (leading stack axes included)."""
+
+    @abc.abstractmethod
+    def dequantize(self, dtype) -> Array:
+        """The dense weight in `dtype`."""
+
+
+class Int8Weight(AbstractQuantizedWeight):
     """A frozen weight stored as int8 with one float scale per output channel (absmax).
 
     `w ≈ q * scale[None, :]`, with `scale = max_i |w[i, o]| / 127`.
@@ -46,15 +73,53 @@ class Int8Weight(eqx.Module):
         return self.q.astype(dtype) * self.scale.astype(dtype)[None, :]
 
 
-def dense_weight(w: Array | Int8Weight, dtype) -> Array:
-    """The weight as a dense array of `dtype` (dequantising an `Int8Weight`)."""
-    if isinstance(w, Int8Weight):
+# The 16 NormalFloat-4 levels (Dettmers et al. 2023, QLoRA, appendix E; bitsandbytes'
+# NF4 table): quantiles of N(0, 1) scaled to [-1, 1], with an exact zero.
+NF4_LEVELS = (
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+)
+
+
+class NF4Weight(AbstractQuantizedWeight):
+    """A frozen weight in 4-bit NormalFloat with one absmax scale per block (QLoRA's base).
+
+    The weight, flattened row-major and zero-padded to whole blocks of `block_size`
+    entries, is stored as two 4-bit level indices per byte (`codes`, high nibble first)
+    and one float32 `absmax` per block: `w ≈ NF4_LEVELS[code] · absmax[block]`. That is
+    4 + 32 / `block_size` bits per entry (0.14× float32 at the default 64).
+    """
+
+    codes: Array  # uint8 [..., n_padded // 2]
+    absmax: Float[Array, "*L blocks"]
+    in_out: tuple[int, int] = eqx.field(static=True)
+    block_size: int = eqx.field(static=True)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.codes.shape[:-1] + self.in_out
+
+    def dequantize(self, dtype) -> Array:
+        lead = self.codes.shape[:-1]
+        hi = (self.codes >> 4).astype(jnp.int32)
+        lo = (self.codes & 15).astype(jnp.int32)
+        idx = jnp.stack([hi, lo], axis=-1).reshape(lead + (-1, self.block_size))
+        levels = jnp.asarray(NF4_LEVELS, jnp.float32)[idx] * self.absmax[..., None]
+        n = self.in_out[0] * self.in_out[1]
+        return levels.reshape(lead + (-1,))[..., :n].reshape(lead + self.in_out).astype(dtype)
+
+
+def dense_weight(w: Array | AbstractQuantizedWeight, dtype) -> Array:
+    """The weight as a dense array of `dtype` (dequantising an `Int8Weight` / `NF4Weight`)."""
+    if isinstance(w, AbstractQuantizedWeight):
         return w.dequantize(dtype)
     return w
 
 
-def matmul(x: Float[Array, "*N i"], w: Array | Int8Weight) -> Float[Array, "*N o"]:
-    """`x @ w` for a dense or int8-quantised weight, in `x`'s dtype.
+def matmul(x: Float[Array, "*N i"], w: Array | AbstractQuantizedWeight) -> Float[Array, "*N o"]:
+    """`x @ w` for a dense or quantised weight, in `x`'s dtype.
 
     Leading axes are flattened into one, so that with a batch `[B, T, i]` the forward
     and both backward products are plain 2-D matrix products (the weight gradient

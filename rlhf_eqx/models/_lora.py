@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray, PyTree
 
 from ._config import TransformerConfig
-from ._layers import Int8Weight, LoRAAdapter
+from ._layers import AbstractQuantizedWeight, LoRAAdapter
 from ._build import model_config, where_layers
 from ._transformer import LORA_TARGETS, DecoderLayer
 
@@ -217,9 +217,9 @@ def merge_lora(model: PyTree) -> PyTree:
     for name, adapter in layers.lora.items():
         field = _COLUMNS[name]
         w = new[field]
-        if isinstance(w, Int8Weight):
+        if isinstance(w, AbstractQuantizedWeight):
             raise TypeError(
-                f"merge_lora: the base `{field}` is an Int8Weight; merging into an int8 base is "
+                f"merge_lora: the base `{field}` is a {type(w).__name__}; merging into a quantised base is "
                 "not supported — call dequantize(model) first"
             )
         lo, hi = _column_range(name, cfg)

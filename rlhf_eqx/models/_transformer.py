@@ -28,6 +28,8 @@ from ._protocols import AbstractBatchedModel, AbstractSequenceModel
 __all__ = ["DecoderLayer", "Transformer", "KVCache", "LORA_TARGETS"]
 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+# queries per block of the causal blockwise attention over a whole sequence (`attention`)
+ATTENTION_BLOCK = 256
 
 
 class KVCache(eqx.Module):
@@ -219,7 +221,9 @@ class Transformer(AbstractSequenceModel, AbstractBatchedModel):
 
             def attend(q, k, v):
                 kh, vh = jnp.swapaxes(k, -3, -2), jnp.swapaxes(v, -3, -2)
-                o = attention(q, kh, vh, ok, scale=cfg.query_scale, cap=cfg.attn_softcap)
+                o = attention(
+                    q, kh, vh, ok, scale=cfg.query_scale, cap=cfg.attn_softcap, causal_block=ATTENTION_BLOCK
+                )
                 return o, ((kh, vh) if collect_kv else None)
 
             return layer.block(x, cfg, _select(rope, is_local), attend, lkeys)

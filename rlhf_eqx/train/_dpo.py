@@ -19,6 +19,7 @@ from ..losses import (
     dpo_implicit_rewards,
     sft_nll,
 )
+from ..models import Policy
 from ..ops import logprobs_from_logits, masked_sum, previous_real_index
 from ._accumulate import vmap_model
 from ._state import combine
@@ -29,14 +30,36 @@ ReferenceMode = Literal["model", "cached", "none"]
 
 
 def _forward(model, tokens, mask, completion_mask, key):
-    """Token log-probs `[b, T]`, summed completion log-probs `[b]`, mean-logit sums `[b]`."""
+    """Token log-probs `[b, T]`, summed completion log-probs `[b]`, mean-logit sums `[b]`.
+
+    A model with a `selected_logprobs` method (`Policy`) applies its LM head only at the
+    positions that predict completion tokens; any other model returns full logits.
+    """
+    m = completion_mask & mask
+    if isinstance(model, Policy):
+        logp, mean_logit = model.selected_logprobs(tokens, mask, m, key=key)
+        return logp, masked_sum(logp, m, axis=-1), masked_sum(mean_logit, m, axis=-1)
     logits = vmap_model(model, tokens, mask, key)
     logp = jax.vmap(logprobs_from_logits)(logits, tokens, mask)
-    m = completion_mask & mask
     seq = masked_sum(logp, m, axis=-1)
     prev, _ = jax.vmap(previous_real_index)(mask)
     mean_logit = jnp.take_along_axis(jnp.mean(logits.astype(jnp.float32), axis=-1), prev, axis=-1)
     return logp, seq, masked_sum(mean_logit, m, axis=-1)
+
+
+def _pair_forward(model, batch: PreferenceBatch, cm, rm, key):
+    """`_forward` over the chosen and rejected rows as one batch `[2b, T]` (one pass of
+    the model instead of two); returns the chosen and the rejected halves."""
+    b = batch.chosen_tokens.shape[0]
+    cat = lambda x, y: jnp.concatenate([x, y], axis=0)
+    logp, seq, logit = _forward(
+        model,
+        cat(batch.chosen_tokens, batch.rejected_tokens),
+        cat(batch.chosen_mask, batch.rejected_mask),
+        cat(cm, rm),
+        key,
+    )
+    return (logp[:b], seq[:b], logit[:b]), (logp[b:], seq[b:], logit[b:])
 
 
 def sequence_logps(
@@ -51,12 +74,9 @@ def sequence_logps(
 
 @eqx.filter_jit
 def _reference_logps(reference_model, batch):
-    c = sequence_logps(
-        reference_model, batch.chosen_tokens, batch.chosen_mask, batch.chosen_completion_mask
-    )
-    r = sequence_logps(
-        reference_model, batch.rejected_tokens, batch.rejected_mask, batch.rejected_completion_mask
-    )
+    cm = batch.chosen_completion_mask & batch.chosen_mask
+    rm = batch.rejected_completion_mask & batch.rejected_mask
+    (_, c, _), (_, r, _) = _pair_forward(reference_model, batch, cm, rm, None)
     return jax.lax.stop_gradient(c), jax.lax.stop_gradient(r)
 
 
@@ -115,18 +135,15 @@ def dpo_loss_fn(
                 "ref_rejected_logp (see compute_reference_logps)"
             )
         model = combine(params, frozen_part)
-        kc, kr = (None, None) if key is None else tuple(jax.random.split(key))
         cm = batch.chosen_completion_mask & batch.chosen_mask
         rm = batch.rejected_completion_mask & batch.rejected_mask
-        c_tok, c, c_logit = _forward(model, batch.chosen_tokens, batch.chosen_mask, cm, kc)
-        _, r, r_logit = _forward(model, batch.rejected_tokens, batch.rejected_mask, rm, kr)
+        (c_tok, c, c_logit), (_, r, r_logit) = _pair_forward(model, batch, cm, rm, key)
         if not uses_reference:
             rc = rr = None
         elif reference == "cached":
             rc, rr = batch.ref_chosen_logp, batch.ref_rejected_logp
         else:
-            rc = sequence_logps(ref_model, batch.chosen_tokens, batch.chosen_mask, cm)
-            rr = sequence_logps(ref_model, batch.rejected_tokens, batch.rejected_mask, rm)
+            (_, rc, _), (_, rr, _) = _pair_forward(ref_model, batch, cm, rm, None)
         if rc is not None:
             rc, rr = sg(rc.astype(f32)), sg(rr.astype(f32))
         losses = dpo_batch_loss(

@@ -34,9 +34,17 @@ def reward_loss(*, center_coef: float = 0.0, margin: float = 0.0) -> LossFn:
 
     def loss_fn(params: PyTree, frozen: PyTree, batch: PreferenceBatch, key: PRNGKeyArray | None):
         model = combine(params, frozen)
-        kc, kr = (None, None) if key is None else tuple(jax.random.split(key))
-        rc = _scores(model, batch.chosen_tokens, batch.chosen_mask, kc, "chosen")
-        rr = _scores(model, batch.rejected_tokens, batch.rejected_mask, kr, "rejected")
+        # chosen and rejected rows in one pass of the model ([2B, T])
+        b = batch.chosen_tokens.shape[0]
+        cat = lambda x, y: jnp.concatenate([x, y], axis=0)
+        scores = _scores(
+            model,
+            cat(batch.chosen_tokens, batch.rejected_tokens),
+            cat(batch.chosen_mask, batch.rejected_mask),
+            key,
+            "chosen and rejected",
+        )
+        rc, rr = scores[:b], scores[b:]
         losses = jax.vmap(
             lambda a, b: bradley_terry_loss(a, b, margin=margin, center_coef=center_coef)
         )(rc, rr)

@@ -1,0 +1,77 @@
+"""Plots of a side-by-side run (matplotlib; run it in the TRL venv, which has it).
+
+    /work/venv-trl/bin/python benchmarks/side_by_side/plot.py benchmarks/results.jsonl --out benchmarks
+
+Writes `dpo_curve.png` (DPO-step tokens/s at a fixed 4,096 tokens per step against the
+row length T, per library) and `speedups.png` (median time of each workload per
+library, relative to rlhf_eqx).
+"""
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("results")
+    p.add_argument("--out", default="benchmarks")
+    args = p.parse_args()
+    rows = [json.loads(x) for x in open(args.results) if x.strip()]
+    rows = [r for r in rows if "error" not in r]
+    med = {}
+    for r in rows:
+        med.setdefault((r["workload"], r["library"]), []).append(r)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for lib, style in (("rlhf_eqx", "o-"), ("trl", "s--")):
+        xs, ys = [], []
+        for t in common.CURVE_T:
+            rs = med.get((f"curve_{t}", lib))
+            if rs:
+                xs.append(t)
+                ys.append(common.median([r["tokens"] / r["median_s"] for r in rs]))
+        if xs:
+            ax.plot(xs, ys, style, label=lib)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("row length T (4,096 tokens per DPO step)")
+    ax.set_ylabel("tokens / s (policy + reference)")
+    ax.set_title("DPO step cost as sequences grow")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "dpo_curve.png"), dpi=120)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    workloads = [w for w in common.WORKLOADS if not w.startswith("curve_") and (w, "rlhf_eqx") in med]
+    libs = [lib for lib in ("trl", "tunix", "floor") if any((w, lib) in med for w in workloads)]
+    width = 0.8 / max(1, len(libs))
+    for i, lib in enumerate(libs):
+        xs, ys = [], []
+        for j, w in enumerate(workloads):
+            if (w, lib) in med:
+                mine = common.median([r["median_s"] for r in med[(w, "rlhf_eqx")]])
+                theirs = common.median([r["median_s"] for r in med[(w, lib)]])
+                xs.append(j + i * width)
+                ys.append(theirs / mine)
+        ax.bar(xs, ys, width, label=f"{lib} time / rlhf_eqx time")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([j + width * (len(libs) - 1) / 2 for j in range(len(workloads))], workloads, rotation=30)
+    ax.set_ylabel("speed-up of rlhf_eqx (×)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "speedups.png"), dpi=120)
+    print("wrote", os.path.join(args.out, "dpo_curve.png"), os.path.join(args.out, "speedups.png"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""rlhf_eqx side of the side-by-side benchmark: one workload per process.
+
+    PYTHONPATH=$PWD /work/venv/bin/python benchmarks/side_by_side/run_rlhf_eqx.py dpo --inputs DIR
+
+Prints one `RESULT {...}` JSON line (see `common.emit`). The persistent compilation
+cache is on (`--cache DIR`, default `/tmp/rlhf_eqx_jax_cache`), as a user would run.
+"""
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+import equinox as eqx  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import rlhf_eqx as rx  # noqa: E402
+from rlhf_eqx import data, train  # noqa: E402
+
+LIB = "rlhf_eqx"
+
+
+def enable_cache():
+    path = os.environ.get("RLHF_EQX_BENCH_CACHE", "/tmp/rlhf_eqx_jax_cache")
+    if path:
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def matmul_peak(n: int = 1024, repeats: int = 5) -> float:
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    f = jax.jit(jnp.dot)
+    f(a, b).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e9
+
+
+def preference_batch(prompt, chosen, rejected):
+    """Full rows `prompt + completion` (no padding) as a `PreferenceBatch`."""
+    P = prompt.shape[1]
+    c = np.concatenate([prompt, chosen], axis=1)
+    r = np.concatenate([prompt, rejected], axis=1)
+    T = c.shape[1]
+    mask = np.ones(c.shape, bool)
+    cm = np.broadcast_to(np.arange(T)[None, :] >= P, c.shape)
+    return rx.PreferenceBatch(
+        chosen_tokens=jnp.asarray(c),
+        chosen_mask=jnp.asarray(mask),
+        chosen_completion_mask=jnp.asarray(cm),
+        rejected_tokens=jnp.asarray(r),
+        rejected_mask=jnp.asarray(mask),
+        rejected_completion_mask=jnp.asarray(cm),
+    )
+
+
+def optimizer():
+    return train.make_optimizer(learning_rate=1e-5, total_steps=1000, max_grad_norm=1.0)
+
+
+def dpo_runner(policy, batch, *, cached: bool):
+    opt = optimizer()
+    step = train.make_dpo_step(opt, reference="cached" if cached else "model")
+    reference = policy
+    state = {"params": policy, "opt": opt.init(eqx.filter(policy, eqx.is_inexact_array))}
+    if cached:
+        batch = train.compute_reference_logps(reference, batch)
+
+    def run():
+        p, o, m = step(state["params"], state["opt"], batch, reference=None if cached else reference)
+        jax.block_until_ready(m["loss"])
+        state["params"], state["opt"] = p, o
+
+    return run
+
+
+def hh_batches(inputs, pairs: int, *, group: int, bucket: int):
+    """The HH-RLHF pairs in batches of `pairs`: windows of `group` batches sorted by
+    length (rlhf_eqx.data's `group_by_length`), each batch padded to its longest row
+    rounded up to `bucket` (`bucket_size`)."""
+    def rows(name):
+        flat, off = inputs[name], inputs[name + "_offsets"]
+        return [tuple(int(x) for x in flat[off[i] : off[i + 1]]) for i in range(len(off) - 1)]
+
+    P, C, RP, R = rows("hh_prompt"), rows("hh_chosen"), rows("hh_rejected_prompt"), rows("hh_rejected")
+    items = [
+        data.TokenizedPair(data.TokenizedSequence(P[i], C[i]), data.TokenizedSequence(RP[i], R[i]))
+        for i in range(len(P))
+    ]
+    n = len(items) // pairs * pairs
+    items = items[:n]
+    out = []
+    win = pairs * group
+    for s in range(0, n, win):
+        w = sorted(items[s : s + win], key=lambda it: -max(len(it.chosen), len(it.rejected)))
+        for b in range(0, len(w), pairs):
+            out.append(
+                data.collate_preferences(
+                    w[b : b + pairs], pad_id=0, max_length=common.HH_MAX_LEN, bucket_size=bucket
+                )
+            )
+    return out
+
+
+def main():
+    args = common.workload_arg()
+    enable_cache()
+    inputs = common.load_inputs(args.inputs)
+    w = args.workload
+    extra = {}
+    if w == "hh_dpo":
+        policy = rx.load_hf(os.path.join(args.inputs, "model_hh"))
+    else:
+        policy = rx.load_hf(os.path.join(args.inputs, "model"))
+
+    if w in ("dpo", "dpo_cached"):
+        batch = preference_batch(inputs["dpo_prompt"], inputs["dpo_chosen"], inputs["dpo_rejected"])
+        run = dpo_runner(policy, batch, cached=w == "dpo_cached")
+        first, times = common.time_steps(run, args.steps)
+        T = batch.chosen_tokens.shape[1]
+        extra["tokens"] = int(2 * batch.chosen_tokens.size)
+        extra["flops"] = common.dpo_flops(batch.chosen_tokens.shape[0], T, with_reference=w == "dpo")
+    elif w.startswith("curve_"):
+        t = int(w.split("_")[1])
+        batch = preference_batch(inputs[f"{w}_prompt"], inputs[f"{w}_chosen"], inputs[f"{w}_rejected"])
+        run = dpo_runner(policy, batch, cached=False)
+        first, times = common.time_steps(run, max(2, args.steps - 2))
+        extra["tokens"] = int(2 * batch.chosen_tokens.size)
+        extra["flops"] = common.dpo_flops(batch.chosen_tokens.shape[0], t, with_reference=True)
+    elif w in ("gen_sample", "gen_greedy"):
+        g = common.GEN
+        prompts = jnp.asarray(inputs["gen_prompt"])
+        masks = jnp.ones(prompts.shape, bool)
+        temp = 1.0 if w == "gen_sample" else 0.0
+        key = {"k": jax.random.key(0)}
+
+        def run():
+            key["k"], sub = jax.random.split(key["k"])
+            out = rx.generate_batch(policy, prompts, masks, sub, max_new_tokens=g["new"], temperature=temp)
+            jax.block_until_ready(out.tokens)
+
+        first, times = common.time_steps(run, args.steps)
+        extra["new_tokens"] = g["batch"] * g["new"]
+    elif w == "rm":
+        model = rx.RewardModel.from_policy(policy, key=jax.random.key(1))
+        c, r = inputs["rm_chosen"], inputs["rm_rejected"]
+        mask = jnp.ones(c.shape, bool)
+        batch = rx.PreferenceBatch(
+            chosen_tokens=jnp.asarray(c), chosen_mask=mask, chosen_completion_mask=mask,
+            rejected_tokens=jnp.asarray(r), rejected_mask=mask, rejected_completion_mask=mask,
+        )
+        opt = optimizer()
+        step = train.make_reward_step(opt)
+        state = {"p": model, "o": opt.init(eqx.filter(model, eqx.is_inexact_array))}
+
+        def run():
+            p, o, m = step(state["p"], state["o"], batch)
+            jax.block_until_ready(m["loss"])
+            state["p"], state["o"] = p, o
+
+        first, times = common.time_steps(run, args.steps)
+    elif w == "grpo":
+        g = common.GRPO
+        G = g["group"]
+        prompts = jnp.asarray(inputs["grpo_prompt"])  # each prompt prefilled once for its group
+        pmask = jnp.ones(prompts.shape, bool)
+        rewards = jnp.asarray(inputs["grpo_rewards"])
+        opt = optimizer()
+        step = train.make_grpo_step(opt, group_size=G)
+        state = {"p": policy, "o": opt.init(eqx.filter(policy, eqx.is_inexact_array)), "k": jax.random.key(0)}
+        split = {"gen": [], "update": []}
+
+        def run():
+            state["k"], sub = jax.random.split(state["k"])
+            t0 = time.perf_counter()
+            out = rx.generate_batch(state["p"], prompts, pmask, sub, max_new_tokens=g["new"], temperature=1.0, num_samples=G)
+            jax.block_until_ready(out.tokens)
+            t1 = time.perf_counter()
+            batch = train.GRPOBatch(
+                tokens=out.tokens, mask=out.mask, completion_mask=out.completion_mask,
+                rewards=rewards, old_logp=None,
+            )
+            p, o, m = step(state["p"], state["o"], batch)
+            jax.block_until_ready(m["loss"])
+            state["p"], state["o"] = p, o
+            split["gen"].append(t1 - t0)
+            split["update"].append(time.perf_counter() - t1)
+
+        first, times = common.time_steps(run, args.steps)
+        extra["gen_s"] = common.median(split["gen"][1:])
+        extra["update_s"] = common.median(split["update"][1:])
+    elif w == "hh_dpo":
+        batches = hh_batches(inputs, common.HH["pairs"], group=4, bucket=64)
+        opt = optimizer()
+        step = train.make_dpo_step(opt, reference="model")
+        state = {"p": policy, "o": opt.init(eqx.filter(policy, eqx.is_inexact_array)), "i": 0}
+        shapes = set()
+
+        seen = []  # (real tokens, seconds) of steps whose shape was compiled before
+
+        def run():
+            b = batches[state["i"] % len(batches)]
+            state["i"] += 1
+            new_shape = b.chosen_tokens.shape not in shapes
+            shapes.add(b.chosen_tokens.shape)
+            t0 = time.perf_counter()
+            p, o, m = step(state["p"], state["o"], b, reference=policy)
+            jax.block_until_ready(m["loss"])
+            state["p"], state["o"] = p, o
+            if not new_shape:
+                seen.append((int(jnp.sum(b.chosen_mask) + jnp.sum(b.rejected_mask)), time.perf_counter() - t0))
+
+        # first step, then one pass over every batch (compiles of new shapes included)
+        t_start = time.perf_counter()
+        first, times = common.time_steps(run, len(batches) - 1)
+        total = time.perf_counter() - t_start
+        real = sum(int(jnp.sum(b.chosen_mask) + jnp.sum(b.rejected_mask)) for b in batches)
+        computed = sum(2 * b.chosen_tokens.size for b in batches)
+        extra.update(
+            real_tokens_per_s=real / total,
+            padding_fraction=1.0 - real / computed,
+            compiled_shapes=len(shapes),
+            steady_real_tokens_per_s=sum(n for n, _ in seen) / max(1e-9, sum(t for _, t in seen)),
+            total_s=total,
+            steps=len(batches),
+        )
+    else:
+        raise SystemExit(f"unknown workload {w}")
+    common.emit(LIB, w, first, times, peak_gflops=matmul_peak(), **extra)
+
+
+if __name__ == "__main__":
+    main()

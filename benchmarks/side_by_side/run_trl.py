@@ -1,0 +1,234 @@
+"""TRL side of the side-by-side benchmark (torch CPU): one workload per process.
+
+    /work/venv-trl/bin/python benchmarks/side_by_side/run_trl.py dpo --inputs DIR
+
+The trainers are built as a user would (`DPOTrainer`, `RewardTrainer` with their
+default collators, AdamW, gradient clipping at 1.0); each timed step is
+`trainer.training_step` (forward, loss, backward) followed by the clip and the
+optimiser step, on batches collated from the same token ids every library uses.
+Generation is Hugging Face `generate`. Prints one `RESULT {...}` line.
+"""
+
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+LIB = "trl"
+
+
+def matmul_peak(n: int = 1024, repeats: int = 5) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.matmul(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.matmul(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e9
+
+
+def text_dataset():
+    from datasets import Dataset
+
+    return Dataset.from_list([{"prompt": "t5 t6", "chosen": " t7", "rejected": " t8"}] * 2)
+
+
+def dpo_trainer(model_dir, tok, *, precompute: bool, max_length: int):
+    from transformers import AutoModelForCausalLM
+    from trl import DPOConfig, DPOTrainer
+
+    out = tempfile.mkdtemp()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    args = DPOConfig(
+        output_dir=out, per_device_train_batch_size=8, learning_rate=1e-5, max_grad_norm=1.0,
+        max_length=max_length, report_to=[], use_cpu=True, logging_steps=10**9, save_strategy="no",
+        precompute_ref_log_probs=False, dataloader_num_workers=0,
+    )
+    trainer = DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=text_dataset(), processing_class=tok)
+    trainer.create_optimizer_and_scheduler(num_training_steps=1000)
+    return trainer
+
+
+def step_fn(trainer, get_inputs):
+    model = trainer.model
+    model.train()
+    trainer.current_gradient_accumulation_steps = 1
+
+    def run():
+        inputs = get_inputs()
+        trainer.training_step(model, inputs, None)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        trainer.optimizer.step()
+        trainer.lr_scheduler.step()
+        trainer.optimizer.zero_grad(set_to_none=True)
+
+    return run
+
+
+def ref_logps(trainer, inputs):
+    """The reference model's summed completion log-probabilities (TRL's precompute)."""
+    model = trainer.ref_model
+    with torch.no_grad():
+        labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
+        out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], labels=labels,
+                    use_cache=False, fused_lm_head=True)
+        lp = out.log_probs.sum(dim=1)
+    return lp.chunk(2, dim=0)
+
+
+def main():
+    args = common.workload_arg()
+    inputs = common.load_inputs(args.inputs)
+    w = args.workload
+    model_dir = os.path.join(args.inputs, "model")
+    extra = {}
+    torch.manual_seed(0)
+    if w in ("dpo", "dpo_cached") or w.startswith("curve_"):
+        from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+        key = "dpo" if w in ("dpo", "dpo_cached") else w
+        tok = common.word_tokenizer(common.CONFIG["vocab_size"])
+        T = inputs[f"{key}_prompt"].shape[1] + inputs[f"{key}_chosen"].shape[1]
+        trainer = dpo_trainer(model_dir, tok, precompute=w == "dpo_cached", max_length=T)
+        collate = DataCollatorForPreference(pad_token_id=tok.pad_token_id)
+        examples = [
+            {"prompt_ids": p.tolist(), "chosen_ids": c.tolist(), "rejected_ids": r.tolist()}
+            for p, c, r in zip(inputs[f"{key}_prompt"], inputs[f"{key}_chosen"], inputs[f"{key}_rejected"])
+        ]
+        batch = collate(examples)
+        if w == "dpo_cached":
+            trainer.precompute_ref_logps = True
+            c, r = ref_logps(trainer, batch)
+            batch = dict(batch, ref_chosen_logps=c, ref_rejected_logps=r)
+        run = step_fn(trainer, lambda: dict(batch))
+        n = args.steps if not w.startswith("curve_") else max(2, args.steps - 2)
+        first, times = common.time_steps(run, n)
+        extra["flops"] = common.dpo_flops(len(examples), T, with_reference=w != "dpo_cached")
+        extra["tokens"] = int(2 * len(examples) * T)
+    elif w == "hh_dpo":
+        from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+        tok = common.word_tokenizer(common.HH_VOCAB)
+        trainer = dpo_trainer(os.path.join(args.inputs, "model_hh"), tok, precompute=False, max_length=common.HH_MAX_LEN)
+        collate = DataCollatorForPreference(pad_token_id=tok.pad_token_id)
+
+        def rows(name):
+            flat, off = inputs[name], inputs[name + "_offsets"]
+            return [flat[off[i] : off[i + 1]].tolist() for i in range(len(off) - 1)]
+
+        P, C, R = rows("hh_prompt"), rows("hh_chosen"), rows("hh_rejected")
+        n = common.HH["pairs"]
+        batches = [
+            collate([{"prompt_ids": P[i], "chosen_ids": C[i], "rejected_ids": R[i]} for i in range(s, s + n)])
+            for s in range(0, len(P) // n * n, n)
+        ]
+        it = {"i": 0}
+
+        def get():
+            b = batches[it["i"] % len(batches)]
+            it["i"] += 1
+            return dict(b)
+
+        run = step_fn(trainer, get)
+        t0 = time.perf_counter()
+        first, times = common.time_steps(run, len(batches) - 1)
+        total = time.perf_counter() - t0
+        real = sum(int(b["attention_mask"].sum()) for b in batches)
+        computed = sum(int(b["attention_mask"].numel()) for b in batches)
+        extra.update(
+            real_tokens_per_s=real / total, steady_real_tokens_per_s=real / total, padding_fraction=1 - real / computed,
+            compiled_shapes=0, total_s=total, steps=len(batches),
+        )
+    elif w in ("gen_sample", "gen_greedy"):
+        from transformers import AutoModelForCausalLM
+
+        g = common.GEN
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        prompts = torch.as_tensor(inputs["gen_prompt"], dtype=torch.long)
+        attn = torch.ones_like(prompts)
+        sample = w == "gen_sample"
+
+        def run():
+            with torch.no_grad():
+                model.generate(
+                    input_ids=prompts, attention_mask=attn, max_new_tokens=g["new"], min_new_tokens=g["new"],
+                    do_sample=sample, temperature=1.0 if sample else None, top_k=0 if sample else None,
+                    top_p=1.0 if sample else None, pad_token_id=0, eos_token_id=None,
+                )
+
+        first, times = common.time_steps(run, args.steps)
+        extra["new_tokens"] = g["batch"] * g["new"]
+    elif w == "rm":
+        from transformers import AutoModelForSequenceClassification
+        from trl import RewardConfig, RewardTrainer
+        from trl.trainer.reward_trainer import DataCollatorForPreference
+
+        tok = common.word_tokenizer(common.CONFIG["vocab_size"])
+        model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
+        model.config.pad_token_id = 0
+        out = tempfile.mkdtemp()
+        rargs = RewardConfig(
+            output_dir=out, per_device_train_batch_size=8, learning_rate=1e-5, max_grad_norm=1.0,
+            max_length=common.RM["length"], report_to=[], use_cpu=True, logging_steps=10**9, save_strategy="no",
+        )
+        trainer = RewardTrainer(model=model, args=rargs, train_dataset=text_dataset(), processing_class=tok)
+        trainer.create_optimizer_and_scheduler(num_training_steps=1000)
+        collate = DataCollatorForPreference(pad_token_id=0)
+        batch = collate([
+            {"chosen_ids": c.tolist(), "rejected_ids": r.tolist()}
+            for c, r in zip(inputs["rm_chosen"], inputs["rm_rejected"])
+        ])
+        run = step_fn(trainer, lambda: dict(batch))
+        first, times = common.time_steps(run, args.steps)
+    elif w == "grpo":
+        from datasets import Dataset
+        from transformers import AutoModelForCausalLM, TrainerCallback
+        from trl import GRPOConfig, GRPOTrainer
+
+        g = common.GRPO
+        tok = common.word_tokenizer(common.CONFIG["vocab_size"])
+        tok.padding_side = "left"
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        prompts = [" ".join(f"t{i}" for i in row) for row in inputs["grpo_prompt"]]
+        n_steps = args.steps + 1
+        ds = Dataset.from_list([{"prompt": p} for p in prompts] * n_steps)
+        rewards = inputs["grpo_rewards"].tolist()
+
+        def reward(completions, **kw):
+            return [rewards[i % len(rewards)] for i in range(len(completions))]
+
+        gargs = GRPOConfig(
+            output_dir=tempfile.mkdtemp(), per_device_train_batch_size=g["prompts"] * g["group"],
+            num_generations=g["group"], max_completion_length=g["new"], learning_rate=1e-5,
+            max_grad_norm=1.0, max_steps=n_steps, report_to=[], use_cpu=True, logging_steps=10**9,
+            save_strategy="no", temperature=1.0, top_k=0, top_p=1.0, shuffle_dataset=False, beta=0.0,
+            generation_kwargs={"min_new_tokens": g["new"]},  # every completion is 128 tokens, as in rlhf_eqx
+        )
+        marks = []
+
+        class Timer(TrainerCallback):
+            def on_step_begin(self, *a, **k):
+                marks.append(time.perf_counter())
+
+            def on_step_end(self, *a, **k):
+                marks[-1] = time.perf_counter() - marks[-1]
+
+        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=gargs, train_dataset=ds,
+                              processing_class=tok, callbacks=[Timer()])
+        trainer.train()
+        first, times = marks[0], marks[1:]
+    else:
+        raise SystemExit(f"workload {w} is not run for TRL")
+    common.emit(LIB, w, first, times, peak_gflops=matmul_peak(), **extra)
+
+
+if __name__ == "__main__":
+    main()

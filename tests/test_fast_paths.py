@@ -1,0 +1,308 @@
+"""Fast paths equal the reference computations: completion-only LM head, the joint
+chosen/rejected forward, blockwise attention and NF4 weights."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_tree_allclose
+
+import rlhf_eqx as rx
+from rlhf_eqx import train
+
+
+def tiny_cfg(**kw):
+    base = dict(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, max_seq_len=128)
+    base.update(kw)
+    return rx.TransformerConfig(**base)
+
+
+def random_rows(key, B, T, V):
+    """Random tokens; masks with left, right and middle padding; a random selection."""
+    k1, k2, k3 = jax.random.split(key, 3)
+    tokens = jax.random.randint(k1, (B, T), 0, V)
+    mask = jax.random.bernoulli(k2, 0.8, (B, T))
+    mask = mask.at[:, 1].set(True).at[0, :].set(True)
+    select = jax.random.bernoulli(k3, 0.6, (B, T))
+    return tokens, mask, select
+
+
+def reference_selected(policy, tokens, mask, select):
+    logits = policy(tokens, mask)
+    logp = jax.vmap(rx.logprobs_from_logits)(logits, tokens, mask)
+    prev, has_prev = jax.vmap(rx.previous_real_index)(mask)
+    keep = select & mask & has_prev
+    mean = jnp.take_along_axis(jnp.mean(logits, axis=-1), prev, axis=-1)
+    return jnp.where(keep, logp, 0.0), jnp.where(keep, mean, 0.0)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 512])
+@pytest.mark.parametrize("kw", [{}, dict(tie_embeddings=True, final_softcap=5.0)])
+def test_selected_logprobs_equals_full_head(getkey, chunk, kw):
+    policy = rx.Policy(tiny_cfg(**kw), key=getkey())
+    tokens, mask, select = random_rows(getkey(), 3, 19, 61)
+    want = reference_selected(policy, tokens, mask, select)
+    got = policy.selected_logprobs(tokens, mask, select, chunk=chunk)
+    assert_tree_allclose(got, want, rtol=1e-5, atol=1e-5)
+    jitted = eqx.filter_jit(lambda p, *a: p.selected_logprobs(*a, chunk=chunk))(policy, tokens, mask, select)
+    assert_tree_allclose(jitted, want, rtol=1e-5, atol=1e-5)
+    one = policy.selected_logprobs(tokens[1], mask[1], select[1], chunk=chunk)
+    assert_tree_allclose(one, (want[0][1], want[1][1]), rtol=1e-5, atol=1e-5)
+
+
+def test_selected_logprobs_gradient_and_skipped_chunks(getkey):
+    policy = rx.Policy(tiny_cfg(), key=getkey())
+    tokens, mask, _ = random_rows(getkey(), 2, 16, 61)
+    select = jnp.zeros_like(mask).at[:, 10:13].set(True)  # few positions: most chunks skipped
+
+    def fast(p):
+        return jnp.sum(p.selected_logprobs(tokens, mask, select, chunk=2)[0])
+
+    def slow(p):
+        return jnp.sum(reference_selected(p, tokens, mask, select)[0])
+
+    gf = eqx.filter_grad(fast)(policy)
+    gs = eqx.filter_grad(slow)(policy)
+    assert_tree_allclose(gf, gs, rtol=1e-4, atol=1e-6)
+    assert float(fast(policy)) == pytest.approx(float(slow(policy)), rel=1e-5)
+
+
+def test_selected_logprobs_padding_invariance(getkey):
+    policy = rx.Policy(tiny_cfg(), key=getkey())
+    tokens = jax.random.randint(getkey(), (1, 12), 0, 61)
+    mask = jnp.ones((1, 12), bool)
+    select = jnp.arange(12)[None] >= 5
+    base = policy.selected_logprobs(tokens, mask, select, chunk=4)[0]
+    padded_tokens = jnp.concatenate([jnp.zeros((1, 3), tokens.dtype), tokens, jnp.zeros((1, 2), tokens.dtype)], 1)
+    padded_mask = jnp.concatenate([jnp.zeros((1, 3), bool), mask, jnp.zeros((1, 2), bool)], 1)
+    padded_select = jnp.concatenate([jnp.zeros((1, 3), bool), select, jnp.ones((1, 2), bool)], 1)
+    got = policy.selected_logprobs(padded_tokens, padded_mask, padded_select, chunk=4)[0]
+    np.testing.assert_allclose(got[:, 3:15], base, rtol=1e-5, atol=1e-5)
+    assert not np.any(np.asarray(got[:, :3])) and not np.any(np.asarray(got[:, 15:]))
+
+
+def test_selected_logprobs_rejects_bad_chunk(getkey):
+    policy = rx.Policy(tiny_cfg(), key=getkey())
+    tokens = jnp.zeros((1, 4), jnp.int32)
+    mask = jnp.ones((1, 4), bool)
+    with pytest.raises(ValueError, match="chunk"):
+        policy.selected_logprobs(tokens, mask, mask, chunk=0)
+
+
+class _Plain(eqx.Module):
+    """A per-sample model that is not a `Policy`: the step takes the full-logits path."""
+
+    policy: rx.Policy
+
+    def __call__(self, tokens, mask):
+        return self.policy(tokens, mask)
+
+
+def _pref_batch(key, B, T, V):
+    tokens, mask, _ = random_rows(key, 2 * B, T, V)
+    cm = jnp.arange(T)[None, :] >= T // 3
+    cm = jnp.broadcast_to(cm, mask.shape)
+    return rx.PreferenceBatch(
+        chosen_tokens=tokens[:B], chosen_mask=mask[:B], chosen_completion_mask=cm[:B],
+        rejected_tokens=tokens[B:], rejected_mask=mask[B:], rejected_completion_mask=cm[B:],
+    )
+
+
+@pytest.mark.parametrize("reference", ["model", "cached"])
+def test_dpo_step_fast_path_equals_full_logits_path(getkey, reference):
+    policy = rx.Policy(tiny_cfg(), key=getkey())
+    ref = rx.Policy(tiny_cfg(), key=getkey())
+    batch = _pref_batch(getkey(), 3, 17, 61)
+    opt = train.make_optimizer(learning_rate=1e-3, total_steps=10)
+    step = train.make_dpo_step(opt, reference=reference, rpo_alpha=0.5)
+    if reference == "cached":
+        fast_batch = train.compute_reference_logps(ref, batch)
+        slow_batch = train.compute_reference_logps(_Plain(ref), batch)
+        assert_tree_allclose(
+            (fast_batch.ref_chosen_logp, fast_batch.ref_rejected_logp),
+            (slow_batch.ref_chosen_logp, slow_batch.ref_rejected_logp),
+            rtol=1e-5, atol=1e-5,
+        )
+    else:
+        fast_batch = slow_batch = batch
+    state = opt.init(eqx.filter(policy, eqx.is_inexact_array))
+    p_fast, _, m_fast = step(policy, state, fast_batch, reference=ref)
+    plain = _Plain(policy)
+    plain_state = opt.init(eqx.filter(plain, eqx.is_inexact_array))
+    p_slow, _, m_slow = step(plain, plain_state, slow_batch, reference=_Plain(ref))
+    assert_tree_allclose(m_fast, m_slow, rtol=1e-4, atol=1e-5)
+    assert_tree_allclose(p_fast, p_slow.policy, rtol=1e-4, atol=1e-6)
+
+
+NF4_TABLE = np.array(
+    [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+     -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+     0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+     0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0],
+    np.float32,
+)
+
+
+def reference_nf4(w, block):
+    """Reference blockwise NF4 round trip in numpy: nearest level by brute force."""
+    flat = np.asarray(w, np.float32).reshape(-1)
+    n = flat.size
+    flat = np.concatenate([flat, np.zeros((-n) % block, np.float32)]).reshape(-1, block)
+    absmax = np.abs(flat).max(axis=1)
+    x = flat / np.where(absmax > 0, absmax, 1.0)[:, None]
+    idx = np.argmin(np.abs(x[..., None] - NF4_TABLE), axis=-1)
+    return (NF4_TABLE[idx] * absmax[:, None]).reshape(-1)[:n].reshape(w.shape)
+
+
+@pytest.mark.parametrize("shape,block", [((32, 48), 64), ((7, 9), 4), ((5, 3), 64)])
+def test_nf4_weight_matches_reference_dequantisation(getkey, shape, block):
+    from rlhf_eqx.models._quant import quantize_weight_nf4
+
+    w = jax.random.normal(getkey(), shape) * 0.02
+    w = w.at[0, :].set(0.0)  # an all-zero stretch
+    q = quantize_weight_nf4(w, block_size=block)
+    assert q.shape == shape
+    assert q.codes.dtype == jnp.uint8
+    np.testing.assert_allclose(q.dequantize(jnp.float32), reference_nf4(np.asarray(w), block), rtol=1e-6, atol=1e-9)
+
+
+def test_nf4_rejects_bad_block_size():
+    from rlhf_eqx.models._quant import quantize_weight_nf4
+
+    with pytest.raises(ValueError, match="block_size"):
+        quantize_weight_nf4(jnp.zeros((4, 4)), block_size=3)
+
+
+def test_nf4_model_memory_forward_and_lora(getkey):
+    cfg = tiny_cfg(d_model=64, d_ff=128)
+    policy = rx.Policy(cfg, key=getkey())
+    q = rx.models.quantize_nf4(policy)
+    layers = q.transformer.layers
+    assert isinstance(layers.wqkv, rx.models.NF4Weight)
+    fields = ("wqkv", "wo", "w_gate_up", "w_down")
+    dense_bytes = sum(getattr(policy.transformer.layers, f).nbytes for f in fields)
+    nf4_bytes = sum(getattr(layers, f).codes.nbytes + getattr(layers, f).absmax.nbytes for f in fields)
+    assert nf4_bytes / dense_bytes <= 0.16
+    tokens = jax.random.randint(getkey(), (2, 9), 0, 61)
+    mask = jnp.ones((2, 9), bool)
+    dense = rx.models.dequantize(q)
+    assert_tree_allclose(q(tokens, mask), dense(tokens, mask), rtol=1e-5, atol=1e-5)
+    # dequantised within reach of the float weights
+    err = jnp.max(jnp.abs(dense.transformer.layers.wqkv - policy.transformer.layers.wqkv))
+    assert float(err) <= float(jnp.max(jnp.abs(policy.transformer.layers.wqkv))) * 0.2
+    # LoRA on the NF4 base: only adapters get gradients; the step runs
+    lora = rx.apply_lora(q, rx.LoRAConfig(rank=4), key=getkey())
+    params, frozen = eqx.partition(lora, rx.lora_filter(lora))
+
+    def loss(p):
+        m = eqx.combine(p, frozen)
+        return jnp.mean(m(tokens, mask) ** 2)
+
+    g = eqx.filter_grad(loss)(params)
+    assert np.isfinite(float(sum(jnp.sum(x) for x in jax.tree.leaves(g))))
+    assert jax.tree.leaves(eqx.filter(params, eqx.is_inexact_array))
+    with pytest.raises(TypeError, match="quantised base"):
+        rx.merge_lora(lora)
+
+
+@pytest.mark.parametrize("T,block", [(13, 4), (16, 8), (9, 9)])
+def test_blockwise_attention_equals_dense(getkey, T, block):
+    from rlhf_eqx.models._attention import attention, attention_layout
+
+    B, H, K, hd = 2, 4, 2, 8
+    q = jax.random.normal(getkey(), (B, T, H, hd))
+    k = jax.random.normal(getkey(), (B, K, T, hd))
+    v = jax.random.normal(getkey(), (B, K, T, hd))
+    mask = jax.random.bernoulli(getkey(), 0.8, (B, T)).at[:, 0].set(True)
+    seg = jnp.concatenate([jnp.zeros((B, T // 2), jnp.int32), jnp.ones((B, T - T // 2), jnp.int32)], 1)
+    allowed, _ = attention_layout(mask, seg)
+    dense = attention(q, k, v, allowed, cap=30.0)
+    fast = attention(q, k, v, allowed, cap=30.0, causal_block=block)
+    rows = jnp.any(allowed, axis=-1)[..., None, None]
+    np.testing.assert_allclose(jnp.where(rows, fast, 0.0), jnp.where(rows, dense, 0.0), rtol=1e-5, atol=1e-5)
+
+    def loss(fn_block, q, k, v):
+        out = attention(q, k, v, allowed, causal_block=fn_block)
+        return jnp.sum(jnp.where(rows, out, 0.0) ** 2)
+
+    g_dense = jax.grad(lambda *a: loss(None, *a), argnums=(0, 1, 2))(q, k, v)
+    g_fast = jax.jit(jax.grad(lambda *a: loss(block, *a), argnums=(0, 1, 2)))(q, k, v)
+    assert_tree_allclose(g_fast, g_dense, rtol=1e-4, atol=1e-5)
+
+
+def test_long_sequence_forward_uses_blocks_and_matches_short_prefix(getkey):
+    """A sequence longer than the attention block gives, on its first positions, the
+    hidden states of its prefix alone (causality holds across blocks)."""
+    from rlhf_eqx.models import _transformer
+
+    cfg = tiny_cfg(max_seq_len=1024)
+    policy = rx.Policy(cfg, key=getkey())
+    T = _transformer.ATTENTION_BLOCK + 40
+    tokens = jax.random.randint(getkey(), (1, T), 0, 61)
+    mask = jnp.ones((1, T), bool)
+    full = eqx.filter_jit(lambda p, t, m: p(t, m))(policy, tokens, mask)
+    n = _transformer.ATTENTION_BLOCK - 10
+    prefix = policy(tokens[:, :n], mask[:, :n])
+    np.testing.assert_allclose(full[:, :n], prefix, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_num_samples_prefills_once_and_equals_repeated_prompts(getkey, temperature):
+    policy = rx.Policy(tiny_cfg(), key=getkey())
+    prompts = jax.random.randint(getkey(), (2, 5), 3, 61)
+    masks = jnp.ones((2, 5), bool).at[1, :2].set(False)
+    key = getkey()
+    opts = dict(max_new_tokens=6, temperature=temperature, eos_id=2)
+    grouped = rx.generate_batch(policy, prompts, masks, key, num_samples=3, **opts)
+    repeated = rx.generate_batch(policy, jnp.repeat(prompts, 3, 0), jnp.repeat(masks, 3, 0), key, **opts)
+    assert grouped.tokens.shape == (6, 11)
+    for a, b in zip(jax.tree.leaves(grouped), jax.tree.leaves(repeated)):
+        np.testing.assert_array_equal(a, b) if a.dtype != jnp.float32 else np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_num_samples_is_validated(getkey):
+    policy = rx.Policy(tiny_cfg(), key=getkey())
+    prompt = jnp.ones((3,), jnp.int32)
+    with pytest.raises(ValueError, match="num_samples"):
+        rx.generate_batch(policy, prompt[None], prompt[None] > 0, getkey(), max_new_tokens=2, num_samples=0)
+    with pytest.raises(ValueError, match="num_samples"):
+        rx.generate(policy, prompt, prompt > 0, getkey(), max_new_tokens=2, num_samples=2)
+
+
+def _flat_inverse_cdf(key, logits):
+    probs = jnp.exp(logits - jnp.max(logits))
+    cdf = jnp.cumsum(probs)
+    u = jax.random.uniform(key, (), jnp.float32) * cdf[-1]
+    return jnp.minimum(jnp.searchsorted(cdf, u, side="right"), logits.shape[0] - 1)
+
+
+@pytest.mark.parametrize("V", [1, 2, 5, 61, 300])
+def test_two_level_inverse_cdf_equals_flat_search(getkey, V):
+    from rlhf_eqx._sampling import _inverse_cdf_sample
+
+    logits = jax.random.normal(getkey(), (V,)) * 3.0
+    if V > 2:
+        logits = logits.at[::3].set(-jnp.inf)  # filtered tokens: never drawn
+    keys = jax.random.split(getkey(), 2000)
+    fast = jax.vmap(_inverse_cdf_sample, in_axes=(0, None))(keys, logits)
+    flat = jax.vmap(_flat_inverse_cdf, in_axes=(0, None))(keys, logits)
+    assert np.mean(np.asarray(fast) == np.asarray(flat)) >= 0.999
+    assert np.all(np.isfinite(np.asarray(logits)[np.asarray(fast)]))
+    if V > 2:
+        p = np.asarray(jax.nn.softmax(logits))
+        freq = np.bincount(np.asarray(fast), minlength=V) / fast.shape[0]
+        assert np.max(np.abs(freq - p)) < 0.05
+
+
+def test_reward_step_one_pass_equals_separate_scores(getkey):
+    model = rx.RewardModel(tiny_cfg(), key=getkey())
+    batch = _pref_batch(getkey(), 3, 11, 61)
+    opt = train.make_optimizer(learning_rate=1e-3, total_steps=10)
+    step = train.make_reward_step(opt)
+    _, _, metrics = step(model, opt.init(eqx.filter(model, eqx.is_inexact_array)), batch)
+    rc = model(batch.chosen_tokens, batch.chosen_mask)
+    rr = model(batch.rejected_tokens, batch.rejected_mask)
+    loss = jnp.mean(-jax.nn.log_sigmoid(rc - rr))
+    assert float(metrics["loss"]) == pytest.approx(float(loss), rel=1e-5)
+    assert float(metrics["margin"]) == pytest.approx(float(jnp.mean(rc - rr)), rel=1e-4, abs=1e-6)

@@ -59,8 +59,8 @@ from ._config import (
 from ._config import (
     validate_config as validate_config,
 )
+from ._data_runs import quality_report as quality_report
 from ._data_runs import run_on_data as run_on_data
-from ._data_runs import split_records as split_records
 from ._evaluate import (
     completion_nll as completion_nll,
 )
@@ -139,7 +139,13 @@ from ._runs import (
     best_worst_pairs as best_worst_pairs,
 )
 from ._runs import (
+    export_policy as export_policy,
+)
+from ._runs import (
     final_policy as final_policy,
+)
+from ._runs import (
+    has_lora as has_lora,
 )
 from ._runs import (
     rows_at as rows_at,

@@ -61,14 +61,18 @@ class DataConfig:
     """A data file for a single-stage run (`rlhf_eqx dpo|reward|sft|grpo --set
     data.path=...`): preferences (HH-RLHF, OpenAI messages, ShareGPT, plain) for
     `sft`/`reward`/`dpo`, prompts with answers (GSM8K) for `grpo`. The first `limit`
-    records are read (0: all); `heldout_fraction` of them, chosen with `seed`, are held
-    out for evaluation."""
+    records are read (0: all); about `heldout_fraction` of their prompts, chosen with
+    `seed` (`data.split_held_out`), are held out for evaluation. Before preference
+    training a data-quality report is logged; `filter` (e.g.
+    `identical,empty,exact_duplicate`) drops those problems first
+    (`data.filter_preferences`)."""
 
     path: str | None = None
     format: str = "auto"
     limit: int = 512
     heldout_fraction: float = 0.1
     seed: int = 0
+    filter: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,11 +103,15 @@ class OptimConfig:
 class SamplingConfig:
     """Rollouts and evaluation samples: prompts left-padded (or rejected) at
     `prompt_length` tokens, `max_new_tokens` sampled at `temperature` (the same
-    temperature is used for the steps' log-probabilities)."""
+    temperature is used for the steps' log-probabilities). Each completion stops at EOS
+    (and BOS) and, when `stop_strings` are given, is cut where one first appears: none
+    for the story task; `("\\n\\nHuman:",)` for HH-RLHF-style chat prompts, so that a
+    completion that starts the next human turn ends there."""
 
     prompt_length: int = 32
     max_new_tokens: int = 40
     temperature: float = 1.0
+    stop_strings: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,7 +324,10 @@ def _convert(value: Any, tp: Any, name: str) -> Any:
                 pass
         raise ConfigError(f"{name}={value!r}: expected {tp}")
     if origin is tuple:
-        if isinstance(value, str):
+        if isinstance(value, str) and name.endswith("stop_strings"):
+            # From the command line: comma-separated, with escapes (`\\n\\nHuman:`).
+            value = [v.encode().decode("unicode_escape") for v in value.split(",") if v]
+        elif isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{name}={value!r}: expected a list")
@@ -478,6 +489,10 @@ def validate_config(cfg: PipelineConfig, *, device_count: int = 1) -> None:
         _fail("data.limit", dc.limit, "must be >= 0 (0: all records)")
     if not 0 < dc.heldout_fraction < 1:
         _fail("data.heldout_fraction", dc.heldout_fraction, "must be in (0, 1)")
+    problems = ("identical", "empty", "exact_duplicate", "duplicate_prompt")
+    for f in dc.filter:
+        if f not in problems:
+            _fail("data.filter", dc.filter, f"unknown problem {f!r} (known: {', '.join(problems)})")
     s = cfg.sampling
     _positive("sampling.prompt_length", s.prompt_length)
     _positive("sampling.max_new_tokens", s.max_new_tokens)
@@ -485,6 +500,8 @@ def validate_config(cfg: PipelineConfig, *, device_count: int = 1) -> None:
         _fail("sampling.max_new_tokens", s.max_new_tokens, "must be <= 512")
     if s.temperature <= 0:
         _fail("sampling.temperature", s.temperature, "must be > 0 for training rollouts")
+    if not all(isinstance(x, str) and x for x in s.stop_strings):
+        _fail("sampling.stop_strings", s.stop_strings, "must be non-empty strings")
     o = cfg.ops
     if o.checkpoint_every < 0:
         _fail("ops.checkpoint_every", o.checkpoint_every, "must be >= 0")

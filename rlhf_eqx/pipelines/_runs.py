@@ -8,6 +8,7 @@ guard, metrics). Iteration `i` draws its data from `i` and its randomness from
 """
 
 import dataclasses
+import os
 from collections.abc import Callable, Sequence
 
 import equinox as eqx
@@ -42,6 +43,8 @@ __all__ = [
     "RunResult",
     "with_lora",
     "final_policy",
+    "export_policy",
+    "has_lora",
     "rows_at",
     "run_sft",
     "run_reward",
@@ -67,6 +70,7 @@ class RunContext:
     prompt_length: int = 32
     max_new_tokens: int = 40
     temperature: float = 1.0
+    stop_strings: tuple[str, ...] = ()
     meta: dict | None = None
     evaluate: Callable[[object], dict] | None = None
 
@@ -89,6 +93,21 @@ def with_lora(model, lora: LoRASettings, key: jax.Array):
     )
     adapted = rx.apply_lora(model, cfg, key=key)
     return adapted, rx.lora_filter(adapted)
+
+
+def has_lora(model) -> bool:
+    """Whether `model` carries LoRA adapters (`apply_lora`)."""
+    return rx.without_lora(model) is not model
+
+
+def export_policy(policy, run_dir: str, stage: str, *, adapted=None) -> None:
+    """Write `policy` (merged) as a Hugging Face checkpoint in `<run_dir>/<stage>/hf/`
+    (`save_hf`); when `adapted`, the trained model before merging, has LoRA adapters,
+    also the adapters alone in the PEFT layout in `<run_dir>/<stage>/adapter/`
+    (`save_lora_adapter`)."""
+    rx.save_hf(policy, os.path.join(run_dir, stage, "hf"))
+    if adapted is not None and has_lora(adapted):
+        rx.save_lora_adapter(adapted, os.path.join(run_dir, stage, "adapter"))
 
 
 def final_policy(model):
@@ -293,6 +312,7 @@ def run_online_dpo(
             prompt_length=ctx.prompt_length,
             max_new_tokens=ctx.max_new_tokens,
             temperature=ctx.temperature,
+            stop_strings=ctx.stop_strings,
         )
         labels = label(roll.prompts, roll.texts, r)
         pairs = best_worst_pairs(prompts, roll.texts, labels, cfg.samples)
@@ -377,6 +397,7 @@ def run_ppo(
             prompt_length=ctx.prompt_length,
             max_new_tokens=ctx.max_new_tokens,
             temperature=ctx.temperature,
+            stop_strings=ctx.stop_strings,
         )
         if isinstance(reward, rx.RewardModel):
             scores = reward_model_scores(reward, roll.tokens, roll.mask)
@@ -396,6 +417,7 @@ def run_ppo(
             gamma=cfg.gamma,
             lam=cfg.lam,
             temperature=ctx.temperature,
+            stop_strings=ctx.stop_strings,
         )
         m = roll.completion_mask & roll.mask
         batch = eqx.tree_at(lambda b: b.old_logp, batch, jnp.where(m, roll.logprobs, 0.0))
@@ -472,6 +494,7 @@ def run_grpo(
             prompt_length=ctx.prompt_length,
             max_new_tokens=ctx.max_new_tokens,
             temperature=ctx.temperature,
+            stop_strings=ctx.stop_strings,
         )
         rewards, info = score_rollout(roll, reward_fns)
         info["score"] = float(rewards.mean())

@@ -125,6 +125,13 @@ class OpsConfig:
       of the last 10 losses) or a KL spike (`kl > kl_spike`), restore the last good
       state and divide the learning rate by `lr_backoff`; at most `max_rollbacks` times.
     - `quiet`: no progress bars or per-step lines.
+    - `monitor`: measure a float32 matmul peak at the start of the run and log each
+      iteration's model FLOPs, MFU and device memory (where the backend reports it).
+    - `profile_steps`: `[a, b]` writes a `jax.profiler` trace of iterations `a <= i < b`
+      to `<run dir>/profile/<stage>/` (empty: no trace).
+    - `tensorboard`: also write the step metrics as TensorBoard scalars to
+      `<run dir>/tensorboard/<stage>/` (needs `tensorboardX`; skipped with a note
+      otherwise).
     """
 
     seed: int = 0
@@ -138,6 +145,9 @@ class OpsConfig:
     max_rollbacks: int = 3
     log_every: int = 10
     quiet: bool = False
+    monitor: bool = True
+    profile_steps: tuple[int, ...] = ()
+    tensorboard: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -514,6 +524,9 @@ def validate_config(cfg: PipelineConfig, *, device_count: int = 1) -> None:
         _fail("ops.loss_spike", o.loss_spike, "must be > 1")
     if not o.kl_spike > 0:
         _fail("ops.kl_spike", o.kl_spike, "must be > 0")
+    ps = o.profile_steps
+    if ps and (len(ps) != 2 or not 0 <= ps[0] < ps[1]):
+        _fail("ops.profile_steps", ps, "must be empty or [a, b] with 0 <= a < b")
     known = ("sft", "reward", "ppo", "dpo", "grpo", "online-dpo")
     for st in cfg.stages:
         if st not in known:

@@ -14,6 +14,7 @@ from rlhf_eqx import data
 
 from ._config import DataConfig, PipelineConfig, config_to_dict
 from ._evaluate import reward_accuracy
+from ._monitor import measure_matmul_peak
 from ._ops import MetricsLog
 from ._rollout import RewardFunction, sample_rollout
 from ._runs import (
@@ -122,7 +123,7 @@ def run_on_data(cfg: PipelineConfig, stage: str, *, resume: bool = False) -> dic
     s = cfg.sampling
     ctx = RunContext(
         ops=cfg.ops,
-        log=MetricsLog(run_dir, stage, quiet=cfg.ops.quiet),
+        log=MetricsLog(run_dir, stage, quiet=cfg.ops.quiet, tensorboard=cfg.ops.tensorboard),
         key=jax.random.key(cfg.ops.seed),
         checkpoint_dir=os.path.join(run_dir, stage, "checkpoints"),
         resume=resume,
@@ -131,6 +132,7 @@ def run_on_data(cfg: PipelineConfig, stage: str, *, resume: bool = False) -> dic
         temperature=s.temperature,
         stop_strings=s.stop_strings,
         meta={"stage": stage, "config": config_to_dict(cfg)},
+        peak_flops=measure_matmul_peak() if cfg.ops.monitor else None,
     )
     say = (lambda *a: None) if cfg.ops.quiet else print
     summary: dict = {"data": cfg.data.path}

@@ -26,6 +26,7 @@ from jaxtyping import Array, Float, PyTree
 
 from ..train import make_optimizer
 from ._config import OpsConfig, OptimConfig
+from ._monitor import Profiler, device_memory, tensorboard_writer
 
 __all__ = [
     "LRScaleState",
@@ -208,16 +209,25 @@ class MetricsLog:
     (`{"stage", "iteration", "step", ...metrics}`), per evaluation (`"eval": true`) and
     per event (`"event": ...`, e.g. a rollback)."""
 
-    def __init__(self, run_dir: str, stage: str, *, quiet: bool = False):
+    def __init__(self, run_dir: str, stage: str, *, quiet: bool = False, tensorboard: bool = False):
         os.makedirs(run_dir, exist_ok=True)
+        self.run_dir = run_dir
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.stage = stage
         self.quiet = quiet
+        self.writer = (
+            tensorboard_writer(os.path.join(run_dir, "tensorboard", stage)) if tensorboard else None
+        )
 
     def write(self, record: dict) -> None:
         line = {"stage": self.stage, **{k: _float(v) for k, v in record.items()}}
         with open(self.path, "a") as f:
             f.write(json.dumps(line) + "\n")
+        if self.writer is not None and "step" in line and "event" not in line:
+            for k, v in line.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
+                    self.writer.add_scalar(f"{self.stage}/{k}", v, global_step=line["step"])
+            self.writer.flush()
 
     def event(self, kind: str, message: str, **fields: Any) -> None:
         self.write({"event": kind, "message": message, **fields})
@@ -286,6 +296,8 @@ def run_iterations(
     kl_target: float | None = None,
     evaluate: Callable[[Any, int], dict] | None = None,
     tokens_per_iteration: int | None = None,
+    flops_per_iteration: float | None = None,
+    peak_flops: float | None = None,
 ) -> LoopResult:
     """Run `iteration(state, fold_in(key, i), i) -> (state, step_metrics, info)` for
     `i = 0 .. num_iterations - 1` with checkpoints, rollback, the KL guard and evaluation.
@@ -302,6 +314,11 @@ def run_iterations(
       policy to the reference) exceeds it, the iteration's updates are discarded and the
       run stops early.
     - **Evaluation** (`evaluate(state, i) -> metrics`): every `ops.eval_every` iterations.
+    - **Monitoring**: on the last step line of each iteration, `iteration_time_s`,
+      `tokens_per_s`, `model_flops` (`flops_per_iteration`) and `mfu` (against
+      `peak_flops`), device memory where the backend reports it, and
+      `reward_improvement` (the rollout score minus that of `ops.log_every` iterations
+      before); `ops.profile_steps` writes a profiler trace.
     """
     meta = dict(meta or {})
     start = 0
@@ -318,6 +335,18 @@ def run_iterations(
     rollbacks = 0
     stopped = "done"
     bar = _progress(num_iterations, start, log.stage, ops.quiet)
+    profiler = Profiler(ops.profile_steps, os.path.join(log.run_dir, "profile", log.stage))
+    scores: dict[int, float] = {}
+    if peak_flops is not None:
+        log.write(
+            {
+                "event": "monitor",
+                "peak_flops": peak_flops,
+                "device": str(jax.devices()[0].device_kind),
+                "devices": jax.device_count(),
+                "collective_share": "not measured: pipeline runs execute on one device",
+            }
+        )
     i = start
     # The loss a step reports is computed before its update, so a bad update shows in
     # the next iteration's loss: rollback returns to the state before the previous
@@ -325,10 +354,12 @@ def run_iterations(
     before_prev: tuple[int, Any] | None = None
     while i < num_iterations:
         good = _copy(state)
+        profiler.before(i)
         t0 = time.perf_counter()
         new_state, metrics, info = iteration(state, jax.random.fold_in(key, i), i)
         metrics = [{k: float(v) for k, v in m.items()} for m in metrics]
         elapsed = time.perf_counter() - t0
+        profiler.after(i)
         problem = _problem(metrics, info, losses, ops) if ops.rollback else None
         if problem is not None and rollbacks < ops.max_rollbacks:
             rollbacks += 1
@@ -369,6 +400,9 @@ def run_iterations(
                 rec["iteration_time_s"] = elapsed
                 if tokens_per_iteration:
                     rec["tokens_per_s"] = tokens_per_iteration / max(elapsed, 1e-9)
+                rec.update(
+                    _monitoring(i, elapsed, info, scores, ops, flops_per_iteration, peak_flops)
+                )
             rec["lr_scale"] = get_lr_scale(state.opt_state)
             history.append(rec)
             log.write(rec)
@@ -403,9 +437,33 @@ def run_iterations(
                 meta,
                 keep=ops.keep,
             )
+    profiler.close()
     if bar is not None:
         bar.close()
     return LoopResult(state, history, i, stopped, rollbacks)
+
+
+def _monitoring(
+    i: int,
+    elapsed: float,
+    info: dict,
+    scores: dict[int, float],
+    ops: OpsConfig,
+    flops: float | None,
+    peak: float | None,
+) -> dict:
+    out: dict[str, float] = {}
+    if flops:
+        out["model_flops"] = flops
+        if peak:
+            out["mfu"] = flops / max(elapsed, 1e-9) / peak
+    if ops.monitor:
+        out.update(device_memory())
+    if "score" in info:
+        scores[i] = float(info["score"])
+        if i - ops.log_every in scores:
+            out["reward_improvement"] = scores[i] - scores[i - ops.log_every]
+    return out
 
 
 def _with_opt_state(state: Any, scale: float) -> Any:

@@ -13,6 +13,7 @@ from rlhf_eqx import data
 
 from ._config import ConfigError, PipelineConfig, config_to_dict
 from ._evaluate import evaluate_policy, reward_accuracy, win_rate
+from ._monitor import measure_matmul_peak
 from ._ops import MetricsLog
 from ._rollout import RewardFunction, sample_rollout
 from ._runs import (
@@ -84,12 +85,19 @@ def _rm_label(rm, tok, cfg: PipelineConfig):
 
 
 def _ctx(
-    cfg: PipelineConfig, run_dir: str, stage: str, key, resume: bool, evaluate=None
+    cfg: PipelineConfig,
+    run_dir: str,
+    stage: str,
+    key,
+    resume: bool,
+    evaluate=None,
+    *,
+    peak_flops: float | None = None,
 ) -> RunContext:
     s = cfg.sampling
     return RunContext(
         ops=cfg.ops,
-        log=MetricsLog(run_dir, stage, quiet=cfg.ops.quiet),
+        log=MetricsLog(run_dir, stage, quiet=cfg.ops.quiet, tensorboard=cfg.ops.tensorboard),
         key=key,
         checkpoint_dir=os.path.join(run_dir, stage, "checkpoints"),
         resume=resume,
@@ -99,6 +107,7 @@ def _ctx(
         stop_strings=s.stop_strings,
         meta={"stage": stage, "config": config_to_dict(cfg)},
         evaluate=evaluate,
+        peak_flops=peak_flops,
     )
 
 
@@ -137,6 +146,7 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
     k_eval, k_sft, k_rm, k_ppo, k_dpo, k_grpo, k_data, k_online = jax.random.split(key, 8)
     label = _labels(cfg.label_noise, cfg.ops.seed)
     log = MetricsLog(run_dir, "pipeline", quiet=cfg.ops.quiet)
+    peak = measure_matmul_peak() if cfg.ops.monitor else None
 
     def evaluate(policy, reference):
         return evaluate_policy(
@@ -178,7 +188,13 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
         for j, (p, b) in enumerate(zip(TRAIN_PROMPTS, best))
     ]
     say(f"sft: {len(records)} demonstrations (best of {cfg.sft.samples} by noisy labels)")
-    res = run_sft(base, tok, records, cfg=cfg.sft, ctx=_ctx(cfg, run_dir, "sft", k_sft, resume))
+    res = run_sft(
+        base,
+        tok,
+        records,
+        cfg=cfg.sft,
+        ctx=_ctx(cfg, run_dir, "sft", k_sft, resume, peak_flops=peak),
+    )
     sft = final_policy(res.state.model)
     sft_metrics, _, sft_scores = evaluate(sft, base)
     summary["sft"] = sft_metrics
@@ -248,7 +264,9 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
                     )
                 )
         say(f"reward: {len(pairs)} noisily labelled training pairs, {len(clean)} held-out pairs")
-        res = run_reward(sft, tok, pairs, cfg=r, ctx=_ctx(cfg, run_dir, "reward", k_rm, resume))
+        res = run_reward(
+            sft, tok, pairs, cfg=r, ctx=_ctx(cfg, run_dir, "reward", k_rm, resume, peak_flops=peak)
+        )
         rm = res.state.model
         rx.save_hf(rm, os.path.join(run_dir, "reward", "hf"))
         held = collate_pairs(clean, tok, max_length=r.max_length, prompt_length=s.prompt_length)
@@ -266,7 +284,7 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
                 TRAIN_PROMPTS,
                 reward=rm,
                 cfg=cfg.ppo,
-                ctx=_ctx(cfg, run_dir, "ppo", k_ppo, resume, periodic),
+                ctx=_ctx(cfg, run_dir, "ppo", k_ppo, resume, periodic, peak_flops=peak),
             )
             summary.setdefault("stopped", {})["ppo"] = res.loop.stopped
             finish("ppo", res.state.model[0])
@@ -277,7 +295,7 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
                 TRAIN_PROMPTS,
                 _rm_label(rm, tok, cfg),
                 cfg=cfg.dpo,
-                ctx=_ctx(cfg, run_dir, "online-dpo", k_online, resume, periodic),
+                ctx=_ctx(cfg, run_dir, "online-dpo", k_online, resume, periodic, peak_flops=peak),
             )
             finish("online-dpo", res.state.model)
     if "dpo" in cfg.stages:
@@ -287,7 +305,7 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
             TRAIN_PROMPTS,
             label,
             cfg=cfg.dpo,
-            ctx=_ctx(cfg, run_dir, "dpo", k_dpo, resume, periodic),
+            ctx=_ctx(cfg, run_dir, "dpo", k_dpo, resume, periodic, peak_flops=peak),
         )
         finish("dpo", res.state.model)
     if "grpo" in cfg.stages:
@@ -298,7 +316,7 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
             TRAIN_PROMPTS,
             reward_fns=fns,
             cfg=cfg.grpo,
-            ctx=_ctx(cfg, run_dir, "grpo", k_grpo, resume, periodic),
+            ctx=_ctx(cfg, run_dir, "grpo", k_grpo, resume, periodic, peak_flops=peak),
         )
         summary.setdefault("stopped", {})["grpo"] = res.loop.stopped
         finish("grpo", res.state.model)

@@ -28,6 +28,7 @@ from ._config import (
     RewardConfig,
     SFTConfig,
 )
+from ._monitor import model_flops
 from ._ops import LoopResult, MetricsLog, build_optimizer, run_iterations
 from ._rollout import (
     RewardFunction,
@@ -60,7 +61,8 @@ class RunContext:
     """Where and how a run executes: its operations settings, its metrics log, its
     checkpoint directory (`None`: no checkpoints), whether to resume, its PRNG key, and
     the sampling settings of rollouts. `evaluate(policy) -> metrics`, when given, runs
-    every `ops.eval_every` iterations on the current policy (LoRA merged)."""
+    every `ops.eval_every` iterations on the current policy (LoRA merged). `peak_flops`
+    (`measure_matmul_peak`, once per run) turns on the per-iteration MFU."""
 
     ops: OpsConfig
     log: MetricsLog
@@ -73,6 +75,7 @@ class RunContext:
     stop_strings: tuple[str, ...] = ()
     meta: dict | None = None
     evaluate: Callable[[object], dict] | None = None
+    peak_flops: float | None = None
 
 
 @dataclasses.dataclass
@@ -146,6 +149,7 @@ def _loop(state, iteration, ctx: RunContext, num, *, policy_of=None, **kw) -> Ru
         resume=ctx.resume,
         meta=ctx.meta,
         evaluate=evaluate,
+        peak_flops=ctx.peak_flops,
         **kw,
     )
     return RunResult(loop.state, loop.history, loop)
@@ -187,6 +191,9 @@ def run_sft(
         cfg.steps,
         policy_of=lambda s: s.model,
         tokens_per_iteration=cfg.batch_size * cfg.max_length,
+        flops_per_iteration=model_flops(
+            rx.count_params(model), train_tokens=cfg.batch_size * cfg.max_length
+        ),
     )
 
 
@@ -223,8 +230,14 @@ def run_reward(
         return state, [m], {}
 
     ctx = dataclasses.replace(ctx, key=ctx_key)
+    tokens = 2 * cfg.batch_size * cfg.max_length
     return _loop(
-        state, iteration, ctx, cfg.steps, tokens_per_iteration=2 * cfg.batch_size * cfg.max_length
+        state,
+        iteration,
+        ctx,
+        cfg.steps,
+        tokens_per_iteration=tokens,
+        flops_per_iteration=model_flops(rx.count_params(rm), train_tokens=tokens),
     )
 
 
@@ -266,6 +279,9 @@ def run_dpo(
         cfg.steps,
         policy_of=lambda s: s.model,
         tokens_per_iteration=2 * cfg.batch_size * cfg.max_length,
+        flops_per_iteration=model_flops(
+            rx.count_params(state.model), train_tokens=2 * cfg.batch_size * cfg.max_length
+        ),
     )
 
 
@@ -335,7 +351,21 @@ def run_online_dpo(
         return state, metrics, info
 
     ctx = dataclasses.replace(ctx, key=ctx_key)
-    return _loop(state, iteration, ctx, cfg.rounds, policy_of=lambda s: s.model)
+    sampled = len(prompts) * cfg.samples * (ctx.prompt_length + ctx.max_new_tokens)
+    flops = model_flops(
+        rx.count_params(state.model),
+        train_tokens=cfg.steps * 2 * cfg.batch_size * cfg.max_length,
+        forward_tokens=sampled + 2 * len(prompts) * cfg.max_length,  # + reference, <= 1 pair/prompt
+    )
+    return _loop(
+        state,
+        iteration,
+        ctx,
+        cfg.rounds,
+        policy_of=lambda s: s.model,
+        tokens_per_iteration=sampled,
+        flops_per_iteration=flops,
+    )
 
 
 # --- PPO -------------------------------------------------------------------------------
@@ -385,6 +415,8 @@ def run_ppo(
         temperature=ctx.temperature,
     )
     mb = cfg.prompts_per_rollout // cfg.minibatches
+    rows = cfg.prompts_per_rollout * (ctx.prompt_length + ctx.max_new_tokens)
+    n_policy, n_value = rx.count_params(pol), rx.count_params(value)
 
     def iteration(state, key, r):
         k_sample, k_steps = jax.random.split(key)
@@ -446,6 +478,11 @@ def run_ppo(
         kl_target=cfg.kl_target,
         policy_of=lambda s: s.model[0],
         tokens_per_iteration=cfg.prompts_per_rollout * ctx.max_new_tokens,
+        # Sampling, old policy, reference (twice: shaping and the KL guard) and value
+        # forward passes; epochs of training steps on policy and value.
+        flops_per_iteration=model_flops(n_policy, forward_tokens=4 * rows)
+        + model_flops(n_value, forward_tokens=rows, train_tokens=cfg.epochs * rows)
+        + model_flops(n_policy, train_tokens=cfg.epochs * rows),
     )
 
 
@@ -482,6 +519,8 @@ def run_grpo(
         donate=False,
         temperature=ctx.temperature,
     )
+
+    rows = cfg.prompts_per_rollout * cfg.group_size * (ctx.prompt_length + ctx.max_new_tokens)
 
     def iteration(state, key, r):
         k_sample, k_steps = jax.random.split(key)
@@ -533,4 +572,8 @@ def run_grpo(
         kl_target=cfg.kl_target,
         policy_of=lambda s: s.model,
         tokens_per_iteration=cfg.prompts_per_rollout * cfg.group_size * ctx.max_new_tokens,
+        # Sampling and the reference pass, then `epochs` steps on the rollout.
+        flops_per_iteration=model_flops(
+            rx.count_params(pol), forward_tokens=2 * rows, train_tokens=cfg.epochs * rows
+        ),
     )

@@ -396,7 +396,13 @@ def load_config(path: str, cls: type = PipelineConfig, *, base: Any = None) -> A
             import yaml
         except ImportError:
             raise ConfigError(f"{path}: YAML configs need PyYAML (pip install pyyaml)") from None
-        data = yaml.safe_load(text) or {}
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            line = f":{mark.line + 1}" if mark is not None else ""
+            why = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigError(f"{path}{line}: invalid YAML ({why})") from None
     else:
         try:
             data = json.loads(text)

@@ -12,18 +12,19 @@ import numpy as np
 import rlhf_eqx as rx
 from rlhf_eqx import data
 
-from ._config import DataConfig, PipelineConfig, config_to_dict
+from ._config import DataConfig, PipelineConfig
+from ._config_io import config_to_dict
+from ._dpo_runs import run_dpo
 from ._evaluate import reward_accuracy
+from ._metrics import MetricsLog
 from ._monitor import measure_matmul_peak
-from ._ops import MetricsLog
+from ._rl_runs import run_grpo
 from ._rollout import RewardFunction, sample_rollout
 from ._runs import (
     RunContext,
     collate_pairs,
     export_policy,
     final_policy,
-    run_dpo,
-    run_grpo,
     run_reward,
     run_sft,
 )

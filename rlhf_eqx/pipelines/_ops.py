@@ -1,4 +1,6 @@
-"""Operations shared by every run: learning-rate scale, checkpoints, metrics, the loop.
+"""The iteration loop shared by every run, and the learning-rate factor rollback lowers.
+
+Checkpoints are in `_checkpoints.py`, the metrics log in `_metrics.py`.
 
 A run is a sequence of *iterations* (one optimiser step for SFT / reward / offline DPO;
 one rollout and its updates for PPO / GRPO / online DPO). Iteration `i` draws its
@@ -7,12 +9,8 @@ checkpoint taken after iteration `i` continues exactly as the uninterrupted run.
 """
 
 import dataclasses
-import hashlib
-import json
 import math
 import os
-import shutil
-import sys
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -25,8 +23,10 @@ import optax
 from jaxtyping import Array, Float, PyTree
 
 from ..train import make_optimizer
+from ._checkpoints import latest_checkpoint, restore_checkpoint, save_checkpoint
 from ._config import OpsConfig, OptimConfig
-from ._monitor import Profiler, device_memory, tensorboard_writer
+from ._metrics import MetricsLog, progress
+from ._monitor import Profiler, device_memory
 
 __all__ = [
     "LRScaleState",
@@ -34,10 +34,6 @@ __all__ = [
     "build_optimizer",
     "get_lr_scale",
     "set_lr_scale",
-    "save_checkpoint",
-    "latest_checkpoint",
-    "restore_checkpoint",
-    "MetricsLog",
     "LoopResult",
     "run_iterations",
 ]
@@ -102,150 +98,6 @@ def set_lr_scale(opt_state: PyTree, scale: float) -> PyTree:
         opt_state,
         is_leaf=_is_scale,
     )
-
-
-# --- checkpoints -----------------------------------------------------------------------
-
-_CKPT_PREFIX = "iter_"
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def save_checkpoint(directory: str, iteration: int, tree: PyTree, meta: dict, *, keep: int) -> str:
-    """Write `tree` (arrays via `eqx.tree_serialise_leaves`) and `meta` (JSON) as
-    `directory/iter_<iteration>/`, atomically, and keep only the last `keep`.
-
-    The files are written to a temporary directory, flushed, checksummed (SHA-256 of the
-    leaves file, stored in `meta.json`) and renamed into place: a crash leaves either
-    the previous checkpoints or the new one, never a partial one.
-    """
-    os.makedirs(directory, exist_ok=True)
-    final = os.path.join(directory, f"{_CKPT_PREFIX}{iteration:08d}")
-    tmp = f"{final}.tmp{os.getpid()}"
-    if os.path.exists(tmp):
-        shutil.rmtree(tmp)
-    os.makedirs(tmp)
-    leaves = os.path.join(tmp, "state.eqx")
-    with open(leaves, "wb") as f:
-        eqx.tree_serialise_leaves(f, tree)
-        f.flush()
-        os.fsync(f.fileno())
-    meta = dict(meta, iteration=iteration, sha256=_sha256(leaves))
-    with open(os.path.join(tmp, "meta.json"), "w") as f:
-        json.dump(meta, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    if os.path.exists(final):
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    for old in _checkpoints(directory)[:-keep]:
-        shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
-    return final
-
-
-def _checkpoints(directory: str) -> list[str]:
-    if not os.path.isdir(directory):
-        return []
-    names = [
-        n
-        for n in os.listdir(directory)
-        if n.startswith(_CKPT_PREFIX) and n[len(_CKPT_PREFIX) :].isdigit()
-    ]
-    return sorted(names)
-
-
-def latest_checkpoint(directory: str) -> str | None:
-    """The newest complete checkpoint under `directory` whose checksum matches (older
-    ones are tried when the newest is damaged), or `None`."""
-    for name in reversed(_checkpoints(directory)):
-        path = os.path.join(directory, name)
-        try:
-            with open(os.path.join(path, "meta.json")) as f:
-                meta = json.load(f)
-            if _sha256(os.path.join(path, "state.eqx")) == meta["sha256"]:
-                return path
-        except (OSError, ValueError, KeyError):
-            pass
-        print(f"warning: skipping damaged checkpoint {path}", file=sys.stderr)
-    return None
-
-
-def restore_checkpoint(path: str, like: PyTree) -> tuple[PyTree, dict]:
-    """Read a checkpoint written by `save_checkpoint` into the structure of `like`."""
-    with open(os.path.join(path, "meta.json")) as f:
-        meta = json.load(f)
-    leaves = os.path.join(path, "state.eqx")
-    if _sha256(leaves) != meta.get("sha256"):
-        raise ValueError(f"checkpoint {path}: checksum mismatch (file damaged)")
-    try:
-        tree = eqx.tree_deserialise_leaves(leaves, like)
-    except Exception as e:
-        raise ValueError(
-            f"checkpoint {path} does not match this run's model/optimiser ({e})"
-        ) from None
-    return tree, meta
-
-
-# --- metrics ---------------------------------------------------------------------------
-
-
-def _float(v: Any) -> Any:
-    if isinstance(v, (int, float, str, bool)) or v is None:
-        return v
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return str(v)
-
-
-class MetricsLog:
-    """Append-only JSON lines (`metrics.jsonl` in the run directory): one line per step
-    (`{"stage", "iteration", "step", ...metrics}`), per evaluation (`"eval": true`) and
-    per event (`"event": ...`, e.g. a rollback)."""
-
-    def __init__(self, run_dir: str, stage: str, *, quiet: bool = False, tensorboard: bool = False):
-        os.makedirs(run_dir, exist_ok=True)
-        self.run_dir = run_dir
-        self.path = os.path.join(run_dir, "metrics.jsonl")
-        self.stage = stage
-        self.quiet = quiet
-        self.writer = (
-            tensorboard_writer(os.path.join(run_dir, "tensorboard", stage)) if tensorboard else None
-        )
-
-    def write(self, record: dict) -> None:
-        line = {"stage": self.stage, **{k: _float(v) for k, v in record.items()}}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(line) + "\n")
-        if self.writer is not None and "step" in line and "event" not in line:
-            for k, v in line.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
-                    self.writer.add_scalar(f"{self.stage}/{k}", v, global_step=line["step"])
-            self.writer.flush()
-
-    def event(self, kind: str, message: str, **fields: Any) -> None:
-        self.write({"event": kind, "message": message, **fields})
-        print(f"[{self.stage}] {kind}: {message}", file=sys.stderr)
-
-    def info(self, message: str) -> None:
-        if not self.quiet:
-            print(f"[{self.stage}] {message}")
-
-
-def _progress(total: int, initial: int, desc: str, quiet: bool):
-    if quiet:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, initial=initial, desc=desc, leave=False, file=sys.stderr)
 
 
 # --- the loop --------------------------------------------------------------------------
@@ -334,7 +186,7 @@ def run_iterations(
     losses: list[float] = []
     rollbacks = 0
     stopped = "done"
-    bar = _progress(num_iterations, start, log.stage, ops.quiet)
+    bar = progress(num_iterations, start, log.stage, ops.quiet)
     profiler = Profiler(ops.profile_steps, os.path.join(log.run_dir, "profile", log.stage))
     scores: dict[int, float] = {}
     if peak_flops is not None:

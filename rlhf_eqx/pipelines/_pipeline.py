@@ -11,19 +11,19 @@ import numpy as np
 import rlhf_eqx as rx
 from rlhf_eqx import data
 
-from ._config import ConfigError, PipelineConfig, config_to_dict
+from ._config import ConfigError, PipelineConfig
+from ._config_io import config_to_dict
+from ._dpo_runs import run_online_dpo
 from ._evaluate import evaluate_policy, reward_accuracy, win_rate
+from ._metrics import MetricsLog
 from ._monitor import measure_matmul_peak
-from ._ops import MetricsLog
+from ._rl_runs import run_grpo, run_ppo
 from ._rollout import RewardFunction, sample_rollout
 from ._runs import (
     RunContext,
     collate_pairs,
     export_policy,
     final_policy,
-    run_grpo,
-    run_online_dpo,
-    run_ppo,
     run_reward,
     run_sft,
 )

@@ -229,3 +229,28 @@ def test_export_writes_the_merged_policy_and_the_peft_adapters(tmp_path):
     assert os.path.isfile(tmp_path / "dpo" / "adapter" / "adapter_model.safetensors")
     pl.export_policy(policy, str(tmp_path), "full", adapted=policy)
     assert not os.path.exists(tmp_path / "full" / "adapter")
+
+
+# --- the sweep example's pairs -------------------------------------------------------------
+
+
+def test_sweep_pairs_contrast_accepted_and_rejected_completions():
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(
+        "sweep_example", os.path.join(root, "examples", "sweep.py")
+    )
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    texts = ["a cat", "nothing", "a dog", "none", "x", "y", "a fox", "a pig", "z", "w", "q", "r"]
+    labels = [pl.animal_score(t) for t in texts]
+    pairs = sweep.contrast_pairs(["p0", "p1", "p2"], texts, labels, 4, per_prompt=3)
+    # p0 and p1: two accepted, two rejected -> two pairs each; p2: none accepted.
+    assert [(r.prompt, r.chosen, r.rejected) for r in pairs] == [
+        ("p0", "a cat", "nothing"),
+        ("p0", "a dog", "none"),
+        ("p1", "a fox", "x"),
+        ("p1", "a pig", "y"),
+    ]
+    assert len(sweep.contrast_pairs(["p0"], texts[:4], labels[:4], 4, per_prompt=1)) == 1

@@ -15,14 +15,19 @@ GSM8K=$SHARED/data/gsm8k/test.jsonl
 # DPO on HH-RLHF (harmless-base): prompts are the dialogue up to the last "Assistant:",
 # chosen/rejected the two final replies. Measures the held-out implicit-reward accuracy:
 # the fraction of held-out pairs where beta*log(pi/ref) is higher for the chosen reply
-# (0.5 = chance). summary.json also reports how many prompts/completions were truncated
-# at sampling.prompt_length / dpo.max_length tokens.
+# (0.5 = chance). Before training the run logs a data-quality report (identical, empty
+# and duplicate pairs, repeated prompts, lengths, the truncation rate and policy at
+# sampling.prompt_length / dpo.max_length tokens, distinct-n) to the console, to
+# metrics.jsonl (a data_quality event) and to summary.json; data.filter drops the
+# identical, empty and exactly duplicated pairs first and logs what went.
 python -m rlhf_eqx dpo --data "$HH" --out runs/hh-dpo \
-  --set data.limit=256 --set dpo.steps=40 --set dpo.batch_size=8 \
+  --set data.limit=256 --set data.filter=identical,empty,exact_duplicate \
+  --set dpo.steps=40 --set dpo.batch_size=8 \
   --set sampling.prompt_length=128 --set dpo.max_length=192 --set dpo.optim.lr=5e-4
 
 # A reward model on the same file. Measures held-out pairwise accuracy (chosen scored
-# above rejected; 0.5 = chance).
+# above rejected; 0.5 = chance). The model is also written as a Hugging Face
+# LlamaForSequenceClassification checkpoint in runs/hh-reward/reward/hf/.
 python -m rlhf_eqx reward --data "$HH" --out runs/hh-reward \
   --set data.limit=256 --set reward.steps=40 --set reward.batch_size=8 \
   --set sampling.prompt_length=128 --set reward.max_length=192 --set reward.optim.lr=5e-4

@@ -2,7 +2,9 @@
 
 PureJaxRL style: the whole DPO run — LoRA initialisation, `--steps` updates on
 mini-batches of a fixed set of preference pairs (animal-task pairs judged by the
-built-in scorer, reference log-probs cached), held-out pair accuracy at the end — is a
+built-in scorer: up to 4 per prompt from 16 base-model samples, a completion with an
+animal against one without; reference log-probs cached), held-out pair accuracy at the
+end — is a
 pure function `train(key, beta)` whose loop is a `lax.scan`; `jax.vmap` over seeds and
 betas and one `jax.jit` give all 32 runs in one program.
 
@@ -32,14 +34,30 @@ BETAS = (0.03, 0.1, 0.3, 1.0)
 SEEDS = 8
 
 
-def make_pairs(policy, tok, key, *, prompts, samples=4, new_tokens=32, max_length=64):
-    """Preference pairs (best vs worst of `samples` by the animal scorer) as a batch with
-    the base model's (reference) log-probs cached."""
+def contrast_pairs(prompts, texts, labels, samples, *, per_prompt):
+    """Up to `per_prompt` pairs per prompt, each a completion the scorer accepts (chosen)
+    against one it rejects, from the prompt's `samples` completions."""
+    pairs = []
+    for j, prompt in enumerate(prompts):
+        group = range(j * samples, (j + 1) * samples)
+        good = [texts[k] for k in group if labels[k] > 0]
+        bad = [texts[k] for k in group if labels[k] <= 0]
+        for chosen, rejected in list(zip(good, bad))[:per_prompt]:
+            pairs.append(data.PreferenceRecord(prompt, chosen, rejected))
+    return pairs
+
+
+def make_pairs(
+    policy, tok, key, *, prompts, samples=16, per_prompt=4, new_tokens=32, max_length=64
+):
+    """Preference pairs (completions with an animal vs without, by the built-in scorer,
+    from `samples` base-model completions per prompt) as a batch with the base model's
+    (reference) log-probs cached."""
     roll = pl.sample_rollout(
         policy, tok, prompts, key, group_size=samples, prompt_length=32, max_new_tokens=new_tokens
     )
     labels = [pl.animal_score(t) for t in roll.texts]
-    pairs = pl.best_worst_pairs(prompts, roll.texts, labels, samples)
+    pairs = contrast_pairs(prompts, roll.texts, labels, samples, per_prompt=per_prompt)
     tokenized, _ = data.tokenize_preferences(
         pairs, tok, max_length=max_length, max_prompt_length=32, add_eos=False
     )

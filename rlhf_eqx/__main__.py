@@ -161,6 +161,7 @@ def _run(args, cfg) -> int:
             prompt_length=s.prompt_length,
             max_new_tokens=s.max_new_tokens,
             temperature=s.temperature,
+            stop_strings=s.stop_strings,
         )
         for p, t in zip(roll.prompts, roll.texts):
             print(f"{p}{t}\n")
@@ -178,6 +179,7 @@ def _run(args, cfg) -> int:
         prompt_length=s.prompt_length,
         max_new_tokens=s.max_new_tokens,
         temperature=s.temperature,
+        stop_strings=s.stop_strings,
     )
     print(json.dumps(metrics, indent=1))
     return 0

@@ -75,3 +75,28 @@ def test_plot_redraws_a_run_directory(tmp_path, capsys):
 def test_plot_of_a_missing_run_directory_fails_cleanly(tmp_path, capsys):
     assert main(["plot", str(tmp_path / "nothing")]) == 2
     assert "metrics.jsonl does not exist" in _err_line(capsys)
+
+
+def test_a_yaml_config_file(tmp_path, capsys):
+    pytest.importorskip("yaml")
+    path = tmp_path / "cfg.yaml"
+    path.write_text(
+        "dpo:\n  beta: 0.25\n  lora:\n    targets: [q, k, v]\n"
+        'sampling:\n  stop_strings: ["\\n\\nHuman:"]\nops:\n  profile_steps: [1, 3]\n'
+    )
+    assert main(["dpo", "--config", str(path), "--set", "dpo.steps=4", "--show-config"]) == 0
+    cfg = json.loads(capsys.readouterr().out)
+    assert cfg["dpo"]["beta"] == 0.25 and cfg["dpo"]["steps"] == 4
+    assert cfg["dpo"]["lora"]["targets"] == ["q", "k", "v"]
+    assert cfg["sampling"]["stop_strings"] == ["\n\nHuman:"]
+    assert cfg["ops"]["profile_steps"] == [1, 3]
+
+
+def test_a_bad_yaml_config_file_names_the_line(tmp_path, capsys):
+    pytest.importorskip("yaml")
+    path = tmp_path / "cfg.yaml"
+    path.write_text("dpo:\n  beta: 0.3\n  steps: [1, 2\n")
+    assert main(["--config", str(path)]) == 2
+    line = _err_line(capsys)
+    assert line.startswith("error: invalid configuration:") and f"{path}:" in line
+    assert "invalid YAML" in line

@@ -35,6 +35,8 @@ def test_dpo_and_reward_on_hh_rlhf(shared_dir, tmp_path):
                 "dpo.batch_size=4",
                 "--set",
                 "dpo.max_length=128",
+                "--set",
+                "data.filter=identical,empty,exact_duplicate",
             ]
         )
         == 0
@@ -42,6 +44,10 @@ def test_dpo_and_reward_on_hh_rlhf(shared_dir, tmp_path):
     s = json.loads((out / "summary.json").read_text())
     assert 0.0 <= s["dpo"]["heldout_reward_accuracy"] <= 1.0
     assert s["truncation"]["records"] > 0 and (out / "dpo" / "hf" / "config.json").exists()
+    assert "prompts were cut" in s["truncation"]["policy"] and "identical" in s["data_quality"]
+    assert (out / "dpo" / "adapter" / "adapter_config.json").exists()
+    events = [json.loads(line).get("event") for line in (out / "metrics.jsonl").open()]
+    assert "data_quality" in events and "data_filter" in events
     out = tmp_path / "rm"
     assert (
         main(
@@ -62,6 +68,8 @@ def test_dpo_and_reward_on_hh_rlhf(shared_dir, tmp_path):
     )
     s = json.loads((out / "summary.json").read_text())
     assert 0.0 <= s["reward_model"]["heldout_accuracy"] <= 1.0
+    rm_config = json.loads((out / "reward" / "hf" / "config.json").read_text())
+    assert rm_config["architectures"][0].endswith("ForSequenceClassification")
 
 
 @pytest.mark.slow

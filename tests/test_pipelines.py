@@ -16,7 +16,6 @@ import pytest
 import rlhf_eqx as rx
 from rlhf_eqx import pipelines as pl
 from rlhf_eqx.assets import asset_path
-from rlhf_eqx.pipelines._rollout import _cut_at_stop
 
 
 def _tiny_policy(seed=0):
@@ -313,15 +312,6 @@ def test_kl_guard_stops_early_and_discards_the_update(tmp_path):
 
 
 # --- rollouts --------------------------------------------------------------------------
-
-
-def test_cut_at_stop_keeps_the_stop_token_and_masks_the_rest():
-    tokens = np.array([[5, 7, 1, 9, 9], [5, 7, 8, 9, 3]])
-    comp = np.array([[False, True, True, True, True]] * 2)
-    cut, stopped = _cut_at_stop(tokens, comp, (1, 2))
-    np.testing.assert_array_equal(cut[0], [False, True, True, False, False])
-    np.testing.assert_array_equal(cut[1], comp[1])
-    np.testing.assert_array_equal(stopped, [True, False])
 
 
 def test_sample_rollout_repeats_prompts_and_matches_the_model(tok):

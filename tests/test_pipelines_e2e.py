@@ -56,6 +56,11 @@ def test_pipeline_end_to_end_small(tmp_path, capsys):
     for stage in ("ppo", "dpo", "grpo"):
         assert {"score", "win_rate_vs_sft", "kl"} <= set(summary[stage])
     assert 0.0 <= summary["reward_model"]["heldout_accuracy"] <= 1.0
+    rm_config = json.loads((out / "reward" / "hf" / "config.json").read_text())
+    assert rm_config["architectures"][0].endswith("ForSequenceClassification")
+    for stage in ("sft", "ppo", "dpo", "grpo"):
+        assert os.path.isfile(out / stage / "adapter" / "adapter_config.json")
+        assert os.path.isfile(out / stage / "adapter" / "adapter_model.safetensors")
     assert json.loads((out / "config.json").read_text())["sft"]["steps"] == 2
     stages = pl.read_metrics(str(out))
     assert {"sft", "reward", "ppo", "dpo", "grpo"} <= set(stages)

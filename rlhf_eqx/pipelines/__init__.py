@@ -1,7 +1,12 @@
 """Whole training runs above `rlhf_eqx.train`: typed configs, rollouts, checkpoints with
-exact resume, the KL guard, divergence rollback, evaluation, metrics and plots, and the
-built-in pipeline (`python -m rlhf_eqx`). See `docs/pipelines.md`."""
+exact resume, the KL guard, divergence rollback, evaluation, metrics, monitoring and
+plots, and the built-in pipeline (`python -m rlhf_eqx`). See `docs/pipelines.md`."""
 
+from ._checkpoints import (
+    latest_checkpoint as latest_checkpoint,
+    restore_checkpoint as restore_checkpoint,
+    save_checkpoint as save_checkpoint,
+)
 from ._config import (
     ConfigError as ConfigError,
     DataConfig as DataConfig,
@@ -17,28 +22,36 @@ from ._config import (
     SamplingConfig as SamplingConfig,
     SFTConfig as SFTConfig,
     animal_task_config as animal_task_config,
+)
+from ._config_io import (
     apply_overrides as apply_overrides,
     config_from_dict as config_from_dict,
     config_to_dict as config_to_dict,
     load_config as load_config,
-    validate_config as validate_config,
 )
-from ._data_runs import run_on_data as run_on_data, split_records as split_records
+from ._data_runs import quality_report as quality_report, run_on_data as run_on_data
+from ._dpo_runs import (
+    best_worst_pairs as best_worst_pairs,
+    run_dpo as run_dpo,
+    run_online_dpo as run_online_dpo,
+)
 from ._evaluate import (
     completion_nll as completion_nll,
     evaluate_policy as evaluate_policy,
     reward_accuracy as reward_accuracy,
     win_rate as win_rate,
 )
+from ._metrics import MetricsLog as MetricsLog
+from ._monitor import (
+    device_memory as device_memory,
+    measure_matmul_peak as measure_matmul_peak,
+    model_flops as model_flops,
+)
 from ._ops import (
     LoopResult as LoopResult,
-    MetricsLog as MetricsLog,
     build_optimizer as build_optimizer,
     get_lr_scale as get_lr_scale,
-    latest_checkpoint as latest_checkpoint,
-    restore_checkpoint as restore_checkpoint,
     run_iterations as run_iterations,
-    save_checkpoint as save_checkpoint,
     scale_by_lr_factor as scale_by_lr_factor,
     set_lr_scale as set_lr_scale,
 )
@@ -48,6 +61,7 @@ from ._pipeline import (
     run_pipeline as run_pipeline,
 )
 from ._plots import plot_run as plot_run, read_metrics as read_metrics
+from ._rl_runs import run_grpo as run_grpo, run_ppo as run_ppo
 from ._rollout import (
     RewardFunction as RewardFunction,
     Rollout as Rollout,
@@ -60,13 +74,10 @@ from ._rollout import (
 from ._runs import (
     RunContext as RunContext,
     RunResult as RunResult,
-    best_worst_pairs as best_worst_pairs,
+    export_policy as export_policy,
     final_policy as final_policy,
+    has_lora as has_lora,
     rows_at as rows_at,
-    run_dpo as run_dpo,
-    run_grpo as run_grpo,
-    run_online_dpo as run_online_dpo,
-    run_ppo as run_ppo,
     run_reward as run_reward,
     run_sft as run_sft,
     with_lora as with_lora,
@@ -78,3 +89,4 @@ from ._task import (
     animal_score as animal_score,
     noisy_scores as noisy_scores,
 )
+from ._validate import validate_config as validate_config

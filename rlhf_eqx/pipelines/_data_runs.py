@@ -12,23 +12,81 @@ import numpy as np
 import rlhf_eqx as rx
 from rlhf_eqx import data
 
-from ._config import PipelineConfig, config_to_dict
+from ._config import DataConfig, PipelineConfig
+from ._config_io import config_to_dict
+from ._dpo_runs import run_dpo
 from ._evaluate import reward_accuracy
-from ._ops import MetricsLog
+from ._metrics import MetricsLog
+from ._monitor import measure_matmul_peak
+from ._rl_runs import run_grpo
 from ._rollout import RewardFunction, sample_rollout
-from ._runs import RunContext, collate_pairs, final_policy, run_dpo, run_grpo, run_reward, run_sft
+from ._runs import (
+    RunContext,
+    collate_pairs,
+    export_policy,
+    final_policy,
+    run_reward,
+    run_sft,
+)
 
-__all__ = ["run_on_data", "split_records"]
+__all__ = ["run_on_data", "quality_report"]
 
 
-def split_records(records, *, heldout_fraction: float, seed: int, limit: int = 0):
-    """`(train, heldout)`: the first `limit` records (0: all), split at random (seeded)."""
-    records = list(records)[: limit or None]
-    if len(records) < 2:
-        raise ValueError(f"need at least 2 records, got {len(records)}")
-    perm = np.random.default_rng(seed).permutation(len(records))
-    n_held = max(1, int(round(heldout_fraction * len(records))))
-    return [records[i] for i in perm[n_held:]], [records[i] for i in perm[:n_held]]
+def _split(records, dc: DataConfig):
+    """`(train, heldout)`: the first `dc.limit` records (0: all), split by prompt with
+    `data.split_held_out` (seeded by `dc.seed`; no prompt on both sides)."""
+    records = list(records)[: dc.limit or None]
+    train, held = data.split_held_out(records, fraction=dc.heldout_fraction, seed=dc.seed)
+    if not train or not held:
+        raise ValueError(
+            f"data.heldout_fraction={dc.heldout_fraction}: the split of {len(records)} "
+            f"records by prompt left {len(train)} for training and {len(held)} held out; "
+            "use more records or another fraction"
+        )
+    return list(train), list(held)
+
+
+def quality_report(records, tok, lengths: "data.SequenceLengths", dc: DataConfig, log: MetricsLog):
+    """`data.preference_quality` of the training `records`, written to the run log and as a
+    `data_quality` event in `metrics.jsonl`; with `dc.filter`, `data.filter_preferences`
+    drops those problems and a `data_filter` event says how many of each went.
+
+    **Returns:** `(records to train on, report)`.
+    """
+    report = data.preference_quality(records, tokenizer=tok, lengths=lengths)
+    log.write(
+        {
+            "event": "data_quality",
+            "message": report.summary(),
+            "pairs": report.total,
+            "distinct_prompts": report.distinct_prompts,
+            "identical": len(report.identical),
+            "empty": len(report.empty),
+            "exact_duplicates": len(report.exact_duplicates),
+            "duplicate_prompts": len(report.duplicate_prompts),
+            "prompt_length_mean": report.prompt_lengths.mean,
+            "chosen_length_mean": report.chosen_lengths.mean,
+            "rejected_length_mean": report.rejected_lengths.mean,
+            "distinct_1": report.distinct_1,
+            "distinct_2": report.distinct_2,
+            "truncation": report.truncation.summary() if report.truncation else None,
+        }
+    )
+    log.info("data quality:\n  " + report.summary().replace("\n", "\n  "))
+    if not dc.filter:
+        return list(records), report
+    kept, dropped = data.filter_preferences(records, drop=dc.filter)
+    counts = {k: len(v) for k, v in dropped.items()}
+    log.event(
+        "data_filter",
+        f"dropped {sum(counts.values())} of {len(records)} pairs "
+        + ", ".join(f"{k}: {n}" for k, n in counts.items()),
+        kept=len(kept),
+        **{f"dropped_{k}": n for k, n in counts.items()},
+    )
+    if not kept:
+        raise ValueError(f"data.filter={dc.filter}: every training pair was dropped")
+    return list(kept), report
 
 
 @eqx.filter_jit
@@ -51,8 +109,9 @@ def _nll(model, batch):
 
 def run_on_data(cfg: PipelineConfig, stage: str, *, resume: bool = False) -> dict:
     """Run `stage` (`sft`, `reward`, `dpo`, `grpo`) on `cfg.data.path`; write
-    `summary.json`, `metrics.jsonl`, `config.json` and the trained model (`<stage>/hf/`,
-    for policies) in `cfg.out`; return the summary."""
+    `summary.json`, `metrics.jsonl`, `config.json` and the trained model in `cfg.out`
+    (`<stage>/hf/`; a reward model as `...ForSequenceClassification` in `reward/hf/`;
+    LoRA adapters alone in the PEFT layout in `<stage>/adapter/`); return the summary."""
     from ._pipeline import load_model
 
     if cfg.data.path is None:
@@ -65,37 +124,42 @@ def run_on_data(cfg: PipelineConfig, stage: str, *, resume: bool = False) -> dic
     s = cfg.sampling
     ctx = RunContext(
         ops=cfg.ops,
-        log=MetricsLog(run_dir, stage, quiet=cfg.ops.quiet),
+        log=MetricsLog(run_dir, stage, quiet=cfg.ops.quiet, tensorboard=cfg.ops.tensorboard),
         key=jax.random.key(cfg.ops.seed),
         checkpoint_dir=os.path.join(run_dir, stage, "checkpoints"),
         resume=resume,
         prompt_length=s.prompt_length,
         max_new_tokens=s.max_new_tokens,
         temperature=s.temperature,
+        stop_strings=s.stop_strings,
         meta={"stage": stage, "config": config_to_dict(cfg)},
+        peak_flops=measure_matmul_peak() if cfg.ops.monitor else None,
     )
     say = (lambda *a: None) if cfg.ops.quiet else print
-    split = dict(
-        heldout_fraction=cfg.data.heldout_fraction, seed=cfg.data.seed, limit=cfg.data.limit
-    )
     summary: dict = {"data": cfg.data.path}
     if stage in ("sft", "reward", "dpo"):
         records = data.load_preferences(cfg.data.path, cfg.data.format)
-        train, held = split_records(records, **split)
+        train, held = _split(records, cfg.data)
         c = {"sft": cfg.sft, "reward": cfg.reward, "dpo": cfg.dpo}[stage]
-        _, report = data.tokenize_preferences(
-            train, tok, max_length=c.max_length, max_prompt_length=s.prompt_length, add_eos=False
-        )
+        lengths = data.SequenceLengths(max_length=c.max_length, max_prompt_length=s.prompt_length)
+        train, quality = quality_report(train, tok, lengths, cfg.data, ctx.log)
+        _, report = data.tokenize_preferences(train, tok, lengths=lengths, add_eos=False)
         summary["truncation"] = {
             "records": report.total,
             "prompt_truncated": report.prompt_truncated,
             "completion_truncated": report.completion_truncated,
+            "policy": report.summary(),
+        }
+        summary["data_quality"] = {
+            "identical": len(quality.identical),
+            "empty": len(quality.empty),
+            "exact_duplicates": len(quality.exact_duplicates),
+            "duplicate_prompts": len(quality.duplicate_prompts),
+            "distinct_2": quality.distinct_2,
         }
         say(
             f"{stage}: {len(train)} training / {len(held)} held-out records; "
-            f"{report.prompt_truncated} prompts and {report.completion_truncated} "
-            f"completions truncated (sampling.prompt_length={s.prompt_length}, "
-            f"{stage}.max_length={c.max_length})"
+            f"truncation: {report.summary()}"
         )
         held_batch = collate_pairs(
             held, tok, max_length=c.max_length, prompt_length=s.prompt_length
@@ -119,6 +183,7 @@ def run_on_data(cfg: PipelineConfig, stage: str, *, resume: bool = False) -> dic
             summary["reward_model"] = {
                 "heldout_accuracy": reward_accuracy(res.state.model, held_batch)
             }
+            rx.save_hf(res.state.model, os.path.join(run_dir, "reward", "hf"))
             trained = None
         else:
             res = run_dpo(policy, tok, train, cfg=c, ctx=ctx)
@@ -139,7 +204,7 @@ def run_on_data(cfg: PipelineConfig, stage: str, *, resume: bool = False) -> dic
             f"grpo: {len(fits)} of {len(prompts)} prompts have an answer and fit "
             f"sampling.prompt_length={s.prompt_length}"
         )
-        train, held = split_records(fits, **split)
+        train, held = _split(fits, cfg.data)
         answers = {r.prompt: r.answer for r in fits}
 
         def exact(prompt, completion):
@@ -162,6 +227,7 @@ def run_on_data(cfg: PipelineConfig, stage: str, *, resume: bool = False) -> dic
                 prompt_length=s.prompt_length,
                 max_new_tokens=s.max_new_tokens,
                 temperature=s.temperature,
+                stop_strings=s.stop_strings,
             )
             rates.append(float(np.mean([exact(p, t) for p, t in zip(roll.prompts, roll.texts)])))
         summary["grpo"] = {"heldout_exact_match_before": rates[0], "heldout_exact_match": rates[1]}
@@ -169,7 +235,7 @@ def run_on_data(cfg: PipelineConfig, stage: str, *, resume: bool = False) -> dic
         raise ValueError(f"stage {stage!r} does not run on a data file (sft, reward, dpo, grpo)")
     summary["stopped"] = res.loop.stopped
     if trained is not None:
-        rx.save_hf(trained, os.path.join(run_dir, stage, "hf"))
+        export_policy(trained, run_dir, stage, adapted=res.state.model)
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     try:

@@ -53,6 +53,7 @@ def evaluate_policy(
     prompt_length: int,
     max_new_tokens: int,
     temperature: float = 1.0,
+    stop_strings: Sequence[str] = (),
 ) -> tuple[dict, Rollout, np.ndarray]:
     """Sample `samples` completions per held-out prompt and measure them.
 
@@ -70,6 +71,7 @@ def evaluate_policy(
         prompt_length=prompt_length,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
+        stop_strings=stop_strings,
     )
     scores = np.asarray([scorer(t) for t in rollout.texts], np.float32)
     metrics = {"score": float(scores.mean()), "base_nll": completion_nll(base, rollout)}

@@ -1,4 +1,6 @@
-"""Operations shared by every run: learning-rate scale, checkpoints, metrics, the loop.
+"""The iteration loop shared by every run, and the learning-rate factor rollback lowers.
+
+Checkpoints are in `_checkpoints.py`, the metrics log in `_metrics.py`.
 
 A run is a sequence of *iterations* (one optimiser step for SFT / reward / offline DPO;
 one rollout and its updates for PPO / GRPO / online DPO). Iteration `i` draws its
@@ -7,12 +9,8 @@ checkpoint taken after iteration `i` continues exactly as the uninterrupted run.
 """
 
 import dataclasses
-import hashlib
-import json
 import math
 import os
-import shutil
-import sys
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -25,7 +23,10 @@ import optax
 from jaxtyping import Array, Float, PyTree
 
 from ..train import make_optimizer
+from ._checkpoints import latest_checkpoint, restore_checkpoint, save_checkpoint
 from ._config import OpsConfig, OptimConfig
+from ._metrics import MetricsLog, progress
+from ._monitor import Profiler, device_memory
 
 __all__ = [
     "LRScaleState",
@@ -33,10 +34,6 @@ __all__ = [
     "build_optimizer",
     "get_lr_scale",
     "set_lr_scale",
-    "save_checkpoint",
-    "latest_checkpoint",
-    "restore_checkpoint",
-    "MetricsLog",
     "LoopResult",
     "run_iterations",
 ]
@@ -103,141 +100,6 @@ def set_lr_scale(opt_state: PyTree, scale: float) -> PyTree:
     )
 
 
-# --- checkpoints -----------------------------------------------------------------------
-
-_CKPT_PREFIX = "iter_"
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def save_checkpoint(directory: str, iteration: int, tree: PyTree, meta: dict, *, keep: int) -> str:
-    """Write `tree` (arrays via `eqx.tree_serialise_leaves`) and `meta` (JSON) as
-    `directory/iter_<iteration>/`, atomically, and keep only the last `keep`.
-
-    The files are written to a temporary directory, flushed, checksummed (SHA-256 of the
-    leaves file, stored in `meta.json`) and renamed into place: a crash leaves either
-    the previous checkpoints or the new one, never a partial one.
-    """
-    os.makedirs(directory, exist_ok=True)
-    final = os.path.join(directory, f"{_CKPT_PREFIX}{iteration:08d}")
-    tmp = f"{final}.tmp{os.getpid()}"
-    if os.path.exists(tmp):
-        shutil.rmtree(tmp)
-    os.makedirs(tmp)
-    leaves = os.path.join(tmp, "state.eqx")
-    with open(leaves, "wb") as f:
-        eqx.tree_serialise_leaves(f, tree)
-        f.flush()
-        os.fsync(f.fileno())
-    meta = dict(meta, iteration=iteration, sha256=_sha256(leaves))
-    with open(os.path.join(tmp, "meta.json"), "w") as f:
-        json.dump(meta, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    if os.path.exists(final):
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    for old in _checkpoints(directory)[:-keep]:
-        shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
-    return final
-
-
-def _checkpoints(directory: str) -> list[str]:
-    if not os.path.isdir(directory):
-        return []
-    names = [
-        n
-        for n in os.listdir(directory)
-        if n.startswith(_CKPT_PREFIX) and n[len(_CKPT_PREFIX) :].isdigit()
-    ]
-    return sorted(names)
-
-
-def latest_checkpoint(directory: str) -> str | None:
-    """The newest complete checkpoint under `directory` whose checksum matches (older
-    ones are tried when the newest is damaged), or `None`."""
-    for name in reversed(_checkpoints(directory)):
-        path = os.path.join(directory, name)
-        try:
-            with open(os.path.join(path, "meta.json")) as f:
-                meta = json.load(f)
-            if _sha256(os.path.join(path, "state.eqx")) == meta["sha256"]:
-                return path
-        except (OSError, ValueError, KeyError):
-            pass
-        print(f"warning: skipping damaged checkpoint {path}", file=sys.stderr)
-    return None
-
-
-def restore_checkpoint(path: str, like: PyTree) -> tuple[PyTree, dict]:
-    """Read a checkpoint written by `save_checkpoint` into the structure of `like`."""
-    with open(os.path.join(path, "meta.json")) as f:
-        meta = json.load(f)
-    leaves = os.path.join(path, "state.eqx")
-    if _sha256(leaves) != meta.get("sha256"):
-        raise ValueError(f"checkpoint {path}: checksum mismatch (file damaged)")
-    try:
-        tree = eqx.tree_deserialise_leaves(leaves, like)
-    except Exception as e:
-        raise ValueError(
-            f"checkpoint {path} does not match this run's model/optimiser ({e})"
-        ) from None
-    return tree, meta
-
-
-# --- metrics ---------------------------------------------------------------------------
-
-
-def _float(v: Any) -> Any:
-    if isinstance(v, (int, float, str, bool)) or v is None:
-        return v
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return str(v)
-
-
-class MetricsLog:
-    """Append-only JSON lines (`metrics.jsonl` in the run directory): one line per step
-    (`{"stage", "iteration", "step", ...metrics}`), per evaluation (`"eval": true`) and
-    per event (`"event": ...`, e.g. a rollback)."""
-
-    def __init__(self, run_dir: str, stage: str, *, quiet: bool = False):
-        os.makedirs(run_dir, exist_ok=True)
-        self.path = os.path.join(run_dir, "metrics.jsonl")
-        self.stage = stage
-        self.quiet = quiet
-
-    def write(self, record: dict) -> None:
-        line = {"stage": self.stage, **{k: _float(v) for k, v in record.items()}}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(line) + "\n")
-
-    def event(self, kind: str, message: str, **fields: Any) -> None:
-        self.write({"event": kind, "message": message, **fields})
-        print(f"[{self.stage}] {kind}: {message}", file=sys.stderr)
-
-    def info(self, message: str) -> None:
-        if not self.quiet:
-            print(f"[{self.stage}] {message}")
-
-
-def _progress(total: int, initial: int, desc: str, quiet: bool):
-    if quiet:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, initial=initial, desc=desc, leave=False, file=sys.stderr)
-
-
 # --- the loop --------------------------------------------------------------------------
 
 
@@ -286,6 +148,8 @@ def run_iterations(
     kl_target: float | None = None,
     evaluate: Callable[[Any, int], dict] | None = None,
     tokens_per_iteration: int | None = None,
+    flops_per_iteration: float | None = None,
+    peak_flops: float | None = None,
 ) -> LoopResult:
     """Run `iteration(state, fold_in(key, i), i) -> (state, step_metrics, info)` for
     `i = 0 .. num_iterations - 1` with checkpoints, rollback, the KL guard and evaluation.
@@ -302,6 +166,11 @@ def run_iterations(
       policy to the reference) exceeds it, the iteration's updates are discarded and the
       run stops early.
     - **Evaluation** (`evaluate(state, i) -> metrics`): every `ops.eval_every` iterations.
+    - **Monitoring**: on the last step line of each iteration, `iteration_time_s`,
+      `tokens_per_s`, `model_flops` (`flops_per_iteration`) and `mfu` (against
+      `peak_flops`), device memory where the backend reports it, and
+      `reward_improvement` (the rollout score minus that of `ops.log_every` iterations
+      before); `ops.profile_steps` writes a profiler trace.
     """
     meta = dict(meta or {})
     start = 0
@@ -317,7 +186,19 @@ def run_iterations(
     losses: list[float] = []
     rollbacks = 0
     stopped = "done"
-    bar = _progress(num_iterations, start, log.stage, ops.quiet)
+    bar = progress(num_iterations, start, log.stage, ops.quiet)
+    profiler = Profiler(ops.profile_steps, os.path.join(log.run_dir, "profile", log.stage))
+    scores: dict[int, float] = {}
+    if peak_flops is not None:
+        log.write(
+            {
+                "event": "monitor",
+                "peak_flops": peak_flops,
+                "device": str(jax.devices()[0].device_kind),
+                "devices": jax.device_count(),
+                "collective_share": "not measured: pipeline runs execute on one device",
+            }
+        )
     i = start
     # The loss a step reports is computed before its update, so a bad update shows in
     # the next iteration's loss: rollback returns to the state before the previous
@@ -325,10 +206,12 @@ def run_iterations(
     before_prev: tuple[int, Any] | None = None
     while i < num_iterations:
         good = _copy(state)
+        profiler.before(i)
         t0 = time.perf_counter()
         new_state, metrics, info = iteration(state, jax.random.fold_in(key, i), i)
         metrics = [{k: float(v) for k, v in m.items()} for m in metrics]
         elapsed = time.perf_counter() - t0
+        profiler.after(i)
         problem = _problem(metrics, info, losses, ops) if ops.rollback else None
         if problem is not None and rollbacks < ops.max_rollbacks:
             rollbacks += 1
@@ -369,6 +252,9 @@ def run_iterations(
                 rec["iteration_time_s"] = elapsed
                 if tokens_per_iteration:
                     rec["tokens_per_s"] = tokens_per_iteration / max(elapsed, 1e-9)
+                rec.update(
+                    _monitoring(i, elapsed, info, scores, ops, flops_per_iteration, peak_flops)
+                )
             rec["lr_scale"] = get_lr_scale(state.opt_state)
             history.append(rec)
             log.write(rec)
@@ -403,9 +289,33 @@ def run_iterations(
                 meta,
                 keep=ops.keep,
             )
+    profiler.close()
     if bar is not None:
         bar.close()
     return LoopResult(state, history, i, stopped, rollbacks)
+
+
+def _monitoring(
+    i: int,
+    elapsed: float,
+    info: dict,
+    scores: dict[int, float],
+    ops: OpsConfig,
+    flops: float | None,
+    peak: float | None,
+) -> dict:
+    out: dict[str, float] = {}
+    if flops:
+        out["model_flops"] = flops
+        if peak:
+            out["mfu"] = flops / max(elapsed, 1e-9) / peak
+    if ops.monitor:
+        out.update(device_memory())
+    if "score" in info:
+        scores[i] = float(info["score"])
+        if i - ops.log_every in scores:
+            out["reward_improvement"] = scores[i] - scores[i - ops.log_every]
+    return out
 
 
 def _with_opt_state(state: Any, scale: float) -> Any:

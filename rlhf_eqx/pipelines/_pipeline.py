@@ -11,17 +11,19 @@ import numpy as np
 import rlhf_eqx as rx
 from rlhf_eqx import data
 
-from ._config import PipelineConfig, config_to_dict
+from ._config import ConfigError, PipelineConfig
+from ._config_io import config_to_dict
+from ._dpo_runs import run_online_dpo
 from ._evaluate import evaluate_policy, reward_accuracy, win_rate
-from ._ops import MetricsLog
+from ._metrics import MetricsLog
+from ._monitor import measure_matmul_peak
+from ._rl_runs import run_grpo, run_ppo
 from ._rollout import RewardFunction, sample_rollout
 from ._runs import (
     RunContext,
     collate_pairs,
+    export_policy,
     final_policy,
-    run_grpo,
-    run_online_dpo,
-    run_ppo,
     run_reward,
     run_sft,
 )
@@ -32,7 +34,10 @@ __all__ = ["load_model", "run_pipeline", "format_table"]
 
 def load_model(source: str = "builtin", tokenizer: str | None = None):
     """`(policy, tokenizer)` from `"builtin"` (the shipped stories260K), a llama2.c `.bin`
-    file (with `tokenizer`) or a Hugging Face checkpoint directory."""
+    file (with `tokenizer`) or a Hugging Face checkpoint directory.
+
+    The tokenizer is checked against the model (`data.check_vocab`) before anything is
+    compiled: a `ConfigError` naming `model.tokenizer` and both vocabulary sizes."""
     from rlhf_eqx.assets import asset_path
 
     if source == "builtin":
@@ -43,11 +48,10 @@ def load_model(source: str = "builtin", tokenizer: str | None = None):
         tok = data.load_tokenizer(tok_path)
     else:
         policy, tok = rx.load_llama2c(source, tokenizer)
-    if tok.vocab_size != policy.cfg.vocab_size:
-        raise ValueError(
-            f"model.tokenizer: vocabulary {tok.vocab_size} does not match the model's "
-            f"{policy.cfg.vocab_size}"
-        )
+    try:
+        data.check_vocab(tok, policy.cfg.vocab_size)
+    except data.DataError as e:
+        raise ConfigError(f"model.tokenizer={tokenizer!r}: {e}") from None
     return policy, tok
 
 
@@ -81,20 +85,29 @@ def _rm_label(rm, tok, cfg: PipelineConfig):
 
 
 def _ctx(
-    cfg: PipelineConfig, run_dir: str, stage: str, key, resume: bool, evaluate=None
+    cfg: PipelineConfig,
+    run_dir: str,
+    stage: str,
+    key,
+    resume: bool,
+    evaluate=None,
+    *,
+    peak_flops: float | None = None,
 ) -> RunContext:
     s = cfg.sampling
     return RunContext(
         ops=cfg.ops,
-        log=MetricsLog(run_dir, stage, quiet=cfg.ops.quiet),
+        log=MetricsLog(run_dir, stage, quiet=cfg.ops.quiet, tensorboard=cfg.ops.tensorboard),
         key=key,
         checkpoint_dir=os.path.join(run_dir, stage, "checkpoints"),
         resume=resume,
         prompt_length=s.prompt_length,
         max_new_tokens=s.max_new_tokens,
         temperature=s.temperature,
+        stop_strings=s.stop_strings,
         meta={"stage": stage, "config": config_to_dict(cfg)},
         evaluate=evaluate,
+        peak_flops=peak_flops,
     )
 
 
@@ -133,6 +146,7 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
     k_eval, k_sft, k_rm, k_ppo, k_dpo, k_grpo, k_data, k_online = jax.random.split(key, 8)
     label = _labels(cfg.label_noise, cfg.ops.seed)
     log = MetricsLog(run_dir, "pipeline", quiet=cfg.ops.quiet)
+    peak = measure_matmul_peak() if cfg.ops.monitor else None
 
     def evaluate(policy, reference):
         return evaluate_policy(
@@ -147,6 +161,7 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
             prompt_length=s.prompt_length,
             max_new_tokens=s.max_new_tokens,
             temperature=s.temperature,
+            stop_strings=s.stop_strings,
         )
 
     summary: dict = {}
@@ -164,6 +179,7 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
         prompt_length=s.prompt_length,
         max_new_tokens=s.max_new_tokens,
         temperature=s.temperature,
+        stop_strings=s.stop_strings,
     )
     labels = np.asarray(label(roll.prompts, roll.texts, 1)).reshape(-1, cfg.sft.samples)
     best = labels.argmax(axis=1)
@@ -172,11 +188,17 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
         for j, (p, b) in enumerate(zip(TRAIN_PROMPTS, best))
     ]
     say(f"sft: {len(records)} demonstrations (best of {cfg.sft.samples} by noisy labels)")
-    res = run_sft(base, tok, records, cfg=cfg.sft, ctx=_ctx(cfg, run_dir, "sft", k_sft, resume))
+    res = run_sft(
+        base,
+        tok,
+        records,
+        cfg=cfg.sft,
+        ctx=_ctx(cfg, run_dir, "sft", k_sft, resume, peak_flops=peak),
+    )
     sft = final_policy(res.state.model)
     sft_metrics, _, sft_scores = evaluate(sft, base)
     summary["sft"] = sft_metrics
-    _export(sft, run_dir, "sft")
+    export_policy(sft, run_dir, "sft", adapted=res.state.model)
     say(f"sft: {sft_metrics['score']:.1%}")
 
     def periodic(policy):
@@ -184,11 +206,12 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
         m["win_rate_vs_sft"] = win_rate(scores, sft_scores)
         return m
 
-    def finish(stage, policy):
+    def finish(stage, model):
+        policy = final_policy(model)
         m, _, scores = evaluate(policy, sft)
         m["win_rate_vs_sft"] = win_rate(scores, sft_scores)
         summary[stage] = m
-        _export(policy, run_dir, stage)
+        export_policy(policy, run_dir, stage, adapted=model)
         say(
             f"{stage}: {m['score']:.1%} (win rate vs SFT {m['win_rate_vs_sft']:.1%}, "
             f"KL {m['kl']:.3f})"
@@ -206,6 +229,7 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
             prompt_length=s.prompt_length,
             max_new_tokens=s.max_new_tokens,
             temperature=s.temperature,
+            stop_strings=s.stop_strings,
         )
         true = np.asarray([animal_score(t) for t in roll.texts])
         noisy = np.asarray(label(roll.prompts, roll.texts, 2))
@@ -228,6 +252,7 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
             prompt_length=s.prompt_length,
             max_new_tokens=s.max_new_tokens,
             temperature=s.temperature,
+            stop_strings=s.stop_strings,
         )
         ht = np.asarray([animal_score(t) for t in heldout_roll.texts])
         for j in range(0, len(heldout_roll.texts), 2):
@@ -239,8 +264,11 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
                     )
                 )
         say(f"reward: {len(pairs)} noisily labelled training pairs, {len(clean)} held-out pairs")
-        res = run_reward(sft, tok, pairs, cfg=r, ctx=_ctx(cfg, run_dir, "reward", k_rm, resume))
+        res = run_reward(
+            sft, tok, pairs, cfg=r, ctx=_ctx(cfg, run_dir, "reward", k_rm, resume, peak_flops=peak)
+        )
         rm = res.state.model
+        rx.save_hf(rm, os.path.join(run_dir, "reward", "hf"))
         held = collate_pairs(clean, tok, max_length=r.max_length, prompt_length=s.prompt_length)
         acc = reward_accuracy(rm, held)
         summary["reward_model"] = {
@@ -256,10 +284,10 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
                 TRAIN_PROMPTS,
                 reward=rm,
                 cfg=cfg.ppo,
-                ctx=_ctx(cfg, run_dir, "ppo", k_ppo, resume, periodic),
+                ctx=_ctx(cfg, run_dir, "ppo", k_ppo, resume, periodic, peak_flops=peak),
             )
             summary.setdefault("stopped", {})["ppo"] = res.loop.stopped
-            finish("ppo", final_policy(res.state.model[0]))
+            finish("ppo", res.state.model[0])
         if "online-dpo" in cfg.stages:
             res = run_online_dpo(
                 sft,
@@ -267,9 +295,9 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
                 TRAIN_PROMPTS,
                 _rm_label(rm, tok, cfg),
                 cfg=cfg.dpo,
-                ctx=_ctx(cfg, run_dir, "online-dpo", k_online, resume, periodic),
+                ctx=_ctx(cfg, run_dir, "online-dpo", k_online, resume, periodic, peak_flops=peak),
             )
-            finish("online-dpo", final_policy(res.state.model))
+            finish("online-dpo", res.state.model)
     if "dpo" in cfg.stages:
         res = run_online_dpo(
             sft,
@@ -277,9 +305,9 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
             TRAIN_PROMPTS,
             label,
             cfg=cfg.dpo,
-            ctx=_ctx(cfg, run_dir, "dpo", k_dpo, resume, periodic),
+            ctx=_ctx(cfg, run_dir, "dpo", k_dpo, resume, periodic, peak_flops=peak),
         )
-        finish("dpo", final_policy(res.state.model))
+        finish("dpo", res.state.model)
     if "grpo" in cfg.stages:
         fns = [RewardFunction("animal", lambda p, t: animal_score(t))]
         res = run_grpo(
@@ -288,10 +316,10 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
             TRAIN_PROMPTS,
             reward_fns=fns,
             cfg=cfg.grpo,
-            ctx=_ctx(cfg, run_dir, "grpo", k_grpo, resume, periodic),
+            ctx=_ctx(cfg, run_dir, "grpo", k_grpo, resume, periodic, peak_flops=peak),
         )
         summary.setdefault("stopped", {})["grpo"] = res.loop.stopped
-        finish("grpo", final_policy(res.state.model))
+        finish("grpo", res.state.model)
 
     summary["seconds"] = time.perf_counter() - t0
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
@@ -306,7 +334,3 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
     say("\n" + format_table(summary))
     say(f"\nrun directory: {run_dir} ({summary['seconds']:.0f} s)")
     return summary
-
-
-def _export(policy, run_dir: str, stage: str) -> None:
-    rx.save_hf(policy, os.path.join(run_dir, stage, "hf"))

@@ -1,4 +1,5 @@
-"""Rollouts: sample G completions per prompt, cut them at stop ids, decode, score.
+"""Rollouts: sample G completions per prompt (stopping at stop ids, then cut at stop
+strings), decode, score.
 
 Scoring is host-side Python on decoded text (`RewardFunction`s, weighted) or a jitted
 model (`reward_model_scores`); both give one float per completion.
@@ -33,10 +34,11 @@ class Rollout:
     """Sampled completions: `B = len(prompts) * group_size` rows, groups contiguous.
 
     - `tokens`, `mask`, `completion_mask`: `[B, T]` left-padded prompt + completion, the
-      real tokens and the completion tokens (after the first stop id: masked out).
+      real tokens and the completion tokens (nothing after a stop id or stop string).
     - `logprobs`: `[B, T]` the sampler's log-probabilities of the completion tokens at
       the sampling temperature (0 elsewhere): the PPO/GRPO `old_logp`.
-    - `truncated`: `[B]` completions that hit `max_new_tokens` without a stop id.
+    - `truncated`: `[B]` completions that hit `max_new_tokens` without a stop id or
+      stop string.
     - `prompts`, `texts`: the prompt of each row and its decoded completion.
     """
 
@@ -74,21 +76,6 @@ def encode_prompts(tok, prompts: Sequence[str], *, prompt_length: int) -> list[l
     return ids
 
 
-def _cut_at_stop(tokens: np.ndarray, completion: np.ndarray, stop_ids: Sequence[int]):
-    """Mask completion tokens after the first stop id (the stop id itself is kept)."""
-    completion = completion.copy()
-    stopped = np.zeros(tokens.shape[0], bool)
-    if not stop_ids:
-        return completion, stopped
-    is_stop = np.isin(tokens, np.asarray(stop_ids)) & completion
-    for b in range(tokens.shape[0]):
-        hits = np.nonzero(is_stop[b])[0]
-        if hits.size:
-            stopped[b] = True
-            completion[b, hits[0] + 1 :] = False
-    return completion, stopped
-
-
 def sample_rollout(
     policy,
     tok,
@@ -100,16 +87,22 @@ def sample_rollout(
     max_new_tokens: int,
     temperature: float = 1.0,
     stop_ids: Sequence[int] | None = None,
+    stop_strings: Sequence[str] = (),
 ) -> Rollout:
     """Sample `group_size` completions of each prompt with `rlhf_eqx.generate_batch`.
 
-    Prompts are left-padded to `prompt_length` (one compiled sampler per batch size);
-    completions end at EOS or at the first of `stop_ids` (default: EOS and BOS — the
-    stories260K model starts a new story with BOS). The same `temperature` must be
-    given to the training steps.
+    Prompts are left-padded to `prompt_length` (one compiled sampler per batch size).
+    The sampler stops a row at the first of `stop_ids` (default: EOS and BOS — the
+    stories260K model starts a new story with BOS; the stop id is kept). Then, when
+    `stop_strings` are given (e.g. `("\\n\\nHuman:",)` for chat-formatted prompts), each
+    completion is cut where one first appears in its text
+    (`rlhf_eqx.truncate_at_stop_strings`: the string is dropped, and the tokens, masks
+    and log-probabilities after the cut are cleared), before anything is scored. The same
+    `temperature` must be given to the training steps.
     """
     if stop_ids is None:
         stop_ids = tuple(sorted({tok.eos_id, tok.bos_id}))
+    stop_ids = tuple(int(t) for t in stop_ids)
     ids = encode_prompts(tok, prompts, prompt_length=prompt_length)
     repeated = [x for x in ids for _ in range(group_size)]
     batch = data.collate_prompts(repeated, max_length=prompt_length, pad_id=tok.pad_id)
@@ -120,23 +113,28 @@ def sample_rollout(
         key,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
-        eos_id=tok.eos_id,
+        eos_id=list(stop_ids) or None,
         pad_id=tok.pad_id,
     )
+    lengths = np.asarray(out.completion_mask).sum(axis=1)
     tokens = np.asarray(out.tokens)
-    completion, stopped = _cut_at_stop(tokens, np.asarray(out.completion_mask), stop_ids)
-    mask = np.asarray(out.mask) & (completion | ~np.asarray(out.completion_mask))
-    logprobs = np.where(completion, np.asarray(out.logprobs), 0.0).astype(np.float32)
+    last = tokens[np.arange(tokens.shape[0]), prompt_length + np.maximum(lengths - 1, 0)]
+    stopped = (lengths > 0) & np.isin(last, np.asarray(stop_ids, np.int64))
+    if stop_strings:
+        out = rx.truncate_at_stop_strings(out, tok, tuple(stop_strings), pad_id=tok.pad_id)
+        stopped |= np.asarray(out.completion_mask).sum(axis=1) < lengths
+    tokens = np.asarray(out.tokens)
+    completion = np.asarray(out.completion_mask)
     texts = []
     rows_prompts = tuple(p for p in prompts for _ in range(group_size))
     for b, prompt_ids in enumerate(repeated):
         comp = [t for t in tokens[b][completion[b]].tolist() if t not in stop_ids]
         texts.append(data.decode_continuation(tok, prompt_ids, comp))
     return Rollout(
-        tokens=jnp.asarray(tokens),
-        mask=jnp.asarray(mask),
-        completion_mask=jnp.asarray(completion),
-        logprobs=jnp.asarray(logprobs),
+        tokens=out.tokens,
+        mask=out.mask,
+        completion_mask=out.completion_mask,
+        logprobs=out.logprobs,
         truncated=jnp.asarray(~stopped),
         prompts=rows_prompts,
         texts=tuple(texts),

@@ -1,0 +1,99 @@
+"""Checkpoints: atomic, checksummed, pruned to the last few; restored into a template of
+the run's state (`eqx.tree_serialise_leaves`)."""
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+
+import equinox as eqx
+from jaxtyping import PyTree
+
+__all__ = ["save_checkpoint", "latest_checkpoint", "restore_checkpoint"]
+
+
+_CKPT_PREFIX = "iter_"
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def save_checkpoint(directory: str, iteration: int, tree: PyTree, meta: dict, *, keep: int) -> str:
+    """Write `tree` (arrays via `eqx.tree_serialise_leaves`) and `meta` (JSON) as
+    `directory/iter_<iteration>/`, atomically, and keep only the last `keep`.
+
+    The files are written to a temporary directory, flushed, checksummed (SHA-256 of the
+    leaves file, stored in `meta.json`) and renamed into place: a crash leaves either
+    the previous checkpoints or the new one, never a partial one.
+    """
+    os.makedirs(directory, exist_ok=True)
+    final = os.path.join(directory, f"{_CKPT_PREFIX}{iteration:08d}")
+    tmp = f"{final}.tmp{os.getpid()}"
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    leaves = os.path.join(tmp, "state.eqx")
+    with open(leaves, "wb") as f:
+        eqx.tree_serialise_leaves(f, tree)
+        f.flush()
+        os.fsync(f.fileno())
+    meta = dict(meta, iteration=iteration, sha256=_sha256(leaves))
+    with open(os.path.join(tmp, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    for old in _checkpoints(directory)[:-keep]:
+        shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
+    return final
+
+
+def _checkpoints(directory: str) -> list[str]:
+    if not os.path.isdir(directory):
+        return []
+    names = [
+        n
+        for n in os.listdir(directory)
+        if n.startswith(_CKPT_PREFIX) and n[len(_CKPT_PREFIX) :].isdigit()
+    ]
+    return sorted(names)
+
+
+def latest_checkpoint(directory: str) -> str | None:
+    """The newest complete checkpoint under `directory` whose checksum matches (older
+    ones are tried when the newest is damaged), or `None`."""
+    for name in reversed(_checkpoints(directory)):
+        path = os.path.join(directory, name)
+        try:
+            with open(os.path.join(path, "meta.json")) as f:
+                meta = json.load(f)
+            if _sha256(os.path.join(path, "state.eqx")) == meta["sha256"]:
+                return path
+        except (OSError, ValueError, KeyError):
+            pass
+        print(f"warning: skipping damaged checkpoint {path}", file=sys.stderr)
+    return None
+
+
+def restore_checkpoint(path: str, like: PyTree) -> tuple[PyTree, dict]:
+    """Read a checkpoint written by `save_checkpoint` into the structure of `like`."""
+    with open(os.path.join(path, "meta.json")) as f:
+        meta = json.load(f)
+    leaves = os.path.join(path, "state.eqx")
+    if _sha256(leaves) != meta.get("sha256"):
+        raise ValueError(f"checkpoint {path}: checksum mismatch (file damaged)")
+    try:
+        tree = eqx.tree_deserialise_leaves(leaves, like)
+    except Exception as e:
+        raise ValueError(
+            f"checkpoint {path} does not match this run's model/optimiser ({e})"
+        ) from None
+    return tree, meta

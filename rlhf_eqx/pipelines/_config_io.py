@@ -1,0 +1,146 @@
+"""Configs to and from dicts, JSON / YAML files and dotted command-line overrides."""
+
+import dataclasses
+import json
+import os
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+from ._config import ConfigError, PipelineConfig
+
+__all__ = ["apply_overrides", "config_from_dict", "config_to_dict", "load_config"]
+
+
+def config_to_dict(cfg: Any) -> dict:
+    """A JSON-friendly dict of a config dataclass (tuples become lists)."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+def _convert(value: Any, tp: Any, name: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name}: expected a mapping, got {value!r}")
+        return config_from_dict(tp, value, prefix=name + ".")
+    if origin in (types.UnionType, typing.Union):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _convert(value, a, name)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{name}={value!r}: expected {tp}")
+    if origin is tuple:
+        if isinstance(value, str) and name.endswith("stop_strings"):
+            # From the command line: comma-separated, with escapes (`\\n\\nHuman:`).
+            value = [v.encode().decode("unicode_escape") for v in value.split(",") if v]
+        elif isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{name}={value!r}: expected a list")
+        (item,) = typing.get_args(tp)[:1]
+        return tuple(_convert(v, item, name) for v in value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{name}={value!r}: expected true or false")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{name}={value!r}: expected an integer")
+        try:
+            if isinstance(value, str) or float(value) == int(value):
+                return int(value)
+        except (TypeError, ValueError):
+            pass
+        raise ConfigError(f"{name}={value!r}: expected an integer")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{name}={value!r}: expected a number")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name}={value!r}: expected a number") from None
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{name}={value!r}: expected a string")
+        return value
+    raise ConfigError(f"{name}: unsupported field type {tp}")
+
+
+def config_from_dict(cls: type, d: dict, *, prefix: str = "") -> Any:
+    """Build config dataclass `cls` from a (nested) dict; unknown fields are errors,
+    missing ones take their defaults."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in d:
+        if key not in names:
+            raise ConfigError(f"{prefix}{key}: unknown field (known: {', '.join(sorted(names))})")
+    kwargs = {k: _convert(v, hints[k], prefix + k) for k, v in d.items()}
+    return cls(**kwargs)
+
+
+def load_config(path: str, cls: type = PipelineConfig, *, base: Any = None) -> Any:
+    """Read a JSON (or, with PyYAML installed, YAML) config file over `base` (default:
+    the class defaults)."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist")
+    with open(path) as f:
+        text = f.read()
+    if path.endswith((".yaml", ".yml")):
+        try:
+            import yaml
+        except ImportError:
+            raise ConfigError(f"{path}: YAML configs need PyYAML (pip install pyyaml)") from None
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            line = f":{mark.line + 1}" if mark is not None else ""
+            why = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigError(f"{path}{line}: invalid YAML ({why})") from None
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the config must be a mapping")
+    merged = _deep_merge(config_to_dict(base if base is not None else cls()), data)
+    return config_from_dict(cls, merged)
+
+
+def _deep_merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = (
+            _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        )
+    return out
+
+
+def apply_overrides(cfg: Any, overrides: Sequence[str]) -> Any:
+    """Apply dotted `field.sub=value` overrides (e.g. `"dpo.beta=0.2"`); values are parsed
+    by the field's type (lists comma-separated)."""
+    d = config_to_dict(cfg)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected FIELD=VALUE, e.g. dpo.beta=0.2")
+        path, value = item.split("=", 1)
+        parts = path.strip().split(".")
+        node = d
+        for i, p in enumerate(parts[:-1]):
+            if not isinstance(node.get(p), dict):
+                raise ConfigError(f"{'.'.join(parts[: i + 1])}: unknown config section")
+            node = node[p]
+        if parts[-1] not in node:
+            raise ConfigError(f"{path}: unknown field")
+        node[parts[-1]] = None if value.lower() == "none" else value
+    return config_from_dict(type(cfg), d)

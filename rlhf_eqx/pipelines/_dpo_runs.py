@@ -1,0 +1,143 @@
+"""DPO runs (Rafailov et al. 2023): offline on fixed pairs, and online / iterative
+(sample, label, pair, train, repeat), both with a cached reference."""
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+
+import rlhf_eqx as rx
+from rlhf_eqx import data
+
+from ._config import DPOConfig
+from ._monitor import model_flops
+from ._ops import build_optimizer
+from ._rollout import sample_rollout
+from ._runs import RunContext, RunResult, collate_pairs, rows_at, run_loop, take_rows, with_lora
+
+__all__ = ["run_dpo", "run_online_dpo", "best_worst_pairs"]
+
+
+def _dpo_setup(model, cfg: DPOConfig, total_steps: int, key):
+    model, spec = with_lora(model, cfg.lora, key)
+    reference = rx.without_lora(model) if spec is not None else model
+    opt = build_optimizer(cfg.optim, total_steps)
+    state = rx.train.init_train_state(model, opt, filter_spec=spec)
+    step = rx.train.make_dpo_step(
+        opt, beta=cfg.beta, loss_type=cfg.loss_type, reference="cached", donate=False
+    )
+    return state, reference, step
+
+
+def run_dpo(
+    model, tok, pairs: Sequence[data.PreferenceRecord], *, cfg: DPOConfig, ctx: RunContext
+) -> RunResult:
+    """Offline DPO (Rafailov et al. 2023) on fixed pairs: reference log-probs computed
+    once (the reference is the model without its adapters), `cfg.steps` steps."""
+    k_lora, ctx_key = jax.random.split(ctx.key)
+    state, reference, step = _dpo_setup(model, cfg, cfg.steps, k_lora)
+    full = collate_pairs(pairs, tok, max_length=cfg.max_length, prompt_length=ctx.prompt_length)
+    full = rx.train.compute_reference_logps(reference, full)
+    n = full.chosen_tokens.shape[0]
+
+    def iteration(state, key, i):
+        batch = take_rows(full, rows_at(n, cfg.batch_size, ctx.ops.seed, i))
+        state, m = state.apply(step, batch, key=key)
+        return state, [m], {}
+
+    ctx = dataclasses.replace(ctx, key=ctx_key)
+    return run_loop(
+        state,
+        iteration,
+        ctx,
+        cfg.steps,
+        policy_of=lambda s: s.model,
+        tokens_per_iteration=2 * cfg.batch_size * cfg.max_length,
+        flops_per_iteration=model_flops(
+            rx.count_params(state.model), train_tokens=2 * cfg.batch_size * cfg.max_length
+        ),
+    )
+
+
+def best_worst_pairs(
+    prompts: Sequence[str], texts: Sequence[str], labels: Sequence[float], samples: int
+) -> list[data.PreferenceRecord]:
+    """For each prompt's `samples` completions, (best, worst) by `labels` when they differ."""
+    pairs = []
+    for j, prompt in enumerate(prompts):
+        lab = np.asarray(labels[j * samples : (j + 1) * samples])
+        best, worst = int(np.argmax(lab)), int(np.argmin(lab))
+        if lab[best] > lab[worst]:
+            pairs.append(
+                data.PreferenceRecord(prompt, texts[j * samples + best], texts[j * samples + worst])
+            )
+    return pairs
+
+
+def run_online_dpo(
+    model,
+    tok,
+    prompts: Sequence[str],
+    label: Callable[[Sequence[str], Sequence[str], int], Sequence[float]],
+    *,
+    cfg: DPOConfig,
+    ctx: RunContext,
+) -> RunResult:
+    """Online (iterative) DPO: for each of `cfg.rounds` rounds, sample `cfg.samples`
+    completions per prompt from the current policy, label them with
+    `label(prompts, texts, round)` (a reward model or a judge), pair best and worst,
+    cache the reference log-probs and take `cfg.steps` DPO steps (Xu et al. 2023; Guo et
+    al. 2024)."""
+    k_lora, ctx_key = jax.random.split(ctx.key)
+    state, reference, step = _dpo_setup(model, cfg, cfg.rounds * cfg.steps, k_lora)
+
+    def iteration(state, key, r):
+        k_sample, k_steps = jax.random.split(key)
+        roll = sample_rollout(
+            state.model,
+            tok,
+            prompts,
+            k_sample,
+            group_size=cfg.samples,
+            prompt_length=ctx.prompt_length,
+            max_new_tokens=ctx.max_new_tokens,
+            temperature=ctx.temperature,
+            stop_strings=ctx.stop_strings,
+        )
+        labels = label(roll.prompts, roll.texts, r)
+        pairs = best_worst_pairs(prompts, roll.texts, labels, cfg.samples)
+        info = {"pairs": float(len(pairs)), "label_mean": float(np.mean(labels))}
+        if not pairs:
+            ctx.log.event(
+                "no_signal",
+                f"round {r}: all completions of every prompt got the same label; no pairs",
+                iteration=r,
+            )
+            return state, [], info
+        full = collate_pairs(pairs, tok, max_length=cfg.max_length, prompt_length=ctx.prompt_length)
+        full = rx.train.compute_reference_logps(reference, full)
+        n = full.chosen_tokens.shape[0]
+        metrics = []
+        for s in range(cfg.steps):
+            batch = take_rows(full, rows_at(n, cfg.batch_size, ctx.ops.seed + r, s))
+            state, m = state.apply(step, batch, key=jax.random.fold_in(k_steps, s))
+            metrics.append(m)
+        return state, metrics, info
+
+    ctx = dataclasses.replace(ctx, key=ctx_key)
+    sampled = len(prompts) * cfg.samples * (ctx.prompt_length + ctx.max_new_tokens)
+    flops = model_flops(
+        rx.count_params(state.model),
+        train_tokens=cfg.steps * 2 * cfg.batch_size * cfg.max_length,
+        forward_tokens=sampled + 2 * len(prompts) * cfg.max_length,  # + reference, <= 1 pair/prompt
+    )
+    return run_loop(
+        state,
+        iteration,
+        ctx,
+        cfg.rounds,
+        policy_of=lambda s: s.model,
+        tokens_per_iteration=sampled,
+        flops_per_iteration=flops,
+    )

@@ -1,0 +1,238 @@
+"""Reinforcement-learning runs: PPO with a value model (reward model or reward
+functions) and GRPO with verifiable rewards; the KL guard stops them early."""
+
+import dataclasses
+from collections.abc import Sequence
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import rlhf_eqx as rx
+
+from ._config import GRPOConfig, PPOConfig
+from ._monitor import model_flops
+from ._ops import build_optimizer
+from ._rollout import (
+    RewardFunction,
+    group_signal,
+    reward_model_scores,
+    sample_rollout,
+    score_rollout,
+    token_logps,
+)
+from ._runs import RunContext, RunResult, rows_at, run_loop, take_rows, with_lora
+
+__all__ = ["run_ppo", "run_grpo"]
+
+
+# --- PPO -------------------------------------------------------------------------------
+
+
+def _prompts_at(prompts: Sequence[str], per_rollout: int, seed: int, r: int) -> list[str]:
+    return [prompts[j] for j in rows_at(len(prompts), per_rollout, seed, r)]
+
+
+def _per_token_kl(logp, ref_logp, mask) -> float:
+    m = np.asarray(mask)
+    return float(((np.asarray(logp) - np.asarray(ref_logp)) * m).sum() / max(m.sum(), 1))
+
+
+def run_ppo(
+    policy,
+    tok,
+    prompts: Sequence[str],
+    *,
+    reward: "rx.RewardModel | Sequence[RewardFunction]",
+    cfg: PPOConfig,
+    ctx: RunContext,
+) -> RunResult:
+    """PPO with a value model (RLHF, Ouyang et al. 2022): per rollout, sample one
+    completion for each of `cfg.prompts_per_rollout` prompts, score it with `reward` (a
+    `RewardModel`, jitted, or reward functions on the decoded text), compute the
+    reference log-probs, values and GAE advantages once (`prepare_ppo_batch`; `old_logp`
+    from the sampler), then `cfg.epochs` x `cfg.minibatches` PPO steps. The policy trains
+    LoRA adapters (`cfg.lora`; the reference is the policy without them); the value
+    model (`ValueModel.from_policy`) trains every weight. Stops early when the per-token
+    KL to the reference exceeds `cfg.kl_target`.
+    """
+    k_lora, k_value, ctx_key = jax.random.split(ctx.key, 3)
+    pol, spec = with_lora(policy, cfg.lora, k_lora)
+    reference = rx.without_lora(pol) if spec is not None else policy
+    value = rx.ValueModel.from_policy(policy, key=k_value)
+    total = cfg.rollouts * cfg.epochs * cfg.minibatches
+    opt = build_optimizer(cfg.optim, total)
+    filter_spec = (spec if spec is not None else eqx.is_inexact_array, eqx.is_inexact_array)
+    state = rx.train.init_train_state((pol, value), opt, filter_spec=filter_spec)
+    step = rx.train.make_ppo_step(
+        opt,
+        clip_eps=cfg.clip,
+        vf_coef=cfg.vf_coef,
+        ent_coef=cfg.ent_coef,
+        donate=False,
+        temperature=ctx.temperature,
+    )
+    mb = cfg.prompts_per_rollout // cfg.minibatches
+    rows = cfg.prompts_per_rollout * (ctx.prompt_length + ctx.max_new_tokens)
+    n_policy, n_value = rx.count_params(pol), rx.count_params(value)
+
+    def iteration(state, key, r):
+        k_sample, k_steps = jax.random.split(key)
+        pol_now, val_now = state.model
+        roll = sample_rollout(
+            pol_now,
+            tok,
+            _prompts_at(prompts, cfg.prompts_per_rollout, ctx.ops.seed, r),
+            k_sample,
+            prompt_length=ctx.prompt_length,
+            max_new_tokens=ctx.max_new_tokens,
+            temperature=ctx.temperature,
+            stop_strings=ctx.stop_strings,
+        )
+        if isinstance(reward, rx.RewardModel):
+            scores = reward_model_scores(reward, roll.tokens, roll.mask)
+            info = {"score": float(jnp.mean(scores))}
+        else:
+            s, info = score_rollout(roll, reward)
+            scores = jnp.asarray(s)
+            info["score"] = float(s.mean())
+        batch, stats = rx.train.prepare_ppo_batch(
+            (pol_now, val_now),
+            reference,
+            roll.tokens,
+            roll.mask,
+            roll.completion_mask,
+            scores,
+            kl_coef=cfg.kl_coef,
+            gamma=cfg.gamma,
+            lam=cfg.lam,
+            temperature=ctx.temperature,
+            stop_strings=ctx.stop_strings,
+        )
+        m = roll.completion_mask & roll.mask
+        batch = eqx.tree_at(lambda b: b.old_logp, batch, jnp.where(m, roll.logprobs, 0.0))
+        ref_logp = token_logps(reference, roll.tokens, roll.mask)
+        info["kl"] = _per_token_kl(roll.logprobs, ref_logp, m)
+        info.update({k: float(v) for k, v in stats.items()})
+        info["truncated"] = float(jnp.mean(roll.truncated.astype(jnp.float32)))
+        metrics = []
+        n = cfg.prompts_per_rollout
+        for e in range(cfg.epochs):
+            perm = np.asarray(jax.random.permutation(jax.random.fold_in(k_steps, e), n))
+            for j in range(cfg.minibatches):
+                idx = perm[j * mb : (j + 1) * mb]
+                state, met = state.apply(
+                    step, take_rows(batch, idx), key=jax.random.fold_in(k_steps, 1000 + e * 100 + j)
+                )
+                metrics.append(met)
+        return state, metrics, info
+
+    ctx = dataclasses.replace(ctx, key=ctx_key)
+    return run_loop(
+        state,
+        iteration,
+        ctx,
+        cfg.rollouts,
+        kl_target=cfg.kl_target,
+        policy_of=lambda s: s.model[0],
+        tokens_per_iteration=cfg.prompts_per_rollout * ctx.max_new_tokens,
+        # Sampling, old policy, reference (twice: shaping and the KL guard) and value
+        # forward passes; epochs of training steps on policy and value.
+        flops_per_iteration=model_flops(n_policy, forward_tokens=4 * rows)
+        + model_flops(n_value, forward_tokens=rows, train_tokens=cfg.epochs * rows)
+        + model_flops(n_policy, train_tokens=cfg.epochs * rows),
+    )
+
+
+# --- GRPO ------------------------------------------------------------------------------
+
+
+def run_grpo(
+    policy,
+    tok,
+    prompts: Sequence[str],
+    *,
+    reward_fns: Sequence[RewardFunction],
+    cfg: GRPOConfig,
+    ctx: RunContext,
+) -> RunResult:
+    """GRPO (Shao et al. 2024) with verifiable rewards: per rollout, `cfg.group_size`
+    completions for each of `cfg.prompts_per_rollout` prompts, scored by the weighted
+    `reward_fns` on the decoded text; group-relative advantages; reference log-probs
+    computed once per rollout (k3 KL with weight `cfg.beta`); `cfg.epochs` steps on the
+    rollout with `old_logp` from the sampler. Logs `frac_reward_zero_std` and an event
+    when no group carries a signal. Stops early when the per-token KL to the reference
+    exceeds `cfg.kl_target`.
+    """
+    k_lora, ctx_key = jax.random.split(ctx.key)
+    pol, spec = with_lora(policy, cfg.lora, k_lora)
+    reference = rx.without_lora(pol) if spec is not None else policy
+    opt = build_optimizer(cfg.optim, cfg.rollouts * cfg.epochs)
+    state = rx.train.init_train_state(pol, opt, filter_spec=spec)
+    step = rx.train.make_grpo_step(
+        opt,
+        group_size=cfg.group_size,
+        clip_eps=cfg.clip,
+        beta=cfg.beta,
+        donate=False,
+        temperature=ctx.temperature,
+    )
+
+    rows = cfg.prompts_per_rollout * cfg.group_size * (ctx.prompt_length + ctx.max_new_tokens)
+
+    def iteration(state, key, r):
+        k_sample, k_steps = jax.random.split(key)
+        roll = sample_rollout(
+            state.model,
+            tok,
+            _prompts_at(prompts, cfg.prompts_per_rollout, ctx.ops.seed, r),
+            k_sample,
+            group_size=cfg.group_size,
+            prompt_length=ctx.prompt_length,
+            max_new_tokens=ctx.max_new_tokens,
+            temperature=ctx.temperature,
+            stop_strings=ctx.stop_strings,
+        )
+        rewards, info = score_rollout(roll, reward_fns)
+        info["score"] = float(rewards.mean())
+        info["frac_reward_zero_std"] = group_signal(rewards, cfg.group_size)
+        m = roll.completion_mask & roll.mask
+        ref_logp = token_logps(reference, roll.tokens, roll.mask)
+        info["kl"] = _per_token_kl(roll.logprobs, ref_logp, m)
+        info["truncated"] = float(jnp.mean(roll.truncated.astype(jnp.float32)))
+        if info["frac_reward_zero_std"] == 1.0:
+            ctx.log.event(
+                "no_signal",
+                f"rollout {r}: every group has equal rewards; the update is zero",
+                iteration=r,
+            )
+        batch = rx.train.GRPOBatch(
+            tokens=roll.tokens,
+            mask=roll.mask,
+            completion_mask=roll.completion_mask,
+            rewards=jnp.asarray(rewards),
+            old_logp=roll.logprobs,
+            ref_logp=jnp.where(m, ref_logp, 0.0),
+            truncated=roll.truncated,
+        )
+        metrics = []
+        for e in range(cfg.epochs):
+            state, met = state.apply(step, batch, key=jax.random.fold_in(k_steps, e))
+            metrics.append(met)
+        return state, metrics, info
+
+    ctx = dataclasses.replace(ctx, key=ctx_key)
+    return run_loop(
+        state,
+        iteration,
+        ctx,
+        cfg.rollouts,
+        kl_target=cfg.kl_target,
+        policy_of=lambda s: s.model,
+        tokens_per_iteration=cfg.prompts_per_rollout * cfg.group_size * ctx.max_new_tokens,
+        # Sampling and the reference pass, then `epochs` steps on the rollout.
+        flops_per_iteration=model_flops(
+            rx.count_params(pol), forward_tokens=2 * rows, train_tokens=cfg.epochs * rows
+        ),
+    )

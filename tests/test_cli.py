@@ -100,3 +100,12 @@ def test_a_bad_yaml_config_file_names_the_line(tmp_path, capsys):
     line = _err_line(capsys)
     assert line.startswith("error: invalid configuration:") and f"{path}:" in line
     assert "invalid YAML" in line
+
+
+def test_batch_sizes_need_not_divide_by_unused_devices(capsys):
+    # The tests see 8 simulated devices; the CLI's runs use one.
+    import jax
+
+    assert jax.device_count() == 8
+    assert main(["ppo", "--set", "ppo.prompts_per_rollout=4", "--show-config"]) == 0
+    assert json.loads(capsys.readouterr().out)["ppo"]["prompts_per_rollout"] == 4

@@ -46,7 +46,8 @@ def test_dpo_and_reward_on_hh_rlhf(shared_dir, tmp_path):
     assert s["truncation"]["records"] > 0 and (out / "dpo" / "hf" / "config.json").exists()
     assert "prompts were cut" in s["truncation"]["policy"] and "identical" in s["data_quality"]
     assert (out / "dpo" / "adapter" / "adapter_config.json").exists()
-    events = [json.loads(line).get("event") for line in (out / "metrics.jsonl").open()]
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    events = [json.loads(line).get("event") for line in lines]
     assert "data_quality" in events and "data_filter" in events
     out = tmp_path / "rm"
     assert (

@@ -133,6 +133,20 @@ def test_grpo_scores_and_trains_on_completions_cut_at_stop_strings(tmp_path):
     )
     assert len(seen) == 4 and not any("e" in t for t in seen)
     assert int(res.state.step) == 1
+    seen.clear()
+    ppo = pl.PPOConfig(
+        rollouts=1, prompts_per_rollout=2, epochs=1, minibatches=1, lora=pl.LoRASettings(rank=2)
+    )
+    res = pl.run_ppo(
+        _tiny_policy(),
+        tok,
+        ["Once upon a time", "The dog"],
+        reward=[pl.RewardFunction("judge", judge)],
+        cfg=ppo,
+        ctx=ctx,
+    )
+    assert len(seen) == 2 and not any("e" in t for t in seen)
+    assert int(res.state.step) == 1
 
 
 def test_stop_strings_config_from_the_command_line():

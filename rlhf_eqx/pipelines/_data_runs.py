@@ -79,8 +79,9 @@ def quality_report(records, tok, lengths: "data.SequenceLengths", dc: DataConfig
     counts = {k: len(v) for k, v in dropped.items()}
     log.event(
         "data_filter",
-        f"dropped {sum(counts.values())} of {len(records)} pairs "
-        + ", ".join(f"{k}: {n}" for k, n in counts.items()),
+        f"dropped {sum(counts.values())} of {len(records)} pairs ("
+        + ", ".join(f"{k}: {n}" for k, n in counts.items())
+        + ")",
         kept=len(kept),
         **{f"dropped_{k}": n for k, n in counts.items()},
     )

@@ -81,7 +81,11 @@ def plot_run(run_dir: str) -> list[str]:
     if os.path.isfile(summary_path):
         with open(summary_path) as f:
             summary = json.load(f)
-        stages = [s for s in ("base", "sft", "ppo", "dpo", "grpo", "online-dpo") if s in summary]
+        stages = [
+            s
+            for s in ("base", "sft", "ppo", "dpo", "grpo", "online-dpo")
+            if isinstance(summary.get(s), dict) and "score" in summary[s]
+        ]
         if stages:
             fig, ax = plt.subplots(figsize=(5, 3))
             scores = [summary[s]["score"] for s in stages]

@@ -108,7 +108,6 @@ def run_ppo(
             gamma=cfg.gamma,
             lam=cfg.lam,
             temperature=ctx.temperature,
-            stop_strings=ctx.stop_strings,
         )
         m = roll.completion_mask & roll.mask
         batch = eqx.tree_at(lambda b: b.old_logp, batch, jnp.where(m, roll.logprobs, 0.0))

@@ -1,5 +1,5 @@
 """Whole runs: typed config -> final `TrainState` + metrics history. Here: the run
-context and helpers shared by every run, SFT and reward modelling; DPO (offline and
+context and the pieces shared by every run, SFT and reward modelling; DPO (offline and
 online) is in `_dpo_runs.py`, PPO and GRPO in `_rl_runs.py`.
 
 Every run goes through `run_iterations` (checkpoints, exact resume, rollback, the KL

@@ -23,8 +23,6 @@ from .distributed import opt_state_specs, fit_spec
 from .models import LoRAConfig, Policy, TransformerConfig, apply_lora, quantize_int8
 from .models import partition_specs
 
-__all__ = ["MemoryEstimate", "estimate_memory"]
-
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:8.2f} GiB"

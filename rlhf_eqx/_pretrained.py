@@ -5,8 +5,6 @@ import os
 from .data import Llama2cTokenizer
 from .models import Policy, load_llama2c_policy
 
-__all__ = ["load_llama2c"]
-
 
 def load_llama2c(
     model_path: str | os.PathLike,

@@ -6,8 +6,6 @@ from jaxtyping import Array, Float
 
 from ._validation import Hyperparameter
 
-__all__ = ["combine_losses"]
-
 
 def combine_losses(
     terms: Mapping[str, Float[Array, "*shape"]], weights: Mapping[str, Hyperparameter]

@@ -28,17 +28,6 @@ from jaxtyping import Array, ArrayLike, Float, Real
 
 from ._validation import Hyperparameter, check_choice, check_python_number, is_python_number
 
-__all__ = [
-    "DPO_LOSS_TYPES",
-    "DPO_BATCH_LOSS_TYPES",
-    "DPO_REFERENCE_FREE_LOSS_TYPES",
-    "DPOLossType",
-    "dpo_loss",
-    "dpo_batch_loss",
-    "dpo_implicit_rewards",
-    "orpo_log_odds",
-    "orpo_loss",
-]
 
 # Largest average log-probability fed to log(1 - p) in ORPO (keeps it finite at p = 1).
 _ORPO_MAX_AVG_LOGP = -1e-7

@@ -14,16 +14,6 @@ from ._kl import kl_penalty
 from ._ppo import LOG_RATIO_CLAMP, clipped_surrogate, gae
 from ._validation import Hyperparameter, check_choice, is_python_number
 
-__all__ = [
-    "ADVANTAGE_SCALES",
-    "IMPORTANCE_LEVELS",
-    "group_advantages",
-    "rloo_advantages",
-    "reinforce_pp_advantages",
-    "grpo_policy_loss",
-    "mask_truncated",
-]
-
 
 ADVANTAGE_SCALES: tuple[str, ...] = ("group", "batch", "none")
 """The `scale`s of `group_advantages`."""

@@ -13,15 +13,6 @@ from jaxtyping import Array, ArrayLike, Bool, Float
 
 from ._validation import Hyperparameter, check_choice
 
-__all__ = [
-    "KL_KINDS",
-    "KLKind",
-    "kl_penalty",
-    "kl_shaped_rewards",
-    "KLControllerState",
-    "adaptive_kl_update",
-    "fixed_kl_update",
-]
 
 KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3", "abs")
 """The per-token KL estimators of `kl_penalty`."""

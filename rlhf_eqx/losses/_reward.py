@@ -6,8 +6,6 @@ from jaxtyping import Array, ArrayLike, Float
 
 from ._validation import Hyperparameter, check_python_number, is_python_number
 
-__all__ = ["bradley_terry_loss"]
-
 
 def bradley_terry_loss(
     chosen_reward: Float[ArrayLike, ""],

@@ -4,8 +4,6 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float
 
-__all__ = ["RunningMean", "running_mean_update"]
-
 
 class RunningMean(eqx.Module):
     """Running mean of every value seen so far (the BCO reward baseline $\\delta$).

@@ -3,8 +3,6 @@
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
-__all__ = ["sft_nll"]
-
 
 def sft_nll(logp: Float[Array, " T"], mask: Bool[Array, " T"]) -> Float[Array, " T"]:
     r"""Per-token negative log-likelihood $-\log \pi_\theta(y_t \mid y_{<t})$, 0 where masked.

@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 
 from jaxtyping import Array, Real
 
-__all__ = ["Hyperparameter", "check_choice", "is_python_number", "check_python_number"]
 
 # A scalar hyperparameter: a Python number or a (possibly traced) JAX scalar.
 Hyperparameter = float | int | Real[Array, ""]

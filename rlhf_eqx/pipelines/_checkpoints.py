@@ -10,8 +10,6 @@ import sys
 import equinox as eqx
 from jaxtyping import PyTree
 
-__all__ = ["save_checkpoint", "latest_checkpoint", "restore_checkpoint"]
-
 
 _CKPT_PREFIX = "iter_"
 

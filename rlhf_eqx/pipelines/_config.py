@@ -10,23 +10,6 @@ built-in task's configuration, which overrides some of them and lists which in i
 
 import dataclasses
 
-__all__ = [
-    "ConfigError",
-    "ModelConfig",
-    "DataConfig",
-    "LoRASettings",
-    "OptimConfig",
-    "SamplingConfig",
-    "OpsConfig",
-    "SFTConfig",
-    "RewardConfig",
-    "DPOConfig",
-    "PPOConfig",
-    "GRPOConfig",
-    "PipelineConfig",
-    "animal_task_config",
-]
-
 
 class ConfigError(ValueError):
     """An invalid configuration value; the message names the field and the value."""

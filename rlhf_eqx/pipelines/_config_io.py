@@ -10,8 +10,6 @@ from typing import Any
 
 from ._config import ConfigError, PipelineConfig
 
-__all__ = ["apply_overrides", "config_from_dict", "config_to_dict", "load_config"]
-
 
 def config_to_dict(cfg: Any) -> dict:
     """A JSON-friendly dict of a config dataclass (tuples become lists)."""

@@ -29,8 +29,6 @@ from ._runs import (
     run_sft,
 )
 
-__all__ = ["run_on_data", "quality_report"]
-
 
 def _split(records, dc: DataConfig):
     """`(train, heldout)`: the first `dc.limit` records (0: all), split by prompt with

@@ -16,8 +16,6 @@ from ._ops import build_optimizer
 from ._rollout import sample_rollout
 from ._runs import RunContext, RunResult, collate_pairs, rows_at, run_loop, take_rows, with_lora
 
-__all__ = ["run_dpo", "run_online_dpo", "best_worst_pairs"]
-
 
 def _dpo_setup(model, cfg: DPOConfig, total_steps: int, key):
     model, spec = with_lora(model, cfg.lora, key)

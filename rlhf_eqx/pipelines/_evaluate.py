@@ -11,8 +11,6 @@ from jaxtyping import Array, Bool, Float, Int
 
 from ._rollout import Rollout, sample_rollout, token_logps
 
-__all__ = ["evaluate_policy", "win_rate", "reward_accuracy", "completion_nll"]
-
 
 def completion_nll(model, rollout: Rollout) -> float:
     """Mean negative log-likelihood per completion token of `rollout` under `model`."""

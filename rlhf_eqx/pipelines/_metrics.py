@@ -7,8 +7,6 @@ from typing import Any
 
 from ._monitor import tensorboard_writer
 
-__all__ = ["MetricsLog", "progress"]
-
 
 def _float(v: Any) -> Any:
     if isinstance(v, (int, float, str, bool)) or v is None:

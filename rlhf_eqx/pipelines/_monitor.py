@@ -20,14 +20,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = [
-    "measure_matmul_peak",
-    "model_flops",
-    "device_memory",
-    "Profiler",
-    "tensorboard_writer",
-]
-
 
 def measure_matmul_peak(*, size: int = 1024, repeats: int = 5) -> float:
     """The float32 FLOP/s of a `size x size` matmul on the default device: the best of

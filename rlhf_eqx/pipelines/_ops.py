@@ -28,16 +28,6 @@ from ._config import OpsConfig, OptimConfig
 from ._metrics import MetricsLog, progress
 from ._monitor import Profiler, device_memory
 
-__all__ = [
-    "LRScaleState",
-    "scale_by_lr_factor",
-    "build_optimizer",
-    "get_lr_scale",
-    "set_lr_scale",
-    "LoopResult",
-    "run_iterations",
-]
-
 
 # --- learning-rate scale ---------------------------------------------------------------
 

@@ -29,8 +29,6 @@ from ._runs import (
 )
 from ._task import HELDOUT_PROMPTS, TRAIN_PROMPTS, animal_score, noisy_scores
 
-__all__ = ["load_model", "run_pipeline", "format_table"]
-
 
 def load_model(source: str = "builtin", tokenizer: str | None = None):
     """`(policy, tokenizer)` from `"builtin"` (the shipped stories260K), a llama2.c `.bin`

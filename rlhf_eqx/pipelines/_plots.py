@@ -4,7 +4,6 @@ import json
 import os
 from collections import defaultdict
 
-__all__ = ["read_metrics", "plot_run"]
 
 # What each panel shows: the first metric name a stage logged wins.
 _PANELS = {

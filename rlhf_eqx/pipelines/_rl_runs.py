@@ -24,8 +24,6 @@ from ._rollout import (
 )
 from ._runs import RunContext, RunResult, rows_at, run_loop, take_rows, with_lora
 
-__all__ = ["run_ppo", "run_grpo"]
-
 
 # --- PPO -------------------------------------------------------------------------------
 

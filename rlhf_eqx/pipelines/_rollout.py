@@ -17,17 +17,6 @@ from jaxtyping import Array, Bool, Float, Int
 import rlhf_eqx as rx
 from rlhf_eqx import data
 
-__all__ = [
-    "Rollout",
-    "RewardFunction",
-    "sample_rollout",
-    "score_rollout",
-    "group_signal",
-    "reward_model_scores",
-    "token_logps",
-    "encode_prompts",
-]
-
 
 @dataclasses.dataclass(frozen=True)
 class Rollout:

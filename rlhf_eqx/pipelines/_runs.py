@@ -27,19 +27,6 @@ from ._metrics import MetricsLog
 from ._monitor import model_flops
 from ._ops import LoopResult, build_optimizer, run_iterations
 
-__all__ = [
-    "RunContext",
-    "RunResult",
-    "with_lora",
-    "has_lora",
-    "export_policy",
-    "final_policy",
-    "rows_at",
-    "collate_pairs",
-    "run_sft",
-    "run_reward",
-]
-
 
 @dataclasses.dataclass(frozen=True)
 class RunContext:

@@ -11,13 +11,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = [
-    "ANIMALS",
-    "TRAIN_PROMPTS",
-    "HELDOUT_PROMPTS",
-    "animal_score",
-    "noisy_scores",
-]
 
 # The scorer's words: each with its plural forms (irregular ones included).
 ANIMALS: tuple[str, ...] = (

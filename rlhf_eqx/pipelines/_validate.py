@@ -6,8 +6,6 @@ from typing import Any
 
 from ._config import ConfigError, LoRASettings, OptimConfig, PipelineConfig
 
-__all__ = ["validate_config"]
-
 
 def _fail(name: str, value: Any, why: str) -> None:
     raise ConfigError(f"{name}={value!r}: {why}")

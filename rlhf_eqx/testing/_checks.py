@@ -8,13 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float
 
-__all__ = [
-    "check_finite",
-    "check_padding_invariance",
-    "check_all_masked_contributes_nothing",
-    "check_permutation_invariance",
-    "check_ppo_clip_gradient_zero",
-]
 
 # Junk written into padded positions: extreme and ordinary values of both signs.
 DEFAULT_FILL = (-1e4, 3.0, -0.5, 0.0)

@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from jaxtyping import Array, Float, Int
 
-__all__ = ["PreferencePairs", "logprob_arrays", "masks", "preference_pairs", "reward_groups"]
 
 PROFILE = "rlhf_eqx"
 

@@ -25,6 +25,7 @@ from .models import (
     lora_filter as lora_filter,
     merge_lora as merge_lora,
     quantize_int8 as quantize_int8,
+    quantize_nf4 as quantize_nf4,
     save_hf as save_hf,
     without_lora as without_lora,
     Policy as Policy,

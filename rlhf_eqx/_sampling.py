@@ -20,16 +20,6 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .models._protocols import AbstractDecoder
 
-__all__ = [
-    "GenerationOutput",
-    "SamplingOptions",
-    "generate",
-    "generate_batch",
-    "sample_token",
-    "filter_logits",
-    "truncate_at_stop_strings",
-]
-
 
 def _is_int(x: object) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)

@@ -5,6 +5,7 @@ from ._protocols import (
     AbstractBatchedModel as AbstractBatchedModel,
     AbstractDecoder as AbstractDecoder,
     AbstractScalarModel as AbstractScalarModel,
+    AbstractSelectiveLM as AbstractSelectiveLM,
     AbstractSequenceModel as AbstractSequenceModel,
 )
 from ._heads import (

@@ -11,8 +11,6 @@ from jaxtyping import Array, Bool, Float, Int
 
 from ._layers import softcap
 
-__all__ = ["rope_tables", "apply_rope", "attention", "attention_layout", "within_window"]
-
 
 def rope_tables(
     positions: Int[Array, "*B T"], inv_freq: Float[Array, " half"]

@@ -11,7 +11,6 @@ from ._config import TransformerConfig
 from ._heads import Policy, RewardModel, ValueModel
 from ._transformer import Transformer
 
-__all__ = ["LAYER_FIELDS", "policy_from_arrays", "model_from_arrays", "where_layers", "model_config"]
 
 LAYER_FIELDS = (
     "attn_norm",

@@ -9,10 +9,14 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ._config import TransformerConfig
 from ._layers import normal_init, softcap
-from ._protocols import AbstractBatchedModel, AbstractDecoder, AbstractScalarModel, AbstractSequenceModel
+from ._protocols import (
+    AbstractBatchedModel,
+    AbstractDecoder,
+    AbstractScalarModel,
+    AbstractSelectiveLM,
+    AbstractSequenceModel,
+)
 from ._transformer import KVCache, Transformer
-
-__all__ = ["Policy", "ValueModel", "RewardModel", "last_real_index"]
 
 
 def last_real_index(mask: Bool[Array, "*B T"]) -> Int[Array, "*B"]:
@@ -39,7 +43,7 @@ def _dot_f32(h: Float[Array, "*N D"], w: Float[Array, "D O"]) -> Float[Array, "*
     return out.reshape(h.shape[:-1] + (w.shape[-1],))
 
 
-class Policy(AbstractDecoder[KVCache], AbstractBatchedModel):
+class Policy(AbstractDecoder[KVCache], AbstractBatchedModel, AbstractSelectiveLM):
     """A causal language model: `policy(tokens, mask) -> logits [T, V]` (float32).
 
     Written for one sequence; a batch `[B, T]` may also be passed directly (the result

@@ -21,7 +21,6 @@ from typing import Any
 
 from ._config import RopeScaling, TransformerConfig
 
-__all__ = ["config_from_hf", "hf_head", "FAMILIES", "SCORERS", "GEMMA"]
 
 # family -> (architecture, model_type)
 FAMILIES = {

@@ -6,8 +6,6 @@ from typing import Any
 from ._config import RopeScaling, TransformerConfig
 from ._hf_config import FAMILIES, GEMMA, SCORERS, config_from_hf
 
-__all__ = ["config_to_hf", "hf_family"]
-
 
 def hf_family(cfg: TransformerConfig) -> str:
     """The Hugging Face family whose architecture has exactly `cfg`'s switches."""

@@ -9,20 +9,6 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
-__all__ = [
-    "normal_init",
-    "AbstractQuantizedWeight",
-    "Int8Weight",
-    "NF4Weight",
-    "NF4_LEVELS",
-    "LoRAAdapter",
-    "matmul",
-    "dense_weight",
-    "rms_norm",
-    "activation",
-    "softcap",
-]
-
 
 @functools.partial(jax.jit, static_argnames=("shapes", "scales", "dtype"))
 def normal_init(

@@ -39,7 +39,6 @@ from ._build import policy_from_arrays
 from ._config import TransformerConfig
 from ._heads import Policy
 
-__all__ = ["load_llama2c_policy", "read_llama2c", "llama2c_config", "permute_rotary_rows"]
 
 _MAGIC = 0x616B3432
 _V1_HEADER_BYTES = 256

@@ -37,16 +37,6 @@ from ._layers import AbstractQuantizedWeight, LoRAAdapter
 from ._build import model_config, where_layers
 from ._transformer import LORA_TARGETS, DecoderLayer
 
-__all__ = [
-    "LoRAConfig",
-    "apply_lora",
-    "lora_filter",
-    "without_lora",
-    "merge_lora",
-    "count_params",
-    "lora_shapes",
-]
-
 
 @dataclasses.dataclass(frozen=True)
 class LoRAConfig:

@@ -32,7 +32,6 @@ from ._build import model_config, where_layers
 from ._layers import LoRAAdapter
 from ._lora import lora_shapes
 
-__all__ = ["save_lora_adapter", "load_lora_adapter"]
 
 _MODULES = {
     "q": "self_attn.q_proj",

@@ -51,12 +51,6 @@ from typing import Generic, TypeVar
 import equinox as eqx
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-__all__ = [
-    "AbstractSequenceModel",
-    "AbstractBatchedModel",
-    "AbstractScalarModel",
-    "AbstractDecoder",
-]
 
 Cache = TypeVar("Cache")
 
@@ -116,6 +110,30 @@ class AbstractScalarModel(eqx.Module):
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, ""]:
         """The sequence's scalar score."""
+        raise NotImplementedError
+
+
+class AbstractSelectiveLM(eqx.Module):
+    """A language model that scores chosen tokens without materialising `[T, V]` logits.
+
+    `model.selected_logprobs(tokens, mask, select, *, key=None) -> (logp, mean_logit)`,
+    both `[..., T]`: `logp[t] = log p(tokens[t] | tokens[<t])` and `mean_logit[t]` the
+    vocabulary mean of the logits that predicted token `t`, where `select & mask` holds
+    (0 elsewhere); equal to the same quantities computed from the full logits. The DPO
+    step uses it when the policy (or reference) meets it, so the LM head runs only on
+    completion positions.
+    """
+
+    @abc.abstractmethod
+    def selected_logprobs(
+        self,
+        tokens: Int[Array, "*B T"],
+        mask: Bool[Array, "*B T"],
+        select: Bool[Array, "*B T"],
+        *,
+        key: PRNGKeyArray | None = None,
+    ) -> tuple[Float[Array, "*B T"], Float[Array, "*B T"]]:
+        """Log-probabilities and mean logits of the selected tokens."""
         raise NotImplementedError
 
 

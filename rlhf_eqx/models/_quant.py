@@ -35,7 +35,6 @@ import numpy as np
 from ._layers import NF4_LEVELS, AbstractQuantizedWeight, Int8Weight, NF4Weight
 from ._build import model_config, where_layers
 
-__all__ = ["quantize_int8", "quantize_nf4", "dequantize", "quantize_weight", "quantize_weight_nf4"]
 
 _FIELDS = ("wqkv", "wo", "w_gate_up", "w_down")
 

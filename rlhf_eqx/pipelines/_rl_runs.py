@@ -88,7 +88,7 @@ def run_ppo(
             temperature=ctx.temperature,
             stop_strings=ctx.stop_strings,
         )
-        if isinstance(reward, rx.RewardModel):
+        if isinstance(reward, rx.models.AbstractScalarModel):
             scores = reward_model_scores(reward, roll.tokens, roll.mask)
             info = {"score": float(jnp.mean(scores))}
         else:

@@ -19,7 +19,7 @@ from ..losses import (
     dpo_implicit_rewards,
     sft_nll,
 )
-from ..models import Policy
+from ..models import AbstractSelectiveLM
 from ..ops import logprobs_from_logits, masked_sum, previous_real_index
 from ._accumulate import vmap_model
 from ._state import combine
@@ -32,11 +32,11 @@ ReferenceMode = Literal["model", "cached", "none"]
 def _forward(model, tokens, mask, completion_mask, key):
     """Token log-probs `[b, T]`, summed completion log-probs `[b]`, mean-logit sums `[b]`.
 
-    A model with a `selected_logprobs` method (`Policy`) applies its LM head only at the
-    positions that predict completion tokens; any other model returns full logits.
+    A model that meets `AbstractSelectiveLM` (e.g. `Policy`) applies its LM head only at
+    the positions that predict completion tokens; any other model returns full logits.
     """
     m = completion_mask & mask
-    if isinstance(model, Policy):
+    if isinstance(model, AbstractSelectiveLM):
         logp, mean_logit = model.selected_logprobs(tokens, mask, m, key=key)
         return logp, masked_sum(logp, m, axis=-1), masked_sum(mean_logit, m, axis=-1)
     logits = vmap_model(model, tokens, mask, key)

@@ -279,7 +279,7 @@ def _flat_inverse_cdf(key, logits):
 
 @pytest.mark.parametrize("V", [1, 2, 5, 61, 300])
 def test_two_level_inverse_cdf_equals_flat_search(getkey, V):
-    from rlhf_eqx._sampling import _inverse_cdf_sample
+    from rlhf_eqx._sampling._token import inverse_cdf_sample as _inverse_cdf_sample
 
     logits = jax.random.normal(getkey(), (V,)) * 3.0
     if V > 2:

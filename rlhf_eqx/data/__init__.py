@@ -62,13 +62,13 @@ from ._sharding import assign_shards as assign_shards
 from ._sharding import prompt_hash as prompt_hash
 from ._sharding import shard_of as shard_of
 from ._sharding import split_held_out as split_held_out
-from ._tokenize import SequenceLengths as SequenceLengths
-from ._tokenize import TokenizedPair as TokenizedPair
-from ._tokenize import TokenizedSequence as TokenizedSequence
-from ._tokenize import TokenizeReport as TokenizeReport
 from ._tokenize import tokenize_preferences as tokenize_preferences
 from ._tokenize import tokenize_prompts as tokenize_prompts
 from ._tokenize import tokenize_sft as tokenize_sft
+from ._tokenized import SequenceLengths as SequenceLengths
+from ._tokenized import TokenizedPair as TokenizedPair
+from ._tokenized import TokenizedSequence as TokenizedSequence
+from ._tokenized import TokenizeReport as TokenizeReport
 from ._tokenizer import Tokenizer as Tokenizer
 from ._tokenizer import check_vocab as check_vocab
 from ._tokenizer import decode_continuation as decode_continuation

@@ -31,7 +31,7 @@ import numpy as np
 
 from .._batches import PreferenceBatch, PromptBatch, SequenceBatch
 from ._errors import DataError
-from ._tokenize import SequenceLengths, TokenizedPair, TokenizedSequence
+from ._tokenized import SequenceLengths, TokenizedPair, TokenizedSequence
 
 
 def row_length(

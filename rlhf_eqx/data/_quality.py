@@ -26,7 +26,8 @@ import numpy as np
 
 from ._errors import DataError
 from ._io import RecordDataset
-from ._tokenize import SequenceLengths, TokenizeReport, tokenize_preferences
+from ._tokenize import tokenize_preferences
+from ._tokenized import SequenceLengths, TokenizeReport
 from ._tokenizer import Tokenizer
 
 _FILTERS = ("identical", "empty", "exact_duplicate", "duplicate_prompt")

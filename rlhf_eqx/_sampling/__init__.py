@@ -1,0 +1,12 @@
+"""Sampling with a KV cache: one compiled prefill + decode loop.
+
+Prompts may be left- or right-padded (positions and attention come from the mask).
+Left padding is recommended for batches (`rlhf_eqx.data` collates prompts that way):
+the completion then starts right after the last real prompt token in every row.
+The output row is always `prompt (as given, with its padding) ++ completion`.
+"""
+
+from ._decode import generate as generate, generate_batch as generate_batch
+from ._options import GenerationOutput as GenerationOutput, SamplingOptions as SamplingOptions
+from ._stop_strings import truncate_at_stop_strings as truncate_at_stop_strings
+from ._token import filter_logits as filter_logits, sample_token as sample_token

@@ -1,0 +1,110 @@
+"""`SamplingOptions` (validated once) and the `GenerationOutput` of a sampled batch."""
+
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import equinox as eqx
+from jaxtyping import Array, Bool, Float, Int
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+
+
+def check_top_k(top_k: object) -> None:
+    """Raise unless `top_k` is a positive int or None."""
+    if top_k is not None and not (_is_int(top_k) and top_k > 0):  # type: ignore[operator]
+        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+
+
+def check_top_p(top_p: object) -> None:
+    """Raise unless `top_p` is a number in (0, 1] or None."""
+    if top_p is not None and not (
+        isinstance(top_p, numbers.Real) and not isinstance(top_p, bool) and 0.0 < top_p <= 1.0
+    ):
+        raise ValueError(f"top_p must be a number in (0, 1] or None, got {top_p!r}")
+
+
+def check_temperature(temperature: object) -> None:
+    """Raise unless `temperature` is a number >= 0."""
+    if not (
+        isinstance(temperature, numbers.Real)
+        and not isinstance(temperature, bool)
+        and temperature >= 0.0
+    ):
+        raise ValueError(f"temperature must be a number >= 0 (0 is greedy), got {temperature!r}")
+
+
+def _stop_ids(eos_id: object) -> tuple[int, ...]:
+    """`eos_id` as a tuple of ids: `None` -> `()`, `2` -> `(2,)`, `[2, 7]` -> `(2, 7)`."""
+    if eos_id is None:
+        return ()
+    ids = (eos_id,) if not isinstance(eos_id, Sequence) else tuple(eos_id)
+    for i in ids:
+        if not (_is_int(i) and i >= 0):  # type: ignore[operator]
+            raise ValueError(f"eos_id must be a non-negative int or a sequence of them, got {eos_id!r}")
+    return tuple(int(i) for i in ids)
+
+
+class SamplingOptions(eqx.Module):
+    """Settings of `generate` / `generate_batch` (their keyword arguments), validated once.
+
+    - `max_new_tokens`: number of tokens to sample (a positive int).
+    - `temperature`: 0 means greedy; otherwise logits are divided by it.
+    - `top_k`, `top_p`: optional filters (a positive int; a number in (0, 1]).
+    - `eos_id`: a stop id, several stop ids (`[2, 13]`) or `None`; a row stops at the
+      first of them, which is kept in its completion.
+    - `pad_id`: fills rows after they stop.
+    - `check_ids`: also check prompt ids against the vocabulary inside the compiled
+      program (`eqx.error_if`), for prompts that are traced (under the caller's `jit`
+      or `vmap`); concrete prompts are always checked on the host.
+    - `num_samples`: completions per prompt (a positive int). Each prompt is run
+      through the model once and its cache copied to its `num_samples` rows (GRPO's
+      groups): the output has `B · num_samples` rows, those of prompt `i` at
+      `i · num_samples …`, identical to passing every prompt repeated `num_samples`
+      times.
+    """
+
+    max_new_tokens: Any
+    temperature: float | int = 1.0
+    top_k: Any = None
+    top_p: float | int | None = None
+    eos_id: tuple[int, ...] = eqx.field(default=(), converter=_stop_ids)
+    pad_id: int = 0
+    check_ids: bool = False
+    num_samples: int = 1
+
+    def __check_init__(self):
+        if not (_is_int(self.num_samples) and self.num_samples > 0):
+            raise ValueError(f"num_samples must be a positive int, got {self.num_samples!r}")
+        if not (_is_int(self.max_new_tokens) and self.max_new_tokens > 0):
+            raise ValueError(
+                f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}"
+            )
+        check_temperature(self.temperature)
+        check_top_k(self.top_k)
+        check_top_p(self.top_p)
+        if not _is_int(self.pad_id):
+            raise ValueError(f"pad_id must be an int, got {self.pad_id!r}")
+
+
+class GenerationOutput(eqx.Module):
+    """Prompt + completion of one sequence (a leading batch axis under `generate_batch`).
+
+    - `tokens`: prompt followed by `max_new_tokens` sampled ids (`pad_id` after EOS).
+    - `mask`: real tokens (the prompt's real tokens, then completion tokens up to and
+      including EOS).
+    - `completion_mask`: the completion's real tokens.
+    - `logprobs`: log-probability of each sampled token under the model's distribution
+      at the sampling temperature (`logits / temperature`, before top-k / top-p
+      filtering; temperature 1 for greedy), 0 elsewhere. It matches
+      `token_logprobs(policy, tokens, mask, temperature=...)`.
+    """
+
+    tokens: Int[Array, "*B T"]
+    mask: Bool[Array, "*B T"]
+    completion_mask: Bool[Array, "*B T"]
+    logprobs: Float[Array, "*B T"]

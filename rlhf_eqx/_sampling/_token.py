@@ -1,0 +1,93 @@
+"""Sampling one token from logits: top-k / top-p filtering and an exact inverse-CDF draw."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from ._options import check_temperature, check_top_k, check_top_p
+
+
+def filter_logits(
+    logits: Float[Array, " V"], *, top_k: int | None = None, top_p: float | int | None = None
+) -> Float[Array, " V"]:
+    """Set logits outside the top-k set and outside the top-p nucleus (Holtzman et al. 2020) to -inf.
+
+    Skips all sorting when both are off; with `top_k`, top-p works on the `k` best only.
+    """
+    check_top_k(top_k)
+    check_top_p(top_p)
+    if top_k is None and top_p is None:
+        return logits
+    neg = jnp.asarray(-jnp.inf, logits.dtype)
+    if top_k is not None:
+        best = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0]
+    else:
+        best = jnp.sort(logits)[::-1]
+    threshold = best[-1]
+    if top_p is not None:
+        probs = jax.nn.softmax(best)
+        before = jnp.cumsum(probs) - probs  # mass strictly above each candidate
+        keep = before < top_p  # always keeps the best token
+        threshold = jnp.min(jnp.where(keep, best, jnp.inf))
+    return jnp.where(logits < threshold, neg, logits)
+
+
+def sample_token(
+    key: PRNGKeyArray,
+    logits: Float[Array, " V"],
+    *,
+    temperature: float | int = 1.0,
+    top_k: int | None = None,
+    top_p: float | int | None = None,
+) -> tuple[Int[Array, ""], Float[Array, ""]]:
+    """Sample one token; return it and its log-probability at `temperature` (1 when greedy)."""
+    check_temperature(temperature)
+    logits = logits.astype(jnp.float32)
+    if temperature == 0.0:
+        token = jnp.argmax(logits).astype(jnp.int32)
+        scaled = logits
+    else:
+        scaled = logits / temperature
+        filtered = filter_logits(scaled, top_k=top_k, top_p=top_p)
+        token = inverse_cdf_sample(key, filtered)
+    logprob = scaled[token] - jax.nn.logsumexp(scaled)
+    return token, logprob
+
+
+def inverse_cdf_sample(key: PRNGKeyArray, logits: Float[Array, " V"]) -> Int[Array, ""]:
+    """Exact categorical sample from one uniform draw: the first index whose CDF exceeds `u`.
+
+    Needs one random number per row instead of one per vocabulary entry (as Gumbel-max
+    does), which matters on CPUs where the PRNG dominates a decode step. The CDF is
+    searched in two levels — the cumulative sums of about `√V` blocks, then the running
+    sum inside the one block that holds `u` — instead of a prefix sum over the whole
+    vocabulary, the slow part of a sampled decode step on CPU. Tokens of probability 0
+    (filtered out) are never returned.
+    """
+    V = logits.shape[0]
+    probs = jnp.exp(logits - jnp.max(logits))
+    size = max(1, math.isqrt(V - 1) + 1)
+    n_blocks = -(-V // size)
+    blocks = jnp.pad(probs, (0, n_blocks * size - V)).reshape(n_blocks, size)
+    sums = jnp.sum(blocks, axis=-1)
+    block_cdf = jnp.cumsum(sums)
+    u = jax.random.uniform(key, (), jnp.float32) * block_cdf[-1]
+    i32 = lambda x: jnp.asarray(x).astype(jnp.int32)  # int32 indices also under jax_enable_x64
+    b = jnp.minimum(i32(jnp.searchsorted(block_cdf, u, side="right")), n_blocks - 1)
+    # b may land on an empty block only through rounding at the very top: step back to
+    # the last block with mass
+    has_mass = sums > 0
+    last_block = n_blocks - 1 - i32(jnp.argmax(has_mass[::-1]))
+    b = jnp.where(has_mass[b], b, last_block)
+    row = blocks[b]
+    within = jnp.cumsum(row)
+    j = i32(jnp.searchsorted(within, u - (block_cdf[b] - sums[b]), side="right"))
+    # rounding can put the target just outside the block's running sum: clamp to its
+    # first / last token with mass
+    first = i32(jnp.argmax(row > 0))
+    last = size - 1 - i32(jnp.argmax((row > 0)[::-1]))
+    j = jnp.where(j >= size, last, j)
+    j = jnp.where(row[j] > 0, j, first)
+    return jnp.minimum(b * size + j, V - 1).astype(jnp.int32)

@@ -1,0 +1,181 @@
+"""Sharded meshes: `jax.jit` + `NamedSharding` placement of models, optimiser states and batches."""
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jaxtyping import PyTree
+
+from ..models import partition_specs
+
+
+def tree_path_str(path) -> str:
+    """A pytree key path as a string for error messages (`"<root>"` for the root)."""
+    return jax.tree_util.keystr(path) or "<root>"
+
+
+def make_mesh(data: int, model: int = 1, *, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A `("data", "model")` mesh of `data × model` devices with automatic (GSPMD) axes.
+
+    **Arguments:**
+
+    - `data`: data-parallel (and FSDP) size; `model`: tensor-parallel size.
+    - `devices`: the devices to use (default: `jax.devices()`, all processes' devices);
+      their number must be `data * model`.
+
+    **Returns:** a `jax.sharding.Mesh` whose axes are `AxisType.Auto`, so that `jax.jit`
+    of an unmodified step propagates shardings from its inputs.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if data < 1 or model < 1:
+        raise ValueError(f"make_mesh: data={data} and model={model} must be positive")
+    if data * model != len(devices):
+        raise ValueError(
+            f"make_mesh: data × model = {data} × {model} = {data * model} devices, "
+            f"but {len(devices)} are given"
+        )
+    return jax.make_mesh(
+        (data, model), ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto), devices=devices
+    )
+
+
+def fit_spec(
+    spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh | Mapping[str, int]
+) -> PartitionSpec:
+    """`spec` with every mesh axis dropped (dimension replicated) where it does not divide
+    the dimension, or names no axis of `mesh` (a `Mesh`, or a mapping of axis sizes)."""
+    sizes = dict(mesh.shape) if isinstance(mesh, Mesh) else dict(mesh)
+    out = []
+    for i, axes in enumerate(tuple(spec) + (None,) * (len(shape) - len(spec))):
+        names = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
+        names = tuple(a for a in names if a in sizes)
+        size = int(np.prod([sizes[a] for a in names])) if names else 1
+        if not names or shape[i] % size != 0:
+            out.append(None)
+        else:
+            out.append(names[0] if len(names) == 1 else names)
+    return PartitionSpec(*out)
+
+
+def _place(tree: PyTree, specs: PyTree, mesh: Mesh) -> PyTree:
+    def put(x, spec):
+        if not eqx.is_array(x):
+            return x
+        spec = spec if isinstance(spec, PartitionSpec) else PartitionSpec()
+        return jax.device_put(x, NamedSharding(mesh, fit_spec(spec, x.shape, mesh)))
+
+    return jax.tree.map(put, tree, specs)
+
+
+def shard_model(
+    model: PyTree, mesh: Mesh, *, fsdp: bool = False, tensor_parallel: bool = True
+) -> PyTree:
+    """Place `model` (or a partition of it) on `mesh` by its family's sharding rules.
+
+    **Arguments:**
+
+    - `model`: a model, a `(params, frozen)` part of one, or a pytree of models.
+    - `mesh`: from `make_mesh`.
+    - `fsdp`: store each parameter split over `"data"` (ZeRO-3); otherwise parameters
+      are replicated over `"data"` (plain data parallel).
+    - `tensor_parallel`: split heads, MLP units and the vocabulary over `"model"`.
+
+    **Returns:** the same pytree with every array leaf a `jax.Array` sharded on `mesh`.
+    """
+    specs = partition_specs(model, fsdp=fsdp, tensor_parallel=tensor_parallel)
+    return _place(model, specs, mesh)
+
+
+def opt_state_specs(opt_state: PyTree, params: PyTree, param_specs: PyTree) -> PyTree:
+    params_def = jax.tree.structure(params)
+    leaves = jax.tree.leaves(params)
+    shapes = [getattr(x, "shape", None) for x in leaves]
+
+    def mirrors(x) -> bool:
+        if x is None or eqx.is_array(x):
+            return False
+        try:
+            if jax.tree.structure(x) != params_def:
+                return False
+        except Exception:  # noqa: BLE001 - unflattenable leaves are not mirrors
+            return False
+        return [getattr(y, "shape", None) for y in jax.tree.leaves(x)] == shapes
+
+    def spec(x):
+        if mirrors(x):
+            return param_specs
+        return jax.tree.map(lambda y: PartitionSpec(), x)
+
+    if mirrors(opt_state):
+        return param_specs
+    return jax.tree.map(spec, opt_state, is_leaf=mirrors)
+
+
+def shard_opt_state(
+    opt_state: PyTree,
+    params: PyTree,
+    mesh: Mesh,
+    *,
+    fsdp: bool = False,
+    tensor_parallel: bool = True,
+) -> PyTree:
+    """Place an optimiser state on `mesh`: every subtree that mirrors `params` (Adam's
+    moments, ...) gets the parameters' specs; counts and other leaves are replicated.
+
+    **Arguments:** the optimiser state, the (trainable) parameters it belongs to, the
+    mesh and the same `fsdp` / `tensor_parallel` choice as for the parameters.
+
+    **Returns:** the optimiser state with every array on `mesh`.
+    """
+    param_specs = partition_specs(params, fsdp=fsdp, tensor_parallel=tensor_parallel)
+    specs = opt_state_specs(opt_state, params, param_specs)
+    return jax.tree.map(
+        lambda x, s: (
+            x
+            if not eqx.is_array(x)
+            else jax.device_put(x, NamedSharding(mesh, fit_spec(s, x.shape, mesh)))
+        ),
+        opt_state,
+        specs,
+    )
+
+
+def shard_train_state(
+    state: Any, mesh: Mesh, *, fsdp: bool = False, tensor_parallel: bool = True
+) -> Any:
+    """Place a `rlhf_eqx.train.TrainState` on `mesh`: params and frozen parts by the model
+    rules, optimiser state like its params, the step counter replicated."""
+    kw = dict(fsdp=fsdp, tensor_parallel=tensor_parallel)
+    return type(state)(
+        params=shard_model(state.params, mesh, **kw),
+        frozen=shard_model(state.frozen, mesh, **kw),
+        opt_state=shard_opt_state(state.opt_state, state.params, mesh, **kw),
+        step=jax.device_put(state.step, NamedSharding(mesh, PartitionSpec())),
+    )
+
+
+def shard_batch(batch: PyTree, mesh: Mesh, *, axis: str = "data") -> PyTree:
+    """Split the rows (leading axis) of every array of `batch` over the mesh axis `axis`.
+
+    Scalars are replicated. Raises `ValueError` naming the field when a leading axis
+    does not divide by the axis size (pad the batch or change the mesh).
+    """
+    n = mesh.shape[axis]
+
+    def put(path, x):
+        if not eqx.is_array(x):
+            return x
+        if x.ndim == 0:
+            return jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
+        if x.shape[0] % n != 0:
+            raise ValueError(
+                f"shard_batch: batch field {tree_path_str(path)} has {x.shape[0]} rows "
+                f"(shape {tuple(x.shape)}), not divisible by the {n} devices of mesh axis {axis!r}"
+            )
+        return jax.device_put(x, NamedSharding(mesh, PartitionSpec(axis)))
+
+    return jax.tree_util.tree_map_with_path(put, batch)
+

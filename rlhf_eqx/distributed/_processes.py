@@ -1,0 +1,127 @@
+"""Multi-process runs: joining the run, per-process record shards, global batches."""
+
+import os
+from collections.abc import Sequence
+
+import equinox as eqx
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jaxtyping import PyTree
+
+from ._mesh import tree_path_str
+
+ENV_COORDINATOR = "RLHF_EQX_COORDINATOR"
+ENV_NUM_PROCESSES = "RLHF_EQX_NUM_PROCESSES"
+ENV_PROCESS_ID = "RLHF_EQX_PROCESS_ID"
+
+
+def _env_int(name: str, value: int | None) -> int | None:
+    if value is not None:
+        return value
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def initialize_distributed(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    local_device_ids: Sequence[int] | None = None,
+    initialization_timeout: int = 300,
+) -> tuple[int, int]:
+    """Join a multi-process JAX run (`jax.distributed.initialize`); call before any computation.
+
+    Each argument left `None` is read from the environment:
+
+    | argument | environment variable | example |
+    | --- | --- | --- |
+    | `coordinator_address` | `RLHF_EQX_COORDINATOR` | `10.0.0.1:1234` (process 0's host) |
+    | `num_processes` | `RLHF_EQX_NUM_PROCESSES` | `2` |
+    | `process_id` | `RLHF_EQX_PROCESS_ID` | `0` … `num_processes - 1` |
+
+    When none of the three is given anywhere, `jax.distributed.initialize()` is called
+    without arguments and detects the cluster itself (Slurm, Cloud TPU, ...).
+
+    **Returns:** `(process_id, num_processes)` as JAX sees them afterwards.
+    """
+    coordinator_address = coordinator_address or os.environ.get(ENV_COORDINATOR) or None
+    num_processes = _env_int(ENV_NUM_PROCESSES, num_processes)
+    process_id = _env_int(ENV_PROCESS_ID, process_id)
+    given = [coordinator_address is not None, num_processes is not None, process_id is not None]
+    if any(given) and not all(given):
+        missing = [
+            f"{arg} (or {env})"
+            for arg, env, ok in zip(
+                ("coordinator_address", "num_processes", "process_id"),
+                (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID),
+                given,
+            )
+            if not ok
+        ]
+        raise ValueError(f"initialize_distributed: missing {', '.join(missing)}")
+    if num_processes is not None and not 0 <= process_id < num_processes:
+        raise ValueError(
+            f"initialize_distributed: process_id={process_id} is not in "
+            f"[0, num_processes={num_processes})"
+        )
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+        local_device_ids=local_device_ids,
+        initialization_timeout=initialization_timeout,
+    )
+    return jax.process_index(), jax.process_count()
+
+
+def process_record_indices(
+    records: Sequence,
+    *,
+    process_id: int | None = None,
+    num_processes: int | None = None,
+    local_devices: int | None = None,
+) -> list[list[int]]:
+    """The records this process reads, per local device (prompt-hash sharding).
+
+    Uses `rlhf_eqx.data.assign_shards`: all records with the same prompt land on one
+    device of one process, and the assignment is the same on every host.
+
+    **Arguments:** `records` (objects with `.prompt`, or prompt strings); `process_id`,
+    `num_processes`, `local_devices` default to `jax.process_index()`,
+    `jax.process_count()`, `jax.local_device_count()`.
+
+    **Returns:** `indices[device]`, the record indices of each local device.
+    """
+    from ..data import assign_shards
+
+    process_id = jax.process_index() if process_id is None else process_id
+    num_processes = jax.process_count() if num_processes is None else num_processes
+    local_devices = jax.local_device_count() if local_devices is None else local_devices
+    return assign_shards(records, num_processes, local_devices)[process_id]
+
+
+def global_batch(local_batch: PyTree, mesh: Mesh, *, axis: str = "data") -> PyTree:
+    """Assemble the processes' local rows into one global batch sharded over `axis`.
+
+    Each process passes its own rows (`[b, ...]`, the same `b` on every process); the
+    result is a global `[b · num_processes, ...]` array per field, rows of process `p`
+    at `p·b … (p+1)·b - 1` (with the mesh's devices ordered by process, as
+    `make_mesh` over `jax.devices()` does). With one process it equals `shard_batch`.
+    """
+    sharding = NamedSharding(mesh, PartitionSpec(axis))
+
+    def put(path, x):
+        if not eqx.is_array(x):
+            return x
+        if x.ndim == 0:
+            raise ValueError(f"global_batch: batch field {tree_path_str(path)} is a scalar")
+        return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+
+    return jax.tree_util.tree_map_with_path(put, local_batch)

@@ -258,7 +258,7 @@ def test_published_configs_translate_with_the_published_sizes(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gemma3", "mistral"])
+@pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3", "llama3", "mistral", "qwen2", "qwen3"])
 def test_one_dpo_step_with_lora_on_the_family(family, getkey):
     from test_train_common import preference_batch
 

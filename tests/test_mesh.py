@@ -163,16 +163,16 @@ def test_shard_batch_splits_rows_and_names_a_field_that_does_not_divide(getkey):
 
 
 def _slow_unless(shape, fsdp, fast):
-    marks = () if (shape, fsdp) == fast else (pytest.mark.slow,)
+    marks = () if (shape, fsdp) in fast else (pytest.mark.slow,)
     return pytest.param(
         shape, fsdp, marks=marks, id=f"{shape[0]}x{shape[1]}{'-fsdp' if fsdp else ''}"
     )
 
 
-# Each case compiles the step for its mesh (several seconds): one case per algorithm
-# runs in the fast suite, the others with `-m slow`.
+# Each case compiles the step for its mesh (several seconds): the fast suite runs each
+# algorithm once on each of the (8, 1), (4, 2) and (2, 4) meshes, the rest with `-m slow`.
 DPO_MESHES = [
-    _slow_unless(shape, fsdp, ((4, 2), True))
+    _slow_unless(shape, fsdp, {((8, 1), False), ((4, 2), True), ((2, 4), True)})
     for shape, fsdp in [
         ((8, 1), False),
         ((8, 1), True),
@@ -182,7 +182,7 @@ DPO_MESHES = [
     ]
 ]
 PPO_MESHES = [
-    _slow_unless(shape, fsdp, ((2, 4), True))
+    _slow_unless(shape, fsdp, {((8, 1), True), ((4, 2), False), ((2, 4), True)})
     for shape, fsdp in [((8, 1), True), ((4, 2), False), ((2, 4), True)]
 ]
 

@@ -193,7 +193,6 @@ def test_two_processes_read_their_shards_and_reduce_the_global_batch(tmp_path):
         np.testing.assert_array_equal(r["counts"], expected)
 
 
-@pytest.mark.slow
 def test_two_processes_train_like_one(tmp_path):
     results = _launch("train", tmp_path, timeout=300)
     order = _order(2)

@@ -28,8 +28,8 @@ default (`params` and `opt_state` unchanged, metric `nonfinite = 1`, counted in
 
 **Donation.** Steps called directly never donate their inputs (unless built or called
 with `donate=True`); `TrainState.apply` donates the state's own buffers, which
-`init_train_state` copied. A buffer that appears anywhere else in the call is never
-donated. See `rlhf_eqx.train.make_step`.
+`init_train_state` copied (unless the step was built with `donate=False`). A buffer that
+appears anywhere else in the call is never donated. See `rlhf_eqx.train.make_step`.
 """
 
 from ._accumulate import (

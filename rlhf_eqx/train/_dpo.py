@@ -196,7 +196,7 @@ def make_dpo_step(
     loss_kwargs: Mapping[str, Any] | None = None,
     micro_batches: int = 1,
     axis_name: str | None = None,
-    donate: bool = False,
+    donate: bool | None = None,
     nonfinite: NonFinite = "skip",
     check_token_ids: int | None = None,
 ) -> Step:

@@ -127,7 +127,7 @@ def make_ppo_step(
     temperature: float = 1.0,
     micro_batches: int = 1,
     axis_name: str | None = None,
-    donate: bool = False,
+    donate: bool | None = None,
     nonfinite: NonFinite = "skip",
     check_token_ids: int | None = None,
 ) -> Step:

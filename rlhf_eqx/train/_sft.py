@@ -51,7 +51,7 @@ def make_sft_step(
     constant: float | None = None,
     micro_batches: int = 1,
     axis_name: str | None = None,
-    donate: bool = False,
+    donate: bool | None = None,
     nonfinite: NonFinite = "skip",
     check_token_ids: int | None = None,
 ) -> Step:

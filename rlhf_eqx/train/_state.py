@@ -61,7 +61,8 @@ class TrainState(eqx.Module):
     removed), which shares its arrays with `frozen`.
 
     `apply` **donates** the state's `params` and `opt_state` to steps built by this
-    package (they are updated in place): the state passed in is consumed. Keep a copy
+    package (they are updated in place; not to steps built with `donate=False`): the
+    state passed in is consumed. Keep a copy
     (`jax.tree.map(jnp.copy, state)`) if you need it afterwards, e.g. for a rollback.
     """
 
@@ -89,7 +90,7 @@ class TrainState(eqx.Module):
         new_key = self.key
         if "key" not in kwargs and self.key is not None:
             new_key, kwargs["key"] = jax.random.split(self.key)
-        if isinstance(step_fn, Step):
+        if isinstance(step_fn, Step) and step_fn.donate is not False:
             kwargs["donate"] = donate
         params, opt_state, metrics = step_fn(
             self.params, self.opt_state, batch, frozen=self.frozen, **kwargs

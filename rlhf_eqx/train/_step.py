@@ -21,10 +21,10 @@ $\sum_k N_k^{(i)} / D_k$ on each micro-batch $i$ under a `lax.scan`, and, with
 device axis before dividing. Every aggregation mode is therefore exact across
 micro-batches **and** devices.
 
-**Donation (the one rule).** A step never donates its inputs unless asked to
-(`donate=True` at build time or per call). `TrainState.apply` asks: a `TrainState` owns
-its trainable buffers (`init_train_state` copies them), so they may be updated in
-place. Even then, a buffer that also appears elsewhere in the call (e.g. a reference
+**Donation (the one rule).** A step called directly never donates its inputs unless
+asked to (`donate=True` at build time or per call). `TrainState.apply` asks, unless the
+step was built with `donate=False`: a `TrainState` owns its trainable buffers
+(`init_train_state` copies them), so they may be updated in place. Even then, a buffer that also appears elsewhere in the call (e.g. a reference
 model sharing arrays with `params`, or the same array twice) is never donated: the step
 falls back to its non-donating version.
 """
@@ -105,7 +105,7 @@ class Step:
         self,
         update: Callable[..., Any],
         *,
-        donate: bool,
+        donate: bool | None,
         batch_type: type | tuple[type, ...] | None = None,
         extras: Sequence[str] = (),
     ):
@@ -138,7 +138,7 @@ class Step:
         if self.extras:
             frozen = (frozen, *(extras.get(name) for name in self.extras))
         rest = (batch, frozen, key)
-        want = self.donate if donate is None else donate
+        want = bool(self.donate) if donate is None else donate
         if want and _safe_to_donate((params, opt_state), rest):
             return self._donating(rest, params, opt_state)
         return self._plain(rest, params, opt_state)
@@ -150,7 +150,7 @@ def make_step(
     *,
     micro_batches: int = 1,
     axis_name: str | None = None,
-    donate: bool = False,
+    donate: bool | None = None,
     nonfinite: NonFinite = "skip",
     prepare: PrepareFn | None = None,
     metrics_fn: MetricsFn | None = None,
@@ -169,7 +169,9 @@ def make_step(
     - `axis_name`: the device axis of `jax.pmap` (or `shard_map`) this step runs under;
       numerators, denominators, gradients and metric sums are `psum`-reduced over it.
       A `key` is folded with the device index, so dropout differs across devices.
-    - `donate`: default for donating `params` / `opt_state` (see the module docstring).
+    - `donate`: donating `params` / `opt_state`: `None` (default) only through
+      `TrainState.apply`, `True` also on direct calls, `False` never (see the module
+      docstring).
     - `nonfinite`: what to do when the loss or a gradient is not finite: `"skip"`
       (default) leaves `params` and `opt_state` unchanged (also when the update
       itself is not finite, e.g. with an infinite learning rate) and reports `nonfinite = 1`;

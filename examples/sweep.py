@@ -27,8 +27,7 @@ import numpy as np
 import optax
 
 import rlhf_eqx as rx
-from rlhf_eqx import data
-from rlhf_eqx import pipelines as pl
+from rlhf_eqx import data, pipelines as pl
 
 BETAS = (0.03, 0.1, 0.3, 1.0)
 SEEDS = 8

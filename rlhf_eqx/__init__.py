@@ -18,6 +18,11 @@ from . import data as data, losses as losses, models as models, ops as ops, trai
 from .models import (
     KVCache as KVCache,
     LoRAConfig as LoRAConfig,
+    Policy as Policy,
+    RewardModel as RewardModel,
+    Transformer as Transformer,
+    TransformerConfig as TransformerConfig,
+    ValueModel as ValueModel,
     apply_lora as apply_lora,
     count_params as count_params,
     dequantize as dequantize,
@@ -28,11 +33,6 @@ from .models import (
     quantize_nf4 as quantize_nf4,
     save_hf as save_hf,
     without_lora as without_lora,
-    Policy as Policy,
-    RewardModel as RewardModel,
-    Transformer as Transformer,
-    TransformerConfig as TransformerConfig,
-    ValueModel as ValueModel,
 )
 from .ops import (
     entropy_from_logits as entropy_from_logits,
@@ -48,6 +48,14 @@ from .ops import (
 
 __version__ = "0.1.0"
 
+from . import distributed as distributed
+from ._batches import (
+    PreferenceBatch as PreferenceBatch,
+    PromptBatch as PromptBatch,
+    SequenceBatch as SequenceBatch,
+)
+from ._memory import MemoryEstimate as MemoryEstimate, estimate_memory as estimate_memory
+from ._pretrained import load_llama2c as load_llama2c
 from ._sampling import (
     GenerationOutput as GenerationOutput,
     SamplingOptions as SamplingOptions,
@@ -56,14 +64,6 @@ from ._sampling import (
     sample_token as sample_token,
     truncate_at_stop_strings as truncate_at_stop_strings,
 )
-from ._pretrained import load_llama2c as load_llama2c
-from ._batches import (
-    PreferenceBatch as PreferenceBatch,
-    PromptBatch as PromptBatch,
-    SequenceBatch as SequenceBatch,
-)
-from . import distributed as distributed
-from ._memory import MemoryEstimate as MemoryEstimate, estimate_memory as estimate_memory
 from .models import (
     RopeScaling as RopeScaling,
     load_lora_adapter as load_lora_adapter,

@@ -19,9 +19,15 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec
 
-from .distributed import opt_state_specs, fit_spec
-from .models import LoRAConfig, Policy, TransformerConfig, apply_lora, quantize_int8
-from .models import partition_specs
+from .distributed import fit_spec, opt_state_specs
+from .models import (
+    LoRAConfig,
+    Policy,
+    TransformerConfig,
+    apply_lora,
+    partition_specs,
+    quantize_int8,
+)
 
 
 def _gib(n: int) -> str:

@@ -6,8 +6,7 @@ import json
 import jaxtyping
 import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from rlhf_eqx import data
 

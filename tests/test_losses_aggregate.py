@@ -5,8 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_tree_allclose
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 import rlhf_eqx.testing as rt
 from rlhf_eqx.losses import aggregate, aggregate_parts, safe_divide, sft_nll

@@ -8,8 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_tree_allclose
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 from jaxtyping import TypeCheckError
 
 import rlhf_eqx.testing as rt

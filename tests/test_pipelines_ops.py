@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 import rlhf_eqx as rx
-from rlhf_eqx import data
-from rlhf_eqx import pipelines as pl
+from rlhf_eqx import data, pipelines as pl
 from rlhf_eqx.assets import asset_path
 
 

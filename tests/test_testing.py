@@ -6,8 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import find, given
-from hypothesis import strategies as st
+from hypothesis import find, given, strategies as st
 
 import rlhf_eqx.testing as rt
 from rlhf_eqx.losses import aggregate, ppo_policy_loss

@@ -13,7 +13,6 @@ from helpers import assert_tree_allclose
 
 import rlhf_eqx as rx
 from rlhf_eqx.train import (
-    TrainState,
     accumulate_gradients,
     init_train_state,
     learning_rate_from_state,

@@ -18,7 +18,6 @@ from test_train_common import (
 )
 
 from rlhf_eqx.train import (
-    PPOBatch,
     compute_advantages,
     init_train_state,
     make_optimizer,

@@ -6,7 +6,15 @@ import numpy as np
 import optax
 import pytest
 from helpers import assert_tree_allclose
-from test_train_common import TRACES, Counted, CumMeanReward, CumMeanValue, preference_batch, sgd_delta, tiny_config
+from test_train_common import (
+    TRACES,
+    Counted,
+    CumMeanReward,
+    CumMeanValue,
+    preference_batch,
+    sgd_delta,
+    tiny_config,
+)
 
 import rlhf_eqx as rx
 from rlhf_eqx.train import init_train_state, make_optimizer, make_reward_step

@@ -8,11 +8,9 @@ handling: prefill once, then `max_new` steps of one token with a KV cache).
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402

@@ -16,8 +16,6 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 LIB = "trl"

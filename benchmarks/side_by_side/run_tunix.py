@@ -14,7 +14,6 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
@@ -39,8 +38,7 @@ def main():
     if args.workload not in ("gen_sample", "gen_greedy"):
         raise SystemExit(f"workload {args.workload} is not run for Tunix")
     from tunix.generate import sampler as sampler_lib
-    from tunix.models.llama3 import model as llama_lib
-    from tunix.models.llama3 import params as params_lib
+    from tunix.models.llama3 import model as llama_lib, params as params_lib
 
     inputs = common.load_inputs(args.inputs)
     model_dir = os.path.join(args.inputs, "model")

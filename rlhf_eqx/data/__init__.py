@@ -24,51 +24,73 @@ for idx in data.BatchIterator(len(pairs), batch_size=8, seed=0, num_epochs=1):
 ```
 """
 
-from ._answers import exact_match_reward as exact_match_reward
-from ._answers import extract_gsm8k_answer as extract_gsm8k_answer
-from ._answers import extract_last_number as extract_last_number
-from ._answers import normalise_number as normalise_number
+from ._answers import (
+    exact_match_reward as exact_match_reward,
+    extract_gsm8k_answer as extract_gsm8k_answer,
+    extract_last_number as extract_last_number,
+    normalise_number as normalise_number,
+)
 from ._byte_tokenizer import ByteTokenizer as ByteTokenizer
-from ._chat import CHATML_TEMPLATE as CHATML_TEMPLATE
-from ._chat import HH_TEMPLATE as HH_TEMPLATE
-from ._chat import ChatTemplate as ChatTemplate
-from ._chat import format_chat as format_chat
-from ._collate import collate_preferences as collate_preferences
-from ._collate import collate_prompts as collate_prompts
-from ._collate import collate_sft as collate_sft
-from ._collate import padding_stats as padding_stats
+from ._chat import (
+    CHATML_TEMPLATE as CHATML_TEMPLATE,
+    HH_TEMPLATE as HH_TEMPLATE,
+    ChatTemplate as ChatTemplate,
+    format_chat as format_chat,
+)
+from ._collate import (
+    collate_preferences as collate_preferences,
+    collate_prompts as collate_prompts,
+    collate_sft as collate_sft,
+    padding_stats as padding_stats,
+)
 from ._errors import DataError as DataError
 from ._hf_tokenizer import HFTokenizer as HFTokenizer
 from ._io import LoadReport as LoadReport
 from ._llama2c_tokenizer import Llama2cTokenizer as Llama2cTokenizer
 from ._load_tokenizer import load_tokenizer as load_tokenizer
-from ._loader import BatchIterator as BatchIterator
-from ._loader import IteratorState as IteratorState
-from ._loader import epoch_permutation as epoch_permutation
-from ._preferences import PreferenceDataset as PreferenceDataset
-from ._preferences import PreferenceRecord as PreferenceRecord
-from ._preferences import load_preferences as load_preferences
-from ._preferences import split_hh_transcript as split_hh_transcript
-from ._prompts import PromptDataset as PromptDataset
-from ._prompts import PromptRecord as PromptRecord
-from ._prompts import load_prompts as load_prompts
-from ._quality import LengthStats as LengthStats
-from ._quality import PreferenceQuality as PreferenceQuality
-from ._quality import distinct_n as distinct_n
-from ._quality import filter_preferences as filter_preferences
-from ._quality import preference_quality as preference_quality
+from ._loader import (
+    BatchIterator as BatchIterator,
+    IteratorState as IteratorState,
+    epoch_permutation as epoch_permutation,
+)
+from ._preferences import (
+    PreferenceDataset as PreferenceDataset,
+    PreferenceRecord as PreferenceRecord,
+    load_preferences as load_preferences,
+    split_hh_transcript as split_hh_transcript,
+)
+from ._prompts import (
+    PromptDataset as PromptDataset,
+    PromptRecord as PromptRecord,
+    load_prompts as load_prompts,
+)
+from ._quality import (
+    LengthStats as LengthStats,
+    PreferenceQuality as PreferenceQuality,
+    distinct_n as distinct_n,
+    filter_preferences as filter_preferences,
+    preference_quality as preference_quality,
+)
 from ._sentencepiece_tokenizer import SentencePieceTokenizer as SentencePieceTokenizer
-from ._sharding import assign_shards as assign_shards
-from ._sharding import prompt_hash as prompt_hash
-from ._sharding import shard_of as shard_of
-from ._sharding import split_held_out as split_held_out
-from ._tokenize import tokenize_preferences as tokenize_preferences
-from ._tokenize import tokenize_prompts as tokenize_prompts
-from ._tokenize import tokenize_sft as tokenize_sft
-from ._tokenized import SequenceLengths as SequenceLengths
-from ._tokenized import TokenizedPair as TokenizedPair
-from ._tokenized import TokenizedSequence as TokenizedSequence
-from ._tokenized import TokenizeReport as TokenizeReport
-from ._tokenizer import Tokenizer as Tokenizer
-from ._tokenizer import check_vocab as check_vocab
-from ._tokenizer import decode_continuation as decode_continuation
+from ._sharding import (
+    assign_shards as assign_shards,
+    prompt_hash as prompt_hash,
+    shard_of as shard_of,
+    split_held_out as split_held_out,
+)
+from ._tokenize import (
+    tokenize_preferences as tokenize_preferences,
+    tokenize_prompts as tokenize_prompts,
+    tokenize_sft as tokenize_sft,
+)
+from ._tokenized import (
+    SequenceLengths as SequenceLengths,
+    TokenizedPair as TokenizedPair,
+    TokenizedSequence as TokenizedSequence,
+    TokenizeReport as TokenizeReport,
+)
+from ._tokenizer import (
+    Tokenizer as Tokenizer,
+    check_vocab as check_vocab,
+    decode_continuation as decode_continuation,
+)

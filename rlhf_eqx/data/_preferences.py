@@ -29,7 +29,7 @@ with an empty (or blank) completion are skipped and counted in `dataset.report`.
 import dataclasses
 import os
 
-from ._chat import ChatTemplate, resolve_template, format_chat, message_field
+from ._chat import ChatTemplate, format_chat, message_field, resolve_template
 from ._errors import DataError
 from ._io import (
     Malformed,

@@ -13,7 +13,7 @@ import dataclasses
 import os
 
 from ._answers import extract_gsm8k_answer
-from ._chat import ChatTemplate, resolve_template, format_chat, message_field
+from ._chat import ChatTemplate, format_chat, message_field, resolve_template
 from ._io import (
     Malformed,
     RecordDataset,

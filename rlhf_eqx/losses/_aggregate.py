@@ -20,7 +20,6 @@ from jaxtyping import Array, Bool, Float
 from ..ops import masked_mean, masked_sum
 from ._validation import Hyperparameter, check_choice, check_python_number
 
-
 AGGREGATION_MODES: tuple[str, ...] = (
     "token-mean",
     "seq-mean-token-mean",

@@ -14,7 +14,6 @@ from ._kl import kl_penalty
 from ._ppo import LOG_RATIO_CLAMP, clipped_surrogate, gae
 from ._validation import Hyperparameter, check_choice, is_python_number
 
-
 ADVANTAGE_SCALES: tuple[str, ...] = ("group", "batch", "none")
 """The `scale`s of `group_advantages`."""
 IMPORTANCE_LEVELS: tuple[str, ...] = ("token", "sequence")

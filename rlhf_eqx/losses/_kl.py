@@ -13,7 +13,6 @@ from jaxtyping import Array, ArrayLike, Bool, Float
 
 from ._validation import Hyperparameter, check_choice
 
-
 KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3", "abs")
 """The per-token KL estimators of `kl_penalty`."""
 KLKind = Literal[KL_KINDS]  # type: ignore[valid-type]

@@ -12,7 +12,6 @@ from jaxtyping import Array, Bool, Float
 from ..ops import masked_whiten
 from ._validation import Hyperparameter, check_python_number
 
-
 # Bound on |log π_θ - log π_old| before exponentiating (veRL `compute_policy_loss`).
 LOG_RATIO_CLAMP = 20.0
 

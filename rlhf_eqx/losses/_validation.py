@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 
 from jaxtyping import Array, Real
 
-
 # A scalar hyperparameter: a Python number or a (possibly traced) JAX scalar.
 Hyperparameter = float | int | Real[Array, ""]
 

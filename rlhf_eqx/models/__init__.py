@@ -1,36 +1,23 @@
 """The decoder models as immutable pytrees (`Policy`, `ValueModel`, `RewardModel`) and their checkpoints."""
 
 from ._config import RopeScaling as RopeScaling, TransformerConfig as TransformerConfig
-from ._protocols import (
-    AbstractBatchedModel as AbstractBatchedModel,
-    AbstractDecoder as AbstractDecoder,
-    AbstractScalarModel as AbstractScalarModel,
-    AbstractSelectiveLM as AbstractSelectiveLM,
-    AbstractSequenceModel as AbstractSequenceModel,
-)
 from ._heads import (
     Policy as Policy,
     RewardModel as RewardModel,
     ValueModel as ValueModel,
     last_real_index as last_real_index,
 )
-from ._layers import (
-    AbstractQuantizedWeight as AbstractQuantizedWeight,
-    Int8Weight as Int8Weight,
-    LoRAAdapter as LoRAAdapter,
-    NF4Weight as NF4Weight,
-)
-from ._transformer import (
-    LORA_TARGETS as LORA_TARGETS,
-    DecoderLayer as DecoderLayer,
-    KVCache as KVCache,
-    Transformer as Transformer,
-)
 from ._hf import (
     config_from_hf as config_from_hf,
     config_to_hf as config_to_hf,
     load_hf as load_hf,
     save_hf as save_hf,
+)
+from ._layers import (
+    AbstractQuantizedWeight as AbstractQuantizedWeight,
+    Int8Weight as Int8Weight,
+    LoRAAdapter as LoRAAdapter,
+    NF4Weight as NF4Weight,
 )
 from ._llama2c import load_llama2c_policy as load_llama2c_policy, read_llama2c as read_llama2c
 from ._lora import (
@@ -42,9 +29,22 @@ from ._lora import (
     without_lora as without_lora,
 )
 from ._peft import load_lora_adapter as load_lora_adapter, save_lora_adapter as save_lora_adapter
-from ._sharding import partition_specs as partition_specs
+from ._protocols import (
+    AbstractBatchedModel as AbstractBatchedModel,
+    AbstractDecoder as AbstractDecoder,
+    AbstractScalarModel as AbstractScalarModel,
+    AbstractSelectiveLM as AbstractSelectiveLM,
+    AbstractSequenceModel as AbstractSequenceModel,
+)
 from ._quant import (
     dequantize as dequantize,
     quantize_int8 as quantize_int8,
     quantize_nf4 as quantize_nf4,
+)
+from ._sharding import partition_specs as partition_specs
+from ._transformer import (
+    LORA_TARGETS as LORA_TARGETS,
+    DecoderLayer as DecoderLayer,
+    KVCache as KVCache,
+    Transformer as Transformer,
 )

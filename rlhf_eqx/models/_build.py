@@ -11,7 +11,6 @@ from ._config import TransformerConfig
 from ._heads import Policy, RewardModel, ValueModel
 from ._transformer import Transformer
 
-
 LAYER_FIELDS = (
     "attn_norm",
     "wqkv",

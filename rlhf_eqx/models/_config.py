@@ -6,7 +6,6 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 _ROPE_KINDS = ("linear", "llama3")

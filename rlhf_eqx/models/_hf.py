@@ -34,7 +34,6 @@ from ._hf_config import config_from_hf, hf_head
 from ._hf_export import config_to_hf
 from ._hf_tensors import arrays_from_tensors, tensors_from_model
 
-
 _TORCH_DTYPES = ("float32", "bfloat16", "float16")
 _SINGLE = "model.safetensors"
 _INDEX = "model.safetensors.index.json"

@@ -21,7 +21,6 @@ from typing import Any
 
 from ._config import RopeScaling, TransformerConfig
 
-
 # family -> (architecture, model_type)
 FAMILIES = {
     "llama": ("LlamaForCausalLM", "llama"),

@@ -41,7 +41,6 @@ from ._config import TransformerConfig
 from ._heads import Policy, RewardModel, ValueModel
 from ._layers import AbstractQuantizedWeight
 
-
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _IGNORED = re.compile(r"(model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq)")
 

@@ -33,12 +33,12 @@ executes code from the file (no pickle).
 """
 
 import os
+
 import numpy as np
 
 from ._build import policy_from_arrays
 from ._config import TransformerConfig
 from ._heads import Policy
-
 
 _MAGIC = 0x616B3432
 _V1_HEADER_BYTES = 256

@@ -32,9 +32,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray, PyTree
 
+from ._build import model_config, where_layers
 from ._config import TransformerConfig
 from ._layers import AbstractQuantizedWeight, LoRAAdapter
-from ._build import model_config, where_layers
 from ._transformer import LORA_TARGETS, DecoderLayer
 
 

@@ -32,7 +32,6 @@ from ._build import model_config, where_layers
 from ._layers import LoRAAdapter
 from ._lora import lora_shapes
 
-
 _MODULES = {
     "q": "self_attn.q_proj",
     "k": "self_attn.k_proj",

@@ -51,7 +51,6 @@ from typing import Generic, TypeVar
 import equinox as eqx
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-
 Cache = TypeVar("Cache")
 
 

@@ -28,13 +28,11 @@ activation dtype, as with int8.
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, PyTree
 
-import numpy as np
-
-from ._layers import NF4_LEVELS, AbstractQuantizedWeight, Int8Weight, NF4Weight
 from ._build import model_config, where_layers
-
+from ._layers import NF4_LEVELS, AbstractQuantizedWeight, Int8Weight, NF4Weight
 
 _FIELDS = ("wqkv", "wo", "w_gate_up", "w_down")
 

@@ -33,7 +33,6 @@ import jax
 from jax.sharding import PartitionSpec
 from jaxtyping import PyTree
 
-
 # Trailing-axis roles of each named weight: "in" / "out" of a matrix, "vocab", None.
 # "col": split the output over the model axis and the input over the data axis (FSDP);
 # "row": the reverse.

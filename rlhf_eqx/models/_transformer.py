@@ -25,7 +25,6 @@ from ._config import TransformerConfig
 from ._layers import Int8Weight, LoRAAdapter, activation, matmul, normal_init, rms_norm
 from ._protocols import AbstractBatchedModel, AbstractSequenceModel
 
-
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 # queries per block of the causal blockwise attention over a whole sequence (`attention`)
 ATTENTION_BLOCK = 256

@@ -10,7 +10,6 @@ import sys
 import equinox as eqx
 from jaxtyping import PyTree
 
-
 _CKPT_PREFIX = "iter_"
 
 

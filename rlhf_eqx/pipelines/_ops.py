@@ -28,7 +28,6 @@ from ._config import OpsConfig, OptimConfig
 from ._metrics import MetricsLog, progress
 from ._monitor import Profiler, device_memory
 
-
 # --- learning-rate scale ---------------------------------------------------------------
 
 

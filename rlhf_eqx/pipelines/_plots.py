@@ -4,7 +4,6 @@ import json
 import os
 from collections import defaultdict
 
-
 # What each panel shows: the first metric name a stage logged wins.
 _PANELS = {
     "loss": ("loss",),

@@ -24,7 +24,6 @@ from ._rollout import (
 )
 from ._runs import RunContext, RunResult, rows_at, run_loop, take_rows, with_lora
 
-
 # --- PPO -------------------------------------------------------------------------------
 
 

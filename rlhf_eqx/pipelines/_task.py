@@ -11,7 +11,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-
 # The scorer's words: each with its plural forms (irregular ones included).
 ANIMALS: tuple[str, ...] = (
     "cat",

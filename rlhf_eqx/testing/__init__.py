@@ -42,17 +42,20 @@ advantages, mask, clip_eps=..., clip_eps_high=...)` checks that no gradient flow
 where the ratio is clipped, nor at masked positions.
 """
 
-from ._checks import check_all_masked_contributes_nothing as check_all_masked_contributes_nothing
-from ._checks import check_finite as check_finite
-from ._checks import check_padding_invariance as check_padding_invariance
-from ._checks import check_permutation_invariance as check_permutation_invariance
-from ._checks import check_ppo_clip_gradient_zero as check_ppo_clip_gradient_zero
-from ._strategies import PreferencePairs as PreferencePairs
-from ._strategies import logprob_arrays as logprob_arrays
-from ._strategies import masks as masks
-from ._strategies import preference_pairs as preference_pairs
-from ._strategies import reward_groups as reward_groups
-
-from ._strategies import use_no_deadline as _use_no_deadline
+from ._checks import (
+    check_all_masked_contributes_nothing as check_all_masked_contributes_nothing,
+    check_finite as check_finite,
+    check_padding_invariance as check_padding_invariance,
+    check_permutation_invariance as check_permutation_invariance,
+    check_ppo_clip_gradient_zero as check_ppo_clip_gradient_zero,
+)
+from ._strategies import (
+    PreferencePairs as PreferencePairs,
+    logprob_arrays as logprob_arrays,
+    masks as masks,
+    preference_pairs as preference_pairs,
+    reward_groups as reward_groups,
+    use_no_deadline as _use_no_deadline,
+)
 
 _use_no_deadline()

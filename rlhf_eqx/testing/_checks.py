@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float
 
-
 # Junk written into padded positions: extreme and ordinary values of both signs.
 DEFAULT_FILL = (-1e4, 3.0, -0.5, 0.0)
 

@@ -4,11 +4,9 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import settings
-from hypothesis import strategies as st
+from hypothesis import settings, strategies as st
 from hypothesis.extra import numpy as hnp
 from jaxtyping import Array, Float, Int
-
 
 PROFILE = "rlhf_eqx"
 

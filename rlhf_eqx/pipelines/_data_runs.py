@@ -24,6 +24,7 @@ from ._runs import (
     RunContext,
     collate_pairs,
     export_policy,
+    export_reward_model,
     final_policy,
     run_reward,
     run_sft,
@@ -182,7 +183,7 @@ def run_on_data(cfg: PipelineConfig, stage: str, *, resume: bool = False) -> dic
             summary["reward_model"] = {
                 "heldout_accuracy": reward_accuracy(res.state.model, held_batch)
             }
-            rx.save_hf(res.state.model, os.path.join(run_dir, "reward", "hf"))
+            export_reward_model(res.state.model, run_dir)
             trained = None
         else:
             res = run_dpo(policy, tok, train, cfg=c, ctx=ctx)

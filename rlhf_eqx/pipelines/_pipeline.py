@@ -23,6 +23,7 @@ from ._runs import (
     RunContext,
     collate_pairs,
     export_policy,
+    export_reward_model,
     final_policy,
     run_reward,
     run_sft,
@@ -266,7 +267,7 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
             sft, tok, pairs, cfg=r, ctx=_ctx(cfg, run_dir, "reward", k_rm, resume, peak_flops=peak)
         )
         rm = res.state.model
-        rx.save_hf(rm, os.path.join(run_dir, "reward", "hf"))
+        export_reward_model(rm, run_dir)
         held = collate_pairs(clean, tok, max_length=r.max_length, prompt_length=s.prompt_length)
         acc = reward_accuracy(rm, held)
         summary["reward_model"] = {

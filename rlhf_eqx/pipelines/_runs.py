@@ -11,7 +11,9 @@ import dataclasses
 import os
 from collections.abc import Callable, Sequence
 
+import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import rlhf_eqx as rx
@@ -83,6 +85,15 @@ def export_policy(policy, run_dir: str, stage: str, *, adapted=None) -> None:
     rx.save_hf(policy, os.path.join(run_dir, stage, "hf"))
     if adapted is not None and has_lora(adapted):
         rx.save_lora_adapter(adapted, os.path.join(run_dir, stage, "adapter"))
+
+
+def export_reward_model(model, run_dir: str) -> None:
+    """Write a reward model as a `...ForSequenceClassification` checkpoint in
+    `<run_dir>/reward/hf/`. That head has no bias, so the bias is dropped first: a
+    Bradley-Terry reward is shift-invariant, and the exported scores differ from
+    `model`'s by that one constant."""
+    model = eqx.tree_at(lambda m: m.bias, model, jnp.zeros_like(model.bias))
+    rx.save_hf(model, os.path.join(run_dir, "reward", "hf"))
 
 
 def final_policy(model):

@@ -14,7 +14,16 @@ from ._config import DPOConfig
 from ._monitor import model_flops
 from ._ops import build_optimizer
 from ._rollout import sample_rollout
-from ._runs import RunContext, RunResult, collate_pairs, rows_at, run_loop, take_rows, with_lora
+from ._runs import (
+    RunContext,
+    RunResult,
+    collate_pairs,
+    rows_at,
+    run_loop,
+    run_offline,
+    take_rows,
+    with_lora,
+)
 
 
 def _dpo_setup(model, cfg: DPOConfig, total_steps: int, key):
@@ -37,24 +46,9 @@ def run_dpo(
     state, reference, step = _dpo_setup(model, cfg, cfg.steps, k_lora)
     full = collate_pairs(pairs, tok, max_length=cfg.max_length, prompt_length=ctx.prompt_length)
     full = rx.train.compute_reference_logps(reference, full)
-    n = full.chosen_tokens.shape[0]
-
-    def iteration(state, key, i):
-        batch = take_rows(full, rows_at(n, cfg.batch_size, ctx.ops.seed, i))
-        state, m = state.apply(step, batch, key=key)
-        return state, [m], {}
-
-    ctx = dataclasses.replace(ctx, key=ctx_key)
-    return run_loop(
-        state,
-        iteration,
-        ctx,
-        cfg.steps,
-        policy_of=lambda s: s.model,
-        tokens_per_iteration=2 * cfg.batch_size * cfg.max_length,
-        flops_per_iteration=model_flops(
-            rx.count_params(state.model), train_tokens=2 * cfg.batch_size * cfg.max_length
-        ),
+    return run_offline(
+        state, step, full, steps=cfg.steps, batch_size=cfg.batch_size,
+        tokens_per_row=2 * cfg.max_length, ctx=ctx, ctx_key=ctx_key, policy_of=lambda s: s.model,
     )
 
 

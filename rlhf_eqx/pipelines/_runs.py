@@ -159,28 +159,38 @@ def run_sft(
     opt = build_optimizer(cfg.optim, cfg.steps)
     state = rx.train.init_train_state(model, opt, filter_spec=spec)
     step = rx.train.make_sft_step(opt, donate=False)
-    n = full.tokens.shape[0]
-
-    def iteration(state, key, i):
-        batch = take_rows(full, rows_at(n, cfg.batch_size, ctx.ops.seed, i))
-        state, m = state.apply(step, batch, key=key)
-        return state, [m], {}
-
-    ctx = dataclasses.replace(ctx, key=ctx_key)
-    return run_loop(
-        state,
-        iteration,
-        ctx,
-        cfg.steps,
-        policy_of=lambda s: s.model,
-        tokens_per_iteration=cfg.batch_size * cfg.max_length,
-        flops_per_iteration=model_flops(
-            rx.count_params(model), train_tokens=cfg.batch_size * cfg.max_length
-        ),
+    return run_offline(
+        state, step, full, steps=cfg.steps, batch_size=cfg.batch_size,
+        tokens_per_row=cfg.max_length, ctx=ctx, ctx_key=ctx_key, policy_of=lambda s: s.model,
     )
 
 
 # --- reward model ----------------------------------------------------------------------
+
+
+def run_offline(
+    state, step, full, *, steps: int, batch_size: int, tokens_per_row: int, ctx: RunContext,
+    ctx_key, policy_of=None,
+) -> RunResult:
+    """`steps` updates of `step` on shuffled fixed-size batches of the rows of `full`
+    (SFT, reward model, offline DPO): iteration `i` takes the rows `rows_at(i)`."""
+    n = jax.tree.leaves(full)[0].shape[0]
+
+    def iteration(state, key, i):
+        batch = take_rows(full, rows_at(n, batch_size, ctx.ops.seed, i))
+        state, m = state.apply(step, batch, key=key)
+        return state, [m], {}
+
+    tokens = batch_size * tokens_per_row
+    return run_loop(
+        state,
+        iteration,
+        dataclasses.replace(ctx, key=ctx_key),
+        steps,
+        policy_of=policy_of,
+        tokens_per_iteration=tokens,
+        flops_per_iteration=model_flops(rx.count_params(state.model), train_tokens=tokens),
+    )
 
 
 def collate_pairs(
@@ -205,20 +215,7 @@ def run_reward(
     opt = build_optimizer(cfg.optim, cfg.steps)
     state = rx.train.init_train_state(rm, opt)
     step = rx.train.make_reward_step(opt, donate=False)
-    n = full.chosen_tokens.shape[0]
-
-    def iteration(state, key, i):
-        batch = take_rows(full, rows_at(n, cfg.batch_size, ctx.ops.seed, i))
-        state, m = state.apply(step, batch, key=key)
-        return state, [m], {}
-
-    ctx = dataclasses.replace(ctx, key=ctx_key)
-    tokens = 2 * cfg.batch_size * cfg.max_length
-    return run_loop(
-        state,
-        iteration,
-        ctx,
-        cfg.steps,
-        tokens_per_iteration=tokens,
-        flops_per_iteration=model_flops(rx.count_params(rm), train_tokens=tokens),
+    return run_offline(
+        state, step, full, steps=cfg.steps, batch_size=cfg.batch_size,
+        tokens_per_row=2 * cfg.max_length, ctx=ctx, ctx_key=ctx_key,
     )

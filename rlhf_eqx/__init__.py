@@ -50,6 +50,7 @@ __version__ = "0.1.0"
 
 from . import distributed as distributed
 from ._batches import (
+    PackedPreferenceBatch as PackedPreferenceBatch,
     PreferenceBatch as PreferenceBatch,
     PromptBatch as PromptBatch,
     SequenceBatch as SequenceBatch,

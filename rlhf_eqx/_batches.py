@@ -124,6 +124,69 @@ class PreferenceBatch(eqx.Module):
         )
 
 
+class PackedPreferenceBatch(eqx.Module):
+    """Preference pairs packed with a shared prompt: `[prompt | chosen | rejected]` per pair.
+
+    Each pair's prompt is stored once, followed by its chosen and its rejected
+    completion; `branch_ids` say which is which (0 prompt, 1 chosen, 2 rejected) and the
+    model lets each completion attend to the prompt and to itself only
+    (`rlhf_eqx.models.attention_layout`), with the positions it would have in its own
+    row. Per pair, the prompt's keys and values are computed once instead of twice, and
+    the log-probabilities are those of the unpacked `PreferenceBatch` (`data.pack_preferences`
+    builds this batch; `data.packed_from_preferences` converts one):
+
+    ```
+    tokens        [BOS p p p | c c EOS | r r r EOS | BOS p p | c EOS | r EOS | pad]
+    branch_ids    [ 0  0 0 0 | 1 1  1  | 2 2 2  2  |  0  0 0 | 1  1  | 2  2  |  0 ]
+    segment_ids   [ 0  0 0 0 | 0 0  0  | 0 0 0  0  |  1  1 1 | 1  1  | 1  1  |  0 ]
+    ```
+
+    A row holds up to `K` pairs, told apart by `segment_ids` (`0 ... K-1`); `pairs[r, k]`
+    says whether slot `k` of row `r` holds a pair. `completion_mask` marks the tokens
+    scored (each completion with its EOS). `ref_chosen_logp` / `ref_rejected_logp`
+    (`[R, K]`) hold cached reference log-probabilities, as in `PreferenceBatch`.
+    """
+
+    tokens: Int[Array, "R L"]
+    mask: Bool[Array, "R L"]
+    completion_mask: Bool[Array, "R L"]
+    segment_ids: Int[Array, "R L"]
+    branch_ids: Int[Array, "R L"]
+    pairs: Bool[Array, "R K"]
+    ref_chosen_logp: Float[Array, "R K"] | None = None
+    ref_rejected_logp: Float[Array, "R K"] | None = None
+
+    def __check_init__(self):
+        _validate(self, ("tokens", "segment_ids", "branch_ids"), ("mask", "completion_mask"))
+        kind = type(self).__name__
+        rows = self.tokens.shape[0] if _is_array(self.tokens) else None
+        pairs = self.pairs
+        if _is_array(pairs):
+            if len(pairs.shape) != 2 or np.dtype(pairs.dtype) != np.bool_ or 0 in pairs.shape:
+                raise DataError(
+                    f"{kind}.pairs must be a boolean [R, K] array with K >= 1, got "
+                    f"{pairs.dtype} of shape {tuple(pairs.shape)}"
+                )
+            if rows is not None and pairs.shape[0] != rows:
+                raise DataError(
+                    f"{kind}.pairs has {pairs.shape[0]} rows but {kind}.tokens has {rows}"
+                )
+        for name in ("ref_chosen_logp", "ref_rejected_logp"):
+            x = getattr(self, name)
+            if _is_array(x) and _is_array(pairs) and tuple(x.shape) != tuple(pairs.shape):
+                raise DataError(
+                    f"{kind}.{name} has shape {tuple(x.shape)}; expected {tuple(pairs.shape)} "
+                    "(one value per pair slot, like `pairs`)"
+                )
+            if _is_array(x) and not np.issubdtype(np.dtype(x.dtype), np.floating):
+                raise DataError(f"{kind}.{name} must be floating point, got dtype {x.dtype}")
+
+    @property
+    def num_slots(self) -> int:
+        """`K`, the pair slots per row."""
+        return self.pairs.shape[-1]
+
+
 class PromptBatch(eqx.Module):
     """Left-padded prompts for generation (PPO / GRPO rollouts)."""
 

@@ -53,6 +53,11 @@ from ._loader import (
     IteratorState as IteratorState,
     epoch_permutation as epoch_permutation,
 )
+from ._packing import (
+    pack_preferences as pack_preferences,
+    packed_from_preferences as packed_from_preferences,
+    packed_length as packed_length,
+)
 from ._preferences import (
     PreferenceDataset as PreferenceDataset,
     PreferenceRecord as PreferenceRecord,

@@ -28,9 +28,11 @@ from ._lora import (
     merge_lora as merge_lora,
     without_lora as without_lora,
 )
+from ._packing import branch_last_index as branch_last_index, branch_sums as branch_sums
 from ._peft import load_lora_adapter as load_lora_adapter, save_lora_adapter as save_lora_adapter
 from ._protocols import (
     AbstractBatchedModel as AbstractBatchedModel,
+    AbstractBranchScorer as AbstractBranchScorer,
     AbstractDecoder as AbstractDecoder,
     AbstractScalarModel as AbstractScalarModel,
     AbstractSelectiveLM as AbstractSelectiveLM,

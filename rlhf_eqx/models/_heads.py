@@ -7,10 +7,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
+from ._attention import attention_layout, previous_allowed
 from ._config import TransformerConfig
 from ._layers import normal_init, softcap
+from ._packing import branch_last_index
 from ._protocols import (
     AbstractBatchedModel,
+    AbstractBranchScorer,
     AbstractDecoder,
     AbstractScalarModel,
     AbstractSelectiveLM,
@@ -107,6 +110,8 @@ class Policy(AbstractDecoder[KVCache], AbstractBatchedModel, AbstractSelectiveLM
         mask: Bool[Array, "*B T"],
         select: Bool[Array, "*B T"],
         *,
+        segment_ids: Int[Array, "*B T"] | None = None,
+        branch_ids: Int[Array, "*B T"] | None = None,
         key: PRNGKeyArray | None = None,
         chunk: int = 512,
     ) -> tuple[Float[Array, "*B T"], Float[Array, "*B T"]]:
@@ -124,6 +129,9 @@ class Policy(AbstractDecoder[KVCache], AbstractBatchedModel, AbstractSelectiveLM
 
         - `tokens`, `mask`: as for `__call__` (one sequence or a batch).
         - `select`: which tokens to score (e.g. a completion mask).
+        - `segment_ids`, `branch_ids`: the packed layout (`Transformer.__call__`); a
+          token is then predicted from the last earlier position it may attend to (for
+          the first token of a branch: the shared prefix's last token).
         - `key`: LoRA dropout key, as for `__call__`.
         - `chunk`: positions per head chunk (a positive int).
 
@@ -133,10 +141,15 @@ class Policy(AbstractDecoder[KVCache], AbstractBatchedModel, AbstractSelectiveLM
         """
         if chunk < 1:
             raise ValueError(f"chunk must be a positive int, got {chunk!r}")
-        h = self.transformer(tokens, mask, key=key)
+        h = self.transformer(tokens, mask, segment_ids=segment_ids, branch_ids=branch_ids, key=key)
         lead, T = tokens.shape[:-1], tokens.shape[-1]
         flat_mask = mask.reshape(-1, T)
-        prev, has_prev = _previous_real(flat_mask)
+        if segment_ids is None and branch_ids is None:
+            prev, has_prev = _previous_real(flat_mask)
+        else:
+            allowed, _ = attention_layout(mask, segment_ids, branch_ids)
+            prev, has_prev = previous_allowed(allowed)
+            prev, has_prev = prev.reshape(-1, T), has_prev.reshape(-1, T)
         valid = (select.reshape(-1, T) & flat_mask & has_prev).reshape(-1)
         N = valid.shape[0]
         rows = jnp.arange(N, dtype=jnp.int32) // T
@@ -238,7 +251,7 @@ class ValueModel(_ScalarHeadModel, AbstractSequenceModel, AbstractBatchedModel):
         return self._read_out(self.transformer(tokens, mask, segment_ids=segment_ids, key=key))
 
 
-class RewardModel(_ScalarHeadModel, AbstractScalarModel, AbstractBatchedModel):
+class RewardModel(_ScalarHeadModel, AbstractScalarModel, AbstractBatchedModel, AbstractBranchScorer):
     """A scalar reward: `reward(tokens, mask) -> r`, read at the last real token (float32)."""
 
     def __call__(
@@ -251,3 +264,26 @@ class RewardModel(_ScalarHeadModel, AbstractScalarModel, AbstractBatchedModel):
         h = self.transformer(tokens, mask, key=key)
         last = jnp.take_along_axis(h, last_real_index(mask)[..., None, None], axis=-2)[..., 0, :]
         return self._read_out(last)
+
+    def branch_scores(
+        self,
+        tokens: Int[Array, "*B T"],
+        mask: Bool[Array, "*B T"],
+        segment_ids: Int[Array, "*B T"],
+        branch_ids: Int[Array, "*B T"],
+        *,
+        num_segments: int,
+        num_branches: int = 2,
+        key: PRNGKeyArray | None = None,
+    ) -> Float[Array, "*B K n"]:
+        """Rewards of shared-prefix packed rows (`PackedPreferenceBatch`): `out[..., k, b-1]`
+        is the reward of segment `k`'s prefix followed by its branch `b`, read at that
+        branch's last real token, equal to `self(prefix + branch)` unpacked."""
+        h = self.transformer(tokens, mask, segment_ids=segment_ids, branch_ids=branch_ids, key=key)
+        idx = branch_last_index(
+            mask, segment_ids, branch_ids, num_segments=num_segments, num_branches=num_branches
+        )
+        lead = idx.shape[:-2]
+        flat = idx.reshape(lead + (-1,))
+        picked = jnp.take_along_axis(h, flat[..., None], axis=-2)
+        return self._read_out(picked).reshape(idx.shape)

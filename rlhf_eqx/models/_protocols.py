@@ -9,6 +9,8 @@ methods runs every step builder and the sampler, exactly as rlhf_eqx's own model
 | `AbstractSequenceModel` | `model(tokens Int[" T"], mask Bool[" T"], *, key=None) -> Float["T ..."]` | `Transformer`, `Policy`, `ValueModel` | SFT / DPO / PPO / GRPO steps (`[T, V]` logits), critics (`[T]` values) |
 | `AbstractBatchedModel` | the same call also accepts `[B, T]` and returns what `jax.vmap(model)` would | `Transformer`, `Policy`, `ValueModel`, `RewardModel` | steps call it on the batch directly instead of vmapping |
 | `AbstractScalarModel` | `model(tokens Int[" T"], mask Bool[" T"], *, key=None) -> Float[""]` | `RewardModel` | reward-model step, reward scoring |
+| `AbstractSelectiveLM` | `model.selected_logprobs(tokens, mask, select, *, segment_ids=None, branch_ids=None, key=None)` | `Policy` | DPO step: LM head on completion positions only; shared-prefix packed batches |
+| `AbstractBranchScorer` | `model.branch_scores(tokens, mask, segment_ids, branch_ids, *, num_segments)` | `RewardModel` | reward-model step on shared-prefix packed batches |
 | `AbstractDecoder[Cache]` | `init_cache`, `prefill`, `decode_step`, `vocab_size` (and a sequence-model call) | `Policy` (cache `KVCache`) | `generate`, `generate_batch` |
 
 Everything is per sample: steps batch a plain `AbstractSequenceModel` with `jax.vmap`,
@@ -130,9 +132,44 @@ class AbstractSelectiveLM(eqx.Module):
         mask: Bool[Array, "*B T"],
         select: Bool[Array, "*B T"],
         *,
+        segment_ids: Int[Array, "*B T"] | None = None,
+        branch_ids: Int[Array, "*B T"] | None = None,
         key: PRNGKeyArray | None = None,
     ) -> tuple[Float[Array, "*B T"], Float[Array, "*B T"]]:
-        """Log-probabilities and mean logits of the selected tokens."""
+        """Log-probabilities and mean logits of the selected tokens.
+
+        With `segment_ids` / `branch_ids` the rows are shared-prefix packed
+        (`rlhf_eqx.PackedPreferenceBatch`, `attention_layout`): a token is predicted
+        from the last earlier position it may attend to. A model that cannot run that
+        layout raises `ValueError` when they are given; the DPO step then needs the
+        unpacked `PreferenceBatch`.
+        """
+        raise NotImplementedError
+
+
+class AbstractBranchScorer(eqx.Module):
+    """A scalar-head model that scores shared-prefix packed rows.
+
+    `model.branch_scores(tokens, mask, segment_ids, branch_ids, *, num_segments,
+    num_branches=2, key=None) -> Float[*B, K, n]`: the score of each segment's prefix
+    followed by each of its branches (`rlhf_eqx.PackedPreferenceBatch`), equal to the
+    model's call on that sequence unpacked. The reward-model step uses it for packed
+    batches.
+    """
+
+    @abc.abstractmethod
+    def branch_scores(
+        self,
+        tokens: Int[Array, "*B T"],
+        mask: Bool[Array, "*B T"],
+        segment_ids: Int[Array, "*B T"],
+        branch_ids: Int[Array, "*B T"],
+        *,
+        num_segments: int,
+        num_branches: int = 2,
+        key: PRNGKeyArray | None = None,
+    ) -> Float[Array, "*B K n"]:
+        """Per segment and branch, the score of prefix + branch."""
         raise NotImplementedError
 
 

@@ -237,6 +237,7 @@ class Transformer(AbstractSequenceModel, AbstractBatchedModel):
         mask: Bool[Array, "*B T"],
         *,
         segment_ids: Int[Array, "*B T"] | None = None,
+        branch_ids: Int[Array, "*B T"] | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "*B T D"]:
         """Hidden states for one sequence (or a batch: any leading axes, same result as `jax.vmap`).
@@ -246,10 +247,15 @@ class Transformer(AbstractSequenceModel, AbstractBatchedModel):
         - `tokens`, `mask`: token ids and which of them are real.
         - `segment_ids`: optional packing ids; tokens attend only within their segment
           and positions restart at 0 in each segment.
+        - `branch_ids`: optional shared-prefix branches (0 for the shared prefix, `b > 0`
+          for branch `b`): a branch token attends to the prefix and its own branch only,
+          and its positions continue the prefix's (`attention_layout`). Packing a prompt
+          once with both completions of a preference pair after it runs the prompt once
+          instead of twice, with the same outputs at every position.
         - `key`: enables LoRA dropout when adapters are attached (training); `None`
           is deterministic.
         """
-        allowed, positions = attention_layout(mask, segment_ids)
+        allowed, positions = attention_layout(mask, segment_ids, branch_ids)
         h, _ = self._scan(self._embed(tokens), allowed, positions, key, collect_kv=False)
         return h
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 
-from .._batches import PreferenceBatch
+from .._batches import PackedPreferenceBatch, PreferenceBatch
 from ..losses import (
     DPO_BATCH_LOSS_TYPES,
     DPO_LOSS_TYPES,
@@ -19,7 +19,7 @@ from ..losses import (
     dpo_implicit_rewards,
     sft_nll,
 )
-from ..models import AbstractSelectiveLM
+from ..models import AbstractSelectiveLM, branch_sums
 from ..ops import logprobs_from_logits, masked_sum, previous_real_index
 from ._accumulate import vmap_model
 from ._state import combine
@@ -62,6 +62,77 @@ def _pair_forward(model, batch: PreferenceBatch, cm, rm, key):
     return (logp[:b], seq[:b], logit[:b]), (logp[b:], seq[b:], logit[b:])
 
 
+class _PairLogps(eqx.Module):
+    """Per pair: summed completion log-probs, summed mean logits and completion lengths
+    of the chosen and rejected completions, the pair weights (1 for a real pair) and the
+    chosen token-level log-probs with their mask (for the RPO term)."""
+
+    chosen: Array
+    rejected: Array
+    chosen_logit: Array
+    rejected_logit: Array
+    chosen_len: Array
+    rejected_len: Array
+    weight: Array
+    chosen_tokens_logp: Array
+    chosen_tokens_mask: Array
+
+
+def _packed_forward(model, batch: PackedPreferenceBatch, key) -> _PairLogps:
+    """One pass of a selective LM over shared-prefix packed rows, read out per pair slot."""
+    if not isinstance(model, AbstractSelectiveLM):
+        raise ValueError(
+            f"a PackedPreferenceBatch needs a model that meets rlhf_eqx.models.AbstractSelectiveLM "
+            f"(e.g. rlhf_eqx.Policy); {type(model).__name__} does not: use a PreferenceBatch"
+        )
+    sel = batch.completion_mask & batch.mask
+    logp, mean_logit = model.selected_logprobs(
+        batch.tokens, batch.mask, sel, segment_ids=batch.segment_ids, branch_ids=batch.branch_ids, key=key
+    )
+    K = batch.pairs.shape[-1]
+    sums = lambda v: branch_sums(v, sel, batch.segment_ids, batch.branch_ids, num_segments=K).reshape(-1, 2)
+    seq, logit, count = sums(logp), sums(mean_logit), sums(jnp.ones_like(logp))
+    return _PairLogps(
+        chosen=seq[:, 0],
+        rejected=seq[:, 1],
+        chosen_logit=logit[:, 0],
+        rejected_logit=logit[:, 1],
+        chosen_len=count[:, 0],
+        rejected_len=count[:, 1],
+        weight=batch.pairs.reshape(-1).astype(jnp.float32),
+        chosen_tokens_logp=logp,
+        chosen_tokens_mask=sel & (batch.branch_ids == 1),
+    )
+
+
+def _pairs_forward(model, batch, key) -> _PairLogps:
+    """Per-pair log-probabilities of either batch layout."""
+    if isinstance(batch, PackedPreferenceBatch):
+        return _packed_forward(model, batch, key)
+    cm = batch.chosen_completion_mask & batch.chosen_mask
+    rm = batch.rejected_completion_mask & batch.rejected_mask
+    (c_tok, c, c_logit), (_, r, r_logit) = _pair_forward(model, batch, cm, rm, key)
+    f32 = jnp.float32
+    return _PairLogps(
+        chosen=c,
+        rejected=r,
+        chosen_logit=c_logit,
+        rejected_logit=r_logit,
+        chosen_len=jnp.sum(cm, axis=-1).astype(f32),
+        rejected_len=jnp.sum(rm, axis=-1).astype(f32),
+        weight=jnp.ones(c.shape, f32),
+        chosen_tokens_logp=c_tok,
+        chosen_tokens_mask=cm,
+    )
+
+
+def _cached_reference(batch):
+    rc, rr = batch.ref_chosen_logp, batch.ref_rejected_logp
+    if isinstance(batch, PackedPreferenceBatch):
+        rc, rr = rc.reshape(-1), rr.reshape(-1)
+    return rc, rr
+
+
 def sequence_logps(
     model: Callable[..., Float[Array, "T V"]],
     tokens: Int[Array, "B T"],
@@ -74,17 +145,20 @@ def sequence_logps(
 
 @eqx.filter_jit
 def _reference_logps(reference_model, batch):
-    cm = batch.chosen_completion_mask & batch.chosen_mask
-    rm = batch.rejected_completion_mask & batch.rejected_mask
-    (_, c, _), (_, r, _) = _pair_forward(reference_model, batch, cm, rm, None)
-    return jax.lax.stop_gradient(c), jax.lax.stop_gradient(r)
+    out = _pairs_forward(reference_model, batch, None)
+    c, r = jax.lax.stop_gradient(out.chosen), jax.lax.stop_gradient(out.rejected)
+    if isinstance(batch, PackedPreferenceBatch):
+        c, r = c.reshape(batch.pairs.shape), r.reshape(batch.pairs.shape)
+    return c, r
 
 
 def compute_reference_logps(
-    reference_model: Callable[..., Float[Array, "T V"]], batch: PreferenceBatch
-) -> PreferenceBatch:
+    reference_model: Callable[..., Float[Array, "T V"]],
+    batch: PreferenceBatch | PackedPreferenceBatch,
+) -> PreferenceBatch | PackedPreferenceBatch:
     """Fill `batch.ref_chosen_logp` / `ref_rejected_logp` with the reference model's
-    summed completion log-probabilities (one jitted forward pass over the batch).
+    summed completion log-probabilities (one jitted forward pass over the batch; `[B]`
+    for a `PreferenceBatch`, `[R, K]` for a `PackedPreferenceBatch`).
 
     Run it once per batch before training (TRL `precompute_ref_log_probs`) and use
     `make_dpo_step(..., reference="cached")`: the step then skips the reference forward
@@ -108,7 +182,9 @@ def dpo_loss_fn(
     rpo_alpha: float | None = None,
     loss_kwargs: Mapping[str, Any] | None = None,
 ) -> LossFn:
-    r"""The DPO-family loss function for `make_step` on a `PreferenceBatch`.
+    r"""The DPO-family loss function for `make_step` on a `PreferenceBatch` or a
+    shared-prompt `PackedPreferenceBatch` (same losses; the packed one runs each prompt
+    once, and needs an `AbstractSelectiveLM` such as `Policy`).
 
     `frozen` is `(frozen_part_of_the_policy, reference_model)`; see `make_dpo_step`.
     Numerators: `dpo` (sum of per-pair losses; denominator the number of pairs) and,
@@ -125,7 +201,12 @@ def dpo_loss_fn(
     sg = jax.lax.stop_gradient
     f32 = jnp.float32
 
-    def loss_fn(params: PyTree, frozen: PyTree, batch: PreferenceBatch, key: PRNGKeyArray | None):
+    def loss_fn(
+        params: PyTree,
+        frozen: PyTree,
+        batch: PreferenceBatch | PackedPreferenceBatch,
+        key: PRNGKeyArray | None,
+    ):
         frozen_part, ref_model = frozen
         if uses_reference and reference == "model" and ref_model is None:
             raise ValueError("make_dpo_step(reference='model') needs the step's `reference=` model")
@@ -134,34 +215,42 @@ def dpo_loss_fn(
                 "make_dpo_step(reference='cached') needs batch.ref_chosen_logp / "
                 "ref_rejected_logp (see compute_reference_logps)"
             )
+        if isinstance(batch, PackedPreferenceBatch) and loss_type in DPO_BATCH_LOSS_TYPES:
+            raise ValueError(
+                f"loss_type={loss_type!r} sorts over the pairs of the batch; use a PreferenceBatch "
+                "(a PackedPreferenceBatch may hold empty pair slots)"
+            )
         model = combine(params, frozen_part)
-        cm = batch.chosen_completion_mask & batch.chosen_mask
-        rm = batch.rejected_completion_mask & batch.rejected_mask
-        (c_tok, c, c_logit), (_, r, r_logit) = _pair_forward(model, batch, cm, rm, key)
+        out = _pairs_forward(model, batch, key)
+        c, r, w = out.chosen, out.rejected, out.weight
         if not uses_reference:
             rc = rr = None
         elif reference == "cached":
-            rc, rr = batch.ref_chosen_logp, batch.ref_rejected_logp
+            rc, rr = _cached_reference(batch)
         else:
-            (_, rc, _), (_, rr, _) = _pair_forward(ref_model, batch, cm, rm, None)
+            ref = _pairs_forward(ref_model, batch, None)
+            rc, rr = ref.chosen, ref.rejected
         if rc is not None:
             rc, rr = sg(rc.astype(f32)), sg(rr.astype(f32))
+        real = w > 0
         losses = dpo_batch_loss(
             c, r, rc, rr,
             beta=beta,
             loss_type=loss_type,
             label_smoothing=label_smoothing,
-            chosen_len=jnp.sum(cm, axis=-1),
-            rejected_len=jnp.sum(rm, axis=-1),
+            # empty pair slots of a packed batch: any positive length keeps them finite
+            chosen_len=jnp.where(real, out.chosen_len, 1.0),
+            rejected_len=jnp.where(real, out.rejected_len, 1.0),
             reference_free=not uses_reference,
             **extra,
         )
-        n = jnp.asarray(c.shape[0], f32)
-        nums, dens = {"dpo": jnp.sum(losses)}, {"dpo": n}
-        n_c, n_r = jnp.sum(cm).astype(f32), jnp.sum(rm).astype(f32)
+        n = jnp.sum(w)
+        nums, dens = {"dpo": jnp.sum(jnp.where(real, losses, 0.0))}, {"dpo": n}
+        n_c, n_r = jnp.sum(out.chosen_len * w), jnp.sum(out.rejected_len * w)
         metrics = {}
         if rpo_alpha is not None:
-            nll = masked_sum(jax.vmap(sft_nll)(c_tok, cm), cm)
+            cm = out.chosen_tokens_mask
+            nll = masked_sum(jax.vmap(sft_nll)(out.chosen_tokens_logp, cm), cm)
             nums["nll"], dens["nll"] = rpo_alpha * nll, n_c
             metrics["nll_loss"] = (nll, n_c)
         if rc is None:
@@ -170,15 +259,16 @@ def dpo_loss_fn(
             rw, rl = jax.vmap(lambda a, b, x, y: dpo_implicit_rewards(a, b, x, y, beta=beta))(
                 c, r, rc, rr
             )
+        wsum = lambda x: jnp.sum(jnp.where(real, x, 0.0))
         metrics.update({
-            "rewards/chosen": (jnp.sum(rw), n),
-            "rewards/rejected": (jnp.sum(rl), n),
-            "rewards/margins": (jnp.sum(rw - rl), n),
-            "rewards/accuracies": (jnp.sum((rw > rl).astype(f32)), n),
-            "logps/chosen": (jnp.sum(c), n),
-            "logps/rejected": (jnp.sum(r), n),
-            "logits/chosen": (jnp.sum(c_logit), n_c),
-            "logits/rejected": (jnp.sum(r_logit), n_r),
+            "rewards/chosen": (wsum(rw), n),
+            "rewards/rejected": (wsum(rl), n),
+            "rewards/margins": (wsum(rw - rl), n),
+            "rewards/accuracies": (wsum((rw > rl).astype(f32)), n),
+            "logps/chosen": (wsum(c), n),
+            "logps/rejected": (wsum(r), n),
+            "logits/chosen": (wsum(out.chosen_logit), n_c),
+            "logits/rejected": (wsum(out.rejected_logit), n_r),
         })
         return nums, dens, metrics
 
@@ -231,9 +321,15 @@ def make_dpo_step(
     **Returns:**
 
     ```python
-    step(params, opt_state, batch: PreferenceBatch, *, frozen=None, reference=None, key=None)
-        -> (params, opt_state, metrics)
+    step(params, opt_state, batch: PreferenceBatch | PackedPreferenceBatch, *,
+         frozen=None, reference=None, key=None) -> (params, opt_state, metrics)
     ```
+
+    A `PackedPreferenceBatch` (`data.pack_preferences`) writes each prompt once, followed
+    by both completions, which attend to it and to themselves only: the losses,
+    gradients and metrics are those of the unpacked batch (averaged over the real pairs),
+    while the prompt is computed once per pair instead of twice. It needs a policy (and
+    reference) meeting `AbstractSelectiveLM`, e.g. `Policy`.
 
     one `eqx.filter_jit` region. Metrics (TRL's names, means over pairs): `loss`,
     `rewards/chosen`, `rewards/rejected` (implicit rewards $\beta(\log\pi_\theta - \log\pi_{\rm ref})$),
@@ -264,6 +360,6 @@ def make_dpo_step(
         donate=donate,
         nonfinite=nonfinite,
         check_token_ids=check_token_ids,
-        batch_type=PreferenceBatch,
+        batch_type=(PreferenceBatch, PackedPreferenceBatch),
         extras=("reference",),
     )

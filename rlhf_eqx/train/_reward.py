@@ -5,8 +5,9 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import PRNGKeyArray, PyTree
 
-from .._batches import PreferenceBatch
+from .._batches import PackedPreferenceBatch, PreferenceBatch
 from ..losses import bradley_terry_loss
+from ..models import AbstractBranchScorer
 from ._accumulate import vmap_model
 from ._state import combine
 from ._step import LossFn, NonFinite, Step, make_step
@@ -25,40 +26,69 @@ def _scores(model, tokens, mask, key, which):
     return out.astype(jnp.float32)
 
 
+def _pair_scores(model, batch, key):
+    """Chosen and rejected scores `[P]` and pair weights `[P]` (1 for a real pair)."""
+    if isinstance(batch, PackedPreferenceBatch):
+        if not isinstance(model, AbstractBranchScorer):
+            raise ValueError(
+                "a PackedPreferenceBatch needs a reward model that meets "
+                f"rlhf_eqx.models.AbstractBranchScorer (e.g. rlhf_eqx.RewardModel); "
+                f"{type(model).__name__} does not: use a PreferenceBatch"
+            )
+        scores = model.branch_scores(
+            batch.tokens,
+            batch.mask,
+            batch.segment_ids,
+            batch.branch_ids,
+            num_segments=batch.pairs.shape[-1],
+            key=key,
+        ).astype(jnp.float32)
+        scores = scores.reshape(-1, 2)
+        return scores[:, 0], scores[:, 1], batch.pairs.reshape(-1).astype(jnp.float32)
+    # chosen and rejected rows in one pass of the model ([2B, T])
+    b = batch.chosen_tokens.shape[0]
+    cat = lambda x, y: jnp.concatenate([x, y], axis=0)
+    scores = _scores(
+        model,
+        cat(batch.chosen_tokens, batch.rejected_tokens),
+        cat(batch.chosen_mask, batch.rejected_mask),
+        key,
+        "chosen and rejected",
+    )
+    return scores[:b], scores[b:], jnp.ones((b,), jnp.float32)
+
+
 def reward_loss(*, center_coef: float = 0.0, margin: float = 0.0) -> LossFn:
-    r"""The Bradley-Terry loss function for `make_step` on a `PreferenceBatch`:
+    r"""The Bradley-Terry loss function for `make_step` on a `PreferenceBatch` or a
+    shared-prompt `PackedPreferenceBatch` (needs an `AbstractBranchScorer`):
     $\frac1B\sum_i -\log\sigma(r^w_i - r^l_i - m) + \lambda_c (r^w_i + r^l_i)^2$.
     """
     check_number("center_coef", center_coef, low=0.0)
     check_number("margin", margin)
 
-    def loss_fn(params: PyTree, frozen: PyTree, batch: PreferenceBatch, key: PRNGKeyArray | None):
+    def loss_fn(
+        params: PyTree,
+        frozen: PyTree,
+        batch: PreferenceBatch | PackedPreferenceBatch,
+        key: PRNGKeyArray | None,
+    ):
         model = combine(params, frozen)
-        # chosen and rejected rows in one pass of the model ([2B, T])
-        b = batch.chosen_tokens.shape[0]
-        cat = lambda x, y: jnp.concatenate([x, y], axis=0)
-        scores = _scores(
-            model,
-            cat(batch.chosen_tokens, batch.rejected_tokens),
-            cat(batch.chosen_mask, batch.rejected_mask),
-            key,
-            "chosen and rejected",
-        )
-        rc, rr = scores[:b], scores[b:]
+        rc, rr, w = _pair_scores(model, batch, key)
         losses = jax.vmap(
             lambda a, b: bradley_terry_loss(a, b, margin=margin, center_coef=center_coef)
         )(rc, rr)
-        n = jnp.asarray(rc.shape[0], jnp.float32)
-        both = jnp.concatenate([rc, rr])
+        real = w > 0
+        wsum = lambda x: jnp.sum(jnp.where(real, x, 0.0))
+        n = jnp.sum(w)
         metrics = {
-            "accuracy": (jnp.sum((rc > rr).astype(jnp.float32)), n),
-            "margin": (jnp.sum(rc - rr), n),
-            "rewards/chosen": (jnp.sum(rc), n),
-            "rewards/rejected": (jnp.sum(rr), n),
-            "rewards/mean": (jnp.sum(both), 2 * n),
-            "rewards/_sq": (jnp.sum(jnp.square(both)), 2 * n),
+            "accuracy": (wsum((rc > rr).astype(jnp.float32)), n),
+            "margin": (wsum(rc - rr), n),
+            "rewards/chosen": (wsum(rc), n),
+            "rewards/rejected": (wsum(rr), n),
+            "rewards/mean": (wsum(rc) + wsum(rr), 2 * n),
+            "rewards/_sq": (wsum(jnp.square(rc)) + wsum(jnp.square(rr)), 2 * n),
         }
-        return {"bt": jnp.sum(losses)}, {"bt": n}, metrics
+        return {"bt": wsum(losses)}, {"bt": n}, metrics
 
     return loss_fn
 
@@ -91,7 +121,10 @@ def make_reward_step(
     via `rlhf_eqx.losses.bradley_terry_loss`. The model is any callable
     `(tokens, mask) -> scalar` (e.g. `RewardModel`), applied to the full chosen and
     rejected sequences; a model that does not return one scalar per sequence (e.g. a
-    `Policy`) is refused when the step is first traced.
+    `Policy`) is refused when the step is first traced. A shared-prompt
+    `PackedPreferenceBatch` (`data.pack_preferences`) runs each prompt once and gives the
+    same losses and gradients; it needs a model meeting `AbstractBranchScorer`
+    (`RewardModel` does).
 
     **Returns:** `step(params, opt_state, batch: PreferenceBatch, *, frozen=None, key=None)
     -> (params, opt_state, metrics)` (see `make_step` for `micro_batches`, `axis_name`,
@@ -109,5 +142,5 @@ def make_reward_step(
         nonfinite=nonfinite,
         check_token_ids=check_token_ids,
         metrics_fn=_reward_std,
-        batch_type=PreferenceBatch,
+        batch_type=(PreferenceBatch, PackedPreferenceBatch),
     )

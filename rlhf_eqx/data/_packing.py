@@ -1,0 +1,248 @@
+"""Shared-prompt packing of preference pairs (`PackedPreferenceBatch`).
+
+A pair's chosen and rejected sequences start with the same prompt. Packed, the prompt
+is written once and both completions follow it, `[prompt | chosen | rejected]`; the
+model's attention layout (`branch_ids`) lets each completion see the prompt and itself
+only, with the positions it has in its own row, so every log-probability equals the
+unpacked one while the prompt's projections, MLPs and keys/values are computed once.
+On multi-turn data, where prompts are most of a row, this removes about a third of the
+work; with several pairs per row (`pairs_per_row`, told apart by `segment_ids`) most of
+the padding goes too.
+
+If the two prompts differ (a token merged across the prompt/completion boundary when
+tokenising), only their common prefix is shared; the rest of each prompt goes into its
+branch, unscored.
+"""
+
+import math
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from .._batches import PackedPreferenceBatch, PreferenceBatch
+from ._collate import _check_ids
+from ._errors import DataError
+from ._tokenized import TokenizedPair, TokenizedSequence
+
+
+def _positive(name: str, value: object, *, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise DataError(f"{name} must be a positive int, got {value!r}")
+
+
+def _pieces(pair: TokenizedPair) -> tuple[list[int], list[int], list[int], int, int]:
+    """`(shared, chosen_tail, rejected_tail, chosen_prompt_rest, rejected_prompt_rest)`."""
+    c, r = pair.chosen, pair.rejected
+    shared = 0
+    limit = min(len(c.prompt), len(r.prompt))
+    while shared < limit and c.prompt[shared] == r.prompt[shared]:
+        shared += 1
+    c_all, r_all = list(c.prompt) + list(c.completion), list(r.prompt) + list(r.completion)
+    return (
+        c_all[:shared],
+        c_all[shared:],
+        r_all[shared:],
+        len(c.prompt) - shared,
+        len(r.prompt) - shared,
+    )
+
+
+def packed_length(pair: TokenizedPair) -> int:
+    """Tokens a pair takes once packed: shared prompt + chosen + rejected completion."""
+    shared, ct, rt, _, _ = _pieces(pair)
+    return len(shared) + len(ct) + len(rt)
+
+
+def _first_fit(sizes: Sequence[int], capacity: int, slots: int) -> list[list[int]]:
+    """First-fit decreasing bin packing of `sizes` into rows of `capacity` tokens and at
+    most `slots` items; returns the item indices of each row (largest first)."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(sizes)), key=lambda j: (-sizes[j], j)):
+        for r, free in enumerate(room):
+            if free >= sizes[i] and len(rows[r]) < slots:
+                rows[r].append(i)
+                room[r] -= sizes[i]
+                break
+        else:
+            rows.append([i])
+            room.append(capacity - sizes[i])
+    return rows
+
+
+def pack_preferences(
+    pairs: Sequence[TokenizedPair],
+    *,
+    pad_id: int,
+    row_length: int | None = None,
+    bucket_size: int | None = None,
+    pairs_per_row: int = 1,
+    num_rows: int | None = None,
+    vocab_size: int | None = None,
+) -> PackedPreferenceBatch:
+    """Pack preference pairs with their prompt shared into a `PackedPreferenceBatch`.
+
+    **Arguments:**
+
+    - `pairs`: from `tokenize_preferences` (at least one).
+    - `pad_id`: the id written at padded positions (always masked).
+    - `row_length`: the row length `L`. Default: the longest packed pair (`packed_length`)
+      rounded up to a multiple of `bucket_size` (exactly the longest when `bucket_size`
+      is `None`). A pair longer than `row_length` is refused, naming it.
+    - `bucket_size`: see `row_length`; a handful of shapes replace one per batch.
+    - `pairs_per_row`: `K`, the most pairs one row holds (first-fit decreasing, told
+      apart by `segment_ids`); 1 puts each pair in its own row, in order.
+    - `num_rows`: the number of rows `R` (fixed shapes); default as many as needed. Rows
+      left over are empty (no real token, no pair). Too few rows is an error.
+    - `vocab_size`: when given, every id and `pad_id` must lie in `[0, vocab_size)`.
+
+    **Returns:** the batch (`[R, L]` token fields, `pairs [R, K]`). With `K = 1` and no
+    `num_rows`, row `i` holds pair `i`; otherwise pair slots are filled as packed, and a
+    step averages over the pairs present, so the order does not matter.
+    """
+    if not pairs:
+        raise DataError("cannot pack an empty batch")
+    _positive("row_length", row_length)
+    _positive("bucket_size", bucket_size)
+    _positive("pairs_per_row", pairs_per_row, allow_none=False)
+    _positive("num_rows", num_rows)
+    pieces = [_pieces(p) for p in pairs]
+    sizes = [len(s) + len(c) + len(r) for s, c, r, _, _ in pieces]
+    if row_length is None:
+        longest = max(sizes)
+        row_length = (
+            longest if bucket_size is None else math.ceil(longest / bucket_size) * bucket_size
+        )
+    too_long = [i for i, n in enumerate(sizes) if n > row_length]
+    if too_long:
+        i = too_long[0]
+        raise DataError(
+            f"pair {i} takes {sizes[i]} tokens packed (prompt + chosen + rejected), more "
+            f"than row_length={row_length}"
+        )
+    if pairs_per_row == 1:
+        rows = [[i] for i in range(len(pairs))]
+    else:
+        rows = _first_fit(sizes, row_length, pairs_per_row)
+    R = len(rows) if num_rows is None else num_rows
+    if len(rows) > R:
+        raise DataError(
+            f"{len(pairs)} pairs need {len(rows)} rows of {row_length} tokens "
+            f"({pairs_per_row} pairs per row at most), more than num_rows={num_rows}"
+        )
+    L, K = row_length, pairs_per_row
+    tokens = np.full((R, L), pad_id, dtype=np.int64)
+    mask = np.zeros((R, L), dtype=bool)
+    completion = np.zeros((R, L), dtype=bool)
+    segment = np.zeros((R, L), dtype=np.int32)
+    branch = np.zeros((R, L), dtype=np.int32)
+    present = np.zeros((R, K), dtype=bool)
+    for r, members in enumerate(rows):
+        at = 0
+        for k, i in enumerate(members):
+            shared, ct, rt, c_rest, r_rest = pieces[i]
+            present[r, k] = True
+            for b, part, unscored in ((0, shared, len(shared)), (1, ct, c_rest), (2, rt, r_rest)):
+                end = at + len(part)
+                tokens[r, at:end] = part
+                mask[r, at:end] = True
+                segment[r, at:end] = k
+                branch[r, at:end] = b
+                completion[r, at + unscored : end] = True
+                at = end
+    _check_ids(tokens, mask, pad_id, vocab_size, "packed row")
+    return PackedPreferenceBatch(
+        tokens=jnp.asarray(tokens.astype(np.int32)),
+        mask=jnp.asarray(mask),
+        completion_mask=jnp.asarray(completion),
+        segment_ids=jnp.asarray(segment),
+        branch_ids=jnp.asarray(branch),
+        pairs=jnp.asarray(present),
+    )
+
+
+def _row_sequence(
+    tokens: np.ndarray, mask: np.ndarray, completion: np.ndarray
+) -> TokenizedSequence:
+    real = tokens[mask]
+    scored = completion[mask]
+    n_prompt = int(np.argmax(scored)) if scored.any() else len(real)
+    if not scored[n_prompt:].all():
+        raise DataError(
+            "a packed pair needs each row's completion to be one block after its prompt "
+            "(completion_mask set on the real tokens after the prompt only)"
+        )
+    return TokenizedSequence(
+        prompt=tuple(int(t) for t in real[:n_prompt]),
+        completion=tuple(int(t) for t in real[n_prompt:]),
+    )
+
+
+def packed_from_preferences(
+    batch: PreferenceBatch,
+    *,
+    pad_id: int = 0,
+    row_length: int | None = None,
+    bucket_size: int | None = None,
+    pairs_per_row: int = 1,
+    num_rows: int | None = None,
+) -> PackedPreferenceBatch:
+    """Convert a `PreferenceBatch` (on the host) into a `PackedPreferenceBatch`.
+
+    Each row's real tokens are split into prompt (before the first completion token) and
+    completion; the pairs are then packed by `pack_preferences` (same arguments). Cached
+    reference log-probabilities are carried over when each pair has its own row
+    (`pairs_per_row=1`, no `num_rows`).
+    """
+    arrays = {
+        name: np.asarray(getattr(batch, name))
+        for name in (
+            "chosen_tokens",
+            "chosen_mask",
+            "chosen_completion_mask",
+            "rejected_tokens",
+            "rejected_mask",
+            "rejected_completion_mask",
+        )
+    }
+    pairs = []
+    for i in range(arrays["chosen_tokens"].shape[0]):
+        chosen = _row_sequence(
+            arrays["chosen_tokens"][i],
+            arrays["chosen_mask"][i],
+            arrays["chosen_completion_mask"][i],
+        )
+        rejected = _row_sequence(
+            arrays["rejected_tokens"][i],
+            arrays["rejected_mask"][i],
+            arrays["rejected_completion_mask"][i],
+        )
+        pairs.append(TokenizedPair(chosen=chosen, rejected=rejected))
+    packed = pack_preferences(
+        pairs,
+        pad_id=pad_id,
+        row_length=row_length,
+        bucket_size=bucket_size,
+        pairs_per_row=pairs_per_row,
+        num_rows=num_rows,
+    )
+    if batch.ref_chosen_logp is None or batch.ref_rejected_logp is None:
+        return packed
+    if pairs_per_row != 1 or num_rows is not None:
+        raise DataError(
+            "cached reference log-probabilities are carried over only with pairs_per_row=1 "
+            "and no num_rows; compute them on the packed batch instead (compute_reference_logps)"
+        )
+    return PackedPreferenceBatch(
+        tokens=packed.tokens,
+        mask=packed.mask,
+        completion_mask=packed.completion_mask,
+        segment_ids=packed.segment_ids,
+        branch_ids=packed.branch_ids,
+        pairs=packed.pairs,
+        ref_chosen_logp=jnp.asarray(batch.ref_chosen_logp)[:, None],
+        ref_rejected_logp=jnp.asarray(batch.ref_rejected_logp)[:, None],
+    )

@@ -53,7 +53,6 @@ def main():
     V = common.CONFIG["vocab_size"]
     out = {}
     d = common.DPO
-    T = d["prompt"] + d["completion"]
     # token ids drawn from [3, V): 0 is padding, 1 BOS, 2 EOS
     out["dpo_prompt"] = rng.integers(3, V, (d["pairs"], d["prompt"]), dtype=np.int32)
     out["dpo_chosen"] = rng.integers(3, V, (d["pairs"], d["completion"]), dtype=np.int32)
@@ -61,8 +60,9 @@ def main():
     g = common.GEN
     out["gen_prompt"] = rng.integers(3, V, (g["batch"], g["prompt"]), dtype=np.int32)
     r = common.RM
-    out["rm_chosen"] = rng.integers(3, V, (r["pairs"], r["length"]), dtype=np.int32)
-    out["rm_rejected"] = rng.integers(3, V, (r["pairs"], r["length"]), dtype=np.int32)
+    out["rm_prompt"] = rng.integers(3, V, (r["pairs"], r["prompt"]), dtype=np.int32)
+    out["rm_chosen"] = rng.integers(3, V, (r["pairs"], r["completion"]), dtype=np.int32)
+    out["rm_rejected"] = rng.integers(3, V, (r["pairs"], r["completion"]), dtype=np.int32)
     gr = common.GRPO
     out["grpo_prompt"] = rng.integers(3, V, (gr["prompts"], gr["prompt"]), dtype=np.int32)
     out["grpo_rewards"] = rng.standard_normal(gr["prompts"] * gr["group"]).astype(np.float32)

@@ -3,7 +3,11 @@
     PYTHONPATH=$PWD /work/venv/bin/python benchmarks/side_by_side/run_rlhf_eqx.py dpo --inputs DIR
 
 Prints one `RESULT {...}` JSON line (see `common.emit`). The persistent compilation
-cache is on (`--cache DIR`, default `/tmp/rlhf_eqx_jax_cache`), as a user would run.
+cache is on (`RLHF_EQX_BENCH_CACHE`, default `/tmp/rlhf_eqx_jax_cache`), as a user would
+run. Preference workloads (`dpo`, `dpo_cached`, `curve_*`, `rm`, `hh_dpo`) run on
+shared-prompt packed batches (`data.pack_preferences`: each prompt once, both
+completions after it); `RLHF_EQX_BENCH_UNPACKED=1` runs the unpacked `PreferenceBatch`
+instead, for an A/B.
 """
 
 import os
@@ -62,6 +66,29 @@ def preference_batch(prompt, chosen, rejected):
     )
 
 
+PACKED = os.environ.get("RLHF_EQX_BENCH_UNPACKED", "") in ("", "0")
+
+
+def pairs_of(prompt, chosen, rejected, rejected_prompt=None):
+    """`TokenizedPair`s from the rows of token arrays (or lists of tuples)."""
+    rejected_prompt = prompt if rejected_prompt is None else rejected_prompt
+    t = lambda row: tuple(int(x) for x in row)
+    return [
+        data.TokenizedPair(
+            data.TokenizedSequence(t(prompt[i]), t(chosen[i])),
+            data.TokenizedSequence(t(rejected_prompt[i]), t(rejected[i])),
+        )
+        for i in range(len(prompt))
+    ]
+
+
+def pair_batch(prompt, chosen, rejected):
+    """The workload's batch: packed with the prompt shared, or the unpacked rows."""
+    if PACKED:
+        return data.pack_preferences(pairs_of(prompt, chosen, rejected), pad_id=0)
+    return preference_batch(prompt, chosen, rejected)
+
+
 def optimizer():
     return train.make_optimizer(learning_rate=1e-5, total_steps=1000, max_grad_norm=1.0)
 
@@ -85,29 +112,40 @@ def dpo_runner(policy, batch, *, cached: bool):
 def hh_batches(inputs, pairs: int, *, group: int, bucket: int):
     """The HH-RLHF pairs in batches of `pairs`: windows of `group` batches sorted by
     length (rlhf_eqx.data's `group_by_length`), each batch padded to its longest row
-    rounded up to `bucket` (`bucket_size`)."""
+    rounded up to `bucket` (`bucket_size`); packed with the prompt shared unless
+    `RLHF_EQX_BENCH_UNPACKED=1`. Returns `[(batch, real tokens of its chosen + rejected
+    rows)]`."""
+
     def rows(name):
         flat, off = inputs[name], inputs[name + "_offsets"]
         return [tuple(int(x) for x in flat[off[i] : off[i + 1]]) for i in range(len(off) - 1)]
 
-    P, C, RP, R = rows("hh_prompt"), rows("hh_chosen"), rows("hh_rejected_prompt"), rows("hh_rejected")
-    items = [
-        data.TokenizedPair(data.TokenizedSequence(P[i], C[i]), data.TokenizedSequence(RP[i], R[i]))
-        for i in range(len(P))
-    ]
+    items = pairs_of(rows("hh_prompt"), rows("hh_chosen"), rows("hh_rejected"), rows("hh_rejected_prompt"))
     n = len(items) // pairs * pairs
     items = items[:n]
+    size = data.packed_length if PACKED else (lambda it: max(len(it.chosen), len(it.rejected)))
     out = []
     win = pairs * group
     for s in range(0, n, win):
-        w = sorted(items[s : s + win], key=lambda it: -max(len(it.chosen), len(it.rejected)))
+        w = sorted(items[s : s + win], key=lambda it: -size(it))
         for b in range(0, len(w), pairs):
-            out.append(
-                data.collate_preferences(
-                    w[b : b + pairs], pad_id=0, max_length=common.HH_MAX_LEN, bucket_size=bucket
+            chunk = w[b : b + pairs]
+            real = sum(len(it.chosen) + len(it.rejected) for it in chunk)
+            if PACKED:
+                batch = data.pack_preferences(chunk, pad_id=0, bucket_size=bucket)
+            else:
+                batch = data.collate_preferences(
+                    chunk, pad_id=0, max_length=common.HH_MAX_LEN, bucket_size=bucket
                 )
-            )
+            out.append((batch, real))
     return out
+
+
+def computed_tokens(batch) -> int:
+    """Token positions the model runs on (padding included)."""
+    if isinstance(batch, rx.PackedPreferenceBatch):
+        return int(batch.tokens.size)
+    return int(2 * batch.chosen_tokens.size)
 
 
 def main():
@@ -122,19 +160,23 @@ def main():
         policy = rx.load_hf(os.path.join(args.inputs, "model"))
 
     if w in ("dpo", "dpo_cached"):
-        batch = preference_batch(inputs["dpo_prompt"], inputs["dpo_chosen"], inputs["dpo_rejected"])
+        P, C = inputs["dpo_prompt"], inputs["dpo_chosen"]
+        batch = pair_batch(P, C, inputs["dpo_rejected"])
         run = dpo_runner(policy, batch, cached=w == "dpo_cached")
         first, times = common.time_steps(run, args.steps)
-        T = batch.chosen_tokens.shape[1]
-        extra["tokens"] = int(2 * batch.chosen_tokens.size)
-        extra["flops"] = common.dpo_flops(batch.chosen_tokens.shape[0], T, with_reference=w == "dpo")
+        T = P.shape[1] + C.shape[1]
+        extra["tokens"] = int(2 * P.shape[0] * T)
+        extra["computed_tokens"] = computed_tokens(batch)
+        extra["flops"] = common.dpo_flops(P.shape[0], T, with_reference=w == "dpo")
     elif w.startswith("curve_"):
         t = int(w.split("_")[1])
-        batch = preference_batch(inputs[f"{w}_prompt"], inputs[f"{w}_chosen"], inputs[f"{w}_rejected"])
+        P = inputs[f"{w}_prompt"]
+        batch = pair_batch(P, inputs[f"{w}_chosen"], inputs[f"{w}_rejected"])
         run = dpo_runner(policy, batch, cached=False)
         first, times = common.time_steps(run, max(2, args.steps - 2))
-        extra["tokens"] = int(2 * batch.chosen_tokens.size)
-        extra["flops"] = common.dpo_flops(batch.chosen_tokens.shape[0], t, with_reference=True)
+        extra["tokens"] = int(2 * P.shape[0] * t)
+        extra["computed_tokens"] = computed_tokens(batch)
+        extra["flops"] = common.dpo_flops(P.shape[0], t, with_reference=True)
     elif w in ("gen_sample", "gen_greedy"):
         g = common.GEN
         prompts = jnp.asarray(inputs["gen_prompt"])
@@ -151,12 +193,8 @@ def main():
         extra["new_tokens"] = g["batch"] * g["new"]
     elif w == "rm":
         model = rx.RewardModel.from_policy(policy, key=jax.random.key(1))
-        c, r = inputs["rm_chosen"], inputs["rm_rejected"]
-        mask = jnp.ones(c.shape, bool)
-        batch = rx.PreferenceBatch(
-            chosen_tokens=jnp.asarray(c), chosen_mask=mask, chosen_completion_mask=mask,
-            rejected_tokens=jnp.asarray(r), rejected_mask=mask, rejected_completion_mask=mask,
-        )
+        batch = pair_batch(inputs["rm_prompt"], inputs["rm_chosen"], inputs["rm_rejected"])
+        extra["computed_tokens"] = computed_tokens(batch)
         opt = optimizer()
         step = train.make_reward_step(opt)
         state = {"p": model, "o": opt.init(eqx.filter(model, eqx.is_inexact_array))}
@@ -203,30 +241,33 @@ def main():
         step = train.make_dpo_step(opt, reference="model")
         state = {"p": policy, "o": opt.init(eqx.filter(policy, eqx.is_inexact_array)), "i": 0}
         shapes = set()
-
         seen = []  # (real tokens, seconds) of steps whose shape was compiled before
 
         def run():
-            b = batches[state["i"] % len(batches)]
+            b, n_real = batches[state["i"] % len(batches)]
             state["i"] += 1
-            new_shape = b.chosen_tokens.shape not in shapes
-            shapes.add(b.chosen_tokens.shape)
+            shape = jax.tree.map(lambda x: x.shape, b)
+            new_shape = str(shape) not in shapes
+            shapes.add(str(shape))
             t0 = time.perf_counter()
             p, o, m = step(state["p"], state["o"], b, reference=policy)
             jax.block_until_ready(m["loss"])
             state["p"], state["o"] = p, o
             if not new_shape:
-                seen.append((int(jnp.sum(b.chosen_mask) + jnp.sum(b.rejected_mask)), time.perf_counter() - t0))
+                seen.append((n_real, time.perf_counter() - t0))
 
         # first step, then one pass over every batch (compiles of new shapes included)
         t_start = time.perf_counter()
         first, times = common.time_steps(run, len(batches) - 1)
         total = time.perf_counter() - t_start
-        real = sum(int(jnp.sum(b.chosen_mask) + jnp.sum(b.rejected_mask)) for b in batches)
-        computed = sum(2 * b.chosen_tokens.size for b in batches)
+        real = sum(n for _, n in batches)
+        computed = sum(computed_tokens(b) for b, _ in batches)
+        in_rows = sum(int(jnp.sum(b.mask if PACKED else b.chosen_mask) + (0 if PACKED else jnp.sum(b.rejected_mask))) for b, _ in batches)
         extra.update(
             real_tokens_per_s=real / total,
-            padding_fraction=1.0 - real / computed,
+            padding_fraction=1.0 - in_rows / computed,
+            computed_tokens=computed,
+            real_tokens=real,
             compiled_shapes=len(shapes),
             steady_real_tokens_per_s=sum(n for n, _ in seen) / max(1e-9, sum(t for _, t in seen)),
             total_s=total,
@@ -234,6 +275,7 @@ def main():
         )
     else:
         raise SystemExit(f"unknown workload {w}")
+    extra["packed"] = PACKED
     common.emit(LIB, w, first, times, peak_gflops=matmul_peak(), **extra)
 
 

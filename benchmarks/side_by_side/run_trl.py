@@ -181,8 +181,8 @@ def main():
         trainer.create_optimizer_and_scheduler(num_training_steps=1000)
         collate = DataCollatorForPreference(pad_token_id=0)
         batch = collate([
-            {"chosen_ids": c.tolist(), "rejected_ids": r.tolist()}
-            for c, r in zip(inputs["rm_chosen"], inputs["rm_rejected"])
+            {"chosen_ids": p.tolist() + c.tolist(), "rejected_ids": p.tolist() + r.tolist()}
+            for p, c, r in zip(inputs["rm_prompt"], inputs["rm_chosen"], inputs["rm_rejected"])
         ])
         run = step_fn(trainer, lambda: dict(batch))
         first, times = common.time_steps(run, args.steps)

@@ -1,5 +1,10 @@
 """The decoder models as immutable pytrees (`Policy`, `ValueModel`, `RewardModel`) and their checkpoints."""
 
+from ._attention import (
+    attention as attention,
+    attention_layout as attention_layout,
+    previous_allowed as previous_allowed,
+)
 from ._config import RopeScaling as RopeScaling, TransformerConfig as TransformerConfig
 from ._heads import (
     Policy as Policy,

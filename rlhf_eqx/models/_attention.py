@@ -33,19 +33,88 @@ def apply_rope(
     return out.astype(x.dtype)
 
 
-def _dense_attention(q, k, v, allowed, *, scale: float, cap: float | None):
-    """The scores of every query against every key, materialised (see `attention`)."""
+_f32 = jnp.float32
+
+
+def _heads_major(x, K: int):
+    """`[..., T, K·G, hd]` -> `[..., K, G·T, hd]` (query head h = kv head · G + g): both
+    attention products become plain batched matrix products over the kv heads."""
+    return rearrange(x, "... t (k g) d -> ... k (g t) d", k=K)
+
+
+def _heads_minor(x, T: int):
+    return rearrange(x, "... k (g t) d -> ... t (k g) d", t=T)
+
+
+def _scores(qg, k, T: int, scale: float, cap: float | None):
+    """Scaled (and soft-capped) float32 scores `[..., K, G, T, S]`."""
+    s = jnp.einsum("...qd,...sd->...qs", qg, k, preferred_element_type=_f32)
+    return softcap(rearrange(s, "... k (g t) s -> ... k g t s", t=T) * scale, cap)
+
+
+def _attention_forward(q, k, v, allowed, scale, cap):
     T, K = q.shape[-3], k.shape[-3]
-    # query head h = kv head · G + g; [..., T, K·G, hd] -> [..., K, G·T, hd]: both
-    # products become plain batched matrix products over the kv heads (no transposes
-    # inside them, forward or backward).
-    qg = rearrange(q, "... t (k g) d -> ... k (g t) d", k=K)
-    scores = jnp.einsum("...qd,...sd->...qs", qg, k, preferred_element_type=jnp.float32)
-    scores = softcap(rearrange(scores, "... k (g t) s -> ... k g t s", t=T) * scale, cap)
-    scores = jnp.where(allowed[..., None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-    probs = rearrange(jax.nn.softmax(scores, axis=-1).astype(v.dtype), "... k g t s -> ... k (g t) s")
-    out = jnp.einsum("...qs,...sd->...qd", probs, v)
-    return rearrange(out, "... k (g t) d -> ... t (k g) d", t=T)
+    qg = _heads_major(q, K)
+    s = _scores(qg, k, T, scale, cap)
+    ok = allowed[..., None, None, :, :]
+    m = jnp.max(jnp.where(ok, s, -jnp.inf), axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)  # a row with no allowed key
+    p = jnp.where(ok, jnp.exp(s - m), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    # normalise the [T, hd] output, not the [T, S] probabilities (one pass less over them)
+    o = jnp.einsum(
+        "...qs,...sd->...qd",
+        rearrange(p.astype(v.dtype), "... k g t s -> ... k (g t) s"),
+        v,
+        preferred_element_type=_f32,
+    )
+    inv = jnp.where(denom > 0, 1.0 / jnp.maximum(denom, jnp.finfo(_f32).tiny), 0.0)
+    o = o * rearrange(inv, "... k g t one -> ... k (g t) one")
+    lse = jnp.where(denom > 0, m + jnp.log(jnp.maximum(denom, jnp.finfo(_f32).tiny)), jnp.inf)
+    return _heads_minor(o.astype(v.dtype), T), lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fused_attention(q, k, v, allowed, scale: float, cap: float | None):
+    """Softmax attention whose backward pass recomputes the probabilities from the saved
+    log-normaliser (as FlashAttention does, Dao et al. 2022) instead of storing them, and
+    differentiates the softmax in closed form: `dS = P ∘ (dP - rowsum(dO ∘ O))`."""
+    return _attention_forward(q, k, v, allowed, scale, cap)[0]
+
+
+def _fused_fwd(q, k, v, allowed, scale, cap):
+    out, lse = _attention_forward(q, k, v, allowed, scale, cap)
+    return out, (q, k, v, allowed, out, lse)
+
+
+def _fused_bwd(scale, cap, res, d_out):
+    q, k, v, allowed, out, lse = res
+    T, K = q.shape[-3], k.shape[-3]
+    qg = _heads_major(q, K)
+    do = _heads_major(d_out, K).astype(_f32)
+    o = _heads_major(out, K).astype(_f32)
+    D = rearrange(jnp.sum(do * o, axis=-1), "... k (g t) -> ... k g t", t=T)[..., None]
+    s = _scores(qg, k, T, scale, cap)
+    p = jnp.where(allowed[..., None, None, :, :], jnp.exp(s - lse), 0.0)
+    flat = lambda x: rearrange(x, "... k g t s -> ... k (g t) s")
+    dv = jnp.einsum("...qs,...qd->...sd", flat(p).astype(v.dtype), do.astype(v.dtype),
+                    preferred_element_type=_f32)
+    dp = jnp.einsum("...qd,...sd->...qs", do.astype(v.dtype), v, preferred_element_type=_f32)
+    ds = p * (rearrange(dp, "... k (g t) s -> ... k g t s", t=T) - D)
+    if cap is not None:
+        ds = ds * (1.0 - jnp.square(s / cap))
+    ds = flat(ds * scale)
+    dq = jnp.einsum("...qs,...sd->...qd", ds.astype(k.dtype), k, preferred_element_type=_f32)
+    dk = jnp.einsum("...qs,...qd->...sd", ds.astype(q.dtype), qg, preferred_element_type=_f32)
+    return (
+        _heads_minor(dq, T).astype(q.dtype),
+        dk.astype(k.dtype),
+        dv.astype(v.dtype),
+        None,
+    )
+
+
+_fused_attention.defvjp(_fused_fwd, _fused_bwd)
 
 
 def attention(
@@ -62,30 +131,31 @@ def attention(
 
     `softmax(cap·tanh(scale · q kᵀ / cap))` over allowed keys (`scale` defaults to
     `hd ** -0.5`; no capping when `cap` is None). Scores and softmax are float32. Rows
-    with no allowed key (padding) get finite values.
+    with no allowed key (padding) get zeros.
 
     With `causal_block=n` — only valid when `allowed` is causal (no query at `t` may
     see a key at `s > t`) and queries and keys are the same positions (`T == S`) — the
     queries are taken in blocks of `n`: block `[i, i + n)` is scored only against the
     keys `[0, i + n)` (the keys after it are masked anyway), which skips about half of
-    the score and softmax work at long `T`, and each block is rematerialised in the
-    backward pass (`jax.checkpoint`), so that the saved activations grow linearly in
-    `T` instead of holding `T × T` probabilities per layer. Outputs at allowed rows
-    are those of the dense computation up to float32 rounding.
+    the score and softmax work at long `T`. Outputs at allowed rows are those of the
+    dense computation up to float32 rounding.
+
+    The backward pass never stores the probabilities: it keeps the output and each
+    row's log-normaliser and recomputes them (FlashAttention's scheme, Dao et al.
+    2022), so the saved activations grow linearly in `T`. The softmax output is
+    normalised after the value product (on `[T, hd]`, not `[T, S]`).
     """
     T, S = q.shape[-3], k.shape[-2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if causal_block is None or T != S or T <= causal_block:
-        return _dense_attention(q, k, v, allowed, scale=scale, cap=cap)
+        return _fused_attention(q, k, v, allowed, scale, cap)
     if causal_block < 1:
         raise ValueError(f"causal_block must be a positive int, got {causal_block!r}")
-    block = jax.checkpoint(functools.partial(_dense_attention, scale=scale, cap=cap))
     outs = []
     for start in range(0, T, causal_block):
         end = min(start + causal_block, T)
-        outs.append(
-            block(q[..., start:end, :, :], k[..., :end, :], v[..., :end, :], allowed[..., start:end, :end])
-        )
+        q_blk, allowed_blk = q[..., start:end, :, :], allowed[..., start:end, :end]
+        outs.append(_fused_attention(q_blk, k[..., :end, :], v[..., :end, :], allowed_blk, scale, cap))
     return jnp.concatenate(outs, axis=-3)
 
 

@@ -27,7 +27,7 @@ from ._protocols import AbstractBatchedModel, AbstractSequenceModel
 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 # queries per block of the causal blockwise attention over a whole sequence (`attention`)
-ATTENTION_BLOCK = 256
+ATTENTION_BLOCK = 128
 
 
 class KVCache(eqx.Module):

@@ -142,7 +142,11 @@ class PackedPreferenceBatch(eqx.Module):
     ```
 
     A row holds up to `K` pairs, told apart by `segment_ids` (`0 ... K-1`); `pairs[r, k]`
-    says whether slot `k` of row `r` holds a pair. `completion_mask` marks the tokens
+    says whether slot `k` of row `r` holds a pair. With `regions=(P, C, R)` (static;
+    `pack_preferences(..., aligned=True)`) every row holds one pair at fixed offsets —
+    prompt in `[0, P)`, chosen in `[P, P + C)`, rejected after, each right-padded — and
+    the model scores each completion only against the prompt and itself
+    (`region_attention`): no work goes to one completion against the other. `completion_mask` marks the tokens
     scored (each completion with its EOS). `ref_chosen_logp` / `ref_rejected_logp`
     (`[R, K]`) hold cached reference log-probabilities, as in `PreferenceBatch`.
     """
@@ -155,9 +159,21 @@ class PackedPreferenceBatch(eqx.Module):
     pairs: Bool[Array, "R K"]
     ref_chosen_logp: Float[Array, "R K"] | None = None
     ref_rejected_logp: Float[Array, "R K"] | None = None
+    regions: tuple[int, int, int] | None = eqx.field(static=True, default=None)
 
     def __check_init__(self):
         _validate(self, ("tokens", "segment_ids", "branch_ids"), ("mask", "completion_mask"))
+        if self.regions is not None:
+            regions = self.regions
+            ok = len(regions) == 3 and all(isinstance(r, int) and r >= 0 for r in regions)
+            L = self.tokens.shape[-1] if _is_array(self.tokens) else None
+            if not ok or (L is not None and sum(regions) != L):
+                raise DataError(
+                    f"{type(self).__name__}.regions={regions!r} must be three non-negative "
+                    f"ints (prompt, chosen, rejected) adding up to the row length {L}"
+                )
+            if _is_array(self.pairs) and self.pairs.shape[-1] != 1:
+                raise DataError(f"{type(self).__name__}.regions needs one pair per row (K = 1)")
         kind = type(self).__name__
         rows = self.tokens.shape[0] if _is_array(self.tokens) else None
         pairs = self.pairs

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from rlhf_eqx.models import attention, attention_layout, previous_allowed
+from rlhf_eqx.models import attention, attention_layout, previous_allowed, region_attention
 
 
 def naive(q, k, v, allowed, cap=None):
@@ -99,3 +99,26 @@ def test_blocks_keep_memory_linear(T):
     _, vjp = jax.vjp(fn, q, k, v)
     saved = sum(x.size for x in jax.tree.leaves(vjp) if hasattr(x, "size") and x.dtype != jnp.bool_)
     assert saved < 4 * T * T  # the float scores alone would be 4·T·T (4 heads)
+
+
+@pytest.mark.parametrize("regions, block", [((5, 9, 10), None), ((6, 10, 8), 4), ((0, 12, 12), 5)])
+def test_region_attention_equals_masked_attention(regions, block):
+    """Scoring each branch against the prefix and itself only equals full attention
+    under the shared-prefix mask, values and gradients, with and without query blocks
+    (the blocks then see the prefix keys too)."""
+    T = sum(regions)
+    q, k, v, mask = inputs(3, T=T)
+    branch = jnp.asarray(np.repeat([0, 1, 2], regions))[None].repeat(2, 0)
+    allowed, _ = attention_layout(mask, None, branch)
+    w = jax.random.normal(jax.random.key(4), q.shape)
+    fast = lambda q, k, v: jnp.sum(
+        region_attention(q, k, v, allowed, regions, cap=7.0, causal_block=block) * w
+    )
+    slow = lambda q, k, v: jnp.sum(naive(q, k, v, allowed, cap=7.0) * w)
+    np.testing.assert_allclose(jax.jit(fast)(q, k, v), slow(q, k, v), rtol=1e-5, atol=1e-4)
+    for a, b in zip(
+        jax.grad(fast, argnums=(0, 1, 2))(q, k, v), jax.grad(slow, argnums=(0, 1, 2))(q, k, v)
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="add up to"):
+        region_attention(q, k, v, allowed, (1, 2, 3))

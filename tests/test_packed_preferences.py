@@ -73,8 +73,10 @@ def test_packed_logps_equal_unpacked(getkey, merged):
     policy = rx.Policy(tiny_cfg(), key=getkey())
     pairs = make_pairs(0, 6, merged=merged)
     c, r = per_pair(policy, unpacked(pairs))
-    for K, bucket in ((1, None), (3, 16)):
-        packed = data.pack_preferences(pairs, pad_id=0, pairs_per_row=K, bucket_size=bucket)
+    for K, bucket, aligned in ((1, None, False), (3, 16, False), (1, 4, True)):
+        packed = data.pack_preferences(
+            pairs, pad_id=0, pairs_per_row=K, bucket_size=bucket, aligned=aligned
+        )
         ref = train.compute_reference_logps(policy, packed)
         got_c, got_r = np.asarray(ref.ref_chosen_logp), np.asarray(ref.ref_rejected_logp)
         # map slots back to pairs: each slot's chosen completion identifies its pair
@@ -88,7 +90,9 @@ def test_packed_logps_equal_unpacked(getkey, merged):
                 if not present[row, k]:
                     assert got_c[row, k] == 0.0 and got_r[row, k] == 0.0
                     continue
-                comp = tuple(tokens[row][(seg[row] == k) & (br[row] == 1)])
+                comp = tuple(
+                    tokens[row][(seg[row] == k) & (br[row] == 1) & np.asarray(packed.mask[row])]
+                )
                 i = next(
                     j
                     for j, p in enumerate(pairs)
@@ -117,6 +121,24 @@ def test_packing_saves_the_prompt_and_layout():
     assert several.tokens.shape[0] < 5 and int(several.pairs.sum()) == 5
     fixed = data.pack_preferences(pairs, pad_id=0, pairs_per_row=4, row_length=64, num_rows=4)
     assert fixed.tokens.shape == (4, 64)
+
+
+def test_aligned_layout_has_fixed_regions():
+    pairs = make_pairs(9, 4)
+    packed = data.pack_preferences(pairs, pad_id=0, aligned=True, bucket_size=4)
+    P, C, R = packed.regions
+    assert packed.tokens.shape == (4, P + C + R) and P % 4 == C % 4 == R % 4 == 0
+    for i, p in enumerate(pairs):
+        tok, m = np.asarray(packed.tokens[i]), np.asarray(packed.mask[i])
+        assert tuple(tok[:P][m[:P]]) == p.chosen.prompt
+        assert tuple(tok[P : P + C][m[P : P + C]]) == p.chosen.completion
+        assert tuple(tok[P + C :][m[P + C :]]) == p.rejected.completion
+    fields = {
+        f: getattr(packed, f)
+        for f in ("tokens", "mask", "completion_mask", "segment_ids", "branch_ids", "pairs")
+    }
+    with pytest.raises(data.DataError, match="regions"):
+        rx.PackedPreferenceBatch(**fields, regions=(P, C, R + 1))
 
 
 def test_packing_errors_name_the_problem():
@@ -158,15 +180,22 @@ def _dpo_step(**kw):
 
 
 @pytest.mark.parametrize(
-    "loss_type, reference, rpo_alpha",
-    [("sigmoid", "model", None), ("ipo", "cached", 0.5), ("simpo", "none", None)],
+    "loss_type, reference, rpo_alpha, aligned",
+    [
+        ("sigmoid", "model", None, False),
+        ("ipo", "cached", 0.5, True),
+        ("simpo", "none", None, False),
+    ],
 )
-def test_packed_dpo_step_equals_unpacked(getkey, loss_type, reference, rpo_alpha):
+def test_packed_dpo_step_equals_unpacked(getkey, loss_type, reference, rpo_alpha, aligned):
     policy = rx.Policy(tiny_cfg(), key=getkey())
     ref_model = rx.Policy(tiny_cfg(), key=getkey())
     pairs = make_pairs(4, 6, merged=True)
     plain = unpacked(pairs)
-    packed = data.pack_preferences(pairs, pad_id=0, pairs_per_row=2, row_length=48, num_rows=4)
+    if aligned:
+        packed = data.pack_preferences(pairs, pad_id=0, aligned=True, num_rows=7)
+    else:
+        packed = data.pack_preferences(pairs, pad_id=0, pairs_per_row=2, row_length=48, num_rows=4)
     if reference == "cached":
         plain = train.compute_reference_logps(ref_model, plain)
         packed = train.compute_reference_logps(ref_model, packed)
@@ -212,11 +241,15 @@ def test_packed_batch_refuses_what_it_cannot_run(getkey):
         )
 
 
-def test_packed_reward_step_equals_unpacked(getkey):
+@pytest.mark.parametrize("aligned", [False, True])
+def test_packed_reward_step_equals_unpacked(getkey, aligned):
     rm = rx.RewardModel(tiny_cfg(), key=getkey())
     pairs = make_pairs(7, 6, merged=True)
     plain = unpacked(pairs)
-    packed = data.pack_preferences(pairs, pad_id=0, pairs_per_row=3, row_length=72, num_rows=3)
+    if aligned:
+        packed = data.pack_preferences(pairs, pad_id=0, aligned=True, bucket_size=4)
+    else:
+        packed = data.pack_preferences(pairs, pad_id=0, pairs_per_row=3, row_length=72, num_rows=3)
     step = train.make_reward_step(optax.sgd(0.1), center_coef=0.01)
     opt = optax.sgd(0.1).init(eqx.filter(rm, eqx.is_array))
     p1, _, m1 = step(rm, opt, plain)
@@ -239,7 +272,11 @@ def test_packed_from_preferences_round_trip(getkey):
 
 
 @settings(max_examples=10, deadline=None)
-@given(seed=st.integers(0, 10_000), K=st.sampled_from([1, 3]), sliding=st.sampled_from([None, 3]))
+@given(
+    seed=st.integers(0, 10_000),
+    K=st.sampled_from([1, 3, "aligned"]),
+    sliding=st.sampled_from([None, 3]),
+)
 def test_packed_selected_logprobs_property(seed, K, sliding):
     """Any pairs, one or several per row, global or sliding-window attention: packed ==
     unpacked (fixed shapes, so that examples share compilations)."""
@@ -247,7 +284,10 @@ def test_packed_selected_logprobs_property(seed, K, sliding):
     pairs = make_pairs(seed, 5, max_prompt=6, max_completion=5, merged=seed % 2 == 0)
     plain = data.collate_preferences(pairs, pad_id=0, max_length=16)
     c, r = per_pair(policy, plain)
-    packed = data.pack_preferences(pairs, pad_id=0, pairs_per_row=K, row_length=48, num_rows=5)
+    if K == "aligned":
+        packed = data.pack_preferences(pairs, pad_id=0, aligned=True, bucket_size=8)
+    else:
+        packed = data.pack_preferences(pairs, pad_id=0, pairs_per_row=K, row_length=48, num_rows=5)
     packed = train.compute_reference_logps(policy, packed)
     present = np.asarray(packed.pairs)
     got = np.sort(np.asarray(packed.ref_chosen_logp)[present])

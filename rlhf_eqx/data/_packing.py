@@ -82,6 +82,7 @@ def pack_preferences(
     pairs_per_row: int = 1,
     num_rows: int | None = None,
     vocab_size: int | None = None,
+    aligned: bool = False,
 ) -> PackedPreferenceBatch:
     """Pack preference pairs with their prompt shared into a `PackedPreferenceBatch`.
 
@@ -98,6 +99,14 @@ def pack_preferences(
     - `num_rows`: the number of rows `R` (fixed shapes); default as many as needed. Rows
       left over are empty (no real token, no pair). Too few rows is an error.
     - `vocab_size`: when given, every id and `pad_id` must lie in `[0, vocab_size)`.
+    - `aligned`: one pair per row at fixed offsets shared by the batch — prompts in
+      `[0, P)`, chosen completions in `[P, P + C)`, rejected ones in the last `R`
+      positions, each region right-padded to the batch's longest (rounded up to
+      `bucket_size`) — recorded as the batch's static `regions=(P, C, R)`. The model
+      then scores each completion only against the prompt and itself (no work on one
+      completion against the other), which pays off when completions are long; the
+      per-pair layout (the default) pads less when lengths vary. Ignores `row_length`
+      and `pairs_per_row`.
 
     **Returns:** the batch (`[R, L]` token fields, `pairs [R, K]`). With `K = 1` and no
     `num_rows`, row `i` holds pair `i`; otherwise pair slots are filled as packed, and a
@@ -110,6 +119,10 @@ def pack_preferences(
     _positive("pairs_per_row", pairs_per_row, allow_none=False)
     _positive("num_rows", num_rows)
     pieces = [_pieces(p) for p in pairs]
+    if aligned:
+        return _pack_aligned(
+            pieces, pad_id=pad_id, bucket_size=bucket_size, num_rows=num_rows, vocab_size=vocab_size
+        )
     sizes = [len(s) + len(c) + len(r) for s, c, r, _, _ in pieces]
     if row_length is None:
         longest = max(sizes)
@@ -164,6 +177,48 @@ def pack_preferences(
     )
 
 
+def _pack_aligned(pieces, *, pad_id, bucket_size, num_rows, vocab_size) -> PackedPreferenceBatch:
+    up = lambda n: (
+        max(1, n) if bucket_size is None else max(1, math.ceil(n / bucket_size)) * bucket_size
+    )
+    P = up(max(len(p[0]) for p in pieces))
+    C = up(max(len(p[1]) for p in pieces))
+    R_ = up(max(len(p[2]) for p in pieces))
+    rows = len(pieces) if num_rows is None else num_rows
+    if rows < len(pieces):
+        raise DataError(
+            f"{len(pieces)} pairs need {len(pieces)} aligned rows, more than num_rows={num_rows}"
+        )
+    L = P + C + R_
+    tokens = np.full((rows, L), pad_id, dtype=np.int64)
+    mask = np.zeros((rows, L), dtype=bool)
+    completion = np.zeros((rows, L), dtype=bool)
+    branch = np.zeros((rows, L), dtype=np.int32)
+    branch[:, P : P + C] = 1
+    branch[:, P + C :] = 2
+    present = np.zeros((rows, 1), dtype=bool)
+    for i, (shared, ct, rt, c_rest, r_rest) in enumerate(pieces):
+        present[i, 0] = True
+        for start, part, unscored in (
+            (0, shared, len(shared)),
+            (P, ct, c_rest),
+            (P + C, rt, r_rest),
+        ):
+            tokens[i, start : start + len(part)] = part
+            mask[i, start : start + len(part)] = True
+            completion[i, start + unscored : start + len(part)] = True
+    _check_ids(tokens, mask, pad_id, vocab_size, "packed row")
+    return PackedPreferenceBatch(
+        tokens=jnp.asarray(tokens.astype(np.int32)),
+        mask=jnp.asarray(mask),
+        completion_mask=jnp.asarray(completion),
+        segment_ids=jnp.zeros((rows, L), jnp.int32),
+        branch_ids=jnp.asarray(branch),
+        pairs=jnp.asarray(present),
+        regions=(P, C, R_),
+    )
+
+
 def _row_sequence(
     tokens: np.ndarray, mask: np.ndarray, completion: np.ndarray
 ) -> TokenizedSequence:
@@ -189,6 +244,7 @@ def packed_from_preferences(
     bucket_size: int | None = None,
     pairs_per_row: int = 1,
     num_rows: int | None = None,
+    aligned: bool = False,
 ) -> PackedPreferenceBatch:
     """Convert a `PreferenceBatch` (on the host) into a `PackedPreferenceBatch`.
 
@@ -228,6 +284,7 @@ def packed_from_preferences(
         bucket_size=bucket_size,
         pairs_per_row=pairs_per_row,
         num_rows=num_rows,
+        aligned=aligned,
     )
     if batch.ref_chosen_logp is None or batch.ref_rejected_logp is None:
         return packed
@@ -245,4 +302,5 @@ def packed_from_preferences(
         pairs=packed.pairs,
         ref_chosen_logp=jnp.asarray(batch.ref_chosen_logp)[:, None],
         ref_rejected_logp=jnp.asarray(batch.ref_rejected_logp)[:, None],
+        regions=packed.regions,
     )

@@ -4,6 +4,7 @@ from ._attention import (
     attention as attention,
     attention_layout as attention_layout,
     previous_allowed as previous_allowed,
+    region_attention as region_attention,
 )
 from ._config import RopeScaling as RopeScaling, TransformerConfig as TransformerConfig
 from ._heads import (

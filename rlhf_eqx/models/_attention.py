@@ -133,12 +133,13 @@ def attention(
     `hd ** -0.5`; no capping when `cap` is None). Scores and softmax are float32. Rows
     with no allowed key (padding) get zeros.
 
-    With `causal_block=n` — only valid when `allowed` is causal (no query at `t` may
-    see a key at `s > t`) and queries and keys are the same positions (`T == S`) — the
+    With `causal_block=n` — only valid when the queries are the last `T` of the `S`
+    key positions and `allowed` is causal among them (query `t` never sees key
+    `S - T + s` for `s > t`; the first `S - T` keys, a prefix, may be seen by all) — the
     queries are taken in blocks of `n`: block `[i, i + n)` is scored only against the
-    keys `[0, i + n)` (the keys after it are masked anyway), which skips about half of
-    the score and softmax work at long `T`. Outputs at allowed rows are those of the
-    dense computation up to float32 rounding.
+    keys `[0, S - T + i + n)` (the keys after it are masked anyway), which skips about
+    half of the score and softmax work at long `T`. Outputs at allowed rows are those
+    of the dense computation up to float32 rounding.
 
     The backward pass never stores the probabilities: it keeps the output and each
     row's log-normaliser and recomputes them (FlashAttention's scheme, Dao et al.
@@ -147,15 +148,53 @@ def attention(
     """
     T, S = q.shape[-3], k.shape[-2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if causal_block is None or T != S or T <= causal_block:
+    if causal_block is None or S < T or T <= causal_block:
         return _fused_attention(q, k, v, allowed, scale, cap)
     if causal_block < 1:
         raise ValueError(f"causal_block must be a positive int, got {causal_block!r}")
+    prefix = S - T
     outs = []
     for start in range(0, T, causal_block):
-        end = min(start + causal_block, T)
-        q_blk, allowed_blk = q[..., start:end, :, :], allowed[..., start:end, :end]
+        end = prefix + min(start + causal_block, T)
+        q_blk, allowed_blk = q[..., start : start + causal_block, :, :], allowed[..., start : start + causal_block, :end]
         outs.append(_fused_attention(q_blk, k[..., :end, :], v[..., :end, :], allowed_blk, scale, cap))
+    return jnp.concatenate(outs, axis=-3)
+
+
+def region_attention(
+    q: Float[Array, "*B T H hd"],
+    k: Float[Array, "*B K T hd"],
+    v: Float[Array, "*B K T hd"],
+    allowed: Bool[Array, "*B T T"],
+    regions: tuple[int, ...],
+    *,
+    scale: float | None = None,
+    cap: float | None = None,
+    causal_block: int | None = None,
+) -> Float[Array, "*B T H hd"]:
+    """`attention` over rows laid out in fixed regions: a shared prefix `[0, regions[0])`
+    followed by branches of `regions[1:]` positions, each attending to the prefix and to
+    itself only (`attention_layout` with `branch_ids`, the same boundaries in every row).
+
+    Each region is scored only against the keys it may see — the prefix against itself,
+    a branch against the prefix and its own keys — so no work goes to one branch's
+    queries against another branch's keys; the outputs equal `attention(q, k, v,
+    allowed)` wherever `allowed` follows the layout.
+    """
+    if sum(regions) != q.shape[-3] or any(r < 0 for r in regions) or not regions:
+        raise ValueError(f"regions={regions} must be non-negative and add up to T={q.shape[-3]}")
+    kw = dict(scale=scale, cap=cap, causal_block=causal_block)
+    P = regions[0]
+    outs = [attention(q[..., :P, :, :], k[..., :P, :], v[..., :P, :], allowed[..., :P, :P], **kw)] if P else []
+    start = P
+    for n in regions[1:]:
+        if n == 0:
+            continue
+        end = start + n
+        cat = lambda x: jnp.concatenate([x[..., :P, :], x[..., start:end, :]], axis=-2)
+        keys_allowed = jnp.concatenate([allowed[..., start:end, :P], allowed[..., start:end, start:end]], axis=-1)
+        outs.append(attention(q[..., start:end, :, :], cat(k), cat(v), keys_allowed, **kw))
+        start = end
     return jnp.concatenate(outs, axis=-3)
 
 

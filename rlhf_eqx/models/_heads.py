@@ -112,6 +112,7 @@ class Policy(AbstractDecoder[KVCache], AbstractBatchedModel, AbstractSelectiveLM
         *,
         segment_ids: Int[Array, "*B T"] | None = None,
         branch_ids: Int[Array, "*B T"] | None = None,
+        regions: tuple[int, ...] | None = None,
         key: PRNGKeyArray | None = None,
         chunk: int = 512,
     ) -> tuple[Float[Array, "*B T"], Float[Array, "*B T"]]:
@@ -129,9 +130,10 @@ class Policy(AbstractDecoder[KVCache], AbstractBatchedModel, AbstractSelectiveLM
 
         - `tokens`, `mask`: as for `__call__` (one sequence or a batch).
         - `select`: which tokens to score (e.g. a completion mask).
-        - `segment_ids`, `branch_ids`: the packed layout (`Transformer.__call__`); a
-          token is then predicted from the last earlier position it may attend to (for
-          the first token of a branch: the shared prefix's last token).
+        - `segment_ids`, `branch_ids`, `regions`: the packed layout
+          (`Transformer.__call__`); a token is then predicted from the last earlier
+          position it may attend to (for the first token of a branch: the shared
+          prefix's last token).
         - `key`: LoRA dropout key, as for `__call__`.
         - `chunk`: positions per head chunk (a positive int).
 
@@ -141,7 +143,9 @@ class Policy(AbstractDecoder[KVCache], AbstractBatchedModel, AbstractSelectiveLM
         """
         if chunk < 1:
             raise ValueError(f"chunk must be a positive int, got {chunk!r}")
-        h = self.transformer(tokens, mask, segment_ids=segment_ids, branch_ids=branch_ids, key=key)
+        h = self.transformer(
+            tokens, mask, segment_ids=segment_ids, branch_ids=branch_ids, regions=regions, key=key
+        )
         lead, T = tokens.shape[:-1], tokens.shape[-1]
         flat_mask = mask.reshape(-1, T)
         if segment_ids is None and branch_ids is None:
@@ -274,12 +278,16 @@ class RewardModel(_ScalarHeadModel, AbstractScalarModel, AbstractBatchedModel, A
         *,
         num_segments: int,
         num_branches: int = 2,
+        regions: tuple[int, ...] | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "*B K n"]:
         """Rewards of shared-prefix packed rows (`PackedPreferenceBatch`): `out[..., k, b-1]`
         is the reward of segment `k`'s prefix followed by its branch `b`, read at that
-        branch's last real token, equal to `self(prefix + branch)` unpacked."""
-        h = self.transformer(tokens, mask, segment_ids=segment_ids, branch_ids=branch_ids, key=key)
+        branch's last real token, equal to `self(prefix + branch)` unpacked. `regions`:
+        see `Transformer.__call__`."""
+        h = self.transformer(
+            tokens, mask, segment_ids=segment_ids, branch_ids=branch_ids, regions=regions, key=key
+        )
         idx = branch_last_index(
             mask, segment_ids, branch_ids, num_segments=num_segments, num_branches=num_branches
         )

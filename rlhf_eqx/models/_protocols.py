@@ -134,13 +134,16 @@ class AbstractSelectiveLM(eqx.Module):
         *,
         segment_ids: Int[Array, "*B T"] | None = None,
         branch_ids: Int[Array, "*B T"] | None = None,
+        regions: tuple[int, ...] | None = None,
         key: PRNGKeyArray | None = None,
     ) -> tuple[Float[Array, "*B T"], Float[Array, "*B T"]]:
         """Log-probabilities and mean logits of the selected tokens.
 
         With `segment_ids` / `branch_ids` the rows are shared-prefix packed
         (`rlhf_eqx.PackedPreferenceBatch`, `attention_layout`): a token is predicted
-        from the last earlier position it may attend to. A model that cannot run that
+        from the last earlier position it may attend to. `regions` (static), when
+        given, says that every row has the same region boundaries (prefix, then one
+        region per branch); a model may use it to skip cross-branch work. A model that cannot run that
         layout raises `ValueError` when they are given; the DPO step then needs the
         unpacked `PreferenceBatch`.
         """
@@ -167,9 +170,11 @@ class AbstractBranchScorer(eqx.Module):
         *,
         num_segments: int,
         num_branches: int = 2,
+        regions: tuple[int, ...] | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "*B K n"]:
-        """Per segment and branch, the score of prefix + branch."""
+        """Per segment and branch, the score of prefix + branch (`regions`: see
+        `AbstractSelectiveLM.selected_logprobs`)."""
         raise NotImplementedError
 
 

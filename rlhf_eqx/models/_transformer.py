@@ -20,7 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from ._attention import apply_rope, attention, attention_layout, rope_tables, within_window
+from ._attention import (
+    apply_rope,
+    attention,
+    attention_layout,
+    region_attention,
+    rope_tables,
+    within_window,
+)
 from ._config import TransformerConfig
 from ._layers import Int8Weight, LoRAAdapter, activation, matmul, normal_init, rms_norm
 from ._protocols import AbstractBatchedModel, AbstractSequenceModel
@@ -204,7 +211,7 @@ class Transformer(AbstractSequenceModel, AbstractBatchedModel):
     def _final(self, x):
         return rms_norm(x, self.final_norm, self.cfg.norm_eps, plus_one=self.cfg.norm_plus_one)
 
-    def _scan(self, x, allowed, positions, key, collect_kv: bool):
+    def _scan(self, x, allowed, positions, key, collect_kv: bool, regions=None):
         cfg = self.cfg
         rope = _rope(cfg, positions)
         dynamic, static = eqx.partition(self.layers, eqx.is_array)
@@ -219,9 +226,11 @@ class Transformer(AbstractSequenceModel, AbstractBatchedModel):
 
             def attend(q, k, v):
                 kh, vh = jnp.swapaxes(k, -3, -2), jnp.swapaxes(v, -3, -2)
-                o = attention(
-                    q, kh, vh, ok, scale=cfg.query_scale, cap=cfg.attn_softcap, causal_block=ATTENTION_BLOCK
-                )
+                kw = dict(scale=cfg.query_scale, cap=cfg.attn_softcap, causal_block=ATTENTION_BLOCK)
+                if regions is None:
+                    o = attention(q, kh, vh, ok, **kw)
+                else:
+                    o = region_attention(q, kh, vh, ok, regions, **kw)
                 return o, ((kh, vh) if collect_kv else None)
 
             return layer.block(x, cfg, _select(rope, is_local), attend, lkeys)
@@ -238,6 +247,7 @@ class Transformer(AbstractSequenceModel, AbstractBatchedModel):
         *,
         segment_ids: Int[Array, "*B T"] | None = None,
         branch_ids: Int[Array, "*B T"] | None = None,
+        regions: tuple[int, ...] | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "*B T D"]:
         """Hidden states for one sequence (or a batch: any leading axes, same result as `jax.vmap`).
@@ -252,11 +262,14 @@ class Transformer(AbstractSequenceModel, AbstractBatchedModel):
           and its positions continue the prefix's (`attention_layout`). Packing a prompt
           once with both completions of a preference pair after it runs the prompt once
           instead of twice, with the same outputs at every position.
+        - `regions`: with `branch_ids`, the boundaries shared by every row — a prefix of
+          `regions[0]` positions, then one region per branch (`region_attention`): each
+          branch is then scored only against the prefix and itself.
         - `key`: enables LoRA dropout when adapters are attached (training); `None`
           is deterministic.
         """
         allowed, positions = attention_layout(mask, segment_ids, branch_ids)
-        h, _ = self._scan(self._embed(tokens), allowed, positions, key, collect_kv=False)
+        h, _ = self._scan(self._embed(tokens), allowed, positions, key, collect_kv=False, regions=regions)
         return h
 
     def prefill(

@@ -87,7 +87,13 @@ def _packed_forward(model, batch: PackedPreferenceBatch, key) -> _PairLogps:
         )
     sel = batch.completion_mask & batch.mask
     logp, mean_logit = model.selected_logprobs(
-        batch.tokens, batch.mask, sel, segment_ids=batch.segment_ids, branch_ids=batch.branch_ids, key=key
+        batch.tokens,
+        batch.mask,
+        sel,
+        segment_ids=batch.segment_ids,
+        branch_ids=batch.branch_ids,
+        regions=batch.regions,
+        key=key,
     )
     K = batch.pairs.shape[-1]
     sums = lambda v: branch_sums(v, sel, batch.segment_ids, batch.branch_ids, num_segments=K).reshape(-1, 2)

@@ -41,6 +41,7 @@ def _pair_scores(model, batch, key):
             batch.segment_ids,
             batch.branch_ids,
             num_segments=batch.pairs.shape[-1],
+            regions=batch.regions,
             key=key,
         ).astype(jnp.float32)
         scores = scores.reshape(-1, 2)

@@ -29,7 +29,11 @@ from ._config_io import (
     config_to_dict as config_to_dict,
     load_config as load_config,
 )
-from ._data_runs import quality_report as quality_report, run_on_data as run_on_data
+from ._data_runs import (
+    quality_report as quality_report,
+    run_on_data as run_on_data,
+    split_records as split_records,
+)
 from ._dpo_runs import (
     best_worst_pairs as best_worst_pairs,
     run_dpo as run_dpo,

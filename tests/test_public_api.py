@@ -111,3 +111,46 @@ def test_helpers_are_public(name):
 def test_pipeline_helpers_are_public():
     for name in ("device_memory", "measure_matmul_peak", "model_flops", "split_records"):
         assert callable(getattr(pl, name)), name
+
+
+STAGE_KEYS = {
+    "sft": "steps batch_size max_length optim samples lora",
+    "reward": "steps batch_size max_length optim pairs_per_prompt heldout_fraction",
+    "dpo": "steps batch_size max_length optim beta loss_type rounds samples lora",
+    "ppo": "rollouts prompts_per_rollout epochs clip kl_target optim lora minibatches vf_coef "
+    "ent_coef gamma lam kl_coef",
+    "grpo": "rollouts prompts_per_rollout epochs clip kl_target optim lora group_size beta",
+}
+
+
+def test_stage_config_keys_are_the_documented_ones():
+    """The keys users write in config files and `--set` paths: the stages share their
+    common blocks (`BatchStageConfig`, `RolloutStageConfig`) without changing them."""
+    d = pl.config_to_dict(pl.PipelineConfig())
+    for stage, keys in STAGE_KEYS.items():
+        assert set(d[stage]) == set(keys.split()), stage
+    for stage in ("sft", "reward", "dpo"):
+        assert isinstance(getattr(pl.PipelineConfig(), stage), pl.BatchStageConfig)
+    for stage in ("ppo", "grpo"):
+        assert isinstance(getattr(pl.PipelineConfig(), stage), pl.RolloutStageConfig)
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("ppo.clip=1.5", "ppo.clip"),
+        ("grpo.clip=0", "grpo.clip"),
+        ("grpo.kl_target=0", "grpo.kl_target"),
+        ("ppo.epochs=0", "ppo.epochs"),
+        ("grpo.rollouts=0", "grpo.rollouts"),
+        ("reward.steps=0", "reward.steps"),
+        ("dpo.batch_size=0", "dpo.batch_size"),
+        ("sft.max_length=8", "sft.max_length"),
+        ("grpo.optim.lr=0", "grpo.optim.lr"),
+        ("dpo.lora.rank=-1", "dpo.lora.rank"),
+    ],
+)
+def test_shared_stage_fields_are_validated_per_stage(override, field):
+    cfg = pl.apply_overrides(pl.PipelineConfig(), [override, "sampling.prompt_length=16"])
+    with pytest.raises(pl.ConfigError, match=rf"^{re.escape(field)}="):
+        pl.validate_config(cfg)

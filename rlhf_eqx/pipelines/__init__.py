@@ -8,6 +8,7 @@ from ._checkpoints import (
     save_checkpoint as save_checkpoint,
 )
 from ._config import (
+    BatchStageConfig as BatchStageConfig,
     ConfigError as ConfigError,
     DataConfig as DataConfig,
     DPOConfig as DPOConfig,
@@ -19,6 +20,7 @@ from ._config import (
     PipelineConfig as PipelineConfig,
     PPOConfig as PPOConfig,
     RewardConfig as RewardConfig,
+    RolloutStageConfig as RolloutStageConfig,
     SamplingConfig as SamplingConfig,
     SFTConfig as SFTConfig,
     animal_task_config as animal_task_config,

@@ -31,19 +31,6 @@ def enable_cache():
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def matmul_peak(n: int = 1024, repeats: int = 5) -> float:
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-    f = jax.jit(jnp.dot)
-    f(a, b).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f(a, b).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best / 1e9
-
-
 def preference_batch(prompt, chosen, rejected):
     """Full rows `prompt + completion` (no padding) as a `PreferenceBatch`."""
     P = prompt.shape[1]
@@ -87,8 +74,7 @@ def hh_batches(inputs, pairs: int, *, group: int, bucket: int):
     length (rlhf_eqx.data's `group_by_length`), each batch padded to its longest row
     rounded up to `bucket` (`bucket_size`)."""
     def rows(name):
-        flat, off = inputs[name], inputs[name + "_offsets"]
-        return [tuple(int(x) for x in flat[off[i] : off[i + 1]]) for i in range(len(off) - 1)]
+        return [tuple(r) for r in common.ragged_rows(inputs, name)]
 
     P, C, RP, R = rows("hh_prompt"), rows("hh_chosen"), rows("hh_rejected_prompt"), rows("hh_rejected")
     items = [
@@ -111,9 +97,8 @@ def hh_batches(inputs, pairs: int, *, group: int, bucket: int):
 
 
 def main():
-    args = common.workload_arg()
+    args, inputs = common.start(LIB)
     enable_cache()
-    inputs = common.load_inputs(args.inputs)
     w = args.workload
     extra = {}
     if w == "hh_dpo":
@@ -140,14 +125,12 @@ def main():
         prompts = jnp.asarray(inputs["gen_prompt"])
         masks = jnp.ones(prompts.shape, bool)
         temp = 1.0 if w == "gen_sample" else 0.0
-        key = {"k": jax.random.key(0)}
 
-        def run():
-            key["k"], sub = jax.random.split(key["k"])
-            out = rx.generate_batch(policy, prompts, masks, sub, max_new_tokens=g["new"], temperature=temp)
+        def run(key):
+            out = rx.generate_batch(policy, prompts, masks, key, max_new_tokens=g["new"], temperature=temp)
             jax.block_until_ready(out.tokens)
 
-        first, times = common.time_steps(run, args.steps)
+        first, times = common.time_keyed_steps(run, args.steps)
         extra["new_tokens"] = g["batch"] * g["new"]
     elif w == "rm":
         model = rx.RewardModel.from_policy(policy, key=jax.random.key(1))
@@ -234,7 +217,7 @@ def main():
         )
     else:
         raise SystemExit(f"unknown workload {w}")
-    common.emit(LIB, w, first, times, peak_gflops=matmul_peak(), **extra)
+    common.emit(LIB, w, first, times, peak_gflops=common.jax_matmul_peak(), **extra)
 
 
 if __name__ == "__main__":

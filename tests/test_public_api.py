@@ -154,3 +154,50 @@ def test_shared_stage_fields_are_validated_per_stage(override, field):
     cfg = pl.apply_overrides(pl.PipelineConfig(), [override, "sampling.prompt_length=16"])
     with pytest.raises(pl.ConfigError, match=rf"^{re.escape(field)}="):
         pl.validate_config(cfg)
+
+
+# --- step builders repeat their loss factory's signature -------------------------------
+# Every `make_<algo>_step` spells out its loss factory's keyword arguments and
+# `make_step`'s step-control arguments (as `optax.adamw` spells out `scale_by_adam`'s), so
+# that the signature users, IDEs and type checkers read is explicit. These tests keep the
+# copies in agreement: same names, defaults and annotations.
+
+STEP_CONTROLS = ("micro_batches", "axis_name", "donate", "nonfinite", "check_token_ids")
+BUILDERS = {
+    "make_sft_step": ("sft_loss", ()),
+    "make_reward_step": ("reward_loss", ()),
+    "make_dpo_step": ("dpo_loss_fn", ()),
+    "make_ppo_step": ("ppo_loss", ("value_optimizer",)),
+    "make_grpo_step": ("grpo_loss", ("group_size", "scale", "mask_truncated_completions")),
+}
+
+
+def _params(fn):
+    import inspect
+
+    return inspect.signature(fn).parameters
+
+
+@pytest.mark.parametrize("builder", sorted(BUILDERS))
+def test_step_builders_repeat_their_loss_factory_and_make_step_exactly(builder):
+    import inspect
+
+    factory_name, own = BUILDERS[builder]
+    built = _params(getattr(rx.train, builder))
+    factory = _params(getattr(rx.train, factory_name))
+    control = _params(rx.train.make_step)
+    first, *rest = built.values()
+    assert first.name == "optimizer" and first.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    for p in rest:
+        assert p.kind is inspect.Parameter.KEYWORD_ONLY, f"{builder}: {p.name} is not keyword-only"
+    for source, names in ((factory, list(factory)), (control, STEP_CONTROLS)):
+        for name in names:
+            assert name in built, f"{builder} lacks {name}"
+            want, got = source[name], built[name]
+            # jaxtyping builds a new class per `Float[Array, ""]`: compare annotations as text
+            assert (got.default, str(got.annotation)) == (want.default, str(want.annotation)), (
+                f"{builder}({name}=...) differs from its source: "
+                f"{got.default!r}: {got.annotation} vs {want.default!r}: {want.annotation}"
+            )
+    unexplained = set(built) - {"optimizer", *factory, *STEP_CONTROLS, *own}
+    assert not unexplained, f"{builder} has arguments of unknown origin: {sorted(unexplained)}"

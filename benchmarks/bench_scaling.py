@@ -172,7 +172,7 @@ LLAMA = {
 
 def memory_table(*, pairs: int = 8, seq_len: int = 1024) -> str:
     import rlhf_eqx as rx
-    from rlhf_eqx._memory import estimate_memory
+    from rlhf_eqx import estimate_memory
 
     gib = 2**30
     modes = [

@@ -60,6 +60,7 @@ from ._pretrained import load_llama2c as load_llama2c
 from ._sampling import (
     GenerationOutput as GenerationOutput,
     SamplingOptions as SamplingOptions,
+    filter_logits as filter_logits,
     generate as generate,
     generate_batch as generate_batch,
     sample_token as sample_token,

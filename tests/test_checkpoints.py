@@ -18,7 +18,6 @@ import pytest
 import rlhf_eqx as rx
 from rlhf_eqx import load_llama2c
 from rlhf_eqx.models import config_from_hf, load_hf, read_llama2c, save_hf
-from rlhf_eqx.models._llama2c import permute_rotary_rows
 
 # --------------------------------------------------------------------------------------
 # numpy references
@@ -236,9 +235,9 @@ TOKENS = [1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421]
 def test_permute_rotary_rows_closed_form():
     # one head of size 8: rows (0..7) -> [0, 2, 4, 6, 1, 3, 5, 7]; two heads independently.
     w = np.arange(16, dtype=np.float32)[:, None] * np.ones((1, 3), np.float32)
-    out = permute_rotary_rows(w, 2)
+    out = rx.models.permute_rotary_rows(w, 2)
     np.testing.assert_array_equal(out[:, 0], [0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15])
-    stacked = permute_rotary_rows(np.stack([w, 2 * w]), 2)
+    stacked = rx.models.permute_rotary_rows(np.stack([w, 2 * w]), 2)
     np.testing.assert_array_equal(stacked[1], 2 * out)
 
 

@@ -157,21 +157,17 @@ def reference_nf4(w, block):
 
 @pytest.mark.parametrize("shape,block", [((32, 48), 64), ((7, 9), 4), ((5, 3), 64)])
 def test_nf4_weight_matches_reference_dequantisation(getkey, shape, block):
-    from rlhf_eqx.models._quant import quantize_weight_nf4
-
     w = jax.random.normal(getkey(), shape) * 0.02
     w = w.at[0, :].set(0.0)  # an all-zero stretch
-    q = quantize_weight_nf4(w, block_size=block)
+    q = rx.models.quantize_weight_nf4(w, block_size=block)
     assert q.shape == shape
     assert q.codes.dtype == jnp.uint8
     np.testing.assert_allclose(q.dequantize(jnp.float32), reference_nf4(np.asarray(w), block), rtol=1e-6, atol=1e-9)
 
 
 def test_nf4_rejects_bad_block_size():
-    from rlhf_eqx.models._quant import quantize_weight_nf4
-
     with pytest.raises(ValueError, match="block_size"):
-        quantize_weight_nf4(jnp.zeros((4, 4)), block_size=3)
+        rx.models.quantize_weight_nf4(jnp.zeros((4, 4)), block_size=3)
 
 
 def test_nf4_model_memory_forward_and_lora(getkey):
@@ -208,8 +204,7 @@ def test_nf4_model_memory_forward_and_lora(getkey):
 
 @pytest.mark.parametrize("T,block", [(13, 4), (16, 8), (9, 9)])
 def test_blockwise_attention_equals_dense(getkey, T, block):
-    from rlhf_eqx.models._attention import attention, attention_layout
-
+    attention, attention_layout = rx.models.attention, rx.models.attention_layout
     B, H, K, hd = 2, 4, 2, 8
     q = jax.random.normal(getkey(), (B, T, H, hd))
     k = jax.random.normal(getkey(), (B, K, T, hd))
@@ -234,15 +229,13 @@ def test_blockwise_attention_equals_dense(getkey, T, block):
 def test_long_sequence_forward_uses_blocks_and_matches_short_prefix(getkey):
     """A sequence longer than the attention block gives, on its first positions, the
     hidden states of its prefix alone (causality holds across blocks)."""
-    from rlhf_eqx.models import _transformer
-
     cfg = tiny_cfg(max_seq_len=1024)
     policy = rx.Policy(cfg, key=getkey())
-    T = _transformer.ATTENTION_BLOCK + 40
+    T = rx.models.ATTENTION_BLOCK + 40
     tokens = jax.random.randint(getkey(), (1, T), 0, 61)
     mask = jnp.ones((1, T), bool)
     full = eqx.filter_jit(lambda p, t, m: p(t, m))(policy, tokens, mask)
-    n = _transformer.ATTENTION_BLOCK - 10
+    n = rx.models.ATTENTION_BLOCK - 10
     prefix = policy(tokens[:, :n], mask[:, :n])
     np.testing.assert_allclose(full[:, :n], prefix, rtol=1e-4, atol=1e-4)
 
@@ -278,14 +271,14 @@ def _flat_inverse_cdf(key, logits):
 
 
 @pytest.mark.parametrize("V", [1, 2, 5, 61, 300])
-def test_two_level_inverse_cdf_equals_flat_search(getkey, V):
-    from rlhf_eqx._sampling._token import inverse_cdf_sample as _inverse_cdf_sample
-
+def test_sampled_token_equals_flat_inverse_cdf_search(getkey, V):
+    """`sample_token` at temperature 1 (no top-k / top-p) searches the CDF in two levels;
+    it draws the token a flat search of the whole CDF would, from the same key."""
     logits = jax.random.normal(getkey(), (V,)) * 3.0
     if V > 2:
         logits = logits.at[::3].set(-jnp.inf)  # filtered tokens: never drawn
     keys = jax.random.split(getkey(), 2000)
-    fast = jax.vmap(_inverse_cdf_sample, in_axes=(0, None))(keys, logits)
+    fast, _ = jax.vmap(rx.sample_token, in_axes=(0, None))(keys, logits)
     flat = jax.vmap(_flat_inverse_cdf, in_axes=(0, None))(keys, logits)
     assert np.mean(np.asarray(fast) == np.asarray(flat)) >= 0.999
     assert np.all(np.isfinite(np.asarray(logits)[np.asarray(fast)]))

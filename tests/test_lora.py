@@ -19,11 +19,21 @@ from rlhf_eqx.models import (
     merge_lora,
     without_lora,
 )
-from rlhf_eqx.models._lora import lora_shapes
 
 CFG = rx.TransformerConfig(
     vocab_size=32, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24, max_seq_len=32
 )
+# `(in, out)` of each adaptable projection of CFG: q/o span the query heads, k/v the
+# kv heads, gate/up/down the feed-forward width.
+SHAPES = {
+    "q": (CFG.d_model, CFG.n_heads * CFG.head_dim),
+    "k": (CFG.d_model, CFG.n_kv_heads * CFG.head_dim),
+    "v": (CFG.d_model, CFG.n_kv_heads * CFG.head_dim),
+    "o": (CFG.n_heads * CFG.head_dim, CFG.d_model),
+    "gate": (CFG.d_model, CFG.d_ff),
+    "up": (CFG.d_model, CFG.d_ff),
+    "down": (CFG.d_ff, CFG.d_model),
+}
 # One adapter configuration for most tests, so compiled forwards are shared.
 LCFG = LoRAConfig(rank=4, alpha=8.0, targets=LORA_TARGETS)
 TOKENS = jnp.asarray([1, 5, 9, 2, 30, 7, 7, 11], jnp.int32)
@@ -83,7 +93,7 @@ def test_fresh_adapters_leave_outputs_unchanged(kind, getkey):
     adapted = apply_lora(model, LCFG, key=getkey())
     layers = adapted.layers if kind == "transformer" else adapted.transformer.layers
     assert sorted(layers.lora) == sorted(LORA_TARGETS)
-    for name, (fan_in, fan_out) in lora_shapes(CFG).items():
+    for name, (fan_in, fan_out) in SHAPES.items():
         ad = layers.lora[name]
         assert ad.a.shape == (CFG.n_layers, fan_in, 4) and ad.b.shape == (CFG.n_layers, 4, fan_out)
         assert ad.scale == 2.0 and ad.dropout == 0.05
@@ -146,8 +156,7 @@ def test_optimizer_state_only_for_adapters(getkey):
     trainable, frozen = eqx.partition(model, lora_filter(model))
     opt = optax.adamw(1e-3)
     state = opt.init(eqx.filter(trainable, eqx.is_array))
-    shapes = lora_shapes(CFG)
-    expected = CFG.n_layers * sum(4 * (shapes[t][0] + shapes[t][1]) for t in lcfg.targets)
+    expected = CFG.n_layers * sum(4 * (SHAPES[t][0] + SHAPES[t][1]) for t in lcfg.targets)
     assert count_params(model, lora_filter(model)) == expected
     assert count_params(trainable) == expected
     assert count_params(model) == CFG.num_params() + expected

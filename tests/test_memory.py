@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import rlhf_eqx as rx
-from rlhf_eqx._memory import MemoryEstimate, estimate_memory
+from rlhf_eqx import MemoryEstimate, estimate_memory
 from rlhf_eqx.train import init_train_state, make_dpo_step, make_sft_step
 
 LLAMA_7B = rx.TransformerConfig(

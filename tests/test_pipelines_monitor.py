@@ -12,7 +12,7 @@ import pytest
 import rlhf_eqx as rx
 from rlhf_eqx import pipelines as pl
 from rlhf_eqx.assets import asset_path
-from rlhf_eqx.pipelines._monitor import device_memory, measure_matmul_peak, model_flops
+from rlhf_eqx.pipelines import device_memory, measure_matmul_peak, model_flops
 
 
 def _records(path):

@@ -214,18 +214,16 @@ def test_quality_report_goes_to_the_log_and_the_filter_says_what_it_dropped(tmp_
 
 
 def test_data_runs_split_by_prompt_with_the_library_split():
-    from rlhf_eqx.pipelines._data_runs import _split
-
     rec = data.PreferenceRecord
     records = [rec(f"prompt {i % 40}", f"a{i}", f"b{i}") for i in range(200)]
     dc = pl.DataConfig(heldout_fraction=0.25, seed=3, limit=0)
-    train, held = _split(records, dc)
+    train, held = pl.split_records(records, dc)
     assert {r.prompt for r in train}.isdisjoint({r.prompt for r in held})
     assert (train, held) == tuple(
         list(x) for x in data.split_held_out(records, fraction=0.25, seed=3)
     )
     with pytest.raises(ValueError, match="data.heldout_fraction"):
-        _split(records[:1], dc)
+        pl.split_records(records[:1], dc)
 
 
 # --- exports ----------------------------------------------------------------------------

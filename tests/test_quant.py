@@ -21,9 +21,9 @@ from rlhf_eqx.models import (
     lora_filter,
     merge_lora,
     quantize_int8,
+    quantize_weight_int8,
     without_lora,
 )
-from rlhf_eqx.models._quant import quantize_weight
 
 CFG = rx.TransformerConfig(
     vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, max_seq_len=64
@@ -46,9 +46,9 @@ def _random_policy(key, scale=0.1):
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def test_quantize_weight_closed_form():
+def test_quantize_weight_int8_closed_form():
     w = jnp.asarray([[1.0, -2.0, 0.0], [0.5, 4.0, 0.0]], jnp.float32)
-    qw = quantize_weight(w)
+    qw = quantize_weight_int8(w)
     assert qw.q.dtype == jnp.int8 and qw.scale.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(qw.scale), [1 / 127, 4 / 127, 0.0], rtol=1e-7)
     # 0.5 * 127 = 63.5 and -2 * 127 / 4 = -63.5 round half to even
@@ -66,10 +66,10 @@ def test_quantize_weight_closed_form():
     ),
     st.integers(0, 4),
 )
-def test_quantize_weight_error_bound(w, zero_col):
+def test_quantize_weight_int8_error_bound(w, zero_col):
     w = w.copy()
     w[:, zero_col] = 0.0
-    qw = quantize_weight(jnp.asarray(w))
+    qw = quantize_weight_int8(jnp.asarray(w))
     q, scale = np.asarray(qw.q), np.asarray(qw.scale)
     amax = np.max(np.abs(w), axis=0)
     np.testing.assert_allclose(scale, amax / 127, rtol=1e-6)

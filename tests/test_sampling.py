@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import rlhf_eqx as rx
-from rlhf_eqx._sampling import filter_logits
+from rlhf_eqx import filter_logits
 
 CFG = rx.TransformerConfig(vocab_size=53, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48)
 

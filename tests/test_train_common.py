@@ -25,7 +25,6 @@ from rlhf_eqx.train import (
 
 VOCAB = 32
 MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-TRACES = {"n": 0}
 
 
 class CumMeanLM(eqx.Module):
@@ -47,7 +46,6 @@ class CumMeanLM(eqx.Module):
         self.bias = jnp.zeros((vocab,))
 
     def hidden(self, tokens, mask):
-        TRACES["n"] += 1
         m = mask.astype(jnp.float32)[:, None]
         x = self.embed[tokens] * m
         count = jnp.maximum(jnp.cumsum(m, axis=0), 1.0)
@@ -284,11 +282,32 @@ def test_accumulate_gradients_equals_full_batch(getkey, k):
     np.testing.assert_allclose(float(sk["v"][1]), 8.0)
 
 
-class Counted(eqx.Module):
-    """Wraps a model and counts how often it is traced (called from Python)."""
+def counted(model):
+    """`model` behind `eqx.debug.assert_max_traces` (still a pytree of the same arrays, so
+    any step trains it): `traces(model)` then counts its calls from Python, i.e. the
+    times a jitted step traced it."""
+    return eqx.debug.assert_max_traces(model, max_traces=None)
 
-    inner: eqx.Module
 
-    def __call__(self, tokens, mask, **kwargs):
-        TRACES["n"] += 1
-        return self.inner(tokens, mask, **kwargs)
+def traces(model) -> int:
+    """How often a `counted` model (or the trained copy of one) has been called from
+    Python so far."""
+    return eqx.debug.get_num_traces(model)
+
+
+def test_step_retraces_only_for_a_new_shape(getkey):
+    model = counted(CumMeanLM(getkey()))
+    opt = make_optimizer(learning_rate=1e-2, total_steps=10, schedule="constant")
+    state = init_train_state(model, opt)
+    step = make_sft_step(opt)
+    state, _ = state.apply(step, sequence_batch(getkey(), B=4, T=10))
+    per_trace = traces(model)
+    assert per_trace > 0
+    for _ in range(2):  # new values, same shapes: the compiled step runs
+        state, _ = state.apply(step, sequence_batch(getkey(), B=4, T=10))
+    assert traces(model) == per_trace
+    state, _ = state.apply(step, sequence_batch(getkey(), B=4, T=12))  # a new shape: once
+    assert traces(model) == 2 * per_trace
+    for T in (12, 10):  # both shapes are compiled now
+        state, _ = state.apply(step, sequence_batch(getkey(), B=4, T=T))
+    assert traces(model) == 2 * per_trace

@@ -11,13 +11,13 @@ import optax
 import pytest
 from helpers import assert_tree_allclose
 from test_train_common import (
-    TRACES,
-    Counted,
     CumMeanLM,
+    counted,
     leaves_equal,
     preference_batch,
     sgd_delta,
     tiny_config,
+    traces,
 )
 
 import rlhf_eqx as rx
@@ -32,7 +32,7 @@ from rlhf_eqx.train import (
 
 
 def test_dpo_transformer_starts_at_ln2_and_learns_with_frozen_reference(getkey):
-    policy = Counted(rx.Policy(tiny_config(), key=getkey()))
+    policy = counted(rx.Policy(tiny_config(), key=getkey()))
     reference = policy  # the same weights: the state copies its trainable buffers
     batch = preference_batch(getkey(), B=4, T=12)
     opt = make_optimizer(learning_rate=1e-2, total_steps=20)
@@ -40,13 +40,13 @@ def test_dpo_transformer_starts_at_ln2_and_learns_with_frozen_reference(getkey):
     ref_before = jax.tree.map(np.asarray, eqx.filter(reference, eqx.is_array))
     step = make_dpo_step(opt, beta=0.5)
     state, first = state.apply(step, batch, reference=reference)
-    traced = TRACES["n"]
+    traced = traces(policy)
     np.testing.assert_allclose(float(first["loss"]), math.log(2.0), rtol=1e-6)
     for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
         np.testing.assert_allclose(float(first[name]), 0.0, atol=1e-6)
     for _ in range(15):
         state, metrics = state.apply(step, batch, reference=reference)
-    assert TRACES["n"] == traced, "the step was traced more than once"
+    assert traces(policy) == traced, "the step was traced more than once"
     assert float(metrics["loss"]) < 0.3
     assert float(metrics["rewards/accuracies"]) == 1.0
     assert float(metrics["rewards/margins"]) > 0.0

@@ -8,7 +8,15 @@ import numpy as np
 import optax
 import pytest
 from helpers import assert_tree_allclose
-from test_train_common import MODES, TRACES, CumMeanLM, leaves_equal, sequence_batch, sgd_delta
+from test_train_common import (
+    MODES,
+    CumMeanLM,
+    counted,
+    leaves_equal,
+    sequence_batch,
+    sgd_delta,
+    traces,
+)
 
 import rlhf_eqx as rx
 from rlhf_eqx.losses import group_advantages
@@ -105,7 +113,7 @@ def test_grpo_truncated_completions_are_masked(getkey):
 
 
 def test_grpo_training_sanity_and_single_trace(getkey):
-    policy = CumMeanLM(getkey())
+    policy = counted(CumMeanLM(getkey()))
     batch = _batch(getkey(), policy)
     batch = eqx.tree_at(lambda b: b.old_logp, batch,
                         jax.vmap(lambda t, m: rx.token_logprobs(policy, t, m))(batch.tokens, batch.mask))
@@ -113,10 +121,10 @@ def test_grpo_training_sanity_and_single_trace(getkey):
     state = init_train_state(policy, opt)
     step = make_grpo_step(opt, group_size=2, clip_eps_high=0.28)
     state, first = state.apply(step, batch)
-    traced = TRACES["n"]
+    traced = traces(policy)
     for _ in range(20):
         state, metrics = state.apply(step, batch)
-    assert TRACES["n"] == traced
+    assert traces(policy) == traced
     # Ratio 1 on every token: the loss is minus the mean advantage of the non-empty rows.
     adv = grpo_advantages(batch.rewards, group_size=2)
     rows = jnp.any(batch.completion_mask, axis=-1)

@@ -10,11 +10,12 @@ import pytest
 from helpers import assert_tree_allclose
 from test_train_common import (
     MODES,
-    TRACES,
     CumMeanActorCritic,
     CumMeanLM,
     CumMeanValue,
+    counted,
     sequence_batch,
+    traces,
 )
 
 from rlhf_eqx.train import (
@@ -112,16 +113,16 @@ def test_ppo_two_optimisers_equal_one_optimiser_without_clipping(getkey):
 
 
 def test_ppo_combined_actor_critic_learns_and_compiles_once(getkey):
-    model = CumMeanActorCritic(getkey())
+    model = counted(CumMeanActorCritic(getkey()))
     batch = _rollout(getkey(), model, CumMeanLM(getkey()))
     opt = make_optimizer(learning_rate=1e-2, total_steps=30, schedule="constant")
     state = init_train_state(model, opt)
     step = make_ppo_step(opt, vf_coef=0.5)
     state, first = state.apply(step, batch)
-    traced = TRACES["n"]
+    traced = traces(model)
     for _ in range(20):
         state, metrics = state.apply(step, batch)
-    assert TRACES["n"] == traced
+    assert traces(model) == traced
     assert float(metrics["loss"]) < float(first["loss"]) - 0.05
     assert float(metrics["loss/value"]) < float(first["loss/value"])
     assert float(metrics["policy/clipfrac"]) > 0.0

@@ -7,13 +7,13 @@ import optax
 import pytest
 from helpers import assert_tree_allclose
 from test_train_common import (
-    TRACES,
-    Counted,
     CumMeanReward,
     CumMeanValue,
+    counted,
     preference_batch,
     sgd_delta,
     tiny_config,
+    traces,
 )
 
 import rlhf_eqx as rx
@@ -22,16 +22,16 @@ from rlhf_eqx.train import init_train_state, make_optimizer, make_reward_step
 
 @pytest.mark.slow
 def test_reward_model_learns_preferences_and_compiles_once(getkey):
-    model = Counted(rx.RewardModel(tiny_config(), key=getkey()))
+    model = counted(rx.RewardModel(tiny_config(), key=getkey()))
     batch = preference_batch(getkey(), B=4, T=12)
     opt = make_optimizer(learning_rate=1e-2, total_steps=20, weight_decay=0.01)
     state = init_train_state(model, opt)
     step = make_reward_step(opt)
     state, first = state.apply(step, batch)
-    traced = TRACES["n"]
+    traced = traces(model)
     for _ in range(15):
         state, metrics = state.apply(step, batch)
-    assert TRACES["n"] == traced
+    assert traces(model) == traced
     assert float(metrics["loss"]) < 0.5 * float(first["loss"])
     assert float(metrics["accuracy"]) == 1.0
     assert float(metrics["margin"]) > 0.0
@@ -60,15 +60,15 @@ def test_reward_micro_batches_match_full_batch_and_closed_form(getkey):
 
 
 def test_reward_custom_model_learns(getkey):
-    model = CumMeanReward(CumMeanValue(getkey()))
+    model = counted(CumMeanReward(CumMeanValue(getkey())))
     batch = preference_batch(getkey())
     opt = make_optimizer(learning_rate=5e-2, total_steps=30, schedule="constant")
     state = init_train_state(model, opt)
     step = make_reward_step(opt, micro_batches=2)
     state, first = state.apply(step, batch)
-    traced = TRACES["n"]
+    traced = traces(model)
     for _ in range(25):
         state, metrics = state.apply(step, batch)
-    assert TRACES["n"] == traced
+    assert traces(model) == traced
     assert float(metrics["loss"]) < 0.5 * float(first["loss"])
     assert float(metrics["accuracy"]) == 1.0

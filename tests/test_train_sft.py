@@ -9,12 +9,12 @@ import pytest
 from helpers import assert_tree_allclose
 from test_train_common import (
     MODES,
-    TRACES,
-    Counted,
     CumMeanLM,
+    counted,
     sequence_batch,
     sgd_delta,
     tiny_config,
+    traces,
 )
 
 import rlhf_eqx as rx
@@ -24,7 +24,7 @@ from rlhf_eqx.train import init_train_state, make_optimizer, make_sft_step
 
 @pytest.mark.slow
 def test_sft_transformer_loss_decreases_and_compiles_once(getkey):
-    model = Counted(rx.Policy(tiny_config(), key=getkey()))
+    model = counted(rx.Policy(tiny_config(), key=getkey()))
     batch = sequence_batch(getkey(), B=4, T=12)
     opt = make_optimizer(learning_rate=1e-2, total_steps=25, warmup_ratio=0.1)
     state = init_train_state(model, opt)
@@ -34,8 +34,8 @@ def test_sft_transformer_loss_decreases_and_compiles_once(getkey):
         state, metrics = state.apply(step, batch)
         losses.append(float(metrics["loss"]))
         if i == 0:
-            traced = TRACES["n"]
-    assert TRACES["n"] == traced, "the step was traced more than once"
+            traced = traces(model)
+    assert traces(model) == traced, "the step was traced more than once"
     assert losses[-1] < 0.5 * losses[0], losses
     assert float(metrics["mean_token_accuracy"]) > 0.5
     np.testing.assert_allclose(float(metrics["num_tokens"]), float(jnp.sum(batch.completion_mask)))
@@ -65,17 +65,17 @@ def test_sft_micro_batches_match_full_batch_and_direct_gradient(getkey, mode):
 
 
 def test_sft_custom_model_learns_and_compiles_once(getkey):
-    model = CumMeanLM(getkey())
+    model = counted(CumMeanLM(getkey()))
     opt = make_optimizer(learning_rate=3e-2, total_steps=40, schedule="constant")
     state = init_train_state(model, opt)
     step = make_sft_step(opt, micro_batches=2)
     batch = sequence_batch(getkey(), B=4)
     state, first = state.apply(step, batch)
-    traced = TRACES["n"]
+    traced = traces(model)
     for _ in range(30):
         # Fresh arrays of the same shapes: no recompilation.
         state, metrics = state.apply(step, jax.tree.map(jnp.copy, batch))
-    assert TRACES["n"] == traced
+    assert traces(model) == traced
     assert float(metrics["loss"]) < 0.5 * float(first["loss"])
 
 

@@ -67,6 +67,43 @@ def time_steps(step, n: int):
     return first, times
 
 
+def time_keyed_steps(step, n: int, seed: int = 0):
+    """`time_steps` for a `step(key)` that needs a fresh JAX PRNG key each call (split
+    from `jax.random.key(seed)`; JAX is imported here, not at the top of this file)."""
+    import jax
+
+    state = {"key": jax.random.key(seed)}
+
+    def run():
+        state["key"], sub = jax.random.split(state["key"])
+        step(sub)
+
+    return time_steps(run, n)
+
+
+def matmul_gflops(matmul, n: int = 1024, repeats: int = 5) -> float:
+    """A float32 matmul peak in GFLOP/s: `matmul()` multiplies two `n x n` matrices and
+    blocks until done; run once to warm up, then the best of `repeats` runs."""
+    matmul()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        matmul()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e9
+
+
+def jax_matmul_peak(n: int = 1024, repeats: int = 5) -> float:
+    """`matmul_gflops` of a jitted `jnp.dot` on the default JAX device."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    f = jax.jit(jnp.dot)
+    return matmul_gflops(lambda: f(a, b).block_until_ready(), n, repeats)
+
+
 def median(xs):
     xs = sorted(xs)
     n = len(xs)
@@ -97,6 +134,28 @@ def load_inputs(directory: str):
         return {k: f[k] for k in f.files}
 
 
+def to_ragged(seqs):
+    """Rows of different lengths as `(flat int32 ids, int64 offsets)` (`ragged_rows`
+    reads them back)."""
+    import numpy as np
+
+    flat = np.concatenate([np.asarray(s, np.int32) for s in seqs] or [np.zeros(0, np.int32)])
+    offsets = np.cumsum([0] + [len(s) for s in seqs]).astype(np.int64)
+    return flat, offsets
+
+
+def ragged_rows(inputs, name: str) -> list[list[int]]:
+    """The rows stored by `to_ragged` as `inputs[name]` and `inputs[name + "_offsets"]`."""
+    flat, off = inputs[name], inputs[name + "_offsets"]
+    return [flat[off[i] : off[i + 1]].tolist() for i in range(len(off) - 1)]
+
+
+def ids_as_text(row) -> str:
+    """Token ids as the text of `word_tokenizer` (`t5 t17 ...`), for libraries that
+    take prompts as text."""
+    return " ".join(f"t{int(i)}" for i in row)
+
+
 def dpo_flops(pairs: int, T: int, *, with_reference: bool, cfg=CONFIG) -> float:
     """Standard FLOPs of one DPO step on `2·pairs` full rows of length `T` (every
     position through the whole model and head, as if nothing were skipped):
@@ -122,6 +181,15 @@ def workload_arg():
     p.add_argument("--inputs", default=os.environ.get("BENCH_INPUTS", "/tmp/rlhf_bench_inputs"))
     p.add_argument("--steps", type=int, default=5)
     return p.parse_args()
+
+
+def start(library: str, supported=None):
+    """A runner's common start: parse `WORKLOAD --inputs DIR --steps N`, refuse a workload
+    outside `supported` (None: all), load the inputs. Returns `(args, inputs)`."""
+    args = workload_arg()
+    if supported is not None and args.workload not in supported:
+        raise SystemExit(f"workload {args.workload} is not run for {library}")
+    return args, load_inputs(args.inputs)
 
 
 def log(*args):

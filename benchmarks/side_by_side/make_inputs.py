@@ -31,12 +31,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SHARED = os.path.join(HERE, "..", "..", "..", "shared")
 
 
-def ragged(seqs):
-    flat = np.concatenate([np.asarray(s, np.int32) for s in seqs]) if seqs else np.zeros(0, np.int32)
-    offsets = np.cumsum([0] + [len(s) for s in seqs]).astype(np.int64)
-    return flat, offsets
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="/tmp/rlhf_bench_inputs")
@@ -89,7 +83,7 @@ def main():
         ("hh_rejected_prompt", [pr.rejected.prompt for pr in pairs]),
         ("hh_rejected", [pr.rejected.completion for pr in pairs]),
     ):
-        flat, offsets = ragged(seqs)
+        flat, offsets = common.to_ragged(seqs)
         out[name], out[name + "_offsets"] = flat, offsets
     np.savez(os.path.join(args.out, "batches.npz"), **out)
     lens = [len(pr.chosen) for pr in pairs] + [len(pr.rejected) for pr in pairs]

@@ -122,24 +122,16 @@ def make_generate(cfg, B, P, N, sample):
 
 
 def main():
-    args = common.workload_arg()
-    inputs = common.load_inputs(args.inputs)
-    if args.workload not in ("gen_sample", "gen_greedy"):
-        raise SystemExit(f"workload {args.workload} is not run for the floor")
+    args, inputs = common.start("the floor", ("gen_sample", "gen_greedy"))
     cfg, w = load_weights(os.path.join(args.inputs, "model"))
     g = common.GEN
     prompts = jnp.asarray(inputs["gen_prompt"])
     gen = make_generate(cfg, g["batch"], g["prompt"], g["new"], args.workload == "gen_sample")
-    state = {"k": jax.random.key(0)}
-
-    def run():
-        state["k"], sub = jax.random.split(state["k"])
-        gen(w, prompts, sub).block_until_ready()
-
-    first, times = common.time_steps(run, args.steps)
-    from run_rlhf_eqx import matmul_peak
-
-    common.emit(LIB, args.workload, first, times, peak_gflops=matmul_peak(), new_tokens=g["batch"] * g["new"])
+    run = lambda key: gen(w, prompts, key).block_until_ready()
+    first, times = common.time_keyed_steps(run, args.steps)
+    peak = common.jax_matmul_peak()
+    new_tokens = g["batch"] * g["new"]
+    common.emit(LIB, args.workload, first, times, peak_gflops=peak, new_tokens=new_tokens)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,11 @@
 Prints one `RESULT {...}` JSON line (see `common.emit`). The persistent compilation
 cache is on (`RLHF_EQX_BENCH_CACHE`, default `/tmp/rlhf_eqx_jax_cache`), as a user would
 run. Preference workloads (`dpo`, `dpo_cached`, `curve_*`, `rm`, `hh_dpo`) run on
-shared-prompt packed batches (`data.pack_preferences`: each prompt once, both
-completions after it); `RLHF_EQX_BENCH_UNPACKED=1` runs the unpacked `PreferenceBatch`
-instead, for an A/B.
+shared-prompt batches (`data.pack_preferences`: each prompt once, both completions
+after it). `RLHF_EQX_BENCH_LAYOUT` picks the layout: `aligned` (the default: fixed
+prompt / chosen / rejected regions, each completion scored against the prompt and
+itself only), `packed` (one pair per row, `[prompt | chosen | rejected]` back to back)
+or `plain` (the unpacked `PreferenceBatch`, prompt computed twice), for A/B runs.
 """
 
 import os
@@ -35,19 +37,6 @@ def enable_cache():
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def matmul_peak(n: int = 1024, repeats: int = 5) -> float:
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-    f = jax.jit(jnp.dot)
-    f(a, b).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f(a, b).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best / 1e9
-
-
 def preference_batch(prompt, chosen, rejected):
     """Full rows `prompt + completion` (no padding) as a `PreferenceBatch`."""
     P = prompt.shape[1]
@@ -66,7 +55,10 @@ def preference_batch(prompt, chosen, rejected):
     )
 
 
-PACKED = os.environ.get("RLHF_EQX_BENCH_UNPACKED", "") in ("", "0")
+LAYOUT = os.environ.get("RLHF_EQX_BENCH_LAYOUT", "aligned")
+if LAYOUT not in ("aligned", "packed", "plain"):
+    raise SystemExit(f"RLHF_EQX_BENCH_LAYOUT must be aligned, packed or plain, got {LAYOUT!r}")
+PACKED = LAYOUT != "plain"
 
 
 def pairs_of(prompt, chosen, rejected, rejected_prompt=None):
@@ -85,7 +77,7 @@ def pairs_of(prompt, chosen, rejected, rejected_prompt=None):
 def pair_batch(prompt, chosen, rejected):
     """The workload's batch: packed with the prompt shared, or the unpacked rows."""
     if PACKED:
-        return data.pack_preferences(pairs_of(prompt, chosen, rejected), pad_id=0)
+        return data.pack_preferences(pairs_of(prompt, chosen, rejected), pad_id=0, aligned=LAYOUT == "aligned")
     return preference_batch(prompt, chosen, rejected)
 
 
@@ -117,8 +109,7 @@ def hh_batches(inputs, pairs: int, *, group: int, bucket: int):
     rows)]`."""
 
     def rows(name):
-        flat, off = inputs[name], inputs[name + "_offsets"]
-        return [tuple(int(x) for x in flat[off[i] : off[i + 1]]) for i in range(len(off) - 1)]
+        return [tuple(r) for r in common.ragged_rows(inputs, name)]
 
     items = pairs_of(rows("hh_prompt"), rows("hh_chosen"), rows("hh_rejected"), rows("hh_rejected_prompt"))
     n = len(items) // pairs * pairs
@@ -132,7 +123,7 @@ def hh_batches(inputs, pairs: int, *, group: int, bucket: int):
             chunk = w[b : b + pairs]
             real = sum(len(it.chosen) + len(it.rejected) for it in chunk)
             if PACKED:
-                batch = data.pack_preferences(chunk, pad_id=0, bucket_size=bucket)
+                batch = data.pack_preferences(chunk, pad_id=0, bucket_size=bucket, aligned=LAYOUT == "aligned")
             else:
                 batch = data.collate_preferences(
                     chunk, pad_id=0, max_length=common.HH_MAX_LEN, bucket_size=bucket
@@ -149,9 +140,8 @@ def computed_tokens(batch) -> int:
 
 
 def main():
-    args = common.workload_arg()
+    args, inputs = common.start(LIB)
     enable_cache()
-    inputs = common.load_inputs(args.inputs)
     w = args.workload
     extra = {}
     if w == "hh_dpo":
@@ -182,14 +172,12 @@ def main():
         prompts = jnp.asarray(inputs["gen_prompt"])
         masks = jnp.ones(prompts.shape, bool)
         temp = 1.0 if w == "gen_sample" else 0.0
-        key = {"k": jax.random.key(0)}
 
-        def run():
-            key["k"], sub = jax.random.split(key["k"])
-            out = rx.generate_batch(policy, prompts, masks, sub, max_new_tokens=g["new"], temperature=temp)
+        def run(key):
+            out = rx.generate_batch(policy, prompts, masks, key, max_new_tokens=g["new"], temperature=temp)
             jax.block_until_ready(out.tokens)
 
-        first, times = common.time_steps(run, args.steps)
+        first, times = common.time_keyed_steps(run, args.steps)
         extra["new_tokens"] = g["batch"] * g["new"]
     elif w == "rm":
         model = rx.RewardModel.from_policy(policy, key=jax.random.key(1))
@@ -275,8 +263,8 @@ def main():
         )
     else:
         raise SystemExit(f"unknown workload {w}")
-    extra["packed"] = PACKED
-    common.emit(LIB, w, first, times, peak_gflops=matmul_peak(), **extra)
+    extra["layout"] = LAYOUT
+    common.emit(LIB, w, first, times, peak_gflops=common.jax_matmul_peak(), **extra)
 
 
 if __name__ == "__main__":

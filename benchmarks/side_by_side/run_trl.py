@@ -23,13 +23,7 @@ LIB = "trl"
 
 def matmul_peak(n: int = 1024, repeats: int = 5) -> float:
     a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.matmul(a, b)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.matmul(a, b)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best / 1e9
+    return common.matmul_gflops(lambda: torch.matmul(a, b), n, repeats)
 
 
 def text_dataset():
@@ -83,8 +77,7 @@ def ref_logps(trainer, inputs):
 
 
 def main():
-    args = common.workload_arg()
-    inputs = common.load_inputs(args.inputs)
+    args, inputs = common.start(LIB)
     w = args.workload
     model_dir = os.path.join(args.inputs, "model")
     extra = {}
@@ -118,11 +111,7 @@ def main():
         trainer = dpo_trainer(os.path.join(args.inputs, "model_hh"), tok, precompute=False, max_length=common.HH_MAX_LEN)
         collate = DataCollatorForPreference(pad_token_id=tok.pad_token_id)
 
-        def rows(name):
-            flat, off = inputs[name], inputs[name + "_offsets"]
-            return [flat[off[i] : off[i + 1]].tolist() for i in range(len(off) - 1)]
-
-        P, C, R = rows("hh_prompt"), rows("hh_chosen"), rows("hh_rejected")
+        P, C, R = (common.ragged_rows(inputs, n) for n in ("hh_prompt", "hh_chosen", "hh_rejected"))
         n = common.HH["pairs"]
         batches = [
             collate([{"prompt_ids": P[i], "chosen_ids": C[i], "rejected_ids": R[i]} for i in range(s, s + n)])
@@ -195,7 +184,7 @@ def main():
         tok = common.word_tokenizer(common.CONFIG["vocab_size"])
         tok.padding_side = "left"
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        prompts = [" ".join(f"t{i}" for i in row) for row in inputs["grpo_prompt"]]
+        prompts = [common.ids_as_text(row) for row in inputs["grpo_prompt"]]
         n_steps = args.steps + 1
         ds = Dataset.from_list([{"prompt": p} for p in prompts] * n_steps)
         rewards = inputs["grpo_rewards"].tolist()

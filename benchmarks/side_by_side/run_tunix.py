@@ -10,7 +10,6 @@ Tunix sees exactly the ids the other libraries do.
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
@@ -20,27 +19,11 @@ import jax.numpy as jnp  # noqa: E402
 LIB = "tunix"
 
 
-def matmul_peak(n: int = 1024, repeats: int = 5) -> float:
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-    f = jax.jit(jnp.dot)
-    f(a, b).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f(a, b).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best / 1e9
-
-
 def main():
-    args = common.workload_arg()
-    if args.workload not in ("gen_sample", "gen_greedy"):
-        raise SystemExit(f"workload {args.workload} is not run for Tunix")
+    args, inputs = common.start("Tunix", ("gen_sample", "gen_greedy"))
     from tunix.generate import sampler as sampler_lib
     from tunix.models.llama3 import model as llama_lib, params as params_lib
 
-    inputs = common.load_inputs(args.inputs)
     model_dir = os.path.join(args.inputs, "model")
     hf = json.load(open(os.path.join(model_dir, "config.json")))
     cfg = llama_lib.ModelConfig(
@@ -58,7 +41,7 @@ def main():
         sampler_lib.CacheConfig(cache_size=2 * (g["prompt"] + g["new"]) + 8, num_layers=cfg.num_layers,
                                 num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim),
     )
-    prompts = [" ".join(f"t{i}" for i in row) for row in inputs["gen_prompt"]]
+    prompts = [common.ids_as_text(row) for row in inputs["gen_prompt"]]
     sample = args.workload == "gen_sample"
     state = {"seed": 0}
 
@@ -72,7 +55,9 @@ def main():
         jax.block_until_ready(out.tokens if hasattr(out, "tokens") else out.text)
 
     first, times = common.time_steps(run, args.steps)
-    common.emit(LIB, args.workload, first, times, peak_gflops=matmul_peak(), new_tokens=g["batch"] * g["new"])
+    peak = common.jax_matmul_peak()
+    new_tokens = g["batch"] * g["new"]
+    common.emit(LIB, args.workload, first, times, peak_gflops=peak, new_tokens=new_tokens)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,11 @@ from ._layers import (
     LoRAAdapter as LoRAAdapter,
     NF4Weight as NF4Weight,
 )
-from ._llama2c import load_llama2c_policy as load_llama2c_policy, read_llama2c as read_llama2c
+from ._llama2c import (
+    load_llama2c_policy as load_llama2c_policy,
+    permute_rotary_rows as permute_rotary_rows,
+    read_llama2c as read_llama2c,
+)
 from ._lora import (
     LoRAConfig as LoRAConfig,
     apply_lora as apply_lora,
@@ -48,9 +52,12 @@ from ._quant import (
     dequantize as dequantize,
     quantize_int8 as quantize_int8,
     quantize_nf4 as quantize_nf4,
+    quantize_weight_int8 as quantize_weight_int8,
+    quantize_weight_nf4 as quantize_weight_nf4,
 )
 from ._sharding import partition_specs as partition_specs
 from ._transformer import (
+    ATTENTION_BLOCK as ATTENTION_BLOCK,
     LORA_TARGETS as LORA_TARGETS,
     DecoderLayer as DecoderLayer,
     KVCache as KVCache,

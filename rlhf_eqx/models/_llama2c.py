@@ -35,6 +35,7 @@ executes code from the file (no pickle).
 import os
 
 import numpy as np
+from jaxtyping import Shaped
 
 from ._build import policy_from_arrays
 from ._config import TransformerConfig
@@ -45,13 +46,26 @@ _V1_HEADER_BYTES = 256
 _LEGACY_HEADER_BYTES = 7 * 4
 
 
-def permute_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+def permute_rotary_rows(
+    w: Shaped[np.ndarray, "*L out in"], n_heads: int
+) -> Shaped[np.ndarray, "*L out in"]:
     """Reorder the output rows of a q or k projection from interleaved to rotate-half rotary.
 
-    `w` is `[..., n_heads * head_dim, in]` (llama2.c / PyTorch `[out, in]` layout, any
-    leading axes). Within each head, output row `2i` becomes row `i` and row `2i+1`
-    becomes row `i + head_dim / 2` — Hugging Face's `permute` in
-    `convert_llama_weights_to_hf.py`.
+    Within each head, output row `2i` becomes row `i` and row `2i+1` becomes row
+    `i + head_dim / 2` — Hugging Face's `permute` in `convert_llama_weights_to_hf.py`.
+    Use it to convert a checkpoint written for interleaved rotary pairs (llama2.c,
+    Meta's original Llama release) to the rotate-half layout of rlhf_eqx and Hugging
+    Face; attention scores are unchanged when q and k are both permuted.
+
+    **Arguments:**
+
+    - `w`: `[..., n_heads * head_dim, in]`, llama2.c / PyTorch `[out, in]` layout, any
+      leading axes (e.g. stacked layers).
+    - `n_heads`: the heads of this projection (`n_kv_heads` for k).
+
+    **Returns:**
+
+    `w` with its output rows permuted, same shape and dtype.
     """
     *lead, out, fan_in = w.shape
     hd = out // n_heads

@@ -37,10 +37,18 @@ from ._layers import NF4_LEVELS, AbstractQuantizedWeight, Int8Weight, NF4Weight
 _FIELDS = ("wqkv", "wo", "w_gate_up", "w_down")
 
 
-def quantize_weight(w: Float[Array, "i o"]) -> Int8Weight:
-    """Per-output-channel absmax int8 quantisation of one `[in, out]` weight.
+def quantize_weight_int8(w: Float[Array, "i o"]) -> Int8Weight:
+    """Per-output-channel absmax int8 quantisation of one `[in, out]` weight:
+    `scale[o] = max_i |w[i, o]| / 127`, `q[i, o] = round(w[i, o] / scale[o])`.
 
-    All-zero columns get scale 0 and dequantise to exactly zero.
+    **Arguments:**
+
+    - `w`: the weight, `[in, out]`, any floating dtype.
+
+    **Returns:**
+
+    An `Int8Weight` (`q: int8 [in, out]`, `scale: float32 [out]`). All-zero columns get
+    scale 0 and dequantise to exactly zero.
     """
     w32 = w.astype(jnp.float32)
     scale = jnp.max(jnp.abs(w32), axis=0) / 127.0
@@ -49,16 +57,33 @@ def quantize_weight(w: Float[Array, "i o"]) -> Int8Weight:
     return Int8Weight(q=q, scale=scale)
 
 
-_quantize_stacked = jax.jit(jax.vmap(quantize_weight))
+_quantize_stacked = jax.jit(jax.vmap(quantize_weight_int8))
 
 
 def quantize_weight_nf4(w: Float[Array, "i o"], *, block_size: int = 64) -> NF4Weight:
-    """Blockwise-absmax NF4 quantisation of one `[in, out]` weight (see the module docstring).
+    """Blockwise-absmax NF4 quantisation of one `[in, out]` weight (QLoRA's 4-bit
+    NormalFloat, Dettmers et al. 2023; see the module docstring):
+    `w ≈ NF4_LEVELS[code] · absmax[block]`.
 
-    `block_size` must be a positive even int. All-zero blocks get absmax 0 and
-    dequantise to exactly zero.
+    **Arguments:**
+
+    - `w`: the weight, `[in, out]`, any floating dtype.
+    - `block_size`: entries per absmax block of the flattened weight, a positive even
+      int.
+
+    **Returns:**
+
+    An `NF4Weight` (two 4-bit codes per `uint8`, one float32 absmax per block). All-zero
+    blocks get absmax 0 and dequantise to exactly zero.
+
+    **Raises:** `ValueError` naming `block_size` when it is not a positive even int.
     """
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2 or block_size % 2:
+    if (
+        isinstance(block_size, bool)
+        or not isinstance(block_size, int)
+        or block_size < 2
+        or block_size % 2
+    ):
         raise ValueError(f"block_size must be a positive even int, got {block_size!r}")
     if w.ndim != 2:
         raise ValueError(f"quantize_weight_nf4 expects an [in, out] weight, got shape {w.shape}")
@@ -74,7 +99,9 @@ def quantize_weight_nf4(w: Float[Array, "i o"], *, block_size: int = 64) -> NF4W
     mids = jnp.asarray((levels[1:] + levels[:-1]) / 2)
     idx = jnp.sum(x[..., None] > mids[None, None, :], axis=-1).astype(jnp.uint8).reshape(-1, 2)
     codes = (idx[:, 0] << 4) | idx[:, 1]
-    return NF4Weight(codes=codes, absmax=absmax, in_out=(w.shape[0], w.shape[1]), block_size=block_size)
+    return NF4Weight(
+        codes=codes, absmax=absmax, in_out=(w.shape[0], w.shape[1]), block_size=block_size
+    )
 
 
 def _quantize_stacked_nf4(w: Array, block_size: int) -> NF4Weight:

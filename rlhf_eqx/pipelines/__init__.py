@@ -8,6 +8,7 @@ from ._checkpoints import (
     save_checkpoint as save_checkpoint,
 )
 from ._config import (
+    BatchStageConfig as BatchStageConfig,
     ConfigError as ConfigError,
     DataConfig as DataConfig,
     DPOConfig as DPOConfig,
@@ -19,6 +20,7 @@ from ._config import (
     PipelineConfig as PipelineConfig,
     PPOConfig as PPOConfig,
     RewardConfig as RewardConfig,
+    RolloutStageConfig as RolloutStageConfig,
     SamplingConfig as SamplingConfig,
     SFTConfig as SFTConfig,
     animal_task_config as animal_task_config,
@@ -29,7 +31,11 @@ from ._config_io import (
     config_to_dict as config_to_dict,
     load_config as load_config,
 )
-from ._data_runs import quality_report as quality_report, run_on_data as run_on_data
+from ._data_runs import (
+    quality_report as quality_report,
+    run_on_data as run_on_data,
+    split_records as split_records,
+)
 from ._dpo_runs import (
     best_worst_pairs as best_worst_pairs,
     run_dpo as run_dpo,

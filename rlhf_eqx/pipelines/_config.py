@@ -125,82 +125,87 @@ class OpsConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class SFTConfig:
+class BatchStageConfig:
+    """The fields every stage that trains on fixed batches shares (SFT, reward model,
+    DPO): `steps` optimiser steps on batches of `batch_size` rows of at most
+    `max_length` tokens, with `optim`."""
+
+    steps: int = 100
+    batch_size: int = 16
+    max_length: int = 80
+    optim: OptimConfig = OptimConfig(lr=1e-5)
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig(BatchStageConfig):
     """Supervised fine-tuning on best-of-`samples` completions (by noisy labels) of the
     base model for the training prompts."""
 
-    steps: int = 100
-    batch_size: int = 16
-    samples: int = 4
-    max_length: int = 80
     optim: OptimConfig = OptimConfig(lr=2e-5)
+    samples: int = 4
     lora: LoRASettings = LoRASettings()
 
 
 @dataclasses.dataclass(frozen=True)
-class RewardConfig:
+class RewardConfig(BatchStageConfig):
     """Reward model (Bradley-Terry) on noisily labelled pairs of policy samples."""
 
-    steps: int = 100
-    batch_size: int = 16
     pairs_per_prompt: int = 4
-    max_length: int = 80
     heldout_fraction: float = 0.2
-    optim: OptimConfig = OptimConfig(lr=1e-5)
 
 
 @dataclasses.dataclass(frozen=True)
-class DPOConfig:
+class DPOConfig(BatchStageConfig):
     """DPO (Rafailov et al. 2023) with a cached reference, over `rounds` rounds of fresh
     samples (`rounds=1`: offline on the first samples; online DPO resamples each round)."""
 
+    steps: int = 20
     beta: float = 0.1
     loss_type: str = "sigmoid"
     rounds: int = 3
-    steps: int = 20
-    batch_size: int = 16
     samples: int = 4
-    max_length: int = 80
+    lora: LoRASettings = LoRASettings()
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutStageConfig:
+    """The fields every reinforcement-learning stage shares (PPO, GRPO): `rollouts`
+    rounds of sampling from `prompts_per_rollout` prompts, `epochs` passes over each
+    rollout, the policy ratio clipped at `1 ± clip`, an early stop when the per-token KL
+    to the reference exceeds `kl_target`, `optim`, and the policy's LoRA adapters."""
+
+    rollouts: int = 20
+    prompts_per_rollout: int = 32
+    epochs: int = 1
+    clip: float = 0.2
+    kl_target: float = 0.05
     optim: OptimConfig = OptimConfig(lr=1e-5)
     lora: LoRASettings = LoRASettings()
 
 
 @dataclasses.dataclass(frozen=True)
-class PPOConfig:
+class PPOConfig(RolloutStageConfig):
     """PPO (Schulman et al. 2017; Ouyang et al. 2022) with a value model and KL-shaped
     rewards; `epochs` x `minibatches` updates per rollout of `prompts_per_rollout`
-    completions; early stop when the per-token KL to the reference exceeds `kl_target`."""
+    completions."""
 
-    rollouts: int = 20
-    prompts_per_rollout: int = 32
     epochs: int = 2
     minibatches: int = 2
-    clip: float = 0.2
     vf_coef: float = 0.5
     ent_coef: float = 0.01
     gamma: float = 1.0
     lam: float = 0.95
     kl_coef: float = 0.05
-    kl_target: float = 0.05
-    optim: OptimConfig = OptimConfig(lr=1e-5)
-    lora: LoRASettings = LoRASettings()
 
 
 @dataclasses.dataclass(frozen=True)
-class GRPOConfig:
+class GRPOConfig(RolloutStageConfig):
     """GRPO (Shao et al. 2024) with the task's verifiable reward: `group_size` samples per
-    prompt, group-normalised advantages, k3 KL to the reference with weight `beta`; early
-    stop when the per-token KL exceeds `kl_target`."""
+    prompt, group-normalised advantages, k3 KL to the reference with weight `beta`."""
 
-    rollouts: int = 20
     prompts_per_rollout: int = 8
     group_size: int = 8
-    epochs: int = 1
-    clip: float = 0.2
     beta: float = 0.04
-    kl_target: float = 0.05
-    optim: OptimConfig = OptimConfig(lr=1e-5)
-    lora: LoRASettings = LoRASettings()
 
 
 @dataclasses.dataclass(frozen=True)

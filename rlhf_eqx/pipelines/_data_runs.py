@@ -3,6 +3,7 @@ HH-RLHF), GRPO on prompts with reference answers (e.g. GSM8K, exact-match reward
 
 import json
 import os
+from collections.abc import Sequence
 
 import equinox as eqx
 import jax
@@ -31,9 +32,22 @@ from ._runs import (
 )
 
 
-def _split(records, dc: DataConfig):
-    """`(train, heldout)`: the first `dc.limit` records (0: all), split by prompt with
-    `data.split_held_out` (seeded by `dc.seed`; no prompt on both sides)."""
+def split_records(records: Sequence, dc: DataConfig) -> tuple[list, list]:
+    """Split records into training and held-out parts as the data runs do.
+
+    **Arguments:**
+
+    - `records`: preference or prompt records (anything with a `.prompt`).
+    - `dc`: the run's `DataConfig`; `limit` (0: all), `heldout_fraction` and `seed`
+      are used.
+
+    **Returns:**
+
+    `(train, heldout)`: the first `dc.limit` records split by prompt with
+    `data.split_held_out` (seeded by `dc.seed`; no prompt on both sides).
+
+    **Raises:** `ValueError` naming `data.heldout_fraction` when either side is empty.
+    """
     records = list(records)[: dc.limit or None]
     train, held = data.split_held_out(records, fraction=dc.heldout_fraction, seed=dc.seed)
     if not train or not held:
@@ -139,7 +153,7 @@ def run_on_data(cfg: PipelineConfig, stage: str, *, resume: bool = False) -> dic
     summary: dict = {"data": cfg.data.path}
     if stage in ("sft", "reward", "dpo"):
         records = data.load_preferences(cfg.data.path, cfg.data.format)
-        train, held = _split(records, cfg.data)
+        train, held = split_records(records, cfg.data)
         c = {"sft": cfg.sft, "reward": cfg.reward, "dpo": cfg.dpo}[stage]
         lengths = data.SequenceLengths(max_length=c.max_length, max_prompt_length=s.prompt_length)
         train, quality = quality_report(train, tok, lengths, cfg.data, ctx.log)
@@ -204,7 +218,7 @@ def run_on_data(cfg: PipelineConfig, stage: str, *, resume: bool = False) -> dic
             f"grpo: {len(fits)} of {len(prompts)} prompts have an answer and fit "
             f"sampling.prompt_length={s.prompt_length}"
         )
-        train, held = _split(fits, cfg.data)
+        train, held = split_records(fits, cfg.data)
         answers = {r.prompt: r.answer for r in fits}
 
         def exact(prompt, completion):

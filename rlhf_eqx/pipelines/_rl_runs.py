@@ -11,7 +11,7 @@ import numpy as np
 
 import rlhf_eqx as rx
 
-from ._config import GRPOConfig, PPOConfig
+from ._config import GRPOConfig, LoRASettings, PPOConfig
 from ._monitor import model_flops
 from ._ops import build_optimizer
 from ._rollout import (
@@ -24,16 +24,65 @@ from ._rollout import (
 )
 from ._runs import RunContext, RunResult, rows_at, run_loop, take_rows, with_lora
 
-# --- PPO -------------------------------------------------------------------------------
+# --- shared by PPO and GRPO -------------------------------------------------------------
 
 
-def _prompts_at(prompts: Sequence[str], per_rollout: int, seed: int, r: int) -> list[str]:
-    return [prompts[j] for j in rows_at(len(prompts), per_rollout, seed, r)]
+def _policy_and_reference(policy, lora: LoRASettings, key: jax.Array):
+    """`(trained policy, its filter spec, reference)`: the policy with LoRA adapters and
+    the reference as that policy with its adapters off (the same base arrays); with
+    `lora.rank == 0`, the policy itself, spec `None` (every weight trains) and the
+    untouched `policy` as reference."""
+    pol, spec = with_lora(policy, lora, key)
+    return pol, spec, (rx.without_lora(pol) if spec is not None else policy)
 
 
 def _per_token_kl(logp, ref_logp, mask) -> float:
     m = np.asarray(mask)
     return float(((np.asarray(logp) - np.asarray(ref_logp)) * m).sum() / max(m.sum(), 1))
+
+
+def _sample_and_compare(
+    model,
+    reference,
+    tok,
+    prompts: Sequence[str],
+    key: jax.Array,
+    r: int,
+    *,
+    ctx: RunContext,
+    per_rollout: int,
+    group_size: int = 1,
+):
+    """Rollout `r`: `group_size` completions of each of `per_rollout` prompts (rows
+    `rows_at(len(prompts), per_rollout, ctx.ops.seed, r)` of `prompts`), sampled from
+    `model` with the run's sampling settings, and the reference's log-probs of them.
+
+    **Returns:** `(rollout, ref_logp, info)`; `ref_logp` is 0 outside the completions,
+    `info` holds the per-token KL of the samples to the reference (`kl`, the KL guard's
+    measure) and the fraction of completions cut at `max_new_tokens` (`truncated`).
+    """
+    rows = rows_at(len(prompts), per_rollout, ctx.ops.seed, r)
+    roll = sample_rollout(
+        model,
+        tok,
+        [prompts[j] for j in rows],
+        key,
+        group_size=group_size,
+        prompt_length=ctx.prompt_length,
+        max_new_tokens=ctx.max_new_tokens,
+        temperature=ctx.temperature,
+        stop_strings=ctx.stop_strings,
+    )
+    m = roll.completion_mask & roll.mask
+    ref_logp = token_logps(reference, roll.tokens, roll.mask)
+    info = {
+        "kl": _per_token_kl(roll.logprobs, ref_logp, m),
+        "truncated": float(jnp.mean(roll.truncated.astype(jnp.float32))),
+    }
+    return roll, jnp.where(m, ref_logp, 0.0), info
+
+
+# --- PPO -------------------------------------------------------------------------------
 
 
 def run_ppo(
@@ -55,8 +104,7 @@ def run_ppo(
     KL to the reference exceeds `cfg.kl_target`.
     """
     k_lora, k_value, ctx_key = jax.random.split(ctx.key, 3)
-    pol, spec = with_lora(policy, cfg.lora, k_lora)
-    reference = rx.without_lora(pol) if spec is not None else policy
+    pol, spec, reference = _policy_and_reference(policy, cfg.lora, k_lora)
     value = rx.ValueModel.from_policy(policy, key=k_value)
     total = cfg.rollouts * cfg.epochs * cfg.minibatches
     opt = build_optimizer(cfg.optim, total)
@@ -70,30 +118,24 @@ def run_ppo(
         donate=False,
         temperature=ctx.temperature,
     )
-    mb = cfg.prompts_per_rollout // cfg.minibatches
+    n = cfg.prompts_per_rollout
+    mb = n // cfg.minibatches
     rows = cfg.prompts_per_rollout * (ctx.prompt_length + ctx.max_new_tokens)
     n_policy, n_value = rx.count_params(pol), rx.count_params(value)
 
     def iteration(state, key, r):
         k_sample, k_steps = jax.random.split(key)
         pol_now, val_now = state.model
-        roll = sample_rollout(
-            pol_now,
-            tok,
-            _prompts_at(prompts, cfg.prompts_per_rollout, ctx.ops.seed, r),
-            k_sample,
-            prompt_length=ctx.prompt_length,
-            max_new_tokens=ctx.max_new_tokens,
-            temperature=ctx.temperature,
-            stop_strings=ctx.stop_strings,
+        roll, _, info = _sample_and_compare(
+            pol_now, reference, tok, prompts, k_sample, r, ctx=ctx, per_rollout=n
         )
         if isinstance(reward, rx.models.AbstractScalarModel):
             scores = reward_model_scores(reward, roll.tokens, roll.mask)
-            info = {"score": float(jnp.mean(scores))}
+            info["score"] = float(jnp.mean(scores))
         else:
-            s, info = score_rollout(roll, reward)
+            s, scored = score_rollout(roll, reward)
             scores = jnp.asarray(s)
-            info["score"] = float(s.mean())
+            info.update(scored, score=float(s.mean()))
         batch, stats = rx.train.prepare_ppo_batch(
             (pol_now, val_now),
             reference,
@@ -108,12 +150,8 @@ def run_ppo(
         )
         m = roll.completion_mask & roll.mask
         batch = eqx.tree_at(lambda b: b.old_logp, batch, jnp.where(m, roll.logprobs, 0.0))
-        ref_logp = token_logps(reference, roll.tokens, roll.mask)
-        info["kl"] = _per_token_kl(roll.logprobs, ref_logp, m)
         info.update({k: float(v) for k, v in stats.items()})
-        info["truncated"] = float(jnp.mean(roll.truncated.astype(jnp.float32)))
         metrics = []
-        n = cfg.prompts_per_rollout
         for e in range(cfg.epochs):
             perm = np.asarray(jax.random.permutation(jax.random.fold_in(k_steps, e), n))
             for j in range(cfg.minibatches):
@@ -162,8 +200,7 @@ def run_grpo(
     exceeds `cfg.kl_target`.
     """
     k_lora, ctx_key = jax.random.split(ctx.key)
-    pol, spec = with_lora(policy, cfg.lora, k_lora)
-    reference = rx.without_lora(pol) if spec is not None else policy
+    pol, spec, reference = _policy_and_reference(policy, cfg.lora, k_lora)
     opt = build_optimizer(cfg.optim, cfg.rollouts * cfg.epochs)
     state = rx.train.init_train_state(pol, opt, filter_spec=spec)
     step = rx.train.make_grpo_step(
@@ -179,24 +216,20 @@ def run_grpo(
 
     def iteration(state, key, r):
         k_sample, k_steps = jax.random.split(key)
-        roll = sample_rollout(
+        roll, ref_logp, info = _sample_and_compare(
             state.model,
+            reference,
             tok,
-            _prompts_at(prompts, cfg.prompts_per_rollout, ctx.ops.seed, r),
+            prompts,
             k_sample,
+            r,
+            ctx=ctx,
+            per_rollout=cfg.prompts_per_rollout,
             group_size=cfg.group_size,
-            prompt_length=ctx.prompt_length,
-            max_new_tokens=ctx.max_new_tokens,
-            temperature=ctx.temperature,
-            stop_strings=ctx.stop_strings,
         )
-        rewards, info = score_rollout(roll, reward_fns)
-        info["score"] = float(rewards.mean())
+        rewards, scored = score_rollout(roll, reward_fns)
+        info.update(scored, score=float(rewards.mean()))
         info["frac_reward_zero_std"] = group_signal(rewards, cfg.group_size)
-        m = roll.completion_mask & roll.mask
-        ref_logp = token_logps(reference, roll.tokens, roll.mask)
-        info["kl"] = _per_token_kl(roll.logprobs, ref_logp, m)
-        info["truncated"] = float(jnp.mean(roll.truncated.astype(jnp.float32)))
         if info["frac_reward_zero_std"] == 1.0:
             ctx.log.event(
                 "no_signal",
@@ -209,7 +242,7 @@ def run_grpo(
             completion_mask=roll.completion_mask,
             rewards=jnp.asarray(rewards),
             old_logp=roll.logprobs,
-            ref_logp=jnp.where(m, ref_logp, 0.0),
+            ref_logp=ref_logp,
             truncated=roll.truncated,
         )
         metrics = []

@@ -4,7 +4,14 @@
 import os
 from typing import Any
 
-from ._config import ConfigError, LoRASettings, OptimConfig, PipelineConfig
+from ._config import (
+    BatchStageConfig,
+    ConfigError,
+    LoRASettings,
+    OptimConfig,
+    PipelineConfig,
+    RolloutStageConfig,
+)
 
 
 def _fail(name: str, value: Any, why: str) -> None:
@@ -114,33 +121,36 @@ def validate_config(cfg: PipelineConfig, *, device_count: int = 1) -> None:
         _check_optim(f"{name}.optim", c.optim)
         if hasattr(c, "lora"):
             _check_lora(f"{name}.lora", c.lora)
-        used = name in cfg.stages or (name == "dpo" and "online-dpo" in cfg.stages)
-        if used and hasattr(c, "max_length") and c.max_length <= s.prompt_length:
-            _fail(
-                f"{name}.max_length",
-                c.max_length,
-                f"must exceed sampling.prompt_length={s.prompt_length}",
-            )
-    for name in ("steps", "batch_size", "samples"):
-        _positive(f"sft.{name}", getattr(cfg.sft, name))
-    _divides("sft.batch_size", cfg.sft.batch_size, device_count)
-    _positive("reward.steps", cfg.reward.steps)
-    _positive("reward.batch_size", cfg.reward.batch_size)
-    _divides("reward.batch_size", cfg.reward.batch_size, device_count)
+        if isinstance(c, BatchStageConfig):
+            used = name in cfg.stages or (name == "dpo" and "online-dpo" in cfg.stages)
+            if used and c.max_length <= s.prompt_length:
+                _fail(
+                    f"{name}.max_length",
+                    c.max_length,
+                    f"must exceed sampling.prompt_length={s.prompt_length}",
+                )
+            _positive(f"{name}.steps", c.steps)
+            _positive(f"{name}.batch_size", c.batch_size)
+            _divides(f"{name}.batch_size", c.batch_size, device_count)
+        if isinstance(c, RolloutStageConfig):
+            for field in ("rollouts", "prompts_per_rollout", "epochs"):
+                _positive(f"{name}.{field}", getattr(c, field))
+            if not 0 < c.clip < 1:
+                _fail(f"{name}.clip", c.clip, "must be in (0, 1)")
+            if not c.kl_target > 0:
+                _fail(f"{name}.kl_target", c.kl_target, "must be > 0")
+    _positive("sft.samples", cfg.sft.samples)
     _positive("reward.pairs_per_prompt", cfg.reward.pairs_per_prompt)
     if not 0 < cfg.reward.heldout_fraction < 1:
         _fail("reward.heldout_fraction", cfg.reward.heldout_fraction, "must be in (0, 1)")
     d = cfg.dpo
     if not d.beta > 0:
         _fail("dpo.beta", d.beta, "must be > 0")
-    for name in ("rounds", "steps", "batch_size"):
-        _positive(f"dpo.{name}", getattr(d, name))
+    _positive("dpo.rounds", d.rounds)
     if d.samples < 2:
         _fail("dpo.samples", d.samples, "must be >= 2 (pairs need two completions)")
-    _divides("dpo.batch_size", d.batch_size, device_count)
     p = cfg.ppo
-    for name in ("rollouts", "prompts_per_rollout", "epochs", "minibatches"):
-        _positive(f"ppo.{name}", getattr(p, name))
+    _positive("ppo.minibatches", p.minibatches)
     if p.prompts_per_rollout % p.minibatches:
         _fail(
             "ppo.minibatches",
@@ -148,25 +158,15 @@ def validate_config(cfg: PipelineConfig, *, device_count: int = 1) -> None:
             f"must divide ppo.prompts_per_rollout={p.prompts_per_rollout}",
         )
     _divides("ppo.prompts_per_rollout", p.prompts_per_rollout // p.minibatches * 1, device_count)
-    if not 0 < p.clip < 1:
-        _fail("ppo.clip", p.clip, "must be in (0, 1)")
     if p.vf_coef < 0 or p.ent_coef < 0 or p.kl_coef < 0:
         _fail("ppo.vf_coef/ent_coef/kl_coef", (p.vf_coef, p.ent_coef, p.kl_coef), "must be >= 0")
     if not 0 <= p.gamma <= 1:
         _fail("ppo.gamma", p.gamma, "must be in [0, 1]")
     if not 0 <= p.lam <= 1:
         _fail("ppo.lam", p.lam, "must be in [0, 1]")
-    if not p.kl_target > 0:
-        _fail("ppo.kl_target", p.kl_target, "must be > 0")
     g = cfg.grpo
-    for name in ("rollouts", "prompts_per_rollout", "epochs"):
-        _positive(f"grpo.{name}", getattr(g, name))
     if g.group_size < 2:
         _fail("grpo.group_size", g.group_size, "must be >= 2")
     _divides("grpo.prompts_per_rollout", g.prompts_per_rollout * g.group_size, device_count)
-    if not 0 < g.clip < 1:
-        _fail("grpo.clip", g.clip, "must be in (0, 1)")
     if g.beta < 0:
         _fail("grpo.beta", g.beta, "must be >= 0")
-    if not g.kl_target > 0:
-        _fail("grpo.kl_target", g.kl_target, "must be > 0")

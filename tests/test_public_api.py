@@ -1,0 +1,203 @@
+"""Tests and examples use the public API only: no import reaches into a private module
+(`rlhf_eqx._x`, `rlhf_eqx.models._y`, `from rlhf_eqx.models import _z`), and the helpers
+they need are re-exported where users find them."""
+
+import ast
+import pathlib
+import re
+
+import pytest
+
+import rlhf_eqx as rx
+from rlhf_eqx import pipelines as pl
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# The shape-check tests exercise the import hook that instruments the package itself
+# (`rlhf_eqx._typecheck`): machinery, not API, switched by `RLHF_EQX_TYPECHECK`.
+ALLOWED = {("test_shape_checks.py", "rlhf_eqx._typecheck")}
+_MODULE_PATH = re.compile(r"rlhf_eqx(\.\w+)*")
+
+
+def _private(module: str) -> bool:
+    """`True` when a dotted path names a private part of rlhf_eqx (dunder names such as
+    `__main__` are not private)."""
+    parts = module.split(".")
+    return parts[0] == "rlhf_eqx" and any(
+        p.startswith("_") and not (p.startswith("__") and p.endswith("__")) for p in parts[1:]
+    )
+
+
+def private_imports(source: str) -> list[tuple[int, str]]:
+    """`(line, dotted path)` of every private rlhf_eqx module or name that `source`
+    imports, or passes as a module path to a call (`importlib.import_module(...)`,
+    `monkeypatch.setattr(...)`)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if _private(a.name)]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            paths = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            found += [(node.lineno, p) for p in paths if _private(p)][:1]
+        elif isinstance(node, ast.Call):
+            for arg in node.args[:1]:
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                    if _MODULE_PATH.fullmatch(arg.value) and _private(arg.value):
+                        found.append((node.lineno, arg.value))
+    return found
+
+
+def test_the_checker_finds_private_imports():
+    source = (
+        "import rlhf_eqx as rx\n"
+        "from rlhf_eqx.models import Policy, load_hf\n"
+        "from rlhf_eqx.__main__ import main\n"
+        "from rlhf_eqx.models._quant import quantize_weight_nf4\n"
+        "import rlhf_eqx._sampling._token\n"
+        "from rlhf_eqx.models import _transformer, Policy\n"
+        "from rlhf_eqx import _memory\n"
+        "mod = importlib.import_module('rlhf_eqx.pipelines._monitor')\n"
+        "text = 'see rlhf_eqx._memory for the model'\n"
+    )
+    assert private_imports(source) == [
+        (4, "rlhf_eqx.models._quant"),
+        (5, "rlhf_eqx._sampling._token"),
+        (6, "rlhf_eqx.models._transformer"),
+        (7, "rlhf_eqx._memory"),
+        (8, "rlhf_eqx.pipelines._monitor"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted(ROOT.glob("tests/*.py")) + sorted(ROOT.glob("examples/*.py")),
+    ids=lambda p: f"{p.parent.name}/{p.name}",
+)
+def test_no_private_imports(path):
+    found = [
+        (line, module)
+        for line, module in private_imports(path.read_text())
+        if (path.name, module) not in ALLOWED
+    ]
+    assert not found, "\n".join(
+        f"{path.relative_to(ROOT)}:{line} imports the private {module}; use (or add) "
+        "a public name in the package's __init__"
+        for line, module in found
+    )
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "models.attention",
+        "models.attention_layout",
+        "models.ATTENTION_BLOCK",
+        "models.permute_rotary_rows",
+        "models.quantize_weight_int8",
+        "models.quantize_weight_nf4",
+        "filter_logits",
+        "sample_token",
+        "estimate_memory",
+        "MemoryEstimate",
+    ],
+)
+def test_helpers_are_public(name):
+    obj = rx
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    if callable(obj) and not isinstance(obj, type):
+        assert obj.__doc__ and obj.__doc__.strip(), f"rlhf_eqx.{name} has no docstring"
+
+
+def test_pipeline_helpers_are_public():
+    for name in ("device_memory", "measure_matmul_peak", "model_flops", "split_records"):
+        assert callable(getattr(pl, name)), name
+
+
+STAGE_KEYS = {
+    "sft": "steps batch_size max_length optim samples lora",
+    "reward": "steps batch_size max_length optim pairs_per_prompt heldout_fraction",
+    "dpo": "steps batch_size max_length optim beta loss_type rounds samples lora",
+    "ppo": "rollouts prompts_per_rollout epochs clip kl_target optim lora minibatches vf_coef "
+    "ent_coef gamma lam kl_coef",
+    "grpo": "rollouts prompts_per_rollout epochs clip kl_target optim lora group_size beta",
+}
+
+
+def test_stage_config_keys_are_the_documented_ones():
+    """The keys users write in config files and `--set` paths: the stages share their
+    common blocks (`BatchStageConfig`, `RolloutStageConfig`) without changing them."""
+    d = pl.config_to_dict(pl.PipelineConfig())
+    for stage, keys in STAGE_KEYS.items():
+        assert set(d[stage]) == set(keys.split()), stage
+    for stage in ("sft", "reward", "dpo"):
+        assert isinstance(getattr(pl.PipelineConfig(), stage), pl.BatchStageConfig)
+    for stage in ("ppo", "grpo"):
+        assert isinstance(getattr(pl.PipelineConfig(), stage), pl.RolloutStageConfig)
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("ppo.clip=1.5", "ppo.clip"),
+        ("grpo.clip=0", "grpo.clip"),
+        ("grpo.kl_target=0", "grpo.kl_target"),
+        ("ppo.epochs=0", "ppo.epochs"),
+        ("grpo.rollouts=0", "grpo.rollouts"),
+        ("reward.steps=0", "reward.steps"),
+        ("dpo.batch_size=0", "dpo.batch_size"),
+        ("sft.max_length=8", "sft.max_length"),
+        ("grpo.optim.lr=0", "grpo.optim.lr"),
+        ("dpo.lora.rank=-1", "dpo.lora.rank"),
+    ],
+)
+def test_shared_stage_fields_are_validated_per_stage(override, field):
+    cfg = pl.apply_overrides(pl.PipelineConfig(), [override, "sampling.prompt_length=16"])
+    with pytest.raises(pl.ConfigError, match=rf"^{re.escape(field)}="):
+        pl.validate_config(cfg)
+
+
+# --- step builders repeat their loss factory's signature -------------------------------
+# Every `make_<algo>_step` spells out its loss factory's keyword arguments and
+# `make_step`'s step-control arguments (as `optax.adamw` spells out `scale_by_adam`'s), so
+# that the signature users, IDEs and type checkers read is explicit. These tests keep the
+# copies in agreement: same names, defaults and annotations.
+
+STEP_CONTROLS = ("micro_batches", "axis_name", "donate", "nonfinite", "check_token_ids")
+BUILDERS = {
+    "make_sft_step": ("sft_loss", ()),
+    "make_reward_step": ("reward_loss", ()),
+    "make_dpo_step": ("dpo_loss_fn", ()),
+    "make_ppo_step": ("ppo_loss", ("value_optimizer",)),
+    "make_grpo_step": ("grpo_loss", ("group_size", "scale", "mask_truncated_completions")),
+}
+
+
+def _params(fn):
+    import inspect
+
+    return inspect.signature(fn).parameters
+
+
+@pytest.mark.parametrize("builder", sorted(BUILDERS))
+def test_step_builders_repeat_their_loss_factory_and_make_step_exactly(builder):
+    import inspect
+
+    factory_name, own = BUILDERS[builder]
+    built = _params(getattr(rx.train, builder))
+    factory = _params(getattr(rx.train, factory_name))
+    control = _params(rx.train.make_step)
+    first, *rest = built.values()
+    assert first.name == "optimizer" and first.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    for p in rest:
+        assert p.kind is inspect.Parameter.KEYWORD_ONLY, f"{builder}: {p.name} is not keyword-only"
+    for source, names in ((factory, list(factory)), (control, STEP_CONTROLS)):
+        for name in names:
+            assert name in built, f"{builder} lacks {name}"
+            want, got = source[name], built[name]
+            # jaxtyping builds a new class per `Float[Array, ""]`: compare annotations as text
+            assert (got.default, str(got.annotation)) == (want.default, str(want.annotation)), (
+                f"{builder}({name}=...) differs from its source: "
+                f"{got.default!r}: {got.annotation} vs {want.default!r}: {want.annotation}"
+            )
+    unexplained = set(built) - {"optimizer", *factory, *STEP_CONTROLS, *own}
+    assert not unexplained, f"{builder} has arguments of unknown origin: {sorted(unexplained)}"

@@ -223,7 +223,7 @@ def memory_table(*, pairs: int = 8, seq_len: int = 1024) -> str:
                 est.total_remat,
             ]
             cells = [name, mode, mesh] + [f"{b / gib:.1f}" for b in sizes_gib]
-            lines.append(_row(cells + [verdict(est, 16e9), verdict(est, 80e9)]))
+            lines.append(_row(cells + [verdict(est, 16 * 10**9), verdict(est, 80 * 10**9)]))
     return "\n".join(lines)
 
 

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec
 
 from .distributed import fit_spec, opt_state_specs
 from .models import (
+    ATTENTION_BLOCK,
     LoRAConfig,
     Policy,
     TransformerConfig,
@@ -131,12 +132,14 @@ def _activation_bytes(
 
     Per token and layer (b = bytes of the compute dtype): the residual stream and norm
     inputs/outputs (`8·D·b`), q/k/v before and after rotary (`2·(Q + 2·KV)·b`), the
-    attention output (`Q·b`), gate/up and the SwiGLU products (`4·F·b`), and the
-    attention scores and probabilities (`H·T·(8 + b)`, float32 scores and softmax and
-    the probabilities in b). Per token, outside the layers: the embedding output and
-    final norm (`2·D·b`), float32 logits and their log-softmax (`8·V`) and the
-    attention mask (`4·T`). With remat only each layer's input (`D·b` per layer) is
-    kept, plus one layer's activations while it is recomputed. Sequences are split over
+    attention output (`Q·b`), gate/up and the SwiGLU products (`4·F·b`), and each
+    query's float32 log-normaliser (`4·H`; the attention stores no probabilities, its
+    backward pass recomputes them). Per token, outside the layers: the embedding output
+    and final norm (`2·D·b`), float32 logits and their log-softmax (`8·V`) and the
+    attention mask (`4·T`); once, the float32 scores, probabilities and their gradient
+    of one block of queries (`ATTENTION_BLOCK`) of one layer while its backward pass
+    runs (`12·H·min(T, block)·T` per sequence). With remat only each layer's input
+    (`D·b` per layer) is kept, plus one layer's activations while it is recomputed. Sequences are split over
     `data`; heads, MLP units and the vocabulary over `model` (the residual stream is
     replicated over `model`).
     """
@@ -151,11 +154,12 @@ def _activation_bytes(
         + 2 * _split(Q + 2 * KV, model) * b
         + _split(Q, model) * b
         + 4 * _split(F, model) * b
-        + H * heads * T * (8 + b)
+        + 4 * H * heads
     )
     outside = 2 * D * b + 8 * _split(V, model) + 4 * T
-    full = tokens * (cfg.n_layers * per_layer + outside)
-    remat = tokens * (cfg.n_layers * D * b + per_layer + outside)
+    transient = rows * 12 * H * heads * min(T, ATTENTION_BLOCK) * T
+    full = tokens * (cfg.n_layers * per_layer + outside) + transient
+    remat = tokens * (cfg.n_layers * D * b + per_layer + outside) + transient
     return int(full), int(remat)
 
 

@@ -125,7 +125,9 @@ def test_lora_int8_and_bfloat16_variants():
 
 def test_remat_keeps_only_layer_inputs():
     est = estimate_memory(LLAMA_7B, (8, 1), (64, 2048))
-    assert est.activations_remat < est.activations / 10
+    # remat keeps each layer's input (D per token) instead of its ~25 activations of
+    # size D..F per token; logits and one attention block are kept either way
+    assert est.activations_remat < est.activations / 5
     assert est.total_remat < est.total
     assert est.fits(80 * 2**30, remat=True) and not est.fits(16 * 2**30)
 

@@ -94,6 +94,8 @@ def report(rows):
             if "flops" in rs[0]:
                 mfu = common.median([r["flops"] / r["median_s"] / (r["matmul_gflops"] * 1e9) for r in rs])
             extra = []
+            if "layout" in rs[0]:
+                extra.append(f"{rs[0]['layout']} layout")
             if "new_tokens" in rs[0]:
                 extra.append(f"{common.median([r['new_tokens'] / r['median_s'] for r in rs]):,.0f} new tok/s")
             if "tokens" in rs[0]:

@@ -6,10 +6,12 @@ Prints one `RESULT {...}` JSON line (see `common.emit`). The persistent compilat
 cache is on (`RLHF_EQX_BENCH_CACHE`, default `/tmp/rlhf_eqx_jax_cache`), as a user would
 run. Preference workloads (`dpo`, `dpo_cached`, `curve_*`, `rm`, `hh_dpo`) run on
 shared-prompt batches (`data.pack_preferences`: each prompt once, both completions
-after it). `RLHF_EQX_BENCH_LAYOUT` picks the layout: `aligned` (the default: fixed
-prompt / chosen / rejected regions, each completion scored against the prompt and
-itself only), `packed` (one pair per row, `[prompt | chosen | rejected]` back to back)
-or `plain` (the unpacked `PreferenceBatch`, prompt computed twice), for A/B runs.
+after it), in the layout that suits the data: `aligned` for the fixed-length workloads
+(fixed prompt / chosen / rejected regions, each completion scored against the prompt
+and itself only) and `packed` for the HH-RLHF length mix (one pair per row,
+`[prompt | chosen | rejected]` back to back: least padding when lengths vary).
+`RLHF_EQX_BENCH_LAYOUT=aligned|packed|plain` forces one (`plain`: the unpacked
+`PreferenceBatch`, prompt computed twice), for A/B runs.
 """
 
 import os
@@ -55,9 +57,11 @@ def preference_batch(prompt, chosen, rejected):
     )
 
 
-LAYOUT = os.environ.get("RLHF_EQX_BENCH_LAYOUT", "aligned")
-if LAYOUT not in ("aligned", "packed", "plain"):
+LAYOUT = os.environ.get("RLHF_EQX_BENCH_LAYOUT", "auto")
+if LAYOUT not in ("auto", "aligned", "packed", "plain"):
     raise SystemExit(f"RLHF_EQX_BENCH_LAYOUT must be aligned, packed or plain, got {LAYOUT!r}")
+if LAYOUT == "auto":
+    LAYOUT = "packed" if len(sys.argv) > 1 and sys.argv[1] == "hh_dpo" else "aligned"
 PACKED = LAYOUT != "plain"
 
 

@@ -38,12 +38,7 @@ from ._accumulate import (
     split_micro_batches as split_micro_batches,
     sums_to_means as sums_to_means,
 )
-from ._dpo import (
-    compute_reference_logps as compute_reference_logps,
-    dpo_loss_fn as dpo_loss_fn,
-    make_dpo_step as make_dpo_step,
-    sequence_logps as sequence_logps,
-)
+from ._dpo import dpo_loss_fn as dpo_loss_fn, make_dpo_step as make_dpo_step
 from ._grpo import (
     GRPOBatch as GRPOBatch,
     grpo_advantages as grpo_advantages,
@@ -55,6 +50,10 @@ from ._optim import (
     learning_rate_from_state as learning_rate_from_state,
     make_optimizer as make_optimizer,
     make_schedule as make_schedule,
+)
+from ._pair_logps import (
+    compute_reference_logps as compute_reference_logps,
+    sequence_logps as sequence_logps,
 )
 from ._ppo import make_ppo_step as make_ppo_step, ppo_loss as ppo_loss
 from ._reward import make_reward_step as make_reward_step, reward_loss as reward_loss

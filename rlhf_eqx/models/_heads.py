@@ -123,8 +123,9 @@ class Policy(AbstractDecoder[KVCache], AbstractBatchedModel, AbstractSelectiveLM
         head and the vocabulary log-softmax run only on the hidden states that predict
         those tokens: their positions are gathered (all rows together, selected first),
         cut into chunks of `chunk` positions, and chunks holding no selected position
-        are skipped (`jax.lax.cond`, forward and backward). The `[T, V]` logits are
-        never materialised; at most `[chunk, V]` are alive at a time.
+        are skipped (`jax.lax.cond`, forward and backward; in multi-process runs every
+        chunk is scored, so that no collective runs inside a conditional). The `[T, V]`
+        logits are never materialised; at most `[chunk, V]` are alive at a time.
 
         **Arguments:**
 
@@ -179,8 +180,16 @@ class Policy(AbstractDecoder[KVCache], AbstractBatchedModel, AbstractSelectiveLM
             zero = jnp.zeros((chunk,), jnp.float32)
             return zero, zero
 
+        # Across processes the head's weights may be sharded, and a collective inside a
+        # conditional can run concurrently with another collective in a different order
+        # on each process (XLA's CPU runtime executes independent operations in
+        # parallel), which deadlocks; there every chunk is scored.
+        skip_empty = jax.process_count() == 1
+
         def body(_, xs):
             hc, tc, start = xs
+            if not skip_empty:
+                return None, scored((hc, tc))
             return None, jax.lax.cond(start < count, scored, skipped, (hc, tc))
 
         _, (lp, ml) = jax.lax.scan(body, None, (hs, tgt, starts))

@@ -20,7 +20,7 @@ from ._evaluate import reward_accuracy
 from ._metrics import MetricsLog
 from ._monitor import measure_matmul_peak
 from ._rl_runs import run_grpo
-from ._rollout import RewardFunction, sample_rollout
+from ._rollout import RewardFunction, sample_rollout, sampling_options
 from ._runs import (
     RunContext,
     collate_pairs,
@@ -142,10 +142,7 @@ def run_on_data(cfg: PipelineConfig, stage: str, *, resume: bool = False) -> dic
         key=jax.random.key(cfg.ops.seed),
         checkpoint_dir=os.path.join(run_dir, stage, "checkpoints"),
         resume=resume,
-        prompt_length=s.prompt_length,
-        max_new_tokens=s.max_new_tokens,
-        temperature=s.temperature,
-        stop_strings=s.stop_strings,
+        **sampling_options(s),
         meta={"stage": stage, "config": config_to_dict(cfg)},
         peak_flops=measure_matmul_peak() if cfg.ops.monitor else None,
     )
@@ -238,10 +235,7 @@ def run_on_data(cfg: PipelineConfig, stage: str, *, resume: bool = False) -> dic
                 tok,
                 hp,
                 k,
-                prompt_length=s.prompt_length,
-                max_new_tokens=s.max_new_tokens,
-                temperature=s.temperature,
-                stop_strings=s.stop_strings,
+                **sampling_options(s),
             )
             rates.append(float(np.mean([exact(p, t) for p, t in zip(roll.prompts, roll.texts)])))
         summary["grpo"] = {"heldout_exact_match_before": rates[0], "heldout_exact_match": rates[1]}

@@ -13,7 +13,7 @@ from rlhf_eqx import data
 from ._config import DPOConfig
 from ._monitor import model_flops
 from ._ops import build_optimizer
-from ._rollout import sample_rollout
+from ._rollout import sample_rollout, sampling_options
 from ._runs import (
     RunContext,
     RunResult,
@@ -92,10 +92,7 @@ def run_online_dpo(
             prompts,
             k_sample,
             group_size=cfg.samples,
-            prompt_length=ctx.prompt_length,
-            max_new_tokens=ctx.max_new_tokens,
-            temperature=ctx.temperature,
-            stop_strings=ctx.stop_strings,
+            **sampling_options(ctx),
         )
         labels = label(roll.prompts, roll.texts, r)
         pairs = best_worst_pairs(prompts, roll.texts, labels, cfg.samples)

@@ -18,7 +18,7 @@ from ._evaluate import evaluate_policy, reward_accuracy, win_rate
 from ._metrics import MetricsLog
 from ._monitor import measure_matmul_peak
 from ._rl_runs import run_grpo, run_ppo
-from ._rollout import RewardFunction, sample_rollout
+from ._rollout import RewardFunction, sample_rollout, sampling_options
 from ._runs import (
     RunContext,
     collate_pairs,
@@ -100,10 +100,7 @@ def _ctx(
         key=key,
         checkpoint_dir=os.path.join(run_dir, stage, "checkpoints"),
         resume=resume,
-        prompt_length=s.prompt_length,
-        max_new_tokens=s.max_new_tokens,
-        temperature=s.temperature,
-        stop_strings=s.stop_strings,
+        **sampling_options(s),
         meta={"stage": stage, "config": config_to_dict(cfg)},
         evaluate=evaluate,
         peak_flops=peak_flops,
@@ -157,10 +154,7 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
             base=base,
             reference=reference,
             samples=cfg.eval_samples,
-            prompt_length=s.prompt_length,
-            max_new_tokens=s.max_new_tokens,
-            temperature=s.temperature,
-            stop_strings=s.stop_strings,
+            **sampling_options(s),
         )
 
     summary: dict = {}
@@ -175,10 +169,7 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
         TRAIN_PROMPTS,
         jax.random.fold_in(k_data, 0),
         group_size=cfg.sft.samples,
-        prompt_length=s.prompt_length,
-        max_new_tokens=s.max_new_tokens,
-        temperature=s.temperature,
-        stop_strings=s.stop_strings,
+        **sampling_options(s),
     )
     labels = np.asarray(label(roll.prompts, roll.texts, 1)).reshape(-1, cfg.sft.samples)
     best = labels.argmax(axis=1)
@@ -225,10 +216,7 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
             TRAIN_PROMPTS,
             jax.random.fold_in(k_data, 1),
             group_size=2 * n,
-            prompt_length=s.prompt_length,
-            max_new_tokens=s.max_new_tokens,
-            temperature=s.temperature,
-            stop_strings=s.stop_strings,
+            **sampling_options(s),
         )
         true = np.asarray([animal_score(t) for t in roll.texts])
         noisy = np.asarray(label(roll.prompts, roll.texts, 2))
@@ -248,10 +236,7 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
             HELDOUT_PROMPTS,
             jax.random.fold_in(k_data, 2),
             group_size=2 * n,
-            prompt_length=s.prompt_length,
-            max_new_tokens=s.max_new_tokens,
-            temperature=s.temperature,
-            stop_strings=s.stop_strings,
+            **sampling_options(s),
         )
         ht = np.asarray([animal_score(t) for t in heldout_roll.texts])
         for j in range(0, len(heldout_roll.texts), 2):

@@ -19,6 +19,7 @@ from ._rollout import (
     group_signal,
     reward_model_scores,
     sample_rollout,
+    sampling_options,
     score_rollout,
     token_logps,
 )
@@ -68,10 +69,7 @@ def _sample_and_compare(
         [prompts[j] for j in rows],
         key,
         group_size=group_size,
-        prompt_length=ctx.prompt_length,
-        max_new_tokens=ctx.max_new_tokens,
-        temperature=ctx.temperature,
-        stop_strings=ctx.stop_strings,
+        **sampling_options(ctx),
     )
     m = roll.completion_mask & roll.mask
     ref_logp = token_logps(reference, roll.tokens, roll.mask)

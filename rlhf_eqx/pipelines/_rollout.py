@@ -65,6 +65,15 @@ def encode_prompts(tok, prompts: Sequence[str], *, prompt_length: int) -> list[l
     return ids
 
 
+SAMPLING_FIELDS = ("prompt_length", "max_new_tokens", "temperature", "stop_strings")
+
+
+def sampling_options(settings) -> dict:
+    """`sample_rollout`'s sampling keywords (`SAMPLING_FIELDS`) read from a config or run
+    context that has those fields."""
+    return {name: getattr(settings, name) for name in SAMPLING_FIELDS}
+
+
 def sample_rollout(
     policy,
     tok,

@@ -1,10 +1,11 @@
-"""Fast paths equal the reference computations: completion-only LM head, the joint
-chosen/rejected forward, blockwise attention and NF4 weights."""
+"""Fast paths equal the reference computations: completion-only LM head (DPO and GRPO
+steps, entropies, temperature), the joint chosen/rejected forward, blockwise attention and NF4 weights."""
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from helpers import assert_tree_allclose
 
@@ -131,6 +132,61 @@ def test_dpo_step_fast_path_equals_full_logits_path(getkey, reference):
     plain = _Plain(policy)
     plain_state = opt.init(eqx.filter(plain, eqx.is_inexact_array))
     p_slow, _, m_slow = step(plain, plain_state, slow_batch, reference=_Plain(ref))
+    assert_tree_allclose(m_fast, m_slow, rtol=1e-4, atol=1e-5)
+    assert_tree_allclose(p_fast, p_slow.policy, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_selected_entropy_and_temperature_equal_full_logits(getkey, temperature):
+    policy = rx.Policy(tiny_cfg(), key=getkey())
+    tokens, mask, select = random_rows(getkey(), 3, 19, 61)
+    logp, mean, ent = policy.selected_logprobs(
+        tokens, mask, select, chunk=7, temperature=temperature, with_entropy=True
+    )
+    logits = policy(tokens, mask)
+    want_logp = jax.vmap(lambda lg, t, m: rx.logprobs_from_logits(lg, t, m, temperature=temperature))(logits, tokens, mask)
+    want_ent = jax.vmap(lambda lg, m: rx.entropy_from_logits(lg, m, temperature=temperature))(logits, mask)
+    _, has_prev = jax.vmap(rx.previous_real_index)(mask)
+    keep = select & mask & has_prev
+    np.testing.assert_allclose(logp, jnp.where(keep, want_logp, 0.0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ent, jnp.where(keep, want_ent, 0.0), rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(ent)[~np.asarray(keep)] == 0.0) and np.all(np.asarray(ent)[np.asarray(keep)] > 0.0)
+    # the entropy is a metric: no gradient flows through it
+    g = jax.grad(lambda p: jnp.sum(p.selected_logprobs(tokens, mask, select, with_entropy=True)[2]))(policy)
+    assert all(float(jnp.max(jnp.abs(x))) == 0.0 for x in jax.tree.leaves(eqx.filter(g, eqx.is_inexact_array)))
+    with pytest.raises(ValueError, match="temperature"):
+        policy.selected_logprobs(tokens, mask, select, temperature=0.0)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(beta=0.1, temperature=0.8, micro_batches=2),
+        dict(importance="sequence", mode="token-mean"),
+    ],
+)
+def test_grpo_step_fast_path_equals_full_logits_path(getkey, kw):
+    """The completion-only chunked head (with its entropy) gives the GRPO step the same
+    loss, metrics and update as full logits, with and without a reference model."""
+    policy = rx.Policy(tiny_cfg(), key=getkey())
+    ref = rx.Policy(tiny_cfg(), key=getkey())
+    B, T, G = 4, 15, 2
+    tokens, mask, _ = random_rows(getkey(), B, T, 61)
+    cm = jnp.broadcast_to(jnp.arange(T)[None, :] >= 5, mask.shape)
+    old = jax.vmap(lambda t, m: rx.token_logprobs(policy, t, m))(tokens, mask)
+    old = old + 0.3 * jax.random.normal(getkey(), old.shape)
+    batch = train.GRPOBatch(
+        tokens=tokens, mask=mask, completion_mask=cm,
+        rewards=jnp.asarray([1.0, 0.0, 0.5, 2.0]), old_logp=old,
+    )
+    opt = optax.sgd(1.0)  # the update is minus the gradient (Adam would amplify rounding)
+    step = train.make_grpo_step(opt, group_size=G, **kw)
+    state = opt.init(eqx.filter(policy, eqx.is_inexact_array))
+    p_fast, _, m_fast = step(policy, state, batch, reference=ref)
+    plain = _Plain(policy)
+    p_slow, _, m_slow = step(plain, opt.init(eqx.filter(plain, eqx.is_inexact_array)), batch, reference=_Plain(ref))
+    assert float(m_fast["entropy"]) > 0.0
     assert_tree_allclose(m_fast, m_slow, rtol=1e-4, atol=1e-5)
     assert_tree_allclose(p_fast, p_slow.policy, rtol=1e-4, atol=1e-6)
 

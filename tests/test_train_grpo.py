@@ -133,3 +133,65 @@ def test_grpo_training_sanity_and_single_trace(getkey):
     assert float(metrics["loss"]) < float(first["loss"]) - 0.05
     assert float(metrics["clip_ratio"]) > 0.0
     assert not leaves_equal(eqx.filter(state.model, eqx.is_array), eqx.filter(policy, eqx.is_array))
+
+
+# --- each group's prompt computed once (prompt_length / samples_per_prompt) ------------
+
+
+def _sampled_groups(key, policy, *, n=3, G=2, P=6, new=7):
+    """Left-padded prompts of different lengths, G completions each (EOS stops some)."""
+    kp, ks, kr = jax.random.split(key, 3)
+    prompts = jax.random.randint(kp, (n, P), 1, policy.cfg.vocab_size)
+    lengths = jnp.asarray([P, P - 2, 1][:n])
+    pmask = jnp.arange(P)[None, :] >= (P - lengths)[:, None]
+    out = rx.generate_batch(
+        policy, prompts, pmask, ks, max_new_tokens=new, temperature=1.0, num_samples=G, eos_id=3
+    )
+    rewards = jax.random.normal(kr, (n * G,))
+    return out, rewards
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(), dict(beta=0.2, temperature=0.7, micro_batches=3), dict(importance="sequence", mode="token-mean")],
+)
+def test_grpo_shared_prompt_equals_one_row_per_completion(getkey, kw):
+    cfg = rx.TransformerConfig(vocab_size=40, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, max_seq_len=64)
+    policy, ref = rx.Policy(cfg, key=getkey()), rx.Policy(cfg, key=getkey())
+    G, P = 2, 6
+    out, rewards = _sampled_groups(getkey(), policy, G=G, P=P)
+    fields = dict(tokens=out.tokens, mask=out.mask, completion_mask=out.completion_mask, rewards=rewards)
+    plain = GRPOBatch(**fields)
+    shared = GRPOBatch(**fields, prompt_length=P, samples_per_prompt=G)
+    opt = optax.sgd(1.0)
+    step = make_grpo_step(opt, group_size=G, **kw)
+    state = opt.init(eqx.filter(policy, eqx.is_inexact_array))
+    p1, _, m1 = step(policy, state, plain, reference=ref)
+    p2, _, m2 = step(policy, state, shared, reference=ref)
+    assert float(m1["entropy"]) > 0.0
+    assert_tree_allclose(m2, m1, rtol=1e-4, atol=1e-5)
+    assert_tree_allclose(p2, p1, rtol=1e-4, atol=1e-6)
+
+
+def test_grpo_shared_prompt_is_validated(getkey):
+    cfg = rx.TransformerConfig(vocab_size=40, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=24, max_seq_len=32)
+    policy = rx.Policy(cfg, key=getkey())
+    out, rewards = _sampled_groups(getkey(), policy, G=2, P=6)
+    fields = dict(tokens=out.tokens, mask=out.mask, completion_mask=out.completion_mask, rewards=rewards)
+    with pytest.raises(rx.data.DataError, match="both"):
+        GRPOBatch(**fields, prompt_length=6)
+    with pytest.raises(rx.data.DataError, match=r"group 1"):
+        GRPOBatch(**dict(fields, tokens=out.tokens.at[3, 5].add(1)), prompt_length=6, samples_per_prompt=2)
+    with pytest.raises(rx.data.DataError, match="not a multiple"):
+        GRPOBatch(**fields, prompt_length=6, samples_per_prompt=4)
+    with pytest.raises(rx.data.DataError, match="completion tokens inside"):
+        GRPOBatch(**fields, prompt_length=7, samples_per_prompt=2)
+    with pytest.raises(rx.data.DataError, match="no completion"):
+        GRPOBatch(**fields, prompt_length=out.tokens.shape[1], samples_per_prompt=2)
+    shared = GRPOBatch(**fields, prompt_length=6, samples_per_prompt=2)
+    opt = optax.sgd(1.0)
+    state = opt.init(eqx.filter(policy, eqx.is_inexact_array))
+    with pytest.raises(ValueError, match="group_size=3"):
+        make_grpo_step(opt, group_size=3)(policy, state, shared)
+    with pytest.raises(ValueError, match="whole groups"):
+        make_grpo_step(opt, group_size=2, micro_batches=6)(policy, state, shared)

@@ -9,9 +9,11 @@ shared-prompt batches (`data.pack_preferences`: each prompt once, both completio
 after it), in the layout that suits the data: `aligned` for the fixed-length workloads
 (fixed prompt / chosen / rejected regions, each completion scored against the prompt
 and itself only) and `packed` for the HH-RLHF length mix (one pair per row,
-`[prompt | chosen | rejected]` back to back: least padding when lengths vary).
-`RLHF_EQX_BENCH_LAYOUT=aligned|packed|plain` forces one (`plain`: the unpacked
-`PreferenceBatch`, prompt computed twice), for A/B runs.
+`[prompt | chosen | rejected]` back to back: least padding when lengths vary). The
+GRPO update runs each group's prompt once (`GRPOBatch(prompt_length=,
+samples_per_prompt=)`). `RLHF_EQX_BENCH_LAYOUT=aligned|packed|plain` forces one
+(`plain`: the unpacked `PreferenceBatch` / one GRPO row per completion, prompts computed
+once per row), for A/B runs.
 """
 
 import os
@@ -214,9 +216,10 @@ def main():
             out = rx.generate_batch(state["p"], prompts, pmask, sub, max_new_tokens=g["new"], temperature=1.0, num_samples=G)
             jax.block_until_ready(out.tokens)
             t1 = time.perf_counter()
+            shared = dict(prompt_length=g["prompt"], samples_per_prompt=G) if PACKED else {}
             batch = train.GRPOBatch(
                 tokens=out.tokens, mask=out.mask, completion_mask=out.completion_mask,
-                rewards=rewards, old_logp=None,
+                rewards=rewards, old_logp=None, **shared,
             )
             p, o, m = step(state["p"], state["o"], batch)
             jax.block_until_ready(m["loss"])

@@ -115,7 +115,9 @@ class Policy(AbstractDecoder[KVCache], AbstractBatchedModel, AbstractSelectiveLM
         regions: tuple[int, ...] | None = None,
         key: PRNGKeyArray | None = None,
         chunk: int = 512,
-    ) -> tuple[Float[Array, "*B T"], Float[Array, "*B T"]]:
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> tuple[Float[Array, "*B T"], ...]:
         """Log-probabilities of the selected tokens, with the LM head applied only where needed.
 
         Equals `logprobs_from_logits(policy(tokens, mask), tokens, mask)` at the tokens
@@ -137,13 +139,23 @@ class Policy(AbstractDecoder[KVCache], AbstractBatchedModel, AbstractSelectiveLM
           prefix's last token).
         - `key`: LoRA dropout key, as for `__call__`.
         - `chunk`: positions per head chunk (a positive int).
+        - `temperature`: the log-softmax is taken of `logits / temperature` (as
+          `logprobs_from_logits(..., temperature=)`; e.g. the sampling temperature of
+          GRPO / PPO rollouts).
+        - `with_entropy`: also return the entropy of each predictive distribution
+          (`entropy_from_logits`), computed in the same chunks; it carries no gradient
+          (a metric: no backward work is spent on it).
 
-        **Returns:** `(logp, mean_logit)`, both `[..., T]` float32: `logp[t] = log
-        p(tokens[t] | tokens[<t])` and `mean_logit[t]` the mean over the vocabulary of
-        the logits that predicted token `t`, at the scored tokens, 0 elsewhere.
+        **Returns:** `(logp, mean_logit)`, or `(logp, mean_logit, entropy)` with
+        `with_entropy`, each `[..., T]` float32: `logp[t] = log p(tokens[t] |
+        tokens[<t])` and `mean_logit[t]` the mean over the vocabulary of the
+        (temperature-scaled) logits that predicted token `t`, at the scored tokens, 0
+        elsewhere.
         """
         if chunk < 1:
             raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be positive, got {temperature!r}")
         h = self.transformer(
             tokens, mask, segment_ids=segment_ids, branch_ids=branch_ids, regions=regions, key=key
         )
@@ -169,16 +181,23 @@ class Policy(AbstractDecoder[KVCache], AbstractBatchedModel, AbstractSelectiveLM
         count = jnp.sum(valid, dtype=jnp.int32)
         starts = jnp.arange(n_chunks, dtype=jnp.int32) * chunk
 
+        n_out = 3 if with_entropy else 2
+
         def scored(args):
             hc, tc = args
             logits = self.logits_from_hidden(hc).astype(jnp.float32)
+            if temperature != 1.0:
+                logits = logits / temperature
             lse = jax.nn.logsumexp(logits, axis=-1)
             target = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
-            return target - lse, jnp.mean(logits, axis=-1)
+            out = (target - lse, jnp.mean(logits, axis=-1))
+            if with_entropy:
+                lg, ls = jax.lax.stop_gradient((logits, lse))
+                out += (ls - jnp.sum(jnp.exp(lg - ls[:, None]) * lg, axis=-1),)
+            return out
 
         def skipped(args):
-            zero = jnp.zeros((chunk,), jnp.float32)
-            return zero, zero
+            return (jnp.zeros((chunk,), jnp.float32),) * n_out
 
         # Across processes the head's weights may be sharded, and a collective inside a
         # conditional can run concurrently with another collective in a different order
@@ -192,12 +211,11 @@ class Policy(AbstractDecoder[KVCache], AbstractBatchedModel, AbstractSelectiveLM
                 return None, scored((hc, tc))
             return None, jax.lax.cond(start < count, scored, skipped, (hc, tc))
 
-        _, (lp, ml) = jax.lax.scan(body, None, (hs, tgt, starts))
+        _, outs = jax.lax.scan(body, None, (hs, tgt, starts))
         inverse = jnp.argsort(order[:N], stable=True)
         keep = valid.reshape(-1)
-        lp = jnp.where(keep, lp.reshape(-1)[:N][inverse], 0.0)
-        ml = jnp.where(keep, ml.reshape(-1)[:N][inverse], 0.0)
-        return lp.reshape(lead + (T,)), ml.reshape(lead + (T,))
+        back = lambda x: jnp.where(keep, x.reshape(-1)[:N][inverse], 0.0).reshape(lead + (T,))
+        return tuple(back(x) for x in outs)
 
     def prefill(
         self, tokens: Int[Array, " P"], mask: Bool[Array, " P"], *, cache_size: int

@@ -9,7 +9,7 @@ methods runs every step builder and the sampler, exactly as rlhf_eqx's own model
 | `AbstractSequenceModel` | `model(tokens Int[" T"], mask Bool[" T"], *, key=None) -> Float["T ..."]` | `Transformer`, `Policy`, `ValueModel` | SFT / DPO / PPO / GRPO steps (`[T, V]` logits), critics (`[T]` values) |
 | `AbstractBatchedModel` | the same call also accepts `[B, T]` and returns what `jax.vmap(model)` would | `Transformer`, `Policy`, `ValueModel`, `RewardModel` | steps call it on the batch directly instead of vmapping |
 | `AbstractScalarModel` | `model(tokens Int[" T"], mask Bool[" T"], *, key=None) -> Float[""]` | `RewardModel` | reward-model step, reward scoring |
-| `AbstractSelectiveLM` | `model.selected_logprobs(tokens, mask, select, *, segment_ids=None, branch_ids=None, key=None)` | `Policy` | DPO step: LM head on completion positions only; shared-prefix packed batches |
+| `AbstractSelectiveLM` | `model.selected_logprobs(tokens, mask, select, *, segment_ids=None, branch_ids=None, key=None, temperature=1.0, with_entropy=False)` | `Policy` | DPO and GRPO steps: LM head on completion positions only; shared-prefix packed batches |
 | `AbstractBranchScorer` | `model.branch_scores(tokens, mask, segment_ids, branch_ids, *, num_segments)` | `RewardModel` | reward-model step on shared-prefix packed batches |
 | `AbstractDecoder[Cache]` | `init_cache`, `prefill`, `decode_step`, `vocab_size` (and a sequence-model call) | `Policy` (cache `KVCache`) | `generate`, `generate_batch` |
 
@@ -120,9 +120,11 @@ class AbstractSelectiveLM(eqx.Module):
     `model.selected_logprobs(tokens, mask, select, *, key=None) -> (logp, mean_logit)`,
     both `[..., T]`: `logp[t] = log p(tokens[t] | tokens[<t])` and `mean_logit[t]` the
     vocabulary mean of the logits that predicted token `t`, where `select & mask` holds
-    (0 elsewhere); equal to the same quantities computed from the full logits. The DPO
-    step uses it when the policy (or reference) meets it, so the LM head runs only on
-    completion positions.
+    (0 elsewhere); equal to the same quantities computed from the full logits. With
+    `temperature=τ` they are those of `logits / τ`; with `with_entropy=True` a third
+    output is the entropy of each predictive distribution (`entropy_from_logits`,
+    no gradient). The DPO and GRPO steps use it when the policy (or reference) meets
+    it, so the LM head runs only on completion positions.
     """
 
     @abc.abstractmethod
@@ -136,8 +138,10 @@ class AbstractSelectiveLM(eqx.Module):
         branch_ids: Int[Array, "*B T"] | None = None,
         regions: tuple[int, ...] | None = None,
         key: PRNGKeyArray | None = None,
-    ) -> tuple[Float[Array, "*B T"], Float[Array, "*B T"]]:
-        """Log-probabilities and mean logits of the selected tokens.
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> tuple[Float[Array, "*B T"], ...]:
+        """Log-probabilities and mean logits (and entropies) of the selected tokens.
 
         With `segment_ids` / `branch_ids` the rows are shared-prefix packed
         (`rlhf_eqx.PackedPreferenceBatch`, `attention_layout`): a token is predicted

@@ -242,6 +242,8 @@ def run_grpo(
             old_logp=roll.logprobs,
             ref_logp=ref_logp,
             truncated=roll.truncated,
+            prompt_length=ctx.prompt_length,  # each group's prompt runs once in the update
+            samples_per_prompt=cfg.group_size,
         )
         metrics = []
         for e in range(cfg.epochs):

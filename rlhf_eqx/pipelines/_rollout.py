@@ -103,8 +103,8 @@ def sample_rollout(
     stop_ids = tuple(int(t) for t in stop_ids)
     ids = encode_prompts(tok, prompts, prompt_length=prompt_length)
     repeated = [x for x in ids for _ in range(group_size)]
-    batch = data.collate_prompts(repeated, max_length=prompt_length, pad_id=tok.pad_id)
-    out = rx.generate_batch(
+    batch = data.collate_prompts(list(ids), max_length=prompt_length, pad_id=tok.pad_id)
+    out = rx.generate_batch(  # each prompt prefilled once, its group_size rows follow it
         policy,
         batch.tokens,
         batch.mask,
@@ -113,6 +113,7 @@ def sample_rollout(
         temperature=temperature,
         eos_id=list(stop_ids) or None,
         pad_id=tok.pad_id,
+        num_samples=group_size,
     )
     lengths = np.asarray(out.completion_mask).sum(axis=1)
     tokens = np.asarray(out.tokens)

@@ -17,8 +17,10 @@ from ..losses import (
     grpo_policy_loss,
     mask_truncated,
 )
+from ..models import AbstractSelectiveLM
 from ..ops import entropy_from_logits, logprobs_from_logits, masked_sum
 from ._accumulate import vmap_model
+from ._group_logps import check_shared_prompts, shared_prompt_logprobs
 from ._state import combine
 from ._step import LossFn, NonFinite, PrepareFn, Step, make_step
 from ._validate import check_aggregation, check_choice, check_number, check_positive_int
@@ -36,6 +38,13 @@ class GRPOBatch(eqx.Module):
     - `ref_logp`: `[B, T]` reference log-probabilities (for the KL term; `None`: the
       step computes them from its `reference=` model if `beta != 0`).
     - `truncated`: `[B]` completions cut at the length limit (no EOS).
+    - `prompt_length`, `samples_per_prompt` (static, both or neither): each group of
+      `samples_per_prompt` consecutive rows holds the same prompt in positions
+      `[0, prompt_length)` and only completions after it, as `generate_batch(...,
+      num_samples=G)` returns them. The step then runs each prompt once, its `G`
+      completions packed after it (`rlhf_eqx.train._group_logps`), for the same loss
+      and gradients with a policy that meets `AbstractSelectiveLM`. Checked when the
+      batch is built from concrete arrays (a `DataError` names the group).
     """
 
     tokens: Int[Array, "B T"]
@@ -46,6 +55,11 @@ class GRPOBatch(eqx.Module):
     old_logp: Float[Array, "B T"] | None = None
     ref_logp: Float[Array, "B T"] | None = None
     truncated: Bool[Array, " B"] | None = None
+    prompt_length: int | None = eqx.field(static=True, default=None)
+    samples_per_prompt: int | None = eqx.field(static=True, default=None)
+
+    def __check_init__(self):
+        check_shared_prompts(self)
 
 
 AdvantageScale = Literal["group", "batch", "none"]
@@ -90,6 +104,11 @@ def _grpo_prepare(
     f32 = jnp.float32
 
     def prepare(batch: GRPOBatch, axis_name: str | None):
+        if batch.samples_per_prompt not in (None, group_size):
+            raise ValueError(
+                f"GRPOBatch.samples_per_prompt={batch.samples_per_prompt} differs from the "
+                f"step's group_size={group_size}"
+            )
         if batch.advantages is not None:
             adv = batch.advantages.astype(f32)
         elif batch.rewards is not None:
@@ -154,12 +173,30 @@ def grpo_loss(
     uses_kl = not (isinstance(beta, int | float) and beta == 0)
     f32 = jnp.float32
 
-    def logprobs(model, batch, key):
+    def logprobs(model, batch, key, *, entropy: bool):
+        """Token log-probs `[B, T]` (and entropies, or `None`) at the loss-mask tokens.
+
+        A model that meets `AbstractSelectiveLM` (e.g. `Policy`) runs its LM head only on
+        the positions that predict those tokens, in chunks; any other model returns
+        full logits. Positions outside the loss mask are never read by the loss."""
+        m = batch.completion_mask
+        if isinstance(model, AbstractSelectiveLM):
+            kw = dict(key=key, temperature=temperature, with_entropy=entropy)
+            if batch.prompt_length is None:
+                out = model.selected_logprobs(batch.tokens, batch.mask, m, **kw)
+            else:
+                out = shared_prompt_logprobs(model, batch, m, **kw)
+            return out[0], (out[2] if entropy else None)
         logits = vmap_model(model, batch.tokens, batch.mask, key)
         logp = jax.vmap(
-            lambda lg, t, m: logprobs_from_logits(lg, t, m, temperature=temperature)
+            lambda lg, t, mk: logprobs_from_logits(lg, t, mk, temperature=temperature)
         )(logits, batch.tokens, batch.mask)
-        return logits, logp
+        if not entropy:
+            return logp, None
+        ent = jax.vmap(lambda lg, mk: entropy_from_logits(lg, mk, temperature=temperature))(
+            logits, batch.mask
+        )
+        return logp, ent
 
     def loss_fn(params: PyTree, frozen: PyTree, batch: GRPOBatch, key: PRNGKeyArray | None):
         frozen_part, ref_model = frozen
@@ -167,11 +204,11 @@ def grpo_loss(
         if need_ref and ref_model is None:
             raise ValueError("beta != 0 needs batch.ref_logp or the step's `reference=` model")
         m = batch.completion_mask
-        logits, logp = logprobs(combine(params, frozen_part), batch, key)
+        logp, ent = logprobs(combine(params, frozen_part), batch, key, entropy=True)
         old_logp = jax.lax.stop_gradient(logp) if batch.old_logp is None else batch.old_logp
         ref_logp = batch.ref_logp
         if need_ref:
-            ref_logp = logprobs(ref_model, batch, None)[1]
+            ref_logp = logprobs(ref_model, batch, None, entropy=False)[0]
         if ref_logp is not None:
             ref_logp = jax.lax.stop_gradient(ref_logp.astype(f32))
 
@@ -194,9 +231,6 @@ def grpo_loss(
         else:
             per_token, stats = jax.vmap(one)(logp, old_logp.astype(f32), adv, m, ref_logp)
         num, den = aggregate_parts(per_token, m, mode=mode, constant=constant)
-        ent = jax.vmap(lambda lg, mk: entropy_from_logits(lg, mk, temperature=temperature))(
-            logits, batch.mask
-        )
         n = jnp.sum(m).astype(f32)
         metrics = {
             "clip_ratio": (masked_sum(stats["clipped"], m), n),
@@ -255,6 +289,10 @@ def make_grpo_step(
     - GSPO (Zheng et al. 2025): `importance="sequence"`;
     - KL to a reference: `beta > 0` (k3 estimator; reference log-probabilities from
       `batch.ref_logp`, or from the step's `reference=` model when that is `None`).
+
+    A policy that meets `AbstractSelectiveLM` (e.g. `Policy`) scores only the loss-mask
+    tokens, with its LM head in chunks (entropies included); a batch with
+    `prompt_length` / `samples_per_prompt` set also runs each group's prompt once.
 
     **Arguments:** `group_size` $G$ (rows `i*G : (i+1)*G` share a prompt; per device
     under `pmap`), `scale` (see `group_advantages`), `clip_eps`, `clip_eps_high`

@@ -35,7 +35,7 @@ SUPPORTED = {
     "rlhf_eqx": set(common.WORKLOADS),
     "trl": {"dpo", "dpo_cached", "gen_sample", "gen_greedy", "rm", "hh_dpo", "grpo"} | {f"curve_{t}" for t in common.CURVE_T},
     "floor": {"gen_sample", "gen_greedy"},
-    "tunix": {"gen_sample", "gen_greedy"},
+    "tunix": {"gen_sample", "gen_greedy", "dpo"} | {f"curve_{t}" for t in common.CURVE_T},
 }
 
 

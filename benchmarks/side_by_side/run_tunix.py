@@ -1,10 +1,16 @@
-"""Tunix side of the side-by-side benchmark: its sampler (`tunix.generate.sampler.Sampler`)
-on the benchmark model loaded from the same safetensors (`tunix.models.llama3`).
+"""Tunix side of the side-by-side benchmark, on the benchmark model loaded from the same
+safetensors (`tunix.models.llama3`):
+
+- `gen_sample`, `gen_greedy`: its sampler (`tunix.generate.sampler.Sampler`). Prompts are
+  given as text of a word-level tokenizer whose words are the token ids, so Tunix sees
+  exactly the ids the other libraries do.
+- `dpo`, `curve_T`: its `DPOTrainer` (`tunix.sft.dpo`), one step = what `train()` does
+  per batch: `_prepare_inputs` (the reference model's log-probabilities, on the fly) and
+  the jitted train step (AdamW 1e-5 after clipping the gradient norm to 1.0, as the
+  other libraries), on the same pre-tokenised batch (`TrainingInput`: left-padded
+  prompts, right-padded completions; no padding here).
 
     /work/venv-tunix/bin/python benchmarks/side_by_side/run_tunix.py gen_sample --inputs DIR
-
-Prompts are given as text of a word-level tokenizer whose words are the token ids, so
-Tunix sees exactly the ids the other libraries do.
 """
 
 import json
@@ -19,8 +25,43 @@ import jax.numpy as jnp  # noqa: E402
 LIB = "tunix"
 
 
+DPO_WORKLOADS = ("dpo",) + tuple(f"curve_{t}" for t in common.CURVE_T)
+
+
+def dpo(args, inputs, load_model):
+    """One Tunix DPO step per call, reference on the fly."""
+    import numpy as np
+    import optax
+    from tunix.sft.dpo import dpo_trainer as dpo_lib
+
+    key = "dpo" if args.workload == "dpo" else args.workload
+    P, C, R = (np.asarray(inputs[f"{key}_{part}"]) for part in ("prompt", "chosen", "rejected"))
+    example = dpo_lib.TrainingInput(
+        prompt_ids=jnp.asarray(P), prompt_mask=jnp.ones(P.shape, jnp.int32),
+        chosen_ids=jnp.asarray(C), chosen_mask=jnp.ones(C.shape, jnp.int32),
+        rejected_ids=jnp.asarray(R), rejected_mask=jnp.ones(R.shape, jnp.int32),
+    )
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-5))
+    config = dpo_lib.DPOTrainingConfig(eval_every_n_steps=10**6, max_steps=10**6, beta=0.1)
+    trainer = dpo_lib.DPOTrainer(load_model(), load_model(), optimizer, config)
+    train_step, _ = trainer.jit_train_and_eval_step()
+
+    def run():
+        ex = trainer._prepare_inputs(example)
+        if hasattr(trainer, "_shard_input"):
+            ex = trainer._shard_input(ex)
+        loss, _, _ = train_step(ex)
+        jax.block_until_ready(loss)
+
+    steps = args.steps if args.workload == "dpo" else max(2, args.steps - 2)
+    first, times = common.time_steps(run, steps)
+    T = P.shape[1] + C.shape[1]
+    extra = dict(flops=common.dpo_flops(P.shape[0], T, with_reference=True), tokens=int(2 * P.shape[0] * T))
+    common.emit(LIB, args.workload, first, times, peak_gflops=common.jax_matmul_peak(), **extra)
+
+
 def main():
-    args, inputs = common.start("Tunix", ("gen_sample", "gen_greedy"))
+    args, inputs = common.start("Tunix", ("gen_sample", "gen_greedy") + DPO_WORKLOADS)
     from tunix.generate import sampler as sampler_lib
     from tunix.models.llama3 import model as llama_lib, params as params_lib
 
@@ -33,7 +74,10 @@ def main():
         rope_theta=int(hf["rope_theta"]) if "rope_theta" in hf else 10000, norm_eps=hf["rms_norm_eps"],
         weight_tying=hf.get("tie_word_embeddings", False),
     )
-    model = params_lib.create_model_from_safe_tensors(model_dir, cfg, None, dtype=jnp.float32)
+    load_model = lambda: params_lib.create_model_from_safe_tensors(model_dir, cfg, None, dtype=jnp.float32)
+    if args.workload in DPO_WORKLOADS:
+        return dpo(args, inputs, load_model)
+    model = load_model()
     g = common.GEN
     tok = common.word_tokenizer(hf["vocab_size"])
     sampler = sampler_lib.Sampler(

@@ -1,6 +1,6 @@
 """Plots of a side-by-side run (matplotlib; run it in the TRL venv, which has it).
 
-    /work/venv-trl/bin/python benchmarks/side_by_side/plot.py benchmarks/results.jsonl --out benchmarks
+    /work/venv-trl/bin/python benchmarks/side_by_side/plot.py benchmarks/results.jsonl [MORE.jsonl ...] --out benchmarks
 
 Writes `dpo_curve.png` (DPO-step tokens/s at a fixed 4,096 tokens per step against the
 row length T, per library) and `speedups.png` (median time of each workload per
@@ -22,17 +22,17 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("results")
+    p.add_argument("results", nargs="+", help="one or more results JSONL files (rows pooled)")
     p.add_argument("--out", default="benchmarks")
     args = p.parse_args()
-    rows = [json.loads(x) for x in open(args.results) if x.strip()]
+    rows = [json.loads(x) for path in args.results for x in open(path) if x.strip()]
     rows = [r for r in rows if "error" not in r]
     med = {}
     for r in rows:
         med.setdefault((r["workload"], r["library"]), []).append(r)
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for lib, style in (("rlhf_eqx", "o-"), ("trl", "s--")):
+    for lib, style in (("rlhf_eqx", "o-"), ("trl", "s--"), ("tunix", "^:")):
         xs, ys = [], []
         for t in common.CURVE_T:
             rs = med.get((f"curve_{t}", lib))
@@ -66,7 +66,7 @@ def main():
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks([j + width * (len(libs) - 1) / 2 for j in range(len(workloads))], workloads, rotation=30)
     ax.set_ylabel("speed-up of rlhf_eqx (×)")
-    ax.legend()
+    ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(os.path.join(args.out, "speedups.png"), dpi=120)
     print("wrote", os.path.join(args.out, "dpo_curve.png"), os.path.join(args.out, "speedups.png"))

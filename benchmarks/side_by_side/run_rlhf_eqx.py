@@ -270,7 +270,10 @@ def main():
         )
     else:
         raise SystemExit(f"unknown workload {w}")
-    extra["layout"] = LAYOUT
+    if w == "grpo":
+        extra["layout"] = "shared-prompt" if PACKED else "plain"
+    elif not w.startswith("gen_"):
+        extra["layout"] = LAYOUT
     common.emit(LIB, w, first, times, peak_gflops=common.jax_matmul_peak(), **extra)
 
 

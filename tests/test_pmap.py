@@ -155,6 +155,34 @@ def test_pmap_grpo_equals_one_device(getkey, scale):
     assert float(m["frac_reward_zero_std"]) > 0.0
 
 
+def test_pmap_grpo_shared_prompt_equals_one_device_unshared(getkey):
+    """Each device runs its groups' prompts once; the step equals one device's step on
+    the unshared rows (groups of 2 never straddle devices: 2 rows per device)."""
+    policy = rx.Policy(tiny_config(), key=getkey())
+    ref = rx.Policy(tiny_config(), key=getkey())
+    tokens, mask, cm = _uneven_sequences(getkey())
+    tokens = tokens.at[1::2, :3].set(tokens[0::2, :3])
+    rewards = jax.random.normal(getkey(), (B,))
+    fields = dict(tokens=tokens, mask=mask, completion_mask=cm, rewards=rewards)
+    shared = GRPOBatch(**fields, prompt_length=3, samples_per_prompt=2)
+    opt = optax.sgd(2.0)
+    kw = dict(group_size=2, beta=0.04, mode="token-mean")
+    devices = _devices()
+    opt_state = opt.init(eqx.filter(policy, eqx.is_inexact_array))
+    one_params, _, one_m = make_grpo_step(opt, **kw)(policy, opt_state, GRPOBatch(**fields), reference=ref)
+    dp = jax.pmap(
+        lambda p, s, b, r: make_grpo_step(opt, axis_name="data", **kw)(p, s, b, reference=r),
+        axis_name="data", devices=devices,
+    )
+    dp_params, _, dp_m = dp(replicate(policy, devices), replicate(opt_state, devices),
+                            shard_batch_for_pmap(shared, N_DEV), replicate(ref, devices))
+    for a, b in zip(jax.tree.leaves(eqx.filter(unreplicate(dp_params), eqx.is_inexact_array)),
+                    jax.tree.leaves(eqx.filter(one_params, eqx.is_inexact_array))):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    for k in ("loss", "kl", "entropy"):
+        np.testing.assert_allclose(unreplicate(dp_m)[k], one_m[k], rtol=1e-4, atol=1e-6)
+
+
 def test_naive_pmap_without_axis_name_differs(getkey):
     """Why `axis_name` exists: without it, each replica takes its own shard's step."""
     devices = _devices()

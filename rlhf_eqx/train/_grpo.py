@@ -42,7 +42,8 @@ class GRPOBatch(eqx.Module):
       `samples_per_prompt` consecutive rows holds the same prompt in positions
       `[0, prompt_length)` and only completions after it, as `generate_batch(...,
       num_samples=G)` returns them. The step then runs each prompt once, its `G`
-      completions packed after it (`rlhf_eqx.train._group_logps`), for the same loss
+      completions packed after it (shared-prefix packing, as for
+      `PackedPreferenceBatch`), for the same loss
       and gradients with a policy that meets `AbstractSelectiveLM`. Checked when the
       batch is built from concrete arrays (a `DataError` names the group).
     """

@@ -43,9 +43,9 @@ class GRPOBatch(eqx.Module):
       `[0, prompt_length)` and only completions after it, as `generate_batch(...,
       num_samples=G)` returns them. The step then runs each prompt once, its `G`
       completions packed after it (shared-prefix packing, as for
-      `PackedPreferenceBatch`), for the same loss
-      and gradients with a policy that meets `AbstractSelectiveLM`. Checked when the
-      batch is built from concrete arrays (a `DataError` names the group).
+      `PackedPreferenceBatch`), for the same loss and gradients with a policy that
+      meets `AbstractSelectiveLM`. Checked when the batch is built from concrete
+      arrays (a `DataError` names the group).
     """
 
     tokens: Int[Array, "B T"]

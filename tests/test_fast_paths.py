@@ -1,4 +1,4 @@
-"""Fast paths equal the reference computations: completion-only LM head (DPO and GRPO
+"""Fast paths equal the reference computations: completion-only LM head (DPO, GRPO and PPO
 steps, entropies, temperature), the joint chosen/rejected forward, blockwise attention and NF4 weights."""
 
 import equinox as eqx
@@ -189,6 +189,33 @@ def test_grpo_step_fast_path_equals_full_logits_path(getkey, kw):
     assert float(m_fast["entropy"]) > 0.0
     assert_tree_allclose(m_fast, m_slow, rtol=1e-4, atol=1e-5)
     assert_tree_allclose(p_fast, p_slow.policy, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(temperature=0.7, micro_batches=2), dict(ent_coef=0.01)])
+def test_ppo_step_fast_path_equals_full_logits_path(getkey, kw):
+    """A `(Policy, ValueModel)` pair scores only the completion tokens (entropy in the same
+    chunks) unless the entropy bonus needs its gradient; either way the step equals the
+    full-logits one."""
+    policy = rx.Policy(tiny_cfg(), key=getkey())
+    critic = rx.ValueModel(tiny_cfg(), key=getkey())
+    tokens, mask, _ = random_rows(getkey(), 4, 13, 61)
+    cm = jnp.broadcast_to(jnp.arange(13)[None, :] >= 4, mask.shape)
+    T = kw.get("temperature", 1.0)
+    batch, _ = train.prepare_ppo_batch(
+        (policy, critic), policy, tokens, mask, cm, jnp.asarray([1.0, -1.0, 0.5, 2.0]),
+        kl_coef=0.05, temperature=T,
+    )
+    noise = 0.3 * jax.random.normal(getkey(), batch.old_logp.shape)
+    batch = eqx.tree_at(lambda b: b.old_logp, batch, jnp.where(batch.completion_mask, batch.old_logp + noise, 0.0))
+    opt = optax.sgd(1.0)
+    step = train.make_ppo_step(opt, vf_coef=0.5, donate=False, **kw)
+    fast = (policy, critic)
+    slow = (_Plain(policy), critic)
+    p_fast, _, m_fast = step(fast, opt.init(eqx.filter(fast, eqx.is_inexact_array)), batch)
+    p_slow, _, m_slow = step(slow, opt.init(eqx.filter(slow, eqx.is_inexact_array)), batch)
+    assert float(m_fast["policy/entropy"]) > 0.0
+    assert_tree_allclose(m_fast, m_slow, rtol=1e-4, atol=1e-5)
+    assert_tree_allclose((p_fast[0], p_fast[1]), (p_slow[0].policy, p_slow[1]), rtol=1e-4, atol=1e-6)
 
 
 NF4_TABLE = np.array(

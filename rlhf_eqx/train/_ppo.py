@@ -11,11 +11,8 @@ from ..losses import (
     ppo_policy_loss,
     ppo_value_loss,
 )
-from ..ops import (
-    entropy_from_logits,
-    masked_sum,
-)
-from ._rollout import PPOBatch, policy_and_values, tempered_logprobs
+from ..ops import masked_sum
+from ._rollout import PPOBatch, policy_logps_and_values
 from ._step import LossFn, NonFinite, Step, make_step
 from ._validate import check_aggregation, check_number
 
@@ -50,8 +47,10 @@ def ppo_loss(
 
     def loss_fn(params: PyTree, frozen: PyTree, batch: PPOBatch, key: PRNGKeyArray | None):
         m = batch.completion_mask & batch.mask
-        logits, values = policy_and_values(params, frozen, batch.tokens, batch.mask, key)
-        logp = tempered_logprobs(logits, batch.tokens, batch.mask, temperature)
+        logp, ent, values = policy_logps_and_values(
+            params, frozen, batch.tokens, batch.mask, m, key,
+            temperature=temperature, entropy_grad=use_entropy,
+        )
         pg, stats = jax.vmap(
             lambda a, b, c, d: ppo_policy_loss(
                 a, b, c, d, clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip
@@ -62,9 +61,6 @@ def ppo_loss(
         )(values, batch.old_values, batch.returns, m)
         # The entropy of the distribution each completion token was sampled from: the
         # predecessor is found from the real-token mask, then the completion is kept.
-        ent = jax.vmap(lambda lg, mk: entropy_from_logits(lg, mk, temperature=temperature))(
-            logits, batch.mask
-        )
         ent = jnp.where(m, ent, jnp.zeros_like(ent))
         pg_num, den = aggregate_parts(pg, m, mode=mode, constant=constant)
         vf_num, _ = aggregate_parts(vf, m, mode=mode, constant=constant)

@@ -15,7 +15,8 @@ from ..losses import (
     kl_shaped_rewards,
     whiten_advantages,
 )
-from ..ops import logprobs_from_logits, masked_sum, previous_real_index
+from ..models import AbstractSelectiveLM
+from ..ops import entropy_from_logits, logprobs_from_logits, masked_sum, previous_real_index
 from ._accumulate import vmap_model
 from ._state import combine
 from ._validate import check_choice, check_number
@@ -120,6 +121,31 @@ def policy_and_values(model, frozen, tokens, mask, key):
         logits, values = vmap_model(combine(model, frozen), tokens, mask, key)
     values = jax.vmap(token_values)(values.astype(jnp.float32), mask)
     return logits, values
+
+
+def policy_logps_and_values(model, frozen, tokens, mask, select, key, *, temperature, entropy_grad):
+    """`(logp [b, T], entropy [b, T], values [b, T])` for the PPO loss, read at `select`.
+
+    When the policy of a `(policy, value)` pair meets `AbstractSelectiveLM` (e.g.
+    `Policy`) and the entropy needs no gradient, its LM head runs only on the positions
+    that predict the selected tokens (`selected_logprobs`, entropies in the same
+    chunks); otherwise from full logits. Outside `select` the values may differ
+    between the two paths and must not be read."""
+    if isinstance(model, tuple) and not entropy_grad:
+        policy, value = model
+        pf, vf = (None, None) if frozen is None else frozen
+        policy = combine(policy, pf)
+        if isinstance(policy, AbstractSelectiveLM):
+            kp, kv = (None, None) if key is None else tuple(jax.random.split(key))
+            logp, _, ent = policy.selected_logprobs(
+                tokens, mask, select, key=kp, temperature=temperature, with_entropy=True
+            )
+            values = vmap_model(combine(value, vf), tokens, mask, kv)
+            return logp, ent, jax.vmap(token_values)(values.astype(jnp.float32), mask)
+    logits, values = policy_and_values(model, frozen, tokens, mask, key)
+    logp = tempered_logprobs(logits, tokens, mask, temperature)
+    ent = jax.vmap(lambda lg, mk: entropy_from_logits(lg, mk, temperature=temperature))(logits, mask)
+    return logp, ent, values
 
 
 def tempered_logprobs(logits, tokens, mask, temperature):

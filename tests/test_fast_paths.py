@@ -382,3 +382,62 @@ def test_reward_step_one_pass_equals_separate_scores(getkey):
     loss = jnp.mean(-jax.nn.log_sigmoid(rc - rr))
     assert float(metrics["loss"]) == pytest.approx(float(loss), rel=1e-5)
     assert float(metrics["margin"]) == pytest.approx(float(jnp.mean(rc - rr)), rel=1e-4, abs=1e-6)
+
+
+HIDDEN_AT_CONFIGS = {
+    "llama": dict(),
+    "one_layer": dict(n_layers=1),
+    "remat": dict(remat=True),
+    "gemma3_like": dict(
+        n_layers=3, norm_plus_one=True, mlp_activation="gelu_tanh", embed_scale=True, post_norms=True,
+        qk_norm=True, attn_softcap=20.0, sliding_window=4, window_layers=(True, True, False),
+        rope_local_theta=100.0,
+    ),
+    "mistral_like": dict(sliding_window=3, attn_bias=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HIDDEN_AT_CONFIGS))
+@pytest.mark.parametrize("layout", ["padded", "branches", "regions"])
+def test_hidden_at_equals_full_forward_gathered(getkey, name, layout):
+    """`Transformer.hidden_at` runs the last layer only at the read-out positions: the
+    hidden states there and the gradients of anything read from them equal the full
+    forward's, on padded rows, shared-prefix branches and fixed regions."""
+    model = rx.Transformer(tiny_cfg(**HIDDEN_AT_CONFIGS[name]), key=getkey())
+    B, T = 3, 12
+    tokens, mask, _ = random_rows(getkey(), B, T, 61)
+    kw = {}
+    if layout != "padded":
+        branch = jnp.asarray([0] * 4 + [1] * 4 + [2] * 4)
+        kw = dict(segment_ids=jnp.zeros((B, T), jnp.int32), branch_ids=jnp.broadcast_to(branch, (B, T)))
+        if layout == "regions":
+            kw["regions"] = (4, 4, 4)
+    at = jnp.asarray([[11, 3, 7], [0, 0, 5], [6, 11, 2]], jnp.int32)
+    cot = jax.random.normal(getkey(), (B, 3, 32))
+
+    def full(m):
+        return jnp.take_along_axis(m(tokens, mask, **kw), at[..., None], axis=1)
+
+    fast = lambda m: m.hidden_at(tokens, mask, at, **kw)
+    assert_tree_allclose(fast(model), full(model), rtol=1e-5, atol=1e-5)
+    grad = lambda f: eqx.filter_grad(lambda m: jnp.sum(f(m) * cot))(model)
+    assert_tree_allclose(grad(fast), grad(full), rtol=1e-4, atol=2e-5)
+    jitted = eqx.filter_jit(fast)(model)
+    assert_tree_allclose(jitted, full(model), rtol=1e-5, atol=1e-5)
+    if layout == "padded":  # one sequence, no batch axis
+        one = model.hidden_at(tokens[2], mask[2], at[2])
+        assert_tree_allclose(one, full(model)[2], rtol=1e-5, atol=1e-5)
+
+
+def test_reward_model_reads_the_last_layer_at_its_read_out_only(getkey):
+    """`RewardModel` (plain rows and packed branches) scores with `hidden_at`: the same
+    rewards as the full forward read at each last real token, with the last layer's
+    MLP run on one position per sequence (its jaxpr holds no `[B, T, d_ff]` product there)."""
+    model = rx.RewardModel(tiny_cfg(), key=getkey())
+    tokens, mask, _ = random_rows(getkey(), 4, 10, 61)
+    h = model.transformer(tokens, mask)
+    last = jnp.max(jnp.where(mask, jnp.arange(10)[None], 0), axis=-1)
+    want = h[jnp.arange(4), last] @ model.head + model.bias
+    np.testing.assert_allclose(model(tokens, mask), want, rtol=1e-5, atol=1e-6)
+    jaxpr = str(jax.make_jaxpr(lambda m: m(tokens, mask))(model))
+    assert "f32[4,1,96]" in jaxpr  # the last layer's gate/up product on one position per row

@@ -292,9 +292,8 @@ class RewardModel(_ScalarHeadModel, AbstractScalarModel, AbstractBatchedModel, A
         *,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "*B"]:
-        h = self.transformer(tokens, mask, key=key)
-        last = jnp.take_along_axis(h, last_real_index(mask)[..., None, None], axis=-2)[..., 0, :]
-        return self._read_out(last)
+        last = self.transformer.hidden_at(tokens, mask, last_real_index(mask)[..., None], key=key)
+        return self._read_out(last[..., 0, :])
 
     def branch_scores(
         self,
@@ -312,13 +311,11 @@ class RewardModel(_ScalarHeadModel, AbstractScalarModel, AbstractBatchedModel, A
         is the reward of segment `k`'s prefix followed by its branch `b`, read at that
         branch's last real token, equal to `self(prefix + branch)` unpacked. `regions`:
         see `Transformer.__call__`."""
-        h = self.transformer(
-            tokens, mask, segment_ids=segment_ids, branch_ids=branch_ids, regions=regions, key=key
-        )
         idx = branch_last_index(
             mask, segment_ids, branch_ids, num_segments=num_segments, num_branches=num_branches
         )
-        lead = idx.shape[:-2]
-        flat = idx.reshape(lead + (-1,))
-        picked = jnp.take_along_axis(h, flat[..., None], axis=-2)
+        flat = idx.reshape(idx.shape[:-2] + (-1,))
+        picked = self.transformer.hidden_at(
+            tokens, mask, flat, segment_ids=segment_ids, branch_ids=branch_ids, regions=regions, key=key
+        )
         return self._read_out(picked).reshape(idx.shape)

@@ -135,15 +135,24 @@ class DecoderLayer(eqx.Module):
         rope: tuple[Array, Array],
         attend: Callable,
         keys=None,
+        at: Int[Array, "*B N"] | None = None,
     ):
         """The whole block on the residual stream `x`; `attend(q, k, v)` (after rotary)
-        returns the attention output `[..., T, H, hd]` and anything to collect."""
+        returns the attention output `[..., T, H, hd]` and anything to collect.
+
+        With `at`, keys and values come from every position but the queries, the output
+        projection and the MLP only from the positions `at` (`[..., N]`): the block
+        returns the residual stream `[..., N, D]` there (what a last layer needs when
+        only some positions are read out)."""
         norm = lambda y, w: rms_norm(y, w, cfg.norm_eps, plus_one=cfg.norm_plus_one)
         q, k, v = self.qkv(norm(x, self.attn_norm), cfg, keys)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = norm(q, self.q_norm), norm(k, self.k_norm)
         cos, sin = rope
-        o, collected = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+        k = apply_rope(k, cos, sin)
+        if at is not None:
+            q, cos, sin, x = (gather_positions(a, at) for a in (q, cos, sin, x))
+        o, collected = attend(apply_rope(q, cos, sin), k, v)
         o = o.reshape(o.shape[:-2] + (-1,))
         a = self._plus_lora("o", matmul(o, self.wo), o, keys)
         if self.attn_post_norm is not None:
@@ -153,6 +162,13 @@ class DecoderLayer(eqx.Module):
         if self.mlp_post_norm is not None:
             m = norm(m, self.mlp_post_norm)
         return x + m, collected
+
+
+def gather_positions(x: Array, at: Int[Array, "*B N"]) -> Array:
+    """`x[..., at, ...]` along the position axis: `x` is `[*B, T, ...]`, the result
+    `[*B, N, ...]`."""
+    idx = at.reshape(at.shape + (1,) * (x.ndim - at.ndim))
+    return jnp.take_along_axis(x, idx, axis=at.ndim - 1)
 
 
 def _layer_keys(key: PRNGKeyArray | None, n_layers: int):
@@ -211,7 +227,7 @@ class Transformer(AbstractSequenceModel, AbstractBatchedModel):
     def _final(self, x):
         return rms_norm(x, self.final_norm, self.cfg.norm_eps, plus_one=self.cfg.norm_plus_one)
 
-    def _scan(self, x, allowed, positions, key, collect_kv: bool, regions=None):
+    def _scan(self, x, allowed, positions, key, collect_kv: bool, regions=None, at=None):
         cfg = self.cfg
         rope = _rope(cfg, positions)
         dynamic, static = eqx.partition(self.layers, eqx.is_array)
@@ -219,26 +235,38 @@ class Transformer(AbstractSequenceModel, AbstractBatchedModel):
         windows, local = _per_layer(cfg)
         windowed = cfg.sliding_window is not None
 
-        def body(x, xs):
+        def body(x, xs, at=None):
             layer_dyn, lkeys, window, is_local = xs
             layer = eqx.combine(layer_dyn, static)
             ok = allowed & within_window(positions, positions, window) if windowed else allowed
+            if at is not None:
+                ok = gather_positions(ok, at)
 
             def attend(q, k, v):
                 kh, vh = jnp.swapaxes(k, -3, -2), jnp.swapaxes(v, -3, -2)
-                kw = dict(scale=cfg.query_scale, cap=cfg.attn_softcap, causal_block=ATTENTION_BLOCK)
-                if regions is None:
+                kw = dict(scale=cfg.query_scale, cap=cfg.attn_softcap)
+                if at is not None:  # a few queries against every key
                     o = attention(q, kh, vh, ok, **kw)
+                elif regions is None:
+                    o = attention(q, kh, vh, ok, causal_block=ATTENTION_BLOCK, **kw)
                 else:
-                    o = region_attention(q, kh, vh, ok, regions, **kw)
+                    o = region_attention(q, kh, vh, ok, regions, causal_block=ATTENTION_BLOCK, **kw)
                 return o, ((kh, vh) if collect_kv else None)
 
-            return layer.block(x, cfg, _select(rope, is_local), attend, lkeys)
+            return layer.block(x, cfg, _select(rope, is_local), attend, lkeys, at=at)
 
         if cfg.remat:
             body = jax.checkpoint(body)
-        x, kv = jax.lax.scan(body, x, (dynamic, keys, windows, local))
-        return self._final(x), kv
+        xs = (dynamic, keys, windows, local)
+        if at is None:
+            x, kv = jax.lax.scan(body, x, xs)
+            return self._final(x), kv
+        # every layer but the last at all positions; the last only where it is read
+        first, last = jax.tree.map(lambda a: a[:-1], xs), jax.tree.map(lambda a: a[-1], xs)
+        if cfg.n_layers > 1:
+            x, _ = jax.lax.scan(body, x, first)
+        x, _ = body(x, last, at)
+        return self._final(x), None
 
     def __call__(
         self,
@@ -270,6 +298,33 @@ class Transformer(AbstractSequenceModel, AbstractBatchedModel):
         """
         allowed, positions = attention_layout(mask, segment_ids, branch_ids)
         h, _ = self._scan(self._embed(tokens), allowed, positions, key, collect_kv=False, regions=regions)
+        return h
+
+    def hidden_at(
+        self,
+        tokens: Int[Array, "*B T"],
+        mask: Bool[Array, "*B T"],
+        at: Int[Array, "*B N"],
+        *,
+        segment_ids: Int[Array, "*B T"] | None = None,
+        branch_ids: Int[Array, "*B T"] | None = None,
+        regions: tuple[int, ...] | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> Float[Array, "*B N D"]:
+        """The final hidden states at positions `at` only: `self(tokens, mask, ...)`
+        gathered at `at` (`[..., N]` indices into `T`), computed with less work — every
+        layer but the last runs on all positions, the last computes keys and values at
+        all positions but its queries, output projection and MLP only at `at`.
+
+        A reward model reads one position per sequence, so this skips nearly a whole
+        layer (a quarter of a 4-layer model's forward and backward work). Arguments as
+        for `__call__`; with LoRA dropout (`key`) the last layer draws its masks for the
+        `N` positions only, so sampled masks differ from `__call__`'s.
+        """
+        allowed, positions = attention_layout(mask, segment_ids, branch_ids)
+        h, _ = self._scan(
+            self._embed(tokens), allowed, positions, key, collect_kv=False, regions=regions, at=at
+        )
         return h
 
     def prefill(

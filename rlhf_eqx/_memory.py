@@ -137,8 +137,8 @@ def _activation_bytes(
     backward pass recomputes them). Per token, outside the layers: the embedding output
     and final norm (`2·D·b`), float32 logits and their log-softmax (`8·V`) and the
     attention mask (`4·T`); once, the float32 scores, probabilities and their gradient
-    of one block of queries (`ATTENTION_BLOCK`) of one layer while its backward pass
-    runs (`12·H·min(T, block)·T` per sequence). With remat only each layer's input
+    of one tile of the attention (`ATTENTION_BLOCK` queries × `ATTENTION_BLOCK` keys)
+    while its backward pass runs (`12·H·min(T, block)²` per sequence). With remat only each layer's input
     (`D·b` per layer) is kept, plus one layer's activations while it is recomputed. Sequences are split over
     `data`; heads, MLP units and the vocabulary over `model` (the residual stream is
     replicated over `model`).
@@ -157,7 +157,7 @@ def _activation_bytes(
         + 4 * H * heads
     )
     outside = 2 * D * b + 8 * _split(V, model) + 4 * T
-    transient = rows * 12 * H * heads * min(T, ATTENTION_BLOCK) * T
+    transient = rows * 12 * H * heads * min(T, ATTENTION_BLOCK) ** 2
     full = tokens * (cfg.n_layers * per_layer + outside) + transient
     remat = tokens * (cfg.n_layers * D * b + per_layer + outside) + transient
     return int(full), int(remat)

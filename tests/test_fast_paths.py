@@ -409,7 +409,9 @@ def test_hidden_at_equals_full_forward_gathered(getkey, name, layout):
     kw = {}
     if layout != "padded":
         branch = jnp.asarray([0] * 4 + [1] * 4 + [2] * 4)
-        kw = dict(segment_ids=jnp.zeros((B, T), jnp.int32), branch_ids=jnp.broadcast_to(branch, (B, T)))
+        kw = dict(
+            segment_ids=jnp.zeros((B, T), jnp.int32), branch_ids=jnp.broadcast_to(branch, (B, T))
+        )
         if layout == "regions":
             kw["regions"] = (4, 4, 4)
     at = jnp.asarray([[11, 3, 7], [0, 0, 5], [6, 11, 2]], jnp.int32)

@@ -117,6 +117,145 @@ def _fused_bwd(scale, cap, res, d_out):
 _fused_attention.defvjp(_fused_fwd, _fused_bwd)
 
 
+def _key_blocks(x, end: int, nk: int, b: int, axis: int):
+    """Keys `[0, end)` of `x` along `axis`, zero-padded to `nk · b` and split into `nk`
+    blocks of `b`, the block index moved to the front (scanned over)."""
+    x = jax.lax.slice_in_dim(x, 0, end, axis=axis)
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, nk * b - end)
+    x = jnp.pad(x, pad)
+    x = x.reshape(x.shape[:axis] + (nk, b) + x.shape[axis + 1 :])
+    return jnp.moveaxis(x, axis, 0)
+
+
+def _tiles(q, k, v, allowed, block: int):
+    """Per query block `[start, stop)`: its queries `[..., K, G·n, hd]` and its keys,
+    values and mask split into key blocks of `block`, keys `[0, S - T + stop)` only (the
+    later keys are masked for causal queries that are the last `T` of `S` keys)."""
+    T, K, S = q.shape[-3], k.shape[-3], k.shape[-2]
+    qg = _heads_major(q, K)  # [..., K, G·T, hd], g-major
+    G = q.shape[-2] // K
+    out = []
+    for start in range(0, T, block):
+        stop = min(start + block, T)
+        n, end = stop - start, S - T + stop
+        nk = -(-end // block)
+        qb = rearrange(qg, "... k (g t) d -> ... k g t d", g=G)[..., start:stop, :]
+        qb = rearrange(qb, "... k g t d -> ... k (g t) d")
+        kb = _key_blocks(k, end, nk, block, k.ndim - 2)
+        vb = _key_blocks(v, end, nk, block, v.ndim - 2)
+        ab = _key_blocks(allowed[..., start:stop, :], end, nk, block, allowed.ndim - 1)
+        out.append((start, stop, n, end, qb, kb, vb, ab))
+    return out
+
+
+def _tile_scores(qb, kb, G: int, scale: float, cap: float | None):
+    """`[..., K, G, n, b]` scaled (soft-capped) float32 scores of one tile."""
+    s = jnp.einsum("...qd,...sd->...qs", qb, kb, preferred_element_type=_f32)
+    return softcap(rearrange(s, "... k (g t) s -> ... k g t s", g=G) * scale, cap)
+
+
+def _flash_forward(q, k, v, allowed, scale, cap, block):
+    """Tiled attention with an online softmax (FlashAttention, Dao et al. 2022): each
+    query block scans the key blocks it may see, keeping a running max, normaliser and
+    output; no score tile outlives its step. Returns the output and the log-normalisers."""
+    K = k.shape[-3]
+    G = q.shape[-2] // K
+    outs, lses = [], []
+    for _, _, n, _, qb, kb, vb, ab in _tiles(q, k, v, allowed, block):
+        lead = qb.shape[:-3]
+
+        def body(carry, xs, qb=qb):
+            m, den, acc = carry
+            kt, vt, at = xs
+            s = _tile_scores(qb, kt, G, scale, cap)
+            ok = at[..., None, None, :, :]
+            m_new = jnp.maximum(m, jnp.max(jnp.where(ok, s, -jnp.inf), axis=-1))
+            base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            p = jnp.where(ok, jnp.exp(s - base[..., None]), 0.0)
+            corr = jnp.where(jnp.isfinite(m), jnp.exp(m - base), 0.0)
+            pv = jnp.einsum(
+                "...qs,...sd->...qd",
+                rearrange(p.astype(vt.dtype), "... k g t s -> ... k (g t) s"),
+                vt,
+                preferred_element_type=_f32,
+            )
+            acc = acc * rearrange(corr, "... k g t -> ... k (g t)")[..., None] + pv
+            return (m_new, den * corr + jnp.sum(p, axis=-1), acc), None
+
+        init = (
+            jnp.full(lead + (K, G, n), -jnp.inf, _f32),
+            jnp.zeros(lead + (K, G, n), _f32),
+            jnp.zeros(lead + (K, G * n, q.shape[-1]), _f32),
+        )
+        (m, den, acc), _ = jax.lax.scan(body, init, (kb, vb, ab))
+        tiny = jnp.finfo(_f32).tiny
+        inv = jnp.where(den > 0, 1.0 / jnp.maximum(den, tiny), 0.0)
+        o = acc * rearrange(inv, "... k g t -> ... k (g t)")[..., None]
+        outs.append(rearrange(o, "... k (g t) d -> ... k g t d", g=G))
+        lses.append(jnp.where(den > 0, m + jnp.log(jnp.maximum(den, tiny)), jnp.inf))
+    o = rearrange(jnp.concatenate(outs, axis=-2), "... k g t d -> ... t (k g) d")
+    return o.astype(v.dtype), jnp.concatenate(lses, axis=-1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _flash_attention(q, k, v, allowed, scale: float, cap: float | None, block: int):
+    return _flash_forward(q, k, v, allowed, scale, cap, block)[0]
+
+
+def _flash_fwd(q, k, v, allowed, scale, cap, block):
+    out, lse = _flash_forward(q, k, v, allowed, scale, cap, block)
+    return out, (q, k, v, allowed, out, lse)
+
+
+def _flash_bwd(scale, cap, block, res, d_out):
+    """The tiled backward pass (FlashAttention-2's): per query block, scan its key blocks,
+    recompute the probabilities from the saved log-normaliser and accumulate `dq` in the
+    carry and each key block's `dk`, `dv` as the scan's outputs."""
+    q, k, v, allowed, out, lse = res
+    K, S, hd = k.shape[-3], k.shape[-2], q.shape[-1]
+    G = q.shape[-2] // K
+    do = rearrange(d_out.astype(_f32), "... t (k g) d -> ... k g t d", k=K)
+    o = rearrange(out.astype(_f32), "... t (k g) d -> ... k g t d", k=K)
+    D_all = jnp.sum(do * o, axis=-1)  # [..., K, G, T]
+    dqs = []
+    dk = jnp.zeros(k.shape, _f32)
+    dv = jnp.zeros(v.shape, _f32)
+    for start, stop, n, end, qb, kb, vb, ab in _tiles(q, k, v, allowed, block):
+        dob = rearrange(do[..., start:stop, :], "... k g t d -> ... k (g t) d").astype(v.dtype)
+        lse_b, D_b = lse[..., start:stop], D_all[..., start:stop]
+
+        def body(dq, xs, qb=qb, dob=dob, lse_b=lse_b, D_b=D_b):
+            kt, vt, at = xs
+            s = _tile_scores(qb, kt, G, scale, cap)
+            p = jnp.where(at[..., None, None, :, :], jnp.exp(s - lse_b[..., None]), 0.0)
+            flat = lambda x: rearrange(x, "... k g t s -> ... k (g t) s")
+            dv_t = jnp.einsum(
+                "...qs,...qd->...sd", flat(p).astype(vt.dtype), dob, preferred_element_type=_f32
+            )
+            dp = jnp.einsum("...qd,...sd->...qs", dob, vt, preferred_element_type=_f32)
+            ds = p * (rearrange(dp, "... k (g t) s -> ... k g t s", g=G) - D_b[..., None])
+            if cap is not None:
+                ds = ds * (1.0 - jnp.square(s / cap))
+            ds = flat(ds * scale)
+            prod = lambda spec, a, b: jnp.einsum(spec, a, b, preferred_element_type=_f32)
+            dq = dq + prod("...qs,...sd->...qd", ds.astype(kt.dtype), kt)
+            dk_t = prod("...qs,...qd->...sd", ds.astype(qb.dtype), qb)
+            return dq, (dk_t, dv_t)
+
+        dq_b, (dk_b, dv_b) = jax.lax.scan(body, jnp.zeros(qb.shape, _f32), (kb, vb, ab))
+        dqs.append(rearrange(dq_b, "... k (g t) d -> ... k g t d", g=G))
+        back = lambda x: jnp.moveaxis(x, 0, -3).reshape(x.shape[1:-2] + (-1, hd))[..., :end, :]
+        pad = [(0, 0)] * (k.ndim - 2) + [(0, S - end), (0, 0)]
+        dk = dk + jnp.pad(back(dk_b), pad)
+        dv = dv + jnp.pad(back(dv_b), pad)
+    dq = rearrange(jnp.concatenate(dqs, axis=-2), "... k g t d -> ... t (k g) d")
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_flash_attention.defvjp(_flash_fwd, _flash_bwd)
+
+
 def attention(
     q: Float[Array, "*B T H hd"],
     k: Float[Array, "*B K S hd"],
@@ -136,29 +275,25 @@ def attention(
     With `causal_block=n` — only valid when the queries are the last `T` of the `S`
     key positions and `allowed` is causal among them (query `t` never sees key
     `S - T + s` for `s > t`; the first `S - T` keys, a prefix, may be seen by all) — the
-    queries are taken in blocks of `n`: block `[i, i + n)` is scored only against the
-    keys `[0, S - T + i + n)` (the keys after it are masked anyway), which skips about
-    half of the score and softmax work at long `T`. Outputs at allowed rows are those
-    of the dense computation up to float32 rounding.
+    attention is tiled (FlashAttention's scheme, Dao et al. 2022): queries in blocks of
+    `n`, each scanning the key blocks of `n` up to its own end with an online softmax
+    (running max and normaliser), so about half the score work is skipped at long `T`
+    and no `[T, S]` score tensor is ever formed, only `[n, n]` tiles that stay in cache.
+    Outputs at allowed rows are those of the dense computation up to float32 rounding.
 
     The backward pass never stores the probabilities: it keeps the output and each
-    row's log-normaliser and recomputes them (FlashAttention's scheme, Dao et al.
-    2022), so the saved activations grow linearly in `T`. The softmax output is
+    row's log-normaliser and recomputes them (FlashAttention's scheme), tile by tile
+    with `causal_block`, so the saved activations grow linearly in `T`. Without it (a
+    few queries, as in decoding) the scores are dense and the softmax output is
     normalised after the value product (on `[T, hd]`, not `[T, S]`).
     """
     T, S = q.shape[-3], k.shape[-2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if causal_block is None or S < T or T <= causal_block:
-        return _fused_attention(q, k, v, allowed, scale, cap)
-    if causal_block < 1:
+    if causal_block is not None and causal_block < 1:
         raise ValueError(f"causal_block must be a positive int, got {causal_block!r}")
-    prefix = S - T
-    outs = []
-    for start in range(0, T, causal_block):
-        end = prefix + min(start + causal_block, T)
-        q_blk, allowed_blk = q[..., start : start + causal_block, :, :], allowed[..., start : start + causal_block, :end]
-        outs.append(_fused_attention(q_blk, k[..., :end, :], v[..., :end, :], allowed_blk, scale, cap))
-    return jnp.concatenate(outs, axis=-3)
+    if causal_block is None or S < T or (T <= causal_block and S <= causal_block):
+        return _fused_attention(q, k, v, allowed, scale, cap)
+    return _flash_attention(q, k, v, allowed, scale, cap, causal_block)
 
 
 def region_attention(

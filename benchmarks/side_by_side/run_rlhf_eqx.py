@@ -107,6 +107,12 @@ def dpo_runner(policy, batch, *, cached: bool):
     return run
 
 
+# HH-RLHF batching: windows of HH_GROUP batches sorted by length, rows padded to multiples
+# of HH_BUCKET (fewer compiled shapes against less padding; see RESULTS.md)
+HH_GROUP = int(os.environ.get("RLHF_EQX_BENCH_HH_GROUP", "12"))
+HH_BUCKET = int(os.environ.get("RLHF_EQX_BENCH_HH_BUCKET", "192"))
+
+
 def hh_batches(inputs, pairs: int, *, group: int, bucket: int):
     """The HH-RLHF pairs in batches of `pairs`: windows of `group` batches sorted by
     length (rlhf_eqx.data's `group_by_length`), each batch padded to its longest row
@@ -231,7 +237,7 @@ def main():
         extra["gen_s"] = common.median(split["gen"][1:])
         extra["update_s"] = common.median(split["update"][1:])
     elif w == "hh_dpo":
-        batches = hh_batches(inputs, common.HH["pairs"], group=4, bucket=64)
+        batches = hh_batches(inputs, common.HH["pairs"], group=HH_GROUP, bucket=HH_BUCKET)
         opt = optimizer()
         step = train.make_dpo_step(opt, reference="model")
         state = {"p": policy, "o": opt.init(eqx.filter(policy, eqx.is_inexact_array)), "i": 0}

@@ -122,3 +122,34 @@ def test_region_attention_equals_masked_attention(regions, block):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="add up to"):
         region_attention(q, k, v, allowed, (1, 2, 3))
+
+
+def _float_shapes(jaxpr):
+    """Shapes of every float value produced anywhere in a jaxpr (sub-jaxprs included)."""
+    out = []
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            aval = var.aval
+            if hasattr(aval, "dtype") and jnp.issubdtype(aval.dtype, jnp.floating):
+                out.append(aval.shape)
+        for param in eqn.params.values():
+            subs = param if isinstance(param, (tuple, list)) else (param,)
+            for sub in subs:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    out.extend(_float_shapes(inner))
+    return out
+
+
+def test_causal_blocks_form_tiles_not_score_rows():
+    """With `causal_block`, the forward and backward passes score tiles of block × block
+    only: no float value spans all S keys (a `[block, S]` score row would)."""
+    T, block = 300, 64
+    q, k, v, _ = inputs(5, B=1, T=T, H=4, K=2, hd=8)
+    allowed, _ = attention_layout(jnp.ones((1, T), bool), None)
+    loss = lambda q, k, v: jnp.sum(attention(q, k, v, allowed, causal_block=block) ** 2)
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v).jaxpr
+    shapes = _float_shapes(jaxpr)
+    assert any(s[-2:] == (block, block) for s in shapes if len(s) >= 2)
+    rows = [s for s in shapes if len(s) >= 2 and s[-1] == T and s[-2] >= block]
+    assert not rows, f"scores of a query block against all keys: {rows}"

@@ -143,8 +143,9 @@ def _float_shapes(jaxpr):
 
 def test_causal_blocks_form_tiles_not_score_rows():
     """With `causal_block`, the forward and backward passes score tiles of block × block
-    only: no float value spans all S keys (a `[block, S]` score row would)."""
-    T, block = 300, 64
+    only: no float value spans all S keys (a `[block, S]` score row would). (A last,
+    partial block of queries is scored densely; here T is a whole number of blocks.)"""
+    T, block = 320, 64
     q, k, v, _ = inputs(5, B=1, T=T, H=4, K=2, hd=8)
     allowed, _ = attention_layout(jnp.ones((1, T), bool), None)
     loss = lambda q, k, v: jnp.sum(attention(q, k, v, allowed, causal_block=block) ** 2)
@@ -153,3 +154,26 @@ def test_causal_blocks_form_tiles_not_score_rows():
     assert any(s[-2:] == (block, block) for s in shapes if len(s) >= 2)
     rows = [s for s in shapes if len(s) >= 2 and s[-1] == T and s[-2] >= block]
     assert not rows, f"scores of a query block against all keys: {rows}"
+
+
+@pytest.mark.parametrize("T, S, block", [(40, 52, 8), (43, 43, 8), (24, 30, 8), (16, 16, 4)])
+def test_looped_and_unrolled_tiles_match_softmax(T, S, block):
+    """Both tilings — a scan over 4 or more whole query blocks (plus a partial last
+    block), and unrolled blocks for shorter rows — equal the dense softmax, values and
+    gradients, with prefix keys (queries are the last T of S keys), padding and segments."""
+    ks = jax.random.split(jax.random.key(T * S), 5)
+    q = jax.random.normal(ks[0], (2, T, 4, 8)) * 2.0
+    k = jax.random.normal(ks[1], (2, 2, S, 8)) * 2.0
+    v = jax.random.normal(ks[2], (2, 2, S, 8))
+    mask = jax.random.bernoulli(ks[3], 0.8, (2, S)).at[:, 0].set(False)
+    seg = (jnp.arange(S) >= S // 3).astype(jnp.int32)[None].repeat(2, 0)
+    allowed = attention_layout(mask, seg)[0][..., S - T :, :]
+    w = jax.random.normal(ks[4], q.shape)
+    fast = lambda q, k, v: jnp.sum(attention(q, k, v, allowed, cap=6.0, causal_block=block) * w)
+    slow = lambda q, k, v: jnp.sum(naive(q, k, v, allowed, cap=6.0) * w)
+    np.testing.assert_allclose(jax.jit(fast)(q, k, v), slow(q, k, v), rtol=1e-5, atol=1e-4)
+    got = jax.jit(jax.grad(fast, argnums=(0, 1, 2)))(q, k, v)
+    for a, b in zip(got, jax.grad(slow, argnums=(0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    one = jax.vmap(lambda *a: attention(*a, cap=6.0, causal_block=block))(q, k, v, allowed)
+    np.testing.assert_allclose(one, attention(q, k, v, allowed, cap=6.0, causal_block=block), rtol=1e-5, atol=1e-6)

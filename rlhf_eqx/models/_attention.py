@@ -117,6 +117,75 @@ def _fused_bwd(scale, cap, res, d_out):
 _fused_attention.defvjp(_fused_fwd, _fused_bwd)
 
 
+def _tile_scores(qb, kt, G: int, scale: float, cap: float | None):
+    """`[..., K, G, n, b]` scaled (soft-capped) float32 scores of one tile."""
+    s = jnp.einsum("...qd,...sd->...qs", qb, kt, preferred_element_type=_f32)
+    return softcap(rearrange(s, "... k (g t) s -> ... k g t s", g=G) * scale, cap)
+
+
+def _softmax_step(carry, qb, kt, vt, ok, G: int, scale: float, cap: float | None):
+    """One key tile of the online softmax: update the running max, normaliser and
+    unnormalised output `(m, den, acc)` of a query block (`ok`: `[..., n, b]` mask)."""
+    m, den, acc = carry
+    ok = ok[..., None, None, :, :]
+    s = _tile_scores(qb, kt, G, scale, cap)
+    m_new = jnp.maximum(m, jnp.max(jnp.where(ok, s, -jnp.inf), axis=-1))
+    base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.where(ok, jnp.exp(s - base[..., None]), 0.0)
+    corr = jnp.where(jnp.isfinite(m), jnp.exp(m - base), 0.0)
+    pv = jnp.einsum(
+        "...qs,...sd->...qd",
+        rearrange(p.astype(vt.dtype), "... k g t s -> ... k (g t) s"),
+        vt,
+        preferred_element_type=_f32,
+    )
+    acc = acc * rearrange(corr, "... k g t -> ... k (g t)")[..., None] + pv
+    return m_new, den * corr + jnp.sum(p, axis=-1), acc
+
+
+def _softmax_init(qb, G: int):
+    stats = qb.shape[:-2] + (G, qb.shape[-2] // G)
+    return jnp.full(stats, -jnp.inf, _f32), jnp.zeros(stats, _f32), jnp.zeros(qb.shape, _f32)
+
+
+def _softmax_finish(m, den, acc, G: int):
+    """The normalised output `[..., K, G, n, hd]` and log-normaliser `[..., K, G, n]`
+    (`inf` for a query with no allowed key, whose output is 0)."""
+    tiny = jnp.finfo(_f32).tiny
+    inv = jnp.where(den > 0, 1.0 / jnp.maximum(den, tiny), 0.0)
+    out = acc * rearrange(inv, "... k g t -> ... k (g t)")[..., None]
+    lse = jnp.where(den > 0, m + jnp.log(jnp.maximum(den, tiny)), jnp.inf)
+    return rearrange(out, "... k (g t) d -> ... k g t d", g=G), lse
+
+
+def _grad_step(qb, dob, lse_b, delta_b, kt, vt, ok, G: int, scale: float, cap: float | None):
+    """One tile of the backward pass: the probabilities recomputed from the saved
+    log-normaliser, then this tile's `(dq, dk, dv)` contributions (FlashAttention-2)."""
+    flat = lambda x: rearrange(x, "... k g t s -> ... k (g t) s")
+    prod = lambda spec, a, b: jnp.einsum(spec, a, b, preferred_element_type=_f32)
+    s = _tile_scores(qb, kt, G, scale, cap)
+    p = jnp.where(ok[..., None, None, :, :], jnp.exp(s - lse_b[..., None]), 0.0)
+    dv_t = prod("...qs,...qd->...sd", flat(p).astype(vt.dtype), dob)
+    dp = prod("...qd,...sd->...qs", dob, vt)
+    ds = p * (rearrange(dp, "... k (g t) s -> ... k g t s", g=G) - delta_b[..., None])
+    if cap is not None:
+        ds = ds * (1.0 - jnp.square(s / cap))
+    ds = flat(ds * scale)
+    dq_t = prod("...qs,...sd->...qd", ds.astype(kt.dtype), kt)
+    dk_t = prod("...qs,...qd->...sd", ds.astype(qb.dtype), qb)
+    return dq_t, dk_t, dv_t
+
+
+def _grad_inputs(out, d_out, K: int):
+    """`dO` and `rowsum(dO ∘ O)` per query, `[..., K, G, T(, hd)]` float32."""
+    do = rearrange(d_out.astype(_f32), "... t (k g) d -> ... k g t d", k=K)
+    o = rearrange(out.astype(_f32), "... t (k g) d -> ... k g t d", k=K)
+    return do, jnp.sum(do * o, axis=-1)
+
+
+# -- unrolled tiles: a Python loop over query blocks, a scan over each one's key blocks
+
+
 def _key_blocks(x, end: int, nk: int, b: int, axis: int):
     """Keys `[0, end)` of `x` along `axis`, zero-padded to `nk · b` and split into `nk`
     blocks of `b`, the block index moved to the front (scanned over)."""
@@ -133,115 +202,51 @@ def _tiles(q, k, v, allowed, block: int):
     values and mask split into key blocks of `block`, keys `[0, S - T + stop)` only (the
     later keys are masked for causal queries that are the last `T` of `S` keys)."""
     T, K, S = q.shape[-3], k.shape[-3], k.shape[-2]
-    qg = _heads_major(q, K)  # [..., K, G·T, hd], g-major
     G = q.shape[-2] // K
+    qg = rearrange(q, "... t (k g) d -> ... k g t d", k=K)
     out = []
     for start in range(0, T, block):
         stop = min(start + block, T)
-        n, end = stop - start, S - T + stop
+        end = S - T + stop
         nk = -(-end // block)
-        qb = rearrange(qg, "... k (g t) d -> ... k g t d", g=G)[..., start:stop, :]
-        qb = rearrange(qb, "... k g t d -> ... k (g t) d")
+        qb = rearrange(qg[..., start:stop, :], "... k g t d -> ... k (g t) d")
         kb = _key_blocks(k, end, nk, block, k.ndim - 2)
         vb = _key_blocks(v, end, nk, block, v.ndim - 2)
         ab = _key_blocks(allowed[..., start:stop, :], end, nk, block, allowed.ndim - 1)
-        out.append((start, stop, n, end, qb, kb, vb, ab))
-    return out
+        out.append((start, stop, end, qb, kb, vb, ab))
+    return G, out
 
 
-def _tile_scores(qb, kb, G: int, scale: float, cap: float | None):
-    """`[..., K, G, n, b]` scaled (soft-capped) float32 scores of one tile."""
-    s = jnp.einsum("...qd,...sd->...qs", qb, kb, preferred_element_type=_f32)
-    return softcap(rearrange(s, "... k (g t) s -> ... k g t s", g=G) * scale, cap)
-
-
-def _flash_forward(q, k, v, allowed, scale, cap, block):
-    """Tiled attention with an online softmax (FlashAttention, Dao et al. 2022): each
-    query block scans the key blocks it may see, keeping a running max, normaliser and
-    output; no score tile outlives its step. Returns the output and the log-normalisers."""
-    K = k.shape[-3]
-    G = q.shape[-2] // K
+def _unrolled_forward(q, k, v, allowed, scale, cap, block):
+    G, tiles = _tiles(q, k, v, allowed, block)
     outs, lses = [], []
-    for _, _, n, _, qb, kb, vb, ab in _tiles(q, k, v, allowed, block):
-        lead = qb.shape[:-3]
+    for _, _, _, qb, kb, vb, ab in tiles:
 
         def body(carry, xs, qb=qb):
-            m, den, acc = carry
             kt, vt, at = xs
-            s = _tile_scores(qb, kt, G, scale, cap)
-            ok = at[..., None, None, :, :]
-            m_new = jnp.maximum(m, jnp.max(jnp.where(ok, s, -jnp.inf), axis=-1))
-            base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-            p = jnp.where(ok, jnp.exp(s - base[..., None]), 0.0)
-            corr = jnp.where(jnp.isfinite(m), jnp.exp(m - base), 0.0)
-            pv = jnp.einsum(
-                "...qs,...sd->...qd",
-                rearrange(p.astype(vt.dtype), "... k g t s -> ... k (g t) s"),
-                vt,
-                preferred_element_type=_f32,
-            )
-            acc = acc * rearrange(corr, "... k g t -> ... k (g t)")[..., None] + pv
-            return (m_new, den * corr + jnp.sum(p, axis=-1), acc), None
+            return _softmax_step(carry, qb, kt, vt, at, G, scale, cap), None
 
-        init = (
-            jnp.full(lead + (K, G, n), -jnp.inf, _f32),
-            jnp.zeros(lead + (K, G, n), _f32),
-            jnp.zeros(lead + (K, G * n, q.shape[-1]), _f32),
-        )
-        (m, den, acc), _ = jax.lax.scan(body, init, (kb, vb, ab))
-        tiny = jnp.finfo(_f32).tiny
-        inv = jnp.where(den > 0, 1.0 / jnp.maximum(den, tiny), 0.0)
-        o = acc * rearrange(inv, "... k g t -> ... k (g t)")[..., None]
-        outs.append(rearrange(o, "... k (g t) d -> ... k g t d", g=G))
-        lses.append(jnp.where(den > 0, m + jnp.log(jnp.maximum(den, tiny)), jnp.inf))
-    o = rearrange(jnp.concatenate(outs, axis=-2), "... k g t d -> ... t (k g) d")
-    return o.astype(v.dtype), jnp.concatenate(lses, axis=-1)
+        (m, den, acc), _ = jax.lax.scan(body, _softmax_init(qb, G), (kb, vb, ab))
+        out, lse = _softmax_finish(m, den, acc, G)
+        outs.append(out)
+        lses.append(lse)
+    out = rearrange(jnp.concatenate(outs, axis=-2), "... k g t d -> ... t (k g) d")
+    return out.astype(v.dtype), jnp.concatenate(lses, axis=-1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _flash_attention(q, k, v, allowed, scale: float, cap: float | None, block: int):
-    return _flash_forward(q, k, v, allowed, scale, cap, block)[0]
-
-
-def _flash_fwd(q, k, v, allowed, scale, cap, block):
-    out, lse = _flash_forward(q, k, v, allowed, scale, cap, block)
-    return out, (q, k, v, allowed, out, lse)
-
-
-def _flash_bwd(scale, cap, block, res, d_out):
-    """The tiled backward pass (FlashAttention-2's): per query block, scan its key blocks,
-    recompute the probabilities from the saved log-normaliser and accumulate `dq` in the
-    carry and each key block's `dk`, `dv` as the scan's outputs."""
-    q, k, v, allowed, out, lse = res
-    K, S, hd = k.shape[-3], k.shape[-2], q.shape[-1]
-    G = q.shape[-2] // K
-    do = rearrange(d_out.astype(_f32), "... t (k g) d -> ... k g t d", k=K)
-    o = rearrange(out.astype(_f32), "... t (k g) d -> ... k g t d", k=K)
-    D_all = jnp.sum(do * o, axis=-1)  # [..., K, G, T]
-    dqs = []
-    dk = jnp.zeros(k.shape, _f32)
-    dv = jnp.zeros(v.shape, _f32)
-    for start, stop, n, end, qb, kb, vb, ab in _tiles(q, k, v, allowed, block):
+def _unrolled_backward(q, k, v, allowed, out, lse, d_out, scale, cap, block):
+    S, hd = k.shape[-2], q.shape[-1]
+    G, tiles = _tiles(q, k, v, allowed, block)
+    do, delta = _grad_inputs(out, d_out, k.shape[-3])
+    dqs, dk, dv = [], jnp.zeros(k.shape, _f32), jnp.zeros(v.shape, _f32)
+    for start, stop, end, qb, kb, vb, ab in tiles:
         dob = rearrange(do[..., start:stop, :], "... k g t d -> ... k (g t) d").astype(v.dtype)
-        lse_b, D_b = lse[..., start:stop], D_all[..., start:stop]
+        lse_b, delta_b = lse[..., start:stop], delta[..., start:stop]
 
-        def body(dq, xs, qb=qb, dob=dob, lse_b=lse_b, D_b=D_b):
+        def body(dq, xs, qb=qb, dob=dob, lse_b=lse_b, delta_b=delta_b):
             kt, vt, at = xs
-            s = _tile_scores(qb, kt, G, scale, cap)
-            p = jnp.where(at[..., None, None, :, :], jnp.exp(s - lse_b[..., None]), 0.0)
-            flat = lambda x: rearrange(x, "... k g t s -> ... k (g t) s")
-            dv_t = jnp.einsum(
-                "...qs,...qd->...sd", flat(p).astype(vt.dtype), dob, preferred_element_type=_f32
-            )
-            dp = jnp.einsum("...qd,...sd->...qs", dob, vt, preferred_element_type=_f32)
-            ds = p * (rearrange(dp, "... k (g t) s -> ... k g t s", g=G) - D_b[..., None])
-            if cap is not None:
-                ds = ds * (1.0 - jnp.square(s / cap))
-            ds = flat(ds * scale)
-            prod = lambda spec, a, b: jnp.einsum(spec, a, b, preferred_element_type=_f32)
-            dq = dq + prod("...qs,...sd->...qd", ds.astype(kt.dtype), kt)
-            dk_t = prod("...qs,...qd->...sd", ds.astype(qb.dtype), qb)
-            return dq, (dk_t, dv_t)
+            dq_t, dk_t, dv_t = _grad_step(qb, dob, lse_b, delta_b, kt, vt, at, G, scale, cap)
+            return dq + dq_t, (dk_t, dv_t)
 
         dq_b, (dk_b, dv_b) = jax.lax.scan(body, jnp.zeros(qb.shape, _f32), (kb, vb, ab))
         dqs.append(rearrange(dq_b, "... k (g t) d -> ... k g t d", g=G))
@@ -250,10 +255,108 @@ def _flash_bwd(scale, cap, block, res, d_out):
         dk = dk + jnp.pad(back(dk_b), pad)
         dv = dv + jnp.pad(back(dv_b), pad)
     dq = rearrange(jnp.concatenate(dqs, axis=-2), "... k g t d -> ... t (k g) d")
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+    return dq, dk, dv
 
 
-_flash_attention.defvjp(_flash_fwd, _flash_bwd)
+# -- looped tiles: a scan over query blocks, a loop over each one's causal key blocks
+# (the compiled program does not grow with T; used from _LOOPED_BLOCKS query blocks on)
+
+_LOOPED_BLOCKS = 4
+
+
+def _looped_inputs(q, k, v, allowed, block: int):
+    """Query blocks `[n, ..., K, G·block, hd]` and their mask rows `[n, ..., block, S']`
+    (scanned over), keys and values zero-padded to `S'` (whole key blocks), and how many
+    key blocks each query block sees (`T` is a multiple of `block`)."""
+    T, K, S = q.shape[-3], k.shape[-3], k.shape[-2]
+    n_k = -(-S // block)
+    pad = [(0, 0)] * (k.ndim - 2) + [(0, n_k * block - S), (0, 0)]
+    qb = rearrange(q, "... (n b) (k g) d -> n ... k (g b) d", b=block, k=K)
+    mask_pad = [(0, 0)] * (allowed.ndim - 1) + [(0, n_k * block - S)]
+    rows = rearrange(jnp.pad(allowed, mask_pad), "... (n b) s -> n ... b s", b=block)
+    seen = (S - T + block * np.arange(1, T // block + 1) + block - 1) // block
+    return qb, jnp.pad(k, pad), jnp.pad(v, pad), rows, jnp.asarray(seen, jnp.int32)
+
+
+def _key_tile(x, j, block: int, axis: int):
+    return jax.lax.dynamic_slice_in_dim(x, j * block, block, axis=axis)
+
+
+def _looped_forward(q, k, v, allowed, scale, cap, block):
+    G = q.shape[-2] // k.shape[-3]
+    qb_all, kp, vp, rows_all, seen = _looped_inputs(q, k, v, allowed, block)
+    key_axis = kp.ndim - 2
+
+    def per_query_block(_, xs):
+        qb, rows, n_keys = xs
+
+        def step(j, carry):
+            kt, vt = _key_tile(kp, j, block, key_axis), _key_tile(vp, j, block, key_axis)
+            ok = _key_tile(rows, j, block, rows.ndim - 1)
+            return _softmax_step(carry, qb, kt, vt, ok, G, scale, cap)
+
+        return None, _softmax_finish(*jax.lax.fori_loop(0, n_keys, step, _softmax_init(qb, G)), G)
+
+    _, (out, lse) = jax.lax.scan(per_query_block, None, (qb_all, rows_all, seen))
+    out = rearrange(out, "n ... k g b d -> ... (n b) (k g) d")
+    return out.astype(v.dtype), rearrange(lse, "n ... k g b -> ... k g (n b)")
+
+
+def _looped_backward(q, k, v, allowed, out, lse, d_out, scale, cap, block):
+    S = k.shape[-2]
+    G = q.shape[-2] // k.shape[-3]
+    qb_all, kp, vp, rows_all, seen = _looped_inputs(q, k, v, allowed, block)
+    key_axis = kp.ndim - 2
+    do, delta = _grad_inputs(out, d_out, k.shape[-3])
+    per_block = lambda x: rearrange(x, "... k g (n b) -> n ... k g b", b=block)
+    do_all = rearrange(do, "... k g (n b) d -> n ... k (g b) d", b=block).astype(v.dtype)
+
+    def per_query_block(grads, xs):
+        qb, rows, dob, lse_b, delta_b, n_keys = xs
+
+        def step(j, carry):
+            dq, dk, dv = carry
+            kt, vt = _key_tile(kp, j, block, key_axis), _key_tile(vp, j, block, key_axis)
+            ok = _key_tile(rows, j, block, rows.ndim - 1)
+            dq_t, dk_t, dv_t = _grad_step(qb, dob, lse_b, delta_b, kt, vt, ok, G, scale, cap)
+            add = lambda acc, t: jax.lax.dynamic_update_slice_in_dim(
+                acc, _key_tile(acc, j, block, key_axis) + t, j * block, axis=key_axis
+            )
+            return dq + dq_t, add(dk, dk_t), add(dv, dv_t)
+
+        dq, dk, dv = jax.lax.fori_loop(0, n_keys, step, (jnp.zeros(qb.shape, _f32), *grads))
+        return (dk, dv), dq
+
+    zeros = jnp.zeros(kp.shape, _f32)
+    xs = (qb_all, rows_all, do_all, per_block(lse), per_block(delta), seen)
+    (dk, dv), dq = jax.lax.scan(per_query_block, (zeros, zeros), xs)
+    dq = rearrange(dq, "n ... k (g b) d -> ... (n b) (k g) d", g=G)
+    return dq, dk[..., :S, :], dv[..., :S, :]
+
+
+def _flash(forward, backward):
+    """A custom-VJP tiled attention `(q, k, v, allowed, scale, cap, block) -> out` whose
+    backward pass keeps only the output and the log-normalisers (memory linear in T)."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+    def fn(q, k, v, allowed, scale: float, cap: float | None, block: int):
+        return forward(q, k, v, allowed, scale, cap, block)[0]
+
+    def fwd(q, k, v, allowed, scale, cap, block):
+        out, lse = forward(q, k, v, allowed, scale, cap, block)
+        return out, (q, k, v, allowed, out, lse)
+
+    def bwd(scale, cap, block, res, d_out):
+        q, k, v, allowed, out, lse = res
+        dq, dk, dv = backward(q, k, v, allowed, out, lse, d_out, scale, cap, block)
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+    fn.defvjp(fwd, bwd)
+    return fn
+
+
+_unrolled_attention = _flash(_unrolled_forward, _unrolled_backward)
+_looped_attention = _flash(_looped_forward, _looped_backward)
 
 
 def attention(
@@ -276,10 +379,12 @@ def attention(
     key positions and `allowed` is causal among them (query `t` never sees key
     `S - T + s` for `s > t`; the first `S - T` keys, a prefix, may be seen by all) — the
     attention is tiled (FlashAttention's scheme, Dao et al. 2022): queries in blocks of
-    `n`, each scanning the key blocks of `n` up to its own end with an online softmax
+    `n`, each going over the key blocks of `n` up to its own end with an online softmax
     (running max and normaliser), so about half the score work is skipped at long `T`
     and no `[T, S]` score tensor is ever formed, only `[n, n]` tiles that stay in cache.
-    Outputs at allowed rows are those of the dense computation up to float32 rounding.
+    From 4 whole query blocks on, the blocks are a scan and their key blocks a loop, so
+    the compiled program does not grow with `T` (shorter rows unroll them). Outputs at
+    allowed rows are those of the dense computation up to float32 rounding.
 
     The backward pass never stores the probabilities: it keeps the output and each
     row's log-normaliser and recomputes them (FlashAttention's scheme), tile by tile
@@ -293,7 +398,19 @@ def attention(
         raise ValueError(f"causal_block must be a positive int, got {causal_block!r}")
     if causal_block is None or S < T or (T <= causal_block and S <= causal_block):
         return _fused_attention(q, k, v, allowed, scale, cap)
-    return _flash_attention(q, k, v, allowed, scale, cap, causal_block)
+    whole = T // causal_block * causal_block
+    if whole < _LOOPED_BLOCKS * causal_block:
+        return _unrolled_attention(q, k, v, allowed, scale, cap, causal_block)
+    end = S - T + whole  # the keys the whole query blocks may see
+    out = _looped_attention(
+        q[..., :whole, :, :], k[..., :end, :], v[..., :end, :], allowed[..., :whole, :end],
+        scale, cap, causal_block,
+    )
+    if whole == T:
+        return out
+    # the last, partial block of queries
+    rest = _unrolled_attention(q[..., whole:, :, :], k, v, allowed[..., whole:, :], scale, cap, causal_block)
+    return jnp.concatenate([out, rest], axis=-3)
 
 
 def region_attention(

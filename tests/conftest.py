@@ -84,3 +84,12 @@ def assert_tree_allclose(a, b, *, rtol=1e-5, atol=1e-6):
 
 
 __all__ = ["tree_allclose", "assert_tree_allclose", "SHARED"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop JAX's compiled programs and trace caches after each test module: a worker
+    process otherwise keeps every executable of the whole suite alive, and after some
+    hundreds of tests XLA's CPU compiler was seen to crash in such a process."""
+    yield
+    jax.clear_caches()

@@ -177,3 +177,27 @@ def test_looped_and_unrolled_tiles_match_softmax(T, S, block):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     one = jax.vmap(lambda *a: attention(*a, cap=6.0, causal_block=block))(q, k, v, allowed)
     np.testing.assert_allclose(one, attention(q, k, v, allowed, cap=6.0, causal_block=block), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("T", [1, 3, 8])
+@pytest.mark.parametrize("cap", [None, 5.0])
+def test_few_queries_against_many_keys_match_softmax(T, cap):
+    """A few queries per kv head against a long key range (a decode step, a reward
+    model's read-out) take the scores against keys laid out `[hd, S]`; values and
+    gradients are the softmax's."""
+    from rlhf_eqx.models import _attention
+
+    S, H, K, hd = 96, 4, 2, 8
+    ks = jax.random.split(jax.random.key(T), 4)
+    q = jax.random.normal(ks[0], (2, T, H, hd))
+    k = jax.random.normal(ks[1], (2, K, S, hd))
+    v = jax.random.normal(ks[2], (2, K, S, hd))
+    allowed = jax.random.bernoulli(ks[3], 0.7, (2, T, S)).at[0, 0].set(False)
+    assert (H // K) * T <= _attention._FEW_QUERY_ROWS and S >= 4 * (H // K) * T
+    got = attention(q, k, v, allowed, cap=cap)
+    np.testing.assert_allclose(got, naive(q, k, v, allowed, cap), rtol=1e-5, atol=1e-5)
+    loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))
+    grads = jax.grad(loss(lambda q, k, v: attention(q, k, v, allowed, cap=cap)), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(loss(lambda q, k, v: naive(q, k, v, allowed, cap)), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(grads, want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)

@@ -19,6 +19,11 @@ import common  # noqa: E402
 import torch  # noqa: E402
 
 LIB = "trl"
+# TRL's configs default to bfloat16 autocast and gradient checkpointing; every library here
+# computes in float32 without recomputation, so both are turned off. (On a CPU without
+# bfloat16 instructions the autocast is emulated: TRL's GRPO iteration then took 60 s
+# instead of about 5 s on an AVX2-only machine.)
+FLOAT32 = dict(bf16=False, gradient_checkpointing=False)
 
 
 def matmul_peak(n: int = 1024, repeats: int = 5) -> float:
@@ -42,7 +47,7 @@ def dpo_trainer(model_dir, tok, *, precompute: bool, max_length: int):
     args = DPOConfig(
         output_dir=out, per_device_train_batch_size=8, learning_rate=1e-5, max_grad_norm=1.0,
         max_length=max_length, report_to=[], use_cpu=True, logging_steps=10**9, save_strategy="no",
-        precompute_ref_log_probs=False, dataloader_num_workers=0,
+        precompute_ref_log_probs=False, dataloader_num_workers=0, **FLOAT32,
     )
     trainer = DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=text_dataset(), processing_class=tok)
     trainer.create_optimizer_and_scheduler(num_training_steps=1000)
@@ -165,6 +170,7 @@ def main():
         rargs = RewardConfig(
             output_dir=out, per_device_train_batch_size=8, learning_rate=1e-5, max_grad_norm=1.0,
             max_length=common.RM["length"], report_to=[], use_cpu=True, logging_steps=10**9, save_strategy="no",
+            **FLOAT32,
         )
         trainer = RewardTrainer(model=model, args=rargs, train_dataset=text_dataset(), processing_class=tok)
         trainer.create_optimizer_and_scheduler(num_training_steps=1000)
@@ -198,6 +204,7 @@ def main():
             max_grad_norm=1.0, max_steps=n_steps, report_to=[], use_cpu=True, logging_steps=10**9,
             save_strategy="no", temperature=1.0, top_k=0, top_p=1.0, shuffle_dataset=False, beta=0.0,
             generation_kwargs={"min_new_tokens": g["new"]},  # every completion is 128 tokens, as in rlhf_eqx
+            **FLOAT32,
         )
         marks = []
 

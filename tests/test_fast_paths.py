@@ -474,15 +474,13 @@ def test_steps_embed_no_sequence_sized_constants(getkey):
         for _ in range(2)
     ]
     dpo = train.make_dpo_step(opt, reference="model")
-    lowered = {
-        "dpo": eqx.filter_jit(lambda p, o, b: dpo(p, o, b, reference=p)).lower(policy, state, plain),
-        "dpo packed": eqx.filter_jit(lambda p, o, b: dpo(p, o, b, reference=p)).lower(
-            policy, state, rx.data.pack_preferences(pairs, pad_id=0)
-        ),
-        "dpo aligned": eqx.filter_jit(lambda p, o, b: dpo(p, o, b, reference=p)).lower(
-            policy, state, rx.data.pack_preferences(pairs, pad_id=0, aligned=True)
-        ),
+    dpo_jit = eqx.filter_jit(lambda p, o, b: dpo(p, o, b, reference=p))
+    batches = {
+        "dpo": plain,
+        "dpo packed": rx.data.pack_preferences(pairs, pad_id=0),
+        "dpo aligned": rx.data.pack_preferences(pairs, pad_id=0, aligned=True),
     }
+    lowered = {name: dpo_jit.lower(policy, state, b) for name, b in batches.items()}
     rm = rx.RewardModel.from_policy(policy, key=getkey())
     rm_step = train.make_reward_step(opt)
     rm_state = opt.init(eqx.filter(rm, eqx.is_inexact_array))

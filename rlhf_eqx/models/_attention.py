@@ -477,15 +477,6 @@ def within_window(
     return (window == 0) | (dist < window)
 
 
-def _lower_triangle(T: int, *, strict: bool) -> Bool[Array, "T T"]:
-    """`[T, T]` causal mask (`s <= t`, or `s < t` when `strict`) built from iotas inside
-    the program: a `np.tril` constant would embed `T²` bytes in every compiled program,
-    which slows lowering, compiling and loading from the compilation cache."""
-    t = jax.lax.broadcasted_iota(jnp.int32, (T, T), 0)
-    s = jax.lax.broadcasted_iota(jnp.int32, (T, T), 1)
-    return s < t if strict else s <= t
-
-
 def attention_layout(
     mask: Bool[Array, "*B T"],
     segment_ids: Int[Array, "*B T"] | None,
@@ -501,7 +492,7 @@ def attention_layout(
     positions and each branch continues the prefix's positions.
     """
     T = mask.shape[-1]
-    causal = _lower_triangle(T, strict=False)  # an iota comparison, not a [T, T] constant
+    causal = jnp.tri(T, dtype=jnp.bool_)  # iotas in the program; a np.tril would embed T² bytes
     allowed = causal.reshape((1,) * (mask.ndim - 1) + (T, T)) & mask[..., None, :]
     if segment_ids is not None:
         allowed = allowed & (segment_ids[..., :, None] == segment_ids[..., None, :])
@@ -522,7 +513,7 @@ def previous_allowed(allowed: Bool[Array, "*B T T"]) -> tuple[Int[Array, "*B T"]
     """
     T = allowed.shape[-1]
     lead = (1,) * (allowed.ndim - 2)
-    strictly_before = _lower_triangle(T, strict=True).reshape(lead + (T, T))
+    strictly_before = jnp.tri(T, k=-1, dtype=jnp.bool_).reshape(lead + (T, T))
     keys = jnp.arange(T, dtype=jnp.int32).reshape(lead + (1, T))
     prev = jnp.max(jnp.where(allowed & strictly_before, keys, -1), axis=-1)
     return jnp.maximum(prev, 0), prev >= 0

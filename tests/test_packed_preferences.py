@@ -294,3 +294,76 @@ def test_packed_selected_logprobs_property(seed, K, sliding):
     np.testing.assert_allclose(got, np.sort(np.asarray(c)), rtol=1e-4, atol=1e-4)
     got = np.sort(np.asarray(packed.ref_rejected_logp)[present])
     np.testing.assert_allclose(got, np.sort(np.asarray(r)), rtol=1e-4, atol=1e-4)
+
+
+def _slot_contents(batch):
+    """The packed tokens `shared + chosen + rejected` of every present pair slot."""
+    tokens, mask, seg, present = (
+        np.asarray(x) for x in (batch.tokens, batch.mask, batch.segment_ids, batch.pairs)
+    )
+    return [
+        tuple(tokens[r][(seg[r] == k) & mask[r]])
+        for r in range(present.shape[0])
+        for k in range(present.shape[1])
+        if present[r, k]
+    ]
+
+
+def test_preference_steps_hold_every_pair_once_in_one_shape():
+    pairs = make_pairs(7, 23)
+    steps = data.pack_preference_steps(pairs, pad_id=0, row_length=40, rows_per_step=3, seed=1)
+    assert {b.tokens.shape for b in steps} == {(3, 40)} and {b.pairs.shape for b in steps} == {(3, 4)}
+    expected = sorted(p.chosen.prompt + p.chosen.completion + p.rejected.completion for p in pairs)
+    assert sorted(t for b in steps for t in _slot_contents(b)) == expected
+    # rows never overflow and the slots of a row are its segments, in order
+    for b in steps:
+        assert int(jnp.max(b.segment_ids)) < 4
+        assert np.all(np.asarray(b.mask).sum(axis=1) <= 40)
+    # fewer rows (less padding) than one pair per row, with a filler row or two at the end
+    assert len(steps) * 3 < len(pairs)
+    assert not np.asarray(steps[-1].pairs).all()
+    again = data.pack_preference_steps(pairs, pad_id=0, row_length=40, rows_per_step=3, seed=1)
+    assert [_slot_contents(b) for b in again] == [_slot_contents(b) for b in steps]
+    ordered = data.pack_preference_steps(pairs, pad_id=0, row_length=40, rows_per_step=3, seed=None)
+    longest = max(pairs, key=data.packed_length)
+    assert _slot_contents(ordered[0])[0] == (
+        longest.chosen.prompt + longest.chosen.completion + longest.rejected.completion
+    )
+
+
+def test_preference_steps_errors_name_the_problem():
+    pairs = make_pairs(8, 4)
+    sizes = [data.packed_length(p) for p in pairs]
+    L = max(sizes) - 1
+    first = next(i for i, n in enumerate(sizes) if n > L)
+    with pytest.raises(data.DataError, match=f"pair {first} takes {sizes[first]} .* row_length={L}"):
+        data.pack_preference_steps(pairs, pad_id=0, row_length=L, rows_per_step=2)
+    with pytest.raises(data.DataError, match="rows_per_step must be a positive int"):
+        data.pack_preference_steps(pairs, pad_id=0, row_length=40, rows_per_step=0)
+    with pytest.raises((data.DataError, TypeError), match="seed"):
+        data.pack_preference_steps(pairs, pad_id=0, row_length=40, rows_per_step=2, seed=1.5)
+    with pytest.raises(data.DataError, match="empty"):
+        data.pack_preference_steps([], pad_id=0, row_length=40, rows_per_step=2)
+
+
+def test_preference_steps_dpo_equals_the_unpacked_batch(getkey):
+    """Steps of different pair counts: each averages over its own pairs, so the updates
+    weighted by pair count add up to the update of the whole unpacked batch (SGD, lr 1)."""
+    policy = rx.Policy(tiny_cfg(), key=getkey())
+    ref_model = rx.Policy(tiny_cfg(), key=getkey())
+    pairs = make_pairs(9, 9, merged=True)
+    step = train.make_dpo_step(optax.sgd(1.0), reference="model")
+    opt = optax.sgd(1.0).init(eqx.filter(policy, eqx.is_array))
+    full, _, m_full = step(policy, opt, unpacked(pairs), reference=ref_model)
+    steps = data.pack_preference_steps(pairs, pad_id=0, row_length=32, rows_per_step=2, pairs_per_row=3)
+    assert len({int(b.pairs.sum()) for b in steps}) > 1  # the pair count varies
+    delta, loss = None, 0.0
+    for b in steps:
+        p, _, m = step(policy, opt, b, reference=ref_model)
+        n = int(b.pairs.sum())
+        d = jax.tree.map(lambda a, c: n * (a - c), eqx.filter(policy, eqx.is_array), eqx.filter(p, eqx.is_array))
+        delta = d if delta is None else jax.tree.map(jnp.add, delta, d)
+        loss += n * float(m["loss"])
+    np.testing.assert_allclose(loss / len(pairs), m_full["loss"], rtol=1e-5)
+    want = jax.tree.map(lambda a, c: a - c, eqx.filter(policy, eqx.is_array), eqx.filter(full, eqx.is_array))
+    assert_tree_allclose(jax.tree.map(lambda x: x / len(pairs), delta), want, rtol=1e-4, atol=1e-6)

@@ -54,6 +54,7 @@ from ._loader import (
     epoch_permutation as epoch_permutation,
 )
 from ._packing import (
+    pack_preference_steps as pack_preference_steps,
     pack_preferences as pack_preferences,
     packed_from_preferences as packed_from_preferences,
     packed_length as packed_length,

@@ -107,18 +107,23 @@ def dpo_runner(policy, batch, *, cached: bool):
     return run
 
 
-# HH-RLHF batching: windows of HH_GROUP batches sorted by length, rows padded to multiples
-# of HH_BUCKET (fewer compiled shapes against less padding; see RESULTS.md)
+# HH-RLHF batching. "budget" (default, packed layout): token-budget steps
+# (`data.pack_preference_steps`), rows of HH_ROW tokens holding up to 4 pairs each, as many
+# steps as TRL takes (the pass's rows split evenly), one compiled shape. "sorted": batches
+# of 8 pairs, windows of HH_GROUP batches sorted by length, rows padded to multiples of
+# HH_BUCKET (the previous scheme; see RESULTS.md).
+HH_BATCHING = os.environ.get("RLHF_EQX_BENCH_HH_BATCHING", "budget")
+HH_ROW = int(os.environ.get("RLHF_EQX_BENCH_HH_ROW", "768"))
 HH_GROUP = int(os.environ.get("RLHF_EQX_BENCH_HH_GROUP", "12"))
 HH_BUCKET = int(os.environ.get("RLHF_EQX_BENCH_HH_BUCKET", "192"))
 
 
 def hh_batches(inputs, pairs: int, *, group: int, bucket: int):
-    """The HH-RLHF pairs in batches of `pairs`: windows of `group` batches sorted by
-    length (rlhf_eqx.data's `group_by_length`), each batch padded to its longest row
-    rounded up to `bucket` (`bucket_size`); packed with the prompt shared unless
-    `RLHF_EQX_BENCH_UNPACKED=1`. Returns `[(batch, real tokens of its chosen + rejected
-    rows)]`."""
+    """The HH-RLHF pairs in batches (see `HH_BATCHING`): token-budget steps, or batches of
+    `pairs` in windows of `group` batches sorted by length (rlhf_eqx.data's
+    `group_by_length`), each padded to its longest row rounded up to `bucket`
+    (`bucket_size`); packed with the prompt shared unless the layout is `plain`.
+    Returns `[(batch, real tokens of its chosen + rejected rows)]`."""
 
     def rows(name):
         return [tuple(r) for r in common.ragged_rows(inputs, name)]
@@ -126,6 +131,16 @@ def hh_batches(inputs, pairs: int, *, group: int, bucket: int):
     items = pairs_of(rows("hh_prompt"), rows("hh_chosen"), rows("hh_rejected"), rows("hh_rejected_prompt"))
     n = len(items) // pairs * pairs
     items = items[:n]
+    if PACKED and LAYOUT == "packed" and HH_BATCHING == "budget":
+        row = max(HH_ROW, max(data.packed_length(it) for it in items))
+        pack = lambda k: data.pack_preference_steps(items, pad_id=0, row_length=row, rows_per_step=k)
+        n_rows = len(pack(1))
+        batches = pack(-(-n_rows // (n // pairs)))  # as many steps as batches of `pairs`
+        # real tokens of the unpacked chosen + rejected rows: the shared prompt counts twice
+        unpacked = lambda b: int(jnp.sum(b.mask) + jnp.sum(b.mask & (b.branch_ids == 0)))
+        return [(b, unpacked(b)) for b in batches]
+    if HH_BATCHING not in ("budget", "sorted"):
+        raise SystemExit(f"RLHF_EQX_BENCH_HH_BATCHING must be budget or sorted, got {HH_BATCHING!r}")
     size = data.packed_length if PACKED else (lambda it: max(len(it.chosen), len(it.rejected)))
     out = []
     win = pairs * group
@@ -273,6 +288,7 @@ def main():
             steady_real_tokens_per_s=sum(n for n, _ in seen) / max(1e-9, sum(t for _, t in seen)),
             total_s=total,
             steps=len(batches),
+            batching=HH_BATCHING if LAYOUT == "packed" else "sorted",
         )
     else:
         raise SystemExit(f"unknown workload {w}")

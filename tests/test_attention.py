@@ -7,7 +7,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from rlhf_eqx.models import attention, attention_layout, previous_allowed, region_attention
+from rlhf_eqx.models import (
+    attention,
+    attention_layout,
+    cached_attention,
+    previous_allowed,
+    region_attention,
+)
 
 
 def naive(q, k, v, allowed, cap=None):
@@ -198,5 +204,31 @@ def test_few_queries_against_many_keys_match_softmax(T, cap):
     loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))
     grads = jax.grad(loss(lambda q, k, v: attention(q, k, v, allowed, cap=cap)), argnums=(0, 1, 2))(q, k, v)
     want = jax.grad(loss(lambda q, k, v: naive(q, k, v, allowed, cap)), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(grads, want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("cap", [None, 5.0])
+def test_cached_attention_reads_transposed_keys(cap):
+    """Keys stored `[K, hd, S]` (the KV cache's layout): the softmax's values and
+    gradients, rows without an allowed key give zeros, and no transposition of the keys
+    is left in the program."""
+    S, H, K, hd = 40, 4, 2, 8
+    ks = jax.random.split(jax.random.key(7), 4)
+    q = jax.random.normal(ks[0], (3, 1, H, hd))
+    kt = jax.random.normal(ks[1], (3, K, hd, S))
+    v = jax.random.normal(ks[2], (3, K, S, hd))
+    allowed = jax.random.bernoulli(ks[3], 0.6, (3, 1, S)).at[1].set(False)
+    k = jnp.swapaxes(kt, -1, -2)
+    got = cached_attention(q, kt, v, allowed, cap=cap)
+    np.testing.assert_allclose(got, naive(q, k, v, allowed, cap), rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(got[1]) == 0.0)
+    jaxpr = str(jax.make_jaxpr(lambda q, kt, v: cached_attention(q, kt, v, allowed, cap=cap))(q, kt, v))
+    assert f"f32[3,{K},{S},{hd}] = transpose" not in jaxpr  # the keys are read as stored
+    loss = lambda f: lambda q, kt, v: jnp.sum(jnp.sin(f(q, kt, v)))
+    grads = jax.grad(loss(lambda q, kt, v: cached_attention(q, kt, v, allowed, cap=cap)), argnums=(0, 1, 2))(q, kt, v)
+    want = jax.grad(
+        loss(lambda q, kt, v: naive(q, jnp.swapaxes(kt, -1, -2), v, allowed, cap)), argnums=(0, 1, 2)
+    )(q, kt, v)
     for g, w in zip(grads, want):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)

@@ -3,6 +3,7 @@
 from ._attention import (
     attention as attention,
     attention_layout as attention_layout,
+    cached_attention as cached_attention,
     previous_allowed as previous_allowed,
     region_attention as region_attention,
 )

@@ -81,10 +81,10 @@ class Policy(AbstractDecoder[KVCache], AbstractBatchedModel, AbstractSelectiveLM
     def init_cache(self, cache_size: int) -> KVCache:
         """An empty cache with `cache_size` slots (the layout `prefill` returns)."""
         cfg = self.cfg
-        zeros = jnp.zeros((cfg.n_layers, cfg.n_kv_heads, cache_size, cfg.head_dim), cfg.param_dtype)
+        shape = (cfg.n_layers, cfg.n_kv_heads, cache_size, cfg.head_dim)
         return KVCache(
-            k=zeros,
-            v=zeros,
+            k=jnp.zeros(shape[:2] + (cfg.head_dim, cache_size), cfg.param_dtype),
+            v=jnp.zeros(shape, cfg.param_dtype),
             mask=jnp.zeros((cache_size,), jnp.bool_),
             positions=jnp.zeros((cache_size,), jnp.int32),
         )

@@ -24,6 +24,7 @@ from ._attention import (
     apply_rope,
     attention,
     attention_layout,
+    cached_attention,
     region_attention,
     rope_tables,
     within_window,
@@ -38,13 +39,15 @@ ATTENTION_BLOCK = 128
 
 
 class KVCache(eqx.Module):
-    """Per-sequence key/value cache, head-major: `k[l, h, s]` is layer `l`, kv head `h`, slot `s`.
+    """Per-sequence key/value cache, head-major: `v[l, h, s]` is layer `l`, kv head `h`,
+    slot `s`; the keys are stored transposed, `k[l, h, :, s]`, so that a decode step's
+    score product reads them without a transposition (`cached_attention`).
 
     `mask[s]` says whether slot `s` holds a real token that later tokens may attend to;
     `positions[s]` is that token's rotary position (for sliding-window layers).
     """
 
-    k: Float[Array, "L K S hd"]
+    k: Float[Array, "L K hd S"]
     v: Float[Array, "L K S hd"]
     mask: Bool[Array, " S"]
     positions: Int[Array, " S"]
@@ -339,7 +342,7 @@ class Transformer(AbstractSequenceModel, AbstractBatchedModel):
         pad = [(0, 0), (0, 0), (0, cache_size - P), (0, 0)]
         extra = cache_size - P
         cache = KVCache(
-            k=jnp.pad(k, pad),
+            k=jnp.swapaxes(jnp.pad(k, pad), -1, -2),
             v=jnp.pad(v, pad),
             mask=jnp.concatenate([mask, jnp.zeros((extra,), jnp.bool_)]),
             positions=jnp.concatenate([positions, jnp.zeros((extra,), jnp.int32)]),
@@ -381,10 +384,14 @@ class Transformer(AbstractSequenceModel, AbstractBatchedModel):
                 allowed = allowed & within_window(position[None], slot_pos, window)
 
             def attend(q, k, v):
-                start = (l, zero, index, zero)
-                kc2 = jax.lax.dynamic_update_slice(kc, jnp.swapaxes(k, 0, 1)[None].astype(kc.dtype), start)
-                vc2 = jax.lax.dynamic_update_slice(vc, jnp.swapaxes(v, 0, 1)[None].astype(vc.dtype), start)
-                o = attention(q, kc2[l], vc2[l], allowed, scale=cfg.query_scale, cap=cfg.attn_softcap)
+                # k, v: [1, K, hd]; the keys go in as a column of the transposed cache
+                kc2 = jax.lax.dynamic_update_slice(
+                    kc, jnp.moveaxis(k, 0, -1)[None].astype(kc.dtype), (l, zero, zero, index)
+                )
+                vc2 = jax.lax.dynamic_update_slice(
+                    vc, jnp.swapaxes(v, 0, 1)[None].astype(vc.dtype), (l, zero, index, zero)
+                )
+                o = cached_attention(q, kc2[l], vc2[l], allowed, scale=cfg.query_scale, cap=cfg.attn_softcap)
                 return o, (kc2, vc2)
 
             x, (kc, vc) = layer.block(x, cfg, _select(rope, is_local), attend)

@@ -223,12 +223,12 @@ def test_cached_attention_reads_transposed_keys(cap):
     got = cached_attention(q, kt, v, allowed, cap=cap)
     np.testing.assert_allclose(got, naive(q, k, v, allowed, cap), rtol=1e-5, atol=1e-5)
     assert np.all(np.asarray(got[1]) == 0.0)
-    jaxpr = str(jax.make_jaxpr(lambda q, kt, v: cached_attention(q, kt, v, allowed, cap=cap))(q, kt, v))
+    cached = lambda q, kt, v: cached_attention(q, kt, v, allowed, cap=cap)
+    jaxpr = str(jax.make_jaxpr(cached)(q, kt, v))
     assert f"f32[3,{K},{S},{hd}] = transpose" not in jaxpr  # the keys are read as stored
     loss = lambda f: lambda q, kt, v: jnp.sum(jnp.sin(f(q, kt, v)))
-    grads = jax.grad(loss(lambda q, kt, v: cached_attention(q, kt, v, allowed, cap=cap)), argnums=(0, 1, 2))(q, kt, v)
-    want = jax.grad(
-        loss(lambda q, kt, v: naive(q, jnp.swapaxes(kt, -1, -2), v, allowed, cap)), argnums=(0, 1, 2)
-    )(q, kt, v)
+    reference = lambda q, kt, v: naive(q, jnp.swapaxes(kt, -1, -2), v, allowed, cap)
+    grads = jax.grad(loss(cached), argnums=(0, 1, 2))(q, kt, v)
+    want = jax.grad(loss(reference), argnums=(0, 1, 2))(q, kt, v)
     for g, w in zip(grads, want):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)

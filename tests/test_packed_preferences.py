@@ -312,7 +312,8 @@ def _slot_contents(batch):
 def test_preference_steps_hold_every_pair_once_in_one_shape():
     pairs = make_pairs(7, 23)
     steps = data.pack_preference_steps(pairs, pad_id=0, row_length=40, rows_per_step=3, seed=1)
-    assert {b.tokens.shape for b in steps} == {(3, 40)} and {b.pairs.shape for b in steps} == {(3, 4)}
+    assert {b.tokens.shape for b in steps} == {(3, 40)}
+    assert {b.pairs.shape for b in steps} == {(3, 4)}
     expected = sorted(p.chosen.prompt + p.chosen.completion + p.rejected.completion for p in pairs)
     assert sorted(t for b in steps for t in _slot_contents(b)) == expected
     # rows never overflow and the slots of a row are its segments, in order
@@ -324,7 +325,9 @@ def test_preference_steps_hold_every_pair_once_in_one_shape():
     assert not np.asarray(steps[-1].pairs).all()
     again = data.pack_preference_steps(pairs, pad_id=0, row_length=40, rows_per_step=3, seed=1)
     assert [_slot_contents(b) for b in again] == [_slot_contents(b) for b in steps]
-    ordered = data.pack_preference_steps(pairs, pad_id=0, row_length=40, rows_per_step=3, seed=None)
+    ordered = data.pack_preference_steps(
+        pairs, pad_id=0, row_length=40, rows_per_step=3, seed=None
+    )
     longest = max(pairs, key=data.packed_length)
     assert _slot_contents(ordered[0])[0] == (
         longest.chosen.prompt + longest.chosen.completion + longest.rejected.completion
@@ -336,7 +339,8 @@ def test_preference_steps_errors_name_the_problem():
     sizes = [data.packed_length(p) for p in pairs]
     L = max(sizes) - 1
     first = next(i for i, n in enumerate(sizes) if n > L)
-    with pytest.raises(data.DataError, match=f"pair {first} takes {sizes[first]} .* row_length={L}"):
+    message = f"pair {first} takes {sizes[first]} .* row_length={L}"
+    with pytest.raises(data.DataError, match=message):
         data.pack_preference_steps(pairs, pad_id=0, row_length=L, rows_per_step=2)
     with pytest.raises(data.DataError, match="rows_per_step must be a positive int"):
         data.pack_preference_steps(pairs, pad_id=0, row_length=40, rows_per_step=0)
@@ -355,15 +359,19 @@ def test_preference_steps_dpo_equals_the_unpacked_batch(getkey):
     step = train.make_dpo_step(optax.sgd(1.0), reference="model")
     opt = optax.sgd(1.0).init(eqx.filter(policy, eqx.is_array))
     full, _, m_full = step(policy, opt, unpacked(pairs), reference=ref_model)
-    steps = data.pack_preference_steps(pairs, pad_id=0, row_length=32, rows_per_step=2, pairs_per_row=3)
+    steps = data.pack_preference_steps(
+        pairs, pad_id=0, row_length=32, rows_per_step=2, pairs_per_row=3
+    )
     assert len({int(b.pairs.sum()) for b in steps}) > 1  # the pair count varies
+    arrays = lambda m: eqx.filter(m, eqx.is_array)
     delta, loss = None, 0.0
     for b in steps:
         p, _, m = step(policy, opt, b, reference=ref_model)
         n = int(b.pairs.sum())
-        d = jax.tree.map(lambda a, c: n * (a - c), eqx.filter(policy, eqx.is_array), eqx.filter(p, eqx.is_array))
+        d = jax.tree.map(lambda a, c: n * (a - c), arrays(policy), arrays(p))
         delta = d if delta is None else jax.tree.map(jnp.add, delta, d)
         loss += n * float(m["loss"])
     np.testing.assert_allclose(loss / len(pairs), m_full["loss"], rtol=1e-5)
-    want = jax.tree.map(lambda a, c: a - c, eqx.filter(policy, eqx.is_array), eqx.filter(full, eqx.is_array))
-    assert_tree_allclose(jax.tree.map(lambda x: x / len(pairs), delta), want, rtol=1e-4, atol=1e-6)
+    want = jax.tree.map(lambda a, c: a - c, arrays(policy), arrays(full))
+    mean = jax.tree.map(lambda x: x / len(pairs), delta)
+    assert_tree_allclose(mean, want, rtol=1e-4, atol=1e-6)

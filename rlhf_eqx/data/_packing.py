@@ -157,7 +157,9 @@ def _check_fits(sizes: Sequence[int], row_length: int) -> None:
         )
 
 
-def _write_rows(pieces, rows, L: int, K: int, R: int, pad_id: int, vocab_size) -> PackedPreferenceBatch:
+def _write_rows(
+    pieces, rows, L: int, K: int, R: int, pad_id: int, vocab_size
+) -> PackedPreferenceBatch:
     """The batch `[R, L]` whose row `r` holds the pairs `rows[r]` (indices into `pieces`)."""
     tokens = np.full((R, L), pad_id, dtype=np.int64)
     mask = np.zeros((R, L), dtype=bool)

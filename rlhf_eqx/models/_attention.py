@@ -63,10 +63,15 @@ def _scores(qg, k, T: int, scale: float, cap: float | None):
     product."""
     rows, S = qg.shape[-2], k.shape[-2]
     if rows <= _FEW_QUERY_ROWS and S >= 4 * rows:
-        keys = jax.lax.optimization_barrier(jnp.swapaxes(k, -1, -2))
-        s = jnp.einsum("...qd,...ds->...qs", qg, keys, preferred_element_type=_f32)
-    else:
-        s = jnp.einsum("...qd,...sd->...qs", qg, k, preferred_element_type=_f32)
+        keys_t = jax.lax.optimization_barrier(jnp.swapaxes(k, -1, -2))
+        return _transposed_scores(qg, keys_t, T, scale, cap)
+    s = jnp.einsum("...qd,...sd->...qs", qg, k, preferred_element_type=_f32)
+    return softcap(rearrange(s, "... k (g t) s -> ... k g t s", t=T) * scale, cap)
+
+
+def _transposed_scores(qg, keys_t, T: int, scale: float, cap: float | None):
+    """`_scores` against keys laid out `[..., K, hd, S]`."""
+    s = jnp.einsum("...qd,...ds->...qs", qg, keys_t, preferred_element_type=_f32)
     return softcap(rearrange(s, "... k (g t) s -> ... k g t s", t=T) * scale, cap)
 
 
@@ -113,8 +118,7 @@ def cached_attention(
     v, allowed)`."""
     T, K = q.shape[-3], keys_t.shape[-3]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    s = jnp.einsum("...qd,...ds->...qs", _heads_major(q, K), keys_t, preferred_element_type=_f32)
-    s = softcap(rearrange(s, "... k (g t) s -> ... k g t s", t=T) * scale, cap)
+    s = _transposed_scores(_heads_major(q, K), keys_t, T, scale, cap)
     return _softmax_values(s, v, allowed, T)[0]
 
 

@@ -391,7 +391,8 @@ class Transformer(AbstractSequenceModel, AbstractBatchedModel):
                 vc2 = jax.lax.dynamic_update_slice(
                     vc, jnp.swapaxes(v, 0, 1)[None].astype(vc.dtype), (l, zero, index, zero)
                 )
-                o = cached_attention(q, kc2[l], vc2[l], allowed, scale=cfg.query_scale, cap=cfg.attn_softcap)
+                kw = dict(scale=cfg.query_scale, cap=cfg.attn_softcap)
+                o = cached_attention(q, kc2[l], vc2[l], allowed, **kw)
                 return o, (kc2, vc2)
 
             x, (kc, vc) = layer.block(x, cfg, _select(rope, is_local), attend)

@@ -129,6 +129,7 @@ def test_overrides_and_files(tmp_path):
         (["data.path=/no/such.jsonl"], 1, "data.path='/no/such.jsonl': no such file"),
         (["sft.optim.lr=0"], 1, "sft.optim.lr=0.0: must be > 0"),
         (["stages=sft,ppo"], 1, "ppo needs the reward stage"),
+        (["dpo.packing=true", "dpo.loss_type=aot"], 1, "dpo.packing=True: loss_type='aot' sorts"),
     ],
 )
 def test_invalid_configs_fail_naming_the_field(overrides, device_count, message):
@@ -428,3 +429,30 @@ def test_sft_run_lowers_the_loss_and_grpo_run_logs_its_signal(tmp_path, tok):
     last = res.history[-1]
     for k in ("rollout/frac_reward_zero_std", "rollout/kl", "rollout/reward/len", "loss"):
         assert k in last and math.isfinite(last[k])
+
+
+def test_packed_dpo_run_holds_every_pair_in_one_shape(tmp_path, tok):
+    """`dpo.packing`: token-budget batches of one shape hold every pair once, about
+    `batch_size` pairs a step; the run starts at ln 2 (policy == reference) and learns."""
+    policy = _tiny_policy()
+    rng = np.random.default_rng(0)
+    words = ["dog", "cat", "sun", "tree", "boat", "rain", "hill", "fox"]
+    say = lambda n: " ".join(rng.choice(words, n))
+    records = [
+        rx.data.PreferenceRecord(say(int(rng.integers(2, 9))), " " + say(int(rng.integers(1, 6))),
+                                 " " + say(int(rng.integers(1, 6))))
+        for _ in range(13)
+    ]
+    cfg = pl.DPOConfig(
+        steps=4, batch_size=4, max_length=32, packing=True, beta=0.5,
+        optim=pl.OptimConfig(lr=5e-2, warmup_ratio=0.0),
+        lora=pl.LoRASettings(rank=4, alpha=8.0, dropout=0.0),
+    )
+    batches = pl.packed_steps(records, tok, cfg=cfg, prompt_length=24, seed=0)
+    assert {b.tokens.shape[1] for b in batches} == {64} and len({b.tokens.shape for b in batches}) == 1
+    assert sum(int(b.pairs.sum()) for b in batches) == len(records)
+    assert 2 <= len(records) / len(batches) <= 8  # about batch_size pairs a step
+    res = pl.run_dpo(policy, tok, records, cfg=cfg, ctx=_ctx(tmp_path))
+    assert res.loop.iterations == 4
+    assert res.history[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert res.history[-1]["loss"] < math.log(2)

@@ -116,7 +116,7 @@ def test_pipeline_helpers_are_public():
 STAGE_KEYS = {
     "sft": "steps batch_size max_length optim samples lora",
     "reward": "steps batch_size max_length optim pairs_per_prompt heldout_fraction",
-    "dpo": "steps batch_size max_length optim beta loss_type rounds samples lora",
+    "dpo": "steps batch_size max_length optim beta loss_type rounds samples packing lora",
     "ppo": "rollouts prompts_per_rollout epochs clip kl_target optim lora minibatches vf_coef "
     "ent_coef gamma lam kl_coef",
     "grpo": "rollouts prompts_per_rollout epochs clip kl_target optim lora group_size beta",

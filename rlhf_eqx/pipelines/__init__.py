@@ -38,6 +38,7 @@ from ._data_runs import (
 )
 from ._dpo_runs import (
     best_worst_pairs as best_worst_pairs,
+    packed_steps as packed_steps,
     run_dpo as run_dpo,
     run_online_dpo as run_online_dpo,
 )

@@ -157,13 +157,18 @@ class RewardConfig(BatchStageConfig):
 @dataclasses.dataclass(frozen=True)
 class DPOConfig(BatchStageConfig):
     """DPO (Rafailov et al. 2023) with a cached reference, over `rounds` rounds of fresh
-    samples (`rounds=1`: offline on the first samples; online DPO resamples each round)."""
+    samples (`rounds=1`: offline on the first samples; online DPO resamples each round).
+    `packing` (offline DPO on a data file): token-budget batches
+    (`data.pack_preference_steps`), each prompt written once before both completions and
+    several pairs to a row, about `batch_size` pairs a step and one shape for all steps,
+    instead of `batch_size` rows padded to `max_length`."""
 
     steps: int = 20
     beta: float = 0.1
     loss_type: str = "sigmoid"
     rounds: int = 3
     samples: int = 4
+    packing: bool = False
     lora: LoRASettings = LoRASettings()
 
 

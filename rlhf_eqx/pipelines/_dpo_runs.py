@@ -21,6 +21,8 @@ from ._runs import (
     rows_at,
     run_loop,
     run_offline,
+    shuffled_batches,
+    shuffled_rows,
     take_rows,
     with_lora,
 )
@@ -41,15 +43,42 @@ def run_dpo(
     model, tok, pairs: Sequence[data.PreferenceRecord], *, cfg: DPOConfig, ctx: RunContext
 ) -> RunResult:
     """Offline DPO (Rafailov et al. 2023) on fixed pairs: reference log-probs computed
-    once (the reference is the model without its adapters), `cfg.steps` steps."""
+    once (the reference is the model without its adapters), `cfg.steps` steps. With
+    `cfg.packing`, on token-budget batches (`packed_steps`)."""
     k_lora, ctx_key = jax.random.split(ctx.key)
     state, reference, step = _dpo_setup(model, cfg, cfg.steps, k_lora)
+    run = dict(steps=cfg.steps, ctx=ctx, ctx_key=ctx_key, policy_of=lambda s: s.model)
+    if cfg.packing:
+        batches = packed_steps(
+            pairs, tok, cfg=cfg, prompt_length=ctx.prompt_length, seed=ctx.ops.seed
+        )
+        batches = [rx.train.compute_reference_logps(reference, b) for b in batches]
+        return run_offline(
+            state, step, shuffled_batches(batches, ctx.ops.seed),
+            tokens_per_iteration=int(batches[0].tokens.size), **run,
+        )
     full = collate_pairs(pairs, tok, max_length=cfg.max_length, prompt_length=ctx.prompt_length)
     full = rx.train.compute_reference_logps(reference, full)
     return run_offline(
-        state, step, full, steps=cfg.steps, batch_size=cfg.batch_size,
-        tokens_per_row=2 * cfg.max_length, ctx=ctx, ctx_key=ctx_key, policy_of=lambda s: s.model,
+        state, step, shuffled_rows(full, cfg.batch_size, ctx.ops.seed),
+        tokens_per_iteration=2 * cfg.batch_size * cfg.max_length, **run,
     )
+
+
+def packed_steps(
+    pairs: Sequence[data.PreferenceRecord], tok, *, cfg: DPOConfig, prompt_length: int, seed: int
+) -> list[rx.PackedPreferenceBatch]:
+    """Token-budget DPO batches (`data.pack_preference_steps`): rows of `2 · max_length`
+    tokens (any pair fits) holding up to 4 pairs each with their prompt written once, as
+    many rows a step as hold `cfg.batch_size` pairs on average; one shape for every step."""
+    tokenized, _ = data.tokenize_preferences(
+        list(pairs), tok, max_length=cfg.max_length, max_prompt_length=prompt_length, add_eos=False
+    )
+    pack = lambda rows: data.pack_preference_steps(
+        tokenized, pad_id=tok.pad_id, row_length=2 * cfg.max_length, rows_per_step=rows, seed=seed
+    )
+    rows = len(pack(1))
+    return pack(max(1, round(rows * cfg.batch_size / len(tokenized))))
 
 
 def best_worst_pairs(

@@ -10,6 +10,7 @@ guard, metrics). Iteration `i` draws its data from `i` and its randomness from
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -160,28 +161,40 @@ def run_sft(
     state = rx.train.init_train_state(model, opt, filter_spec=spec)
     step = rx.train.make_sft_step(opt, donate=False)
     return run_offline(
-        state, step, full, steps=cfg.steps, batch_size=cfg.batch_size,
-        tokens_per_row=cfg.max_length, ctx=ctx, ctx_key=ctx_key, policy_of=lambda s: s.model,
+        state, step, shuffled_rows(full, cfg.batch_size, ctx.ops.seed), steps=cfg.steps,
+        tokens_per_iteration=cfg.batch_size * cfg.max_length, ctx=ctx, ctx_key=ctx_key,
+        policy_of=lambda s: s.model,
     )
 
 
 # --- reward model ----------------------------------------------------------------------
 
 
-def run_offline(
-    state, step, full, *, steps: int, batch_size: int, tokens_per_row: int, ctx: RunContext,
-    ctx_key, policy_of=None,
-) -> RunResult:
-    """`steps` updates of `step` on shuffled fixed-size batches of the rows of `full`
-    (SFT, reward model, offline DPO): iteration `i` takes the rows `rows_at(i)`."""
+def shuffled_rows(full, batch_size: int, seed: int) -> Callable[[int], Any]:
+    """Batch `i` of shuffled epochs over the rows of `full`: the rows `rows_at(i)`."""
     n = jax.tree.leaves(full)[0].shape[0]
+    return lambda i: take_rows(full, rows_at(n, batch_size, seed, i))
+
+
+def shuffled_batches(batches: Sequence[Any], seed: int) -> Callable[[int], Any]:
+    """Batch `i` of epochs over a fixed list of batches, each epoch in its own order
+    (`epoch_permutation`)."""
+    n = len(batches)
+    return lambda i: batches[int(data.epoch_permutation(n, seed, i // n)[i % n])]
+
+
+def run_offline(
+    state, step, batch_at: Callable[[int], Any], *, steps: int, tokens_per_iteration: int,
+    ctx: RunContext, ctx_key, policy_of=None,
+) -> RunResult:
+    """`steps` updates of `step` on the batches `batch_at(i)` (SFT, reward model,
+    offline DPO; `shuffled_rows`, `shuffled_batches`)."""
 
     def iteration(state, key, i):
-        batch = take_rows(full, rows_at(n, batch_size, ctx.ops.seed, i))
-        state, m = state.apply(step, batch, key=key)
+        state, m = state.apply(step, batch_at(i), key=key)
         return state, [m], {}
 
-    tokens = batch_size * tokens_per_row
+    tokens = tokens_per_iteration
     return run_loop(
         state,
         iteration,
@@ -216,6 +229,6 @@ def run_reward(
     state = rx.train.init_train_state(rm, opt)
     step = rx.train.make_reward_step(opt, donate=False)
     return run_offline(
-        state, step, full, steps=cfg.steps, batch_size=cfg.batch_size,
-        tokens_per_row=2 * cfg.max_length, ctx=ctx, ctx_key=ctx_key,
+        state, step, shuffled_rows(full, cfg.batch_size, ctx.ops.seed), steps=cfg.steps,
+        tokens_per_iteration=2 * cfg.batch_size * cfg.max_length, ctx=ctx, ctx_key=ctx_key,
     )

@@ -4,6 +4,7 @@
 import os
 from typing import Any
 
+from ..losses import DPO_BATCH_LOSS_TYPES
 from ._config import (
     BatchStageConfig,
     ConfigError,
@@ -149,6 +150,9 @@ def validate_config(cfg: PipelineConfig, *, device_count: int = 1) -> None:
     _positive("dpo.rounds", d.rounds)
     if d.samples < 2:
         _fail("dpo.samples", d.samples, "must be >= 2 (pairs need two completions)")
+    if d.packing and d.loss_type in DPO_BATCH_LOSS_TYPES:
+        why = f"loss_type={d.loss_type!r} sorts over a batch's pairs and needs unpacked batches"
+        _fail("dpo.packing", d.packing, why)
     p = cfg.ppo
     _positive("ppo.minibatches", p.minibatches)
     if p.prompts_per_rollout % p.minibatches:

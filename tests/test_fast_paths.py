@@ -52,13 +52,14 @@ def test_selected_logprobs_equals_full_head(getkey, chunk, kw):
     assert_tree_allclose(one, (want[0][1], want[1][1]), rtol=1e-5, atol=1e-5)
 
 
-def test_selected_logprobs_gradient_and_skipped_chunks(getkey):
+@pytest.mark.parametrize("chunk", [1, 2])  # 32 chunks (a scan), 16 (unrolled)
+def test_selected_logprobs_gradient_and_skipped_chunks(getkey, chunk):
     policy = rx.Policy(tiny_cfg(), key=getkey())
     tokens, mask, _ = random_rows(getkey(), 2, 16, 61)
     select = jnp.zeros_like(mask).at[:, 10:13].set(True)  # few positions: most chunks skipped
 
     def fast(p):
-        return jnp.sum(p.selected_logprobs(tokens, mask, select, chunk=2)[0])
+        return jnp.sum(p.selected_logprobs(tokens, mask, select, chunk=chunk)[0])
 
     def slow(p):
         return jnp.sum(reference_selected(p, tokens, mask, select)[0])
@@ -67,6 +68,19 @@ def test_selected_logprobs_gradient_and_skipped_chunks(getkey):
     gs = eqx.filter_grad(slow)(policy)
     assert_tree_allclose(gf, gs, rtol=1e-4, atol=1e-6)
     assert float(fast(policy)) == pytest.approx(float(slow(policy)), rel=1e-5)
+
+
+def test_selected_logprobs_keeps_no_stacked_chunk_logits(getkey):
+    """Up to 16 head chunks are unrolled: the backward pass reads each chunk's logits
+    from its own buffer, never from a stacked `[n_chunks, chunk, V]` one (which XLA
+    zero-fills and writes first)."""
+    policy = rx.Policy(tiny_cfg(), key=getkey())
+    tokens, mask, select = random_rows(getkey(), 3, 19, 61)  # 57 positions
+    grad = lambda chunk: jax.make_jaxpr(
+        jax.grad(lambda p: jnp.sum(p.selected_logprobs(tokens, mask, select, chunk=chunk)[0]))
+    )(policy)
+    assert "f32[9,7,61]" not in str(grad(7))  # 9 chunks: unrolled
+    assert "f32[57,1,61]" in str(grad(1))  # 57 chunks: scanned, logits stacked
 
 
 def test_selected_logprobs_padding_invariance(getkey):

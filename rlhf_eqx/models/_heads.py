@@ -46,6 +46,10 @@ def _dot_f32(h: Float[Array, "*N D"], w: Float[Array, "D O"]) -> Float[Array, "*
     return out.reshape(h.shape[:-1] + (w.shape[-1],))
 
 
+# `selected_logprobs` unrolls up to this many head chunks in the program (a scan beyond)
+_UNROLLED_CHUNKS = 16
+
+
 class Policy(AbstractDecoder[KVCache], AbstractBatchedModel, AbstractSelectiveLM):
     """A causal language model: `policy(tokens, mask) -> logits [T, V]` (float32).
 
@@ -124,8 +128,9 @@ class Policy(AbstractDecoder[KVCache], AbstractBatchedModel, AbstractSelectiveLM
         where `select & mask` holds and a real token precedes (0 elsewhere), but the
         head and the vocabulary log-softmax run only on the hidden states that predict
         those tokens: their positions are gathered (all rows together, selected first),
-        cut into chunks of `chunk` positions, and chunks holding no selected position
-        are skipped (`jax.lax.cond`, forward and backward; in multi-process runs every
+        cut into chunks of `chunk` positions (unrolled up to 16 chunks, a scan beyond),
+        and chunks holding no selected position are skipped (`jax.lax.cond`, forward
+        and backward; in multi-process runs every
         chunk is scored, so that no collective runs inside a conditional). The `[T, V]`
         logits are never materialised; at most `[chunk, V]` are alive at a time.
 
@@ -211,7 +216,14 @@ class Policy(AbstractDecoder[KVCache], AbstractBatchedModel, AbstractSelectiveLM
                 return None, scored((hc, tc))
             return None, jax.lax.cond(start < count, scored, skipped, (hc, tc))
 
-        _, outs = jax.lax.scan(body, None, (hs, tgt, starts))
+        if n_chunks <= _UNROLLED_CHUNKS:
+            # separate buffers per chunk: a scan's stacked residuals ([n_chunks, chunk, V]
+            # logits, 75 MB for 9 chunks of 512 at V = 4096) are zero-filled and written
+            # by XLA before the backward reads them (DPO step 3%, GRPO update 5% faster)
+            per_chunk = [body(None, (hs[c], tgt[c], starts[c]))[1] for c in range(n_chunks)]
+            outs = tuple(jnp.stack(x) for x in zip(*per_chunk))
+        else:
+            _, outs = jax.lax.scan(body, None, (hs, tgt, starts))
         inverse = jnp.argsort(order[:N], stable=True)
         keep = valid.reshape(-1)
         back = lambda x: jnp.where(keep, x.reshape(-1)[:N][inverse], 0.0).reshape(lead + (T,))

@@ -4,7 +4,8 @@ The model is written for one sequence (no batch axis); batch it with `jax.vmap`.
 Positions come from the mask (the `t`-th real token of a segment gets position
 `t`), so left padding, right padding and padding between a prompt and its completion
 all give the same outputs at real positions. Projections are fused (`wqkv`,
-`w_gate_up`) and the KV cache is head-major (`[L, K, S, hd]`) and updated in place.
+`w_gate_up`) and the KV cache is head-major (values `[L, K, S, hd]`, keys stored transposed
+`[L, K, hd, S]`) and updated in place.
 
 Per-layer differences (sliding window or global attention, local or global rotary
 base) are data scanned with the weights — `window[l]` (0 for a global layer) and

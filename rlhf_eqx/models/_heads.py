@@ -130,9 +130,10 @@ class Policy(AbstractDecoder[KVCache], AbstractBatchedModel, AbstractSelectiveLM
         those tokens: their positions are gathered (all rows together, selected first),
         cut into chunks of `chunk` positions (unrolled up to 16 chunks, a scan beyond),
         and chunks holding no selected position are skipped (`jax.lax.cond`, forward
-        and backward; in multi-process runs every
-        chunk is scored, so that no collective runs inside a conditional). The `[T, V]`
-        logits are never materialised; at most `[chunk, V]` are alive at a time.
+        and backward; in multi-process runs every chunk is scored, so that no collective
+        runs inside a conditional). The `[T, V]` logits are never materialised as one
+        array: without a gradient at most `[chunk, V]` are alive at a time; a
+        differentiated call keeps each scored chunk's logits for its backward pass.
 
         **Arguments:**
 

@@ -123,7 +123,7 @@ def test_region_attention_equals_masked_attention(regions, block):
     slow = lambda q, k, v: jnp.sum(naive(q, k, v, allowed, cap=7.0) * w)
     np.testing.assert_allclose(jax.jit(fast)(q, k, v), slow(q, k, v), rtol=1e-5, atol=1e-4)
     for a, b in zip(
-        jax.grad(fast, argnums=(0, 1, 2))(q, k, v), jax.grad(slow, argnums=(0, 1, 2))(q, k, v)
+        jax.jit(jax.grad(fast, argnums=(0, 1, 2)))(q, k, v), jax.grad(slow, argnums=(0, 1, 2))(q, k, v)
     ):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="add up to"):

@@ -323,6 +323,10 @@ def test_preference_steps_hold_every_pair_once_in_one_shape():
     # fewer rows (less padding) than one pair per row, with a filler row or two at the end
     assert len(steps) * 3 < len(pairs)
     assert not np.asarray(steps[-1].pairs).all()
+    # pairs_per_step: the rows split evenly, about that many pairs a step
+    even = data.pack_preference_steps(pairs, pad_id=0, row_length=40, pairs_per_step=6, seed=1)
+    n_rows = sum(int(np.asarray(b.mask).any(axis=1).sum()) for b in steps)
+    assert even[0].tokens.shape[0] == round(n_rows * 6 / len(pairs))
     again = data.pack_preference_steps(pairs, pad_id=0, row_length=40, rows_per_step=3, seed=1)
     assert [_slot_contents(b) for b in again] == [_slot_contents(b) for b in steps]
     ordered = data.pack_preference_steps(
@@ -344,6 +348,8 @@ def test_preference_steps_errors_name_the_problem():
         data.pack_preference_steps(pairs, pad_id=0, row_length=L, rows_per_step=2)
     with pytest.raises(data.DataError, match="rows_per_step must be a positive int"):
         data.pack_preference_steps(pairs, pad_id=0, row_length=40, rows_per_step=0)
+    with pytest.raises(data.DataError, match="one of rows_per_step and pairs_per_step"):
+        data.pack_preference_steps(pairs, pad_id=0, row_length=40)
     with pytest.raises((data.DataError, TypeError), match="seed"):
         data.pack_preference_steps(pairs, pad_id=0, row_length=40, rows_per_step=2, seed=1.5)
     with pytest.raises(data.DataError, match="empty"):

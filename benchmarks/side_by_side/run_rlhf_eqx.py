@@ -108,8 +108,8 @@ def dpo_runner(policy, batch, *, cached: bool):
 
 
 # HH-RLHF batching. "budget" (default, packed layout): token-budget steps
-# (`data.pack_preference_steps`), rows of HH_ROW tokens holding up to 4 pairs each, as many
-# steps as TRL takes (the pass's rows split evenly), one compiled shape. "sorted": batches
+# (`data.pack_preference_steps`), rows of HH_ROW tokens holding up to 4 pairs each, about
+# as many pairs a step as TRL's batches (as many steps), one compiled shape. "sorted": batches
 # of 8 pairs, windows of HH_GROUP batches sorted by length, rows padded to multiples of
 # HH_BUCKET (the previous scheme; see RESULTS.md).
 HH_BATCHING = os.environ.get("RLHF_EQX_BENCH_HH_BATCHING", "budget")
@@ -133,9 +133,7 @@ def hh_batches(inputs, pairs: int, *, group: int, bucket: int):
     items = items[:n]
     if PACKED and LAYOUT == "packed" and HH_BATCHING == "budget":
         row = max(HH_ROW, max(data.packed_length(it) for it in items))
-        pack = lambda k: data.pack_preference_steps(items, pad_id=0, row_length=row, rows_per_step=k)
-        n_rows = len(pack(1))
-        batches = pack(-(-n_rows // (n // pairs)))  # as many steps as batches of `pairs`
+        batches = data.pack_preference_steps(items, pad_id=0, row_length=row, pairs_per_step=pairs)
         # real tokens of the unpacked chosen + rejected rows: the shared prompt counts twice
         unpacked = lambda b: int(jnp.sum(b.mask) + jnp.sum(b.mask & (b.branch_ids == 0)))
         return [(b, unpacked(b)) for b in batches]

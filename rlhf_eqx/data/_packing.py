@@ -196,7 +196,8 @@ def pack_preference_steps(
     *,
     pad_id: int,
     row_length: int,
-    rows_per_step: int,
+    rows_per_step: int | None = None,
+    pairs_per_step: int | None = None,
     pairs_per_row: int = 4,
     seed: int | None = 0,
     vocab_size: int | None = None,
@@ -220,7 +221,9 @@ def pack_preference_steps(
     - `pad_id`: the id written at padded positions (always masked).
     - `row_length`: tokens per row; a pair longer than this once packed is refused,
       naming it (`packed_length`).
-    - `rows_per_step`: rows per batch.
+    - `rows_per_step`: rows per batch; or
+    - `pairs_per_step`: instead, as many rows per batch as hold this many pairs on
+      average (the number of rows the packing needs, divided evenly).
     - `pairs_per_row`: the most pairs one row holds (its `pairs` axis).
     - `seed`: the shuffle of the rows across batches (`None`: no shuffle).
     - `vocab_size`: when given, every id and `pad_id` must lie in `[0, vocab_size)`.
@@ -231,13 +234,18 @@ def pack_preference_steps(
     if not pairs:
         raise DataError("cannot pack an empty list of pairs")
     _positive("row_length", row_length, allow_none=False)
-    _positive("rows_per_step", rows_per_step, allow_none=False)
+    if (rows_per_step is None) == (pairs_per_step is None):
+        raise DataError("give one of rows_per_step and pairs_per_step")
+    _positive("rows_per_step", rows_per_step)
+    _positive("pairs_per_step", pairs_per_step)
     _positive("pairs_per_row", pairs_per_row, allow_none=False)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise DataError(f"seed must be an int or None, got {seed!r}")
     pieces, sizes = _sized_pieces(pairs)
     _check_fits(sizes, row_length)
     rows = _first_fit(sizes, row_length, pairs_per_row)
+    if rows_per_step is None:
+        rows_per_step = max(1, round(len(rows) * pairs_per_step / len(pairs)))
     if seed is not None:
         rows = [rows[i] for i in np.random.default_rng(seed).permutation(len(rows))]
     return [

@@ -74,11 +74,10 @@ def packed_steps(
     tokenized, _ = data.tokenize_preferences(
         list(pairs), tok, max_length=cfg.max_length, max_prompt_length=prompt_length, add_eos=False
     )
-    pack = lambda rows: data.pack_preference_steps(
-        tokenized, pad_id=tok.pad_id, row_length=2 * cfg.max_length, rows_per_step=rows, seed=seed
+    return data.pack_preference_steps(
+        tokenized, pad_id=tok.pad_id, row_length=2 * cfg.max_length,
+        pairs_per_step=cfg.batch_size, seed=seed,
     )
-    rows = len(pack(1))
-    return pack(max(1, round(rows * cfg.batch_size / len(tokenized))))
 
 
 def best_worst_pairs(

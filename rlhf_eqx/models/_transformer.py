@@ -35,8 +35,10 @@ from ._layers import Int8Weight, LoRAAdapter, activation, matmul, normal_init, r
 from ._protocols import AbstractBatchedModel, AbstractSequenceModel
 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-# queries per block of the causal blockwise attention over a whole sequence (`attention`)
-ATTENTION_BLOCK = 128
+# queries (and keys) per tile of the causal blockwise attention over a whole sequence
+# (`attention`). On a 2-core AVX-512 CPU, 256 against 128: DPO steps at T = 1024 and
+# 2048 13 % and 25 % faster, the GRPO update 7 %, shorter rows level (tiles of 512 slower).
+ATTENTION_BLOCK = 256
 
 
 class KVCache(eqx.Module):

@@ -2,6 +2,7 @@
 temperature, donation safety, build-time validation, scalar reward models, non-finite
 updates, token-id checks, traced hyperparameters."""
 
+import dataclasses
 import math
 
 import equinox as eqx
@@ -307,3 +308,34 @@ def test_a_whole_dpo_run_vmaps_over_beta_and_learning_rate(getkey):
         assert_tree_allclose(jax.tree.map(lambda x: x[i], params), p_i, rtol=2e-5, atol=1e-6)
         np.testing.assert_allclose(np.asarray(losses[i]), np.asarray(l_i), rtol=2e-5, atol=1e-6)
     assert not np.allclose(np.asarray(losses[0]), np.asarray(losses[3]))
+
+
+def test_updates_keep_the_parameter_dtype(getkey):
+    """A float32 optimiser update of bfloat16 weights leaves them bfloat16 (as
+    `optax.apply_updates` does; under strict dtype promotion the sum was an error, under
+    the standard rules it made them float32), so the next call reuses the compiled step
+    instead of retracing it with weights of twice the memory."""
+    cfg = dataclasses.replace(tiny_config(), dtype="bfloat16")
+    policy = rx.Policy(cfg, key=getkey())
+    opt = rx.train.make_optimizer(learning_rate=1e-2, total_steps=10, max_grad_norm=1.0)
+    dtypes = lambda m: [x.dtype for x in jax.tree.leaves(eqx.filter(m, eqx.is_inexact_array))]
+    traces = []
+
+    def loss_fn(params, frozen, batch, key):
+        traces.append(1)  # runs once per trace
+        lp = jax.vmap(rx.logprobs_from_logits)(params(batch.tokens, batch.mask), batch.tokens, batch.mask)
+        return {"nll": -jnp.sum(lp)}, {"nll": jnp.sum(batch.mask)}, {}
+
+    cases = [
+        (rx.train.make_step(loss_fn, opt), sequence_batch(getkey()), {}),
+        (make_dpo_step(opt), preference_batch(getkey()), {"reference": policy}),
+    ]
+    for step, batch, extra in cases:
+        params, opt_state = policy, opt.init(eqx.filter(policy, eqx.is_inexact_array))
+        for _ in range(3):
+            new, opt_state, metrics = step(params, opt_state, batch, **extra)
+            assert float(metrics["nonfinite"]) == 0.0
+            assert dtypes(new) == dtypes(policy)
+            params = new
+        assert not leaves_equal(params, policy)  # the weights did move
+    assert len(traces) == 1

@@ -101,6 +101,15 @@ def sums_to_means(sums: Sums) -> dict[str, Float[Array, ""]]:
     return {k: (s / jnp.maximum(c, 1.0)).astype(jnp.float32) for k, (s, c) in sums.items()}
 
 
+def _apply_update(update: Any, param: Any) -> Any:
+    """`param + update` computed in the wider of the two dtypes, returned in the
+    parameter's dtype (one rounding)."""
+    if update is None:
+        return param
+    wide = update.dtype if jnp.finfo(update.dtype).bits > jnp.finfo(param.dtype).bits else param.dtype
+    return (param.astype(wide) + update.astype(wide)).astype(param.dtype)
+
+
 def apply_optimizer(
     optimizer: optax.GradientTransformation,
     params: PyTree,
@@ -111,6 +120,9 @@ def apply_optimizer(
 
     `grad_norm` is the global norm of the gradient before clipping (TRL's `grad_norm`);
     `learning_rate` is logged when the optimiser injects it (see `make_optimizer`).
+    Each updated parameter keeps its dtype (as `optax.apply_updates` does): a float32
+    update of bfloat16 weights would otherwise promote them to float32, doubling their
+    memory and recompiling the step on its next call.
     """
     trainable = eqx.filter(params, eqx.is_inexact_array)
     # Optax mixes Python floats with int32 step counts (e.g. Adam's bias correction),
@@ -118,7 +130,7 @@ def apply_optimizer(
     # standard rules, so use them for the optimiser only.
     with jax.numpy_dtype_promotion("standard"):
         updates, opt_state = optimizer.update(grads, opt_state, trainable)
-    params = eqx.apply_updates(params, updates)
+    params = jax.tree.map(_apply_update, updates, params, is_leaf=lambda x: x is None)
     metrics = {"grad_norm": optax.tree.norm(grads).astype(jnp.float32)}
     lr = learning_rate_from_state(opt_state)
     if lr is not None:

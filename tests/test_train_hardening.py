@@ -314,7 +314,8 @@ def test_updates_keep_the_parameter_dtype(getkey):
     """A float32 optimiser update of bfloat16 weights leaves them bfloat16 (as
     `optax.apply_updates` does; under strict dtype promotion the sum was an error, under
     the standard rules it made them float32), so the next call reuses the compiled step
-    instead of retracing it with weights of twice the memory."""
+    instead of retracing it with weights of twice the memory. A reward model mixes a
+    bfloat16 backbone with a float32 head: its gradient norm is taken in float32."""
     cfg = dataclasses.replace(tiny_config(), dtype="bfloat16")
     policy = rx.Policy(cfg, key=getkey())
     opt = rx.train.make_optimizer(learning_rate=1e-2, total_steps=10, max_grad_norm=1.0)
@@ -326,16 +327,18 @@ def test_updates_keep_the_parameter_dtype(getkey):
         lp = jax.vmap(rx.logprobs_from_logits)(params(batch.tokens, batch.mask), batch.tokens, batch.mask)
         return {"nll": -jnp.sum(lp)}, {"nll": jnp.sum(batch.mask)}, {}
 
+    pairs = preference_batch(getkey())
     cases = [
-        (rx.train.make_step(loss_fn, opt), sequence_batch(getkey()), {}),
-        (make_dpo_step(opt), preference_batch(getkey()), {"reference": policy}),
+        (rx.train.make_step(loss_fn, opt), policy, sequence_batch(getkey()), {}),
+        (make_dpo_step(opt), policy, pairs, {"reference": policy}),
+        (rx.train.make_reward_step(opt), rx.RewardModel(cfg, key=getkey()), pairs, {}),
     ]
-    for step, batch, extra in cases:
-        params, opt_state = policy, opt.init(eqx.filter(policy, eqx.is_inexact_array))
+    for step, model, batch, extra in cases:
+        state = init_train_state(model, opt)
         for _ in range(3):
-            new, opt_state, metrics = step(params, opt_state, batch, **extra)
+            state, metrics = state.apply(step, batch, **extra)
             assert float(metrics["nonfinite"]) == 0.0
-            assert dtypes(new) == dtypes(policy)
-            params = new
-        assert not leaves_equal(params, policy)  # the weights did move
+            assert np.isfinite(float(metrics["grad_norm"]))
+            assert dtypes(state.model) == dtypes(model)
+        assert not leaves_equal(state.model, model)  # the weights did move
     assert len(traces) == 1

@@ -131,7 +131,9 @@ def apply_optimizer(
     with jax.numpy_dtype_promotion("standard"):
         updates, opt_state = optimizer.update(grads, opt_state, trainable)
     params = jax.tree.map(_apply_update, updates, params, is_leaf=lambda x: x is None)
-    metrics = {"grad_norm": optax.tree.norm(grads).astype(jnp.float32)}
+    # float32 per leaf: gradients of mixed dtypes (a bfloat16 backbone, a float32 scalar
+    # head) have no implicit promotion under strict dtype rules
+    metrics = {"grad_norm": optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads))}
     lr = learning_rate_from_state(opt_state)
     if lr is not None:
         metrics["learning_rate"] = lr

@@ -77,13 +77,14 @@ def main():
         p.error(f"--steps must be at least 1, got {args.steps}")
     t_start = time.perf_counter()
 
-    import equinox as eqx
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     import rlhf_eqx as rx
-    from rlhf_eqx import data, train
+    from rlhf_eqx import data
+
+    import run_rlhf_eqx as R  # the side-by-side runner's DPO and GRPO iterations
 
     cfg_kw = dict(common.CONFIG)
     dpo_shape, gen, grpo = dict(common.DPO), dict(common.GEN), dict(common.GRPO)
@@ -112,29 +113,11 @@ def main():
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")
 
-    def opt():
-        return train.make_optimizer(learning_rate=1e-5, total_steps=1000, max_grad_norm=1.0)
-
     def dpo():
         P, C, N = dpo_shape["prompt"], dpo_shape["completion"], dpo_shape["pairs"]
         prompt = rng.integers(3, V, (N, P))
-        chosen, rejected = rng.integers(3, V, (N, C)), rng.integers(3, V, (N, C))
-        t = lambda r: tuple(int(x) for x in r)
-        pairs = [
-            data.TokenizedPair(data.TokenizedSequence(t(prompt[i]), t(chosen[i])),
-                               data.TokenizedSequence(t(prompt[i]), t(rejected[i])))
-            for i in range(N)
-        ]
-        batch = data.pack_preferences(pairs, pad_id=0, aligned=True)
-        o = opt()
-        step = train.make_dpo_step(o, reference="model")
-        state = {"p": policy, "o": o.init(eqx.filter(policy, eqx.is_inexact_array))}
-
-        def run():
-            pp, oo, m = step(state["p"], state["o"], batch, reference=policy)
-            jax.block_until_ready(m["loss"])
-            state["p"], state["o"] = pp, oo
-
+        pairs = R.pairs_of(prompt, rng.integers(3, V, (N, C)), rng.integers(3, V, (N, C)))
+        run = R.dpo_runner(policy, data.pack_preferences(pairs, pad_id=0, aligned=True), cached=False)
         first, times = common.time_steps(run, args.steps)
         flops = common.dpo_flops(N, P + C, with_reference=True, cfg=cfg_kw)
         emit(dict(library="rlhf_eqx", workload="dpo", first_s=first, times=times, flops=flops,
@@ -158,29 +141,8 @@ def main():
     def grpo_iteration():
         G = grpo["group"]
         prompts = jnp.asarray(rng.integers(3, V, (grpo["prompts"], grpo["prompt"])), jnp.int32)
-        pmask = jnp.ones(prompts.shape, bool)
         rewards = jnp.asarray(rng.normal(size=grpo["prompts"] * G), jnp.float32)
-        o = opt()
-        step = train.make_grpo_step(o, group_size=G)
-        state = {"p": policy, "o": o.init(eqx.filter(policy, eqx.is_inexact_array)), "k": jax.random.key(3)}
-        split = {"gen": [], "update": []}
-
-        def run():
-            state["k"], sub = jax.random.split(state["k"])
-            t0 = time.perf_counter()
-            out = rx.generate_batch(state["p"], prompts, pmask, sub, max_new_tokens=grpo["new"],
-                                    temperature=1.0, num_samples=G)
-            jax.block_until_ready(out.tokens)
-            t1 = time.perf_counter()
-            batch = train.GRPOBatch(tokens=out.tokens, mask=out.mask, completion_mask=out.completion_mask,
-                                    rewards=rewards, old_logp=None, prompt_length=grpo["prompt"],
-                                    samples_per_prompt=G)
-            pp, oo, m = step(state["p"], state["o"], batch)
-            jax.block_until_ready(m["loss"])
-            state["p"], state["o"] = pp, oo
-            split["gen"].append(t1 - t0)
-            split["update"].append(time.perf_counter() - t1)
-
+        run, split = R.grpo_runner(policy, prompts, rewards, group=G, new=grpo["new"])
         first, times = common.time_steps(run, args.steps)
         emit(dict(library="rlhf_eqx", workload="grpo", first_s=first, times=times,
                   gen_s=common.median(split["gen"][1:]), update_s=common.median(split["update"][1:])))

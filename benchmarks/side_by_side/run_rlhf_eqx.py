@@ -107,6 +107,37 @@ def dpo_runner(policy, batch, *, cached: bool):
     return run
 
 
+def grpo_runner(policy, prompts, rewards, *, group: int, new: int, shared: bool = True):
+    """One GRPO iteration per call: `group` completions of `new` tokens sampled for each
+    prompt (each prompt prefilled once), then one update (each group's prompt run once
+    when `shared`). Returns `(run, split)`, `split` the generation and update seconds of
+    every call."""
+    pmask = jnp.ones(prompts.shape, bool)
+    opt = optimizer()
+    step = train.make_grpo_step(opt, group_size=group)
+    state = {"p": policy, "o": opt.init(eqx.filter(policy, eqx.is_inexact_array)), "k": jax.random.key(0)}
+    split = {"gen": [], "update": []}
+
+    def run():
+        state["k"], sub = jax.random.split(state["k"])
+        t0 = time.perf_counter()
+        out = rx.generate_batch(state["p"], prompts, pmask, sub, max_new_tokens=new, temperature=1.0, num_samples=group)
+        jax.block_until_ready(out.tokens)
+        t1 = time.perf_counter()
+        layout = dict(prompt_length=prompts.shape[1], samples_per_prompt=group) if shared else {}
+        batch = train.GRPOBatch(
+            tokens=out.tokens, mask=out.mask, completion_mask=out.completion_mask,
+            rewards=rewards, old_logp=None, **layout,
+        )
+        p, o, m = step(state["p"], state["o"], batch)
+        jax.block_until_ready(m["loss"])
+        state["p"], state["o"] = p, o
+        split["gen"].append(t1 - t0)
+        split["update"].append(time.perf_counter() - t1)
+
+    return run, split
+
+
 # HH-RLHF batching. "budget" (default, packed layout): token-budget steps
 # (`data.pack_preference_steps`), rows of HH_ROW tokens holding up to 4 pairs each, about
 # as many pairs a step as TRL's batches (as many steps), one compiled shape. "sorted": batches
@@ -220,32 +251,9 @@ def main():
         first, times = common.time_steps(run, args.steps)
     elif w == "grpo":
         g = common.GRPO
-        G = g["group"]
         prompts = jnp.asarray(inputs["grpo_prompt"])  # each prompt prefilled once for its group
-        pmask = jnp.ones(prompts.shape, bool)
         rewards = jnp.asarray(inputs["grpo_rewards"])
-        opt = optimizer()
-        step = train.make_grpo_step(opt, group_size=G)
-        state = {"p": policy, "o": opt.init(eqx.filter(policy, eqx.is_inexact_array)), "k": jax.random.key(0)}
-        split = {"gen": [], "update": []}
-
-        def run():
-            state["k"], sub = jax.random.split(state["k"])
-            t0 = time.perf_counter()
-            out = rx.generate_batch(state["p"], prompts, pmask, sub, max_new_tokens=g["new"], temperature=1.0, num_samples=G)
-            jax.block_until_ready(out.tokens)
-            t1 = time.perf_counter()
-            shared = dict(prompt_length=g["prompt"], samples_per_prompt=G) if PACKED else {}
-            batch = train.GRPOBatch(
-                tokens=out.tokens, mask=out.mask, completion_mask=out.completion_mask,
-                rewards=rewards, old_logp=None, **shared,
-            )
-            p, o, m = step(state["p"], state["o"], batch)
-            jax.block_until_ready(m["loss"])
-            state["p"], state["o"] = p, o
-            split["gen"].append(t1 - t0)
-            split["update"].append(time.perf_counter() - t1)
-
+        run, split = grpo_runner(policy, prompts, rewards, group=g["group"], new=g["new"], shared=PACKED)
         first, times = common.time_steps(run, args.steps)
         extra["gen_s"] = common.median(split["gen"][1:])
         extra["update_s"] = common.median(split["update"][1:])

@@ -342,3 +342,22 @@ def test_updates_keep_the_parameter_dtype(getkey):
             assert dtypes(state.model) == dtypes(model)
         assert not leaves_equal(state.model, model)  # the weights did move
     assert len(traces) == 1
+
+
+def test_float16_trainable_weights_are_refused_and_lora_on_a_float16_base_trains(getkey):
+    """Adam on float16 weights underflows (epsilon and small second moments), so every
+    update was skipped as non-finite: the step refuses them by name, while float32 LoRA
+    adapters on a float16 base train."""
+    cfg = dataclasses.replace(tiny_config(), dtype="float16")
+    policy = rx.Policy(cfg, key=getkey())
+    opt = rx.train.make_optimizer(learning_rate=1e-2, total_steps=10)
+    batch = sequence_batch(getkey())
+    with pytest.raises(ValueError, match="float16 trainable weights"):
+        init_train_state(policy, opt).apply(make_sft_step(opt), batch)
+    lora = rx.apply_lora(policy, rx.LoRAConfig(rank=2, alpha=4.0, targets=("q", "down")), key=getkey())
+    state = init_train_state(lora, opt, filter_spec=rx.lora_filter(lora))
+    start = state.params
+    for _ in range(2):
+        state, metrics = state.apply(make_sft_step(opt), batch, donate=False)
+        assert float(metrics["nonfinite"]) == 0.0
+    assert not leaves_equal(state.params, start)

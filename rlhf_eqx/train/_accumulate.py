@@ -124,6 +124,14 @@ def apply_optimizer(
     update of bfloat16 weights would otherwise promote them to float32, doubling their
     memory and recompiling the step on its next call.
     """
+    if any(g.dtype == jnp.float16 for g in jax.tree.leaves(grads)):
+        raise ValueError(
+            "float16 trainable weights: Adam's epsilon (1e-8) and small second moments "
+            "underflow in float16, so every update would be non-finite and skipped. Train "
+            "bfloat16 or float32 weights (TransformerConfig(dtype=...), load_hf(..., dtype=...)), "
+            "or LoRA adapters (float32) on a float16 base; float16 suits frozen weights "
+            "such as a reference model."
+        )
     trainable = eqx.filter(params, eqx.is_inexact_array)
     # Optax mixes Python floats with int32 step counts (e.g. Adam's bias correction),
     # which strict dtype promotion rejects; its arithmetic is well defined under the

@@ -82,7 +82,9 @@ class TransformerConfig:
     - `head_dim`: per-head size (defaults to `d_model // n_heads`).
     - `attn_bias`: biases on the q/k/v projections (Qwen2).
     - `dtype`: parameter dtype, `"float32"` or `"bfloat16"` (or `"float16"`); norms,
-      softmax and logits are always accumulated in float32.
+      softmax and logits are always accumulated in float32. The step builders train
+      float32 and bfloat16 weights; float16 weights serve frozen (a reference model, a
+      LoRA base), and a step refuses them as trainable (Adam underflows in float16).
     - `norm_plus_one`: RMSNorm scales by `1 + w` instead of `w` (Gemma); its weights
       start at zero.
     - `mlp_activation`: the gate's activation, `"silu"` (SwiGLU), `"gelu_tanh"`

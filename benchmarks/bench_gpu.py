@@ -152,8 +152,7 @@ def main():
             rx.save_hf(policy, d)
             cmd = [args.hf_python, "-c", HF_SCRIPT, d, args.dtype, str(args.steps), str(gen["new"]),
                    json.dumps(gen_prompts.tolist())]
-            env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         rows = [json.loads(x[len("RESULT "):]) for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
         if proc.returncode != 0 or not rows:
             print(f"Hugging Face generate failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}", flush=True)

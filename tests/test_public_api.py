@@ -90,6 +90,8 @@ def test_no_private_imports(path):
     [
         "models.attention",
         "models.attention_layout",
+        "models.activation",
+        "models.gated_activation",
         "models.ATTENTION_BLOCK",
         "models.permute_rotary_rows",
         "models.quantize_weight_int8",

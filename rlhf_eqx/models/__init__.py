@@ -25,6 +25,8 @@ from ._layers import (
     Int8Weight as Int8Weight,
     LoRAAdapter as LoRAAdapter,
     NF4Weight as NF4Weight,
+    activation as activation,
+    gated_activation as gated_activation,
 )
 from ._llama2c import (
     load_llama2c_policy as load_llama2c_policy,

@@ -31,7 +31,7 @@ from ._attention import (
     within_window,
 )
 from ._config import TransformerConfig
-from ._layers import Int8Weight, LoRAAdapter, activation, matmul, normal_init, rms_norm
+from ._layers import Int8Weight, LoRAAdapter, gated_activation, matmul, normal_init, rms_norm
 from ._protocols import AbstractBatchedModel, AbstractSequenceModel
 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -131,7 +131,7 @@ class DecoderLayer(eqx.Module):
         gu = matmul(h, self.w_gate_up)
         gate = self._plus_lora("gate", gu[..., : cfg.d_ff], h, keys)
         up = self._plus_lora("up", gu[..., cfg.d_ff :], h, keys)
-        act = activation(gate, cfg.mlp_activation) * up
+        act = gated_activation(gate, up, cfg.mlp_activation)
         return self._plus_lora("down", matmul(act, self.w_down), act, keys)
 
     def block(

@@ -132,8 +132,8 @@ def _activation_bytes(
 
     Per token and layer (b = bytes of the compute dtype): the residual stream and norm
     inputs/outputs (`8·D·b`), q/k/v before and after rotary (`2·(Q + 2·KV)·b`), the
-    attention output (`Q·b`), gate, up and their gated product (`3·F·b`: `gated_activation`
-    recomputes the activation in the backward pass), and each
+    attention output (`Q·b`), up, the gate's activation and slope and their product
+    (`4·F·b`, `gated_activation`), and each
     query's float32 log-normaliser (`4·H`; the attention stores no probabilities, its
     backward pass recomputes them). Per token, outside the layers: the embedding output
     and final norm (`2·D·b`), float32 logits and their log-softmax (`8·V`) and the
@@ -154,7 +154,7 @@ def _activation_bytes(
         8 * D * b
         + 2 * _split(Q + 2 * KV, model) * b
         + _split(Q, model) * b
-        + 3 * _split(F, model) * b
+        + 4 * _split(F, model) * b
         + 4 * H * heads
     )
     outside = 2 * D * b + 8 * _split(V, model) + 4 * T

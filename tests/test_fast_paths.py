@@ -533,9 +533,9 @@ def test_steps_embed_no_sequence_sized_constants(getkey):
     seed=st.integers(0, 2**31 - 1),
 )
 def test_gated_activation_equals_the_written_out_product(kind, values, seed):
-    """`gated_activation` (custom backward that recomputes the activation) has the
-    values and gradients of autodiff through `activation(gate) · up`, extreme and
-    signed-zero inputs included; under jit and vmap too."""
+    """`gated_activation` (closed-form backward from the saved slope) has the values
+    and, up to float rounding, the gradients of autodiff through `activation(gate) ·
+    up`, extreme and signed-zero inputs included; under jit and vmap too."""
     activation, gated_activation = rx.models.activation, rx.models.gated_activation
     gate = jnp.asarray(values, jnp.float32).reshape(2, 3)
     up = jax.random.normal(jax.random.key(seed), (2, 3)) * 10.0
@@ -546,10 +546,14 @@ def test_gated_activation_equals_the_written_out_product(kind, values, seed):
     got = jax.jit(jax.grad(loss(lambda g, u: gated_activation(g, u, kind)), argnums=(0, 1)))(gate, up)
     want = jax.jit(jax.grad(loss(ref), argnums=(0, 1)))(gate, up)
     for a, b in zip(got, want):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=0)
+        # at |gate| ~ 3e38 autodiff of the written-out SiLU multiplies inf by 0 (NaN)
+        # where the slope taken in the forward pass is 1: compare where autodiff is finite
+        ok = np.isfinite(b)
+        np.testing.assert_allclose(a[ok], b[ok], rtol=2e-6, atol=1e-30)
     rows = jax.vmap(jax.grad(lambda g, u, c: jnp.sum(gated_activation(g, u, kind) * c)))(gate, up, cot)
     # eager against jitted: float32 rounding of a differently fused tanh
-    np.testing.assert_allclose(rows, want[0], rtol=1e-5, atol=1e-6)
+    ok = np.isfinite(want[0])
+    np.testing.assert_allclose(rows[ok], want[0][ok], rtol=1e-5, atol=1e-6)
 
 
 def test_gated_activation_rejects_mismatched_halves():
@@ -559,10 +563,10 @@ def test_gated_activation_rejects_mismatched_halves():
         gated_activation(jnp.ones((2, 3)), jnp.ones((2, 4)), "silu")
 
 
-def test_block_keeps_three_d_ff_arrays_for_its_backward_pass(getkey, capsys):
-    """A decoder block's backward pass keeps gate, up and their product (`[T, d_ff]`
-    each), not the activation's intermediates as well (six arrays when differentiated
-    as written); the memory estimate counts three."""
+def test_block_keeps_four_d_ff_arrays_for_its_backward_pass(getkey, capsys):
+    """A decoder block's backward pass keeps up, the gate's activation and slope, and
+    their product (`[T, d_ff]` each), not gate and the activation's intermediates as
+    well (six arrays when differentiated as written); the memory estimate counts four."""
     from jax.ad_checkpoint import print_saved_residuals
 
     cfg = tiny_cfg()
@@ -573,4 +577,4 @@ def test_block_keeps_three_d_ff_arrays_for_its_backward_pass(getkey, capsys):
     shapes = [line.split(" ", 1)[0] for line in capsys.readouterr().out.splitlines()]
     # the layer scan stacks each saved array over the layers: one line per kind of array
     wide = [s for s in shapes if s.endswith(f",{cfg.d_ff}]")]
-    assert len(wide) == 3 and all(s.startswith(f"f32[{cfg.n_layers},") for s in wide), shapes
+    assert len(wide) == 4 and all(s.startswith(f"f32[{cfg.n_layers},") for s in wide), shapes

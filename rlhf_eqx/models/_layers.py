@@ -171,13 +171,14 @@ def _gated(gate, up, kind: str):
 
 
 def _gated_fwd(gate, up, kind):
-    return activation(gate, kind) * up, (gate, up)
+    # the activation and its elementwise derivative in one pass (a JVP with unit tangents)
+    act, slope = jax.jvp(lambda g: activation(g, kind), (gate,), (jnp.ones_like(gate),))
+    return act * up, (up, act, slope)
 
 
 def _gated_bwd(kind, res, d_out):
-    gate, up = res
-    _, vjp = jax.vjp(lambda g, u: activation(g, kind) * u, gate, up)
-    return vjp(d_out)
+    up, act, slope = res
+    return d_out * up * slope, d_out * act
 
 
 _gated.defvjp(_gated_fwd, _gated_bwd)
@@ -188,13 +189,14 @@ def gated_activation(
 ) -> Float[Array, "*N F"]:
     """The gated MLP's inner product `act(gate) · up` (SwiGLU / GeGLU, Shazeer 2020).
 
-    Same values and gradients as writing it out, but the backward pass keeps only
-    `gate` and `up` and recomputes the activation from them. Differentiating the
-    written-out form keeps six `[..., F]` arrays per layer for the backward pass (gate,
-    up, three intermediates of the activation and the product); with the down
-    projection's input this keeps three. On the benchmark model (d_ff 688) the
-    temporaries of a DPO step fell from 467 to 354 MB, of a reward-model step from 383 to
-    299 MB and of a GRPO update from 585 to 440 MB, at the same step time.
+    Same values as writing it out, and the same gradients up to float rounding, but the
+    backward pass keeps `up`, `act(gate)` and the activation's slope `act'(gate)` and
+    needs nothing else: `d gate = d · up · act'(gate)`, `d up = d · act(gate)`.
+    Differentiated as written, the product keeps gate, up and the activation's
+    intermediates (five `[..., F]` arrays for SiLU) and its backward pass recomputes
+    the slope from them. On the benchmark model (d_ff 688, interleaved in-process
+    A/Bs) the DPO step's temporaries fell from 467 to about 390 MB and the reward-model,
+    GRPO-update and HH-RLHF steps ran 3–7 % faster.
     """
     if gate.shape != up.shape:
         raise ValueError(f"gate {gate.shape} and up {up.shape} must have the same shape")

@@ -578,3 +578,65 @@ def test_block_keeps_four_d_ff_arrays_for_its_backward_pass(getkey, capsys):
     # the layer scan stacks each saved array over the layers: one line per kind of array
     wide = [s for s in shapes if s.endswith(f",{cfg.d_ff}]")]
     assert len(wide) == 4 and all(s.startswith(f"f32[{cfg.n_layers},") for s in wide), shapes
+
+
+def _rms_norm_autodiff(x, w, eps, plus_one):
+    """RMSNorm as written out (what autodiff differentiates)."""
+    x32 = x.astype(jnp.float32)
+    n = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    w = w.reshape((1,) * (x.ndim - 1) + w.shape)
+    if plus_one:
+        return (n * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
+    return n.astype(x.dtype) * w.astype(x.dtype)
+
+
+@pytest.mark.parametrize("plus_one", [False, True])
+@settings(max_examples=25, deadline=None)
+@given(
+    scale=st.sampled_from([0.0, 1e-20, 1e-3, 1.0, 1e3, 1e15]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_rms_norm_backward_equals_autodiff(plus_one, scale, seed):
+    """`rms_norm`'s written-out backward pass (it keeps `x` and `1/rms` only) gives
+    autodiff's gradients for `x` and the weight, and the float64 closed form's at every
+    scale: rows of zeros (where `eps` decides) and rows of 1e15, where autodiff's
+    `rsqrt(·)³` underflows in float32 and the written-out pass does not; jitted and
+    under vmap."""
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(k1, (3, 4, 16)) * scale
+    w = jax.random.normal(k2, (16,))
+    cot = jax.random.normal(k3, (3, 4, 16))
+    eps = 1e-6
+    np.testing.assert_array_equal(rx.models.rms_norm(x, w, eps, plus_one=plus_one), _rms_norm_autodiff(x, w, eps, plus_one))
+    loss = lambda f: lambda x, w: jnp.sum(f(x, w) * cot)
+    ours = jax.jit(jax.grad(loss(lambda x, w: rx.models.rms_norm(x, w, eps, plus_one=plus_one)), argnums=(0, 1)))(x, w)
+    # float64 closed form
+    x64, w64, c64 = (np.asarray(a, np.float64) for a in (x, w, cot))
+    r = 1.0 / np.sqrt(np.mean(x64**2, axis=-1, keepdims=True) + eps)
+    n = x64 * r
+    g = c64 * ((1.0 + w64) if plus_one else w64)
+    exact = (r * (g - n * np.mean(g * n, axis=-1, keepdims=True)), np.sum(c64 * n, axis=(0, 1)))
+    close = lambda a, b, rtol: np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * float(np.max(np.abs(b)) + 1e-300))
+    for a, b in zip(ours, exact):
+        close(np.asarray(a, np.float64), b, 1e-4)
+    if scale <= 1e3:
+        want = jax.jit(jax.grad(loss(lambda x, w: _rms_norm_autodiff(x, w, eps, plus_one)), argnums=(0, 1)))(x, w)
+        for a, b in zip(ours, want):
+            close(np.asarray(a), np.asarray(b), 2e-5)
+    rows = jax.vmap(jax.grad(lambda x, c: jnp.sum(rx.models.rms_norm(x, w, eps, plus_one=plus_one) * c)))(x, cot)
+    close(np.asarray(rows, np.float64), exact[0], 1e-4)
+
+
+def test_rms_norm_backward_in_bfloat16_is_float32_accurate():
+    """bfloat16 inputs: gradients in the inputs' dtypes, within bfloat16 rounding of the
+    float32 computation (the backward pass accumulates in float32)."""
+    x = jax.random.normal(jax.random.key(0), (6, 32)) * 3
+    w = jax.random.normal(jax.random.key(1), (32,))
+    cot = jax.random.normal(jax.random.key(2), (6, 32))
+    grad = lambda dt: jax.grad(
+        lambda x, w: jnp.sum(rx.models.rms_norm(x, w, 1e-6).astype(jnp.float32) * cot), argnums=(0, 1)
+    )(x.astype(dt), w.astype(dt))
+    lo, hi = grad(jnp.bfloat16), grad(jnp.float32)
+    assert [g.dtype for g in lo] == [jnp.bfloat16, jnp.bfloat16]
+    for a, b in zip(lo, hi):
+        np.testing.assert_allclose(a.astype(jnp.float32), b, rtol=3e-2, atol=3e-2 * float(np.max(np.abs(b))))

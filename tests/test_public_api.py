@@ -92,6 +92,7 @@ def test_no_private_imports(path):
         "models.attention_layout",
         "models.activation",
         "models.gated_activation",
+        "models.rms_norm",
         "models.ATTENTION_BLOCK",
         "models.permute_rotary_rows",
         "models.quantize_weight_int8",

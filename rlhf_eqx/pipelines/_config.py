@@ -148,10 +148,17 @@ class SFTConfig(BatchStageConfig):
 
 @dataclasses.dataclass(frozen=True)
 class RewardConfig(BatchStageConfig):
-    """Reward model (Bradley-Terry) on noisily labelled pairs of policy samples."""
+    """Reward model (Bradley-Terry) on noisily labelled pairs of policy samples
+    (`pairs_per_prompt` pairs sampled per prompt by the pipeline).
+
+    Checkpoint selection: about `heldout_fraction` of the training pairs' prompts are
+    held out, labels as noisy as the rest; every `eval_every` steps (0: never) and at
+    the end their accuracy is measured and the model with the best accuracy is kept
+    (a reward model trained on noisy labels otherwise memorises them)."""
 
     pairs_per_prompt: int = 4
     heldout_fraction: float = 0.2
+    eval_every: int = 10
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,6 +3,7 @@ HH-RLHF), GRPO on prompts with reference answers (e.g. GSM8K, exact-match reward
 
 import json
 import os
+import sys
 from collections.abc import Sequence
 
 import equinox as eqx
@@ -13,7 +14,7 @@ import numpy as np
 import rlhf_eqx as rx
 from rlhf_eqx import data
 
-from ._config import DataConfig, PipelineConfig
+from ._config import ConfigError, DataConfig, PipelineConfig
 from ._config_io import config_to_dict
 from ._dpo_runs import run_dpo
 from ._evaluate import reward_accuracy
@@ -21,6 +22,7 @@ from ._metrics import MetricsLog
 from ._monitor import measure_matmul_peak
 from ._rl_runs import run_grpo
 from ._rollout import RewardFunction, sample_rollout, sampling_options
+from ._rundir import open_run_dir, write_json_atomic
 from ._runs import (
     RunContext,
     collate_pairs,
@@ -30,6 +32,7 @@ from ._runs import (
     run_reward,
     run_sft,
 )
+from ._validate import validate_config
 
 
 def split_records(records: Sequence, dc: DataConfig) -> tuple[list, list]:
@@ -59,18 +62,32 @@ def split_records(records: Sequence, dc: DataConfig) -> tuple[list, list]:
     return list(train), list(held)
 
 
-def quality_report(records, tok, lengths: "data.SequenceLengths", dc: DataConfig, log: MetricsLog):
+def quality_report(
+    records,
+    tok,
+    lengths: "data.SequenceLengths",
+    dc: DataConfig,
+    log: MetricsLog,
+    load_report: "data.LoadReport | None" = None,
+):
     """`data.preference_quality` of the training `records`, written to the run log and as a
-    `data_quality` event in `metrics.jsonl`; with `dc.filter`, `data.filter_preferences`
-    drops those problems and a `data_filter` event says how many of each went.
+    `data_quality` event in `metrics.jsonl` (with what the reader dropped, from
+    `load_report`); with `dc.filter`, `data.filter_preferences` drops those problems and a
+    `data_filter` event says how many of each went.
 
     **Returns:** `(records to train on, report)`.
     """
     report = data.preference_quality(records, tokenizer=tok, lengths=lengths)
+    dropped = dict(load_report.skipped) if load_report is not None else {}
+    message = report.summary()
+    if dropped:
+        message += "\nDropped by the reader: " + ", ".join(f"{k}: {v}" for k, v in dropped.items())
     log.write(
         {
             "event": "data_quality",
-            "message": report.summary(),
+            "message": message,
+            "skipped_by_reader": sum(dropped.values()),
+            **{f"skipped/{k}": v for k, v in dropped.items()},
             "pairs": report.total,
             "distinct_prompts": report.distinct_prompts,
             "identical": len(report.identical),
@@ -85,7 +102,7 @@ def quality_report(records, tok, lengths: "data.SequenceLengths", dc: DataConfig
             "truncation": report.truncation.summary() if report.truncation else None,
         }
     )
-    log.info("data quality:\n  " + report.summary().replace("\n", "\n  "))
+    log.info("data quality:\n  " + message.replace("\n", "\n  "))
     if not dc.filter:
         return list(records), report
     kept, dropped = data.filter_preferences(records, drop=dc.filter)
@@ -121,20 +138,43 @@ def _nll(model, batch):
     return -jnp.sum(logps) / jnp.sum(batch.completion_mask & batch.mask).astype(jnp.float32)
 
 
-def run_on_data(cfg: PipelineConfig, stage: str, *, resume: bool = False) -> dict:
+def run_on_data(
+    cfg: PipelineConfig, stage: str, *, resume: bool = False, overwrite: bool = False
+) -> dict:
     """Run `stage` (`sft`, `reward`, `dpo`, `grpo`) on `cfg.data.path`; write
     `summary.json`, `metrics.jsonl`, `config.json` and the trained model in `cfg.out`
-    (`<stage>/hf/`; a reward model as `...ForSequenceClassification` in `reward/hf/`;
-    LoRA adapters alone in the PEFT layout in `<stage>/adapter/`); return the summary."""
-    from ._pipeline import load_model
+    (`<stage>/hf/` with its tokenizer; a reward model as `...ForSequenceClassification`
+    in `reward/hf/`; LoRA adapters alone in the PEFT layout in `<stage>/adapter/`);
+    return the summary.
 
+    The configuration is validated first and the run directory taken as
+    `run_pipeline` does (`open_run_dir`). Pairs the reader dropped (identical or empty
+    completions, unsplittable transcripts) are counted in the data-quality report and
+    `summary["data_quality"]["skipped_by_reader"]`; `summary["stopped"]` is `"done"`,
+    `"kl_guard"` or `"diverged"`."""
+    if stage not in DATA_STAGES:
+        raise ConfigError(
+            f"stage {stage!r} does not run on a data file (choices: {', '.join(DATA_STAGES)})"
+        )
     if cfg.data.path is None:
-        raise ValueError("data.path: a data file is needed (--set data.path=FILE)")
+        raise ConfigError("data.path=None: a data file is needed (--data FILE)")
+    validate_config(cfg)
     run_dir = cfg.out or os.path.join("runs", stage)
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "config.json"), "w") as f:
-        json.dump(config_to_dict(cfg), f, indent=1)
+    with open_run_dir(cfg, run_dir, resume=resume, overwrite=overwrite) as rd:
+        print(f"run directory: {run_dir}")
+        for note in rd.notes:
+            print(f"note: {note}", file=sys.stderr)
+        return _run_on_data(cfg, stage, run_dir, rd.resume)
+
+
+DATA_STAGES: tuple[str, ...] = ("sft", "reward", "dpo", "grpo")
+
+
+def _run_on_data(cfg: PipelineConfig, stage: str, run_dir: str, resume: bool) -> dict:
+    from ._pipeline import load_model, tokenizer_file
+
     policy, tok = load_model(cfg.model.source, cfg.model.tokenizer)
+    tok_file = tokenizer_file(cfg.model.source, cfg.model.tokenizer)
     s = cfg.sampling
     ctx = RunContext(
         ops=cfg.ops,
@@ -153,7 +193,7 @@ def run_on_data(cfg: PipelineConfig, stage: str, *, resume: bool = False) -> dic
         train, held = split_records(records, cfg.data)
         c = {"sft": cfg.sft, "reward": cfg.reward, "dpo": cfg.dpo}[stage]
         lengths = data.SequenceLengths(max_length=c.max_length, max_prompt_length=s.prompt_length)
-        train, quality = quality_report(train, tok, lengths, cfg.data, ctx.log)
+        train, quality = quality_report(train, tok, lengths, cfg.data, ctx.log, records.report)
         _, report = data.tokenize_preferences(train, tok, lengths=lengths, add_eos=False)
         summary["truncation"] = {
             "records": report.total,
@@ -162,15 +202,17 @@ def run_on_data(cfg: PipelineConfig, stage: str, *, resume: bool = False) -> dic
             "policy": report.summary(),
         }
         summary["data_quality"] = {
+            "skipped_by_reader": dict(records.report.skipped),
             "identical": len(quality.identical),
             "empty": len(quality.empty),
             "exact_duplicates": len(quality.exact_duplicates),
             "duplicate_prompts": len(quality.duplicate_prompts),
             "distinct_2": quality.distinct_2,
         }
+        skipped = records.report.num_skipped
         say(
-            f"{stage}: {len(train)} training / {len(held)} held-out records; "
-            f"truncation: {report.summary()}"
+            f"{stage}: {len(train)} training / {len(held)} held-out records"
+            + (f" ({skipped} dropped by the reader: {records.report})" if skipped else "")
         )
         held_batch = collate_pairs(
             held, tok, max_length=c.max_length, prompt_length=s.prompt_length
@@ -192,9 +234,10 @@ def run_on_data(cfg: PipelineConfig, stage: str, *, resume: bool = False) -> dic
         elif stage == "reward":
             res = run_reward(policy, tok, train, cfg=c, ctx=ctx)
             summary["reward_model"] = {
-                "heldout_accuracy": reward_accuracy(res.state.model, held_batch)
+                "heldout_accuracy": reward_accuracy(res.state.model, held_batch),
+                **res.info,
             }
-            export_reward_model(res.state.model, run_dir)
+            export_reward_model(res.state.model, run_dir, tokenizer_file=tok_file)
             trained = None
         else:
             res = run_dpo(policy, tok, train, cfg=c, ctx=ctx)
@@ -204,17 +247,37 @@ def run_on_data(cfg: PipelineConfig, stage: str, *, resume: bool = False) -> dic
                     _implicit_accuracy(trained, policy, held_batch, c.beta)
                 )
             }
-    elif stage == "grpo":
+    else:
         prompts = data.load_prompts(cfg.data.path, cfg.data.format)
-        fits = [
-            r
-            for r in prompts
-            if r.answer is not None and len(tok.encode(r.prompt)) + 1 <= s.prompt_length
-        ]
+        with_answer = [r for r in prompts if r.answer is not None]
+        if not with_answer:
+            raise ValueError(
+                f"data.path={cfg.data.path}: none of its {len(prompts)} prompts has a reference "
+                f"answer (format {prompts.report.format!r}); GRPO on a data file needs prompts "
+                "with answers for its exact-match reward, e.g. GSM8K's '#### <int>'"
+                + (
+                    " (this looks like a preference file: run sft, reward or dpo on it)"
+                    if _is_preference_file(cfg.data.path)
+                    else ""
+                )
+            )
+        fits = [r for r in with_answer if len(tok.encode(r.prompt)) + 1 <= s.prompt_length]
+        if not fits:
+            longest = min(len(tok.encode(r.prompt)) + 1 for r in with_answer)
+            raise ValueError(
+                f"sampling.prompt_length={s.prompt_length}: no prompt fits (the shortest of "
+                f"{len(with_answer)} prompts with answers has {longest} tokens with BOS); "
+                "raise sampling.prompt_length"
+            )
         say(
             f"grpo: {len(fits)} of {len(prompts)} prompts have an answer and fit "
             f"sampling.prompt_length={s.prompt_length}"
         )
+        summary["data_quality"] = {
+            "skipped_by_reader": dict(prompts.report.skipped),
+            "without_answer": len(prompts) - len(with_answer),
+            "longer_than_prompt_length": len(with_answer) - len(fits),
+        }
         train, held = split_records(fits, cfg.data)
         answers = {r.prompt: r.answer for r in fits}
 
@@ -230,22 +293,13 @@ def run_on_data(cfg: PipelineConfig, stage: str, *, resume: bool = False) -> dic
         k = jax.random.key(cfg.ops.seed + 1)
         rates = []
         for m in (policy, trained):
-            roll = sample_rollout(
-                m,
-                tok,
-                hp,
-                k,
-                **sampling_options(s),
-            )
+            roll = sample_rollout(m, tok, hp, k, **sampling_options(s))
             rates.append(float(np.mean([exact(p, t) for p, t in zip(roll.prompts, roll.texts)])))
         summary["grpo"] = {"heldout_exact_match_before": rates[0], "heldout_exact_match": rates[1]}
-    else:
-        raise ValueError(f"stage {stage!r} does not run on a data file (sft, reward, dpo, grpo)")
     summary["stopped"] = res.loop.stopped
     if trained is not None:
-        export_policy(trained, run_dir, stage, adapted=res.state.model)
-    with open(os.path.join(run_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+        export_policy(trained, run_dir, stage, adapted=res.state.model, tokenizer_file=tok_file)
+    write_json_atomic(os.path.join(run_dir, "summary.json"), summary)
     try:
         from ._plots import plot_run
 
@@ -254,3 +308,11 @@ def run_on_data(cfg: PipelineConfig, stage: str, *, resume: bool = False) -> dic
         pass
     say(json.dumps(summary, indent=1))
     return summary
+
+
+def _is_preference_file(path: str) -> bool:
+    try:
+        data.load_preferences(path)
+        return True
+    except (ValueError, OSError):
+        return False

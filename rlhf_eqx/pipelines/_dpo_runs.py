@@ -26,6 +26,7 @@ from ._runs import (
     take_rows,
     with_lora,
 )
+from ._validate import validate_stage
 
 
 def _dpo_setup(model, cfg: DPOConfig, total_steps: int, key):
@@ -45,6 +46,7 @@ def run_dpo(
     """Offline DPO (Rafailov et al. 2023) on fixed pairs: reference log-probs computed
     once (the reference is the model without its adapters), `cfg.steps` steps. With
     `cfg.packing`, on token-budget batches (`packed_steps`)."""
+    validate_stage("dpo", cfg)
     k_lora, ctx_key = jax.random.split(ctx.key)
     state, reference, step = _dpo_setup(model, cfg, cfg.steps, k_lora)
     run = dict(steps=cfg.steps, ctx=ctx, ctx_key=ctx_key, policy_of=lambda s: s.model)
@@ -109,6 +111,7 @@ def run_online_dpo(
     `label(prompts, texts, round)` (a reward model or a judge), pair best and worst,
     cache the reference log-probs and take `cfg.steps` DPO steps (Xu et al. 2023; Guo et
     al. 2024)."""
+    validate_stage("dpo", cfg)
     k_lora, ctx_key = jax.random.split(ctx.key)
     state, reference, step = _dpo_setup(model, cfg, cfg.rounds * cfg.steps, k_lora)
 

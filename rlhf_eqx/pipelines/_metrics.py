@@ -1,8 +1,10 @@
 """The metrics log (`metrics.jsonl`, optional TensorBoard scalars) and progress bars."""
 
+import errno
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from ._monitor import tensorboard_writer
@@ -26,6 +28,7 @@ class MetricsLog:
         os.makedirs(run_dir, exist_ok=True)
         self.run_dir = run_dir
         self.path = os.path.join(run_dir, "metrics.jsonl")
+        repair_metrics(self.path)
         self.stage = stage
         self.quiet = quiet
         self.writer = (
@@ -34,8 +37,15 @@ class MetricsLog:
 
     def write(self, record: dict) -> None:
         line = {"stage": self.stage, **{k: _float(v) for k, v in record.items()}}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(line) + "\n")
+        text = json.dumps(line) + "\n"
+        try:
+            with open(self.path, "a") as f:
+                f.write(text)
+        except OSError as e:
+            repair_metrics(self.path)
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise OSError(e.errno, f"no space left on the device of {self.run_dir}") from None
+            raise
         if self.writer is not None and "step" in line and "event" not in line:
             for k, v in line.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
@@ -59,3 +69,51 @@ def progress(total: int, initial: int, desc: str, quiet: bool):
     except ImportError:
         return None
     return tqdm(total=total, initial=initial, desc=desc, leave=False, file=sys.stderr)
+
+
+def repair_metrics(path: str) -> bool:
+    """Cut a torn last line (one a crash left without its newline) off the JSON-lines
+    file `path`; returns whether anything was cut."""
+    try:
+        with open(path, "rb+") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size == 0:
+                return False
+            f.seek(size - 1)
+            if f.read(1) == b"\n":
+                return False
+            start = max(size - (1 << 20), 0)
+            f.seek(start)
+            tail = f.read()
+            cut = tail.rfind(b"\n")
+            f.truncate(start + cut + 1 if cut >= 0 else start)
+            return True
+    except FileNotFoundError:
+        return False
+
+
+def drop_records(path: str, drop: Callable[[dict], bool]) -> int:
+    """Rewrite the JSON-lines file `path` without the records for which `drop(record)`
+    is true (atomically: a temporary file and a rename); returns how many went."""
+    if not os.path.isfile(path):
+        return 0
+    kept, n = [], 0
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                kept.append(line)
+                continue
+            if drop(rec):
+                n += 1
+            else:
+                kept.append(line)
+    if n:
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return n

@@ -1,8 +1,8 @@
 """The default pipeline on the built-in animal task: SFT, then reward model -> PPO, DPO
 and GRPO from SFT, each evaluated on held-out prompts against SFT."""
 
-import json
 import os
+import sys
 import time
 
 import jax
@@ -19,6 +19,7 @@ from ._metrics import MetricsLog
 from ._monitor import measure_matmul_peak
 from ._rl_runs import run_grpo, run_ppo
 from ._rollout import RewardFunction, sample_rollout, sampling_options
+from ._rundir import open_run_dir, write_json_atomic
 from ._runs import (
     RunContext,
     collate_pairs,
@@ -29,22 +30,25 @@ from ._runs import (
     run_sft,
 )
 from ._task import HELDOUT_PROMPTS, TRAIN_PROMPTS, animal_score, noisy_scores
+from ._validate import validate_config
 
 
 def load_model(source: str = "builtin", tokenizer: str | None = None):
     """`(policy, tokenizer)` from `"builtin"` (the shipped stories260K), a llama2.c `.bin`
     file (with `tokenizer`) or a Hugging Face checkpoint directory.
 
-    The tokenizer is checked against the model (`data.check_vocab`) before anything is
-    compiled: a `ConfigError` naming `model.tokenizer` and both vocabulary sizes."""
+    A checkpoint directory without `tokenizer` uses the tokenizer file found in it
+    (`tokenizer.json`, `tokenizer.model` or `tokenizer.bin`: the run exports put one
+    there). The tokenizer is checked against the model (`data.check_vocab`) before
+    anything is compiled: a `ConfigError` naming `model.tokenizer` and both vocabulary
+    sizes."""
     from rlhf_eqx.assets import asset_path
 
     if source == "builtin":
         return rx.load_llama2c(asset_path("stories260K.bin"), tokenizer or asset_path("tok512.bin"))
     if os.path.isdir(source):
         policy = rx.load_hf(source)
-        tok_path = tokenizer or os.path.join(source, "tokenizer.json")
-        tok = data.load_tokenizer(tok_path)
+        tok = data.load_tokenizer(tokenizer or source)
     else:
         policy, tok = rx.load_llama2c(source, tokenizer)
     try:
@@ -52,6 +56,21 @@ def load_model(source: str = "builtin", tokenizer: str | None = None):
     except data.DataError as e:
         raise ConfigError(f"model.tokenizer={tokenizer!r}: {e}") from None
     return policy, tok
+
+
+def tokenizer_file(source: str = "builtin", tokenizer: str | None = None) -> str | None:
+    """The tokenizer file `load_model(source, tokenizer)` reads (exports copy it)."""
+    from rlhf_eqx.assets import asset_path
+
+    if tokenizer is not None:
+        return tokenizer
+    if source == "builtin":
+        return asset_path("tok512.bin")
+    if os.path.isdir(source):
+        for name in ("tokenizer.json", "tokenizer.model", "tokenizer.bin"):
+            if os.path.isfile(os.path.join(source, name)):
+                return os.path.join(source, name)
+    return None
 
 
 def _labels(noise: float, seed: int):
@@ -127,17 +146,33 @@ def format_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
+def run_pipeline(cfg: PipelineConfig, *, resume: bool = False, overwrite: bool = False) -> dict:
     """Run the pipeline of `cfg` in `cfg.out`: `summary.json`, `metrics.jsonl`,
-    `config.json`, PNG plots, `<stage>/hf/` checkpoints; returns the summary."""
-    t0 = time.perf_counter()
+    `config.json`, PNG plots, `<stage>/hf/` checkpoints with their tokenizer; returns the
+    summary.
+
+    The configuration is validated first (`validate_config`: a `ConfigError` naming the
+    field), then the run directory is taken (`open_run_dir`: one owner, no new run
+    into an old one unless `overwrite` moves it aside, `resume` checks the stored
+    configuration). `summary["stopped"]` is `"done"`, or `"diverged"` when a stage
+    diverged past its rollbacks (the pipeline stops there, and that stage's export is
+    its last verified, finite state); each stage's entry says how it stopped.
+    """
+    validate_config(cfg)
     run_dir = cfg.out or os.path.join("runs", "pipeline")
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "config.json"), "w") as f:
-        json.dump(config_to_dict(cfg), f, indent=1)
-    say = (lambda *a: None) if cfg.ops.quiet else print
+    with open_run_dir(cfg, run_dir, resume=resume, overwrite=overwrite) as rd:
+        say = (lambda *a: None) if cfg.ops.quiet else print
+        print(f"run directory: {run_dir}")
+        for note in rd.notes:
+            print(f"note: {note}", file=sys.stderr)
+        return _run_pipeline(cfg, run_dir, rd.resume, say)
+
+
+def _run_pipeline(cfg: PipelineConfig, run_dir: str, resume: bool, say) -> dict:
+    t0 = time.perf_counter()
     s = cfg.sampling
     base, tok = load_model(cfg.model.source, cfg.model.tokenizer)
+    tok_file = tokenizer_file(cfg.model.source, cfg.model.tokenizer)
     key = jax.random.key(cfg.ops.seed)
     k_eval, k_sft, k_rm, k_ppo, k_dpo, k_grpo, k_data, k_online = jax.random.split(key, 8)
     label = _labels(cfg.label_noise, cfg.ops.seed)
@@ -157,7 +192,7 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
             **sampling_options(s),
         )
 
-    summary: dict = {}
+    summary: dict = {"stopped": "done"}
     base_metrics, _, _ = evaluate(base, None)
     summary["base"] = base_metrics
     say(f"base model: {base_metrics['score']:.1%} of held-out stories mention an animal")
@@ -187,8 +222,9 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
     )
     sft = final_policy(res.state.model)
     sft_metrics, _, sft_scores = evaluate(sft, base)
+    sft_metrics["stopped"] = res.loop.stopped
     summary["sft"] = sft_metrics
-    export_policy(sft, run_dir, "sft", adapted=res.state.model)
+    export_policy(sft, run_dir, "sft", adapted=res.state.model, tokenizer_file=tok_file)
     say(f"sft: {sft_metrics['score']:.1%}")
 
     def periodic(policy):
@@ -196,18 +232,32 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
         m["win_rate_vs_sft"] = win_rate(scores, sft_scores)
         return m
 
-    def finish(stage, model):
+    def finish(stage, res) -> bool:
+        """Evaluate and export a stage; False when it diverged (the pipeline stops)."""
+        model = res.state.model
+        if stage == "ppo":
+            model = model[0]
         policy = final_policy(model)
         m, _, scores = evaluate(policy, sft)
         m["win_rate_vs_sft"] = win_rate(scores, sft_scores)
+        m["stopped"] = res.loop.stopped
         summary[stage] = m
-        export_policy(policy, run_dir, stage, adapted=model)
+        export_policy(policy, run_dir, stage, adapted=model, tokenizer_file=tok_file)
         say(
             f"{stage}: {m['score']:.1%} (win rate vs SFT {m['win_rate_vs_sft']:.1%}, "
-            f"KL {m['kl']:.3f})"
+            f"KL {m['kl']:.3f})" + ("" if m["stopped"] == "done" else f"; stopped: {m['stopped']}")
         )
+        return _continue(stage, res)
 
-    if "reward" in cfg.stages:
+    def _continue(stage, res) -> bool:
+        if res.loop.stopped == "diverged":
+            summary["stopped"] = "diverged"
+            summary["diverged_stage"] = stage
+            return False
+        return True
+
+    go = _continue("sft", res)
+    if go and "reward" in cfg.stages:
         r = cfg.reward
         n = r.pairs_per_prompt
         roll = sample_rollout(
@@ -247,21 +297,36 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
                         heldout_roll.prompts[j], heldout_roll.texts[c], heldout_roll.texts[w]
                     )
                 )
-        say(f"reward: {len(pairs)} noisily labelled training pairs, {len(clean)} held-out pairs")
+        say(f"reward: {len(pairs)} noisily labelled pairs, {len(clean)} clean held-out pairs")
         res = run_reward(
             sft, tok, pairs, cfg=r, ctx=_ctx(cfg, run_dir, "reward", k_rm, resume, peak_flops=peak)
         )
         rm = res.state.model
-        export_reward_model(rm, run_dir)
+        export_reward_model(rm, run_dir, tokenizer_file=tok_file)
         held = collate_pairs(clean, tok, max_length=r.max_length, prompt_length=s.prompt_length)
         acc = reward_accuracy(rm, held)
         summary["reward_model"] = {
             "heldout_accuracy": acc,
-            "train_pairs": len(pairs),
+            "train_accuracy": res.info.get("train_accuracy"),
+            "validation_accuracy": res.info.get("validation_accuracy"),
+            "selected_step": res.info.get("selected_step", r.steps),
+            "train_pairs": res.info.get("train_pairs", len(pairs)),
+            "validation_pairs": res.info.get("validation_pairs", 0),
             "heldout_pairs": len(clean),
+            "stopped": res.loop.stopped,
         }
-        say(f"reward model: held-out accuracy {acc:.1%}")
-        if "ppo" in cfg.stages:
+        say(
+            f"reward model: clean held-out accuracy {acc:.1%}"
+            + (
+                f" (kept step {res.info['selected_step']} of {r.steps}: training accuracy "
+                f"{res.info['train_accuracy']:.1%}, noisy validation accuracy "
+                f"{res.info['validation_accuracy']:.1%})"
+                if res.info
+                else ""
+            )
+        )
+        go = _continue("reward", res)
+        if go and "ppo" in cfg.stages:
             res = run_ppo(
                 sft,
                 tok,
@@ -270,9 +335,8 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
                 cfg=cfg.ppo,
                 ctx=_ctx(cfg, run_dir, "ppo", k_ppo, resume, periodic, peak_flops=peak),
             )
-            summary.setdefault("stopped", {})["ppo"] = res.loop.stopped
-            finish("ppo", res.state.model[0])
-        if "online-dpo" in cfg.stages:
+            go = finish("ppo", res)
+        if go and "online-dpo" in cfg.stages:
             res = run_online_dpo(
                 sft,
                 tok,
@@ -281,8 +345,8 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
                 cfg=cfg.dpo,
                 ctx=_ctx(cfg, run_dir, "online-dpo", k_online, resume, periodic, peak_flops=peak),
             )
-            finish("online-dpo", res.state.model)
-    if "dpo" in cfg.stages:
+            go = finish("online-dpo", res)
+    if go and "dpo" in cfg.stages:
         res = run_online_dpo(
             sft,
             tok,
@@ -291,8 +355,8 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
             cfg=cfg.dpo,
             ctx=_ctx(cfg, run_dir, "dpo", k_dpo, resume, periodic, peak_flops=peak),
         )
-        finish("dpo", res.state.model)
-    if "grpo" in cfg.stages:
+        go = finish("dpo", res)
+    if go and "grpo" in cfg.stages:
         fns = [RewardFunction("animal", lambda p, t: animal_score(t))]
         res = run_grpo(
             sft,
@@ -302,13 +366,11 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
             cfg=cfg.grpo,
             ctx=_ctx(cfg, run_dir, "grpo", k_grpo, resume, periodic, peak_flops=peak),
         )
-        summary.setdefault("stopped", {})["grpo"] = res.loop.stopped
-        finish("grpo", res.state.model)
+        go = finish("grpo", res)
 
     summary["seconds"] = time.perf_counter() - t0
-    with open(os.path.join(run_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
-    log.write({"event": "summary", **{k: v for k, v in summary.items() if k == "seconds"}})
+    write_json_atomic(os.path.join(run_dir, "summary.json"), summary)
+    log.write({"event": "summary", "seconds": summary["seconds"], "stopped": summary["stopped"]})
     try:
         from ._plots import plot_run
 
@@ -316,5 +378,11 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> dict:
     except ImportError:
         print("note: install matplotlib (pip install 'rlhf_eqx[plot]') for PNG plots")
     say("\n" + format_table(summary))
+    if summary["stopped"] != "done":
+        print(
+            f"stopped: {summary['diverged_stage']} diverged (see the diverged event in "
+            f"{run_dir}/metrics.jsonl); later stages were not run",
+            file=sys.stderr,
+        )
     say(f"\nrun directory: {run_dir} ({summary['seconds']:.0f} s)")
     return summary

@@ -24,6 +24,7 @@ from ._rollout import (
     token_logps,
 )
 from ._runs import RunContext, RunResult, rows_at, run_loop, take_rows, with_lora
+from ._validate import validate_stage
 
 # --- shared by PPO and GRPO -------------------------------------------------------------
 
@@ -101,6 +102,7 @@ def run_ppo(
     model (`ValueModel.from_policy`) trains every weight. Stops early when the per-token
     KL to the reference exceeds `cfg.kl_target`.
     """
+    validate_stage("ppo", cfg)
     k_lora, k_value, ctx_key = jax.random.split(ctx.key, 3)
     pol, spec, reference = _policy_and_reference(policy, cfg.lora, k_lora)
     value = rx.ValueModel.from_policy(policy, key=k_value)
@@ -197,6 +199,7 @@ def run_grpo(
     when no group carries a signal. Stops early when the per-token KL to the reference
     exceeds `cfg.kl_target`.
     """
+    validate_stage("grpo", cfg)
     k_lora, ctx_key = jax.random.split(ctx.key)
     pol, spec, reference = _policy_and_reference(policy, cfg.lora, k_lora)
     opt = build_optimizer(cfg.optim, cfg.rollouts * cfg.epochs)

@@ -9,6 +9,7 @@ guard, metrics). Iteration `i` draws its data from `i` and its randomness from
 
 import dataclasses
 import os
+import shutil
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,9 +27,11 @@ from ._config import (
     RewardConfig,
     SFTConfig,
 )
+from ._evaluate import reward_accuracy
 from ._metrics import MetricsLog
 from ._monitor import model_flops
 from ._ops import LoopResult, build_optimizer, run_iterations
+from ._validate import validate_ops, validate_stage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,11 +58,13 @@ class RunContext:
 
 @dataclasses.dataclass
 class RunResult:
-    """The final `TrainState`, the metrics of every step and the loop's report."""
+    """The final `TrainState`, the metrics of every step, the loop's report and what the
+    run adds (e.g. the reward model's checkpoint selection)."""
 
-    state: rx.train.TrainState
+    state: Any  # a `TrainState` (or, inside a run, the loop's own state pytree)
     history: list[dict]
     loop: LoopResult
+    info: dict = dataclasses.field(default_factory=dict)
 
 
 def with_lora(model, lora: LoRASettings, key: jax.Array):
@@ -78,23 +83,67 @@ def has_lora(model) -> bool:
     return rx.without_lora(model) is not model
 
 
-def export_policy(policy, run_dir: str, stage: str, *, adapted=None) -> None:
+def check_finite_weights(model, what: str) -> None:
+    """Refuse (`ValueError`) a model with a NaN or infinite weight, naming the weight: no
+    export ever writes non-finite weights."""
+    leaves = jax.tree_util.tree_leaves_with_path(eqx.filter(model, eqx.is_inexact_array))
+    for path, x in leaves:
+        if not bool(jnp.all(jnp.isfinite(x))):
+            name = jax.tree_util.keystr(path)
+            raise ValueError(f"{what}: weight {name} has non-finite values; not exported")
+
+
+_TOKENIZER_FILES = {".json": "tokenizer.json", ".model": "tokenizer.model", ".bin": "tokenizer.bin"}
+_HF_TOKENIZER_EXTRAS = ("tokenizer_config.json", "special_tokens_map.json")
+
+
+def copy_tokenizer(tokenizer_file: str | None, directory: str) -> None:
+    """Copy the tokenizer file a model was loaded with into `directory` under the name
+    `data.load_tokenizer(directory)` finds (`tokenizer.json`, `tokenizer.model` or
+    `tokenizer.bin`), with an HF tokenizer's `tokenizer_config.json` and
+    `special_tokens_map.json` when they sit beside it."""
+    if tokenizer_file is None:
+        return
+    ext = os.path.splitext(tokenizer_file)[1].lower()
+    name = _TOKENIZER_FILES.get(ext)
+    if name is None:
+        raise ValueError(f"{tokenizer_file}: unknown tokenizer file type, not exported")
+    shutil.copyfile(tokenizer_file, os.path.join(directory, name))
+    if ext == ".json":
+        for extra in _HF_TOKENIZER_EXTRAS:
+            src = os.path.join(os.path.dirname(tokenizer_file), extra)
+            if os.path.isfile(src):
+                shutil.copyfile(src, os.path.join(directory, extra))
+
+
+def export_policy(
+    policy, run_dir: str, stage: str, *, adapted=None, tokenizer_file: str | None = None
+) -> None:
     """Write `policy` (merged) as a Hugging Face checkpoint in `<run_dir>/<stage>/hf/`
-    (`save_hf`); when `adapted`, the trained model before merging, has LoRA adapters,
-    also the adapters alone in the PEFT layout in `<run_dir>/<stage>/adapter/`
-    (`save_lora_adapter`)."""
-    rx.save_hf(policy, os.path.join(run_dir, stage, "hf"))
+    (`save_hf`) with its tokenizer beside it (`tokenizer_file`, copied by
+    `copy_tokenizer`: `rlhf_eqx sample --model <run_dir>/<stage>/hf` then works alone);
+    when `adapted`, the trained model before merging, has LoRA adapters, also the
+    adapters alone in the PEFT layout in `<run_dir>/<stage>/adapter/`
+    (`save_lora_adapter`). A model with a non-finite weight is refused."""
+    check_finite_weights(policy, f"{stage} policy")
+    out = os.path.join(run_dir, stage, "hf")
+    rx.save_hf(policy, out)
+    copy_tokenizer(tokenizer_file, out)
     if adapted is not None and has_lora(adapted):
         rx.save_lora_adapter(adapted, os.path.join(run_dir, stage, "adapter"))
 
 
-def export_reward_model(model, run_dir: str) -> None:
+def export_reward_model(model, run_dir: str, *, tokenizer_file: str | None = None) -> None:
     """Write a reward model as a `...ForSequenceClassification` checkpoint in
-    `<run_dir>/reward/hf/`. That head has no bias, so the bias is dropped first: a
-    Bradley-Terry reward is shift-invariant, and the exported scores differ from
-    `model`'s by that one constant."""
+    `<run_dir>/reward/hf/` with its tokenizer beside it. That head has no bias, so the
+    bias is dropped first: a Bradley-Terry reward is shift-invariant, and the exported
+    scores differ from `model`'s by that one constant. A model with a non-finite weight
+    is refused."""
+    check_finite_weights(model, "reward model")
     model = eqx.tree_at(lambda m: m.bias, model, jnp.zeros_like(model.bias))
-    rx.save_hf(model, os.path.join(run_dir, "reward", "hf"))
+    out = os.path.join(run_dir, "reward", "hf")
+    rx.save_hf(model, out)
+    copy_tokenizer(tokenizer_file, out)
 
 
 def final_policy(model):
@@ -119,6 +168,7 @@ def take_rows(batch, idx):
 
 
 def run_loop(state, iteration, ctx: RunContext, num, *, policy_of=None, **kw) -> RunResult:
+    validate_ops(ctx.ops)
     evaluate = None
     if ctx.evaluate is not None and policy_of is not None:
         evaluate = lambda s, i: ctx.evaluate(final_policy(policy_of(s)))  # noqa: E731
@@ -147,6 +197,7 @@ def run_sft(
 ) -> RunResult:
     """Supervised fine-tuning (NLL of the completion tokens) on `(prompt, completion)`
     records, `cfg.steps` steps of `cfg.batch_size` rows, LoRA per `cfg.lora`."""
+    validate_stage("sft", cfg)
     seqs, _ = data.tokenize_sft(
         list(records),
         tok,
@@ -161,8 +212,13 @@ def run_sft(
     state = rx.train.init_train_state(model, opt, filter_spec=spec)
     step = rx.train.make_sft_step(opt, donate=False)
     return run_offline(
-        state, step, shuffled_rows(full, cfg.batch_size, ctx.ops.seed), steps=cfg.steps,
-        tokens_per_iteration=cfg.batch_size * cfg.max_length, ctx=ctx, ctx_key=ctx_key,
+        state,
+        step,
+        shuffled_rows(full, cfg.batch_size, ctx.ops.seed),
+        steps=cfg.steps,
+        tokens_per_iteration=cfg.batch_size * cfg.max_length,
+        ctx=ctx,
+        ctx_key=ctx_key,
         policy_of=lambda s: s.model,
     )
 
@@ -184,8 +240,15 @@ def shuffled_batches(batches: Sequence[Any], seed: int) -> Callable[[int], Any]:
 
 
 def run_offline(
-    state, step, batch_at: Callable[[int], Any], *, steps: int, tokens_per_iteration: int,
-    ctx: RunContext, ctx_key, policy_of=None,
+    state,
+    step,
+    batch_at: Callable[[int], Any],
+    *,
+    steps: int,
+    tokens_per_iteration: int,
+    ctx: RunContext,
+    ctx_key,
+    policy_of=None,
 ) -> RunResult:
     """`steps` updates of `step` on the batches `batch_at(i)` (SFT, reward model,
     offline DPO; `shuffled_rows`, `shuffled_batches`)."""
@@ -217,18 +280,97 @@ def collate_pairs(
     return data.collate_preferences(tokenized, max_length=max_length, pad_id=tok.pad_id)
 
 
+class RewardRunState(eqx.Module):
+    """The state of a reward-model run: the `TrainState`, and the trainable parameters
+    with the best held-out accuracy so far (checkpointed with it, so a resumed run keeps
+    the same selection)."""
+
+    train: rx.train.TrainState
+    best_params: Any
+    best_accuracy: jax.Array
+    best_step: jax.Array
+
+
 def run_reward(
     policy, tok, pairs: Sequence[data.PreferenceRecord], *, cfg: RewardConfig, ctx: RunContext
 ) -> RunResult:
     """Bradley-Terry reward model (`RewardModel.from_policy`, every weight trained) on
-    preference pairs."""
+    preference pairs.
+
+    With `cfg.eval_every > 0`, about `cfg.heldout_fraction` of the pairs' prompts are
+    held out (`data.split_held_out`, seeded by `ops.seed`; their labels are as noisy as
+    the training ones): every `cfg.eval_every` steps and at the end their accuracy is
+    logged (`validation/accuracy`) and the parameters with the best accuracy so far
+    are kept; the result is that model (checkpoint selection: a reward model trained on
+    noisy labels otherwise memorises them). `res.history` then also holds
+    `res.info` says which step was kept, with its training and held-out accuracy.
+    """
+    validate_stage("reward", cfg)
+    pairs = list(pairs)
+    val: list = []
+    if cfg.eval_every:
+        train, val = data.split_held_out(pairs, fraction=cfg.heldout_fraction, seed=ctx.ops.seed)
+        if train and val:
+            pairs = list(train)
+        else:
+            val = []
+            ctx.log.event(
+                "no_validation",
+                f"reward.heldout_fraction={cfg.heldout_fraction}: {len(pairs)} pairs are too "
+                "few to hold some out; the last model is kept",
+            )
     full = collate_pairs(pairs, tok, max_length=cfg.max_length, prompt_length=ctx.prompt_length)
+    val_batch = (
+        collate_pairs(val, tok, max_length=cfg.max_length, prompt_length=ctx.prompt_length)
+        if val
+        else None
+    )
     k_init, ctx_key = jax.random.split(ctx.key)
     rm = rx.RewardModel.from_policy(policy, key=k_init)
     opt = build_optimizer(cfg.optim, cfg.steps)
-    state = rx.train.init_train_state(rm, opt)
+    ts = rx.train.init_train_state(rm, opt)
     step = rx.train.make_reward_step(opt, donate=False)
-    return run_offline(
-        state, step, shuffled_rows(full, cfg.batch_size, ctx.ops.seed), steps=cfg.steps,
-        tokens_per_iteration=2 * cfg.batch_size * cfg.max_length, ctx=ctx, ctx_key=ctx_key,
+    batch_at = shuffled_rows(full, cfg.batch_size, ctx.ops.seed)
+    state = RewardRunState(
+        ts, ts.params, jnp.asarray(-1.0, jnp.float32), jnp.asarray(-1, jnp.int32)
     )
+
+    def iteration(st: RewardRunState, key, i):
+        ts, m = st.train.apply(step, batch_at(i), key=key)
+        if val_batch is not None and ((i + 1) % cfg.eval_every == 0 or i + 1 == cfg.steps):
+            acc = reward_accuracy(ts.model, val_batch)
+            m = {**m, "validation/accuracy": acc}
+            if acc > float(st.best_accuracy):
+                best = (ts.params, jnp.asarray(acc, jnp.float32), jnp.asarray(i + 1, jnp.int32))
+                return RewardRunState(ts, *best), [m], {}
+        return eqx.tree_at(lambda s: s.train, st, ts), [m], {}
+
+    tokens = 2 * cfg.batch_size * cfg.max_length
+    res = run_loop(
+        state,
+        iteration,
+        dataclasses.replace(ctx, key=ctx_key),
+        cfg.steps,
+        tokens_per_iteration=tokens,
+        flops_per_iteration=model_flops(rx.count_params(rm), train_tokens=tokens),
+    )
+    final: RewardRunState = res.state
+    ts = final.train
+    if val_batch is not None and int(final.best_step) > 0:
+        ts = eqx.tree_at(lambda s: s.params, ts, final.best_params)
+        summary = {
+            "event": "reward_selection",
+            "message": (
+                f"kept the model of step {int(final.best_step)} (held-out accuracy "
+                f"{float(final.best_accuracy):.3f} on {len(val)} pairs)"
+            ),
+            "selected_step": int(final.best_step),
+            "validation_accuracy": float(final.best_accuracy),
+            "train_accuracy": reward_accuracy(ts.model, full),
+            "validation_pairs": len(val),
+            "train_pairs": len(pairs),
+        }
+        ctx.log.write(summary)
+        info = {k: v for k, v in summary.items() if k not in ("event", "message")}
+        return RunResult(ts, res.history, res.loop, info)
+    return RunResult(ts, res.history, res.loop)

@@ -1,18 +1,38 @@
 """Validation of a `PipelineConfig` before anything is loaded or compiled: one
-`ConfigError` naming the first bad field and its value."""
+`ConfigError` naming the first bad field, its value and the valid choices.
+
+`validate_config` checks a whole pipeline configuration (the CLI, `run_pipeline` and
+`run_on_data` call it first); `validate_stage(name, cfg)` checks one stage's settings
+(`run_sft`, `run_reward`, `run_dpo`, `run_online_dpo`, `run_ppo`, `run_grpo` call it),
+and `validate_ops` the operations settings every run uses.
+"""
 
 import os
 from typing import Any
 
-from ..losses import DPO_BATCH_LOSS_TYPES
+from ..data._preferences import PREFERENCE_FORMATS
+from ..data._prompts import PROMPT_FORMATS
+from ..losses import DPO_BATCH_LOSS_TYPES, DPO_LOSS_TYPES
 from ._config import (
     BatchStageConfig,
     ConfigError,
+    DPOConfig,
+    GRPOConfig,
     LoRASettings,
+    OpsConfig,
     OptimConfig,
     PipelineConfig,
+    PPOConfig,
+    RewardConfig,
     RolloutStageConfig,
+    SFTConfig,
 )
+
+DATA_FORMATS: tuple[str, ...] = ("auto", *PREFERENCE_FORMATS, *PROMPT_FORMATS)
+"""The values of `data.format`: preference formats for sft/reward/dpo, prompt formats for
+grpo, `auto` to detect from the first record."""
+SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
+STAGES: tuple[str, ...] = ("sft", "reward", "ppo", "dpo", "grpo", "online-dpo")
 
 
 def _fail(name: str, value: Any, why: str) -> None:
@@ -28,8 +48,7 @@ def _check_optim(name: str, o: OptimConfig) -> None:
         _fail(f"{name}.max_grad_norm", o.max_grad_norm, "must be > 0")
     if o.weight_decay < 0:
         _fail(f"{name}.weight_decay", o.weight_decay, "must be >= 0")
-    if o.schedule not in ("cosine", "linear", "constant"):
-        _fail(f"{name}.schedule", o.schedule, "must be cosine, linear or constant")
+    _choice(f"{name}.schedule", o.schedule, SCHEDULES)
 
 
 def _check_lora(name: str, lo: LoRASettings) -> None:
@@ -45,6 +64,16 @@ def _check_lora(name: str, lo: LoRASettings) -> None:
             _fail(
                 f"{name}.targets", lo.targets, f"unknown projection {t!r} (known: {sorted(known)})"
             )
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        _fail(name, value, f"must be one of {', '.join(choices)}")
+
+
+def _at_least(name: str, value: Any, low: int | float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= low:
+        _fail(name, value, f"must be >= {low}")
 
 
 def _positive(name: str, value: int) -> None:
@@ -70,6 +99,8 @@ def validate_config(cfg: PipelineConfig, *, device_count: int = 1) -> None:
     dc = cfg.data
     if dc.path is not None and not os.path.isfile(dc.path):
         _fail("data.path", dc.path, "no such file")
+    _choice("data.format", dc.format, DATA_FORMATS)
+    _at_least("data.seed", dc.seed, 0)
     if dc.limit < 0:
         _fail("data.limit", dc.limit, "must be >= 0 (0: all records)")
     if not 0 < dc.heldout_fraction < 1:
@@ -87,25 +118,10 @@ def validate_config(cfg: PipelineConfig, *, device_count: int = 1) -> None:
         _fail("sampling.temperature", s.temperature, "must be > 0 for training rollouts")
     if not all(isinstance(x, str) and x for x in s.stop_strings):
         _fail("sampling.stop_strings", s.stop_strings, "must be non-empty strings")
-    o = cfg.ops
-    if o.checkpoint_every < 0:
-        _fail("ops.checkpoint_every", o.checkpoint_every, "must be >= 0")
-    _positive("ops.keep", o.keep)
-    if o.eval_every < 0:
-        _fail("ops.eval_every", o.eval_every, "must be >= 0")
-    if not o.lr_backoff > 1:
-        _fail("ops.lr_backoff", o.lr_backoff, "must be > 1")
-    if not o.loss_spike > 1:
-        _fail("ops.loss_spike", o.loss_spike, "must be > 1")
-    if not o.kl_spike > 0:
-        _fail("ops.kl_spike", o.kl_spike, "must be > 0")
-    ps = o.profile_steps
-    if ps and (len(ps) != 2 or not 0 <= ps[0] < ps[1]):
-        _fail("ops.profile_steps", ps, "must be empty or [a, b] with 0 <= a < b")
-    known = ("sft", "reward", "ppo", "dpo", "grpo", "online-dpo")
+    validate_ops(cfg.ops)
     for st in cfg.stages:
-        if st not in known:
-            _fail("stages", cfg.stages, f"unknown stage {st!r} (known: {', '.join(known)})")
+        if st not in STAGES:
+            _fail("stages", cfg.stages, f"unknown stage {st!r} (known: {', '.join(STAGES)})")
     for st in ("ppo", "online-dpo"):
         if st in cfg.stages and "reward" not in cfg.stages:
             _fail("stages", cfg.stages, f"{st} needs the reward stage")
@@ -119,9 +135,7 @@ def validate_config(cfg: PipelineConfig, *, device_count: int = 1) -> None:
         ("ppo", cfg.ppo),
         ("grpo", cfg.grpo),
     ):
-        _check_optim(f"{name}.optim", c.optim)
-        if hasattr(c, "lora"):
-            _check_lora(f"{name}.lora", c.lora)
+        validate_stage(name, c, device_count=device_count)
         if isinstance(c, BatchStageConfig):
             used = name in cfg.stages or (name == "dpo" and "online-dpo" in cfg.stages)
             if used and c.max_length <= s.prompt_length:
@@ -130,47 +144,83 @@ def validate_config(cfg: PipelineConfig, *, device_count: int = 1) -> None:
                     c.max_length,
                     f"must exceed sampling.prompt_length={s.prompt_length}",
                 )
-            _positive(f"{name}.steps", c.steps)
-            _positive(f"{name}.batch_size", c.batch_size)
-            _divides(f"{name}.batch_size", c.batch_size, device_count)
-        if isinstance(c, RolloutStageConfig):
-            for field in ("rollouts", "prompts_per_rollout", "epochs"):
-                _positive(f"{name}.{field}", getattr(c, field))
-            if not 0 < c.clip < 1:
-                _fail(f"{name}.clip", c.clip, "must be in (0, 1)")
-            if not c.kl_target > 0:
-                _fail(f"{name}.kl_target", c.kl_target, "must be > 0")
-    _positive("sft.samples", cfg.sft.samples)
-    _positive("reward.pairs_per_prompt", cfg.reward.pairs_per_prompt)
-    if not 0 < cfg.reward.heldout_fraction < 1:
-        _fail("reward.heldout_fraction", cfg.reward.heldout_fraction, "must be in (0, 1)")
-    d = cfg.dpo
-    if not d.beta > 0:
-        _fail("dpo.beta", d.beta, "must be > 0")
-    _positive("dpo.rounds", d.rounds)
-    if d.samples < 2:
-        _fail("dpo.samples", d.samples, "must be >= 2 (pairs need two completions)")
-    if d.packing and d.loss_type in DPO_BATCH_LOSS_TYPES:
-        why = f"loss_type={d.loss_type!r} sorts over a batch's pairs and needs unpacked batches"
-        _fail("dpo.packing", d.packing, why)
-    p = cfg.ppo
-    _positive("ppo.minibatches", p.minibatches)
-    if p.prompts_per_rollout % p.minibatches:
-        _fail(
-            "ppo.minibatches",
-            p.minibatches,
-            f"must divide ppo.prompts_per_rollout={p.prompts_per_rollout}",
+
+
+def validate_ops(o: OpsConfig) -> None:
+    """Check the operations settings of a run (`ops.*`); `ConfigError` naming the field."""
+    _at_least("ops.seed", o.seed, 0)
+    if o.checkpoint_every < 0:
+        _fail("ops.checkpoint_every", o.checkpoint_every, "must be >= 0")
+    _positive("ops.keep", o.keep)
+    if o.eval_every < 0:
+        _fail("ops.eval_every", o.eval_every, "must be >= 0")
+    _positive("ops.log_every", o.log_every)
+    _at_least("ops.max_rollbacks", o.max_rollbacks, 0)
+    if not o.lr_backoff > 1:
+        _fail("ops.lr_backoff", o.lr_backoff, "must be > 1")
+    if not o.loss_spike > 1:
+        _fail("ops.loss_spike", o.loss_spike, "must be > 1")
+    if not o.kl_spike > 0:
+        _fail("ops.kl_spike", o.kl_spike, "must be > 0")
+    ps = o.profile_steps
+    if ps and (len(ps) != 2 or not 0 <= ps[0] < ps[1]):
+        _fail("ops.profile_steps", ps, "must be empty or [a, b] with 0 <= a < b")
+
+
+def validate_stage(name: str, c: Any, *, device_count: int = 1) -> None:
+    """Check one stage's settings (`SFTConfig`, `RewardConfig`, `DPOConfig`, `PPOConfig`,
+    `GRPOConfig`) under the field prefix `name`; `ConfigError` naming the field."""
+    _check_optim(f"{name}.optim", c.optim)
+    if hasattr(c, "lora"):
+        _check_lora(f"{name}.lora", c.lora)
+    if isinstance(c, BatchStageConfig):
+        _positive(f"{name}.steps", c.steps)
+        _positive(f"{name}.batch_size", c.batch_size)
+        _positive(f"{name}.max_length", c.max_length)
+        _divides(f"{name}.batch_size", c.batch_size, device_count)
+    if isinstance(c, RolloutStageConfig):
+        for field in ("rollouts", "prompts_per_rollout", "epochs"):
+            _positive(f"{name}.{field}", getattr(c, field))
+        if not 0 < c.clip < 1:
+            _fail(f"{name}.clip", c.clip, "must be in (0, 1)")
+        if not c.kl_target > 0:
+            _fail(f"{name}.kl_target", c.kl_target, "must be > 0")
+    if isinstance(c, SFTConfig):
+        _positive(f"{name}.samples", c.samples)
+    if isinstance(c, RewardConfig):
+        _positive(f"{name}.pairs_per_prompt", c.pairs_per_prompt)
+        if not 0 < c.heldout_fraction < 1:
+            _fail(f"{name}.heldout_fraction", c.heldout_fraction, "must be in (0, 1)")
+        _at_least(f"{name}.eval_every", c.eval_every, 0)
+    if isinstance(c, DPOConfig):
+        if not c.beta > 0:
+            _fail(f"{name}.beta", c.beta, "must be > 0")
+        _choice(f"{name}.loss_type", c.loss_type, DPO_LOSS_TYPES)
+        _positive(f"{name}.rounds", c.rounds)
+        if c.samples < 2:
+            _fail(f"{name}.samples", c.samples, "must be >= 2 (pairs need two completions)")
+        if c.packing and c.loss_type in DPO_BATCH_LOSS_TYPES:
+            why = f"loss_type={c.loss_type!r} sorts over a batch's pairs and needs unpacked batches"
+            _fail(f"{name}.packing", c.packing, why)
+    if isinstance(c, PPOConfig):
+        _positive(f"{name}.minibatches", c.minibatches)
+        if c.prompts_per_rollout % c.minibatches:
+            _fail(
+                f"{name}.minibatches",
+                c.minibatches,
+                f"must divide {name}.prompts_per_rollout={c.prompts_per_rollout}",
+            )
+        _divides(
+            f"{name}.prompts_per_rollout", c.prompts_per_rollout // c.minibatches, device_count
         )
-    _divides("ppo.prompts_per_rollout", p.prompts_per_rollout // p.minibatches * 1, device_count)
-    if p.vf_coef < 0 or p.ent_coef < 0 or p.kl_coef < 0:
-        _fail("ppo.vf_coef/ent_coef/kl_coef", (p.vf_coef, p.ent_coef, p.kl_coef), "must be >= 0")
-    if not 0 <= p.gamma <= 1:
-        _fail("ppo.gamma", p.gamma, "must be in [0, 1]")
-    if not 0 <= p.lam <= 1:
-        _fail("ppo.lam", p.lam, "must be in [0, 1]")
-    g = cfg.grpo
-    if g.group_size < 2:
-        _fail("grpo.group_size", g.group_size, "must be >= 2")
-    _divides("grpo.prompts_per_rollout", g.prompts_per_rollout * g.group_size, device_count)
-    if g.beta < 0:
-        _fail("grpo.beta", g.beta, "must be >= 0")
+        for field in ("vf_coef", "ent_coef", "kl_coef"):
+            _at_least(f"{name}.{field}", getattr(c, field), 0)
+        if not 0 <= c.gamma <= 1:
+            _fail(f"{name}.gamma", c.gamma, "must be in [0, 1]")
+        if not 0 <= c.lam <= 1:
+            _fail(f"{name}.lam", c.lam, "must be in [0, 1]")
+    if isinstance(c, GRPOConfig):
+        if c.group_size < 2:
+            _fail(f"{name}.group_size", c.group_size, "must be >= 2")
+        _divides(f"{name}.prompts_per_rollout", c.prompts_per_rollout * c.group_size, device_count)
+        _at_least(f"{name}.beta", c.beta, 0)

@@ -1,0 +1,354 @@
+"""The run directory: one owner (a lock), new runs never mix with old ones, resume checks
+what it resumes, and `config.json` is written only after every check has passed.
+
+`open_run_dir(cfg, run_dir, resume=..., overwrite=...)` is what `run_pipeline` and
+`run_on_data` call before loading anything:
+
+1. **Lock.** `<run_dir>/.lock` is held with `fcntl.flock` for the whole run and names
+   its holder (process id, host, start time). The kernel releases the lock when the
+   process dies, even by `kill -9`, so a lock left behind is detected as stale and
+   taken over; a live holder makes a second run refuse at once, naming it.
+2. **New run or resume.** A directory that already holds a run (`config.json`,
+   `metrics.jsonl`, `summary.json` or stage checkpoints) is refused for a new run,
+   naming `--resume` and `--overwrite`; `overwrite=True` first moves the old run aside
+   to `<run_dir>.replaced-<UTC time>` (nothing is deleted).
+3. **Resume checks.** The requested configuration is compared with the stored
+   `config.json`; any difference outside `RESUMABLE_FIELDS` is refused, naming each
+   field with its old and new value. Iteration counts (`ITERATION_FIELDS`) may change,
+   but not for a stage whose later stages already have checkpoints built on it.
+4. **Clean-up.** Checkpoint directories left half-written by a crash (`*.tmp*`) are
+   removed; a torn last line of `metrics.jsonl` is cut; the records a resumed run will
+   write again (`data_quality`, `data_filter`, `summary` events) are dropped.
+"""
+
+import datetime
+import errno
+import fcntl
+import json
+import os
+import shutil
+import socket
+import sys
+
+from ._config import PipelineConfig
+from ._config_io import config_to_dict
+from ._metrics import drop_records, repair_metrics
+
+
+class RunDirError(RuntimeError):
+    """The run directory cannot be used as asked (held by another run, holds another
+    run, or the resumed run's configuration differs); the message says what to do."""
+
+
+# Fields that may differ between a run and its resumption: how the run is operated,
+# logged and evaluated, never what it trains on or how.
+RESUMABLE_FIELDS: tuple[str, ...] = (
+    "out",
+    "notes",
+    "stages",
+    "eval_samples",
+    "ops.quiet",
+    "ops.log_every",
+    "ops.eval_every",
+    "ops.checkpoint_every",
+    "ops.keep",
+    "ops.monitor",
+    "ops.profile_steps",
+    "ops.tensorboard",
+    "ops.max_rollbacks",
+)
+
+# A stage's iteration count (more steps, more rollouts) may change on resume. The
+# learning-rate schedule is rebuilt for the new total, so a resumed run with another
+# count is not the run it would have been with that count from the start.
+ITERATION_FIELDS: dict[str, str] = {
+    "sft.steps": "sft",
+    "reward.steps": "reward",
+    "dpo.steps": "dpo",
+    "dpo.rounds": "dpo",
+    "ppo.rollouts": "ppo",
+    "grpo.rollouts": "grpo",
+}
+
+# Stages trained from another stage's result (every stage starts from SFT; PPO and
+# online DPO use the reward model).
+_DOWNSTREAM: dict[str, tuple[str, ...]] = {
+    "sft": ("reward", "ppo", "dpo", "grpo", "online-dpo"),
+    "reward": ("ppo", "online-dpo"),
+    "dpo": ("online-dpo",),
+}
+
+_RUN_MARKERS = ("config.json", "metrics.jsonl", "summary.json")
+LOCK_NAME = ".lock"
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_changes(old: dict, new: dict) -> list[tuple[str, object, object]]:
+    """The `(field, old, new)` of every dotted field that differs between two config
+    dicts (`config_to_dict`), sorted by field."""
+    a, b = _flatten(old), _flatten(new)
+    missing = object()
+    changed = []
+    for k in sorted(set(a) | set(b)):
+        va, vb = a.get(k, missing), b.get(k, missing)
+        if va != vb:
+            changed.append((k, None if va is missing else va, None if vb is missing else vb))
+    return changed
+
+
+def check_resumable(old: dict, new: dict, *, where: str) -> list[tuple[str, object, object]]:
+    """Refuse (`RunDirError`) a resume whose configuration differs from the stored one
+    `old` outside `RESUMABLE_FIELDS` and `ITERATION_FIELDS`, naming every such field
+    with both values; returns all the changes (the allowed ones included)."""
+    changes = config_changes(old, new)
+    bad = [c for c in changes if c[0] not in RESUMABLE_FIELDS and c[0] not in ITERATION_FIELDS]
+    if bad:
+        lines = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in bad)
+        raise RunDirError(
+            f"{where}: cannot resume with a different configuration ({lines}). Only "
+            f"iteration counts ({', '.join(ITERATION_FIELDS)}) and "
+            f"{', '.join(RESUMABLE_FIELDS)} may change on resume; start a new run "
+            "(another --out, or --overwrite) to train with other settings"
+        )
+    return changes
+
+
+def holds_run(run_dir: str) -> bool:
+    """Whether `run_dir` holds (part of) a run: a config, metrics, a summary or a
+    stage's checkpoints."""
+    if not os.path.isdir(run_dir):
+        return False
+    if any(os.path.exists(os.path.join(run_dir, m)) for m in _RUN_MARKERS):
+        return True
+    return bool(_stages_with_checkpoints(run_dir))
+
+
+def _stages_with_checkpoints(run_dir: str) -> list[str]:
+    found = []
+    for name in sorted(os.listdir(run_dir)):
+        ck = os.path.join(run_dir, name, "checkpoints")
+        if os.path.isdir(ck) and any(n.startswith("iter_") for n in os.listdir(ck)):
+            found.append(name)
+    return found
+
+
+def remove_partial_checkpoints(run_dir: str) -> list[str]:
+    """Remove the `*.tmp*` checkpoint directories a crash left under
+    `<run_dir>/<stage>/checkpoints/`; returns what was removed."""
+    removed = []
+    if not os.path.isdir(run_dir):
+        return removed
+    for name in os.listdir(run_dir):
+        ck = os.path.join(run_dir, name, "checkpoints")
+        if not os.path.isdir(ck):
+            continue
+        for n in os.listdir(ck):
+            if ".tmp" in n:
+                shutil.rmtree(os.path.join(ck, n), ignore_errors=True)
+                removed.append(os.path.join(ck, n))
+    return removed
+
+
+def _process_start(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+class RunLock:
+    """An exclusive `flock` on `<run_dir>/.lock` that names its holder; `release()`
+    (or leaving the `with` block) unlocks and removes the file."""
+
+    def __init__(self, run_dir: str):
+        os.makedirs(run_dir, exist_ok=True)
+        self.path = os.path.join(run_dir, LOCK_NAME)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = _read_holder(fd)
+            os.close(fd)
+            if e.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            raise RunDirError(
+                f"{run_dir} is in use by another run ({holder}); wait for it to finish or "
+                "use another --out"
+            ) from None
+        self.stale = _read_holder(fd) if os.fstat(fd).st_size else None
+        pid = os.getpid()
+        info = {
+            "pid": pid,
+            "host": socket.gethostname(),
+            "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "process_start": _process_start(pid),
+            "argv": sys.argv,
+        }
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+        os.fsync(fd)
+        self.fd: int | None = fd
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        try:
+            os.remove(self.path)
+        except OSError:
+            pass
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+        self.fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        raw = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+        info = json.loads(raw)
+        return f"process {info.get('pid')} on host {info.get('host')}, since {info.get('started')}"
+    except (OSError, ValueError, AttributeError):
+        return "holder unknown"
+
+
+class RunDir:
+    """An opened run directory (`open_run_dir`): its path, its lock, whether it resumes,
+    and the notes the opening made (a stale lock taken over, partial checkpoints
+    removed, a previous run moved aside)."""
+
+    def __init__(self, path: str, lock: RunLock, resume: bool, notes: list[str]):
+        self.path = path
+        self.lock = lock
+        self.resume = resume
+        self.notes = notes
+
+    def close(self) -> None:
+        self.lock.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def open_run_dir(
+    cfg: PipelineConfig, run_dir: str, *, resume: bool = False, overwrite: bool = False
+) -> RunDir:
+    """Take `run_dir` for the run of `cfg` (see the module docstring): lock it, refuse a
+    new run into an old one (unless `overwrite`, which moves the old one aside), check a
+    resume against the stored configuration, clean what a crash left, then write
+    `config.json`. Raises `RunDirError` with what to do; use as a context manager."""
+    if resume and overwrite:
+        raise RunDirError("--resume and --overwrite exclude each other")
+    notes: list[str] = []
+    if overwrite and holds_run(run_dir):
+        # Hold the old run's lock while moving it: a live run is never moved away.
+        old_lock = RunLock(run_dir)
+        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S")
+        aside = f"{run_dir.rstrip(os.sep)}.replaced-{stamp}"
+        n = 1
+        while os.path.exists(aside):
+            aside = f"{run_dir.rstrip(os.sep)}.replaced-{stamp}-{n}"
+            n += 1
+        os.rename(run_dir, aside)
+        old_lock.path = os.path.join(aside, LOCK_NAME)
+        old_lock.release()
+        notes.append(f"moved the previous run in {run_dir} to {aside}")
+    lock = RunLock(run_dir)
+    try:
+        if lock.stale:
+            notes.append(
+                f"took over the lock of a run that ended without releasing it ({lock.stale})"
+            )
+        new = config_to_dict(cfg)
+        cfg_path = os.path.join(run_dir, "config.json")
+        if not resume and holds_run(run_dir):
+            raise RunDirError(
+                f"{run_dir} already holds a run; pass --resume to continue it or "
+                "--overwrite to move it aside and start again (or choose another --out)"
+            )
+        if resume and holds_run(run_dir):
+            if not os.path.isfile(cfg_path):
+                raise RunDirError(
+                    f"{run_dir}: no config.json to check the resumed configuration against"
+                )
+            try:
+                with open(cfg_path) as f:
+                    old = json.load(f)
+            except ValueError as e:
+                raise RunDirError(f"{cfg_path}: not JSON ({e})") from None
+            changes = check_resumable(old, new, where=run_dir)
+            _check_upstream_counts(run_dir, changes)
+            removed = remove_partial_checkpoints(run_dir)
+            if removed:
+                notes.append(f"removed {len(removed)} partial checkpoint(s) left by a crash")
+            metrics = os.path.join(run_dir, "metrics.jsonl")
+            if repair_metrics(metrics):
+                notes.append(f"cut a torn last line of {metrics}")
+            drop_records(
+                metrics, lambda r: r.get("event") in ("data_quality", "data_filter", "summary")
+            )
+        elif resume:
+            notes.append(f"nothing to resume in {run_dir}: starting a new run")
+        write_json_atomic(cfg_path, new)
+    except BaseException:
+        lock.release()
+        raise
+    return RunDir(run_dir, lock, resume, notes)
+
+
+def _check_upstream_counts(run_dir: str, changes) -> None:
+    have = set(_stages_with_checkpoints(run_dir))
+    for k, a, b in changes:
+        stage = ITERATION_FIELDS.get(k)
+        if stage is None:
+            continue
+        later = [s for s in _DOWNSTREAM.get(stage, ()) if s in have]
+        if later:
+            raise RunDirError(
+                f"{run_dir}: {k} changed {a!r} -> {b!r}, but {', '.join(later)} already "
+                f"trained from the {stage} result of the stored configuration; start a new "
+                "run to change it"
+            )
+
+
+def write_json_atomic(path: str, obj) -> None:
+    """Write `obj` as JSON to `path` through a temporary file and a rename (a crash
+    leaves the old file or the new one). A full disk raises `OSError` naming the
+    directory, with the temporary file removed."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise disk_error(e, os.path.dirname(path) or ".") from None
+
+
+def disk_error(e: OSError, directory: str) -> OSError:
+    """`e` with a one-line message naming `directory` when the disk is full."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return OSError(e.errno, f"no space left on the device of {directory}")
+    return e

@@ -290,7 +290,9 @@ def test_rollback_on_a_learning_rate_spike(tmp_path):
     assert pl.get_lr_scale(res.state.opt_state) < 1.0
 
 
-def test_kl_guard_stops_early_and_discards_the_update(tmp_path):
+def test_kl_guard_stops_with_the_last_policy_within_the_target(tmp_path):
+    # The rollout of iteration i measures the KL of the state before it (0.01 i): at i = 5
+    # it passes the target, so the last policy within it is the state before iteration 4.
     state, opt = _quadratic_state()
     inner = _quadratic_iteration(opt)
 
@@ -299,17 +301,22 @@ def test_kl_guard_stops_early_and_discards_the_update(tmp_path):
         return s2, m, {"kl": 0.01 * i}
 
     log = pl.MetricsLog(str(tmp_path), "q", quiet=True)
-    res = pl.run_iterations(
-        state,
-        iteration,
+    kw = dict(
         num_iterations=10,
         key=jax.random.key(0),
         ops=pl.OpsConfig(quiet=True),
         log=log,
         kl_target=0.045,
+        checkpoint_dir=str(tmp_path / "ck"),
     )
-    assert res.stopped == "kl_guard" and res.iterations == 5 and int(res.state.step) == 5
+    res = pl.run_iterations(state, iteration, **kw)
+    assert res.stopped == "kl_guard" and res.iterations == 5 and int(res.state.step) == 4
     assert any('"kl_guard"' in line for line in _lines(log.path))
+    # A checkpoint of that policy is written; resuming the stopped run returns it at once.
+    assert pl.latest_checkpoint(str(tmp_path / "ck")).endswith("iter_00000005")
+    again = pl.run_iterations(state, iteration, resume=True, **kw)
+    assert again.stopped == "kl_guard" and again.history == []
+    assert int(again.state.step) == 4
 
 
 # --- rollouts --------------------------------------------------------------------------
@@ -358,7 +365,7 @@ def test_reward_functions_weights_and_zero_std():
     np.testing.assert_allclose(total, [2.0, 0.0, 2.0, 1.0])
     assert metrics == {"reward/animal": 0.5, "reward/short": 0.25}
     assert pl.group_signal(np.array([1.0, 1.0, 0.0, 1.0]), 2) == 0.5
-    with pytest.raises(ValueError, match="'bad' returned a non-finite"):
+    with pytest.raises(ValueError, match="'bad' returned nan for prompt 0.*not finite"):
         pl.score_rollout(roll, [pl.RewardFunction("bad", lambda p, t: math.nan)])
 
 

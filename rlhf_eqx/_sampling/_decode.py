@@ -43,6 +43,53 @@ def _check_prompt_ids(prompts: Any, vocab_size: int) -> None:
         )
 
 
+def _check_length(policy: object, prompt_length: int, max_new_tokens: int) -> None:
+    """Refuse generating past the model's `max_seq_len` (when it has a config)."""
+    limit = getattr(getattr(policy, "cfg", None), "max_seq_len", None)
+    if isinstance(limit, int) and prompt_length + max_new_tokens > limit:
+        raise ValueError(
+            f"prompt length {prompt_length} + max_new_tokens {max_new_tokens} = "
+            f"{prompt_length + max_new_tokens} is longer than the model's "
+            f"max_seq_len={limit}: shorten the prompts (their padded length counts) or "
+            "generate fewer tokens"
+        )
+
+
+def _signature(tree: Any) -> tuple[Any, list[str]]:
+    """The structure of a vmapped pytree and its leaves' per-sample shapes and dtypes."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, [f"{np.dtype(x.dtype).name}{list(np.shape(x)[1:])}" for x in leaves]
+
+
+def _check_decoder_output(
+    policy: AbstractDecoder, method: str, out: Any, cache: Any = None
+) -> None:
+    """Refuse (at trace time) a `prefill` / `decode_step` result that is not
+    `(logits [vocab_size], cache)` per sample, or, for `decode_step`, whose cache differs
+    in structure or shapes from the one `prefill` returned. `out` is the vmapped
+    result: the sample's shapes are its shapes without the leading batch axis."""
+    name = f"{type(policy).__name__}.{method}"
+    if not isinstance(out, tuple) or len(out) != 2:
+        raise ValueError(f"{name} must return a pair (logits, cache), got {type(out).__name__}")
+    logits, new_cache = out
+    expected = (policy.vocab_size,)
+    got = tuple(getattr(logits, "shape", ()))[1:]
+    if got != expected:
+        raise ValueError(
+            f"{name} returned logits of shape {got}; expected {expected} (one next-token "
+            "logit per vocabulary id, for one sequence)"
+        )
+    if cache is not None:
+        (got_def, got_leaves), (want_def, want_leaves) = _signature(new_cache), _signature(cache)
+        if got_def != want_def or got_leaves != want_leaves:
+            raise ValueError(
+                f"{name} returned a cache with leaves {got_leaves} (structure {got_def}) "
+                f"but {type(policy).__name__}.prefill returned one with leaves {want_leaves} "
+                f"(structure {want_def}); decode_step must return a cache of the same "
+                "structure, shapes and dtypes (shapes are per sequence)"
+            )
+
+
 class _DecodeState(eqx.Module):
     """Carry of the decode loop; `tokens` / `logprobs` / `real` are the `[B, N]` outputs."""
 
@@ -69,7 +116,9 @@ def _generate_batch(
     if opts.check_ids:
         bad = (prompts < 0) | (prompts >= policy.vocab_size)
         prompts = eqx.error_if(prompts, jnp.any(bad), "prompt ids outside [0, vocab_size)")
-    logits, cache = jax.vmap(lambda t, m: policy.prefill(t, m, cache_size=P + N))(prompts, prompt_masks)
+    out = jax.vmap(lambda t, m: policy.prefill(t, m, cache_size=P + N))(prompts, prompt_masks)
+    _check_decoder_output(policy, "prefill", out)
+    logits, cache = out
     if opts.num_samples > 1:
         # one prefill per prompt, its cache shared by the prompt's samples
         rep = lambda x: jnp.repeat(x, opts.num_samples, axis=0)
@@ -83,6 +132,12 @@ def _generate_batch(
     decode = jax.vmap(
         lambda tok, c, pos, idx: policy.decode_step(tok, c, index=idx, position=pos),
         in_axes=(0, 0, 0, None),
+    )
+    _check_decoder_output(
+        policy,
+        "decode_step",
+        jax.eval_shape(decode, jnp.zeros((B,), jnp.int32), cache, jnp.zeros((B,), jnp.int32), P),
+        cache,
     )
     stop_ids = jnp.asarray(opts.eos_id, jnp.int32)
     zero = jnp.zeros((), jnp.int32)  # int32 indices also under jax_enable_x64
@@ -159,7 +214,8 @@ def generate_batch(
     - `policy`: a decoder (`rlhf_eqx.models.AbstractDecoder`, e.g. `rlhf_eqx.Policy`).
     - `prompts`, `prompt_masks`: `[B, P]` ids and real-token masks; each row needs at
       least one real token. Concrete ids outside `[0, vocab_size)` raise a `ValueError`
-      naming the row and the id.
+      naming the row and the id. `P + max_new_tokens` may not exceed the model's
+      `cfg.max_seq_len` (when it has one): a `ValueError` names both numbers.
     - `key`: PRNG key (ignored when greedy).
     - `**options`: the fields of `SamplingOptions`: `max_new_tokens` (required),
       `temperature=1.0` (0 is greedy), `top_k=None`, `top_p=None`, `eos_id=None` (one
@@ -169,6 +225,11 @@ def generate_batch(
     **Returns:** a `GenerationOutput` with a leading batch axis (`B · num_samples`
     rows), rows of length `P + max_new_tokens`. Cut completions at stop *strings* afterwards with
     `truncate_at_stop_strings`.
+
+    A decoder whose `prefill` or `decode_step` does not return `(logits [vocab_size],
+    cache)` per sample, or whose `decode_step` changes the cache's structure, shapes or
+    dtypes, is refused when the sampler is traced (`ValueError` naming the class, the
+    method and the expected and actual shapes).
     """
     opts = SamplingOptions(**options)
     policy = _check_decoder(policy)
@@ -177,6 +238,7 @@ def generate_batch(
             f"prompts {prompts.shape} and prompt_masks {prompt_masks.shape} differ in shape"
         )
     _check_prompt_ids(prompts, policy.vocab_size)
+    _check_length(policy, prompts.shape[-1], opts.max_new_tokens)
     return _generate_batch_jit(policy, prompts, prompt_masks, key, opts)
 
 

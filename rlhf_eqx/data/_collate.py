@@ -19,12 +19,18 @@ multiple of `m` (at most `max_length`): on real length mixes most of the padding
 and a handful of shapes (hence compilations) replace the one padded to the maximum.
 
 **Ids.** With `vocab_size` (the model's), every token id and the padding id must lie in
-`[0, vocab_size)`; without it, negative ids and ids past int32 are still refused. A
-`DataError` names the row, the position and the id.
+`[0, vocab_size)` (`check_token_ids`); without it, negative ids and ids past int32 are
+still refused. A `DataError` names the row, the position and the id.
+
+**Empty batches.** A batch of SFT or preference rows none of which has a completion
+token is refused (`DataError`): no loss could be taken on it. Single rows with an empty
+completion are kept (they add nothing to the loss).
 """
 
 import math
+import numbers
 from collections.abc import Sequence
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -57,11 +63,64 @@ def row_length(
     return min(limit, max(1, math.ceil(longest / bucket_size)) * bucket_size)
 
 
+def check_token_ids(ids: Any, vocab_size: int, *, where: str = "row") -> None:
+    """Refuse token ids outside `[0, vocab_size)`.
+
+    An id at or past `vocab_size` gives NaN logits (or reads another row of the
+    embedding), and a negative one silently wraps around, so ids are checked where they
+    enter: the collate functions run this on every batch they build (with their
+    `vocab_size`), the sampler on concrete prompts.
+
+    **Arguments:**
+
+    - `ids`: one sequence (1-D) or rows of sequences (2-D, or a list of lists of any
+      lengths) of integer ids: Python ints, numpy arrays or concrete jax arrays.
+    - `vocab_size`: the model's vocabulary size (`TransformerConfig.vocab_size`).
+    - `where`: what a row is called in the message (`"row"`, `"prompt"`, ...).
+
+    **Raises:** `DataError` naming the first bad id, its row and position, e.g.
+    `prompt 1 has token id -1 at position 2, outside the model's vocabulary [0, 512)`
+    (`{where} has token id ...` for one sequence); also for ids that are not integers.
+    """
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral):
+        raise DataError(f"vocab_size must be a positive int, got {vocab_size!r}")
+    if vocab_size < 1:
+        raise DataError(f"vocab_size must be a positive int, got {vocab_size!r}")
+    if hasattr(ids, "shape") and hasattr(ids, "dtype"):
+        arr = np.asarray(ids)
+        if arr.ndim not in (1, 2):
+            raise DataError(f"token ids must be 1-D or 2-D, got shape {arr.shape}")
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            raise DataError(f"token ids must be integers, got dtype {arr.dtype}")
+        single, rows = arr.ndim == 1, (list(arr) if arr.ndim == 2 else [arr])
+    else:
+        items = list(ids)
+        single = not any(hasattr(x, "__len__") and not isinstance(x, str) for x in items)
+        rows = [items] if single else [list(x) for x in items]
+    for r, row in enumerate(rows):
+        if not isinstance(row, np.ndarray):
+            for c, i in enumerate(row):
+                if isinstance(i, bool | np.bool_) or not isinstance(i, numbers.Integral):
+                    label = where if single else f"{where} {r}"
+                    raise DataError(
+                        f"{label} has {i!r} at position {c}: token ids must be integers"
+                    )
+            row = np.asarray([int(i) for i in row], dtype=object)
+        bad = (row < 0) | (row >= vocab_size)
+        if np.any(bad):
+            c = int(np.argmax(bad))
+            label = where if single else f"{where} {r}"
+            raise DataError(
+                f"{label} has token id {int(row[c])} at position {c}, outside the model's "
+                f"vocabulary [0, {vocab_size})"
+            )
+
+
 def _check_ids(
     tokens: np.ndarray, mask: np.ndarray, pad_id: int, vocab_size: int | None, what: str
 ) -> None:
-    """Refuse ids outside `[0, vocab_size)` (or, with no `vocab_size`, negative ids and
-    ids that do not fit in int32), real tokens and the padding id alike."""
+    """Refuse ids outside `[0, vocab_size)` (`check_token_ids`; or, with no `vocab_size`,
+    negative ids and ids that do not fit in int32), real tokens and the padding id alike."""
     if vocab_size is not None and vocab_size < 1:
         raise DataError(f"vocab_size must be positive, got {vocab_size}")
     limit = vocab_size if vocab_size is not None else int(np.iinfo(np.int32).max) + 1
@@ -74,6 +133,16 @@ def _check_ids(
         raise DataError(
             f"{what} {row} has token id {int(tokens[row, col])} at position {col}, "
             f"outside {where} [0, {limit})"
+        )
+
+
+def _check_completions(completion_masks: Sequence[np.ndarray], what: str) -> None:
+    """Refuse a batch with no completion token at all: every loss would be 0/0 and the
+    step would have nothing to learn from."""
+    if not any(m.any() for m in completion_masks):
+        raise DataError(
+            f"no completion token in the batch: every {what} has an empty completion, so "
+            "the loss would have nothing to learn from"
         )
 
 
@@ -106,6 +175,7 @@ def _right_padded(
             completion_mask[i, n_prompt:n] = True
         _check_ids(tokens, mask, pad_id, vocab_size, "row")
         out.append((tokens.astype(np.int32), mask, completion_mask))
+    _check_completions([cm for _, _, cm in out], "row")
     return out
 
 

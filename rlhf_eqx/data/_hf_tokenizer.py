@@ -20,13 +20,33 @@ def _token_content(value: object) -> str | None:
     return None
 
 
+def _read_text(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not valid UTF-8 ({e})") from None
+
+
+def _parse_json(text: str, path: str) -> object:
+    """`json.loads(text)`; a `DataError` names the file and the line
+    (`path:LINE: not valid JSON (...)`)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(
+            f"{path}:{e.lineno}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})"
+        ) from None
+
+
 class HFTokenizer:
     """A Hugging Face `tokenizers` tokenizer (`tokenizer.json`).
 
     `encode` never adds the post-processor's special tokens. Special tokens are named
     by the `bos_token` / `eos_token` / `pad_token` arguments of `from_file`, else by a
     `tokenizer_config.json` beside the file, else by the usual names (`<s>`, `</s>`,
-    `<|endoftext|>`, `<pad>`, ...); padding falls back to EOS.
+    `<|endoftext|>`, `<pad>`, ...); padding falls back to EOS. A file that is not valid
+    JSON (or not a tokenizer) is a `DataError` naming it (and the line).
     """
 
     def __init__(self, tokenizer, *, bos_token: str, eos_token: str, pad_token: str | None = None):
@@ -56,12 +76,20 @@ class HFTokenizer:
         from tokenizers import Tokenizer as _HFTok
 
         path = os.fspath(path)
-        tok = _HFTok.from_file(path)
+        text = _read_text(path)
+        try:
+            tok = _HFTok.from_str(text)
+        except Exception as e:  # the Rust library raises a bare Exception
+            _parse_json(text, path)  # names the line when the JSON itself is broken
+            raise DataError(f"{path}: not a Hugging Face tokenizer file ({e})") from None
         config_path = os.path.join(os.path.dirname(path), "tokenizer_config.json")
         config: dict = {}
         if os.path.isfile(config_path):
-            with open(config_path, encoding="utf-8") as f:
-                config = json.load(f)
+            config = _parse_json(_read_text(config_path), config_path)
+            if not isinstance(config, dict):
+                raise DataError(
+                    f"{config_path}: expected a JSON object, got {type(config).__name__}"
+                )
         vocab = tok.get_vocab(with_added_tokens=True)
 
         def resolve(given: str | None, key: str, candidates: tuple[str, ...]) -> str | None:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._batches import PackedPreferenceBatch, PreferenceBatch
-from ._collate import _check_ids
+from ._collate import _check_completions, _check_ids
 from ._errors import DataError
 from ._tokenized import TokenizedPair, TokenizedSequence
 
@@ -181,6 +181,7 @@ def _write_rows(
                 completion[r, at + unscored : end] = True
                 at = end
     _check_ids(tokens, mask, pad_id, vocab_size, "packed row")
+    _check_completions([completion], "pair")
     return PackedPreferenceBatch(
         tokens=jnp.asarray(tokens.astype(np.int32)),
         mask=jnp.asarray(mask),
@@ -286,6 +287,7 @@ def _pack_aligned(pieces, *, pad_id, bucket_size, num_rows, vocab_size) -> Packe
             mask[i, start : start + len(part)] = True
             completion[i, start + unscored : start + len(part)] = True
     _check_ids(tokens, mask, pad_id, vocab_size, "packed row")
+    _check_completions([completion], "pair")
     return PackedPreferenceBatch(
         tokens=jnp.asarray(tokens.astype(np.int32)),
         mask=jnp.asarray(mask),

@@ -26,6 +26,33 @@ LAYER_FIELDS = (
 )
 
 
+_FINITE_CHUNK = 1 << 22  # elements per `isfinite` pass: bounds the temporary mask
+
+
+def check_finite(arr: np.ndarray, *, name: str, source: str) -> None:
+    """Refuse a checkpoint tensor holding NaN or ±inf (a corrupt or diverged checkpoint:
+    every output of the model would be NaN).
+
+    `np.isfinite` over the tensor as it is read, in chunks; integer tensors pass.
+
+    **Raises:** `ValueError` naming the file (`source`), the tensor (`name`, its name in
+    the checkpoint), the first bad value and its index.
+    """
+    dtype = np.dtype(arr.dtype)
+    if dtype.kind not in "fcV":  # ml_dtypes' bfloat16 has kind 'V'
+        return
+    flat = np.ravel(arr)
+    for start in range(0, flat.size, _FINITE_CHUNK):
+        ok = np.isfinite(flat[start : start + _FINITE_CHUNK])
+        if not ok.all():
+            k = start + int(np.argmin(ok))
+            index = tuple(int(i) for i in np.unravel_index(k, arr.shape))
+            raise ValueError(
+                f"{source}: tensor {name!r} holds a non-finite value ({flat[k]}) at index "
+                f"{index}: the checkpoint is corrupt (NaN/inf weights make every output NaN)"
+            )
+
+
 def _layer_field_used(name: str, cfg: TransformerConfig) -> bool:
     if name == "bqkv":
         return cfg.attn_bias

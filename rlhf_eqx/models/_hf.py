@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ._build import model_from_arrays
+from ._build import check_finite, model_from_arrays
 from ._heads import Policy, RewardModel, ValueModel
 from ._hf_config import config_from_hf, hf_head
 from ._hf_export import config_to_hf
@@ -63,13 +63,17 @@ def _read_json(path: str) -> Any:
 
 
 def _load_file(path: str) -> dict[str, np.ndarray]:
+    """The tensors of one safetensors file, each checked to be finite (`check_finite`)."""
     stnp = _safetensors_numpy()
     try:
-        return stnp.load_file(path)
+        tensors = stnp.load_file(path)
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: file not found") from None
     except Exception as e:  # safetensors raises its own error types for bad headers/data
         raise ValueError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+    for name, arr in tensors.items():
+        check_finite(arr, name=name, source=path)
+    return tensors
 
 
 def _read_tensors(directory: str) -> dict[str, np.ndarray]:
@@ -108,8 +112,9 @@ def load_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> Policy
     `RewardModel` whose reward is the classifier's score at the last real token.
 
     Raises `ValueError` naming the file and field for invalid or unsupported config
-    fields, the file for unreadable JSON or safetensors, and the tensor for missing,
-    extra or mis-shaped weights. No code from the checkpoint is executed.
+    fields, the file for unreadable JSON or safetensors, the tensor for missing,
+    extra or mis-shaped weights, and the file and tensor for a weight holding NaN or
+    ±inf. No code from the checkpoint is executed.
     """
     directory = os.fspath(directory)
     config_path = os.path.join(directory, _CONFIG)

@@ -37,7 +37,7 @@ import os
 import numpy as np
 from jaxtyping import Shaped
 
-from ._build import policy_from_arrays
+from ._build import check_finite, policy_from_arrays
 from ._config import TransformerConfig
 from ._heads import Policy
 
@@ -120,7 +120,9 @@ def read_llama2c(path: str | os.PathLike) -> tuple[dict[str, int], bool, dict[st
     float32 arrays shaped as listed in the module docstring (`[out, in]`, interleaved
     rotary rows, as in the file).
 
-    Raises `ValueError`, naming the file, when its size disagrees with the header.
+    Raises `ValueError`, naming the file, when its size disagrees with the header, and
+    naming the file and the array (its index's first axis is the layer) when a weight
+    holds NaN or ±inf.
     """
     path = os.fspath(path)
     sizes, shared, version, offset = _read_header(path)
@@ -189,6 +191,8 @@ def read_llama2c(path: str | os.PathLike) -> tuple[dict[str, int], bool, dict[st
     for name in order:
         n = int(np.prod(shapes[name]))
         arrays[name] = flat[pos : pos + n].reshape(shapes[name])
+        if not name.startswith("freq_cis"):
+            check_finite(arrays[name], name=name, source=path)
         pos += n
     arrays.pop("freq_cis_real", None)
     arrays.pop("freq_cis_imag", None)

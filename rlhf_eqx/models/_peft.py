@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PyTree
 
-from ._build import model_config, where_layers
+from ._build import check_finite, model_config, where_layers
 from ._layers import LoRAAdapter
 from ._lora import lora_shapes
 
@@ -117,7 +117,8 @@ def _check(config: dict[str, Any], path: str) -> None:
 def load_lora_adapter(model: PyTree, directory: str | os.PathLike) -> PyTree:
     """Attach the LoRA adapters of a PEFT adapter directory to `model` (a base model
     without adapters). Raises `ValueError` naming the file and field or tensor for
-    unsupported PEFT options, unknown modules and mis-shaped tensors."""
+    unsupported PEFT options, unknown modules, mis-shaped tensors and tensors holding
+    NaN or ±inf."""
     import safetensors.numpy as stnp
 
     directory = os.fspath(directory)
@@ -138,6 +139,7 @@ def load_lora_adapter(model: PyTree, directory: str | os.PathLike) -> PyTree:
         m = _NAME.fullmatch(name)
         if m is None or m.group(3) not in by_module or int(m.group(1)) >= cfg.n_layers:
             raise ValueError(f"{weights_path}: unexpected tensor {name!r}")
+        check_finite(arr, name=name, source=weights_path)
         found.setdefault(by_module[m.group(3)], {})[(int(m.group(1)), m.group(4))] = arr
     shapes = lora_shapes(cfg)
     adapters = {}

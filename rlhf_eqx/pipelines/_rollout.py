@@ -6,6 +6,8 @@ model (`reward_model_scores`); both give one float per completion.
 """
 
 import dataclasses
+import math
+import numbers
 from collections.abc import Callable, Sequence
 
 import equinox as eqx
@@ -141,21 +143,61 @@ def sample_rollout(
     )
 
 
+def _reward_value(value: object, name: str, row: int, group_size: int) -> float:
+    """`value` as a finite float, or a `ValueError` naming the reward function, the
+    prompt, the completion and the value."""
+    if isinstance(value, bool | np.bool_ | numbers.Real):
+        number = float(value)
+    elif (
+        hasattr(value, "dtype")
+        and np.shape(value) == ()
+        and (
+            jnp.issubdtype(value.dtype, jnp.floating)
+            or jnp.issubdtype(value.dtype, jnp.integer)
+            or jnp.issubdtype(value.dtype, jnp.bool_)
+        )
+    ):  # numpy scalars of any real dtype (bfloat16 included), 0-d numpy / jax arrays
+        number = float(value)
+    else:
+        number = None
+    if number is None or not math.isfinite(number):
+        kind = "not a real number" if number is None else "not finite"
+        raise ValueError(
+            f"reward function {name!r} returned {value!r} for prompt {row // group_size} "
+            f"(completion {row}): {kind}; a reward must be a finite int, float or bool"
+        )
+    return number
+
+
 def score_rollout(
     rollout: Rollout, reward_fns: Sequence[RewardFunction]
 ) -> tuple[np.ndarray, dict[str, float]]:
     """Weighted sum of `reward_fns` on each completion: `(rewards [B], metrics)` with the
-    mean of each named reward (`reward/<name>`)."""
+    mean of each named reward (`reward/<name>`).
+
+    A reward must be a finite real number: a Python `int`, `float` or `bool`, or a numpy
+    / jax scalar (0-d array) of a real dtype. Anything else — `None`, a string (even
+    `"1.0"`), a list, a complex number, NaN or ±inf — raises `ValueError` naming the
+    reward function, the prompt (and completion) index and the value."""
     if not reward_fns:
         raise ValueError("score_rollout needs at least one reward function")
     total = np.zeros(len(rollout.texts), np.float32)
     metrics = {}
+    G = max(int(rollout.group_size), 1)
     for rf in reward_fns:
         values = np.asarray(
-            [float(rf.fn(p, t)) for p, t in zip(rollout.prompts, rollout.texts)], np.float32
+            [
+                _reward_value(rf.fn(p, t), rf.name, b, G)
+                for b, (p, t) in enumerate(zip(rollout.prompts, rollout.texts))
+            ],
+            np.float32,
         )
-        if not np.all(np.isfinite(values)):
-            raise ValueError(f"reward function {rf.name!r} returned a non-finite value")
+        if not np.all(np.isfinite(values)):  # finite floats past the float32 range
+            b = int(np.argmin(np.isfinite(values)))
+            raise ValueError(
+                f"reward function {rf.name!r} returned a value that overflows float32 for "
+                f"prompt {b // G} (completion {b})"
+            )
         metrics[f"reward/{rf.name}"] = float(values.mean())
         total += rf.weight * values
     return total, metrics

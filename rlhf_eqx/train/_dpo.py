@@ -41,7 +41,8 @@ def dpo_loss_fn(
     once, and needs an `AbstractSelectiveLM` such as `Policy`).
 
     `frozen` is `(frozen_part_of_the_policy, reference_model)`; see `make_dpo_step`.
-    Numerators: `dpo` (sum of per-pair losses; denominator the number of pairs) and,
+    Numerators: `dpo` (sum of per-pair losses; denominator the number of pairs with at
+    least one completion token, chosen or rejected) and,
     with `rpo_alpha`, `nll` (α × the summed chosen-completion NLL; denominator the
     number of chosen completion tokens).
     """
@@ -99,7 +100,12 @@ def dpo_loss_fn(
             **extra,
         )
         n = jnp.sum(w)
-        nums, dens = {"dpo": jnp.sum(jnp.where(real, losses, 0.0))}, {"dpo": n}
+        # A pair with no completion token on either side carries no signal (its loss
+        # is constant): it counts in neither part, as a fully-masked row in
+        # `aggregate_parts`; a batch of only such pairs is empty (`make_step`).
+        counted = real & (out.chosen_len + out.rejected_len > 0)
+        nums = {"dpo": jnp.sum(jnp.where(counted, losses, 0.0))}
+        dens = {"dpo": jnp.sum(counted.astype(f32))}
         n_c, n_r = jnp.sum(out.chosen_len * w), jnp.sum(out.rejected_len * w)
         metrics = {}
         if rpo_alpha is not None:
@@ -150,8 +156,9 @@ def make_dpo_step(
     (`*_completion_mask & *_mask`). The per-pair losses come from
     `rlhf_eqx.losses.dpo_batch_loss` (every `loss_type`, including the batch-sorting
     `"aot"` / `"aot_pair"`, which need `micro_batches=1` and one device) and are
-    averaged over the pairs. With `rpo_alpha=α` the token-mean NLL of the chosen
-    completions is added with weight α (RPO, Pang et al. 2024; TRL `rpo_alpha`).
+    averaged over the pairs that have a completion token (chosen or rejected). With
+    `rpo_alpha=α` the token-mean NLL of the chosen completions is added with weight α
+    (RPO, Pang et al. 2024; TRL `rpo_alpha`).
 
     **Arguments:**
 
@@ -190,9 +197,14 @@ def make_dpo_step(
     `rewards/margins`, `rewards/accuracies`, `logps/chosen`, `logps/rejected`,
     `logits/chosen`, `logits/rejected` (mean logit over the completion positions and
     the vocabulary), `nll_loss` (with `rpo_alpha`), `grad_norm`, `learning_rate`,
-    `nonfinite`. `rewards/accuracies` counts pairs with a strictly larger chosen reward,
-    as TRL does: while the policy equals the reference the rewards are rounding noise
-    (~1e-7), so the first step's accuracy is not meaningful.
+    `nonfinite`, `empty_batch`. `rewards/accuracies` counts pairs with a strictly larger
+    chosen reward, as TRL does: while the policy equals the reference the rewards are
+    rounding noise (~1e-7), so the first step's accuracy is not meaningful.
+
+    **Empty batches.** A batch with zero rows raises `ValueError` when the step is
+    traced. A batch whose completion masks are all false (no pair has a completion
+    token) has nothing to learn from: the update is skipped and `empty_batch = 1`
+    (see `make_step`).
     """
     if loss_type in DPO_BATCH_LOSS_TYPES and (micro_batches != 1 or axis_name is not None):
         raise ValueError(

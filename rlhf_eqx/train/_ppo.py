@@ -157,8 +157,13 @@ def make_ppo_step(
     `loss/entropy` (× −`ent_coef`, when non-zero), `policy/clipfrac`,
     `policy/approxkl`, `policy/entropy`, `policy/ratio`, `val/clipfrac`, `val/vpred`,
     `val/error`, `grad_norm` (and `grad_norm/policy`, `grad_norm/value` with two
-    optimisers), `learning_rate`, `nonfinite`. The rollout metrics (`objective/kl`,
-    `objective/scores`, ...) come from `compute_advantages` / `prepare_ppo_batch`.
+    optimisers), `learning_rate`, `nonfinite`, `empty_batch`. The rollout metrics
+    (`objective/kl`, `objective/scores`, ...) come from `compute_advantages` /
+    `prepare_ppo_batch`.
+
+    **Empty batches.** A batch with zero rows raises `ValueError` when the step is
+    traced. A batch whose completion masks are all false (no action to learn from) has
+    every denominator 0: the update is skipped and `empty_batch = 1` (see `make_step`).
     """
     loss_fn = ppo_loss(
         clip_eps=clip_eps,

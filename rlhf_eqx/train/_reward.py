@@ -132,7 +132,12 @@ def make_reward_step(
     `donate`, `nonfinite`, `check_token_ids`). Metrics: `loss`, `accuracy` (fraction of
     pairs with $r^w > r^l$), `margin` (mean $r^w - r^l$), `rewards/chosen`,
     `rewards/rejected` (means), `rewards/mean`, `rewards/std` (over all $2B$ scores),
-    `grad_norm`, `learning_rate`, `nonfinite`.
+    `grad_norm`, `learning_rate`, `nonfinite`, `empty_batch`.
+
+    **Empty batches.** A batch with zero rows raises `ValueError` when the step is
+    traced. The completion masks are not used (the whole sequences are scored), so all
+    of them false does not empty the batch; a `PackedPreferenceBatch` with no real pair
+    slot does (`empty_batch = 1`, the update is skipped; see `make_step`).
     """
     return make_step(
         reward_loss(center_coef=center_coef, margin=margin),

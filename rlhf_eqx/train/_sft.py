@@ -76,7 +76,11 @@ def make_sft_step(
     is any callable `(tokens, mask) -> logits [T, V]`; `key` (optional) is split per row
     and passed as `key=` (e.g. LoRA dropout). Metrics: `loss`, `nll` (token mean),
     `mean_token_accuracy`, `num_tokens` (real completion tokens of the global batch),
-    `grad_norm`, `learning_rate`, `nonfinite`.
+    `grad_norm`, `learning_rate`, `nonfinite`, `empty_batch`.
+
+    **Empty batches.** A batch with zero rows raises `ValueError` when the step is
+    traced. A batch whose completion masks are all false (`num_tokens = 0`) has nothing
+    to learn from: the update is skipped and `empty_batch = 1` (see `make_step`).
     """
     return make_step(
         sft_loss(mode=mode, constant=constant),

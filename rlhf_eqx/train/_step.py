@@ -12,6 +12,14 @@ loss_fn(params, frozen, batch, key) -> (numerators, denominators, metrics)
   from parameters), so that they add up over rows;
 - `metrics`: `{name: (sum, count)}`, masked sums that add up over rows.
 
+**Empty batches.** A batch with an array field of zero rows is refused when the step is
+traced (`ValueError` naming the field and its shape). A batch whose every loss term has
+a global denominator of 0 — e.g. every completion mask false, so that the loss is the
+0 of `safe_divide` with a zero gradient — has nothing to learn from: the step leaves
+`params` and `opt_state` as they are (an optimiser's momentum, weight decay and
+schedule would otherwise move on) and reports `empty_batch = 1`, a metric counted like
+`nonfinite` (the step stays one jitted region; callers see it in the metrics).
+
 The loss of the whole (global) batch is $\sum_k N_k / D_k$ where $N_k$ and $D_k$ are the
 sums of the numerators and denominators over every micro-batch and every device. The
 factory computes the denominators of the full batch first (a mask-only pass: the model
@@ -63,6 +71,17 @@ def _all_finite(loss: Array, grads: PyTree) -> Array:
 
 def _select(pred: Array, on_true: PyTree, on_false: PyTree) -> PyTree:
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+def _check_rows(batch: PyTree) -> None:
+    """Refuse (at trace time) a batch with an array field of zero rows."""
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        shape = getattr(x, "shape", None)
+        if shape is not None and len(shape) >= 1 and shape[0] == 0:
+            raise ValueError(
+                f"{type(batch).__name__}{jax.tree_util.keystr(path)} has shape {tuple(shape)}: "
+                "the batch has no rows (a step needs at least one)"
+            )
 
 
 def _check_token_ids(batch: PyTree, vocab_size: int) -> PyTree:
@@ -187,7 +206,10 @@ def make_step(
     `step(params, opt_state, batch, *, frozen=None, key=None, donate=None, **extras)
     -> (params, opt_state, metrics)`. Metrics: `loss`, `loss/<term>` (when the loss has
     several terms), the loss function's metric means, `grad_norm`, `learning_rate`
-    (when the optimiser injects it) and `nonfinite` (1.0 when this update was skipped).
+    (when the optimiser injects it), `nonfinite` (1.0 when this update was skipped for a
+    non-finite loss, gradient or update) and `empty_batch` (1.0 when every loss term's
+    denominator was 0 over the global batch: the update was skipped). A batch with zero
+    rows raises `ValueError` at trace time (see the module docstring).
     """
     check_positive_int("micro_batches", micro_batches)
     check_choice("nonfinite", nonfinite, ("skip", "raise"))
@@ -200,6 +222,7 @@ def make_step(
 
     def update(rest, params, opt_state):
         batch, frozen, key = rest
+        _check_rows(batch)
         if key is not None and axis_name is not None:
             key = jax.random.fold_in(key, jax.lax.axis_index(axis_name))
         if check_token_ids is not None:
@@ -225,29 +248,37 @@ def make_step(
                      for n in nums}
             total = sum(terms.values(), start=jnp.zeros((), jnp.float32))
             sums = {n: (sg(s).astype(jnp.float32), sg(c).astype(jnp.float32)) for n, (s, c) in sums.items()}
-            return total, (sg(terms), sums)
+            # the global denominators (the same in every micro-batch): all 0 = empty batch
+            counts = {n: sg(d).astype(jnp.float32) for n, d in dens.items()}
+            return total, (sg(terms), sums, counts)
 
-        loss, grads, (terms, sums) = accumulate_gradients(
+        loss, grads, (terms, sums, counts) = accumulate_gradients(
             contribution, params, batch, micro_batches=micro_batches, key=key
         )
         loss, grads, terms, sums, prep_sums = _psum(
             (loss, grads, terms, sums, prep_sums), axis_name
         )
+        empty = jnp.asarray(bool(counts))
+        for c in counts.values():
+            empty = empty & (c == 0)
         new_params, new_opt_state, opt_metrics = apply_optimizer(optimizer, params, opt_state, grads)
         # A finite gradient can still give non-finite parameters (e.g. an infinite
         # learning rate): check both.
         finite = _all_finite(loss, (grads, eqx.filter(new_params, eqx.is_inexact_array)))
         if nonfinite == "raise":
             loss = eqx.error_if(loss, ~finite, "non-finite loss, gradient or update")
-        if nonfinite == "skip":
-            new_params = _select(finite, new_params, params)
-            new_opt_state = _select(finite, new_opt_state, opt_state)
+        # An empty batch (nothing to learn from) leaves the state as it is; so does a
+        # non-finite update under "skip".
+        keep = finite & ~empty if nonfinite == "skip" else ~empty
+        new_params = _select(keep, new_params, params)
+        new_opt_state = _select(keep, new_opt_state, opt_state)
         metrics = {"loss": loss}
         if len(terms) > 1:
             metrics.update({f"loss/{n}": v for n, v in terms.items()})
         metrics.update(sums_to_means({**prep_sums, **sums}))
         metrics.update(opt_metrics)
         metrics["nonfinite"] = (~finite).astype(jnp.float32)
+        metrics["empty_batch"] = empty.astype(jnp.float32)
         if metrics_fn is not None:
             metrics = metrics_fn(metrics, grads)
         return new_params, new_opt_state, metrics

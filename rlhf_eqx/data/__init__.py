@@ -38,6 +38,7 @@ from ._chat import (
     format_chat as format_chat,
 )
 from ._collate import (
+    check_token_ids as check_token_ids,
     collate_preferences as collate_preferences,
     collate_prompts as collate_prompts,
     collate_sft as collate_sft,
@@ -64,6 +65,15 @@ from ._preferences import (
     PreferenceRecord as PreferenceRecord,
     load_preferences as load_preferences,
     split_hh_transcript as split_hh_transcript,
+)
+from ._prm import (
+    StepwiseDataset as StepwiseDataset,
+    StepwiseRecord as StepwiseRecord,
+    TokenizedSteps as TokenizedSteps,
+    collate_stepwise as collate_stepwise,
+    load_stepwise as load_stepwise,
+    separator_id as separator_id,
+    tokenize_stepwise as tokenize_stepwise,
 )
 from ._prompts import (
     PromptDataset as PromptDataset,
@@ -99,4 +109,13 @@ from ._tokenizer import (
     Tokenizer as Tokenizer,
     check_vocab as check_vocab,
     decode_continuation as decode_continuation,
+)
+from ._unpaired import (
+    TokenizedUnpaired as TokenizedUnpaired,
+    UnpairedDataset as UnpairedDataset,
+    UnpairedRecord as UnpairedRecord,
+    collate_unpaired as collate_unpaired,
+    load_unpaired as load_unpaired,
+    tokenize_unpaired as tokenize_unpaired,
+    unpaired_from_preferences as unpaired_from_preferences,
 )

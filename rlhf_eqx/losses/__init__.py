@@ -1,4 +1,5 @@
-"""Losses for preference alignment: SFT, reward modelling, the DPO family, PPO, GRPO.
+"""Losses for preference alignment: SFT, reward modelling, the DPO family, PPO, GRPO,
+distillation.
 
 Per-sample functions (one sequence, one pair, one group); batch them with `jax.vmap`
 and reduce per-token values with `aggregate`. Hyperparameters may be Python numbers
@@ -16,6 +17,7 @@ from ._aggregate import (
     safe_divide as safe_divide,
 )
 from ._combine import combine_losses as combine_losses
+from ._distill import generalized_jsd as generalized_jsd, reverse_kl_reward as reverse_kl_reward
 from ._dpo import (
     dpo_batch_loss as dpo_batch_loss,
     dpo_implicit_rewards as dpo_implicit_rewards,
@@ -26,6 +28,11 @@ from ._dpo_losses import (
     DPO_LOSS_TYPES as DPO_LOSS_TYPES,
     DPO_REFERENCE_FREE_LOSS_TYPES as DPO_REFERENCE_FREE_LOSS_TYPES,
     DPOLossType as DPOLossType,
+)
+from ._ensemble import (
+    ENSEMBLE_MODES as ENSEMBLE_MODES,
+    EnsembleMode as EnsembleMode,
+    conservative_reward as conservative_reward,
 )
 from ._grpo import (
     ADVANTAGE_SCALES as ADVANTAGE_SCALES,
@@ -45,13 +52,40 @@ from ._kl import (
     kl_penalty as kl_penalty,
     kl_shaped_rewards as kl_shaped_rewards,
 )
+from ._kto import (
+    KTO_LOSS_TYPES as KTO_LOSS_TYPES,
+    KTOLossType as KTOLossType,
+    kto_loss as kto_loss,
+    kto_reference_point as kto_reference_point,
+)
 from ._orpo import orpo_log_odds as orpo_log_odds, orpo_loss as orpo_loss
+from ._policy_losses import (
+    BATCH_POLICY_LOSSES as BATCH_POLICY_LOSSES,
+    COV_SELECTIONS as COV_SELECTIONS,
+    POLICY_LOSSES as POLICY_LOSSES,
+    PolicyLoss as PolicyLoss,
+    adaptive_entropy_coef as adaptive_entropy_coef,
+    cispo_policy_loss as cispo_policy_loss,
+    clip_cov_policy_loss as clip_cov_policy_loss,
+    entropy_quantile_mask as entropy_quantile_mask,
+    gmpo_policy_loss as gmpo_policy_loss,
+    high_entropy_policy_loss as high_entropy_policy_loss,
+    kl_cov_policy_loss as kl_cov_policy_loss,
+    sapo_policy_loss as sapo_policy_loss,
+)
 from ._ppo import (
     clipped_surrogate as clipped_surrogate,
     gae as gae,
     ppo_policy_loss as ppo_policy_loss,
     ppo_value_loss as ppo_value_loss,
     whiten_advantages as whiten_advantages,
+)
+from ._process_reward import (
+    PRM_AGGREGATIONS as PRM_AGGREGATIONS,
+    PRMAggregation as PRMAggregation,
+    process_reward_loss as process_reward_loss,
+    process_sequence_reward as process_sequence_reward,
+    process_token_rewards as process_token_rewards,
 )
 from ._reward import bradley_terry_loss as bradley_terry_loss
 from ._running import RunningMean as RunningMean, running_mean_update as running_mean_update

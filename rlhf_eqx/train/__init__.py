@@ -3,8 +3,9 @@
 Every update is built by one factory, `make_step(loss_fn, optimizer, *, micro_batches,
 axis_name, donate, nonfinite)`, from a per-algorithm loss function
 `loss_fn(params, frozen, batch, key) -> (numerators, denominators, metrics)`; the
-builders `make_sft_step`, `make_reward_step`, `make_dpo_step`, `make_ppo_step` and
-`make_grpo_step` are thin wrappers around it. Each returns a pure function
+builders `make_sft_step`, `make_reward_step`, `make_dpo_step`, `make_ppo_step`,
+`make_grpo_step`, `make_distill_step` and `make_onpolicy_distill_step` are thin wrappers
+around it. Each returns a pure function
 
 ```python
 step(params, opt_state, batch, *, frozen=None, key=None, ...) -> (params, opt_state, metrics)
@@ -38,12 +39,41 @@ from ._accumulate import (
     split_micro_batches as split_micro_batches,
     sums_to_means as sums_to_means,
 )
+from ._distill import (
+    DistillBatch as DistillBatch,
+    distill_loss as distill_loss,
+    make_distill_step as make_distill_step,
+    make_onpolicy_distill_step as make_onpolicy_distill_step,
+    onpolicy_distill_loss as onpolicy_distill_loss,
+)
 from ._dpo import dpo_loss_fn as dpo_loss_fn, make_dpo_step as make_dpo_step
+from ._ensemble import (
+    BootstrapBatch as BootstrapBatch,
+    Ensemble as Ensemble,
+    bootstrap_weights as bootstrap_weights,
+    ensemble_scores as ensemble_scores,
+    init_ensemble_optimizer as init_ensemble_optimizer,
+    init_ensemble_state as init_ensemble_state,
+    make_ensemble as make_ensemble,
+    make_ensemble_reward_step as make_ensemble_reward_step,
+    scalar_head_filter as scalar_head_filter,
+)
 from ._grpo import (
     GRPOBatch as GRPOBatch,
     grpo_advantages as grpo_advantages,
     grpo_loss as grpo_loss,
     make_grpo_step as make_grpo_step,
+)
+from ._judge import (
+    JudgeReward as JudgeReward,
+    judge_reward as judge_reward,
+    judge_scores as judge_scores,
+    verdict_scores as verdict_scores,
+)
+from ._kto import (
+    KTOBatch as KTOBatch,
+    compute_kto_reference_logps as compute_kto_reference_logps,
+    make_kto_step as make_kto_step,
 )
 from ._optim import (
     decay_mask as decay_mask,
@@ -56,6 +86,14 @@ from ._pair_logps import (
     sequence_logps as sequence_logps,
 )
 from ._ppo import make_ppo_step as make_ppo_step, ppo_loss as ppo_loss
+from ._prm import (
+    PRMBatch as PRMBatch,
+    add_token_rewards as add_token_rewards,
+    make_prm_step as make_prm_step,
+    prm_loss as prm_loss,
+    process_rewards as process_rewards,
+    step_end_mask as step_end_mask,
+)
 from ._reward import make_reward_step as make_reward_step, reward_loss as reward_loss
 from ._rollout import (
     PPOBatch as PPOBatch,

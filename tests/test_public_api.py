@@ -118,11 +118,13 @@ def test_pipeline_helpers_are_public():
 
 STAGE_KEYS = {
     "sft": "steps batch_size max_length optim samples lora",
-    "reward": "steps batch_size max_length optim pairs_per_prompt heldout_fraction",
+    "reward": "steps batch_size max_length optim pairs_per_prompt heldout_fraction eval_every",
     "dpo": "steps batch_size max_length optim beta loss_type rounds samples packing lora",
     "ppo": "rollouts prompts_per_rollout epochs clip kl_target optim lora minibatches vf_coef "
     "ent_coef gamma lam kl_coef",
     "grpo": "rollouts prompts_per_rollout epochs clip kl_target optim lora group_size beta",
+    "kto": "steps batch_size max_length optim beta desirable_weight undesirable_weight "
+    "loss_type samples lora",
 }
 
 
@@ -132,7 +134,7 @@ def test_stage_config_keys_are_the_documented_ones():
     d = pl.config_to_dict(pl.PipelineConfig())
     for stage, keys in STAGE_KEYS.items():
         assert set(d[stage]) == set(keys.split()), stage
-    for stage in ("sft", "reward", "dpo"):
+    for stage in ("sft", "reward", "dpo", "kto"):
         assert isinstance(getattr(pl.PipelineConfig(), stage), pl.BatchStageConfig)
     for stage in ("ppo", "grpo"):
         assert isinstance(getattr(pl.PipelineConfig(), stage), pl.RolloutStageConfig)
@@ -172,6 +174,8 @@ BUILDERS = {
     "make_dpo_step": ("dpo_loss_fn", ()),
     "make_ppo_step": ("ppo_loss", ("value_optimizer",)),
     "make_grpo_step": ("grpo_loss", ("group_size", "scale", "mask_truncated_completions")),
+    "make_distill_step": ("distill_loss", ()),
+    "make_onpolicy_distill_step": ("onpolicy_distill_loss", ()),
 }
 
 

@@ -12,6 +12,7 @@ from ..losses import (
     ADVANTAGE_SCALES,
     IMPORTANCE_LEVELS,
     AggregationMode,
+    PolicyLoss,
     aggregate_parts,
     group_advantages,
     grpo_policy_loss,
@@ -21,6 +22,7 @@ from ..models import AbstractSelectiveLM
 from ..ops import entropy_from_logits, logprobs_from_logits, masked_sum
 from ._accumulate import vmap_model
 from ._group_logps import check_shared_prompts, shared_prompt_logprobs
+from ._policy_loss_fns import make_policy_loss
 from ._state import combine
 from ._step import LossFn, NonFinite, PrepareFn, Step, make_step
 from ._validate import check_aggregation, check_choice, check_number, check_positive_int
@@ -160,9 +162,24 @@ def grpo_loss(
     mode: AggregationMode = "seq-mean-token-mean",
     constant: float | None = None,
     temperature: float = 1.0,
+    policy_loss: PolicyLoss = "grpo",
+    cispo_eps_low: float | Float[Array, ""] | None = None,
+    cispo_eps_high: float | Float[Array, ""] = 4.0,
+    gmpo_clip: float | Float[Array, ""] = 0.4,
+    sapo_tau_pos: float | Float[Array, ""] = 1.0,
+    sapo_tau_neg: float | Float[Array, ""] = 1.05,
+    cov_fraction: float | Float[Array, ""] = 2e-4,
+    clip_cov_low: float | Float[Array, ""] = 1.0,
+    clip_cov_high: float | Float[Array, ""] = 5.0,
+    clip_cov_select: Literal["random", "top"] = "random",
+    kl_cov_coef: float | Float[Array, ""] = 1.0,
+    entropy_rho: float | Float[Array, ""] = 0.2,
+    axis_name: str | None = None,
 ) -> LossFn:
     """The GRPO-family loss function for `make_step` on a prepared `GRPOBatch` (advantages
-    filled, `completion_mask` the loss mask); `frozen` is `(frozen_part, reference_model)`."""
+    filled, `completion_mask` the loss mask); `frozen` is `(frozen_part, reference_model,
+    entropy_coef)` (the last optional). `axis_name`: the device axis the batch policy losses
+    gather their tokens over. See `make_grpo_step` for the rest."""
     check_number("clip_eps", clip_eps, low=0.0, low_open=True)
     check_number("clip_eps_high", clip_eps_high, low=0.0, low_open=True, allow_none=True)
     check_choice("importance", importance, IMPORTANCE_LEVELS)
@@ -173,15 +190,24 @@ def grpo_loss(
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     uses_kl = not (isinstance(beta, int | float) and beta == 0)
     f32 = jnp.float32
+    other_loss = make_policy_loss(
+        policy_loss, clip_eps=clip_eps, clip_eps_high=eps_high, importance=importance,
+        delta=delta, beta=beta, uses_kl=uses_kl, cispo_eps_low=cispo_eps_low,
+        cispo_eps_high=cispo_eps_high, gmpo_clip=gmpo_clip, sapo_tau_pos=sapo_tau_pos,
+        sapo_tau_neg=sapo_tau_neg, cov_fraction=cov_fraction, clip_cov_low=clip_cov_low,
+        clip_cov_high=clip_cov_high, clip_cov_select=clip_cov_select, kl_cov_coef=kl_cov_coef,
+        entropy_rho=entropy_rho, axis_name=axis_name,
+    )
 
-    def logprobs(model, batch, key, *, entropy: bool):
+    def logprobs(model, batch, key, *, entropy: bool, entropy_grad: bool = False):
         """Token log-probs `[B, T]` (and entropies, or `None`) at the loss-mask tokens.
 
         A model that meets `AbstractSelectiveLM` (e.g. `Policy`) runs its LM head only on
-        the positions that predict those tokens, in chunks; any other model returns
-        full logits. Positions outside the loss mask are never read by the loss."""
+        the positions that predict those tokens, in chunks (its entropies carry no
+        gradient); any other model, or an entropy that needs a gradient, uses full
+        logits. Positions outside the loss mask are never read by the loss."""
         m = batch.completion_mask
-        if isinstance(model, AbstractSelectiveLM):
+        if isinstance(model, AbstractSelectiveLM) and not entropy_grad:
             kw = dict(key=key, temperature=temperature, with_entropy=entropy)
             if batch.prompt_length is None:
                 out = model.selected_logprobs(batch.tokens, batch.mask, m, **kw)
@@ -200,12 +226,14 @@ def grpo_loss(
         return logp, ent
 
     def loss_fn(params: PyTree, frozen: PyTree, batch: GRPOBatch, key: PRNGKeyArray | None):
-        frozen_part, ref_model = frozen
+        frozen_part, ref_model, *rest = frozen
+        ent_coef = rest[0] if rest else None
         need_ref = uses_kl and batch.ref_logp is None
         if need_ref and ref_model is None:
             raise ValueError("beta != 0 needs batch.ref_logp or the step's `reference=` model")
         m = batch.completion_mask
-        logp, ent = logprobs(combine(params, frozen_part), batch, key, entropy=True)
+        model = combine(params, frozen_part)
+        logp, ent = logprobs(model, batch, key, entropy=True, entropy_grad=ent_coef is not None)
         old_logp = jax.lax.stop_gradient(logp) if batch.old_logp is None else batch.old_logp
         ref_logp = batch.ref_logp
         if need_ref:
@@ -225,7 +253,9 @@ def grpo_loss(
             )
 
         adv = batch.advantages
-        if ref_logp is None:
+        if policy_loss != "grpo":
+            per_token, stats = other_loss(logp, old_logp.astype(f32), adv, m, ent, ref_logp, key)
+        elif ref_logp is None:
             per_token, stats = jax.vmap(lambda a, b, c, d: one(a, b, c, d, None))(
                 logp, old_logp.astype(f32), adv, m
             )
@@ -240,7 +270,13 @@ def grpo_loss(
             "kl": (masked_sum(stats["kl"], m), n),
             "entropy": (masked_sum(ent, m), n),
         }
-        return {"policy": num}, {"policy": den}, metrics
+        if "selected" in stats:
+            metrics["selected_frac"] = (masked_sum(stats["selected"], m), n)
+        nums, dens = {"policy": num}, {"policy": den}
+        if ent_coef is not None:
+            ent_num, _ = aggregate_parts(ent, m, mode=mode, constant=constant)
+            nums["entropy"], dens["entropy"] = -jnp.asarray(ent_coef, f32) * ent_num, den
+        return nums, dens, metrics
 
     return loss_fn
 
@@ -268,6 +304,18 @@ def make_grpo_step(
     constant: float | None = None,
     mask_truncated_completions: bool = False,
     temperature: float = 1.0,
+    policy_loss: PolicyLoss = "grpo",
+    cispo_eps_low: float | Float[Array, ""] | None = None,
+    cispo_eps_high: float | Float[Array, ""] = 4.0,
+    gmpo_clip: float | Float[Array, ""] = 0.4,
+    sapo_tau_pos: float | Float[Array, ""] = 1.0,
+    sapo_tau_neg: float | Float[Array, ""] = 1.05,
+    cov_fraction: float | Float[Array, ""] = 2e-4,
+    clip_cov_low: float | Float[Array, ""] = 1.0,
+    clip_cov_high: float | Float[Array, ""] = 5.0,
+    clip_cov_select: Literal["random", "top"] = "random",
+    kl_cov_coef: float | Float[Array, ""] = 1.0,
+    entropy_rho: float | Float[Array, ""] = 0.2,
     micro_batches: int = 1,
     axis_name: str | None = None,
     donate: bool | None = None,
@@ -291,6 +339,37 @@ def make_grpo_step(
     - KL to a reference: `beta > 0` (k3 estimator; reference log-probabilities from
       `batch.ref_logp`, or from the step's `reference=` model when that is `None`).
 
+    `policy_loss` (one of `rlhf_eqx.losses.POLICY_LOSSES`) replaces the clipped loss;
+    `beta`, `mode`, the advantages and the masking apply to every choice:
+
+    - `"grpo"` (default): `grpo_policy_loss` as above;
+    - `"cispo"`: `cispo_policy_loss(clip_eps_low=cispo_eps_low, clip_eps_high=cispo_eps_high)`
+      (MiniMax-M1; the paper reduces with `mode="token-mean"`);
+    - `"gmpo"`: `gmpo_policy_loss(clip_eps=gmpo_clip)`, the log-space clip range
+      $(e^{-c}, e^{c})$ (Zhao et al. 2025; `mode="seq-mean-token-mean"` is the paper's);
+    - `"sapo"`: `sapo_policy_loss(tau_pos=sapo_tau_pos, tau_neg=sapo_tau_neg)` (Qwen 2025);
+    - `"clip_cov"`: `clip_cov_policy_loss` with `clip_eps` / `clip_eps_high`,
+      `fraction=cov_fraction`, bounds `(clip_cov_low, clip_cov_high)` and
+      `select=clip_cov_select` (`"random"` needs the step's `key=`);
+    - `"kl_cov"`: `kl_cov_policy_loss(fraction=cov_fraction, kl_coef=kl_cov_coef)`
+      (Cui et al. 2025);
+    - `"high_entropy"`: `high_entropy_policy_loss(rho=entropy_rho)` with `clip_eps`,
+      `clip_eps_high`, `importance`, `delta` (Wang et al. 2025), on the entropies the step
+      computes anyway (for its `entropy` metric).
+
+    `importance` and `delta` apply to `"grpo"` and `"high_entropy"` only. The batch losses
+    (`"clip_cov"`, `"kl_cov"`, `"high_entropy"`) select over the tokens of the current
+    micro-batch of every device (`axis_name`): a `pmap`-ed step equals one device's step
+    on the whole batch, while `micro_batches=k` selects within each micro-batch (as TRL
+    and veRL do); they log `selected_frac` (the fraction of tokens cut, penalised or
+    kept).
+
+    **Entropy bonus.** `step(..., entropy_coef=c)` (a JAX scalar, so that changing it
+    does not recompile) adds the term $-c\,H$ (`loss/entropy`; same aggregation `mode`)
+    and computes the entropies from full logits so that they carry a gradient. Keep `c`
+    as run state and update it with `rlhf_eqx.losses.adaptive_entropy_coef` from the
+    `entropy` metric to follow a target entropy.
+
     A policy that meets `AbstractSelectiveLM` (e.g. `Policy`) scores only the loss-mask
     tokens, with its LM head in chunks (entropies included); a batch with
     `prompt_length` / `samples_per_prompt` set also runs each group's prompt once.
@@ -306,8 +385,8 @@ def make_grpo_step(
     **Returns:**
 
     ```python
-    step(params, opt_state, batch: GRPOBatch, *, frozen=None, reference=None, key=None)
-        -> (params, opt_state, metrics)
+    step(params, opt_state, batch: GRPOBatch, *, frozen=None, reference=None, key=None,
+         entropy_coef=None) -> (params, opt_state, metrics)
     ```
 
     one `eqx.filter_jit` region. Metrics (token means over the completion tokens that
@@ -328,6 +407,11 @@ def make_grpo_step(
         mode=mode,
         constant=constant,
         temperature=temperature,
+        policy_loss=policy_loss, cispo_eps_low=cispo_eps_low, cispo_eps_high=cispo_eps_high,
+        gmpo_clip=gmpo_clip, sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg,
+        cov_fraction=cov_fraction, clip_cov_low=clip_cov_low, clip_cov_high=clip_cov_high,
+        clip_cov_select=clip_cov_select, kl_cov_coef=kl_cov_coef, entropy_rho=entropy_rho,
+        axis_name=axis_name,
     )
     return make_step(
         loss_fn,
@@ -344,5 +428,5 @@ def make_grpo_step(
         ),
         metrics_fn=_advantage_std,
         batch_type=GRPOBatch,
-        extras=("reference",),
+        extras=("reference", "entropy_coef"),
     )

@@ -1,0 +1,145 @@
+r"""The GRPO step's policy losses other than `grpo_policy_loss`: build-time checks and the
+per-token loss of a (micro-)batch for `make_grpo_step(policy_loss=...)`.
+
+The per-completion losses (`"cispo"`, `"gmpo"`, `"sapo"`) are vmapped over the rows, so
+micro-batching and data parallelism leave them exact. The batch losses (`"clip_cov"`,
+`"kl_cov"`, `"high_entropy"`) select tokens by statistics of the tokens they are given:
+the step gives them the current micro-batch of every device (their `axis_name` gathers
+the devices' rows). Without micro-batching a `pmap`-ed step therefore selects exactly
+the tokens one device would select on the whole batch; with `micro_batches=k` each
+micro-batch is selected on its own (its token count, means and quantile), as TRL selects
+per gradient-accumulation step and veRL per micro-batch.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from ..losses import (
+    COV_SELECTIONS,
+    POLICY_LOSSES,
+    cispo_policy_loss,
+    clip_cov_policy_loss,
+    gmpo_policy_loss,
+    high_entropy_policy_loss,
+    kl_cov_policy_loss,
+    kl_penalty,
+    sapo_policy_loss,
+)
+from ._validate import check_choice, check_number, is_traced_or_array
+
+# The stream of the step's key that draws Clip-Cov's random priorities (the key itself
+# goes to the model).
+_CLIP_COV_STREAM = 1
+
+PolicyTokenLoss = Callable[..., tuple[Float[Array, "B T"], dict[str, Float[Array, "B T"]]]]
+
+
+def make_policy_loss(
+    policy_loss: str,
+    *,
+    clip_eps: Any,
+    clip_eps_high: Any,
+    importance: str,
+    delta: Any,
+    beta: Any,
+    uses_kl: bool,
+    cispo_eps_low: Any,
+    cispo_eps_high: Any,
+    gmpo_clip: Any,
+    sapo_tau_pos: Any,
+    sapo_tau_neg: Any,
+    cov_fraction: Any,
+    clip_cov_low: Any,
+    clip_cov_high: Any,
+    clip_cov_select: str,
+    kl_cov_coef: Any,
+    entropy_rho: Any,
+    axis_name: str | None,
+) -> PolicyTokenLoss:
+    """Check the hyperparameters of `policy_loss` (not `"grpo"`) and return
+    `loss(logp, old_logp, advantages, mask, entropy, ref_logp, key) -> (per_token, stats)`
+    on `[B, T]` arrays, with `beta` times the k3 KL to `ref_logp` added (when `uses_kl`)
+    and `stats["kl"]` (zeros without `ref_logp`)."""
+    check_choice("policy_loss", policy_loss, POLICY_LOSSES)
+    check_choice("clip_cov_select", clip_cov_select, COV_SELECTIONS)
+    check_number("cispo_eps_low", cispo_eps_low, low=0.0, allow_none=True)
+    check_number("cispo_eps_high", cispo_eps_high, low=0.0)
+    check_number("gmpo_clip", gmpo_clip, low=0.0, low_open=True)
+    check_number("sapo_tau_pos", sapo_tau_pos, low=0.0, low_open=True)
+    check_number("sapo_tau_neg", sapo_tau_neg, low=0.0, low_open=True)
+    check_number("cov_fraction", cov_fraction, low=0.0, high=1.0, low_open=True)
+    check_number("clip_cov_low", clip_cov_low)
+    check_number("clip_cov_high", clip_cov_high)
+    if not (is_traced_or_array(clip_cov_low) or is_traced_or_array(clip_cov_high)):
+        if clip_cov_low >= clip_cov_high:
+            raise ValueError(
+                f"clip_cov_low={clip_cov_low!r} must be below clip_cov_high={clip_cov_high!r}"
+            )
+    check_number("kl_cov_coef", kl_cov_coef, low=0.0)
+    check_number("entropy_rho", entropy_rho, low=0.0, high=1.0, low_open=True)
+    if policy_loss not in ("grpo", "high_entropy"):
+        if importance != "token":
+            raise ValueError(
+                f"importance={importance!r} applies to policy_loss 'grpo' and 'high_entropy', "
+                f"not {policy_loss!r}"
+            )
+        if delta is not None:
+            raise ValueError(
+                f"delta applies to policy_loss 'grpo' and 'high_entropy', not {policy_loss!r}"
+            )
+
+    def rows(fn, **kw):
+        return lambda lp, olp, a, m: jax.vmap(lambda *x: fn(*x, **kw))(lp, olp, a, m)
+
+    def loss(logp, old_logp, adv, m, ent, ref_logp, key: PRNGKeyArray | None):
+        if policy_loss == "cispo":
+            fn = rows(cispo_policy_loss, clip_eps_low=cispo_eps_low, clip_eps_high=cispo_eps_high)
+        elif policy_loss == "gmpo":
+            fn = rows(gmpo_policy_loss, clip_eps=gmpo_clip)
+        elif policy_loss == "sapo":
+            fn = rows(sapo_policy_loss, tau_pos=sapo_tau_pos, tau_neg=sapo_tau_neg)
+        elif policy_loss == "clip_cov":
+            if clip_cov_select == "random" and key is None:
+                raise ValueError(
+                    "policy_loss='clip_cov' with clip_cov_select='random' draws its tokens at "
+                    "random: call the step with key=..."
+                )
+            k = None if key is None else jax.random.fold_in(key, _CLIP_COV_STREAM)
+            fn = lambda *x: clip_cov_policy_loss(
+                *x,
+                clip_eps=clip_eps,
+                clip_eps_high=clip_eps_high,
+                fraction=cov_fraction,
+                cov_low=clip_cov_low,
+                cov_high=clip_cov_high,
+                select=clip_cov_select,
+                key=k,
+                axis_name=axis_name,
+            )
+        elif policy_loss == "kl_cov":
+            fn = lambda *x: kl_cov_policy_loss(
+                *x, fraction=cov_fraction, kl_coef=kl_cov_coef, axis_name=axis_name
+            )
+        else:
+            fn = lambda *x: high_entropy_policy_loss(
+                *x,
+                ent,
+                rho=entropy_rho,
+                clip_eps=clip_eps,
+                clip_eps_high=clip_eps_high,
+                importance=importance,
+                delta=delta,
+                axis_name=axis_name,
+            )
+        per_token, stats = fn(logp, old_logp, adv, m)
+        zero = jnp.zeros_like(per_token)
+        kl = zero if ref_logp is None else jnp.where(m, kl_penalty(logp, ref_logp, kind="k3"), zero)
+        if uses_kl:
+            per_token = per_token + beta * kl
+        return per_token, {**stats, "kl": kl}
+
+    return loss

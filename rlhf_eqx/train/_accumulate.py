@@ -15,7 +15,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jaxtyping import Array, Float, PRNGKeyArray, PyTree
+from jaxtyping import Array, Float, Key, PRNGKeyArray, PyTree
 
 from ..models import AbstractBatchedModel
 from ._optim import learning_rate_from_state
@@ -155,8 +155,8 @@ def call_model(model: Callable[..., Any], tokens: Array, mask: Array, key: PRNGK
     return model(tokens, mask, key=key)
 
 
-def row_keys(key: PRNGKeyArray | None, n: int) -> PRNGKeyArray | None:
-    """One key per row (or `None`)."""
+def row_keys(key: PRNGKeyArray | None, n: int) -> Key[Array, " n"] | None:
+    """One key per row, `[n]` (or `None`)."""
     return None if key is None else jax.random.split(key, n)
 
 

@@ -7,9 +7,10 @@ an animal appears; prints a table of held-out gains and writes a run directory.
 Commands:
 
 - `pipeline` (the default): the whole pipeline (`--set stages=sft,dpo` to choose).
-- `sft`, `reward`, `dpo`, `grpo`: one stage; on the built-in task (after SFT), or on a
-  data file with `--data FILE` (preferences for sft/reward/dpo, e.g. HH-RLHF; prompts
-  with answers for grpo, e.g. GSM8K).
+- `sft`, `reward`, `dpo`, `grpo`, `kto`: one stage; on the built-in task (after SFT), or
+  on a data file with `--data FILE` (preferences for sft/reward/dpo, e.g. HH-RLHF;
+  prompts with answers for grpo, e.g. GSM8K; unpaired `prompt`/`completion`/`label`
+  JSONL or preferences for kto).
 - `ppo`, `online-dpo`: SFT, the reward model, then this stage on the built-in task.
 - `sample`: print completions of a model; `eval`: score a model on the built-in task's
   held-out prompts; `plot RUN_DIR`: redraw a run's PNG plots.
@@ -34,7 +35,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-STAGE_COMMANDS = ("sft", "reward", "dpo", "ppo", "grpo", "online-dpo")
+STAGE_COMMANDS = ("sft", "reward", "dpo", "ppo", "grpo", "online-dpo", "kto")
 COMMANDS = ("pipeline", *STAGE_COMMANDS, "sample", "eval", "plot")
 
 
@@ -103,6 +104,7 @@ def resolve_config(args: argparse.Namespace):
             "grpo": ("sft", "grpo"),
             "ppo": ("sft", "reward", "ppo"),
             "online-dpo": ("sft", "reward", "online-dpo"),
+            "kto": ("sft", "kto"),
         }[cmd]
         cfg = dataclasses.replace(cfg, stages=needs)
     out = args.out or cfg.out or os.path.join("runs", cmd)
@@ -118,6 +120,7 @@ _SECTIONS = {
     "ppo": ("ppo", "reward", "sft"),
     "grpo": ("grpo", "sft"),
     "online-dpo": ("dpo", "reward", "sft"),
+    "kto": ("kto", "sft"),
 }
 
 
@@ -155,12 +158,12 @@ def result_line(command: str, summary: dict, out: str) -> str:
     """The one line a finished run prints, even with `--quiet`."""
     stopped = summary.get("stopped", "done")
     parts = []
-    for stage in ("sft", "ppo", "dpo", "grpo", "online-dpo"):
+    for stage in ("sft", "ppo", "dpo", "grpo", "online-dpo", "kto"):
         m = summary.get(stage)
         if isinstance(m, dict) and "score" in m:
             parts.append(f"{stage} {m['score']:.1%}")
     if not parts:
-        for stage in ("sft", "reward_model", "dpo", "grpo"):
+        for stage in ("sft", "reward_model", "dpo", "grpo", "kto"):
             m = summary.get(stage)
             if isinstance(m, dict):
                 parts += [f"{k} {v:.4g}" for k, v in m.items() if isinstance(v, float)][:2]

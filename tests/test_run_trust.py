@@ -247,10 +247,12 @@ def test_partial_checkpoints_left_by_a_crash_are_removed(tmp_path):
         ck = run / "sft" / "checkpoints"
         pl.save_checkpoint(str(ck), 1, {"w": jnp.ones(2)}, {}, keep=2)
         (ck / "iter_00000002.tmp999").mkdir()
+        (run / "config.json.tmp999").write_text("{")
         (ck / "iter_00000002.tmp999" / "state.eqx").write_bytes(b"half")
     with pl.open_run_dir(_cfg(run), str(run), resume=True) as rd:
         assert os.listdir(ck) == ["iter_00000001"]
-        assert any("partial checkpoint" in n for n in rd.notes)
+        assert not (run / "config.json.tmp999").exists()
+        assert any("partial file" in n for n in rd.notes)
 
 
 def test_a_full_disk_names_the_directory_and_leaves_no_partial_checkpoint(tmp_path, monkeypatch):
@@ -370,7 +372,7 @@ def test_the_resume_command_is_the_original_one_with_resume():
 def test_run_dir_errors_are_one_line(tmp_path, capsys):
     run = tmp_path / "run"
     with pl.open_run_dir(_cfg(run), str(run)):
-        pass
+        (run / "metrics.jsonl").write_text("")
     assert main(["--out", str(run), "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "already holds a run" in err[0] and "--resume" in err[0]

@@ -13,6 +13,7 @@ from ._config import (
     DataConfig as DataConfig,
     DPOConfig as DPOConfig,
     GRPOConfig as GRPOConfig,
+    KTOConfig as KTOConfig,
     LoRASettings as LoRASettings,
     ModelConfig as ModelConfig,
     OpsConfig as OpsConfig,
@@ -49,6 +50,11 @@ from ._evaluate import (
     reward_accuracy as reward_accuracy,
     win_rate as win_rate,
 )
+from ._kto_runs import (
+    kto_heldout_metrics as kto_heldout_metrics,
+    run_kto as run_kto,
+    sampled_unpaired as sampled_unpaired,
+)
 from ._metrics import MetricsLog as MetricsLog
 from ._monitor import (
     device_memory as device_memory,
@@ -71,7 +77,7 @@ from ._pipeline import (
     run_pipeline as run_pipeline,
     tokenizer_file as tokenizer_file,
 )
-from ._plots import plot_run as plot_run, read_metrics as read_metrics
+from ._plots import plot_run as plot_run, read_metrics as read_metrics, read_records as read_records
 from ._rl_runs import run_grpo as run_grpo, run_ppo as run_ppo
 from ._rollout import (
     RewardFunction as RewardFunction,

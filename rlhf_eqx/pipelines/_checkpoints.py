@@ -11,6 +11,8 @@ import sys
 import equinox as eqx
 from jaxtyping import PyTree
 
+from ._metrics import DiskFullError
+
 _CKPT_PREFIX = "iter_"
 
 
@@ -53,10 +55,8 @@ def save_checkpoint(directory: str, iteration: int, tree: PyTree, meta: dict, *,
             os.fsync(f.fileno())
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise OSError(
-                e.errno, f"no space left on the device of {directory} (checkpoint not written)"
-            ) from None
+        if _disk_full(e, directory):
+            raise DiskFullError(directory, " (checkpoint not written)") from None
         raise
     if os.path.exists(final):
         shutil.rmtree(final)
@@ -66,6 +66,26 @@ def save_checkpoint(directory: str, iteration: int, tree: PyTree, meta: dict, *,
     for old in older[:-keep]:
         shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
     return final
+
+
+def _disk_full(e: BaseException, directory: str) -> bool:
+    """Whether `e` (or an error it wraps: serialisers re-raise write errors as their own)
+    comes from a full disk. A short write can carry no errno, so a device with less than
+    1 MiB free also counts."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(e, OSError | RuntimeError):
+            try:
+                st = os.statvfs(directory)
+                if st.f_bavail * st.f_frsize < (1 << 20):
+                    return True
+            except OSError:
+                pass
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _checkpoints(directory: str) -> list[str]:

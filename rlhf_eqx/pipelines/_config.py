@@ -39,7 +39,8 @@ class DataConfig:
     `seed` (`data.split_held_out`), are held out for evaluation. Before preference
     training a data-quality report is logged; `filter` (e.g.
     `identical,empty,exact_duplicate`) drops those problems first
-    (`data.filter_preferences`)."""
+    (`data.filter_preferences`; `long_prompt` drops pairs whose prompt does not fit
+    `sampling.prompt_length`, so that no prompt is cut)."""
 
     path: str | None = None
     format: str = "auto"
@@ -157,7 +158,7 @@ class RewardConfig(BatchStageConfig):
     (a reward model trained on noisy labels otherwise memorises them)."""
 
     pairs_per_prompt: int = 4
-    heldout_fraction: float = 0.2
+    heldout_fraction: float = 0.1
     eval_every: int = 10
 
 
@@ -176,6 +177,27 @@ class DPOConfig(BatchStageConfig):
     rounds: int = 3
     samples: int = 4
     packing: bool = False
+    lora: LoRASettings = LoRASettings()
+
+
+@dataclasses.dataclass(frozen=True)
+class KTOConfig(BatchStageConfig):
+    """KTO (Ethayarajh et al. 2024; TRL `KTOTrainer` defaults) on unpaired examples, each
+    one completion labelled desirable or undesirable: `beta`, the weights of the two
+    kinds (`desirable_weight`, `undesirable_weight`; the paper keeps
+    `desirable_weight · n_desirable / (undesirable_weight · n_undesirable)` in [1, 4/3]),
+    `loss_type` (`kto` or `apo_zero_unpaired`), the reference point estimated from
+    mismatched completions in each batch, a cached reference. On the built-in task the
+    examples are `samples` completions per prompt of the SFT policy, labelled by the
+    noisy scorer; on a data file, unpaired JSONL (`prompt`, `completion`, `label`) or
+    preference pairs split into one desirable and one undesirable example each."""
+
+    steps: int = 40
+    beta: float = 0.1
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
+    loss_type: str = "kto"
+    samples: int = 4
     lora: LoRASettings = LoRASettings()
 
 
@@ -239,6 +261,7 @@ class PipelineConfig:
     dpo: DPOConfig = DPOConfig()
     ppo: PPOConfig = PPOConfig()
     grpo: GRPOConfig = GRPOConfig()
+    kto: KTOConfig = KTOConfig()
     stages: tuple[str, ...] = ("sft", "reward", "ppo", "dpo", "grpo")
     label_noise: float = 0.1
     eval_samples: int = 8
@@ -264,7 +287,11 @@ def animal_task_config() -> PipelineConfig:
     return PipelineConfig(
         sft=SFTConfig(steps=30, batch_size=16, samples=2, optim=OptimConfig(lr=5e-4), lora=lora),
         reward=RewardConfig(
-            steps=80, batch_size=32, pairs_per_prompt=12, optim=OptimConfig(lr=1e-3)
+            steps=80,
+            batch_size=32,
+            pairs_per_prompt=24,
+            eval_every=5,
+            optim=OptimConfig(lr=1e-3),
         ),
         dpo=DPOConfig(
             beta=0.1,
@@ -285,6 +312,7 @@ def animal_task_config() -> PipelineConfig:
             optim=OptimConfig(lr=1e-3),
             lora=lora,
         ),
+        kto=KTOConfig(steps=40, batch_size=16, samples=4, optim=OptimConfig(lr=5e-4), lora=lora),
         grpo=GRPOConfig(
             rollouts=12,
             prompts_per_rollout=8,

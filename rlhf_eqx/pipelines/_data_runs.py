@@ -72,8 +72,10 @@ def quality_report(
 ):
     """`data.preference_quality` of the training `records`, written to the run log and as a
     `data_quality` event in `metrics.jsonl` (with what the reader dropped, from
-    `load_report`); with `dc.filter`, `data.filter_preferences` drops those problems and a
-    `data_filter` event says how many of each went.
+    `load_report`); with `dc.filter`, `data.filter_preferences` drops those problems
+    (`long_prompt`: pairs whose prompt with BOS does not fit the prompt length of
+    `lengths`, so that every prompt trained on is whole) and a `data_filter` event says
+    how many of each went.
 
     **Returns:** `(records to train on, report)`.
     """
@@ -105,8 +107,16 @@ def quality_report(
     log.info("data quality:\n  " + message.replace("\n", "\n  "))
     if not dc.filter:
         return list(records), report
-    kept, dropped = data.filter_preferences(records, drop=dc.filter)
+    records = list(records)
+    kept, dropped = data.filter_preferences(
+        records, drop=tuple(f for f in dc.filter if f != "long_prompt")
+    )
     counts = {k: len(v) for k, v in dropped.items()}
+    if "long_prompt" in dc.filter:
+        limit = lengths.max_prompt_length
+        fits = [r for r in kept if len(tok.encode(r.prompt)) + 1 <= limit]
+        counts["long_prompt"] = len(kept) - len(fits)
+        kept = fits
     log.event(
         "data_filter",
         f"dropped {sum(counts.values())} of {len(records)} pairs ("
@@ -167,7 +177,7 @@ def run_on_data(
         return _run_on_data(cfg, stage, run_dir, rd.resume)
 
 
-DATA_STAGES: tuple[str, ...] = ("sft", "reward", "dpo", "grpo")
+DATA_STAGES: tuple[str, ...] = ("sft", "reward", "dpo", "grpo", "kto")
 
 
 def _run_on_data(cfg: PipelineConfig, stage: str, run_dir: str, resume: bool) -> dict:
@@ -247,6 +257,8 @@ def _run_on_data(cfg: PipelineConfig, stage: str, run_dir: str, resume: bool) ->
                     _implicit_accuracy(trained, policy, held_batch, c.beta)
                 )
             }
+    elif stage == "kto":
+        trained, res = _kto_on_data(cfg, policy, tok, ctx, summary, say)
     else:
         prompts = data.load_prompts(cfg.data.path, cfg.data.format)
         with_answer = [r for r in prompts if r.answer is not None]
@@ -308,6 +320,50 @@ def _run_on_data(cfg: PipelineConfig, stage: str, run_dir: str, resume: bool) ->
         pass
     say(json.dumps(summary, indent=1))
     return summary
+
+
+def _kto_on_data(cfg: PipelineConfig, policy, tok, ctx: RunContext, summary: dict, say):
+    """KTO on an unpaired file (`prompt`, `completion`, `label`) or on preference pairs,
+    each split into a desirable and an undesirable example (`unpaired_from_preferences`);
+    the held-out part is split by prompt before any splitting of pairs."""
+    from ._kto_runs import collate_unpaired_records, kto_heldout_metrics, run_kto
+
+    c, s = cfg.kto, cfg.sampling
+    path = cfg.data.path
+    try:
+        records = data.load_unpaired(path, cfg.data.format)
+        pairs = None
+    except data.DataError:
+        if not _is_preference_file(path):
+            raise
+        pairs = data.load_preferences(path, cfg.data.format)
+        records = None
+    source = records if records is not None else pairs
+    train, held = split_records(source, cfg.data)
+    summary["data_quality"] = {"skipped_by_reader": dict(source.report.skipped)}
+    if pairs is not None:
+        summary["data_quality"]["pairs"] = len(train) + len(held)
+        held_pairs = held
+        train = data.unpaired_from_preferences(train)
+        held = data.unpaired_from_preferences(held)
+    good = sum(r.label for r in train)
+    say(
+        f"kto: {len(train)} training examples ({good} desirable, {len(train) - good} "
+        f"undesirable), {len(held)} held out"
+        + (" (from preference pairs)" if pairs is not None else "")
+    )
+    res = run_kto(policy, tok, train, cfg=c, ctx=ctx)
+    trained = final_policy(res.state.model)
+    held_batch = collate_unpaired_records(
+        held, tok, max_length=c.max_length, prompt_length=s.prompt_length
+    )
+    summary["kto"] = kto_heldout_metrics(trained, policy, held_batch, c.beta)
+    if pairs is not None:
+        hb = collate_pairs(held_pairs, tok, max_length=c.max_length, prompt_length=s.prompt_length)
+        summary["kto"]["heldout_pair_accuracy"] = float(
+            _implicit_accuracy(trained, policy, hb, c.beta)
+        )
+    return trained, res
 
 
 def _is_preference_file(path: str) -> bool:

@@ -56,14 +56,20 @@ def run_dpo(
         )
         batches = [rx.train.compute_reference_logps(reference, b) for b in batches]
         return run_offline(
-            state, step, shuffled_batches(batches, ctx.ops.seed),
-            tokens_per_iteration=int(batches[0].tokens.size), **run,
+            state,
+            step,
+            shuffled_batches(batches, ctx.ops.seed),
+            tokens_per_iteration=int(batches[0].tokens.size),
+            **run,
         )
     full = collate_pairs(pairs, tok, max_length=cfg.max_length, prompt_length=ctx.prompt_length)
     full = rx.train.compute_reference_logps(reference, full)
     return run_offline(
-        state, step, shuffled_rows(full, cfg.batch_size, ctx.ops.seed),
-        tokens_per_iteration=2 * cfg.batch_size * cfg.max_length, **run,
+        state,
+        step,
+        shuffled_rows(full, cfg.batch_size, ctx.ops.seed),
+        tokens_per_iteration=2 * cfg.batch_size * cfg.max_length,
+        **run,
     )
 
 
@@ -77,8 +83,11 @@ def packed_steps(
         list(pairs), tok, max_length=cfg.max_length, max_prompt_length=prompt_length, add_eos=False
     )
     return data.pack_preference_steps(
-        tokenized, pad_id=tok.pad_id, row_length=2 * cfg.max_length,
-        pairs_per_step=cfg.batch_size, seed=seed,
+        tokenized,
+        pad_id=tok.pad_id,
+        row_length=2 * cfg.max_length,
+        pairs_per_step=cfg.batch_size,
+        seed=seed,
     )
 
 

@@ -10,6 +10,16 @@ from typing import Any
 from ._monitor import tensorboard_writer
 
 
+class DiskFullError(OSError):
+    """No space left on the device of a run's directory; the message names it."""
+
+    def __init__(self, directory: str, detail: str = ""):
+        super().__init__(errno.ENOSPC, f"no space left on the device of {directory}{detail}")
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
 def _float(v: Any) -> Any:
     if isinstance(v, (int, float, str, bool)) or v is None:
         return v
@@ -44,7 +54,7 @@ class MetricsLog:
         except OSError as e:
             repair_metrics(self.path)
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise OSError(e.errno, f"no space left on the device of {self.run_dir}") from None
+                raise DiskFullError(self.run_dir) from None
             raise
         if self.writer is not None and "step" in line and "event" not in line:
             for k, v in line.items():

@@ -364,6 +364,15 @@ def run_iterations(
                 committed = (i, restored, steps, losses)
                 save(i, restored, steps, losses, stopped="kl_guard")
                 break
+            empty = sum(m.get("empty_batch", 0.0) > 0 for m in metrics)
+            if empty:
+                log.event(
+                    "empty_batch",
+                    f"iteration {i}: {empty} of {len(metrics)} steps had no token to learn "
+                    "from (every completion mask false); their updates were skipped",
+                    iteration=i,
+                    step=steps,
+                )
             if metrics:
                 verified = (i, good)  # its loss, metrics[0]'s, passed the checks
             if kl_target is not None and "kl" in info:

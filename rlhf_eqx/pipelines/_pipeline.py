@@ -15,6 +15,7 @@ from ._config import ConfigError, PipelineConfig
 from ._config_io import config_to_dict
 from ._dpo_runs import run_online_dpo
 from ._evaluate import evaluate_policy, reward_accuracy, win_rate
+from ._kto_runs import run_kto, sampled_unpaired
 from ._metrics import MetricsLog
 from ._monitor import measure_matmul_peak
 from ._rl_runs import run_grpo, run_ppo
@@ -129,7 +130,7 @@ def _ctx(
 def format_table(summary: dict) -> str:
     """The printed final table of a pipeline summary."""
     lines = [f"{'stage':<8} {'score':>7} {'win vs SFT':>11} {'KL/token':>9} {'base NLL':>9}"]
-    for stage in ("base", "sft", "ppo", "dpo", "grpo", "online-dpo"):
+    for stage in ("base", "sft", "ppo", "dpo", "grpo", "online-dpo", "kto"):
         if stage not in summary:
             continue
         s = summary[stage]
@@ -175,6 +176,7 @@ def _run_pipeline(cfg: PipelineConfig, run_dir: str, resume: bool, say) -> dict:
     tok_file = tokenizer_file(cfg.model.source, cfg.model.tokenizer)
     key = jax.random.key(cfg.ops.seed)
     k_eval, k_sft, k_rm, k_ppo, k_dpo, k_grpo, k_data, k_online = jax.random.split(key, 8)
+    k_kto = jax.random.fold_in(key, 9)
     label = _labels(cfg.label_noise, cfg.ops.seed)
     log = MetricsLog(run_dir, "pipeline", quiet=cfg.ops.quiet)
     peak = measure_matmul_peak() if cfg.ops.monitor else None
@@ -367,6 +369,28 @@ def _run_pipeline(cfg: PipelineConfig, run_dir: str, resume: bool, say) -> dict:
             ctx=_ctx(cfg, run_dir, "grpo", k_grpo, resume, periodic, peak_flops=peak),
         )
         go = finish("grpo", res)
+
+    if go and "kto" in cfg.stages:
+        records = sampled_unpaired(
+            sft,
+            tok,
+            TRAIN_PROMPTS,
+            jax.random.fold_in(k_data, 3),
+            label,
+            samples=cfg.kto.samples,
+            salt=4,
+            sampling=s,
+        )
+        good = sum(r.label for r in records)
+        say(f"kto: {good} desirable / {len(records) - good} undesirable samples (noisy labels)")
+        res = run_kto(
+            sft,
+            tok,
+            records,
+            cfg=cfg.kto,
+            ctx=_ctx(cfg, run_dir, "kto", k_kto, resume, periodic, peak_flops=peak),
+        )
+        go = finish("kto", res)
 
     summary["seconds"] = time.perf_counter() - t0
     write_json_atomic(os.path.join(run_dir, "summary.json"), summary)

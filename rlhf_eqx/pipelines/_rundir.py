@@ -8,8 +8,8 @@ what it resumes, and `config.json` is written only after every check has passed.
    its holder (process id, host, start time). The kernel releases the lock when the
    process dies, even by `kill -9`, so a lock left behind is detected as stale and
    taken over; a live holder makes a second run refuse at once, naming it.
-2. **New run or resume.** A directory that already holds a run (`config.json`,
-   `metrics.jsonl`, `summary.json` or stage checkpoints) is refused for a new run,
+2. **New run or resume.** A directory that already holds a run (`metrics.jsonl`,
+   `summary.json` or stage checkpoints) is refused for a new run,
    naming `--resume` and `--overwrite`; `overwrite=True` first moves the old run aside
    to `<run_dir>.replaced-<UTC time>` (nothing is deleted).
 3. **Resume checks.** The requested configuration is compared with the stored
@@ -32,7 +32,7 @@ import sys
 
 from ._config import PipelineConfig
 from ._config_io import config_to_dict
-from ._metrics import drop_records, repair_metrics
+from ._metrics import DiskFullError, drop_records, repair_metrics
 
 
 class RunDirError(RuntimeError):
@@ -68,17 +68,19 @@ ITERATION_FIELDS: dict[str, str] = {
     "dpo.rounds": "dpo",
     "ppo.rollouts": "ppo",
     "grpo.rollouts": "grpo",
+    "kto.steps": "kto",
 }
 
 # Stages trained from another stage's result (every stage starts from SFT; PPO and
 # online DPO use the reward model).
 _DOWNSTREAM: dict[str, tuple[str, ...]] = {
-    "sft": ("reward", "ppo", "dpo", "grpo", "online-dpo"),
+    "sft": ("reward", "ppo", "dpo", "grpo", "online-dpo", "kto"),
     "reward": ("ppo", "online-dpo"),
     "dpo": ("online-dpo",),
 }
 
-_RUN_MARKERS = ("config.json", "metrics.jsonl", "summary.json")
+# A `config.json` alone (a run that stopped before it logged anything) is no run.
+_RUN_MARKERS = ("metrics.jsonl", "summary.json")
 LOCK_NAME = ".lock"
 
 
@@ -123,8 +125,8 @@ def check_resumable(old: dict, new: dict, *, where: str) -> list[tuple[str, obje
 
 
 def holds_run(run_dir: str) -> bool:
-    """Whether `run_dir` holds (part of) a run: a config, metrics, a summary or a
-    stage's checkpoints."""
+    """Whether `run_dir` holds (part of) a run: metrics, a summary or a stage's
+    checkpoints."""
     if not os.path.isdir(run_dir):
         return False
     if any(os.path.exists(os.path.join(run_dir, m)) for m in _RUN_MARKERS):
@@ -155,6 +157,18 @@ def remove_partial_checkpoints(run_dir: str) -> list[str]:
             if ".tmp" in n:
                 shutil.rmtree(os.path.join(ck, n), ignore_errors=True)
                 removed.append(os.path.join(ck, n))
+    return removed
+
+
+def _remove_partial_files(run_dir: str) -> list[str]:
+    """Remove the temporary files of atomic writes (`config.json.tmp<pid>`,
+    `metrics.jsonl.tmp<pid>`, ...) a crash left in `run_dir`."""
+    removed = []
+    for n in os.listdir(run_dir):
+        path = os.path.join(run_dir, n)
+        if ".json" in n and ".tmp" in n and os.path.isfile(path):
+            os.remove(path)
+            removed.append(path)
     return removed
 
 
@@ -295,9 +309,9 @@ def open_run_dir(
                 raise RunDirError(f"{cfg_path}: not JSON ({e})") from None
             changes = check_resumable(old, new, where=run_dir)
             _check_upstream_counts(run_dir, changes)
-            removed = remove_partial_checkpoints(run_dir)
+            removed = remove_partial_checkpoints(run_dir) + _remove_partial_files(run_dir)
             if removed:
-                notes.append(f"removed {len(removed)} partial checkpoint(s) left by a crash")
+                notes.append(f"removed {len(removed)} partial file(s) left by a crash")
             metrics = os.path.join(run_dir, "metrics.jsonl")
             if repair_metrics(metrics):
                 notes.append(f"cut a torn last line of {metrics}")
@@ -350,5 +364,5 @@ def write_json_atomic(path: str, obj) -> None:
 def disk_error(e: OSError, directory: str) -> OSError:
     """`e` with a one-line message naming `directory` when the disk is full."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return OSError(e.errno, f"no space left on the device of {directory}")
+        return DiskFullError(directory)
     return e

@@ -12,12 +12,13 @@ from typing import Any
 
 from ..data._preferences import PREFERENCE_FORMATS
 from ..data._prompts import PROMPT_FORMATS
-from ..losses import DPO_BATCH_LOSS_TYPES, DPO_LOSS_TYPES
+from ..losses import DPO_BATCH_LOSS_TYPES, DPO_LOSS_TYPES, KTO_LOSS_TYPES
 from ._config import (
     BatchStageConfig,
     ConfigError,
     DPOConfig,
     GRPOConfig,
+    KTOConfig,
     LoRASettings,
     OpsConfig,
     OptimConfig,
@@ -32,7 +33,7 @@ DATA_FORMATS: tuple[str, ...] = ("auto", *PREFERENCE_FORMATS, *PROMPT_FORMATS)
 """The values of `data.format`: preference formats for sft/reward/dpo, prompt formats for
 grpo, `auto` to detect from the first record."""
 SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
-STAGES: tuple[str, ...] = ("sft", "reward", "ppo", "dpo", "grpo", "online-dpo")
+STAGES: tuple[str, ...] = ("sft", "reward", "ppo", "dpo", "grpo", "online-dpo", "kto")
 
 
 def _fail(name: str, value: Any, why: str) -> None:
@@ -105,7 +106,7 @@ def validate_config(cfg: PipelineConfig, *, device_count: int = 1) -> None:
         _fail("data.limit", dc.limit, "must be >= 0 (0: all records)")
     if not 0 < dc.heldout_fraction < 1:
         _fail("data.heldout_fraction", dc.heldout_fraction, "must be in (0, 1)")
-    problems = ("identical", "empty", "exact_duplicate", "duplicate_prompt")
+    problems = ("identical", "empty", "exact_duplicate", "duplicate_prompt", "long_prompt")
     for f in dc.filter:
         if f not in problems:
             _fail("data.filter", dc.filter, f"unknown problem {f!r} (known: {', '.join(problems)})")
@@ -134,6 +135,7 @@ def validate_config(cfg: PipelineConfig, *, device_count: int = 1) -> None:
         ("dpo", cfg.dpo),
         ("ppo", cfg.ppo),
         ("grpo", cfg.grpo),
+        ("kto", cfg.kto),
     ):
         validate_stage(name, c, device_count=device_count)
         if isinstance(c, BatchStageConfig):
@@ -202,6 +204,14 @@ def validate_stage(name: str, c: Any, *, device_count: int = 1) -> None:
         if c.packing and c.loss_type in DPO_BATCH_LOSS_TYPES:
             why = f"loss_type={c.loss_type!r} sorts over a batch's pairs and needs unpacked batches"
             _fail(f"{name}.packing", c.packing, why)
+    if isinstance(c, KTOConfig):
+        if not c.beta > 0:
+            _fail(f"{name}.beta", c.beta, "must be > 0")
+        _at_least(f"{name}.desirable_weight", c.desirable_weight, 0)
+        _at_least(f"{name}.undesirable_weight", c.undesirable_weight, 0)
+        _choice(f"{name}.loss_type", c.loss_type, KTO_LOSS_TYPES)
+        if c.samples < 2:
+            _fail(f"{name}.samples", c.samples, "must be >= 2")
     if isinstance(c, PPOConfig):
         _positive(f"{name}.minibatches", c.minibatches)
         if c.prompts_per_rollout % c.minibatches:

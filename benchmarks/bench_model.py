@@ -113,12 +113,16 @@ def main() -> None:
     )
 
     prompt_len = 16
-    prompts = jax.random.randint(jax.random.key(2), (batch, prompt_len), 3, cfg.vocab_size, dtype=jnp.int32)
+    prompts = jax.random.randint(
+        jax.random.key(2), (batch, prompt_len), 3, cfg.vocab_size, dtype=jnp.int32
+    )
     pmask = jnp.ones((batch, prompt_len), bool)
     for name, kwargs in (("sampling", dict(temperature=1.0)), ("greedy", dict(temperature=0.0))):
 
         def run(key, kwargs=kwargs):
-            return rx.generate_batch(policy, prompts, pmask, key, max_new_tokens=new, **kwargs).tokens
+            return rx.generate_batch(
+                policy, prompts, pmask, key, max_new_tokens=new, **kwargs
+            ).tokens
 
         t = best_time(run, jax.random.key(3), repeats=max(2, repeats // 2))
         print(f"decode ({name}), batch {batch}, {new} new tokens: {batch * new / t:,.0f} tokens/s")

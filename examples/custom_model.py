@@ -109,9 +109,11 @@ def run_dpo(policy, key, steps=10):
     # The rejected completion: the chosen one with every token shifted (same prompt).
     rejected = jnp.where(chosen.completion_mask, (chosen.tokens + 1) % VOCAB, chosen.tokens)
     batch = rx.PreferenceBatch(
-        chosen_tokens=chosen.tokens, chosen_mask=chosen.mask,
+        chosen_tokens=chosen.tokens,
+        chosen_mask=chosen.mask,
         chosen_completion_mask=chosen.completion_mask,
-        rejected_tokens=rejected, rejected_mask=chosen.mask,
+        rejected_tokens=rejected,
+        rejected_mask=chosen.mask,
         rejected_completion_mask=chosen.completion_mask,
     )
     opt = optax.adam(3e-2)
@@ -143,12 +145,17 @@ def run_ppo(policy, key, steps=10):
 
 
 def run_grpo(policy, key, steps=10, group_size=4):
-    prompts = jnp.repeat(jax.random.randint(key, (B // group_size, P), 0, VOCAB), group_size, axis=0)
+    prompts = jnp.repeat(
+        jax.random.randint(key, (B // group_size, P), 0, VOCAB), group_size, axis=0
+    )
     out = rx.generate_batch(policy, prompts, jnp.ones_like(prompts, bool), key, max_new_tokens=N)
     rewards = jnp.sum((out.tokens == GOOD) & out.completion_mask, axis=-1).astype(jnp.float32)
     batch = train.GRPOBatch(
-        tokens=out.tokens, mask=out.mask, completion_mask=out.completion_mask,
-        rewards=rewards, old_logp=jnp.where(out.completion_mask, out.logprobs, 0.0),
+        tokens=out.tokens,
+        mask=out.mask,
+        completion_mask=out.completion_mask,
+        rewards=rewards,
+        old_logp=jnp.where(out.completion_mask, out.logprobs, 0.0),
     )
     opt = optax.adam(1e-2)
     state = train.init_train_state(policy, opt)

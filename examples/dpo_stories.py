@@ -166,8 +166,14 @@ def sample_completions(
     repeated = [p for p in ids for _ in range(samples)]
     batch = data.collate_prompts(repeated, max_length=prompt_length, pad_id=tok.pad_id)
     out = rx.generate_batch(
-        policy, batch.tokens, batch.mask, key, max_new_tokens=new_tokens,
-        temperature=temperature, eos_id=tok.eos_id, pad_id=tok.pad_id,
+        policy,
+        batch.tokens,
+        batch.mask,
+        key,
+        max_new_tokens=new_tokens,
+        temperature=temperature,
+        eos_id=tok.eos_id,
+        pad_id=tok.pad_id,
     )
     tokens, completion_mask = np.asarray(out.tokens), np.asarray(out.completion_mask)
     texts = []
@@ -221,7 +227,10 @@ def collate_pairs(
     Completions stop after `new_tokens`, usually mid-story, so no EOS is appended.
     """
     tokenized, _ = data.tokenize_preferences(
-        pairs, tok, max_length=cfg.max_length, max_prompt_length=cfg.prompt_length,
+        pairs,
+        tok,
+        max_length=cfg.max_length,
+        max_prompt_length=cfg.prompt_length,
         add_eos=False,
     )
     return data.collate_preferences(tokenized, max_length=cfg.max_length, pad_id=tok.pad_id)
@@ -311,12 +320,21 @@ def evaluate(
     unlikely, and this number goes up.
     """
     completions = sample_completions(
-        policy, tok, cfg.eval_prompts, key, samples=cfg.eval_samples,
-        prompt_length=cfg.prompt_length, new_tokens=cfg.new_tokens, temperature=cfg.temperature,
+        policy,
+        tok,
+        cfg.eval_prompts,
+        key,
+        samples=cfg.eval_samples,
+        prompt_length=cfg.prompt_length,
+        new_tokens=cfg.new_tokens,
+        temperature=cfg.temperature,
     )
     records = [(p, t) for p, texts in zip(cfg.eval_prompts, completions) for t in texts]
     seqs, _ = data.tokenize_sft(
-        records, tok, max_length=cfg.max_length, max_prompt_length=cfg.prompt_length,
+        records,
+        tok,
+        max_length=cfg.max_length,
+        max_prompt_length=cfg.prompt_length,
         add_eos=False,
     )
     batch = data.collate_sft(seqs, max_length=cfg.max_length, pad_id=tok.pad_id)
@@ -368,7 +386,9 @@ def run(cfg: Config) -> Result:
     # LoRA adapters on every projection; only they are trained. Their `B` starts at 0,
     # so at first the policy equals the reference and the DPO loss is ln 2.
     lora = rx.LoRAConfig(
-        rank=cfg.lora_rank, alpha=2 * cfg.lora_rank, dropout=0.0,
+        rank=cfg.lora_rank,
+        alpha=2 * cfg.lora_rank,
+        dropout=0.0,
         targets=("q", "k", "v", "o", "gate", "up", "down"),
     )
     model = rx.apply_lora(policy, lora, key=key_lora)
@@ -385,8 +405,13 @@ def run(cfg: Config) -> Result:
     for r, key in enumerate(jax.random.split(key_rounds, cfg.rounds)):
         # 2-3. Sample from the current policy, judge, pair, tokenise.
         completions = sample_completions(
-            state.model, tok, cfg.train_prompts, key, samples=cfg.samples,
-            prompt_length=cfg.prompt_length, new_tokens=cfg.new_tokens,
+            state.model,
+            tok,
+            cfg.train_prompts,
+            key,
+            samples=cfg.samples,
+            prompt_length=cfg.prompt_length,
+            new_tokens=cfg.new_tokens,
             temperature=cfg.temperature,
         )
         pairs = make_pairs(cfg.train_prompts, completions, cfg.words)
@@ -416,8 +441,10 @@ def run(cfg: Config) -> Result:
     n_eval = len(cfg.eval_prompts) * cfg.eval_samples
     log(f"\nheld-out prompts ({n_eval} samples)     before  after")
     log(f"  mention a target word (reward)  {before.hit_rate:6.1%}  {after.hit_rate:6.1%}")
-    log(f"  target words per sample         {before.words_per_sample:6.2f}  "
-        f"{after.words_per_sample:6.2f}")
+    log(
+        f"  target words per sample         {before.words_per_sample:6.2f}  "
+        f"{after.words_per_sample:6.2f}"
+    )
     log(f"  base-model NLL per token        {before.base_nll:6.2f}  {after.base_nll:6.2f}")
     for i in range(min(2, len(cfg.eval_prompts))):
         prompt = cfg.eval_prompts[i]
@@ -429,8 +456,7 @@ def run(cfg: Config) -> Result:
     if cfg.save is not None:
         rx.save_hf(merged, cfg.save)
         save_error = float(max_logit_difference(rx.load_hf(cfg.save), merged, batch))
-        log(f"\nsaved to {cfg.save}; "
-            f"max |logits(reloaded) - logits(merged)| = {save_error:.1e}")
+        log(f"\nsaved to {cfg.save}; max |logits(reloaded) - logits(merged)| = {save_error:.1e}")
 
     log(f"\ndone in {time.perf_counter() - start:.0f}s")
     return Result(
@@ -443,10 +469,24 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=defaults.model)
     parser.add_argument("--tokenizer", default=defaults.tokenizer)
-    parser.add_argument("--words", default=",".join(defaults.words),
-                        help="comma-separated target words of the judge")
-    for name in ("samples", "eval_samples", "new_tokens", "rounds", "steps", "batch_size",
-                 "lora_rank", "prompt_length", "max_length", "log_every", "seed"):
+    parser.add_argument(
+        "--words",
+        default=",".join(defaults.words),
+        help="comma-separated target words of the judge",
+    )
+    for name in (
+        "samples",
+        "eval_samples",
+        "new_tokens",
+        "rounds",
+        "steps",
+        "batch_size",
+        "lora_rank",
+        "prompt_length",
+        "max_length",
+        "log_every",
+        "seed",
+    ):
         flag = "--" + name.replace("_", "-")
         parser.add_argument(flag, type=int, default=getattr(defaults, name))
     for name in ("temperature", "lr", "beta"):

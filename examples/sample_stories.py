@@ -51,8 +51,14 @@ def main() -> None:
     one = jnp.ones((1, 1), bool)
     start = time.perf_counter()
     greedy = rx.generate_batch(
-        policy, bos, one, jax.random.key(0), max_new_tokens=args.new_tokens, temperature=0.0,
-        eos_id=tok.eos_id, pad_id=tok.pad_id,
+        policy,
+        bos,
+        one,
+        jax.random.key(0),
+        max_new_tokens=args.new_tokens,
+        temperature=0.0,
+        eos_id=tok.eos_id,
+        pad_id=tok.pad_id,
     )
     ids = [int(t) for t, m in zip(greedy.tokens[0], greedy.completion_mask[0]) if m]
     print(f"\n[greedy, {time.perf_counter() - start:.1f}s incl. compile]\n{tok.decode(ids)}")
@@ -62,14 +68,23 @@ def main() -> None:
     masks = jnp.ones((n, 1), bool)
     start = time.perf_counter()
     out = rx.generate_batch(
-        policy, prompts, masks, jax.random.key(args.seed), max_new_tokens=args.new_tokens,
-        temperature=args.temperature, top_p=args.top_p, eos_id=tok.eos_id, pad_id=tok.pad_id,
+        policy,
+        prompts,
+        masks,
+        jax.random.key(args.seed),
+        max_new_tokens=args.new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        eos_id=tok.eos_id,
+        pad_id=tok.pad_id,
     )
     jax.block_until_ready(out.tokens)
     elapsed = time.perf_counter() - start
     for i in range(n):
         ids = [int(t) for t, m in zip(out.tokens[i], out.completion_mask[i]) if m]
-        print(f"\n[sample {i}, temperature {args.temperature}, top-p {args.top_p}]\n{tok.decode(ids)}")
+        print(
+            f"\n[sample {i}, temperature {args.temperature}, top-p {args.top_p}]\n{tok.decode(ids)}"
+        )
 
     recomputed = jax.jit(
         jax.vmap(lambda t, m: rx.token_logprobs(policy, t, m, temperature=args.temperature))

@@ -146,8 +146,8 @@ class PackedPreferenceBatch(eqx.Module):
     `pack_preferences(..., aligned=True)`) every row holds one pair at fixed offsets —
     prompt in `[0, P)`, chosen in `[P, P + C)`, rejected after, each right-padded — and
     the model scores each completion only against the prompt and itself
-    (`region_attention`): no work goes to one completion against the other. `completion_mask` marks the tokens
-    scored (each completion with its EOS). `ref_chosen_logp` / `ref_rejected_logp`
+    (`region_attention`): no work goes to one completion against the other. `completion_mask` marks
+    the tokens scored (each completion with its EOS). `ref_chosen_logp` / `ref_rejected_logp`
     (`[R, K]`) hold cached reference log-probabilities, as in `PreferenceBatch`.
     """
 

@@ -141,9 +141,9 @@ def _activation_bytes(
     and final norm (`2·D·b`), float32 logits and their log-softmax (`8·V`) and the
     attention mask (`4·T`); once, the float32 scores, probabilities and their gradient
     of one tile of the attention (`ATTENTION_BLOCK` queries × `ATTENTION_BLOCK` keys)
-    while its backward pass runs (`12·H·min(T, block)²` per sequence). With remat only each layer's input
-    (`D·b` per layer) is kept, plus one layer's activations while it is recomputed. Sequences are split over
-    `data`; heads, MLP units and the vocabulary over `model` (the residual stream is
+    while its backward pass runs (`12·H·min(T, block)²` per sequence). With remat only each layer's
+    input (`D·b` per layer) is kept, plus one layer's activations while it is recomputed. Sequences
+    are split over `data`; heads, MLP units and the vocabulary over `model` (the residual stream is
     replicated over `model`).
     """
     b = jnp.dtype(cfg.param_dtype).itemsize

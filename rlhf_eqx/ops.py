@@ -24,14 +24,18 @@ __all__ = [
 
 
 def masked_sum(
-    x: Float[Array, "*shape"], mask: Bool[Array, "*shape"], axis: int | tuple[int, ...] | None = None
+    x: Float[Array, "*shape"],
+    mask: Bool[Array, "*shape"],
+    axis: int | tuple[int, ...] | None = None,
 ) -> Float[Array, "..."]:
     """Sum of `x` over the positions where `mask` is true (masked entries may be NaN/inf)."""
     return jnp.sum(jnp.where(mask, x, jnp.zeros_like(x)), axis=axis)
 
 
 def masked_mean(
-    x: Float[Array, "*shape"], mask: Bool[Array, "*shape"], axis: int | tuple[int, ...] | None = None
+    x: Float[Array, "*shape"],
+    mask: Bool[Array, "*shape"],
+    axis: int | tuple[int, ...] | None = None,
 ) -> Float[Array, "..."]:
     """Mean of `x` over the positions where `mask` is true; 0 where nothing is selected."""
     count = jnp.sum(mask, axis=axis).astype(x.dtype)
@@ -115,7 +119,8 @@ def logprobs_from_logits(
 def entropy_from_logits(
     logits: Float[Array, "T V"], mask: Bool[Array, " T"], *, temperature: float = 1.0
 ) -> Float[Array, " T"]:
-    """Entropy of the distribution that predicted token `t` (`H = lse - Σ p·logit`); 0 where masked."""
+    """Entropy of the distribution that predicted token `t` (`H = lse - Σ p·logit`); 0 where
+    masked."""
     prev, has_prev = previous_real_index(mask)
     lg = logits.astype(jnp.float32)
     if temperature != 1.0:
@@ -148,5 +153,3 @@ def token_entropy(
 ) -> Float[Array, " T"]:
     """Per-token entropy of `model`'s next-token distribution (see `entropy_from_logits`)."""
     return entropy_from_logits(model(tokens, mask), mask)
-
-

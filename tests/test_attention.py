@@ -123,7 +123,8 @@ def test_region_attention_equals_masked_attention(regions, block):
     slow = lambda q, k, v: jnp.sum(naive(q, k, v, allowed, cap=7.0) * w)
     np.testing.assert_allclose(jax.jit(fast)(q, k, v), slow(q, k, v), rtol=1e-5, atol=1e-4)
     for a, b in zip(
-        jax.jit(jax.grad(fast, argnums=(0, 1, 2)))(q, k, v), jax.grad(slow, argnums=(0, 1, 2))(q, k, v)
+        jax.jit(jax.grad(fast, argnums=(0, 1, 2)))(q, k, v),
+        jax.grad(slow, argnums=(0, 1, 2))(q, k, v),
     ):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="add up to"):
@@ -182,7 +183,9 @@ def test_looped_and_unrolled_tiles_match_softmax(T, S, block):
     for a, b in zip(got, jax.grad(slow, argnums=(0, 1, 2))(q, k, v)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     one = jax.vmap(lambda *a: attention(*a, cap=6.0, causal_block=block))(q, k, v, allowed)
-    np.testing.assert_allclose(one, attention(q, k, v, allowed, cap=6.0, causal_block=block), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        one, attention(q, k, v, allowed, cap=6.0, causal_block=block), rtol=1e-5, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("T", [1, 3, 8])
@@ -202,7 +205,9 @@ def test_few_queries_against_many_keys_match_softmax(T, cap):
     got = attention(q, k, v, allowed, cap=cap)
     np.testing.assert_allclose(got, naive(q, k, v, allowed, cap), rtol=1e-5, atol=1e-5)
     loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))
-    grads = jax.grad(loss(lambda q, k, v: attention(q, k, v, allowed, cap=cap)), argnums=(0, 1, 2))(q, k, v)
+    grads = jax.grad(loss(lambda q, k, v: attention(q, k, v, allowed, cap=cap)), argnums=(0, 1, 2))(
+        q, k, v
+    )
     want = jax.grad(loss(lambda q, k, v: naive(q, k, v, allowed, cap)), argnums=(0, 1, 2))(q, k, v)
     for g, w in zip(grads, want):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)

@@ -522,13 +522,21 @@ def test_hf_load_hand_built_checkpoint(tmp_path, arch, kw, sharded):
         ("qk_layernorm", dict(qk_layernorm=True)),
         ("attn_logit_softcapping", dict(attn_logit_softcapping=50.0)),
         ("final_logit_softcapping", dict(final_logit_softcapping=30.0)),
-        ("use_bidirectional_attention", dict(architectures=["Gemma3ForCausalLM"], use_bidirectional_attention=True)),
+        (
+            "use_bidirectional_attention",
+            dict(architectures=["Gemma3ForCausalLM"], use_bidirectional_attention=True),
+        ),
         ("hidden_act", dict(hidden_act="gelu")),
         ("hidden_act", dict(architectures=["GemmaForCausalLM"], hidden_act="relu")),
         ("architectures", dict(architectures=["GPT2LMHeadModel"])),
         (
             "layer_types",
-            dict(architectures=["Gemma2ForCausalLM"], hidden_act="gelu_pytorch_tanh", sliding_window=4, layer_types=["full_attention"]),
+            dict(
+                architectures=["Gemma2ForCausalLM"],
+                hidden_act="gelu_pytorch_tanh",
+                sliding_window=4,
+                layer_types=["full_attention"],
+            ),
         ),
         (
             "rope_parameters.rope_type",
@@ -673,7 +681,9 @@ def test_hf_config_layer_count_must_match_and_be_an_integer(tmp_path):
     with pytest.raises(ValueError, match=r"model\.layers\.1\..*num_hidden_layers=1"):
         load_hf(tmp_path / "fewer")
     _write_hf(tmp_path / "frac", dict(c, num_hidden_layers=2.9), t)
-    with pytest.raises(ValueError, match=r"config\.json: `num_hidden_layers` must be an integer, got 2\.9"):
+    with pytest.raises(
+        ValueError, match=r"config\.json: `num_hidden_layers` must be an integer, got 2\.9"
+    ):
         load_hf(tmp_path / "frac")
 
 
@@ -682,7 +692,13 @@ def test_hf_misshaped_tensor_in_one_layer_is_named(tmp_path):
     t = _hf_tensors(np.random.default_rng(3), c)
     t["model.layers.1.self_attn.k_proj.weight"] = t["model.layers.1.self_attn.k_proj.weight"][:8]
     _write_hf(tmp_path, c, t)
-    with pytest.raises(ValueError, match=r"'model\.layers\.1\.self_attn\.k_proj\.weight' has shape \(8, 24\), expected \(16, 24\)"):
+    with pytest.raises(
+        ValueError,
+        match=(
+            r"'model\.layers\.1\.self_attn\.k_proj\.weight' has shape \(8, 24\), "
+            r"expected \(16, 24\)"
+        ),
+    ):
         load_hf(tmp_path)
 
 
@@ -691,7 +707,9 @@ def test_hf_unexpected_tensor_is_named(tmp_path):
     t = _hf_tensors(np.random.default_rng(4), c)
     t["model.layers.0.self_attn.o_proj.bias"] = np.zeros((24,), np.float32)
     _write_hf(tmp_path, c, t)
-    with pytest.raises(ValueError, match=r"unexpected tensor 'model\.layers\.0\.self_attn\.o_proj\.bias'"):
+    with pytest.raises(
+        ValueError, match=r"unexpected tensor 'model\.layers\.0\.self_attn\.o_proj\.bias'"
+    ):
         load_hf(tmp_path)
 
 
@@ -701,7 +719,9 @@ def test_hf_bad_files_are_named(tmp_path):
     missing = dict(c)
     del missing["hidden_size"]
     _write_hf(tmp_path / "a", missing, t)
-    with pytest.raises(ValueError, match=r"a/config\.json: required field `hidden_size` is missing"):
+    with pytest.raises(
+        ValueError, match=r"a/config\.json: required field `hidden_size` is missing"
+    ):
         load_hf(tmp_path / "a")
     _write_hf(tmp_path / "b", c, t)
     (tmp_path / "b" / "config.json").write_text('{"hidden_size": 24,')
@@ -731,7 +751,9 @@ def test_models_layer_loads_llama2c_without_the_tokenizer(shared_dir):
 
     path = os.path.join(shared_dir, *STORIES)
     policy = load_llama2c_policy(path)
-    paired, tok = load_llama2c(path, os.path.join(shared_dir, "models", "stories260K", "tok512.bin"))
+    paired, tok = load_llama2c(
+        path, os.path.join(shared_dir, "models", "stories260K", "tok512.bin")
+    )
     assert tok.vocab_size == policy.cfg.vocab_size == 512
     for a, b in zip(jax.tree_util.tree_leaves(policy), jax.tree_util.tree_leaves(paired)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -753,11 +775,17 @@ def test_reward_and_value_models_export_as_sequence_classifiers(tmp_path, getkey
     assert stored["score.weight"].shape == (1, 16) and "lm_head.weight" not in stored
     loaded = load_hf(tmp_path / "rm")
     assert isinstance(loaded, rx.RewardModel)
-    np.testing.assert_allclose(eqx.filter_jit(loaded)(tokens, mask), eqx.filter_jit(reward)(tokens, mask), atol=1e-6)
+    np.testing.assert_allclose(
+        eqx.filter_jit(loaded)(tokens, mask), eqx.filter_jit(reward)(tokens, mask), atol=1e-6
+    )
     save_hf(value, tmp_path / "vm")
     as_reward = load_hf(tmp_path / "vm")
     per_token = eqx.filter_jit(value)(tokens, mask)
-    np.testing.assert_allclose(eqx.filter_jit(as_reward)(tokens, mask), per_token[jnp.arange(2), jnp.array([4, 5])], atol=1e-6)
+    np.testing.assert_allclose(
+        eqx.filter_jit(as_reward)(tokens, mask),
+        per_token[jnp.arange(2), jnp.array([4, 5])],
+        atol=1e-6,
+    )
     biased = eqx.tree_at(lambda m: m.bias, reward, jnp.ones((), jnp.float32))
     with pytest.raises(ValueError, match="`bias` is 1.0"):
         save_hf(biased, tmp_path / "bad")
@@ -768,18 +796,28 @@ def test_reward_and_value_models_export_as_sequence_classifiers(tmp_path, getkey
 
 
 def test_hf_window_fields_per_family():
-    qwen = _hf_config("Qwen2ForCausalLM", use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    qwen = _hf_config(
+        "Qwen2ForCausalLM", use_sliding_window=True, sliding_window=16, max_window_layers=1
+    )
     cfg = config_from_hf(qwen)
     assert cfg.sliding_window == 16 and cfg.local_layers == (False, True)
     assert config_from_hf(dict(qwen, use_sliding_window=False)).sliding_window is None
-    assert config_from_hf(_hf_config("MistralForCausalLM", sliding_window=None)).sliding_window is None
-    gemma3 = _hf_config("Gemma3ForCausalLM", hidden_activation="gelu_pytorch_tanh", sliding_window=8,
-                        layer_types=["full_attention", "sliding_attention"])
+    assert (
+        config_from_hf(_hf_config("MistralForCausalLM", sliding_window=None)).sliding_window is None
+    )
+    gemma3 = _hf_config(
+        "Gemma3ForCausalLM",
+        hidden_activation="gelu_pytorch_tanh",
+        sliding_window=8,
+        layer_types=["full_attention", "sliding_attention"],
+    )
     assert config_from_hf(gemma3).local_layers == (False, True)
     assert rx.models.config_to_hf(cfg)["max_window_layers"] == 1
 
 
 def test_hf_inconsistent_sizes_name_the_file():
     c = _hf_config("LlamaForCausalLM", num_key_value_heads=3)
-    with pytest.raises(ValueError, match=r"config\.json: TransformerConfig\.n_kv_heads=3 must divide n_heads=4"):
+    with pytest.raises(
+        ValueError, match=r"config\.json: TransformerConfig\.n_kv_heads=3 must divide n_heads=4"
+    ):
         config_from_hf(c)

@@ -68,7 +68,9 @@ def test_a_nan_loss_stops_training():
         return params, opt_state, {"loss": jnp.array(jnp.nan, jnp.float32)}
 
     state = rx.train.TrainState(
-        params=jnp.zeros((2,), jnp.float32), frozen=None, opt_state=(),
+        params=jnp.zeros((2,), jnp.float32),
+        frozen=None,
+        opt_state=(),
         step=jnp.zeros((), jnp.int32),
     )
     rows = jnp.ones((3, 4), jnp.int32)

@@ -1,5 +1,6 @@
 """Fast paths equal the reference computations: completion-only LM head (DPO, GRPO and PPO
-steps, entropies, temperature), the joint chosen/rejected forward, blockwise attention and NF4 weights."""
+steps, entropies, temperature), the joint chosen/rejected forward, blockwise attention and NF4
+weights."""
 
 import equinox as eqx
 import jax
@@ -7,15 +8,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hypothesis import given, settings, strategies as st
 from helpers import assert_tree_allclose
+from hypothesis import given, settings, strategies as st
 
 import rlhf_eqx as rx
 from rlhf_eqx import train
 
 
 def tiny_cfg(**kw):
-    base = dict(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, max_seq_len=128)
+    base = dict(
+        vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, max_seq_len=128
+    )
     base.update(kw)
     return rx.TransformerConfig(**base)
 
@@ -47,7 +50,9 @@ def test_selected_logprobs_equals_full_head(getkey, chunk, kw):
     want = reference_selected(policy, tokens, mask, select)
     got = policy.selected_logprobs(tokens, mask, select, chunk=chunk)
     assert_tree_allclose(got, want, rtol=1e-5, atol=1e-5)
-    jitted = eqx.filter_jit(lambda p, *a: p.selected_logprobs(*a, chunk=chunk))(policy, tokens, mask, select)
+    jitted = eqx.filter_jit(lambda p, *a: p.selected_logprobs(*a, chunk=chunk))(
+        policy, tokens, mask, select
+    )
     assert_tree_allclose(jitted, want, rtol=1e-5, atol=1e-5)
     one = policy.selected_logprobs(tokens[1], mask[1], select[1], chunk=chunk)
     assert_tree_allclose(one, (want[0][1], want[1][1]), rtol=1e-5, atol=1e-5)
@@ -90,7 +95,9 @@ def test_selected_logprobs_padding_invariance(getkey):
     mask = jnp.ones((1, 12), bool)
     select = jnp.arange(12)[None] >= 5
     base = policy.selected_logprobs(tokens, mask, select, chunk=4)[0]
-    padded_tokens = jnp.concatenate([jnp.zeros((1, 3), tokens.dtype), tokens, jnp.zeros((1, 2), tokens.dtype)], 1)
+    padded_tokens = jnp.concatenate(
+        [jnp.zeros((1, 3), tokens.dtype), tokens, jnp.zeros((1, 2), tokens.dtype)], 1
+    )
     padded_mask = jnp.concatenate([jnp.zeros((1, 3), bool), mask, jnp.zeros((1, 2), bool)], 1)
     padded_select = jnp.concatenate([jnp.zeros((1, 3), bool), select, jnp.ones((1, 2), bool)], 1)
     got = policy.selected_logprobs(padded_tokens, padded_mask, padded_select, chunk=4)[0]
@@ -120,8 +127,12 @@ def _pref_batch(key, B, T, V):
     cm = jnp.arange(T)[None, :] >= T // 3
     cm = jnp.broadcast_to(cm, mask.shape)
     return rx.PreferenceBatch(
-        chosen_tokens=tokens[:B], chosen_mask=mask[:B], chosen_completion_mask=cm[:B],
-        rejected_tokens=tokens[B:], rejected_mask=mask[B:], rejected_completion_mask=cm[B:],
+        chosen_tokens=tokens[:B],
+        chosen_mask=mask[:B],
+        chosen_completion_mask=cm[:B],
+        rejected_tokens=tokens[B:],
+        rejected_mask=mask[B:],
+        rejected_completion_mask=cm[B:],
     )
 
 
@@ -138,7 +149,8 @@ def test_dpo_step_fast_path_equals_full_logits_path(getkey, reference):
         assert_tree_allclose(
             (fast_batch.ref_chosen_logp, fast_batch.ref_rejected_logp),
             (slow_batch.ref_chosen_logp, slow_batch.ref_rejected_logp),
-            rtol=1e-5, atol=1e-5,
+            rtol=1e-5,
+            atol=1e-5,
         )
     else:
         fast_batch = slow_batch = batch
@@ -159,16 +171,27 @@ def test_selected_entropy_and_temperature_equal_full_logits(getkey, temperature)
         tokens, mask, select, chunk=7, temperature=temperature, with_entropy=True
     )
     logits = policy(tokens, mask)
-    want_logp = jax.vmap(lambda lg, t, m: rx.logprobs_from_logits(lg, t, m, temperature=temperature))(logits, tokens, mask)
-    want_ent = jax.vmap(lambda lg, m: rx.entropy_from_logits(lg, m, temperature=temperature))(logits, mask)
+    want_logp = jax.vmap(
+        lambda lg, t, m: rx.logprobs_from_logits(lg, t, m, temperature=temperature)
+    )(logits, tokens, mask)
+    want_ent = jax.vmap(lambda lg, m: rx.entropy_from_logits(lg, m, temperature=temperature))(
+        logits, mask
+    )
     _, has_prev = jax.vmap(rx.previous_real_index)(mask)
     keep = select & mask & has_prev
     np.testing.assert_allclose(logp, jnp.where(keep, want_logp, 0.0), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(ent, jnp.where(keep, want_ent, 0.0), rtol=1e-5, atol=1e-5)
-    assert np.all(np.asarray(ent)[~np.asarray(keep)] == 0.0) and np.all(np.asarray(ent)[np.asarray(keep)] > 0.0)
+    assert np.all(np.asarray(ent)[~np.asarray(keep)] == 0.0) and np.all(
+        np.asarray(ent)[np.asarray(keep)] > 0.0
+    )
     # the entropy is a metric: no gradient flows through it
-    g = jax.grad(lambda p: jnp.sum(p.selected_logprobs(tokens, mask, select, with_entropy=True)[2]))(policy)
-    assert all(float(jnp.max(jnp.abs(x))) == 0.0 for x in jax.tree.leaves(eqx.filter(g, eqx.is_inexact_array)))
+    g = jax.grad(
+        lambda p: jnp.sum(p.selected_logprobs(tokens, mask, select, with_entropy=True)[2])
+    )(policy)
+    assert all(
+        float(jnp.max(jnp.abs(x))) == 0.0
+        for x in jax.tree.leaves(eqx.filter(g, eqx.is_inexact_array))
+    )
     with pytest.raises(ValueError, match="temperature"):
         policy.selected_logprobs(tokens, mask, select, temperature=0.0)
 
@@ -192,21 +215,28 @@ def test_grpo_step_fast_path_equals_full_logits_path(getkey, kw):
     old = jax.vmap(lambda t, m: rx.token_logprobs(policy, t, m))(tokens, mask)
     old = old + 0.3 * jax.random.normal(getkey(), old.shape)
     batch = train.GRPOBatch(
-        tokens=tokens, mask=mask, completion_mask=cm,
-        rewards=jnp.asarray([1.0, 0.0, 0.5, 2.0]), old_logp=old,
+        tokens=tokens,
+        mask=mask,
+        completion_mask=cm,
+        rewards=jnp.asarray([1.0, 0.0, 0.5, 2.0]),
+        old_logp=old,
     )
     opt = optax.sgd(1.0)  # the update is minus the gradient (Adam would amplify rounding)
     step = train.make_grpo_step(opt, group_size=G, **kw)
     state = opt.init(eqx.filter(policy, eqx.is_inexact_array))
     p_fast, _, m_fast = step(policy, state, batch, reference=ref)
     plain = _Plain(policy)
-    p_slow, _, m_slow = step(plain, opt.init(eqx.filter(plain, eqx.is_inexact_array)), batch, reference=_Plain(ref))
+    p_slow, _, m_slow = step(
+        plain, opt.init(eqx.filter(plain, eqx.is_inexact_array)), batch, reference=_Plain(ref)
+    )
     assert float(m_fast["entropy"]) > 0.0
     assert_tree_allclose(m_fast, m_slow, rtol=1e-4, atol=1e-5)
     assert_tree_allclose(p_fast, p_slow.policy, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(temperature=0.7, micro_batches=2), dict(ent_coef=0.01)])
+@pytest.mark.parametrize(
+    "kw", [dict(), dict(temperature=0.7, micro_batches=2), dict(ent_coef=0.01)]
+)
 def test_ppo_step_fast_path_equals_full_logits_path(getkey, kw):
     """A `(Policy, ValueModel)` pair scores only the completion tokens (entropy in the same
     chunks) unless the entropy bonus needs its gradient; either way the step equals the
@@ -217,11 +247,19 @@ def test_ppo_step_fast_path_equals_full_logits_path(getkey, kw):
     cm = jnp.broadcast_to(jnp.arange(13)[None, :] >= 4, mask.shape)
     T = kw.get("temperature", 1.0)
     batch, _ = train.prepare_ppo_batch(
-        (policy, critic), policy, tokens, mask, cm, jnp.asarray([1.0, -1.0, 0.5, 2.0]),
-        kl_coef=0.05, temperature=T,
+        (policy, critic),
+        policy,
+        tokens,
+        mask,
+        cm,
+        jnp.asarray([1.0, -1.0, 0.5, 2.0]),
+        kl_coef=0.05,
+        temperature=T,
     )
     noise = 0.3 * jax.random.normal(getkey(), batch.old_logp.shape)
-    batch = eqx.tree_at(lambda b: b.old_logp, batch, jnp.where(batch.completion_mask, batch.old_logp + noise, 0.0))
+    batch = eqx.tree_at(
+        lambda b: b.old_logp, batch, jnp.where(batch.completion_mask, batch.old_logp + noise, 0.0)
+    )
     opt = optax.sgd(1.0)
     step = train.make_ppo_step(opt, vf_coef=0.5, donate=False, **kw)
     fast = (policy, critic)
@@ -230,14 +268,30 @@ def test_ppo_step_fast_path_equals_full_logits_path(getkey, kw):
     p_slow, _, m_slow = step(slow, opt.init(eqx.filter(slow, eqx.is_inexact_array)), batch)
     assert float(m_fast["policy/entropy"]) > 0.0
     assert_tree_allclose(m_fast, m_slow, rtol=1e-4, atol=1e-5)
-    assert_tree_allclose((p_fast[0], p_fast[1]), (p_slow[0].policy, p_slow[1]), rtol=1e-4, atol=1e-6)
+    assert_tree_allclose(
+        (p_fast[0], p_fast[1]), (p_slow[0].policy, p_slow[1]), rtol=1e-4, atol=1e-6
+    )
 
 
 NF4_TABLE = np.array(
-    [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-     -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-     0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-     0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0],
+    [
+        -1.0,
+        -0.6961928009986877,
+        -0.5250730514526367,
+        -0.39491748809814453,
+        -0.28444138169288635,
+        -0.18477343022823334,
+        -0.09105003625154495,
+        0.0,
+        0.07958029955625534,
+        0.16093020141124725,
+        0.24611230194568634,
+        0.33791524171829224,
+        0.44070982933044434,
+        0.5626170039176941,
+        0.7229568362236023,
+        1.0,
+    ],
     np.float32,
 )
 
@@ -260,7 +314,9 @@ def test_nf4_weight_matches_reference_dequantisation(getkey, shape, block):
     q = rx.models.quantize_weight_nf4(w, block_size=block)
     assert q.shape == shape
     assert q.codes.dtype == jnp.uint8
-    np.testing.assert_allclose(q.dequantize(jnp.float32), reference_nf4(np.asarray(w), block), rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(
+        q.dequantize(jnp.float32), reference_nf4(np.asarray(w), block), rtol=1e-6, atol=1e-9
+    )
 
 
 def test_nf4_rejects_bad_block_size():
@@ -276,7 +332,9 @@ def test_nf4_model_memory_forward_and_lora(getkey):
     assert isinstance(layers.wqkv, rx.models.NF4Weight)
     fields = ("wqkv", "wo", "w_gate_up", "w_down")
     dense_bytes = sum(getattr(policy.transformer.layers, f).nbytes for f in fields)
-    nf4_bytes = sum(getattr(layers, f).codes.nbytes + getattr(layers, f).absmax.nbytes for f in fields)
+    nf4_bytes = sum(
+        getattr(layers, f).codes.nbytes + getattr(layers, f).absmax.nbytes for f in fields
+    )
     assert nf4_bytes / dense_bytes <= 0.16
     tokens = jax.random.randint(getkey(), (2, 9), 0, 61)
     mask = jnp.ones((2, 9), bool)
@@ -308,12 +366,16 @@ def test_blockwise_attention_equals_dense(getkey, T, block):
     k = jax.random.normal(getkey(), (B, K, T, hd))
     v = jax.random.normal(getkey(), (B, K, T, hd))
     mask = jax.random.bernoulli(getkey(), 0.8, (B, T)).at[:, 0].set(True)
-    seg = jnp.concatenate([jnp.zeros((B, T // 2), jnp.int32), jnp.ones((B, T - T // 2), jnp.int32)], 1)
+    seg = jnp.concatenate(
+        [jnp.zeros((B, T // 2), jnp.int32), jnp.ones((B, T - T // 2), jnp.int32)], 1
+    )
     allowed, _ = attention_layout(mask, seg)
     dense = attention(q, k, v, allowed, cap=30.0)
     fast = attention(q, k, v, allowed, cap=30.0, causal_block=block)
     rows = jnp.any(allowed, axis=-1)[..., None, None]
-    np.testing.assert_allclose(jnp.where(rows, fast, 0.0), jnp.where(rows, dense, 0.0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        jnp.where(rows, fast, 0.0), jnp.where(rows, dense, 0.0), rtol=1e-5, atol=1e-5
+    )
 
     def loss(fn_block, q, k, v):
         out = attention(q, k, v, allowed, causal_block=fn_block)
@@ -346,17 +408,23 @@ def test_num_samples_prefills_once_and_equals_repeated_prompts(getkey, temperatu
     key = getkey()
     opts = dict(max_new_tokens=6, temperature=temperature, eos_id=2)
     grouped = rx.generate_batch(policy, prompts, masks, key, num_samples=3, **opts)
-    repeated = rx.generate_batch(policy, jnp.repeat(prompts, 3, 0), jnp.repeat(masks, 3, 0), key, **opts)
+    repeated = rx.generate_batch(
+        policy, jnp.repeat(prompts, 3, 0), jnp.repeat(masks, 3, 0), key, **opts
+    )
     assert grouped.tokens.shape == (6, 11)
     for a, b in zip(jax.tree.leaves(grouped), jax.tree.leaves(repeated)):
-        np.testing.assert_array_equal(a, b) if a.dtype != jnp.float32 else np.testing.assert_allclose(a, b, atol=1e-6)
+        np.testing.assert_array_equal(
+            a, b
+        ) if a.dtype != jnp.float32 else np.testing.assert_allclose(a, b, atol=1e-6)
 
 
 def test_num_samples_is_validated(getkey):
     policy = rx.Policy(tiny_cfg(), key=getkey())
     prompt = jnp.ones((3,), jnp.int32)
     with pytest.raises(ValueError, match="num_samples"):
-        rx.generate_batch(policy, prompt[None], prompt[None] > 0, getkey(), max_new_tokens=2, num_samples=0)
+        rx.generate_batch(
+            policy, prompt[None], prompt[None] > 0, getkey(), max_new_tokens=2, num_samples=0
+        )
     with pytest.raises(ValueError, match="num_samples"):
         rx.generate(policy, prompt, prompt > 0, getkey(), max_new_tokens=2, num_samples=2)
 
@@ -404,8 +472,15 @@ HIDDEN_AT_CONFIGS = {
     "one_layer": dict(n_layers=1),
     "remat": dict(remat=True),
     "gemma3_like": dict(
-        n_layers=3, norm_plus_one=True, mlp_activation="gelu_tanh", embed_scale=True, post_norms=True,
-        qk_norm=True, attn_softcap=20.0, sliding_window=4, window_layers=(True, True, False),
+        n_layers=3,
+        norm_plus_one=True,
+        mlp_activation="gelu_tanh",
+        embed_scale=True,
+        post_norms=True,
+        qk_norm=True,
+        attn_softcap=20.0,
+        sliding_window=4,
+        window_layers=(True, True, False),
         rope_local_theta=100.0,
     ),
     "mistral_like": dict(sliding_window=3, attn_bias=True),
@@ -486,7 +561,10 @@ def test_steps_embed_no_sequence_sized_constants(getkey):
     plain = _pref_batch(getkey(), 2, T, V)
     toks = lambda n: tuple(int(t) for t in np.asarray(jax.random.randint(getkey(), (n,), 1, V)))
     pairs = [
-        rx.data.TokenizedPair(rx.data.TokenizedSequence(toks(40), toks(60)), rx.data.TokenizedSequence(toks(40), toks(55)))
+        rx.data.TokenizedPair(
+            rx.data.TokenizedSequence(toks(40), toks(60)),
+            rx.data.TokenizedSequence(toks(40), toks(55)),
+        )
         for _ in range(2)
     ]
     dpo = train.make_dpo_step(opt, reference="model")
@@ -503,12 +581,21 @@ def test_steps_embed_no_sequence_sized_constants(getkey):
     lowered["reward"] = eqx.filter_jit(lambda p, o, b: rm_step(p, o, b)).lower(rm, rm_state, plain)
     B, P, N = 2, 8, T
     out = rx.generate_batch(
-        policy, jnp.ones((B, P), jnp.int32), jnp.ones((B, P), bool), getkey(), max_new_tokens=N, num_samples=2
+        policy,
+        jnp.ones((B, P), jnp.int32),
+        jnp.ones((B, P), bool),
+        getkey(),
+        max_new_tokens=N,
+        num_samples=2,
     )
     grpo = train.GRPOBatch(
-        tokens=out.tokens, mask=out.mask, completion_mask=out.completion_mask,
-        rewards=jnp.arange(2 * B, dtype=jnp.float32), old_logp=out.logprobs,
-        prompt_length=P, samples_per_prompt=2,
+        tokens=out.tokens,
+        mask=out.mask,
+        completion_mask=out.completion_mask,
+        rewards=jnp.arange(2 * B, dtype=jnp.float32),
+        old_logp=out.logprobs,
+        prompt_length=P,
+        samples_per_prompt=2,
     )
     grpo_step = train.make_grpo_step(opt, group_size=2)
     lowered["grpo"] = eqx.filter_jit(lambda p, o, b: grpo_step(p, o, b)).lower(policy, state, grpo)
@@ -526,7 +613,10 @@ def test_steps_embed_no_sequence_sized_constants(getkey):
 @settings(max_examples=12, deadline=None)
 @given(
     values=st.lists(
-        st.one_of(st.floats(-1e4, 1e4, width=32), st.sampled_from([0.0, -0.0, 1e-30, -88.0, 88.0, 3e38, -3e38])),
+        st.one_of(
+            st.floats(-1e4, 1e4, width=32),
+            st.sampled_from([0.0, -0.0, 1e-30, -88.0, 88.0, 3e38, -3e38]),
+        ),
         min_size=6,
         max_size=6,
     ),
@@ -543,14 +633,18 @@ def test_gated_activation_equals_the_written_out_product(kind, values, seed):
     ref = lambda g, u: activation(g, kind) * u
     np.testing.assert_array_equal(gated_activation(gate, up, kind), ref(gate, up))
     loss = lambda f: lambda g, u: jnp.sum(f(g, u) * cot)
-    got = jax.jit(jax.grad(loss(lambda g, u: gated_activation(g, u, kind)), argnums=(0, 1)))(gate, up)
+    got = jax.jit(jax.grad(loss(lambda g, u: gated_activation(g, u, kind)), argnums=(0, 1)))(
+        gate, up
+    )
     want = jax.jit(jax.grad(loss(ref), argnums=(0, 1)))(gate, up)
     for a, b in zip(got, want):
         # at |gate| ~ 3e38 autodiff of the written-out SiLU multiplies inf by 0 (NaN)
         # where the slope taken in the forward pass is 1: compare where autodiff is finite
         ok = np.isfinite(b)
         np.testing.assert_allclose(a[ok], b[ok], rtol=2e-6, atol=1e-30)
-    rows = jax.vmap(jax.grad(lambda g, u, c: jnp.sum(gated_activation(g, u, kind) * c)))(gate, up, cot)
+    rows = jax.vmap(jax.grad(lambda g, u, c: jnp.sum(gated_activation(g, u, kind) * c)))(
+        gate, up, cot
+    )
     # eager against jitted: float32 rounding of a differently fused tanh
     ok = np.isfinite(want[0])
     np.testing.assert_allclose(rows[ok], want[0][ok], rtol=1e-5, atol=1e-6)
@@ -607,23 +701,35 @@ def test_rms_norm_backward_equals_autodiff(plus_one, scale, seed):
     w = jax.random.normal(k2, (16,))
     cot = jax.random.normal(k3, (3, 4, 16))
     eps = 1e-6
-    np.testing.assert_array_equal(rx.models.rms_norm(x, w, eps, plus_one=plus_one), _rms_norm_autodiff(x, w, eps, plus_one))
+    np.testing.assert_array_equal(
+        rx.models.rms_norm(x, w, eps, plus_one=plus_one), _rms_norm_autodiff(x, w, eps, plus_one)
+    )
     loss = lambda f: lambda x, w: jnp.sum(f(x, w) * cot)
-    ours = jax.jit(jax.grad(loss(lambda x, w: rx.models.rms_norm(x, w, eps, plus_one=plus_one)), argnums=(0, 1)))(x, w)
+    ours = jax.jit(
+        jax.grad(
+            loss(lambda x, w: rx.models.rms_norm(x, w, eps, plus_one=plus_one)), argnums=(0, 1)
+        )
+    )(x, w)
     # float64 closed form
     x64, w64, c64 = (np.asarray(a, np.float64) for a in (x, w, cot))
     r = 1.0 / np.sqrt(np.mean(x64**2, axis=-1, keepdims=True) + eps)
     n = x64 * r
     g = c64 * ((1.0 + w64) if plus_one else w64)
     exact = (r * (g - n * np.mean(g * n, axis=-1, keepdims=True)), np.sum(c64 * n, axis=(0, 1)))
-    close = lambda a, b, rtol: np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * float(np.max(np.abs(b)) + 1e-300))
+    close = lambda a, b, rtol: np.testing.assert_allclose(
+        a, b, rtol=rtol, atol=rtol * float(np.max(np.abs(b)) + 1e-300)
+    )
     for a, b in zip(ours, exact):
         close(np.asarray(a, np.float64), b, 1e-4)
     if scale <= 1e3:
-        want = jax.jit(jax.grad(loss(lambda x, w: _rms_norm_autodiff(x, w, eps, plus_one)), argnums=(0, 1)))(x, w)
+        want = jax.jit(
+            jax.grad(loss(lambda x, w: _rms_norm_autodiff(x, w, eps, plus_one)), argnums=(0, 1))
+        )(x, w)
         for a, b in zip(ours, want):
             close(np.asarray(a), np.asarray(b), 2e-5)
-    rows = jax.vmap(jax.grad(lambda x, c: jnp.sum(rx.models.rms_norm(x, w, eps, plus_one=plus_one) * c)))(x, cot)
+    rows = jax.vmap(
+        jax.grad(lambda x, c: jnp.sum(rx.models.rms_norm(x, w, eps, plus_one=plus_one) * c))
+    )(x, cot)
     close(np.asarray(rows, np.float64), exact[0], 1e-4)
 
 
@@ -634,9 +740,12 @@ def test_rms_norm_backward_in_bfloat16_is_float32_accurate():
     w = jax.random.normal(jax.random.key(1), (32,))
     cot = jax.random.normal(jax.random.key(2), (6, 32))
     grad = lambda dt: jax.grad(
-        lambda x, w: jnp.sum(rx.models.rms_norm(x, w, 1e-6).astype(jnp.float32) * cot), argnums=(0, 1)
+        lambda x, w: jnp.sum(rx.models.rms_norm(x, w, 1e-6).astype(jnp.float32) * cot),
+        argnums=(0, 1),
     )(x.astype(dt), w.astype(dt))
     lo, hi = grad(jnp.bfloat16), grad(jnp.float32)
     assert [g.dtype for g in lo] == [jnp.bfloat16, jnp.bfloat16]
     for a, b in zip(lo, hi):
-        np.testing.assert_allclose(a.astype(jnp.float32), b, rtol=3e-2, atol=3e-2 * float(np.max(np.abs(b))))
+        np.testing.assert_allclose(
+            a.astype(jnp.float32), b, rtol=3e-2, atol=3e-2 * float(np.max(np.abs(b)))
+        )

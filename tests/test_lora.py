@@ -265,23 +265,35 @@ def test_peft_adapter_round_trip(tmp_path, getkey):
 
     from rlhf_eqx.models import load_lora_adapter, save_lora_adapter
 
-    cfg = rx.TransformerConfig(vocab_size=40, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24)
+    cfg = rx.TransformerConfig(
+        vocab_size=40, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24
+    )
     base = rx.Policy(cfg, key=getkey())
-    model = rx.apply_lora(base, rx.LoRAConfig(rank=3, alpha=6.0, targets=("q", "o", "down")), key=getkey())
+    model = rx.apply_lora(
+        base, rx.LoRAConfig(rank=3, alpha=6.0, targets=("q", "o", "down")), key=getkey()
+    )
     lora = model.transformer.layers.lora
-    model = eqx.tree_at(lambda m: [m.transformer.layers.lora[t].b for t in lora], model,
-                        [jax.random.normal(getkey(), lora[t].b.shape) for t in lora])
+    model = eqx.tree_at(
+        lambda m: [m.transformer.layers.lora[t].b for t in lora],
+        model,
+        [jax.random.normal(getkey(), lora[t].b.shape) for t in lora],
+    )
     save_lora_adapter(model, tmp_path)
     config = json.loads((tmp_path / "adapter_config.json").read_text())
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 3, 6.0)
     assert config["target_modules"] == ["down_proj", "o_proj", "q_proj"]
     tensors = load_file(tmp_path / "adapter_model.safetensors")
-    assert tensors["base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"].shape == (3, 16)
+    assert tensors["base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"].shape == (
+        3,
+        16,
+    )
     assert tensors["base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"].shape == (16, 3)
     loaded = load_lora_adapter(base, tmp_path)
     toks = jnp.array([1, 5, 9, 3, 7], jnp.int32)
     ones = jnp.ones((5,), bool)
-    np.testing.assert_allclose(eqx.filter_jit(loaded)(toks, ones), eqx.filter_jit(model)(toks, ones), atol=1e-5)
+    np.testing.assert_allclose(
+        eqx.filter_jit(loaded)(toks, ones), eqx.filter_jit(model)(toks, ones), atol=1e-5
+    )
     config["use_dora"] = True
     (tmp_path / "adapter_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="`use_dora`"):

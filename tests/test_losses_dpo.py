@@ -350,8 +350,17 @@ def test_vmap_over_traced_beta_equals_per_value(loss_type):
 
     def f(beta, label_smoothing=eps):
         return dpo_loss(
-            C, R, RC, RR, beta=beta, loss_type=loss_type, label_smoothing=label_smoothing,
-            chosen_len=LC, rejected_len=LR, discopop_tau=TAU, simpo_gamma=GAMMA,
+            C,
+            R,
+            RC,
+            RR,
+            beta=beta,
+            loss_type=loss_type,
+            label_smoothing=label_smoothing,
+            chosen_len=LC,
+            rejected_len=LR,
+            discopop_tau=TAU,
+            simpo_gamma=GAMMA,
         )
 
     swept = jax.vmap(f)(betas)
@@ -365,9 +374,12 @@ def test_vmap_over_traced_beta_equals_per_value(loss_type):
 def test_jit_traced_beta_batch_and_aot():
     args = [jnp.array([x, -2.0 - i]) for i, x in enumerate((C, R, RC, RR))]
     for t in ("sigmoid", "aot", "bco_pair"):
-        f = jax.jit(lambda b, t=t: dpo_batch_loss(*args, loss_type=t, beta=b, label_smoothing=b / 10))
+        f = jax.jit(
+            lambda b, t=t: dpo_batch_loss(*args, loss_type=t, beta=b, label_smoothing=b / 10)
+        )
         np.testing.assert_allclose(
-            f(jnp.asarray(0.3)), dpo_batch_loss(*args, loss_type=t, beta=0.3, label_smoothing=0.03),
+            f(jnp.asarray(0.3)),
+            dpo_batch_loss(*args, loss_type=t, beta=0.3, label_smoothing=0.03),
             rtol=1e-6,
         )
 

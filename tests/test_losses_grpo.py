@@ -253,8 +253,15 @@ def test_grpo_traced_hyperparameters_under_jit_and_vmap(getkey):
 
     def f(eps, eps_high, beta, delta):
         return grpo_policy_loss(
-            logp, old, a, mask, clip_eps=eps, clip_eps_high=eps_high, ref_logp=ref,
-            beta=beta, delta=delta,
+            logp,
+            old,
+            a,
+            mask,
+            clip_eps=eps,
+            clip_eps_high=eps_high,
+            ref_logp=ref,
+            beta=beta,
+            delta=delta,
         )[0]
 
     jitted = jax.jit(f)
@@ -280,7 +287,9 @@ def test_choice_tuples_and_errors():
     assert ADVANTAGE_SCALES == ("group", "batch", "none")
     for scale in ADVANTAGE_SCALES:
         group_advantages(jnp.array([[1.0, 2.0, 4.0]]), scale=scale)
-    with pytest.raises(ValueError, match="^unknown scale 'std'; expected one of 'group', 'batch', 'none'$"):
+    with pytest.raises(
+        ValueError, match="^unknown scale 'std'; expected one of 'group', 'batch', 'none'$"
+    ):
         check_choice("scale", "std", ADVANTAGE_SCALES)
     with pytest.raises((ValueError, TypeCheckError), match="std"):
         group_advantages(jnp.array([1.0, 2.0]), scale="std")  # pyright: ignore

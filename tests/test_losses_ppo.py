@@ -325,7 +325,9 @@ def test_traced_clip_eps_and_kl_coef_under_jit(getkey):
     for eps, eps_high, dual, kl_coef in ((0.1, 0.3, 2.0, 0.05), (0.25, 0.25, 3.0, 0.5)):
         got = f(*(jnp.asarray(x) for x in (eps, eps_high, dual, kl_coef)))
         want = (
-            ppo_policy_loss(logp, old, adv, mask, clip_eps=eps, clip_eps_high=eps_high, dual_clip=dual)[0],
+            ppo_policy_loss(
+                logp, old, adv, mask, clip_eps=eps, clip_eps_high=eps_high, dual_clip=dual
+            )[0],
             ppo_value_loss(v, v_old, ret, mask, clip_eps=eps)[0],
             kl_shaped_rewards(1.0, logp, old, mask, kl_coef=kl_coef, kind="k3"),
         )

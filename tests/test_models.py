@@ -45,7 +45,9 @@ def test_padding_tokens_do_not_matter(policy, getkey):
     b = jnp.where(mask, a, 17)
     np.testing.assert_allclose(call(policy, a, mask)[mask], call(policy, b, mask)[mask], atol=1e-6)
     # a gap in the middle is transparent: same as the six real tokens in a row
-    np.testing.assert_allclose(call(policy, a, mask)[mask], call(policy, real, jnp.ones((6,), bool)), atol=1e-5)
+    np.testing.assert_allclose(
+        call(policy, a, mask)[mask], call(policy, real, jnp.ones((6,), bool)), atol=1e-5
+    )
 
 
 def test_packed_segments_equal_separate_runs(policy, getkey):
@@ -107,13 +109,21 @@ def test_value_and_reward_heads(policy, getkey):
 
 def test_tied_embeddings_and_bias(getkey):
     cfg = rx.TransformerConfig(
-        vocab_size=40, d_model=16, n_layers=1, n_heads=2, d_ff=24, tie_embeddings=True, attn_bias=True
+        vocab_size=40,
+        d_model=16,
+        n_layers=1,
+        n_heads=2,
+        d_ff=24,
+        tie_embeddings=True,
+        attn_bias=True,
     )
     p = rx.Policy(cfg, key=getkey())
     assert p.lm_head is None and p.transformer.layers.bqkv is not None
     toks = _tokens(getkey(), 5, vocab=40)
     h = call(p.transformer, toks, jnp.ones((5,), bool))
-    np.testing.assert_allclose(call(p, toks, jnp.ones((5,), bool)), h @ p.transformer.embed.T, atol=1e-5)
+    np.testing.assert_allclose(
+        call(p, toks, jnp.ones((5,), bool)), h @ p.transformer.embed.T, atol=1e-5
+    )
     n = sum(x.size for x in jax.tree_util.tree_leaves(eqx.filter(p, eqx.is_array)))
     assert n == cfg.num_params()
 
@@ -182,7 +192,9 @@ def test_pytree_is_immutable(policy):
     with pytest.raises(Exception):
         policy.lm_head = None  # type: ignore[misc]
     leaves = jax.tree_util.tree_leaves(policy)
-    assert_tree_allclose(jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(policy), leaves), policy)
+    assert_tree_allclose(
+        jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(policy), leaves), policy
+    )
 
 
 def test_batched_call_equals_vmap(policy, getkey):
@@ -206,7 +218,9 @@ def test_batched_call_equals_vmap(policy, getkey):
 
 def test_remat_gives_the_same_values_and_gradients(policy, getkey):
     remat = jax.tree_util.tree_unflatten(
-        jax.tree_util.tree_structure(rx.Policy(rx.TransformerConfig(**{**CFG.__dict__, "remat": True}), key=getkey())),
+        jax.tree_util.tree_structure(
+            rx.Policy(rx.TransformerConfig(**{**CFG.__dict__, "remat": True}), key=getkey())
+        ),
         jax.tree_util.tree_leaves(policy),
     )
     assert remat.cfg.remat and not policy.cfg.remat
@@ -238,7 +252,13 @@ def test_models_layer_imports_nothing_above_it():
                 module = ("." * node.level) + (node.module or "")
                 parts = module.lstrip(".").split(".")
                 assert not (node.level >= 2 and parts[0] in above), (path.name, module)
-                assert not (module.startswith("rlhf_eqx.") and parts[1] in above), (path.name, module)
+                assert not (module.startswith("rlhf_eqx.") and parts[1] in above), (
+                    path.name,
+                    module,
+                )
             if isinstance(node, ast.Import):
                 for alias in node.names:
-                    assert not alias.name.startswith("rlhf_eqx.") or alias.name.split(".")[1] == "models"
+                    assert (
+                        not alias.name.startswith("rlhf_eqx.")
+                        or alias.name.split(".")[1] == "models"
+                    )

@@ -329,9 +329,7 @@ def test_preference_steps_hold_every_pair_once_in_one_shape():
     assert even[0].tokens.shape[0] == round(n_rows * 6 / len(pairs))
     again = data.pack_preference_steps(pairs, pad_id=0, row_length=40, rows_per_step=3, seed=1)
     assert [_slot_contents(b) for b in again] == [_slot_contents(b) for b in steps]
-    ordered = data.pack_preference_steps(
-        pairs, pad_id=0, row_length=40, rows_per_step=3, seed=None
-    )
+    ordered = data.pack_preference_steps(pairs, pad_id=0, row_length=40, rows_per_step=3, seed=None)
     longest = max(pairs, key=data.packed_length)
     assert _slot_contents(ordered[0])[0] == (
         longest.chosen.prompt + longest.chosen.completion + longest.rejected.completion

@@ -446,17 +446,26 @@ def test_packed_dpo_run_holds_every_pair_in_one_shape(tmp_path, tok):
     words = ["dog", "cat", "sun", "tree", "boat", "rain", "hill", "fox"]
     say = lambda n: " ".join(rng.choice(words, n))
     records = [
-        rx.data.PreferenceRecord(say(int(rng.integers(2, 9))), " " + say(int(rng.integers(1, 6))),
-                                 " " + say(int(rng.integers(1, 6))))
+        rx.data.PreferenceRecord(
+            say(int(rng.integers(2, 9))),
+            " " + say(int(rng.integers(1, 6))),
+            " " + say(int(rng.integers(1, 6))),
+        )
         for _ in range(13)
     ]
     cfg = pl.DPOConfig(
-        steps=4, batch_size=4, max_length=32, packing=True, beta=0.5,
+        steps=4,
+        batch_size=4,
+        max_length=32,
+        packing=True,
+        beta=0.5,
         optim=pl.OptimConfig(lr=5e-2, warmup_ratio=0.0),
         lora=pl.LoRASettings(rank=4, alpha=8.0, dropout=0.0),
     )
     batches = pl.packed_steps(records, tok, cfg=cfg, prompt_length=24, seed=0)
-    assert {b.tokens.shape[1] for b in batches} == {64} and len({b.tokens.shape for b in batches}) == 1
+    assert {b.tokens.shape[1] for b in batches} == {64} and len(
+        {b.tokens.shape for b in batches}
+    ) == 1
     assert sum(int(b.pairs.sum()) for b in batches) == len(records)
     assert 2 <= len(records) / len(batches) <= 8  # about batch_size pairs a step
     res = pl.run_dpo(policy, tok, records, cfg=cfg, ctx=_ctx(tmp_path))

@@ -52,8 +52,12 @@ def _preferences(key):
     rt, rm, rcm = _uneven_sequences(k2)
     rt = rt.at[:, :3].set(ct[:, :3])
     return rx.PreferenceBatch(
-        chosen_tokens=ct, chosen_mask=cm, chosen_completion_mask=ccm,
-        rejected_tokens=rt, rejected_mask=rm, rejected_completion_mask=rcm,
+        chosen_tokens=ct,
+        chosen_mask=cm,
+        chosen_completion_mask=ccm,
+        rejected_tokens=rt,
+        rejected_mask=rm,
+        rejected_completion_mask=rcm,
     )
 
 
@@ -66,24 +70,37 @@ def _compare(step_dp, step_one, params, opt, batch, *, atol=1e-5, **kwargs):
     dp = jax.pmap(lambda p, s, b, kw: step_dp(p, s, b, **kw), axis_name="data", devices=devices)
     rep_kwargs = replicate(kwargs, devices)
     dp_params, _, dp_m = dp(
-        replicate(params, devices), replicate(opt_state, devices),
-        shard_batch_for_pmap(batch, N_DEV), rep_kwargs,
+        replicate(params, devices),
+        replicate(opt_state, devices),
+        shard_batch_for_pmap(batch, N_DEV),
+        rep_kwargs,
     )
     # Every replica holds the same parameters ...
     for leaf in jax.tree.leaves(eqx.filter(dp_params, eqx.is_inexact_array)):
-        np.testing.assert_allclose(np.asarray(leaf[1:]), np.broadcast_to(leaf[:1], leaf[1:].shape),
-                                   atol=1e-7)
+        np.testing.assert_allclose(
+            np.asarray(leaf[1:]), np.broadcast_to(leaf[:1], leaf[1:].shape), atol=1e-7
+        )
     # ... equal to the one-device update on the whole batch.
     got = eqx.filter(unreplicate(dp_params), eqx.is_inexact_array)
     want = eqx.filter(one_params, eqx.is_inexact_array)
-    diffs = [float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)]
+    diffs = [
+        float(jnp.max(jnp.abs(a - b)))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+    ]
     assert max(diffs) < atol, f"max abs param difference {max(diffs)}"
-    moved = [float(jnp.max(jnp.abs(a - b))) for a, b in zip(
-        jax.tree.leaves(want), jax.tree.leaves(eqx.filter(params, eqx.is_inexact_array)), strict=True)]
+    moved = [
+        float(jnp.max(jnp.abs(a - b)))
+        for a, b in zip(
+            jax.tree.leaves(want),
+            jax.tree.leaves(eqx.filter(params, eqx.is_inexact_array)),
+            strict=True,
+        )
+    ]
     assert max(moved) > 1e-4  # the step did something
     for name, value in one_m.items():
-        np.testing.assert_allclose(np.asarray(dp_m[name][0]), np.asarray(value), rtol=2e-4,
-                                   atol=2e-5, err_msg=name)
+        np.testing.assert_allclose(
+            np.asarray(dp_m[name][0]), np.asarray(value), rtol=2e-4, atol=2e-5, err_msg=name
+        )
     return one_m
 
 
@@ -93,8 +110,13 @@ def test_pmap_sft_equals_one_device(getkey):
     batch = rx.SequenceBatch(tokens=tokens, mask=mask, completion_mask=cm)
     opt = optax.sgd(0.5)
     for mode in ("token-mean", "seq-mean-token-mean"):
-        m = _compare(make_sft_step(opt, mode=mode, axis_name="data"), make_sft_step(opt, mode=mode),
-                     policy, opt, batch)
+        m = _compare(
+            make_sft_step(opt, mode=mode, axis_name="data"),
+            make_sft_step(opt, mode=mode),
+            policy,
+            opt,
+            batch,
+        )
         assert float(m["num_tokens"]) == float(jnp.sum(cm))
 
 
@@ -102,8 +124,13 @@ def test_pmap_reward_equals_one_device(getkey):
     model = rx.RewardModel(tiny_config(), key=getkey())
     batch = _preferences(getkey())
     opt = optax.sgd(0.5)
-    _compare(make_reward_step(opt, center_coef=0.01, axis_name="data"),
-             make_reward_step(opt, center_coef=0.01), model, opt, batch)
+    _compare(
+        make_reward_step(opt, center_coef=0.01, axis_name="data"),
+        make_reward_step(opt, center_coef=0.01),
+        model,
+        opt,
+        batch,
+    )
 
 
 @pytest.mark.parametrize("reference", ["model", "cached"])
@@ -117,8 +144,14 @@ def test_pmap_dpo_equals_one_device(getkey, reference):
     if reference == "cached":
         batch = compute_reference_logps(ref, batch)
         extra = {}
-    _compare(make_dpo_step(opt, axis_name="data", **kw), make_dpo_step(opt, **kw), policy, opt,
-             batch, **extra)
+    _compare(
+        make_dpo_step(opt, axis_name="data", **kw),
+        make_dpo_step(opt, **kw),
+        policy,
+        opt,
+        batch,
+        **extra,
+    )
 
 
 def test_pmap_ppo_equals_one_device(getkey):
@@ -127,17 +160,25 @@ def test_pmap_ppo_equals_one_device(getkey):
     tokens, mask, cm = _uneven_sequences(getkey())
     scores = jax.random.normal(getkey(), (B,))
     ref = rx.Policy(tiny_config(), key=getkey())
-    batch, _ = prepare_ppo_batch((policy, value), ref, tokens, mask, cm, scores, kl_coef=0.1,
-                                 temperature=0.9)
+    batch, _ = prepare_ppo_batch(
+        (policy, value), ref, tokens, mask, cm, scores, kl_coef=0.1, temperature=0.9
+    )
     # Perturb the sampling log-probs so that some ratios are clipped.
     noise = 0.3 * jax.random.normal(getkey(), batch.old_logp.shape)
-    batch = eqx.tree_at(lambda b: b.old_logp, batch, jnp.where(batch.completion_mask,
-                                                                  batch.old_logp + noise, 0.0))
+    batch = eqx.tree_at(
+        lambda b: b.old_logp, batch, jnp.where(batch.completion_mask, batch.old_logp + noise, 0.0)
+    )
     opt = optax.sgd(0.5)
-    kw = dict(vf_coef=0.5, ent_coef=0.01, clip_eps_high=0.28, mode="seq-mean-token-mean",
-              temperature=0.9)
-    m = _compare(make_ppo_step(opt, axis_name="data", **kw), make_ppo_step(opt, **kw),
-                 (policy, value), opt, batch)
+    kw = dict(
+        vf_coef=0.5, ent_coef=0.01, clip_eps_high=0.28, mode="seq-mean-token-mean", temperature=0.9
+    )
+    m = _compare(
+        make_ppo_step(opt, axis_name="data", **kw),
+        make_ppo_step(opt, **kw),
+        (policy, value),
+        opt,
+        batch,
+    )
     assert 0.0 < float(m["policy/clipfrac"]) < 1.0
 
 
@@ -150,8 +191,14 @@ def test_pmap_grpo_equals_one_device(getkey, scale):
     batch = GRPOBatch(tokens=tokens, mask=mask, completion_mask=cm, rewards=rewards)
     opt = optax.sgd(2.0)
     kw = dict(group_size=2, scale=scale, beta=0.04, mode="token-mean")
-    m = _compare(make_grpo_step(opt, axis_name="data", **kw), make_grpo_step(opt, **kw), policy,
-                 opt, batch, reference=ref)
+    m = _compare(
+        make_grpo_step(opt, axis_name="data", **kw),
+        make_grpo_step(opt, **kw),
+        policy,
+        opt,
+        batch,
+        reference=ref,
+    )
     assert float(m["frac_reward_zero_std"]) > 0.0
 
 
@@ -169,15 +216,24 @@ def test_pmap_grpo_shared_prompt_equals_one_device_unshared(getkey):
     kw = dict(group_size=2, beta=0.04, mode="token-mean")
     devices = _devices()
     opt_state = opt.init(eqx.filter(policy, eqx.is_inexact_array))
-    one_params, _, one_m = make_grpo_step(opt, **kw)(policy, opt_state, GRPOBatch(**fields), reference=ref)
+    one_params, _, one_m = make_grpo_step(opt, **kw)(
+        policy, opt_state, GRPOBatch(**fields), reference=ref
+    )
     dp = jax.pmap(
         lambda p, s, b, r: make_grpo_step(opt, axis_name="data", **kw)(p, s, b, reference=r),
-        axis_name="data", devices=devices,
+        axis_name="data",
+        devices=devices,
     )
-    dp_params, _, dp_m = dp(replicate(policy, devices), replicate(opt_state, devices),
-                            shard_batch_for_pmap(shared, N_DEV), replicate(ref, devices))
-    for a, b in zip(jax.tree.leaves(eqx.filter(unreplicate(dp_params), eqx.is_inexact_array)),
-                    jax.tree.leaves(eqx.filter(one_params, eqx.is_inexact_array))):
+    dp_params, _, dp_m = dp(
+        replicate(policy, devices),
+        replicate(opt_state, devices),
+        shard_batch_for_pmap(shared, N_DEV),
+        replicate(ref, devices),
+    )
+    for a, b in zip(
+        jax.tree.leaves(eqx.filter(unreplicate(dp_params), eqx.is_inexact_array)),
+        jax.tree.leaves(eqx.filter(one_params, eqx.is_inexact_array)),
+    ):
         np.testing.assert_allclose(a, b, atol=1e-5)
     for k in ("loss", "kl", "entropy"):
         np.testing.assert_allclose(unreplicate(dp_m)[k], one_m[k], rtol=1e-4, atol=1e-6)
@@ -192,7 +248,10 @@ def test_naive_pmap_without_axis_name_differs(getkey):
     opt = optax.sgd(0.5)
     step = make_sft_step(opt)
     dp = jax.pmap(step, devices=devices)
-    params, _, _ = dp(replicate(policy, devices), replicate(opt.init(policy), devices),
-                      shard_batch_for_pmap(batch, N_DEV))
+    params, _, _ = dp(
+        replicate(policy, devices),
+        replicate(opt.init(policy), devices),
+        shard_batch_for_pmap(batch, N_DEV),
+    )
     embed = np.asarray(params.transformer.embed)
     assert np.max(np.abs(embed[0] - embed[1])) > 1e-6

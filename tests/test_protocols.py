@@ -75,20 +75,27 @@ def test_custom_decoder_samples_with_rlhf_eqx(example):
     assert len(_class_source_lines(example)) <= 40
     prompts = jnp.array([[1, 2, 3], [0, 4, 5]], jnp.int32)
     masks = jnp.array([[1, 1, 1], [0, 1, 1]], bool)  # left padding
-    out = rx.generate_batch(model, prompts, masks, jax.random.key(1), max_new_tokens=5, eos_id=[7, 9])
+    out = rx.generate_batch(
+        model, prompts, masks, jax.random.key(1), max_new_tokens=5, eos_id=[7, 9]
+    )
     # The cached decode equals the full forward pass: sampled log-probs == recomputed ones.
     full = jax.vmap(lambda t, m: rx.token_logprobs(model, t, m))(out.tokens, out.mask)
     np.testing.assert_allclose(
         np.where(out.completion_mask, full, 0.0), out.logprobs, rtol=1e-5, atol=1e-5
     )
     with pytest.raises(ValueError, match="prompt row 1 has id 16"):
-        rx.generate_batch(model, prompts.at[1, 0].set(16), masks, jax.random.key(1), max_new_tokens=2)
+        rx.generate_batch(
+            model, prompts.at[1, 0].set(16), masks, jax.random.key(1), max_new_tokens=2
+        )
 
 
 def _class_source_lines(example):
     import inspect
 
-    lines = inspect.getsource(example.RNNCache).splitlines() + inspect.getsource(example.TinyRNN).splitlines()
+    lines = (
+        inspect.getsource(example.RNNCache).splitlines()
+        + inspect.getsource(example.TinyRNN).splitlines()
+    )
     return [line for line in lines if line.strip()]
 
 
@@ -100,4 +107,6 @@ def test_custom_decoder_trains_with_every_step_builder(example, algorithm):
     assert np.all(np.isfinite(losses))
     assert losses[-1] < losses[0], losses
     # The policy passed in is untouched (steps are pure; the example does not donate it).
-    assert eqx.tree_equal(policy, example.TinyRNN(example.VOCAB, example.DIM, key=jax.random.key(0)))
+    assert eqx.tree_equal(
+        policy, example.TinyRNN(example.VOCAB, example.DIM, key=jax.random.key(0))
+    )

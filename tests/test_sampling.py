@@ -1,4 +1,5 @@
-"""Sampler: cached decoding == full forward, sampled log-probs == recomputed log-probs, EOS, greedy."""
+"""Sampler: cached decoding == full forward, sampled log-probs == recomputed log-probs, EOS,
+greedy."""
 
 import re
 
@@ -21,11 +22,15 @@ def policy():
 
 @eqx.filter_jit
 def logprobs(model, tokens, mask, temperature):
-    return jax.vmap(lambda t, m: rx.token_logprobs(model, t, m, temperature=temperature))(tokens, mask)
+    return jax.vmap(lambda t, m: rx.token_logprobs(model, t, m, temperature=temperature))(
+        tokens, mask
+    )
 
 
 def _prompts():
-    toks = jnp.array([[0, 0, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16], [17, 18, 19, 0, 0, 0]], jnp.int32)
+    toks = jnp.array(
+        [[0, 0, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16], [17, 18, 19, 0, 0, 0]], jnp.int32
+    )
     masks = jnp.array([[0, 0, 1, 1, 1, 1], [1] * 6, [1, 1, 1, 0, 0, 0]], bool)
     return toks, masks
 
@@ -88,10 +93,19 @@ def test_greedy_is_deterministic_and_top_k_one_is_greedy(policy):
 
 def test_eos_stops_each_row_and_masks_the_rest(policy):
     toks, masks = _prompts()
-    greedy = rx.generate_batch(policy, toks, masks, jax.random.key(0), max_new_tokens=6, temperature=0.0)
+    greedy = rx.generate_batch(
+        policy, toks, masks, jax.random.key(0), max_new_tokens=6, temperature=0.0
+    )
     eos = int(greedy.tokens[0, 8])  # the third token row 0 generates
     out = rx.generate_batch(
-        policy, toks, masks, jax.random.key(0), max_new_tokens=6, temperature=0.0, eos_id=eos, pad_id=0
+        policy,
+        toks,
+        masks,
+        jax.random.key(0),
+        max_new_tokens=6,
+        temperature=0.0,
+        eos_id=eos,
+        pad_id=0,
     )
     for row in range(3):
         comp = np.asarray(greedy.tokens[row, 6:])
@@ -107,13 +121,17 @@ def test_eos_stops_each_row_and_masks_the_rest(policy):
 
 def test_vmapped_generate_equals_generate_batch(policy):
     toks, masks = _prompts()
-    batch = rx.generate_batch(policy, toks, masks, jax.random.key(0), max_new_tokens=5, temperature=0.0)
+    batch = rx.generate_batch(
+        policy, toks, masks, jax.random.key(0), max_new_tokens=5, temperature=0.0
+    )
     vm = jax.vmap(
         lambda t, m: rx.generate(policy, t, m, jax.random.key(0), max_new_tokens=5, temperature=0.0)
     )(toks, masks)
     np.testing.assert_array_equal(vm.tokens, batch.tokens)
     np.testing.assert_allclose(vm.logprobs, batch.logprobs, atol=1e-5)
-    one = rx.generate(policy, toks[2], masks[2], jax.random.key(0), max_new_tokens=5, temperature=0.0)
+    one = rx.generate(
+        policy, toks[2], masks[2], jax.random.key(0), max_new_tokens=5, temperature=0.0
+    )
     np.testing.assert_array_equal(one.tokens, batch.tokens[2])
 
 
@@ -161,13 +179,17 @@ def test_filtered_tokens_are_never_sampled():
 
 def test_every_public_function_works_under_x64(policy):
     toks, masks = _prompts()
-    want = rx.generate_batch(policy, toks, masks, jax.random.key(0), max_new_tokens=4, temperature=0.0)
+    want = rx.generate_batch(
+        policy, toks, masks, jax.random.key(0), max_new_tokens=4, temperature=0.0
+    )
     logits = jnp.log(jnp.array([0.1, 0.6, 0.3], jnp.float32))
     with jax.enable_x64(True):
         got = rx.generate_batch(
             policy, toks, masks, jax.random.key(0), max_new_tokens=4, temperature=0.0, eos_id=[5, 6]
         )
-        one = rx.generate(policy, toks[1], masks[1], jax.random.key(0), max_new_tokens=3, top_k=5, top_p=0.9)
+        one = rx.generate(
+            policy, toks[1], masks[1], jax.random.key(0), max_new_tokens=3, top_k=5, top_p=0.9
+        )
         tok, _ = rx.sample_token(jax.random.key(0), logits, top_k=2, top_p=0.9)
         filtered = filter_logits(logits, top_k=2)
     assert got.tokens.dtype == jnp.int32 and one.tokens.shape == (9,)
@@ -208,14 +230,18 @@ def test_unknown_option_is_rejected(policy):
 def test_prompt_ids_outside_the_vocabulary(policy):
     toks, masks = _prompts()
     bad = toks.at[2, 1].set(CFG.vocab_size + 7)
-    with pytest.raises(ValueError, match=r"prompt row 2 has id 60 at position 1, outside the vocabulary \[0, 53\)"):
+    with pytest.raises(
+        ValueError, match=r"prompt row 2 has id 60 at position 1, outside the vocabulary \[0, 53\)"
+    ):
         rx.generate_batch(policy, bad, masks, jax.random.key(0), max_new_tokens=2)
     with pytest.raises(ValueError, match="prompt row 0 has id -1"):
         rx.generate(policy, toks[0].at[0].set(-1), masks[0], jax.random.key(0), max_new_tokens=2)
 
     @eqx.filter_jit
     def run(p, check):
-        return rx.generate_batch(policy, p, masks, jax.random.key(0), max_new_tokens=2, check_ids=check)
+        return rx.generate_batch(
+            policy, p, masks, jax.random.key(0), max_new_tokens=2, check_ids=check
+        )
 
     run(bad, False)  # traced prompts are not checked unless asked
     with pytest.raises(Exception, match="outside"):
@@ -225,11 +251,20 @@ def test_prompt_ids_outside_the_vocabulary(policy):
 
 def test_several_stop_ids(policy):
     toks, masks = _prompts()
-    free = rx.generate_batch(policy, toks, masks, jax.random.key(0), max_new_tokens=8, temperature=0.0)
+    free = rx.generate_batch(
+        policy, toks, masks, jax.random.key(0), max_new_tokens=8, temperature=0.0
+    )
     comp = np.asarray(free.tokens[:, 6:])
     stops = [int(comp[0, 1]), int(comp[1, 2])]
     out = rx.generate_batch(
-        policy, toks, masks, jax.random.key(0), max_new_tokens=8, temperature=0.0, eos_id=stops, pad_id=0
+        policy,
+        toks,
+        masks,
+        jax.random.key(0),
+        max_new_tokens=8,
+        temperature=0.0,
+        eos_id=stops,
+        pad_id=0,
     )
     for row in range(3):
         hits = np.flatnonzero(np.isin(comp[row], stops))
@@ -241,7 +276,9 @@ def test_several_stop_ids(policy):
 def test_no_sort_when_filters_are_off():
     logits = jnp.zeros((16,), jnp.float32)
     plain = str(jax.make_jaxpr(lambda k, x: rx.sample_token(k, x))(jax.random.key(0), logits))
-    nucleus = str(jax.make_jaxpr(lambda k, x: rx.sample_token(k, x, top_p=0.9))(jax.random.key(0), logits))
+    nucleus = str(
+        jax.make_jaxpr(lambda k, x: rx.sample_token(k, x, top_p=0.9))(jax.random.key(0), logits)
+    )
     assert not re.search(r"\bsort\[", plain) and re.search(r"\bsort\[", nucleus)
 
 
@@ -263,12 +300,17 @@ def test_stop_strings_cut_a_new_chat_turn():
     cm = np.concatenate([np.zeros((3, 2), bool), np.asarray(real, bool)], 1)
     mask = cm | np.asarray([[1, 1, 0, 0, 0, 0, 0, 0, 0]] * 2 + [[0, 1] + [0] * 7], bool)
     out = rx.GenerationOutput(
-        tokens=tokens, mask=jnp.asarray(mask), completion_mask=jnp.asarray(cm),
+        tokens=tokens,
+        mask=jnp.asarray(mask),
+        completion_mask=jnp.asarray(cm),
         logprobs=jnp.where(jnp.asarray(cm), -1.0, 0.0).astype(jnp.float32),
     )
     cut = rx.truncate_at_stop_strings(out, _PieceTokenizer(), ["\n\nHuman:", "<end>"])
     tok = _PieceTokenizer()
-    texts = [tok.decode(np.asarray(cut.tokens[r])[np.asarray(cut.completion_mask[r])].tolist()) for r in range(3)]
+    texts = [
+        tok.decode(np.asarray(cut.tokens[r])[np.asarray(cut.completion_mask[r])].tolist())
+        for r in range(3)
+    ]
     assert texts == ["Sure.", "Hi thereSure.", ""]
     np.testing.assert_array_equal(cut.completion_mask[0], [0, 0, 1, 1, 0, 0, 0, 0, 0])
     np.testing.assert_array_equal(cut.mask[0], [1, 1, 1, 1, 0, 0, 0, 0, 0])

@@ -68,7 +68,9 @@ _SNIPPET = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("value, expected", [(None, "TypeCheckError True"), ("1", "TypeCheckError True"), ("0", "")])
+@pytest.mark.parametrize(
+    "value, expected", [(None, "TypeCheckError True"), ("1", "TypeCheckError True"), ("0", "")]
+)
 def test_checks_are_on_by_default_and_switch_off(value, expected):
     """A fresh interpreter, as a user runs it: no pytest hook, default settings."""
     env = {k: v for k, v in os.environ.items() if k != "RLHF_EQX_TYPECHECK"}
@@ -133,7 +135,9 @@ def test_default_hook_wraps_public_entry_points_only():
         and any(ast.unparse(d) == "_rlhf_eqx_typecheck.checked" for d in node.decorator_list)
     }
     assert decorated == {"public", "Model", "__call__", "method"}
-    assert len([n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "_Hidden"]) == 1
+    assert (
+        len([n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "_Hidden"]) == 1
+    )
     assert ast.unparse(tree.body[1]) == "import rlhf_eqx._typecheck as _rlhf_eqx_typecheck"
     del typing
 

@@ -137,7 +137,9 @@ def sgd_delta(step, model, batch, **kwargs):
     opt_state = opt.init(eqx.filter(model, eqx.is_inexact_array))
     new, _, metrics = step(model, opt_state, batch, **kwargs)
     delta = jax.tree.map(
-        lambda a, b: a - b, eqx.filter(new, eqx.is_inexact_array), eqx.filter(model, eqx.is_inexact_array)
+        lambda a, b: a - b,
+        eqx.filter(new, eqx.is_inexact_array),
+        eqx.filter(model, eqx.is_inexact_array),
     )
     return delta, metrics
 
@@ -189,8 +191,9 @@ def test_optimizer_matches_optax_adamw_and_logs_learning_rate(getkey):
     kw = dict(learning_rate=0.1, total_steps=20, warmup_ratio=0.2, schedule="linear")
     opt = make_optimizer(**kw, weight_decay=0.01, max_grad_norm=None, b1=0.8, b2=0.9, eps=1e-6)
     sched = make_schedule(**kw)
-    ref = optax.adamw(sched, b1=0.8, b2=0.9, eps=1e-6, weight_decay=0.01,
-                      mask=lambda p: {"w": True, "b": False})
+    ref = optax.adamw(
+        sched, b1=0.8, b2=0.9, eps=1e-6, weight_decay=0.01, mask=lambda p: {"w": True, "b": False}
+    )
     with jax.numpy_dtype_promotion("standard"):
         s1, s2 = opt.init(params), ref.init(params)
         p1 = p2 = params
@@ -198,7 +201,9 @@ def test_optimizer_matches_optax_adamw_and_logs_learning_rate(getkey):
             u1, s1 = opt.update(grads, s1, p1)
             u2, s2 = ref.update(grads, s2, p2)
             p1, p2 = optax.apply_updates(p1, u1), optax.apply_updates(p2, u2)
-            np.testing.assert_allclose(float(learning_rate_from_state(s1)), float(sched(i)), rtol=1e-6)
+            np.testing.assert_allclose(
+                float(learning_rate_from_state(s1)), float(sched(i)), rtol=1e-6
+            )
     assert_tree_allclose(p1, p2, rtol=1e-5, atol=1e-7)
     assert learning_rate_from_state(s2) is None
 
@@ -232,7 +237,9 @@ def test_partition_with_filter_spec_and_combine(getkey):
 
 def test_train_state_only_updates_trainable_part_and_keeps_model_valid(getkey):
     model = CumMeanLM(getkey())
-    spec = eqx.tree_at(lambda m: (m.head, m.bias), jax.tree.map(lambda _: False, model), (True, True))
+    spec = eqx.tree_at(
+        lambda m: (m.head, m.bias), jax.tree.map(lambda _: False, model), (True, True)
+    )
     opt = make_optimizer(learning_rate=1e-2, total_steps=10)
     state = init_train_state(model, opt, filter_spec=spec)
     step = make_sft_step(opt)  # donates the state's buffers

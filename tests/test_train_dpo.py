@@ -52,25 +52,40 @@ def test_dpo_transformer_starts_at_ln2_and_learns_with_frozen_reference(getkey):
     assert float(metrics["rewards/margins"]) > 0.0
     # The reference was never updated (nor donated).
     assert leaves_equal(eqx.filter(reference, eqx.is_array), ref_before)
-    expected = {"loss", "rewards/chosen", "rewards/rejected", "rewards/margins",
-                "rewards/accuracies", "logps/chosen", "logps/rejected", "logits/chosen",
-                "logits/rejected", "grad_norm", "learning_rate"}
+    expected = {
+        "loss",
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/margins",
+        "rewards/accuracies",
+        "logps/chosen",
+        "logps/rejected",
+        "logits/chosen",
+        "logits/rejected",
+        "grad_norm",
+        "learning_rate",
+    }
     assert expected <= set(metrics)
 
 
 def _direct_loss(model, ref, batch, beta):
     c = sequence_logps(model, batch.chosen_tokens, batch.chosen_mask, batch.chosen_completion_mask)
-    r = sequence_logps(model, batch.rejected_tokens, batch.rejected_mask, batch.rejected_completion_mask)
+    r = sequence_logps(
+        model, batch.rejected_tokens, batch.rejected_mask, batch.rejected_completion_mask
+    )
     rc = sequence_logps(ref, batch.chosen_tokens, batch.chosen_mask, batch.chosen_completion_mask)
-    rr = sequence_logps(ref, batch.rejected_tokens, batch.rejected_mask, batch.rejected_completion_mask)
+    rr = sequence_logps(
+        ref, batch.rejected_tokens, batch.rejected_mask, batch.rejected_completion_mask
+    )
     return jnp.mean(jax.vmap(lambda *a: dpo_loss(*a, beta=beta))(c, r, rc, rr))
 
 
 def test_dpo_cached_reference_equals_on_the_fly_and_direct_gradient(getkey):
     policy, reference = CumMeanLM(getkey()), CumMeanLM(getkey())
     batch = preference_batch(getkey())
-    live, m_live = sgd_delta(make_dpo_step(optax.sgd(1.0), beta=0.3, donate=False), policy, batch,
-                             reference=reference)
+    live, m_live = sgd_delta(
+        make_dpo_step(optax.sgd(1.0), beta=0.3, donate=False), policy, batch, reference=reference
+    )
     cached_batch = compute_reference_logps(reference, batch)
     assert cached_batch.ref_chosen_logp.shape == (4,)
     step = make_dpo_step(optax.sgd(1.0), beta=0.3, reference="cached", donate=False)
@@ -78,7 +93,9 @@ def test_dpo_cached_reference_equals_on_the_fly_and_direct_gradient(getkey):
     assert_tree_allclose(cached, live, atol=1e-6)
     for name in m_live:
         np.testing.assert_allclose(float(m_cached[name]), float(m_live[name]), rtol=1e-6, atol=1e-7)
-    loss, grads = eqx.filter_jit(eqx.filter_value_and_grad(_direct_loss))(policy, reference, batch, 0.3)
+    loss, grads = eqx.filter_jit(eqx.filter_value_and_grad(_direct_loss))(
+        policy, reference, batch, 0.3
+    )
     np.testing.assert_allclose(float(m_live["loss"]), float(loss), rtol=1e-6)
     assert_tree_allclose(live, jax.tree.map(lambda g: -g, grads), atol=1e-6)
     assert float(m_live["rewards/accuracies"]) in (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -117,7 +134,9 @@ def test_dpo_rpo_adds_weighted_chosen_nll(getkey):
     _, m0 = sgd_delta(base, policy, batch)
     _, m1 = sgd_delta(rpo, policy, batch)
     cm = batch.chosen_completion_mask & batch.chosen_mask
-    logp = jax.vmap(lambda t, m: rx.token_logprobs(policy, t, m))(batch.chosen_tokens, batch.chosen_mask)
+    logp = jax.vmap(lambda t, m: rx.token_logprobs(policy, t, m))(
+        batch.chosen_tokens, batch.chosen_mask
+    )
     nll = -float(jnp.sum(jnp.where(cm, logp, 0.0))) / float(jnp.sum(cm))
     np.testing.assert_allclose(float(m1["nll_loss"]), nll, rtol=1e-5)
     np.testing.assert_allclose(float(m1["loss"]), float(m0["loss"]) + 0.7 * nll, rtol=1e-5)
@@ -126,8 +145,11 @@ def test_dpo_rpo_adds_weighted_chosen_nll(getkey):
 def test_dpo_batch_level_aot_and_its_micro_batch_guard(getkey):
     policy, reference = CumMeanLM(getkey()), CumMeanLM(getkey())
     batch = compute_reference_logps(reference, preference_batch(getkey()))
-    _, m = sgd_delta(make_dpo_step(optax.sgd(1.0), loss_type="aot", reference="cached",
-                                   donate=False), policy, batch)
+    _, m = sgd_delta(
+        make_dpo_step(optax.sgd(1.0), loss_type="aot", reference="cached", donate=False),
+        policy,
+        batch,
+    )
     assert np.isfinite(float(m["loss"]))
     with pytest.raises(ValueError, match="micro_batches"):
         make_dpo_step(optax.sgd(1.0), loss_type="aot", micro_batches=2)
@@ -147,5 +169,7 @@ def test_dpo_lora_style_filter_spec_trains_only_selected_leaves(getkey):
     assert losses[0] == pytest.approx(math.log(2.0), rel=1e-6)
     assert losses[-1] < losses[0] - 0.1
     trained = state.model
-    assert leaves_equal((trained.embed, trained.mix, trained.bias), (model.embed, model.mix, model.bias))
+    assert leaves_equal(
+        (trained.embed, trained.mix, trained.bias), (model.embed, model.mix, model.bias)
+    )
     assert not np.allclose(np.asarray(trained.head), np.asarray(model.head))

@@ -40,33 +40,44 @@ def _batch(key, policy, *, B=4, ref=None, truncated=None):
     if ref is not None:
         ref_logp = jax.vmap(lambda t, m: rx.token_logprobs(ref, t, m))(s.tokens, s.mask)
     return GRPOBatch(
-        tokens=s.tokens, mask=s.mask, completion_mask=s.completion_mask, rewards=rewards,
-        old_logp=old, ref_logp=ref_logp, truncated=truncated,
+        tokens=s.tokens,
+        mask=s.mask,
+        completion_mask=s.completion_mask,
+        rewards=rewards,
+        old_logp=old,
+        ref_logp=ref_logp,
+        truncated=truncated,
     )
 
 
 def test_grpo_advantages_are_grouped():
     r = jnp.asarray([1.0, 0.0, 3.0, 3.0, 2.0, 0.0])
     a = grpo_advantages(r, group_size=2, scale="group")
-    np.testing.assert_allclose(np.asarray(a), np.asarray(group_advantages(r.reshape(3, 2)).reshape(6)))
+    np.testing.assert_allclose(
+        np.asarray(a), np.asarray(group_advantages(r.reshape(3, 2)).reshape(6))
+    )
     np.testing.assert_allclose(np.asarray(a[2:4]), 0.0)
     np.testing.assert_allclose(
         np.asarray(grpo_advantages(r, group_size=3, scale="none")),
-        np.asarray(r - jnp.repeat(jnp.asarray([4.0 / 3.0, 5.0 / 3.0]), 3)), rtol=1e-6,
+        np.asarray(r - jnp.repeat(jnp.asarray([4.0 / 3.0, 5.0 / 3.0]), 3)),
+        rtol=1e-6,
     )
 
 
 @pytest.mark.parametrize(
     "mode",
-    [m if m in ("token-mean", "seq-mean-token-mean") else pytest.param(m, marks=pytest.mark.slow)
-     for m in MODES],
+    [
+        m if m in ("token-mean", "seq-mean-token-mean") else pytest.param(m, marks=pytest.mark.slow)
+        for m in MODES
+    ],
 )
 def test_grpo_micro_batches_match_full_batch(getkey, mode):
     policy, ref = CumMeanLM(getkey()), CumMeanLM(getkey())
     batch = _batch(getkey(), policy, ref=ref)
     importance = "sequence" if mode == "seq-mean-token-mean" else "token"
-    kw = dict(group_size=2, mode=mode, beta=0.05, clip_eps_high=0.28, importance=importance,
-              donate=False)
+    kw = dict(
+        group_size=2, mode=mode, beta=0.05, clip_eps_high=0.28, importance=importance, donate=False
+    )
     full, m_full = sgd_delta(make_grpo_step(optax.sgd(1.0), **kw), policy, batch)
     micro, m_micro = sgd_delta(make_grpo_step(optax.sgd(1.0), micro_batches=2, **kw), policy, batch)
     assert_tree_allclose(micro, full, atol=1e-5)
@@ -75,7 +86,9 @@ def test_grpo_micro_batches_match_full_batch(getkey, mode):
     if importance == "token":
         assert float(m_full["clip_ratio"]) > 0.0
     assert float(m_full["kl"]) > 0.0
-    assert {"loss", "clip_ratio", "kl", "entropy", "grad_norm", "reward", "reward_std"} <= set(m_full)
+    assert {"loss", "clip_ratio", "kl", "entropy", "grad_norm", "reward", "reward_std"} <= set(
+        m_full
+    )
 
 
 def test_grpo_reference_model_equals_precomputed_ref_logp(getkey):
@@ -95,8 +108,13 @@ def test_grpo_truncated_completions_are_masked(getkey):
     policy = CumMeanLM(getkey())
     truncated = jnp.asarray([False, True, False, False])
     batch = _batch(getkey(), policy, truncated=truncated)
-    step = make_grpo_step(optax.sgd(1.0), group_size=2, mask_truncated_completions=True,
-                          mode="token-mean", donate=False)
+    step = make_grpo_step(
+        optax.sgd(1.0),
+        group_size=2,
+        mask_truncated_completions=True,
+        mode="token-mean",
+        donate=False,
+    )
     a, ma = sgd_delta(step, policy, batch)
     # Same advantages, but row 1 without completion tokens and no truncation flag.
     adv = grpo_advantages(batch.rewards, group_size=2)
@@ -106,8 +124,11 @@ def test_grpo_truncated_completions_are_masked(getkey):
         (batch.completion_mask.at[1].set(False), None, None, adv),
         is_leaf=lambda x: x is None,
     )
-    b, mb = sgd_delta(make_grpo_step(optax.sgd(1.0), group_size=2, mode="token-mean",
-                                     donate=False), policy, manual)
+    b, mb = sgd_delta(
+        make_grpo_step(optax.sgd(1.0), group_size=2, mode="token-mean", donate=False),
+        policy,
+        manual,
+    )
     assert_tree_allclose(a, b, atol=1e-6)
     np.testing.assert_allclose(float(ma["loss"]), float(mb["loss"]), rtol=1e-6)
 
@@ -115,8 +136,11 @@ def test_grpo_truncated_completions_are_masked(getkey):
 def test_grpo_training_sanity_and_single_trace(getkey):
     policy = counted(CumMeanLM(getkey()))
     batch = _batch(getkey(), policy)
-    batch = eqx.tree_at(lambda b: b.old_logp, batch,
-                        jax.vmap(lambda t, m: rx.token_logprobs(policy, t, m))(batch.tokens, batch.mask))
+    batch = eqx.tree_at(
+        lambda b: b.old_logp,
+        batch,
+        jax.vmap(lambda t, m: rx.token_logprobs(policy, t, m))(batch.tokens, batch.mask),
+    )
     opt = make_optimizer(learning_rate=2e-2, total_steps=30, schedule="constant")
     state = init_train_state(policy, opt)
     step = make_grpo_step(opt, group_size=2, clip_eps_high=0.28)
@@ -153,14 +177,22 @@ def _sampled_groups(key, policy, *, n=3, G=2, P=6, new=7):
 
 @pytest.mark.parametrize(
     "kw",
-    [dict(), dict(beta=0.2, temperature=0.7, micro_batches=3), dict(importance="sequence", mode="token-mean")],
+    [
+        dict(),
+        dict(beta=0.2, temperature=0.7, micro_batches=3),
+        dict(importance="sequence", mode="token-mean"),
+    ],
 )
 def test_grpo_shared_prompt_equals_one_row_per_completion(getkey, kw):
-    cfg = rx.TransformerConfig(vocab_size=40, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, max_seq_len=64)
+    cfg = rx.TransformerConfig(
+        vocab_size=40, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, max_seq_len=64
+    )
     policy, ref = rx.Policy(cfg, key=getkey()), rx.Policy(cfg, key=getkey())
     G, P = 2, 6
     out, rewards = _sampled_groups(getkey(), policy, G=G, P=P)
-    fields = dict(tokens=out.tokens, mask=out.mask, completion_mask=out.completion_mask, rewards=rewards)
+    fields = dict(
+        tokens=out.tokens, mask=out.mask, completion_mask=out.completion_mask, rewards=rewards
+    )
     plain = GRPOBatch(**fields)
     shared = GRPOBatch(**fields, prompt_length=P, samples_per_prompt=G)
     opt = optax.sgd(1.0)
@@ -174,14 +206,20 @@ def test_grpo_shared_prompt_equals_one_row_per_completion(getkey, kw):
 
 
 def test_grpo_shared_prompt_is_validated(getkey):
-    cfg = rx.TransformerConfig(vocab_size=40, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=24, max_seq_len=32)
+    cfg = rx.TransformerConfig(
+        vocab_size=40, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=24, max_seq_len=32
+    )
     policy = rx.Policy(cfg, key=getkey())
     out, rewards = _sampled_groups(getkey(), policy, G=2, P=6)
-    fields = dict(tokens=out.tokens, mask=out.mask, completion_mask=out.completion_mask, rewards=rewards)
+    fields = dict(
+        tokens=out.tokens, mask=out.mask, completion_mask=out.completion_mask, rewards=rewards
+    )
     with pytest.raises(rx.data.DataError, match="both"):
         GRPOBatch(**fields, prompt_length=6)
     with pytest.raises(rx.data.DataError, match=r"group 1"):
-        GRPOBatch(**dict(fields, tokens=out.tokens.at[3, 5].add(1)), prompt_length=6, samples_per_prompt=2)
+        GRPOBatch(
+            **dict(fields, tokens=out.tokens.at[3, 5].add(1)), prompt_length=6, samples_per_prompt=2
+        )
     with pytest.raises(rx.data.DataError, match="not a multiple"):
         GRPOBatch(**fields, prompt_length=6, samples_per_prompt=4)
     with pytest.raises(rx.data.DataError, match="completion tokens inside"):

@@ -57,7 +57,9 @@ def test_ppo_and_grpo_entropy_counts_the_first_completion_token(getkey):
     batch, _ = prepare_ppo_batch(
         (policy, value), policy, tokens, mask, cm, jnp.zeros(B), kl_coef=0.0
     )
-    _, _, m = make_ppo_step(optax.sgd(0.0))((policy, value), optax.sgd(0.0).init((policy, value)), batch)
+    _, _, m = make_ppo_step(optax.sgd(0.0))(
+        (policy, value), optax.sgd(0.0).init((policy, value)), batch
+    )
     np.testing.assert_allclose(float(m["policy/entropy"]), expected, rtol=1e-5)
 
     g = GRPOBatch(tokens=tokens, mask=mask, completion_mask=cm, rewards=jnp.asarray([0.0, 1.0]))
@@ -72,8 +74,14 @@ def test_ppo_and_grpo_entropy_counts_the_first_completion_token(getkey):
 
 def test_weight_decay_spares_stacked_norms_and_biases(getkey):
     cfg = rx.TransformerConfig(
-        vocab_size=VOCAB, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=64,
-        max_seq_len=16, attn_bias=True,
+        vocab_size=VOCAB,
+        d_model=32,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=64,
+        max_seq_len=16,
+        attn_bias=True,
     )
     policy = rx.Policy(cfg, key=getkey())
     layers = policy.transformer.layers
@@ -85,8 +93,9 @@ def test_weight_decay_spares_stacked_norms_and_biases(getkey):
     assert mask.transformer.embed
 
     # One AdamW step with zero gradients moves only the decayed leaves.
-    opt = make_optimizer(learning_rate=0.1, total_steps=10, weight_decay=0.5, max_grad_norm=None,
-                         schedule="constant")
+    opt = make_optimizer(
+        learning_rate=0.1, total_steps=10, weight_decay=0.5, max_grad_norm=None, schedule="constant"
+    )
     params = eqx.filter(policy, eqx.is_inexact_array)
     state = opt.init(params)
     zeros = jax.tree.map(jnp.zeros_like, params)
@@ -107,16 +116,24 @@ def test_on_policy_ratio_is_one_at_the_sampling_temperature(getkey, step_tempera
     policy = rx.Policy(tiny_config(), key=getkey())
     value = rx.ValueModel.from_policy(policy, key=getkey())
     prompt = jax.random.randint(getkey(), (4, 3), 3, VOCAB)
-    out = rx.generate_batch(policy, prompt, jnp.ones_like(prompt, bool), getkey(),
-                            max_new_tokens=6, temperature=0.7)
+    out = rx.generate_batch(
+        policy, prompt, jnp.ones_like(prompt, bool), getkey(), max_new_tokens=6, temperature=0.7
+    )
     cm = out.completion_mask & out.mask
     batch, _ = prepare_ppo_batch(
-        (policy, value), policy, out.tokens, out.mask, cm, jnp.ones(4), kl_coef=0.05,
+        (policy, value),
+        policy,
+        out.tokens,
+        out.mask,
+        cm,
+        jnp.ones(4),
+        kl_coef=0.05,
         temperature=0.7,
     )
     # The sampler and the rollout agree on the log-probabilities.
-    np.testing.assert_allclose(np.asarray(batch.old_logp), np.asarray(jnp.where(cm, out.logprobs, 0)),
-                               atol=2e-5)
+    np.testing.assert_allclose(
+        np.asarray(batch.old_logp), np.asarray(jnp.where(cm, out.logprobs, 0)), atol=2e-5
+    )
     step = make_ppo_step(optax.sgd(0.0), temperature=step_temperature)
     _, _, m = step((policy, value), optax.sgd(0.0).init((policy, value)), batch)
     if exact:
@@ -125,8 +142,13 @@ def test_on_policy_ratio_is_one_at_the_sampling_temperature(getkey, step_tempera
     else:
         assert abs(float(m["policy/approxkl"])) > 1e-4
 
-    g = GRPOBatch(tokens=out.tokens, mask=out.mask, completion_mask=cm,
-                  rewards=jnp.asarray([0.0, 1.0, 1.0, 0.0]), old_logp=out.logprobs)
+    g = GRPOBatch(
+        tokens=out.tokens,
+        mask=out.mask,
+        completion_mask=cm,
+        rewards=jnp.asarray([0.0, 1.0, 1.0, 0.0]),
+        old_logp=out.logprobs,
+    )
     _, _, mg = make_grpo_step(optax.sgd(0.0), group_size=2, temperature=step_temperature)(
         policy, optax.sgd(0.0).init(policy), g
     )
@@ -143,8 +165,9 @@ def test_direct_calls_never_delete_the_callers_arrays(getkey):
     params = policy
     # The same arrays as params and reference, even when donation is asked for.
     step = make_dpo_step(opt, donate=True)
-    new, _, _ = step(params, opt.init(eqx.filter(params, eqx.is_inexact_array)), batch,
-                     reference=params)
+    new, _, _ = step(
+        params, opt.init(eqx.filter(params, eqx.is_inexact_array)), batch, reference=params
+    )
     assert np.isfinite(np.asarray(policy.transformer.embed)).all()
     # A reward model sharing its base with the policy, called directly.
     rm = rx.RewardModel.from_policy(policy, key=getkey())
@@ -155,8 +178,9 @@ def test_direct_calls_never_delete_the_callers_arrays(getkey):
     value = rx.ValueModel.from_policy(policy, key=getkey())
     state = init_train_state((policy, value), opt)
     seq = sequence_batch(getkey(), B=2, T=8)
-    ppo_batch, _ = prepare_ppo_batch((policy, value), policy, seq.tokens, seq.mask,
-                                     seq.completion_mask, jnp.ones(2), kl_coef=0.1)
+    ppo_batch, _ = prepare_ppo_batch(
+        (policy, value), policy, seq.tokens, seq.mask, seq.completion_mask, jnp.ones(2), kl_coef=0.1
+    )
     pstep = make_ppo_step(opt)
     for _ in range(2):
         state, m = state.apply(pstep, ppo_batch)
@@ -279,7 +303,7 @@ def test_opt_in_token_id_check_inside_the_step(getkey):
         jax.block_until_ready(step(policy, optax.sgd(1e-2).init(policy), bad))
 
 
-# ----------------------------------------------------------------------------- traced hyperparameters
+# --------------------------------------------------------------------------- traced hyperparameters
 
 
 def _dpo_run(policy, batches, beta, lr):
@@ -324,7 +348,9 @@ def test_updates_keep_the_parameter_dtype(getkey):
 
     def loss_fn(params, frozen, batch, key):
         traces.append(1)  # runs once per trace
-        lp = jax.vmap(rx.logprobs_from_logits)(params(batch.tokens, batch.mask), batch.tokens, batch.mask)
+        lp = jax.vmap(rx.logprobs_from_logits)(
+            params(batch.tokens, batch.mask), batch.tokens, batch.mask
+        )
         return {"nll": -jnp.sum(lp)}, {"nll": jnp.sum(batch.mask)}, {}
 
     pairs = preference_batch(getkey())
@@ -354,7 +380,9 @@ def test_float16_trainable_weights_are_refused_and_lora_on_a_float16_base_trains
     batch = sequence_batch(getkey())
     with pytest.raises(ValueError, match="float16 trainable weights"):
         init_train_state(policy, opt).apply(make_sft_step(opt), batch)
-    lora = rx.apply_lora(policy, rx.LoRAConfig(rank=2, alpha=4.0, targets=("q", "down")), key=getkey())
+    lora = rx.apply_lora(
+        policy, rx.LoRAConfig(rank=2, alpha=4.0, targets=("q", "down")), key=getkey()
+    )
     state = init_train_state(lora, opt, filter_spec=rx.lora_filter(lora))
     start = state.params
     for _ in range(2):

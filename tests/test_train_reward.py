@@ -36,7 +36,9 @@ def test_reward_model_learns_preferences_and_compiles_once(getkey):
     assert float(metrics["accuracy"]) == 1.0
     assert float(metrics["margin"]) > 0.0
     np.testing.assert_allclose(
-        float(metrics["margin"]), float(metrics["rewards/chosen"] - metrics["rewards/rejected"]), rtol=1e-5
+        float(metrics["margin"]),
+        float(metrics["rewards/chosen"] - metrics["rewards/rejected"]),
+        rtol=1e-5,
     )
     assert {"rewards/mean", "rewards/std", "grad_norm", "learning_rate"} <= set(metrics)
 
@@ -44,9 +46,13 @@ def test_reward_model_learns_preferences_and_compiles_once(getkey):
 def test_reward_micro_batches_match_full_batch_and_closed_form(getkey):
     model = CumMeanReward(CumMeanValue(getkey()))
     batch = preference_batch(getkey())
-    full, m_full = sgd_delta(make_reward_step(optax.sgd(1.0), center_coef=0.01, donate=False), model, batch)
+    full, m_full = sgd_delta(
+        make_reward_step(optax.sgd(1.0), center_coef=0.01, donate=False), model, batch
+    )
     micro, m_micro = sgd_delta(
-        make_reward_step(optax.sgd(1.0), center_coef=0.01, micro_batches=2, donate=False), model, batch
+        make_reward_step(optax.sgd(1.0), center_coef=0.01, micro_batches=2, donate=False),
+        model,
+        batch,
     )
     assert_tree_allclose(micro, full, atol=1e-6)
     for name in m_full:
@@ -55,8 +61,12 @@ def test_reward_micro_batches_match_full_batch_and_closed_form(getkey):
     rr = jax.vmap(model)(batch.rejected_tokens, batch.rejected_mask)
     expected = jnp.mean(-jax.nn.log_sigmoid(rc - rr) + 0.01 * (rc + rr) ** 2)
     np.testing.assert_allclose(float(m_full["loss"]), float(expected), rtol=1e-5)
-    np.testing.assert_allclose(float(m_full["accuracy"]), float(jnp.mean((rc > rr).astype(jnp.float32))))
-    np.testing.assert_allclose(float(m_full["rewards/std"]), float(jnp.std(jnp.concatenate([rc, rr]))), rtol=1e-5)
+    np.testing.assert_allclose(
+        float(m_full["accuracy"]), float(jnp.mean((rc > rr).astype(jnp.float32)))
+    )
+    np.testing.assert_allclose(
+        float(m_full["rewards/std"]), float(jnp.std(jnp.concatenate([rc, rr]))), rtol=1e-5
+    )
 
 
 def test_reward_custom_model_learns(getkey):

@@ -58,7 +58,9 @@ def test_sft_micro_batches_match_full_batch_and_direct_gradient(getkey, mode):
         micro, m_micro = sgd_delta(step, model, batch)
         assert_tree_allclose(micro, full, atol=1e-5)
         for name in ("loss", "nll", "mean_token_accuracy", "grad_norm"):
-            np.testing.assert_allclose(float(m_micro[name]), float(m_full[name]), rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(
+                float(m_micro[name]), float(m_full[name]), rtol=1e-5, atol=1e-6
+            )
     loss, grads = eqx.filter_jit(eqx.filter_value_and_grad(_reference_loss))(model, batch, mode)
     np.testing.assert_allclose(float(m_full["loss"]), float(loss), rtol=1e-6)
     assert_tree_allclose(full, jax.tree.map(lambda g: -g, grads), atol=1e-6)

@@ -29,7 +29,9 @@ HH_MAX_LEN = 512
 
 DPO = dict(pairs=8, prompt=64, completion=192)
 GEN = dict(batch=8, prompt=64, new=128)
-RM = dict(pairs=8, prompt=64, completion=192, length=256)  # a shared prompt per pair, as in real data
+RM = dict(
+    pairs=8, prompt=64, completion=192, length=256
+)  # a shared prompt per pair, as in real data
 GRPO = dict(prompts=8, group=4, prompt=64, new=128)
 CURVE_TOKENS = 4096
 CURVE_T = (128, 256, 512, 1024, 2048)

@@ -28,9 +28,13 @@ import jax.numpy as jnp  # noqa: E402
 def weights(cfg, key):
     D, F, L, V = cfg["d_model"], cfg["d_ff"], cfg["n_layers"], cfg["vocab_size"]
     kv = D // cfg["n_heads"] * cfg["n_kv_heads"]
-    shapes = dict(qkv=(L, D, D + 2 * kv), o=(L, D, D), gu=(L, D, 2 * F), down=(L, F, D), head=(D, V))
+    shapes = dict(
+        qkv=(L, D, D + 2 * kv), o=(L, D, D), gu=(L, D, 2 * F), down=(L, F, D), head=(D, V)
+    )
     keys = jax.random.split(key, len(shapes))
-    return {n: 0.02 * jax.random.normal(k, s, jnp.float32) for (n, s), k in zip(shapes.items(), keys)}
+    return {
+        n: 0.02 * jax.random.normal(k, s, jnp.float32) for (n, s), k in zip(shapes.items(), keys)
+    }
 
 
 def products_only(w, x, *, new: int, cfg):
@@ -76,7 +80,10 @@ def main():
         medians = {name: common.median(t) for name, t in times.items()}
         line = ", ".join(f"{name} {m:.3f} s" for name, m in medians.items())
         if len(medians) == 2:
-            line += f" (products {medians['products only'] / medians['rlhf_eqx generate_batch']:.0%} of it)"
+            line += (
+                f" (products {medians['products only'] / medians['rlhf_eqx generate_batch']:.0%}"
+                " of it)"
+            )
         print(f"{rows} rows × {args.new} tokens: {line}")
 
 
@@ -95,8 +102,13 @@ def library_generation(inputs_dir, rows: int, new: int):
         group, temperature = rows // len(prompts), 1.0
         prompts = prompts[: rows // group]
     mask = jnp.ones(prompts.shape, bool)
-    gen = jax.jit(lambda p, k: rx.generate_batch(
-        policy, p, mask, k, max_new_tokens=new, temperature=temperature, num_samples=group).tokens)
+    gen = jax.jit(
+        lambda p, k: (
+            rx.generate_batch(
+                policy, p, mask, k, max_new_tokens=new, temperature=temperature, num_samples=group
+            ).tokens
+        )
+    )
     return lambda: gen(prompts, jax.random.key(0)).block_until_ready()
 
 

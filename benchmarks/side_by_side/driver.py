@@ -34,7 +34,8 @@ RUNNERS = {
 # which libraries run which workload
 SUPPORTED = {
     "rlhf_eqx": set(common.WORKLOADS),
-    "trl": {"dpo", "dpo_cached", "gen_sample", "gen_greedy", "rm", "hh_dpo", "grpo"} | {f"curve_{t}" for t in common.CURVE_T},
+    "trl": {"dpo", "dpo_cached", "gen_sample", "gen_greedy", "rm", "hh_dpo", "grpo"}
+    | {f"curve_{t}" for t in common.CURVE_T},
     "floor": {"gen_sample", "gen_greedy"},
     "tunix": {"gen_sample", "gen_greedy", "dpo"} | {f"curve_{t}" for t in common.CURVE_T},
 }
@@ -43,17 +44,27 @@ SUPPORTED = {
 def run_one(args, lib, workload, steps):
     venv_attr, script = RUNNERS[lib]
     python = os.path.join(getattr(args, venv_attr), "bin", "python")
-    cmd = [python, os.path.join(HERE, script), workload, "--inputs", args.inputs, "--steps", str(steps)]
+    cmd = [
+        python,
+        os.path.join(HERE, script),
+        workload,
+        "--inputs",
+        args.inputs,
+        "--steps",
+        str(steps),
+    ]
     env = dict(os.environ, PYTHONPATH=ROOT)
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env, cwd=ROOT)
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=args.timeout, env=env, cwd=ROOT
+        )
     except subprocess.TimeoutExpired:
         return {"library": lib, "workload": workload, "error": f"timeout after {args.timeout} s"}
     wall = time.perf_counter() - t0
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            out = json.loads(line[len("RESULT "):])
+            out = json.loads(line[len("RESULT ") :])
             out["process_s"] = wall
             return out
     tail = (proc.stderr or proc.stdout)[-600:]
@@ -77,7 +88,10 @@ def report(rows):
             continue
         by.setdefault((r["workload"], r["library"]), []).append(r)
     lines = []
-    lines.append("| workload | library | median step s | rlhf_eqx speed-up per round | first step s | peak RSS MB | matmul GFLOP/s | MFU | extra |")
+    lines.append(
+        "| workload | library | median step s | rlhf_eqx speed-up per round | first step s "
+        "| peak RSS MB | matmul GFLOP/s | MFU | extra |"
+    )
     lines.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for w in common.WORKLOADS:
         mine = by.get((w, "rlhf_eqx"), [])
@@ -99,18 +113,26 @@ def report(rows):
                         ratios.append(b["median_s"] / a["median_s"])
             mfu = None
             if "flops" in rs[0]:
-                mfu = common.median([r["flops"] / r["median_s"] / (r["matmul_gflops"] * 1e9) for r in rs])
+                mfu = common.median(
+                    [r["flops"] / r["median_s"] / (r["matmul_gflops"] * 1e9) for r in rs]
+                )
             extra = []
             if "layout" in rs[0]:
                 extra.append(f"{rs[0]['layout']} layout")
             if "new_tokens" in rs[0]:
-                extra.append(f"{common.median([r['new_tokens'] / r['median_s'] for r in rs]):,.0f} new tok/s")
+                extra.append(
+                    f"{common.median([r['new_tokens'] / r['median_s'] for r in rs]):,.0f} new tok/s"
+                )
             if "tokens" in rs[0]:
-                extra.append(f"{common.median([r['tokens'] / r['median_s'] for r in rs]):,.0f} tok/s")
+                extra.append(
+                    f"{common.median([r['tokens'] / r['median_s'] for r in rs]):,.0f} tok/s"
+                )
             if "real_tokens_per_s" in rs[0]:
                 extra.append(
-                    f"{common.median([r['real_tokens_per_s'] for r in rs]):,.0f} real tok/s over the pass "
-                    f"({common.median([r.get('steady_real_tokens_per_s', 0) for r in rs]):,.0f} once compiled), "
+                    f"{common.median([r['real_tokens_per_s'] for r in rs]):,.0f} real tok/s "
+                    "over the pass ("
+                    f"{common.median([r.get('steady_real_tokens_per_s', 0) for r in rs]):,.0f} "
+                    "once compiled), "
                     f"padding {rs[0]['padding_fraction']:.0%}, {rs[0]['compiled_shapes']} shapes"
                 )
             if "gen_s" in rs[0]:
@@ -120,8 +142,10 @@ def report(rows):
                 )
             lines.append(
                 f"| {w} | {lib} | {med:.3f} | {', '.join(f'{x:.2f}×' for x in ratios) or '—'} | "
-                f"{common.median([r['first_s'] for r in rs]):.2f} | {common.median([r['peak_rss_mb'] for r in rs]):,.0f} | "
-                f"{common.median([r['matmul_gflops'] for r in rs]):.0f} | {fmt(mfu, '.0%')} | {'; '.join(extra)} |"
+                f"{common.median([r['first_s'] for r in rs]):.2f} | "
+                f"{common.median([r['peak_rss_mb'] for r in rs]):,.0f} | "
+                f"{common.median([r['matmul_gflops'] for r in rs]):.0f} | {fmt(mfu, '.0%')} | "
+                f"{'; '.join(extra)} |"
             )
     loads = [r["loadavg_1min"] for r in rows if "loadavg_1min" in r]
     if loads:
@@ -165,7 +189,11 @@ def main():
                     r["round"] = rnd
                     f.write(json.dumps(r) + "\n")
                     f.flush()
-                    msg = r.get("error") or f"{r['median_s']:.3f} s (first {r['first_s']:.2f} s, peak {r['matmul_gflops']:.0f} GFLOP/s)"
+                    msg = (
+                        r.get("error")
+                        or f"{r['median_s']:.3f} s (first {r['first_s']:.2f} s, "
+                        f"peak {r['matmul_gflops']:.0f} GFLOP/s)"
+                    )
                     print(f"round {rnd} {w:12s} {lib:9s} {msg}", flush=True)
     print(report(load(args.out)))
 

@@ -1,4 +1,4 @@
-"""Write the inputs every library's benchmark loads: the same random weights and the
+r"""Write the inputs every library's benchmark loads: the same random weights and the
 same token batches.
 
 - `DIR/model/`: the benchmark model (`common.CONFIG`, float32, seed 0) as a Hugging Face
@@ -11,7 +11,8 @@ same token batches.
   tokenised with the stories260K tokenizer (max length 512), stored ragged as flat
   arrays plus offsets.
 
-    PYTHONPATH=$PWD /work/venv/bin/python benchmarks/side_by_side/make_inputs.py --out /tmp/rlhf_bench_inputs
+    PYTHONPATH=$PWD /work/venv/bin/python benchmarks/side_by_side/make_inputs.py \
+        --out /tmp/rlhf_bench_inputs
 """
 
 import argparse
@@ -40,7 +41,9 @@ def main():
 
     cfg = rx.TransformerConfig(**common.CONFIG)
     rx.save_hf(rx.Policy(cfg, key=jax.random.key(0)), os.path.join(args.out, "model"))
-    cfg_hh = rx.TransformerConfig(**{**common.CONFIG, "vocab_size": common.HH_VOCAB, "max_seq_len": 1024})
+    cfg_hh = rx.TransformerConfig(
+        **{**common.CONFIG, "vocab_size": common.HH_VOCAB, "max_seq_len": 1024}
+    )
     rx.save_hf(rx.Policy(cfg_hh, key=jax.random.key(1)), os.path.join(args.out, "model_hh"))
 
     rng = np.random.default_rng(0)
@@ -74,7 +77,10 @@ def main():
     )
     order = rng.permutation(len(ds))[: args.hh_pairs * 2]
     pairs, _ = data.tokenize_preferences(
-        [ds[int(i)] for i in order], tok, max_length=common.HH_MAX_LEN, max_prompt_length=common.HH_MAX_LEN // 2
+        [ds[int(i)] for i in order],
+        tok,
+        max_length=common.HH_MAX_LEN,
+        max_prompt_length=common.HH_MAX_LEN // 2,
     )
     pairs = pairs[: args.hh_pairs]
     for name, seqs in (
@@ -87,7 +93,10 @@ def main():
         out[name], out[name + "_offsets"] = flat, offsets
     np.savez(os.path.join(args.out, "batches.npz"), **out)
     lens = [len(pr.chosen) for pr in pairs] + [len(pr.rejected) for pr in pairs]
-    print(f"wrote {args.out}: {len(pairs)} HH pairs, row lengths mean {np.mean(lens):.0f}, max {max(lens)}")
+    print(
+        f"wrote {args.out}: {len(pairs)} HH pairs, "
+        f"row lengths mean {np.mean(lens):.0f}, max {max(lens)}"
+    )
 
 
 if __name__ == "__main__":

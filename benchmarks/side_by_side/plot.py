@@ -1,6 +1,7 @@
-"""Plots of a side-by-side run (matplotlib; run it in the TRL venv, which has it).
+r"""Plots of a side-by-side run (matplotlib; run it in the TRL venv, which has it).
 
-    /work/venv-trl/bin/python benchmarks/side_by_side/plot.py benchmarks/results.jsonl [MORE.jsonl ...] --out benchmarks
+    /work/venv-trl/bin/python benchmarks/side_by_side/plot.py benchmarks/results.jsonl \
+        [MORE.jsonl ...] --out benchmarks
 
 Writes `dpo_curve.png` (DPO-step tokens/s at a fixed 4,096 tokens per step against the
 row length T, per library) and `speedups.png` (median time of each workload per
@@ -51,7 +52,9 @@ def main():
     fig.savefig(os.path.join(args.out, "dpo_curve.png"), dpi=120)
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    workloads = [w for w in common.WORKLOADS if not w.startswith("curve_") and (w, "rlhf_eqx") in med]
+    workloads = [
+        w for w in common.WORKLOADS if not w.startswith("curve_") and (w, "rlhf_eqx") in med
+    ]
     libs = [lib for lib in ("trl", "tunix", "floor") if any((w, lib) in med for w in workloads)]
     width = 0.8 / max(1, len(libs))
     for i, lib in enumerate(libs):
@@ -72,7 +75,9 @@ def main():
                 ys.append(ratio)
         ax.bar(xs, ys, width, label=f"{lib} time / rlhf_eqx time")
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks([j + width * (len(libs) - 1) / 2 for j in range(len(workloads))], workloads, rotation=30)
+    ax.set_xticks(
+        [j + width * (len(libs) - 1) / 2 for j in range(len(workloads))], workloads, rotation=30
+    )
     ax.set_ylabel("speed-up of rlhf_eqx (×)")
     ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, fontsize=8, frameon=False)
     fig.tight_layout()

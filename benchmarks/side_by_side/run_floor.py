@@ -33,12 +33,18 @@ def load_weights(model_dir):
     layers = dict(
         wqkv=cat("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
         wo=stack("self_attn.o_proj.weight"),
-        wgu=cat("mlp.gate_proj.weight", "mlp.up_proj.weight"), wd=stack("mlp.down_proj.weight"),
-        n1=stack_vec("input_layernorm.weight"), n2=stack_vec("post_attention_layernorm.weight"),
+        wgu=cat("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+        wd=stack("mlp.down_proj.weight"),
+        n1=stack_vec("input_layernorm.weight"),
+        n2=stack_vec("post_attention_layernorm.weight"),
     )
     head = t.get("lm_head.weight", t["model.embed_tokens.weight"])
-    w = dict(embed=jnp.asarray(t["model.embed_tokens.weight"]), norm=jnp.asarray(t["model.norm.weight"]),
-             head=jnp.asarray(head).T, layers=layers)
+    w = dict(
+        embed=jnp.asarray(t["model.embed_tokens.weight"]),
+        norm=jnp.asarray(t["model.norm.weight"]),
+        head=jnp.asarray(head).T,
+        layers=layers,
+    )
     return cfg, w
 
 
@@ -87,7 +93,9 @@ def make_generate(cfg, B, P, N, sample):
     def forward(w, tokens, kcs, vcs, start):
         T = tokens.shape[1]
         pos = jnp.broadcast_to(start + jnp.arange(T), (B, T))
-        allowed = jnp.broadcast_to(jnp.arange(S)[None, :] <= (start + jnp.arange(T))[:, None], (B, T, S))  # [B, T, S]
+        allowed = jnp.broadcast_to(
+            jnp.arange(S)[None, :] <= (start + jnp.arange(T))[:, None], (B, T, S)
+        )  # [B, T, S]
         x = w["embed"][tokens]
 
         def body(x, xs):

@@ -83,7 +83,9 @@ def pairs_of(prompt, chosen, rejected, rejected_prompt=None):
 def pair_batch(prompt, chosen, rejected):
     """The workload's batch: packed with the prompt shared, or the unpacked rows."""
     if PACKED:
-        return data.pack_preferences(pairs_of(prompt, chosen, rejected), pad_id=0, aligned=LAYOUT == "aligned")
+        return data.pack_preferences(
+            pairs_of(prompt, chosen, rejected), pad_id=0, aligned=LAYOUT == "aligned"
+        )
     return preference_batch(prompt, chosen, rejected)
 
 
@@ -100,7 +102,9 @@ def dpo_runner(policy, batch, *, cached: bool):
         batch = train.compute_reference_logps(reference, batch)
 
     def run():
-        p, o, m = step(state["params"], state["opt"], batch, reference=None if cached else reference)
+        p, o, m = step(
+            state["params"], state["opt"], batch, reference=None if cached else reference
+        )
         jax.block_until_ready(m["loss"])
         state["params"], state["opt"] = p, o
 
@@ -115,19 +119,29 @@ def grpo_runner(policy, prompts, rewards, *, group: int, new: int, shared: bool 
     pmask = jnp.ones(prompts.shape, bool)
     opt = optimizer()
     step = train.make_grpo_step(opt, group_size=group)
-    state = {"p": policy, "o": opt.init(eqx.filter(policy, eqx.is_inexact_array)), "k": jax.random.key(0)}
+    state = {
+        "p": policy,
+        "o": opt.init(eqx.filter(policy, eqx.is_inexact_array)),
+        "k": jax.random.key(0),
+    }
     split = {"gen": [], "update": []}
 
     def run():
         state["k"], sub = jax.random.split(state["k"])
         t0 = time.perf_counter()
-        out = rx.generate_batch(state["p"], prompts, pmask, sub, max_new_tokens=new, temperature=1.0, num_samples=group)
+        out = rx.generate_batch(
+            state["p"], prompts, pmask, sub, max_new_tokens=new, temperature=1.0, num_samples=group
+        )
         jax.block_until_ready(out.tokens)
         t1 = time.perf_counter()
         layout = dict(prompt_length=prompts.shape[1], samples_per_prompt=group) if shared else {}
         batch = train.GRPOBatch(
-            tokens=out.tokens, mask=out.mask, completion_mask=out.completion_mask,
-            rewards=rewards, old_logp=None, **layout,
+            tokens=out.tokens,
+            mask=out.mask,
+            completion_mask=out.completion_mask,
+            rewards=rewards,
+            old_logp=None,
+            **layout,
         )
         p, o, m = step(state["p"], state["o"], batch)
         jax.block_until_ready(m["loss"])
@@ -159,7 +173,9 @@ def hh_batches(inputs, pairs: int, *, group: int, bucket: int):
     def rows(name):
         return [tuple(r) for r in common.ragged_rows(inputs, name)]
 
-    items = pairs_of(rows("hh_prompt"), rows("hh_chosen"), rows("hh_rejected"), rows("hh_rejected_prompt"))
+    items = pairs_of(
+        rows("hh_prompt"), rows("hh_chosen"), rows("hh_rejected"), rows("hh_rejected_prompt")
+    )
     n = len(items) // pairs * pairs
     items = items[:n]
     if PACKED and LAYOUT == "packed" and HH_BATCHING == "budget":
@@ -169,7 +185,9 @@ def hh_batches(inputs, pairs: int, *, group: int, bucket: int):
         unpacked = lambda b: int(jnp.sum(b.mask) + jnp.sum(b.mask & (b.branch_ids == 0)))
         return [(b, unpacked(b)) for b in batches]
     if HH_BATCHING not in ("budget", "sorted"):
-        raise SystemExit(f"RLHF_EQX_BENCH_HH_BATCHING must be budget or sorted, got {HH_BATCHING!r}")
+        raise SystemExit(
+            f"RLHF_EQX_BENCH_HH_BATCHING must be budget or sorted, got {HH_BATCHING!r}"
+        )
     size = data.packed_length if PACKED else (lambda it: max(len(it.chosen), len(it.rejected)))
     out = []
     win = pairs * group
@@ -179,7 +197,9 @@ def hh_batches(inputs, pairs: int, *, group: int, bucket: int):
             chunk = w[b : b + pairs]
             real = sum(len(it.chosen) + len(it.rejected) for it in chunk)
             if PACKED:
-                batch = data.pack_preferences(chunk, pad_id=0, bucket_size=bucket, aligned=LAYOUT == "aligned")
+                batch = data.pack_preferences(
+                    chunk, pad_id=0, bucket_size=bucket, aligned=LAYOUT == "aligned"
+                )
             else:
                 batch = data.collate_preferences(
                     chunk, pad_id=0, max_length=common.HH_MAX_LEN, bucket_size=bucket
@@ -230,7 +250,9 @@ def main():
         temp = 1.0 if w == "gen_sample" else 0.0
 
         def run(key):
-            out = rx.generate_batch(policy, prompts, masks, key, max_new_tokens=g["new"], temperature=temp)
+            out = rx.generate_batch(
+                policy, prompts, masks, key, max_new_tokens=g["new"], temperature=temp
+            )
             jax.block_until_ready(out.tokens)
 
         first, times = common.time_keyed_steps(run, args.steps)
@@ -253,7 +275,9 @@ def main():
         g = common.GRPO
         prompts = jnp.asarray(inputs["grpo_prompt"])  # each prompt prefilled once for its group
         rewards = jnp.asarray(inputs["grpo_rewards"])
-        run, split = grpo_runner(policy, prompts, rewards, group=g["group"], new=g["new"], shared=PACKED)
+        run, split = grpo_runner(
+            policy, prompts, rewards, group=g["group"], new=g["new"], shared=PACKED
+        )
         first, times = common.time_steps(run, args.steps)
         extra["gen_s"] = common.median(split["gen"][1:])
         extra["update_s"] = common.median(split["update"][1:])
@@ -284,7 +308,13 @@ def main():
         total = time.perf_counter() - t_start
         real = sum(n for _, n in batches)
         computed = sum(computed_tokens(b) for b, _ in batches)
-        in_rows = sum(int(jnp.sum(b.mask if PACKED else b.chosen_mask) + (0 if PACKED else jnp.sum(b.rejected_mask))) for b, _ in batches)
+        in_rows = sum(
+            int(
+                jnp.sum(b.mask if PACKED else b.chosen_mask)
+                + (0 if PACKED else jnp.sum(b.rejected_mask))
+            )
+            for b, _ in batches
+        )
         extra.update(
             real_tokens_per_s=real / total,
             padding_fraction=1.0 - in_rows / computed,

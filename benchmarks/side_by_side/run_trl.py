@@ -45,11 +45,22 @@ def dpo_trainer(model_dir, tok, *, precompute: bool, max_length: int):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     args = DPOConfig(
-        output_dir=out, per_device_train_batch_size=8, learning_rate=1e-5, max_grad_norm=1.0,
-        max_length=max_length, report_to=[], use_cpu=True, logging_steps=10**9, save_strategy="no",
-        precompute_ref_log_probs=False, dataloader_num_workers=0, **FLOAT32,
+        output_dir=out,
+        per_device_train_batch_size=8,
+        learning_rate=1e-5,
+        max_grad_norm=1.0,
+        max_length=max_length,
+        report_to=[],
+        use_cpu=True,
+        logging_steps=10**9,
+        save_strategy="no",
+        precompute_ref_log_probs=False,
+        dataloader_num_workers=0,
+        **FLOAT32,
     )
-    trainer = DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=text_dataset(), processing_class=tok)
+    trainer = DPOTrainer(
+        model=model, ref_model=ref, args=args, train_dataset=text_dataset(), processing_class=tok
+    )
     trainer.create_optimizer_and_scheduler(num_training_steps=1000)
     return trainer
 
@@ -75,8 +86,13 @@ def ref_logps(trainer, inputs):
     model = trainer.ref_model
     with torch.no_grad():
         labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
-        out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], labels=labels,
-                    use_cache=False, fused_lm_head=True)
+        out = model(
+            input_ids=inputs["input_ids"],
+            attention_mask=inputs["attention_mask"],
+            labels=labels,
+            use_cache=False,
+            fused_lm_head=True,
+        )
         lp = out.log_probs.sum(dim=1)
     return lp.chunk(2, dim=0)
 
@@ -97,7 +113,9 @@ def main():
         collate = DataCollatorForPreference(pad_token_id=tok.pad_token_id)
         examples = [
             {"prompt_ids": p.tolist(), "chosen_ids": c.tolist(), "rejected_ids": r.tolist()}
-            for p, c, r in zip(inputs[f"{key}_prompt"], inputs[f"{key}_chosen"], inputs[f"{key}_rejected"])
+            for p, c, r in zip(
+                inputs[f"{key}_prompt"], inputs[f"{key}_chosen"], inputs[f"{key}_rejected"]
+            )
         ]
         batch = collate(examples)
         if w == "dpo_cached":
@@ -113,13 +131,23 @@ def main():
         from trl.trainer.dpo_trainer import DataCollatorForPreference
 
         tok = common.word_tokenizer(common.HH_VOCAB)
-        trainer = dpo_trainer(os.path.join(args.inputs, "model_hh"), tok, precompute=False, max_length=common.HH_MAX_LEN)
+        trainer = dpo_trainer(
+            os.path.join(args.inputs, "model_hh"),
+            tok,
+            precompute=False,
+            max_length=common.HH_MAX_LEN,
+        )
         collate = DataCollatorForPreference(pad_token_id=tok.pad_token_id)
 
         P, C, R = (common.ragged_rows(inputs, n) for n in ("hh_prompt", "hh_chosen", "hh_rejected"))
         n = common.HH["pairs"]
         batches = [
-            collate([{"prompt_ids": P[i], "chosen_ids": C[i], "rejected_ids": R[i]} for i in range(s, s + n)])
+            collate(
+                [
+                    {"prompt_ids": P[i], "chosen_ids": C[i], "rejected_ids": R[i]}
+                    for i in range(s, s + n)
+                ]
+            )
             for s in range(0, len(P) // n * n, n)
         ]
         it = {"i": 0}
@@ -136,8 +164,12 @@ def main():
         real = sum(int(b["attention_mask"].sum()) for b in batches)
         computed = sum(int(b["attention_mask"].numel()) for b in batches)
         extra.update(
-            real_tokens_per_s=real / total, steady_real_tokens_per_s=real / total, padding_fraction=1 - real / computed,
-            compiled_shapes=0, total_s=total, steps=len(batches),
+            real_tokens_per_s=real / total,
+            steady_real_tokens_per_s=real / total,
+            padding_fraction=1 - real / computed,
+            compiled_shapes=0,
+            total_s=total,
+            steps=len(batches),
         )
     elif w in ("gen_sample", "gen_greedy"):
         from transformers import AutoModelForCausalLM
@@ -151,9 +183,16 @@ def main():
         def run():
             with torch.no_grad():
                 model.generate(
-                    input_ids=prompts, attention_mask=attn, max_new_tokens=g["new"], min_new_tokens=g["new"],
-                    do_sample=sample, temperature=1.0 if sample else None, top_k=0 if sample else None,
-                    top_p=1.0 if sample else None, pad_token_id=0, eos_token_id=None,
+                    input_ids=prompts,
+                    attention_mask=attn,
+                    max_new_tokens=g["new"],
+                    min_new_tokens=g["new"],
+                    do_sample=sample,
+                    temperature=1.0 if sample else None,
+                    top_k=0 if sample else None,
+                    top_p=1.0 if sample else None,
+                    pad_token_id=0,
+                    eos_token_id=None,
                 )
 
         first, times = common.time_steps(run, args.steps)
@@ -164,21 +203,34 @@ def main():
         from trl.trainer.reward_trainer import DataCollatorForPreference
 
         tok = common.word_tokenizer(common.CONFIG["vocab_size"])
-        model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            model_dir, num_labels=1, dtype=torch.float32
+        )
         model.config.pad_token_id = 0
         out = tempfile.mkdtemp()
         rargs = RewardConfig(
-            output_dir=out, per_device_train_batch_size=8, learning_rate=1e-5, max_grad_norm=1.0,
-            max_length=common.RM["length"], report_to=[], use_cpu=True, logging_steps=10**9, save_strategy="no",
+            output_dir=out,
+            per_device_train_batch_size=8,
+            learning_rate=1e-5,
+            max_grad_norm=1.0,
+            max_length=common.RM["length"],
+            report_to=[],
+            use_cpu=True,
+            logging_steps=10**9,
+            save_strategy="no",
             **FLOAT32,
         )
-        trainer = RewardTrainer(model=model, args=rargs, train_dataset=text_dataset(), processing_class=tok)
+        trainer = RewardTrainer(
+            model=model, args=rargs, train_dataset=text_dataset(), processing_class=tok
+        )
         trainer.create_optimizer_and_scheduler(num_training_steps=1000)
         collate = DataCollatorForPreference(pad_token_id=0)
-        batch = collate([
-            {"chosen_ids": p.tolist() + c.tolist(), "rejected_ids": p.tolist() + r.tolist()}
-            for p, c, r in zip(inputs["rm_prompt"], inputs["rm_chosen"], inputs["rm_rejected"])
-        ])
+        batch = collate(
+            [
+                {"chosen_ids": p.tolist() + c.tolist(), "rejected_ids": p.tolist() + r.tolist()}
+                for p, c, r in zip(inputs["rm_prompt"], inputs["rm_chosen"], inputs["rm_rejected"])
+            ]
+        )
         run = step_fn(trainer, lambda: dict(batch))
         first, times = common.time_steps(run, args.steps)
     elif w == "grpo":
@@ -199,11 +251,25 @@ def main():
             return [rewards[i % len(rewards)] for i in range(len(completions))]
 
         gargs = GRPOConfig(
-            output_dir=tempfile.mkdtemp(), per_device_train_batch_size=g["prompts"] * g["group"],
-            num_generations=g["group"], max_completion_length=g["new"], learning_rate=1e-5,
-            max_grad_norm=1.0, max_steps=n_steps, report_to=[], use_cpu=True, logging_steps=10**9,
-            save_strategy="no", temperature=1.0, top_k=0, top_p=1.0, shuffle_dataset=False, beta=0.0,
-            generation_kwargs={"min_new_tokens": g["new"]},  # every completion is 128 tokens, as in rlhf_eqx
+            output_dir=tempfile.mkdtemp(),
+            per_device_train_batch_size=g["prompts"] * g["group"],
+            num_generations=g["group"],
+            max_completion_length=g["new"],
+            learning_rate=1e-5,
+            max_grad_norm=1.0,
+            max_steps=n_steps,
+            report_to=[],
+            use_cpu=True,
+            logging_steps=10**9,
+            save_strategy="no",
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            shuffle_dataset=False,
+            beta=0.0,
+            generation_kwargs={
+                "min_new_tokens": g["new"]
+            },  # every completion is 128 tokens, as in rlhf_eqx
             **FLOAT32,
         )
         marks = []
@@ -215,8 +281,14 @@ def main():
             def on_step_end(self, *a, **k):
                 marks[-1] = time.perf_counter() - marks[-1]
 
-        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=gargs, train_dataset=ds,
-                              processing_class=tok, callbacks=[Timer()])
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=reward,
+            args=gargs,
+            train_dataset=ds,
+            processing_class=tok,
+            callbacks=[Timer()],
+        )
         trainer.train()
         first, times = marks[0], marks[1:]
     else:

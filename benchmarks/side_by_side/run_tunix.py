@@ -37,9 +37,12 @@ def dpo(args, inputs, load_model):
     key = "dpo" if args.workload == "dpo" else args.workload
     P, C, R = (np.asarray(inputs[f"{key}_{part}"]) for part in ("prompt", "chosen", "rejected"))
     example = dpo_lib.TrainingInput(
-        prompt_ids=jnp.asarray(P), prompt_mask=jnp.ones(P.shape, jnp.int32),
-        chosen_ids=jnp.asarray(C), chosen_mask=jnp.ones(C.shape, jnp.int32),
-        rejected_ids=jnp.asarray(R), rejected_mask=jnp.ones(R.shape, jnp.int32),
+        prompt_ids=jnp.asarray(P),
+        prompt_mask=jnp.ones(P.shape, jnp.int32),
+        chosen_ids=jnp.asarray(C),
+        chosen_mask=jnp.ones(C.shape, jnp.int32),
+        rejected_ids=jnp.asarray(R),
+        rejected_mask=jnp.ones(R.shape, jnp.int32),
     )
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-5))
     config = dpo_lib.DPOTrainingConfig(eval_every_n_steps=10**6, max_steps=10**6, beta=0.1)
@@ -56,7 +59,9 @@ def dpo(args, inputs, load_model):
     steps = args.steps if args.workload == "dpo" else max(2, args.steps - 2)
     first, times = common.time_steps(run, steps)
     T = P.shape[1] + C.shape[1]
-    extra = dict(flops=common.dpo_flops(P.shape[0], T, with_reference=True), tokens=int(2 * P.shape[0] * T))
+    extra = dict(
+        flops=common.dpo_flops(P.shape[0], T, with_reference=True), tokens=int(2 * P.shape[0] * T)
+    )
     common.emit(LIB, args.workload, first, times, peak_gflops=common.jax_matmul_peak(), **extra)
 
 
@@ -68,22 +73,34 @@ def main():
     model_dir = os.path.join(args.inputs, "model")
     hf = json.load(open(os.path.join(model_dir, "config.json")))
     cfg = llama_lib.ModelConfig(
-        num_layers=hf["num_hidden_layers"], vocab_size=hf["vocab_size"], embed_dim=hf["hidden_size"],
-        hidden_dim=hf["intermediate_size"], num_heads=hf["num_attention_heads"],
-        head_dim=hf["hidden_size"] // hf["num_attention_heads"], num_kv_heads=hf["num_key_value_heads"],
-        rope_theta=int(hf["rope_theta"]) if "rope_theta" in hf else 10000, norm_eps=hf["rms_norm_eps"],
+        num_layers=hf["num_hidden_layers"],
+        vocab_size=hf["vocab_size"],
+        embed_dim=hf["hidden_size"],
+        hidden_dim=hf["intermediate_size"],
+        num_heads=hf["num_attention_heads"],
+        head_dim=hf["hidden_size"] // hf["num_attention_heads"],
+        num_kv_heads=hf["num_key_value_heads"],
+        rope_theta=int(hf["rope_theta"]) if "rope_theta" in hf else 10000,
+        norm_eps=hf["rms_norm_eps"],
         weight_tying=hf.get("tie_word_embeddings", False),
     )
-    load_model = lambda: params_lib.create_model_from_safe_tensors(model_dir, cfg, None, dtype=jnp.float32)
+    load_model = lambda: params_lib.create_model_from_safe_tensors(
+        model_dir, cfg, None, dtype=jnp.float32
+    )
     if args.workload in DPO_WORKLOADS:
         return dpo(args, inputs, load_model)
     model = load_model()
     g = common.GEN
     tok = common.word_tokenizer(hf["vocab_size"])
     sampler = sampler_lib.Sampler(
-        model, tok,
-        sampler_lib.CacheConfig(cache_size=2 * (g["prompt"] + g["new"]) + 8, num_layers=cfg.num_layers,
-                                num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim),
+        model,
+        tok,
+        sampler_lib.CacheConfig(
+            cache_size=2 * (g["prompt"] + g["new"]) + 8,
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+        ),
     )
     prompts = [common.ids_as_text(row) for row in inputs["gen_prompt"]]
     sample = args.workload == "gen_sample"
@@ -92,9 +109,14 @@ def main():
     def run():
         state["seed"] += 1
         out = sampler(
-            prompts, max_generation_steps=g["new"], max_prompt_length=g["prompt"],
-            temperature=1.0 if sample else 0.0, top_p=1.0 if sample else None,
-            eos_tokens=[hf["vocab_size"] + 7], seed=state["seed"], pad_output=True,
+            prompts,
+            max_generation_steps=g["new"],
+            max_prompt_length=g["prompt"],
+            temperature=1.0 if sample else 0.0,
+            top_p=1.0 if sample else None,
+            eos_tokens=[hf["vocab_size"] + 7],
+            seed=state["seed"],
+            pad_output=True,
         )
         jax.block_until_ready(out.tokens if hasattr(out, "tokens") else out.text)
 

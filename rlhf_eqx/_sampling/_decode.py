@@ -24,7 +24,8 @@ def _check_decoder(policy: object) -> AbstractDecoder:
     if not isinstance(policy, AbstractDecoder):
         raise TypeError(
             "generate needs a decoder: a model inheriting rlhf_eqx.models.AbstractDecoder "
-            f"(init_cache / prefill / decode_step), such as rlhf_eqx.Policy; got {type(policy).__name__}"
+            "(init_cache / prefill / decode_step), such as rlhf_eqx.Policy; "
+            f"got {type(policy).__name__}"
         )
     return policy
 
@@ -122,7 +123,9 @@ def _generate_batch(
     if opts.num_samples > 1:
         # one prefill per prompt, its cache shared by the prompt's samples
         rep = lambda x: jnp.repeat(x, opts.num_samples, axis=0)
-        logits, cache, prompts, prompt_masks = jax.tree.map(rep, (logits, cache, prompts, prompt_masks))
+        logits, cache, prompts, prompt_masks = jax.tree.map(
+            rep, (logits, cache, prompts, prompt_masks)
+        )
         B = B * opts.num_samples
     sample = jax.vmap(
         functools.partial(

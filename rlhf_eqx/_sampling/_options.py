@@ -12,8 +12,6 @@ def _is_int(x: object) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-
-
 def check_top_k(top_k: object) -> None:
     """Raise unless `top_k` is a positive int or None."""
     if top_k is not None and not (_is_int(top_k) and top_k > 0):  # type: ignore[operator]
@@ -45,7 +43,9 @@ def _stop_ids(eos_id: object) -> tuple[int, ...]:
     ids = (eos_id,) if not isinstance(eos_id, Sequence) else tuple(eos_id)
     for i in ids:
         if not (_is_int(i) and i >= 0):  # type: ignore[operator]
-            raise ValueError(f"eos_id must be a non-negative int or a sequence of them, got {eos_id!r}")
+            raise ValueError(
+                f"eos_id must be a non-negative int or a sequence of them, got {eos_id!r}"
+            )
     return tuple(int(i) for i in ids)
 
 
@@ -81,9 +81,7 @@ class SamplingOptions(eqx.Module):
         if not (_is_int(self.num_samples) and self.num_samples > 0):
             raise ValueError(f"num_samples must be a positive int, got {self.num_samples!r}")
         if not (_is_int(self.max_new_tokens) and self.max_new_tokens > 0):
-            raise ValueError(
-                f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}"
-            )
+            raise ValueError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
         check_temperature(self.temperature)
         check_top_k(self.top_k)
         check_top_p(self.top_p)

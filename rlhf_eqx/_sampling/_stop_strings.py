@@ -44,7 +44,9 @@ def truncate_at_stop_strings(
     cmask = np.array(out.completion_mask)
     logprobs = np.array(out.logprobs)
     if tokens.ndim != 2:
-        raise ValueError(f"expected a batched output with [B, T] fields, got tokens of shape {tokens.shape}")
+        raise ValueError(
+            f"expected a batched output with [B, T] fields, got tokens of shape {tokens.shape}"
+        )
     for row in range(tokens.shape[0]):
         cols = np.flatnonzero(cmask[row])
         ids = tokens[row, cols].tolist()

@@ -12,7 +12,8 @@ from ._options import check_temperature, check_top_k, check_top_p
 def filter_logits(
     logits: Float[Array, " V"], *, top_k: int | None = None, top_p: float | int | None = None
 ) -> Float[Array, " V"]:
-    """Set logits outside the top-k set and outside the top-p nucleus (Holtzman et al. 2020) to -inf.
+    """Set logits outside the top-k set and outside the top-p nucleus (Holtzman et al. 2020)
+    to -inf.
 
     Skips all sorting when both are off; with `top_k`, top-p works on the `k` best only.
     """

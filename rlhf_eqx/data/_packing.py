@@ -250,8 +250,15 @@ def pack_preference_steps(
     if seed is not None:
         rows = [rows[i] for i in np.random.default_rng(seed).permutation(len(rows))]
     return [
-        _write_rows(pieces, rows[s : s + rows_per_step], row_length, pairs_per_row,
-                    rows_per_step, pad_id, vocab_size)
+        _write_rows(
+            pieces,
+            rows[s : s + rows_per_step],
+            row_length,
+            pairs_per_row,
+            rows_per_step,
+            pad_id,
+            vocab_size,
+        )
         for s in range(0, len(rows), rows_per_step)
     ]
 

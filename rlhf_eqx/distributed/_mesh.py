@@ -178,4 +178,3 @@ def shard_batch(batch: PyTree, mesh: Mesh, *, axis: str = "data") -> PyTree:
         return jax.device_put(x, NamedSharding(mesh, PartitionSpec(axis)))
 
     return jax.tree_util.tree_map_with_path(put, batch)
-

@@ -65,4 +65,3 @@ def shard_batch_for_pmap(batch: PyTree, n_devices: int) -> PyTree:
         return x.reshape((n_devices, x.shape[0] // n_devices) + x.shape[1:])
 
     return jax.tree_util.tree_map_with_path(split, batch)
-

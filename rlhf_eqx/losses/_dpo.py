@@ -43,9 +43,7 @@ def _validate(
 ) -> LossSpec:
     check_choice("loss_type", loss_type, DPO_LOSS_TYPES)
     check_python_number("beta", beta, lambda b: b > 0.0, "positive")
-    check_python_number(
-        "label_smoothing", label_smoothing, lambda e: 0.0 <= e < 0.5, "in [0, 0.5)"
-    )
+    check_python_number("label_smoothing", label_smoothing, lambda e: 0.0 <= e < 0.5, "in [0, 0.5)")
     spec = DPO_LOSSES[loss_type]
     if ref_missing and not (reference_free or spec.reference_free):
         raise ValueError(
@@ -67,7 +65,12 @@ def _make_pair(
 ) -> LogpPair:
     c = jnp.asarray(chosen_logp)
     r = jnp.asarray(rejected_logp)
-    if ref_chosen_logp is None or ref_rejected_logp is None or reference_free or spec.reference_free:
+    if (
+        ref_chosen_logp is None
+        or ref_rejected_logp is None
+        or reference_free
+        or spec.reference_free
+    ):
         rc, rr = jnp.zeros_like(c), jnp.zeros_like(r)
     else:
         rc, rr = jnp.asarray(ref_chosen_logp), jnp.asarray(ref_rejected_logp)
@@ -223,8 +226,8 @@ def dpo_batch_loss(
     rr = ref_rejected_logp if use_ref else jnp.zeros_like(rejected_logp)
     if spec.batch:
         hp = LossHyperparameters(
-        beta, label_smoothing, jnp.asarray(bco_delta), discopop_tau, simpo_gamma
-    )
+            beta, label_smoothing, jnp.asarray(bco_delta), discopop_tau, simpo_gamma
+        )
         return spec.fn(LogpPair(chosen_logp, rejected_logp, rc, rr), hp)
 
     def one(c, r, rc_, rr_, cl, rl):

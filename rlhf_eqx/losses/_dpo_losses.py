@@ -85,7 +85,8 @@ def _sigmoid(p: LogpPair, hp: LossHyperparameters) -> Array:
 
 
 def _robust(p: LogpPair, hp: LossHyperparameters) -> Array:
-    r"""$\big[-(1-\varepsilon)\log\sigma(\beta u) + \varepsilon\log\sigma(-\beta u)\big]/(1-2\varepsilon)$.
+    r"""$\big[-(1-\varepsilon)\log\sigma(\beta u) +
+    \varepsilon\log\sigma(-\beta u)\big]/(1-2\varepsilon)$.
 
     Robust DPO (rDPO), Chowdhury et al. 2024, eq. 8.
     """
@@ -188,7 +189,8 @@ def _orpo(p: LogpPair, hp: LossHyperparameters) -> Array:
 
 
 def _aot(p: LogpPair, hp: LossHyperparameters) -> Array:
-    r"""Smoothed sigmoid of $\beta\,[\mathrm{sort}(\ell_w - \ell_l) - \mathrm{sort}(\ell^{\rm ref}_w - \ell^{\rm ref}_l)]$.
+    r"""Smoothed sigmoid of $\beta\,[\mathrm{sort}(\ell_w - \ell_l) -
+    \mathrm{sort}(\ell^{\rm ref}_w - \ell^{\rm ref}_l)]$.
 
     AOT (paired), Melnyk et al. 2024, eq. 12; needs the batch (`[B]` arrays).
     """

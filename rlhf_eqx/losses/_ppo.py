@@ -140,8 +140,8 @@ def ppo_value_loss(
     $$\ell_t = \tfrac12\max\big((V_t - R_t)^2,\;
       (\mathrm{clip}(V_t, V^{\rm old}_t - \epsilon, V^{\rm old}_t + \epsilon) - R_t)^2\big)$$
 
-    (OpenAI baselines PPO2; TRL `PPOTrainer` with `cliprange_value`; veRL
-    `compute_value_loss`.) $\epsilon$ is `clip_eps`; `clip_eps=None` gives the unclipped $\tfrac12(V_t - R_t)^2$.
+    (OpenAI baselines PPO2; TRL `PPOTrainer` with `cliprange_value`; veRL `compute_value_loss`.)
+    $\epsilon$ is `clip_eps`; `clip_eps=None` gives the unclipped $\tfrac12(V_t - R_t)^2$.
 
     **Returns:** `(per_token_loss, clipped)`, both `[T]`, 0 where masked; `clipped` is
     1.0 where the clipped branch is larger (TRL `val/clipfrac`).

@@ -1,4 +1,5 @@
-"""The decoder models as immutable pytrees (`Policy`, `ValueModel`, `RewardModel`) and their checkpoints."""
+"""The decoder models as immutable pytrees (`Policy`, `ValueModel`, `RewardModel`) and their
+checkpoints."""
 
 from ._attention import (
     attention as attention,

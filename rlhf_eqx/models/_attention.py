@@ -1,4 +1,5 @@
-"""Rotary embeddings, the attention mask (causal, padding, segments, sliding window) and attention."""
+"""Rotary embeddings, the attention mask (causal, padding, segments, sliding window) and
+attention."""
 
 import functools
 import math
@@ -15,7 +16,8 @@ from ._layers import softcap
 def rope_tables(
     positions: Int[Array, "*B T"], inv_freq: Float[Array, " half"]
 ) -> tuple[Float[Array, "*B T hd"], Float[Array, "*B T hd"]]:
-    """cos/sin tables `[..., T, head_dim]` in float32 (rotate-half layout, as in Hugging Face Llama)."""
+    """cos/sin tables `[..., T, head_dim]` in float32 (rotate-half layout, as in Hugging Face
+    Llama)."""
     freqs = inv_freq.reshape((1,) * positions.ndim + inv_freq.shape)
     angles = positions.astype(jnp.float32)[..., None] * freqs
     angles = jnp.concatenate([angles, angles], axis=-1)
@@ -145,8 +147,12 @@ def _fused_bwd(scale, cap, res, d_out):
     s = _scores(qg, k, T, scale, cap)
     p = jnp.where(allowed[..., None, None, :, :], jnp.exp(s - lse), 0.0)
     flat = lambda x: rearrange(x, "... k g t s -> ... k (g t) s")
-    dv = jnp.einsum("...qs,...qd->...sd", flat(p).astype(v.dtype), do.astype(v.dtype),
-                    preferred_element_type=_f32)
+    dv = jnp.einsum(
+        "...qs,...qd->...sd",
+        flat(p).astype(v.dtype),
+        do.astype(v.dtype),
+        preferred_element_type=_f32,
+    )
     dp = jnp.einsum("...qd,...sd->...qs", do.astype(v.dtype), v, preferred_element_type=_f32)
     ds = p * (rearrange(dp, "... k (g t) s -> ... k g t s", t=T) - D)
     if cap is not None:
@@ -451,13 +457,20 @@ def attention(
         return _unrolled_attention(q, k, v, allowed, scale, cap, causal_block)
     end = S - T + whole  # the keys the whole query blocks may see
     out = _looped_attention(
-        q[..., :whole, :, :], k[..., :end, :], v[..., :end, :], allowed[..., :whole, :end],
-        scale, cap, causal_block,
+        q[..., :whole, :, :],
+        k[..., :end, :],
+        v[..., :end, :],
+        allowed[..., :whole, :end],
+        scale,
+        cap,
+        causal_block,
     )
     if whole == T:
         return out
     # the last, partial block of queries
-    rest = _unrolled_attention(q[..., whole:, :, :], k, v, allowed[..., whole:, :], scale, cap, causal_block)
+    rest = _unrolled_attention(
+        q[..., whole:, :, :], k, v, allowed[..., whole:, :], scale, cap, causal_block
+    )
     return jnp.concatenate([out, rest], axis=-3)
 
 
@@ -485,14 +498,20 @@ def region_attention(
         raise ValueError(f"regions={regions} must be non-negative and add up to T={q.shape[-3]}")
     kw = dict(scale=scale, cap=cap, causal_block=causal_block)
     P = regions[0]
-    outs = [attention(q[..., :P, :, :], k[..., :P, :], v[..., :P, :], allowed[..., :P, :P], **kw)] if P else []
+    outs = (
+        [attention(q[..., :P, :, :], k[..., :P, :], v[..., :P, :], allowed[..., :P, :P], **kw)]
+        if P
+        else []
+    )
     start = P
     for n in regions[1:]:
         if n == 0:
             continue
         end = start + n
         cat = lambda x: jnp.concatenate([x[..., :P, :], x[..., start:end, :]], axis=-2)
-        keys_allowed = jnp.concatenate([allowed[..., start:end, :P], allowed[..., start:end, start:end]], axis=-1)
+        keys_allowed = jnp.concatenate(
+            [allowed[..., start:end, :P], allowed[..., start:end, start:end]], axis=-1
+        )
         outs.append(attention(q[..., start:end, :, :], cat(k), cat(v), keys_allowed, **kw))
         start = end
     return jnp.concatenate(outs, axis=-3)
@@ -533,7 +552,9 @@ def attention_layout(
     return allowed, positions
 
 
-def previous_allowed(allowed: Bool[Array, "*B T T"]) -> tuple[Int[Array, "*B T"], Bool[Array, "*B T"]]:
+def previous_allowed(
+    allowed: Bool[Array, "*B T T"],
+) -> tuple[Int[Array, "*B T"], Bool[Array, "*B T"]]:
     """For each query `t`, the last key `s < t` it may attend to (0 where there is none)
     and whether there is one: the position whose next-token prediction scores token `t`.
 

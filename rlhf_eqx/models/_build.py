@@ -78,11 +78,11 @@ def model_from_arrays(
     are the given host arrays.
 
     `arrays` holds `embed [V, D]`, `final_norm [D]`, for a `Policy` `lm_head [D, V]`
-    (`None` when tied), for a scalar-head model `head [D]` and `bias []`, and the stacked layer fields `attn_norm [L, D]`, `wqkv [L, D, Q+2KV]`, `wo [L, Q,
-    D]`, `mlp_norm [L, D]`, `w_gate_up [L, D, 2F]`, `w_down [L, F, D]`, and as the
-    configuration requires `bqkv [L, Q+2KV]`, `q_norm`/`k_norm [L, hd]`,
-    `attn_post_norm`/`mlp_post_norm [L, D]`. The model is built abstractly
-    (`eqx.filter_eval_shape`, no random initialisation) and filled with `eqx.tree_at`;
+    (`None` when tied), for a scalar-head model `head [D]` and `bias []`, and the stacked layer
+    fields `attn_norm [L, D]`, `wqkv [L, D, Q+2KV]`, `wo [L, Q, D]`, `mlp_norm [L, D]`,
+    `w_gate_up [L, D, 2F]`, `w_down [L, F, D]`, and as the configuration requires `bqkv [L, Q+2KV]`,
+    `q_norm`/`k_norm [L, hd]`, `attn_post_norm`/`mlp_post_norm [L, D]`. The model is built
+    abstractly (`eqx.filter_eval_shape`, no random initialisation) and filled with `eqx.tree_at`;
     every array is checked against the expected shape and cast to `cfg.dtype`.
     """
     if cls not in (Policy, RewardModel, ValueModel):
@@ -104,7 +104,9 @@ def model_from_arrays(
         spec = get(skeleton)
         arr = arrays.get(name)
         if arr is None:
-            raise ValueError(f"{source}: missing weight {name!r} (expected shape {tuple(spec.shape)})")
+            raise ValueError(
+                f"{source}: missing weight {name!r} (expected shape {tuple(spec.shape)})"
+            )
         if tuple(arr.shape) != tuple(spec.shape):
             raise ValueError(
                 f"{source}: weight {name!r} has shape {tuple(arr.shape)}, expected "

@@ -157,20 +157,26 @@ class TransformerConfig:
         if self.head_dim % 2 != 0:
             raise ValueError(f"TransformerConfig.head_dim={self.head_dim} must be even (rotary)")
         if self.dtype not in _DTYPES:
-            raise ValueError(f"TransformerConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+            raise ValueError(
+                f"TransformerConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}"
+            )
         if self.mlp_activation not in _ACTIVATIONS:
             raise ValueError(
-                f"TransformerConfig.mlp_activation must be one of {_ACTIVATIONS}, got {self.mlp_activation!r}"
+                f"TransformerConfig.mlp_activation must be one of {_ACTIVATIONS}, "
+                f"got {self.mlp_activation!r}"
             )
         for name in ("query_scale", "attn_softcap", "final_softcap", "rope_local_theta"):
             value = getattr(self, name)
             if value is not None and not value > 0:
-                raise ValueError(f"TransformerConfig.{name} must be positive or None, got {value!r}")
+                raise ValueError(
+                    f"TransformerConfig.{name} must be positive or None, got {value!r}"
+                )
         if self.sliding_window is not None and (
             not isinstance(self.sliding_window, int) or self.sliding_window <= 0
         ):
             raise ValueError(
-                f"TransformerConfig.sliding_window must be a positive int or None, got {self.sliding_window!r}"
+                "TransformerConfig.sliding_window must be a positive int or None, "
+                f"got {self.sliding_window!r}"
             )
         if self.window_layers is not None:
             object.__setattr__(self, "window_layers", tuple(bool(w) for w in self.window_layers))
@@ -180,10 +186,13 @@ class TransformerConfig:
                     f"n_layers={self.n_layers}"
                 )
             if self.sliding_window is None and any(self.window_layers):
-                raise ValueError("TransformerConfig.window_layers marks local layers but sliding_window is None")
+                raise ValueError(
+                    "TransformerConfig.window_layers marks local layers but sliding_window is None"
+                )
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise ValueError(
-                f"TransformerConfig.rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}"
+                "TransformerConfig.rope_scaling must be a RopeScaling or None, "
+                f"got {self.rope_scaling!r}"
             )
 
     @property
@@ -212,9 +221,16 @@ class TransformerConfig:
         return 0.0 if self.norm_plus_one else 1.0
 
     def inv_freq(self, *, local: bool = False) -> np.ndarray:
-        """Rotary inverse frequencies `[head_dim / 2]` (float32), of the local layers with `local`."""
-        theta = self.rope_local_theta if local and self.rope_local_theta is not None else self.rope_theta
-        exponent = np.arange(0, self.head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(self.head_dim)
+        """Rotary inverse frequencies `[head_dim / 2]` (float32), of the local layers with
+        `local`."""
+        theta = (
+            self.rope_local_theta
+            if local and self.rope_local_theta is not None
+            else self.rope_theta
+        )
+        exponent = np.arange(0, self.head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(
+            self.head_dim
+        )
         inv = (np.float32(1.0) / (np.float32(theta) ** exponent)).astype(np.float32)
         if self.rope_scaling is not None and not (local and self.rope_local_theta is not None):
             inv = self.rope_scaling.apply(inv)

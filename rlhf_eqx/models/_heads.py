@@ -1,4 +1,5 @@
-"""Policy (LM head), value model (per-token scalar) and reward model (scalar at the last real token)."""
+"""Policy (LM head), value model (per-token scalar) and reward model (scalar at the last real
+token)."""
 
 import math
 
@@ -106,7 +107,9 @@ class Policy(AbstractDecoder[KVCache], AbstractBatchedModel, AbstractSelectiveLM
         segment_ids: Int[Array, "*B T"] | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "*B T V"]:
-        return self.logits_from_hidden(self.transformer(tokens, mask, segment_ids=segment_ids, key=key))
+        return self.logits_from_hidden(
+            self.transformer(tokens, mask, segment_ids=segment_ids, key=key)
+        )
 
     def selected_logprobs(
         self,
@@ -295,7 +298,9 @@ class ValueModel(_ScalarHeadModel, AbstractSequenceModel, AbstractBatchedModel):
         return self._read_out(self.transformer(tokens, mask, segment_ids=segment_ids, key=key))
 
 
-class RewardModel(_ScalarHeadModel, AbstractScalarModel, AbstractBatchedModel, AbstractBranchScorer):
+class RewardModel(
+    _ScalarHeadModel, AbstractScalarModel, AbstractBatchedModel, AbstractBranchScorer
+):
     """A scalar reward: `reward(tokens, mask) -> r`, read at the last real token (float32)."""
 
     def __call__(
@@ -329,6 +334,12 @@ class RewardModel(_ScalarHeadModel, AbstractScalarModel, AbstractBatchedModel, A
         )
         flat = idx.reshape(idx.shape[:-2] + (-1,))
         picked = self.transformer.hidden_at(
-            tokens, mask, flat, segment_ids=segment_ids, branch_ids=branch_ids, regions=regions, key=key
+            tokens,
+            mask,
+            flat,
+            segment_ids=segment_ids,
+            branch_ids=branch_ids,
+            regions=regions,
+            key=key,
         )
         return self._read_out(picked).reshape(idx.shape)

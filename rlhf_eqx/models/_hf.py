@@ -70,7 +70,9 @@ def _load_file(path: str) -> dict[str, np.ndarray]:
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: file not found") from None
     except Exception as e:  # safetensors raises its own error types for bad headers/data
-        raise ValueError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+        raise ValueError(
+            f"{path}: not a readable safetensors file ({type(e).__name__}: {e})"
+        ) from None
     for name, arr in tensors.items():
         check_finite(arr, name=name, source=path)
     return tensors
@@ -140,7 +142,9 @@ def _plan_shards(tensors: dict[str, np.ndarray], max_shard_bytes: int) -> list[l
     return shards
 
 
-def _write_files(directory: str, config: dict[str, Any], tensors: dict[str, np.ndarray], shards) -> None:
+def _write_files(
+    directory: str, config: dict[str, Any], tensors: dict[str, np.ndarray], shards
+) -> None:
     """Write `config.json`, the safetensors file(s) and the index into `directory`;
     weight files get the config's permissions."""
     stnp = _safetensors_numpy()
@@ -157,10 +161,17 @@ def _write_files(directory: str, config: dict[str, Any], tensors: dict[str, np.n
         weight_map = {}
         for k, names in enumerate(shards, start=1):
             fname = f"model-{k:05d}-of-{n:05d}.safetensors"
-            stnp.save_file({name: tensors[name] for name in names}, os.path.join(directory, fname), metadata=metadata)
+            stnp.save_file(
+                {name: tensors[name] for name in names},
+                os.path.join(directory, fname),
+                metadata=metadata,
+            )
             weight_map.update({name: fname for name in names})
             written.append(fname)
-        index = {"metadata": {"total_size": int(sum(a.nbytes for a in tensors.values()))}, "weight_map": weight_map}
+        index = {
+            "metadata": {"total_size": int(sum(a.nbytes for a in tensors.values()))},
+            "weight_map": weight_map,
+        }
         with open(os.path.join(directory, _INDEX), "w", encoding="utf-8") as f:
             json.dump(index, f, indent=2)
         written.append(_INDEX)
@@ -205,7 +216,9 @@ def _remove_stale(target: str) -> None:
     if not os.path.isdir(parent or "."):
         return
     for entry in os.listdir(parent or "."):
-        stale = entry.startswith(f".{name}.tmp-") or (entry.startswith(f".{name}.old-") and os.path.isdir(target))
+        stale = entry.startswith(f".{name}.tmp-") or (
+            entry.startswith(f".{name}.old-") and os.path.isdir(target)
+        )
         if stale:
             shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
 
@@ -244,7 +257,9 @@ def save_hf(
     (`config_to_hf`).
     """
     if not isinstance(policy, (Policy, RewardModel, ValueModel)):
-        raise TypeError(f"save_hf exports a Policy, RewardModel or ValueModel, got {type(policy).__name__}")
+        raise TypeError(
+            f"save_hf exports a Policy, RewardModel or ValueModel, got {type(policy).__name__}"
+        )
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     if policy.transformer.layers.lora is not None:

@@ -14,7 +14,7 @@
 Fields that would change the architecture but are not implemented (other rope types,
 `partial_rotary_factor`, `attention_bias` on Llama, `mlp_bias`, bidirectional
 attention, ...) are refused with a `ValueError` naming the field and the file.
-"""
+"""  # noqa: E501 (markdown table rows cannot be wrapped)
 
 import math
 from typing import Any
@@ -83,8 +83,11 @@ def _family(config: dict[str, Any], source: str) -> str:
     if not archs and config.get("model_type") in by_type:
         return by_type[config["model_type"]]
     raise _err(
-        source, "architectures", archs or config.get("model_type"),
-        f"supported architectures are {sorted(a for a, _ in FAMILIES.values()) + sorted(SCORERS.values())}",
+        source,
+        "architectures",
+        archs or config.get("model_type"),
+        "supported architectures are "
+        f"{sorted(a for a, _ in FAMILIES.values()) + sorted(SCORERS.values())}",
     )
 
 
@@ -96,7 +99,12 @@ def hf_head(config: dict[str, Any], *, source: str = "config.json") -> str:
         return "lm"
     labels = config.get("num_labels", len(config.get("id2label") or {"0": "LABEL_0"}))
     if labels != 1:
-        raise _err(source, "id2label", config.get("id2label", labels), "a reward model has exactly one label")
+        raise _err(
+            source,
+            "id2label",
+            config.get("id2label", labels),
+            "a reward model has exactly one label",
+        )
     return "score"
 
 
@@ -106,7 +114,11 @@ def _int(config, name: str, source: str, default: Any = _UNSET) -> int:
         if default is _UNSET:
             raise ValueError(f"{source}: required field `{name}` is missing")
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer():
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not float(value).is_integer()
+    ):
         raise ValueError(f"{source}: `{name}` must be an integer, got {value!r}")
     return int(value)
 
@@ -123,7 +135,8 @@ def _float(config, name: str, source: str, default: Any = _UNSET) -> float | Non
 
 
 def _rope(config, source: str) -> tuple[float, RopeScaling | None, float | None]:
-    """`(rope_theta, rope_scaling, local_theta)` from old-style or new-style (`rope_parameters`) fields."""
+    """`(rope_theta, rope_scaling, local_theta)` from old-style or new-style (`rope_parameters`)
+    fields."""
     theta = config.get("rope_theta")
     local_theta = config.get("rope_local_base_freq")
     scaling = config.get("rope_scaling")
@@ -134,8 +147,12 @@ def _rope(config, source: str) -> tuple[float, RopeScaling | None, float | None]
             local = params.get("sliding_attention") or {}
             local_theta = local.get("rope_theta", local_theta)
             if local.get("rope_type", "default") != "default":
-                raise _err(source, "rope_parameters.sliding_attention.rope_type", local.get("rope_type"),
-                           "the local rotary embedding must be 'default'")
+                raise _err(
+                    source,
+                    "rope_parameters.sliding_attention.rope_type",
+                    local.get("rope_type"),
+                    "the local rotary embedding must be 'default'",
+                )
             params = params.get("full_attention") or {}
         theta = params.get("rope_theta", theta)
         scaling, field = params, "rope_parameters"
@@ -154,13 +171,19 @@ def _rope(config, source: str) -> tuple[float, RopeScaling | None, float | None]
             get("factor"),
             low_freq_factor=get("low_freq_factor", 1.0),
             high_freq_factor=get("high_freq_factor", 4.0),
-            original_max_position=_int(scaling, "original_max_position_embeddings", f"{source}: {field}", 8192),
+            original_max_position=_int(
+                scaling, "original_max_position_embeddings", f"{source}: {field}", 8192
+            ),
         )
         return theta, rs, local_theta
-    raise _err(source, f"{field}.rope_type", kind, "implemented rotary scalings are 'linear' and 'llama3'")
+    raise _err(
+        source, f"{field}.rope_type", kind, "implemented rotary scalings are 'linear' and 'llama3'"
+    )
 
 
-def _windows(config, family: str, n_layers: int, source: str) -> tuple[int | None, tuple[bool, ...] | None]:
+def _windows(
+    config, family: str, n_layers: int, source: str
+) -> tuple[int | None, tuple[bool, ...] | None]:
     if family in ("llama", "gemma"):
         return None, None
     window = config.get("sliding_window")
@@ -171,11 +194,17 @@ def _windows(config, family: str, n_layers: int, source: str) -> tuple[int | Non
     window = _int(config, "sliding_window", source)
     types = config.get("layer_types")
     if types is not None:
-        if not isinstance(types, list) or len(types) != n_layers or any(
-            t not in ("sliding_attention", "full_attention") for t in types
+        if (
+            not isinstance(types, list)
+            or len(types) != n_layers
+            or any(t not in ("sliding_attention", "full_attention") for t in types)
         ):
-            raise _err(source, "layer_types", types,
-                       f"expected {n_layers} entries of 'sliding_attention' / 'full_attention'")
+            raise _err(
+                source,
+                "layer_types",
+                types,
+                f"expected {n_layers} entries of 'sliding_attention' / 'full_attention'",
+            )
         local = tuple(t == "sliding_attention" for t in types)
     elif family == "mistral":
         local = (True,) * n_layers
@@ -195,8 +224,13 @@ def _activation(config, family: str, source: str) -> str:
         return "gelu_tanh"  # Gemma 1's legacy `gelu` means the tanh approximation
     if family not in GEMMA and act == "silu":
         return "silu"
-    raise _err(source, field, act, f"the {family} MLP is implemented with "
-               + ("gelu_pytorch_tanh" if family in GEMMA else "silu"))
+    raise _err(
+        source,
+        field,
+        act,
+        f"the {family} MLP is implemented with "
+        + ("gelu_pytorch_tanh" if family in GEMMA else "silu"),
+    )
 
 
 def config_from_hf(
@@ -214,7 +248,12 @@ def config_from_hf(
     family = _family(config, source)
     for field, (inactive, families) in _ARCH_FIELDS.items():
         value = config.get(field)
-        if value is not None and value != inactive and value is not False and family not in families:
+        if (
+            value is not None
+            and value != inactive
+            and value is not False
+            and family not in families
+        ):
             raise _err(source, field, value, f"not implemented for {FAMILIES[family][0]}")
     act = _activation(config, family, source)
     theta, scaling, local_theta = _rope(config, source)
@@ -253,12 +292,18 @@ def config_from_hf(
             post_norms=later_gemma,
             qk_norm=family in ("qwen3", "gemma3"),
             query_scale=qpas**-0.5 if qpas is not None else None,
-            attn_softcap=_float(config, "attn_logit_softcapping", source, None) if later_gemma else None,
-            final_softcap=_float(config, "final_logit_softcapping", source, None) if later_gemma else None,
+            attn_softcap=_float(config, "attn_logit_softcapping", source, None)
+            if later_gemma
+            else None,
+            final_softcap=_float(config, "final_logit_softcapping", source, None)
+            if later_gemma
+            else None,
             sliding_window=window,
             window_layers=local,
             rope_scaling=scaling,
-            rope_local_theta=float(local_theta) if family == "gemma3" and local_theta is not None else None,
+            rope_local_theta=float(local_theta)
+            if family == "gemma3" and local_theta is not None
+            else None,
         )
     except ValueError as e:  # sizes that do not fit together, e.g. heads
         raise ValueError(f"{source}: {e}") from None

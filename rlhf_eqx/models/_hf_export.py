@@ -35,7 +35,11 @@ def _rope_scaling_json(rs: RopeScaling | None) -> dict[str, Any] | None:
 
 
 def config_to_hf(
-    cfg: TransformerConfig, *, dtype: str | None = None, head: str = "lm", pad_token_id: int | None = None
+    cfg: TransformerConfig,
+    *,
+    dtype: str | None = None,
+    head: str = "lm",
+    pad_token_id: int | None = None,
 ) -> dict[str, Any]:
     """A Hugging Face `config.json` dictionary for `cfg`, in the field layout of the
     family's published checkpoints (see the module docstring for the families).
@@ -67,7 +71,9 @@ def config_to_hf(
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
         "rope_scaling": _rope_scaling_json(cfg.rope_scaling),
-        "hidden_act": "gelu_pytorch_tanh" if cfg.mlp_activation == "gelu_tanh" else cfg.mlp_activation,
+        "hidden_act": "gelu_pytorch_tanh"
+        if cfg.mlp_activation == "gelu_tanh"
+        else cfg.mlp_activation,
         "tie_word_embeddings": cfg.tie_embeddings,
         "torch_dtype": dtype or cfg.dtype,
     }
@@ -78,8 +84,11 @@ def config_to_hf(
         out["sliding_window"] = cfg.sliding_window
     if family in ("qwen2", "qwen3"):
         first = next((i for i, x in enumerate(cfg.local_layers) if x), cfg.n_layers)
-        out.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
-                   max_window_layers=first)
+        out.update(
+            use_sliding_window=cfg.sliding_window is not None,
+            sliding_window=cfg.sliding_window,
+            max_window_layers=first,
+        )
         if family == "qwen3":
             out["attention_bias"] = False
     if family in GEMMA:
@@ -99,13 +108,19 @@ def config_to_hf(
     if pad_token_id is not None:
         out["pad_token_id"] = int(pad_token_id)
     if family == "gemma3":
-        out["rope_local_base_freq"] = cfg.rope_local_theta if cfg.rope_local_theta is not None else cfg.rope_theta
+        out["rope_local_base_freq"] = (
+            cfg.rope_local_theta if cfg.rope_local_theta is not None else cfg.rope_theta
+        )
     back = config_from_hf(out, dtype=cfg.dtype)
     for field in back.__dataclass_fields__:
         mine, theirs = getattr(cfg, field), getattr(back, field)
         if field in ("remat", "dtype"):
             continue
-        if isinstance(mine, float) and isinstance(theirs, float) and math.isclose(mine, theirs, rel_tol=1e-9):
+        if (
+            isinstance(mine, float)
+            and isinstance(theirs, float)
+            and math.isclose(mine, theirs, rel_tol=1e-9)
+        ):
             continue
         if mine != theirs:
             raise ValueError(

@@ -29,7 +29,7 @@ marked ᵀ are transposed.
 Both libraries use the rotate-half rotary convention with heads contiguous in the q/k
 columns, so no permutation is needed. Gemma's RMSNorm weights are stored as `w` of the
 `(1 + w)` scale on both sides.
-"""
+"""  # noqa: E501 (markdown table rows cannot be wrapped)
 
 import re
 
@@ -60,11 +60,19 @@ def _layer_names(cfg: TransformerConfig) -> dict[str, tuple[int, ...]]:
         "mlp.down_proj.weight": (D, F),
     }
     if cfg.attn_bias:
-        names.update({"self_attn.q_proj.bias": (Q,), "self_attn.k_proj.bias": (KV,), "self_attn.v_proj.bias": (KV,)})
+        names.update(
+            {
+                "self_attn.q_proj.bias": (Q,),
+                "self_attn.k_proj.bias": (KV,),
+                "self_attn.v_proj.bias": (KV,),
+            }
+        )
     if cfg.qk_norm:
         names.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
     if cfg.post_norms:
-        names.update({"pre_feedforward_layernorm.weight": (D,), "post_feedforward_layernorm.weight": (D,)})
+        names.update(
+            {"pre_feedforward_layernorm.weight": (D,), "post_feedforward_layernorm.weight": (D,)}
+        )
     return names
 
 
@@ -105,9 +113,13 @@ def arrays_from_tensors(
             )
         expected = per_layer.get(m.group(2)) if m is not None else top.get(name)
         if expected is None:
-            raise ValueError(f"{source}: unexpected tensor {name!r}: not part of this architecture ({cfg})")
+            raise ValueError(
+                f"{source}: unexpected tensor {name!r}: not part of this architecture ({cfg})"
+            )
         if tuple(arr.shape) != expected:
-            raise ValueError(f"{source}: tensor {name!r} has shape {tuple(arr.shape)}, expected {expected}")
+            raise ValueError(
+                f"{source}: tensor {name!r} has shape {tuple(arr.shape)}, expected {expected}"
+            )
         if arr.dtype.kind not in "fV":  # ml_dtypes bfloat16 has kind 'V'
             raise ValueError(f"{source}: tensor {name!r} has non-float dtype {arr.dtype}")
 
@@ -129,7 +141,9 @@ def arrays_from_tensors(
         "lm_head": None if cfg.tie_embeddings or head == "score" else get("lm_head.weight").T,
         "wqkv": np.concatenate([stack_t(attn + f"{p}_proj.weight") for p in "qkv"], axis=-1),
         "wo": stack_t(attn + "o_proj.weight"),
-        "w_gate_up": np.concatenate([stack_t(mlp + "gate_proj.weight"), stack_t(mlp + "up_proj.weight")], axis=-1),
+        "w_gate_up": np.concatenate(
+            [stack_t(mlp + "gate_proj.weight"), stack_t(mlp + "up_proj.weight")], axis=-1
+        ),
         "w_down": stack_t(mlp + "down_proj.weight"),
     }
     for field, suffix in _norm_fields(cfg).items():
@@ -145,7 +159,9 @@ def arrays_from_tensors(
     return arrays
 
 
-def tensors_from_model(policy: Policy | RewardModel | ValueModel, dtype: str) -> dict[str, np.ndarray]:
+def tensors_from_model(
+    policy: Policy | RewardModel | ValueModel, dtype: str
+) -> dict[str, np.ndarray]:
     """The Hugging Face tensors of a model (int8 projections dequantised), in `dtype`:
     a `Policy` as a causal LM, a scalar-head model as a one-label sequence classifier
     (`score.weight`; its `bias` must be zero, which the classifier cannot express)."""
@@ -165,8 +181,14 @@ def tensors_from_model(policy: Policy | RewardModel | ValueModel, dtype: str) ->
     wgu, wdown = host(layers.w_gate_up), host(layers.w_down)
     norms = {suffix: host(getattr(layers, field)) for field, suffix in _norm_fields(cfg).items()}
     bqkv = None if layers.bqkv is None else host(layers.bqkv)
-    qk = {} if layers.q_norm is None else {"q_norm": host(layers.q_norm), "k_norm": host(layers.k_norm)}
-    tensors: dict[str, np.ndarray] = {"model.embed_tokens.weight": c(host(policy.transformer.embed))}
+    qk = (
+        {}
+        if layers.q_norm is None
+        else {"q_norm": host(layers.q_norm), "k_norm": host(layers.k_norm)}
+    )
+    tensors: dict[str, np.ndarray] = {
+        "model.embed_tokens.weight": c(host(policy.transformer.embed))
+    }
     for i in range(cfg.n_layers):
         p = f"model.layers.{i}."
         tensors[p + "input_layernorm.weight"] = c(norms["input_layernorm.weight"][i])
@@ -192,7 +214,8 @@ def tensors_from_model(policy: Policy | RewardModel | ValueModel, dtype: str) ->
             raise ValueError(
                 f"save_hf: the {type(policy).__name__}'s `bias` is {float(policy.bias)}, but a "
                 "...ForSequenceClassification score has no bias; a Bradley-Terry reward is "
-                "shift-invariant, so zero it first (eqx.tree_at(lambda m: m.bias, model, jnp.zeros(())))"
+                "shift-invariant, so zero it first "
+                "(eqx.tree_at(lambda m: m.bias, model, jnp.zeros(())))"
             )
         tensors["score.weight"] = c(host(policy.head)[None, :])
     elif policy.lm_head is not None:

@@ -1,4 +1,5 @@
-"""Building blocks: weights that may be quantised, LoRA adapters, RMSNorm, MLP activations, soft-capping."""
+"""Building blocks: weights that may be quantised, LoRA adapters, RMSNorm, MLP activations,
+soft-capping."""
 
 import abc
 import functools
@@ -62,10 +63,22 @@ class Int8Weight(AbstractQuantizedWeight):
 # The 16 NormalFloat-4 levels (Dettmers et al. 2023, QLoRA, appendix E; bitsandbytes'
 # NF4 table): quantiles of N(0, 1) scaled to [-1, 1], with an exact zero.
 NF4_LEVELS = (
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
 )
 
 
@@ -127,7 +140,9 @@ class LoRAAdapter(eqx.Module):
     scale: float = eqx.field(static=True)
     dropout: float = eqx.field(static=True)
 
-    def __call__(self, x: Float[Array, "*N i"], key: PRNGKeyArray | None = None) -> Float[Array, "*N o"]:
+    def __call__(
+        self, x: Float[Array, "*N i"], key: PRNGKeyArray | None = None
+    ) -> Float[Array, "*N o"]:
         if key is not None and self.dropout > 0.0:
             keep = jax.random.bernoulli(key, 1.0 - self.dropout, x.shape)
             x = jnp.where(keep, x / (1.0 - self.dropout), jnp.zeros_like(x))

@@ -209,8 +209,8 @@ def merge_lora(model: PyTree) -> PyTree:
         w = new[field]
         if isinstance(w, AbstractQuantizedWeight):
             raise TypeError(
-                f"merge_lora: the base `{field}` is a {type(w).__name__}; merging into a quantised base is "
-                "not supported — call dequantize(model) first"
+                f"merge_lora: the base `{field}` is a {type(w).__name__}; "
+                "merging into a quantised base is not supported — call dequantize(model) first"
             )
         lo, hi = _column_range(name, cfg)
         hi = w.shape[-1] if hi < 0 else hi

@@ -42,11 +42,15 @@ _MODULES = {
     "down": "mlp.down_proj",
 }
 _PREFIX = "base_model.model.model.layers."
-_NAME = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
+_NAME = re.compile(
+    r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight"
+)
 _CONFIG, _WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
 
-def save_lora_adapter(model: PyTree, directory: str | os.PathLike, *, base_model_name_or_path: str | None = None) -> None:
+def save_lora_adapter(
+    model: PyTree, directory: str | os.PathLike, *, base_model_name_or_path: str | None = None
+) -> None:
     """Write `model`'s LoRA adapters (not the base weights) as a PEFT adapter directory.
 
     **Arguments:**
@@ -65,7 +69,9 @@ def save_lora_adapter(model: PyTree, directory: str | os.PathLike, *, base_model
     ranks = {name: int(ad.a.shape[-1]) for name, ad in lora.items()}
     scales = {name: ad.scale for name, ad in lora.items()}
     if len(set(ranks.values())) != 1 or len(set(scales.values())) != 1:
-        raise ValueError(f"save_lora_adapter: adapters differ in rank {ranks} or scale {scales}; PEFT needs one")
+        raise ValueError(
+            f"save_lora_adapter: adapters differ in rank {ranks} or scale {scales}; PEFT needs one"
+        )
     rank, scale = next(iter(ranks.values())), next(iter(scales.values()))
     dropout = next(iter(lora.values())).dropout
     tensors = {}
@@ -103,15 +109,25 @@ def save_lora_adapter(model: PyTree, directory: str | os.PathLike, *, base_model
 
 def _check(config: dict[str, Any], path: str) -> None:
     if config.get("peft_type") != "LORA":
-        raise ValueError(f"{path}: `peft_type` = {config.get('peft_type')!r} is not supported: only LORA")
-    for field, inactive in (("use_rslora", False), ("use_dora", False), ("bias", "none"), ("fan_in_fan_out", False),
-                            ("modules_to_save", None), ("layers_to_transform", None)):
+        raise ValueError(
+            f"{path}: `peft_type` = {config.get('peft_type')!r} is not supported: only LORA"
+        )
+    for field, inactive in (
+        ("use_rslora", False),
+        ("use_dora", False),
+        ("bias", "none"),
+        ("fan_in_fan_out", False),
+        ("modules_to_save", None),
+        ("layers_to_transform", None),
+    ):
         value = config.get(field, inactive)
         if value != inactive and not (inactive is None and not value):
             raise ValueError(f"{path}: `{field}` = {value!r} is not supported")
     for field in ("rank_pattern", "alpha_pattern"):
         if config.get(field):
-            raise ValueError(f"{path}: `{field}` = {config[field]!r} is not supported (one rank and alpha)")
+            raise ValueError(
+                f"{path}: `{field}` = {config[field]!r} is not supported (one rank and alpha)"
+            )
 
 
 def load_lora_adapter(model: PyTree, directory: str | os.PathLike) -> PyTree:
@@ -152,8 +168,15 @@ def load_lora_adapter(model: PyTree, directory: str | os.PathLike) -> PyTree:
                 if (i, part) not in parts:
                     raise ValueError(f"{weights_path}: tensor {name!r} is missing")
                 if parts[(i, part)].shape != expected:
-                    raise ValueError(f"{weights_path}: tensor {name!r} has shape {parts[(i, part)].shape}, expected {expected}")
+                    raise ValueError(
+                        f"{weights_path}: tensor {name!r} has shape {parts[(i, part)].shape}, "
+                        f"expected {expected}"
+                    )
                 out.append(parts[(i, part)].T)
-        make = lambda a, b: LoRAAdapter(a=a, b=b, scale=alpha / rank, dropout=float(config.get("lora_dropout", 0.0)))
-        adapters[target] = jax.vmap(make)(jnp.asarray(np.stack(a), jnp.float32), jnp.asarray(np.stack(b), jnp.float32))
+        make = lambda a, b: LoRAAdapter(
+            a=a, b=b, scale=alpha / rank, dropout=float(config.get("lora_dropout", 0.0))
+        )
+        adapters[target] = jax.vmap(make)(
+            jnp.asarray(np.stack(a), jnp.float32), jnp.asarray(np.stack(b), jnp.float32)
+        )
     return eqx.tree_at(lambda m: where(m).lora, model, adapters, is_leaf=lambda x: x is None)

@@ -45,7 +45,7 @@ class Bigram(AbstractDecoder[Int[Array, ""]]):   # the cache is the last token
     def decode_step(self, token, cache, *, index, position):
         return self.table[token], token
 ```
-"""
+"""  # noqa: E501 (markdown table rows cannot be wrapped)
 
 import abc
 from typing import Generic, TypeVar
@@ -147,9 +147,9 @@ class AbstractSelectiveLM(eqx.Module):
         (`rlhf_eqx.PackedPreferenceBatch`, `attention_layout`): a token is predicted
         from the last earlier position it may attend to. `regions` (static), when
         given, says that every row has the same region boundaries (prefix, then one
-        region per branch); a model may use it to skip cross-branch work. A model that cannot run that
-        layout raises `ValueError` when they are given; the DPO step then needs the
-        unpacked `PreferenceBatch`.
+        region per branch); a model may use it to skip cross-branch work. A model that cannot run
+        that layout raises `ValueError` when they are given; the DPO step then needs the unpacked
+        `PreferenceBatch`.
         """
         raise NotImplementedError
 

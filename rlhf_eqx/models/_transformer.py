@@ -126,7 +126,9 @@ class DecoderLayer(eqx.Module):
             v.reshape(lead + (cfg.n_kv_heads, hd)),
         )
 
-    def mlp(self, h: Float[Array, "*B T D"], cfg: TransformerConfig, keys=None) -> Float[Array, "*B T D"]:
+    def mlp(
+        self, h: Float[Array, "*B T D"], cfg: TransformerConfig, keys=None
+    ) -> Float[Array, "*B T D"]:
         """The gated MLP `down(act(gate(h)) · up(h))` of the normalised input `h`."""
         gu = matmul(h, self.w_gate_up)
         gate = self._plus_lora("gate", gu[..., : cfg.d_ff], h, keys)
@@ -220,7 +222,9 @@ class Transformer(AbstractSequenceModel, AbstractBatchedModel):
         ke, kl = jax.random.split(key)
         self.cfg = cfg
         dt = cfg.param_dtype
-        (self.embed,) = normal_init(ke, shapes=((cfg.vocab_size, cfg.d_model),), scales=(0.02,), dtype=dt)
+        (self.embed,) = normal_init(
+            ke, shapes=((cfg.vocab_size, cfg.d_model),), scales=(0.02,), dtype=dt
+        )
         self.layers = DecoderLayer(cfg, key=kl, n_layers=cfg.n_layers)
         self.final_norm = jnp.full((cfg.d_model,), cfg.norm_init, dt)
 
@@ -303,7 +307,9 @@ class Transformer(AbstractSequenceModel, AbstractBatchedModel):
           is deterministic.
         """
         allowed, positions = attention_layout(mask, segment_ids, branch_ids)
-        h, _ = self._scan(self._embed(tokens), allowed, positions, key, collect_kv=False, regions=regions)
+        h, _ = self._scan(
+            self._embed(tokens), allowed, positions, key, collect_kv=False, regions=regions
+        )
         return h
 
     def hidden_at(
@@ -380,7 +386,7 @@ class Transformer(AbstractSequenceModel, AbstractBatchedModel):
 
         def body(carry, xs):
             x, kc, vc = carry
-            layer_dyn, l, window, is_local = xs
+            layer_dyn, layer_idx, window, is_local = xs
             layer = eqx.combine(layer_dyn, static)
             allowed = slot_mask[None, :]
             if windowed:
@@ -389,18 +395,22 @@ class Transformer(AbstractSequenceModel, AbstractBatchedModel):
             def attend(q, k, v):
                 # k, v: [1, K, hd]; the keys go in as a column of the transposed cache
                 kc2 = jax.lax.dynamic_update_slice(
-                    kc, jnp.moveaxis(k, 0, -1)[None].astype(kc.dtype), (l, zero, zero, index)
+                    kc,
+                    jnp.moveaxis(k, 0, -1)[None].astype(kc.dtype),
+                    (layer_idx, zero, zero, index),
                 )
                 vc2 = jax.lax.dynamic_update_slice(
-                    vc, jnp.swapaxes(v, 0, 1)[None].astype(vc.dtype), (l, zero, index, zero)
+                    vc, jnp.swapaxes(v, 0, 1)[None].astype(vc.dtype), (layer_idx, zero, index, zero)
                 )
                 kw = dict(scale=cfg.query_scale, cap=cfg.attn_softcap)
-                o = cached_attention(q, kc2[l], vc2[l], allowed, **kw)
+                o = cached_attention(q, kc2[layer_idx], vc2[layer_idx], allowed, **kw)
                 return o, (kc2, vc2)
 
             x, (kc, vc) = layer.block(x, cfg, _select(rope, is_local), attend)
             return (x, kc, vc), None
 
         layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)
-        (x, kc, vc), _ = jax.lax.scan(body, (x, cache.k, cache.v), (dynamic, layer_ids, windows, local))
+        (x, kc, vc), _ = jax.lax.scan(
+            body, (x, cache.k, cache.v), (dynamic, layer_ids, windows, local)
+        )
         return self._final(x)[0], KVCache(k=kc, v=vc, mask=slot_mask, positions=slot_pos)

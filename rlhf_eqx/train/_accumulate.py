@@ -35,9 +35,7 @@ def split_micro_batches(batch: PyTree, micro_batches: int) -> PyTree:
     def split(x):
         B = x.shape[0]
         if B % micro_batches != 0:
-            raise ValueError(
-                f"batch size {B} is not divisible by micro_batches={micro_batches}"
-            )
+            raise ValueError(f"batch size {B} is not divisible by micro_batches={micro_batches}")
         return x.reshape((micro_batches, B // micro_batches) + x.shape[1:])
 
     return jax.tree.map(split, batch)
@@ -106,7 +104,9 @@ def _apply_update(update: Any, param: Any) -> Any:
     parameter's dtype (one rounding)."""
     if update is None:
         return param
-    wide = update.dtype if jnp.finfo(update.dtype).bits > jnp.finfo(param.dtype).bits else param.dtype
+    wide = (
+        update.dtype if jnp.finfo(update.dtype).bits > jnp.finfo(param.dtype).bits else param.dtype
+    )
     return (param.astype(wide) + update.astype(wide)).astype(param.dtype)
 
 
@@ -148,8 +148,11 @@ def apply_optimizer(
     return params, opt_state, metrics
 
 
-def call_model(model: Callable[..., Any], tokens: Array, mask: Array, key: PRNGKeyArray | None) -> Any:
-    """`model(tokens, mask)`, with `key=` only when a key is given (custom models need not take one)."""
+def call_model(
+    model: Callable[..., Any], tokens: Array, mask: Array, key: PRNGKeyArray | None
+) -> Any:
+    """`model(tokens, mask)`, with `key=` only when a key is given (custom models need not take
+    one)."""
     if key is None:
         return model(tokens, mask)
     return model(tokens, mask, key=key)
@@ -160,7 +163,9 @@ def row_keys(key: PRNGKeyArray | None, n: int) -> Key[Array, " n"] | None:
     return None if key is None else jax.random.split(key, n)
 
 
-def vmap_model(model: Callable[..., Any], tokens: Array, mask: Array, key: PRNGKeyArray | None) -> Any:
+def vmap_model(
+    model: Callable[..., Any], tokens: Array, mask: Array, key: PRNGKeyArray | None
+) -> Any:
     """`model` over the rows of `tokens` / `mask` (`[B, T]`), with per-row keys if `key` is given.
 
     Models that meet the batched-call protocol (`rlhf_eqx.models.AbstractBatchedModel`,

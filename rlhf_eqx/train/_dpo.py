@@ -89,7 +89,10 @@ def dpo_loss_fn(
             rc, rr = sg(rc.astype(f32)), sg(rr.astype(f32))
         real = w > 0
         losses = dpo_batch_loss(
-            c, r, rc, rr,
+            c,
+            r,
+            rc,
+            rr,
             beta=beta,
             loss_type=loss_type,
             label_smoothing=label_smoothing,
@@ -120,16 +123,18 @@ def dpo_loss_fn(
                 c, r, rc, rr
             )
         wsum = lambda x: jnp.sum(jnp.where(real, x, 0.0))
-        metrics.update({
-            "rewards/chosen": (wsum(rw), n),
-            "rewards/rejected": (wsum(rl), n),
-            "rewards/margins": (wsum(rw - rl), n),
-            "rewards/accuracies": (wsum((rw > rl).astype(f32)), n),
-            "logps/chosen": (wsum(c), n),
-            "logps/rejected": (wsum(r), n),
-            "logits/chosen": (wsum(out.chosen_logit), n_c),
-            "logits/rejected": (wsum(out.rejected_logit), n_r),
-        })
+        metrics.update(
+            {
+                "rewards/chosen": (wsum(rw), n),
+                "rewards/rejected": (wsum(rl), n),
+                "rewards/margins": (wsum(rw - rl), n),
+                "rewards/accuracies": (wsum((rw > rl).astype(f32)), n),
+                "logps/chosen": (wsum(c), n),
+                "logps/rejected": (wsum(r), n),
+                "logits/chosen": (wsum(out.chosen_logit), n_c),
+                "logits/rejected": (wsum(out.rejected_logit), n_r),
+            }
+        )
         return nums, dens, metrics
 
     return loss_fn
@@ -193,12 +198,12 @@ def make_dpo_step(
     reference) meeting `AbstractSelectiveLM`, e.g. `Policy`.
 
     one `eqx.filter_jit` region. Metrics (TRL's names, means over pairs): `loss`,
-    `rewards/chosen`, `rewards/rejected` (implicit rewards $\beta(\log\pi_\theta - \log\pi_{\rm ref})$),
-    `rewards/margins`, `rewards/accuracies`, `logps/chosen`, `logps/rejected`,
-    `logits/chosen`, `logits/rejected` (mean logit over the completion positions and
-    the vocabulary), `nll_loss` (with `rpo_alpha`), `grad_norm`, `learning_rate`,
-    `nonfinite`, `empty_batch`. `rewards/accuracies` counts pairs with a strictly larger
-    chosen reward, as TRL does: while the policy equals the reference the rewards are
+    `rewards/chosen`, `rewards/rejected` (implicit rewards
+    $\beta(\log\pi_\theta - \log\pi_{\rm ref})$), `rewards/margins`, `rewards/accuracies`,
+    `logps/chosen`, `logps/rejected`, `logits/chosen`, `logits/rejected` (mean logit over the
+    completion positions and the vocabulary), `nll_loss` (with `rpo_alpha`), `grad_norm`,
+    `learning_rate`, `nonfinite`, `empty_batch`. `rewards/accuracies` counts pairs with a strictly
+    larger chosen reward, as TRL does: while the policy equals the reference the rewards are
     rounding noise (~1e-7), so the first step's accuracy is not meaningful.
 
     **Empty batches.** A batch with zero rows raises `ValueError` when the step is

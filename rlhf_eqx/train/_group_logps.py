@@ -58,7 +58,9 @@ def check_shared_prompts(batch) -> None:
 
 def group_layout(P: int, G: int, N: int):
     """Branch ids `[P + G·N]` and regions of one packed group row."""
-    branch = np.concatenate([np.zeros(P, np.int32), np.repeat(np.arange(1, G + 1, dtype=np.int32), N)])
+    branch = np.concatenate(
+        [np.zeros(P, np.int32), np.repeat(np.arange(1, G + 1, dtype=np.int32), N)]
+    )
     return jnp.asarray(branch), (P,) + (N,) * G
 
 

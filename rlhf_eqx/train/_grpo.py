@@ -144,7 +144,9 @@ def _grpo_prepare(
             zero_std = jnp.all(grouped == grouped[:, :1], axis=-1)
             sums["frac_reward_zero_std"] = (jnp.sum(zero_std.astype(f32)), g)
         batch = eqx.tree_at(
-            lambda b: (b.advantages, b.completion_mask), batch, (adv, loss_mask),
+            lambda b: (b.advantages, b.completion_mask),
+            batch,
+            (adv, loss_mask),
             is_leaf=lambda x: x is None,
         )
         return batch, sums
@@ -191,12 +193,25 @@ def grpo_loss(
     uses_kl = not (isinstance(beta, int | float) and beta == 0)
     f32 = jnp.float32
     other_loss = make_policy_loss(
-        policy_loss, clip_eps=clip_eps, clip_eps_high=eps_high, importance=importance,
-        delta=delta, beta=beta, uses_kl=uses_kl, cispo_eps_low=cispo_eps_low,
-        cispo_eps_high=cispo_eps_high, gmpo_clip=gmpo_clip, sapo_tau_pos=sapo_tau_pos,
-        sapo_tau_neg=sapo_tau_neg, cov_fraction=cov_fraction, clip_cov_low=clip_cov_low,
-        clip_cov_high=clip_cov_high, clip_cov_select=clip_cov_select, kl_cov_coef=kl_cov_coef,
-        entropy_rho=entropy_rho, axis_name=axis_name,
+        policy_loss,
+        clip_eps=clip_eps,
+        clip_eps_high=eps_high,
+        importance=importance,
+        delta=delta,
+        beta=beta,
+        uses_kl=uses_kl,
+        cispo_eps_low=cispo_eps_low,
+        cispo_eps_high=cispo_eps_high,
+        gmpo_clip=gmpo_clip,
+        sapo_tau_pos=sapo_tau_pos,
+        sapo_tau_neg=sapo_tau_neg,
+        cov_fraction=cov_fraction,
+        clip_cov_low=clip_cov_low,
+        clip_cov_high=clip_cov_high,
+        clip_cov_select=clip_cov_select,
+        kl_cov_coef=kl_cov_coef,
+        entropy_rho=entropy_rho,
+        axis_name=axis_name,
     )
 
     def logprobs(model, batch, key, *, entropy: bool, entropy_grad: bool = False):
@@ -215,9 +230,9 @@ def grpo_loss(
                 out = shared_prompt_logprobs(model, batch, m, **kw)
             return out[0], (out[2] if entropy else None)
         logits = vmap_model(model, batch.tokens, batch.mask, key)
-        logp = jax.vmap(
-            lambda lg, t, mk: logprobs_from_logits(lg, t, mk, temperature=temperature)
-        )(logits, batch.tokens, batch.mask)
+        logp = jax.vmap(lambda lg, t, mk: logprobs_from_logits(lg, t, mk, temperature=temperature))(
+            logits, batch.tokens, batch.mask
+        )
         if not entropy:
             return logp, None
         ent = jax.vmap(lambda lg, mk: entropy_from_logits(lg, mk, temperature=temperature))(
@@ -243,7 +258,10 @@ def grpo_loss(
 
         def one(lp, olp, adv_i, mi, rlp):
             return grpo_policy_loss(
-                lp, olp, adv_i, mi,
+                lp,
+                olp,
+                adv_i,
+                mi,
                 clip_eps=clip_eps,
                 clip_eps_high=eps_high,
                 importance=importance,
@@ -407,10 +425,18 @@ def make_grpo_step(
         mode=mode,
         constant=constant,
         temperature=temperature,
-        policy_loss=policy_loss, cispo_eps_low=cispo_eps_low, cispo_eps_high=cispo_eps_high,
-        gmpo_clip=gmpo_clip, sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg,
-        cov_fraction=cov_fraction, clip_cov_low=clip_cov_low, clip_cov_high=clip_cov_high,
-        clip_cov_select=clip_cov_select, kl_cov_coef=kl_cov_coef, entropy_rho=entropy_rho,
+        policy_loss=policy_loss,
+        cispo_eps_low=cispo_eps_low,
+        cispo_eps_high=cispo_eps_high,
+        gmpo_clip=gmpo_clip,
+        sapo_tau_pos=sapo_tau_pos,
+        sapo_tau_neg=sapo_tau_neg,
+        cov_fraction=cov_fraction,
+        clip_cov_low=clip_cov_low,
+        clip_cov_high=clip_cov_high,
+        clip_cov_select=clip_cov_select,
+        kl_cov_coef=kl_cov_coef,
+        entropy_rho=entropy_rho,
         axis_name=axis_name,
     )
     return make_step(

@@ -81,7 +81,9 @@ def _packed_forward(model, batch: PackedPreferenceBatch, key) -> _PairLogps:
         key=key,
     )
     K = batch.pairs.shape[-1]
-    sums = lambda v: branch_sums(v, sel, batch.segment_ids, batch.branch_ids, num_segments=K).reshape(-1, 2)
+    sums = lambda v: branch_sums(
+        v, sel, batch.segment_ids, batch.branch_ids, num_segments=K
+    ).reshape(-1, 2)
     seq, logit, count = sums(logp), sums(mean_logit), sums(jnp.ones_like(logp))
     return _PairLogps(
         chosen=seq[:, 0],
@@ -130,7 +132,8 @@ def sequence_logps(
     mask: Bool[Array, "B T"],
     completion_mask: Bool[Array, "B T"],
 ) -> Float[Array, " B"]:
-    r"""Summed completion log-probabilities $\sum_{t \in \text{completion}} \log\pi(y_t \mid y_{<t})$ of each row."""
+    r"""Summed completion log-probabilities
+    $\sum_{t \in \text{completion}} \log\pi(y_t \mid y_{<t})$ of each row."""
     return _forward(model, tokens, mask, completion_mask, None)[1]
 
 

@@ -48,8 +48,14 @@ def ppo_loss(
     def loss_fn(params: PyTree, frozen: PyTree, batch: PPOBatch, key: PRNGKeyArray | None):
         m = batch.completion_mask & batch.mask
         logp, ent, values = policy_logps_and_values(
-            params, frozen, batch.tokens, batch.mask, m, key,
-            temperature=temperature, entropy_grad=use_entropy,
+            params,
+            frozen,
+            batch.tokens,
+            batch.mask,
+            m,
+            key,
+            temperature=temperature,
+            entropy_grad=use_entropy,
         )
         pg, stats = jax.vmap(
             lambda a, b, c, d: ppo_policy_loss(
@@ -129,7 +135,8 @@ def make_ppo_step(
 ) -> Step:
     r"""Build the PPO update of the policy and the critic (Schulman et al. 2017; TRL `PPOTrainer`).
 
-    $$\mathcal L = \mathrm{agg}\big(\ell^{\rm clip}_t\big) + c_v\,\mathrm{agg}\big(\ell^{V}_t\big) - c_e\,\mathrm{agg}\big(H_t\big)$$
+    $$\mathcal L = \mathrm{agg}\big(\ell^{\rm clip}_t\big)
+    + c_v\,\mathrm{agg}\big(\ell^{V}_t\big) - c_e\,\mathrm{agg}\big(H_t\big)$$
 
     with `ppo_policy_loss` (clipped surrogate; `clip_eps_high` for clip-higher,
     `dual_clip`), `ppo_value_loss` (clipped at `vf_clip_eps` around `batch.old_values`,

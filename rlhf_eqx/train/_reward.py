@@ -115,7 +115,8 @@ def make_reward_step(
 ) -> Step:
     r"""Build the reward-model update (Bradley-Terry pairwise loss).
 
-    $$\mathcal{L}(\phi) = \frac1B\sum_{i} -\log\sigma\big(r_\phi(x_i, y^w_i) - r_\phi(x_i, y^l_i) - m\big)
+    $$\mathcal{L}(\phi) = \frac1B\sum_{i}
+    -\log\sigma\big(r_\phi(x_i, y^w_i) - r_\phi(x_i, y^l_i) - m\big)
     + \lambda_c\,(r^w_i + r^l_i)^2$$
 
     (Ouyang et al. 2022; TRL `RewardTrainer`, `center_rewards_coefficient` = $\lambda_c$),

@@ -144,7 +144,9 @@ def policy_logps_and_values(model, frozen, tokens, mask, select, key, *, tempera
             return logp, ent, jax.vmap(token_values)(values.astype(jnp.float32), mask)
     logits, values = policy_and_values(model, frozen, tokens, mask, key)
     logp = tempered_logprobs(logits, tokens, mask, temperature)
-    ent = jax.vmap(lambda lg, mk: entropy_from_logits(lg, mk, temperature=temperature))(logits, mask)
+    ent = jax.vmap(lambda lg, mk: entropy_from_logits(lg, mk, temperature=temperature))(
+        logits, mask
+    )
     return logp, ent, values
 
 
@@ -163,8 +165,16 @@ def _prepare(model, reference, tokens, mask, completion_mask, scores, kl_coef, s
     ref_logp = tempered_logprobs(ref_logits, tokens, mask, temperature)
     m = completion_mask & mask
     adv, ret, stats = compute_advantages(
-        scores, logp, ref_logp, values, m,
-        kl_coef=kl_coef, gamma=gamma, lam=lam, kl_kind=kl_kind, whiten=whiten,
+        scores,
+        logp,
+        ref_logp,
+        values,
+        m,
+        kl_coef=kl_coef,
+        gamma=gamma,
+        lam=lam,
+        kl_kind=kl_kind,
+        whiten=whiten,
     )
     zero = jnp.zeros_like(logp)
     batch = PPOBatch(
@@ -212,6 +222,12 @@ def prepare_ppo_batch(
     check_choice("kl_kind", kl_kind, KL_KINDS)
     coef = jnp.asarray(kl_coef, jnp.float32)
     return _prepare(
-        model, reference, tokens, mask, completion_mask, scores.astype(jnp.float32), coef,
+        model,
+        reference,
+        tokens,
+        mask,
+        completion_mask,
+        scores.astype(jnp.float32),
+        coef,
         (gamma, lam, kl_kind, whiten, float(temperature)),
     )

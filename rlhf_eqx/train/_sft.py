@@ -57,7 +57,8 @@ def make_sft_step(
 ) -> Step:
     r"""Build the supervised fine-tuning update (`make_step` of `sft_loss`).
 
-    $$\mathcal{L}(\theta) = \mathrm{aggregate}_{\rm mode}\big(-\log\pi_\theta(y_t \mid y_{<t})\big)$$
+    $$\mathcal{L}(\theta) =
+    \mathrm{aggregate}_{\rm mode}\big(-\log\pi_\theta(y_t \mid y_{<t})\big)$$
 
     over the completion tokens; with the default `"token-mean"` this is the
     cross-entropy of TRL's `SFTTrainer` (`completion_only_loss`).
@@ -92,4 +93,3 @@ def make_sft_step(
         check_token_ids=check_token_ids,
         batch_type=SequenceBatch,
     )
-

@@ -99,7 +99,11 @@ class TrainState(eqx.Module):
         if "nonfinite" in metrics:
             skipped = skipped + (metrics["nonfinite"] > 0).astype(skipped.dtype)
         new = dataclasses.replace(
-            self, params=params, opt_state=opt_state, step=self.step + 1, skipped=skipped,
+            self,
+            params=params,
+            opt_state=opt_state,
+            step=self.step + 1,
+            skipped=skipped,
             key=new_key,
         )
         return new, metrics
@@ -112,7 +116,8 @@ def init_train_state(
     filter_spec: PyTree | Callable[[Any], bool] | None = None,
     key: PRNGKeyArray | None = None,
 ) -> TrainState:
-    """Partition `model` (see `partition_trainable`) and initialise `optimizer` on its trainable part.
+    """Partition `model` (see `partition_trainable`) and initialise `optimizer` on its trainable
+    part.
 
     The trainable arrays are copied (each leaf separately, so a model whose parts share
     arrays, e.g. `(policy, ValueModel.from_policy(policy))`, gets distinct buffers), so

@@ -32,9 +32,9 @@ micro-batches **and** devices.
 **Donation (the one rule).** A step called directly never donates its inputs unless
 asked to (`donate=True` at build time or per call). `TrainState.apply` asks, unless the
 step was built with `donate=False`: a `TrainState` owns its trainable buffers
-(`init_train_state` copies them), so they may be updated in place. Even then, a buffer that also appears elsewhere in the call (e.g. a reference
-model sharing arrays with `params`, or the same array twice) is never donated: the step
-falls back to its non-donating version.
+(`init_train_state` copies them), so they may be updated in place. Even then, a buffer that also
+appears elsewhere in the call (e.g. a reference model sharing arrays with `params`, or the same
+array twice) is never donated: the step falls back to its non-donating version.
 """
 
 import numbers
@@ -217,7 +217,9 @@ def make_step(
         raise ValueError(f"axis_name must be a string or None, got {axis_name!r}")
     if check_token_ids is not None:
         if isinstance(check_token_ids, bool) or not isinstance(check_token_ids, numbers.Integral):
-            raise ValueError(f"check_token_ids must be a vocabulary size (int), got {check_token_ids!r}")
+            raise ValueError(
+                f"check_token_ids must be a vocabulary size (int), got {check_token_ids!r}"
+            )
     sg = jax.lax.stop_gradient
 
     def update(rest, params, opt_state):
@@ -244,10 +246,15 @@ def make_step(
                     f"loss_fn returned numerators {sorted(nums)} but denominators {sorted(dens)}"
                 )
             dens = _psum(sg(dict(dens)), axis_name) if full_denoms is None else full_denoms
-            terms = {n: safe_divide(nums[n].astype(jnp.float32), dens[n].astype(jnp.float32))
-                     for n in nums}
+            terms = {
+                n: safe_divide(nums[n].astype(jnp.float32), dens[n].astype(jnp.float32))
+                for n in nums
+            }
             total = sum(terms.values(), start=jnp.zeros((), jnp.float32))
-            sums = {n: (sg(s).astype(jnp.float32), sg(c).astype(jnp.float32)) for n, (s, c) in sums.items()}
+            sums = {
+                n: (sg(s).astype(jnp.float32), sg(c).astype(jnp.float32))
+                for n, (s, c) in sums.items()
+            }
             # the global denominators (the same in every micro-batch): all 0 = empty batch
             counts = {n: sg(d).astype(jnp.float32) for n, d in dens.items()}
             return total, (sg(terms), sums, counts)
@@ -261,7 +268,9 @@ def make_step(
         empty = jnp.asarray(bool(counts))
         for c in counts.values():
             empty = empty & (c == 0)
-        new_params, new_opt_state, opt_metrics = apply_optimizer(optimizer, params, opt_state, grads)
+        new_params, new_opt_state, opt_metrics = apply_optimizer(
+            optimizer, params, opt_state, grads
+        )
         # A finite gradient can still give non-finite parameters (e.g. an infinite
         # learning rate): check both.
         finite = _all_finite(loss, (grads, eqx.filter(new_params, eqx.is_inexact_array)))

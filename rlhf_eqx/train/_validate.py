@@ -63,5 +63,7 @@ def check_aggregation(mode: Any, constant: Any) -> None:
     check_choice("mode", mode, AGGREGATION_MODES)
     if constant is not None:
         if mode != "seq-mean-token-sum-norm":
-            raise ValueError(f"constant={constant!r} is only used by mode='seq-mean-token-sum-norm'")
+            raise ValueError(
+                f"constant={constant!r} is only used by mode='seq-mean-token-sum-norm'"
+            )
         check_number("constant", constant, low=0.0, low_open=True)

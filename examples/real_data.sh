@@ -36,6 +36,22 @@ python -m rlhf_eqx reward --data "$HH" --out runs/hh-reward \
   --set reward.batch_size=8 --set sampling.prompt_length=256 --set reward.max_length=384 \
   --set reward.optim.lr=5e-4
 
+# KTO on the same pairs, each split into a desirable (chosen) and an undesirable
+# (rejected) example after the held-out split by prompt. Measures the held-out implicit
+# rewards of both kinds and the pair accuracy as DPO reports it.
+python -m rlhf_eqx kto --data "$HH" --out runs/hh-kto \
+  --set data.limit=512 --set data.filter=identical,empty,exact_duplicate,long_prompt \
+  --set kto.steps=40 --set kto.batch_size=8 \
+  --set sampling.prompt_length=256 --set kto.max_length=384 --set kto.optim.lr=5e-4
+
+# Distillation (GKD) of that KTO policy into the base model, on the chosen responses and,
+# for half of the steps, the student's own samples. Measures the held-out generalized JSD
+# per completion token before and after.
+python -m rlhf_eqx distill --data "$HH" --out runs/hh-distill \
+  --set data.limit=512 --set data.filter=identical,empty,exact_duplicate,long_prompt \
+  --set distill.steps=40 --set distill.batch_size=8 --set distill.teacher=runs/hh-kto/kto/hf \
+  --set sampling.prompt_length=256 --set distill.max_length=384 --set distill.optim.lr=5e-4
+
 # GRPO on GSM8K with the exact-match reward (the number after "####", else the last
 # number, against the reference answer). Measures the held-out exact-match rate before
 # and after; logs frac_reward_zero_std and warns when no group carries any signal

@@ -10,7 +10,8 @@ Commands:
 - `sft`, `reward`, `dpo`, `grpo`, `kto`: one stage; on the built-in task (after SFT), or
   on a data file with `--data FILE` (preferences for sft/reward/dpo, e.g. HH-RLHF;
   prompts with answers for grpo, e.g. GSM8K; unpaired `prompt`/`completion`/`label`
-  JSONL or preferences for kto).
+  JSONL or preferences for kto; for distill, preferences' chosen responses and
+  `--set distill.teacher=DIR`, a checkpoint directory).
 - `ppo`, `online-dpo`: SFT, the reward model, then this stage on the built-in task.
 - `sample`: print completions of a model; `eval`: score a model on the built-in task's
   held-out prompts; `plot RUN_DIR`: redraw a run's PNG plots.
@@ -35,7 +36,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-STAGE_COMMANDS = ("sft", "reward", "dpo", "ppo", "grpo", "online-dpo", "kto")
+STAGE_COMMANDS = ("sft", "reward", "dpo", "ppo", "grpo", "online-dpo", "kto", "distill")
 COMMANDS = ("pipeline", *STAGE_COMMANDS, "sample", "eval", "plot")
 
 
@@ -76,6 +77,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# What the built-in task runs before distilling from a teacher stage.
+_TEACHER_NEEDS = {
+    "dpo": ("dpo",),
+    "grpo": ("grpo",),
+    "kto": ("kto",),
+    "ppo": ("reward", "ppo"),
+    "online-dpo": ("reward", "online-dpo"),
+}
+
+
 def resolve_config(args: argparse.Namespace):
     """The resolved `PipelineConfig` of parsed arguments (defaults < file < flags)."""
     from rlhf_eqx.pipelines import animal_task_config, apply_overrides, load_config
@@ -105,6 +116,7 @@ def resolve_config(args: argparse.Namespace):
             "ppo": ("sft", "reward", "ppo"),
             "online-dpo": ("sft", "reward", "online-dpo"),
             "kto": ("sft", "kto"),
+            "distill": ("sft", *_TEACHER_NEEDS.get(cfg.distill.teacher, ()), "distill"),
         }[cmd]
         cfg = dataclasses.replace(cfg, stages=needs)
     out = args.out or cfg.out or os.path.join("runs", cmd)
@@ -121,6 +133,7 @@ _SECTIONS = {
     "grpo": ("grpo", "sft"),
     "online-dpo": ("dpo", "reward", "sft"),
     "kto": ("kto", "sft"),
+    "distill": ("distill", "sft"),
 }
 
 
@@ -158,12 +171,12 @@ def result_line(command: str, summary: dict, out: str) -> str:
     """The one line a finished run prints, even with `--quiet`."""
     stopped = summary.get("stopped", "done")
     parts = []
-    for stage in ("sft", "ppo", "dpo", "grpo", "online-dpo", "kto"):
+    for stage in ("sft", "ppo", "dpo", "grpo", "online-dpo", "kto", "distill"):
         m = summary.get(stage)
         if isinstance(m, dict) and "score" in m:
             parts.append(f"{stage} {m['score']:.1%}")
     if not parts:
-        for stage in ("sft", "reward_model", "dpo", "grpo", "kto"):
+        for stage in ("sft", "reward_model", "dpo", "grpo", "kto", "distill"):
             m = summary.get(stage)
             if isinstance(m, dict):
                 parts += [f"{k} {v:.4g}" for k, v in m.items() if isinstance(v, float)][:2]

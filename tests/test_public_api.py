@@ -122,9 +122,11 @@ STAGE_KEYS = {
     "dpo": "steps batch_size max_length optim beta loss_type rounds samples packing lora",
     "ppo": "rollouts prompts_per_rollout epochs clip kl_target optim lora minibatches vf_coef "
     "ent_coef gamma lam kl_coef",
-    "grpo": "rollouts prompts_per_rollout epochs clip kl_target optim lora group_size beta",
+    "grpo": "rollouts prompts_per_rollout epochs clip kl_target optim lora group_size beta "
+    "policy_loss",
     "kto": "steps batch_size max_length optim beta desirable_weight undesirable_weight "
     "loss_type samples lora",
+    "distill": "steps batch_size max_length optim beta temperature lmbda teacher samples lora",
 }
 
 
@@ -134,7 +136,7 @@ def test_stage_config_keys_are_the_documented_ones():
     d = pl.config_to_dict(pl.PipelineConfig())
     for stage, keys in STAGE_KEYS.items():
         assert set(d[stage]) == set(keys.split()), stage
-    for stage in ("sft", "reward", "dpo", "kto"):
+    for stage in ("sft", "reward", "dpo", "kto", "distill"):
         assert isinstance(getattr(pl.PipelineConfig(), stage), pl.BatchStageConfig)
     for stage in ("ppo", "grpo"):
         assert isinstance(getattr(pl.PipelineConfig(), stage), pl.RolloutStageConfig)

@@ -11,6 +11,7 @@ from ._config import (
     BatchStageConfig as BatchStageConfig,
     ConfigError as ConfigError,
     DataConfig as DataConfig,
+    DistillConfig as DistillConfig,
     DPOConfig as DPOConfig,
     GRPOConfig as GRPOConfig,
     KTOConfig as KTOConfig,
@@ -37,6 +38,11 @@ from ._data_runs import (
     quality_report as quality_report,
     run_on_data as run_on_data,
     split_records as split_records,
+)
+from ._distill_runs import (
+    check_same_vocabulary as check_same_vocabulary,
+    distill_divergence as distill_divergence,
+    run_distill as run_distill,
 )
 from ._dpo_runs import (
     best_worst_pairs as best_worst_pairs,
@@ -102,6 +108,7 @@ from ._runs import (
     RunContext as RunContext,
     RunResult as RunResult,
     check_finite_weights as check_finite_weights,
+    copy_tokenizer as copy_tokenizer,
     export_policy as export_policy,
     export_reward_model as export_reward_model,
     final_policy as final_policy,

@@ -202,6 +202,27 @@ class KTOConfig(BatchStageConfig):
 
 
 @dataclasses.dataclass(frozen=True)
+class DistillConfig(BatchStageConfig):
+    """Generalized knowledge distillation (GKD, Agarwal et al. 2024; TRL `GKDTrainer`
+    defaults): the student (SFT on the built-in task, `model.source` on a data file)
+    moves toward `teacher`'s token distributions by the generalized JSD with
+    interpolation `beta` (0: forward KL, 1: reverse KL) at `temperature`; a fraction
+    `lmbda` of the steps trains on the student's own samples (on-policy), the rest on
+    fixed completions (the data file's chosen responses, or `samples` samples per prompt
+    of the teacher on the built-in task). `teacher`: a stage of the same run (`grpo`,
+    `dpo`, `ppo`, `online-dpo`, `kto`) or a Hugging Face checkpoint directory; it must
+    share the student's vocabulary and may differ in size."""
+
+    steps: int = 40
+    beta: float = 0.5
+    temperature: float = 0.9
+    lmbda: float = 0.5
+    teacher: str = "grpo"
+    samples: int = 2
+    lora: LoRASettings = LoRASettings()
+
+
+@dataclasses.dataclass(frozen=True)
 class RolloutStageConfig:
     """The fields every reinforcement-learning stage shares (PPO, GRPO): `rollouts`
     rounds of sampling from `prompts_per_rollout` prompts, `epochs` passes over each
@@ -235,11 +256,15 @@ class PPOConfig(RolloutStageConfig):
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig(RolloutStageConfig):
     """GRPO (Shao et al. 2024) with the task's verifiable reward: `group_size` samples per
-    prompt, group-normalised advantages, k3 KL to the reference with weight `beta`."""
+    prompt, group-normalised advantages, k3 KL to the reference with weight `beta`.
+    `policy_loss` selects the token objective of `make_grpo_step`: `grpo` (the PPO-clip
+    surrogate), or after DAPO `cispo`, `gmpo`, `sapo`, `clip_cov`, `kl_cov`,
+    `high_entropy` (each with the step's published defaults; docs/objectives.md)."""
 
     prompts_per_rollout: int = 8
     group_size: int = 8
     beta: float = 0.04
+    policy_loss: str = "grpo"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,6 +287,7 @@ class PipelineConfig:
     ppo: PPOConfig = PPOConfig()
     grpo: GRPOConfig = GRPOConfig()
     kto: KTOConfig = KTOConfig()
+    distill: DistillConfig = DistillConfig()
     stages: tuple[str, ...] = ("sft", "reward", "ppo", "dpo", "grpo")
     label_noise: float = 0.1
     eval_samples: int = 8
@@ -313,6 +339,9 @@ def animal_task_config() -> PipelineConfig:
             lora=lora,
         ),
         kto=KTOConfig(steps=40, batch_size=16, samples=4, optim=OptimConfig(lr=5e-4), lora=lora),
+        distill=DistillConfig(
+            steps=40, batch_size=16, samples=2, optim=OptimConfig(lr=1e-3), lora=lora
+        ),
         grpo=GRPOConfig(
             rollouts=12,
             prompts_per_rollout=8,

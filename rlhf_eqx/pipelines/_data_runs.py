@@ -117,17 +117,23 @@ def quality_report(
         fits = [r for r in kept if len(tok.encode(r.prompt)) + 1 <= limit]
         counts["long_prompt"] = len(kept) - len(fits)
         kept = fits
+    _log_filter(log, dc, counts, len(records), kept, "pairs")
+    return list(kept), report
+
+
+def _log_filter(log: MetricsLog, dc: DataConfig, counts: dict, total: int, kept, what: str):
+    """The `data_filter` event of `data.filter` (how many of each kind went); a
+    `ValueError` when nothing is left to train on."""
     log.event(
         "data_filter",
-        f"dropped {sum(counts.values())} of {len(records)} pairs ("
+        f"dropped {total - len(kept)} of {total} {what} ("
         + ", ".join(f"{k}: {n}" for k, n in counts.items())
         + ")",
         kept=len(kept),
         **{f"dropped_{k}": n for k, n in counts.items()},
     )
     if not kept:
-        raise ValueError(f"data.filter={dc.filter}: every training pair was dropped")
-    return list(kept), report
+        raise ValueError(f"data.filter={dc.filter}: every training {what[:-1]} was dropped")
 
 
 @eqx.filter_jit
@@ -177,7 +183,7 @@ def run_on_data(
         return _run_on_data(cfg, stage, run_dir, rd.resume)
 
 
-DATA_STAGES: tuple[str, ...] = ("sft", "reward", "dpo", "grpo", "kto")
+DATA_STAGES: tuple[str, ...] = ("sft", "reward", "dpo", "grpo", "kto", "distill")
 
 
 def _run_on_data(cfg: PipelineConfig, stage: str, run_dir: str, resume: bool) -> dict:
@@ -259,6 +265,8 @@ def _run_on_data(cfg: PipelineConfig, stage: str, run_dir: str, resume: bool) ->
             }
     elif stage == "kto":
         trained, res = _kto_on_data(cfg, policy, tok, ctx, summary, say)
+    elif stage == "distill":
+        trained, res = _distill_on_data(cfg, policy, tok, ctx, summary, say)
     else:
         prompts = data.load_prompts(cfg.data.path, cfg.data.format)
         with_answer = [r for r in prompts if r.answer is not None]
@@ -343,9 +351,13 @@ def _kto_on_data(cfg: PipelineConfig, policy, tok, ctx: RunContext, summary: dic
     summary["data_quality"] = {"skipped_by_reader": dict(source.report.skipped)}
     if pairs is not None:
         summary["data_quality"]["pairs"] = len(train) + len(held)
+        lengths = data.SequenceLengths(max_length=c.max_length, max_prompt_length=s.prompt_length)
+        train, _ = quality_report(train, tok, lengths, cfg.data, ctx.log, source.report)
         held_pairs = held
         train = data.unpaired_from_preferences(train)
         held = data.unpaired_from_preferences(held)
+    elif cfg.data.filter:
+        train = _filter_unpaired(train, tok, cfg.data, s.prompt_length, ctx.log)
     good = sum(r.label for r in train)
     say(
         f"kto: {len(train)} training examples ({good} desirable, {len(train) - good} "
@@ -363,6 +375,71 @@ def _kto_on_data(cfg: PipelineConfig, policy, tok, ctx: RunContext, summary: dic
         summary["kto"]["heldout_pair_accuracy"] = float(
             _implicit_accuracy(trained, policy, hb, c.beta)
         )
+    return trained, res
+
+
+def _filter_unpaired(records, tok, dc: DataConfig, prompt_length: int, log: MetricsLog):
+    """`data.filter` on unpaired examples: `empty` (an empty completion) and `long_prompt`
+    (a prompt with BOS longer than `prompt_length`) apply; a `data_filter` event counts
+    what went. The pair filters (`identical`, `exact_duplicate`) do not apply."""
+    counts: dict[str, int] = {}
+    kept = list(records)
+    if "empty" in dc.filter:
+        n = len(kept)
+        kept = [r for r in kept if r.completion.strip()]
+        counts["empty"] = n - len(kept)
+    if "long_prompt" in dc.filter:
+        n = len(kept)
+        kept = [r for r in kept if len(tok.encode(r.prompt)) + 1 <= prompt_length]
+        counts["long_prompt"] = n - len(kept)
+    _log_filter(log, dc, counts, len(records), kept, "examples")
+    return kept
+
+
+def _distill_on_data(cfg: PipelineConfig, policy, tok, ctx: RunContext, summary: dict, say):
+    """GKD on the prompts and chosen responses of a preference file, the teacher a
+    checkpoint directory (`distill.teacher`); held out: the mean generalized JSD per
+    completion token before and after."""
+    from ._distill_runs import completions_batch, distill_divergence, run_distill
+    from ._pipeline import load_model
+
+    c, s = cfg.distill, cfg.sampling
+    teacher, _ = load_model(c.teacher)
+    records = data.load_preferences(cfg.data.path, cfg.data.format)
+    train, held = split_records(records, cfg.data)
+    sl = data.SequenceLengths(max_length=c.max_length, max_prompt_length=s.prompt_length)
+    train, _ = quality_report(train, tok, sl, cfg.data, ctx.log, records.report)
+    summary["data_quality"] = {"skipped_by_reader": dict(records.report.skipped)}
+    if c.lmbda > 0:
+        # on-policy steps sample from the prompt: it must fit whole
+        fits = [r for r in train if len(tok.encode(r.prompt)) + 1 <= s.prompt_length]
+        if not fits:
+            raise ValueError(
+                f"sampling.prompt_length={s.prompt_length}: no training prompt fits, and the "
+                f"on-policy steps (distill.lmbda={c.lmbda}) sample from whole prompts; raise "
+                "sampling.prompt_length or set distill.lmbda=0"
+            )
+        summary["data_quality"]["longer_than_prompt_length"] = len(train) - len(fits)
+        if len(fits) < len(train):
+            say(
+                f"distill: {len(train) - len(fits)} training prompts longer than "
+                f"sampling.prompt_length={s.prompt_length} left out (on-policy steps sample "
+                "from whole prompts; data.filter=long_prompt drops them from the start)"
+            )
+        train = fits
+    lengths = dict(max_length=c.max_length, prompt_length=s.prompt_length)
+    comps = completions_batch([(r.prompt, r.chosen) for r in train], tok, **lengths)
+    hb = completions_batch([(r.prompt, r.chosen) for r in held], tok, **lengths)
+    say(f"distill: {len(train)} training / {len(held)} held-out prompts, teacher {c.teacher}")
+    kw = dict(beta=c.beta, temperature=c.temperature)
+    before = distill_divergence(policy, teacher, hb, **kw)
+    res = run_distill(policy, teacher, tok, [r.prompt for r in train], comps, cfg=c, ctx=ctx)
+    trained = final_policy(res.state.model)
+    summary["distill"] = {
+        "teacher": c.teacher,
+        "heldout_jsd_before": before,
+        "heldout_jsd": distill_divergence(trained, teacher, hb, **kw),
+    }
     return trained, res
 
 

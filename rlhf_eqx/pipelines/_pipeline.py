@@ -13,6 +13,7 @@ from rlhf_eqx import data
 
 from ._config import ConfigError, PipelineConfig
 from ._config_io import config_to_dict
+from ._distill_runs import completions_batch, run_distill, sampled_completions
 from ._dpo_runs import run_online_dpo
 from ._evaluate import evaluate_policy, reward_accuracy, win_rate
 from ._kto_runs import run_kto, sampled_unpaired
@@ -130,7 +131,7 @@ def _ctx(
 def format_table(summary: dict) -> str:
     """The printed final table of a pipeline summary."""
     lines = [f"{'stage':<8} {'score':>7} {'win vs SFT':>11} {'KL/token':>9} {'base NLL':>9}"]
-    for stage in ("base", "sft", "ppo", "dpo", "grpo", "online-dpo", "kto"):
+    for stage in ("base", "sft", "ppo", "dpo", "grpo", "online-dpo", "kto", "distill"):
         if stage not in summary:
             continue
         s = summary[stage]
@@ -176,7 +177,8 @@ def _run_pipeline(cfg: PipelineConfig, run_dir: str, resume: bool, say) -> dict:
     tok_file = tokenizer_file(cfg.model.source, cfg.model.tokenizer)
     key = jax.random.key(cfg.ops.seed)
     k_eval, k_sft, k_rm, k_ppo, k_dpo, k_grpo, k_data, k_online = jax.random.split(key, 8)
-    k_kto = jax.random.fold_in(key, 9)
+    k_kto, k_distill = jax.random.fold_in(key, 9), jax.random.fold_in(key, 10)
+    policies: dict = {}
     label = _labels(cfg.label_noise, cfg.ops.seed)
     log = MetricsLog(run_dir, "pipeline", quiet=cfg.ops.quiet)
     peak = measure_matmul_peak() if cfg.ops.monitor else None
@@ -244,6 +246,7 @@ def _run_pipeline(cfg: PipelineConfig, run_dir: str, resume: bool, say) -> dict:
         m["win_rate_vs_sft"] = win_rate(scores, sft_scores)
         m["stopped"] = res.loop.stopped
         summary[stage] = m
+        policies[stage] = policy
         export_policy(policy, run_dir, stage, adapted=model, tokenizer_file=tok_file)
         say(
             f"{stage}: {m['score']:.1%} (win rate vs SFT {m['win_rate_vs_sft']:.1%}, "
@@ -391,6 +394,36 @@ def _run_pipeline(cfg: PipelineConfig, run_dir: str, resume: bool, say) -> dict:
             ctx=_ctx(cfg, run_dir, "kto", k_kto, resume, periodic, peak_flops=peak),
         )
         go = finish("kto", res)
+
+    if go and "distill" in cfg.stages:
+        dc = cfg.distill
+        if dc.teacher in policies:
+            teacher = policies[dc.teacher]
+        else:
+            teacher, _ = load_model(dc.teacher)
+        prompts, recs = sampled_completions(
+            teacher,
+            tok,
+            TRAIN_PROMPTS,
+            jax.random.fold_in(k_data, 5),
+            samples=dc.samples,
+            sampling=s,
+        )
+        comps = completions_batch(
+            recs, tok, max_length=dc.max_length, prompt_length=s.prompt_length
+        )
+        say(f"distill: the {dc.teacher} policy into SFT, {len(recs)} teacher samples")
+        res = run_distill(
+            sft,
+            teacher,
+            tok,
+            prompts,
+            comps,
+            cfg=dc,
+            ctx=_ctx(cfg, run_dir, "distill", k_distill, resume, periodic, peak_flops=peak),
+        )
+        go = finish("distill", res)
+        summary["distill"]["teacher"] = dc.teacher
 
     summary["seconds"] = time.perf_counter() - t0
     write_json_atomic(os.path.join(run_dir, "summary.json"), summary)

@@ -209,6 +209,7 @@ def run_grpo(
         group_size=cfg.group_size,
         clip_eps=cfg.clip,
         beta=cfg.beta,
+        policy_loss=cfg.policy_loss,
         donate=False,
         temperature=ctx.temperature,
     )

@@ -69,14 +69,18 @@ ITERATION_FIELDS: dict[str, str] = {
     "ppo.rollouts": "ppo",
     "grpo.rollouts": "grpo",
     "kto.steps": "kto",
+    "distill.steps": "distill",
 }
 
 # Stages trained from another stage's result (every stage starts from SFT; PPO and
 # online DPO use the reward model).
 _DOWNSTREAM: dict[str, tuple[str, ...]] = {
-    "sft": ("reward", "ppo", "dpo", "grpo", "online-dpo", "kto"),
+    "sft": ("reward", "ppo", "dpo", "grpo", "online-dpo", "kto", "distill"),
     "reward": ("ppo", "online-dpo"),
-    "dpo": ("online-dpo",),
+    "dpo": ("online-dpo", "distill"),
+    "grpo": ("distill",),
+    "ppo": ("distill",),
+    "kto": ("distill",),
 }
 
 # A `config.json` alone (a run that stopped before it logged anything) is no run.

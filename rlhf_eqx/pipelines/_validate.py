@@ -12,10 +12,11 @@ from typing import Any
 
 from ..data._preferences import PREFERENCE_FORMATS
 from ..data._prompts import PROMPT_FORMATS
-from ..losses import DPO_BATCH_LOSS_TYPES, DPO_LOSS_TYPES, KTO_LOSS_TYPES
+from ..losses import DPO_BATCH_LOSS_TYPES, DPO_LOSS_TYPES, KTO_LOSS_TYPES, POLICY_LOSSES
 from ._config import (
     BatchStageConfig,
     ConfigError,
+    DistillConfig,
     DPOConfig,
     GRPOConfig,
     KTOConfig,
@@ -33,7 +34,8 @@ DATA_FORMATS: tuple[str, ...] = ("auto", *PREFERENCE_FORMATS, *PROMPT_FORMATS)
 """The values of `data.format`: preference formats for sft/reward/dpo, prompt formats for
 grpo, `auto` to detect from the first record."""
 SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
-STAGES: tuple[str, ...] = ("sft", "reward", "ppo", "dpo", "grpo", "online-dpo", "kto")
+STAGES: tuple[str, ...] = ("sft", "reward", "ppo", "dpo", "grpo", "online-dpo", "kto", "distill")
+TEACHER_STAGES: tuple[str, ...] = ("ppo", "dpo", "grpo", "online-dpo", "kto")
 
 
 def _fail(name: str, value: Any, why: str) -> None:
@@ -126,6 +128,12 @@ def validate_config(cfg: PipelineConfig, *, device_count: int = 1) -> None:
     for st in ("ppo", "online-dpo"):
         if st in cfg.stages and "reward" not in cfg.stages:
             _fail("stages", cfg.stages, f"{st} needs the reward stage")
+    t = cfg.distill.teacher
+    if "distill" in cfg.stages and t in TEACHER_STAGES:
+        if cfg.data.path is not None:
+            _fail("distill.teacher", t, "on a data file the teacher is a checkpoint directory")
+        if t not in cfg.stages:
+            _fail("distill.teacher", t, f"the teacher stage {t!r} is not among the stages")
     if not 0 <= cfg.label_noise < 0.5:
         _fail("label_noise", cfg.label_noise, "must be in [0, 0.5)")
     _positive("eval_samples", cfg.eval_samples)
@@ -136,6 +144,7 @@ def validate_config(cfg: PipelineConfig, *, device_count: int = 1) -> None:
         ("ppo", cfg.ppo),
         ("grpo", cfg.grpo),
         ("kto", cfg.kto),
+        ("distill", cfg.distill),
     ):
         validate_stage(name, c, device_count=device_count)
         if isinstance(c, BatchStageConfig):
@@ -204,6 +213,20 @@ def validate_stage(name: str, c: Any, *, device_count: int = 1) -> None:
         if c.packing and c.loss_type in DPO_BATCH_LOSS_TYPES:
             why = f"loss_type={c.loss_type!r} sorts over a batch's pairs and needs unpacked batches"
             _fail(f"{name}.packing", c.packing, why)
+    if isinstance(c, DistillConfig):
+        if not 0 <= c.beta <= 1:
+            _fail(f"{name}.beta", c.beta, "must be in [0, 1] (0: forward KL, 1: reverse KL)")
+        if not 0 <= c.lmbda <= 1:
+            _fail(f"{name}.lmbda", c.lmbda, "must be in [0, 1]")
+        if not c.temperature > 0:
+            _fail(f"{name}.temperature", c.temperature, "must be > 0")
+        _positive(f"{name}.samples", c.samples)
+        if c.teacher not in TEACHER_STAGES and not os.path.isdir(c.teacher):
+            _fail(
+                f"{name}.teacher",
+                c.teacher,
+                f"must be one of {', '.join(TEACHER_STAGES)} or a checkpoint directory",
+            )
     if isinstance(c, KTOConfig):
         if not c.beta > 0:
             _fail(f"{name}.beta", c.beta, "must be > 0")
@@ -234,3 +257,4 @@ def validate_stage(name: str, c: Any, *, device_count: int = 1) -> None:
             _fail(f"{name}.group_size", c.group_size, "must be >= 2")
         _divides(f"{name}.prompts_per_rollout", c.prompts_per_rollout * c.group_size, device_count)
         _at_least(f"{name}.beta", c.beta, 0)
+        _choice(f"{name}.policy_loss", c.policy_loss, POLICY_LOSSES)

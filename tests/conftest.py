@@ -5,23 +5,36 @@ Shape checks are switched on for the whole package by pytest's
 """
 
 import os
+import tempfile
 
 # Tests run tiny models whose cost is almost all XLA compilation: skip the expensive
 # backend optimisation passes (about 40% less wall time; numerics are unaffected at the
 # tolerances used). Set before the first computation initialises the CPU backend.
-_FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FAST_COMPILE).strip()
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + FAST_COMPILE_FLAGS).strip()
 # Eight simulated CPU devices, for the data-parallel, mesh and multi-device tests.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
 
-import jax
-import numpy as np
-import pytest
-from hypothesis import HealthCheck, settings
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# A compilation cache on disk, shared by the test workers and kept between runs: tests
+# build many steps whose programs are identical (same tiny shapes, same settings), and
+# XLA compilation is most of the suite's time. RLHF_EQX_TEST_CACHE=off disables it.
+if os.environ.get("RLHF_EQX_TEST_CACHE", "") != "off":
+    jax.config.update(
+        "jax_compilation_cache_dir",
+        os.environ.get("RLHF_EQX_TEST_CACHE")
+        or os.path.join(tempfile.gettempdir(), f"rlhf_eqx-test-jax-cache-{os.getuid()}"),
+    )
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -78,7 +91,10 @@ def assert_tree_allclose(a, b, *, rtol=1e-5, atol=1e-6):
     assert ta == tb, f"tree structures differ: {ta} vs {tb}"
     for i, (x, y) in enumerate(zip(la, lb)):
         np.testing.assert_allclose(
-            np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=rtol, atol=atol,
+            np.asarray(x, np.float64),
+            np.asarray(y, np.float64),
+            rtol=rtol,
+            atol=atol,
             err_msg=f"leaf {i}",
         )
 
@@ -93,3 +109,47 @@ def _release_compiled_programs():
     hundreds of tests XLA's CPU compiler was seen to crash in such a process."""
     yield
     jax.clear_caches()
+
+
+# Parametrised variants that repeat, at a new compile each, a property that the fast
+# siblings left in the suite already pin for every configuration, layout or mesh kind:
+# they run with the slow tests (`pytest -m slow`).
+SLOW_VARIANTS = frozenset(
+    {
+        "tests/test_fast_paths.py::test_hidden_at_equals_full_forward_gathered[" + v + "]"
+        for v in (
+            "padded-gemma3_like",
+            "padded-remat",
+            "padded-mistral_like",
+            "padded-one_layer",
+            "regions-gemma3_like",
+            "regions-llama",
+            "regions-mistral_like",
+            "regions-one_layer",
+            "branches-remat",
+            "branches-llama",
+        )
+    }
+    | {
+        "tests/test_fast_paths.py::test_ppo_step_fast_path_equals_full_logits_path[kw1]",
+        "tests/test_fast_paths.py::test_grpo_step_fast_path_equals_full_logits_path[kw1]",
+        "tests/test_mesh.py::test_ppo_step_on_a_mesh_equals_one_device[8x1-fsdp]",
+        "tests/test_mesh.py::test_ppo_step_on_a_mesh_equals_one_device[4x2]",
+        "tests/test_mesh.py::test_dpo_step_on_a_mesh_equals_one_device[8x1]",
+        "tests/test_train_grpo.py::test_grpo_shared_prompt_equals_one_row_per_completion[kw1]",
+        "tests/test_train_grpo.py::test_grpo_shared_prompt_equals_one_row_per_completion[kw2]",
+        "tests/test_attention.py::test_looped_and_unrolled_tiles_match_softmax[43-43-8]",
+        "tests/test_attention.py::test_looped_and_unrolled_tiles_match_softmax[24-30-8]",
+        "tests/test_pmap.py::test_pmap_dpo_equals_one_device[cached]",
+        "tests/test_pmap.py::test_pmap_grpo_equals_one_device[batch]",
+        "tests/test_packed_preferences.py::test_packed_dpo_step_equals_unpacked[ipo-cached-0.5-True]",
+    }
+)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Mark `SLOW_VARIANTS` slow before `-m` selects (pyproject's `-m 'not slow'`)."""
+    for item in items:
+        if item.nodeid in SLOW_VARIANTS:
+            item.add_marker(pytest.mark.slow)

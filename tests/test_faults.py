@@ -424,6 +424,7 @@ def test_kill_9_at_random_moments_then_resume_is_bit_identical(tmp_path, jax_cac
 # --- two runs, one directory ------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_second_run_into_a_held_directory_is_refused_and_the_first_is_unharmed(
     tmp_path, jax_cache
 ):

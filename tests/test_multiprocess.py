@@ -144,6 +144,10 @@ def _single_process(order):
 
 def _launch(mode: str, tmp_path, *, timeout: float):
     """Run two workers in `mode`; return their saved results (after checking both succeeded)."""
+    from conftest import FAST_COMPILE_FLAGS  # the parent's compile flags (not the workers')
+
+    devices = f"--xla_force_host_platform_device_count={LOCAL_DEVICES}"
+
     num_processes = 2
     port = _free_port()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -153,7 +157,7 @@ def _launch(mode: str, tmp_path, *, timeout: float):
         env.update(
             PYTHONPATH=root + os.pathsep + env.get("PYTHONPATH", ""),
             JAX_PLATFORMS="cpu",
-            XLA_FLAGS=f"--xla_force_host_platform_device_count={LOCAL_DEVICES}",
+            XLA_FLAGS=f"{FAST_COMPILE_FLAGS} {devices}",
             RLHF_EQX_COORDINATOR=f"127.0.0.1:{port}",
             RLHF_EQX_NUM_PROCESSES=str(num_processes),
             RLHF_EQX_PROCESS_ID=str(p),

@@ -13,8 +13,10 @@ import subprocess
 import sys
 
 import pytest
+from conftest import FAST_COMPILE_FLAGS
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+_DEVICE_FLAG = "--xla_force_host_platform_device_count"
 _BLOCK = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.S | re.M)
 
 # Runs a block, then calls the test functions it defines (hypothesis tests included).
@@ -33,7 +35,9 @@ for name, obj in list(namespace.items()):
 
 
 def _blocks():
-    files = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+    files = [os.path.join(ROOT, "README.md")] + sorted(
+        glob.glob(os.path.join(ROOT, "docs", "*.md"))
+    )
     out = []
     for path in files:
         with open(path, encoding="utf-8") as f:
@@ -52,10 +56,22 @@ def test_blocks_are_found():
 def test_block_runs(source, tmp_path):
     block = tmp_path / "block.py"
     block.write_text(source)
-    env = {k: v for k, v in os.environ.items() if k not in ("CI", "HYPOTHESIS_PROFILE", "XLA_FLAGS")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("CI", "HYPOTHESIS_PROFILE", "XLA_FLAGS")
+    }
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    # The suite's compile-time flags (see conftest; numerics unaffected), and the devices
+    # a block asks for with `os.environ.setdefault("XLA_FLAGS", ...)`.
+    flags = FAST_COMPILE_FLAGS
+    if _DEVICE_FLAG in source:
+        flags += " " + re.search(_DEVICE_FLAG + r"=\d+", source).group(0)
+    env["XLA_FLAGS"] = flags
     out = subprocess.run(
         [sys.executable, "-c", _RUNNER, str(block)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, f"block failed:\n{source}\n--- stderr ---\n{out.stderr[-4000:]}"

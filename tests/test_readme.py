@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import FAST_COMPILE_FLAGS
+from conftest import FAST_COMPILE_FLAGS, SHARED
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
@@ -54,6 +54,8 @@ def test_blocks_are_found():
 
 @pytest.mark.parametrize("source", _blocks())
 def test_block_runs(source, tmp_path):
+    if "../shared/" in source and not os.path.isdir(SHARED):
+        pytest.skip("the block reads ../shared, which is not present")
     block = tmp_path / "block.py"
     block.write_text(source)
     env = {

@@ -77,13 +77,15 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-# What the built-in task runs before distilling from a teacher stage.
-_TEACHER_NEEDS = {
-    "dpo": ("dpo",),
-    "grpo": ("grpo",),
-    "kto": ("kto",),
-    "ppo": ("reward", "ppo"),
-    "online-dpo": ("reward", "online-dpo"),
+# The stages the built-in task runs for a stage command (SFT first).
+_NEEDS = {
+    "sft": ("sft",),
+    "reward": ("sft", "reward"),
+    "dpo": ("sft", "dpo"),
+    "grpo": ("sft", "grpo"),
+    "ppo": ("sft", "reward", "ppo"),
+    "online-dpo": ("sft", "reward", "online-dpo"),
+    "kto": ("sft", "kto"),
 }
 
 
@@ -108,16 +110,10 @@ def resolve_config(args: argparse.Namespace):
     if cmd in STAGE_COMMANDS and cfg.data.path is not None:
         cfg = dataclasses.replace(cfg, stages=(cmd,))
     elif cmd in STAGE_COMMANDS:
-        needs = {
-            "sft": ("sft",),
-            "reward": ("sft", "reward"),
-            "dpo": ("sft", "dpo"),
-            "grpo": ("sft", "grpo"),
-            "ppo": ("sft", "reward", "ppo"),
-            "online-dpo": ("sft", "reward", "online-dpo"),
-            "kto": ("sft", "kto"),
-            "distill": ("sft", *_TEACHER_NEEDS.get(cfg.distill.teacher, ()), "distill"),
-        }[cmd]
+        if cmd == "distill":  # the teacher stage first, unless it is a checkpoint directory
+            needs = (*_NEEDS.get(cfg.distill.teacher, ("sft",)), "distill")
+        else:
+            needs = _NEEDS[cmd]
         cfg = dataclasses.replace(cfg, stages=needs)
     out = args.out or cfg.out or os.path.join("runs", cmd)
     return dataclasses.replace(cfg, out=out)

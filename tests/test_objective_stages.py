@@ -155,6 +155,8 @@ def test_grpo_policy_loss_is_selected_from_the_cli(tmp_path, loss):
     assert json.loads((out / "config.json").read_text())["grpo"]["policy_loss"] == loss
     steps = pl.read_metrics(str(out))["grpo"]
     assert steps and all(np.isfinite(r["loss"]) for r in steps)
+    # the batch policy losses log the fraction of tokens they select; the default does not
+    assert all(("selected_frac" in r) == (loss == "clip_cov") for r in steps)
 
 
 def test_grpo_policy_loss_is_checked():

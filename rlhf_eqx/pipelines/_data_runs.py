@@ -62,6 +62,12 @@ def split_records(records: Sequence, dc: DataConfig) -> tuple[list, list]:
     return list(train), list(held)
 
 
+def _prompt_tokens(tok, prompt: str) -> int:
+    """The length of `prompt` as the model sees it: its tokens and BOS (what must fit
+    `sampling.prompt_length` for the prompt to stay whole)."""
+    return len(tok.encode(prompt)) + 1
+
+
 def quality_report(
     records,
     tok,
@@ -114,7 +120,7 @@ def quality_report(
     counts = {k: len(v) for k, v in dropped.items()}
     if "long_prompt" in dc.filter:
         limit = lengths.max_prompt_length
-        fits = [r for r in kept if len(tok.encode(r.prompt)) + 1 <= limit]
+        fits = [r for r in kept if _prompt_tokens(tok, r.prompt) <= limit]
         counts["long_prompt"] = len(kept) - len(fits)
         kept = fits
     _log_filter(log, dc, counts, len(records), kept, "pairs")
@@ -281,9 +287,9 @@ def _run_on_data(cfg: PipelineConfig, stage: str, run_dir: str, resume: bool) ->
                     else ""
                 )
             )
-        fits = [r for r in with_answer if len(tok.encode(r.prompt)) + 1 <= s.prompt_length]
+        fits = [r for r in with_answer if _prompt_tokens(tok, r.prompt) <= s.prompt_length]
         if not fits:
-            longest = min(len(tok.encode(r.prompt)) + 1 for r in with_answer)
+            longest = min(_prompt_tokens(tok, r.prompt) for r in with_answer)
             raise ValueError(
                 f"sampling.prompt_length={s.prompt_length}: no prompt fits (the shortest of "
                 f"{len(with_answer)} prompts with answers has {longest} tokens with BOS); "
@@ -390,7 +396,7 @@ def _filter_unpaired(records, tok, dc: DataConfig, prompt_length: int, log: Metr
         counts["empty"] = n - len(kept)
     if "long_prompt" in dc.filter:
         n = len(kept)
-        kept = [r for r in kept if len(tok.encode(r.prompt)) + 1 <= prompt_length]
+        kept = [r for r in kept if _prompt_tokens(tok, r.prompt) <= prompt_length]
         counts["long_prompt"] = n - len(kept)
     _log_filter(log, dc, counts, len(records), kept, "examples")
     return kept
@@ -412,7 +418,7 @@ def _distill_on_data(cfg: PipelineConfig, policy, tok, ctx: RunContext, summary:
     summary["data_quality"] = {"skipped_by_reader": dict(records.report.skipped)}
     if c.lmbda > 0:
         # on-policy steps sample from the prompt: it must fit whole
-        fits = [r for r in train if len(tok.encode(r.prompt)) + 1 <= s.prompt_length]
+        fits = [r for r in train if _prompt_tokens(tok, r.prompt) <= s.prompt_length]
         if not fits:
             raise ValueError(
                 f"sampling.prompt_length={s.prompt_length}: no training prompt fits, and the "

@@ -98,23 +98,20 @@ def run_distill(
 
 @eqx.filter_jit
 def _jsd(student, teacher, batch, beta, temperature):
-    def row(tokens, mask, cm):
-        s = student(tokens, mask)
-        t = teacher(tokens, mask)
-        # logits at s predict token s + 1: the loss positions are those before a
-        # completion token
-        sel = jnp.concatenate([cm[1:], jnp.zeros((1,), bool)])
-        per = rx.losses.generalized_jsd(s, t, sel, beta=beta, temperature=temperature)
-        return jnp.sum(per), jnp.sum(sel, dtype=per.dtype)
-
-    num, den = jax.vmap(row)(batch.tokens, batch.mask, batch.completion_mask & batch.mask)
-    return jnp.sum(num) / jnp.maximum(jnp.sum(den), 1.0)
+    params, frozen = eqx.partition(student, eqx.is_inexact_array)
+    loss = rx.train.distill_loss(beta=beta, temperature=temperature)
+    _, _, metrics = loss(params, (frozen, teacher), batch, None)
+    num, den = metrics["jsd"]
+    return num / jnp.maximum(den, 1.0)
 
 
 def distill_divergence(student, teacher, batch, *, beta: float, temperature: float) -> float:
     """Mean generalized JSD per completion token between `student` and `teacher` on a
     `DistillBatch` (the held-out measure of a distillation run)."""
-    return float(_jsd(student, teacher, batch, beta, temperature))
+    f32 = jnp.float32  # traced: one compile for every beta and temperature
+    return float(
+        _jsd(student, teacher, batch, jnp.asarray(beta, f32), jnp.asarray(temperature, f32))
+    )
 
 
 def sampled_completions(

@@ -178,7 +178,7 @@ def _run_pipeline(cfg: PipelineConfig, run_dir: str, resume: bool, say) -> dict:
     key = jax.random.key(cfg.ops.seed)
     k_eval, k_sft, k_rm, k_ppo, k_dpo, k_grpo, k_data, k_online = jax.random.split(key, 8)
     k_kto, k_distill = jax.random.fold_in(key, 9), jax.random.fold_in(key, 10)
-    policies: dict = {}
+    teacher = None  # the policy of the stage `distill.teacher` names, once it has run
     label = _labels(cfg.label_noise, cfg.ops.seed)
     log = MetricsLog(run_dir, "pipeline", quiet=cfg.ops.quiet)
     peak = measure_matmul_peak() if cfg.ops.monitor else None
@@ -246,7 +246,9 @@ def _run_pipeline(cfg: PipelineConfig, run_dir: str, resume: bool, say) -> dict:
         m["win_rate_vs_sft"] = win_rate(scores, sft_scores)
         m["stopped"] = res.loop.stopped
         summary[stage] = m
-        policies[stage] = policy
+        if stage == cfg.distill.teacher:
+            nonlocal teacher
+            teacher = policy
         export_policy(policy, run_dir, stage, adapted=model, tokenizer_file=tok_file)
         say(
             f"{stage}: {m['score']:.1%} (win rate vs SFT {m['win_rate_vs_sft']:.1%}, "
@@ -397,9 +399,7 @@ def _run_pipeline(cfg: PipelineConfig, run_dir: str, resume: bool, say) -> dict:
 
     if go and "distill" in cfg.stages:
         dc = cfg.distill
-        if dc.teacher in policies:
-            teacher = policies[dc.teacher]
-        else:
+        if teacher is None:  # a checkpoint directory
             teacher, _ = load_model(dc.teacher)
         prompts, recs = sampled_completions(
             teacher,

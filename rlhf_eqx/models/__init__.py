@@ -1,14 +1,10 @@
 """The decoder models as immutable pytrees (`Policy`, `ValueModel`, `RewardModel`) and their
 checkpoints."""
 
-from ._attention import (
-    attention as attention,
-    attention_layout as attention_layout,
-    cached_attention as cached_attention,
-    previous_allowed as previous_allowed,
-    region_attention as region_attention,
-)
+from ._attention import attention as attention, region_attention as region_attention
 from ._config import RopeScaling as RopeScaling, TransformerConfig as TransformerConfig
+from ._decode_attention import cached_attention as cached_attention
+from ._decoder_layer import LORA_TARGETS as LORA_TARGETS, DecoderLayer as DecoderLayer
 from ._heads import (
     Policy as Policy,
     RewardModel as RewardModel,
@@ -43,6 +39,7 @@ from ._lora import (
     merge_lora as merge_lora,
     without_lora as without_lora,
 )
+from ._masks import attention_layout as attention_layout, previous_allowed as previous_allowed
 from ._packing import branch_last_index as branch_last_index, branch_sums as branch_sums
 from ._peft import load_lora_adapter as load_lora_adapter, save_lora_adapter as save_lora_adapter
 from ._protocols import (
@@ -63,8 +60,6 @@ from ._quant import (
 from ._sharding import partition_specs as partition_specs
 from ._transformer import (
     ATTENTION_BLOCK as ATTENTION_BLOCK,
-    LORA_TARGETS as LORA_TARGETS,
-    DecoderLayer as DecoderLayer,
     KVCache as KVCache,
     Transformer as Transformer,
 )

@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from ._attention import attention_layout, previous_allowed
 from ._config import TransformerConfig
 from ._layers import normal_init, softcap
+from ._masks import attention_layout, previous_allowed
 from ._packing import branch_last_index
 from ._protocols import (
     AbstractBatchedModel,

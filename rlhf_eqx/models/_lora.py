@@ -34,8 +34,8 @@ from jaxtyping import PRNGKeyArray, PyTree
 
 from ._build import model_config, where_layers
 from ._config import TransformerConfig
+from ._decoder_layer import LORA_TARGETS, DecoderLayer
 from ._layers import AbstractQuantizedWeight, LoRAAdapter
-from ._transformer import LORA_TARGETS, DecoderLayer
 
 
 @dataclasses.dataclass(frozen=True)

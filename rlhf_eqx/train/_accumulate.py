@@ -19,7 +19,7 @@ from jaxtyping import Array, Float, Key, PRNGKeyArray, PyTree
 
 from ..models import AbstractBatchedModel
 from ._optim import learning_rate_from_state
-from ._validate import check_positive_int
+from ._validation import check_positive_int
 
 # name -> (sum, count): a masked mean that can be added up over micro-batches and devices.
 Sums = dict[str, tuple[Array, Array]]

@@ -34,7 +34,7 @@ from jaxtyping import Array, Bool, Float, Int
 from ..data._tokenizer import Tokenizer
 from ..models import Policy, last_real_index
 from ._accumulate import vmap_model
-from ._validate import check_choice, check_positive_int
+from ._validation import check_choice, check_positive_int
 
 JUDGE_SCORES = ("log_odds", "prob")
 JudgeScore = Literal["log_odds", "prob"]

@@ -29,7 +29,7 @@ from ._accumulate import split_micro_batches
 from ._pair_logps import _forward
 from ._state import combine
 from ._step import NonFinite, Step, _check_token_ids, make_step
-from ._validate import check_choice, check_number, check_positive_int
+from ._validation import check_choice, check_number, check_positive_int
 
 KTOReference = Literal["model", "cached"]
 

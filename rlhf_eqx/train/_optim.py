@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, PyTree
 
-from ._validate import check_choice, check_number, check_positive_int, is_traced_or_array
+from ._validation import check_choice, check_number, check_positive_int, is_traced_or_array
 
 ScheduleName = Literal["cosine", "constant", "linear"]
 _SCHEDULES = ("cosine", "constant", "linear")

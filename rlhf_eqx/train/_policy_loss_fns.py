@@ -29,7 +29,7 @@ from ..losses import (
     kl_penalty,
     sapo_policy_loss,
 )
-from ._validate import check_choice, check_number, is_traced_or_array
+from ._validation import check_choice, check_number, is_traced_or_array
 
 # The stream of the step's key that draws Clip-Cov's random priorities (the key itself
 # goes to the model).

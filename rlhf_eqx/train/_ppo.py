@@ -14,7 +14,7 @@ from ..losses import (
 from ..ops import masked_sum
 from ._rollout import PPOBatch, policy_logps_and_values
 from ._step import LossFn, NonFinite, Step, make_step
-from ._validate import check_aggregation, check_number
+from ._validation import check_aggregation, check_number
 
 
 def ppo_loss(

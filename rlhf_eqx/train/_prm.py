@@ -47,7 +47,7 @@ from ._accumulate import vmap_model
 from ._rollout import PPOBatch
 from ._state import combine
 from ._step import LossFn, NonFinite, Step, make_step
-from ._validate import check_aggregation, check_choice, check_number
+from ._validation import check_aggregation, check_choice, check_number
 
 PRM_SCORES = ("prob", "logit")
 

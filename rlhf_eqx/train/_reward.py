@@ -11,7 +11,7 @@ from ..models import AbstractBranchScorer
 from ._accumulate import vmap_model
 from ._state import combine
 from ._step import LossFn, NonFinite, Step, make_step
-from ._validate import check_number
+from ._validation import check_number
 
 
 def _scores(model, tokens, mask, key, which):

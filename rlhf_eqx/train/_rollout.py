@@ -19,7 +19,7 @@ from ..models import AbstractSelectiveLM
 from ..ops import entropy_from_logits, logprobs_from_logits, masked_sum, previous_real_index
 from ._accumulate import vmap_model
 from ._state import combine
-from ._validate import check_choice, check_number
+from ._validation import check_choice, check_number
 
 
 class PPOBatch(eqx.Module):

@@ -11,7 +11,7 @@ from ..ops import logprobs_from_logits, masked_sum, previous_real_index
 from ._accumulate import vmap_model
 from ._state import combine
 from ._step import LossFn, NonFinite, Step, make_step
-from ._validate import check_aggregation
+from ._validation import check_aggregation
 
 
 def sft_loss(*, mode: AggregationMode = "token-mean", constant: float | None = None) -> LossFn:

@@ -49,7 +49,7 @@ from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from ..losses import safe_divide
 from ._accumulate import Sums, accumulate_gradients, apply_optimizer, sums_to_means
-from ._validate import check_choice, check_positive_int
+from ._validation import check_choice, check_positive_int
 
 LossFn = Callable[
     [PyTree, PyTree, PyTree, PRNGKeyArray | None],

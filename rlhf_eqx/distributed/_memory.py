@@ -19,8 +19,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec
 
-from .distributed import fit_spec, opt_state_specs
-from .models import (
+from ..models import (
     ATTENTION_BLOCK,
     LoRAConfig,
     Policy,
@@ -29,6 +28,7 @@ from .models import (
     partition_specs,
     quantize_int8,
 )
+from ._mesh import fit_spec, opt_state_specs
 
 
 def _gib(n: int) -> str:

@@ -1,0 +1,276 @@
+r"""Policy losses that select tokens by statistics of the whole batch: Clip-Cov and KL-Cov
+(token covariance of log-probability and advantage) and the high-entropy token loss.
+
+All take `[B, T]` arrays with one advantage per row. With `axis_name` (inside `jax.pmap` /
+`shard_map`) the statistics and the selection cover the tokens of every device, so a
+data-parallel run selects the same tokens as one device holding the whole batch. The
+selection carries no gradient.
+"""
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
+
+from ..ops import masked_mean
+from ._grpo import IMPORTANCE_LEVELS, grpo_policy_loss
+from ._policy_losses import (
+    COV_SELECTIONS,
+    Stats,
+    _check_fraction,
+    _check_non_negative,
+    _clamped_log_ratio,
+    _flags,
+    _masked,
+)
+from ._ppo import clipped_surrogate
+from ._validation import Hyperparameter, check_choice
+
+
+def _all_rows(x: Array, axis_name: str | None) -> Array:
+    """`x` `[B, ...]` of every device, concatenated in device order (`x` itself without
+    `axis_name`)."""
+    return x if axis_name is None else jax.lax.all_gather(x, axis_name, tiled=True)
+
+
+def _own_rows(x: Array, rows: int, axis_name: str | None) -> Array:
+    """This device's `rows` rows of an `_all_rows` array."""
+    if axis_name is None:
+        return x
+    start = jax.lax.axis_index(axis_name) * rows
+    return jax.lax.dynamic_slice_in_dim(x, start, rows, axis=0)
+
+
+def _top_k(priority: Array, candidate: Array, k: Array) -> Array:
+    """The `k` candidates of largest priority (ties: the earlier position in row-major
+    order); fewer when there are fewer candidates."""
+    flat = jnp.where(candidate, priority, -jnp.inf).reshape(-1)
+    order = jnp.argsort(-flat, stable=True)
+    rank = jnp.zeros(flat.shape, jnp.int32).at[order].set(jnp.arange(flat.size, dtype=jnp.int32))
+    return (rank < k).reshape(priority.shape) & candidate
+
+
+def _count(fraction: Hyperparameter, n: Array) -> Array:
+    """$\\max(\\lfloor \\text{fraction}\\cdot n\\rfloor, 1)$ as int32."""
+    return jnp.maximum(jnp.floor(fraction * n).astype(jnp.int32), 1)
+
+
+def _token_covariance(logp: Array, adv: Array, mask: Array) -> Array:
+    """$(A_t - \\bar A)(\\log\\pi_t - \\overline{\\log\\pi})$, means over the real tokens."""
+    return (adv - masked_mean(adv, mask)) * (logp - masked_mean(logp, mask))
+
+
+def _row_advantages(advantages: Array, like: Array) -> Array:
+    return jnp.broadcast_to(advantages.astype(like.dtype)[:, None], like.shape)
+
+
+def clip_cov_policy_loss(
+    logp: Float[Array, "B T"],
+    old_logp: Float[Array, "B T"],
+    advantages: Float[Array, " B"],
+    mask: Bool[Array, "B T"],
+    *,
+    clip_eps: Hyperparameter = 0.2,
+    clip_eps_high: Hyperparameter | None = None,
+    fraction: Hyperparameter = 2e-4,
+    cov_low: Hyperparameter = 1.0,
+    cov_high: Hyperparameter = 5.0,
+    select: Literal["random", "top"] = "random",
+    key: PRNGKeyArray | None = None,
+    axis_name: str | None = None,
+) -> tuple[Float[Array, "B T"], Stats]:
+    r"""Clip-Cov: PPO's clipped loss with the gradient of a few high-covariance tokens cut.
+
+    Cui et al. (2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning
+    Language Models") relate the entropy drop to the covariance between a token's
+    log-probability and its advantage, and estimate it per token over the batch:
+
+    $$\mathrm{Cov}_t = \big(A_t - \bar A\big)\big(\log\pi_\theta(y_t) -
+      \overline{\log\pi_\theta}\big)$$
+
+    with both means over the batch's real tokens (log-probabilities without gradient).
+    The candidates are the real tokens with $\mathrm{Cov}_t \in$ (`cov_low`, `cov_high`)
+    whose PPO clip is not already active; $k = \max(\lfloor r N\rfloor, 1)$ of them ($N$
+    real tokens, $r$ = `fraction`) are taken — uniformly at random with `select="random"`
+    (the paper, veRL `compute_policy_loss_clip_cov`; needs `key`), or those of largest
+    covariance with `select="top"` (deterministic) — and their loss is set to 0 (value
+    and gradient, as veRL). Every other token has the clipped surrogate of
+    `clipped_surrogate` with `clip_eps` / `clip_eps_high`. veRL's defaults:
+    $r = 2\cdot10^{-4}$, bounds (1, 5); its aggregation `"token-mean"`.
+
+    **Arguments:** `logp`, `old_logp`, `mask` `[B, T]`; `advantages` `[B]` (one per row);
+    `axis_name`: inside `pmap` / `shard_map`, take $N$, the means and the selection over
+    the tokens of every device (the random priorities are drawn per device, from its own
+    `key`).
+
+    **Returns:** `(per_token_loss, stats)`, all `[B, T]`, 0 where masked; `stats` has
+    `"ratio"`, `"clipped_low"`, `"clipped_high"`, `"clipped"` (as `grpo_policy_loss`),
+    `"selected"` (1.0 on the tokens whose loss was cut) and `"covariance"`.
+    """
+    check_choice("select", select, COV_SELECTIONS)
+    _check_non_negative("clip_eps", clip_eps)
+    _check_non_negative("clip_eps_high", clip_eps_high)
+    _check_fraction("fraction", fraction)
+    if select == "random" and key is None:
+        raise ValueError("clip_cov_policy_loss(select='random') needs a key")
+    sg = jax.lax.stop_gradient
+    dtype = logp.dtype
+    rows = logp.shape[0]
+    w = jnp.exp(_clamped_log_ratio(logp, old_logp, mask))
+    adv = _row_advantages(advantages, logp)
+    loss, ppo_clipped = clipped_surrogate(w, adv, clip_eps=clip_eps, clip_eps_high=clip_eps_high)
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+
+    every = lambda x: _all_rows(x, axis_name)
+    g_mask = every(mask)
+    cov = _token_covariance(every(jnp.where(mask, sg(logp), 0.0)), every(adv), g_mask)
+    candidate = every(mask & ~ppo_clipped) & (cov > cov_low) & (cov < cov_high)
+    if select == "random":
+        priority = every(jax.random.uniform(key, logp.shape, dtype))
+    else:
+        priority = cov
+    k = _count(fraction, jnp.sum(g_mask).astype(dtype))
+    cut = _own_rows(_top_k(priority, candidate, k), rows, axis_name)
+    loss = jnp.where(cut | ~mask, jnp.zeros_like(loss), loss)
+    low = (w < 1.0 - clip_eps) & (adv < 0)
+    high = (w > 1.0 + eps_high) & (adv > 0)
+    stats = {
+        "ratio": w,
+        "covariance": _own_rows(cov, rows, axis_name),
+        **_flags(dtype, clipped_low=low, clipped_high=high, clipped=low | high, selected=cut),
+    }
+    return loss, _masked(stats, mask)
+
+
+def kl_cov_policy_loss(
+    logp: Float[Array, "B T"],
+    old_logp: Float[Array, "B T"],
+    advantages: Float[Array, " B"],
+    mask: Bool[Array, "B T"],
+    *,
+    fraction: Hyperparameter = 2e-4,
+    kl_coef: Hyperparameter = 1.0,
+    axis_name: str | None = None,
+) -> tuple[Float[Array, "B T"], Stats]:
+    r"""KL-Cov: the unclipped policy gradient, with a KL penalty on the top-covariance tokens.
+
+    $$\ell_t = -w_t A_t + \mathbb{1}[t \in I]\;\beta\,\big\lvert\log w_t\big\rvert$$
+
+    (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning
+    Language Models"; veRL `compute_policy_loss_kl_cov`, whose penalty is
+    $\lvert\log\pi_\theta - \log\pi_{\rm old}\rvert$), where $I$ holds the
+    $k = \max(\lfloor rN\rfloor, 1)$ real tokens of largest covariance
+    $(A_t - \bar A)(\log\pi_\theta(y_t) - \overline{\log\pi_\theta})$ over the batch's $N$
+    real tokens (ties: the earlier position in row-major order). $r$ = `fraction`
+    (veRL's default $2\cdot10^{-4}$), $\beta$ = `kl_coef` (default 1). `axis_name`: as
+    `clip_cov_policy_loss`.
+
+    **Returns:** `(per_token_loss, stats)`, all `[B, T]`, 0 where masked; `stats` has
+    `"ratio"`, `"abs_log_ratio"`, `"selected"` (1.0 on $I$), `"covariance"` and
+    `"clipped"`, `"clipped_low"`, `"clipped_high"` (zeros: nothing is clipped).
+    """
+    _check_fraction("fraction", fraction)
+    _check_non_negative("kl_coef", kl_coef)
+    sg = jax.lax.stop_gradient
+    dtype = logp.dtype
+    log_w = _clamped_log_ratio(logp, old_logp, mask)
+    w = jnp.exp(log_w)
+    adv = _row_advantages(advantages, logp)
+    every = lambda x: _all_rows(x, axis_name)
+    g_mask = every(mask)
+    cov = _token_covariance(every(jnp.where(mask, sg(logp), 0.0)), every(adv), g_mask)
+    k = _count(fraction, jnp.sum(g_mask).astype(dtype))
+    chosen = _own_rows(_top_k(cov, g_mask, k), logp.shape[0], axis_name)
+    abs_kl = jnp.abs(log_w)
+    loss = -adv * w + jnp.where(chosen, kl_coef * abs_kl, jnp.zeros_like(abs_kl))
+    zero = jnp.zeros_like(w)
+    stats = {
+        "ratio": w,
+        "abs_log_ratio": abs_kl,
+        "selected": chosen.astype(dtype),
+        "covariance": _own_rows(cov, logp.shape[0], axis_name),
+        "clipped": zero,
+        "clipped_low": zero,
+        "clipped_high": zero,
+    }
+    return jnp.where(mask, loss, zero), _masked(stats, mask)
+
+
+def entropy_quantile_mask(
+    entropy: Float[Array, "B T"],
+    mask: Bool[Array, "B T"],
+    *,
+    rho: Hyperparameter = 0.2,
+    axis_name: str | None = None,
+) -> Bool[Array, "B T"]:
+    r"""The real tokens whose entropy is in the top `rho` fraction of the batch's.
+
+    $H_t \geq \tau_\rho$, where $\tau_\rho$ is the $(1-\rho)$-quantile of the entropies of
+    the batch's real tokens, linearly interpolated (`numpy.quantile`'s default; TRL
+    `top_entropy_quantile`). Ties at the threshold are kept; `rho=1` keeps every real
+    token. Wang et al. (2025, "Beyond the 80/20 Rule: High-Entropy Minority Tokens Drive
+    Effective Reinforcement Learning for LLM Reasoning") use $\rho = 0.2$. With
+    `axis_name` the quantile is over the tokens of every device. No gradient flows
+    through the selection.
+    """
+    _check_fraction("rho", rho)
+    g_mask = _all_rows(mask, axis_name)
+    ent = _all_rows(jnp.where(mask, jax.lax.stop_gradient(entropy), 0.0), axis_name)
+    n = jnp.sum(g_mask, dtype=jnp.int32)
+    last = jnp.maximum(n - 1, 0)
+    ordered = jnp.sort(jnp.where(g_mask, ent, jnp.inf).reshape(-1))
+    pos = (1.0 - rho) * last.astype(ent.dtype)
+    lo = jnp.minimum(jnp.floor(pos).astype(jnp.int32), last)
+    hi = jnp.minimum(lo + 1, last)
+    frac = pos - lo.astype(ent.dtype)
+    v_lo, v_hi = ordered[lo], ordered[hi]
+    threshold = jnp.where(n > 0, v_lo + frac * jnp.where(n > 0, v_hi - v_lo, 0.0), jnp.inf)
+    return _own_rows(g_mask & (ent >= threshold), mask.shape[0], axis_name)
+
+
+def high_entropy_policy_loss(
+    logp: Float[Array, "B T"],
+    old_logp: Float[Array, "B T"],
+    advantages: Float[Array, " B"],
+    mask: Bool[Array, "B T"],
+    entropy: Float[Array, "B T"],
+    *,
+    rho: Hyperparameter = 0.2,
+    clip_eps: Hyperparameter = 0.2,
+    clip_eps_high: Hyperparameter | None = None,
+    importance: Literal["token", "sequence"] = "token",
+    delta: Hyperparameter | None = None,
+    axis_name: str | None = None,
+) -> tuple[Float[Array, "B T"], Stats]:
+    r"""The clipped GRPO / DAPO loss on the high-entropy ("forking") tokens only.
+
+    $$\ell_t = \mathbb{1}\big[H_t \geq \tau_\rho\big]\;\ell^{\rm GRPO}_t$$
+
+    (Wang et al. 2025, "Beyond the 80/20 Rule": the policy gradient restricted to
+    the top-$\rho$ entropy tokens of the batch, $\rho = 0.2$, on DAPO's clip-higher loss.)
+    $\ell^{\rm GRPO}$ is `grpo_policy_loss` with `clip_eps`, `clip_eps_high`,
+    `importance`, `delta`; the selection is `entropy_quantile_mask(entropy, mask, rho=rho,
+    axis_name=axis_name)`. Other tokens have loss 0 and no gradient, but still count in
+    the aggregation's denominator (the paper normalises by all tokens, `"token-mean"`):
+    reduce with `aggregate(loss, mask, ...)`, not with the selection as the mask.
+
+    **Returns:** `(per_token_loss, stats)`, all `[B, T]`, 0 where masked; `stats` are
+    `grpo_policy_loss`'s and `"selected"` (1.0 on the kept tokens).
+    """
+    check_choice("importance", importance, IMPORTANCE_LEVELS)
+    keep = entropy_quantile_mask(entropy, mask, rho=rho, axis_name=axis_name)
+    loss, stats = jax.vmap(
+        lambda lp, olp, a, m: grpo_policy_loss(
+            lp,
+            olp,
+            a,
+            m,
+            clip_eps=clip_eps,
+            clip_eps_high=clip_eps_high,
+            importance=importance,
+            delta=delta,
+        )
+    )(logp, old_logp, advantages.astype(logp.dtype), mask)
+    stats = {**stats, "selected": keep.astype(logp.dtype)}
+    return jnp.where(keep, loss, jnp.zeros_like(loss)), stats

@@ -5,36 +5,45 @@
 #   bash benchmarks/peers/setup.sh trl        # TRL only
 #   bash benchmarks/peers/setup.sh tunix      # Tunix only
 #
-# TRL:   /work/venv-trl   torch 2.13.0 (CPU wheel), trl 1.16.0, a transformers that trl accepts.
-# Tunix: /work/venv-tunix google-tunix 0.1.7 with the flax it pins.
-# Each venv also gets numpy and matplotlib (the plot script runs in venv-trl).
-# Logs go to $PEER_ROOT/venv-<peer>-setup.log.
+# TRL:   $TRL_VENV   torch 2.13.0 (CPU wheel), trl 1.16.0, a transformers that trl accepts.
+# Tunix: $TUNIX_VENV google-tunix 0.1.7 with the flax it pins.
+# Defaults: $PEER_ROOT/venv-trl and $PEER_ROOT/venv-tunix, with PEER_ROOT defaulting to
+# .venv-peers at the repository root (ignored by git), where
+# benchmarks/side_by_side/driver.py looks for them when TRL_VENV / TUNIX_VENV are unset.
+# Each venv also gets numpy and matplotlib (the plot script runs in the TRL venv).
+# Logs go to <venv>-setup.log beside each venv.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-root="${PEER_ROOT:-/work}"
+repo="$(cd "$here/../.." && pwd)"
+root="${PEER_ROOT:-$repo/.venv-peers}"
+trl_venv="${TRL_VENV:-$root/venv-trl}"
+tunix_venv="${TUNIX_VENV:-$root/venv-tunix}"
 py="${PYTHON:-python3}"
 which="${1:-all}"
 
 setup_trl() {
-  "$py" -m venv "$root/venv-trl"
-  "$root/venv-trl/bin/pip" install -q --upgrade pip
-  "$root/venv-trl/bin/pip" install torch==2.13.0 trl==1.16.0 "transformers>=4.56" numpy matplotlib psutil
-  "$root/venv-trl/bin/python" -c "import torch, trl, transformers; print('torch', torch.__version__, 'trl', trl.__version__, 'transformers', transformers.__version__)"
+  "$py" -m venv "$trl_venv"
+  "$trl_venv/bin/pip" install -q --upgrade pip
+  "$trl_venv/bin/pip" install torch==2.13.0 trl==1.16.0 "transformers>=4.56" numpy matplotlib psutil
+  "$trl_venv/bin/python" -c "import torch, trl, transformers; print('torch', torch.__version__, 'trl', trl.__version__, 'transformers', transformers.__version__)"
 }
 
 setup_tunix() {
-  "$py" -m venv "$root/venv-tunix"
-  "$root/venv-tunix/bin/pip" install -q --upgrade pip
-  "$root/venv-tunix/bin/pip" install google-tunix==0.1.7 flax numpy psutil
-  "$root/venv-tunix/bin/python" -c "import jax, flax, tunix; print('jax', jax.__version__, 'flax', flax.__version__, 'tunix ok')"
+  "$py" -m venv "$tunix_venv"
+  "$tunix_venv/bin/pip" install -q --upgrade pip
+  "$tunix_venv/bin/pip" install google-tunix==0.1.7 flax numpy psutil
+  "$tunix_venv/bin/python" -c "import jax, flax, tunix; print('jax', jax.__version__, 'flax', flax.__version__, 'tunix ok')"
 }
 
 case "$which" in
-  trl) setup_trl 2>&1 | tee "$root/venv-trl-setup.log" ;;
-  tunix) setup_tunix 2>&1 | tee "$root/venv-tunix-setup.log" ;;
-  all)
-    setup_trl 2>&1 | tee "$root/venv-trl-setup.log"
-    setup_tunix 2>&1 | tee "$root/venv-tunix-setup.log"
-    ;;
+  trl | tunix | all) mkdir -p "$(dirname "$trl_venv")" "$(dirname "$tunix_venv")" ;;
   *) echo "unknown peer '$which' (expected trl, tunix or all)" >&2; exit 2 ;;
+esac
+case "$which" in
+  trl) setup_trl 2>&1 | tee "$trl_venv-setup.log" ;;
+  tunix) setup_tunix 2>&1 | tee "$tunix_venv-setup.log" ;;
+  all)
+    setup_trl 2>&1 | tee "$trl_venv-setup.log"
+    setup_tunix 2>&1 | tee "$tunix_venv-setup.log"
+    ;;
 esac

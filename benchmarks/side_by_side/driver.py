@@ -1,12 +1,20 @@
 """Run the side-by-side benchmark: every (library, workload) in its own process,
 libraries alternating within each round, several rounds; then the table.
 
-    python benchmarks/side_by_side/driver.py --rounds 3 --out benchmarks/results.jsonl
-    python benchmarks/side_by_side/driver.py --report benchmarks/results.jsonl   # table only
+    python benchmarks/side_by_side/driver.py --rounds 3            # a new results file
+    python benchmarks/side_by_side/driver.py --report RESULTS.jsonl   # table only
+
+Each run writes a new file: `--out` defaults to
+`benchmarks/results-<machine>-<UTC time>.jsonl` (`<machine>`: `--machine`,
+`$BENCH_MACHINE`, or the CPU vendor and its widest vector extension, e.g.
+`amd-avx512`), and an existing file is refused unless `--append` is given (to extend or
+resume that run).
 
 Each library runs in its own virtual environment (see `benchmarks/peers/setup.sh`):
-rlhf_eqx and the hand-written JAX floor in `/work/venv` (override with `--venv-rlhf`),
-TRL in `/work/venv-trl`, Tunix in `/work/venv-tunix`. Speed ratios are
+rlhf_eqx and the hand-written JAX floor in `$RLHF_VENV` (default `.venv` at the
+repository root; or `--venv-rlhf`), TRL in `$TRL_VENV` and Tunix in `$TUNIX_VENV`
+(defaults `.venv-peers/venv-trl` and `.venv-peers/venv-tunix`, where `setup.sh` puts
+them; or `--venv-trl`, `--venv-tunix`). Speed ratios are
 `peer time / rlhf_eqx time` per round (> 1: rlhf_eqx faster; on the HH-RLHF length mix
 the ratio of real tokens per second over the whole pass); the table gives medians
 over rounds, the first step (compile included), peak RSS, the float32 matmul peak
@@ -14,8 +22,10 @@ measured in each process and the model FLOP utilisation where FLOPs are defined.
 """
 
 import argparse
+import datetime
 import json
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -39,6 +49,36 @@ SUPPORTED = {
     "floor": {"gen_sample", "gen_greedy"},
     "tunix": {"gen_sample", "gen_greedy", "dpo"} | {f"curve_{t}" for t in common.CURVE_T},
 }
+
+
+def machine_tag():
+    """A short name for this kind of machine: the CPU vendor and its widest vector
+    extension (`amd-avx512`, `intel-avx2`, ...), from `/proc/cpuinfo` where there is one."""
+    vendor, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "vendor_id" and not vendor:
+                    vendor = value.strip()
+                elif key == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    name = {"AuthenticAMD": "amd", "GenuineIntel": "intel"}.get(vendor)
+    name = name or platform.machine().lower() or "cpu"
+    if "avx512f" in flags:
+        name += "-avx512"
+    elif "avx2" in flags:
+        name += "-avx2"
+    return name
+
+
+def default_out(machine, now=None):
+    """`benchmarks/results-<machine>-<UTC time>.jsonl`: a new file for every run."""
+    now = now or datetime.datetime.now(datetime.UTC)
+    return os.path.join(ROOT, "benchmarks", f"results-{machine}-{now:%Y-%m-%dT%H%MZ}.jsonl")
 
 
 def run_one(args, lib, workload, steps):
@@ -165,20 +205,43 @@ def main():
     p.add_argument("--workloads", default=",".join(common.WORKLOADS))
     p.add_argument("--libs", default="rlhf_eqx,trl,tunix,floor")
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--inputs", default="/tmp/rlhf_bench_inputs")
-    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results.jsonl"))
+    p.add_argument("--inputs", default=os.environ.get("BENCH_INPUTS", "/tmp/rlhf_bench_inputs"))
+    p.add_argument(
+        "--out",
+        help="results JSONL (default: benchmarks/results-<machine>-<UTC time>.jsonl, a new file)",
+    )
+    p.add_argument(
+        "--append", action="store_true", help="add rows to an existing --out (extend a run)"
+    )
+    p.add_argument(
+        "--machine",
+        default=os.environ.get("BENCH_MACHINE") or machine_tag(),
+        help="machine name in the default --out (default: $BENCH_MACHINE or from the CPU)",
+    )
     p.add_argument("--timeout", type=float, default=300)
-    p.add_argument("--venv-rlhf", default="/work/venv")
-    p.add_argument("--venv-trl", default="/work/venv-trl")
-    p.add_argument("--venv-tunix", default="/work/venv-tunix")
+    p.add_argument("--venv-rlhf", default=os.environ.get("RLHF_VENV", os.path.join(ROOT, ".venv")))
+    p.add_argument(
+        "--venv-trl",
+        default=os.environ.get("TRL_VENV", os.path.join(ROOT, ".venv-peers", "venv-trl")),
+    )
+    p.add_argument(
+        "--venv-tunix",
+        default=os.environ.get("TUNIX_VENV", os.path.join(ROOT, ".venv-peers", "venv-tunix")),
+    )
     p.add_argument("--report", metavar="JSONL", help="print the table of an earlier run and exit")
     args = p.parse_args()
     if args.report:
         print(report(load(args.report)))
         return
+    for name in ("inputs", "venv_rlhf", "venv_trl", "venv_tunix"):  # relative to the caller
+        setattr(args, name, os.path.abspath(getattr(args, name)))
+    out = args.out or default_out(args.machine)
+    if os.path.exists(out) and not args.append:
+        p.error(f"{out} exists: pass --append to add this run's rows to it, or another --out")
     libs = args.libs.split(",")
     workloads = args.workloads.split(",")
-    with open(args.out, "a") as f:
+    print(f"writing {out}", flush=True)
+    with open(out, "a" if args.append else "x") as f:
         for rnd in range(args.rounds):
             for w in workloads:
                 order = [lib for lib in libs if w in SUPPORTED[lib]]
@@ -195,7 +258,7 @@ def main():
                         f"peak {r['matmul_gflops']:.0f} GFLOP/s)"
                     )
                     print(f"round {rnd} {w:12s} {lib:9s} {msg}", flush=True)
-    print(report(load(args.out)))
+    print(report(load(out)))
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ same token batches.
   tokenised with the stories260K tokenizer (max length 512), stored ragged as flat
   arrays plus offsets.
 
-    PYTHONPATH=$PWD /work/venv/bin/python benchmarks/side_by_side/make_inputs.py \
-        --out /tmp/rlhf_bench_inputs
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/side_by_side/make_inputs.py \
+        --out /tmp/rlhf_bench_inputs        # default: $BENCH_INPUTS or /tmp/rlhf_bench_inputs
 """
 
 import argparse
@@ -34,7 +34,7 @@ SHARED = os.path.join(HERE, "..", "..", "..", "shared")
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--out", default="/tmp/rlhf_bench_inputs")
+    p.add_argument("--out", default=os.environ.get("BENCH_INPUTS", "/tmp/rlhf_bench_inputs"))
     p.add_argument("--hh-pairs", type=int, default=common.HH["pairs"] * common.HH["steps"])
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)

@@ -1,11 +1,14 @@
 r"""Plots of a side-by-side run (matplotlib; run it in the TRL venv, which has it).
 
-    /work/venv-trl/bin/python benchmarks/side_by_side/plot.py benchmarks/results.jsonl \
-        [MORE.jsonl ...] --out benchmarks
+    "$TRL_VENV"/bin/python benchmarks/side_by_side/plot.py \
+        benchmarks/results-amd3-final.jsonl [MORE.jsonl ...] --out benchmarks
 
-Writes `dpo_curve.png` (DPO-step tokens/s at a fixed 4,096 tokens per step against the
-row length T, per library) and `speedups.png` (median time of each workload per
-library, relative to rlhf_eqx; real tokens per second over the pass on the HH-RLHF mix).
+Writes `speedups<suffix>.png` (median time of each workload per library, relative to
+rlhf_eqx; real tokens per second over the pass on the HH-RLHF mix) and, when the rows
+include the `curve_T` workloads, `dpo_curve<suffix>.png` (DPO-step tokens/s at a fixed
+4,096 tokens per step against the row length T, per library). The suffix defaults to
+the first results file's name after `results` (`results-amd3-final.jsonl` gives
+`speedups-amd3-final.png`), so the plots of different runs do not overwrite each other.
 """
 
 import argparse
@@ -25,31 +28,39 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("results", nargs="+", help="one or more results JSONL files (rows pooled)")
     p.add_argument("--out", default="benchmarks")
+    p.add_argument("--suffix", help="file name suffix (default: from the first results file)")
     args = p.parse_args()
+    suffix = args.suffix
+    if suffix is None:
+        stem = os.path.splitext(os.path.basename(args.results[0]))[0]
+        suffix = stem.removeprefix("results") if stem.startswith("results") else f"-{stem}"
+    written = []
     rows = [json.loads(x) for path in args.results for x in open(path) if x.strip()]
     rows = [r for r in rows if "error" not in r]
     med = {}
     for r in rows:
         med.setdefault((r["workload"], r["library"]), []).append(r)
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for lib, style in (("rlhf_eqx", "o-"), ("trl", "s--"), ("tunix", "^:")):
-        xs, ys = [], []
-        for t in common.CURVE_T:
-            rs = med.get((f"curve_{t}", lib))
-            if rs:
-                xs.append(t)
-                ys.append(common.median([r["tokens"] / r["median_s"] for r in rs]))
-        if xs:
-            ax.plot(xs, ys, style, label=lib)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("row length T (4,096 tokens per DPO step)")
-    ax.set_ylabel("tokens / s (policy + reference)")
-    ax.set_title("DPO step cost as sequences grow")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "dpo_curve.png"), dpi=120)
+    if any(w.startswith("curve_") for w, _ in med):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for lib, style in (("rlhf_eqx", "o-"), ("trl", "s--"), ("tunix", "^:")):
+            xs, ys = [], []
+            for t in common.CURVE_T:
+                rs = med.get((f"curve_{t}", lib))
+                if rs:
+                    xs.append(t)
+                    ys.append(common.median([r["tokens"] / r["median_s"] for r in rs]))
+            if xs:
+                ax.plot(xs, ys, style, label=lib)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("row length T (4,096 tokens per DPO step)")
+        ax.set_ylabel("tokens / s (policy + reference)")
+        ax.set_title("DPO step cost as sequences grow")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        written.append(os.path.join(args.out, f"dpo_curve{suffix}.png"))
+        fig.savefig(written[-1], dpi=120)
 
     fig, ax = plt.subplots(figsize=(7, 4))
     workloads = [
@@ -81,8 +92,9 @@ def main():
     ax.set_ylabel("speed-up of rlhf_eqx (×)")
     ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, fontsize=8, frameon=False)
     fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "speedups.png"), dpi=120)
-    print("wrote", os.path.join(args.out, "dpo_curve.png"), os.path.join(args.out, "speedups.png"))
+    written.append(os.path.join(args.out, f"speedups{suffix}.png"))
+    fig.savefig(written[-1], dpi=120)
+    print("wrote", *written)
 
 
 if __name__ == "__main__":

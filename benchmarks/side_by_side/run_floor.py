@@ -2,7 +2,7 @@
 rlhf_eqx's sampler is measured against (no library code, no validation, no EOS
 handling: prefill once, then `max_new` steps of one token with a KV cache).
 
-    /work/venv/bin/python benchmarks/side_by_side/run_floor.py gen_sample --inputs DIR
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/side_by_side/run_floor.py gen_sample --inputs DIR
 """
 
 import json

@@ -1,6 +1,6 @@
 """rlhf_eqx side of the side-by-side benchmark: one workload per process.
 
-    PYTHONPATH=$PWD /work/venv/bin/python benchmarks/side_by_side/run_rlhf_eqx.py dpo --inputs DIR
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/side_by_side/run_rlhf_eqx.py dpo --inputs DIR
 
 Prints one `RESULT {...}` JSON line (see `common.emit`). The persistent compilation
 cache is on (`RLHF_EQX_BENCH_CACHE`, default `/tmp/rlhf_eqx_jax_cache`), as a user would

@@ -1,6 +1,6 @@
 """TRL side of the side-by-side benchmark (torch CPU): one workload per process.
 
-    /work/venv-trl/bin/python benchmarks/side_by_side/run_trl.py dpo --inputs DIR
+    "$TRL_VENV"/bin/python benchmarks/side_by_side/run_trl.py dpo --inputs DIR
 
 The trainers are built as a user would (`DPOTrainer`, `RewardTrainer` with their
 default collators, AdamW, gradient clipping at 1.0); each timed step is

@@ -10,7 +10,7 @@ safetensors (`tunix.models.llama3`):
   other libraries), on the same pre-tokenised batch (`TrainingInput`: left-padded
   prompts, right-padded completions; no padding here).
 
-    /work/venv-tunix/bin/python benchmarks/side_by_side/run_tunix.py gen_sample --inputs DIR
+    "$TUNIX_VENV"/bin/python benchmarks/side_by_side/run_tunix.py gen_sample --inputs DIR
 """
 
 import json

@@ -1,5 +1,7 @@
 """Runtime shape checks: wrong shapes or dtypes name the argument and the dimensions."""
 
+import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -9,6 +11,7 @@ import chex
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jaxtyping import TypeCheckError
 
@@ -56,23 +59,54 @@ def test_checks_run_at_trace_time_only():
 
 _SNIPPET = textwrap.dedent(
     """
+    import json
+    import jax
     import jax.numpy as jnp
     import rlhf_eqx as rx
-    try:
-        rx.masked_mean(jnp.zeros((3,), jnp.float32), jnp.ones((4,), bool))
-    except Exception as e:
-        print(type(e).__name__, "mask" in str(e))
-    else:
-        print("no error")
+
+    def error(f, *args):
+        try:
+            f(*args)
+        except Exception as e:
+            return [type(e).__name__, str(e)]
+        return [None, ""]
+
+    def wrapped(f):
+        return "__wrapped__" in vars(f)
+
+    x, mask = jnp.zeros((3,), jnp.float32), jnp.ones((3,), bool)
+    short = jnp.ones((1,), bool)  # broadcasts: only the checks refuse it
+    first = error(rx.masked_mean, x, short)
+    for _ in range(3):  # the same signature again and again: checked once
+        rx.masked_mean(x, mask)
+    again = error(rx.masked_mean, x, short)
+    dtype = error(rx.masked_mean, jnp.zeros((3,), jnp.int32), mask)
+    traced = error(jax.jit(rx.masked_mean), x, short)
+    host = (
+        rx.data.Llama2cTokenizer.encode,
+        rx.data.tokenize_preferences,
+        rx.data.collate_preferences,
+        rx.data.PreferenceRecord.__init__,
+    )
+    print(json.dumps({
+        "first": [first[0], "mask" in first[1]],
+        "again": [again[0], "mask" in again[1]],
+        "dtype": [dtype[0], "'x'" in dtype[1]],
+        "traced": [traced[0], "mask" in traced[1]],
+        "array_function_wrapped": wrapped(rx.masked_mean),
+        "host_functions_wrapped": [wrapped(f) for f in host],
+    }))
     """
 )
 
 
-@pytest.mark.parametrize(
-    "value, expected", [(None, "TypeCheckError True"), ("1", "TypeCheckError True"), ("0", "")]
-)
-def test_checks_are_on_by_default_and_switch_off(value, expected):
-    """A fresh interpreter, as a user runs it: no pytest hook, default settings."""
+@pytest.mark.parametrize("value, on", [(None, True), ("1", True), ("0", False)])
+def test_checks_are_on_by_default_and_switch_off(value, on):
+    """A fresh interpreter, as a user runs it: no pytest hook, default settings. With the
+    checks on, a wrong shape or dtype at a public array function raises, also after
+    calls of the same function that passed (and under `jax.jit`); functions of plain
+    Python values (a tokenizer, the host-side data functions) are not wrapped. With them
+    off nothing is wrapped and nothing raises."""
     env = {k: v for k, v in os.environ.items() if k != "RLHF_EQX_TYPECHECK"}
     if value is not None:
         env["RLHF_EQX_TYPECHECK"] = value
@@ -82,10 +116,11 @@ def test_checks_are_on_by_default_and_switch_off(value, expected):
         [sys.executable, "-c", _SNIPPET], env=env, capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr
-    if expected:
-        assert out.stdout.strip() == expected
-    else:
-        assert not out.stdout.strip().startswith("TypeCheckError")
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    raised = ["TypeCheckError", True] if on else [None, False]
+    assert [got[k] for k in ("first", "again", "dtype", "traced")] == [raised] * 4
+    assert got["array_function_wrapped"] is on
+    assert got["host_functions_wrapped"] == [False] * 4
 
 
 def test_hook_is_not_installed_twice():
@@ -163,3 +198,125 @@ def test_checked_builds_on_first_call_and_checks_modules():
     M(jnp.ones(2), jnp.ones(2))
     with pytest.raises(TypeCheckError):
         M(jnp.ones(2), jnp.ones(3))
+
+
+def test_only_array_annotations_are_wrapped():
+    from jaxtyping import Array, Float, Int, PyTree
+
+    from rlhf_eqx._typecheck import checked, wants_check
+
+    def host(text: str, ids: list[int], n: int | None = None) -> tuple[int, ...]:
+        return tuple(ids[:n])
+
+    def untyped(x, y):
+        return x
+
+    def optional(x: Float[Array, " n"] | None) -> int:
+        return 0
+
+    def nested(xs: list[Int[np.ndarray, " n"]]) -> int:
+        return 0
+
+    def tree(t: PyTree) -> int:
+        return 0
+
+    def returns(n: int) -> jax.Array:
+        return jnp.zeros(n)
+
+    @dataclasses.dataclass(frozen=True)
+    class Record:
+        prompt: str
+        ids: tuple[int, ...]
+
+    class Batch(eqx.Module):
+        tokens: Int[Array, "B T"]
+        name: str = "b"
+
+    assert [wants_check(f) for f in (host, untyped, optional, nested, tree, returns)] == [
+        False,
+        False,
+        True,
+        True,
+        True,
+        True,
+    ]
+    assert checked(host) is host and checked(untyped) is untyped
+    init = Record.__init__
+    assert checked(Record) is Record and Record.__init__ is init  # free to construct
+    assert wants_check(Batch) and not wants_check(Record)
+    init = Batch.__init__
+    assert checked(Batch) is Batch and Batch.__init__.__wrapped__ is init
+    with pytest.raises(TypeCheckError, match="tokens"):
+        Batch(jnp.zeros((2, 3)))
+
+
+def test_call_keys_tell_apart_what_the_checks_read():
+    from rlhf_eqx._typecheck import _call_key
+
+    a, b = jnp.zeros((2, 3)), jnp.ones((2, 3))
+    assert _call_key((a,), {"k": 1}) == _call_key((b,), {"k": 1})  # values do not matter
+    different = [
+        ((jnp.zeros((2, 4)),), {"k": 1}),  # shape
+        ((jnp.zeros((2, 3), jnp.int32),), {"k": 1}),  # dtype
+        ((np.zeros((2, 3), np.float32),), {"k": 1}),  # array type
+        ((a,), {"k": 2}),  # scalar value
+        ((a,), {"k": True}),  # bool is not int
+        ((a,), {"k": 1.0}),  # nor float
+        ((a,), {"j": 1}),  # keyword name
+    ]
+    keys = [_call_key(args, kw) for args, kw in different]
+    assert len(set(keys + [_call_key((a,), {"k": 1})])) == len(keys) + 1
+    assert _call_key((a, (1, "x")), {}) == _call_key((b, (1, "x")), {})
+    assert _call_key((a, (1, "x")), {}) != _call_key((a, [1, "x"]), {})
+    for unkeyed in (
+        object(),
+        "x" * 100,
+        list(range(100)),
+        eqx.nn.Linear(2, 2, key=jax.random.key(0)),
+    ):
+        assert _call_key((a, unkeyed), {}) is None
+
+
+def test_memoised_checks_still_refuse_new_wrong_signatures():
+    from jaxtyping import Array, Float, Int
+
+    from rlhf_eqx._typecheck import checked
+
+    @checked
+    def f(x: Float[Array, " n"], y: Float[Array, " n"], *, k: int = 1) -> Float[Array, " n"]:
+        return k * (x + y)
+
+    for _ in range(3):
+        assert f(jnp.ones(2), jnp.ones(2), k=2).tolist() == [4.0, 4.0]
+    for bad in ((jnp.ones(2), jnp.ones(3)), (jnp.ones(2), jnp.ones(2, jnp.int32))):
+        with pytest.raises(TypeCheckError, match="y"):
+            f(*bad)
+    with pytest.raises(TypeCheckError, match="k"):
+        f(jnp.ones(2), jnp.ones(2), k="2")
+    with pytest.raises(TypeCheckError, match="y"):  # traced: checked at trace time
+        jax.jit(f)(jnp.ones(2), jnp.ones(3))
+    assert f(jnp.ones(5), jnp.ones(5)).shape == (5,)
+
+    @checked
+    class M(eqx.Module):
+        a: Float[Array, " n"]
+        b: Int[Array, " n"]
+
+    for _ in range(3):
+        M(jnp.ones(2), jnp.ones(2, jnp.int32))
+    with pytest.raises(TypeCheckError):
+        M(jnp.ones(2), jnp.ones(3, jnp.int32))
+    with pytest.raises(TypeCheckError):
+        M(jnp.ones(2), jnp.ones(2))  # float where int is required
+    with pytest.raises(TypeCheckError):
+        M(jnp.ones(2), b=jnp.ones(3, jnp.int32))
+
+    class Tokens:
+        @checked
+        def count(self, ids: Int[Array, " n"]) -> int:
+            return int(ids.shape[0])
+
+    t = Tokens()
+    assert t.count(jnp.ones(3, jnp.int32)) == Tokens().count(jnp.ones(3, jnp.int32)) == 3
+    with pytest.raises(TypeCheckError, match="ids"):
+        t.count(jnp.ones(3))

@@ -1,12 +1,12 @@
 """Train 8 seeds x 4 DPO betas of stories260K in one compiled call, and plot the spread.
 
-PureJaxRL style: the whole DPO run — LoRA initialisation, `--steps` updates on
-mini-batches of a fixed set of preference pairs (animal-task pairs judged by the
-built-in scorer: up to 4 per prompt from 16 base-model samples, a completion with an
-animal against one without; reference log-probs cached), held-out pair accuracy at the
-end — is a
-pure function `train(key, beta)` whose loop is a `lax.scan`; `jax.vmap` over seeds and
-betas and one `jax.jit` give all 32 runs in one program.
+PureJaxRL style: the whole DPO run — LoRA initialisation, `--steps` updates of the
+library's DPO step (`rx.train.make_dpo_step`, cached reference, built with the run's
+beta) on mini-batches of a fixed set of preference pairs (animal-task pairs judged by
+the built-in scorer: up to 4 per prompt from 16 base-model samples, a completion with an
+animal against one without), held-out pair accuracy at the end — is a pure function
+`train(key, beta)` whose loop is a `lax.scan`; `jax.vmap` over seeds and betas (beta
+traced) and one `jax.jit` give all 32 runs in one program.
 
     python examples/sweep.py [--steps 20] [--out sweep.png] [--benchmark]
 
@@ -65,7 +65,11 @@ def make_pairs(
 
 
 def make_train(policy, train_batch, held_batch, *, steps, batch_size, lr):
-    """`train(key, beta) -> (losses [steps], held-out accuracy)`: one pure DPO run."""
+    """`train(key, beta) -> (losses [steps], held-out accuracy)`: one pure DPO run.
+
+    Each update is the library's DPO step (`make_dpo_step`, cached reference) built with
+    the run's `beta`, which is traced when the runs are vmapped over betas.
+    """
     lora = rx.LoRAConfig(rank=4, alpha=8.0, dropout=0.0, targets=("q", "v", "up", "down"))
     opt = optax.adamw(lr)
     n = train_batch.chosen_tokens.shape[0]
@@ -81,29 +85,14 @@ def make_train(policy, train_batch, held_batch, *, steps, batch_size, lr):
         model = rx.apply_lora(policy, lora, key=k_lora)
         params, frozen = eqx.partition(model, rx.lora_filter(model))
         opt_state = opt.init(params)
+        step = rx.train.make_dpo_step(opt, beta=beta, reference="cached", donate=False)
 
         def body(carry, i):
             params, opt_state = carry
             idx = jax.random.choice(jax.random.fold_in(k_data, i), n, (batch_size,), replace=False)
             mb = jax.tree.map(lambda x: x[idx], train_batch)
-
-            def loss_fn(p):
-                c, r = margins(eqx.combine(p, frozen), mb)
-                # The sigmoid loss depends on beta only through beta * (log-ratio margin),
-                # so a traced beta scales the log-probs and the loss takes beta=1.
-                return jnp.mean(
-                    rx.losses.dpo_batch_loss(
-                        beta * c,
-                        beta * r,
-                        beta * mb.ref_chosen_logp,
-                        beta * mb.ref_rejected_logp,
-                        beta=1.0,
-                    )
-                )
-
-            loss, grads = eqx.filter_value_and_grad(loss_fn)(params)
-            updates, opt_state = opt.update(grads, opt_state, params)
-            return (eqx.apply_updates(params, updates), opt_state), loss
+            params, opt_state, metrics = step(params, opt_state, mb, frozen=frozen)
+            return (params, opt_state), metrics["loss"]
 
         (params, _), losses = jax.lax.scan(body, (params, opt_state), jnp.arange(steps))
         c, r = margins(eqx.combine(params, frozen), held_batch)

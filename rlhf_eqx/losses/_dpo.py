@@ -18,33 +18,36 @@ The formulas follow TRL's `DPOTrainer.dpo_loss` branch for branch (`loss_type` n
 TRL's), `CPOTrainer.cpo_loss` (SimPO) and `ORPOTrainer.odds_ratio_loss` (ORPO).
 """
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Real
 
 from ._dpo_losses import (
-    DPO_LOSS_TYPES,
-    DPO_LOSSES,
+    DPOLossFn,
     DPOLossType,
     LogpPair,
     LossHyperparameters,
     LossSpec,
+    call_custom_loss,
+    resolve_dpo_loss,
 )
 from ._orpo import per_token_logp
-from ._validation import Hyperparameter, check_choice, check_python_number
+from ._validation import Hyperparameter, check_python_number
 
 
 def _validate(
-    loss_type: str,
+    loss_type: str | DPOLossFn,
     beta: Hyperparameter,
     label_smoothing: Hyperparameter,
     ref_missing: bool,
     reference_free: bool,
+    loss_kwargs: dict[str, Any],
 ) -> LossSpec:
-    check_choice("loss_type", loss_type, DPO_LOSS_TYPES)
+    spec = resolve_dpo_loss(loss_type, loss_kwargs=loss_kwargs, label_smoothing=label_smoothing)
     check_python_number("beta", beta, lambda b: b > 0.0, "positive")
     check_python_number("label_smoothing", label_smoothing, lambda e: 0.0 <= e < 0.5, "in [0, 0.5)")
-    spec = DPO_LOSSES[loss_type]
     if ref_missing and not (reference_free or spec.reference_free):
         raise ValueError(
             f"loss_type={loss_type!r} needs reference log-probabilities "
@@ -87,7 +90,7 @@ def dpo_loss(
     ref_rejected_logp: Float[ArrayLike, ""] | None = None,
     *,
     beta: Hyperparameter = 0.1,
-    loss_type: DPOLossType = "sigmoid",
+    loss_type: DPOLossType | str | DPOLossFn = "sigmoid",
     label_smoothing: Hyperparameter = 0.0,
     chosen_len: Real[ArrayLike, ""] | None = None,
     rejected_len: Real[ArrayLike, ""] | None = None,
@@ -95,6 +98,7 @@ def dpo_loss(
     bco_delta: Float[ArrayLike, ""] = 0.0,
     discopop_tau: Hyperparameter = 0.05,
     simpo_gamma: Hyperparameter = 0.5,
+    **loss_kwargs: Any,
 ) -> Float[Array, ""]:
     r"""Loss of one preference pair for the DPO family (TRL `DPOTrainer.dpo_loss`).
 
@@ -143,13 +147,20 @@ def dpo_loss(
     defined on a batch: use `dpo_batch_loss`. Other options of TRL (`rpo_alpha`,
     multiple `loss_type`s with `loss_weights`) are expressed with `combine_losses`.
 
+    **Custom losses.** `loss_type` may also be a name added with `register_dpo_loss`, or
+    a per-pair loss itself, `fn(chosen_logp, rejected_logp, ref_chosen_logp,
+    ref_rejected_logp, *, beta, **loss_kwargs) -> Float[Array, ""]` (see
+    `register_dpo_loss`); it receives `beta` and the further keyword arguments given
+    here (`loss_kwargs`), which built-in losses refuse.
+
     **Arguments:**
 
     - `chosen_logp`, `rejected_logp`: policy sequence log-probabilities (scalars).
     - `ref_chosen_logp`, `ref_rejected_logp`: reference sequence log-probabilities; may
       be `None` for `simpo` / `orpo` or with `reference_free=True`.
     - `beta`: $\beta > 0$ (for `ipo` the regulariser $\tau$; for `orpo` the weight $\lambda$).
-    - `loss_type`: one of the names above (`DPO_LOSS_TYPES`).
+    - `loss_type`: one of the names above (`DPO_LOSS_TYPES`), a registered name or a
+      custom loss (see above).
     - `label_smoothing`: $\varepsilon \in [0, 0.5)$ (`sigmoid`, `sigmoid_norm`, `robust`,
       `exo_pair`, `simpo`, `aot*`).
     - `chosen_len`, `rejected_len`: number of completion tokens (length-normalised types).
@@ -158,6 +169,7 @@ def dpo_loss(
       keeps it in `RunningMoments`; see `RunningMean` / `running_mean_update`).
     - `discopop_tau`: $\tau$ for `discopop` (TRL default 0.05).
     - `simpo_gamma`: the target margin $\gamma$ for `simpo` (TRL default 0.5).
+    - `**loss_kwargs`: hyperparameters of a custom `loss_type`.
 
     Hyperparameters (`beta`, `label_smoothing`, `bco_delta`, `discopop_tau`,
     `simpo_gamma`) may be JAX scalars, traced under `jax.jit` or `jax.vmap` (a sweep over
@@ -167,7 +179,7 @@ def dpo_loss(
     **Returns:** the scalar loss of the pair.
     """
     ref_missing = ref_chosen_logp is None or ref_rejected_logp is None
-    spec = _validate(loss_type, beta, label_smoothing, ref_missing, reference_free)
+    spec = _validate(loss_type, beta, label_smoothing, ref_missing, reference_free, loss_kwargs)
     if spec.batch:
         raise ValueError(f"loss_type={loss_type!r} sorts over the batch: use dpo_batch_loss")
     pair = _make_pair(
@@ -180,6 +192,8 @@ def dpo_loss(
         chosen_len,
         rejected_len,
     )
+    if spec.custom is not None:
+        return call_custom_loss(spec, pair, beta, loss_kwargs)
     hp = LossHyperparameters(
         beta, label_smoothing, jnp.asarray(bco_delta), discopop_tau, simpo_gamma
     )
@@ -193,7 +207,7 @@ def dpo_batch_loss(
     ref_rejected_logp: Float[Array, " B"] | None = None,
     *,
     beta: Hyperparameter = 0.1,
-    loss_type: DPOLossType = "sigmoid",
+    loss_type: DPOLossType | str | DPOLossFn = "sigmoid",
     label_smoothing: Hyperparameter = 0.0,
     chosen_len: Real[Array, " B"] | None = None,
     rejected_len: Real[Array, " B"] | None = None,
@@ -201,10 +215,12 @@ def dpo_batch_loss(
     bco_delta: Float[ArrayLike, ""] = 0.0,
     discopop_tau: Hyperparameter = 0.05,
     simpo_gamma: Hyperparameter = 0.5,
+    **loss_kwargs: Any,
 ) -> Float[Array, " B"]:
     r"""Per-pair losses of a batch, for every `loss_type` including the sorting ones.
 
-    For the per-pair types this is `jax.vmap(dpo_loss)` (see `dpo_loss` for the formulas).
+    For the per-pair types this is `jax.vmap(dpo_loss)` (see `dpo_loss` for the formulas),
+    custom losses (a registered name or a callable, with their `**loss_kwargs`) included.
     The AOT losses (Melnyk et al. 2024, "Distributional Preference Alignment of LLMs via
     Optimal Transport"; TRL `loss_type="aot"` / `"aot_pair"`) compare *sorted* batch
     quantities, which is the one-dimensional optimal-transport coupling:
@@ -220,7 +236,7 @@ def dpo_batch_loss(
     **Returns:** `[B]` losses (rank-ordered for the AOT types).
     """
     ref_missing = ref_chosen_logp is None or ref_rejected_logp is None
-    spec = _validate(loss_type, beta, label_smoothing, ref_missing, reference_free)
+    spec = _validate(loss_type, beta, label_smoothing, ref_missing, reference_free, loss_kwargs)
     use_ref = not (ref_missing or reference_free or spec.reference_free)
     rc = ref_chosen_logp if use_ref else jnp.zeros_like(chosen_logp)
     rr = ref_rejected_logp if use_ref else jnp.zeros_like(rejected_logp)
@@ -245,6 +261,7 @@ def dpo_batch_loss(
             bco_delta=bco_delta,
             discopop_tau=discopop_tau,
             simpo_gamma=simpo_gamma,
+            **loss_kwargs,
         )
 
     return jax.vmap(one)(chosen_logp, rejected_logp, rc, rr, chosen_len, rejected_len)

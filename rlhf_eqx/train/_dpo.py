@@ -11,18 +11,18 @@ from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 from .._batches import PackedPreferenceBatch, PreferenceBatch
 from ..losses import (
     DPO_BATCH_LOSS_TYPES,
-    DPO_LOSS_TYPES,
-    DPO_REFERENCE_FREE_LOSS_TYPES,
+    DPOLossFn,
     DPOLossType,
     dpo_batch_loss,
     dpo_implicit_rewards,
     sft_nll,
 )
+from ..losses._dpo_losses import resolve_dpo_loss
 from ..ops import masked_sum
 from ._pair_logps import _cached_reference, _pairs_forward
 from ._state import combine
 from ._step import LossFn, NonFinite, Step, make_step
-from ._validate import check_choice, check_number
+from ._validation import check_choice, check_number
 
 ReferenceMode = Literal["model", "cached", "none"]
 
@@ -30,7 +30,7 @@ ReferenceMode = Literal["model", "cached", "none"]
 def dpo_loss_fn(
     *,
     beta: float | Float[Array, ""] = 0.1,
-    loss_type: DPOLossType = "sigmoid",
+    loss_type: DPOLossType | str | DPOLossFn = "sigmoid",
     label_smoothing: float | Float[Array, ""] = 0.0,
     reference: ReferenceMode = "model",
     rpo_alpha: float | None = None,
@@ -44,15 +44,16 @@ def dpo_loss_fn(
     Numerators: `dpo` (sum of per-pair losses; denominator the number of pairs with at
     least one completion token, chosen or rejected) and,
     with `rpo_alpha`, `nll` (α × the summed chosen-completion NLL; denominator the
-    number of chosen completion tokens).
+    number of chosen completion tokens). `loss_type` may be a custom loss (see
+    `make_dpo_step`).
     """
-    check_choice("loss_type", loss_type, DPO_LOSS_TYPES)
+    extra = dict(loss_kwargs or {})
+    spec = resolve_dpo_loss(loss_type, loss_kwargs=extra, label_smoothing=label_smoothing)
     check_choice("reference", reference, ("model", "cached", "none"))
     check_number("beta", beta, low=0.0, low_open=True)
     check_number("label_smoothing", label_smoothing, low=0.0, high=0.5, high_open=True)
     check_number("rpo_alpha", rpo_alpha, low=0.0, allow_none=True)
-    uses_reference = reference != "none" and loss_type not in DPO_REFERENCE_FREE_LOSS_TYPES
-    extra = dict(loss_kwargs or {})
+    uses_reference = reference != "none" and not spec.reference_free
     sg = jax.lax.stop_gradient
     f32 = jnp.float32
 
@@ -70,7 +71,7 @@ def dpo_loss_fn(
                 "make_dpo_step(reference='cached') needs batch.ref_chosen_logp / "
                 "ref_rejected_logp (see compute_reference_logps)"
             )
-        if isinstance(batch, PackedPreferenceBatch) and loss_type in DPO_BATCH_LOSS_TYPES:
+        if isinstance(batch, PackedPreferenceBatch) and spec.batch:
             raise ValueError(
                 f"loss_type={loss_type!r} sorts over the pairs of the batch; use a PreferenceBatch "
                 "(a PackedPreferenceBatch may hold empty pair slots)"
@@ -144,7 +145,7 @@ def make_dpo_step(
     optimizer: optax.GradientTransformation,
     *,
     beta: float | Float[Array, ""] = 0.1,
-    loss_type: DPOLossType = "sigmoid",
+    loss_type: DPOLossType | str | DPOLossFn = "sigmoid",
     label_smoothing: float | Float[Array, ""] = 0.0,
     reference: ReferenceMode = "model",
     rpo_alpha: float | None = None,
@@ -170,6 +171,15 @@ def make_dpo_step(
     - `optimizer`: e.g. from `make_optimizer`.
     - `beta`, `loss_type`, `label_smoothing`: see `rlhf_eqx.losses.dpo_loss`. `beta`
       and `label_smoothing` may be JAX arrays (e.g. traced, to `jax.vmap` a run over β).
+      `loss_type` may also be a user's per-pair loss, or its name once registered with
+      `rlhf_eqx.losses.register_dpo_loss` (see there): a callable
+      `fn(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, *, beta,
+      **loss_kwargs) -> Float[Array, ""]` of one pair's sequence log-probabilities
+      (scalars; the reference ones 0 with `reference="none"`), returning the pair's
+      loss. It runs with everything below — shared-prompt packed batches, cached
+      references, micro-batches, devices, traced `beta` — and the same metrics; a
+      wrong signature (for `loss_kwargs`) raises `ValueError` here, a result that is
+      not one float per pair when the step is traced, both naming `loss_type`.
     - `reference`: where the reference log-probabilities come from:
       `"model"` — a frozen reference model passed to the step as `reference=` (its
       output is wrapped in `jax.lax.stop_gradient` and it is never differentiated);
@@ -178,7 +188,8 @@ def make_dpo_step(
       `"simpo"` and `"orpo"` never use a reference.
     - `rpo_alpha`: weight of the chosen NLL term (`None`: no term).
     - `loss_kwargs`: further keyword arguments of `dpo_batch_loss` (`bco_delta`,
-      `discopop_tau`, `simpo_gamma`).
+      `discopop_tau`, `simpo_gamma`), or of a custom `loss_type` (its hyperparameters,
+      which may be traced too).
     - `micro_batches`, `axis_name`, `donate`, `nonfinite`, `check_token_ids`: see
       `make_step`.
 
@@ -211,7 +222,8 @@ def make_dpo_step(
     token) has nothing to learn from: the update is skipped and `empty_batch = 1`
     (see `make_step`).
     """
-    if loss_type in DPO_BATCH_LOSS_TYPES and (micro_batches != 1 or axis_name is not None):
+    batch_loss = isinstance(loss_type, str) and loss_type in DPO_BATCH_LOSS_TYPES
+    if batch_loss and (micro_batches != 1 or axis_name is not None):
         raise ValueError(
             f"loss_type={loss_type!r} sorts over the whole batch; it needs micro_batches=1 "
             "and no axis_name"

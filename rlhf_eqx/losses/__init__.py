@@ -17,6 +17,17 @@ from ._aggregate import (
     safe_divide as safe_divide,
 )
 from ._combine import combine_losses as combine_losses
+from ._completion_losses import (
+    cispo_policy_loss as cispo_policy_loss,
+    gmpo_policy_loss as gmpo_policy_loss,
+    sapo_policy_loss as sapo_policy_loss,
+)
+from ._dapo import (
+    DynamicSample as DynamicSample,
+    dynamic_sampling as dynamic_sampling,
+    informative_groups as informative_groups,
+    overlong_penalty as overlong_penalty,
+)
 from ._distill import generalized_jsd as generalized_jsd, reverse_kl_reward as reverse_kl_reward
 from ._dpo import (
     dpo_batch_loss as dpo_batch_loss,
@@ -27,7 +38,10 @@ from ._dpo_losses import (
     DPO_BATCH_LOSS_TYPES as DPO_BATCH_LOSS_TYPES,
     DPO_LOSS_TYPES as DPO_LOSS_TYPES,
     DPO_REFERENCE_FREE_LOSS_TYPES as DPO_REFERENCE_FREE_LOSS_TYPES,
+    DPOLossFn as DPOLossFn,
     DPOLossType as DPOLossType,
+    dpo_loss_types as dpo_loss_types,
+    register_dpo_loss as register_dpo_loss,
 )
 from ._ensemble import (
     ENSEMBLE_MODES as ENSEMBLE_MODES,
@@ -58,6 +72,15 @@ from ._kto import (
     kto_loss as kto_loss,
     kto_reference_point as kto_reference_point,
 )
+from ._offpolicy import (
+    MISMATCH_EXTREMES as MISMATCH_EXTREMES,
+    ROLLOUT_IS_LEVELS as ROLLOUT_IS_LEVELS,
+    ROLLOUT_IS_MODES as ROLLOUT_IS_MODES,
+    RolloutCorrection as RolloutCorrection,
+    aggregate_mismatch_metrics as aggregate_mismatch_metrics,
+    importance_weights as importance_weights,
+    mismatch_metrics as mismatch_metrics,
+)
 from ._orpo import orpo_log_odds as orpo_log_odds, orpo_loss as orpo_loss
 from ._policy_losses import (
     BATCH_POLICY_LOSSES as BATCH_POLICY_LOSSES,
@@ -65,13 +88,6 @@ from ._policy_losses import (
     POLICY_LOSSES as POLICY_LOSSES,
     PolicyLoss as PolicyLoss,
     adaptive_entropy_coef as adaptive_entropy_coef,
-    cispo_policy_loss as cispo_policy_loss,
-    clip_cov_policy_loss as clip_cov_policy_loss,
-    entropy_quantile_mask as entropy_quantile_mask,
-    gmpo_policy_loss as gmpo_policy_loss,
-    high_entropy_policy_loss as high_entropy_policy_loss,
-    kl_cov_policy_loss as kl_cov_policy_loss,
-    sapo_policy_loss as sapo_policy_loss,
 )
 from ._ppo import (
     clipped_surrogate as clipped_surrogate,
@@ -89,5 +105,11 @@ from ._process_reward import (
 )
 from ._reward import bradley_terry_loss as bradley_terry_loss
 from ._running import RunningMean as RunningMean, running_mean_update as running_mean_update
+from ._selective_losses import (
+    clip_cov_policy_loss as clip_cov_policy_loss,
+    entropy_quantile_mask as entropy_quantile_mask,
+    high_entropy_policy_loss as high_entropy_policy_loss,
+    kl_cov_policy_loss as kl_cov_policy_loss,
+)
 from ._sft import sft_nll as sft_nll
 from ._validation import Hyperparameter as Hyperparameter, check_choice as check_choice

@@ -39,24 +39,21 @@ from ._accumulate import (
     split_micro_batches as split_micro_batches,
     sums_to_means as sums_to_means,
 )
-from ._distill import (
-    DistillBatch as DistillBatch,
-    distill_loss as distill_loss,
-    make_distill_step as make_distill_step,
-    make_onpolicy_distill_step as make_onpolicy_distill_step,
-    onpolicy_distill_loss as onpolicy_distill_loss,
-)
+from ._distill import distill_loss as distill_loss, make_distill_step as make_distill_step
+from ._distill_batch import DistillBatch as DistillBatch
 from ._dpo import dpo_loss_fn as dpo_loss_fn, make_dpo_step as make_dpo_step
 from ._ensemble import (
-    BootstrapBatch as BootstrapBatch,
     Ensemble as Ensemble,
-    bootstrap_weights as bootstrap_weights,
     ensemble_scores as ensemble_scores,
     init_ensemble_optimizer as init_ensemble_optimizer,
     init_ensemble_state as init_ensemble_state,
     make_ensemble as make_ensemble,
-    make_ensemble_reward_step as make_ensemble_reward_step,
     scalar_head_filter as scalar_head_filter,
+)
+from ._ensemble_step import (
+    BootstrapBatch as BootstrapBatch,
+    bootstrap_weights as bootstrap_weights,
+    make_ensemble_reward_step as make_ensemble_reward_step,
 )
 from ._grpo import (
     GRPOBatch as GRPOBatch,
@@ -74,6 +71,10 @@ from ._kto import (
     KTOBatch as KTOBatch,
     compute_kto_reference_logps as compute_kto_reference_logps,
     make_kto_step as make_kto_step,
+)
+from ._onpolicy_distill import (
+    make_onpolicy_distill_step as make_onpolicy_distill_step,
+    onpolicy_distill_loss as onpolicy_distill_loss,
 )
 from ._optim import (
     decay_mask as decay_mask,

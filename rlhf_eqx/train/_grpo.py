@@ -11,12 +11,16 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 from ..losses import (
     ADVANTAGE_SCALES,
     IMPORTANCE_LEVELS,
+    MISMATCH_EXTREMES,
     AggregationMode,
     PolicyLoss,
+    RolloutCorrection,
+    aggregate_mismatch_metrics,
     aggregate_parts,
     group_advantages,
     grpo_policy_loss,
     mask_truncated,
+    mismatch_metrics,
 )
 from ..models import AbstractSelectiveLM
 from ..ops import entropy_from_logits, logprobs_from_logits, masked_sum
@@ -25,7 +29,7 @@ from ._group_logps import check_shared_prompts, shared_prompt_logprobs
 from ._policy_loss_fns import make_policy_loss
 from ._state import combine
 from ._step import LossFn, NonFinite, PrepareFn, Step, make_step
-from ._validate import check_aggregation, check_choice, check_number, check_positive_int
+from ._validation import check_aggregation, check_choice, check_number, check_positive_int
 
 
 class GRPOBatch(eqx.Module):
@@ -48,6 +52,10 @@ class GRPOBatch(eqx.Module):
       `PackedPreferenceBatch`), for the same loss and gradients with a policy that
       meets `AbstractSelectiveLM`. Checked when the batch is built from concrete
       arrays (a `DataError` names the group).
+    - `behaviour_logp`: `[B, T]` log-probabilities of the policy that sampled the
+      completions, when it differs from the trainer's (another engine, a lower precision,
+      stale parameters; veRL `rollout_log_probs`). The step then logs the mismatch
+      metrics, and corrects the loss with the step's `rollout_correction`.
     """
 
     tokens: Int[Array, "B T"]
@@ -60,6 +68,7 @@ class GRPOBatch(eqx.Module):
     truncated: Bool[Array, " B"] | None = None
     prompt_length: int | None = eqx.field(static=True, default=None)
     samples_per_prompt: int | None = eqx.field(static=True, default=None)
+    behaviour_logp: Float[Array, "B T"] | None = None
 
     def __check_init__(self):
         check_shared_prompts(self)
@@ -143,6 +152,14 @@ def _grpo_prepare(
             sums["reward_std"] = (jnp.sum(std), g)
             zero_std = jnp.all(grouped == grouped[:, :1], axis=-1)
             sums["frac_reward_zero_std"] = (jnp.sum(zero_std.astype(f32)), g)
+        if batch.behaviour_logp is not None and batch.old_logp is not None:
+            # max / min ratios: once on the full batch (and over devices), as exact metrics
+            pieces = jax.vmap(mismatch_metrics)(
+                batch.old_logp.astype(f32), batch.behaviour_logp.astype(f32), loss_mask
+            )
+            extremes = {k: pieces[k] for k in MISMATCH_EXTREMES}
+            for k, v in aggregate_mismatch_metrics(extremes, axis_name=axis_name).items():
+                sums[k] = (v, jnp.ones((), f32))
         batch = eqx.tree_at(
             lambda b: (b.advantages, b.completion_mask),
             batch,
@@ -177,6 +194,7 @@ def grpo_loss(
     kl_cov_coef: float | Float[Array, ""] = 1.0,
     entropy_rho: float | Float[Array, ""] = 0.2,
     axis_name: str | None = None,
+    rollout_correction: RolloutCorrection | None = None,
 ) -> LossFn:
     """The GRPO-family loss function for `make_step` on a prepared `GRPOBatch` (advantages
     filled, `completion_mask` the loss mask); `frozen` is `(frozen_part, reference_model,
@@ -192,6 +210,13 @@ def grpo_loss(
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     uses_kl = not (isinstance(beta, int | float) and beta == 0)
     f32 = jnp.float32
+    if rollout_correction is not None and not isinstance(rollout_correction, RolloutCorrection):
+        raise ValueError(
+            f"rollout_correction must be a RolloutCorrection or None, got {rollout_correction!r}"
+        )
+    # With a rollout correction the KL term is added after the weights (they weight the
+    # policy surrogate only, as in veRL and TRL).
+    kl_in_loss = uses_kl and rollout_correction is None
     other_loss = make_policy_loss(
         policy_loss,
         clip_eps=clip_eps,
@@ -199,7 +224,7 @@ def grpo_loss(
         importance=importance,
         delta=delta,
         beta=beta,
-        uses_kl=uses_kl,
+        uses_kl=kl_in_loss,
         cispo_eps_low=cispo_eps_low,
         cispo_eps_high=cispo_eps_high,
         gmpo_clip=gmpo_clip,
@@ -266,7 +291,7 @@ def grpo_loss(
                 clip_eps_high=eps_high,
                 importance=importance,
                 ref_logp=rlp,
-                beta=beta,
+                beta=beta if kl_in_loss else 0.0,
                 delta=delta,
             )
 
@@ -279,6 +304,11 @@ def grpo_loss(
             )
         else:
             per_token, stats = jax.vmap(one)(logp, old_logp.astype(f32), adv, m, ref_logp)
+        rc_sums = {}
+        if rollout_correction is not None or batch.behaviour_logp is not None:
+            per_token, m, rc_sums = _rollout_correction(
+                rollout_correction, per_token, stats["kl"], beta, uses_kl, old_logp, batch, m
+            )
         num, den = aggregate_parts(per_token, m, mode=mode, constant=constant)
         n = jnp.sum(m).astype(f32)
         metrics = {
@@ -287,6 +317,7 @@ def grpo_loss(
             "clip_ratio/high_mean": (masked_sum(stats["clipped_high"], m), n),
             "kl": (masked_sum(stats["kl"], m), n),
             "entropy": (masked_sum(ent, m), n),
+            **rc_sums,
         }
         if "selected" in stats:
             metrics["selected_frac"] = (masked_sum(stats["selected"], m), n)
@@ -297,6 +328,26 @@ def grpo_loss(
         return nums, dens, metrics
 
     return loss_fn
+
+
+def _rollout_correction(correction, per_token, kl, beta, uses_kl, old_logp, batch, m):
+    """Weight the per-token policy loss by `correction` (then add the KL term) and drop
+    its rejected tokens from the loss mask; return `(per_token, mask, mismatch metric sums)`."""
+    if batch.behaviour_logp is None:
+        raise ValueError("rollout_correction needs batch.behaviour_logp (the sampler's log-probs)")
+    old = jax.lax.stop_gradient(old_logp.astype(jnp.float32))
+    behaviour = batch.behaviour_logp.astype(jnp.float32)
+    kept = m
+    if correction is not None:
+        w, kept = jax.vmap(correction)(old, behaviour, m)
+        per_token = per_token * w
+        if uses_kl:
+            per_token = per_token + beta * kl
+    pieces = jax.vmap(lambda o, b, mk, k: mismatch_metrics(o, b, mk, kept=k))(
+        old, behaviour, m, kept
+    )
+    sums = {k: (jnp.sum(v), jnp.sum(c)) for k, (v, c) in pieces.items()}
+    return per_token, kept, {k: v for k, v in sums.items() if k not in MISMATCH_EXTREMES}
 
 
 def _advantage_std(metrics, grads):
@@ -339,6 +390,7 @@ def make_grpo_step(
     donate: bool | None = None,
     nonfinite: NonFinite = "skip",
     check_token_ids: int | None = None,
+    rollout_correction: RolloutCorrection | None = None,
 ) -> Step:
     r"""Build the GRPO-family update (Shao et al. 2024; TRL `GRPOTrainer`).
 
@@ -388,6 +440,21 @@ def make_grpo_step(
     as run state and update it with `rlhf_eqx.losses.adaptive_entropy_coef` from the
     `entropy` metric to follow a target entropy.
 
+    **Off-policy rollouts.** With `batch.behaviour_logp` (the sampler's log-probs $\mu$)
+    the step logs the training–sampling mismatch (`rlhf_eqx.losses.mismatch_metrics`
+    of $\pi_{\rm old}$ = `batch.old_logp`, or the current policy when it is `None`, against
+    $\mu$): `rollout_corr/kl`, `k3_kl`, `rollout_is_mean`, `training_ppl`,
+    `rollout_ppl`, `ppl_ratio`, `log_ppl_diff`, `rollout_is_masked_fraction`,
+    `rollout_is_seq_masked_fraction`, and, when `batch.old_logp` is given,
+    `rollout_is_max` / `rollout_is_min` (over the whole batch and every device).
+    `rollout_correction=RolloutCorrection(level=..., mode=..., upper=..., lower=...)`
+    also corrects the loss (veRL rollout importance sampling; see
+    `rlhf_eqx.losses.importance_weights`): each token's policy loss is multiplied by its
+    weight (the KL term is not) and rejected tokens leave the loss mask of every term
+    (numerators and denominators alike, so micro-batches and devices stay exact). It
+    needs `batch.behaviour_logp`. Without `behaviour_logp` and `rollout_correction` the
+    step is unchanged.
+
     A policy that meets `AbstractSelectiveLM` (e.g. `Policy`) scores only the loss-mask
     tokens, with its LM head in chunks (entropies included); a batch with
     `prompt_length` / `samples_per_prompt` set also runs each group's prompt once.
@@ -397,7 +464,8 @@ def make_grpo_step(
     (`None`: same as `clip_eps`), `importance`, `beta`, `delta` (see
     `grpo_policy_loss`), `mode` / `constant` (see `aggregate_parts`),
     `mask_truncated_completions`, `temperature`; `micro_batches`, `axis_name`,
-    `donate`, `nonfinite`, `check_token_ids` (see `make_step`). Invalid values raise
+    `donate`, `nonfinite`, `check_token_ids` (see `make_step`); `rollout_correction`
+    (above). Invalid values raise
     `ValueError` here, at build time.
 
     **Returns:**
@@ -438,6 +506,7 @@ def make_grpo_step(
         kl_cov_coef=kl_cov_coef,
         entropy_rho=entropy_rho,
         axis_name=axis_name,
+        rollout_correction=rollout_correction,
     )
     return make_step(
         loss_fn,

@@ -13,6 +13,9 @@ Commands:
   JSONL or preferences for kto; for distill, preferences' chosen responses and
   `--set distill.teacher=DIR`, a checkpoint directory).
 - `ppo`, `online-dpo`: SFT, the reward model, then this stage on the built-in task.
+- `prm`: a process reward model on a stepwise file (`--data FILE`, records
+  `{"prompt", "completions": [steps], "labels": [bools]}`); PPO and GRPO use it with
+  `--set grpo.reward_source=prm --set grpo.reward_model=RUN/prm/hf`.
 - `sample`: print completions of a model; `eval`: score a model on the built-in task's
   held-out prompts; `plot RUN_DIR`: redraw a run's PNG plots.
 
@@ -36,8 +39,14 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-STAGE_COMMANDS = ("sft", "reward", "dpo", "ppo", "grpo", "online-dpo", "kto", "distill")
-COMMANDS = ("pipeline", *STAGE_COMMANDS, "sample", "eval", "plot")
+TOOL_COMMANDS = ("sample", "eval", "plot")
+
+
+def stage_commands() -> tuple[str, ...]:
+    """The registered stages (`rlhf_eqx.pipelines.register_stage`), one command each."""
+    from rlhf_eqx.pipelines import stages
+
+    return tuple(st.name for st in stages())
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -49,7 +58,8 @@ def _parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     p.add_argument("-h", "--help", action="store_true", help="show this help (or a stage's fields)")
-    p.add_argument("command", nargs="?", default="pipeline", choices=COMMANDS)
+    commands = ("pipeline", *stage_commands(), *TOOL_COMMANDS)
+    p.add_argument("command", nargs="?", default="pipeline", choices=commands)
     p.add_argument("run_dir", nargs="?", help="run directory (plot)")
     p.add_argument("--config", help="JSON or YAML config file")
     p.add_argument(
@@ -77,18 +87,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-# The stages the built-in task runs for a stage command (SFT first).
-_NEEDS = {
-    "sft": ("sft",),
-    "reward": ("sft", "reward"),
-    "dpo": ("sft", "dpo"),
-    "grpo": ("sft", "grpo"),
-    "ppo": ("sft", "reward", "ppo"),
-    "online-dpo": ("sft", "reward", "online-dpo"),
-    "kto": ("sft", "kto"),
-}
-
-
 def resolve_config(args: argparse.Namespace):
     """The resolved `PipelineConfig` of parsed arguments (defaults < file < flags)."""
     from rlhf_eqx.pipelines import animal_task_config, apply_overrides, load_config
@@ -107,30 +105,30 @@ def resolve_config(args: argparse.Namespace):
         overrides.append("ops.quiet=true")
     cfg = apply_overrides(cfg, overrides)
     cmd = args.command
-    if cmd in STAGE_COMMANDS and cfg.data.path is not None:
-        cfg = dataclasses.replace(cfg, stages=(cmd,))
-    elif cmd in STAGE_COMMANDS:
-        if cmd == "distill":  # the teacher stage first, unless it is a checkpoint directory
-            needs = (*_NEEDS.get(cfg.distill.teacher, ("sft",)), "distill")
+    if cmd not in ("pipeline", *TOOL_COMMANDS):
+        from rlhf_eqx.pipelines import ConfigError, get_stage
+
+        stage = get_stage(cmd)
+        if cfg.data.path is not None:
+            cfg = dataclasses.replace(cfg, stages=(cmd,))
+        elif stage.builtin is None:
+            raise ConfigError(f"{cmd} runs on a data file: --data FILE ({stage.help})")
         else:
-            needs = _NEEDS[cmd]
-        cfg = dataclasses.replace(cfg, stages=needs)
+            cfg = dataclasses.replace(cfg, stages=stage.prerequisites(cfg))
     out = args.out or cfg.out or os.path.join("runs", cmd)
     return dataclasses.replace(cfg, out=out)
 
 
-# The config sections each command trains with (besides model, data, sampling, ops).
-_SECTIONS = {
-    "pipeline": ("sft", "reward", "ppo", "dpo", "grpo"),
-    "sft": ("sft",),
-    "reward": ("reward", "sft"),
-    "dpo": ("dpo", "sft"),
-    "ppo": ("ppo", "reward", "sft"),
-    "grpo": ("grpo", "sft"),
-    "online-dpo": ("dpo", "reward", "sft"),
-    "kto": ("kto", "sft"),
-    "distill": ("distill", "sft"),
-}
+def _sections(command: str) -> tuple[str, ...] | None:
+    """The config sections `command --help` lists (besides sampling, data, model, ops)."""
+    from rlhf_eqx.pipelines import find_stage
+
+    if command == "pipeline":
+        return ("sft", "reward", "ppo", "dpo", "grpo")
+    st = find_stage(command)
+    if st is None:
+        return None
+    return tuple(dict.fromkeys((st.key, *st.sections)))
 
 
 def stage_help(command: str) -> str:
@@ -138,7 +136,7 @@ def stage_help(command: str) -> str:
     from rlhf_eqx.pipelines import animal_task_config
 
     cfg = animal_task_config()
-    sections = _SECTIONS.get(command, ())
+    sections = _sections(command) or ()
     lines = [
         f"usage: rlhf_eqx {command} [--data FILE] [--config FILE] [--set FIELD=VALUE ...] "
         "[--out DIR] [--resume | --overwrite] [--quiet]",
@@ -167,12 +165,15 @@ def result_line(command: str, summary: dict, out: str) -> str:
     """The one line a finished run prints, even with `--quiet`."""
     stopped = summary.get("stopped", "done")
     parts = []
-    for stage in ("sft", "ppo", "dpo", "grpo", "online-dpo", "kto", "distill"):
+    from rlhf_eqx.pipelines import stages
+
+    names = [st.summary_key or st.name for st in stages()]
+    for stage in names:
         m = summary.get(stage)
         if isinstance(m, dict) and "score" in m:
             parts.append(f"{stage} {m['score']:.1%}")
     if not parts:
-        for stage in ("sft", "reward_model", "dpo", "grpo", "kto", "distill"):
+        for stage in names:
             m = summary.get(stage)
             if isinstance(m, dict):
                 parts += [f"{k} {v:.4g}" for k, v in m.items() if isinstance(v, float)][:2]
@@ -193,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.help:
         if (
-            args.command in _SECTIONS
+            _sections(args.command) is not None
             and args.command != "pipeline"
             or (args.command == "pipeline" and "pipeline" in argv)
         ):
@@ -231,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.show_config:
         print(resolved)
         return 0
-    if not cfg.ops.quiet and args.command in ("pipeline", *STAGE_COMMANDS):
+    if not cfg.ops.quiet and args.command not in TOOL_COMMANDS:
         print(f"rlhf_eqx {args.command}: resolved config (saved as {cfg.out}/config.json)")
         print(resolved)
     from rlhf_eqx.pipelines import RunInterrupted
@@ -264,12 +265,12 @@ def _run(args, cfg) -> int:
     from rlhf_eqx import pipelines as pl
 
     cmd = args.command
-    if cmd == "pipeline" or (cmd in STAGE_COMMANDS and cfg.data.path is None):
-        summary = pl.run_pipeline(cfg, resume=args.resume, overwrite=args.overwrite)
-    elif cmd in STAGE_COMMANDS:
-        summary = pl.run_on_data(cfg, cmd, resume=args.resume, overwrite=args.overwrite)
-    else:
+    if cmd in TOOL_COMMANDS:
         return _use_model(args, cfg)
+    if cmd == "pipeline" or cfg.data.path is None:
+        summary = pl.run_pipeline(cfg, resume=args.resume, overwrite=args.overwrite)
+    else:
+        summary = pl.run_on_data(cfg, cmd, resume=args.resume, overwrite=args.overwrite)
     print(result_line(cmd, summary, cfg.out))
     return 3 if summary.get("stopped") == "diverged" else 0
 

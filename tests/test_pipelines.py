@@ -128,7 +128,7 @@ def test_overrides_and_files(tmp_path):
         ),
         (["data.path=/no/such.jsonl"], 1, "data.path='/no/such.jsonl': no such file"),
         (["sft.optim.lr=0"], 1, "sft.optim.lr=0.0: must be > 0"),
-        (["stages=sft,ppo"], 1, "ppo needs the reward stage"),
+        (["stages=sft,ppo"], 1, "ppo with ppo.reward_source=reward_model needs the reward stage"),
         (["dpo.packing=true", "dpo.loss_type=aot"], 1, "dpo.packing=True: loss_type='aot' sorts"),
     ],
 )
@@ -428,7 +428,7 @@ def test_sft_run_lowers_the_loss_and_grpo_run_logs_its_signal(tmp_path, tok):
         policy,
         tok,
         ["Once upon a time", "The dog"],
-        reward_fns=fns,
+        reward=fns,
         cfg=gcfg,
         ctx=_ctx(tmp_path / "g"),
     )

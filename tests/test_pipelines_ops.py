@@ -126,7 +126,7 @@ def test_grpo_scores_and_trains_on_completions_cut_at_stop_strings(tmp_path):
         _tiny_policy(),
         tok,
         ["Once upon a time", "The dog"],
-        reward_fns=[pl.RewardFunction("judge", judge)],
+        reward=[pl.RewardFunction("judge", judge)],
         cfg=cfg,
         ctx=ctx,
     )

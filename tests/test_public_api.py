@@ -118,15 +118,18 @@ def test_pipeline_helpers_are_public():
 
 STAGE_KEYS = {
     "sft": "steps batch_size max_length optim samples lora",
-    "reward": "steps batch_size max_length optim pairs_per_prompt heldout_fraction eval_every",
+    "reward": "steps batch_size max_length optim pairs_per_prompt heldout_fraction eval_every "
+    "ensemble ensemble_mode ensemble_penalty",
     "dpo": "steps batch_size max_length optim beta loss_type rounds samples packing lora",
     "ppo": "rollouts prompts_per_rollout epochs clip kl_target optim lora minibatches vf_coef "
-    "ent_coef gamma lam kl_coef",
+    "ent_coef gamma lam kl_coef reward_source reward_model",
     "grpo": "rollouts prompts_per_rollout epochs clip kl_target optim lora group_size beta "
-    "policy_loss",
+    "policy_loss reward_source reward_model",
     "kto": "steps batch_size max_length optim beta desirable_weight undesirable_weight "
     "loss_type samples lora",
     "distill": "steps batch_size max_length optim beta temperature lmbda teacher samples lora",
+    "prm": "steps batch_size max_length optim separator aggregation score",
+    "judge": "model template yes no score",
 }
 
 
@@ -136,7 +139,7 @@ def test_stage_config_keys_are_the_documented_ones():
     d = pl.config_to_dict(pl.PipelineConfig())
     for stage, keys in STAGE_KEYS.items():
         assert set(d[stage]) == set(keys.split()), stage
-    for stage in ("sft", "reward", "dpo", "kto", "distill"):
+    for stage in ("sft", "reward", "dpo", "kto", "distill", "prm"):
         assert isinstance(getattr(pl.PipelineConfig(), stage), pl.BatchStageConfig)
     for stage in ("ppo", "grpo"):
         assert isinstance(getattr(pl.PipelineConfig(), stage), pl.RolloutStageConfig)

@@ -2,18 +2,21 @@
 exact resume, the KL guard, divergence rollback, evaluation, metrics, monitoring and
 plots, and the built-in pipeline (`python -m rlhf_eqx`). See `docs/pipelines.md`."""
 
+from . import _stages  # noqa: F401  (registers the built-in stages)
 from ._checkpoints import (
     latest_checkpoint as latest_checkpoint,
     restore_checkpoint as restore_checkpoint,
     save_checkpoint as save_checkpoint,
 )
 from ._config import (
+    REWARD_SOURCES as REWARD_SOURCES,
     BatchStageConfig as BatchStageConfig,
     ConfigError as ConfigError,
     DataConfig as DataConfig,
     DistillConfig as DistillConfig,
     DPOConfig as DPOConfig,
     GRPOConfig as GRPOConfig,
+    JudgeConfig as JudgeConfig,
     KTOConfig as KTOConfig,
     LoRASettings as LoRASettings,
     ModelConfig as ModelConfig,
@@ -21,6 +24,7 @@ from ._config import (
     OptimConfig as OptimConfig,
     PipelineConfig as PipelineConfig,
     PPOConfig as PPOConfig,
+    PRMConfig as PRMConfig,
     RewardConfig as RewardConfig,
     RolloutStageConfig as RolloutStageConfig,
     SamplingConfig as SamplingConfig,
@@ -33,12 +37,8 @@ from ._config_io import (
     config_to_dict as config_to_dict,
     load_config as load_config,
 )
-from ._data_runs import (
-    DATA_STAGES as DATA_STAGES,
-    quality_report as quality_report,
-    run_on_data as run_on_data,
-    split_records as split_records,
-)
+from ._data_prep import quality_report as quality_report, split_records as split_records
+from ._data_runs import data_stages as data_stages, run_on_data as run_on_data
 from ._distill_runs import (
     check_same_vocabulary as check_same_vocabulary,
     distill_divergence as distill_divergence,
@@ -61,21 +61,23 @@ from ._kto_runs import (
     run_kto as run_kto,
     sampled_unpaired as sampled_unpaired,
 )
+from ._loop import (
+    LoopResult as LoopResult,
+    RunInterrupted as RunInterrupted,
+    run_iterations as run_iterations,
+)
+from ._loop_checks import SPIKE_FLOOR as SPIKE_FLOOR
+from ._lr_scale import (
+    build_optimizer as build_optimizer,
+    get_lr_scale as get_lr_scale,
+    scale_by_lr_factor as scale_by_lr_factor,
+    set_lr_scale as set_lr_scale,
+)
 from ._metrics import MetricsLog as MetricsLog
 from ._monitor import (
     device_memory as device_memory,
     measure_matmul_peak as measure_matmul_peak,
     model_flops as model_flops,
-)
-from ._ops import (
-    SPIKE_FLOOR as SPIKE_FLOOR,
-    LoopResult as LoopResult,
-    RunInterrupted as RunInterrupted,
-    build_optimizer as build_optimizer,
-    get_lr_scale as get_lr_scale,
-    run_iterations as run_iterations,
-    scale_by_lr_factor as scale_by_lr_factor,
-    set_lr_scale as set_lr_scale,
 )
 from ._pipeline import (
     format_table as format_table,
@@ -84,6 +86,39 @@ from ._pipeline import (
     tokenizer_file as tokenizer_file,
 )
 from ._plots import plot_run as plot_run, read_metrics as read_metrics, read_records as read_records
+from ._prm_runs import run_prm as run_prm, step_accuracy as step_accuracy
+from ._registry import (
+    Outcome as Outcome,
+    Stage as Stage,
+    StageEnv as StageEnv,
+    find_stage as find_stage,
+    get_stage as get_stage,
+    register_stage as register_stage,
+    stage_names as stage_names,
+    stages as stages,
+    unregister_stage as unregister_stage,
+)
+from ._resume_rules import (
+    ITERATION_FIELDS as ITERATION_FIELDS,
+    RESUMABLE_FIELDS as RESUMABLE_FIELDS,
+    RunDirError as RunDirError,
+    check_resumable as check_resumable,
+    config_changes as config_changes,
+)
+from ._reward_runs import run_reward as run_reward
+from ._reward_sources import (
+    EnsembleReward as EnsembleReward,
+    FunctionReward as FunctionReward,
+    JudgeSource as JudgeSource,
+    ModelReward as ModelReward,
+    ProcessReward as ProcessReward,
+    RewardSource as RewardSource,
+    Scored as Scored,
+    export_prm as export_prm,
+    export_reward_ensemble as export_reward_ensemble,
+    load_reward_source as load_reward_source,
+    stage_reward_source as stage_reward_source,
+)
 from ._rl_runs import run_grpo as run_grpo, run_ppo as run_ppo
 from ._rollout import (
     RewardFunction as RewardFunction,
@@ -94,16 +129,7 @@ from ._rollout import (
     score_rollout as score_rollout,
     token_logps as token_logps,
 )
-from ._rundir import (
-    ITERATION_FIELDS as ITERATION_FIELDS,
-    RESUMABLE_FIELDS as RESUMABLE_FIELDS,
-    RunDir as RunDir,
-    RunDirError as RunDirError,
-    RunLock as RunLock,
-    check_resumable as check_resumable,
-    config_changes as config_changes,
-    open_run_dir as open_run_dir,
-)
+from ._rundir import RunDir as RunDir, RunLock as RunLock, open_run_dir as open_run_dir
 from ._runs import (
     RunContext as RunContext,
     RunResult as RunResult,
@@ -114,7 +140,6 @@ from ._runs import (
     final_policy as final_policy,
     has_lora as has_lora,
     rows_at as rows_at,
-    run_reward as run_reward,
     run_sft as run_sft,
     with_lora as with_lora,
 )
@@ -125,9 +150,9 @@ from ._task import (
     animal_score as animal_score,
     noisy_scores as noisy_scores,
 )
-from ._validate import (
+from ._validation import (
     DATA_FORMATS as DATA_FORMATS,
-    STAGES as STAGES,
+    teacher_stages as teacher_stages,
     validate_config as validate_config,
     validate_ops as validate_ops,
     validate_stage as validate_stage,

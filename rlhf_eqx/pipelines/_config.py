@@ -1,6 +1,6 @@
 """Typed run configuration: the frozen dataclasses of every stage and the built-in task.
 
-Files and dotted overrides are read in `_config_io.py`, values checked in `_validate.py`.
+Files and dotted overrides are read in `_config_io.py`, values checked in `_validation.py`.
 
 One `PipelineConfig` holds every stage's settings. The defaults of the stage configs are
 the ones users of the field expect (TRL / the papers); `animal_task_config()` is the
@@ -9,6 +9,9 @@ built-in task's configuration, which overrides some of them and lists which in i
 """
 
 import dataclasses
+
+REWARD_SOURCES: tuple[str, ...] = ("task", "reward_model", "judge", "prm")
+"""The values of `ppo.reward_source` and `grpo.reward_source` (`_reward_sources.py`)."""
 
 
 class ConfigError(ValueError):
@@ -155,11 +158,21 @@ class RewardConfig(BatchStageConfig):
     Checkpoint selection: about `heldout_fraction` of the training pairs' prompts are
     held out, labels as noisy as the rest; every `eval_every` steps (0: never) and at
     the end their accuracy is measured and the model with the best accuracy is kept
-    (a reward model trained on noisy labels otherwise memorises them)."""
+    (a reward model trained on noisy labels otherwise memorises them).
+
+    Ensemble: `ensemble > 1` trains that many reward models in one vmapped step
+    (`rlhf_eqx.train.make_ensemble_reward_step`), each on its own bootstrap resample of
+    every batch, and scores a completion by the members' `mean - ensemble_penalty * std`
+    (`ensemble_mode`: `std`, `var`, `min` or `mean`; Coste et al. 2024; the penalty
+    defaults to 0, the members' mean, as in `rlhf_eqx.losses.conservative_reward`).
+    Checkpoint selection and accuracy use that score; the export is `reward/ensemble/`."""
 
     pairs_per_prompt: int = 4
     heldout_fraction: float = 0.1
     eval_every: int = 10
+    ensemble: int = 1
+    ensemble_mode: str = "std"
+    ensemble_penalty: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,7 +240,13 @@ class RolloutStageConfig:
     """The fields every reinforcement-learning stage shares (PPO, GRPO): `rollouts`
     rounds of sampling from `prompts_per_rollout` prompts, `epochs` passes over each
     rollout, the policy ratio clipped at `1 ± clip`, an early stop when the per-token KL
-    to the reference exceeds `kl_target`, `optim`, and the policy's LoRA adapters."""
+    to the reference exceeds `kl_target`, `optim`, and the policy's LoRA adapters.
+
+    `reward_source`: `task` (the task's reward functions), `reward_model` (a reward
+    model or ensemble), `judge` (a generative judge, `judge.*`) or `prm` (a process
+    reward model). `reward_model`: the directory of an exported reward model, ensemble
+    or PRM (`<run>/reward/hf`, `<run>/reward/ensemble`, `<run>/prm/hf`); empty: the
+    run's own reward stage."""
 
     rollouts: int = 20
     prompts_per_rollout: int = 32
@@ -236,6 +255,8 @@ class RolloutStageConfig:
     kl_target: float = 0.05
     optim: OptimConfig = OptimConfig(lr=1e-5)
     lora: LoRASettings = LoRASettings()
+    reward_source: str = "task"
+    reward_model: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,6 +272,7 @@ class PPOConfig(RolloutStageConfig):
     gamma: float = 1.0
     lam: float = 0.95
     kl_coef: float = 0.05
+    reward_source: str = "reward_model"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,10 +290,46 @@ class GRPOConfig(RolloutStageConfig):
 
 
 @dataclasses.dataclass(frozen=True)
+class JudgeConfig:
+    """A generative judge as the reward (`reward_source=judge`; Zheng et al. 2023): `model`
+    (`base`, the loaded model; a stage of the run, e.g. `sft`; or a Hugging Face
+    checkpoint directory) reads `template` (a format string with `{prompt}` and
+    `{completion}`) and the reward is `log p(yes) - log p(no)` of its next token
+    (`score=log_odds`) or `p(yes)` (`prob`). `yes` and `no` must each encode to one
+    token of the model's tokenizer."""
+
+    model: str = "base"
+    template: str = "{prompt}{completion}\nQuestion: Is this a good answer?\nAnswer:"
+    yes: str = " Yes"
+    no: str = " No"
+    score: str = "log_odds"
+
+
+@dataclasses.dataclass(frozen=True)
+class PRMConfig(BatchStageConfig):
+    """A process reward model (Lightman et al. 2023; TRL `PRMTrainer`) trained on a
+    stepwise data file (`rlhf_eqx prm --set data.path=FILE`: records `{"prompt",
+    "completions": [steps], "labels": [bools]}`): a `ValueModel` on the policy's
+    backbone reads the step `separator` after each step. Its use as a reward
+    (`reward_source=prm`) reads the step scores (`score`: `prob` or `logit`) at the
+    separators of each completion: per token for PPO, and their `aggregation` (`min`,
+    `last`, `mean`) per sequence for GRPO; both are stored with the export."""
+
+    steps: int = 100
+    batch_size: int = 8
+    max_length: int = 256
+    separator: str = "\n"
+    aggregation: str = "min"
+    score: str = "prob"
+
+
+@dataclasses.dataclass(frozen=True)
 class PipelineConfig:
     """A whole pipeline: SFT, then reward model -> PPO, DPO and GRPO from SFT.
 
-    `stages` selects stages (`"sft"` always runs first); `label_noise` is the
+    `stages` selects stages (`"sft"` always runs first); `extra` holds the settings of
+    stages registered outside this class (`register_stage`), read as `cfg.<section>`
+    and written as `<section>.FIELD` like the others; `label_noise` is the
     probability that a preference label is flipped; `eval_samples` completions per
     held-out prompt evaluate each stage; `out` is the run directory (empty: `runs/<command>`
     under the current directory).
@@ -288,11 +346,27 @@ class PipelineConfig:
     grpo: GRPOConfig = GRPOConfig()
     kto: KTOConfig = KTOConfig()
     distill: DistillConfig = DistillConfig()
+    prm: PRMConfig = PRMConfig()
+    judge: JudgeConfig = JudgeConfig()
     stages: tuple[str, ...] = ("sft", "reward", "ppo", "dpo", "grpo")
     label_noise: float = 0.1
     eval_samples: int = 8
     out: str = ""
     notes: str = ""
+    extra: dict = dataclasses.field(default_factory=dict, compare=True)
+
+    def __getattr__(self, name: str):
+        # The settings of a stage registered outside this class (`register_stage`): held in
+        # `extra` under its section name, its defaults until set.
+        extra = self.__dict__.get("extra", {})
+        if name in extra:
+            return extra[name]
+        from ._registry import _REGISTRY
+
+        for st in _REGISTRY.values():
+            if st.key == name:
+                return st.config()
+        raise AttributeError(f"{type(self).__name__} has no field or stage section {name!r}")
 
 
 _TASK_NOTES = (

@@ -12,8 +12,22 @@ from ._config import ConfigError, PipelineConfig
 
 
 def config_to_dict(cfg: Any) -> dict:
-    """A JSON-friendly dict of a config dataclass (tuples become lists)."""
-    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+    """A JSON-friendly dict of a config dataclass (tuples become lists). A
+    `PipelineConfig`'s registered extra stages appear as sections of their own."""
+    d = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    if isinstance(cfg, PipelineConfig):
+        del d["extra"]
+        for key in _extra_sections():
+            d[key] = config_to_dict(getattr(cfg, key))
+    return d
+
+
+def _extra_sections() -> dict[str, type]:
+    """The config sections of registered stages that `PipelineConfig` has no field for."""
+    from ._registry import stages
+
+    fields = {f.name for f in dataclasses.fields(PipelineConfig)}
+    return {st.key: st.config for st in stages() if st.key not in fields}
 
 
 def _convert(value: Any, tp: Any, name: str) -> Any:
@@ -77,12 +91,20 @@ def config_from_dict(cls: type, d: dict, *, prefix: str = "") -> Any:
     """Build config dataclass `cls` from a (nested) dict; unknown fields are errors,
     missing ones take their defaults."""
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+    extra_types = _extra_sections() if cls is PipelineConfig else {}
+    extra = {}
     for key in d:
-        if key not in names:
-            raise ConfigError(f"{prefix}{key}: unknown field (known: {', '.join(sorted(names))})")
-    kwargs = {k: _convert(v, hints[k], prefix + k) for k, v in d.items()}
-    return cls(**kwargs)
+        if key in extra_types:
+            value = d[key]
+            if not isinstance(value, dict):
+                raise ConfigError(f"{prefix}{key}: expected a mapping, got {value!r}")
+            extra[key] = config_from_dict(extra_types[key], value, prefix=f"{prefix}{key}.")
+        elif key not in names:
+            known = ", ".join(sorted(names | set(extra_types)))
+            raise ConfigError(f"{prefix}{key}: unknown field (known: {known})")
+    kwargs = {k: _convert(v, hints[k], prefix + k) for k, v in d.items() if k in names}
+    return cls(**kwargs, extra=extra) if cls is PipelineConfig else cls(**kwargs)
 
 
 def load_config(path: str, cls: type = PipelineConfig, *, base: Any = None) -> Any:

@@ -13,10 +13,10 @@ import rlhf_eqx as rx
 from rlhf_eqx import data
 
 from ._config import DistillConfig
-from ._ops import build_optimizer
+from ._lr_scale import build_optimizer
 from ._rollout import sample_rollout, sampling_options
 from ._runs import RunContext, RunResult, rows_at, run_loop, take_rows, with_lora
-from ._validate import validate_stage
+from ._validation import validate_stage
 
 
 def check_same_vocabulary(student, teacher) -> None:

@@ -11,8 +11,8 @@ import rlhf_eqx as rx
 from rlhf_eqx import data
 
 from ._config import DPOConfig
+from ._lr_scale import build_optimizer
 from ._monitor import model_flops
-from ._ops import build_optimizer
 from ._rollout import sample_rollout, sampling_options
 from ._runs import (
     RunContext,
@@ -26,7 +26,7 @@ from ._runs import (
     take_rows,
     with_lora,
 )
-from ._validate import validate_stage
+from ._validation import validate_stage
 
 
 def _dpo_setup(model, cfg: DPOConfig, total_steps: int, key):

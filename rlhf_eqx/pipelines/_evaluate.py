@@ -90,7 +90,13 @@ def _pair_rewards(
 
 
 def reward_accuracy(reward_model, batch) -> float:
-    """Fraction of pairs of a `PreferenceBatch` the reward model orders chosen > rejected."""
+    """Fraction of pairs of a `PreferenceBatch` the reward model orders chosen > rejected
+    (a scalar reward model, or anything with `scores(tokens, mask) -> (scores, ...)`,
+    e.g. an ensemble's `EnsembleReward`)."""
+    if hasattr(reward_model, "scores"):
+        chosen = reward_model.scores(batch.chosen_tokens, batch.chosen_mask)[0]
+        rejected = reward_model.scores(batch.rejected_tokens, batch.rejected_mask)[0]
+        return float(jnp.mean((chosen > rejected).astype(jnp.float32)))
     margin = _pair_rewards(
         reward_model,
         batch.chosen_tokens,

@@ -11,10 +11,10 @@ import rlhf_eqx as rx
 from rlhf_eqx import data
 
 from ._config import KTOConfig
-from ._ops import build_optimizer
+from ._lr_scale import build_optimizer
 from ._rollout import sample_rollout, sampling_options
 from ._runs import RunContext, RunResult, run_offline, shuffled_rows, with_lora
-from ._validate import validate_stage
+from ._validation import validate_stage
 
 
 def collate_unpaired_records(

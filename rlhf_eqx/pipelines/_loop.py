@@ -1,4 +1,5 @@
-"""The iteration loop shared by every run, and the learning-rate factor rollback lowers.
+"""The iteration loop shared by every run (the learning-rate factor rollback lowers is in
+`_lr_scale.py`, the checks after each iteration in `_loop_checks.py`).
 
 Checkpoints are in `_checkpoints.py`, the metrics log in `_metrics.py`.
 
@@ -9,91 +10,28 @@ checkpoint taken after iteration `i` continues exactly as the uninterrupted run.
 """
 
 import dataclasses
-import math
 import os
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
-from jaxtyping import Array, Float, PyTree
+from jaxtyping import PyTree
 
-from ..train import make_optimizer
 from ._checkpoints import (
     discard_checkpoints_after,
     latest_checkpoint,
     restore_checkpoint,
     save_checkpoint,
 )
-from ._config import OpsConfig, OptimConfig
+from ._config import OpsConfig
+from ._loop_checks import find_problem, monitoring, stale_record
+from ._lr_scale import get_lr_scale, set_lr_scale
 from ._metrics import MetricsLog, drop_records, progress
-from ._monitor import Profiler, device_memory
-from ._rundir import RunDirError, check_resumable
-
-# --- learning-rate scale ---------------------------------------------------------------
-
-
-class LRScaleState(NamedTuple):
-    """Optimiser state of `scale_by_lr_factor`: the factor applied to every update."""
-
-    scale: Float[Array, ""]
-
-
-def scale_by_lr_factor() -> optax.GradientTransformation:
-    """Multiply updates by a factor kept in the optimiser state (initially 1).
-
-    Chained after the optimiser, it scales the effective learning rate; rollback lowers
-    it with `set_lr_scale` without rebuilding (or recompiling) the step. It is part of
-    the state, so checkpoints keep it.
-    """
-
-    def init(params):
-        del params
-        return LRScaleState(jnp.ones((), jnp.float32))
-
-    def update(updates, state, params=None):
-        del params
-        return jax.tree.map(lambda u: u * state.scale.astype(u.dtype), updates), state
-
-    return optax.GradientTransformation(init, update)
-
-
-def build_optimizer(optim: OptimConfig, total_steps: int) -> optax.GradientTransformation:
-    """AdamW + warmup/cosine + clipping (`rlhf_eqx.train.make_optimizer`), then the
-    rollback's learning-rate factor."""
-    base = make_optimizer(
-        learning_rate=optim.lr,
-        total_steps=max(total_steps, 1),
-        warmup_ratio=optim.warmup_ratio,
-        weight_decay=optim.weight_decay,
-        max_grad_norm=optim.max_grad_norm,
-        schedule=optim.schedule,
-    )
-    return optax.chain(base, scale_by_lr_factor())
-
-
-def _is_scale(x: Any) -> bool:
-    return isinstance(x, LRScaleState)
-
-
-def get_lr_scale(opt_state: PyTree) -> float:
-    """The learning-rate factor in `opt_state` (1.0 when there is none)."""
-    found = [x.scale for x in jax.tree.leaves(opt_state, is_leaf=_is_scale) if _is_scale(x)]
-    return float(found[0]) if found else 1.0
-
-
-def set_lr_scale(opt_state: PyTree, scale: float) -> PyTree:
-    """`opt_state` with every `LRScaleState` factor set to `scale`."""
-    return jax.tree.map(
-        lambda x: LRScaleState(jnp.asarray(scale, jnp.float32)) if _is_scale(x) else x,
-        opt_state,
-        is_leaf=_is_scale,
-    )
-
+from ._monitor import Profiler
+from ._resume_rules import RunDirError, check_resumable
 
 # --- the loop --------------------------------------------------------------------------
 
@@ -125,60 +63,8 @@ class RunInterrupted(KeyboardInterrupt):
         )
 
 
-SPIKE_FLOOR = 0.1
-"""The smallest reference of the loss-spike rule: a loss is a spike when `|loss|` exceeds
-`ops.loss_spike` × max(median of the last 10 accepted `|loss|`, `SPIKE_FLOOR`)."""
-
-
 def _copy(tree: PyTree) -> PyTree:
     return jax.tree.map(lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x, tree)
-
-
-def _problem(
-    metrics: list[dict], info: dict, losses: list[float], ops: OpsConfig
-) -> tuple[str | None, bool]:
-    """`(what went wrong or None, whether the state before the iteration is still good)`.
-
-    A step's loss is computed before its update: a bad first step (or a KL spike of the
-    rollout, sampled before any update) implicates the state the iteration started from;
-    a bad later step only the iteration's own updates."""
-    kl = info.get("kl")
-    if kl is not None and not math.isfinite(kl):
-        return f"non-finite KL {kl}", False
-    if kl is not None and kl > ops.kl_spike:
-        return f"KL spike {kl:.4g} > {ops.kl_spike}", False
-    recent = list(losses[-10:])
-    for j, m in enumerate(metrics):
-        loss = m.get("loss", 0.0)
-        bad = None
-        if not math.isfinite(loss):
-            bad = f"non-finite loss {loss}"
-        elif m.get("nonfinite", 0.0) > 0:
-            bad = "non-finite gradient (the step was skipped)"
-        elif recent:
-            ref = max(float(np.median(np.abs(recent[-10:]))), SPIKE_FLOOR)
-            if abs(loss) > ops.loss_spike * ref:
-                bad = f"loss spike {loss:.4g} (median of recent |loss| {ref:.4g})"
-        if bad is not None:
-            return (f"step {j}: {bad}" if len(metrics) > 1 else bad), j > 0
-        recent.append(loss)
-    return None, True
-
-
-def _stale_record(stage: str, steps: int, start: int) -> Callable[[dict], bool]:
-    """Records of `stage` written after the checkpoint a run resumes from (they are
-    written again), except an evaluation at or before the resumed iteration."""
-
-    def stale(r: dict) -> bool:
-        if r.get("stage") != stage or r.get("event") == "resume":
-            return False
-        if r.get("eval") and r.get("iteration", start + 1) <= start:
-            return False
-        if "step" in r:
-            return r["step"] >= steps
-        return "event" in r and r.get("iteration", -1) >= start
-
-    return stale
 
 
 def run_iterations(
@@ -257,7 +143,7 @@ def run_iterations(
                     f"{path}: the checkpoint is at iteration {start}, past the "
                     f"{num_iterations} iterations of {log.stage} requested"
                 )
-        drop_records(log.path, _stale_record(log.stage, steps, start))
+        drop_records(log.path, stale_record(log.stage, steps, start))
         if path is not None:
             log.event(
                 "resume",
@@ -306,7 +192,7 @@ def run_iterations(
             metrics = [{k: float(v) for k, v in m.items()} for m in metrics]
             elapsed = time.perf_counter() - t0
             profiler.after(i)
-            problem, before_ok = _problem(metrics, info, losses, ops)
+            problem, before_ok = find_problem(metrics, info, losses, ops)
             if problem is not None:
                 back_to, restored = (i, good) if before_ok else verified
                 if ops.rollback and rollbacks < ops.max_rollbacks:
@@ -387,7 +273,7 @@ def run_iterations(
                     if tokens_per_iteration:
                         rec["tokens_per_s"] = tokens_per_iteration / max(elapsed, 1e-9)
                     rec.update(
-                        _monitoring(i, elapsed, info, scores, ops, flops_per_iteration, peak_flops)
+                        monitoring(i, elapsed, info, scores, ops, flops_per_iteration, peak_flops)
                     )
                 rec["lr_scale"] = get_lr_scale(new_state)
                 history.append(rec)
@@ -427,26 +313,3 @@ def run_iterations(
         if bar is not None:
             bar.close()
     return LoopResult(committed[1], history, committed[0], stopped, rollbacks)
-
-
-def _monitoring(
-    i: int,
-    elapsed: float,
-    info: dict,
-    scores: dict[int, float],
-    ops: OpsConfig,
-    flops: float | None,
-    peak: float | None,
-) -> dict:
-    out: dict[str, float] = {}
-    if flops:
-        out["model_flops"] = flops
-        if peak:
-            out["mfu"] = flops / max(elapsed, 1e-9) / peak
-    if ops.monitor:
-        out.update(device_memory())
-    if "score" in info:
-        scores[i] = float(info["score"])
-        if i - ops.log_every in scores:
-            out["reward_improvement"] = scores[i] - scores[i - ops.log_every]
-    return out

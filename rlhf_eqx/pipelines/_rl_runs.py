@@ -12,19 +12,12 @@ import numpy as np
 import rlhf_eqx as rx
 
 from ._config import GRPOConfig, LoRASettings, PPOConfig
+from ._lr_scale import build_optimizer
 from ._monitor import model_flops
-from ._ops import build_optimizer
-from ._rollout import (
-    RewardFunction,
-    group_signal,
-    reward_model_scores,
-    sample_rollout,
-    sampling_options,
-    score_rollout,
-    token_logps,
-)
+from ._reward_sources import RewardSource, as_reward_source
+from ._rollout import RewardFunction, group_signal, sample_rollout, sampling_options, token_logps
 from ._runs import RunContext, RunResult, rows_at, run_loop, take_rows, with_lora
-from ._validate import validate_stage
+from ._validation import validate_stage
 
 # --- shared by PPO and GRPO -------------------------------------------------------------
 
@@ -89,20 +82,23 @@ def run_ppo(
     tok,
     prompts: Sequence[str],
     *,
-    reward: "rx.RewardModel | Sequence[RewardFunction]",
+    reward: "RewardSource | rx.RewardModel | Sequence[RewardFunction]",
     cfg: PPOConfig,
     ctx: RunContext,
 ) -> RunResult:
     """PPO with a value model (RLHF, Ouyang et al. 2022): per rollout, sample one
     completion for each of `cfg.prompts_per_rollout` prompts, score it with `reward` (a
-    `RewardModel`, jitted, or reward functions on the decoded text), compute the
-    reference log-probs, values and GAE advantages once (`prepare_ppo_batch`; `old_logp`
-    from the sampler), then `cfg.epochs` x `cfg.minibatches` PPO steps. The policy trains
+    `RewardSource`: a reward model or ensemble, jitted; a judge; reward functions on the
+    decoded text; a process reward model, whose step scores are per-token rewards,
+    `add_token_rewards`), compute the reference log-probs, values and GAE advantages
+    once (`prepare_ppo_batch`; `old_logp` from the sampler), then `cfg.epochs` x
+    `cfg.minibatches` PPO steps. The policy trains
     LoRA adapters (`cfg.lora`; the reference is the policy without them); the value
     model (`ValueModel.from_policy`) trains every weight. Stops early when the per-token
     KL to the reference exceeds `cfg.kl_target`.
     """
     validate_stage("ppo", cfg)
+    source = as_reward_source(reward)
     k_lora, k_value, ctx_key = jax.random.split(ctx.key, 3)
     pol, spec, reference = _policy_and_reference(policy, cfg.lora, k_lora)
     value = rx.ValueModel.from_policy(policy, key=k_value)
@@ -129,13 +125,10 @@ def run_ppo(
         roll, _, info = _sample_and_compare(
             pol_now, reference, tok, prompts, k_sample, r, ctx=ctx, per_rollout=n
         )
-        if isinstance(reward, rx.models.AbstractScalarModel):
-            scores = reward_model_scores(reward, roll.tokens, roll.mask)
-            info["score"] = float(jnp.mean(scores))
-        else:
-            s, scored = score_rollout(roll, reward)
-            scores = jnp.asarray(s)
-            info.update(scored, score=float(s.mean()))
+        scored = source.score(roll)
+        per_token = scored.token_rewards is not None  # a PRM: its step scores, per token
+        scores = jnp.asarray(0.0 * scored.scores if per_token else scored.scores, jnp.float32)
+        info.update(scored.metrics, score=float(np.mean(scored.scores)))
         batch, stats = rx.train.prepare_ppo_batch(
             (pol_now, val_now),
             reference,
@@ -147,7 +140,13 @@ def run_ppo(
             gamma=cfg.gamma,
             lam=cfg.lam,
             temperature=ctx.temperature,
+            whiten=not per_token,
         )
+        if per_token:
+            batch, more = rx.train.add_token_rewards(
+                batch, scored.token_rewards, gamma=cfg.gamma, lam=cfg.lam
+            )
+            stats = {**stats, **more}
         m = roll.completion_mask & roll.mask
         batch = eqx.tree_at(lambda b: b.old_logp, batch, jnp.where(m, roll.logprobs, 0.0))
         info.update({k: float(v) for k, v in stats.items()})
@@ -187,19 +186,22 @@ def run_grpo(
     tok,
     prompts: Sequence[str],
     *,
-    reward_fns: Sequence[RewardFunction],
+    reward: "RewardSource | Sequence[RewardFunction]",
     cfg: GRPOConfig,
     ctx: RunContext,
 ) -> RunResult:
-    """GRPO (Shao et al. 2024) with verifiable rewards: per rollout, `cfg.group_size`
-    completions for each of `cfg.prompts_per_rollout` prompts, scored by the weighted
-    `reward_fns` on the decoded text; group-relative advantages; reference log-probs
+    """GRPO (Shao et al. 2024): per rollout, `cfg.group_size` completions for each of
+    `cfg.prompts_per_rollout` prompts, scored by `reward` (weighted reward functions on
+    the decoded text, e.g. verifiable rewards; or any `RewardSource`: a reward model or
+    ensemble, a judge, a process reward model's aggregated step scores); group-relative
+    advantages; reference log-probs
     computed once per rollout (k3 KL with weight `cfg.beta`); `cfg.epochs` steps on the
     rollout with `old_logp` from the sampler. Logs `frac_reward_zero_std` and an event
     when no group carries a signal. Stops early when the per-token KL to the reference
     exceeds `cfg.kl_target`.
     """
     validate_stage("grpo", cfg)
+    source = as_reward_source(reward)
     k_lora, ctx_key = jax.random.split(ctx.key)
     pol, spec, reference = _policy_and_reference(policy, cfg.lora, k_lora)
     opt = build_optimizer(cfg.optim, cfg.rollouts * cfg.epochs)
@@ -229,8 +231,9 @@ def run_grpo(
             per_rollout=cfg.prompts_per_rollout,
             group_size=cfg.group_size,
         )
-        rewards, scored = score_rollout(roll, reward_fns)
-        info.update(scored, score=float(rewards.mean()))
+        scored = source.score(roll)
+        rewards = np.asarray(scored.scores, np.float32)
+        info.update(scored.metrics, score=float(rewards.mean()))
         info["frac_reward_zero_std"] = group_signal(rewards, cfg.group_size)
         if info["frac_reward_zero_std"] == 1.0:
             ctx.log.event(

@@ -33,99 +33,15 @@ import sys
 from ._config import PipelineConfig
 from ._config_io import config_to_dict
 from ._metrics import DiskFullError, drop_records, repair_metrics
-
-
-class RunDirError(RuntimeError):
-    """The run directory cannot be used as asked (held by another run, holds another
-    run, or the resumed run's configuration differs); the message says what to do."""
-
-
-# Fields that may differ between a run and its resumption: how the run is operated,
-# logged and evaluated, never what it trains on or how.
-RESUMABLE_FIELDS: tuple[str, ...] = (
-    "out",
-    "notes",
-    "stages",
-    "eval_samples",
-    "ops.quiet",
-    "ops.log_every",
-    "ops.eval_every",
-    "ops.checkpoint_every",
-    "ops.keep",
-    "ops.monitor",
-    "ops.profile_steps",
-    "ops.tensorboard",
-    "ops.max_rollbacks",
+from ._resume_rules import (
+    RunDirError,
+    check_resumable,
+    check_upstream_counts,
 )
-
-# A stage's iteration count (more steps, more rollouts) may change on resume. The
-# learning-rate schedule is rebuilt for the new total, so a resumed run with another
-# count is not the run it would have been with that count from the start.
-ITERATION_FIELDS: dict[str, str] = {
-    "sft.steps": "sft",
-    "reward.steps": "reward",
-    "dpo.steps": "dpo",
-    "dpo.rounds": "dpo",
-    "ppo.rollouts": "ppo",
-    "grpo.rollouts": "grpo",
-    "kto.steps": "kto",
-    "distill.steps": "distill",
-}
-
-# Stages trained from another stage's result (every stage starts from SFT; PPO and
-# online DPO use the reward model).
-_DOWNSTREAM: dict[str, tuple[str, ...]] = {
-    "sft": ("reward", "ppo", "dpo", "grpo", "online-dpo", "kto", "distill"),
-    "reward": ("ppo", "online-dpo"),
-    "dpo": ("online-dpo", "distill"),
-    "grpo": ("distill",),
-    "ppo": ("distill",),
-    "kto": ("distill",),
-}
 
 # A `config.json` alone (a run that stopped before it logged anything) is no run.
 _RUN_MARKERS = ("metrics.jsonl", "summary.json")
 LOCK_NAME = ".lock"
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def config_changes(old: dict, new: dict) -> list[tuple[str, object, object]]:
-    """The `(field, old, new)` of every dotted field that differs between two config
-    dicts (`config_to_dict`), sorted by field."""
-    a, b = _flatten(old), _flatten(new)
-    missing = object()
-    changed = []
-    for k in sorted(set(a) | set(b)):
-        va, vb = a.get(k, missing), b.get(k, missing)
-        if va != vb:
-            changed.append((k, None if va is missing else va, None if vb is missing else vb))
-    return changed
-
-
-def check_resumable(old: dict, new: dict, *, where: str) -> list[tuple[str, object, object]]:
-    """Refuse (`RunDirError`) a resume whose configuration differs from the stored one
-    `old` outside `RESUMABLE_FIELDS` and `ITERATION_FIELDS`, naming every such field
-    with both values; returns all the changes (the allowed ones included)."""
-    changes = config_changes(old, new)
-    bad = [c for c in changes if c[0] not in RESUMABLE_FIELDS and c[0] not in ITERATION_FIELDS]
-    if bad:
-        lines = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in bad)
-        raise RunDirError(
-            f"{where}: cannot resume with a different configuration ({lines}). Only "
-            f"iteration counts ({', '.join(ITERATION_FIELDS)}) and "
-            f"{', '.join(RESUMABLE_FIELDS)} may change on resume; start a new run "
-            "(another --out, or --overwrite) to train with other settings"
-        )
-    return changes
 
 
 def holds_run(run_dir: str) -> bool:
@@ -312,7 +228,7 @@ def open_run_dir(
             except ValueError as e:
                 raise RunDirError(f"{cfg_path}: not JSON ({e})") from None
             changes = check_resumable(old, new, where=run_dir)
-            _check_upstream_counts(run_dir, changes)
+            check_upstream_counts(run_dir, changes, _stages_with_checkpoints)
             removed = remove_partial_checkpoints(run_dir) + _remove_partial_files(run_dir)
             if removed:
                 notes.append(f"removed {len(removed)} partial file(s) left by a crash")
@@ -329,21 +245,6 @@ def open_run_dir(
         lock.release()
         raise
     return RunDir(run_dir, lock, resume, notes)
-
-
-def _check_upstream_counts(run_dir: str, changes) -> None:
-    have = set(_stages_with_checkpoints(run_dir))
-    for k, a, b in changes:
-        stage = ITERATION_FIELDS.get(k)
-        if stage is None:
-            continue
-        later = [s for s in _DOWNSTREAM.get(stage, ()) if s in have]
-        if later:
-            raise RunDirError(
-                f"{run_dir}: {k} changed {a!r} -> {b!r}, but {', '.join(later)} already "
-                f"trained from the {stage} result of the stored configuration; start a new "
-                "run to change it"
-            )
 
 
 def write_json_atomic(path: str, obj) -> None:

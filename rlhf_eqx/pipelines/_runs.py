@@ -24,14 +24,13 @@ from rlhf_eqx import data
 from ._config import (
     LoRASettings,
     OpsConfig,
-    RewardConfig,
     SFTConfig,
 )
-from ._evaluate import reward_accuracy
+from ._loop import LoopResult, run_iterations
+from ._lr_scale import build_optimizer
 from ._metrics import MetricsLog
 from ._monitor import model_flops
-from ._ops import LoopResult, build_optimizer, run_iterations
-from ._validate import validate_ops, validate_stage
+from ._validation import validate_ops, validate_stage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,7 +222,7 @@ def run_sft(
     )
 
 
-# --- reward model ----------------------------------------------------------------------
+# --- batches ---------------------------------------------------------------------------
 
 
 def shuffled_rows(full, batch_size: int, seed: int) -> Callable[[int], Any]:
@@ -278,99 +277,3 @@ def collate_pairs(
         list(pairs), tok, max_length=max_length, max_prompt_length=prompt_length, add_eos=False
     )
     return data.collate_preferences(tokenized, max_length=max_length, pad_id=tok.pad_id)
-
-
-class RewardRunState(eqx.Module):
-    """The state of a reward-model run: the `TrainState`, and the trainable parameters
-    with the best held-out accuracy so far (checkpointed with it, so a resumed run keeps
-    the same selection)."""
-
-    train: rx.train.TrainState
-    best_params: Any
-    best_accuracy: jax.Array
-    best_step: jax.Array
-
-
-def run_reward(
-    policy, tok, pairs: Sequence[data.PreferenceRecord], *, cfg: RewardConfig, ctx: RunContext
-) -> RunResult:
-    """Bradley-Terry reward model (`RewardModel.from_policy`, every weight trained) on
-    preference pairs.
-
-    With `cfg.eval_every > 0`, about `cfg.heldout_fraction` of the pairs' prompts are
-    held out (`data.split_held_out`, seeded by `ops.seed`; their labels are as noisy as
-    the training ones): every `cfg.eval_every` steps and at the end their accuracy is
-    logged (`validation/accuracy`) and the parameters with the best accuracy so far
-    are kept; the result is that model (checkpoint selection: a reward model trained on
-    noisy labels otherwise memorises them). `res.history` then also holds
-    `res.info` says which step was kept, with its training and held-out accuracy.
-    """
-    validate_stage("reward", cfg)
-    pairs = list(pairs)
-    val: list = []
-    if cfg.eval_every:
-        train, val = data.split_held_out(pairs, fraction=cfg.heldout_fraction, seed=ctx.ops.seed)
-        if train and val:
-            pairs = list(train)
-        else:
-            val = []
-            ctx.log.event(
-                "no_validation",
-                f"reward.heldout_fraction={cfg.heldout_fraction}: {len(pairs)} pairs are too "
-                "few to hold some out; the last model is kept",
-            )
-    full = collate_pairs(pairs, tok, max_length=cfg.max_length, prompt_length=ctx.prompt_length)
-    val_batch = (
-        collate_pairs(val, tok, max_length=cfg.max_length, prompt_length=ctx.prompt_length)
-        if val
-        else None
-    )
-    k_init, ctx_key = jax.random.split(ctx.key)
-    rm = rx.RewardModel.from_policy(policy, key=k_init)
-    opt = build_optimizer(cfg.optim, cfg.steps)
-    ts = rx.train.init_train_state(rm, opt)
-    step = rx.train.make_reward_step(opt, donate=False)
-    batch_at = shuffled_rows(full, cfg.batch_size, ctx.ops.seed)
-    state = RewardRunState(
-        ts, ts.params, jnp.asarray(-1.0, jnp.float32), jnp.asarray(-1, jnp.int32)
-    )
-
-    def iteration(st: RewardRunState, key, i):
-        ts, m = st.train.apply(step, batch_at(i), key=key)
-        if val_batch is not None and ((i + 1) % cfg.eval_every == 0 or i + 1 == cfg.steps):
-            acc = reward_accuracy(ts.model, val_batch)
-            m = {**m, "validation/accuracy": acc}
-            if acc > float(st.best_accuracy):
-                best = (ts.params, jnp.asarray(acc, jnp.float32), jnp.asarray(i + 1, jnp.int32))
-                return RewardRunState(ts, *best), [m], {}
-        return eqx.tree_at(lambda s: s.train, st, ts), [m], {}
-
-    tokens = 2 * cfg.batch_size * cfg.max_length
-    res = run_loop(
-        state,
-        iteration,
-        dataclasses.replace(ctx, key=ctx_key),
-        cfg.steps,
-        tokens_per_iteration=tokens,
-        flops_per_iteration=model_flops(rx.count_params(rm), train_tokens=tokens),
-    )
-    final: RewardRunState = res.state
-    ts = final.train
-    if val_batch is not None and int(final.best_step) > 0:
-        ts = eqx.tree_at(lambda s: s.params, ts, final.best_params)
-        summary = {
-            "event": "reward_selection",
-            "message": (
-                f"kept the model of step {int(final.best_step)} (held-out accuracy "
-                f"{float(final.best_accuracy):.3f} on {len(val)} pairs)"
-            ),
-            "selected_step": int(final.best_step),
-            "validation_accuracy": float(final.best_accuracy),
-            "train_accuracy": reward_accuracy(ts.model, full),
-            "validation_pairs": len(val),
-            "train_pairs": len(pairs),
-        }
-        ctx.log.write(summary)
-        info = {k: v for k, v in summary.items() if k not in ("event", "message")}
-        return RunResult(ts, res.history, res.loop, info)
-    return RunResult(ts, res.history, res.loop)

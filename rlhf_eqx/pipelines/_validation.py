@@ -12,8 +12,18 @@ from typing import Any
 
 from ..data._preferences import PREFERENCE_FORMATS
 from ..data._prompts import PROMPT_FORMATS
-from ..losses import DPO_BATCH_LOSS_TYPES, DPO_LOSS_TYPES, KTO_LOSS_TYPES, POLICY_LOSSES
+from ..losses import (
+    DPO_BATCH_LOSS_TYPES,
+    ENSEMBLE_MODES,
+    KTO_LOSS_TYPES,
+    POLICY_LOSSES,
+    PRM_AGGREGATIONS,
+    dpo_loss_types,
+)
+from ..train._judge import JUDGE_SCORES
+from ..train._prm import PRM_SCORES
 from ._config import (
+    REWARD_SOURCES,
     BatchStageConfig,
     ConfigError,
     DistillConfig,
@@ -25,17 +35,29 @@ from ._config import (
     OptimConfig,
     PipelineConfig,
     PPOConfig,
+    PRMConfig,
     RewardConfig,
     RolloutStageConfig,
     SFTConfig,
 )
+from ._registry import find_stage, stage_names, stages
 
 DATA_FORMATS: tuple[str, ...] = ("auto", *PREFERENCE_FORMATS, *PROMPT_FORMATS)
 """The values of `data.format`: preference formats for sft/reward/dpo, prompt formats for
 grpo, `auto` to detect from the first record."""
 SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
-STAGES: tuple[str, ...] = ("sft", "reward", "ppo", "dpo", "grpo", "online-dpo", "kto", "distill")
-TEACHER_STAGES: tuple[str, ...] = ("ppo", "dpo", "grpo", "online-dpo", "kto")
+JUDGE_MODELS: tuple[str, ...] = ("base", "sft")
+"""The stages a judge can be taken from (`judge.model`), besides a checkpoint directory."""
+
+
+def teacher_stages() -> tuple[str, ...]:
+    """The stages `distill.teacher` may name: registered stages that train a policy on the
+    built-in task (SFT, the student's start, and distillation itself excepted)."""
+    return tuple(
+        st.name
+        for st in stages()
+        if st.trains_policy and st.builtin is not None and st.name not in ("sft", "distill")
+    )
 
 
 def _fail(name: str, value: Any, why: str) -> None:
@@ -122,39 +144,80 @@ def validate_config(cfg: PipelineConfig, *, device_count: int = 1) -> None:
     if not all(isinstance(x, str) and x for x in s.stop_strings):
         _fail("sampling.stop_strings", s.stop_strings, "must be non-empty strings")
     validate_ops(cfg.ops)
+    names = stage_names()
     for st in cfg.stages:
-        if st not in STAGES:
-            _fail("stages", cfg.stages, f"unknown stage {st!r} (known: {', '.join(STAGES)})")
-    for st in ("ppo", "online-dpo"):
-        if st in cfg.stages and "reward" not in cfg.stages:
-            _fail("stages", cfg.stages, f"{st} needs the reward stage")
+        if st not in names:
+            _fail("stages", cfg.stages, f"unknown stage {st!r} (known: {', '.join(names)})")
+        if cfg.data.path is None and find_stage(st).builtin is None:
+            _fail("stages", cfg.stages, f"{st} runs on a data file only (data.path)")
+    for st in ("ppo", "grpo"):
+        c = getattr(cfg, st)
+        if st not in cfg.stages or c.reward_model:
+            continue
+        if c.reward_source == "reward_model" and "reward" not in cfg.stages:
+            _fail(
+                "stages",
+                cfg.stages,
+                f"{st} with {st}.reward_source=reward_model needs the "
+                f"reward stage (or {st}.reward_model=DIR)",
+            )
+        if c.reward_source == "prm":
+            _fail(
+                f"{st}.reward_model",
+                "",
+                "reward_source=prm needs the directory of a "
+                "process reward model (rlhf_eqx prm writes <run>/prm/hf)",
+            )
+    uses_judge = any(
+        st in cfg.stages and getattr(cfg, st).reward_source == "judge" for st in ("ppo", "grpo")
+    )
+    if uses_judge:
+        validate_judge(cfg.judge)
     t = cfg.distill.teacher
-    if "distill" in cfg.stages and t in TEACHER_STAGES:
+    if "distill" in cfg.stages and t in teacher_stages():
         if cfg.data.path is not None:
             _fail("distill.teacher", t, "on a data file the teacher is a checkpoint directory")
         if t not in cfg.stages:
             _fail("distill.teacher", t, f"the teacher stage {t!r} is not among the stages")
+    if cfg.data.path is None:  # the built-in task runs each stage's prerequisites first
+        for st in cfg.stages:
+            missing = [
+                p for p in find_stage(st).prerequisites(cfg) if p not in (*cfg.stages, "sft")
+            ]
+            if missing:
+                _fail("stages", cfg.stages, f"{st} needs the {missing[0]} stage")
     if not 0 <= cfg.label_noise < 0.5:
         _fail("label_noise", cfg.label_noise, "must be in [0, 0.5)")
     _positive("eval_samples", cfg.eval_samples)
-    for name, c in (
-        ("sft", cfg.sft),
-        ("reward", cfg.reward),
-        ("dpo", cfg.dpo),
-        ("ppo", cfg.ppo),
-        ("grpo", cfg.grpo),
-        ("kto", cfg.kto),
-        ("distill", cfg.distill),
-    ):
-        validate_stage(name, c, device_count=device_count)
+    for key in dict.fromkeys(st.key for st in stages()):
+        c = getattr(cfg, key)
+        validate_stage(key, c, device_count=device_count)
         if isinstance(c, BatchStageConfig):
-            used = name in cfg.stages or (name == "dpo" and "online-dpo" in cfg.stages)
+            used = any(st.key == key and st.name in cfg.stages for st in stages())
             if used and c.max_length <= s.prompt_length:
                 _fail(
-                    f"{name}.max_length",
+                    f"{key}.max_length",
                     c.max_length,
                     f"must exceed sampling.prompt_length={s.prompt_length}",
                 )
+
+
+def validate_judge(j) -> None:
+    """Check the judge settings (`judge.*`)."""
+    if j.model not in JUDGE_MODELS and not os.path.isdir(j.model):
+        _fail("judge.model", j.model, f"must be one of {', '.join(JUDGE_MODELS)} or a directory")
+    try:
+        j.template.format_map({"prompt": "", "completion": ""})
+    except (KeyError, IndexError, ValueError) as e:
+        _fail(
+            "judge.template",
+            j.template,
+            f"a format string with {{prompt}} and {{completion}} only (double literal braces): {e}",
+        )
+    for name in ("yes", "no"):
+        if not getattr(j, name):
+            _fail(f"judge.{name}", getattr(j, name), "must be a non-empty verdict token")
+    _choice("judge.score", j.score, JUDGE_SCORES)
 
 
 def validate_ops(o: OpsConfig) -> None:
@@ -181,7 +244,8 @@ def validate_ops(o: OpsConfig) -> None:
 def validate_stage(name: str, c: Any, *, device_count: int = 1) -> None:
     """Check one stage's settings (`SFTConfig`, `RewardConfig`, `DPOConfig`, `PPOConfig`,
     `GRPOConfig`) under the field prefix `name`; `ConfigError` naming the field."""
-    _check_optim(f"{name}.optim", c.optim)
+    if hasattr(c, "optim"):
+        _check_optim(f"{name}.optim", c.optim)
     if hasattr(c, "lora"):
         _check_lora(f"{name}.lora", c.lora)
     if isinstance(c, BatchStageConfig):
@@ -192,6 +256,9 @@ def validate_stage(name: str, c: Any, *, device_count: int = 1) -> None:
     if isinstance(c, RolloutStageConfig):
         for field in ("rollouts", "prompts_per_rollout", "epochs"):
             _positive(f"{name}.{field}", getattr(c, field))
+        _choice(f"{name}.reward_source", c.reward_source, REWARD_SOURCES)
+        if c.reward_model and not os.path.isdir(c.reward_model):
+            _fail(f"{name}.reward_model", c.reward_model, "no such directory")
         if not 0 < c.clip < 1:
             _fail(f"{name}.clip", c.clip, "must be in (0, 1)")
         if not c.kl_target > 0:
@@ -203,10 +270,18 @@ def validate_stage(name: str, c: Any, *, device_count: int = 1) -> None:
         if not 0 < c.heldout_fraction < 1:
             _fail(f"{name}.heldout_fraction", c.heldout_fraction, "must be in (0, 1)")
         _at_least(f"{name}.eval_every", c.eval_every, 0)
+        _positive(f"{name}.ensemble", c.ensemble)
+        _choice(f"{name}.ensemble_mode", c.ensemble_mode, ENSEMBLE_MODES)
+        _at_least(f"{name}.ensemble_penalty", c.ensemble_penalty, 0)
+    if isinstance(c, PRMConfig):
+        if not c.separator:
+            _fail(f"{name}.separator", c.separator, "must be a non-empty string")
+        _choice(f"{name}.aggregation", c.aggregation, PRM_AGGREGATIONS)
+        _choice(f"{name}.score", c.score, PRM_SCORES)
     if isinstance(c, DPOConfig):
         if not c.beta > 0:
             _fail(f"{name}.beta", c.beta, "must be > 0")
-        _choice(f"{name}.loss_type", c.loss_type, DPO_LOSS_TYPES)
+        _choice(f"{name}.loss_type", c.loss_type, dpo_loss_types())
         _positive(f"{name}.rounds", c.rounds)
         if c.samples < 2:
             _fail(f"{name}.samples", c.samples, "must be >= 2 (pairs need two completions)")
@@ -221,11 +296,11 @@ def validate_stage(name: str, c: Any, *, device_count: int = 1) -> None:
         if not c.temperature > 0:
             _fail(f"{name}.temperature", c.temperature, "must be > 0")
         _positive(f"{name}.samples", c.samples)
-        if c.teacher not in TEACHER_STAGES and not os.path.isdir(c.teacher):
+        if c.teacher not in teacher_stages() and not os.path.isdir(c.teacher):
             _fail(
                 f"{name}.teacher",
                 c.teacher,
-                f"must be one of {', '.join(TEACHER_STAGES)} or a checkpoint directory",
+                f"must be one of {', '.join(teacher_stages())} or a checkpoint directory",
             )
     if isinstance(c, KTOConfig):
         if not c.beta > 0:

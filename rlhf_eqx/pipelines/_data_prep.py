@@ -1,0 +1,146 @@
+"""Data-file helpers of the single-stage runs: the held-out split, the data-quality report
+and filters, prompt lengths, held-out implicit accuracy and NLL."""
+
+from collections.abc import Sequence
+
+import equinox as eqx
+import jax.numpy as jnp
+
+import rlhf_eqx as rx
+from rlhf_eqx import data
+
+from ._config import DataConfig
+from ._metrics import MetricsLog
+
+
+def split_records(records: Sequence, dc: DataConfig) -> tuple[list, list]:
+    """Split records into training and held-out parts as the data runs do.
+
+    **Arguments:**
+
+    - `records`: preference or prompt records (anything with a `.prompt`).
+    - `dc`: the run's `DataConfig`; `limit` (0: all), `heldout_fraction` and `seed`
+      are used.
+
+    **Returns:**
+
+    `(train, heldout)`: the first `dc.limit` records split by prompt with
+    `data.split_held_out` (seeded by `dc.seed`; no prompt on both sides).
+
+    **Raises:** `ValueError` naming `data.heldout_fraction` when either side is empty.
+    """
+    records = list(records)[: dc.limit or None]
+    train, held = data.split_held_out(records, fraction=dc.heldout_fraction, seed=dc.seed)
+    if not train or not held:
+        raise ValueError(
+            f"data.heldout_fraction={dc.heldout_fraction}: the split of {len(records)} "
+            f"records by prompt left {len(train)} for training and {len(held)} held out; "
+            "use more records or another fraction"
+        )
+    return list(train), list(held)
+
+
+def prompt_tokens(tok, prompt: str) -> int:
+    """The length of `prompt` as the model sees it: its tokens and BOS (what must fit
+    `sampling.prompt_length` for the prompt to stay whole)."""
+    return len(tok.encode(prompt)) + 1
+
+
+def quality_report(
+    records,
+    tok,
+    lengths: "data.SequenceLengths",
+    dc: DataConfig,
+    log: MetricsLog,
+    load_report: "data.LoadReport | None" = None,
+):
+    """`data.preference_quality` of the training `records`, written to the run log and as a
+    `data_quality` event in `metrics.jsonl` (with what the reader dropped, from
+    `load_report`); with `dc.filter`, `data.filter_preferences` drops those problems
+    (`long_prompt`: pairs whose prompt with BOS does not fit the prompt length of
+    `lengths`, so that every prompt trained on is whole) and a `data_filter` event says
+    how many of each went.
+
+    **Returns:** `(records to train on, report)`.
+    """
+    report = data.preference_quality(records, tokenizer=tok, lengths=lengths)
+    dropped = dict(load_report.skipped) if load_report is not None else {}
+    message = report.summary()
+    if dropped:
+        message += "\nDropped by the reader: " + ", ".join(f"{k}: {v}" for k, v in dropped.items())
+    log.write(
+        {
+            "event": "data_quality",
+            "message": message,
+            "skipped_by_reader": sum(dropped.values()),
+            **{f"skipped/{k}": v for k, v in dropped.items()},
+            "pairs": report.total,
+            "distinct_prompts": report.distinct_prompts,
+            "identical": len(report.identical),
+            "empty": len(report.empty),
+            "exact_duplicates": len(report.exact_duplicates),
+            "duplicate_prompts": len(report.duplicate_prompts),
+            "prompt_length_mean": report.prompt_lengths.mean,
+            "chosen_length_mean": report.chosen_lengths.mean,
+            "rejected_length_mean": report.rejected_lengths.mean,
+            "distinct_1": report.distinct_1,
+            "distinct_2": report.distinct_2,
+            "truncation": report.truncation.summary() if report.truncation else None,
+        }
+    )
+    log.info("data quality:\n  " + message.replace("\n", "\n  "))
+    if not dc.filter:
+        return list(records), report
+    records = list(records)
+    kept, dropped = data.filter_preferences(
+        records, drop=tuple(f for f in dc.filter if f != "long_prompt")
+    )
+    counts = {k: len(v) for k, v in dropped.items()}
+    if "long_prompt" in dc.filter:
+        limit = lengths.max_prompt_length
+        fits = [r for r in kept if prompt_tokens(tok, r.prompt) <= limit]
+        counts["long_prompt"] = len(kept) - len(fits)
+        kept = fits
+    log_filter(log, dc, counts, len(records), kept, "pairs")
+    return list(kept), report
+
+
+def log_filter(log: MetricsLog, dc: DataConfig, counts: dict, total: int, kept, what: str):
+    """The `data_filter` event of `data.filter` (how many of each kind went); a
+    `ValueError` when nothing is left to train on."""
+    log.event(
+        "data_filter",
+        f"dropped {total - len(kept)} of {total} {what} ("
+        + ", ".join(f"{k}: {n}" for k, n in counts.items())
+        + ")",
+        kept=len(kept),
+        **{f"dropped_{k}": n for k, n in counts.items()},
+    )
+    if not kept:
+        raise ValueError(f"data.filter={dc.filter}: every training {what[:-1]} was dropped")
+
+
+@eqx.filter_jit
+def implicit_accuracy(policy, reference, batch, beta):
+    lp = rx.train.sequence_logps
+    margin = (
+        lp(policy, batch.chosen_tokens, batch.chosen_mask, batch.chosen_completion_mask)
+        - lp(reference, batch.chosen_tokens, batch.chosen_mask, batch.chosen_completion_mask)
+        - lp(policy, batch.rejected_tokens, batch.rejected_mask, batch.rejected_completion_mask)
+        + lp(reference, batch.rejected_tokens, batch.rejected_mask, batch.rejected_completion_mask)
+    )
+    return jnp.mean((beta * margin > 0).astype(jnp.float32))
+
+
+@eqx.filter_jit
+def nll(model, batch):
+    logps = rx.train.sequence_logps(model, batch.tokens, batch.mask, batch.completion_mask)
+    return -jnp.sum(logps) / jnp.sum(batch.completion_mask & batch.mask).astype(jnp.float32)
+
+
+def is_preference_file(path: str) -> bool:
+    try:
+        data.load_preferences(path)
+        return True
+    except (ValueError, OSError):
+        return False

@@ -1,0 +1,101 @@
+"""Process reward model runs on a stepwise data file (`rlhf_eqx prm --set data.path=FILE`)."""
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import rlhf_eqx as rx
+from rlhf_eqx import data
+
+from ._config import PRMConfig
+from ._lr_scale import build_optimizer
+from ._monitor import model_flops
+from ._runs import RunContext, RunResult, run_loop, shuffled_rows
+from ._validation import validate_stage
+
+
+def stepwise_batch(records: Sequence, tok, cfg: PRMConfig, prompt_length: int):
+    """`(PRMBatch, report)` of stepwise records: `BOS prompt step SEP step SEP ...`, rows of
+    `cfg.max_length` tokens, prompts cut (their end kept) at `prompt_length`."""
+    sols, report = data.tokenize_stepwise(
+        records,
+        tok,
+        separator=cfg.separator,
+        max_length=cfg.max_length,
+        max_prompt_length=min(prompt_length, cfg.max_length - 1),
+    )
+    if not sols:
+        raise ValueError(
+            f"prm: none of {len(records)} solutions has a step that fits prm.max_length="
+            f"{cfg.max_length}"
+        )
+    batch = data.collate_stepwise(
+        sols, pad_id=tok.pad_id, max_length=cfg.max_length, vocab_size=tok.vocab_size
+    )
+    return batch, report
+
+
+@jax.jit
+def _step_accuracy(model, tokens, mask, step_mask, labels):
+    logits = jax.vmap(model)(tokens, mask)
+    correct = ((logits > 0) == (labels > 0.5)) & step_mask
+    return jnp.sum(correct) / jnp.maximum(jnp.sum(step_mask), 1)
+
+
+def step_accuracy(model, batch) -> float:
+    """The fraction of the steps of a `PRMBatch` whose label the PRM predicts (logit > 0
+    for a correct step)."""
+    b = batch
+    return float(_step_accuracy(model, b.tokens, b.mask, b.step_mask, b.step_labels))
+
+
+def run_prm(policy, tok, records: Sequence, *, cfg: PRMConfig, ctx: RunContext) -> RunResult:
+    """A process reward model (Lightman et al. 2023; TRL `PRMTrainer`): a `ValueModel` on
+    the policy's backbone (every weight trained) learns, at the separator ending each
+    step, whether the step is correct (`make_prm_step`); `cfg.steps` steps on shuffled
+    rows of `cfg.batch_size` solutions."""
+    validate_stage("prm", cfg)
+    full, _ = stepwise_batch(records, tok, cfg, ctx.prompt_length)
+    k_init, ctx_key = jax.random.split(ctx.key)
+    model = rx.ValueModel.from_policy(policy, key=k_init)
+    opt = build_optimizer(cfg.optim, cfg.steps)
+    state = rx.train.init_train_state(model, opt)
+    step = rx.train.make_prm_step(opt, donate=False)
+    batch_at = shuffled_rows(full, cfg.batch_size, ctx.ops.seed)
+
+    def iteration(ts, key, i):
+        ts, m = ts.apply(step, batch_at(i), key=key)
+        return ts, [m], {}
+
+    tokens = cfg.batch_size * cfg.max_length
+    return run_loop(
+        state,
+        iteration,
+        dataclasses.replace(ctx, key=ctx_key),
+        cfg.steps,
+        tokens_per_iteration=tokens,
+        flops_per_iteration=model_flops(rx.count_params(model), train_tokens=tokens),
+    )
+
+
+def prm_on_data(cfg, policy, tok, ctx: RunContext, summary: dict, say, split) -> RunResult:
+    """Train a PRM on the stepwise file `cfg.data.path` (`data.load_stepwise`), split into
+    training and held-out solutions by `split(records)`, and put the held-out step
+    accuracy in `summary["prm"]`."""
+    records = data.load_stepwise(cfg.data.path)
+    train, held = split(records)
+    say(f"prm: {len(train)} training / {len(held)} held-out solutions")
+    res = run_prm(policy, tok, train, cfg=cfg.prm, ctx=ctx)
+    held_batch, _ = stepwise_batch(held, tok, cfg.prm, ctx.prompt_length)
+    labels = np.asarray(held_batch.step_labels)[np.asarray(held_batch.step_mask)]
+    summary["prm"] = {
+        "heldout_step_accuracy": step_accuracy(res.state.model, held_batch),
+        "heldout_steps": int(labels.size),
+        "heldout_correct_fraction": float(labels.mean()) if labels.size else 0.0,
+        "train_solutions": len(train),
+        "skipped_by_reader": dict(records.report.skipped),
+    }
+    return res

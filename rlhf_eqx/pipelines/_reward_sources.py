@@ -1,0 +1,327 @@
+"""Where the rewards of PPO and GRPO come from, and how reward models are exported and loaded.
+
+A stage's `reward_source` (`ppo.reward_source`, `grpo.reward_source`) is one of
+`REWARD_SOURCES`:
+
+- `"task"`: reward functions on the decoded text (the built-in task's animal scorer, the
+  exact-match answer of a GSM8K-style file);
+- `"reward_model"`: a Bradley-Terry reward model, or an ensemble of them scored as
+  `mean - penalty * std` (`reward.ensemble`, Coste et al. 2024);
+- `"judge"`: a generative judge, a language model's verdict token after a template
+  (`judge.*`; `rlhf_eqx.train.judge_reward`);
+- `"prm"`: a process reward model's step scores, per token at the step ends for PPO
+  (`rlhf_eqx.train.add_token_rewards`) and aggregated per sequence for GRPO.
+
+Each source is a `RewardSource` whose `score(rollout)` returns one score per completion,
+metrics, and (PRM under PPO) per-token rewards. A reward model, an ensemble or a PRM is
+the run's own (the `reward` stage) or a directory written by `export_reward_model`,
+`export_reward_ensemble` or `export_prm` (`<stage>.reward_model=DIR`): a one-label
+`...ForSequenceClassification` checkpoint, with `ensemble.json` (members in
+`member_<k>/`) or `prm.json` beside it.
+"""
+
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import rlhf_eqx as rx
+
+from ._config import REWARD_SOURCES as REWARD_SOURCES
+from ._rollout import RewardFunction, Rollout, reward_model_scores, score_rollout
+from ._runs import check_finite_weights, copy_tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Scored:
+    """A rollout's rewards: `scores [B]` (one per completion), `metrics` (means, logged
+    with the iteration) and, for a PRM, `token_rewards [B, T]` (step scores at the step
+    ends; `None` otherwise)."""
+
+    scores: np.ndarray
+    metrics: dict
+    token_rewards: Any = None
+
+
+class RewardSource:
+    """Scores the completions of a `Rollout`; see the module docstring for the kinds."""
+
+    def score(self, rollout: Rollout) -> Scored:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class FunctionReward(RewardSource):
+    """The weighted sum of reward functions on the decoded text (`score_rollout`)."""
+
+    fns: tuple[RewardFunction, ...]
+
+    def score(self, rollout: Rollout) -> Scored:
+        scores, metrics = score_rollout(rollout, self.fns)
+        return Scored(scores, metrics)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ModelReward(RewardSource):
+    """A scalar reward model's score of `prompt + completion` (jitted, one pass)."""
+
+    model: Any
+
+    def scores(self, tokens, mask) -> tuple[jax.Array, None]:
+        """`(scores [B], None)` of token rows `[B, T]`."""
+        return reward_model_scores(self.model, tokens, mask), None
+
+    def score(self, rollout: Rollout) -> Scored:
+        return Scored(np.asarray(self.scores(rollout.tokens, rollout.mask)[0]), {})
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class EnsembleReward(RewardSource):
+    """An ensemble's conservative score (`rlhf_eqx.train.ensemble_scores`): with `mode`
+    `std`, `mean - penalty * std` of the members' scores. Logs `reward/ensemble_std`,
+    the mean over completions of the members' spread."""
+
+    ensemble: Any
+    penalty: float = 0.0
+    mode: str = "std"
+
+    def scores(self, tokens, mask) -> tuple[jax.Array, jax.Array]:
+        """`(conservative scores [B], member scores [K, B])` of token rows `[B, T]`."""
+        return rx.train.ensemble_scores(
+            self.ensemble, tokens, mask, penalty=self.penalty, mode=self.mode
+        )
+
+    def score(self, rollout: Rollout) -> Scored:
+        combined, members = self.scores(rollout.tokens, rollout.mask)
+        spread = float(jnp.mean(jnp.std(members, axis=0)))
+        return Scored(np.asarray(combined), {"reward/ensemble_std": spread})
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class JudgeSource(RewardSource):
+    """A generative judge (`rlhf_eqx.train.JudgeReward`): every completion of the rollout
+    in one batched pass."""
+
+    judge: Any
+
+    def score(self, rollout: Rollout) -> Scored:
+        s = self.judge.score(list(rollout.prompts), list(rollout.texts))
+        return Scored(np.asarray(s, np.float32), {"reward/judge": float(np.mean(s))})
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ProcessReward(RewardSource):
+    """A process reward model (a `ValueModel` trained by `make_prm_step`): its step
+    scores at the separator tokens of each completion (`step_end_mask`, the final
+    unterminated step included), aggregated per sequence (`aggregation`: `min`, `last`
+    or `mean`), and per token for PPO."""
+
+    model: Any
+    separator_id: int
+    aggregation: str = "min"
+    score_kind: str = "prob"
+    ignore_ids: tuple[int, ...] = ()
+
+    def score(self, rollout: Rollout) -> Scored:
+        comp = rollout.completion_mask & rollout.mask
+        steps = rx.train.step_end_mask(
+            rollout.tokens, comp, self.separator_id, ignore_ids=self.ignore_ids
+        )
+        token_rewards, seq = rx.train.process_rewards(
+            self.model,
+            rollout.tokens,
+            rollout.mask,
+            steps,
+            score=self.score_kind,
+            aggregation=self.aggregation,
+        )
+        n_steps = float(jnp.mean(jnp.sum(steps, axis=-1, dtype=jnp.float32)))
+        return Scored(np.asarray(seq), {"reward/prm_steps": n_steps}, token_rewards)
+
+
+def as_reward_source(reward: Any) -> RewardSource:
+    """A `RewardSource` from what a run was given: a source, a scalar reward model, an
+    `Ensemble` (scored by the members' mean), or reward functions."""
+    if isinstance(reward, RewardSource):
+        return reward
+    if isinstance(reward, rx.train.Ensemble):
+        return EnsembleReward(reward)
+    if isinstance(reward, rx.models.AbstractScalarModel):
+        return ModelReward(reward)
+    fns = tuple(reward)
+    if not fns or not all(isinstance(f, RewardFunction) for f in fns):
+        raise TypeError(
+            "reward must be a RewardSource, a reward model, an Ensemble or a non-empty "
+            f"sequence of RewardFunction, got {reward!r}"
+        )
+    return FunctionReward(fns)
+
+
+# --- export and loading ---------------------------------------------------------------
+
+
+def _save_scalar(model, out: str, tokenizer_file: str | None) -> float:
+    """Save a scalar-head model (bias dropped: the HF head has none); return the bias."""
+    bias = float(model.bias)
+    rx.save_hf(eqx.tree_at(lambda m: m.bias, model, jnp.zeros_like(model.bias)), out)
+    copy_tokenizer(tokenizer_file, out)
+    return bias
+
+
+def export_reward_ensemble(
+    ensemble,
+    run_dir: str,
+    *,
+    penalty: float,
+    mode: str,
+    tokenizer_file: str | None = None,
+) -> str:
+    """Write an ensemble of reward models to `<run_dir>/reward/ensemble/`: each member
+    a `...ForSequenceClassification` checkpoint in `member_<k>/`, and `ensemble.json`
+    with the members' biases (the HF head has none, and the spread depends on them) and
+    the combination (`mode`, `penalty`). Non-finite weights are refused."""
+    out = os.path.join(run_dir, "reward", "ensemble")
+    meta = {"members": ensemble.num_members, "mode": mode, "penalty": penalty, "biases": []}
+    for k in range(ensemble.num_members):
+        member = ensemble.member(k)
+        check_finite_weights(member, f"reward ensemble member {k}")
+        meta["biases"].append(
+            _save_scalar(member, os.path.join(out, f"member_{k}"), tokenizer_file)
+        )
+    copy_tokenizer(tokenizer_file, out)
+    with open(os.path.join(out, "ensemble.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    return out
+
+
+def export_prm(
+    model,
+    run_dir: str,
+    *,
+    separator: str,
+    aggregation: str,
+    score: str = "prob",
+    tokenizer_file: str | None = None,
+) -> str:
+    """Write a process reward model to `<run_dir>/prm/hf/`: the `ValueModel` as a
+    `...ForSequenceClassification` checkpoint and `prm.json` with its bias (the step
+    scores are logits: the bias matters), the step `separator` it was trained with and
+    the defaults of its use (`aggregation`, `score`)."""
+    check_finite_weights(model, "process reward model")
+    out = os.path.join(run_dir, "prm", "hf")
+    bias = _save_scalar(model, out, tokenizer_file)
+    meta = {"bias": bias, "separator": separator, "aggregation": aggregation, "score": score}
+    with open(os.path.join(out, "prm.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    return out
+
+
+def _load_scalar(directory: str, bias: float, cls=None):
+    model = rx.load_hf(directory)
+    if not isinstance(model, rx.RewardModel):
+        raise ValueError(
+            f"{directory}: holds a {type(model).__name__}, not a reward model "
+            "(a one-label ...ForSequenceClassification checkpoint)"
+        )
+    if cls is not None:  # the same fields under another read-out (per token)
+        shell = eqx.filter_eval_shape(cls, model.cfg, key=jax.random.key(0))
+        model = eqx.tree_at(
+            lambda m: (m.transformer, m.head, m.bias),
+            shell,
+            (model.transformer, model.head, model.bias),
+        )
+    return eqx.tree_at(lambda m: m.bias, model, jnp.asarray(bias, jnp.float32))
+
+
+def load_reward_source(directory: str, tokenizer, *, eos_ids: Sequence[int] = ()) -> RewardSource:
+    """The reward source a directory holds: an ensemble (`ensemble.json`), a process
+    reward model (`prm.json`; its step separator encoded with `tokenizer`) or one reward
+    model. `ValueError` naming the directory when it holds none of these."""
+    if not os.path.isdir(directory):
+        raise ValueError(f"reward model {directory!r}: no such directory")
+    ens = os.path.join(directory, "ensemble.json")
+    prm = os.path.join(directory, "prm.json")
+    if os.path.isfile(ens):
+        with open(ens) as f:
+            meta = json.load(f)
+        models = [
+            _load_scalar(os.path.join(directory, f"member_{k}"), b)
+            for k, b in enumerate(meta["biases"])
+        ]
+        per, shared = zip(*(eqx.partition(m, eqx.is_inexact_array) for m in models))
+        members = jax.tree.map(lambda *xs: jnp.stack(xs), *per)
+        return EnsembleReward(
+            rx.train.Ensemble(members=members, shared=shared[0]),
+            penalty=float(meta["penalty"]),
+            mode=str(meta["mode"]),
+        )
+    if os.path.isfile(prm):
+        with open(prm) as f:
+            meta = json.load(f)
+        return ProcessReward(
+            _load_scalar(directory, meta["bias"], rx.ValueModel),
+            rx.data.separator_id(tokenizer, meta["separator"]),
+            aggregation=meta["aggregation"],
+            score_kind=meta["score"],
+            ignore_ids=tuple(eos_ids),
+        )
+    if not os.path.isfile(os.path.join(directory, "config.json")):
+        raise ValueError(
+            f"reward model {directory!r}: no config.json, ensemble.json or prm.json (export "
+            "one with the reward or prm stage)"
+        )
+    return ModelReward(_load_scalar(directory, 0.0))
+
+
+def stage_reward_source(
+    c,
+    *,
+    task: Sequence[RewardFunction],
+    tokenizer,
+    judge,
+    judges: dict,
+    run_reward: RewardSource | None = None,
+) -> RewardSource:
+    """The reward source of a PPO / GRPO stage config `c` (`c.reward_source`,
+    `c.reward_model`): the `task` reward functions; the run's reward model
+    (`run_reward`) or a directory's; a judge (`judge`: the `JudgeConfig`; `judges` maps
+    `judge.model` names to policies, e.g. `{"base": base, "sft": sft}`, and a directory
+    is loaded); a process reward model from a directory."""
+    eos = tuple(i for i in (tokenizer.eos_id,) if i is not None)
+    if c.reward_source == "task":
+        return FunctionReward(tuple(task))
+    if c.reward_source == "judge":
+        model = judges.get(judge.model)
+        if model is None:
+            from ._pipeline import load_model
+
+            model, _ = load_model(judge.model)
+        return JudgeSource(
+            rx.train.judge_reward(
+                model,
+                tokenizer,
+                template=judge.template,
+                yes_token=judge.yes,
+                no_token=judge.no,
+                score=judge.score,
+            )
+        )
+    if c.reward_model:
+        source = load_reward_source(c.reward_model, tokenizer, eos_ids=eos)
+    elif run_reward is not None:
+        source = run_reward
+    else:
+        raise ValueError(f"reward_source={c.reward_source!r} needs reward_model=DIR")
+    is_prm = isinstance(source, ProcessReward)
+    if is_prm != (c.reward_source == "prm"):
+        raise ValueError(
+            f"reward_source={c.reward_source!r} but {c.reward_model or 'the run'} holds "
+            + ("a process reward model" if is_prm else "a reward model, not a process reward model")
+        )
+    return source

@@ -1,0 +1,90 @@
+"""The stage registry: a stage registered in a few lines is a CLI command with its own
+settings (`--set toy.FIELD`, `toy --help`), validated, run on the built-in task after SFT,
+evaluated, exported and summarised like the built-in stages."""
+
+import dataclasses
+import json
+
+import pytest
+
+from rlhf_eqx import pipelines as pl
+from rlhf_eqx.__main__ import main, stage_commands
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyConfig(pl.SFTConfig):
+    """SFT on one fixed completion per prompt, `repeat` copies of each."""
+
+    repeat: int = 1
+
+
+def toy(env: pl.StageEnv, c: ToyConfig) -> pl.Outcome:
+    records = [(p, " a cat sat on the mat.") for p in pl.TRAIN_PROMPTS[:8]] * c.repeat
+    res = pl.run_sft(env.policies["sft"], env.tok, records, cfg=c, ctx=env.ctx("toy"))
+    return pl.Outcome(res, policy=pl.final_policy(res.state.model))
+
+
+@pytest.fixture
+def toy_stage():
+    pl.register_stage(pl.Stage("toy", ToyConfig, builtin=toy, help="a toy SFT"))
+    yield
+    pl.unregister_stage("toy")
+
+
+_SMALL = ["--quiet", "--set", "ops.monitor=false", "--set", "eval_samples=1"]
+_SMALL += ["--set", "sft.steps=2", "--set", "sampling.max_new_tokens=8"]
+
+
+def test_a_registered_stage_runs_from_the_cli(toy_stage, tmp_path, capsys):
+    assert "toy" in stage_commands() and "toy" in pl.stage_names()
+    out = tmp_path / "run"
+    argv = ["toy", "--out", str(out), *_SMALL, "--set", "toy.steps=2", "--set", "toy.repeat=2"]
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["toy"]["stopped"] == "done" and 0 <= summary["toy"]["score"] <= 1
+    assert "win_rate_vs_sft" in summary["toy"]
+    config = json.loads((out / "config.json").read_text())
+    assert config["stages"] == ["sft", "toy"] and config["toy"]["repeat"] == 2
+    assert (out / "toy" / "hf" / "config.json").exists()
+    assert [r["step"] for r in pl.read_metrics(str(out))["toy"]] == [0, 1]
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("rlhf_eqx toy: done")
+    # resume checks the extra section like any other: a changed setting is refused
+    assert main([*argv, "--resume", "--set", "toy.repeat=3"]) == 2
+    assert "toy.repeat" in capsys.readouterr().err
+
+
+def test_a_registered_stage_has_help_and_checked_settings(toy_stage, capsys):
+    assert main(["toy", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "toy.repeat = 1" in text and "sft.steps" in text
+    assert main(["toy", "--set", "toy.nope=1", "--show-config"]) == 2
+    assert "toy.nope: unknown field" in capsys.readouterr().err
+    assert main(["toy", "--set", "toy.steps=0", "--show-config"]) == 2
+    assert "toy.steps=0: must be >= 1" in capsys.readouterr().err
+    cfg = pl.apply_overrides(pl.animal_task_config(), ["toy.repeat=4"])
+    assert cfg.toy == ToyConfig(repeat=4) and pl.animal_task_config().toy == ToyConfig()
+    assert pl.config_from_dict(pl.PipelineConfig, pl.config_to_dict(cfg)) == cfg
+
+
+def test_registry_refuses_duplicates_and_bad_stages():
+    with pytest.raises(ValueError, match="already registered"):
+        pl.register_stage(pl.Stage("dpo", pl.DPOConfig, builtin=toy))
+    with pytest.raises(ValueError, match="builtin=, data= or both"):
+        pl.Stage("nothing", ToyConfig)
+    with pytest.raises(TypeError, match="config must be a dataclass"):
+        pl.Stage("bad", dict, builtin=toy)
+    with pytest.raises(pl.ConfigError, match="unknown stage 'nope'"):
+        pl.get_stage("nope")
+
+
+def test_builtin_stages_come_from_the_registry():
+    names = pl.stage_names()
+    assert names[:8] == ("sft", "reward", "ppo", "online-dpo", "dpo", "grpo", "kto", "distill")
+    assert set(pl.data_stages()) == {"sft", "reward", "dpo", "grpo", "kto", "distill", "prm"}
+    cfg = pl.animal_task_config()
+    assert pl.get_stage("ppo").prerequisites(cfg) == ("sft", "reward", "ppo")
+    task = dataclasses.replace(cfg, ppo=dataclasses.replace(cfg.ppo, reward_source="task"))
+    assert pl.get_stage("ppo").prerequisites(task) == ("sft", "ppo")
+    assert pl.get_stage("distill").prerequisites(cfg) == ("sft", "grpo", "distill")
+    assert pl.get_stage("online-dpo").key == "dpo"
+    assert "prm" not in pl.teacher_stages() and "reward" not in pl.teacher_stages()

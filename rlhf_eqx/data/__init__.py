@@ -37,6 +37,7 @@ from ._chat import (
     ChatTemplate as ChatTemplate,
     format_chat as format_chat,
 )
+from ._chat_spans import token_offsets as token_offsets
 from ._collate import (
     check_token_ids as check_token_ids,
     collate_preferences as collate_preferences,
@@ -47,6 +48,11 @@ from ._collate import (
 from ._errors import DataError as DataError
 from ._hf_tokenizer import HFTokenizer as HFTokenizer
 from ._io import LoadReport as LoadReport
+from ._jinja_chat import (
+    JinjaChatTemplate as JinjaChatTemplate,
+    RenderedChat as RenderedChat,
+    load_chat_template as load_chat_template,
+)
 from ._llama2c_tokenizer import Llama2cTokenizer as Llama2cTokenizer
 from ._load_tokenizer import load_tokenizer as load_tokenizer
 from ._loader import (
@@ -54,12 +60,8 @@ from ._loader import (
     IteratorState as IteratorState,
     epoch_permutation as epoch_permutation,
 )
-from ._packing import (
-    pack_preference_steps as pack_preference_steps,
-    pack_preferences as pack_preferences,
-    packed_from_preferences as packed_from_preferences,
-    packed_length as packed_length,
-)
+from ._packing import pack_preferences as pack_preferences, packed_length as packed_length
+from ._packing_steps import pack_preference_steps as pack_preference_steps
 from ._preferences import (
     PreferenceDataset as PreferenceDataset,
     PreferenceRecord as PreferenceRecord,
@@ -87,6 +89,7 @@ from ._quality import (
     filter_preferences as filter_preferences,
     preference_quality as preference_quality,
 )
+from ._repacking import packed_from_preferences as packed_from_preferences
 from ._sentencepiece_tokenizer import SentencePieceTokenizer as SentencePieceTokenizer
 from ._sharding import (
     assign_shards as assign_shards,

@@ -11,41 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-# The scorer's words: each with its plural forms (irregular ones included).
-ANIMALS: tuple[str, ...] = (
-    "cat",
-    "dog",
-    "bird",
-    "fish",
-    "bunny",
-    "rabbit",
-    "bear",
-    "lion",
-    "frog",
-    "duck",
-    "horse",
-    "cow",
-    "pig",
-    "mouse",
-    "monkey",
-    "elephant",
-    "owl",
-    "puppy",
-    "kitten",
-    "fox",
-)
-_IRREGULAR = {
-    "mouse": ("mice",),
-    "puppy": ("puppies",),
-    "bunny": ("bunnies",),
-    "fox": ("foxes",),
-    "fish": ("fishes",),
-}
-
-
-def _forms(word: str) -> tuple[str, ...]:
-    return (word, word + "s") + _IRREGULAR.get(word, ())
-
+from ..envs._animal_words import ANIMALS as ANIMALS, word_forms as _forms
 
 _PATTERN = re.compile(
     r"\b(?:"

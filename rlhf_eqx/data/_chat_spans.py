@@ -1,0 +1,114 @@
+"""Where the assistant's text lies in a rendered chat: the `{% generation %}` jinja2
+extension and the character spans it marks, the fallback search for assistant contents,
+and token offsets that carry a character mask over to tokens.
+"""
+
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ._errors import DataError
+from ._tokenizer import Tokenizer
+
+# Unique markers written around generation blocks while rendering, removed afterwards:
+# robust to output that jinja2 buffers (macros, `set` blocks) before it is emitted.
+_OPEN = f"\x00<generation {uuid.uuid4().hex}>\x00"
+_CLOSE = f"\x00</generation {uuid.uuid4().hex}>\x00"
+_MARKERS = re.compile(f"({re.escape(_OPEN)}|{re.escape(_CLOSE)})")
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def _generation_extension(jinja2):
+    """A jinja2 extension for `{% generation %}...{% endgeneration %}`: renders the body
+    between the two markers, from which `render_with_assistant_mask` reads the spans."""
+
+    class Generation(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            call = self.call_method("_mark", [])
+            return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+        def _mark(self, caller):
+            return _OPEN + caller() + _CLOSE
+
+    return Generation
+
+
+def _spans_from_markers(raw: str) -> tuple[str, list[tuple[int, int]]]:
+    parts, spans, depth, start, length = [], [], 0, 0, 0
+    for piece in _MARKERS.split(raw):
+        if piece == _OPEN:
+            if depth == 0:
+                start = length
+            depth += 1
+        elif piece == _CLOSE:
+            depth -= 1
+            if depth == 0 and length > start:
+                spans.append((start, length))
+        else:
+            parts.append(piece)
+            length += len(piece)
+    if depth != 0:
+        raise DataError("chat template: unbalanced {% generation %} blocks")
+    return "".join(parts), spans
+
+
+def _spans_from_contents(
+    text: str, messages: Sequence[Mapping[str, Any]], eos: str
+) -> list[tuple[int, int]]:
+    spans, cursor = [], 0
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if not isinstance(content, str) or not content:
+            continue
+        at = text.find(content, cursor)
+        if at < 0 and content.strip():
+            content = content.strip()
+            at = text.find(content, cursor)
+        if at < 0:
+            if m.get("role") == "assistant":
+                raise DataError(
+                    f"message {i} (assistant): its content is not in the rendered text after "
+                    "the previous messages (the template rewrites it); use a template with "
+                    "{% generation %} blocks"
+                )
+            continue  # a system / user message the template rewrote: skip it
+        end = at + len(content)
+        if m.get("role") == "assistant":
+            if eos and text.startswith(eos, end):
+                end += len(eos)
+            spans.append((at, end))
+        cursor = end
+    return spans
+
+
+def token_offsets(tokenizer: Tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """`tokenizer.encode(text)` and each id's `(start, end)` character range in `text`.
+
+    An `HFTokenizer` gives its offsets; for any other tokenizer they come from decoding
+    growing prefixes of the ids (the end of token `k` is the length of the decoded first
+    `k + 1` ids), which needs `decode(encode(text)) == text`.
+    """
+    inner = getattr(tokenizer, "tokenizer", None)
+    if inner is not None and hasattr(inner, "encode"):
+        encoding = inner.encode(text, add_special_tokens=False)
+        ids = [int(i) for i in encoding.ids]
+        if ids == list(tokenizer.encode(text)):
+            return ids, [(int(s), int(e)) for s, e in encoding.offsets]
+    ids = [int(i) for i in tokenizer.encode(text)]
+    if tokenizer.decode(ids) != text:
+        raise DataError(
+            f"{type(tokenizer).__name__} does not decode the rendered text back exactly "
+            "(special tokens skipped, or normalisation), so its tokens cannot be aligned "
+            "with characters; use a tokenizer with offsets (HFTokenizer)"
+        )
+    offsets, prev = [], 0
+    for k in range(len(ids)):
+        end = min(max(len(tokenizer.decode(ids[: k + 1])), prev), len(text))
+        offsets.append((prev, end))
+        prev = end
+    return ids, offsets

@@ -1,0 +1,29 @@
+"""Multi-turn environments and rollouts.
+
+A policy plays several turns against an environment — a jittable `Environment` inside
+one compiled rollout (`rollout_multiturn`), or a Python `HostEnvironment` /
+`TextEnvironment` (tools, interpreters, anything) between compiled policy turns
+(`rollout_multiturn_host`). Both return a `Trajectory` whose `loss_mask` marks the
+policy's own tokens only, ready for the GRPO / PPO steps (`completion_mask=loss_mask`,
+`old_logp=logprobs`).
+"""
+
+from ._animal import (
+    AnimalFollowUpEnv as AnimalFollowUpEnv,
+    animal_followup_score as animal_followup_score,
+)
+from ._environment import (
+    Environment as Environment,
+    HostEnvironment as HostEnvironment,
+    TextEnvironment as TextEnvironment,
+)
+from ._host_rollout import rollout_multiturn_host as rollout_multiturn_host
+from ._rollout import rollout_multiturn as rollout_multiturn
+from ._tools import (
+    ToolCall as ToolCall,
+    ToolEnvironment as ToolEnvironment,
+    calculator as calculator,
+    call_tool as call_tool,
+    parse_tool_calls as parse_tool_calls,
+)
+from ._trajectory import Trajectory as Trajectory

@@ -1,0 +1,331 @@
+"""Tool use: parse tool calls from a policy turn, run them with a timeout, answer with
+their results.
+
+**Format** (Hermes / Qwen style): a turn calls tools with one or more blocks
+
+    <tool_call>{"name": "calculator", "arguments": {"expression": "2 + 3 * 4"}}</tool_call>
+
+(`arguments` may also be a JSON string holding the object, as OpenAI-style messages
+write it). Each call is answered, in order, by
+
+    <tool_response>14</tool_response>
+
+and an error — malformed JSON, a missing name, an unknown tool, bad arguments, an
+exception inside the tool, a timeout — by `<tool_response>error: ...</tool_response>`:
+the policy sees what went wrong and the run goes on. A turn without a tool call is the
+final answer and ends the episode.
+"""
+
+import ast
+import dataclasses
+import json
+import math
+import operator
+import re
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..data import Tokenizer
+from ._environment import TextEnvironment
+
+_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_OPEN = "<tool_call>"
+_CUT = "...[cut]"
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    """One parsed tool call: `name` and `arguments`, or the `error` that made it unusable
+    (then `name` may be `None`)."""
+
+    name: str | None
+    arguments: dict[str, Any]
+    error: str | None = None
+
+
+def parse_tool_calls(text: str) -> list[ToolCall]:
+    """The tool calls of a turn, in order.
+
+    **Arguments:**
+
+    - `text`: the turn's text.
+
+    **Returns:** one `ToolCall` per `<tool_call>...</tool_call>` block (see the module
+    docstring for the format), with `error` set for a block that is not a JSON object
+    with a string `"name"` and an object (or JSON-string object) `"arguments"`; a final
+    `<tool_call>` without its closing tag gives one `ToolCall` with an error. An empty
+    list means no tool was called.
+    """
+    calls = []
+    end = 0
+    for m in _CALL.finditer(text):
+        end = m.end()
+        calls.append(_parse_one(m.group(1)))
+    if _OPEN in text[end:]:
+        calls.append(ToolCall(None, {}, "unterminated <tool_call> (no </tool_call>)"))
+    return calls
+
+
+def _parse_one(body: str) -> ToolCall:
+    try:
+        value = json.loads(body.strip())
+    except json.JSONDecodeError as e:
+        return ToolCall(None, {}, f"invalid JSON in tool call ({e.msg} at column {e.colno})")
+    if not isinstance(value, dict):
+        return ToolCall(None, {}, f"a tool call must be a JSON object, got {type(value).__name__}")
+    name = value.get("name")
+    if not isinstance(name, str) or not name:
+        return ToolCall(None, {}, 'a tool call needs a string "name"')
+    arguments = value.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as e:
+            return ToolCall(name, {}, f"invalid JSON in the arguments string ({e.msg})")
+    if not isinstance(arguments, dict):
+        return ToolCall(
+            name, {}, f'"arguments" must be a JSON object, got {type(arguments).__name__}'
+        )
+    return ToolCall(name, arguments)
+
+
+def _as_text(result: object) -> str:
+    if isinstance(result, str):
+        return result
+    try:
+        return json.dumps(result, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return str(result)
+
+
+def call_tool(
+    tools: Mapping[str, Callable[..., Any]], call: ToolCall, *, timeout: float = 5.0
+) -> str:
+    """Run one parsed call and return its result as text, or `"error: ..."`; never raises.
+
+    The tool runs in a daemon thread; after `timeout` seconds the call is answered with
+    a timeout error and the thread is abandoned (Python cannot stop a thread: a tool
+    that can run forever should bound its own work, as `calculator` does). Results that
+    are not strings are written as JSON (or `str`).
+
+    **Arguments:**
+
+    - `tools`: name → callable, called with the call's arguments as keywords.
+    - `call`: a `ToolCall` (from `parse_tool_calls`).
+    - `timeout`: seconds to wait for the result.
+    """
+    if call.error is not None:
+        return f"error: {call.error}"
+    if call.name not in tools:
+        return f"error: unknown tool {call.name!r}; available tools: {sorted(tools)}"
+    fn = tools[call.name]
+    outcome: dict[str, object] = {}
+
+    def run():
+        try:
+            outcome["result"] = fn(**call.arguments)
+        except BaseException as e:  # noqa: BLE001 (every failure becomes an observation)
+            outcome["error"] = f"{type(e).__name__}: {e}"
+
+    thread = threading.Thread(target=run, name=f"tool-{call.name}", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        return f"error: tool {call.name!r} timed out after {timeout:g} s"
+    if "error" in outcome:
+        return f"error: {outcome['error']}"
+    return _as_text(outcome.get("result"))
+
+
+class ToolEnvironment(TextEnvironment):
+    """A `TextEnvironment` in which the policy calls tools until it answers.
+
+    Each turn is parsed with `parse_tool_calls`. With tool calls, each (at most
+    `max_calls_per_turn`; the rest are answered with an error) runs through
+    `call_tool`, and the observation is
+    `response_prefix + "<tool_response>r1</tool_response>\\n..." + response_suffix`
+    (reward 0, not done). Without one, the turn is the final answer: the episode ends
+    with reward `reward_fn(prompt_text, answer_text)` (0 without `reward_fn`).
+
+    The prefix and suffix place the responses in a chat format, e.g. for ChatML
+    `response_prefix="<|im_end|>\\n<|im_start|>user\\n"`,
+    `response_suffix="<|im_end|>\\n<|im_start|>assistant\\n"`. A response too long for
+    `max_observation_tokens` is shortened (its result text cut, marked `...[cut]`).
+
+    **Arguments:**
+
+    - `tools`: name → callable (keyword arguments from the call's `arguments`).
+    - `tokenizer`: any `rlhf_eqx.data.Tokenizer`.
+    - `max_observation_tokens`: the observations' static token budget.
+    - `timeout`: seconds per tool call.
+    - `max_calls_per_turn`: calls run per turn.
+    - `reward_fn`: `(prompt_text, answer_text) -> float`, the final answer's reward.
+    - `response_prefix`, `response_suffix`: text around the responses.
+    """
+
+    def __init__(
+        self,
+        tools: Mapping[str, Callable[..., Any]],
+        tokenizer: Tokenizer,
+        *,
+        max_observation_tokens: int = 128,
+        timeout: float = 5.0,
+        max_calls_per_turn: int = 4,
+        reward_fn: Callable[[str, str], float] | None = None,
+        response_prefix: str = "",
+        response_suffix: str = "",
+    ):
+        super().__init__(tokenizer, max_observation_tokens=max_observation_tokens)
+        for name, fn in tools.items():
+            if not (isinstance(name, str) and callable(fn)):
+                raise TypeError(f"tools must map names to callables; got {name!r}: {fn!r}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be positive, got {timeout!r}")
+        if not (isinstance(max_calls_per_turn, int) and max_calls_per_turn > 0):
+            raise ValueError(
+                f"max_calls_per_turn must be a positive int, got {max_calls_per_turn!r}"
+            )
+        self.tools = dict(tools)
+        self.timeout = float(timeout)
+        self.max_calls_per_turn = max_calls_per_turn
+        self.reward_fn = reward_fn
+        self.response_prefix = response_prefix
+        self.response_suffix = response_suffix
+        self.prompt = ""
+
+    def reset_text(self, prompt: str) -> str:
+        self.prompt = prompt
+        return ""
+
+    def step_text(self, completion: str) -> tuple[str, float, bool]:
+        calls = parse_tool_calls(completion)
+        if not calls:
+            reward = (
+                0.0 if self.reward_fn is None else float(self.reward_fn(self.prompt, completion))
+            )
+            return "", reward, True
+        results = []
+        for i, call in enumerate(calls):
+            if i < self.max_calls_per_turn:
+                results.append(call_tool(self.tools, call, timeout=self.timeout))
+            else:
+                results.append(f"error: at most {self.max_calls_per_turn} tool calls per turn")
+        return self._fit(results), 0.0, False
+
+    def _render(self, results: list[str]) -> str:
+        body = "\n".join(f"<tool_response>{r}</tool_response>" for r in results)
+        return self.response_prefix + body + self.response_suffix
+
+    def _fit(self, results: list[str]) -> str:
+        """The rendered responses, each result cut (longest first) until they fit."""
+        results = list(results)
+        budget = self.max_observation_tokens
+        while True:
+            text = self._render(results)
+            n = len(self.encode_observation(text))
+            if n <= budget:
+                return text
+            i = max(range(len(results)), key=lambda j: len(results[j]))
+            if not results[i]:
+                break
+            keep = len(results[i]) * budget // n - len(_CUT)
+            results[i] = results[i][:keep] + _CUT if keep > 0 else ""
+        raise ValueError(
+            f"the tool responses' frame ({self.response_prefix!r} ... "
+            f"{self.response_suffix!r}) alone needs more than max_observation_tokens="
+            f"{budget} tokens"
+        )
+
+
+# --------------------------------------------------------------------------- calculator
+
+_BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
+_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+MAX_EXPRESSION_CHARS = 200
+MAX_NODES = 100
+MAX_EXPONENT = 100
+MAX_INT_BITS = 512
+
+
+def calculator(expression: str) -> int | float:
+    """Evaluate an arithmetic expression safely: a tool for `ToolEnvironment`.
+
+    Accepts numbers (ints and floats, not booleans or complex), the binary operators
+    `+ - * / // % **`, unary `+ -` and parentheses — nothing else: no names, calls,
+    attributes, subscripts, comparisons. The expression is parsed with `ast`, never
+    `eval`-ed. Limits keep every evaluation fast and small: at most 200 characters and
+    100 syntax nodes, exponents of magnitude at most 100, integers of at most 512 bits
+    (about 154 digits), finite floats.
+
+    **Arguments:**
+
+    - `expression`: e.g. `"(2 + 3) * 4 ** 2"`.
+
+    **Returns:** the value (`int` or `float`). **Raises** `ValueError` naming what is
+    not allowed or which limit was hit (division by zero included).
+    """
+    if not isinstance(expression, str):
+        raise ValueError(f"expression must be a string, got {type(expression).__name__}")
+    if len(expression) > MAX_EXPRESSION_CHARS:
+        raise ValueError(
+            f"expression has {len(expression)} characters, more than {MAX_EXPRESSION_CHARS}"
+        )
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError as e:
+        raise ValueError(f"not an arithmetic expression: {e.msg}") from None
+    nodes = sum(1 for _ in ast.walk(tree))
+    if nodes > MAX_NODES:
+        raise ValueError(f"expression has {nodes} syntax nodes, more than {MAX_NODES}")
+    return _evaluate(tree.body)
+
+
+def _check_value(x: int | float | complex) -> int | float:
+    if isinstance(x, complex):
+        raise ValueError("the result is a complex number")
+    if isinstance(x, int) and x.bit_length() > MAX_INT_BITS:
+        raise ValueError(f"an intermediate integer exceeds {MAX_INT_BITS} bits")
+    if isinstance(x, float) and not math.isfinite(x):
+        raise ValueError("an intermediate value is not finite")
+    return x
+
+
+def _power(base: int | float, exponent: int | float) -> int | float | complex:
+    if abs(exponent) > MAX_EXPONENT:
+        raise ValueError(f"exponent {exponent!r} exceeds the limit of {MAX_EXPONENT}")
+    if isinstance(base, int) and isinstance(exponent, int) and exponent > 0:
+        if base.bit_length() * exponent > MAX_INT_BITS + 64:
+            raise ValueError(f"{base} ** {exponent} exceeds {MAX_INT_BITS} bits")
+    return base**exponent
+
+
+def _evaluate(node: ast.AST) -> int | float:
+    if isinstance(node, ast.Constant):
+        value = node.value
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"only numbers are allowed, got {value!r}")
+        return _check_value(value)
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+        return _check_value(_UNARY[type(node.op)](_evaluate(node.operand)))
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        try:
+            if isinstance(node.op, ast.Pow):
+                value = _power(left, right)
+            else:
+                value = _BINARY[type(node.op)](left, right)
+        except ZeroDivisionError:
+            raise ValueError("division by zero") from None
+        except OverflowError:
+            raise ValueError("numeric overflow") from None
+        return _check_value(value)
+    raise ValueError(f"{type(node).__name__} is not allowed in an arithmetic expression")

@@ -11,6 +11,7 @@ from ._config import (
     RewardConfig,
     SFTConfig,
 )
+from ._multiturn_runs import MultiturnConfig, multiturn
 from ._registry import Stage, register_stage
 
 for _stage in (
@@ -67,6 +68,12 @@ for _stage in (
         D.distill,
         needs=B.distill_needs,
         help="generalized knowledge distillation from distill.teacher",
+    ),
+    Stage(
+        "multiturn",
+        MultiturnConfig,
+        multiturn,
+        help="GRPO on two-turn episodes: a paragraph, then one about the animal asked for",
     ),
     Stage(
         "prm",

@@ -1,0 +1,215 @@
+"""Multi-turn GRPO on the built-in task (`rlhf_eqx multiturn`): the policy writes a
+paragraph, the environment names an animal ("Now tell me about the cat."), and the
+second paragraph is rewarded when it is about that animal.
+
+Each rollout is one compiled program (`rlhf_eqx.envs.rollout_multiturn`: policy turns
+with the KV cache, the environment's turns in between, vmapped over the episodes and
+the members of each group); the environment's tokens are context but not trained on
+(`loss_mask`), and the update is the GRPO step of the single-turn stage.
+"""
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import rlhf_eqx as rx
+
+from ._config import ConfigError, GRPOConfig, LoRASettings, OptimConfig
+from ._evaluate import win_rate
+from ._lr_scale import build_optimizer
+from ._monitor import model_flops
+from ._registry import Outcome, StageEnv
+from ._rl_runs import _policy_and_reference
+from ._rollout import encode_prompts, group_signal, token_logps
+from ._runs import RunContext, RunResult, final_policy, rows_at, run_loop
+from ._task import HELDOUT_PROMPTS, TRAIN_PROMPTS
+from ._validation import validate_stage
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiturnConfig(GRPOConfig):
+    """GRPO (the `grpo` settings) on episodes of `max_turns` policy turns of at most
+    `turn_tokens` tokens each against the animal follow-up environment
+    (`rlhf_eqx.envs.AnimalFollowUpEnv`); the reward is the episode's (the second turn
+    names the animal asked for). Held-out evaluation: `eval_samples` episodes per
+    held-out opening, the success rate and the base model's NLL per token of the
+    policy's own tokens (fluency). The stage runs on the built-in task only, so its
+    defaults are the task's (as `animal_task_config()` sets for `grpo`: LoRA rank 8 on
+    every projection, learning rate 2e-3, β 0.02, KL target 1.0)."""
+
+    rollouts: int = 40
+    prompts_per_rollout: int = 8
+    group_size: int = 8
+    beta: float = 0.02
+    kl_target: float = 1.0
+    optim: OptimConfig = OptimConfig(lr=2e-3)
+    lora: LoRASettings = LoRASettings(
+        rank=8, alpha=16.0, dropout=0.0, targets=("q", "k", "v", "o", "gate", "up", "down")
+    )
+    max_turns: int = 2
+    turn_tokens: int = 40
+
+    def __post_init__(self):
+        for name in ("max_turns", "turn_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"multiturn.{name}={v!r}: must be an integer >= 1")
+        parent = getattr(super(), "__post_init__", None)
+        if parent is not None:
+            parent()
+
+
+def _prompts(tok, prompts: Sequence[str], length: int):
+    rows = encode_prompts(tok, prompts, prompt_length=length)
+    ids = np.full((len(rows), length), tok.pad_id, np.int32)
+    mask = np.zeros((len(rows), length), bool)
+    for i, r in enumerate(rows):  # left padded: every completion starts at `length`
+        ids[i, length - len(r) :] = r
+        mask[i, length - len(r) :] = True
+    return jnp.asarray(ids), jnp.asarray(mask)
+
+
+def _rollout(policy, env, tok, prompts, key, cfg: MultiturnConfig, ctx: RunContext, samples):
+    ids, mask = _prompts(tok, prompts, ctx.prompt_length)
+    return rx.envs.rollout_multiturn(
+        policy,
+        env,
+        ids,
+        mask,
+        key,
+        max_turns=cfg.max_turns,
+        max_new_tokens=cfg.turn_tokens,
+        max_total_tokens=_length(env, cfg, ctx.prompt_length),
+        temperature=ctx.temperature,
+        eos_id=env.stop_ids,
+        pad_id=tok.pad_id,
+        num_samples=samples,
+    )
+
+
+def _length(env, cfg: MultiturnConfig, prompt_length: int) -> int:
+    """The static episode length: the prompt, every turn, the observations between."""
+    turns = cfg.max_turns * cfg.turn_tokens
+    return prompt_length + turns + (cfg.max_turns - 1) * env.max_observation_tokens
+
+
+def multiturn_metrics(policy, base, env, tok, key, cfg: MultiturnConfig, ctx, samples: int):
+    """Held-out multi-turn metrics of `policy`: `success` (the fraction of episodes whose
+    second turn names the animal asked for, scored on the decoded text), `base_nll` (the
+    base model's NLL per token of the policy's own tokens) and the per-prompt successes
+    (for win rates)."""
+    traj = _rollout(policy, env, tok, list(HELDOUT_PROMPTS), key, cfg, ctx, samples)
+    success = env.host_rewards(traj, tok)
+    lp = np.asarray(token_logps(base, traj.tokens, traj.mask))
+    own = np.asarray(traj.loss_mask)
+    nll = float(-(lp * own).sum() / max(own.sum(), 1))
+    return {"success": float(success.mean()), "base_nll": nll}, success
+
+
+def _grpo_step(pol, spec, cfg, ctx: RunContext, *, total: int):
+    opt = build_optimizer(cfg.optim, total)
+    state = rx.train.init_train_state(pol, opt, filter_spec=spec)
+    step = rx.train.make_grpo_step(
+        opt,
+        group_size=cfg.group_size,
+        clip_eps=cfg.clip,
+        beta=cfg.beta,
+        policy_loss=cfg.policy_loss,
+        donate=False,
+        temperature=ctx.temperature,
+    )
+    return state, step
+
+
+def run_multiturn(policy, tok, prompts: Sequence[str], env, *, cfg, ctx: RunContext) -> RunResult:
+    """GRPO on multi-turn episodes against the jittable environment `env`: per rollout,
+    `cfg.group_size` episodes for each of `cfg.prompts_per_rollout` prompts, rewarded
+    per episode; the environment's tokens are masked out of the loss; reference
+    log-probs on the policy's tokens once per rollout; `cfg.epochs` steps on it."""
+    validate_stage("multiturn", cfg)
+    k_lora, ctx_key = jax.random.split(ctx.key)
+    pol, spec, reference = _policy_and_reference(policy, cfg.lora, k_lora)
+    state, step = _grpo_step(pol, spec, cfg, ctx, total=cfg.rollouts * cfg.epochs)
+    G, n, P = cfg.group_size, cfg.prompts_per_rollout, ctx.prompt_length
+    length = _length(env, cfg, P)
+
+    def iteration(state, key, r):
+        k_sample, k_steps = jax.random.split(key)
+        rows = rows_at(len(prompts), n, ctx.ops.seed, r)
+        traj = _rollout(state.model, env, tok, [prompts[j] for j in rows], k_sample, cfg, ctx, G)
+        own = traj.loss_mask & traj.mask
+        ref = token_logps(reference, traj.tokens, traj.mask)
+        rewards = np.asarray(traj.reward, np.float32)
+        m = np.asarray(own)
+        kl = float(((np.asarray(traj.logprobs) - np.asarray(ref)) * m).sum() / max(m.sum(), 1))
+        info = {
+            "kl": kl,
+            "score": float(rewards.mean()),
+            "turns": float(jnp.mean(traj.num_turns.astype(jnp.float32))),
+            "truncated": float(jnp.mean(traj.truncated.astype(jnp.float32))),
+            "frac_reward_zero_std": group_signal(rewards, G),
+        }
+        batch = rx.train.GRPOBatch(
+            tokens=traj.tokens,
+            mask=traj.mask,
+            completion_mask=traj.loss_mask,
+            rewards=jnp.asarray(rewards),
+            old_logp=jnp.where(own, traj.logprobs, 0.0),
+            ref_logp=jnp.where(own, ref, 0.0),
+            truncated=traj.truncated,
+            prompt_length=P,  # each group's prompt runs once in the update
+            samples_per_prompt=G,
+        )
+        metrics = []
+        for e in range(cfg.epochs):
+            state, met = state.apply(step, batch, key=jax.random.fold_in(k_steps, e))
+            metrics.append(met)
+        return state, metrics, info
+
+    rows = n * G * length
+    return run_loop(
+        state,
+        iteration,
+        dataclasses.replace(ctx, key=ctx_key),
+        cfg.rollouts,
+        kl_target=cfg.kl_target,
+        policy_of=lambda s: s.model,
+        tokens_per_iteration=n * G * cfg.max_turns * cfg.turn_tokens,
+        flops_per_iteration=model_flops(
+            rx.count_params(pol), forward_tokens=2 * rows, train_tokens=cfg.epochs * rows
+        ),
+    )
+
+
+def multiturn(env: StageEnv, c: MultiturnConfig) -> Outcome:
+    """The `multiturn` stage on the built-in task: GRPO from SFT against the animal
+    follow-up environment; the summary holds the held-out success rate and fluency of
+    SFT and of the trained policy."""
+    game = rx.envs.AnimalFollowUpEnv(env.tok)
+    sft = env.policies["sft"]
+    ctx = env.ctx("multiturn")
+    key = jax.random.fold_in(env.key, 11)
+    samples = env.cfg.eval_samples
+    before, sft_success = multiturn_metrics(sft, env.base, game, env.tok, key, c, ctx, samples)
+    base, _ = multiturn_metrics(env.base, env.base, game, env.tok, key, c, ctx, samples)
+    res = run_multiturn(sft, env.tok, TRAIN_PROMPTS, game, cfg=c, ctx=ctx)
+    policy = final_policy(res.state.model)
+    after, success = multiturn_metrics(policy, env.base, game, env.tok, key, c, ctx, samples)
+    env.say(
+        f"multiturn: held-out success {before['success']:.1%} (SFT) -> {after['success']:.1%}; "
+        f"base-model NLL of the policy's tokens {after['base_nll']:.2f} (base model's own "
+        f"{base['base_nll']:.2f})"
+    )
+    summary = {
+        "multiturn_success": after["success"],
+        "multiturn_success_sft": before["success"],
+        "multiturn_success_base": base["success"],
+        "multiturn_win_rate_vs_sft": win_rate(success, sft_success),
+        "multiturn_base_nll": after["base_nll"],
+        "multiturn_base_nll_sft": before["base_nll"],
+        "multiturn_base_nll_base": base["base_nll"],
+    }
+    return Outcome(res, policy=policy, summary=summary)

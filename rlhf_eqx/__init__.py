@@ -48,14 +48,13 @@ from .ops import (
 
 __version__ = "0.1.0"
 
-from . import distributed as distributed
+from . import distributed as distributed, envs as envs
 from ._batches import (
     PackedPreferenceBatch as PackedPreferenceBatch,
     PreferenceBatch as PreferenceBatch,
     PromptBatch as PromptBatch,
     SequenceBatch as SequenceBatch,
 )
-from ._memory import MemoryEstimate as MemoryEstimate, estimate_memory as estimate_memory
 from ._pretrained import load_llama2c as load_llama2c
 from ._sampling import (
     GenerationOutput as GenerationOutput,
@@ -63,8 +62,13 @@ from ._sampling import (
     filter_logits as filter_logits,
     generate as generate,
     generate_batch as generate_batch,
+    generate_continuous as generate_continuous,
     sample_token as sample_token,
     truncate_at_stop_strings as truncate_at_stop_strings,
+)
+from .distributed._memory import (
+    MemoryEstimate as MemoryEstimate,
+    estimate_memory as estimate_memory,
 )
 from .models import (
     RopeScaling as RopeScaling,

@@ -6,6 +6,7 @@ the completion then starts right after the last real prompt token in every row.
 The output row is always `prompt (as given, with its padding) ++ completion`.
 """
 
+from ._continuous import generate_continuous as generate_continuous
 from ._decode import generate as generate, generate_batch as generate_batch
 from ._options import GenerationOutput as GenerationOutput, SamplingOptions as SamplingOptions
 from ._stop_strings import truncate_at_stop_strings as truncate_at_stop_strings

@@ -1,0 +1,422 @@
+"""Continuous batching: a fixed number of decode slots, refilled inside one compiled loop.
+
+`generate_batch` decodes a static batch: every row steps until the longest one is done,
+so on a mix of completion lengths most of the work goes to rows that have already
+stopped. `generate_continuous` keeps `slots` rows in flight instead; when a row stops
+(a stop id, a stop sequence or its token budget), the next waiting request is prefilled
+into that row's cache region and decoding goes on, all inside one `lax.while_loop`.
+"""
+
+import dataclasses
+import functools
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int, Key, UInt32
+
+from ..models._protocols import AbstractDecoder
+from ._decode import _check_decoder, _check_decoder_output, _check_length
+from ._options import GenerationOutput, SamplingOptions
+from ._token import sample_token
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+class _Plan(eqx.Module):
+    """The static settings of one compiled continuous-batching program."""
+
+    opts: SamplingOptions
+    slots: int
+    prefill_rows: int
+    stop_sequences: tuple[tuple[int, ...], ...]
+
+
+class _SlotState(eqx.Module):
+    """Carry of the loop. `S` slots decode rows of the `[R·G, N]` output buffers.
+
+    `staged_*` are the prefills of prompts `staged_first …` (`prefill_rows` of them, run
+    as one batch); each admitted row copies its prompt's prefill into its slot.
+    """
+
+    slot_row: Int[Array, " S"]  # output row a slot decodes; -1 when the slot is free
+    slot_step: Int[Array, " S"]  # tokens that row has generated so far
+    slot_position: Int[Array, " S"]  # rotary position of the next token fed
+    logits: Float[Array, "S V"]
+    cache: Any
+    recent: Int[Array, "S L"]  # the row's last L generated ids (-1 before its start)
+    next_row: Int[Array, ""]
+    staged_first: Int[Array, ""]
+    staged_logits: Float[Array, "M V"]
+    staged_cache: Any
+    tokens: Int[Array, "B N"]
+    logprobs: Float[Array, "B N"]
+    real: Bool[Array, "B N"]
+
+
+def _stop_table(
+    stop_sequences: tuple[tuple[int, ...], ...],
+) -> tuple[np.ndarray, np.ndarray]:
+    """Stop sequences right-aligned in a `[Q, L]` table, with the `[Q, L]` positions
+    each one constrains (the others are wildcards)."""
+    L = max(len(s) for s in stop_sequences)
+    table = np.zeros((len(stop_sequences), L), np.int32)
+    care = np.zeros((len(stop_sequences), L), np.bool_)
+    for q, seq in enumerate(stop_sequences):
+        table[q, L - len(seq) :] = seq
+        care[q, L - len(seq) :] = True
+    return table, care
+
+
+def _generate_continuous(
+    policy: AbstractDecoder,
+    prompts: Int[Array, "R P"],
+    prompt_masks: Bool[Array, "R P"],
+    keys: Key[Array, " R"],
+    budgets: Int[Array, " B"],
+    plan: _Plan,
+) -> GenerationOutput:
+    opts = plan.opts
+    R, P = prompts.shape
+    N, G = opts.max_new_tokens, opts.num_samples
+    B = R * G
+    S = plan.slots
+    prompts = prompts.astype(jnp.int32)
+    if opts.check_ids:
+        bad = (prompts < 0) | (prompts >= policy.vocab_size)
+        prompts = eqx.error_if(prompts, jnp.any(bad), "prompts: ids outside [0, vocab_size)")
+    i32 = lambda x: jnp.asarray(x, jnp.int32)  # int32 indices also under jax_enable_x64
+    zero = i32(0)
+
+    prefill = lambda t, m: policy.prefill(t, m, cache_size=P + N)
+    decode = jax.vmap(lambda tok, c, idx, pos: policy.decode_step(tok, c, index=idx, position=pos))
+    sample = jax.vmap(
+        functools.partial(
+            sample_token, temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p
+        )
+    )
+    one = jax.eval_shape(jax.vmap(prefill), prompts[:1], prompt_masks[:1])
+    _check_decoder_output(policy, "prefill", one)
+    zeros = lambda n: jax.tree.map(lambda x: jnp.zeros((n,) + x.shape[1:], x.dtype), one)
+    logits0, cache0 = zeros(S)
+    ids0 = jnp.zeros((S,), jnp.int32)
+    _check_decoder_output(
+        policy, "decode_step", jax.eval_shape(decode, ids0, cache0, ids0, ids0), cache0
+    )
+    M = plan.prefill_rows
+    staged_logits0, staged_cache0 = zeros(M)
+
+    # row key: keys[p] alone, fold_in(keys[p], g) in groups; token t: fold_in(row key, t)
+    row_keys = keys
+    if G > 1:
+        row_keys = jax.vmap(jax.random.fold_in)(jnp.repeat(keys, G), jnp.tile(jnp.arange(G), R))
+    n_real = jnp.sum(prompt_masks, axis=-1, dtype=jnp.int32)
+    stop_ids = jnp.asarray(opts.eos_id, jnp.int32)
+    if plan.stop_sequences:
+        table, care = (jnp.asarray(x) for x in _stop_table(plan.stop_sequences))
+        L = table.shape[1]
+    else:
+        L = 0
+
+    def waiting(s: _SlotState):
+        return (s.next_row < B) & jnp.any(s.slot_row < 0)
+
+    def admit(s: _SlotState) -> _SlotState:
+        """Put the next waiting row into the first free slot; when its prompt is not
+        staged, prefill it and the next `M - 1` prompts first (one batch)."""
+        slot = i32(jnp.argmax(s.slot_row < 0))
+        row = s.next_row
+        p = row // G
+
+        def stage():
+            idx = jnp.minimum(p + jnp.arange(M, dtype=jnp.int32), R - 1)
+            return p, *jax.vmap(prefill)(prompts[idx], prompt_masks[idx])
+
+        first, staged_logits, staged_cache = jax.lax.cond(
+            p >= s.staged_first + M,
+            stage,
+            lambda: (s.staged_first, s.staged_logits, s.staged_cache),
+        )
+        at = lambda x: jax.lax.dynamic_index_in_dim(x, p - first, 0, keepdims=False)
+        put = lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, at(x), slot, 0)
+        return dataclasses.replace(
+            s,
+            slot_row=s.slot_row.at[slot].set(row),
+            slot_step=s.slot_step.at[slot].set(0),
+            slot_position=s.slot_position.at[slot].set(n_real[p]),
+            logits=put(s.logits, staged_logits),
+            cache=jax.tree.map(put, s.cache, staged_cache),
+            recent=s.recent.at[slot].set(-1),
+            next_row=row + 1,
+            staged_first=first,
+            staged_logits=staged_logits,
+            staged_cache=staged_cache,
+        )
+
+    def cond(s: _SlotState):
+        return (s.next_row < B) | jnp.any(s.slot_row >= 0)
+
+    def body(s: _SlotState) -> _SlotState:
+        s = jax.lax.while_loop(waiting, admit, s)
+        active = s.slot_row >= 0
+        row = jnp.where(active, s.slot_row, 0)
+        step = s.slot_step
+        tok, lp = sample(jax.vmap(jax.random.fold_in)(row_keys[row], step), s.logits)
+        tok = jnp.where(active, tok, i32(opts.pad_id))
+        stop = step + 1 >= budgets[row]
+        if opts.eos_id:
+            stop = stop | jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
+        recent = s.recent
+        if L:
+            recent = jnp.concatenate([recent[:, 1:], tok[:, None]], axis=1)
+            hit = (recent[:, None, :] == table[None]) | ~care[None]
+            stop = stop | jnp.any(jnp.all(hit, axis=-1), axis=-1)
+        going = active & ~stop
+        # write the sampled tokens at (row, step); free slots point past the buffers
+        out_row = jnp.where(active, s.slot_row, B)
+        write = lambda buf, x: buf.at[out_row, step].set(x, mode="drop")
+
+        def advance(args):
+            logits, cache = args
+            index = P + jnp.minimum(step, N - 1)
+            return decode(tok, cache, index, s.slot_position)
+
+        logits, cache = jax.lax.cond(
+            jnp.any(going), advance, lambda args: args, (s.logits, s.cache)
+        )
+        return dataclasses.replace(
+            s,
+            slot_row=jnp.where(going, s.slot_row, -1),
+            slot_step=step + 1,
+            slot_position=s.slot_position + 1,
+            logits=logits,
+            cache=cache,
+            recent=recent,
+            tokens=write(s.tokens, tok),
+            logprobs=write(s.logprobs, lp),
+            real=write(s.real, active),
+        )
+
+    init = _SlotState(
+        slot_row=jnp.full((S,), -1, jnp.int32),
+        slot_step=jnp.zeros((S,), jnp.int32),
+        slot_position=jnp.zeros((S,), jnp.int32),
+        logits=logits0,
+        cache=cache0,
+        recent=jnp.full((S, L), -1, jnp.int32),
+        next_row=zero,
+        staged_first=i32(-M),
+        staged_logits=staged_logits0,
+        staged_cache=staged_cache0,
+        tokens=jnp.full((B, N), opts.pad_id, jnp.int32),
+        logprobs=jnp.zeros((B, N), jnp.float32),
+        real=jnp.zeros((B, N), jnp.bool_),
+    )
+    s = jax.lax.while_loop(cond, body, init)
+    rep = lambda x: jnp.repeat(x, G, axis=0)
+    prompts, prompt_masks = rep(prompts), rep(prompt_masks)
+    return GenerationOutput(
+        tokens=jnp.concatenate([prompts, s.tokens], axis=1),
+        mask=jnp.concatenate([prompt_masks, s.real], axis=1),
+        completion_mask=jnp.concatenate([jnp.zeros_like(prompt_masks), s.real], axis=1),
+        logprobs=jnp.concatenate([jnp.zeros((B, P), jnp.float32), s.logprobs], axis=1),
+    )
+
+
+_generate_continuous_jit = eqx.filter_jit(_generate_continuous)
+
+
+def _check_concrete_prompts(prompts: Any, prompt_masks: Any, vocab_size: int) -> None:
+    """Raise naming the argument, row and position of a bad id or an empty prompt."""
+    if not isinstance(prompts, jax.core.Tracer):
+        ids = np.asarray(prompts)
+        bad = (ids < 0) | (ids >= vocab_size)
+        if bad.any():
+            row, col = (int(x) for x in np.argwhere(bad)[0])
+            raise ValueError(
+                f"prompts: row {row} has id {int(ids[row, col])} at position {col}, "
+                f"outside the vocabulary [0, {vocab_size})"
+            )
+    if not isinstance(prompt_masks, jax.core.Tracer):
+        empty = ~np.asarray(prompt_masks).any(axis=-1)
+        if empty.any():
+            raise ValueError(
+                f"prompt_masks: row {int(np.argmax(empty))} has no real token; every "
+                "prompt needs at least one"
+            )
+
+
+def _check_stop_sequences(stop_sequences: Any, vocab_size: int) -> tuple[tuple[int, ...], ...]:
+    if stop_sequences is None:
+        return ()
+    if isinstance(stop_sequences, str) or not isinstance(stop_sequences, Sequence):
+        raise TypeError(
+            "stop_sequences must be a sequence of token-id sequences (tokenize stop strings "
+            f"first), got {stop_sequences!r}"
+        )
+    out = []
+    for seq in stop_sequences:
+        if isinstance(seq, str) or not isinstance(seq, Sequence) or len(seq) == 0:
+            raise ValueError(
+                f"stop_sequences: each entry must be a non-empty sequence of ids, got {seq!r}"
+            )
+        if not all(_is_int(i) and 0 <= i < vocab_size for i in seq):
+            raise ValueError(
+                f"stop_sequences: {list(seq)!r} has ids outside the vocabulary [0, {vocab_size})"
+            )
+        out.append(tuple(int(i) for i in seq))
+    return tuple(out)
+
+
+def _key_array(keys: Any, num_prompts: int) -> Key[Array, " R"]:
+    """`keys` as typed keys `[R]` (raw `uint32[R, 2]` keys are wrapped)."""
+    if not isinstance(keys, jax.Array):
+        raise TypeError(f"keys must be a JAX array of PRNG keys, got {type(keys).__name__}")
+    typed = jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key)
+    if not typed:
+        if keys.ndim != 2 or keys.shape[-1] != 2 or keys.dtype != jnp.uint32:
+            raise ValueError(
+                f"keys must be {num_prompts} PRNG keys (jax.random.split(key, {num_prompts}) "
+                f"or raw uint32[{num_prompts}, 2]), got {keys.dtype}{list(keys.shape)}"
+            )
+        keys = jax.random.wrap_key_data(keys)
+    if keys.shape != (num_prompts,):
+        raise ValueError(
+            f"keys must hold one PRNG key per prompt: expected shape ({num_prompts},), "
+            f"got {keys.shape}"
+        )
+    return keys
+
+
+def generate_continuous(
+    policy: AbstractDecoder,
+    prompts: Int[Array, "R P"],
+    prompt_masks: Bool[Array, "R P"],
+    keys: Key[Array, " R"] | UInt32[Array, "R 2"],
+    *,
+    slots: int,
+    max_new_tokens: int,
+    budgets: Int[Array | np.ndarray, " B"] | Sequence[int] | None = None,
+    temperature: float | int = 1.0,
+    top_k: int | None = None,
+    top_p: float | int | None = None,
+    eos_id: int | Sequence[int] | None = None,
+    stop_sequences: Sequence[Sequence[int]] | None = None,
+    pad_id: int = 0,
+    num_samples: int = 1,
+    check_ids: bool = False,
+    prefill_rows: int | None = None,
+) -> GenerationOutput:
+    """Sample completions with continuous batching: `slots` rows decode at once, and a
+    row that stops is refilled with the next waiting request inside the same compiled
+    loop (Orca's iteration-level scheduling, Yu et al. 2022).
+
+    Each slot has its own KV-cache region (`P + max_new_tokens` entries), cache index
+    and rotary position; `prefill` / `decode_step` are vmapped over the slots with
+    per-slot indices. Requests are admitted in order (prompt 0's samples first); when a
+    slot's row stops, the next row's prompt is prefilled into that slot's cache region
+    (a prompt's `num_samples` rows share one prefill, copied into each of their slots)
+    and its tokens are written to its own row of the result. The loop ends when every
+    row is done. Cost per step is that of `slots` rows, whatever the length mix, where
+    `generate_batch` keeps every row of a batch stepping until the longest stops.
+
+    **Determinism.** A request's randomness comes from its own key and token index
+    only: with `num_samples=1` prompt `p` draws its `t`-th token with
+    `fold_in(keys[p], t)`; with `num_samples=G`, sample `g` of prompt `p` has the row key
+    `fold_in(keys[p], g)` and draws token `t` with `fold_in(fold_in(keys[p], g), t)`,
+    exactly as if each prompt were passed `G` times with those row keys. A row's tokens
+    do not depend on `slots`, on the other requests or on their order (up to the
+    floating-point rounding of batched matrix products, which could flip a near-tie).
+
+    **Arguments:**
+
+    - `policy`: a decoder (`rlhf_eqx.models.AbstractDecoder`, e.g. `rlhf_eqx.Policy`).
+    - `prompts`, `prompt_masks`: `[R, P]` ids and real-token masks (left padding
+      recommended, as for `generate_batch`); each row needs at least one real token.
+    - `keys`: one PRNG key per prompt, `[R]` (`jax.random.split(key, R)`; raw
+      `uint32[R, 2]` keys are accepted). Unused when greedy.
+    - `slots`: rows decoded at once (a positive int; more than `R · num_samples` is
+      clamped to that).
+    - `max_new_tokens`: the longest completion (the width of the result).
+    - `budgets`: optional per-row token budgets, `[R · num_samples]` ints in
+      `[1, max_new_tokens]` (row order as in the result); default `max_new_tokens`.
+    - `temperature`, `top_k`, `top_p`, `eos_id`, `pad_id`, `num_samples`, `check_ids`: as
+      in `generate_batch` (`SamplingOptions`).
+    - `stop_sequences`: token-id sequences (non-empty); a row stops right after the
+      first place its generated tokens end with one of them (the sequence is kept, as
+      a stop id is). Only completion tokens are matched, never the prompt.
+    - `prefill_rows`: prompts prefilled together (one batch) when the next waiting row's
+      prompt has not been prefilled yet; default `ceil(slots / 4)`. Larger batches use
+      the matrix units better; up to `prefill_rows - 1` prefills are wasted at the end.
+
+    **Returns:** a `GenerationOutput` laid out as `generate_batch`'s: `R · num_samples`
+    rows (prompt `p`'s samples at `p · num_samples …`), each the prompt as given followed
+    by `max_new_tokens` completion positions (`pad_id` past the row's end), with the
+    sampled tokens' log-probabilities.
+
+    Raises `ValueError` naming the argument for `slots < 1`, keys that are not one per
+    prompt, concrete prompt ids outside the vocabulary, an empty prompt, budgets out of
+    range, malformed stop sequences, or `P + max_new_tokens` above the model's
+    `max_seq_len`.
+    """
+    opts = SamplingOptions(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        eos_id=eos_id,
+        pad_id=pad_id,
+        check_ids=check_ids,
+        num_samples=num_samples,
+    )
+    policy = _check_decoder(policy)
+    if not (_is_int(slots) and slots >= 1):
+        raise ValueError(f"slots must be a positive int, got {slots!r}")
+    if prompts.ndim != 2 or prompts.shape != prompt_masks.shape:
+        raise ValueError(
+            f"prompts {prompts.shape} and prompt_masks {prompt_masks.shape} must be the "
+            "same [R, P] shape"
+        )
+    R, P = prompts.shape
+    if R == 0:
+        raise ValueError("prompts: need at least one prompt, got R=0")
+    keys = _key_array(keys, R)
+    _check_concrete_prompts(prompts, prompt_masks, policy.vocab_size)
+    _check_length(policy, P, max_new_tokens)
+    stops = _check_stop_sequences(stop_sequences, policy.vocab_size)
+    rows = R * num_samples
+    if budgets is None:
+        budgets = jnp.full((rows,), max_new_tokens, jnp.int32)
+    else:
+        budgets = jnp.asarray(budgets)
+        if budgets.shape != (rows,) or not jnp.issubdtype(budgets.dtype, jnp.integer):
+            raise ValueError(
+                f"budgets must be {rows} ints (one per output row, R · num_samples), got "
+                f"{budgets.dtype}{list(budgets.shape)}"
+            )
+        if not isinstance(budgets, jax.core.Tracer):
+            b = np.asarray(budgets)
+            if b.min() < 1 or b.max() > max_new_tokens:
+                raise ValueError(
+                    f"budgets must lie in [1, max_new_tokens={max_new_tokens}], got values "
+                    f"from {int(b.min())} to {int(b.max())}"
+                )
+        budgets = budgets.astype(jnp.int32)
+    if prefill_rows is None:
+        prefill_rows = -(-int(slots) // 4)
+    elif not (_is_int(prefill_rows) and prefill_rows >= 1):
+        raise ValueError(f"prefill_rows must be a positive int or None, got {prefill_rows!r}")
+    # slots beyond the rows and prefill batches beyond the prompts change nothing
+    plan = _Plan(
+        opts=opts,
+        slots=min(int(slots), rows),
+        prefill_rows=min(int(prefill_rows), R),
+        stop_sequences=stops,
+    )
+    return _generate_continuous_jit(policy, prompts, prompt_masks, keys, budgets, plan)

@@ -26,7 +26,7 @@ GSM8K=$SHARED/data/gsm8k/test.jsonl
 python -m rlhf_eqx dpo --data "$HH" --out runs/hh-dpo \
   --set data.limit=512 --set data.filter=identical,empty,exact_duplicate,long_prompt \
   --set dpo.steps=40 --set dpo.batch_size=8 \
-  --set sampling.prompt_length=256 --set dpo.max_length=384 --set dpo.optim.lr=5e-4
+  --set sampling.prompt_length=256 --set dpo.max_length=384 --set dpo.optim.learning_rate=5e-4
 
 # A reward model on the same file. Measures held-out pairwise accuracy (chosen scored
 # above rejected; 0.5 = chance). The model is also written as a Hugging Face
@@ -34,7 +34,7 @@ python -m rlhf_eqx dpo --data "$HH" --out runs/hh-dpo \
 python -m rlhf_eqx reward --data "$HH" --out runs/hh-reward \
   --set data.limit=512 --set data.filter=long_prompt --set reward.steps=40 \
   --set reward.batch_size=8 --set sampling.prompt_length=256 --set reward.max_length=384 \
-  --set reward.optim.lr=5e-4
+  --set reward.optim.learning_rate=5e-4
 
 # KTO on the same pairs, each split into a desirable (chosen) and an undesirable
 # (rejected) example after the held-out split by prompt. Measures the held-out implicit
@@ -42,7 +42,7 @@ python -m rlhf_eqx reward --data "$HH" --out runs/hh-reward \
 python -m rlhf_eqx kto --data "$HH" --out runs/hh-kto \
   --set data.limit=512 --set data.filter=identical,empty,exact_duplicate,long_prompt \
   --set kto.steps=40 --set kto.batch_size=8 \
-  --set sampling.prompt_length=256 --set kto.max_length=384 --set kto.optim.lr=5e-4
+  --set sampling.prompt_length=256 --set kto.max_length=384 --set kto.optim.learning_rate=5e-4
 
 # Distillation (GKD) of that KTO policy into the base model, on the chosen responses and,
 # for half of the steps, the student's own samples. Measures the held-out generalized JSD
@@ -50,7 +50,7 @@ python -m rlhf_eqx kto --data "$HH" --out runs/hh-kto \
 python -m rlhf_eqx distill --data "$HH" --out runs/hh-distill \
   --set data.limit=512 --set data.filter=identical,empty,exact_duplicate,long_prompt \
   --set distill.steps=40 --set distill.batch_size=8 --set distill.teacher=runs/hh-kto/kto/hf \
-  --set sampling.prompt_length=256 --set distill.max_length=384 --set distill.optim.lr=5e-4
+  --set sampling.prompt_length=256 --set distill.max_length=384 --set distill.optim.learning_rate=5e-4
 
 # GRPO on GSM8K with the exact-match reward (the number after "####", else the last
 # number, against the reference answer). Measures the held-out exact-match rate before

@@ -18,7 +18,7 @@ def _err_line(capsys):
     "argv, field",
     [
         (["--set", "dpo.beta=-1"], "dpo.beta=-1.0"),
-        (["ppo", "--set", "ppo.clip=1.5"], "ppo.clip=1.5"),
+        (["ppo", "--set", "ppo.clip_eps=0"], "ppo.clip_eps=0.0: must be > 0"),
         (["dpo", "--data", "/no/such/file.jsonl"], "data.path='/no/such/file.jsonl'"),
         (
             ["--model", "/no/model.bin", "--tokenizer", "/no/tok.bin"],

@@ -47,7 +47,8 @@ CHILD = textwrap.dedent(
 
     def config(run_dir, steps):
         sft = pl.SFTConfig(
-            steps=steps, batch_size=4, max_length=24, optim=pl.OptimConfig(lr=1e-2),
+            steps=steps, batch_size=4, max_length=24,
+            optim=rx.train.OptimizerSettings(learning_rate=1e-2, warmup_ratio=0.1),
             lora=pl.LoRASettings(rank=4, alpha=8.0, dropout=0.1),
         )
         ops = pl.OpsConfig(quiet=True, checkpoint_every=1, keep=2, seed=3, monitor=False)

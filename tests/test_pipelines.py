@@ -79,15 +79,11 @@ def test_train_and_heldout_prompts_are_disjoint_and_fit(tok):
 
 def test_defaults_are_the_usual_ones_and_the_task_says_what_it_overrides():
     c = pl.PipelineConfig()
-    assert (c.dpo.beta, c.dpo.optim.lr, c.dpo.optim.warmup_ratio, c.dpo.optim.max_grad_norm) == (
-        0.1,
-        1e-5,
-        0.1,
-        1.0,
-    )
-    assert c.dpo.optim.schedule == "cosine" and c.reward.optim.lr == 1e-5
+    o = c.dpo.optim
+    assert (c.dpo.beta, o.learning_rate, o.warmup_ratio, o.max_grad_norm) == (0.1, 1e-5, 0.1, 1.0)
+    assert c.dpo.optim.schedule == "cosine" and c.reward.optim.learning_rate == 1e-5
     p = c.ppo
-    assert (p.clip, p.vf_coef, p.ent_coef, p.gamma, p.lam, p.kl_target) == (
+    assert (p.clip_eps, p.vf_coef, p.ent_coef, p.gamma, p.lam, p.kl_target) == (
         0.2,
         0.5,
         0.01,
@@ -118,8 +114,8 @@ def test_overrides_and_files(tmp_path):
     "overrides, device_count, message",
     [
         (["dpo.beta=-0.1"], 1, "dpo.beta=-0.1: must be > 0"),
-        (["ppo.clip=1.5"], 1, "ppo.clip=1.5: must be in (0, 1)"),
-        (["grpo.clip=0"], 1, "grpo.clip=0.0: must be in (0, 1)"),
+        (["ppo.clip_eps=-0.5"], 1, "ppo.clip_eps=-0.5: must be > 0"),
+        (["grpo.clip_eps=0"], 1, "grpo.clip_eps=0.0: must be > 0"),
         (["dpo.batch_size=6"], 4, "dpo.batch_size=6: must divide by the device count 4"),
         (
             ["model.source=/no/such/model.bin", "model.tokenizer=/no/tok.bin"],
@@ -127,7 +123,8 @@ def test_overrides_and_files(tmp_path):
             "model.source='/no/such/model.bin': no such file",
         ),
         (["data.path=/no/such.jsonl"], 1, "data.path='/no/such.jsonl': no such file"),
-        (["sft.optim.lr=0"], 1, "sft.optim.lr=0.0: must be > 0"),
+        (["sft.optim.learning_rate=0"], 1, "sft.optim.learning_rate=0.0: must be > 0"),
+        (["grpo.options.micro_batches=3"], 1, "grpo.options.micro_batches=3: must divide"),
         (["stages=sft,ppo"], 1, "ppo with ppo.reward_source=reward_model needs the reward stage"),
         (["dpo.packing=true", "dpo.loss_type=aot"], 1, "dpo.packing=True: loss_type='aot' sorts"),
     ],
@@ -394,7 +391,7 @@ def test_sft_run_lowers_the_loss_and_grpo_run_logs_its_signal(tmp_path, tok):
         steps=6,
         batch_size=4,
         max_length=32,
-        optim=pl.OptimConfig(lr=3e-2, warmup_ratio=0.0),
+        optim=rx.train.OptimizerSettings(learning_rate=3e-2),
         lora=pl.LoRASettings(rank=8, alpha=16.0, dropout=0.0, targets=("q", "v", "up", "down")),
     )
     calls = []
@@ -420,7 +417,7 @@ def test_sft_run_lowers_the_loss_and_grpo_run_logs_its_signal(tmp_path, tok):
         group_size=2,
         beta=0.0,
         kl_target=10.0,
-        optim=pl.OptimConfig(lr=1e-2),
+        optim=rx.train.OptimizerSettings(learning_rate=1e-2, warmup_ratio=0.1),
         lora=pl.LoRASettings(rank=2, alpha=4.0, dropout=0.0),
     )
     fns = [pl.RewardFunction("len", lambda p, t: float(len(t) % 2))]
@@ -459,7 +456,7 @@ def test_packed_dpo_run_holds_every_pair_in_one_shape(tmp_path, tok):
         max_length=32,
         packing=True,
         beta=0.5,
-        optim=pl.OptimConfig(lr=5e-2, warmup_ratio=0.0),
+        optim=rx.train.OptimizerSettings(learning_rate=5e-2),
         lora=pl.LoRASettings(rank=4, alpha=8.0, dropout=0.0),
     )
     batches = pl.packed_steps(records, tok, cfg=cfg, prompt_length=24, seed=0)

@@ -30,7 +30,7 @@ SCRIPT = textwrap.dedent(
     records = [("Once upon a time", " a dog ran."), ("The cat", " sat on a mat."),
                ("Lily saw", " a big red ball."), ("Tom had", " a little fish.")] * 3
     sft = pl.SFTConfig(steps=10, batch_size=4, max_length=24,
-                       optim=pl.OptimConfig(lr=1e-2),
+                       optim=rx.train.OptimizerSettings(learning_rate=1e-2, warmup_ratio=0.1),
                        lora=pl.LoRASettings(rank=4, alpha=8.0, dropout=0.1))
     ops = pl.OpsConfig(quiet=True, checkpoint_every=1, keep=3, seed=3)
     ctx = pl.RunContext(ops=ops, log=pl.MetricsLog(ckpt, "sft", quiet=True),

@@ -116,21 +116,33 @@ def test_pipeline_helpers_are_public():
         assert callable(getattr(pl, name)), name
 
 
+_OPTIONS = " options"
+_PPO = "clip_eps clip_eps_high dual_clip vf_coef vf_clip_eps ent_coef mode constant"
+_GRPO = (
+    "group_size scale clip_eps clip_eps_high importance beta delta mode constant "
+    "mask_truncated_completions policy_loss cispo_eps_low cispo_eps_high gmpo_clip "
+    "sapo_tau_pos sapo_tau_neg cov_fraction clip_cov_low clip_cov_high clip_cov_select "
+    "kl_cov_coef entropy_rho rollout_correction"
+)
 STAGE_KEYS = {
-    "sft": "steps batch_size max_length optim samples lora",
+    "sft": "steps batch_size max_length optim samples lora mode constant" + _OPTIONS,
     "reward": "steps batch_size max_length optim pairs_per_prompt heldout_fraction eval_every "
-    "ensemble ensemble_mode ensemble_penalty",
-    "dpo": "steps batch_size max_length optim beta loss_type rounds samples packing lora",
-    "ppo": "rollouts prompts_per_rollout epochs clip kl_target optim lora minibatches vf_coef "
-    "ent_coef gamma lam kl_coef reward_source reward_model",
-    "grpo": "rollouts prompts_per_rollout epochs clip kl_target optim lora group_size beta "
-    "policy_loss reward_source reward_model",
+    "ensemble ensemble_mode ensemble_penalty center_coef margin" + _OPTIONS,
+    "dpo": "steps batch_size max_length optim beta loss_type rounds samples packing lora "
+    "label_smoothing reference rpo_alpha loss_kwargs" + _OPTIONS,
+    "ppo": "rollouts prompts_per_rollout epochs kl_target optim lora minibatches "
+    f"gamma lam kl_coef reward_source reward_model {_PPO}" + _OPTIONS,
+    "grpo": "rollouts prompts_per_rollout epochs kl_target optim lora "
+    f"reward_source reward_model {_GRPO}" + _OPTIONS,
     "kto": "steps batch_size max_length optim beta desirable_weight undesirable_weight "
-    "loss_type samples lora",
-    "distill": "steps batch_size max_length optim beta temperature lmbda teacher samples lora",
-    "prm": "steps batch_size max_length optim separator aggregation score",
+    "loss_type samples lora" + _OPTIONS,
+    "distill": "steps batch_size max_length optim beta temperature lmbda teacher samples lora"
+    + _OPTIONS,
+    "prm": "steps batch_size max_length optim separator aggregation score" + _OPTIONS,
     "judge": "model template yes no score",
 }
+OPTIM_KEYS = "learning_rate warmup_ratio weight_decay max_grad_norm schedule b1 b2 eps"
+OPTIONS_KEYS = "micro_batches axis_name donate nonfinite check_token_ids"
 
 
 def test_stage_config_keys_are_the_documented_ones():
@@ -139,6 +151,19 @@ def test_stage_config_keys_are_the_documented_ones():
     d = pl.config_to_dict(pl.PipelineConfig())
     for stage, keys in STAGE_KEYS.items():
         assert set(d[stage]) == set(keys.split()), stage
+        if "optim" in d[stage]:
+            assert set(d[stage]["optim"]) == set(OPTIM_KEYS.split()), stage
+            assert set(d[stage]["options"]) == set(OPTIONS_KEYS.split()), stage
+    # the stage configs are the train records (same fields, defaults and checks)
+    records = {
+        "sft": rx.train.SFTSettings,
+        "reward": rx.train.RewardSettings,
+        "dpo": rx.train.DPOSettings,
+        "ppo": rx.train.PPOSettings,
+        "grpo": rx.train.GRPOSettings,
+    }
+    for stage, record in records.items():
+        assert isinstance(getattr(pl.PipelineConfig(), stage), record), stage
     for stage in ("sft", "reward", "dpo", "kto", "distill", "prm"):
         assert isinstance(getattr(pl.PipelineConfig(), stage), pl.BatchStageConfig)
     for stage in ("ppo", "grpo"):
@@ -148,37 +173,42 @@ def test_stage_config_keys_are_the_documented_ones():
 @pytest.mark.parametrize(
     "override, field",
     [
-        ("ppo.clip=1.5", "ppo.clip"),
-        ("grpo.clip=0", "grpo.clip"),
+        ("ppo.clip_eps=-1.5", "ppo.clip_eps"),
+        ("grpo.clip_eps=0", "grpo.clip_eps"),
         ("grpo.kl_target=0", "grpo.kl_target"),
         ("ppo.epochs=0", "ppo.epochs"),
         ("grpo.rollouts=0", "grpo.rollouts"),
         ("reward.steps=0", "reward.steps"),
         ("dpo.batch_size=0", "dpo.batch_size"),
         ("sft.max_length=8", "sft.max_length"),
-        ("grpo.optim.lr=0", "grpo.optim.lr"),
+        ("grpo.optim.learning_rate=0", "grpo.optim.learning_rate"),
         ("dpo.lora.rank=-1", "dpo.lora.rank"),
+        ("ppo.options.micro_batches=0", "ppo.options.micro_batches"),
     ],
 )
 def test_shared_stage_fields_are_validated_per_stage(override, field):
-    cfg = pl.apply_overrides(pl.PipelineConfig(), [override, "sampling.prompt_length=16"])
+    # the records' own fields raise when the config is built, the pipeline's when checked
     with pytest.raises(pl.ConfigError, match=rf"^{re.escape(field)}="):
+        cfg = pl.apply_overrides(pl.PipelineConfig(), [override, "sampling.prompt_length=16"])
         pl.validate_config(cfg)
 
 
-# --- step builders repeat their loss factory's signature -------------------------------
-# Every `make_<algo>_step` spells out its loss factory's keyword arguments and
-# `make_step`'s step-control arguments (as `optax.adamw` spells out `scale_by_adam`'s), so
-# that the signature users, IDEs and type checkers read is explicit. These tests keep the
-# copies in agreement: same names, defaults and annotations.
+# --- step builders take one settings record and one StepOptions -------------------------
+# `make_<algo>_step(optimizer, settings=None, *, options=None, **shortcuts)`: the
+# hyperparameters, their defaults and their checks live in the record only. The
+# distillation builders (no record yet) spell out `StepOptions`' fields: these tests keep
+# the copies in agreement with the record (same names, defaults and annotations).
 
 STEP_CONTROLS = ("micro_batches", "axis_name", "donate", "nonfinite", "check_token_ids")
+RECORD_BUILDERS = {
+    "make_sft_step": ("SFTSettings", ()),
+    "make_reward_step": ("RewardSettings", ()),
+    "make_dpo_step": ("DPOSettings", ()),
+    "make_ppo_step": ("PPOSettings", ("value_optimizer",)),
+    "make_grpo_step": ("GRPOSettings", ()),
+    "make_ensemble_reward_step": ("RewardSettings", ("members",)),
+}
 BUILDERS = {
-    "make_sft_step": ("sft_loss", ()),
-    "make_reward_step": ("reward_loss", ()),
-    "make_dpo_step": ("dpo_loss_fn", ()),
-    "make_ppo_step": ("ppo_loss", ("value_optimizer",)),
-    "make_grpo_step": ("grpo_loss", ("group_size", "scale", "mask_truncated_completions")),
     "make_distill_step": ("distill_loss", ()),
     "make_onpolicy_distill_step": ("onpolicy_distill_loss", ()),
 }
@@ -190,26 +220,40 @@ def _params(fn):
     return inspect.signature(fn).parameters
 
 
+@pytest.mark.parametrize("builder", sorted(RECORD_BUILDERS))
+def test_step_builders_take_their_settings_record_and_step_options(builder):
+    import inspect
+
+    record_name, own = RECORD_BUILDERS[builder]
+    params = _params(getattr(rx.train, builder))
+    kinds = {n: p.kind for n, p in params.items()}
+    assert list(params)[:2] == ["optimizer", "settings"], builder
+    assert kinds["settings"] is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    assert params["settings"].default is None
+    assert str(params["settings"].annotation) == str(getattr(rx.train, record_name) | None)
+    assert params["options"].default is None and kinds["options"] is inspect.Parameter.KEYWORD_ONLY
+    assert kinds["shortcuts"] is inspect.Parameter.VAR_KEYWORD
+    assert set(params) == {"optimizer", "settings", "options", "shortcuts", *own}, builder
+
+
 @pytest.mark.parametrize("builder", sorted(BUILDERS))
-def test_step_builders_repeat_their_loss_factory_and_make_step_exactly(builder):
+def test_other_builders_repeat_their_loss_factory_and_step_options_exactly(builder):
+    import dataclasses
     import inspect
 
     factory_name, own = BUILDERS[builder]
     built = _params(getattr(rx.train, builder))
     factory = _params(getattr(rx.train, factory_name))
-    control = _params(rx.train.make_step)
+    options = {f.name: f for f in dataclasses.fields(rx.train.StepOptions)}
     first, *rest = built.values()
     assert first.name == "optimizer" and first.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
     for p in rest:
         assert p.kind is inspect.Parameter.KEYWORD_ONLY, f"{builder}: {p.name} is not keyword-only"
-    for source, names in ((factory, list(factory)), (control, STEP_CONTROLS)):
-        for name in names:
-            assert name in built, f"{builder} lacks {name}"
-            want, got = source[name], built[name]
-            # jaxtyping builds a new class per `Float[Array, ""]`: compare annotations as text
-            assert (got.default, str(got.annotation)) == (want.default, str(want.annotation)), (
-                f"{builder}({name}=...) differs from its source: "
-                f"{got.default!r}: {got.annotation} vs {want.default!r}: {want.annotation}"
-            )
+    for name in factory:
+        want, got = factory[name], built[name]
+        # jaxtyping builds a new class per `Float[Array, ""]`: compare annotations as text
+        assert (got.default, str(got.annotation)) == (want.default, str(want.annotation)), name
+    for name in STEP_CONTROLS:
+        assert built[name].default == options[name].default, f"{builder}({name}=...)"
     unexplained = set(built) - {"optimizer", *factory, *STEP_CONTROLS, *own}
     assert not unexplained, f"{builder} has arguments of unknown origin: {sorted(unexplained)}"

@@ -21,7 +21,6 @@ from ._config import (
     LoRASettings as LoRASettings,
     ModelConfig as ModelConfig,
     OpsConfig as OpsConfig,
-    OptimConfig as OptimConfig,
     PipelineConfig as PipelineConfig,
     PPOConfig as PPOConfig,
     PRMConfig as PRMConfig,

@@ -2,13 +2,32 @@
 
 Files and dotted overrides are read in `_config_io.py`, values checked in `_validation.py`.
 
-One `PipelineConfig` holds every stage's settings. The defaults of the stage configs are
-the ones users of the field expect (TRL / the papers); `animal_task_config()` is the
-built-in task's configuration, which overrides some of them and lists which in its
-`notes` field.
+One `PipelineConfig` holds every stage's settings. A stage that trains with one of the
+library's steps embeds that step's settings record by inheritance (`DPOConfig` is a
+`rlhf_eqx.train.DPOSettings`, `--set dpo.beta` is its `beta`), and its optimiser and
+step options are the train records `OptimizerSettings` (`<stage>.optim.*`) and
+`StepOptions` (`<stage>.options.*`): their defaults and checks are the records' own, and
+a bad value raises `ConfigError` when the config is built. The defaults are the ones
+users of the field expect (TRL / the papers); `animal_task_config()` is the built-in
+task's configuration, which overrides some of them and lists which in its `notes` field.
+The sampling temperature has one owner, `sampling.temperature`: the runs pass it into the
+PPO and GRPO records.
 """
 
 import dataclasses
+import re
+
+from ..models import LORA_TARGETS
+from ..train import (
+    DPOSettings,
+    GRPOSettings,
+    OptimizerSettings,
+    PPOSettings,
+    RewardSettings,
+    SFTSettings,
+    StepOptions,
+)
+from ..train._validation import check_number
 
 REWARD_SOURCES: tuple[str, ...] = ("task", "reward_model", "judge", "prm")
 """The values of `ppo.reward_source` and `grpo.reward_source` (`_reward_sources.py`)."""
@@ -16,6 +35,42 @@ REWARD_SOURCES: tuple[str, ...] = ("task", "reward_model", "judge", "prm")
 
 class ConfigError(ValueError):
     """An invalid configuration value; the message names the field and the value."""
+
+
+def prefixed(prefix: str, message: str) -> str:
+    """`message` (`"beta=-0.1: must be > 0"`) under the field path `prefix` (`"dpo."`):
+    `"dpo.beta=-0.1: must be > 0"`; a message that names no field gets `"dpo: ..."`."""
+    if not prefix or message.startswith(prefix):
+        return message
+    if re.match(r"[A-Za-z_][\w.]*=", message):
+        return prefix + message
+    return f"{prefix.rstrip('.')}: {message}"
+
+
+class _Checked:
+    """Runs the embedded records' checks when a stage config is built, raising their
+    one-line error as a `ConfigError`."""
+
+    def __post_init__(self):
+        check = getattr(super(), "__post_init__", None)
+        if check is None:
+            return
+        try:
+            check()
+        except ConfigError:
+            raise
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+_SET_BY_SAMPLING = {"set_by": "sampling.temperature"}
+"""Field metadata: not a setting of its section (not in config files or `--set`); the
+runs set it from `sampling.temperature`."""
+
+
+def _optim(learning_rate: float) -> OptimizerSettings:
+    """The pipeline's optimiser at `learning_rate`: 10% linear warmup, then cosine decay."""
+    return OptimizerSettings(learning_rate=learning_rate, warmup_ratio=0.1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,24 +112,39 @@ class DataConfig:
 class LoRASettings:
     """LoRA adapters (Hu et al. 2021; PEFT defaults): rank `rank`, scale `alpha / rank`,
     `dropout` on the adapter input, on the projections `targets`. `rank=0`: train every
-    weight instead."""
+    weight instead. With `rank > 0` these are the fields of the models' record
+    `rlhf_eqx.LoRAConfig` (`lora_config()`), which cannot express "no adapters"; checked
+    when built (`ConfigError`)."""
 
     rank: int = 16
     alpha: float = 32.0
     dropout: float = 0.05
     targets: tuple[str, ...] = ("q", "v")
 
+    def __post_init__(self):
+        try:
+            if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+                raise ValueError(f"rank={self.rank!r}: must be an int >= 0 (0: no LoRA)")
+            check_number("alpha", self.alpha, low=0.0, low_open=True)
+            check_number("dropout", self.dropout, low=0.0, high=1.0, high_open=True)
+            unknown = [t for t in self.targets if t not in LORA_TARGETS]
+            if unknown:
+                raise ValueError(
+                    f"targets={self.targets!r}: unknown projection {unknown[0]!r} (known: "
+                    f"{', '.join(LORA_TARGETS)})"
+                )
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
-@dataclasses.dataclass(frozen=True)
-class OptimConfig:
-    """AdamW with linear warmup (`warmup_ratio` of the steps) and cosine decay, global-norm
-    clipping at `max_grad_norm`."""
+    def lora_config(self):
+        """The models' `rlhf_eqx.LoRAConfig` of these settings (`None` when `rank == 0`)."""
+        from ..models import LoRAConfig
 
-    lr: float = 1e-5
-    warmup_ratio: float = 0.1
-    max_grad_norm: float = 1.0
-    weight_decay: float = 0.0
-    schedule: str = "cosine"
+        if self.rank == 0:
+            return None
+        return LoRAConfig(
+            rank=self.rank, alpha=self.alpha, dropout=self.dropout, targets=self.targets
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,32 +198,42 @@ class OpsConfig:
     tensorboard: bool = False
 
 
+_RUN_OPTIONS = StepOptions(donate=False)
+"""The step options of a pipeline run: one device, and no donation (the loop keeps each
+iteration's state for rollback and checkpoints)."""
+
+
 @dataclasses.dataclass(frozen=True)
-class BatchStageConfig:
+class BatchStageConfig(_Checked):
     """The fields every stage that trains on fixed batches shares (SFT, reward model,
     DPO): `steps` optimiser steps on batches of `batch_size` rows of at most
-    `max_length` tokens, with `optim`."""
+    `max_length` tokens, with `optim` (`rlhf_eqx.train.OptimizerSettings`: learning rate
+    1e-5, 10% warmup, cosine decay, clipping at 1.0) and the step's `options`
+    (`rlhf_eqx.train.StepOptions`, e.g. `options.micro_batches`)."""
 
     steps: int = 100
     batch_size: int = 16
     max_length: int = 80
-    optim: OptimConfig = OptimConfig(lr=1e-5)
+    optim: OptimizerSettings = _optim(1e-5)
+    options: StepOptions = _RUN_OPTIONS
 
 
 @dataclasses.dataclass(frozen=True)
-class SFTConfig(BatchStageConfig):
+class SFTConfig(BatchStageConfig, SFTSettings):
     """Supervised fine-tuning on best-of-`samples` completions (by noisy labels) of the
-    base model for the training prompts."""
+    base model for the training prompts; the step's settings are
+    `rlhf_eqx.train.SFTSettings` (`mode`, `constant`)."""
 
-    optim: OptimConfig = OptimConfig(lr=2e-5)
+    optim: OptimizerSettings = _optim(2e-5)
     samples: int = 4
     lora: LoRASettings = LoRASettings()
 
 
 @dataclasses.dataclass(frozen=True)
-class RewardConfig(BatchStageConfig):
-    """Reward model (Bradley-Terry) on noisily labelled pairs of policy samples
-    (`pairs_per_prompt` pairs sampled per prompt by the pipeline).
+class RewardConfig(BatchStageConfig, RewardSettings):
+    """Reward model (Bradley-Terry; `rlhf_eqx.train.RewardSettings`: `center_coef`,
+    `margin`) on noisily labelled pairs of policy samples (`pairs_per_prompt` pairs
+    sampled per prompt by the pipeline).
 
     Checkpoint selection: about `heldout_fraction` of the training pairs' prompts are
     held out, labels as noisy as the rest; every `eval_every` steps (0: never) and at
@@ -176,8 +256,11 @@ class RewardConfig(BatchStageConfig):
 
 
 @dataclasses.dataclass(frozen=True)
-class DPOConfig(BatchStageConfig):
-    """DPO (Rafailov et al. 2023) with a cached reference, over `rounds` rounds of fresh
+class DPOConfig(BatchStageConfig, DPOSettings):
+    """DPO (Rafailov et al. 2023; the step's settings are `rlhf_eqx.train.DPOSettings`:
+    `beta`, `loss_type`, `label_smoothing`, `rpo_alpha`, `loss_kwargs`, and `reference`,
+    here `cached`: the runs compute the reference log-probabilities once, or `none`)
+    over `rounds` rounds of fresh
     samples (`rounds=1`: offline on the first samples; online DPO resamples each round).
     `packing` (offline DPO on a data file): token-budget batches
     (`data.pack_preference_steps`), each prompt written once before both completions and
@@ -185,8 +268,7 @@ class DPOConfig(BatchStageConfig):
     instead of `batch_size` rows padded to `max_length`."""
 
     steps: int = 20
-    beta: float = 0.1
-    loss_type: str = "sigmoid"
+    reference: str = "cached"
     rounds: int = 3
     samples: int = 4
     packing: bool = False
@@ -236,11 +318,13 @@ class DistillConfig(BatchStageConfig):
 
 
 @dataclasses.dataclass(frozen=True)
-class RolloutStageConfig:
+class RolloutStageConfig(_Checked):
     """The fields every reinforcement-learning stage shares (PPO, GRPO): `rollouts`
     rounds of sampling from `prompts_per_rollout` prompts, `epochs` passes over each
-    rollout, the policy ratio clipped at `1 ± clip`, an early stop when the per-token KL
-    to the reference exceeds `kl_target`, `optim`, and the policy's LoRA adapters.
+    rollout, an early stop when the per-token KL to the reference exceeds `kl_target`,
+    `optim` (`rlhf_eqx.train.OptimizerSettings`), the step's `options`
+    (`rlhf_eqx.train.StepOptions`) and the policy's LoRA adapters. The policy ratio's
+    clip (`clip_eps`) and the other step settings come from the stage's train record.
 
     `reward_source`: `task` (the task's reward functions), `reward_model` (a reward
     model or ensemble), `judge` (a generative judge, `judge.*`) or `prm` (a process
@@ -251,24 +335,26 @@ class RolloutStageConfig:
     rollouts: int = 20
     prompts_per_rollout: int = 32
     epochs: int = 1
-    clip: float = 0.2
     kl_target: float = 0.05
-    optim: OptimConfig = OptimConfig(lr=1e-5)
+    optim: OptimizerSettings = _optim(1e-5)
+    options: StepOptions = _RUN_OPTIONS
     lora: LoRASettings = LoRASettings()
     reward_source: str = "task"
     reward_model: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
-class PPOConfig(RolloutStageConfig):
+class PPOConfig(RolloutStageConfig, PPOSettings):
     """PPO (Schulman et al. 2017; Ouyang et al. 2022) with a value model and KL-shaped
     rewards; `epochs` x `minibatches` updates per rollout of `prompts_per_rollout`
-    completions."""
+    completions. The step's settings are `rlhf_eqx.train.PPOSettings` (`clip_eps`,
+    `vf_coef`, `ent_coef`, ...; its `temperature` is `sampling.temperature`)."""
 
+    temperature: float = dataclasses.field(
+        default=SamplingConfig.temperature, metadata=_SET_BY_SAMPLING
+    )
     epochs: int = 2
     minibatches: int = 2
-    vf_coef: float = 0.5
-    ent_coef: float = 0.01
     gamma: float = 1.0
     lam: float = 0.95
     kl_coef: float = 0.05
@@ -276,17 +362,20 @@ class PPOConfig(RolloutStageConfig):
 
 
 @dataclasses.dataclass(frozen=True)
-class GRPOConfig(RolloutStageConfig):
+class GRPOConfig(RolloutStageConfig, GRPOSettings):
     """GRPO (Shao et al. 2024) with the task's verifiable reward: `group_size` samples per
-    prompt, group-normalised advantages, k3 KL to the reference with weight `beta`.
+    prompt, group-normalised advantages, k3 KL to the reference with weight `beta`
+    (TRL's default 0.0: no KL term). The step's settings are
+    `rlhf_eqx.train.GRPOSettings` (its `temperature` is `sampling.temperature`):
     `policy_loss` selects the token objective of `make_grpo_step`: `grpo` (the PPO-clip
     surrogate), or after DAPO `cispo`, `gmpo`, `sapo`, `clip_cov`, `kl_cov`,
     `high_entropy` (each with the step's published defaults; docs/objectives.md)."""
 
+    temperature: float = dataclasses.field(
+        default=SamplingConfig.temperature, metadata=_SET_BY_SAMPLING
+    )
     prompts_per_rollout: int = 8
     group_size: int = 8
-    beta: float = 0.04
-    policy_loss: str = "grpo"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,13 +474,13 @@ def animal_task_config() -> PipelineConfig:
         rank=8, alpha=16.0, dropout=0.0, targets=("q", "k", "v", "o", "gate", "up", "down")
     )
     return PipelineConfig(
-        sft=SFTConfig(steps=30, batch_size=16, samples=2, optim=OptimConfig(lr=5e-4), lora=lora),
+        sft=SFTConfig(steps=30, batch_size=16, samples=2, optim=_optim(5e-4), lora=lora),
         reward=RewardConfig(
             steps=80,
             batch_size=32,
             pairs_per_prompt=24,
             eval_every=5,
-            optim=OptimConfig(lr=1e-3),
+            optim=_optim(1e-3),
         ),
         dpo=DPOConfig(
             beta=0.1,
@@ -399,7 +488,7 @@ def animal_task_config() -> PipelineConfig:
             steps=20,
             batch_size=16,
             samples=4,
-            optim=OptimConfig(lr=5e-4),
+            optim=_optim(5e-4),
             lora=lora,
         ),
         ppo=PPOConfig(
@@ -409,20 +498,18 @@ def animal_task_config() -> PipelineConfig:
             minibatches=2,
             kl_coef=0.02,
             kl_target=1.0,
-            optim=OptimConfig(lr=1e-3),
+            optim=_optim(1e-3),
             lora=lora,
         ),
-        kto=KTOConfig(steps=40, batch_size=16, samples=4, optim=OptimConfig(lr=5e-4), lora=lora),
-        distill=DistillConfig(
-            steps=40, batch_size=16, samples=2, optim=OptimConfig(lr=1e-3), lora=lora
-        ),
+        kto=KTOConfig(steps=40, batch_size=16, samples=4, optim=_optim(5e-4), lora=lora),
+        distill=DistillConfig(steps=40, batch_size=16, samples=2, optim=_optim(1e-3), lora=lora),
         grpo=GRPOConfig(
             rollouts=12,
             prompts_per_rollout=8,
             group_size=8,
             beta=0.02,
             kl_target=1.0,
-            optim=OptimConfig(lr=2e-3),
+            optim=_optim(2e-3),
             lora=lora,
         ),
         notes=_TASK_NOTES,

@@ -5,16 +5,37 @@ import json
 import os
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ._config import ConfigError, PipelineConfig
+from ._config import ConfigError, PipelineConfig, prefixed
+
+
+def _set_by(field: dataclasses.Field) -> str | None:
+    """Where a field that is not a setting of its section is set from (e.g. the PPO and
+    GRPO records' `temperature`: `sampling.temperature`), or `None`."""
+    return field.metadata.get("set_by")
+
+
+def _settings(cls: type) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if _set_by(f) is None]
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in _settings(type(value))}
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def config_to_dict(cfg: Any) -> dict:
-    """A JSON-friendly dict of a config dataclass (tuples become lists). A
+    """A JSON-friendly dict of a config dataclass (tuples become lists; fields set from
+    another section, such as the PPO and GRPO `temperature`, are left out). A
     `PipelineConfig`'s registered extra stages appear as sections of their own."""
-    d = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    d = json.loads(json.dumps(_plain(cfg)))
     if isinstance(cfg, PipelineConfig):
         del d["extra"]
         for key in _extra_sections():
@@ -32,6 +53,17 @@ def _extra_sections() -> dict[str, type]:
 
 def _convert(value: Any, tp: Any, name: str) -> Any:
     origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Mapping, dict) or tp in (Mapping, dict):
+        if isinstance(value, str):  # from the command line: a JSON object
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                raise ConfigError(f"{name}={value!r}: expected a JSON object") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name}={value!r}: expected a mapping")
+        return dict(value)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{name}: expected a mapping, got {value!r}")
@@ -40,14 +72,16 @@ def _convert(value: Any, tp: Any, name: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
+        readable = []
         for a in args:
             if a is type(None):
                 continue
             try:
                 return _convert(value, a, name)
-            except ConfigError:
-                pass
-        raise ConfigError(f"{name}={value!r}: expected {tp}")
+            except ConfigError as e:
+                if "unsupported field type" not in str(e):
+                    readable.append(getattr(a, "__name__", str(a)))
+        raise ConfigError(f"{name}={value!r}: expected {' or '.join(readable) or tp}")
     if origin is tuple:
         if isinstance(value, str) and name.endswith("stop_strings"):
             # From the command line: comma-separated, with escapes (`\\n\\nHuman:`).
@@ -89,12 +123,17 @@ def _convert(value: Any, tp: Any, name: str) -> Any:
 
 def config_from_dict(cls: type, d: dict, *, prefix: str = "") -> Any:
     """Build config dataclass `cls` from a (nested) dict; unknown fields are errors,
-    missing ones take their defaults."""
+    missing ones take their defaults. A value that the config (or an embedded train
+    record) refuses when built is a `ConfigError` naming the field under `prefix`
+    (`dpo.beta=-0.1: must be > 0`)."""
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+    set_by = {f.name: _set_by(f) for f in dataclasses.fields(cls) if _set_by(f) is not None}
+    names = {f.name for f in _settings(cls)} - {"extra"}
     extra_types = _extra_sections() if cls is PipelineConfig else {}
     extra = {}
     for key in d:
+        if key in set_by:
+            raise ConfigError(f"{prefix}{key}: not a setting of this section; set {set_by[key]}")
         if key in extra_types:
             value = d[key]
             if not isinstance(value, dict):
@@ -104,7 +143,10 @@ def config_from_dict(cls: type, d: dict, *, prefix: str = "") -> Any:
             known = ", ".join(sorted(names | set(extra_types)))
             raise ConfigError(f"{prefix}{key}: unknown field (known: {known})")
     kwargs = {k: _convert(v, hints[k], prefix + k) for k, v in d.items() if k in names}
-    return cls(**kwargs, extra=extra) if cls is PipelineConfig else cls(**kwargs)
+    try:
+        return cls(**kwargs, extra=extra) if cls is PipelineConfig else cls(**kwargs)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(prefixed(prefix, str(e).splitlines()[0])) from None
 
 
 def load_config(path: str, cls: type = PipelineConfig, *, base: Any = None) -> Any:
@@ -160,7 +202,6 @@ def apply_overrides(cfg: Any, overrides: Sequence[str]) -> Any:
             if not isinstance(node.get(p), dict):
                 raise ConfigError(f"{'.'.join(parts[: i + 1])}: unknown config section")
             node = node[p]
-        if parts[-1] not in node:
-            raise ConfigError(f"{path}: unknown field")
+        # an unknown field is refused by `config_from_dict`, naming the known ones
         node[parts[-1]] = None if value.lower() == "none" else value
     return config_from_dict(type(cfg), d)

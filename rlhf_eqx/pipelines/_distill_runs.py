@@ -69,7 +69,9 @@ def run_distill(
     model, spec = with_lora(student, cfg.lora, k_lora)
     opt = build_optimizer(cfg.optim, cfg.steps)
     state = rx.train.init_train_state(model, opt, filter_spec=spec)
-    step = rx.train.make_distill_step(opt, beta=cfg.beta, temperature=cfg.temperature, donate=False)
+    step = rx.train.make_distill_step(
+        opt, beta=cfg.beta, temperature=cfg.temperature, **dataclasses.asdict(cfg.options)
+    )
 
     def iteration(state, key, i):
         rows = rows_at(n, cfg.batch_size, ctx.ops.seed, i)

@@ -34,9 +34,7 @@ def _dpo_setup(model, cfg: DPOConfig, total_steps: int, key):
     reference = rx.without_lora(model) if spec is not None else model
     opt = build_optimizer(cfg.optim, total_steps)
     state = rx.train.init_train_state(model, opt, filter_spec=spec)
-    step = rx.train.make_dpo_step(
-        opt, beta=cfg.beta, loss_type=cfg.loss_type, reference="cached", donate=False
-    )
+    step = rx.train.make_dpo_step(opt, cfg, options=cfg.options)
     return state, reference, step
 
 

@@ -1,6 +1,7 @@
 """KTO runs (Ethayarajh et al. 2024) on unpaired examples: a reference computed once,
 the reference point estimated from mismatched completions in each batch."""
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import equinox as eqx
@@ -59,7 +60,7 @@ def run_kto(
         undesirable_weight=cfg.undesirable_weight,
         loss_type=cfg.loss_type,
         reference="cached",
-        donate=False,
+        **dataclasses.asdict(cfg.options),
     )
     return run_offline(
         state,

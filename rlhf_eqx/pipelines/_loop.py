@@ -103,7 +103,8 @@ def run_iterations(
       later step of it failed, else the state before the last accepted iteration,
       else the starting state) — the learning-rate factor is divided by
       `ops.lr_backoff`, checkpoints past it are discarded, an event is logged and the
-      iterations are run again.
+      iterations are run again. Each step record carries the factor (`lr_scale`) and
+      its `learning_rate` is the rate applied: the schedule's times the factor.
     - **Divergence**: when the rollbacks are exhausted (`ops.max_rollbacks`), or a loss is
       non-finite with `ops.rollback` off, the run stops with `stopped="diverged"` and the
       last verified state (finite weights); a `diverged` event says why.
@@ -264,9 +265,12 @@ def run_iterations(
             if kl_target is not None and "kl" in info:
                 within = (i, good)
             recent = list(losses)
+            lr_scale = get_lr_scale(new_state)
             for j, m in enumerate(metrics):
                 recent.append(m.get("loss", 0.0))
                 rec = {"iteration": i, "step": steps + j, **m}
+                if "learning_rate" in rec:  # the rate applied: the schedule's times the factor
+                    rec["learning_rate"] = rec["learning_rate"] * lr_scale
                 if j == len(metrics) - 1:
                     rec.update({f"rollout/{k}": v for k, v in info.items()})
                     rec["iteration_time_s"] = elapsed
@@ -275,7 +279,7 @@ def run_iterations(
                     rec.update(
                         monitoring(i, elapsed, info, scores, ops, flops_per_iteration, peak_flops)
                     )
-                rec["lr_scale"] = get_lr_scale(new_state)
+                rec["lr_scale"] = lr_scale
                 history.append(rec)
                 log.write(rec)
             committed = (i + 1, new_state, steps + len(metrics), recent[-10:])

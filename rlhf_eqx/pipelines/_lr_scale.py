@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, PyTree
 
-from ..train import make_optimizer
-from ._config import OptimConfig
+from .. import train
+from ..train import OptimizerSettings
 
 
 class LRScaleState(NamedTuple):
@@ -37,17 +37,12 @@ def scale_by_lr_factor() -> optax.GradientTransformation:
     return optax.GradientTransformation(init, update)
 
 
-def build_optimizer(optim: OptimConfig, total_steps: int) -> optax.GradientTransformation:
-    """AdamW + warmup/cosine + clipping (`rlhf_eqx.train.make_optimizer`), then the
-    rollback's learning-rate factor."""
-    base = make_optimizer(
-        learning_rate=optim.lr,
-        total_steps=max(total_steps, 1),
-        warmup_ratio=optim.warmup_ratio,
-        weight_decay=optim.weight_decay,
-        max_grad_norm=optim.max_grad_norm,
-        schedule=optim.schedule,
-    )
+def build_optimizer(optim: OptimizerSettings, total_steps: int) -> optax.GradientTransformation:
+    """AdamW + warmup/decay + clipping (`rlhf_eqx.train.make_optimizer` of the stage's
+    `OptimizerSettings`), then the rollback's learning-rate factor. The step's
+    `learning_rate` metric is the schedule's rate; the run loop logs it times this factor
+    (the rate applied)."""
+    base = train.make_optimizer(optim, total_steps=max(total_steps, 1))
     return optax.chain(base, scale_by_lr_factor())
 
 

@@ -17,7 +17,7 @@ import numpy as np
 
 import rlhf_eqx as rx
 
-from ._config import ConfigError, GRPOConfig, LoRASettings, OptimConfig
+from ._config import ConfigError, GRPOConfig, LoRASettings
 from ._evaluate import win_rate
 from ._lr_scale import build_optimizer
 from ._monitor import model_flops
@@ -45,7 +45,9 @@ class MultiturnConfig(GRPOConfig):
     group_size: int = 8
     beta: float = 0.02
     kl_target: float = 1.0
-    optim: OptimConfig = OptimConfig(lr=2e-3)
+    optim: rx.train.OptimizerSettings = rx.train.OptimizerSettings(
+        learning_rate=2e-3, warmup_ratio=0.1
+    )
     lora: LoRASettings = LoRASettings(
         rank=8, alpha=16.0, dropout=0.0, targets=("q", "k", "v", "o", "gate", "up", "down")
     )
@@ -112,15 +114,8 @@ def multiturn_metrics(policy, base, env, tok, key, cfg: MultiturnConfig, ctx, sa
 def _grpo_step(pol, spec, cfg, ctx: RunContext, *, total: int):
     opt = build_optimizer(cfg.optim, total)
     state = rx.train.init_train_state(pol, opt, filter_spec=spec)
-    step = rx.train.make_grpo_step(
-        opt,
-        group_size=cfg.group_size,
-        clip_eps=cfg.clip,
-        beta=cfg.beta,
-        policy_loss=cfg.policy_loss,
-        donate=False,
-        temperature=ctx.temperature,
-    )
+    cfg = dataclasses.replace(cfg, temperature=ctx.temperature)  # `sampling.temperature`
+    step = rx.train.make_grpo_step(opt, cfg, options=cfg.options)
     return state, step
 
 

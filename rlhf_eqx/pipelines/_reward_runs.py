@@ -77,11 +77,11 @@ def run_reward(
         ts = rx.train.init_ensemble_state(
             rx.train.make_ensemble(make, jax.random.split(k_init, K)), opt
         )
-        step = rx.train.make_ensemble_reward_step(opt, members=K, donate=False)
+        step = rx.train.make_ensemble_reward_step(opt, cfg, members=K, options=cfg.options)
         scorer = lambda m: EnsembleReward(m, cfg.ensemble_penalty, cfg.ensemble_mode)
     else:
         ts = rx.train.init_train_state(rx.RewardModel.from_policy(policy, key=k_init), opt)
-        step = rx.train.make_reward_step(opt, donate=False)
+        step = rx.train.make_reward_step(opt, cfg, options=cfg.options)
         scorer = lambda m: m
     rows_of = shuffled_rows(full, cfg.batch_size, ctx.ops.seed)
 

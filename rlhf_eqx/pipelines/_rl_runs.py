@@ -106,14 +106,9 @@ def run_ppo(
     opt = build_optimizer(cfg.optim, total)
     filter_spec = (spec if spec is not None else eqx.is_inexact_array, eqx.is_inexact_array)
     state = rx.train.init_train_state((pol, value), opt, filter_spec=filter_spec)
-    step = rx.train.make_ppo_step(
-        opt,
-        clip_eps=cfg.clip,
-        vf_coef=cfg.vf_coef,
-        ent_coef=cfg.ent_coef,
-        donate=False,
-        temperature=ctx.temperature,
-    )
+    # the sampling temperature has one owner, `sampling.temperature` (the run's context)
+    cfg = dataclasses.replace(cfg, temperature=ctx.temperature)
+    step = rx.train.make_ppo_step(opt, cfg, options=cfg.options)
     n = cfg.prompts_per_rollout
     mb = n // cfg.minibatches
     rows = cfg.prompts_per_rollout * (ctx.prompt_length + ctx.max_new_tokens)
@@ -206,15 +201,8 @@ def run_grpo(
     pol, spec, reference = _policy_and_reference(policy, cfg.lora, k_lora)
     opt = build_optimizer(cfg.optim, cfg.rollouts * cfg.epochs)
     state = rx.train.init_train_state(pol, opt, filter_spec=spec)
-    step = rx.train.make_grpo_step(
-        opt,
-        group_size=cfg.group_size,
-        clip_eps=cfg.clip,
-        beta=cfg.beta,
-        policy_loss=cfg.policy_loss,
-        donate=False,
-        temperature=ctx.temperature,
-    )
+    cfg = dataclasses.replace(cfg, temperature=ctx.temperature)  # `sampling.temperature`
+    step = rx.train.make_grpo_step(opt, cfg, options=cfg.options)
 
     rows = cfg.prompts_per_rollout * cfg.group_size * (ctx.prompt_length + ctx.max_new_tokens)
 

@@ -68,11 +68,9 @@ class RunResult:
 
 def with_lora(model, lora: LoRASettings, key: jax.Array):
     """`(model with adapters, filter spec)`; `lora.rank == 0`: `(model, None)` (train all)."""
-    if lora.rank == 0:
+    cfg = lora.lora_config()
+    if cfg is None:
         return model, None
-    cfg = rx.LoRAConfig(
-        rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=lora.targets
-    )
     adapted = rx.apply_lora(model, cfg, key=key)
     return adapted, rx.lora_filter(adapted)
 
@@ -209,7 +207,7 @@ def run_sft(
     model, spec = with_lora(model, cfg.lora, k_lora)
     opt = build_optimizer(cfg.optim, cfg.steps)
     state = rx.train.init_train_state(model, opt, filter_spec=spec)
-    step = rx.train.make_sft_step(opt, donate=False)
+    step = rx.train.make_sft_step(opt, cfg, options=cfg.options)
     return run_offline(
         state,
         step,

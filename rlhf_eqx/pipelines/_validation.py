@@ -5,6 +5,11 @@
 `run_on_data` call it first); `validate_stage(name, cfg)` checks one stage's settings
 (`run_sft`, `run_reward`, `run_dpo`, `run_online_dpo`, `run_ppo`, `run_grpo` call it),
 and `validate_ops` the operations settings every run uses.
+
+The settings a stage shares with its training step (the `rlhf_eqx.train` records it
+embeds: `DPOSettings`, `PPOSettings`, ..., `OptimizerSettings`, `StepOptions`) and the
+LoRA settings check themselves when the config is built; what is left here are the
+pipeline's own fields and the rules that combine several of them.
 """
 
 import os
@@ -16,10 +21,9 @@ from ..losses import (
     DPO_BATCH_LOSS_TYPES,
     ENSEMBLE_MODES,
     KTO_LOSS_TYPES,
-    POLICY_LOSSES,
     PRM_AGGREGATIONS,
-    dpo_loss_types,
 )
+from ..train import SampledSettings
 from ..train._judge import JUDGE_SCORES
 from ..train._prm import PRM_SCORES
 from ._config import (
@@ -30,9 +34,7 @@ from ._config import (
     DPOConfig,
     GRPOConfig,
     KTOConfig,
-    LoRASettings,
     OpsConfig,
-    OptimConfig,
     PipelineConfig,
     PPOConfig,
     PRMConfig,
@@ -45,7 +47,6 @@ from ._registry import find_stage, stage_names, stages
 DATA_FORMATS: tuple[str, ...] = ("auto", *PREFERENCE_FORMATS, *PROMPT_FORMATS)
 """The values of `data.format`: preference formats for sft/reward/dpo, prompt formats for
 grpo, `auto` to detect from the first record."""
-SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
 JUDGE_MODELS: tuple[str, ...] = ("base", "sft")
 """The stages a judge can be taken from (`judge.model`), besides a checkpoint directory."""
 
@@ -64,31 +65,24 @@ def _fail(name: str, value: Any, why: str) -> None:
     raise ConfigError(f"{name}={value!r}: {why}")
 
 
-def _check_optim(name: str, o: OptimConfig) -> None:
-    if not o.lr > 0:
-        _fail(f"{name}.lr", o.lr, "must be > 0")
-    if not 0 <= o.warmup_ratio < 1:
-        _fail(f"{name}.warmup_ratio", o.warmup_ratio, "must be in [0, 1)")
-    if not o.max_grad_norm > 0:
-        _fail(f"{name}.max_grad_norm", o.max_grad_norm, "must be > 0")
-    if o.weight_decay < 0:
-        _fail(f"{name}.weight_decay", o.weight_decay, "must be >= 0")
-    _choice(f"{name}.schedule", o.schedule, SCHEDULES)
-
-
-def _check_lora(name: str, lo: LoRASettings) -> None:
-    if lo.rank < 0:
-        _fail(f"{name}.rank", lo.rank, "must be >= 0 (0: no LoRA)")
-    if lo.rank and not lo.alpha > 0:
-        _fail(f"{name}.alpha", lo.alpha, "must be > 0")
-    if not 0 <= lo.dropout < 1:
-        _fail(f"{name}.dropout", lo.dropout, "must be in [0, 1)")
-    known = {"q", "k", "v", "o", "gate", "up", "down"}
-    for t in lo.targets:
-        if t not in known:
-            _fail(
-                f"{name}.targets", lo.targets, f"unknown projection {t!r} (known: {sorted(known)})"
-            )
+def _check_options(name: str, c: Any, rows: int) -> None:
+    """The step options a pipeline run can use: one device, no donation, micro-batches
+    that divide the `rows` of each step."""
+    o = c.options
+    if o.axis_name is not None:
+        _fail(f"{name}.options.axis_name", o.axis_name, "must be None (runs use one device)")
+    if o.donate is not False:
+        _fail(
+            f"{name}.options.donate",
+            o.donate,
+            "must be false (the run keeps each iteration's state for rollback)",
+        )
+    if rows % o.micro_batches:
+        _fail(
+            f"{name}.options.micro_batches",
+            o.micro_batches,
+            f"must divide the {rows} rows (or groups) of each step",
+        )
 
 
 def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -139,8 +133,10 @@ def validate_config(cfg: PipelineConfig, *, device_count: int = 1) -> None:
     _positive("sampling.max_new_tokens", s.max_new_tokens)
     if s.max_new_tokens > 512:
         _fail("sampling.max_new_tokens", s.max_new_tokens, "must be <= 512")
-    if s.temperature <= 0:
-        _fail("sampling.temperature", s.temperature, "must be > 0 for training rollouts")
+    try:
+        SampledSettings(temperature=s.temperature)  # the steps' rule
+    except ValueError as e:
+        raise ConfigError(f"sampling.{e}") from None
     if not all(isinstance(x, str) and x for x in s.stop_strings):
         _fail("sampling.stop_strings", s.stop_strings, "must be non-empty strings")
     validate_ops(cfg.ops)
@@ -244,23 +240,18 @@ def validate_ops(o: OpsConfig) -> None:
 def validate_stage(name: str, c: Any, *, device_count: int = 1) -> None:
     """Check one stage's settings (`SFTConfig`, `RewardConfig`, `DPOConfig`, `PPOConfig`,
     `GRPOConfig`) under the field prefix `name`; `ConfigError` naming the field."""
-    if hasattr(c, "optim"):
-        _check_optim(f"{name}.optim", c.optim)
-    if hasattr(c, "lora"):
-        _check_lora(f"{name}.lora", c.lora)
     if isinstance(c, BatchStageConfig):
         _positive(f"{name}.steps", c.steps)
         _positive(f"{name}.batch_size", c.batch_size)
         _positive(f"{name}.max_length", c.max_length)
         _divides(f"{name}.batch_size", c.batch_size, device_count)
+        _check_options(name, c, c.batch_size)
     if isinstance(c, RolloutStageConfig):
         for field in ("rollouts", "prompts_per_rollout", "epochs"):
             _positive(f"{name}.{field}", getattr(c, field))
         _choice(f"{name}.reward_source", c.reward_source, REWARD_SOURCES)
         if c.reward_model and not os.path.isdir(c.reward_model):
             _fail(f"{name}.reward_model", c.reward_model, "no such directory")
-        if not 0 < c.clip < 1:
-            _fail(f"{name}.clip", c.clip, "must be in (0, 1)")
         if not c.kl_target > 0:
             _fail(f"{name}.kl_target", c.kl_target, "must be > 0")
     if isinstance(c, SFTConfig):
@@ -279,9 +270,12 @@ def validate_stage(name: str, c: Any, *, device_count: int = 1) -> None:
         _choice(f"{name}.aggregation", c.aggregation, PRM_AGGREGATIONS)
         _choice(f"{name}.score", c.score, PRM_SCORES)
     if isinstance(c, DPOConfig):
-        if not c.beta > 0:
-            _fail(f"{name}.beta", c.beta, "must be > 0")
-        _choice(f"{name}.loss_type", c.loss_type, dpo_loss_types())
+        if c.reference == "model":
+            _fail(
+                f"{name}.reference",
+                c.reference,
+                "must be cached or none (the runs cache the reference log-probabilities)",
+            )
         _positive(f"{name}.rounds", c.rounds)
         if c.samples < 2:
             _fail(f"{name}.samples", c.samples, "must be >= 2 (pairs need two completions)")
@@ -321,8 +315,8 @@ def validate_stage(name: str, c: Any, *, device_count: int = 1) -> None:
         _divides(
             f"{name}.prompts_per_rollout", c.prompts_per_rollout // c.minibatches, device_count
         )
-        for field in ("vf_coef", "ent_coef", "kl_coef"):
-            _at_least(f"{name}.{field}", getattr(c, field), 0)
+        _at_least(f"{name}.kl_coef", c.kl_coef, 0)
+        _check_options(name, c, c.prompts_per_rollout // c.minibatches)
         if not 0 <= c.gamma <= 1:
             _fail(f"{name}.gamma", c.gamma, "must be in [0, 1]")
         if not 0 <= c.lam <= 1:
@@ -331,5 +325,10 @@ def validate_stage(name: str, c: Any, *, device_count: int = 1) -> None:
         if c.group_size < 2:
             _fail(f"{name}.group_size", c.group_size, "must be >= 2")
         _divides(f"{name}.prompts_per_rollout", c.prompts_per_rollout * c.group_size, device_count)
-        _at_least(f"{name}.beta", c.beta, 0)
-        _choice(f"{name}.policy_loss", c.policy_loss, POLICY_LOSSES)
+        _check_options(name, c, c.prompts_per_rollout)
+        if c.rollout_correction is not None:
+            _fail(
+                f"{name}.rollout_correction",
+                c.rollout_correction,
+                "must be None (the runs sample with the policy they train)",
+            )

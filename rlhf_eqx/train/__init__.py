@@ -1,11 +1,19 @@
 """Training: optimisers and schedules, train state, one step factory and the algorithms' steps.
 
-Every update is built by one factory, `make_step(loss_fn, optimizer, *, micro_batches,
-axis_name, donate, nonfinite)`, from a per-algorithm loss function
-`loss_fn(params, frozen, batch, key) -> (numerators, denominators, metrics)`; the
-builders `make_sft_step`, `make_reward_step`, `make_dpo_step`, `make_ppo_step`,
+Every update is built by one factory, `make_step(loss_fn, optimizer, options)`, from a
+per-algorithm loss function
+`loss_fn(params, frozen, batch, key) -> (numerators, denominators, metrics)` and a
+`StepOptions` (`micro_batches`, `axis_name`, `donate`, `nonfinite`, `check_token_ids`);
+the builders `make_sft_step`, `make_reward_step`, `make_dpo_step`, `make_ppo_step`,
 `make_grpo_step`, `make_distill_step` and `make_onpolicy_distill_step` are thin wrappers
-around it. Each returns a pure function
+around it.
+
+**Settings records.** Each algorithm's hyperparameters are one frozen, self-validating
+record: `SFTSettings`, `RewardSettings`, `DPOSettings`, `PPOSettings`, `GRPOSettings`,
+and `OptimizerSettings` for `make_optimizer`; `make_x_step(optimizer, settings, *,
+options=StepOptions(...))`, or any of their fields as keyword shortcuts. The defaults
+live in the records only (the pipeline's stage configs inherit them). Each builder
+returns a pure function
 
 ```python
 step(params, opt_state, batch, *, frozen=None, key=None, ...) -> (params, opt_state, metrics)
@@ -96,11 +104,23 @@ from ._prm import (
     step_end_mask as step_end_mask,
 )
 from ._reward import make_reward_step as make_reward_step, reward_loss as reward_loss
+from ._rl_settings import (
+    GRPOSettings as GRPOSettings,
+    PPOSettings as PPOSettings,
+    SampledSettings as SampledSettings,
+)
 from ._rollout import (
     PPOBatch as PPOBatch,
     compute_advantages as compute_advantages,
     prepare_ppo_batch as prepare_ppo_batch,
     token_values as token_values,
+)
+from ._settings import (
+    DPOSettings as DPOSettings,
+    OptimizerSettings as OptimizerSettings,
+    RewardSettings as RewardSettings,
+    SFTSettings as SFTSettings,
+    StepOptions as StepOptions,
 )
 from ._sft import make_sft_step as make_sft_step, sft_loss as sft_loss
 from ._state import (

@@ -1,18 +1,15 @@
 """DPO-family step, with the reference log-probabilities computed on the fly or cached."""
 
-from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
-from jaxtyping import Array, Float, PRNGKeyArray, PyTree
+from jaxtyping import PRNGKeyArray, PyTree
 
 from .._batches import PackedPreferenceBatch, PreferenceBatch
 from ..losses import (
     DPO_BATCH_LOSS_TYPES,
-    DPOLossFn,
-    DPOLossType,
     dpo_batch_loss,
     dpo_implicit_rewards,
     sft_nll,
@@ -20,25 +17,16 @@ from ..losses import (
 from ..losses._dpo_losses import resolve_dpo_loss
 from ..ops import masked_sum
 from ._pair_logps import _cached_reference, _pairs_forward
+from ._settings import DPOSettings, StepOptions, settings_from, split_shortcuts
 from ._state import combine
-from ._step import LossFn, NonFinite, Step, make_step
-from ._validation import check_choice, check_number
-
-ReferenceMode = Literal["model", "cached", "none"]
+from ._step import LossFn, Step, make_step
 
 
-def dpo_loss_fn(
-    *,
-    beta: float | Float[Array, ""] = 0.1,
-    loss_type: DPOLossType | str | DPOLossFn = "sigmoid",
-    label_smoothing: float | Float[Array, ""] = 0.0,
-    reference: ReferenceMode = "model",
-    rpo_alpha: float | None = None,
-    loss_kwargs: Mapping[str, Any] | None = None,
-) -> LossFn:
+def dpo_loss_fn(settings: DPOSettings | None = None, **shortcuts: Any) -> LossFn:
     r"""The DPO-family loss function for `make_step` on a `PreferenceBatch` or a
     shared-prompt `PackedPreferenceBatch` (same losses; the packed one runs each prompt
-    once, and needs an `AbstractSelectiveLM` such as `Policy`).
+    once, and needs an `AbstractSelectiveLM` such as `Policy`), with `settings` (a
+    `DPOSettings`, or its fields as keywords).
 
     `frozen` is `(frozen_part_of_the_policy, reference_model)`; see `make_dpo_step`.
     Numerators: `dpo` (sum of per-pair losses; denominator the number of pairs with at
@@ -47,12 +35,11 @@ def dpo_loss_fn(
     number of chosen completion tokens). `loss_type` may be a custom loss (see
     `make_dpo_step`).
     """
-    extra = dict(loss_kwargs or {})
+    s = settings_from(DPOSettings, settings, shortcuts, where="dpo_loss_fn")
+    beta, loss_type, label_smoothing = s.beta, s.loss_type, s.label_smoothing
+    reference, rpo_alpha = s.reference, s.rpo_alpha
+    extra = dict(s.loss_kwargs or {})
     spec = resolve_dpo_loss(loss_type, loss_kwargs=extra, label_smoothing=label_smoothing)
-    check_choice("reference", reference, ("model", "cached", "none"))
-    check_number("beta", beta, low=0.0, low_open=True)
-    check_number("label_smoothing", label_smoothing, low=0.0, high=0.5, high_open=True)
-    check_number("rpo_alpha", rpo_alpha, low=0.0, allow_none=True)
     uses_reference = reference != "none" and not spec.reference_free
     sg = jax.lax.stop_gradient
     f32 = jnp.float32
@@ -143,18 +130,10 @@ def dpo_loss_fn(
 
 def make_dpo_step(
     optimizer: optax.GradientTransformation,
+    settings: DPOSettings | None = None,
     *,
-    beta: float | Float[Array, ""] = 0.1,
-    loss_type: DPOLossType | str | DPOLossFn = "sigmoid",
-    label_smoothing: float | Float[Array, ""] = 0.0,
-    reference: ReferenceMode = "model",
-    rpo_alpha: float | None = None,
-    loss_kwargs: Mapping[str, Any] | None = None,
-    micro_batches: int = 1,
-    axis_name: str | None = None,
-    donate: bool | None = None,
-    nonfinite: NonFinite = "skip",
-    check_token_ids: int | None = None,
+    options: StepOptions | None = None,
+    **shortcuts: Any,
 ) -> Step:
     r"""Build the DPO-family update (Rafailov et al. 2023; TRL `DPOTrainer`).
 
@@ -169,6 +148,7 @@ def make_dpo_step(
     **Arguments:**
 
     - `optimizer`: e.g. from `make_optimizer`.
+    - `settings`: a `DPOSettings` with the fields below (TRL's defaults).
     - `beta`, `loss_type`, `label_smoothing`: see `rlhf_eqx.losses.dpo_loss`. `beta`
       and `label_smoothing` may be JAX arrays (e.g. traced, to `jax.vmap` a run over β).
       `loss_type` may also be a user's per-pair loss, or its name once registered with
@@ -190,10 +170,12 @@ def make_dpo_step(
     - `loss_kwargs`: further keyword arguments of `dpo_batch_loss` (`bco_delta`,
       `discopop_tau`, `simpo_gamma`), or of a custom `loss_type` (its hyperparameters,
       which may be traced too).
-    - `micro_batches`, `axis_name`, `donate`, `nonfinite`, `check_token_ids`: see
-      `make_step`.
+    - `options`: a `StepOptions` (`micro_batches`, `axis_name`, `donate`, `nonfinite`,
+      `check_token_ids`: see `make_step`).
+    - `**shortcuts`: any field of either record as a keyword (`beta=0.2`,
+      `micro_batches=2`), replacing the record's; another keyword is a `TypeError`.
 
-    Invalid choices and out-of-range numbers raise `ValueError` here, at build time.
+    Invalid choices and out-of-range numbers raise `ValueError` when the record is built.
 
     **Returns:**
 
@@ -222,27 +204,20 @@ def make_dpo_step(
     token) has nothing to learn from: the update is skipped and `empty_batch = 1`
     (see `make_step`).
     """
+    settings, options = split_shortcuts(
+        DPOSettings, settings, options, shortcuts, where="make_dpo_step"
+    )
+    loss_type = settings.loss_type
     batch_loss = isinstance(loss_type, str) and loss_type in DPO_BATCH_LOSS_TYPES
-    if batch_loss and (micro_batches != 1 or axis_name is not None):
+    if batch_loss and (options.micro_batches != 1 or options.axis_name is not None):
         raise ValueError(
             f"loss_type={loss_type!r} sorts over the whole batch; it needs micro_batches=1 "
             "and no axis_name"
         )
     return make_step(
-        dpo_loss_fn(
-            beta=beta,
-            loss_type=loss_type,
-            label_smoothing=label_smoothing,
-            reference=reference,
-            rpo_alpha=rpo_alpha,
-            loss_kwargs=loss_kwargs,
-        ),
+        dpo_loss_fn(settings),
         optimizer,
-        micro_batches=micro_batches,
-        axis_name=axis_name,
-        donate=donate,
-        nonfinite=nonfinite,
-        check_token_ids=check_token_ids,
+        options,
         batch_type=(PreferenceBatch, PackedPreferenceBatch),
         extras=("reference",),
     )

@@ -4,7 +4,7 @@ one vmapped step, on the same pairs or on per-member bootstrap resamples
 
 import dataclasses
 import functools
-from typing import Literal
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
@@ -18,9 +18,10 @@ from ..data._errors import DataError
 from ..losses import bradley_terry_loss
 from ._ensemble import Ensemble, _merge
 from ._reward import _pair_scores, _reward_std
+from ._settings import RewardSettings, StepOptions, split_shortcuts
 from ._state import combine
-from ._step import LossFn, NonFinite, Step, make_step
-from ._validation import check_choice, check_number, check_positive_int
+from ._step import LossFn, Step, make_step
+from ._validation import check_choice, check_positive_int
 
 
 class BootstrapBatch(eqx.Module):
@@ -94,8 +95,9 @@ def _bootstrap_weights(key, num_pairs: int, members: int, method: str):
     return counts.T
 
 
-def _member_reward_loss(*, center_coef: float, margin: float) -> LossFn:
+def _member_reward_loss(settings: RewardSettings) -> LossFn:
     """The Bradley-Terry loss of one member on `(pairs, weights)` (`weights` `None`: all 1)."""
+    center_coef, margin = settings.center_coef, settings.margin
 
     def loss_fn(params, frozen, batch, key):
         pairs, weights = batch
@@ -154,15 +156,11 @@ def _ensemble_metrics(per_member: dict[str, Array], members: int) -> dict[str, A
 
 def make_ensemble_reward_step(
     optimizer: optax.GradientTransformation,
+    settings: RewardSettings | None = None,
     *,
     members: int,
-    center_coef: float = 0.0,
-    margin: float = 0.0,
-    micro_batches: int = 1,
-    axis_name: str | None = None,
-    donate: bool | None = None,
-    nonfinite: NonFinite = "skip",
-    check_token_ids: int | None = None,
+    options: StepOptions | None = None,
+    **shortcuts: Any,
 ) -> Step:
     r"""Build the update of a reward-model `Ensemble`: every member's Bradley-Terry step at once.
 
@@ -179,9 +177,11 @@ def make_ensemble_reward_step(
     only); the step equals `K` separate `make_reward_step` steps. Each member gets its
     own key (`jax.random.split(key, K)`: different LoRA dropout masks).
 
-    **Arguments:** `optimizer`; `members` (`K`, the ensemble's size); `center_coef`,
-    `margin` as for `make_reward_step`; `micro_batches`, `axis_name`, `donate`,
-    `nonfinite`, `check_token_ids` as for `make_step`.
+    **Arguments:** `optimizer`; `settings`, a `RewardSettings` (`center_coef`, `margin`
+    as for `make_reward_step`); `members` (`K`, the ensemble's size); `options`, a
+    `StepOptions` (`micro_batches`, `axis_name`, `donate`, `nonfinite`,
+    `check_token_ids` as for `make_step`); `**shortcuts`, any field of either record as
+    a keyword.
 
     **Returns:** `step(params, opt_state, batch, *, frozen=None, key=None) -> (params,
     opt_state, metrics)`, where `params` / `frozen` are the halves of an `Ensemble`
@@ -197,16 +197,13 @@ def make_ensemble_reward_step(
     `member_<k>/accuracy`, `member_<k>/margin`, `member_<k>/grad_norm`.
     """
     check_positive_int("members", members)
-    check_number("center_coef", center_coef, low=0.0)
-    check_number("margin", margin)
+    settings, options = split_shortcuts(
+        RewardSettings, settings, options, shortcuts, where="make_ensemble_reward_step"
+    )
     inner = make_step(
-        _member_reward_loss(center_coef=center_coef, margin=margin),
+        _member_reward_loss(settings),
         optimizer,
-        micro_batches=micro_batches,
-        axis_name=axis_name,
-        donate=False,
-        nonfinite=nonfinite,
-        check_token_ids=check_token_ids,
+        dataclasses.replace(options, donate=False),
         metrics_fn=_reward_std,
     )
 
@@ -244,6 +241,5 @@ def make_ensemble_reward_step(
         new_params = dataclasses.replace(params, members=new_members)
         return new_params, new_state, _ensemble_metrics(per_member, members)
 
-    return Step(
-        update, donate=donate, batch_type=(PreferenceBatch, PackedPreferenceBatch, BootstrapBatch)
-    )
+    batch_type = (PreferenceBatch, PackedPreferenceBatch, BootstrapBatch)
+    return Step(update, donate=options.donate, batch_type=batch_type)

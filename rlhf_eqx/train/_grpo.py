@@ -1,6 +1,6 @@
 """GRPO-family step: group-relative advantages and the clipped token/sequence-level loss."""
 
-from typing import Literal
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -9,12 +9,7 @@ import optax
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 
 from ..losses import (
-    ADVANTAGE_SCALES,
-    IMPORTANCE_LEVELS,
     MISMATCH_EXTREMES,
-    AggregationMode,
-    PolicyLoss,
-    RolloutCorrection,
     aggregate_mismatch_metrics,
     aggregate_parts,
     group_advantages,
@@ -27,9 +22,11 @@ from ..ops import entropy_from_logits, logprobs_from_logits, masked_sum
 from ._accumulate import vmap_model
 from ._group_logps import check_shared_prompts, shared_prompt_logprobs
 from ._policy_loss_fns import make_policy_loss
+from ._rl_settings import AdvantageScale, GRPOSettings
+from ._settings import StepOptions, settings_from, split_shortcuts
 from ._state import combine
-from ._step import LossFn, NonFinite, PrepareFn, Step, make_step
-from ._validation import check_aggregation, check_choice, check_number, check_positive_int
+from ._step import LossFn, PrepareFn, Step, make_step
+from ._validation import check_positive_int
 
 
 class GRPOBatch(eqx.Module):
@@ -74,9 +71,6 @@ class GRPOBatch(eqx.Module):
         check_shared_prompts(self)
 
 
-AdvantageScale = Literal["group", "batch", "none"]
-
-
 def grpo_advantages(
     rewards: Float[Array, " B"],
     *,
@@ -108,11 +102,11 @@ def grpo_advantages(
     return centred / (std + eps)
 
 
-def _grpo_prepare(
-    *, group_size: int, scale: AdvantageScale, mask_truncated_completions: bool
-) -> PrepareFn:
+def _grpo_prepare(settings: GRPOSettings) -> PrepareFn:
     """Advantages from the rewards of the whole (per-device) batch, the loss mask, and the
     reward metrics; the result goes in `batch.advantages` / `batch.completion_mask`."""
+    group_size, scale = settings.group_size, settings.scale
+    mask_truncated_completions = settings.mask_truncated_completions
     f32 = jnp.float32
 
     def prepare(batch: GRPOBatch, axis_name: str | None):
@@ -172,72 +166,24 @@ def _grpo_prepare(
 
 
 def grpo_loss(
-    *,
-    clip_eps: float | Float[Array, ""] = 0.2,
-    clip_eps_high: float | Float[Array, ""] | None = None,
-    importance: Literal["token", "sequence"] = "token",
-    beta: float | Float[Array, ""] = 0.0,
-    delta: float | None = None,
-    mode: AggregationMode = "seq-mean-token-mean",
-    constant: float | None = None,
-    temperature: float = 1.0,
-    policy_loss: PolicyLoss = "grpo",
-    cispo_eps_low: float | Float[Array, ""] | None = None,
-    cispo_eps_high: float | Float[Array, ""] = 4.0,
-    gmpo_clip: float | Float[Array, ""] = 0.4,
-    sapo_tau_pos: float | Float[Array, ""] = 1.0,
-    sapo_tau_neg: float | Float[Array, ""] = 1.05,
-    cov_fraction: float | Float[Array, ""] = 2e-4,
-    clip_cov_low: float | Float[Array, ""] = 1.0,
-    clip_cov_high: float | Float[Array, ""] = 5.0,
-    clip_cov_select: Literal["random", "top"] = "random",
-    kl_cov_coef: float | Float[Array, ""] = 1.0,
-    entropy_rho: float | Float[Array, ""] = 0.2,
-    axis_name: str | None = None,
-    rollout_correction: RolloutCorrection | None = None,
+    settings: GRPOSettings | None = None, *, axis_name: str | None = None, **shortcuts: Any
 ) -> LossFn:
     """The GRPO-family loss function for `make_step` on a prepared `GRPOBatch` (advantages
-    filled, `completion_mask` the loss mask); `frozen` is `(frozen_part, reference_model,
-    entropy_coef)` (the last optional). `axis_name`: the device axis the batch policy losses
-    gather their tokens over. See `make_grpo_step` for the rest."""
-    check_number("clip_eps", clip_eps, low=0.0, low_open=True)
-    check_number("clip_eps_high", clip_eps_high, low=0.0, low_open=True, allow_none=True)
-    check_choice("importance", importance, IMPORTANCE_LEVELS)
-    check_number("beta", beta, low=0.0)
-    check_number("delta", delta, low=1.0, low_open=True, allow_none=True)
-    check_number("temperature", temperature, low=0.0, low_open=True)
-    check_aggregation(mode, constant)
-    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    filled, `completion_mask` the loss mask), with `settings` (a `GRPOSettings`, or its
+    fields as keywords); `frozen` is `(frozen_part, reference_model, entropy_coef)` (the
+    last optional). `axis_name`: the device axis the batch policy losses gather their
+    tokens over. See `make_grpo_step`."""
+    s = settings_from(GRPOSettings, settings, shortcuts, where="grpo_loss")
+    clip_eps, importance, beta, delta = s.clip_eps, s.importance, s.beta, s.delta
+    mode, constant, temperature = s.mode, s.constant, s.temperature
+    policy_loss, rollout_correction = s.policy_loss, s.rollout_correction
+    eps_high = clip_eps if s.clip_eps_high is None else s.clip_eps_high
     uses_kl = not (isinstance(beta, int | float) and beta == 0)
     f32 = jnp.float32
-    if rollout_correction is not None and not isinstance(rollout_correction, RolloutCorrection):
-        raise ValueError(
-            f"rollout_correction must be a RolloutCorrection or None, got {rollout_correction!r}"
-        )
     # With a rollout correction the KL term is added after the weights (they weight the
     # policy surrogate only, as in veRL and TRL).
     kl_in_loss = uses_kl and rollout_correction is None
-    other_loss = make_policy_loss(
-        policy_loss,
-        clip_eps=clip_eps,
-        clip_eps_high=eps_high,
-        importance=importance,
-        delta=delta,
-        beta=beta,
-        uses_kl=kl_in_loss,
-        cispo_eps_low=cispo_eps_low,
-        cispo_eps_high=cispo_eps_high,
-        gmpo_clip=gmpo_clip,
-        sapo_tau_pos=sapo_tau_pos,
-        sapo_tau_neg=sapo_tau_neg,
-        cov_fraction=cov_fraction,
-        clip_cov_low=clip_cov_low,
-        clip_cov_high=clip_cov_high,
-        clip_cov_select=clip_cov_select,
-        kl_cov_coef=kl_cov_coef,
-        entropy_rho=entropy_rho,
-        axis_name=axis_name,
-    )
+    other_loss = make_policy_loss(s, uses_kl=kl_in_loss, axis_name=axis_name)
 
     def logprobs(model, batch, key, *, entropy: bool, entropy_grad: bool = False):
         """Token log-probs `[B, T]` (and entropies, or `None`) at the loss-mask tokens.
@@ -361,36 +307,10 @@ def _advantage_std(metrics, grads):
 
 def make_grpo_step(
     optimizer: optax.GradientTransformation,
+    settings: GRPOSettings | None = None,
     *,
-    group_size: int,
-    scale: AdvantageScale = "group",
-    clip_eps: float | Float[Array, ""] = 0.2,
-    clip_eps_high: float | Float[Array, ""] | None = None,
-    importance: Literal["token", "sequence"] = "token",
-    beta: float | Float[Array, ""] = 0.0,
-    delta: float | None = None,
-    mode: AggregationMode = "seq-mean-token-mean",
-    constant: float | None = None,
-    mask_truncated_completions: bool = False,
-    temperature: float = 1.0,
-    policy_loss: PolicyLoss = "grpo",
-    cispo_eps_low: float | Float[Array, ""] | None = None,
-    cispo_eps_high: float | Float[Array, ""] = 4.0,
-    gmpo_clip: float | Float[Array, ""] = 0.4,
-    sapo_tau_pos: float | Float[Array, ""] = 1.0,
-    sapo_tau_neg: float | Float[Array, ""] = 1.05,
-    cov_fraction: float | Float[Array, ""] = 2e-4,
-    clip_cov_low: float | Float[Array, ""] = 1.0,
-    clip_cov_high: float | Float[Array, ""] = 5.0,
-    clip_cov_select: Literal["random", "top"] = "random",
-    kl_cov_coef: float | Float[Array, ""] = 1.0,
-    entropy_rho: float | Float[Array, ""] = 0.2,
-    micro_batches: int = 1,
-    axis_name: str | None = None,
-    donate: bool | None = None,
-    nonfinite: NonFinite = "skip",
-    check_token_ids: int | None = None,
-    rollout_correction: RolloutCorrection | None = None,
+    options: StepOptions | None = None,
+    **shortcuts: Any,
 ) -> Step:
     r"""Build the GRPO-family update (Shao et al. 2024; TRL `GRPOTrainer`).
 
@@ -459,14 +379,16 @@ def make_grpo_step(
     tokens, with its LM head in chunks (entropies included); a batch with
     `prompt_length` / `samples_per_prompt` set also runs each group's prompt once.
 
-    **Arguments:** `group_size` $G$ (rows `i*G : (i+1)*G` share a prompt; per device
-    under `pmap`), `scale` (see `group_advantages`), `clip_eps`, `clip_eps_high`
-    (`None`: same as `clip_eps`), `importance`, `beta`, `delta` (see
-    `grpo_policy_loss`), `mode` / `constant` (see `aggregate_parts`),
-    `mask_truncated_completions`, `temperature`; `micro_batches`, `axis_name`,
-    `donate`, `nonfinite`, `check_token_ids` (see `make_step`); `rollout_correction`
-    (above). Invalid values raise
-    `ValueError` here, at build time.
+    **Arguments:** `optimizer`; `settings`, a `GRPOSettings`: `group_size` $G$ (rows
+    `i*G : (i+1)*G` share a prompt; per device under `pmap`), `scale` (see
+    `group_advantages`), `clip_eps`, `clip_eps_high` (`None`: same as `clip_eps`),
+    `importance`, `beta` (default 0.0, TRL's), `delta` (see `grpo_policy_loss`), `mode`
+    / `constant` (see `aggregate_parts`), `mask_truncated_completions`, `temperature`,
+    `policy_loss` and its parameters, `rollout_correction` (above); `options`, a
+    `StepOptions` (`micro_batches`, `axis_name`, `donate`, `nonfinite`,
+    `check_token_ids`: see `make_step`); `**shortcuts`, any field of either record as a
+    keyword, replacing the record's (another keyword is a `TypeError`). Invalid values
+    raise `ValueError` when the record is built.
 
     **Returns:**
 
@@ -482,45 +404,14 @@ def make_grpo_step(
     (fraction of groups whose rewards are all equal: they carry no signal),
     `advantages/std`, `grad_norm`, `learning_rate`, `nonfinite`.
     """
-    check_positive_int("group_size", group_size)
-    check_choice("scale", scale, ADVANTAGE_SCALES)
-    loss_fn = grpo_loss(
-        clip_eps=clip_eps,
-        clip_eps_high=clip_eps_high,
-        importance=importance,
-        beta=beta,
-        delta=delta,
-        mode=mode,
-        constant=constant,
-        temperature=temperature,
-        policy_loss=policy_loss,
-        cispo_eps_low=cispo_eps_low,
-        cispo_eps_high=cispo_eps_high,
-        gmpo_clip=gmpo_clip,
-        sapo_tau_pos=sapo_tau_pos,
-        sapo_tau_neg=sapo_tau_neg,
-        cov_fraction=cov_fraction,
-        clip_cov_low=clip_cov_low,
-        clip_cov_high=clip_cov_high,
-        clip_cov_select=clip_cov_select,
-        kl_cov_coef=kl_cov_coef,
-        entropy_rho=entropy_rho,
-        axis_name=axis_name,
-        rollout_correction=rollout_correction,
+    settings, options = split_shortcuts(
+        GRPOSettings, settings, options, shortcuts, where="make_grpo_step"
     )
     return make_step(
-        loss_fn,
+        grpo_loss(settings, axis_name=options.axis_name),
         optimizer,
-        micro_batches=micro_batches,
-        axis_name=axis_name,
-        donate=donate,
-        nonfinite=nonfinite,
-        check_token_ids=check_token_ids,
-        prepare=_grpo_prepare(
-            group_size=group_size,
-            scale=scale,
-            mask_truncated_completions=mask_truncated_completions,
-        ),
+        options,
+        prepare=_grpo_prepare(settings),
         metrics_fn=_advantage_std,
         batch_type=GRPOBatch,
         extras=("reference", "entropy_coef"),

@@ -15,6 +15,7 @@ from ..models import AbstractSelectiveLM
 from ..ops import logprobs_from_logits, masked_sum
 from ._accumulate import vmap_model
 from ._distill_batch import DistillBatch, _check_vocab, _loss_mask, _vocab_size
+from ._rl_settings import SampledSettings
 from ._state import combine
 from ._step import LossFn, NonFinite, Step, make_step
 from ._validation import check_aggregation, check_number
@@ -49,7 +50,7 @@ def onpolicy_distill_loss(
     clip_eps: float | None = None,
     mode: AggregationMode = "token-mean",
     constant: float | None = None,
-    temperature: float = 1.0,
+    temperature: float = SampledSettings.temperature,
 ) -> LossFn:
     r"""The on-policy distillation loss function for `make_step` on a `DistillBatch` of
     student samples; `frozen` is `(frozen_part_of_the_student, teacher_model)` (the
@@ -63,7 +64,7 @@ def onpolicy_distill_loss(
     check_number("kl_coef", kl_coef, low=0.0)
     check_number("clip_eps", clip_eps, low=0.0, low_open=True, allow_none=True)
     check_aggregation(mode, constant)
-    check_number("temperature", temperature, low=0.0, low_open=True)
+    SampledSettings(temperature=temperature)  # the one rule of a sampling temperature
     if not isinstance(temperature, int | float):
         raise ValueError(f"temperature must be a Python number here, got {temperature!r}")
     sg = jax.lax.stop_gradient
@@ -122,7 +123,7 @@ def make_onpolicy_distill_step(
     clip_eps: float | None = None,
     mode: AggregationMode = "token-mean",
     constant: float | None = None,
-    temperature: float = 1.0,
+    temperature: float = SampledSettings.temperature,
     micro_batches: int = 1,
     axis_name: str | None = None,
     donate: bool | None = None,

@@ -3,30 +3,26 @@
 import math
 import re
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, PyTree
 
-from ._validation import check_choice, check_number, check_positive_int, is_traced_or_array
-
-ScheduleName = Literal["cosine", "constant", "linear"]
-_SCHEDULES = ("cosine", "constant", "linear")
+from ._settings import OptimizerSettings, settings_from
+from ._validation import check_positive_int, is_traced_or_array
 
 
 def make_schedule(
-    *,
-    learning_rate: float | Float[Array, ""],
-    total_steps: int,
-    warmup_ratio: float = 0.0,
-    schedule: ScheduleName = "cosine",
+    settings: OptimizerSettings | None = None, *, total_steps: int, **shortcuts: Any
 ) -> optax.Schedule:
     r"""Learning rate as a function of the optimiser step: linear warmup, then a decay.
 
-    With $\eta$ the peak rate, $W = \lceil \text{warmup\_ratio} \cdot N \rceil$ warmup
-    steps out of $N$ = `total_steps`:
+    `settings` is an `OptimizerSettings` (or its fields as keywords: `learning_rate`,
+    `warmup_ratio`, `schedule` are read here). With $\eta$ the peak rate,
+    $W = \lceil \text{warmup\_ratio} \cdot N \rceil$ warmup steps out of
+    $N$ = `total_steps`:
 
     - warmup ($s < W$): $\eta\, s / W$ (starts at 0);
     - `"cosine"`: $\frac{\eta}{2}\big(1 + \cos(\pi \frac{s - W}{N - W})\big)$, reaching 0 at $N$;
@@ -39,10 +35,9 @@ def make_schedule(
     scalar (jittable; safe under strict dtype promotion). `learning_rate` may be a JAX
     array (e.g. traced, to `jax.vmap` a whole run over learning rates).
     """
-    check_choice("schedule", schedule, _SCHEDULES)
+    s = settings_from(OptimizerSettings, settings, shortcuts, where="make_schedule")
+    learning_rate, warmup_ratio, schedule = s.learning_rate, s.warmup_ratio, s.schedule
     check_positive_int("total_steps", total_steps)
-    check_number("warmup_ratio", warmup_ratio, low=0.0, high=1.0, high_open=True)
-    check_number("learning_rate", learning_rate, low=0.0)
     warmup = int(math.ceil(warmup_ratio * total_steps))
     decay_steps = max(total_steps - warmup, 1)
     if is_traced_or_array(learning_rate):
@@ -101,17 +96,11 @@ def decay_mask(params: PyTree) -> PyTree:
 
 
 def make_optimizer(
+    settings: OptimizerSettings | None = None,
     *,
-    learning_rate: float | Float[Array, ""],
     total_steps: int,
-    warmup_ratio: float = 0.0,
-    weight_decay: float | Float[Array, ""] = 0.0,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    max_grad_norm: float | None = 1.0,
-    schedule: ScheduleName = "cosine",
     weight_decay_mask: PyTree | Callable[[PyTree], PyTree] | None = None,
+    **shortcuts: Any,
 ) -> optax.GradientTransformation:
     r"""AdamW with a warmup + decay schedule and global-norm gradient clipping.
 
@@ -135,40 +124,37 @@ def make_optimizer(
 
     **Arguments:**
 
-    - `learning_rate`: peak learning rate.
+    - `settings`: an `OptimizerSettings`:
+        - `learning_rate`: peak learning rate.
+        - `warmup_ratio`: fraction of `total_steps` spent in the linear warmup.
+        - `weight_decay`: decoupled weight decay coefficient.
+        - `max_grad_norm`: clip the gradient to this global norm; `None` disables
+          clipping.
+        - `schedule`: `"cosine"`, `"linear"` or `"constant"` after the warmup.
+        - `b1`, `b2`, `eps`: Adam's moment decays and epsilon.
     - `total_steps`: number of optimiser updates of the run (the schedule's horizon).
-    - `warmup_ratio`: fraction of `total_steps` spent in the linear warmup.
-    - `weight_decay`: decoupled weight decay coefficient.
-    - `b1`, `b2`, `eps`: Adam's moment decays and epsilon.
-    - `max_grad_norm`: clip the gradient to this global norm; `None` disables clipping.
-    - `schedule`: `"cosine"`, `"linear"` or `"constant"` after the warmup.
+    - `**shortcuts`: any field of `OptimizerSettings` as a keyword
+      (`make_optimizer(learning_rate=1e-3, total_steps=100)`), replacing the record's;
+      another keyword is a `TypeError`.
     - `weight_decay_mask`: which parameters are decayed (a pytree of bools or a function
       of the parameters returning one). Default: `decay_mask` (weight matrices and
       embeddings, by name; not norms, biases or scalar heads, stacked or not).
 
     `learning_rate` and `weight_decay` may be JAX arrays (also traced: a whole run can
-    be `jax.vmap`-ed over them); Python numbers are validated here.
+    be `jax.vmap`-ed over them); Python numbers are validated by `OptimizerSettings`.
 
     **Returns:** an `optax.GradientTransformation`. Initialise it on the trainable
     arrays: `optimizer.init(eqx.filter(params, eqx.is_inexact_array))` (or use
     `init_train_state`).
     """
-    check_number("max_grad_norm", max_grad_norm, low=0.0, low_open=True, allow_none=True)
-    check_number("weight_decay", weight_decay, low=0.0)
-    check_number("b1", b1, low=0.0, high=1.0, high_open=True)
-    check_number("b2", b2, low=0.0, high=1.0, high_open=True)
-    check_number("eps", eps, low=0.0)
-    lr = make_schedule(
-        learning_rate=learning_rate,
-        total_steps=total_steps,
-        warmup_ratio=warmup_ratio,
-        schedule=schedule,
-    )
+    s = settings_from(OptimizerSettings, settings, shortcuts, where="make_optimizer")
+    weight_decay, max_grad_norm = s.weight_decay, s.max_grad_norm
+    lr = make_schedule(s, total_steps=total_steps)
     mask = decay_mask if weight_decay_mask is None else weight_decay_mask
     parts = []
     if max_grad_norm is not None:
         parts.append(optax.clip_by_global_norm(max_grad_norm))
-    parts.append(optax.scale_by_adam(b1=b1, b2=b2, eps=eps))
+    parts.append(optax.scale_by_adam(b1=s.b1, b2=s.b2, eps=s.eps))
     if is_traced_or_array(weight_decay) or weight_decay != 0.0:
         parts.append(optax.add_decayed_weights(weight_decay, mask))
     parts.append(optax.inject_hyperparams(optax.scale_by_learning_rate)(learning_rate=lr))

@@ -1,5 +1,6 @@
-r"""The GRPO step's policy losses other than `grpo_policy_loss`: build-time checks and the
-per-token loss of a (micro-)batch for `make_grpo_step(policy_loss=...)`.
+r"""The GRPO step's policy losses other than `grpo_policy_loss`: the per-token loss of a
+(micro-)batch for `make_grpo_step(policy_loss=...)` (their parameters are fields of
+`GRPOSettings`, which checks them).
 
 The per-completion losses (`"cispo"`, `"gmpo"`, `"sapo"`) are vmapped over the rows, so
 micro-batching and data parallelism leave them exact. The batch losses (`"clip_cov"`,
@@ -12,15 +13,12 @@ per gradient-accumulation step and veRL per micro-batch.
 """
 
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from ..losses import (
-    COV_SELECTIONS,
-    POLICY_LOSSES,
     cispo_policy_loss,
     clip_cov_policy_loss,
     gmpo_policy_loss,
@@ -29,7 +27,7 @@ from ..losses import (
     kl_penalty,
     sapo_policy_loss,
 )
-from ._validation import check_choice, check_number, is_traced_or_array
+from ._rl_settings import GRPOSettings
 
 # The stream of the step's key that draws Clip-Cov's random priorities (the key itself
 # goes to the model).
@@ -39,58 +37,21 @@ PolicyTokenLoss = Callable[..., tuple[Float[Array, "B T"], dict[str, Float[Array
 
 
 def make_policy_loss(
-    policy_loss: str,
-    *,
-    clip_eps: Any,
-    clip_eps_high: Any,
-    importance: str,
-    delta: Any,
-    beta: Any,
-    uses_kl: bool,
-    cispo_eps_low: Any,
-    cispo_eps_high: Any,
-    gmpo_clip: Any,
-    sapo_tau_pos: Any,
-    sapo_tau_neg: Any,
-    cov_fraction: Any,
-    clip_cov_low: Any,
-    clip_cov_high: Any,
-    clip_cov_select: str,
-    kl_cov_coef: Any,
-    entropy_rho: Any,
-    axis_name: str | None,
+    settings: GRPOSettings, *, uses_kl: bool, axis_name: str | None
 ) -> PolicyTokenLoss:
-    """Check the hyperparameters of `policy_loss` (not `"grpo"`) and return
+    """The per-token loss of `settings.policy_loss` (not `"grpo"`; its parameters were
+    checked by `GRPOSettings`):
     `loss(logp, old_logp, advantages, mask, entropy, ref_logp, key) -> (per_token, stats)`
     on `[B, T]` arrays, with `beta` times the k3 KL to `ref_logp` added (when `uses_kl`)
     and `stats["kl"]` (zeros without `ref_logp`)."""
-    check_choice("policy_loss", policy_loss, POLICY_LOSSES)
-    check_choice("clip_cov_select", clip_cov_select, COV_SELECTIONS)
-    check_number("cispo_eps_low", cispo_eps_low, low=0.0, allow_none=True)
-    check_number("cispo_eps_high", cispo_eps_high, low=0.0)
-    check_number("gmpo_clip", gmpo_clip, low=0.0, low_open=True)
-    check_number("sapo_tau_pos", sapo_tau_pos, low=0.0, low_open=True)
-    check_number("sapo_tau_neg", sapo_tau_neg, low=0.0, low_open=True)
-    check_number("cov_fraction", cov_fraction, low=0.0, high=1.0, low_open=True)
-    check_number("clip_cov_low", clip_cov_low)
-    check_number("clip_cov_high", clip_cov_high)
-    if not (is_traced_or_array(clip_cov_low) or is_traced_or_array(clip_cov_high)):
-        if clip_cov_low >= clip_cov_high:
-            raise ValueError(
-                f"clip_cov_low={clip_cov_low!r} must be below clip_cov_high={clip_cov_high!r}"
-            )
-    check_number("kl_cov_coef", kl_cov_coef, low=0.0)
-    check_number("entropy_rho", entropy_rho, low=0.0, high=1.0, low_open=True)
-    if policy_loss not in ("grpo", "high_entropy"):
-        if importance != "token":
-            raise ValueError(
-                f"importance={importance!r} applies to policy_loss 'grpo' and 'high_entropy', "
-                f"not {policy_loss!r}"
-            )
-        if delta is not None:
-            raise ValueError(
-                f"delta applies to policy_loss 'grpo' and 'high_entropy', not {policy_loss!r}"
-            )
+    s = settings
+    policy_loss, importance, delta, beta = s.policy_loss, s.importance, s.delta, s.beta
+    clip_eps = s.clip_eps
+    clip_eps_high = clip_eps if s.clip_eps_high is None else s.clip_eps_high
+    cispo_eps_low, cispo_eps_high, gmpo_clip = s.cispo_eps_low, s.cispo_eps_high, s.gmpo_clip
+    sapo_tau_pos, sapo_tau_neg, cov_fraction = s.sapo_tau_pos, s.sapo_tau_neg, s.cov_fraction
+    clip_cov_low, clip_cov_high = s.clip_cov_low, s.clip_cov_high
+    clip_cov_select, kl_cov_coef, entropy_rho = s.clip_cov_select, s.kl_cov_coef, s.entropy_rho
 
     def rows(fn, **kw):
         return lambda lp, olp, a, m: jax.vmap(lambda *x: fn(*x, **kw))(lp, olp, a, m)

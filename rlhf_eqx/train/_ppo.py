@@ -1,47 +1,31 @@
 """PPO step: the clipped policy loss, the clipped value loss and the entropy bonus."""
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import optax
-from jaxtyping import Array, Float, PRNGKeyArray, PyTree
+from jaxtyping import PRNGKeyArray, PyTree
 
-from ..losses import (
-    AggregationMode,
-    aggregate_parts,
-    ppo_policy_loss,
-    ppo_value_loss,
-)
+from ..losses import aggregate_parts, ppo_policy_loss, ppo_value_loss
 from ..ops import masked_sum
+from ._rl_settings import PPOSettings
 from ._rollout import PPOBatch, policy_logps_and_values
-from ._step import LossFn, NonFinite, Step, make_step
-from ._validation import check_aggregation, check_number
+from ._settings import StepOptions, settings_from, split_shortcuts
+from ._step import LossFn, Step, make_step
 
 
-def ppo_loss(
-    *,
-    clip_eps: float | Float[Array, ""] = 0.2,
-    clip_eps_high: float | Float[Array, ""] | None = None,
-    dual_clip: float | None = None,
-    vf_coef: float | Float[Array, ""] = 0.1,
-    vf_clip_eps: float | Float[Array, ""] | None = 0.2,
-    ent_coef: float | Float[Array, ""] = 0.0,
-    mode: AggregationMode = "token-mean",
-    constant: float | None = None,
-    temperature: float = 1.0,
-) -> LossFn:
-    r"""The PPO loss function (policy + value + entropy) for `make_step` on a `PPOBatch`.
+def ppo_loss(settings: PPOSettings | None = None, **shortcuts: Any) -> LossFn:
+    r"""The PPO loss function (policy + value + entropy) for `make_step` on a `PPOBatch`,
+    with `settings` (a `PPOSettings`, or its fields as keywords).
 
     Numerators `policy`, `value` (× `vf_coef`) and `entropy` (× −`ent_coef`, when
     non-zero) share the aggregation denominator of `mode` over the completion tokens.
     """
-    check_number("clip_eps", clip_eps, low=0.0, low_open=True)
-    check_number("clip_eps_high", clip_eps_high, low=0.0, low_open=True, allow_none=True)
-    check_number("dual_clip", dual_clip, low=1.0, low_open=True, allow_none=True)
-    check_number("vf_coef", vf_coef, low=0.0)
-    check_number("vf_clip_eps", vf_clip_eps, low=0.0, low_open=True, allow_none=True)
-    check_number("ent_coef", ent_coef)
-    check_number("temperature", temperature, low=0.0, low_open=True)
-    check_aggregation(mode, constant)
+    s = settings_from(PPOSettings, settings, shortcuts, where="ppo_loss")
+    clip_eps, clip_eps_high, dual_clip = s.clip_eps, s.clip_eps_high, s.dual_clip
+    vf_coef, vf_clip_eps, ent_coef = s.vf_coef, s.vf_clip_eps, s.ent_coef
+    mode, constant, temperature = s.mode, s.constant, s.temperature
     use_entropy = not (isinstance(ent_coef, int | float) and ent_coef == 0)
     f32 = jnp.float32
 
@@ -116,22 +100,11 @@ def _pair_grad_norms(metrics, grads):
 
 def make_ppo_step(
     optimizer: optax.GradientTransformation,
+    settings: PPOSettings | None = None,
     *,
     value_optimizer: optax.GradientTransformation | None = None,
-    clip_eps: float | Float[Array, ""] = 0.2,
-    clip_eps_high: float | Float[Array, ""] | None = None,
-    dual_clip: float | None = None,
-    vf_coef: float | Float[Array, ""] = 0.1,
-    vf_clip_eps: float | Float[Array, ""] | None = 0.2,
-    ent_coef: float | Float[Array, ""] = 0.0,
-    mode: AggregationMode = "token-mean",
-    constant: float | None = None,
-    temperature: float = 1.0,
-    micro_batches: int = 1,
-    axis_name: str | None = None,
-    donate: bool | None = None,
-    nonfinite: NonFinite = "skip",
-    check_token_ids: int | None = None,
+    options: StepOptions | None = None,
+    **shortcuts: Any,
 ) -> Step:
     r"""Build the PPO update of the policy and the critic (Schulman et al. 2017; TRL `PPOTrainer`).
 
@@ -155,8 +128,14 @@ def make_ppo_step(
       optimiser (separately clipped).
 
     `frozen` has the same layout as `params` (a pair of frozen parts, or `None`).
-    See `make_step` for `micro_batches`, `axis_name`, `donate`, `nonfinite`,
-    `check_token_ids`. Invalid values raise `ValueError` here, at build time.
+
+    **Arguments:** `optimizer`; `settings`, a `PPOSettings` (`clip_eps`,
+    `clip_eps_high`, `dual_clip`, `vf_coef` 0.5, `vf_clip_eps`, `ent_coef` 0.01, `mode`,
+    `constant`, `temperature`); `value_optimizer` (above); `options`, a `StepOptions`
+    (`micro_batches`, `axis_name`, `donate`, `nonfinite`, `check_token_ids`: see
+    `make_step`); `**shortcuts`, any field of either record as a keyword, replacing the
+    record's (another keyword is a `TypeError`). Invalid values raise `ValueError` when
+    the record is built.
 
     **Returns:** `step(params, opt_state, batch: PPOBatch, *, frozen=None, key=None) ->
     (params, opt_state, metrics)`, one `eqx.filter_jit` region. Metrics (masked means
@@ -172,31 +151,13 @@ def make_ppo_step(
     traced. A batch whose completion masks are all false (no action to learn from) has
     every denominator 0: the update is skipped and `empty_batch = 1` (see `make_step`).
     """
-    loss_fn = ppo_loss(
-        clip_eps=clip_eps,
-        clip_eps_high=clip_eps_high,
-        dual_clip=dual_clip,
-        vf_coef=vf_coef,
-        vf_clip_eps=vf_clip_eps,
-        ent_coef=ent_coef,
-        mode=mode,
-        constant=constant,
-        temperature=temperature,
+    settings, options = split_shortcuts(
+        PPOSettings, settings, options, shortcuts, where="make_ppo_step"
     )
     opt, metrics_fn = optimizer, None
     if value_optimizer is not None:
         opt, metrics_fn = _pair_optimizer(optimizer, value_optimizer), _pair_grad_norms
-    step = make_step(
-        loss_fn,
-        opt,
-        micro_batches=micro_batches,
-        axis_name=axis_name,
-        donate=donate,
-        nonfinite=nonfinite,
-        check_token_ids=check_token_ids,
-        metrics_fn=metrics_fn,
-        batch_type=PPOBatch,
-    )
+    step = make_step(ppo_loss(settings), opt, options, metrics_fn=metrics_fn, batch_type=PPOBatch)
     if value_optimizer is None:
         return step
     return _PairStep(step)

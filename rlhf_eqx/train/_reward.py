@@ -1,5 +1,7 @@
 """Reward model: Bradley-Terry loss on the scores of chosen vs rejected completions."""
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -9,9 +11,9 @@ from .._batches import PackedPreferenceBatch, PreferenceBatch
 from ..losses import bradley_terry_loss
 from ..models import AbstractBranchScorer
 from ._accumulate import vmap_model
+from ._settings import RewardSettings, StepOptions, settings_from, split_shortcuts
 from ._state import combine
-from ._step import LossFn, NonFinite, Step, make_step
-from ._validation import check_number
+from ._step import LossFn, Step, make_step
 
 
 def _scores(model, tokens, mask, key, which):
@@ -59,13 +61,14 @@ def _pair_scores(model, batch, key):
     return scores[:b], scores[b:], jnp.ones((b,), jnp.float32)
 
 
-def reward_loss(*, center_coef: float = 0.0, margin: float = 0.0) -> LossFn:
+def reward_loss(settings: RewardSettings | None = None, **shortcuts: Any) -> LossFn:
     r"""The Bradley-Terry loss function for `make_step` on a `PreferenceBatch` or a
     shared-prompt `PackedPreferenceBatch` (needs an `AbstractBranchScorer`):
-    $\frac1B\sum_i -\log\sigma(r^w_i - r^l_i - m) + \lambda_c (r^w_i + r^l_i)^2$.
+    $\frac1B\sum_i -\log\sigma(r^w_i - r^l_i - m) + \lambda_c (r^w_i + r^l_i)^2$, with
+    `settings` (a `RewardSettings`, or its fields as keywords).
     """
-    check_number("center_coef", center_coef, low=0.0)
-    check_number("margin", margin)
+    s = settings_from(RewardSettings, settings, shortcuts, where="reward_loss")
+    center_coef, margin = s.center_coef, s.margin
 
     def loss_fn(
         params: PyTree,
@@ -104,14 +107,10 @@ def _reward_std(metrics, grads):
 
 def make_reward_step(
     optimizer: optax.GradientTransformation,
+    settings: RewardSettings | None = None,
     *,
-    center_coef: float = 0.0,
-    margin: float = 0.0,
-    micro_batches: int = 1,
-    axis_name: str | None = None,
-    donate: bool | None = None,
-    nonfinite: NonFinite = "skip",
-    check_token_ids: int | None = None,
+    options: StepOptions | None = None,
+    **shortcuts: Any,
 ) -> Step:
     r"""Build the reward-model update (Bradley-Terry pairwise loss).
 
@@ -128,9 +127,13 @@ def make_reward_step(
     same losses and gradients; it needs a model meeting `AbstractBranchScorer`
     (`RewardModel` does).
 
+    **Arguments:** `optimizer`; `settings`, a `RewardSettings` (`center_coef`,
+    `margin`); `options`, a `StepOptions` (`micro_batches`, `axis_name`, `donate`,
+    `nonfinite`, `check_token_ids`: see `make_step`); `**shortcuts`, any field of either
+    record as a keyword, replacing the record's (another keyword is a `TypeError`).
+
     **Returns:** `step(params, opt_state, batch: PreferenceBatch, *, frozen=None, key=None)
-    -> (params, opt_state, metrics)` (see `make_step` for `micro_batches`, `axis_name`,
-    `donate`, `nonfinite`, `check_token_ids`). Metrics: `loss`, `accuracy` (fraction of
+    -> (params, opt_state, metrics)`. Metrics: `loss`, `accuracy` (fraction of
     pairs with $r^w > r^l$), `margin` (mean $r^w - r^l$), `rewards/chosen`,
     `rewards/rejected` (means), `rewards/mean`, `rewards/std` (over all $2B$ scores),
     `grad_norm`, `learning_rate`, `nonfinite`, `empty_batch`.
@@ -140,14 +143,13 @@ def make_reward_step(
     of them false does not empty the batch; a `PackedPreferenceBatch` with no real pair
     slot does (`empty_batch = 1`, the update is skipped; see `make_step`).
     """
+    settings, options = split_shortcuts(
+        RewardSettings, settings, options, shortcuts, where="make_reward_step"
+    )
     return make_step(
-        reward_loss(center_coef=center_coef, margin=margin),
+        reward_loss(settings),
         optimizer,
-        micro_batches=micro_batches,
-        axis_name=axis_name,
-        donate=donate,
-        nonfinite=nonfinite,
-        check_token_ids=check_token_ids,
+        options,
         metrics_fn=_reward_std,
         batch_type=(PreferenceBatch, PackedPreferenceBatch),
     )

@@ -18,6 +18,7 @@ from ..losses import (
 from ..models import AbstractSelectiveLM
 from ..ops import entropy_from_logits, logprobs_from_logits, masked_sum, previous_real_index
 from ._accumulate import vmap_model
+from ._rl_settings import SampledSettings
 from ._state import combine
 from ._validation import check_choice, check_number
 
@@ -202,7 +203,7 @@ def prepare_ppo_batch(
     lam: float = 0.95,
     kl_kind: KLKind = "k1",
     whiten: bool = True,
-    temperature: float = 1.0,
+    temperature: float = SampledSettings.temperature,
 ) -> tuple[PPOBatch, dict[str, Float[Array, ""]]]:
     """Turn sampled sequences and their scores into a `PPOBatch` (one jitted pass).
 
@@ -218,7 +219,7 @@ def prepare_ppo_batch(
     check_number("kl_coef", kl_coef, low=0.0)
     check_number("gamma", gamma, low=0.0, high=1.0)
     check_number("lam", lam, low=0.0, high=1.0)
-    check_number("temperature", temperature, low=0.0, low_open=True)
+    SampledSettings(temperature=temperature)  # the one rule of a sampling temperature
     check_choice("kl_kind", kl_kind, KL_KINDS)
     coef = jnp.asarray(kl_coef, jnp.float32)
     return _prepare(

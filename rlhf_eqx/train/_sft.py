@@ -1,27 +1,31 @@
 """Supervised fine-tuning: token NLL on the completion tokens."""
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import optax
 from jaxtyping import PRNGKeyArray, PyTree
 
 from .._batches import SequenceBatch
-from ..losses import AggregationMode, aggregate_parts, sft_nll
+from ..losses import aggregate_parts, sft_nll
 from ..ops import logprobs_from_logits, masked_sum, previous_real_index
 from ._accumulate import vmap_model
+from ._settings import SFTSettings, StepOptions, settings_from, split_shortcuts
 from ._state import combine
-from ._step import LossFn, NonFinite, Step, make_step
-from ._validation import check_aggregation
+from ._step import LossFn, Step, make_step
 
 
-def sft_loss(*, mode: AggregationMode = "token-mean", constant: float | None = None) -> LossFn:
+def sft_loss(settings: SFTSettings | None = None, **shortcuts: Any) -> LossFn:
     r"""The SFT loss function for `make_step`:
     $\mathrm{aggregate}_{\rm mode}\big(-\log\pi_\theta(y_t \mid y_{<t})\big)$ over the
-    completion tokens (`batch.completion_mask & batch.mask`) of a `SequenceBatch`.
+    completion tokens (`batch.completion_mask & batch.mask`) of a `SequenceBatch`, with
+    `settings` (an `SFTSettings`, or its fields as keywords).
 
     Metrics: `nll` (token mean), `mean_token_accuracy`, `num_tokens` (per batch).
     """
-    check_aggregation(mode, constant)
+    s = settings_from(SFTSettings, settings, shortcuts, where="sft_loss")
+    mode, constant = s.mode, s.constant
 
     def loss_fn(params: PyTree, frozen: PyTree, batch: SequenceBatch, key: PRNGKeyArray | None):
         model = combine(params, frozen)
@@ -46,14 +50,10 @@ def sft_loss(*, mode: AggregationMode = "token-mean", constant: float | None = N
 
 def make_sft_step(
     optimizer: optax.GradientTransformation,
+    settings: SFTSettings | None = None,
     *,
-    mode: AggregationMode = "token-mean",
-    constant: float | None = None,
-    micro_batches: int = 1,
-    axis_name: str | None = None,
-    donate: bool | None = None,
-    nonfinite: NonFinite = "skip",
-    check_token_ids: int | None = None,
+    options: StepOptions | None = None,
+    **shortcuts: Any,
 ) -> Step:
     r"""Build the supervised fine-tuning update (`make_step` of `sft_loss`).
 
@@ -66,10 +66,14 @@ def make_sft_step(
     **Arguments:**
 
     - `optimizer`: e.g. from `make_optimizer`.
-    - `mode`, `constant`: aggregation (see `rlhf_eqx.losses.aggregate_parts`).
-    - `micro_batches`: split each batch into this many micro-batches and accumulate
-      (same loss and gradient as the full batch; the batch size must be divisible).
-    - `axis_name`, `donate`, `nonfinite`, `check_token_ids`: see `make_step`.
+    - `settings`: an `SFTSettings` (`mode`, `constant`: the aggregation, see
+      `rlhf_eqx.losses.aggregate_parts`).
+    - `options`: a `StepOptions` (`micro_batches`: split each batch into this many
+      micro-batches and accumulate, same loss and gradient as the full batch, the batch
+      size must be divisible; `axis_name`, `donate`, `nonfinite`, `check_token_ids`:
+      see `make_step`).
+    - `**shortcuts`: any field of either record as a keyword (`mode="token-mean"`,
+      `micro_batches=2`), replacing the record's; another keyword is a `TypeError`.
 
     **Returns:** `step(params, opt_state, batch: SequenceBatch, *, frozen=None, key=None)
     -> (params, opt_state, metrics)`, one `eqx.filter_jit` region. `params` is the
@@ -83,13 +87,7 @@ def make_sft_step(
     traced. A batch whose completion masks are all false (`num_tokens = 0`) has nothing
     to learn from: the update is skipped and `empty_batch = 1` (see `make_step`).
     """
-    return make_step(
-        sft_loss(mode=mode, constant=constant),
-        optimizer,
-        micro_batches=micro_batches,
-        axis_name=axis_name,
-        donate=donate,
-        nonfinite=nonfinite,
-        check_token_ids=check_token_ids,
-        batch_type=SequenceBatch,
+    settings, options = split_shortcuts(
+        SFTSettings, settings, options, shortcuts, where="make_sft_step"
     )
+    return make_step(sft_loss(settings), optimizer, options, batch_type=SequenceBatch)

@@ -37,9 +37,8 @@ appears elsewhere in the call (e.g. a reference model sharing arrays with `param
 array twice) is never donated: the step falls back to its non-donating version.
 """
 
-import numbers
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -49,7 +48,7 @@ from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from ..losses import safe_divide
 from ._accumulate import Sums, accumulate_gradients, apply_optimizer, sums_to_means
-from ._validation import check_choice, check_positive_int
+from ._settings import NonFinite as NonFinite, StepOptions, settings_from
 
 LossFn = Callable[
     [PyTree, PyTree, PyTree, PRNGKeyArray | None],
@@ -57,7 +56,6 @@ LossFn = Callable[
 ]
 PrepareFn = Callable[[PyTree, str | None], tuple[PyTree, Sums]]
 MetricsFn = Callable[[dict[str, Array], PyTree], dict[str, Array]]
-NonFinite = Literal["skip", "raise"]
 
 
 def _psum(tree: PyTree, axis_name: str | None) -> PyTree:
@@ -166,16 +164,13 @@ class Step:
 def make_step(
     loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
+    options: StepOptions | None = None,
     *,
-    micro_batches: int = 1,
-    axis_name: str | None = None,
-    donate: bool | None = None,
-    nonfinite: NonFinite = "skip",
     prepare: PrepareFn | None = None,
     metrics_fn: MetricsFn | None = None,
-    check_token_ids: int | None = None,
     batch_type: type | tuple[type, ...] | None = None,
     extras: Sequence[str] = (),
+    **shortcuts: Any,
 ) -> Step:
     r"""Build one pure, jitted update from a loss function (see the module docstring).
 
@@ -183,23 +178,26 @@ def make_step(
 
     - `loss_fn`: `(params, frozen, batch, key) -> (numerators, denominators, metrics)`.
     - `optimizer`: an `optax.GradientTransformation` (e.g. `make_optimizer`).
-    - `micro_batches`: split the (per-device) batch into this many micro-batches and
-      accumulate; same loss and gradient as the full batch.
-    - `axis_name`: the device axis of `jax.pmap` (or `shard_map`) this step runs under;
-      numerators, denominators, gradients and metric sums are `psum`-reduced over it.
-      A `key` is folded with the device index, so dropout differs across devices.
-    - `donate`: donating `params` / `opt_state`: `None` (default) only through
-      `TrainState.apply`, `True` also on direct calls, `False` never (see the module
-      docstring).
-    - `nonfinite`: what to do when the loss or a gradient is not finite: `"skip"`
-      (default) leaves `params` and `opt_state` unchanged (also when the update
-      itself is not finite, e.g. with an infinite learning rate) and reports `nonfinite = 1`;
-      `"raise"` stops with an error (`eqx.error_if`).
+    - `options`: a `StepOptions` (or its fields as keyword shortcuts, e.g.
+      `micro_batches=2`):
+        - `micro_batches`: split the (per-device) batch into this many micro-batches
+          and accumulate; same loss and gradient as the full batch.
+        - `axis_name`: the device axis of `jax.pmap` (or `shard_map`) this step runs
+          under; numerators, denominators, gradients and metric sums are
+          `psum`-reduced over it. A `key` is folded with the device index, so dropout
+          differs across devices.
+        - `donate`: donating `params` / `opt_state`: `None` (default) only through
+          `TrainState.apply`, `True` also on direct calls, `False` never (see the
+          module docstring).
+        - `nonfinite`: what to do when the loss or a gradient is not finite: `"skip"`
+          (default) leaves `params` and `opt_state` unchanged (also when the update
+          itself is not finite, e.g. with an infinite learning rate) and reports
+          `nonfinite = 1`; `"raise"` stops with an error (`eqx.error_if`).
+        - `check_token_ids`: a vocabulary size; every integer array of the batch is
+          checked to lie in `[0, vocab)` inside the step (an opt-in `eqx.error_if`).
     - `prepare`: `(batch, axis_name) -> (batch, metric sums)`, run once on the full
       (per-device) batch before micro-batching (e.g. group-relative advantages).
     - `metrics_fn`: `(metrics, grads) -> metrics`, applied last (derived metrics).
-    - `check_token_ids`: a vocabulary size; every integer array of the batch is checked
-      to lie in `[0, vocab)` inside the step (an opt-in `eqx.error_if`).
     - `batch_type`, `extras`: see `Step`.
 
     **Returns:** a `Step`,
@@ -211,15 +209,9 @@ def make_step(
     denominator was 0 over the global batch: the update was skipped). A batch with zero
     rows raises `ValueError` at trace time (see the module docstring).
     """
-    check_positive_int("micro_batches", micro_batches)
-    check_choice("nonfinite", nonfinite, ("skip", "raise"))
-    if axis_name is not None and not isinstance(axis_name, str):
-        raise ValueError(f"axis_name must be a string or None, got {axis_name!r}")
-    if check_token_ids is not None:
-        if isinstance(check_token_ids, bool) or not isinstance(check_token_ids, numbers.Integral):
-            raise ValueError(
-                f"check_token_ids must be a vocabulary size (int), got {check_token_ids!r}"
-            )
+    options = settings_from(StepOptions, options, shortcuts, where="make_step")
+    micro_batches, axis_name = options.micro_batches, options.axis_name
+    nonfinite, check_token_ids = options.nonfinite, options.check_token_ids
     sg = jax.lax.stop_gradient
 
     def update(rest, params, opt_state):
@@ -292,4 +284,4 @@ def make_step(
             metrics = metrics_fn(metrics, grads)
         return new_params, new_opt_state, metrics
 
-    return Step(update, donate=donate, batch_type=batch_type, extras=extras)
+    return Step(update, donate=options.donate, batch_type=batch_type, extras=extras)

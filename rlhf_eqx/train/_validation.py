@@ -1,4 +1,7 @@
-"""Build-time checks of step hyperparameters: one-line errors naming the argument.
+"""Build-time checks of step hyperparameters: one-line errors
+`"{name}={value!r}: must be {requirement}"` naming the argument, its value and the valid
+range or choices (the settings records of `_settings.py` raise them; a pipeline config
+prefixes its section, `dpo.beta=-0.1: must be > 0`).
 
 Python numbers are checked when a step is built; JAX arrays (including tracers, so a
 whole run can be `jax.vmap`-ed over a hyperparameter) are accepted as they are.
@@ -6,11 +9,12 @@ whole run can be `jax.vmap`-ed over a hyperparameter) are accepted as they are.
 
 import math
 import numbers
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 
-from ..losses import AGGREGATION_MODES, check_choice
+from ..losses import AGGREGATION_MODES
 
 
 def is_traced_or_array(value: Any) -> bool:
@@ -19,8 +23,35 @@ def is_traced_or_array(value: Any) -> bool:
 
 
 def check_positive_int(name: str, value: Any) -> None:
+    """A Python int >= 1 (never an array: it sets a shape or a loop)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+        raise ValueError(f"{name}={value!r}: must be a positive int")
+
+
+def check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
+    """One of the strings `choices` (e.g. `AGGREGATION_MODES`)."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name}={value!r}: must be one of {', '.join(choices)}")
+
+
+def check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r}: must be True or False")
+
+
+def _g(x: float) -> str:
+    return f"{x:g}"
+
+
+def _requirement(low, high, low_open, high_open) -> str:
+    if low is None and high is None:
+        return ""
+    if high is None:
+        return f"{'>' if low_open else '>='} {_g(low)}"
+    if low is None:
+        return f"{'<' if high_open else '<='} {_g(high)}"
+    lo, hi = "(" if low_open else "[", ")" if high_open else "]"
+    return f"in {lo}{_g(low)}, {_g(high)}{hi}"
 
 
 def check_number(
@@ -37,25 +68,25 @@ def check_number(
 
     `low_open` / `high_open` exclude the end points. Non-finite numbers always fail.
     """
+    req = _requirement(low, high, low_open, high_open)
     if value is None:
         if allow_none:
             return
-        raise ValueError(f"{name} must be a number, got None")
+        raise ValueError(f"{name}=None: must be a number{' ' + req if req else ''}")
     if is_traced_or_array(value):
         return
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise ValueError(f"{name}={value!r}: must be a number{' ' + req if req else ''}")
     v = float(value)
-    lo = "(" if low_open else "["
-    hi = ")" if high_open else "]"
-    interval = f"{lo}{'-inf' if low is None else low}, {'inf' if high is None else high}{hi}"
-    bad = not math.isfinite(v)
+    if not math.isfinite(v):
+        raise ValueError(f"{name}={value!r}: must be a finite number{' ' + req if req else ''}")
+    bad = False
     if low is not None:
         bad |= v <= low if low_open else v < low
     if high is not None:
         bad |= v >= high if high_open else v > high
     if bad:
-        raise ValueError(f"{name}={value!r} is out of range; expected a finite value in {interval}")
+        raise ValueError(f"{name}={value!r}: must be {req}")
 
 
 def check_aggregation(mode: Any, constant: Any) -> None:
@@ -64,6 +95,7 @@ def check_aggregation(mode: Any, constant: Any) -> None:
     if constant is not None:
         if mode != "seq-mean-token-sum-norm":
             raise ValueError(
-                f"constant={constant!r} is only used by mode='seq-mean-token-sum-norm'"
+                f"constant={constant!r}: only used by mode='seq-mean-token-sum-norm' "
+                f"(mode={mode!r})"
             )
         check_number("constant", constant, low=0.0, low_open=True)

@@ -55,6 +55,7 @@ from ._evaluate import (
     reward_accuracy as reward_accuracy,
     win_rate as win_rate,
 )
+from ._grpo_runs import OffPolicyState as OffPolicyState, run_grpo as run_grpo
 from ._kto_runs import (
     kto_heldout_metrics as kto_heldout_metrics,
     run_kto as run_kto,
@@ -118,7 +119,7 @@ from ._reward_sources import (
     load_reward_source as load_reward_source,
     stage_reward_source as stage_reward_source,
 )
-from ._rl_runs import run_grpo as run_grpo, run_ppo as run_ppo
+from ._rl_runs import run_ppo as run_ppo
 from ._rollout import (
     RewardFunction as RewardFunction,
     Rollout as Rollout,

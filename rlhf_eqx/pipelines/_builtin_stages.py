@@ -9,6 +9,7 @@ from rlhf_eqx import data
 from ._distill_runs import completions_batch, run_distill, sampled_completions
 from ._dpo_runs import run_online_dpo
 from ._evaluate import reward_accuracy
+from ._grpo_runs import run_grpo
 from ._kto_runs import run_kto, sampled_unpaired
 from ._registry import Outcome, StageEnv, find_stage
 from ._reward_runs import run_reward
@@ -18,7 +19,7 @@ from ._reward_sources import (
     export_reward_ensemble,
     stage_reward_source,
 )
-from ._rl_runs import run_grpo, run_ppo
+from ._rl_runs import run_ppo
 from ._rollout import RewardFunction, sample_rollout, sampling_options
 from ._runs import collate_pairs, export_reward_model, final_policy, run_sft
 from ._task import HELDOUT_PROMPTS, TRAIN_PROMPTS, animal_score

@@ -154,12 +154,16 @@ class SamplingConfig:
     temperature is used for the steps' log-probabilities). Each completion stops at EOS
     (and BOS) and, when `stop_strings` are given, is cut where one first appears: none
     for the story task; `("\\n\\nHuman:",)` for HH-RLHF-style chat prompts, so that a
-    completion that starts the next human turn ends there."""
+    completion that starts the next human turn ends there. `slots > 0` samples rollouts
+    with continuous batching (`rlhf_eqx.generate_continuous`: that many decode rows,
+    refilled as completions finish; each prompt's samples from its own key), 0 with the
+    static batch loop (`generate_batch`)."""
 
     prompt_length: int = 32
     max_new_tokens: int = 40
     temperature: float = 1.0
     stop_strings: tuple[str, ...] = ()
+    slots: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,13 +373,34 @@ class GRPOConfig(RolloutStageConfig, GRPOSettings):
     `rlhf_eqx.train.GRPOSettings` (its `temperature` is `sampling.temperature`):
     `policy_loss` selects the token objective of `make_grpo_step`: `grpo` (the PPO-clip
     surrogate), or after DAPO `cispo`, `gmpo`, `sapo`, `clip_cov`, `kl_cov`,
-    `high_entropy` (each with the step's published defaults; docs/objectives.md)."""
+    `high_entropy` (each with the step's published defaults; docs/objectives.md).
+
+    Rollouts:
+
+    - `staleness`: rollout `r` is sampled by the policy of `staleness` updates before
+      (one-step off-policy with `1`: the next rollout need not wait for the update;
+      0: synchronous). The sampler's log-probabilities are kept as the behaviour
+      policy's, `old_logp` is the trained policy's own, and
+      `rollout_correction` (e.g. `--set grpo.rollout_correction.mode=truncate`, a
+      `rlhf_eqx.losses.RolloutCorrection`: truncated or masked importance weights at
+      token, sequence or geometric level, veRL's `rollout_is`) reweights the tokens;
+      the `rollout_corr/*` metrics measure the mismatch.
+    - `dynamic_sampling`: DAPO's dynamic sampling (Yu et al. 2025) — groups whose
+      rewards all agree are dropped and the batch refilled with fresh groups, at most
+      this many samplings per rollout (0: off); what is still missing is filled with
+      dropped groups (zero advantage), so every step has one shape.
+    - `overlong_buffer`: DAPO's soft overlong punishment (TRL
+      `soft_overlong_punishment`): a completion longer than `max_new_tokens -
+      overlong_buffer` tokens loses up to 1 reward linearly (0: off)."""
 
     temperature: float = dataclasses.field(
         default=SamplingConfig.temperature, metadata=_SET_BY_SAMPLING
     )
     prompts_per_rollout: int = 8
     group_size: int = 8
+    staleness: int = 0
+    dynamic_sampling: int = 0
+    overlong_buffer: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

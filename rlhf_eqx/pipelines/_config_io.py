@@ -188,6 +188,29 @@ def _deep_merge(a: dict, b: dict) -> dict:
     return out
 
 
+def _section_type(cls: type | None, name: str) -> type | None:
+    """The dataclass type of section `name` of `cls` (`None` when not known)."""
+    if cls is None or not dataclasses.is_dataclass(cls):
+        return None
+    if cls is PipelineConfig and name in _extra_sections():
+        return _extra_sections()[name]
+    tp = typing.get_type_hints(cls).get(name)
+    if dataclasses.is_dataclass(tp):
+        return tp
+    return _optional_section(cls, name)
+
+
+def _optional_section(cls: type, name: str) -> type | None:
+    """`X` for a field `name: X | None` of `cls` whose `X` is a dataclass with defaults
+    (e.g. `grpo.rollout_correction`): setting one of its fields starts from `X()`."""
+    tp = typing.get_type_hints(cls).get(name) if dataclasses.is_dataclass(cls) else None
+    if typing.get_origin(tp) in (types.UnionType, typing.Union):
+        found = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
+        if len(found) == 1 and type(None) in typing.get_args(tp):
+            return found[0]
+    return None
+
+
 def apply_overrides(cfg: Any, overrides: Sequence[str]) -> Any:
     """Apply dotted `field.sub=value` overrides (e.g. `"dpo.beta=0.2"`); values are parsed
     by the field's type (lists comma-separated)."""
@@ -197,11 +220,16 @@ def apply_overrides(cfg: Any, overrides: Sequence[str]) -> Any:
             raise ConfigError(f"override {item!r}: expected FIELD=VALUE, e.g. dpo.beta=0.2")
         path, value = item.split("=", 1)
         parts = path.strip().split(".")
-        node = d
+        node, cls = d, type(cfg)
         for i, p in enumerate(parts[:-1]):
+            if node.get(p) is None and cls is not None:  # an optional section, unset: its defaults
+                section = _optional_section(cls, p)
+                if section is not None:
+                    node[p] = json.loads(json.dumps(dataclasses.asdict(section())))
             if not isinstance(node.get(p), dict):
                 raise ConfigError(f"{'.'.join(parts[: i + 1])}: unknown config section")
             node = node[p]
+            cls = _section_type(cls, p)
         # an unknown field is refused by `config_from_dict`, naming the known ones
         node[parts[-1]] = None if value.lower() == "none" else value
     return config_from_dict(type(cfg), d)

@@ -22,6 +22,7 @@ from ._data_prep import (
 from ._distill_runs import completions_batch, distill_divergence, run_distill
 from ._dpo_runs import run_dpo
 from ._evaluate import reward_accuracy
+from ._grpo_runs import run_grpo
 from ._kto_runs import collate_unpaired_records, kto_heldout_metrics, run_kto
 from ._metrics import MetricsLog
 from ._prm_runs import prm_on_data
@@ -33,7 +34,6 @@ from ._reward_sources import (
     export_reward_ensemble,
     stage_reward_source,
 )
-from ._rl_runs import run_grpo
 from ._rollout import RewardFunction, sample_rollout, sampling_options
 from ._runs import collate_pairs, export_reward_model, final_policy, run_sft
 

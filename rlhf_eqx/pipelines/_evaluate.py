@@ -52,13 +52,14 @@ def evaluate_policy(
     max_new_tokens: int,
     temperature: float = 1.0,
     stop_strings: Sequence[str] = (),
+    slots: int = 0,
 ) -> tuple[dict, Rollout, np.ndarray]:
     """Sample `samples` completions per held-out prompt and measure them.
 
     **Returns:** `(metrics, rollout, scores)`; metrics: `score` (mean scorer value),
     `base_nll` (NLL per token under `base`: fluency), `kl` (per-token KL to `reference`,
     when given). Two policies evaluated with the same `key` give paired samples for
-    `win_rate`.
+    `win_rate`. `slots > 0`: continuous batching (see `sample_rollout`).
     """
     rollout = sample_rollout(
         policy,
@@ -70,6 +71,7 @@ def evaluate_policy(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         stop_strings=stop_strings,
+        slots=slots,
     )
     scores = np.asarray([scorer(t) for t in rollout.texts], np.float32)
     metrics = {"score": float(scores.mean()), "base_nll": completion_nll(base, rollout)}

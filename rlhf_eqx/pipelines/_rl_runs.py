@@ -1,5 +1,6 @@
-"""Reinforcement-learning runs: PPO with a value model (reward model or reward
-functions) and GRPO with verifiable rewards; the KL guard stops them early."""
+"""Reinforcement-learning runs: what PPO and GRPO share (the policy with its reference,
+sampling a rollout and its reference log-probs), and PPO with a value model (GRPO is in
+`_grpo_runs.py`); the KL guard stops them early."""
 
 import dataclasses
 from collections.abc import Sequence
@@ -11,11 +12,16 @@ import numpy as np
 
 import rlhf_eqx as rx
 
-from ._config import GRPOConfig, LoRASettings, PPOConfig
+from ._config import LoRASettings, PPOConfig
 from ._lr_scale import build_optimizer
 from ._monitor import model_flops
 from ._reward_sources import RewardSource, as_reward_source
-from ._rollout import RewardFunction, group_signal, sample_rollout, sampling_options, token_logps
+from ._rollout import (
+    RewardFunction,
+    sample_rollout,
+    sampling_options,
+    token_logps,
+)
 from ._runs import RunContext, RunResult, rows_at, run_loop, take_rows, with_lora
 from ._validation import validate_stage
 
@@ -174,89 +180,3 @@ def run_ppo(
 
 
 # --- GRPO ------------------------------------------------------------------------------
-
-
-def run_grpo(
-    policy,
-    tok,
-    prompts: Sequence[str],
-    *,
-    reward: "RewardSource | Sequence[RewardFunction]",
-    cfg: GRPOConfig,
-    ctx: RunContext,
-) -> RunResult:
-    """GRPO (Shao et al. 2024): per rollout, `cfg.group_size` completions for each of
-    `cfg.prompts_per_rollout` prompts, scored by `reward` (weighted reward functions on
-    the decoded text, e.g. verifiable rewards; or any `RewardSource`: a reward model or
-    ensemble, a judge, a process reward model's aggregated step scores); group-relative
-    advantages; reference log-probs
-    computed once per rollout (k3 KL with weight `cfg.beta`); `cfg.epochs` steps on the
-    rollout with `old_logp` from the sampler. Logs `frac_reward_zero_std` and an event
-    when no group carries a signal. Stops early when the per-token KL to the reference
-    exceeds `cfg.kl_target`.
-    """
-    validate_stage("grpo", cfg)
-    source = as_reward_source(reward)
-    k_lora, ctx_key = jax.random.split(ctx.key)
-    pol, spec, reference = _policy_and_reference(policy, cfg.lora, k_lora)
-    opt = build_optimizer(cfg.optim, cfg.rollouts * cfg.epochs)
-    state = rx.train.init_train_state(pol, opt, filter_spec=spec)
-    cfg = dataclasses.replace(cfg, temperature=ctx.temperature)  # `sampling.temperature`
-    step = rx.train.make_grpo_step(opt, cfg, options=cfg.options)
-
-    rows = cfg.prompts_per_rollout * cfg.group_size * (ctx.prompt_length + ctx.max_new_tokens)
-
-    def iteration(state, key, r):
-        k_sample, k_steps = jax.random.split(key)
-        roll, ref_logp, info = _sample_and_compare(
-            state.model,
-            reference,
-            tok,
-            prompts,
-            k_sample,
-            r,
-            ctx=ctx,
-            per_rollout=cfg.prompts_per_rollout,
-            group_size=cfg.group_size,
-        )
-        scored = source.score(roll)
-        rewards = np.asarray(scored.scores, np.float32)
-        info.update(scored.metrics, score=float(rewards.mean()))
-        info["frac_reward_zero_std"] = group_signal(rewards, cfg.group_size)
-        if info["frac_reward_zero_std"] == 1.0:
-            ctx.log.event(
-                "no_signal",
-                f"rollout {r}: every group has equal rewards; the update is zero",
-                iteration=r,
-            )
-        batch = rx.train.GRPOBatch(
-            tokens=roll.tokens,
-            mask=roll.mask,
-            completion_mask=roll.completion_mask,
-            rewards=jnp.asarray(rewards),
-            old_logp=roll.logprobs,
-            ref_logp=ref_logp,
-            truncated=roll.truncated,
-            prompt_length=ctx.prompt_length,  # each group's prompt runs once in the update
-            samples_per_prompt=cfg.group_size,
-        )
-        metrics = []
-        for e in range(cfg.epochs):
-            state, met = state.apply(step, batch, key=jax.random.fold_in(k_steps, e))
-            metrics.append(met)
-        return state, metrics, info
-
-    ctx = dataclasses.replace(ctx, key=ctx_key)
-    return run_loop(
-        state,
-        iteration,
-        ctx,
-        cfg.rollouts,
-        kl_target=cfg.kl_target,
-        policy_of=lambda s: s.model,
-        tokens_per_iteration=cfg.prompts_per_rollout * cfg.group_size * ctx.max_new_tokens,
-        # Sampling and the reference pass, then `epochs` steps on the rollout.
-        flops_per_iteration=model_flops(
-            rx.count_params(pol), forward_tokens=2 * rows, train_tokens=cfg.epochs * rows
-        ),
-    )

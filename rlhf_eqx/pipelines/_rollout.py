@@ -67,7 +67,7 @@ def encode_prompts(tok, prompts: Sequence[str], *, prompt_length: int) -> list[l
     return ids
 
 
-SAMPLING_FIELDS = ("prompt_length", "max_new_tokens", "temperature", "stop_strings")
+SAMPLING_FIELDS = ("prompt_length", "max_new_tokens", "temperature", "stop_strings", "slots")
 
 
 def sampling_options(settings) -> dict:
@@ -88,8 +88,12 @@ def sample_rollout(
     temperature: float = 1.0,
     stop_ids: Sequence[int] | None = None,
     stop_strings: Sequence[str] = (),
+    slots: int = 0,
 ) -> Rollout:
-    """Sample `group_size` completions of each prompt with `rlhf_eqx.generate_batch`.
+    """Sample `group_size` completions of each prompt with `rlhf_eqx.generate_batch`, or
+    with `slots > 0` with `rlhf_eqx.generate_continuous` (that many decode slots refilled
+    as rows finish; prompt `i` draws from `fold_in(key, i)`, so its samples do not depend
+    on the batching).
 
     Prompts are left-padded to `prompt_length` (one compiled sampler per batch size).
     The sampler stops a row at the first of `stop_ids` (default: EOS and BOS — the
@@ -106,17 +110,20 @@ def sample_rollout(
     ids = encode_prompts(tok, prompts, prompt_length=prompt_length)
     repeated = [x for x in ids for _ in range(group_size)]
     batch = data.collate_prompts(list(ids), max_length=prompt_length, pad_id=tok.pad_id)
-    out = rx.generate_batch(  # each prompt prefilled once, its group_size rows follow it
-        policy,
-        batch.tokens,
-        batch.mask,
-        key,
+    kw = dict(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         eos_id=list(stop_ids) or None,
         pad_id=tok.pad_id,
-        num_samples=group_size,
+        num_samples=group_size,  # each prompt prefilled once, its group_size rows follow it
     )
+    if slots > 0:
+        keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(len(ids)))
+        out = rx.generate_continuous(
+            policy, batch.tokens, batch.mask, keys, slots=min(slots, len(repeated)), **kw
+        )
+    else:
+        out = rx.generate_batch(policy, batch.tokens, batch.mask, key, **kw)
     lengths = np.asarray(out.completion_mask).sum(axis=1)
     tokens = np.asarray(out.tokens)
     last = tokens[np.arange(tokens.shape[0]), prompt_length + np.maximum(lengths - 1, 0)]

@@ -21,11 +21,7 @@ import numpy as np
 import rlhf_eqx as rx
 from rlhf_eqx import data
 
-from ._config import (
-    LoRASettings,
-    OpsConfig,
-    SFTConfig,
-)
+from ._config import LoRASettings, OpsConfig, SamplingConfig, SFTConfig
 from ._loop import LoopResult, run_iterations
 from ._lr_scale import build_optimizer
 from ._metrics import MetricsLog
@@ -46,10 +42,11 @@ class RunContext:
     key: jax.Array
     checkpoint_dir: str | None = None
     resume: bool = False
-    prompt_length: int = 32
-    max_new_tokens: int = 40
-    temperature: float = 1.0
-    stop_strings: tuple[str, ...] = ()
+    prompt_length: int = SamplingConfig.prompt_length
+    max_new_tokens: int = SamplingConfig.max_new_tokens
+    temperature: float = SamplingConfig.temperature
+    stop_strings: tuple[str, ...] = SamplingConfig.stop_strings
+    slots: int = SamplingConfig.slots
     meta: dict | None = None
     evaluate: Callable[[object], dict] | None = None
     peak_flops: float | None = None

@@ -137,6 +137,7 @@ def validate_config(cfg: PipelineConfig, *, device_count: int = 1) -> None:
         SampledSettings(temperature=s.temperature)  # the steps' rule
     except ValueError as e:
         raise ConfigError(f"sampling.{e}") from None
+    _at_least("sampling.slots", s.slots, 0)
     if not all(isinstance(x, str) and x for x in s.stop_strings):
         _fail("sampling.stop_strings", s.stop_strings, "must be non-empty strings")
     validate_ops(cfg.ops)
@@ -326,9 +327,6 @@ def validate_stage(name: str, c: Any, *, device_count: int = 1) -> None:
             _fail(f"{name}.group_size", c.group_size, "must be >= 2")
         _divides(f"{name}.prompts_per_rollout", c.prompts_per_rollout * c.group_size, device_count)
         _check_options(name, c, c.prompts_per_rollout)
-        if c.rollout_correction is not None:
-            _fail(
-                f"{name}.rollout_correction",
-                c.rollout_correction,
-                "must be None (the runs sample with the policy they train)",
-            )
+        _at_least(f"{name}.staleness", c.staleness, 0)
+        _at_least(f"{name}.dynamic_sampling", c.dynamic_sampling, 0)
+        _at_least(f"{name}.overlong_buffer", c.overlong_buffer, 0)

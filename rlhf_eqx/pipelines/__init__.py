@@ -13,22 +13,11 @@ from ._config import (
     BatchStageConfig as BatchStageConfig,
     ConfigError as ConfigError,
     DataConfig as DataConfig,
-    DistillConfig as DistillConfig,
-    DPOConfig as DPOConfig,
-    GRPOConfig as GRPOConfig,
-    JudgeConfig as JudgeConfig,
-    KTOConfig as KTOConfig,
     LoRASettings as LoRASettings,
     ModelConfig as ModelConfig,
     OpsConfig as OpsConfig,
-    PipelineConfig as PipelineConfig,
-    PPOConfig as PPOConfig,
-    PRMConfig as PRMConfig,
-    RewardConfig as RewardConfig,
     RolloutStageConfig as RolloutStageConfig,
     SamplingConfig as SamplingConfig,
-    SFTConfig as SFTConfig,
-    animal_task_config as animal_task_config,
 )
 from ._config_io import (
     apply_overrides as apply_overrides,
@@ -84,6 +73,10 @@ from ._pipeline import (
     load_model as load_model,
     run_pipeline as run_pipeline,
     tokenizer_file as tokenizer_file,
+)
+from ._pipeline_config import (
+    PipelineConfig as PipelineConfig,
+    animal_task_config as animal_task_config,
 )
 from ._plots import plot_run as plot_run, read_metrics as read_metrics, read_records as read_records
 from ._prm_runs import run_prm as run_prm, step_accuracy as step_accuracy
@@ -142,6 +135,17 @@ from ._runs import (
     rows_at as rows_at,
     run_sft as run_sft,
     with_lora as with_lora,
+)
+from ._stage_configs import (
+    DistillConfig as DistillConfig,
+    DPOConfig as DPOConfig,
+    GRPOConfig as GRPOConfig,
+    JudgeConfig as JudgeConfig,
+    KTOConfig as KTOConfig,
+    PPOConfig as PPOConfig,
+    PRMConfig as PRMConfig,
+    RewardConfig as RewardConfig,
+    SFTConfig as SFTConfig,
 )
 from ._task import (
     ANIMALS as ANIMALS,

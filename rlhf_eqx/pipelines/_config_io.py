@@ -8,7 +8,13 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ._config import ConfigError, PipelineConfig, prefixed
+from ._config import (
+    ConfigError,
+    prefixed,
+)
+from ._pipeline_config import (
+    PipelineConfig,
+)
 
 
 def _set_by(field: dataclasses.Field) -> str | None:

@@ -9,7 +9,9 @@ import jax.numpy as jnp
 import rlhf_eqx as rx
 from rlhf_eqx import data
 
-from ._config import DataConfig
+from ._config import (
+    DataConfig,
+)
 from ._metrics import MetricsLog
 
 

@@ -8,10 +8,15 @@ import sys
 
 import jax
 
-from ._config import ConfigError, PipelineConfig
+from ._config import (
+    ConfigError,
+)
 from ._config_io import config_to_dict
 from ._metrics import MetricsLog
 from ._monitor import measure_matmul_peak
+from ._pipeline_config import (
+    PipelineConfig,
+)
 from ._registry import StageEnv, get_stage, stage_config, stages
 from ._rollout import sampling_options
 from ._rundir import open_run_dir, write_json_atomic

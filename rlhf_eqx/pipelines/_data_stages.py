@@ -9,7 +9,9 @@ import numpy as np
 
 from rlhf_eqx import data
 
-from ._config import DataConfig
+from ._config import (
+    DataConfig,
+)
 from ._data_prep import (
     implicit_accuracy,
     is_preference_file,

@@ -12,10 +12,12 @@ import jax.numpy as jnp
 import rlhf_eqx as rx
 from rlhf_eqx import data
 
-from ._config import DistillConfig
 from ._lr_scale import build_optimizer
 from ._rollout import sample_rollout, sampling_options
 from ._runs import RunContext, RunResult, rows_at, run_loop, take_rows, with_lora
+from ._stage_configs import (
+    DistillConfig,
+)
 from ._validation import validate_stage
 
 

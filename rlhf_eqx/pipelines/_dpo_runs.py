@@ -10,7 +10,6 @@ import numpy as np
 import rlhf_eqx as rx
 from rlhf_eqx import data
 
-from ._config import DPOConfig
 from ._lr_scale import build_optimizer
 from ._monitor import model_flops
 from ._rollout import sample_rollout, sampling_options
@@ -25,6 +24,9 @@ from ._runs import (
     shuffled_rows,
     take_rows,
     with_lora,
+)
+from ._stage_configs import (
+    DPOConfig,
 )
 from ._validation import validate_stage
 

@@ -12,13 +12,15 @@ import numpy as np
 
 import rlhf_eqx as rx
 
-from ._config import GRPOConfig
 from ._lr_scale import build_optimizer
 from ._monitor import model_flops
 from ._reward_sources import RewardSource, as_reward_source
 from ._rl_runs import _policy_and_reference, _sample_and_compare
 from ._rollout import RewardFunction, Rollout, group_signal
 from ._runs import RunContext, RunResult, run_loop
+from ._stage_configs import (
+    GRPOConfig,
+)
 from ._validation import validate_stage
 
 

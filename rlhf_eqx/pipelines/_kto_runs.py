@@ -11,10 +11,12 @@ import numpy as np
 import rlhf_eqx as rx
 from rlhf_eqx import data
 
-from ._config import KTOConfig
 from ._lr_scale import build_optimizer
 from ._rollout import sample_rollout, sampling_options
 from ._runs import RunContext, RunResult, run_offline, shuffled_rows, with_lora
+from ._stage_configs import (
+    KTOConfig,
+)
 from ._validation import validate_stage
 
 

@@ -26,7 +26,9 @@ from ._checkpoints import (
     restore_checkpoint,
     save_checkpoint,
 )
-from ._config import OpsConfig
+from ._config import (
+    OpsConfig,
+)
 from ._loop_checks import find_problem, monitoring, stale_record
 from ._lr_scale import get_lr_scale, set_lr_scale
 from ._metrics import MetricsLog, drop_records, progress

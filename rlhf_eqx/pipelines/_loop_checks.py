@@ -6,7 +6,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ._config import OpsConfig
+from ._config import (
+    OpsConfig,
+)
 from ._monitor import device_memory
 
 SPIKE_FLOOR = 0.1

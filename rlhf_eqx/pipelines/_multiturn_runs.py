@@ -17,7 +17,10 @@ import numpy as np
 
 import rlhf_eqx as rx
 
-from ._config import ConfigError, GRPOConfig, LoRASettings
+from ._config import (
+    ConfigError,
+    LoRASettings,
+)
 from ._evaluate import win_rate
 from ._lr_scale import build_optimizer
 from ._monitor import model_flops
@@ -25,6 +28,9 @@ from ._registry import Outcome, StageEnv
 from ._rl_runs import _policy_and_reference
 from ._rollout import encode_prompts, group_signal, token_logps
 from ._runs import RunContext, RunResult, final_policy, rows_at, run_loop
+from ._stage_configs import (
+    GRPOConfig,
+)
 from ._task import HELDOUT_PROMPTS, TRAIN_PROMPTS
 from ._validation import validate_stage
 

@@ -10,11 +10,16 @@ import jax
 import rlhf_eqx as rx
 from rlhf_eqx import data
 
-from ._config import ConfigError, PipelineConfig
+from ._config import (
+    ConfigError,
+)
 from ._config_io import config_to_dict
 from ._evaluate import evaluate_policy, win_rate
 from ._metrics import MetricsLog
 from ._monitor import measure_matmul_peak
+from ._pipeline_config import (
+    PipelineConfig,
+)
 from ._registry import StageEnv, stage_config, stage_key, stages
 from ._rollout import sampling_options
 from ._rundir import open_run_dir, write_json_atomic

@@ -10,10 +10,12 @@ import numpy as np
 import rlhf_eqx as rx
 from rlhf_eqx import data
 
-from ._config import PRMConfig
 from ._lr_scale import build_optimizer
 from ._monitor import model_flops
 from ._runs import RunContext, RunResult, run_loop, shuffled_rows
+from ._stage_configs import (
+    PRMConfig,
+)
 from ._validation import validate_stage
 
 

@@ -29,7 +29,9 @@ from typing import Any
 
 import jax
 
-from ._config import ConfigError
+from ._config import (
+    ConfigError,
+)
 
 
 @dataclasses.dataclass(frozen=True)

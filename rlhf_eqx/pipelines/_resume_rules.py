@@ -70,7 +70,9 @@ def iteration_fields() -> dict[str, str]:
 def downstream(stage: str) -> tuple[str, ...]:
     """The stages trained from `stage`'s result: `_DOWNSTREAM`, and every registered stage
     whose prerequisites include it."""
-    from ._config import PipelineConfig
+    from ._pipeline_config import (
+        PipelineConfig,
+    )
     from ._registry import stages
 
     cfg = PipelineConfig()

@@ -12,11 +12,13 @@ import jax.numpy as jnp
 import rlhf_eqx as rx
 from rlhf_eqx import data
 
-from ._config import RewardConfig
 from ._evaluate import reward_accuracy
 from ._lr_scale import build_optimizer
 from ._monitor import model_flops
 from ._runs import RunContext, RunResult, collate_pairs, run_loop, shuffled_rows
+from ._stage_configs import (
+    RewardConfig,
+)
 from ._validation import validate_stage
 
 

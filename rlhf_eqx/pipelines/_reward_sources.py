@@ -33,7 +33,9 @@ import numpy as np
 
 import rlhf_eqx as rx
 
-from ._config import REWARD_SOURCES as REWARD_SOURCES
+from ._config import (
+    REWARD_SOURCES as REWARD_SOURCES,
+)
 from ._rollout import RewardFunction, Rollout, reward_model_scores, score_rollout
 from ._runs import check_finite_weights, copy_tokenizer
 

@@ -12,7 +12,9 @@ import numpy as np
 
 import rlhf_eqx as rx
 
-from ._config import LoRASettings, PPOConfig
+from ._config import (
+    LoRASettings,
+)
 from ._lr_scale import build_optimizer
 from ._monitor import model_flops
 from ._reward_sources import RewardSource, as_reward_source
@@ -23,6 +25,9 @@ from ._rollout import (
     token_logps,
 )
 from ._runs import RunContext, RunResult, rows_at, run_loop, take_rows, with_lora
+from ._stage_configs import (
+    PPOConfig,
+)
 from ._validation import validate_stage
 
 # --- shared by PPO and GRPO -------------------------------------------------------------

@@ -30,9 +30,11 @@ import shutil
 import socket
 import sys
 
-from ._config import PipelineConfig
 from ._config_io import config_to_dict
 from ._metrics import DiskFullError, drop_records, repair_metrics
+from ._pipeline_config import (
+    PipelineConfig,
+)
 from ._resume_rules import (
     RunDirError,
     check_resumable,

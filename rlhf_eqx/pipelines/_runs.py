@@ -21,11 +21,18 @@ import numpy as np
 import rlhf_eqx as rx
 from rlhf_eqx import data
 
-from ._config import LoRASettings, OpsConfig, SamplingConfig, SFTConfig
+from ._config import (
+    LoRASettings,
+    OpsConfig,
+    SamplingConfig,
+)
 from ._loop import LoopResult, run_iterations
 from ._lr_scale import build_optimizer
 from ._metrics import MetricsLog
 from ._monitor import model_flops
+from ._stage_configs import (
+    SFTConfig,
+)
 from ._validation import validate_ops, validate_stage
 
 

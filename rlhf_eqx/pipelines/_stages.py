@@ -1,7 +1,9 @@
 """The built-in stages, registered in pipeline order (see `_registry.py`)."""
 
 from . import _builtin_stages as B, _data_stages as D
-from ._config import (
+from ._multiturn_runs import MultiturnConfig, multiturn
+from ._registry import Stage, register_stage
+from ._stage_configs import (
     DistillConfig,
     DPOConfig,
     GRPOConfig,
@@ -11,8 +13,6 @@ from ._config import (
     RewardConfig,
     SFTConfig,
 )
-from ._multiturn_runs import MultiturnConfig, multiturn
-from ._registry import Stage, register_stage
 
 for _stage in (
     Stage(

@@ -30,19 +30,23 @@ from ._config import (
     REWARD_SOURCES,
     BatchStageConfig,
     ConfigError,
+    OpsConfig,
+    RolloutStageConfig,
+)
+from ._pipeline_config import (
+    PipelineConfig,
+)
+from ._registry import find_stage, stage_names, stages
+from ._stage_configs import (
     DistillConfig,
     DPOConfig,
     GRPOConfig,
     KTOConfig,
-    OpsConfig,
-    PipelineConfig,
     PPOConfig,
     PRMConfig,
     RewardConfig,
-    RolloutStageConfig,
     SFTConfig,
 )
-from ._registry import find_stage, stage_names, stages
 
 DATA_FORMATS: tuple[str, ...] = ("auto", *PREFERENCE_FORMATS, *PROMPT_FORMATS)
 """The values of `data.format`: preference formats for sft/reward/dpo, prompt formats for

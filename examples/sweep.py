@@ -55,7 +55,7 @@ def make_pairs(
     roll = pl.sample_rollout(
         policy, tok, prompts, key, group_size=samples, prompt_length=32, max_new_tokens=new_tokens
     )
-    labels = [pl.animal_score(t) for t in roll.texts]
+    labels = [pl.task.animal_score(t) for t in roll.texts]
     pairs = contrast_pairs(prompts, roll.texts, labels, samples, per_prompt=per_prompt)
     tokenized, _ = data.tokenize_preferences(
         pairs, tok, max_length=max_length, max_prompt_length=32, add_eos=False
@@ -117,8 +117,8 @@ def main():
 
     policy, tok = pl.load_model("builtin")
     k_train, k_held, k_seeds = jax.random.split(jax.random.key(0), 3)
-    train_batch = make_pairs(policy, tok, k_train, prompts=pl.TRAIN_PROMPTS)
-    held_batch = make_pairs(policy, tok, k_held, prompts=pl.HELDOUT_PROMPTS)
+    train_batch = make_pairs(policy, tok, k_train, prompts=pl.task.TRAIN_PROMPTS)
+    held_batch = make_pairs(policy, tok, k_held, prompts=pl.task.HELDOUT_PROMPTS)
     print(
         f"{train_batch.chosen_tokens.shape[0]} training pairs, "
         f"{held_batch.chosen_tokens.shape[0]} held-out pairs"

@@ -284,7 +284,7 @@ def _use_model(args, cfg) -> int:
     policy, tok = pl.load_model(cfg.model.source, cfg.model.tokenizer)
     s = cfg.sampling
     if cmd == "sample":
-        prompts = args.prompt or list(pl.HELDOUT_PROMPTS[:2])
+        prompts = args.prompt or list(pl.task.HELDOUT_PROMPTS[:2])
         roll = pl.sample_rollout(
             policy,
             tok,
@@ -303,9 +303,9 @@ def _use_model(args, cfg) -> int:
     metrics, _, _ = pl.evaluate_policy(
         policy,
         tok,
-        pl.HELDOUT_PROMPTS,
+        pl.task.HELDOUT_PROMPTS,
         jax.random.key(cfg.ops.seed),
-        scorer=pl.animal_score,
+        scorer=pl.task.animal_score,
         base=base,
         reference=base,
         samples=cfg.eval_samples,

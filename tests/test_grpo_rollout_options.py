@@ -33,7 +33,7 @@ def _grpo(builtin, tmp_path, name, reward=None, **changes):
     cfg = dataclasses.replace(
         cfg, rollouts=2, prompts_per_rollout=2, group_size=2, optim=optim, **changes
     )
-    reward = reward or [pl.RewardFunction("animal", lambda p, t: pl.animal_score(t))]
+    reward = reward or [pl.RewardFunction("animal", lambda p, t: pl.task.animal_score(t))]
     res = pl.run_grpo(policy, tok, _PROMPTS, reward=reward, cfg=cfg, ctx=_ctx(tmp_path, name))
     records = [r for r in pl.read_records(str(tmp_path)) if r.get("stage") == name]
     return res, [r for r in records if "step" in r]

@@ -51,7 +51,7 @@ def _ctx(tmp_path, **ops):
 
 
 def test_animal_score_whole_words_any_case_and_plurals():
-    s = pl.animal_score
+    s = pl.task.animal_score
     assert s("The Dog ran.") == s("two CATS") == s("Mice!") == s("the puppies") == 1.0
     assert s("three foxes and bunnies") == s("an owl") == s("Elephants") == 1.0
     assert s("a doghouse, a catalog, a hotdog, scowl") == 0.0
@@ -60,17 +60,17 @@ def test_animal_score_whole_words_any_case_and_plurals():
 
 def test_noisy_scores_flip_about_the_noise_rate_and_are_seeded():
     clean = [1.0, 0.0] * 500
-    noisy = pl.noisy_scores(clean, noise=0.2, seed=3)
-    assert noisy == pl.noisy_scores(clean, noise=0.2, seed=3)
+    noisy = pl.task.noisy_scores(clean, noise=0.2, seed=3)
+    assert noisy == pl.task.noisy_scores(clean, noise=0.2, seed=3)
     rate = np.mean(np.asarray(noisy) != np.asarray(clean))
     assert 0.15 < rate < 0.25
-    assert pl.noisy_scores(clean, noise=0.0, seed=1) == clean
+    assert pl.task.noisy_scores(clean, noise=0.0, seed=1) == clean
 
 
 def test_train_and_heldout_prompts_are_disjoint_and_fit(tok):
-    assert not set(pl.TRAIN_PROMPTS) & set(pl.HELDOUT_PROMPTS)
+    assert not set(pl.task.TRAIN_PROMPTS) & set(pl.task.HELDOUT_PROMPTS)
     cfg = pl.animal_task_config()
-    for p in pl.TRAIN_PROMPTS + pl.HELDOUT_PROMPTS:
+    for p in pl.task.TRAIN_PROMPTS + pl.task.HELDOUT_PROMPTS:
         assert len(tok.encode(p)) + 1 <= cfg.sampling.prompt_length
 
 
@@ -177,7 +177,7 @@ def test_checkpoints_are_atomic_checksummed_and_pruned(tmp_path):
 
 
 def _quadratic_state(lr=0.1):
-    opt = optax.chain(optax.sgd(lr), pl.scale_by_lr_factor())
+    opt = optax.chain(optax.sgd(lr), pl.loop.scale_by_lr_factor())
     params = {"w": jnp.full((3,), 2.0, jnp.float32)}
     return rx.train.init_train_state(params, opt), opt
 
@@ -211,7 +211,7 @@ def test_resume_after_an_interruption_is_exact(tmp_path):
     ops = pl.OpsConfig(quiet=True, checkpoint_every=1, keep=2)
     log = pl.MetricsLog(str(tmp_path), "q", quiet=True)
     key = jax.random.key(5)
-    full = pl.run_iterations(
+    full = pl.loop.run_iterations(
         state, _quadratic_iteration(opt), num_iterations=8, key=key, ops=ops, log=log
     )
 
@@ -225,11 +225,11 @@ def test_resume_after_an_interruption_is_exact(tmp_path):
 
     d = str(tmp_path / "ck")
     with pytest.raises(Crash):
-        pl.run_iterations(
+        pl.loop.run_iterations(
             state, crashing, num_iterations=8, key=key, ops=ops, log=log, checkpoint_dir=d
         )
     assert pl.latest_checkpoint(d).endswith("iter_00000005")
-    resumed = pl.run_iterations(
+    resumed = pl.loop.run_iterations(
         state,
         _quadratic_iteration(opt),
         num_iterations=8,
@@ -250,10 +250,10 @@ def test_rollback_on_an_injected_nan_restores_and_lowers_the_lr(tmp_path):
 
     def poison(i, s):
         seen.append(i)
-        return i == 3 and pl.get_lr_scale(s.opt_state) == 1.0
+        return i == 3 and pl.loop.get_lr_scale(s.opt_state) == 1.0
 
     log = pl.MetricsLog(str(tmp_path), "q", quiet=True)
-    res = pl.run_iterations(
+    res = pl.loop.run_iterations(
         state,
         _quadratic_iteration(opt, poison),
         num_iterations=6,
@@ -263,7 +263,7 @@ def test_rollback_on_an_injected_nan_restores_and_lowers_the_lr(tmp_path):
     )
     assert res.rollbacks == 1 and seen.count(3) == 2
     assert bool(jnp.all(jnp.isfinite(res.state.params["w"])))
-    assert pl.get_lr_scale(res.state.opt_state) == pytest.approx(0.1)
+    assert pl.loop.get_lr_scale(res.state.opt_state) == pytest.approx(0.1)
     events = [json.loads(line) for line in _lines(log.path) if "event" in line]
     assert events[0]["event"] == "rollback" and "non-finite" in events[0]["message"]
     assert events[0]["lr_scale"] == pytest.approx(0.1)
@@ -273,18 +273,18 @@ def test_rollback_on_a_learning_rate_spike(tmp_path):
     # The schedule jumps from 0.05 to 1000 at step 6: the loss explodes; rollback restores
     # the state before the spike and divides the factor until the loss is back in range.
     sched = optax.piecewise_constant_schedule(0.05, {6: 1000.0})
-    opt = optax.chain(optax.sgd(sched), pl.scale_by_lr_factor())
+    opt = optax.chain(optax.sgd(sched), pl.loop.scale_by_lr_factor())
     params = {"w": jnp.full((3,), 2.0, jnp.float32)}
     state = rx.train.init_train_state(params, opt)
     log = pl.MetricsLog(str(tmp_path), "q", quiet=True)
     ops = pl.OpsConfig(quiet=True, lr_backoff=10.0, max_rollbacks=6, loss_spike=10.0)
-    res = pl.run_iterations(
+    res = pl.loop.run_iterations(
         state, _quadratic_iteration(opt), num_iterations=12, key=jax.random.key(1), ops=ops, log=log
     )
     assert res.rollbacks >= 1
     assert all(math.isfinite(h["loss"]) for h in res.history)
     assert max(h["loss"] for h in res.history) < 1e3
-    assert pl.get_lr_scale(res.state.opt_state) < 1.0
+    assert pl.loop.get_lr_scale(res.state.opt_state) < 1.0
 
 
 def test_kl_guard_stops_with_the_last_policy_within_the_target(tmp_path):
@@ -306,12 +306,12 @@ def test_kl_guard_stops_with_the_last_policy_within_the_target(tmp_path):
         kl_target=0.045,
         checkpoint_dir=str(tmp_path / "ck"),
     )
-    res = pl.run_iterations(state, iteration, **kw)
+    res = pl.loop.run_iterations(state, iteration, **kw)
     assert res.stopped == "kl_guard" and res.iterations == 5 and int(res.state.step) == 4
     assert any('"kl_guard"' in line for line in _lines(log.path))
     # A checkpoint of that policy is written; resuming the stopped run returns it at once.
     assert pl.latest_checkpoint(str(tmp_path / "ck")).endswith("iter_00000005")
-    again = pl.run_iterations(state, iteration, resume=True, **kw)
+    again = pl.loop.run_iterations(state, iteration, resume=True, **kw)
     assert again.stopped == "kl_guard" and again.history == []
     assert int(again.state.step) == 4
 
@@ -355,7 +355,7 @@ def test_reward_functions_weights_and_zero_std():
         group_size=2,
     )
     fns = [
-        pl.RewardFunction("animal", lambda p, t: pl.animal_score(t), 2.0),
+        pl.RewardFunction("animal", lambda p, t: pl.task.animal_score(t), 2.0),
         pl.RewardFunction("short", lambda p, t: float(len(t) < 3), 1.0),
     ]
     total, metrics = pl.score_rollout(roll, fns)
@@ -367,11 +367,11 @@ def test_reward_functions_weights_and_zero_std():
 
 
 def test_rows_at_is_deterministic_and_covers_epochs():
-    rows = [pl.rows_at(10, 4, 0, i) for i in range(4)]
+    rows = [pl.loop.rows_at(10, 4, 0, i) for i in range(4)]
     assert all(len(r) == 4 for r in rows)
     assert len(set(np.concatenate(rows[:2]).tolist())) == 8
-    np.testing.assert_array_equal(pl.rows_at(10, 4, 0, 3), rows[3])
-    assert len(pl.rows_at(3, 8, 0, 0)) == 8
+    np.testing.assert_array_equal(pl.loop.rows_at(10, 4, 0, 3), rows[3])
+    assert len(pl.loop.rows_at(3, 8, 0, 0)) == 8
 
 
 def test_win_rate_pairs_and_ties():

@@ -29,7 +29,7 @@ def _fake_run(tmp_path, ops, *, n=6, **kw):
         del key
         return state, [{"loss": 1.0}], {"score": float(i)}
 
-    res = pl.run_iterations(
+    res = pl.loop.run_iterations(
         state, iteration, num_iterations=n, key=jax.random.key(0), ops=ops, log=log, **kw
     )
     return res, log

@@ -255,7 +255,7 @@ def test_sweep_pairs_contrast_accepted_and_rejected_completions():
     sweep = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sweep)
     texts = ["a cat", "nothing", "a dog", "none", "x", "y", "a fox", "a pig", "z", "w", "q", "r"]
-    labels = [pl.animal_score(t) for t in texts]
+    labels = [pl.task.animal_score(t) for t in texts]
     pairs = sweep.contrast_pairs(["p0", "p1", "p2"], texts, labels, 4, per_prompt=3)
     # p0 and p1: two accepted, two rejected -> two pairs each; p2: none accepted.
     assert [(r.prompt, r.chosen, r.rejected) for r in pairs] == [

@@ -46,7 +46,7 @@ def test_a_second_run_into_a_live_directory_refuses_naming_the_holder(tmp_path):
             textwrap.dedent(
                 f"""
                 import sys, time
-                from rlhf_eqx.pipelines import RunLock
+                from rlhf_eqx.pipelines.loop import RunLock
                 lock = RunLock({str(tmp_path)!r})
                 print("held", flush=True)
                 time.sleep(60)
@@ -136,7 +136,7 @@ def test_a_changed_count_of_an_upstream_stage_is_refused(tmp_path):
 
 
 def _quadratic_state(lr=0.1):
-    opt = optax.chain(optax.sgd(lr), pl.scale_by_lr_factor())
+    opt = optax.chain(optax.sgd(lr), pl.loop.scale_by_lr_factor())
     params = {"w": jnp.asarray([1.0, -2.0, 3.0], jnp.float32)}
     return rx.train.init_train_state(params, opt), opt
 
@@ -175,11 +175,11 @@ def test_the_checkpointed_config_is_checked_by_the_loop(tmp_path):
     log = pl.MetricsLog(str(tmp_path), "q", quiet=True)
     kw = dict(key=jax.random.key(0), ops=ops, log=log, checkpoint_dir=d)
     meta = {"config": pl.config_to_dict(pl.animal_task_config())}
-    pl.run_iterations(state, _quadratic_iteration(opt), num_iterations=3, meta=meta, **kw)
+    pl.loop.run_iterations(state, _quadratic_iteration(opt), num_iterations=3, meta=meta, **kw)
     other = pl.animal_task_config()
     other = dataclasses.replace(other, sft=dataclasses.replace(other.sft, batch_size=4))
     with pytest.raises(pl.RunDirError, match="sft.batch_size: 16 -> 4"):
-        pl.run_iterations(
+        pl.loop.run_iterations(
             state,
             _quadratic_iteration(opt),
             num_iterations=3,
@@ -188,7 +188,7 @@ def test_the_checkpointed_config_is_checked_by_the_loop(tmp_path):
             **kw,
         )
     with pytest.raises(pl.RunDirError, match="past the 2 iterations"):
-        pl.run_iterations(
+        pl.loop.run_iterations(
             state, _quadratic_iteration(opt), num_iterations=2, meta=meta, resume=True, **kw
         )
 
@@ -205,13 +205,13 @@ def test_resume_continues_step_and_writes_no_record_twice(tmp_path):
     evaluate = lambda s, i: {"w0": float(s.params["w"][0])}  # noqa: E731
     # Crash in iteration 5: iteration 4 was logged after the checkpoint at 4.
     with pytest.raises(RuntimeError):
-        pl.run_iterations(state, _quadratic_iteration(opt, 5, 2), evaluate=evaluate, **kw)
+        pl.loop.run_iterations(state, _quadratic_iteration(opt, 5, 2), evaluate=evaluate, **kw)
     # A torn last line, as a crash mid-write leaves it.
     with open(log.path, "a") as f:
         f.write('{"stage": "q", "iter')
     log = pl.MetricsLog(str(tmp_path), "q", quiet=True)  # repairs the torn line
     kw["log"] = log
-    res = pl.run_iterations(
+    res = pl.loop.run_iterations(
         state, _quadratic_iteration(opt, None, 2), evaluate=evaluate, resume=True, **kw
     )
     recs = _records(log.path)
@@ -221,7 +221,7 @@ def test_resume_continues_step_and_writes_no_record_twice(tmp_path):
     assert iters == [i for i in range(8) for _ in range(2)]
     assert [r["iteration"] for r in recs if r.get("eval")] == [2, 4, 6]
     assert res.history[0]["step"] == 8
-    full = pl.run_iterations(
+    full = pl.loop.run_iterations(
         state,
         _quadratic_iteration(opt, None, 2),
         num_iterations=8,
@@ -278,7 +278,7 @@ def test_divergence_rolls_back_to_a_verified_state_then_stops(tmp_path):
     state, opt = _quadratic_state(lr=1e3)
     log = pl.MetricsLog(str(tmp_path), "q", quiet=True)
     ops = pl.OpsConfig(quiet=True, max_rollbacks=2, lr_backoff=10.0)
-    res = pl.run_iterations(
+    res = pl.loop.run_iterations(
         state, _quadratic_iteration(opt), num_iterations=6, key=jax.random.key(0), ops=ops, log=log
     )
     assert res.stopped == "diverged" and res.rollbacks == 2
@@ -293,7 +293,7 @@ def test_divergence_rolls_back_to_a_verified_state_then_stops(tmp_path):
 def test_a_run_recovers_when_a_lower_rate_is_enough(tmp_path):
     state, opt = _quadratic_state(lr=3.0)  # diverges at 3.0, converges at 0.3
     log = pl.MetricsLog(str(tmp_path), "q", quiet=True)
-    res = pl.run_iterations(
+    res = pl.loop.run_iterations(
         state,
         _quadratic_iteration(opt),
         num_iterations=12,
@@ -302,7 +302,7 @@ def test_a_run_recovers_when_a_lower_rate_is_enough(tmp_path):
         log=log,
     )
     assert res.stopped == "done" and res.rollbacks >= 1
-    assert pl.get_lr_scale(res.state.opt_state) == pytest.approx(0.1)
+    assert pl.loop.get_lr_scale(res.state.opt_state) == pytest.approx(0.1)
     assert all(math.isfinite(h["loss"]) for h in res.history)
 
 

@@ -383,7 +383,7 @@ def test_after_a_rollback_the_logged_learning_rate_includes_its_factor(tmp_path)
         return state, [metrics], {}
 
     log = pl.MetricsLog(str(tmp_path), "q", quiet=True)
-    res = pl.run_iterations(
+    res = pl.loop.run_iterations(
         state,
         iteration,
         num_iterations=4,

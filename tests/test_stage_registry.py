@@ -19,7 +19,7 @@ class ToyConfig(pl.SFTConfig):
 
 
 def toy(env: pl.StageEnv, c: ToyConfig) -> pl.Outcome:
-    records = [(p, " a cat sat on the mat.") for p in pl.TRAIN_PROMPTS[:8]] * c.repeat
+    records = [(p, " a cat sat on the mat.") for p in pl.task.TRAIN_PROMPTS[:8]] * c.repeat
     res = pl.run_sft(env.policies["sft"], env.tok, records, cfg=c, ctx=env.ctx("toy"))
     return pl.Outcome(res, policy=pl.final_policy(res.state.model))
 

@@ -2,7 +2,7 @@
 exact resume, the KL guard, divergence rollback, evaluation, metrics, monitoring and
 plots, and the built-in pipeline (`python -m rlhf_eqx`). See `docs/pipelines.md`."""
 
-from . import _stages  # noqa: F401  (registers the built-in stages)
+from . import _stages, loop as loop, task as task  # noqa: F401  (_stages registers the stages)
 from ._checkpoints import (
     latest_checkpoint as latest_checkpoint,
     restore_checkpoint as restore_checkpoint,
@@ -51,16 +51,10 @@ from ._kto_runs import (
     sampled_unpaired as sampled_unpaired,
 )
 from ._loop import (
-    LoopResult as LoopResult,
     RunInterrupted as RunInterrupted,
-    run_iterations as run_iterations,
 )
-from ._loop_checks import SPIKE_FLOOR as SPIKE_FLOOR
 from ._lr_scale import (
     build_optimizer as build_optimizer,
-    get_lr_scale as get_lr_scale,
-    scale_by_lr_factor as scale_by_lr_factor,
-    set_lr_scale as set_lr_scale,
 )
 from ._metrics import MetricsLog as MetricsLog
 from ._monitor import (
@@ -92,11 +86,7 @@ from ._registry import (
     unregister_stage as unregister_stage,
 )
 from ._resume_rules import (
-    ITERATION_FIELDS as ITERATION_FIELDS,
-    RESUMABLE_FIELDS as RESUMABLE_FIELDS,
     RunDirError as RunDirError,
-    check_resumable as check_resumable,
-    config_changes as config_changes,
 )
 from ._reward_runs import run_reward as run_reward
 from ._reward_sources import (
@@ -122,7 +112,7 @@ from ._rollout import (
     score_rollout as score_rollout,
     token_logps as token_logps,
 )
-from ._rundir import RunDir as RunDir, RunLock as RunLock, open_run_dir as open_run_dir
+from ._rundir import open_run_dir as open_run_dir
 from ._runs import (
     RunContext as RunContext,
     RunResult as RunResult,
@@ -132,7 +122,6 @@ from ._runs import (
     export_reward_model as export_reward_model,
     final_policy as final_policy,
     has_lora as has_lora,
-    rows_at as rows_at,
     run_sft as run_sft,
     with_lora as with_lora,
 )
@@ -146,13 +135,6 @@ from ._stage_configs import (
     PRMConfig as PRMConfig,
     RewardConfig as RewardConfig,
     SFTConfig as SFTConfig,
-)
-from ._task import (
-    ANIMALS as ANIMALS,
-    HELDOUT_PROMPTS as HELDOUT_PROMPTS,
-    TRAIN_PROMPTS as TRAIN_PROMPTS,
-    animal_score as animal_score,
-    noisy_scores as noisy_scores,
 )
 from ._validation import (
     DATA_FORMATS as DATA_FORMATS,

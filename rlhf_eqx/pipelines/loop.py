@@ -1,0 +1,20 @@
+"""The machinery under every run, for code that writes its own: the iteration loop with
+checkpoints, exact resume, rollback and the KL guard (`run_iterations`), the learning-rate
+factor a rollback lowers, the run-directory lock and the rules of what may change on
+resume, and the deterministic choice of each iteration's rows."""
+
+from ._loop import LoopResult as LoopResult, run_iterations as run_iterations
+from ._loop_checks import SPIKE_FLOOR as SPIKE_FLOOR
+from ._lr_scale import (
+    get_lr_scale as get_lr_scale,
+    scale_by_lr_factor as scale_by_lr_factor,
+    set_lr_scale as set_lr_scale,
+)
+from ._resume_rules import (
+    ITERATION_FIELDS as ITERATION_FIELDS,
+    RESUMABLE_FIELDS as RESUMABLE_FIELDS,
+    check_resumable as check_resumable,
+    config_changes as config_changes,
+)
+from ._rundir import RunDir as RunDir, RunLock as RunLock
+from ._runs import rows_at as rows_at, take_rows as take_rows

@@ -257,3 +257,13 @@ def test_other_builders_repeat_their_loss_factory_and_step_options_exactly(build
         assert built[name].default == options[name].default, f"{builder}({name}=...)"
     unexplained = set(built) - {"optimizer", *factory, *STEP_CONTROLS, *own}
     assert not unexplained, f"{builder} has arguments of unknown origin: {sorted(unexplained)}"
+
+
+def test_library_files_stay_short():
+    """Every library module is at most 350 lines: a concern per file."""
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in (ROOT / "rlhf_eqx").rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 350
+    }
+    assert not long, f"library files over 350 lines: {long}"

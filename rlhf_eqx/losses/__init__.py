@@ -40,6 +40,8 @@ from ._dpo_losses import (
     DPO_REFERENCE_FREE_LOSS_TYPES as DPO_REFERENCE_FREE_LOSS_TYPES,
     DPOLossFn as DPOLossFn,
     DPOLossType as DPOLossType,
+)
+from ._dpo_registry import (
     dpo_loss_types as dpo_loss_types,
     register_dpo_loss as register_dpo_loss,
 )

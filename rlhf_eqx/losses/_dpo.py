@@ -30,9 +30,8 @@ from ._dpo_losses import (
     LogpPair,
     LossHyperparameters,
     LossSpec,
-    call_custom_loss,
-    resolve_dpo_loss,
 )
+from ._dpo_registry import call_custom_loss, resolve_dpo_loss
 from ._orpo import per_token_logp
 from ._validation import Hyperparameter, check_python_number
 

@@ -63,12 +63,8 @@ from ._ensemble_step import (
     bootstrap_weights as bootstrap_weights,
     make_ensemble_reward_step as make_ensemble_reward_step,
 )
-from ._grpo import (
-    GRPOBatch as GRPOBatch,
-    grpo_advantages as grpo_advantages,
-    grpo_loss as grpo_loss,
-    make_grpo_step as make_grpo_step,
-)
+from ._grpo import grpo_loss as grpo_loss, make_grpo_step as make_grpo_step
+from ._grpo_batch import GRPOBatch as GRPOBatch, grpo_advantages as grpo_advantages
 from ._judge import (
     JudgeReward as JudgeReward,
     judge_reward as judge_reward,

@@ -14,7 +14,7 @@ from ..losses import (
     dpo_implicit_rewards,
     sft_nll,
 )
-from ..losses._dpo_losses import resolve_dpo_loss
+from ..losses._dpo_registry import resolve_dpo_loss
 from ..ops import masked_sum
 from ._pair_logps import _cached_reference, _pairs_forward
 from ._settings import DPOSettings, StepOptions, settings_from, split_shortcuts

@@ -27,7 +27,7 @@ from typing import Any, Literal, TypeVar
 from jaxtyping import Array, Float
 
 from ..losses import DPOLossFn
-from ..losses._dpo_losses import resolve_dpo_loss
+from ..losses._dpo_registry import resolve_dpo_loss
 from ._validation import (
     check_aggregation,
     check_choice,

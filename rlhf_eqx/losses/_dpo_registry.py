@@ -1,0 +1,169 @@
+"""Users' DPO-family losses: `register_dpo_loss` adds one by name, and `resolve_dpo_loss`
+turns a `loss_type` (a built-in name, a registered name or a callable) into the
+`LossSpec` that `dpo_loss` / `dpo_batch_loss` and `make_dpo_step` use."""
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+from jaxtyping import Array
+
+from ._dpo_losses import DPO_LOSS_TYPES, DPO_LOSSES, DPOLossFn, LogpPair, LossSpec
+from ._validation import Hyperparameter, check_choice, is_python_number
+
+_REGISTERED: dict[str, LossSpec] = {}
+_BUILTIN_KWARGS = ("bco_delta", "discopop_tau", "simpo_gamma")
+_SIGNATURE = "fn(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, *, beta, **kw)"
+
+
+def _check_callable(fn: object, what: str, loss_kwargs: Mapping[str, Any] | None = None) -> None:
+    """Refuse `fn` unless it can be called as a `DPOLossFn` with `loss_kwargs`."""
+    if not callable(fn):
+        raise ValueError(f"{what} must be a callable {_SIGNATURE}, got {fn!r}")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C function: nothing to check
+        return
+    try:
+        signature.bind(0.0, 0.0, 0.0, 0.0, beta=1.0, **dict(loss_kwargs or {}))
+    except TypeError as e:
+        raise ValueError(
+            f"{what}={_loss_name(fn)} cannot be called as {_SIGNATURE}"
+            + (f" with loss_kwargs {sorted(loss_kwargs)}" if loss_kwargs else "")
+            + f": {e}"
+        ) from None
+
+
+def _loss_name(fn: object) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+
+
+def register_dpo_loss(
+    name: str, fn: DPOLossFn, *, length_normalised: bool = False, reference_free: bool = False
+) -> DPOLossFn:
+    r"""Add a per-pair DPO-family loss under `name`, usable wherever a `loss_type` is.
+
+    Once registered, `loss_type=name` works in `dpo_loss`, `dpo_batch_loss`,
+    `rlhf_eqx.train.make_dpo_step` / `dpo_loss_fn` and the pipelines' `dpo.loss_type`
+    (a configuration is validated against `dpo_loss_types()`), in this process. Passing
+    `fn` itself as `loss_type` does the same without a name (with both flags off).
+    Keyword names of the built-in losses (`bco_delta`, `discopop_tau`, `simpo_gamma`)
+    are not available to a custom loss.
+
+    **The loss** is called once per pair (batches go through `jax.vmap`) as
+
+    ```python
+    fn(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, *, beta, **loss_kwargs)
+        -> Float[Array, ""]
+    ```
+
+    with the policy's and the reference's sequence log-probabilities $\log\pi(y|x)$ of
+    the chosen and rejected completions (scalars; the reference ones are 0 without a
+    reference: `reference="none"`, `reference_free=True` or a `reference_free` loss),
+    the temperature `beta` (a Python number or a JAX scalar, traced under a sweep) and
+    the step's `loss_kwargs` (e.g. a margin), and returns the pair's loss, a float
+    scalar (refused otherwise, naming `loss_type`). `label_smoothing` and the built-in
+    losses' `bco_delta` / `discopop_tau` / `simpo_gamma` are not passed: a custom loss
+    takes its own hyperparameters from `loss_kwargs`. The DPO step averages the losses
+    over the pairs and logs the usual metrics (`rewards/*` with the same `beta`).
+
+    For instance IPO (Azar et al. 2023, eq. 17), $(\bar u - \frac{1}{2\beta})^2$:
+
+    ```python
+    def ipo(c, r, rc, rr, *, beta):
+        return jnp.square((c - r) - (rc - rr) - 1.0 / (2.0 * beta))
+
+    register_dpo_loss("my_ipo", ipo, length_normalised=True)
+    ```
+
+    **Arguments:**
+
+    - `name`: the `loss_type` name; a built-in name (`DPO_LOSS_TYPES`) is refused, a name
+      registered before is replaced.
+    - `fn`: the loss (a `DPOLossFn`, as above).
+    - `length_normalised`: pass per-token averages (the log-probabilities divided by the
+      completion lengths) instead of sums, as `"ipo"` / `"simpo"` do.
+    - `reference_free`: the loss uses no reference model (the step then runs none; the
+      reference arguments are 0), as `"simpo"` / `"orpo"`.
+
+    **Returns:** `fn`, unchanged.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    if name in DPO_LOSSES:
+        raise ValueError(f"name {name!r} is a built-in loss_type; choose another name")
+    _check_callable(fn, "fn")
+    _REGISTERED[name] = LossSpec(
+        None,
+        length_normalised=bool(length_normalised),
+        reference_free=bool(reference_free),
+        custom=fn,
+        name=repr(name),
+    )
+    return fn
+
+
+def dpo_loss_types() -> tuple[str, ...]:
+    """Every valid `loss_type` name now: `DPO_LOSS_TYPES`, then the registered ones."""
+    return DPO_LOSS_TYPES + tuple(_REGISTERED)
+
+
+def resolve_dpo_loss(
+    loss_type: object,
+    *,
+    loss_kwargs: Mapping[str, Any] | None = None,
+    label_smoothing: object = 0.0,
+) -> LossSpec:
+    """The `LossSpec` of a `loss_type` (a name or a `DPOLossFn`), with a `ValueError`
+    naming `loss_type` for an unknown name or a callable that cannot take `loss_kwargs`.
+    A built-in loss takes only `bco_delta`, `discopop_tau`, `simpo_gamma` (others are a
+    `TypeError`, as an unknown keyword); a custom one takes any but those, and no
+    `label_smoothing` other than 0."""
+    if isinstance(loss_type, str):
+        check_choice("loss_type", loss_type, dpo_loss_types())
+        spec = DPO_LOSSES.get(loss_type) or _REGISTERED[loss_type]
+    elif callable(loss_type):
+        spec = LossSpec(None, custom=loss_type, name=_loss_name(loss_type))
+    else:
+        raise ValueError(
+            f"loss_type must be a name in {dpo_loss_types()} or a callable {_SIGNATURE}, "
+            f"got {loss_type!r}"
+        )
+    names = set(loss_kwargs or {})
+    if spec.custom is None:
+        if names - set(_BUILTIN_KWARGS):
+            raise TypeError(
+                f"loss_type={loss_type!r} takes no keyword arguments "
+                f"{sorted(names - set(_BUILTIN_KWARGS))} (its own are {_BUILTIN_KWARGS}; "
+                "only a custom loss_type receives others)"
+            )
+        return spec
+    if names & set(_BUILTIN_KWARGS):
+        raise ValueError(
+            f"loss_kwargs {sorted(names & set(_BUILTIN_KWARGS))} are the built-in losses' "
+            f"hyperparameters and never reach a custom loss_type ({spec.name}); rename them"
+        )
+    _check_callable(spec.custom, "loss_type", loss_kwargs)
+    if not (is_python_number(label_smoothing) and label_smoothing == 0.0):
+        raise ValueError(
+            f"label_smoothing={label_smoothing!r} is not passed to a custom loss_type "
+            f"({spec.name}); give it its hyperparameters in loss_kwargs"
+        )
+    return spec
+
+
+def call_custom_loss(
+    spec: LossSpec, pair: LogpPair, beta: Hyperparameter, loss_kwargs: Mapping[str, Any]
+) -> Array:
+    """A custom loss of one pair, its output checked: one float scalar."""
+    out = spec.custom(
+        pair.chosen, pair.rejected, pair.ref_chosen, pair.ref_rejected, beta=beta, **loss_kwargs
+    )
+    shape, dtype = jnp.shape(out), jnp.result_type(out)
+    if shape != () or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            f"loss_type={spec.name} must return one float loss per pair (shape ()), got "
+            f"shape {shape} and dtype {dtype}"
+        )
+    return jnp.asarray(out)

@@ -55,6 +55,7 @@ def test_staleness_samples_with_the_previous_policy(builtin, tmp_path):
     assert stale[0]["reward"] == sync[0]["reward"]
 
 
+@pytest.mark.slow
 def test_staleness_zero_is_the_synchronous_run(builtin, tmp_path):
     a, _ = _grpo(builtin, tmp_path, "a")
     b, _ = _grpo(builtin, tmp_path, "b", staleness=0)

@@ -7,12 +7,14 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import rlhf_eqx as rx
 from rlhf_eqx import pipelines as pl
 from rlhf_eqx.__main__ import main
 
 
+@pytest.mark.slow
 def test_multiturn_stage_runs_from_the_cli(tmp_path, capsys):
     out = tmp_path / "mt"
     argv = ["multiturn", "--out", str(out), "--quiet", "--set", "ops.monitor=false"]

@@ -162,6 +162,7 @@ def _questions(path, n=12):
             f.write(json.dumps(rec) + "\n")
 
 
+@pytest.mark.slow
 def test_prm_stage_trains_on_a_stepwise_file_and_scores_grpo(tmp_path):
     steps, questions = tmp_path / "steps.jsonl", tmp_path / "q.jsonl"
     _stepwise(steps)

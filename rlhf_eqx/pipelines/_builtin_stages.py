@@ -121,15 +121,14 @@ def reward_source(env: StageEnv, c):
     )
 
 
+def _scored(env: StageEnv, c, run, name: str):
+    """PPO or GRPO from SFT on the training prompts, rewards from `c.reward_source`."""
+    source = reward_source(env, c)
+    return run(env.policies["sft"], env.tok, TRAIN_PROMPTS, reward=source, cfg=c, ctx=env.ctx(name))
+
+
 def ppo(env: StageEnv, c) -> Outcome:
-    res = run_ppo(
-        env.policies["sft"],
-        env.tok,
-        TRAIN_PROMPTS,
-        reward=reward_source(env, c),
-        cfg=c,
-        ctx=env.ctx("ppo"),
-    )
+    res = _scored(env, c, run_ppo, "ppo")
     policy, value = res.state.model
     return Outcome(res, policy=final_policy(policy), adapted=policy)
 
@@ -167,14 +166,7 @@ def dpo(env: StageEnv, c) -> Outcome:
 
 
 def grpo(env: StageEnv, c) -> Outcome:
-    res = run_grpo(
-        env.policies["sft"],
-        env.tok,
-        TRAIN_PROMPTS,
-        reward=reward_source(env, c),
-        cfg=c,
-        ctx=env.ctx("grpo"),
-    )
+    res = _scored(env, c, run_grpo, "grpo")
     return Outcome(res, policy=final_policy(res.state.model))
 
 

@@ -33,6 +33,10 @@ RM = dict(
     pairs=8, prompt=64, completion=192, length=256
 )  # a shared prompt per pair, as in real data
 GRPO = dict(prompts=8, group=4, prompt=64, new=128)
+# GRPO on a length mix: each completion's budget drawn (seeded) from GRPO_MIX_LENGTHS, as
+# `benchmarks/bench_sampler.py`'s `log` mix; rlhf_eqx samples with `slots` rows in flight.
+GRPO_MIX = dict(prompts=16, group=4, prompt=64, slots=32)
+GRPO_MIX_LENGTHS = (16, 32, 64, 128, 256)
 CURVE_TOKENS = 4096
 CURVE_T = (128, 256, 512, 1024, 2048)
 HH = dict(pairs=8, steps=12)
@@ -44,6 +48,7 @@ WORKLOADS = (
     "gen_greedy",
     "rm",
     "grpo",
+    "grpo_mix",
     "hh_dpo",
 ) + tuple(f"curve_{t}" for t in CURVE_T)
 

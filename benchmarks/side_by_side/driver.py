@@ -44,7 +44,7 @@ RUNNERS = {
 # which libraries run which workload
 SUPPORTED = {
     "rlhf_eqx": set(common.WORKLOADS),
-    "trl": {"dpo", "dpo_cached", "gen_sample", "gen_greedy", "rm", "hh_dpo", "grpo"}
+    "trl": {"dpo", "dpo_cached", "gen_sample", "gen_greedy", "rm", "hh_dpo", "grpo", "grpo_mix"}
     | {f"curve_{t}" for t in common.CURVE_T},
     "floor": {"gen_sample", "gen_greedy"},
     "tunix": {"gen_sample", "gen_greedy", "dpo"} | {f"curve_{t}" for t in common.CURVE_T},
@@ -175,10 +175,18 @@ def report(rows):
                     "once compiled), "
                     f"padding {rs[0]['padding_fraction']:.0%}, {rs[0]['compiled_shapes']} shapes"
                 )
-            if "gen_s" in rs[0]:
+            if "completion_tokens" in rs[0]:
+                tps = [r["completion_tokens"] / r["median_s"] for r in rs]
                 extra.append(
-                    f"generation {common.median([r['gen_s'] for r in rs]):.2f} s + update "
-                    f"{common.median([r['update_s'] for r in rs]):.2f} s"
+                    f"{common.median(tps):,.0f} real completion tok/s "
+                    f"({rs[0]['completion_tokens']:,} tokens, rows up to "
+                    f"{rs[0]['generated_width']})"
+                )
+            split = [r for r in rs if "gen_s" in r and "update_s" in r]
+            if split:
+                extra.append(
+                    f"generation {common.median([r['gen_s'] for r in split]):.2f} s + update "
+                    f"{common.median([r['update_s'] for r in split]):.2f} s"
                 )
             lines.append(
                 f"| {w} | {lib} | {med:.3f} | {', '.join(f'{x:.2f}×' for x in ratios) or '—'} | "
@@ -205,6 +213,12 @@ def main():
     p.add_argument("--workloads", default=",".join(common.WORKLOADS))
     p.add_argument("--libs", default="rlhf_eqx,trl,tunix,floor")
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument(
+        "--first-round",
+        type=int,
+        default=0,
+        help="number of the first round (to continue an earlier run with --append)",
+    )
     p.add_argument("--inputs", default=os.environ.get("BENCH_INPUTS", "/tmp/rlhf_bench_inputs"))
     p.add_argument(
         "--out",
@@ -242,7 +256,7 @@ def main():
     workloads = args.workloads.split(",")
     print(f"writing {out}", flush=True)
     with open(out, "a" if args.append else "x") as f:
-        for rnd in range(args.rounds):
+        for rnd in range(args.first_round, args.first_round + args.rounds):
             for w in workloads:
                 order = [lib for lib in libs if w in SUPPORTED[lib]]
                 k = rnd % max(1, len(order))

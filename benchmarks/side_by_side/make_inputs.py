@@ -7,7 +7,8 @@ same token batches.
   floor read the safetensors.
 - `DIR/model_hh/`: the same architecture with the stories260K vocabulary (512) for
   the HH-RLHF length-mix workload.
-- `DIR/batches.npz`: token batches (seeded numpy draws) and the HH-RLHF pairs,
+- `DIR/batches.npz`: token batches (seeded numpy draws; for `grpo_mix` also each
+  completion's token budget, drawn from `common.GRPO_MIX_LENGTHS`) and the HH-RLHF pairs,
   tokenised with the stories260K tokenizer (max length 512), stored ragged as flat
   arrays plus offsets.
 
@@ -63,6 +64,13 @@ def main():
     gr = common.GRPO
     out["grpo_prompt"] = rng.integers(3, V, (gr["prompts"], gr["prompt"]), dtype=np.int32)
     out["grpo_rewards"] = rng.standard_normal(gr["prompts"] * gr["group"]).astype(np.float32)
+    # the length mix from its own generator, so that the other draws stay as they were
+    mix_rng = np.random.default_rng(1)
+    gm = common.GRPO_MIX
+    rows = gm["prompts"] * gm["group"]
+    out["grpo_mix_prompt"] = mix_rng.integers(3, V, (gm["prompts"], gm["prompt"]), dtype=np.int32)
+    out["grpo_mix_rewards"] = mix_rng.standard_normal(rows).astype(np.float32)
+    out["grpo_mix_budgets"] = mix_rng.choice(common.GRPO_MIX_LENGTHS, size=rows).astype(np.int32)
     for t in common.CURVE_T:
         rows = max(1, common.CURVE_TOKENS // t)
         pairs = max(1, rows // 2)

@@ -111,11 +111,24 @@ def dpo_runner(policy, batch, *, cached: bool):
     return run
 
 
-def grpo_runner(policy, prompts, rewards, *, group: int, new: int, shared: bool = True):
+def grpo_runner(
+    policy,
+    prompts,
+    rewards,
+    *,
+    group: int,
+    new: int,
+    shared: bool = True,
+    budgets=None,
+    slots: int | None = None,
+):
     """One GRPO iteration per call: `group` completions of `new` tokens sampled for each
     prompt (each prompt prefilled once), then one update (each group's prompt run once
-    when `shared`). Returns `(run, split)`, `split` the generation and update seconds of
-    every call."""
+    when `shared`). With `budgets` (`[prompts · group]` ints, at most `new`) the
+    completions are sampled by continuous batching (`generate_continuous`, `slots` rows
+    in flight), row `i` stopping after `budgets[i]` tokens; the update then runs on rows
+    of width `new` with each completion masked to its length. Returns `(run, split)`,
+    `split` the generation and update seconds of every call."""
     pmask = jnp.ones(prompts.shape, bool)
     opt = optimizer()
     step = train.make_grpo_step(opt, group_size=group)
@@ -129,9 +142,28 @@ def grpo_runner(policy, prompts, rewards, *, group: int, new: int, shared: bool 
     def run():
         state["k"], sub = jax.random.split(state["k"])
         t0 = time.perf_counter()
-        out = rx.generate_batch(
-            state["p"], prompts, pmask, sub, max_new_tokens=new, temperature=1.0, num_samples=group
-        )
+        if budgets is None:
+            out = rx.generate_batch(
+                state["p"],
+                prompts,
+                pmask,
+                sub,
+                max_new_tokens=new,
+                temperature=1.0,
+                num_samples=group,
+            )
+        else:
+            out = rx.generate_continuous(
+                state["p"],
+                prompts,
+                pmask,
+                jax.random.split(sub, prompts.shape[0]),
+                slots=slots,
+                max_new_tokens=new,
+                budgets=budgets,
+                temperature=1.0,
+                num_samples=group,
+            )
         jax.block_until_ready(out.tokens)
         t1 = time.perf_counter()
         layout = dict(prompt_length=prompts.shape[1], samples_per_prompt=group) if shared else {}
@@ -281,6 +313,28 @@ def main():
         first, times = common.time_steps(run, args.steps)
         extra["gen_s"] = common.median(split["gen"][1:])
         extra["update_s"] = common.median(split["update"][1:])
+    elif w == "grpo_mix":
+        g = common.GRPO_MIX
+        prompts = jnp.asarray(inputs["grpo_mix_prompt"])
+        rewards = jnp.asarray(inputs["grpo_mix_rewards"])
+        budgets = np.asarray(inputs["grpo_mix_budgets"])
+        slots = int(os.environ.get("RLHF_EQX_BENCH_SLOTS", g["slots"]))
+        run, split = grpo_runner(
+            policy,
+            prompts,
+            rewards,
+            group=g["group"],
+            new=int(budgets.max()),
+            shared=PACKED,
+            budgets=jnp.asarray(budgets),
+            slots=slots,
+        )
+        first, times = common.time_steps(run, args.steps)
+        extra["gen_s"] = common.median(split["gen"][1:])
+        extra["update_s"] = common.median(split["update"][1:])
+        extra["completion_tokens"] = int(budgets.sum())
+        extra["generated_width"] = int(budgets.max())
+        extra["slots"] = slots
     elif w == "hh_dpo":
         batches = hh_batches(inputs, common.HH["pairs"], group=HH_GROUP, bucket=HH_BUCKET)
         opt = optimizer()
@@ -328,7 +382,7 @@ def main():
         )
     else:
         raise SystemExit(f"unknown workload {w}")
-    if w == "grpo":
+    if w in ("grpo", "grpo_mix"):
         extra["layout"] = "shared-prompt" if PACKED else "plain"
     elif not w.startswith("gen_"):
         extra["layout"] = LAYOUT

@@ -97,6 +97,132 @@ def ref_logps(trainer, inputs):
     return lp.chunk(2, dim=0)
 
 
+class BudgetEOS:
+    """A logits processor that ends row `i` of a `generate` call after exactly
+    `budgets[i]` new tokens: before that the stop id cannot be drawn, at that token it
+    is the only one that can (the stop id counts as the row's last completion token, as
+    in TRL's completion mask). `eos_ids`: the stop ids (none can be drawn early; the
+    first ends the row). `prompt_width`: the width of the left-padded prompts."""
+
+    def __init__(self, budgets, eos_ids, prompt_width: int):
+        self.budgets = torch.as_tensor(budgets, dtype=torch.long)
+        self.eos_ids = list(eos_ids)
+        self.prompt_width = prompt_width
+
+    def __call__(self, input_ids, scores):
+        if input_ids.shape[0] != len(self.budgets):
+            raise ValueError(
+                f"generate got {input_ids.shape[0]} rows, the budgets are for {len(self.budgets)}"
+            )
+        step = input_ids.shape[1] - self.prompt_width  # tokens generated so far
+        last = (self.budgets - 1 == step)[:, None]
+        scores = scores.clone()
+        scores[:, self.eos_ids] = float("-inf")
+        scores = torch.where(last, float("-inf"), scores)
+        scores[last[:, 0], self.eos_ids[0]] = 0.0
+        return scores
+
+
+def grpo_run(
+    model_dir,
+    prompt_ids,
+    rewards,
+    *,
+    group: int,
+    max_completion: int,
+    n_steps: int,
+    generation_kwargs=None,
+    budgets=None,
+):
+    """`GRPOTrainer.train()` for `n_steps` iterations on the same prompts (`group`
+    completions each, then one update), timed per step by a callback. With `budgets`
+    (one per completion, in TRL's row order: each prompt's `group` rows together) the
+    model's `generate` gets a `BudgetEOS` processor, so that row `i` ends with the stop id
+    as its `budgets[i]`-th token; `generate` still steps every row until the batch's
+    longest is done. Returns `(first_s, [step s], info)`, `info` the median seconds of
+    generation and of the rest of a step, and whether every completion had its budget's
+    length."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, LogitsProcessorList, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    tok = common.word_tokenizer(common.CONFIG["vocab_size"])
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    prompts = [common.ids_as_text(row) for row in prompt_ids]
+    ds = Dataset.from_list([{"prompt": p} for p in prompts] * n_steps)
+    rewards = rewards.tolist()
+    lengths = []
+
+    def reward(completions, completion_ids=None, **kw):
+        if completion_ids is not None:
+            lengths.append([len(c) for c in completion_ids])
+        return [rewards[i % len(rewards)] for i in range(len(completions))]
+
+    gargs = GRPOConfig(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=len(prompts) * group,
+        num_generations=group,
+        max_completion_length=max_completion,
+        learning_rate=1e-5,
+        max_grad_norm=1.0,
+        max_steps=n_steps,
+        report_to=[],
+        use_cpu=True,
+        logging_steps=10**9,
+        save_strategy="no",
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        shuffle_dataset=False,
+        beta=0.0,
+        generation_kwargs=generation_kwargs,
+        **FLOAT32,
+    )
+    marks, gen = [], []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            marks.append(time.perf_counter())
+
+        def on_step_end(self, *a, **k):
+            marks[-1] = time.perf_counter() - marks[-1]
+
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=gargs,
+        train_dataset=ds,
+        processing_class=tok,
+        callbacks=[Timer()],
+    )
+    generate = model.generate
+
+    def timed_generate(*a, **k):
+        if budgets is not None:
+            width = k["input_ids"].shape[1]
+            k["logits_processor"] = LogitsProcessorList(
+                [BudgetEOS(budgets, trainer.eos_token_ids, width)]
+            )
+        t0 = time.perf_counter()
+        out = generate(*a, **k)
+        gen.append(time.perf_counter() - t0)
+        return out
+
+    model.generate = timed_generate  # the model TRL unwraps for generation on one CPU
+    trainer.train()
+    steps, gens = marks[1:], gen[1:]  # one generate call per step
+    info = {}
+    if steps and len(gens) == len(steps):
+        info["gen_s"] = common.median(gens)
+        info["update_s"] = common.median([s - g for s, g in zip(steps, gens)])
+    if budgets is not None:
+        want = [int(b) for b in budgets]
+        info["lengths_match"] = bool(lengths) and all(row == want for row in lengths)
+        info["generated_width"] = int(max(want))
+    return marks[0], marks[1:], info
+
+
 def main():
     args, inputs = common.start(LIB)
     w = args.workload
@@ -234,63 +360,32 @@ def main():
         run = step_fn(trainer, lambda: dict(batch))
         first, times = common.time_steps(run, args.steps)
     elif w == "grpo":
-        from datasets import Dataset
-        from transformers import AutoModelForCausalLM, TrainerCallback
-        from trl import GRPOConfig, GRPOTrainer
-
         g = common.GRPO
-        tok = common.word_tokenizer(common.CONFIG["vocab_size"])
-        tok.padding_side = "left"
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        prompts = [common.ids_as_text(row) for row in inputs["grpo_prompt"]]
-        n_steps = args.steps + 1
-        ds = Dataset.from_list([{"prompt": p} for p in prompts] * n_steps)
-        rewards = inputs["grpo_rewards"].tolist()
-
-        def reward(completions, **kw):
-            return [rewards[i % len(rewards)] for i in range(len(completions))]
-
-        gargs = GRPOConfig(
-            output_dir=tempfile.mkdtemp(),
-            per_device_train_batch_size=g["prompts"] * g["group"],
-            num_generations=g["group"],
-            max_completion_length=g["new"],
-            learning_rate=1e-5,
-            max_grad_norm=1.0,
-            max_steps=n_steps,
-            report_to=[],
-            use_cpu=True,
-            logging_steps=10**9,
-            save_strategy="no",
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
-            shuffle_dataset=False,
-            beta=0.0,
-            generation_kwargs={
-                "min_new_tokens": g["new"]
-            },  # every completion is 128 tokens, as in rlhf_eqx
-            **FLOAT32,
+        first, times, info = grpo_run(
+            model_dir,
+            inputs["grpo_prompt"],
+            inputs["grpo_rewards"],
+            group=g["group"],
+            max_completion=g["new"],
+            n_steps=args.steps + 1,
+            # every completion is 128 tokens, as in rlhf_eqx
+            generation_kwargs={"min_new_tokens": g["new"]},
         )
-        marks = []
-
-        class Timer(TrainerCallback):
-            def on_step_begin(self, *a, **k):
-                marks.append(time.perf_counter())
-
-            def on_step_end(self, *a, **k):
-                marks[-1] = time.perf_counter() - marks[-1]
-
-        trainer = GRPOTrainer(
-            model=model,
-            reward_funcs=reward,
-            args=gargs,
-            train_dataset=ds,
-            processing_class=tok,
-            callbacks=[Timer()],
+        extra.update(info)
+    elif w == "grpo_mix":
+        g = common.GRPO_MIX
+        budgets = inputs["grpo_mix_budgets"]
+        first, times, info = grpo_run(
+            model_dir,
+            inputs["grpo_mix_prompt"],
+            inputs["grpo_mix_rewards"],
+            group=g["group"],
+            max_completion=int(budgets.max()),
+            n_steps=args.steps + 1,
+            budgets=budgets,
         )
-        trainer.train()
-        first, times = marks[0], marks[1:]
+        extra.update(info)
+        extra["completion_tokens"] = int(budgets.sum())
     else:
         raise SystemExit(f"workload {w} is not run for TRL")
     common.emit(LIB, w, first, times, peak_gflops=matmul_peak(), **extra)

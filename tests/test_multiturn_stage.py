@@ -4,6 +4,7 @@ the policy's own tokens only."""
 
 import json
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,3 +82,67 @@ def test_multiturn_batch_trains_the_policy_tokens_only():
     _, m2 = state.apply(step, batch(noisy))
     assert float(m1["loss"]) == float(m2["loss"])
     assert float(m1["clip_ratio"]) == 0.0
+
+
+def _two_turn(policy, tok, samples=2):
+    env = rx.envs.AnimalFollowUpEnv(tok)
+    ids = [tok.bos_id, *tok.encode("Once upon a time")]
+    prompts = jnp.asarray([ids], jnp.int32)
+    return rx.envs.rollout_multiturn(
+        policy,
+        env,
+        prompts,
+        jnp.ones_like(prompts, bool),
+        jax.random.key(3),
+        max_turns=2,
+        max_new_tokens=6,
+        max_total_tokens=len(ids) + 12 + env.max_observation_tokens,
+        eos_id=env.stop_ids,
+        pad_id=tok.pad_id,
+        num_samples=samples,
+    )
+
+
+def test_ppo_and_dpo_train_on_the_policy_tokens_of_multiturn_trajectories():
+    """PPO: the advantages and returns of a multi-turn batch live on the policy's tokens
+    only, and the step's loss ignores what lies outside them. DPO: two trajectories as a
+    pair score their policy tokens only (the observation is context), and the loss is
+    ln 2 while the policy is the reference."""
+    policy, tok = pl.load_model("builtin")
+    traj = _two_turn(policy, tok)
+    value = rx.ValueModel.from_policy(policy, key=jax.random.key(0))
+    own = traj.loss_mask & traj.mask
+    batch, _ = rx.train.prepare_ppo_batch(
+        (policy, value),
+        policy,
+        traj.tokens,
+        traj.mask,
+        own,
+        jnp.asarray([1.0, 0.0]),
+        kl_coef=0.05,
+    )
+    outside = np.asarray(~own)
+    assert np.all(np.asarray(batch.advantages)[outside] == 0.0)
+    assert np.all(np.asarray(batch.returns)[outside] == 0.0)
+    opt = rx.train.make_optimizer(learning_rate=1e-3, total_steps=1, max_grad_norm=None)
+    step = rx.train.make_ppo_step(opt, donate=False)
+    state = rx.train.init_train_state((policy, value), opt)
+    junk = eqx.tree_at(lambda b: b.old_logp, batch, jnp.where(own, batch.old_logp, 3.0))
+    _, m1 = state.apply(step, batch)
+    _, m2 = state.apply(step, junk)
+    assert float(m1["loss"]) == float(m2["loss"])
+
+    pair = rx.PreferenceBatch(
+        chosen_tokens=traj.tokens[:1],
+        chosen_mask=traj.mask[:1],
+        chosen_completion_mask=own[:1],
+        rejected_tokens=traj.tokens[1:],
+        rejected_mask=traj.mask[1:],
+        rejected_completion_mask=own[1:],
+    )
+    logp = rx.train.sequence_logps(policy, traj.tokens, traj.mask, own)
+    per_token = jax.vmap(lambda t, m: rx.token_logprobs(policy, t, m))(traj.tokens, traj.mask)
+    np.testing.assert_allclose(logp, jnp.sum(jnp.where(own, per_token, 0.0), -1), rtol=1e-5)
+    dpo = rx.train.make_dpo_step(opt, donate=False)
+    _, m = rx.train.init_train_state(policy, opt).apply(dpo, pair, reference=policy)
+    np.testing.assert_allclose(float(m["loss"]), np.log(2.0), rtol=1e-5)

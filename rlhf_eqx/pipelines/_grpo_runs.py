@@ -77,6 +77,16 @@ def _dynamic_groups(rewards: list[np.ndarray], n: int, G: int) -> tuple[np.ndarr
     )
 
 
+def grpo_state_and_step(pol, spec, cfg, ctx: RunContext):
+    """The `TrainState` of the policy `pol` (trainable part `spec`) and the GRPO step of
+    `cfg` at the run's sampling temperature, its optimiser scheduled over
+    `cfg.rollouts * cfg.epochs` updates."""
+    opt = build_optimizer(cfg.optim, cfg.rollouts * cfg.epochs)
+    state = rx.train.init_train_state(pol, opt, filter_spec=spec)
+    cfg = dataclasses.replace(cfg, temperature=ctx.temperature)  # `sampling.temperature`
+    return state, rx.train.make_grpo_step(opt, cfg, options=cfg.options)
+
+
 def run_grpo(
     policy,
     tok,
@@ -103,10 +113,8 @@ def run_grpo(
     source = as_reward_source(reward)
     k_lora, ctx_key = jax.random.split(ctx.key)
     pol, spec, reference = _policy_and_reference(policy, cfg.lora, k_lora)
-    opt = build_optimizer(cfg.optim, cfg.rollouts * cfg.epochs)
-    state = rx.train.init_train_state(pol, opt, filter_spec=spec)
-    cfg = dataclasses.replace(cfg, temperature=ctx.temperature)  # `sampling.temperature`
-    step = rx.train.make_grpo_step(opt, cfg, options=cfg.options)
+    state, step = grpo_state_and_step(pol, spec, cfg, ctx)
+    cfg = dataclasses.replace(cfg, temperature=ctx.temperature)
     k, n, G = cfg.staleness, cfg.prompts_per_rollout, cfg.group_size
     if k:
         state = OffPolicyState(state, (state.params,) * k)

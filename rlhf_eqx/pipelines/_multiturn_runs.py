@@ -22,10 +22,10 @@ from ._config import (
     LoRASettings,
 )
 from ._evaluate import win_rate
-from ._lr_scale import build_optimizer
+from ._grpo_runs import grpo_state_and_step
 from ._monitor import model_flops
 from ._registry import Outcome, StageEnv
-from ._rl_runs import _policy_and_reference
+from ._rl_runs import _per_token_kl, _policy_and_reference
 from ._rollout import encode_prompts, group_signal, token_logps
 from ._runs import RunContext, RunResult, final_policy, rows_at, run_loop
 from ._stage_configs import (
@@ -117,14 +117,6 @@ def multiturn_metrics(policy, base, env, tok, key, cfg: MultiturnConfig, ctx, sa
     return {"success": float(success.mean()), "base_nll": nll}, success
 
 
-def _grpo_step(pol, spec, cfg, ctx: RunContext, *, total: int):
-    opt = build_optimizer(cfg.optim, total)
-    state = rx.train.init_train_state(pol, opt, filter_spec=spec)
-    cfg = dataclasses.replace(cfg, temperature=ctx.temperature)  # `sampling.temperature`
-    step = rx.train.make_grpo_step(opt, cfg, options=cfg.options)
-    return state, step
-
-
 def run_multiturn(policy, tok, prompts: Sequence[str], env, *, cfg, ctx: RunContext) -> RunResult:
     """GRPO on multi-turn episodes against the jittable environment `env`: per rollout,
     `cfg.group_size` episodes for each of `cfg.prompts_per_rollout` prompts, rewarded
@@ -133,7 +125,7 @@ def run_multiturn(policy, tok, prompts: Sequence[str], env, *, cfg, ctx: RunCont
     validate_stage("multiturn", cfg)
     k_lora, ctx_key = jax.random.split(ctx.key)
     pol, spec, reference = _policy_and_reference(policy, cfg.lora, k_lora)
-    state, step = _grpo_step(pol, spec, cfg, ctx, total=cfg.rollouts * cfg.epochs)
+    state, step = grpo_state_and_step(pol, spec, cfg, ctx)
     G, n, P = cfg.group_size, cfg.prompts_per_rollout, ctx.prompt_length
     length = _length(env, cfg, P)
 
@@ -144,10 +136,8 @@ def run_multiturn(policy, tok, prompts: Sequence[str], env, *, cfg, ctx: RunCont
         own = traj.loss_mask & traj.mask
         ref = token_logps(reference, traj.tokens, traj.mask)
         rewards = np.asarray(traj.reward, np.float32)
-        m = np.asarray(own)
-        kl = float(((np.asarray(traj.logprobs) - np.asarray(ref)) * m).sum() / max(m.sum(), 1))
         info = {
-            "kl": kl,
+            "kl": _per_token_kl(traj.logprobs, ref, own),
             "score": float(rewards.mean()),
             "turns": float(jnp.mean(traj.num_turns.astype(jnp.float32))),
             "truncated": float(jnp.mean(traj.truncated.astype(jnp.float32))),

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 
+import rlhf_eqx as rx
 from rlhf_eqx import pipelines as pl
 
 
@@ -16,9 +17,9 @@ def builtin():
     return pl.load_model("builtin")
 
 
-def _ctx(tmp_path, name, **sampling):
+def _ctx(tmp_path, name, ops=None, **sampling):
     log = pl.MetricsLog(str(tmp_path), name, quiet=True)
-    ops = pl.OpsConfig(monitor=False, quiet=True)
+    ops = ops or pl.OpsConfig(monitor=False, quiet=True)
     kw = dict(prompt_length=16, max_new_tokens=8, **sampling)
     return pl.RunContext(ops=ops, log=log, key=jax.random.key(0), checkpoint_dir=None, **kw)
 
@@ -26,15 +27,16 @@ def _ctx(tmp_path, name, **sampling):
 _PROMPTS = [f"Once upon a time {i}" for i in range(8)]
 
 
-def _grpo(builtin, tmp_path, name, reward=None, **changes):
+def _grpo(builtin, tmp_path, name, reward=None, ops=None, **changes):
     policy, tok = builtin
     cfg = pl.animal_task_config().grpo
     optim = dataclasses.replace(cfg.optim, warmup_ratio=0.0)  # the first update moves
-    cfg = dataclasses.replace(
-        cfg, rollouts=2, prompts_per_rollout=2, group_size=2, optim=optim, **changes
-    )
+    cfg = dataclasses.replace(cfg, prompts_per_rollout=2, group_size=2, optim=optim)
     reward = reward or [pl.RewardFunction("animal", lambda p, t: pl.task.animal_score(t))]
-    res = pl.run_grpo(policy, tok, _PROMPTS, reward=reward, cfg=cfg, ctx=_ctx(tmp_path, name))
+    changes.setdefault("rollouts", 2)
+    cfg = dataclasses.replace(cfg, **changes)
+    ctx = _ctx(tmp_path, name, ops)
+    res = pl.run_grpo(policy, tok, _PROMPTS, reward=reward, cfg=cfg, ctx=ctx)
     records = [r for r in pl.read_records(str(tmp_path)) if r.get("stage") == name]
     return res, [r for r in records if "step" in r]
 
@@ -53,6 +55,106 @@ def test_staleness_samples_with_the_previous_policy(builtin, tmp_path):
     assert all(abs(r["rollout_corr/kl"]) < 1e-4 for r in sync)
     # the first rollouts are the same: both from the initial policy, with the same keys
     assert stale[0]["reward"] == sync[0]["reward"]
+
+
+_PARITY = [pl.RewardFunction("parity", lambda p, t: float(len(t) % 2))]  # a signal
+_TIMING = ("stage", "time", "iteration_time_s", "tokens_per_s", "rollout/overlapped")
+
+
+def _same_run(a, b):
+    for x, y in zip(jax.tree.leaves(a[0].state.params), jax.tree.leaves(b[0].state.params)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    strip = lambda recs: [{k: v for k, v in r.items() if k not in _TIMING} for r in recs]  # noqa: E731
+    assert strip(a[1]) == strip(b[1])
+
+
+def test_overlapped_rollouts_train_the_same_numbers(builtin, tmp_path):
+    """With staleness 1 the next rollout is sampled, decoded and scored during the update
+    (`overlap`, the default), every rollout after the first comes prepared, and the run
+    is the one without overlap, number for number."""
+    a = _grpo(builtin, tmp_path, "on", _PARITY, staleness=1, rollouts=3)
+    assert [r["rollout/overlapped"] for r in a[1]] == [0.0, 1.0, 1.0]
+    b = _grpo(builtin, tmp_path, "off", _PARITY, staleness=1, rollouts=3, overlap=False)
+    assert all("rollout/overlapped" not in r for r in b[1])
+    _same_run(a, b)
+
+
+def test_overlapped_run_interrupted_while_preparing_resumes_exactly(builtin, tmp_path):
+    """Ctrl-C while the next rollout is being scored (during an update) checkpoints the
+    last completed iteration; the resumed run samples that rollout again and ends where
+    the uninterrupted run does."""
+    policy, tok = builtin
+    calls = {"n": 0, "stop_at": None}
+
+    def parity(prompt, text):
+        calls["n"] += 1
+        if calls["n"] == calls["stop_at"]:
+            raise KeyboardInterrupt
+        return float(len(text) % 2)
+
+    cfg = dataclasses.replace(
+        pl.animal_task_config().grpo,
+        prompts_per_rollout=2,
+        group_size=2,
+        rollouts=4,
+        staleness=1,
+        optim=dataclasses.replace(pl.animal_task_config().grpo.optim, warmup_ratio=0.0),
+    )
+    fns = [pl.RewardFunction("parity", parity)]
+
+    def run(name, resume=False):
+        ctx = dataclasses.replace(
+            _ctx(tmp_path, name), checkpoint_dir=str(tmp_path / "ckpt" / name), resume=resume
+        )
+        return pl.run_grpo(policy, tok, _PROMPTS, reward=fns, cfg=cfg, ctx=ctx)
+
+    full = run("full")
+    calls.update(n=0, stop_at=2 * 4 + 1)  # rollout 2's first completion, scored in iteration 1
+    with pytest.raises(pl.RunInterrupted) as info:
+        run("cut")
+    assert info.value.iteration == 1
+    calls["stop_at"] = None
+    resumed = run("cut", resume=True)
+    for x, y in zip(jax.tree.leaves(full.state.params), jax.tree.leaves(resumed.state.params)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_sampler_on_its_own_device_trains_the_same_numbers(builtin, tmp_path, monkeypatch):
+    """`sampler_device=1`: every rollout is sampled on device 1 (the behaviour parameters
+    copied there) while the update runs on device 0; the run is the one on one device."""
+    if jax.local_device_count() < 2:
+        pytest.skip("needs 2 devices (XLA_FLAGS=--xla_force_host_platform_device_count=2)")
+    seen = []
+    sampler = rx.generate_batch
+
+    def spy(policy, *args, **kw):
+        out = sampler(policy, *args, **kw)
+        seen.append(next(iter(out.tokens.devices())))
+        return out
+
+    monkeypatch.setattr(rx, "generate_batch", spy)
+    a = _grpo(builtin, tmp_path, "dev1", _PARITY, staleness=1, rollouts=3, sampler_device=1)
+    assert seen == [jax.local_devices()[1]] * 3
+    b = _grpo(builtin, tmp_path, "dev0", _PARITY, staleness=1, rollouts=3)
+    assert seen[3:] == [jax.local_devices()[0]] * 3
+    _same_run(a, b)
+    with pytest.raises(pl.ConfigError, match=r"grpo.sampler_device=99: this process has"):
+        _grpo(builtin, tmp_path, "bad", _PARITY, sampler_device=99)
+
+
+@pytest.mark.slow
+def test_overlap_with_staleness_two_dynamic_sampling_and_rollbacks(builtin, tmp_path):
+    """Staleness 2 (the next behaviour policy is two updates old), DAPO's extra samplings
+    and a rollback (a KL spike restores a copy of an earlier state: the rollout prepared
+    from the discarded state is not used) give the same run with and without overlap."""
+    ops = pl.OpsConfig(monitor=False, quiet=True, kl_spike=1e-6, max_rollbacks=2)
+    kw = dict(staleness=2, rollouts=5, dynamic_sampling=2, epochs=2, kl_target=10.0)
+    a = _grpo(builtin, tmp_path, "on2", _PARITY, ops, **kw)
+    b = _grpo(builtin, tmp_path, "off2", _PARITY, ops, overlap=False, **kw)
+    assert a[0].loop.rollbacks >= 1
+    flags = [r["rollout/overlapped"] for r in a[1] if "rollout/overlapped" in r]
+    assert 1.0 in flags and 0.0 in flags[1:]  # the re-run after the rollback samples anew
+    _same_run(a, b)
 
 
 @pytest.mark.slow

@@ -133,7 +133,8 @@ STAGE_KEYS = {
     "ppo": "rollouts prompts_per_rollout epochs kl_target optim lora minibatches "
     f"gamma lam kl_coef reward_source reward_model {_PPO}" + _OPTIONS,
     "grpo": "rollouts prompts_per_rollout epochs kl_target optim lora "
-    f"reward_source reward_model staleness dynamic_sampling overlong_buffer {_GRPO}" + _OPTIONS,
+    "reward_source reward_model staleness overlap sampler_device dynamic_sampling "
+    f"overlong_buffer {_GRPO}" + _OPTIONS,
     "kto": "steps batch_size max_length optim beta desirable_weight undesirable_weight "
     "loss_type samples lora" + _OPTIONS,
     "distill": "steps batch_size max_length optim beta temperature lmbda teacher samples lora"

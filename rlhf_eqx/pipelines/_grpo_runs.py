@@ -4,6 +4,7 @@ sampling and overlong shaping (`GRPOConfig`)."""
 
 import dataclasses
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import equinox as eqx
 import jax
@@ -12,11 +13,12 @@ import numpy as np
 
 import rlhf_eqx as rx
 
+from ._config import ConfigError
 from ._lr_scale import build_optimizer
 from ._monitor import model_flops
 from ._reward_sources import RewardSource, as_reward_source
-from ._rl_runs import _policy_and_reference, _sample_and_compare
-from ._rollout import RewardFunction, Rollout, group_signal
+from ._rl_runs import _compare, _dispatch_sample, _policy_and_reference
+from ._rollout import RewardFunction, Rollout, finish_rollout, group_signal
 from ._runs import RunContext, RunResult, run_loop
 from ._stage_configs import (
     GRPOConfig,
@@ -77,6 +79,44 @@ def _dynamic_groups(rewards: list[np.ndarray], n: int, G: int) -> tuple[np.ndarr
     )
 
 
+def _put(tree, device):
+    return jax.tree.map(lambda x: jax.device_put(x, device) if eqx.is_array(x) else x, tree)
+
+
+class SamplerPlacement:
+    """Where a run's rollouts are sampled: `index` (`grpo.sampler_device`) is a local
+    device (`jax.local_devices()[index]`) or `-1`, the device of the trained parameters.
+    On its own device the sampler runs concurrently with the update on another; the
+    behaviour parameters are copied to it for each rollout (the frozen part once) and
+    the sampled rows are copied back to the trainer's device."""
+
+    def __init__(self, index: int):
+        devices = jax.local_devices()
+        if index >= len(devices):
+            raise ConfigError(
+                f"grpo.sampler_device={index}: this process has {len(devices)} local "
+                f"device(s) ({devices[0].platform}); on CPU, "
+                "XLA_FLAGS=--xla_force_host_platform_device_count=2 makes two"
+            )
+        self.device = None if index < 0 else devices[index]
+        self._frozen: tuple = (None, None)
+
+    def model(self, params, frozen):
+        """The policy `params` + `frozen` on the sampler's device."""
+        if self.device is None:
+            return eqx.combine(params, frozen)
+        if self._frozen[0] is not frozen:
+            self._frozen = (frozen, _put(frozen, self.device))
+        return eqx.combine(_put(params, self.device), self._frozen[1])
+
+    def back(self, roll: Rollout, like) -> Rollout:
+        """`roll`'s arrays on the device of the first array of `like`."""
+        if self.device is None:
+            return roll
+        home = next(iter(jax.tree.leaves(eqx.filter(like, eqx.is_array))[0].devices()))
+        return dataclasses.replace(roll, **{f: _put(getattr(roll, f), home) for f in _ROW_ARRAYS})
+
+
 def grpo_state_and_step(pol, spec, cfg, ctx: RunContext):
     """The `TrainState` of the policy `pol` (trainable part `spec`) and the GRPO step of
     `cfg` at the run's sampling temperature, its optimiser scheduled over
@@ -102,10 +142,11 @@ def run_grpo(
     ensemble, a judge, a process reward model's aggregated step scores); group-relative
     advantages; reference log-probs computed once per rollout (k3 KL with weight
     `cfg.beta`); `cfg.epochs` steps on the rollout with `old_logp` from the sampler.
-    With `cfg.staleness`, `cfg.rollout_correction`, `cfg.dynamic_sampling` and
-    `cfg.overlong_buffer` (see `GRPOConfig`): rollouts from a stale policy with the
-    behaviour log-probs kept and `old_logp` the trained policy's, importance
-    correction, DAPO's dynamic sampling and overlong shaping. Logs
+    With `cfg.staleness`, `cfg.overlap`, `cfg.sampler_device`, `cfg.rollout_correction`,
+    `cfg.dynamic_sampling` and `cfg.overlong_buffer` (see `GRPOConfig`): rollouts from a
+    stale policy with the behaviour log-probs kept and `old_logp` the trained policy's,
+    the next rollout prepared while the update runs (on its own device if asked),
+    importance correction, DAPO's dynamic sampling and overlong shaping. Logs
     `frac_reward_zero_std` and an event when no group carries a signal. Stops early when
     the per-token KL to the reference exceeds `cfg.kl_target`.
     """
@@ -119,13 +160,18 @@ def run_grpo(
     if k:
         state = OffPolicyState(state, (state.params,) * k)
     recompute = k > 0 or cfg.rollout_correction is not None
+    overlap = k > 0 and cfg.overlap
+    placement = SamplerPlacement(cfg.sampler_device)
 
-    def sample(model, key, r, attempt):
-        roll, ref_logp, info = _sample_and_compare(
-            model, reference, tok, prompts, key, r + attempt * cfg.rollouts,
-            ctx=ctx, per_rollout=n, group_size=G,
-        )  # fmt: skip
-        scored = source.score(roll)
+    def dispatch(model, key, r):
+        return _dispatch_sample(model, tok, prompts, key, r, ctx=ctx, per_rollout=n, group_size=G)
+
+    def host_half(pending):  # decoding and the reward: host work, or the reward's device
+        roll = placement.back(finish_rollout(pending, tok), reference)
+        return roll, source.score(roll)
+
+    def device_half(roll, scored):  # the reference pass, on the trainer's device
+        ref_logp, info = _compare(roll, reference)
         rewards = np.asarray(scored.scores, np.float32)
         if cfg.overlong_buffer:
             lengths = jnp.asarray(np.asarray(roll.completion_mask).sum(axis=1), jnp.int32)
@@ -136,11 +182,43 @@ def run_grpo(
             rewards = rewards + np.asarray(penalty, np.float32)
         return roll, ref_logp, info, scored, rewards
 
+    def sample(model, key, r, attempt):
+        return device_half(*host_half(dispatch(model, key, r + attempt * cfg.rollouts)))
+
+    # With `overlap`, rollout r + 1 is prepared by a worker thread while rollout r's update
+    # runs (compiled calls wait for their result, so the overlap is between threads): on
+    # one device the sampler runs first and the worker decodes and scores during the
+    # update; on `sampler_device` the worker samples too. `ahead` holds it with the
+    # stale parameters it was sampled with (the object kept in the state): it is used
+    # when iteration r + 1 starts from the state iteration r returned, not after a
+    # rollback (which restores a copy).
+    ahead: dict[int, tuple] = {}
+    worker = ThreadPoolExecutor(1, thread_name_prefix="rollout") if overlap else None
+
+    def next_rollout(state, ts, r):
+        """Start rollout r + 1 from its behaviour policy (known before rollout r's
+        update: the parameters `staleness - 1` updates before this one)."""
+        params = state.behind[1] if k > 1 else ts.params
+        model = placement.model(params, ts.frozen)
+        key = jax.random.split(jax.random.fold_in(ctx_key, r + 1))[0]
+        if placement.device is None:  # one device: sample now, then update
+            pending = dispatch(model, key, r + 1)
+            jax.block_until_ready(pending.out)
+            return params, worker.submit(host_half, pending)
+        return params, worker.submit(lambda: host_half(dispatch(model, key, r + 1)))
+
     def iteration(state, key, r):
         ts = state.train if k else state
-        behaviour = eqx.combine(state.behind[0], ts.frozen) if k else ts.model
+        behaviour = placement.model(state.behind[0] if k else ts.params, ts.frozen)
         k_sample, k_steps = jax.random.split(key)
-        roll, ref_logp, info, scored, rewards = sample(behaviour, k_sample, r, 0)
+        ready = ahead.pop(r, None)
+        ahead.clear()
+        if ready is not None and ready[0] is state.behind[0]:
+            roll, ref_logp, info, scored, rewards = ready[1]
+        else:
+            roll, ref_logp, info, scored, rewards = sample(behaviour, k_sample, r, 0)
+        if overlap:  # this rollout was prepared while the previous update ran
+            info["overlapped"] = float(ready is not None and ready[0] is state.behind[0])
         if cfg.dynamic_sampling:
             parts = [(roll, ref_logp, rewards)]
             while (
@@ -182,28 +260,36 @@ def run_grpo(
             samples_per_prompt=G,
             behaviour_logp=behaviour_logp,
         )
+        upcoming = next_rollout(state, ts, r) if overlap and r + 1 < cfg.rollouts else None
         metrics = []
         before = ts.params
         for e in range(cfg.epochs):
             ts, met = ts.apply(step, batch, key=jax.random.fold_in(k_steps, e))
             metrics.append(met)
+        if upcoming is not None:  # decoded and scored while the update ran
+            params, prepared = upcoming
+            ahead[r + 1] = (params, device_half(*prepared.result()))
         if k:
             return OffPolicyState(ts, (*state.behind[1:], before)), metrics, info
         return ts, metrics, info
 
     rows = n * G * (ctx.prompt_length + ctx.max_new_tokens)
     ctx = dataclasses.replace(ctx, key=ctx_key)
-    res = run_loop(
-        state,
-        iteration,
-        ctx,
-        cfg.rollouts,
-        kl_target=cfg.kl_target,
-        policy_of=(lambda s: s.train.model) if k else (lambda s: s.model),
-        tokens_per_iteration=n * G * ctx.max_new_tokens,
-        # Sampling and the reference pass, then `epochs` steps on the rollout.
-        flops_per_iteration=model_flops(
-            rx.count_params(pol), forward_tokens=2 * rows, train_tokens=cfg.epochs * rows
-        ),
-    )
+    try:
+        res = run_loop(
+            state,
+            iteration,
+            ctx,
+            cfg.rollouts,
+            kl_target=cfg.kl_target,
+            policy_of=(lambda s: s.train.model) if k else (lambda s: s.model),
+            tokens_per_iteration=n * G * ctx.max_new_tokens,
+            # Sampling and the reference pass, then `epochs` steps on the rollout.
+            flops_per_iteration=model_flops(
+                rx.count_params(pol), forward_tokens=2 * rows, train_tokens=cfg.epochs * rows
+            ),
+        )
+    finally:
+        if worker is not None:
+            worker.shutdown(wait=False, cancel_futures=True)
     return dataclasses.replace(res, state=res.state.train) if k else res

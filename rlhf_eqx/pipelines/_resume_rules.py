@@ -23,6 +23,8 @@ RESUMABLE_FIELDS: tuple[str, ...] = (
     "ops.profile_steps",
     "ops.tensorboard",
     "ops.max_rollbacks",
+    "grpo.overlap",  # when and where the next rollout is sampled, not what it is
+    "grpo.sampler_device",
 )
 
 # A stage's iteration count (more steps, more rollouts) may change on resume. The

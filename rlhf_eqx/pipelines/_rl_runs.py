@@ -19,8 +19,11 @@ from ._lr_scale import build_optimizer
 from ._monitor import model_flops
 from ._reward_sources import RewardSource, as_reward_source
 from ._rollout import (
+    PendingRollout,
     RewardFunction,
-    sample_rollout,
+    Rollout,
+    dispatch_rollout,
+    finish_rollout,
     sampling_options,
     token_logps,
 )
@@ -47,9 +50,8 @@ def _per_token_kl(logp, ref_logp, mask) -> float:
     return float(((np.asarray(logp) - np.asarray(ref_logp)) * m).sum() / max(m.sum(), 1))
 
 
-def _sample_and_compare(
+def _dispatch_sample(
     model,
-    reference,
     tok,
     prompts: Sequence[str],
     key: jax.Array,
@@ -58,31 +60,39 @@ def _sample_and_compare(
     ctx: RunContext,
     per_rollout: int,
     group_size: int = 1,
-):
-    """Rollout `r`: `group_size` completions of each of `per_rollout` prompts (rows
-    `rows_at(len(prompts), per_rollout, ctx.ops.seed, r)` of `prompts`), sampled from
-    `model` with the run's sampling settings, and the reference's log-probs of them.
-
-    **Returns:** `(rollout, ref_logp, info)`; `ref_logp` is 0 outside the completions,
-    `info` holds the per-token KL of the samples to the reference (`kl`, the KL guard's
-    measure) and the fraction of completions cut at `max_new_tokens` (`truncated`).
-    """
+) -> PendingRollout:
+    """Dispatch rollout `r`'s sampling: `group_size` completions of each of `per_rollout`
+    prompts (rows `rows_at(len(prompts), per_rollout, ctx.ops.seed, r)` of `prompts`)
+    from `model` with the run's sampling settings (`finish_rollout` completes it)."""
     rows = rows_at(len(prompts), per_rollout, ctx.ops.seed, r)
-    roll = sample_rollout(
-        model,
-        tok,
-        [prompts[j] for j in rows],
-        key,
-        group_size=group_size,
-        **sampling_options(ctx),
+    return dispatch_rollout(
+        model, tok, [prompts[j] for j in rows], key, group_size=group_size, **sampling_options(ctx)
     )
+
+
+def _compare(roll: Rollout, reference):
+    """The reference's log-probs of `roll`'s completions (0 elsewhere) and `info`: the
+    per-token KL of the samples to the reference (`kl`, the KL guard's measure) and the
+    fraction of completions cut at `max_new_tokens` (`truncated`)."""
     m = roll.completion_mask & roll.mask
     ref_logp = token_logps(reference, roll.tokens, roll.mask)
     info = {
         "kl": _per_token_kl(roll.logprobs, ref_logp, m),
         "truncated": float(jnp.mean(roll.truncated.astype(jnp.float32))),
     }
-    return roll, jnp.where(m, ref_logp, 0.0), info
+    return jnp.where(m, ref_logp, 0.0), info
+
+
+def _sample_and_compare(model, reference, tok, prompts, key, r, *, ctx, per_rollout, group_size=1):
+    """Rollout `r` (`_dispatch_sample`, finished) and its `_compare` with the reference.
+
+    **Returns:** `(rollout, ref_logp, info)`.
+    """
+    pending = _dispatch_sample(
+        model, tok, prompts, key, r, ctx=ctx, per_rollout=per_rollout, group_size=group_size
+    )
+    roll = finish_rollout(pending, tok)
+    return (roll, *_compare(roll, reference))
 
 
 # --- PPO -------------------------------------------------------------------------------

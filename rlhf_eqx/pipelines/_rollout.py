@@ -76,6 +76,100 @@ def sampling_options(settings) -> dict:
     return {name: getattr(settings, name) for name in SAMPLING_FIELDS}
 
 
+@dataclasses.dataclass(frozen=True)
+class PendingRollout:
+    """A rollout whose sampling has been dispatched (`dispatch_rollout`) and may still be
+    running on the device: `finish_rollout` waits for it, cuts it at the stop strings
+    and decodes it."""
+
+    out: "rx.GenerationOutput"
+    prompt_ids: tuple[tuple[int, ...], ...]
+    prompts: tuple[str, ...]
+    group_size: int
+    prompt_length: int
+    stop_ids: tuple[int, ...]
+    stop_strings: tuple[str, ...]
+
+
+def dispatch_rollout(
+    policy,
+    tok,
+    prompts: Sequence[str],
+    key: jax.Array,
+    *,
+    group_size: int = 1,
+    prompt_length: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    stop_ids: Sequence[int] | None = None,
+    stop_strings: Sequence[str] = (),
+    slots: int = 0,
+) -> PendingRollout:
+    """The device half of `sample_rollout` (same arguments): encode the prompts and
+    dispatch the compiled sampler without waiting for it, so that other work (an update)
+    can be queued behind it; `finish_rollout` completes it."""
+    if stop_ids is None:
+        stop_ids = tuple(sorted({tok.eos_id, tok.bos_id}))
+    stop_ids = tuple(int(t) for t in stop_ids)
+    ids = encode_prompts(tok, prompts, prompt_length=prompt_length)
+    batch = data.collate_prompts(list(ids), max_length=prompt_length, pad_id=tok.pad_id)
+    kw = dict(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        eos_id=list(stop_ids) or None,
+        pad_id=tok.pad_id,
+        num_samples=group_size,  # each prompt prefilled once, its group_size rows follow it
+    )
+    if slots > 0:
+        keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(len(ids)))
+        rows = len(ids) * group_size
+        out = rx.generate_continuous(
+            policy, batch.tokens, batch.mask, keys, slots=min(slots, rows), **kw
+        )
+    else:
+        out = rx.generate_batch(policy, batch.tokens, batch.mask, key, **kw)
+    return PendingRollout(
+        out=out,
+        prompt_ids=tuple(tuple(x) for x in ids),
+        prompts=tuple(prompts),
+        group_size=group_size,
+        prompt_length=prompt_length,
+        stop_ids=stop_ids,
+        stop_strings=tuple(stop_strings),
+    )
+
+
+def finish_rollout(pending: PendingRollout, tok) -> Rollout:
+    """The host half of `sample_rollout`: wait for the sampler of `pending`, cut the
+    completions at its stop strings and decode them."""
+    out, G, P = pending.out, pending.group_size, pending.prompt_length
+    stop_ids = pending.stop_ids
+    lengths = np.asarray(out.completion_mask).sum(axis=1)
+    tokens = np.asarray(out.tokens)
+    last = tokens[np.arange(tokens.shape[0]), P + np.maximum(lengths - 1, 0)]
+    stopped = (lengths > 0) & np.isin(last, np.asarray(stop_ids, np.int64))
+    if pending.stop_strings:
+        out = rx.truncate_at_stop_strings(out, tok, pending.stop_strings, pad_id=tok.pad_id)
+        stopped |= np.asarray(out.completion_mask).sum(axis=1) < lengths
+    tokens = np.asarray(out.tokens)
+    completion = np.asarray(out.completion_mask)
+    texts = []
+    repeated = [x for x in pending.prompt_ids for _ in range(G)]
+    for b, prompt_ids in enumerate(repeated):
+        comp = [t for t in tokens[b][completion[b]].tolist() if t not in stop_ids]
+        texts.append(data.decode_continuation(tok, list(prompt_ids), comp))
+    return Rollout(
+        tokens=out.tokens,
+        mask=out.mask,
+        completion_mask=out.completion_mask,
+        logprobs=out.logprobs,
+        truncated=jnp.asarray(~stopped),
+        prompts=tuple(p for p in pending.prompts for _ in range(G)),
+        texts=tuple(texts),
+        group_size=G,
+    )
+
+
 def sample_rollout(
     policy,
     tok,
@@ -102,52 +196,23 @@ def sample_rollout(
     completion is cut where one first appears in its text
     (`rlhf_eqx.truncate_at_stop_strings`: the string is dropped, and the tokens, masks
     and log-probabilities after the cut are cleared), before anything is scored. The same
-    `temperature` must be given to the training steps.
+    `temperature` must be given to the training steps. It is `dispatch_rollout` then
+    `finish_rollout`.
     """
-    if stop_ids is None:
-        stop_ids = tuple(sorted({tok.eos_id, tok.bos_id}))
-    stop_ids = tuple(int(t) for t in stop_ids)
-    ids = encode_prompts(tok, prompts, prompt_length=prompt_length)
-    repeated = [x for x in ids for _ in range(group_size)]
-    batch = data.collate_prompts(list(ids), max_length=prompt_length, pad_id=tok.pad_id)
-    kw = dict(
+    pending = dispatch_rollout(
+        policy,
+        tok,
+        prompts,
+        key,
+        group_size=group_size,
+        prompt_length=prompt_length,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
-        eos_id=list(stop_ids) or None,
-        pad_id=tok.pad_id,
-        num_samples=group_size,  # each prompt prefilled once, its group_size rows follow it
+        stop_ids=stop_ids,
+        stop_strings=stop_strings,
+        slots=slots,
     )
-    if slots > 0:
-        keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(len(ids)))
-        out = rx.generate_continuous(
-            policy, batch.tokens, batch.mask, keys, slots=min(slots, len(repeated)), **kw
-        )
-    else:
-        out = rx.generate_batch(policy, batch.tokens, batch.mask, key, **kw)
-    lengths = np.asarray(out.completion_mask).sum(axis=1)
-    tokens = np.asarray(out.tokens)
-    last = tokens[np.arange(tokens.shape[0]), prompt_length + np.maximum(lengths - 1, 0)]
-    stopped = (lengths > 0) & np.isin(last, np.asarray(stop_ids, np.int64))
-    if stop_strings:
-        out = rx.truncate_at_stop_strings(out, tok, tuple(stop_strings), pad_id=tok.pad_id)
-        stopped |= np.asarray(out.completion_mask).sum(axis=1) < lengths
-    tokens = np.asarray(out.tokens)
-    completion = np.asarray(out.completion_mask)
-    texts = []
-    rows_prompts = tuple(p for p in prompts for _ in range(group_size))
-    for b, prompt_ids in enumerate(repeated):
-        comp = [t for t in tokens[b][completion[b]].tolist() if t not in stop_ids]
-        texts.append(data.decode_continuation(tok, prompt_ids, comp))
-    return Rollout(
-        tokens=out.tokens,
-        mask=out.mask,
-        completion_mask=out.completion_mask,
-        logprobs=out.logprobs,
-        truncated=jnp.asarray(~stopped),
-        prompts=rows_prompts,
-        texts=tuple(texts),
-        group_size=group_size,
-    )
+    return finish_rollout(pending, tok)
 
 
 def _reward_value(value: object, name: str, row: int, group_size: int) -> float:

@@ -160,6 +160,17 @@ class GRPOConfig(RolloutStageConfig, GRPOSettings):
       `rlhf_eqx.losses.RolloutCorrection`: truncated or masked importance weights at
       token, sequence or geometric level, veRL's `rollout_is`) reweights the tokens;
       the `rollout_corr/*` metrics measure the mismatch.
+    - `overlap` (with `staleness >= 1`; on by default): rollout `r + 1` (whose behaviour
+      policy is known before rollout `r`'s update) is sampled before that update and
+      decoded and scored by a worker thread while it runs, so the host's decoding and
+      reward functions (a sandbox, a verifier service, a judge behind an API) overlap the
+      update. The run's numbers do not change (the next rollout depends only on the
+      stale parameters and its key); two rollouts are held at once.
+    - `sampler_device`: the local device that samples rollouts (`jax.local_devices()`
+      index; -1, the default: the training device). With `overlap`, the next rollout is
+      then sampled on its own device while the update runs on the other (the split of
+      asynchronous RL systems between inference and training devices); the behaviour
+      parameters are copied to it for each rollout, the frozen weights once.
     - `dynamic_sampling`: DAPO's dynamic sampling (Yu et al. 2025) — groups whose
       rewards all agree are dropped and the batch refilled with fresh groups, at most
       this many samplings per rollout (0: off); what is still missing is filled with
@@ -174,6 +185,8 @@ class GRPOConfig(RolloutStageConfig, GRPOSettings):
     prompts_per_rollout: int = 8
     group_size: int = 8
     staleness: int = 0
+    overlap: bool = True
+    sampler_device: int = -1
     dynamic_sampling: int = 0
     overlong_buffer: int = 0
 

@@ -332,5 +332,8 @@ def validate_stage(name: str, c: Any, *, device_count: int = 1) -> None:
         _divides(f"{name}.prompts_per_rollout", c.prompts_per_rollout * c.group_size, device_count)
         _check_options(name, c, c.prompts_per_rollout)
         _at_least(f"{name}.staleness", c.staleness, 0)
+        if not isinstance(c.overlap, bool):
+            _fail(f"{name}.overlap", c.overlap, "must be true or false")
+        _at_least(f"{name}.sampler_device", c.sampler_device, -1)
         _at_least(f"{name}.dynamic_sampling", c.dynamic_sampling, 0)
         _at_least(f"{name}.overlong_buffer", c.overlong_buffer, 0)

@@ -62,6 +62,11 @@ from ._monitor import (
     measure_matmul_peak as measure_matmul_peak,
     model_flops as model_flops,
 )
+from ._multiturn_dpo_runs import (
+    MultiturnDPOConfig as MultiturnDPOConfig,
+    episode_pairs as episode_pairs,
+    run_multiturn_dpo as run_multiturn_dpo,
+)
 from ._pipeline import (
     format_table as format_table,
     load_model as load_model,

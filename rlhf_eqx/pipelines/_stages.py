@@ -1,6 +1,7 @@
 """The built-in stages, registered in pipeline order (see `_registry.py`)."""
 
 from . import _builtin_stages as B, _data_stages as D
+from ._multiturn_dpo_runs import MultiturnDPOConfig, multiturn_dpo
 from ._multiturn_runs import MultiturnConfig, multiturn
 from ._registry import Stage, register_stage
 from ._stage_configs import (
@@ -74,6 +75,12 @@ for _stage in (
         MultiturnConfig,
         multiturn,
         help="GRPO on two-turn episodes: a paragraph, then one about the animal asked for",
+    ),
+    Stage(
+        "multiturn-dpo",
+        MultiturnDPOConfig,
+        multiturn_dpo,
+        help="online DPO on two-turn episodes (best vs worst episode per prompt)",
     ),
     Stage(
         "prm",

@@ -67,6 +67,10 @@ from ._multiturn_dpo_runs import (
     episode_pairs as episode_pairs,
     run_multiturn_dpo as run_multiturn_dpo,
 )
+from ._multiturn_runs import (
+    MultiturnConfig as MultiturnConfig,
+    run_multiturn as run_multiturn,
+)
 from ._pipeline import (
     format_table as format_table,
     load_model as load_model,
@@ -109,8 +113,11 @@ from ._reward_sources import (
 )
 from ._rl_runs import run_ppo as run_ppo
 from ._rollout import (
+    PendingRollout as PendingRollout,
     RewardFunction as RewardFunction,
     Rollout as Rollout,
+    dispatch_rollout as dispatch_rollout,
+    finish_rollout as finish_rollout,
     group_signal as group_signal,
     reward_model_scores as reward_model_scores,
     sample_rollout as sample_rollout,

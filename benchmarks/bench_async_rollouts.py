@@ -10,12 +10,17 @@ the built-in task, with the run's own loop (`rlhf_eqx.pipelines.run_grpo`):
 - `overlap`: `staleness=1, overlap=True`, rollout `r + 1`'s sampling dispatched before
   rollout `r`'s update, and decoded and scored while that update runs.
 
-`stale` and `overlap` train the same numbers (checked here: equal final parameters).
+`stale` and `overlap` train the same numbers (checked here: equal final parameters). With
+one step per rollout and no importance correction, the off-policy runs take the trained
+policy's log-probs from the step's own forward pass: no extra pass, as in the synchronous
+run.
 
 Rewards (`--rewards`):
 
-- `task`: the built-in verifiable reward (a regular expression on the text: cheap);
-- `remote`: the same reward behind a host call that waits `--latency` seconds per
+- `task`: a rule on the text (cheap): the built-in task's animal rule for stories260K,
+  the parity of the word count for the randomly initialised model (which names no
+  animal; its groups need a signal for the update to move);
+- `remote`: the same rule behind a host call that waits `--latency` seconds per
   rollout, as a reward served by another process does (a sandbox running code, a judge
   model behind an API, a math verifier service): the host waits while the device could
   work.
@@ -57,16 +62,25 @@ VARIANTS = {
 }
 
 
-def rewards(kind: str, latency: float):
-    """The run's reward: the task's rule, or the rule behind a waiting host call."""
+def rule(name: str):
+    """The cheap rule on the text: the task's animal rule for stories260K; for the
+    randomly initialised model (which never names an animal) the parity of the number
+    of words, so that its groups carry a signal and the update moves."""
+    if name == "stories":
+        return lambda t: pl.task.animal_score(t)
+    return lambda t: float(len(t.split()) % 2)
+
+
+def rewards(kind: str, latency: float, score):
+    """The run's reward: the rule, or the rule behind a waiting host call."""
     if kind == "task":
-        return [pl.RewardFunction("animal", lambda p, t: pl.task.animal_score(t))]
+        return [pl.RewardFunction("rule", lambda p, t: score(t))]
 
     class Remote(pl.RewardSource):
         def score(self, roll):
             time.sleep(latency)  # the round trip to the service
-            s = np.asarray([pl.task.animal_score(t) for t in roll.texts], np.float32)
-            return pl.Scored(s, {"reward/animal": float(s.mean())})
+            s = np.asarray([score(t) for t in roll.texts], np.float32)
+            return pl.Scored(s, {"reward/rule": float(s.mean())})
 
     return Remote()
 
@@ -111,7 +125,7 @@ def main() -> None:
         for name in a.models.split(","):
             policy, tok = model(name)
             for kind in a.rewards.split(","):
-                reward = rewards(kind, a.latency)
+                reward = rewards(kind, a.latency, rule(name))
                 times = {v: [] for v in VARIANTS}
                 for rnd in range(a.rounds):
                     order = list(VARIANTS) if rnd % 2 == 0 else list(VARIANTS)[::-1]

@@ -159,7 +159,12 @@ def run_grpo(
     k, n, G = cfg.staleness, cfg.prompts_per_rollout, cfg.group_size
     if k:
         state = OffPolicyState(state, (state.params,) * k)
-    recompute = k > 0 or cfg.rollout_correction is not None
+    # Off-policy, the sampler's log-probs are the behaviour policy's and `old_logp` is the
+    # trained policy's: a separate pass when several epochs need it fixed, or for the
+    # correction's exact ratio extremes; with one step per rollout and no correction the
+    # step takes its own (detached) log-probs as `old_logp`, as TRL does.
+    behaviour_kept = k > 0 or cfg.rollout_correction is not None
+    recompute = cfg.rollout_correction is not None or (k > 0 and cfg.epochs > 1)
     overlap = k > 0 and cfg.overlap
     placement = SamplerPlacement(cfg.sampler_device)
 
@@ -245,9 +250,11 @@ def run_grpo(
             )
         own = roll.completion_mask & roll.mask
         old_logp, behaviour_logp = roll.logprobs, None
+        if behaviour_kept:
+            old_logp, behaviour_logp = None, roll.logprobs
         if recompute:  # the trained policy's own log-probs; the sampler's are the behaviour's
             current = _policy_logps(ts.model, roll.tokens, roll.mask, ctx.temperature)
-            old_logp, behaviour_logp = jnp.where(own, current, 0.0), roll.logprobs
+            old_logp = jnp.where(own, current, 0.0)
         batch = rx.train.GRPOBatch(
             tokens=roll.tokens,
             mask=roll.mask,

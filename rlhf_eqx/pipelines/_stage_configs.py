@@ -165,7 +165,9 @@ class GRPOConfig(RolloutStageConfig, GRPOSettings):
       decoded and scored by a worker thread while it runs, so the host's decoding and
       reward functions (a sandbox, a verifier service, a judge behind an API) overlap the
       update. The run's numbers do not change (the next rollout depends only on the
-      stale parameters and its key); two rollouts are held at once.
+      stale parameters and its key); two rollouts are held at once. Reward functions
+      then run in that thread, not the main one (a reward that needs the main thread,
+      e.g. a `signal.alarm` timeout, needs `overlap=false`).
     - `sampler_device`: the local device that samples rollouts (`jax.local_devices()`
       index; -1, the default: the training device). With `overlap`, the next rollout is
       then sampled on its own device while the update runs on the other (the split of

@@ -13,7 +13,6 @@ import numpy as np
 
 import rlhf_eqx as rx
 
-from ._config import ConfigError
 from ._lr_scale import build_optimizer
 from ._monitor import model_flops
 from ._reward_sources import RewardSource, as_reward_source
@@ -90,15 +89,8 @@ class SamplerPlacement:
     behaviour parameters are copied to it for each rollout (the frozen part once) and
     the sampled rows are copied back to the trainer's device."""
 
-    def __init__(self, index: int):
-        devices = jax.local_devices()
-        if index >= len(devices):
-            raise ConfigError(
-                f"grpo.sampler_device={index}: this process has {len(devices)} local "
-                f"device(s) ({devices[0].platform}); on CPU, "
-                "XLA_FLAGS=--xla_force_host_platform_device_count=2 makes two"
-            )
-        self.device = None if index < 0 else devices[index]
+    def __init__(self, index: int):  # `index` checked by `validate_stage`
+        self.device = None if index < 0 else jax.local_devices()[index]
         self._frozen: tuple = (None, None)
 
     def model(self, params, frozen):

@@ -15,6 +15,8 @@ pipeline's own fields and the rules that combine several of them.
 import os
 from typing import Any
 
+import jax
+
 from ..data._preferences import PREFERENCE_FORMATS
 from ..data._prompts import PROMPT_FORMATS
 from ..losses import (
@@ -335,5 +337,13 @@ def validate_stage(name: str, c: Any, *, device_count: int = 1) -> None:
         if not isinstance(c.overlap, bool):
             _fail(f"{name}.overlap", c.overlap, "must be true or false")
         _at_least(f"{name}.sampler_device", c.sampler_device, -1)
+        local = jax.local_devices()
+        if c.sampler_device >= len(local):
+            _fail(
+                f"{name}.sampler_device",
+                c.sampler_device,
+                f"this process has {len(local)} local device(s) ({local[0].platform}); on CPU, "
+                "XLA_FLAGS=--xla_force_host_platform_device_count=2 makes two",
+            )
         _at_least(f"{name}.dynamic_sampling", c.dynamic_sampling, 0)
         _at_least(f"{name}.overlong_buffer", c.overlong_buffer, 0)

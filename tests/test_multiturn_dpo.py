@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import two_turn_rollout
 from hypothesis import given, strategies as st
 
 import rlhf_eqx as rx
@@ -115,22 +116,7 @@ def test_pairs_of_a_real_rollout_score_the_policy_tokens_only():
     reference (the policy without adapters), and the chosen episode's NLL (RPO) is the
     mean over its own tokens."""
     policy, tok = pl.load_model("builtin")
-    env = rx.envs.AnimalFollowUpEnv(tok)
-    ids = [tok.bos_id, *tok.encode("Once upon a time")]
-    prompts = jnp.asarray([ids], jnp.int32)
-    traj = rx.envs.rollout_multiturn(
-        policy,
-        env,
-        prompts,
-        jnp.ones_like(prompts, bool),
-        jax.random.key(3),
-        max_turns=2,
-        max_new_tokens=6,
-        max_total_tokens=len(ids) + 12 + env.max_observation_tokens,
-        eos_id=env.stop_ids,
-        pad_id=tok.pad_id,
-        num_samples=2,
-    )
+    traj, ids = two_turn_rollout(policy, tok)
     pairs, count = episode_pairs(traj, jnp.asarray([0.0, 1.0]), samples=2)
     assert count == 1
     np.testing.assert_array_equal(pairs.chosen_tokens[0], traj.tokens[1])

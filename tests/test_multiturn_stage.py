@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import two_turn_rollout
 
 import rlhf_eqx as rx
 from rlhf_eqx import pipelines as pl
@@ -42,23 +43,7 @@ def test_multiturn_batch_trains_the_policy_tokens_only():
     loss does not change when their recorded log-probs change) and the first update's
     ratio is 1 on-policy."""
     policy, tok = pl.load_model("builtin")
-    env = rx.envs.AnimalFollowUpEnv(tok)
-    ids = [tok.bos_id, *tok.encode("Once upon a time")]
-    prompts = jnp.asarray([ids], jnp.int32)
-    masks = jnp.ones_like(prompts, bool)
-    traj = rx.envs.rollout_multiturn(
-        policy,
-        env,
-        prompts,
-        masks,
-        jax.random.key(0),
-        max_turns=2,
-        max_new_tokens=6,
-        max_total_tokens=len(ids) + 12 + env.max_observation_tokens,
-        eos_id=env.stop_ids,
-        pad_id=tok.pad_id,
-        num_samples=2,
-    )
+    traj, ids = two_turn_rollout(policy, tok, key=0)
     assert np.all(np.asarray(traj.num_turns) == 2)
     obs = np.asarray(traj.mask & ~traj.loss_mask)[:, len(ids) :]
     assert obs.any()  # the question sits between the turns, in the context
@@ -84,32 +69,13 @@ def test_multiturn_batch_trains_the_policy_tokens_only():
     assert float(m1["clip_ratio"]) == 0.0
 
 
-def _two_turn(policy, tok, samples=2):
-    env = rx.envs.AnimalFollowUpEnv(tok)
-    ids = [tok.bos_id, *tok.encode("Once upon a time")]
-    prompts = jnp.asarray([ids], jnp.int32)
-    return rx.envs.rollout_multiturn(
-        policy,
-        env,
-        prompts,
-        jnp.ones_like(prompts, bool),
-        jax.random.key(3),
-        max_turns=2,
-        max_new_tokens=6,
-        max_total_tokens=len(ids) + 12 + env.max_observation_tokens,
-        eos_id=env.stop_ids,
-        pad_id=tok.pad_id,
-        num_samples=samples,
-    )
-
-
 def test_ppo_and_dpo_train_on_the_policy_tokens_of_multiturn_trajectories():
     """PPO: the advantages and returns of a multi-turn batch live on the policy's tokens
     only, and the step's loss ignores what lies outside them. DPO: two trajectories as a
     pair score their policy tokens only (the observation is context), and the loss is
     ln 2 while the policy is the reference."""
     policy, tok = pl.load_model("builtin")
-    traj = _two_turn(policy, tok)
+    traj, _ = two_turn_rollout(policy, tok)
     value = rx.ValueModel.from_policy(policy, key=jax.random.key(0))
     own = traj.loss_mask & traj.mask
     batch, _ = rx.train.prepare_ppo_batch(

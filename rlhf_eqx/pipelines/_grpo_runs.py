@@ -198,7 +198,7 @@ def run_grpo(
         params = state.behind[1] if k > 1 else ts.params
         model = placement.model(params, ts.frozen)
         key = jax.random.split(jax.random.fold_in(ctx_key, r + 1))[0]
-        if placement.device is None:  # one device: sample now, then update
+        if placement.device is None:  # one device: sample now, not during the update
             pending = dispatch(model, key, r + 1)
             jax.block_until_ready(pending.out)
             return params, worker.submit(host_half, pending)
@@ -210,12 +210,13 @@ def run_grpo(
         k_sample, k_steps = jax.random.split(key)
         ready = ahead.pop(r, None)
         ahead.clear()
-        if ready is not None and ready[0] is state.behind[0]:
+        prepared = ready is not None and ready[0] is state.behind[0]
+        if prepared:
             roll, ref_logp, info, scored, rewards = ready[1]
         else:
             roll, ref_logp, info, scored, rewards = sample(behaviour, k_sample, r, 0)
         if overlap:  # this rollout was prepared while the previous update ran
-            info["overlapped"] = float(ready is not None and ready[0] is state.behind[0])
+            info["overlapped"] = float(prepared)
         if cfg.dynamic_sampling:
             parts = [(roll, ref_logp, rewards)]
             while (
@@ -266,8 +267,8 @@ def run_grpo(
             ts, met = ts.apply(step, batch, key=jax.random.fold_in(k_steps, e))
             metrics.append(met)
         if upcoming is not None:  # decoded and scored while the update ran
-            params, prepared = upcoming
-            ahead[r + 1] = (params, device_half(*prepared.result()))
+            params, future = upcoming
+            ahead[r + 1] = (params, device_half(*future.result()))
         if k:
             return OffPolicyState(ts, (*state.behind[1:], before)), metrics, info
         return ts, metrics, info

@@ -24,15 +24,13 @@ import rlhf_eqx as rx
 from ..envs import Trajectory
 from ._config import ConfigError, LoRASettings, _optim
 from ._dpo_runs import _dpo_setup
-from ._evaluate import win_rate
 from ._monitor import model_flops
-from ._multiturn_runs import MultiturnConfig, _length, _rollout, multiturn_metrics
+from ._multiturn_runs import _length, _rollout, episode_stage
 from ._registry import Outcome, StageEnv
 from ._rl_runs import _per_token_kl
 from ._rollout import token_logps
-from ._runs import RunContext, RunResult, final_policy, rows_at, run_loop, take_rows
+from ._runs import RunContext, RunResult, rows_at, run_loop, take_rows
 from ._stage_configs import DPOConfig
-from ._task import TRAIN_PROMPTS
 from ._validation import validate_stage
 
 
@@ -83,11 +81,6 @@ class MultiturnDPOConfig(DPOConfig):
         parent = getattr(super(), "__post_init__", None)
         if parent is not None:
             parent()
-
-
-def _episodes(cfg: MultiturnDPOConfig) -> MultiturnConfig:
-    """The episode settings of `cfg` in the form the multi-turn rollout helpers take."""
-    return MultiturnConfig(max_turns=cfg.max_turns, turn_tokens=cfg.turn_tokens)
 
 
 def episode_pairs(
@@ -176,14 +169,13 @@ def run_multiturn_dpo(
     k_lora, ctx_key = jax.random.split(ctx.key)
     state, reference, step = _dpo_setup(policy, cfg, cfg.rounds * cfg.steps, k_lora)
     n, S, P = cfg.prompts_per_round, cfg.samples, ctx.prompt_length
-    episodes = _episodes(cfg)
-    length = _length(env, episodes, P)
+    length = _length(env, cfg, P)
 
     def iteration(state, key, r):
         k_sample, k_steps = jax.random.split(key)
         rows = rows_at(len(prompts), n, ctx.ops.seed, r)
         picked = [prompts[j] for j in rows]
-        traj = _rollout(state.model, env, tok, picked, k_sample, episodes, ctx, S)
+        traj = _rollout(state.model, env, tok, picked, k_sample, cfg, ctx, S)
         own = traj.loss_mask & traj.mask
         ref = token_logps(reference, traj.tokens, traj.mask)
         rewards = np.asarray(traj.reward, np.float32)
@@ -230,31 +222,6 @@ def run_multiturn_dpo(
 
 def multiturn_dpo(env: StageEnv, c: MultiturnDPOConfig) -> Outcome:
     """The `multiturn-dpo` stage on the built-in task: online DPO from SFT on episodes of
-    the animal follow-up environment; the summary holds the held-out success rate and
-    fluency (the base model's NLL per token of the policy's tokens) of the base model,
-    SFT and the trained policy, on the same held-out episodes as the `multiturn` stage."""
-    game = rx.envs.AnimalFollowUpEnv(env.tok)
-    sft = env.policies["sft"]
-    ctx = env.ctx("multiturn-dpo")
-    key = jax.random.fold_in(env.key, 11)
-    ep, samples = _episodes(c), env.cfg.eval_samples
-    before, sft_success = multiturn_metrics(sft, env.base, game, env.tok, key, ep, ctx, samples)
-    base, _ = multiturn_metrics(env.base, env.base, game, env.tok, key, ep, ctx, samples)
-    res = run_multiturn_dpo(sft, env.tok, TRAIN_PROMPTS, game, cfg=c, ctx=ctx)
-    policy = final_policy(res.state.model)
-    after, success = multiturn_metrics(policy, env.base, game, env.tok, key, ep, ctx, samples)
-    env.say(
-        f"multiturn-dpo: held-out success {before['success']:.1%} (SFT) -> "
-        f"{after['success']:.1%}; base-model NLL of the policy's tokens "
-        f"{after['base_nll']:.2f} (base model's own {base['base_nll']:.2f})"
-    )
-    summary = {
-        "multiturn_dpo_success": after["success"],
-        "multiturn_dpo_success_sft": before["success"],
-        "multiturn_dpo_success_base": base["success"],
-        "multiturn_dpo_win_rate_vs_sft": win_rate(success, sft_success),
-        "multiturn_dpo_base_nll": after["base_nll"],
-        "multiturn_dpo_base_nll_sft": before["base_nll"],
-        "multiturn_dpo_base_nll_base": base["base_nll"],
-    }
-    return Outcome(res, policy=policy, summary=summary)
+    the animal follow-up environment, evaluated as the `multiturn` stage is
+    (`episode_stage`: held-out success and fluency of base, SFT and the trained policy)."""
+    return episode_stage(env, c, "multiturn-dpo", run_multiturn_dpo)

@@ -80,7 +80,8 @@ def _prompts(tok, prompts: Sequence[str], length: int):
     return jnp.asarray(ids), jnp.asarray(mask)
 
 
-def _rollout(policy, env, tok, prompts, key, cfg: MultiturnConfig, ctx: RunContext, samples):
+def _rollout(policy, env, tok, prompts, key, cfg, ctx: RunContext, samples):
+    # `cfg`: any stage settings with `max_turns` and `turn_tokens`
     ids, mask = _prompts(tok, prompts, ctx.prompt_length)
     return rx.envs.rollout_multiturn(
         policy,
@@ -98,13 +99,13 @@ def _rollout(policy, env, tok, prompts, key, cfg: MultiturnConfig, ctx: RunConte
     )
 
 
-def _length(env, cfg: MultiturnConfig, prompt_length: int) -> int:
+def _length(env, cfg, prompt_length: int) -> int:
     """The static episode length: the prompt, every turn, the observations between."""
     turns = cfg.max_turns * cfg.turn_tokens
     return prompt_length + turns + (cfg.max_turns - 1) * env.max_observation_tokens
 
 
-def multiturn_metrics(policy, base, env, tok, key, cfg: MultiturnConfig, ctx, samples: int):
+def multiturn_metrics(policy, base, env, tok, key, cfg, ctx, samples: int):
     """Held-out multi-turn metrics of `policy`: `success` (the fraction of episodes whose
     second turn names the animal asked for, scored on the decoded text), `base_nll` (the
     base model's NLL per token of the policy's own tokens) and the per-prompt successes
@@ -175,32 +176,41 @@ def run_multiturn(policy, tok, prompts: Sequence[str], env, *, cfg, ctx: RunCont
     )
 
 
-def multiturn(env: StageEnv, c: MultiturnConfig) -> Outcome:
-    """The `multiturn` stage on the built-in task: GRPO from SFT against the animal
-    follow-up environment; the summary holds the held-out success rate and fluency of
-    SFT and of the trained policy."""
+def episode_stage(env: StageEnv, c, name: str, run) -> Outcome:
+    """A multi-turn stage on the built-in task: `run(sft, tok, prompts, game, cfg=c,
+    ctx=...)` from SFT against the animal follow-up environment; the summary holds the
+    held-out success rate and fluency (the base model's NLL per token of the policy's
+    own tokens) of the base model, SFT and the trained policy, under keys prefixed with
+    `name` (`-` as `_`)."""
     game = rx.envs.AnimalFollowUpEnv(env.tok)
     sft = env.policies["sft"]
-    ctx = env.ctx("multiturn")
+    ctx = env.ctx(name)
     key = jax.random.fold_in(env.key, 11)
     samples = env.cfg.eval_samples
     before, sft_success = multiturn_metrics(sft, env.base, game, env.tok, key, c, ctx, samples)
     base, _ = multiturn_metrics(env.base, env.base, game, env.tok, key, c, ctx, samples)
-    res = run_multiturn(sft, env.tok, TRAIN_PROMPTS, game, cfg=c, ctx=ctx)
+    res = run(sft, env.tok, TRAIN_PROMPTS, game, cfg=c, ctx=ctx)
     policy = final_policy(res.state.model)
     after, success = multiturn_metrics(policy, env.base, game, env.tok, key, c, ctx, samples)
     env.say(
-        f"multiturn: held-out success {before['success']:.1%} (SFT) -> {after['success']:.1%}; "
+        f"{name}: held-out success {before['success']:.1%} (SFT) -> {after['success']:.1%}; "
         f"base-model NLL of the policy's tokens {after['base_nll']:.2f} (base model's own "
         f"{base['base_nll']:.2f})"
     )
+    k = name.replace("-", "_")
     summary = {
-        "multiturn_success": after["success"],
-        "multiturn_success_sft": before["success"],
-        "multiturn_success_base": base["success"],
-        "multiturn_win_rate_vs_sft": win_rate(success, sft_success),
-        "multiturn_base_nll": after["base_nll"],
-        "multiturn_base_nll_sft": before["base_nll"],
-        "multiturn_base_nll_base": base["base_nll"],
+        f"{k}_success": after["success"],
+        f"{k}_success_sft": before["success"],
+        f"{k}_success_base": base["success"],
+        f"{k}_win_rate_vs_sft": win_rate(success, sft_success),
+        f"{k}_base_nll": after["base_nll"],
+        f"{k}_base_nll_sft": before["base_nll"],
+        f"{k}_base_nll_base": base["base_nll"],
     }
     return Outcome(res, policy=policy, summary=summary)
+
+
+def multiturn(env: StageEnv, c: MultiturnConfig) -> Outcome:
+    """The `multiturn` stage on the built-in task: GRPO from SFT against the animal
+    follow-up environment (`episode_stage`)."""
+    return episode_stage(env, c, "multiturn", run_multiturn)

@@ -78,9 +78,8 @@ def sampling_options(settings) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class PendingRollout:
-    """A rollout whose sampling has been dispatched (`dispatch_rollout`) and may still be
-    running on the device: `finish_rollout` waits for it, cuts it at the stop strings
-    and decodes it."""
+    """A rollout sampled by `dispatch_rollout` and not yet decoded: `finish_rollout`
+    cuts it at the stop strings and decodes it."""
 
     out: "rx.GenerationOutput"
     prompt_ids: tuple[tuple[int, ...], ...]
@@ -105,9 +104,11 @@ def dispatch_rollout(
     stop_strings: Sequence[str] = (),
     slots: int = 0,
 ) -> PendingRollout:
-    """The device half of `sample_rollout` (same arguments): encode the prompts and
-    dispatch the compiled sampler without waiting for it, so that other work (an update)
-    can be queued behind it; `finish_rollout` completes it."""
+    """The device half of `sample_rollout` (same arguments): encode the prompts and run
+    the compiled sampler; `finish_rollout`, the host half (cutting at stop strings,
+    decoding), can then run elsewhere, e.g. in a worker thread while an update runs
+    (a GRPO run with `overlap`). Equinox's compiled calls return once their result is
+    ready, so this returns after sampling."""
     if stop_ids is None:
         stop_ids = tuple(sorted({tok.eos_id, tok.bos_id}))
     stop_ids = tuple(int(t) for t in stop_ids)

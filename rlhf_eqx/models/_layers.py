@@ -8,7 +8,7 @@ import math
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 
 @functools.partial(jax.jit, static_argnames=("shapes", "scales", "dtype"))
@@ -41,6 +41,13 @@ class AbstractQuantizedWeight(eqx.Module):
     @abc.abstractmethod
     def dequantize(self, dtype) -> Array:
         """The dense weight in `dtype`."""
+
+    def columns(self, ids: Int[Array, "*N"], dtype) -> Float[Array, "*N i"]:
+        """Output columns `ids` of the (unstacked) weight, `[..., in]` in `dtype`: the
+        rows of an embedding stored as `(in, out) = (d_model, vocab)`. This default
+        dequantises the whole weight; formats stored by output column decode only the
+        gathered ones."""
+        return jnp.take(jnp.swapaxes(self.dequantize(dtype), -1, -2), ids, axis=0)
 
 
 class Int8Weight(AbstractQuantizedWeight):

@@ -46,6 +46,7 @@ from ._collate import (
     padding_stats as padding_stats,
 )
 from ._errors import DataError as DataError
+from ._gguf_tokenizer import tokenizer_from_gguf as tokenizer_from_gguf
 from ._hf_tokenizer import HFTokenizer as HFTokenizer
 from ._io import LoadReport as LoadReport
 from ._jinja_chat import (

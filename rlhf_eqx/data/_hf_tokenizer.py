@@ -47,10 +47,28 @@ class HFTokenizer:
     `tokenizer_config.json` beside the file, else by the usual names (`<s>`, `</s>`,
     `<|endoftext|>`, `<pad>`, ...); padding falls back to EOS. A file that is not valid
     JSON (or not a tokenizer) is a `DataError` naming it (and the line).
+
+    `chat_template` is the model's Hugging Face chat template (a jinja2 string) when it
+    came with the tokenizer (`tokenizer_config.json`'s `chat_template`, or a GGUF file's
+    `tokenizer.chat_template`: see `tokenizer_from_gguf`), else `None`;
+    `jinja_chat_template()` renders it. `add_bos_token` says whether the model expects
+    BOS before a text (`tokenizer_config.json`'s `add_bos_token`, default true); `encode`
+    never adds it: the tokenize functions' `add_bos` does.
     """
 
-    def __init__(self, tokenizer, *, bos_token: str, eos_token: str, pad_token: str | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        bos_token: str,
+        eos_token: str,
+        pad_token: str | None = None,
+        chat_template: str | None = None,
+        add_bos_token: bool = True,
+    ):
         self.tokenizer = tokenizer
+        self.chat_template: str | None = chat_template
+        self.add_bos_token: bool = bool(add_bos_token)
         self.vocab_size: int = int(tokenizer.get_vocab_size(with_added_tokens=True))
 
         def token_id(token: str) -> int:
@@ -105,7 +123,34 @@ class HFTokenizer:
         pad = resolve(pad_token, "pad_token", _PAD_CANDIDATES)
         if eos is None:
             raise DataError(f"{path}: cannot tell the EOS token; pass eos_token=...")
-        return cls(tok, bos_token=bos if bos is not None else eos, eos_token=eos, pad_token=pad)
+        template = config.get("chat_template")
+        return cls(
+            tok,
+            bos_token=bos if bos is not None else eos,
+            eos_token=eos,
+            pad_token=pad,
+            chat_template=template if isinstance(template, str) and template else None,
+            add_bos_token=bool(config.get("add_bos_token", True)),
+        )
+
+    def token(self, i: int) -> str:
+        """The text of token `i` as the vocabulary spells it (e.g. `"<|im_end|>"`)."""
+        return self.tokenizer.id_to_token(int(i))
+
+    def jinja_chat_template(self):
+        """The `chat_template` as a `JinjaChatTemplate` with this tokenizer's BOS and EOS
+        text (for `render` and `render_with_assistant_mask`); a `DataError` when there is
+        none."""
+        from ._jinja_chat import JinjaChatTemplate
+
+        if self.chat_template is None:
+            raise DataError("this tokenizer carries no chat template")
+        return JinjaChatTemplate(
+            self.chat_template,
+            bos_token=self.token(self.bos_id),
+            eos_token=self.token(self.eos_id),
+            pad_token=self.token(self.pad_id),
+        )
 
     def encode(self, text: str) -> list[int]:
         return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False).ids]

@@ -1,0 +1,285 @@
+"""Tokenizers from the metadata of a llama.cpp GGUF file (`tokenizer.ggml.*`).
+
+A GGUF file carries no `tokenizer.json`: it stores the vocabulary (`tokens`, and
+`token_type`, `scores` or `merges`), the special ids, the name of the pre-tokenizer
+(`tokenizer.ggml.pre`) and the chat template as metadata. `tokenizer_from_gguf` rebuilds
+the tokenizer they describe as a Hugging Face `tokenizers.Tokenizer`:
+
+- `tokenizer.ggml.model = "gpt2"`: byte-level BPE with the file's merges, text split
+  first by the regular expressions llama.cpp's `llama-vocab.cpp` uses for the named
+  pre-tokenizer (`_PRE_SPLITS`), then mapped to the byte alphabet of GPT-2.
+- `tokenizer.ggml.model = "llama"`: sentencepiece-style BPE (spaces as `▁`, unknown
+  characters as their `<0xNN>` byte tokens), the merges recovered from the scores as
+  `transformers`' GGUF converter does (every split of a token into two tokens, ranked by
+  the token's score: the sentencepiece rule of merging the best-scoring pair first).
+
+Tokens of type 3 (control) are added as special tokens and of type 4 (user-defined) as
+plain added tokens, so both encode as one id.
+
+References: G. Gerganov et al., llama.cpp, `src/llama-vocab.cpp` (pre-tokenizer regexes,
+`llm_tokenizer_bpe`, `llm_tokenizer_spm`); `transformers`,
+`integrations/gguf/gguf_tokenizer_mapping.py`.
+"""
+
+import os
+
+from ._errors import DataError
+from ._hf_tokenizer import HFTokenizer
+
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# llama.cpp applies each expression in turn to the pieces the previous ones left, keeping
+# both the matches and the text between them (`tokenizers`' `Split(..., "isolated")`).
+_SPLITS: dict[str, tuple[str, ...]] = {
+    "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"),
+    "gpt2": (_GPT2,),
+    "llama3": (_LLAMA3,),
+    "qwen2": (_QWEN2,),
+    "smollm": (r"\p{N}", _GPT2),
+}
+_PRE_SPLITS: dict[str, str] = {
+    "default": "default",
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"), "llama3"),
+    **dict.fromkeys(("dbrx", "smaug-bpe", "midm-2.0", "lfm2", "falcon-h1"), "llama3"),
+    **dict.fromkeys(("qwen2", "qwen2.5", "deepseek-r1-qwen", "megrez"), "qwen2"),
+    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell"), "smollm"),
+    **dict.fromkeys(("exaone", "minerva-7b"), "smollm"),
+    **dict.fromkeys(("gpt-2", "gpt2", "phi-2", "mpt", "olmo", "jais", "trillion"), "gpt2"),
+}
+CONTROL, USER_DEFINED = 3, 4
+_SPECIAL_KEYS = ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id")
+
+
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's map from each byte to the printable character that spells it."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars)}
+
+
+def split_pre_tokenizer(name: str):
+    """The `tokenizers` pre-tokenizer of a byte-level vocabulary whose text llama.cpp
+    splits with the expressions named `name` (a key of `_SPLITS`)."""
+    from tokenizers import Regex, pre_tokenizers
+
+    steps = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _SPLITS[name]]
+    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+    return pre_tokenizers.Sequence(steps)
+
+
+def _open(reader, path):
+    if isinstance(reader, str | os.PathLike):
+        path = os.fspath(reader)
+        try:
+            import gguf
+        except ImportError:
+            raise ImportError("reading GGUF files needs gguf: pip install gguf") from None
+        if not os.path.isfile(path):
+            raise DataError(f"{path}: no such GGUF file")
+        try:
+            reader = gguf.GGUFReader(path)
+        except Exception as e:  # the reader raises ValueError/struct.error on bad bytes
+            raise DataError(f"{path}: not a readable GGUF file ({e})") from None
+    return reader, os.fspath(path) if path is not None else "<gguf>"
+
+
+def _field(reader, key: str):
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def _byte_level_model(tokens, merges, path):
+    from tokenizers import decoders, models
+
+    if merges is None:
+        raise DataError(f"{path}: tokenizer.ggml.merges is missing (a gpt2 vocabulary needs it)")
+    spelling = byte_alphabet()
+    alphabet = set(spelling.values())
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        spelled = t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))
+        vocab.setdefault(spelled, i)
+    pairs = []
+    for i, m in enumerate(merges):
+        left, sep, right = m.partition(" ")
+        if not sep or left not in vocab or right not in vocab or left + right not in vocab:
+            raise DataError(
+                f"{path}: tokenizer.ggml.merges[{i}] = {m!r} names a token not in "
+                "tokenizer.ggml.tokens"
+            )
+        pairs.append((left, right))
+    model = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False)
+    return model, decoders.ByteLevel(), alphabet
+
+
+def _sentencepiece_model(tokens, scores, types, unk_id, add_space_prefix, path):
+    from tokenizers import decoders
+
+    if scores is None:
+        raise DataError(f"{path}: tokenizer.ggml.scores is missing (a llama vocabulary needs it)")
+    if len(scores) != len(tokens):
+        raise DataError(
+            f"{path}: tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens"
+        )
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    ranked = []
+    for t, i in vocab.items():
+        if types is not None and types[i] in (CONTROL, USER_DEFINED):
+            continue
+        for k in range(1, len(t)):
+            left, right = t[:k], t[k:]
+            if left in vocab and right in vocab:
+                ranked.append((-float(scores[i]), i, vocab[left], vocab[right], left, right))
+    ranked.sort()
+    from tokenizers import models
+
+    unk = tokens[unk_id] if unk_id is not None else None
+    model = models.BPE(
+        vocab=vocab,
+        merges=[(r[4], r[5]) for r in ranked],
+        unk_token=unk,
+        byte_fallback=True,
+        fuse_unk=True,
+    )
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    return model, decoders.Sequence(steps), None
+
+
+def tokenizer_from_gguf(reader, path: str | os.PathLike | None = None) -> HFTokenizer:
+    """The tokenizer described by a GGUF file's metadata, with its chat template.
+
+    **Arguments:**
+
+    - `reader`: a `gguf.GGUFReader`, or the path of a `.gguf` file (then `path` may be
+      left out).
+    - `path`: the file's name, for error messages.
+
+    **Returns:** an `HFTokenizer` over the rebuilt `tokenizers.Tokenizer`, with BOS, EOS
+    and padding from `tokenizer.ggml.bos_token_id` / `eos_token_id` /
+    `padding_token_id` (padding falls back to EOS), `chat_template` from
+    `tokenizer.chat_template` (or `None`) and `add_bos_token` from
+    `tokenizer.ggml.add_bos_token` (default: false for `gpt2`, true for `llama`, as
+    llama.cpp). Like every tokenizer here, `encode` never adds BOS itself: pass
+    `add_bos=tok.add_bos_token` to the tokenize functions to follow the file.
+    `tokenizer.ggml.add_space_prefix` (default: true for `llama`) decides whether a `▁`
+    is put before the text of a sentencepiece-style vocabulary.
+
+    **Raises:** `DataError` naming the file and the field: an unknown
+    `tokenizer.ggml.model` or `tokenizer.ggml.pre`, missing tokens, merges or scores, a
+    merge that names an unknown token, a special id outside the vocabulary, a chat
+    template that does not compile (with its line).
+    """
+    from tokenizers import AddedToken, Tokenizer, pre_tokenizers
+
+    reader, path = _open(reader, path)
+    kind = _field(reader, "tokenizer.ggml.model")
+    if kind not in ("gpt2", "llama"):
+        raise DataError(f"{path}: tokenizer.ggml.model = {kind!r} is not supported (gpt2 or llama)")
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    if not tokens:
+        raise DataError(f"{path}: tokenizer.ggml.tokens is missing or empty")
+    n = len(tokens)
+    types = _field(reader, "tokenizer.ggml.token_type")
+    if types is not None and len(types) != n:
+        raise DataError(
+            f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {n} tokens"
+        )
+    ids = {}
+    for key in _SPECIAL_KEYS:
+        value = _field(reader, f"tokenizer.ggml.{key}")
+        if value is not None and not 0 <= int(value) < n:
+            raise DataError(
+                f"{path}: tokenizer.ggml.{key} = {value} is outside the vocabulary of {n} tokens"
+            )
+        ids[key] = None if value is None else int(value)
+    add_bos = _field(reader, "tokenizer.ggml.add_bos_token")
+    add_space_prefix = _field(reader, "tokenizer.ggml.add_space_prefix")
+    if kind == "gpt2":
+        pre = _field(reader, "tokenizer.ggml.pre") or "default"
+        if pre not in _PRE_SPLITS:
+            raise DataError(
+                f"{path}: tokenizer.ggml.pre = {pre!r} is not a supported pre-tokenizer "
+                f"({', '.join(sorted(_PRE_SPLITS))})"
+            )
+        model, decoder, alphabet = _byte_level_model(
+            tokens, _field(reader, "tokenizer.ggml.merges"), path
+        )
+        pre_tokenizer = split_pre_tokenizer(_PRE_SPLITS[pre])
+        add_bos = bool(add_bos) if add_bos is not None else False
+    else:
+        add_space_prefix = True if add_space_prefix is None else bool(add_space_prefix)
+        model, decoder, alphabet = _sentencepiece_model(
+            tokens, _field(reader, "tokenizer.ggml.scores"), types, ids["unknown_token_id"],
+            add_space_prefix, path,
+        )  # fmt: skip
+        pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement="▁", prepend_scheme="first" if add_space_prefix else "never", split=False
+        )
+        add_bos = bool(add_bos) if add_bos is not None else True
+    tok = Tokenizer(model)
+    tok.pre_tokenizer = pre_tokenizer
+    tok.decoder = decoder
+    if types is not None:
+        # a control token outside GPT-2's byte alphabet is a mislabelled ordinary token
+        special = [
+            AddedToken(t, special=True, normalized=False)
+            for t, ty in zip(tokens, types)
+            if ty == CONTROL and (alphabet is None or set(t) <= alphabet)
+        ]
+        tok.add_special_tokens(special)
+        user = [
+            AddedToken(t, special=False, normalized=False)
+            for t, ty in zip(tokens, types)
+            if ty == USER_DEFINED and (alphabet is None or set(t) <= alphabet)
+        ]
+        tok.add_tokens(user)
+    if tok.get_vocab_size(with_added_tokens=True) != n:
+        raise DataError(
+            f"{path}: tokenizer.ggml.tokens has {n} tokens but "
+            f"{tok.get_vocab_size(with_added_tokens=True)} distinct ids were built (duplicates)"
+        )
+    template = _field(reader, "tokenizer.chat_template")
+    eos = ids["eos_token_id"]
+    if eos is None:
+        raise DataError(f"{path}: tokenizer.ggml.eos_token_id is missing")
+    bos = ids["bos_token_id"] if ids["bos_token_id"] is not None else eos
+    pad = ids["padding_token_id"]
+    if template is not None:
+        _check_template(template, tokens[bos], tokens[eos], path)
+    return HFTokenizer(
+        tok,
+        bos_token=tokens[bos],
+        eos_token=tokens[eos],
+        pad_token=tokens[pad] if pad is not None else None,
+        chat_template=template,
+        add_bos_token=add_bos,
+    )
+
+
+def _check_template(template: str, bos: str, eos: str, path: str) -> None:
+    """Compile the chat template; a syntax error is a `DataError` naming the file."""
+    try:
+        from ._jinja_chat import JinjaChatTemplate
+
+        JinjaChatTemplate(template, bos_token=bos, eos_token=eos)
+    except ImportError:
+        return  # jinja2 is optional: the template is checked when it is first used
+    except DataError as e:
+        raise DataError(f"{path}: tokenizer.chat_template: {e}") from None

@@ -27,7 +27,10 @@ compiled, with one line naming the field.
 Run directories (`--out`, default `runs/<command>`): a run holds a lock in its
 directory; a new run into a directory that holds one is refused (`--resume` continues
 it after checking that the configuration is the same, `--overwrite` moves it aside).
-Ctrl-C checkpoints and prints the command that resumes. Exit status: 0 done, 1 a run
+Ctrl-C checkpoints and prints the command that resumes. `--seeds N` runs the command
+for seeds `ops.seed`, `ops.seed + 1`, ... into `OUT/seed-<seed>/` (each a run directory
+of its own; `--resume` skips the finished ones) and prints the spread over them
+(`OUT/seeds_summary.json`). Exit status: 0 done, 1 a run
 error, 2 invalid configuration or run directory, 3 diverged, 130 interrupted.
 """
 
@@ -81,6 +84,13 @@ def _parser() -> argparse.ArgumentParser:
         help="move a previous run in the run directory aside and start again",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bars or step lines")
+    p.add_argument(
+        "--seeds",
+        type=int,
+        metavar="N",
+        help="run N seeds (ops.seed, ops.seed + 1, ...) into OUT/seed-<seed>/ and print "
+        "the spread over them (OUT/seeds_summary.json)",
+    )
     p.add_argument("--show-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--prompt", action="append", default=[], help="prompt (sample; repeatable)")
     p.add_argument("-n", "--num-samples", type=int, default=4, help="samples per prompt (sample)")
@@ -222,6 +232,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         cfg = resolve_config(args)
+        if args.seeds is not None:
+            from rlhf_eqx.pipelines import check_seeds
+
+            if args.command in TOOL_COMMANDS:
+                raise ConfigError(f"--seeds: runs only, not {args.command}")
+            check_seeds(args.seeds)
         # The runs execute on one device (the default one), whatever else is visible,
         # so batch sizes need only divide by 1 here.
         validate_config(cfg, device_count=1)
@@ -267,12 +283,34 @@ def _run(args, cfg) -> int:
     cmd = args.command
     if cmd in TOOL_COMMANDS:
         return _use_model(args, cfg)
+    if args.seeds is not None:
+        return _run_seeds(args, cfg)
     if cmd == "pipeline" or cfg.data.path is None:
         summary = pl.run_pipeline(cfg, resume=args.resume, overwrite=args.overwrite)
     else:
         summary = pl.run_on_data(cfg, cmd, resume=args.resume, overwrite=args.overwrite)
     print(result_line(cmd, summary, cfg.out))
     return 3 if summary.get("stopped") == "diverged" else 0
+
+
+def _run_seeds(args, cfg) -> int:
+    """`--seeds N`: the run over N seeds, its spread table and one result line."""
+    from rlhf_eqx import pipelines as pl
+
+    cmd = args.command
+    run = None
+    if cmd != "pipeline" and cfg.data.path is not None:
+
+        def run(c, **kw):
+            return pl.run_on_data(c, cmd, **kw)
+
+    result = pl.run_seeds(cfg, args.seeds, resume=args.resume, overwrite=args.overwrite, run=run)
+    print("\n" + pl.format_seeds_table(result))
+    bad = {s: how for s, how in result["stopped"].items() if how != "done"}
+    stops = ", ".join(f"seed {s} {how}" for s, how in bad.items())
+    what = f"stopped ({stops})" if bad else "done"
+    print(f"rlhf_eqx {cmd}: {args.seeds} seeds {what} ({cfg.out}/seeds_summary.json)")
+    return 3 if "diverged" in bad.values() else 0
 
 
 def _use_model(args, cfg) -> int:

@@ -39,10 +39,13 @@ from ._dpo_runs import (
     run_online_dpo as run_online_dpo,
 )
 from ._evaluate import (
+    binomial_se as binomial_se,
     completion_nll as completion_nll,
     evaluate_policy as evaluate_policy,
+    prompt_se as prompt_se,
     reward_accuracy as reward_accuracy,
     win_rate as win_rate,
+    win_rate_se as win_rate_se,
 )
 from ._grpo_runs import OffPolicyState as OffPolicyState, run_grpo as run_grpo
 from ._kto_runs import (
@@ -136,6 +139,12 @@ from ._runs import (
     has_lora as has_lora,
     run_sft as run_sft,
     with_lora as with_lora,
+)
+from ._seeds import (
+    check_seeds as check_seeds,
+    format_seeds_table as format_seeds_table,
+    run_seeds as run_seeds,
+    summarize_seeds as summarize_seeds,
 )
 from ._stage_configs import (
     DistillConfig as DistillConfig,

@@ -8,7 +8,7 @@ from rlhf_eqx import data
 
 from ._distill_runs import completions_batch, run_distill, sampled_completions
 from ._dpo_runs import run_online_dpo
-from ._evaluate import reward_accuracy
+from ._evaluate import binomial_se, reward_accuracy
 from ._grpo_runs import run_grpo
 from ._kto_runs import run_kto, sampled_unpaired
 from ._registry import Outcome, StageEnv, find_stage
@@ -91,6 +91,7 @@ def reward(env: StageEnv, r) -> Outcome:
     info = res.info
     summary = {
         "heldout_accuracy": acc,
+        "heldout_accuracy_se": binomial_se(acc, held.chosen_tokens.shape[0]),
         "train_accuracy": info.get("train_accuracy"),
         "validation_accuracy": info.get("validation_accuracy"),
         "selected_step": info.get("selected_step", r.steps),

@@ -23,7 +23,7 @@ from ._data_prep import (
 )
 from ._distill_runs import completions_batch, distill_divergence, run_distill
 from ._dpo_runs import run_dpo
-from ._evaluate import reward_accuracy
+from ._evaluate import binomial_se, reward_accuracy
 from ._grpo_runs import run_grpo
 from ._kto_runs import collate_unpaired_records, kto_heldout_metrics, run_kto
 from ._metrics import MetricsLog
@@ -111,7 +111,9 @@ def reward(env: StageEnv, c) -> Outcome:
     else:
         scorer = rm
         export_reward_model(rm, env.run_dir, tokenizer_file=env.tok_file)
-    summary["reward_model"] = {"heldout_accuracy": reward_accuracy(scorer, held_batch), **res.info}
+    acc = reward_accuracy(scorer, held_batch)
+    se = binomial_se(acc, held_batch.chosen_tokens.shape[0])
+    summary["reward_model"] = {"heldout_accuracy": acc, "heldout_accuracy_se": se, **res.info}
     return Outcome(res)
 
 
@@ -124,7 +126,11 @@ def dpo(env: StageEnv, c) -> Outcome:
     res = run_dpo(policy, tok, train, cfg=c, ctx=ctx)
     trained = final_policy(res.state.model)
     accuracy = implicit_accuracy(trained, policy, held_batch, c.beta)
-    summary["dpo"] = {"heldout_reward_accuracy": float(accuracy)}
+    n_held = held_batch.chosen_tokens.shape[0]
+    summary["dpo"] = {
+        "heldout_reward_accuracy": float(accuracy),
+        "heldout_reward_accuracy_se": binomial_se(float(accuracy), n_held),
+    }
     return Outcome(res, policy=trained)
 
 

@@ -1,13 +1,15 @@
 """Evaluation on held-out prompts: scorer rate, win rate on paired samples, fluency (NLL
-under the base model), KL to the reference, reward-model accuracy."""
+under the base model), KL to the reference, reward-model accuracy, each rate with its
+standard error (`prompt_se`, `binomial_se`)."""
 
+import math
 from collections.abc import Callable, Sequence
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int, Shaped
 
 from ._rollout import Rollout, sample_rollout, token_logps
 
@@ -38,6 +40,64 @@ def win_rate(
     return float(np.mean((a > b) + 0.5 * (a == b)))
 
 
+def prompt_se(outcomes: Sequence[float | int] | Shaped[np.ndarray, " N"], group_size: int) -> float:
+    """Standard error of the mean of `outcomes` (one per sample, `group_size` samples per
+    prompt, each prompt's samples contiguous) over the held-out prompts.
+
+    The samples of one prompt share its opening, so they are not independent draws:
+    the unit of replication is the prompt. With `P = N / group_size` prompts and
+    per-prompt means `r_p` (the prompt's rate), the mean of the outcomes is the mean
+    of the `r_p`, and its standard error is
+
+    `SE = s(r) / √P`,   `s(r)² = Σ_p (r_p − r̄)² / (P − 1)`
+
+    (the sample standard deviation of the per-prompt rates over the square root of the
+    number of prompts). It is 0 when every prompt has the same rate, and it measures
+    how far the rate would move with another draw of held-out prompts and samples, e.g.
+    on another machine whose floating-point order changes which tokens are sampled.
+    With `group_size` 1 it is the usual `s / √N`. NaN with fewer than two prompts.
+
+    **Arguments:**
+
+    - `outcomes`: per-sample values (a score in [0, 1], or a win: 1, ½ for a tie, 0),
+      `[N]` with `N` a multiple of `group_size`.
+    - `group_size`: samples per prompt (≥ 1).
+
+    **Returns:** the standard error (a float).
+    """
+    x = np.asarray(outcomes, np.float64)
+    if group_size < 1 or x.ndim != 1 or x.size % group_size:
+        raise ValueError(
+            f"prompt_se: outcomes of shape {x.shape} do not split into groups of {group_size}"
+        )
+    rates = x.reshape(-1, group_size).mean(axis=1)
+    if rates.size < 2:
+        return math.nan
+    return float(rates.std(ddof=1) / math.sqrt(rates.size))
+
+
+def binomial_se(rate: float, n: int) -> float:
+    """Binomial standard error `√(p (1 − p) / n)` of a rate `p` measured on `n`
+    independent trials (e.g. a reward model's accuracy on `n` held-out pairs); 0 at
+    `p` = 0 or 1, NaN for `n` = 0."""
+    if n < 1:
+        return math.nan
+    return math.sqrt(max(rate * (1.0 - rate), 0.0) / n)
+
+
+def win_rate_se(
+    scores: Sequence[float] | Float[np.ndarray, " N"],
+    baseline: Sequence[float] | Float[np.ndarray, " N"],
+    group_size: int,
+) -> float:
+    """Standard error of `win_rate(scores, baseline)` over the prompts (`prompt_se` of the
+    per-sample outcomes: 1 a win, ½ a tie, 0 a loss)."""
+    a, b = np.asarray(scores, np.float64), np.asarray(baseline, np.float64)
+    if a.shape != b.shape:
+        raise ValueError(f"win_rate_se needs paired scores, got {a.shape} and {b.shape}")
+    return prompt_se((a > b) + 0.5 * (a == b), group_size)
+
+
 def evaluate_policy(
     policy,
     tok,
@@ -56,10 +116,11 @@ def evaluate_policy(
 ) -> tuple[dict, Rollout, np.ndarray]:
     """Sample `samples` completions per held-out prompt and measure them.
 
-    **Returns:** `(metrics, rollout, scores)`; metrics: `score` (mean scorer value),
-    `base_nll` (NLL per token under `base`: fluency), `kl` (per-token KL to `reference`,
-    when given). Two policies evaluated with the same `key` give paired samples for
-    `win_rate`. `slots > 0`: continuous batching (see `sample_rollout`).
+    **Returns:** `(metrics, rollout, scores)`; metrics: `score` (mean scorer value) and
+    `score_se` (its standard error over the prompts, `prompt_se`), `base_nll` (NLL per
+    token under `base`: fluency), `kl` (per-token KL to `reference`, when given). Two
+    policies evaluated with the same `key` give paired samples for `win_rate`.
+    `slots > 0`: continuous batching (see `sample_rollout`).
     """
     rollout = sample_rollout(
         policy,
@@ -74,7 +135,11 @@ def evaluate_policy(
         slots=slots,
     )
     scores = np.asarray([scorer(t) for t in rollout.texts], np.float32)
-    metrics = {"score": float(scores.mean()), "base_nll": completion_nll(base, rollout)}
+    metrics = {
+        "score": float(scores.mean()),
+        "score_se": prompt_se(scores, samples),
+        "base_nll": completion_nll(base, rollout),
+    }
     if reference is not None:
         metrics["kl"] = _kl(policy, reference, rollout)
     return metrics, rollout, scores

@@ -21,7 +21,7 @@ from ._config import (
     ConfigError,
     LoRASettings,
 )
-from ._evaluate import win_rate
+from ._evaluate import prompt_se, win_rate, win_rate_se
 from ._grpo_runs import grpo_state_and_step
 from ._monitor import model_flops
 from ._registry import Outcome, StageEnv
@@ -188,7 +188,7 @@ def episode_stage(env: StageEnv, c, name: str, run) -> Outcome:
     key = jax.random.fold_in(env.key, 11)
     samples = env.cfg.eval_samples
     before, sft_success = multiturn_metrics(sft, env.base, game, env.tok, key, c, ctx, samples)
-    base, _ = multiturn_metrics(env.base, env.base, game, env.tok, key, c, ctx, samples)
+    base, base_success = multiturn_metrics(env.base, env.base, game, env.tok, key, c, ctx, samples)
     res = run(sft, env.tok, TRAIN_PROMPTS, game, cfg=c, ctx=ctx)
     policy = final_policy(res.state.model)
     after, success = multiturn_metrics(policy, env.base, game, env.tok, key, c, ctx, samples)
@@ -200,9 +200,13 @@ def episode_stage(env: StageEnv, c, name: str, run) -> Outcome:
     k = name.replace("-", "_")
     summary = {
         f"{k}_success": after["success"],
+        f"{k}_success_se": prompt_se(success, samples),
         f"{k}_success_sft": before["success"],
+        f"{k}_success_sft_se": prompt_se(sft_success, samples),
         f"{k}_success_base": base["success"],
+        f"{k}_success_base_se": prompt_se(base_success, samples),
         f"{k}_win_rate_vs_sft": win_rate(success, sft_success),
+        f"{k}_win_rate_vs_sft_se": win_rate_se(success, sft_success, samples),
         f"{k}_base_nll": after["base_nll"],
         f"{k}_base_nll_sft": before["base_nll"],
         f"{k}_base_nll_base": base["base_nll"],

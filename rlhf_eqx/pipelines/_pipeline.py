@@ -14,7 +14,7 @@ from ._config import (
     ConfigError,
 )
 from ._config_io import config_to_dict
-from ._evaluate import evaluate_policy, win_rate
+from ._evaluate import evaluate_policy, win_rate, win_rate_se
 from ._metrics import MetricsLog
 from ._monitor import measure_matmul_peak
 from ._pipeline_config import (
@@ -105,23 +105,36 @@ def _ctx(
     )
 
 
+def with_se(rate: float | None, se: float | None) -> str:
+    """A rate as the result tables print it: `90.6% ± 2.1` (the standard error in
+    percentage points), `90.6%` without one, empty for `None`."""
+    if rate is None:
+        return ""
+    if se is None or se != se:  # missing or NaN (fewer than two prompts)
+        return f"{rate:.1%}"
+    return f"{rate:.1%} ± {100 * se:.1f}"
+
+
 def format_table(summary: dict) -> str:
-    """The printed final table of a pipeline summary."""
-    lines = [f"{'stage':<8} {'score':>7} {'win vs SFT':>11} {'KL/token':>9} {'base NLL':>9}"]
+    """The printed final table of a pipeline summary: each rate with its standard error
+    over the held-out prompts (`score_se`, `win_rate_vs_sft_se`; `± 2.1` is 2.1
+    percentage points)."""
+    lines = [f"{'stage':<8} {'score':>13} {'win vs SFT':>13} {'KL/token':>9} {'base NLL':>9}"]
     for stage in ("base", *(st.summary_key or st.name for st in stages())):
         if not isinstance(summary.get(stage), dict) or "score" not in summary[stage]:
             continue
         s = summary[stage]
-        win = s.get("win_rate_vs_sft")
+        score = with_se(s["score"], s.get("score_se"))
+        win = with_se(s.get("win_rate_vs_sft"), s.get("win_rate_vs_sft_se"))
         kl = s.get("kl")
         lines.append(
-            f"{stage:<8} {s['score']:>7.1%} {'' if win is None else f'{win:.1%}':>11} "
+            f"{stage:<8} {score:>13} {win:>13} "
             f"{'' if kl is None else f'{kl:.3f}':>9} {s['base_nll']:>9.2f}"
         )
     if "reward_model" in summary:
-        lines.append(
-            f"reward model held-out accuracy: {summary['reward_model']['heldout_accuracy']:.1%}"
-        )
+        rm = summary["reward_model"]
+        acc = with_se(rm["heldout_accuracy"], rm.get("heldout_accuracy_se"))
+        lines.append(f"reward model held-out accuracy: {acc}")
     return "\n".join(lines)
 
 
@@ -178,6 +191,7 @@ def _run_pipeline(cfg: PipelineConfig, run_dir: str, resume: bool, say) -> dict:
     def against_sft(policy):
         m, _, scores = evaluate(policy, env.policies["sft"])
         m["win_rate_vs_sft"] = win_rate(scores, sft_scores)
+        m["win_rate_vs_sft_se"] = win_rate_se(scores, sft_scores, cfg.eval_samples)
         return m
 
     def make_ctx(stage: str, periodic: bool = True):
@@ -217,6 +231,7 @@ def _run_pipeline(cfg: PipelineConfig, run_dir: str, resume: bool, say) -> dict:
                 sft_scores = scores
             else:
                 m["win_rate_vs_sft"] = win_rate(scores, sft_scores)
+                m["win_rate_vs_sft_se"] = win_rate_se(scores, sft_scores, cfg.eval_samples)
             m["stopped"] = stopped
             m.update(out.summary or {})
             summary[st.summary_key or st.name] = m

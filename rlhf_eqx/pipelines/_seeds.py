@@ -1,0 +1,195 @@
+"""The same run over several seeds: `run_seeds` runs seeds `s, s + 1, ...` (`s` =
+`ops.seed`) each into its own run directory `<out>/seed-<seed>/`, and
+`<out>/seeds_summary.json` holds every numeric entry of their summaries with its mean,
+sample standard deviation, minimum and maximum over the seeds.
+
+What a seed fixes: on one machine with one jax/jaxlib build, a seed's run is
+bit-identical every time. On another CPU or XLA build the floating-point reduction
+order changes, a sampled token can flip, and a run's held-out rates move within their
+uncertainty; the spread over seeds shows how much."""
+
+import dataclasses
+import json
+import math
+import os
+import sys
+from collections.abc import Callable, Mapping
+
+from ._config import ConfigError
+from ._pipeline import run_pipeline
+from ._pipeline_config import PipelineConfig
+from ._resume_rules import RESUMABLE_FIELDS, RunDirError, check_resumable
+from ._rundir import RunLock, holds_run, write_json_atomic
+from ._validation import validate_config
+
+SEEDS_SUMMARY = "seeds_summary.json"
+
+# Changes after which a finished seed's summary still stands (how the run was operated
+# and logged); any other change resumes the seed's run (with `open_run_dir`'s checks).
+_KEEPS_SUMMARY = tuple(f for f in RESUMABLE_FIELDS if f not in ("stages", "eval_samples"))
+
+
+def check_seeds(seeds: object) -> int:
+    """`seeds` if it is an int ≥ 1, else a `ConfigError` naming `seeds` and the value."""
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+        raise ConfigError(f"seeds={seeds!r}: must be an int >= 1 (the number of seeds to run)")
+    return seeds
+
+
+def seed_dir(out: str, seed: int) -> str:
+    """The run directory of `seed` in the multi-seed run directory `out`."""
+    return os.path.join(out, f"seed-{seed}")
+
+
+def _finished(cfg: PipelineConfig, run_dir: str) -> dict | None:
+    """The summary of a finished run of `cfg` in `run_dir`, when nothing that changes
+    it differs from the stored configuration (`RunDirError` for a change a resume
+    refuses); `None` when the run has to run (or resume)."""
+    from ._config_io import config_to_dict
+
+    summary_path = os.path.join(run_dir, "summary.json")
+    config_path = os.path.join(run_dir, "config.json")
+    if not (os.path.isfile(summary_path) and os.path.isfile(config_path)):
+        return None
+    try:
+        with open(config_path) as f:
+            old = json.load(f)
+        with open(summary_path) as f:
+            summary = json.load(f)
+    except ValueError as e:
+        raise RunDirError(f"{run_dir}: a stored file is not JSON ({e})") from None
+    changes = check_resumable(old, config_to_dict(cfg), where=run_dir)
+    if any(field not in _KEEPS_SUMMARY for field, _, _ in changes):
+        return None
+    return summary
+
+
+def run_seeds(
+    cfg: PipelineConfig,
+    seeds: int,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    run: Callable[..., dict] | None = None,
+) -> dict:
+    """Run `cfg` for `seeds` seeds, `ops.seed`, `ops.seed + 1`, ..., each a normal run in
+    `<cfg.out>/seed-<seed>/` (its own lock, checkpoints and resume), then write and
+    return the multi-seed summary (`summarize_seeds`) as `<cfg.out>/seeds_summary.json`
+    (rewritten after every seed).
+
+    **Arguments:**
+
+    - `cfg`: the configuration; `cfg.out` (default `runs/pipeline`) holds the seeds'
+      directories and the summary, and is locked for the whole call.
+    - `seeds`: how many seeds (an int ≥ 1; a `ConfigError` otherwise).
+    - `resume`: continue an interrupted multi-seed run: a seed whose run finished (it
+      has its `summary.json`, with a configuration that differs at most in how it is
+      operated or logged) is read back, not rerun; the others resume as `--resume`
+      does.
+    - `overwrite`: move each seed's previous run aside (as `--overwrite` does).
+    - `run`: `run(cfg, resume=..., overwrite=...) -> summary` for one seed; default
+      `run_pipeline` (e.g. `lambda c, **kw: run_on_data(c, "dpo", **kw)`).
+
+    **Returns:** the multi-seed summary.
+    """
+    check_seeds(seeds)
+    validate_config(cfg)
+    run = run_pipeline if run is None else run
+    out = cfg.out or os.path.join("runs", "pipeline")
+    if holds_run(out):
+        raise RunDirError(
+            f"{out} holds a single run; choose another --out for a run over several seeds"
+        )
+    first = cfg.ops.seed
+    summaries: dict[int, dict] = {}
+    with RunLock(out):
+        for seed in range(first, first + seeds):
+            one = dataclasses.replace(
+                cfg, out=seed_dir(out, seed), ops=dataclasses.replace(cfg.ops, seed=seed)
+            )
+            done = _finished(one, one.out) if resume else None
+            if done is not None:
+                print(f"seed {seed}: finished in {one.out}, not rerun", file=sys.stderr)
+                summaries[seed] = done
+            else:
+                summaries[seed] = run(one, resume=resume, overwrite=overwrite)
+            result = summarize_seeds(summaries)
+            write_json_atomic(os.path.join(out, SEEDS_SUMMARY), result)
+    return result
+
+
+def _numbers(tree: Mapping, prefix: str = "") -> dict[str, float]:
+    """Every numeric leaf of a summary (bools excepted) under its dotted path."""
+    out: dict[str, float] = {}
+    for k, v in tree.items():
+        if isinstance(v, Mapping):
+            out.update(_numbers(v, f"{prefix}{k}."))
+        elif isinstance(v, int | float) and not isinstance(v, bool):
+            out[f"{prefix}{k}"] = float(v)
+    return out
+
+
+def spread(values: list[float]) -> dict:
+    """`mean`, sample standard deviation `std` (`ddof` 1; `None` for one value), `min`
+    and `max` of `values`."""
+    n = len(values)
+    mean = math.fsum(values) / n
+    std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else None
+    return {"mean": mean, "std": std, "min": min(values), "max": max(values)}
+
+
+def summarize_seeds(summaries: Mapping[int, dict]) -> dict:
+    """The multi-seed summary of per-seed run summaries `{seed: summary}`.
+
+    **Returns:** `{"seeds": [...], "stopped": {seed: "done" | ...}, "metrics": {path:
+    {"seeds", "values", "mean", "std", "min", "max"}}}`: for every numeric entry of the
+    summaries under its dotted path (`ppo.score`, `reward_model.heldout_accuracy`, ...),
+    the seeds that report it, their values in that order, and `spread` of the values
+    (`std`: the sample standard deviation over seeds, `None` with one seed).
+    """
+    seeds = sorted(summaries)
+    per_seed = {s: _numbers(summaries[s]) for s in seeds}
+    paths = list(dict.fromkeys(p for s in seeds for p in per_seed[s]))
+    metrics = {}
+    for p in paths:
+        have = [s for s in seeds if p in per_seed[s]]
+        values = [per_seed[s][p] for s in have]
+        metrics[p] = {"seeds": have, "values": values, **spread(values)}
+    stopped = {str(s): summaries[s].get("stopped", "done") for s in seeds}
+    return {"seeds": seeds, "stopped": stopped, "metrics": metrics}
+
+
+def _cell(m: dict | None, rate: bool) -> str:
+    """`90.6% ± 2.1 (88.0–93.2)` for a rate (points), `0.329 ± 0.012 (0.31–0.35)`."""
+    if m is None:
+        return ""
+    if rate:
+        std = "" if m["std"] is None else f" ± {100 * m['std']:.1f}"
+        return f"{m['mean']:.1%}{std} ({100 * m['min']:.1f}–{100 * m['max']:.1f})"
+    std = "" if m["std"] is None else f" ± {m['std']:.3f}"
+    return f"{m['mean']:.3f}{std} ({m['min']:.3f}–{m['max']:.3f})"
+
+
+def format_seeds_table(seeds_summary: dict) -> str:
+    """The printed table of a multi-seed summary, in markdown: per stage, each column
+    as `mean ± std (min–max)` over the seeds (rates in percent, their std and range in
+    percentage points); then every other rate that has a standard error."""
+    metrics, seeds = seeds_summary["metrics"], seeds_summary["seeds"]
+    stages = list(dict.fromkeys(p.split(".")[0] for p in metrics if p.endswith(".score")))
+    lines = [
+        f"{len(seeds)} seeds ({', '.join(map(str, seeds))}): mean ± sample std (min–max)",
+        "",
+        "| stage | score | win rate vs SFT | KL/token | base NLL/token |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    shown = set()
+    for stage in stages:
+        cols = [("score", True), ("win_rate_vs_sft", True), ("kl", False), ("base_nll", False)]
+        cells = [_cell(metrics.get(f"{stage}.{k}"), rate) for k, rate in cols]
+        shown |= {f"{stage}.{k}" for k, _ in cols}
+        lines.append(f"| {stage} | " + " | ".join(cells) + " |")
+    rest = [p for p in metrics if p not in shown and f"{p}_se" in metrics]
+    if rest:
+        lines.append("")
+    lines += [f"{p}: {_cell(metrics[p], True)}" for p in rest]
+    return "\n".join(lines)

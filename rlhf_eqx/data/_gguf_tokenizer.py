@@ -101,7 +101,7 @@ def _field(reader, key: str):
     return None if field is None else field.contents()
 
 
-def _byte_level_model(tokens, merges, path):
+def _byte_level_model(tokens, merges, unk_id, path):
     from tokenizers import decoders, models
 
     if merges is None:
@@ -121,7 +121,8 @@ def _byte_level_model(tokens, merges, path):
                 "tokenizer.ggml.tokens"
             )
         pairs.append((left, right))
-    model = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False)
+    unk = tokens[unk_id] if unk_id is not None else None
+    model = models.BPE(vocab=vocab, merges=pairs, unk_token=unk, fuse_unk=False)
     return model, decoders.ByteLevel(), alphabet
 
 
@@ -219,7 +220,7 @@ def tokenizer_from_gguf(reader, path: str | os.PathLike | None = None) -> HFToke
                 f"({', '.join(sorted(_PRE_SPLITS))})"
             )
         model, decoder, alphabet = _byte_level_model(
-            tokens, _field(reader, "tokenizer.ggml.merges"), path
+            tokens, _field(reader, "tokenizer.ggml.merges"), ids["unknown_token_id"], path
         )
         pre_tokenizer = split_pre_tokenizer(_PRE_SPLITS[pre])
         add_bos = bool(add_bos) if add_bos is not None else False

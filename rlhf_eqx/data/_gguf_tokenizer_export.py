@@ -1,0 +1,200 @@
+"""`add_tokenizer_metadata`: a tokenizer written as a GGUF file's `tokenizer.ggml.*`
+metadata, the inverse of `tokenizer_from_gguf`."""
+
+import json
+import re
+
+from ._errors import DataError
+from ._gguf_tokenizer import CONTROL, USER_DEFINED, split_pre_tokenizer
+from ._hf_tokenizer import HFTokenizer
+from ._llama2c_tokenizer import Llama2cTokenizer
+from ._sentencepiece_tokenizer import SentencePieceTokenizer
+
+NORMAL, UNKNOWN, UNUSED, BYTE = 1, 2, 5, 6
+# the name llama.cpp knows each family of split expressions by
+_PRE_NAMES = {"smollm": "smollm", "llama3": "llama-bpe", "qwen2": "qwen2", "gpt2": "gpt-2"}
+_PRE_NAMES["default"] = "default"
+# text on which the pre-tokenizers of `_SPLITS` all split differently
+_PROBE = "Hello, world! It's 12345 ½ don't DON'T  x\n\n1. a  \t b\r\n中文 🙂 $+<=>^~| end  "
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def _pre_name(pre_tokenizer) -> str | None:
+    """The llama.cpp pre-tokenizer name whose splitting `pre_tokenizer` reproduces on
+    `_PROBE` (as byte-level pieces), or `None`."""
+    if pre_tokenizer is None:
+        return None
+    pieces = [p for p, _ in pre_tokenizer.pre_tokenize_str(_PROBE)]
+    for key in ("smollm", "llama3", "qwen2", "gpt2", "default"):
+        if pieces == [p for p, _ in split_pre_tokenizer(key).pre_tokenize_str(_PROBE)]:
+            return _PRE_NAMES[key]
+    return None
+
+
+def _hf_tokens(tok: HFTokenizer):
+    """`(model json, tokens by id, token types)` of an `HFTokenizer`."""
+    spec = json.loads(tok.tokenizer.to_str())
+    model = spec.get("model") or {}
+    n = tok.vocab_size
+    tokens: list[str | None] = [None] * n
+    types = [NORMAL] * n
+    for t, i in (model.get("vocab") or {}).items():
+        if 0 <= i < n:
+            tokens[i] = t
+    for added in spec.get("added_tokens") or ():
+        i = added["id"]
+        tokens[i] = added["content"]
+        types[i] = CONTROL if added.get("special") else USER_DEFINED
+    missing = [i for i, t in enumerate(tokens) if t is None]
+    if missing:
+        raise DataError(f"add_tokenizer_metadata: the tokenizer has no token with id {missing[0]}")
+    return model, tokens, types
+
+
+def _merges(model) -> list[str]:
+    return [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or ()]
+
+
+def _write_hf(writer, tok: HFTokenizer) -> None:
+    model, tokens, types = _hf_tokens(tok)
+    if model.get("type") != "BPE":
+        raise DataError(
+            f"add_tokenizer_metadata: a {model.get('type')} tokenizers model cannot be written "
+            "as GGUF (byte-level or sentencepiece-style BPE)"
+        )
+    pre_tokenizer = tok.tokenizer.pre_tokenizer
+    if model.get("byte_fallback"):  # sentencepiece-style: scores from the merge ranks
+        rank: dict[str, int] = {}
+        for r, m in enumerate(_merges(model)):
+            rank.setdefault(m.replace(" ", ""), r)
+        last = len(rank) + len(tokens)
+        scores = [-float(rank.get(t, last + i)) for i, t in enumerate(tokens)]
+        for i, t in enumerate(tokens):
+            if types[i] == NORMAL and _BYTE_PIECE.fullmatch(t):
+                types[i] = BYTE
+        unk = model.get("unk_token")
+        if unk is not None:
+            types[tokens.index(unk)] = UNKNOWN
+        prefix = '"never"' not in json.dumps(json.loads(tok.tokenizer.to_str())["pre_tokenizer"])
+        _write_llama(writer, tokens, scores, types, tok, tokens.index(unk) if unk else None)
+        writer.add_add_space_prefix(prefix)
+        return
+    name = _pre_name(pre_tokenizer)
+    if name is None:
+        raise DataError(
+            "add_tokenizer_metadata: the tokenizer's pre-tokenizer splits text as none of "
+            f"llama.cpp's {sorted(_PRE_NAMES.values())} do; it cannot be written as GGUF"
+        )
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(name)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(_merges(model))
+    unk = model.get("unk_token")
+    _write_ids(writer, tok, tokens.index(unk) if unk is not None else None)
+    writer.add_add_space_prefix(False)
+
+
+def _write_ids(writer, tok, unk_id: int | None) -> None:
+    writer.add_bos_token_id(tok.bos_id)
+    writer.add_eos_token_id(tok.eos_id)
+    writer.add_pad_token_id(tok.pad_id)
+    if unk_id is not None:
+        writer.add_unk_token_id(unk_id)
+    writer.add_add_bos_token(bool(getattr(tok, "add_bos_token", True)))
+
+
+def _write_llama(writer, tokens, scores, types, tok, unk_id) -> None:
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    _write_ids(writer, tok, unk_id)
+
+
+def _write_llama2c(writer, tok: Llama2cTokenizer) -> None:
+    tokens, types = [], []
+    for i, piece in enumerate(tok.pieces):
+        try:
+            text = piece.decode("utf-8")
+        except UnicodeDecodeError:
+            raise DataError(
+                f"add_tokenizer_metadata: llama2.c piece {i} ({piece!r}) is not valid UTF-8"
+            ) from None
+        tokens.append(text.replace(" ", "▁"))
+        if i in (tok.bos_id, tok.eos_id):
+            types.append(CONTROL)
+        elif _BYTE_PIECE.fullmatch(text):
+            types.append(BYTE)
+        elif i == 0:
+            types.append(UNKNOWN)
+        else:
+            types.append(NORMAL)
+    _write_llama(writer, tokens, list(tok.scores), types, tok, 0)
+    writer.add_add_space_prefix(True)
+
+
+def _write_sentencepiece(writer, tok: SentencePieceTokenizer) -> None:
+    sp = tok.processor
+    tokens, scores, types = [], [], []
+    for i in range(tok.vocab_size):
+        tokens.append(sp.id_to_piece(i))
+        scores.append(float(sp.get_score(i)))
+        types.append(
+            UNKNOWN
+            if sp.is_unknown(i)
+            else CONTROL
+            if sp.is_control(i)
+            else BYTE
+            if sp.is_byte(i)
+            else UNUSED
+            if sp.is_unused(i)
+            else NORMAL
+        )
+    unk = int(sp.unk_id())
+    _write_llama(writer, tokens, scores, types, tok, unk if unk >= 0 else None)
+    writer.add_add_space_prefix(True)
+
+
+def add_tokenizer_metadata(writer, tokenizer, chat_template: str | None = None) -> None:
+    """Write a tokenizer as GGUF metadata (`tokenizer.ggml.*`, `tokenizer.chat_template`),
+    as llama.cpp reads it; `tokenizer_from_gguf` on the written file encodes as
+    `tokenizer` does.
+
+    **Arguments:**
+
+    - `writer`: a `gguf.GGUFWriter`, before its key-value data is written.
+    - `tokenizer`: an `HFTokenizer` over a byte-level BPE model (written as `gpt2`: its
+      tokens, token types — added special tokens as control, other added tokens as
+      user-defined — merges, and the name of the llama.cpp pre-tokenizer that splits
+      text as its pre-tokenizer does, found by comparing their splits of a probe text)
+      or over a sentencepiece-style BPE model (`byte_fallback`; written as `llama`, with
+      each token's score minus the rank of the first merge that makes it); a
+      `Llama2cTokenizer` or `SentencePieceTokenizer` (written as `llama`: tokens with
+      `▁` for spaces, scores and types).
+    - `chat_template`: the jinja2 chat template; default: the tokenizer's own
+      `chat_template` attribute when it has one.
+
+    BOS, EOS and padding ids are written from the tokenizer, with `add_bos_token` (the
+    tokenizer's attribute, default true) and `add_space_prefix`.
+
+    **Raises:** `DataError` naming the tokenizer type (or pre-tokenizer) that cannot be
+    written.
+    """
+    if isinstance(tokenizer, HFTokenizer):
+        _write_hf(writer, tokenizer)
+    elif isinstance(tokenizer, Llama2cTokenizer):
+        _write_llama2c(writer, tokenizer)
+    elif isinstance(tokenizer, SentencePieceTokenizer):
+        _write_sentencepiece(writer, tokenizer)
+    else:
+        raise DataError(
+            f"add_tokenizer_metadata: a {type(tokenizer).__name__} cannot be written as GGUF "
+            "tokenizer metadata (HFTokenizer, Llama2cTokenizer or SentencePieceTokenizer)"
+        )
+    template = (
+        chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+    )
+    if template:
+        writer.add_chat_template(template)

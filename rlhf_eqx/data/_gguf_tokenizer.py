@@ -8,7 +8,8 @@ the tokenizer they describe as a Hugging Face `tokenizers.Tokenizer`:
 - `tokenizer.ggml.model = "gpt2"`: byte-level BPE with the file's merges, text split
   first by the regular expressions llama.cpp's `llama-vocab.cpp` uses for the named
   pre-tokenizer (`_PRE_SPLITS`), then mapped to the byte alphabet of GPT-2.
-- `tokenizer.ggml.model = "llama"`: sentencepiece-style BPE (spaces as `▁`, unknown
+- `tokenizer.ggml.model = "llama"`: sentencepiece-style BPE (spaces as `▁`, one put
+  before each run of text when `add_space_prefix`, as llama.cpp does; unknown
   characters as their `<0xNN>` byte tokens), the merges recovered from the scores as
   `transformers`' GGUF converter does (every split of a token into two tokens, ranked by
   the token's score: the sentencepiece rule of merging the best-scoring pair first).
@@ -187,7 +188,7 @@ def tokenizer_from_gguf(reader, path: str | os.PathLike | None = None) -> HFToke
     merge that names an unknown token, a special id outside the vocabulary, a chat
     template that does not compile (with its line).
     """
-    from tokenizers import AddedToken, Tokenizer, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, normalizers
 
     reader, path = _open(reader, path)
     kind = _field(reader, "tokenizer.ggml.model")
@@ -222,7 +223,7 @@ def tokenizer_from_gguf(reader, path: str | os.PathLike | None = None) -> HFToke
         model, decoder, alphabet = _byte_level_model(
             tokens, _field(reader, "tokenizer.ggml.merges"), ids["unknown_token_id"], path
         )
-        pre_tokenizer = split_pre_tokenizer(_PRE_SPLITS[pre])
+        normalizer, pre_tokenizer = None, split_pre_tokenizer(_PRE_SPLITS[pre])
         add_bos = bool(add_bos) if add_bos is not None else False
     else:
         add_space_prefix = True if add_space_prefix is None else bool(add_space_prefix)
@@ -230,12 +231,18 @@ def tokenizer_from_gguf(reader, path: str | os.PathLike | None = None) -> HFToke
             tokens, _field(reader, "tokenizer.ggml.scores"), types, ids["unknown_token_id"],
             add_space_prefix, path,
         )  # fmt: skip
-        pre_tokenizer = pre_tokenizers.Metaspace(
-            replacement="▁", prepend_scheme="first" if add_space_prefix else "never", split=False
-        )
+        # llama.cpp: a space before every run of text (after each special token too) when
+        # add_space_prefix, every space spelled `▁`, no pre-tokenizer split
+        steps = [normalizers.Replace(" ", "▁")]
+        if add_space_prefix:
+            steps.insert(0, normalizers.Prepend("▁"))
+        normalizer, pre_tokenizer = normalizers.Sequence(steps), None
         add_bos = bool(add_bos) if add_bos is not None else True
     tok = Tokenizer(model)
-    tok.pre_tokenizer = pre_tokenizer
+    if normalizer is not None:
+        tok.normalizer = normalizer
+    if pre_tokenizer is not None:
+        tok.pre_tokenizer = pre_tokenizer
     tok.decoder = decoder
     if types is not None:
         # a control token outside GPT-2's byte alphabet is a mislabelled ordinary token

@@ -32,7 +32,7 @@ def _pre_name(pre_tokenizer) -> str | None:
 
 
 def _hf_tokens(tok: HFTokenizer):
-    """`(model json, tokens by id, token types)` of an `HFTokenizer`."""
+    """`(tokenizer json, tokens by id, token types)` of an `HFTokenizer`."""
     spec = json.loads(tok.tokenizer.to_str())
     model = spec.get("model") or {}
     n = tok.vocab_size
@@ -48,7 +48,7 @@ def _hf_tokens(tok: HFTokenizer):
     missing = [i for i, t in enumerate(tokens) if t is None]
     if missing:
         raise DataError(f"add_tokenizer_metadata: the tokenizer has no token with id {missing[0]}")
-    return model, tokens, types
+    return spec, tokens, types
 
 
 def _merges(model) -> list[str]:
@@ -56,7 +56,8 @@ def _merges(model) -> list[str]:
 
 
 def _write_hf(writer, tok: HFTokenizer) -> None:
-    model, tokens, types = _hf_tokens(tok)
+    spec, tokens, types = _hf_tokens(tok)
+    model = spec.get("model") or {}
     if model.get("type") != "BPE":
         raise DataError(
             f"add_tokenizer_metadata: a {model.get('type')} tokenizers model cannot be written "
@@ -75,7 +76,11 @@ def _write_hf(writer, tok: HFTokenizer) -> None:
         unk = model.get("unk_token")
         if unk is not None:
             types[tokens.index(unk)] = UNKNOWN
-        prefix = '"never"' not in json.dumps(json.loads(tok.tokenizer.to_str())["pre_tokenizer"])
+        prefix = (
+            '"Prepend"' in json.dumps(spec.get("normalizer"))
+            or '"first"' in json.dumps(spec.get("pre_tokenizer"))
+            or '"always"' in json.dumps(spec.get("pre_tokenizer"))
+        )
         _write_llama(writer, tokens, scores, types, tok, tokens.index(unk) if unk else None)
         writer.add_add_space_prefix(prefix)
         return

@@ -10,6 +10,7 @@ from jaxtyping import Array, Float, PyTree
 
 from .. import train
 from ..train import OptimizerSettings
+from ..train._step_cache import BUILDS, value_key
 
 
 class LRScaleState(NamedTuple):
@@ -43,7 +44,10 @@ def build_optimizer(optim: OptimizerSettings, total_steps: int) -> optax.Gradien
     `learning_rate` metric is the schedule's rate; the run loop logs it times this factor
     (the rate applied)."""
     base = train.make_optimizer(optim, total_steps=max(total_steps, 1))
-    return optax.chain(base, scale_by_lr_factor())
+    # the same object for the same `base`, so that equal steps share their programs
+    return BUILDS.get_or_build(
+        lambda: ("lr_factor", value_key(base)), lambda: optax.chain(base, scale_by_lr_factor())
+    )
 
 
 def _is_scale(x: Any) -> bool:

@@ -241,4 +241,5 @@ def make_distill_step(
         check_token_ids=check_token_ids,
         batch_type=DistillBatch,
         extras=("teacher",),
+        cache_key=("distill", beta, temperature, mode, constant, chunk),
     )

@@ -20,6 +20,7 @@ from ._pair_logps import _cached_reference, _pairs_forward
 from ._settings import DPOSettings, StepOptions, settings_from, split_shortcuts
 from ._state import combine
 from ._step import LossFn, Step, make_step
+from ._step_cache import own_record
 
 
 def dpo_loss_fn(settings: DPOSettings | None = None, **shortcuts: Any) -> LossFn:
@@ -220,4 +221,5 @@ def make_dpo_step(
         options,
         batch_type=(PreferenceBatch, PackedPreferenceBatch),
         extras=("reference",),
+        cache_key=("dpo", own_record(DPOSettings, settings)),
     )

@@ -26,6 +26,7 @@ from ._rl_settings import GRPOSettings
 from ._settings import StepOptions, settings_from, split_shortcuts
 from ._state import combine
 from ._step import LossFn, PrepareFn, Step, make_step
+from ._step_cache import own_record
 
 
 def _grpo_prepare(settings: GRPOSettings) -> PrepareFn:
@@ -341,4 +342,5 @@ def make_grpo_step(
         metrics_fn=_advantage_std,
         batch_type=GRPOBatch,
         extras=("reference", "entropy_coef"),
+        cache_key=("grpo", own_record(GRPOSettings, settings)),
     )

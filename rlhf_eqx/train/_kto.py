@@ -29,6 +29,7 @@ from ._accumulate import split_micro_batches
 from ._pair_logps import _forward
 from ._state import combine
 from ._step import NonFinite, Step, _check_token_ids, make_step
+from ._step_cache import value_key
 from ._validation import check_choice, check_number, check_positive_int
 
 KTOReference = Literal["model", "cached"]
@@ -308,7 +309,10 @@ def make_kto_step(
         metrics["kl"] = z0
         return params, opt_state, metrics
 
-    return Step(update, donate=donate, batch_type=KTOBatch, extras=("reference",))
+    same = (optimizer, beta, desirable_weight, undesirable_weight, loss_type, reference)
+    same += (micro_batches, axis_name, nonfinite, check_token_ids)  # equal builds: one program
+    shared = lambda: ("kto", value_key(same))  # noqa: E731
+    return Step(update, donate=donate, batch_type=KTOBatch, extras=("reference",), shared=shared)
 
 
 @eqx.filter_jit

@@ -198,4 +198,5 @@ def make_onpolicy_distill_step(
         check_token_ids=check_token_ids,
         batch_type=DistillBatch,
         extras=("teacher",),
+        cache_key=("onpolicy_distill", kl_coef, clip_eps, mode, constant, temperature),
     )

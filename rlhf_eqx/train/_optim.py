@@ -11,6 +11,7 @@ import optax
 from jaxtyping import Array, Float, PyTree
 
 from ._settings import OptimizerSettings, settings_from
+from ._step_cache import BUILDS, value_key
 from ._validation import check_positive_int, is_traced_or_array
 
 
@@ -143,11 +144,22 @@ def make_optimizer(
     `learning_rate` and `weight_decay` may be JAX arrays (also traced: a whole run can
     be `jax.vmap`-ed over them); Python numbers are validated by `OptimizerSettings`.
 
-    **Returns:** an `optax.GradientTransformation`. Initialise it on the trainable
+    **Returns:** an `optax.GradientTransformation` (the same object for equal arguments
+    without arrays, so that steps built from it share their compiled programs; see
+    `make_step`). Initialise it on the trainable
     arrays: `optimizer.init(eqx.filter(params, eqx.is_inexact_array))` (or use
     `init_train_state`).
     """
     s = settings_from(OptimizerSettings, settings, shortcuts, where="make_optimizer")
+    # Equal arguments give the same object, so that steps built from it share their
+    # compiled programs (see `make_step`); arrays in the settings build a new one.
+    return BUILDS.get_or_build(
+        lambda: ("make_optimizer", value_key(s), total_steps, value_key(weight_decay_mask)),
+        lambda: _build_optimizer(s, total_steps, weight_decay_mask),
+    )
+
+
+def _build_optimizer(s: OptimizerSettings, total_steps: int, weight_decay_mask: Any):
     weight_decay, max_grad_norm = s.weight_decay, s.max_grad_norm
     lr = make_schedule(s, total_steps=total_steps)
     mask = decay_mask if weight_decay_mask is None else weight_decay_mask

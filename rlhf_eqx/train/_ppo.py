@@ -13,6 +13,7 @@ from ._rl_settings import PPOSettings
 from ._rollout import PPOBatch, policy_logps_and_values
 from ._settings import StepOptions, settings_from, split_shortcuts
 from ._step import LossFn, Step, make_step
+from ._step_cache import BUILDS, own_record, value_key
 
 
 def ppo_loss(settings: PPOSettings | None = None, **shortcuts: Any) -> LossFn:
@@ -156,8 +157,19 @@ def make_ppo_step(
     )
     opt, metrics_fn = optimizer, None
     if value_optimizer is not None:
-        opt, metrics_fn = _pair_optimizer(optimizer, value_optimizer), _pair_grad_norms
-    step = make_step(ppo_loss(settings), opt, options, metrics_fn=metrics_fn, batch_type=PPOBatch)
+        opt = BUILDS.get_or_build(
+            lambda: ("ppo_pair", value_key(optimizer), value_key(value_optimizer)),
+            lambda: _pair_optimizer(optimizer, value_optimizer),
+        )
+        metrics_fn = _pair_grad_norms
+    step = make_step(
+        ppo_loss(settings),
+        opt,
+        options,
+        metrics_fn=metrics_fn,
+        batch_type=PPOBatch,
+        cache_key=("ppo", own_record(PPOSettings, settings), value_optimizer is not None),
+    )
     if value_optimizer is None:
         return step
     return _PairStep(step)

@@ -164,6 +164,7 @@ def make_prm_step(
         nonfinite=nonfinite,
         check_token_ids=check_token_ids,
         batch_type=PRMBatch,
+        cache_key=("prm", mode),
     )
 
 

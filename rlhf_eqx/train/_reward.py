@@ -14,6 +14,7 @@ from ._accumulate import vmap_model
 from ._settings import RewardSettings, StepOptions, settings_from, split_shortcuts
 from ._state import combine
 from ._step import LossFn, Step, make_step
+from ._step_cache import own_record
 
 
 def _scores(model, tokens, mask, key, which):
@@ -152,4 +153,5 @@ def make_reward_step(
         options,
         metrics_fn=_reward_std,
         batch_type=(PreferenceBatch, PackedPreferenceBatch),
+        cache_key=("reward", own_record(RewardSettings, settings)),
     )

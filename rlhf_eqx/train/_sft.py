@@ -14,6 +14,7 @@ from ._accumulate import vmap_model
 from ._settings import SFTSettings, StepOptions, settings_from, split_shortcuts
 from ._state import combine
 from ._step import LossFn, Step, make_step
+from ._step_cache import own_record
 
 
 def sft_loss(settings: SFTSettings | None = None, **shortcuts: Any) -> LossFn:
@@ -90,4 +91,10 @@ def make_sft_step(
     settings, options = split_shortcuts(
         SFTSettings, settings, options, shortcuts, where="make_sft_step"
     )
-    return make_step(sft_loss(settings), optimizer, options, batch_type=SequenceBatch)
+    return make_step(
+        sft_loss(settings),
+        optimizer,
+        options,
+        batch_type=SequenceBatch,
+        cache_key=("sft", own_record(SFTSettings, settings)),
+    )

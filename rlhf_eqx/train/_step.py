@@ -37,7 +37,7 @@ appears elsewhere in the call (e.g. a reference model sharing arrays with `param
 array twice) is never donated: the step falls back to its non-donating version.
 """
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -49,6 +49,7 @@ from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 from ..losses import safe_divide
 from ._accumulate import Sums, accumulate_gradients, apply_optimizer, sums_to_means
 from ._settings import NonFinite as NonFinite, StepOptions, settings_from
+from ._step_cache import BUILDS, function_key, value_key
 
 LossFn = Callable[
     [PyTree, PyTree, PyTree, PRNGKeyArray | None],
@@ -115,7 +116,9 @@ class Step:
     `reference=`) are passed to the loss function inside `frozen`, as the tuple
     `(frozen, *extras)`. `donate=True` (per call, or the build-time default) updates
     `params` and `opt_state` in place when no other argument shares their buffers;
-    see the module docstring for the rule.
+    see the module docstring for the rule. Steps built with equal keys (`shared`, a
+    thunk returning the key; see `make_step`'s `cache_key`) share their jitted update and
+    hence its compiled programs.
     """
 
     def __init__(
@@ -125,9 +128,12 @@ class Step:
         donate: bool | None,
         batch_type: type | tuple[type, ...] | None = None,
         extras: Sequence[str] = (),
+        shared: Callable[[], Hashable] | None = None,
     ):
-        self._plain = eqx.filter_jit(update)
-        self._donating = eqx.filter_jit(update, donate="all-except-first")
+        def jit():
+            return eqx.filter_jit(update), eqx.filter_jit(update, donate="all-except-first")
+
+        self._plain, self._donating = jit() if shared is None else BUILDS.get_or_build(shared, jit)
         self.donate = donate
         self.batch_type = batch_type
         self.extras = tuple(extras)
@@ -170,6 +176,7 @@ def make_step(
     metrics_fn: MetricsFn | None = None,
     batch_type: type | tuple[type, ...] | None = None,
     extras: Sequence[str] = (),
+    cache_key: Hashable = None,
     **shortcuts: Any,
 ) -> Step:
     r"""Build one pure, jitted update from a loss function (see the module docstring).
@@ -199,6 +206,14 @@ def make_step(
       (per-device) batch before micro-batching (e.g. group-relative advantages).
     - `metrics_fn`: `(metrics, grads) -> metrics`, applied last (derived metrics).
     - `batch_type`, `extras`: see `Step`.
+    - `cache_key`: what `loss_fn`, `prepare` and `metrics_fn` compute, as a value
+      compared by value (dataclasses field by field; e.g. the builders pass their name
+      and settings record). Two builds with equal keys, the same `optimizer` object,
+      equal `options`, `batch_type` and `extras` share one jitted update: the second
+      build compiles nothing (same-shaped batches). `None` (default): the functions'
+      identity when they are plain functions that capture nothing, else no sharing (a
+      closure may hold anything). A key holding an array (e.g. a traced
+      hyperparameter) and a build under a JAX transformation are not shared.
 
     **Returns:** a `Step`,
     `step(params, opt_state, batch, *, frozen=None, key=None, donate=None, **extras)
@@ -284,4 +299,12 @@ def make_step(
             metrics = metrics_fn(metrics, grads)
         return new_params, new_opt_state, metrics
 
-    return Step(update, donate=options.donate, batch_type=batch_type, extras=extras)
+    def shared():
+        if cache_key is None:
+            what = tuple(function_key(f) for f in (loss_fn, prepare, metrics_fn))
+        else:
+            what = value_key(cache_key)
+        parts = (optimizer, options, batch_type, tuple(extras))
+        return ("make_step", what, *(value_key(p) for p in parts))
+
+    return Step(update, donate=options.donate, batch_type=batch_type, extras=extras, shared=shared)

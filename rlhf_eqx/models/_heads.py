@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ._config import TransformerConfig
-from ._layers import normal_init, softcap
+from ._layers import AbstractQuantizedWeight, matmul, normal_init, softcap
 from ._masks import attention_layout, previous_allowed
 from ._packing import branch_last_index
 from ._protocols import (
@@ -40,13 +40,6 @@ def _previous_real(mask: Bool[Array, "N T"]) -> tuple[Int[Array, "N T"], Bool[Ar
     return jnp.maximum(prev, 0), prev >= 0
 
 
-def _dot_f32(h: Float[Array, "*N D"], w: Float[Array, "D O"]) -> Float[Array, "*N O"]:
-    """`h @ w` accumulated and returned in float32, leading axes flattened (see `matmul`)."""
-    flat = h.reshape(-1, h.shape[-1])
-    out = jnp.matmul(flat, w.astype(h.dtype), preferred_element_type=jnp.float32)
-    return out.reshape(h.shape[:-1] + (w.shape[-1],))
-
-
 # `selected_logprobs` unrolls up to this many head chunks in the program (a scan beyond)
 _UNROLLED_CHUNKS = 16
 
@@ -59,11 +52,12 @@ class Policy(AbstractDecoder[KVCache], AbstractBatchedModel, AbstractSelectiveLM
     faster on CPU — the step builders do this).
 
     `logits[t]` is the distribution of the token after position `t`. With
-    `cfg.tie_embeddings` the head is the embedding matrix (`lm_head` is `None`).
+    `cfg.tie_embeddings` the head is the embedding matrix (`lm_head` is `None`); a
+    quantised one (`(in, out) = (D, V)`) goes through the frozen product `matmul`.
     """
 
     transformer: Transformer
-    lm_head: Float[Array, "D V"] | None
+    lm_head: Float[Array, "D V"] | AbstractQuantizedWeight | None
 
     def __init__(self, cfg: TransformerConfig, *, key: PRNGKeyArray):
         kt, kh = jax.random.split(key)
@@ -96,8 +90,11 @@ class Policy(AbstractDecoder[KVCache], AbstractBatchedModel, AbstractSelectiveLM
 
     def logits_from_hidden(self, hidden: Float[Array, "*T D"]) -> Float[Array, "*T V"]:
         """Apply the LM head (float32 accumulation; soft-capped with `cfg.final_softcap`)."""
-        w = self.transformer.embed.T if self.lm_head is None else self.lm_head
-        return softcap(_dot_f32(hidden, w), self.cfg.final_softcap)
+        w = self.transformer.embed if self.lm_head is None else self.lm_head
+        if self.lm_head is None and not isinstance(w, AbstractQuantizedWeight):
+            w = w.T
+        logits = matmul(hidden, w, out_dtype=jnp.float32)
+        return softcap(logits, self.cfg.final_softcap)
 
     def __call__(
         self,
@@ -278,7 +275,7 @@ class _ScalarHeadModel(eqx.Module):
         return eqx.tree_at(lambda m: m.transformer, model, policy.transformer)
 
     def _read_out(self, h: Float[Array, "*T D"]) -> Float[Array, "*T"]:
-        return _dot_f32(h, self.head[:, None])[..., 0] + self.bias
+        return matmul(h, self.head[:, None], out_dtype=jnp.float32)[..., 0] + self.bias
 
 
 class ValueModel(_ScalarHeadModel, AbstractSequenceModel, AbstractBatchedModel):

@@ -171,8 +171,9 @@ def tensors_from_model(
 
     def host(w) -> np.ndarray:
         """The whole (stacked) array on the host in the written dtype."""
-        if isinstance(w, AbstractQuantizedWeight):
-            w = jax.vmap(lambda x: x.dequantize(jnp.float32))(w)
+        if isinstance(w, AbstractQuantizedWeight):  # stacked per layer, or one head matrix
+            dq = lambda x: x.dequantize(jnp.float32)
+            w = jax.vmap(dq)(w) if len(w.shape) > 2 else dq(w)
         return np.asarray(jnp.asarray(w).astype(jdt))
 
     c = np.ascontiguousarray
@@ -187,7 +188,7 @@ def tensors_from_model(
         else {"q_norm": host(layers.q_norm), "k_norm": host(layers.k_norm)}
     )
     tensors: dict[str, np.ndarray] = {
-        "model.embed_tokens.weight": c(host(policy.transformer.embed))
+        "model.embed_tokens.weight": c(host(policy.transformer.dense_embed(jnp.float32)))
     }
     for i in range(cfg.n_layers):
         p = f"model.layers.{i}."

@@ -124,16 +124,55 @@ def dense_weight(w: Array | AbstractQuantizedWeight, dtype) -> Array:
     return w
 
 
-def matmul(x: Float[Array, "*N i"], w: Array | AbstractQuantizedWeight) -> Float[Array, "*N o"]:
-    """`x @ w` for a dense or quantised weight, in `x`'s dtype.
+def matmul(
+    x: Float[Array, "*N i"], w: Array | AbstractQuantizedWeight, *, out_dtype=None
+) -> Float[Array, "*N o"]:
+    """`x @ w` for a dense or quantised weight, in `x`'s dtype (or `out_dtype`, with the
+    products accumulated in it, e.g. float32 logits from bfloat16 activations).
 
     Leading axes are flattened into one, so that with a batch `[B, T, i]` the forward
     and both backward products are plain 2-D matrix products (the weight gradient
     contracts one axis, not two), which is markedly faster on CPU.
+
+    A quantised weight is frozen and never kept dense: the product is a `custom_vjp`
+    whose only residual is the packed weight (not `x`, which a frozen weight's gradient
+    does not need, nor the dequantised matrix). The forward pass dequantises the whole
+    weight (per layer inside the scanned stack, freed after its product), the backward
+    pass dequantises it again and returns `dx = dy · Wᵀ` only; the weight's cotangent is
+    zero (`float0` for its integer arrays). A differentiated scan over `L` quantised
+    layers thus keeps `L` packed weights instead of `L` dense ones.
     """
-    wd = dense_weight(w, x.dtype)
     lead = x.shape[:-1]
-    return (x.reshape(-1, x.shape[-1]) @ wd).reshape(lead + (wd.shape[-1],))
+    x2 = x.reshape(-1, x.shape[-1])
+    if isinstance(w, AbstractQuantizedWeight):
+        out_dt = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+        y = _frozen_matmul(x2, w, (jnp.dtype(x.dtype), out_dt))
+    elif out_dtype is None:
+        y = x2 @ w
+    else:
+        y = jnp.matmul(x2, w.astype(x.dtype), preferred_element_type=out_dtype)
+    return y.reshape(lead + (y.shape[-1],))
+
+
+def _frozen_matmul_fwd(x2, w, dtypes):
+    in_dt, out_dt = dtypes
+    y = jnp.matmul(x2, w.dequantize(in_dt), preferred_element_type=out_dt)
+    return y.astype(out_dt), w
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _frozen_matmul(x2, w, dtypes):
+    return _frozen_matmul_fwd(x2, w, dtypes)[0]
+
+
+def _frozen_matmul_bwd(dtypes, w, dy):
+    in_dt, _ = dtypes
+    wd = w.dequantize(in_dt)
+    dx = jnp.matmul(dy.astype(in_dt), wd.T, preferred_element_type=in_dt)
+    return dx, None
+
+
+_frozen_matmul.defvjp(_frozen_matmul_fwd, _frozen_matmul_bwd)
 
 
 class LoRAAdapter(eqx.Module):

@@ -152,15 +152,28 @@ def quantize_nf4(model: PyTree, *, block_size: int = 64) -> PyTree:
 
 
 def dequantize(model: PyTree, *, dtype: str | None = None) -> PyTree:
-    """Replace every quantised projection (`Int8Weight`, `NF4Weight`) by its dense value.
+    """Replace every quantised weight (`Int8Weight`, `NF4Weight`, `GGUFWeight`) by its
+    dense value: the projections, and a quantised token embedding (`[V, D]` again) or LM
+    head.
 
     `dtype` defaults to the model's parameter dtype (`cfg.dtype`).
     """
     where = where_layers(model)
-    layers = where(model)
     jdt = getattr(jnp, dtype or model_config(model).dtype)
+    model = _dequantize_top(model, jdt)
+    layers = where(model)
     fields = [f for f in _FIELDS if isinstance(getattr(layers, f), AbstractQuantizedWeight)]
     if not fields:
         return model
     dense = [_dequantize_stacked(getattr(layers, f), jdt) for f in fields]
     return eqx.tree_at(lambda m: [getattr(where(m), f) for f in fields], model, dense)
+
+
+def _dequantize_top(model: PyTree, jdt) -> PyTree:
+    """The token embedding (and a `Policy`'s LM head) dense, when quantised."""
+    get = (lambda m: m) if hasattr(model, "embed") else (lambda m: m.transformer)
+    if isinstance(get(model).embed, AbstractQuantizedWeight):
+        model = eqx.tree_at(lambda m: get(m).embed, model, get(model).dense_embed(jdt))
+    if isinstance(getattr(model, "lm_head", None), AbstractQuantizedWeight):
+        model = eqx.tree_at(lambda m: m.lm_head, model, model.lm_head.dequantize(jdt))
+    return model

@@ -24,7 +24,9 @@ communication differs from an interleaved (head-major) layout.
 
 A LoRA adapter follows the weight it updates: `a` is split like the weight's input
 axis and `b` like its output axis. An `Int8Weight` splits `q` like the dense weight and
-its per-column `scale` like the columns. Leaves the rules do not name are replicated.
+its per-column `scale` like the columns; a `GGUFWeight`'s packed rows (its output
+columns) are split like the columns, never inside a row. Leaves the rules do not name
+are replicated.
 """
 
 from collections.abc import Hashable
@@ -76,6 +78,9 @@ def _trailing_rule(names, fsdp_axis, model_axis) -> tuple | None:
     for j in range(len(attrs) - 1, -1, -1):
         name = attrs[j]
         sub = attrs[j + 1] if j + 1 < len(attrs) else None  # Int8Weight fields q / scale
+        if sub == "raw" and (name == "embed" or name in _COLUMN + _ROW):
+            # GGUFWeight rows are output columns, packed along the input axis (kept whole)
+            return (model_axis if name == "embed" or name in _COLUMN else fsdp_axis, None)
         if name == "embed":
             return (model_axis, fsdp_axis)
         if name in _COLUMN:

@@ -23,7 +23,7 @@ from ._attention import attention, region_attention
 from ._config import TransformerConfig
 from ._decode_attention import cached_attention
 from ._decoder_layer import LORA_TARGETS, DecoderLayer, gather_positions
-from ._layers import normal_init, rms_norm
+from ._layers import AbstractQuantizedWeight, normal_init, rms_norm
 from ._masks import attention_layout, within_window
 from ._protocols import AbstractBatchedModel, AbstractSequenceModel
 from ._rope import rope_tables
@@ -81,9 +81,15 @@ class Transformer(AbstractSequenceModel, AbstractBatchedModel):
     """Token embedding, `n_layers` stacked `DecoderLayer`s (scanned), final RMSNorm.
 
     `__call__(tokens, mask)` returns the final hidden states `[T, D]`.
+
+    `embed` is a dense `[V, D]` table or a frozen quantised weight of shape
+    `(in, out) = (D, V)` (e.g. a `GGUFWeight` whose rows are the vocabulary, as GGUF's
+    `token_embd.weight`): the lookup then decodes only the gathered rows
+    (`AbstractQuantizedWeight.columns`), and a tied LM head multiplies by it without a
+    dense copy (`matmul`).
     """
 
-    embed: Float[Array, "V D"]
+    embed: Float[Array, "V D"] | AbstractQuantizedWeight
     layers: DecoderLayer
     final_norm: Float[Array, " D"]
     cfg: TransformerConfig = eqx.field(static=True)
@@ -98,8 +104,19 @@ class Transformer(AbstractSequenceModel, AbstractBatchedModel):
         self.layers = DecoderLayer(cfg, key=kl, n_layers=cfg.n_layers)
         self.final_norm = jnp.full((cfg.d_model,), cfg.norm_init, dt)
 
+    def dense_embed(self, dtype=None) -> Float[Array, "V D"]:
+        """The embedding table as a dense `[V, D]` array (dequantised when quantised),
+        in `dtype` (default: the parameter dtype)."""
+        dtype = self.cfg.param_dtype if dtype is None else dtype
+        if isinstance(self.embed, AbstractQuantizedWeight):
+            return self.embed.dequantize(dtype).T
+        return self.embed.astype(dtype)
+
     def _embed(self, tokens: Int[Array, "*B T"]) -> Float[Array, "*B T D"]:
-        x = jnp.take(self.embed, tokens, axis=0)
+        if isinstance(self.embed, AbstractQuantizedWeight):
+            x = self.embed.columns(tokens, self.cfg.param_dtype)
+        else:
+            x = jnp.take(self.embed, tokens, axis=0)
         if self.cfg.embed_scale:
             x = x * jnp.asarray(self.cfg.d_model**0.5, x.dtype)
         return x

@@ -55,6 +55,10 @@ from ._batches import (
     PromptBatch as PromptBatch,
     SequenceBatch as SequenceBatch,
 )
+from ._compilation_cache import (
+    compilation_cache_dir as compilation_cache_dir,
+    enable_compilation_cache as enable_compilation_cache,
+)
 from ._pretrained import load_llama2c as load_llama2c
 from ._sampling import (
     GenerationOutput as GenerationOutput,

@@ -251,8 +251,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not cfg.ops.quiet and args.command not in TOOL_COMMANDS:
         print(f"rlhf_eqx {args.command}: resolved config (saved as {cfg.out}/config.json)")
         print(resolved)
+    from rlhf_eqx._compilation_cache import command_line_cache
     from rlhf_eqx.pipelines import RunInterrupted
 
+    command_line_cache(cfg.ops.compilation_cache, cfg.ops.compilation_cache_max_mb)  # on disk
     try:
         return _run(args, cfg)
     except ConfigError as e:

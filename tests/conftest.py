@@ -27,14 +27,19 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 # A compilation cache on disk, shared by the test workers and kept between runs: tests
 # build many steps whose programs are identical (same tiny shapes, same settings), and
 # XLA compilation is most of the suite's time. RLHF_EQX_TEST_CACHE=off disables it.
+# Command-line runs keep the directory JAX already has (in-process runs this one; the
+# runs of subprocesses get it through the environment), so the suite never writes into
+# the user's cache directory.
 if os.environ.get("RLHF_EQX_TEST_CACHE", "") != "off":
-    jax.config.update(
-        "jax_compilation_cache_dir",
-        os.environ.get("RLHF_EQX_TEST_CACHE")
-        or os.path.join(tempfile.gettempdir(), f"rlhf_eqx-test-jax-cache-{os.getuid()}"),
+    _cache_dir = os.environ.get("RLHF_EQX_TEST_CACHE") or os.path.join(
+        tempfile.gettempdir(), f"rlhf_eqx-test-jax-cache-{os.getuid()}"
     )
+    jax.config.update("jax_compilation_cache_dir", _cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _cache_dir)
+else:
+    os.environ.setdefault("RLHF_EQX_COMPILATION_CACHE", "0")
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")

@@ -181,6 +181,11 @@ class OpsConfig:
     - `tensorboard`: also write the step metrics as TensorBoard scalars to
       `<run dir>/tensorboard/<stage>/` (needs `tensorboardX`; skipped with a note
       otherwise).
+    - `compilation_cache`: the command line keeps compiled programs on disk in
+      `$XDG_CACHE_HOME/rlhf_eqx/jax` (or `~/.cache/rlhf_eqx/jax`) and reuses them in the
+      next runs (`rlhf_eqx.enable_compilation_cache`); `RLHF_EQX_COMPILATION_CACHE=0`
+      also switches it off. `compilation_cache_max_mb`: its size bound (least recently
+      used programs evicted).
     """
 
     seed: int = 0
@@ -197,6 +202,8 @@ class OpsConfig:
     monitor: bool = True
     profile_steps: tuple[int, ...] = ()
     tensorboard: bool = False
+    compilation_cache: bool = True
+    compilation_cache_max_mb: int = 2048
 
 
 _RUN_OPTIONS = StepOptions(donate=False)

@@ -23,6 +23,8 @@ RESUMABLE_FIELDS: tuple[str, ...] = (
     "ops.profile_steps",
     "ops.tensorboard",
     "ops.max_rollbacks",
+    "ops.compilation_cache",  # where compiled programs are kept, not what they compute
+    "ops.compilation_cache_max_mb",
     "grpo.overlap",  # when and where the next rollout is sampled, not what it is
     "grpo.sampler_device",
 )

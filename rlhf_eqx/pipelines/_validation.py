@@ -232,6 +232,7 @@ def validate_ops(o: OpsConfig) -> None:
     if o.eval_every < 0:
         _fail("ops.eval_every", o.eval_every, "must be >= 0")
     _positive("ops.log_every", o.log_every)
+    _positive("ops.compilation_cache_max_mb", o.compilation_cache_max_mb)
     _at_least("ops.max_rollbacks", o.max_rollbacks, 0)
     if not o.lr_backoff > 1:
         _fail("ops.lr_backoff", o.lr_backoff, "must be > 1")

@@ -133,6 +133,25 @@ class HFTokenizer:
             add_bos_token=bool(config.get("add_bos_token", True)),
         )
 
+    def save(self, directory: str | os.PathLike) -> None:
+        """Write `tokenizer.json` and a `tokenizer_config.json` (the BOS, EOS and padding
+        tokens, `add_bos_token`, and `chat_template` when there is one) in `directory`,
+        which `from_file` (and `load_chat_template`) read back."""
+        directory = os.fspath(directory)
+        os.makedirs(directory, exist_ok=True)
+        self.tokenizer.save(os.path.join(directory, "tokenizer.json"))
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": self.token(self.bos_id),
+            "eos_token": self.token(self.eos_id),
+            "pad_token": self.token(self.pad_id),
+            "add_bos_token": self.add_bos_token,
+        }
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f, ensure_ascii=False, indent=2)
+
     def token(self, i: int) -> str:
         """The text of token `i` as the vocabulary spells it (e.g. `"<|im_end|>"`)."""
         return self.tokenizer.id_to_token(int(i))

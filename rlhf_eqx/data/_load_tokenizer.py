@@ -13,7 +13,8 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """Load a tokenizer, choosing the class from the file type.
 
     `*.json` → `HFTokenizer`, `*.model` → `SentencePieceTokenizer`, `*.bin` →
-    `Llama2cTokenizer`; a directory is searched for `tokenizer.json`,
+    `Llama2cTokenizer`, `*.gguf` → `HFTokenizer` from the file's metadata
+    (`tokenizer_from_gguf`); a directory is searched for `tokenizer.json`,
     `tokenizer.model`, `tokenizer.bin` (in that order).
     """
     path = os.fspath(path)
@@ -32,4 +33,8 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         return SentencePieceTokenizer.from_file(path)
     if suffix == ".bin":
         return Llama2cTokenizer.from_file(path)
-    raise DataError(f"{path}: unknown tokenizer file type (expected .json, .model or .bin)")
+    if suffix == ".gguf":
+        from ._gguf_tokenizer import tokenizer_from_gguf
+
+        return tokenizer_from_gguf(path)
+    raise DataError(f"{path}: unknown tokenizer file type (expected .json, .model, .bin or .gguf)")

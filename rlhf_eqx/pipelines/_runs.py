@@ -8,6 +8,7 @@ guard, metrics). Iteration `i` draws its data from `i` and its randomness from
 """
 
 import dataclasses
+import functools
 import os
 import shutil
 from collections.abc import Callable, Sequence
@@ -98,14 +99,26 @@ _TOKENIZER_FILES = {".json": "tokenizer.json", ".model": "tokenizer.model", ".bi
 _HF_TOKENIZER_EXTRAS = ("tokenizer_config.json", "special_tokens_map.json")
 
 
+@functools.lru_cache(maxsize=4)
+def _gguf_tokenizer(path: str, stamp: int):
+    del stamp  # part of the cache key: a rewritten file is read again
+    return data.tokenizer_from_gguf(path)
+
+
 def copy_tokenizer(tokenizer_file: str | None, directory: str) -> None:
     """Copy the tokenizer file a model was loaded with into `directory` under the name
     `data.load_tokenizer(directory)` finds (`tokenizer.json`, `tokenizer.model` or
     `tokenizer.bin`), with an HF tokenizer's `tokenizer_config.json` and
-    `special_tokens_map.json` when they sit beside it."""
+    `special_tokens_map.json` when they sit beside it. For a `.gguf` file the tokenizer
+    built from its metadata is written instead (`HFTokenizer.save`: `tokenizer.json`,
+    and `tokenizer_config.json` with the special tokens and the chat template)."""
     if tokenizer_file is None:
         return
     ext = os.path.splitext(tokenizer_file)[1].lower()
+    if ext == ".gguf":
+        stamp = os.stat(tokenizer_file).st_mtime_ns
+        _gguf_tokenizer(os.path.abspath(tokenizer_file), stamp).save(directory)
+        return
     name = _TOKENIZER_FILES.get(ext)
     if name is None:
         raise ValueError(f"{tokenizer_file}: unknown tokenizer file type, not exported")

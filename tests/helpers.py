@@ -1,12 +1,73 @@
 """Shared helpers for the tests (import as ``from helpers import ...``)."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from conftest import SHARED, assert_tree_allclose, tree_allclose
 
 import rlhf_eqx as rx
 
-__all__ = ["SHARED", "assert_tree_allclose", "tree_allclose", "two_turn_rollout"]
+__all__ = [
+    "ADAM_EPS",
+    "SHARED",
+    "assert_adam_steps_agree",
+    "assert_tree_allclose",
+    "assert_trees_close_per_leaf",
+    "tree_allclose",
+    "two_turn_rollout",
+]
+
+# Equivalence tests (one device against a mesh, pmap or processes; a fast path against
+# the full one; vmapped against single runs) take AdamW steps in two layouts whose
+# reductions add the same terms in another order, so the gradients differ in their last
+# bits. Adam's update `lr · m̂ / (√v̂ + eps)` is about `lr · sign(g)`: its derivative in
+# the gradient is up to `lr / eps`, so at the default `eps = 1e-8` a gradient entry near
+# 0 whose rounding differs by 1e-10 can move its parameter by ~1e-2 · lr, and by up to lr
+# where the sign flips: the parameters are not fixed by the maths to better than ~lr.
+# These tests use `eps = ADAM_EPS`, where the update is Lipschitz in the moments with
+# constant `lr / ADAM_EPS`, so that rounding (~1e-7 relative) moves a parameter by far
+# less than `1e-2 · lr` per step, while a wrong gradient still moves it by more.
+ADAM_EPS = 1e-3
+
+
+def _float_leaves(tree) -> list[np.ndarray]:
+    leaves = jax.tree.leaves(eqx.filter(tree, eqx.is_inexact_array))
+    return [np.asarray(x, np.float64) for x in leaves]
+
+
+def assert_trees_close_per_leaf(a, b, *, rtol: float = 1e-4, what: str = "leaf") -> None:
+    """Every inexact leaf of `a` and `b` within `rtol` of the leaf's largest magnitude:
+    `max |a - b| <= rtol · max(|a|, |b|)` (a scale-free comparison of gradients or Adam's
+    moments, whose entries span many orders of magnitude)."""
+    la, lb = _float_leaves(a), _float_leaves(b)
+    assert len(la) == len(lb), f"{len(la)} leaves against {len(lb)}"
+    for i, (x, y) in enumerate(zip(la, lb)):
+        assert x.shape == y.shape, f"{what} {i}: shapes {x.shape} and {y.shape}"
+        scale = max(float(np.max(np.abs(x), initial=0.0)), float(np.max(np.abs(y), initial=0.0)))
+        diff = float(np.max(np.abs(x - y), initial=0.0))
+        assert diff <= rtol * scale + 1e-30, (
+            f"{what} {i} {x.shape}: max |difference| {diff:.3g} > {rtol:g} x {scale:.3g}"
+        )
+
+
+def assert_adam_steps_agree(
+    a_params, b_params, *, lr: float, steps: int = 1, a_opt_state=None, b_opt_state=None
+) -> None:
+    """Two results of the same AdamW steps (with `eps = ADAM_EPS`) taken in two layouts
+    agree as far as the maths fixes them: each parameter within `1e-2 · lr` per step
+    (Adam moves a parameter by about `lr` a step, so a missing, doubled or misdirected
+    update fails), and, when given, Adam's moments (the gradients and their squares)
+    within 1e-4 of each leaf's largest entry (a wrong gradient fails)."""
+    la, lb = _float_leaves(a_params), _float_leaves(b_params)
+    assert len(la) == len(lb), f"{len(la)} parameter leaves against {len(lb)}"
+    bound = 1e-2 * lr * steps
+    for i, (x, y) in enumerate(zip(la, lb)):
+        assert x.shape == y.shape, f"parameter {i}: shapes {x.shape} and {y.shape}"
+        diff = float(np.max(np.abs(x - y), initial=0.0))
+        assert diff <= bound, f"parameter {i} {x.shape}: max |difference| {diff:.3g} > {bound:.3g}"
+    if a_opt_state is not None:
+        assert_trees_close_per_leaf(a_opt_state, b_opt_state, what="optimiser state leaf")
 
 
 def two_turn_rollout(policy, tok, *, key: int = 3, samples: int = 2):

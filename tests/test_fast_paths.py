@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_tree_allclose
+from helpers import assert_tree_allclose, assert_trees_close_per_leaf
 from hypothesis import given, settings, strategies as st
 
 import rlhf_eqx as rx
@@ -141,7 +141,7 @@ def test_dpo_step_fast_path_equals_full_logits_path(getkey, reference):
     policy = rx.Policy(tiny_cfg(), key=getkey())
     ref = rx.Policy(tiny_cfg(), key=getkey())
     batch = _pref_batch(getkey(), 3, 17, 61)
-    opt = train.make_optimizer(learning_rate=1e-3, total_steps=10)
+    opt = optax.sgd(1.0)  # the update is minus the gradient (Adam would amplify rounding)
     step = train.make_dpo_step(opt, reference=reference, rpo_alpha=0.5)
     if reference == "cached":
         fast_batch = train.compute_reference_logps(ref, batch)
@@ -160,7 +160,10 @@ def test_dpo_step_fast_path_equals_full_logits_path(getkey, reference):
     plain_state = opt.init(eqx.filter(plain, eqx.is_inexact_array))
     p_slow, _, m_slow = step(plain, plain_state, slow_batch, reference=_Plain(ref))
     assert_tree_allclose(m_fast, m_slow, rtol=1e-4, atol=1e-5)
-    assert_tree_allclose(p_fast, p_slow.policy, rtol=1e-4, atol=1e-6)
+    # the gradients (minus the updates), each leaf within 1e-4 of its largest entry
+    start = eqx.filter(policy, eqx.is_inexact_array)
+    delta = lambda p: jax.tree.map(lambda a, b: a - b, eqx.filter(p, eqx.is_inexact_array), start)
+    assert_trees_close_per_leaf(delta(p_fast), delta(p_slow.policy), rtol=1e-4)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import ADAM_EPS, assert_adam_steps_agree, assert_trees_close_per_leaf
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import rlhf_eqx as rx
@@ -24,6 +25,11 @@ pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulat
 
 VOCAB = 64
 B, T, PROMPT = 8, 12, 3
+# The equivalence tests' AdamW: a mesh adds the same terms as one device in another
+# order, so the parameters after a step agree within a bound scaled by the learning rate
+# (`assert_adam_steps_agree`, with Adam's `eps = ADAM_EPS`), the loss and the gradient
+# (Adam's moments) within a relative tolerance.
+LR = 1e-3
 
 
 def _config():
@@ -203,7 +209,7 @@ def _dpo_setup():
     # The first step is informative only when the policy differs from the reference.
     moved = _perturbed(policy, 2)
     batch = _preference_batch(jax.random.key(1))
-    opt = make_optimizer(learning_rate=1e-3, total_steps=10)
+    opt = make_optimizer(learning_rate=LR, eps=ADAM_EPS, total_steps=10)
     step = make_dpo_step(opt, beta=0.1, donate=False)
     single = init_train_state(moved, opt).apply(step, batch, reference=policy)
     return policy, moved, batch, opt, step, single
@@ -216,12 +222,38 @@ def test_dpo_step_on_a_mesh_equals_one_device(shape, fsdp):
     state = dist.shard_train_state(init_train_state(moved, opt), mesh, fsdp=fsdp)
     reference = dist.shard_model(policy, mesh, fsdp=fsdp)
     sharded, m2 = state.apply(step, dist.shard_batch(batch, mesh), reference=reference)
-    assert _max_abs_diff(single.params, sharded.params) < 1e-5
-    assert _max_abs_diff(single.opt_state, sharded.opt_state) < 1e-5
+    assert_adam_steps_agree(
+        single.params,
+        sharded.params,
+        lr=LR,
+        a_opt_state=single.opt_state,
+        b_opt_state=sharded.opt_state,
+    )
     np.testing.assert_allclose(float(m1["loss"]), float(m2["loss"]), rtol=1e-5)
     np.testing.assert_allclose(float(m1["grad_norm"]), float(m2["grad_norm"]), rtol=1e-5)
     # The result lives on the mesh.
     assert len(sharded.params.transformer.layers.wqkv.sharding.device_set) == 8
+
+
+def test_the_step_comparison_catches_a_wrong_gradient():
+    """The comparison of the mesh tests fails on a step whose gradient is wrong: one
+    pair's chosen and rejected swapped (as a per-device instead of a global normaliser
+    would reweight rows), both by the parameters alone and by Adam's moments."""
+    policy, moved, batch, opt, step, (single, _) = _dpo_setup()
+    fields = ("tokens", "mask", "completion_mask")
+    chosen = [getattr(batch, f"chosen_{f}") for f in fields]
+    rejected = [getattr(batch, f"rejected_{f}") for f in fields]
+    swapped = eqx.tree_at(
+        lambda b: [getattr(b, f"{side}_{f}") for side in ("chosen", "rejected") for f in fields],
+        batch,
+        [c.at[7].set(r[7]) for c, r in zip(chosen, rejected)]
+        + [r.at[7].set(c[7]) for c, r in zip(chosen, rejected)],
+    )
+    wrong, _ = init_train_state(moved, opt).apply(step, swapped, reference=policy)
+    with pytest.raises(AssertionError, match="parameter"):
+        assert_adam_steps_agree(single.params, wrong.params, lr=LR)
+    with pytest.raises(AssertionError, match="optimiser state leaf"):
+        assert_trees_close_per_leaf(single.opt_state, wrong.opt_state, what="optimiser state leaf")
 
 
 @pytest.mark.parametrize("shape, fsdp", PPO_MESHES)
@@ -237,7 +269,7 @@ def test_ppo_step_on_a_mesh_equals_one_device(shape, fsdp):
     batch = eqx.tree_at(
         lambda b: b.old_logp, batch, jnp.where(batch.completion_mask, batch.old_logp + noise, 0.0)
     )
-    opt = make_optimizer(learning_rate=1e-3, total_steps=10)
+    opt = make_optimizer(learning_rate=LR, eps=ADAM_EPS, total_steps=10)
     step = make_ppo_step(opt, donate=False)
 
     def run(mesh):
@@ -250,7 +282,13 @@ def test_ppo_step_on_a_mesh_equals_one_device(shape, fsdp):
 
     single, m1 = run(None)
     sharded, m2 = run(dist.make_mesh(*shape))
-    assert _max_abs_diff(single.params, sharded.params) < 1e-5
+    assert_adam_steps_agree(
+        single.params,
+        sharded.params,
+        lr=LR,
+        a_opt_state=single.opt_state,
+        b_opt_state=sharded.opt_state,
+    )
     for name in ("loss", "policy/clipfrac", "val/clipfrac"):
         np.testing.assert_allclose(float(m1[name]), float(m2[name]), rtol=1e-5, atol=1e-7)
 
@@ -335,7 +373,7 @@ def test_lora_dpo_step_with_int8_base_on_a_mesh_equals_one_device():
         ],
     )
     batch = _preference_batch(jax.random.key(2))
-    opt = make_optimizer(learning_rate=1e-3, total_steps=10)
+    opt = make_optimizer(learning_rate=LR, eps=ADAM_EPS, total_steps=10)
     step = make_dpo_step(opt, beta=0.1, donate=False)
     state = init_train_state(policy, opt, filter_spec=rx.lora_filter(policy))
     single, _ = state.apply(step, batch, reference=rx.without_lora(policy))
@@ -343,6 +381,12 @@ def test_lora_dpo_step_with_int8_base_on_a_mesh_equals_one_device():
     sharded_state = dist.shard_train_state(state, mesh, fsdp=True)
     reference = rx.without_lora(sharded_state.model)  # shares the sharded base
     sharded, _ = sharded_state.apply(step, dist.shard_batch(batch, mesh), reference=reference)
-    assert _max_abs_diff(single.params, sharded.params) < 1e-5
+    assert_adam_steps_agree(
+        single.params,
+        sharded.params,
+        lr=LR,
+        a_opt_state=single.opt_state,
+        b_opt_state=sharded.opt_state,
+    )
     a = sharded.params.transformer.layers.lora["up"].a
     assert a.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "data", None)), a.ndim)

@@ -2,7 +2,9 @@
 run (`initialize_distributed`, gloo CPU collectives), read only their prompt-hash shard of
 the data, and run DPO steps on a (2, 2) mesh spanning both (data parallel across the
 processes, FSDP + tensor parallel within). Both end with identical parameters, equal to a
-single-process run on the same global batch.
+single-process run on the same global batch as far as the maths fixes them: the losses
+and Adam's moments within a relative tolerance, the parameters within a bound scaled by
+the learning rate (`helpers.assert_adam_steps_agree`).
 
 Run as a script (`python tests/test_multiprocess.py OUT_FILE`) this file is one worker;
 the coordinator address, process count and id come from the `RLHF_EQX_*` variables.
@@ -20,6 +22,8 @@ STEPS = 3
 N_PAIRS = 8
 MAX_LEN = 24
 LOCAL_DEVICES = 2
+LR = 1e-3
+ADAM_EPS = 1e-3  # = helpers.ADAM_EPS (the workers run without the tests' path)
 
 
 def _records():
@@ -56,7 +60,7 @@ def _setup():
         max_seq_len=MAX_LEN,
     )
     policy = rx.Policy(cfg, key=jax.random.key(0))
-    opt = make_optimizer(learning_rate=1e-3, total_steps=10)
+    opt = make_optimizer(learning_rate=LR, eps=ADAM_EPS, total_steps=10)
     return tok, pairs, policy, opt, make_dpo_step(opt, beta=0.1, donate=False)
 
 
@@ -110,12 +114,22 @@ def _worker(mode: str, out_path: str) -> None:
         loss = metrics["loss"]
         assert loss.sharding.is_fully_replicated
         losses.append(float(loss.addressable_data(0)))
-    leaves = [
-        np.asarray(multihost_utils.process_allgather(x, tiled=True))
-        for x in jax.tree.leaves(state.params)
-    ]
-    np.savez(out_path, losses=np.asarray(losses), mine=np.asarray(mine), *leaves)
+
+    def gathered(tree):
+        return [np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in tree]
+
+    leaves = gathered(jax.tree.leaves(state.params))
+    moments = {f"opt_{i}": x for i, x in enumerate(gathered(_moments(state)))}
+    np.savez(out_path, losses=np.asarray(losses), mine=np.asarray(mine), *leaves, **moments)
     jax.distributed.shutdown()
+
+
+def _moments(state) -> list:
+    """Adam's moments (the optimiser state's arrays; its scalars are step counts and the
+    learning rate)."""
+    import jax
+
+    return [x for x in jax.tree.leaves(state.opt_state) if x.ndim >= 1]
 
 
 def _free_port() -> int:
@@ -139,7 +153,8 @@ def _single_process(order):
     for _ in range(STEPS):
         state, metrics = state.apply(step, batch, reference=policy)
         losses.append(float(metrics["loss"]))
-    return np.asarray(losses), [np.asarray(x) for x in jax.tree.leaves(state.params)]
+    moments = [np.asarray(x) for x in _moments(state)]
+    return np.asarray(losses), [np.asarray(x) for x in jax.tree.leaves(state.params)], moments
 
 
 def _launch(mode: str, tmp_path, *, timeout: float):
@@ -208,13 +223,17 @@ def test_two_processes_train_like_one(tmp_path):
     b = [results[1][f"arr_{i}"] for i in range(n)]
     for x, y in zip(a, b):
         np.testing.assert_array_equal(x, y)
-    losses, single = _single_process([i for o in order for i in o])
+    from helpers import ADAM_EPS as TESTS_ADAM_EPS, assert_adam_steps_agree
+
+    assert ADAM_EPS == TESTS_ADAM_EPS
+    losses, single, single_moments = _single_process([i for o in order for i in o])
     np.testing.assert_allclose(results[0]["losses"], losses, rtol=1e-5)
     assert losses[-1] < losses[0]
     assert len(single) == n
-    for x, y in zip(a, single):
-        assert x.shape == y.shape
-        np.testing.assert_allclose(x, y, atol=1e-5, rtol=0)
+    moments = [results[0][f"opt_{i}"] for i in range(len(single_moments))]
+    assert_adam_steps_agree(
+        a, single, lr=LR, steps=STEPS, a_opt_state=moments, b_opt_state=single_moments
+    )
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,8 @@ the tokenizer they describe as a Hugging Face `tokenizers.Tokenizer`:
   the token's score: the sentencepiece rule of merging the best-scoring pair first).
 
 Tokens of type 3 (control) are added as special tokens and of type 4 (user-defined) as
-plain added tokens, so both encode as one id.
+plain added tokens, so both encode as one id wherever they appear in the text (llama.cpp's
+`parse_special=true`).
 
 References: G. Gerganov et al., llama.cpp, `src/llama-vocab.cpp` (pre-tokenizer regexes,
 `llm_tokenizer_bpe`, `llm_tokenizer_spm`); `transformers`,

@@ -221,7 +221,8 @@ def test_unknown_format(tmp_path):
     with pytest.raises(data.DataError, match="cannot tell the prompt format"):
         data.load_prompts(path)
     (tmp_path / "empty.jsonl").write_text("")
-    assert len(data.load_preferences(tmp_path / "empty.jsonl")) == 0
+    with pytest.raises(data.DataError, match="empty.jsonl: no records"):
+        data.load_preferences(tmp_path / "empty.jsonl")
 
 
 # ----------------------------------------------------------------------------- bad input

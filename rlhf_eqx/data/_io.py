@@ -193,6 +193,8 @@ def load_records(
     the first record) and parse each with `make_parser(format)`.
 
     `expected` describes the keys of the known formats, for the error when none fits.
+    A file without a record (empty, blank lines only) raises `DataError`
+    (`"FILE: no records"`), as a directory does (`"FILE: is a directory"`).
     """
     path = os.fspath(path)
     if format != "auto" and format not in formats:
@@ -200,9 +202,9 @@ def load_records(
     report = LoadReport(path=path, format=format)
     records = read_json_records(path, report, lenient=lenient)
     first = next(records, None)
-    if first is None:
-        report.format = format if format != "auto" else "empty"
-        return [], report
+    if first is None:  # an empty file, blank lines only, or (lenient) nothing readable
+        skipped = f" (read {report.read}, skipped {report.num_skipped})" if report.read else ""
+        raise DataError(f"{path}: no records{skipped}")
     if format == "auto":
         detected = detect(first[1])
         if detected is None:

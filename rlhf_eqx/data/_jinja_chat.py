@@ -226,19 +226,23 @@ def load_chat_template(path: str | os.PathLike, *, name: str = "default") -> Jin
       `"tool_use"`, ...).
 
     **Returns:** a `JinjaChatTemplate` with the config's `bos_token` / `eos_token` (and
-    `pad_token`, `unk_token` when given). A missing file or template is a `DataError`
-    naming the path.
+    `pad_token`, `unk_token` when given). A missing file or template, or a template
+    with a syntax error, is a `DataError` naming the file (and the template's line).
     """
     path = os.fspath(path)
     config_path = path
     template = None
+    source = path  # the file the template text comes from
     if os.path.isdir(path):
         jinja_file = os.path.join(path, "chat_template.jinja")
         config_path = os.path.join(path, "tokenizer_config.json")
         if os.path.isfile(jinja_file):
             with open(jinja_file, encoding="utf-8") as f:
                 template = f.read()
+            source = jinja_file
     elif path.endswith(".jinja"):
+        if not os.path.isfile(path):
+            raise DataError(f"{path}: no such file")
         with open(path, encoding="utf-8") as f:
             template = f.read()
         config_path = os.path.join(os.path.dirname(path), "tokenizer_config.json")
@@ -260,6 +264,7 @@ def load_chat_template(path: str | os.PathLike, *, name: str = "default") -> Jin
             template = named[name]
         if not isinstance(template, str) or not template:
             raise DataError(f"{config_path}: has no chat_template")
+        source = f"{config_path} (chat_template)"
 
     def special(key: str) -> str:
         value = config.get(key)
@@ -268,6 +273,9 @@ def load_chat_template(path: str | os.PathLike, *, name: str = "default") -> Jin
         return value if isinstance(value, str) else ""
 
     extra = {k: special(k) for k in ("pad_token", "unk_token") if special(k)}
-    return JinjaChatTemplate(
-        template, bos_token=special("bos_token"), eos_token=special("eos_token"), **extra
-    )
+    try:
+        return JinjaChatTemplate(
+            template, bos_token=special("bos_token"), eos_token=special("eos_token"), **extra
+        )
+    except DataError as e:  # a syntax error: name the file it is in
+        raise DataError(f"{source}: {e}") from None

@@ -29,9 +29,13 @@ def split_records(records: Sequence, dc: DataConfig) -> tuple[list, list]:
     `(train, heldout)`: the first `dc.limit` records split by prompt with
     `data.split_held_out` (seeded by `dc.seed`; no prompt on both sides).
 
-    **Raises:** `ValueError` naming `data.heldout_fraction` when either side is empty.
+    **Raises:** `ValueError` naming the file when the reader kept no record, and naming
+    `data.heldout_fraction` when either side of the split is empty.
     """
+    report = getattr(records, "report", None)
     records = list(records)[: dc.limit or None]
+    if not records and report is not None:
+        raise ValueError(f"{report.path}: no usable records ({report})")
     train, held = data.split_held_out(records, fraction=dc.heldout_fraction, seed=dc.seed)
     if not train or not held:
         raise ValueError(

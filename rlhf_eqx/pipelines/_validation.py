@@ -123,7 +123,7 @@ def validate_config(cfg: PipelineConfig, *, device_count: int = 1) -> None:
         _fail("model.tokenizer", None, "a llama2.c checkpoint needs a tokenizer file")
     dc = cfg.data
     if dc.path is not None and not os.path.isfile(dc.path):
-        _fail("data.path", dc.path, "no such file")
+        _fail("data.path", dc.path, "is a directory" if os.path.isdir(dc.path) else "no such file")
     _choice("data.format", dc.format, DATA_FORMATS)
     _at_least("data.seed", dc.seed, 0)
     if dc.limit < 0:

@@ -127,7 +127,7 @@ from ._rollout import (
     score_rollout as score_rollout,
     token_logps as token_logps,
 )
-from ._rundir import open_run_dir as open_run_dir
+from ._rundir import check_data as check_data, open_run_dir as open_run_dir
 from ._runs import (
     RunContext as RunContext,
     RunResult as RunResult,

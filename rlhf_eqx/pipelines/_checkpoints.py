@@ -12,6 +12,7 @@ import equinox as eqx
 from jaxtyping import PyTree
 
 from ._metrics import DiskFullError
+from ._resume_rules import RunDirError
 
 _CKPT_PREFIX = "iter_"
 
@@ -101,7 +102,13 @@ def _checkpoints(directory: str) -> list[str]:
 
 def latest_checkpoint(directory: str) -> str | None:
     """The newest complete checkpoint under `directory` whose checksum matches (older
-    ones are tried when the newest is damaged), or `None`."""
+    ones are tried when the newest is damaged, each skipped with a warning), or `None`
+    when there is none.
+
+    A directory whose checkpoints are *all* damaged raises `RunDirError` naming it and
+    each checkpoint: whoever asks continues a run, and starting it again from iteration
+    0 would not be what was asked (`--overwrite` moves the run aside for a new start)."""
+    damaged = []
     for name in reversed(_checkpoints(directory)):
         path = os.path.join(directory, name)
         try:
@@ -109,9 +116,19 @@ def latest_checkpoint(directory: str) -> str | None:
                 meta = json.load(f)
             if _sha256(os.path.join(path, "state.eqx")) == meta["sha256"]:
                 return path
-        except (OSError, ValueError, KeyError):
-            pass
-        print(f"warning: skipping damaged checkpoint {path}", file=sys.stderr)
+            why = "checksum mismatch"
+        except FileNotFoundError as e:
+            why = f"missing {os.path.basename(e.filename or '?')}"
+        except (OSError, ValueError, KeyError) as e:
+            why = f"unreadable: {type(e).__name__}"
+        damaged.append(f"{name}: {why}")
+        print(f"warning: skipping damaged checkpoint {path} ({why})", file=sys.stderr)
+    if damaged:
+        raise RunDirError(
+            f"{directory}: every checkpoint is damaged ({'; '.join(damaged)}), so the run "
+            "cannot continue; start it again with --overwrite (the run is moved aside) or "
+            "another --out"
+        )
     return None
 
 

@@ -19,7 +19,7 @@ from ._pipeline_config import (
 )
 from ._registry import StageEnv, get_stage, stage_config, stages
 from ._rollout import sampling_options
-from ._rundir import open_run_dir, write_json_atomic
+from ._rundir import check_data, open_run_dir, write_json_atomic
 from ._runs import RunContext, export_policy
 from ._validation import validate_config
 
@@ -41,7 +41,9 @@ def run_on_data(
     alone in the PEFT layout in `<stage>/adapter/`); return the summary.
 
     The configuration is validated first and the run directory taken as
-    `run_pipeline` does (`open_run_dir`). Pairs the reader dropped (identical or empty
+    `run_pipeline` does (`open_run_dir`); the data file's fingerprint (path, size,
+    SHA-256) is recorded in `data.json`, and a resume on a changed file is refused
+    (`check_data`). Pairs the reader dropped (identical or empty
     completions, unsplittable transcripts) are counted in the data-quality report and
     `summary["data_quality"]["skipped_by_reader"]`; `summary["stopped"]` is `"done"`,
     `"kl_guard"` or `"diverged"`."""
@@ -65,6 +67,7 @@ def run_on_data(
         print(f"run directory: {run_dir}")
         for note in rd.notes:
             print(f"note: {note}", file=sys.stderr)
+        check_data(run_dir, cfg.data.path, resume=rd.resume)
         return _run_on_data(cfg, st, run_dir, rd.resume)
 
 

@@ -24,6 +24,7 @@ what it resumes, and `config.json` is written only after every check has passed.
 import datetime
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -247,6 +248,43 @@ def open_run_dir(
         lock.release()
         raise
     return RunDir(run_dir, lock, resume, notes)
+
+
+DATA_NAME = "data.json"
+
+
+def data_fingerprint(path: str) -> dict:
+    """What identifies a data file's contents: its path, size and the SHA-256 of its
+    bytes (everything the readers read)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return {"path": os.path.abspath(path), "size": os.path.getsize(path), "sha256": h.hexdigest()}
+
+
+def check_data(run_dir: str, path: str, *, resume: bool) -> None:
+    """Record the fingerprint of the data file `path` in `<run_dir>/data.json`; when a run
+    resumes, first refuse (`RunDirError`) a file whose size or contents differ from the
+    recorded ones: the resumed steps would train on other data than the first ones, as
+    with a changed configuration. A run that recorded none (an older one) records it
+    now."""
+    new = data_fingerprint(path)
+    stored = os.path.join(run_dir, DATA_NAME)
+    if resume and os.path.isfile(stored):
+        try:
+            with open(stored) as f:
+                old = json.load(f)
+        except ValueError as e:
+            raise RunDirError(f"{stored}: not JSON ({e})") from None
+        if (old.get("size"), old.get("sha256")) != (new["size"], new["sha256"]):
+            raise RunDirError(
+                f"{run_dir}: cannot resume: the data file {path} changed since the run "
+                f"started (size {old.get('size')} -> {new['size']} bytes, sha256 "
+                f"{str(old.get('sha256'))[:12]}... -> {new['sha256'][:12]}...); restore it, "
+                "or start a new run on it (another --out, or --overwrite)"
+            )
+    write_json_atomic(stored, new)
 
 
 def write_json_atomic(path: str, obj) -> None:

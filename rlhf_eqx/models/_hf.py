@@ -19,6 +19,7 @@ directory beside the target and swaps it into place, so the target never holds a
 half-written checkpoint.
 """
 
+import errno
 import json
 import os
 import re
@@ -180,6 +181,60 @@ def _write_files(
         os.chmod(os.path.join(directory, fname), mode)
 
 
+class _NoSpace(OSError):
+    """A full disk while exporting; the message names the directory."""
+
+    def __init__(self, directory: str, what: str):
+        super().__init__(
+            errno.ENOSPC,
+            f"no space left on the device of {directory} ({what} not written; what was "
+            "there before is unchanged)",
+        )
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def _disk_full(e: BaseException, directory: str) -> bool:
+    """Whether `e` (or an error it wraps) comes from a full disk: an `OSError` with
+    `ENOSPC`/`EDQUOT`, safetensors' error carrying that OS error, or (a short write
+    carries no errno) a device with less than 1 MiB free."""
+    seen, io = set(), False
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if f"(os error {errno.ENOSPC})" in str(e) or f"(os error {errno.EDQUOT})" in str(e):
+            return True
+        io = io or isinstance(e, OSError) or type(e).__name__ == "SafetensorError"
+        e = e.__cause__ or e.__context__
+    if not io:
+        return False
+    try:
+        st = os.statvfs(directory)
+        return st.f_bavail * st.f_frsize < (1 << 20)
+    except OSError:
+        return False
+
+
+def _write_atomically(target: str, write, what: str) -> None:
+    """`write(staging)` into a fresh directory beside `target`, then swapped into place
+    (`_swap_into_place`); on any error the staging directory is removed, and a full disk
+    raises one `OSError` line naming `target` (what was there stays as it was)."""
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    _remove_stale(target)
+    staging = _sibling(target, "tmp")
+    try:
+        os.mkdir(staging)
+        write(staging)
+        _swap_into_place(staging, target)
+    except BaseException as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(e, Exception) and _disk_full(e, os.path.dirname(target)):
+            raise _NoSpace(target, what) from None
+        raise
+
+
 def _is_checkpoint_file(name: str) -> bool:
     return name in (_CONFIG, _SINGLE, _INDEX) or bool(_SHARD_NAME.fullmatch(name))
 
@@ -243,7 +298,8 @@ def save_hf(
     - `directory`: the checkpoint directory. The checkpoint is written into a fresh
       directory beside it and then swapped into place: an existing checkpoint there is
       replaced only once the new one is complete, other files in it are kept, and
-      staging directories left by an interrupted save are removed.
+      staging directories left by an interrupted save are removed. A full disk raises
+      one `OSError` line naming the directory (the previous checkpoint is kept).
     - `max_shard_bytes`: shard size limit; when the weights exceed it they are split
       into `model-0000i-of-0000n.safetensors` (a tensor larger than the limit gets a
       shard of its own) with `model.safetensors.index.json`, else one
@@ -276,13 +332,5 @@ def save_hf(
     target = os.path.abspath(os.fspath(directory))
     if os.path.exists(target) and not os.path.isdir(target):
         raise ValueError(f"save_hf: {target} exists and is not a directory")
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    _remove_stale(target)
-    staging = _sibling(target, "tmp")
-    os.mkdir(staging)
-    try:
-        _write_files(staging, config, tensors, _plan_shards(tensors, max_shard_bytes))
-        _swap_into_place(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    shards = _plan_shards(tensors, max_shard_bytes)
+    _write_atomically(target, lambda d: _write_files(d, config, tensors, shards), "export")

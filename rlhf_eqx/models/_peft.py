@@ -29,6 +29,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from ._build import check_finite, model_config, where_layers
+from ._hf import _write_atomically
 from ._layers import LoRAAdapter
 from ._lora import lora_shapes
 
@@ -58,7 +59,9 @@ def save_lora_adapter(
     - `model`: a `Policy` (or other decoder model) with adapters from `apply_lora`; all
       adapters must share one rank and one scale (as `apply_lora` makes them).
     - `directory`: created if needed; `adapter_config.json` and
-      `adapter_model.safetensors` are written there (float32).
+      `adapter_model.safetensors` are written there (float32), through a fresh directory
+      swapped into place as `save_hf` does (a full disk raises one `OSError` line naming
+      the directory, and an adapter already there is kept).
     - `base_model_name_or_path`: recorded in the config for PEFT.
     """
     import safetensors.numpy as stnp
@@ -100,11 +103,13 @@ def save_lora_adapter(
         "rank_pattern": {},
         "alpha_pattern": {},
     }
-    directory = os.fspath(directory)
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, _CONFIG), "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=2)
-    stnp.save_file(tensors, os.path.join(directory, _WEIGHTS), metadata={"format": "pt"})
+
+    def write(staging: str) -> None:
+        with open(os.path.join(staging, _CONFIG), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2)
+        stnp.save_file(tensors, os.path.join(staging, _WEIGHTS), metadata={"format": "pt"})
+
+    _write_atomically(os.path.abspath(os.fspath(directory)), write, "adapter")
 
 
 def _check(config: dict[str, Any], path: str) -> None:

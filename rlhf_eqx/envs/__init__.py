@@ -12,6 +12,7 @@ from ._animal import (
     AnimalFollowUpEnv as AnimalFollowUpEnv,
     animal_followup_score as animal_followup_score,
 )
+from ._calculator import calculator as calculator
 from ._environment import (
     Environment as Environment,
     HostEnvironment as HostEnvironment,
@@ -22,7 +23,6 @@ from ._rollout import rollout_multiturn as rollout_multiturn
 from ._tools import (
     ToolCall as ToolCall,
     ToolEnvironment as ToolEnvironment,
-    calculator as calculator,
     call_tool as call_tool,
     parse_tool_calls as parse_tool_calls,
 )

@@ -17,7 +17,7 @@ Observations are token ids padded to the environment's static
 
 import abc
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
@@ -54,9 +54,22 @@ class Environment(eqx.Module):
             reward = jnp.sum(completion_mask).astype(jnp.float32)
             return state + 1, obs, obs_mask, reward, state + 1 >= 3
     ```
+
+    Attributes every environment has:
+
+    - `max_observation_tokens` (required): the static length its observations are padded
+      to.
+    - `stop_ids` (optional, default `()`): the token ids that end a policy turn, for
+      environments whose turns end at their own markers (a chat format's end-of-turn
+      token, a newline). The rollouts of the pipelines (`run_multiturn`, the
+      `multiturn-dpo` stage) pass them to the sampler as `eos_id`; with `()` a turn ends
+      at the tokenizer's EOS. Override it with a static field
+      (`stop_ids: tuple[int, ...] = eqx.field(static=True, default=(...))`) or a class
+      attribute, as `AnimalFollowUpEnv` does.
     """
 
     max_observation_tokens: eqx.AbstractVar[int]
+    stop_ids: ClassVar[tuple[int, ...]] = ()
 
     @abc.abstractmethod
     def reset(

@@ -16,11 +16,8 @@ the policy sees what went wrong and the run goes on. A turn without a tool call 
 final answer and ends the episode.
 """
 
-import ast
 import dataclasses
 import json
-import math
-import operator
 import re
 import threading
 from collections.abc import Callable, Mapping
@@ -32,6 +29,7 @@ from ._environment import TextEnvironment
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _OPEN = "<tool_call>"
 _CUT = "...[cut]"
+_MIN_TEXT = 2  # tokens of a cut response's text, at the least
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,8 +148,9 @@ class ToolEnvironment(TextEnvironment):
 
     The prefix and suffix place the responses in a chat format, e.g. for ChatML
     `response_prefix="<|im_end|>\\n<|im_start|>user\\n"`,
-    `response_suffix="<|im_end|>\\n<|im_start|>assistant\\n"`. A response too long for
-    `max_observation_tokens` is shortened (its result text cut, marked `...[cut]`).
+    `response_suffix="<|im_end|>\\n<|im_start|>assistant\\n"`. Responses too long for
+    `max_observation_tokens` share it: each keeps a part (the shorter ones whole), cut at
+    a word boundary where possible and marked `...[cut]`.
 
     **Arguments:**
 
@@ -218,114 +217,72 @@ class ToolEnvironment(TextEnvironment):
         return self.response_prefix + body + self.response_suffix
 
     def _fit(self, results: list[str]) -> str:
-        """The rendered responses, each result cut (longest first) until they fit."""
-        results = list(results)
+        """The rendered responses within `max_observation_tokens`: the tokens left after
+        the frame are shared (a response shorter than its share is kept whole, its unused
+        part goes to the others); a longer one keeps its beginning, cut at a word boundary
+        where possible, followed by `...[cut]`. A budget too small for that (each cut
+        response at least `_MIN_TEXT` tokens of text and the marker) is a `ValueError`
+        naming the budget it needs."""
         budget = self.max_observation_tokens
-        while True:
-            text = self._render(results)
-            n = len(self.encode_observation(text))
-            if n <= budget:
+        text = self._render(results)
+        if len(self.encode_observation(text)) <= budget:
+            return text
+        n = lambda t: len(self.encode_observation(t))  # noqa: E731
+        frame = n(self._render([""] * len(results)))
+        if frame > budget:
+            raise ValueError(
+                f"the tool responses' frame ({self.response_prefix!r} ... "
+                f"{self.response_suffix!r}) alone needs more than max_observation_tokens="
+                f"{budget} tokens"
+            )
+        sizes, marker = [n(r) for r in results], n(_CUT)
+        room = budget - frame
+        need = len(results) * (marker + _MIN_TEXT)
+        if room < need:
+            raise ValueError(
+                f"max_observation_tokens={budget} leaves {room} tokens for the text of "
+                f"{len(results)} tool responses after their frame ({frame} tokens); each "
+                f"needs at least {marker + _MIN_TEXT} to keep a readable part and {_CUT!r}: "
+                f"raise max_observation_tokens to at least {frame + need}"
+            )
+        while True:  # token counts are not additive at the joins: shrink until it fits
+            shares = _shares(sizes, room)
+            cut = [
+                r if k >= size else _cut(r, k - marker, n) if k >= marker else ""
+                for r, k, size in zip(results, shares, sizes)
+            ]
+            text = self._render(cut)
+            over = n(text) - budget
+            if over <= 0 or room == 0:
                 return text
-            i = max(range(len(results)), key=lambda j: len(results[j]))
-            if not results[i]:
-                break
-            keep = len(results[i]) * budget // n - len(_CUT)
-            results[i] = results[i][:keep] + _CUT if keep > 0 else ""
-        raise ValueError(
-            f"the tool responses' frame ({self.response_prefix!r} ... "
-            f"{self.response_suffix!r}) alone needs more than max_observation_tokens="
-            f"{budget} tokens"
-        )
+            room = max(room - over, 0)
 
 
-# --------------------------------------------------------------------------- calculator
-
-_BINARY = {
-    ast.Add: operator.add,
-    ast.Sub: operator.sub,
-    ast.Mult: operator.mul,
-    ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv,
-    ast.Mod: operator.mod,
-    ast.Pow: operator.pow,
-}
-_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
-MAX_EXPRESSION_CHARS = 200
-MAX_NODES = 100
-MAX_EXPONENT = 100
-MAX_INT_BITS = 512
+def _shares(sizes: list[int], room: int) -> list[int]:
+    """`room` tokens shared fairly: in order of size, each gets its size or an equal part
+    of what is left, whichever is smaller."""
+    shares = [0] * len(sizes)
+    left = room
+    order = sorted(range(len(sizes)), key=lambda i: sizes[i])
+    for k, i in enumerate(order):
+        shares[i] = min(sizes[i], left // (len(order) - k))
+        left -= shares[i]
+    return shares
 
 
-def calculator(expression: str) -> int | float:
-    """Evaluate an arithmetic expression safely: a tool for `ToolEnvironment`.
-
-    Accepts numbers (ints and floats, not booleans or complex), the binary operators
-    `+ - * / // % **`, unary `+ -` and parentheses — nothing else: no names, calls,
-    attributes, subscripts, comparisons. The expression is parsed with `ast`, never
-    `eval`-ed. Limits keep every evaluation fast and small: at most 200 characters and
-    100 syntax nodes, exponents of magnitude at most 100, integers of at most 512 bits
-    (about 154 digits), finite floats.
-
-    **Arguments:**
-
-    - `expression`: e.g. `"(2 + 3) * 4 ** 2"`.
-
-    **Returns:** the value (`int` or `float`). **Raises** `ValueError` naming what is
-    not allowed or which limit was hit (division by zero included).
-    """
-    if not isinstance(expression, str):
-        raise ValueError(f"expression must be a string, got {type(expression).__name__}")
-    if len(expression) > MAX_EXPRESSION_CHARS:
-        raise ValueError(
-            f"expression has {len(expression)} characters, more than {MAX_EXPRESSION_CHARS}"
-        )
-    try:
-        tree = ast.parse(expression.strip(), mode="eval")
-    except SyntaxError as e:
-        raise ValueError(f"not an arithmetic expression: {e.msg}") from None
-    nodes = sum(1 for _ in ast.walk(tree))
-    if nodes > MAX_NODES:
-        raise ValueError(f"expression has {nodes} syntax nodes, more than {MAX_NODES}")
-    return _evaluate(tree.body)
-
-
-def _check_value(x: int | float | complex) -> int | float:
-    if isinstance(x, complex):
-        raise ValueError("the result is a complex number")
-    if isinstance(x, int) and x.bit_length() > MAX_INT_BITS:
-        raise ValueError(f"an intermediate integer exceeds {MAX_INT_BITS} bits")
-    if isinstance(x, float) and not math.isfinite(x):
-        raise ValueError("an intermediate value is not finite")
-    return x
-
-
-def _power(base: int | float, exponent: int | float) -> int | float | complex:
-    if abs(exponent) > MAX_EXPONENT:
-        raise ValueError(f"exponent {exponent!r} exceeds the limit of {MAX_EXPONENT}")
-    if isinstance(base, int) and isinstance(exponent, int) and exponent > 0:
-        if base.bit_length() * exponent > MAX_INT_BITS + 64:
-            raise ValueError(f"{base} ** {exponent} exceeds {MAX_INT_BITS} bits")
-    return base**exponent
-
-
-def _evaluate(node: ast.AST) -> int | float:
-    if isinstance(node, ast.Constant):
-        value = node.value
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"only numbers are allowed, got {value!r}")
-        return _check_value(value)
-    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-        return _check_value(_UNARY[type(node.op)](_evaluate(node.operand)))
-    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-        left, right = _evaluate(node.left), _evaluate(node.right)
-        try:
-            if isinstance(node.op, ast.Pow):
-                value = _power(left, right)
-            else:
-                value = _BINARY[type(node.op)](left, right)
-        except ZeroDivisionError:
-            raise ValueError("division by zero") from None
-        except OverflowError:
-            raise ValueError("numeric overflow") from None
-        return _check_value(value)
-    raise ValueError(f"{type(node).__name__} is not allowed in an arithmetic expression")
+def _cut(text: str, tokens: int, n: Callable[[str], int]) -> str:
+    """The longest beginning of `text` of at most `tokens` tokens (`n` counts them), cut
+    back to the last word boundary in it (if any: a first word longer than the budget is
+    cut inside), then `...[cut]`."""
+    lo, hi = 0, len(text)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if n(text[:mid]) <= tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    head = text[:lo]
+    space = max(head.rfind(" "), head.rfind("\n"))
+    if lo < len(text) and not text[lo].isspace() and space > 0:
+        head = head[:space]
+    return head.rstrip() + _CUT

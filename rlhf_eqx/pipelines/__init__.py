@@ -73,6 +73,7 @@ from ._multiturn_dpo_runs import (
 from ._multiturn_runs import (
     MultiturnConfig as MultiturnConfig,
     run_multiturn as run_multiturn,
+    turn_stop_ids as turn_stop_ids,
 )
 from ._pipeline import (
     format_table as format_table,

@@ -93,10 +93,16 @@ def _rollout(policy, env, tok, prompts, key, cfg, ctx: RunContext, samples):
         max_new_tokens=cfg.turn_tokens,
         max_total_tokens=_length(env, cfg, ctx.prompt_length),
         temperature=ctx.temperature,
-        eos_id=env.stop_ids,
+        eos_id=turn_stop_ids(env, tok),
         pad_id=tok.pad_id,
         num_samples=samples,
     )
+
+
+def turn_stop_ids(env, tok) -> tuple[int, ...]:
+    """The ids that end a policy turn: the environment's `stop_ids`
+    (`rlhf_eqx.envs.Environment`), else the tokenizer's EOS."""
+    return tuple(getattr(env, "stop_ids", ()) or ()) or (int(tok.eos_id),)
 
 
 def _length(env, cfg, prompt_length: int) -> int:
@@ -119,7 +125,9 @@ def multiturn_metrics(policy, base, env, tok, key, cfg, ctx, samples: int):
 
 
 def run_multiturn(policy, tok, prompts: Sequence[str], env, *, cfg, ctx: RunContext) -> RunResult:
-    """GRPO on multi-turn episodes against the jittable environment `env`: per rollout,
+    """GRPO on multi-turn episodes against the jittable environment `env` (an
+    `rlhf_eqx.envs.Environment`; each policy turn ends at one of its `stop_ids`, or at
+    the tokenizer's EOS when it declares none: `turn_stop_ids`): per rollout,
     `cfg.group_size` episodes for each of `cfg.prompts_per_rollout` prompts, rewarded
     per episode; the environment's tokens are masked out of the loss; reference
     log-probs on the policy's tokens once per rollout; `cfg.epochs` steps on it."""

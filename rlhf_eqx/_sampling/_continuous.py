@@ -286,9 +286,11 @@ def generate_continuous(
     by `max_new_tokens` completion positions (`pad_id` past the row's end), with the
     sampled tokens' log-probabilities.
 
-    Raises `ValueError` naming the argument for `slots < 1`, keys that are not one per
-    prompt, concrete prompt ids outside the vocabulary, an empty prompt, budgets out of
-    range, malformed stop sequences, or `P + max_new_tokens` above the model's
+    Shapes of `prompts`, `prompt_masks`, `keys` that disagree (not one key per prompt)
+    raise jaxtyping's `TypeCheckError` (the shape checks, on by default; `ValueError`
+    with `RLHF_EQX_TYPECHECK=0`). Raises `ValueError` naming the argument for
+    `slots < 1`, concrete prompt ids outside the vocabulary, an empty prompt, budgets
+    out of range, malformed stop sequences, or `P + max_new_tokens` above the model's
     `max_seq_len`.
     """
     opts = SamplingOptions(

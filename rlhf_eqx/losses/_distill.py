@@ -87,7 +87,9 @@ def generalized_jsd(
     - `mask`: `[T]`, true on the positions that count; other rows may hold anything.
     - `beta`: $\beta \in [0, 1]$ (a Python number, checked, or a JAX scalar, possibly
       traced: then 0 and 1 select the end points with `jnp.where`).
-    - `temperature`: $\tau > 0$, dividing both logits (TRL GKD's `temperature`).
+    - `temperature`: $\tau > 0$, dividing both logits (the `temperature` of TRL's
+      `GKDTrainer.generalized_jsd_loss`, which its trainer calls at the default
+      $\tau = 1$; `GKDConfig.temperature`, 0.9, is TRL's *sampling* temperature).
 
     **Returns:** `[T]` per-position divergences, 0 where `mask` is false. Reduce a batch
     of them with `aggregate(..., mode="token-mean")` (TRL's `batchmean` over the

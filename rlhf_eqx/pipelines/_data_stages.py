@@ -294,7 +294,7 @@ def distill(env: StageEnv, c) -> Outcome:
     comps = completions_batch([(r.prompt, r.chosen) for r in train], tok, **lengths)
     hb = completions_batch([(r.prompt, r.chosen) for r in held], tok, **lengths)
     say(f"distill: {len(train)} training / {len(held)} held-out prompts, teacher {c.teacher}")
-    kw = dict(beta=c.beta, temperature=c.temperature)
+    kw = dict(beta=c.beta)  # at the loss's temperature, τ = 1 (as TRL's GKDTrainer)
     before = distill_divergence(policy, teacher, hb, **kw)
     res = run_distill(policy, teacher, tok, [r.prompt for r in train], comps, cfg=c, ctx=ctx)
     trained = final_policy(res.state.model)

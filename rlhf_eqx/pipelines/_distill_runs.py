@@ -20,6 +20,12 @@ from ._stage_configs import (
 )
 from ._validation import validate_stage
 
+LOSS_TEMPERATURE = 1.0
+"""The temperature of the distillation stage's divergence, as TRL's `GKDTrainer` computes
+its loss (`generalized_jsd_loss` at its default `temperature=1.0`); the stage's
+`distill.temperature` (TRL `GKDConfig.temperature`, 0.9) is the temperature the
+on-policy completions are sampled at."""
+
 
 def check_same_vocabulary(student, teacher) -> None:
     """Refuse (`ValueError`) a teacher whose vocabulary differs from the student's,
@@ -58,8 +64,13 @@ def run_distill(
     computed on the fly, LM head on completion positions only) on `cfg.batch_size` rows.
     Step `i` is on-policy with probability `cfg.lmbda` (drawn from `fold_in(key, i)`):
     its completions are sampled from the current student for the rows' prompts with the
-    run's sampling settings; otherwise they are the rows of `completions` (dataset
-    completions, or the teacher's own samples). `prompts[j]` is the prompt of row `j`.
+    run's sampling settings at temperature `cfg.temperature`; otherwise they are the
+    rows of `completions` (dataset completions, or the teacher's own samples).
+    `prompts[j]` is the prompt of row `j`. As in TRL, `cfg.temperature` (0.9) is the
+    sampling temperature only: the divergence is computed at `LOSS_TEMPERATURE` (τ = 1;
+    TRL 1.16 `trl/experimental/gkd/gkd_trainer.py`: `compute_loss` calls
+    `generalized_jsd_loss` without a temperature, and `GKDConfig.temperature` goes to
+    the generation config).
     The student trains LoRA adapters per `cfg.lora`; teacher and student must share a
     vocabulary (`check_same_vocabulary`) and may differ in size."""
     validate_stage("distill", cfg)
@@ -72,8 +83,9 @@ def run_distill(
     opt = build_optimizer(cfg.optim, cfg.steps)
     state = rx.train.init_train_state(model, opt, filter_spec=spec)
     step = rx.train.make_distill_step(
-        opt, beta=cfg.beta, temperature=cfg.temperature, **dataclasses.asdict(cfg.options)
+        opt, beta=cfg.beta, temperature=LOSS_TEMPERATURE, **dataclasses.asdict(cfg.options)
     )
+    sampling = on_policy_sampling(ctx, cfg)
 
     def iteration(state, key, i):
         rows = rows_at(n, cfg.batch_size, ctx.ops.seed, i)
@@ -81,7 +93,7 @@ def run_distill(
         on_policy = float(jax.random.uniform(k_coin)) < cfg.lmbda
         if on_policy:
             roll = sample_rollout(
-                state.model, tok, [prompts[j] for j in rows], k_sample, **sampling_options(ctx)
+                state.model, tok, [prompts[j] for j in rows], k_sample, **sampling
             )
             batch = rx.train.DistillBatch(roll.tokens, roll.mask, roll.completion_mask)
         else:
@@ -100,6 +112,11 @@ def run_distill(
     )
 
 
+def on_policy_sampling(ctx: RunContext, cfg: DistillConfig) -> dict:
+    """The sampling keywords of the on-policy steps: the run's, at `cfg.temperature`."""
+    return dict(sampling_options(ctx), temperature=cfg.temperature)
+
+
 @eqx.filter_jit
 def _jsd(student, teacher, batch, beta, temperature):
     params, frozen = eqx.partition(student, eqx.is_inexact_array)
@@ -109,9 +126,12 @@ def _jsd(student, teacher, batch, beta, temperature):
     return num / jnp.maximum(den, 1.0)
 
 
-def distill_divergence(student, teacher, batch, *, beta: float, temperature: float) -> float:
+def distill_divergence(
+    student, teacher, batch, *, beta: float, temperature: float = LOSS_TEMPERATURE
+) -> float:
     """Mean generalized JSD per completion token between `student` and `teacher` on a
-    `DistillBatch` (the held-out measure of a distillation run)."""
+    `DistillBatch` at `temperature` (the held-out measure of a distillation run, at the
+    temperature of its loss)."""
     f32 = jnp.float32  # traced: one compile for every beta and temperature
     return float(
         _jsd(student, teacher, batch, jnp.asarray(beta, f32), jnp.asarray(temperature, f32))

@@ -212,7 +212,10 @@ def make_distill_step(
     **Arguments:**
 
     - `optimizer`: e.g. from `make_optimizer`.
-    - `beta`: $\beta \in [0, 1]$ (TRL GKD default 0.5); `temperature`: $\tau > 0$.
+    - `beta`: $\beta \in [0, 1]$ (TRL GKD default 0.5); `temperature`: $\tau > 0$
+      dividing both logits in the divergence (default 1, as TRL's `GKDTrainer` computes
+      its loss; its `GKDConfig.temperature`, 0.9, is the temperature completions are
+      sampled at, the `distill` stage's `distill.temperature`).
     - `mode`, `constant`: aggregation (see `rlhf_eqx.losses.aggregate_parts`).
     - `chunk`: positions per head chunk (a positive int).
     - `micro_batches`, `axis_name`, `donate`, `nonfinite`, `check_token_ids`: see

@@ -95,7 +95,9 @@ def _open(reader, path):
             reader = gguf.GGUFReader(path)
         except Exception as e:  # the reader raises ValueError/struct.error on bad bytes
             raise DataError(f"{path}: not a readable GGUF file ({e})") from None
-    return reader, os.fspath(path) if path is not None else "<gguf>"
+    if path is None:  # a reader's memory map knows its file
+        path = getattr(getattr(reader, "data", None), "filename", None) or "<gguf>"
+    return reader, os.fspath(path)
 
 
 def _field(reader, key: str):

@@ -28,6 +28,8 @@ def test_multiturn_stage_runs_from_the_cli(tmp_path, capsys):
     mt = summary["multiturn"]
     for k in ("multiturn_success", "multiturn_success_sft", "multiturn_success_base"):
         assert 0.0 <= mt[k] <= 1.0
+        assert 0.0 <= mt[f"{k}_se"] <= 0.5
+    assert 0.0 <= mt["multiturn_win_rate_vs_sft_se"] <= 0.5
     assert mt["multiturn_base_nll"] > 0 and mt["multiturn_base_nll_base"] > 0
     assert 0.0 <= mt["multiturn_win_rate_vs_sft"] <= 1.0
     steps = pl.read_metrics(str(out))["multiturn"]

@@ -55,7 +55,14 @@ def test_pipeline_end_to_end_small(tmp_path, capsys):
         assert os.path.isfile(out / stage / "hf" / "model.safetensors")
     for stage in ("ppo", "dpo", "grpo"):
         assert {"score", "win_rate_vs_sft", "kl"} <= set(summary[stage])
-    assert 0.0 <= summary["reward_model"]["heldout_accuracy"] <= 1.0
+    for stage in ("base", "sft", "ppo", "dpo", "grpo", "online-dpo"):
+        assert 0.0 <= summary[stage]["score_se"] <= 0.5
+    for stage in ("ppo", "dpo", "grpo", "online-dpo"):
+        assert 0.0 <= summary[stage]["win_rate_vs_sft_se"] <= 0.5
+    rm = summary["reward_model"]
+    assert 0.0 <= rm["heldout_accuracy"] <= 1.0
+    p, n = rm["heldout_accuracy"], rm["heldout_pairs"]
+    assert rm["heldout_accuracy_se"] == pytest.approx((p * (1 - p) / n) ** 0.5)
     rm_config = json.loads((out / "reward" / "hf" / "config.json").read_text())
     assert rm_config["architectures"][0].endswith("ForSequenceClassification")
     for stage in ("sft", "ppo", "dpo", "grpo"):

@@ -8,8 +8,12 @@ positions come from the mask.
 static shapes and dtypes only, so construction works the same under `jax.jit`,
 `jax.vmap` and `eqx.tree_at`: token fields must be integer arrays of rank 2, masks
 boolean arrays of the same shape, cached reference log-probabilities floating arrays of
-shape `[B]`, and neither `B` nor `T` may be 0. A `DataError` (a `ValueError`) names the
-batch, the field and the shapes. Only array fields are checked; other leaves (such as
+shape `[B]`, and neither `B` nor `T` may be 0. A field whose shape or dtype disagrees
+with its annotation (a mask of another shape than the tokens) raises jaxtyping's
+`TypeCheckError` first, with the runtime shape checks on (the default); what the
+annotations cannot say (`B` or `T` of 0), and every case with the checks off, is a
+`DataError` (a `ValueError`) naming the batch, the field and the shapes. Only array
+fields are checked; other leaves (such as
 the integers of an `in_axes` specification, or `None` for an optional field) pass
 untouched. Transformations that rebuild a batch from its leaves (`jax.tree.map`,
 `jax.vmap` of a per-sample function, which sees a batch without its leading axis,

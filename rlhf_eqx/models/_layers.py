@@ -49,6 +49,13 @@ class AbstractQuantizedWeight(eqx.Module):
         gathered ones."""
         return jnp.take(jnp.swapaxes(self.dequantize(dtype), -1, -2), ids, axis=0)
 
+    def column_slice(self, start: Int[Array, ""], size: int) -> "AbstractQuantizedWeight | None":
+        """Output columns `[start, start + size)` of the (unstacked) weight as a weight of
+        the same format (`start` traced, clamped like `lax.dynamic_slice`), or `None` for a
+        format not stored by output column (the frozen product then decodes it whole)."""
+        del start, size
+        return None
+
 
 class Int8Weight(AbstractQuantizedWeight):
     """A frozen weight stored as int8 with one float scale per output channel (absmax).
@@ -117,13 +124,6 @@ class NF4Weight(AbstractQuantizedWeight):
         return levels.reshape(lead + (-1,))[..., :n].reshape(lead + self.in_out).astype(dtype)
 
 
-def dense_weight(w: Array | AbstractQuantizedWeight, dtype) -> Array:
-    """The weight as a dense array of `dtype` (dequantising an `Int8Weight` / `NF4Weight`)."""
-    if isinstance(w, AbstractQuantizedWeight):
-        return w.dequantize(dtype)
-    return w
-
-
 def matmul(
     x: Float[Array, "*N i"], w: Array | AbstractQuantizedWeight, *, out_dtype=None
 ) -> Float[Array, "*N o"]:
@@ -136,11 +136,13 @@ def matmul(
 
     A quantised weight is frozen and never kept dense: the product is a `custom_vjp`
     whose only residual is the packed weight (not `x`, which a frozen weight's gradient
-    does not need, nor the dequantised matrix). The forward pass dequantises the whole
-    weight (per layer inside the scanned stack, freed after its product), the backward
-    pass dequantises it again and returns `dx = dy · Wᵀ` only; the weight's cotangent is
-    zero (`float0` for its integer arrays). A differentiated scan over `L` quantised
-    layers thus keeps `L` packed weights instead of `L` dense ones.
+    does not need, nor the dequantised matrix). The forward pass dequantises the weight
+    (per layer inside the scanned stack; a weight of more than `FROZEN_TILE` output
+    columns that can be cut by columns, such as a `GGUFWeight` head over the vocabulary,
+    one tile of columns at a time in a loop), the backward pass dequantises it again
+    and returns `dx = dy · Wᵀ` only; the weight's cotangent is zero (`float0` for its
+    integer arrays). A differentiated scan over `L` quantised layers thus keeps `L`
+    packed weights instead of `L` dense ones.
     """
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
@@ -154,10 +156,40 @@ def matmul(
     return y.reshape(lead + (y.shape[-1],))
 
 
+# output columns per tile of a frozen product over a weight stored by output column
+FROZEN_TILE = 8192
+
+
+def _tile_width(w: AbstractQuantizedWeight) -> int | None:
+    """Columns per tile (tiles of near-equal width), or None to decode the weight whole."""
+    out = w.shape[-1]
+    if len(w.shape) != 2 or out <= FROZEN_TILE or w.column_slice(jnp.int32(0), 1) is None:
+        return None
+    return -(-out // -(-out // FROZEN_TILE))
+
+
+def _tile_starts(i, tile: int, out: int):
+    """Tile `i`'s first column, clamped so the last tile ends at `out` (it then overlaps
+    the one before it), and which of its columns are its own."""
+    start = jnp.minimum(i * tile, out - tile)
+    return start, start + jnp.arange(tile) >= i * tile
+
+
 def _frozen_matmul_fwd(x2, w, dtypes):
     in_dt, out_dt = dtypes
-    y = jnp.matmul(x2, w.dequantize(in_dt), preferred_element_type=out_dt)
-    return y.astype(out_dt), w
+    tile, out = _tile_width(w), w.shape[-1]
+    if tile is None:
+        y = jnp.matmul(x2, w.dequantize(in_dt), preferred_element_type=out_dt)
+        return y.astype(out_dt), w
+
+    def body(i, y):
+        start, _ = _tile_starts(i, tile, out)
+        wi = w.column_slice(start, tile).dequantize(in_dt)
+        yi = jnp.matmul(x2, wi, preferred_element_type=out_dt).astype(out_dt)
+        return jax.lax.dynamic_update_slice_in_dim(y, yi, start, axis=1)
+
+    y = jax.lax.fori_loop(0, -(-out // tile), body, jnp.zeros((x2.shape[0], out), out_dt))
+    return y, w
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -167,8 +199,18 @@ def _frozen_matmul(x2, w, dtypes):
 
 def _frozen_matmul_bwd(dtypes, w, dy):
     in_dt, _ = dtypes
-    wd = w.dequantize(in_dt)
-    dx = jnp.matmul(dy.astype(in_dt), wd.T, preferred_element_type=in_dt)
+    dy = dy.astype(in_dt)
+    tile, out = _tile_width(w), w.shape[-1]
+    if tile is None:
+        return jnp.matmul(dy, w.dequantize(in_dt).T, preferred_element_type=in_dt), None
+
+    def body(i, dx):
+        start, own = _tile_starts(i, tile, out)
+        dyi = jnp.where(own[None, :], jax.lax.dynamic_slice_in_dim(dy, start, tile, axis=1), 0)
+        wi = w.column_slice(start, tile).dequantize(in_dt)
+        return dx + jnp.matmul(dyi, wi.T, preferred_element_type=in_dt)
+
+    dx = jax.lax.fori_loop(0, -(-out // tile), body, jnp.zeros((dy.shape[0], w.shape[0]), in_dt))
     return dx, None
 
 

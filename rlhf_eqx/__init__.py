@@ -26,11 +26,13 @@ from .models import (
     apply_lora as apply_lora,
     count_params as count_params,
     dequantize as dequantize,
+    load_gguf as load_gguf,
     load_hf as load_hf,
     lora_filter as lora_filter,
     merge_lora as merge_lora,
     quantize_int8 as quantize_int8,
     quantize_nf4 as quantize_nf4,
+    save_gguf as save_gguf,
     save_hf as save_hf,
     without_lora as without_lora,
 )

@@ -1,0 +1,263 @@
+"""llama.cpp GGUF files: metadata → `TransformerConfig`, tensors → the decoder's arrays.
+
+A GGUF file is a header of typed key/value metadata, a table of tensors (name, GGML
+type, shape) and the tensor data; it is read with the `gguf` package (llama.cpp's own
+reader, a `numpy.memmap`), so loading never executes code from the file. The route is
+the Hugging Face one: the metadata become a `config.json`-style dictionary for
+`config_from_hf`, the tensors get their Hugging Face names for `arrays_from_tensors`.
+
+| GGUF tensor (`P` = `blk.{i}.`) | Hugging Face (`P` = `model.layers.{i}.`) |
+| --- | --- |
+| `token_embd`, `output_norm`, `output` | `model.embed_tokens`, `model.norm`, `lm_head` |
+| `P attn_norm`, `P attn_q/k/v`, `P attn_output` | `input_layernorm`, `self_attn.{q,k,v,o}_proj` |
+| `P attn_q_norm`, `P attn_k_norm` | `self_attn.q_norm`, `self_attn.k_norm` |
+| `P ffn_norm` | `post_attention_layernorm`; Gemma 2/3: `pre_feedforward_layernorm` |
+| `P post_attention_norm`, `P post_ffw_norm` | Gemma 2/3: `post_attention_layernorm`, `post_feedforward_layernorm` |
+| `P ffn_gate`, `P ffn_up`, `P ffn_down` | `mlp.{gate,up,down}_proj` |
+
+llama.cpp's converter (`convert_hf_to_gguf.py`) changes two things on the way, undone
+here: for the `llama` architecture (Llama, Mistral) the q/k output rows are permuted
+from rotate-half to interleaved rotary pairs (`w.reshape(n_head, 2, hd/2, in)
+.swapaxes(1, 2)`; Qwen and Gemma use llama.cpp's NeoX rotary and are stored as is), and
+Gemma's RMSNorm weights are stored as `1 + w`. Llama 3.x rope scaling is stored as the
+per-frequency divisors `rope_freqs.weight`, recognised here as Meta's `llama3` rule.
+Gemma 2/3's attention scale is not stored: llama.cpp uses `head_dim^-1/2`, and
+`(d_model / n_heads)^-1/2` for the 27B models, and so does this reader.
+"""  # noqa: E501 (markdown table rows cannot be wrapped)
+
+import os
+from typing import Any
+
+import numpy as np
+
+from ._build import check_finite, model_from_arrays
+from ._config import TransformerConfig
+from ._gguf_config import PERMUTED, hf_config, llama3_from_factors, llama3_json
+from ._heads import Policy
+from ._hf_config import GEMMA, config_from_hf
+from ._hf_tensors import _layer_names, arrays_from_tensors
+from ._llama2c import permute_rotary_rows
+
+DENSE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+_TOP = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    **{f"self_attn.{p}_proj.{k}": f"attn_{p}.{k}" for p in "qkv" for k in ("weight", "bias")},
+    **{f"mlp.{p}_proj.weight": f"ffn_{p}.weight" for p in ("gate", "up", "down")},
+}
+_UNSET = object()
+
+
+def gguf_names(n_layers: int, post_norms: bool) -> dict[str, str]:
+    """Hugging Face tensor name → llama.cpp tensor name, for every tensor a decoder of
+    `n_layers` layers may hold (`post_norms`: Gemma 2/3's norm layout)."""
+    layer = dict(_LAYER)
+    layer["post_attention_layernorm.weight"] = (
+        "post_attention_norm.weight" if post_norms else "ffn_norm.weight"
+    )
+    names = dict(_TOP)
+    for i in range(n_layers):
+        names.update({f"model.layers.{i}.{h}": f"blk.{i}.{g}" for h, g in layer.items()})
+    return names
+
+
+def required_names(cfg: TransformerConfig) -> set[str]:
+    """The Hugging Face names of the tensors a causal LM of `cfg` needs."""
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    names |= set() if cfg.tie_embeddings else {"lm_head.weight"}
+    for i in range(cfg.n_layers):
+        names |= {f"model.layers.{i}.{s}" for s in _layer_names(cfg)}
+    return names
+
+
+def interleave_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's q/k row permutation (rotate-half → interleaved pairs) of `w [out, ...]`:
+    `w.reshape(n_heads, 2, hd/2, ...).swapaxes(1, 2)`; the inverse of
+    `permute_rotary_rows`. Whole rows move, so it applies to rows of packed blocks."""
+    out, rest = w.shape[0], w.shape[1:]
+    w = w.reshape(n_heads, 2, out // n_heads // 2, *rest).swapaxes(1, 2)
+    return np.ascontiguousarray(w.reshape(out, *rest))
+
+
+def open_gguf(path: str):
+    """A `gguf.GGUFReader` of `path`; every tensor's data checked to lie inside the file."""
+    try:
+        import gguf
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("GGUF files need the `gguf` package (pip install rlhf_eqx[gguf])") from e
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: file not found")
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError/IndexError/KeyError on bad headers
+        raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    size = os.path.getsize(path)
+    for t in reader.tensors:
+        if t.data_offset + int(t.n_bytes) > size or t.data.nbytes != int(t.n_bytes):
+            raise ValueError(
+                f"{path}: truncated GGUF file: the data of tensor {t.name!r} runs past the "
+                f"end of the file ({size} bytes)"
+            )
+    return reader
+
+
+def field(reader, key: str, path: str, default: Any = _UNSET) -> Any:
+    """The value of metadata `key`: a number, bool, string, or list of them."""
+    import gguf
+
+    f = reader.fields.get(key)
+    if f is None:
+        if default is _UNSET:
+            raise ValueError(f"{path}: required metadata `{key}` is missing")
+        return default
+
+    def scalar(kind, part):
+        if kind == gguf.GGUFValueType.STRING:
+            return bytes(part).decode("utf-8", errors="replace")
+        if kind == gguf.GGUFValueType.FLOAT32:  # the shortest decimal that is this float32
+            return float(str(part[0]))  # (1e-05, not 9.99999974e-06: the config's value)
+        return part.tolist()[0]
+
+    if f.types[0] == gguf.GGUFValueType.ARRAY:
+        return [scalar(f.types[-1], f.parts[i]) for i in f.data]
+    return scalar(f.types[0], f.parts[f.data[0]])
+
+
+def read_config(reader, path: str, *, dtype: str | None = None):
+    """`(family, TransformerConfig)` of a GGUF file (`dtype` default float32)."""
+    tensors = {t.name: t for t in reader.tensors}
+    meta = lambda key, *d: field(reader, key, path, *d)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    n_tokens = len(tokens.data) if tokens is not None else None
+    if n_tokens is None and "token_embd.weight" in tensors:
+        n_tokens = int(tensors["token_embd.weight"].shape[-1])
+    family, config = hf_config(meta, path, tensors, n_tokens)
+    rope = config["rope_scaling"]
+    if rope is not None and rope["rope_type"] == "rope_freqs":
+        config["rope_scaling"] = None
+    cfg = config_from_hf(config, dtype=dtype or "float32", source=path)
+    if rope is not None and rope["rope_type"] == "rope_freqs":
+        factors = dense(tensors["rope_freqs.weight"], path).reshape(-1)
+        rs = llama3_from_factors(factors, cfg, path)
+        cfg = config_from_hf(
+            {**config, "rope_scaling": llama3_json(rs)}, dtype=cfg.dtype, source=path
+        )
+    return family, cfg
+
+
+def check_type(t, path: str, allowed=DENSE_TYPES) -> None:
+    if t.tensor_type.name not in allowed:
+        raise ValueError(
+            f"{path}: tensor {t.name!r} has GGML type {t.tensor_type.name}, which is not "
+            f"supported (supported: {', '.join(allowed)})"
+        )
+
+
+def dense(t, path: str) -> np.ndarray:
+    """A tensor dequantised to float32 `[out, in]` (GGML's `ne` reversed), checked finite."""
+    import gguf
+
+    check_type(t, path)
+    arr = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+    shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+    arr = arr.reshape(shape)
+    check_finite(arr, name=t.name, source=path)
+    return arr
+
+
+def unpermute(hf_name: str, rows: np.ndarray, cfg: TransformerConfig) -> np.ndarray:
+    """Undo llama.cpp's rotary row permutation of a q/k weight or bias (rows `[out, ...]`)."""
+    heads = cfg.n_heads if ".q_proj." in hf_name else cfg.n_kv_heads
+    flat = rows.reshape(rows.shape[0], -1)
+    return permute_rotary_rows(flat, heads).reshape(rows.shape)
+
+
+def hf_tensors(reader, path: str, family: str, cfg: TransformerConfig) -> dict[str, np.ndarray]:
+    """Every model tensor of the file under its Hugging Face name, float32, with the q/k
+    permutation and Gemma's `+1` undone."""
+    by_gguf = {g: h for h, g in gguf_names(cfg.n_layers, cfg.post_norms).items()}
+    for t in reader.tensors:
+        check_type(t, path)
+    tensors: dict[str, np.ndarray] = {}
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            continue
+        name = by_gguf.get(t.name)
+        if name is None:
+            raise ValueError(f"{path}: unexpected tensor {t.name!r}: not part of {family} ({cfg})")
+        arr = dense(t, path)
+        if family in PERMUTED and (".q_proj." in name or ".k_proj." in name):
+            arr = unpermute(name, arr, cfg)
+        if family in GEMMA and name.endswith("norm.weight"):
+            arr = arr - np.float32(1.0)
+        tensors[name] = arr
+    return tensors
+
+
+def _read_gguf_model(path, *, quantized: bool = False, dtype: str | None = None):
+    """`(Policy, reader)` of a GGUF file: the weights without the tokenizer."""
+    if dtype not in (None, "float32", "bfloat16", "float16"):
+        raise ValueError(
+            f"load_gguf: dtype must be 'float32', 'bfloat16', 'float16' or None, got {dtype!r}"
+        )
+    path = os.fspath(path)
+    reader = open_gguf(path)
+    family, cfg = read_config(reader, path, dtype=dtype)
+    if quantized:
+        from ._gguf_quantized import quantized_policy
+
+        return quantized_policy(reader, path, family, cfg), reader
+    tensors = hf_tensors(reader, path, family, cfg)
+    for hf, gg in gguf_names(cfg.n_layers, cfg.post_norms).items():
+        needed = hf in required_names(cfg)
+        if needed and hf not in tensors:
+            raise ValueError(f"{path}: tensor {gg!r} is missing from the file")
+    arrays = arrays_from_tensors(cfg, tensors, source=path)
+    return model_from_arrays(Policy, cfg, arrays, source=path), reader
+
+
+def load_gguf(
+    path: str | os.PathLike, *, quantized: bool = False, dtype: str | None = None
+) -> tuple[Policy, Any]:
+    """Load a llama.cpp GGUF file: the model and its tokenizer.
+
+    **Arguments:**
+
+    - `path`: a `.gguf` file whose `general.architecture` is `llama` (Llama 2/3.x,
+      Mistral), `qwen2`, `qwen3`, `gemma`, `gemma2` or `gemma3`, with tensors of type
+      F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K or Q6_K.
+    - `quantized`: `False` dequantises every tensor (`gguf.quants.dequantize`) to a
+      dense model; `True` keeps the q/k/v/o, gate/up/down projections, the token
+      embedding and an untied LM head in the file's packed blocks (`GGUFWeight`,
+      decoded inside the forward pass). A fused field (`wqkv`, `w_gate_up`) whose parts
+      or layers mix block types (llama.cpp's `Q4_K_M` stores some tensors as `Q6_K`),
+      or a tensor stored as F32 / F16 / BF16, is loaded dense instead (no
+      requantisation).
+    - `dtype`: the parameter dtype of the dense weights (`"float32"` default,
+      `"bfloat16"`, `"float16"`).
+
+    **Returns:** `(policy, tokenizer)`: a `Policy` whose logits equal those of
+    transformers' GGUF loader on the same file (float32), and an `HFTokenizer` built
+    from the `tokenizer.ggml.*` metadata, with the file's `chat_template`.
+
+    Raises `ValueError` naming the file and the metadata key for an unsupported
+    architecture or feature, the tensor (and its type) for an unsupported tensor type, a
+    missing, unexpected or mis-shaped tensor or one holding NaN or ±inf, and the file
+    for a truncated or unreadable file. The file is only read (`numpy.memmap`): nothing
+    in it is executed; the chat template is rendered only by the tokenizer's sandboxed
+    Jinja environment.
+    """
+    from rlhf_eqx.data._gguf_tokenizer import tokenizer_from_gguf
+
+    path = os.fspath(path)
+    policy, reader = _read_gguf_model(path, quantized=quantized, dtype=dtype)
+    return policy, tokenizer_from_gguf(reader, path)

@@ -1,0 +1,249 @@
+"""GGUF metadata ⇄ `TransformerConfig`, through a Hugging Face `config.json` dictionary.
+
+llama.cpp's keys are `{arch}.block_count`, `.embedding_length`, `.feed_forward_length`,
+`.attention.head_count(_kv)`, `.attention.key_length` (head_dim), `.rope.freq_base`,
+`.rope.dimension_count`, `.rope.scaling.type/factor`, `.attention.layer_norm_rms_epsilon`,
+`.context_length`, `.attention.sliding_window` and Gemma 2's `.attn_logit_softcapping`
+/ `.final_logit_softcapping`; `general.architecture` names `{arch}`. Llama 3.x rope
+scaling is the tensor `rope_freqs.weight` (each inverse frequency's divisor), matched
+here against Meta's `llama3` rule. What llama.cpp does not store it hard-codes, and so
+does this module: Gemma 2/3's attention scale (`head_dim^-1/2`, `(d_model /
+n_heads)^-1/2` for the 27B models), Gemma 2's alternate and Gemma 3's every-sixth
+global layer, Gemma 3's local rotary base 10,000 (unless `.rope.freq_base_swa` says).
+Mistral is written with `general.architecture = llama`; a `llama` file with a sliding
+window reads as Mistral.
+"""
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ._config import RopeScaling, TransformerConfig
+from ._hf_config import FAMILIES, config_from_hf
+from ._hf_export import hf_family
+
+ARCHS = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma": "gemma",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3",
+}
+PERMUTED = ("llama", "mistral")  # llama.cpp's non-NeoX rotary: q/k rows interleaved
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+_UNSET = object()
+
+
+def gemma_attention_scalar(family: str, n_layers: int, d_model: int, n_heads: int, hd: int):
+    """The `query_pre_attn_scalar` llama.cpp assumes for a Gemma 2/3 file."""
+    return d_model // n_heads if _GEMMA_27B_LAYERS.get(family) == n_layers else hd
+
+
+def llama3_rope_factors(rs: RopeScaling, inv_freq: np.ndarray) -> np.ndarray:
+    """`rope_freqs.weight`: the divisor of each inverse frequency (llama.cpp's form of
+    the `llama3` rope scaling)."""
+    return (inv_freq.astype(np.float32) / rs.apply(inv_freq)).astype(np.float32)
+
+
+def _rope(get, arch: str, path: str, names) -> dict[str, Any] | None:
+    kind = get(f"{arch}.rope.scaling.type", "none")
+    if "rope_freqs.weight" in names:
+        if kind != "none":
+            raise ValueError(f"{path}: both `{arch}.rope.scaling.type` and rope_freqs.weight")
+        return {"rope_type": "rope_freqs"}  # resolved against the tensor in `read_config`
+    if kind == "none":
+        return None
+    if kind != "linear":
+        raise ValueError(
+            f"{path}: `{arch}.rope.scaling.type` = {kind!r} is not supported: "
+            "implemented rotary scalings are 'linear' and llama3 (rope_freqs.weight)"
+        )
+    return {"rope_type": "linear", "factor": get(f"{arch}.rope.scaling.factor")}
+
+
+def llama3_from_factors(factors: np.ndarray, cfg: TransformerConfig, path: str) -> RopeScaling:
+    """The `llama3` rope scaling whose divisors are `factors` (`rope_freqs.weight`).
+
+    `factor` is the largest divisor. Only ratios of the other three parameters show in
+    the divisors, so `low_freq_factor` is taken as 1 (Llama 3.x's value); with two or
+    more smoothly interpolated frequencies `high_freq_factor` and
+    `original_max_position` follow from a line fit, with fewer `high_freq_factor` is 4
+    (Llama 3.x's) and `original_max_position` the one that gives the divisors (8192
+    when it does). Raises `ValueError` naming the tensor when no such scaling gives
+    `factors`.
+    """
+    inv = cfg.inv_freq()
+    if factors.shape != inv.shape or not factors.max() >= 1:
+        raise ValueError(f"{path}: tensor 'rope_freqs.weight' has shape {factors.shape}")
+    f = float(factors.max())
+    wavelen = 2 * np.pi / inv
+    band = (factors > 1 + 1e-6) & (factors < f * (1 - 1e-6))
+    s = (1 / factors - 1 / f) / (1 - 1 / f) if f > 1 else np.zeros_like(factors)
+    candidates = [RopeScaling("llama3", f)]  # (orig / wavelen - low) / (high - low) = s
+    if band.sum() >= 2:
+        slope, offset = np.polyfit(1 / wavelen[band], s[band], 1)
+        high = 1 - 1 / offset
+        if high > 1 and slope > 0:
+            orig = int(round(slope * (high - 1)))
+            candidates.insert(0, RopeScaling("llama3", f, 1.0, round(float(high), 4), orig))
+    elif band.sum() == 1:
+        orig = int(round(float(wavelen[band][0] * (3 * s[band][0] + 1))))
+        candidates.insert(0, RopeScaling("llama3", f, 1.0, 4.0, max(orig, 1)))
+    else:
+        lo = 4 * float(wavelen[factors <= 1 + 1e-6].max(initial=0.0))
+        hi = float(wavelen[factors >= f * (1 - 1e-6)].min(initial=np.inf))
+        if not lo < 8192 < hi and lo < hi:
+            mid = np.sqrt(lo * hi) if np.isfinite(hi) else 2 * lo
+            candidates.insert(0, RopeScaling("llama3", f, 1.0, 4.0, max(int(mid), 1)))
+    for rs in candidates:
+        if f > 1 and np.allclose(llama3_rope_factors(rs, inv), factors, rtol=1e-4):
+            return rs
+    raise ValueError(
+        f"{path}: tensor 'rope_freqs.weight' is not the divisors of a Llama 3 rope scaling"
+    )
+
+
+def hf_config(meta, path: str, names, n_tokens: int | None) -> tuple[str, dict[str, Any]]:
+    """`(family, config.json dictionary)` from a file's metadata: `meta(key[, default])`
+    reads a key, `names` holds the file's tensor names, `n_tokens` is the length of
+    `tokenizer.ggml.tokens` (the vocabulary when `{arch}.vocab_size` is absent)."""
+    arch = meta("general.architecture")
+    if arch not in ARCHS:
+        raise ValueError(
+            f"{path}: `general.architecture` = {arch!r} is not supported: supported "
+            f"architectures are {sorted(ARCHS)}"
+        )
+    family = ARCHS[arch]
+    if family == "llama" and meta("llama.attention.sliding_window", None) is not None:
+        family = "mistral"  # llama.cpp writes Mistral as `llama`
+    get = lambda key, *d: meta(f"{arch}.{key}", *d)
+    vocab = get("vocab_size", n_tokens)
+    hidden, layers, heads = get("embedding_length"), get("block_count"), get("attention.head_count")
+    kv = get("attention.head_count_kv", heads)
+    for key, value in (("attention.head_count", heads), ("attention.head_count_kv", kv)):
+        if not isinstance(value, int):
+            raise ValueError(
+                f"{path}: `{arch}.{key}` = {value!r} is not supported: per-layer counts"
+            )
+    head_dim = get("attention.key_length", None)
+    hd = head_dim if head_dim is not None else hidden // heads
+    rot = get("rope.dimension_count", hd)
+    if rot != hd:
+        raise ValueError(
+            f"{path}: `{arch}.rope.dimension_count` = {rot!r} is not supported: partial "
+            f"rotary embeddings (head_dim {hd})"
+        )
+    config: dict[str, Any] = {
+        "architectures": [FAMILIES[family][0]],
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "intermediate_size": get("feed_forward_length"),
+        "max_position_embeddings": get("context_length", 2048),
+        "rope_theta": get("rope.freq_base", 1_000_000.0 if family == "gemma3" else 10_000.0),
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon"),
+        "head_dim": head_dim,
+        "tie_word_embeddings": "output.weight" not in names,
+        "rope_scaling": _rope(meta, arch, path, names),
+        "torch_dtype": "float32",
+    }
+    window = get("attention.sliding_window", None)
+    if family in ("mistral", "gemma2", "gemma3"):
+        config["sliding_window"] = window
+    if family in ("gemma2", "gemma3"):
+        config["query_pre_attn_scalar"] = gemma_attention_scalar(family, layers, hidden, heads, hd)
+    if family == "gemma2":
+        config["attn_logit_softcapping"] = get("attn_logit_softcapping", None)
+        config["final_logit_softcapping"] = get("final_logit_softcapping", None)
+    if family == "gemma3":
+        config["rope_local_base_freq"] = get("rope.freq_base_swa", 10_000.0)
+    return family, config
+
+
+def llama3_json(rs: RopeScaling) -> dict[str, Any]:
+    return {
+        "rope_type": "llama3",
+        "factor": rs.factor,
+        "low_freq_factor": rs.low_freq_factor,
+        "high_freq_factor": rs.high_freq_factor,
+        "original_max_position_embeddings": rs.original_max_position,
+    }
+
+
+def _same(cfg: TransformerConfig, back: TransformerConfig, field: str) -> bool:
+    mine, theirs = getattr(cfg, field), getattr(back, field)
+    if field == "query_scale":
+        mine = cfg.head_dim**-0.5 if mine is None else mine
+        theirs = back.head_dim**-0.5 if theirs is None else theirs
+    if field == "window_layers":
+        mine, theirs = cfg.local_layers, back.local_layers
+    if isinstance(mine, float) and isinstance(theirs, float):
+        return math.isclose(mine, theirs, rel_tol=1e-6)  # GGUF stores float32
+    return mine == theirs
+
+
+def gguf_metadata(cfg: TransformerConfig) -> tuple[str, dict[str, Any]]:
+    """`(architecture, {key: value})`: llama.cpp's metadata for `cfg` (ints are written as
+    uint32, floats as float32, strings as strings).
+
+    Raises `ValueError` naming the `TransformerConfig` field when llama.cpp cannot
+    express it (it would read back differently, e.g. a Gemma 2 attention scale other
+    than the one llama.cpp assumes, or a window on Qwen).
+    """
+    family = hf_family(cfg)
+    arch = "llama" if family == "mistral" else family
+    hd = cfg.head_dim
+    meta: dict[str, Any] = {
+        "general.architecture": arch,
+        f"{arch}.vocab_size": cfg.vocab_size,
+        f"{arch}.context_length": cfg.max_seq_len,
+        f"{arch}.embedding_length": cfg.d_model,
+        f"{arch}.block_count": cfg.n_layers,
+        f"{arch}.feed_forward_length": cfg.d_ff,
+        f"{arch}.attention.head_count": cfg.n_heads,
+        f"{arch}.attention.head_count_kv": cfg.n_kv_heads,
+        f"{arch}.attention.key_length": hd,
+        f"{arch}.attention.value_length": hd,
+        f"{arch}.rope.dimension_count": hd,
+        f"{arch}.rope.freq_base": float(cfg.rope_theta),
+        f"{arch}.attention.layer_norm_rms_epsilon": float(cfg.norm_eps),
+    }
+    rs = cfg.rope_scaling
+    if rs is not None and rs.kind == "linear":
+        meta[f"{arch}.rope.scaling.type"] = "linear"
+        meta[f"{arch}.rope.scaling.factor"] = float(rs.factor)
+    if cfg.sliding_window is not None:
+        meta[f"{arch}.attention.sliding_window"] = cfg.sliding_window
+    for name, value in (
+        ("attn_logit_softcapping", cfg.attn_softcap),
+        ("final_logit_softcapping", cfg.final_softcap),
+    ):
+        if value is not None:
+            meta[f"{arch}.{name}"] = float(value)
+    if family == "gemma3" and cfg.rope_local_theta is not None:
+        meta[f"{arch}.rope.freq_base_swa"] = float(cfg.rope_local_theta)
+    names = set() if cfg.tie_embeddings else {"output.weight"}
+    if rs is not None and rs.kind == "llama3":
+        names.add("rope_freqs.weight")
+    get = lambda key, *d: meta[key] if key in meta or not d else d[0]
+    _, config = hf_config(get, "GGUF metadata", names, None)
+    if config["rope_scaling"] is not None and config["rope_scaling"]["rope_type"] == "rope_freqs":
+        config["rope_scaling"] = llama3_json(rs)  # checked against the tensor on reading
+    try:
+        back = config_from_hf(config, dtype=cfg.dtype)
+    except ValueError as e:
+        raise ValueError(f"this configuration cannot be written as GGUF: {e}") from None
+    for field in cfg.__dataclass_fields__:
+        if field not in ("remat", "dtype") and not _same(cfg, back, field):
+            raise ValueError(
+                f"TransformerConfig.{field}={getattr(cfg, field)!r} cannot be written as a "
+                f"llama.cpp `{arch}` GGUF file (llama.cpp would read it as "
+                f"{getattr(back, field)!r})"
+            )
+    return arch, meta

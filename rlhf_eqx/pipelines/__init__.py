@@ -30,6 +30,7 @@ from ._data_runs import data_stages as data_stages, run_on_data as run_on_data
 from ._distill_runs import (
     check_same_vocabulary as check_same_vocabulary,
     distill_divergence as distill_divergence,
+    load_teacher as load_teacher,
     run_distill as run_distill,
 )
 from ._dpo_runs import (
@@ -148,6 +149,7 @@ from ._seeds import (
     summarize_seeds as summarize_seeds,
 )
 from ._stage_configs import (
+    MAX_STALENESS as MAX_STALENESS,
     DistillConfig as DistillConfig,
     DPOConfig as DPOConfig,
     GRPOConfig as GRPOConfig,

@@ -6,7 +6,7 @@ import numpy as np
 
 from rlhf_eqx import data
 
-from ._distill_runs import completions_batch, run_distill, sampled_completions
+from ._distill_runs import completions_batch, load_teacher, run_distill, sampled_completions
 from ._dpo_runs import run_online_dpo
 from ._evaluate import binomial_se, reward_accuracy
 from ._grpo_runs import run_grpo
@@ -192,9 +192,7 @@ def kto(env: StageEnv, c) -> Outcome:
 def distill(env: StageEnv, c) -> Outcome:
     teacher = env.policies.get(c.teacher)
     if teacher is None:  # a checkpoint directory
-        from ._pipeline import load_model
-
-        teacher, _ = load_model(c.teacher)
+        teacher = load_teacher(c.teacher, env.policies["sft"])
     s = env.cfg.sampling
     prompts, recs = sampled_completions(
         teacher, env.tok, TRAIN_PROMPTS, env.data_key(5), samples=c.samples, sampling=s

@@ -44,6 +44,24 @@ def prefixed(prefix: str, message: str) -> str:
     return f"{prefix.rstrip('.')}: {message}"
 
 
+def field_message(cls: type, message: str) -> str:
+    """A record's one-line error in the configuration's form `"field=value: why"`: the
+    record's class name before the field is dropped (`RolloutCorrection.mode`), and
+    `"field must be X, got V"` or `"unknown field V; expected one of A, B"` become
+    `"field=V: must be X"` and `"field=V: must be one of A, B"`, so that under its
+    section's prefix it names the dotted field, the value and the requirement."""
+    name = getattr(cls, "__name__", "")
+    message = re.sub(rf"^(unknown )?{re.escape(name)}\.", r"\1", message) if name else message
+    m = re.fullmatch(r"unknown ([A-Za-z_]\w*) (.+); expected one of (.*)", message)
+    if m:
+        return f"{m[1]}={m[2]}: must be one of {m[3].replace(chr(39), '')}"
+    m = re.fullmatch(r"([A-Za-z_]\w*) (must be .*), got (.*)", message)
+    if m:
+        return f"{m[1]}={m[3]}: {m[2]}"
+    m = re.fullmatch(r"([A-Za-z_]\w*=\S+) (applies to .*)", message)
+    return f"{m[1]}: {m[2]}" if m else message
+
+
 class _Checked:
     """Runs the embedded records' checks when a stage config is built, raising their
     one-line error as a `ConfigError`."""

@@ -1,6 +1,7 @@
 """Configs to and from dicts, JSON / YAML files and dotted command-line overrides."""
 
 import dataclasses
+import functools
 import json
 import os
 import types
@@ -10,11 +11,23 @@ from typing import Any
 
 from ._config import (
     ConfigError,
+    field_message,
     prefixed,
 )
 from ._pipeline_config import (
     PipelineConfig,
 )
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """The resolved field types of the config class `cls` (read once per class)."""
+    return typing.get_type_hints(cls)
+
+
+@functools.cache
+def _settings_of(cls: type) -> tuple[dataclasses.Field, ...]:
+    return tuple(f for f in dataclasses.fields(cls) if _set_by(f) is None)
 
 
 def _set_by(field: dataclasses.Field) -> str | None:
@@ -23,8 +36,8 @@ def _set_by(field: dataclasses.Field) -> str | None:
     return field.metadata.get("set_by")
 
 
-def _settings(cls: type) -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(cls) if _set_by(f) is None]
+def _settings(cls: type) -> tuple[dataclasses.Field, ...]:
+    return _settings_of(cls)
 
 
 def _plain(value: Any) -> Any:
@@ -78,7 +91,7 @@ def _convert(value: Any, tp: Any, name: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
-        readable = []
+        readable, errors = [], []
         for a in args:
             if a is type(None):
                 continue
@@ -87,6 +100,11 @@ def _convert(value: Any, tp: Any, name: str) -> Any:
             except ConfigError as e:
                 if "unsupported field type" not in str(e):
                     readable.append(getattr(a, "__name__", str(a)))
+                    errors.append(e)
+            if isinstance(value, dict) and dataclasses.is_dataclass(a):
+                raise errors[-1]  # a nested section's own error names its field
+        if len(errors) == 1:
+            raise errors[0]
         raise ConfigError(f"{name}={value!r}: expected {' or '.join(readable) or tp}")
     if origin is tuple:
         if isinstance(value, str) and name.endswith("stop_strings"):
@@ -132,7 +150,7 @@ def config_from_dict(cls: type, d: dict, *, prefix: str = "") -> Any:
     missing ones take their defaults. A value that the config (or an embedded train
     record) refuses when built is a `ConfigError` naming the field under `prefix`
     (`dpo.beta=-0.1: must be > 0`)."""
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     set_by = {f.name: _set_by(f) for f in dataclasses.fields(cls) if _set_by(f) is not None}
     names = {f.name for f in _settings(cls)} - {"extra"}
     extra_types = _extra_sections() if cls is PipelineConfig else {}
@@ -152,7 +170,8 @@ def config_from_dict(cls: type, d: dict, *, prefix: str = "") -> Any:
     try:
         return cls(**kwargs, extra=extra) if cls is PipelineConfig else cls(**kwargs)
     except (ValueError, TypeError) as e:
-        raise ConfigError(prefixed(prefix, str(e).splitlines()[0])) from None
+        message = field_message(cls, str(e).splitlines()[0])
+        raise ConfigError(prefixed(prefix, message)) from None
 
 
 def load_config(path: str, cls: type = PipelineConfig, *, base: Any = None) -> Any:
@@ -200,7 +219,7 @@ def _section_type(cls: type | None, name: str) -> type | None:
         return None
     if cls is PipelineConfig and name in _extra_sections():
         return _extra_sections()[name]
-    tp = typing.get_type_hints(cls).get(name)
+    tp = _hints(cls).get(name)
     if dataclasses.is_dataclass(tp):
         return tp
     return _optional_section(cls, name)
@@ -209,7 +228,7 @@ def _section_type(cls: type | None, name: str) -> type | None:
 def _optional_section(cls: type, name: str) -> type | None:
     """`X` for a field `name: X | None` of `cls` whose `X` is a dataclass with defaults
     (e.g. `grpo.rollout_correction`): setting one of its fields starts from `X()`."""
-    tp = typing.get_type_hints(cls).get(name) if dataclasses.is_dataclass(cls) else None
+    tp = _hints(cls).get(name) if dataclasses.is_dataclass(cls) else None
     if typing.get_origin(tp) in (types.UnionType, typing.Union):
         found = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
         if len(found) == 1 and type(None) in typing.get_args(tp):

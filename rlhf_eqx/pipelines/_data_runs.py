@@ -54,7 +54,7 @@ def run_on_data(
         )
     if cfg.data.path is None:
         raise ConfigError("data.path=None: a data file is needed (--data FILE)")
-    validate_config(cfg)
+    validate_config(cfg, stage=stage)  # this stage and the sections it uses
     c = stage_config(cfg, st)
     if getattr(c, "reward_source", None) in ("reward_model", "prm") and not c.reward_model:
         raise ConfigError(

@@ -21,7 +21,7 @@ from ._data_prep import (
     quality_report,
     split_records,
 )
-from ._distill_runs import completions_batch, distill_divergence, run_distill
+from ._distill_runs import completions_batch, distill_divergence, load_teacher, run_distill
 from ._dpo_runs import run_dpo
 from ._evaluate import binomial_se, reward_accuracy
 from ._grpo_runs import run_grpo
@@ -263,11 +263,9 @@ def distill(env: StageEnv, c) -> Outcome:
     """GKD on the prompts and chosen responses of a preference file, the teacher a
     checkpoint directory (`distill.teacher`); held out: the mean generalized JSD per
     completion token before and after."""
-    from ._pipeline import load_model
-
     cfg, policy, tok, ctx, summary, say = _unpack(env)
     s = cfg.sampling
-    teacher, _ = load_model(c.teacher)
+    teacher = load_teacher(c.teacher, policy)
     records = data.load_preferences(cfg.data.path, cfg.data.format)
     train, held = split_records(records, cfg.data)
     sl = data.SequenceLengths(max_length=c.max_length, max_prompt_length=s.prompt_length)

@@ -38,6 +38,28 @@ def check_same_vocabulary(student, teacher) -> None:
         )
 
 
+def load_teacher(directory: str, student) -> rx.Policy:
+    """The distillation teacher of the checkpoint `directory` (`distill.teacher`): its
+    weights only (it reads the student's tokens, so its own tokenizer file is not
+    needed), checked to share the student's vocabulary. A `ConfigError` naming
+    `distill.teacher` (with both vocabulary sizes when they differ) otherwise."""
+    from ._config import ConfigError
+
+    try:
+        teacher = rx.load_hf(directory)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"distill.teacher={directory!r}: {str(e).splitlines()[0]}") from None
+    if not isinstance(teacher, rx.Policy):
+        raise ConfigError(
+            f"distill.teacher={directory!r}: holds a {type(teacher).__name__}, not a policy"
+        )
+    try:
+        check_same_vocabulary(student, teacher)
+    except ValueError as e:
+        raise ConfigError(f"distill.teacher={directory!r}: {str(e).split(': ', 1)[1]}") from None
+    return teacher
+
+
 def completions_batch(
     records: Sequence[tuple[str, str]], tok, *, max_length: int, prompt_length: int
 ) -> rx.train.DistillBatch:

@@ -12,7 +12,9 @@ Language Agents").
 """
 
 import dataclasses
+import math
 from collections.abc import Sequence
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -44,8 +46,9 @@ class MultiturnDPOConfig(DPOConfig):
     episode reward (prompts whose episodes all tie give no pair) and takes `steps` DPO
     steps of `batch_size` pairs. The run stops early when the per-token KL of the
     sampled policy tokens to the reference exceeds `kl_target`. `max_length` is unused
-    (an episode's length is the prompt, every turn and the questions between them) and
-    `packing` must stay off.
+    (an episode's length is the prompt, every turn and the questions between them; it
+    must fit the model's `max_seq_len`, checked before any stage runs) and `packing`
+    must stay off (`unused_fields`: both keep their defaults).
 
     The stage runs on the built-in task only, so its defaults are the task's: LoRA rank
     8 on every projection, as the `multiturn` stage; β 0.1, learning rate 1e-3, 24
@@ -54,6 +57,7 @@ class MultiturnDPOConfig(DPOConfig):
     raise the held-out success rate well over SFT's while the base model's NLL of the
     policy's tokens stays within 0.3 nat per token of its own."""
 
+    unused_fields: ClassVar[tuple[str, ...]] = ("max_length", "packing")
     rounds: int = 24
     samples: int = 8
     steps: int = 4
@@ -74,8 +78,8 @@ class MultiturnDPOConfig(DPOConfig):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"multiturn-dpo.{name}={v!r}: must be an integer >= 1")
         v = self.kl_target
-        if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
-            raise ConfigError(f"multiturn-dpo.kl_target={v!r}: must be a number > 0")
+        if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < math.inf:
+            raise ConfigError(f"multiturn-dpo.kl_target={v!r}: must be a finite number > 0")
         if self.packing:
             raise ConfigError("multiturn-dpo.packing=True: must be false (episodes train unpacked)")
         parent = getattr(super(), "__post_init__", None)

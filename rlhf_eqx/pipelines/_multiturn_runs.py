@@ -10,6 +10,7 @@ the members of each group); the environment's tokens are context but not trained
 
 import dataclasses
 from collections.abc import Sequence
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -44,8 +45,26 @@ class MultiturnConfig(GRPOConfig):
     held-out opening, the success rate and the base model's NLL per token of the
     policy's own tokens (fluency). The stage runs on the built-in task only, so its
     defaults are the task's (as `animal_task_config()` sets for `grpo`: LoRA rank 8 on
-    every projection, learning rate 2e-3, β 0.02, KL target 1.0)."""
+    every projection, learning rate 2e-3, β 0.02, KL target 1.0).
 
+    An episode, `sampling.prompt_length + max_turns · turn_tokens` tokens and the
+    environment's questions between the turns, must fit the model's `max_seq_len`
+    (checked before any stage runs). The rewards are the environment's and the rollouts
+    synchronous: the GRPO settings of the reward source and of off-policy rollouts
+    (`unused_fields`: `staleness`, `overlap`, `sampler_device`, `dynamic_sampling`,
+    `overlong_buffer`, `rollout_correction`, `reward_source`, `reward_model`) must keep
+    their defaults."""
+
+    unused_fields: ClassVar[tuple[str, ...]] = (
+        "staleness",
+        "overlap",
+        "sampler_device",
+        "dynamic_sampling",
+        "overlong_buffer",
+        "rollout_correction",
+        "reward_source",
+        "reward_model",
+    )
     rollouts: int = 40
     prompts_per_rollout: int = 8
     group_size: int = 8

@@ -75,7 +75,9 @@ _TASK_NOTES = (
     "trained in minutes on 2 CPU cores: LoRA rank 8, alpha 16, no dropout, on every "
     "projection (usual: r 16, alpha 32, dropout 0.05 on q/v); learning rates 5e-4 to "
     "2e-3 (usual 1e-5: too slow for a few dozen steps); KL target 1.0 nat per token for "
-    "the early stop (usual 0.05: mentioning an animal changes a few tokens a lot)."
+    "the early stop (usual 0.05: mentioning an animal changes a few tokens a lot); the "
+    "judge's verdict tokens y / n (usual ' Yes' / ' No': four tokens each in the shipped "
+    "512-token tokenizer)."
 )
 
 
@@ -124,5 +126,6 @@ def animal_task_config() -> PipelineConfig:
             optim=_optim(2e-3),
             lora=lora,
         ),
+        judge=JudgeConfig(yes="y", no="n"),
         notes=_TASK_NOTES,
     )

@@ -22,6 +22,10 @@ from ._config import (
     _optim,
 )
 
+MAX_STALENESS: int = 8
+"""The largest `grpo.staleness`: each stale policy's trainable parameters are held in
+memory and written with every checkpoint (asynchronous RL systems keep 1 to a few)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig(BatchStageConfig, SFTSettings):
@@ -154,8 +158,9 @@ class GRPOConfig(RolloutStageConfig, GRPOSettings):
 
     - `staleness`: rollout `r` is sampled by the policy of `staleness` updates before
       (one-step off-policy with `1`: the next rollout need not wait for the update;
-      0: synchronous). The sampler's log-probabilities are kept as the behaviour
-      policy's, `old_logp` is the trained policy's own, and
+      0: synchronous); at most `MAX_STALENESS` (8) and below `rollouts` (a larger one
+      samples every rollout from the initial policy). The sampler's log-probabilities
+      are kept as the behaviour policy's, `old_logp` is the trained policy's own, and
       `rollout_correction` (e.g. `--set grpo.rollout_correction.mode=truncate`, a
       `rlhf_eqx.losses.RolloutCorrection`: truncated or masked importance weights at
       token, sequence or geometric level, veRL's `rollout_is`) reweights the tokens;
@@ -175,11 +180,11 @@ class GRPOConfig(RolloutStageConfig, GRPOSettings):
       parameters are copied to it for each rollout, the frozen weights once.
     - `dynamic_sampling`: DAPO's dynamic sampling (Yu et al. 2025) — groups whose
       rewards all agree are dropped and the batch refilled with fresh groups, at most
-      this many samplings per rollout (0: off); what is still missing is filled with
-      dropped groups (zero advantage), so every step has one shape.
+      this many samplings per rollout (0: off, >= 0); what is still missing is filled
+      with dropped groups (zero advantage), so every step has one shape.
     - `overlong_buffer`: DAPO's soft overlong punishment (TRL
       `soft_overlong_punishment`): a completion longer than `max_new_tokens -
-      overlong_buffer` tokens loses up to 1 reward linearly (0: off)."""
+      overlong_buffer` tokens loses up to 1 reward linearly (0: off, >= 0)."""
 
     temperature: float = dataclasses.field(
         default=SamplingConfig.temperature, metadata=_SET_BY_SAMPLING
@@ -199,8 +204,13 @@ class JudgeConfig:
     (`base`, the loaded model; a stage of the run, e.g. `sft`; or a Hugging Face
     checkpoint directory) reads `template` (a format string with `{prompt}` and
     `{completion}`) and the reward is `log p(yes) - log p(no)` of its next token
-    (`score=log_odds`) or `p(yes)` (`prob`). `yes` and `no` must each encode to one
-    token of the model's tokenizer."""
+    (`score=log_odds`) or `p(yes)` (`prob`). The judge reads the policy's tokens, so a
+    checkpoint directory must share the policy's vocabulary; `yes` and `no` must each
+    encode to one token of the run's tokenizer, two different ones (both checked before
+    anything is loaded). The defaults, ` Yes` and ` No`, are single tokens of GPT-2-style
+    vocabularies (SmolLM2's); in the shipped 512-token tokenizer they are four tokens
+    each, and the built-in task (`animal_task_config`) sets `y` and `n`, single tokens
+    there."""
 
     model: str = "base"
     template: str = "{prompt}{completion}\nQuestion: Is this a good answer?\nAnswer:"

@@ -1,0 +1,125 @@
+"""The checks of the stages a run executes (`validate_config`): each stage known and
+runnable where it runs, its prerequisites present, its settings and the shared sections
+it uses valid, and the limits that follow from several fields (a batch's length above
+the prompt's, a multi-turn episode within the model's length, a judge's verdict tokens,
+a teacher's vocabulary) checked before any stage runs."""
+
+import os
+from typing import Any
+
+from ._config import BatchStageConfig, RolloutStageConfig
+from ._field_checks import _fail
+from ._model_checks import check_episode_length, check_judge, check_teacher_vocabulary
+from ._registry import find_stage, stage_names
+from ._stage_checks import check_stage, teacher_stages
+
+
+def run_stages(cfg: Any, stage: str | None = None) -> tuple[str, ...]:
+    """The stages a run of `cfg` executes, in order: `stage` alone when given (a
+    single-stage run on a data file, `run_on_data`), else `cfg.stages`, with SFT first on
+    the built-in task (the other stages start from it)."""
+    if stage is not None:
+        return (stage,)
+    if cfg.data.path is None:
+        return tuple(dict.fromkeys(("sft", *cfg.stages)))
+    return tuple(cfg.stages)
+
+
+def _unused(c: Any) -> tuple[str, ...]:
+    return getattr(type(c), "unused_fields", ())
+
+
+def _check_stages(cfg: Any, run: tuple[str, ...]) -> None:
+    names = stage_names()
+    for st in run:
+        if st not in names:
+            _fail("stages", cfg.stages, f"unknown stage {st!r} (known: {', '.join(names)})")
+        if cfg.data.path is None and find_stage(st).builtin is None:
+            _fail("stages", cfg.stages, f"{st} runs on a data file only (data.path)")
+
+
+def _check_prerequisites(cfg: Any, run: tuple[str, ...]) -> None:
+    if cfg.data.path is None:  # the built-in task runs each stage's prerequisites first
+        for st in run:
+            missing = [p for p in find_stage(st).prerequisites(cfg) if p not in run]
+            if missing:
+                _fail("stages", cfg.stages, f"{st} needs the {missing[0]} stage")
+
+
+def _check_rewards(cfg: Any, key: str, c: Any, run: tuple[str, ...]) -> bool:
+    """The reward source of a rollout stage; whether it is the judge."""
+    if not isinstance(c, RolloutStageConfig) or "reward_source" in _unused(c):
+        return False
+    if c.reward_source == "judge":
+        return True
+    if c.reward_model:
+        return False
+    if c.reward_source == "reward_model" and "reward" not in run and cfg.data.path is None:
+        _fail(
+            "stages",
+            cfg.stages,
+            f"{key} with {key}.reward_source=reward_model needs the "
+            f"reward stage (or {key}.reward_model=DIR)",
+        )
+    if c.reward_source == "prm":
+        _fail(
+            f"{key}.reward_model",
+            "",
+            "reward_source=prm needs the directory of a "
+            "process reward model (rlhf_eqx prm writes <run>/prm/hf)",
+        )
+    return False
+
+
+def _check_teacher(cfg: Any, run: tuple[str, ...]) -> None:
+    t = cfg.distill.teacher
+    if t in teacher_stages():
+        if cfg.data.path is not None:
+            _fail("distill.teacher", t, "on a data file the teacher is a checkpoint directory")
+        if t not in run:
+            _fail("distill.teacher", t, f"the teacher stage {t!r} is not among the stages")
+    elif os.path.isdir(t):
+        check_teacher_vocabulary(cfg, t)
+
+
+def validate_run(cfg: Any, run: tuple[str, ...], *, device_count: int = 1) -> None:
+    """Check the stages `run` of `cfg` (see `run_stages`) and the sections they use;
+    `ConfigError` naming the first bad field."""
+    from ._validation import validate_judge
+
+    _check_stages(cfg, run)
+    s = cfg.sampling
+    keys = tuple(dict.fromkeys(find_stage(st).key for st in run))
+    uses_judge = False
+    for key in keys:
+        c = getattr(cfg, key)
+        check_stage(key, c, device_count=device_count)
+        if isinstance(c, BatchStageConfig) and "max_length" not in _unused(c):
+            if c.max_length <= s.prompt_length:
+                _fail(
+                    f"{key}.max_length",
+                    c.max_length,
+                    f"must exceed sampling.prompt_length={s.prompt_length}",
+                )
+        uses_judge |= _check_rewards(cfg, key, c, run)
+    _check_prerequisites(cfg, run)
+    if "distill" in run:
+        _check_teacher(cfg, run)
+    dpo_online = [st for st in ("dpo", "online-dpo") if st in run]
+    if cfg.data.path is None and dpo_online and cfg.dpo.packing:
+        _fail(
+            "dpo.packing",
+            cfg.dpo.packing,
+            f"the {dpo_online[0]} stage on the built-in task samples fresh pairs each round "
+            "and trains them unpacked; packing applies to offline DPO on a data file",
+        )
+    if uses_judge:
+        validate_judge(cfg.judge)
+        if cfg.data.path is not None and cfg.judge.model == "sft":
+            why = "on a data file the judge is base or a checkpoint directory"
+            _fail("judge.model", "sft", why)
+        check_judge(cfg, cfg.judge)
+    for key in keys:
+        c = getattr(cfg, key)
+        if hasattr(c, "max_turns") and hasattr(c, "turn_tokens"):
+            check_episode_length(cfg, key, c)

@@ -27,11 +27,9 @@ compiled, with one line naming the field.
 Run directories (`--out`, default `runs/<command>`): a run holds a lock in its
 directory; a new run into a directory that holds one is refused (`--resume` continues
 it after checking that the configuration is the same, `--overwrite` moves it aside).
-Ctrl-C checkpoints and prints the command that resumes. `--seeds N` runs the command
-for seeds `ops.seed`, `ops.seed + 1`, ... into `OUT/seed-<seed>/` (each a run directory
-of its own; `--resume` skips the finished ones) and prints the spread over them
-(`OUT/seeds_summary.json`). Exit status: 0 done, 1 a run
-error, 2 invalid configuration or run directory, 3 diverged, 130 interrupted.
+Ctrl-C checkpoints and prints the command that resumes. `--seeds N`: seeds `ops.seed`,
+... into `OUT/seed-<seed>/`, their spread in `OUT/seeds_summary.json`. Exit status: 0
+done, 1 a run error, 2 invalid configuration or run directory, 3 diverged, 130 interrupted.
 """
 
 import argparse
@@ -84,13 +82,7 @@ def _parser() -> argparse.ArgumentParser:
         help="move a previous run in the run directory aside and start again",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bars or step lines")
-    p.add_argument(
-        "--seeds",
-        type=int,
-        metavar="N",
-        help="run N seeds (ops.seed, ops.seed + 1, ...) into OUT/seed-<seed>/ and print "
-        "the spread over them (OUT/seeds_summary.json)",
-    )
+    p.add_argument("--seeds", type=int, metavar="N", help="N seeds into OUT/seed-<seed>/")
     p.add_argument("--show-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--prompt", action="append", default=[], help="prompt (sample; repeatable)")
     p.add_argument("-n", "--num-samples", type=int, default=4, help="samples per prompt (sample)")
@@ -286,33 +278,14 @@ def _run(args, cfg) -> int:
     if cmd in TOOL_COMMANDS:
         return _use_model(args, cfg)
     if args.seeds is not None:
-        return _run_seeds(args, cfg)
+        kw = dict(resume=args.resume, overwrite=args.overwrite)
+        return pl.seeds_command(cfg, cmd, args.seeds, **kw)
     if cmd == "pipeline" or cfg.data.path is None:
         summary = pl.run_pipeline(cfg, resume=args.resume, overwrite=args.overwrite)
     else:
         summary = pl.run_on_data(cfg, cmd, resume=args.resume, overwrite=args.overwrite)
     print(result_line(cmd, summary, cfg.out))
     return 3 if summary.get("stopped") == "diverged" else 0
-
-
-def _run_seeds(args, cfg) -> int:
-    """`--seeds N`: the run over N seeds, its spread table and one result line."""
-    from rlhf_eqx import pipelines as pl
-
-    cmd = args.command
-    run = None
-    if cmd != "pipeline" and cfg.data.path is not None:
-
-        def run(c, **kw):
-            return pl.run_on_data(c, cmd, **kw)
-
-    result = pl.run_seeds(cfg, args.seeds, resume=args.resume, overwrite=args.overwrite, run=run)
-    print("\n" + pl.format_seeds_table(result))
-    bad = {s: how for s, how in result["stopped"].items() if how != "done"}
-    stops = ", ".join(f"seed {s} {how}" for s, how in bad.items())
-    what = f"stopped ({stops})" if bad else "done"
-    print(f"rlhf_eqx {cmd}: {args.seeds} seeds {what} ({cfg.out}/seeds_summary.json)")
-    return 3 if "diverged" in bad.values() else 0
 
 
 def _use_model(args, cfg) -> int:

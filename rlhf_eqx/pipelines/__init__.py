@@ -146,6 +146,7 @@ from ._seeds import (
     check_seeds as check_seeds,
     format_seeds_table as format_seeds_table,
     run_seeds as run_seeds,
+    seeds_command as seeds_command,
     summarize_seeds as summarize_seeds,
 )
 from ._stage_configs import (

@@ -193,3 +193,28 @@ def format_seeds_table(seeds_summary: dict) -> str:
         lines.append("")
     lines += [f"{p}: {_cell(metrics[p], True)}" for p in rest]
     return "\n".join(lines)
+
+
+def seeds_command(
+    cfg: PipelineConfig, command: str, seeds: int, *, resume: bool = False, overwrite: bool = False
+) -> int:
+    """`rlhf_eqx COMMAND --seeds N`: `run_seeds` with the command's run (`run_pipeline`,
+    or `run_on_data` for a stage on a data file), then the spread table and one result
+    line. **Returns:** the exit status, 3 when a seed diverged, else 0."""
+    from ._data_runs import run_on_data
+
+    def on_data(c, **kw):
+        return run_on_data(c, command, **kw)
+
+    data = command != "pipeline" and cfg.data.path is not None
+    result = run_seeds(
+        cfg, seeds, resume=resume, overwrite=overwrite, run=on_data if data else None
+    )
+    bad = {s: how for s, how in result["stopped"].items() if how != "done"}
+    stops = ", ".join(f"seed {s} {how}" for s, how in bad.items())
+    print("\n" + format_seeds_table(result))
+    print(
+        f"rlhf_eqx {command}: {seeds} seeds {f'stopped ({stops})' if bad else 'done'} "
+        f"({cfg.out}/{SEEDS_SUMMARY})"
+    )
+    return 3 if "diverged" in bad.values() else 0

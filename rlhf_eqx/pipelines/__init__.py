@@ -77,8 +77,11 @@ from ._multiturn_runs import (
     turn_stop_ids as turn_stop_ids,
 )
 from ._pipeline import (
+    MODEL_NAMES as MODEL_NAMES,
     format_table as format_table,
     load_model as load_model,
+    model_path as model_path,
+    resolve_model_names as resolve_model_names,
     run_pipeline as run_pipeline,
     tokenizer_file as tokenizer_file,
 )

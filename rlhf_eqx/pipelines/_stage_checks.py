@@ -99,11 +99,13 @@ def _batch_stages(name: str, c: Any) -> None:
         _within(f"{name}.lmbda", c.lmbda, 0, 1)
         _above(f"{name}.temperature", c.temperature, 0)
         _positive(f"{name}.samples", c.samples)
-        if c.teacher not in teacher_stages() and not os.path.isdir(c.teacher):
+        gguf = c.teacher.lower().endswith(".gguf") and os.path.isfile(c.teacher)
+        if c.teacher not in teacher_stages() and not os.path.isdir(c.teacher) and not gguf:
             _fail(
                 f"{name}.teacher",
                 c.teacher,
-                f"must be one of {', '.join(teacher_stages())} or a checkpoint directory",
+                f"must be one of {', '.join(teacher_stages())}, a checkpoint directory or a "
+                ".gguf file",
             )
     if isinstance(c, KTOConfig):
         _above(f"{name}.beta", c.beta, 0)

@@ -91,8 +91,10 @@ def validate_config(
 
 def validate_judge(j) -> None:
     """Check the judge settings (`judge.*`)."""
-    if j.model not in JUDGE_MODELS and not os.path.isdir(j.model):
-        _fail("judge.model", j.model, f"must be one of {', '.join(JUDGE_MODELS)} or a directory")
+    gguf = j.model.lower().endswith(".gguf") and os.path.isfile(j.model)
+    if j.model not in JUDGE_MODELS and not os.path.isdir(j.model) and not gguf:
+        choices = ", ".join(JUDGE_MODELS)
+        _fail("judge.model", j.model, f"must be one of {choices}, a directory or a .gguf file")
     try:
         j.template.format_map({"prompt": "", "completion": ""})
     except (KeyError, IndexError, ValueError) as e:

@@ -125,6 +125,15 @@ def test_a_broken_chat_template_names_its_file(tmp_path):
         data.load_chat_template(tmp_path / "missing.jinja")
 
 
+def test_kto_refuses_examples_of_one_label(tmp_path):
+    records = [data.UnpairedRecord("p", " c", True)] * 4
+    ctx = pl.RunContext(
+        ops=pl.OpsConfig(quiet=True), log=pl.MetricsLog(str(tmp_path), "kto"), key=jax.random.key(0)
+    )
+    with pytest.raises(ValueError, match="KTO needs desirable and undesirable examples; all 4"):
+        pl.run_kto(_tiny_policy(), None, records, cfg=pl.KTOConfig(), ctx=ctx)
+
+
 # --- resume: every checkpoint damaged --------------------------------------------------
 
 

@@ -87,10 +87,10 @@ def _tensors(path) -> dict[str, np.ndarray]:
     }
 
 
-def _write_by_hand(path, tok, *, arch="llama", types=None, nan=None, drop=()) -> str:
+def _write_by_hand(path, tok, *, arch="llama", types=None, nan=None, drop=(), wide=()) -> str:
     """A one-layer model file written with llama.cpp's `GGUFWriter`: random float32
     weights, `types` maps a tensor to the GGML type it is stored in, `nan` names a
-    tensor given a NaN, `drop` tensors left out."""
+    tensor given a NaN, `drop` tensors left out, `wide` tensors given 32 more rows."""
     D, F, V = 32, 64, tok.vocab_size
     w = gguf.GGUFWriter(os.fspath(path), arch)
     for key, value in {"block_count": 1, "embedding_length": D, "feed_forward_length": F,
@@ -110,6 +110,7 @@ def _write_by_hand(path, tok, *, arch="llama", types=None, nan=None, drop=()) ->
     for name, shape in shapes.items():
         if name in drop:
             continue
+        shape = (shape[0] + 32, *shape[1:]) if name in wide else shape
         arr = (1.0 if len(shape) == 1 else 0.2) * rng.standard_normal(shape).astype(np.float32)
         if name == nan:
             arr[0, 1] = np.nan
@@ -293,6 +294,12 @@ def test_bad_tensors_name_the_tensor(tok512, tmp_path, quantized):
     with pytest.raises(ValueError) as excinfo:
         rx.load_gguf(gone, quantized=quantized)
     _one_line_error(excinfo, gone, "blk.0.attn_k.weight", "missing")
+    wide = _write_by_hand(
+        tmp_path / "wide.gguf", tok512, types=types, wide=("blk.0.ffn_up.weight",)
+    )
+    with pytest.raises(ValueError) as excinfo:
+        rx.load_gguf(wide, quantized=quantized)
+    _one_line_error(excinfo, wide, "blk.0.ffn_up.weight", "shape (96, 32)")
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma", "gemma2", "gemma3", "llama3"])
@@ -400,6 +407,7 @@ def reference():
 
 
 @needs_smollm2
+@pytest.mark.slow  # reading the file takes ~10 s (98k tokenizer strings, 135M weights)
 def test_smollm2_logits_match_transformers(smollm2, reference):
     policy, tok = smollm2
     assert (policy.cfg.n_layers, policy.cfg.vocab_size, policy.cfg.tie_embeddings) == (

@@ -132,6 +132,13 @@ def save_gguf(
     - `chat_template`: a Jinja chat template for `tokenizer.chat_template` (default:
       the tokenizer's own, when it has one).
 
+    llama.cpp needs the tokenizer's vocabulary to have `cfg.vocab_size` tokens (pad it
+    for a padded embedding). A Mistral sliding window is written
+    (`llama.attention.sliding_window`, read back by `load_gguf`), but llama.cpp's
+    `llama` architecture attends to the whole context: the same outputs for sequences
+    within the window. Gemma 2/3 are written only with the attention scale and window
+    pattern llama.cpp assumes (see `load_gguf`).
+
     Raises `ValueError` naming the tensor when a weight holds NaN or ±inf (nothing is
     written), and naming the `TransformerConfig` field when llama.cpp cannot express
     the configuration.

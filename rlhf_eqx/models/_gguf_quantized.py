@@ -19,7 +19,7 @@ import numpy as np
 
 from ._build import LAYER_FIELDS, _layer_field_used
 from ._config import TransformerConfig
-from ._gguf import dense, gguf_names, hf_tensors, unpermute
+from ._gguf import gguf_names, hf_tensors, unpermute
 from ._gguf_blocks import GGUF_BLOCKS, GGUFWeight
 from ._gguf_config import PERMUTED
 from ._heads import Policy
@@ -73,16 +73,14 @@ def _packed(tensors: dict, names: list[str], path: str) -> tuple[str, list[np.nd
 
 
 def quantized_policy(reader, path: str, family: str, cfg: TransformerConfig) -> Policy:
-    """The `Policy` of a GGUF file with projections, token embedding and LM head kept as
-    `GGUFWeight`s wherever the file's blocks allow (see the module docstring)."""
+    """The `Policy` of a GGUF file (its tensors checked by `check_tensors`) with
+    projections, token embedding and LM head kept as `GGUFWeight`s wherever the file's
+    blocks allow (see the module docstring)."""
     names = gguf_names(cfg.n_layers, cfg.post_norms)
     tensors = {t.name: t for t in reader.tensors}
     values: dict[str, object] = {}
     for field, suffixes in _PACKED.items():
         per_layer = [[f"model.layers.{i}.{s}" for s in suffixes] for i in range(cfg.n_layers)]
-        missing = [names[h] for row in per_layer for h in row if names[h] not in tensors]
-        if missing:
-            raise ValueError(f"{path}: tensor {missing[0]!r} is missing from the file")
         got = _packed(tensors, [names[h] for row in per_layer for h in row], path)
         if got is None:
             continue
@@ -103,8 +101,6 @@ def quantized_policy(reader, path: str, family: str, cfg: TransformerConfig) -> 
     if not cfg.tie_embeddings:
         top["lm_head"] = "lm_head.weight"
     for field, hf in top.items():
-        if names[hf] not in tensors:
-            raise ValueError(f"{path}: tensor {names[hf]!r} is missing from the file")
         got = _packed(tensors, [names[hf]], path)
         if got is not None:
             kind, (raw,) = got
@@ -184,6 +180,3 @@ def _assemble(cfg: TransformerConfig, values: dict, hf: dict[str, np.ndarray], p
         out.append(jnp.asarray(arr).astype(dt))
     fns = list(getters.values())
     return eqx.tree_at(lambda p: [g(p) for g in fns], skeleton, out)
-
-
-__all__ = ["quantized_policy", "dense"]

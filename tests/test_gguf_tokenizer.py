@@ -372,3 +372,22 @@ def test_cli_samples_and_exports_smollm2(tmp_path, capsys, fixture):
     ids = jnp.asarray(tok.encode(fixture["chat"]["text"]), jnp.int32)
     mask = jnp.ones_like(ids, bool)
     assert float(jnp.max(jnp.abs(policy(ids, mask) - policy2(ids, mask)))) < 1e-4
+    teacher = pl.load_teacher(pl.model_path("smollm2-135m"), policy2)  # a GGUF teacher
+    assert float(jnp.max(jnp.abs(teacher(ids, mask) - policy(ids, mask)))) == 0.0
+
+
+def test_gguf_judge_and_teacher_accepted(tmp_path):
+    """A `.gguf` file is a judge (`judge.model`) or a distillation teacher
+    (`distill.teacher`) as a checkpoint directory is; a missing one is refused."""
+    from rlhf_eqx import pipelines as pl
+    from rlhf_eqx.pipelines._stage_checks import check_stage
+    from rlhf_eqx.pipelines._validation import validate_judge
+
+    path = _tiny_gpt2(tmp_path / "m.gguf")
+    missing = os.fspath(tmp_path / "missing.gguf")
+    validate_judge(pl.JudgeConfig(model=path))
+    check_stage("distill", pl.DistillConfig(teacher=path))
+    with pytest.raises(pl.ConfigError, match=r"^judge.model=.*a directory or a \.gguf file$"):
+        validate_judge(pl.JudgeConfig(model=missing))
+    with pytest.raises(pl.ConfigError, match=r"^distill.teacher=.*checkpoint directory or a"):
+        check_stage("distill", pl.DistillConfig(teacher=missing))

@@ -7,7 +7,12 @@ the tokenizer they describe as a Hugging Face `tokenizers.Tokenizer`:
 
 - `tokenizer.ggml.model = "gpt2"`: byte-level BPE with the file's merges, text split
   first by the regular expressions llama.cpp's `llama-vocab.cpp` uses for the named
-  pre-tokenizer (`_PRE_SPLITS`), then mapped to the byte alphabet of GPT-2.
+  pre-tokenizer (`_PRE_SPLITS`; a file without one gets llama.cpp's `default`), then
+  mapped to the byte alphabet of GPT-2. For `smollm` (digits split one by one, then
+  GPT-2's expression, as SmolLM2's own `tokenizer.json`) this differs from
+  `transformers`' GGUF loader, which skips the digit split: where whitespace precedes a
+  numeric character (`"\\n\\n1."` is `ĊĊ 1 .` here and in llama.cpp, `Ċ Ċ 1 .` there;
+  4 of 216 test texts).
 - `tokenizer.ggml.model = "llama"`: sentencepiece-style BPE (spaces as `▁`, one put
   before each run of text when `add_space_prefix`, as llama.cpp does; unknown
   characters as their `<0xNN>` byte tokens), the merges recovered from the scores as

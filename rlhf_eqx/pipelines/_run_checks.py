@@ -10,7 +10,7 @@ from typing import Any
 from ._config import BatchStageConfig, RolloutStageConfig
 from ._field_checks import _fail
 from ._model_checks import check_episode_length, check_judge, check_teacher_vocabulary
-from ._registry import find_stage, stage_names
+from ._registry import find_stage, stage_names, stages
 from ._stage_checks import check_stage, teacher_stages
 
 
@@ -83,17 +83,20 @@ def _check_teacher(cfg: Any, run: tuple[str, ...]) -> None:
 
 
 def validate_run(cfg: Any, run: tuple[str, ...], *, device_count: int = 1) -> None:
-    """Check the stages `run` of `cfg` (see `run_stages`) and the sections they use;
-    `ConfigError` naming the first bad field."""
+    """Check the stages `run` of `cfg` (see `run_stages`): each registered stage's own
+    fields (`validate_stage`), then what the stages that run combine with other sections
+    (a batch above the prompt length, the reward source and the judge, the teacher, a
+    multi-turn episode's length); `ConfigError` naming the first bad field."""
     from ._validation import validate_judge
 
     _check_stages(cfg, run)
+    for key in dict.fromkeys(st.key for st in stages()):  # every section's own fields
+        check_stage(key, getattr(cfg, key), device_count=device_count)
     s = cfg.sampling
     keys = tuple(dict.fromkeys(find_stage(st).key for st in run))
     uses_judge = False
-    for key in keys:
+    for key in keys:  # what the stages that run combine with other sections
         c = getattr(cfg, key)
-        check_stage(key, c, device_count=device_count)
         if isinstance(c, BatchStageConfig) and "max_length" not in _unused(c):
             if c.max_length <= s.prompt_length:
                 _fail(

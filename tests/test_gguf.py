@@ -87,11 +87,28 @@ def _tensors(path) -> dict[str, np.ndarray]:
     }
 
 
-def _write_by_hand(path, tok, *, arch="llama", types=None, nan=None, drop=(), wide=()) -> str:
+# Byte offsets of the float16 scales in a K-quant block (ggml's block_q4_K, ...).
+_K_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def _random_k_blocks(rng, shape, kind) -> np.ndarray:
+    """Random K-quant rows (`gguf` has no K-quant quantiser): random bytes with small
+    float16 block scales."""
+    qk, size = rx.models.GGUF_BLOCKS[kind]
+    raw = rng.integers(0, 256, (shape[0], shape[1] // qk, size), dtype=np.uint8)
+    for offset in _K_SCALES[kind]:
+        scale = rng.uniform(1e-3, 2e-3, raw.shape[:2]).astype("<f2")
+        raw[..., offset : offset + 2] = scale[..., None].view(np.uint8)
+    return raw.reshape(shape[0], -1)
+
+
+def _write_by_hand(
+    path, tok, *, arch="llama", types=None, nan=None, drop=(), wide=(), D=32, F=64
+) -> str:
     """A one-layer model file written with llama.cpp's `GGUFWriter`: random float32
     weights, `types` maps a tensor to the GGML type it is stored in, `nan` names a
     tensor given a NaN, `drop` tensors left out, `wide` tensors given 32 more rows."""
-    D, F, V = 32, 64, tok.vocab_size
+    V = tok.vocab_size
     w = gguf.GGUFWriter(os.fspath(path), arch)
     for key, value in {"block_count": 1, "embedding_length": D, "feed_forward_length": F,
                        "attention.head_count": 2, "attention.head_count_kv": 1,
@@ -102,8 +119,8 @@ def _write_by_hand(path, tok, *, arch="llama", types=None, nan=None, drop=(), wi
     data.add_tokenizer_metadata(w, tok)
     shapes = {"token_embd.weight": (V, D), "output_norm.weight": (D,), "output.weight": (V, D),
               "blk.0.attn_norm.weight": (D,), "blk.0.ffn_norm.weight": (D,),
-              "blk.0.attn_q.weight": (D, D), "blk.0.attn_k.weight": (16, D),
-              "blk.0.attn_v.weight": (16, D), "blk.0.attn_output.weight": (D, D),
+              "blk.0.attn_q.weight": (D, D), "blk.0.attn_k.weight": (D // 2, D),
+              "blk.0.attn_v.weight": (D // 2, D), "blk.0.attn_output.weight": (D, D),
               "blk.0.ffn_gate.weight": (F, D), "blk.0.ffn_up.weight": (F, D),
               "blk.0.ffn_down.weight": (D, F)}  # fmt: skip
     rng = np.random.default_rng(0)
@@ -115,8 +132,11 @@ def _write_by_hand(path, tok, *, arch="llama", types=None, nan=None, drop=(), wi
         if name == nan:
             arr[0, 1] = np.nan
         kind = (types or {}).get(name, T.F32)
-        with np.errstate(invalid="ignore"):  # the NaN tensor
-            stored = arr if kind == T.F32 else gguf.quants.quantize(arr, kind)
+        if kind.name in _K_SCALES:
+            stored = _random_k_blocks(rng, shape, kind.name)
+        else:
+            with np.errstate(invalid="ignore"):  # the NaN tensor
+                stored = arr if kind == T.F32 else gguf.quants.quantize(arr, kind)
         w.add_tensor(name, stored, raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -222,6 +242,26 @@ def test_quantized_load_mixed_kinds_falls_back_to_dense(tok512, tmp_path):
     assert not isinstance(L.wqkv, GGUFWeight) and not isinstance(L.wo, GGUFWeight)  # F32 wo
     assert L.w_down.kind == "Q4_1" and L.w_gate_up.kind == "Q8_0"
     np.testing.assert_allclose(_logits(packed), _logits(dense), atol=2e-5, rtol=0)
+
+
+def test_quantized_load_of_k_quants(tok512, tmp_path):
+    """Q4_K / Q5_K / Q6_K blocks (llama.cpp's `Q4_K_M` mix) kept packed, with the q/k
+    rows permuted as whole rows of blocks: the same logits as the dense load."""
+    types = {"blk.0.attn_q.weight": T.Q4_K, "blk.0.attn_k.weight": T.Q4_K,
+             "blk.0.attn_v.weight": T.Q4_K, "blk.0.attn_output.weight": T.Q5_K,
+             "blk.0.ffn_gate.weight": T.Q6_K, "blk.0.ffn_up.weight": T.Q6_K,
+             "blk.0.ffn_down.weight": T.Q6_K}  # fmt: skip
+    path = _write_by_hand(tmp_path / "k.gguf", tok512, types=types, D=256, F=256)
+    dense, _ = rx.load_gguf(path)
+    packed, _ = rx.load_gguf(path, quantized=True)
+    L = packed.transformer.layers
+    assert (L.wqkv.kind, L.wo.kind, L.w_gate_up.kind, L.w_down.kind) == (
+        "Q4_K", "Q5_K", "Q6_K", "Q6_K",
+    )  # fmt: skip
+    np.testing.assert_array_equal(
+        np.asarray(L.wqkv.dequantize(jnp.float32)), np.asarray(dense.transformer.layers.wqkv)
+    )
+    np.testing.assert_allclose(_logits(packed), _logits(dense), atol=1e-4, rtol=1e-5)
 
 
 def test_lora_is_merged_on_save(tiny, tok512, tmp_path):

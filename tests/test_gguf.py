@@ -227,6 +227,12 @@ def test_quantized_load_keeps_blocks(tiny, tok512, tmp_path):
         assert isinstance(w, GGUFWeight) and w.kind == "Q8_0"
     assert L.wqkv.shape == dense.transformer.layers.wqkv.shape
     np.testing.assert_allclose(_logits(packed), _logits(dense), atol=2e-5, rtol=0)
+    again = tmp_path / "again.gguf"  # packed blocks are dequantised on saving
+    rx.save_gguf(packed, again, tokenizer=tok512, dtype="f32")
+    np.testing.assert_array_equal(_logits(rx.load_gguf(again)[0]), _logits(dense))
+    half, _ = rx.load_gguf(path, quantized=True, dtype="bfloat16")
+    assert half.transformer.final_norm.dtype == jnp.bfloat16
+    np.testing.assert_allclose(_logits(half), _logits(dense), atol=0.1, rtol=0)
 
 
 def test_quantized_load_mixed_kinds_falls_back_to_dense(tok512, tmp_path):

@@ -267,3 +267,21 @@ def test_the_cli_refuses_with_one_line_before_loading(capsys):
     assert main(["grpo", "--set", "grpo.staleness=50", "--set", "grpo.rollouts=4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "grpo.staleness=50" in err[0]
+
+
+# --- the help states the bounds ---------------------------------------------------------
+
+
+def test_the_help_of_the_affected_stages_states_the_bounds_and_defaults(capsys):
+    assert main(["grpo", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"at most `MAX_STALENESS` ({pl.MAX_STALENESS}) and below `rollouts`" in out
+    assert "judge.yes = y" in out and "single tokens" in out
+    assert main(["multiturn", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "must fit the model's `max_seq_len`" in out and "`staleness`, `overlap`" in out
+    assert "multiturn.turn_tokens = 40" in out
+    assert main(["reward", "--help"]) == 0
+    assert "finite number >= 0" in " ".join(capsys.readouterr().out.split())
+    assert main(["distill", "--help"]) == 0
+    assert "`vocab_size` is checked" in " ".join(capsys.readouterr().out.split())

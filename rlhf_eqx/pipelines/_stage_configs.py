@@ -49,11 +49,12 @@ class RewardConfig(BatchStageConfig, RewardSettings):
     the end their accuracy is measured and the model with the best accuracy is kept
     (a reward model trained on noisy labels otherwise memorises them).
 
-    Ensemble: `ensemble > 1` trains that many reward models in one vmapped step
+    Ensemble: `ensemble > 1` (>= 1) trains that many reward models in one vmapped step
     (`rlhf_eqx.train.make_ensemble_reward_step`), each on its own bootstrap resample of
     every batch, and scores a completion by the members' `mean - ensemble_penalty * std`
-    (`ensemble_mode`: `std`, `var`, `min` or `mean`; Coste et al. 2024; the penalty
-    defaults to 0, the members' mean, as in `rlhf_eqx.losses.conservative_reward`).
+    (`ensemble_mode`: `std`, `var`, `min` or `mean`; Coste et al. 2024; the penalty, a
+    finite number >= 0, defaults to 0, the members' mean, as in
+    `rlhf_eqx.losses.conservative_reward`).
     Checkpoint selection and accuracy use that score; the export is `reward/ensemble/`."""
 
     pairs_per_prompt: int = 4
@@ -115,7 +116,9 @@ class DistillConfig(BatchStageConfig):
     fixed completions (the data file's chosen responses, or `samples` samples per prompt
     of the teacher on the built-in task). `teacher`: a stage of the same run (`grpo`,
     `dpo`, `ppo`, `online-dpo`, `kto`) or a Hugging Face checkpoint directory; it must
-    share the student's vocabulary and may differ in size."""
+    share the student's vocabulary (a directory's `vocab_size` is checked against the
+    student's before anything is loaded) and may differ in size. `beta` and `lmbda` in
+    [0, 1], `temperature` > 0."""
 
     steps: int = 40
     beta: float = 0.5

@@ -181,6 +181,8 @@ def test_frozen_product_values_and_input_gradient(kind, getkey):
     # the packed weight is frozen: it gets no gradient
     gw = eqx.filter_grad(lambda w, x: loss(x, w))(w, x)
     assert jax.tree.leaves(gw) == []
+    gw = jax.grad(loss, argnums=1, allow_int=True)(x, w)
+    assert gw.raw.dtype == jax.dtypes.float0 and gw.raw.shape == w.raw.shape
 
 
 def test_wide_weights_are_decoded_in_column_tiles(getkey):

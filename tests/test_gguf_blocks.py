@@ -300,6 +300,11 @@ def test_gguf_policy_equals_its_dense_copy(pair):
     np.testing.assert_array_equal(out_q.tokens, out_d.tokens)
     np.testing.assert_allclose(out_q.logprobs, out_d.logprobs, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(q.transformer.dense_embed(jnp.float32), dense.transformer.embed)
+    # a reward model on the backbone reads the last layer at one position (`hidden_at`)
+    rm = lambda m: rx.RewardModel.from_policy(m, key=jax.random.key(3))(TOKENS, MASK)
+    np.testing.assert_allclose(
+        eqx.filter_jit(rm)(q), eqx.filter_jit(rm)(dense), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_export_writes_the_dequantised_weights(pair, tmp_path):

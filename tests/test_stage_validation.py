@@ -110,6 +110,11 @@ def test_multiturn_dpo_refuses_max_length_it_does_not_use(tmp_path, no_loading):
     assert "the multiturn-dpo stage does not use" in msg
 
 
+def test_packing_is_refused_where_the_dpo_stages_sample_their_pairs(tmp_path, no_loading):
+    msg = _refused(tmp_path, ["dpo.packing=true"], "dpo.packing=True", stages=("sft", "dpo"))
+    assert "applies to offline DPO on a data file" in msg
+
+
 def test_the_unused_settings_are_listed_by_the_stage_configs():
     assert set(pl.MultiturnConfig.unused_fields) >= {"staleness", "reward_source", "overlap"}
     for cls in (pl.MultiturnConfig, pl.MultiturnDPOConfig):

@@ -14,6 +14,7 @@ __all__ = [
     "assert_adam_steps_agree",
     "assert_tree_allclose",
     "assert_trees_close_per_leaf",
+    "assert_updates_agree",
     "tree_allclose",
     "two_turn_rollout",
 ]
@@ -48,6 +49,26 @@ def assert_trees_close_per_leaf(a, b, *, rtol: float = 1e-4, what: str = "leaf")
         diff = float(np.max(np.abs(x - y), initial=0.0))
         assert diff <= rtol * scale + 1e-30, (
             f"{what} {i} {x.shape}: max |difference| {diff:.3g} > {rtol:g} x {scale:.3g}"
+        )
+
+
+def assert_updates_agree(a_params, b_params, start, *, rtol: float = 1e-4) -> None:
+    """The updates `a - start` and `b - start` of two steps taken from `start` (with
+    `optax.sgd`: the learning rate times minus the gradient) agree leaf by leaf within
+    `rtol` of the leaf's largest update, plus two float32 roundings of the leaf's largest
+    parameter (the parameters after the step are rounded to float32, so an update is
+    known only to about `ulp(|p|)`)."""
+    la, lb, l0 = _float_leaves(a_params), _float_leaves(b_params), _float_leaves(start)
+    assert len(la) == len(lb) == len(l0), f"{len(la)}, {len(lb)} and {len(l0)} leaves"
+    for i, (x, y, p) in enumerate(zip(la, lb, l0)):
+        assert x.shape == y.shape == p.shape, f"update leaf {i}: shapes differ"
+        ux, uy = x - p, y - p
+        scale = max(float(np.max(np.abs(ux), initial=0.0)), float(np.max(np.abs(uy), initial=0.0)))
+        rounding = 2 * float(np.finfo(np.float32).eps) * float(np.max(np.abs(p), initial=0.0))
+        diff = float(np.max(np.abs(ux - uy), initial=0.0))
+        assert diff <= rtol * scale + rounding, (
+            f"update leaf {i} {x.shape}: max |difference| {diff:.3g} > {rtol:g} x {scale:.3g} "
+            f"+ {rounding:.3g}"
         )
 
 

@@ -62,6 +62,13 @@ def _nibbles(qs: Array) -> Array:
     return jnp.stack([qs & 15, qs >> 4], axis=-2)
 
 
+def _bits(b: Array, shifts: tuple[int, ...], mask: int) -> Array:
+    """`[..., k]` bytes → `[..., len(shifts), k]`: `(b >> s) & mask` for each shift (one
+    broadcast shift: XLA's CPU code is faster than for a stack of many shifted copies)."""
+    s = jnp.asarray(shifts, jnp.uint8).reshape((1,) * (b.ndim - 1) + (len(shifts), 1))
+    return (b[..., None, :] >> s) & jnp.uint8(mask)
+
+
 def _k_scales(s: Array) -> tuple[Array, Array]:
     """Q4_K / Q5_K: the 12 scale bytes `[..., 12]` → 6-bit scales and mins, float32 `[..., 8]`."""
     d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
@@ -101,15 +108,14 @@ def _q5_k(b):
     lead = b.shape[:-1]
     ql = _nibbles(b[..., 48:176].reshape(lead + (4, 32))).reshape(lead + (8, 32))
     qh = b[..., 16:48]
-    hi = jnp.stack([(qh >> i) & 1 for i in range(8)], axis=-2)
+    hi = _bits(qh, tuple(range(8)), 1)
     return _k_quant(b, (ql | (hi << 4)).astype(jnp.float32))
 
 
 def _q6_k(b):
     lead = b.shape[:-1]
     ql = _nibbles(b[..., 0:128].reshape(lead + (2, 64))).reshape(lead + (8, 32))
-    qh = b[..., 128:192].reshape(lead + (2, 1, 32))
-    hi = jnp.concatenate([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=-2).reshape(lead + (8, 32))
+    hi = _bits(b[..., 128:192].reshape(lead + (2, 32)), (0, 2, 4, 6), 3).reshape(lead + (8, 32))
     q = (ql | (hi << 4)).astype(jnp.int8) - jnp.int8(32)
     q = q.reshape(lead + (16, 16)).astype(jnp.float32)
     d = (_f16(b[..., 208:210])[..., None] * _i8(b[..., 192:208]))[..., None]

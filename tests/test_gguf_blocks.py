@@ -172,7 +172,9 @@ def test_frozen_product_values_and_input_gradient(kind, getkey):
     )
     dense = w.dequantize(jnp.float32)
     x = jax.random.normal(getkey(), (2, 3, n_in))
-    np.testing.assert_allclose(matmul(x, w), matmul(x, dense), rtol=1e-6, atol=1e-6)
+    want = matmul(x, dense)  # the same values, summed in another order
+    atol = 1e-5 * float(jnp.max(jnp.abs(want)))
+    np.testing.assert_allclose(matmul(x, w), want, rtol=1e-5, atol=atol)
     r = jax.random.normal(getkey(), (2, 3, 48))
     loss = lambda x, w: jnp.sum(r * jnp.tanh(matmul(x, w) / 100.0))
     gq = jax.jit(jax.grad(loss))(x, w)

@@ -196,6 +196,9 @@ class GGUFWeight(AbstractQuantizedWeight):
     def dequantize(self, dtype) -> Array:
         return jnp.swapaxes(self.rows(self.raw, dtype), -1, -2)
 
+    def dequantize_t(self, dtype) -> Array:
+        return self.rows(self.raw, dtype)
+
     def rows(self, raw: Array, dtype) -> Array:
         """Decode packed output rows `raw [..., k, row_bytes]` (slices of `self.raw`) to
         `[..., k, in]`."""

@@ -42,17 +42,18 @@ class AbstractQuantizedWeight(eqx.Module):
     def dequantize(self, dtype) -> Array:
         """The dense weight in `dtype`."""
 
+    def dequantize_t(self, dtype) -> Array:
+        """The dense weight transposed, `[..., out, in]` (decoded as such when stored by column)."""
+        return jnp.swapaxes(self.dequantize(dtype), -1, -2)
+
     def columns(self, ids: Int[Array, "*N"], dtype) -> Float[Array, "*N i"]:
-        """Output columns `ids` of the (unstacked) weight, `[..., in]` in `dtype`: the
-        rows of an embedding stored as `(in, out) = (d_model, vocab)`. This default
-        dequantises the whole weight; formats stored by output column decode only the
-        gathered ones."""
-        return jnp.take(jnp.swapaxes(self.dequantize(dtype), -1, -2), ids, axis=0)
+        """Output columns `ids`, `[..., in]`: rows of an embedding stored as `(in, out) = (D,
+        V)` (formats stored by output column decode only those; this default all)."""
+        return jnp.take(self.dequantize_t(dtype), ids, axis=0)
 
     def column_slice(self, start: Int[Array, ""], size: int) -> "AbstractQuantizedWeight | None":
-        """Output columns `[start, start + size)` of the (unstacked) weight as a weight of
-        the same format (`start` traced, clamped like `lax.dynamic_slice`), or `None` for a
-        format not stored by output column (the frozen product then decodes it whole)."""
+        """Output columns `[start, start + size)` (traced `start`, clamped as `dynamic_slice`)
+        as a weight of the same format, or `None` for formats not stored by output column."""
         del start, size
         return None
 
@@ -169,23 +170,26 @@ def _tile_width(w: AbstractQuantizedWeight) -> int | None:
 
 
 def _tile_starts(i, tile: int, out: int):
-    """Tile `i`'s first column, clamped so the last tile ends at `out` (it then overlaps
-    the one before it), and which of its columns are its own."""
+    """Tile `i`'s first column (the last tile ends at `out`, overlapping), its own columns."""
     start = jnp.minimum(i * tile, out - tile)
     return start, start + jnp.arange(tile) >= i * tile
+
+
+def _dot_t(x2, wt, out_dt):
+    """`x2 @ wtᵀ` contracting both operands' last axes (no transposed copy of `wt`)."""
+    return jax.lax.dot_general(x2, wt, (((1,), (1,)), ((), ())), preferred_element_type=out_dt)
 
 
 def _frozen_matmul_fwd(x2, w, dtypes):
     in_dt, out_dt = dtypes
     tile, out = _tile_width(w), w.shape[-1]
     if tile is None:
-        y = jnp.matmul(x2, w.dequantize(in_dt), preferred_element_type=out_dt)
+        y = _dot_t(x2, w.dequantize_t(in_dt), out_dt)
         return y.astype(out_dt), w
 
     def body(i, y):
         start, _ = _tile_starts(i, tile, out)
-        wi = w.column_slice(start, tile).dequantize(in_dt)
-        yi = jnp.matmul(x2, wi, preferred_element_type=out_dt).astype(out_dt)
+        yi = _dot_t(x2, w.column_slice(start, tile).dequantize_t(in_dt), out_dt).astype(out_dt)
         return jax.lax.dynamic_update_slice_in_dim(y, yi, start, axis=1)
 
     y = jax.lax.fori_loop(0, -(-out // tile), body, jnp.zeros((x2.shape[0], out), out_dt))
@@ -202,13 +206,13 @@ def _frozen_matmul_bwd(dtypes, w, dy):
     dy = dy.astype(in_dt)
     tile, out = _tile_width(w), w.shape[-1]
     if tile is None:
-        return jnp.matmul(dy, w.dequantize(in_dt).T, preferred_element_type=in_dt), None
+        return jnp.matmul(dy, w.dequantize_t(in_dt), preferred_element_type=in_dt), None
 
     def body(i, dx):
         start, own = _tile_starts(i, tile, out)
         dyi = jnp.where(own[None, :], jax.lax.dynamic_slice_in_dim(dy, start, tile, axis=1), 0)
-        wi = w.column_slice(start, tile).dequantize(in_dt)
-        return dx + jnp.matmul(dyi, wi.T, preferred_element_type=in_dt)
+        wi = w.column_slice(start, tile).dequantize_t(in_dt)
+        return dx + jnp.matmul(dyi, wi, preferred_element_type=in_dt)
 
     dx = jax.lax.fori_loop(0, -(-out // tile), body, jnp.zeros((dy.shape[0], w.shape[0]), in_dt))
     return dx, None

@@ -384,6 +384,10 @@ def test_partition_specs_split_packed_rows_whole(pair):
     assert specs.transformer.embed.raw == jax.sharding.PartitionSpec("model", None)
     assert specs.transformer.layers.wqkv.raw == jax.sharding.PartitionSpec(None, "model", None)
     assert specs.transformer.layers.wo.raw == jax.sharding.PartitionSpec(None, "data", None)
+    if len(jax.devices()) >= 8:  # placed on a (data 2, model 4) mesh: the same logits
+        sharded = rx.distributed.shard_model(q, rx.distributed.make_mesh(2, 4), fsdp=True)
+        call = eqx.filter_jit(lambda m: m(TOKENS, MASK))
+        np.testing.assert_allclose(call(sharded), call(q), rtol=1e-5, atol=1e-5)
 
 
 def test_q4_1_base_with_q8_0_embedding_is_a_fifth_of_float32():

@@ -298,3 +298,43 @@ def test_grpo_command_compiles_each_model_program_once(tmp_path):
     # two updates, SFT's and GRPO's (each compiled once, whatever the iteration)
     updates = [k for k in model_programs if k.startswith("Compiling jit(update) ")]
     assert len(updates) == 2, updates
+
+
+def _python(code: str, **env) -> str:
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "RLHF_EQX_"))}
+    e.update(PYTHONPATH=ROOT, **env)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=e, capture_output=True, text=True, cwd=ROOT, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+def test_importing_the_library_leaves_the_cache_off(tmp_path):
+    code = (
+        "import jax, rlhf_eqx, rlhf_eqx.pipelines, rlhf_eqx.__main__\n"
+        "print(jax.config.jax_compilation_cache_dir, rlhf_eqx.compilation_cache_dir())"
+    )
+    assert _python(code, XDG_CACHE_HOME=str(tmp_path)).split() == ["None", "None"]
+    assert not (tmp_path / "rlhf_eqx").exists()
+
+
+@pytest.mark.slow
+def test_the_cache_stays_within_its_size_bound(tmp_path):
+    """Past `max_mb`, the least recently used programs are evicted."""
+    code = f"""
+import os, jax, jax.numpy as jnp, rlhf_eqx as rx
+d = rx.enable_compilation_cache({str(tmp_path)!r}, max_mb=1, min_compile_time_s=0.0)
+def f(x):
+    for i in range(200):  # unrolled: a program of about 80 kB compressed
+        x = jnp.sin(x @ x.T + i) @ x
+    return x
+for n in range(4, 24):
+    jax.jit(f)(jnp.ones((n, 4))).block_until_ready()
+print(d)
+"""
+    d = _python(code).strip()
+    assert d == str(tmp_path)
+    programs = [f for f in os.listdir(d) if f.startswith("jit_f-") and f.endswith("-cache")]
+    total = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d) if "-cache" in f)
+    assert 0 < len(programs) < 20 and total <= 1 << 20, (len(programs), total)

@@ -26,13 +26,11 @@ from .models import (
     apply_lora as apply_lora,
     count_params as count_params,
     dequantize as dequantize,
-    load_gguf as load_gguf,
     load_hf as load_hf,
     lora_filter as lora_filter,
     merge_lora as merge_lora,
     quantize_int8 as quantize_int8,
     quantize_nf4 as quantize_nf4,
-    save_gguf as save_gguf,
     save_hf as save_hf,
     without_lora as without_lora,
 )
@@ -61,7 +59,11 @@ from ._compilation_cache import (
     compilation_cache_dir as compilation_cache_dir,
     enable_compilation_cache as enable_compilation_cache,
 )
-from ._pretrained import load_llama2c as load_llama2c
+from ._pretrained import (
+    load_gguf as load_gguf,
+    load_llama2c as load_llama2c,
+    save_gguf as save_gguf,
+)
 from ._sampling import (
     GenerationOutput as GenerationOutput,
     SamplingOptions as SamplingOptions,

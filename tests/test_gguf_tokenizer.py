@@ -380,14 +380,12 @@ def test_gguf_judge_and_teacher_accepted(tmp_path):
     """A `.gguf` file is a judge (`judge.model`) or a distillation teacher
     (`distill.teacher`) as a checkpoint directory is; a missing one is refused."""
     from rlhf_eqx import pipelines as pl
-    from rlhf_eqx.pipelines._stage_checks import check_stage
-    from rlhf_eqx.pipelines._validation import validate_judge
 
     path = _tiny_gpt2(tmp_path / "m.gguf")
     missing = os.fspath(tmp_path / "missing.gguf")
-    validate_judge(pl.JudgeConfig(model=path))
-    check_stage("distill", pl.DistillConfig(teacher=path))
+    pl.validate_judge(pl.JudgeConfig(model=path))
+    pl.validate_stage("distill", pl.DistillConfig(teacher=path))
     with pytest.raises(pl.ConfigError, match=r"^judge.model=.*a directory or a \.gguf file$"):
-        validate_judge(pl.JudgeConfig(model=missing))
+        pl.validate_judge(pl.JudgeConfig(model=missing))
     with pytest.raises(pl.ConfigError, match=r"^distill.teacher=.*checkpoint directory or a"):
-        check_stage("distill", pl.DistillConfig(teacher=missing))
+        pl.validate_stage("distill", pl.DistillConfig(teacher=missing))

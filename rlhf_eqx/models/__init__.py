@@ -5,14 +5,14 @@ from ._attention import attention as attention, region_attention as region_atten
 from ._config import RopeScaling as RopeScaling, TransformerConfig as TransformerConfig
 from ._decode_attention import cached_attention as cached_attention
 from ._decoder_layer import LORA_TARGETS as LORA_TARGETS, DecoderLayer as DecoderLayer
-from ._gguf import load_gguf as load_gguf
+from ._gguf import load_gguf_policy as load_gguf_policy, open_gguf as open_gguf
 from ._gguf_blocks import (
     GGUF_BLOCKS as GGUF_BLOCKS,
     GGUFWeight as GGUFWeight,
     dequantize_rows as dequantize_rows,
     quantize_gguf as quantize_gguf,
 )
-from ._gguf_export import save_gguf as save_gguf, save_gguf_adapter as save_gguf_adapter
+from ._gguf_export import save_gguf_adapter as save_gguf_adapter, write_gguf as write_gguf
 from ._heads import (
     Policy as Policy,
     RewardModel as RewardModel,

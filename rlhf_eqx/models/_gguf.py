@@ -225,29 +225,15 @@ def hf_tensors(reader, path: str, family: str, cfg: TransformerConfig) -> dict[s
     return tensors
 
 
-def _read_gguf_model(path, *, quantized: bool = False, dtype: str | None = None):
-    """`(Policy, reader)` of a GGUF file: the weights without the tokenizer."""
-    if dtype not in (None, "float32", "bfloat16", "float16"):
-        raise ValueError(
-            f"load_gguf: dtype must be 'float32', 'bfloat16', 'float16' or None, got {dtype!r}"
-        )
-    path = os.fspath(path)
-    reader = open_gguf(path)
-    family, cfg = read_config(reader, path, dtype=dtype)
-    check_tensors(reader, path, family, cfg)
-    if quantized:
-        from ._gguf_quantized import quantized_policy
-
-        return quantized_policy(reader, path, family, cfg), reader
-    tensors = hf_tensors(reader, path, family, cfg)
-    arrays = arrays_from_tensors(cfg, tensors, source=path)
-    return model_from_arrays(Policy, cfg, arrays, source=path), reader
-
-
-def load_gguf(
-    path: str | os.PathLike, *, quantized: bool = False, dtype: str | None = None
-) -> tuple[Policy, Any]:
-    """Load a llama.cpp GGUF file: the model and its tokenizer.
+def load_gguf_policy(
+    path: str | os.PathLike,
+    *,
+    quantized: bool = False,
+    dtype: str | None = None,
+    reader: Any = None,
+) -> Policy:
+    """Load the model of a llama.cpp GGUF file as a `Policy` (its weights only;
+    `rlhf_eqx.load_gguf` adds the tokenizer from the same file).
 
     **Arguments:**
 
@@ -263,21 +249,32 @@ def load_gguf(
       requantisation).
     - `dtype`: the parameter dtype of the dense weights (`"float32"` default,
       `"bfloat16"`, `"float16"`).
+    - `reader`: the file already opened with `open_gguf(path)` (parsing a large
+      vocabulary takes seconds; pass it to read the tokenizer from the same reader).
 
-    **Returns:** `(policy, tokenizer)`: a `Policy` that computes what llama.cpp computes
-    from the file (on SmolLM2-135M-Instruct Q4_1, float32 logits within 4e-5 of
-    transformers' GGUF loader), and an `HFTokenizer` built from the `tokenizer.ggml.*`
-    metadata, with the file's `chat_template`.
+    **Returns:** a `Policy` that computes what llama.cpp computes from the file (on
+    SmolLM2-135M-Instruct Q4_1, float32 logits within 4e-5 of transformers' GGUF
+    loader).
 
     Raises `ValueError` naming the file and the metadata key for an unsupported
     architecture or feature, the tensor (and its type) for an unsupported tensor type, a
     missing, unexpected or mis-shaped tensor or one holding NaN or ±inf, and the file
     for a truncated or unreadable file. The file is only read (`numpy.memmap`): nothing
-    in it is executed; the chat template is rendered only by the tokenizer's sandboxed
-    Jinja environment.
+    in it is executed.
     """
-    from rlhf_eqx.data._gguf_tokenizer import tokenizer_from_gguf
-
+    if dtype not in (None, "float32", "bfloat16", "float16"):
+        raise ValueError(
+            f"load_gguf: dtype must be 'float32', 'bfloat16', 'float16' or None, got {dtype!r}"
+        )
     path = os.fspath(path)
-    policy, reader = _read_gguf_model(path, quantized=quantized, dtype=dtype)
-    return policy, tokenizer_from_gguf(reader, path)
+    if reader is None:
+        reader = open_gguf(path)
+    family, cfg = read_config(reader, path, dtype=dtype)
+    check_tensors(reader, path, family, cfg)
+    if quantized:
+        from ._gguf_quantized import quantized_policy
+
+        return quantized_policy(reader, path, family, cfg)
+    tensors = hf_tensors(reader, path, family, cfg)
+    arrays = arrays_from_tensors(cfg, tensors, source=path)
+    return model_from_arrays(Policy, cfg, arrays, source=path)

@@ -1,4 +1,4 @@
-"""Writing llama.cpp GGUF files: a whole model (`save_gguf`) or its LoRA adapters alone
+"""Writing llama.cpp GGUF files: a whole model (`write_gguf`) or its LoRA adapters alone
 (`save_gguf_adapter`).
 
 The tensors are the Hugging Face ones (`tensors_from_model`) under llama.cpp's names
@@ -20,6 +20,8 @@ with the q/k row permutation of `W`). llama.cpp adds `alpha / r · B A` to `W`.
 import dataclasses
 import os
 import tempfile
+from collections.abc import Callable
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -108,15 +110,15 @@ def _add_metadata(writer, meta: dict) -> None:
             writer.add_uint32(key, int(value))
 
 
-def save_gguf(
+def write_gguf(
     model: Policy,
     path: str | os.PathLike,
     *,
-    tokenizer,
     dtype: str = "f16",
-    chat_template: str | None = None,
+    metadata: Callable[[Any], None] | None = None,
 ) -> None:
-    """Write a `Policy` as a llama.cpp GGUF file, with its tokenizer and chat template.
+    """Write a `Policy` as a llama.cpp GGUF file (the weights and the architecture's
+    metadata; `rlhf_eqx.save_gguf` adds the tokenizer and chat template).
 
     **Arguments:**
 
@@ -125,19 +127,16 @@ def save_gguf(
       `ValueModel` is refused (llama.cpp has no scalar head).
     - `path`: the file; written atomically (a temporary file beside it, synced, then
       renamed over it).
-    - `tokenizer`: the model's tokenizer, written as `tokenizer.ggml.*` metadata.
     - `dtype`: the matrices' type: `"f16"` (llama.cpp's default), `"q8_0"` (8-bit
       blocks of 32 with a float16 scale, `gguf.quants.quantize`; a matrix whose rows
       are not whole blocks falls back to f16) or `"f32"`. 1-D tensors are always f32.
-    - `chat_template`: a Jinja chat template for `tokenizer.chat_template` (default:
-      the tokenizer's own, when it has one).
+    - `metadata`: called with the `gguf.GGUFWriter` before the tensors are added, to
+      write further key/value metadata (the tokenizer's `tokenizer.ggml.*`).
 
-    llama.cpp needs the tokenizer's vocabulary to have `cfg.vocab_size` tokens (pad it
-    for a padded embedding). A Mistral sliding window is written
-    (`llama.attention.sliding_window`, read back by `load_gguf`), but llama.cpp's
-    `llama` architecture attends to the whole context: the same outputs for sequences
-    within the window. Gemma 2/3 are written only with the attention scale and window
-    pattern llama.cpp assumes (see `load_gguf`).
+    A Mistral sliding window is written (`llama.attention.sliding_window`, read back by
+    `load_gguf`), but llama.cpp's `llama` architecture attends to the whole context:
+    the same outputs for sequences within the window. Gemma 2/3 are written only with
+    the attention scale and window pattern llama.cpp assumes (see `load_gguf_policy`).
 
     Raises `ValueError` naming the tensor when a weight holds NaN or ±inf (nothing is
     written), and naming the `TransformerConfig` field when llama.cpp cannot express
@@ -171,14 +170,12 @@ def save_gguf(
     file_type = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0"}[dtype]
 
     def fill(writer):
-        from rlhf_eqx.data._gguf_tokenizer_export import add_tokenizer_metadata
-
         _add_metadata(writer, meta)
         writer.add_type(gguf.GGUFType.MODEL)
         writer.add_file_type(int(gguf.LlamaFileType[file_type]))
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        template = chat_template or getattr(tokenizer, "chat_template", None)
-        add_tokenizer_metadata(writer, tokenizer, template)
+        if metadata is not None:
+            metadata(writer)
         for name, arr in tensors:
             kind = _ggml_type(arr, dtype)
             data = arr if kind == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(arr, kind)

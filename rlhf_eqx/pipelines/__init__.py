@@ -168,6 +168,7 @@ from ._validation import (
     DATA_FORMATS as DATA_FORMATS,
     teacher_stages as teacher_stages,
     validate_config as validate_config,
+    validate_judge as validate_judge,
     validate_ops as validate_ops,
     validate_stage as validate_stage,
 )

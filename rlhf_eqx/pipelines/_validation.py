@@ -90,7 +90,10 @@ def validate_config(
 
 
 def validate_judge(j) -> None:
-    """Check the judge settings (`judge.*`)."""
+    """Check the judge settings (`judge.*`, a `JudgeConfig`): the judge model (`base`,
+    `sft`, a checkpoint directory or a `.gguf` file) and the template; `ConfigError`
+    naming the field, the value and the choices. Whether the verdicts are single tokens
+    of the run's tokenizer is checked by `validate_config`, which knows the model."""
     gguf = j.model.lower().endswith(".gguf") and os.path.isfile(j.model)
     if j.model not in JUDGE_MODELS and not os.path.isdir(j.model) and not gguf:
         choices = ", ".join(JUDGE_MODELS)

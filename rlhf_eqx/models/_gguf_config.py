@@ -21,7 +21,7 @@ import numpy as np
 
 from ._config import RopeScaling, TransformerConfig
 from ._hf_config import FAMILIES, config_from_hf
-from ._hf_export import hf_family
+from ._hf_export import hf_family, rope_scaling_json
 
 ARCHS = {
     "llama": "llama",
@@ -167,13 +167,8 @@ def hf_config(meta, path: str, names, n_tokens: int | None) -> tuple[str, dict[s
 
 
 def llama3_json(rs: RopeScaling) -> dict[str, Any]:
-    return {
-        "rope_type": "llama3",
-        "factor": rs.factor,
-        "low_freq_factor": rs.low_freq_factor,
-        "high_freq_factor": rs.high_freq_factor,
-        "original_max_position_embeddings": rs.original_max_position,
-    }
+    """A `llama3` rope scaling as Hugging Face's `rope_scaling` object."""
+    return rope_scaling_json(rs)
 
 
 def _same(cfg: TransformerConfig, back: TransformerConfig, field: str) -> bool:

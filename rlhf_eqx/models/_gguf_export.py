@@ -35,18 +35,10 @@ from ._heads import Policy
 from ._hf_export import hf_family
 from ._hf_tensors import tensors_from_model
 from ._lora import merge_lora
+from ._peft import _MODULES
 from ._quant import dequantize
 
 _DTYPES = ("f32", "f16", "q8_0")
-_PEFT_NAMES = {
-    "q": "self_attn.q_proj",
-    "k": "self_attn.k_proj",
-    "v": "self_attn.v_proj",
-    "o": "self_attn.o_proj",
-    "gate": "mlp.gate_proj",
-    "up": "mlp.up_proj",
-    "down": "mlp.down_proj",
-}
 
 
 def _gguf():
@@ -220,7 +212,7 @@ def save_gguf_adapter(
         a = np.asarray(jnp.asarray(ad.a, jnp.float32))
         b = np.asarray(jnp.asarray(ad.b, jnp.float32)) * np.float32(ad.scale * a.shape[-1] / alpha)
         for i in range(cfg.n_layers):
-            hf_name = f"model.layers.{i}.{_PEFT_NAMES[target]}.weight"
+            hf_name = f"model.layers.{i}.{_MODULES[target]}.weight"
             base = names[hf_name]
             lora_a = np.ascontiguousarray(a[i].T)
             lora_b = _llama_cpp_rows(hf_name, np.ascontiguousarray(b[i].T), cfg)

@@ -20,7 +20,7 @@ def hf_family(cfg: TransformerConfig) -> str:
     return "mistral" if cfg.sliding_window is not None else "llama"
 
 
-def _rope_scaling_json(rs: RopeScaling | None) -> dict[str, Any] | None:
+def rope_scaling_json(rs: RopeScaling | None) -> dict[str, Any] | None:
     if rs is None:
         return None
     if rs.kind == "linear":
@@ -70,7 +70,7 @@ def config_to_hf(
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": _rope_scaling_json(cfg.rope_scaling),
+        "rope_scaling": rope_scaling_json(cfg.rope_scaling),
         "hidden_act": "gelu_pytorch_tanh"
         if cfg.mlp_activation == "gelu_tanh"
         else cfg.mlp_activation,

@@ -103,6 +103,7 @@ from ._tokenize import (
     tokenize_preferences as tokenize_preferences,
     tokenize_prompts as tokenize_prompts,
     tokenize_sft as tokenize_sft,
+    wants_bos as wants_bos,
 )
 from ._tokenized import (
     SequenceLengths as SequenceLengths,

@@ -37,6 +37,16 @@ from ._tokenizer import Tokenizer
 _TRUNCATIONS = ("keep_end", "drop")
 
 
+def wants_bos(tokenizer: Tokenizer, add_bos: bool | None = None) -> bool:
+    """Whether a prompt starts with BOS: `add_bos` when given, else as the tokenizer
+    asks (its `add_bos_token`, true for a tokenizer without one: llama2.c and
+    SentencePiece models). SmolLM2's tokenizer says false: its BOS id is
+    `<|im_start|>`, which its chat template writes itself."""
+    if add_bos is not None:
+        return bool(add_bos)
+    return bool(getattr(tokenizer, "add_bos_token", True))
+
+
 class _Drop(Exception):
     pass
 
@@ -115,12 +125,13 @@ def _tokenize(
     *,
     lengths: SequenceLengths,
     truncation: str,
-    add_bos: bool,
+    add_bos: bool | None,
     add_eos: bool,
 ) -> tuple[list[list[TokenizedSequence]], TokenizeReport]:
     _check_truncation(truncation)
     report = TokenizeReport(lengths=lengths, truncation=truncation)
     out = []
+    add_bos = wants_bos(tokenizer, add_bos)
     bos = [tokenizer.bos_id] if add_bos else []
     eos = [tokenizer.eos_id] if add_eos else []
     for prompt, completions in items:
@@ -173,7 +184,7 @@ def tokenize_preferences(
     max_prompt_length: int | None = None,
     max_completion_length: int | None = None,
     truncation: str = "keep_end",
-    add_bos: bool = True,
+    add_bos: bool | None = None,
     add_eos: bool = True,
 ) -> tuple[list[TokenizedPair], TokenizeReport]:
     """Tokenise preference records (`.prompt`, `.chosen`, `.rejected`) into pairs.
@@ -186,7 +197,8 @@ def tokenize_preferences(
     - `max_length`, `max_prompt_length`, `max_completion_length`: replace the field of
       that name in `lengths`.
     - `truncation`: `"keep_end"` (truncate; see the module docstring) or `"drop"`.
-    - `add_bos` / `add_eos`: start prompts with BOS / end completions with EOS.
+    - `add_bos` / `add_eos`: start prompts with BOS / end completions with EOS
+      (`add_bos=None`: as the tokenizer asks, `wants_bos`).
 
     **Returns:** `(pairs, report)`: a `TokenizedPair` for each kept record, and a
     `TokenizeReport` counting truncated, dropped and boundary-merged records.
@@ -211,7 +223,7 @@ def tokenize_sft(
     max_prompt_length: int | None = None,
     max_completion_length: int | None = None,
     truncation: str = "keep_end",
-    add_bos: bool = True,
+    add_bos: bool | None = None,
     add_eos: bool = True,
 ) -> tuple[list[TokenizedSequence], TokenizeReport]:
     """Tokenise `(prompt, completion)` records for supervised fine-tuning.
@@ -245,15 +257,16 @@ def tokenize_prompts(
     lengths: SequenceLengths | None = None,
     max_prompt_length: int | None = None,
     truncation: str = "keep_end",
-    add_bos: bool = True,
+    add_bos: bool | None = None,
 ) -> tuple[list[tuple[int, ...]], TokenizeReport]:
     """Tokenise prompts for generation (records with `.prompt`, or strings).
 
     A prompt longer than `max_prompt_length` (default: `lengths.max_prompt_length`)
-    keeps its end (`"keep_end"`, BOS kept first) or is dropped (`"drop"`). Returns
-    `(prompt ids, report)`.
+    keeps its end (`"keep_end"`, BOS kept first) or is dropped (`"drop"`); BOS as in
+    `tokenize_preferences`. Returns `(prompt ids, report)`.
     """
     _check_truncation(truncation)
+    add_bos = wants_bos(tokenizer, add_bos)
     if max_prompt_length is not None and (
         isinstance(max_prompt_length, bool) or max_prompt_length < 1
     ):

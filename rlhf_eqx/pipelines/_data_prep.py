@@ -1,6 +1,9 @@
-"""Data-file helpers of the single-stage runs: the held-out split, the data-quality report
-and filters, prompt lengths, held-out implicit accuracy and NLL."""
+"""Data-file helpers of the single-stage runs: the held-out split, prompts through the
+model's chat template, the data-quality report and filters, prompt lengths, held-out
+implicit accuracy and NLL."""
 
+import dataclasses
+import re
 from collections.abc import Sequence
 
 import equinox as eqx
@@ -46,10 +49,106 @@ def split_records(records: Sequence, dc: DataConfig) -> tuple[list, list]:
     return list(train), list(held)
 
 
+_HH_TURN = re.compile(r"\n\n(Human|Assistant):")
+_PROBE = "\x00reply\x00"
+
+
+def hh_messages(prompt: str) -> list[dict[str, str]]:
+    """The conversation of a prompt: an HH-RLHF transcript (`"\\n\\nHuman: …\\n\\n
+    Assistant: …\\n\\nHuman: …\\n\\nAssistant:"`, as `data.load_preferences` keeps
+    it, message formats included) becomes its turns, every turn before the reply (text
+    before the first turn: a system message; the empty last `Assistant:` dropped); any
+    other text is one user message."""
+    parts = _HH_TURN.split(prompt)
+    if len(parts) == 1:
+        return [{"role": "user", "content": prompt.strip()}]
+    messages = [{"role": "system", "content": parts[0].strip()}] if parts[0].strip() else []
+    for role, content in zip(parts[1::2], parts[2::2]):
+        role = "user" if role == "Human" else "assistant"
+        messages.append({"role": role, "content": content.strip()})
+    if messages[-1]["role"] == "assistant" and not messages[-1]["content"]:
+        messages.pop()
+    return messages
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatRendering:
+    """Prompts and completions through a chat template: the prompt's conversation
+    (`hh_messages`) with the generation prompt; a completion's text followed by the
+    template's end-of-turn text `end` (what the template writes after an assistant
+    message, e.g. `<|im_end|>`; its EOS text when that cannot be told). `strip_bos`: the
+    BOS text the template writes at the start that the tokenizer also adds as an id
+    (removed from the text, so the prompt has one BOS)."""
+
+    template: "data.JinjaChatTemplate"
+    end: str
+    strip_bos: str = ""
+
+    def prompt(self, text: str) -> str:
+        out = self.template.render(hh_messages(text), add_generation_prompt=True)
+        if self.strip_bos and out.startswith(self.strip_bos):
+            out = out[len(self.strip_bos) :]
+        return out
+
+    def completion(self, text: str) -> str:
+        return text.strip() + self.end
+
+    def records(self, records: Sequence) -> list:
+        """Preference, unpaired or prompt records with their `prompt` rendered and their
+        `chosen` / `rejected` / `completion` ended."""
+        out = []
+        for r in records:
+            changes = {"prompt": self.prompt(r.prompt)}
+            for key in ("chosen", "rejected", "completion"):
+                if hasattr(r, key):
+                    changes[key] = self.completion(getattr(r, key))
+            out.append(dataclasses.replace(r, **changes))
+        return out
+
+
+def chat_rendering(tok, dc: DataConfig) -> ChatRendering | None:
+    """The run's `ChatRendering` from `data.chat_template`: `auto`, the tokenizer's
+    template when it has one (`None` when it has none: the text is used as it is, as
+    for the built-in stories model); `none`, `None`; a `.jinja` file, its template with
+    the tokenizer's BOS and EOS text."""
+    if dc.chat_template == "none":
+        return None
+    token = getattr(tok, "token", None)  # an HFTokenizer spells its special tokens
+    if dc.chat_template == "auto":
+        if getattr(tok, "chat_template", None) is None:
+            return None
+        template = tok.jinja_chat_template()
+    else:
+        with open(dc.chat_template, encoding="utf-8") as f:
+            source = f.read()
+        special = {}
+        if token is not None:
+            special = dict(bos_token=token(tok.bos_id), eos_token=token(tok.eos_id))
+        template = data.JinjaChatTemplate(source, **special)
+    user = [{"role": "user", "content": "?"}]
+    prompt = template.render(user, add_generation_prompt=True)
+    full = template.render(user + [{"role": "assistant", "content": _PROBE}])
+    tail = full[len(prompt) :]
+    if full.startswith(prompt) and tail.startswith(_PROBE):
+        end = tail[len(_PROBE) :].rstrip()
+    else:
+        end = template.eos_token
+    bos = template.bos_token if data.wants_bos(tok) else ""
+    return ChatRendering(template, end, strip_bos=bos)
+
+
+def render_chat(records: Sequence, tok, dc: DataConfig) -> list:
+    """`records` through the run's chat template (`chat_rendering`), or as they are when
+    there is none."""
+    rendering = chat_rendering(tok, dc)
+    return list(records) if rendering is None else rendering.records(records)
+
+
 def prompt_tokens(tok, prompt: str) -> int:
-    """The length of `prompt` as the model sees it: its tokens and BOS (what must fit
-    `sampling.prompt_length` for the prompt to stay whole)."""
-    return len(tok.encode(prompt)) + 1
+    """The length of `prompt` as the model sees it: its tokens and BOS when the
+    tokenizer asks for it (what must fit `sampling.prompt_length` for the prompt to stay
+    whole)."""
+    return len(tok.encode(prompt)) + int(data.wants_bos(tok))
 
 
 def quality_report(

@@ -74,7 +74,8 @@ def run_on_data(
 def _run_on_data(cfg: PipelineConfig, st, run_dir: str, resume: bool) -> dict:
     from ._pipeline import load_model, tokenizer_file
 
-    policy, tok = load_model(cfg.model.source, cfg.model.tokenizer)
+    m = cfg.model
+    policy, tok = load_model(m.source, m.tokenizer, quantized=m.quantized)
     tok_file = tokenizer_file(cfg.model.source, cfg.model.tokenizer)
     ctx = RunContext(
         ops=cfg.ops,

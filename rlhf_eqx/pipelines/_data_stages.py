@@ -7,12 +7,14 @@ solutions."""
 import jax
 import numpy as np
 
+import rlhf_eqx as rx
 from rlhf_eqx import data
 
 from ._config import (
     DataConfig,
 )
 from ._data_prep import (
+    chat_rendering,
     implicit_accuracy,
     is_preference_file,
     log_filter,
@@ -44,13 +46,34 @@ def _unpack(env: StageEnv):
     return env.cfg, env.base, env.tok, env.ctx(""), env.summary, env.say
 
 
+def _final(env: StageEnv, model):
+    """`final_policy` (adapters merged); on a quantised base (`model.quantized`) the
+    packed weights are decoded first, so the merged policy is dense."""
+    return final_policy(rx.dequantize(model) if env.cfg.model.quantized else model)
+
+
+def _chat_split(env: StageEnv, records) -> tuple[list, list]:
+    """`split_records`, then both sides through the model's chat template
+    (`chat_rendering` of `data.chat_template`; the split is that of the file's text)."""
+    train, held = split_records(records, env.cfg.data)
+    return _chat(env, train), _chat(env, held)
+
+
+def _chat(env: StageEnv, records) -> list:
+    rendering = chat_rendering(env.tok, env.cfg.data)
+    if rendering is None:
+        return list(records)
+    env.summary["chat_template"] = env.cfg.data.chat_template
+    return rendering.records(records)
+
+
 def _preferences(env: StageEnv, c):
     """The preference file's training and held-out pairs (the quality report logged,
     `data.filter` applied), its truncation and quality in the summary."""
     cfg, _, tok, ctx, summary, say = _unpack(env)
     s = cfg.sampling
     records = data.load_preferences(cfg.data.path, cfg.data.format)
-    train, held = split_records(records, cfg.data)
+    train, held = _chat_split(env, records)
     lengths = data.SequenceLengths(max_length=c.max_length, max_prompt_length=s.prompt_length)
     train, quality = quality_report(train, tok, lengths, cfg.data, ctx.log, records.report)
     _, report = data.tokenize_preferences(train, tok, lengths=lengths, add_eos=False)
@@ -86,7 +109,7 @@ def sft(env: StageEnv, c) -> Outcome:
     hb = data.collate_sft(seqs, max_length=c.max_length, pad_id=tok.pad_id)
     before = float(nll(policy, hb))
     res = run_sft(policy, tok, [(r.prompt, r.chosen) for r in train], cfg=c, ctx=ctx)
-    trained = final_policy(res.state.model)
+    trained = _final(env, res.state.model)
     after = float(nll(trained, hb))
     summary["sft"] = {
         "heldout_nll_before": before,
@@ -124,7 +147,7 @@ def dpo(env: StageEnv, c) -> Outcome:
         held, tok, max_length=c.max_length, prompt_length=cfg.sampling.prompt_length
     )
     res = run_dpo(policy, tok, train, cfg=c, ctx=ctx)
-    trained = final_policy(res.state.model)
+    trained = _final(env, res.state.model)
     accuracy = implicit_accuracy(trained, policy, held_batch, c.beta)
     n_held = held_batch.chosen_tokens.shape[0]
     summary["dpo"] = {
@@ -152,6 +175,7 @@ def grpo(env: StageEnv, c) -> Outcome:
                 else ""
             )
         )
+    with_answer = _chat(env, with_answer)
     fits = [r for r in with_answer if prompt_tokens(tok, r.prompt) <= s.prompt_length]
     if not fits:
         longest = min(prompt_tokens(tok, r.prompt) for r in with_answer)
@@ -183,7 +207,7 @@ def grpo(env: StageEnv, c) -> Outcome:
         judges={"base": policy},
     )
     res = run_grpo(policy, tok, [r.prompt for r in train], reward=reward, cfg=c, ctx=ctx)
-    trained = final_policy(res.state.model)
+    trained = _final(env, res.state.model)
     hp = [r.prompt for r in held]
     k = jax.random.key(cfg.ops.seed + 1)
     rates = []
@@ -210,7 +234,7 @@ def kto(env: StageEnv, c) -> Outcome:
         pairs = data.load_preferences(path, cfg.data.format)
         records = None
     source = records if records is not None else pairs
-    train, held = split_records(source, cfg.data)
+    train, held = _chat_split(env, source)
     summary["data_quality"] = {"skipped_by_reader": dict(source.report.skipped)}
     if pairs is not None:
         summary["data_quality"]["pairs"] = len(train) + len(held)
@@ -228,7 +252,7 @@ def kto(env: StageEnv, c) -> Outcome:
         + (" (from preference pairs)" if pairs is not None else "")
     )
     res = run_kto(policy, tok, train, cfg=c, ctx=ctx)
-    trained = final_policy(res.state.model)
+    trained = _final(env, res.state.model)
     held_batch = collate_unpaired_records(
         held, tok, max_length=c.max_length, prompt_length=s.prompt_length
     )
@@ -267,7 +291,7 @@ def distill(env: StageEnv, c) -> Outcome:
     s = cfg.sampling
     teacher = load_teacher(c.teacher, policy)
     records = data.load_preferences(cfg.data.path, cfg.data.format)
-    train, held = split_records(records, cfg.data)
+    train, held = _chat_split(env, records)
     sl = data.SequenceLengths(max_length=c.max_length, max_prompt_length=s.prompt_length)
     train, _ = quality_report(train, tok, sl, cfg.data, ctx.log, records.report)
     summary["data_quality"] = {"skipped_by_reader": dict(records.report.skipped)}
@@ -295,7 +319,7 @@ def distill(env: StageEnv, c) -> Outcome:
     kw = dict(beta=c.beta)  # at the loss's temperature, τ = 1 (as TRL's GKDTrainer)
     before = distill_divergence(policy, teacher, hb, **kw)
     res = run_distill(policy, teacher, tok, [r.prompt for r in train], comps, cfg=c, ctx=ctx)
-    trained = final_policy(res.state.model)
+    trained = _final(env, res.state.model)
     summary["distill"] = {
         "teacher": c.teacher,
         "heldout_jsd_before": before,

@@ -68,11 +68,13 @@ def resolve_model_names(cfg: PipelineConfig) -> PipelineConfig:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, source=source))
 
 
-def load_model(source: str = "builtin", tokenizer: str | None = None):
+def load_model(source: str = "builtin", tokenizer: str | None = None, *, quantized: bool = False):
     """`(policy, tokenizer)` from `"builtin"` (the shipped stories260K), a llama2.c `.bin`
     file (with `tokenizer`), a Hugging Face checkpoint directory, a llama.cpp `.gguf`
-    file (`rx.load_gguf`, dequantised; its tokenizer and chat template from the file's
-    metadata) or a short model name (`model_path`: `"smollm2-135m"`).
+    file (`rx.load_gguf`, dequantised, or with `quantized` its packed blocks kept; its
+    tokenizer and chat template from the file's metadata) or a short model name
+    (`model_path`: `"smollm2-135m"`). `quantized` with another source is a
+    `ConfigError` naming `model.quantized`.
 
     A checkpoint directory without `tokenizer` uses the tokenizer file found in it
     (`tokenizer.json`, `tokenizer.model` or `tokenizer.bin`: the run exports put one
@@ -82,10 +84,12 @@ def load_model(source: str = "builtin", tokenizer: str | None = None):
     from rlhf_eqx.assets import asset_path
 
     source = model_path(source)
+    if quantized and not source.lower().endswith(".gguf"):
+        raise ConfigError(f"model.quantized=True: needs a .gguf model.source, got {source!r}")
     if source == "builtin":
         return rx.load_llama2c(asset_path("stories260K.bin"), tokenizer or asset_path("tok512.bin"))
     if source.lower().endswith(".gguf"):
-        policy, tok = rx.load_gguf(source)
+        policy, tok = rx.load_gguf(source, quantized=quantized)
         if tokenizer is not None:
             tok = data.load_tokenizer(tokenizer)
     elif os.path.isdir(source):
@@ -212,7 +216,7 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False, overwrite: bool =
 def _run_pipeline(cfg: PipelineConfig, run_dir: str, resume: bool, say) -> dict:
     t0 = time.perf_counter()
     s = cfg.sampling
-    base, tok = load_model(cfg.model.source, cfg.model.tokenizer)
+    base, tok = load_model(cfg.model.source, cfg.model.tokenizer, quantized=cfg.model.quantized)
     key = jax.random.key(cfg.ops.seed)
     k_eval = jax.random.split(key, 8)[0]
     log = MetricsLog(run_dir, "pipeline", quiet=cfg.ops.quiet)

@@ -54,11 +54,12 @@ class RewardFunction:
 
 
 def encode_prompts(tok, prompts: Sequence[str], *, prompt_length: int) -> list[list[int]]:
-    """Token ids of each prompt (with BOS); a prompt longer than `prompt_length` is an
-    error naming it."""
+    """Token ids of each prompt (BOS first when the tokenizer asks for it,
+    `data.wants_bos`); a prompt longer than `prompt_length` is an error naming it."""
     ids = []
+    bos = [tok.bos_id] if data.wants_bos(tok) else []
     for i, p in enumerate(prompts):
-        x = [tok.bos_id] + list(tok.encode(p))
+        x = bos + list(tok.encode(p))
         if len(x) > prompt_length:
             raise ValueError(
                 f"prompt {i} ({p[:40]!r}...) has {len(x)} tokens > prompt_length={prompt_length}"

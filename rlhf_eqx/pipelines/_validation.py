@@ -30,6 +30,7 @@ from ._field_checks import _above, _at_least, _choice, _fail, _positive
 from ._pipeline_config import (
     PipelineConfig,
 )
+from ._registry import find_stage
 from ._run_checks import run_stages, validate_run
 from ._stage_checks import check_stage, teacher_stages  # noqa: F401 (exported)
 
@@ -57,7 +58,10 @@ def validate_config(
         _fail("model.tokenizer", m.tokenizer, "no such file")
     if m.source.endswith(".bin") and m.tokenizer is None:
         _fail("model.tokenizer", None, "a llama2.c checkpoint needs a tokenizer file")
+    if m.quantized:
+        _check_quantized(cfg, run_stages(cfg, stage))
     dc = cfg.data
+    _check_chat_template(dc.chat_template)
     if dc.path is not None and not os.path.isfile(dc.path):
         _fail("data.path", dc.path, "is a directory" if os.path.isdir(dc.path) else "no such file")
     _choice("data.format", dc.format, DATA_FORMATS)
@@ -87,6 +91,36 @@ def validate_config(
         _fail("label_noise", cfg.label_noise, "must be in [0, 0.5)")
     _positive("eval_samples", cfg.eval_samples)
     validate_run(cfg, run_stages(cfg, stage), device_count=device_count)
+
+
+def _check_quantized(cfg: PipelineConfig, run: tuple[str, ...]) -> None:
+    """`model.quantized` keeps a GGUF file's packed weights, which cannot train: a `.gguf`
+    source (or a packaged model name) and LoRA adapters in every stage that trains."""
+    from ._pipeline import MODEL_NAMES
+
+    source = cfg.model.source
+    if not (source.lower().endswith(".gguf") or source in MODEL_NAMES):
+        _fail("model.quantized", True, f"needs a .gguf model.source, got {source!r}")
+    for st in run:
+        key = find_stage(st).key
+        lora = getattr(getattr(cfg, key, None), "lora", None)
+        if lora is None:
+            _fail("model.quantized", True, f"the {st} stage has no LoRA adapters to train")
+        if lora.rank == 0:
+            _fail(
+                f"{key}.lora.rank",
+                0,
+                "model.quantized=true needs LoRA adapters (rank > 0): packed weights cannot train",
+            )
+
+
+def _check_chat_template(value: str) -> None:
+    if value in ("auto", "none"):
+        return
+    if not value.endswith(".jinja"):
+        _fail("data.chat_template", value, "must be auto, none or a .jinja file")
+    if not os.path.isfile(value):
+        _fail("data.chat_template", value, "no such file")
 
 
 def validate_judge(j) -> None:

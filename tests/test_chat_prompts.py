@@ -12,10 +12,16 @@ import pytest
 
 from rlhf_eqx import data, pipelines as pl
 from rlhf_eqx.assets import asset_path
-from rlhf_eqx.pipelines._config import ConfigError, DataConfig, ModelConfig
-from rlhf_eqx.pipelines._data_prep import chat_rendering, hh_messages, prompt_tokens
-from rlhf_eqx.pipelines._rollout import encode_prompts
-from rlhf_eqx.pipelines._validation import validate_config
+from rlhf_eqx.pipelines import (
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    chat_rendering,
+    encode_prompts,
+    hh_messages,
+    prompt_tokens,
+    validate_config,
+)
 
 SMOL_SYSTEM = (
     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "

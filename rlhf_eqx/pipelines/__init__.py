@@ -25,7 +25,14 @@ from ._config_io import (
     config_to_dict as config_to_dict,
     load_config as load_config,
 )
-from ._data_prep import quality_report as quality_report, split_records as split_records
+from ._data_prep import (
+    ChatRendering as ChatRendering,
+    chat_rendering as chat_rendering,
+    hh_messages as hh_messages,
+    prompt_tokens as prompt_tokens,
+    quality_report as quality_report,
+    split_records as split_records,
+)
 from ._data_runs import data_stages as data_stages, run_on_data as run_on_data
 from ._distill_runs import (
     check_same_vocabulary as check_same_vocabulary,
@@ -125,6 +132,7 @@ from ._rollout import (
     RewardFunction as RewardFunction,
     Rollout as Rollout,
     dispatch_rollout as dispatch_rollout,
+    encode_prompts as encode_prompts,
     finish_rollout as finish_rollout,
     group_signal as group_signal,
     reward_model_scores as reward_model_scores,

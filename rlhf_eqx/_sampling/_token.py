@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ._options import check_temperature, check_top_k, check_top_p
+from ._options import DEFAULT_TEMPERATURE, check_temperature, check_top_k, check_top_p
 
 
 def filter_logits(
@@ -39,7 +39,7 @@ def sample_token(
     key: PRNGKeyArray,
     logits: Float[Array, " V"],
     *,
-    temperature: float | int = 1.0,
+    temperature: float | int = DEFAULT_TEMPERATURE,
     top_k: int | None = None,
     top_p: float | int | None = None,
 ) -> tuple[Int[Array, ""], Float[Array, ""]]:

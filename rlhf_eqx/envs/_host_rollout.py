@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int, PRNGKeyArray
 
+from .._sampling import DEFAULT_TEMPERATURE
 from ..models import AbstractDecoder
 from ._environment import Environment, HostEnvironment
 from ._rollout import _env_step
@@ -81,7 +82,7 @@ def rollout_multiturn_host(
     max_turns: int,
     max_new_tokens: int,
     max_total_tokens: int,
-    temperature: float | int = 1.0,
+    temperature: float | int = DEFAULT_TEMPERATURE,
     top_k: int | None = None,
     top_p: float | int | None = None,
     eos_id: int | Sequence[int] | None = None,

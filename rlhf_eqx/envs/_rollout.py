@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
+from .._sampling import DEFAULT_TEMPERATURE
 from ..models import AbstractDecoder
 from ._environment import Environment
 from ._rollout_checks import _check_environment, _check_policy, _Options, _options
@@ -96,7 +97,7 @@ def rollout_multiturn(
     max_turns: int,
     max_new_tokens: int,
     max_total_tokens: int,
-    temperature: float | int = 1.0,
+    temperature: float | int = DEFAULT_TEMPERATURE,
     top_k: int | None = None,
     top_p: float | int | None = None,
     eos_id: int | Sequence[int] | None = None,

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
+from .._sampling._options import DEFAULT_TEMPERATURE
 from ._validation import Hyperparameter, check_python_number, is_python_number
 
 
@@ -50,7 +51,7 @@ def generalized_jsd(
     mask: Bool[Array, " T"],
     *,
     beta: Hyperparameter = 0.5,
-    temperature: Hyperparameter = 1.0,
+    temperature: Hyperparameter = DEFAULT_TEMPERATURE,
 ) -> Float[Array, " T"]:
     r"""Per-position generalised Jensen-Shannon divergence between teacher and student.
 

@@ -19,6 +19,7 @@ PPO and GRPO records.
 import dataclasses
 import re
 
+from .._sampling import DEFAULT_TEMPERATURE
 from ..models import LORA_TARGETS
 from ..train import (
     OptimizerSettings,
@@ -188,7 +189,7 @@ class SamplingConfig:
 
     prompt_length: int = 32
     max_new_tokens: int = 40
-    temperature: float = 1.0
+    temperature: float = DEFAULT_TEMPERATURE
     stop_strings: tuple[str, ...] = ()
     slots: int = 0
 

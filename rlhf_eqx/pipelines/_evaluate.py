@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, Shaped
 
+from .._sampling import DEFAULT_TEMPERATURE
 from ._rollout import Rollout, sample_rollout, token_logps
 
 
@@ -110,7 +111,7 @@ def evaluate_policy(
     samples: int,
     prompt_length: int,
     max_new_tokens: int,
-    temperature: float = 1.0,
+    temperature: float = DEFAULT_TEMPERATURE,
     stop_strings: Sequence[str] = (),
     slots: int = 0,
 ) -> tuple[dict, Rollout, np.ndarray]:

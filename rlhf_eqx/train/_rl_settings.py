@@ -7,6 +7,7 @@ from typing import Literal
 
 from jaxtyping import Array, Float
 
+from .._sampling import DEFAULT_TEMPERATURE
 from ..losses import (
     ADVANTAGE_SCALES,
     COV_SELECTIONS,
@@ -32,10 +33,10 @@ _record = dataclasses.dataclass(frozen=True, kw_only=True)
 class SampledSettings:
     """The setting every step on sampled completions shares: the sampling `temperature`
     $T > 0$ (log-probabilities and entropies are taken of logits / T). It must be the
-    temperature the completions were sampled at; its default, 1.0, is written here
-    only."""
+    temperature the completions were sampled at; its default is the sampler's,
+    `rlhf_eqx.DEFAULT_TEMPERATURE` (1.0)."""
 
-    temperature: float = 1.0
+    temperature: float = DEFAULT_TEMPERATURE
 
     def __post_init__(self):
         check_number("temperature", self.temperature, low=0.0, low_open=True)

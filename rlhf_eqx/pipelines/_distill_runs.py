@@ -20,9 +20,10 @@ from ._stage_configs import (
 )
 from ._validation import validate_stage
 
-LOSS_TEMPERATURE = 1.0
-"""The temperature of the distillation stage's divergence, as TRL's `GKDTrainer` computes
-its loss (`generalized_jsd_loss` at its default `temperature=1.0`); the stage's
+LOSS_TEMPERATURE = rx.train.DistillSettings.temperature
+"""The temperature of the distillation stage's divergence: `DistillSettings`' default
+(1.0), as TRL's `GKDTrainer` computes its loss (`generalized_jsd_loss` at its default
+`temperature=1.0`); the stage's
 `distill.temperature` (TRL `GKDConfig.temperature`, 0.9) is the temperature the
 on-policy completions are sampled at."""
 
@@ -108,9 +109,8 @@ def run_distill(
     model, spec = with_lora(student, cfg.lora, k_lora)
     opt = build_optimizer(cfg.optim, cfg.steps)
     state = rx.train.init_train_state(model, opt, filter_spec=spec)
-    step = rx.train.make_distill_step(
-        opt, beta=cfg.beta, temperature=LOSS_TEMPERATURE, **dataclasses.asdict(cfg.options)
-    )
+    settings = rx.train.DistillSettings(beta=cfg.beta, temperature=LOSS_TEMPERATURE)
+    step = rx.train.make_distill_step(opt, settings, options=cfg.options)
     sampling = on_policy_sampling(ctx, cfg)
 
     def iteration(state, key, i):

@@ -1,7 +1,6 @@
 """KTO runs (Ethayarajh et al. 2024) on unpaired examples: a reference computed once,
 the reference point estimated from mismatched completions in each batch."""
 
-import dataclasses
 from collections.abc import Callable, Sequence
 
 import equinox as eqx
@@ -55,15 +54,14 @@ def run_kto(
     full = rx.train.compute_kto_reference_logps(reference, full)
     opt = build_optimizer(cfg.optim, cfg.steps)
     state = rx.train.init_train_state(model, opt, filter_spec=spec)
-    step = rx.train.make_kto_step(
-        opt,
+    settings = rx.train.KTOSettings(
         beta=cfg.beta,
         desirable_weight=cfg.desirable_weight,
         undesirable_weight=cfg.undesirable_weight,
         loss_type=cfg.loss_type,
         reference="cached",
-        **dataclasses.asdict(cfg.options),
     )
+    step = rx.train.make_kto_step(opt, settings, options=cfg.options)
     return run_offline(
         state,
         step,

@@ -65,7 +65,7 @@ def run_prm(policy, tok, records: Sequence, *, cfg: PRMConfig, ctx: RunContext) 
     model = rx.ValueModel.from_policy(policy, key=k_init)
     opt = build_optimizer(cfg.optim, cfg.steps)
     state = rx.train.init_train_state(model, opt)
-    step = rx.train.make_prm_step(opt, **dataclasses.asdict(cfg.options))
+    step = rx.train.make_prm_step(opt, rx.train.PRMSettings(), options=cfg.options)
     batch_at = shuffled_rows(full, cfg.batch_size, ctx.ops.seed)
 
     def iteration(ts, key, i):

@@ -5,12 +5,13 @@ per-algorithm loss function
 `loss_fn(params, frozen, batch, key) -> (numerators, denominators, metrics)` and a
 `StepOptions` (`micro_batches`, `axis_name`, `donate`, `nonfinite`, `check_token_ids`);
 the builders `make_sft_step`, `make_reward_step`, `make_dpo_step`, `make_ppo_step`,
-`make_grpo_step`, `make_distill_step` and `make_onpolicy_distill_step` are thin wrappers
-around it.
+`make_grpo_step`, `make_kto_step`, `make_distill_step`, `make_onpolicy_distill_step` and
+`make_prm_step` are thin wrappers around it.
 
 **Settings records.** Each algorithm's hyperparameters are one frozen, self-validating
 record: `SFTSettings`, `RewardSettings`, `DPOSettings`, `PPOSettings`, `GRPOSettings`,
-and `OptimizerSettings` for `make_optimizer`; `make_x_step(optimizer, settings, *,
+`KTOSettings`, `DistillSettings`, `OnPolicyDistillSettings`, `PRMSettings`, and
+`OptimizerSettings` for `make_optimizer`; `make_x_step(optimizer, settings, *,
 options=StepOptions(...))`, or any of their fields as keyword shortcuts. The defaults
 live in the records only (the pipeline's stage configs inherit them). Each builder
 returns a pure function
@@ -47,7 +48,11 @@ from ._accumulate import (
     split_micro_batches as split_micro_batches,
     sums_to_means as sums_to_means,
 )
-from ._distill import distill_loss as distill_loss, make_distill_step as make_distill_step
+from ._distill import (
+    DistillSettings as DistillSettings,
+    distill_loss as distill_loss,
+    make_distill_step as make_distill_step,
+)
 from ._distill_batch import DistillBatch as DistillBatch
 from ._dpo import dpo_loss_fn as dpo_loss_fn, make_dpo_step as make_dpo_step
 from ._ensemble import (
@@ -72,11 +77,13 @@ from ._judge import (
     verdict_scores as verdict_scores,
 )
 from ._kto import (
-    KTOBatch as KTOBatch,
+    KTOSettings as KTOSettings,
     compute_kto_reference_logps as compute_kto_reference_logps,
     make_kto_step as make_kto_step,
 )
+from ._kto_batch import KTOBatch as KTOBatch
 from ._onpolicy_distill import (
+    OnPolicyDistillSettings as OnPolicyDistillSettings,
     make_onpolicy_distill_step as make_onpolicy_distill_step,
     onpolicy_distill_loss as onpolicy_distill_loss,
 )
@@ -93,6 +100,7 @@ from ._pair_logps import (
 from ._ppo import make_ppo_step as make_ppo_step, ppo_loss as ppo_loss
 from ._prm import (
     PRMBatch as PRMBatch,
+    PRMSettings as PRMSettings,
     add_token_rewards as add_token_rewards,
     make_prm_step as make_prm_step,
     prm_loss as prm_loss,

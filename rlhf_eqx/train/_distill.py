@@ -16,25 +16,58 @@ depth, heads) but must share its vocabulary (a `ValueError` naming both sizes
 otherwise, raised when the step is first called).
 """
 
+import dataclasses
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 
-from ..losses import AggregationMode, aggregate_parts, generalized_jsd
+from .._sampling import DEFAULT_TEMPERATURE
+from ..losses import aggregate_parts, generalized_jsd
 from ..models import Policy
 from ..ops import masked_sum
 from ._accumulate import vmap_model
 from ._distill_batch import DistillBatch, _check_vocab, _loss_mask
+from ._settings import StepOptions, settings_from, split_shortcuts
 from ._state import combine
-from ._step import LossFn, NonFinite, Step, make_step
+from ._step import LossFn, Step, make_step
+from ._step_cache import own_record
 from ._validation import check_aggregation, check_number, check_positive_int
 
 # Head chunks unrolled up to this many (a scan beyond), as in `Policy.selected_logprobs`.
 _UNROLLED_CHUNKS = 16
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistillSettings:
+    r"""Generalised knowledge distillation (`make_distill_step`; Agarwal et al. 2024, TRL
+    `GKDTrainer` defaults).
+
+    - `beta`: $\beta \in [0, 1]$, the JSD's interpolation (0: forward KL, 1: reverse KL;
+      may be a JAX array).
+    - `temperature`: $\tau > 0$ dividing both logits in the divergence (may be a JAX
+      array). Its default is `rlhf_eqx.DEFAULT_TEMPERATURE` (1.0), as TRL's `GKDTrainer`
+      computes its loss; the temperature completions are sampled at is the caller's.
+    - `mode`, `constant`: aggregation over the completion tokens (`aggregate_parts`).
+    - `chunk`: positions per head chunk (a positive int).
+
+    Validated when built (see `DPOSettings`): one `ValueError` line naming the field.
+    """
+
+    beta: float | Float[Array, ""] = 0.5
+    temperature: float | Float[Array, ""] = DEFAULT_TEMPERATURE
+    mode: str = "token-mean"
+    constant: float | None = None
+    chunk: int = 512
+
+    def __post_init__(self):
+        check_number("beta", self.beta, low=0.0, high=1.0)
+        check_number("temperature", self.temperature, low=0.0, low_open=True)
+        check_aggregation(self.mode, self.constant)
+        check_positive_int("chunk", self.chunk)
 
 
 class _Scorer(NamedTuple):
@@ -119,27 +152,18 @@ def _chunked_jsd(
     return jnp.where(valid, flat.reshape(B, T), 0.0)
 
 
-def distill_loss(
-    *,
-    beta: float | Float[Array, ""] = 0.5,
-    temperature: float | Float[Array, ""] = 1.0,
-    mode: AggregationMode = "token-mean",
-    constant: float | None = None,
-    chunk: int = 512,
-) -> LossFn:
+def distill_loss(settings: DistillSettings | None = None, **shortcuts: Any) -> LossFn:
     r"""The GKD loss function for `make_step` on a `DistillBatch`:
     $\mathrm{aggregate}_{\rm mode}\big(\mathrm{JSD}_\beta(\pi_{\rm teacher} \,\|\,
     \pi_\theta)\big)$ over the completion tokens (`generalized_jsd` of the distributions
-    that predict them). `frozen` is `(frozen_part_of_the_student, teacher_model)`; the
-    teacher is not needed when `batch.teacher_logits` is given (which then takes
-    precedence).
+    that predict them), with `settings` (a `DistillSettings`, or its fields as keywords).
+    `frozen` is `(frozen_part_of_the_student, teacher_model)`; the teacher is not needed
+    when `batch.teacher_logits` is given (which then takes precedence).
 
     Metrics: `jsd` (token mean), `num_tokens` (per batch).
     """
-    check_number("beta", beta, low=0.0, high=1.0)
-    check_number("temperature", temperature, low=0.0, low_open=True)
-    check_aggregation(mode, constant)
-    check_positive_int("chunk", chunk)
+    s = settings_from(DistillSettings, settings, shortcuts, where="distill_loss")
+    beta, temperature, mode, constant, chunk = s.beta, s.temperature, s.mode, s.constant, s.chunk
     sg = jax.lax.stop_gradient
     f32 = jnp.float32
 
@@ -174,17 +198,10 @@ def distill_loss(
 
 def make_distill_step(
     optimizer: optax.GradientTransformation,
+    settings: DistillSettings | None = None,
     *,
-    beta: float | Float[Array, ""] = 0.5,
-    temperature: float | Float[Array, ""] = 1.0,
-    mode: AggregationMode = "token-mean",
-    constant: float | None = None,
-    chunk: int = 512,
-    micro_batches: int = 1,
-    axis_name: str | None = None,
-    donate: bool | None = None,
-    nonfinite: NonFinite = "skip",
-    check_token_ids: int | None = None,
+    options: StepOptions | None = None,
+    **shortcuts: Any,
 ) -> Step:
     r"""Build the generalised knowledge-distillation update (GKD; TRL `GKDTrainer`).
 
@@ -212,14 +229,21 @@ def make_distill_step(
     **Arguments:**
 
     - `optimizer`: e.g. from `make_optimizer`.
+    - `settings`: a `DistillSettings` with the fields below.
     - `beta`: $\beta \in [0, 1]$ (TRL GKD default 0.5); `temperature`: $\tau > 0$
       dividing both logits in the divergence (default 1, as TRL's `GKDTrainer` computes
       its loss; its `GKDConfig.temperature`, 0.9, is the temperature completions are
-      sampled at, the `distill` stage's `distill.temperature`).
+      sampled at, the `distill` stage's `distill.temperature`). Both may be JAX arrays
+      (traced: a new value runs the same compiled step).
     - `mode`, `constant`: aggregation (see `rlhf_eqx.losses.aggregate_parts`).
     - `chunk`: positions per head chunk (a positive int).
-    - `micro_batches`, `axis_name`, `donate`, `nonfinite`, `check_token_ids`: see
-      `make_step` (every aggregation mode is exact across micro-batches and devices).
+    - `options`: a `StepOptions` (`micro_batches`, `axis_name`, `donate`, `nonfinite`,
+      `check_token_ids`: see `make_step`; every aggregation mode is exact across
+      micro-batches and devices).
+    - `**shortcuts`: any field of either record as a keyword (`beta=0.2`,
+      `micro_batches=2`), replacing the record's; another keyword is a `TypeError`.
+
+    Invalid choices and out-of-range numbers raise `ValueError` when the record is built.
 
     **Returns:**
 
@@ -234,15 +258,14 @@ def make_distill_step(
     Metrics: `loss`, `jsd` (token mean over the completion tokens), `num_tokens` (of the
     global batch), `grad_norm`, `learning_rate`, `nonfinite`.
     """
+    settings, options = split_shortcuts(
+        DistillSettings, settings, options, shortcuts, where="make_distill_step"
+    )
     return make_step(
-        distill_loss(beta=beta, temperature=temperature, mode=mode, constant=constant, chunk=chunk),
+        distill_loss(settings),
         optimizer,
-        micro_batches=micro_batches,
-        axis_name=axis_name,
-        donate=donate,
-        nonfinite=nonfinite,
-        check_token_ids=check_token_ids,
+        options,
         batch_type=DistillBatch,
         extras=("teacher",),
-        cache_key=("distill", beta, temperature, mode, constant, chunk),
+        cache_key=("distill", own_record(DistillSettings, settings)),
     )

@@ -12,83 +12,57 @@ numerators. The step therefore runs in two stages inside one jit region:
    numerators over the number of examples, and micro-batches and devices are exact.
 """
 
+import dataclasses
 from collections.abc import Callable
-from typing import Literal
+from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
+from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
-from .._batches import _is_array, _validate
-from ..data._errors import DataError
-from ..losses import KTO_LOSS_TYPES, KTOLossType, kto_loss, kto_reference_point
+from ..losses import KTO_LOSS_TYPES, kto_loss, kto_reference_point
 from ._accumulate import split_micro_batches
+from ._kto_batch import KTOBatch
 from ._pair_logps import _forward
+from ._settings import StepOptions, split_shortcuts
 from ._state import combine
-from ._step import NonFinite, Step, _check_token_ids, make_step
-from ._step_cache import value_key
-from ._validation import check_choice, check_number, check_positive_int
+from ._step import Step, _check_token_ids, make_step
+from ._step_cache import own_record, value_key
+from ._validation import check_choice, check_number
 
-KTOReference = Literal["model", "cached"]
+KTO_REFERENCE_MODES: tuple[str, ...] = ("model", "cached")
+"""The values of `KTOSettings.reference`."""
 
 
-class KTOBatch(eqx.Module):
-    """Unpaired examples for KTO: prompt + completion rows, each labelled desirable or not.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KTOSettings:
+    r"""KTO (`make_kto_step`; Ethayarajh et al. 2024, TRL `KTOConfig` defaults).
 
-    - `tokens`, `mask`, `completion_mask`: `[B, T]` right-padded rows (as a
-      `SequenceBatch`); the completion mask marks the scored tokens.
-    - `label`: `[B]`, true for a desirable completion, false for an undesirable one.
-    - `kl_tokens`, `kl_mask`, `kl_completion_mask`: `[B, T']` the *mismatched* rows that
-      estimate the reference point: prompt $i$ followed by another example's completion
-      (`data.collate_unpaired` uses the completion of example $i - 1 \\bmod B$, as TRL
-      does). Needed by `loss_type="kto"`; `None` for `"apo_zero_unpaired"`.
-    - `ref_logp`, `ref_kl_logp`: `[B]` cached reference log-probabilities of the rows
-      and of the mismatched rows (`compute_kto_reference_logps`); `None`: the step
-      computes them with its `reference=` model.
+    - `beta`: $\beta > 0$, the strength of the implicit KL to the reference (may be a JAX
+      array, traced under `jax.vmap` for a sweep).
+    - `desirable_weight`, `undesirable_weight`: $\lambda_D, \lambda_U \geq 0$, the
+      weights of the two kinds of examples (may be JAX arrays).
+    - `loss_type`: `"kto"` or `"apo_zero_unpaired"` (`rlhf_eqx.losses.KTO_LOSS_TYPES`).
+    - `reference`: `"model"` (the step's `reference=` model) or `"cached"` (the batch's
+      `ref_logp` / `ref_kl_logp`, from `compute_kto_reference_logps`).
 
-    Checked at construction like the other batches (`rlhf_eqx.SequenceBatch`): ranks,
-    dtypes and shared shapes; the three `kl_*` fields come together or not at all.
+    Validated when built (see `DPOSettings`): one `ValueError` line naming the field.
     """
 
-    tokens: Int[Array, "B T"]
-    mask: Bool[Array, "B T"]
-    completion_mask: Bool[Array, "B T"]
-    label: Bool[Array, " B"]
-    kl_tokens: Int[Array, "B T2"] | None = None
-    kl_mask: Bool[Array, "B T2"] | None = None
-    kl_completion_mask: Bool[Array, "B T2"] | None = None
-    ref_logp: Float[Array, " B"] | None = None
-    ref_kl_logp: Float[Array, " B"] | None = None
+    beta: float | Float[Array, ""] = 0.1
+    desirable_weight: float | Float[Array, ""] = 1.0
+    undesirable_weight: float | Float[Array, ""] = 1.0
+    loss_type: str = "kto"
+    reference: str = "model"
 
-    def __check_init__(self):
-        kind = type(self).__name__
-        _validate(self, ("tokens",), ("mask", "completion_mask"), ("ref_logp", "ref_kl_logp"))
-        _validate(self, ("kl_tokens",), ("kl_mask", "kl_completion_mask"))
-        kl = (self.kl_tokens, self.kl_mask, self.kl_completion_mask)
-        if any(x is None for x in kl) and not all(x is None for x in kl):
-            raise DataError(
-                f"{kind}.kl_tokens, kl_mask and kl_completion_mask must be given together"
-            )
-        rows = self.tokens.shape[0] if _is_array(self.tokens) else None
-        if _is_array(self.kl_tokens) and rows is not None and self.kl_tokens.shape[0] != rows:
-            raise DataError(
-                f"{kind}.kl_tokens has {self.kl_tokens.shape[0]} rows but {kind}.tokens has "
-                f"{rows}; every example needs one mismatched row"
-            )
-        label = self.label
-        if _is_array(label):
-            if np.dtype(label.dtype) != np.bool_:
-                raise DataError(
-                    f"{kind}.label must be boolean (true: desirable), got dtype {label.dtype}"
-                )
-            if len(label.shape) != 1 or (rows is not None and label.shape[0] != rows):
-                raise DataError(
-                    f"{kind}.label has shape {tuple(label.shape)}; expected ({rows},), one "
-                    "label per row"
-                )
+    def __post_init__(self):
+        check_choice("loss_type", self.loss_type, KTO_LOSS_TYPES)
+        check_choice("reference", self.reference, KTO_REFERENCE_MODES)
+        check_number("beta", self.beta, low=0.0, low_open=True)
+        check_number("desirable_weight", self.desirable_weight, low=0.0)
+        check_number("undesirable_weight", self.undesirable_weight, low=0.0)
 
 
 def _sequence_logps(model, tokens, mask, completion_mask, micro_batches):
@@ -117,16 +91,11 @@ def _kl_reference_logps(ref_model, batch: KTOBatch, reference: str, micro_batche
     )
 
 
-def _kto_loss_fn(
-    *,
-    beta,
-    desirable_weight,
-    undesirable_weight,
-    loss_type: str,
-    reference: str,
-):
+def _kto_loss_fn(s: KTOSettings):
     """The loss function for `make_step` on `(KTOBatch, z0 per row)`: numerator the sum
     of the weighted per-example losses, denominator the number of examples."""
+    beta, desirable_weight, undesirable_weight = s.beta, s.desirable_weight, s.undesirable_weight
+    loss_type, reference = s.loss_type, s.reference
     f32 = jnp.float32
     sg = jax.lax.stop_gradient
 
@@ -196,17 +165,10 @@ def _margins(metrics, grads):
 
 def make_kto_step(
     optimizer: optax.GradientTransformation,
+    settings: KTOSettings | None = None,
     *,
-    beta: float | Float[Array, ""] = 0.1,
-    desirable_weight: float | Float[Array, ""] = 1.0,
-    undesirable_weight: float | Float[Array, ""] = 1.0,
-    loss_type: KTOLossType = "kto",
-    reference: KTOReference = "model",
-    micro_batches: int = 1,
-    axis_name: str | None = None,
-    donate: bool | None = None,
-    nonfinite: NonFinite = "skip",
-    check_token_ids: int | None = None,
+    options: StepOptions | None = None,
+    **shortcuts: Any,
 ) -> Step:
     r"""Build the KTO update (Ethayarajh et al. 2024; TRL `KTOTrainer`).
 
@@ -224,6 +186,7 @@ def make_kto_step(
     **Arguments:**
 
     - `optimizer`: e.g. from `make_optimizer`.
+    - `settings`: a `KTOSettings` with the fields below (TRL's defaults).
     - `beta`, `desirable_weight`, `undesirable_weight`, `loss_type`: see
       `rlhf_eqx.losses.kto_loss`; the numbers may be JAX arrays (e.g. traced, to
       `jax.vmap` a run over β). `"apo_zero_unpaired"` uses no reference point and no
@@ -232,12 +195,14 @@ def make_kto_step(
       `reference=` (never differentiated); `"cached"` — `batch.ref_logp` and
       `batch.ref_kl_logp`, filled beforehand by `compute_kto_reference_logps` (TRL
       `precompute_ref_log_probs`).
-    - `micro_batches`, `axis_name`, `donate`, `nonfinite`, `check_token_ids`: see
-      `make_step`. With `axis_name`, $z_0$ is the mean over the mismatched rows of every
-      device (TRL averages the per-process means, the same for equal per-device
-      batches).
+    - `options`: a `StepOptions` (`micro_batches`, `axis_name`, `donate`, `nonfinite`,
+      `check_token_ids`: see `make_step`). With `axis_name`, $z_0$ is the mean over the
+      mismatched rows of every device (TRL averages the per-process means, the same for
+      equal per-device batches).
+    - `**shortcuts`: any field of either record as a keyword (`beta=0.2`,
+      `micro_batches=2`), replacing the record's; another keyword is a `TypeError`.
 
-    Invalid choices and out-of-range numbers raise `ValueError` here, at build time.
+    Invalid choices and out-of-range numbers raise `ValueError` when the record is built.
 
     **Returns:**
 
@@ -255,26 +220,17 @@ def make_kto_step(
     `learning_rate`, `nonfinite`. The `key` (dropout) is used for the policy's pass over
     the examples; the pass that estimates $z_0$ runs without it.
     """
-    check_choice("loss_type", loss_type, KTO_LOSS_TYPES)
-    check_choice("reference", reference, ("model", "cached"))
-    check_number("beta", beta, low=0.0, low_open=True)
-    check_number("desirable_weight", desirable_weight, low=0.0)
-    check_number("undesirable_weight", undesirable_weight, low=0.0)
-    check_positive_int("micro_batches", micro_batches)
-    uses_kl = loss_type == "kto"
+    settings, options = split_shortcuts(
+        KTOSettings, settings, options, shortcuts, where="make_kto_step"
+    )
+    reference = settings.reference
+    micro_batches, axis_name = options.micro_batches, options.axis_name
+    check_token_ids = options.check_token_ids
+    uses_kl = settings.loss_type == "kto"
     inner = make_step(
-        _kto_loss_fn(
-            beta=beta,
-            desirable_weight=desirable_weight,
-            undesirable_weight=undesirable_weight,
-            loss_type=loss_type,
-            reference=reference,
-        ),
+        _kto_loss_fn(settings),
         optimizer,
-        micro_batches=micro_batches,
-        axis_name=axis_name,
-        donate=False,
-        nonfinite=nonfinite,
+        dataclasses.replace(options, donate=False, check_token_ids=None),
         metrics_fn=_margins,
         extras=("reference",),
     )
@@ -309,10 +265,12 @@ def make_kto_step(
         metrics["kl"] = z0
         return params, opt_state, metrics
 
-    same = (optimizer, beta, desirable_weight, undesirable_weight, loss_type, reference)
-    same += (micro_batches, axis_name, nonfinite, check_token_ids)  # equal builds: one program
+    # equal builds share one program: the step's own donation is not part of it
+    same = (optimizer, own_record(KTOSettings, settings), dataclasses.replace(options, donate=None))
     shared = lambda: ("kto", value_key(same))  # noqa: E731
-    return Step(update, donate=donate, batch_type=KTOBatch, extras=("reference",), shared=shared)
+    return Step(
+        update, donate=options.donate, batch_type=KTOBatch, extras=("reference",), shared=shared
+    )
 
 
 @eqx.filter_jit

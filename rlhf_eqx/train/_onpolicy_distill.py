@@ -3,25 +3,58 @@ Distillation", 2025): each token the student sampled is rewarded with the negati
 per-token reverse KL to the teacher, and the student is trained with a policy gradient.
 """
 
+import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Bool, Float, PRNGKeyArray, PyTree
 
-from ..losses import AggregationMode, aggregate_parts, ppo_policy_loss, reverse_kl_reward
+from ..losses import aggregate_parts, ppo_policy_loss, reverse_kl_reward
 from ..models import AbstractSelectiveLM
 from ..ops import logprobs_from_logits, masked_sum
 from ._accumulate import vmap_model
 from ._distill_batch import DistillBatch, _check_vocab, _loss_mask, _vocab_size
 from ._rl_settings import SampledSettings
+from ._settings import StepOptions, settings_from, split_shortcuts
 from ._state import combine
-from ._step import LossFn, NonFinite, Step, make_step
+from ._step import LossFn, Step, make_step
+from ._step_cache import own_record
 from ._validation import check_aggregation, check_number
 
 # Bound on |log ratio| before exponentiating the importance ratio (as veRL and `ppo_policy_loss`).
 _LOG_RATIO_CLAMP = 20.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OnPolicyDistillSettings(SampledSettings):
+    r"""On-policy distillation (`make_onpolicy_distill_step`; Thinking Machines 2025).
+
+    - `kl_coef`: $\beta_{\rm KL} \geq 0$, the weight of the per-token reverse KL (may be
+      a JAX array).
+    - `clip_eps`: `None` (default) for the plain importance-sampling loss, or PPO's
+      $\varepsilon > 0$.
+    - `mode`, `constant`: aggregation over the completion tokens (`aggregate_parts`).
+    - `temperature`: the sampling temperature (`SampledSettings`; a Python number: both
+      log-probabilities are taken of `logits / temperature`).
+
+    Validated when built (see `DPOSettings`): one `ValueError` line naming the field.
+    """
+
+    kl_coef: float | Float[Array, ""] = 1.0
+    clip_eps: float | None = None
+    mode: str = "token-mean"
+    constant: float | None = None
+
+    def __post_init__(self):
+        check_number("kl_coef", self.kl_coef, low=0.0)
+        check_number("clip_eps", self.clip_eps, low=0.0, low_open=True, allow_none=True)
+        check_aggregation(self.mode, self.constant)
+        super().__post_init__()  # the one rule of a sampling temperature
+        if not isinstance(self.temperature, int | float):
+            raise ValueError(f"temperature must be a Python number here, got {self.temperature!r}")
 
 
 def _token_logps(
@@ -45,28 +78,21 @@ def _token_logps(
 
 
 def onpolicy_distill_loss(
-    *,
-    kl_coef: float | Float[Array, ""] = 1.0,
-    clip_eps: float | None = None,
-    mode: AggregationMode = "token-mean",
-    constant: float | None = None,
-    temperature: float = SampledSettings.temperature,
+    settings: OnPolicyDistillSettings | None = None, **shortcuts: Any
 ) -> LossFn:
     r"""The on-policy distillation loss function for `make_step` on a `DistillBatch` of
-    student samples; `frozen` is `(frozen_part_of_the_student, teacher_model)` (the
-    teacher is not needed when `batch.teacher_logp` is given, which then takes
-    precedence). See `make_onpolicy_distill_step` for the formula.
+    student samples, with `settings` (an `OnPolicyDistillSettings`, or its fields as
+    keywords); `frozen` is `(frozen_part_of_the_student, teacher_model)` (the teacher is
+    not needed when `batch.teacher_logp` is given, which then takes precedence). See
+    `make_onpolicy_distill_step` for the formula.
 
     Metrics: `reverse_kl` (token mean of $\log\pi_{\rm old} - \log\pi_{\rm teacher}$ on
     the sampled tokens), `teacher_logp` (token mean), `num_tokens` (per batch), and
     `clipfrac` with `clip_eps`.
     """
-    check_number("kl_coef", kl_coef, low=0.0)
-    check_number("clip_eps", clip_eps, low=0.0, low_open=True, allow_none=True)
-    check_aggregation(mode, constant)
-    SampledSettings(temperature=temperature)  # the one rule of a sampling temperature
-    if not isinstance(temperature, int | float):
-        raise ValueError(f"temperature must be a Python number here, got {temperature!r}")
+    s = settings_from(OnPolicyDistillSettings, settings, shortcuts, where="onpolicy_distill_loss")
+    kl_coef, clip_eps, mode, constant = s.kl_coef, s.clip_eps, s.mode, s.constant
+    temperature = s.temperature
     sg = jax.lax.stop_gradient
     f32 = jnp.float32
 
@@ -118,17 +144,10 @@ def onpolicy_distill_loss(
 
 def make_onpolicy_distill_step(
     optimizer: optax.GradientTransformation,
+    settings: OnPolicyDistillSettings | None = None,
     *,
-    kl_coef: float | Float[Array, ""] = 1.0,
-    clip_eps: float | None = None,
-    mode: AggregationMode = "token-mean",
-    constant: float | None = None,
-    temperature: float = SampledSettings.temperature,
-    micro_batches: int = 1,
-    axis_name: str | None = None,
-    donate: bool | None = None,
-    nonfinite: NonFinite = "skip",
-    check_token_ids: int | None = None,
+    options: StepOptions | None = None,
+    **shortcuts: Any,
 ) -> Step:
     r"""Build the on-policy distillation update: a per-token reverse-KL policy gradient.
 
@@ -160,14 +179,20 @@ def make_onpolicy_distill_step(
     **Arguments:**
 
     - `optimizer`: e.g. from `make_optimizer`.
-    - `kl_coef`: $\beta_{\rm KL} \geq 0$ (Thinking Machines' `kl_penalty_coef`, 1).
+    - `settings`: an `OnPolicyDistillSettings` with the fields below.
+    - `kl_coef`: $\beta_{\rm KL} \geq 0$ (Thinking Machines' `kl_penalty_coef`, 1; may
+      be a JAX array).
     - `clip_eps`: `None` (default) for the plain importance-sampling loss, or PPO's
       $\varepsilon$.
     - `mode`, `constant`: aggregation (see `rlhf_eqx.losses.aggregate_parts`).
-    - `temperature`: the sampling temperature; both log-probabilities are taken of
-      `logits / temperature`.
-    - `micro_batches`, `axis_name`, `donate`, `nonfinite`, `check_token_ids`: see
-      `make_step`.
+    - `temperature`: the sampling temperature (a Python number); both log-probabilities
+      are taken of `logits / temperature`.
+    - `options`: a `StepOptions` (`micro_batches`, `axis_name`, `donate`, `nonfinite`,
+      `check_token_ids`: see `make_step`).
+    - `**shortcuts`: any field of either record as a keyword (`kl_coef=0.5`,
+      `micro_batches=2`), replacing the record's; another keyword is a `TypeError`.
+
+    Invalid choices and out-of-range numbers raise `ValueError` when the record is built.
 
     **Returns:**
 
@@ -182,21 +207,14 @@ def make_onpolicy_distill_step(
     Metrics: `loss`, `reverse_kl` (per-token estimate, token mean), `teacher_logp`,
     `num_tokens`, `clipfrac` (with `clip_eps`), `grad_norm`, `learning_rate`, `nonfinite`.
     """
+    settings, options = split_shortcuts(
+        OnPolicyDistillSettings, settings, options, shortcuts, where="make_onpolicy_distill_step"
+    )
     return make_step(
-        onpolicy_distill_loss(
-            kl_coef=kl_coef,
-            clip_eps=clip_eps,
-            mode=mode,
-            constant=constant,
-            temperature=temperature,
-        ),
+        onpolicy_distill_loss(settings),
         optimizer,
-        micro_batches=micro_batches,
-        axis_name=axis_name,
-        donate=donate,
-        nonfinite=nonfinite,
-        check_token_ids=check_token_ids,
+        options,
         batch_type=DistillBatch,
         extras=("teacher",),
-        cache_key=("onpolicy_distill", kl_coef, clip_eps, mode, constant, temperature),
+        cache_key=("onpolicy_distill", own_record(OnPolicyDistillSettings, settings)),
     )

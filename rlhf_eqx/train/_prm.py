@@ -19,8 +19,9 @@ On sampled completions the step ends are found with `step_end_mask` (the separat
 tokens, and the end of an unterminated last step).
 """
 
+import dataclasses
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
@@ -33,7 +34,6 @@ from .._batches import _is_array, _validate
 from ..data._errors import DataError
 from ..losses import (
     PRM_AGGREGATIONS,
-    AggregationMode,
     PRMAggregation,
     aggregate_parts,
     gae,
@@ -45,11 +45,26 @@ from ..losses import (
 from ..ops import masked_sum
 from ._accumulate import vmap_model
 from ._rollout import PPOBatch
+from ._settings import StepOptions, settings_from, split_shortcuts
 from ._state import combine
-from ._step import LossFn, NonFinite, Step, make_step
+from ._step import LossFn, Step, make_step
+from ._step_cache import own_record
 from ._validation import check_aggregation, check_choice, check_number
 
 PRM_SCORES = ("prob", "logit")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PRMSettings:
+    """A process reward model (`make_prm_step`; Lightman et al. 2023, TRL `PRMTrainer`):
+    the aggregation `mode` of the per-step binary cross-entropy over the step ends of the
+    batch (`rlhf_eqx.losses.aggregate_parts`; `"token-mean"`: the mean over every step).
+    Validated when built (see `DPOSettings`): one `ValueError` line naming the field."""
+
+    mode: str = "token-mean"
+
+    def __post_init__(self):
+        check_aggregation(self.mode, None)
 
 
 class PRMBatch(eqx.Module):
@@ -98,11 +113,12 @@ def _step_logits(model, tokens, mask, key):
     return out.astype(jnp.float32)
 
 
-def prm_loss(*, mode: AggregationMode = "token-mean") -> LossFn:
+def prm_loss(settings: PRMSettings | None = None, **shortcuts: Any) -> LossFn:
     r"""The process-reward loss function for `make_step` on a `PRMBatch`: binary
     cross-entropy of the model's logits at the step ends, reduced with `mode`
-    (`aggregate_parts`; `"token-mean"`: the mean over every step of the batch)."""
-    check_aggregation(mode, None)
+    (`aggregate_parts`; `"token-mean"`: the mean over every step of the batch), with
+    `settings` (a `PRMSettings`, or its fields as keywords)."""
+    mode = settings_from(PRMSettings, settings, shortcuts, where="prm_loss").mode
 
     def loss_fn(params: PyTree, frozen: PyTree, batch: PRMBatch, key: PRNGKeyArray | None):
         model = combine(params, frozen)
@@ -129,13 +145,10 @@ def prm_loss(*, mode: AggregationMode = "token-mean") -> LossFn:
 
 def make_prm_step(
     optimizer: optax.GradientTransformation,
+    settings: PRMSettings | None = None,
     *,
-    mode: AggregationMode = "token-mean",
-    micro_batches: int = 1,
-    axis_name: str | None = None,
-    donate: bool | None = None,
-    nonfinite: NonFinite = "skip",
-    check_token_ids: int | None = None,
+    options: StepOptions | None = None,
+    **shortcuts: Any,
 ) -> Step:
     r"""Build the process-reward-model update (Lightman et al. 2023; TRL `PRMTrainer`).
 
@@ -147,24 +160,27 @@ def make_prm_step(
     returning another shape is refused when the step is first traced), via
     `rlhf_eqx.losses.process_reward_loss`.
 
+    **Arguments:** `optimizer`; `settings`, a `PRMSettings` (`mode`); `options`, a
+    `StepOptions` (`micro_batches`, `axis_name`, `donate`, `nonfinite`,
+    `check_token_ids`: see `make_step`); `**shortcuts`, any field of either record as a
+    keyword (`mode="seq-mean-token-mean"`, `micro_batches=2`), replacing the record's.
+
     **Returns:** `step(params, opt_state, batch: PRMBatch, *, frozen=None, key=None)
-    -> (params, opt_state, metrics)` (see `make_step` for `micro_batches`, `axis_name`,
-    `donate`, `nonfinite`, `check_token_ids`). Metrics: `loss`, `accuracy` (steps whose
+    -> (params, opt_state, metrics)`. Metrics: `loss`, `accuracy` (steps whose
     verdict $z > 0$ matches the label $y > 0.5$), `steps/positive` (fraction of steps
     labelled correct), `steps/per_row`, `score/mean` (mean $\sigma(z)$ at the steps),
     `grad_norm`, `learning_rate`, `nonfinite`, `empty_batch` (a batch without any step
     has nothing to learn from: the update is skipped, see `make_step`).
     """
+    settings, options = split_shortcuts(
+        PRMSettings, settings, options, shortcuts, where="make_prm_step"
+    )
     return make_step(
-        prm_loss(mode=mode),
+        prm_loss(settings),
         optimizer,
-        micro_batches=micro_batches,
-        axis_name=axis_name,
-        donate=donate,
-        nonfinite=nonfinite,
-        check_token_ids=check_token_ids,
+        options,
         batch_type=PRMBatch,
-        cache_key=("prm", mode),
+        cache_key=("prm", own_record(PRMSettings, settings)),
     )
 
 

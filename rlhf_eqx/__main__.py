@@ -19,10 +19,13 @@ Commands:
 - `sample`: print completions of a model; `eval`: score a model on the built-in task's
   held-out prompts; `plot RUN_DIR`: redraw a run's PNG plots.
 
-Configuration: built-in defaults (`--show-config` prints them), then `--config FILE`
-(JSON or YAML), then `--set field.sub=value` overrides (`rlhf_eqx STAGE --help` lists a
-stage's fields with their defaults). Invalid values stop the run before anything is
-compiled, with one line naming the field.
+Configuration: built-in defaults, then `--config FILE` (JSON or YAML), then `--set
+field.sub=value` overrides. `rlhf_eqx STAGE --help` lists the fields that stage reads
+(its own section, the shared `model`, `data`, `sampling`, `ops`, and on the built-in task
+the stages it starts from), `rlhf_eqx pipeline --help` every field; `--show-config`
+prints the whole resolved configuration. A run prints the settings it reads and saves
+the whole configuration as `OUT/config.json`. Invalid values stop the run before
+anything is compiled, with one line naming the field.
 
 Run directories (`--out`, default `runs/<command>`): a run holds a lock in its
 directory; a new run into a directory that holds one is refused (`--resume` continues
@@ -121,29 +124,54 @@ def resolve_config(args: argparse.Namespace):
     return dataclasses.replace(cfg, out=out)
 
 
-def _sections(command: str) -> tuple[str, ...] | None:
-    """The config sections `command --help` lists (besides sampling, data, model, ops)."""
-    from rlhf_eqx.pipelines import find_stage
+def help_config(args: argparse.Namespace):
+    """The configuration `--help` describes: the command line's (`resolve_config`), or
+    the built-in task's defaults where it does not resolve."""
+    from rlhf_eqx import pipelines as pl
+
+    try:
+        return resolve_config(args)
+    except pl.ConfigError:
+        return pl.animal_task_config()
+
+
+def help_sections(command: str, cfg) -> tuple[str, ...]:
+    """The config sections `command --help` lists. A stage: its own section, then those a
+    run of it reads (`pipelines.read_fields`: on a data file with `--data`, else on the
+    built-in task with the stages it starts from) and `data` (the `--data` fields).
+    `pipeline`: every section, since `--set stages=...` may run any stage."""
+    from rlhf_eqx import pipelines as pl
 
     if command == "pipeline":
-        return ("sft", "reward", "ppo", "dpo", "grpo")
-    st = find_stage(command)
-    if st is None:
-        return None
-    return tuple(dict.fromkeys((st.key, *st.sections)))
+        return tuple(k for k in pl.config_to_dict(cfg) if dataclasses.is_dataclass(getattr(cfg, k)))
+    st = pl.get_stage(command)
+    data_file = cfg.data.path is not None or st.builtin is None
+    run = (command,) if data_file else st.prerequisites(cfg)
+    read = pl.read_fields(cfg, run, data_file=data_file)
+    sections = [k for k in read if dataclasses.is_dataclass(getattr(cfg, k))]
+    return tuple(dict.fromkeys((st.key, *sections, "data")))
 
 
-def stage_help(command: str) -> str:
-    """The fields a command reads, with the built-in task's defaults: `--set` paths."""
-    from rlhf_eqx.pipelines import animal_task_config
+def stage_help(command: str, cfg=None) -> str:
+    """The fields a command reads (`help_sections`) with their values in `cfg` (default:
+    the built-in task's): the `--set` paths. `pipeline` also lists the top-level fields."""
+    from rlhf_eqx import pipelines as pl
 
-    cfg = animal_task_config()
-    sections = _sections(command) or ()
+    cfg = pl.animal_task_config() if cfg is None else cfg
+    sections = help_sections(command, cfg)
+    if command == "pipeline":
+        where = ": every section (`--set stages=...` runs any stage)"
+    elif cfg.data.path is not None or pl.get_stage(command).builtin is None:
+        where = f" on a data file (--data FILE): {command} alone"
+    else:
+        stages = ", ".join(pl.get_stage(command).prerequisites(cfg))
+        where = f" on the built-in task (stages {stages}; with --data FILE, {command} alone)"
     lines = [
         f"usage: rlhf_eqx {command} [--data FILE] [--config FILE] [--set FIELD=VALUE ...] "
         "[--out DIR] [--resume | --overwrite] [--quiet]",
         "",
-        f"Fields of `{command}` (--set FIELD=VALUE; defaults of the built-in task):",
+        f"Fields of `{command}`{where}",
+        "(--set FIELD=VALUE; values: the built-in task's defaults, then --config and --set):",
     ]
 
     def walk(obj, prefix):
@@ -155,7 +183,14 @@ def stage_help(command: str) -> str:
                 shown = ",".join(map(str, v)) if isinstance(v, tuple) else v
                 lines.append(f"  {prefix}{f.name} = {shown}")
 
-    for name in (*sections, "sampling", "data", "model", "ops"):
+    if command == "pipeline":
+        doc = " ".join((type(cfg).__doc__ or "").split())
+        lines += ["", f"top level: {doc}"]
+        for name, v in pl.config_to_dict(cfg).items():
+            if name not in sections:
+                shown = ",".join(map(str, v)) if isinstance(v, list) else v
+                lines.append(f"  {name} = {shown}")
+    for name in sections:
         section = getattr(cfg, name)
         doc = " ".join((type(section).__doc__ or "").split())
         lines += ["", f"{name}: {doc}"]
@@ -195,16 +230,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     if args.help:
-        if (
-            _sections(args.command) is not None
-            and args.command != "pipeline"
-            or (args.command == "pipeline" and "pipeline" in argv)
+        from rlhf_eqx.pipelines import find_stage
+
+        if find_stage(args.command) is not None or (
+            args.command == "pipeline" and "pipeline" in argv
         ):
-            print(stage_help(args.command))
+            print(stage_help(args.command, help_config(args)))
         else:
             _parser().print_help()
         return 0
-    from rlhf_eqx.pipelines import ConfigError, RunDirError, config_to_dict, validate_config
+    from rlhf_eqx.pipelines import (
+        ConfigError,
+        RunDirError,
+        config_to_dict,
+        read_fields,
+        validate_config,
+    )
 
     if args.command == "plot":
         from rlhf_eqx.pipelines import plot_run
@@ -236,13 +277,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: invalid configuration: {e}", file=sys.stderr)
         return 2
-    resolved = json.dumps(config_to_dict(cfg), indent=1)
     if args.show_config:
-        print(resolved)
+        print(json.dumps(config_to_dict(cfg), indent=1))
         return 0
     if not cfg.ops.quiet and args.command not in TOOL_COMMANDS:
-        print(f"rlhf_eqx {args.command}: resolved config (saved as {cfg.out}/config.json)")
-        print(resolved)
+        # What this run reads; the whole configuration goes to config.json.
+        read = json.dumps(config_to_dict(cfg, only=read_fields(cfg)), indent=1)
+        print(
+            f"rlhf_eqx {args.command}: the settings this run reads (the whole config: "
+            f"{cfg.out}/config.json)"
+        )
+        print(read)
     from rlhf_eqx._compilation_cache import command_line_cache
     from rlhf_eqx.pipelines import RunInterrupted
 

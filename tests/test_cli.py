@@ -1,10 +1,12 @@
-"""The command line: config resolution, one-line errors before any compilation, plot."""
+"""The command line: config resolution, one-line errors before any compilation, plot, the
+settings a run prints and the fields a stage's `--help` lists."""
 
 import json
 import os
 
 import pytest
 
+from rlhf_eqx import pipelines as pl
 from rlhf_eqx.__main__ import main
 
 
@@ -109,3 +111,79 @@ def test_batch_sizes_need_not_divide_by_unused_devices(capsys):
     assert jax.device_count() == 8
     assert main(["ppo", "--set", "ppo.prompts_per_rollout=4", "--show-config"]) == 0
     assert json.loads(capsys.readouterr().out)["ppo"]["prompts_per_rollout"] == 4
+
+
+def _help(argv, capsys) -> str:
+    assert main([*argv, "--help"]) == 0
+    return capsys.readouterr().out
+
+
+def _sections_listed(text: str) -> set[str]:
+    """The dotted sections of the `  section.field = value` lines of a help text."""
+    return {line.split(".")[0].strip() for line in text.splitlines() if line.startswith("  ")}
+
+
+def test_stage_help_lists_its_own_and_the_shared_sections(tmp_path, capsys):
+    shared = {"model", "data", "sampling", "ops"}
+    # On the built-in task KTO starts from SFT's policy; no other stage's settings.
+    text = _help(["kto"], capsys)
+    assert "kto.beta = 0.1" in text and "sft.steps = 30" in text
+    assert _sections_listed(text) == {"kto", "sft"} | shared
+    assert "ppo." not in text and "grpo." not in text
+    # On a data file KTO runs alone: SFT's settings are not read.
+    data = str(tmp_path / "x.jsonl")
+    text = _help(["kto", "--data", data], capsys)
+    assert _sections_listed(text) == {"kto"} | shared and "kto alone" in text
+    # A stage lists the judge it can score with, and the stages it starts from.
+    assert _sections_listed(_help(["ppo"], capsys)) == {"ppo", "sft", "reward", "judge"} | shared
+    assert _sections_listed(_help(["grpo", "--data", data], capsys)) == {"grpo", "judge"} | shared
+    # `pipeline --help` is the full listing: every section and the top-level fields.
+    text = _help(["pipeline"], capsys)
+    every = {st.key for st in pl.stages()} | {"judge"} | shared
+    assert _sections_listed(text) >= every
+    assert "  stages = sft,reward,ppo,dpo,grpo" in text and "  eval_samples = 8" in text
+
+
+def test_a_run_prints_the_settings_it_reads_and_saves_the_whole_config(tmp_path, capsys):
+    # One preference pair: the run takes its directory and writes config.json, then
+    # stops at the held-out split (nothing is compiled).
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps({"prompt": "Once", "chosen": " a cat", "rejected": " rain"}))
+    out = tmp_path / "run"
+    assert main(["dpo", "--data", str(data), "--out", str(out)]) == 1
+    printed = capsys.readouterr().out
+    header, rest = printed.split("\n", 1)
+    assert (
+        header == f"rlhf_eqx dpo: the settings this run reads (the whole config: {out}/config.json)"
+    )
+    shown = json.JSONDecoder().raw_decode(rest)[0]
+    assert list(shown) == ["stages", "out", "dpo", "model", "data", "sampling", "ops"]
+    assert '"ppo"' not in printed and '"sft"' not in printed and '"judge"' not in printed
+    assert shown["dpo"]["beta"] == 0.1 and shown["data"]["path"] == str(data)
+    saved = json.loads((out / "config.json").read_text())
+    cfg = pl.apply_overrides(pl.animal_task_config(), [f"data.path={data}", f"out={out}"])
+    assert set(saved) == set(pl.config_to_dict(cfg)) >= {"ppo", "grpo", "kto", "prm", "judge"}
+    assert {k: saved[k] for k in shown if k != "stages"} == {
+        k: v for k, v in shown.items() if k != "stages"
+    }
+    # --quiet prints no settings, --show-config the whole configuration.
+    assert main(["dpo", "--data", str(data), "--out", str(tmp_path / "q"), "--quiet"]) == 1
+    assert '"dpo"' not in capsys.readouterr().out
+    assert main(["dpo", "--data", str(data), "--show-config"]) == 0
+    assert set(json.loads(capsys.readouterr().out)) == set(saved)
+
+
+def test_read_fields_follow_the_stages_a_run_executes():
+    cfg = pl.animal_task_config()
+    task = ("stages", "out", "label_noise", "eval_samples", "notes")
+    shared = ("model", "sampling", "ops")
+    assert pl.read_fields(cfg) == (*task, "sft", "reward", "ppo", "judge", "dpo", "grpo", *shared)
+    assert pl.read_fields(cfg, ("sft", "kto")) == (*task, "sft", "kto", *shared)
+    on_file = pl.read_fields(cfg, ("dpo",), data_file=True)
+    assert on_file == ("stages", "out", "dpo", "model", "data", "sampling", "ops")
+    # online DPO reads the `dpo` section, and the reward model's only when that stage runs
+    assert pl.read_fields(cfg, ("sft", "online-dpo"))[5:7] == ("sft", "dpo")
+    assert "reward" in pl.read_fields(cfg, ("sft", "reward", "online-dpo"))
+    assert list(pl.config_to_dict(cfg, only=("ops", "stages"))) == ["ops", "stages"]
+    with pytest.raises(pl.ConfigError, match="nope: unknown config section"):
+        pl.config_to_dict(cfg, only=("nope",))

@@ -20,10 +20,12 @@ from ._config import (
     SamplingConfig as SamplingConfig,
 )
 from ._config_io import (
+    SHARED_SECTIONS as SHARED_SECTIONS,
     apply_overrides as apply_overrides,
     config_from_dict as config_from_dict,
     config_to_dict as config_to_dict,
     load_config as load_config,
+    read_fields as read_fields,
 )
 from ._data_prep import (
     ChatRendering as ChatRendering,

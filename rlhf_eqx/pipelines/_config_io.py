@@ -50,16 +50,65 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def config_to_dict(cfg: Any) -> dict:
+def config_to_dict(cfg: Any, *, only: Sequence[str] | None = None) -> dict:
     """A JSON-friendly dict of a config dataclass (tuples become lists; fields set from
     another section, such as the PPO and GRPO `temperature`, are left out). A
-    `PipelineConfig`'s registered extra stages appear as sections of their own."""
+    `PipelineConfig`'s registered extra stages appear as sections of their own.
+
+    `only`: keep just these top-level names, in their order (e.g. `read_fields(cfg)`:
+    what a run reads, as the command line prints it); `None` keeps everything (what
+    `config.json` holds)."""
     d = json.loads(json.dumps(_plain(cfg)))
     if isinstance(cfg, PipelineConfig):
         del d["extra"]
         for key in _extra_sections():
             d[key] = config_to_dict(getattr(cfg, key))
+    if only is not None:
+        unknown = [k for k in only if k not in d]
+        if unknown:
+            raise ConfigError(f"{unknown[0]}: unknown config section (known: {', '.join(d)})")
+        d = {k: d[k] for k in only}
     return d
+
+
+SHARED_SECTIONS: tuple[str, ...] = ("model", "data", "sampling", "ops")
+"""The sections every stage reads (`data` on a data file only)."""
+
+
+def read_fields(
+    cfg: PipelineConfig, stages: Sequence[str] | None = None, *, data_file: bool | None = None
+) -> tuple[str, ...]:
+    """The top-level names of `cfg` (sections and fields) that a run of `stages` reads.
+
+    **Arguments:**
+
+    - `cfg`: the run's `PipelineConfig`.
+    - `stages`: the stages the run executes (default: `run_stages(cfg)`, i.e. `cfg.stages`
+      with SFT first on the built-in task).
+    - `data_file`: whether the run reads a data file (default: `data.path` is set).
+
+    **Returns:** `stages` and `out`; on the built-in task also `label_noise`,
+    `eval_samples` and `notes`; then each stage's own section and the further sections it
+    declares (`Stage.sections`: `judge`, or the section of a stage it starts from, kept
+    only when that stage runs, so a data-file `dpo` run leaves out SFT's); then `model`,
+    `data` (on a data file), `sampling` and `ops`. A stage that is not registered is
+    skipped (`validate_config` names it).
+    """
+    from ._registry import find_stage, stages as registered
+    from ._run_checks import run_stages
+
+    data_file = cfg.data.path is not None if data_file is None else data_file
+    run = tuple(run_stages(cfg) if stages is None else stages)
+    keys = {st.key for st in registered()}
+    running = {find_stage(s).key for s in run if find_stage(s) is not None}
+    task = ("label_noise", "eval_samples", "notes")  # the built-in task's own fields
+    names = ["stages", "out", *(() if data_file else task)]
+    for name in run:
+        st = find_stage(name)
+        if st is not None:
+            names += [st.key, *(s for s in st.sections if s not in keys or s in running)]
+    names += [s for s in SHARED_SECTIONS if data_file or s != "data"]
+    return tuple(dict.fromkeys(names))
 
 
 def _extra_sections() -> dict[str, type]:

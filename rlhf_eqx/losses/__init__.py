@@ -84,6 +84,13 @@ from ._offpolicy import (
     mismatch_metrics as mismatch_metrics,
 )
 from ._orpo import orpo_log_odds as orpo_log_odds, orpo_loss as orpo_loss
+from ._policy_loss_registry import (
+    POLICY_LOSS_ADVANTAGES as POLICY_LOSS_ADVANTAGES,
+    POLICY_LOSS_INPUTS as POLICY_LOSS_INPUTS,
+    PolicyLossFn as PolicyLossFn,
+    policy_loss_names as policy_loss_names,
+    register_policy_loss as register_policy_loss,
+)
 from ._policy_losses import (
     BATCH_POLICY_LOSSES as BATCH_POLICY_LOSSES,
     COV_SELECTIONS as COV_SELECTIONS,

@@ -192,7 +192,7 @@ def dpo_loss(
         rejected_len,
     )
     if spec.custom is not None:
-        return call_custom_loss(spec, pair, beta, loss_kwargs)
+        return call_custom_loss(spec, pair, beta, loss_kwargs, chosen_len, rejected_len)
     hp = LossHyperparameters(
         beta, label_smoothing, jnp.asarray(bco_delta), discopop_tau, simpo_gamma
     )

@@ -17,17 +17,54 @@ _BUILTIN_KWARGS = ("bco_delta", "discopop_tau", "simpo_gamma")
 _SIGNATURE = "fn(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, *, beta, **kw)"
 
 
-def _check_callable(fn: object, what: str, loss_kwargs: Mapping[str, Any] | None = None) -> None:
-    """Refuse `fn` unless it can be called as a `DPOLossFn` with `loss_kwargs`."""
+LENGTH_ARGUMENTS: tuple[str, ...] = ("chosen_len", "rejected_len")
+"""The completion lengths a custom DPO-family loss receives when it declares them."""
+
+
+def _parameters(fn: object) -> dict[str, inspect.Parameter] | None:
+    try:
+        return dict(inspect.signature(fn).parameters)  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # a builtin or C function: nothing to read
+        return None
+
+
+def declared_lengths(fn: object) -> tuple[str, ...]:
+    """The `LENGTH_ARGUMENTS` that `fn` names as parameters (passed only then)."""
+    params = _parameters(fn) or {}
+    return tuple(n for n in LENGTH_ARGUMENTS if n in params)
+
+
+def _check_callable(
+    fn: object, what: str, loss_kwargs: Mapping[str, Any] | None = None, *, complete: bool = True
+) -> None:
+    """Refuse `fn` unless it can be called as a `DPOLossFn` with `loss_kwargs` (and its
+    declared lengths); with `complete=False` (at registration) hyperparameters without a
+    default may still be missing: `loss_kwargs` gives them later."""
     if not callable(fn):
         raise ValueError(f"{what} must be a callable {_SIGNATURE}, got {fn!r}")
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):  # a builtin or C function: nothing to check
+    params = _parameters(fn)
+    if params is None:
         return
+    kwargs = {"beta": 1.0, **{n: 1.0 for n in declared_lengths(fn)}, **dict(loss_kwargs or {})}
+    signature = inspect.Signature(list(params.values()))
     try:
-        signature.bind(0.0, 0.0, 0.0, 0.0, beta=1.0, **dict(loss_kwargs or {}))
+        (signature.bind if complete else signature.bind_partial)(0.0, 0.0, 0.0, 0.0, **kwargs)
     except TypeError as e:
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        firsts = [n for n, p in params.items() if p.kind in positional][:4]
+        missing = [
+            n
+            for n, p in params.items()
+            if p.default is p.empty
+            and p.kind in (*positional, inspect.Parameter.KEYWORD_ONLY)
+            and n not in kwargs
+            and n not in firsts
+        ]
+        if missing and len(firsts) == 4:
+            raise ValueError(
+                f"{what}={_loss_name(fn)} takes the hyperparameter {missing[0]!r}, which has "
+                "no default: give it in loss_kwargs"
+            ) from None
         raise ValueError(
             f"{what}={_loss_name(fn)} cannot be called as {_SIGNATURE}"
             + (f" with loss_kwargs {sorted(loss_kwargs)}" if loss_kwargs else "")
@@ -65,8 +102,13 @@ def register_dpo_loss(
     the step's `loss_kwargs` (e.g. a margin), and returns the pair's loss, a float
     scalar (refused otherwise, naming `loss_type`). `label_smoothing` and the built-in
     losses' `bco_delta` / `discopop_tau` / `simpo_gamma` are not passed: a custom loss
-    takes its own hyperparameters from `loss_kwargs`. The DPO step averages the losses
-    over the pairs and logs the usual metrics (`rewards/*` with the same `beta`).
+    takes its own hyperparameters from `loss_kwargs`: one without a default must be
+    given there (refused otherwise, naming it, when the settings are built), and its
+    value may be a JAX array (traced: a change does not recompile). A loss that declares
+    the parameters `chosen_len` / `rejected_len` also receives the completions' token
+    counts (float scalars), unchanged by `length_normalised`. The DPO
+    step averages the losses over the pairs and logs the usual metrics (`rewards/*` with
+    the same `beta`).
 
     For instance IPO (Azar et al. 2023, eq. 17), $(\bar u - \frac{1}{2\beta})^2$:
 
@@ -75,6 +117,20 @@ def register_dpo_loss(
         return jnp.square((c - r) - (rc - rr) - 1.0 / (2.0 * beta))
 
     register_dpo_loss("my_ipo", ipo, length_normalised=True)
+    ```
+
+    or length-regularised DPO (R-DPO, Park et al. 2024, "Disentangling Length from
+    Quality in Direct Preference Optimization"; the optimum of the RLHF objective with
+    the reward $r - \alpha|y|$),
+    $-\log\sigma\big(\beta u + \alpha(|y_w| - |y_l|)\big)$, with $\alpha$ from
+    `loss_kwargs={"alpha": ...}`:
+
+    ```python
+    def r_dpo(c, r, rc, rr, *, beta, alpha, chosen_len, rejected_len):
+        u = (c - r) - (rc - rr)
+        return -jax.nn.log_sigmoid(beta * u + alpha * (chosen_len - rejected_len))
+
+    register_dpo_loss("r_dpo", r_dpo)
     ```
 
     **Arguments:**
@@ -93,7 +149,7 @@ def register_dpo_loss(
         raise ValueError(f"name must be a non-empty string, got {name!r}")
     if name in DPO_LOSSES:
         raise ValueError(f"name {name!r} is a built-in loss_type; choose another name")
-    _check_callable(fn, "fn")
+    _check_callable(fn, "fn", complete=False)
     _REGISTERED[name] = LossSpec(
         None,
         length_normalised=bool(length_normalised),
@@ -139,6 +195,11 @@ def resolve_dpo_loss(
                 "only a custom loss_type receives others)"
             )
         return spec
+    if names & set(LENGTH_ARGUMENTS):
+        raise ValueError(
+            f"loss_kwargs {sorted(names & set(LENGTH_ARGUMENTS))} are the completion lengths, "
+            f"which a custom loss_type ({spec.name}) receives by declaring them; rename them"
+        )
     if names & set(_BUILTIN_KWARGS):
         raise ValueError(
             f"loss_kwargs {sorted(names & set(_BUILTIN_KWARGS))} are the built-in losses' "
@@ -154,11 +215,31 @@ def resolve_dpo_loss(
 
 
 def call_custom_loss(
-    spec: LossSpec, pair: LogpPair, beta: Hyperparameter, loss_kwargs: Mapping[str, Any]
+    spec: LossSpec,
+    pair: LogpPair,
+    beta: Hyperparameter,
+    loss_kwargs: Mapping[str, Any],
+    chosen_len: Any = None,
+    rejected_len: Any = None,
 ) -> Array:
-    """A custom loss of one pair, its output checked: one float scalar."""
+    """A custom loss of one pair, its output checked: one float scalar. The completion
+    lengths are passed when the loss declares `chosen_len` / `rejected_len`."""
+    lengths = {"chosen_len": chosen_len, "rejected_len": rejected_len}
+    wanted = {n: lengths[n] for n in declared_lengths(spec.custom)}
+    if any(v is None for v in wanted.values()):
+        raise ValueError(
+            f"loss_type={spec.name} takes {sorted(wanted)}: pass chosen_len and rejected_len "
+            "(the completions' token counts)"
+        )
+    wanted = {n: jnp.asarray(v) for n, v in wanted.items()}
     out = spec.custom(
-        pair.chosen, pair.rejected, pair.ref_chosen, pair.ref_rejected, beta=beta, **loss_kwargs
+        pair.chosen,
+        pair.rejected,
+        pair.ref_chosen,
+        pair.ref_rejected,
+        beta=beta,
+        **wanted,
+        **loss_kwargs,
     )
     shape, dtype = jnp.shape(out), jnp.result_type(out)
     if shape != () or not jnp.issubdtype(dtype, jnp.floating):

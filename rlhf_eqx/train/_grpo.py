@@ -12,16 +12,17 @@ from ..losses import (
     MISMATCH_EXTREMES,
     aggregate_mismatch_metrics,
     aggregate_parts,
-    grpo_policy_loss,
+    kl_penalty,
     mask_truncated,
     mismatch_metrics,
 )
+from ..losses._policy_loss_registry import resolve_policy_loss
 from ..models import AbstractSelectiveLM
 from ..ops import entropy_from_logits, logprobs_from_logits, masked_sum
 from ._accumulate import vmap_model
 from ._group_logps import shared_prompt_logprobs
 from ._grpo_batch import GRPOBatch, grpo_advantages
-from ._policy_loss_fns import make_policy_loss
+from ._policy_loss_fns import make_policy_loss, read_policy_loss
 from ._rl_settings import GRPOSettings
 from ._settings import StepOptions, settings_from, split_shortcuts
 from ._state import combine
@@ -101,16 +102,15 @@ def grpo_loss(
     last optional). `axis_name`: the device axis the batch policy losses gather their
     tokens over. See `make_grpo_step`."""
     s = settings_from(GRPOSettings, settings, shortcuts, where="grpo_loss")
-    clip_eps, importance, beta, delta = s.clip_eps, s.importance, s.beta, s.delta
-    mode, constant, temperature = s.mode, s.constant, s.temperature
-    policy_loss, rollout_correction = s.policy_loss, s.rollout_correction
-    eps_high = clip_eps if s.clip_eps_high is None else s.clip_eps_high
+    beta, mode, constant, temperature = s.beta, s.mode, s.constant, s.temperature
+    rollout_correction = s.rollout_correction
     uses_kl = not (isinstance(beta, int | float) and beta == 0)
     f32 = jnp.float32
     # With a rollout correction the KL term is added after the weights (they weight the
     # policy surrogate only, as in veRL and TRL).
     kl_in_loss = uses_kl and rollout_correction is None
-    other_loss = make_policy_loss(s, uses_kl=kl_in_loss, axis_name=axis_name)
+    policy_loss = make_policy_loss(s, GRPOSettings, advantages="sequence", axis_name=axis_name)
+    wants_ref = "ref_logp" in resolve_policy_loss(s.policy_loss).inputs()
 
     def logprobs(model, batch, key, *, entropy: bool, entropy_grad: bool = False):
         """Token log-probs `[B, T]` (and entropies, or `None`) at the loss-mask tokens.
@@ -141,9 +141,12 @@ def grpo_loss(
     def loss_fn(params: PyTree, frozen: PyTree, batch: GRPOBatch, key: PRNGKeyArray | None):
         frozen_part, ref_model, *rest = frozen
         ent_coef = rest[0] if rest else None
-        need_ref = uses_kl and batch.ref_logp is None
+        need_ref = (uses_kl or wants_ref) and batch.ref_logp is None
         if need_ref and ref_model is None:
-            raise ValueError("beta != 0 needs batch.ref_logp or the step's `reference=` model")
+            raise ValueError(
+                "beta != 0 (or a policy_loss that takes ref_logp) needs batch.ref_logp or the "
+                "step's `reference=` model"
+            )
         m = batch.completion_mask
         model = combine(params, frozen_part)
         logp, ent = logprobs(model, batch, key, entropy=True, entropy_grad=ent_coef is not None)
@@ -154,41 +157,26 @@ def grpo_loss(
         if ref_logp is not None:
             ref_logp = jax.lax.stop_gradient(ref_logp.astype(f32))
 
-        def one(lp, olp, adv_i, mi, rlp):
-            return grpo_policy_loss(
-                lp,
-                olp,
-                adv_i,
-                mi,
-                clip_eps=clip_eps,
-                clip_eps_high=eps_high,
-                importance=importance,
-                ref_logp=rlp,
-                beta=beta if kl_in_loss else 0.0,
-                delta=delta,
-            )
-
-        adv = batch.advantages
-        if policy_loss != "grpo":
-            per_token, stats = other_loss(logp, old_logp.astype(f32), adv, m, ent, ref_logp, key)
-        elif ref_logp is None:
-            per_token, stats = jax.vmap(lambda a, b, c, d: one(a, b, c, d, None))(
-                logp, old_logp.astype(f32), adv, m
-            )
-        else:
-            per_token, stats = jax.vmap(one)(logp, old_logp.astype(f32), adv, m, ref_logp)
+        per_token, stats = policy_loss(
+            logp, old_logp.astype(f32), batch.advantages, m, ent, ref_logp, key
+        )
+        zero = jnp.zeros_like(per_token)
+        kl = zero if ref_logp is None else jnp.where(m, kl_penalty(logp, ref_logp, kind="k3"), zero)
+        if kl_in_loss:
+            per_token = per_token + beta * kl
         rc_sums = {}
         if rollout_correction is not None or batch.behaviour_logp is not None:
             per_token, m, rc_sums = _rollout_correction(
-                rollout_correction, per_token, stats["kl"], beta, uses_kl, old_logp, batch, m
+                rollout_correction, per_token, kl, beta, uses_kl, old_logp, batch, m
             )
         num, den = aggregate_parts(per_token, m, mode=mode, constant=constant)
         n = jnp.sum(m).astype(f32)
+        flag = lambda name: masked_sum(stats.get(name, zero), m)
         metrics = {
-            "clip_ratio": (masked_sum(stats["clipped"], m), n),
-            "clip_ratio/low_mean": (masked_sum(stats["clipped_low"], m), n),
-            "clip_ratio/high_mean": (masked_sum(stats["clipped_high"], m), n),
-            "kl": (masked_sum(stats["kl"], m), n),
+            "clip_ratio": (flag("clipped"), n),
+            "clip_ratio/low_mean": (flag("clipped_low"), n),
+            "clip_ratio/high_mean": (flag("clipped_high"), n),
+            "kl": (masked_sum(kl, m), n),
             "entropy": (masked_sum(ent, m), n),
             **rc_sums,
         }
@@ -256,8 +244,10 @@ def make_grpo_step(
     - KL to a reference: `beta > 0` (k3 estimator; reference log-probabilities from
       `batch.ref_logp`, or from the step's `reference=` model when that is `None`).
 
-    `policy_loss` (one of `rlhf_eqx.losses.POLICY_LOSSES`) replaces the clipped loss;
-    `beta`, `mode`, the advantages and the masking apply to every choice:
+    `policy_loss` (one of `rlhf_eqx.losses.POLICY_LOSSES`, a name registered with
+    `rlhf_eqx.losses.register_policy_loss` or such a per-token loss itself, with its
+    hyperparameters from `loss_kwargs` and the fields of the same name) replaces the
+    clipped loss; `beta`, `mode`, the advantages and the masking apply to every choice:
 
     - `"grpo"` (default): `grpo_policy_loss` as above;
     - `"cispo"`: `cispo_policy_loss(clip_eps_low=cispo_eps_low, clip_eps_high=cispo_eps_high)`
@@ -342,5 +332,5 @@ def make_grpo_step(
         metrics_fn=_advantage_std,
         batch_type=GRPOBatch,
         extras=("reference", "entropy_coef"),
-        cache_key=("grpo", own_record(GRPOSettings, settings)),
+        cache_key=("grpo", own_record(GRPOSettings, settings), read_policy_loss(settings)),
     )

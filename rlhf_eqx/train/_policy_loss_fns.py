@@ -1,106 +1,161 @@
-r"""The GRPO step's policy losses other than `grpo_policy_loss`: the per-token loss of a
-(micro-)batch for `make_grpo_step(policy_loss=...)` (their parameters are fields of
-`GRPOSettings`, which checks them).
+r"""The per-token policy loss of the PPO and GRPO steps: `settings.policy_loss` (a name of
+`rlhf_eqx.losses.policy_loss_names()` or a callable) resolved, its hyperparameters taken
+from the settings, and its call on a (micro-)batch.
 
-The per-completion losses (`"cispo"`, `"gmpo"`, `"sapo"`) are vmapped over the rows, so
-micro-batching and data parallelism leave them exact. The batch losses (`"clip_cov"`,
-`"kl_cov"`, `"high_entropy"`) select tokens by statistics of the tokens they are given:
-the step gives them the current micro-batch of every device (their `axis_name` gathers
-the devices' rows). Without micro-batching a `pmap`-ed step therefore selects exactly
-the tokens one device would select on the whole batch; with `micro_batches=k` each
-micro-batch is selected on its own (its token count, means and quantile), as TRL selects
-per gradient-accumulation step and veRL per micro-batch.
+Every loss, built-in or a user's, goes through here. A hyperparameter (a keyword parameter
+of the loss after its four arrays) takes the `loss_kwargs` entry of its name, else the
+settings field of its name, else its default; the values are passed as they are (JAX
+arrays stay traced). Per-completion losses are vmapped over the rows, so micro-batching
+and data parallelism leave them exact. Batch losses (`"clip_cov"`, `"kl_cov"`,
+`"high_entropy"`, or `register_policy_loss(batch=True)`) select tokens by statistics of
+the tokens they are given: the step gives them the current micro-batch of every device
+(their `axis_name` gathers the devices' rows). Without micro-batching a `pmap`-ed step
+therefore selects exactly the tokens one device would select on the whole batch; with
+`micro_batches=k` each micro-batch is selected on its own (its token count, means and
+quantile), as TRL selects per gradient-accumulation step and veRL per micro-batch.
 """
 
+import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from ..losses import (
-    cispo_policy_loss,
-    clip_cov_policy_loss,
-    gmpo_policy_loss,
-    high_entropy_policy_loss,
-    kl_cov_policy_loss,
-    kl_penalty,
-    sapo_policy_loss,
-)
-from ._rl_settings import GRPOSettings
+from ..losses import POLICY_LOSS_INPUTS, policy_loss_names
+from ..losses._policy_loss_registry import PolicyLossSpec, per_token_output, resolve_policy_loss
+from ._validation import check_choice
 
-# The stream of the step's key that draws Clip-Cov's random priorities (the key itself
-# goes to the model).
-_CLIP_COV_STREAM = 1
+# The stream of the step's key that the loss's `key` comes from (the key itself goes to
+# the model).
+_LOSS_STREAM = 1
+# The settings fields that say which loss runs, not how: never a hyperparameter.
+_NOT_HYPERPARAMETERS = ("policy_loss", "loss_kwargs")
 
 PolicyTokenLoss = Callable[..., tuple[Float[Array, "B T"], dict[str, Float[Array, "B T"]]]]
 
 
-def make_policy_loss(
-    settings: GRPOSettings, *, uses_kl: bool, axis_name: str | None
-) -> PolicyTokenLoss:
-    """The per-token loss of `settings.policy_loss` (not `"grpo"`; its parameters were
-    checked by `GRPOSettings`):
-    `loss(logp, old_logp, advantages, mask, entropy, ref_logp, key) -> (per_token, stats)`
-    on `[B, T]` arrays, with `beta` times the k3 KL to `ref_logp` added (when `uses_kl`)
-    and `stats["kl"]` (zeros without `ref_logp`)."""
-    s = settings
-    policy_loss, importance, delta, beta = s.policy_loss, s.importance, s.delta, s.beta
-    clip_eps = s.clip_eps
-    clip_eps_high = clip_eps if s.clip_eps_high is None else s.clip_eps_high
-    cispo_eps_low, cispo_eps_high, gmpo_clip = s.cispo_eps_low, s.cispo_eps_high, s.gmpo_clip
-    sapo_tau_pos, sapo_tau_neg, cov_fraction = s.sapo_tau_pos, s.sapo_tau_neg, s.cov_fraction
-    clip_cov_low, clip_cov_high = s.clip_cov_low, s.clip_cov_high
-    clip_cov_select, kl_cov_coef, entropy_rho = s.clip_cov_select, s.kl_cov_coef, s.entropy_rho
+def _named(names: list[str]) -> str:
+    quoted = [repr(n) for n in names]
+    return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " and " + quoted[-1]
 
-    def rows(fn, **kw):
-        return lambda lp, olp, a, m: jax.vmap(lambda *x: fn(*x, **kw))(lp, olp, a, m)
+
+def policy_loss_spec(settings: Any, record: type, *, advantages: str) -> PolicyLossSpec:
+    """Resolve `settings.policy_loss` for a step whose advantages are `advantages` and
+    check its hyperparameters and inputs against `settings` (a `record`): one
+    `ValueError` line naming the field, the `loss_kwargs` entry or the hyperparameter."""
+    name = settings.policy_loss
+    if isinstance(name, str) and name not in policy_loss_names(advantages):
+        own = policy_loss_names(advantages)
+        if name in policy_loss_names():
+            step = "GRPO (one advantage per completion)" if advantages == "token" else "PPO"
+            raise ValueError(
+                f"policy_loss={name!r}: must be one of {', '.join(own)} ({name!r} is for {step})"
+            )
+        check_choice("policy_loss", name, own)
+    spec = resolve_policy_loss(name, advantages=advantages)
+    policy_hyperparameters(spec, settings, record)
+    if "ref_logp" in spec.inputs() and advantages == "token":
+        raise ValueError(
+            f"policy_loss={spec.name} takes ref_logp: the PPO step has no reference "
+            "log-probabilities (its KL is in the rewards)"
+        )
+    return spec
+
+
+def check_loss_reads(
+    settings: Any, spec: PolicyLossSpec, field: str, inert: object, advantages: str
+) -> None:
+    """Refuse `settings.<field>` set away from `inert` when the loss does not read it."""
+    value = getattr(settings, field)
+    if value == inert or field in spec.parameters():
+        return
+    takers = [
+        n for n in policy_loss_names(advantages) if field in resolve_policy_loss(n).parameters()
+    ]
+    raise ValueError(
+        f"{field}={value!r}: applies to policy_loss {_named(takers)} only, not {spec.name}"
+    )
+
+
+def policy_hyperparameters(spec: PolicyLossSpec, settings: Any, record: type) -> dict[str, Any]:
+    """The keyword arguments of `spec.fn`: `loss_kwargs`, then the fields of `record` (the
+    settings class) by name; a hyperparameter with neither and no default is refused."""
+    kwargs = dict(settings.loss_kwargs or {})
+    fields = {f.name for f in dataclasses.fields(record)} - set(_NOT_HYPERPARAMETERS)
+    wanted = spec.hyperparameters()
+    for name in kwargs:
+        if name in fields:
+            raise ValueError(
+                f"loss_kwargs {name!r} is a field of {record.__name__}: set the field instead"
+            )
+        if name in POLICY_LOSS_INPUTS:
+            raise ValueError(f"loss_kwargs {name!r} is a step input, not a hyperparameter")
+        if name not in wanted and not spec.takes_any_keyword():
+            raise ValueError(
+                f"loss_kwargs {name!r} is not a hyperparameter of policy_loss={spec.name} "
+                f"(it takes {sorted(wanted) or 'none'})"
+            )
+    out = dict(kwargs)
+    for name, param in wanted.items():
+        if name in out:
+            continue
+        if name in fields:
+            out[name] = getattr(settings, name)
+        elif param.default is param.empty:
+            raise ValueError(
+                f"policy_loss={spec.name} takes the hyperparameter {name!r}, which has no "
+                f"default: give it in loss_kwargs (or name a field of {record.__name__})"
+            )
+    return out
+
+
+def make_policy_loss(
+    settings: Any, record: type, *, advantages: str, axis_name: str | None
+) -> PolicyTokenLoss:
+    """The per-token loss of `settings.policy_loss` on `[B, T]` arrays:
+    `loss(logp, old_logp, advantages, mask, entropy, ref_logp, key) -> (per_token, stats)`,
+    0 where `mask` is false, with `stats` the loss's own (no KL term: the step adds it).
+    `advantages` are `[B]` (`"sequence"`, GRPO) or `[B, T]` (`"token"`, PPO)."""
+    spec = policy_loss_spec(settings, record, advantages=advantages)
+    hyper = policy_hyperparameters(spec, settings, record)
+    wants = spec.inputs()
 
     def loss(logp, old_logp, adv, m, ent, ref_logp, key: PRNGKeyArray | None):
-        if policy_loss == "cispo":
-            fn = rows(cispo_policy_loss, clip_eps_low=cispo_eps_low, clip_eps_high=cispo_eps_high)
-        elif policy_loss == "gmpo":
-            fn = rows(gmpo_policy_loss, clip_eps=gmpo_clip)
-        elif policy_loss == "sapo":
-            fn = rows(sapo_policy_loss, tau_pos=sapo_tau_pos, tau_neg=sapo_tau_neg)
-        elif policy_loss == "clip_cov":
-            if clip_cov_select == "random" and key is None:
-                raise ValueError(
-                    "policy_loss='clip_cov' with clip_cov_select='random' draws its tokens at "
-                    "random: call the step with key=..."
-                )
-            k = None if key is None else jax.random.fold_in(key, _CLIP_COV_STREAM)
-            fn = lambda *x: clip_cov_policy_loss(
-                *x,
-                clip_eps=clip_eps,
-                clip_eps_high=clip_eps_high,
-                fraction=cov_fraction,
-                cov_low=clip_cov_low,
-                cov_high=clip_cov_high,
-                select=clip_cov_select,
-                key=k,
-                axis_name=axis_name,
+        if "ref_logp" in wants and ref_logp is None:
+            raise ValueError(
+                f"policy_loss={spec.name} takes ref_logp: give batch.ref_logp or the step's "
+                "`reference=` model"
             )
-        elif policy_loss == "kl_cov":
-            fn = lambda *x: kl_cov_policy_loss(
-                *x, fraction=cov_fraction, kl_coef=kl_cov_coef, axis_name=axis_name
-            )
+        k = None if key is None else jax.random.fold_in(key, _LOSS_STREAM)
+        inputs = {"ref_logp": ref_logp, "entropy": ent, "key": k}
+        if spec.batch:
+            kw = {n: inputs[n] for n in wants if n != "axis_name"}
+            if "axis_name" in wants:
+                kw["axis_name"] = axis_name
+            out = spec.fn(logp, old_logp, adv, m, **kw, **hyper)
         else:
-            fn = lambda *x: high_entropy_policy_loss(
-                *x,
-                ent,
-                rho=entropy_rho,
-                clip_eps=clip_eps,
-                clip_eps_high=clip_eps_high,
-                importance=importance,
-                delta=delta,
-                axis_name=axis_name,
-            )
-        per_token, stats = fn(logp, old_logp, adv, m)
+            if k is not None and "key" in wants:
+                inputs["key"] = jax.random.split(k, logp.shape[0])
+            rows = {n: inputs[n] for n in wants if n != "axis_name"}
+            static = {"axis_name": axis_name} if "axis_name" in wants else {}
+            mapped = {n: v for n, v in rows.items() if v is not None}
+            nones = {n: None for n, v in rows.items() if v is None}
+
+            def one(lp, olp, a, mi, row):
+                return spec.fn(lp, olp, a, mi, **row, **nones, **static, **hyper)
+
+            out = jax.vmap(one)(logp, old_logp, adv, m, mapped)
+        per_token, stats = per_token_output(spec, out, logp)
         zero = jnp.zeros_like(per_token)
-        kl = zero if ref_logp is None else jnp.where(m, kl_penalty(logp, ref_logp, kind="k3"), zero)
-        if uses_kl:
-            per_token = per_token + beta * kl
-        return per_token, {**stats, "kl": kl}
+        stats = {k_: jnp.where(m, jnp.asarray(v), zero) for k_, v in stats.items()}
+        return jnp.where(m, per_token, zero), stats
 
     return loss
+
+
+def read_policy_loss(settings: Any) -> object:
+    """The `policy_loss` a settings record names, resolved to its function (part of a
+    build's cache key: re-registering a name must not reuse a build of the old loss)."""
+    return resolve_policy_loss(settings.policy_loss).fn

@@ -7,8 +7,10 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import PRNGKeyArray, PyTree
 
-from ..losses import aggregate_parts, ppo_policy_loss, ppo_value_loss
+from ..losses import aggregate_parts, ppo_value_loss
+from ..losses._ppo import LOG_RATIO_CLAMP
 from ..ops import masked_sum
+from ._policy_loss_fns import make_policy_loss, read_policy_loss
 from ._rl_settings import PPOSettings
 from ._rollout import PPOBatch, policy_logps_and_values
 from ._settings import StepOptions, settings_from, split_shortcuts
@@ -20,11 +22,12 @@ def ppo_loss(settings: PPOSettings | None = None, **shortcuts: Any) -> LossFn:
     r"""The PPO loss function (policy + value + entropy) for `make_step` on a `PPOBatch`,
     with `settings` (a `PPOSettings`, or its fields as keywords).
 
-    Numerators `policy`, `value` (× `vf_coef`) and `entropy` (× −`ent_coef`, when
-    non-zero) share the aggregation denominator of `mode` over the completion tokens.
+    Numerators `policy` (`settings.policy_loss`, PPO's clipped surrogate by default),
+    `value` (× `vf_coef`) and `entropy` (× −`ent_coef`, when non-zero) share the
+    aggregation denominator of `mode` over the completion tokens.
     """
     s = settings_from(PPOSettings, settings, shortcuts, where="ppo_loss")
-    clip_eps, clip_eps_high, dual_clip = s.clip_eps, s.clip_eps_high, s.dual_clip
+    policy_loss = make_policy_loss(s, PPOSettings, advantages="token", axis_name=None)
     vf_coef, vf_clip_eps, ent_coef = s.vf_coef, s.vf_clip_eps, s.ent_coef
     mode, constant, temperature = s.mode, s.constant, s.temperature
     use_entropy = not (isinstance(ent_coef, int | float) and ent_coef == 0)
@@ -42,11 +45,11 @@ def ppo_loss(settings: PPOSettings | None = None, **shortcuts: Any) -> LossFn:
             temperature=temperature,
             entropy_grad=use_entropy,
         )
-        pg, stats = jax.vmap(
-            lambda a, b, c, d: ppo_policy_loss(
-                a, b, c, d, clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip
-            )
-        )(logp, batch.old_logp, batch.advantages, m)
+        pg, stats = policy_loss(logp, batch.old_logp, batch.advantages, m, ent, None, key)
+        # the policy's move, whatever the loss: the clamped log-ratio, as `ppo_policy_loss`
+        zero = jnp.zeros_like(pg)
+        log_ratio = jnp.clip(logp - batch.old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        log_ratio = jnp.where(m, log_ratio, zero)
         vf, vclipped = jax.vmap(
             lambda a, b, c, d: ppo_value_loss(a, b, c, d, clip_eps=vf_clip_eps)
         )(values, batch.old_values, batch.returns, m)
@@ -62,9 +65,9 @@ def ppo_loss(settings: PPOSettings | None = None, **shortcuts: Any) -> LossFn:
             nums["entropy"], dens["entropy"] = -ent_coef * ent_num, den
         n = jnp.sum(m).astype(f32)
         metrics = {
-            "policy/clipfrac": (masked_sum(stats["clipped"], m), n),
-            "policy/approxkl": (masked_sum(stats["approx_kl"], m), n),
-            "policy/ratio": (masked_sum(stats["ratio"], m), n),
+            "policy/clipfrac": (masked_sum(stats.get("clipped", zero), m), n),
+            "policy/approxkl": (masked_sum(0.5 * jnp.square(log_ratio), m), n),
+            "policy/ratio": (masked_sum(jnp.where(m, jnp.exp(log_ratio), zero), m), n),
             "policy/entropy": (masked_sum(ent, m), n),
             "val/clipfrac": (masked_sum(vclipped, m), n),
             "val/vpred": (masked_sum(values, m), n),
@@ -113,11 +116,14 @@ def make_ppo_step(
     + c_v\,\mathrm{agg}\big(\ell^{V}_t\big) - c_e\,\mathrm{agg}\big(H_t\big)$$
 
     with `ppo_policy_loss` (clipped surrogate; `clip_eps_high` for clip-higher,
-    `dual_clip`), `ppo_value_loss` (clipped at `vf_clip_eps` around `batch.old_values`,
-    includes the ½), the entropy $H_t$ of the distribution token $t$ was sampled from,
-    and `agg` the aggregation `mode` over `batch.completion_mask`. Log-probabilities and
-    entropies are taken at the sampling `temperature` (logits / T; TRL divides by
-    `temperature` too), which must be the one the rollout was sampled at.
+    `dual_clip`) or the per-token loss `policy_loss` names (one registered with
+    `rlhf_eqx.losses.register_policy_loss`, or a callable; its hyperparameters from
+    `loss_kwargs` and the fields of the same name), `ppo_value_loss` (clipped at
+    `vf_clip_eps` around `batch.old_values`, includes the ½), the entropy $H_t$ of the
+    distribution token $t$ was sampled from, and `agg` the aggregation `mode` over
+    `batch.completion_mask`. Log-probabilities and entropies are taken at the sampling
+    `temperature` (logits / T; TRL divides by `temperature` too), which must be the one
+    the rollout was sampled at.
 
     Two layouts:
 
@@ -132,11 +138,11 @@ def make_ppo_step(
 
     **Arguments:** `optimizer`; `settings`, a `PPOSettings` (`clip_eps`,
     `clip_eps_high`, `dual_clip`, `vf_coef` 0.5, `vf_clip_eps`, `ent_coef` 0.01, `mode`,
-    `constant`, `temperature`); `value_optimizer` (above); `options`, a `StepOptions`
-    (`micro_batches`, `axis_name`, `donate`, `nonfinite`, `check_token_ids`: see
-    `make_step`); `**shortcuts`, any field of either record as a keyword, replacing the
-    record's (another keyword is a `TypeError`). Invalid values raise `ValueError` when
-    the record is built.
+    `constant`, `temperature`, `policy_loss`, `loss_kwargs`); `value_optimizer` (above);
+    `options`, a `StepOptions` (`micro_batches`, `axis_name`, `donate`, `nonfinite`,
+    `check_token_ids`: see `make_step`); `**shortcuts`, any field of either record as a
+    keyword, replacing the record's (another keyword is a `TypeError`). Invalid values
+    raise `ValueError` when the record is built.
 
     **Returns:** `step(params, opt_state, batch: PPOBatch, *, frozen=None, key=None) ->
     (params, opt_state, metrics)`, one `eqx.filter_jit` region. Metrics (masked means
@@ -168,7 +174,12 @@ def make_ppo_step(
         options,
         metrics_fn=metrics_fn,
         batch_type=PPOBatch,
-        cache_key=("ppo", own_record(PPOSettings, settings), value_optimizer is not None),
+        cache_key=(
+            "ppo",
+            own_record(PPOSettings, settings),
+            read_policy_loss(settings),
+            value_optimizer is not None,
+        ),
     )
     if value_optimizer is None:
         return step

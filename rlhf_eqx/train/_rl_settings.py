@@ -3,7 +3,8 @@ r"""The settings records of the reinforcement-learning steps: `PPOSettings` and
 JAX arrays accepted where the step allows traced values)."""
 
 import dataclasses
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from jaxtyping import Array, Float
 
@@ -12,9 +13,10 @@ from ..losses import (
     ADVANTAGE_SCALES,
     COV_SELECTIONS,
     IMPORTANCE_LEVELS,
-    POLICY_LOSSES,
+    PolicyLossFn,
     RolloutCorrection,
 )
+from ._policy_loss_fns import check_loss_reads, policy_loss_spec
 from ._validation import (
     check_aggregation,
     check_choice,
@@ -55,6 +57,11 @@ class PPOSettings(SampledSettings):
       gradient).
     - `mode`, `constant`: aggregation over the completion tokens (`aggregate_parts`).
     - `temperature`: the sampling temperature (`SampledSettings`).
+    - `policy_loss`: the per-token policy loss, `"ppo"` (`ppo_policy_loss` with
+      `clip_eps`, `clip_eps_high`, `dual_clip`), a name registered with
+      `rlhf_eqx.losses.register_policy_loss` that takes per-token advantages, or such a
+      loss itself; `loss_kwargs`: its hyperparameters that are not fields here (may be
+      JAX arrays). `dual_clip` applies only to a loss that reads it.
 
     Numbers except `dual_clip`, `constant` and `temperature` may be JAX arrays.
     """
@@ -67,6 +74,8 @@ class PPOSettings(SampledSettings):
     ent_coef: float | Float[Array, ""] = 0.01
     mode: str = "token-mean"
     constant: float | None = None
+    policy_loss: str | PolicyLossFn = "ppo"
+    loss_kwargs: Mapping[str, Any] | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -77,6 +86,14 @@ class PPOSettings(SampledSettings):
         check_number("vf_clip_eps", self.vf_clip_eps, low=0.0, low_open=True, allow_none=True)
         check_number("ent_coef", self.ent_coef)
         check_aggregation(self.mode, self.constant)
+        _check_loss_kwargs(self.loss_kwargs)
+        spec = policy_loss_spec(self, PPOSettings, advantages="token")
+        check_loss_reads(self, spec, "dual_clip", None, "token")
+
+
+def _check_loss_kwargs(loss_kwargs: object) -> None:
+    if loss_kwargs is not None and not isinstance(loss_kwargs, Mapping):
+        raise ValueError(f"loss_kwargs={loss_kwargs!r}: must be a mapping or None")
 
 
 @_record
@@ -93,12 +110,15 @@ class GRPOSettings(SampledSettings):
     - `mode`, `constant`: aggregation (`aggregate_parts`); `mask_truncated_completions`:
       drop completions cut at the length limit (DAPO's overlong filtering).
     - `temperature`: the sampling temperature (`SampledSettings`).
-    - `policy_loss`: one of `rlhf_eqx.losses.POLICY_LOSSES`, with its parameters
+    - `policy_loss`: one of `rlhf_eqx.losses.POLICY_LOSSES`, a name registered with
+      `rlhf_eqx.losses.register_policy_loss` (`loss_kwargs`: its hyperparameters that
+      are not fields here; may be JAX arrays) or such a loss itself; the built-in
+      ones' parameters are
       `cispo_eps_low` ($\geq 0$ or `None`), `cispo_eps_high` ($\geq 0$), `gmpo_clip`
       ($> 0$), `sapo_tau_pos`, `sapo_tau_neg` ($> 0$), `cov_fraction` (in $(0, 1]$),
       `clip_cov_low` < `clip_cov_high`, `clip_cov_select` (`"random"` or `"top"`),
       `kl_cov_coef` ($\geq 0$), `entropy_rho` (in $(0, 1]$). `importance` and `delta`
-      apply to `"grpo"` and `"high_entropy"` only.
+      apply only to a loss that reads them (`"grpo"`, `"high_entropy"`).
     - `rollout_correction`: a `rlhf_eqx.losses.RolloutCorrection` for off-policy
       rollouts (`None`: none).
 
@@ -115,7 +135,8 @@ class GRPOSettings(SampledSettings):
     mode: str = "seq-mean-token-mean"
     constant: float | None = None
     mask_truncated_completions: bool = False
-    policy_loss: str = "grpo"
+    policy_loss: str | PolicyLossFn = "grpo"
+    loss_kwargs: Mapping[str, Any] | None = None
     cispo_eps_low: float | Float[Array, ""] | None = None
     cispo_eps_high: float | Float[Array, ""] = 4.0
     gmpo_clip: float | Float[Array, ""] = 0.4
@@ -150,7 +171,8 @@ class GRPOSettings(SampledSettings):
             raise ValueError(f"rollout_correction={rc!r}: must be a RolloutCorrection or None")
 
     def _check_policy_loss(self):
-        check_choice("policy_loss", self.policy_loss, POLICY_LOSSES)
+        _check_loss_kwargs(self.loss_kwargs)
+        spec = policy_loss_spec(self, GRPOSettings, advantages="sequence")
         check_choice("clip_cov_select", self.clip_cov_select, COV_SELECTIONS)
         check_number("cispo_eps_low", self.cispo_eps_low, low=0.0, allow_none=True)
         check_number("cispo_eps_high", self.cispo_eps_high, low=0.0)
@@ -165,14 +187,5 @@ class GRPOSettings(SampledSettings):
             raise ValueError(f"clip_cov_low={low!r}: must be below clip_cov_high={high!r}")
         check_number("kl_cov_coef", self.kl_cov_coef, low=0.0)
         check_number("entropy_rho", self.entropy_rho, low=0.0, high=1.0, low_open=True)
-        if self.policy_loss not in ("grpo", "high_entropy"):
-            if self.importance != "token":
-                raise ValueError(
-                    f"importance={self.importance!r}: applies to policy_loss 'grpo' and "
-                    f"'high_entropy' only, not {self.policy_loss!r}"
-                )
-            if self.delta is not None:
-                raise ValueError(
-                    f"delta={self.delta!r}: applies to policy_loss 'grpo' and 'high_entropy' "
-                    f"only, not {self.policy_loss!r}"
-                )
+        check_loss_reads(self, spec, "importance", "token", "sequence")
+        check_loss_reads(self, spec, "delta", None, "sequence")

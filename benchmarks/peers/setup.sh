@@ -5,7 +5,8 @@
 #   bash benchmarks/peers/setup.sh trl        # TRL only
 #   bash benchmarks/peers/setup.sh tunix      # Tunix only
 #
-# TRL:   $TRL_VENV   torch 2.13.0 (CPU wheel), trl 1.16.0, a transformers that trl accepts.
+# TRL:   $TRL_VENV   torch 2.13.0 (CPU wheel), trl 1.16.0, a transformers that trl accepts,
+#        and peft (LoRA of the 135M DPO workload, `dpo135_lora`).
 # Tunix: $TUNIX_VENV google-tunix 0.1.7 with the flax it pins.
 # Defaults: $PEER_ROOT/venv-trl and $PEER_ROOT/venv-tunix, with PEER_ROOT defaulting to
 # .venv-peers at the repository root (ignored by git), where
@@ -24,8 +25,8 @@ which="${1:-all}"
 setup_trl() {
   "$py" -m venv "$trl_venv"
   "$trl_venv/bin/pip" install -q --upgrade pip
-  "$trl_venv/bin/pip" install torch==2.13.0 trl==1.16.0 "transformers>=4.56" numpy matplotlib psutil
-  "$trl_venv/bin/python" -c "import torch, trl, transformers; print('torch', torch.__version__, 'trl', trl.__version__, 'transformers', transformers.__version__)"
+  "$trl_venv/bin/pip" install torch==2.13.0 trl==1.16.0 "transformers>=4.56" peft numpy matplotlib psutil
+  "$trl_venv/bin/python" -c "import torch, trl, transformers, peft; print('torch', torch.__version__, 'trl', trl.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
 }
 
 setup_tunix() {

@@ -111,11 +111,16 @@ def dpo_loss(
     - `"hinge"`: $\max(0, 1 - \beta u)$. SLiC, Zhao et al. 2023.
     - `"ipo"`: $(\bar u - \frac{1}{2\beta})^2$ with $\bar u$ from per-token averages. IPO,
       Azar et al. 2023 (eq. 17).
-    - `"exo_pair"`: $\sigma(\beta u)[\log\sigma(\beta u) - \log(1-\varepsilon)]
-      + \sigma(-\beta u)[\log\sigma(-\beta u) - \log\varepsilon]$, with $\varepsilon$ = 1e-3
-      when 0. EXO, Ji et al. 2024 (eq. 16).
-    - `"nca_pair"`: $-\log\sigma(\beta h_w) - \tfrac12\log\sigma(-\beta h_w)
-      - \tfrac12\log\sigma(-\beta h_l)$. NCA, Chen et al. 2024.
+    - `"exo_pair"`, with $\varepsilon$ = 1e-3 when 0 (EXO, Ji et al. 2024, eq. 16):
+
+        $$\sigma(\beta u)[\log\sigma(\beta u) - \log(1-\varepsilon)]
+        + \sigma(-\beta u)[\log\sigma(-\beta u) - \log\varepsilon]$$
+
+    - `"nca_pair"` (NCA, Chen et al. 2024):
+
+        $$-\log\sigma(\beta h_w) - \tfrac12\log\sigma(-\beta h_w)
+        - \tfrac12\log\sigma(-\beta h_l)$$
+
     - `"bco_pair"`: $-\log\sigma(\beta h_w - \delta) - \log\sigma(-(\beta h_l - \delta))$.
       BCO, Jung et al. 2024.
     - `"sppo_hard"`: $(h_w - \frac{1}{2\beta})^2 + (h_l + \frac{1}{2\beta})^2$. SPPO,
@@ -123,9 +128,12 @@ def dpo_loss(
     - `"apo_zero"`: $1 - \sigma(\beta h_w) + \sigma(\beta h_l)$. APO-zero,
       D'Oosterlinck et al. 2024 (eq. 7).
     - `"apo_down"`: $\sigma(\beta h_w) + 1 - \sigma(\beta u)$. APO-down, ibid. (eq. 8).
-    - `"discopop"`: $-\log\sigma(\beta u)\,(1 - \sigma(\beta u/\tau))
-      + e^{-\beta u}\,\sigma(\beta u/\tau)$. DiscoPOP, Chris Lu et al. 2024 (eq. 5); the
-      second term is evaluated as one exponential, finite for $\tau < 1$.
+    - `"discopop"` (DiscoPOP, Chris Lu et al. 2024, eq. 5; the second term is evaluated as
+      one exponential, finite for $\tau < 1$):
+
+        $$-\log\sigma(\beta u)\,(1 - \sigma(\beta u/\tau))
+        + e^{-\beta u}\,\sigma(\beta u/\tau)$$
+
     - `"sigmoid_norm"`: `"sigmoid"` on per-token averaged log-ratios (length-normalised
       DPO).
     - `"simpo"`: $-(1-\varepsilon)\log\sigma(z) - \varepsilon\log\sigma(-z)$ with
@@ -224,8 +232,11 @@ def dpo_batch_loss(
     Optimal Transport"; TRL `loss_type="aot"` / `"aot_pair"`) compare *sorted* batch
     quantities, which is the one-dimensional optimal-transport coupling:
 
-    - `"aot"`: $\delta_{(i)} = \mathrm{sort}(\ell_w - \ell_l)_i
-      - \mathrm{sort}(\ell^{\rm ref}_w - \ell^{\rm ref}_l)_i$;
+    - `"aot"`:
+
+        $$\delta_{(i)} = \mathrm{sort}(\ell_w - \ell_l)_i
+        - \mathrm{sort}(\ell^{\rm ref}_w - \ell^{\rm ref}_l)_i;$$
+
     - `"aot_pair"` (unpaired): $\delta_{(i)} = \mathrm{sort}(h_w)_i - \mathrm{sort}(h_l)_i$;
 
     then the (label-smoothed) sigmoid loss of $\beta\delta_{(i)}$. The $i$-th output belongs

@@ -107,10 +107,10 @@ def _ipo(p: LogpPair, hp: LossHyperparameters) -> Array:
 
 
 def _exo_pair(p: LogpPair, hp: LossHyperparameters) -> Array:
-    r"""$\sigma(\beta u)[\log\sigma(\beta u) - \log(1-\varepsilon)]
-    + \sigma(-\beta u)[\log\sigma(-\beta u) - \log\varepsilon]$, $\varepsilon$ = 1e-3 when 0.
+    r"""EXO, Ji et al. 2024, eq. 16 ($\varepsilon$ = 1e-3 when 0):
 
-    EXO, Ji et al. 2024, eq. 16.
+    $$\sigma(\beta u)[\log\sigma(\beta u) - \log(1-\varepsilon)]
+    + \sigma(-\beta u)[\log\sigma(-\beta u) - \log\varepsilon]$$
     """
     eps = hp.label_smoothing
     if is_python_number(eps):

@@ -37,6 +37,12 @@ deadline off: if the active settings profile has a deadline, it loads a profile
 `"rlhf_eqx"` equal to it with `deadline=None`. A profile you load afterwards, or
 `@settings(deadline=...)` on a test, takes precedence.
 
+To check that your own loss equals a library one before training with it,
+`check_loss_matches(my_loss, "sigmoid")` (a DPO-family loss, see
+`rlhf_eqx.losses.register_dpo_loss`) or `check_loss_matches(my_loss, "grpo")` (a
+per-token policy loss, see `rlhf_eqx.losses.register_policy_loss`) compares values and
+gradients on shared random inputs, extreme values and degenerate masks included.
+
 For a clipped policy loss, `check_ppo_clip_gradient_zero(loss_fn, logp, old_logp,
 advantages, mask, clip_eps=..., clip_eps_high=...)` checks that no gradient flows
 where the ratio is clipped, nor at masked positions.
@@ -49,6 +55,7 @@ from ._checks import (
     check_permutation_invariance as check_permutation_invariance,
     check_ppo_clip_gradient_zero as check_ppo_clip_gradient_zero,
 )
+from ._loss_match import REGISTRIES as REGISTRIES, check_loss_matches as check_loss_matches
 from ._strategies import (
     PreferencePairs as PreferencePairs,
     logprob_arrays as logprob_arrays,

@@ -1,0 +1,244 @@
+"""`check_loss_matches`: a user's loss against a library loss of the same registry (the
+DPO family of `register_dpo_loss`, the per-token policy losses of `register_policy_loss`)
+on shared random inputs, values and gradients."""
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..losses import dpo_batch_loss, dpo_loss_types, policy_loss_names
+from ..train import GRPOSettings, PPOSettings
+from ..train._policy_loss_fns import make_policy_loss
+
+REGISTRIES: tuple[str, ...] = ("dpo", "policy")
+"""The registries `check_loss_matches` compares in."""
+# Input kinds: ordinary values, extreme log-probabilities (log-ratios beyond any clamp),
+# ties (policy equal to the reference / chosen equal to rejected) and degenerate masks.
+_DPO_KINDS = ("ordinary", "extreme", "ties")
+_POLICY_KINDS = ("ordinary", "extreme", "padded", "one-token", "all-masked")
+
+
+def _which(library_loss: object, registry: str | None) -> str:
+    if registry is not None:
+        if registry not in REGISTRIES:
+            raise ValueError(f"registry={registry!r}: must be one of {', '.join(REGISTRIES)}")
+        return registry
+    if not isinstance(library_loss, str):
+        raise ValueError("library_loss is not a name: say which registry, registry='dpo'|'policy'")
+    tables = (("dpo", dpo_loss_types()), ("policy", policy_loss_names()))
+    found = [r for r, names in tables if library_loss in names]
+    if len(found) != 1:
+        why = "no registry has" if not found else "both registries have"
+        raise ValueError(f"library_loss={library_loss!r}: {why} it; pass registry=...")
+    return found[0]
+
+
+def _name(loss: object) -> str:
+    return repr(loss) if isinstance(loss, str) else getattr(loss, "__qualname__", repr(loss))
+
+
+def _mismatch(
+    what: str, kind: str, i: int, got: np.ndarray, want: np.ndarray, rtol: float, atol: float
+) -> None:
+    """Raise `AssertionError` naming the first differing entry (or return when close)."""
+    if got.shape != want.shape:
+        raise AssertionError(
+            f"{what} on {kind} inputs (example {i}): shape {got.shape} vs {want.shape}"
+        )
+    close = np.isclose(got, want, rtol=rtol, atol=atol, equal_nan=True)
+    if close.all():
+        return
+    at = tuple(int(k) for k in np.argwhere(~close)[0])
+    raise AssertionError(
+        f"{what} on {kind} inputs (example {i}) differ at {at}: user {got[at]!r}, library "
+        f"{want[at]!r} ({int((~close).sum())} of {close.size} entries differ)"
+    )
+
+
+def _dpo_inputs(rng: np.random.Generator, kind: str, batch: int):
+    if kind == "extreme":
+        draw = lambda: (
+            -rng.choice([0.0, 1e-3, 1.0, 1e2, 1e4], size=batch) * rng.uniform(0.5, 1.0, batch)
+        )
+    else:
+        draw = lambda: -rng.uniform(0.0, 60.0, batch)
+    c, r, rc, rr = draw(), draw(), draw(), draw()
+    if kind == "ties":
+        half = np.arange(batch) % 2 == 0
+        rc, rr = np.where(half, c, rc), np.where(half, r, rr)  # policy == reference
+        r, rr = np.where(~half, c, r), np.where(~half, rc, rr)  # chosen == rejected
+    lengths = rng.integers(1, 65, size=(2, batch)).astype(np.float32)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    return [f32(x) for x in (c, r, rc, rr)], f32(lengths[0]), f32(lengths[1])
+
+
+def _check_dpo(user, library, user_kwargs, library_kwargs, beta, n_examples, seed, rtol, atol):
+    def losses_and_grads(loss_type, kwargs, logps, cl, rl):
+        def total(lp):
+            out = dpo_batch_loss(
+                *lp, beta=beta, loss_type=loss_type, chosen_len=cl, rejected_len=rl, **kwargs
+            )
+            return jnp.sum(out), out
+
+        (_, out), grads = jax.value_and_grad(total, has_aux=True)(logps)
+        return out, grads
+
+    rng = np.random.default_rng(seed)
+    for i in range(n_examples):
+        kind = _DPO_KINDS[i % len(_DPO_KINDS)]
+        logps, cl, rl = _dpo_inputs(rng, kind, batch=8)
+        got, g_got = losses_and_grads(user, user_kwargs, logps, cl, rl)
+        want, g_want = losses_and_grads(library, library_kwargs, logps, cl, rl)
+        _mismatch("per-pair losses", kind, i, np.asarray(got), np.asarray(want), rtol, atol)
+        for name, a, b in zip(("chosen", "rejected"), g_got, g_want):
+            _mismatch(
+                f"gradients w.r.t. the {name} log-probs",
+                kind,
+                i,
+                np.asarray(a),
+                np.asarray(b),
+                rtol,
+                atol,
+            )
+
+
+def _policy_inputs(rng: np.random.Generator, kind: str, B: int, T: int, token_advantages: bool):
+    old = -rng.uniform(0.05, 5.0, (B, T))
+    spread = 30.0 if kind == "extreme" else 0.4
+    logp = old + rng.uniform(-spread, spread, (B, T))
+    if kind == "extreme":
+        logp = np.where(rng.random((B, T)) < 0.3, -1e4, np.minimum(logp, 0.0))
+    mask = rng.random((B, T)) < 0.7
+    if kind == "padded":
+        mask = np.arange(T)[None, :] < rng.integers(0, T + 1, (B, 1))
+    elif kind == "one-token":
+        mask = np.arange(T)[None, :] == rng.integers(0, T, (B, 1))
+    elif kind == "all-masked":
+        mask = np.zeros((B, T), bool)
+    mask[0] = False  # a fully masked row in every batch
+    adv_shape = (B, T) if token_advantages else (B,)
+    adv = rng.normal(0.0, 1.0, adv_shape) * (rng.random(adv_shape) > 0.2)
+    entropy = rng.uniform(0.0, 3.0, (B, T))
+    ref = logp + rng.normal(0.0, 0.3, (B, T))
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    return f32(logp), f32(old), f32(adv), jnp.asarray(mask), f32(entropy), f32(ref)
+
+
+def _check_policy(
+    user, library, user_kwargs, library_kwargs, settings, n_examples, seed, rtol, atol
+):
+    if settings is None:
+        settings = GRPOSettings(group_size=1)
+    record = GRPOSettings if isinstance(settings, GRPOSettings) else PPOSettings
+    if not isinstance(settings, (GRPOSettings, PPOSettings)):
+        raise ValueError(f"settings={settings!r}: must be a GRPOSettings or a PPOSettings")
+    advantages = "sequence" if record is GRPOSettings else "token"
+
+    def build(loss, kwargs):
+        s = dataclasses.replace(settings, policy_loss=loss, loss_kwargs=dict(kwargs) or None)
+        fn = make_policy_loss(s, record, advantages=advantages, axis_name=None)
+
+        def total(lp, old, adv, m, ent, ref, key):
+            per_token, _ = fn(lp, old, adv, m, ent, ref, key)
+            return jnp.sum(per_token), per_token
+
+        return jax.jit(jax.value_and_grad(total, has_aux=True))
+
+    ours, theirs = build(user, user_kwargs), build(library, library_kwargs)
+    rng = np.random.default_rng(seed)
+    for i in range(n_examples):
+        kind = _POLICY_KINDS[i % len(_POLICY_KINDS)]
+        args = _policy_inputs(rng, kind, 4, 8, advantages == "token")
+        key = jax.random.key(seed + i)
+        (_, got), g_got = ours(*args, key)
+        (_, want), g_want = theirs(*args, key)
+        m = np.asarray(args[3])
+        _mismatch(
+            "per-token losses", kind, i, np.asarray(got) * m, np.asarray(want) * m, rtol, atol
+        )
+        _mismatch(
+            "gradients w.r.t. logp", kind, i, np.asarray(g_got), np.asarray(g_want), rtol, atol
+        )
+
+
+def check_loss_matches(
+    user_loss: str | Callable[..., Any],
+    library_loss: str | Callable[..., Any],
+    *,
+    registry: str | None = None,
+    user_kwargs: Mapping[str, Any] | None = None,
+    library_kwargs: Mapping[str, Any] | None = None,
+    beta: float = 0.1,
+    settings: GRPOSettings | PPOSettings | None = None,
+    n_examples: int = 15,
+    seed: int = 0,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+) -> None:
+    """Check that a user's loss equals a library loss, values and gradients, on shared
+    random inputs; raise `AssertionError` naming the first difference.
+
+    Both losses go through the path a training step takes, so registration flags and
+    hyperparameter resolution count:
+
+    - **DPO family** (`registry="dpo"`; `register_dpo_loss`): per-pair losses of
+      `dpo_batch_loss(..., beta=beta, loss_type=...)` with the completion lengths, and
+      their gradients w.r.t. the policy's chosen / rejected log-probabilities, on
+      batches of 8 pairs: ordinary log-probabilities, extreme ones (down to -1e4, and
+      exact zeros) and ties (policy equal to the reference, chosen equal to rejected),
+      lengths 1..64.
+    - **policy losses** (`registry="policy"`; `register_policy_loss`): the per-token loss
+      a GRPO step (`settings` a `GRPOSettings`, the default `GRPOSettings(group_size=1)`)
+      or PPO step (a `PPOSettings`) computes from `settings` with `policy_loss` replaced,
+      and its gradient w.r.t. `logp`, on `[4, 8]` batches: ratios inside and outside
+      the clip range, extreme log-probabilities (-1e4, log-ratios beyond the ±20
+      clamp), right-padded, one-token and fully masked rows and batches, zero
+      advantages. Entropies, reference log-probabilities and a key are given to losses
+      that declare them; both losses get the same.
+
+    **Arguments:**
+
+    - `user_loss`, `library_loss`: names (built-in or registered) or callables.
+    - `registry`: `"dpo"` or `"policy"`; `None` infers it from `library_loss`'s name.
+    - `user_kwargs`, `library_kwargs`: each loss's `loss_kwargs` (its hyperparameters);
+      for a built-in DPO loss, its keywords (`simpo_gamma`, ...).
+    - `beta`: the DPO temperature; `settings`: the policy losses' settings (fields such
+      as `clip_eps` are hyperparameters of the losses that name them).
+    - `n_examples`, `seed`: how many batches, drawn from which seed (kinds in turn).
+    - `rtol`, `atol`: the tolerance of `numpy.isclose` (NaN equals NaN).
+    """
+    user_kwargs, library_kwargs = dict(user_kwargs or {}), dict(library_kwargs or {})
+    which = _which(library_loss, registry)
+    try:
+        if which == "dpo":
+            _check_dpo(
+                user_loss,
+                library_loss,
+                user_kwargs,
+                library_kwargs,
+                beta,
+                n_examples,
+                seed,
+                rtol,
+                atol,
+            )
+        else:
+            _check_policy(
+                user_loss,
+                library_loss,
+                user_kwargs,
+                library_kwargs,
+                settings,
+                n_examples,
+                seed,
+                rtol,
+                atol,
+            )
+    except AssertionError as e:
+        raise AssertionError(
+            f"{which} loss {_name(user_loss)} does not match {_name(library_loss)}: {e}"
+        ) from None

@@ -1,0 +1,233 @@
+"""A user's per-token policy loss through `make_grpo_step` / `make_ppo_step`: registered by
+name with `register_policy_loss` or passed as a callable, a copy of the clipped surrogate
+(PPO, Schulman et al. 2017; GRPO, Shao et al. 2024) gives the built-in step's metrics and
+update in every aggregation mode, on one row per completion and on shared-prompt rows;
+its hyperparameters come from the settings (fields and `loss_kwargs`) and stay traced."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_tree_allclose
+from test_train_common import CumMeanLM, CumMeanValue, sgd_delta
+from test_train_grpo import _batch, _sampled_groups
+from test_train_ppo import _rollout
+
+import rlhf_eqx as rx
+import rlhf_eqx.testing as rt
+from rlhf_eqx import losses, train
+from rlhf_eqx.losses import AGGREGATION_MODES, kl_cov_policy_loss, register_policy_loss
+
+
+def user_clip(logp, old_logp, advantages, mask, *, clip_eps, clip_eps_high):
+    """PPO's clipped surrogate with its clip flags, written by a user: the hyperparameters
+    are `GRPOSettings` / `PPOSettings` fields, read by name."""
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    ratio = jnp.exp(jnp.clip(jnp.where(mask, logp - old_logp, 0.0), -20.0, 20.0))
+    loss = jnp.maximum(-advantages * ratio, -advantages * jnp.clip(ratio, 1 - clip_eps, 1 + high))
+    low_flag = (ratio < 1.0 - clip_eps) & (advantages < 0)
+    high_flag = (ratio > 1.0 + high) & (advantages > 0)
+    flags = dict(clipped_low=low_flag, clipped_high=high_flag, clipped=low_flag | high_flag)
+    return loss, {k: v.astype(loss.dtype) for k, v in flags.items()}
+
+
+def scaled_clip(logp, old_logp, advantages, mask, *, clip_eps, clip_eps_high, coef):
+    """`coef` times the clipped surrogate; `coef` has no default (from `loss_kwargs`)."""
+    loss, stats = user_clip(
+        logp, old_logp, advantages, mask, clip_eps=clip_eps, clip_eps_high=clip_eps_high
+    )
+    return coef * loss, stats
+
+
+def user_kl_cov(logp, old_logp, advantages, mask, *, cov_fraction, kl_cov_coef, axis_name):
+    """A batch loss (its tokens selected over the micro-batch) with the step's device axis."""
+    return kl_cov_policy_loss(
+        logp, old_logp, advantages, mask, fraction=cov_fraction, kl_coef=kl_cov_coef,
+        axis_name=axis_name,
+    )  # fmt: skip
+
+
+register_policy_loss("user_clip", user_clip)
+register_policy_loss("user_kl_cov", user_kl_cov, batch=True, advantages="sequence")
+
+
+def _same_step(got, want, rtol=1e-5, atol=1e-6):
+    (delta, metrics), (delta_want, metrics_want) = got, want
+    assert set(metrics) == set(metrics_want)
+    for name in metrics_want:
+        np.testing.assert_allclose(
+            float(metrics[name]), float(metrics_want[name]), rtol=rtol, atol=atol, err_msg=name
+        )
+    assert_tree_allclose(delta, delta_want, rtol=rtol, atol=atol)
+
+
+def _mode_kw(mode):
+    return dict(mode=mode, constant=12.0 if mode == "seq-mean-token-sum-norm" else None)
+
+
+@pytest.mark.parametrize("custom", ["user_clip", user_clip])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        m if m == "token-mean" else pytest.param(m, marks=pytest.mark.slow)
+        for m in AGGREGATION_MODES
+    ],
+)
+def test_user_clip_equals_grpo_in_every_mode(getkey, mode, custom):
+    policy, ref = CumMeanLM(getkey()), CumMeanLM(getkey())
+    batch = _batch(getkey(), policy, B=8, ref=ref)
+    kw = dict(group_size=2, clip_eps_high=0.28, beta=0.05, donate=False, **_mode_kw(mode))
+    want = sgd_delta(train.make_grpo_step(optax.sgd(1.0), **kw), policy, batch)
+    got = sgd_delta(train.make_grpo_step(optax.sgd(1.0), policy_loss=custom, **kw), policy, batch)
+    assert float(want[1]["clip_ratio/high_mean"]) > 0.0 and float(want[1]["kl"]) > 0.0
+    _same_step(got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum-norm"])
+def test_user_clip_equals_grpo_on_shared_prompt_rows(getkey, mode):
+    """Each group's prompt once (`prompt_length`), the LM head on the completions only."""
+    cfg = rx.TransformerConfig(
+        vocab_size=40, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, max_seq_len=64
+    )
+    policy = rx.Policy(cfg, key=getkey())
+    out, rewards = _sampled_groups(getkey(), policy)
+    old = jax.vmap(lambda t, m: rx.token_logprobs(policy, t, m))(out.tokens, out.mask)
+    batch = train.GRPOBatch(
+        tokens=out.tokens,
+        mask=out.mask,
+        completion_mask=out.completion_mask,
+        rewards=rewards,
+        old_logp=old + 0.3 * jax.random.normal(getkey(), old.shape),
+        prompt_length=6,
+        samples_per_prompt=2,
+    )
+    kw = dict(group_size=2, micro_batches=3, donate=False, **_mode_kw(mode))
+    want = sgd_delta(train.make_grpo_step(optax.sgd(1.0), **kw), policy, batch)
+    got = sgd_delta(
+        train.make_grpo_step(optax.sgd(1.0), policy_loss="user_clip", **kw), policy, batch
+    )
+    assert float(want[1]["clip_ratio"]) > 0.0
+    _same_step(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_user_clip_equals_ppo_with_token_advantages(getkey):
+    params = (CumMeanLM(getkey()), CumMeanValue(getkey()))
+    batch = _rollout(getkey(), params, CumMeanLM(getkey()))
+    kw = dict(clip_eps_high=0.28, mode="seq-mean-token-mean", donate=False)
+    want = sgd_delta(train.make_ppo_step(optax.sgd(1.0), **kw), params, batch)
+    got = sgd_delta(
+        train.make_ppo_step(optax.sgd(1.0), policy_loss="user_clip", **kw), params, batch
+    )
+    assert float(want[1]["policy/clipfrac"]) > 0.0
+    _same_step(got, want)
+
+
+def test_registered_batch_loss_equals_kl_cov_over_micro_batches(getkey):
+    policy = CumMeanLM(getkey())
+    batch = _batch(getkey(), policy, B=8)
+    kw = dict(group_size=2, cov_fraction=0.2, kl_cov_coef=0.5, micro_batches=2, donate=False)
+    want = sgd_delta(
+        train.make_grpo_step(optax.sgd(1.0), policy_loss="kl_cov", **kw), policy, batch
+    )
+    got = sgd_delta(
+        train.make_grpo_step(optax.sgd(1.0), policy_loss="user_kl_cov", **kw), policy, batch
+    )
+    assert 0.0 < float(want[1]["selected_frac"]) < 1.0
+    _same_step(got, want)
+
+
+def test_hyperparameters_are_traced_and_a_change_does_not_recompile(getkey):
+    """`coef` from `loss_kwargs` and `clip_eps` from the settings, both traced: the step
+    is traced once for every value, and `coef` scales the loss and the update."""
+    policy = CumMeanLM(getkey())
+    batch = _batch(getkey(), policy, B=4)
+    traces = []
+
+    def counted(logp, old_logp, advantages, mask, *, clip_eps, clip_eps_high, coef):
+        traces.append(1)
+        kw = dict(clip_eps=clip_eps, clip_eps_high=clip_eps_high, coef=coef)
+        return scaled_clip(logp, old_logp, advantages, mask, **kw)
+
+    @jax.jit
+    def run(coef, clip_eps):
+        step = train.make_grpo_step(
+            optax.sgd(1.0), group_size=2, clip_eps=clip_eps, policy_loss=counted,
+            loss_kwargs={"coef": coef}, donate=False,
+        )  # fmt: skip
+        return sgd_delta(step, policy, batch)
+
+    base = sgd_delta(
+        train.make_grpo_step(optax.sgd(1.0), group_size=2, donate=False), policy, batch
+    )
+    counts = []
+    for coef in (1.0, 2.5, -0.5):
+        delta, m = run(jnp.asarray(coef), jnp.asarray(0.2))
+        counts.append(len(traces))
+        np.testing.assert_allclose(float(m["loss"]), coef * float(base[1]["loss"]), rtol=1e-5)
+        want = jax.tree.map(lambda g: coef * g, base[0])
+        assert_tree_allclose(delta, want, rtol=1e-4, atol=1e-6)  # float32 rounding
+    assert counts[0] >= 1 and counts == [counts[0]] * 3, counts
+
+
+def test_bad_policy_losses_name_the_argument():
+    def no_default(logp, old_logp, advantages, mask, *, alpha):
+        return -alpha * advantages * logp
+
+    with pytest.raises(ValueError, match="hyperparameter 'alpha', which has no default"):
+        train.GRPOSettings(group_size=2, policy_loss=no_default)
+    train.GRPOSettings(group_size=2, policy_loss=no_default, loss_kwargs={"alpha": 0.5})
+    cases = [
+        (dict(policy_loss=no_default, loss_kwargs={"beta_": 1.0}), "loss_kwargs 'beta_'"),
+        (dict(policy_loss="user_clip", loss_kwargs={"clip_eps": 0.1}), "field of GRPOSettings"),
+        (dict(policy_loss="user_clip", loss_kwargs={"entropy": 0.1}), "step input"),
+        (dict(policy_loss=lambda lp, m: lp), "cannot be called"),
+        (dict(policy_loss="user_clipp"), "policy_loss='user_clipp': must be one of grpo"),
+        (dict(policy_loss="ppo"), r"policy_loss='ppo': must be one of .*\('ppo' is for PPO\)"),
+        (dict(policy_loss="user_clip", delta=2.0), "delta=2.0: applies to policy_loss 'grpo'"),
+    ]
+    for kw, match in cases:
+        with pytest.raises(ValueError, match=match):
+            train.GRPOSettings(group_size=2, **kw)
+    with pytest.raises(ValueError, match=r"policy_loss='user_kl_cov': must be one of ppo"):
+        train.PPOSettings(policy_loss="user_kl_cov")
+    with pytest.raises(ValueError, match="dual_clip=3.0: applies to policy_loss 'ppo' only"):
+        train.PPOSettings(policy_loss="user_clip", dual_clip=3.0)
+    with pytest.raises(ValueError, match="name 'grpo' is a built-in"):
+        register_policy_loss("grpo", user_clip)
+    with pytest.raises(ValueError, match="advantages"):
+        register_policy_loss("user_other", user_clip, advantages="row")
+
+
+def test_names_and_the_pipeline_config():
+    assert losses.policy_loss_names()[: len(losses.POLICY_LOSSES)] == losses.POLICY_LOSSES
+    assert {"user_clip", "user_kl_cov", "ppo"} <= set(losses.policy_loss_names())
+    assert "user_kl_cov" not in losses.policy_loss_names("token")
+    assert losses.policy_loss_names("token")[0] == "ppo" == train.PPOSettings().policy_loss
+    pl = rx.pipelines
+    pl.validate_stage("grpo", pl.GRPOConfig(policy_loss="user_clip"))
+    with pytest.raises(pl.ConfigError, match="policy_loss"):
+        pl.validate_stage("grpo", pl.GRPOConfig(policy_loss="user_clip_typo"))
+
+
+def test_check_loss_matches_accepts_copies_and_names_a_difference():
+    rt.check_loss_matches(
+        user_clip, "grpo", settings=train.GRPOSettings(group_size=2, clip_eps_high=0.28)
+    )
+    rt.check_loss_matches("user_clip", "ppo", settings=train.PPOSettings())
+    rt.check_loss_matches("user_kl_cov", "kl_cov")
+    rt.check_loss_matches(scaled_clip, "grpo", user_kwargs={"coef": 1.0})
+    with pytest.raises(
+        AssertionError, match=r"policy loss scaled_clip does not match 'grpo': per-token losses"
+    ):
+        rt.check_loss_matches(scaled_clip, "grpo", user_kwargs={"coef": 1.001})
+    with pytest.raises(AssertionError, match="does not match 'cispo'"):
+        rt.check_loss_matches("user_clip", "cispo")
+
+    def no_gradient(logp, old_logp, advantages, mask, *, clip_eps, clip_eps_high):
+        logp = jax.lax.stop_gradient(logp)
+        return user_clip(logp, old_logp, advantages, mask, clip_eps=clip_eps, clip_eps_high=None)
+
+    with pytest.raises(AssertionError, match="gradients w.r.t. logp"):
+        rt.check_loss_matches(no_gradient, "grpo")

@@ -2,6 +2,7 @@
 and symmetries, masking properties, and the GKD / on-policy distillation steps (exact
 micro-batching, jit == eager, pmap == one device, learning, vocabulary checks)."""
 
+import dataclasses
 import math
 
 import equinox as eqx
@@ -13,7 +14,16 @@ import pytest
 from helpers import assert_tree_allclose
 from hypothesis import given, settings
 from jaxtyping import TypeCheckError
-from test_train_common import VOCAB, CumMeanLM, sequence_batch, sgd_delta, tiny_config
+from test_train_common import (
+    VOCAB,
+    CumMeanLM,
+    counted,
+    leaves_equal,
+    sequence_batch,
+    sgd_delta,
+    tiny_config,
+    traces,
+)
 
 import rlhf_eqx as rx
 import rlhf_eqx.testing as rt
@@ -23,6 +33,9 @@ from rlhf_eqx.losses import aggregate, generalized_jsd, reverse_kl_reward
 from rlhf_eqx.ops import previous_real_index
 from rlhf_eqx.train import (
     DistillBatch,
+    DistillSettings,
+    OnPolicyDistillSettings,
+    StepOptions,
     distill_loss,
     make_distill_step,
     make_onpolicy_distill_step,
@@ -457,6 +470,119 @@ def test_batch_validation_and_missing_teacher(getkey):
         make_distill_step(optax.sgd(1.0), beta=-0.1)
     with pytest.raises(ValueError, match="chunk"):
         make_distill_step(optax.sgd(1.0), chunk=0)
+
+
+# ---------------------------------------------------------------------- settings records
+
+
+def test_records_equal_keywords_and_a_shortcut_replaces_its_field(getkey):
+    student, teacher = CumMeanLM(getkey()), _teacher_cm(getkey())
+    batch = _distill_batch(getkey(), B=4, T=10)
+    opt, options = optax.sgd(1.0), StepOptions(micro_batches=2, donate=False)
+    cases = [
+        (
+            make_distill_step,
+            DistillSettings(beta=0.3, temperature=1.5, chunk=8),
+            dict(beta=0.3, temperature=1.5, chunk=8),
+            dict(temperature=0.5),
+        ),
+        (
+            make_onpolicy_distill_step,
+            OnPolicyDistillSettings(kl_coef=2.0, clip_eps=0.2, temperature=0.8),
+            dict(kl_coef=2.0, clip_eps=0.2, temperature=0.8),
+            dict(kl_coef=0.5),
+        ),
+    ]
+    for build, record, keywords, other in cases:
+        run = lambda step: sgd_delta(step, student, batch, teacher=teacher)  # noqa: E731
+        a = run(build(opt, record, options=options))
+        b = run(build(opt, **keywords, micro_batches=2, donate=False))
+        # a shortcut next to a record replaces that field (and the record's value matters)
+        replaced = dataclasses.replace(record, **other)
+        c = run(build(opt, replaced, **{k: keywords[k] for k in other}, options=options))
+        assert leaves_equal(a, b) and leaves_equal(a, c), build.__name__
+        assert float(run(build(opt, replaced, options=options))[1]["loss"]) != float(a[1]["loss"])
+    # the loss functions take the same records
+    for loss_fn, build, record in (
+        (distill_loss, make_distill_step, cases[0][1]),
+        (onpolicy_distill_loss, make_onpolicy_distill_step, cases[1][1]),
+    ):
+        nums, dens, _ = loss_fn(record)(student, (None, teacher), batch, None)
+        _, m = sgd_delta(build(opt, record), student, batch, teacher=teacher)
+        np.testing.assert_allclose(nums["distill"] / dens["distill"], m["loss"], rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "build, fields, message",
+    [
+        (DistillSettings, dict(beta=1.5), "beta=1.5: must be in [0, 1]"),
+        (DistillSettings, dict(temperature=0.0), "temperature=0.0: must be > 0"),
+        (DistillSettings, dict(chunk=0), "chunk=0: must be a positive int"),
+        (DistillSettings, dict(mode="mean"), "mode='mean': must be one of"),
+        (
+            DistillSettings,
+            dict(constant=4.0),
+            "constant=4.0: only used by mode='seq-mean-token-sum-norm' (mode='token-mean')",
+        ),
+        (OnPolicyDistillSettings, dict(kl_coef=-1.0), "kl_coef=-1.0: must be >= 0"),
+        (OnPolicyDistillSettings, dict(clip_eps=0.0), "clip_eps=0.0: must be > 0"),
+        (OnPolicyDistillSettings, dict(temperature=-1.0), "temperature=-1.0: must be > 0"),
+    ],
+)
+def test_records_refuse_a_bad_value_in_one_line(build, fields, message):
+    builder = make_distill_step if build is DistillSettings else make_onpolicy_distill_step
+    for make in (lambda: build(**fields), lambda: builder(optax.sgd(1.0), **fields)):
+        with pytest.raises(ValueError) as info:
+            make()
+        text = str(info.value)
+        assert text.startswith(message) and "\n" not in text
+    with pytest.raises(TypeError, match=r"\['bta'\].*micro_batches"):
+        builder(optax.sgd(1.0), bta=0.1)
+
+
+def test_onpolicy_temperature_is_a_python_number():
+    # it selects the scaling of the logits when the step is traced: never an array
+    with pytest.raises((ValueError, TypeCheckError), match="temperature"):
+        OnPolicyDistillSettings(temperature=jnp.asarray(0.8))
+
+
+def test_traced_temperature_changes_the_update_without_recompiling(getkey):
+    """A step built from `DistillSettings(temperature=t)` inside `jax.jit`, `t` traced: one
+    compilation for every τ, each equal to the step built from the Python float."""
+    base, teacher = CumMeanLM(getkey()), _teacher_cm(getkey())
+    batch = _distill_batch(getkey(), B=4, T=10)
+    student, opt = counted(base), optax.sgd(1.0)
+
+    @eqx.filter_jit
+    def run(model, temperature):
+        settings = DistillSettings(beta=0.3, temperature=temperature, chunk=8)
+        step = make_distill_step(opt, settings, donate=False)
+        return sgd_delta(step, model, batch, teacher=teacher)
+
+    out = [run(student, jnp.asarray(0.7, jnp.float32))]
+    once = traces(student)
+    out.append(run(student, jnp.asarray(2.0, jnp.float32)))
+    assert traces(student) == once, "a new temperature compiled the step again"
+    for (delta, m), tau in zip(out, (0.7, 2.0), strict=True):
+        eager = make_distill_step(opt, beta=0.3, temperature=tau, chunk=8)
+        want, m_want = sgd_delta(eager, student, batch, teacher=teacher)
+        assert_tree_allclose(delta, want, rtol=1e-5, atol=1e-7)
+        for name in ("loss", "jsd"):
+            np.testing.assert_allclose(m[name], m_want[name], rtol=1e-5, err_msg=name)
+    assert float(out[0][1]["loss"]) != float(out[1][1]["loss"])
+
+
+def test_one_default_temperature():
+    """The distillation and sampled steps' records, the sampler and the pipeline's sampling
+    section share the sampling layer's default."""
+    assert DistillSettings().temperature == rx.DEFAULT_TEMPERATURE == 1.0
+    assert OnPolicyDistillSettings().temperature == rx.train.SampledSettings().temperature
+    assert rx.SamplingOptions(max_new_tokens=1).temperature == rx.DEFAULT_TEMPERATURE
+    assert rx.pipelines.SamplingConfig().temperature == rx.DEFAULT_TEMPERATURE
+    # the `distill` stage samples at its own 0.9 (TRL `GKDConfig.temperature`); its loss
+    # and its β are the record's
+    stage = rx.pipelines.DistillConfig()
+    assert (stage.temperature, stage.beta) == (0.9, DistillSettings().beta)
 
 
 # --------------------------------------------------------------------------------- pmap

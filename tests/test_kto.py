@@ -2,6 +2,7 @@
 the step (exact micro-batches, jit == eager, pmap == one device, learning), the unpaired
 readers and the batches with their mismatched rows."""
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -15,7 +16,7 @@ from helpers import assert_tree_allclose
 from hypothesis import given, settings, strategies as st
 from jaxtyping import TypeCheckError
 from scipy.special import expit
-from test_train_common import CumMeanLM, leaves_equal, sgd_delta
+from test_train_common import CumMeanLM, counted, leaves_equal, sgd_delta, traces
 
 import rlhf_eqx as rx
 import rlhf_eqx.testing as rt
@@ -24,6 +25,8 @@ from rlhf_eqx.distributed import replicate, shard_batch_for_pmap, unreplicate
 from rlhf_eqx.losses import KTO_LOSS_TYPES, kto_loss, kto_reference_point
 from rlhf_eqx.train import (
     KTOBatch,
+    KTOSettings,
+    StepOptions,
     compute_kto_reference_logps,
     init_train_state,
     make_kto_step,
@@ -494,6 +497,83 @@ def test_pmap_equals_one_device_with_a_global_reference_point(getkey):
         np.testing.assert_allclose(
             np.asarray(dp_m[name]), np.full(N_DEV, float(value)), rtol=2e-4, atol=2e-5, err_msg=name
         )
+
+
+# --- the settings record ------------------------------------------------------------------
+
+
+def test_record_equals_keywords_and_a_shortcut_replaces_its_field(getkey):
+    policy, reference = _models(getkey())
+    batch = kto_batch(getkey())
+    opt = optax.sgd(1.0)
+    record = KTOSettings(beta=0.5, desirable_weight=1.3, undesirable_weight=0.8)
+    # the record and the keywords of the shared steps above: the same update, bit for bit
+    a = sgd_delta(make_kto_step(opt, record, donate=False), policy, batch, reference=reference)
+    b = sgd_delta(STEP, policy, batch, reference=reference)
+    assert leaves_equal(a, b)
+    # with options, and a shortcut next to the record replacing its field
+    cached = compute_kto_reference_logps(reference, batch)
+    options = StepOptions(micro_batches=2, donate=False)
+    other = dataclasses.replace(record, beta=0.9, reference="cached")
+    c = sgd_delta(make_kto_step(opt, other, beta=0.5, options=options), policy, cached)
+    d = sgd_delta(make_kto_step(opt, **HP, reference="cached", micro_batches=2), policy, cached)
+    assert leaves_equal(c, d)
+    assert_tree_allclose(c[0], a[0], atol=1e-6)  # cached, micro-batched: the same update
+    moved = sgd_delta(make_kto_step(opt, other, options=options), policy, cached)
+    assert float(moved[1]["rewards/chosen"]) != float(c[1]["rewards/chosen"])  # β = 0.9
+    # TRL's defaults, in the record only: the `kto` stage reads them
+    default, stage = KTOSettings(), rx.pipelines.KTOConfig()
+    assert (default.beta, default.desirable_weight, default.loss_type) == (0.1, 1.0, "kto")
+    for name in ("beta", "desirable_weight", "undesirable_weight", "loss_type"):
+        assert getattr(stage, name) == getattr(default, name), name
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(beta=0.0), "beta=0.0: must be > 0"),
+        (dict(beta=float("inf")), "beta=inf: must be a finite number > 0"),
+        (dict(desirable_weight=-0.5), "desirable_weight=-0.5: must be >= 0"),
+        (dict(undesirable_weight=-1.0), "undesirable_weight=-1.0: must be >= 0"),
+        (dict(loss_type="sigmoid"), "loss_type='sigmoid': must be one of kto, apo_zero_unpaired"),
+        (dict(reference="none"), "reference='none': must be one of model, cached"),
+    ],
+)
+def test_record_refuses_a_bad_value_in_one_line(fields, message):
+    for build in (lambda: KTOSettings(**fields), lambda: make_kto_step(optax.sgd(1.0), **fields)):
+        with pytest.raises(ValueError) as info:
+            build()
+        assert str(info.value) == message
+    with pytest.raises(TypeError, match=r"\['bta'\].*beta, desirable_weight.*micro_batches"):
+        make_kto_step(optax.sgd(1.0), bta=0.1)
+
+
+def test_traced_beta_changes_the_update_without_recompiling(getkey):
+    """A step built from `KTOSettings(beta=b)` inside `jax.jit`, `b` traced: one
+    compilation for every β, each equal to the step built from the Python float."""
+    base, reference = _models(getkey())
+    batch = compute_kto_reference_logps(reference, kto_batch(getkey()))
+    policy, opt = counted(base), optax.sgd(1.0)
+
+    @eqx.filter_jit
+    def run(model, beta):
+        step = make_kto_step(opt, KTOSettings(beta=beta, reference="cached"), donate=False)
+        return sgd_delta(step, model, batch)
+
+    out = [run(policy, jnp.asarray(0.1, jnp.float32))]
+    once = traces(policy)
+    out.append(run(policy, jnp.asarray(0.9, jnp.float32)))
+    assert traces(policy) == once, "a new β compiled the step again"
+    for (delta, m), beta in zip(out, (0.1, 0.9), strict=True):
+        want, m_want = sgd_delta(make_kto_step(opt, beta=beta, reference="cached"), policy, batch)
+        assert_tree_allclose(delta, want, rtol=1e-5, atol=1e-7)
+        for name in ("loss", "rewards/chosen", "rewards/rejected", "kl"):
+            np.testing.assert_allclose(m[name], m_want[name], rtol=1e-5, atol=1e-7, err_msg=name)
+    assert float(out[0][1]["loss"]) != float(out[1][1]["loss"])
+    # implicit rewards are β times the same log-ratios
+    np.testing.assert_allclose(
+        out[1][1]["rewards/chosen"], 9.0 * out[0][1]["rewards/chosen"], rtol=1e-5
+    )
 
 
 # --- data: readers, unpairing, tokenising, collating ---------------------------------------

@@ -239,6 +239,45 @@ def test_step_builders_take_their_settings_record_and_step_options(builder):
     assert set(params) == {"optimizer", "settings", "options", "shortcuts", *own}, builder
 
 
+def _literal_temperature_defaults(source: str) -> list[int]:
+    """Lines where a parameter or a field named `temperature` defaults to the literal 1."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.arguments):
+            positional = node.posonlyargs + node.args
+            pairs = list(zip(positional[len(positional) - len(node.defaults) :], node.defaults))
+            pairs += list(zip(node.kwonlyargs, node.kw_defaults))
+            names = [(a.arg, d) for a, d in pairs]
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names = [(node.target.id, node.value)]
+        else:
+            continue
+        found += [
+            d.lineno
+            for name, d in names
+            if name == "temperature" and isinstance(d, ast.Constant) and d.value == 1
+        ]
+    return found
+
+
+def test_the_default_temperature_is_written_once():
+    """Above the sampling layer every default temperature is `DEFAULT_TEMPERATURE`, never a
+    restated literal. (The layers below it, `models` and `ops`, cannot import it: there a
+    temperature of 1 means the unscaled logits.)"""
+    assert _literal_temperature_defaults("def f(*, temperature=1.0): ...") == [1]
+    assert _literal_temperature_defaults("class C:\n    temperature: float = 1\n") == [2]
+    assert _literal_temperature_defaults("def f(temperature=DEFAULT_TEMPERATURE): ...") == []
+    below = ("rlhf_eqx/ops.py", "rlhf_eqx/models/")
+    found = [
+        f"{rel}:{line}"
+        for p in sorted((ROOT / "rlhf_eqx").rglob("*.py"))
+        if not (rel := str(p.relative_to(ROOT))).startswith(below)
+        for line in _literal_temperature_defaults(p.read_text())
+    ]
+    assert not found, f"temperature defaults restating DEFAULT_TEMPERATURE: {found}"
+    assert rx.DEFAULT_TEMPERATURE == 1.0
+
+
 def test_library_files_stay_short():
     """Every library module is at most 350 lines: a concern per file."""
     long = {

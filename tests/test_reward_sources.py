@@ -18,6 +18,7 @@ from test_train_common import (
     CumMeanLM,
     CumMeanReward,
     CumMeanValue,
+    leaves_equal,
     preference_batch,
     sgd_delta,
     tiny_config,
@@ -39,6 +40,8 @@ from rlhf_eqx.train import (
     BootstrapBatch,
     PPOBatch,
     PRMBatch,
+    PRMSettings,
+    StepOptions,
     add_token_rewards,
     bootstrap_weights,
     ensemble_scores,
@@ -277,6 +280,32 @@ def test_prm_step_closed_form_and_micro_batches(getkey):
     lm = CumMeanLM(getkey())  # logits [T, V]: not a per-token scalar model
     with pytest.raises(ValueError, match="one scalar per position"):
         make_prm_step(optax.sgd(1.0))(lm, optax.sgd(1.0).init(lm), batch)
+
+
+def test_prm_record_equals_keywords_and_names_a_bad_mode(getkey):
+    model = CumMeanValue(getkey())
+    batch = _prm_batch(getkey())
+    opt = optax.sgd(1.0)
+    record, options = PRMSettings(mode="seq-mean-token-mean"), StepOptions(micro_batches=2)
+    a = sgd_delta(make_prm_step(opt, record, options=options), model, batch)
+    b = sgd_delta(make_prm_step(opt, mode="seq-mean-token-mean", micro_batches=2), model, batch)
+    step = make_prm_step(opt, PRMSettings(), mode=record.mode, options=options)  # a shortcut
+    c = sgd_delta(step, model, batch)
+    assert leaves_equal(a, b) and leaves_equal(a, c)
+    # the record's mode reaches the loss: the mean over rows (with steps) of each row's mean
+    z = np.asarray(jax.vmap(model)(batch.tokens, batch.mask), np.float64)
+    m = np.asarray(batch.step_mask & batch.mask)
+    bce = _np_bce(z, np.asarray(batch.step_labels, np.float64))
+    rows = [bce[i][m[i]].mean() for i in range(m.shape[0]) if m[i].any()]
+    np.testing.assert_allclose(float(a[1]["loss"]), np.mean(rows), rtol=1e-5)
+    assert PRMSettings().mode == "token-mean"
+    for build in (lambda: PRMSettings(mode="mean"), lambda: make_prm_step(opt, mode="mean")):
+        with pytest.raises(ValueError) as info:
+            build()
+        assert str(info.value).startswith("mode='mean': must be one of token-mean")
+        assert "\n" not in str(info.value)
+    with pytest.raises(TypeError, match=r"\['beta'\].*PRMSettings are mode"):
+        make_prm_step(opt, beta=0.1)
 
 
 @settings(max_examples=6)

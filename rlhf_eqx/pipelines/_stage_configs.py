@@ -6,8 +6,10 @@ that step's settings record by inheritance (`DPOConfig` is a `rlhf_eqx.train.DPO
 import dataclasses
 
 from ..train import (
+    DistillSettings,
     DPOSettings,
     GRPOSettings,
+    KTOSettings,
     OptimizerSettings,
     PPOSettings,
     RewardSettings,
@@ -98,10 +100,10 @@ class KTOConfig(BatchStageConfig):
     preference pairs split into one desirable and one undesirable example each."""
 
     steps: int = 40
-    beta: float = 0.1
-    desirable_weight: float = 1.0
-    undesirable_weight: float = 1.0
-    loss_type: str = "kto"
+    beta: float = KTOSettings.beta
+    desirable_weight: float = KTOSettings.desirable_weight
+    undesirable_weight: float = KTOSettings.undesirable_weight
+    loss_type: str = KTOSettings.loss_type
     samples: int = 4
     lora: LoRASettings = LoRASettings()
 
@@ -121,7 +123,7 @@ class DistillConfig(BatchStageConfig):
     [0, 1], `temperature` > 0."""
 
     steps: int = 40
-    beta: float = 0.5
+    beta: float = DistillSettings.beta
     temperature: float = 0.9
     lmbda: float = 0.5
     teacher: str = "grpo"

@@ -1,6 +1,8 @@
 """A user's DPO-family loss through `make_dpo_step`: as a callable `loss_type` or a name
 registered with `register_dpo_loss`, it gives the built-in step's loss, gradients and
-metrics on plain, shared-prompt packed and cached-reference batches, with traced β."""
+metrics on plain, shared-prompt packed and cached-reference batches, with traced β; a
+loss that declares the completion lengths (R-DPO) gets them, and a hyperparameter without
+a default comes from `loss_kwargs`."""
 
 import jax
 import jax.numpy as jnp
@@ -213,3 +215,79 @@ def test_reference_free_registered_loss_runs_no_reference(getkey):
     want, m_want = run(policy, batch, {}, beta=0.5, loss_type="sigmoid", reference="none")
     assert_tree_allclose(delta, want, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(float(m["loss"]), float(m_want["loss"]), rtol=1e-6)
+
+
+def user_r_dpo(
+    chosen, rejected, ref_chosen, ref_rejected, *, beta, alpha, chosen_len, rejected_len
+):
+    """R-DPO (Park et al. 2024), -log σ(βu + α(|y_w| - |y_l|)): a hyperparameter without a
+    default (`alpha`, from `loss_kwargs`) and the completion lengths, declared by name."""
+    u = (chosen - rejected) - (ref_chosen - ref_rejected)
+    return -jax.nn.log_sigmoid(beta * u + alpha * (chosen_len - rejected_len))
+
+
+losses.register_dpo_loss("user_r_dpo", user_r_dpo)
+
+
+def test_r_dpo_with_lengths_matches_its_closed_form_and_alpha_is_traced(getkey):
+    policy, batch, step_kw, _ = setup("cached", getkey())
+    seq = lambda t, m, cm: np.asarray(train.sequence_logps(policy, t, m, cm), np.float64)
+    c = seq(batch.chosen_tokens, batch.chosen_mask, batch.chosen_completion_mask)
+    r = seq(batch.rejected_tokens, batch.rejected_mask, batch.rejected_completion_mask)
+    rc, rr = (np.asarray(x, np.float64) for x in (batch.ref_chosen_logp, batch.ref_rejected_logp))
+    n_c = np.sum(np.asarray(batch.chosen_completion_mask & batch.chosen_mask), axis=-1)
+    n_r = np.sum(np.asarray(batch.rejected_completion_mask & batch.rejected_mask), axis=-1)
+    assert np.any(n_c != n_r)
+    traces = []
+
+    def counted(c, r, rc, rr, *, beta, alpha, chosen_len, rejected_len):
+        traces.append(1)
+        lengths = dict(chosen_len=chosen_len, rejected_len=rejected_len)
+        return user_r_dpo(c, r, rc, rr, beta=beta, alpha=alpha, **lengths)
+
+    @jax.jit
+    def traced(alpha):
+        kw = dict(beta=0.7, loss_type=counted, loss_kwargs={"alpha": alpha}, **step_kw)
+        return run(policy, batch, {}, **kw)
+
+    counts = []
+    for alpha in (0.0, 0.3, -1.2):
+        _, m = traced(jnp.asarray(alpha))
+        counts.append(len(traces))
+        z = 0.7 * ((c - r) - (rc - rr)) + alpha * (n_c - n_r)
+        want = np.mean(np.logaddexp(0.0, -z))  # -log σ(z)
+        np.testing.assert_allclose(float(m["loss"]), want, rtol=1e-5)
+    assert counts[0] >= 1 and counts == [counts[0]] * 3, counts
+    # α = 0 is DPO: same loss and update as the built-in `sigmoid`
+    kw = dict(beta=0.7, **step_kw)
+    got = run(policy, batch, {}, loss_type="user_r_dpo", loss_kwargs={"alpha": 0.0}, **kw)
+    assert_same_step(got, run(policy, batch, {}, loss_type="sigmoid", **kw))
+
+
+def test_a_missing_hyperparameter_or_length_is_named():
+    with pytest.raises(ValueError, match="loss_type=user_r_dpo takes the hyperparameter 'alpha'"):
+        train.make_dpo_step(optax.sgd(1.0), loss_type="user_r_dpo")
+    with pytest.raises(ValueError, match="'alpha'"):
+        train.DPOSettings(loss_type=user_r_dpo)
+    with pytest.raises(ValueError, match="chosen_len"):
+        losses.dpo_loss(-1.0, -2.0, -1.0, -2.0, loss_type="user_r_dpo", alpha=0.1)
+    with pytest.raises(ValueError, match="completion lengths"):
+        train.DPOSettings(loss_type=user_r_dpo, loss_kwargs={"alpha": 0.1, "chosen_len": 3.0})
+    c, r, rc, rr = -3.0, -5.0, -3.5, -4.0
+    got = losses.dpo_loss(
+        c, r, rc, rr, beta=0.4, loss_type="user_r_dpo", chosen_len=4, rejected_len=6, alpha=0.1
+    )
+    z = 0.4 * ((c - r) - (rc - rr)) + 0.1 * (4 - 6)
+    np.testing.assert_allclose(float(got), np.logaddexp(0.0, -z), rtol=1e-6)
+
+
+def test_check_loss_matches_on_the_dpo_registry():
+    rt.check_loss_matches(user_hinge, "hinge")
+    rt.check_loss_matches("user_ipo", "ipo")
+    rt.check_loss_matches("user_r_dpo", "sigmoid", user_kwargs={"alpha": 0.0}, beta=2.0)
+    with pytest.raises(AssertionError, match=r"dpo loss 'user_r_dpo' does not match 'sigmoid'"):
+        rt.check_loss_matches("user_r_dpo", "sigmoid", user_kwargs={"alpha": 0.01})
+    with pytest.raises(AssertionError, match="user_hinge does not match 'sigmoid': per-pair"):
+        rt.check_loss_matches(user_hinge, "sigmoid")
+    with pytest.raises(ValueError, match="registry"):
+        rt.check_loss_matches(user_hinge, user_hinge)

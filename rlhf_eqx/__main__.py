@@ -125,77 +125,14 @@ def resolve_config(args: argparse.Namespace):
 
 
 def help_config(args: argparse.Namespace):
-    """The configuration `--help` describes: the command line's (`resolve_config`), or
-    the built-in task's defaults where it does not resolve."""
+    """The configuration `--help` describes (`pipelines.config_help`): the command
+    line's (`resolve_config`), or the built-in task's defaults where it does not resolve."""
     from rlhf_eqx import pipelines as pl
 
     try:
         return resolve_config(args)
     except pl.ConfigError:
         return pl.animal_task_config()
-
-
-def help_sections(command: str, cfg) -> tuple[str, ...]:
-    """The config sections `command --help` lists. A stage: its own section, then those a
-    run of it reads (`pipelines.read_fields`: on a data file with `--data`, else on the
-    built-in task with the stages it starts from) and `data` (the `--data` fields).
-    `pipeline`: every section, since `--set stages=...` may run any stage."""
-    from rlhf_eqx import pipelines as pl
-
-    if command == "pipeline":
-        return tuple(k for k in pl.config_to_dict(cfg) if dataclasses.is_dataclass(getattr(cfg, k)))
-    st = pl.get_stage(command)
-    data_file = cfg.data.path is not None or st.builtin is None
-    run = (command,) if data_file else st.prerequisites(cfg)
-    read = pl.read_fields(cfg, run, data_file=data_file)
-    sections = [k for k in read if dataclasses.is_dataclass(getattr(cfg, k))]
-    return tuple(dict.fromkeys((st.key, *sections, "data")))
-
-
-def stage_help(command: str, cfg=None) -> str:
-    """The fields a command reads (`help_sections`) with their values in `cfg` (default:
-    the built-in task's): the `--set` paths. `pipeline` also lists the top-level fields."""
-    from rlhf_eqx import pipelines as pl
-
-    cfg = pl.animal_task_config() if cfg is None else cfg
-    sections = help_sections(command, cfg)
-    if command == "pipeline":
-        where = ": every section (`--set stages=...` runs any stage)"
-    elif cfg.data.path is not None or pl.get_stage(command).builtin is None:
-        where = f" on a data file (--data FILE): {command} alone"
-    else:
-        stages = ", ".join(pl.get_stage(command).prerequisites(cfg))
-        where = f" on the built-in task (stages {stages}; with --data FILE, {command} alone)"
-    lines = [
-        f"usage: rlhf_eqx {command} [--data FILE] [--config FILE] [--set FIELD=VALUE ...] "
-        "[--out DIR] [--resume | --overwrite] [--quiet]",
-        "",
-        f"Fields of `{command}`{where}",
-        "(--set FIELD=VALUE; values: the built-in task's defaults, then --config and --set):",
-    ]
-
-    def walk(obj, prefix):
-        for f in dataclasses.fields(obj):
-            v = getattr(obj, f.name)
-            if dataclasses.is_dataclass(v):
-                walk(v, f"{prefix}{f.name}.")
-            else:
-                shown = ",".join(map(str, v)) if isinstance(v, tuple) else v
-                lines.append(f"  {prefix}{f.name} = {shown}")
-
-    if command == "pipeline":
-        doc = " ".join((type(cfg).__doc__ or "").split())
-        lines += ["", f"top level: {doc}"]
-        for name, v in pl.config_to_dict(cfg).items():
-            if name not in sections:
-                shown = ",".join(map(str, v)) if isinstance(v, list) else v
-                lines.append(f"  {name} = {shown}")
-    for name in sections:
-        section = getattr(cfg, name)
-        doc = " ".join((type(section).__doc__ or "").split())
-        lines += ["", f"{name}: {doc}"]
-        walk(section, f"{name}.")
-    return "\n".join(lines)
 
 
 def result_line(command: str, summary: dict, out: str) -> str:
@@ -230,12 +167,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     if args.help:
-        from rlhf_eqx.pipelines import find_stage
+        from rlhf_eqx.pipelines import config_help, find_stage
 
         if find_stage(args.command) is not None or (
             args.command == "pipeline" and "pipeline" in argv
         ):
-            print(stage_help(args.command, help_config(args)))
+            print(config_help(args.command, help_config(args)))
         else:
             _parser().print_help()
         return 0

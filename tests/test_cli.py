@@ -185,5 +185,6 @@ def test_read_fields_follow_the_stages_a_run_executes():
     assert pl.read_fields(cfg, ("sft", "online-dpo"))[5:7] == ("sft", "dpo")
     assert "reward" in pl.read_fields(cfg, ("sft", "reward", "online-dpo"))
     assert list(pl.config_to_dict(cfg, only=("ops", "stages"))) == ["ops", "stages"]
+    assert pl.help_sections("kto", cfg) == ("kto", "sft", "model", "sampling", "ops", "data")
     with pytest.raises(pl.ConfigError, match="nope: unknown config section"):
         pl.config_to_dict(cfg, only=("nope",))

@@ -19,6 +19,7 @@ from ._config import (
     RolloutStageConfig as RolloutStageConfig,
     SamplingConfig as SamplingConfig,
 )
+from ._config_help import config_help as config_help, help_sections as help_sections
 from ._config_io import (
     SHARED_SECTIONS as SHARED_SECTIONS,
     apply_overrides as apply_overrides,

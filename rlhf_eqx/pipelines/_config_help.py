@@ -1,0 +1,79 @@
+"""The command line's `--help` for a command: the configuration fields it reads, with
+their values (the `--set FIELD=VALUE` paths)."""
+
+import dataclasses
+from typing import Any
+
+from ._config_io import config_to_dict, read_fields
+from ._pipeline_config import animal_task_config
+from ._registry import get_stage
+
+
+def help_sections(command: str, cfg: Any) -> tuple[str, ...]:
+    """The config sections `rlhf_eqx COMMAND --help` lists.
+
+    **Arguments:**
+
+    - `command`: `"pipeline"` or a registered stage's name.
+    - `cfg`: the `PipelineConfig` of the command line (a `data.path` means a run on a
+      data file).
+
+    **Returns:** for a stage, its own section, then those a run of it reads
+    (`read_fields`: on a data file, the stage alone; on the built-in task, with the
+    stages it starts from) and `data` (the `--data` fields); for `"pipeline"`, every
+    section, since `--set stages=...` may run any stage.
+    """
+    if command == "pipeline":
+        return tuple(k for k in config_to_dict(cfg) if dataclasses.is_dataclass(getattr(cfg, k)))
+    st = get_stage(command)
+    data_file = cfg.data.path is not None or st.builtin is None
+    run = (command,) if data_file else st.prerequisites(cfg)
+    read = read_fields(cfg, run, data_file=data_file)
+    sections = [k for k in read if dataclasses.is_dataclass(getattr(cfg, k))]
+    return tuple(dict.fromkeys((st.key, *sections, "data")))
+
+
+def config_help(command: str, cfg: Any = None) -> str:
+    """The text of `rlhf_eqx COMMAND --help`: the fields of `help_sections(command, cfg)`
+    with their values in `cfg` (default: `animal_task_config()`), each as
+    `  section.field = value` under its section's description; `"pipeline"` also lists
+    the top-level fields (`stages`, `label_noise`, ...)."""
+    cfg = animal_task_config() if cfg is None else cfg
+    sections = help_sections(command, cfg)
+    if command == "pipeline":
+        where = ": every section (`--set stages=...` runs any stage)"
+    elif cfg.data.path is not None or get_stage(command).builtin is None:
+        where = f" on a data file (--data FILE): {command} alone"
+    else:
+        stages = ", ".join(get_stage(command).prerequisites(cfg))
+        where = f" on the built-in task (stages {stages}; with --data FILE, {command} alone)"
+    lines = [
+        f"usage: rlhf_eqx {command} [--data FILE] [--config FILE] [--set FIELD=VALUE ...] "
+        "[--out DIR] [--resume | --overwrite] [--quiet]",
+        "",
+        f"Fields of `{command}`{where}",
+        "(--set FIELD=VALUE; values: the built-in task's defaults, then --config and --set):",
+    ]
+
+    def walk(obj, prefix):
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            if dataclasses.is_dataclass(v):
+                walk(v, f"{prefix}{f.name}.")
+            else:
+                shown = ",".join(map(str, v)) if isinstance(v, tuple) else v
+                lines.append(f"  {prefix}{f.name} = {shown}")
+
+    if command == "pipeline":
+        doc = " ".join((type(cfg).__doc__ or "").split())
+        lines += ["", f"top level: {doc}"]
+        for name, v in config_to_dict(cfg).items():
+            if name not in sections:
+                shown = ",".join(map(str, v)) if isinstance(v, list) else v
+                lines.append(f"  {name} = {shown}")
+    for name in sections:
+        section = getattr(cfg, name)
+        doc = " ".join((type(section).__doc__ or "").split())
+        lines += ["", f"{name}: {doc}"]
+        walk(section, f"{name}.")
+    return "\n".join(lines)

@@ -209,8 +209,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ConfigError(f"--seeds: runs only, not {args.command}")
             check_seeds(args.seeds)
         # The runs execute on one device (the default one), whatever else is visible,
-        # so batch sizes need only divide by 1 here.
-        validate_config(cfg, device_count=1)
+        # so batch sizes need only divide by 1 here. sample / eval train nothing: a packed
+        # base needs no stage's LoRA (load_model checks its .gguf source).
+        tool = args.command in TOOL_COMMANDS and cfg.model.quantized
+        model = dataclasses.replace(cfg.model, quantized=False) if tool else cfg.model
+        validate_config(dataclasses.replace(cfg, model=model), device_count=1)
     except ConfigError as e:
         print(f"error: invalid configuration: {e}", file=sys.stderr)
         return 2
@@ -273,43 +276,11 @@ def _run(args, cfg) -> int:
 def _use_model(args, cfg) -> int:
     from rlhf_eqx import pipelines as pl
 
-    cmd = args.command
-    import jax
-
-    policy, tok = pl.load_model(cfg.model.source, cfg.model.tokenizer)
-    s = cfg.sampling
-    if cmd == "sample":
-        prompts = args.prompt or list(pl.task.HELDOUT_PROMPTS[:2])
-        roll = pl.sample_rollout(
-            policy,
-            tok,
-            prompts,
-            jax.random.key(cfg.ops.seed),
-            group_size=args.num_samples,
-            prompt_length=s.prompt_length,
-            max_new_tokens=s.max_new_tokens,
-            temperature=s.temperature,
-            stop_strings=s.stop_strings,
-        )
-        for p, t in zip(roll.prompts, roll.texts):
-            print(f"{p}{t}\n")
-        return 0
-    base, _ = pl.load_model("builtin") if policy.cfg.vocab_size == 512 else (policy, tok)
-    metrics, _, _ = pl.evaluate_policy(
-        policy,
-        tok,
-        pl.task.HELDOUT_PROMPTS,
-        jax.random.key(cfg.ops.seed),
-        scorer=pl.task.animal_score,
-        base=base,
-        reference=base,
-        samples=cfg.eval_samples,
-        prompt_length=s.prompt_length,
-        max_new_tokens=s.max_new_tokens,
-        temperature=s.temperature,
-        stop_strings=s.stop_strings,
-    )
-    print(json.dumps(metrics, indent=1))
+    if args.command == "sample":
+        for text in pl.sample_model(cfg, args.prompt, num_samples=args.num_samples):
+            print(f"{text}\n")
+    else:
+        print(json.dumps(pl.evaluate_model(cfg), indent=1))
     return 0
 
 

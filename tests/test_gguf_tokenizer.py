@@ -342,14 +342,15 @@ def test_gguf_tokenizer_exported_as_tokenizer_json(tmp_path):
 @pytest.mark.slow
 @needs_smollm2
 def test_cli_samples_and_exports_smollm2(tmp_path, capsys, fixture):
-    """`rlhf_eqx sample --model smollm2-135m` runs the GGUF model; its export (HF weights,
-    `tokenizer.json`, the chat template) loads back with the same tokens and logits."""
+    """`rlhf_eqx sample --model smollm2-135m` runs the GGUF model (the prompt through its
+    chat template); its export (HF weights, `tokenizer.json`, the chat template) loads
+    back with the same tokens and logits."""
     import jax.numpy as jnp
 
     from rlhf_eqx import pipelines as pl
     from rlhf_eqx.__main__ import main
 
-    argv = ["sample", "--model", "smollm2-135m", "--prompt", "The capital of France is"]
+    argv = ["sample", "--model", "smollm2-135m", "--prompt", "What is the capital of France?"]
     argv += ["-n", "1", "--quiet", "--set", "sampling.max_new_tokens=8"]
     assert main([*argv, "--set", "sampling.temperature=0.05"]) == 0
     assert "Paris" in capsys.readouterr().out

@@ -13,9 +13,10 @@ in length is an error naming the file and line (`path:LINE: reason`); a record w
 steps is skipped and counted in the report.
 
 `tokenize_stepwise` joins the steps with a separator, `BOS prompt step_1 SEP step_2 SEP
-...`, and marks the last token of each separator: the position whose output the PRM
-learns to read (each step is tokenised on its own, as is the separator). `collate_stepwise`
-right-pads solutions into the `PRMBatch` of `rlhf_eqx.train.make_prm_step`:
+...` (BOS when the tokenizer asks for it, `wants_bos`), and marks the last token of each
+separator: the position whose output the PRM learns to read (each step is tokenised on
+its own, as is the separator). `collate_stepwise` right-pads solutions into the
+`PRMBatch` of `rlhf_eqx.train.make_prm_step`:
 
 ```
 tokens       [BOS p p p | s s SEP | s s s SEP | pad]
@@ -35,6 +36,7 @@ from ..train._prm import PRMBatch
 from ._collate import _check_ids, row_length
 from ._errors import DataError
 from ._io import Malformed, RecordDataset, Unusable, load_records, string_field
+from ._tokenize import wants_bos
 from ._tokenized import SequenceLengths, TokenizeReport, resolve_lengths
 from ._tokenizer import Tokenizer
 
@@ -153,7 +155,7 @@ def tokenize_stepwise(
     max_length: int | None = None,
     max_prompt_length: int | None = None,
     last_step_only: bool = False,
-    add_bos: bool = True,
+    add_bos: bool | None = None,
 ) -> tuple[list[TokenizedSteps], TokenizeReport]:
     """Tokenise solutions: `BOS prompt step_1 SEP step_2 SEP ...` with the step ends marked.
 
@@ -171,11 +173,13 @@ def tokenize_stepwise(
     - `lengths`, `max_length`, `max_prompt_length`: the limits (`SequenceLengths`;
       the numbers given here replace its own).
     - `last_step_only`: mark (and label) only the last kept step.
-    - `add_bos`: start with `tokenizer.bos_id`.
+    - `add_bos`: start with `tokenizer.bos_id` (`None`: as the tokenizer asks,
+      `wants_bos`; SmolLM2's prompts get none, their chat template writes it).
 
     **Returns:** `(solutions, report)`.
     """
     lengths = resolve_lengths(lengths, max_length, max_prompt_length)
+    add_bos = wants_bos(tokenizer, add_bos)
     sep = separator_ids(tokenizer, separator)
     report = TokenizeReport(lengths=lengths, truncation="keep_end")
     out = []

@@ -71,6 +71,12 @@ from ._lr_scale import (
     build_optimizer as build_optimizer,
 )
 from ._metrics import MetricsLog as MetricsLog
+from ._model_commands import (
+    evaluate_model as evaluate_model,
+    load_configured_model as load_configured_model,
+    render_prompts as render_prompts,
+    sample_model as sample_model,
+)
 from ._monitor import (
     device_memory as device_memory,
     measure_matmul_peak as measure_matmul_peak,

@@ -10,6 +10,7 @@ import numpy as np
 import rlhf_eqx as rx
 from rlhf_eqx import data
 
+from ._data_prep import chat_rendering
 from ._lr_scale import build_optimizer
 from ._monitor import model_flops
 from ._runs import RunContext, RunResult, run_loop, shuffled_rows
@@ -20,8 +21,9 @@ from ._validation import validate_stage
 
 
 def stepwise_batch(records: Sequence, tok, cfg: PRMConfig, prompt_length: int):
-    """`(PRMBatch, report)` of stepwise records: `BOS prompt step SEP step SEP ...`, rows of
-    `cfg.max_length` tokens, prompts cut (their end kept) at `prompt_length`."""
+    """`(PRMBatch, report)` of stepwise records: `BOS prompt step SEP step SEP ...` (BOS
+    when the tokenizer asks for it, `data.wants_bos`), rows of `cfg.max_length` tokens,
+    prompts cut (their end kept) at `prompt_length`."""
     sols, report = data.tokenize_stepwise(
         records,
         tok,
@@ -85,10 +87,16 @@ def run_prm(policy, tok, records: Sequence, *, cfg: PRMConfig, ctx: RunContext) 
 
 def prm_on_data(cfg, policy, tok, ctx: RunContext, summary: dict, say, split) -> RunResult:
     """Train a PRM on the stepwise file `cfg.data.path` (`data.load_stepwise`), split into
-    training and held-out solutions by `split(records)`, and put the held-out step
-    accuracy in `summary["prm"]`."""
+    training and held-out solutions by `split(records)` (on the file's text), their
+    prompts then through the model's chat template (`chat_rendering` of
+    `data.chat_template`, as the other data-file stages and the rollouts the PRM later
+    scores), and put the held-out step accuracy in `summary["prm"]`."""
     records = data.load_stepwise(cfg.data.path)
     train, held = split(records)
+    rendering = chat_rendering(tok, cfg.data)
+    if rendering is not None:
+        train, held = rendering.records(train), rendering.records(held)
+        summary["chat_template"] = cfg.data.chat_template
     say(f"prm: {len(train)} training / {len(held)} held-out solutions")
     res = run_prm(policy, tok, train, cfg=cfg.prm, ctx=ctx)
     held_batch, _ = stepwise_batch(held, tok, cfg.prm, ctx.prompt_length)

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from ..data._tokenize import wants_bos
 from ..data._tokenizer import Tokenizer
 from ..models import Policy, last_real_index
 from ._accumulate import vmap_model
@@ -110,7 +111,8 @@ def _pow2(n: int) -> int:
 class JudgeReward:
     """A generative judge as a reward function `(prompt, completion) -> float` (host side).
 
-    Built by `judge_reward`; see there for the fields. `score(prompts, completions)`
+    Built by `judge_reward`; see there for the fields (`chat_template`: the
+    `data.JinjaChatTemplate` of `chat=True`, else `None`). `score(prompts, completions)`
     scores many at once, `__call__` one, `for_rollout(rollout)` a whole rollout.
     """
 
@@ -123,27 +125,38 @@ class JudgeReward:
     max_length: int = 1024
     bucket_size: int = 16
     batch_size: int | None = None
+    chat_template: Any = None
 
     def render(self, prompt: str, completion: str) -> str:
-        """The judging text of one completion."""
+        """The judging text of one completion; with a `chat_template`, that text as one
+        user message through it, then the generation prompt (a BOS text it writes first
+        is dropped when the tokenizer adds BOS itself, so there is one)."""
         if callable(self.template):
-            return self.template(prompt, completion)
-        return self.template.format_map({"prompt": prompt, "completion": completion})
+            text = self.template(prompt, completion)
+        else:
+            text = self.template.format_map({"prompt": prompt, "completion": completion})
+        chat = self.chat_template
+        if chat is None:
+            return text
+        out = chat.render([{"role": "user", "content": text}], add_generation_prompt=True)
+        bos = chat.bos_token if wants_bos(self.tokenizer) else ""
+        return out[len(bos) :] if bos and out.startswith(bos) else out
 
     def encode(
         self, prompts: Sequence[str], completions: Sequence[str]
     ) -> tuple[np.ndarray, np.ndarray]:
-        """`(tokens [N, T], mask [N, T])`: `BOS + encode(render(p, c))`, right-padded to a
-        multiple of `bucket_size` (at most `max_length`). A text longer than `max_length`
-        keeps its end (the question and the place of the verdict), BOS first."""
+        """`(tokens [N, T], mask [N, T])`: `encode(render(p, c))`, after BOS when the
+        tokenizer asks for it (`data.wants_bos`), right-padded to a multiple of
+        `bucket_size` (at most `max_length`). A text longer than `max_length` keeps its
+        end (the question and the place of the verdict), BOS first."""
         if len(prompts) != len(completions):
             raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
         tok = self.tokenizer
-        rows = []
+        rows, bos = [], [tok.bos_id] if wants_bos(tok) else []
         for p, c in zip(prompts, completions):
-            ids = [tok.bos_id] + list(tok.encode(self.render(p, c)))
+            ids = bos + list(tok.encode(self.render(p, c)))
             if len(ids) > self.max_length:
-                ids = ids[:1] + ids[len(ids) - (self.max_length - 1) :]
+                ids = bos + ids[len(ids) - (self.max_length - len(bos)) :]
             rows.append(ids)
         longest = max((len(r) for r in rows), default=1)
         T = min(self.max_length, -(-longest // self.bucket_size) * self.bucket_size)
@@ -216,6 +229,7 @@ def judge_reward(
     max_length: int | None = None,
     bucket_size: int = 16,
     batch_size: int | None = None,
+    chat: bool = False,
 ) -> JudgeReward:
     """A generative judge (`JudgeReward`): `model` scores `template(prompt, completion)`
     by its next-token verdict.
@@ -223,7 +237,9 @@ def judge_reward(
     **Arguments:**
 
     - `model`: the judge, a `Policy` (or any `(tokens, mask) -> logits [T, V]` model).
-    - `tokenizer`: its tokenizer; texts become `BOS + tokenizer.encode(text)`.
+    - `tokenizer`: its tokenizer; texts become `tokenizer.encode(text)`, after BOS when
+      the tokenizer asks for it (`data.wants_bos`: not SmolLM2's, whose BOS id is
+      `<|im_start|>`, which its chat template writes).
     - `template`: a format string with `{prompt}` and `{completion}` fields (literal
       braces doubled), or a function `(prompt, completion) -> str`. It should end where
       the verdict comes, e.g. `"...Is the answer correct? Answer:"`.
@@ -234,6 +250,11 @@ def judge_reward(
       `cfg.max_seq_len`, else 1024); longer texts keep their end.
     - `bucket_size`: rows are padded to a multiple of this many tokens.
     - `batch_size`: at most this many rows per forward pass (`None`: all at once).
+    - `chat`: a chat judge: the judging text is one user message through the
+      tokenizer's chat template (`tokenizer.jinja_chat_template()`), then the generation
+      prompt, so the verdict is the first token of the reply (e.g. `"Yes"` / `"No"`
+      without a leading space). Off: the text as written, e.g. after a prompt that a
+      data-file run already rendered through the template.
     """
     check_choice("score", score, JUDGE_SCORES)
     check_positive_int("bucket_size", bucket_size)
@@ -253,6 +274,11 @@ def judge_reward(
                 f"template must be a format string with only {{prompt}} and {{completion}} "
                 f"fields (double literal braces): {e!r}"
             ) from None
+    chat_template = None
+    if chat:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("chat=True: the judge's tokenizer carries no chat template")
+        chat_template = tokenizer.jinja_chat_template()
     return JudgeReward(
         model=model,
         tokenizer=tokenizer,
@@ -263,4 +289,5 @@ def judge_reward(
         max_length=max_length,
         bucket_size=bucket_size,
         batch_size=batch_size,
+        chat_template=chat_template,
     )

@@ -1,0 +1,91 @@
+"""The commands that use a model without training it: `rlhf_eqx sample` (completions of
+prompts) and `rlhf_eqx eval` (the built-in task's held-out score), on the model the
+stages load (`model.*`), its prompts as the stages write them (`data.chat_template`)."""
+
+from collections.abc import Sequence
+
+import jax
+
+from . import task
+from ._config import DataConfig
+from ._data_prep import chat_rendering, prompt_tokens
+from ._evaluate import evaluate_policy
+from ._pipeline import load_model
+from ._rollout import sample_rollout
+
+
+def load_configured_model(cfg):
+    """`(policy, tokenizer)` of a run's `model` section, loaded as the stages load them
+    (`load_model` of `model.source` and `model.tokenizer`; with `model.quantized`, a GGUF
+    file's packed blocks kept: `rx.load_gguf(..., quantized=True)`)."""
+    m = cfg.model
+    return load_model(m.source, m.tokenizer, quantized=m.quantized)
+
+
+def render_prompts(tok, dc: DataConfig, prompts: Sequence[str]) -> list[str]:
+    """The texts a model is given for `prompts`: each through the chat template that
+    `dc.chat_template` names (`chat_rendering`: one user message, then the generation
+    prompt; an HH-RLHF transcript, its turns), or as written (`none`, or a tokenizer
+    without a template, e.g. the built-in stories model)."""
+    rendering = chat_rendering(tok, dc)
+    return list(prompts) if rendering is None else [rendering.prompt(p) for p in prompts]
+
+
+def _sampling(cfg) -> dict:
+    s = cfg.sampling
+    return dict(
+        max_new_tokens=s.max_new_tokens, temperature=s.temperature, stop_strings=s.stop_strings
+    )
+
+
+def sample_model(cfg, prompts: Sequence[str] = (), *, num_samples: int = 4) -> list[str]:
+    """What `rlhf_eqx sample` prints: `num_samples` completions of each prompt (default:
+    the built-in task's first two held-out prompts) by `load_configured_model(cfg)`,
+    with `sampling.*` and the key `ops.seed`.
+
+    Each prompt goes to the model through `render_prompts` (BOS in front only when the
+    tokenizer asks for it, `data.wants_bos`), and a row stops at EOS (SmolLM2's
+    `<|im_end|>`, its template's end of turn) or `sampling.stop_strings`. A prompt longer
+    than `sampling.prompt_length` widens it instead of being refused.
+
+    **Returns:** one text per sample, prompt by prompt: the prompt as given, then its
+    completion (after a line break when the prompt went through a chat template).
+    """
+    policy, tok = load_configured_model(cfg)
+    prompts = list(prompts) or list(task.HELDOUT_PROMPTS[:2])
+    fed = render_prompts(tok, cfg.data, prompts)
+    shown, sep = dict(zip(fed, prompts)), "" if fed == prompts else "\n"
+    length = max(cfg.sampling.prompt_length, *(prompt_tokens(tok, p) for p in fed))
+    roll = sample_rollout(
+        policy,
+        tok,
+        fed,
+        jax.random.key(cfg.ops.seed),
+        group_size=num_samples,
+        prompt_length=length,
+        **_sampling(cfg),
+    )
+    return [f"{shown[p]}{sep}{t}" for p, t in zip(roll.prompts, roll.texts)]
+
+
+def evaluate_model(cfg) -> dict:
+    """What `rlhf_eqx eval` prints: `evaluate_policy` of `load_configured_model(cfg)` on
+    the built-in task's held-out story openings (`eval_samples` each, the animal
+    scorer), with the stories model as base and reference for the 512-token
+    vocabulary, else the model itself. The openings are continued as written, as the
+    built-in pipeline evaluates them (no chat template)."""
+    policy, tok = load_configured_model(cfg)
+    base, _ = load_model("builtin") if policy.cfg.vocab_size == 512 else (policy, tok)
+    metrics, _, _ = evaluate_policy(
+        policy,
+        tok,
+        task.HELDOUT_PROMPTS,
+        jax.random.key(cfg.ops.seed),
+        scorer=task.animal_score,
+        base=base,
+        reference=base,
+        samples=cfg.eval_samples,
+        prompt_length=cfg.sampling.prompt_length,
+        **_sampling(cfg),
+    )
+    return metrics

@@ -103,6 +103,14 @@ def test_grpo_on_gsm8k_exact_match(shared_dir, tmp_path):
         == 0
     )
     s = json.loads((out / "summary.json").read_text())
-    assert set(s["grpo"]) == {"heldout_exact_match_before", "heldout_exact_match"}
+    g = s["grpo"]
+    rates = ("heldout_exact_match_before", "heldout_exact_match")
+    assert set(g) == {*rates, *(r + "_se" for r in rates), "sampled"}
+    for r in rates:
+        assert 0.0 <= g[r] <= 1.0 and g[r + "_se"] >= 0.0
+    sampled = g["sampled"]
+    assert sampled["samples_per_prompt"] == 8 and sampled["prompts"] >= 1
+    assert sampled["base_nll_before"] > 0 and sampled["base_nll_after"] > 0
+    assert {"prompt", "before", "after"} <= set(sampled["examples"][0])
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("rollout/frac_reward_zero_std" in r for r in rows)

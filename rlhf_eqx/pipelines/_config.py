@@ -125,7 +125,11 @@ class DataConfig:
     prompts with the tokenizer's chat template when it has one (an HH transcript's turns,
     or a prompt as one user message, with the generation prompt; completions end with
     the template's end-of-turn text), `none` uses the text as it is, a `.jinja` file's
-    template replaces the tokenizer's."""
+    template replaces the tokenizer's. `eval_prompts`: how many distinct held-out prompts
+    the `dpo`, `sft` and `kto` stages complete (`eval_samples` each) with the model before
+    and after training, for the base model's NLL of each side's samples, the KL to the
+    base and example completions in the summary (0: none); `grpo` completes every
+    held-out prompt."""
 
     path: str | None = None
     format: str = "auto"
@@ -134,6 +138,7 @@ class DataConfig:
     seed: int = 0
     filter: tuple[str, ...] = ()
     chat_template: str = "auto"
+    eval_prompts: int = 32
 
 
 @dataclasses.dataclass(frozen=True)

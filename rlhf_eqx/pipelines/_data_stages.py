@@ -38,8 +38,9 @@ from ._reward_sources import (
     export_reward_ensemble,
     stage_reward_source,
 )
-from ._rollout import RewardFunction, sample_rollout, sampling_options
+from ._rollout import RewardFunction
 from ._runs import collate_pairs, export_reward_model, final_policy, run_sft
+from ._sampled_eval import heldout_samples, sampled_comparison
 
 
 def _unpack(env: StageEnv):
@@ -115,6 +116,7 @@ def sft(env: StageEnv, c) -> Outcome:
         "heldout_nll_before": before,
         "heldout_nll": after,
         "heldout_perplexity": float(np.exp(after)),
+        "sampled": heldout_samples(env, policy, trained, held),
     }
     return Outcome(res, policy=trained)
 
@@ -153,6 +155,7 @@ def dpo(env: StageEnv, c) -> Outcome:
     summary["dpo"] = {
         "heldout_reward_accuracy": float(accuracy),
         "heldout_reward_accuracy_se": binomial_se(float(accuracy), n_held),
+        "sampled": heldout_samples(env, policy, trained, held),
     }
     return Outcome(res, policy=trained)
 
@@ -208,13 +211,17 @@ def grpo(env: StageEnv, c) -> Outcome:
     )
     res = run_grpo(policy, tok, [r.prompt for r in train], reward=reward, cfg=c, ctx=ctx)
     trained = _final(env, res.state.model)
-    hp = [r.prompt for r in held]
     k = jax.random.key(cfg.ops.seed + 1)
-    rates = []
-    for m in (policy, trained):
-        roll = sample_rollout(m, tok, hp, k, **sampling_options(s))
-        rates.append(float(np.mean([exact(p, t) for p, t in zip(roll.prompts, roll.texts)])))
-    summary["grpo"] = {"heldout_exact_match_before": rates[0], "heldout_exact_match": rates[1]}
+    ev = sampled_comparison(
+        policy, trained, tok, [r.prompt for r in held], k, cfg, score=exact, max_prompts=0
+    )
+    summary["grpo"] = {
+        "heldout_exact_match_before": ev.pop("score_before"),
+        "heldout_exact_match_before_se": ev.pop("score_before_se"),
+        "heldout_exact_match": ev.pop("score_after"),
+        "heldout_exact_match_se": ev.pop("score_after_se"),
+        "sampled": ev,
+    }
     return Outcome(res, policy=trained)
 
 
@@ -262,6 +269,7 @@ def kto(env: StageEnv, c) -> Outcome:
         summary["kto"]["heldout_pair_accuracy"] = float(
             implicit_accuracy(trained, policy, hb, c.beta)
         )
+    summary["kto"]["sampled"] = heldout_samples(env, policy, trained, held)
     return Outcome(res, policy=trained)
 
 

@@ -66,6 +66,7 @@ def validate_config(
         _fail("data.path", dc.path, "is a directory" if os.path.isdir(dc.path) else "no such file")
     _choice("data.format", dc.format, DATA_FORMATS)
     _at_least("data.seed", dc.seed, 0)
+    _at_least("data.eval_prompts", dc.eval_prompts, 0)
     if dc.limit < 0:
         _fail("data.limit", dc.limit, "must be >= 0 (0: all records)")
     if not 0 < dc.heldout_fraction < 1:

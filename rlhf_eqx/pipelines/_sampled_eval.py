@@ -1,0 +1,99 @@
+"""Sampled evaluation of a data-file stage: held-out prompts completed by the model before
+and after training with the same keys (paired samples), the base model's NLL per token
+of each side's samples (fluency: the aligned policy should not drift into text its base
+finds unlikely), the trained policy's KL to the base on its own samples, a task score
+with its standard error when the stage has one, and a few prompts with both completions
+to read."""
+
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+
+from ._evaluate import prompt_se
+from ._rollout import Rollout, sample_rollout, sampling_options, token_logps
+
+# rows per forward pass when scoring samples: a real vocabulary's logits are
+# rows x length x vocab floats (49,152 for SmolLM2), so they are taken a few rows at a time
+_ROWS = 8
+
+
+def _logps(model, roll: Rollout) -> np.ndarray:
+    """`token_logps` of the rollout's rows, `_ROWS` at a time (the last chunk padded with
+    its own rows, so that every chunk has one shape and compiles once)."""
+    n = roll.tokens.shape[0]
+    out = []
+    for i in range(0, n, _ROWS):
+        idx = np.minimum(np.arange(i, i + _ROWS), n - 1)
+        lp = token_logps(model, roll.tokens[idx], roll.mask[idx])
+        out.append(np.asarray(lp)[: min(_ROWS, n - i)])
+    return np.concatenate(out)
+
+
+def _per_token(values: np.ndarray, roll: Rollout) -> float:
+    m = np.asarray(roll.completion_mask & roll.mask)
+    return float((values * m).sum() / max(m.sum(), 1))
+
+
+def sampled_comparison(
+    before,
+    after,
+    tok,
+    prompts: Sequence[str],
+    key: jax.Array,
+    cfg,
+    *,
+    score: Callable[[str, str], float] | None = None,
+    max_prompts: int | None = None,
+    shown: int = 3,
+) -> dict:
+    """Sample `cfg.eval_samples` completions of each of the first `max_prompts` distinct
+    `prompts` (default `cfg.data.eval_prompts`; all when 0 is not asked for) with `before`
+    (the model the stage started from, also the base of the NLL and the KL) and with
+    `after`, with the same key (paired samples), at the run's sampling settings
+    (`cfg.sampling`).
+
+    **Returns:** a dict with `prompts`, `samples_per_prompt`, `base_nll_before` (the
+    base model's NLL per completion token of its own samples), `base_nll_after` (of the
+    trained policy's samples), `kl_after` (per-token KL(after || before) on the trained
+    policy's samples, k1), and, with `score(prompt, completion)`, `score_before`,
+    `score_after` and their standard errors over the prompts (`*_se`, `prompt_se`);
+    `examples`: the first `shown` prompts with one completion of each model.
+    """
+    limit = cfg.data.eval_prompts if max_prompts is None else max_prompts
+    distinct = list(dict.fromkeys(prompts))
+    if limit:
+        distinct = distinct[:limit]
+    k = cfg.eval_samples
+    opts = sampling_options(cfg.sampling)
+    out: dict = {"prompts": len(distinct), "samples_per_prompt": k}
+    if not distinct:
+        return out
+    rolls = {}
+    for name, model in (("before", before), ("after", after)):
+        roll = sample_rollout(model, tok, distinct, key, group_size=k, **opts)
+        rolls[name] = roll
+        base_lp = _logps(before, roll)
+        out[f"base_nll_{name}"] = -_per_token(base_lp, roll)
+        if name == "after":
+            out["kl_after"] = _per_token(_logps(after, roll) - base_lp, roll)
+        if score is not None:
+            s = np.asarray([score(p, t) for p, t in zip(roll.prompts, roll.texts)], np.float32)
+            out[f"score_{name}"] = float(s.mean())
+            out[f"score_{name}_se"] = prompt_se(s, k)
+    out["examples"] = [
+        {
+            "prompt": distinct[i],
+            "before": rolls["before"].texts[i * k],
+            "after": rolls["after"].texts[i * k],
+        }
+        for i in range(min(shown, len(distinct)))
+    ]
+    return out
+
+
+def heldout_samples(env, before, after, held: Sequence) -> dict:
+    """`sampled_comparison` of a stage's run (`env`: its `StageEnv`) on the prompts of
+    its held-out records (`data.eval_prompts` of them), with the key `ops.seed + 1`."""
+    key = jax.random.key(env.cfg.ops.seed + 1)
+    return sampled_comparison(before, after, env.tok, [r.prompt for r in held], key, env.cfg)

@@ -4,7 +4,9 @@
 import dataclasses
 from collections.abc import Callable, Sequence
 
+import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import rlhf_eqx as rx
@@ -21,7 +23,6 @@ from ._runs import (
     run_loop,
     run_offline,
     shuffled_batches,
-    shuffled_rows,
     take_rows,
     with_lora,
 )
@@ -54,23 +55,67 @@ def run_dpo(
         batches = packed_steps(
             pairs, tok, cfg=cfg, prompt_length=ctx.prompt_length, seed=ctx.ops.seed
         )
-        batches = [rx.train.compute_reference_logps(reference, b) for b in batches]
         return run_offline(
             state,
             step,
-            shuffled_batches(batches, ctx.ops.seed),
+            referenced_batches(reference, batches, ctx.ops.seed),
             tokens_per_iteration=int(batches[0].tokens.size),
             **run,
         )
     full = collate_pairs(pairs, tok, max_length=cfg.max_length, prompt_length=ctx.prompt_length)
-    full = rx.train.compute_reference_logps(reference, full)
     return run_offline(
         state,
         step,
-        shuffled_rows(full, cfg.batch_size, ctx.ops.seed),
+        referenced_rows(reference, full, cfg.batch_size, ctx.ops.seed),
         tokens_per_iteration=2 * cfg.batch_size * cfg.max_length,
         **run,
     )
+
+
+def referenced_batches(reference, batches: Sequence, seed: int) -> Callable[[int], object]:
+    """`shuffled_batches` with each batch's reference log-probabilities computed when it is
+    first used and kept (`compute_reference_logps`, one forward of the reference per batch
+    over the whole run): a run shorter than an epoch computes only what it trains on."""
+    at = shuffled_batches(range(len(batches)), seed)
+    done: dict[int, object] = {}
+
+    def batch_at(i: int):
+        j = at(i)
+        if j not in done:
+            done[j] = rx.train.compute_reference_logps(reference, batches[j])
+        return done[j]
+
+    return batch_at
+
+
+def referenced_rows(reference, full, batch_size: int, seed: int) -> Callable[[int], object]:
+    """`shuffled_rows` with the reference log-probabilities of each row computed with the
+    first batch that holds it (one forward of a `batch_size`-row batch; its rows' values
+    kept for later epochs), instead of over every row before the first step."""
+    n = full.chosen_tokens.shape[0]
+    ref = np.zeros((2, n), np.float32)
+    known = np.zeros(n, bool)
+
+    def batch_at(i: int):
+        idx = rows_at(n, batch_size, seed, i)
+        batch = take_rows(full, idx)
+        if not known[idx].all():
+            b = rx.train.compute_reference_logps(reference, batch)
+            ref[0, idx], ref[1, idx] = (
+                np.asarray(b.ref_chosen_logp),
+                np.asarray(b.ref_rejected_logp),
+            )
+            known[idx] = True
+            return b
+        values = (jnp.asarray(ref[0, idx]), jnp.asarray(ref[1, idx]))
+        return eqx.tree_at(
+            lambda b: (b.ref_chosen_logp, b.ref_rejected_logp),
+            batch,
+            values,
+            is_leaf=lambda x: x is None,
+        )
+
+    return batch_at
 
 
 def packed_steps(

@@ -117,10 +117,13 @@ def test_pipeline_helpers_are_public():
 
 
 _OPTIONS = " options"
-_PPO = "clip_eps clip_eps_high dual_clip vf_coef vf_clip_eps ent_coef mode constant"
+_PPO = (
+    "clip_eps clip_eps_high dual_clip vf_coef vf_clip_eps ent_coef mode constant "
+    "policy_loss loss_kwargs"
+)
 _GRPO = (
     "group_size scale clip_eps clip_eps_high importance beta delta mode constant "
-    "mask_truncated_completions policy_loss cispo_eps_low cispo_eps_high gmpo_clip "
+    "mask_truncated_completions policy_loss loss_kwargs cispo_eps_low cispo_eps_high gmpo_clip "
     "sapo_tau_pos sapo_tau_neg cov_fraction clip_cov_low clip_cov_high clip_cov_select "
     "kl_cov_coef entropy_rho rollout_correction"
 )

@@ -3,7 +3,6 @@ reward model put BOS in front of a text only when the tokenizer asks for it
 (`data.wants_bos`), render through SmolLM2's chat template, and `sample` honours
 `model.quantized`; the stories model's tokens and output are those of before."""
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -79,7 +78,7 @@ def test_sample_renders_each_prompt_as_one_user_message_with_one_bos(smol):
     # the sampler stops at EOS (`sample_rollout`'s default stop ids), the end of a turn
     assert smol.token(smol.eos_id) == pl.chat_rendering(smol, cfg.data).end == "<|im_end|>"
     # data.chat_template=none: the prompt as written, and still no BOS
-    plain = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, chat_template="none"))
+    plain = _cfg("data.chat_template=none")  # the string, not None
     assert pl.render_prompts(smol, plain.data, [PROMPT]) == [PROMPT]
     assert pl.encode_prompts(smol, [PROMPT], prompt_length=32) == [smol.encode(PROMPT)]
 

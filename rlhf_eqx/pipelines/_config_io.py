@@ -304,6 +304,8 @@ def apply_overrides(cfg: Any, overrides: Sequence[str]) -> Any:
                 raise ConfigError(f"{'.'.join(parts[: i + 1])}: unknown config section")
             node = node[p]
             cls = _section_type(cls, p)
-        # an unknown field is refused by `config_from_dict`, naming the known ones
-        node[parts[-1]] = None if value.lower() == "none" else value
+        # an unknown field is refused by `config_from_dict`, naming the known ones; `none`
+        # is None except for a plain string field (`data.chat_template=none`)
+        text = dataclasses.is_dataclass(cls) and _hints(cls).get(parts[-1]) is str
+        node[parts[-1]] = None if value.lower() == "none" and not text else value
     return config_from_dict(type(cfg), d)

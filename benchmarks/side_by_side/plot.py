@@ -64,7 +64,7 @@ def main():
 
     fig, ax = plt.subplots(figsize=(7, 4))
     workloads = [
-        w for w in common.WORKLOADS if not w.startswith("curve_") and (w, "rlhf_eqx") in med
+        w for w in common.ALL_WORKLOADS if not w.startswith("curve_") and (w, "rlhf_eqx") in med
     ]
     libs = [lib for lib in ("trl", "tunix", "floor") if any((w, lib) in med for w in workloads)]
     width = 0.8 / max(1, len(libs))

@@ -3,6 +3,9 @@ rlhf_eqx's sampler is measured against (no library code, no validation, no EOS
 handling: prefill once, then `max_new` steps of one token with a KV cache).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/side_by_side/run_floor.py gen_sample --inputs DIR
+
+`gen135`: greedy decoding of SmolLM2-135M-Instruct from the float32 Hugging Face
+directory `make_inputs.py --smollm2` wrote (tied embeddings: the head is the embedding).
 """
 
 import json
@@ -130,16 +133,28 @@ def make_generate(cfg, B, P, N, sample):
 
 
 def main():
-    args, inputs = common.start("the floor", ("gen_sample", "gen_greedy"))
-    cfg, w = load_weights(os.path.join(args.inputs, "model"))
-    g = common.GEN
-    prompts = jnp.asarray(inputs["gen_prompt"])
-    gen = make_generate(cfg, g["batch"], g["prompt"], g["new"], args.workload == "gen_sample")
+    args, inputs = common.start("the floor", ("gen_sample", "gen_greedy", "gen135"))
+    extra = {}
+    if args.workload == "gen135":
+        cfg, w = load_weights(os.path.join(common.smollm2_dir(args.inputs), "hf"))
+        prompts = jnp.asarray(inputs["s135_gen_prompt"])
+        B, P = prompts.shape
+        new = int(inputs["s135_gen_new"])
+        # the embedding is read by the gather only; the head's copy of it once a step
+        leaves = jax.tree.leaves({k: v for k, v in w.items() if k != "embed"})
+        extra.update(
+            weight_bytes=int(sum(x.nbytes for x in leaves)), decode_steps=new, weights="float32"
+        )
+    else:
+        cfg, w = load_weights(os.path.join(args.inputs, "model"))
+        g = common.GEN
+        prompts = jnp.asarray(inputs["gen_prompt"])
+        B, P, new = g["batch"], g["prompt"], g["new"]
+    gen = make_generate(cfg, B, P, new, args.workload == "gen_sample")
     run = lambda key: gen(w, prompts, key).block_until_ready()
     first, times = common.time_keyed_steps(run, args.steps)
     peak = common.jax_matmul_peak()
-    new_tokens = g["batch"] * g["new"]
-    common.emit(LIB, args.workload, first, times, peak_gflops=peak, new_tokens=new_tokens)
+    common.emit(LIB, args.workload, first, times, peak_gflops=peak, new_tokens=B * new, **extra)
 
 
 if __name__ == "__main__":

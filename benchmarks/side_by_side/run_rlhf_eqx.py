@@ -14,6 +14,12 @@ GRPO update runs each group's prompt once (`GRPOBatch(prompt_length=,
 samples_per_prompt=)`). `RLHF_EQX_BENCH_LAYOUT=aligned|packed|plain` forces one
 (`plain`: the unpacked `PreferenceBatch` / one GRPO row per completion, prompts computed
 once per row), for A/B runs.
+
+The SmolLM2-135M-Instruct workloads (`common.WORKLOADS_135`, inputs from
+`make_inputs.py --smollm2`) load the shipped Q4_1 GGUF file dequantised to float32
+(`rlhf_eqx.load_gguf`); see `run_135`. `dpo135 --profile` also times the pieces of the
+step (reference forward, policy forward, forward + backward, optimiser update) after
+the timed steps and writes them into the result's `profile`.
 """
 
 import os
@@ -247,11 +253,190 @@ def computed_tokens(batch) -> int:
     return int(2 * batch.chosen_tokens.size)
 
 
+def weight_bytes(model) -> int:
+    """Bytes of the model's arrays (packed quantised blocks at their packed size): what a
+    decode step reads once."""
+    return int(sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))))
+
+
+def check_logits(policy, inputs) -> float:
+    """Largest |difference| between `policy`'s logits of the check text and the float32
+    reference logits `make_inputs.py` stored."""
+    ids = jnp.asarray(inputs["s135_check_ids"])
+    logits = policy(ids, jnp.ones(ids.shape, bool))
+    return float(np.max(np.abs(np.asarray(logits, np.float32) - inputs["s135_check_logits"])))
+
+
+def profile_dpo(policy, batch, repeats: int = 3) -> dict:
+    """Seconds (medians of `repeats` after a compile) of the pieces of a DPO step on
+    `batch`, each jitted alone: the reference forward (`compute_reference_logps`), the
+    policy's loss forward against cached reference log-probabilities, its forward +
+    backward (`eqx.filter_value_and_grad` of the step's own loss, `train.dpo_loss_fn`) and
+    the optimiser update (`optimizer().update` + `eqx.apply_updates`)."""
+    opt = optimizer()
+    params, frozen = eqx.partition(policy, eqx.is_inexact_array)
+    ref_fn = eqx.filter_jit(train.compute_reference_logps)
+    cached = ref_fn(policy, batch)
+    loss_fn = train.dpo_loss_fn(reference="cached")
+
+    def loss(p):
+        nums, dens, _ = loss_fn(p, (frozen, None), cached, None)
+        return nums["dpo"] / dens["dpo"]
+
+    fwd = eqx.filter_jit(loss)
+    fwd_bwd = eqx.filter_jit(eqx.filter_value_and_grad(loss))
+    opt_state = opt.init(params)
+
+    @eqx.filter_jit
+    def update(grads, opt_state, params):
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return eqx.apply_updates(params, updates), opt_state
+
+    grads = fwd_bwd(params)[1]
+    pieces = {
+        "reference_forward": lambda: ref_fn(policy, batch),
+        "policy_forward": lambda: fwd(params),
+        "policy_forward_backward": lambda: fwd_bwd(params),
+        "optimizer_update": lambda: update(grads, opt_state, params),
+    }
+    out = {}
+    for name, f in pieces.items():
+        jax.block_until_ready(f())
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f())
+            times.append(time.perf_counter() - t0)
+        out[name] = common.median(times)
+    out["policy_backward"] = out["policy_forward_backward"] - out["policy_forward"]
+    return out
+
+
+def lora_config():
+    c = common.LORA135
+    return rx.LoRAConfig(rank=c["rank"], alpha=c["alpha"], dropout=0.0, targets=c["targets"])
+
+
+def run_135(args, inputs):
+    """One SmolLM2-135M-Instruct workload; returns `(first, times, extra)`.
+
+    - `dpo135`: `make_dpo_step(reference="model")`, full fine-tune, unpacked rows
+      (`PreferenceBatch`: each prompt computed for both completions, as TRL does).
+    - `dpo135_saving`: the library's own savings: the packed layout of `hh_dpo` (one
+      pair per row, `[prompt | chosen | rejected]`, the prompt once; the LM head on the
+      completion positions only) and the reference log-probabilities cached beforehand
+      (`reference="cached"`, `compute_reference_logps` outside the timed step).
+    - `dpo135_lora`: as `dpo135` with LoRA adapters (`common.LORA135`, no dropout) on
+      every projection; the reference is the model without its adapters.
+    - `gen135`, `gen135_q8`, `gen135_q4`: greedy `generate_batch` on float32 weights, on
+      the Q8_0 file (`quantized=True`) and on the shipped Q4_1 file (`quantized=True`).
+    - `grpo135`: `grpo_runner` (sampling at T = 1, then one update, shared-prompt layout).
+    """
+    w = args.workload
+    smol = common.smollm2_dir(args.inputs)
+    extra = {}
+    if w == "gen135_q8":
+        policy, _ = rx.load_gguf(os.path.join(smol, "q8_0.gguf"), quantized=True)
+    elif w == "gen135_q4":
+        policy, _ = rx.load_gguf(common.smollm2_gguf(), quantized=True)
+    else:
+        policy, _ = rx.load_gguf(common.smollm2_gguf())
+    extra["load_peak_rss_mb"] = common.peak_rss_mb()  # loading alone, before any step
+    extra["logits_max_abs_diff"] = check_logits(policy, inputs)
+    if w.startswith("dpo135"):
+        P, C, R = (inputs[f"s135_dpo_{k}"] for k in ("prompt", "chosen", "rejected"))
+        T = P.shape[1] + C.shape[1]
+        if w == "dpo135_saving":
+            batch = data.pack_preferences(pairs_of(P, C, R), pad_id=0, aligned=False)
+            run = dpo_runner(policy, batch, cached=True)
+            extra["layout"] = "packed"
+        else:
+            batch = preference_batch(P, C, R)
+            extra["layout"] = "plain"
+            if w == "dpo135":
+                run = dpo_runner(policy, batch, cached=False)
+            else:
+                opt = optimizer()
+                model = rx.apply_lora(policy, lora_config(), key=jax.random.key(0))
+                reference = rx.without_lora(model)
+                st = {"s": train.init_train_state(model, opt, filter_spec=rx.lora_filter(model))}
+                step = train.make_dpo_step(opt, reference="model")
+                extra["trainable_params"] = rx.count_params(st["s"].params)
+
+                def run():
+                    st["s"], m = st["s"].apply(step, batch, reference=reference)
+                    jax.block_until_ready(m["loss"])
+
+        first, times = common.time_steps(run, args.steps)
+        extra["tokens"] = int(2 * P.shape[0] * T)
+        extra["computed_tokens"] = computed_tokens(batch)
+        extra["flops"] = common.dpo_flops(
+            P.shape[0],
+            T,
+            with_reference=w != "dpo135_saving",
+            cfg=common.SMOL_CONFIG,
+            lora=w == "dpo135_lora",
+        )
+        if args.profile and w == "dpo135":
+            extra["rss_mb"] = common.peak_rss_mb()  # before the profile's own buffers
+            prof = profile_dpo(policy, batch)
+            prof["step"] = common.median(times)
+            prof["rest_of_step"] = prof["step"] - (
+                prof["reference_forward"]
+                + prof["policy_forward_backward"]
+                + prof["optimizer_update"]
+            )
+            extra["profile"] = prof
+            common.log(
+                "profile (s): "
+                + ", ".join(f"{k} {v:.3f} ({v / prof['step']:.0%})" for k, v in prof.items())
+            )
+    elif w.startswith("gen135"):
+        prompts = jnp.asarray(inputs["s135_gen_prompt"])
+        masks = jnp.ones(prompts.shape, bool)
+        new = int(inputs["s135_gen_new"])
+
+        def run(key):
+            out = rx.generate_batch(
+                policy, prompts, masks, key, max_new_tokens=new, temperature=0.0
+            )
+            jax.block_until_ready(out.tokens)
+
+        first, times = common.time_keyed_steps(run, args.steps)
+        extra["new_tokens"] = int(prompts.shape[0] * new)
+        extra["weight_bytes"] = weight_bytes(policy)
+        extra["decode_steps"] = new
+        extra["weights"] = {"gen135": "float32", "gen135_q8": "Q8_0", "gen135_q4": "Q4_1"}[w]
+    elif w == "grpo135":
+        prompts = jnp.asarray(inputs["s135_grpo_prompt"])
+        rewards = jnp.asarray(inputs["s135_grpo_rewards"])
+        run, split = grpo_runner(
+            policy,
+            prompts,
+            rewards,
+            group=int(inputs["s135_grpo_group"]),
+            new=int(inputs["s135_grpo_new"]),
+            shared=True,
+        )
+        first, times = common.time_steps(run, args.steps)
+        extra["gen_s"] = common.median(split["gen"][1:] or split["gen"])
+        extra["update_s"] = common.median(split["update"][1:] or split["update"])
+        extra["layout"] = "shared-prompt"
+        extra["fine_tune"] = "full"
+    return first, times, extra
+
+
 def main():
     args, inputs = common.start(LIB)
     enable_cache()
     w = args.workload
     extra = {}
+    if w in common.WORKLOADS_135:
+        first, times, extra = run_135(args, inputs)
+        rss = extra.pop("rss_mb", None)
+        peak = common.jax_matmul_peak()
+        common.emit(LIB, w, first, times, peak_gflops=peak, rss_mb=rss, **extra)
+        return
     if w == "hh_dpo":
         policy = rx.load_hf(os.path.join(args.inputs, "model_hh"))
     else:

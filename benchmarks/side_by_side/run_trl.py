@@ -7,6 +7,10 @@ default collators, AdamW, gradient clipping at 1.0); each timed step is
 `trainer.training_step` (forward, loss, backward) followed by the clip and the
 optimiser step, on batches collated from the same token ids every library uses.
 Generation is Hugging Face `generate`. Prints one `RESULT {...}` line.
+
+The SmolLM2-135M-Instruct workloads (`common.WORKLOADS_135`) load the float32 Hugging
+Face directory `make_inputs.py --smollm2` wrote (the same weights rlhf_eqx dequantises
+from the GGUF file) with its tokenizer; see `run_135`.
 """
 
 import os
@@ -37,16 +41,31 @@ def text_dataset():
     return Dataset.from_list([{"prompt": "t5 t6", "chosen": " t7", "rejected": " t8"}] * 2)
 
 
-def dpo_trainer(model_dir, tok, *, precompute: bool, max_length: int):
+def dpo_trainer(
+    model_dir,
+    tok,
+    *,
+    max_length: int,
+    batch_size: int = 8,
+    precompute: bool = False,
+    padding_free: bool = False,
+    peft_config=None,
+):
+    """A `DPOTrainer` in float32 with its optimiser and schedule built. `precompute`
+    (TRL's `precompute_ref_log_probs`) and `peft_config` (LoRA through peft) load no
+    separate reference model: TRL uses the policy itself (before training), or the model
+    with its adapters disabled."""
     from transformers import AutoModelForCausalLM
     from trl import DPOConfig, DPOTrainer
 
     out = tempfile.mkdtemp()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ref = None
+    if not precompute and peft_config is None:
+        ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     args = DPOConfig(
         output_dir=out,
-        per_device_train_batch_size=8,
+        per_device_train_batch_size=batch_size,
         learning_rate=1e-5,
         max_grad_norm=1.0,
         max_length=max_length,
@@ -54,12 +73,18 @@ def dpo_trainer(model_dir, tok, *, precompute: bool, max_length: int):
         use_cpu=True,
         logging_steps=10**9,
         save_strategy="no",
-        precompute_ref_log_probs=False,
+        precompute_ref_log_probs=precompute,
+        padding_free=padding_free,
         dataloader_num_workers=0,
         **FLOAT32,
     )
     trainer = DPOTrainer(
-        model=model, ref_model=ref, args=args, train_dataset=text_dataset(), processing_class=tok
+        model=model,
+        ref_model=ref,
+        args=args,
+        train_dataset=text_dataset(),
+        processing_class=tok,
+        peft_config=peft_config,
     )
     trainer.create_optimizer_and_scheduler(num_training_steps=1000)
     return trainer
@@ -133,6 +158,7 @@ def grpo_run(
     n_steps: int,
     generation_kwargs=None,
     budgets=None,
+    tok=None,
 ):
     """`GRPOTrainer.train()` for `n_steps` iterations on the same prompts (`group`
     completions each, then one update), timed per step by a callback. With `budgets`
@@ -141,15 +167,23 @@ def grpo_run(
     as its `budgets[i]`-th token; `generate` still steps every row until the batch's
     longest is done. Returns `(first_s, [step s], info)`, `info` the median seconds of
     generation and of the rest of a step, and whether every completion had its budget's
-    length."""
+    length. `tok`: the model's tokenizer (prompts given to TRL as its decoded text; default
+    the word tokenizer of the random model, prompts as `ids_as_text`); `info` then says
+    whether TRL's prompt ids were `prompt_ids`."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, LogitsProcessorList, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    tok = common.word_tokenizer(common.CONFIG["vocab_size"])
+    real_tok = tok is not None
+    if tok is None:
+        tok = common.word_tokenizer(common.CONFIG["vocab_size"])
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    prompts = [common.ids_as_text(row) for row in prompt_ids]
+    if real_tok:
+        prompts = [tok.decode([int(i) for i in row]) for row in prompt_ids]
+    else:
+        prompts = [common.ids_as_text(row) for row in prompt_ids]
+    seen_prompts = []
     ds = Dataset.from_list([{"prompt": p} for p in prompts] * n_steps)
     rewards = rewards.tolist()
     lengths = []
@@ -199,6 +233,8 @@ def grpo_run(
     generate = model.generate
 
     def timed_generate(*a, **k):
+        if not seen_prompts:
+            seen_prompts.append(k["input_ids"].tolist())
         if budgets is not None:
             width = k["input_ids"].shape[1]
             k["logits_processor"] = LogitsProcessorList(
@@ -220,7 +256,139 @@ def grpo_run(
         want = [int(b) for b in budgets]
         info["lengths_match"] = bool(lengths) and all(row == want for row in lengths)
         info["generated_width"] = int(max(want))
+    if real_tok and seen_prompts:
+        want_rows = sorted([int(i) for i in row] for row in prompt_ids)
+        info["prompt_ids_match"] = sorted(map(list, {tuple(r) for r in seen_prompts[0]})) == (
+            want_rows
+        )
     return marks[0], marks[1:], info
+
+
+def check_logits(model, inputs) -> float:
+    """Largest |difference| between `model`'s logits of the check text and the float32
+    reference logits of rlhf_eqx that `make_inputs.py` stored."""
+    ids = torch.as_tensor(inputs["s135_check_ids"][None].astype("int64"))
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float().numpy()
+    return float(abs(logits - inputs["s135_check_logits"]).max())
+
+
+def param_bytes(model) -> int:
+    """Bytes of the model's parameters (a tied embedding counted once): what a decode
+    step reads once."""
+    return int(sum(p.numel() * p.element_size() for p in model.parameters()))
+
+
+def run_135(args, inputs):
+    """One SmolLM2-135M-Instruct workload; returns `(first, times, extra)`.
+
+    - `dpo135`: `DPOTrainer`, full fine-tune, a reference model run every step.
+    - `dpo135_saving`: TRL's savings: `precompute_ref_log_probs=True` (the reference
+      log-probabilities of the batch computed once beforehand by the trainer's own
+      `compute_ref_log_probs`) and `padding_free=True`, which TRL 1.16 turns off for DPO
+      ("temporarily unavailable"; recorded in `extra`).
+    - `dpo135_lora`: `DPOTrainer` with a peft `LoraConfig` (`common.LORA135`, no dropout)
+      on every projection; the reference is the model with its adapters disabled.
+    - `gen135`: greedy Hugging Face `generate`, float32.
+    - `grpo135`: `GRPOTrainer.train()` (`grpo_run`), full fine-tune, `beta=0`.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    w = args.workload
+    hf = os.path.join(common.smollm2_dir(args.inputs), "hf")
+    tok = AutoTokenizer.from_pretrained(hf)
+    extra = {}
+    if w.startswith("dpo135"):
+        from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+        P, C, R = (inputs[f"s135_dpo_{k}"] for k in ("prompt", "chosen", "rejected"))
+        T = P.shape[1] + C.shape[1]
+        kw = {}
+        if w == "dpo135_saving":
+            kw = dict(precompute=True, padding_free=True)
+        elif w == "dpo135_lora":
+            from peft import LoraConfig
+
+            c = common.LORA135
+            kw["peft_config"] = LoraConfig(
+                r=c["rank"],
+                lora_alpha=c["alpha"],
+                lora_dropout=0.0,
+                target_modules=[f"{t}_proj" for t in c["targets"]],
+                task_type="CAUSAL_LM",
+            )
+        trainer = dpo_trainer(hf, tok, max_length=T, batch_size=len(P), **kw)
+        extra["load_peak_rss_mb"] = common.peak_rss_mb()  # loading alone, before any step
+        extra["logits_max_abs_diff"] = check_logits(trainer.model, inputs)
+        collate = DataCollatorForPreference(pad_token_id=tok.pad_token_id)
+        batch = collate(
+            [
+                {"prompt_ids": p.tolist(), "chosen_ids": c.tolist(), "rejected_ids": r.tolist()}
+                for p, c, r in zip(P, C, R)
+            ]
+        )
+        if w == "dpo135_saving":
+            extra["padding_free"] = bool(trainer.padding_free)
+            if not trainer.padding_free:
+                extra["padding_free_note"] = "TRL 1.16 turns padding_free off for DPO"
+            c_lp, r_lp = trainer.compute_ref_log_probs(trainer.ref_model or trainer.model, batch)
+            batch = dict(batch, ref_chosen_logps=c_lp, ref_rejected_logps=r_lp)
+        if w == "dpo135_lora":
+            extra["trainable_params"] = int(
+                sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+            )
+        run = step_fn(trainer, lambda: dict(batch))
+        first, times = common.time_steps(run, args.steps)
+        extra["tokens"] = int(2 * len(P) * T)
+        extra["flops"] = common.dpo_flops(
+            len(P),
+            T,
+            with_reference=w != "dpo135_saving",
+            cfg=common.SMOL_CONFIG,
+            lora=w == "dpo135_lora",
+        )
+    elif w == "gen135":
+        model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+        extra["load_peak_rss_mb"] = common.peak_rss_mb()  # loading alone, before any step
+        extra["logits_max_abs_diff"] = check_logits(model, inputs)
+        prompts = torch.as_tensor(inputs["s135_gen_prompt"], dtype=torch.long)
+        attn = torch.ones_like(prompts)
+        new = int(inputs["s135_gen_new"])
+
+        def run():
+            with torch.no_grad():
+                model.generate(
+                    input_ids=prompts,
+                    attention_mask=attn,
+                    max_new_tokens=new,
+                    min_new_tokens=new,
+                    do_sample=False,
+                    pad_token_id=tok.pad_token_id,
+                    eos_token_id=None,
+                )
+
+        first, times = common.time_steps(run, args.steps)
+        extra["new_tokens"] = int(prompts.shape[0] * new)
+        extra["weight_bytes"] = param_bytes(model)
+        extra["decode_steps"] = new
+        extra["weights"] = "float32"
+    elif w == "grpo135":
+        new = int(inputs["s135_grpo_new"])
+        first, times, info = grpo_run(
+            hf,
+            inputs["s135_grpo_prompt"],
+            inputs["s135_grpo_rewards"],
+            group=int(inputs["s135_grpo_group"]),
+            max_completion=new,
+            n_steps=args.steps + 1,
+            generation_kwargs={"min_new_tokens": new},  # every completion `new` tokens long
+            tok=tok,
+        )
+        extra.update(info)
+        extra["fine_tune"] = "full"
+    else:
+        raise SystemExit(f"workload {w} is not run for TRL")
+    return first, times, extra
 
 
 def main():
@@ -229,13 +397,17 @@ def main():
     model_dir = os.path.join(args.inputs, "model")
     extra = {}
     torch.manual_seed(0)
+    if w in common.WORKLOADS_135:
+        first, times, extra = run_135(args, inputs)
+        common.emit(LIB, w, first, times, peak_gflops=matmul_peak(), **extra)
+        return
     if w in ("dpo", "dpo_cached") or w.startswith("curve_"):
         from trl.trainer.dpo_trainer import DataCollatorForPreference
 
         key = "dpo" if w in ("dpo", "dpo_cached") else w
         tok = common.word_tokenizer(common.CONFIG["vocab_size"])
         T = inputs[f"{key}_prompt"].shape[1] + inputs[f"{key}_chosen"].shape[1]
-        trainer = dpo_trainer(model_dir, tok, precompute=w == "dpo_cached", max_length=T)
+        trainer = dpo_trainer(model_dir, tok, max_length=T)
         collate = DataCollatorForPreference(pad_token_id=tok.pad_token_id)
         examples = [
             {"prompt_ids": p.tolist(), "chosen_ids": c.tolist(), "rejected_ids": r.tolist()}

@@ -186,8 +186,8 @@ def tokenizer_from_gguf(reader, path: str | os.PathLike | None = None) -> HFToke
     `padding_token_id` (padding falls back to EOS), `chat_template` from
     `tokenizer.chat_template` (or `None`) and `add_bos_token` from
     `tokenizer.ggml.add_bos_token` (default: false for `gpt2`, true for `llama`, as
-    llama.cpp). Like every tokenizer here, `encode` never adds BOS itself: pass
-    `add_bos=tok.add_bos_token` to the tokenize functions to follow the file.
+    llama.cpp). Like every tokenizer here, `encode` never adds BOS itself: the tokenize
+    functions follow `add_bos_token` by default (`add_bos=None`, `wants_bos`).
     `tokenizer.ggml.add_space_prefix` (default: true for `llama`) decides whether a `▁`
     is put before the text of a sentencepiece-style vocabulary.
 

@@ -166,6 +166,19 @@ def test_a_run_prints_the_settings_it_reads_and_saves_the_whole_config(tmp_path,
     assert {k: saved[k] for k in shown if k != "stages"} == {
         k: v for k, v in shown.items() if k != "stages"
     }
+    # On the built-in task: the stages run (SFT first) and the task's own fields. A run
+    # directory that already holds a run stops these after printing.
+    held = tmp_path / "held"
+    held.mkdir()
+    (held / "summary.json").write_text("{}")
+    task = ["stages", "out", "label_noise", "eval_samples", "notes"]
+    for argv, sections in [
+        (["kto"], ["sft", "kto"]),
+        (["pipeline"], ["sft", "reward", "ppo", "judge", "dpo", "grpo"]),
+    ]:
+        assert main([*argv, "--out", str(held)]) == 2
+        shown = json.JSONDecoder().raw_decode(capsys.readouterr().out.split("\n", 1)[1])[0]
+        assert list(shown) == [*task, *sections, "model", "sampling", "ops"]
     # --quiet prints no settings, --show-config the whole configuration.
     assert main(["dpo", "--data", str(data), "--out", str(tmp_path / "q"), "--quiet"]) == 1
     assert '"dpo"' not in capsys.readouterr().out

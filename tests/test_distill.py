@@ -546,6 +546,25 @@ def test_onpolicy_temperature_is_a_python_number():
         OnPolicyDistillSettings(temperature=jnp.asarray(0.8))
 
 
+def test_equal_records_share_one_program(getkey):
+    base, teacher = CumMeanLM(getkey()), _teacher_cm(getkey())
+    batch = _distill_batch(getkey(), B=4, T=10)
+    student, opt = counted(base), optax.sgd(1.0)
+    for build, record, other in (
+        (make_distill_step, DistillSettings(beta=0.2, chunk=8), dict(temperature=1.5)),
+        (make_onpolicy_distill_step, OnPolicyDistillSettings(kl_coef=0.5), dict(kl_coef=0.6)),
+    ):
+        start = traces(student)
+        sgd_delta(build(opt, record), student, batch, teacher=teacher)
+        once = traces(student) - start
+        assert once > 0
+        sgd_delta(build(opt, dataclasses.replace(record)), student, batch, teacher=teacher)
+        sgd_delta(build(opt, **dataclasses.asdict(record)), student, batch, teacher=teacher)
+        assert traces(student) - start == once, build.__name__
+        sgd_delta(build(opt, record, **other), student, batch, teacher=teacher)
+        assert traces(student) - start == 2 * once, build.__name__
+
+
 def test_traced_temperature_changes_the_update_without_recompiling(getkey):
     """A step built from `DistillSettings(temperature=t)` inside `jax.jit`, `t` traced: one
     compilation for every τ, each equal to the step built from the Python float."""

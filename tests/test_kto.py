@@ -548,6 +548,22 @@ def test_record_refuses_a_bad_value_in_one_line(fields, message):
         make_kto_step(optax.sgd(1.0), bta=0.1)
 
 
+def test_equal_records_share_one_program(getkey):
+    """The build cache keys a KTO step by its record's fields and its options (not the
+    step's own `donate`): an equal record or the same keywords compile nothing."""
+    base, reference = _models(getkey())
+    batch = compute_kto_reference_logps(reference, kto_batch(getkey()))
+    policy, opt = counted(base), optax.sgd(1.0)
+    record = KTOSettings(beta=0.3, reference="cached")
+    sgd_delta(make_kto_step(opt, record, donate=False), policy, batch)
+    once = traces(policy)
+    sgd_delta(make_kto_step(opt, beta=0.3, reference="cached"), policy, batch)
+    sgd_delta(make_kto_step(opt, dataclasses.replace(record), options=StepOptions()), policy, batch)
+    assert traces(policy) == once
+    sgd_delta(make_kto_step(opt, record, beta=0.4), policy, batch)  # another β: a new program
+    assert traces(policy) == 2 * once
+
+
 def test_traced_beta_changes_the_update_without_recompiling(getkey):
     """A step built from `KTOSettings(beta=b)` inside `jax.jit`, `b` traced: one
     compilation for every β, each equal to the step built from the Python float."""

@@ -291,3 +291,15 @@ def test_check_loss_matches_on_the_dpo_registry():
         rt.check_loss_matches(user_hinge, "sigmoid")
     with pytest.raises(ValueError, match="registry"):
         rt.check_loss_matches(user_hinge, user_hinge)
+
+
+def test_a_name_registered_again_builds_the_new_loss(getkey):
+    """Equal settings share a compiled step: the name's current function is part of what
+    the step computes, so registering the name again does not reuse the old build."""
+    policy, batch, step_kw, _ = setup("cached", getkey())
+    losses.register_dpo_loss("user_again", user_hinge)
+    first = run(policy, batch, {}, beta=0.5, loss_type="user_again", **step_kw)
+    losses.register_dpo_loss("user_again", user_ipo)
+    again = run(policy, batch, {}, beta=0.5, loss_type="user_again", **step_kw)
+    assert_same_step(first, run(policy, batch, {}, beta=0.5, loss_type="hinge", **step_kw))
+    assert_same_step(again, run(policy, batch, {}, beta=0.5, loss_type=user_ipo, **step_kw))

@@ -138,6 +138,52 @@ def test_registered_batch_loss_equals_kl_cov_over_micro_batches(getkey):
     _same_step(got, want)
 
 
+@pytest.mark.slow
+def test_a_loss_that_takes_ref_logp_gets_the_reference_models(getkey):
+    """The clipped loss plus its own k3 KL (from `ref_logp`, computed by the step's
+    `reference=` model) equals the built-in loss with `beta` (the step's KL term)."""
+    policy, ref = CumMeanLM(getkey()), CumMeanLM(getkey())
+    batch = _batch(getkey(), policy, B=4)
+
+    def clip_and_kl(logp, old_logp, advantages, mask, *, clip_eps, clip_eps_high, ref_logp, coef):
+        loss, stats = user_clip(
+            logp, old_logp, advantages, mask, clip_eps=clip_eps, clip_eps_high=clip_eps_high
+        )
+        return loss + coef * losses.kl_penalty(logp, ref_logp, kind="k3"), stats
+
+    kw = dict(group_size=2, mode="token-mean", donate=False)
+    want = sgd_delta(
+        train.make_grpo_step(optax.sgd(1.0), beta=0.05, **kw), policy, batch, reference=ref
+    )
+    step = train.make_grpo_step(
+        optax.sgd(1.0), policy_loss=clip_and_kl, loss_kwargs={"coef": 0.05}, **kw
+    )
+    got = sgd_delta(step, policy, batch, reference=ref)
+    assert float(want[1]["kl"]) > 0.0
+    _same_step(got, want)
+    with pytest.raises(ValueError, match="takes ref_logp"):
+        sgd_delta(step, policy, batch)
+    with pytest.raises(ValueError, match="takes ref_logp: the PPO step"):
+        train.PPOSettings(policy_loss=clip_and_kl, loss_kwargs={"coef": 0.05})
+
+
+def test_a_name_registered_again_builds_the_new_loss(getkey):
+    policy = CumMeanLM(getkey())
+    batch = _batch(getkey(), policy, B=4)
+    kw = dict(group_size=2, policy_loss="user_again", loss_kwargs={"coef": 2.0}, donate=False)
+    register_policy_loss("user_again", scaled_clip)
+    first = sgd_delta(train.make_grpo_step(optax.sgd(1.0), **kw), policy, batch)
+    register_policy_loss(
+        "user_again",
+        lambda lp, olp, a, m, *, clip_eps, clip_eps_high, coef: scaled_clip(
+            lp, olp, a, m, clip_eps=clip_eps, clip_eps_high=clip_eps_high, coef=-coef
+        ),
+    )
+    again = sgd_delta(train.make_grpo_step(optax.sgd(1.0), **kw), policy, batch)
+    np.testing.assert_allclose(float(again[1]["loss"]), -float(first[1]["loss"]), rtol=1e-6)
+    assert float(first[1]["loss"]) != 0.0
+
+
 def test_hyperparameters_are_traced_and_a_change_does_not_recompile(getkey):
     """`coef` from `loss_kwargs` and `clip_eps` from the settings, both traced: the step
     is traced once for every value, and `coef` scales the loss and the update."""

@@ -160,6 +160,14 @@ def register_dpo_loss(
     return fn
 
 
+def registered_dpo_loss(loss_type: object) -> object:
+    """The function a registered `loss_type` name stands for now (`None` for a built-in
+    name or a callable): part of a step's cache key, so that a name registered again
+    never reuses a build of the loss it replaced."""
+    spec = _REGISTERED.get(loss_type) if isinstance(loss_type, str) else None
+    return None if spec is None else spec.custom
+
+
 def dpo_loss_types() -> tuple[str, ...]:
     """Every valid `loss_type` name now: `DPO_LOSS_TYPES`, then the registered ones."""
     return DPO_LOSS_TYPES + tuple(_REGISTERED)

@@ -45,8 +45,10 @@ class PolicyLossSpec(NamedTuple):
             params = list(inspect.signature(self.fn).parameters.values())
         except (TypeError, ValueError):  # a builtin: nothing to read
             return {}
-        named = [p for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-        return {p.name: p for p in named[4:]} if len(named) >= 4 else {}
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        arrays = {p.name for p in [p for p in params if p.kind in positional][:4]}
+        var = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        return {p.name: p for p in params if p.kind not in var and p.name not in arrays}
 
     def hyperparameters(self) -> dict[str, inspect.Parameter]:
         """The parameters that are hyperparameters (not a `POLICY_LOSS_INPUTS` name)."""

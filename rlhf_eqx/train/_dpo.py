@@ -14,7 +14,7 @@ from ..losses import (
     dpo_implicit_rewards,
     sft_nll,
 )
-from ..losses._dpo_registry import resolve_dpo_loss
+from ..losses._dpo_registry import registered_dpo_loss, resolve_dpo_loss
 from ..ops import masked_sum
 from ._pair_logps import _cached_reference, _pairs_forward
 from ._settings import DPOSettings, StepOptions, settings_from, split_shortcuts
@@ -221,5 +221,9 @@ def make_dpo_step(
         options,
         batch_type=(PreferenceBatch, PackedPreferenceBatch),
         extras=("reference",),
-        cache_key=("dpo", own_record(DPOSettings, settings)),
+        cache_key=(
+            "dpo",
+            own_record(DPOSettings, settings),
+            registered_dpo_loss(settings.loss_type),
+        ),
     )

@@ -15,18 +15,37 @@ from ._rollout import sample_rollout
 
 
 def load_configured_model(cfg):
-    """`(policy, tokenizer)` of a run's `model` section, loaded as the stages load them
-    (`load_model` of `model.source` and `model.tokenizer`; with `model.quantized`, a GGUF
-    file's packed blocks kept: `rx.load_gguf(..., quantized=True)`)."""
+    """The model of a run's `model` section, loaded as the stages load it.
+
+    **Arguments:**
+
+    - `cfg`: a `PipelineConfig` (its `model.source`, `model.tokenizer` and
+      `model.quantized` are read).
+
+    **Returns:** `(policy, tokenizer)` from `load_model`; with `model.quantized`, a GGUF
+    file's packed blocks kept (`rx.load_gguf(..., quantized=True)`: the projections and
+    the embedding are `rlhf_eqx.models.GGUFWeight`s). A `ConfigError` names
+    `model.quantized` when the source is not a GGUF file.
+    """
     m = cfg.model
     return load_model(m.source, m.tokenizer, quantized=m.quantized)
 
 
 def render_prompts(tok, dc: DataConfig, prompts: Sequence[str]) -> list[str]:
-    """The texts a model is given for `prompts`: each through the chat template that
-    `dc.chat_template` names (`chat_rendering`: one user message, then the generation
-    prompt; an HH-RLHF transcript, its turns), or as written (`none`, or a tokenizer
-    without a template, e.g. the built-in stories model)."""
+    """The texts a model is given for `prompts`.
+
+    **Arguments:**
+
+    - `tok`: the model's tokenizer (its `chat_template`, when it has one).
+    - `dc`: the run's `DataConfig`; `chat_template` is read (`auto`, `none` or a
+      `.jinja` file, as for the data-file stages).
+    - `prompts`: the prompts as a user writes them.
+
+    **Returns:** each prompt through the chat template (`chat_rendering`: one user
+    message, then the generation prompt; an HH-RLHF transcript, its turns), or as
+    written (`none`, or a tokenizer without a template, e.g. the built-in stories
+    model). BOS is not in the text: `encode_prompts` adds it when the tokenizer asks.
+    """
     rendering = chat_rendering(tok, dc)
     return list(prompts) if rendering is None else [rendering.prompt(p) for p in prompts]
 
@@ -73,7 +92,11 @@ def evaluate_model(cfg) -> dict:
     the built-in task's held-out story openings (`eval_samples` each, the animal
     scorer), with the stories model as base and reference for the 512-token
     vocabulary, else the model itself. The openings are continued as written, as the
-    built-in pipeline evaluates them (no chat template)."""
+    built-in pipeline evaluates them (no chat template).
+
+    **Returns:** the metrics of `evaluate_policy` (`score`, `score_se`, `base_nll`,
+    `kl`).
+    """
     policy, tok = load_configured_model(cfg)
     base, _ = load_model("builtin") if policy.cfg.vocab_size == 512 else (policy, tok)
     metrics, _, _ = evaluate_policy(

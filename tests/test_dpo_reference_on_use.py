@@ -9,9 +9,14 @@ import pytest
 
 import rlhf_eqx as rx
 from rlhf_eqx import data, pipelines as pl
-from rlhf_eqx.pipelines import _dpo_runs
-from rlhf_eqx.pipelines._dpo_runs import packed_steps, referenced_batches, referenced_rows
-from rlhf_eqx.pipelines._runs import collate_pairs, rows_at, shuffled_batches, take_rows
+from rlhf_eqx.pipelines.loop import (
+    collate_pairs,
+    referenced_batches,
+    referenced_rows,
+    rows_at,
+    shuffled_batches,
+    take_rows,
+)
 
 WORDS = ["cat", "dog", "sun", "ball", "tree", "park", "bird", "cake"]
 
@@ -71,7 +76,7 @@ def test_rows_match_up_front_and_are_computed_once(setup, monkeypatch):
 def test_batches_match_up_front_and_short_runs_compute_less(setup, monkeypatch):
     policy, tok, pairs = setup
     cfg = pl.DPOConfig(batch_size=4, max_length=24, packing=True)
-    batches = packed_steps(pairs, tok, cfg=cfg, prompt_length=12, seed=0)
+    batches = pl.packed_steps(pairs, tok, cfg=cfg, prompt_length=12, seed=0)
     eager = [rx.train.compute_reference_logps(policy, b) for b in batches]
     order = shuffled_batches(eager, 0)
     calls = _counting(monkeypatch)
@@ -93,6 +98,6 @@ def test_run_dpo_short_run_does_not_score_every_pair(setup, monkeypatch, tmp_pat
     ops = pl.OpsConfig(monitor=False)
     log = pl.MetricsLog(str(tmp_path), "dpo", quiet=True)
     ctx = pl.RunContext(ops=ops, log=log, key=jax.random.key(0), prompt_length=12)
-    res = _dpo_runs.run_dpo(policy, tok, pairs, cfg=cfg, ctx=ctx)
+    res = pl.run_dpo(policy, tok, pairs, cfg=cfg, ctx=ctx)
     assert calls == [4]  # one batch of 4 rows, not all 10 pairs
     assert np.isfinite(res.history[-1]["loss"])

@@ -10,9 +10,6 @@ import numpy as np
 import pytest
 
 from rlhf_eqx import pipelines as pl
-from rlhf_eqx.pipelines._evaluate import completion_nll
-from rlhf_eqx.pipelines._rollout import sampling_options
-from rlhf_eqx.pipelines._sampled_eval import sampled_comparison
 
 PROMPTS = ["Once upon a time", "The cat", "Tom had a ball", "Lily saw a dog", "The sun"]
 
@@ -33,7 +30,7 @@ def _cfg(eval_prompts=3, eval_samples=2):
 def test_same_model_is_paired_and_has_zero_kl(model):
     policy, tok = model
     cfg = _cfg()
-    ev = sampled_comparison(policy, policy, tok, PROMPTS + PROMPTS[:2], jax.random.key(0), cfg)
+    ev = pl.sampled_comparison(policy, policy, tok, PROMPTS + PROMPTS[:2], jax.random.key(0), cfg)
     assert ev["prompts"] == 3 and ev["samples_per_prompt"] == 2
     # the same model with the same key: the same samples on both sides
     assert ev["base_nll_before"] == ev["base_nll_after"] > 0
@@ -48,15 +45,18 @@ def test_nll_matches_completion_nll_and_scores(model):
     cfg = _cfg(eval_prompts=0, eval_samples=3)
     key = jax.random.key(1)
     other = jax.tree.map(lambda x: x * 1.05 if eqx.is_inexact_array(x) else x, policy)
-    ev = sampled_comparison(
+    ev = pl.sampled_comparison(
         policy, other, tok, PROMPTS, key, cfg, score=lambda p, t: float("a" in t), shown=2
     )
     assert ev["prompts"] == len(PROMPTS) and len(ev["examples"]) == 2
     assert ev["kl_after"] != 0.0 and ev["base_nll_after"] != ev["base_nll_before"]
-    opts = sampling_options(cfg.sampling)
+    opts = {
+        f: getattr(cfg.sampling, f)
+        for f in ("prompt_length", "max_new_tokens", "temperature", "stop_strings", "slots")
+    }
     for side, m in (("before", policy), ("after", other)):
         roll = pl.sample_rollout(m, tok, PROMPTS, key, group_size=3, **opts)
-        assert ev[f"base_nll_{side}"] == pytest.approx(completion_nll(policy, roll), rel=1e-5)
+        assert ev[f"base_nll_{side}"] == pytest.approx(pl.completion_nll(policy, roll), rel=1e-5)
         s = np.asarray([float("a" in t) for t in roll.texts])
         assert ev[f"score_{side}"] == pytest.approx(s.mean())
         per_prompt = s.reshape(len(PROMPTS), 3).mean(1)
@@ -67,7 +67,7 @@ def test_nll_matches_completion_nll_and_scores(model):
 
 def test_no_prompts(model):
     policy, tok = model
-    ev = sampled_comparison(policy, policy, tok, [], jax.random.key(0), _cfg())
+    ev = pl.sampled_comparison(policy, policy, tok, [], jax.random.key(0), _cfg())
     assert ev == {"prompts": 0, "samples_per_prompt": 2}
 
 

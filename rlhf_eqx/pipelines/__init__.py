@@ -162,6 +162,7 @@ from ._runs import (
     run_sft as run_sft,
     with_lora as with_lora,
 )
+from ._sampled_eval import sampled_comparison as sampled_comparison
 from ._seeds import (
     check_seeds as check_seeds,
     format_seeds_table as format_seeds_table,

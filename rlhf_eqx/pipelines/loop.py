@@ -1,8 +1,10 @@
 """The machinery under every run, for code that writes its own: the iteration loop with
 checkpoints, exact resume, rollback and the KL guard (`run_iterations`), the learning-rate
 factor a rollback lowers, the run-directory lock and the rules of what may change on
-resume, and the deterministic choice of each iteration's rows."""
+resume, the deterministic choice of each iteration's rows, and offline DPO's batches
+with their reference log-probabilities computed on first use."""
 
+from ._dpo_runs import referenced_batches as referenced_batches, referenced_rows as referenced_rows
 from ._loop import LoopResult as LoopResult, run_iterations as run_iterations
 from ._loop_checks import SPIKE_FLOOR as SPIKE_FLOOR
 from ._lr_scale import (
@@ -17,4 +19,9 @@ from ._resume_rules import (
     config_changes as config_changes,
 )
 from ._rundir import RunDir as RunDir, RunLock as RunLock
-from ._runs import rows_at as rows_at, take_rows as take_rows
+from ._runs import (
+    collate_pairs as collate_pairs,
+    rows_at as rows_at,
+    shuffled_batches as shuffled_batches,
+    take_rows as take_rows,
+)

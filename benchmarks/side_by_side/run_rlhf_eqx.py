@@ -323,8 +323,8 @@ def run_135(args, inputs):
     - `dpo135`: `make_dpo_step(reference="model")`, full fine-tune, unpacked rows
       (`PreferenceBatch`: each prompt computed for both completions, as TRL does).
     - `dpo135_saving`: the library's own savings: the packed layout of `hh_dpo` (one
-      pair per row, `[prompt | chosen | rejected]`, the prompt once; the LM head on the
-      completion positions only) and the reference log-probabilities cached beforehand
+      pair per row, `[prompt | chosen | rejected]`, the prompt once) and the reference
+      log-probabilities cached beforehand
       (`reference="cached"`, `compute_reference_logps` outside the timed step).
     - `dpo135_lora`: as `dpo135` with LoRA adapters (`common.LORA135`, no dropout) on
       every projection; the reference is the model without its adapters.

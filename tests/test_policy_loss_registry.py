@@ -4,6 +4,8 @@ name with `register_policy_loss` or passed as a callable, a copy of the clipped 
 update in every aggregation mode, on one row per completion and on shared-prompt rows;
 its hyperparameters come from the settings (fields and `loss_kwargs`) and stay traced."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,7 +50,24 @@ def user_kl_cov(logp, old_logp, advantages, mask, *, cov_fraction, kl_cov_coef, 
     )  # fmt: skip
 
 
+def user_high_entropy(logp, old_logp, advantages, mask, *, entropy, entropy_rho, axis_name):
+    """The clipped loss on the top-`entropy_rho` tokens by entropy (Wang et al. 2025)."""
+    return losses.high_entropy_policy_loss(
+        logp, old_logp, advantages, mask, entropy, rho=entropy_rho, axis_name=axis_name
+    )
+
+
+def user_clip_cov(logp, old_logp, advantages, mask, *, cov_fraction, key):
+    """Clip-Cov's random selection (Cui et al. 2025) with the key the step derives."""
+    return losses.clip_cov_policy_loss(
+        logp, old_logp, advantages, mask, fraction=cov_fraction, cov_low=-1e3, cov_high=1e3,
+        key=key,
+    )  # fmt: skip
+
+
 register_policy_loss("user_clip", user_clip)
+register_policy_loss("user_high_entropy", user_high_entropy, batch=True)
+register_policy_loss("user_clip_cov", user_clip_cov, batch=True)
 register_policy_loss("user_kl_cov", user_kl_cov, batch=True, advantages="sequence")
 
 
@@ -263,6 +282,13 @@ def test_check_loss_matches_accepts_copies_and_names_a_difference():
     )
     rt.check_loss_matches("user_clip", "ppo", settings=train.PPOSettings())
     rt.check_loss_matches("user_kl_cov", "kl_cov")
+    # step inputs: the entropies, and the same key for both (Clip-Cov's random tokens)
+    rt.check_loss_matches("user_high_entropy", "high_entropy")
+    cov = train.GRPOSettings(group_size=2, cov_fraction=0.3, clip_cov_low=-1e3, clip_cov_high=1e3)
+    rt.check_loss_matches("user_clip_cov", "clip_cov", settings=cov)
+    top = dataclasses.replace(cov, clip_cov_select="top")  # the library's tokens: the top ones
+    with pytest.raises(AssertionError, match="does not match 'clip_cov'"):
+        rt.check_loss_matches("user_clip_cov", "clip_cov", settings=top)
     rt.check_loss_matches(scaled_clip, "grpo", user_kwargs={"coef": 1.0})
     with pytest.raises(
         AssertionError, match=r"policy loss scaled_clip does not match 'grpo': per-token losses"

@@ -13,13 +13,13 @@ from ._animal import (
     animal_followup_score as animal_followup_score,
 )
 from ._calculator import calculator as calculator
+from ._compiled_rollout import rollout_multiturn as rollout_multiturn
 from ._environment import (
     Environment as Environment,
     HostEnvironment as HostEnvironment,
     TextEnvironment as TextEnvironment,
 )
 from ._host_rollout import rollout_multiturn_host as rollout_multiturn_host
-from ._rollout import rollout_multiturn as rollout_multiturn
 from ._tools import (
     ToolCall as ToolCall,
     ToolEnvironment as ToolEnvironment,

@@ -19,8 +19,8 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from ..data import Tokenizer, decode_continuation
 from ._animal_words import ANIMALS, word_forms as _forms
 from ._environment import Environment
-from ._rollout import Trajectory
 from ._text import TokenText, word_table
+from ._trajectory import Trajectory
 
 
 def _task_words(animals: Sequence[str] | None) -> tuple[tuple[str, ...], list[list[str]]]:

@@ -12,9 +12,8 @@ from jaxtyping import Array, Bool, Int, PRNGKeyArray
 
 from .._sampling import DEFAULT_TEMPERATURE
 from ..models import AbstractDecoder
+from ._compiled_rollout import _check_environment, _check_policy, _env_step, _options
 from ._environment import Environment, HostEnvironment
-from ._rollout import _env_step
-from ._rollout_checks import _check_environment, _check_policy, _options
 from ._trajectory import Trajectory, _trajectory
 from ._turns import _episode_keys, _start_batch, _turn
 

@@ -1,0 +1,319 @@
+"""Multi-turn rollouts against a jittable environment: policy turn → environment turn →
+... in one compiled program (`rollout_multiturn`; the buffer layout, KV cache and keys
+are described in `_turns`), and the checks of a multi-turn rollout's arguments, policy
+and environment that both rollouts (this one and `rollout_multiturn_host`) run once
+before anything is compiled.
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+
+from .._sampling import DEFAULT_TEMPERATURE, SamplingOptions
+from ..models import AbstractDecoder
+from ._environment import Environment
+from ._trajectory import Trajectory, _trajectory
+from ._turns import _Episode, _episode_keys, _start_batch, _turn, _TurnOptions
+
+
+class _Options(eqx.Module):
+    """The rollout's static settings (validated once)."""
+
+    turn: _TurnOptions
+    num_samples: int
+    max_turns: int
+    episode_reward: str
+
+    @property
+    def total(self) -> int:
+        return self.turn.total
+
+    @property
+    def sampling(self) -> SamplingOptions:
+        return self.turn.sampling
+
+
+def _options(
+    prompts,
+    prompt_masks,
+    *,
+    max_turns,
+    max_new_tokens,
+    max_total_tokens,
+    temperature,
+    top_k,
+    top_p,
+    eos_id,
+    pad_id,
+    num_samples,
+    episode_reward,
+) -> _Options:
+    sampling = SamplingOptions(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        eos_id=eos_id,
+        pad_id=pad_id,
+    )
+    if not (isinstance(num_samples, int) and not isinstance(num_samples, bool) and num_samples > 0):
+        raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+    if prompts.ndim != 2 or prompts.shape != prompt_masks.shape:
+        raise ValueError(
+            f"prompts {prompts.shape} and prompt_masks {prompt_masks.shape} must be two "
+            "[B, P] arrays of the same shape"
+        )
+    if not (isinstance(max_turns, int) and not isinstance(max_turns, bool) and max_turns > 0):
+        raise ValueError(f"max_turns must be a positive int, got {max_turns!r}")
+    P = prompts.shape[1]
+    if not (isinstance(max_total_tokens, int) and max_total_tokens > P):
+        raise ValueError(
+            f"max_total_tokens must be an int larger than the prompt length {P} (the buffer "
+            f"holds the padded prompt, then every turn), got {max_total_tokens!r}"
+        )
+    if episode_reward not in ("sum", "last"):
+        raise ValueError(f"episode_reward must be 'sum' or 'last', got {episode_reward!r}")
+    if not isinstance(prompt_masks, jax.core.Tracer):
+        empty = ~np.asarray(prompt_masks).any(axis=-1)
+        if empty.any():
+            raise ValueError(
+                f"prompt_masks row {int(np.argmax(empty))} has no real token; every prompt "
+                "needs at least one (a BOS will do)"
+            )
+    return _Options(
+        turn=_TurnOptions(sampling=sampling, total=max_total_tokens),
+        num_samples=num_samples,
+        max_turns=max_turns,
+        episode_reward=episode_reward,
+    )
+
+
+def _check_policy(policy: object, prompts, opts: _Options) -> AbstractDecoder:
+    if not isinstance(policy, AbstractDecoder):
+        raise TypeError(
+            "a rollout needs a decoder: a model inheriting rlhf_eqx.models.AbstractDecoder "
+            f"(init_cache / prefill / decode_step), such as rlhf_eqx.Policy; got "
+            f"{type(policy).__name__}"
+        )
+    if not isinstance(prompts, jax.core.Tracer):
+        ids = np.asarray(prompts)
+        bad = (ids < 0) | (ids >= policy.vocab_size)
+        if bad.any():
+            row, col = (int(x) for x in np.argwhere(bad)[0])
+            raise ValueError(
+                f"prompts row {row} has id {int(ids[row, col])} at position {col}, outside "
+                f"the vocabulary [0, {policy.vocab_size})"
+            )
+    limit = getattr(getattr(policy, "cfg", None), "max_seq_len", None)
+    if isinstance(limit, int) and opts.total > limit:
+        raise ValueError(
+            f"max_total_tokens={opts.total} is longer than the model's max_seq_len={limit}"
+        )
+    return policy
+
+
+def _signature(tree: Any) -> tuple[Any, list[str]]:
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, [f"{np.dtype(x.dtype).name}{list(np.shape(x))}" for x in leaves]
+
+
+def _check_array(name: str, x: Any, shape: tuple[int, ...], kind: str) -> None:
+    dtype = getattr(x, "dtype", None)
+    ok_kind = dtype is not None and (
+        (kind == "int" and jnp.issubdtype(dtype, jnp.integer))
+        or (kind == "bool" and dtype == jnp.bool_)
+        or (kind == "float" and jnp.issubdtype(dtype, jnp.floating))
+    )
+    if tuple(getattr(x, "shape", ())) != shape or not ok_kind:
+        got = f"{getattr(x, 'shape', None)} {dtype}"
+        raise ValueError(f"{name} must be a {kind} array of shape {shape}, got {got}")
+
+
+def _check_environment(env: object, prompt_length: int, opts: _Options) -> Environment:
+    """Trace `reset` and `step` once (no computation) and refuse wrong outputs."""
+    if not isinstance(env, Environment):
+        raise TypeError(
+            "rollout_multiturn needs a jittable rlhf_eqx.envs.Environment (use "
+            f"rollout_multiturn_host for a HostEnvironment); got {type(env).__name__}"
+        )
+    width = env.max_observation_tokens
+    if not (isinstance(width, int) and not isinstance(width, bool) and width > 0):
+        raise ValueError(f"{type(env).__name__}.max_observation_tokens must be a positive int")
+    name = type(env).__name__
+    key = jax.random.key(0)
+    prompt = jax.ShapeDtypeStruct((prompt_length,), jnp.int32)
+    pmask = jax.ShapeDtypeStruct((prompt_length,), jnp.bool_)
+    out = jax.eval_shape(env.reset, key, prompt, pmask)
+    if not (isinstance(out, tuple) and len(out) == 3):
+        raise ValueError(f"{name}.reset must return (state, observation, observation_mask)")
+    state, obs, obs_mask = out
+    _check_array(f"{name}.reset's observation", obs, (width,), "int")
+    _check_array(f"{name}.reset's observation_mask", obs_mask, (width,), "bool")
+    N = opts.sampling.max_new_tokens
+    comp = jax.ShapeDtypeStruct((N,), jnp.int32)
+    cmask = jax.ShapeDtypeStruct((N,), jnp.bool_)
+    out = jax.eval_shape(env.step, state, comp, cmask)
+    if not (isinstance(out, tuple) and len(out) == 5):
+        raise ValueError(
+            f"{name}.step must return (state, observation, observation_mask, reward, done)"
+        )
+    new_state, obs, obs_mask, reward, done = out
+    _check_array(f"{name}.step's observation", obs, (width,), "int")
+    _check_array(f"{name}.step's observation_mask", obs_mask, (width,), "bool")
+    _check_array(f"{name}.step's reward", reward, (), "float")
+    _check_array(f"{name}.step's done", done, (), "bool")
+    if _signature(new_state) != _signature(state):
+        raise ValueError(
+            f"{name}.step returned a state with leaves {_signature(new_state)[1]} but "
+            f"reset returned {_signature(state)[1]}: the state must keep its structure, "
+            "shapes and dtypes"
+        )
+    return env
+
+
+def _env_step(env: Environment, states, comp, cmask, took):
+    """Every episode's `env.step` (vmapped); the state moves on where `took` only."""
+    new, obs, obs_mask, reward, done = jax.vmap(env.step)(states, comp, cmask)
+    expand = lambda x: jnp.reshape(took, took.shape + (1,) * (x.ndim - 1))
+    states = jax.tree.map(lambda a, b: jnp.where(expand(a), a, b), new, states)
+    reward = jnp.where(took, reward.astype(jnp.float32), 0.0)
+    return states, obs.astype(jnp.int32), obs_mask, reward, took & done
+
+
+class _Loop(eqx.Module):
+    episodes: _Episode
+    states: Any
+    obs: Int[Array, "E O"]
+    obs_mask: Bool[Array, "E O"]
+    turn: Int[Array, ""]
+    done: Bool[Array, " E"]
+    stopped: Bool[Array, " E"]
+    turn_rewards: Float[Array, "E K"]
+    num_turns: Int[Array, " E"]
+
+
+def _rollout(policy, env, prompts, prompt_masks, key, opts: _Options) -> Trajectory:
+    eps, prompts, prompt_masks = _start_batch(
+        policy, prompts, prompt_masks, opts.turn, opts.num_samples
+    )
+    E, T, K = prompts.shape[0], opts.total, opts.max_turns
+    policy_keys, env_keys = _episode_keys(key, E)
+    states, obs, obs_mask = jax.vmap(env.reset)(env_keys, prompts, prompt_masks)
+    init = _Loop(
+        episodes=eps,
+        states=states,
+        obs=obs.astype(jnp.int32),
+        obs_mask=obs_mask,
+        turn=jnp.zeros((), jnp.int32),
+        done=jnp.zeros((E,), jnp.bool_),
+        stopped=jnp.zeros((E,), jnp.bool_),
+        turn_rewards=jnp.zeros((E, K), jnp.float32),
+        num_turns=jnp.zeros((E,), jnp.int32),
+    )
+
+    def cond(c: _Loop):
+        return (c.turn < K) & jnp.any(~c.done & ~c.stopped)
+
+    def body(c: _Loop) -> _Loop:
+        active = ~c.done & ~c.stopped
+        eps, comp, cmask, took = _turn(
+            policy, c.episodes, c.obs, c.obs_mask, policy_keys, c.turn, active, opts.turn
+        )
+        states, obs, obs_mask, reward, ended = _env_step(env, c.states, comp, cmask, took)
+        return _Loop(
+            episodes=eps,
+            states=states,
+            obs=obs,
+            obs_mask=obs_mask,
+            turn=c.turn + 1,
+            done=c.done | ended,
+            stopped=c.stopped | (active & (~took | (eps.length >= T))),
+            turn_rewards=c.turn_rewards.at[:, c.turn].set(reward),
+            num_turns=c.num_turns + took.astype(jnp.int32),
+        )
+
+    c = jax.lax.while_loop(cond, body, init)
+    return _trajectory(c.episodes, c.turn_rewards, c.num_turns, c.done, opts.episode_reward)
+
+
+_rollout_jit = eqx.filter_jit(_rollout)
+
+
+def rollout_multiturn(
+    policy: AbstractDecoder,
+    env: Environment,
+    prompts: Int[Array, "B P"],
+    prompt_masks: Bool[Array, "B P"],
+    key: PRNGKeyArray,
+    *,
+    max_turns: int,
+    max_new_tokens: int,
+    max_total_tokens: int,
+    temperature: float | int = DEFAULT_TEMPERATURE,
+    top_k: int | None = None,
+    top_p: float | int | None = None,
+    eos_id: int | Sequence[int] | None = None,
+    pad_id: int = 0,
+    num_samples: int = 1,
+    episode_reward: str = "sum",
+) -> Trajectory:
+    """Roll out multi-turn episodes against a jittable environment, in one compiled program.
+
+    Each episode alternates policy turns (sampled with the KV cache, until a stop id in
+    `eos_id`, `max_new_tokens` tokens or a full buffer) and environment turns
+    (`env.step`), until the environment says done, `max_turns` policy turns were
+    played, or the `max_total_tokens` buffer is full. The turns run in a
+    `lax.while_loop`, the tokens of a turn in an inner one; each token's work (sampling,
+    `decode_step`, `env.step` after a turn) is written for one episode and `jax.vmap`-ed
+    over the batch: no Python work per turn or token. Episodes that have finished wait
+    without changing. One compile per (policy structure, environment, shapes, options).
+
+    **Arguments:**
+
+    - `policy`: a decoder (`rlhf_eqx.models.AbstractDecoder`, e.g. `rlhf_eqx.Policy`).
+    - `env`: an `Environment`.
+    - `prompts`, `prompt_masks`: `[B, P]` ids and real-token masks, left- or right-padded
+      (each row needs a real token; concrete ids outside the vocabulary raise).
+    - `key`: PRNG key. Episode `e` uses `split(key, E)[e]`, split again into a policy
+      key and an environment key (`env.reset`'s); token `t` of policy turn `k` is drawn
+      with `fold_in(fold_in(policy_key, k), t)`, so a draw depends only on its episode,
+      turn and index.
+    - `max_turns`: most policy turns per episode.
+    - `max_new_tokens`: most tokens per policy turn.
+    - `max_total_tokens`: the static length `T` of each episode's buffer (prompt
+      included; at most the model's `cfg.max_seq_len`).
+    - `temperature`, `top_k`, `top_p`, `eos_id` (one stop id or several), `pad_id`: as
+      for `rlhf_eqx.generate`.
+    - `num_samples`: episodes per prompt (a GRPO group), each prompt prefilled once.
+    - `episode_reward`: `"sum"` of the turn rewards, or `"last"` (the final turn's).
+
+    **Returns:** a `Trajectory` of `B · num_samples` episodes: per row, the prompt as
+    given, then the first observation, turn 1, the next observation, ... written
+    contiguously. Its `logprobs` equal
+    `rlhf_eqx.token_logprobs(policy, tokens, mask, temperature=temperature)` at
+    `loss_mask` (the sampling ratio is 1 on-policy). The prompt is prefilled once and
+    every later token, sampled or observed, goes through `decode_step` into the same KV
+    cache: no turn recomputes the context before it.
+    """
+    opts = _options(
+        prompts,
+        prompt_masks,
+        max_turns=max_turns,
+        max_new_tokens=max_new_tokens,
+        max_total_tokens=max_total_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        eos_id=eos_id,
+        pad_id=pad_id,
+        num_samples=num_samples,
+        episode_reward=episode_reward,
+    )
+    policy = _check_policy(policy, prompts, opts)
+    env = _check_environment(env, prompts.shape[1], opts)
+    return _rollout_jit(policy, env, prompts, prompt_masks.astype(jnp.bool_), key, opts)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from ..models._protocols import AbstractDecoder
+from ..models import AbstractDecoder
 from ._options import GenerationOutput, SamplingOptions
 from ._token import sample_token
 

@@ -59,13 +59,13 @@ from ._evaluate import (
     win_rate_se as win_rate_se,
 )
 from ._grpo_runs import OffPolicyState as OffPolicyState, run_grpo as run_grpo
+from ._iterations import (
+    RunInterrupted as RunInterrupted,
+)
 from ._kto_runs import (
     kto_heldout_metrics as kto_heldout_metrics,
     run_kto as run_kto,
     sampled_unpaired as sampled_unpaired,
-)
-from ._loop import (
-    RunInterrupted as RunInterrupted,
 )
 from ._lr_scale import (
     build_optimizer as build_optimizer,

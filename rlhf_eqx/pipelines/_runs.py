@@ -27,7 +27,7 @@ from ._config import (
     OpsConfig,
     SamplingConfig,
 )
-from ._loop import LoopResult, run_iterations
+from ._iterations import LoopResult, run_iterations
 from ._lr_scale import build_optimizer
 from ._metrics import MetricsLog
 from ._monitor import model_flops

@@ -1,7 +1,7 @@
-"""The iteration loop shared by every run (the learning-rate factor rollback lowers is in
-`_lr_scale.py`, the checks after each iteration in `_loop_checks.py`).
-
-Checkpoints are in `_checkpoints.py`, the metrics log in `_metrics.py`.
+"""The iteration loop shared by every run (`run_iterations`) and what it checks after
+each iteration: divergence (non-finite values, loss and KL spikes), records a resumed run
+writes again, and monitoring numbers. The learning-rate factor a rollback lowers is in
+`_lr_scale.py`, checkpoints in `_checkpoints.py`, the metrics log in `_metrics.py`.
 
 A run is a sequence of *iterations* (one optimiser step for SFT / reward / offline DPO;
 one rollout and its updates for PPO / GRPO / online DPO). Iteration `i` draws its
@@ -10,6 +10,7 @@ checkpoint taken after iteration `i` continues exactly as the uninterrupted run.
 """
 
 import dataclasses
+import math
 import os
 import time
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import PyTree
 
 from ._checkpoints import (
@@ -29,11 +31,87 @@ from ._checkpoints import (
 from ._config import (
     OpsConfig,
 )
-from ._loop_checks import find_problem, monitoring, stale_record
 from ._lr_scale import get_lr_scale, set_lr_scale
 from ._metrics import MetricsLog, drop_records, progress
-from ._monitor import Profiler
+from ._monitor import Profiler, device_memory
 from ._resume_rules import RunDirError, check_resumable
+
+# --- the checks after each iteration --------------------------------------------------
+
+SPIKE_FLOOR = 0.1
+"""The smallest reference of the loss-spike rule: a loss is a spike when `|loss|` exceeds
+`ops.loss_spike` × max(median of the last 10 accepted `|loss|`, `SPIKE_FLOOR`)."""
+
+
+def find_problem(
+    metrics: list[dict], info: dict, losses: list[float], ops: OpsConfig
+) -> tuple[str | None, bool]:
+    """`(what went wrong or None, whether the state before the iteration is still good)`.
+
+    A step's loss is computed before its update: a bad first step (or a KL spike of the
+    rollout, sampled before any update) implicates the state the iteration started from;
+    a bad later step only the iteration's own updates."""
+    kl = info.get("kl")
+    if kl is not None and not math.isfinite(kl):
+        return f"non-finite KL {kl}", False
+    if kl is not None and kl > ops.kl_spike:
+        return f"KL spike {kl:.4g} > {ops.kl_spike}", False
+    recent = list(losses[-10:])
+    for j, m in enumerate(metrics):
+        loss = m.get("loss", 0.0)
+        bad = None
+        if not math.isfinite(loss):
+            bad = f"non-finite loss {loss}"
+        elif m.get("nonfinite", 0.0) > 0:
+            bad = "non-finite gradient (the step was skipped)"
+        elif recent:
+            ref = max(float(np.median(np.abs(recent[-10:]))), SPIKE_FLOOR)
+            if abs(loss) > ops.loss_spike * ref:
+                bad = f"loss spike {loss:.4g} (median of recent |loss| {ref:.4g})"
+        if bad is not None:
+            return (f"step {j}: {bad}" if len(metrics) > 1 else bad), j > 0
+        recent.append(loss)
+    return None, True
+
+
+def stale_record(stage: str, steps: int, start: int) -> Callable[[dict], bool]:
+    """Records of `stage` written after the checkpoint a run resumes from (they are
+    written again), except an evaluation at or before the resumed iteration."""
+
+    def stale(r: dict) -> bool:
+        if r.get("stage") != stage or r.get("event") == "resume":
+            return False
+        if r.get("eval") and r.get("iteration", start + 1) <= start:
+            return False
+        if "step" in r:
+            return r["step"] >= steps
+        return "event" in r and r.get("iteration", -1) >= start
+
+    return stale
+
+
+def monitoring(
+    i: int,
+    elapsed: float,
+    info: dict,
+    scores: dict[int, float],
+    ops: OpsConfig,
+    flops: float | None,
+    peak: float | None,
+) -> dict:
+    out: dict[str, float] = {}
+    if flops:
+        out["model_flops"] = flops
+        if peak:
+            out["mfu"] = flops / max(elapsed, 1e-9) / peak
+    if ops.monitor:
+        out.update(device_memory())
+    if "score" in info:
+        scores[i] = float(info["score"])
+        if i - ops.log_every in scores:
+            out["reward_improvement"] = scores[i] - scores[i - ops.log_every]
+    return out
+
 
 # --- the loop --------------------------------------------------------------------------
 

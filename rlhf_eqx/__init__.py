@@ -75,7 +75,7 @@ from ._sampling import (
     sample_token as sample_token,
     truncate_at_stop_strings as truncate_at_stop_strings,
 )
-from .distributed._memory import (
+from .distributed import (
     MemoryEstimate as MemoryEstimate,
     estimate_memory as estimate_memory,
 )

@@ -26,6 +26,7 @@ size of the axis it names, that dimension is replicated instead (`fit_spec`).
 """
 
 from ..models import partition_specs as partition_specs
+from ._memory import MemoryEstimate as MemoryEstimate, estimate_memory as estimate_memory
 from ._mesh import (
     fit_spec as fit_spec,
     make_mesh as make_mesh,
@@ -66,4 +67,6 @@ __all__ = [
     "ENV_COORDINATOR",
     "ENV_NUM_PROCESSES",
     "ENV_PROCESS_ID",
+    "estimate_memory",
+    "MemoryEstimate",
 ]

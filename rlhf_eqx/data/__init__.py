@@ -65,6 +65,7 @@ from ._loader import (
 from ._packing import pack_preferences as pack_preferences, packed_length as packed_length
 from ._packing_steps import pack_preference_steps as pack_preference_steps
 from ._preferences import (
+    PREFERENCE_FORMATS as PREFERENCE_FORMATS,
     PreferenceDataset as PreferenceDataset,
     PreferenceRecord as PreferenceRecord,
     load_preferences as load_preferences,
@@ -80,6 +81,7 @@ from ._prm import (
     tokenize_stepwise as tokenize_stepwise,
 )
 from ._prompts import (
+    PROMPT_FORMATS as PROMPT_FORMATS,
     PromptDataset as PromptDataset,
     PromptRecord as PromptRecord,
     load_prompts as load_prompts,

@@ -42,6 +42,8 @@ from ._io import (
 
 HH_ASSISTANT = "\n\nAssistant:"
 PREFERENCE_FORMATS = ("hh", "messages", "sharegpt", "plain")
+"""The record layouts `load_preferences(path, format=...)` reads (besides `"auto"`, which
+detects one of them)."""
 
 
 class PreferenceDataset(RecordDataset["PreferenceRecord"]):

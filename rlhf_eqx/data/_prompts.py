@@ -23,6 +23,8 @@ from ._io import (
 )
 
 PROMPT_FORMATS = ("gsm8k", "mt-bench", "plain")
+"""The record layouts `load_prompts(path, format=...)` reads (besides `"auto"`, which detects
+one of them)."""
 
 
 class PromptDataset(RecordDataset["PromptRecord"]):

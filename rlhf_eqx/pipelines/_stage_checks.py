@@ -12,7 +12,7 @@ from typing import Any
 import jax
 
 from ..losses import DPO_BATCH_LOSS_TYPES, ENSEMBLE_MODES, KTO_LOSS_TYPES, PRM_AGGREGATIONS
-from ..train._prm import PRM_SCORES
+from ..train import PRM_SCORES
 from ._config import REWARD_SOURCES, BatchStageConfig, RolloutStageConfig
 from ._field_checks import (
     _above,

@@ -18,10 +18,8 @@ or the tokenizer, read without loading the weights, in `_model_checks.py`).
 import os
 from typing import Any
 
-from ..data._preferences import PREFERENCE_FORMATS
-from ..data._prompts import PROMPT_FORMATS
-from ..train import SampledSettings
-from ..train._judge import JUDGE_SCORES
+from ..data import PREFERENCE_FORMATS, PROMPT_FORMATS
+from ..train import JUDGE_SCORES, SampledSettings
 from ._config import (
     ConfigError,
     OpsConfig,

@@ -71,6 +71,7 @@ from ._ensemble_step import (
 from ._grpo import grpo_loss as grpo_loss, make_grpo_step as make_grpo_step
 from ._grpo_batch import GRPOBatch as GRPOBatch, grpo_advantages as grpo_advantages
 from ._judge import (
+    JUDGE_SCORES as JUDGE_SCORES,
     JudgeReward as JudgeReward,
     judge_reward as judge_reward,
     judge_scores as judge_scores,
@@ -99,6 +100,7 @@ from ._pair_logps import (
 )
 from ._ppo import make_ppo_step as make_ppo_step, ppo_loss as ppo_loss
 from ._prm import (
+    PRM_SCORES as PRM_SCORES,
     PRMBatch as PRMBatch,
     PRMSettings as PRMSettings,
     add_token_rewards as add_token_rewards,

@@ -38,6 +38,8 @@ from ._accumulate import vmap_model
 from ._validation import check_choice, check_positive_int
 
 JUDGE_SCORES = ("log_odds", "prob")
+"""The values of `verdict_scores(..., score=)` and `judge_scores(..., score=)`: the log-odds
+of the yes token against the no token, or the probability of the yes token."""
 JudgeScore = Literal["log_odds", "prob"]
 
 

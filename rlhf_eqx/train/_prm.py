@@ -52,6 +52,8 @@ from ._step_cache import own_record
 from ._validation import check_aggregation, check_choice, check_number
 
 PRM_SCORES = ("prob", "logit")
+"""The values of `process_rewards(..., score=)`: a step's probability of being correct, or
+its logit."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -24,8 +24,8 @@ from ..models import LORA_TARGETS
 from ..train import (
     OptimizerSettings,
     StepOptions,
+    check_number,
 )
-from ..train._validation import check_number
 
 REWARD_SOURCES: tuple[str, ...] = ("task", "reward_model", "judge", "prm")
 """The values of `ppo.reward_source` and `grpo.reward_source` (`_reward_sources.py`)."""

@@ -10,7 +10,6 @@ from jaxtyping import Array, Float, PyTree
 
 from .. import train
 from ..train import OptimizerSettings
-from ..train._step_cache import BUILDS, value_key
 
 
 class LRScaleState(NamedTuple):
@@ -45,9 +44,7 @@ def build_optimizer(optim: OptimizerSettings, total_steps: int) -> optax.Gradien
     (the rate applied)."""
     base = train.make_optimizer(optim, total_steps=max(total_steps, 1))
     # the same object for the same `base`, so that equal steps share their programs
-    return BUILDS.get_or_build(
-        lambda: ("lr_factor", value_key(base)), lambda: optax.chain(base, scale_by_lr_factor())
-    )
+    return train.shared_build(("lr_factor", base), lambda: optax.chain(base, scale_by_lr_factor()))
 
 
 def _is_scale(x: Any) -> bool:

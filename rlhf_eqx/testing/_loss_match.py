@@ -11,8 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..losses import dpo_batch_loss, dpo_loss_types, policy_loss_names
-from ..train import GRPOSettings, PPOSettings
-from ..train._policy_loss_fns import make_policy_loss
+from ..train import GRPOSettings, PPOSettings, make_policy_loss
 
 REGISTRIES: tuple[str, ...] = ("dpo", "policy")
 """The registries `check_loss_matches` compares in."""

@@ -98,6 +98,7 @@ from ._pair_logps import (
     compute_reference_logps as compute_reference_logps,
     sequence_logps as sequence_logps,
 )
+from ._policy_loss_fns import make_policy_loss as make_policy_loss
 from ._ppo import make_ppo_step as make_ppo_step, ppo_loss as ppo_loss
 from ._prm import (
     PRM_SCORES as PRM_SCORES,
@@ -135,3 +136,5 @@ from ._state import (
     partition_trainable as partition_trainable,
 )
 from ._step import Step as Step, make_step as make_step
+from ._step_cache import shared_build as shared_build
+from ._validation import check_number as check_number

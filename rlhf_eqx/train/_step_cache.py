@@ -147,3 +147,24 @@ class BuildCache:
 
 BUILDS = BuildCache()
 """The package's cache of built steps and optimisers."""
+
+
+def shared_build(key: Hashable, build: Callable[[], T]) -> T:
+    """`build()`, or the object an earlier call with an equal `key` built: the cache behind
+    `make_step` and `make_optimizer`, for code that assembles a step's parts itself (an
+    optimiser chained with its own transformation, say) and wants equal assemblies to be
+    one object, so that the steps built from them share their compiled programs.
+
+    **Arguments:**
+
+    - `key`: what the build computes, compared by value as `make_step` compares settings
+      (numbers by type and `repr`, dataclasses field by field, tuples, lists and mappings
+      item by item, other hashables such as functions and optax objects by their own
+      equality). A key holding an array (concrete or traced) or an unhashable value, or a
+      call inside a JAX transformation, builds without caching.
+    - `build`: a function of no arguments that builds the object.
+
+    **Returns:** the built object; the cache keeps the last `MAX_ENTRIES` builds (least
+    recently used first out).
+    """
+    return BUILDS.get_or_build(lambda: value_key(key), build)

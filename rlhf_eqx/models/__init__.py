@@ -39,6 +39,7 @@ from ._llama2c import (
     load_llama2c_policy as load_llama2c_policy,
     permute_rotary_rows as permute_rotary_rows,
     read_llama2c as read_llama2c,
+    read_llama2c_header as read_llama2c_header,
 )
 from ._lora import (
     LoRAConfig as LoRAConfig,

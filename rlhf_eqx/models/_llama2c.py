@@ -74,8 +74,23 @@ def permute_rotary_rows(
     return w.reshape(*lead, out, fan_in)
 
 
-def _read_header(path: str) -> tuple[dict[str, int], bool, int, int]:
-    """Return `(sizes, shared_classifier, version, data_offset)`."""
+def read_llama2c_header(path: str | os.PathLike) -> tuple[dict[str, int], bool, int, int]:
+    """Read a llama2.c checkpoint's header only (no weights): its sizes and layout.
+
+    **Arguments:** `path`, a llama2.c `.bin` checkpoint (the float32 legacy format or
+    version 1).
+
+    **Returns:** `(sizes, shared_classifier, version, data_offset)`: the 7 header ints
+    by name (`dim`, `hidden_dim`, `n_layers`, `n_heads`, `n_kv_heads`, `vocab_size`,
+    `seq_len`; `vocab_size` made positive), whether the classifier shares the token
+    embedding, the format version (0 for the legacy format) and the byte offset of the
+    first weight.
+
+    Raises `ValueError`, naming the file, for a file too small or truncated, an
+    unsupported version, or implausible sizes (not positive, heads that do not divide the
+    width, an odd head size).
+    """
+    path = os.fspath(path)
     size = os.path.getsize(path)
     if size < _LEGACY_HEADER_BYTES:
         raise ValueError(f"{path}: file of {size} bytes is too small to be a llama2.c checkpoint")
@@ -125,7 +140,7 @@ def read_llama2c(path: str | os.PathLike) -> tuple[dict[str, int], bool, dict[st
     holds NaN or ±inf.
     """
     path = os.fspath(path)
-    sizes, shared, version, offset = _read_header(path)
+    sizes, shared, version, offset = read_llama2c_header(path)
     D, F, L = sizes["dim"], sizes["hidden_dim"], sizes["n_layers"]
     H, K, V, S = sizes["n_heads"], sizes["n_kv_heads"], sizes["vocab_size"], sizes["seq_len"]
     hd = D // H

@@ -22,8 +22,7 @@ def _header_sizes(source: str) -> tuple[int, int] | None:
     """`(vocab_size, max_seq_len)` of a checkpoint, read from its header only (`None`
     for a format whose sizes are not read here: `load_model` checks it)."""
     from ..assets import asset_path
-    from ..models._hf_config import config_from_hf
-    from ..models._llama2c import _read_header
+    from ..models import config_from_hf, read_llama2c_header
     from . import _pipeline
 
     resolve = getattr(_pipeline, "model_path", None)  # short model names
@@ -39,7 +38,7 @@ def _header_sizes(source: str) -> tuple[int, int] | None:
         with open(path) as f:
             cfg = config_from_hf(json.load(f), source=path)
         return cfg.vocab_size, cfg.max_seq_len
-    sizes, _, _, _ = _read_header(source)
+    sizes, _, _, _ = read_llama2c_header(source)
     return sizes["vocab_size"], sizes["seq_len"]
 
 

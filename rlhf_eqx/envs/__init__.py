@@ -6,12 +6,17 @@ one compiled rollout (`rollout_multiturn`), or a Python `HostEnvironment` /
 (`rollout_multiturn_host`). Both return a `Trajectory` whose `loss_mask` marks the
 policy's own tokens only, ready for the GRPO / PPO steps (`completion_mask=loss_mask`,
 `old_logp=logprobs`).
+
+The animal task's words (`ANIMALS`, with `animal_word_forms`) are shared by its
+follow-up environment (`AnimalFollowUpEnv`) and the built-in task's scorer
+(`rlhf_eqx.pipelines.animal_score`).
 """
 
 from ._animal import (
     AnimalFollowUpEnv as AnimalFollowUpEnv,
     animal_followup_score as animal_followup_score,
 )
+from ._animal_words import ANIMALS as ANIMALS, animal_word_forms as animal_word_forms
 from ._calculator import calculator as calculator
 from ._compiled_rollout import rollout_multiturn as rollout_multiturn
 from ._environment import (

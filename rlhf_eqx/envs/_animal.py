@@ -17,7 +17,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ..data import Tokenizer, decode_continuation
-from ._animal_words import ANIMALS, word_forms as _forms
+from ._animal_words import ANIMALS, animal_word_forms as _forms
 from ._environment import Environment
 from ._text import TokenText, word_table
 from ._trajectory import Trajectory

@@ -1,7 +1,6 @@
 """The animal task's words: each animal with its plural forms (irregular ones included),
 shared by the task's scorer (`rlhf_eqx.pipelines`) and the follow-up environment."""
 
-# The scorer's words: each with its plural forms (irregular ones included).
 ANIMALS: tuple[str, ...] = (
     "cat",
     "dog",
@@ -24,6 +23,8 @@ ANIMALS: tuple[str, ...] = (
     "kitten",
     "fox",
 )
+"""The animal task's words (the scorer also counts their plural forms,
+`animal_word_forms`)."""
 _IRREGULAR = {
     "mouse": ("mice",),
     "puppy": ("puppies",),
@@ -33,6 +34,12 @@ _IRREGULAR = {
 }
 
 
-def word_forms(word: str) -> tuple[str, ...]:
-    """`word` and its plural forms, as the scorer counts them."""
+def animal_word_forms(word: str) -> tuple[str, ...]:
+    """`word` and its plural forms, as the animal task's scorer counts them: the regular
+    `word + "s"` and the irregular ones (`"mouse"` gives `("mouse", "mouses", "mice")`).
+
+    **Arguments:** `word`, an animal of `ANIMALS` (or any word).
+
+    **Returns:** the forms, `word` first.
+    """
     return (word, word + "s") + _IRREGULAR.get(word, ())

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..envs._animal_words import ANIMALS as ANIMALS, word_forms as _forms
+from ..envs import ANIMALS as ANIMALS, animal_word_forms as _forms
 
 _PATTERN = re.compile(
     r"\b(?:"

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
-from .._sampling._options import DEFAULT_TEMPERATURE
+from .._sampling import DEFAULT_TEMPERATURE
 from ._validation import Hyperparameter, check_python_number, is_python_number
 
 

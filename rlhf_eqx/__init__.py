@@ -49,12 +49,6 @@ from .ops import (
 __version__ = "0.1.0"
 
 from . import distributed as distributed, envs as envs
-from ._batches import (
-    PackedPreferenceBatch as PackedPreferenceBatch,
-    PreferenceBatch as PreferenceBatch,
-    PromptBatch as PromptBatch,
-    SequenceBatch as SequenceBatch,
-)
 from ._compilation_cache import (
     compilation_cache_dir as compilation_cache_dir,
     enable_compilation_cache as enable_compilation_cache,
@@ -74,6 +68,12 @@ from ._sampling import (
     generate_continuous as generate_continuous,
     sample_token as sample_token,
     truncate_at_stop_strings as truncate_at_stop_strings,
+)
+from .data._batches import (
+    PackedPreferenceBatch as PackedPreferenceBatch,
+    PreferenceBatch as PreferenceBatch,
+    PromptBatch as PromptBatch,
+    SequenceBatch as SequenceBatch,
 )
 from .distributed import (
     MemoryEstimate as MemoryEstimate,

@@ -35,7 +35,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from .._batches import PreferenceBatch, PromptBatch, SequenceBatch
+from ._batches import PreferenceBatch, PromptBatch, SequenceBatch
 from ._errors import DataError
 from ._tokenized import SequenceLengths, TokenizedPair, TokenizedSequence
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from .._batches import PackedPreferenceBatch
+from ._batches import PackedPreferenceBatch
 from ._collate import _check_completions, _check_ids
 from ._errors import DataError
 from ._tokenized import TokenizedPair

@@ -5,7 +5,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .._batches import PackedPreferenceBatch
+from ._batches import PackedPreferenceBatch
 from ._errors import DataError
 from ._packing import _check_fits, _first_fit, _positive, _sized_pieces, _write_rows
 from ._tokenized import TokenizedPair

@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 import numpy as np
 
-from .._batches import PackedPreferenceBatch, PreferenceBatch
+from ._batches import PackedPreferenceBatch, PreferenceBatch
 from ._errors import DataError
 from ._packing import pack_preferences
 from ._tokenized import TokenizedPair, TokenizedSequence

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from .._batches import _validate
+from ..data._batches import _validate
 from ..data._errors import DataError
 from ..models import AbstractDecoder
 from ..ops import previous_real_index

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray, PyTree, UInt32
 
-from .._batches import _is_array
+from ..data._batches import _is_array
 from ..losses import ENSEMBLE_MODES, EnsembleMode, conservative_reward
 from ._reward import _scores
 from ._state import TrainState, partition_trainable

@@ -13,7 +13,7 @@ import numpy as np
 import optax
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._batches import PackedPreferenceBatch, PreferenceBatch, _is_array
+from ..data._batches import PackedPreferenceBatch, PreferenceBatch, _is_array
 from ..data._errors import DataError
 from ..losses import bradley_terry_loss
 from ._ensemble import Ensemble, _merge

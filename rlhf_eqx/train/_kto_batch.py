@@ -5,7 +5,7 @@ import equinox as eqx
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from .._batches import _is_array, _validate
+from ..data._batches import _is_array, _validate
 from ..data._errors import DataError
 
 

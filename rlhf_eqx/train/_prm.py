@@ -30,7 +30,7 @@ import numpy as np
 import optax
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 
-from .._batches import _is_array, _validate
+from ..data._batches import _is_array, _validate
 from ..data._errors import DataError
 from ..losses import (
     PRM_AGGREGATIONS,

@@ -24,7 +24,7 @@ import equinox as eqx
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from .data._errors import DataError
+from ._errors import DataError
 
 
 def _is_array(x: object) -> bool:

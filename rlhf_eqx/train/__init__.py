@@ -69,7 +69,7 @@ from ._ensemble_step import (
     make_ensemble_reward_step as make_ensemble_reward_step,
 )
 from ._grpo import grpo_loss as grpo_loss, make_grpo_step as make_grpo_step
-from ._grpo_batch import GRPOBatch as GRPOBatch, grpo_advantages as grpo_advantages
+from ._grpo_advantages import GRPOBatch as GRPOBatch, grpo_advantages as grpo_advantages
 from ._judge import (
     JUDGE_SCORES as JUDGE_SCORES,
     JudgeReward as JudgeReward,
@@ -100,6 +100,12 @@ from ._pair_logps import (
 )
 from ._policy_loss_fns import make_policy_loss as make_policy_loss
 from ._ppo import make_ppo_step as make_ppo_step, ppo_loss as ppo_loss
+from ._ppo_rollout import (
+    PPOBatch as PPOBatch,
+    compute_advantages as compute_advantages,
+    prepare_ppo_batch as prepare_ppo_batch,
+    token_values as token_values,
+)
 from ._prm import (
     PRM_SCORES as PRM_SCORES,
     PRMBatch as PRMBatch,
@@ -115,12 +121,6 @@ from ._rl_settings import (
     GRPOSettings as GRPOSettings,
     PPOSettings as PPOSettings,
     SampledSettings as SampledSettings,
-)
-from ._rollout import (
-    PPOBatch as PPOBatch,
-    compute_advantages as compute_advantages,
-    prepare_ppo_batch as prepare_ppo_batch,
-    token_values as token_values,
 )
 from ._settings import (
     DPOSettings as DPOSettings,

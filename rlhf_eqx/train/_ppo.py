@@ -11,8 +11,8 @@ from ..losses import aggregate_parts, ppo_value_loss
 from ..losses._ppo import LOG_RATIO_CLAMP
 from ..ops import masked_sum
 from ._policy_loss_fns import make_policy_loss, read_policy_loss
+from ._ppo_rollout import PPOBatch, policy_logps_and_values
 from ._rl_settings import PPOSettings
-from ._rollout import PPOBatch, policy_logps_and_values
 from ._settings import StepOptions, settings_from, split_shortcuts
 from ._step import LossFn, Step, make_step
 from ._step_cache import BUILDS, own_record, value_key

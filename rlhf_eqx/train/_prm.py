@@ -44,7 +44,7 @@ from ..losses import (
 )
 from ..ops import masked_sum
 from ._accumulate import vmap_model
-from ._rollout import PPOBatch
+from ._ppo_rollout import PPOBatch
 from ._settings import StepOptions, settings_from, split_shortcuts
 from ._state import combine
 from ._step import LossFn, Step, make_step

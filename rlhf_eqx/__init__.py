@@ -69,7 +69,7 @@ from ._sampling import (
     sample_token as sample_token,
     truncate_at_stop_strings as truncate_at_stop_strings,
 )
-from .data._batches import (
+from .data import (
     PackedPreferenceBatch as PackedPreferenceBatch,
     PreferenceBatch as PreferenceBatch,
     PromptBatch as PromptBatch,

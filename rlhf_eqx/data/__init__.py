@@ -2,9 +2,11 @@
 iteration, sharding.
 
 Everything here runs on the host (plain Python and numpy); the collate functions return
-the batch pytrees of `rlhf_eqx` (`SequenceBatch`, `PreferenceBatch`, `PromptBatch`) as
-jax arrays (int32 tokens, bool masks). This module is the one public list of the data
-layer's names; the private modules behind it have none. A typical DPO input pipeline:
+the batch pytrees (`SequenceBatch`, `PreferenceBatch`, `PromptBatch`, ...) as jax arrays
+(int32 tokens, bool masks). Every step's batch type is defined here (the sequence,
+preference and prompt batches are re-exported at the top level, the others by
+`rlhf_eqx.train`). This module is the one public list of the data layer's names; the
+private modules behind it have none. A typical DPO input pipeline:
 
 ```python
 from rlhf_eqx import data
@@ -29,6 +31,18 @@ from ._answers import (
     extract_gsm8k_answer as extract_gsm8k_answer,
     extract_last_number as extract_last_number,
     normalise_number as normalise_number,
+)
+from ._batches import (
+    BootstrapBatch as BootstrapBatch,
+    DistillBatch as DistillBatch,
+    GRPOBatch as GRPOBatch,
+    KTOBatch as KTOBatch,
+    PackedPreferenceBatch as PackedPreferenceBatch,
+    PPOBatch as PPOBatch,
+    PreferenceBatch as PreferenceBatch,
+    PRMBatch as PRMBatch,
+    PromptBatch as PromptBatch,
+    SequenceBatch as SequenceBatch,
 )
 from ._byte_tokenizer import ByteTokenizer as ByteTokenizer
 from ._chat import (

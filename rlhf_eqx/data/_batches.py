@@ -1,5 +1,12 @@
 """Fixed-shape batch pytrees shared by the data readers (producers) and the steps (consumers).
 
+Every batch type of the library is here, so that the readers build them without
+importing the steps: `SequenceBatch` (SFT), `PreferenceBatch` and `PackedPreferenceBatch`
+(reward model, DPO), `PromptBatch` (generation), `KTOBatch`, `DistillBatch`, `GRPOBatch`,
+`PPOBatch`, `PRMBatch` and `BootstrapBatch` (a reward ensemble's resampled pairs). All
+are exported by `rlhf_eqx.data`; the first four also at the top level (`rlhf_eqx`), the
+others also by `rlhf_eqx.train`, next to their steps.
+
 Every field carries a leading batch axis `B`. Sequences are right-padded (real tokens
 first, then padding) unless stated otherwise; the models accept any padding, because
 positions come from the mask.
@@ -21,6 +28,7 @@ untouched. Transformations that rebuild a batch from its leaves (`jax.tree.map`,
 """
 
 import equinox as eqx
+import jax
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
@@ -215,3 +223,274 @@ class PromptBatch(eqx.Module):
 
     def __check_init__(self):
         _validate(self, ("tokens",), ("mask",))
+
+
+class KTOBatch(eqx.Module):
+    """Unpaired examples for KTO: prompt + completion rows, each labelled desirable or not.
+
+    - `tokens`, `mask`, `completion_mask`: `[B, T]` right-padded rows (as a
+      `SequenceBatch`); the completion mask marks the scored tokens.
+    - `label`: `[B]`, true for a desirable completion, false for an undesirable one.
+    - `kl_tokens`, `kl_mask`, `kl_completion_mask`: `[B, T']` the *mismatched* rows that
+      estimate the reference point: prompt $i$ followed by another example's completion
+      (`data.collate_unpaired` uses the completion of example $i - 1 \\bmod B$, as TRL
+      does). Needed by `loss_type="kto"`; `None` for `"apo_zero_unpaired"`.
+    - `ref_logp`, `ref_kl_logp`: `[B]` cached reference log-probabilities of the rows
+      and of the mismatched rows (`compute_kto_reference_logps`); `None`: the step
+      computes them with its `reference=` model.
+
+    Checked at construction like the other batches (`rlhf_eqx.SequenceBatch`): ranks,
+    dtypes and shared shapes; the three `kl_*` fields come together or not at all.
+    """
+
+    tokens: Int[Array, "B T"]
+    mask: Bool[Array, "B T"]
+    completion_mask: Bool[Array, "B T"]
+    label: Bool[Array, " B"]
+    kl_tokens: Int[Array, "B T2"] | None = None
+    kl_mask: Bool[Array, "B T2"] | None = None
+    kl_completion_mask: Bool[Array, "B T2"] | None = None
+    ref_logp: Float[Array, " B"] | None = None
+    ref_kl_logp: Float[Array, " B"] | None = None
+
+    def __check_init__(self):
+        kind = type(self).__name__
+        _validate(self, ("tokens",), ("mask", "completion_mask"), ("ref_logp", "ref_kl_logp"))
+        _validate(self, ("kl_tokens",), ("kl_mask", "kl_completion_mask"))
+        kl = (self.kl_tokens, self.kl_mask, self.kl_completion_mask)
+        if any(x is None for x in kl) and not all(x is None for x in kl):
+            raise DataError(
+                f"{kind}.kl_tokens, kl_mask and kl_completion_mask must be given together"
+            )
+        rows = self.tokens.shape[0] if _is_array(self.tokens) else None
+        if _is_array(self.kl_tokens) and rows is not None and self.kl_tokens.shape[0] != rows:
+            raise DataError(
+                f"{kind}.kl_tokens has {self.kl_tokens.shape[0]} rows but {kind}.tokens has "
+                f"{rows}; every example needs one mismatched row"
+            )
+        label = self.label
+        if _is_array(label):
+            if np.dtype(label.dtype) != np.bool_:
+                raise DataError(
+                    f"{kind}.label must be boolean (true: desirable), got dtype {label.dtype}"
+                )
+            if len(label.shape) != 1 or (rows is not None and label.shape[0] != rows):
+                raise DataError(
+                    f"{kind}.label has shape {tuple(label.shape)}; expected ({rows},), one "
+                    "label per row"
+                )
+
+
+class DistillBatch(eqx.Module):
+    """Sequences (prompt + completion) on which a student is distilled from a teacher.
+
+    - `tokens`, `mask`, `completion_mask`: `[B, T]` ids, real tokens, and the completion
+      tokens the loss is taken on (as `SequenceBatch`; from a dataset, or a student's
+      `generate_batch` output).
+    - `teacher_logits`: `[B, T, V]` cached teacher logits, aligned with the model's
+      output (`teacher_logits[b, s]` predicts the token after position `s`); `None`
+      (default): the GKD step runs its `teacher=` model. Only `make_distill_step` reads it.
+    - `old_logp`: `[B, T]` log-probabilities of the tokens under the student when they
+      were sampled (`GenerationOutput.logprobs`); `None`: on-policy, the current student
+      (importance ratio 1). Only `make_onpolicy_distill_step` reads it.
+    - `teacher_logp`: `[B, T]` cached teacher log-probabilities of the tokens; `None`: the
+      on-policy step runs its `teacher=` model. Only `make_onpolicy_distill_step` reads it.
+
+    Shapes and dtypes are checked at construction (a `DataError` names the field).
+    """
+
+    tokens: Int[Array, "B T"]
+    mask: Bool[Array, "B T"]
+    completion_mask: Bool[Array, "B T"]
+    teacher_logits: Float[Array, "B T V"] | None = None
+    old_logp: Float[Array, "B T"] | None = None
+    teacher_logp: Float[Array, "B T"] | None = None
+
+    def __check_init__(self):
+        _validate(self, ("tokens",), ("mask", "completion_mask"))
+        shape = tuple(self.tokens.shape) if _is_array(self.tokens) else None
+        for name in ("teacher_logits", "old_logp", "teacher_logp"):
+            x = getattr(self, name)
+            if not _is_array(x):
+                continue
+            if not np.issubdtype(np.dtype(x.dtype), np.floating):
+                raise DataError(f"DistillBatch.{name} must be floating point, got dtype {x.dtype}")
+            got = tuple(x.shape)
+            if name == "teacher_logits":
+                ok = len(got) == 3 and (shape is None or got[:2] == shape)
+                want = "[B, T, V]"
+            else:
+                ok = len(got) == 2 and (shape is None or got == shape)
+                want = "[B, T]"
+            if not ok:
+                raise DataError(
+                    f"DistillBatch.{name} has shape {got}; expected {want} with "
+                    f"[B, T] = {shape} (the shape of DistillBatch.tokens)"
+                )
+
+
+def _check_shared_prompts(batch) -> None:
+    """Validate a `GRPOBatch`'s `prompt_length` / `samples_per_prompt` (static shapes
+    always; the token values when they are concrete, i.e. outside `jax.jit`)."""
+    P, G = batch.prompt_length, batch.samples_per_prompt
+    if P is None and G is None:
+        return
+    if P is None or G is None:
+        raise DataError("GRPOBatch: set both prompt_length and samples_per_prompt, or neither")
+    for name, value in (("prompt_length", P), ("samples_per_prompt", G)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise DataError(f"GRPOBatch.{name} must be a positive int, got {value!r}")
+    tokens = batch.tokens
+    if getattr(tokens, "ndim", 0) != 2:
+        return  # a per-sample view (vmap) or a pytree spec: nothing to check here
+    B, T = tokens.shape
+    if P >= T:
+        raise DataError(f"GRPOBatch.prompt_length={P} leaves no completion in rows of {T} tokens")
+    if B % G:
+        raise DataError(f"GRPOBatch has {B} rows, not a multiple of samples_per_prompt={G}")
+    if isinstance(tokens, jax.core.Tracer) or isinstance(batch.mask, jax.core.Tracer):
+        return
+    in_prompt = np.asarray(batch.completion_mask)[:, :P] & np.asarray(batch.mask)[:, :P]
+    if in_prompt.any():
+        row = int(np.argmax(in_prompt.any(axis=1)))
+        raise DataError(
+            f"GRPOBatch: row {row} marks completion tokens inside its prompt positions [0, {P})"
+        )
+    tok = np.asarray(tokens)[:, :P].reshape(B // G, G, P)
+    msk = np.asarray(batch.mask)[:, :P].reshape(B // G, G, P)
+    real = np.where(msk, tok, -1)
+    differs = np.any(real != real[:, :1], axis=(1, 2)) | np.any(msk != msk[:, :1], axis=(1, 2))
+    if differs.any():
+        g = int(np.argmax(differs))
+        raise DataError(
+            f"GRPOBatch: rows {g * G}..{g * G + G - 1} (group {g}) do not hold the same prompt in "
+            f"positions [0, {P}) (prompt_length={P}, samples_per_prompt={G})"
+        )
+
+
+class GRPOBatch(eqx.Module):
+    """Sampled completions of a GRPO step: `B = n_prompts * G` rows, groups contiguous.
+
+    - `tokens`, `mask`, `completion_mask`: prompt + completion, real tokens, and the
+      completion tokens.
+    - `rewards`: `[B]` scalar rewards (e.g. exact-match answers); the step turns them
+      into group-relative advantages. Or give `advantages` directly (e.g. RLOO).
+    - `old_logp`: `[B, T]` log-probabilities at sampling time (`None`: on-policy, the
+      ratio is 1 with the gradient of $\\log\\pi_\\theta$, TRL's single-iteration case).
+    - `ref_logp`: `[B, T]` reference log-probabilities (for the KL term; `None`: the
+      step computes them from its `reference=` model if `beta != 0`).
+    - `truncated`: `[B]` completions cut at the length limit (no EOS).
+    - `prompt_length`, `samples_per_prompt` (static, both or neither): each group of
+      `samples_per_prompt` consecutive rows holds the same prompt in positions
+      `[0, prompt_length)` and only completions after it, as `generate_batch(...,
+      num_samples=G)` returns them. The step then runs each prompt once, its `G`
+      completions packed after it (shared-prefix packing, as for
+      `PackedPreferenceBatch`), for the same loss and gradients with a policy that
+      meets `AbstractSelectiveLM`. Checked when the batch is built from concrete
+      arrays (a `DataError` names the group).
+    - `behaviour_logp`: `[B, T]` log-probabilities of the policy that sampled the
+      completions, when it differs from the trainer's (another engine, a lower precision,
+      stale parameters; veRL `rollout_log_probs`). The step then logs the mismatch
+      metrics, and corrects the loss with the step's `rollout_correction`.
+    """
+
+    tokens: Int[Array, "B T"]
+    mask: Bool[Array, "B T"]
+    completion_mask: Bool[Array, "B T"]
+    rewards: Float[Array, " B"] | None = None
+    advantages: Float[Array, " B"] | None = None
+    old_logp: Float[Array, "B T"] | None = None
+    ref_logp: Float[Array, "B T"] | None = None
+    truncated: Bool[Array, " B"] | None = None
+    prompt_length: int | None = eqx.field(static=True, default=None)
+    samples_per_prompt: int | None = eqx.field(static=True, default=None)
+    behaviour_logp: Float[Array, "B T"] | None = None
+
+    def __check_init__(self):
+        _check_shared_prompts(self)
+
+
+class PPOBatch(eqx.Module):
+    """A PPO rollout, every per-token field aligned with the token it concerns.
+
+    - `tokens`, `mask`, `completion_mask`: prompt + completion, real tokens, and the
+      generated tokens (the actions).
+    - `old_logp`: log-probability of each token under the policy that sampled it.
+    - `old_values`: value of the state each token was sampled from (`token_values`).
+    - `advantages`, `returns`: from `compute_advantages` (0 outside the completion).
+    """
+
+    tokens: Int[Array, "B T"]
+    mask: Bool[Array, "B T"]
+    completion_mask: Bool[Array, "B T"]
+    old_logp: Float[Array, "B T"]
+    old_values: Float[Array, "B T"]
+    advantages: Float[Array, "B T"]
+    returns: Float[Array, "B T"]
+
+
+class PRMBatch(eqx.Module):
+    """Solutions with a label at the end of every step, for a process reward model.
+
+    - `tokens`, `mask`: `[B, T]` right-padded prompt + steps (each step followed by the
+      separator), and the real tokens.
+    - `step_mask`: `[B, T]`, true at the positions whose output is scored: the last
+      token of each step's separator.
+    - `step_labels`: `[B, T]` float, the label of the step ending at each `step_mask`
+      position: 1 (correct) or 0, or a probability (soft labels); ignored elsewhere.
+
+    Checked at construction like the other batches (`rlhf_eqx.SequenceBatch`).
+    """
+
+    tokens: Int[Array, "B T"]
+    mask: Bool[Array, "B T"]
+    step_mask: Bool[Array, "B T"]
+    step_labels: Float[Array, "B T"]
+
+    def __check_init__(self):
+        _validate(self, ("tokens",), ("mask", "step_mask"))
+        labels = self.step_labels
+        if _is_array(labels):
+            if not np.issubdtype(np.dtype(labels.dtype), np.floating):
+                raise DataError(
+                    f"PRMBatch.step_labels must be floating point (1.0 / 0.0 or a probability), "
+                    f"got dtype {labels.dtype}"
+                )
+            if _is_array(self.tokens) and tuple(labels.shape) != tuple(self.tokens.shape):
+                raise DataError(
+                    f"PRMBatch.step_labels has shape {tuple(labels.shape)} but PRMBatch.tokens "
+                    f"has shape {tuple(self.tokens.shape)}; every field must have the same [B, T]"
+                )
+
+
+class BootstrapBatch(eqx.Module):
+    """Preference pairs with a weight per pair and member (bootstrap resampling).
+
+    - `pairs`: a `PreferenceBatch` (`B` pairs) or a `PackedPreferenceBatch` (`[R, Kp]`
+      pair slots).
+    - `weights`: `[B, K]` (or `[R, Kp, K]`): how often member `k` sees pair `i` in this
+      batch (e.g. `bootstrap_weights`); member `k`'s loss is
+      $\\sum_i w_{ik}\\ell_{ik} / \\sum_i w_{ik}$ (a member whose weights are all 0 over
+      the global batch is not updated: `empty_batch/members`).
+
+    The member axis is last, so micro-batching and `jax.pmap` split the pairs as usual.
+    """
+
+    pairs: PreferenceBatch | PackedPreferenceBatch
+    weights: Float[Array, "*pairs K"]
+
+    def __check_init__(self):
+        w, p = self.weights, self.pairs
+        if not _is_array(w):
+            return
+        if not np.issubdtype(np.dtype(w.dtype), np.floating):
+            raise DataError(f"BootstrapBatch.weights must be floating point, got dtype {w.dtype}")
+        if isinstance(p, PackedPreferenceBatch):
+            slots = tuple(p.pairs.shape) if _is_array(p.pairs) else None
+        else:
+            slots = tuple(p.chosen_tokens.shape[:1]) if _is_array(p.chosen_tokens) else None
+        if slots is not None and tuple(w.shape[:-1]) != slots:
+            raise DataError(
+                f"BootstrapBatch.weights has shape {tuple(w.shape)}; expected {slots + ('K',)} "
+                "(one weight per pair and member, the member axis last)"
+            )

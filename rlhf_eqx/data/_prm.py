@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from ..train._prm import PRMBatch
+from ._batches import PRMBatch
 from ._collate import _check_ids, row_length
 from ._errors import DataError
 from ._io import Malformed, RecordDataset, Unusable, load_records, string_field

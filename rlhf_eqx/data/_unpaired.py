@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from ..train._kto_batch import KTOBatch
+from ._batches import KTOBatch
 from ._chat import ChatTemplate, format_chat, message_field, resolve_template
 from ._collate import _right_padded, row_length
 from ._errors import DataError

@@ -42,6 +42,15 @@ with `donate=True`); `TrainState.apply` donates the state's own buffers, which
 appears anywhere else in the call is never donated. See `rlhf_eqx.train.make_step`.
 """
 
+# The batch types of the steps are the data layer's (`rlhf_eqx.data`), re-exported here.
+from ..data import (
+    BootstrapBatch as BootstrapBatch,
+    DistillBatch as DistillBatch,
+    GRPOBatch as GRPOBatch,
+    KTOBatch as KTOBatch,
+    PPOBatch as PPOBatch,
+    PRMBatch as PRMBatch,
+)
 from ._accumulate import (
     accumulate_gradients as accumulate_gradients,
     apply_optimizer as apply_optimizer,
@@ -53,7 +62,6 @@ from ._distill import (
     distill_loss as distill_loss,
     make_distill_step as make_distill_step,
 )
-from ._distill_batch import DistillBatch as DistillBatch
 from ._dpo import dpo_loss_fn as dpo_loss_fn, make_dpo_step as make_dpo_step
 from ._ensemble import (
     Ensemble as Ensemble,
@@ -64,12 +72,11 @@ from ._ensemble import (
     scalar_head_filter as scalar_head_filter,
 )
 from ._ensemble_step import (
-    BootstrapBatch as BootstrapBatch,
     bootstrap_weights as bootstrap_weights,
     make_ensemble_reward_step as make_ensemble_reward_step,
 )
 from ._grpo import grpo_loss as grpo_loss, make_grpo_step as make_grpo_step
-from ._grpo_advantages import GRPOBatch as GRPOBatch, grpo_advantages as grpo_advantages
+from ._grpo_advantages import grpo_advantages as grpo_advantages
 from ._judge import (
     JUDGE_SCORES as JUDGE_SCORES,
     JudgeReward as JudgeReward,
@@ -82,7 +89,6 @@ from ._kto import (
     compute_kto_reference_logps as compute_kto_reference_logps,
     make_kto_step as make_kto_step,
 )
-from ._kto_batch import KTOBatch as KTOBatch
 from ._onpolicy_distill import (
     OnPolicyDistillSettings as OnPolicyDistillSettings,
     make_onpolicy_distill_step as make_onpolicy_distill_step,
@@ -101,14 +107,12 @@ from ._pair_logps import (
 from ._policy_loss_fns import make_policy_loss as make_policy_loss
 from ._ppo import make_ppo_step as make_ppo_step, ppo_loss as ppo_loss
 from ._ppo_rollout import (
-    PPOBatch as PPOBatch,
     compute_advantages as compute_advantages,
     prepare_ppo_batch as prepare_ppo_batch,
     token_values as token_values,
 )
 from ._prm import (
     PRM_SCORES as PRM_SCORES,
-    PRMBatch as PRMBatch,
     PRMSettings as PRMSettings,
     add_token_rewards as add_token_rewards,
     make_prm_step as make_prm_step,

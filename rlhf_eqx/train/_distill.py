@@ -20,17 +20,18 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 
 from .._sampling import DEFAULT_TEMPERATURE
+from ..data import DistillBatch
 from ..losses import aggregate_parts, generalized_jsd
-from ..models import Policy
-from ..ops import masked_sum
+from ..models import AbstractDecoder, Policy
+from ..ops import masked_sum, previous_real_index
 from ._accumulate import vmap_model
-from ._distill_batch import DistillBatch, _check_vocab, _loss_mask
 from ._settings import StepOptions, settings_from, split_shortcuts
 from ._state import combine
 from ._step import LossFn, Step, make_step
@@ -39,6 +40,36 @@ from ._validation import check_aggregation, check_number, check_positive_int
 
 # Head chunks unrolled up to this many (a scan beyond), as in `Policy.selected_logprobs`.
 _UNROLLED_CHUNKS = 16
+
+
+# --- what both distillation steps share --------------------------------------------------
+
+
+def _check_vocab(student: int, teacher: int) -> None:
+    if student != teacher:
+        raise ValueError(
+            f"teacher vocab_size={teacher} differs from student vocab_size={student}: "
+            "distillation compares next-token distributions over one shared vocabulary "
+            "(use a teacher with the student's tokenizer)"
+        )
+
+
+def _vocab_size(model: Callable[..., Array], tokens: Array, mask: Array) -> int:
+    """The size of `model`'s output distribution (from its shape only: nothing runs)."""
+    if isinstance(model, AbstractDecoder):
+        return int(model.vocab_size)
+    out = eqx.filter_eval_shape(vmap_model, model, tokens[:1], mask[:1], None)
+    return int(out.shape[-1])
+
+
+def _loss_mask(batch: DistillBatch) -> tuple[Bool[Array, "B T"], Int[Array, "B T"]]:
+    """Completion tokens that have a real token before them (so a prediction), and for each
+    position the index of that earlier token."""
+    prev, has_prev = jax.vmap(previous_real_index)(batch.mask)
+    return batch.completion_mask & batch.mask & has_prev, prev
+
+
+# --- GKD ------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

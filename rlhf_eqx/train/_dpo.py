@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import PRNGKeyArray, PyTree
 
-from ..data._batches import PackedPreferenceBatch, PreferenceBatch
+from ..data import PackedPreferenceBatch, PreferenceBatch
 from ..losses import (
     DPO_BATCH_LOSS_TYPES,
     dpo_batch_loss,

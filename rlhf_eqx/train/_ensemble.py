@@ -38,11 +38,14 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray, PyTree, UInt32
 
-from ..data._batches import _is_array
 from ..losses import ENSEMBLE_MODES, EnsembleMode, conservative_reward
 from ._reward import _scores
 from ._state import TrainState, partition_trainable
 from ._validation import check_choice, check_number
+
+
+def _is_array(x: object) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
 def _merge(a: PyTree, b: PyTree) -> PyTree:

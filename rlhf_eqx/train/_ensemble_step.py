@@ -9,12 +9,10 @@ from typing import Any, Literal
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from ..data._batches import PackedPreferenceBatch, PreferenceBatch, _is_array
-from ..data._errors import DataError
+from ..data import BootstrapBatch, PackedPreferenceBatch, PreferenceBatch
 from ..losses import bradley_terry_loss
 from ._ensemble import Ensemble, _merge
 from ._reward import _pair_scores, _reward_std
@@ -22,40 +20,6 @@ from ._settings import RewardSettings, StepOptions, split_shortcuts
 from ._state import combine
 from ._step import LossFn, Step, make_step
 from ._validation import check_choice, check_positive_int
-
-
-class BootstrapBatch(eqx.Module):
-    """Preference pairs with a weight per pair and member (bootstrap resampling).
-
-    - `pairs`: a `PreferenceBatch` (`B` pairs) or a `PackedPreferenceBatch` (`[R, Kp]`
-      pair slots).
-    - `weights`: `[B, K]` (or `[R, Kp, K]`): how often member `k` sees pair `i` in this
-      batch (e.g. `bootstrap_weights`); member `k`'s loss is
-      $\\sum_i w_{ik}\\ell_{ik} / \\sum_i w_{ik}$ (a member whose weights are all 0 over
-      the global batch is not updated: `empty_batch/members`).
-
-    The member axis is last, so micro-batching and `jax.pmap` split the pairs as usual.
-    """
-
-    pairs: PreferenceBatch | PackedPreferenceBatch
-    weights: Float[Array, "*pairs K"]
-
-    def __check_init__(self):
-        w, p = self.weights, self.pairs
-        if not _is_array(w):
-            return
-        if not np.issubdtype(np.dtype(w.dtype), np.floating):
-            raise DataError(f"BootstrapBatch.weights must be floating point, got dtype {w.dtype}")
-        if isinstance(p, PackedPreferenceBatch):
-            slots = tuple(p.pairs.shape) if _is_array(p.pairs) else None
-        else:
-            slots = tuple(p.chosen_tokens.shape[:1]) if _is_array(p.chosen_tokens) else None
-        if slots is not None and tuple(w.shape[:-1]) != slots:
-            raise DataError(
-                f"BootstrapBatch.weights has shape {tuple(w.shape)}; expected {slots + ('K',)} "
-                "(one weight per pair and member, the member axis last)"
-            )
-
 
 BOOTSTRAP_METHODS = ("resample", "poisson")
 

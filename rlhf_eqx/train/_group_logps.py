@@ -10,50 +10,8 @@ projections, MLPs and keys/values are computed once per group. With 64-token pro
 groups of 4 and 128-token completions that is a quarter of the positions.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-
-from ..data._errors import DataError
-
-
-def check_shared_prompts(batch) -> None:
-    """Validate a `GRPOBatch`'s `prompt_length` / `samples_per_prompt` (static shapes
-    always; the token values when they are concrete, i.e. outside `jax.jit`)."""
-    P, G = batch.prompt_length, batch.samples_per_prompt
-    if P is None and G is None:
-        return
-    if P is None or G is None:
-        raise DataError("GRPOBatch: set both prompt_length and samples_per_prompt, or neither")
-    for name, value in (("prompt_length", P), ("samples_per_prompt", G)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise DataError(f"GRPOBatch.{name} must be a positive int, got {value!r}")
-    tokens = batch.tokens
-    if getattr(tokens, "ndim", 0) != 2:
-        return  # a per-sample view (vmap) or a pytree spec: nothing to check here
-    B, T = tokens.shape
-    if P >= T:
-        raise DataError(f"GRPOBatch.prompt_length={P} leaves no completion in rows of {T} tokens")
-    if B % G:
-        raise DataError(f"GRPOBatch has {B} rows, not a multiple of samples_per_prompt={G}")
-    if isinstance(tokens, jax.core.Tracer) or isinstance(batch.mask, jax.core.Tracer):
-        return
-    in_prompt = np.asarray(batch.completion_mask)[:, :P] & np.asarray(batch.mask)[:, :P]
-    if in_prompt.any():
-        row = int(np.argmax(in_prompt.any(axis=1)))
-        raise DataError(
-            f"GRPOBatch: row {row} marks completion tokens inside its prompt positions [0, {P})"
-        )
-    tok = np.asarray(tokens)[:, :P].reshape(B // G, G, P)
-    msk = np.asarray(batch.mask)[:, :P].reshape(B // G, G, P)
-    real = np.where(msk, tok, -1)
-    differs = np.any(real != real[:, :1], axis=(1, 2)) | np.any(msk != msk[:, :1], axis=(1, 2))
-    if differs.any():
-        g = int(np.argmax(differs))
-        raise DataError(
-            f"GRPOBatch: rows {g * G}..{g * G + G - 1} (group {g}) do not hold the same prompt in "
-            f"positions [0, {P}) (prompt_length={P}, samples_per_prompt={G})"
-        )
 
 
 def group_layout(P: int, G: int, N: int):

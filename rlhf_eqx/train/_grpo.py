@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import PRNGKeyArray, PyTree
 
+from ..data import GRPOBatch
 from ..losses import (
     MISMATCH_EXTREMES,
     aggregate_mismatch_metrics,
@@ -21,7 +22,7 @@ from ..models import AbstractSelectiveLM
 from ..ops import entropy_from_logits, logprobs_from_logits, masked_sum
 from ._accumulate import vmap_model
 from ._group_logps import shared_prompt_logprobs
-from ._grpo_advantages import GRPOBatch, grpo_advantages
+from ._grpo_advantages import grpo_advantages
 from ._policy_loss_fns import make_policy_loss, read_policy_loss
 from ._rl_settings import GRPOSettings
 from ._settings import StepOptions, settings_from, split_shortcuts

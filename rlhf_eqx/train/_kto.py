@@ -22,9 +22,9 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
+from ..data import KTOBatch
 from ..losses import KTO_LOSS_TYPES, kto_loss, kto_reference_point
 from ._accumulate import split_micro_batches
-from ._kto_batch import KTOBatch
 from ._pair_logps import _forward
 from ._settings import StepOptions, split_shortcuts
 from ._state import combine

@@ -12,11 +12,12 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Bool, Float, PRNGKeyArray, PyTree
 
+from ..data import DistillBatch
 from ..losses import aggregate_parts, ppo_policy_loss, reverse_kl_reward
 from ..models import AbstractSelectiveLM
 from ..ops import logprobs_from_logits, masked_sum
 from ._accumulate import vmap_model
-from ._distill_batch import DistillBatch, _check_vocab, _loss_mask, _vocab_size
+from ._distill import _check_vocab, _loss_mask, _vocab_size
 from ._rl_settings import SampledSettings
 from ._settings import StepOptions, settings_from, split_shortcuts
 from ._state import combine

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ..data._batches import PackedPreferenceBatch, PreferenceBatch
+from ..data import PackedPreferenceBatch, PreferenceBatch
 from ..models import AbstractSelectiveLM, branch_sums
 from ..ops import logprobs_from_logits, masked_sum, previous_real_index
 from ._accumulate import vmap_model

@@ -7,11 +7,12 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import PRNGKeyArray, PyTree
 
+from ..data import PPOBatch
 from ..losses import aggregate_parts, ppo_value_loss
 from ..losses._ppo import LOG_RATIO_CLAMP
 from ..ops import masked_sum
 from ._policy_loss_fns import make_policy_loss, read_policy_loss
-from ._ppo_rollout import PPOBatch, policy_logps_and_values
+from ._ppo_rollout import policy_logps_and_values
 from ._rl_settings import PPOSettings
 from ._settings import StepOptions, settings_from, split_shortcuts
 from ._step import LossFn, Step, make_step

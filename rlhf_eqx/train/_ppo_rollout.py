@@ -1,4 +1,6 @@
-"""PPO rollouts: the batch a PPO step consumes, token-aligned values, and advantages."""
+"""PPO rollouts made into the batch a PPO step consumes (`prepare_ppo_batch`, a
+`PPOBatch`): token-aligned values, advantages, and the policy's log-probabilities and
+values in one forward pass."""
 
 from collections.abc import Callable
 
@@ -7,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PyTree
 
+from ..data import PPOBatch
 from ..losses import (
     KL_KINDS,
     KLKind,
@@ -21,25 +24,6 @@ from ._accumulate import vmap_model
 from ._rl_settings import SampledSettings
 from ._state import combine
 from ._validation import check_choice, check_number
-
-
-class PPOBatch(eqx.Module):
-    """A PPO rollout, every per-token field aligned with the token it concerns.
-
-    - `tokens`, `mask`, `completion_mask`: prompt + completion, real tokens, and the
-      generated tokens (the actions).
-    - `old_logp`: log-probability of each token under the policy that sampled it.
-    - `old_values`: value of the state each token was sampled from (`token_values`).
-    - `advantages`, `returns`: from `compute_advantages` (0 outside the completion).
-    """
-
-    tokens: Int[Array, "B T"]
-    mask: Bool[Array, "B T"]
-    completion_mask: Bool[Array, "B T"]
-    old_logp: Float[Array, "B T"]
-    old_values: Float[Array, "B T"]
-    advantages: Float[Array, "B T"]
-    returns: Float[Array, "B T"]
 
 
 def token_values(values: Float[Array, " T"], mask: Bool[Array, " T"]) -> Float[Array, " T"]:

@@ -26,12 +26,10 @@ from typing import Any, Literal
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 
-from ..data._batches import _is_array, _validate
-from ..data._errors import DataError
+from ..data import PPOBatch, PRMBatch
 from ..losses import (
     PRM_AGGREGATIONS,
     PRMAggregation,
@@ -44,7 +42,6 @@ from ..losses import (
 )
 from ..ops import masked_sum
 from ._accumulate import vmap_model
-from ._ppo_rollout import PPOBatch
 from ._settings import StepOptions, settings_from, split_shortcuts
 from ._state import combine
 from ._step import LossFn, Step, make_step
@@ -67,40 +64,6 @@ class PRMSettings:
 
     def __post_init__(self):
         check_aggregation(self.mode, None)
-
-
-class PRMBatch(eqx.Module):
-    """Solutions with a label at the end of every step, for a process reward model.
-
-    - `tokens`, `mask`: `[B, T]` right-padded prompt + steps (each step followed by the
-      separator), and the real tokens.
-    - `step_mask`: `[B, T]`, true at the positions whose output is scored: the last
-      token of each step's separator.
-    - `step_labels`: `[B, T]` float, the label of the step ending at each `step_mask`
-      position: 1 (correct) or 0, or a probability (soft labels); ignored elsewhere.
-
-    Checked at construction like the other batches (`rlhf_eqx.SequenceBatch`).
-    """
-
-    tokens: Int[Array, "B T"]
-    mask: Bool[Array, "B T"]
-    step_mask: Bool[Array, "B T"]
-    step_labels: Float[Array, "B T"]
-
-    def __check_init__(self):
-        _validate(self, ("tokens",), ("mask", "step_mask"))
-        labels = self.step_labels
-        if _is_array(labels):
-            if not np.issubdtype(np.dtype(labels.dtype), np.floating):
-                raise DataError(
-                    f"PRMBatch.step_labels must be floating point (1.0 / 0.0 or a probability), "
-                    f"got dtype {labels.dtype}"
-                )
-            if _is_array(self.tokens) and tuple(labels.shape) != tuple(self.tokens.shape):
-                raise DataError(
-                    f"PRMBatch.step_labels has shape {tuple(labels.shape)} but PRMBatch.tokens "
-                    f"has shape {tuple(self.tokens.shape)}; every field must have the same [B, T]"
-                )
 
 
 def _step_logits(model, tokens, mask, key):

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import PRNGKeyArray, PyTree
 
-from ..data._batches import PackedPreferenceBatch, PreferenceBatch
+from ..data import PackedPreferenceBatch, PreferenceBatch
 from ..losses import bradley_terry_loss
 from ..models import AbstractBranchScorer
 from ._accumulate import vmap_model

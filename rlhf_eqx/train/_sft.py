@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import PRNGKeyArray, PyTree
 
-from ..data._batches import SequenceBatch
+from ..data import SequenceBatch
 from ..losses import aggregate_parts, sft_nll
 from ..ops import logprobs_from_logits, masked_sum, previous_real_index
 from ._accumulate import vmap_model

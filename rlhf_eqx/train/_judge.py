@@ -31,8 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from ..data._tokenize import wants_bos
-from ..data._tokenizer import Tokenizer
+from ..data import Tokenizer, wants_bos
 from ..models import Policy, last_real_index
 from ._accumulate import vmap_model
 from ._validation import check_choice, check_positive_int

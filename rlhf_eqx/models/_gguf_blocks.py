@@ -34,6 +34,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int, UInt8
 
 from ._layers import AbstractQuantizedWeight
+from ._packed_products import PACKED_KINDS, few_rows_product
 
 GGUF_BLOCKS: dict[str, tuple[int, int]] = {
     "Q8_0": (32, 34),
@@ -206,6 +207,17 @@ class GGUFWeight(AbstractQuantizedWeight):
 
     def columns(self, ids: Array, dtype) -> Array:
         return self.rows(jnp.take(self.raw, ids, axis=-2), dtype)
+
+    def product(self, x2: Float[Array, "M i"], dense, dtypes) -> Float[Array, "M o"]:
+        """Q8_0, Q4_0 and Q4_1 multiply few rows straight from the blocks
+        (`few_rows_product`, for decode steps); other kinds and more rows dequantise."""
+        if self.kind not in PACKED_KINDS or self.raw.ndim != 2:
+            return dense(x2, self, dtypes)
+
+        def dense_raw(x2, raw):
+            return dense(x2, GGUFWeight(raw=raw, kind=self.kind, in_out=self.in_out), dtypes)
+
+        return few_rows_product(x2, self.raw, self.kind, dense_raw, dtypes[1])
 
     def column_slice(self, start: Int[Array, ""], size: int) -> "GGUFWeight":
         raw = jax.lax.dynamic_slice_in_dim(self.raw, start, size, axis=-2)

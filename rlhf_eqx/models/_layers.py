@@ -4,6 +4,7 @@ soft-capping."""
 import abc
 import functools
 import math
+from collections.abc import Callable
 
 import equinox as eqx
 import jax
@@ -51,6 +52,11 @@ class AbstractQuantizedWeight(eqx.Module):
         V)` (formats stored by output column decode only those; this default all)."""
         return jnp.take(self.dequantize_t(dtype), ids, axis=0)
 
+    def product(self, x2: Float[Array, "M i"], dense: Callable, dtypes) -> Float[Array, "M o"]:
+        """`x2 @ W` in a frozen product's forward pass: `dense(x2, self, dtypes)` (the weight
+        dequantised), unless the format computes few rows from its packed form."""
+        return dense(x2, self, dtypes)
+
     def column_slice(self, start: Int[Array, ""], size: int) -> "AbstractQuantizedWeight | None":
         """Output columns `[start, start + size)` (traced `start`, clamped as `dynamic_slice`)
         as a weight of the same format, or `None` for formats not stored by output column."""
@@ -78,23 +84,11 @@ class Int8Weight(AbstractQuantizedWeight):
 # The 16 NormalFloat-4 levels (Dettmers et al. 2023, QLoRA, appendix E; bitsandbytes'
 # NF4 table): quantiles of N(0, 1) scaled to [-1, 1], with an exact zero.
 NF4_LEVELS = (
-    -1.0,
-    -0.6961928009986877,
-    -0.5250730514526367,
-    -0.39491748809814453,
-    -0.28444138169288635,
-    -0.18477343022823334,
-    -0.09105003625154495,
-    0.0,
-    0.07958029955625534,
-    0.16093020141124725,
-    0.24611230194568634,
-    0.33791524171829224,
-    0.44070982933044434,
-    0.5626170039176941,
-    0.7229568362236023,
-    1.0,
-)
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+)  # fmt: skip
 
 
 class NF4Weight(AbstractQuantizedWeight):
@@ -143,7 +137,9 @@ def matmul(
     one tile of columns at a time in a loop), the backward pass dequantises it again
     and returns `dx = dy · Wᵀ` only; the weight's cotangent is zero (`float0` for its
     integer arrays). A differentiated scan over `L` quantised layers thus keeps `L`
-    packed weights instead of `L` dense ones.
+    packed weights instead of `L` dense ones. A format may compute the forward product of
+    few rows from its packed form (`AbstractQuantizedWeight.product`; `GGUFWeight` does
+    for a decode step's rows).
     """
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
@@ -181,19 +177,21 @@ def _dot_t(x2, wt, out_dt):
 
 
 def _frozen_matmul_fwd(x2, w, dtypes):
+    return w.product(x2, _dense_product, dtypes), w
+
+
+def _dense_product(x2, w, dtypes):
     in_dt, out_dt = dtypes
     tile, out = _tile_width(w), w.shape[-1]
     if tile is None:
-        y = _dot_t(x2, w.dequantize_t(in_dt), out_dt)
-        return y.astype(out_dt), w
+        return _dot_t(x2, w.dequantize_t(in_dt), out_dt).astype(out_dt)
 
     def body(i, y):
         start, _ = _tile_starts(i, tile, out)
         yi = _dot_t(x2, w.column_slice(start, tile).dequantize_t(in_dt), out_dt).astype(out_dt)
         return jax.lax.dynamic_update_slice_in_dim(y, yi, start, axis=1)
 
-    y = jax.lax.fori_loop(0, -(-out // tile), body, jnp.zeros((x2.shape[0], out), out_dt))
-    return y, w
+    return jax.lax.fori_loop(0, -(-out // tile), body, jnp.zeros((x2.shape[0], out), out_dt))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

@@ -1,0 +1,131 @@
+"""Products `x @ W` with few rows of `x`, computed from llama.cpp blocks without a dense `W`.
+
+Decoding multiplies one row of activations per sequence by every weight, so it is bound
+by reading the weights. Dequantising first reads the packed bytes, writes a float32 copy
+and reads it again; here the block values are decoded inside the reduction instead,
+
+    y[m, o] = Σ_b Σ_j w(o, b, j) · x[m, b·QK + j],
+
+one XLA fusion over the packed bytes per weight (checked with
+`jax.jit(f).lower(...).compile().as_text()`: no float32 `[out, in]` buffer). `w(o, b, j)`
+is decoded as `dequantize_rows` decodes it (ggml's `dequantize_row_q8_0`, `_q4_0`,
+`_q4_1`), so the product equals the dequantise-then-dot product up to float32 summation
+order. Q8_0, Q4_0 and Q4_1 are decoded this way; the K-quants keep the dequantise path.
+
+Which rows take it is decided when the product is traced, from the rows of all vmapped
+calls together (`jax.custom_batching.custom_vmap` folds vmapped axes into the rows): at
+most `PACKED_MAX_ROWS` rows use the packed product, more the dense one. On XLA's CPU
+backend (jax 0.10) the multiply-reduce beats dequantise-then-dot for one row only: with
+more rows the reduction is offloaded to a library kernel (YNNPACK) that reads the
+weight once per row and is then slower than the dense product.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, UInt8
+
+# rows of activations (all vmapped calls together) up to which the packed product is used
+PACKED_MAX_ROWS = 1
+
+
+def _f16(b: Array) -> Array:
+    """Little-endian float16 bytes `[..., 2]` as float32 `[...]`."""
+    u = b[..., 0].astype(jnp.uint16) | (b[..., 1].astype(jnp.uint16) << 8)
+    return jax.lax.bitcast_convert_type(u, jnp.float16).astype(jnp.float32)
+
+
+def _signed(q: Array) -> Array:
+    """Two's-complement bytes as float32, via `(q xor 128) − 128`: XLA CPU's YNNPACK
+    reduction fusion miscomputes a `uint8 → int8 → float32` conversion chain (jax 0.10.2)."""
+    return (q ^ jnp.uint8(128)).astype(jnp.float32) - 128.0
+
+
+def _nibbles(qs: Array) -> Array:
+    """`[..., 16]` bytes → float32 `[..., 2, 16]`: low nibbles (values 0..15), then high."""
+    return jnp.stack([qs & 15, qs >> 4], axis=-2).astype(jnp.float32)
+
+
+def _q8_0(b):
+    return _signed(b[..., 2:34]) * _f16(b[..., 0:2])[..., None]
+
+
+def _q4_0(b):
+    return (_nibbles(b[..., 2:18]) - 8.0) * _f16(b[..., 0:2])[..., None, None]
+
+
+def _q4_1(b):
+    d, m = _f16(b[..., 0:2])[..., None, None], _f16(b[..., 2:4])[..., None, None]
+    return d * _nibbles(b[..., 4:20]) + m
+
+
+# kind: (values per block, bytes per block, decoder to float32 [..., *block_shape])
+_PACKED: dict[str, tuple[int, int, Callable[[Array], Array]]] = {
+    "Q8_0": (32, 34, _q8_0),
+    "Q4_0": (32, 18, _q4_0),
+    "Q4_1": (32, 20, _q4_1),
+}
+
+PACKED_KINDS = tuple(_PACKED)
+
+
+def packed_product(
+    x: Float[Array, "M n"], raw: UInt8[Array, "out nbytes"], kind: str
+) -> Float[Array, "M out"]:
+    """`x @ Wᵀ` for `W` the rows `raw` of llama.cpp blocks, decoded inside the reduction.
+
+    **Arguments:**
+
+    - `x`: the activations (any float dtype; the products are float32).
+    - `raw`: `uint8`, one packed row of `n` values per output (`GGUFWeight.raw`).
+    - `kind`: one of `PACKED_KINDS` (`"Q8_0"`, `"Q4_0"`, `"Q4_1"`).
+
+    **Returns:** `y[m, o] = Σ_b Σ_j w(o, b, j) · x[m, b·QK + j]`, float32.
+    """
+    if kind not in _PACKED:
+        raise ValueError(f"packed_product: kind {kind!r} is not one of {list(PACKED_KINDS)}")
+    qk, size, decode = _PACKED[kind]
+    n, (out, nbytes) = x.shape[-1], raw.shape
+    if n % qk or nbytes != n // qk * size:
+        raise ValueError(
+            f"packed_product: raw has {nbytes} bytes per row, expected {n // qk * size} "
+            f"for x's {n} values of {kind}"
+        )
+    w = decode(raw.reshape(out, n // qk, size))  # [out, nb, *block]
+    xb = x.astype(jnp.float32).reshape((x.shape[0], 1) + w.shape[1:])
+    return jnp.sum(w[None] * xb, axis=tuple(range(2, w.ndim + 1)))
+
+
+def few_rows_product(
+    x2: Array, raw: Array, kind: str, dense: Callable[[Array, Array], Array], out_dtype: Any
+) -> Array:
+    """`x2 @ W` from the packed rows when few rows of activations (vmapped calls
+    included) are multiplied, else `dense(x2, raw)`.
+
+    Under `jax.vmap` the batched rows are folded into `x2`'s rows before the choice (and
+    a vmapped weight takes the dense product), so a batch of `B` one-row decode steps
+    counts `B` rows.
+    """
+
+    def route(x2, raw):
+        if x2.shape[0] <= PACKED_MAX_ROWS:
+            return packed_product(x2, raw, kind).astype(out_dtype)
+        return dense(x2, raw)
+
+    @jax.custom_batching.custom_vmap
+    def product(x2, raw):
+        return route(x2, raw)
+
+    @product.def_vmap
+    def _batched(axis_size, in_batched, x2, raw):
+        x_batched, raw_batched = in_batched
+        if raw_batched:
+            return jax.vmap(dense, in_axes=(0 if x_batched else None, 0))(x2, raw), True
+        if not x_batched:
+            return product(x2, raw), False
+        y = product(x2.reshape((-1, x2.shape[-1])), raw)
+        return y.reshape(x2.shape[:-1] + y.shape[-1:]), True
+
+    return product(x2, raw)

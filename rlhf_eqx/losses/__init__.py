@@ -44,6 +44,8 @@ from ._dpo_losses import (
 from ._dpo_registry import (
     dpo_loss_types as dpo_loss_types,
     register_dpo_loss as register_dpo_loss,
+    registered_dpo_loss as registered_dpo_loss,
+    resolve_dpo_loss as resolve_dpo_loss,
 )
 from ._ensemble import (
     ENSEMBLE_MODES as ENSEMBLE_MODES,
@@ -88,8 +90,11 @@ from ._policy_loss_registry import (
     POLICY_LOSS_ADVANTAGES as POLICY_LOSS_ADVANTAGES,
     POLICY_LOSS_INPUTS as POLICY_LOSS_INPUTS,
     PolicyLossFn as PolicyLossFn,
+    PolicyLossSpec as PolicyLossSpec,
+    per_token_output as per_token_output,
     policy_loss_names as policy_loss_names,
     register_policy_loss as register_policy_loss,
+    resolve_policy_loss as resolve_policy_loss,
 )
 from ._policy_losses import (
     BATCH_POLICY_LOSSES as BATCH_POLICY_LOSSES,
@@ -99,6 +104,7 @@ from ._policy_losses import (
     adaptive_entropy_coef as adaptive_entropy_coef,
 )
 from ._ppo import (
+    LOG_RATIO_CLAMP as LOG_RATIO_CLAMP,
     clipped_surrogate as clipped_surrogate,
     gae as gae,
     ppo_policy_loss as ppo_policy_loss,

@@ -12,8 +12,10 @@ from jaxtyping import Array, Bool, Float
 from ..ops import masked_whiten
 from ._validation import Hyperparameter, check_python_number
 
-# Bound on |log π_θ - log π_old| before exponentiating (veRL `compute_policy_loss`).
 LOG_RATIO_CLAMP = 20.0
+"""The bound on $|\log\pi_\theta - \log\pi_{\rm old}|$ before the ratio is exponentiated
+(veRL `compute_policy_loss`): the policy losses (`ppo_policy_loss`, `grpo_policy_loss`,
+the registered ones) and the PPO step clip the log-ratio to $[-20, 20]$."""
 
 
 def _zero_where_masked(x: Array, mask: Array) -> Array:

@@ -26,8 +26,7 @@ from typing import Any, Literal, TypeVar
 
 from jaxtyping import Array, Float
 
-from ..losses import DPOLossFn
-from ..losses._dpo_registry import resolve_dpo_loss
+from ..losses import DPOLossFn, resolve_dpo_loss
 from ._validation import (
     check_aggregation,
     check_choice,

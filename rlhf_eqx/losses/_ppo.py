@@ -13,7 +13,7 @@ from ..ops import masked_whiten
 from ._validation import Hyperparameter, check_python_number
 
 LOG_RATIO_CLAMP = 20.0
-"""The bound on $|\log\pi_\theta - \log\pi_{\rm old}|$ before the ratio is exponentiated
+r"""The bound on $|\log\pi_\theta - \log\pi_{\rm old}|$ before the ratio is exponentiated
 (veRL `compute_policy_loss`): the policy losses (`ppo_policy_loss`, `grpo_policy_loss`,
 the registered ones) and the PPO step clip the log-ratio to $[-20, 20]$."""
 

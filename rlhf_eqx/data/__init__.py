@@ -76,8 +76,12 @@ from ._loader import (
     IteratorState as IteratorState,
     epoch_permutation as epoch_permutation,
 )
-from ._packing import pack_preferences as pack_preferences, packed_length as packed_length
-from ._packing_steps import pack_preference_steps as pack_preference_steps
+from ._packing import (
+    pack_preference_steps as pack_preference_steps,
+    pack_preferences as pack_preferences,
+    packed_from_preferences as packed_from_preferences,
+    packed_length as packed_length,
+)
 from ._preferences import (
     PREFERENCE_FORMATS as PREFERENCE_FORMATS,
     PreferenceDataset as PreferenceDataset,
@@ -107,7 +111,6 @@ from ._quality import (
     filter_preferences as filter_preferences,
     preference_quality as preference_quality,
 )
-from ._repacking import packed_from_preferences as packed_from_preferences
 from ._sentencepiece_tokenizer import SentencePieceTokenizer as SentencePieceTokenizer
 from ._sharding import (
     assign_shards as assign_shards,

@@ -12,6 +12,11 @@ the padding goes too.
 If the two prompts differ (a token merged across the prompt/completion boundary when
 tokenising), only their common prefix is shared; the rest of each prompt goes into its
 branch, unscored.
+
+Three ways in: `pack_preferences` packs tokenised pairs into rows (first fit, or one pair
+per row at fixed offsets with `aligned=True`); `pack_preference_steps` makes token-budget
+batches of the same shape in which every pair is packed once; `packed_from_preferences`
+converts a padded `PreferenceBatch` into the packed batch.
 """
 
 import math
@@ -20,10 +25,10 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from ._batches import PackedPreferenceBatch
+from ._batches import PackedPreferenceBatch, PreferenceBatch
 from ._collate import _check_completions, _check_ids
 from ._errors import DataError
-from ._tokenized import TokenizedPair
+from ._tokenized import TokenizedPair, TokenizedSequence
 
 
 def _positive(name: str, value: object, *, allow_none: bool = True) -> None:
@@ -232,4 +237,167 @@ def _pack_aligned(pieces, *, pad_id, bucket_size, num_rows, vocab_size) -> Packe
         branch_ids=jnp.asarray(branch),
         pairs=jnp.asarray(present),
         regions=(P, C, R_),
+    )
+
+
+# --- token-budget batches, every pair packed once -------------------------------------
+
+
+def pack_preference_steps(
+    pairs: Sequence[TokenizedPair],
+    *,
+    pad_id: int,
+    row_length: int,
+    rows_per_step: int | None = None,
+    pairs_per_step: int | None = None,
+    pairs_per_row: int = 4,
+    seed: int | None = 0,
+    vocab_size: int | None = None,
+) -> list[PackedPreferenceBatch]:
+    """Token-budget batches: every pair packed once, all batches the same shape.
+
+    The pairs (prompt shared, as in `pack_preferences`) are packed into rows of
+    `row_length` tokens, at most `pairs_per_row` to a row, by first-fit decreasing over
+    the whole list; the rows are then shuffled with `seed` (`None` keeps the packing
+    order, longest pairs first) and cut into batches of `rows_per_step` rows. Every
+    batch is `[rows_per_step, row_length]` — one compiled step for a whole length mix —
+    and holds however many pairs fill its rows; the last one is completed with empty
+    rows. A step averages its loss over the pairs present, so batches of different pair
+    counts need nothing else. On multi-turn preference data this pads far less than one
+    pair per row in length-sorted batches, with one shape instead of several.
+
+    **Arguments:**
+
+    - `pairs`: from `tokenize_preferences` (at least one).
+    - `pad_id`: the id written at padded positions (always masked).
+    - `row_length`: tokens per row; a pair longer than this once packed is refused,
+      naming it (`packed_length`).
+    - `rows_per_step`: rows per batch; or
+    - `pairs_per_step`: instead, as many rows per batch as hold this many pairs on
+      average (the number of rows the packing needs, divided evenly).
+    - `pairs_per_row`: the most pairs one row holds (its `pairs` axis).
+    - `seed`: the shuffle of the rows across batches (`None`: no shuffle).
+    - `vocab_size`: when given, every id and `pad_id` must lie in `[0, vocab_size)`.
+
+    **Returns:** a list of `PackedPreferenceBatch`es (`[rows_per_step, row_length]`
+    token fields, `pairs [rows_per_step, pairs_per_row]`).
+    """
+    if not pairs:
+        raise DataError("cannot pack an empty list of pairs")
+    _positive("row_length", row_length, allow_none=False)
+    if (rows_per_step is None) == (pairs_per_step is None):
+        raise DataError("give one of rows_per_step and pairs_per_step")
+    _positive("rows_per_step", rows_per_step)
+    _positive("pairs_per_step", pairs_per_step)
+    _positive("pairs_per_row", pairs_per_row, allow_none=False)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise DataError(f"seed must be an int or None, got {seed!r}")
+    pieces, sizes = _sized_pieces(pairs)
+    _check_fits(sizes, row_length)
+    rows = _first_fit(sizes, row_length, pairs_per_row)
+    if rows_per_step is None:
+        rows_per_step = max(1, round(len(rows) * pairs_per_step / len(pairs)))
+    if seed is not None:
+        rows = [rows[i] for i in np.random.default_rng(seed).permutation(len(rows))]
+    return [
+        _write_rows(
+            pieces,
+            rows[s : s + rows_per_step],
+            row_length,
+            pairs_per_row,
+            rows_per_step,
+            pad_id,
+            vocab_size,
+        )
+        for s in range(0, len(rows), rows_per_step)
+    ]
+
+
+# --- a padded PreferenceBatch, packed -------------------------------------------------
+
+
+def _row_sequence(
+    tokens: np.ndarray, mask: np.ndarray, completion: np.ndarray
+) -> TokenizedSequence:
+    real = tokens[mask]
+    scored = completion[mask]
+    n_prompt = int(np.argmax(scored)) if scored.any() else len(real)
+    if not scored[n_prompt:].all():
+        raise DataError(
+            "a packed pair needs each row's completion to be one block after its prompt "
+            "(completion_mask set on the real tokens after the prompt only)"
+        )
+    return TokenizedSequence(
+        prompt=tuple(int(t) for t in real[:n_prompt]),
+        completion=tuple(int(t) for t in real[n_prompt:]),
+    )
+
+
+def packed_from_preferences(
+    batch: PreferenceBatch,
+    *,
+    pad_id: int = 0,
+    row_length: int | None = None,
+    bucket_size: int | None = None,
+    pairs_per_row: int = 1,
+    num_rows: int | None = None,
+    aligned: bool = False,
+) -> PackedPreferenceBatch:
+    """Convert a `PreferenceBatch` (on the host) into a `PackedPreferenceBatch`.
+
+    Each row's real tokens are split into prompt (before the first completion token) and
+    completion; the pairs are then packed by `pack_preferences` (same arguments). Cached
+    reference log-probabilities are carried over when each pair has its own row
+    (`pairs_per_row=1`, no `num_rows`).
+    """
+    arrays = {
+        name: np.asarray(getattr(batch, name))
+        for name in (
+            "chosen_tokens",
+            "chosen_mask",
+            "chosen_completion_mask",
+            "rejected_tokens",
+            "rejected_mask",
+            "rejected_completion_mask",
+        )
+    }
+    pairs = []
+    for i in range(arrays["chosen_tokens"].shape[0]):
+        chosen = _row_sequence(
+            arrays["chosen_tokens"][i],
+            arrays["chosen_mask"][i],
+            arrays["chosen_completion_mask"][i],
+        )
+        rejected = _row_sequence(
+            arrays["rejected_tokens"][i],
+            arrays["rejected_mask"][i],
+            arrays["rejected_completion_mask"][i],
+        )
+        pairs.append(TokenizedPair(chosen=chosen, rejected=rejected))
+    packed = pack_preferences(
+        pairs,
+        pad_id=pad_id,
+        row_length=row_length,
+        bucket_size=bucket_size,
+        pairs_per_row=pairs_per_row,
+        num_rows=num_rows,
+        aligned=aligned,
+    )
+    if batch.ref_chosen_logp is None or batch.ref_rejected_logp is None:
+        return packed
+    if pairs_per_row != 1 or num_rows is not None:
+        raise DataError(
+            "cached reference log-probabilities are carried over only with pairs_per_row=1 "
+            "and no num_rows; compute them on the packed batch instead (compute_reference_logps)"
+        )
+    return PackedPreferenceBatch(
+        tokens=packed.tokens,
+        mask=packed.mask,
+        completion_mask=packed.completion_mask,
+        segment_ids=packed.segment_ids,
+        branch_ids=packed.branch_ids,
+        pairs=packed.pairs,
+        ref_chosen_logp=jnp.asarray(batch.ref_chosen_logp)[:, None],
+        ref_rejected_logp=jnp.asarray(batch.ref_rejected_logp)[:, None],
+        regions=packed.regions,
     )

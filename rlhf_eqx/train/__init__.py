@@ -65,15 +65,13 @@ from ._distill import (
 from ._dpo import dpo_loss_fn as dpo_loss_fn, make_dpo_step as make_dpo_step
 from ._ensemble import (
     Ensemble as Ensemble,
+    bootstrap_weights as bootstrap_weights,
     ensemble_scores as ensemble_scores,
     init_ensemble_optimizer as init_ensemble_optimizer,
     init_ensemble_state as init_ensemble_state,
     make_ensemble as make_ensemble,
-    scalar_head_filter as scalar_head_filter,
-)
-from ._ensemble_step import (
-    bootstrap_weights as bootstrap_weights,
     make_ensemble_reward_step as make_ensemble_reward_step,
+    scalar_head_filter as scalar_head_filter,
 )
 from ._grpo import grpo_loss as grpo_loss, make_grpo_step as make_grpo_step
 from ._grpo_advantages import grpo_advantages as grpo_advantages

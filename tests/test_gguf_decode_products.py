@@ -17,7 +17,8 @@ from rlhf_eqx.models import (
     GGUF_BLOCKS,
     PACKED_KINDS,
     GGUFWeight,
-    _packed_products,
+    dequantize_rows,
+    few_rows_product,
     matmul,
     packed_product,
 )
@@ -103,18 +104,26 @@ def test_frozen_product_routes_few_rows_and_keeps_values_and_gradients(kind, get
     close(got, jnp.einsum("bmi,bio->bmo", x[:2], ws.dequantize(jnp.float32)))
 
 
-@pytest.mark.parametrize("limit, packed", [(1, [1, 0, 1, 0, 0]), (4, [1, 1, 1, 1, 1])])
-def test_the_route_is_chosen_by_the_rows_of_all_vmapped_calls(monkeypatch, limit, packed):
-    # rows per call, vmapped calls: 1; 2; 1 × 1; 3 × 1; 2 × 2 × 1 (4 in all)
-    monkeypatch.setattr(_packed_products, "PACKED_MAX_ROWS", limit)
+@pytest.mark.parametrize("limit, packed", [(None, [1, 0, 1, 0, 0]), (4, [1, 1, 1, 1, 1])])
+def test_the_route_is_chosen_by_the_rows_of_all_vmapped_calls(limit, packed):
+    # rows per call, vmapped calls: 1; 2; 1 × 1; 3 × 1; 2 × 2 × 1 (4 in all); by default
+    # (`matmul` on a `GGUFWeight`) one row takes the packed product
     w = random_weight(np.random.default_rng(3), "Q8_0", (), 8, 64)
+    dense = lambda x, raw: x @ dequantize_rows(raw, "Q8_0", 64).T
+    if limit is None:
+        product = matmul
+    else:
+        product = lambda x, w: few_rows_product(
+            x, w.raw, "Q8_0", dense, jnp.float32, max_rows=limit
+        )
     got = []
     for shape in [(1, 64), (2, 64), (1, 1, 64), (3, 1, 64), (2, 2, 1, 64)]:
-        f = matmul
+        f, x = product, jnp.asarray(np.random.default_rng(5).standard_normal(shape), jnp.float32)
         for _ in range(len(shape) - 2):
             f = jax.vmap(f, in_axes=(0, None))
-        program = jax.jit(lambda x, w, f=f: f(x, w)).lower(jnp.ones(shape), w).as_text()
+        program = jax.jit(f).lower(x, w).as_text()
         got.append(int("dot_general" not in program))  # the dense route is a dot
+        close(jax.jit(f)(x, w), x @ w.dequantize(jnp.float32))
     assert got == packed
 
 

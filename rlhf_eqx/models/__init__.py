@@ -50,7 +50,11 @@ from ._lora import (
     without_lora as without_lora,
 )
 from ._masks import attention_layout as attention_layout, previous_allowed as previous_allowed
-from ._packed_products import PACKED_KINDS as PACKED_KINDS, packed_product as packed_product
+from ._packed_products import (
+    PACKED_KINDS as PACKED_KINDS,
+    few_rows_product as few_rows_product,
+    packed_product as packed_product,
+)
 from ._packing import branch_last_index as branch_last_index, branch_sums as branch_sums
 from ._peft import load_lora_adapter as load_lora_adapter, save_lora_adapter as save_lora_adapter
 from ._protocols import (

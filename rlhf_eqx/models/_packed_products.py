@@ -99,18 +99,37 @@ def packed_product(
 
 
 def few_rows_product(
-    x2: Array, raw: Array, kind: str, dense: Callable[[Array, Array], Array], out_dtype: Any
-) -> Array:
-    """`x2 @ W` from the packed rows when few rows of activations (vmapped calls
+    x2: Float[Array, "M n"],
+    raw: UInt8[Array, "out nbytes"],
+    kind: str,
+    dense: Callable[[Array, Array], Array],
+    out_dtype: Any,
+    *,
+    max_rows: int | None = None,
+) -> Float[Array, "M out"]:
+    """`x2 @ Wᵀ` from the packed rows when few rows of activations (vmapped calls
     included) are multiplied, else `dense(x2, raw)`.
 
     Under `jax.vmap` the batched rows are folded into `x2`'s rows before the choice (and
     a vmapped weight takes the dense product), so a batch of `B` one-row decode steps
     counts `B` rows.
+
+    **Arguments:**
+
+    - `x2`: the activations.
+    - `raw`: the packed rows of `kind` (`GGUFWeight.raw`, one weight).
+    - `kind`: one of `PACKED_KINDS`.
+    - `dense`: the product of more rows, `dense(x2, raw) -> [M, out]` in `out_dtype`.
+    - `out_dtype`: of the packed product's result.
+    - `max_rows`: the most rows that take the packed product (default `PACKED_MAX_ROWS`,
+      read when the product is traced).
+
+    **Returns:** `[M, out]`, `packed_product(x2, raw, kind)` or `dense(x2, raw)`.
     """
+    limit = PACKED_MAX_ROWS if max_rows is None else max_rows
 
     def route(x2, raw):
-        if x2.shape[0] <= PACKED_MAX_ROWS:
+        if x2.shape[0] <= limit:
             return packed_product(x2, raw, kind).astype(out_dtype)
         return dense(x2, raw)
 

@@ -174,7 +174,9 @@ class GGUFWeight(AbstractQuantizedWeight):
     `raw[..., o, :]` is output column `o` packed as a GGUF row of `in` values (ggml's
     `[out, in]` layout: blocks run along the input axis), so `dequantize` decodes the rows
     and transposes them. As the token embedding (`in_out = (d_model, vocab)`) the rows
-    are the vocabulary: `columns(ids)` decodes only the gathered rows.
+    are the vocabulary: `columns(ids)` decodes only the gathered rows. In a frozen
+    product of one row (a decode step), Q8_0, Q4_0 and Q4_1 rows are multiplied without
+    a dense copy (`product`, `rlhf_eqx.models.few_rows_product`); K-quants dequantise.
     """
 
     raw: UInt8[Array, "*L out row_bytes"]

@@ -14,18 +14,39 @@ from jaxtyping import Array, Bool, Float, Int, Shaped
 from .._sampling import DEFAULT_TEMPERATURE
 from ._rollout import Rollout, sample_rollout, token_logps
 
+# Rows per log-probability pass of an evaluation: a GRPO rollout's rows at the built-in
+# settings (8 prompts x 8 samples), so that the held-out evaluations (24 prompts x 8
+# samples: three passes) and GRPO's reference pass share one compiled program. Each row's
+# log-probabilities are the same in any batch.
+_ROWS = 64
+
+
+def _token_logps(model, rollout: Rollout) -> np.ndarray:
+    """`token_logps` of the rollout's rows, `_ROWS` at a time when there are more (the
+    last chunk padded with its own last row, so that every pass has one shape)."""
+    n = rollout.tokens.shape[0]
+    if n <= _ROWS:
+        return np.asarray(token_logps(model, rollout.tokens, rollout.mask))
+    tokens, mask = np.asarray(rollout.tokens), np.asarray(rollout.mask)  # sliced on the host
+    out = []
+    for i in range(0, n, _ROWS):
+        idx = np.minimum(np.arange(i, i + _ROWS), n - 1)
+        lp = token_logps(model, jnp.asarray(tokens[idx]), jnp.asarray(mask[idx]))
+        out.append(np.asarray(lp)[: min(_ROWS, n - i)])
+    return np.concatenate(out)
+
 
 def completion_nll(model, rollout: Rollout) -> float:
     """Mean negative log-likelihood per completion token of `rollout` under `model`."""
-    lp = np.asarray(token_logps(model, rollout.tokens, rollout.mask))
+    lp = _token_logps(model, rollout)
     m = np.asarray(rollout.completion_mask & rollout.mask)
     return float(-(lp * m).sum() / max(m.sum(), 1))
 
 
 def _kl(policy, reference, rollout: Rollout) -> float:
     """Per-token KL(policy || reference) estimated on the policy's own samples (k1)."""
-    lp = np.asarray(token_logps(policy, rollout.tokens, rollout.mask))
-    ref = np.asarray(token_logps(reference, rollout.tokens, rollout.mask))
+    lp = _token_logps(policy, rollout)
+    ref = _token_logps(reference, rollout)
     m = np.asarray(rollout.completion_mask & rollout.mask)
     return float(((lp - ref) * m).sum() / max(m.sum(), 1))
 

@@ -18,13 +18,27 @@ read from the persistent cache (hits) or compiled by XLA, and the seconds spent 
 them; and any program built twice in one run (same name and argument shapes).
 `--by-program` also lists the builds per program name.
 
+`cold` compiles everything because its cache directory starts empty (a fresh
+`XDG_CACHE_HOME` per round); the persistent cache is still on and written, as in a first
+command-line run. `off` switches it off.
+
+`--against REV` measures a before/after pair in one run: the tree of the git revision
+`REV` (exported with `git archive` into a temporary directory) against the working tree
+(or against the tree of `--after REV2`: a checkout that others edit meanwhile is then
+left out), alternating (before, after) for `--rounds` rounds, each run in a fresh process with its
+own empty cache; it prints every run, the medians of each side and the load average
+(1 minute) before each run: on a shared machine cold compile times are noisy, so
+compare the sides only within one such run.
+
 Usage: `python benchmarks/bench_compile.py [--rollouts 2] [--modes cold,warm]
-[--by-program] [--json OUT.jsonl]`.
+[--by-program] [--json OUT.jsonl] [--against REV [--after REV2] --rounds 3]
+[--set key=value ...]`.
 """
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -95,14 +109,19 @@ print("BENCH " + json.dumps({"marks": marks, "builds": builds, "hits": hits[0], 
 """
 
 
-def run(mode: str, cache_home: str, out: str, rollouts: int) -> dict:
+def run(
+    mode: str, cache_home: str, out: str, rollouts: int, root: str = ROOT, sets: tuple = ()
+) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "RLHF_EQX_"))}
-    env.update(XDG_CACHE_HOME=cache_home, PYTHONPATH=ROOT)
+    env.update(XDG_CACHE_HOME=cache_home, PYTHONPATH=root)
     if mode == "off":
         env["RLHF_EQX_COMPILATION_CACHE"] = "0"
     args = ["grpo", "--quiet", "--out", out, "--set", f"grpo.rollouts={rollouts}"]
+    for kv in sets:
+        args += ["--set", kv]
+    load = os.getloadavg()[0]
     proc = subprocess.run(
-        [sys.executable, "-c", DRIVER, *args], env=env, capture_output=True, text=True, cwd=ROOT
+        [sys.executable, "-c", DRIVER, *args], env=env, capture_output=True, text=True, cwd=root
     )
     lines = [x for x in proc.stdout.splitlines() if x.startswith("BENCH ")]
     if proc.returncode != 0 or not lines:
@@ -111,6 +130,7 @@ def run(mode: str, cache_home: str, out: str, rollouts: int) -> dict:
     start, end = r["marks"]["start"], r["marks"]["end"]
     return {
         "mode": mode,
+        "load_1min": load,
         "first_iteration_s": end["t"] - start["t"],
         "first_iteration_cpu_s": end["cpu"] - start["cpu"],
         "command_s": r["total_s"],
@@ -125,27 +145,89 @@ def run(mode: str, cache_home: str, out: str, rollouts: int) -> dict:
     }
 
 
+HEADER = (
+    f"{'cache':>6} {'iter1 s':>8} {'iter1 cpu':>9} {'run s':>7} {'built':>6} {'hits':>5} "
+    f"{'comp s':>7} {'it1 built':>9} {'it1 hits':>8} {'it1 comp s':>10}"
+)
+
+
+def row(r: dict) -> str:
+    return (
+        f"{r['mode']:>6} {r['first_iteration_s']:8.1f} {r['first_iteration_cpu_s']:9.1f} "
+        f"{r['command_s']:7.1f} {r['builds']:6d} {r['hits']:5d} {r['compile_s']:7.1f} "
+        f"{r['iter_builds']:9d} {r['iter_hits']:8d} {r['iter_compile_s']:10.1f}"
+    )
+
+
+def export_tree(rev: str, into: str, name: str) -> str:
+    """The files of git revision `rev` of this repository, written under `into/name`."""
+    tree = os.path.join(into, name)
+    os.makedirs(tree)
+    archive = subprocess.run(
+        ["git", "archive", "--format=tar", rev], cwd=ROOT, capture_output=True, check=True
+    )
+    subprocess.run(["tar", "-x", "-C", tree], input=archive.stdout, check=True)
+    return tree
+
+
+def compare(a, modes: list[str]) -> list[dict]:
+    """`--against`: (before, after) pairs, alternating, each with its own empty cache."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        before = export_tree(a.against, tmp, "before")
+        after = export_tree(a.after, tmp, "after") if a.after else ROOT
+        for rnd in range(a.rounds):
+            for side, root in (("before", before), ("after", after)):
+                home = os.path.join(tmp, f"cache-{rnd}-{side}")
+                for i, mode in enumerate(modes):
+                    out = os.path.join(tmp, f"run-{rnd}-{side}-{i}")
+                    r = run(mode, home, out, a.rollouts, root, tuple(a.set))
+                    rev = a.against if side == "before" else (a.after or "working tree")
+                    r.update(side=side, round=rnd, rev=rev)
+                    rows.append(r)
+                    print(f"round {rnd} {side:>6} load {r['load_1min']:4.1f} {row(r)}", flush=True)
+    for mode in modes:
+        for side in ("before", "after"):
+            mine = [r for r in rows if r["side"] == side and r["mode"] == mode]
+            med = {
+                k: statistics.median(r[k] for r in mine)
+                for k in ("first_iteration_s", "first_iteration_cpu_s", "iter_compile_s")
+            }
+            print(
+                f"{mode} {side:>6} medians over {len(mine)} rounds: iter1 "
+                f"{med['first_iteration_s']:.1f} s wall, {med['first_iteration_cpu_s']:.1f} s CPU, "
+                f"{med['iter_compile_s']:.1f} s in compile-or-load; iter1 wall per round "
+                + ", ".join(f"{r['first_iteration_s']:.1f}" for r in mine)
+            )
+    loads = [r["load_1min"] for r in rows]
+    print(f"load average (1 min) before the runs: {min(loads):.1f}-{max(loads):.1f}")
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rollouts", type=int, default=2, help="GRPO iterations per run")
     p.add_argument("--modes", default="cold,warm", help="comma-separated: cold, warm, off")
     p.add_argument("--by-program", action="store_true", help="builds per program")
     p.add_argument("--json", help="append the results to this JSONL file")
+    p.add_argument("--against", help="git revision to compare the working tree with")
+    p.add_argument("--after", help="with --against: this revision instead of the working tree")
+    p.add_argument("--rounds", type=int, default=3, help="(before, after) rounds of --against")
+    p.add_argument("--set", action="append", default=[], help="key=value for every run")
     a = p.parse_args()
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, mode in enumerate(a.modes.split(",")):
-            rows.append(run(mode, tmp, os.path.join(tmp, f"run{i}"), a.rollouts))
-    print(
-        f"{'cache':>6} {'iter1 s':>8} {'iter1 cpu':>9} {'run s':>7} {'built':>6} {'hits':>5} "
-        f"{'comp s':>7} {'it1 built':>9} {'it1 hits':>8} {'it1 comp s':>10}"
-    )
-    for r in rows:
-        print(
-            f"{r['mode']:>6} {r['first_iteration_s']:8.1f} {r['first_iteration_cpu_s']:9.1f} "
-            f"{r['command_s']:7.1f} {r['builds']:6d} {r['hits']:5d} {r['compile_s']:7.1f} "
-            f"{r['iter_builds']:9d} {r['iter_hits']:8d} {r['iter_compile_s']:10.1f}"
-        )
+    modes = a.modes.split(",")
+    if a.against:
+        print(HEADER)
+        rows = compare(a, modes)
+    else:
+        rows = []
+        with tempfile.TemporaryDirectory() as tmp:
+            for i, mode in enumerate(modes):
+                out = os.path.join(tmp, f"run{i}")
+                rows.append(run(mode, tmp, out, a.rollouts, sets=tuple(a.set)))
+        print(HEADER)
+        for r in rows:
+            print(row(r))
     print(
         "iter1: start of the grpo stage to the end of its first iteration (wall, CPU); "
         "built: programs built over the whole run (hits: read from the persistent cache); "
@@ -153,9 +235,10 @@ def main() -> None:
     )
     for r in rows:
         twice = r["same_program_twice"]
-        print(f"{r['mode']}: programs built twice (same name and shapes): {twice or 'none'}")
+        name = f"{r.get('side', '')} {r['mode']}".strip()
+        print(f"{name}: programs built twice (same name and shapes): {twice or 'none'}")
         if a.by_program:
-            print(f"{r['mode']}: builds per program name: {dict(sorted(r['by_program'].items()))}")
+            print(f"{name}: builds per program name: {dict(sorted(r['by_program'].items()))}")
     if a.json:
         with open(a.json, "a") as f:
             for r in rows:

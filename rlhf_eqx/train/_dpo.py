@@ -12,9 +12,10 @@ from ..losses import (
     DPO_BATCH_LOSS_TYPES,
     dpo_batch_loss,
     dpo_implicit_rewards,
+    registered_dpo_loss,
+    resolve_dpo_loss,
     sft_nll,
 )
-from ..losses._dpo_registry import registered_dpo_loss, resolve_dpo_loss
 from ..ops import masked_sum
 from ._pair_logps import _cached_reference, _pairs_forward
 from ._settings import DPOSettings, StepOptions, settings_from, split_shortcuts

@@ -16,8 +16,8 @@ from ..losses import (
     kl_penalty,
     mask_truncated,
     mismatch_metrics,
+    resolve_policy_loss,
 )
-from ..losses._policy_loss_registry import resolve_policy_loss
 from ..models import AbstractSelectiveLM
 from ..ops import entropy_from_logits, logprobs_from_logits, masked_sum
 from ._accumulate import vmap_model

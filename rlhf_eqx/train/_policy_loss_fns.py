@@ -23,8 +23,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from ..losses import POLICY_LOSS_INPUTS, policy_loss_names
-from ..losses._policy_loss_registry import PolicyLossSpec, per_token_output, resolve_policy_loss
+from ..losses import (
+    POLICY_LOSS_INPUTS,
+    PolicyLossSpec,
+    per_token_output,
+    policy_loss_names,
+    resolve_policy_loss,
+)
 from ._validation import check_choice
 
 # The stream of the step's key that the loss's `key` comes from (the key itself goes to

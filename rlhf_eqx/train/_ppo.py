@@ -8,8 +8,7 @@ import optax
 from jaxtyping import PRNGKeyArray, PyTree
 
 from ..data import PPOBatch
-from ..losses import aggregate_parts, ppo_value_loss
-from ..losses._ppo import LOG_RATIO_CLAMP
+from ..losses import LOG_RATIO_CLAMP, aggregate_parts, ppo_value_loss
 from ..ops import masked_sum
 from ._policy_loss_fns import make_policy_loss, read_policy_loss
 from ._ppo_rollout import policy_logps_and_values

@@ -281,11 +281,99 @@ def test_the_default_temperature_is_written_once():
     assert rx.DEFAULT_TEMPERATURE == 1.0
 
 
-def test_library_files_stay_short():
-    """Every library module is at most 350 lines: a concern per file."""
-    long = {
-        str(p.relative_to(ROOT)): n
-        for p in (ROOT / "rlhf_eqx").rglob("*.py")
-        if (n := len(p.read_text().splitlines())) > 350
-    }
-    assert not long, f"library files over 350 lines: {long}"
+def _unit(parts: list[str]) -> str:
+    """The unit of a dotted rlhf_eqx path: its first name under `rlhf_eqx` (`""`: the
+    package root itself)."""
+    return parts[1] if len(parts) > 1 else ""
+
+
+def cross_unit_private_imports(source: str, module: str, is_package: bool = False):
+    """`(line, dotted path)` of every import in the library module `module` (dotted, e.g.
+    `rlhf_eqx.train._dpo`; `is_package` for an `__init__.py`) that reaches a private part
+    of another unit: a private module below the other unit's own name, or a private name
+    (see `test_no_private_names_across_subpackages` for the rule)."""
+    here = module.split(".")
+    package = here if is_package else here[:-1]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            targets = [a.name.split(".") for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            base = base + (node.module.split(".") if node.module else [])
+            targets = [base + [a.name] for a in node.names]
+        else:
+            continue
+        for t in targets:
+            if t[0] != "rlhf_eqx" or len(t) < 2 or _unit(t) == _unit(here):
+                continue
+            if _private(".".join(["rlhf_eqx", *t[2:]])):  # below the other unit's name
+                found.append((node.lineno, ".".join(t)))
+    return sorted(found)
+
+
+def test_the_cross_unit_checker_finds_private_names():
+    source = (
+        "from ..models import Policy, AbstractDecoder\n"
+        "from .._batches import PreferenceBatch\n"
+        "from .. import _sampling, data\n"
+        "from ._accumulate import _helper\n"
+        "from ..models._protocols import AbstractDecoder\n"
+        "from .._batches import _validate\n"
+        "from ..data._errors import DataError\n"
+        "def f():\n"
+        "    from ..losses._ppo import LOG_RATIO_CLAMP\n"
+        "import rlhf_eqx.models._quant\n"
+        "from rlhf_eqx.models import _transformer\n"
+    )
+    assert cross_unit_private_imports(source, "rlhf_eqx.train._dpo") == [
+        (5, "rlhf_eqx.models._protocols.AbstractDecoder"),
+        (6, "rlhf_eqx._batches._validate"),
+        (7, "rlhf_eqx.data._errors.DataError"),
+        (9, "rlhf_eqx.losses._ppo.LOG_RATIO_CLAMP"),
+        (10, "rlhf_eqx.models._quant"),
+        (11, "rlhf_eqx.models._transformer"),
+    ]
+    # inside one unit anything goes; the root package is a unit of its own
+    assert cross_unit_private_imports(source, "rlhf_eqx.models._heads") == [
+        (6, "rlhf_eqx._batches._validate"),
+        (7, "rlhf_eqx.data._errors.DataError"),
+        (9, "rlhf_eqx.losses._ppo.LOG_RATIO_CLAMP"),
+    ]
+    root = "from .distributed._memory import estimate_memory\nfrom .models import Policy\n"
+    assert cross_unit_private_imports(root, "rlhf_eqx", is_package=True) == [
+        (1, "rlhf_eqx.distributed._memory.estimate_memory")
+    ]
+    init = "from ._x import y\nfrom .._sampling._options import DEFAULT_TEMPERATURE\n"
+    assert cross_unit_private_imports(init, "rlhf_eqx.losses", is_package=True) == [
+        (2, "rlhf_eqx._sampling._options.DEFAULT_TEMPERATURE")
+    ]
+
+
+def test_no_private_names_across_subpackages():
+    """No library module imports a private part of another subpackage.
+
+    Every module of the library belongs to one *unit*: the first name under `rlhf_eqx`,
+    a subpackage (`rlhf_eqx.train`, `rlhf_eqx._sampling`) or a top-level module
+    (`rlhf_eqx.ops`, `rlhf_eqx._pretrained`); the package root `rlhf_eqx/__init__.py` is
+    a unit of its own. Inside a unit any import is fine (`from ._accumulate import
+    vmap_model` in `train`). Across units an import names the other unit and then only
+    public names: its `__init__`'s names or the top-level module's own public names —
+    never a private module below it (`rlhf_eqx.models._protocols`) nor a private name
+    (`from rlhf_eqx._sampling import _check_decoder`). A unit's own name may begin with an
+    underscore (`rlhf_eqx._sampling`, `rlhf_eqx._typecheck`): it is kept out of the
+    users' namespace, and its public names are what the rest of the library builds on.
+    So a helper that another subpackage needs is public where it lives (exported from
+    its `__init__` and documented), or it moves to the unit that uses it.
+    """
+    found = []
+    for path in sorted((ROOT / "rlhf_eqx").rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        parts = list(rel.parts)
+        is_package = parts[-1] == "__init__"
+        module = ".".join(parts[:-1] if is_package else parts)
+        found += [
+            f"{path.relative_to(ROOT)}:{line} imports {target}"
+            for line, target in cross_unit_private_imports(path.read_text(), module, is_package)
+        ]
+    assert not found, "private names imported across subpackages:\n" + "\n".join(found)

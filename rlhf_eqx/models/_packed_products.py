@@ -43,26 +43,32 @@ def _signed(q: Array) -> Array:
     return (q ^ jnp.uint8(128)).astype(jnp.float32) - 128.0
 
 
-def _nibbles(qs: Array) -> Array:
-    """`[..., 16]` bytes → float32 `[..., 2, 16]`: low nibbles (values 0..15), then high."""
-    return jnp.stack([qs & 15, qs >> 4], axis=-2).astype(jnp.float32)
+def _nibbles(qs: Array) -> tuple[Array, Array]:
+    """Bytes as float32 low nibbles (values 0..15 of a block) and high nibbles (16..31),
+    split in float arithmetic (`hi = ⌊b/16⌋`, `lo = b − 16·hi`, exact): on XLA's CPU
+    backend twice as fast inside the reduction as integer shifts and masks."""
+    f = qs.astype(jnp.float32)
+    hi = jnp.floor(f * 0.0625)
+    return f - 16.0 * hi, hi
 
 
 def _q8_0(b):
-    return _signed(b[..., 2:34]) * _f16(b[..., 0:2])[..., None]
+    return (_signed(b[..., 2:34]) * _f16(b[..., 0:2])[..., None],)
 
 
 def _q4_0(b):
-    return (_nibbles(b[..., 2:18]) - 8.0) * _f16(b[..., 0:2])[..., None, None]
+    d = _f16(b[..., 0:2])[..., None]
+    return tuple((q - 8.0) * d for q in _nibbles(b[..., 2:18]))
 
 
 def _q4_1(b):
-    d, m = _f16(b[..., 0:2])[..., None, None], _f16(b[..., 2:4])[..., None, None]
-    return d * _nibbles(b[..., 4:20]) + m
+    d, m = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]
+    return tuple(d * q + m for q in _nibbles(b[..., 4:20]))
 
 
-# kind: (values per block, bytes per block, decoder to float32 [..., *block_shape])
-_PACKED: dict[str, tuple[int, int, Callable[[Array], Array]]] = {
+# kind: (values per block, bytes per block, decoder of blocks [..., bytes] to the
+# block's values, float32, in `k` parts [..., QK / k] of consecutive values)
+_PACKED: dict[str, tuple[int, int, Callable[[Array], tuple[Array, ...]]]] = {
     "Q8_0": (32, 34, _q8_0),
     "Q4_0": (32, 18, _q4_0),
     "Q4_1": (32, 20, _q4_1),
@@ -93,9 +99,10 @@ def packed_product(
             f"packed_product: raw has {nbytes} bytes per row, expected {n // qk * size} "
             f"for x's {n} values of {kind}"
         )
-    w = decode(raw.reshape(out, n // qk, size))  # [out, nb, *block]
-    xb = x.astype(jnp.float32).reshape((x.shape[0], 1) + w.shape[1:])
-    return jnp.sum(w[None] * xb, axis=tuple(range(2, w.ndim + 1)))
+    parts = decode(raw.reshape(out, n // qk, size))  # k × [out, nb, QK / k]
+    xb = x.astype(jnp.float32).reshape((x.shape[0], 1, n // qk, len(parts), -1))
+    terms = [w[None] * xb[:, :, :, k] for k, w in enumerate(parts)]
+    return jnp.sum(sum(terms[1:], terms[0]), axis=(2, 3))
 
 
 def few_rows_product(

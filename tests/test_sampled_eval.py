@@ -69,6 +69,9 @@ def test_no_prompts(model):
     policy, tok = model
     ev = pl.sampled_comparison(policy, policy, tok, [], jax.random.key(0), _cfg())
     assert ev == {"prompts": 0, "samples_per_prompt": 2}
+    long = ["Once upon a time " * 12]
+    ev = pl.sampled_comparison(policy, policy, tok, long + PROMPTS[:1], jax.random.key(0), _cfg())
+    assert ev["prompts"] == 1 and ev["longer_than_prompt_length"] == 1
 
 
 def test_eval_prompts_is_validated():

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
+from ._data_prep import prompt_tokens
 from ._evaluate import prompt_se
 from ._rollout import Rollout, sample_rollout, sampling_options, token_logps
 
@@ -48,7 +49,8 @@ def sampled_comparison(
     shown: int = 3,
 ) -> dict:
     """Sample `cfg.eval_samples` completions of each of the first `max_prompts` distinct
-    `prompts` (default `cfg.data.eval_prompts`; all when 0 is not asked for) with `before`
+    `prompts` that fit `cfg.sampling.prompt_length` (default `cfg.data.eval_prompts`; 0:
+    all; the number that did not fit is `longer_than_prompt_length`) with `before`
     (the model the stage started from, also the base of the NLL and the KL) and with
     `after`, with the same key (paired samples), at the run's sampling settings
     (`cfg.sampling`).
@@ -62,11 +64,14 @@ def sampled_comparison(
     """
     limit = cfg.data.eval_prompts if max_prompts is None else max_prompts
     distinct = list(dict.fromkeys(prompts))
-    if limit:
-        distinct = distinct[:limit]
+    fits = [p for p in distinct if prompt_tokens(tok, p) <= cfg.sampling.prompt_length]
     k = cfg.eval_samples
     opts = sampling_options(cfg.sampling)
-    out: dict = {"prompts": len(distinct), "samples_per_prompt": k}
+    out: dict = {"samples_per_prompt": k}
+    if len(fits) < len(distinct):
+        out["longer_than_prompt_length"] = len(distinct) - len(fits)
+    distinct = fits[:limit] if limit else fits
+    out["prompts"] = len(distinct)
     if not distinct:
         return out
     rolls = {}

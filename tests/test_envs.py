@@ -493,7 +493,8 @@ WORDS = [
 )
 def test_animal_reward_equals_host_regex(animal_env, tok512, mentions, words, seps, animal):
     text = "".join(w + s for w, s in zip(words, seps))
-    ids, mask = _encode_batch(tok512, [text], 32)
+    assert len(tok512.encode(text)) <= 64  # the whole text reaches the environment
+    ids, mask = _encode_batch(tok512, [text], 64)
     got = float(mentions(ids, mask, jnp.asarray([animal], jnp.int32))[0])
     assert got == animal_followup_score(text, animal_env.animals[animal])
 

@@ -2,7 +2,6 @@
 the decoder's program does not grow with depth, and the command line keeps compiled
 programs on disk between runs (`ops.compilation_cache`)."""
 
-import dataclasses
 import json
 import logging
 import os
@@ -265,14 +264,12 @@ class _Programs(logging.Handler):
     def __init__(self):
         super().__init__()
         self.built: dict[str, int] = {}
-        self.threads: dict[str, str] = {}  # the thread that compiled each program
 
     def emit(self, record):
         msg = record.getMessage()
         if msg.startswith("Compiling "):
             key = msg.split(". Argument mapping")[0]
             self.built[key] = self.built.get(key, 0) + 1
-            self.threads[key] = record.threadName
 
 
 @pytest.mark.slow
@@ -343,70 +340,7 @@ print(d)
     assert 0 < len(programs) < 20 and total <= 1 << 20, (len(programs), total)
 
 
-# --- the first GRPO iteration: what it compiles ----------------------------------------
-
-
-def _grpo_update_builds(tmp_path, name: str, learning_rate: float, **changes) -> dict:
-    """`jit(update)` programs compiled by a small `run_grpo` (a learning rate no other
-    test uses: a new optimiser, hence a step compiled in this run)."""
-    from rlhf_eqx import pipelines as pl
-
-    policy, tok = pl.load_model("builtin")
-    cfg = pl.animal_task_config().grpo
-    optim = dataclasses.replace(cfg.optim, learning_rate=learning_rate)
-    cfg = dataclasses.replace(
-        cfg, prompts_per_rollout=2, group_size=2, rollouts=2, optim=optim, **changes
-    )
-    log = pl.MetricsLog(str(tmp_path), name, quiet=True)
-    ctx = pl.RunContext(
-        ops=pl.OpsConfig(monitor=False, quiet=True), log=log, key=jax.random.key(0),
-        checkpoint_dir=None, prompt_length=16, max_new_tokens=8,
-    )  # fmt: skip
-    fns = [pl.RewardFunction("parity", lambda p, t: float(len(t) % 2))]
-    prompts = [f"Once upon a time {i}" for i in range(4)]
-    handler = _Programs()
-    loggers = [logging.getLogger(n) for n in ("jax._src.interpreters.pxla", "jax._src.dispatch")]
-    for lg in loggers:
-        lg.addHandler(handler)
-    jax.config.update("jax_log_compiles", True)
-    try:
-        pl.run_grpo(policy, tok, prompts, reward=fns, cfg=cfg, ctx=ctx)
-    finally:
-        jax.config.update("jax_log_compiles", False)
-        for lg in loggers:
-            lg.removeHandler(handler)
-    return {
-        k: (v, handler.threads[k])
-        for k, v in handler.built.items()
-        if k.startswith("Compiling jit(update) ")
-    }
-
-
-def _correction():
-    from rlhf_eqx import pipelines as pl
-
-    cfg = pl.apply_overrides(pl.animal_task_config(), ["grpo.rollout_correction.mode=truncate"])
-    return cfg.grpo.rollout_correction
-
-
-@pytest.mark.parametrize(
-    "learning_rate, changes",
-    [
-        (1.234e-3, {}),
-        (1.235e-3, {"overlong_buffer": 2}),
-        (1.236e-3, {"dynamic_sampling": 2}),
-        (1.237e-3, {"staleness": 1, "correction": True}),
-    ],
-)
-def test_grpo_first_update_is_compiled_once_while_it_samples(tmp_path, learning_rate, changes):
-    """`run_grpo` compiles its update on a stand-in batch, in its own thread, while the
-    first rollout samples: the stand-in has the real batches' fields, shapes and dtypes,
-    so the run compiles one update program, not two, whatever the rollout options."""
-    if changes.pop("correction", False):
-        changes["rollout_correction"] = _correction()
-    builds = _grpo_update_builds(tmp_path, "grpo", learning_rate, **changes)
-    assert [n for n, _ in builds.values()] == [1], builds
-    assert all(thread.startswith("compile") for _, thread in builds.values()), builds
+# --- the evaluations share GRPO's reference pass -------------------------------------
 
 
 def test_evaluation_log_probs_in_passes_of_64_rows_equal_one_pass(monkeypatch):

@@ -109,46 +109,6 @@ class SamplerPlacement:
         return dataclasses.replace(roll, **{f: _put(getattr(roll, f), home) for f in _ROW_ARRAYS})
 
 
-def _stand_in_batch(cfg, ctx: RunContext, *, behaviour_kept: bool, recompute: bool):
-    """A `GRPOBatch` of zeros with the fields, shapes and dtypes of the batches
-    `run_grpo` builds from its rollouts (`n * G` rows of `prompt_length + max_new_tokens`
-    tokens): the same compiled update runs on both."""
-    B, P = cfg.prompts_per_rollout * cfg.group_size, ctx.prompt_length
-    T = P + ctx.max_new_tokens
-    put = jnp.asarray  # from NumPy: no program compiled for the stand-in's arrays
-    f32 = put(np.zeros((B, T), np.float32))
-    return rx.train.GRPOBatch(
-        tokens=put(np.zeros((B, T), np.int32)),
-        mask=put(np.ones((B, T), np.bool_)),
-        completion_mask=put(np.broadcast_to(np.arange(T) >= P, (B, T))),
-        rewards=put(np.zeros((B,), np.float32)),
-        old_logp=f32 if recompute or not behaviour_kept else None,
-        ref_logp=f32,
-        truncated=put(np.zeros((B,), np.bool_)),
-        prompt_length=P,
-        samples_per_prompt=cfg.group_size,
-        behaviour_logp=f32 if behaviour_kept else None,
-    )
-
-
-def _compile_ahead(worker: ThreadPoolExecutor, ts, step, batch, key):
-    """Compile the first update (`ts.apply(step, batch, key=key)` on a stand-in `batch`,
-    its result discarded: a step is a pure function) in `worker` while the caller samples
-    the first rollout. The sampler's and the reference pass's compilations and runs
-    overlap the update's compilation, mostly single-threaded in XLA, so the first
-    iteration waits for the longest of them, not for their sum; the real update then
-    finds its program compiled. Returns the future; an error here is left to the real
-    update to raise."""
-
-    def run():
-        try:
-            jax.block_until_ready(ts.apply(step, batch, key=key)[1])
-        except Exception:  # the real call with the real batch reports any problem
-            return None
-
-    return worker.submit(run)
-
-
 def grpo_state_and_step(pol, spec, cfg, ctx: RunContext):
     """The `TrainState` of the policy `pol` (trainable part `spec`) and the GRPO step of
     `cfg` at the run's sampling temperature, its optimiser scheduled over
@@ -231,9 +191,6 @@ def run_grpo(
     # rollback (which restores a copy).
     ahead: dict[int, tuple] = {}
     worker = ThreadPoolExecutor(1, thread_name_prefix="rollout") if overlap else None
-    # The first iteration's update compiles in its own thread while that iteration samples.
-    compiler = ThreadPoolExecutor(1, thread_name_prefix="compile")
-    compiling: list = []
 
     def next_rollout(state, ts, r):
         """Start rollout r + 1 from its behaviour policy (known before rollout r's
@@ -251,13 +208,6 @@ def run_grpo(
         ts = state.train if k else state
         behaviour = placement.model(state.behind[0] if k else ts.params, ts.frozen)
         k_sample, k_steps = jax.random.split(key)
-        if not compiling:  # (a donating step would consume the state: it compiles when called)
-            stand_in = _stand_in_batch(cfg, ctx, behaviour_kept=behaviour_kept, recompute=recompute)
-            key_0 = jax.random.fold_in(k_steps, 0)
-            donates = not (isinstance(step, rx.train.Step) and step.donate is False)
-            compiling.append(
-                None if donates else _compile_ahead(compiler, ts, step, stand_in, key_0)
-            )
         ready = ahead.pop(r, None)
         ahead.clear()
         prepared = ready is not None and ready[0] is state.behind[0]
@@ -313,8 +263,6 @@ def run_grpo(
         upcoming = next_rollout(state, ts, r) if overlap and r + 1 < cfg.rollouts else None
         metrics = []
         before = ts.params
-        if compiling[0] is not None:  # the update's program, compiled while this rollout sampled
-            compiling[0].result()
         for e in range(cfg.epochs):
             ts, met = ts.apply(step, batch, key=jax.random.fold_in(k_steps, e))
             metrics.append(met)
@@ -342,7 +290,6 @@ def run_grpo(
             ),
         )
     finally:
-        compiler.shutdown(wait=False, cancel_futures=True)
         if worker is not None:
             worker.shutdown(wait=False, cancel_futures=True)
     return dataclasses.replace(res, state=res.state.train) if k else res

@@ -16,23 +16,29 @@ from ._rollout import Rollout, sample_rollout, token_logps
 
 # Rows per log-probability pass of an evaluation: a GRPO rollout's rows at the built-in
 # settings (8 prompts x 8 samples), so that the held-out evaluations (24 prompts x 8
-# samples: three passes) and GRPO's reference pass share one compiled program. Each row's
-# log-probabilities are the same in any batch.
+# samples: three passes) and GRPO's reference pass share one compiled program; fewer
+# when a pass's logits (rows x length x vocabulary floats) would exceed _LOGIT_BUDGET
+# (a real vocabulary: 49,152 for SmolLM2). Each row's log-probabilities are the same in
+# any batch.
 _ROWS = 64
+_LOGIT_BUDGET = 1 << 28
 
 
 def _token_logps(model, rollout: Rollout) -> np.ndarray:
-    """`token_logps` of the rollout's rows, `_ROWS` at a time when there are more (the
-    last chunk padded with its own last row, so that every pass has one shape)."""
-    n = rollout.tokens.shape[0]
-    if n <= _ROWS:
+    """`token_logps` of the rollout's rows in passes of at most `_ROWS` rows (and at most
+    `_LOGIT_BUDGET` logits), the last pass padded with its own last row, so that every
+    pass has one shape."""
+    n, t = rollout.tokens.shape
+    vocab = getattr(getattr(model, "cfg", None), "vocab_size", 1)
+    rows = max(1, min(_ROWS, _LOGIT_BUDGET // max(t * vocab, 1)))
+    if n <= rows:
         return np.asarray(token_logps(model, rollout.tokens, rollout.mask))
     tokens, mask = np.asarray(rollout.tokens), np.asarray(rollout.mask)  # sliced on the host
     out = []
-    for i in range(0, n, _ROWS):
-        idx = np.minimum(np.arange(i, i + _ROWS), n - 1)
+    for i in range(0, n, rows):
+        idx = np.minimum(np.arange(i, i + rows), n - 1)
         lp = token_logps(model, jnp.asarray(tokens[idx]), jnp.asarray(mask[idx]))
-        out.append(np.asarray(lp)[: min(_ROWS, n - i)])
+        out.append(np.asarray(lp)[: min(rows, n - i)])
     return np.concatenate(out)
 
 

@@ -11,24 +11,8 @@ import jax
 import numpy as np
 
 from ._data_prep import prompt_tokens
-from ._evaluate import prompt_se
-from ._rollout import Rollout, sample_rollout, sampling_options, token_logps
-
-# rows per forward pass when scoring samples: a real vocabulary's logits are
-# rows x length x vocab floats (49,152 for SmolLM2), so they are taken a few rows at a time
-_ROWS = 8
-
-
-def _logps(model, roll: Rollout) -> np.ndarray:
-    """`token_logps` of the rollout's rows, `_ROWS` at a time (the last chunk padded with
-    its own rows, so that every chunk has one shape and compiles once)."""
-    n = roll.tokens.shape[0]
-    out = []
-    for i in range(0, n, _ROWS):
-        idx = np.minimum(np.arange(i, i + _ROWS), n - 1)
-        lp = token_logps(model, roll.tokens[idx], roll.mask[idx])
-        out.append(np.asarray(lp)[: min(_ROWS, n - i)])
-    return np.concatenate(out)
+from ._evaluate import _token_logps, prompt_se
+from ._rollout import Rollout, sample_rollout, sampling_options
 
 
 def _per_token(values: np.ndarray, roll: Rollout) -> float:
@@ -78,10 +62,10 @@ def sampled_comparison(
     for name, model in (("before", before), ("after", after)):
         roll = sample_rollout(model, tok, distinct, key, group_size=k, **opts)
         rolls[name] = roll
-        base_lp = _logps(before, roll)
+        base_lp = _token_logps(before, roll)
         out[f"base_nll_{name}"] = -_per_token(base_lp, roll)
         if name == "after":
-            out["kl_after"] = _per_token(_logps(after, roll) - base_lp, roll)
+            out["kl_after"] = _per_token(_token_logps(after, roll) - base_lp, roll)
         if score is not None:
             s = np.asarray([score(p, t) for p, t in zip(roll.prompts, roll.texts)], np.float32)
             out[f"score_{name}"] = float(s.mean())

@@ -150,7 +150,8 @@ def result_line(command: str, summary: dict, out: str) -> str:
         for stage in names:
             m = summary.get(stage)
             if isinstance(m, dict):
-                parts += [f"{k} {v:.4g}" for k, v in m.items() if isinstance(v, float)][:2]
+                floats = [(k, v) for k, v in m.items() if isinstance(v, float)]
+                parts += [f"{k} {v:.4g}" for k, v in floats if not k.endswith("_se")][:2]
     what = "done" if stopped == "done" else f"stopped ({stopped})"
     return f"rlhf_eqx {command}: {what}: " + ", ".join(parts) + f" ({out}/summary.json)"
 

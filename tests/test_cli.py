@@ -201,3 +201,21 @@ def test_read_fields_follow_the_stages_a_run_executes():
     assert pl.help_sections("kto", cfg) == ("kto", "sft", "model", "sampling", "ops", "data")
     with pytest.raises(pl.ConfigError, match="nope: unknown config section"):
         pl.config_to_dict(cfg, only=("nope",))
+
+
+def test_result_line_shows_rates_not_their_standard_errors():
+    from rlhf_eqx.__main__ import result_line
+
+    summary = {
+        "grpo": {
+            "heldout_exact_match_before": 0.121,
+            "heldout_exact_match_before_se": 0.026,
+            "heldout_exact_match": 0.852,
+            "heldout_exact_match_se": 0.041,
+        }
+    }
+    line = result_line("grpo", summary, "runs/x")
+    assert line == (
+        "rlhf_eqx grpo: done: heldout_exact_match_before 0.121, heldout_exact_match 0.852"
+        " (runs/x/summary.json)"
+    )

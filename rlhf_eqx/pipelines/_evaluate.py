@@ -42,19 +42,22 @@ def _token_logps(model, rollout: Rollout) -> np.ndarray:
     return np.concatenate(out)
 
 
+def _completion_mean(values: np.ndarray, rollout: Rollout) -> float:
+    """Mean of per-token `values` over the rollout's completion tokens."""
+    m = np.asarray(rollout.completion_mask & rollout.mask)
+    return float((values * m).sum() / max(m.sum(), 1))
+
+
 def completion_nll(model, rollout: Rollout) -> float:
     """Mean negative log-likelihood per completion token of `rollout` under `model`."""
-    lp = _token_logps(model, rollout)
-    m = np.asarray(rollout.completion_mask & rollout.mask)
-    return float(-(lp * m).sum() / max(m.sum(), 1))
+    return -_completion_mean(_token_logps(model, rollout), rollout)
 
 
 def _kl(policy, reference, rollout: Rollout) -> float:
     """Per-token KL(policy || reference) estimated on the policy's own samples (k1)."""
-    lp = _token_logps(policy, rollout)
-    ref = _token_logps(reference, rollout)
-    m = np.asarray(rollout.completion_mask & rollout.mask)
-    return float(((lp - ref) * m).sum() / max(m.sum(), 1))
+    return _completion_mean(
+        _token_logps(policy, rollout) - _token_logps(reference, rollout), rollout
+    )
 
 
 def win_rate(

@@ -11,13 +11,8 @@ import jax
 import numpy as np
 
 from ._data_prep import prompt_tokens
-from ._evaluate import _token_logps, prompt_se
-from ._rollout import Rollout, sample_rollout, sampling_options
-
-
-def _per_token(values: np.ndarray, roll: Rollout) -> float:
-    m = np.asarray(roll.completion_mask & roll.mask)
-    return float((values * m).sum() / max(m.sum(), 1))
+from ._evaluate import _completion_mean, _token_logps, prompt_se
+from ._rollout import sample_rollout, sampling_options
 
 
 def sampled_comparison(
@@ -63,9 +58,9 @@ def sampled_comparison(
         roll = sample_rollout(model, tok, distinct, key, group_size=k, **opts)
         rolls[name] = roll
         base_lp = _token_logps(before, roll)
-        out[f"base_nll_{name}"] = -_per_token(base_lp, roll)
+        out[f"base_nll_{name}"] = -_completion_mean(base_lp, roll)
         if name == "after":
-            out["kl_after"] = _per_token(_token_logps(after, roll) - base_lp, roll)
+            out["kl_after"] = _completion_mean(_token_logps(after, roll) - base_lp, roll)
         if score is not None:
             s = np.asarray([score(p, t) for p, t in zip(roll.prompts, roll.texts)], np.float32)
             out[f"score_{name}"] = float(s.mean())

@@ -127,14 +127,15 @@ def _tokenize(
     truncation: str,
     add_bos: bool | None,
     add_eos: bool,
-) -> tuple[list[list[TokenizedSequence]], TokenizeReport]:
+) -> tuple[list[tuple[int, list[TokenizedSequence]]], TokenizeReport]:
+    """Each kept item as `(its index in items, its fitted sequences)`, and the report."""
     _check_truncation(truncation)
     report = TokenizeReport(lengths=lengths, truncation=truncation)
     out = []
     add_bos = wants_bos(tokenizer, add_bos)
     bos = [tokenizer.bos_id] if add_bos else []
     eos = [tokenizer.eos_id] if add_eos else []
-    for prompt, completions in items:
+    for i, (prompt, completions) in enumerate(items):
         report.total += 1
         prompt_ids = tokenizer.encode(prompt)
         flags = [False, False]
@@ -161,7 +162,7 @@ def _tokenize(
         report.prompt_truncated += flags[0]
         report.completion_truncated += flags[1]
         report.boundary_merged += merged
-        out.append(seqs)
+        out.append((i, seqs))
     return out, report
 
 
@@ -247,7 +248,7 @@ def _tokenize_as(items, tokenizer, lengths, *, truncation, add_bos, add_eos, bui
     seqs, report = _tokenize(
         items, tokenizer, lengths=lengths, truncation=truncation, add_bos=add_bos, add_eos=add_eos
     )
-    return [build(s) for s in seqs], report
+    return [build(s) for _, s in seqs], report
 
 
 def tokenize_prompts(

@@ -32,7 +32,7 @@ from ._chat import ChatTemplate, format_chat, message_field, resolve_template
 from ._collate import _right_padded, row_length
 from ._errors import DataError
 from ._io import Malformed, RecordDataset, Unusable, load_records, string_field
-from ._tokenize import _check_truncation, _Drop, _fit, _split_ids, wants_bos
+from ._tokenize import _check_truncation, _tokenize
 from ._tokenized import SequenceLengths, TokenizedSequence, TokenizeReport, resolve_lengths
 from ._tokenizer import Tokenizer
 
@@ -227,34 +227,16 @@ def tokenize_unpaired(
     """
     lengths = resolve_lengths(lengths, max_length, max_prompt_length, max_completion_length)
     _check_truncation(truncation)
-    report = TokenizeReport(lengths=lengths, truncation=truncation)
-    add_bos = wants_bos(tokenizer, add_bos)
-    bos = [tokenizer.bos_id] if add_bos else []
-    eos = [tokenizer.eos_id] if add_eos else []
-    out = []
-    for record in records:
-        prompt, completion, label = _unpaired_fields(record)
-        report.total += 1
-        p, c, merged = _split_ids(tokenizer, prompt, completion, tokenizer.encode(prompt))
-        flags = [False, False]
-        try:
-            seq = _fit(
-                bos + p,
-                c + eos,
-                lengths=lengths,
-                truncation=truncation,
-                add_bos=add_bos,
-                flags=flags,
-            )
-        except _Drop as e:
-            report.drop(str(e))
-            continue
-        report.kept += 1
-        report.prompt_truncated += flags[0]
-        report.completion_truncated += flags[1]
-        report.boundary_merged += merged
-        out.append(TokenizedUnpaired(seq, label))
-    return out, report
+    fields = [_unpaired_fields(record) for record in records]
+    kept, report = _tokenize(
+        [(prompt, [completion]) for prompt, completion, _ in fields],
+        tokenizer,
+        lengths=lengths,
+        truncation=truncation,
+        add_bos=add_bos,
+        add_eos=add_eos,
+    )
+    return [TokenizedUnpaired(seqs[0], fields[i][2]) for i, seqs in kept], report
 
 
 def _mismatched_sequences(seqs: Sequence[TokenizedSequence], limit: int) -> list[TokenizedSequence]:

@@ -32,6 +32,7 @@ from ._answers import (
     extract_last_number as extract_last_number,
     normalise_number as normalise_number,
 )
+from ._arrow import dataset_files as dataset_files
 from ._batches import (
     BootstrapBatch as BootstrapBatch,
     DistillBatch as DistillBatch,
@@ -59,6 +60,7 @@ from ._collate import (
     collate_sft as collate_sft,
     padding_stats as padding_stats,
 )
+from ._columns import COLUMN_NAMES as COLUMN_NAMES
 from ._errors import DataError as DataError
 from ._gguf_tokenizer import tokenizer_from_gguf as tokenizer_from_gguf
 from ._gguf_tokenizer_export import add_tokenizer_metadata as add_tokenizer_metadata

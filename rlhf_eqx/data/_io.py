@@ -16,9 +16,11 @@ import gzip
 import itertools
 import json
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import ClassVar, Generic, TypeVar, overload
 
+from ._arrow import open_table
+from ._columns import check_columns, rename_columns, source_names
 from ._errors import DataError
 
 R = TypeVar("R")
@@ -156,17 +158,32 @@ def read_json_records(
 
 
 def parse_records(
-    records: Iterator[tuple[str, dict]], parse, report: LoadReport, *, lenient: bool
+    records: Iterator[tuple[str, dict]],
+    parse,
+    report: LoadReport,
+    *,
+    lenient: bool,
+    columns: dict[str, str] | None = None,
+    explain: Callable[[str, str], str] | None = None,
 ) -> list:
-    """Apply `parse(record)` to each record, sorting failures into errors and skips."""
+    """Apply `parse(record)` to each record, sorting failures into errors and skips.
+
+    `columns`: the column mapping the records were renamed with (messages name the
+    file's columns); `explain(reason, detail)`: the message of a malformed record
+    (default `"reason: detail"`; a table's names the column)."""
     out = []
     for where, item in records:
         try:
             out.append(parse(item))
         except Malformed as e:
             reason, detail = e.args[0], (e.args[1] if len(e.args) > 1 else "")
+            detail = source_names(detail, columns or {})
+            if explain is not None:
+                detail = explain(reason, detail)
             if not lenient:
-                raise DataError(f"{where}: {reason}: {detail}") from None
+                raise DataError(
+                    f"{where}: {detail if explain is not None else f'{reason}: {detail}'}"
+                ) from None
             report.skip(where, reason, detail)
         except Unusable as e:
             report.skip(where, str(e))
@@ -188,19 +205,39 @@ def load_records(
     expected: str,
     make_parser: Callable[[str], Callable[[dict], R]],
     lenient: bool,
+    columns: Mapping[str, str] | None = None,
+    split: str | None = None,
 ) -> tuple[list[R], LoadReport]:
     """Read a file of `kind` records in `format` (`"auto"`: `detect` it from the keys of
     the first record) and parse each with `make_parser(format)`.
 
-    `expected` describes the keys of the known formats, for the error when none fits.
-    A file without a record (empty, blank lines only) raises `DataError`
-    (`"FILE: no records"`), as a directory does (`"FILE: is a directory"`).
+    JSON files are read by `read_json_records`; Parquet and Arrow files and saved
+    `datasets` directories (`split`: one of a `DatasetDict`'s) row by row by the table
+    reader, whose rows are the same records. `columns` maps the readers' field names to
+    the file's (`check_columns`). `expected` describes the keys of the known formats,
+    for the error when none fits. A file without a record (empty, blank lines only)
+    raises `DataError` (`"FILE: no records"`), as a directory without a dataset does
+    (`"FILE: is a directory"`).
     """
     path = os.fspath(path)
     if format != "auto" and format not in formats:
         raise DataError(f"unknown {kind} format {format!r}; use 'auto' or one of {formats}")
+    columns = check_columns(columns)
     report = LoadReport(path=path, format=format)
-    records = read_json_records(path, report, lenient=lenient)
+    table = open_table(path, split)
+    if table is None:
+        records = read_json_records(path, report, lenient=lenient)
+    else:
+        missing = [t for t, c in columns.items() if c not in table.columns]
+        if missing:
+            source = columns[missing[0]]
+            raise DataError(
+                f"{path}: column {source!r} (read as {missing[0]!r}) is missing "
+                f"(columns: {', '.join(table.columns)})"
+            )
+        records = table.records(report)
+    if columns:
+        records = ((where, rename_columns(item, columns)) for where, item in records)
     first = next(records, None)
     if first is None:  # an empty file, blank lines only, or (lenient) nothing readable
         skipped = f" (read {report.read}, skipped {report.num_skipped})" if report.read else ""
@@ -208,14 +245,23 @@ def load_records(
     if format == "auto":
         detected = detect(first[1])
         if detected is None:
+            keys = source_names(str(sorted(first[1])), columns)
+            mapped = f" (columns read as: {columns})" if columns else ""
             raise DataError(
-                f"{first[0]}: cannot tell the {kind} format from the keys {sorted(first[1])}; "
+                f"{first[0]}: cannot tell the {kind} format from the keys {keys}{mapped}; "
                 f"expected {expected}"
             )
         format = detected
     report.format = format
     parse = make_parser(format)
-    rows = parse_records(itertools.chain([first], records), parse, report, lenient=lenient)
+    rows = parse_records(
+        itertools.chain([first], records),
+        parse,
+        report,
+        lenient=lenient,
+        columns=columns,
+        explain=None if table is None else table.message,
+    )
     return rows, report
 
 

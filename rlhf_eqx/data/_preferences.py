@@ -28,6 +28,7 @@ with an empty (or blank) completion are skipped and counted in `dataset.report`.
 
 import dataclasses
 import os
+from collections.abc import Mapping
 
 from ._chat import ChatTemplate, format_chat, message_field, resolve_template
 from ._errors import DataError
@@ -199,25 +200,32 @@ def load_preferences(
     *,
     lenient: bool = False,
     template: str | ChatTemplate = "hh",
+    columns: Mapping[str, str] | None = None,
+    split: str | None = None,
 ) -> PreferenceDataset:
     """Read a preference dataset.
 
     **Arguments:**
 
     - `path`: a `.jsonl` file (one JSON object a line), a `.json` file (a list of
-      objects) or either gzipped (`.gz`).
+      objects) or either gzipped (`.gz`); or a `.parquet` / `.arrow` file or a directory
+      written by `datasets`' `save_to_disk`, whose rows are read as the same records
+      (`dataset_files`).
     - `format`: `"auto"` (from the keys of the first record), `"hh"`, `"messages"`,
       `"sharegpt"` or `"plain"` (see the module docstring).
     - `lenient`: skip malformed lines/records (invalid JSON or UTF-8, missing keys,
       wrong types) and count them in the report instead of raising `DataError`.
     - `template`: chat template for message formats (`"hh"`, `"chatml"` or a
       `ChatTemplate`).
+    - `columns`: `{field: column}` for a file whose columns have other names, e.g.
+      `{"chosen": "response_a", "rejected": "response_b"}` (fields: `COLUMN_NAMES`).
+    - `split`: the split of a `DatasetDict` directory (or give the path as `DIR:SPLIT`).
 
     **Returns:** a `PreferenceDataset` of `PreferenceRecord(prompt, chosen, rejected)`;
     `dataset.report` counts what was read, kept and skipped (with reasons).
 
-    **Raises:** `DataError` (a `ValueError`) naming the file and line for malformed
-    input when not `lenient`, and for an unknown format.
+    **Raises:** `DataError` (a `ValueError`) naming the file and line (a table's row and
+    column) for malformed input when not `lenient`, and for an unknown format.
     """
     tmpl = resolve_template(template)
 
@@ -246,5 +254,7 @@ def load_preferences(
         "'prompt'/'chosen'/'rejected', or 'conversations'/'chosen'/'rejected'",
         make_parser=make_parser,
         lenient=lenient,
+        columns=columns,
+        split=split,
     )
     return PreferenceDataset(records, report)

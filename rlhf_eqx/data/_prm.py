@@ -27,7 +27,7 @@ step_labels  [ 0  0 0 0 | 0 0  1  | 0 0 0  0  |  0 ]
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -95,11 +95,21 @@ def _parse(record: dict) -> StepwiseRecord:
     return StepwiseRecord(prompt, tuple(steps), tuple(_label(v, s) for s, v in enumerate(labels)))
 
 
-def load_stepwise(path: str | os.PathLike, *, lenient: bool = False) -> StepwiseDataset:
-    """Read stepwise-supervision records (`.jsonl`, `.json` list, or gzipped).
+def load_stepwise(
+    path: str | os.PathLike,
+    *,
+    lenient: bool = False,
+    columns: Mapping[str, str] | None = None,
+    split: str | None = None,
+) -> StepwiseDataset:
+    """Read stepwise-supervision records (`.jsonl`, `.json` list, or gzipped; or a
+    `.parquet` / `.arrow` file or a `datasets` `save_to_disk` directory,
+    `dataset_files`).
 
     **Arguments:** `path`; `lenient`: skip malformed records (counted in
-    `dataset.report`) instead of raising `DataError`.
+    `dataset.report`) instead of raising `DataError`; `columns`: `{field: column}` for
+    a file whose columns have other names (e.g. `{"completions": "steps"}`); `split`: the
+    split of a `DatasetDict` directory (or give the path as `DIR:SPLIT`).
 
     **Returns:** a `StepwiseDataset` of `StepwiseRecord(prompt, completions, labels)`
     (see the module docstring for the layout and what is refused).
@@ -113,6 +123,8 @@ def load_stepwise(path: str | os.PathLike, *, lenient: bool = False) -> Stepwise
         expected="'prompt', 'completions' (a list of steps) and 'labels' (a list of booleans)",
         make_parser=lambda fmt: _parse,
         lenient=lenient,
+        columns=columns,
+        split=split,
     )
     return StepwiseDataset(records, report)
 

@@ -11,6 +11,7 @@
 
 import dataclasses
 import os
+from collections.abc import Mapping
 
 from ._answers import extract_gsm8k_answer
 from ._chat import ChatTemplate, format_chat, message_field, resolve_template
@@ -97,18 +98,24 @@ def load_prompts(
     *,
     lenient: bool = False,
     template: str | ChatTemplate | None = None,
+    columns: Mapping[str, str] | None = None,
+    split: str | None = None,
 ) -> PromptDataset:
     """Read a prompt dataset.
 
     **Arguments:**
 
-    - `path`: a `.jsonl`, `.json` (list) or gzipped file.
+    - `path`: a `.jsonl`, `.json` (list) or gzipped file; or a `.parquet` / `.arrow`
+      file or a `datasets` `save_to_disk` directory (`dataset_files`).
     - `format`: `"auto"` (from the keys of the first record), `"gsm8k"`,
       `"mt-bench"` or `"plain"` (see the module docstring).
     - `lenient`: skip malformed lines/records instead of raising `DataError`.
     - `template`: when given (`"hh"`, `"chatml"` or a `ChatTemplate`), each prompt is
       rendered as one user turn followed by the generation prompt; otherwise the text
       is kept as it is (message-list prompts are rendered with `"hh"`).
+    - `columns`: `{field: column}` for a file whose columns have other names, e.g.
+      `{"prompt": "instruction"}` (fields: `COLUMN_NAMES`).
+    - `split`: the split of a `DatasetDict` directory (or give the path as `DIR:SPLIT`).
 
     **Returns:** a `PromptDataset` of `PromptRecord(prompt, answer)`; `answer` is
     `None` when the dataset has none. Records with an empty prompt are skipped and
@@ -134,5 +141,7 @@ def load_prompts(
         expected="'question'/'answer' (GSM8K), 'turns' (MT-Bench) or 'prompt'",
         make_parser=make_parser,
         lenient=lenient,
+        columns=columns,
+        split=split,
     )
     return PromptDataset(records, report)

@@ -22,7 +22,7 @@ estimate KTO's reference point (TRL's KL dataset).
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -125,19 +125,25 @@ def load_unpaired(
     *,
     lenient: bool = False,
     template: str | ChatTemplate = "hh",
+    columns: Mapping[str, str] | None = None,
+    split: str | None = None,
 ) -> UnpairedDataset:
     """Read an unpaired (KTO) dataset of `prompt`, `completion`, `label` records.
 
     **Arguments:**
 
     - `path`: a `.jsonl` file (one JSON object a line), a `.json` file (a list of
-      objects) or either gzipped (`.gz`).
+      objects) or either gzipped (`.gz`); or a `.parquet` / `.arrow` file or a
+      `datasets` `save_to_disk` directory (`dataset_files`).
     - `format`: `"auto"` (from the first record), `"plain"` or `"messages"` (see the
       module docstring).
     - `lenient`: skip malformed lines/records (invalid JSON, missing keys, wrong types,
       a label that is not a boolean) and count them in the report instead of raising.
     - `template`: chat template for `"messages"` (`"hh"`, `"chatml"` or a
       `ChatTemplate`).
+    - `columns`: `{field: column}` for a file whose columns have other names, e.g.
+      `{"completion": "response", "label": "thumbs_up"}` (fields: `COLUMN_NAMES`).
+    - `split`: the split of a `DatasetDict` directory (or give the path as `DIR:SPLIT`).
 
     **Returns:** an `UnpairedDataset` of `UnpairedRecord(prompt, completion, label)`;
     `dataset.report` counts what was read, kept and skipped (with reasons).
@@ -157,6 +163,8 @@ def load_unpaired(
             _parse_plain if fmt == "plain" else (lambda r: _parse_messages(r, tmpl))
         ),
         lenient=lenient,
+        columns=columns,
+        split=split,
     )
     return UnpairedDataset(records, report)
 

@@ -1,0 +1,252 @@
+"""Reading records from datasets as users have them: Parquet files, Arrow IPC files and
+directories written by `datasets.Dataset.save_to_disk` / `DatasetDict.save_to_disk`.
+
+Reading needs only `pyarrow` (`pip install 'rlhf_eqx[datasets]'`). What is read is
+told by the path:
+
+- a `.parquet` file (or any file starting with Parquet's magic bytes `PAR1`);
+- a `.arrow` / `.feather` file in either Arrow IPC format: the stream format that
+  `datasets` writes (its cache and `save_to_disk` files) or the file format (Feather
+  v2, `pyarrow.ipc.new_file`);
+- a directory written by `Dataset.save_to_disk` (its `state.json` lists the `.arrow`
+  files, read in that order), or any directory of `.parquet` / `.arrow` files (read in
+  name order);
+- a directory written by `DatasetDict.save_to_disk` (`dataset_dict.json`), with its
+  split chosen as `DIR:SPLIT` or `split="SPLIT"` (a dictionary of one split needs
+  neither).
+
+Each row becomes the record a JSON line would be: a dict of its columns, with null
+values left out (so a column that `datasets` filled with nulls for the rows that lack
+it reads as an absent key), nested lists and structs as lists and dicts. The record
+parsers of the JSON readers then apply unchanged. Rows are named `FILE: row N`
+(0-based, within that file), and a malformed row's error names its column:
+`data.parquet: row 17: column 'chosen' is null`.
+"""
+
+import json
+import os
+import re
+from collections.abc import Iterator
+
+from ._errors import DataError
+
+TABLE_SUFFIXES = (".parquet", ".arrow", ".feather")
+_PARQUET_MAGIC = b"PAR1"
+_IPC_FILE_MAGIC = b"ARROW1"
+_IPC_STREAM_MAGIC = b"\xff\xff\xff\xff"
+_MISSING = re.compile(r"no '([^']+)' in a record")
+
+
+def _pyarrow():
+    try:
+        import pyarrow
+        import pyarrow.ipc
+        import pyarrow.parquet
+    except ImportError:
+        raise DataError(
+            "reading Parquet and Arrow files needs pyarrow: pip install 'rlhf_eqx[datasets]'"
+        ) from None
+    return pyarrow
+
+
+def _magic(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(6)
+
+
+def _is_table_file(path: str) -> bool:
+    if path.lower().endswith(TABLE_SUFFIXES):
+        return True
+    head = _magic(path)
+    return head.startswith((_PARQUET_MAGIC, _IPC_FILE_MAGIC, _IPC_STREAM_MAGIC))
+
+
+def _split_spec(path: str, split: str | None) -> tuple[str, str | None]:
+    """`(directory, split)` of a `DIR:SPLIT` path; `(path, split)` otherwise."""
+    if os.path.exists(path) or ":" not in path:
+        return path, split
+    base, _, name = path.rpartition(":")
+    if not (name and os.path.isdir(base)):
+        return path, split
+    if split is not None and split != name:
+        raise DataError(f"{path}: the split {name!r} of the path differs from split={split!r}")
+    return base, name
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: cannot read: {e}") from None
+    if not isinstance(value, dict):
+        raise DataError(f"{path}: expected a JSON object")
+    return value
+
+
+def _directory_files(directory: str, split: str | None, *, every_split: bool) -> list[str]:
+    dict_file = os.path.join(directory, "dataset_dict.json")
+    if os.path.isfile(dict_file):
+        splits = _read_json(dict_file).get("splits")
+        if not isinstance(splits, list) or not all(isinstance(s, str) for s in splits):
+            raise DataError(f"{dict_file}: 'splits' must be a list of names")
+        if split is None and every_split:
+            return [
+                f
+                for s in splits
+                for f in _directory_files(os.path.join(directory, s), None, every_split=False)
+            ]
+        if split is None:
+            if len(splits) != 1:
+                raise DataError(
+                    f"{directory}: a DatasetDict with the splits {splits}; choose one as "
+                    f"{directory}:SPLIT (or split=SPLIT)"
+                )
+            split = splits[0]
+        if split not in splits:
+            raise DataError(f"{directory}: no split {split!r} (splits: {', '.join(splits)})")
+        return _directory_files(os.path.join(directory, split), None, every_split=False)
+    if split is not None:
+        raise DataError(
+            f"{directory}: split={split!r}, but this is not a DatasetDict directory "
+            "(no dataset_dict.json)"
+        )
+    state_file = os.path.join(directory, "state.json")
+    if os.path.isfile(state_file):
+        entries = _read_json(state_file).get("_data_files")
+        if not isinstance(entries, list) or not all(
+            isinstance(e, dict) and isinstance(e.get("filename"), str) for e in entries
+        ):
+            raise DataError(f"{state_file}: '_data_files' must list {{'filename': ...}} entries")
+        files = [os.path.join(directory, e["filename"]) for e in entries]
+        for f in files:
+            if not os.path.isfile(f):
+                raise DataError(f"{f}: no such file (listed in {state_file})")
+        return files
+    names = sorted(n for n in os.listdir(directory) if n.lower().endswith(TABLE_SUFFIXES))
+    if not names:
+        raise DataError(
+            f"{directory}: is a directory; give the path of a .jsonl, .json, .gz, .parquet or "
+            ".arrow file, or a directory written by datasets' save_to_disk"
+        )
+    return [os.path.join(directory, n) for n in names]
+
+
+def dataset_files(path: str | os.PathLike, split: str | None = None) -> list[str]:
+    """The files a reader (`load_preferences`, `load_prompts`, ...) reads for `path`.
+
+    **Arguments:**
+
+    - `path`: a `.jsonl` / `.json` / `.gz` file, a `.parquet` / `.arrow` file, a
+      directory written by `datasets`' `save_to_disk`, or `DIR:SPLIT` for one split of
+      a `DatasetDict` directory.
+    - `split`: the split of a `DatasetDict` directory (as `DIR:SPLIT` does).
+
+    **Returns:** the paths, in reading order: `[path]` for a file, the Arrow files of a
+    saved dataset; for a `DatasetDict` directory without a split, the files of every
+    split (what a run's data fingerprint covers).
+
+    **Raises:** `DataError` naming the path when it does not exist, when a directory
+    holds no dataset, or when a split is unknown or given for a file.
+    """
+    path = os.fspath(path)
+    base, split = _split_spec(path, split)
+    if os.path.isdir(base):
+        return _directory_files(base, split, every_split=True)
+    if not os.path.isfile(base):
+        raise DataError(f"{path}: no such file")
+    if split is not None:
+        raise DataError(
+            f"{path}: split={split!r} needs a directory written by DatasetDict.save_to_disk"
+        )
+    return [base]
+
+
+class Table:
+    """The Arrow files of one dataset and their column names (those of the first file)."""
+
+    def __init__(self, path: str, split: str | None):
+        base, split = _split_spec(path, split)
+        self.path = path
+        self.files = (
+            _directory_files(base, split, every_split=False)
+            if os.path.isdir(base)
+            else dataset_files(base, split)
+        )
+        self.columns: tuple[str, ...] = tuple(_schema(self.files[0]).names)
+
+    def records(self, report) -> Iterator[tuple[str, dict]]:
+        """Yield `("FILE: row N", record)` for every row, counting them in `report.read`."""
+        for file in self.files:
+            n = 0
+            for batch in _batches(file):
+                for row in batch.to_pylist():
+                    report.read += 1
+                    yield f"{file}: row {n}", {k: v for k, v in row.items() if v is not None}
+                    n += 1
+
+    def message(self, reason: str, detail: str) -> str:
+        """A record parser's complaint in terms of this table's columns: a missing key is
+        a column that is missing (from the file) or null (in this row), a wrong type is
+        that column's."""
+        found = _MISSING.match(detail)
+        if reason == "missing key" and found:
+            name = found[1]
+            if name in self.columns:
+                return f"column {name!r} is null"
+            return f"column {name!r} is missing (columns: {', '.join(self.columns)})"
+        if detail.startswith("'"):
+            return f"column {detail}"
+        return f"{reason}: {detail}"
+
+
+def _unreadable(path: str, e: Exception) -> DataError:
+    kind = "Parquet" if path.lower().endswith(".parquet") else "Arrow"
+    return DataError(f"{path}: not a readable {kind} file: {e}")
+
+
+def _schema(path: str):
+    pa = _pyarrow()
+    try:
+        if _magic(path).startswith(_PARQUET_MAGIC) or path.lower().endswith(".parquet"):
+            return pa.parquet.read_schema(path)
+        with pa.memory_map(path) as source:
+            return _ipc_reader(pa, path, source).schema
+    except (pa.ArrowException, OSError) as e:
+        raise _unreadable(path, e) from None
+
+
+def _ipc_reader(pa, path: str, source):
+    if _magic(path).startswith(_IPC_FILE_MAGIC):
+        return pa.ipc.open_file(source)
+    return pa.ipc.open_stream(source)
+
+
+def _batches(path: str) -> Iterator:
+    pa = _pyarrow()
+    try:
+        if _magic(path).startswith(_PARQUET_MAGIC) or path.lower().endswith(".parquet"):
+            with pa.parquet.ParquetFile(path) as f:
+                yield from f.iter_batches(batch_size=1024)
+            return
+        with pa.memory_map(path) as source:
+            reader = _ipc_reader(pa, path, source)
+            if isinstance(reader, pa.ipc.RecordBatchFileReader):
+                for i in range(reader.num_record_batches):
+                    yield reader.get_batch(i)
+            else:
+                yield from reader
+    except (pa.ArrowException, OSError) as e:
+        raise _unreadable(path, e) from None
+
+
+def open_table(path: str, split: str | None) -> Table | None:
+    """The `Table` at `path` (a Parquet or Arrow file, a saved dataset's directory, a
+    `DIR:SPLIT`), or `None` for a JSON file (read by the JSON reader). A directory that
+    holds no dataset, a missing split or a split given for a JSON file is a `DataError`."""
+    base, split = _split_spec(path, split)
+    if os.path.isdir(base) or split is not None:
+        return Table(path, split)
+    if os.path.isfile(base) and _is_table_file(base):
+        return Table(path, None)
+    return None

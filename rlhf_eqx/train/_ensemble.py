@@ -40,8 +40,8 @@ import optax
 from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray, PyTree, UInt32
 
 from ..data import BootstrapBatch, PackedPreferenceBatch, PreferenceBatch
-from ..losses import ENSEMBLE_MODES, EnsembleMode, bradley_terry_loss, conservative_reward
-from ._reward import _pair_scores, _reward_std, _scores
+from ..losses import ENSEMBLE_MODES, EnsembleMode, conservative_reward
+from ._reward import _bradley_terry_sums, _pair_scores, _reward_std, _scores
 from ._settings import RewardSettings, StepOptions, split_shortcuts
 from ._state import TrainState, combine, partition_trainable
 from ._step import LossFn, Step, make_step
@@ -307,21 +307,7 @@ def _member_reward_loss(settings: RewardSettings) -> LossFn:
         rc, rr, w = _pair_scores(model, pairs, key)
         if weights is not None:
             w = w * weights.reshape(-1).astype(jnp.float32)
-        losses = jax.vmap(
-            lambda a, b: bradley_terry_loss(a, b, margin=margin, center_coef=center_coef)
-        )(rc, rr)
-        real = w > 0
-        wsum = lambda x: jnp.sum(jnp.where(real, w * x, 0.0))
-        n = jnp.sum(w)
-        metrics = {
-            "accuracy": (wsum((rc > rr).astype(jnp.float32)), n),
-            "margin": (wsum(rc - rr), n),
-            "rewards/chosen": (wsum(rc), n),
-            "rewards/rejected": (wsum(rr), n),
-            "rewards/mean": (wsum(rc) + wsum(rr), 2 * n),
-            "rewards/_sq": (wsum(jnp.square(rc)) + wsum(jnp.square(rr)), 2 * n),
-        }
-        return {"bt": wsum(losses)}, {"bt": n}, metrics
+        return _bradley_terry_sums(rc, rr, w, margin=margin, center_coef=center_coef)
 
     return loss_fn
 

@@ -62,6 +62,27 @@ def _pair_scores(model, batch, key):
     return scores[:b], scores[b:], jnp.ones((b,), jnp.float32)
 
 
+def _bradley_terry_sums(rc, rr, w, *, margin, center_coef):
+    """The Bradley-Terry loss of scored pairs as `make_step` parts: numerators,
+    denominators and metrics, pair `i` weighted by `w[i]` (1 for a real pair, 0 for
+    padding, a bootstrap count in an ensemble)."""
+    losses = jax.vmap(
+        lambda a, b: bradley_terry_loss(a, b, margin=margin, center_coef=center_coef)
+    )(rc, rr)
+    real = w > 0
+    wsum = lambda x: jnp.sum(jnp.where(real, w * x, 0.0))
+    n = jnp.sum(w)
+    metrics = {
+        "accuracy": (wsum((rc > rr).astype(jnp.float32)), n),
+        "margin": (wsum(rc - rr), n),
+        "rewards/chosen": (wsum(rc), n),
+        "rewards/rejected": (wsum(rr), n),
+        "rewards/mean": (wsum(rc) + wsum(rr), 2 * n),
+        "rewards/_sq": (wsum(jnp.square(rc)) + wsum(jnp.square(rr)), 2 * n),
+    }
+    return {"bt": wsum(losses)}, {"bt": n}, metrics
+
+
 def reward_loss(settings: RewardSettings | None = None, **shortcuts: Any) -> LossFn:
     r"""The Bradley-Terry loss function for `make_step` on a `PreferenceBatch` or a
     shared-prompt `PackedPreferenceBatch` (needs an `AbstractBranchScorer`):
@@ -79,21 +100,7 @@ def reward_loss(settings: RewardSettings | None = None, **shortcuts: Any) -> Los
     ):
         model = combine(params, frozen)
         rc, rr, w = _pair_scores(model, batch, key)
-        losses = jax.vmap(
-            lambda a, b: bradley_terry_loss(a, b, margin=margin, center_coef=center_coef)
-        )(rc, rr)
-        real = w > 0
-        wsum = lambda x: jnp.sum(jnp.where(real, x, 0.0))
-        n = jnp.sum(w)
-        metrics = {
-            "accuracy": (wsum((rc > rr).astype(jnp.float32)), n),
-            "margin": (wsum(rc - rr), n),
-            "rewards/chosen": (wsum(rc), n),
-            "rewards/rejected": (wsum(rr), n),
-            "rewards/mean": (wsum(rc) + wsum(rr), 2 * n),
-            "rewards/_sq": (wsum(jnp.square(rc)) + wsum(jnp.square(rr)), 2 * n),
-        }
-        return {"bt": wsum(losses)}, {"bt": n}, metrics
+        return _bradley_terry_sums(rc, rr, w, margin=margin, center_coef=center_coef)
 
     return loss_fn
 

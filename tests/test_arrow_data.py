@@ -1,0 +1,409 @@
+"""Datasets as users have them: Parquet files, Arrow IPC files (stream and file formats)
+and `datasets` `save_to_disk` directories, written by `datasets` and pyarrow themselves,
+read into the same records as the same rows in JSON lines; errors naming the file, row
+and column; the column mapping; a data-file run on a Parquet file."""
+
+import gzip
+import json
+import os
+import re
+
+import pytest
+
+from rlhf_eqx import data
+
+datasets = pytest.importorskip("datasets")
+pa = pytest.importorskip("pyarrow")
+pytest.importorskip("pyarrow.ipc")
+
+datasets.disable_progress_bars()
+
+
+def _jsonl(path, rows):
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return str(path)
+
+
+def _ipc(path, rows, *, stream):
+    table = datasets.Dataset.from_list(rows).data.table
+    with pa.OSFile(str(path), "wb") as sink:
+        new = pa.ipc.new_stream if stream else pa.ipc.new_file
+        with new(sink, table.schema) as writer:
+            writer.write_table(table, max_chunksize=3)  # several record batches
+    return str(path)
+
+
+def _save(path, rows, **kwargs):
+    datasets.Dataset.from_list(rows).save_to_disk(str(path), **kwargs)
+    return str(path)
+
+
+def _parquet(path, rows):
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    return str(path)
+
+
+WRITERS = {
+    "parquet": lambda d, rows: _parquet(d / "rows.parquet", rows),
+    "arrow-stream": lambda d, rows: _ipc(d / "rows.arrow", rows, stream=True),
+    "arrow-file": lambda d, rows: _ipc(d / "rows.arrow", rows, stream=False),
+    "save_to_disk": lambda d, rows: _save(d / "saved", rows),
+    "save_to_disk-2-shards": lambda d, rows: _save(d / "saved", rows, num_shards=min(2, len(rows))),
+}
+
+_MSG = [{"role": "user", "content": "Hi there"}]
+
+# Hand-written rows of every kind and TRL layout, with the reader that takes them.
+KINDS = {
+    "standard preferences": (
+        data.load_preferences,
+        [
+            {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."},
+            {"prompt": "Two and two", "chosen": " make four.", "rejected": " make five."},
+            {"prompt": "Same", "chosen": " x", "rejected": " x"},  # skipped: identical
+        ],
+    ),
+    "hh transcripts (implicit prompt)": (
+        data.load_preferences,
+        [
+            {
+                "chosen": "\n\nHuman: Hi\n\nAssistant: Hello!",
+                "rejected": "\n\nHuman: Hi\n\nAssistant: Go away.",
+            },
+            {"chosen": "no turns here", "rejected": "nor here"},  # skipped: unsplittable
+        ],
+    ),
+    "conversational preferences": (
+        data.load_preferences,
+        [
+            {
+                "prompt": _MSG,
+                "chosen": [{"role": "assistant", "content": "Hello!"}],
+                "rejected": [{"role": "assistant", "content": "Go away."}],
+            },
+            {  # no prompt in this row: datasets writes a null, read as absent
+                "chosen": [*_MSG, {"role": "assistant", "content": "Hi!"}],
+                "rejected": [*_MSG, {"role": "assistant", "content": "No."}],
+            },
+        ],
+    ),
+    "conversational preferences (implicit prompt)": (
+        data.load_preferences,
+        [
+            {
+                "chosen": [
+                    {"role": "system", "content": "Be kind."},
+                    *_MSG,
+                    {"role": "assistant", "content": "Hello!"},
+                ],
+                "rejected": [
+                    {"role": "system", "content": "Be kind."},
+                    *_MSG,
+                    {"role": "assistant", "content": "Bye."},
+                ],
+            }
+        ],
+    ),
+    "sharegpt preferences": (
+        data.load_preferences,
+        [
+            {
+                "conversations": [{"from": "human", "value": "Hi"}],
+                "chosen": {"from": "gpt", "value": "Hello!"},
+                "rejected": {"from": "gpt", "value": "Bye."},
+            }
+        ],
+    ),
+    "prompts with answers": (
+        data.load_prompts,
+        [{"prompt": "What is 2 + 2?", "answer": "4"}, {"prompt": "Say hi."}],
+    ),
+    "conversational prompts": (
+        data.load_prompts,
+        [{"prompt": [{"role": "system", "content": "Be brief."}, *_MSG]}],
+    ),
+    "gsm8k prompts": (
+        data.load_prompts,
+        [{"question": "What is 3 * 4?", "answer": "3 * 4 = 12\n#### 12"}],
+    ),
+    "mt-bench prompts": (
+        data.load_prompts,
+        [{"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Shorter."]}],
+    ),
+    "unpaired": (
+        data.load_unpaired,
+        [
+            {"prompt": "The sky is", "completion": " blue.", "label": True},
+            {"prompt": "The sky is", "completion": " green.", "label": False},
+            {"prompt": "Empty", "completion": "  ", "label": True},  # skipped: empty
+        ],
+    ),
+    "conversational unpaired": (
+        data.load_unpaired,
+        [
+            {
+                "prompt": _MSG,
+                "completion": [{"role": "assistant", "content": "Hello!"}],
+                "label": True,
+            }
+        ],
+    ),
+    "stepwise": (
+        data.load_stepwise,
+        [
+            {"prompt": "2+3*4?", "completions": ["3*4 = 12", "2+12 = 15"], "labels": [True, False]},
+            {"prompt": "1+1?", "completions": [], "labels": []},  # skipped: no steps
+        ],
+    ),
+}
+
+
+def _summary(dataset):
+    r = dataset.report
+    return r.format, r.read, r.kept, r.skipped
+
+
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_a_row_reads_as_the_same_record_as_its_json_line(tmp_path, kind, writer):
+    read, rows = KINDS[kind]
+    expected = read(_jsonl(tmp_path / "rows.jsonl", rows))
+    got = read(WRITERS[writer](tmp_path, rows))
+    assert list(got) == list(expected) and len(got) > 0
+    assert _summary(got) == _summary(expected)
+    assert type(got) is type(expected)
+
+
+def _hh_rows(shared_dir, n=20):
+    path = os.path.join(shared_dir, "data", "hh-rlhf", "harmless-base", "test.jsonl.gz")
+    if not os.path.isfile(path):
+        pytest.skip(f"{path} is not present")
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [json.loads(next(f)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+def test_hh_rlhf_rows_read_the_same_from_every_format(shared_dir, tmp_path, writer):
+    rows = _hh_rows(shared_dir)
+    expected = data.load_preferences(_jsonl(tmp_path / "hh.jsonl", rows))
+    got = data.load_preferences(WRITERS[writer](tmp_path, rows))
+    assert len(expected) >= 15 and list(got) == list(expected)
+    assert _summary(got) == _summary(expected) and got.report.format == "hh"
+    # The same data-quality report, with and without a tokenizer.
+    tok = data.ByteTokenizer()
+    lengths = data.SequenceLengths(max_length=256, max_prompt_length=128)
+    assert (
+        data.preference_quality(got, tokenizer=tok, lengths=lengths).summary()
+        == data.preference_quality(expected, tokenizer=tok, lengths=lengths).summary()
+    )
+    assert data.preference_quality(got) == data.preference_quality(expected)
+
+
+def test_hh_rlhf_read_with_datasets_own_parquet_reader_matches(shared_dir, tmp_path):
+    # The file datasets writes, read back by datasets itself and by the reader here.
+    rows = _hh_rows(shared_dir)
+    path = _parquet(tmp_path / "hh.parquet", rows)
+    back = datasets.Dataset.from_parquet(path, cache_dir=str(tmp_path / "cache"))
+    assert back.to_list() == rows
+    assert list(data.load_preferences(path)) == [
+        data.PreferenceRecord(*data.split_hh_transcript(r["chosen"], r["rejected"]))
+        for r in rows
+        if data.split_hh_transcript(r["chosen"], r["rejected"]) is not None
+        and r["chosen"] != r["rejected"]
+    ]
+
+
+def test_a_dataset_dict_directory_reads_the_split_asked_for(tmp_path):
+    train = [{"prompt": f"p{i}", "chosen": " a", "rejected": " b"} for i in range(5)]
+    test = [{"prompt": "q", "chosen": " c", "rejected": " d"}]
+    folder = tmp_path / "dd"
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(train), "test": datasets.Dataset.from_list(test)}
+    ).save_to_disk(str(folder))
+    assert list(data.load_preferences(f"{folder}:test")) == [data.PreferenceRecord("q", " c", " d")]
+    assert len(data.load_preferences(folder, split="train")) == 5
+    assert len(data.load_preferences(f"{folder}:train", split="train")) == 5
+    with pytest.raises(
+        data.DataError,
+        match=re.escape(f"{folder}: a DatasetDict with the splits ['train', 'test']; choose one"),
+    ):
+        data.load_preferences(folder)
+    with pytest.raises(data.DataError, match=re.escape(f"{folder}: no split 'dev' (splits: ")):
+        data.load_preferences(f"{folder}:dev")
+    with pytest.raises(data.DataError, match="differs from split='test'"):
+        data.load_preferences(f"{folder}:train", split="test")
+    one = tmp_path / "one"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(test)}).save_to_disk(str(one))
+    assert len(data.load_preferences(one)) == 1  # a single split needs no name
+    # The files a run fingerprints: every split's without a split, one split's with one.
+    assert len(data.dataset_files(folder)) == 2
+    assert data.dataset_files(f"{folder}:test") == [
+        str(folder / "test" / "data-00000-of-00001.arrow")
+    ]
+    with pytest.raises(data.DataError, match="needs a directory written by DatasetDict"):
+        data.load_preferences(_jsonl(tmp_path / "p.jsonl", test), split="train")
+
+
+def test_column_mapping_reads_other_names_in_every_format(tmp_path):
+    rows = [
+        {"instruction": "The sky is", "response_a": " blue.", "response_b": " green."},
+        {"instruction": "Two and two", "response_a": " four.", "response_b": " five."},
+    ]
+    columns = {"prompt": "instruction", "chosen": "response_a", "rejected": "response_b"}
+    expected = [
+        data.PreferenceRecord("The sky is", " blue.", " green."),
+        data.PreferenceRecord("Two and two", " four.", " five."),
+    ]
+    paths = [_jsonl(tmp_path / "rows.jsonl", rows), _parquet(tmp_path / "rows.parquet", rows)]
+    paths.append(_save(tmp_path / "saved", rows))
+    for path in paths:
+        assert list(data.load_preferences(path, columns=columns)) == expected
+    # Swapping two fields swaps them, and a file column named like a field but not
+    # mapped gives way to the mapped one.
+    swapped = data.load_preferences(
+        paths[1], columns={**columns, "chosen": "response_b", "rejected": "response_a"}
+    )
+    assert [r.chosen for r in swapped] == [" green.", " five."]
+    canonical = [{"prompt": "p", "chosen": " a", "rejected": " b"}]
+    assert list(
+        data.load_preferences(
+            _parquet(tmp_path / "c.parquet", canonical),
+            columns={"chosen": "rejected", "rejected": "chosen"},
+        )
+    ) == [data.PreferenceRecord("p", " b", " a")]
+    # Other kinds: unpaired, prompts, stepwise.
+    kto = [{"q": "The sky is", "reply": " blue.", "thumbs_up": True}]
+    got = data.load_unpaired(
+        _parquet(tmp_path / "kto.parquet", kto),
+        columns={"prompt": "q", "completion": "reply", "label": "thumbs_up"},
+    )
+    assert list(got) == [data.UnpairedRecord("The sky is", " blue.", True)]
+    got = data.load_prompts(
+        _jsonl(tmp_path / "p.jsonl", [{"problem": "1+1?", "solution": "2"}]),
+        columns={"prompt": "problem", "answer": "solution"},
+    )
+    assert list(got) == [data.PromptRecord("1+1?", "2")]
+    got = data.load_stepwise(
+        _parquet(tmp_path / "s.parquet", [{"prompt": "x", "steps": ["a"], "ok": [True]}]),
+        columns={"completions": "steps", "labels": "ok"},
+    )
+    assert list(got) == [data.StepwiseRecord("x", ("a",), (True,))]
+
+
+def test_column_mapping_errors_name_the_files_columns(tmp_path):
+    rows = [
+        {"instruction": "p", "response_a": " a", "response_b": " b"},
+        {"instruction": "p", "response_a": None, "response_b": " b"},
+    ]
+    columns = {"prompt": "instruction", "chosen": "response_a", "rejected": "response_b"}
+    path = _parquet(tmp_path / "rows.parquet", rows)
+    with pytest.raises(
+        data.DataError, match=f"^{re.escape(path)}: row 1: column 'response_a' is null$"
+    ):
+        data.load_preferences(path, columns=columns)
+    jsonl = _jsonl(tmp_path / "rows.jsonl", [rows[0], {"instruction": "p", "response_b": " b"}])
+    with pytest.raises(
+        data.DataError, match=re.escape(f"{jsonl}:2: missing key: no 'response_a' in a record")
+    ):
+        data.load_preferences(jsonl, columns=columns)
+    with pytest.raises(
+        data.DataError,
+        match=re.escape(
+            f"{path}: column 'answer_a' (read as 'chosen') is missing "
+            "(columns: instruction, response_a, response_b)"
+        ),
+    ):
+        data.load_preferences(path, columns={**columns, "chosen": "answer_a"})
+    with pytest.raises(data.DataError, match=r"^columns: unknown field 'chosn' \(known: prompt, "):
+        data.load_preferences(path, columns={"chosn": "response_a"})
+    assert data.COLUMN_NAMES[:3] == ("prompt", "chosen", "rejected")
+
+
+def test_errors_name_the_file_row_and_column(tmp_path):
+    good = {"prompt": "p", "chosen": " a", "rejected": " b"}
+    rows = [good] * 17 + [{"prompt": "p", "chosen": None, "rejected": " b"}]
+    path = _parquet(tmp_path / "data.parquet", rows)
+    with pytest.raises(
+        data.DataError, match=f"^{re.escape(path)}: row 17: column 'chosen' is null$"
+    ):
+        data.load_preferences(path)
+    # Lenient: the row is skipped and counted under the reason a JSON line would get.
+    lenient = data.load_preferences(path, lenient=True)
+    assert len(lenient) == 17 and lenient.report.skipped == {"missing key": 1}
+    assert lenient.report.examples == [f"{path}: row 17: missing key (column 'chosen' is null)"]
+    # A column the file does not have.
+    missing = _parquet(tmp_path / "missing.parquet", [{"prompt": "p", "rejected": " b"}])
+    with pytest.raises(
+        data.DataError,
+        match=f"^{re.escape(missing)}: row 0: column 'chosen' is missing "
+        r"\(columns: prompt, rejected\)$",
+    ):
+        data.load_preferences(missing, format="plain")
+    # A column of the wrong type.
+    typed = _parquet(tmp_path / "typed.parquet", [{"prompt": "p", "chosen": " a", "rejected": 3}])
+    with pytest.raises(
+        data.DataError,
+        match=f"^{re.escape(typed)}: row 0: column 'rejected' must be a string, got int$",
+    ):
+        data.load_preferences(typed)
+    label = _parquet(
+        tmp_path / "label.parquet", [{"prompt": "p", "completion": " a", "label": "yes"}]
+    )
+    with pytest.raises(data.DataError, match=r"row 0: column 'label' must be a boolean"):
+        data.load_unpaired(label)
+    steps = _save(
+        tmp_path / "steps",
+        [{"prompt": "p", "completions": ["a"], "labels": [True]}] * 3
+        + [{"prompt": "p", "completions": ["a", "b"], "labels": [True]}],
+        num_shards=2,
+    )
+    second = os.path.join(steps, "data-00001-of-00002.arrow")
+    with pytest.raises(
+        data.DataError, match=f"^{re.escape(second)}: row 1: length mismatch: 2 completions"
+    ):
+        data.load_stepwise(steps)
+    # Row numbers are per file: the same row in a JSON lines file is line 4.
+    jsonl = _jsonl(tmp_path / "steps.jsonl", datasets.load_from_disk(steps).to_list())
+    with pytest.raises(data.DataError, match=f"^{re.escape(jsonl)}:4: length mismatch"):
+        data.load_stepwise(jsonl)
+
+
+def test_unreadable_files_and_directories_are_named(tmp_path):
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"PAR1 this is not a parquet file")
+    with pytest.raises(
+        data.DataError, match=f"^{re.escape(str(bad))}: not a readable Parquet file"
+    ):
+        data.load_preferences(bad)
+    bad_arrow = tmp_path / "bad.arrow"
+    bad_arrow.write_bytes(b"\x00" * 64)
+    with pytest.raises(data.DataError, match=f"^{re.escape(str(bad_arrow))}: not a readable Arrow"):
+        data.load_prompts(bad_arrow)
+    empty = _parquet(tmp_path / "empty.parquet", [])
+    with pytest.raises(data.DataError, match=f"^{re.escape(empty)}: no records$"):
+        data.load_preferences(empty)
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("hi")
+    with pytest.raises(data.DataError, match=f"^{re.escape(str(folder))}: is a directory"):
+        data.load_preferences(folder)
+    with pytest.raises(data.DataError, match=f"^{re.escape(str(folder))}: is a directory"):
+        data.dataset_files(folder)
+    # A directory of Parquet files (a hub dataset's layout) is read in name order.
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    _parquet(shards / "train-00001.parquet", [{"prompt": "b", "chosen": " x", "rejected": " y"}])
+    _parquet(shards / "train-00000.parquet", [{"prompt": "a", "chosen": " x", "rejected": " y"}])
+    assert [r.prompt for r in data.load_preferences(shards)] == ["a", "b"]
+
+
+def test_a_parquet_file_without_its_suffix_is_recognised(tmp_path):
+    rows = KINDS["standard preferences"][1]
+    path = _parquet(tmp_path / "rows.parquet", rows)
+    plain = tmp_path / "rows.data"
+    os.rename(path, plain)
+    assert list(data.load_preferences(plain)) == list(
+        data.load_preferences(_jsonl(tmp_path / "rows.jsonl", rows))
+    )

@@ -3,6 +3,11 @@ exact resume, the KL guard, divergence rollback, evaluation, metrics, monitoring
 plots, and the built-in pipeline (`python -m rlhf_eqx`). See `docs/pipelines.md`."""
 
 from . import _stages, loop as loop, task as task  # noqa: F401  (_stages registers the stages)
+from ._callbacks import (
+    Callback as Callback,
+    CallbackError as CallbackError,
+    RunHandle as RunHandle,
+)
 from ._checkpoints import (
     latest_checkpoint as latest_checkpoint,
     restore_checkpoint as restore_checkpoint,
@@ -59,13 +64,13 @@ from ._evaluate import (
     win_rate_se as win_rate_se,
 )
 from ._grpo_runs import OffPolicyState as OffPolicyState, run_grpo as run_grpo
-from ._iterations import (
-    RunInterrupted as RunInterrupted,
-)
 from ._kto_runs import (
     kto_heldout_metrics as kto_heldout_metrics,
     run_kto as run_kto,
     sampled_unpaired as sampled_unpaired,
+)
+from ._loop_state import (
+    RunInterrupted as RunInterrupted,
 )
 from ._lr_scale import (
     build_optimizer as build_optimizer,

@@ -1,150 +1,66 @@
-"""The iteration loop shared by every run (`run_iterations`) and what it checks after
-each iteration: divergence (non-finite values, loss and KL spikes), records a resumed run
-writes again, and monitoring numbers. The learning-rate factor a rollback lowers is in
-`_lr_scale.py`, checkpoints in `_checkpoints.py`, the metrics log in `_metrics.py`.
+"""The iteration loop shared by every run (`run_iterations`).
 
 A run is a sequence of *iterations* (one optimiser step for SFT / reward / offline DPO;
 one rollout and its updates for PPO / GRPO / online DPO). Iteration `i` draws its
 randomness from `fold_in(key, i)` and its data from `i`, so a run restored from a
 checkpoint taken after iteration `i` continues exactly as the uninterrupted run.
+
+The loop's pieces, each in its own module: its state and checkpointed form
+(`_loop_state.py`), the stopping rules — divergence, rollback, the KL guard
+(`_stopping.py`) —, the records it writes about an iteration (`_iteration_records.py`),
+the callbacks it calls (`_callbacks.py`); the learning-rate factor a rollback lowers is
+in `_lr_scale.py`, checkpoints in `_checkpoints.py`, the metrics log in `_metrics.py`.
 """
 
 import dataclasses
-import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import equinox as eqx
 import jax
-import jax.numpy as jnp
-import numpy as np
-from jaxtyping import PyTree
 
-from ._checkpoints import (
-    discard_checkpoints_after,
-    latest_checkpoint,
-    restore_checkpoint,
-    save_checkpoint,
-)
+from ._callbacks import CallbackError, CallbackList, RunHandle
 from ._config import (
     OpsConfig,
 )
-from ._lr_scale import get_lr_scale, set_lr_scale
-from ._metrics import MetricsLog, drop_records, progress
-from ._monitor import Profiler, device_memory
-from ._resume_rules import RunDirError, check_resumable
-
-# --- the checks after each iteration --------------------------------------------------
-
-SPIKE_FLOOR = 0.1
-"""The smallest reference of the loss-spike rule: a loss is a spike when `|loss|` exceeds
-`ops.loss_spike` × max(median of the last 10 accepted `|loss|`, `SPIKE_FLOOR`)."""
-
-
-def find_problem(
-    metrics: list[dict], info: dict, losses: list[float], ops: OpsConfig
-) -> tuple[str | None, bool]:
-    """`(what went wrong or None, whether the state before the iteration is still good)`.
-
-    A step's loss is computed before its update: a bad first step (or a KL spike of the
-    rollout, sampled before any update) implicates the state the iteration started from;
-    a bad later step only the iteration's own updates."""
-    kl = info.get("kl")
-    if kl is not None and not math.isfinite(kl):
-        return f"non-finite KL {kl}", False
-    if kl is not None and kl > ops.kl_spike:
-        return f"KL spike {kl:.4g} > {ops.kl_spike}", False
-    recent = list(losses[-10:])
-    for j, m in enumerate(metrics):
-        loss = m.get("loss", 0.0)
-        bad = None
-        if not math.isfinite(loss):
-            bad = f"non-finite loss {loss}"
-        elif m.get("nonfinite", 0.0) > 0:
-            bad = "non-finite gradient (the step was skipped)"
-        elif recent:
-            ref = max(float(np.median(np.abs(recent[-10:]))), SPIKE_FLOOR)
-            if abs(loss) > ops.loss_spike * ref:
-                bad = f"loss spike {loss:.4g} (median of recent |loss| {ref:.4g})"
-        if bad is not None:
-            return (f"step {j}: {bad}" if len(metrics) > 1 else bad), j > 0
-        recent.append(loss)
-    return None, True
+from ._iteration_records import (
+    iteration_records,
+    monitoring,
+    note_empty_batches,
+    report_progress,
+)
+from ._loop_state import (
+    LoopCheckpoints,
+    LoopResult,
+    Position,
+    RunInterrupted,
+    copy_state,
+)
+from ._lr_scale import get_lr_scale
+from ._metrics import MetricsLog, progress
+from ._monitor import Profiler
+from ._stopping import Fallbacks, find_problem, handle_problem, kl_guard
 
 
-def stale_record(stage: str, steps: int, start: int) -> Callable[[dict], bool]:
-    """Records of `stage` written after the checkpoint a run resumes from (they are
-    written again), except an evaluation at or before the resumed iteration."""
-
-    def stale(r: dict) -> bool:
-        if r.get("stage") != stage or r.get("event") == "resume":
-            return False
-        if r.get("eval") and r.get("iteration", start + 1) <= start:
-            return False
-        if "step" in r:
-            return r["step"] >= steps
-        return "event" in r and r.get("iteration", -1) >= start
-
-    return stale
-
-
-def monitoring(
-    i: int,
-    elapsed: float,
-    info: dict,
-    scores: dict[int, float],
-    ops: OpsConfig,
-    flops: float | None,
-    peak: float | None,
-) -> dict:
-    out: dict[str, float] = {}
-    if flops:
-        out["model_flops"] = flops
-        if peak:
-            out["mfu"] = flops / max(elapsed, 1e-9) / peak
-    if ops.monitor:
-        out.update(device_memory())
-    if "score" in info:
-        scores[i] = float(info["score"])
-        if i - ops.log_every in scores:
-            out["reward_improvement"] = scores[i] - scores[i - ops.log_every]
+def _host_metrics(records: list[dict], info: dict) -> dict[str, float]:
+    """What `on_step` gets: the iteration's last step record (the rollout's numbers under
+    `rollout/*`), as host floats, without its `iteration` and `step`."""
+    last = records[-1] if records else {f"rollout/{k}": v for k, v in info.items()}
+    out = {}
+    for k, v in last.items():
+        if k in ("iteration", "step"):
+            continue
+        try:
+            out[k] = float(v)
+        except (TypeError, ValueError):
+            continue
     return out
 
 
-# --- the loop --------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class LoopResult:
-    """What `run_iterations` returns: the final state, the metrics of every step run in
-    this call, the iterations completed, why it stopped (`"done"`, `"kl_guard"` or
-    `"diverged"`), the rollbacks."""
-
-    state: Any
-    history: list[dict]
-    iterations: int
-    stopped: str
-    rollbacks: int
-
-
-class RunInterrupted(KeyboardInterrupt):
-    """Ctrl-C during a run: the last completed iteration was checkpointed (when the run
-    has a checkpoint directory) and the run can be resumed from it."""
-
-    def __init__(self, stage: str, iteration: int, total: int, checkpoint: str | None):
-        super().__init__(f"{stage} interrupted at iteration {iteration}/{total}")
-        self.stage, self.iteration, self.total, self.checkpoint = (
-            stage,
-            iteration,
-            total,
-            checkpoint,
-        )
-
-
-def _copy(tree: PyTree) -> PyTree:
-    return jax.tree.map(lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x, tree)
+def _sync(run: RunHandle, pos: Position) -> RunHandle:
+    run.iteration, run.state, run.steps = pos.iteration, pos.state, pos.steps
+    return run
 
 
 def run_iterations(
@@ -163,9 +79,12 @@ def run_iterations(
     tokens_per_iteration: int | None = None,
     flops_per_iteration: float | None = None,
     peak_flops: float | None = None,
+    callbacks: Sequence[Any] = (),
+    policy_of: Callable[[Any], Any] | None = None,
 ) -> LoopResult:
     """Run `iteration(state, fold_in(key, i), i) -> (state, step_metrics, info)` for
-    `i = 0 .. num_iterations - 1` with checkpoints, rollback, the KL guard and evaluation.
+    `i = 0 .. num_iterations - 1` with checkpoints, rollback, the KL guard, evaluation
+    and callbacks.
 
     - **Checkpoints** (`checkpoint_dir`): after every `ops.checkpoint_every` iterations and
       at the end: the state, the key, the iteration, the step count, the rollbacks and
@@ -196,204 +115,204 @@ def run_iterations(
     - **Ctrl-C**: the state after the last completed iteration is checkpointed and
       `RunInterrupted` (a `KeyboardInterrupt`) is raised with the iteration reached.
     - **Evaluation** (`evaluate(state, i) -> metrics`): every `ops.eval_every` iterations.
+    - **Callbacks** (`callbacks`, see `Callback`): `on_start`, `on_step` after each
+      iteration, `on_evaluate`, `on_checkpoint`, `on_stop`; they see a `RunHandle`
+      (`policy_of(state)` gives its `policy()`). A stop a callback requests ends the run
+      after that iteration with `stopped="callback"` and `stop_reason`, and writes a
+      checkpoint marked stopped (resuming returns at once). Their `state_dict()` goes
+      into every checkpoint and `load_state_dict` gets it back on resume. A hook that
+      raises stops the run: the last iteration whose hooks all completed is
+      checkpointed and `CallbackError` (its `checkpoint` set) is raised.
     - **Monitoring**: on the last step line of each iteration, `iteration_time_s`,
       `tokens_per_s`, `model_flops` (`flops_per_iteration`) and `mfu` (against
       `peak_flops`), device memory where the backend reports it, and
       `reward_improvement` (the rollout score minus that of `ops.log_every` iterations
       before); `ops.profile_steps` writes a profiler trace.
     """
-    meta = dict(meta or {})
-    start, steps, rollbacks = 0, 0, 0
-    losses: list[float] = []
-    stopped = "done"
-    if resume and checkpoint_dir is not None:
-        path = latest_checkpoint(checkpoint_dir)
-        if path is not None:
-            like = {"state": state, "key": jax.random.key_data(key)}
-            tree, saved = restore_checkpoint(path, like)
-            if "config" in saved and "config" in meta:
-                check_resumable(saved["config"], meta["config"], where=path)
-            state = tree["state"]
-            start = int(saved["iteration"])
-            steps = int(saved.get("steps", 0))
-            rollbacks = int(saved.get("rollbacks", 0))
-            losses = [float(x) for x in saved.get("losses", [])]
-            stopped = saved.get("stopped") or "done"
-            if start > num_iterations and stopped == "done":
-                raise RunDirError(
-                    f"{path}: the checkpoint is at iteration {start}, past the "
-                    f"{num_iterations} iterations of {log.stage} requested"
-                )
-        drop_records(log.path, stale_record(log.stage, steps, start))
-        if path is not None:
-            log.event(
-                "resume",
-                f"continuing from {path} (iteration {start}, step {steps})",
-                iteration=start,
-                step=steps,
-            )
-            if stopped != "done":
-                return LoopResult(state, [], start, stopped, rollbacks)
-
-    def save(at: int, st: Any, n_steps: int, recent: list[float], **extra) -> str | None:
-        if checkpoint_dir is None:
-            return None
-        m = dict(meta, steps=n_steps, rollbacks=rollbacks, losses=recent[-10:], **extra)
-        tree = {"state": st, "key": jax.random.key_data(key)}
-        return save_checkpoint(checkpoint_dir, at, tree, m, keep=ops.keep)
-
+    ckpts = LoopCheckpoints(checkpoint_dir, key, dict(meta or {}), ops.keep)
+    cbs = CallbackList(callbacks)
     history: list[dict] = []
-    bar = progress(num_iterations, start, log.stage, ops.quiet)
+    run = RunHandle(
+        stage=log.stage,
+        num_iterations=num_iterations,
+        log=log,
+        checkpoint_dir=checkpoint_dir,
+        state=state,
+        history=history,
+        policy_of=policy_of,
+    )
+    committed = Position(0, state, 0, [])
+    stopped, stop_reason, rollbacks = "done", None, 0
+    resumed = ckpts.resume(state, num_iterations, log) if resume and checkpoint_dir else None
+    if resumed is not None:
+        committed, rollbacks = resumed.position, resumed.rollbacks
+        stopped, stop_reason = resumed.stopped, resumed.stop_reason
+        run.resumed = True
+        _sync(run, committed)
+        cbs.load_state_dict(resumed.callbacks, run)
+        if stopped != "done":
+            run.stop_reason = stop_reason
+            cbs.call("on_start", run)
+            cbs.call("on_stop", run, stopped)
+            return LoopResult(
+                committed.state, [], committed.iteration, stopped, rollbacks, stop_reason, run
+            )
+
+    bar = progress(num_iterations, committed.iteration, log.stage, ops.quiet)
     profiler = Profiler(ops.profile_steps, os.path.join(log.run_dir, "profile", log.stage))
     scores: dict[int, float] = {}
     if peak_flops is not None:
         log.write(
             {
                 "event": "monitor",
-                "iteration": start,
-                "step": steps,
+                "iteration": committed.iteration,
+                "step": committed.steps,
                 "peak_flops": peak_flops,
                 "device": str(jax.devices()[0].device_kind),
                 "devices": jax.device_count(),
                 "collective_share": "not measured: pipeline runs execute on one device",
             }
         )
+    fallbacks = Fallbacks((committed.iteration, copy_state(committed.state)), rollbacks=rollbacks)
+
+    def save(pos: Position, states: dict | None, **extra) -> str | None:
+        return ckpts.save(pos, fallbacks.rollbacks, states, **extra)
+
     # `committed` is replaced in one assignment after an iteration's records are written,
-    # so that Ctrl-C anywhere checkpoints a consistent (iteration, state, steps).
-    committed = (start, state, steps, list(losses))
-    verified = (start, _copy(state))  # the state before that iteration; presumed good
-    within: tuple[int, Any] | None = None  # the last state whose rollout KL was in target
+    # so that Ctrl-C anywhere checkpoints a consistent (iteration, state, steps). With
+    # callbacks, `hooked` is the last position whose hooks all completed, with the
+    # callbacks' state then: what an error in a hook (or Ctrl-C) checkpoints.
+    hooked: tuple[Position, dict | None] = (committed, None)
+    last_path: str | None = None
     try:
-        while committed[0] < num_iterations:
-            i, state, steps, losses = committed
-            good = _copy(state)
+        if cbs:
+            cbs.call("on_start", _sync(run, committed))
+            hooked = (committed, cbs.state_dict(run))
+        while committed.iteration < num_iterations:
+            pos = committed
+            i = pos.iteration
+            if run.stop_reason is not None:  # a callback asked to stop
+                stopped, stop_reason = "callback", run.stop_reason
+                log.event(
+                    "callback_stop",
+                    f"iteration {i}: {stop_reason}; stopping with the state after "
+                    f"{i} of {num_iterations} iterations",
+                    iteration=i,
+                    step=pos.steps,
+                    reason=stop_reason,
+                )
+                last_path = save(pos, hooked[1], stopped="callback", stop_reason=stop_reason)
+                if last_path is not None:
+                    cbs.call("on_checkpoint", _sync(run, pos), i, last_path)
+                break
+            good = copy_state(pos.state)
+            if cbs:
+                hooked = (dataclasses.replace(pos, state=good), hooked[1])
             profiler.before(i)
             t0 = time.perf_counter()
-            new_state, metrics, info = iteration(state, jax.random.fold_in(key, i), i)
+            new_state, metrics, info = iteration(pos.state, jax.random.fold_in(key, i), i)
             metrics = [{k: float(v) for k, v in m.items()} for m in metrics]
             elapsed = time.perf_counter() - t0
             profiler.after(i)
-            problem, before_ok = find_problem(metrics, info, losses, ops)
+            problem, before_ok = find_problem(metrics, info, pos.losses, ops)
             if problem is not None:
-                back_to, restored = (i, good) if before_ok else verified
-                if ops.rollback and rollbacks < ops.max_rollbacks:
-                    rollbacks += 1
-                    scale = get_lr_scale(state) / ops.lr_backoff
-                    if checkpoint_dir is not None:
-                        discard_checkpoints_after(checkpoint_dir, back_to)
-                    log.event(
-                        "rollback",
-                        f"iteration {i}: {problem}; restored the state before "
-                        f"iteration {back_to}, learning-rate factor now {scale:.3g}",
-                        iteration=i,
-                        restored=back_to,
-                        lr_scale=scale,
-                        step=steps,
-                    )
-                    kept = [x for x in history if x["iteration"] < back_to]
-                    dropped = len(history) - len(kept)
-                    history = kept
-                    losses = [x.get("loss", 0.0) for x in history][-10:] if dropped else losses
-                    verified = (back_to, restored)
-                    committed = (back_to, set_lr_scale(restored, scale), steps, losses)
+                handled = handle_problem(
+                    problem,
+                    before_ok,
+                    i,
+                    good,
+                    pos,
+                    fallbacks,
+                    history,
+                    ops=ops,
+                    log=log,
+                    checkpoint_dir=checkpoint_dir,
+                )
+                history[:] = handled.history
+                if handled.action == "rollback":
+                    committed = handled.position
+                    if cbs:
+                        hooked = (committed, hooked[1])
                     continue
-                if ops.rollback or "spike" not in problem:
-                    why = (
-                        f"{ops.max_rollbacks} rollbacks used" if ops.rollback else "rollback is off"
-                    )
-                    log.event(
-                        "diverged",
-                        f"iteration {i}: {problem}; {why}: stopping with the state before "
-                        f"iteration {back_to} (finite weights)",
-                        iteration=i,
-                        restored=back_to,
-                        step=steps,
-                    )
-                    committed = (back_to, restored, steps, losses)
+                if handled.action == "diverged":
+                    committed = handled.position
                     stopped = "diverged"
                     break
-                log.event(
-                    "spike", f"iteration {i}: {problem} (rollback is off)", iteration=i, step=steps
-                )
-            if kl_target is not None and info.get("kl", 0.0) > kl_target:
-                back_to, restored = within if within is not None else (i, good)
+            stop = kl_guard(i, info, kl_target, good, pos, fallbacks, log)
+            if stop is not None:
                 stopped = "kl_guard"
-                log.event(
-                    "kl_guard",
-                    f"iteration {i}: KL to the reference {info['kl']:.4f} > target "
-                    f"{kl_target}; stopping with the policy before iteration {back_to}, the "
-                    "last one within the target",
-                    iteration=i,
-                    kl=info["kl"],
-                    restored=back_to,
-                    step=steps,
-                )
-                committed = (i, restored, steps, losses)
-                save(i, restored, steps, losses, stopped="kl_guard")
+                committed = stop
+                last_path = save(stop, hooked[1], stopped="kl_guard")
+                if last_path is not None:
+                    cbs.call("on_checkpoint", _sync(run, stop), i, last_path)
                 break
-            empty = sum(m.get("empty_batch", 0.0) > 0 for m in metrics)
-            if empty:
-                log.event(
-                    "empty_batch",
-                    f"iteration {i}: {empty} of {len(metrics)} steps had no token to learn "
-                    "from (every completion mask false); their updates were skipped",
-                    iteration=i,
-                    step=steps,
-                )
-            if metrics:
-                verified = (i, good)  # its loss, metrics[0]'s, passed the checks
-            if kl_target is not None and "kl" in info:
-                within = (i, good)
-            recent = list(losses)
-            lr_scale = get_lr_scale(new_state)
-            for j, m in enumerate(metrics):
-                recent.append(m.get("loss", 0.0))
-                rec = {"iteration": i, "step": steps + j, **m}
-                if "learning_rate" in rec:  # the rate applied: the schedule's times the factor
-                    rec["learning_rate"] = rec["learning_rate"] * lr_scale
-                if j == len(metrics) - 1:
-                    rec.update({f"rollout/{k}": v for k, v in info.items()})
-                    rec["iteration_time_s"] = elapsed
-                    if tokens_per_iteration:
-                        rec["tokens_per_s"] = tokens_per_iteration / max(elapsed, 1e-9)
-                    rec.update(
-                        monitoring(i, elapsed, info, scores, ops, flops_per_iteration, peak_flops)
-                    )
-                rec["lr_scale"] = lr_scale
+            note_empty_batches(i, pos.steps, metrics, log)
+            fallbacks.accept(
+                i, good, stepped=bool(metrics), measured_kl=kl_target is not None and "kl" in info
+            )
+            monitor = (
+                monitoring(i, elapsed, info, scores, ops, flops_per_iteration, peak_flops)
+                if metrics
+                else {}
+            )
+            records = iteration_records(
+                i,
+                pos.steps,
+                metrics,
+                info,
+                elapsed=elapsed,
+                lr_scale=get_lr_scale(new_state),
+                tokens_per_iteration=tokens_per_iteration,
+                monitor=monitor,
+            )
+            for rec in records:
                 history.append(rec)
                 log.write(rec)
-            committed = (i + 1, new_state, steps + len(metrics), recent[-10:])
-            i, state, steps, losses = committed
-            if bar is not None:
-                bar.update(1)
-                if metrics:
-                    bar.set_postfix(loss=f"{metrics[-1].get('loss', float('nan')):.4f}")
-            elif not log.quiet and metrics and (i % ops.log_every == 0 or i == num_iterations):
-                shown = {
-                    k: v
-                    for k, v in {**metrics[-1], **info}.items()
-                    if k in ("loss", "accuracy", "rewards/accuracies", "reward", "score", "kl")
-                }
-                log.info(
-                    f"iter {i}/{num_iterations} "
-                    + " ".join(f"{k} {v:.4f}" for k, v in shown.items())
-                )
+            recent = [*pos.losses, *(m.get("loss", 0.0) for m in metrics)][-10:]
+            committed = Position(i + 1, new_state, pos.steps + len(metrics), recent)
+            i, steps = committed.iteration, committed.steps
+            report_progress(bar, log, i, num_iterations, metrics, info, ops)
+            if cbs:
+                cbs.call("on_step", _sync(run, committed), i, _host_metrics(records, info))
             if evaluate is not None and ops.eval_every and i % ops.eval_every == 0:
                 if i < num_iterations:
-                    log.write({"eval": True, "iteration": i, "step": steps, **evaluate(state, i)})
+                    results = evaluate(committed.state, i)
+                    log.write({"eval": True, "iteration": i, "step": steps, **results})
+                    cbs.call("on_evaluate", run, i, results)
+            if cbs:
+                hooked = (committed, cbs.state_dict(run))
             if (ops.checkpoint_every and i % ops.checkpoint_every == 0) or i == num_iterations:
-                save(i, state, steps, losses)
+                last_path = save(committed, hooked[1])
+                if last_path is not None:
+                    cbs.call("on_checkpoint", run, i, last_path)
+    except CallbackError as e:
+        if e.hook == "on_checkpoint":
+            e.checkpoint = last_path
+        else:
+            pos, states = hooked
+            e.checkpoint = save(pos, states, **_stop_marks(stopped, stop_reason))
+        raise
     except KeyboardInterrupt as e:
         if isinstance(e, RunInterrupted):
             raise
-        i, state, steps, losses = committed
+        pos, states = hooked if cbs else (committed, None)
         try:
-            path = save(i, state, steps, losses)
+            path = save(pos, states)
         except BaseException:
             path = None
-        raise RunInterrupted(log.stage, i, num_iterations, path) from None
+        raise RunInterrupted(log.stage, pos.iteration, num_iterations, path) from None
     finally:
         profiler.close()
         if bar is not None:
             bar.close()
-    return LoopResult(committed[1], history, committed[0], stopped, rollbacks)
+    _sync(run, committed)
+    cbs.call("on_stop", run, stopped)
+    n, rollbacks = committed.iteration, fallbacks.rollbacks
+    return LoopResult(committed.state, history, n, stopped, rollbacks, stop_reason, run)
+
+
+def _stop_marks(stopped: str, stop_reason: str | None) -> dict:
+    """The marks of a checkpoint written as the run stops early (none while it runs)."""
+    if stopped == "done" or stopped == "diverged":
+        return {}
+    return {"stopped": stopped} | ({"stop_reason": stop_reason} if stop_reason else {})

@@ -27,7 +27,8 @@ from ._config import (
     OpsConfig,
     SamplingConfig,
 )
-from ._iterations import LoopResult, run_iterations
+from ._iterations import run_iterations
+from ._loop_state import LoopResult
 from ._lr_scale import build_optimizer
 from ._metrics import MetricsLog
 from ._monitor import model_flops
@@ -43,7 +44,9 @@ class RunContext:
     checkpoint directory (`None`: no checkpoints), whether to resume, its PRNG key, and
     the sampling settings of rollouts. `evaluate(policy) -> metrics`, when given, runs
     every `ops.eval_every` iterations on the current policy (LoRA merged). `peak_flops`
-    (`measure_matmul_peak`, once per run) turns on the per-iteration MFU."""
+    (`measure_matmul_peak`, once per run) turns on the per-iteration MFU. `callbacks`
+    (`Callback`s) are called by the run's loop: every run function that takes this
+    context gets them."""
 
     ops: OpsConfig
     log: MetricsLog
@@ -58,6 +61,7 @@ class RunContext:
     meta: dict | None = None
     evaluate: Callable[[object], dict] | None = None
     peak_flops: float | None = None
+    callbacks: Sequence[Any] = ()
 
 
 @dataclasses.dataclass
@@ -182,10 +186,14 @@ def take_rows(batch, idx):
 
 
 def run_loop(state, iteration, ctx: RunContext, num, *, policy_of=None, **kw) -> RunResult:
+    """`run_iterations` with the context's settings, its periodic evaluation (on the
+    policy `policy_of(state)`, LoRA merged) and its callbacks."""
     validate_ops(ctx.ops)
-    evaluate = None
-    if ctx.evaluate is not None and policy_of is not None:
-        evaluate = lambda s, i: ctx.evaluate(final_policy(policy_of(s)))  # noqa: E731
+    evaluate = merged = None
+    if policy_of is not None:
+        merged = lambda s: final_policy(policy_of(s))  # noqa: E731
+    if ctx.evaluate is not None and merged is not None:
+        evaluate = lambda s, i: ctx.evaluate(merged(s))  # noqa: E731
     loop = run_iterations(
         state,
         iteration,
@@ -198,6 +206,8 @@ def run_loop(state, iteration, ctx: RunContext, num, *, policy_of=None, **kw) ->
         meta=ctx.meta,
         evaluate=evaluate,
         peak_flops=ctx.peak_flops,
+        callbacks=ctx.callbacks,
+        policy_of=merged,
         **kw,
     )
     return RunResult(loop.state, loop.history, loop)

@@ -5,11 +5,8 @@ resume, the deterministic choice of each iteration's rows, and offline DPO's bat
 with their reference log-probabilities computed on first use."""
 
 from ._dpo_runs import referenced_batches as referenced_batches, referenced_rows as referenced_rows
-from ._iterations import (
-    SPIKE_FLOOR as SPIKE_FLOOR,
-    LoopResult as LoopResult,
-    run_iterations as run_iterations,
-)
+from ._iterations import run_iterations as run_iterations
+from ._loop_state import LoopResult as LoopResult
 from ._lr_scale import (
     get_lr_scale as get_lr_scale,
     scale_by_lr_factor as scale_by_lr_factor,
@@ -28,3 +25,4 @@ from ._runs import (
     shuffled_batches as shuffled_batches,
     take_rows as take_rows,
 )
+from ._stopping import SPIKE_FLOOR as SPIKE_FLOOR

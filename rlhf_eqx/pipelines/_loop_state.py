@@ -1,0 +1,172 @@
+"""The iteration loop's state and its checkpointed form: where a run stands after its last
+completed iteration (`Position`), what the loop returns (`LoopResult`), how that position
+is written to and read back from a checkpoint (`LoopCheckpoints`), and which records of
+`metrics.jsonl` a resumed run writes again (`stale_record`).
+
+A checkpoint after iteration `i` holds the state and the run's PRNG key (`state.eqx`)
+and, in `meta.json`, the iteration, the step count, the rollbacks, the last ten losses,
+the configuration, how the run stopped (when it stopped early) and the callbacks' own
+state. Iteration `i` depends only on the state, the key and `i`, so a run restored from
+it continues exactly as the uninterrupted run.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import PyTree
+
+from ._checkpoints import latest_checkpoint, restore_checkpoint, save_checkpoint
+from ._metrics import MetricsLog, drop_records
+from ._resume_rules import RunDirError, check_resumable
+
+
+@dataclasses.dataclass(frozen=True)
+class Position:
+    """Where a run stands: the next `iteration` to run, the `state` after the ones
+    before it, the optimiser `steps` taken and the last ten accepted `losses`. The loop
+    replaces it in one assignment after an iteration's records are written, so that
+    Ctrl-C anywhere checkpoints a consistent position."""
+
+    iteration: int
+    state: Any
+    steps: int
+    losses: list[float]
+
+
+@dataclasses.dataclass
+class LoopResult:
+    """What `run_iterations` returns: the final state, the metrics of every step run in
+    this call, the iterations completed, why it stopped (`"done"`, `"kl_guard"`,
+    `"diverged"` or `"callback"`), the rollbacks, and, when a callback stopped it, the
+    reason it gave (`stop_reason`). `run` is the `RunHandle` the callbacks saw."""
+
+    state: Any
+    history: list[dict]
+    iterations: int
+    stopped: str
+    rollbacks: int
+    stop_reason: str | None = None
+    run: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a run: the last completed iteration was checkpointed (when the run
+    has a checkpoint directory) and the run can be resumed from it."""
+
+    def __init__(self, stage: str, iteration: int, total: int, checkpoint: str | None):
+        super().__init__(f"{stage} interrupted at iteration {iteration}/{total}")
+        self.stage, self.iteration, self.total, self.checkpoint = (
+            stage,
+            iteration,
+            total,
+            checkpoint,
+        )
+
+
+def copy_state(tree: PyTree) -> PyTree:
+    """A copy of every array of `tree` (a state the loop may return to must not share
+    buffers that a donating step overwrites)."""
+    return jax.tree.map(lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x, tree)
+
+
+def stale_record(stage: str, steps: int, start: int) -> Callable[[dict], bool]:
+    """Records of `stage` written after the checkpoint a run resumes from (they are
+    written again), except an evaluation at or before the resumed iteration."""
+
+    def stale(r: dict) -> bool:
+        if r.get("stage") != stage or r.get("event") == "resume":
+            return False
+        if r.get("eval") and r.get("iteration", start + 1) <= start:
+            return False
+        if "step" in r:
+            return r["step"] >= steps
+        return "event" in r and r.get("iteration", -1) >= start
+
+    return stale
+
+
+@dataclasses.dataclass(frozen=True)
+class Resumed:
+    """What a checkpoint gives back: the position, the rollbacks, how the run had
+    stopped (`"done"` while it had not), the reason a callback gave, the callbacks' own
+    state and the checkpoint's path."""
+
+    position: Position
+    rollbacks: int
+    stopped: str
+    stop_reason: str | None
+    callbacks: dict
+    path: str
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopCheckpoints:
+    """The checkpoints of one run of the loop: `directory` (`None`: none are written),
+    the run's `key`, the `meta` every checkpoint carries (its `"config"` is checked on
+    resume) and how many to keep."""
+
+    directory: str | None
+    key: jax.Array
+    meta: dict
+    keep: int
+
+    def save(
+        self, pos: Position, rollbacks: int, callbacks: dict | None = None, **extra
+    ) -> str | None:
+        """Write the checkpoint of `pos` (`iter_<pos.iteration>`); returns its path, or
+        `None` without a directory. `extra` goes into `meta.json` (e.g. `stopped`)."""
+        if self.directory is None:
+            return None
+        m = dict(self.meta, steps=pos.steps, rollbacks=rollbacks, losses=pos.losses[-10:], **extra)
+        if callbacks:
+            m["callbacks"] = callbacks
+        tree = {"state": pos.state, "key": jax.random.key_data(self.key)}
+        return save_checkpoint(self.directory, pos.iteration, tree, m, keep=self.keep)
+
+    def resume(self, state: Any, num_iterations: int, log: MetricsLog) -> Resumed | None:
+        """Read the latest checkpoint into the structure of `state` and drop the records
+        of `log.stage` written after it (`stale_record`); `None` when there is none
+        (the records of an earlier start are dropped too). A checkpoint whose
+        configuration differs outside the resumable fields, or one past `num_iterations`
+        (unless the run had stopped early), raises `RunDirError`."""
+        path = latest_checkpoint(self.directory) if self.directory is not None else None
+        resumed = None
+        if path is not None:
+            like = {"state": state, "key": jax.random.key_data(self.key)}
+            tree, saved = restore_checkpoint(path, like)
+            if "config" in saved and "config" in self.meta:
+                check_resumable(saved["config"], self.meta["config"], where=path)
+            pos = Position(
+                int(saved["iteration"]),
+                tree["state"],
+                int(saved.get("steps", 0)),
+                [float(x) for x in saved.get("losses", [])],
+            )
+            stopped = saved.get("stopped") or "done"
+            if pos.iteration > num_iterations and stopped == "done":
+                raise RunDirError(
+                    f"{path}: the checkpoint is at iteration {pos.iteration}, past the "
+                    f"{num_iterations} iterations of {log.stage} requested"
+                )
+            resumed = Resumed(
+                pos,
+                int(saved.get("rollbacks", 0)),
+                stopped,
+                saved.get("stop_reason"),
+                dict(saved.get("callbacks") or {}),
+                path,
+            )
+        start, steps = (resumed.position.iteration, resumed.position.steps) if resumed else (0, 0)
+        drop_records(log.path, stale_record(log.stage, steps, start))
+        if resumed is not None:
+            log.event(
+                "resume",
+                f"continuing from {path} (iteration {start}, step {steps})",
+                iteration=start,
+                step=steps,
+            )
+        return resumed

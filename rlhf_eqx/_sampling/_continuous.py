@@ -11,7 +11,6 @@ stop-sequence table the loop matches against come first.
 """
 
 import dataclasses
-import functools
 import numbers
 from collections.abc import Sequence
 from typing import Any
@@ -23,9 +22,16 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int, Key, UInt32
 
 from ..models import AbstractDecoder
-from ._decode import _check_decoder, _check_decoder_output, _check_length
+from ._decode import (
+    _check_decoder,
+    _check_decoder_output,
+    _check_length,
+    _check_prompt_ids,
+    _int32_prompts,
+    _row_sampler,
+    _with_prompts,
+)
 from ._options import DEFAULT_TEMPERATURE, GenerationOutput, SamplingOptions
-from ._token import sample_token
 
 
 def _is_int(x: object) -> bool:
@@ -34,15 +40,7 @@ def _is_int(x: object) -> bool:
 
 def _check_concrete_prompts(prompts: Any, prompt_masks: Any, vocab_size: int) -> None:
     """Raise naming the argument, row and position of a bad id or an empty prompt."""
-    if not isinstance(prompts, jax.core.Tracer):
-        ids = np.asarray(prompts)
-        bad = (ids < 0) | (ids >= vocab_size)
-        if bad.any():
-            row, col = (int(x) for x in np.argwhere(bad)[0])
-            raise ValueError(
-                f"prompts: row {row} has id {int(ids[row, col])} at position {col}, "
-                f"outside the vocabulary [0, {vocab_size})"
-            )
+    _check_prompt_ids(prompts, vocab_size, "prompts: row")
     if not isinstance(prompt_masks, jax.core.Tracer):
         empty = ~np.asarray(prompt_masks).any(axis=-1)
         if empty.any():
@@ -152,20 +150,13 @@ def _generate_continuous(
     N, G = opts.max_new_tokens, opts.num_samples
     B = R * G
     S = plan.slots
-    prompts = prompts.astype(jnp.int32)
-    if opts.check_ids:
-        bad = (prompts < 0) | (prompts >= policy.vocab_size)
-        prompts = eqx.error_if(prompts, jnp.any(bad), "prompts: ids outside [0, vocab_size)")
+    prompts = _int32_prompts(policy, prompts, opts, "prompts: ids outside [0, vocab_size)")
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # int32 indices also under jax_enable_x64
     zero = i32(0)
 
     prefill = lambda t, m: policy.prefill(t, m, cache_size=P + N)
     decode = jax.vmap(lambda tok, c, idx, pos: policy.decode_step(tok, c, index=idx, position=pos))
-    sample = jax.vmap(
-        functools.partial(
-            sample_token, temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p
-        )
-    )
+    sample = _row_sampler(opts)
     one = jax.eval_shape(jax.vmap(prefill), prompts[:1], prompt_masks[:1])
     _check_decoder_output(policy, "prefill", one)
     zeros = lambda n: jax.tree.map(lambda x: jnp.zeros((n,) + x.shape[1:], x.dtype), one)
@@ -285,13 +276,7 @@ def _generate_continuous(
     )
     s = jax.lax.while_loop(cond, body, init)
     rep = lambda x: jnp.repeat(x, G, axis=0)
-    prompts, prompt_masks = rep(prompts), rep(prompt_masks)
-    return GenerationOutput(
-        tokens=jnp.concatenate([prompts, s.tokens], axis=1),
-        mask=jnp.concatenate([prompt_masks, s.real], axis=1),
-        completion_mask=jnp.concatenate([jnp.zeros_like(prompt_masks), s.real], axis=1),
-        logprobs=jnp.concatenate([jnp.zeros((B, P), jnp.float32), s.logprobs], axis=1),
-    )
+    return _with_prompts(rep(prompts), rep(prompt_masks), s.tokens, s.logprobs, s.real)
 
 
 _generate_continuous_jit = eqx.filter_jit(_generate_continuous)

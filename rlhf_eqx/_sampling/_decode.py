@@ -30,8 +30,9 @@ def _check_decoder(policy: object) -> AbstractDecoder:
     return policy
 
 
-def _check_prompt_ids(prompts: Any, vocab_size: int) -> None:
-    """Raise naming the first bad row, position and id, if `prompts` are concrete."""
+def _check_prompt_ids(prompts: Any, vocab_size: int, row_label: str = "prompt row") -> None:
+    """Raise naming the first bad row (`"{row_label} {row}"`), position and id, if
+    `prompts` are concrete."""
     if isinstance(prompts, jax.core.Tracer):
         return
     ids = np.asarray(prompts)
@@ -39,7 +40,7 @@ def _check_prompt_ids(prompts: Any, vocab_size: int) -> None:
     if bad.any():
         row, col = (int(x) for x in np.argwhere(bad)[0])
         raise ValueError(
-            f"prompt row {row} has id {int(ids[row, col])} at position {col}, "
+            f"{row_label} {row} has id {int(ids[row, col])} at position {col}, "
             f"outside the vocabulary [0, {vocab_size})"
         )
 
@@ -91,6 +92,46 @@ def _check_decoder_output(
             )
 
 
+def _int32_prompts(
+    policy: AbstractDecoder, prompts: Int[Array, "B P"], opts: SamplingOptions, message: str
+) -> Int[Array, "B P"]:
+    """`prompts` as int32, with (under `opts.check_ids`) a runtime error `message` when an
+    id lies outside `[0, vocab_size)` (traced prompts are checked here only)."""
+    prompts = prompts.astype(jnp.int32)
+    if opts.check_ids:
+        bad = (prompts < 0) | (prompts >= policy.vocab_size)
+        prompts = eqx.error_if(prompts, jnp.any(bad), message)
+    return prompts
+
+
+def _row_sampler(opts: SamplingOptions):
+    """`sample_token` with `opts`' temperature, top-k and top-p, vmapped over rows:
+    `(keys [B], logits [B, V]) -> (tokens [B], logprobs [B])`."""
+    return jax.vmap(
+        functools.partial(
+            sample_token, temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p
+        )
+    )
+
+
+def _with_prompts(
+    prompts: Int[Array, "B P"],
+    prompt_masks: Bool[Array, "B P"],
+    tokens: Int[Array, "B N"],
+    logprobs: Float[Array, "B N"],
+    real: Bool[Array, "B N"],
+) -> GenerationOutput:
+    """The output rows `prompt ++ completion`: the prompts as given, then the sampled
+    `tokens` (`real` where a token was generated, their `logprobs`)."""
+    B, P = prompts.shape
+    return GenerationOutput(
+        tokens=jnp.concatenate([prompts, tokens], axis=1),
+        mask=jnp.concatenate([prompt_masks, real], axis=1),
+        completion_mask=jnp.concatenate([jnp.zeros_like(prompt_masks), real], axis=1),
+        logprobs=jnp.concatenate([jnp.zeros((B, P), jnp.float32), logprobs], axis=1),
+    )
+
+
 class _DecodeState(eqx.Module):
     """Carry of the decode loop; `tokens` / `logprobs` / `real` are the `[B, N]` outputs."""
 
@@ -113,10 +154,7 @@ def _generate_batch(
 ) -> GenerationOutput:
     B, P = prompts.shape
     N = opts.max_new_tokens
-    prompts = prompts.astype(jnp.int32)
-    if opts.check_ids:
-        bad = (prompts < 0) | (prompts >= policy.vocab_size)
-        prompts = eqx.error_if(prompts, jnp.any(bad), "prompt ids outside [0, vocab_size)")
+    prompts = _int32_prompts(policy, prompts, opts, "prompt ids outside [0, vocab_size)")
     out = jax.vmap(lambda t, m: policy.prefill(t, m, cache_size=P + N))(prompts, prompt_masks)
     _check_decoder_output(policy, "prefill", out)
     logits, cache = out
@@ -127,11 +165,7 @@ def _generate_batch(
             rep, (logits, cache, prompts, prompt_masks)
         )
         B = B * opts.num_samples
-    sample = jax.vmap(
-        functools.partial(
-            sample_token, temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p
-        )
-    )
+    sample = _row_sampler(opts)
     decode = jax.vmap(
         lambda tok, c, pos, idx: policy.decode_step(tok, c, index=idx, position=pos),
         in_axes=(0, 0, 0, None),
@@ -188,12 +222,7 @@ def _generate_batch(
         real=jnp.zeros((B, N), jnp.bool_),
     )
     s = jax.lax.while_loop(cond, body, init)
-    return GenerationOutput(
-        tokens=jnp.concatenate([prompts, s.tokens], axis=1),
-        mask=jnp.concatenate([prompt_masks, s.real], axis=1),
-        completion_mask=jnp.concatenate([jnp.zeros_like(prompt_masks), s.real], axis=1),
-        logprobs=jnp.concatenate([jnp.zeros((B, P), jnp.float32), s.logprobs], axis=1),
-    )
+    return _with_prompts(prompts, prompt_masks, s.tokens, s.logprobs, s.real)
 
 
 _generate_batch_jit = eqx.filter_jit(_generate_batch)

@@ -129,7 +129,13 @@ class DataConfig:
     the `dpo`, `sft` and `kto` stages complete (`eval_samples` each) with the model before
     and after training, for the base model's NLL of each side's samples, the KL to the
     base and example completions in the summary (0: none); `grpo` completes every
-    held-out prompt."""
+    held-out prompt.
+
+    `path` is a JSON lines, JSON or gzipped file, a Parquet or Arrow file, or a directory
+    written by `datasets`' `save_to_disk` (`data.dataset_files`); `split` picks a split
+    of a `DatasetDict` directory (as `--data DIR:SPLIT` does). `columns` reads the
+    readers' fields from other columns, in every format (`--set
+    data.columns.chosen=response_a`; the fields are `data.COLUMN_NAMES`)."""
 
     path: str | None = None
     format: str = "auto"
@@ -139,6 +145,13 @@ class DataConfig:
     filter: tuple[str, ...] = ()
     chat_template: str = "auto"
     eval_prompts: int = 32
+    split: str | None = None
+    columns: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def read_options(self) -> dict:
+        """The keyword arguments these settings give the data readers
+        (`data.load_preferences(path, format, **options)`, ...): `columns` and `split`."""
+        return {"columns": dict(self.columns), "split": self.split}
 
 
 @dataclasses.dataclass(frozen=True)

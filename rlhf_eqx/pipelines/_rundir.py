@@ -31,6 +31,7 @@ import shutil
 import socket
 import sys
 
+from ..data import dataset_files
 from ._config_io import config_to_dict
 from ._metrics import DiskFullError, drop_records, repair_metrics
 from ._pipeline_config import (
@@ -255,12 +256,17 @@ DATA_NAME = "data.json"
 
 def data_fingerprint(path: str) -> dict:
     """What identifies a data file's contents: its path, size and the SHA-256 of its
-    bytes (everything the readers read)."""
+    bytes (everything the readers read). For a `datasets` directory, the size and
+    SHA-256 of its Arrow files one after the other (`data.dataset_files`: every split of
+    a `DatasetDict` unless the path names one, `DIR:SPLIT`)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return {"path": os.path.abspath(path), "size": os.path.getsize(path), "sha256": h.hexdigest()}
+    size = 0
+    for file in dataset_files(path, all_splits=True):
+        size += os.path.getsize(file)
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return {"path": os.path.abspath(path), "size": size, "sha256": h.hexdigest()}
 
 
 def check_data(run_dir: str, path: str, *, resume: bool) -> None:

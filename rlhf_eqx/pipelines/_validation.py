@@ -18,7 +18,7 @@ or the tokenizer, read without loading the weights, in `_model_checks.py`).
 import os
 from typing import Any
 
-from ..data import PREFERENCE_FORMATS, PROMPT_FORMATS
+from ..data import COLUMN_NAMES, PREFERENCE_FORMATS, PROMPT_FORMATS, DataError, dataset_files
 from ..train import JUDGE_SCORES, SampledSettings
 from ._config import (
     ConfigError,
@@ -60,8 +60,18 @@ def validate_config(
         _check_quantized(cfg, run_stages(cfg, stage))
     dc = cfg.data
     _check_chat_template(dc.chat_template)
-    if dc.path is not None and not os.path.isfile(dc.path):
-        _fail("data.path", dc.path, "is a directory" if os.path.isdir(dc.path) else "no such file")
+    if dc.path is not None:
+        try:  # a file, a Parquet / Arrow file or a datasets directory (and its split)
+            dataset_files(dc.path, dc.split)
+        except DataError as e:
+            why = str(e)
+            for prefix in (dc.path, dc.path.rpartition(":")[0]):
+                why = why.removeprefix(f"{prefix}: ")
+            _fail("data.path", dc.path, "is a directory" if why.startswith("is a dir") else why)
+    unknown = [name for name in dc.columns if name not in COLUMN_NAMES]
+    if unknown:
+        known = ", ".join(COLUMN_NAMES)
+        _fail("data.columns", dc.columns, f"unknown field {unknown[0]!r} (known: {known})")
     _choice("data.format", dc.format, DATA_FORMATS)
     _at_least("data.seed", dc.seed, 0)
     _at_least("data.eval_prompts", dc.eval_prompts, 0)

@@ -114,15 +114,9 @@ def _row_sampler(opts: SamplingOptions):
     )
 
 
-def _with_prompts(
-    prompts: Int[Array, "B P"],
-    prompt_masks: Bool[Array, "B P"],
-    tokens: Int[Array, "B N"],
-    logprobs: Float[Array, "B N"],
-    real: Bool[Array, "B N"],
-) -> GenerationOutput:
-    """The output rows `prompt ++ completion`: the prompts as given, then the sampled
-    `tokens` (`real` where a token was generated, their `logprobs`)."""
+def _with_prompts(prompts, prompt_masks, tokens, logprobs, real) -> GenerationOutput:
+    """The output rows `prompt ++ completion`: the prompts `[B, P]` as given, then the
+    sampled `tokens` `[B, N]` (`real` where a token was generated, their `logprobs`)."""
     B, P = prompts.shape
     return GenerationOutput(
         tokens=jnp.concatenate([prompts, tokens], axis=1),

@@ -162,6 +162,25 @@ def _check_fits(sizes: Sequence[int], row_length: int) -> None:
         )
 
 
+def _checked_batch(
+    tokens, mask, completion, segment, branch, present, *, pad_id, vocab_size, regions=None
+) -> PackedPreferenceBatch:
+    """The `PackedPreferenceBatch` of packed numpy rows, once their ids (within the
+    vocabulary, `pad_id` at padding) and their completions (one scored token a pair at
+    least) are checked."""
+    _check_ids(tokens, mask, pad_id, vocab_size, "packed row")
+    _check_completions([completion], "pair")
+    return PackedPreferenceBatch(
+        tokens=jnp.asarray(tokens.astype(np.int32)),
+        mask=jnp.asarray(mask),
+        completion_mask=jnp.asarray(completion),
+        segment_ids=jnp.asarray(segment),
+        branch_ids=jnp.asarray(branch),
+        pairs=jnp.asarray(present),
+        regions=regions,
+    )
+
+
 def _write_rows(
     pieces, rows, L: int, K: int, R: int, pad_id: int, vocab_size
 ) -> PackedPreferenceBatch:
@@ -185,15 +204,8 @@ def _write_rows(
                 branch[r, at:end] = b
                 completion[r, at + unscored : end] = True
                 at = end
-    _check_ids(tokens, mask, pad_id, vocab_size, "packed row")
-    _check_completions([completion], "pair")
-    return PackedPreferenceBatch(
-        tokens=jnp.asarray(tokens.astype(np.int32)),
-        mask=jnp.asarray(mask),
-        completion_mask=jnp.asarray(completion),
-        segment_ids=jnp.asarray(segment),
-        branch_ids=jnp.asarray(branch),
-        pairs=jnp.asarray(present),
+    return _checked_batch(
+        tokens, mask, completion, segment, branch, present, pad_id=pad_id, vocab_size=vocab_size
     )
 
 
@@ -227,15 +239,16 @@ def _pack_aligned(pieces, *, pad_id, bucket_size, num_rows, vocab_size) -> Packe
             tokens[i, start : start + len(part)] = part
             mask[i, start : start + len(part)] = True
             completion[i, start + unscored : start + len(part)] = True
-    _check_ids(tokens, mask, pad_id, vocab_size, "packed row")
-    _check_completions([completion], "pair")
-    return PackedPreferenceBatch(
-        tokens=jnp.asarray(tokens.astype(np.int32)),
-        mask=jnp.asarray(mask),
-        completion_mask=jnp.asarray(completion),
-        segment_ids=jnp.zeros((rows, L), jnp.int32),
-        branch_ids=jnp.asarray(branch),
-        pairs=jnp.asarray(present),
+    segment = np.zeros((rows, L), dtype=np.int32)  # one segment a row
+    return _checked_batch(
+        tokens,
+        mask,
+        completion,
+        segment,
+        branch,
+        present,
+        pad_id=pad_id,
+        vocab_size=vocab_size,
         regions=(P, C, R_),
     )
 

@@ -62,7 +62,11 @@ def test_a_registered_stage_has_help_and_checked_settings(toy_stage, capsys):
     assert main(["toy", "--set", "toy.steps=0", "--show-config"]) == 2
     assert "toy.steps=0: must be >= 1" in capsys.readouterr().err
     cfg = pl.apply_overrides(pl.animal_task_config(), ["toy.repeat=4"])
-    assert cfg.toy == ToyConfig(repeat=4) and pl.animal_task_config().toy == ToyConfig()
+    # the built-in task's shared stage settings (its LoRA adapters) apply to a new stage
+    task_lora = pl.TASK_STAGE_SETTINGS["lora"]
+    assert cfg.toy == ToyConfig(repeat=4, lora=task_lora)
+    assert pl.animal_task_config().toy == ToyConfig(lora=task_lora) == pl.task_section("toy")
+    assert pl.PipelineConfig().toy == ToyConfig()
     assert pl.config_from_dict(pl.PipelineConfig, pl.config_to_dict(cfg)) == cfg
 
 

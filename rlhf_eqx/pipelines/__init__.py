@@ -2,7 +2,14 @@
 exact resume, the KL guard, divergence rollback, evaluation, metrics, monitoring and
 plots, and the built-in pipeline (`python -m rlhf_eqx`). See `docs/pipelines.md`."""
 
-from . import _stages, loop as loop, task as task  # noqa: F401  (_stages registers the stages)
+# Each stage registers itself when its module is imported: here, in pipeline order.
+# isort: off
+from . import _sft_stage, _reward_stage, _ppo_stage, _dpo_stage, _grpo_stage  # noqa: F401
+from . import _kto_stage, _distill_stage, _multiturn_stage, _multiturn_dpo_stage  # noqa: F401
+from . import _prm_stage  # noqa: F401
+
+# isort: on
+from . import loop as loop, task as task
 from ._callbacks import (
     Callback as Callback,
     CallbackError as CallbackError,
@@ -42,13 +49,16 @@ from ._data_prep import (
     split_records as split_records,
 )
 from ._data_runs import data_stages as data_stages, run_on_data as run_on_data
-from ._distill_runs import (
+from ._distill_stage import (
+    DistillConfig as DistillConfig,
     check_same_vocabulary as check_same_vocabulary,
     distill_divergence as distill_divergence,
     load_teacher as load_teacher,
     run_distill as run_distill,
+    teacher_stages as teacher_stages,
 )
-from ._dpo_runs import (
+from ._dpo_stage import (
+    DPOConfig as DPOConfig,
     best_worst_pairs as best_worst_pairs,
     packed_steps as packed_steps,
     run_dpo as run_dpo,
@@ -63,8 +73,14 @@ from ._evaluate import (
     win_rate as win_rate,
     win_rate_se as win_rate_se,
 )
-from ._grpo_runs import OffPolicyState as OffPolicyState, run_grpo as run_grpo
-from ._kto_runs import (
+from ._grpo_stage import (
+    MAX_STALENESS as MAX_STALENESS,
+    GRPOConfig as GRPOConfig,
+    OffPolicyState as OffPolicyState,
+    run_grpo as run_grpo,
+)
+from ._kto_stage import (
+    KTOConfig as KTOConfig,
     kto_heldout_metrics as kto_heldout_metrics,
     run_kto as run_kto,
     sampled_unpaired as sampled_unpaired,
@@ -87,12 +103,12 @@ from ._monitor import (
     measure_matmul_peak as measure_matmul_peak,
     model_flops as model_flops,
 )
-from ._multiturn_dpo_runs import (
+from ._multiturn_dpo_stage import (
     MultiturnDPOConfig as MultiturnDPOConfig,
     episode_pairs as episode_pairs,
     run_multiturn_dpo as run_multiturn_dpo,
 )
-from ._multiturn_runs import (
+from ._multiturn_stage import (
     MultiturnConfig as MultiturnConfig,
     run_multiturn as run_multiturn,
     turn_stop_ids as turn_stop_ids,
@@ -107,11 +123,15 @@ from ._pipeline import (
     tokenizer_file as tokenizer_file,
 )
 from ._pipeline_config import (
+    TASK_STAGE_SETTINGS as TASK_STAGE_SETTINGS,
+    JudgeConfig as JudgeConfig,
     PipelineConfig as PipelineConfig,
     animal_task_config as animal_task_config,
+    task_section as task_section,
 )
 from ._plots import plot_run as plot_run, read_metrics as read_metrics, read_records as read_records
-from ._prm_runs import run_prm as run_prm, step_accuracy as step_accuracy
+from ._ppo_stage import PPOConfig as PPOConfig, run_ppo as run_ppo
+from ._prm_stage import PRMConfig as PRMConfig, run_prm as run_prm, step_accuracy as step_accuracy
 from ._registry import (
     Outcome as Outcome,
     Stage as Stage,
@@ -126,7 +146,6 @@ from ._registry import (
 from ._resume_rules import (
     RunDirError as RunDirError,
 )
-from ._reward_runs import run_reward as run_reward
 from ._reward_sources import (
     EnsembleReward as EnsembleReward,
     FunctionReward as FunctionReward,
@@ -140,7 +159,7 @@ from ._reward_sources import (
     load_reward_source as load_reward_source,
     stage_reward_source as stage_reward_source,
 )
-from ._rl_runs import run_ppo as run_ppo
+from ._reward_stage import RewardConfig as RewardConfig, run_reward as run_reward
 from ._rollout import (
     PendingRollout as PendingRollout,
     RewardFunction as RewardFunction,
@@ -164,7 +183,6 @@ from ._runs import (
     export_reward_model as export_reward_model,
     final_policy as final_policy,
     has_lora as has_lora,
-    run_sft as run_sft,
     with_lora as with_lora,
 )
 from ._sampled_eval import sampled_comparison as sampled_comparison
@@ -175,21 +193,9 @@ from ._seeds import (
     seeds_command as seeds_command,
     summarize_seeds as summarize_seeds,
 )
-from ._stage_configs import (
-    MAX_STALENESS as MAX_STALENESS,
-    DistillConfig as DistillConfig,
-    DPOConfig as DPOConfig,
-    GRPOConfig as GRPOConfig,
-    JudgeConfig as JudgeConfig,
-    KTOConfig as KTOConfig,
-    PPOConfig as PPOConfig,
-    PRMConfig as PRMConfig,
-    RewardConfig as RewardConfig,
-    SFTConfig as SFTConfig,
-)
+from ._sft_stage import SFTConfig as SFTConfig, run_sft as run_sft
 from ._validation import (
     DATA_FORMATS as DATA_FORMATS,
-    teacher_stages as teacher_stages,
     validate_config as validate_config,
     validate_judge as validate_judge,
     validate_ops as validate_ops,

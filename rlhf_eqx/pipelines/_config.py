@@ -1,6 +1,7 @@
 """Typed run configuration: the shared sections (model, data, sampling, operations, LoRA)
-and the fields every stage shares; the stages' own settings are in `_stage_configs.py`,
-`PipelineConfig` and the built-in task's configuration in `_pipeline_config.py`.
+and the fields every stage shares; each stage's own settings are in its stage module
+(`_dpo_stage.py`: `DPOConfig`), `PipelineConfig` and the built-in task's configuration in
+`_pipeline_config.py`.
 
 Files and dotted overrides are read in `_config_io.py`, values checked in `_validation.py`.
 

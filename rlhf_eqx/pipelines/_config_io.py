@@ -17,6 +17,7 @@ from ._config import (
 from ._pipeline_config import (
     PipelineConfig,
 )
+from ._registry import section_types
 
 
 @functools.cache
@@ -41,6 +42,8 @@ def _settings(cls: type) -> tuple[dataclasses.Field, ...]:
 
 
 def _plain(value: Any) -> Any:
+    if isinstance(value, PipelineConfig):
+        return _pipeline_dict(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _plain(getattr(value, f.name)) for f in _settings(type(value))}
     if isinstance(value, Mapping):
@@ -50,19 +53,27 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _pipeline_dict(cfg: PipelineConfig) -> dict:
+    """A `PipelineConfig`'s fields with one section per registered stage (in registration
+    order, after the shared `model`, `data`, `sampling`, `ops`)."""
+    d = {}
+    for f in dataclasses.fields(cfg):
+        if f.name == "judge":
+            d.update({key: _plain(getattr(cfg, key)) for key in section_types()})
+        if f.name != "sections":
+            d[f.name] = _plain(getattr(cfg, f.name))
+    return d
+
+
 def config_to_dict(cfg: Any, *, only: Sequence[str] | None = None) -> dict:
     """A JSON-friendly dict of a config dataclass (tuples become lists; fields set from
     another section, such as the PPO and GRPO `temperature`, are left out). A
-    `PipelineConfig`'s registered extra stages appear as sections of their own.
+    `PipelineConfig` has one section for each registered stage (`section_types()`).
 
     `only`: keep just these top-level names, in their order (e.g. `read_fields(cfg)`:
     what a run reads, as the command line prints it); `None` keeps everything (what
     `config.json` holds)."""
     d = json.loads(json.dumps(_plain(cfg)))
-    if isinstance(cfg, PipelineConfig):
-        del d["extra"]
-        for key in _extra_sections():
-            d[key] = config_to_dict(getattr(cfg, key))
     if only is not None:
         unknown = [k for k in only if k not in d]
         if unknown:
@@ -109,14 +120,6 @@ def read_fields(
             names += [st.key, *(s for s in st.sections if s not in keys or s in running)]
     names += [s for s in SHARED_SECTIONS if data_file or s != "data"]
     return tuple(dict.fromkeys(names))
-
-
-def _extra_sections() -> dict[str, type]:
-    """The config sections of registered stages that `PipelineConfig` has no field for."""
-    from ._registry import stages
-
-    fields = {f.name for f in dataclasses.fields(PipelineConfig)}
-    return {st.key: st.config for st in stages() if st.key not in fields}
 
 
 def _convert(value: Any, tp: Any, name: str) -> Any:
@@ -201,23 +204,23 @@ def config_from_dict(cls: type, d: dict, *, prefix: str = "") -> Any:
     (`dpo.beta=-0.1: must be > 0`)."""
     hints = _hints(cls)
     set_by = {f.name: _set_by(f) for f in dataclasses.fields(cls) if _set_by(f) is not None}
-    names = {f.name for f in _settings(cls)} - {"extra"}
-    extra_types = _extra_sections() if cls is PipelineConfig else {}
-    extra = {}
+    names = {f.name for f in _settings(cls)} - {"sections"}
+    section_of = section_types() if cls is PipelineConfig else {}
+    sections = {}
     for key in d:
         if key in set_by:
             raise ConfigError(f"{prefix}{key}: not a setting of this section; set {set_by[key]}")
-        if key in extra_types:
+        if key in section_of:  # a stage's section (`PipelineConfig`)
             value = d[key]
             if not isinstance(value, dict):
                 raise ConfigError(f"{prefix}{key}: expected a mapping, got {value!r}")
-            extra[key] = config_from_dict(extra_types[key], value, prefix=f"{prefix}{key}.")
+            sections[key] = config_from_dict(section_of[key], value, prefix=f"{prefix}{key}.")
         elif key not in names:
-            known = ", ".join(sorted(names | set(extra_types)))
+            known = ", ".join(sorted(names | set(section_of)))
             raise ConfigError(f"{prefix}{key}: unknown field (known: {known})")
     kwargs = {k: _convert(v, hints[k], prefix + k) for k, v in d.items() if k in names}
     try:
-        return cls(**kwargs, extra=extra) if cls is PipelineConfig else cls(**kwargs)
+        return cls(**kwargs, sections=sections) if cls is PipelineConfig else cls(**kwargs)
     except (ValueError, TypeError) as e:
         message = field_message(cls, str(e).splitlines()[0])
         raise ConfigError(prefixed(prefix, message)) from None
@@ -266,8 +269,8 @@ def _section_type(cls: type | None, name: str) -> type | None:
     """The dataclass type of section `name` of `cls` (`None` when not known)."""
     if cls is None or not dataclasses.is_dataclass(cls):
         return None
-    if cls is PipelineConfig and name in _extra_sections():
-        return _extra_sections()[name]
+    if cls is PipelineConfig and name in section_types():
+        return section_types()[name]
     tp = _hints(cls).get(name)
     if dataclasses.is_dataclass(tp):
         return tp

@@ -1,6 +1,7 @@
 """Data-file helpers of the single-stage runs: the held-out split, prompts through the
 model's chat template, the data-quality report and filters, prompt lengths, held-out
-implicit accuracy and NLL."""
+implicit accuracy and NLL, and what the data-file stages share (the split through the
+chat template, a preference file's pairs with their report, the trained policy)."""
 
 import dataclasses
 import re
@@ -16,6 +17,7 @@ from ._config import (
     DataConfig,
 )
 from ._metrics import MetricsLog
+from ._runs import final_policy
 
 
 def split_records(records: Sequence, dc: DataConfig) -> tuple[list, list]:
@@ -249,3 +251,65 @@ def is_preference_file(path: str) -> bool:
         return True
     except (ValueError, OSError):
         return False
+
+
+# --- what the data-file stages share ---------------------------------------------------
+
+
+def trained_policy(env, model):
+    """`final_policy` (adapters merged) of a data-file stage's trained model; on a
+    quantised base (`model.quantized`) the packed weights are decoded first, so the
+    merged policy is dense."""
+    return final_policy(rx.dequantize(model) if env.cfg.model.quantized else model)
+
+
+def chat_records(env, records) -> list:
+    """`records` through the model's chat template (`chat_rendering` of
+    `data.chat_template`; recorded in the summary), or as they are."""
+    rendering = chat_rendering(env.tok, env.cfg.data)
+    if rendering is None:
+        return list(records)
+    env.summary["chat_template"] = env.cfg.data.chat_template
+    return rendering.records(records)
+
+
+def chat_split(env, records) -> tuple[list, list]:
+    """`split_records`, then both sides through the model's chat template
+    (`chat_records`; the split is that of the file's text)."""
+    train, held = split_records(records, env.cfg.data)
+    return chat_records(env, train), chat_records(env, held)
+
+
+def preference_split(env, c) -> tuple[list, list]:
+    """The preference file's training and held-out pairs for the stage settings `c`
+    (`max_length`): the quality report logged, `data.filter` applied, the truncation
+    and the quality in the summary."""
+    cfg, tok, summary = env.cfg, env.tok, env.summary
+    log = env.ctx("").log
+    records = data.load_preferences(cfg.data.path, cfg.data.format)
+    train, held = chat_split(env, records)
+    lengths = data.SequenceLengths(
+        max_length=c.max_length, max_prompt_length=cfg.sampling.prompt_length
+    )
+    train, quality = quality_report(train, tok, lengths, cfg.data, log, records.report)
+    _, report = data.tokenize_preferences(train, tok, lengths=lengths, add_eos=False)
+    summary["truncation"] = {
+        "records": report.total,
+        "prompt_truncated": report.prompt_truncated,
+        "completion_truncated": report.completion_truncated,
+        "policy": report.summary(),
+    }
+    summary["data_quality"] = {
+        "skipped_by_reader": dict(records.report.skipped),
+        "identical": len(quality.identical),
+        "empty": len(quality.empty),
+        "exact_duplicates": len(quality.exact_duplicates),
+        "duplicate_prompts": len(quality.duplicate_prompts),
+        "distinct_2": quality.distinct_2,
+    }
+    skipped = records.report.num_skipped
+    env.say(
+        f"{env.stage}: {len(train)} training / {len(held)} held-out records"
+        + (f" ({skipped} dropped by the reader: {records.report})" if skipped else "")
+    )
+    return train, held

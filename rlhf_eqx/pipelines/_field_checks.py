@@ -1,13 +1,15 @@
 """One-field checks of the pipeline's configuration: each raises one `ConfigError` line
 `"<section>.<field>=<value>: <requirement>"` naming the dotted field, the value and the
-valid range or choices (`_validation.py`, `_stage_checks.py` and `_model_checks.py`
-use them)."""
+valid range or choices (`_validation.py`, `_run_checks.py`, `_model_checks.py` and the
+stages' own checks use them), and the checks of the fields every batch or rollout stage
+shares (`check_shared_fields`)."""
 
 import dataclasses
 import math
+import os
 from typing import Any
 
-from ._config import ConfigError
+from ._config import REWARD_SOURCES, BatchStageConfig, ConfigError, RolloutStageConfig
 
 
 def _fail(name: str, value: Any, why: str) -> None:
@@ -90,3 +92,22 @@ def check_unused(name: str, c: Any) -> None:
                 value,
                 f"the {name} stage does not use this setting (its default is {default!r})",
             )
+
+
+def check_shared_fields(name: str, c: Any, device_count: int) -> None:
+    """The fields a stage's settings share with every batch stage (`BatchStageConfig`:
+    steps, batch size, length, step options) or rollout stage (`RolloutStageConfig`:
+    rollouts, reward source, KL target), under the field prefix `name`."""
+    if isinstance(c, BatchStageConfig):
+        _positive(f"{name}.steps", c.steps)
+        _positive(f"{name}.batch_size", c.batch_size)
+        _positive(f"{name}.max_length", c.max_length)
+        _divides(f"{name}.batch_size", c.batch_size, device_count)
+        _check_options(name, c, c.batch_size)
+    if isinstance(c, RolloutStageConfig):
+        for field in ("rollouts", "prompts_per_rollout", "epochs"):
+            _positive(f"{name}.{field}", getattr(c, field))
+        _choice(f"{name}.reward_source", c.reward_source, REWARD_SOURCES)
+        if c.reward_model and not os.path.isdir(c.reward_model):
+            _fail(f"{name}.reward_model", c.reward_model, "no such directory")
+        _above(f"{name}.kl_target", c.kl_target, 0)

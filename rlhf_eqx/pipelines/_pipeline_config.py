@@ -1,7 +1,9 @@
-"""The whole pipeline's configuration (`PipelineConfig`) and the built-in task's
-(`animal_task_config`)."""
+"""The whole pipeline's configuration (`PipelineConfig`): the shared sections and one
+section for each registered stage, and the built-in task's (`animal_task_config`)."""
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 from ._config import (
     DataConfig,
@@ -9,28 +11,44 @@ from ._config import (
     ModelConfig,
     OpsConfig,
     SamplingConfig,
-    _optim,
 )
-from ._stage_configs import (
-    DistillConfig,
-    DPOConfig,
-    GRPOConfig,
-    JudgeConfig,
-    KTOConfig,
-    PPOConfig,
-    PRMConfig,
-    RewardConfig,
-    SFTConfig,
-)
+from ._registry import section_stages, section_types, stages as registered
 
 
 @dataclasses.dataclass(frozen=True)
+class JudgeConfig:
+    """A generative judge as the reward (`reward_source=judge`; Zheng et al. 2023): `model`
+    (`base`, the loaded model; a stage of the run, e.g. `sft`; or a Hugging Face
+    checkpoint directory) reads `template` (a format string with `{prompt}` and
+    `{completion}`) and the reward is `log p(yes) - log p(no)` of its next token
+    (`score=log_odds`) or `p(yes)` (`prob`). The judge reads the policy's tokens, so a
+    checkpoint directory must share the policy's vocabulary; `yes` and `no` must each
+    encode to one token of the run's tokenizer, two different ones (both checked before
+    anything is loaded). The defaults, ` Yes` and ` No`, are single tokens of GPT-2-style
+    vocabularies (SmolLM2's); in the shipped 512-token tokenizer they are four tokens
+    each, and the built-in task (`animal_task_config`) sets `y` and `n`, single tokens
+    there."""
+
+    model: str = "base"
+    template: str = "{prompt}{completion}\nQuestion: Is this a good answer?\nAnswer:"
+    yes: str = " Yes"
+    no: str = " No"
+    score: str = "log_odds"
+
+
+@dataclasses.dataclass(frozen=True, init=False)
 class PipelineConfig:
     """A whole pipeline: SFT, then reward model -> PPO, DPO and GRPO from SFT.
 
-    `stages` selects stages (`"sft"` always runs first); `extra` holds the settings of
-    stages registered outside this class (`register_stage`), read as `cfg.<section>`
-    and written as `<section>.FIELD` like the others; `label_noise` is the
+    The shared sections are fields (`model`, `data`, `sampling`, `ops`, `judge`); every
+    registered stage (`register_stage`) has one section, `cfg.<section>` (`cfg.dpo`),
+    given as a keyword (`PipelineConfig(dpo=DPOConfig(beta=0.2))`,
+    `dataclasses.replace(cfg, dpo=...)`) and written as `<section>.FIELD` in files and
+    `--set`; a section not given holds its settings class's defaults. `sections` holds
+    the sections that differ from those defaults, so two configs with the same settings
+    are equal whenever their stages were registered.
+
+    `stages` selects stages (`"sft"` always runs first); `label_noise` is the
     probability that a preference label is flipped; `eval_samples` completions per
     held-out prompt evaluate each stage; `out` is the run directory (empty: `runs/<command>`
     under the current directory).
@@ -40,35 +58,63 @@ class PipelineConfig:
     data: DataConfig = DataConfig()
     sampling: SamplingConfig = SamplingConfig()
     ops: OpsConfig = OpsConfig()
-    sft: SFTConfig = SFTConfig()
-    reward: RewardConfig = RewardConfig()
-    dpo: DPOConfig = DPOConfig()
-    ppo: PPOConfig = PPOConfig()
-    grpo: GRPOConfig = GRPOConfig()
-    kto: KTOConfig = KTOConfig()
-    distill: DistillConfig = DistillConfig()
-    prm: PRMConfig = PRMConfig()
     judge: JudgeConfig = JudgeConfig()
     stages: tuple[str, ...] = ("sft", "reward", "ppo", "dpo", "grpo")
     label_noise: float = 0.1
     eval_samples: int = 8
     out: str = ""
     notes: str = ""
-    extra: dict = dataclasses.field(default_factory=dict, compare=True)
+    sections: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __init__(self, **kwargs):
+        given = dict(kwargs.pop("sections", None) or {})
+        for f in dataclasses.fields(self):
+            if f.name == "sections":
+                continue
+            if f.name in kwargs:
+                value = kwargs.pop(f.name)
+            elif f.default_factory is not dataclasses.MISSING:
+                value = f.default_factory()
+            else:
+                value = f.default
+            object.__setattr__(self, f.name, value)
+        types = section_types()
+        for key, value in kwargs.items():
+            if key not in types:
+                known = ", ".join(types)
+                raise TypeError(
+                    f"PipelineConfig: no field or stage section {key!r} (stages: {known})"
+                )
+            given[key] = value
+        for key, value in given.items():
+            cls = types.get(key)
+            if cls is not None and not isinstance(value, cls):
+                raise TypeError(
+                    f"PipelineConfig.{key}: expected {cls.__name__}, got {type(value).__name__}"
+                )
+        kept = {k: v for k, v in given.items() if k not in types or v != types[k]()}
+        object.__setattr__(self, "sections", kept)
 
     def __getattr__(self, name: str):
-        # The settings of a stage registered outside this class (`register_stage`): held in
-        # `extra` under its section name, its defaults until set.
-        extra = self.__dict__.get("extra", {})
-        if name in extra:
-            return extra[name]
-        from ._registry import _REGISTRY
-
-        for st in _REGISTRY.values():
-            if st.key == name:
-                return st.config()
+        # a stage's section: the one given, else its settings class's defaults
+        if name.startswith("__"):
+            raise AttributeError(name)
+        given = self.__dict__.get("sections", {})
+        if name in given:
+            return given[name]
+        cls = section_types().get(name)
+        if cls is not None:
+            return cls()
         raise AttributeError(f"{type(self).__name__} has no field or stage section {name!r}")
 
+
+TASK_STAGE_SETTINGS: Mapping[str, Any] = {
+    "lora": LoRASettings(
+        rank=8, alpha=16.0, dropout=0.0, targets=("q", "k", "v", "o", "gate", "up", "down")
+    ),
+}
+"""The built-in task's settings of every stage: each stage whose settings class has the
+field takes it (`animal_task_config`), a stage registered later included."""
 
 _TASK_NOTES = (
     "Built-in animal task. Overrides of the usual defaults, for a 260K-parameter model "
@@ -81,51 +127,28 @@ _TASK_NOTES = (
 )
 
 
+def task_section(key: str) -> Any:
+    """The built-in task's settings of the stage section `key`: its settings class's
+    defaults, then `TASK_STAGE_SETTINGS` for the fields the class has (the task's LoRA
+    adapters), then the `task` values of the stages registered on it (`Stage.task`)."""
+    cls = section_types()[key]
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {k: v for k, v in TASK_STAGE_SETTINGS.items() if k in names}
+    for st in section_stages(key):
+        values.update(st.task)
+    return cls(**values)
+
+
 def animal_task_config() -> PipelineConfig:
     """The built-in task's configuration (`python -m rlhf_eqx`); `notes` says what it
-    changes from the usual defaults and why."""
-    lora = LoRASettings(
-        rank=8, alpha=16.0, dropout=0.0, targets=("q", "k", "v", "o", "gate", "up", "down")
-    )
-    return PipelineConfig(
-        sft=SFTConfig(steps=30, batch_size=16, samples=2, optim=_optim(5e-4), lora=lora),
-        reward=RewardConfig(
-            steps=80,
-            batch_size=32,
-            pairs_per_prompt=24,
-            eval_every=5,
-            optim=_optim(1e-3),
-        ),
-        dpo=DPOConfig(
-            beta=0.1,
-            rounds=3,
-            steps=20,
-            batch_size=16,
-            samples=4,
-            optim=_optim(5e-4),
-            lora=lora,
-        ),
-        ppo=PPOConfig(
-            rollouts=16,
-            prompts_per_rollout=64,
-            epochs=2,
-            minibatches=2,
-            kl_coef=0.02,
-            kl_target=1.0,
-            optim=_optim(1e-3),
-            lora=lora,
-        ),
-        kto=KTOConfig(steps=40, batch_size=16, samples=4, optim=_optim(5e-4), lora=lora),
-        distill=DistillConfig(steps=40, batch_size=16, samples=2, optim=_optim(1e-3), lora=lora),
-        grpo=GRPOConfig(
-            rollouts=12,
-            prompts_per_rollout=8,
-            group_size=8,
-            beta=0.02,
-            kl_target=1.0,
-            optim=_optim(2e-3),
-            lora=lora,
-        ),
-        judge=JudgeConfig(yes="y", no="n"),
-        notes=_TASK_NOTES,
-    )
+    changes from the usual defaults and why.
+
+    Every registered stage's section is `task_section(key)`: the settings class's
+    defaults, the task's shared stage settings (`TASK_STAGE_SETTINGS`: LoRA rank 8, α 16,
+    no dropout, on every projection) for each field the class has, then the stage's own
+    `Stage.task` values (learning rates, step counts). So a stage registered with
+    `register_stage` before this is called gets the task's LoRA adapters as the built-in
+    stages do, and reads the same shared `sampling` section; its class's defaults hold
+    for everything else."""
+    sections = {st.key: task_section(st.key) for st in registered()}
+    return PipelineConfig(judge=JudgeConfig(yes="y", no="n"), notes=_TASK_NOTES, sections=sections)

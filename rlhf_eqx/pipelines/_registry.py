@@ -32,6 +32,7 @@ import jax
 from ._config import (
     ConfigError,
 )
+from ._rollout import sample_rollout, sampling_options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,16 @@ class Stage:
       `panels`: extra plot panels `{title: metric names}`.
     - `summary_key`: where its summary entry goes (default: `name`); `trains_policy`:
       whether it trains a policy (a distillation teacher, evaluated and exported).
+    - `check(name, cfg, *, device_count)`: the rules of its own settings (`validate_stage`
+      and `validate_config` call it with the section name as the field prefix, after the
+      fields every batch or rollout stage shares); `check_run(pipeline_cfg, run)`: the
+      rules that combine its settings with other sections when it runs (`run`: the
+      stages of the run).
+    - `task`: its settings on the built-in task (`animal_task_config()`), over its
+      config's defaults and the task's shared settings (`TASK_STAGE_SETTINGS`).
+    - `resumable`: fields of its section that may change on resume (how the stage is
+      run, not what it computes); its iteration counts (`steps`, `rollouts`, `rounds`)
+      may always change while no later stage has trained on its result.
     """
 
     name: str
@@ -79,6 +90,10 @@ class Stage:
     panels: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     summary_key: str = ""
     trains_policy: bool = True
+    check: Callable[..., None] | None = None
+    check_run: Callable[..., None] | None = None
+    task: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    resumable: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not self.name or not all(c.isalnum() or c in "-_" for c in self.name):
@@ -142,6 +157,17 @@ def stage_config(cfg, stage: Stage):
     return getattr(cfg, stage.key)
 
 
+def section_types() -> dict[str, type]:
+    """`{section: settings class}` of the registered stages, in registration order (two
+    stages may share a section: `online-dpo` reads `dpo`)."""
+    return {st.key: st.config for st in _REGISTRY.values()}
+
+
+def section_stages(key: str) -> tuple[Stage, ...]:
+    """The registered stages whose settings are the section `key`."""
+    return tuple(st for st in _REGISTRY.values() if st.key == key)
+
+
 # --- what a stage gets -------------------------------------------------------------------
 
 
@@ -178,6 +204,18 @@ class StageEnv:
 
     def checkpoint_dir(self, stage: str) -> str:
         return os.path.join(self.run_dir, stage, "checkpoints")
+
+    def sample(self, policy, prompts, salt: int, group_size: int):
+        """`group_size` completions of each of `prompts` from `policy` with the run's
+        sampling settings (`sampling.*`) and the stage's key `data_key(salt)`."""
+        return sample_rollout(
+            policy,
+            self.tok,
+            prompts,
+            self.data_key(salt),
+            group_size=group_size,
+            **sampling_options(self.cfg.sampling),
+        )
 
 
 def _data_key(key: jax.Array) -> jax.Array:

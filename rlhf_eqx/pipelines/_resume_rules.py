@@ -1,5 +1,11 @@
 """What may change when a run resumes: operations settings and iteration counts, never what
-a stage trains on or how; a count only while no later stage has trained on its result."""
+a stage trains on or how; a count only while no later stage has trained on its result.
+The stages' own fields and what trains from what come from the registry
+(`Stage.resumable`, the stages' settings classes, `Stage.needs`)."""
+
+import dataclasses
+import json
+import os
 
 
 class RunDirError(RuntimeError):
@@ -8,7 +14,8 @@ class RunDirError(RuntimeError):
 
 
 # Fields that may differ between a run and its resumption: how the run is operated,
-# logged and evaluated, never what it trains on or how.
+# logged and evaluated, never what it trains on or how. A stage adds fields of its own
+# section (`Stage.resumable`: `resumable_fields`).
 RESUMABLE_FIELDS: tuple[str, ...] = (
     "out",
     "notes",
@@ -25,63 +32,49 @@ RESUMABLE_FIELDS: tuple[str, ...] = (
     "ops.max_rollbacks",
     "ops.compilation_cache",  # where compiled programs are kept, not what they compute
     "ops.compilation_cache_max_mb",
-    "grpo.overlap",  # when and where the next rollout is sampled, not what it is
-    "grpo.sampler_device",
 )
 
-# A stage's iteration count (more steps, more rollouts) may change on resume. The
-# learning-rate schedule is rebuilt for the new total, so a resumed run with another
-# count is not the run it would have been with that count from the start.
-ITERATION_FIELDS: dict[str, str] = {
-    "sft.steps": "sft",
-    "reward.steps": "reward",
-    "dpo.steps": "dpo",
-    "dpo.rounds": "dpo",
-    "ppo.rollouts": "ppo",
-    "grpo.rollouts": "grpo",
-    "kto.steps": "kto",
-    "distill.steps": "distill",
-}
-
-# Stages trained from another stage's result (every stage starts from SFT; PPO and
-# online DPO use the reward model).
-_DOWNSTREAM: dict[str, tuple[str, ...]] = {
-    "sft": ("reward", "ppo", "dpo", "grpo", "online-dpo", "kto", "distill"),
-    "reward": ("ppo", "online-dpo"),
-    "dpo": ("online-dpo", "distill"),
-    "grpo": ("distill",),
-    "ppo": ("distill",),
-    "kto": ("distill",),
-}
+ITERATION_NAMES: tuple[str, ...] = ("steps", "rollouts", "rounds")
+"""The fields of a stage's settings that count its iterations (more steps, more rollouts)
+and may change on resume. The learning-rate schedule is rebuilt for the new total, so a
+resumed run with another count is not the run it would have been with that count from
+the start."""
 
 
-def iteration_fields() -> dict[str, str]:
-    """`ITERATION_FIELDS` and, for a stage registered outside them, the `steps`,
-    `rollouts` and `rounds` fields of its settings: `{dotted field: stage}`."""
+def resumable_fields() -> tuple[str, ...]:
+    """`RESUMABLE_FIELDS` and each registered stage's `Stage.resumable` fields under its
+    section (`grpo.overlap`, `grpo.sampler_device`)."""
     from ._registry import stages
 
-    out = dict(ITERATION_FIELDS)
-    known = set(ITERATION_FIELDS.values())
+    own = (f"{st.key}.{name}" for st in stages() for name in st.resumable)
+    return tuple(dict.fromkeys((*RESUMABLE_FIELDS, *own)))
+
+
+def iteration_fields() -> dict[str, tuple[str, ...]]:
+    """`{dotted field: the stages it counts}`: the `ITERATION_NAMES` fields of each
+    registered stage's settings (two stages may share a section: `dpo.steps` counts
+    `online-dpo` and `dpo`)."""
+    from ._registry import stages
+
+    out: dict[str, tuple[str, ...]] = {}
     for st in stages():
-        if st.key in known:
-            continue
-        for name in ("steps", "rollouts", "rounds"):
-            if hasattr(st.config, name):
-                out[f"{st.key}.{name}"] = st.name
+        names = {f.name for f in dataclasses.fields(st.config)}
+        for name in ITERATION_NAMES:
+            if name in names:
+                key = f"{st.key}.{name}"
+                out[key] = (*out.get(key, ()), st.name)
     return out
 
 
-def downstream(stage: str) -> tuple[str, ...]:
-    """The stages trained from `stage`'s result: `_DOWNSTREAM`, and every registered stage
-    whose prerequisites include it."""
-    from ._pipeline_config import (
-        PipelineConfig,
-    )
+def downstream(stage: str, cfg=None) -> tuple[str, ...]:
+    """The stages trained from `stage`'s result under the configuration `cfg` (default:
+    `PipelineConfig()`): every registered stage whose prerequisites on the built-in task
+    (`Stage.prerequisites`, from its `needs`) include it."""
+    from ._pipeline_config import PipelineConfig
     from ._registry import stages
 
-    cfg = PipelineConfig()
-    later = [s.name for s in stages() if s.name != stage and stage in s.prerequisites(cfg)]
-    return tuple(dict.fromkeys((*_DOWNSTREAM.get(stage, ()), *later)))
+    cfg = PipelineConfig() if cfg is None else cfg
+    return tuple(s.name for s in stages() if s.name != stage and stage in s.prerequisites(cfg))
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -109,34 +102,50 @@ def config_changes(old: dict, new: dict) -> list[tuple[str, object, object]]:
 
 def check_resumable(old: dict, new: dict, *, where: str) -> list[tuple[str, object, object]]:
     """Refuse (`RunDirError`) a resume whose configuration differs from the stored one
-    `old` outside `RESUMABLE_FIELDS` and `ITERATION_FIELDS`, naming every such field
+    `old` outside `resumable_fields()` and `iteration_fields()`, naming every such field
     with both values; returns all the changes (the allowed ones included)."""
     changes = config_changes(old, new)
     counts = iteration_fields()
-    bad = [c for c in changes if c[0] not in RESUMABLE_FIELDS and c[0] not in counts]
+    resumable = resumable_fields()
+    bad = [c for c in changes if c[0] not in resumable and c[0] not in counts]
     if bad:
         lines = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in bad)
         raise RunDirError(
             f"{where}: cannot resume with a different configuration ({lines}). Only "
             f"iteration counts ({', '.join(counts)}) and "
-            f"{', '.join(RESUMABLE_FIELDS)} may change on resume; start a new run "
+            f"{', '.join(resumable)} may change on resume; start a new run "
             "(another --out, or --overwrite) to train with other settings"
         )
     return changes
 
 
+def _stored_config(run_dir: str):
+    """The run's stored configuration (`config.json`), or `None` when it cannot be read
+    with the stages registered now."""
+    from ._config import ConfigError
+    from ._config_io import config_from_dict
+    from ._pipeline_config import PipelineConfig
+
+    try:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            return config_from_dict(PipelineConfig, json.load(f))
+    except (OSError, ValueError, ConfigError):
+        return None
+
+
 def check_upstream_counts(run_dir: str, changes, stages_with_checkpoints) -> None:
-    """Refuse a changed iteration count of a stage whose later stages (`downstream`)
-    already have checkpoints (`stages_with_checkpoints(run_dir)`) built on it."""
+    """Refuse a changed iteration count of a stage whose later stages (`downstream`, under
+    the run's stored configuration) already have checkpoints
+    (`stages_with_checkpoints(run_dir)`) built on it."""
     have = set(stages_with_checkpoints(run_dir))
+    counts = iteration_fields()
+    stored = _stored_config(run_dir) if any(k in counts for k, _, _ in changes) else None
     for k, a, b in changes:
-        stage = iteration_fields().get(k)
-        if stage is None:
-            continue
-        later = [s for s in downstream(stage) if s in have]
-        if later:
-            raise RunDirError(
-                f"{run_dir}: {k} changed {a!r} -> {b!r}, but {', '.join(later)} already "
-                f"trained from the {stage} result of the stored configuration; start a new "
-                "run to change it"
-            )
+        for stage in counts.get(k, ()):
+            later = [s for s in downstream(stage, stored) if s in have]
+            if later:
+                raise RunDirError(
+                    f"{run_dir}: {k} changed {a!r} -> {b!r}, but {', '.join(later)} already "
+                    f"trained from the {stage} result of the stored configuration; start a "
+                    "new run to change it"
+                )

@@ -38,6 +38,7 @@ from ._config import (
 )
 from ._rollout import RewardFunction, Rollout, reward_model_scores, score_rollout
 from ._runs import check_finite_weights, copy_tokenizer
+from ._task import TRAIN_PROMPTS, animal_score
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,3 +328,28 @@ def stage_reward_source(
             + ("a process reward model" if is_prm else "a reward model, not a process reward model")
         )
     return source
+
+
+def task_reward_source(env, c) -> RewardSource:
+    """The reward source of a PPO / GRPO stage on the built-in task (`c.reward_source`):
+    the animal scorer, the run's reward model, or the judge (`base` or `sft`)."""
+    task = [RewardFunction("animal", lambda p, t: animal_score(t))]
+    judges = {"base": env.base, "sft": env.policies.get("sft")}
+    return stage_reward_source(
+        c, task=task, tokenizer=env.tok, judge=env.cfg.judge, judges=judges, run_reward=env.reward
+    )
+
+
+def scored_on_task(env, c, run, name: str):
+    """PPO or GRPO (`run`) from SFT on the built-in task's training prompts, rewards from
+    `c.reward_source` (`task_reward_source`)."""
+    source = task_reward_source(env, c)
+    return run(env.policies["sft"], env.tok, TRAIN_PROMPTS, reward=source, cfg=c, ctx=env.ctx(name))
+
+
+def scored_needs(cfg, name: str) -> tuple[str, ...]:
+    """The stages before the PPO or GRPO stage `name` on the built-in task: the reward
+    stage when it scores with the run's own reward model."""
+    c = getattr(cfg, name)
+    own = c.reward_source == "reward_model" and not c.reward_model
+    return ("sft", "reward", name) if own else ("sft", name)

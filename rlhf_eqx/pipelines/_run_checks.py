@@ -1,17 +1,29 @@
 """The checks of the stages a run executes (`validate_config`): each stage known and
-runnable where it runs, its prerequisites present, its settings and the shared sections
-it uses valid, and the limits that follow from several fields (a batch's length above
-the prompt's, a multi-turn episode within the model's length, a judge's verdict tokens,
-a teacher's vocabulary) checked before any stage runs."""
+runnable where it runs, its prerequisites present, its settings valid (the fields every
+batch or rollout stage shares, then the stage's own `Stage.check`), and the rules across
+stages and sections (a batch's length above the prompt's, the reward source and the
+judge's verdict tokens, then each running stage's `Stage.check_run`) checked before any
+stage runs."""
 
-import os
 from typing import Any
 
 from ._config import BatchStageConfig, RolloutStageConfig
-from ._field_checks import _fail
-from ._model_checks import check_episode_length, check_judge, check_teacher_vocabulary
+from ._field_checks import _fail, check_shared_fields, check_unused
+from ._model_checks import check_judge
 from ._registry import find_stage, stage_names, stages
-from ._stage_checks import check_stage, teacher_stages
+
+
+def check_section(name: str, c: Any, *, device_count: int = 1) -> None:
+    """Check the settings `c` of the stage section `name` (see `validate_stage`): unused
+    settings at their defaults, the shared batch / rollout fields, then the `check` of
+    each stage registered on the section (once each)."""
+    check_unused(name, c)
+    check_shared_fields(name, c, device_count)
+    done = []
+    for st in stages():
+        if name in (st.key, st.name) and st.check is not None and st.check not in done:
+            done.append(st.check)
+            st.check(name, c, device_count=device_count)
 
 
 def run_stages(cfg: Any, stage: str | None = None) -> tuple[str, ...]:
@@ -71,27 +83,17 @@ def _check_rewards(cfg: Any, key: str, c: Any, run: tuple[str, ...]) -> bool:
     return False
 
 
-def _check_teacher(cfg: Any, run: tuple[str, ...]) -> None:
-    t = cfg.distill.teacher
-    if t in teacher_stages():
-        if cfg.data.path is not None:
-            _fail("distill.teacher", t, "on a data file the teacher is a checkpoint directory")
-        if t not in run:
-            _fail("distill.teacher", t, f"the teacher stage {t!r} is not among the stages")
-    elif os.path.isdir(t):
-        check_teacher_vocabulary(cfg, t)
-
-
 def validate_run(cfg: Any, run: tuple[str, ...], *, device_count: int = 1) -> None:
     """Check the stages `run` of `cfg` (see `run_stages`): each registered stage's own
     fields (`validate_stage`), then what the stages that run combine with other sections
-    (a batch above the prompt length, the reward source and the judge, the teacher, a
-    multi-turn episode's length); `ConfigError` naming the first bad field."""
+    (a batch above the prompt length, the reward source and the judge, each stage's
+    `check_run`: the teacher, a multi-turn episode's length); `ConfigError` naming the
+    first bad field."""
     from ._validation import validate_judge
 
     _check_stages(cfg, run)
     for key in dict.fromkeys(st.key for st in stages()):  # every section's own fields
-        check_stage(key, getattr(cfg, key), device_count=device_count)
+        check_section(key, getattr(cfg, key), device_count=device_count)
     s = cfg.sampling
     keys = tuple(dict.fromkeys(find_stage(st).key for st in run))
     uses_judge = False
@@ -106,23 +108,13 @@ def validate_run(cfg: Any, run: tuple[str, ...], *, device_count: int = 1) -> No
                 )
         uses_judge |= _check_rewards(cfg, key, c, run)
     _check_prerequisites(cfg, run)
-    if "distill" in run:
-        _check_teacher(cfg, run)
-    dpo_online = [st for st in ("dpo", "online-dpo") if st in run]
-    if cfg.data.path is None and dpo_online and cfg.dpo.packing:
-        _fail(
-            "dpo.packing",
-            cfg.dpo.packing,
-            f"the {dpo_online[0]} stage on the built-in task samples fresh pairs each round "
-            "and trains them unpacked; packing applies to offline DPO on a data file",
-        )
+    for name in run:  # each running stage's rules with other sections
+        st = find_stage(name)
+        if st.check_run is not None:
+            st.check_run(cfg, run)
     if uses_judge:
         validate_judge(cfg.judge)
         if cfg.data.path is not None and cfg.judge.model == "sft":
             why = "on a data file the judge is base or a checkpoint directory"
             _fail("judge.model", "sft", why)
         check_judge(cfg, cfg.judge)
-    for key in keys:
-        c = getattr(cfg, key)
-        if hasattr(c, "max_turns") and hasattr(c, "turn_tokens"):
-            check_episode_length(cfg, key, c)

@@ -1,6 +1,6 @@
 """Whole runs: typed config -> final `TrainState` + metrics history. Here: the run
-context and the pieces shared by every run, SFT and reward modelling; DPO (offline and
-online) is in `_dpo_runs.py`, PPO and GRPO in `_rl_runs.py`.
+context and the pieces shared by every run; each algorithm's run is in its stage module
+(`_sft_stage.py`, `_dpo_stage.py`, `_ppo_stage.py`, ...).
 
 Every run goes through `run_iterations` (checkpoints, exact resume, rollback, the KL
 guard, metrics). Iteration `i` draws its data from `i` and its randomness from
@@ -29,13 +29,9 @@ from ._config import (
 )
 from ._iterations import run_iterations
 from ._loop_state import LoopResult
-from ._lr_scale import build_optimizer
 from ._metrics import MetricsLog
 from ._monitor import model_flops
-from ._stage_configs import (
-    SFTConfig,
-)
-from ._validation import validate_ops, validate_stage
+from ._validation import validate_ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,40 +207,6 @@ def run_loop(state, iteration, ctx: RunContext, num, *, policy_of=None, **kw) ->
         **kw,
     )
     return RunResult(loop.state, loop.history, loop)
-
-
-# --- SFT -------------------------------------------------------------------------------
-
-
-def run_sft(
-    model, tok, records: Sequence[tuple[str, str]], *, cfg: SFTConfig, ctx: RunContext
-) -> RunResult:
-    """Supervised fine-tuning (NLL of the completion tokens) on `(prompt, completion)`
-    records, `cfg.steps` steps of `cfg.batch_size` rows, LoRA per `cfg.lora`."""
-    validate_stage("sft", cfg)
-    seqs, _ = data.tokenize_sft(
-        list(records),
-        tok,
-        max_length=cfg.max_length,
-        max_prompt_length=ctx.prompt_length,
-        add_eos=False,
-    )
-    full = data.collate_sft(seqs, max_length=cfg.max_length, pad_id=tok.pad_id)
-    k_lora, ctx_key = jax.random.split(ctx.key)
-    model, spec = with_lora(model, cfg.lora, k_lora)
-    opt = build_optimizer(cfg.optim, cfg.steps)
-    state = rx.train.init_train_state(model, opt, filter_spec=spec)
-    step = rx.train.make_sft_step(opt, cfg, options=cfg.options)
-    return run_offline(
-        state,
-        step,
-        shuffled_rows(full, cfg.batch_size, ctx.ops.seed),
-        steps=cfg.steps,
-        tokens_per_iteration=cfg.batch_size * cfg.max_length,
-        ctx=ctx,
-        ctx_key=ctx_key,
-        policy_of=lambda s: s.model,
-    )
 
 
 # --- batches ---------------------------------------------------------------------------

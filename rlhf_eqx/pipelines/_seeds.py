@@ -18,15 +18,18 @@ from collections.abc import Callable, Mapping
 from ._config import ConfigError
 from ._pipeline import run_pipeline
 from ._pipeline_config import PipelineConfig
-from ._resume_rules import RESUMABLE_FIELDS, RunDirError, check_resumable
+from ._resume_rules import RunDirError, check_resumable, resumable_fields
 from ._rundir import RunLock, holds_run, write_json_atomic
 from ._validation import validate_config
 
 SEEDS_SUMMARY = "seeds_summary.json"
 
-# Changes after which a finished seed's summary still stands (how the run was operated
-# and logged); any other change resumes the seed's run (with `open_run_dir`'s checks).
-_KEEPS_SUMMARY = tuple(f for f in RESUMABLE_FIELDS if f not in ("stages", "eval_samples"))
+
+
+def _keeps_summary() -> tuple[str, ...]:
+    """Changes after which a finished seed's summary still stands (how the run was operated
+    and logged); any other change resumes the seed's run (with `open_run_dir`'s checks)."""
+    return tuple(f for f in resumable_fields() if f not in ("stages", "eval_samples"))
 
 
 def check_seeds(seeds: object) -> int:
@@ -59,7 +62,7 @@ def _finished(cfg: PipelineConfig, run_dir: str) -> dict | None:
     except ValueError as e:
         raise RunDirError(f"{run_dir}: a stored file is not JSON ({e})") from None
     changes = check_resumable(old, config_to_dict(cfg), where=run_dir)
-    if any(field not in _KEEPS_SUMMARY for field, _, _ in changes):
+    if any(field not in _keeps_summary() for field, _, _ in changes):
         return None
     return summary
 

@@ -10,9 +10,10 @@ The settings a stage shares with its training step (the `rlhf_eqx.train` records
 embeds: `DPOSettings`, `PPOSettings`, ..., `OptimizerSettings`, `StepOptions`) and the
 LoRA settings check themselves when the config is built; what is left here are the
 pipeline's own fields and the rules that combine several of them: the shared sections
-here, each stage's settings in `_stage_checks.py`, the stages of a run and the limits
-that follow from several fields in `_run_checks.py` (those that need the model's sizes
-or the tokenizer, read without loading the weights, in `_model_checks.py`).
+here; each stage's own settings in its stage module (`Stage.check`, `Stage.check_run`);
+the fields every batch or rollout stage shares, the stages of a run and the rules across
+stages in `_run_checks.py` (those that need the model's sizes or the tokenizer, read
+without loading the weights, in `_model_checks.py`).
 """
 
 import os
@@ -29,8 +30,7 @@ from ._pipeline_config import (
     PipelineConfig,
 )
 from ._registry import find_stage
-from ._run_checks import run_stages, validate_run
-from ._stage_checks import check_stage, teacher_stages  # noqa: F401 (exported)
+from ._run_checks import check_section, run_stages, validate_run
 
 DATA_FORMATS: tuple[str, ...] = ("auto", *PREFERENCE_FORMATS, *PROMPT_FORMATS)
 """The values of `data.format`: preference formats for sft/reward/dpo, prompt formats for
@@ -178,7 +178,8 @@ def validate_ops(o: OpsConfig) -> None:
 
 def validate_stage(name: str, c: Any, *, device_count: int = 1) -> None:
     """Check one stage's settings (`SFTConfig`, `RewardConfig`, `DPOConfig`, `PPOConfig`,
-    `GRPOConfig`, ...) under the field prefix `name`; `ConfigError` naming the field.
-    A setting the stage inherits but does not use (its config's `unused_fields`) must
-    keep its default."""
-    check_stage(name, c, device_count=device_count)
+    `GRPOConfig`, ...) under the field prefix `name` (a stage's section or name):
+    the fields every batch or rollout stage shares, then the stage's own rules (its
+    `Stage.check`); `ConfigError` naming the field. A setting the stage inherits but
+    does not use (its config's `unused_fields`) must keep its default."""
+    check_section(name, c, device_count=device_count)

@@ -4,7 +4,7 @@ factor a rollback lowers, the run-directory lock and the rules of what may chang
 resume, the deterministic choice of each iteration's rows, and offline DPO's batches
 with their reference log-probabilities computed on first use."""
 
-from ._dpo_runs import referenced_batches as referenced_batches, referenced_rows as referenced_rows
+from ._dpo_stage import referenced_batches as referenced_batches, referenced_rows as referenced_rows
 from ._iterations import run_iterations as run_iterations
 from ._loop_state import LoopResult as LoopResult
 from ._lr_scale import (
@@ -13,10 +13,11 @@ from ._lr_scale import (
     set_lr_scale as set_lr_scale,
 )
 from ._resume_rules import (
-    ITERATION_FIELDS as ITERATION_FIELDS,
     RESUMABLE_FIELDS as RESUMABLE_FIELDS,
     check_resumable as check_resumable,
     config_changes as config_changes,
+    iteration_fields as iteration_fields,
+    resumable_fields as resumable_fields,
 )
 from ._rundir import RunDir as RunDir, RunLock as RunLock
 from ._runs import (

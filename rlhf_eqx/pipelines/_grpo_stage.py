@@ -1,6 +1,9 @@
-"""GRPO runs: group-relative advantages on sampled groups, with verifiable rewards or any
-reward source; rollouts from a stale policy with importance correction, DAPO's dynamic
-sampling and overlong shaping (`GRPOConfig`)."""
+"""GRPO (Shao et al. 2024), the `grpo` stage: its settings (`GRPOConfig`), its run
+(group-relative advantages on sampled groups, with verifiable rewards or any reward
+source; rollouts from a stale policy with importance correction, DAPO's dynamic sampling
+and overlong shaping), the stage on the built-in task (from SFT, rewards from
+`grpo.reward_source`) and on prompts with reference answers (exact match), and its
+registration."""
 
 import dataclasses
 from collections.abc import Sequence
@@ -12,17 +15,130 @@ import jax.numpy as jnp
 import numpy as np
 
 import rlhf_eqx as rx
+from rlhf_eqx import data
 
+from ..train import GRPOSettings
+from ._config import _SET_BY_SAMPLING, RolloutStageConfig, SamplingConfig, _optim
+from ._data_prep import (
+    chat_records,
+    is_preference_file,
+    prompt_tokens,
+    split_records,
+    trained_policy,
+)
+from ._field_checks import _at_least, _check_options, _divides, _fail
 from ._lr_scale import build_optimizer
 from ._monitor import model_flops
-from ._reward_sources import RewardSource, as_reward_source
-from ._rl_runs import _compare, _dispatch_sample, _policy_and_reference
-from ._rollout import RewardFunction, Rollout, finish_rollout, group_signal
-from ._runs import RunContext, RunResult, run_loop
-from ._stage_configs import (
-    GRPOConfig,
+from ._registry import Outcome, Stage, StageEnv, register_stage
+from ._reward_sources import (
+    RewardSource,
+    as_reward_source,
+    scored_needs,
+    scored_on_task,
+    stage_reward_source,
 )
+from ._rl_rollouts import _compare, _dispatch_sample, _policy_and_reference
+from ._rollout import RewardFunction, Rollout, finish_rollout, group_signal
+from ._runs import RunContext, RunResult, final_policy, run_loop
+from ._sampled_eval import sampled_comparison
 from ._validation import validate_stage
+
+MAX_STALENESS: int = 8
+"""The largest `grpo.staleness`: each stale policy's trainable parameters are held in
+memory and written with every checkpoint (asynchronous RL systems keep 1 to a few)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig(RolloutStageConfig, GRPOSettings):
+    """GRPO (Shao et al. 2024) with the task's verifiable reward: `group_size` samples per
+    prompt, group-normalised advantages, k3 KL to the reference with weight `beta`
+    (TRL's default 0.0: no KL term). The step's settings are
+    `rlhf_eqx.train.GRPOSettings` (its `temperature` is `sampling.temperature`):
+    `policy_loss` selects the token objective of `make_grpo_step`: `grpo` (the PPO-clip
+    surrogate), or after DAPO `cispo`, `gmpo`, `sapo`, `clip_cov`, `kl_cov`,
+    `high_entropy` (each with the step's published defaults; docs/objectives.md).
+
+    Rollouts:
+
+    - `staleness`: rollout `r` is sampled by the policy of `staleness` updates before
+      (one-step off-policy with `1`: the next rollout need not wait for the update;
+      0: synchronous); at most `MAX_STALENESS` (8) and below `rollouts` (a larger one
+      samples every rollout from the initial policy). The sampler's log-probabilities
+      are kept as the behaviour policy's, `old_logp` is the trained policy's own, and
+      `rollout_correction` (e.g. `--set grpo.rollout_correction.mode=truncate`, a
+      `rlhf_eqx.losses.RolloutCorrection`: truncated or masked importance weights at
+      token, sequence or geometric level, veRL's `rollout_is`) reweights the tokens;
+      the `rollout_corr/*` metrics measure the mismatch.
+    - `overlap` (with `staleness >= 1`; on by default): rollout `r + 1` (whose behaviour
+      policy is known before rollout `r`'s update) is sampled before that update and
+      decoded and scored by a worker thread while it runs, so the host's decoding and
+      reward functions (a sandbox, a verifier service, a judge behind an API) overlap the
+      update. The run's numbers do not change (the next rollout depends only on the
+      stale parameters and its key); two rollouts are held at once. Reward functions
+      then run in that thread, not the main one (a reward that needs the main thread,
+      e.g. a `signal.alarm` timeout, needs `overlap=false`).
+    - `sampler_device`: the local device that samples rollouts (`jax.local_devices()`
+      index; -1, the default: the training device). With `overlap`, the next rollout is
+      then sampled on its own device while the update runs on the other (the split of
+      asynchronous RL systems between inference and training devices); the behaviour
+      parameters are copied to it for each rollout, the frozen weights once.
+    - `dynamic_sampling`: DAPO's dynamic sampling (Yu et al. 2025) — groups whose
+      rewards all agree are dropped and the batch refilled with fresh groups, at most
+      this many samplings per rollout (0: off, >= 0); what is still missing is filled
+      with dropped groups (zero advantage), so every step has one shape.
+    - `overlong_buffer`: DAPO's soft overlong punishment (TRL
+      `soft_overlong_punishment`): a completion longer than `max_new_tokens -
+      overlong_buffer` tokens loses up to 1 reward linearly (0: off, >= 0)."""
+
+    temperature: float = dataclasses.field(
+        default=SamplingConfig.temperature, metadata=_SET_BY_SAMPLING
+    )
+    prompts_per_rollout: int = 8
+    group_size: int = 8
+    staleness: int = 0
+    overlap: bool = True
+    sampler_device: int = -1
+    dynamic_sampling: int = 0
+    overlong_buffer: int = 0
+
+
+def check(name: str, c: GRPOConfig, *, device_count: int = 1) -> None:
+    """GRPO's own rules: groups of two or more, rows that divide the devices, the
+    staleness below the rollouts and `MAX_STALENESS`, a local sampler device, DAPO's
+    counts >= 0."""
+    if c.group_size < 2:
+        _fail(f"{name}.group_size", c.group_size, "must be >= 2")
+    _divides(f"{name}.prompts_per_rollout", c.prompts_per_rollout * c.group_size, device_count)
+    _check_options(name, c, c.prompts_per_rollout)
+    _at_least(f"{name}.staleness", c.staleness, 0)
+    if c.staleness and c.staleness >= c.rollouts:
+        _fail(
+            f"{name}.staleness",
+            c.staleness,
+            f"must be < {name}.rollouts={c.rollouts} (rollout r samples from the policy of "
+            f"update r - staleness: with {c.staleness}, every rollout would come from the "
+            "initial policy)",
+        )
+    if c.staleness > MAX_STALENESS:
+        _fail(
+            f"{name}.staleness",
+            c.staleness,
+            f"must be <= {MAX_STALENESS} (each stale policy's trainable parameters are held "
+            "in memory and in every checkpoint)",
+        )
+    if not isinstance(c.overlap, bool):
+        _fail(f"{name}.overlap", c.overlap, "must be true or false")
+    _at_least(f"{name}.sampler_device", c.sampler_device, -1)
+    local = jax.local_devices()
+    if c.sampler_device >= len(local):
+        _fail(
+            f"{name}.sampler_device",
+            c.sampler_device,
+            f"this process has {len(local)} local device(s) ({local[0].platform}); on CPU, "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=2 makes two",
+        )
+    _at_least(f"{name}.dynamic_sampling", c.dynamic_sampling, 0)
+    _at_least(f"{name}.overlong_buffer", c.overlong_buffer, 0)
 
 
 class OffPolicyState(eqx.Module):
@@ -293,3 +409,105 @@ def run_grpo(
         if worker is not None:
             worker.shutdown(wait=False, cancel_futures=True)
     return dataclasses.replace(res, state=res.state.train) if k else res
+
+
+def grpo(env: StageEnv, c: GRPOConfig) -> Outcome:
+    """GRPO from SFT on the built-in task, rewards from `c.reward_source`."""
+    res = scored_on_task(env, c, run_grpo, "grpo")
+    return Outcome(res, policy=final_policy(res.state.model))
+
+
+def grpo_on_data(env: StageEnv, c: GRPOConfig) -> Outcome:
+    """GRPO on prompts with reference answers: the exact-match reward (or `c.reward_source`),
+    the held-out exact-match rate before and after."""
+    cfg, policy, tok, ctx, summary, say = (
+        env.cfg,
+        env.base,
+        env.tok,
+        env.ctx(""),
+        env.summary,
+        env.say,
+    )
+    s = cfg.sampling
+    prompts = data.load_prompts(cfg.data.path, cfg.data.format)
+    with_answer = [r for r in prompts if r.answer is not None]
+    if not with_answer:
+        raise ValueError(
+            f"data.path={cfg.data.path}: none of its {len(prompts)} prompts has a reference "
+            f"answer (format {prompts.report.format!r}); GRPO on a data file needs prompts "
+            "with answers for its exact-match reward, e.g. GSM8K's '#### <int>'"
+            + (
+                " (this looks like a preference file: run sft, reward or dpo on it)"
+                if is_preference_file(cfg.data.path)
+                else ""
+            )
+        )
+    with_answer = chat_records(env, with_answer)
+    fits = [r for r in with_answer if prompt_tokens(tok, r.prompt) <= s.prompt_length]
+    if not fits:
+        longest = min(prompt_tokens(tok, r.prompt) for r in with_answer)
+        raise ValueError(
+            f"sampling.prompt_length={s.prompt_length}: no prompt fits (the shortest of "
+            f"{len(with_answer)} prompts with answers has {longest} tokens with BOS); "
+            "raise sampling.prompt_length"
+        )
+    say(
+        f"grpo: {len(fits)} of {len(prompts)} prompts have an answer and fit "
+        f"sampling.prompt_length={s.prompt_length}"
+    )
+    summary["data_quality"] = {
+        "skipped_by_reader": dict(prompts.report.skipped),
+        "without_answer": len(prompts) - len(with_answer),
+        "longer_than_prompt_length": len(with_answer) - len(fits),
+    }
+    train, held = split_records(fits, cfg.data)
+    answers = {r.prompt: r.answer for r in fits}
+
+    def exact(prompt, completion):
+        return float(data.exact_match_reward([completion], [answers[prompt]])[0])
+
+    reward = stage_reward_source(
+        c,
+        task=[RewardFunction("exact_match", exact)],
+        tokenizer=tok,
+        judge=cfg.judge,
+        judges={"base": policy},
+    )
+    res = run_grpo(policy, tok, [r.prompt for r in train], reward=reward, cfg=c, ctx=ctx)
+    trained = trained_policy(env, res.state.model)
+    k = jax.random.key(cfg.ops.seed + 1)
+    ev = sampled_comparison(
+        policy, trained, tok, [r.prompt for r in held], k, cfg, score=exact, max_prompts=0
+    )
+    summary["grpo"] = {
+        "heldout_exact_match_before": ev.pop("score_before"),
+        "heldout_exact_match_before_se": ev.pop("score_before_se"),
+        "heldout_exact_match": ev.pop("score_after"),
+        "heldout_exact_match_se": ev.pop("score_after_se"),
+        "sampled": ev,
+    }
+    return Outcome(res, policy=trained)
+
+
+register_stage(
+    Stage(
+        "grpo",
+        GRPOConfig,
+        grpo,
+        grpo_on_data,
+        needs=lambda cfg: scored_needs(cfg, "grpo"),
+        sections=("sft", "judge"),
+        help="GRPO, rewards from grpo.reward_source",
+        check=check,
+        task=dict(
+            rollouts=12,
+            prompts_per_rollout=8,
+            group_size=8,
+            beta=0.02,
+            kl_target=1.0,
+            optim=_optim(2e-3),
+        ),
+        # when and where the next rollout is sampled, not what it is
+        resumable=("overlap", "sampler_device"),
+    )
+)

@@ -1,7 +1,8 @@
-"""Online DPO on multi-turn episodes (`rlhf_eqx multiturn-dpo`): each round the policy
-plays episodes against a jittable environment (on the built-in task, a paragraph, then
-one about the animal the environment asks for), the best and the worst episode of each
-prompt form a preference pair, and DPO trains on the pairs.
+"""Online DPO on multi-turn episodes, the `multiturn-dpo` stage (`rlhf_eqx
+multiturn-dpo`; its settings `MultiturnDPOConfig`, its run and its registration): each
+round the policy plays episodes against a jittable environment (on the built-in task, a
+paragraph, then one about the animal the environment asks for), the best and the worst
+episode of each prompt form a preference pair, and DPO trains on the pairs.
 
 The pair is two whole trajectories. The environment's tokens (the question between the
 turns) are context but not trained: the sequence log-probabilities of DPO sum over the
@@ -25,14 +26,13 @@ import rlhf_eqx as rx
 
 from ..envs import Trajectory
 from ._config import ConfigError, LoRASettings, _optim
-from ._dpo_runs import _dpo_setup
+from ._dpo_stage import DPOConfig, _dpo_setup, check as dpo_check
 from ._monitor import model_flops
-from ._multiturn_runs import _length, _rollout, episode_stage
-from ._registry import Outcome, StageEnv
-from ._rl_runs import _per_token_kl
+from ._multiturn_stage import _length, _rollout, check_episode, episode_stage
+from ._registry import Outcome, Stage, StageEnv, register_stage
+from ._rl_rollouts import _per_token_kl
 from ._rollout import token_logps
 from ._runs import RunContext, RunResult, rows_at, run_loop, take_rows
-from ._stage_configs import DPOConfig
 from ._validation import validate_stage
 
 
@@ -229,3 +229,15 @@ def multiturn_dpo(env: StageEnv, c: MultiturnDPOConfig) -> Outcome:
     the animal follow-up environment, evaluated as the `multiturn` stage is
     (`episode_stage`: held-out success and fluency of base, SFT and the trained policy)."""
     return episode_stage(env, c, "multiturn-dpo", run_multiturn_dpo)
+
+
+register_stage(
+    Stage(
+        "multiturn-dpo",
+        MultiturnDPOConfig,
+        multiturn_dpo,
+        help="online DPO on two-turn episodes (best vs worst episode per prompt)",
+        check=dpo_check,
+        check_run=check_episode("multiturn-dpo"),
+    )
+)

@@ -1,6 +1,6 @@
-"""Reinforcement-learning runs: what PPO and GRPO share (the policy with its reference,
-sampling a rollout and its reference log-probs), and PPO with a value model (GRPO is in
-`_grpo_runs.py`); the KL guard stops them early."""
+"""PPO (Schulman et al. 2017; Ouyang et al. 2022), the `ppo` stage: its settings
+(`PPOConfig`), its run with a value model and KL-shaped rewards (`run_ppo`), the stage on
+the built-in task (from SFT, rewards from `ppo.reward_source`) and its registration."""
 
 import dataclasses
 from collections.abc import Sequence
@@ -12,90 +12,52 @@ import numpy as np
 
 import rlhf_eqx as rx
 
-from ._config import (
-    LoRASettings,
-)
+from ..train import PPOSettings
+from ._config import _SET_BY_SAMPLING, RolloutStageConfig, SamplingConfig, _optim
+from ._field_checks import _at_least, _check_options, _divides, _fail, _positive, _within
 from ._lr_scale import build_optimizer
 from ._monitor import model_flops
-from ._reward_sources import RewardSource, as_reward_source
-from ._rollout import (
-    PendingRollout,
-    RewardFunction,
-    Rollout,
-    dispatch_rollout,
-    finish_rollout,
-    sampling_options,
-    token_logps,
-)
-from ._runs import RunContext, RunResult, rows_at, run_loop, take_rows, with_lora
-from ._stage_configs import (
-    PPOConfig,
-)
+from ._registry import Outcome, Stage, StageEnv, register_stage
+from ._reward_sources import RewardSource, as_reward_source, scored_needs, scored_on_task
+from ._rl_rollouts import _policy_and_reference, _sample_and_compare
+from ._rollout import RewardFunction
+from ._runs import RunContext, RunResult, final_policy, run_loop, take_rows
 from ._validation import validate_stage
 
-# --- shared by PPO and GRPO -------------------------------------------------------------
 
+@dataclasses.dataclass(frozen=True)
+class PPOConfig(RolloutStageConfig, PPOSettings):
+    """PPO (Schulman et al. 2017; Ouyang et al. 2022) with a value model and KL-shaped
+    rewards; `epochs` x `minibatches` updates per rollout of `prompts_per_rollout`
+    completions. The step's settings are `rlhf_eqx.train.PPOSettings` (`clip_eps`,
+    `vf_coef`, `ent_coef`, ...; its `temperature` is `sampling.temperature`)."""
 
-def _policy_and_reference(policy, lora: LoRASettings, key: jax.Array):
-    """`(trained policy, its filter spec, reference)`: the policy with LoRA adapters and
-    the reference as that policy with its adapters off (the same base arrays); with
-    `lora.rank == 0`, the policy itself, spec `None` (every weight trains) and the
-    untouched `policy` as reference."""
-    pol, spec = with_lora(policy, lora, key)
-    return pol, spec, (rx.without_lora(pol) if spec is not None else policy)
-
-
-def _per_token_kl(logp, ref_logp, mask) -> float:
-    m = np.asarray(mask)
-    return float(((np.asarray(logp) - np.asarray(ref_logp)) * m).sum() / max(m.sum(), 1))
-
-
-def _dispatch_sample(
-    model,
-    tok,
-    prompts: Sequence[str],
-    key: jax.Array,
-    r: int,
-    *,
-    ctx: RunContext,
-    per_rollout: int,
-    group_size: int = 1,
-) -> PendingRollout:
-    """Dispatch rollout `r`'s sampling: `group_size` completions of each of `per_rollout`
-    prompts (rows `rows_at(len(prompts), per_rollout, ctx.ops.seed, r)` of `prompts`)
-    from `model` with the run's sampling settings (`finish_rollout` completes it)."""
-    rows = rows_at(len(prompts), per_rollout, ctx.ops.seed, r)
-    return dispatch_rollout(
-        model, tok, [prompts[j] for j in rows], key, group_size=group_size, **sampling_options(ctx)
+    temperature: float = dataclasses.field(
+        default=SamplingConfig.temperature, metadata=_SET_BY_SAMPLING
     )
+    epochs: int = 2
+    minibatches: int = 2
+    gamma: float = 1.0
+    lam: float = 0.95
+    kl_coef: float = 0.05
+    reward_source: str = "reward_model"
 
 
-def _compare(roll: Rollout, reference):
-    """The reference's log-probs of `roll`'s completions (0 elsewhere) and `info`: the
-    per-token KL of the samples to the reference (`kl`, the KL guard's measure) and the
-    fraction of completions cut at `max_new_tokens` (`truncated`)."""
-    m = roll.completion_mask & roll.mask
-    ref_logp = token_logps(reference, roll.tokens, roll.mask)
-    info = {
-        "kl": _per_token_kl(roll.logprobs, ref_logp, m),
-        "truncated": float(jnp.mean(roll.truncated.astype(jnp.float32))),
-    }
-    return jnp.where(m, ref_logp, 0.0), info
-
-
-def _sample_and_compare(model, reference, tok, prompts, key, r, *, ctx, per_rollout, group_size=1):
-    """Rollout `r` (`_dispatch_sample`, finished) and its `_compare` with the reference.
-
-    **Returns:** `(rollout, ref_logp, info)`.
-    """
-    pending = _dispatch_sample(
-        model, tok, prompts, key, r, ctx=ctx, per_rollout=per_rollout, group_size=group_size
-    )
-    roll = finish_rollout(pending, tok)
-    return (roll, *_compare(roll, reference))
-
-
-# --- PPO -------------------------------------------------------------------------------
+def check(name: str, c: PPOConfig, *, device_count: int = 1) -> None:
+    """PPO's own rules: minibatches divide the rollout (and its rows the devices), a
+    KL coefficient >= 0, γ and λ in [0, 1]."""
+    _positive(f"{name}.minibatches", c.minibatches)
+    if c.prompts_per_rollout % c.minibatches:
+        _fail(
+            f"{name}.minibatches",
+            c.minibatches,
+            f"must divide {name}.prompts_per_rollout={c.prompts_per_rollout}",
+        )
+    _divides(f"{name}.prompts_per_rollout", c.prompts_per_rollout // c.minibatches, device_count)
+    _at_least(f"{name}.kl_coef", c.kl_coef, 0)
+    _check_options(name, c, c.prompts_per_rollout // c.minibatches)
+    _within(f"{name}.gamma", c.gamma, 0, 1)
+    _within(f"{name}.lam", c.lam, 0, 1)
 
 
 def run_ppo(
@@ -194,4 +156,30 @@ def run_ppo(
     )
 
 
-# --- GRPO ------------------------------------------------------------------------------
+def ppo(env: StageEnv, c: PPOConfig) -> Outcome:
+    """PPO from SFT on the built-in task, rewards from `c.reward_source`."""
+    res = scored_on_task(env, c, run_ppo, "ppo")
+    policy, value = res.state.model
+    return Outcome(res, policy=final_policy(policy), adapted=policy)
+
+
+register_stage(
+    Stage(
+        "ppo",
+        PPOConfig,
+        ppo,
+        needs=lambda cfg: scored_needs(cfg, "ppo"),
+        sections=("reward", "sft", "judge"),
+        help="PPO with a value model, rewards from ppo.reward_source",
+        check=check,
+        task=dict(
+            rollouts=16,
+            prompts_per_rollout=64,
+            epochs=2,
+            minibatches=2,
+            kl_coef=0.02,
+            kl_target=1.0,
+            optim=_optim(1e-3),
+        ),
+    )
+)

@@ -1,5 +1,9 @@
-"""DPO runs (Rafailov et al. 2023): offline on fixed pairs, and online / iterative
-(sample, label, pair, train, repeat), both with a cached reference."""
+"""DPO (Rafailov et al. 2023), the `dpo` and `online-dpo` stages: their settings
+(`DPOConfig`, the `dpo` section both read), the runs (offline on fixed pairs, optionally
+packed, and online / iterative: sample, label, pair, train, repeat; both with a cached
+reference), the stages on the built-in task (pairs of SFT samples labelled by the noisy
+scorer, or by the reward model for online DPO) and on a preference file, and their
+registration."""
 
 import dataclasses
 from collections.abc import Callable, Sequence
@@ -12,13 +16,21 @@ import numpy as np
 import rlhf_eqx as rx
 from rlhf_eqx import data
 
+from ..losses import DPO_BATCH_LOSS_TYPES
+from ..train import DPOSettings
+from ._config import BatchStageConfig, LoRASettings, _optim
+from ._data_prep import implicit_accuracy, preference_split, trained_policy
+from ._evaluate import binomial_se
+from ._field_checks import _fail, _positive
 from ._lr_scale import build_optimizer
 from ._monitor import model_flops
+from ._registry import Outcome, Stage, StageEnv, register_stage
 from ._rollout import sample_rollout, sampling_options
 from ._runs import (
     RunContext,
     RunResult,
     collate_pairs,
+    final_policy,
     rows_at,
     run_loop,
     run_offline,
@@ -26,10 +38,62 @@ from ._runs import (
     take_rows,
     with_lora,
 )
-from ._stage_configs import (
-    DPOConfig,
-)
+from ._sampled_eval import heldout_samples
+from ._task import TRAIN_PROMPTS
 from ._validation import validate_stage
+
+
+@dataclasses.dataclass(frozen=True)
+class DPOConfig(BatchStageConfig, DPOSettings):
+    """DPO (Rafailov et al. 2023; the step's settings are `rlhf_eqx.train.DPOSettings`:
+    `beta`, `loss_type`, `label_smoothing`, `rpo_alpha`, `loss_kwargs`, and `reference`,
+    here `cached`: the runs compute the reference log-probabilities once, or `none`)
+    over `rounds` rounds of fresh
+    samples (`rounds=1`: offline on the first samples; online DPO resamples each round).
+    `packing` (offline DPO on a data file): token-budget batches
+    (`data.pack_preference_steps`), each prompt written once before both completions and
+    several pairs to a row, about `batch_size` pairs a step and one shape for all steps,
+    instead of `batch_size` rows padded to `max_length`."""
+
+    steps: int = 20
+    reference: str = "cached"
+    rounds: int = 3
+    samples: int = 4
+    packing: bool = False
+    lora: LoRASettings = LoRASettings()
+
+
+def check(name: str, c: DPOConfig, *, device_count: int = 1) -> None:
+    """DPO's own rules: a cached (or no) reference, rounds >= 1, two samples or more per
+    prompt, no packing with a loss that sorts over a batch's pairs."""
+    del device_count
+    if c.reference == "model":
+        _fail(
+            f"{name}.reference",
+            c.reference,
+            "must be cached or none (the runs cache the reference log-probabilities)",
+        )
+    _positive(f"{name}.rounds", c.rounds)
+    if c.samples < 2:
+        _fail(f"{name}.samples", c.samples, "must be >= 2 (pairs need two completions)")
+    if c.packing and c.loss_type in DPO_BATCH_LOSS_TYPES:
+        why = f"loss_type={c.loss_type!r} sorts over a batch's pairs and needs unpacked batches"
+        _fail(f"{name}.packing", c.packing, why)
+
+
+def _check_packing(stage: str):
+    def check_run(cfg, run) -> None:
+        """Packing applies to offline DPO on a data file only."""
+        del run
+        if cfg.data.path is None and cfg.dpo.packing:
+            _fail(
+                "dpo.packing",
+                cfg.dpo.packing,
+                f"the {stage} stage on the built-in task samples fresh pairs each round "
+                "and trains them unpacked; packing applies to offline DPO on a data file",
+            )
+
+    return check_run
 
 
 def _dpo_setup(model, cfg: DPOConfig, total_steps: int, key):
@@ -215,3 +279,84 @@ def run_online_dpo(
         tokens_per_iteration=sampled,
         flops_per_iteration=flops,
     )
+
+
+def _rm_label(rm, tok, cfg):
+    """Labels from a reward model's (or ensemble's) scores of `prompt + completion`
+    (RLAIF)."""
+
+    def label(prompts, texts, salt):
+        del salt
+        seqs, _ = data.tokenize_sft(
+            list(zip(prompts, texts)),
+            tok,
+            max_length=cfg.dpo.max_length,
+            max_prompt_length=cfg.sampling.prompt_length,
+            add_eos=False,
+        )
+        batch = data.collate_sft(seqs, max_length=cfg.dpo.max_length, pad_id=tok.pad_id)
+        return np.asarray(rm.scores(batch.tokens, batch.mask)[0]).tolist()
+
+    return label
+
+
+def online_dpo(env: StageEnv, c: DPOConfig) -> Outcome:
+    """Online DPO from SFT on the built-in task, pairs labelled by the reward model."""
+    label = _rm_label(env.reward, env.tok, env.cfg)
+    ctx = env.ctx("online-dpo")
+    res = run_online_dpo(env.policies["sft"], env.tok, TRAIN_PROMPTS, label, cfg=c, ctx=ctx)
+    return Outcome(res, policy=final_policy(res.state.model))
+
+
+def dpo(env: StageEnv, c: DPOConfig) -> Outcome:
+    """DPO from SFT on the built-in task, pairs labelled by the noisy scorer."""
+    ctx = env.ctx("dpo")
+    res = run_online_dpo(env.policies["sft"], env.tok, TRAIN_PROMPTS, env.label, cfg=c, ctx=ctx)
+    return Outcome(res, policy=final_policy(res.state.model))
+
+
+def dpo_on_data(env: StageEnv, c: DPOConfig) -> Outcome:
+    """Offline DPO on a preference file; the held-out implicit reward accuracy and
+    held-out samples."""
+    policy, tok = env.base, env.tok
+    train, held = preference_split(env, c)
+    held_batch = collate_pairs(
+        held, tok, max_length=c.max_length, prompt_length=env.cfg.sampling.prompt_length
+    )
+    res = run_dpo(policy, tok, train, cfg=c, ctx=env.ctx(""))
+    trained = trained_policy(env, res.state.model)
+    accuracy = implicit_accuracy(trained, policy, held_batch, c.beta)
+    n_held = held_batch.chosen_tokens.shape[0]
+    env.summary["dpo"] = {
+        "heldout_reward_accuracy": float(accuracy),
+        "heldout_reward_accuracy_se": binomial_se(float(accuracy), n_held),
+        "sampled": heldout_samples(env, policy, trained, held),
+    }
+    return Outcome(res, policy=trained)
+
+
+register_stage(
+    Stage(
+        "online-dpo",
+        DPOConfig,
+        online_dpo,
+        section="dpo",
+        sections=("reward", "sft"),
+        needs=lambda cfg: ("sft", "reward", "online-dpo"),
+        help="online DPO on pairs labelled by the reward model",
+        check=check,
+        check_run=_check_packing("online-dpo"),
+    )
+)
+register_stage(
+    Stage(
+        "dpo",
+        DPOConfig,
+        dpo,
+        dpo_on_data,
+        help="DPO (and its loss family)",
+        check=check,
+        check_run=_check_packing("dpo"),
+        task=dict(beta=0.1, rounds=3, steps=20, batch_size=16, samples=4, optim=_optim(5e-4)),
+    )
+)

@@ -1,4 +1,6 @@
-"""Process reward model runs on a stepwise data file (`rlhf_eqx prm --set data.path=FILE`)."""
+"""The process reward model (Lightman et al. 2023; TRL `PRMTrainer`), the `prm` stage: its
+settings (`PRMConfig`), its run on a stepwise data file (`rlhf_eqx prm --data FILE`), the
+export PPO and GRPO score with (`reward_source=prm`), and its registration."""
 
 import dataclasses
 from collections.abc import Sequence
@@ -10,14 +12,44 @@ import numpy as np
 import rlhf_eqx as rx
 from rlhf_eqx import data
 
-from ._data_prep import chat_rendering
+from ..losses import PRM_AGGREGATIONS
+from ..train import PRM_SCORES
+from ._config import BatchStageConfig
+from ._data_prep import chat_rendering, split_records
+from ._field_checks import _choice, _fail
 from ._lr_scale import build_optimizer
 from ._monitor import model_flops
+from ._registry import Outcome, Stage, StageEnv, register_stage
+from ._reward_sources import export_prm
 from ._runs import RunContext, RunResult, run_loop, shuffled_rows
-from ._stage_configs import (
-    PRMConfig,
-)
 from ._validation import validate_stage
+
+
+@dataclasses.dataclass(frozen=True)
+class PRMConfig(BatchStageConfig):
+    """A process reward model (Lightman et al. 2023; TRL `PRMTrainer`) trained on a
+    stepwise data file (`rlhf_eqx prm --set data.path=FILE`: records `{"prompt",
+    "completions": [steps], "labels": [bools]}`): a `ValueModel` on the policy's
+    backbone reads the step `separator` after each step. Its use as a reward
+    (`reward_source=prm`) reads the step scores (`score`: `prob` or `logit`) at the
+    separators of each completion: per token for PPO, and their `aggregation` (`min`,
+    `last`, `mean`) per sequence for GRPO; both are stored with the export."""
+
+    steps: int = 100
+    batch_size: int = 8
+    max_length: int = 256
+    separator: str = "\n"
+    aggregation: str = "min"
+    score: str = "prob"
+
+
+def check(name: str, c: PRMConfig, *, device_count: int = 1) -> None:
+    """The PRM's own rules: a non-empty step separator, a known aggregation and score."""
+    del device_count
+    if not c.separator:
+        _fail(f"{name}.separator", c.separator, "must be a non-empty string")
+    _choice(f"{name}.aggregation", c.aggregation, PRM_AGGREGATIONS)
+    _choice(f"{name}.score", c.score, PRM_SCORES)
 
 
 def stepwise_batch(records: Sequence, tok, cfg: PRMConfig, prompt_length: int):
@@ -109,3 +141,26 @@ def prm_on_data(cfg, policy, tok, ctx: RunContext, summary: dict, say, split) ->
         "skipped_by_reader": dict(records.report.skipped),
     }
     return res
+
+
+def prm(env: StageEnv, c: PRMConfig) -> Outcome:
+    """A process reward model on a stepwise file, exported to `prm/hf/`."""
+    cfg = env.cfg
+    split = lambda r: split_records(r, cfg.data)  # noqa: E731
+    res = prm_on_data(cfg, env.base, env.tok, env.ctx(""), env.summary, env.say, split)
+    kw = dict(separator=c.separator, aggregation=c.aggregation, score=c.score)
+    export_prm(res.state.model, env.run_dir, **kw, tokenizer_file=env.tok_file)
+    return Outcome(res)
+
+
+register_stage(
+    Stage(
+        "prm",
+        PRMConfig,
+        data=prm,
+        trains_policy=False,
+        sections=(),
+        help="a process reward model on a stepwise file (--data)",
+        check=check,
+    )
+)

@@ -1,6 +1,8 @@
-"""Multi-turn GRPO on the built-in task (`rlhf_eqx multiturn`): the policy writes a
-paragraph, the environment names an animal ("Now tell me about the cat."), and the
-second paragraph is rewarded when it is about that animal.
+"""Multi-turn GRPO on the built-in task, the `multiturn` stage (`rlhf_eqx multiturn`): the
+policy writes a paragraph, the environment names an animal ("Now tell me about the
+cat."), and the second paragraph is rewarded when it is about that animal. Its settings
+(`MultiturnConfig`), its run, the episode stage the multi-turn stages share
+(`episode_stage`) and its registration.
 
 Each rollout is one compiled program (`rlhf_eqx.envs.rollout_multiturn`: policy turns
 with the KV cache, the environment's turns in between, vmapped over the episodes and
@@ -23,15 +25,13 @@ from ._config import (
     LoRASettings,
 )
 from ._evaluate import prompt_se, win_rate, win_rate_se
-from ._grpo_runs import grpo_state_and_step
+from ._grpo_stage import GRPOConfig, check as grpo_check, grpo_state_and_step
+from ._model_checks import check_episode_length
 from ._monitor import model_flops
-from ._registry import Outcome, StageEnv
-from ._rl_runs import _per_token_kl, _policy_and_reference
+from ._registry import Outcome, Stage, StageEnv, register_stage
+from ._rl_rollouts import _per_token_kl, _policy_and_reference
 from ._rollout import encode_prompts, group_signal, token_logps
 from ._runs import RunContext, RunResult, final_policy, rows_at, run_loop
-from ._stage_configs import (
-    GRPOConfig,
-)
 from ._task import HELDOUT_PROMPTS, TRAIN_PROMPTS
 from ._validation import validate_stage
 
@@ -245,3 +245,25 @@ def multiturn(env: StageEnv, c: MultiturnConfig) -> Outcome:
     """The `multiturn` stage on the built-in task: GRPO from SFT against the animal
     follow-up environment (`episode_stage`)."""
     return episode_stage(env, c, "multiturn", run_multiturn)
+
+
+def check_episode(key: str):
+    """A multi-turn stage's rule with the model: an episode fits its `max_seq_len`."""
+
+    def check_run(cfg, run) -> None:
+        del run
+        check_episode_length(cfg, key, getattr(cfg, key))
+
+    return check_run
+
+
+register_stage(
+    Stage(
+        "multiturn",
+        MultiturnConfig,
+        multiturn,
+        help="GRPO on two-turn episodes: a paragraph, then one about the animal asked for",
+        check=grpo_check,
+        check_run=check_episode("multiturn"),
+    )
+)

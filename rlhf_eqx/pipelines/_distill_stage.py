@@ -1,0 +1,339 @@
+"""Generalized knowledge distillation (GKD, Agarwal et al. 2024), the `distill` stage: its
+settings (`DistillConfig`), its run (a student trained toward a teacher's token
+distributions with the generalized JSD, on fixed completions and, for a fraction `lmbda`
+of the steps, on the student's own samples), the stage on the built-in task (a stage of
+the run as teacher) and on a preference file's chosen responses (a checkpoint as
+teacher), and its registration."""
+
+import dataclasses
+import os
+from collections.abc import Sequence
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+import rlhf_eqx as rx
+from rlhf_eqx import data
+
+from ..train import DistillSettings
+from ._config import BatchStageConfig, LoRASettings, _optim
+from ._data_prep import chat_split, prompt_tokens, quality_report, trained_policy
+from ._field_checks import _above, _fail, _positive, _within
+from ._lr_scale import build_optimizer
+from ._model_checks import check_teacher_vocabulary
+from ._registry import Outcome, Stage, StageEnv, find_stage, register_stage, stages
+from ._rollout import sample_rollout, sampling_options
+from ._runs import RunContext, RunResult, final_policy, rows_at, run_loop, take_rows, with_lora
+from ._task import TRAIN_PROMPTS
+from ._validation import validate_stage
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillConfig(BatchStageConfig):
+    """Generalized knowledge distillation (GKD, Agarwal et al. 2024; TRL `GKDTrainer`
+    defaults): the student (SFT on the built-in task, `model.source` on a data file)
+    moves toward `teacher`'s token distributions by the generalized JSD with
+    interpolation `beta` (0: forward KL, 1: reverse KL) at `temperature`; a fraction
+    `lmbda` of the steps trains on the student's own samples (on-policy), the rest on
+    fixed completions (the data file's chosen responses, or `samples` samples per prompt
+    of the teacher on the built-in task). `teacher`: a stage of the same run (`grpo`,
+    `dpo`, `ppo`, `online-dpo`, `kto`) or a Hugging Face checkpoint directory; it must
+    share the student's vocabulary (a directory's `vocab_size` is checked against the
+    student's before anything is loaded) and may differ in size. `beta` and `lmbda` in
+    [0, 1], `temperature` > 0."""
+
+    steps: int = 40
+    beta: float = DistillSettings.beta
+    temperature: float = 0.9
+    lmbda: float = 0.5
+    teacher: str = "grpo"
+    samples: int = 2
+    lora: LoRASettings = LoRASettings()
+
+
+def teacher_stages() -> tuple[str, ...]:
+    """The stages `distill.teacher` may name: registered stages that train a policy on the
+    built-in task (SFT, the student's start, and distillation itself excepted)."""
+    return tuple(
+        st.name
+        for st in stages()
+        if st.trains_policy and st.builtin is not None and st.name not in ("sft", "distill")
+    )
+
+
+def check(name: str, c: DistillConfig, *, device_count: int = 1) -> None:
+    """Distillation's own rules: β and λ in [0, 1], a temperature > 0, samples >= 1, and a
+    teacher that is a teacher stage, a checkpoint directory or a `.gguf` file."""
+    del device_count
+    _within(f"{name}.beta", c.beta, 0, 1, " (0: forward KL, 1: reverse KL)")
+    _within(f"{name}.lmbda", c.lmbda, 0, 1)
+    _above(f"{name}.temperature", c.temperature, 0)
+    _positive(f"{name}.samples", c.samples)
+    gguf = c.teacher.lower().endswith(".gguf") and os.path.isfile(c.teacher)
+    if c.teacher not in teacher_stages() and not os.path.isdir(c.teacher) and not gguf:
+        _fail(
+            f"{name}.teacher",
+            c.teacher,
+            f"must be one of {', '.join(teacher_stages())}, a checkpoint directory or a .gguf file",
+        )
+
+
+def check_run(cfg, run) -> None:
+    """The teacher of a run: a stage of the run on the built-in task (a checkpoint
+    directory on a data file), with the student's vocabulary when it is a directory."""
+    t = cfg.distill.teacher
+    if t in teacher_stages():
+        if cfg.data.path is not None:
+            _fail("distill.teacher", t, "on a data file the teacher is a checkpoint directory")
+        if t not in run:
+            _fail("distill.teacher", t, f"the teacher stage {t!r} is not among the stages")
+    elif os.path.isdir(t):
+        check_teacher_vocabulary(cfg, t)
+
+
+LOSS_TEMPERATURE = rx.train.DistillSettings.temperature
+"""The temperature of the distillation stage's divergence: `DistillSettings`' default
+(1.0), as TRL's `GKDTrainer` computes its loss (`generalized_jsd_loss` at its default
+`temperature=1.0`); the stage's
+`distill.temperature` (TRL `GKDConfig.temperature`, 0.9) is the temperature the
+on-policy completions are sampled at."""
+
+
+def check_same_vocabulary(student, teacher) -> None:
+    """Refuse (`ValueError`) a teacher whose vocabulary differs from the student's,
+    naming both sizes: distillation compares distributions over the same token ids."""
+    sv, tv = student.cfg.vocab_size, teacher.cfg.vocab_size
+    if sv != tv:
+        raise ValueError(
+            f"distill.teacher: the teacher's vocab_size={tv} differs from the student's "
+            f"vocab_size={sv}; teacher and student must share a tokenizer"
+        )
+
+
+def load_teacher(directory: str, student) -> rx.Policy:
+    """The distillation teacher of the checkpoint `directory` (`distill.teacher`; a
+    `.gguf` file loads with `rx.load_gguf`): its weights only (it reads the student's
+    tokens, so its own tokenizer file is not needed), checked to share the student's
+    vocabulary. A `ConfigError` naming
+    `distill.teacher` (with both vocabulary sizes when they differ) otherwise."""
+    from ._config import ConfigError
+
+    try:
+        if directory.lower().endswith(".gguf"):
+            teacher, _ = rx.load_gguf(directory)
+        else:
+            teacher = rx.load_hf(directory)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"distill.teacher={directory!r}: {str(e).splitlines()[0]}") from None
+    if not isinstance(teacher, rx.Policy):
+        raise ConfigError(
+            f"distill.teacher={directory!r}: holds a {type(teacher).__name__}, not a policy"
+        )
+    try:
+        check_same_vocabulary(student, teacher)
+    except ValueError as e:
+        raise ConfigError(f"distill.teacher={directory!r}: {str(e).split(': ', 1)[1]}") from None
+    return teacher
+
+
+def completions_batch(
+    records: Sequence[tuple[str, str]], tok, *, max_length: int, prompt_length: int
+) -> rx.train.DistillBatch:
+    """`(prompt, completion)` records as a right-padded `DistillBatch` (no EOS)."""
+    seqs, _ = data.tokenize_sft(
+        list(records), tok, max_length=max_length, max_prompt_length=prompt_length, add_eos=False
+    )
+    b = data.collate_sft(seqs, max_length=max_length, pad_id=tok.pad_id)
+    return rx.train.DistillBatch(b.tokens, b.mask, b.completion_mask)
+
+
+def run_distill(
+    student,
+    teacher,
+    tok,
+    prompts: Sequence[str],
+    completions: rx.train.DistillBatch,
+    *,
+    cfg: DistillConfig,
+    ctx: RunContext,
+) -> RunResult:
+    """GKD (Agarwal et al. 2024; TRL `GKDTrainer`): `cfg.steps` steps of
+    `make_distill_step` (generalized JSD with interpolation `cfg.beta`, teacher logits
+    computed on the fly, LM head on completion positions only) on `cfg.batch_size` rows.
+    Step `i` is on-policy with probability `cfg.lmbda` (drawn from `fold_in(key, i)`):
+    its completions are sampled from the current student for the rows' prompts with the
+    run's sampling settings at temperature `cfg.temperature`; otherwise they are the
+    rows of `completions` (dataset completions, or the teacher's own samples).
+    `prompts[j]` is the prompt of row `j`. As in TRL, `cfg.temperature` (0.9) is the
+    sampling temperature only: the divergence is computed at `LOSS_TEMPERATURE` (τ = 1;
+    TRL 1.16 `trl/experimental/gkd/gkd_trainer.py`: `compute_loss` calls
+    `generalized_jsd_loss` without a temperature, and `GKDConfig.temperature` goes to
+    the generation config).
+    The student trains LoRA adapters per `cfg.lora`; teacher and student must share a
+    vocabulary (`check_same_vocabulary`) and may differ in size."""
+    validate_stage("distill", cfg)
+    check_same_vocabulary(student, teacher)
+    n = completions.tokens.shape[0]
+    if len(prompts) != n:
+        raise ValueError(f"run_distill: {len(prompts)} prompts for {n} completion rows")
+    k_lora, ctx_key = jax.random.split(ctx.key)
+    model, spec = with_lora(student, cfg.lora, k_lora)
+    opt = build_optimizer(cfg.optim, cfg.steps)
+    state = rx.train.init_train_state(model, opt, filter_spec=spec)
+    settings = rx.train.DistillSettings(beta=cfg.beta, temperature=LOSS_TEMPERATURE)
+    step = rx.train.make_distill_step(opt, settings, options=cfg.options)
+    sampling = on_policy_sampling(ctx, cfg)
+
+    def iteration(state, key, i):
+        rows = rows_at(n, cfg.batch_size, ctx.ops.seed, i)
+        k_coin, k_sample, k_step = jax.random.split(key, 3)
+        on_policy = float(jax.random.uniform(k_coin)) < cfg.lmbda
+        if on_policy:
+            roll = sample_rollout(
+                state.model, tok, [prompts[j] for j in rows], k_sample, **sampling
+            )
+            batch = rx.train.DistillBatch(roll.tokens, roll.mask, roll.completion_mask)
+        else:
+            batch = take_rows(completions, rows)
+        state, m = state.apply(step, batch, key=k_step, teacher=teacher)
+        return state, [{**m, "on_policy": float(on_policy)}], {}
+
+    tokens = cfg.batch_size * cfg.max_length
+    return run_loop(
+        state,
+        iteration,
+        dataclasses.replace(ctx, key=ctx_key),
+        cfg.steps,
+        policy_of=lambda s: s.model,
+        tokens_per_iteration=tokens,
+    )
+
+
+def on_policy_sampling(ctx: RunContext, cfg: DistillConfig) -> dict:
+    """The sampling keywords of the on-policy steps: the run's, at `cfg.temperature`."""
+    return dict(sampling_options(ctx), temperature=cfg.temperature)
+
+
+@eqx.filter_jit
+def _jsd(student, teacher, batch, beta, temperature):
+    params, frozen = eqx.partition(student, eqx.is_inexact_array)
+    loss = rx.train.distill_loss(beta=beta, temperature=temperature)
+    _, _, metrics = loss(params, (frozen, teacher), batch, None)
+    num, den = metrics["jsd"]
+    return num / jnp.maximum(den, 1.0)
+
+
+def distill_divergence(
+    student, teacher, batch, *, beta: float, temperature: float = LOSS_TEMPERATURE
+) -> float:
+    """Mean generalized JSD per completion token between `student` and `teacher` on a
+    `DistillBatch` at `temperature` (the held-out measure of a distillation run, at the
+    temperature of its loss)."""
+    f32 = jnp.float32  # traced: one compile for every beta and temperature
+    return float(
+        _jsd(student, teacher, batch, jnp.asarray(beta, f32), jnp.asarray(temperature, f32))
+    )
+
+
+def sampled_completions(
+    teacher, tok, prompts: Sequence[str], key, *, samples: int, sampling
+) -> tuple[list[str], list[tuple[str, str]]]:
+    """`samples` completions per prompt from `teacher` as `(prompt, completion)` records
+    (the off-policy half of GKD on a task without reference completions)."""
+    roll = sample_rollout(
+        teacher, tok, prompts, key, group_size=samples, **sampling_options(sampling)
+    )
+    return list(roll.prompts), list(zip(roll.prompts, roll.texts))
+
+
+def distill(env: StageEnv, c: DistillConfig) -> Outcome:
+    """Distillation of `c.teacher` (a stage of the run or a checkpoint) into SFT on the
+    built-in task, on the teacher's samples."""
+    teacher = env.policies.get(c.teacher)
+    if teacher is None:  # a checkpoint directory
+        teacher = load_teacher(c.teacher, env.policies["sft"])
+    s = env.cfg.sampling
+    prompts, recs = sampled_completions(
+        teacher, env.tok, TRAIN_PROMPTS, env.data_key(5), samples=c.samples, sampling=s
+    )
+    comps = completions_batch(recs, env.tok, max_length=c.max_length, prompt_length=s.prompt_length)
+    env.say(f"distill: the {c.teacher} policy into SFT, {len(recs)} teacher samples")
+    res = run_distill(
+        env.policies["sft"], teacher, env.tok, prompts, comps, cfg=c, ctx=env.ctx("distill")
+    )
+    return Outcome(res, policy=final_policy(res.state.model), summary={"teacher": c.teacher})
+
+
+def distill_on_data(env: StageEnv, c: DistillConfig) -> Outcome:
+    """GKD on the prompts and chosen responses of a preference file, the teacher a
+    checkpoint directory (`distill.teacher`); held out: the mean generalized JSD per
+    completion token before and after."""
+    cfg, policy, tok, ctx, summary, say = (
+        env.cfg,
+        env.base,
+        env.tok,
+        env.ctx(""),
+        env.summary,
+        env.say,
+    )
+    s = cfg.sampling
+    teacher = load_teacher(c.teacher, policy)
+    records = data.load_preferences(cfg.data.path, cfg.data.format)
+    train, held = chat_split(env, records)
+    sl = data.SequenceLengths(max_length=c.max_length, max_prompt_length=s.prompt_length)
+    train, _ = quality_report(train, tok, sl, cfg.data, ctx.log, records.report)
+    summary["data_quality"] = {"skipped_by_reader": dict(records.report.skipped)}
+    if c.lmbda > 0:
+        # on-policy steps sample from the prompt: it must fit whole
+        fits = [r for r in train if prompt_tokens(tok, r.prompt) <= s.prompt_length]
+        if not fits:
+            raise ValueError(
+                f"sampling.prompt_length={s.prompt_length}: no training prompt fits, and the "
+                f"on-policy steps (distill.lmbda={c.lmbda}) sample from whole prompts; raise "
+                "sampling.prompt_length or set distill.lmbda=0"
+            )
+        summary["data_quality"]["longer_than_prompt_length"] = len(train) - len(fits)
+        if len(fits) < len(train):
+            say(
+                f"distill: {len(train) - len(fits)} training prompts longer than "
+                f"sampling.prompt_length={s.prompt_length} left out (on-policy steps sample "
+                "from whole prompts; data.filter=long_prompt drops them from the start)"
+            )
+        train = fits
+    lengths = dict(max_length=c.max_length, prompt_length=s.prompt_length)
+    comps = completions_batch([(r.prompt, r.chosen) for r in train], tok, **lengths)
+    hb = completions_batch([(r.prompt, r.chosen) for r in held], tok, **lengths)
+    say(f"distill: {len(train)} training / {len(held)} held-out prompts, teacher {c.teacher}")
+    kw = dict(beta=c.beta)  # at the loss's temperature, τ = 1 (as TRL's GKDTrainer)
+    before = distill_divergence(policy, teacher, hb, **kw)
+    res = run_distill(policy, teacher, tok, [r.prompt for r in train], comps, cfg=c, ctx=ctx)
+    trained = trained_policy(env, res.state.model)
+    summary["distill"] = {
+        "teacher": c.teacher,
+        "heldout_jsd_before": before,
+        "heldout_jsd": distill_divergence(trained, teacher, hb, **kw),
+    }
+    return Outcome(res, policy=trained)
+
+
+def distill_needs(cfg) -> tuple[str, ...]:
+    """The teacher stage first, unless `distill.teacher` is a checkpoint directory."""
+    teacher = find_stage(cfg.distill.teacher)
+    before = teacher.prerequisites(cfg) if teacher is not None else ("sft",)
+    return (*before, "distill")
+
+
+register_stage(
+    Stage(
+        "distill",
+        DistillConfig,
+        distill,
+        distill_on_data,
+        needs=distill_needs,
+        help="generalized knowledge distillation from distill.teacher",
+        check=check,
+        check_run=check_run,
+        task=dict(steps=40, batch_size=16, samples=2, optim=_optim(1e-3)),
+    )
+)

@@ -1,0 +1,285 @@
+"""KTO (Ethayarajh et al. 2024), the `kto` stage: its settings (`KTOConfig`), its run on
+unpaired examples (a reference computed once, the reference point estimated from
+mismatched completions in each batch), the stage on the built-in task (SFT samples
+labelled by the noisy scorer) and on an unpaired or preference file, and its
+registration."""
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import equinox as eqx
+import jax
+import numpy as np
+
+import rlhf_eqx as rx
+from rlhf_eqx import data
+
+from ..losses import KTO_LOSS_TYPES
+from ..train import KTOSettings
+from ._config import BatchStageConfig, DataConfig, LoRASettings, _optim
+from ._data_prep import (
+    chat_split,
+    implicit_accuracy,
+    is_preference_file,
+    log_filter,
+    prompt_tokens,
+    quality_report,
+    trained_policy,
+)
+from ._field_checks import _above, _at_least, _choice, _fail
+from ._lr_scale import build_optimizer
+from ._metrics import MetricsLog
+from ._registry import Outcome, Stage, StageEnv, register_stage
+from ._rollout import sample_rollout, sampling_options
+from ._runs import (
+    RunContext,
+    RunResult,
+    collate_pairs,
+    final_policy,
+    run_offline,
+    shuffled_rows,
+    with_lora,
+)
+from ._sampled_eval import heldout_samples
+from ._task import TRAIN_PROMPTS
+from ._validation import validate_stage
+
+
+@dataclasses.dataclass(frozen=True)
+class KTOConfig(BatchStageConfig):
+    """KTO (Ethayarajh et al. 2024; TRL `KTOTrainer` defaults) on unpaired examples, each
+    one completion labelled desirable or undesirable: `beta`, the weights of the two
+    kinds (`desirable_weight`, `undesirable_weight`; the paper keeps
+    `desirable_weight · n_desirable / (undesirable_weight · n_undesirable)` in [1, 4/3]),
+    `loss_type` (`kto` or `apo_zero_unpaired`), the reference point estimated from
+    mismatched completions in each batch, a cached reference. On the built-in task the
+    examples are `samples` completions per prompt of the SFT policy, labelled by the
+    noisy scorer; on a data file, unpaired JSONL (`prompt`, `completion`, `label`) or
+    preference pairs split into one desirable and one undesirable example each."""
+
+    steps: int = 40
+    beta: float = KTOSettings.beta
+    desirable_weight: float = KTOSettings.desirable_weight
+    undesirable_weight: float = KTOSettings.undesirable_weight
+    loss_type: str = KTOSettings.loss_type
+    samples: int = 4
+    lora: LoRASettings = LoRASettings()
+
+
+def check(name: str, c: KTOConfig, *, device_count: int = 1) -> None:
+    """KTO's own rules: β > 0, weights >= 0, a known loss type, two samples or more."""
+    del device_count
+    _above(f"{name}.beta", c.beta, 0)
+    _at_least(f"{name}.desirable_weight", c.desirable_weight, 0)
+    _at_least(f"{name}.undesirable_weight", c.undesirable_weight, 0)
+    _choice(f"{name}.loss_type", c.loss_type, KTO_LOSS_TYPES)
+    if c.samples < 2:
+        _fail(f"{name}.samples", c.samples, "must be >= 2")
+
+
+def collate_unpaired_records(
+    records: Sequence[data.UnpairedRecord], tok, *, max_length: int, prompt_length: int
+) -> rx.train.KTOBatch:
+    """Tokenise `prompt + completion` (no EOS) right-padded to `max_length`, with the
+    mismatched rows KTO's reference point needs (`data.collate_unpaired`)."""
+    tokenized, _ = data.tokenize_unpaired(
+        list(records), tok, max_length=max_length, max_prompt_length=prompt_length, add_eos=False
+    )
+    return data.collate_unpaired(tokenized, pad_id=tok.pad_id, max_length=max_length)
+
+
+def run_kto(
+    model, tok, records: Sequence[data.UnpairedRecord], *, cfg: KTOConfig, ctx: RunContext
+) -> RunResult:
+    """KTO (Ethayarajh et al. 2024; TRL `KTOTrainer`) on unpaired records: LoRA adapters
+    per `cfg.lora` (the reference is the model without them), reference log-probs
+    computed once (`compute_kto_reference_logps`), `cfg.steps` steps of `cfg.batch_size`
+    examples (`make_kto_step`)."""
+    validate_stage("kto", cfg)
+    records = list(records)
+    labels = {bool(r.label) for r in records}
+    if labels != {True, False}:
+        kind = "desirable" if True in labels else "undesirable"
+        raise ValueError(
+            f"KTO needs desirable and undesirable examples; all {len(records)} are {kind}"
+        )
+    full = collate_unpaired_records(
+        records, tok, max_length=cfg.max_length, prompt_length=ctx.prompt_length
+    )
+    k_lora, ctx_key = jax.random.split(ctx.key)
+    model, spec = with_lora(model, cfg.lora, k_lora)
+    reference = rx.without_lora(model) if spec is not None else model
+    full = rx.train.compute_kto_reference_logps(reference, full)
+    opt = build_optimizer(cfg.optim, cfg.steps)
+    state = rx.train.init_train_state(model, opt, filter_spec=spec)
+    settings = rx.train.KTOSettings(
+        beta=cfg.beta,
+        desirable_weight=cfg.desirable_weight,
+        undesirable_weight=cfg.undesirable_weight,
+        loss_type=cfg.loss_type,
+        reference="cached",
+    )
+    step = rx.train.make_kto_step(opt, settings, options=cfg.options)
+    return run_offline(
+        state,
+        step,
+        shuffled_rows(full, cfg.batch_size, ctx.ops.seed),
+        steps=cfg.steps,
+        tokens_per_iteration=2 * cfg.batch_size * cfg.max_length,
+        ctx=ctx,
+        ctx_key=ctx_key,
+        policy_of=lambda s: s.model,
+    )
+
+
+def sampled_unpaired(
+    policy,
+    tok,
+    prompts: Sequence[str],
+    key: jax.Array,
+    label: Callable[[Sequence[str], Sequence[str], int], Sequence[float]],
+    *,
+    samples: int,
+    salt: int,
+    sampling,
+) -> list[data.UnpairedRecord]:
+    """`samples` completions per prompt from `policy`, each labelled desirable when
+    `label(prompts, texts, salt)` exceeds 0.5 (the built-in task's noisy scorer)."""
+    roll = sample_rollout(
+        policy, tok, prompts, key, group_size=samples, **sampling_options(sampling)
+    )
+    scores = np.asarray(label(roll.prompts, roll.texts, salt), np.float64)
+    return [
+        data.UnpairedRecord(p, t, bool(s > 0.5))
+        for p, t, s in zip(roll.prompts, roll.texts, scores)
+    ]
+
+
+@eqx.filter_jit
+def _logratios(policy, reference, batch):
+    lp = rx.train.sequence_logps
+    cm = batch.completion_mask
+    return lp(policy, batch.tokens, batch.mask, cm) - lp(reference, batch.tokens, batch.mask, cm)
+
+
+def kto_heldout_metrics(policy, reference, batch: rx.train.KTOBatch, beta: float) -> dict:
+    """Held-out implicit rewards `β · log(π/π_ref)` of unpaired examples: their mean over
+    the desirable and the undesirable ones, the margin between the two, and the
+    fraction of (desirable, undesirable) combinations ordered correctly."""
+    r = beta * np.asarray(_logratios(policy, reference, batch), np.float64)
+    y = np.asarray(batch.label, bool)
+    good, bad = r[y], r[~y]
+    if not len(good) or not len(bad):
+        return {}
+    order = float(np.mean(good[:, None] > bad[None, :]))
+    return {
+        "heldout_reward_desirable": float(good.mean()),
+        "heldout_reward_undesirable": float(bad.mean()),
+        "heldout_reward_margin": float(good.mean() - bad.mean()),
+        "heldout_ordering_accuracy": order,
+    }
+
+
+def kto(env: StageEnv, c: KTOConfig) -> Outcome:
+    """KTO from SFT on the built-in task, on SFT samples labelled by the noisy scorer."""
+    sft_policy = env.policies["sft"]
+    records = sampled_unpaired(
+        sft_policy,
+        env.tok,
+        TRAIN_PROMPTS,
+        env.data_key(3),
+        env.label,
+        samples=c.samples,
+        salt=4,
+        sampling=env.cfg.sampling,
+    )
+    good = sum(r.label for r in records)
+    env.say(f"kto: {good} desirable / {len(records) - good} undesirable samples (noisy labels)")
+    res = run_kto(sft_policy, env.tok, records, cfg=c, ctx=env.ctx("kto"))
+    return Outcome(res, policy=final_policy(res.state.model))
+
+
+def kto_on_data(env: StageEnv, c: KTOConfig) -> Outcome:
+    """KTO on an unpaired file (`prompt`, `completion`, `label`) or on preference pairs,
+    each split into a desirable and an undesirable example (`unpaired_from_preferences`);
+    the held-out part is split by prompt before any splitting of pairs."""
+    cfg, policy, tok, ctx, summary, say = (
+        env.cfg,
+        env.base,
+        env.tok,
+        env.ctx(""),
+        env.summary,
+        env.say,
+    )
+    s = cfg.sampling
+    path = cfg.data.path
+    try:
+        records = data.load_unpaired(path, cfg.data.format)
+        pairs = None
+    except data.DataError:
+        if not is_preference_file(path):
+            raise
+        pairs = data.load_preferences(path, cfg.data.format)
+        records = None
+    source = records if records is not None else pairs
+    train, held = chat_split(env, source)
+    summary["data_quality"] = {"skipped_by_reader": dict(source.report.skipped)}
+    if pairs is not None:
+        summary["data_quality"]["pairs"] = len(train) + len(held)
+        lengths = data.SequenceLengths(max_length=c.max_length, max_prompt_length=s.prompt_length)
+        train, _ = quality_report(train, tok, lengths, cfg.data, ctx.log, source.report)
+        held_pairs = held
+        train = data.unpaired_from_preferences(train)
+        held = data.unpaired_from_preferences(held)
+    elif cfg.data.filter:
+        train = _filter_unpaired(train, tok, cfg.data, s.prompt_length, ctx.log)
+    good = sum(r.label for r in train)
+    say(
+        f"kto: {len(train)} training examples ({good} desirable, {len(train) - good} "
+        f"undesirable), {len(held)} held out"
+        + (" (from preference pairs)" if pairs is not None else "")
+    )
+    res = run_kto(policy, tok, train, cfg=c, ctx=ctx)
+    trained = trained_policy(env, res.state.model)
+    held_batch = collate_unpaired_records(
+        held, tok, max_length=c.max_length, prompt_length=s.prompt_length
+    )
+    summary["kto"] = kto_heldout_metrics(trained, policy, held_batch, c.beta)
+    if pairs is not None:
+        hb = collate_pairs(held_pairs, tok, max_length=c.max_length, prompt_length=s.prompt_length)
+        summary["kto"]["heldout_pair_accuracy"] = float(
+            implicit_accuracy(trained, policy, hb, c.beta)
+        )
+    summary["kto"]["sampled"] = heldout_samples(env, policy, trained, held)
+    return Outcome(res, policy=trained)
+
+
+def _filter_unpaired(records, tok, dc: DataConfig, prompt_length: int, log: MetricsLog):
+    """`data.filter` on unpaired examples: `empty` (an empty completion) and `long_prompt`
+    (a prompt with BOS longer than `prompt_length`) apply; a `data_filter` event counts
+    what went. The pair filters (`identical`, `exact_duplicate`) do not apply."""
+    counts: dict[str, int] = {}
+    kept = list(records)
+    if "empty" in dc.filter:
+        n = len(kept)
+        kept = [r for r in kept if r.completion.strip()]
+        counts["empty"] = n - len(kept)
+    if "long_prompt" in dc.filter:
+        n = len(kept)
+        kept = [r for r in kept if prompt_tokens(tok, r.prompt) <= prompt_length]
+        counts["long_prompt"] = n - len(kept)
+    log_filter(log, dc, counts, len(records), kept, "examples")
+    return kept
+
+
+register_stage(
+    Stage(
+        "kto",
+        KTOConfig,
+        kto,
+        kto_on_data,
+        help="KTO on unpaired examples",
+        check=check,
+        task=dict(steps=40, batch_size=16, samples=4, optim=_optim(5e-4)),
+    )
+)

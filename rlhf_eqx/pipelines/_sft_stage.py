@@ -1,0 +1,123 @@
+"""Supervised fine-tuning, the `sft` stage: its settings (`SFTConfig`), its run
+(`run_sft`), the stage on the built-in task (the base model's best samples by noisy
+labels) and on a preference file (the chosen responses), and its registration. Every
+other stage of the built-in task starts from its policy."""
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+import rlhf_eqx as rx
+from rlhf_eqx import data
+
+from ..train import OptimizerSettings, SFTSettings
+from ._config import BatchStageConfig, LoRASettings, _optim
+from ._data_prep import nll, preference_split, trained_policy
+from ._field_checks import _positive
+from ._lr_scale import build_optimizer
+from ._registry import Outcome, Stage, StageEnv, register_stage
+from ._runs import RunContext, RunResult, final_policy, run_offline, shuffled_rows, with_lora
+from ._sampled_eval import heldout_samples
+from ._task import TRAIN_PROMPTS
+from ._validation import validate_stage
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig(BatchStageConfig, SFTSettings):
+    """Supervised fine-tuning on best-of-`samples` completions (by noisy labels) of the
+    base model for the training prompts; the step's settings are
+    `rlhf_eqx.train.SFTSettings` (`mode`, `constant`)."""
+
+    optim: OptimizerSettings = _optim(2e-5)
+    samples: int = 4
+    lora: LoRASettings = LoRASettings()
+
+
+def check(name: str, c: SFTConfig, *, device_count: int = 1) -> None:
+    """SFT's own rule: `samples >= 1`."""
+    del device_count
+    _positive(f"{name}.samples", c.samples)
+
+
+def run_sft(
+    model, tok, records: Sequence[tuple[str, str]], *, cfg: SFTConfig, ctx: RunContext
+) -> RunResult:
+    """Supervised fine-tuning (NLL of the completion tokens) on `(prompt, completion)`
+    records, `cfg.steps` steps of `cfg.batch_size` rows, LoRA per `cfg.lora`."""
+    validate_stage("sft", cfg)
+    seqs, _ = data.tokenize_sft(
+        list(records),
+        tok,
+        max_length=cfg.max_length,
+        max_prompt_length=ctx.prompt_length,
+        add_eos=False,
+    )
+    full = data.collate_sft(seqs, max_length=cfg.max_length, pad_id=tok.pad_id)
+    k_lora, ctx_key = jax.random.split(ctx.key)
+    model, spec = with_lora(model, cfg.lora, k_lora)
+    opt = build_optimizer(cfg.optim, cfg.steps)
+    state = rx.train.init_train_state(model, opt, filter_spec=spec)
+    step = rx.train.make_sft_step(opt, cfg, options=cfg.options)
+    return run_offline(
+        state,
+        step,
+        shuffled_rows(full, cfg.batch_size, ctx.ops.seed),
+        steps=cfg.steps,
+        tokens_per_iteration=cfg.batch_size * cfg.max_length,
+        ctx=ctx,
+        ctx_key=ctx_key,
+        policy_of=lambda s: s.model,
+    )
+
+
+def sft(env: StageEnv, c: SFTConfig) -> Outcome:
+    """SFT on the base model's best-of-`c.samples` completions (by noisy labels)."""
+    roll = env.sample(env.base, TRAIN_PROMPTS, 0, c.samples)
+    labels = np.asarray(env.label(roll.prompts, roll.texts, 1)).reshape(-1, c.samples)
+    best = labels.argmax(axis=1)
+    records = [
+        (p, roll.texts[j * c.samples + b]) for j, (p, b) in enumerate(zip(TRAIN_PROMPTS, best))
+    ]
+    env.say(f"sft: {len(records)} demonstrations (best of {c.samples} by noisy labels)")
+    res = run_sft(env.base, env.tok, records, cfg=c, ctx=env.ctx("sft", periodic=False))
+    return Outcome(res, policy=final_policy(res.state.model))
+
+
+def sft_on_data(env: StageEnv, c: SFTConfig) -> Outcome:
+    """SFT on a preference file's chosen responses; the held-out NLL and perplexity of the
+    chosen responses before and after, and held-out samples."""
+    policy, tok = env.base, env.tok
+    train, held = preference_split(env, c)
+    pl = env.cfg.sampling.prompt_length
+    seqs, _ = data.tokenize_sft(
+        held, tok, max_length=c.max_length, max_prompt_length=pl, add_eos=False
+    )
+    hb = data.collate_sft(seqs, max_length=c.max_length, pad_id=tok.pad_id)
+    before = float(nll(policy, hb))
+    res = run_sft(policy, tok, [(r.prompt, r.chosen) for r in train], cfg=c, ctx=env.ctx(""))
+    trained = trained_policy(env, res.state.model)
+    after = float(nll(trained, hb))
+    env.summary["sft"] = {
+        "heldout_nll_before": before,
+        "heldout_nll": after,
+        "heldout_perplexity": float(np.exp(after)),
+        "sampled": heldout_samples(env, policy, trained, held),
+    }
+    return Outcome(res, policy=trained)
+
+
+register_stage(
+    Stage(
+        "sft",
+        SFTConfig,
+        sft,
+        sft_on_data,
+        needs=lambda cfg: ("sft",),
+        sections=(),
+        help="supervised fine-tuning",
+        check=check,
+        task=dict(steps=30, batch_size=16, samples=2, optim=_optim(5e-4)),
+    )
+)

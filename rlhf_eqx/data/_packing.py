@@ -240,17 +240,8 @@ def _pack_aligned(pieces, *, pad_id, bucket_size, num_rows, vocab_size) -> Packe
             mask[i, start : start + len(part)] = True
             completion[i, start + unscored : start + len(part)] = True
     segment = np.zeros((rows, L), dtype=np.int32)  # one segment a row
-    return _checked_batch(
-        tokens,
-        mask,
-        completion,
-        segment,
-        branch,
-        present,
-        pad_id=pad_id,
-        vocab_size=vocab_size,
-        regions=(P, C, R_),
-    )
+    arrays = (tokens, mask, completion, segment, branch, present)
+    return _checked_batch(*arrays, pad_id=pad_id, vocab_size=vocab_size, regions=(P, C, R_))
 
 
 # --- token-budget batches, every pair packed once -------------------------------------

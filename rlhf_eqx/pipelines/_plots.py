@@ -62,7 +62,7 @@ def _iteration_starts(recs: list[dict]) -> list[float]:
             first.setdefault(r["iteration"], r["step"])
     if len(first) < 2 or len(first) == len(recs) or len(first) > _MAX_BOUNDARIES:
         return []
-    return sorted(first.values())[1:]
+    return [float(x) for x in sorted(first.values())[1:]]
 
 
 def plot_run(run_dir: str) -> list[str]:

@@ -60,6 +60,8 @@ def validate_config(
         _check_quantized(cfg, run_stages(cfg, stage))
     dc = cfg.data
     _check_chat_template(dc.chat_template)
+    if dc.split is not None and dc.path is None:
+        _fail("data.split", dc.split, "only applies to a DatasetDict directory (data.path)")
     if dc.path is not None:
         try:  # a file, a Parquet / Arrow file or a datasets directory (and its split)
             dataset_files(dc.path, dc.split)
@@ -67,6 +69,8 @@ def validate_config(
             why = str(e)
             for prefix in (dc.path, dc.path.rpartition(":")[0]):
                 why = why.removeprefix(f"{prefix}: ")
+            if dc.split is not None and "split" in why:
+                _fail("data.split", dc.split, why)
             _fail("data.path", dc.path, "is a directory" if why.startswith("is a dir") else why)
     unknown = [name for name in dc.columns if name not in COLUMN_NAMES]
     if unknown:

@@ -41,6 +41,19 @@ def split_micro_batches(batch: PyTree, micro_batches: int) -> PyTree:
     return jax.tree.map(split, batch)
 
 
+def _set_fields(batch: PyTree, **values: Any) -> PyTree:
+    """`batch` with the named fields (arrays, or `None`) set to `values`, by
+    `eqx.tree_at`: a field that was `None` may be filled, and the batch's checks do not
+    run again."""
+    names = tuple(values)
+    return eqx.tree_at(
+        lambda b: tuple(getattr(b, n) for n in names),
+        batch,
+        tuple(values.values()),
+        is_leaf=lambda x: x is None,
+    )
+
+
 def _add(a, b):
     return jax.tree.map(jnp.add, a, b)
 

@@ -2,7 +2,6 @@
 
 from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
@@ -20,7 +19,7 @@ from ..losses import (
 )
 from ..models import AbstractSelectiveLM
 from ..ops import entropy_from_logits, logprobs_from_logits, masked_sum
-from ._accumulate import vmap_model
+from ._accumulate import _set_fields, vmap_model
 from ._group_logps import shared_prompt_logprobs
 from ._grpo_advantages import grpo_advantages
 from ._policy_loss_fns import make_policy_loss, read_policy_loss
@@ -83,12 +82,7 @@ def _grpo_prepare(settings: GRPOSettings) -> PrepareFn:
             extremes = {k: pieces[k] for k in MISMATCH_EXTREMES}
             for k, v in aggregate_mismatch_metrics(extremes, axis_name=axis_name).items():
                 sums[k] = (v, jnp.ones((), f32))
-        batch = eqx.tree_at(
-            lambda b: (b.advantages, b.completion_mask),
-            batch,
-            (adv, loss_mask),
-            is_leaf=lambda x: x is None,
-        )
+        batch = _set_fields(batch, advantages=adv, completion_mask=loss_mask)
         return batch, sums
 
     return prepare

@@ -24,7 +24,7 @@ from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from ..data import KTOBatch
 from ..losses import KTO_LOSS_TYPES, kto_loss, kto_reference_point
-from ._accumulate import split_micro_batches
+from ._accumulate import _set_fields, split_micro_batches
 from ._pair_logps import _forward
 from ._settings import StepOptions, split_shortcuts
 from ._state import combine
@@ -298,9 +298,4 @@ def compute_kto_reference_logps(
     passes.
     """
     ref, kl = _reference_logps(reference_model, batch)
-    return eqx.tree_at(
-        lambda b: (b.ref_logp, b.ref_kl_logp),
-        batch,
-        (ref, kl),
-        is_leaf=lambda x: x is None,
-    )
+    return _set_fields(batch, ref_logp=ref, ref_kl_logp=kl)

@@ -11,7 +11,7 @@ from jaxtyping import Array, Bool, Float, Int
 from ..data import PackedPreferenceBatch, PreferenceBatch
 from ..models import AbstractSelectiveLM, branch_sums
 from ..ops import logprobs_from_logits, masked_sum, previous_real_index
-from ._accumulate import vmap_model
+from ._accumulate import _set_fields, vmap_model
 
 
 def _forward(model, tokens, mask, completion_mask, key):
@@ -159,9 +159,4 @@ def compute_reference_logps(
     (about a quarter of a DPO step's compute).
     """
     c, r = _reference_logps(reference_model, batch)
-    return eqx.tree_at(
-        lambda b: (b.ref_chosen_logp, b.ref_rejected_logp),
-        batch,
-        (c, r),
-        is_leaf=lambda x: x is None,
-    )
+    return _set_fields(batch, ref_chosen_logp=c, ref_rejected_logp=r)

@@ -238,7 +238,9 @@ def test_a_dataset_dict_directory_reads_the_split_asked_for(tmp_path):
     datasets.DatasetDict({"train": datasets.Dataset.from_list(test)}).save_to_disk(str(one))
     assert len(data.load_preferences(one)) == 1  # a single split needs no name
     # The files a run fingerprints: every split's without a split, one split's with one.
-    assert len(data.dataset_files(folder)) == 2
+    assert len(data.dataset_files(folder, all_splits=True)) == 2
+    with pytest.raises(data.DataError, match="choose one"):
+        data.dataset_files(folder)
     assert data.dataset_files(f"{folder}:test") == [
         str(folder / "test" / "data-00000-of-00001.arrow")
     ]
@@ -407,3 +409,108 @@ def test_a_parquet_file_without_its_suffix_is_recognised(tmp_path):
     assert list(data.load_preferences(plain)) == list(
         data.load_preferences(_jsonl(tmp_path / "rows.jsonl", rows))
     )
+
+
+def _cli_pairs(n=8):
+    return [
+        {"instruction": f"The cat {i}", "response_a": " sat on a mat.", "response_b": " zz."}
+        for i in range(n)
+    ]
+
+
+def test_the_cli_reads_a_parquet_file_through_its_column_mapping(tmp_path, capsys):
+    # One pair: the run reads the file and stops at the held-out split (nothing is
+    # compiled); without the mapping it stops at the file's columns.
+    from rlhf_eqx.__main__ import main
+
+    path = _parquet(tmp_path / "one.parquet", _cli_pairs(1))
+    argv = ["dpo", "--data", path, "--out", str(tmp_path / "run"), "--quiet"]
+    mapping = ["data.columns.prompt=instruction", "data.columns.chosen=response_a"]
+    mapping.append("data.columns.rejected=response_b")
+    assert main([*argv, *(a for m in mapping for a in ("--set", m))]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "error: data.heldout_fraction=0.1: the split of 1 records by prompt left 1 for "
+        "training and 0 held out; use more records or another fraction"
+    ]
+    assert main([*argv, "--overwrite"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"error: {path}: row 0: cannot tell the preference format from the keys "
+        "['instruction', 'response_a', 'response_b']; expected 'chosen'/'rejected' (HH "
+        "transcripts or message lists), 'prompt'/'chosen'/'rejected', or "
+        "'conversations'/'chosen'/'rejected'"
+    ]
+
+
+@pytest.mark.slow
+def test_dpo_runs_on_a_parquet_file_with_a_column_mapping(tmp_path, capsys):
+    from rlhf_eqx import pipelines as pl
+    from rlhf_eqx.__main__ import main
+
+    path = _parquet(tmp_path / "pairs.parquet", _cli_pairs())
+    out = tmp_path / "run"
+    sets = (
+        "data.columns.prompt=instruction",
+        "data.columns.chosen=response_a",
+        "data.columns.rejected=response_b",
+        "data.heldout_fraction=0.25",
+        "data.eval_prompts=0",
+        "ops.monitor=false",
+        "dpo.steps=2",
+        "dpo.batch_size=2",
+        "dpo.max_length=24",
+        "sampling.prompt_length=8",
+    )
+    argv = ["dpo", "--data", path, "--out", str(out), "--quiet"]
+    for s in sets:
+        argv += ["--set", s]
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped"] == "done" and summary["data"] == path
+    assert [r["step"] for r in pl.read_metrics(str(out))["dpo"]] == [0, 1]
+    saved = json.loads((out / "config.json").read_text())["data"]
+    assert saved["columns"] == {
+        "prompt": "instruction",
+        "chosen": "response_a",
+        "rejected": "response_b",
+    }
+    fingerprint = json.loads((out / "data.json").read_text())
+    assert fingerprint["size"] == os.path.getsize(path)
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("rlhf_eqx dpo: done:")
+
+
+def test_the_data_settings_are_checked_before_a_run(tmp_path):
+    from rlhf_eqx import pipelines as pl
+
+    def check(*overrides):
+        cfg = pl.apply_overrides(pl.animal_task_config(), list(overrides))
+        pl.validate_config(cfg, stage="dpo")
+
+    path = _parquet(tmp_path / "pairs.parquet", _cli_pairs())
+    check(f"data.path={path}", "data.columns.chosen=response_a")
+    with pytest.raises(pl.ConfigError, match=r"data.columns=\{'chosn': 'x'\}: unknown field"):
+        check(f"data.path={path}", "data.columns.chosn=x")
+    folder = tmp_path / "dd"
+    rows = [{"prompt": "p", "chosen": " a", "rejected": " b"}]
+    splits = {"train": datasets.Dataset.from_list(rows), "test": datasets.Dataset.from_list(rows)}
+    datasets.DatasetDict(splits).save_to_disk(str(folder))
+    check(f"data.path={folder}:test")
+    check(f"data.path={folder}", "data.split=train")
+    with pytest.raises(pl.ConfigError, match=r"a DatasetDict with the splits \['train', 'test'\]"):
+        check(f"data.path={folder}")
+    with pytest.raises(pl.ConfigError, match=r"data.split='dev': no split 'dev' \(splits: "):
+        check(f"data.path={folder}", "data.split=dev")
+    with pytest.raises(pl.ConfigError, match="data.split='train': only applies to a DatasetDict"):
+        check("data.split=train")
+    # A resumed run refuses a changed split (the fingerprint covers the split's files).
+    run = tmp_path / "run"
+    run.mkdir()
+    pl.check_data(str(run), f"{folder}:test", resume=False)
+    pl.check_data(str(run), f"{folder}:test", resume=True)
+    datasets.Dataset.from_list(rows * 2).save_to_disk(str(tmp_path / "other"))
+    for name in os.listdir(tmp_path / "other"):
+        os.replace(tmp_path / "other" / name, folder / "test" / name)
+    with pytest.raises(pl.RunDirError, match="cannot resume: the data file"):
+        pl.check_data(str(run), f"{folder}:test", resume=True)

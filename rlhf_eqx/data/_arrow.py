@@ -132,7 +132,9 @@ def _directory_files(directory: str, split: str | None, *, every_split: bool) ->
     return [os.path.join(directory, n) for n in names]
 
 
-def dataset_files(path: str | os.PathLike, split: str | None = None) -> list[str]:
+def dataset_files(
+    path: str | os.PathLike, split: str | None = None, *, all_splits: bool = False
+) -> list[str]:
     """The files a reader (`load_preferences`, `load_prompts`, ...) reads for `path`.
 
     **Arguments:**
@@ -141,18 +143,21 @@ def dataset_files(path: str | os.PathLike, split: str | None = None) -> list[str
       directory written by `datasets`' `save_to_disk`, or `DIR:SPLIT` for one split of
       a `DatasetDict` directory.
     - `split`: the split of a `DatasetDict` directory (as `DIR:SPLIT` does).
+    - `all_splits`: for a `DatasetDict` directory without a split, the files of every
+      split (what a run's data fingerprint covers) instead of an error when it has
+      several.
 
     **Returns:** the paths, in reading order: `[path]` for a file, the Arrow files of a
-    saved dataset; for a `DatasetDict` directory without a split, the files of every
-    split (what a run's data fingerprint covers).
+    saved dataset (of its only split, or of `split`).
 
     **Raises:** `DataError` naming the path when it does not exist, when a directory
-    holds no dataset, or when a split is unknown or given for a file.
+    holds no dataset, when a `DatasetDict` has several splits and none is chosen, or
+    when a split is unknown or given for a file.
     """
     path = os.fspath(path)
     base, split = _split_spec(path, split)
     if os.path.isdir(base):
-        return _directory_files(base, split, every_split=True)
+        return _directory_files(base, split, every_split=all_splits)
     if not os.path.isfile(base):
         raise DataError(f"{path}: no such file")
     if split is not None:

@@ -245,9 +245,11 @@ def nll(model, batch):
     return -jnp.sum(logps) / jnp.sum(batch.completion_mask & batch.mask).astype(jnp.float32)
 
 
-def is_preference_file(path: str) -> bool:
+def is_preference_file(path: str, **options) -> bool:
+    """Whether `path` reads as preference pairs (`options`: the readers' `columns`,
+    `split`, `DataConfig.read_options`)."""
     try:
-        data.load_preferences(path)
+        data.load_preferences(path, **options)
         return True
     except (ValueError, OSError):
         return False
@@ -286,7 +288,7 @@ def preference_split(env, c) -> tuple[list, list]:
     and the quality in the summary."""
     cfg, tok, summary = env.cfg, env.tok, env.summary
     log = env.ctx("").log
-    records = data.load_preferences(cfg.data.path, cfg.data.format)
+    records = data.load_preferences(cfg.data.path, cfg.data.format, **cfg.data.read_options())
     train, held = chat_split(env, records)
     lengths = data.SequenceLengths(
         max_length=c.max_length, max_prompt_length=cfg.sampling.prompt_length

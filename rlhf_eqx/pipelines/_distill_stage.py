@@ -279,7 +279,7 @@ def distill_on_data(env: StageEnv, c: DistillConfig) -> Outcome:
     )
     s = cfg.sampling
     teacher = load_teacher(c.teacher, policy)
-    records = data.load_preferences(cfg.data.path, cfg.data.format)
+    records = data.load_preferences(cfg.data.path, cfg.data.format, **cfg.data.read_options())
     train, held = chat_split(env, records)
     sl = data.SequenceLengths(max_length=c.max_length, max_prompt_length=s.prompt_length)
     train, _ = quality_report(train, tok, sl, cfg.data, ctx.log, records.report)

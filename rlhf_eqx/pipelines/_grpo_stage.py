@@ -429,7 +429,7 @@ def grpo_on_data(env: StageEnv, c: GRPOConfig) -> Outcome:
         env.say,
     )
     s = cfg.sampling
-    prompts = data.load_prompts(cfg.data.path, cfg.data.format)
+    prompts = data.load_prompts(cfg.data.path, cfg.data.format, **cfg.data.read_options())
     with_answer = [r for r in prompts if r.answer is not None]
     if not with_answer:
         raise ValueError(
@@ -438,7 +438,7 @@ def grpo_on_data(env: StageEnv, c: GRPOConfig) -> Outcome:
             "with answers for its exact-match reward, e.g. GSM8K's '#### <int>'"
             + (
                 " (this looks like a preference file: run sft, reward or dpo on it)"
-                if is_preference_file(cfg.data.path)
+                if is_preference_file(cfg.data.path, **cfg.data.read_options())
                 else ""
             )
         )

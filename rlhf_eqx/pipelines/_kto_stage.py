@@ -214,12 +214,12 @@ def kto_on_data(env: StageEnv, c: KTOConfig) -> Outcome:
     s = cfg.sampling
     path = cfg.data.path
     try:
-        records = data.load_unpaired(path, cfg.data.format)
+        records = data.load_unpaired(path, cfg.data.format, **cfg.data.read_options())
         pairs = None
     except data.DataError:
-        if not is_preference_file(path):
+        if not is_preference_file(path, **cfg.data.read_options()):
             raise
-        pairs = data.load_preferences(path, cfg.data.format)
+        pairs = data.load_preferences(path, cfg.data.format, **cfg.data.read_options())
         records = None
     source = records if records is not None else pairs
     train, held = chat_split(env, source)

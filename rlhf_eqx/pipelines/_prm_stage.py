@@ -123,7 +123,7 @@ def prm_on_data(cfg, policy, tok, ctx: RunContext, summary: dict, say, split) ->
     prompts then through the model's chat template (`chat_rendering` of
     `data.chat_template`, as the other data-file stages and the rollouts the PRM later
     scores), and put the held-out step accuracy in `summary["prm"]`."""
-    records = data.load_stepwise(cfg.data.path)
+    records = data.load_stepwise(cfg.data.path, **cfg.data.read_options())
     train, held = split(records)
     rendering = chat_rendering(tok, cfg.data)
     if rendering is not None:

@@ -30,7 +30,10 @@ anything is compiled, with one line naming the field.
 Run directories (`--out`, default `runs/<command>`): a run holds a lock in its
 directory; a new run into a directory that holds one is refused (`--resume` continues
 it after checking that the configuration is the same, `--overwrite` moves it aside).
-Ctrl-C checkpoints and prints the command that resumes. `--seeds N`: seeds `ops.seed`,
+Ctrl-C checkpoints and prints the command that resumes. `--callback MODULE:NAME`
+(repeatable) hooks a `rlhf_eqx.pipelines.Callback` (a class, instantiated, or an
+object; the module imported from the current directory) into every stage's loop.
+`--seeds N`: seeds `ops.seed`,
 ... into `OUT/seed-<seed>/`, their spread in `OUT/seeds_summary.json`. Exit status: 0
 done, 1 a run error, 2 invalid configuration or run directory, 3 diverged, 130 interrupted.
 """
@@ -86,6 +89,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quiet", action="store_true", help="no progress bars or step lines")
     p.add_argument("--seeds", type=int, metavar="N", help="N seeds into OUT/seed-<seed>/")
+    p.add_argument(
+        "--callback",
+        dest="callbacks",
+        action="append",
+        default=[],
+        metavar="MODULE:NAME",
+        help="a pipelines.Callback class or object, from the current directory (repeatable)",
+    )
     p.add_argument("--show-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--prompt", action="append", default=[], help="prompt (sample; repeatable)")
     p.add_argument("-n", "--num-samples", type=int, default=4, help="samples per prompt (sample)")
@@ -152,7 +163,8 @@ def result_line(command: str, summary: dict, out: str) -> str:
             if isinstance(m, dict):
                 floats = [(k, v) for k, v in m.items() if isinstance(v, float)]
                 parts += [f"{k} {v:.4g}" for k, v in floats if not k.endswith("_se")][:2]
-    what = "done" if stopped == "done" else f"stopped ({stopped})"
+    reason = f": {summary['stop_reason']}" if summary.get("stop_reason") else ""
+    what = "done" if stopped == "done" else f"stopped ({stopped}{reason})"
     return f"rlhf_eqx {command}: {what}: " + ", ".join(parts) + f" ({out}/summary.json)"
 
 
@@ -209,6 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.command in TOOL_COMMANDS:
                 raise ConfigError(f"--seeds: runs only, not {args.command}")
             check_seeds(args.seeds)
+        callbacks = _callbacks(args)
         # The runs execute on one device (the default one), whatever else is visible,
         # so batch sizes need only divide by 1 here. sample / eval train nothing: a packed
         # base needs no stage's LoRA (load_model checks its .gguf source).
@@ -230,17 +243,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(read)
     from rlhf_eqx._compilation_cache import command_line_cache
-    from rlhf_eqx.pipelines import RunInterrupted
+    from rlhf_eqx.pipelines import CallbackError, RunInterrupted
 
     command_line_cache(cfg.ops.compilation_cache, cfg.ops.compilation_cache_max_mb)  # on disk
     try:
-        return _run(args, cfg)
+        return _run(args, cfg, callbacks)
     except ConfigError as e:
         print(f"error: invalid configuration: {e}", file=sys.stderr)
         return 2
     except RunDirError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except CallbackError as e:
+        where = f"; checkpoint {e.checkpoint}, resume with: {resume_command(argv)}"
+        print(f"error: {e}" + (where if e.checkpoint else ""), file=sys.stderr)
+        return 1
     except RunInterrupted as e:
         where = f"; checkpoint {e.checkpoint}" if e.checkpoint else ""
         print(
@@ -257,7 +274,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-def _run(args, cfg) -> int:
+def _callbacks(args) -> tuple:
+    """The callbacks of `--callback MODULE:NAME` (`pipelines.load_callback`); a
+    `ConfigError` with `--seeds` or a command that runs no stage."""
+    from rlhf_eqx.pipelines import ConfigError, load_callback
+
+    if args.callbacks and args.command in TOOL_COMMANDS:
+        raise ConfigError(f"--callback: runs only, not {args.command}")
+    if args.callbacks and args.seeds is not None:
+        raise ConfigError("--callback: not with --seeds (run each seed with its own --out)")
+    return tuple(load_callback(spec) for spec in args.callbacks)
+
+
+def _run(args, cfg, callbacks: tuple = ()) -> int:
     from rlhf_eqx import pipelines as pl
 
     cmd = args.command
@@ -267,9 +296,11 @@ def _run(args, cfg) -> int:
         kw = dict(resume=args.resume, overwrite=args.overwrite)
         return pl.seeds_command(cfg, cmd, args.seeds, **kw)
     if cmd == "pipeline" or cfg.data.path is None:
-        summary = pl.run_pipeline(cfg, resume=args.resume, overwrite=args.overwrite)
+        kw = dict(resume=args.resume, overwrite=args.overwrite, callbacks=callbacks)
+        summary = pl.run_pipeline(cfg, **kw)
     else:
-        summary = pl.run_on_data(cfg, cmd, resume=args.resume, overwrite=args.overwrite)
+        kw = dict(resume=args.resume, overwrite=args.overwrite, callbacks=callbacks)
+        summary = pl.run_on_data(cfg, cmd, **kw)
     print(result_line(cmd, summary, cfg.out))
     return 3 if summary.get("stopped") == "diverged" else 0
 

@@ -14,6 +14,7 @@ from ._callbacks import (
     Callback as Callback,
     CallbackError as CallbackError,
     RunHandle as RunHandle,
+    load_callback as load_callback,
 )
 from ._checkpoints import (
     latest_checkpoint as latest_checkpoint,

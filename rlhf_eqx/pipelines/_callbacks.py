@@ -24,10 +24,16 @@ and raises `CallbackError`, one line naming the callback and the hook; resuming
 continues from that checkpoint.
 """
 
+import importlib
 import json
+import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ._config import (
+    ConfigError,
+)
 from ._metrics import MetricsLog
 
 HOOKS = ("on_start", "on_step", "on_evaluate", "on_checkpoint", "on_stop")
@@ -212,11 +218,10 @@ class CallbackList:
             fn = getattr(cb, "state_dict", None)
             if fn is not None:
                 try:
-                    state = fn()
-                    json.dumps(state)
+                    text = json.dumps(fn())
                 except Exception as e:
                     raise CallbackError(name, "state_dict", run.stage, run.iteration, e) from e
-                out[name] = state
+                out[name] = json.loads(text)  # a snapshot: later hooks may change the state
         return out
 
     def load_state_dict(self, states: dict, run: RunHandle) -> None:
@@ -229,3 +234,44 @@ class CallbackList:
                     fn(states[name])
                 except Exception as e:
                     raise CallbackError(name, "load_state_dict", run.stage, run.iteration, e) from e
+
+
+def after_evaluation(callbacks: Sequence[Any], loop: Any, results: dict) -> None:
+    """Call `on_evaluate` of `callbacks` with a stage's held-out `results`, after the
+    stage's loop ended (`loop`: its `LoopResult`, whose `run` the callbacks saw)."""
+    run = getattr(loop, "run", None)
+    if callbacks and run is not None:
+        CallbackList(callbacks).call("on_evaluate", run, run.iteration, results)
+
+
+def load_callback(spec: str) -> Any:
+    """The callback `spec` names as `module:Name` (the command line's `--callback`): the
+    module is imported with the current directory first on the path; a class `Name` is
+    instantiated without arguments, any other object is used as it is. A `ConfigError`
+    naming `--callback` and what is wrong otherwise."""
+    module, sep, attr = spec.partition(":")
+    if not sep or not module or not attr:
+        raise ConfigError(f"--callback {spec}: expected MODULE:NAME, e.g. my_callbacks:EarlyStop")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise ConfigError(f"--callback {spec}: cannot import {module} ({e})") from None
+    obj = mod
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"--callback {spec}: {module} has no {attr}")
+        obj = getattr(obj, part)
+    if isinstance(obj, type):
+        try:
+            obj = obj()
+        except Exception as e:
+            raise ConfigError(
+                f"--callback {spec}: {attr}() failed: {type(e).__name__}: {e}"
+            ) from None
+    try:
+        CallbackList([obj])
+    except TypeError as e:
+        raise ConfigError(f"--callback {spec}: {e}") from None
+    return obj

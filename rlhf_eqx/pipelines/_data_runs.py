@@ -5,9 +5,12 @@ directory of its own."""
 import json
 import os
 import sys
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 
+from ._callbacks import after_evaluation
 from ._config import (
     ConfigError,
 )
@@ -30,7 +33,12 @@ def data_stages() -> tuple[str, ...]:
 
 
 def run_on_data(
-    cfg: PipelineConfig, stage: str, *, resume: bool = False, overwrite: bool = False
+    cfg: PipelineConfig,
+    stage: str,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    callbacks: Sequence[Any] = (),
 ) -> dict:
     """Run `stage` (one of `data_stages()`: `sft`, `reward`, `dpo` on preferences, `grpo`
     on prompts with answers, `kto`, `distill`, `prm` on a stepwise file, and any
@@ -46,7 +54,9 @@ def run_on_data(
     (`check_data`). Pairs the reader dropped (identical or empty
     completions, unsplittable transcripts) are counted in the data-quality report and
     `summary["data_quality"]["skipped_by_reader"]`; `summary["stopped"]` is `"done"`,
-    `"kl_guard"` or `"diverged"`."""
+    `"kl_guard"`, `"diverged"` or `"callback"` (a stop a callback requested:
+    `summary["stop_reason"]` says why). `callbacks` (`Callback`s) are called by the
+    stage's loop and, with the stage's summary entry, after its held-out evaluation."""
     st = get_stage(stage)
     if st.data is None:
         raise ConfigError(
@@ -68,10 +78,12 @@ def run_on_data(
         for note in rd.notes:
             print(f"note: {note}", file=sys.stderr)
         check_data(run_dir, cfg.data.path, resume=rd.resume)
-        return _run_on_data(cfg, st, run_dir, rd.resume)
+        return _run_on_data(cfg, st, run_dir, rd.resume, tuple(callbacks))
 
 
-def _run_on_data(cfg: PipelineConfig, st, run_dir: str, resume: bool) -> dict:
+def _run_on_data(
+    cfg: PipelineConfig, st, run_dir: str, resume: bool, callbacks: tuple = ()
+) -> dict:
     from ._pipeline import load_model, tokenizer_file
 
     m = cfg.model
@@ -86,6 +98,7 @@ def _run_on_data(cfg: PipelineConfig, st, run_dir: str, resume: bool) -> dict:
         **sampling_options(cfg.sampling),
         meta={"stage": st.name, "config": config_to_dict(cfg)},
         peak_flops=measure_matmul_peak() if cfg.ops.monitor else None,
+        callbacks=callbacks,
     )
     say = (lambda *a: None) if cfg.ops.quiet else print
     env = StageEnv(
@@ -100,10 +113,16 @@ def _run_on_data(cfg: PipelineConfig, st, run_dir: str, resume: bool) -> dict:
         make_ctx=lambda stage, periodic=True: ctx,
         summary={"data": cfg.data.path},
         stage=st.name,
+        callbacks=callbacks,
     )
     out = st.data(env, stage_config(cfg, st))
     summary = env.summary
     summary["stopped"] = out.result.loop.stopped
+    if out.result.loop.stop_reason:
+        summary["stop_reason"] = out.result.loop.stop_reason
+    held = summary.get(st.summary_key or st.name)
+    if isinstance(held, dict):
+        after_evaluation(callbacks, out.result.loop, held)
     if out.policy is not None:
         adapted = out.adapted if out.adapted is not None else out.result.state.model
         export_policy(out.policy, run_dir, st.name, adapted=adapted, tokenizer_file=tok_file)

@@ -6,12 +6,15 @@ import importlib.util
 import os
 import sys
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 
 import rlhf_eqx as rx
 from rlhf_eqx import data
 
+from ._callbacks import after_evaluation
 from ._config import (
     ConfigError,
 )
@@ -143,6 +146,7 @@ def _ctx(
     evaluate=None,
     *,
     peak_flops: float | None = None,
+    callbacks: tuple = (),
 ) -> RunContext:
     s = cfg.sampling
     return RunContext(
@@ -155,6 +159,7 @@ def _ctx(
         meta={"stage": stage, "config": config_to_dict(cfg)},
         evaluate=evaluate,
         peak_flops=peak_flops,
+        callbacks=callbacks,
     )
 
 
@@ -191,7 +196,13 @@ def format_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def run_pipeline(cfg: PipelineConfig, *, resume: bool = False, overwrite: bool = False) -> dict:
+def run_pipeline(
+    cfg: PipelineConfig,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    callbacks: Sequence[Any] = (),
+) -> dict:
     """Run the pipeline of `cfg` in `cfg.out`: `summary.json`, `metrics.jsonl`,
     `config.json`, PNG plots, `<stage>/hf/` checkpoints with their tokenizer; returns the
     summary.
@@ -202,6 +213,9 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False, overwrite: bool =
     configuration). `summary["stopped"]` is `"done"`, or `"diverged"` when a stage
     diverged past its rollbacks (the pipeline stops there, and that stage's export is
     its last verified, finite state); each stage's entry says how it stopped.
+    `callbacks` (`Callback`s) are called by every stage's loop and after each stage's
+    held-out evaluation; a stop one requests ends that stage (`"stopped": "callback"`
+    and its `"stop_reason"` in the stage's entry), and the pipeline goes on.
     """
     validate_config(cfg)
     run_dir = cfg.out or os.path.join("runs", "pipeline")
@@ -210,10 +224,12 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False, overwrite: bool =
         print(f"run directory: {run_dir}")
         for note in rd.notes:
             print(f"note: {note}", file=sys.stderr)
-        return _run_pipeline(cfg, run_dir, rd.resume, say)
+        return _run_pipeline(cfg, run_dir, rd.resume, say, tuple(callbacks))
 
 
-def _run_pipeline(cfg: PipelineConfig, run_dir: str, resume: bool, say) -> dict:
+def _run_pipeline(
+    cfg: PipelineConfig, run_dir: str, resume: bool, say, callbacks: tuple = ()
+) -> dict:
     t0 = time.perf_counter()
     s = cfg.sampling
     base, tok = load_model(cfg.model.source, cfg.model.tokenizer, quantized=cfg.model.quantized)
@@ -251,7 +267,14 @@ def _run_pipeline(cfg: PipelineConfig, run_dir: str, resume: bool, say) -> dict:
         """A stage's context; `periodic`: evaluate against SFT every `ops.eval_every`."""
         evaluate_every = against_sft if periodic and sft_scores is not None else None
         return _ctx(
-            cfg, run_dir, stage, stage_key(key, stage), resume, evaluate_every, peak_flops=peak
+            cfg,
+            run_dir,
+            stage,
+            stage_key(key, stage),
+            resume,
+            evaluate_every,
+            peak_flops=peak,
+            callbacks=callbacks,
         )
 
     env = StageEnv(
@@ -266,6 +289,7 @@ def _run_pipeline(cfg: PipelineConfig, run_dir: str, resume: bool, say) -> dict:
         make_ctx=make_ctx,
         label=_labels(cfg.label_noise, cfg.ops.seed),
         summary=summary,
+        callbacks=callbacks,
     )
     # policies later stages read: SFT (their start), the distillation teacher, the judge
     keep = {"sft", cfg.distill.teacher, cfg.judge.model}
@@ -286,7 +310,10 @@ def _run_pipeline(cfg: PipelineConfig, run_dir: str, resume: bool, say) -> dict:
                 m["win_rate_vs_sft"] = win_rate(scores, sft_scores)
                 m["win_rate_vs_sft_se"] = win_rate_se(scores, sft_scores, cfg.eval_samples)
             m["stopped"] = stopped
+            if out.result.loop.stop_reason:
+                m["stop_reason"] = out.result.loop.stop_reason
             m.update(out.summary or {})
+            after_evaluation(callbacks, out.result.loop, m)
             summary[st.summary_key or st.name] = m
             if st.name in keep:
                 env.policies[st.name] = out.policy

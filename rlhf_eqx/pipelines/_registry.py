@@ -177,7 +177,8 @@ class StageEnv:
     run directory, the policies of the stages already run (`policies["sft"]`), the
     reward source of the reward stage (`reward`), the noisy labeller of the built-in
     task, keys, `ctx(stage)` for its `RunContext` (checkpoints, metrics, periodic
-    evaluation), and `stage`, the name of the stage running."""
+    evaluation), `stage`, the name of the stage running, and `callbacks`, the run's
+    `Callback`s (every `ctx(stage)` carries them)."""
 
     cfg: Any
     base: Any
@@ -193,6 +194,7 @@ class StageEnv:
     reward: Any = None
     summary: dict = dataclasses.field(default_factory=dict)
     stage: str = ""
+    callbacks: tuple = ()
 
     def ctx(self, stage: str, *, periodic: bool = True):
         """The `RunContext` of `stage` (its key, checkpoint directory, metrics log)."""

@@ -107,6 +107,14 @@ def accumulate_gradients(
     return loss, grads, aux
 
 
+def _moment_std(metrics: dict[str, Array], prefix: str) -> Float[Array, ""]:
+    r"""$\sqrt{\max(\overline{x^2} - \bar x^2, 0)}$ from the means `{prefix}/mean` and
+    `{prefix}/_sq` (of $x$ and $x^2$ over the global batch) in `metrics`, whose
+    `{prefix}/_sq` it removes."""
+    sq = metrics.pop(f"{prefix}/_sq")
+    return jnp.sqrt(jnp.maximum(sq - jnp.square(metrics[f"{prefix}/mean"]), 0.0))
+
+
 def sums_to_means(sums: Sums) -> dict[str, Float[Array, ""]]:
     """`{name: sum / max(count, 1)}`: masked means (0 where nothing was counted)."""
     return {k: (s / jnp.maximum(c, 1.0)).astype(jnp.float32) for k, (s, c) in sums.items()}

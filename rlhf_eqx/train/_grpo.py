@@ -19,7 +19,7 @@ from ..losses import (
 )
 from ..models import AbstractSelectiveLM
 from ..ops import entropy_from_logits, logprobs_from_logits, masked_sum
-from ._accumulate import _set_fields, vmap_model
+from ._accumulate import _moment_std, _set_fields, vmap_model
 from ._group_logps import shared_prompt_logprobs
 from ._grpo_advantages import grpo_advantages
 from ._policy_loss_fns import make_policy_loss, read_policy_loss
@@ -209,9 +209,8 @@ def _rollout_correction(correction, per_token, kl, beta, uses_kl, old_logp, batc
 def _advantage_std(metrics, grads):
     del grads
     metrics = dict(metrics)
-    sq = metrics.pop("advantages/_sq")
-    mean = metrics.pop("advantages/mean")
-    metrics["advantages/std"] = jnp.sqrt(jnp.maximum(sq - jnp.square(mean), 0.0))
+    metrics["advantages/std"] = _moment_std(metrics, "advantages")
+    del metrics["advantages/mean"]
     return metrics
 
 

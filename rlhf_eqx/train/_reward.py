@@ -10,7 +10,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 from ..data import PackedPreferenceBatch, PreferenceBatch
 from ..losses import bradley_terry_loss
 from ..models import AbstractBranchScorer
-from ._accumulate import vmap_model
+from ._accumulate import _moment_std, vmap_model
 from ._settings import RewardSettings, StepOptions, settings_from, split_shortcuts
 from ._state import combine
 from ._step import LossFn, Step, make_step
@@ -108,8 +108,7 @@ def reward_loss(settings: RewardSettings | None = None, **shortcuts: Any) -> Los
 def _reward_std(metrics, grads):
     del grads
     metrics = dict(metrics)
-    sq = metrics.pop("rewards/_sq")
-    metrics["rewards/std"] = jnp.sqrt(jnp.maximum(sq - jnp.square(metrics["rewards/mean"]), 0.0))
+    metrics["rewards/std"] = _moment_std(metrics, "rewards")
     return metrics
 
 

@@ -24,6 +24,7 @@ EXEMPT = {
     "notes": "free text describing the configuration",
     "sampling.stop_strings": "any non-empty strings are stop strings",
     "prm.separator": "any non-empty string separates steps (its last token marks each end)",
+    "ops.tracker_group": "any name groups the run with others in the experiment trackers",
 }
 """Fields with no invalid value of their type, and why."""
 

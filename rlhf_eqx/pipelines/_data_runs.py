@@ -24,6 +24,7 @@ from ._registry import StageEnv, get_stage, stage_config, stages
 from ._rollout import sampling_options
 from ._rundir import check_data, open_run_dir, write_json_atomic
 from ._runs import RunContext, export_policy
+from ._trackers import run_trackers
 from ._validation import validate_config
 
 
@@ -73,7 +74,10 @@ def run_on_data(
             "<run>/reward/ensemble or <run>/prm/hf)"
         )
     run_dir = cfg.out or os.path.join("runs", stage)
-    with open_run_dir(cfg, run_dir, resume=resume, overwrite=overwrite) as rd:
+    with (
+        open_run_dir(cfg, run_dir, resume=resume, overwrite=overwrite) as rd,
+        run_trackers(cfg, run_dir),
+    ):
         print(f"run directory: {run_dir}")
         for note in rd.notes:
             print(f"note: {note}", file=sys.stderr)

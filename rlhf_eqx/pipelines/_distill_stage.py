@@ -51,6 +51,23 @@ class DistillConfig(BatchStageConfig):
     samples: int = 2
     lora: LoRASettings = LoRASettings()
 
+    def check(self, name: str, *, device_count: int = 1) -> None:
+        """Distillation's own rules: β and λ in [0, 1], a temperature > 0, samples >= 1, and a
+        teacher that is a teacher stage, a checkpoint directory or a `.gguf` file."""
+        del device_count
+        _within(f"{name}.beta", self.beta, 0, 1, " (0: forward KL, 1: reverse KL)")
+        _within(f"{name}.lmbda", self.lmbda, 0, 1)
+        _above(f"{name}.temperature", self.temperature, 0)
+        _positive(f"{name}.samples", self.samples)
+        gguf = self.teacher.lower().endswith(".gguf") and os.path.isfile(self.teacher)
+        if self.teacher not in teacher_stages() and not os.path.isdir(self.teacher) and not gguf:
+            _fail(
+                f"{name}.teacher",
+                self.teacher,
+                f"must be one of {', '.join(teacher_stages())}, a checkpoint directory or a "
+                ".gguf file",
+            )
+
 
 def teacher_stages() -> tuple[str, ...]:
     """The stages `distill.teacher` may name: registered stages that train a policy on the
@@ -60,23 +77,6 @@ def teacher_stages() -> tuple[str, ...]:
         for st in stages()
         if st.trains_policy and st.builtin is not None and st.name not in ("sft", "distill")
     )
-
-
-def check(name: str, c: DistillConfig, *, device_count: int = 1) -> None:
-    """Distillation's own rules: β and λ in [0, 1], a temperature > 0, samples >= 1, and a
-    teacher that is a teacher stage, a checkpoint directory or a `.gguf` file."""
-    del device_count
-    _within(f"{name}.beta", c.beta, 0, 1, " (0: forward KL, 1: reverse KL)")
-    _within(f"{name}.lmbda", c.lmbda, 0, 1)
-    _above(f"{name}.temperature", c.temperature, 0)
-    _positive(f"{name}.samples", c.samples)
-    gguf = c.teacher.lower().endswith(".gguf") and os.path.isfile(c.teacher)
-    if c.teacher not in teacher_stages() and not os.path.isdir(c.teacher) and not gguf:
-        _fail(
-            f"{name}.teacher",
-            c.teacher,
-            f"must be one of {', '.join(teacher_stages())}, a checkpoint directory or a .gguf file",
-        )
 
 
 def check_run(cfg, run) -> None:
@@ -332,7 +332,6 @@ register_stage(
         distill_on_data,
         needs=distill_needs,
         help="generalized knowledge distillation from distill.teacher",
-        check=check,
         check_run=check_run,
         task=dict(steps=40, batch_size=16, samples=2, optim=_optim(1e-3)),
     )

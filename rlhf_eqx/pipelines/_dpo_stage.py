@@ -62,23 +62,25 @@ class DPOConfig(BatchStageConfig, DPOSettings):
     packing: bool = False
     lora: LoRASettings = LoRASettings()
 
-
-def check(name: str, c: DPOConfig, *, device_count: int = 1) -> None:
-    """DPO's own rules: a cached (or no) reference, rounds >= 1, two samples or more per
-    prompt, no packing with a loss that sorts over a batch's pairs."""
-    del device_count
-    if c.reference == "model":
-        _fail(
-            f"{name}.reference",
-            c.reference,
-            "must be cached or none (the runs cache the reference log-probabilities)",
-        )
-    _positive(f"{name}.rounds", c.rounds)
-    if c.samples < 2:
-        _fail(f"{name}.samples", c.samples, "must be >= 2 (pairs need two completions)")
-    if c.packing and c.loss_type in DPO_BATCH_LOSS_TYPES:
-        why = f"loss_type={c.loss_type!r} sorts over a batch's pairs and needs unpacked batches"
-        _fail(f"{name}.packing", c.packing, why)
+    def check(self, name: str, *, device_count: int = 1) -> None:
+        """DPO's own rules: a cached (or no) reference, rounds >= 1, two samples or more per
+        prompt, no packing with a loss that sorts over a batch's pairs."""
+        del device_count
+        if self.reference == "model":
+            _fail(
+                f"{name}.reference",
+                self.reference,
+                "must be cached or none (the runs cache the reference log-probabilities)",
+            )
+        _positive(f"{name}.rounds", self.rounds)
+        if self.samples < 2:
+            _fail(f"{name}.samples", self.samples, "must be >= 2 (pairs need two completions)")
+        if self.packing and self.loss_type in DPO_BATCH_LOSS_TYPES:
+            why = (
+                f"loss_type={self.loss_type!r} sorts over a batch's pairs and needs unpacked "
+                "batches"
+            )
+            _fail(f"{name}.packing", self.packing, why)
 
 
 def _check_packing(stage: str):
@@ -96,24 +98,35 @@ def _check_packing(stage: str):
     return check_run
 
 
-def _dpo_setup(model, cfg: DPOConfig, total_steps: int, key):
+def _dpo_setup(model, cfg: DPOConfig, total_steps: int, key, make_step=None):
     model, spec = with_lora(model, cfg.lora, key)
     reference = rx.without_lora(model) if spec is not None else model
     opt = build_optimizer(cfg.optim, total_steps)
     state = rx.train.init_train_state(model, opt, filter_spec=spec)
-    step = rx.train.make_dpo_step(opt, cfg, options=cfg.options)
+    step = (make_step or rx.train.make_dpo_step)(opt, cfg, options=cfg.options)
     return state, reference, step
 
 
 def run_dpo(
-    model, tok, pairs: Sequence[data.PreferenceRecord], *, cfg: DPOConfig, ctx: RunContext
+    model,
+    tok,
+    pairs: Sequence[data.PreferenceRecord],
+    *,
+    cfg: DPOConfig,
+    ctx: RunContext,
+    make_step: Callable | None = None,
 ) -> RunResult:
     """Offline DPO (Rafailov et al. 2023) on fixed pairs: reference log-probs computed
     once (the reference is the model without its adapters), `cfg.steps` steps. With
-    `cfg.packing`, on token-budget batches (`packed_steps`)."""
+    `cfg.packing`, on token-budget batches (`packed_steps`).
+
+    `make_step(optimizer, cfg, *, options)`: the update (default
+    `rlhf_eqx.train.make_dpo_step`); another preference step on the same batches (a
+    variant of the DPO loss with settings of its own, a subclass of `DPOConfig`) runs
+    with everything here: cached reference, packing, checkpoints, resume."""
     validate_stage("dpo", cfg)
     k_lora, ctx_key = jax.random.split(ctx.key)
-    state, reference, step = _dpo_setup(model, cfg, cfg.steps, k_lora)
+    state, reference, step = _dpo_setup(model, cfg, cfg.steps, k_lora, make_step)
     run = dict(steps=cfg.steps, ctx=ctx, ctx_key=ctx_key, policy_of=lambda s: s.model)
     if cfg.packing:
         batches = packed_steps(
@@ -223,6 +236,7 @@ def run_online_dpo(
     *,
     cfg: DPOConfig,
     ctx: RunContext,
+    make_step: Callable | None = None,
 ) -> RunResult:
     """Online (iterative) DPO: for each of `cfg.rounds` rounds, sample `cfg.samples`
     completions per prompt from the current policy, label them with
@@ -231,7 +245,7 @@ def run_online_dpo(
     al. 2024)."""
     validate_stage("dpo", cfg)
     k_lora, ctx_key = jax.random.split(ctx.key)
-    state, reference, step = _dpo_setup(model, cfg, cfg.rounds * cfg.steps, k_lora)
+    state, reference, step = _dpo_setup(model, cfg, cfg.rounds * cfg.steps, k_lora, make_step)
 
     def iteration(state, key, r):
         k_sample, k_steps = jax.random.split(key)
@@ -344,7 +358,6 @@ register_stage(
         sections=("reward", "sft"),
         needs=lambda cfg: ("sft", "reward", "online-dpo"),
         help="online DPO on pairs labelled by the reward model",
-        check=check,
         check_run=_check_packing("online-dpo"),
     )
 )
@@ -355,7 +368,6 @@ register_stage(
         dpo,
         dpo_on_data,
         help="DPO (and its loss family)",
-        check=check,
         check_run=_check_packing("dpo"),
         task=dict(beta=0.1, rounds=3, steps=20, batch_size=16, samples=4, optim=_optim(5e-4)),
     )

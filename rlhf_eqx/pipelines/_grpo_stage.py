@@ -101,44 +101,45 @@ class GRPOConfig(RolloutStageConfig, GRPOSettings):
     dynamic_sampling: int = 0
     overlong_buffer: int = 0
 
-
-def check(name: str, c: GRPOConfig, *, device_count: int = 1) -> None:
-    """GRPO's own rules: groups of two or more, rows that divide the devices, the
-    staleness below the rollouts and `MAX_STALENESS`, a local sampler device, DAPO's
-    counts >= 0."""
-    if c.group_size < 2:
-        _fail(f"{name}.group_size", c.group_size, "must be >= 2")
-    _divides(f"{name}.prompts_per_rollout", c.prompts_per_rollout * c.group_size, device_count)
-    _check_options(name, c, c.prompts_per_rollout)
-    _at_least(f"{name}.staleness", c.staleness, 0)
-    if c.staleness and c.staleness >= c.rollouts:
-        _fail(
-            f"{name}.staleness",
-            c.staleness,
-            f"must be < {name}.rollouts={c.rollouts} (rollout r samples from the policy of "
-            f"update r - staleness: with {c.staleness}, every rollout would come from the "
-            "initial policy)",
+    def check(self, name: str, *, device_count: int = 1) -> None:
+        """GRPO's own rules: groups of two or more, rows that divide the devices, the
+        staleness below the rollouts and `MAX_STALENESS`, a local sampler device, DAPO's
+        counts >= 0."""
+        if self.group_size < 2:
+            _fail(f"{name}.group_size", self.group_size, "must be >= 2")
+        _divides(
+            f"{name}.prompts_per_rollout", self.prompts_per_rollout * self.group_size, device_count
         )
-    if c.staleness > MAX_STALENESS:
-        _fail(
-            f"{name}.staleness",
-            c.staleness,
-            f"must be <= {MAX_STALENESS} (each stale policy's trainable parameters are held "
-            "in memory and in every checkpoint)",
-        )
-    if not isinstance(c.overlap, bool):
-        _fail(f"{name}.overlap", c.overlap, "must be true or false")
-    _at_least(f"{name}.sampler_device", c.sampler_device, -1)
-    local = jax.local_devices()
-    if c.sampler_device >= len(local):
-        _fail(
-            f"{name}.sampler_device",
-            c.sampler_device,
-            f"this process has {len(local)} local device(s) ({local[0].platform}); on CPU, "
-            "XLA_FLAGS=--xla_force_host_platform_device_count=2 makes two",
-        )
-    _at_least(f"{name}.dynamic_sampling", c.dynamic_sampling, 0)
-    _at_least(f"{name}.overlong_buffer", c.overlong_buffer, 0)
+        _check_options(name, self, self.prompts_per_rollout)
+        _at_least(f"{name}.staleness", self.staleness, 0)
+        if self.staleness and self.staleness >= self.rollouts:
+            _fail(
+                f"{name}.staleness",
+                self.staleness,
+                f"must be < {name}.rollouts={self.rollouts} (rollout r samples from the policy of "
+                f"update r - staleness: with {self.staleness}, every rollout would come from the "
+                "initial policy)",
+            )
+        if self.staleness > MAX_STALENESS:
+            _fail(
+                f"{name}.staleness",
+                self.staleness,
+                f"must be <= {MAX_STALENESS} (each stale policy's trainable parameters are held "
+                "in memory and in every checkpoint)",
+            )
+        if not isinstance(self.overlap, bool):
+            _fail(f"{name}.overlap", self.overlap, "must be true or false")
+        _at_least(f"{name}.sampler_device", self.sampler_device, -1)
+        local = jax.local_devices()
+        if self.sampler_device >= len(local):
+            _fail(
+                f"{name}.sampler_device",
+                self.sampler_device,
+                f"this process has {len(local)} local device(s) ({local[0].platform}); on CPU, "
+                "XLA_FLAGS=--xla_force_host_platform_device_count=2 makes two",
+            )
+        _at_least(f"{name}.dynamic_sampling", self.dynamic_sampling, 0)
+        _at_least(f"{name}.overlong_buffer", self.overlong_buffer, 0)
 
 
 class OffPolicyState(eqx.Module):
@@ -498,7 +499,6 @@ register_stage(
         needs=lambda cfg: scored_needs(cfg, "grpo"),
         sections=("sft", "judge"),
         help="GRPO, rewards from grpo.reward_source",
-        check=check,
         task=dict(
             rollouts=12,
             prompts_per_rollout=8,

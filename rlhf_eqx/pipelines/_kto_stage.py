@@ -65,16 +65,15 @@ class KTOConfig(BatchStageConfig):
     samples: int = 4
     lora: LoRASettings = LoRASettings()
 
-
-def check(name: str, c: KTOConfig, *, device_count: int = 1) -> None:
-    """KTO's own rules: β > 0, weights >= 0, a known loss type, two samples or more."""
-    del device_count
-    _above(f"{name}.beta", c.beta, 0)
-    _at_least(f"{name}.desirable_weight", c.desirable_weight, 0)
-    _at_least(f"{name}.undesirable_weight", c.undesirable_weight, 0)
-    _choice(f"{name}.loss_type", c.loss_type, KTO_LOSS_TYPES)
-    if c.samples < 2:
-        _fail(f"{name}.samples", c.samples, "must be >= 2")
+    def check(self, name: str, *, device_count: int = 1) -> None:
+        """KTO's own rules: β > 0, weights >= 0, a known loss type, two samples or more."""
+        del device_count
+        _above(f"{name}.beta", self.beta, 0)
+        _at_least(f"{name}.desirable_weight", self.desirable_weight, 0)
+        _at_least(f"{name}.undesirable_weight", self.undesirable_weight, 0)
+        _choice(f"{name}.loss_type", self.loss_type, KTO_LOSS_TYPES)
+        if self.samples < 2:
+            _fail(f"{name}.samples", self.samples, "must be >= 2")
 
 
 def collate_unpaired_records(
@@ -279,7 +278,6 @@ register_stage(
         kto,
         kto_on_data,
         help="KTO on unpaired examples",
-        check=check,
         task=dict(steps=40, batch_size=16, samples=4, optim=_optim(5e-4)),
     )
 )

@@ -1,4 +1,4 @@
-"""The metrics log (`metrics.jsonl`, optional TensorBoard scalars) and progress bars."""
+"""The metrics log (`metrics.jsonl`, and the run's experiment trackers) and progress bars."""
 
 import errno
 import json
@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ._monitor import tensorboard_writer
+from ._trackers import Trackers, active_trackers, start_trackers
 
 
 class DiskFullError(OSError):
@@ -32,7 +32,12 @@ def _float(v: Any) -> Any:
 class MetricsLog:
     """Append-only JSON lines (`metrics.jsonl` in the run directory): one line per step
     (`{"stage", "iteration", "step", ...metrics}`), per evaluation (`"eval": true`) and
-    per event (`"event": ...`, e.g. a rollback)."""
+    per event (`"event": ...`, e.g. a rollback).
+
+    Step and evaluation lines also go to the experiment trackers open for the run
+    directory (`open_trackers`; `ops.trackers`), with this log's stage: their numbers
+    (not `step`, booleans or words) exactly as written here. `tensorboard=True` without
+    open trackers starts a TensorBoard tracker for this log alone."""
 
     def __init__(self, run_dir: str, stage: str, *, quiet: bool = False, tensorboard: bool = False):
         os.makedirs(run_dir, exist_ok=True)
@@ -41,9 +46,23 @@ class MetricsLog:
         repair_metrics(self.path)
         self.stage = stage
         self.quiet = quiet
-        self.writer = (
-            tensorboard_writer(os.path.join(run_dir, "tensorboard", stage)) if tensorboard else None
-        )
+        self._own: Trackers | None = None
+        if tensorboard and active_trackers(run_dir) is None:
+            self._own = start_trackers(("tensorboard",), run_dir, {})
+
+    @property
+    def trackers(self) -> Trackers | None:
+        """The experiment trackers this log's records go to (`None`: none)."""
+        if self._own is not None:
+            return self._own
+        return active_trackers(self.run_dir)
+
+    @property
+    def writer(self) -> Any:
+        """This stage's TensorBoard `SummaryWriter`, `None` without a TensorBoard tracker."""
+        trackers = self.trackers
+        tb = None if trackers is None else trackers.trackers.get("tensorboard")
+        return None if tb is None else tb.writer(self.stage)
 
     def write(self, record: dict) -> None:
         line = {"stage": self.stage, **{k: _float(v) for k, v in record.items()}}
@@ -56,11 +75,14 @@ class MetricsLog:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise DiskFullError(self.run_dir) from None
             raise
-        if self.writer is not None and "step" in line and "event" not in line:
-            for k, v in line.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
-                    self.writer.add_scalar(f"{self.stage}/{k}", v, global_step=line["step"])
-            self.writer.flush()
+        trackers = self.trackers
+        if trackers is not None and "step" in line and "event" not in line:
+            numbers = {
+                k: float(v)
+                for k, v in line.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"
+            }
+            trackers.log(int(line["step"]), numbers, self.stage)
 
     def event(self, kind: str, message: str, **fields: Any) -> None:
         self.write({"event": kind, "message": message, **fields})

@@ -1,5 +1,6 @@
 """Monitoring of a run: model FLOPs and MFU against a measured matmul peak, device
-memory, reward improvement, `jax.profiler` traces and optional TensorBoard scalars.
+memory, reward improvement and `jax.profiler` traces (TensorBoard scalars are a tracker,
+`_tracker_backends.py`).
 
 **Model FLOPs** follow the usual count (Kaplan et al. 2020; Chowdhury et al. 2022, PaLM
 appendix B): a forward pass costs `2 N` FLOPs per token for `N` parameters (one multiply
@@ -12,10 +13,8 @@ datasheet number.
 """
 
 import os
-import sys
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -81,21 +80,3 @@ class Profiler:
         if self.active:
             jax.profiler.stop_trace()
             self.active = False
-
-
-def tensorboard_writer(directory: str) -> Any:
-    """A TensorBoard `SummaryWriter` for `directory` from `tensorboardX` or, failing that,
-    `torch.utils.tensorboard`; `None` (with a note on stderr) when neither is installed."""
-    try:
-        from tensorboardX import SummaryWriter
-    except ImportError:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            print(
-                "note: TensorBoard logging needs tensorboardX (pip install tensorboardX); "
-                "metrics go to metrics.jsonl only",
-                file=sys.stderr,
-            )
-            return None
-    return SummaryWriter(directory)

@@ -26,7 +26,7 @@ import rlhf_eqx as rx
 
 from ..envs import Trajectory
 from ._config import ConfigError, LoRASettings, _optim
-from ._dpo_stage import DPOConfig, _dpo_setup, check as dpo_check
+from ._dpo_stage import DPOConfig, _dpo_setup
 from ._monitor import model_flops
 from ._multiturn_stage import _length, _rollout, check_episode, episode_stage
 from ._registry import Outcome, Stage, StageEnv, register_stage
@@ -237,7 +237,6 @@ register_stage(
         MultiturnDPOConfig,
         multiturn_dpo,
         help="online DPO on two-turn episodes (best vs worst episode per prompt)",
-        check=dpo_check,
         check_run=check_episode("multiturn-dpo"),
     )
 )

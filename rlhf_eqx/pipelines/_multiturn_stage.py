@@ -25,7 +25,7 @@ from ._config import (
     LoRASettings,
 )
 from ._evaluate import prompt_se, win_rate, win_rate_se
-from ._grpo_stage import GRPOConfig, check as grpo_check, grpo_state_and_step
+from ._grpo_stage import GRPOConfig, grpo_state_and_step
 from ._model_checks import check_episode_length
 from ._monitor import model_flops
 from ._registry import Outcome, Stage, StageEnv, register_stage
@@ -263,7 +263,6 @@ register_stage(
         MultiturnConfig,
         multiturn,
         help="GRPO on two-turn episodes: a paragraph, then one about the animal asked for",
-        check=grpo_check,
         check_run=check_episode("multiturn"),
     )
 )

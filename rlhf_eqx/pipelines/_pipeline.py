@@ -33,6 +33,7 @@ from ._runs import (
     export_policy,
 )
 from ._task import HELDOUT_PROMPTS, animal_score, noisy_scores
+from ._trackers import run_trackers
 from ._validation import validate_config
 
 # short model names: (package that ships the file, file name in it, pip requirement)
@@ -219,7 +220,10 @@ def run_pipeline(
     """
     validate_config(cfg)
     run_dir = cfg.out or os.path.join("runs", "pipeline")
-    with open_run_dir(cfg, run_dir, resume=resume, overwrite=overwrite) as rd:
+    with (
+        open_run_dir(cfg, run_dir, resume=resume, overwrite=overwrite) as rd,
+        run_trackers(cfg, run_dir),
+    ):
         say = (lambda *a: None) if cfg.ops.quiet else print
         print(f"run directory: {run_dir}")
         for note in rd.notes:

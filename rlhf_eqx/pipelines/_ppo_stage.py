@@ -42,22 +42,25 @@ class PPOConfig(RolloutStageConfig, PPOSettings):
     kl_coef: float = 0.05
     reward_source: str = "reward_model"
 
-
-def check(name: str, c: PPOConfig, *, device_count: int = 1) -> None:
-    """PPO's own rules: minibatches divide the rollout (and its rows the devices), a
-    KL coefficient >= 0, γ and λ in [0, 1]."""
-    _positive(f"{name}.minibatches", c.minibatches)
-    if c.prompts_per_rollout % c.minibatches:
-        _fail(
-            f"{name}.minibatches",
-            c.minibatches,
-            f"must divide {name}.prompts_per_rollout={c.prompts_per_rollout}",
+    def check(self, name: str, *, device_count: int = 1) -> None:
+        """PPO's own rules: minibatches divide the rollout (and its rows the devices), a
+        KL coefficient >= 0, γ and λ in [0, 1]."""
+        _positive(f"{name}.minibatches", self.minibatches)
+        if self.prompts_per_rollout % self.minibatches:
+            _fail(
+                f"{name}.minibatches",
+                self.minibatches,
+                f"must divide {name}.prompts_per_rollout={self.prompts_per_rollout}",
+            )
+        _divides(
+            f"{name}.prompts_per_rollout",
+            self.prompts_per_rollout // self.minibatches,
+            device_count,
         )
-    _divides(f"{name}.prompts_per_rollout", c.prompts_per_rollout // c.minibatches, device_count)
-    _at_least(f"{name}.kl_coef", c.kl_coef, 0)
-    _check_options(name, c, c.prompts_per_rollout // c.minibatches)
-    _within(f"{name}.gamma", c.gamma, 0, 1)
-    _within(f"{name}.lam", c.lam, 0, 1)
+        _at_least(f"{name}.kl_coef", self.kl_coef, 0)
+        _check_options(name, self, self.prompts_per_rollout // self.minibatches)
+        _within(f"{name}.gamma", self.gamma, 0, 1)
+        _within(f"{name}.lam", self.lam, 0, 1)
 
 
 def run_ppo(
@@ -171,7 +174,6 @@ register_stage(
         needs=lambda cfg: scored_needs(cfg, "ppo"),
         sections=("reward", "sft", "judge"),
         help="PPO with a value model, rewards from ppo.reward_source",
-        check=check,
         task=dict(
             rollouts=16,
             prompts_per_rollout=64,

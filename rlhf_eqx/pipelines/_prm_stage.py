@@ -42,14 +42,13 @@ class PRMConfig(BatchStageConfig):
     aggregation: str = "min"
     score: str = "prob"
 
-
-def check(name: str, c: PRMConfig, *, device_count: int = 1) -> None:
-    """The PRM's own rules: a non-empty step separator, a known aggregation and score."""
-    del device_count
-    if not c.separator:
-        _fail(f"{name}.separator", c.separator, "must be a non-empty string")
-    _choice(f"{name}.aggregation", c.aggregation, PRM_AGGREGATIONS)
-    _choice(f"{name}.score", c.score, PRM_SCORES)
+    def check(self, name: str, *, device_count: int = 1) -> None:
+        """The PRM's own rules: a non-empty step separator, a known aggregation and score."""
+        del device_count
+        if not self.separator:
+            _fail(f"{name}.separator", self.separator, "must be a non-empty string")
+        _choice(f"{name}.aggregation", self.aggregation, PRM_AGGREGATIONS)
+        _choice(f"{name}.score", self.score, PRM_SCORES)
 
 
 def stepwise_batch(records: Sequence, tok, cfg: PRMConfig, prompt_length: int):
@@ -161,6 +160,5 @@ register_stage(
         trains_policy=False,
         sections=(),
         help="a process reward model on a stepwise file (--data)",
-        check=check,
     )
 )

@@ -67,11 +67,13 @@ class Stage:
       `panels`: extra plot panels `{title: metric names}`.
     - `summary_key`: where its summary entry goes (default: `name`); `trains_policy`:
       whether it trains a policy (a distillation teacher, evaluated and exported).
-    - `check(name, cfg, *, device_count)`: the rules of its own settings (`validate_stage`
-      and `validate_config` call it with the section name as the field prefix, after the
-      fields every batch or rollout stage shares); `check_run(pipeline_cfg, run)`: the
-      rules that combine its settings with other sections when it runs (`run`: the
-      stages of the run).
+    - `check_run(pipeline_cfg, run)`: the rules that combine its settings with other
+      sections when it runs (`run`: the stages of the run). The rules of its own
+      settings are its config's: `__post_init__` (when built) and a method
+      `check(self, name, *, device_count)` that `validate_stage` and `validate_config`
+      call with the section name as the field prefix, after the fields every batch or
+      rollout stage shares (a subclass inherits them: `MultiturnConfig` is checked as
+      a `GRPOConfig` too).
     - `task`: its settings on the built-in task (`animal_task_config()`), over its
       config's defaults and the task's shared settings (`TASK_STAGE_SETTINGS`).
     - `resumable`: fields of its section that may change on resume (how the stage is
@@ -90,7 +92,6 @@ class Stage:
     panels: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     summary_key: str = ""
     trains_policy: bool = True
-    check: Callable[..., None] | None = None
     check_run: Callable[..., None] | None = None
     task: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     resumable: tuple[str, ...] = ()

@@ -29,6 +29,8 @@ RESUMABLE_FIELDS: tuple[str, ...] = (
     "ops.monitor",
     "ops.profile_steps",
     "ops.tensorboard",
+    "ops.trackers",
+    "ops.tracker_group",
     "ops.max_rollbacks",
     "ops.compilation_cache",  # where compiled programs are kept, not what they compute
     "ops.compilation_cache_max_mb",

@@ -64,18 +64,17 @@ class RewardConfig(BatchStageConfig, RewardSettings):
     ensemble_mode: str = "std"
     ensemble_penalty: float = 0.0
 
-
-def check(name: str, c: RewardConfig, *, device_count: int = 1) -> None:
-    """The reward stage's own rules: pairs per prompt, the held-out fraction, the
-    ensemble's size, mode and penalty."""
-    del device_count
-    _positive(f"{name}.pairs_per_prompt", c.pairs_per_prompt)
-    if not 0 < c.heldout_fraction < 1:
-        _fail(f"{name}.heldout_fraction", c.heldout_fraction, "must be in (0, 1)")
-    _at_least(f"{name}.eval_every", c.eval_every, 0)
-    _positive(f"{name}.ensemble", c.ensemble)
-    _choice(f"{name}.ensemble_mode", c.ensemble_mode, ENSEMBLE_MODES)
-    _at_least(f"{name}.ensemble_penalty", c.ensemble_penalty, 0)
+    def check(self, name: str, *, device_count: int = 1) -> None:
+        """The reward stage's own rules: pairs per prompt, the held-out fraction, the
+        ensemble's size, mode and penalty."""
+        del device_count
+        _positive(f"{name}.pairs_per_prompt", self.pairs_per_prompt)
+        if not 0 < self.heldout_fraction < 1:
+            _fail(f"{name}.heldout_fraction", self.heldout_fraction, "must be in (0, 1)")
+        _at_least(f"{name}.eval_every", self.eval_every, 0)
+        _positive(f"{name}.ensemble", self.ensemble)
+        _choice(f"{name}.ensemble_mode", self.ensemble_mode, ENSEMBLE_MODES)
+        _at_least(f"{name}.ensemble_penalty", self.ensemble_penalty, 0)
 
 
 class RewardRunState(eqx.Module):
@@ -291,7 +290,6 @@ register_stage(
         summary_key="reward_model",
         trains_policy=False,
         help="a Bradley-Terry reward model (or an ensemble: reward.ensemble=K)",
-        check=check,
         task=dict(steps=80, batch_size=32, pairs_per_prompt=24, eval_every=5, optim=_optim(1e-3)),
     )
 )

@@ -1,6 +1,6 @@
 """The checks of the stages a run executes (`validate_config`): each stage known and
 runnable where it runs, its prerequisites present, its settings valid (the fields every
-batch or rollout stage shares, then the stage's own `Stage.check`), and the rules across
+batch or rollout stage shares, then the settings' own `check`), and the rules across
 stages and sections (a batch's length above the prompt's, the reward source and the
 judge's verdict tokens, then each running stage's `Stage.check_run`) checked before any
 stage runs."""
@@ -15,15 +15,13 @@ from ._registry import find_stage, stage_names, stages
 
 def check_section(name: str, c: Any, *, device_count: int = 1) -> None:
     """Check the settings `c` of the stage section `name` (see `validate_stage`): unused
-    settings at their defaults, the shared batch / rollout fields, then the `check` of
-    each stage registered on the section (once each)."""
+    settings at their defaults, the shared batch / rollout fields, then the settings'
+    own rules (their `check(name, device_count=...)` method, where they have one)."""
     check_unused(name, c)
     check_shared_fields(name, c, device_count)
-    done = []
-    for st in stages():
-        if name in (st.key, st.name) and st.check is not None and st.check not in done:
-            done.append(st.check)
-            st.check(name, c, device_count=device_count)
+    own = getattr(c, "check", None)
+    if callable(own):
+        own(name, device_count=device_count)
 
 
 def run_stages(cfg: Any, stage: str | None = None) -> tuple[str, ...]:

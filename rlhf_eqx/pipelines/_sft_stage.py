@@ -34,11 +34,10 @@ class SFTConfig(BatchStageConfig, SFTSettings):
     samples: int = 4
     lora: LoRASettings = LoRASettings()
 
-
-def check(name: str, c: SFTConfig, *, device_count: int = 1) -> None:
-    """SFT's own rule: `samples >= 1`."""
-    del device_count
-    _positive(f"{name}.samples", c.samples)
+    def check(self, name: str, *, device_count: int = 1) -> None:
+        """SFT's own rule: `samples >= 1`."""
+        del device_count
+        _positive(f"{name}.samples", self.samples)
 
 
 def run_sft(
@@ -117,7 +116,6 @@ register_stage(
         needs=lambda cfg: ("sft",),
         sections=(),
         help="supervised fine-tuning",
-        check=check,
         task=dict(steps=30, batch_size=16, samples=2, optim=_optim(5e-4)),
     )
 )

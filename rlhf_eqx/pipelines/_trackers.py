@@ -1,0 +1,257 @@
+"""Experiment trackers: the `Tracker` protocol behind a run's metrics log, the registry
+of backends by name (`ops.trackers`), and the started trackers of one run directory.
+
+A run opens its trackers once (`open_trackers`, or `run_trackers` from a
+`PipelineConfig`), and every `MetricsLog` of that run directory (one per stage) sends
+its step and evaluation records to them with its stage name. A tracker that cannot be
+imported or fails to start prints one line (`tracker wandb: could not start (...); the
+run goes on without it`) and the run continues without it; one that fails later is
+dropped the same way. Nothing here touches the network: each backend writes locally
+unless the user configured otherwise (`_tracker_backends.py`).
+"""
+
+import abc
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from ._config import ConfigError
+
+_ACTIVE: dict[str, "Trackers"] = {}
+"""The open trackers of each run directory (absolute path), for its `MetricsLog`s."""
+
+
+class Tracker(abc.ABC):
+    """The experiment-tracker protocol: one run of an external tracker (TensorBoard,
+    Weights & Biases, MLflow, trackio, or your own), fed by the run's metrics log.
+
+    A backend is built by its factory with the run directory (`register_tracker`), then
+    called in this order: `start` once, `log` for each record, `summary` at most once,
+    `finish` once. Any exception it raises is caught by `Trackers`: the run goes on
+    without that tracker.
+
+    ```python
+    class PrintTracker(pl.Tracker):
+        def __init__(self, run_dir):
+            self.run_dir = run_dir
+
+        def start(self, run_name, config, group):
+            print("start", run_name, group)
+
+        def log(self, step, metrics, stage):
+            print(stage, step, metrics.get("loss"))
+
+        def summary(self, values):
+            print("summary", values)
+
+        def finish(self):
+            print("done")
+
+    pl.register_tracker("print", PrintTracker)  # then --set ops.trackers=print
+    ```
+    """
+
+    @abc.abstractmethod
+    def start(self, run_name: str, config: dict, group: str | None) -> None:
+        """Open the tracker's run.
+
+        **Arguments:**
+
+        - `run_name`: the run's name (by default the run directory's base name).
+        - `config`: the resolved configuration (`config_to_dict`), nested sections.
+        - `group`: the group of related runs (a sweep's members), or `None`.
+        """
+
+    @abc.abstractmethod
+    def log(self, step: int, metrics: dict[str, float], stage: str) -> None:
+        """Record one step (or evaluation) of `stage`: `metrics` are the record's numbers
+        as `metrics.jsonl` has them, keys without the stage prefix; `step` counts that
+        stage's optimiser steps from 0."""
+
+    @abc.abstractmethod
+    def summary(self, values: dict) -> None:
+        """Record the run's final summary (`summary.json`: nested per stage)."""
+
+    @abc.abstractmethod
+    def finish(self) -> None:
+        """Close the run (flush, mark it finished)."""
+
+
+_REGISTRY: dict[str, Callable[[str], Tracker]] = {}
+
+
+def register_tracker(name: str, factory: Callable[[str], Tracker]) -> None:
+    """Make `factory(run_dir) -> Tracker` selectable as `ops.trackers=name` (a name
+    registered again replaces the earlier factory)."""
+    if not name or not name.replace("_", "").replace("-", "").isalnum():
+        raise ValueError(f"register_tracker: name={name!r}: must be letters, digits, - or _")
+    _REGISTRY[name] = factory
+
+
+def tracker_names() -> tuple[str, ...]:
+    """The names `ops.trackers` accepts: the built-in `tensorboard`, `wandb`, `mlflow`,
+    `trackio` and any registered with `register_tracker`."""
+    return tuple(_REGISTRY)
+
+
+def check_tracker_names(names: Iterable[str], field: str = "ops.trackers") -> None:
+    """A `ConfigError` naming `field`, the unknown name and the known ones, for a name in
+    `names` that is not a registered tracker."""
+    for name in names:
+        if name not in _REGISTRY:
+            raise ConfigError(
+                f"{field}={name}: must be one of {', '.join(tracker_names())} "
+                "(known trackers; register_tracker adds others)"
+            )
+
+
+def _say(name: str, what: str, error: BaseException) -> None:
+    detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    print(f"tracker {name}: {what} ({detail}); the run goes on without it", file=sys.stderr)
+
+
+def flatten(values: Mapping, prefix: str = "", sep: str = "/") -> dict[str, Any]:
+    """`{"a": {"b": 1}}` as `{"a/b": 1}` (nested mappings joined with `sep`)."""
+    out: dict[str, Any] = {}
+    for k, v in values.items():
+        key = f"{prefix}{sep}{k}" if prefix else str(k)
+        if isinstance(v, Mapping):
+            out.update(flatten(v, key, sep))
+        else:
+            out[key] = v
+    return out
+
+
+class Trackers:
+    """The started trackers of one run directory. `log`, `summary` and `finish` pass on
+    to each; a tracker that raises is dropped with one line on stderr, and the run goes
+    on. While open (from `open_trackers` to `finish`) every `MetricsLog` of the run
+    directory logs to them. As a context manager it finishes on exit."""
+
+    def __init__(self, run_dir: str, trackers: Mapping[str, Tracker]):
+        self.run_dir = run_dir
+        self.trackers = dict(trackers)
+        self.started = time.time()
+        self.summarised = False
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The trackers still running."""
+        return tuple(self.trackers)
+
+    def _each(self, what: str, call: Callable[[Tracker], None]) -> None:
+        for name, tracker in list(self.trackers.items()):
+            try:
+                call(tracker)
+            except Exception as e:  # a tracker never stops the run
+                del self.trackers[name]
+                _say(name, f"could not {what}", e)
+
+    def log(self, step: int, metrics: dict[str, float], stage: str) -> None:
+        """Send one record of `stage` to every tracker."""
+        if metrics:
+            self._each("log", lambda t: t.log(step, metrics, stage))
+
+    def summary(self, values: dict) -> None:
+        """Send the final summary to every tracker."""
+        self.summarised = True
+        self._each("log the summary", lambda t: t.summary(values))
+
+    def finish(self) -> None:
+        """Log the run's `summary.json` (when this run wrote it and no summary was sent),
+        finish every tracker and stop routing the run directory's metrics to them."""
+        if not self.summarised and self.trackers:
+            path = os.path.join(self.run_dir, "summary.json")
+            try:
+                if os.path.getmtime(path) >= self.started - 1.0:
+                    with open(path) as f:
+                        self.summary(json.load(f))
+            except (OSError, ValueError):
+                pass
+        self._each("finish", lambda t: t.finish())
+        self.trackers = {}
+        if _ACTIVE.get(os.path.abspath(self.run_dir)) is self:
+            del _ACTIVE[os.path.abspath(self.run_dir)]
+
+    def __enter__(self) -> "Trackers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.finish()
+
+
+def open_trackers(
+    names: Iterable[str],
+    run_dir: str,
+    config: dict,
+    *,
+    group: str | None = None,
+    run_name: str | None = None,
+) -> Trackers:
+    """Start the trackers `names` (registered names, `tracker_names()`) for the run in
+    `run_dir`, and route the metrics of every `MetricsLog` of `run_dir` to them until
+    `finish`.
+
+    **Arguments:**
+
+    - `names`: the trackers to start, e.g. `("tensorboard", "wandb")`; an unknown name
+      is a `ConfigError` listing the known ones.
+    - `run_dir`: the run directory (the trackers' local files go inside it).
+    - `config`: the resolved configuration to record (`config_to_dict(cfg)`).
+    - `group`: the group of this run in the trackers (sweep members: one group, one
+      run each); `None`: no group.
+    - `run_name`: the run's name; default the run directory's base name.
+
+    **Returns:** the `Trackers`; those that could not start are left out with one line
+    on stderr each (`tracker wandb: could not start (...); the run goes on without it`).
+    """
+    out = start_trackers(names, run_dir, config, group=group, run_name=run_name)
+    previous = _ACTIVE.get(os.path.abspath(run_dir))
+    if previous is not None:
+        previous.finish()
+    _ACTIVE[os.path.abspath(run_dir)] = out
+    return out
+
+
+def start_trackers(
+    names: Iterable[str],
+    run_dir: str,
+    config: dict,
+    *,
+    group: str | None = None,
+    run_name: str | None = None,
+) -> Trackers:
+    """`open_trackers` without routing `run_dir`'s metrics logs to them."""
+    names = tuple(dict.fromkeys(names))
+    check_tracker_names(names)
+    os.makedirs(run_dir, exist_ok=True)
+    run_name = run_name or os.path.basename(os.path.abspath(run_dir))
+    started: dict[str, Tracker] = {}
+    for name in names:
+        try:
+            tracker = _REGISTRY[name](run_dir)
+            tracker.start(run_name, config, group)
+        except Exception as e:  # a missing library or a refused start: go on without it
+            _say(name, "could not start", e)
+            continue
+        started[name] = tracker
+    return Trackers(run_dir, started)
+
+
+def active_trackers(run_dir: str) -> Trackers | None:
+    """The trackers open for `run_dir` (`open_trackers`), or `None`."""
+    return _ACTIVE.get(os.path.abspath(run_dir))
+
+
+def run_trackers(cfg: Any, run_dir: str) -> Trackers:
+    """`open_trackers` for a pipeline run of `cfg` (a `PipelineConfig`): the trackers of
+    `cfg.ops.trackers` (and `tensorboard` when `cfg.ops.tensorboard`), the resolved
+    configuration, and `cfg.ops.tracker_group` as the group."""
+    from ._config_io import config_to_dict
+
+    ops = cfg.ops
+    names = tuple(ops.trackers) + (("tensorboard",) if ops.tensorboard else ())
+    return open_trackers(names, run_dir, config_to_dict(cfg), group=ops.tracker_group or None)

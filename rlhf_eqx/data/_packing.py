@@ -19,6 +19,7 @@ batches of the same shape in which every pair is packed once; `packed_from_prefe
 converts a padded `PreferenceBatch` into the packed batch.
 """
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -394,14 +395,8 @@ def packed_from_preferences(
             "cached reference log-probabilities are carried over only with pairs_per_row=1 "
             "and no num_rows; compute them on the packed batch instead (compute_reference_logps)"
         )
-    return PackedPreferenceBatch(
-        tokens=packed.tokens,
-        mask=packed.mask,
-        completion_mask=packed.completion_mask,
-        segment_ids=packed.segment_ids,
-        branch_ids=packed.branch_ids,
-        pairs=packed.pairs,
+    return dataclasses.replace(
+        packed,
         ref_chosen_logp=jnp.asarray(batch.ref_chosen_logp)[:, None],
         ref_rejected_logp=jnp.asarray(batch.ref_rejected_logp)[:, None],
-        regions=packed.regions,
     )

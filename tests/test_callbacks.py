@@ -312,11 +312,13 @@ def _batch_stage(name, tok, ctx):
 
 @pytest.mark.parametrize("stage", ["sft", "dpo", "reward", "kto"])
 def test_a_callback_stops_a_batch_stage(stage, tok, tmp_path):
-    cb = StopAt(2)
+    cb = Probe(2)
     res = _batch_stage(stage, tok, _ctx(tmp_path, [cb], stage=stage))
     assert res.loop.stopped == "callback" and res.loop.iterations == 2
     assert len(res.history) == 2 and [h["step"] for h in res.history] == [0, 1]
-    assert cb.reasons == [("callback", "StopAt.on_step returned 'stop'")]
+    assert cb.reasons == [("callback", "Probe.on_step returned 'stop'")]
+    policy = None if stage == "reward" else "Policy"  # the reward model's run has none
+    assert [(s[0], s[1], s[3]) for s in cb.seen] == [(stage, 1, policy), (stage, 2, policy)]
     assert pl.latest_checkpoint(str(tmp_path / "ckpt")).endswith("iter_00000002")
 
 
@@ -332,7 +334,7 @@ class Probe(StopAt):
         self.seen = []
 
     def on_step(self, run, step, metrics):
-        policy = type(run.policy()).__name__
+        policy = type(run.policy()).__name__ if run.has_policy else None
         self.seen.append((run.stage, step, "rollout/kl" in metrics, policy))
         return super().on_step(run, step, metrics)
 
@@ -378,8 +380,12 @@ class HeldOutNLL(pl.Callback):
         self.patience, self.min_delta = patience, min_delta
         self.best, self.bad = None, 0
 
+    def on_start(self, run):
+        if not run.resumed:  # each stage starts afresh; a resumed one has its state back
+            self.best, self.bad = None, 0
+
     def on_step(self, run, step, metrics):
-        if step % self.every:
+        if step % self.every or not run.has_policy:  # the reward model has none
             return None
         nll = heldout_nll(run.policy(), self.tok, self.texts)
         run.log_metrics({"heldout_nll": nll})

@@ -108,7 +108,8 @@ class RunHandle:
       (optimiser steps taken), `state` (the loop's state: a `TrainState`, or a run's
       own state pytree holding one), `history` (this call's step records), `resumed`;
     - `log` (the stage's `MetricsLog`), `run_dir`, `checkpoint_dir`;
-    - `policy()`: the current policy with LoRA merged (stages that train a policy);
+    - `policy()`: the current policy with LoRA merged (stages that train a policy:
+      `has_policy`);
     - `log_metrics(values)`: write `values` to `metrics.jsonl` as an evaluation record
       of this iteration (`"eval": true, "callback": true`; kept or rewritten exactly on
       resume, left out of the step plots);
@@ -146,6 +147,12 @@ class RunHandle:
     def run_dir(self) -> str:
         """The run directory (that of `metrics.jsonl`)."""
         return self.log.run_dir
+
+    @property
+    def has_policy(self) -> bool:
+        """Whether the stage trains a policy (`policy()` works): not the reward model or
+        the PRM."""
+        return self._policy_of is not None
 
     def policy(self) -> Any:
         """The current policy, LoRA adapters merged. `ValueError` in a stage that trains

@@ -514,3 +514,25 @@ def test_the_data_settings_are_checked_before_a_run(tmp_path):
         os.replace(tmp_path / "other" / name, folder / "test" / name)
     with pytest.raises(pl.RunDirError, match="cannot resume: the data file"):
         pl.check_data(str(run), f"{folder}:test", resume=True)
+
+
+def test_every_data_stage_reads_its_kind_from_arrow_files_with_a_mapping(tmp_path, capsys):
+    # One record each: the run reads it through the mapping and stops at the held-out
+    # split (nothing is compiled); a stage that could not read it names the file.
+    from rlhf_eqx.__main__ import main
+
+    kto = _parquet(tmp_path / "kto.parquet", [{"q": "Once", "reply": " a cat", "ok": True}])
+    grpo = _ipc(tmp_path / "grpo.arrow", [{"problem": "1+1?", "solution": "2"}], stream=True)
+    prm = _save(tmp_path / "prm", [{"prompt": "1+1?", "steps": ["1+1 = 2"], "ok": [True]}])
+    runs = {
+        "kto": (kto, "prompt=q", "completion=reply", "label=ok"),
+        "grpo": (grpo, "prompt=problem", "answer=solution"),
+        "prm": (prm, "completions=steps", "labels=ok"),
+    }
+    for stage, (path, *mapping) in runs.items():
+        argv = [stage, "--data", path, "--out", str(tmp_path / stage), "--quiet"]
+        assert main([*argv, *(a for m in mapping for a in ("--set", f"data.columns.{m}"))]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(
+            "error: data.heldout_fraction=0.1: the split of 1 records by prompt left"
+        ), (stage, err)

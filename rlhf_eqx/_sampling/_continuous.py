@@ -115,6 +115,8 @@ class _Plan(eqx.Module):
     stop_sequences: tuple[tuple[int, ...], ...]
 
 
+# Fields like `_DecodeState`'s (the static-batch loop's carry), but a slot is not a row: slots
+# carry their row, step and position, and the staged prefills.
 class _SlotState(eqx.Module):
     """Carry of the loop. `S` slots decode rows of the `[R·G, N]` output buffers.
 

@@ -212,6 +212,7 @@ def _unpaired_fields(record: object) -> tuple[str, str, bool]:
     return prompt, completion, bool(label)
 
 
+# Same keywords as `tokenize_preferences` / `tokenize_sft` (one tokenising loop, `_tokenize`).
 def tokenize_unpaired(
     records: Sequence,
     tokenizer: Tokenizer,

@@ -71,6 +71,8 @@ def _padded(ids: Sequence[int], length: int, pad_id: int, where: str) -> tuple[l
     return ids + [pad_id] * (length - len(ids)), [True] * len(ids) + [False] * (length - len(ids))
 
 
+# The keyword-only signature repeats `rollout_multiturn`'s on purpose (the two are
+# interchangeable); the checks behind it are one function each (`_options`, `_check_policy`).
 def rollout_multiturn_host(
     policy: AbstractDecoder,
     env: Environment | Callable[[], HostEnvironment] | Sequence[HostEnvironment],

@@ -195,6 +195,21 @@ from ._seeds import (
     summarize_seeds as summarize_seeds,
 )
 from ._sft_stage import SFTConfig as SFTConfig, run_sft as run_sft
+from ._tracker_backends import (
+    MLflowTracker as MLflowTracker,
+    TensorBoardTracker as TensorBoardTracker,
+    TrackioTracker as TrackioTracker,
+    WandbTracker as WandbTracker,
+)
+from ._trackers import (
+    Tracker as Tracker,
+    Trackers as Trackers,
+    active_trackers as active_trackers,
+    open_trackers as open_trackers,
+    register_tracker as register_tracker,
+    run_trackers as run_trackers,
+    tracker_names as tracker_names,
+)
 from ._validation import (
     DATA_FORMATS as DATA_FORMATS,
     validate_config as validate_config,

@@ -31,6 +31,7 @@ from ._pipeline_config import (
 )
 from ._registry import find_stage
 from ._run_checks import check_section, run_stages, validate_run
+from ._trackers import check_tracker_names
 
 DATA_FORMATS: tuple[str, ...] = ("auto", *PREFERENCE_FORMATS, *PROMPT_FORMATS)
 """The values of `data.format`: preference formats for sft/reward/dpo, prompt formats for
@@ -178,6 +179,7 @@ def validate_ops(o: OpsConfig) -> None:
     ps = o.profile_steps
     if ps and (len(ps) != 2 or not 0 <= ps[0] < ps[1]):
         _fail("ops.profile_steps", ps, "must be empty or [a, b] with 0 <= a < b")
+    check_tracker_names(o.trackers)
 
 
 def validate_stage(name: str, c: Any, *, device_count: int = 1) -> None:

@@ -230,7 +230,15 @@ class OpsConfig:
       to `<run dir>/profile/<stage>/` (empty: no trace).
     - `tensorboard`: also write the step metrics as TensorBoard scalars to
       `<run dir>/tensorboard/<stage>/` (needs `tensorboardX`; skipped with a note
-      otherwise).
+      otherwise); the same as `tensorboard` in `trackers`.
+    - `trackers`: experiment trackers that also get the run's metrics, configuration and
+      summary: `tensorboard`, `wandb` (offline unless `WANDB_MODE` says otherwise),
+      `mlflow` (a SQLite store in the run directory unless `MLFLOW_TRACKING_URI` is
+      set), `trackio` (its local store), or one added with `register_tracker`
+      (`--set ops.trackers=tensorboard,wandb`). One that is not installed or fails to
+      start prints a line and the run goes on without it.
+    - `tracker_group`: the group of the run in the trackers (a sweep's members: separate
+      runs in one group); empty: none.
     - `compilation_cache`: the command line keeps compiled programs on disk in
       `$XDG_CACHE_HOME/rlhf_eqx/jax` (or `~/.cache/rlhf_eqx/jax`) and reuses them in the
       next runs (`rlhf_eqx.enable_compilation_cache`); `RLHF_EQX_COMPILATION_CACHE=0`
@@ -252,6 +260,8 @@ class OpsConfig:
     monitor: bool = True
     profile_steps: tuple[int, ...] = ()
     tensorboard: bool = False
+    trackers: tuple[str, ...] = ()
+    tracker_group: str = ""
     compilation_cache: bool = True
     compilation_cache_max_mb: int = 2048
 

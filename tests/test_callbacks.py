@@ -474,6 +474,14 @@ _MODULE = textwrap.dedent(
             if step == 2:
                 run.request_stop(f"two steps, loss {metrics['loss']:.3f}")
 
+    class FailOnce(pl.Callback):
+        armed = True
+
+        def on_step(self, run, step, metrics):
+            if step == 3 and FailOnce.armed:
+                FailOnce.armed = False
+                raise RuntimeError("the judge is down")
+
     class Seen(pl.Callback):
         def on_evaluate(self, run, step, results):
             with open("evaluated.json", "w") as f:
@@ -531,6 +539,28 @@ def test_cli_callbacks_stop_a_data_run(tmp_path, monkeypatch, capsys):
     assert last.startswith("rlhf_eqx kto: stopped (callback: two steps, loss")
     # The held-out evaluation after the stage reached on_evaluate with the summary entry.
     assert "heldout_ordering_accuracy" in (tmp_path / "evaluated.json").read_text()
+
+
+@pytest.mark.slow
+def test_cli_a_failing_callback_stops_the_run_in_one_line_and_resume_finishes_it(
+    tmp_path, monkeypatch, capsys
+):
+    argv = _cli_dir(tmp_path, monkeypatch)
+    argv += ["--callback", "cli_callbacks:FailOnce"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith(
+        "error: callback FailOnce.on_step failed in kto after iteration 3: "
+        "RuntimeError: the judge is down; checkpoint "
+    )
+    assert err[0].endswith(" --callback cli_callbacks:FailOnce --resume")
+    assert pl.latest_checkpoint(str(tmp_path / "run" / "kto" / "checkpoints")).endswith("_00000002")
+    # FailOnce is disarmed in this process: the resumed run finishes.
+    assert main([*argv, "--resume"]) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["stopped"] == "done"
+    assert [r["step"] for r in pl.read_metrics(str(tmp_path / "run"))["kto"]] == list(range(6))
 
 
 @pytest.mark.slow

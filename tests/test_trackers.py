@@ -188,6 +188,16 @@ def tracked_run(tmp_path_factory):
     return run_dir, summary, started, guard.attempts, where
 
 
+def test_the_network_guard_refuses_what_would_leave_the_machine(monkeypatch):
+    guard = _Guard()
+    guard.install(monkeypatch)
+    with pytest.raises(OSError, match="refused in this test"):
+        socket.create_connection(("192.0.2.1", 80), timeout=0.5)
+    with socket.socket() as s, pytest.raises(OSError, match="refused in this test"):
+        s.connect(("192.0.2.1", 80))
+    assert guard.attempts == ["192.0.2.1", ("192.0.2.1", 80)]
+
+
 def test_every_installed_tracker_starts_offline_and_reaches_no_network(tracked_run):
     run_dir, _, started, attempts, where = tracked_run
     assert attempts == []

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 # trackio reads its store's place once, when imported: a directory of this module's own.
 _TRACKIO_DIR = tempfile.mkdtemp(prefix="trackio-test-")
-os.environ.setdefault("TRACKIO_DIR", _TRACKIO_DIR)
+os.environ["TRACKIO_DIR"] = _TRACKIO_DIR  # never the user's own store
 
 GROUP = "sweep-a"
 STAGES = ("sft", "dpo")

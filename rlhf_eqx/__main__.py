@@ -16,6 +16,8 @@ Commands:
 - `prm`: a process reward model on a stepwise file (`--data FILE`, records
   `{"prompt", "completions": [steps], "labels": [bools]}`); PPO and GRPO use it with
   `--set grpo.reward_source=prm --set grpo.reward_model=RUN/prm/hf`.
+- `sweep STAGE --seeds N --grid dpo.beta=0.05,0.1`: every member of grid x seeds of a
+  stage trained in one compiled program per step (`rlhf_eqx sweep --help`).
 - `sample`: print completions of a model; `eval`: score a model on the built-in task's
   held-out prompts; `plot RUN_DIR`: redraw a run's PNG plots.
 
@@ -178,6 +180,10 @@ def resume_command(argv: Sequence[str]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["sweep"]:  # grid x seeds of one stage in one program (its own options)
+        from rlhf_eqx.pipelines import sweep_command
+
+        return sweep_command(argv[1:])
     args = _parser().parse_args(argv)
     if args.help:
         from rlhf_eqx.pipelines import config_help, find_stage

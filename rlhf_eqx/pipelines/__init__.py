@@ -195,6 +195,11 @@ from ._seeds import (
     summarize_seeds as summarize_seeds,
 )
 from ._sft_stage import SFTConfig as SFTConfig, run_sft as run_sft
+from ._sweep import (
+    SweepResult as SweepResult,
+    sweep as sweep,
+    sweep_command as sweep_command,
+)
 from ._tracker_backends import (
     MLflowTracker as MLflowTracker,
     TensorBoardTracker as TensorBoardTracker,

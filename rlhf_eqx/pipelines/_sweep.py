@@ -1,0 +1,328 @@
+"""Whole-run sweeps: every member of `grid × seeds` of one stage trained in one compiled
+program per step, with the run layer of a normal run per member (`sweep`, and
+`rlhf_eqx sweep STAGE` on the command line, `sweep_command`).
+
+Layout of the sweep directory `out`:
+
+- `sweep.json`: the stage, grid, seeds and configuration (a resume must match them);
+- `members/<name>/metrics.jsonl` and `summary.json` per member (`name` like
+  `beta=0.1,seed=2`), `members/<name>/<stage>/hf/` with `export`;
+- `seeds/seed-<S>/`: the stages the built-in task runs first (SFT), once per seed;
+- `checkpoints/`: the stacked state of every member, every `ops.checkpoint_every`
+  iterations and at the end;
+- `sweep_summary.json` and `plots/*.png`: per grid point, mean ± standard error over
+  its seeds.
+
+A member equals its separate run (`python -m rlhf_eqx STAGE --set ops.seed=S --set
+<grid values>`): same data, keys and updates, parameters and step metrics equal to
+float rounding. What a sweep does not do: the loss-spike rollback of a separate run (a
+member whose update is not finite is frozen at its last finite state and reported as
+diverged instead), and the periodic evaluations (`ops.eval_every`); the held-out
+evaluation runs once, at the end.
+"""
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from ._checkpoints import latest_checkpoint, restore_checkpoint, save_checkpoint
+from ._config import ConfigError
+from ._config_io import config_to_dict
+from ._metrics import MetricsLog, drop_records
+from ._pipeline import load_model, resolve_model_names, tokenizer_file
+from ._pipeline_config import PipelineConfig, animal_task_config
+from ._registry import get_stage
+from ._resume_rules import RunDirError
+from ._rundir import RunLock, write_json_atomic
+from ._sweep_dpo import dpo_sweep
+from ._sweep_grid import Member, make_members, parse_grid
+from ._sweep_offline import kto_sweep, sft_sweep
+from ._sweep_report import format_sweep_table, member_records, plot_sweep, summarize_sweep
+from ._sweep_starts import builtin_start
+from ._validation import validate_config
+
+SWEEP_SPEC = "sweep.json"
+SWEEP_SUMMARY = "sweep_summary.json"
+# fields of the configuration a resumed sweep may change: how it is operated and logged
+_OPERATIONAL = ("quiet", "checkpoint_every", "keep", "log_every", "monitor", "compilation_cache")
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepResult:
+    """What `sweep` returns.
+
+    - `out`: the sweep directory; `stage`: the stage swept.
+    - `members`: the members (`name`, `seed`, grid `point`, equivalent `cfg`), in order.
+    - `summaries`: each member's summary (`members/<name>/summary.json`): `stopped`
+      (`"done"` or `"diverged"`), its last step's metrics and, for a policy stage, the
+      held-out evaluation of its separate run (`score`, `win_rate_vs_sft`, `kl`, ...).
+    - `summary`: per grid point, mean ± standard error over its seeds of every number of
+      the summaries, diverged members left out (`sweep_summary.json`).
+    - `diverged`: the names of the members that diverged.
+    - `states`: the members' final train states, stacked on a leading member axis.
+    """
+
+    out: str
+    stage: str
+    members: tuple[Member, ...]
+    summaries: dict[str, dict]
+    summary: dict
+    diverged: tuple[str, ...]
+    states: Any
+
+
+def member_dir(out: str, mem: Member) -> str:
+    """Where member `mem` of the sweep in `out` writes its metrics and summary."""
+    return os.path.join(out, "members", mem.name)
+
+
+_STAGES = {"dpo": dpo_sweep, "sft": sft_sweep, "kto": kto_sweep}
+
+
+def _spec(stage: str, grid: Mapping, seeds: int, cfg: PipelineConfig) -> dict:
+    d = config_to_dict(cfg)
+    d["ops"] = {k: v for k, v in d["ops"].items() if k not in _OPERATIONAL}
+    d.pop("out", None)
+    return {"stage": stage, "grid": {k: list(v) for k, v in grid.items()}, "seeds": seeds, **d}
+
+
+def _take_dir(out: str, spec: dict, resume: bool) -> bool:
+    """Check `out` for this sweep; write its spec. **Returns:** whether it resumes."""
+    path = os.path.join(out, SWEEP_SPEC)
+    if not os.path.isfile(path):
+        write_json_atomic(path, spec)
+        return False
+    if not resume:
+        raise RunDirError(
+            f"{out} already holds a sweep; pass --resume to continue it (or choose another --out)"
+        )
+    with open(path) as f:
+        old = json.load(f)
+    diff = sorted(k for k in set(old) | set(spec) if old.get(k) != spec.get(k))
+    if diff:
+        raise RunDirError(
+            f"{path}: the resumed sweep differs from the stored one in {', '.join(diff)} "
+            "(only ops fields of logging and checkpointing may change)"
+        )
+    return True
+
+
+def sweep(
+    stage: str,
+    cfg: PipelineConfig | None = None,
+    *,
+    seeds: int = 4,
+    grid: Mapping[str, Sequence[float]] | None = None,
+    out: str | None = None,
+    resume: bool = False,
+    export: bool = False,
+) -> SweepResult:
+    """Train every member of `grid × seeds` of `stage` in one compiled program per step.
+
+    The members' train states are stacked along a leading axis and each update is
+    `jax.vmap`ped over (state, hyperparameters, key, batch), the hyperparameters traced,
+    so the grid points share one program. Each member equals its separate run with the
+    same seed and values (see the module docstring); the seeds are `cfg.ops.seed`,
+    `cfg.ops.seed + 1`, ....
+
+    **Arguments:**
+
+    - `stage`: the stage to sweep (`"dpo"`: the built-in task's DPO stage, after SFT,
+      which runs once per seed).
+    - `cfg`: the configuration (default `animal_task_config()`).
+    - `seeds`: seeds per grid point (an int ≥ 1).
+    - `grid`: `{"<section>.<field>": [values]}`, e.g. `{"dpo.beta": [0.05, 0.1, 0.2]}`;
+      fields outside the stage's traceable ones (`TRACEABLE`: they would change shapes
+      or control flow) are refused with a `ConfigError` naming the field and listing
+      them. Empty: the seeds alone.
+    - `out`: the sweep directory (default `cfg.out`, else `runs/sweep-<stage>`).
+    - `resume`: continue an interrupted sweep from its last checkpoint
+      (`ops.checkpoint_every`), bit-identically to an uninterrupted one.
+    - `export`: write each member's policy as `members/<name>/<stage>/hf/`.
+
+    **Returns:** a `SweepResult`. Diverged members (a non-finite loss, gradient or
+    parameters) are frozen at their last finite state, reported on the console and in
+    the summaries, and left out of the means and the plots' bands.
+    """
+    t0 = time.perf_counter()
+    cfg = resolve_model_names(cfg if cfg is not None else animal_task_config())
+    st = get_stage(stage)
+    if stage not in _STAGES:
+        raise ConfigError(f"sweep {stage}: not supported (stages that sweep: {', '.join(_STAGES)})")
+    if cfg.data.path is not None:
+        raise ConfigError(f"sweep {stage}: runs on the built-in task (data.path must be unset)")
+    grid = dict(grid or {})
+    cfg = dataclasses.replace(cfg, stages=st.prerequisites(cfg))
+    validate_config(cfg)
+    members = make_members(cfg, stage, st.key, grid, seeds)
+    for mem in members[::seeds]:
+        validate_config(mem.cfg)
+    out = out or cfg.out or os.path.join("runs", f"sweep-{stage}")
+    say = (lambda *a: None) if cfg.ops.quiet else print
+    with RunLock(out):
+        resumed = _take_dir(out, _spec(stage, grid, seeds, cfg), resume)
+        return _sweep(stage, cfg, members, out, resumed, export, say, t0)
+
+
+def _sweep(stage, cfg, members, out, resume, export, say, t0) -> SweepResult:
+    base, tok = load_model(cfg.model.source, cfg.model.tokenizer, quantized=cfg.model.quantized)
+    tok_file = tokenizer_file(cfg.model.source, cfg.model.tokenizer)
+    say(f"sweep {stage}: {len(members)} members in {out}")
+    starts = {}
+    for mem in members:
+        if mem.seed not in starts:
+            starts[mem.seed] = builtin_start(
+                mem.cfg, base, tok, out, resume=resume, say=say, sft=stage != "sft"
+            )
+    run = _STAGES[stage](members, starts, tok, tokenizer_file=tok_file)
+    t_loop = time.perf_counter()
+    M = len(members)
+    logs = [MetricsLog(member_dir(out, m), stage, quiet=True) for m in members]
+    ckpt_dir = os.path.join(out, "checkpoints")
+    states, alive = run.states, np.ones(M, bool)
+    steps, diverged_at, start = [0] * M, {}, 0
+    if resume:
+        path = latest_checkpoint(ckpt_dir)
+        if path is not None:
+            like = {"states": states, "alive": jnp.asarray(alive)}
+            tree, meta = restore_checkpoint(path, like)
+            states, alive = tree["states"], np.asarray(tree["alive"])
+            start, steps, diverged_at = meta["iteration"], meta["steps"], meta["diverged"]
+            say(f"sweep {stage}: resuming from {path} (iteration {start})")
+        for log in logs:
+            drop_records(log.path, lambda r, s=start: r.get("iteration", -1) >= s)
+    ops = cfg.ops
+    for i in range(start, run.num_iterations):
+        it = run.iteration(states, alive, i)
+        states = it.states
+        for m, log in enumerate(logs):
+            for kind, msg in ((k, g) for mm, k, g in it.events if mm == m):
+                log.write({"event": kind, "message": msg, "iteration": i, "step": steps[m]})
+            recs = it.records[m]
+            for j, rec in enumerate(recs):
+                rec = {"iteration": i, "step": steps[m] + j, **rec}
+                if j == len(recs) - 1:
+                    rec.update({f"rollout/{k}": v for k, v in it.info[m].items()})
+                log.write({**rec, "lr_scale": 1.0})
+            steps[m] += len(recs)
+            if alive[m] and not it.finite[m]:
+                alive[m] = False
+                diverged_at[members[m].name] = {"iteration": i, "step": steps[m] - 1}
+                msg = (
+                    f"iteration {i}, step {steps[m] - 1}: non-finite loss, gradient or "
+                    "parameters; frozen at its last finite state, left out of the means"
+                )
+                log.write({"event": "diverged", "message": msg, "iteration": i, "step": steps[m]})
+                print(f"[sweep {stage}] {members[m].name} diverged: {msg}", file=sys.stderr)
+        done = i + 1
+        if (ops.checkpoint_every and done % ops.checkpoint_every == 0) or (
+            done == run.num_iterations
+        ):
+            tree = {"states": states, "alive": jnp.asarray(alive)}
+            meta = {"steps": steps, "diverged": diverged_at, "stage": stage}
+            save_checkpoint(ckpt_dir, done, tree, meta, keep=ops.keep)
+        say(_progress_line(stage, done, run.num_iterations, members, it, alive))
+    t_eval = time.perf_counter()
+    summaries = {}
+    for m, mem in enumerate(members):
+        last = next(iter(reversed(member_records(logs[m].run_dir))), {})
+        s = {"name": mem.name, "seed": mem.seed, "point": dict(mem.point), "steps": steps[m]}
+        s["stopped"] = "done" if alive[m] else "diverged"
+        if not alive[m]:
+            s["diverged_at"] = diverged_at.get(mem.name)
+        s.update({k: v for k, v in last.items() if k not in ("stage", "iteration", "step")})
+        if alive[m]:
+            s.update(run.evaluate(states, m))
+            if export:
+                run.export(states, m, member_dir(out, mem))
+        summaries[mem.name] = s
+        write_json_atomic(os.path.join(member_dir(out, mem), "summary.json"), s)
+    diverged = tuple(mem.name for m, mem in enumerate(members) if not alive[m])
+    summary = summarize_sweep(members, summaries)
+    t_end = time.perf_counter()
+    summary.update(stage=stage, diverged=list(diverged), seconds=t_end - t0)
+    summary["phase_seconds"] = {
+        "before": t_loop - t0,  # loading, the seeds' shared stages (SFT), the setup
+        "iterations": t_eval - t_loop,  # the stage's iterations, every member
+        "evaluation": t_end - t_eval,  # held-out evaluations, exports
+    }
+    write_json_atomic(os.path.join(out, SWEEP_SUMMARY), summary)
+    try:
+        plot_sweep(out, members, summaries, lambda mem: member_dir(out, mem))
+    except ImportError:
+        say("note: install matplotlib (pip install 'rlhf_eqx[plot]') for PNG plots")
+    say("\n" + format_sweep_table(summary))
+    if diverged:
+        print(f"diverged (left out of the means): {', '.join(diverged)}", file=sys.stderr)
+    return SweepResult(out, stage, tuple(members), summaries, summary, diverged, states)
+
+
+def _progress_line(stage, done, total, members, it, alive) -> str:
+    losses = [r[-1]["loss"] for r, a in zip(it.records, alive) if r and a]
+    mean = f", mean loss {np.mean(losses):.4f}" if losses else ""
+    n = f"{int(alive.sum())}/{len(members)}"
+    return f"[sweep {stage}] iteration {done}/{total}: {n} members alive{mean}"
+
+
+def sweep_command(argv: Sequence[str]) -> int:
+    """`rlhf_eqx sweep STAGE --seeds N --grid FIELD=V1,V2 [--grid ...] [--set ...]
+    [--config FILE] [--model M] [--out DIR] [--resume] [--export] [--quiet]`: `sweep`,
+    then the summary table and one result line. **Returns:** the exit status: 0 done
+    (diverged members are part of the result), 2 an invalid configuration or sweep
+    directory, 1 a run error."""
+    import argparse
+
+    from ._config_io import apply_overrides, load_config
+
+    p = argparse.ArgumentParser(prog="rlhf_eqx sweep", description=sweep_command.__doc__)
+    p.add_argument("stage")
+    p.add_argument("--seeds", type=int, default=4)
+    p.add_argument("--grid", action="append", default=[], metavar="FIELD=V1,V2,...")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE")
+    p.add_argument("--config")
+    p.add_argument("--data")
+    p.add_argument("--model")
+    p.add_argument("--out")
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--export", action="store_true")
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(list(argv))
+    try:
+        cfg = animal_task_config()
+        if args.config:
+            cfg = load_config(args.config, base=cfg)
+        overrides = list(args.overrides)
+        if args.data:
+            overrides.append(f"data.path={args.data}")
+        if args.model:
+            overrides.append(f"model.source={args.model}")
+        if args.quiet:
+            overrides.append("ops.quiet=true")
+        cfg = apply_overrides(cfg, overrides)
+        out = args.out or os.path.join("runs", f"sweep-{args.stage}")
+        res = sweep(
+            args.stage,
+            cfg,
+            seeds=args.seeds,
+            grid=parse_grid(args.grid),
+            out=out,
+            resume=args.resume,
+            export=args.export,
+        )
+    except (ConfigError, RunDirError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    n = len(res.members)
+    bad = f", {len(res.diverged)} diverged" if res.diverged else ""
+    print(f"rlhf_eqx sweep {args.stage}: {n} members done{bad} ({out}/{SWEEP_SUMMARY})")
+    return 0

@@ -1,0 +1,118 @@
+"""The members of a sweep: a grid of traced hyperparameters times seeds.
+
+A sweep runs every member of `grid × seeds` in one compiled program per step, so a grid
+field must be a number the step reads as a traced array (a loss coefficient, the peak
+learning rate). Fields that change shapes or control flow (`batch_size`, `steps`,
+`lora.rank`, `loss_type`, `max_length`, ...) are refused, naming the field and the
+traceable ones (`TRACEABLE`).
+"""
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+
+from ._config import ConfigError
+from ._config_io import apply_overrides
+
+TRACEABLE: dict[str, tuple[str, ...]] = {
+    "dpo": ("beta", "label_smoothing", "optim.learning_rate"),
+    "sft": ("optim.learning_rate",),
+    "kto": ("beta", "desirable_weight", "undesirable_weight", "optim.learning_rate"),
+}
+"""The fields of each stage's section a sweep may vary (`--grid <section>.<field>=...`):
+the step settings that may be JAX arrays (`beta`, `label_smoothing` of
+`rlhf_eqx.train.DPOSettings`; `beta` and the two weights of `rlhf_eqx.train.KTOSettings`)
+and the optimiser's peak learning rate (`rlhf_eqx.train.make_optimizer` takes it
+traced)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """One run of a sweep: its `name` (`beta=0.1,seed=2`), its `seed` (`ops.seed`), its
+    grid point `point` (`((field, value), ...)`, the fields relative to the stage's
+    section: `beta`, `optim.learning_rate`) and `cfg`, the configuration of the
+    equivalent separate run (the grid values and the seed applied)."""
+
+    name: str
+    seed: int
+    point: tuple[tuple[str, float], ...]
+    cfg: object
+
+    @property
+    def point_name(self) -> str:
+        """The grid point alone (`beta=0.1`; `-` for an empty grid)."""
+        return ",".join(f"{_short(k)}={_number(v)}" for k, v in self.point) or "-"
+
+
+def _short(field: str) -> str:
+    """A field's name in member names: its last part (`optim.learning_rate` ->
+    `learning_rate`)."""
+    return field.rsplit(".", 1)[-1]
+
+
+def _number(v: float) -> str:
+    """`0.1`, `0.0005`, `1e+06`: `repr` of a fraction (exact), `%g` of a whole number."""
+    return repr(float(v)) if not float(v).is_integer() else f"{float(v):g}"
+
+
+def parse_grid(specs: Sequence[str]) -> dict[str, tuple[float, ...]]:
+    """`["dpo.beta=0.05,0.1"]` -> `{"dpo.beta": (0.05, 0.1)}`; a spec without `=`, an
+    empty or non-numeric value, or a field given twice is a `ConfigError` naming it."""
+    grid: dict[str, tuple[float, ...]] = {}
+    for spec in specs:
+        if "=" not in spec:
+            raise ConfigError(f"--grid {spec!r}: expected FIELD=V1,V2,..., e.g. dpo.beta=0.05,0.1")
+        path, values = (s.strip() for s in spec.split("=", 1))
+        if path in grid:
+            raise ConfigError(f"--grid {path}: given twice")
+        try:
+            grid[path] = tuple(float(v) for v in values.split(",") if v.strip())
+        except ValueError:
+            raise ConfigError(f"--grid {path}={values}: values must be numbers") from None
+        if not grid[path]:
+            raise ConfigError(f"--grid {path}: no values")
+    return grid
+
+
+def check_grid(stage: str, section: str, grid: Mapping[str, Sequence[float]]) -> None:
+    """Refuse (`ConfigError`) a grid field outside the stage's traceable fields, naming
+    it and listing those the sweep can vary; and non-finite values."""
+    allowed = TRACEABLE.get(stage)
+    if allowed is None:
+        known = ", ".join(TRACEABLE)
+        raise ConfigError(f"sweep {stage}: not supported (stages that sweep: {known})")
+    for path, values in grid.items():
+        field = path[len(section) + 1 :] if path.startswith(section + ".") else None
+        if field not in allowed:
+            listed = ", ".join(f"{section}.{f}" for f in allowed)
+            raise ConfigError(
+                f"--grid {path}: not traceable in a sweep of {stage} (a field that changes "
+                f"shapes or control flow, or of another section); traceable: {listed}"
+            )
+        bad = [v for v in values if not math.isfinite(float(v))]
+        if bad:
+            raise ConfigError(f"--grid {path}: value {bad[0]} is not finite")
+
+
+def make_members(
+    cfg, stage: str, section: str, grid: Mapping[str, Sequence[float]], seeds: int
+) -> list[Member]:
+    """The members of `grid × seeds` in grid-major order (every seed of the first grid
+    point first); seeds `ops.seed, ops.seed + 1, ...`. Each member's configuration is
+    `cfg` with its values applied by `apply_overrides` (so they are validated as
+    `--set` values are)."""
+    check_grid(stage, section, grid)
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+        raise ConfigError(f"seeds={seeds!r}: must be an int >= 1 (the number of seeds)")
+    paths = list(grid)
+    first = cfg.ops.seed
+    members = []
+    for values in itertools.product(*(grid[p] for p in paths)):
+        point = tuple((p[len(section) + 1 :], float(v)) for p, v in zip(paths, values))
+        sets = [f"{p}={v!r}" for p, v in zip(paths, values)]
+        for seed in range(first, first + seeds):
+            one = apply_overrides(cfg, [*sets, f"ops.seed={seed}"])
+            label = ",".join([*(f"{_short(k)}={_number(v)}" for k, v in point), f"seed={seed}"])
+            members.append(Member(label, seed, point, one))
+    return members

@@ -1,0 +1,79 @@
+"""Rollouts of every member of a sweep in one program: the sampler `jax.vmap`ped over the
+members' stacked policies and keys, then each member's rows decoded and cut at the stop
+strings as `sample_rollout` does."""
+
+from collections.abc import Sequence
+
+import equinox as eqx
+import jax
+
+import rlhf_eqx as rx
+from rlhf_eqx import data
+
+from ._rollout import PendingRollout, Rollout, encode_prompts, finish_rollout, sample_rollout
+from ._sweep_program import member
+
+
+@eqx.filter_jit
+def _sample_all(models, tokens, mask, keys, options: dict):
+    def one(model, key_data):
+        return rx.generate_batch(model, tokens, mask, jax.random.wrap_key_data(key_data), **options)
+
+    return eqx.filter_vmap(one)(models, keys)
+
+
+def sample_members(
+    models,
+    tok,
+    prompts: Sequence[str],
+    keys: Sequence[jax.Array],
+    *,
+    group_size: int,
+    prompt_length: int,
+    max_new_tokens: int,
+    temperature: float = rx.DEFAULT_TEMPERATURE,
+    stop_strings: Sequence[str] = (),
+    slots: int = 0,
+) -> list[Rollout]:
+    """`sample_rollout` of each member: member `m` samples `group_size` completions of
+    each of `prompts` with its policy (`models`, stacked on a leading member axis) and
+    key `keys[m]`, the sampler vmapped over the members (one compiled program). With
+    `slots > 0` (continuous batching) the members are sampled one after another with
+    `sample_rollout`."""
+    if slots > 0:
+        opts = dict(
+            group_size=group_size,
+            prompt_length=prompt_length,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            stop_strings=stop_strings,
+            slots=slots,
+        )
+        return [
+            sample_rollout(member(models, m), tok, prompts, k, **opts) for m, k in enumerate(keys)
+        ]
+    stop_ids = tuple(int(t) for t in sorted({tok.eos_id, tok.bos_id}))
+    ids = encode_prompts(tok, prompts, prompt_length=prompt_length)
+    batch = data.collate_prompts(list(ids), max_length=prompt_length, pad_id=tok.pad_id)
+    options = dict(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        eos_id=list(stop_ids) or None,
+        pad_id=tok.pad_id,
+        num_samples=group_size,
+    )
+    key_data = jax.numpy.stack([jax.random.key_data(k) for k in keys])
+    out = _sample_all(models, batch.tokens, batch.mask, key_data, options)
+    rolls = []
+    for m in range(len(keys)):
+        pending = PendingRollout(
+            out=member(out, m),
+            prompt_ids=tuple(tuple(x) for x in ids),
+            prompts=tuple(prompts),
+            group_size=group_size,
+            prompt_length=prompt_length,
+            stop_ids=stop_ids,
+            stop_strings=tuple(stop_strings),
+        )
+        rolls.append(finish_rollout(pending, tok))
+    return rolls

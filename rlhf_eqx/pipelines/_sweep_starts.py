@@ -1,0 +1,98 @@
+"""Where each seed of a sweep on the built-in task starts: what a separate run with that
+seed (`python -m rlhf_eqx dpo --set ops.seed=S`) computes before its stage, with the
+same keys — the base model's and the SFT policy's held-out evaluations and the SFT
+stage itself (`<out>/seeds/seed-<S>/`, its own metrics, checkpoints and resume), run
+once per seed and shared by the grid points."""
+
+import dataclasses
+import os
+from collections.abc import Callable
+
+import jax
+
+from ._evaluate import evaluate_policy, win_rate, win_rate_se
+from ._pipeline import _ctx, _labels
+from ._registry import StageEnv, stage_key
+from ._rollout import sampling_options
+from ._sft_stage import sft as sft_stage
+from ._task import HELDOUT_PROMPTS, animal_score
+
+
+@dataclasses.dataclass
+class SeedStart:
+    """A seed's start on the built-in task: its run key, its noisy labeller, the SFT
+    policy, and `against_sft(policy) -> metrics`, the held-out evaluation the pipeline
+    reports for a stage after SFT (`score`, `score_se`, `base_nll`, `kl` to SFT,
+    `win_rate_vs_sft` and its standard error, on the seed's evaluation key)."""
+
+    seed: int
+    key: jax.Array
+    label: Callable
+    env: StageEnv
+    evaluate: Callable
+    sft_policy: object = None
+    sft_metrics: dict | None = None
+    against_sft: Callable[[object], dict] | None = None
+
+
+def seed_dir(out: str, seed: int) -> str:
+    """The directory of the seed's shared stages (SFT) in the sweep directory `out`."""
+    return os.path.join(out, "seeds", f"seed-{seed}")
+
+
+def builtin_start(cfg, base, tok, out: str, *, resume: bool, say, sft: bool = True) -> SeedStart:
+    """Run what precedes a stage on the built-in task for `cfg.ops.seed` (see the module
+    docstring); `resume` resumes the seed's SFT run from its checkpoints. `sft=False`
+    (a sweep of SFT itself): only the seed's keys, labeller, `env` and
+    `evaluate(policy, reference) -> (metrics, rollout, scores)`."""
+    seed = cfg.ops.seed
+    run_dir = seed_dir(out, seed)
+    os.makedirs(run_dir, exist_ok=True)
+    key = jax.random.key(seed)
+    k_eval = jax.random.split(key, 8)[0]
+    s = cfg.sampling
+
+    def evaluate(policy, reference):
+        return evaluate_policy(
+            policy,
+            tok,
+            HELDOUT_PROMPTS,
+            k_eval,
+            scorer=animal_score,
+            base=base,
+            reference=reference,
+            samples=cfg.eval_samples,
+            **sampling_options(s),
+        )
+
+    def make_ctx(stage: str, periodic: bool = True):
+        del periodic  # a sweep's shared stages are evaluated once, at their end
+        return _ctx(cfg, run_dir, stage, stage_key(key, stage), resume)
+
+    env = StageEnv(
+        cfg=cfg,
+        base=base,
+        tok=tok,
+        tok_file=None,
+        run_dir=run_dir,
+        resume=resume,
+        say=say,
+        key=key,
+        make_ctx=make_ctx,
+        label=_labels(cfg.label_noise, seed),
+    )
+    if not sft:
+        return SeedStart(seed, key, env.label, env, evaluate)
+    env.stage = "sft"
+    outcome = sft_stage(env, cfg.sft)
+    sft_policy = outcome.policy
+    sft_metrics, _, sft_scores = evaluate(sft_policy, base)
+
+    def against_sft(policy) -> dict:
+        m, _, scores = evaluate(policy, sft_policy)
+        m["win_rate_vs_sft"] = win_rate(scores, sft_scores)
+        m["win_rate_vs_sft_se"] = win_rate_se(scores, sft_scores, cfg.eval_samples)
+        return m
+
+    sft_metrics["stopped"] = outcome.result.loop.stopped
+    return SeedStart(seed, key, env.label, env, evaluate, sft_policy, sft_metrics, against_sft)

@@ -1,0 +1,53 @@
+"""Sweeps (`pipelines.sweep`, `rlhf_eqx sweep`): what is refused before anything is
+loaded or compiled — grid fields that change shapes or control flow, stages that do not
+sweep, malformed `--grid` specs — each with one line naming the field."""
+
+import pytest
+
+from rlhf_eqx import pipelines as pl
+from rlhf_eqx.__main__ import main
+
+
+@pytest.mark.parametrize(
+    "field", ["dpo.batch_size", "dpo.steps", "dpo.lora.rank", "dpo.loss_type", "sft.steps"]
+)
+def test_sweep_refuses_a_field_that_is_not_traceable_naming_it_and_the_allowed(field, tmp_path):
+    with pytest.raises(pl.ConfigError) as e:
+        pl.sweep("dpo", seeds=1, grid={field: [1.0, 2.0]}, out=str(tmp_path / "s"))
+    msg = str(e.value)
+    assert field in msg and "dpo.beta" in msg and "dpo.optim.learning_rate" in msg
+    assert not (tmp_path / "s").exists()  # refused before the sweep directory is taken
+
+
+def test_sweep_refuses_a_stage_that_does_not_sweep(tmp_path):
+    with pytest.raises(pl.ConfigError, match="sweep ppo: not supported .*dpo"):
+        pl.sweep("ppo", seeds=1, out=str(tmp_path / "s"))
+
+
+def test_sweep_refuses_a_non_finite_grid_value_and_bad_seeds(tmp_path):
+    with pytest.raises(pl.ConfigError, match="dpo.beta: value inf"):
+        pl.sweep("dpo", seeds=1, grid={"dpo.beta": [0.1, float("inf")]}, out=str(tmp_path))
+    with pytest.raises(pl.ConfigError, match="seeds=0"):
+        pl.sweep("dpo", seeds=0, out=str(tmp_path))
+
+
+def test_sweep_validates_each_grid_value_as_a_set_value(tmp_path):
+    # beta must be > 0: the member's configuration is built by --set, which refuses it
+    with pytest.raises(pl.ConfigError, match="beta"):
+        pl.sweep("dpo", seeds=1, grid={"dpo.beta": [0.1, -1.0]}, out=str(tmp_path / "s"))
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--grid", "dpo.max_length=40,80"], "--grid dpo.max_length: not traceable"),
+        (["--grid", "dpo.beta"], "expected FIELD=V1,V2"),
+        (["--grid", "dpo.beta=a,b"], "values must be numbers"),
+        (["--grid", "dpo.beta=0.1", "--grid", "dpo.beta=0.2"], "given twice"),
+    ],
+)
+def test_cli_sweep_refuses_bad_grids_with_exit_status_2(argv, needle, tmp_path, capsys):
+    code = main(["sweep", "dpo", "--seeds", "1", "--out", str(tmp_path / "s"), *argv])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1

@@ -3,7 +3,7 @@ synchronous run and the same off-policy run without overlap, side by side in one
 
 Three GRPO runs of the built-in task's settings (`animal_task_config().grpo`: 8 prompts
 x 8 samples per rollout, LoRA rank 8, one step per rollout) on the training prompts of
-the built-in task, with the run's own loop (`rlhf_eqx.pipelines.run_grpo`):
+the built-in task, with the run's own loop (`rlhf_eqx.pipelines.runs.run_grpo`):
 
 - `sync`: `staleness=0`, every rollout sampled by the current policy;
 - `stale`: `staleness=1, overlap=False`, sampled by the policy one update old, in turn;
@@ -74,19 +74,19 @@ def rule(name: str):
 def rewards(kind: str, latency: float, score):
     """The run's reward: the rule, or the rule behind a waiting host call."""
     if kind == "task":
-        return [pl.RewardFunction("rule", lambda p, t: score(t))]
+        return [pl.runs.RewardFunction("rule", lambda p, t: score(t))]
 
-    class Remote(pl.RewardSource):
+    class Remote(pl.runs.RewardSource):
         def score(self, roll):
             time.sleep(latency)  # the round trip to the service
             s = np.asarray([score(t) for t in roll.texts], np.float32)
-            return pl.Scored(s, {"reward/rule": float(s.mean())})
+            return pl.runs.Scored(s, {"reward/rule": float(s.mean())})
 
     return Remote()
 
 
 def model(name: str):
-    policy, tok = pl.load_model("builtin")
+    policy, tok = pl.tools.load_model("builtin")
     if name == "stories":
         return policy, tok
     cfg = rx.TransformerConfig(**{**CONFIG, "vocab_size": tok.vocab_size})
@@ -97,10 +97,10 @@ def run(policy, tok, variant: str, reward, rollouts: int, out: str):
     cfg = dataclasses.replace(
         pl.animal_task_config().grpo, rollouts=rollouts, kl_target=1e9, **VARIANTS[variant]
     )
-    log = pl.MetricsLog(out, f"grpo-{variant}", quiet=True)
+    log = pl.tools.MetricsLog(out, f"grpo-{variant}", quiet=True)
     ops = pl.OpsConfig(monitor=False, quiet=True, rollback=False)
     ctx = pl.RunContext(ops=ops, log=log, key=jax.random.key(0))
-    res = pl.run_grpo(policy, tok, pl.task.TRAIN_PROMPTS, reward=reward, cfg=cfg, ctx=ctx)
+    res = pl.runs.run_grpo(policy, tok, pl.task.TRAIN_PROMPTS, reward=reward, cfg=cfg, ctx=ctx)
     times = [h["iteration_time_s"] for h in res.history if "iteration_time_s" in h]
     overlapped = [h.get("rollout/overlapped", 0.0) for h in res.history]
     return float(sum(times[1:])), res.state.params, float(np.mean(overlapped[1:]))
@@ -119,7 +119,7 @@ def main() -> None:
     if a.quick:
         a.rollouts, a.rounds, a.models = 3, 1, "stories"
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; load {os.getloadavg()}")
-    print(f"matmul peak {pl.measure_matmul_peak() / 1e9:.0f} GFLOP/s (float32)")
+    print(f"matmul peak {pl.tools.measure_matmul_peak() / 1e9:.0f} GFLOP/s (float32)")
     rows = []
     with tempfile.TemporaryDirectory() as out:
         for name in a.models.split(","):

@@ -85,7 +85,7 @@ def snapshot():
     return {"t": time.perf_counter(), "cpu": time.process_time(),
             "builds": sum(builds.values()), "hits": hits[0], "seconds": seconds[0]}
 
-init, write = pl.MetricsLog.__init__, pl.MetricsLog.write
+init, write = pl.tools.MetricsLog.__init__, pl.tools.MetricsLog.write
 
 def patched_init(self, run_dir, stage, **kw):
     init(self, run_dir, stage, **kw)
@@ -98,7 +98,7 @@ def patched_write(self, record):
     if self.stage == "grpo" and first and "end" not in marks:
         marks["end"] = snapshot()
 
-pl.MetricsLog.__init__, pl.MetricsLog.write = patched_init, patched_write
+pl.tools.MetricsLog.__init__, pl.tools.MetricsLog.write = patched_init, patched_write
 t0 = time.perf_counter()
 from rlhf_eqx.__main__ import main
 code = main(sys.argv[1:])

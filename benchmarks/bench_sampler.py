@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import rlhf_eqx as rx
-from rlhf_eqx.pipelines import measure_matmul_peak
+from rlhf_eqx.pipelines.tools import measure_matmul_peak
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "side_by_side"))
 from common import CONFIG  # noqa: E402

@@ -71,7 +71,7 @@ def main() -> None:
     p.add_argument("--out", default="runs/distill-example")
     args = p.parse_args()
 
-    student, tok = pl.load_model("builtin")
+    student, tok = pl.tools.load_model("builtin")
     teacher = grow(student, args.layers)
     tokens = jnp.asarray([[tok.bos_id, *tok.encode("Once upon a time, there was a cat")]])
     mask = jnp.ones_like(tokens, dtype=bool)
@@ -79,7 +79,7 @@ def main() -> None:
     print(f"grown teacher: {args.layers} layers, max |logit difference| {float(gap):.1e}")
     grown_dir = os.path.join(args.out, "grown")
     rx.save_hf(teacher, grown_dir)
-    pl.copy_tokenizer(asset_path("tok512.bin"), grown_dir)
+    pl.runs.copy_tokenizer(asset_path("tok512.bin"), grown_dir)
 
     base = dataclasses.replace(pl.animal_task_config(), ops=pl.OpsConfig(quiet=True))
     teach_cfg = dataclasses.replace(

@@ -52,7 +52,7 @@ def make_pairs(
     """Preference pairs (completions with an animal vs without, by the built-in scorer,
     from `samples` base-model completions per prompt) as a batch with the base model's
     (reference) log-probs cached."""
-    roll = pl.sample_rollout(
+    roll = pl.runs.sample_rollout(
         policy, tok, prompts, key, group_size=samples, prompt_length=32, max_new_tokens=new_tokens
     )
     labels = [pl.task.animal_score(t) for t in roll.texts]
@@ -115,7 +115,7 @@ def main():
     p.add_argument("--benchmark", action="store_true")
     args = p.parse_args()
 
-    policy, tok = pl.load_model("builtin")
+    policy, tok = pl.tools.load_model("builtin")
     k_train, k_held, k_seeds = jax.random.split(jax.random.key(0), 3)
     train_batch = make_pairs(policy, tok, k_train, prompts=pl.task.TRAIN_PROMPTS)
     held_batch = make_pairs(policy, tok, k_held, prompts=pl.task.HELDOUT_PROMPTS)

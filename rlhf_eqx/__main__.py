@@ -53,7 +53,7 @@ TOOL_COMMANDS = ("sample", "eval", "plot")
 
 def stage_commands() -> tuple[str, ...]:
     """The registered stages (`rlhf_eqx.pipelines.register_stage`), one command each."""
-    from rlhf_eqx.pipelines import stages
+    from rlhf_eqx.pipelines.config import stages
 
     return tuple(st.name for st in stages())
 
@@ -121,10 +121,11 @@ def resolve_config(args: argparse.Namespace):
         overrides.append(f"model.tokenizer={args.tokenizer}")
     if args.quiet:
         overrides.append("ops.quiet=true")
-    cfg = pl.resolve_model_names(pl.apply_overrides(cfg, overrides))
+    cfg = pl.tools.resolve_model_names(pl.apply_overrides(cfg, overrides))
     cmd = args.command
     if cmd not in ("pipeline", *TOOL_COMMANDS):
-        from rlhf_eqx.pipelines import ConfigError, get_stage
+        from rlhf_eqx.pipelines import ConfigError
+        from rlhf_eqx.pipelines.config import get_stage
 
         stage = get_stage(cmd)
         if cfg.data.path is not None:
@@ -138,7 +139,7 @@ def resolve_config(args: argparse.Namespace):
 
 
 def help_config(args: argparse.Namespace):
-    """The configuration `--help` describes (`pipelines.config_help`): the command
+    """The configuration `--help` describes (`pipelines.config.config_help`): the command
     line's (`resolve_config`), or the built-in task's defaults where it does not resolve."""
     from rlhf_eqx import pipelines as pl
 
@@ -152,7 +153,7 @@ def result_line(command: str, summary: dict, out: str) -> str:
     """The one line a finished run prints, even with `--quiet`."""
     stopped = summary.get("stopped", "done")
     parts = []
-    from rlhf_eqx.pipelines import stages
+    from rlhf_eqx.pipelines.config import stages
 
     names = [st.summary_key or st.name for st in stages()]
     for stage in names:
@@ -186,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return sweep_command(argv[1:])
     args = _parser().parse_args(argv)
     if args.help:
-        from rlhf_eqx.pipelines import config_help, find_stage
+        from rlhf_eqx.pipelines.config import config_help, find_stage
 
         if find_stage(args.command) is not None or (
             args.command == "pipeline" and "pipeline" in argv
@@ -195,16 +196,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             _parser().print_help()
         return 0
-    from rlhf_eqx.pipelines import (
-        ConfigError,
-        RunDirError,
-        config_to_dict,
-        read_fields,
-        validate_config,
-    )
+    from rlhf_eqx.pipelines import ConfigError, RunDirError, config_to_dict, validate_config
+    from rlhf_eqx.pipelines.config import read_fields
 
     if args.command == "plot":
-        from rlhf_eqx.pipelines import plot_run
+        from rlhf_eqx.pipelines.tools import plot_run
 
         if not args.run_dir:
             print("error: plot needs a run directory: rlhf_eqx plot RUN_DIR", file=sys.stderr)
@@ -222,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = resolve_config(args)
         if args.seeds is not None:
-            from rlhf_eqx.pipelines import check_seeds
+            from rlhf_eqx.pipelines.tools import check_seeds
 
             if args.command in TOOL_COMMANDS:
                 raise ConfigError(f"--seeds: runs only, not {args.command}")
@@ -300,7 +296,7 @@ def _run(args, cfg, callbacks: tuple = ()) -> int:
         return _use_model(args, cfg)
     if args.seeds is not None:
         kw = dict(resume=args.resume, overwrite=args.overwrite)
-        return pl.seeds_command(cfg, cmd, args.seeds, **kw)
+        return pl.tools.seeds_command(cfg, cmd, args.seeds, **kw)
     if cmd == "pipeline" or cfg.data.path is None:
         kw = dict(resume=args.resume, overwrite=args.overwrite, callbacks=callbacks)
         summary = pl.run_pipeline(cfg, **kw)
@@ -315,10 +311,10 @@ def _use_model(args, cfg) -> int:
     from rlhf_eqx import pipelines as pl
 
     if args.command == "sample":
-        for text in pl.sample_model(cfg, args.prompt, num_samples=args.num_samples):
+        for text in pl.tools.sample_model(cfg, args.prompt, num_samples=args.num_samples):
             print(f"{text}\n")
     else:
-        print(json.dumps(pl.evaluate_model(cfg), indent=1))
+        print(json.dumps(pl.tools.evaluate_model(cfg), indent=1))
     return 0
 
 

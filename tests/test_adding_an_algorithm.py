@@ -45,7 +45,7 @@ def example(tmp_path_factory):
     try:
         yield importlib.import_module(PACKAGE)
     finally:
-        pl.unregister_stage("margin-hinge")
+        pl.config.unregister_stage("margin-hinge")
         sys.path.remove(str(root))
         for name in [m for m in sys.modules if m == PACKAGE or m.startswith(PACKAGE + ".")]:
             del sys.modules[name]
@@ -73,7 +73,7 @@ _SMALL += ["--set", "margin-hinge.steps=2", "--set", "margin-hinge.batch_size=4"
 
 
 def _first_loss(out: pathlib.Path) -> float:
-    records = pl.read_metrics(str(out))["margin-hinge"]
+    records = pl.tools.read_metrics(str(out))["margin-hinge"]
     return records[0]["loss"]
 
 
@@ -116,5 +116,5 @@ def test_the_stage_runs_from_the_cli_on_a_preference_file(example, tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["stages"] == ["margin-hinge"] and config["margin-hinge"]["beta"] == 0.2
     assert math.isclose(_first_loss(out), 1.5, abs_tol=1e-5)
-    assert len(pl.read_metrics(str(out))["margin-hinge"]) == 2
+    assert len(pl.tools.read_metrics(str(out))["margin-hinge"]) == 2
     assert (out / "margin-hinge" / "hf" / "config.json").exists()

@@ -468,7 +468,7 @@ def test_dpo_runs_on_a_parquet_file_with_a_column_mapping(tmp_path, capsys):
     assert main(argv) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stopped"] == "done" and summary["data"] == path
-    assert [r["step"] for r in pl.read_metrics(str(out))["dpo"]] == [0, 1]
+    assert [r["step"] for r in pl.tools.read_metrics(str(out))["dpo"]] == [0, 1]
     saved = json.loads((out / "config.json").read_text())["data"]
     assert saved["columns"] == {
         "prompt": "instruction",
@@ -507,13 +507,13 @@ def test_the_data_settings_are_checked_before_a_run(tmp_path):
     # A resumed run refuses a changed split (the fingerprint covers the split's files).
     run = tmp_path / "run"
     run.mkdir()
-    pl.check_data(str(run), f"{folder}:test", resume=False)
-    pl.check_data(str(run), f"{folder}:test", resume=True)
+    pl.tools.check_data(str(run), f"{folder}:test", resume=False)
+    pl.tools.check_data(str(run), f"{folder}:test", resume=True)
     datasets.Dataset.from_list(rows * 2).save_to_disk(str(tmp_path / "other"))
     for name in os.listdir(tmp_path / "other"):
         os.replace(tmp_path / "other" / name, folder / "test" / name)
     with pytest.raises(pl.RunDirError, match="cannot resume: the data file"):
-        pl.check_data(str(run), f"{folder}:test", resume=True)
+        pl.tools.check_data(str(run), f"{folder}:test", resume=True)
 
 
 def test_every_data_stage_reads_its_kind_from_arrow_files_with_a_mapping(tmp_path, capsys):

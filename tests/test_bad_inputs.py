@@ -29,7 +29,7 @@ from test_train_common import (
 import rlhf_eqx as rx
 from rlhf_eqx import data, train
 from rlhf_eqx.models import AbstractDecoder
-from rlhf_eqx.pipelines import RewardFunction, Rollout, score_rollout
+from rlhf_eqx.pipelines.runs import RewardFunction, Rollout, score_rollout
 
 
 def small_policy(key, **kw):

@@ -41,7 +41,7 @@ def _tiny_policy(seed=0):
 def _ctx(path, callbacks=(), *, resume=False, stage="t", **ops):
     return pl.RunContext(
         ops=pl.OpsConfig(quiet=True, **ops),
-        log=pl.MetricsLog(str(path), stage, quiet=True),
+        log=pl.tools.MetricsLog(str(path), stage, quiet=True),
         key=jax.random.key(0),
         checkpoint_dir=str(path / "ckpt"),
         resume=resume,
@@ -125,7 +125,7 @@ def test_hooks_run_in_order_with_host_float_metrics(tmp_path):
         num_iterations=4,
         key=jax.random.key(1),
         ops=pl.OpsConfig(quiet=True, eval_every=2, checkpoint_every=3),
-        log=pl.MetricsLog(str(tmp_path), "q", quiet=True),
+        log=pl.tools.MetricsLog(str(tmp_path), "q", quiet=True),
         checkpoint_dir=str(tmp_path / "ck"),
         evaluate=lambda s, i: {"probe": float(s.step)},
         callbacks=[rec],
@@ -168,7 +168,7 @@ def test_a_stop_ends_the_loop_with_a_checkpoint_and_resume_returns_at_once(tmp_p
         num_iterations=8,
         key=jax.random.key(1),
         ops=pl.OpsConfig(quiet=True, checkpoint_every=5),
-        log=pl.MetricsLog(str(tmp_path), "q", quiet=True),
+        log=pl.tools.MetricsLog(str(tmp_path), "q", quiet=True),
         checkpoint_dir=str(tmp_path / "ck"),
     )
     cb = StopAt(3)
@@ -176,7 +176,7 @@ def test_a_stop_ends_the_loop_with_a_checkpoint_and_resume_returns_at_once(tmp_p
     assert res.stopped == "callback" and res.iterations == 3 and int(res.state.step) == 3
     assert res.stop_reason == "StopAt.on_step returned 'stop'"
     assert cb.reasons == [("callback", res.stop_reason)]
-    latest = pl.latest_checkpoint(str(tmp_path / "ck"))
+    latest = pl.tools.latest_checkpoint(str(tmp_path / "ck"))
     assert latest.endswith("iter_00000003")  # written though checkpoint_every is 5
     with open(os.path.join(latest, "meta.json")) as f:
         meta = json.load(f)
@@ -239,7 +239,7 @@ def test_a_failing_hook_names_itself_checkpoints_and_resume_is_exact(tmp_path):
             num_iterations=8,
             key=jax.random.key(2),
             ops=pl.OpsConfig(quiet=True, checkpoint_every=3),
-            log=pl.MetricsLog(str(path), "q", quiet=True),
+            log=pl.tools.MetricsLog(str(path), "q", quiet=True),
             checkpoint_dir=str(path / "ck"),
             resume=resume,
             callbacks=callbacks,
@@ -256,7 +256,7 @@ def test_a_failing_hook_names_itself_checkpoints_and_resume_is_exact(tmp_path):
     # The last iteration whose hooks all completed (4) is checkpointed, although
     # checkpoint_every is 3.
     assert err.value.checkpoint.endswith("iter_00000004")
-    assert pl.latest_checkpoint(str(cut / "ck")) == err.value.checkpoint
+    assert pl.tools.latest_checkpoint(str(cut / "ck")) == err.value.checkpoint
     tally = Tally()
     resumed = run(cut, [tally, Boom()], resume=True)
     assert tally.seen == full_tally.seen == list(range(1, 9))
@@ -271,7 +271,7 @@ def test_a_failing_hook_names_itself_checkpoints_and_resume_is_exact(tmp_path):
 def test_bad_callbacks_are_refused_naming_them(tmp_path):
     state, iteration = _quadratic()
     kw = dict(num_iterations=1, key=jax.random.key(0), ops=pl.OpsConfig(quiet=True))
-    log = pl.MetricsLog(str(tmp_path), "q", quiet=True)
+    log = pl.tools.MetricsLog(str(tmp_path), "q", quiet=True)
     with pytest.raises(TypeError, match="got the class Tally; pass an instance"):
         pl.loop.run_iterations(state, iteration, log=log, callbacks=[Tally], **kw)
     with pytest.raises(TypeError, match="has none of the hooks"):
@@ -301,13 +301,13 @@ def _batch_stage(name, tok, ctx):
     common = dict(steps=6, batch_size=2, max_length=32, optim=_OPTIM)
     if name == "sft":
         records = [(p.prompt, p.chosen) for p in _PAIRS]
-        return pl.run_sft(policy, tok, records, cfg=pl.SFTConfig(**common, lora=_LORA), ctx=ctx)
+        return pl.runs.run_sft(policy, tok, records, cfg=pl.SFTConfig(**common, lora=_LORA), ctx=ctx)
     if name == "dpo":
-        return pl.run_dpo(policy, tok, _PAIRS, cfg=pl.DPOConfig(**common, lora=_LORA), ctx=ctx)
+        return pl.runs.run_dpo(policy, tok, _PAIRS, cfg=pl.DPOConfig(**common, lora=_LORA), ctx=ctx)
     if name == "reward":
-        return pl.run_reward(policy, tok, _PAIRS, cfg=pl.RewardConfig(**common), ctx=ctx)
+        return pl.runs.run_reward(policy, tok, _PAIRS, cfg=pl.RewardConfig(**common), ctx=ctx)
     records = [rx.data.UnpairedRecord(p.prompt, p.chosen, i % 2 == 0) for i, p in enumerate(_PAIRS)]
-    return pl.run_kto(policy, tok, records, cfg=pl.KTOConfig(**common, lora=_LORA), ctx=ctx)
+    return pl.runs.run_kto(policy, tok, records, cfg=pl.KTOConfig(**common, lora=_LORA), ctx=ctx)
 
 
 @pytest.mark.parametrize("stage", ["sft", "dpo", "reward", "kto"])
@@ -319,11 +319,11 @@ def test_a_callback_stops_a_batch_stage(stage, tok, tmp_path):
     assert cb.reasons == [("callback", "Probe.on_step returned 'stop'")]
     policy = None if stage == "reward" else "Policy"  # the reward model's run has none
     assert [(s[0], s[1], s[3]) for s in cb.seen] == [(stage, 1, policy), (stage, 2, policy)]
-    assert pl.latest_checkpoint(str(tmp_path / "ckpt")).endswith("iter_00000002")
+    assert pl.tools.latest_checkpoint(str(tmp_path / "ckpt")).endswith("iter_00000002")
 
 
 _PROMPTS = ["Once upon a time", "The dog"]
-_LEN = [pl.RewardFunction("len", lambda p, t: float(len(t) % 2))]
+_LEN = [pl.runs.RewardFunction("len", lambda p, t: float(len(t) % 2))]
 
 
 class Probe(StopAt):
@@ -345,7 +345,7 @@ def test_a_callback_stops_grpo_and_sees_the_policy(tok, tmp_path):
     )
     cb = Probe(1)
     ctx = _ctx(tmp_path, [cb], stage="grpo")
-    res = pl.run_grpo(_tiny_policy(), tok, _PROMPTS, reward=_LEN, cfg=g, ctx=ctx)
+    res = pl.runs.run_grpo(_tiny_policy(), tok, _PROMPTS, reward=_LEN, cfg=g, ctx=ctx)
     assert res.loop.stopped == "callback" and res.loop.iterations == 1
     assert cb.seen == [("grpo", 1, True, "Policy")]
 
@@ -354,7 +354,7 @@ def test_a_callback_stops_ppo(tok, tmp_path):
     p = pl.PPOConfig(rollouts=3, prompts_per_rollout=2, epochs=1, minibatches=1, lora=_LORA)
     cb = Probe(2)
     ctx = _ctx(tmp_path, [cb], stage="ppo")
-    res = pl.run_ppo(_tiny_policy(), tok, _PROMPTS, reward=_LEN, cfg=p, ctx=ctx)
+    res = pl.runs.run_ppo(_tiny_policy(), tok, _PROMPTS, reward=_LEN, cfg=p, ctx=ctx)
     assert res.loop.stopped == "callback" and res.loop.iterations == 2
     assert cb.seen == [("ppo", 1, True, "Policy"), ("ppo", 2, True, "Policy")]
 
@@ -414,7 +414,7 @@ def _sft(tok, path, callbacks, steps=8, resume=False):
         lora=pl.LoRASettings(rank=4, alpha=8.0, dropout=0.1),
     )
     ctx = _ctx(path, callbacks, resume=resume, stage="sft", checkpoint_every=3)
-    return pl.run_sft(_tiny_policy(), tok, records, cfg=cfg, ctx=ctx)
+    return pl.runs.run_sft(_tiny_policy(), tok, records, cfg=cfg, ctx=ctx)
 
 
 def test_custom_evaluation_and_exact_resume_on_sft(tok, tmp_path):
@@ -533,7 +533,7 @@ def test_cli_callbacks_stop_a_data_run(tmp_path, monkeypatch, capsys):
     assert main([*argv, *cbs]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stopped"] == "callback" and summary["stop_reason"].startswith("two steps")
-    steps = pl.read_metrics(str(out))["kto"]
+    steps = pl.tools.read_metrics(str(out))["kto"]
     assert [r["step"] for r in steps] == [0, 1]
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("rlhf_eqx kto: stopped (callback: two steps, loss")
@@ -555,12 +555,12 @@ def test_cli_a_failing_callback_stops_the_run_in_one_line_and_resume_finishes_it
         "RuntimeError: the judge is down; checkpoint "
     )
     assert err[0].endswith(" --callback cli_callbacks:FailOnce --resume")
-    assert pl.latest_checkpoint(str(tmp_path / "run" / "kto" / "checkpoints")).endswith("_00000002")
+    assert pl.tools.latest_checkpoint(str(tmp_path / "run" / "kto" / "checkpoints")).endswith("_00000002")
     # FailOnce is disarmed in this process: the resumed run finishes.
     assert main([*argv, "--resume"]) == 0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["stopped"] == "done"
-    assert [r["step"] for r in pl.read_metrics(str(tmp_path / "run"))["kto"]] == list(range(6))
+    assert [r["step"] for r in pl.tools.read_metrics(str(tmp_path / "run"))["kto"]] == list(range(6))
 
 
 @pytest.mark.slow
@@ -579,7 +579,7 @@ def test_the_pipeline_takes_callbacks_per_stage(tmp_path, monkeypatch, capsys):
     assert summary["sft"]["stopped"] == "callback"
     assert summary["sft"]["stop_reason"].startswith("two steps, loss")
     assert summary["stopped"] == "done"
-    assert [r["step"] for r in pl.read_metrics(str(out))["sft"]] == [0, 1]
+    assert [r["step"] for r in pl.tools.read_metrics(str(out))["sft"]] == [0, 1]
     # on_evaluate saw the stage's held-out evaluation
     assert "'score'" in (tmp_path / "evaluated.json").read_text()
 
@@ -618,10 +618,10 @@ _KILLED = textwrap.dedent(
                        lora=pl.LoRASettings(rank=4, alpha=8.0, dropout=0.1))
     tally = Tally()
     ctx = pl.RunContext(ops=pl.OpsConfig(quiet=True, checkpoint_every=1, keep=3, seed=3),
-                        log=pl.MetricsLog(ckpt, "sft", quiet=True), key=jax.random.key(7),
+                        log=pl.tools.MetricsLog(ckpt, "sft", quiet=True), key=jax.random.key(7),
                         checkpoint_dir=ckpt, resume=resume, prompt_length=12,
                         callbacks=[tally])
-    res = pl.run_sft(policy, tok, records, cfg=sft, ctx=ctx)
+    res = pl.runs.run_sft(policy, tok, records, cfg=sft, ctx=ctx)
     eqx.tree_serialise_leaves(out, res.state)
     with open(out + ".json", "w") as f:
         json.dump(tally.losses, f)
@@ -644,14 +644,14 @@ def test_kill_9_with_a_stateful_callback_then_resume_is_exact(tmp_path):
     ckpt = str(tmp_path / "killed")
     deadline = time.time() + 300
     while time.time() < deadline:
-        latest = pl.latest_checkpoint(ckpt)
+        latest = pl.tools.latest_checkpoint(ckpt)
         if latest is not None and int(latest[-8:]) >= 4:
             break
         assert proc.poll() is None, "the run ended before it could be killed"
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     assert proc.wait(timeout=60) == -signal.SIGKILL
-    assert int(pl.latest_checkpoint(ckpt)[-8:]) < 10
+    assert int(pl.tools.latest_checkpoint(ckpt)[-8:]) < 10
     assert _spawn(tmp_path, "killed", True, 0.0).wait(timeout=300) == 0
     assert (tmp_path / "full.eqx").read_bytes() == (tmp_path / "killed.eqx").read_bytes()
     full = json.loads((tmp_path / "full.eqx.json").read_text())

@@ -139,7 +139,7 @@ def test_stage_help_lists_its_own_and_the_shared_sections(tmp_path, capsys):
     assert _sections_listed(_help(["grpo", "--data", data], capsys)) == {"grpo", "judge"} | shared
     # `pipeline --help` is the full listing: every section and the top-level fields.
     text = _help(["pipeline"], capsys)
-    every = {st.key for st in pl.stages()} | {"judge"} | shared
+    every = {st.key for st in pl.config.stages()} | {"judge"} | shared
     assert _sections_listed(text) >= every
     assert "  stages = sft,reward,ppo,dpo,grpo" in text and "  eval_samples = 8" in text
 
@@ -190,15 +190,15 @@ def test_read_fields_follow_the_stages_a_run_executes():
     cfg = pl.animal_task_config()
     task = ("stages", "out", "label_noise", "eval_samples", "notes")
     shared = ("model", "sampling", "ops")
-    assert pl.read_fields(cfg) == (*task, "sft", "reward", "ppo", "judge", "dpo", "grpo", *shared)
-    assert pl.read_fields(cfg, ("sft", "kto")) == (*task, "sft", "kto", *shared)
-    on_file = pl.read_fields(cfg, ("dpo",), data_file=True)
+    assert pl.config.read_fields(cfg) == (*task, "sft", "reward", "ppo", "judge", "dpo", "grpo", *shared)
+    assert pl.config.read_fields(cfg, ("sft", "kto")) == (*task, "sft", "kto", *shared)
+    on_file = pl.config.read_fields(cfg, ("dpo",), data_file=True)
     assert on_file == ("stages", "out", "dpo", "model", "data", "sampling", "ops")
     # online DPO reads the `dpo` section, and the reward model's only when that stage runs
-    assert pl.read_fields(cfg, ("sft", "online-dpo"))[5:7] == ("sft", "dpo")
-    assert "reward" in pl.read_fields(cfg, ("sft", "reward", "online-dpo"))
+    assert pl.config.read_fields(cfg, ("sft", "online-dpo"))[5:7] == ("sft", "dpo")
+    assert "reward" in pl.config.read_fields(cfg, ("sft", "reward", "online-dpo"))
     assert list(pl.config_to_dict(cfg, only=("ops", "stages"))) == ["ops", "stages"]
-    assert pl.help_sections("kto", cfg) == ("kto", "sft", "model", "sampling", "ops", "data")
+    assert pl.config.help_sections("kto", cfg) == ("kto", "sft", "model", "sampling", "ops", "data")
     with pytest.raises(pl.ConfigError, match="nope: unknown config section"):
         pl.config_to_dict(cfg, only=("nope",))
 

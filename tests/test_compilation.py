@@ -349,18 +349,18 @@ def test_evaluation_log_probs_in_passes_of_64_rows_equal_one_pass(monkeypatch):
     settings); the result equals one pass over every row."""
     from rlhf_eqx import pipelines as pl
 
-    policy, _ = pl.load_model("builtin")
+    policy, _ = pl.tools.load_model("builtin")
     B, T = 130, 24
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, 512, (B, T)), jnp.int32)
     start = rng.integers(0, 6, (B, 1))
     mask = jnp.asarray(np.arange(T)[None, :] >= start)
     completion = mask & jnp.asarray(np.arange(T)[None, :] >= 10)
-    roll = pl.Rollout(
+    roll = pl.runs.Rollout(
         tokens=tokens, mask=mask, completion_mask=completion, logprobs=jnp.zeros((B, T)),
         truncated=jnp.zeros((B,), bool), prompts=("",) * B, texts=("",) * B, group_size=1,
     )  # fmt: skip
-    whole = np.asarray(pl.token_logps(policy, tokens, mask))
+    whole = np.asarray(pl.runs.token_logps(policy, tokens, mask))
     m = np.asarray(completion)
-    nll = pl.completion_nll(policy, roll)
+    nll = pl.runs.completion_nll(policy, roll)
     assert nll == pytest.approx(-(whole * m).sum() / m.sum(), rel=1e-6)

@@ -170,9 +170,9 @@ def test_registered_loss_works_in_dpo_loss_and_the_pipeline_config():
     np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
     assert "user_ipo" in losses.dpo_loss_types()
     assert losses.DPO_LOSS_TYPES == losses.dpo_loss_types()[: len(losses.DPO_LOSS_TYPES)]
-    pl.validate_stage("dpo", pl.DPOConfig(loss_type="user_ipo"))
+    pl.config.validate_stage("dpo", pl.DPOConfig(loss_type="user_ipo"))
     with pytest.raises(pl.ConfigError, match="loss_type"):
-        pl.validate_stage("dpo", pl.DPOConfig(loss_type="user_ipo_typo"))
+        pl.config.validate_stage("dpo", pl.DPOConfig(loss_type="user_ipo_typo"))
 
 
 def test_bad_custom_losses_name_the_argument(getkey):

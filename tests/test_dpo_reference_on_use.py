@@ -23,7 +23,7 @@ WORDS = ["cat", "dog", "sun", "ball", "tree", "park", "bird", "cake"]
 
 @pytest.fixture(scope="module")
 def setup():
-    policy, tok = pl.load_model("builtin")
+    policy, tok = pl.tools.load_model("builtin")
     pairs = [
         data.PreferenceRecord(
             f"Once upon a time {WORDS[i % 8]}",
@@ -76,7 +76,7 @@ def test_rows_match_up_front_and_are_computed_once(setup, monkeypatch):
 def test_batches_match_up_front_and_short_runs_compute_less(setup, monkeypatch):
     policy, tok, pairs = setup
     cfg = pl.DPOConfig(batch_size=4, max_length=24, packing=True)
-    batches = pl.packed_steps(pairs, tok, cfg=cfg, prompt_length=12, seed=0)
+    batches = pl.runs.packed_steps(pairs, tok, cfg=cfg, prompt_length=12, seed=0)
     eager = [rx.train.compute_reference_logps(policy, b) for b in batches]
     order = shuffled_batches(eager, 0)
     calls = _counting(monkeypatch)
@@ -96,8 +96,8 @@ def test_run_dpo_short_run_does_not_score_every_pair(setup, monkeypatch, tmp_pat
     calls = _counting(monkeypatch)
     cfg = pl.DPOConfig(steps=1, batch_size=4, max_length=24)
     ops = pl.OpsConfig(monitor=False)
-    log = pl.MetricsLog(str(tmp_path), "dpo", quiet=True)
+    log = pl.tools.MetricsLog(str(tmp_path), "dpo", quiet=True)
     ctx = pl.RunContext(ops=ops, log=log, key=jax.random.key(0), prompt_length=12)
-    res = pl.run_dpo(policy, tok, pairs, cfg=cfg, ctx=ctx)
+    res = pl.runs.run_dpo(policy, tok, pairs, cfg=cfg, ctx=ctx)
     assert calls == [4]  # one batch of 4 rows, not all 10 pairs
     assert np.isfinite(res.history[-1]["loss"])

@@ -65,7 +65,7 @@ CHILD = textwrap.dedent(
 
             os.fsync = slow_fsync
         cfg = config(run_dir, steps)
-        with pl.open_run_dir(cfg, run_dir, resume=resume) as rd:
+        with pl.tools.open_run_dir(cfg, run_dir, resume=resume) as rd:
             for note in rd.notes:
                 print("note:", note, flush=True)
             if held is not None:
@@ -77,13 +77,13 @@ CHILD = textwrap.dedent(
             records = [("Once upon a time", " a dog ran."), ("The cat", " sat on a mat."),
                        ("Lily saw", " a big red ball."), ("Tom had", " a little fish.")] * 3
             ctx = pl.RunContext(
-                ops=cfg.ops, log=pl.MetricsLog(run_dir, "sft", quiet=True),
+                ops=cfg.ops, log=pl.tools.MetricsLog(run_dir, "sft", quiet=True),
                 key=jax.random.key(7),
                 checkpoint_dir=os.path.join(run_dir, "sft", "checkpoints"),
                 resume=rd.resume, prompt_length=12,
                 meta={"stage": "sft", "config": pl.config_to_dict(cfg)},
             )
-            res = pl.run_sft(policy, tok, records, cfg=cfg.sft, ctx=ctx)
+            res = pl.runs.run_sft(policy, tok, records, cfg=cfg.sft, ctx=ctx)
             eqx.tree_serialise_leaves(out + ".part", res.state)
             os.replace(out + ".part", out)
             summary = os.path.join(run_dir, "summary.json")
@@ -347,7 +347,7 @@ def test_kill_9_at_random_moments_then_resume_is_bit_identical(tmp_path, jax_cac
         while True:
             attempts += 1
             assert attempts <= MAX_ATTEMPTS, f"seed {seed}: {history}"
-            done = _iteration(pl.latest_checkpoint(ck)) or 0
+            done = _iteration(pl.tools.latest_checkpoint(ck)) or 0
             req = dict(run_dir=run_dir, out=str(tmp_path / "run.eqx"), resume=attempts > 1)
             if kills < KILLS:
                 if attempts in (2, 3):
@@ -409,7 +409,7 @@ def test_kill_9_at_random_moments_then_resume_is_bit_identical(tmp_path, jax_cac
 
     # Nothing half-written is left, the run's last checkpoint is whole, the lock is gone.
     assert not [n for n in os.listdir(ck) if ".tmp" in n]
-    assert _iteration(pl.latest_checkpoint(ck)) == STEPS
+    assert _iteration(pl.tools.latest_checkpoint(ck)) == STEPS
     assert not os.path.exists(os.path.join(run_dir, ".lock"))
     assert json.loads((tmp_path / "run" / "summary.json").read_text()) == {"stopped": "done"}
     # Nor any other file a killed run was writing through a temporary.
@@ -493,7 +493,7 @@ def test_a_second_run_into_a_held_directory_is_refused_and_the_first_is_unharmed
     assert (run_dir / "config.json").read_bytes() == config
     steps = _step_records(run_dir / "metrics.jsonl")
     assert [(r["iteration"], r["step"]) for r in steps] == [(0, 0), (1, 1), (2, 2)]
-    assert _iteration(pl.latest_checkpoint(str(run_dir / "sft" / "checkpoints"))) == 3
+    assert _iteration(pl.tools.latest_checkpoint(str(run_dir / "sft" / "checkpoints"))) == 3
     assert json.loads((run_dir / "summary.json").read_text()) == {"stopped": "done"}
     assert (tmp_path / "a").exists() and not (run_dir / ".lock").exists()
 
@@ -540,7 +540,7 @@ def test_a_full_disk_stops_the_run_with_one_line_and_keeps_earlier_checkpoints(t
         assert proc.returncode == 1, proc.stderr[-2000:]
         ck = run_dir / "sft" / "checkpoints"
         assert not [n for n in os.listdir(ck) if ".tmp" in n]
-        latest = pl.latest_checkpoint(str(ck))  # checks the checksum
+        latest = pl.tools.latest_checkpoint(str(ck))  # checks the checksum
         assert _iteration(latest) == 1
         assert json.loads((ck / "iter_00000001" / "meta.json").read_text())["steps"] == 1
         records = _records(run_dir / "metrics.jsonl")  # every line whole

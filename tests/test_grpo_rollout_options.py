@@ -14,11 +14,11 @@ from rlhf_eqx import pipelines as pl
 
 @pytest.fixture(scope="module")
 def builtin():
-    return pl.load_model("builtin")
+    return pl.tools.load_model("builtin")
 
 
 def _ctx(tmp_path, name, ops=None, **sampling):
-    log = pl.MetricsLog(str(tmp_path), name, quiet=True)
+    log = pl.tools.MetricsLog(str(tmp_path), name, quiet=True)
     ops = ops or pl.OpsConfig(monitor=False, quiet=True)
     kw = dict(prompt_length=16, max_new_tokens=8, **sampling)
     return pl.RunContext(ops=ops, log=log, key=jax.random.key(0), checkpoint_dir=None, **kw)
@@ -32,12 +32,12 @@ def _grpo(builtin, tmp_path, name, reward=None, ops=None, **changes):
     cfg = pl.animal_task_config().grpo
     optim = dataclasses.replace(cfg.optim, warmup_ratio=0.0)  # the first update moves
     cfg = dataclasses.replace(cfg, prompts_per_rollout=2, group_size=2, optim=optim)
-    reward = reward or [pl.RewardFunction("animal", lambda p, t: pl.task.animal_score(t))]
+    reward = reward or [pl.runs.RewardFunction("animal", lambda p, t: pl.task.animal_score(t))]
     changes.setdefault("rollouts", 2)
     cfg = dataclasses.replace(cfg, **changes)
     ctx = _ctx(tmp_path, name, ops)
-    res = pl.run_grpo(policy, tok, _PROMPTS, reward=reward, cfg=cfg, ctx=ctx)
-    records = [r for r in pl.read_records(str(tmp_path)) if r.get("stage") == name]
+    res = pl.runs.run_grpo(policy, tok, _PROMPTS, reward=reward, cfg=cfg, ctx=ctx)
+    records = [r for r in pl.tools.read_records(str(tmp_path)) if r.get("stage") == name]
     return res, [r for r in records if "step" in r]
 
 
@@ -47,7 +47,7 @@ def test_staleness_samples_with_the_previous_policy(builtin, tmp_path):
     first rollout, sampled by the policy being trained, shows none."""
     corr = pl.apply_overrides(pl.animal_task_config(), ["grpo.rollout_correction.mode=truncate"])
     rc = corr.grpo.rollout_correction
-    fns = [pl.RewardFunction("parity", lambda p, t: float(len(t) % 2))]  # a signal
+    fns = [pl.runs.RewardFunction("parity", lambda p, t: float(len(t) % 2))]  # a signal
     _, stale = _grpo(builtin, tmp_path, "stale", fns, staleness=1, rollout_correction=rc)
     kl = [r["rollout_corr/kl"] for r in stale]
     assert abs(kl[0]) < 1e-4 and abs(kl[1]) > 1e-3
@@ -57,7 +57,7 @@ def test_staleness_samples_with_the_previous_policy(builtin, tmp_path):
     assert stale[0]["reward"] == sync[0]["reward"]
 
 
-_PARITY = [pl.RewardFunction("parity", lambda p, t: float(len(t) % 2))]  # a signal
+_PARITY = [pl.runs.RewardFunction("parity", lambda p, t: float(len(t) % 2))]  # a signal
 _TIMING = ("stage", "time", "iteration_time_s", "tokens_per_s", "rollout/overlapped")
 
 
@@ -100,13 +100,13 @@ def test_overlapped_run_interrupted_while_preparing_resumes_exactly(builtin, tmp
         staleness=1,
         optim=dataclasses.replace(pl.animal_task_config().grpo.optim, warmup_ratio=0.0),
     )
-    fns = [pl.RewardFunction("parity", parity)]
+    fns = [pl.runs.RewardFunction("parity", parity)]
 
     def run(name, resume=False):
         ctx = dataclasses.replace(
             _ctx(tmp_path, name), checkpoint_dir=str(tmp_path / "ckpt" / name), resume=resume
         )
-        return pl.run_grpo(policy, tok, _PROMPTS, reward=fns, cfg=cfg, ctx=ctx)
+        return pl.runs.run_grpo(policy, tok, _PROMPTS, reward=fns, cfg=cfg, ctx=ctx)
 
     full = run("full")
     calls.update(n=0, stop_at=2 * 4 + 1)  # rollout 2's first completion, scored in iteration 1
@@ -170,7 +170,7 @@ def test_dynamic_sampling_refills_uninformative_groups(builtin, tmp_path):
     def reward(prompt, completion):
         return 0.0 if int(prompt.split()[-1]) % 2 else float(len(completion) % 2)
 
-    fns = [pl.RewardFunction("parity", reward)]
+    fns = [pl.runs.RewardFunction("parity", reward)]
     _, plain = _grpo(builtin, tmp_path, "plain", reward=fns)
     _, dyn = _grpo(builtin, tmp_path, "dyn", reward=fns, dynamic_sampling=4)
     for r in dyn:
@@ -181,7 +181,7 @@ def test_dynamic_sampling_refills_uninformative_groups(builtin, tmp_path):
 
 
 def test_overlong_penalty_shapes_the_rewards(builtin, tmp_path):
-    fns = [pl.RewardFunction("zero", lambda p, t: 0.0)]
+    fns = [pl.runs.RewardFunction("zero", lambda p, t: 0.0)]
     _, steps = _grpo(builtin, tmp_path, "long", reward=fns, overlong_buffer=8)
     for r in steps:
         assert r["rollout/overlong_penalty"] < 0
@@ -192,11 +192,11 @@ def test_continuous_rollouts_do_not_depend_on_the_batch(builtin):
     policy, tok = builtin
     kw = dict(group_size=2, prompt_length=16, max_new_tokens=8, temperature=1.0, slots=3)
     key = jax.random.key(1)
-    few = pl.sample_rollout(policy, tok, _PROMPTS[:2], key, **kw)
-    many = pl.sample_rollout(policy, tok, _PROMPTS[:4], key, **kw)
+    few = pl.runs.sample_rollout(policy, tok, _PROMPTS[:2], key, **kw)
+    many = pl.runs.sample_rollout(policy, tok, _PROMPTS[:4], key, **kw)
     assert few.texts == many.texts[:4]
     np.testing.assert_array_equal(np.asarray(few.tokens), np.asarray(many.tokens)[:4])
-    static = pl.sample_rollout(policy, tok, _PROMPTS[:2], key, **{**kw, "slots": 0})
+    static = pl.runs.sample_rollout(policy, tok, _PROMPTS[:2], key, **{**kw, "slots": 0})
     assert static.tokens.shape == few.tokens.shape
     assert np.all(np.asarray(few.completion_mask).sum(axis=1) >= 1)
 

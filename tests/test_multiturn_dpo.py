@@ -16,7 +16,8 @@ import rlhf_eqx as rx
 from rlhf_eqx import pipelines as pl
 from rlhf_eqx.__main__ import main
 from rlhf_eqx.envs import Trajectory
-from rlhf_eqx.pipelines import MultiturnDPOConfig, episode_pairs, run_multiturn_dpo
+from rlhf_eqx.pipelines import MultiturnDPOConfig
+from rlhf_eqx.pipelines.runs import episode_pairs, run_multiturn_dpo
 
 T = 8
 # one episode's layout: prompt (2), turn 1 (2), observation (1), turn 2 (2), padding (1)
@@ -115,7 +116,7 @@ def test_pairs_of_a_real_rollout_score_the_policy_tokens_only():
     between them); the DPO loss is ln 2 while the policy (LoRA at init) is its
     reference (the policy without adapters), and the chosen episode's NLL (RPO) is the
     mean over its own tokens."""
-    policy, tok = pl.load_model("builtin")
+    policy, tok = pl.tools.load_model("builtin")
     traj, ids = two_turn_rollout(policy, tok)
     pairs, count = episode_pairs(traj, jnp.asarray([0.0, 1.0]), samples=2)
     assert count == 1
@@ -136,9 +137,9 @@ def test_pairs_of_a_real_rollout_score_the_policy_tokens_only():
         assert abs(seq - with_question) > 1e-2
 
     cfg = MultiturnDPOConfig(batch_size=1, steps=1, rounds=1)
-    adapted, spec = pl.with_lora(policy, cfg.lora, jax.random.key(0))
+    adapted, spec = pl.runs.with_lora(policy, cfg.lora, jax.random.key(0))
     reference = rx.without_lora(adapted)  # the run's reference: the adapters off
-    opt = pl.build_optimizer(cfg.optim, 1)
+    opt = pl.runs.build_optimizer(cfg.optim, 1)
     state = rx.train.init_train_state(adapted, opt, filter_spec=spec)
     step = rx.train.make_dpo_step(opt, cfg, options=cfg.options)
     batch = rx.train.compute_reference_logps(reference, pairs)
@@ -174,7 +175,7 @@ class _Tally(rx.envs.Environment):
 
 
 def test_run_multiturn_dpo_is_finite_and_resumes_exactly(tmp_path, monkeypatch):
-    policy, tok = pl.load_model("builtin")
+    policy, tok = pl.tools.load_model("builtin")
     env = _Tally(tok)
     prompts = ["Once upon a time", "One day, a little", "Tom and Sue", "The sun was"]
     cfg = MultiturnDPOConfig(
@@ -184,7 +185,7 @@ def test_run_multiturn_dpo_is_finite_and_resumes_exactly(tmp_path, monkeypatch):
     def run(name, resume=False):
         ctx = pl.RunContext(
             ops=pl.OpsConfig(quiet=True, checkpoint_every=1, seed=1),
-            log=pl.MetricsLog(str(tmp_path / name), "multiturn-dpo", quiet=True),
+            log=pl.tools.MetricsLog(str(tmp_path / name), "multiturn-dpo", quiet=True),
             key=jax.random.key(4),
             checkpoint_dir=str(tmp_path / name / "ckpt"),
             resume=resume,

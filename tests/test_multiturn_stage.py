@@ -32,7 +32,7 @@ def test_multiturn_stage_runs_from_the_cli(tmp_path, capsys):
     assert 0.0 <= mt["multiturn_win_rate_vs_sft_se"] <= 0.5
     assert mt["multiturn_base_nll"] > 0 and mt["multiturn_base_nll_base"] > 0
     assert 0.0 <= mt["multiturn_win_rate_vs_sft"] <= 1.0
-    steps = pl.read_metrics(str(out))["multiturn"]
+    steps = pl.tools.read_metrics(str(out))["multiturn"]
     assert [r["step"] for r in steps] == [0, 1]
     assert all("rollout/turns" in r and 1.0 <= r["rollout/turns"] <= 2.0 for r in steps)
     assert (out / "multiturn" / "hf" / "config.json").exists()
@@ -44,7 +44,7 @@ def test_multiturn_batch_trains_the_policy_tokens_only():
     """A GRPO step on a multi-turn trajectory: observation tokens carry no gradient (the
     loss does not change when their recorded log-probs change) and the first update's
     ratio is 1 on-policy."""
-    policy, tok = pl.load_model("builtin")
+    policy, tok = pl.tools.load_model("builtin")
     traj, ids = two_turn_rollout(policy, tok, key=0)
     assert np.all(np.asarray(traj.num_turns) == 2)
     obs = np.asarray(traj.mask & ~traj.loss_mask)[:, len(ids) :]
@@ -76,7 +76,7 @@ def test_ppo_and_dpo_train_on_the_policy_tokens_of_multiturn_trajectories():
     only, and the step's loss ignores what lies outside them. DPO: two trajectories as a
     pair score their policy tokens only (the observation is context), and the loss is
     ln 2 while the policy is the reference."""
-    policy, tok = pl.load_model("builtin")
+    policy, tok = pl.tools.load_model("builtin")
     traj, _ = two_turn_rollout(policy, tok)
     value = rx.ValueModel.from_policy(policy, key=jax.random.key(0))
     own = traj.loss_mask & traj.mask

@@ -63,7 +63,7 @@ def _stepwise(path, n=12):
 
 
 def _steps(run):
-    return [r["step"] for r in pl.read_records(str(run)) if "step" in r and "event" not in r]
+    return [r["step"] for r in pl.tools.read_records(str(run)) if "step" in r and "event" not in r]
 
 
 # --- empty data files, directories, broken chat templates -------------------------------
@@ -90,7 +90,7 @@ def test_every_reader_names_an_empty_file_and_a_directory(tmp_path, reader, cont
 def test_a_file_whose_every_record_was_skipped_is_named():
     records = data.PreferenceDataset([], data.LoadReport(path="pairs.jsonl", read=2))
     with pytest.raises(ValueError, match="pairs.jsonl: no usable records"):
-        pl.split_records(records, pl.DataConfig())
+        pl.runs.split_records(records, pl.DataConfig())
 
 
 @pytest.mark.parametrize("stage, extra", [("kto", _KTO), ("prm", _PRM)])
@@ -128,10 +128,10 @@ def test_a_broken_chat_template_names_its_file(tmp_path):
 def test_kto_refuses_examples_of_one_label(tmp_path):
     records = [data.UnpairedRecord("p", " c", True)] * 4
     ctx = pl.RunContext(
-        ops=pl.OpsConfig(quiet=True), log=pl.MetricsLog(str(tmp_path), "kto"), key=jax.random.key(0)
+        ops=pl.OpsConfig(quiet=True), log=pl.tools.MetricsLog(str(tmp_path), "kto"), key=jax.random.key(0)
     )
     with pytest.raises(ValueError, match="KTO needs desirable and undesirable examples; all 4"):
-        pl.run_kto(_tiny_policy(), None, records, cfg=pl.KTOConfig(), ctx=ctx)
+        pl.runs.run_kto(_tiny_policy(), None, records, cfg=pl.KTOConfig(), ctx=ctx)
 
 
 # --- resume: every checkpoint damaged --------------------------------------------------
@@ -159,20 +159,20 @@ def _damage(path):
 def test_a_resume_with_every_checkpoint_damaged_is_refused(tmp_path):
     state, iteration = _quadratic()
     ops = pl.OpsConfig(quiet=True, checkpoint_every=1, keep=2)
-    log = pl.MetricsLog(str(tmp_path), "q", quiet=True)
+    log = pl.tools.MetricsLog(str(tmp_path), "q", quiet=True)
     ck = str(tmp_path / "ck")
     kw = dict(num_iterations=4, key=jax.random.key(0), ops=ops, log=log, checkpoint_dir=ck)
     pl.loop.run_iterations(state, iteration, **kw)
     names = sorted(os.listdir(ck))
     assert names == ["iter_00000003", "iter_00000004"]
     _damage(os.path.join(ck, names[-1]))  # one damaged: the older one is used
-    assert pl.latest_checkpoint(ck).endswith(names[0])
+    assert pl.tools.latest_checkpoint(ck).endswith(names[0])
     _damage(os.path.join(ck, names[0]))
     with pytest.raises(pl.RunDirError, match=f"{re.escape(ck)}: every checkpoint is damaged"):
         pl.loop.run_iterations(state, iteration, **kw, resume=True)
     with pytest.raises(pl.RunDirError, match="--overwrite"):
-        pl.latest_checkpoint(ck)
-    assert pl.latest_checkpoint(str(tmp_path / "none")) is None  # no checkpoint: a new run
+        pl.tools.latest_checkpoint(ck)
+    assert pl.tools.latest_checkpoint(str(tmp_path / "none")) is None  # no checkpoint: a new run
 
 
 @pytest.mark.slow
@@ -202,15 +202,15 @@ def test_check_data_records_and_compares_the_fingerprint(tmp_path):
     _unpaired(path)
     run = tmp_path / "run"
     run.mkdir()
-    pl.check_data(str(run), str(path), resume=False)
+    pl.tools.check_data(str(run), str(path), resume=False)
     stored = json.loads((run / "data.json").read_text())
     assert stored["size"] == os.path.getsize(path) and len(stored["sha256"]) == 64
-    pl.check_data(str(run), str(path), resume=True)  # unchanged: resumes
+    pl.tools.check_data(str(run), str(path), resume=True)  # unchanged: resumes
     _unpaired(path, flip=True)  # the same size, other labels
     assert os.path.getsize(path) == stored["size"]
     with pytest.raises(pl.RunDirError, match=f"the data file {re.escape(str(path))} changed"):
-        pl.check_data(str(run), str(path), resume=True)
-    pl.check_data(str(run), str(path), resume=False)  # a new run records the new file
+        pl.tools.check_data(str(run), str(path), resume=True)
+    pl.tools.check_data(str(run), str(path), resume=False)  # a new run records the new file
 
 
 @pytest.mark.slow
@@ -276,13 +276,13 @@ def _fill_disk_for_safetensors(monkeypatch):
 def test_a_full_disk_while_checkpointing_names_the_directory(tmp_path, monkeypatch):
     tree = {"a": jnp.arange(4.0)}
     d = str(tmp_path / "ck")
-    pl.save_checkpoint(d, 1, tree, {}, keep=2)
+    pl.tools.save_checkpoint(d, 1, tree, {}, keep=2)
     _fill_disk_for_checkpoints(monkeypatch)
     with pytest.raises(OSError, match=f"^no space left on the device of {re.escape(d)}") as e:
-        pl.save_checkpoint(d, 2, tree, {}, keep=2)
+        pl.tools.save_checkpoint(d, 2, tree, {}, keep=2)
     assert e.value.errno == errno.ENOSPC and "\n" not in str(e.value)
     assert sorted(os.listdir(d)) == ["iter_00000001"]
-    restored, _ = pl.restore_checkpoint(pl.latest_checkpoint(d), tree)
+    restored, _ = pl.tools.restore_checkpoint(pl.tools.latest_checkpoint(d), tree)
     np.testing.assert_array_equal(restored["a"], np.arange(4.0))
 
 
@@ -303,14 +303,14 @@ def test_a_full_disk_while_exporting_names_the_directory_and_keeps_the_old_expor
     hf, adapter, run = tmp_path / "hf", tmp_path / "adapter", tmp_path / "run"
     rx.save_hf(policy, hf)
     rx.save_lora_adapter(lora, adapter)
-    pl.export_reward_model(rm, str(run))
+    pl.runs.export_reward_model(rm, str(run))
     saved = {p: sorted(os.listdir(p)) for p in (hf, adapter, run / "reward" / "hf")}
     weights = (hf / "model.safetensors").read_bytes()
     _fill_disk_for_safetensors(monkeypatch)
     cases = [
         (lambda: rx.save_hf(_tiny_policy(3), hf), hf),
         (lambda: rx.save_lora_adapter(lora, adapter), adapter),
-        (lambda: pl.export_reward_model(rm, str(run)), run / "reward" / "hf"),
+        (lambda: pl.runs.export_reward_model(rm, str(run)), run / "reward" / "hf"),
     ]
     for write, where in cases:
         with pytest.raises(OSError, match=f"^no space left on the device of {where} ") as e:
@@ -335,7 +335,7 @@ def test_a_full_disk_on_the_command_line_is_one_line_and_keeps_the_checkpoints(
     err = capsys.readouterr().err.strip().splitlines()
     ck = out / "kto" / "checkpoints"
     assert err == [f"error: no space left on the device of {ck} (checkpoint not written)"]
-    assert pl.latest_checkpoint(str(ck)).endswith("iter_00000001")
+    assert pl.tools.latest_checkpoint(str(ck)).endswith("iter_00000001")
     monkeypatch.undo()
     _fill_disk_for_safetensors(monkeypatch)  # training resumes; the export cannot be written
     assert main([*argv, "--resume"]) == 1
@@ -344,7 +344,7 @@ def test_a_full_disk_on_the_command_line_is_one_line_and_keeps_the_checkpoints(
         f"error: no space left on the device of {out / 'kto' / 'hf'} (export not written; "
         "what was there before is unchanged)"
     ]
-    assert pl.latest_checkpoint(str(ck)).endswith("iter_00000003")
+    assert pl.tools.latest_checkpoint(str(ck)).endswith("iter_00000003")
     monkeypatch.undo()
     assert main([*argv, "--resume"]) == 0  # space again: the export is written
     assert (out / "kto" / "hf" / "model.safetensors").exists()
@@ -370,26 +370,26 @@ class _Count(Environment):
 def test_environments_declare_stop_ids_with_a_default():
     tok = data.load_tokenizer(asset_path("tok512.bin"))
     assert _Count().stop_ids == ()
-    assert pl.turn_stop_ids(_Count(), tok) == (tok.eos_id,)
+    assert pl.runs.turn_stop_ids(_Count(), tok) == (tok.eos_id,)
     animal = rx.envs.AnimalFollowUpEnv(tok)
-    assert animal.stop_ids and pl.turn_stop_ids(animal, tok) == animal.stop_ids
+    assert animal.stop_ids and pl.runs.turn_stop_ids(animal, tok) == animal.stop_ids
     assert "stop_ids" in Environment.__doc__
 
 
 @pytest.mark.slow
 def test_run_multiturn_runs_an_environment_without_stop_ids(tmp_path):
-    policy, tok = pl.load_model("builtin")
+    policy, tok = pl.tools.load_model("builtin")
     cfg = pl.MultiturnConfig(
         rollouts=1, prompts_per_rollout=2, group_size=2, max_turns=2, turn_tokens=4
     )
     ops = pl.OpsConfig(quiet=True, monitor=False)
     ctx = pl.RunContext(
         ops=ops,
-        log=pl.MetricsLog(str(tmp_path), "multiturn", quiet=True),
+        log=pl.tools.MetricsLog(str(tmp_path), "multiturn", quiet=True),
         key=jax.random.key(0),
         prompt_length=8,
     )
-    res = pl.run_multiturn(policy, tok, ["Once upon a time", "The cat"], _Count(), cfg=cfg, ctx=ctx)
+    res = pl.runs.run_multiturn(policy, tok, ["Once upon a time", "The cat"], _Count(), cfg=cfg, ctx=ctx)
     assert res.loop.iterations == 1 and res.loop.stopped == "done"
 
 
@@ -483,14 +483,14 @@ def test_the_distillation_stage_samples_at_its_temperature_and_computes_the_loss
     c = pl.DistillConfig(steps=1, batch_size=4, max_length=24, lmbda=0.0, temperature=0.9)
     ctx = pl.RunContext(
         ops=pl.OpsConfig(quiet=True, monitor=False),
-        log=pl.MetricsLog(str(tmp_path), "distill", quiet=True),
+        log=pl.tools.MetricsLog(str(tmp_path), "distill", quiet=True),
         key=jax.random.key(2),
         prompt_length=8,
     )
-    res = pl.run_distill(student, teacher, tok, [p for p, _ in records], batch, cfg=c, ctx=ctx)
+    res = pl.runs.run_distill(student, teacher, tok, [p for p, _ in records], batch, cfg=c, ctx=ctx)
     jsd = res.loop.history[0]["jsd"]  # before the update: the student as given (LoRA B = 0)
-    at_one = pl.distill_divergence(student, teacher, batch, beta=0.5, temperature=1.0)
-    at_09 = pl.distill_divergence(student, teacher, batch, beta=0.5, temperature=0.9)
+    at_one = pl.runs.distill_divergence(student, teacher, batch, beta=0.5, temperature=1.0)
+    at_09 = pl.runs.distill_divergence(student, teacher, batch, beta=0.5, temperature=0.9)
     assert jsd == pytest.approx(at_one, rel=1e-4)
     assert abs(at_09 - at_one) > 100 * abs(jsd - at_one)
-    assert pl.distill_divergence(student, teacher, batch, beta=0.5) == at_one
+    assert pl.runs.distill_divergence(student, teacher, batch, beta=0.5) == at_one

@@ -54,7 +54,7 @@ def test_kto_runs_on_an_unpaired_file(tmp_path, capsys):
     out = tmp_path / "run"
     argv = ["kto", "--data", str(data), "--out", str(out), *_SMALL]
     assert main([*argv, "--set", "data.filter=long_prompt,empty"]) == 0
-    events = [r for r in pl.read_records(str(out)) if r.get("event") == "data_filter"]
+    events = [r for r in pl.tools.read_records(str(out)) if r.get("event") == "data_filter"]
     assert len(events) == 1 and events[0]["dropped_long_prompt"] >= 1
     assert events[0]["dropped_empty"] == 0
     summary = json.loads((out / "summary.json").read_text())
@@ -63,7 +63,7 @@ def test_kto_runs_on_an_unpaired_file(tmp_path, capsys):
     assert 0.0 <= kto["heldout_ordering_accuracy"] <= 1.0
     assert {"heldout_reward_desirable", "heldout_reward_undesirable"} <= set(kto)
     assert (out / "kto" / "hf" / "tokenizer.bin").exists()
-    steps = [r for r in pl.read_metrics(str(out))["kto"]]
+    steps = [r for r in pl.tools.read_metrics(str(out))["kto"]]
     assert [r["step"] for r in steps] == [0, 1, 2]
     assert all("kl" in r and "rewards/chosen" in r for r in steps)
     last = capsys.readouterr().out.strip().splitlines()[-1]
@@ -89,9 +89,9 @@ def test_kto_splits_preference_pairs(tmp_path):
 
 def test_kto_settings_are_checked():
     with pytest.raises(pl.ConfigError, match="kto.loss_type='x': must be one of kto"):
-        pl.validate_stage("kto", pl.KTOConfig(loss_type="x"))
+        pl.config.validate_stage("kto", pl.KTOConfig(loss_type="x"))
     with pytest.raises(pl.ConfigError, match="kto.desirable_weight=-1"):
-        pl.validate_stage("kto", pl.KTOConfig(desirable_weight=-1.0))
+        pl.config.validate_stage("kto", pl.KTOConfig(desirable_weight=-1.0))
 
 
 def test_distill_from_a_checkpoint_directory_on_a_data_file(tmp_path):
@@ -102,18 +102,18 @@ def test_distill_from_a_checkpoint_directory_on_a_data_file(tmp_path):
             f.write(json.dumps(rec) + "\n")
     # a teacher checkpoint directory: the shipped model, its final norm scaled (sharper
     # token distributions), exported with its tokenizer
-    policy, _ = pl.load_model("builtin")
+    policy, _ = pl.tools.load_model("builtin")
     policy = eqx.tree_at(lambda p: p.transformer.final_norm, policy, replace_fn=lambda w: 1.5 * w)
     teacher = tmp_path / "teacher"
     rx.save_hf(policy, teacher)
-    pl.copy_tokenizer(asset_path("tok512.bin"), str(teacher))
+    pl.runs.copy_tokenizer(asset_path("tok512.bin"), str(teacher))
     out = tmp_path / "run"
     small = [a.replace("kto.", "distill.") for a in _SMALL]
     argv = ["distill", "--data", str(data), "--out", str(out), *small]
     assert main([*argv, "--set", f"distill.teacher={teacher}"]) == 0
     d = json.loads((out / "summary.json").read_text())["distill"]
     assert d["heldout_jsd"] >= 0 and d["heldout_jsd_before"] > 0
-    steps = pl.read_metrics(str(out))["distill"]
+    steps = pl.tools.read_metrics(str(out))["distill"]
     assert {r["on_policy"] for r in steps} <= {0.0, 1.0} and len(steps) == 3
 
 
@@ -129,7 +129,7 @@ def test_distill_refuses_a_teacher_of_another_vocabulary():
         key=jax.random.key(1),
     )
     with pytest.raises(ValueError, match="teacher's vocab_size=32 differs from the student's"):
-        pl.check_same_vocabulary(a, b)
+        pl.runs.check_same_vocabulary(a, b)
 
 
 @pytest.mark.parametrize("loss", [pytest.param("cispo", marks=pytest.mark.slow), "clip_cov"])
@@ -153,7 +153,7 @@ def test_grpo_policy_loss_is_selected_from_the_cli(tmp_path, loss):
         argv += ["--set", s]
     assert main(argv) == 0
     assert json.loads((out / "config.json").read_text())["grpo"]["policy_loss"] == loss
-    steps = pl.read_metrics(str(out))["grpo"]
+    steps = pl.tools.read_metrics(str(out))["grpo"]
     assert steps and all(np.isfinite(r["loss"]) for r in steps)
     # the batch policy losses log the fraction of tokens they select; the default does not
     assert all(("selected_frac" in r) == (loss == "clip_cov") for r in steps)

@@ -39,7 +39,7 @@ def _ctx(tmp_path, **ops):
     o = pl.OpsConfig(quiet=True, **ops)
     return pl.RunContext(
         ops=o,
-        log=pl.MetricsLog(str(tmp_path), "t", quiet=True),
+        log=pl.tools.MetricsLog(str(tmp_path), "t", quiet=True),
         key=jax.random.key(0),
         checkpoint_dir=str(tmp_path / "ckpt"),
         prompt_length=24,
@@ -154,23 +154,23 @@ def test_checkpoints_are_atomic_checksummed_and_pruned(tmp_path):
     tree = {"a": jnp.arange(4.0), "b": jnp.ones((2,), jnp.int32)}
     d = str(tmp_path)
     for i in (1, 2, 3):
-        pl.save_checkpoint(d, i, jax.tree.map(lambda x: x * i, tree), {"note": i}, keep=2)
+        pl.tools.save_checkpoint(d, i, jax.tree.map(lambda x: x * i, tree), {"note": i}, keep=2)
     names = sorted(os.listdir(d))
     assert names == ["iter_00000002", "iter_00000003"]
-    latest = pl.latest_checkpoint(d)
-    restored, meta = pl.restore_checkpoint(latest, tree)
+    latest = pl.tools.latest_checkpoint(d)
+    restored, meta = pl.tools.restore_checkpoint(latest, tree)
     np.testing.assert_array_equal(restored["a"], np.arange(4.0) * 3)
     assert meta["iteration"] == 3 and meta["note"] == 3
     # A damaged newest checkpoint is skipped in favour of the previous one.
     with open(os.path.join(latest, "state.eqx"), "r+b") as f:
         f.seek(0)
         f.write(b"\x00\x01garbage")
-    assert pl.latest_checkpoint(d).endswith("iter_00000002")
+    assert pl.tools.latest_checkpoint(d).endswith("iter_00000002")
     with pytest.raises(ValueError, match="checksum mismatch"):
-        pl.restore_checkpoint(latest, tree)
+        pl.tools.restore_checkpoint(latest, tree)
     # A leftover temporary directory (a crash mid-write) is not a checkpoint.
     os.makedirs(os.path.join(d, "iter_00000009.tmp123"))
-    assert pl.latest_checkpoint(d).endswith("iter_00000002")
+    assert pl.tools.latest_checkpoint(d).endswith("iter_00000002")
 
 
 # --- the loop: resume, rollback, KL guard ----------------------------------------------
@@ -209,7 +209,7 @@ def _quadratic_iteration(opt, poison=None):
 def test_resume_after_an_interruption_is_exact(tmp_path):
     state, opt = _quadratic_state()
     ops = pl.OpsConfig(quiet=True, checkpoint_every=1, keep=2)
-    log = pl.MetricsLog(str(tmp_path), "q", quiet=True)
+    log = pl.tools.MetricsLog(str(tmp_path), "q", quiet=True)
     key = jax.random.key(5)
     full = pl.loop.run_iterations(
         state, _quadratic_iteration(opt), num_iterations=8, key=key, ops=ops, log=log
@@ -228,7 +228,7 @@ def test_resume_after_an_interruption_is_exact(tmp_path):
         pl.loop.run_iterations(
             state, crashing, num_iterations=8, key=key, ops=ops, log=log, checkpoint_dir=d
         )
-    assert pl.latest_checkpoint(d).endswith("iter_00000005")
+    assert pl.tools.latest_checkpoint(d).endswith("iter_00000005")
     resumed = pl.loop.run_iterations(
         state,
         _quadratic_iteration(opt),
@@ -252,7 +252,7 @@ def test_rollback_on_an_injected_nan_restores_and_lowers_the_lr(tmp_path):
         seen.append(i)
         return i == 3 and pl.loop.get_lr_scale(s.opt_state) == 1.0
 
-    log = pl.MetricsLog(str(tmp_path), "q", quiet=True)
+    log = pl.tools.MetricsLog(str(tmp_path), "q", quiet=True)
     res = pl.loop.run_iterations(
         state,
         _quadratic_iteration(opt, poison),
@@ -276,7 +276,7 @@ def test_rollback_on_a_learning_rate_spike(tmp_path):
     opt = optax.chain(optax.sgd(sched), pl.loop.scale_by_lr_factor())
     params = {"w": jnp.full((3,), 2.0, jnp.float32)}
     state = rx.train.init_train_state(params, opt)
-    log = pl.MetricsLog(str(tmp_path), "q", quiet=True)
+    log = pl.tools.MetricsLog(str(tmp_path), "q", quiet=True)
     ops = pl.OpsConfig(quiet=True, lr_backoff=10.0, max_rollbacks=6, loss_spike=10.0)
     res = pl.loop.run_iterations(
         state, _quadratic_iteration(opt), num_iterations=12, key=jax.random.key(1), ops=ops, log=log
@@ -297,7 +297,7 @@ def test_kl_guard_stops_with_the_last_policy_within_the_target(tmp_path):
         s2, m, _ = inner(s, k, i)
         return s2, m, {"kl": 0.01 * i}
 
-    log = pl.MetricsLog(str(tmp_path), "q", quiet=True)
+    log = pl.tools.MetricsLog(str(tmp_path), "q", quiet=True)
     kw = dict(
         num_iterations=10,
         key=jax.random.key(0),
@@ -310,7 +310,7 @@ def test_kl_guard_stops_with_the_last_policy_within_the_target(tmp_path):
     assert res.stopped == "kl_guard" and res.iterations == 5 and int(res.state.step) == 4
     assert any('"kl_guard"' in line for line in _lines(log.path))
     # A checkpoint of that policy is written; resuming the stopped run returns it at once.
-    assert pl.latest_checkpoint(str(tmp_path / "ck")).endswith("iter_00000005")
+    assert pl.tools.latest_checkpoint(str(tmp_path / "ck")).endswith("iter_00000005")
     again = pl.loop.run_iterations(state, iteration, resume=True, **kw)
     assert again.stopped == "kl_guard" and again.history == []
     assert int(again.state.step) == 4
@@ -322,18 +322,18 @@ def test_kl_guard_stops_with_the_last_policy_within_the_target(tmp_path):
 def test_sample_rollout_repeats_prompts_and_matches_the_model(tok):
     policy = _tiny_policy()
     prompts = ["Once upon a time", "The dog"]
-    roll = pl.sample_rollout(
+    roll = pl.runs.sample_rollout(
         policy, tok, prompts, jax.random.key(0), group_size=3, prompt_length=12, max_new_tokens=6
     )
     assert roll.tokens.shape == (6, 18) and roll.prompts == tuple(
         p for p in prompts for _ in range(3)
     )
     assert len(roll.texts) == 6 and roll.truncated.shape == (6,)
-    lp = pl.token_logps(policy, roll.tokens, roll.mask)
+    lp = pl.runs.token_logps(policy, roll.tokens, roll.mask)
     m = roll.completion_mask & roll.mask
     np.testing.assert_allclose(np.where(m, lp, 0.0), roll.logprobs, atol=2e-5)
     with pytest.raises(ValueError, match="prompt_length=4"):
-        pl.sample_rollout(
+        pl.runs.sample_rollout(
             policy,
             tok,
             ["a long prompt with many words"],
@@ -344,7 +344,7 @@ def test_sample_rollout_repeats_prompts_and_matches_the_model(tok):
 
 
 def test_reward_functions_weights_and_zero_std():
-    roll = pl.Rollout(
+    roll = pl.runs.Rollout(
         tokens=jnp.zeros((4, 2), jnp.int32),
         mask=jnp.ones((4, 2), bool),
         completion_mask=jnp.ones((4, 2), bool),
@@ -355,15 +355,15 @@ def test_reward_functions_weights_and_zero_std():
         group_size=2,
     )
     fns = [
-        pl.RewardFunction("animal", lambda p, t: pl.task.animal_score(t), 2.0),
-        pl.RewardFunction("short", lambda p, t: float(len(t) < 3), 1.0),
+        pl.runs.RewardFunction("animal", lambda p, t: pl.task.animal_score(t), 2.0),
+        pl.runs.RewardFunction("short", lambda p, t: float(len(t) < 3), 1.0),
     ]
-    total, metrics = pl.score_rollout(roll, fns)
+    total, metrics = pl.runs.score_rollout(roll, fns)
     np.testing.assert_allclose(total, [2.0, 0.0, 2.0, 1.0])
     assert metrics == {"reward/animal": 0.5, "reward/short": 0.25}
-    assert pl.group_signal(np.array([1.0, 1.0, 0.0, 1.0]), 2) == 0.5
+    assert pl.runs.group_signal(np.array([1.0, 1.0, 0.0, 1.0]), 2) == 0.5
     with pytest.raises(ValueError, match="'bad' returned nan for prompt 0.*not finite"):
-        pl.score_rollout(roll, [pl.RewardFunction("bad", lambda p, t: math.nan)])
+        pl.runs.score_rollout(roll, [pl.runs.RewardFunction("bad", lambda p, t: math.nan)])
 
 
 def test_rows_at_is_deterministic_and_covers_epochs():
@@ -375,10 +375,10 @@ def test_rows_at_is_deterministic_and_covers_epochs():
 
 
 def test_win_rate_pairs_and_ties():
-    assert pl.win_rate([1.0, 0.0, 1.0, 0.0], [0.0, 0.0, 1.0, 1.0]) == pytest.approx(0.5)
-    assert pl.win_rate([1.0, 1.0], [0.0, 0.0]) == 1.0
+    assert pl.runs.win_rate([1.0, 0.0, 1.0, 0.0], [0.0, 0.0, 1.0, 1.0]) == pytest.approx(0.5)
+    assert pl.runs.win_rate([1.0, 1.0], [0.0, 0.0]) == 1.0
     with pytest.raises(ValueError, match="paired"):
-        pl.win_rate([1.0], [1.0, 0.0])
+        pl.runs.win_rate([1.0], [1.0, 0.0])
 
 
 # --- runs on a tiny model --------------------------------------------------------------
@@ -401,14 +401,14 @@ def test_sft_run_lowers_the_loss_and_grpo_run_logs_its_signal(tmp_path, tok):
         return {"score": 0.5}
 
     ctx = dataclasses.replace(_ctx(tmp_path, eval_every=2), evaluate=evaluate)
-    res = pl.run_sft(policy, tok, records, cfg=cfg, ctx=ctx)
+    res = pl.runs.run_sft(policy, tok, records, cfg=cfg, ctx=ctx)
     assert len(res.history) == 6 and res.history[-1]["loss"] < res.history[0]["loss"]
     # Periodic evaluation on the merged policy at iterations 2 and 4 (the end is the
     # caller's final evaluation).
     assert len(calls) == 2 and all(isinstance(m, rx.Policy) for m in calls)
     evals = [json.loads(x) for x in _lines(ctx.log.path) if '"eval"' in x]
     assert [e["iteration"] for e in evals] == [2, 4] and evals[0]["score"] == 0.5
-    merged = pl.final_policy(res.state.model)
+    merged = pl.runs.final_policy(res.state.model)
     assert isinstance(merged, rx.Policy)
 
     gcfg = pl.GRPOConfig(
@@ -420,8 +420,8 @@ def test_sft_run_lowers_the_loss_and_grpo_run_logs_its_signal(tmp_path, tok):
         optim=rx.train.OptimizerSettings(learning_rate=1e-2, warmup_ratio=0.1),
         lora=pl.LoRASettings(rank=2, alpha=4.0, dropout=0.0),
     )
-    fns = [pl.RewardFunction("len", lambda p, t: float(len(t) % 2))]
-    res = pl.run_grpo(
+    fns = [pl.runs.RewardFunction("len", lambda p, t: float(len(t) % 2))]
+    res = pl.runs.run_grpo(
         policy,
         tok,
         ["Once upon a time", "The dog"],
@@ -459,13 +459,13 @@ def test_packed_dpo_run_holds_every_pair_in_one_shape(tmp_path, tok):
         optim=rx.train.OptimizerSettings(learning_rate=5e-2),
         lora=pl.LoRASettings(rank=4, alpha=8.0, dropout=0.0),
     )
-    batches = pl.packed_steps(records, tok, cfg=cfg, prompt_length=24, seed=0)
+    batches = pl.runs.packed_steps(records, tok, cfg=cfg, prompt_length=24, seed=0)
     assert {b.tokens.shape[1] for b in batches} == {64} and len(
         {b.tokens.shape for b in batches}
     ) == 1
     assert sum(int(b.pairs.sum()) for b in batches) == len(records)
     assert 2 <= len(records) / len(batches) <= 8  # about batch_size pairs a step
-    res = pl.run_dpo(policy, tok, records, cfg=cfg, ctx=_ctx(tmp_path))
+    res = pl.runs.run_dpo(policy, tok, records, cfg=cfg, ctx=_ctx(tmp_path))
     assert res.loop.iterations == 4
     assert res.history[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
     assert res.history[-1]["loss"] < math.log(2)

@@ -69,9 +69,9 @@ def test_pipeline_end_to_end_small(tmp_path, capsys):
         assert os.path.isfile(out / stage / "adapter" / "adapter_config.json")
         assert os.path.isfile(out / stage / "adapter" / "adapter_model.safetensors")
     assert json.loads((out / "config.json").read_text())["sft"]["steps"] == 2
-    stages = pl.read_metrics(str(out))
+    stages = pl.tools.read_metrics(str(out))
     assert {"sft", "reward", "ppo", "dpo", "grpo"} <= set(stages)
-    assert pl.latest_checkpoint(str(out / "ppo" / "checkpoints")) is not None
+    assert pl.tools.latest_checkpoint(str(out / "ppo" / "checkpoints")) is not None
     # The saved policy reloads and samples.
     assert (
         main(

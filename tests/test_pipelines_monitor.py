@@ -12,7 +12,7 @@ import pytest
 import rlhf_eqx as rx
 from rlhf_eqx import pipelines as pl
 from rlhf_eqx.assets import asset_path
-from rlhf_eqx.pipelines import device_memory, measure_matmul_peak, model_flops
+from rlhf_eqx.pipelines.tools import device_memory, measure_matmul_peak, model_flops
 
 
 def _records(path):
@@ -23,7 +23,7 @@ def _records(path):
 def _fake_run(tmp_path, ops, *, n=6, **kw):
     """`run_iterations` on a state without arrays: iteration `i` reports score `i`."""
     state = types.SimpleNamespace(opt_state=())
-    log = pl.MetricsLog(str(tmp_path), "t", quiet=True, tensorboard=ops.tensorboard)
+    log = pl.tools.MetricsLog(str(tmp_path), "t", quiet=True, tensorboard=ops.tensorboard)
 
     def iteration(state, key, i):
         del key
@@ -110,12 +110,12 @@ def test_sft_run_counts_six_flops_per_parameter_and_token(tmp_path):
     tok = rx.data.load_tokenizer(asset_path("tok512.bin"))
     ctx = pl.RunContext(
         ops=pl.OpsConfig(quiet=True),
-        log=pl.MetricsLog(str(tmp_path), "sft", quiet=True),
+        log=pl.tools.MetricsLog(str(tmp_path), "sft", quiet=True),
         key=jax.random.key(0),
         prompt_length=8,
         peak_flops=1e9,
     )
     sft = pl.SFTConfig(steps=1, batch_size=2, max_length=24, lora=pl.LoRASettings(rank=0))
-    res = pl.run_sft(policy, tok, [("Once", " upon a time"), ("The", " dog ran")], cfg=sft, ctx=ctx)
+    res = pl.runs.run_sft(policy, tok, [("Once", " upon a time"), ("The", " dog ran")], cfg=sft, ctx=ctx)
     (rec,) = res.history
     assert rec["model_flops"] == 6 * rx.count_params(policy) * 2 * 24 and rec["mfu"] > 0

@@ -29,7 +29,7 @@ def _tiny_policy(seed=0, vocab_size=512):
 
 @pytest.fixture(scope="module")
 def builtin():
-    return pl.load_model("builtin")
+    return pl.tools.load_model("builtin")
 
 
 def _lines(path):
@@ -43,7 +43,7 @@ def _lines(path):
 def test_rollout_stops_in_the_sampler_at_every_stop_id(builtin):
     policy, tok = builtin
     prompts = ["Once upon a time"]
-    free = pl.sample_rollout(
+    free = pl.runs.sample_rollout(
         policy,
         tok,
         prompts,
@@ -55,7 +55,7 @@ def test_rollout_stops_in_the_sampler_at_every_stop_id(builtin):
     )
     P = 12
     stop = int(np.asarray(free.tokens)[0, P + 2])  # a token the model did emit
-    roll = pl.sample_rollout(
+    roll = pl.runs.sample_rollout(
         policy,
         tok,
         prompts,
@@ -81,8 +81,8 @@ def test_rollout_stops_in_the_sampler_at_every_stop_id(builtin):
 def test_stop_strings_cut_rollouts_and_fix_the_masks(builtin):
     policy, tok = builtin
     kw = dict(group_size=4, prompt_length=12, max_new_tokens=40)
-    free = pl.sample_rollout(policy, tok, ["Once upon a time"], jax.random.key(0), **kw)
-    roll = pl.sample_rollout(
+    free = pl.runs.sample_rollout(policy, tok, ["Once upon a time"], jax.random.key(0), **kw)
+    roll = pl.runs.sample_rollout(
         policy, tok, ["Once upon a time"], jax.random.key(0), stop_strings=(".",), **kw
     )
     cut_rows = 0
@@ -98,7 +98,7 @@ def test_stop_strings_cut_rollouts_and_fix_the_masks(builtin):
     assert comp.sum() < np.asarray(free.completion_mask).sum()
     np.testing.assert_array_equal(np.asarray(roll.logprobs)[~comp], 0.0)
     np.testing.assert_array_equal(np.asarray(roll.tokens)[:, 12:][~comp[:, 12:]], tok.pad_id)
-    lp = pl.token_logps(policy, roll.tokens, roll.mask)
+    lp = pl.runs.token_logps(policy, roll.tokens, roll.mask)
     np.testing.assert_allclose(np.where(comp, lp, 0.0), roll.logprobs, atol=2e-5)
 
 
@@ -113,7 +113,7 @@ def test_grpo_scores_and_trains_on_completions_cut_at_stop_strings(tmp_path):
 
     ctx = pl.RunContext(
         ops=pl.OpsConfig(quiet=True),
-        log=pl.MetricsLog(str(tmp_path), "grpo", quiet=True),
+        log=pl.tools.MetricsLog(str(tmp_path), "grpo", quiet=True),
         key=jax.random.key(0),
         prompt_length=12,
         max_new_tokens=12,
@@ -122,11 +122,11 @@ def test_grpo_scores_and_trains_on_completions_cut_at_stop_strings(tmp_path):
     cfg = pl.GRPOConfig(
         rollouts=1, prompts_per_rollout=2, group_size=2, lora=pl.LoRASettings(rank=2)
     )
-    res = pl.run_grpo(
+    res = pl.runs.run_grpo(
         _tiny_policy(),
         tok,
         ["Once upon a time", "The dog"],
-        reward=[pl.RewardFunction("judge", judge)],
+        reward=[pl.runs.RewardFunction("judge", judge)],
         cfg=cfg,
         ctx=ctx,
     )
@@ -136,11 +136,11 @@ def test_grpo_scores_and_trains_on_completions_cut_at_stop_strings(tmp_path):
     ppo = pl.PPOConfig(
         rollouts=1, prompts_per_rollout=2, epochs=1, minibatches=1, lora=pl.LoRASettings(rank=2)
     )
-    res = pl.run_ppo(
+    res = pl.runs.run_ppo(
         _tiny_policy(),
         tok,
         ["Once upon a time", "The dog"],
-        reward=[pl.RewardFunction("judge", judge)],
+        reward=[pl.runs.RewardFunction("judge", judge)],
         cfg=ppo,
         ctx=ctx,
     )
@@ -165,13 +165,13 @@ def test_load_refuses_a_tokenizer_larger_than_the_model(tmp_path):
     rx.save_hf(_tiny_policy(vocab_size=256), str(tmp_path / "small"))
     tok_file = asset_path("tok512.bin")
     with pytest.raises(pl.ConfigError) as e:
-        pl.load_model(str(tmp_path / "small"), tok_file)
+        pl.tools.load_model(str(tmp_path / "small"), tok_file)
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("model.tokenizer=")
     assert "512" in msg and "256" in msg
     # A model vocabulary padded past the tokenizer's is fine.
     rx.save_hf(_tiny_policy(vocab_size=576), str(tmp_path / "padded"))
-    policy, tok = pl.load_model(str(tmp_path / "padded"), tok_file)
+    policy, tok = pl.tools.load_model(str(tmp_path / "padded"), tok_file)
     assert policy.cfg.vocab_size == 576 and tok.vocab_size == 512
 
 
@@ -192,9 +192,9 @@ def _pairs():
 
 def test_quality_report_goes_to_the_log_and_the_filter_says_what_it_dropped(tmp_path):
     tok = data.load_tokenizer(asset_path("tok512.bin"))
-    log = pl.MetricsLog(str(tmp_path), "dpo", quiet=True)
+    log = pl.tools.MetricsLog(str(tmp_path), "dpo", quiet=True)
     lengths = data.SequenceLengths(max_length=16, max_prompt_length=4)
-    kept, report = pl.quality_report(_pairs(), tok, lengths, pl.DataConfig(), log)
+    kept, report = pl.runs.quality_report(_pairs(), tok, lengths, pl.DataConfig(), log)
     assert len(kept) == 6
     (event,) = _lines(log.path)
     assert event["event"] == "data_quality" and event["identical"] == 1
@@ -204,7 +204,7 @@ def test_quality_report_goes_to_the_log_and_the_filter_says_what_it_dropped(tmp_
     assert 0 < event["distinct_2"] <= 1
     assert report.truncation is not None and report.truncation.prompt_truncated > 0
     dc = pl.DataConfig(filter=("identical", "empty", "exact_duplicate"))
-    kept, _ = pl.quality_report(_pairs(), tok, lengths, dc, log)
+    kept, _ = pl.runs.quality_report(_pairs(), tok, lengths, dc, log)
     assert [r.prompt for r in kept] == ["Human: hi", "Human: cats?", "Human: dogs?"]
     last = _lines(log.path)[-1]
     assert last["event"] == "data_filter" and last["kept"] == 3
@@ -217,13 +217,13 @@ def test_data_runs_split_by_prompt_with_the_library_split():
     rec = data.PreferenceRecord
     records = [rec(f"prompt {i % 40}", f"a{i}", f"b{i}") for i in range(200)]
     dc = pl.DataConfig(heldout_fraction=0.25, seed=3, limit=0)
-    train, held = pl.split_records(records, dc)
+    train, held = pl.runs.split_records(records, dc)
     assert {r.prompt for r in train}.isdisjoint({r.prompt for r in held})
     assert (train, held) == tuple(
         list(x) for x in data.split_held_out(records, fraction=0.25, seed=3)
     )
     with pytest.raises(ValueError, match="data.heldout_fraction"):
-        pl.split_records(records[:1], dc)
+        pl.runs.split_records(records[:1], dc)
 
 
 # --- exports ----------------------------------------------------------------------------
@@ -231,14 +231,14 @@ def test_data_runs_split_by_prompt_with_the_library_split():
 
 def test_export_writes_the_merged_policy_and_the_peft_adapters(tmp_path):
     policy = _tiny_policy()
-    adapted, _ = pl.with_lora(policy, pl.LoRASettings(rank=2, dropout=0.0), jax.random.key(1))
-    assert pl.has_lora(adapted) and not pl.has_lora(policy)
-    pl.export_policy(pl.final_policy(adapted), str(tmp_path), "dpo", adapted=adapted)
+    adapted, _ = pl.runs.with_lora(policy, pl.LoRASettings(rank=2, dropout=0.0), jax.random.key(1))
+    assert pl.runs.has_lora(adapted) and not pl.runs.has_lora(policy)
+    pl.runs.export_policy(pl.runs.final_policy(adapted), str(tmp_path), "dpo", adapted=adapted)
     assert os.path.isfile(tmp_path / "dpo" / "hf" / "model.safetensors")
     config = json.loads((tmp_path / "dpo" / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 2 and config["peft_type"] == "LORA"
     assert os.path.isfile(tmp_path / "dpo" / "adapter" / "adapter_model.safetensors")
-    pl.export_policy(policy, str(tmp_path), "full", adapted=policy)
+    pl.runs.export_policy(policy, str(tmp_path), "full", adapted=policy)
     assert not os.path.exists(tmp_path / "full" / "adapter")
 
 

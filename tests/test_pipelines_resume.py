@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent(
                        optim=rx.train.OptimizerSettings(learning_rate=1e-2, warmup_ratio=0.1),
                        lora=pl.LoRASettings(rank=4, alpha=8.0, dropout=0.1))
     ops = pl.OpsConfig(quiet=True, checkpoint_every=1, keep=3, seed=3)
-    ctx = pl.RunContext(ops=ops, log=pl.MetricsLog(ckpt, "sft", quiet=True),
+    ctx = pl.RunContext(ops=ops, log=pl.tools.MetricsLog(ckpt, "sft", quiet=True),
                         key=jax.random.key(7), checkpoint_dir=ckpt, resume=resume,
                         prompt_length=12)
     if pause:
@@ -42,7 +42,7 @@ SCRIPT = textwrap.dedent(
             time.sleep(pause)
             return step(self, *a, **k)
         rx.train.TrainState.apply = slow
-    res = pl.run_sft(policy, tok, records, cfg=sft, ctx=ctx)
+    res = pl.runs.run_sft(policy, tok, records, cfg=sft, ctx=ctx)
     eqx.tree_serialise_leaves(out, res.state)
     """
 )
@@ -71,7 +71,7 @@ def test_kill_9_then_resume_is_bit_identical(tmp_path):
     ckpt = str(tmp_path / "killed")
     deadline = time.time() + 300
     while time.time() < deadline:
-        latest = pl.latest_checkpoint(ckpt)
+        latest = pl.tools.latest_checkpoint(ckpt)
         if latest is not None and int(latest[-8:]) >= 4:
             break
         assert proc.poll() is None, "the run ended before it could be killed"
@@ -79,7 +79,7 @@ def test_kill_9_then_resume_is_bit_identical(tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     assert proc.wait(timeout=60) == -signal.SIGKILL
     assert not (tmp_path / "killed.eqx").exists()
-    assert int(pl.latest_checkpoint(ckpt)[-8:]) < 10
+    assert int(pl.tools.latest_checkpoint(ckpt)[-8:]) < 10
 
     assert _run(tmp_path, "killed", True, 0.0).wait(timeout=300) == 0
     with open(os.path.join(ckpt, "metrics.jsonl")) as f:

@@ -271,9 +271,9 @@ def test_names_and_the_pipeline_config():
     assert "user_kl_cov" not in losses.policy_loss_names("token")
     assert losses.policy_loss_names("token")[0] == "ppo" == train.PPOSettings().policy_loss
     pl = rx.pipelines
-    pl.validate_stage("grpo", pl.GRPOConfig(policy_loss="user_clip"))
+    pl.config.validate_stage("grpo", pl.GRPOConfig(policy_loss="user_clip"))
     with pytest.raises(pl.ConfigError, match="policy_loss"):
-        pl.validate_stage("grpo", pl.GRPOConfig(policy_loss="user_clip_typo"))
+        pl.config.validate_stage("grpo", pl.GRPOConfig(policy_loss="user_clip_typo"))
 
 
 def test_check_loss_matches_accepts_copies_and_names_a_difference():

@@ -36,13 +36,13 @@ def smol():
 
 @pytest.fixture(scope="module")
 def stories():
-    return pl.load_model("builtin")
+    return pl.tools.load_model("builtin")
 
 
 def _cfg(*overrides: str, source: str = "smollm2-135m"):
     """The configuration the command line resolves for `sample --model SOURCE --set ...`."""
     cfg = pl.apply_overrides(pl.animal_task_config(), [f"model.source={source}", *overrides])
-    return pl.resolve_model_names(cfg)
+    return pl.tools.resolve_model_names(cfg)
 
 
 def _user(tok, text: str) -> str:
@@ -66,21 +66,21 @@ def _one_bos_first(tok, ids, text: str) -> None:
 
 def test_sample_renders_each_prompt_as_one_user_message_with_one_bos(smol):
     cfg = _cfg()
-    (fed,) = pl.render_prompts(smol, cfg.data, [PROMPT])
+    (fed,) = pl.tools.render_prompts(smol, cfg.data, [PROMPT])
     assert fed == _user(smol, PROMPT)
     assert fed.endswith("<|im_start|>user\nWhat is 7 times 8?<|im_end|>\n<|im_start|>assistant\n")
-    (ids,) = pl.encode_prompts(smol, [fed], prompt_length=128)
+    (ids,) = pl.runs.encode_prompts(smol, [fed], prompt_length=128)
     assert ids == smol.encode(fed)  # SmolLM2's tokenizer asks for no BOS: its template writes it
     _one_bos_first(smol, ids, fed)
     assert fed.count("<|im_start|>") == 3  # system, user, assistant
     # longer than the default sampling.prompt_length=32: `sample` widens it, never cuts
-    assert pl.prompt_tokens(smol, fed) == len(ids) > cfg.sampling.prompt_length
+    assert pl.runs.prompt_tokens(smol, fed) == len(ids) > cfg.sampling.prompt_length
     # the sampler stops at EOS (`sample_rollout`'s default stop ids), the end of a turn
-    assert smol.token(smol.eos_id) == pl.chat_rendering(smol, cfg.data).end == "<|im_end|>"
+    assert smol.token(smol.eos_id) == pl.runs.chat_rendering(smol, cfg.data).end == "<|im_end|>"
     # data.chat_template=none: the prompt as written, and still no BOS
     plain = _cfg("data.chat_template=none")  # the string, not None
-    assert pl.render_prompts(smol, plain.data, [PROMPT]) == [PROMPT]
-    assert pl.encode_prompts(smol, [PROMPT], prompt_length=32) == [smol.encode(PROMPT)]
+    assert pl.tools.render_prompts(smol, plain.data, [PROMPT]) == [PROMPT]
+    assert pl.runs.encode_prompts(smol, [PROMPT], prompt_length=32) == [smol.encode(PROMPT)]
 
 
 def test_sample_on_the_stories_model_is_unchanged(stories, capsys):
@@ -89,13 +89,13 @@ def test_sample_on_the_stories_model_is_unchanged(stories, capsys):
     policy, tok = stories
     cfg = _cfg(source="builtin")
     prompts = list(pl.task.HELDOUT_PROMPTS[:2])
-    assert pl.render_prompts(tok, cfg.data, prompts) == prompts
-    (ids,) = pl.encode_prompts(tok, prompts[:1], prompt_length=32)
+    assert pl.tools.render_prompts(tok, cfg.data, prompts) == prompts
+    (ids,) = pl.runs.encode_prompts(tok, prompts[:1], prompt_length=32)
     assert ids == [tok.bos_id, *tok.encode(prompts[0])]
     assert main(["sample", "-n", "2", "--quiet", "--set", "sampling.max_new_tokens=8"]) == 0
     out = capsys.readouterr().out
     s = cfg.sampling
-    roll = pl.sample_rollout(
+    roll = pl.runs.sample_rollout(
         policy,
         tok,
         prompts,
@@ -120,7 +120,7 @@ def test_sample_loads_the_packed_base_with_model_quantized(capsys):
     argv = ["sample", "--model", "smollm2-135m", "--set", "model.quantized=true"]
     assert main([*argv, "--show-config"]) == 0  # no stage trains: no LoRA asked for
     assert json.loads(capsys.readouterr().out)["model"]["quantized"] is True
-    policy, tok = pl.load_configured_model(_cfg("model.quantized=true"))
+    policy, tok = pl.tools.load_configured_model(_cfg("model.quantized=true"))
     layers = policy.transformer.layers  # stacked: one leaf per projection for all 30 layers
     assert _packed(policy) == 5 and policy.transformer.embed.kind == "Q8_0"
     assert [w.kind for w in (layers.wqkv, layers.wo, layers.w_gate_up, layers.w_down)] == [
@@ -137,7 +137,7 @@ def test_sample_loads_the_packed_base_with_model_quantized(capsys):
 
 
 def test_configured_model_is_the_stages_model_without_model_quantized(stories):
-    policy, tok = pl.load_configured_model(_cfg(source="builtin"))
+    policy, tok = pl.tools.load_configured_model(_cfg(source="builtin"))
     assert _packed(policy) == 0 and tok.vocab_size == stories[1].vocab_size == 512
     a, b = jax.tree.leaves(policy), jax.tree.leaves(stories[0])
     assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
@@ -160,7 +160,7 @@ def test_cli_samples_smollm2_through_its_chat_template_on_the_packed_base():
 
 
 def test_judge_adds_no_bos_to_smollm2_and_renders_a_chat_judge(smol):
-    rendering = pl.chat_rendering(smol, pl.DataConfig())
+    rendering = pl.runs.chat_rendering(smol, pl.DataConfig())
     prompt = rendering.prompt(PROMPT)  # as a data-file run's rollouts carry it
     kw = dict(template="{prompt}{completion}\nCorrect?", yes_token=" Yes", no_token=" No")
     judge = rx.train.judge_reward(None, smol, max_length=256, **kw)
@@ -207,7 +207,7 @@ def test_judge_on_the_stories_tokenizer_is_unchanged(stories):
 
 def test_prm_steps_follow_the_tokenizer_bos_rule(smol, stories):
     steps = ("7 times 8 is 56", "so the answer is 56")
-    rendering = pl.chat_rendering(smol, pl.DataConfig())
+    rendering = pl.runs.chat_rendering(smol, pl.DataConfig())
     (record,) = rendering.records([data.StepwiseRecord(PROMPT, steps, (True, True))])
     assert record.prompt == _user(smol, PROMPT) and record.completions == steps
     (sol,), _ = data.tokenize_stepwise([record], smol, max_length=128, max_prompt_length=64)
@@ -267,4 +267,4 @@ def test_prm_stage_renders_its_prompts_through_the_chat_template(tmp_path, smol)
     assert summary["chat_template"] == "auto"
     assert summary["prm"]["heldout_steps"] > 0
     # the rendered prompt fits prompt_length whole, so no prompt was cut
-    assert pl.prompt_tokens(smol, _user(smol, "What is 7 times 6?")) <= 64
+    assert pl.runs.prompt_tokens(smol, _user(smol, "What is 7 times 6?")) <= 64

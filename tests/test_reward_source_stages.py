@@ -17,7 +17,7 @@ from rlhf_eqx.__main__ import main
 
 @pytest.fixture(scope="module")
 def builtin():
-    return pl.load_model("builtin")
+    return pl.tools.load_model("builtin")
 
 
 def _rollout(tok, prompts, texts):
@@ -30,7 +30,7 @@ def _rollout(tok, prompts, texts):
         tokens[i, T - len(r) :] = r  # left padded, as sampled
         mask[i, T - len(r) :] = True
         comp[i, T - len(r) + 1 + len(tok.encode(p)) :] = True
-    return pl.Rollout(
+    return pl.runs.Rollout(
         tokens=jnp.asarray(tokens),
         mask=jnp.asarray(mask),
         completion_mask=jnp.asarray(comp),
@@ -52,10 +52,10 @@ def test_ensemble_export_and_load_give_the_same_scores(builtin, tmp_path):
     ens = rx.train.make_ensemble(lambda k: rx.RewardModel.from_policy(policy, key=k), keys)
     # distinct biases: the exported HF head has none, so they travel in ensemble.json
     ens = eqx.tree_at(lambda e: e.members.bias, ens, jnp.asarray([0.5, -1.0, 2.0]))
-    source = pl.EnsembleReward(ens, penalty=0.7, mode="std")
-    out = pl.export_reward_ensemble(ens, str(tmp_path), penalty=0.7, mode="std")
-    loaded = pl.load_reward_source(out, tok)
-    assert isinstance(loaded, pl.EnsembleReward)
+    source = pl.runs.EnsembleReward(ens, penalty=0.7, mode="std")
+    out = pl.runs.export_reward_ensemble(ens, str(tmp_path), penalty=0.7, mode="std")
+    loaded = pl.runs.load_reward_source(out, tok)
+    assert isinstance(loaded, pl.runs.EnsembleReward)
     assert (loaded.penalty, loaded.mode, loaded.ensemble.num_members) == (0.7, "std", 3)
     roll = _rollout(tok, _PROMPTS, _TEXTS)
     want, want_members = source.scores(roll.tokens, roll.mask)
@@ -77,13 +77,13 @@ def test_prm_export_and_load_give_the_same_step_rewards(builtin, tmp_path):
     policy, tok = builtin
     prm = rx.ValueModel.from_policy(policy, key=jax.random.key(1))
     prm = eqx.tree_at(lambda m: m.bias, prm, jnp.asarray(0.3, jnp.float32))
-    out = pl.export_prm(prm, str(tmp_path), separator="\n", aggregation="mean", score="prob")
-    loaded = pl.load_reward_source(out, tok, eos_ids=(tok.eos_id,))
-    assert isinstance(loaded, pl.ProcessReward)
+    out = pl.runs.export_prm(prm, str(tmp_path), separator="\n", aggregation="mean", score="prob")
+    loaded = pl.runs.load_reward_source(out, tok, eos_ids=(tok.eos_id,))
+    assert isinstance(loaded, pl.runs.ProcessReward)
     assert loaded.separator_id == rx.data.separator_id(tok, "\n")
     assert (loaded.aggregation, loaded.score_kind) == ("mean", "prob")
     roll = _rollout(tok, _PROMPTS, _TEXTS)
-    direct = pl.ProcessReward(prm, loaded.separator_id, aggregation="mean")
+    direct = pl.runs.ProcessReward(prm, loaded.separator_id, aggregation="mean")
     want, got = direct.score(roll), loaded.score(roll)
     np.testing.assert_allclose(got.scores, want.scores, atol=1e-5)
     np.testing.assert_allclose(got.token_rewards, want.token_rewards, atol=1e-5)
@@ -93,7 +93,7 @@ def test_prm_export_and_load_give_the_same_step_rewards(builtin, tmp_path):
     assert got.metrics["reward/prm_steps"] == 2.0
     # a PRM directory is not a reward model, and the reverse
     with pytest.raises(ValueError, match="holds a process reward model"):
-        pl.stage_reward_source(
+        pl.runs.stage_reward_source(
             pl.GRPOConfig(reward_source="reward_model", reward_model=out),
             task=[],
             tokenizer=tok,
@@ -105,7 +105,7 @@ def test_prm_export_and_load_give_the_same_step_rewards(builtin, tmp_path):
 def test_judge_source_scores_every_completion_in_one_pass(builtin):
     policy, tok = builtin
     judge = pl.JudgeConfig(template="{prompt}{completion} The story was", yes="happy", no="big")
-    source = pl.stage_reward_source(
+    source = pl.runs.stage_reward_source(
         pl.GRPOConfig(reward_source="judge"),
         task=[],
         tokenizer=tok,
@@ -176,7 +176,7 @@ def test_prm_stage_trains_on_a_stepwise_file_and_scores_grpo(tmp_path):
     hf = prm_run / "prm" / "hf"
     meta = json.loads((hf / "prm.json").read_text())
     assert meta["separator"] == "\n" and meta["aggregation"] == "min"
-    steps_logged = pl.read_metrics(str(prm_run))["prm"]
+    steps_logged = pl.tools.read_metrics(str(prm_run))["prm"]
     assert [r["step"] for r in steps_logged] == [0, 1, 2]
     assert all("accuracy" in r for r in steps_logged)
 
@@ -187,7 +187,7 @@ def test_prm_stage_trains_on_a_stepwise_file_and_scores_grpo(tmp_path):
     argv += ["--set", "grpo.group_size=2", "--set", "sampling.max_new_tokens=8"]
     argv += ["--set", "data.heldout_fraction=0.25"]
     assert main(argv) == 0
-    it = [r for r in pl.read_records(str(grpo_run)) if r.get("stage") == "grpo"]
+    it = [r for r in pl.tools.read_records(str(grpo_run)) if r.get("stage") == "grpo"]
     assert any("rollout/reward/prm_steps" in r for r in it)
     # a reward model source without a directory is refused before anything runs
     bad = [*argv[:5], "--set", "grpo.reward_source=reward_model", "--overwrite", *_QUIET]
@@ -210,7 +210,7 @@ def test_ensemble_reward_stage_scores_ppo_and_grpo_scores_with_a_judge(tmp_path)
     meta = json.loads((out / "reward" / "ensemble" / "ensemble.json").read_text())
     assert meta["members"] == 2 and len(meta["biases"]) == 2
     assert (out / "reward" / "ensemble" / "member_1" / "config.json").exists()
-    it = [r for r in pl.read_records(str(out)) if r.get("stage") == "ppo"]
+    it = [r for r in pl.tools.read_records(str(out)) if r.get("stage") == "ppo"]
     assert any("rollout/reward/ensemble_std" in r for r in it)
 
     # GRPO on the built-in task scored by the exported ensemble, then by a judge

@@ -754,7 +754,7 @@ def test_judge_scores_a_whole_rollout_as_a_reward_function(getkey):
     prompts = tuple(p for p in PROMPTS for _ in range(2))
     texts = ANSWERS[:1] + ("5",) + ANSWERS[1:2] + ("Lyon",) + ANSWERS[2:] + ("9",)
     B = len(texts)
-    roll = pl.Rollout(
+    roll = pl.runs.Rollout(
         tokens=jnp.zeros((B, 4), jnp.int32),
         mask=jnp.ones((B, 4), bool),
         completion_mask=jnp.ones((B, 4), bool),
@@ -764,10 +764,10 @@ def test_judge_scores_a_whole_rollout_as_a_reward_function(getkey):
         texts=texts,
         group_size=2,
     )
-    rewards, metrics = pl.score_rollout(roll, [pl.RewardFunction("judge", judge.for_rollout(roll))])
+    rewards, metrics = pl.runs.score_rollout(roll, [pl.runs.RewardFunction("judge", judge.for_rollout(roll))])
     want = judge.score(prompts, texts)
     np.testing.assert_allclose(rewards, want, rtol=1e-6)
-    one_by_one, _ = pl.score_rollout(roll, [pl.RewardFunction("judge", judge)])
+    one_by_one, _ = pl.runs.score_rollout(roll, [pl.runs.RewardFunction("judge", judge)])
     np.testing.assert_allclose(one_by_one, want, rtol=1e-5, atol=1e-6)
     assert metrics["reward/judge"] == pytest.approx(float(np.mean(want)), rel=1e-6)
     chunked = dataclasses.replace(judge, batch_size=4)  # two passes of 4 rows

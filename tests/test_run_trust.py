@@ -60,7 +60,7 @@ def test_a_second_run_into_a_live_directory_refuses_naming_the_holder(tmp_path):
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(pl.RunDirError, match=f"in use by another run \\(process {holder.pid}"):
-            pl.open_run_dir(_cfg(tmp_path), str(tmp_path))
+            pl.tools.open_run_dir(_cfg(tmp_path), str(tmp_path))
         assert not (tmp_path / "config.json").exists()  # nothing was written
     finally:
         holder.kill()
@@ -68,7 +68,7 @@ def test_a_second_run_into_a_live_directory_refuses_naming_the_holder(tmp_path):
         holder.stdout.close()
     # Killed with SIGKILL, the holder left its lock file: it is stale and taken over.
     assert (tmp_path / ".lock").exists()
-    with pl.open_run_dir(_cfg(tmp_path), str(tmp_path)) as rd:
+    with pl.tools.open_run_dir(_cfg(tmp_path), str(tmp_path)) as rd:
         assert any(f"process {holder.pid}" in n for n in rd.notes)
         assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
     assert not (tmp_path / ".lock").exists()
@@ -76,12 +76,12 @@ def test_a_second_run_into_a_live_directory_refuses_naming_the_holder(tmp_path):
 
 def test_a_new_run_into_an_old_one_refuses_and_overwrite_moves_it_aside(tmp_path):
     run = tmp_path / "run"
-    with pl.open_run_dir(_cfg(run), str(run)):
+    with pl.tools.open_run_dir(_cfg(run), str(run)):
         (run / "metrics.jsonl").write_text('{"stage": "sft", "step": 0}\n')
     with pytest.raises(pl.RunDirError, match="--resume.*--overwrite"):
-        pl.open_run_dir(_cfg(run, label_noise=0.2), str(run))
+        pl.tools.open_run_dir(_cfg(run, label_noise=0.2), str(run))
     assert json.loads((run / "config.json").read_text())["label_noise"] == 0.1
-    with pl.open_run_dir(_cfg(run, label_noise=0.2), str(run), overwrite=True) as rd:
+    with pl.tools.open_run_dir(_cfg(run, label_noise=0.2), str(run), overwrite=True) as rd:
         (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("run.replaced-")]
         assert any(str(aside) in n for n in rd.notes)
     assert (aside / "metrics.jsonl").exists()  # nothing deleted
@@ -93,9 +93,9 @@ def test_a_new_run_into_an_old_one_refuses_and_overwrite_moves_it_aside(tmp_path
 def test_pruning_never_removes_another_runs_later_checkpoints(tmp_path):
     d = str(tmp_path)
     tree = {"w": jnp.ones(3)}
-    pl.save_checkpoint(d, 40, tree, {}, keep=2)
+    pl.tools.save_checkpoint(d, 40, tree, {}, keep=2)
     for i in range(1, 6):
-        pl.save_checkpoint(d, i, tree, {}, keep=2)
+        pl.tools.save_checkpoint(d, i, tree, {}, keep=2)
     assert sorted(os.listdir(d)) == ["iter_00000004", "iter_00000005", "iter_00000040"]
 
 
@@ -104,7 +104,7 @@ def test_pruning_never_removes_another_runs_later_checkpoints(tmp_path):
 
 def test_resume_refuses_a_changed_configuration_and_keeps_config_json(tmp_path):
     run = tmp_path / "run"
-    with pl.open_run_dir(_cfg(run), str(run)):
+    with pl.tools.open_run_dir(_cfg(run), str(run)):
         (run / "metrics.jsonl").write_text("")
     stored = (run / "config.json").read_text()
     changed = dataclasses.replace(
@@ -113,7 +113,7 @@ def test_resume_refuses_a_changed_configuration_and_keeps_config_json(tmp_path):
         ops=dataclasses.replace(_cfg(run).ops, seed=1),
     )
     with pytest.raises(pl.RunDirError) as e:
-        pl.open_run_dir(changed, str(run), resume=True)
+        pl.tools.open_run_dir(changed, str(run), resume=True)
     assert "dpo.beta: 0.1 -> 0.3" in str(e.value) and "ops.seed: 0 -> 1" in str(e.value)
     assert (run / "config.json").read_text() == stored
     # Operations settings and iteration counts may change.
@@ -122,17 +122,17 @@ def test_resume_refuses_a_changed_configuration_and_keeps_config_json(tmp_path):
         ops=dataclasses.replace(_cfg(run).ops, log_every=3, quiet=True),
         grpo=dataclasses.replace(_cfg(run).grpo, rollouts=20),
     )
-    with pl.open_run_dir(allowed, str(run), resume=True):
+    with pl.tools.open_run_dir(allowed, str(run), resume=True):
         assert json.loads((run / "config.json").read_text())["grpo"]["rollouts"] == 20
 
 
 def test_a_changed_count_of_an_upstream_stage_is_refused(tmp_path):
     run = tmp_path / "run"
-    with pl.open_run_dir(_cfg(run), str(run)):
-        pl.save_checkpoint(str(run / "grpo" / "checkpoints"), 1, {"w": jnp.ones(2)}, {}, keep=1)
+    with pl.tools.open_run_dir(_cfg(run), str(run)):
+        pl.tools.save_checkpoint(str(run / "grpo" / "checkpoints"), 1, {"w": jnp.ones(2)}, {}, keep=1)
     more_sft = _cfg(run, sft=dataclasses.replace(_cfg(run).sft, steps=40))
     with pytest.raises(pl.RunDirError, match="sft.steps changed 30 -> 40, but grpo"):
-        pl.open_run_dir(more_sft, str(run), resume=True)
+        pl.tools.open_run_dir(more_sft, str(run), resume=True)
 
 
 def _quadratic_state(lr=0.1):
@@ -172,7 +172,7 @@ def test_the_checkpointed_config_is_checked_by_the_loop(tmp_path):
     state, opt = _quadratic_state()
     d = str(tmp_path / "ck")
     ops = pl.OpsConfig(quiet=True, checkpoint_every=1)
-    log = pl.MetricsLog(str(tmp_path), "q", quiet=True)
+    log = pl.tools.MetricsLog(str(tmp_path), "q", quiet=True)
     kw = dict(key=jax.random.key(0), ops=ops, log=log, checkpoint_dir=d)
     meta = {"config": pl.config_to_dict(pl.animal_task_config())}
     pl.loop.run_iterations(state, _quadratic_iteration(opt), num_iterations=3, meta=meta, **kw)
@@ -200,7 +200,7 @@ def test_resume_continues_step_and_writes_no_record_twice(tmp_path):
     state, opt = _quadratic_state()
     d = str(tmp_path / "ck")
     ops = pl.OpsConfig(quiet=True, checkpoint_every=2, eval_every=2)
-    log = pl.MetricsLog(str(tmp_path), "q", quiet=True)
+    log = pl.tools.MetricsLog(str(tmp_path), "q", quiet=True)
     kw = dict(num_iterations=8, key=jax.random.key(3), ops=ops, log=log, checkpoint_dir=d)
     evaluate = lambda s, i: {"w0": float(s.params["w"][0])}  # noqa: E731
     # Crash in iteration 5: iteration 4 was logged after the checkpoint at 4.
@@ -209,7 +209,7 @@ def test_resume_continues_step_and_writes_no_record_twice(tmp_path):
     # A torn last line, as a crash mid-write leaves it.
     with open(log.path, "a") as f:
         f.write('{"stage": "q", "iter')
-    log = pl.MetricsLog(str(tmp_path), "q", quiet=True)  # repairs the torn line
+    log = pl.tools.MetricsLog(str(tmp_path), "q", quiet=True)  # repairs the torn line
     kw["log"] = log
     res = pl.loop.run_iterations(
         state, _quadratic_iteration(opt, None, 2), evaluate=evaluate, resume=True, **kw
@@ -227,7 +227,7 @@ def test_resume_continues_step_and_writes_no_record_twice(tmp_path):
         num_iterations=8,
         key=jax.random.key(3),
         ops=ops,
-        log=pl.MetricsLog(str(tmp_path / "full"), "q", quiet=True),
+        log=pl.tools.MetricsLog(str(tmp_path / "full"), "q", quiet=True),
     )
     np.testing.assert_array_equal(res.state.params["w"], full.state.params["w"])
 
@@ -238,18 +238,18 @@ def test_plot_tolerates_a_torn_last_line(tmp_path):
         for i in range(4)
     ]
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"stage": "dpo", "it')
-    assert len(pl.read_metrics(str(tmp_path))["dpo"]) == 4
+    assert len(pl.tools.read_metrics(str(tmp_path))["dpo"]) == 4
 
 
 def test_partial_checkpoints_left_by_a_crash_are_removed(tmp_path):
     run = tmp_path / "run"
-    with pl.open_run_dir(_cfg(run), str(run)):
+    with pl.tools.open_run_dir(_cfg(run), str(run)):
         ck = run / "sft" / "checkpoints"
-        pl.save_checkpoint(str(ck), 1, {"w": jnp.ones(2)}, {}, keep=2)
+        pl.tools.save_checkpoint(str(ck), 1, {"w": jnp.ones(2)}, {}, keep=2)
         (ck / "iter_00000002.tmp999").mkdir()
         (run / "config.json.tmp999").write_text("{")
         (ck / "iter_00000002.tmp999" / "state.eqx").write_bytes(b"half")
-    with pl.open_run_dir(_cfg(run), str(run), resume=True) as rd:
+    with pl.tools.open_run_dir(_cfg(run), str(run), resume=True) as rd:
         assert os.listdir(ck) == ["iter_00000001"]
         assert not (run / "config.json.tmp999").exists()
         assert any("partial file" in n for n in rd.notes)
@@ -264,7 +264,7 @@ def test_a_full_disk_names_the_directory_and_leaves_no_partial_checkpoint(tmp_pa
 
     monkeypatch.setattr(eqx, "tree_serialise_leaves", full)
     with pytest.raises(OSError, match=f"no space left on the device of {d}"):
-        pl.save_checkpoint(str(d), 3, {"w": jnp.ones(2)}, {}, keep=2)
+        pl.tools.save_checkpoint(str(d), 3, {"w": jnp.ones(2)}, {}, keep=2)
     assert os.listdir(d) == []
 
 
@@ -276,7 +276,7 @@ def test_divergence_rolls_back_to_a_verified_state_then_stops(tmp_path):
     # starting state (the only one whose loss was measured finite and in range), and the
     # run ends "diverged" with finite weights once the rollbacks are spent.
     state, opt = _quadratic_state(lr=1e3)
-    log = pl.MetricsLog(str(tmp_path), "q", quiet=True)
+    log = pl.tools.MetricsLog(str(tmp_path), "q", quiet=True)
     ops = pl.OpsConfig(quiet=True, max_rollbacks=2, lr_backoff=10.0)
     res = pl.loop.run_iterations(
         state, _quadratic_iteration(opt), num_iterations=6, key=jax.random.key(0), ops=ops, log=log
@@ -292,7 +292,7 @@ def test_divergence_rolls_back_to_a_verified_state_then_stops(tmp_path):
 
 def test_a_run_recovers_when_a_lower_rate_is_enough(tmp_path):
     state, opt = _quadratic_state(lr=3.0)  # diverges at 3.0, converges at 0.3
-    log = pl.MetricsLog(str(tmp_path), "q", quiet=True)
+    log = pl.tools.MetricsLog(str(tmp_path), "q", quiet=True)
     res = pl.loop.run_iterations(
         state,
         _quadratic_iteration(opt),
@@ -313,7 +313,7 @@ def test_no_export_writes_non_finite_weights(tmp_path):
     policy = rx.Policy(cfg, key=jax.random.key(0))
     bad = eqx.tree_at(lambda p: p.lm_head, policy, policy.lm_head.at[0, 0].set(jnp.nan))
     with pytest.raises(ValueError, match="lm_head has non-finite values"):
-        pl.export_policy(bad, str(tmp_path), "dpo")
+        pl.runs.export_policy(bad, str(tmp_path), "dpo")
     assert not (tmp_path / "dpo" / "hf").exists()
 
 
@@ -347,9 +347,9 @@ def test_show_config_refuses_a_bogus_loss_type(capsys):
 def test_each_stage_checks_its_own_settings():
     sft = pl.SFTConfig(batch_size=0)
     with pytest.raises(pl.ConfigError, match="sft.batch_size=0"):
-        pl.validate_stage("sft", sft)
+        pl.config.validate_stage("sft", sft)
     with pytest.raises(pl.ConfigError, match="grpo.group_size=1"):
-        pl.validate_stage("grpo", pl.GRPOConfig(group_size=1))
+        pl.config.validate_stage("grpo", pl.GRPOConfig(group_size=1))
 
 
 # --- the command line -------------------------------------------------------------------
@@ -371,7 +371,7 @@ def test_the_resume_command_is_the_original_one_with_resume():
 
 def test_run_dir_errors_are_one_line(tmp_path, capsys):
     run = tmp_path / "run"
-    with pl.open_run_dir(_cfg(run), str(run)):
+    with pl.tools.open_run_dir(_cfg(run), str(run)):
         (run / "metrics.jsonl").write_text("")
     assert main(["--out", str(run), "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

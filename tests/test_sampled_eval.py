@@ -16,7 +16,7 @@ PROMPTS = ["Once upon a time", "The cat", "Tom had a ball", "Lily saw a dog", "T
 
 @pytest.fixture(scope="module")
 def model():
-    return pl.load_model("builtin")
+    return pl.tools.load_model("builtin")
 
 
 def _cfg(eval_prompts=3, eval_samples=2):
@@ -55,8 +55,8 @@ def test_nll_matches_completion_nll_and_scores(model):
         for f in ("prompt_length", "max_new_tokens", "temperature", "stop_strings", "slots")
     }
     for side, m in (("before", policy), ("after", other)):
-        roll = pl.sample_rollout(m, tok, PROMPTS, key, group_size=3, **opts)
-        assert ev[f"base_nll_{side}"] == pytest.approx(pl.completion_nll(policy, roll), rel=1e-5)
+        roll = pl.runs.sample_rollout(m, tok, PROMPTS, key, group_size=3, **opts)
+        assert ev[f"base_nll_{side}"] == pytest.approx(pl.runs.completion_nll(policy, roll), rel=1e-5)
         s = np.asarray([float("a" in t) for t in roll.texts])
         assert ev[f"score_{side}"] == pytest.approx(s.mean())
         per_prompt = s.reshape(len(PROMPTS), 3).mean(1)

@@ -24,32 +24,32 @@ def test_prompt_se_is_the_std_of_per_prompt_rates_over_root_prompts():
     rates = np.array([1.0, 1 / 3, 2 / 3, 0.0])
     mean = rates.mean()
     expected = math.sqrt(((rates - mean) ** 2).sum() / 3) / math.sqrt(4)
-    assert pl.prompt_se(outcomes, 3) == pytest.approx(expected, rel=1e-12)
-    assert pl.prompt_se(outcomes, 3) == pytest.approx(0.2151657414559676, rel=1e-12)
+    assert pl.runs.prompt_se(outcomes, 3) == pytest.approx(expected, rel=1e-12)
+    assert pl.runs.prompt_se(outcomes, 3) == pytest.approx(0.2151657414559676, rel=1e-12)
     # one sample per prompt: the usual s / sqrt(N)
     x = [0.2, 0.9, 0.4, 0.4, 1.0]
-    assert pl.prompt_se(x, 1) == pytest.approx(np.std(x, ddof=1) / math.sqrt(5), rel=1e-12)
+    assert pl.runs.prompt_se(x, 1) == pytest.approx(np.std(x, ddof=1) / math.sqrt(5), rel=1e-12)
 
 
 def test_prompt_se_is_zero_when_every_prompt_has_the_same_rate():
     # samples disagree within each prompt, but every prompt's rate is 1/2
-    assert pl.prompt_se([1, 0, 0, 1, 1, 0], 2) == 0.0
-    assert pl.prompt_se(np.ones(24 * 8), 8) == 0.0
+    assert pl.runs.prompt_se([1, 0, 0, 1, 1, 0], 2) == 0.0
+    assert pl.runs.prompt_se(np.ones(24 * 8), 8) == 0.0
 
 
 def test_prompt_se_refuses_outcomes_that_do_not_split_into_groups():
     with pytest.raises(ValueError, match=r"prompt_se: outcomes of shape \(7,\)"):
-        pl.prompt_se(np.zeros(7), 2)
-    assert math.isnan(pl.prompt_se([1.0, 0.0], 2))  # one prompt: no spread to measure
+        pl.runs.prompt_se(np.zeros(7), 2)
+    assert math.isnan(pl.runs.prompt_se([1.0, 0.0], 2))  # one prompt: no spread to measure
 
 
 def test_binomial_se():
-    assert pl.binomial_se(0.9, 100) == pytest.approx(0.03, rel=1e-12)
-    assert pl.binomial_se(169 / 180, 180) == pytest.approx(
+    assert pl.runs.binomial_se(0.9, 100) == pytest.approx(0.03, rel=1e-12)
+    assert pl.runs.binomial_se(169 / 180, 180) == pytest.approx(
         math.sqrt(169 / 180 * 11 / 180 / 180), rel=1e-12
     )
-    assert pl.binomial_se(1.0, 50) == 0.0
-    assert math.isnan(pl.binomial_se(0.5, 0))
+    assert pl.runs.binomial_se(1.0, 50) == 0.0
+    assert math.isnan(pl.runs.binomial_se(0.5, 0))
 
 
 def test_win_rate_se_counts_ties_as_half_per_prompt():
@@ -57,11 +57,11 @@ def test_win_rate_se_counts_ties_as_half_per_prompt():
     b = np.array([0.0, 0.0, 1.0, 0.0, 1.0, 1.0])
     # outcomes 1, 1/2 | 1/2, 1 | 0, 0: per-prompt wins 3/4, 3/4, 0
     wins = np.array([0.75, 0.75, 0.0])
-    assert pl.win_rate(a, b) == pytest.approx(wins.mean())
-    assert pl.win_rate_se(a, b, 2) == pytest.approx(np.std(wins, ddof=1) / math.sqrt(3))
+    assert pl.runs.win_rate(a, b) == pytest.approx(wins.mean())
+    assert pl.runs.win_rate_se(a, b, 2) == pytest.approx(np.std(wins, ddof=1) / math.sqrt(3))
     # the shape check names `baseline` (or, with the checks off, the function's own error)
     with pytest.raises((ValueError, jaxtyping.TypeCheckError), match="baseline|paired"):
-        pl.win_rate_se(a, b[:4], 2)
+        pl.runs.win_rate_se(a, b[:4], 2)
 
 
 def test_format_table_prints_each_rate_with_its_standard_error():
@@ -77,7 +77,7 @@ def test_format_table_prints_each_rate_with_its_standard_error():
         },
         "reward_model": {"heldout_accuracy": 0.939, "heldout_accuracy_se": 0.0178},
     }
-    table = pl.format_table(summary)
+    table = pl.tools.format_table(summary)
     assert "90.6% ± 2.1" in table and "83.9% ± 3.5" in table and "17.2% ± 3.1" in table
     assert "reward model held-out accuracy: 93.9% ± 1.8" in table
 
@@ -91,7 +91,7 @@ def test_summarize_seeds_on_hand_made_summaries():
         1: {"stopped": "done", "ppo": {"score": 0.8, "kl": 0.5, "stopped": "done"}, "seconds": 12},
         2: {"stopped": "diverged", "ppo": {"score": 0.4, "flag": True}, "seconds": 11},
     }
-    out = pl.summarize_seeds(summaries)
+    out = pl.tools.summarize_seeds(summaries)
     assert out["seeds"] == [0, 1, 2]
     assert out["stopped"] == {"0": "done", "1": "done", "2": "diverged"}
     score = out["metrics"]["ppo.score"]
@@ -105,7 +105,7 @@ def test_summarize_seeds_on_hand_made_summaries():
     assert kl["std"] == pytest.approx(math.sqrt(0.02))
     assert out["metrics"]["seconds"]["values"] == [10.0, 12.0, 11.0]
     assert "ppo.flag" not in out["metrics"] and "ppo.stopped" not in out["metrics"]
-    one = pl.summarize_seeds({5: summaries[0]})["metrics"]["ppo.score"]
+    one = pl.tools.summarize_seeds({5: summaries[0]})["metrics"]["ppo.score"]
     assert one == {"seeds": [5], "values": [0.9], "mean": 0.9, "std": None, "min": 0.9, "max": 0.9}
 
 
@@ -117,7 +117,7 @@ def test_seeds_table_shows_mean_std_and_range():
             (1, 0.20, {"heldout_accuracy": 0.8, "heldout_accuracy_se": 0.03}),
         )
     }
-    table = pl.format_seeds_table(pl.summarize_seeds(summaries))
+    table = pl.tools.format_seeds_table(pl.tools.summarize_seeds(summaries))
     assert "| sft | 22.5% ± 3.5 (20.0–25.0) |" in table
     assert "reward_model.heldout_accuracy: 85.0% ± 7.1 (80.0–90.0)" in table
 
@@ -125,7 +125,7 @@ def test_seeds_table_shows_mean_std_and_range():
 @pytest.mark.parametrize("bad", [0, -2, True, 1.5, "3"])
 def test_seeds_must_be_a_positive_int(bad):
     with pytest.raises(pl.ConfigError, match=f"seeds={bad!r}: must be an int >= 1"):
-        pl.check_seeds(bad)
+        pl.tools.check_seeds(bad)
 
 
 def test_cli_refuses_zero_seeds(tmp_path, capsys):
@@ -164,21 +164,21 @@ def test_run_seeds_summary_is_made_of_the_per_seed_summaries_and_resume_skips_fi
     out = tmp_path / "seeds"
     cfg = _tiny(out)
     # an interrupted two-seed run: only seed 0 finished
-    pl.run_seeds(cfg, 1)
+    pl.tools.run_seeds(cfg, 1)
     seed0 = out / "seed-0"
     first = _read(seed0 / "summary.json")
     metrics_mtime = os.path.getmtime(seed0 / "metrics.jsonl")
     with pytest.raises(pl.RunDirError, match="already holds a run"):
-        pl.run_seeds(cfg, 2)  # a new run into the old one is refused
+        pl.tools.run_seeds(cfg, 2)  # a new run into the old one is refused
     capsys.readouterr()
-    result = pl.run_seeds(cfg, 2, resume=True)
+    result = pl.tools.run_seeds(cfg, 2, resume=True)
     assert "seed 0: finished" in capsys.readouterr().err
     assert os.path.getmtime(seed0 / "metrics.jsonl") == metrics_mtime  # not rerun
     per_seed = {s: _read(out / f"seed-{s}" / "summary.json") for s in (0, 1)}
     assert per_seed[0] == first
     assert _read(out / "seed-1" / "config.json")["ops"]["seed"] == 1
-    assert _read(out / "seeds_summary.json") == json.loads(json.dumps(pl.summarize_seeds(per_seed)))
-    assert result == pl.summarize_seeds(per_seed)
+    assert _read(out / "seeds_summary.json") == json.loads(json.dumps(pl.tools.summarize_seeds(per_seed)))
+    assert result == pl.tools.summarize_seeds(per_seed)
     for path in ("base.score", "sft.score", "sft.score_se", "sft.kl", "sft.base_nll"):
         m = result["metrics"][path]
         stage, key = path.split(".")

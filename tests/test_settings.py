@@ -351,7 +351,7 @@ def test_cli_learning_rate_is_the_logged_rate_of_the_micro_batched_dpo_step(tmp_
     _pairs(tmp_path / "pairs.jsonl")
     sets = (*_DPO_SETS, "dpo.optim.schedule=constant", "dpo.optim.warmup_ratio=0")
     assert main(_argv("dpo", tmp_path / "pairs.jsonl", tmp_path / "run", sets)) == 0
-    records = pl.read_metrics(str(tmp_path / "run"))["dpo"]
+    records = pl.tools.read_metrics(str(tmp_path / "run"))["dpo"]
     assert [r["step"] for r in records] == [0, 1]
     for r in records:  # the peak rate, in float32, times a rollback factor of 1
         assert r["learning_rate"] == pytest.approx(0.003, rel=1e-6) and r["lr_scale"] == 1.0
@@ -372,7 +372,7 @@ def test_after_a_rollback_the_logged_learning_rate_includes_its_factor(tmp_path)
         del frozen, batch, key
         return {"f": jnp.sum(jnp.cosh(params["w"] - 1.0))}, {"f": jnp.ones(())}, {}
 
-    opt = pl.build_optimizer(
+    opt = pl.runs.build_optimizer(
         T.OptimizerSettings(learning_rate=100.0, schedule="constant", max_grad_norm=None), 8
     )
     step = T.make_step(loss_fn, opt, donate=False)
@@ -382,7 +382,7 @@ def test_after_a_rollback_the_logged_learning_rate_includes_its_factor(tmp_path)
         state, metrics = state.apply(step, jnp.zeros((1,)), key=key)
         return state, [metrics], {}
 
-    log = pl.MetricsLog(str(tmp_path), "q", quiet=True)
+    log = pl.tools.MetricsLog(str(tmp_path), "q", quiet=True)
     res = pl.loop.run_iterations(
         state,
         iteration,

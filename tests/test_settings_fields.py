@@ -101,7 +101,7 @@ def _owned_sections(stage) -> tuple[str, ...]:
     """The sections whose fields are tried with `stage`: those it reads that no stage
     registered before it reads (each section's fields are tried once)."""
     before = set()
-    for st in pl.stages():
+    for st in pl.config.stages():
         if st.name == stage.name:
             break
         before |= set(_sections(st))
@@ -155,9 +155,9 @@ def _cases(sections, cfg, context_of):
                 yield path, v, context_of(section)
 
 
-@pytest.mark.parametrize("name", [st.name for st in pl.stages() if _owned_sections(st)])
+@pytest.mark.parametrize("name", [st.name for st in pl.config.stages() if _owned_sections(st)])
 def test_every_setting_of_the_stage_is_refused_before_loading(tmp_path, no_loading, name):
-    stage = pl.get_stage(name)
+    stage = pl.config.get_stage(name)
     cfg = pl.animal_task_config()
     cases = list(_cases(_owned_sections(stage), cfg, lambda s: _context(stage, s)))
     problems = _problems(tmp_path, stage, cases)
@@ -166,13 +166,13 @@ def test_every_setting_of_the_stage_is_refused_before_loading(tmp_path, no_loadi
 
 
 def test_every_shared_and_top_level_setting_is_refused_before_loading(tmp_path, no_loading):
-    stage = pl.get_stage("sft")
+    stage = pl.config.get_stage("sft")
     cfg = pl.animal_task_config()
     cases = list(_cases(SHARED, cfg, lambda s: []))
     hints = typing.get_type_hints(pl.PipelineConfig)
     top = [f.name for f in dataclasses.fields(pl.PipelineConfig) if _section_type(hints[f.name])]
     for f in dataclasses.fields(pl.PipelineConfig):
-        if f.name in (*top, "extra") or f.name in EXEMPT:
+        if f.name in (*top, "sections") or f.name in EXEMPT:
             continue
         cases += [(f.name, v, []) for v in invalid_values(hints[f.name])]
     assert {"label_noise", "eval_samples", "stages"} <= {c[0] for c in cases}
@@ -183,12 +183,12 @@ def test_every_shared_and_top_level_setting_is_refused_before_loading(tmp_path, 
 def test_the_exempt_fields_exist_and_the_enumeration_reaches_nested_records():
     cfg = pl.animal_task_config()
     paths = {p for p, _ in leaves(pl.PipelineConfig)}
-    for stage in pl.stages():
+    for stage in pl.config.stages():
         for section in _sections(stage):
             paths |= {p for p, _ in leaves(type(getattr(cfg, section)), f"{section}.")}
     assert set(EXEMPT) <= paths
-    owned = [s for st in pl.stages() for s in _owned_sections(st)]
-    assert sorted(owned) == sorted({s for st in pl.stages() for s in _sections(st)})
+    owned = [s for st in pl.config.stages() for s in _owned_sections(st)]
+    assert sorted(owned) == sorted({s for st in pl.config.stages() for s in _sections(st)})
     for nested in (
         "grpo.rollout_correction.mode",
         "grpo.optim.learning_rate",

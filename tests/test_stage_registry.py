@@ -20,15 +20,15 @@ class ToyConfig(pl.SFTConfig):
 
 def toy(env: pl.StageEnv, c: ToyConfig) -> pl.Outcome:
     records = [(p, " a cat sat on the mat.") for p in pl.task.TRAIN_PROMPTS[:8]] * c.repeat
-    res = pl.run_sft(env.policies["sft"], env.tok, records, cfg=c, ctx=env.ctx("toy"))
-    return pl.Outcome(res, policy=pl.final_policy(res.state.model))
+    res = pl.runs.run_sft(env.policies["sft"], env.tok, records, cfg=c, ctx=env.ctx("toy"))
+    return pl.Outcome(res, policy=pl.runs.final_policy(res.state.model))
 
 
 @pytest.fixture
 def toy_stage():
     pl.register_stage(pl.Stage("toy", ToyConfig, builtin=toy, help="a toy SFT"))
     yield
-    pl.unregister_stage("toy")
+    pl.config.unregister_stage("toy")
 
 
 _SMALL = ["--quiet", "--set", "ops.monitor=false", "--set", "eval_samples=1"]
@@ -36,7 +36,7 @@ _SMALL += ["--set", "sft.steps=2", "--set", "sampling.max_new_tokens=8"]
 
 
 def test_a_registered_stage_runs_from_the_cli(toy_stage, tmp_path, capsys):
-    assert "toy" in stage_commands() and "toy" in pl.stage_names()
+    assert "toy" in stage_commands() and "toy" in pl.config.stage_names()
     out = tmp_path / "run"
     argv = ["toy", "--out", str(out), *_SMALL, "--set", "toy.steps=2", "--set", "toy.repeat=2"]
     assert main(argv) == 0
@@ -46,7 +46,7 @@ def test_a_registered_stage_runs_from_the_cli(toy_stage, tmp_path, capsys):
     config = json.loads((out / "config.json").read_text())
     assert config["stages"] == ["sft", "toy"] and config["toy"]["repeat"] == 2
     assert (out / "toy" / "hf" / "config.json").exists()
-    assert [r["step"] for r in pl.read_metrics(str(out))["toy"]] == [0, 1]
+    assert [r["step"] for r in pl.tools.read_metrics(str(out))["toy"]] == [0, 1]
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("rlhf_eqx toy: done")
     # resume checks the extra section like any other: a changed setting is refused
     assert main([*argv, "--resume", "--set", "toy.repeat=3"]) == 2
@@ -63,9 +63,9 @@ def test_a_registered_stage_has_help_and_checked_settings(toy_stage, capsys):
     assert "toy.steps=0: must be >= 1" in capsys.readouterr().err
     cfg = pl.apply_overrides(pl.animal_task_config(), ["toy.repeat=4"])
     # the built-in task's shared stage settings (its LoRA adapters) apply to a new stage
-    task_lora = pl.TASK_STAGE_SETTINGS["lora"]
+    task_lora = pl.config.TASK_STAGE_SETTINGS["lora"]
     assert cfg.toy == ToyConfig(repeat=4, lora=task_lora)
-    assert pl.animal_task_config().toy == ToyConfig(lora=task_lora) == pl.task_section("toy")
+    assert pl.animal_task_config().toy == ToyConfig(lora=task_lora) == pl.config.task_section("toy")
     assert pl.PipelineConfig().toy == ToyConfig()
     assert pl.config_from_dict(pl.PipelineConfig, pl.config_to_dict(cfg)) == cfg
 
@@ -78,17 +78,17 @@ def test_registry_refuses_duplicates_and_bad_stages():
     with pytest.raises(TypeError, match="config must be a dataclass"):
         pl.Stage("bad", dict, builtin=toy)
     with pytest.raises(pl.ConfigError, match="unknown stage 'nope'"):
-        pl.get_stage("nope")
+        pl.config.get_stage("nope")
 
 
 def test_builtin_stages_come_from_the_registry():
-    names = pl.stage_names()
+    names = pl.config.stage_names()
     assert names[:8] == ("sft", "reward", "ppo", "online-dpo", "dpo", "grpo", "kto", "distill")
-    assert set(pl.data_stages()) == {"sft", "reward", "dpo", "grpo", "kto", "distill", "prm"}
+    assert set(pl.config.data_stages()) == {"sft", "reward", "dpo", "grpo", "kto", "distill", "prm"}
     cfg = pl.animal_task_config()
-    assert pl.get_stage("ppo").prerequisites(cfg) == ("sft", "reward", "ppo")
+    assert pl.config.get_stage("ppo").prerequisites(cfg) == ("sft", "reward", "ppo")
     task = dataclasses.replace(cfg, ppo=dataclasses.replace(cfg.ppo, reward_source="task"))
-    assert pl.get_stage("ppo").prerequisites(task) == ("sft", "ppo")
-    assert pl.get_stage("distill").prerequisites(cfg) == ("sft", "grpo", "distill")
-    assert pl.get_stage("online-dpo").key == "dpo"
-    assert "prm" not in pl.teacher_stages() and "reward" not in pl.teacher_stages()
+    assert pl.config.get_stage("ppo").prerequisites(task) == ("sft", "ppo")
+    assert pl.config.get_stage("distill").prerequisites(cfg) == ("sft", "grpo", "distill")
+    assert pl.config.get_stage("online-dpo").key == "dpo"
+    assert "prm" not in pl.runs.teacher_stages() and "reward" not in pl.runs.teacher_stages()

@@ -72,7 +72,7 @@ def test_a_staleness_no_rollout_reaches_is_refused_naming_the_bound(tmp_path, no
     assert "grpo.rollouts=4" in msg
     # the documented bound, whatever the rollouts
     msg = _refused(tmp_path, ["grpo.staleness=9", "grpo.rollouts=100"], "grpo.staleness=9: ")
-    assert f"<= {pl.MAX_STALENESS}" in msg
+    assert f"<= {pl.runs.MAX_STALENESS}" in msg
     with pytest.raises(Loaded):  # within both bounds: validation passes, the model loads
         _run(tmp_path, ["grpo.staleness=3", "grpo.rollouts=4"], stages=("sft", "grpo"))
 
@@ -159,7 +159,7 @@ def test_the_built_in_tasks_judge_verdicts_are_single_tokens_of_its_tokenizer():
     tok = data.load_tokenizer(asset_path("tok512.bin"))
     assert len(tok.encode(j.yes)) == 1 and len(tok.encode(j.no)) == 1
     assert tok.encode(j.yes) != tok.encode(j.no)
-    policy, tok = pl.load_model("builtin")
+    policy, tok = pl.tools.load_model("builtin")
     kw = dict(template=j.template, yes_token=j.yes, no_token=j.no, score=j.score)
     judge = rx.train.judge_reward(policy, tok, **kw)
     scores = judge.score(["Once upon a time,"], [" there was a cat."])
@@ -236,14 +236,14 @@ def test_a_teacher_of_another_vocabulary_is_refused_before_loading(tmp_path, no_
 
 def test_a_loaded_teacher_of_another_vocabulary_names_the_teacher_and_both_sizes(tmp_path):
     small = _hf_model(tmp_path / "small", 256)  # its shipped tokenizer has 512 tokens
-    student, _ = pl.load_model("builtin")
+    student, _ = pl.tools.load_model("builtin")
     with pytest.raises(pl.ConfigError) as e:
-        pl.load_teacher(small, student)
+        pl.runs.load_teacher(small, student)
     msg = str(e.value)
     assert msg.startswith(f"distill.teacher={small!r}") and "model.tokenizer" not in msg
     assert "vocab_size=256" in msg and "vocab_size=512" in msg
     same = _hf_model(tmp_path / "same", 512, tokenizer=False)  # no tokenizer file needed
-    assert pl.load_teacher(same, student).cfg.vocab_size == 512
+    assert pl.runs.load_teacher(same, student).cfg.vocab_size == 512
 
 
 # --- every float finite -----------------------------------------------------------------
@@ -280,7 +280,7 @@ def test_the_cli_refuses_with_one_line_before_loading(capsys):
 def test_the_help_of_the_affected_stages_states_the_bounds_and_defaults(capsys):
     assert main(["grpo", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert f"at most `MAX_STALENESS` ({pl.MAX_STALENESS}) and below `rollouts`" in out
+    assert f"at most `MAX_STALENESS` ({pl.runs.MAX_STALENESS}) and below `rollouts`" in out
     assert "judge.yes = y" in out and "single tokens" in out
     assert main(["multiturn", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())

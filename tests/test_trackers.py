@@ -129,7 +129,7 @@ def _tiny_stages(run_dir: str, *, ops: pl.OpsConfig | None = None) -> dict:
     def ctx(stage, seed):
         return pl.RunContext(
             ops=ops,
-            log=pl.MetricsLog(run_dir, stage, quiet=True),
+            log=pl.tools.MetricsLog(run_dir, stage, quiet=True),
             key=jax.random.key(seed),
             prompt_length=8,
         )
@@ -137,14 +137,14 @@ def _tiny_stages(run_dir: str, *, ops: pl.OpsConfig | None = None) -> dict:
     lora = pl.LoRASettings(rank=0)
     sft = pl.SFTConfig(steps=3, batch_size=2, max_length=24, lora=lora)
     texts = [("Once", " upon a time"), ("The", " dog ran"), ("A cat", " sat down")]
-    res = pl.run_sft(policy, tok, texts, cfg=sft, ctx=ctx("sft", 0))
+    res = pl.runs.run_sft(policy, tok, texts, cfg=sft, ctx=ctx("sft", 0))
     summary["sft"] = {"final_loss": res.history[-1]["loss"], "stopped": res.loop.stopped}
     pairs = [
         rx.data.PreferenceRecord(prompt="Once", chosen=" a cat", rejected=" rain"),
         rx.data.PreferenceRecord(prompt="The dog", chosen=" ran home", rejected=" sat"),
     ]
     dpo = pl.DPOConfig(steps=2, batch_size=2, max_length=24, lora=lora)
-    res = pl.run_dpo(res.state.model, tok, pairs, cfg=dpo, ctx=ctx("dpo", 1))
+    res = pl.runs.run_dpo(res.state.model, tok, pairs, cfg=dpo, ctx=ctx("dpo", 1))
     summary["dpo"] = {
         "final_loss": res.history[-1]["loss"],
         "accuracy": res.history[-1]["rewards/accuracies"],
@@ -515,11 +515,11 @@ def test_the_run_summary_file_is_logged_when_the_trackers_finish(tmp_path):
     _Records.seen = []
     run_dir = str(tmp_path / "r")
     with pl.open_trackers(["test-records"], run_dir, {"a": 1}, group="g", run_name="name"):
-        log = pl.MetricsLog(run_dir, "reward", quiet=True)
+        log = pl.tools.MetricsLog(run_dir, "reward", quiet=True)
         log.write({"iteration": 0, "step": 0, "loss": 0.5, "ok": True, "note": "x"})
         log.write({"eval": True, "iteration": 1, "step": 1, "accuracy": 0.75})
         log.event("rollback", "restored", step=1)
-        pl.MetricsLog(run_dir, "other", quiet=True).write({"data_quality": 1.0})  # no step
+        pl.tools.MetricsLog(run_dir, "other", quiet=True).write({"data_quality": 1.0})  # no step
         with open(os.path.join(run_dir, "summary.json"), "w") as f:
             json.dump({"reward": {"accuracy": 0.75}, "stopped": "done"}, f)
     assert _Records.seen == [
@@ -529,7 +529,7 @@ def test_the_run_summary_file_is_logged_when_the_trackers_finish(tmp_path):
         ("summary", {"reward": {"accuracy": 0.75}, "stopped": "done"}),
         ("finish",),
     ]
-    pl.MetricsLog(run_dir, "reward", quiet=True).write({"step": 2, "loss": 0.1})
+    pl.tools.MetricsLog(run_dir, "reward", quiet=True).write({"step": 2, "loss": 0.1})
     assert len(_Records.seen) == 5  # finished: nothing more reaches the trackers
 
 

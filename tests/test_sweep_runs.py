@@ -177,20 +177,26 @@ def test_a_diverged_member_is_frozen_and_reported_the_other_equals_its_run(
     )
 
 
+POLICY_SUMMARY = ("score", "kl", "base_nll")
+REWARD_SUMMARY = ("heldout_accuracy", "validation_accuracy", "train_accuracy", "selected_step")
+
+
 @pytest.mark.parametrize(
-    ("stage", "grid"),
+    ("stage", "grid", "key", "compared"),
     [
-        ("sft", {"sft.optim.learning_rate": [5e-4, 2e-3]}),
-        ("kto", {"kto.beta": [0.1, 0.5]}),
+        ("sft", {"sft.optim.learning_rate": [5e-4, 2e-3]}, "sft", POLICY_SUMMARY),
+        ("kto", {"kto.beta": [0.1, 0.5]}, "kto", POLICY_SUMMARY),
+        ("reward", {"reward.optim.learning_rate": [1e-3, 3e-3]}, "reward_model", REWARD_SUMMARY),
     ],
 )
-def test_batch_stage_sweeps_equal_their_separate_runs(stage, grid, tmp_path):
-    cfg = pl.apply_overrides(tiny_config(), ["kto.steps=3", "sft.steps=3"])
+def test_batch_stage_sweeps_equal_their_separate_runs(stage, grid, key, compared, tmp_path):
+    sets = ["kto.steps=3", "sft.steps=3", "reward.steps=6", "reward.eval_every=2"]
+    cfg = pl.apply_overrides(tiny_config(), [*sets, "reward.pairs_per_prompt=4"])
     res = pl.sweep(stage, cfg, seeds=2, grid=grid, out=str(tmp_path / "s"), export=True)
     assert len(res.members) == 4 and res.diverged == ()
     for mem in res.members[1:3]:  # one of each grid point, both seeds
         run_dir = str(tmp_path / mem.name)
         summary = pl.run_pipeline(dataclasses.replace(mem.cfg, out=run_dir))
         assert_same_run(os.path.join(res.out, "members", mem.name), run_dir, stage)
-        for k in ("score", "kl", "base_nll"):
-            assert res.summaries[mem.name][k] == pytest.approx(summary[stage][k], abs=1e-4)
+        for k in compared:
+            assert res.summaries[mem.name][k] == pytest.approx(summary[key][k], abs=1e-4), k

@@ -45,6 +45,7 @@ from ._sweep_dpo import dpo_sweep
 from ._sweep_grid import Member, make_members, parse_grid
 from ._sweep_offline import kto_sweep, sft_sweep
 from ._sweep_report import format_sweep_table, member_records, plot_sweep, summarize_sweep
+from ._sweep_reward import reward_sweep
 from ._sweep_starts import builtin_start
 from ._validation import validate_config
 
@@ -83,7 +84,7 @@ def member_dir(out: str, mem: Member) -> str:
     return os.path.join(out, "members", mem.name)
 
 
-_STAGES = {"dpo": dpo_sweep, "sft": sft_sweep, "kto": kto_sweep}
+_STAGES = {"dpo": dpo_sweep, "sft": sft_sweep, "reward": reward_sweep, "kto": kto_sweep}
 
 
 def _spec(stage: str, grid: Mapping, seeds: int, cfg: PipelineConfig) -> dict:

@@ -18,6 +18,7 @@ from ._config_io import apply_overrides
 TRACEABLE: dict[str, tuple[str, ...]] = {
     "dpo": ("beta", "label_smoothing", "optim.learning_rate"),
     "sft": ("optim.learning_rate",),
+    "reward": ("optim.learning_rate",),
     "kto": ("beta", "desirable_weight", "undesirable_weight", "optim.learning_rate"),
 }
 """The fields of each stage's section a sweep may vary (`--grid <section>.<field>=...`):

@@ -1,5 +1,5 @@
 """Single-stage runs on a data file (`rlhf_eqx STAGE --data FILE`): the stage's `data`
-function of the registry (`_data_stages.py` for the built-in stages), in a run
+function of the registry (each stage module's, e.g. `_dpo_stage.dpo_on_data`), in a run
 directory of its own."""
 
 import json

@@ -3,19 +3,22 @@
 A `Stage` names its settings (a frozen dataclass, the `--set <section>.FIELD` paths), how
 it runs on the built-in task (`builtin`) and on a data file (`data`), which stages must
 run before it on the built-in task (`needs`), the config sections its `--help` lists,
-and the plot panels of its metrics. The pipeline (`run_pipeline`, `run_on_data`), the
-CLI (commands, `--help`, prerequisites, the result line) and validation read the
-registry, so adding an algorithm is its run function, its settings and one
-`register_stage` call:
+the rules it adds across sections (`check_run`), its values on the built-in task
+(`task`), what of its section may change on resume (`resumable`) and the plot panels of
+its metrics. The pipeline (`run_pipeline`, `run_on_data`), `PipelineConfig` (one section
+per stage), the CLI (commands, `--help`, prerequisites, the result line), validation and
+resume read the registry, so adding an algorithm is one module: its settings, its run,
+its stage functions and one `register_stage` call (each `_*_stage.py` module is one;
+docs/pipelines.md, "Adding an algorithm", works one through):
 
 ```python
 @dataclasses.dataclass(frozen=True)
-class ToyConfig(pl.BatchStageConfig):
+class ToyConfig(pl.SFTConfig):
     scale: float = 1.0
 
 def toy(env: pl.StageEnv, cfg: ToyConfig) -> pl.Outcome:
-    res = pl.run_sft(env.policies["sft"], env.tok, records, cfg=cfg, ctx=env.ctx("toy"))
-    return pl.Outcome(res, policy=pl.final_policy(res.state.model))
+    res = pl.runs.run_sft(env.policies["sft"], env.tok, records, cfg=cfg, ctx=env.ctx("toy"))
+    return pl.Outcome(res, policy=pl.runs.final_policy(res.state.model))
 
 pl.register_stage(pl.Stage("toy", ToyConfig, builtin=toy, help="SFT, scaled"))
 # rlhf_eqx toy --set toy.scale=2

@@ -92,3 +92,33 @@ def test_builtin_stages_come_from_the_registry():
     assert pl.config.get_stage("distill").prerequisites(cfg) == ("sft", "grpo", "distill")
     assert pl.config.get_stage("online-dpo").key == "dpo"
     assert "prm" not in pl.runs.teacher_stages() and "reward" not in pl.runs.teacher_stages()
+
+
+def test_every_stage_section_takes_one_route(toy_stage):
+    """Every stage's section, built-in or registered later, is a keyword of
+    `PipelineConfig`, an attribute, a `dataclasses.replace` field and a `config.json`
+    section; a section at its defaults is not stored, so equality does not depend on
+    when a stage was registered."""
+    dpo = pl.DPOConfig(beta=0.3)
+    cfg = pl.PipelineConfig(dpo=dpo, toy=ToyConfig(repeat=3))
+    assert cfg.dpo == dpo and cfg.toy.repeat == 3 and cfg.sft == pl.SFTConfig()
+    again = dataclasses.replace(cfg, toy=ToyConfig(), stages=("sft", "toy"))
+    assert again.dpo == dpo and again.toy == ToyConfig() and again.stages == ("sft", "toy")
+    assert set(again.sections) == {"dpo"}  # the toy section is at its defaults
+    assert again == pl.PipelineConfig(dpo=dpo, stages=("sft", "toy"))
+    d = pl.config_to_dict(cfg)
+    assert list(d)[:6] == ["model", "data", "sampling", "ops", "sft", "reward"]
+    assert d["toy"]["repeat"] == 3 and pl.config_from_dict(pl.PipelineConfig, d) == cfg
+    with pytest.raises(TypeError, match="no field or stage section 'nope'"):
+        pl.PipelineConfig(nope=dpo)
+    with pytest.raises(TypeError, match="PipelineConfig.dpo: expected DPOConfig"):
+        pl.PipelineConfig(dpo=pl.SFTConfig())
+
+
+def test_resume_rules_come_from_the_registry(toy_stage):
+    counts = pl.loop.iteration_fields()
+    assert counts["dpo.steps"] == ("online-dpo", "dpo") and counts["grpo.rollouts"] == ("grpo",)
+    assert counts["toy.steps"] == ("toy",)
+    resumable = pl.loop.resumable_fields()
+    assert {"grpo.overlap", "grpo.sampler_device", "ops.quiet"} <= set(resumable)
+    assert "grpo.beta" not in resumable

@@ -122,3 +122,14 @@ def test_resume_rules_come_from_the_registry(toy_stage):
     resumable = pl.loop.resumable_fields()
     assert {"grpo.overlap", "grpo.sampler_device", "ops.quiet"} <= set(resumable)
     assert "grpo.beta" not in resumable
+
+
+def test_each_stage_declares_the_key_stream_of_its_numbers():
+    """The built-in stages' keys (`split(key, 8)[i]` or `fold_in(key, i)` of the run's
+    key, which the README's numbers come from) are declared by each stage."""
+    streams = {st.name: st.key_stream for st in pl.config.stages()}
+    assert streams["sft"] == ("split", 1) and streams["reward"] == ("split", 2)
+    assert streams["ppo"] == ("split", 3) and streams["dpo"] == ("split", 4)
+    assert streams["grpo"] == ("split", 5) and streams["online-dpo"] == ("split", 7)
+    assert streams["kto"] == ("fold", 9) and streams["distill"] == ("fold", 10)
+    assert streams["multiturn"] is None and streams["prm"] is None

@@ -334,5 +334,6 @@ register_stage(
         help="generalized knowledge distillation from distill.teacher",
         check_run=check_run,
         task=dict(steps=40, batch_size=16, samples=2, optim=_optim(1e-3)),
+        key_stream=("fold", 10),
     )
 )

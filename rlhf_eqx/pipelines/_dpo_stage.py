@@ -359,6 +359,7 @@ register_stage(
         needs=lambda cfg: ("sft", "reward", "online-dpo"),
         help="online DPO on pairs labelled by the reward model",
         check_run=_check_packing("online-dpo"),
+        key_stream=("split", 7),
     )
 )
 register_stage(
@@ -370,5 +371,6 @@ register_stage(
         help="DPO (and its loss family)",
         check_run=_check_packing("dpo"),
         task=dict(beta=0.1, rounds=3, steps=20, batch_size=16, samples=4, optim=_optim(5e-4)),
+        key_stream=("split", 4),
     )
 )

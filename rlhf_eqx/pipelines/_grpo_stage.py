@@ -509,5 +509,6 @@ register_stage(
         ),
         # when and where the next rollout is sampled, not what it is
         resumable=("overlap", "sampler_device"),
+        key_stream=("split", 5),
     )
 )

@@ -279,5 +279,6 @@ register_stage(
         kto_on_data,
         help="KTO on unpaired examples",
         task=dict(steps=40, batch_size=16, samples=4, optim=_optim(5e-4)),
+        key_stream=("fold", 9),
     )
 )

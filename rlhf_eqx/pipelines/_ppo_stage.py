@@ -183,5 +183,6 @@ register_stage(
             kl_target=1.0,
             optim=_optim(1e-3),
         ),
+        key_stream=("split", 3),
     )
 )

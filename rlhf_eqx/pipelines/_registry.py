@@ -82,6 +82,9 @@ class Stage:
     - `resumable`: fields of its section that may change on resume (how the stage is
       run, not what it computes); its iteration counts (`steps`, `rollouts`, `rounds`)
       may always change while no later stage has trained on its result.
+    - `key_stream`: how its key derives from the run's (`stage_key`): `("split", i)`,
+      `jax.random.split(key, 8)[i]`, or `("fold", i)`, `fold_in(key, i)`; `None`: a
+      `fold_in` of a number derived from its name.
     """
 
     name: str
@@ -98,6 +101,7 @@ class Stage:
     check_run: Callable[..., None] | None = None
     task: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     resumable: tuple[str, ...] = ()
+    key_stream: tuple[str, int] | None = None
 
     def __post_init__(self):
         if not self.name or not all(c.isalnum() or c in "-_" for c in self.name):
@@ -228,17 +232,12 @@ def _data_key(key: jax.Array) -> jax.Array:
     return jax.random.split(key, 8)[6]
 
 
-# The keys of the built-in stages: `jax.random.split(key, 8)[i]` or `fold_in(key, i)`, so
-# that every stage draws the same numbers whichever stages run.
-_SPLIT = {"sft": 1, "reward": 2, "ppo": 3, "dpo": 4, "grpo": 5, "online-dpo": 7}
-_FOLD = {"kto": 9, "distill": 10}
-
-
 def stage_key(key: jax.Array, name: str) -> jax.Array:
-    """The key of stage `name` under the run's key (a registered stage outside the
-    built-in ones folds in a number derived from its name)."""
-    if name in _SPLIT:
-        return jax.random.split(key, 8)[_SPLIT[name]]
-    if name in _FOLD:
-        return jax.random.fold_in(key, _FOLD[name])
+    """The key of stage `name` under the run's key, from its `Stage.key_stream`, so that
+    every stage draws the same numbers whichever stages run (a stage without one, or not
+    registered, folds in a number derived from its name)."""
+    st = _REGISTRY.get(name)
+    if st is not None and st.key_stream is not None:
+        kind, i = st.key_stream
+        return jax.random.split(key, 8)[i] if kind == "split" else jax.random.fold_in(key, i)
     return jax.random.fold_in(key, 1000 + sum(ord(c) * 31**i for i, c in enumerate(name)) % 10**6)

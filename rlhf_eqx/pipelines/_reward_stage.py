@@ -291,5 +291,6 @@ register_stage(
         trains_policy=False,
         help="a Bradley-Terry reward model (or an ensemble: reward.ensemble=K)",
         task=dict(steps=80, batch_size=32, pairs_per_prompt=24, eval_every=5, optim=_optim(1e-3)),
+        key_stream=("split", 2),
     )
 )

@@ -117,5 +117,6 @@ register_stage(
         sections=(),
         help="supervised fine-tuning",
         task=dict(steps=30, batch_size=16, samples=2, optim=_optim(5e-4)),
+        key_stream=("split", 1),
     )
 )

@@ -200,3 +200,18 @@ def test_batch_stage_sweeps_equal_their_separate_runs(stage, grid, key, compared
         assert_same_run(os.path.join(res.out, "members", mem.name), run_dir, stage)
         for k in compared:
             assert res.summaries[mem.name][k] == pytest.approx(summary[key][k], abs=1e-4), k
+
+
+def test_grpo_sweep_members_equal_their_separate_runs(tmp_path):
+    sets = ["grpo.rollouts=2", "grpo.prompts_per_rollout=4", "grpo.group_size=4"]
+    cfg = pl.apply_overrides(tiny_config(), sets)
+    grid = {"grpo.beta": [0.02, 0.1]}
+    res = pl.sweep("grpo", cfg, seeds=2, grid=grid, out=str(tmp_path / "s"), export=True)
+    assert len(res.members) == 4 and res.diverged == ()
+    for mem in res.members[1:3]:  # one of each grid point, both seeds
+        run_dir = str(tmp_path / mem.name)
+        summary = pl.run_pipeline(dataclasses.replace(mem.cfg, out=run_dir))
+        assert_same_run(os.path.join(res.out, "members", mem.name), run_dir, "grpo")
+        assert res.summaries[mem.name]["stopped"] == summary["grpo"]["stopped"]
+        for k in POLICY_SUMMARY:
+            assert res.summaries[mem.name][k] == pytest.approx(summary["grpo"][k], abs=1e-4), k

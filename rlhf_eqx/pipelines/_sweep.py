@@ -29,7 +29,6 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
 from ._checkpoints import latest_checkpoint, restore_checkpoint, save_checkpoint
@@ -43,6 +42,7 @@ from ._resume_rules import RunDirError
 from ._rundir import RunLock, write_json_atomic
 from ._sweep_dpo import dpo_sweep
 from ._sweep_grid import Member, make_members, parse_grid
+from ._sweep_grpo import grpo_sweep
 from ._sweep_offline import kto_sweep, sft_sweep
 from ._sweep_report import format_sweep_table, member_records, plot_sweep, summarize_sweep
 from ._sweep_reward import reward_sweep
@@ -62,7 +62,8 @@ class SweepResult:
     - `out`: the sweep directory; `stage`: the stage swept.
     - `members`: the members (`name`, `seed`, grid `point`, equivalent `cfg`), in order.
     - `summaries`: each member's summary (`members/<name>/summary.json`): `stopped`
-      (`"done"` or `"diverged"`), its last step's metrics and, for a policy stage, the
+      (`"done"`, `"diverged"`, or `"kl_guard"` for a GRPO member stopped by its KL
+      guard as its separate run would be), its last step's metrics and, for a policy stage, the
       held-out evaluation of its separate run (`score`, `win_rate_vs_sft`, `kl`, ...).
     - `summary`: per grid point, mean ± standard error over its seeds of every number of
       the summaries, diverged members left out (`sweep_summary.json`).
@@ -84,7 +85,13 @@ def member_dir(out: str, mem: Member) -> str:
     return os.path.join(out, "members", mem.name)
 
 
-_STAGES = {"dpo": dpo_sweep, "sft": sft_sweep, "reward": reward_sweep, "kto": kto_sweep}
+_STAGES = {
+    "dpo": dpo_sweep,
+    "sft": sft_sweep,
+    "reward": reward_sweep,
+    "kto": kto_sweep,
+    "grpo": grpo_sweep,
+}
 
 
 def _spec(stage: str, grid: Mapping, seeds: int, cfg: PipelineConfig) -> dict:
@@ -187,20 +194,20 @@ def _sweep(stage, cfg, members, out, resume, export, say, t0) -> SweepResult:
     M = len(members)
     logs = [MetricsLog(member_dir(out, m), stage, quiet=True) for m in members]
     ckpt_dir = os.path.join(out, "checkpoints")
-    states, alive = run.states, np.ones(M, bool)
+    states, stopped = run.states, ["done"] * M  # "done" (running), "diverged", "kl_guard"
     steps, diverged_at, start = [0] * M, {}, 0
     if resume:
         path = latest_checkpoint(ckpt_dir)
         if path is not None:
-            like = {"states": states, "alive": jnp.asarray(alive)}
-            tree, meta = restore_checkpoint(path, like)
-            states, alive = tree["states"], np.asarray(tree["alive"])
+            tree, meta = restore_checkpoint(path, {"states": states})
+            states, stopped = tree["states"], meta["stopped"]
             start, steps, diverged_at = meta["iteration"], meta["steps"], meta["diverged"]
             say(f"sweep {stage}: resuming from {path} (iteration {start})")
         for log in logs:
             drop_records(log.path, lambda r, s=start: r.get("iteration", -1) >= s)
     ops = cfg.ops
     for i in range(start, run.num_iterations):
+        alive = np.asarray([s == "done" for s in stopped])
         it = run.iteration(states, alive, i)
         states = it.states
         for m, log in enumerate(logs):
@@ -213,8 +220,10 @@ def _sweep(stage, cfg, members, out, resume, export, say, t0) -> SweepResult:
                     rec.update({f"rollout/{k}": v for k, v in it.info[m].items()})
                 log.write({**rec, "lr_scale": 1.0})
             steps[m] += len(recs)
+            if alive[m] and it.stopped is not None and it.stopped[m]:
+                stopped[m] = "kl_guard"
             if alive[m] and not it.finite[m]:
-                alive[m] = False
+                stopped[m] = "diverged"
                 diverged_at[members[m].name] = {"iteration": i, "step": steps[m] - 1}
                 msg = (
                     f"iteration {i}, step {steps[m] - 1}: non-finite loss, gradient or "
@@ -226,26 +235,26 @@ def _sweep(stage, cfg, members, out, resume, export, say, t0) -> SweepResult:
         if (ops.checkpoint_every and done % ops.checkpoint_every == 0) or (
             done == run.num_iterations
         ):
-            tree = {"states": states, "alive": jnp.asarray(alive)}
-            meta = {"steps": steps, "diverged": diverged_at, "stage": stage}
+            tree = {"states": states}
+            meta = {"steps": steps, "stopped": stopped, "diverged": diverged_at, "stage": stage}
             save_checkpoint(ckpt_dir, done, tree, meta, keep=ops.keep)
-        say(_progress_line(stage, done, run.num_iterations, members, it, alive))
+        say(_progress_line(stage, done, run.num_iterations, members, it, stopped))
     t_eval = time.perf_counter()
     summaries = {}
     for m, mem in enumerate(members):
         last = next(iter(reversed(member_records(logs[m].run_dir))), {})
         s = {"name": mem.name, "seed": mem.seed, "point": dict(mem.point), "steps": steps[m]}
-        s["stopped"] = "done" if alive[m] else "diverged"
-        if not alive[m]:
+        s["stopped"] = stopped[m]
+        if stopped[m] == "diverged":
             s["diverged_at"] = diverged_at.get(mem.name)
         s.update({k: v for k, v in last.items() if k not in ("stage", "iteration", "step")})
-        if alive[m]:
+        if stopped[m] != "diverged":
             s.update(run.evaluate(states, m))
             if export:
                 run.export(states, m, member_dir(out, mem))
         summaries[mem.name] = s
         write_json_atomic(os.path.join(member_dir(out, mem), "summary.json"), s)
-    diverged = tuple(mem.name for m, mem in enumerate(members) if not alive[m])
+    diverged = tuple(mem.name for m, mem in enumerate(members) if stopped[m] == "diverged")
     summary = summarize_sweep(members, summaries)
     t_end = time.perf_counter()
     summary.update(stage=stage, diverged=list(diverged), seconds=t_end - t0)
@@ -265,10 +274,10 @@ def _sweep(stage, cfg, members, out, resume, export, say, t0) -> SweepResult:
     return SweepResult(out, stage, tuple(members), summaries, summary, diverged, states)
 
 
-def _progress_line(stage, done, total, members, it, alive) -> str:
-    losses = [r[-1]["loss"] for r, a in zip(it.records, alive) if r and a]
+def _progress_line(stage, done, total, members, it, stopped) -> str:
+    losses = [r[-1]["loss"] for r, s in zip(it.records, stopped) if r and s == "done"]
     mean = f", mean loss {np.mean(losses):.4f}" if losses else ""
-    n = f"{int(alive.sum())}/{len(members)}"
+    n = f"{stopped.count('done')}/{len(members)}"
     return f"[sweep {stage}] iteration {done}/{total}: {n} members alive{mean}"
 
 

@@ -88,7 +88,7 @@ def dpo_sweep(
         rolls = sample_members(
             states.model,
             tok,
-            TRAIN_PROMPTS,
+            [TRAIN_PROMPTS] * M,
             k_sample,
             group_size=c0.samples,
             **sampling_options(sampling),

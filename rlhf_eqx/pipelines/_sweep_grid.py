@@ -20,6 +20,7 @@ TRACEABLE: dict[str, tuple[str, ...]] = {
     "sft": ("optim.learning_rate",),
     "reward": ("optim.learning_rate",),
     "kto": ("beta", "desirable_weight", "undesirable_weight", "optim.learning_rate"),
+    "grpo": ("beta", "optim.learning_rate"),
 }
 """The fields of each stage's section a sweep may vary (`--grid <section>.<field>=...`):
 the step settings that may be JAX arrays (`beta`, `label_smoothing` of

@@ -127,10 +127,13 @@ class Iteration:
     """What one iteration of a sweep did: the new stacked `states`, `finite[m]` (False
     when member `m` diverged in it), each member's step metrics `records[m]` (a list of
     dicts, as a separate run logs them), `info[m]` (logged on its last step as
-    `rollout/<name>`, as a separate run does) and `events`, `(m, kind, message)`."""
+    `rollout/<name>`, as a separate run does), `events`, `(m, kind, message)`, and
+    `stopped[m]` (True when member `m` stopped early in it, as its separate run would,
+    e.g. at GRPO's KL guard; `None`: none did)."""
 
     states: Any
     finite: np.ndarray
     records: list[list[dict]]
     info: list[dict]
     events: list[tuple[int, str, str]] = dataclasses.field(default_factory=list)
+    stopped: np.ndarray | None = None

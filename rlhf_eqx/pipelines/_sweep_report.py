@@ -32,13 +32,13 @@ def _numbers(summary: Mapping) -> dict[str, float]:
 def summarize_sweep(members: Sequence[Member], summaries: Mapping[str, dict]) -> dict:
     """The sweep summary: `{"points": {point: {"members", "diverged", "metrics": {name:
     {"mean", "se", "n"}}}}}`, over the members of each grid point that did not diverge
-    (`summaries[name]["stopped"] == "done"`)."""
+    (`summaries[name]["stopped"] != "diverged"`)."""
     points: dict[str, dict] = {}
     for mem in members:
         p = points.setdefault(mem.point_name, {"members": [], "diverged": [], "values": {}})
         p["members"].append(mem.name)
         s = summaries.get(mem.name, {})
-        if s.get("stopped", "done") != "done":
+        if s.get("stopped", "done") == "diverged":
             p["diverged"].append(mem.name)
             continue
         for k, v in _numbers(s).items():
@@ -123,7 +123,7 @@ def plot_sweep(
     by_point: dict[str, list[dict[str, np.ndarray]]] = {}
     names: list[str] = []
     for mem in members:
-        if summaries.get(mem.name, {}).get("stopped", "done") != "done":
+        if summaries.get(mem.name, {}).get("stopped", "done") == "diverged":
             continue
         recs = member_records(member_dir(mem))
         series = {}

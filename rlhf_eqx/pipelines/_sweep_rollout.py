@@ -16,16 +16,16 @@ from ._sweep_program import member
 
 @eqx.filter_jit
 def _sample_all(models, tokens, mask, keys, options: dict):
-    def one(model, key_data):
+    def one(model, tokens, mask, key_data):
         return rx.generate_batch(model, tokens, mask, jax.random.wrap_key_data(key_data), **options)
 
-    return eqx.filter_vmap(one)(models, keys)
+    return eqx.filter_vmap(one)(models, tokens, mask, keys)
 
 
 def sample_members(
     models,
     tok,
-    prompts: Sequence[str],
+    prompts: Sequence[Sequence[str]],
     keys: Sequence[jax.Array],
     *,
     group_size: int,
@@ -36,8 +36,9 @@ def sample_members(
     slots: int = 0,
 ) -> list[Rollout]:
     """`sample_rollout` of each member: member `m` samples `group_size` completions of
-    each of `prompts` with its policy (`models`, stacked on a leading member axis) and
-    key `keys[m]`, the sampler vmapped over the members (one compiled program). With
+    each of its prompts `prompts[m]` (the same number for every member) with its policy
+    (`models`, stacked on a leading member axis) and key `keys[m]`, the sampler vmapped
+    over the members (one compiled program). With
     `slots > 0` (continuous batching) the members are sampled one after another with
     `sample_rollout`."""
     if slots > 0:
@@ -50,11 +51,16 @@ def sample_members(
             slots=slots,
         )
         return [
-            sample_rollout(member(models, m), tok, prompts, k, **opts) for m, k in enumerate(keys)
+            sample_rollout(member(models, m), tok, prompts[m], k, **opts)
+            for m, k in enumerate(keys)
         ]
     stop_ids = tuple(int(t) for t in sorted({tok.eos_id, tok.bos_id}))
-    ids = encode_prompts(tok, prompts, prompt_length=prompt_length)
-    batch = data.collate_prompts(list(ids), max_length=prompt_length, pad_id=tok.pad_id)
+    ids = [encode_prompts(tok, p, prompt_length=prompt_length) for p in prompts]
+    batches = [
+        data.collate_prompts(list(x), max_length=prompt_length, pad_id=tok.pad_id) for x in ids
+    ]
+    tokens = jax.numpy.stack([b.tokens for b in batches])
+    mask = jax.numpy.stack([b.mask for b in batches])
     options = dict(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
@@ -63,13 +69,13 @@ def sample_members(
         num_samples=group_size,
     )
     key_data = jax.numpy.stack([jax.random.key_data(k) for k in keys])
-    out = _sample_all(models, batch.tokens, batch.mask, key_data, options)
+    out = _sample_all(models, tokens, mask, key_data, options)
     rolls = []
     for m in range(len(keys)):
         pending = PendingRollout(
             out=member(out, m),
-            prompt_ids=tuple(tuple(x) for x in ids),
-            prompts=tuple(prompts),
+            prompt_ids=tuple(tuple(x) for x in ids[m]),
+            prompts=tuple(prompts[m]),
             group_size=group_size,
             prompt_length=prompt_length,
             stop_ids=stop_ids,

@@ -202,12 +202,18 @@ def test_batch_stage_sweeps_equal_their_separate_runs(stage, grid, key, compared
             assert res.summaries[mem.name][k] == pytest.approx(summary[key][k], abs=1e-4), k
 
 
-def test_grpo_sweep_members_equal_their_separate_runs(tmp_path):
-    sets = ["grpo.rollouts=2", "grpo.prompts_per_rollout=4", "grpo.group_size=4"]
+@pytest.mark.parametrize(
+    ("extra", "stopped"), [([], "done"), (["grpo.rollouts=3", "grpo.kl_target=0.001"], "kl_guard")]
+)
+def test_grpo_sweep_members_equal_their_separate_runs(extra, stopped, tmp_path):
+    # with a KL target of 0.001 the second rollout (from the updated policy) is past it:
+    # the member stops there with its first policy, as its separate run
+    sets = ["grpo.rollouts=2", "grpo.prompts_per_rollout=4", "grpo.group_size=4", *extra]
     cfg = pl.apply_overrides(tiny_config(), sets)
     grid = {"grpo.beta": [0.02, 0.1]}
     res = pl.sweep("grpo", cfg, seeds=2, grid=grid, out=str(tmp_path / "s"), export=True)
     assert len(res.members) == 4 and res.diverged == ()
+    assert {s["stopped"] for s in res.summaries.values()} == {stopped}
     for mem in res.members[1:3]:  # one of each grid point, both seeds
         run_dir = str(tmp_path / mem.name)
         summary = pl.run_pipeline(dataclasses.replace(mem.cfg, out=run_dir))

@@ -25,7 +25,6 @@ from ._validation import validate_config
 SEEDS_SUMMARY = "seeds_summary.json"
 
 
-
 def _keeps_summary() -> tuple[str, ...]:
     """Changes after which a finished seed's summary still stands (how the run was operated
     and logged); any other change resumes the seed's run (with `open_run_dir`'s checks)."""

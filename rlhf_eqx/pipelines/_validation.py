@@ -10,7 +10,7 @@ The settings a stage shares with its training step (the `rlhf_eqx.train` records
 embeds: `DPOSettings`, `PPOSettings`, ..., `OptimizerSettings`, `StepOptions`) and the
 LoRA settings check themselves when the config is built; what is left here are the
 pipeline's own fields and the rules that combine several of them: the shared sections
-here; each stage's own settings in its stage module (`Stage.check`, `Stage.check_run`);
+here; each stage's own settings in its stage module (its config's `check`, `Stage.check_run`);
 the fields every batch or rollout stage shares, the stages of a run and the rules across
 stages in `_run_checks.py` (those that need the model's sizes or the tokenizer, read
 without loading the weights, in `_model_checks.py`).
@@ -185,7 +185,7 @@ def validate_ops(o: OpsConfig) -> None:
 def validate_stage(name: str, c: Any, *, device_count: int = 1) -> None:
     """Check one stage's settings (`SFTConfig`, `RewardConfig`, `DPOConfig`, `PPOConfig`,
     `GRPOConfig`, ...) under the field prefix `name` (a stage's section or name):
-    the fields every batch or rollout stage shares, then the stage's own rules (its
-    `Stage.check`); `ConfigError` naming the field. A setting the stage inherits but
+    the fields every batch or rollout stage shares, then the settings' own rules (their
+    `check` method); `ConfigError` naming the field. A setting the stage inherits but
     does not use (its config's `unused_fields`) must keep its default."""
     check_section(name, c, device_count=device_count)

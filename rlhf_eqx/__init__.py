@@ -48,7 +48,7 @@ from .ops import (
 
 __version__ = "0.1.0"
 
-from . import distributed as distributed, envs as envs
+from . import distributed as distributed, envs as envs, serving as serving
 from ._compilation_cache import (
     compilation_cache_dir as compilation_cache_dir,
     enable_compilation_cache as enable_compilation_cache,

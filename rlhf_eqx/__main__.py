@@ -18,6 +18,8 @@ Commands:
   `--set grpo.reward_source=prm --set grpo.reward_model=RUN/prm/hf`.
 - `sweep STAGE --seeds N --grid dpo.beta=0.05,0.1`: every member of grid x seeds of a
   stage trained in one compiled program per step (`rlhf_eqx sweep --help`).
+- `serve --model NAME`: an OpenAI-compatible endpoint on 127.0.0.1 (`rlhf_eqx serve
+  --help`).
 - `sample`: print completions of a model; `eval`: score a model on the built-in task's
   held-out prompts; `plot RUN_DIR`: redraw a run's PNG plots.
 
@@ -185,6 +187,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from rlhf_eqx.pipelines import sweep_command
 
         return sweep_command(argv[1:])
+    if argv[:1] == ["serve"]:  # an OpenAI-compatible endpoint (its own options)
+        from rlhf_eqx.serving import serve_command
+
+        return serve_command(argv[1:])
     args = _parser().parse_args(argv)
     if args.help:
         from rlhf_eqx.pipelines.config import config_help, find_stage

@@ -295,8 +295,10 @@ def _run_pipeline(
         summary=summary,
         callbacks=callbacks,
     )
-    # policies later stages read: SFT (their start), the distillation teacher, the judge
-    keep = {"sft", cfg.distill.teacher, cfg.judge.model}
+    # policies later stages read: SFT (their start), each running stage's prerequisites
+    # (`Stage.needs`: e.g. the distillation teacher) and the judge
+    keep = {"sft", cfg.judge.model}
+    keep.update(p for st in stages() if st.name in cfg.stages for p in st.prerequisites(cfg))
     for st in stages():
         if (st.name not in cfg.stages and st.name != "sft") or st.builtin is None:
             continue  # SFT always runs: the other stages start from it

@@ -13,8 +13,9 @@ what it resumes, and `config.json` is written only after every check has passed.
    naming `--resume` and `--overwrite`; `overwrite=True` first moves the old run aside
    to `<run_dir>.replaced-<UTC time>` (nothing is deleted).
 3. **Resume checks.** The requested configuration is compared with the stored
-   `config.json`; any difference outside `RESUMABLE_FIELDS` is refused, naming each
-   field with its old and new value. Iteration counts (`ITERATION_FIELDS`) may change,
+   `config.json`; any difference outside the resumable fields (`RESUMABLE_FIELDS` and each
+   stage's `Stage.resumable`) is refused, naming each field with its old and new value.
+   Iteration counts (each stage's `steps`, `rollouts`, `rounds`) may change,
    but not for a stage whose later stages already have checkpoints built on it.
 4. **Clean-up.** Checkpoint directories left half-written by a crash (`*.tmp*`) are
    removed; a torn last line of `metrics.jsonl` is cut; the records a resumed run will

@@ -205,7 +205,7 @@ class JudgeReward:
 
     def for_rollout(self, rollout: Any) -> Callable[[str, str], float]:
         """Score every completion of `rollout` (anything with `.prompts` and `.texts`, e.g.
-        a `rlhf_eqx.pipelines.Rollout`) in one batched pass, and return the reward
+        a `rlhf_eqx.pipelines.runs.Rollout`) in one batched pass, and return the reward
         function `(prompt, completion) -> float` that reads those scores (a pair not in the
         rollout is scored on its own): `RewardFunction("judge", judge.for_rollout(roll))`
         then costs `score_rollout` one forward pass for the whole rollout."""

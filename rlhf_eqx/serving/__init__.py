@@ -1,0 +1,22 @@
+"""Serving: an OpenAI-compatible HTTP endpoint on a policy, and rollouts recorded from it.
+
+`Server(policy, tokenizer)` answers `POST /v1/chat/completions`, `POST /v1/completions`
+and `GET /v1/models` (OpenAI's JSON, plus each choice's `token_ids` and the
+`prompt_token_ids` as vLLM returns them), on 127.0.0.1, from one scheduler thread that
+samples every waiting request with the continuous-batching sampler
+(`rlhf_eqx.generate_continuous`). `rlhf_eqx serve --model NAME` runs one from the
+command line.
+
+Rollout mode: any code that speaks OpenAI's protocol (an agent loop with tools, the
+`openai` client) drives episodes; inside `with server.recording() as rec:` each
+completion's prompt ids, completion ids and behaviour log-probabilities are kept per
+episode (requests tagged with `episode_id`, or `user`), `rec.reward(episode_id, r)`
+takes the environment's reward, and `rec.grpo_batch()` / `rec.trajectory()` give the
+training batch in the multi-turn rollouts' layout (observations out of the loss).
+`server.update_policy(new_policy)` swaps the weights between iterations.
+"""
+
+from ._command import serve_command as serve_command
+from ._protocol import RequestError as RequestError
+from ._recording import Episode as Episode, Recording as Recording, Turn as Turn
+from ._server import Server as Server

@@ -1,0 +1,104 @@
+"""`rlhf_eqx serve`: load a model by name or path and serve it until interrupted."""
+
+import argparse
+import sys
+import threading
+from collections.abc import Callable, Sequence
+
+from ._server import Server
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rlhf_eqx serve",
+        description=(
+            "Serve a model over OpenAI's API (POST /v1/chat/completions, /v1/completions, "
+            "GET /v1/models), sampled with continuous batching."
+        ),
+    )
+    p.add_argument(
+        "--model",
+        default="builtin",
+        help="builtin, smollm2-135m, a .gguf, a llama2.c .bin or HF dir",
+    )
+    p.add_argument("--tokenizer", help="tokenizer file for --model")
+    p.add_argument("--port", type=int, default=8000, help="port (0: a free one; default 8000)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument(
+        "--allow-remote", action="store_true", help="allow a --host other than this machine"
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=256,
+        help="completion budget of a request without max_tokens",
+    )
+    p.add_argument("--slots", type=int, default=8, help="decode slots of the continuous sampler")
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="hh, chatml or a .jinja file (default: the model's own template, else hh)",
+    )
+    p.add_argument("--served-model-name", help="the model name requests give (default: --model)")
+    p.add_argument("--seed", type=int, default=0, help="seed of requests without one")
+    return p
+
+
+def _chat_template(value: str | None):
+    if value is None or value in ("hh", "chatml"):
+        return value
+    from rlhf_eqx import data
+
+    return data.load_chat_template(value)
+
+
+def serve_command(
+    argv: Sequence[str] | None = None,
+    *,
+    ready: Callable[[Server], None] | None = None,
+    stop: threading.Event | None = None,
+) -> int:
+    """What `rlhf_eqx serve [options]` runs: load `--model` (as the other commands do,
+    `rlhf_eqx.pipelines.tools.load_model`), start a `Server` and serve until Ctrl-C.
+
+    **Arguments:**
+
+    - `argv`: the options after `serve` (`--help` lists them).
+    - `ready`: called with the `Server` once it listens (for running it in a thread).
+    - `stop`: serve until it is set (default: until Ctrl-C).
+
+    **Returns:** the exit status: 0 once stopped, 2 for invalid options (one line).
+    """
+    args = _parser().parse_args(list(sys.argv[2:] if argv is None else argv))
+    from rlhf_eqx import data
+    from rlhf_eqx.pipelines import ConfigError
+    from rlhf_eqx.pipelines.tools import load_model
+
+    try:
+        policy, tok = load_model(args.model, args.tokenizer)
+        server = Server(
+            policy,
+            tok,
+            slots=args.slots,
+            chat_template=_chat_template(args.chat_template),
+            host=args.host,
+            port=args.port,
+            model_name=args.served_model_name or args.model,
+            max_new_tokens=args.max_new_tokens,
+            seed=args.seed,
+            allow_remote=args.allow_remote,
+        )
+        server.start()
+    except (ConfigError, data.DataError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"rlhf_eqx serve: {server.model_name!r} at {server.url} (Ctrl-C stops)", flush=True)
+    if ready is not None:
+        ready(server)
+    try:
+        (stop or threading.Event()).wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return 0

@@ -1,0 +1,302 @@
+"""The OpenAI wire format: reading a request body into a checked `ParsedRequest`, and
+the error object every refused request gets.
+
+Fields follow OpenAI's API reference (`/v1/chat/completions`, `/v1/completions`); a
+field of the wrong type or out of range is refused with HTTP 400 and
+`{"error": {"message", "type": "invalid_request_error", "param": FIELD, "code"}}`, an
+unknown model with 404 (`code: "model_not_found"`), as OpenAI's server does.
+"""
+
+import dataclasses
+import numbers
+from collections.abc import Mapping
+
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_CHOICES = 128
+MAX_TOP_LOGPROBS = 20  # chat `top_logprobs`; completions' `logprobs` allows 5
+
+
+class RequestError(Exception):
+    """A request the server refuses: the HTTP `status` and OpenAI's error fields.
+
+    **Arguments:**
+
+    - `message`: one line saying what is wrong (it names the field).
+    - `param`: the request field at fault, or `None`.
+    - `status`: the HTTP status (400 by default; 404 for an unknown model or path).
+    - `kind`: OpenAI's error `type` (`"invalid_request_error"`).
+    - `code`: OpenAI's error `code`, or `None`.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        status: int = 400,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+    ):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.kind = kind
+        self.code = code
+
+    def body(self) -> dict:
+        """`{"error": {"message", "type", "param", "code"}}` as OpenAI sends it."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedRequest:
+    """One checked `/v1/chat/completions` or `/v1/completions` request.
+
+    - `kind`: `"chat"` or `"completion"`.
+    - `messages` (chat): the conversation, each message `{"role", "content", ...}` with
+      its text parts joined into one string.
+    - `prompts` (completions): one entry per prompt, a string or a list of token ids.
+    - `max_tokens`: the completion budget (`None`: the server's default).
+    - `temperature`, `top_p` (`None` when 1), `n`, `stop` (strings), `seed` (or `None`).
+    - `logprobs`: whether to return log-probabilities; `top_logprobs`: how many
+      alternatives per token (0: none).
+    - `episode_id`: the episode the request belongs to (`episode_id`, else `user`), or
+      `None`.
+    """
+
+    kind: str
+    model: str
+    messages: tuple[dict, ...] = ()
+    prompts: tuple[str | tuple[int, ...], ...] = ()
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float | None = None
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    episode_id: str | None = None
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _int(body: Mapping, name: str, low: int, high: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise RequestError(f"{name} must be an integer, got {value!r}", param=name)
+    if value < low or (high is not None and value > high):
+        bound = f"at least {low}" if high is None else f"between {low} and {high}"
+        raise RequestError(f"{name} must be {bound}, got {value}", param=name)
+    return int(value)
+
+
+def _number(body: Mapping, name: str, low: float, high: float, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_number(value):
+        raise RequestError(f"{name} must be a number, got {value!r}", param=name)
+    if not low <= value <= high:
+        raise RequestError(f"{name} must lie in [{low:g}, {high:g}], got {value}", param=name)
+    return float(value)
+
+
+def _stop(body: Mapping) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise RequestError(
+            f"stop must be a non-empty string or a list of them, got {stop!r}", param="stop"
+        )
+    if len(stop) > MAX_STOP_STRINGS:
+        raise RequestError(
+            f"stop: at most {MAX_STOP_STRINGS} strings, got {len(stop)}", param="stop"
+        )
+    return tuple(stop)
+
+
+def _content(message: Mapping, i: int) -> str:
+    """A message's content as one string (text parts joined; `None` as empty)."""
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not (isinstance(part, Mapping) and part.get("type") == "text"):
+                raise RequestError(
+                    f"messages[{i}].content: only text parts are supported, got {part!r}",
+                    param=f"messages[{i}].content",
+                )
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise RequestError(
+                    f"messages[{i}].content: a text part needs a string 'text'",
+                    param=f"messages[{i}].content",
+                )
+            parts.append(text)
+        return "".join(parts)
+    raise RequestError(
+        f"messages[{i}].content must be a string or a list of text parts, got "
+        f"{type(content).__name__}",
+        param=f"messages[{i}].content",
+    )
+
+
+def _messages(body: Mapping) -> tuple[dict, ...]:
+    messages = body.get("messages")
+    if messages is None:
+        raise RequestError("messages is required", param="messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list of messages", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise RequestError(
+                f"messages[{i}] must be an object, got {type(m).__name__}", param=f"messages[{i}]"
+            )
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise RequestError(
+                f"messages[{i}].role must be a non-empty string, got {role!r}",
+                param=f"messages[{i}].role",
+            )
+        out.append({**m, "role": role, "content": _content(m, i)})
+    return tuple(out)
+
+
+def _prompts(body: Mapping, vocab_size: int) -> tuple[str | tuple[int, ...], ...]:
+    """`prompt` as OpenAI allows it: a string, a list of strings, a list of token ids or
+    a list of lists of token ids."""
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise RequestError("prompt is required", param="prompt")
+    if isinstance(prompt, str):
+        prompts: list = [prompt]
+    elif isinstance(prompt, list) and prompt and all(_is_int(x) for x in prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        prompts = prompt
+    else:
+        raise RequestError(
+            "prompt must be a string, a list of strings, a list of token ids or a list of "
+            f"lists of token ids (non-empty), got {prompt!r}"[:300],
+            param="prompt",
+        )
+    out: list[str | tuple[int, ...]] = []
+    for p in prompts:
+        if isinstance(p, str):
+            out.append(p)
+        elif isinstance(p, list) and p and all(_is_int(x) for x in p):
+            if not all(0 <= x < vocab_size for x in p):
+                raise RequestError(
+                    f"prompt: token ids must lie in [0, {vocab_size}), got {p!r}"[:300],
+                    param="prompt",
+                )
+            out.append(tuple(int(x) for x in p))
+        else:
+            raise RequestError(
+                f"prompt: each entry must be a string or a non-empty list of token ids, got {p!r}"[
+                    :300
+                ],
+                param="prompt",
+            )
+    return tuple(out)
+
+
+def parse_request(
+    body: object, kind: str, *, model_names: tuple[str, ...], vocab_size: int
+) -> ParsedRequest:
+    """Check a decoded JSON body and read it into a `ParsedRequest`.
+
+    **Arguments:**
+
+    - `body`: the decoded JSON.
+    - `kind`: `"chat"` (`/v1/chat/completions`) or `"completion"` (`/v1/completions`).
+    - `model_names`: the names the server answers to.
+    - `vocab_size`: the model's vocabulary (token-id prompts are checked against it).
+
+    **Returns:** the `ParsedRequest`. Raises `RequestError` naming the field at fault.
+    """
+    if not isinstance(body, Mapping):
+        raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise RequestError("model must be a non-empty string", param="model")
+    if model not in model_names:
+        raise RequestError(
+            f"the model {model!r} does not exist; this server serves {list(model_names)}",
+            param="model",
+            status=404,
+            code="model_not_found",
+        )
+    if body.get("stream"):
+        raise RequestError("stream=true is not supported", param="stream")
+    max_tokens = _int(body, "max_tokens", 1)
+    if kind == "chat":
+        newer = _int(body, "max_completion_tokens", 1)
+        max_tokens = newer if newer is not None else max_tokens
+    episode_id = body.get("episode_id", body.get("user"))
+    if episode_id is not None and not isinstance(episode_id, str | int):
+        raise RequestError(
+            f"episode_id must be a string, got {type(episode_id).__name__}", param="episode_id"
+        )
+    top_p = _number(body, "top_p", 0.0, 1.0, 1.0)
+    if top_p == 0.0:
+        raise RequestError("top_p must be above 0, got 0", param="top_p")
+    common = dict(
+        model=model,
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 0.0, 2.0, 1.0),
+        top_p=None if top_p == 1.0 else top_p,
+        n=_int(body, "n", 1, MAX_CHOICES) or 1,
+        stop=_stop(body),
+        seed=_int(body, "seed", -(2**63)),
+        episode_id=None if episode_id is None else str(episode_id),
+    )
+    if kind == "chat":
+        logprobs = body.get("logprobs")
+        if logprobs is not None and not isinstance(logprobs, bool):
+            raise RequestError(f"logprobs must be a boolean, got {logprobs!r}", param="logprobs")
+        top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
+        if top and not logprobs:
+            raise RequestError("top_logprobs needs logprobs=true", param="top_logprobs")
+        return ParsedRequest(
+            kind="chat",
+            messages=_messages(body),
+            logprobs=bool(logprobs),
+            top_logprobs=top,
+            **common,
+        )
+    top = _int(body, "logprobs", 0, 5)
+    if body.get("echo"):
+        raise RequestError("echo=true is not supported", param="echo")
+    return ParsedRequest(
+        kind="completion",
+        prompts=_prompts(body, vocab_size),
+        logprobs=top is not None,
+        top_logprobs=top or 0,
+        **common,
+    )

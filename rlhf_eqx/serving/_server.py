@@ -1,0 +1,474 @@
+"""`Server`: an OpenAI-compatible HTTP endpoint on a policy, sampled by one scheduler
+thread with continuous batching, with weight updates and rollout recording."""
+
+import contextlib
+import http.server
+import itertools
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from ._prompts import EpisodeContext, PromptBuilder
+from ._protocol import RequestError, parse_request
+from ._recording import Recording, Turn
+from ._scheduler import Job, Row, Sample, Scheduler
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+_MAX_BODY = 16 * 1024 * 1024
+
+
+def _stop_ids(tokenizer, stop_ids) -> tuple[int, ...]:
+    if stop_ids is None:  # EOS, and BOS (the stories model starts a new story with it)
+        stop_ids = [tokenizer.eos_id, tokenizer.bos_id]
+    elif isinstance(stop_ids, int):
+        stop_ids = [stop_ids]
+    out = tuple(dict.fromkeys(int(i) for i in stop_ids if i is not None and i >= 0))
+    if not out:
+        raise ValueError("stop_ids: need at least one stop id")
+    return out
+
+
+class Server:
+    """An OpenAI-compatible server on `policy`: `POST /v1/chat/completions`,
+    `POST /v1/completions` and `GET /v1/models`, on `http.server.ThreadingHTTPServer`.
+
+    Every request goes to one scheduler thread that samples all the requests waiting at
+    that moment with `rlhf_eqx.generate_continuous` (one call per combination of
+    temperature, top-p and stop strings), in arrival order. Each choice carries its
+    `token_ids`, the response its `prompt_token_ids` (as vLLM's `return_token_ids`), and
+    `policy_version`, the weights' version that sampled it. Log-probabilities are the
+    sampler's: at the request's temperature (1 when greedy), before top-p
+    (`rlhf_eqx.GenerationOutput.logprobs`).
+
+    **Arguments:**
+
+    - `policy`: the decoder that samples (`rlhf_eqx.Policy`, any `AbstractDecoder`
+      with a `cfg.max_seq_len`).
+    - `tokenizer`: its tokenizer.
+    - `slots`: decode slots of the continuous sampler.
+    - `chat_template`: how `messages` become text: `None` (the tokenizer's own chat
+      template, else `"hh"`), `"hh"`, `"chatml"`, a `rlhf_eqx.data.ChatTemplate` or a
+      `rlhf_eqx.data.JinjaChatTemplate`.
+    - `host`, `port`: where to listen (`port=0`: a free port); a host other than
+      127.0.0.1 / localhost / ::1 needs `allow_remote=True`.
+    - `model_name`: the `model` requests must name.
+    - `max_new_tokens`: the completion budget when a request gives none (cut to the
+      model's context).
+    - `stop_ids`: ids that end a completion (default EOS and BOS).
+    - `seed`: keys of requests without a `seed` come from it and a request counter.
+
+    Use as a context manager, or `start()` / `stop()`; `url` is the base URL
+    (`http://127.0.0.1:PORT/v1`) to give an OpenAI client.
+    """
+
+    def __init__(
+        self,
+        policy,
+        tokenizer,
+        *,
+        slots: int = 8,
+        chat_template: Any = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        model_name: str = "rlhf_eqx",
+        max_new_tokens: int = 256,
+        stop_ids: int | tuple[int, ...] | list[int] | None = None,
+        seed: int = 0,
+        allow_remote: bool = False,
+    ):
+        if host not in LOCAL_HOSTS and not allow_remote:
+            raise ValueError(
+                f"host={host!r}: the server listens on 127.0.0.1 only unless allow_remote=True "
+                "(--allow-remote): it runs anyone's requests on this machine"
+            )
+        if not (isinstance(slots, int) and slots >= 1):
+            raise ValueError(f"slots must be a positive int, got {slots!r}")
+        if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        if not isinstance(getattr(getattr(policy, "cfg", None), "max_seq_len", None), int):
+            raise TypeError("policy needs a cfg.max_seq_len (an rlhf_eqx.Policy or decoder)")
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_new_tokens = max_new_tokens
+        self.host = host
+        self.port = port
+        self.prompts = PromptBuilder(tokenizer, chat_template)
+        pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
+        self.scheduler = Scheduler(
+            policy, tokenizer, slots=slots, stop_ids=_stop_ids(tokenizer, stop_ids), pad_id=pad
+        )
+        self._base_key = np.asarray(jax.random.key_data(jax.random.key(seed)))
+        self._counter = itertools.count()
+        self._recordings: list[Recording] = []
+        self._lock = threading.Lock()
+        self._http: http.server.ThreadingHTTPServer | None = None
+        self._http_thread: threading.Thread | None = None
+
+    # ----- lifecycle -----
+
+    @property
+    def url(self) -> str:
+        """The base URL of the API, `http://HOST:PORT/v1`."""
+        if self._http is None:
+            raise RuntimeError("the server is not started: call start()")
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/v1"
+
+    def start(self) -> "Server":
+        """Start the scheduler and the HTTP server (returns immediately)."""
+        if self._http is not None:
+            raise RuntimeError("the server is already started")
+        self.scheduler.start()
+        try:
+            kind = _HTTPServer6 if ":" in self.host else _HTTPServer
+            self._http = kind((self.host, self.port), _Handler)
+        except OSError:
+            self.scheduler.stop()
+            raise
+        self._http.app = self  # type: ignore[attr-defined]
+        self.port = self._http.server_address[1]
+        self._http_thread = threading.Thread(
+            target=self._http.serve_forever, name="rlhf_eqx-http", daemon=True
+        )
+        self._http_thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving (requests still waiting fail with HTTP 500)."""
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+        if self._http_thread is not None:
+            self._http_thread.join()
+            self._http_thread = None
+        self.scheduler.stop()
+
+    def __enter__(self) -> "Server":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ----- weights and recordings -----
+
+    @property
+    def policy(self):
+        """The policy the next batch samples with."""
+        return self.scheduler.policy
+
+    @property
+    def policy_version(self) -> int:
+        """0 for the policy the server started with, one more at each `update_policy`."""
+        return self.scheduler.version
+
+    def update_policy(self, policy) -> int:
+        """Sample with `policy` from the next batch on; a batch already running finishes
+        on the weights it started with (its completions carry their `policy_version`).
+
+        **Returns:** the new policy version. Raises `ValueError` when `policy`'s
+        vocabulary size or context differs from the served one's."""
+        old = self.scheduler.policy.cfg
+        new = getattr(policy, "cfg", None)
+        for field in ("vocab_size", "max_seq_len"):
+            if getattr(new, field, None) != getattr(old, field):
+                raise ValueError(
+                    f"update_policy: policy.cfg.{field}={getattr(new, field, None)!r} differs "
+                    f"from the served model's {getattr(old, field)!r}"
+                )
+        return self.scheduler.set_policy(policy)
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[Recording]:
+        """Record every completion returned inside the block (`Recording`): an outside
+        environment drives episodes over HTTP, tagging each request with its episode
+        (`episode_id` in the body, e.g. the OpenAI client's `extra_body`, or `user`)."""
+        rec = Recording()
+        with self._lock:
+            self._recordings.append(rec)
+        try:
+            yield rec
+        finally:
+            with self._lock:
+                self._recordings.remove(rec)
+
+    @property
+    def batch_log(self) -> list[tuple[str, ...]]:
+        """The request ids of the scheduler's last 1,024 batches, in the order it ran
+        them (each batch in arrival order)."""
+        return list(self.scheduler.batch_log)
+
+    # ----- requests -----
+
+    def _key(self, seed: int | None) -> np.ndarray:
+        if seed is not None:
+            return np.asarray(jax.random.key_data(jax.random.key(seed % 2**32)))
+        return np.asarray(jax.random.fold_in(self._base_key, next(self._counter) % 2**31))
+
+    def _budget(self, max_tokens: int | None, prompt_len: int) -> int:
+        ctx = self.scheduler.policy.cfg.max_seq_len
+        if prompt_len >= ctx:
+            raise RequestError(
+                f"the prompt is {prompt_len} tokens; the model's context is {ctx}",
+                param="messages" if max_tokens is None else "prompt",
+                code="context_length_exceeded",
+            )
+        if max_tokens is None:
+            return min(self.max_new_tokens, ctx - prompt_len)
+        if prompt_len + max_tokens > ctx:
+            raise RequestError(
+                f"max_tokens={max_tokens} with a {prompt_len}-token prompt is above the "
+                f"model's context of {ctx} tokens",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return max_tokens
+
+    def _sample(self, req, prompts: list[list[int]], prefix: str) -> tuple[str, list[Sample]]:
+        """`(request id, samples)`: every choice of `req` from the scheduler."""
+        budgets = [self._budget(req.max_tokens, len(p)) for p in prompts]
+        key = self._key(req.seed)
+        count = len(prompts) * req.n
+        rows = []
+        for i, (ids, budget) in enumerate(zip(prompts, budgets)):
+            for g in range(req.n):
+                k = key if count == 1 else np.asarray(jax.random.fold_in(key, i * req.n + g))
+                rows.append(Row(prompt=tuple(ids), key=k, budget=budget))
+        job = Job(
+            rows=rows,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            stop=req.stop,
+            top_logprobs=req.top_logprobs,
+            prefix=prefix,
+        )
+        samples = self.scheduler.submit(job).result()
+        return job.request_id, samples
+
+    def _record(self, req, request_id, index, prompt_ids, sample, messages, text) -> str:
+        """Record a choice in the open recordings and remember its episode's context;
+        returns the choice's text."""
+        ids = sample.ids[:-1] if sample.stop_id is not None else sample.ids
+        content = self.tokenizer.decode(list(ids))
+        episode = req.episode_id or request_id
+        if req.n > 1:
+            episode = f"{episode}/{index % req.n}"
+        turn = Turn(
+            episode_id=episode,
+            prompt_ids=tuple(prompt_ids),
+            completion_ids=sample.ids,
+            logprobs=sample.logprobs,
+            finish_reason=sample.finish_reason,
+            policy_version=sample.policy_version,
+            temperature=req.temperature,
+            request_id=request_id,
+        )
+        with self._lock:
+            recordings = list(self._recordings)
+        for rec in recordings:
+            rec.add(turn)
+        if req.episode_id is not None and isinstance(text, str):
+            self.prompts.remember(
+                episode,
+                EpisodeContext(
+                    messages=None if messages is None else tuple(messages),
+                    prompt_text=text,
+                    ids=tuple(prompt_ids) + sample.ids,
+                    content=content,
+                    stop_text=self.prompts.stop_text(sample.stop_id),
+                ),
+            )
+        return content
+
+    def _token_texts(self, s: Sample) -> tuple[list[str], list[list[tuple[str, float]]]]:
+        """Each sampled token's text, and its alternatives' (`(text, logprob)`): what the
+        token adds to the decoded text before it (a lone token's decoding loses a
+        leading space in SentencePiece vocabularies)."""
+
+        def piece(before: list[int], prev: str, token_id: int) -> str:
+            text = self.tokenizer.decode(before + [token_id])
+            return text[len(prev) :] if text.startswith(prev) else self.tokenizer.decode([token_id])
+
+        texts, tops = [], []
+        for t, token_id in enumerate(s.ids):
+            before = list(s.ids[:t])
+            prev = self.tokenizer.decode(before)
+            texts.append(piece(before, prev, token_id))
+            tops.append([(piece(before, prev, i), lp) for i, lp in (s.top[t] if s.top else ())])
+        return texts, tops
+
+    def chat(self, body: object) -> dict:
+        """Answer a `/v1/chat/completions` body (a decoded JSON object) with the
+        response object; raises `RequestError` for a request OpenAI would refuse."""
+        req = parse_request(body, "chat", model_names=(self.model_name,), vocab_size=self._vocab())
+        text, prompt_ids = self.prompts.chat(req.messages, req.episode_id)
+        request_id, samples = self._sample(req, [prompt_ids], "chatcmpl")
+        choices = []
+        for g, s in enumerate(samples):
+            content = self._record(req, request_id, g, prompt_ids, s, req.messages, text)
+            logprobs = None
+            if req.logprobs:
+                logprobs = {"content": self._chat_logprobs(s)}
+            choices.append(
+                {
+                    "index": g,
+                    "message": {"role": "assistant", "content": content},
+                    "finish_reason": s.finish_reason,
+                    "logprobs": logprobs,
+                    "token_ids": list(s.ids),
+                    "policy_version": s.policy_version,
+                }
+            )
+        return self._response(request_id, "chat.completion", choices, [prompt_ids], samples) | {
+            "prompt_token_ids": list(prompt_ids)
+        }
+
+    def _chat_logprobs(self, s: Sample) -> list[dict]:
+        def entry(text: str, lp: float) -> dict:
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+        texts, tops = self._token_texts(s)
+        return [
+            entry(text, lp) | {"top_logprobs": [entry(a, alp) for a, alp in top]}
+            for text, lp, top in zip(texts, s.logprobs, tops)
+        ]
+
+    def completions(self, body: object) -> dict:
+        """Answer a `/v1/completions` body; raises `RequestError` as `chat` does."""
+        req = parse_request(
+            body, "completion", model_names=(self.model_name,), vocab_size=self._vocab()
+        )
+        prompts = [self.prompts.completion(p, req.episode_id) for p in req.prompts]
+        request_id, samples = self._sample(req, prompts, "cmpl")
+        choices = []
+        for index, s in enumerate(samples):
+            p = index // req.n
+            prompt = req.prompts[p]
+            text = self._record(req, request_id, index, prompts[p], s, None, prompt)
+            logprobs = None
+            if req.logprobs:
+                tokens, tops = self._token_texts(s)
+                offsets = list(itertools.accumulate([0] + [len(x) for x in tokens]))[:-1]
+                logprobs = {
+                    "tokens": tokens,
+                    "token_logprobs": list(s.logprobs),
+                    "top_logprobs": [dict(top) for top in tops] if s.top else None,
+                    "text_offset": offsets,
+                }
+            choices.append(
+                {
+                    "index": index,
+                    "text": text,
+                    "finish_reason": s.finish_reason,
+                    "logprobs": logprobs,
+                    "token_ids": list(s.ids),
+                    "prompt_token_ids": list(prompts[p]),
+                    "policy_version": s.policy_version,
+                }
+            )
+        out = self._response(request_id, "text_completion", choices, prompts, samples)
+        if len(prompts) == 1:
+            out["prompt_token_ids"] = list(prompts[0])
+        return out
+
+    def _response(self, request_id, kind, choices, prompts, samples) -> dict:
+        prompt_tokens = sum(len(p) for p in prompts)
+        completion_tokens = sum(len(s.ids) for s in samples)
+        return {
+            "id": request_id,
+            "object": kind,
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
+        }
+
+    def models(self) -> dict:
+        """The `/v1/models` response: the one served model."""
+        return {
+            "object": "list",
+            "data": [
+                {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rlhf_eqx"}
+            ],
+        }
+
+    def _vocab(self) -> int:
+        return self.scheduler.policy.cfg.vocab_size
+
+
+class _HTTPServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+
+class _HTTPServer6(_HTTPServer):
+    address_family = socket.AF_INET6
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "rlhf_eqx"
+
+    def log_message(self, format: str, *args: Any) -> None:  # quiet
+        del format, args
+
+    def _send(self, status: int, body: dict) -> None:
+        payload = json.dumps(body).encode("utf-8")
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def _path(self) -> str:
+        return self.path.split("?", 1)[0].rstrip("/")
+
+    def do_GET(self) -> None:
+        app: Server = self.server.app  # type: ignore[attr-defined]
+        if self._path() == "/v1/models":
+            self._send(200, app.models())
+        elif self._path() == "/health":
+            self._send(200, {"status": "ok"})
+        else:
+            err = RequestError(f"no route GET {self._path()}", status=404, code="not_found")
+            self._send(err.status, err.body())
+
+    def do_POST(self) -> None:
+        app: Server = self.server.app  # type: ignore[attr-defined]
+        routes = {"/v1/chat/completions": app.chat, "/v1/completions": app.completions}
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+            if length > _MAX_BODY:
+                raise RequestError(f"the body is above {_MAX_BODY} bytes", status=413)
+            raw = self.rfile.read(length) if length > 0 else b""
+            handler = routes.get(self._path())
+            if handler is None:
+                raise RequestError(f"no route POST {self._path()}", status=404, code="not_found")
+            try:
+                body = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise RequestError(f"the body is not valid JSON: {e}") from None
+            self._send(200, handler(body))
+        except RequestError as e:
+            self._send(e.status, e.body())
+        except ValueError as e:  # what the sampler refuses (a prompt it cannot take)
+            self._send(400, RequestError(str(e)).body())
+        except Exception as e:  # noqa: BLE001 - the server keeps serving
+            body = {
+                "error": {
+                    "message": f"{type(e).__name__}: {e}",
+                    "type": "server_error",
+                    "param": None,
+                    "code": None,
+                }
+            }
+            self._send(500, body)

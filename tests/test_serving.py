@@ -1,0 +1,374 @@
+"""The OpenAI-compatible server (`rlhf_eqx.serving`) through the real `openai` client
+on 127.0.0.1: completions and chat equal the sampler's own output, log-probabilities
+equal `token_logprobs`, `n`, stop strings, 16 concurrent clients served in arrival
+order, refused requests, and rollout mode (2-turn episodes driven by an outside agent
+loop, recorded and trained with one GRPO step)."""
+
+import concurrent.futures
+import http.client
+import json
+import threading
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import rlhf_eqx as rx
+from rlhf_eqx import data, serving
+from rlhf_eqx.assets import asset_path
+
+openai = pytest.importorskip("openai")
+
+MODEL = "stories"
+STORY = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return rx.load_llama2c(asset_path("stories260K.bin"), asset_path("tok512.bin"))
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    policy, tok = model
+    with serving.Server(policy, tok, slots=4, model_name=MODEL, max_new_tokens=16) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=300)
+
+
+def _stops(tok):
+    return [tok.eos_id, tok.bos_id]
+
+
+def _greedy(policy, tok, ids, n):
+    out = rx.generate(
+        policy,
+        jnp.asarray(ids, jnp.int32),
+        jnp.ones(len(ids), bool),
+        jax.random.key(0),
+        max_new_tokens=n,
+        temperature=0.0,
+        eos_id=_stops(tok),
+    )
+    real = np.asarray(out.completion_mask)
+    return np.asarray(out.tokens)[real].tolist(), np.asarray(out.logprobs)[real]
+
+
+def _token_logprobs(policy, prompt_ids, completions, temperature=1.0, length=64):
+    """`token_logprobs` of each completion after the prompt (rows right-padded to one
+    length: one compiled program)."""
+    rows = [list(prompt_ids) + list(c) for c in completions]
+    tokens = np.zeros((len(rows), length), np.int32)
+    mask = np.zeros((len(rows), length), bool)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)], mask[i, : len(r)] = r, True
+    lp = jax.vmap(lambda t, m: rx.token_logprobs(policy, t, m, temperature=temperature))(
+        jnp.asarray(tokens), jnp.asarray(mask)
+    )
+    return [np.asarray(lp)[i, len(prompt_ids) : len(r)] for i, r in enumerate(rows)]
+
+
+def test_models_and_greedy_completion_equal_generate(server, client, model):
+    policy, tok = model
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    r = client.completions.create(
+        model=MODEL, prompt=STORY, max_tokens=12, temperature=0, logprobs=2
+    )
+    ids = [tok.bos_id, *tok.encode(STORY)]
+    want, want_lp = _greedy(policy, tok, ids, 12)
+    choice = r.choices[0]
+    assert r.model_extra["prompt_token_ids"] == ids
+    assert choice.model_extra["token_ids"] == want
+    assert choice.text == tok.decode(want)
+    assert choice.finish_reason == "length"
+    np.testing.assert_allclose(choice.logprobs.token_logprobs, want_lp, atol=1e-4)
+    # the top alternative of a greedy token is the token itself; the texts join up
+    for lp, top in zip(choice.logprobs.token_logprobs, choice.logprobs.top_logprobs):
+        assert len(top) == 2 and max(top.values()) == pytest.approx(lp, abs=1e-4)
+    assert "".join(choice.logprobs.tokens) == choice.text
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 12
+    # a token-id prompt is the same request
+    again = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
+    assert again.choices[0].model_extra["token_ids"] == want
+
+
+def test_chat_renders_messages_and_matches_generate(server, client, model):
+    policy, tok = model
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, temperature=0, logprobs=True, top_logprobs=3
+    )
+    ids = [tok.bos_id, *tok.encode(data.format_chat(messages, "hh"))]
+    assert r.model_extra["prompt_token_ids"] == ids
+    want, want_lp = _greedy(policy, tok, ids, 10)
+    choice = r.choices[0]
+    assert choice.model_extra["token_ids"] == want
+    content = want[:-1] if want and want[-1] in _stops(tok) else want
+    assert choice.message.content == tok.decode(content)
+    got = [t.logprob for t in choice.logprobs.content]
+    np.testing.assert_allclose(got, want_lp, atol=1e-4)
+    assert all(len(t.top_logprobs) == 3 for t in choice.logprobs.content)
+
+
+def test_n_samples_are_seeded_and_their_logprobs_are_the_policys(server, client, model):
+    policy, tok = model
+    kw = dict(model=MODEL, prompt=STORY, max_tokens=10, temperature=1.0, n=3, seed=7)
+    r = client.completions.create(**kw, logprobs=0)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    ids = r.model_extra["prompt_token_ids"]
+    samples = [c.model_extra["token_ids"] for c in r.choices]
+    assert len({tuple(s) for s in samples}) > 1  # three different draws
+    for c, want in zip(r.choices, _token_logprobs(policy, ids, samples)):
+        np.testing.assert_allclose(c.logprobs.token_logprobs, want, atol=1e-4)
+    again = client.completions.create(**kw)
+    assert [c.model_extra["token_ids"] for c in again.choices] == samples
+
+
+def test_stop_strings_cut_the_completion(server, client, model):
+    policy, tok = model
+    ids = [tok.bos_id, *tok.encode(STORY)]
+    want, _ = _greedy(policy, tok, ids, 12)
+    text = tok.decode(want)
+    stop = "little"
+    assert stop in text
+    r = client.completions.create(
+        model=MODEL, prompt=STORY, max_tokens=12, temperature=0, stop=[stop, "zzz"]
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop"
+    assert text[: text.index(stop)].startswith(choice.text) and stop not in choice.text
+    cut = choice.model_extra["token_ids"]
+    assert cut == want[: len(cut)] and len(cut) < len(want)
+
+
+def test_sixteen_concurrent_clients_are_served_in_arrival_order(server, client):
+    def ask(i):
+        r = client.completions.create(
+            model=MODEL, prompt=STORY, max_tokens=2 + i % 7, temperature=1.0, seed=i
+        )
+        return r.id, len(r.choices[0].model_extra["token_ids"])
+
+    before = len(server.batch_log)
+    with concurrent.futures.ThreadPoolExecutor(20) as pool:
+        results = list(pool.map(ask, range(20)))
+    assert len(results) == 20 and all(0 < n <= 8 for _, n in results)
+    ids = {rid for rid, _ in results}
+    batches = [[b for b in batch if b in ids] for batch in server.batch_log[before:]]
+    order = [int(b.rsplit("-", 1)[1]) for batch in batches for b in batch]
+    assert sorted(order) == order and len(order) == 20  # FIFO, each request once
+
+
+def _post(server, path, body: bytes):
+    host, port = server.url.split("//")[1].split("/")[0].rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=300)
+    conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    out = resp.status, json.loads(resp.read())
+    conn.close()
+    return out
+
+
+@pytest.mark.parametrize(
+    "path, body, status, param",
+    [
+        ("/v1/chat/completions", b"{not json", 400, None),
+        ("/v1/chat/completions", b"[1, 2]", 400, None),
+        ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"content": "x"}]},
+            400,
+            "messages[0].role",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": "hot"},
+            400,
+            "temperature",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 0},
+            400,
+            "n",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 100000},
+            400,
+            "max_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]},
+            400,
+            "messages",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]},
+            404,
+            "model",
+        ),
+        ("/v1/completions", {"model": MODEL, "prompt": [1, 99999]}, 400, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": STORY, "stop": [1]}, 400, "stop"),
+        ("/v1/completions", {"model": MODEL, "prompt": STORY, "logprobs": 9}, 400, "logprobs"),
+        ("/v1/nothing", {"model": MODEL}, 404, None),
+    ],
+)
+def test_malformed_requests_get_openai_errors(server, path, body, status, param):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    got, out = _post(server, path, raw)
+    assert got == status, out
+    err = out["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    assert isinstance(err["message"], str) and err["message"]
+
+
+def test_the_client_sees_errors_and_the_server_keeps_serving(server, client):
+    messages = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(openai.BadRequestError, match="n must be"):
+        client.chat.completions.create(model=MODEL, messages=messages, n=0)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="nope", messages=messages)
+    r = client.completions.create(model=MODEL, prompt=STORY, max_tokens=3, temperature=0)
+    assert len(r.choices[0].model_extra["token_ids"]) == 3
+
+
+def test_remote_hosts_need_allow_remote(model):
+    policy, tok = model
+    with pytest.raises(ValueError, match="allow_remote"):
+        serving.Server(policy, tok, host="0.0.0.0")
+    from rlhf_eqx.__main__ import main
+
+    assert main(["serve", "--host", "0.0.0.0", "--port", "0"]) == 2
+
+
+def test_serve_command_serves_the_named_model(server):
+    del server  # after the module's server, so the two do not compile at once
+    urls, stop = [], threading.Event()
+    thread = threading.Thread(
+        target=lambda: urls.append(
+            serving.serve_command(
+                ["--port", "0", "--max-new-tokens", "4"],
+                ready=lambda s: urls.append(s.url),
+                stop=stop,
+            )
+        )
+    )
+    thread.start()
+    try:
+        for _ in range(600):
+            if urls:
+                break
+            thread.join(0.1)
+        c = openai.OpenAI(base_url=urls[0], api_key="unused", max_retries=0, timeout=60)
+        assert [m.id for m in c.models.list().data] == ["builtin"]
+    finally:
+        stop.set()
+        thread.join()
+    assert urls[-1] == 0
+
+
+def _agent_episode(client, episode_id: str) -> float:
+    """An outside environment: two turns of a story conversation; the reward is the
+    number of distinct words the model wrote."""
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    words = set()
+    for follow_up in ("What happened next?", None):
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=8,
+            temperature=1.0,
+            extra_body={"episode_id": episode_id},
+        )
+        reply = r.choices[0].message.content
+        words |= set(reply.split())
+        messages = messages + [{"role": "assistant", "content": reply}]
+        if follow_up:
+            messages.append({"role": "user", "content": follow_up})
+    return float(len(words))
+
+
+@pytest.fixture(scope="module")
+def recorded(server, client):
+    """Four 2-turn episodes (two groups of two) driven by the agent loop, recorded, with
+    their rewards."""
+    ids = [f"ep{i}" for i in range(4)]
+    with server.recording() as rec:
+        with concurrent.futures.ThreadPoolExecutor(len(ids)) as pool:
+            rewards = list(pool.map(lambda e: _agent_episode(client, e), ids))
+        for e, r in zip(ids, rewards):
+            rec.reward(e, r)
+    return rec, ids
+
+
+def test_rollout_mode_records_the_sampled_tokens_and_logprobs(recorded, model):
+    policy, _ = model
+    rec, ids = recorded
+    episodes = rec.episodes(ids)
+    for ep in episodes:
+        assert len(ep.turns) == 2 and ep.policy_versions == (0, 0)
+        first, second = ep.turns
+        # the second turn continues the first's tokens; its new tokens are out of the loss
+        seq = list(first.prompt_ids) + list(first.completion_ids)
+        assert list(second.prompt_ids[: len(seq)]) == seq
+        obs = len(second.prompt_ids) - len(seq)
+        assert obs > 0 and not ep.loss_mask[len(seq) : len(seq) + obs].any()
+        assert not ep.loss_mask[: ep.prompt_length].any()
+        np.testing.assert_array_equal(
+            ep.tokens[ep.loss_mask], list(first.completion_ids) + list(second.completion_ids)
+        )
+        np.testing.assert_array_equal(
+            ep.tokens, list(second.prompt_ids) + list(second.completion_ids)
+        )
+    # behaviour log-probs are the policy's own log-probs of the recorded tokens (T = 1)
+    tr = rec.trajectory(ids)
+    lp = jax.vmap(lambda t, m: rx.token_logprobs(policy, t, m))(tr.tokens, tr.mask)
+    loss = np.asarray(tr.loss_mask)
+    assert loss.sum() == sum(len(t.completion_ids) for ep in episodes for t in ep.turns)
+    np.testing.assert_allclose(np.asarray(tr.logprobs)[loss], np.asarray(lp)[loss], atol=1e-4)
+    assert np.all(np.asarray(tr.logprobs)[~loss] == 0)
+    np.testing.assert_array_equal(tr.num_turns, [2] * 4)
+    np.testing.assert_array_equal(tr.reward, [ep.reward for ep in episodes])
+    with pytest.raises(KeyError, match="no episode"):
+        rec.reward("elsewhere", 1.0)
+
+
+def test_recorded_batch_trains_and_the_new_weights_serve(server, client, model, recorded):
+    policy, tok = model
+    rec, ids = recorded
+    batch = rec.grpo_batch(ids, pad_id=tok.pad_id)
+    opt = optax.sgd(1e-2)
+    step = rx.train.make_grpo_step(opt, group_size=2, temperature=1.0, donate=False)
+    new, _, metrics = step(policy, opt.init(eqx.filter(policy, eqx.is_inexact_array)), batch)
+    assert float(metrics["clip_ratio"]) == 0.0  # on-policy: every ratio is 1
+    assert np.isfinite(float(metrics["loss"]))
+
+    # the next requests sample with the new weights and say so
+    assert server.update_policy(new) == 1
+    try:
+        r = client.completions.create(
+            model=MODEL, prompt=STORY, max_tokens=6, temperature=1.0, logprobs=0, seed=3
+        )
+        c = r.choices[0]
+        assert c.model_extra["policy_version"] == 1
+        (want,) = _token_logprobs(
+            new, r.model_extra["prompt_token_ids"], [c.model_extra["token_ids"]]
+        )
+        np.testing.assert_allclose(c.logprobs.token_logprobs, want, atol=1e-4)
+        (old,) = _token_logprobs(
+            policy, r.model_extra["prompt_token_ids"], [c.model_extra["token_ids"]]
+        )
+        assert np.max(np.abs(old - want)) > 1e-4  # the step moved the policy
+    finally:
+        server.update_policy(policy)

@@ -11,6 +11,8 @@ import dataclasses
 import numbers
 from collections.abc import Mapping
 
+from .._sampling import DEFAULT_TEMPERATURE
+
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_CHOICES = 128
 MAX_TOP_LOGPROBS = 20  # chat `top_logprobs`; completions' `logprobs` allows 5
@@ -77,7 +79,7 @@ class ParsedRequest:
     messages: tuple[dict, ...] = ()
     prompts: tuple[str | tuple[int, ...], ...] = ()
     max_tokens: int | None = None
-    temperature: float = 1.0
+    temperature: float = DEFAULT_TEMPERATURE
     top_p: float | None = None
     n: int = 1
     stop: tuple[str, ...] = ()
@@ -269,7 +271,7 @@ def parse_request(
     common = dict(
         model=model,
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 0.0, 2.0, 1.0),
+        temperature=_number(body, "temperature", 0.0, 2.0, DEFAULT_TEMPERATURE),
         top_p=None if top_p == 1.0 else top_p,
         n=_int(body, "n", 1, MAX_CHOICES) or 1,
         stop=_stop(body),

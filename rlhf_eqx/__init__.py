@@ -61,11 +61,15 @@ from ._pretrained import (
 from ._sampling import (
     DEFAULT_TEMPERATURE as DEFAULT_TEMPERATURE,
     GenerationOutput as GenerationOutput,
+    PagedCacheStats as PagedCacheStats,
     SamplingOptions as SamplingOptions,
+    SpeculativeStats as SpeculativeStats,
     filter_logits as filter_logits,
     generate as generate,
     generate_batch as generate_batch,
     generate_continuous as generate_continuous,
+    generate_paged as generate_paged,
+    generate_speculative as generate_speculative,
     sample_token as sample_token,
     truncate_at_stop_strings as truncate_at_stop_strings,
 )

@@ -13,5 +13,10 @@ from ._options import (
     GenerationOutput as GenerationOutput,
     SamplingOptions as SamplingOptions,
 )
+from ._paged import PagedCacheStats as PagedCacheStats, generate_paged as generate_paged
+from ._speculative import (
+    SpeculativeStats as SpeculativeStats,
+    generate_speculative as generate_speculative,
+)
 from ._stop_strings import truncate_at_stop_strings as truncate_at_stop_strings
 from ._token import filter_logits as filter_logits, sample_token as sample_token

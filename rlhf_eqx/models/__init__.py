@@ -5,6 +5,7 @@ from ._attention import attention as attention, region_attention as region_atten
 from ._config import RopeScaling as RopeScaling, TransformerConfig as TransformerConfig
 from ._decode_attention import cached_attention as cached_attention
 from ._decoder_layer import LORA_TARGETS as LORA_TARGETS, DecoderLayer as DecoderLayer
+from ._draft import truncated_draft as truncated_draft
 from ._gguf import load_gguf_policy as load_gguf_policy, open_gguf as open_gguf
 from ._gguf_blocks import (
     GGUF_BLOCKS as GGUF_BLOCKS,
@@ -56,10 +57,17 @@ from ._packed_products import (
     packed_product as packed_product,
 )
 from ._packing import branch_last_index as branch_last_index, branch_sums as branch_sums
+from ._paged_attention import (
+    PagedKVCache as PagedKVCache,
+    gather_pages as gather_pages,
+    paged_attention as paged_attention,
+    paged_decode_step as paged_decode_step,
+)
 from ._peft import load_lora_adapter as load_lora_adapter, save_lora_adapter as save_lora_adapter
 from ._protocols import (
     AbstractBatchedModel as AbstractBatchedModel,
     AbstractBranchScorer as AbstractBranchScorer,
+    AbstractChunkDecoder as AbstractChunkDecoder,
     AbstractDecoder as AbstractDecoder,
     AbstractScalarModel as AbstractScalarModel,
     AbstractSelectiveLM as AbstractSelectiveLM,

@@ -15,7 +15,7 @@ from ._packing import branch_last_index
 from ._protocols import (
     AbstractBatchedModel,
     AbstractBranchScorer,
-    AbstractDecoder,
+    AbstractChunkDecoder,
     AbstractScalarModel,
     AbstractSelectiveLM,
     AbstractSequenceModel,
@@ -44,7 +44,7 @@ def _previous_real(mask: Bool[Array, "N T"]) -> tuple[Int[Array, "N T"], Bool[Ar
 _UNROLLED_CHUNKS = 16
 
 
-class Policy(AbstractDecoder[KVCache], AbstractBatchedModel, AbstractSelectiveLM):
+class Policy(AbstractChunkDecoder[KVCache], AbstractBatchedModel, AbstractSelectiveLM):
     """A causal language model: `policy(tokens, mask) -> logits [T, V]` (float32).
 
     Written for one sequence; a batch `[B, T]` may also be passed directly (the result
@@ -247,6 +247,19 @@ class Policy(AbstractDecoder[KVCache], AbstractBatchedModel, AbstractSelectiveLM
     ) -> tuple[Float[Array, " V"], KVCache]:
         """Feed one token; return the next-token logits and the updated cache."""
         h, cache = self.transformer.decode_step(token, cache, index=index, position=position)
+        return self.logits_from_hidden(h), cache
+
+    def decode_chunk(
+        self,
+        tokens: Int[Array, " C"],
+        cache: KVCache,
+        *,
+        index: Int[Array, ""] | int,
+        position: Int[Array, ""] | int,
+    ) -> tuple[Float[Array, "C V"], KVCache]:
+        """Feed `C` tokens in one pass (`Transformer.decode_chunk`); return their
+        next-token logits and the cache, whose slots after the chunk are dropped."""
+        h, cache = self.transformer.decode_chunk(tokens, cache, index=index, position=position)
         return self.logits_from_hidden(h), cache
 
 

@@ -12,6 +12,7 @@ methods runs every step builder and the sampler, exactly as rlhf_eqx's own model
 | `AbstractSelectiveLM` | `model.selected_logprobs(tokens, mask, select, *, segment_ids=None, branch_ids=None, key=None, temperature=1.0, with_entropy=False)` | `Policy` | DPO and GRPO steps: LM head on completion positions only; shared-prefix packed batches |
 | `AbstractBranchScorer` | `model.branch_scores(tokens, mask, segment_ids, branch_ids, *, num_segments)` | `RewardModel` | reward-model step on shared-prefix packed batches |
 | `AbstractDecoder[Cache]` | `init_cache`, `prefill`, `decode_step`, `vocab_size` (and a sequence-model call) | `Policy` (cache `KVCache`) | `generate`, `generate_batch` |
+| `AbstractChunkDecoder[Cache]` | an `AbstractDecoder` with `decode_chunk` (several tokens against the cache in one pass) | `Policy` | `generate_speculative`'s verification pass (other decoders are verified token by token) |
 
 Everything is per sample: steps batch a plain `AbstractSequenceModel` with `jax.vmap`,
 and the sampler vmaps `prefill` / `decode_step` over the rows of a batch. `key` is a
@@ -217,4 +218,31 @@ class AbstractDecoder(AbstractSequenceModel, Generic[Cache]):
         position: Int[Array, ""],
     ) -> tuple[Float[Array, " V"], Cache]:
         """Feed one token at slot `index`, position `position`: next logits and the cache."""
+        raise NotImplementedError
+
+
+class AbstractChunkDecoder(AbstractDecoder[Cache]):
+    """A decoder that can also feed several tokens against its cache in one pass
+    (`generate_speculative`'s verification pass; `Policy` is one).
+
+    `decode_chunk(tokens[C], cache, *, index, position) -> (logits [C, V], cache)`:
+    token `c` is stored at slot `index + c` with position `position + c` and attends to
+    the real slots before `index` and to the chunk up to itself; `logits[c]` is the
+    next-token distribution after it. The returned cache drops every slot from
+    `index + C` on, so a chunk fed at `index` replaces whatever an earlier call had
+    cached there (the rejected proposals of a speculative step). It equals `C` calls of
+    `decode_step` on a cache with nothing after `index`.
+    """
+
+    @abc.abstractmethod
+    def decode_chunk(
+        self,
+        tokens: Int[Array, " C"],
+        cache: Cache,
+        *,
+        index: Int[Array, ""] | int,
+        position: Int[Array, ""] | int,
+    ) -> tuple[Float[Array, "C V"], Cache]:
+        """Feed `C` tokens at slots `index …`, positions `position …`: their next-token
+        logits and the cache (slots after the chunk dropped)."""
         raise NotImplementedError

@@ -301,3 +301,71 @@ class Transformer(AbstractSequenceModel, AbstractBatchedModel):
             body, (x, cache.k, cache.v), (dynamic, layer_ids, windows, local)
         )
         return self._final(x)[0], KVCache(k=kc, v=vc, mask=slot_mask, positions=slot_pos)
+
+    def decode_chunk(
+        self,
+        tokens: Int[Array, " C"],
+        cache: KVCache,
+        *,
+        index: Int[Array, ""] | int,
+        position: Int[Array, ""] | int,
+    ) -> tuple[Float[Array, "C D"], KVCache]:
+        """Feed `C` tokens at cache slots `index … index + C - 1`, rotary positions
+        `position … position + C - 1`, in one pass (the verification pass of
+        speculative decoding).
+
+        Token `c` attends to the real slots before `index` (within the window on
+        sliding-window layers) and to the chunk's tokens up to itself. The cache keeps
+        the slots before `index`, holds the chunk in the next `C` slots, and drops the
+        slots after them: feeding a chunk at `index` discards whatever was cached from
+        `index` on (tokens proposed and rejected by an earlier pass). With `C = 1` on a
+        cache with nothing after `index` this is `decode_step`; in general it equals
+        `C` decode steps, and its hidden states equal the full forward pass's.
+        `index + C` may not exceed the cache size.
+        """
+        cfg = self.cfg
+        C, S = tokens.shape[0], cache.mask.shape[0]
+        index = jnp.asarray(index, jnp.int32)
+        position = jnp.asarray(position, jnp.int32)
+        x = self._embed(tokens)
+        pos = position + jnp.arange(C, dtype=jnp.int32)
+        rope = _rope(cfg, pos)
+        slots = jnp.arange(S, dtype=jnp.int32)
+        in_chunk = (slots >= index) & (slots < index + C)
+        slot_mask = (cache.mask & (slots < index)) | in_chunk
+        slot_pos = jnp.where(in_chunk, position + slots - index, cache.positions)
+        # causal by slot: chunk token c sees the kept slots and the chunk up to itself
+        causal = slot_mask[None, :] & (slots[None, :] <= index + jnp.arange(C)[:, None])
+        dynamic, static = eqx.partition(self.layers, eqx.is_array)
+        zero = jnp.zeros((), jnp.int32)
+        windows, local = _per_layer(cfg)
+        windowed = cfg.sliding_window is not None
+
+        def body(carry, xs):
+            x, kc, vc = carry
+            layer_dyn, layer_idx, window, is_local = xs
+            layer = eqx.combine(layer_dyn, static)
+            allowed = causal & within_window(pos, slot_pos, window) if windowed else causal
+
+            def attend(q, k, v):
+                # k, v: [C, K, hd]; the keys go in as columns of the transposed cache
+                kc2 = jax.lax.dynamic_update_slice(
+                    kc,
+                    jnp.moveaxis(k, 0, -1)[None].astype(kc.dtype),
+                    (layer_idx, zero, zero, index),
+                )
+                vc2 = jax.lax.dynamic_update_slice(
+                    vc, jnp.swapaxes(v, 0, 1)[None].astype(vc.dtype), (layer_idx, zero, index, zero)
+                )
+                kw = dict(scale=cfg.query_scale, cap=cfg.attn_softcap)
+                o = cached_attention(q, kc2[layer_idx], vc2[layer_idx], allowed, **kw)
+                return o, (kc2, vc2)
+
+            x, (kc, vc) = layer.block(x, cfg, _select(rope, is_local), attend)
+            return (x, kc, vc), None
+
+        layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)
+        (x, kc, vc), _ = jax.lax.scan(
+            body, (x, cache.k, cache.v), (dynamic, layer_ids, windows, local)
+        )
+        return self._final(x), KVCache(k=kc, v=vc, mask=slot_mask, positions=slot_pos)

@@ -4,14 +4,17 @@ batches as its separate run (`python -m rlhf_eqx dpo --set ops.seed=S --set
 dpo.beta=B`), and the updates of all members in one vmapped program per step.
 
 Per round: the members' rollouts are sampled in one vmapped sampler call
-(`sample_members`); labelling, pairing and the reference log-probabilities (a forward
-of the member's reference, its SFT policy) are per member; then `dpo.steps` steps of
-the stacked states. A member without a pair in a round takes no step in it, as its
+(`sample_members`); labelling and pairing are per member; the reference
+log-probabilities (a forward of each member's reference, its SFT policy) are one
+vmapped call over the members, their pairs padded to one pair a prompt (the most a
+round gives), so that one program serves every round; then `dpo.steps` steps of the
+stacked states. A member without a pair in a round takes no step in it, as its
 separate run."""
 
 import dataclasses
 from collections.abc import Sequence
 
+import equinox as eqx
 import jax
 import numpy as np
 
@@ -37,6 +40,17 @@ from ._sweep_rollout import sample_members
 from ._sweep_starts import SeedStart
 from ._task import TRAIN_PROMPTS
 from ._validation import validate_stage
+
+
+@eqx.filter_jit
+def _reference_all(references, batches):
+    """`compute_reference_logps` of each member's batch with its reference, vmapped."""
+    return eqx.filter_vmap(rx.train.compute_reference_logps)(references, batches)
+
+
+def n_rows(batch) -> int:
+    """The rows of a preference batch (`None`: 1, a placeholder)."""
+    return 1 if batch is None else int(batch.chosen_tokens.shape[0])
 
 
 def dpo_step_builder(c, total_steps: int):
@@ -79,6 +93,8 @@ def dpo_sweep(
         states.append(rx.train.init_train_state(model, opt, filter_spec=spec))
         ctx_keys.append(ctx_key)
     program = make_program(dpo_step_builder(c0, total))
+    refs = stack(references)
+    rows = len(TRAIN_PROMPTS)  # best_worst_pairs: at most one pair a prompt
     hyper = hyper_arrays([dict(m.point) for m in members])
     M = len(members)
 
@@ -107,15 +123,22 @@ def dpo_sweep(
                 msg = f"round {r}: all completions of every prompt got the same label; no pairs"
                 events.append((m, "no_signal", msg))
                 continue
-            full = collate_pairs(
+            fulls[m] = collate_pairs(
                 pairs, tok, max_length=c0.max_length, prompt_length=sampling.prompt_length
             )
-            fulls[m] = rx.train.compute_reference_logps(references[m], full)
         active = np.asarray([f is not None for f in fulls]) & alive
         records: list[list[dict]] = [[] for _ in range(M)]
         finite = np.ones(M, bool)
         if not active.any():
             return Iteration(states, finite, records, info, events)
+        filler = next(f for f in fulls if f is not None)
+        padded = [
+            take_rows(f if f is not None else filler, np.arange(rows) % n_rows(f)) for f in fulls
+        ]
+        referenced = _reference_all(refs, stack(padded))
+        for m, f in enumerate(fulls):
+            if f is not None:
+                fulls[m] = take_rows(member(referenced, m), np.arange(n_rows(f)))
         filler = next(f for f in fulls if f is not None)
         for s in range(c0.steps):
             batches = []

@@ -302,6 +302,9 @@ def generate_continuous(
     num_samples: int = 1,
     check_ids: bool = False,
     prefill_rows: int | None = None,
+    cache: str = "dense",
+    page_size: int | None = None,
+    num_pages: int | None = None,
 ) -> GenerationOutput:
     """Sample completions with continuous batching: `slots` rows decode at once, and a
     row that stops is refilled with the next waiting request inside the same compiled
@@ -344,6 +347,11 @@ def generate_continuous(
     - `prefill_rows`: prompts prefilled together (one batch) when the next waiting row's
       prompt has not been prefilled yet; default `ceil(slots / 4)`. Larger batches use
       the matrix units better; up to `prefill_rows - 1` prefills are wasted at the end.
+    - `cache`: `"dense"` (default: each slot owns a cache region of `P + max_new_tokens`
+      entries) or `"paged"`: the slots share a pool of `num_pages` pages of `page_size`
+      tokens (default 16), allocated as rows grow and returned when they stop, with the
+      full pages of common prompt prefixes shared (`generate_paged`, whose admission
+      rule and defaults apply; it also returns the pool's statistics). Same outputs.
 
     **Returns:** a `GenerationOutput` laid out as `generate_batch`'s: `R · num_samples`
     rows (prompt `p`'s samples at `p · num_samples …`), each the prompt as given followed
@@ -357,6 +365,48 @@ def generate_continuous(
     out of range, malformed stop sequences, or `P + max_new_tokens` above the model's
     `max_seq_len`.
     """
+    if cache not in ("dense", "paged"):
+        raise ValueError(f"cache must be 'dense' or 'paged', got {cache!r}")
+    settings = dict(
+        slots=slots, max_new_tokens=max_new_tokens, budgets=budgets, temperature=temperature,
+        top_k=top_k, top_p=top_p, eos_id=eos_id, stop_sequences=stop_sequences, pad_id=pad_id,
+        num_samples=num_samples, check_ids=check_ids, prefill_rows=prefill_rows,
+    )  # fmt: skip
+    if cache == "paged":
+        # imported here: the paged sampler reuses this module's checks and carry
+        from ._paged import generate_paged
+
+        pool = dict(page_size=16 if page_size is None else page_size, num_pages=num_pages)
+        return generate_paged(policy, prompts, prompt_masks, keys, **settings, **pool)[0]
+    if page_size is not None or num_pages is not None:
+        raise ValueError("page_size and num_pages apply to cache='paged' only")
+    policy, keys, budgets, plan = _continuous_arguments(
+        policy, prompts, prompt_masks, keys, **settings
+    )
+    return _generate_continuous_jit(policy, prompts, prompt_masks, keys, budgets, plan)
+
+
+def _continuous_arguments(
+    policy: Any,
+    prompts: Any,
+    prompt_masks: Any,
+    keys: Any,
+    *,
+    slots: Any,
+    max_new_tokens: Any,
+    budgets: Any,
+    temperature: Any,
+    top_k: Any,
+    top_p: Any,
+    eos_id: Any,
+    stop_sequences: Any,
+    pad_id: Any,
+    num_samples: Any,
+    check_ids: Any,
+    prefill_rows: Any,
+) -> tuple[AbstractDecoder, Key[Array, " R"], Int[Array, " B"], _Plan]:
+    """`generate_continuous`'s arguments checked: the decoder, typed keys, int32 budgets
+    and the static plan (raises naming the argument at fault)."""
     opts = SamplingOptions(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
@@ -411,4 +461,4 @@ def generate_continuous(
         prefill_rows=min(int(prefill_rows), R),
         stop_sequences=stops,
     )
-    return _generate_continuous_jit(policy, prompts, prompt_masks, keys, budgets, plan)
+    return policy, keys, budgets, plan

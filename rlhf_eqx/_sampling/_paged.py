@@ -1,0 +1,461 @@
+"""Continuous batching on a paged, prefix-shared KV cache.
+
+`generate_continuous` gives each slot a cache region of the longest row (`P +
+max_new_tokens` entries), so its memory is slots × that length whatever the rows hold.
+Here the slots share one pool of pages (`rlhf_eqx.models.PagedKVCache`): a row holds a
+page table of page ids, gets a page when its length crosses a page boundary, and gives
+its pages back when it stops. Rows whose prompts share real tokens up to the end of a
+page map that page to one physical page (reference-counted), found on the host before
+the loop (`_paged_plan`). Scheduling, sampling and stopping are `generate_continuous`'s,
+so each row's tokens are the same.
+"""
+
+import dataclasses
+from collections.abc import Sequence
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int, Key, UInt32
+
+from ..models import AbstractDecoder, PagedKVCache, Policy, paged_decode_step
+from ._continuous import _continuous_arguments, _is_int, _Plan, _stop_table
+from ._decode import _check_decoder_output, _int32_prompts, _row_sampler, _with_prompts
+from ._options import DEFAULT_TEMPERATURE, GenerationOutput
+from ._paged_plan import check_pool, plan_pages
+
+
+class PagedCacheStats(eqx.Module):
+    """What a paged run held: the pool's size and its use.
+
+    - `peak_pages`: the most pages in use at once (prompt pages shared by several rows
+      count once); `peak_bytes = peak_pages · page_bytes`.
+    - `pages_in_use`: pages still held when the loop ended (0: every page came back).
+    - `pages_shared`: page references served by a page already in the pool (a shared
+      prefix page mapped again instead of allocated and written).
+    - `num_pages`, `page_size`, `page_bytes`: the pool (bytes of one page, keys and
+      values of every layer).
+    - `dense_bytes`: what `generate_continuous`'s dense layout holds for the same run
+      (`slots · (P + max_new_tokens)` tokens).
+    """
+
+    peak_pages: Int[Array, ""]
+    pages_in_use: Int[Array, ""]
+    pages_shared: Int[Array, ""]
+    num_pages: int = eqx.field(static=True)
+    page_size: int = eqx.field(static=True)
+    page_bytes: int = eqx.field(static=True)
+    dense_bytes: int = eqx.field(static=True)
+
+    @property
+    def peak_bytes(self) -> Int[Array, ""]:
+        return self.peak_pages * self.page_bytes
+
+
+class _PagedPlan(eqx.Module):
+    """Static settings: the continuous plan and the pool's shape."""
+
+    base: _Plan
+    page_size: int
+    num_pages: int
+    max_pages: int
+    prefix_ids: int
+
+
+# Fields like `_SlotState`'s (the dense loop's carry), with the pool and its bookkeeping
+# in place of the per-slot caches.
+class _PagedState(eqx.Module):
+    """Carry of the paged loop. `S` slots, `M` page-table entries a slot, `Np` pages,
+    `U` shared-page ids."""
+
+    slot_row: Int[Array, " S"]
+    slot_step: Int[Array, " S"]
+    slot_position: Int[Array, " S"]  # also the slot's length: the next token's slot
+    logits: Float[Array, "S V"]
+    recent: Int[Array, "S L"]
+    next_row: Int[Array, ""]
+    staged_first: Int[Array, ""]
+    staged_logits: Float[Array, "Q V"]
+    staged_cache: object
+    tokens: Int[Array, "B N"]
+    logprobs: Float[Array, "B N"]
+    real: Bool[Array, "B N"]
+    pages: PagedKVCache
+    free: Bool[Array, " Np"]
+    page_table: Int[Array, "S M"]  # -1: unused
+    reserve: Int[Array, " S"]  # pages a slot may still allocate (promised at admission)
+    prefix_page: Int[Array, " U"]  # physical page of a shared-page id, -1 when not held
+    prefix_refs: Int[Array, " U"]
+    in_use: Int[Array, ""]
+    peak: Int[Array, ""]
+    shared: Int[Array, ""]
+
+
+def _generate_paged(
+    policy: Policy,
+    prompts: Int[Array, "R P"],
+    prompt_masks: Bool[Array, "R P"],
+    keys: Key[Array, " R"],
+    budgets: Int[Array, " B"],
+    prefix_key: Int[Array, "R M"],
+    canon: Int[Array, " R"],
+    plan: _PagedPlan,
+):
+    opts = plan.base.opts
+    R, P = prompts.shape
+    N, G = opts.max_new_tokens, opts.num_samples
+    B = R * G
+    S, Q = plan.base.slots, plan.base.prefill_rows
+    ps, Np, M, U = plan.page_size, plan.num_pages, plan.max_pages, plan.prefix_ids
+    prompts = _int32_prompts(policy, prompts, opts, "prompts: ids outside [0, vocab_size)")
+    i32 = lambda x: jnp.asarray(x, jnp.int32)
+    zero = i32(0)
+    cdiv = lambda a, b: (a + b - 1) // b
+
+    prefill = lambda t, m: policy.prefill(t, m, cache_size=P)
+    decode = jax.vmap(
+        lambda tok, table, idx, pages: paged_decode_step(policy, tok, pages, table, index=idx),
+        in_axes=(0, 0, 0, None),
+    )
+    sample = _row_sampler(opts)
+    one = jax.eval_shape(jax.vmap(prefill), prompts[:1], prompt_masks[:1])
+    _check_decoder_output(policy, "prefill", one)
+    zeros = lambda n, x: jax.tree.map(lambda a: jnp.zeros((n,) + a.shape[1:], a.dtype), x)
+    staged_logits0, staged_cache0 = zeros(Q, one)
+
+    row_keys = keys
+    if G > 1:
+        row_keys = jax.vmap(jax.random.fold_in)(jnp.repeat(keys, G), jnp.tile(jnp.arange(G), R))
+    n_real = jnp.sum(prompt_masks, axis=-1, dtype=jnp.int32)
+    stop_ids = jnp.asarray(opts.eos_id, jnp.int32)
+    if plan.base.stop_sequences:
+        table, care = (jnp.asarray(x) for x in _stop_table(plan.base.stop_sequences))
+        L = table.shape[1]
+    else:
+        L = 0
+    entries = jnp.arange(M, dtype=jnp.int32)
+
+    def demand(s: _PagedState, row):
+        """Row `row`'s prompt pages: which are shared ids already held, which need a
+        fresh page now, and how many more pages its budget may still need."""
+        p = row // G
+        n = n_real[p]
+        u = prefix_key[p]
+        is_prefix = entries < n // ps
+        held = is_prefix & (s.prefix_page[jnp.maximum(u, 0)] >= 0)
+        partial = (entries == n // ps) & (n % ps != 0)
+        fresh = (is_prefix & ~held) | partial
+        later = cdiv(n + budgets[row] - 1, ps) - cdiv(n, ps)
+        return p, n, u, is_prefix, held, fresh, later
+
+    def fits(s: _PagedState, row):
+        *_, fresh, later = demand(s, row)
+        spare = Np - s.in_use - jnp.sum(s.reserve)
+        return spare >= jnp.sum(fresh, dtype=jnp.int32) + later
+
+    def waiting(s: _PagedState):
+        row = jnp.minimum(s.next_row, B - 1)
+        return (s.next_row < B) & jnp.any(s.slot_row < 0) & fits(s, row)
+
+    def admit(s: _PagedState) -> _PagedState:
+        """Put the next row into the first free slot: map its held prompt pages, take
+        fresh ones for the rest, write its prompt's keys and values there (from the
+        staged prefill of the first prompt with its real tokens) and promise it the
+        pages its budget may need."""
+        slot = i32(jnp.argmax(s.slot_row < 0))
+        row = s.next_row
+        p, n, u, is_prefix, held, fresh, later = demand(s, row)
+        c = canon[p]
+
+        def stage():
+            idx = jnp.minimum(c + jnp.arange(Q, dtype=jnp.int32), R - 1)
+            return c, *jax.vmap(prefill)(prompts[idx], prompt_masks[idx])
+
+        restage = (c < s.staged_first) | (c >= s.staged_first + Q)
+        first, staged_logits, staged_cache = jax.lax.cond(
+            restage, stage, lambda: (s.staged_first, s.staged_logits, s.staged_cache)
+        )
+        at = lambda x: jax.lax.dynamic_index_in_dim(x, c - first, 0, keepdims=False)
+        # fresh pages: the first free ones, in order
+        cand = jnp.nonzero(s.free, size=M, fill_value=Np)[0].astype(jnp.int32)
+        rank = jnp.cumsum(fresh, dtype=jnp.int32) - 1
+        new = jnp.where(fresh, cand[jnp.maximum(rank, 0)], Np)
+        uid = jnp.where(is_prefix, u, 0)
+        row_table = jnp.where(held, s.prefix_page[uid], jnp.where(fresh, new, -1))
+        prefix_page = s.prefix_page.at[jnp.where(is_prefix & ~held, u, U)].set(new, mode="drop")
+        prefix_refs = s.prefix_refs.at[jnp.where(is_prefix, u, U)].add(1, mode="drop")
+        # the prompt's real tokens in order: the k-th one goes to slot k
+        mask = prompt_masks[c]
+        k = jnp.cumsum(mask, dtype=jnp.int32) - 1
+        page = jnp.minimum(k // ps, M - 1)
+        dest = jnp.where(mask & fresh[page], row_table[page], Np)
+        cache = jax.tree.map(at, staged_cache)
+        pages = s.pages.write(cache.k, cache.v, dest, k % ps)
+        in_use = s.in_use + jnp.sum(fresh, dtype=jnp.int32)
+        return dataclasses.replace(
+            s,
+            slot_row=s.slot_row.at[slot].set(row),
+            slot_step=s.slot_step.at[slot].set(0),
+            slot_position=s.slot_position.at[slot].set(n),
+            logits=s.logits.at[slot].set(at(staged_logits)),
+            recent=s.recent.at[slot].set(-1),
+            next_row=row + 1,
+            staged_first=first,
+            staged_logits=staged_logits,
+            staged_cache=staged_cache,
+            pages=pages,
+            free=s.free.at[new].set(False, mode="drop"),
+            page_table=s.page_table.at[slot].set(row_table),
+            reserve=s.reserve.at[slot].set(later),
+            prefix_page=prefix_page,
+            prefix_refs=prefix_refs,
+            in_use=in_use,
+            peak=jnp.maximum(s.peak, in_use),
+            shared=s.shared + jnp.sum(held, dtype=jnp.int32),
+        )
+
+    def cond(s: _PagedState):
+        return (s.next_row < B) | jnp.any(s.slot_row >= 0)
+
+    def body(s: _PagedState) -> _PagedState:
+        s = jax.lax.while_loop(waiting, admit, s)
+        active = s.slot_row >= 0
+        row = jnp.where(active, s.slot_row, 0)
+        step = s.slot_step
+        tok, lp = sample(jax.vmap(jax.random.fold_in)(row_keys[row], step), s.logits)
+        tok = jnp.where(active, tok, i32(opts.pad_id))
+        stop = step + 1 >= budgets[row]
+        if opts.eos_id:
+            stop = stop | jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
+        recent = s.recent
+        if L:
+            recent = jnp.concatenate([recent[:, 1:], tok[:, None]], axis=1)
+            hit = (recent[:, None, :] == table[None]) | ~care[None]
+            stop = stop | jnp.any(jnp.all(hit, axis=-1), axis=-1)
+        going = active & ~stop
+        out_row = jnp.where(active, s.slot_row, B)
+        write = lambda buf, x: buf.at[out_row, step].set(x, mode="drop")
+
+        # a row feeding the first token of a page takes a fresh one (promised at admission)
+        index = s.slot_position
+        entry = jnp.minimum(index // ps, M - 1)
+        need = going & (index % ps == 0)
+        cand = jnp.nonzero(s.free, size=S, fill_value=Np)[0].astype(jnp.int32)
+        new = jnp.where(need, cand[jnp.maximum(jnp.cumsum(need, dtype=jnp.int32) - 1, 0)], Np)
+        slots = jnp.arange(S)
+        page_table = s.page_table.at[slots, jnp.where(need, entry, M)].set(new, mode="drop")
+        free = s.free.at[new].set(False, mode="drop")
+        in_use = s.in_use + jnp.sum(need, dtype=jnp.int32)
+        peak = jnp.maximum(s.peak, in_use)
+        reserve = s.reserve - need.astype(jnp.int32)
+
+        def advance(args):
+            _, pages = args
+            logits, k, v = decode(tok, page_table, index, pages)
+            page = jnp.where(going, page_table[slots, entry], Np)
+            # [S, L, K, hd] -> the pool's column layouts [L, K, hd, S] and [L, K, S, hd]
+            pages = pages.write(jnp.moveaxis(k, 0, -1), jnp.moveaxis(v, 0, 2), page, index % ps)
+            return logits, pages
+
+        logits, pages = jax.lax.cond(
+            jnp.any(going), advance, lambda args: args, (s.logits, s.pages)
+        )
+
+        # stopped rows give their pages back; a shared page when its last row stops
+        done = active & ~going
+        n = n_real[row // G]
+        is_prefix = entries[None, :] < (n // ps)[:, None]
+        u = prefix_key[row // G]
+        prefix_refs = s.prefix_refs.at[jnp.where(done[:, None] & is_prefix, u, U)].add(
+            -1, mode="drop"
+        )
+        gone = (prefix_refs == 0) & (s.prefix_page >= 0)
+        own = done[:, None] & ~is_prefix & (page_table >= 0)
+        free = free.at[jnp.where(own, page_table, Np)].set(True, mode="drop")
+        free = free.at[jnp.where(gone, s.prefix_page, Np)].set(True, mode="drop")
+        in_use = in_use - jnp.sum(own, dtype=jnp.int32) - jnp.sum(gone, dtype=jnp.int32)
+        return dataclasses.replace(
+            s,
+            slot_row=jnp.where(going, s.slot_row, -1),
+            slot_step=step + 1,
+            slot_position=s.slot_position + 1,
+            logits=logits,
+            recent=recent,
+            tokens=write(s.tokens, tok),
+            logprobs=write(s.logprobs, lp),
+            real=write(s.real, active),
+            pages=pages,
+            free=free,
+            page_table=jnp.where(done[:, None], -1, page_table),
+            reserve=jnp.where(done, 0, reserve),
+            prefix_page=jnp.where(gone, -1, s.prefix_page),
+            prefix_refs=prefix_refs,
+            in_use=in_use,
+            peak=peak,
+        )
+
+    init = _PagedState(
+        slot_row=jnp.full((S,), -1, jnp.int32),
+        slot_step=jnp.zeros((S,), jnp.int32),
+        slot_position=jnp.zeros((S,), jnp.int32),
+        logits=jnp.zeros((S, policy.vocab_size), jnp.float32),
+        recent=jnp.full((S, L), -1, jnp.int32),
+        next_row=zero,
+        staged_first=i32(-Q),
+        staged_logits=staged_logits0,
+        staged_cache=staged_cache0,
+        tokens=jnp.full((B, N), opts.pad_id, jnp.int32),
+        logprobs=jnp.zeros((B, N), jnp.float32),
+        real=jnp.zeros((B, N), jnp.bool_),
+        pages=PagedKVCache.empty(policy, Np, ps),
+        free=jnp.ones((Np,), jnp.bool_),
+        page_table=jnp.full((S, M), -1, jnp.int32),
+        reserve=jnp.zeros((S,), jnp.int32),
+        prefix_page=jnp.full((U,), -1, jnp.int32),
+        prefix_refs=jnp.zeros((U,), jnp.int32),
+        in_use=zero,
+        peak=zero,
+        shared=zero,
+    )
+    s = jax.lax.while_loop(cond, body, init)
+    rep = lambda x: jnp.repeat(x, G, axis=0)
+    out = _with_prompts(rep(prompts), rep(prompt_masks), s.tokens, s.logprobs, s.real)
+    return out, s.peak, s.in_use, s.shared
+
+
+_generate_paged_jit = eqx.filter_jit(_generate_paged)
+
+
+def generate_paged(
+    policy: AbstractDecoder,
+    prompts: Int[Array, "R P"],
+    prompt_masks: Bool[Array, "R P"],
+    keys: Key[Array, " R"] | UInt32[Array, "R 2"],
+    *,
+    slots: int,
+    max_new_tokens: int,
+    page_size: int = 16,
+    num_pages: int | None = None,
+    budgets: Int[Array | np.ndarray, " B"] | Sequence[int] | None = None,
+    temperature: float | int = DEFAULT_TEMPERATURE,
+    top_k: int | None = None,
+    top_p: float | int | None = None,
+    eos_id: int | Sequence[int] | None = None,
+    stop_sequences: Sequence[Sequence[int]] | None = None,
+    pad_id: int = 0,
+    num_samples: int = 1,
+    check_ids: bool = False,
+    prefill_rows: int | None = None,
+) -> tuple[GenerationOutput, PagedCacheStats]:
+    """`generate_continuous` on a paged, prefix-shared KV cache: the same rows, with cache
+    memory that follows the tokens held instead of `slots · (P + max_new_tokens)`.
+
+    **Layout.** The slots share one pool of `num_pages` pages of `page_size` tokens
+    (`rlhf_eqx.models.PagedKVCache`) and each holds a page table (`[slots, M]` page ids,
+    `M = ceil((P + max_new_tokens) / page_size)`). A row's cache is its prompt's real
+    tokens followed by its fed tokens, slot `i` at position `i` (no padding is stored).
+    A decode step gathers each row's pages, layer by layer (`paged_attention`, a masked
+    gather with static shapes), and writes the fed token's keys and values into its page;
+    a row takes a fresh page when its length reaches a page boundary and gives its pages
+    back when it stops (a free mask in the loop's carry).
+
+    **Prefix sharing.** Before the loop, the prompts are compared on the host at page
+    granularity: a full page of a prompt's real tokens is shared by every row whose real
+    tokens agree up to the end of that page — a group's `num_samples` rows, repeated
+    prompts, a common system prompt (of any length of left padding), earlier turns of
+    an episode. Shared pages are written once, by the first row that needs them, and
+    reference-counted: freed when their last row stops. A prompt's last, partial page
+    is never shared: each row gets its own copy at admission (it is written into next),
+    so no page is written while shared. Prompts with identical real tokens are prefilled
+    once (the first of them); prompts that share only a prefix are each prefilled whole
+    and share the prefix's memory, not its prefill.
+
+    **Admission rule.** Requests are admitted in order. The next request enters a free
+    slot only when the free pages, less the pages promised to the rows in flight, cover
+    its own worst case: the prompt pages not already in the pool plus the pages its
+    budget may need (`ceil((n + budget - 1) / page_size)` pages for an `n`-token prompt,
+    the fed tokens being all but the last sampled one). The promise is a count, not
+    pages: pages are taken only when a row reaches them, so the memory in use follows
+    the tokens held, and a row that stops early returns its promise. A row in flight
+    therefore always gets its next page (decoding never waits and never deadlocks), and
+    a request waits only at admission, until enough rows have stopped. A request whose
+    worst case exceeds the whole pool is refused up front. Rows' budgets (`budgets`)
+    make the promise tight; with the default `max_new_tokens` budget and stop ids, rows
+    are promised their full length.
+
+    **Outputs.** Scheduling, keys and sampling are `generate_continuous`'s: each row's
+    tokens and log-probs equal the dense sampler's and `generate_batch`'s for the same
+    keys (up to float32 rounding of the attention sums, which are laid out differently),
+    whatever `slots`, `page_size`, `num_pages` and the sharing. One compile per shapes
+    and settings (the sharing plan is data).
+
+    **Arguments:** as `generate_continuous` (`policy` must be a `rlhf_eqx.Policy`; the
+    prompts and their masks must be concrete: the sharing plan is made on the host),
+    and
+
+    - `page_size`: tokens per page (a positive int).
+    - `num_pages`: pages in the pool; default `slots · M`, the dense layout's room.
+
+    **Returns:** the `GenerationOutput` (as `generate_continuous`) and a
+    `PagedCacheStats` (peak pages in use, pages shared, pages still held at the end: 0).
+
+    Raises `ValueError` in one line naming the argument for a bad `page_size` or
+    `num_pages`, a pool too small for the largest request alone, traced prompts, a
+    decoder that is not a `Policy`, and everything `generate_continuous` refuses.
+    """
+    if not isinstance(policy, Policy):
+        raise TypeError(
+            "generate_paged (cache='paged') needs a rlhf_eqx.Policy (its paged decode step, "
+            f"rlhf_eqx.models.paged_decode_step), got {type(policy).__name__}"
+        )
+    if isinstance(prompts, jax.core.Tracer) or isinstance(prompt_masks, jax.core.Tracer):
+        raise ValueError(
+            "generate_paged: prompts and prompt_masks must be concrete (the shared prefixes "
+            "are planned on the host); call it outside jax.jit"
+        )
+    policy, keys, budgets, base = _continuous_arguments(
+        policy, prompts, prompt_masks, keys, slots=slots, max_new_tokens=max_new_tokens,
+        budgets=budgets, temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id,
+        stop_sequences=stop_sequences, pad_id=pad_id, num_samples=num_samples,
+        check_ids=check_ids, prefill_rows=prefill_rows,
+    )  # fmt: skip
+    if not (_is_int(page_size) and page_size >= 1):
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    ids, masks = np.asarray(prompts), np.asarray(prompt_masks, bool)
+    R, P = ids.shape
+    concrete = not isinstance(budgets, jax.core.Tracer)
+    row_budgets = np.asarray(budgets) if concrete else np.full(R * num_samples, max_new_tokens)
+    pp = plan_pages(
+        ids, masks, row_budgets, num_samples=num_samples, max_new_tokens=max_new_tokens,
+        page_size=int(page_size),
+    )  # fmt: skip
+    if num_pages is None:
+        num_pages = base.slots * pp.max_pages
+    elif not (_is_int(num_pages) and num_pages >= 1):
+        raise ValueError(f"num_pages must be a positive int or None, got {num_pages!r}")
+    check_pool(pp, int(num_pages), int(page_size), np.repeat(masks.sum(axis=1), num_samples))
+    plan = _PagedPlan(
+        base=base,
+        page_size=int(page_size),
+        num_pages=int(num_pages),
+        max_pages=pp.max_pages,
+        prefix_ids=pp.prefix_ids,
+    )
+    out, peak, in_use, shared = _generate_paged_jit(
+        policy, prompts, prompt_masks, keys, budgets, jnp.asarray(pp.prefix_key),
+        jnp.asarray(pp.canon), plan,
+    )  # fmt: skip
+    pool = jax.eval_shape(lambda: PagedKVCache.empty(policy, 1, int(page_size)))
+    page_bytes = pool.page_bytes
+    token_bytes = page_bytes // int(page_size)
+    stats = PagedCacheStats(
+        peak_pages=peak,
+        pages_in_use=in_use,
+        pages_shared=shared,
+        num_pages=int(num_pages),
+        page_size=int(page_size),
+        page_bytes=page_bytes,
+        dense_bytes=base.slots * (P + max_new_tokens) * token_bytes,
+    )
+    return out, stats

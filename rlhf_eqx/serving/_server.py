@@ -2,12 +2,15 @@
 thread with continuous batching, with weight updates and rollout recording."""
 
 import contextlib
+import functools
 import http.server
 import itertools
 import json
+import math
 import socket
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
@@ -140,15 +143,18 @@ class Server:
         return self
 
     def stop(self) -> None:
-        """Stop serving (requests still waiting fail with HTTP 500)."""
-        if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
-            self._http = None
+        """Stop serving: no new connections, open ones closed, requests still waiting
+        fail; returns once every thread of the server has ended."""
+        http_server, self._http = self._http, None
+        if http_server is not None:
+            http_server.shutdown()  # no new connections
         if self._http_thread is not None:
             self._http_thread.join()
             self._http_thread = None
-        self.scheduler.stop()
+        self.scheduler.stop()  # the running batch finishes, waiting requests fail
+        if http_server is not None:
+            http_server.close_connections()  # idle keep-alive connections end
+            http_server.server_close()  # joins the connections' threads
 
     def __enter__(self) -> "Server":
         return self.start()
@@ -198,6 +204,35 @@ class Server:
             with self._lock:
                 self._recordings.remove(rec)
 
+    def reward(self, episode_id: str, body: object) -> dict:
+        """Answer `POST /v1/episodes/{episode_id}/reward` with `{"reward": r}`: report
+        the episode's reward to every open recording that holds it (`Recording.reward`),
+        for an environment that has no handle on the recording (another process).
+        Raises `RequestError`: 400 for a reward that is not a finite number, 404 when
+        no open recording holds the episode."""
+        reward = body.get("reward") if isinstance(body, dict) else None
+        if not (isinstance(reward, int | float) and not isinstance(reward, bool)) or not (
+            math.isfinite(reward)
+        ):
+            raise RequestError(f"reward must be a finite number, got {reward!r}", param="reward")
+        with self._lock:
+            recordings = list(self._recordings)
+        found = False
+        for rec in recordings:
+            try:
+                rec.reward(episode_id, float(reward))
+                found = True
+            except KeyError:
+                pass
+        if not found:
+            raise RequestError(
+                f"no open recording holds episode {episode_id!r}",
+                param="episode_id",
+                status=404,
+                code="not_found",
+            )
+        return {"episode_id": episode_id, "reward": float(reward)}
+
     @property
     def batch_log(self) -> list[tuple[str, ...]]:
         """The request ids of the scheduler's last 1,024 batches, in the order it ran
@@ -211,12 +246,12 @@ class Server:
             return np.asarray(jax.random.key_data(jax.random.key(seed % 2**32)))
         return np.asarray(jax.random.fold_in(self._base_key, next(self._counter) % 2**31))
 
-    def _budget(self, max_tokens: int | None, prompt_len: int) -> int:
+    def _budget(self, max_tokens: int | None, prompt_len: int, kind: str) -> int:
         ctx = self.scheduler.policy.cfg.max_seq_len
         if prompt_len >= ctx:
             raise RequestError(
                 f"the prompt is {prompt_len} tokens; the model's context is {ctx}",
-                param="messages" if max_tokens is None else "prompt",
+                param="messages" if kind == "chat" else "prompt",
                 code="context_length_exceeded",
             )
         if max_tokens is None:
@@ -232,7 +267,7 @@ class Server:
 
     def _sample(self, req, prompts: list[list[int]], prefix: str) -> tuple[str, list[Sample]]:
         """`(request id, samples)`: every choice of `req` from the scheduler."""
-        budgets = [self._budget(req.max_tokens, len(p)) for p in prompts]
+        budgets = [self._budget(req.max_tokens, len(p), req.kind) for p in prompts]
         key = self._key(req.seed)
         count = len(prompts) * req.n
         rows = []
@@ -407,7 +442,36 @@ class Server:
 
 
 class _HTTPServer(http.server.ThreadingHTTPServer):
-    daemon_threads = True
+    """One thread per connection; `stop` closes the connections and joins the threads
+    (none is left running into the interpreter's exit)."""
+
+    daemon_threads = False
+    block_on_close = True
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self._open: set[socket.socket] = set()
+        self._open_lock = threading.Lock()
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request, client_address) -> None:
+        with self._open_lock:
+            self._open.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request) -> None:
+        with self._open_lock:
+            self._open.discard(request)
+        super().shutdown_request(request)
+
+    def close_connections(self) -> None:
+        with self._open_lock:
+            sockets = list(self._open)
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def handle_error(self, request, client_address) -> None:
+        del request, client_address  # a client gone mid-answer: nothing to do
 
 
 class _HTTPServer6(_HTTPServer):
@@ -451,6 +515,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 raise RequestError(f"the body is above {_MAX_BODY} bytes", status=413)
             raw = self.rfile.read(length) if length > 0 else b""
             handler = routes.get(self._path())
+            parts = self._path().split("/")  # "", "v1", "episodes", ID, "reward"
+            if len(parts) == 5 and parts[1:3] == ["v1", "episodes"] and parts[4] == "reward":
+                episode_id = urllib.parse.unquote(parts[3])
+                handler = functools.partial(app.reward, episode_id)
             if handler is None:
                 raise RequestError(f"no route POST {self._path()}", status=404, code="not_found")
             try:

@@ -129,6 +129,20 @@ def test_n_samples_are_seeded_and_their_logprobs_are_the_policys(server, client,
         np.testing.assert_allclose(c.logprobs.token_logprobs, want, atol=1e-4)
     again = client.completions.create(**kw)
     assert [c.model_extra["token_ids"] for c in again.choices] == samples
+    # choice g draws as sample g of `generate_continuous(..., num_samples=n)` with key(seed)
+    out = rx.generate_continuous(
+        policy,
+        jnp.asarray([ids], jnp.int32),
+        jnp.ones((1, len(ids)), bool),
+        jax.random.key(7)[None],
+        slots=3,
+        max_new_tokens=10,
+        num_samples=3,
+        temperature=1.0,
+        eos_id=_stops(tok),
+    )
+    real = np.asarray(out.completion_mask)
+    assert [np.asarray(out.tokens)[g][real[g]].tolist() for g in range(3)] == samples
 
 
 def test_stop_strings_cut_the_completion(server, client, model):

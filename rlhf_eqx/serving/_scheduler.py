@@ -35,11 +35,13 @@ def _bucket(n: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One completion to sample: the prompt's ids, its raw key (`uint32[2]`) and its
-    token budget."""
+    """One completion to sample: the prompt's ids, its token budget, and its key: the
+    request's `jax.random.key(seed)`, folded with `choice` when the request has more
+    than one choice (`choice = -1`: not folded)."""
 
     prompt: tuple[int, ...]
-    key: np.ndarray
+    seed: int
+    choice: int
     budget: int
 
 
@@ -79,6 +81,17 @@ class Job:
     def group(self) -> tuple:
         """The settings one `generate_continuous` call shares."""
         return (self.temperature, self.top_p, self.stop)
+
+
+@jax.jit
+def _row_keys(seeds, choices):
+    """Raw keys `uint32[R, 2]`: `key(seed)`, folded with `choice` where `choice >= 0`."""
+
+    def one(seed, choice):
+        key = jax.random.PRNGKey(seed)
+        return jnp.where(choice >= 0, jax.random.fold_in(key, jnp.maximum(choice, 0)), key)
+
+    return jax.vmap(one)(seeds, choices)
 
 
 @functools.partial(eqx.filter_jit)
@@ -204,7 +217,10 @@ class Scheduler:
         for i, r in enumerate(rows_p):  # left padding
             prompts[i, P - len(r.prompt) :] = r.prompt
             masks[i, P - len(r.prompt) :] = True
-        keys = jnp.asarray(np.stack([r.key for r in rows_p]).astype(np.uint32))
+        keys = _row_keys(
+            jnp.asarray([r.seed for r in rows_p], jnp.uint32),
+            jnp.asarray([r.choice for r in rows_p], jnp.int32),
+        )
         stop_sequences = [ids for s in first.stop if (ids := list(self.tokenizer.encode(s)))]
         out = generate_continuous(
             policy,

@@ -14,7 +14,6 @@ import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
-import jax
 import numpy as np
 
 from ._prompts import EpisodeContext, PromptBuilder
@@ -64,7 +63,7 @@ class Server:
     - `max_new_tokens`: the completion budget when a request gives none (cut to the
       model's context).
     - `stop_ids`: ids that end a completion (default EOS and BOS).
-    - `seed`: keys of requests without a `seed` come from it and a request counter.
+    - `seed`: requests without a `seed` get one drawn from a generator seeded with it.
 
     Use as a context manager, or `start()` / `stop()`; `url` is the base URL
     (`http://127.0.0.1:PORT/v1`) to give an OpenAI client.
@@ -106,8 +105,7 @@ class Server:
         self.scheduler = Scheduler(
             policy, tokenizer, slots=slots, stop_ids=_stop_ids(tokenizer, stop_ids), pad_id=pad
         )
-        self._base_key = np.asarray(jax.random.key_data(jax.random.key(seed)))
-        self._counter = itertools.count()
+        self._seeds = np.random.default_rng(seed)  # seeds of requests without one
         self._recordings: list[Recording] = []
         self._lock = threading.Lock()
         self._http: http.server.ThreadingHTTPServer | None = None
@@ -241,10 +239,12 @@ class Server:
 
     # ----- requests -----
 
-    def _key(self, seed: int | None) -> np.ndarray:
+    def _seed(self, seed: int | None) -> int:
+        """The request's seed (mod 2**32), or one drawn from the server's seed."""
         if seed is not None:
-            return np.asarray(jax.random.key_data(jax.random.key(seed % 2**32)))
-        return np.asarray(jax.random.fold_in(self._base_key, next(self._counter) % 2**31))
+            return seed % 2**32
+        with self._lock:
+            return int(self._seeds.integers(2**32))
 
     def _budget(self, max_tokens: int | None, prompt_len: int, kind: str) -> int:
         ctx = self.scheduler.policy.cfg.max_seq_len
@@ -268,13 +268,13 @@ class Server:
     def _sample(self, req, prompts: list[list[int]], prefix: str) -> tuple[str, list[Sample]]:
         """`(request id, samples)`: every choice of `req` from the scheduler."""
         budgets = [self._budget(req.max_tokens, len(p), req.kind) for p in prompts]
-        key = self._key(req.seed)
+        seed = self._seed(req.seed)
         count = len(prompts) * req.n
         rows = []
         for i, (ids, budget) in enumerate(zip(prompts, budgets)):
             for g in range(req.n):
-                k = key if count == 1 else np.asarray(jax.random.fold_in(key, i * req.n + g))
-                rows.append(Row(prompt=tuple(ids), key=k, budget=budget))
+                choice = -1 if count == 1 else i * req.n + g
+                rows.append(Row(prompt=tuple(ids), seed=seed, choice=choice, budget=budget))
         job = Job(
             rows=rows,
             temperature=req.temperature,

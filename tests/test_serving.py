@@ -375,8 +375,29 @@ def test_recorded_batch_trains_and_the_new_weights_serve(server, client, model, 
     assert float(metrics["clip_ratio"]) == 0.0  # on-policy: every ratio is 1
     assert np.isfinite(float(metrics["loss"]))
 
-    # the next requests sample with the new weights and say so
-    assert server.update_policy(new) == 1
+    # a batch already running finishes on the weights it started with; the next requests
+    # sample with the new weights, and every completion says which it had
+    before = len(server.batch_log)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(
+            client.completions.create,
+            model=MODEL,
+            prompt=STORY,
+            max_tokens=16,
+            temperature=1.0,
+            logprobs=0,
+            seed=4,
+        )
+        while len(server.batch_log) == before:  # its batch has started
+            threading.Event().wait(0.001)
+        assert server.update_policy(new) == 1
+        old_r = running.result()
+    c = old_r.choices[0]
+    assert c.model_extra["policy_version"] == 0
+    (want,) = _token_logprobs(
+        policy, old_r.model_extra["prompt_token_ids"], [c.model_extra["token_ids"]]
+    )
+    np.testing.assert_allclose(c.logprobs.token_logprobs, want, atol=1e-4)
     try:
         r = client.completions.create(
             model=MODEL, prompt=STORY, max_tokens=6, temperature=1.0, logprobs=0, seed=3

@@ -234,7 +234,11 @@ class Recording:
         `completion_mask` is `loss_mask`, `old_logp` the behaviour log-probabilities,
         `rewards` the reported rewards). Groups are consecutive rows: list each group's
         episodes together in `episode_ids`. Train it at the temperature it was sampled
-        at (`Turn.temperature`; 1 for greedy)."""
+        at (`Turn.temperature`; 1 for greedy).
+
+        For PPO, `tr = trajectory(...)` then `rlhf_eqx.train.prepare_ppo_batch(model,
+        reference, tr.tokens, tr.mask, tr.loss_mask, tr.reward, ...)` gives the
+        `PPOBatch` (values, KL-shaped rewards and advantages on the sampled tokens)."""
         tr = self.trajectory(episode_ids, length=length, pad_id=pad_id)
         return GRPOBatch(
             tokens=tr.tokens,

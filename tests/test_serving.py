@@ -145,6 +145,27 @@ def test_n_samples_are_seeded_and_their_logprobs_are_the_policys(server, client,
     assert [np.asarray(out.tokens)[g][real[g]].tolist() for g in range(3)] == samples
 
 
+def test_each_choice_of_a_request_is_an_episode(server, client):
+    with server.recording() as rec:
+        r = client.completions.create(
+            model=MODEL, prompt=STORY, max_tokens=5, n=2, extra_body={"episode_id": "grp"}
+        )
+    assert rec.episode_ids() == ["grp/0", "grp/1"]
+    for g, ep in enumerate(rec.episodes()):
+        assert ep.turns[0].completion_ids == tuple(r.choices[g].model_extra["token_ids"])
+        assert ep.turns[0].prompt_ids == tuple(r.model_extra["prompt_token_ids"])
+        assert ep.turns[0].request_id == r.id
+    with pytest.raises(ValueError, match="has no reward"):
+        rec.grpo_batch()
+    rec.reward("grp/0", 1.0)
+    rec.reward("grp/1", 0.0)
+    batch = rec.grpo_batch()
+    np.testing.assert_array_equal(batch.rewards, [1.0, 0.0])
+    np.testing.assert_array_equal(
+        batch.completion_mask.sum(-1), [len(c.model_extra["token_ids"]) for c in r.choices]
+    )
+
+
 def test_stop_strings_cut_the_completion(server, client, model):
     policy, tok = model
     ids = [tok.bos_id, *tok.encode(STORY)]

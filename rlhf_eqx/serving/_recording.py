@@ -26,8 +26,8 @@ class Turn:
     """One completion the server returned.
 
     - `episode_id`: the episode it belongs to (the request's `episode_id` or `user`;
-      else the request's own id; choice `g` of a request with `n > 1` is episode
-      `"<id>/<g>"`).
+      else the request's own id; choice `g` of a request with more than one choice is
+      episode `"<id>/<g>"`).
     - `prompt_ids`: every token the model was given, in order.
     - `completion_ids`: the tokens it sampled (a stop id that ended it included).
     - `logprobs`: their log-probabilities at `temperature` (1 when greedy), as

@@ -292,8 +292,8 @@ class Server:
         ids = sample.ids[:-1] if sample.stop_id is not None else sample.ids
         content = self.tokenizer.decode(list(ids))
         episode = req.episode_id or request_id
-        if req.n > 1:
-            episode = f"{episode}/{index % req.n}"
+        if max(len(req.prompts), 1) * req.n > 1:  # one episode per choice
+            episode = f"{episode}/{index}"
         turn = Turn(
             episode_id=episode,
             prompt_ids=tuple(prompt_ids),

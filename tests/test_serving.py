@@ -129,15 +129,21 @@ def test_n_samples_are_seeded_and_their_logprobs_are_the_policys(server, client,
         np.testing.assert_allclose(c.logprobs.token_logprobs, want, atol=1e-4)
     again = client.completions.create(**kw)
     assert [c.model_extra["token_ids"] for c in again.choices] == samples
-    # choice g draws as sample g of `generate_continuous(..., num_samples=n)` with key(seed)
+    # choice g draws with the row key fold_in(key(seed), g): what generate_continuous gives
+    # sample g with num_samples=n (its documented keys), here on the server's own shapes
+    # (4 rows, the 4th a 1-token filler; 16 prompt and 16 completion positions)
+    key = jax.random.key(7)
+    keys = jnp.stack([jax.random.fold_in(key, g) for g in range(3)] + [key])
+    prompts = np.zeros((4, 16), np.int32)
+    prompts[:, 16 - len(ids) :] = ids
     out = rx.generate_continuous(
         policy,
-        jnp.asarray([ids], jnp.int32),
-        jnp.ones((1, len(ids)), bool),
-        jax.random.key(7)[None],
-        slots=3,
-        max_new_tokens=10,
-        num_samples=3,
+        jnp.asarray(prompts),
+        jnp.asarray(prompts > 0),
+        keys,
+        slots=4,
+        max_new_tokens=16,
+        budgets=[10, 10, 10, 1],
         temperature=1.0,
         eos_id=_stops(tok),
     )

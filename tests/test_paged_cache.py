@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import rlhf_eqx as rx
 from rlhf_eqx.models import PagedKVCache, attention, paged_attention, paged_decode_step
@@ -41,9 +42,12 @@ def _assert_same(a: rx.GenerationOutput, b: rx.GenerationOutput):
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
 
 
-def _assert_returned(stats: rx.PagedCacheStats):
+def _assert_returned(stats: rx.PagedCacheStats, *, room: bool = False):
+    """Every page came back; with room for every slot's worst case, nothing waited."""
     assert int(stats.pages_in_use) == 0
     assert 0 < int(stats.peak_pages) <= stats.num_pages
+    if room:
+        assert int(stats.stalls) == 0
 
 
 # --- attention and the decode step -----------------------------------------------------------
@@ -130,10 +134,11 @@ def test_rows_equal_the_dense_sampler_and_generate_batch(policy, settings):
         policy, toks, masks, keys, slots=3, max_new_tokens=N, budgets=BUDGETS, eos_id=5,
         **settings,
     )  # fmt: skip
-    # small pages, a pool that makes rows wait at admission
+    # small pages, a pool that makes rows wait for pages
     paged, stats = _paged(policy, every, settings, slots=3, page_size=2, num_pages=9)
     _assert_same(paged, dense)
     _assert_returned(stats)
+    assert int(stats.stalls) > 0
     lengths = np.asarray(dense.completion_mask[:, P:]).sum(axis=1)
     assert len(set(lengths.tolist())) > 2  # rows really end at different steps
     if settings["temperature"] == 0.0:
@@ -161,7 +166,7 @@ def test_greedy_equals_generate_batch_and_full_forward_logprobs(policy):
     full = jax.vmap(lambda t, m: rx.token_logprobs(policy, t, m))(out.tokens, out.mask)
     cm = np.asarray(out.completion_mask)
     np.testing.assert_allclose(np.where(cm, out.logprobs, 0.0), np.where(cm, full, 0.0), atol=1e-5)
-    _assert_returned(stats)
+    _assert_returned(stats, room=True)
 
 
 def test_cache_paged_through_generate_continuous(policy):
@@ -200,7 +205,7 @@ def test_shared_prefixes_and_groups_equal_the_dense_sampler(policy):
     dense = rx.generate_continuous(policy, toks, masks, keys, slots=4, **kw)
     paged, stats = rx.generate_paged(policy, toks, masks, keys, slots=4, page_size=4, **kw)
     _assert_same(paged, dense)
-    _assert_returned(stats)
+    _assert_returned(stats, room=True)
     # every row maps the 2 full system-prompt pages (the rest of a prompt is a partial
     # page, private): once held, they are mapped, not written again
     assert int(stats.pages_shared) > 0
@@ -222,7 +227,7 @@ def test_a_groups_prompt_pages_are_held_once(policy):
     out, stats = rx.generate_paged(policy, prompt, mask, keys[:1], slots=4, page_size=4, **kw)
     assert int(stats.peak_pages) == 6
     assert int(stats.pages_shared) == 6
-    assert int(stats.pages_in_use) == 0
+    assert int(stats.pages_in_use) == 0 and int(stats.stalls) == 0
     assert stats.dense_bytes == 4 * (8 + 5) * stats.page_bytes // 4
     assert int(stats.peak_bytes) == 6 * stats.page_bytes
     _assert_same(out, rx.generate_continuous(policy, prompt, mask, keys[:1], slots=4, **kw))
@@ -237,13 +242,39 @@ def test_a_pool_too_small_for_one_request_is_refused(policy):
         )
 
 
-def test_the_smallest_pool_runs_one_request_at_a_time(policy):
+def test_the_smallest_pool_still_finishes_every_row(policy):
+    """A pool of exactly the largest request's worst case: rows wait for pages, none
+    deadlocks, the rows are the dense sampler's."""
     toks, masks, keys = _requests()
     kw = dict(max_new_tokens=N, budgets=BUDGETS, eos_id=5, **SAMPLING)
     dense = rx.generate_continuous(policy, toks, masks, keys, slots=3, **kw)
     paged, stats = rx.generate_paged(
         policy, toks, masks, keys, slots=3, page_size=2, num_pages=7, **kw
     )
+    _assert_same(paged, dense)
+    _assert_returned(stats)
+    assert int(stats.stalls) > 0
+
+
+@pytest.mark.slow
+@settings(max_examples=8, deadline=None)
+@given(
+    slots=st.integers(1, 5),
+    page_size=st.integers(1, 4),
+    extra=st.integers(0, 6),
+    budgets=st.lists(st.integers(1, N), min_size=5, max_size=5),
+)
+def test_any_pool_finishes_with_the_dense_rows(policy, slots, page_size, extra, budgets):
+    """Pools from the smallest allowed up: every row finishes, equal to the dense rows."""
+    toks, masks, keys = _requests()
+    kw = dict(max_new_tokens=N, budgets=np.array(budgets, np.int32), eos_id=5, **SAMPLING)
+    n = np.asarray(masks).sum(axis=1)
+    worst = int(np.max(-(-(n + np.array(budgets) - 1) // page_size)))
+    dense = rx.generate_continuous(policy, toks, masks, keys, slots=slots, **kw)
+    paged, stats = rx.generate_paged(
+        policy, toks, masks, keys, slots=slots, page_size=page_size,
+        num_pages=worst + extra, **kw,
+    )  # fmt: skip
     _assert_same(paged, dense)
     _assert_returned(stats)
 

@@ -34,6 +34,8 @@ class PagedCacheStats(eqx.Module):
     - `pages_in_use`: pages still held when the loop ended (0: every page came back).
     - `pages_shared`: page references served by a page already in the pool (a shared
       prefix page mapped again instead of allocated and written).
+    - `stalls`: decode steps a row waited for a page (0 when the pool has room for every
+      row's worst case).
     - `num_pages`, `page_size`, `page_bytes`: the pool (bytes of one page, keys and
       values of every layer).
     - `dense_bytes`: what `generate_continuous`'s dense layout holds for the same run
@@ -43,6 +45,7 @@ class PagedCacheStats(eqx.Module):
     peak_pages: Int[Array, ""]
     pages_in_use: Int[Array, ""]
     pages_shared: Int[Array, ""]
+    stalls: Int[Array, ""]
     num_pages: int = eqx.field(static=True)
     page_size: int = eqx.field(static=True)
     page_bytes: int = eqx.field(static=True)
@@ -84,12 +87,15 @@ class _PagedState(eqx.Module):
     pages: PagedKVCache
     free: Bool[Array, " Np"]
     page_table: Int[Array, "S M"]  # -1: unused
-    reserve: Int[Array, " S"]  # pages a slot may still allocate (promised at admission)
+    need: Int[Array, " S"]  # pages a slot may still take (its budget's worst case)
+    own: Int[Array, " S"]  # pages a slot holds alone (shared prompt pages not counted)
     prefix_page: Int[Array, " U"]  # physical page of a shared-page id, -1 when not held
     prefix_refs: Int[Array, " U"]
     in_use: Int[Array, ""]
     peak: Int[Array, ""]
     shared: Int[Array, ""]
+    stalls: Int[Array, ""]
+    stuck: Bool[Array, ""]
 
 
 def _generate_paged(
@@ -149,10 +155,29 @@ def _generate_paged(
         later = cdiv(n + budgets[row] - 1, ps) - cdiv(n, ps)
         return p, n, u, is_prefix, held, fresh, later
 
+    def safe(free, need, own, row, active):
+        """Whether the rows in flight can all finish in age order (the banker's rule,
+        Dijkstra 1965): each row's remaining worst case fits in the free pages plus the
+        pages the older rows hold alone (returned when they stop). Rows are admitted in
+        order, so a row's age is its output row. `free`, `need` may carry a leading
+        axis of alternatives."""
+        lead = (1,) * (need.ndim - 1)  # the alternatives' axis, if any
+        older = active[None, :] & (row[None, :] < row[:, None])  # [i, j]: j older than i
+        older = older.reshape(lead + older.shape)
+        older_own = jnp.sum(jnp.where(older, own[..., None, :], 0), axis=-1)
+        ok = ~active.reshape(lead + active.shape) | (need <= free[..., None] + older_own)
+        return jnp.all(ok, axis=-1) & (free >= 0)
+
     def fits(s: _PagedState, row):
-        *_, fresh, later = demand(s, row)
-        spare = Np - s.in_use - jnp.sum(s.reserve)
-        return spare >= jnp.sum(fresh, dtype=jnp.int32) + later
+        _, n, _, _, _, fresh, later = demand(s, row)
+        slot = jnp.argmax(s.slot_row < 0)
+        return safe(
+            Np - s.in_use - jnp.sum(fresh, dtype=jnp.int32),
+            s.need.at[slot].set(later),
+            s.own.at[slot].set(i32(n % ps != 0)),
+            s.slot_row.at[slot].set(row),
+            s.slot_row.at[slot].set(row) >= 0,
+        )
 
     def waiting(s: _PagedState):
         row = jnp.minimum(s.next_row, B - 1)
@@ -161,8 +186,7 @@ def _generate_paged(
     def admit(s: _PagedState) -> _PagedState:
         """Put the next row into the first free slot: map its held prompt pages, take
         fresh ones for the rest, write its prompt's keys and values there (from the
-        staged prefill of the first prompt with its real tokens) and promise it the
-        pages its budget may need."""
+        staged prefill of the first prompt with its real tokens)."""
         slot = i32(jnp.argmax(s.slot_row < 0))
         row = s.next_row
         p, n, u, is_prefix, held, fresh, later = demand(s, row)
@@ -207,7 +231,8 @@ def _generate_paged(
             pages=pages,
             free=s.free.at[new].set(False, mode="drop"),
             page_table=s.page_table.at[slot].set(row_table),
-            reserve=s.reserve.at[slot].set(later),
+            need=s.need.at[slot].set(later),
+            own=s.own.at[slot].set(i32(n % ps != 0)),
             prefix_page=prefix_page,
             prefix_refs=prefix_refs,
             in_use=in_use,
@@ -216,7 +241,7 @@ def _generate_paged(
         )
 
     def cond(s: _PagedState):
-        return (s.next_row < B) | jnp.any(s.slot_row >= 0)
+        return ((s.next_row < B) | jnp.any(s.slot_row >= 0)) & ~s.stuck
 
     def body(s: _PagedState) -> _PagedState:
         s = jax.lax.while_loop(waiting, admit, s)
@@ -234,21 +259,36 @@ def _generate_paged(
             hit = (recent[:, None, :] == table[None]) | ~care[None]
             stop = stop | jnp.any(jnp.all(hit, axis=-1), axis=-1)
         going = active & ~stop
-        out_row = jnp.where(active, s.slot_row, B)
-        write = lambda buf, x: buf.at[out_row, step].set(x, mode="drop")
 
-        # a row feeding the first token of a page takes a fresh one (promised at admission)
+        # a row feeding the first token of a page needs a fresh one: the oldest rows
+        # that need one get it as long as the state stays safe; the others wait (this
+        # step is replayed for them: same key, same token)
         index = s.slot_position
         entry = jnp.minimum(index // ps, M - 1)
-        need = going & (index % ps == 0)
+        want = going & (index % ps == 0)
+        rank = jnp.sum(want[None, :] & (s.slot_row[None, :] < s.slot_row[:, None]), axis=1)
+        grants = want[None, :] & (rank[None, :] < jnp.arange(S + 1)[:, None])  # [k, S]
+        g = grants.astype(jnp.int32)
+        ok = safe(
+            Np - s.in_use - jnp.sum(g, axis=1),
+            jnp.where(going, s.need, 0)[None, :] - g,
+            s.own[None, :] + g,
+            s.slot_row,
+            active,
+        )
+        k = jnp.sum(jnp.cumprod(ok.astype(jnp.int32)), dtype=jnp.int32) - 1
+        granted = want & (rank < k)
+        stalled = want & ~granted
+        going, emit = going & ~stalled, active & ~stalled
         cand = jnp.nonzero(s.free, size=S, fill_value=Np)[0].astype(jnp.int32)
-        new = jnp.where(need, cand[jnp.maximum(jnp.cumsum(need, dtype=jnp.int32) - 1, 0)], Np)
+        rank_g = jnp.maximum(jnp.cumsum(granted, dtype=jnp.int32) - 1, 0)
+        new = jnp.where(granted, cand[rank_g], Np)
         slots = jnp.arange(S)
-        page_table = s.page_table.at[slots, jnp.where(need, entry, M)].set(new, mode="drop")
+        page_table = s.page_table.at[slots, jnp.where(granted, entry, M)].set(new, mode="drop")
         free = s.free.at[new].set(False, mode="drop")
-        in_use = s.in_use + jnp.sum(need, dtype=jnp.int32)
+        grew = granted.astype(jnp.int32)
+        in_use = s.in_use + jnp.sum(grew)
         peak = jnp.maximum(s.peak, in_use)
-        reserve = s.reserve - need.astype(jnp.int32)
 
         def advance(args):
             _, pages = args
@@ -261,9 +301,12 @@ def _generate_paged(
         logits, pages = jax.lax.cond(
             jnp.any(going), advance, lambda args: args, (s.logits, s.pages)
         )
+        logits = jnp.where(stalled[:, None], s.logits, logits)
+        out_row = jnp.where(emit, s.slot_row, B)
+        write = lambda buf, x: buf.at[out_row, step].set(x, mode="drop")
 
         # stopped rows give their pages back; a shared page when its last row stops
-        done = active & ~going
+        done = active & stop
         n = n_real[row // G]
         is_prefix = entries[None, :] < (n // ps)[:, None]
         u = prefix_key[row // G]
@@ -275,24 +318,29 @@ def _generate_paged(
         free = free.at[jnp.where(own, page_table, Np)].set(True, mode="drop")
         free = free.at[jnp.where(gone, s.prefix_page, Np)].set(True, mode="drop")
         in_use = in_use - jnp.sum(own, dtype=jnp.int32) - jnp.sum(gone, dtype=jnp.int32)
+        moved = emit.astype(jnp.int32)
         return dataclasses.replace(
             s,
-            slot_row=jnp.where(going, s.slot_row, -1),
-            slot_step=step + 1,
-            slot_position=s.slot_position + 1,
+            slot_row=jnp.where(going | stalled, s.slot_row, -1),
+            slot_step=step + moved,
+            slot_position=s.slot_position + moved,
             logits=logits,
-            recent=recent,
+            recent=jnp.where(stalled[:, None], s.recent, recent),
             tokens=write(s.tokens, tok),
             logprobs=write(s.logprobs, lp),
             real=write(s.real, active),
             pages=pages,
             free=free,
             page_table=jnp.where(done[:, None], -1, page_table),
-            reserve=jnp.where(done, 0, reserve),
+            need=jnp.where(done, 0, s.need - grew),
+            own=jnp.where(done, 0, s.own + grew),
             prefix_page=jnp.where(gone, -1, s.prefix_page),
             prefix_refs=prefix_refs,
             in_use=in_use,
             peak=peak,
+            stalls=s.stalls + jnp.sum(stalled, dtype=jnp.int32),
+            # never (the oldest row can always go on); ends the loop if it did happen
+            stuck=~jnp.any(emit),
         )
 
     init = _PagedState(
@@ -311,17 +359,21 @@ def _generate_paged(
         pages=PagedKVCache.empty(policy, Np, ps),
         free=jnp.ones((Np,), jnp.bool_),
         page_table=jnp.full((S, M), -1, jnp.int32),
-        reserve=jnp.zeros((S,), jnp.int32),
+        need=jnp.zeros((S,), jnp.int32),
+        own=jnp.zeros((S,), jnp.int32),
         prefix_page=jnp.full((U,), -1, jnp.int32),
         prefix_refs=jnp.zeros((U,), jnp.int32),
         in_use=zero,
         peak=zero,
         shared=zero,
+        stalls=zero,
+        stuck=jnp.zeros((), jnp.bool_),
     )
     s = jax.lax.while_loop(cond, body, init)
+    tokens = eqx.error_if(s.tokens, s.stuck, "generate_paged: no row could go on")
     rep = lambda x: jnp.repeat(x, G, axis=0)
-    out = _with_prompts(rep(prompts), rep(prompt_masks), s.tokens, s.logprobs, s.real)
-    return out, s.peak, s.in_use, s.shared
+    out = _with_prompts(rep(prompts), rep(prompt_masks), tokens, s.logprobs, s.real)
+    return out, s.peak, s.in_use, s.shared, s.stalls
 
 
 _generate_paged_jit = eqx.filter_jit(_generate_paged)
@@ -371,18 +423,20 @@ def generate_paged(
     once (the first of them); prompts that share only a prefix are each prefilled whole
     and share the prefix's memory, not its prefill.
 
-    **Admission rule.** Requests are admitted in order. The next request enters a free
-    slot only when the free pages, less the pages promised to the rows in flight, cover
-    its own worst case: the prompt pages not already in the pool plus the pages its
-    budget may need (`ceil((n + budget - 1) / page_size)` pages for an `n`-token prompt,
-    the fed tokens being all but the last sampled one). The promise is a count, not
-    pages: pages are taken only when a row reaches them, so the memory in use follows
-    the tokens held, and a row that stops early returns its promise. A row in flight
-    therefore always gets its next page (decoding never waits and never deadlocks), and
-    a request waits only at admission, until enough rows have stopped. A request whose
-    worst case exceeds the whole pool is refused up front. Rows' budgets (`budgets`)
-    make the promise tight; with the default `max_new_tokens` budget and stop ids, rows
-    are promised their full length.
+    **Admission rule.** Requests are admitted in order, and pages are taken only when a
+    row reaches them, so the memory in use follows the tokens held. What keeps the pool
+    from deadlocking is the banker's rule (Dijkstra 1965), with a row's worst case its
+    budget (`ceil((n + budget - 1) / page_size)` pages for an `n`-token prompt, the fed
+    tokens being all but the last sampled one): the state is safe when the rows in
+    flight, taken oldest first, can each finish with the free pages plus the pages the
+    older ones hold alone (shared prompt pages are not counted, they may outlive their
+    row). The next request enters a free slot only when its prompt pages are free and
+    the state with it admitted is safe. A row reaching a page boundary gets a fresh
+    page when the state stays safe, the oldest rows first; otherwise it waits a step
+    (its step is replayed: same key, same token), counted in `PagedCacheStats.stalls`.
+    The oldest row can always go on, so the loop always ends. A request whose worst case
+    exceeds the whole pool is refused up front. With a pool that holds every slot's worst
+    case (the default) nothing ever waits; rows' `budgets` make the worst cases tight.
 
     **Outputs.** Scheduling, keys and sampling are `generate_continuous`'s: each row's
     tokens and log-probs equal the dense sampler's and `generate_batch`'s for the same
@@ -398,7 +452,8 @@ def generate_paged(
     - `num_pages`: pages in the pool; default `slots · M`, the dense layout's room.
 
     **Returns:** the `GenerationOutput` (as `generate_continuous`) and a
-    `PagedCacheStats` (peak pages in use, pages shared, pages still held at the end: 0).
+    `PagedCacheStats` (peak pages in use, pages shared, steps waited for a page, pages
+    still held at the end: 0).
 
     Raises `ValueError` in one line naming the argument for a bad `page_size` or
     `num_pages`, a pool too small for the largest request alone, traced prompts, a
@@ -442,7 +497,7 @@ def generate_paged(
         max_pages=pp.max_pages,
         prefix_ids=pp.prefix_ids,
     )
-    out, peak, in_use, shared = _generate_paged_jit(
+    out, peak, in_use, shared, stalls = _generate_paged_jit(
         policy, prompts, prompt_masks, keys, budgets, jnp.asarray(pp.prefix_key),
         jnp.asarray(pp.canon), plan,
     )  # fmt: skip
@@ -453,6 +508,7 @@ def generate_paged(
         peak_pages=peak,
         pages_in_use=in_use,
         pages_shared=shared,
+        stalls=stalls,
         num_pages=int(num_pages),
         page_size=int(page_size),
         page_bytes=page_bytes,

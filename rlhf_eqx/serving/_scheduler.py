@@ -204,8 +204,9 @@ class Scheduler:
         rows = [row for job in jobs for row in job.rows]
         first = jobs[0]
         R = len(rows)
-        # rows padded to a power of two, at least `slots`, by copies with a 1-token budget
-        Rp = max(1 << (R - 1).bit_length(), self.slots)
+        # rows padded to a power of two by copies with a 1-token budget (not up to `slots`:
+        # a filler row costs a prefill, which on a real model outweighs one compilation)
+        Rp = 1 << (R - 1).bit_length()
         rows_p = rows + [dataclasses.replace(rows[0], budget=1)] * (Rp - R)
         longest = max(len(r.prompt) for r in rows)
         most = max(r.budget for r in rows)

@@ -11,8 +11,9 @@ Rollout mode: any code that speaks OpenAI's protocol (an agent loop with tools, 
 `openai` client) drives episodes; inside `with server.recording() as rec:` each
 completion's prompt ids, completion ids and behaviour log-probabilities are kept per
 episode (requests tagged with `episode_id`, or `user`), `rec.reward(episode_id, r)`
-takes the environment's reward, and `rec.grpo_batch()` / `rec.trajectory()` give the
-training batch in the multi-turn rollouts' layout (observations out of the loss).
+(or `POST /v1/episodes/{episode_id}/reward`) takes the environment's reward, and
+`rec.grpo_batch()` / `rec.trajectory()` give the training batch in the multi-turn
+rollouts' layout (observations out of the loss).
 `server.update_policy(new_policy)` swaps the weights between iterations.
 """
 

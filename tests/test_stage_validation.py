@@ -86,6 +86,7 @@ def test_a_staleness_no_rollout_reaches_is_refused_naming_the_bound(tmp_path, no
         (["multiturn.staleness=1"], "multiturn.staleness=1"),
         (["multiturn.overlap=false"], "multiturn.overlap=False"),
         (["multiturn.sampler_device=0"], "multiturn.sampler_device=0"),
+        (["multiturn.placement=split"], "multiturn.placement='split'"),
         (["multiturn.dynamic_sampling=2"], "multiturn.dynamic_sampling=2"),
         (["multiturn.overlong_buffer=4"], "multiturn.overlong_buffer=4"),
         (["multiturn.reward_source=judge", "judge.model=/nonexistent"], "multiturn.reward_source"),

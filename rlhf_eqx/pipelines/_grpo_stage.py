@@ -26,9 +26,10 @@ from ._data_prep import (
     split_records,
     trained_policy,
 )
-from ._field_checks import _at_least, _check_options, _divides, _fail
+from ._field_checks import _at_least, _check_options, _choice, _divides, _fail
 from ._lr_scale import build_optimizer
 from ._monitor import model_flops
+from ._placement import PLACEMENTS, SplitPlacement, split_devices
 from ._registry import Outcome, Stage, StageEnv, register_stage
 from ._reward_sources import (
     RewardSource,
@@ -81,7 +82,23 @@ class GRPOConfig(RolloutStageConfig, GRPOSettings):
       index; -1, the default: the training device). With `overlap`, the next rollout is
       then sampled on its own device while the update runs on the other (the split of
       asynchronous RL systems between inference and training devices); the behaviour
-      parameters are copied to it for each rollout, the frozen weights once.
+      parameters are copied to it for each rollout, the frozen weights once. (A
+      one-device case of `placement=split`, kept for one device of a process.)
+    - `placement`: `colocated` (the default: the sampler runs where the policy trains)
+      or `split`: the trainer and the sampler on disjoint meshes of `jax.devices()`,
+      the trainer on the first `trainer_devices`, the sampler on the next
+      `sampler_devices` (each a count, or a fraction in (0, 1) of the devices; their
+      sum at most the devices), laid out as `trainer_mesh` and `sampler_mesh`
+      (comma-separated `axis:size` with axes `data`, `fsdp` (data parallel with the
+      parameters and optimiser state split over it) and `model` (tensor parallel),
+      e.g. `trainer_mesh=fsdp:4`, `sampler_mesh=data:4`; empty: `data:<devices>`).
+      After each update the behaviour policy moves to the sampler's layout by one
+      resharding `jax.device_put` (only the LoRA adapters when the base is frozen: the
+      base is placed on the sampler once), timed as `rollout/weight_sync_s` (bytes:
+      `rollout/weight_sync_bytes`); the sampler splits the prompts over its `data`
+      axis. The numbers are the colocated run's (up to float reassociation under FSDP).
+      With `staleness >= 1` and `overlap`, the next rollout samples on the sampler
+      mesh while the update runs on the trainer mesh.
     - `dynamic_sampling`: DAPO's dynamic sampling (Yu et al. 2025) — groups whose
       rewards all agree are dropped and the batch refilled with fresh groups, at most
       this many samplings per rollout (0: off, >= 0); what is still missing is filled
@@ -98,6 +115,11 @@ class GRPOConfig(RolloutStageConfig, GRPOSettings):
     staleness: int = 0
     overlap: bool = True
     sampler_device: int = -1
+    placement: str = "colocated"
+    trainer_devices: float = 0.5
+    sampler_devices: float = 0.5
+    trainer_mesh: str = ""
+    sampler_mesh: str = ""
     dynamic_sampling: int = 0
     overlong_buffer: int = 0
 
@@ -140,6 +162,20 @@ class GRPOConfig(RolloutStageConfig, GRPOSettings):
             )
         _at_least(f"{name}.dynamic_sampling", self.dynamic_sampling, 0)
         _at_least(f"{name}.overlong_buffer", self.overlong_buffer, 0)
+        _choice(f"{name}.placement", self.placement, PLACEMENTS)
+        if self.placement == "split":
+            if self.sampler_device != -1:
+                _fail(
+                    f"{name}.sampler_device",
+                    self.sampler_device,
+                    f"with {name}.placement=split the sampler's devices are "
+                    f"{name}.sampler_devices; leave sampler_device at -1",
+                )
+            split_devices(name, self, jax.devices())
+        else:
+            for field in ("trainer_mesh", "sampler_mesh"):
+                if getattr(self, field):
+                    _fail(f"{name}.{field}", getattr(self, field), f"needs {name}.placement=split")
 
 
 class OffPolicyState(eqx.Module):
@@ -206,9 +242,21 @@ class SamplerPlacement:
     behaviour parameters are copied to it for each rollout (the frozen part once) and
     the sampled rows are copied back to the trainer's device."""
 
+    prompts = None  # the sampler's prompts stay where they are built
+
     def __init__(self, index: int):  # `index` checked by `validate_stage`
         self.device = None if index < 0 else jax.local_devices()[index]
+        self.separate = self.device is not None
         self._frozen: tuple = (None, None)
+
+    def trainer_state(self, state):
+        return state
+
+    def trainer_model(self, model):
+        return model
+
+    def info(self) -> dict:
+        return {}
 
     def model(self, params, frozen):
         """The policy `params` + `frozen` on the sampler's device."""
@@ -265,7 +313,17 @@ def run_grpo(
     pol, spec, reference = _policy_and_reference(policy, cfg.lora, k_lora)
     state, step = grpo_state_and_step(pol, spec, cfg, ctx)
     cfg = dataclasses.replace(cfg, temperature=ctx.temperature)
+    placement = (
+        SplitPlacement("grpo", cfg)
+        if cfg.placement == "split"
+        else SamplerPlacement(cfg.sampler_device)
+    )
     k, n, G = cfg.staleness, cfg.prompts_per_rollout, cfg.group_size
+    if cfg.placement == "split":  # the run's state and reference on the trainer mesh
+        state = placement.trainer_state(state)
+        reference = (
+            rx.without_lora(state.model) if spec is not None else placement.trainer_model(reference)
+        )
     if k:
         state = OffPolicyState(state, (state.params,) * k)
     # Off-policy, the sampler's log-probs are the behaviour policy's and `old_logp` is the
@@ -275,10 +333,19 @@ def run_grpo(
     behaviour_kept = k > 0 or cfg.rollout_correction is not None
     recompute = cfg.rollout_correction is not None or (k > 0 and cfg.epochs > 1)
     overlap = k > 0 and cfg.overlap
-    placement = SamplerPlacement(cfg.sampler_device)
 
     def dispatch(model, key, r):
-        return _dispatch_sample(model, tok, prompts, key, r, ctx=ctx, per_rollout=n, group_size=G)
+        return _dispatch_sample(
+            model,
+            tok,
+            prompts,
+            key,
+            r,
+            ctx=ctx,
+            per_rollout=n,
+            group_size=G,
+            place=placement.prompts,
+        )
 
     def host_half(pending):  # decoding and the reward: host work, or the reward's device
         roll = placement.back(finish_rollout(pending, tok), reference)
@@ -315,13 +382,16 @@ def run_grpo(
         params = state.behind[1] if k > 1 else ts.params
         model = placement.model(params, ts.frozen)
         key = jax.random.split(jax.random.fold_in(ctx_key, r + 1))[0]
-        if placement.device is None:  # one device: sample now, not during the update
+        if not placement.separate:  # one device: sample now, not during the update
             pending = dispatch(model, key, r + 1)
             jax.block_until_ready(pending.out)
             return params, worker.submit(host_half, pending)
         return params, worker.submit(lambda: host_half(dispatch(model, key, r + 1)))
 
     def iteration(state, key, r):
+        if cfg.placement == "split":  # a restored state comes back on the default device
+            ts = placement.trainer_state(state.train if k else state)
+            state = OffPolicyState(ts, state.behind) if k else ts
         ts = state.train if k else state
         behaviour = placement.model(state.behind[0] if k else ts.params, ts.frozen)
         k_sample, k_steps = jax.random.split(key)
@@ -386,6 +456,7 @@ def run_grpo(
         if upcoming is not None:  # decoded and scored while the update ran
             params, future = upcoming
             ahead[r + 1] = (params, device_half(*future.result()))
+        info.update(placement.info())  # this iteration's weight transfers
         if k:
             return OffPolicyState(ts, (*state.behind[1:], before)), metrics, info
         return ts, metrics, info
@@ -508,7 +579,15 @@ register_stage(
             optim=_optim(2e-3),
         ),
         # when and where the next rollout is sampled, not what it is
-        resumable=("overlap", "sampler_device"),
+        resumable=(
+            "overlap",
+            "sampler_device",
+            "placement",
+            "trainer_devices",
+            "sampler_devices",
+            "trainer_mesh",
+            "sampler_mesh",
+        ),
         key_stream=("split", 5),
     )
 )

@@ -51,14 +51,19 @@ class MultiturnConfig(GRPOConfig):
     environment's questions between the turns, must fit the model's `max_seq_len`
     (checked before any stage runs). The rewards are the environment's and the rollouts
     synchronous: the GRPO settings of the reward source and of off-policy rollouts
-    (`unused_fields`: `staleness`, `overlap`, `sampler_device`, `dynamic_sampling`,
-    `overlong_buffer`, `rollout_correction`, `reward_source`, `reward_model`) must keep
-    their defaults."""
+    (`unused_fields`: `staleness`, `overlap`, `sampler_device`, the split placement's
+    settings, `dynamic_sampling`, `overlong_buffer`, `rollout_correction`,
+    `reward_source`, `reward_model`) must keep their defaults."""
 
     unused_fields: ClassVar[tuple[str, ...]] = (
         "staleness",
         "overlap",
         "sampler_device",
+        "placement",
+        "trainer_devices",
+        "sampler_devices",
+        "trainer_mesh",
+        "sampler_mesh",
         "dynamic_sampling",
         "overlong_buffer",
         "rollout_correction",

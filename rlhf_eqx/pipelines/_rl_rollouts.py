@@ -48,13 +48,21 @@ def _dispatch_sample(
     ctx: RunContext,
     per_rollout: int,
     group_size: int = 1,
+    place=None,
 ) -> PendingRollout:
     """Dispatch rollout `r`'s sampling: `group_size` completions of each of `per_rollout`
     prompts (rows `rows_at(len(prompts), per_rollout, ctx.ops.seed, r)` of `prompts`)
-    from `model` with the run's sampling settings (`finish_rollout` completes it)."""
+    from `model` with the run's sampling settings (`finish_rollout` completes it);
+    `place` lays the prompts out for the sampler (`dispatch_rollout`)."""
     rows = rows_at(len(prompts), per_rollout, ctx.ops.seed, r)
     return dispatch_rollout(
-        model, tok, [prompts[j] for j in rows], key, group_size=group_size, **sampling_options(ctx)
+        model,
+        tok,
+        [prompts[j] for j in rows],
+        key,
+        group_size=group_size,
+        place=place,
+        **sampling_options(ctx),
     )
 
 

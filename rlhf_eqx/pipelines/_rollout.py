@@ -104,12 +104,15 @@ def dispatch_rollout(
     stop_ids: Sequence[int] | None = None,
     stop_strings: Sequence[str] = (),
     slots: int = 0,
+    place: Callable | None = None,
 ) -> PendingRollout:
     """The device half of `sample_rollout` (same arguments): encode the prompts and run
-    the compiled sampler; `finish_rollout`, the host half (cutting at stop strings,
-    decoding), can then run elsewhere, e.g. in a worker thread while an update runs
-    (a GRPO run with `overlap`). Equinox's compiled calls return once their result is
-    ready, so this returns after sampling."""
+    the compiled sampler (`place`, when given, lays the prompt tokens and mask out for
+    it, e.g. split over a sampler mesh: `(tokens, mask) -> (tokens, mask)`);
+    `finish_rollout`, the host half (cutting at stop strings, decoding), can then run
+    elsewhere, e.g. in a worker thread while an update runs (a GRPO run with `overlap`).
+    Equinox's compiled calls return once their result is ready, so this returns after
+    sampling."""
     if stop_ids is None:
         stop_ids = tuple(sorted({tok.eos_id, tok.bos_id}))
     stop_ids = tuple(int(t) for t in stop_ids)
@@ -122,14 +125,15 @@ def dispatch_rollout(
         pad_id=tok.pad_id,
         num_samples=group_size,  # each prompt prefilled once, its group_size rows follow it
     )
+    tokens, mask = batch.tokens, batch.mask
+    if place is not None:
+        tokens, mask = place(tokens, mask)
     if slots > 0:
         keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(len(ids)))
         rows = len(ids) * group_size
-        out = rx.generate_continuous(
-            policy, batch.tokens, batch.mask, keys, slots=min(slots, rows), **kw
-        )
+        out = rx.generate_continuous(policy, tokens, mask, keys, slots=min(slots, rows), **kw)
     else:
-        out = rx.generate_batch(policy, batch.tokens, batch.mask, key, **kw)
+        out = rx.generate_batch(policy, tokens, mask, key, **kw)
     return PendingRollout(
         out=out,
         prompt_ids=tuple(tuple(x) for x in ids),

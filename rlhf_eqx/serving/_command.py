@@ -5,6 +5,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 
+from .._compilation_cache import command_line_cache
 from ._server import Server
 
 
@@ -60,6 +61,9 @@ def serve_command(
 ) -> int:
     """What `rlhf_eqx serve [options]` runs: load `--model` (as the other commands do,
     `rlhf_eqx.pipelines.tools.load_model`), start a `Server` and serve until Ctrl-C.
+    Compiled programs are kept on disk as for the other commands
+    (`rlhf_eqx.enable_compilation_cache`; `RLHF_EQX_COMPILATION_CACHE=0` switches it
+    off), so a restarted server answers its first requests without compiling again.
 
     **Arguments:**
 
@@ -71,9 +75,11 @@ def serve_command(
     """
     args = _parser().parse_args(list(sys.argv[2:] if argv is None else argv))
     from rlhf_eqx import data
-    from rlhf_eqx.pipelines import ConfigError
+    from rlhf_eqx.pipelines import ConfigError, OpsConfig
     from rlhf_eqx.pipelines.tools import load_model
 
+    ops = OpsConfig()  # compiled programs kept on disk, as for the other commands
+    command_line_cache(ops.compilation_cache, ops.compilation_cache_max_mb)
     try:
         policy, tok = load_model(args.model, args.tokenizer)
         server = Server(

@@ -174,6 +174,40 @@ def test_greedy_tokens_equal_generate_batch(stories, name):
         assert float(stats.acceptance_rate) < 0.5
 
 
+def test_right_padded_prompts_and_the_target_as_its_own_draft(stories):
+    """Right-, left- and un-padded prompts: the target drafting for itself has every
+    proposal accepted, greedy or sampled (p = q), and greedy tokens are unchanged."""
+    policy, _, _ = stories
+    prompts = jnp.array([[1, 403, 280, 0, 0], [0, 0, 1, 403, 280], [1, 403, 280, 300, 9]])
+    masks = jnp.array([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], bool)
+    key = jax.random.key(3)
+    ref = rx.generate_batch(policy, prompts, masks, key, max_new_tokens=11, temperature=0.0)
+    for temperature in (0.0, 1.0):
+        out, stats = rx.generate_speculative(
+            policy,
+            policy,
+            prompts,
+            masks,
+            key,
+            max_new_tokens=11,
+            temperature=temperature,
+            k=3,
+            with_stats=True,
+        )
+        assert float(stats.acceptance_rate) == 1.0
+        assert stats.target_passes.tolist() == [3, 3, 3]  # 1 + 4 + 4 + (2 of 4)
+        if temperature == 0.0:
+            assert out.tokens.tolist() == ref.tokens.tolist()
+            assert (
+                rx.generate_batch(
+                    policy, prompts[:1, :3], masks[:1, :3], key, max_new_tokens=11, temperature=0.0
+                )
+                .tokens[0, 3:]
+                .tolist()
+                == out.tokens[0, 5:].tolist()
+            )
+
+
 def test_greedy_with_a_decoder_without_decode_chunk(stories):
     """Target and draft verified and rolled back step by step give the same tokens."""
     policy, prompts, masks = stories

@@ -153,12 +153,15 @@ class _Feeder(eqx.Module):
 class _SpecState(eqx.Module):
     """Carry of the speculative loop. A row has emitted `count` tokens; the last of them,
     `last` (rotary position `position`), is not yet in either cache and sits at slot
-    `P + count - 1`. `tokens` / `logprobs` are `[B, N + k + 1]` (a pass writes up to
-    `k + 1` tokens from `count` on; the tail past `N` is cut at the end)."""
+    `P + count - 1`; `prev` is the token before it (the last prompt token at first),
+    which a draft with `decode_chunk` may not have been fed yet either. `tokens` /
+    `logprobs` are `[B, N + k + 1]` (a pass writes up to `k + 1` tokens from `count` on;
+    the tail past `N` is cut at the end)."""
 
     round: Int[Array, ""]
     count: Int[Array, " B"]
     done: Bool[Array, " B"]
+    prev: Int[Array, " B"]
     last: Int[Array, " B"]
     position: Int[Array, " B"]
     target_cache: Any
@@ -197,13 +200,25 @@ def _generate_speculative(
     out = jax.vmap(lambda t, m: target.prefill(t, m, cache_size=size))(prompts, prompt_masks)
     _check_decoder_output(target, "prefill", out)
     logits0, tcache = out
-    dout = jax.vmap(lambda t, m: draft.prefill(t, m, cache_size=size))(prompts, prompt_masks)
+    feed_target, feed_draft = _Feeder(target), _Feeder(draft)
+    # A draft with decode_chunk gets its prompts left-aligned (the same positions; its
+    # cache is its own), so that the last prompt token sits in slot P - 1, right before
+    # the first new token, and can be fed again with it as a chunk of two (below).
+    order = jnp.argsort(prompt_masks, axis=1, stable=True)
+    aligned = jnp.take_along_axis(prompts, order, axis=1)
+    dprompts, dmasks = (
+        (aligned, jnp.take_along_axis(prompt_masks, order, axis=1))
+        if feed_draft.chunked
+        else (prompts, prompt_masks)
+    )
+    dout = jax.vmap(lambda t, m: draft.prefill(t, m, cache_size=size))(dprompts, dmasks)
     _check_decoder_output(draft, "prefill", dout)
     dcache = dout[1]
+    prev0 = aligned[:, -1]
     if opts.num_samples > 1:
         rep = lambda x: jnp.repeat(x, opts.num_samples, axis=0)
-        logits0, tcache, dcache, prompts, prompt_masks = jax.tree.map(
-            rep, (logits0, tcache, dcache, prompts, prompt_masks)
+        logits0, tcache, dcache, prompts, prompt_masks, prev0 = jax.tree.map(
+            rep, (logits0, tcache, dcache, prompts, prompt_masks, prev0)
         )
         B = B * opts.num_samples
     stop_ids = jnp.asarray(opts.eos_id, jnp.int32)
@@ -213,7 +228,6 @@ def _generate_speculative(
             return jnp.zeros(t.shape, jnp.bool_)
         return jnp.any(t[..., None] == stop_ids.reshape((1,) * t.ndim + (-1,)), axis=-1)
 
-    feed_target, feed_draft = _Feeder(target), _Feeder(draft)
     first_key, loop_key = jax.random.split(key)
     rows = jnp.arange(B)
     W = N + k + 1
@@ -225,6 +239,7 @@ def _generate_speculative(
         round=zero,
         count=jnp.ones((B,), jnp.int32),
         done=is_stop(tok0) | (N == 1),
+        prev=prev0,
         last=tok0,
         position=jnp.sum(prompt_masks, axis=-1, dtype=jnp.int32),
         target_cache=tcache,
@@ -244,25 +259,50 @@ def _generate_speculative(
         return tok, jax.nn.softmax(filtered, axis=-1)
 
     def body(s: _SpecState) -> _SpecState:
-        kd, ku, kr = jax.random.split(jax.random.fold_in(loop_key, s.round), 3)
+        kround, ku, kr = jax.random.split(jax.random.fold_in(loop_key, s.round), 3)
+        kd = jax.random.split(kround, k)
         index = P + s.count - 1
 
-        # the draft proposes k tokens, feeding the last emitted token and its proposals
-        def draft_step(carry, xs):
-            tok, cache = carry
-            j, dkey = xs
-            logits, cache, _ = feed_draft(tok[:, None], cache, index + j, s.position + j)
-            d, q = propose(dkey, logits[:, 0])
-            return (d, cache), (d, q, cache if not feed_draft.chunked else None)
+        if feed_draft.chunked:
+            # `prev` and `last` in one chunk (`prev` is in the draft's cache already
+            # unless all k proposals were accepted: feeding it again rewrites its slot
+            # with the same keys and values), then the first k - 1 proposals: k draft
+            # passes, none spent on a proposal that only the next pass would use
+            two = jnp.stack([s.prev, s.last], axis=1)
+            logits, dcache, _ = feed_draft(two, s.draft_cache, index - 1, s.position - 1)
+            d0, q0 = propose(kd[0], logits[:, 1])
 
-        (d_last, dcache), (drafts, q, dcaches) = jax.lax.scan(
-            draft_step,
-            (s.last, s.draft_cache),
-            (jnp.arange(k, dtype=jnp.int32), jax.random.split(kd, k)),
-        )
-        drafts = drafts.T  # [B, k]
-        # the last proposal enters the draft's cache too, for when all k are accepted
-        _, dcache, _ = feed_draft(d_last[:, None], dcache, index + k, s.position + k)
+            def draft_step(carry, xs):
+                tok, cache = carry
+                j, dkey = xs
+                logits, cache, _ = feed_draft(tok[:, None], cache, index + j, s.position + j)
+                d, q = propose(dkey, logits[:, 0])
+                return (d, cache), (d, q)
+
+            (_, dcache), (rest, q_rest) = jax.lax.scan(
+                draft_step, (d0, dcache), (jnp.arange(1, k, dtype=jnp.int32), kd[1:])
+            )
+            drafts = jnp.concatenate([d0[:, None], rest.T], axis=1)  # [B, k]
+            q = None if greedy else jnp.concatenate([q0[None], q_rest], axis=0)
+        else:
+            # feed the last emitted token and every proposal, keeping the cache after
+            # each step for the one after the last accepted token
+            def draft_step(carry, xs):
+                tok, cache = carry
+                j, dkey = xs
+                logits, cache, _ = feed_draft(tok[:, None], cache, index + j, s.position + j)
+                d, q = propose(dkey, logits[:, 0])
+                return (d, cache), (d, q, cache)
+
+            (d_last, dcache), (drafts, q, dcaches) = jax.lax.scan(
+                draft_step, (s.last, s.draft_cache), (jnp.arange(k, dtype=jnp.int32), kd)
+            )
+            drafts = drafts.T  # [B, k]
+            # the last proposal enters the cache too, for when all k are accepted
+            _, dcache, _ = feed_draft(d_last[:, None], dcache, index + k, s.position + k)
+            dcaches = jax.tree.map(
+                lambda a, b: jnp.concatenate([a, b[None]], axis=0), dcaches, dcache
+            )
 
         # the target scores the last emitted token and the k proposals in one pass
         chunk = jnp.concatenate([s.last[:, None], drafts], axis=1)  # [B, k + 1]
@@ -313,14 +353,12 @@ def _generate_speculative(
         if not feed_target.chunked:
             tcache = _pick(tcaches, n)
         if not feed_draft.chunked:
-            dcaches = jax.tree.map(
-                lambda a, b: jnp.concatenate([a, b[None]], axis=0), dcaches, dcache
-            )
             dcache = _pick(dcaches, n)
         return _SpecState(
             round=s.round + 1,
             count=s.count + m,
             done=done,
+            prev=jnp.where(active, jnp.where(n > 0, drafts[rows, n - 1], s.last), s.prev),
             last=jnp.where(active, new, s.last),
             position=jnp.where(active, s.position + n + 1, s.position),
             target_cache=tcache,

@@ -16,7 +16,14 @@ from rlhf_eqx import pipelines as pl
 
 _PROMPTS = [f"Once upon a time {i}" for i in range(12)]
 _PARITY = [pl.runs.RewardFunction("parity", lambda p, t: float(len(t) % 2))]
-_TIMING = ("stage", "time", "iteration_time_s", "tokens_per_s", "rollout/overlapped")
+_TIMING = (
+    "stage",
+    "time",
+    "iteration_time_s",
+    "tokens_per_s",
+    "rollout/overlapped",
+    "rollout/queued",
+)
 _GENERATE = rx.generate_batch
 _SYNC = ("rollout/weight_sync_s", "rollout/weight_sync_bytes", "rollout/base_transfers")
 
@@ -212,3 +219,98 @@ def test_placement_settings_from_the_command_line():
     )
     assert cfg.grpo.placement == "split" and cfg.grpo.sampler_devices == 0.75
     pl.config.validate_stage("grpo", cfg.grpo)
+
+
+@pytest.mark.slow
+def test_sampler_runs_staleness_rollouts_ahead(builtin, tmp_path, monkeypatch):
+    """Split placement with staleness 2: the sampler keeps up to two rollouts queued
+    (rollout r + j samples with the policy of update r + j - 2, known before update r),
+    and the run is the one that samples each rollout when its iteration starts."""
+    _need_8()
+    kw = dict(staleness=2, rollouts=4, placement="split", trainer_mesh="fsdp:4")
+    ahead = _grpo(builtin, tmp_path, "ahead", monkeypatch, **kw)
+    assert [r["rollout/queued"] for r in ahead[1]] == [2.0, 2.0, 1.0, 0.0]
+    assert [r["rollout/overlapped"] for r in ahead[1]] == [0.0, 1.0, 1.0, 1.0]
+    inline = _grpo(builtin, tmp_path, "inline", monkeypatch, overlap=False, **kw)
+    _same_numbers(ahead, inline, atol=0.0)
+
+
+_KILLED_RUN = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import dataclasses
+import jax
+import numpy as np
+from rlhf_eqx import pipelines as pl
+
+out, resume = sys.argv[1], sys.argv[2] == "resume"
+policy, tok = pl.tools.load_model("builtin")
+cfg = pl.animal_task_config().grpo
+cfg = dataclasses.replace(
+    cfg, prompts_per_rollout=4, group_size=2, rollouts=6, staleness=2, placement="split",
+    trainer_mesh="fsdp:4", optim=dataclasses.replace(cfg.optim, warmup_ratio=0.0),
+)
+ctx = pl.RunContext(
+    ops=pl.OpsConfig(monitor=False, quiet=True, checkpoint_every=1),
+    log=pl.tools.MetricsLog(out, "grpo", quiet=True), key=jax.random.key(0),
+    checkpoint_dir=os.path.join(out, "ckpt"), resume=resume, prompt_length=16,
+    max_new_tokens=8,
+)
+parity = [pl.runs.RewardFunction("parity", lambda p, t: float(len(t) % 2))]
+res = pl.runs.run_grpo(policy, tok, [f"Once upon a time {i}" for i in range(12)],
+                       reward=parity, cfg=cfg, ctx=ctx)
+leaves = [np.asarray(x) for x in jax.tree.leaves(res.state.params)]
+np.savez(os.path.join(out, "params.npz"), *leaves)
+"""
+
+
+@pytest.mark.slow
+def test_kill_9_with_queued_rollouts_then_resume_is_exact(tmp_path):
+    """A split, staleness-2 run killed with SIGKILL once its second checkpoint exists
+    (two rollouts queued on the sampler) resumes from the checkpoint's stale policies,
+    samples the queued rollouts again and ends with the uninterrupted run's parameters."""
+    _need_8()
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "run.py"
+    script.write_text(_KILLED_RUN)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+
+    def start(out, mode):
+        os.makedirs(out, exist_ok=True)
+        with open(tmp_path / f"{out.name}-{mode}.log", "wb") as log:
+            return subprocess.Popen(
+                [sys.executable, str(script), str(out), mode],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+
+    def tail(out, mode):
+        return (tmp_path / f"{out.name}-{mode}.log").read_text()[-3000:]
+
+    full = start(tmp_path / "full", "fresh")
+    assert full.wait(timeout=600) == 0, tail(tmp_path / "full", "fresh")
+    cut = start(tmp_path / "cut", "fresh")
+    ckpt, deadline = tmp_path / "cut" / "ckpt", time.time() + 600
+    while cut.poll() is None and time.time() < deadline:
+        if os.path.isdir(ckpt) and sum(n.startswith("iter_") for n in os.listdir(ckpt)) >= 2:
+            cut.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    assert cut.wait(timeout=60) == -signal.SIGKILL, "the run ended before it was killed"
+    assert not os.path.exists(tmp_path / "cut" / "params.npz")
+    resumed = start(tmp_path / "cut", "resume")
+    assert resumed.wait(timeout=600) == 0, tail(tmp_path / "cut", "resume")
+    events = [r for r in pl.tools.read_records(str(tmp_path / "cut")) if r.get("event")]
+    assert [r["iteration"] for r in events if r["event"] == "resume"][0] >= 2
+    want = np.load(tmp_path / "full" / "params.npz")
+    got = np.load(tmp_path / "cut" / "params.npz")
+    assert len(want.files) == len(got.files) > 0
+    for name in want.files:
+        np.testing.assert_array_equal(got[name], want[name])

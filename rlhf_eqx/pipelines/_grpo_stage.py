@@ -369,39 +369,56 @@ def run_grpo(
     # With `overlap`, rollout r + 1 is prepared by a worker thread while rollout r's update
     # runs (compiled calls wait for their result, so the overlap is between threads): on
     # one device the sampler runs first and the worker decodes and scores during the
-    # update; on `sampler_device` the worker samples too. `ahead` holds it with the
-    # stale parameters it was sampled with (the object kept in the state): it is used
-    # when iteration r + 1 starts from the state iteration r returned, not after a
-    # rollback (which restores a copy).
+    # update; on a sampler of its own (`sampler_device`, `placement=split`) the worker
+    # samples too, and runs up to `staleness` rollouts ahead: rollout r + j samples with
+    # the policy of update r + j - staleness, known before update r for every
+    # j <= staleness. `queued` holds the submitted rollouts and `ahead` the next one
+    # finished, each with the stale parameters it was sampled with (the object kept in
+    # the state): it is used when its iteration starts from the states the iterations
+    # before it returned, not after a rollback or a resume (which restore copies).
     ahead: dict[int, tuple] = {}
+    queued: dict[int, tuple] = {}
+    depth = (k if placement.separate else 1) if overlap else 0
     worker = ThreadPoolExecutor(1, thread_name_prefix="rollout") if overlap else None
 
-    def next_rollout(state, ts, r):
-        """Start rollout r + 1 from its behaviour policy (known before rollout r's
-        update: the parameters `staleness - 1` updates before this one)."""
-        params = state.behind[1] if k > 1 else ts.params
-        model = placement.model(params, ts.frozen)
-        key = jax.random.split(jax.random.fold_in(ctx_key, r + 1))[0]
-        if not placement.separate:  # one device: sample now, not during the update
-            pending = dispatch(model, key, r + 1)
-            jax.block_until_ready(pending.out)
-            return params, worker.submit(host_half, pending)
-        return params, worker.submit(lambda: host_half(dispatch(model, key, r + 1)))
+    def queue_rollouts(state, ts, r):
+        """Submit rollouts r + 1 ... r + `depth` (those not queued yet), in order, each
+        from its behaviour policy."""
+        for j in range(1, depth + 1):
+            q = r + j
+            if q >= cfg.rollouts or q in queued or q in ahead:
+                continue
+            params = (*state.behind, ts.params)[j]
+            model = placement.model(params, ts.frozen)
+            key = jax.random.split(jax.random.fold_in(ctx_key, q))[0]
+            if not placement.separate:  # one device: sample now, not during the update
+                pending = dispatch(model, key, q)
+                jax.block_until_ready(pending.out)
+                queued[q] = (params, worker.submit(host_half, pending))
+            else:
+                queued[q] = (
+                    params,
+                    worker.submit(lambda m=model, kk=key, qq=q: host_half(dispatch(m, kk, qq))),
+                )
 
     def iteration(state, key, r):
         if cfg.placement == "split":  # a restored state comes back on the default device
             ts = placement.trainer_state(state.train if k else state)
             state = OffPolicyState(ts, state.behind) if k else ts
         ts = state.train if k else state
-        behaviour = placement.model(state.behind[0] if k else ts.params, ts.frozen)
+        behaviour = lambda: placement.model(state.behind[0] if k else ts.params, ts.frozen)  # noqa: E731
         k_sample, k_steps = jax.random.split(key)
         ready = ahead.pop(r, None)
         ahead.clear()
         prepared = ready is not None and ready[0] is state.behind[0]
+        if not prepared:  # a rollback or a resume: the queued rollouts are another policy's
+            for _, future in queued.values():
+                future.cancel()
+            queued.clear()
         if prepared:
             roll, ref_logp, info, scored, rewards = ready[1]
         else:
-            roll, ref_logp, info, scored, rewards = sample(behaviour, k_sample, r, 0)
+            roll, ref_logp, info, scored, rewards = sample(behaviour(), k_sample, r, 0)
         if overlap:  # this rollout was prepared while the previous update ran
             info["overlapped"] = float(prepared)
         if cfg.dynamic_sampling:
@@ -411,7 +428,7 @@ def run_grpo(
                 and _dynamic_groups([p[2] for p in parts], n, G)[1] < n
             ):
                 key_more = jax.random.fold_in(k_sample, len(parts))
-                more = sample(behaviour, key_more, r, len(parts))
+                more = sample(behaviour(), key_more, r, len(parts))
                 parts.append((more[0], more[1], more[4]))
             groups, found = _dynamic_groups([p[2] for p in parts], n, G)
             roll = _take_groups(_concat_rollouts([p[0] for p in parts]), groups, G)
@@ -447,14 +464,17 @@ def run_grpo(
             samples_per_prompt=G,
             behaviour_logp=behaviour_logp,
         )
-        upcoming = next_rollout(state, ts, r) if overlap and r + 1 < cfg.rollouts else None
+        if overlap:
+            queue_rollouts(state, ts, r)
+            if cfg.placement == "split":  # the sampler's queue after this iteration's submissions
+                info["queued"] = float(len(queued))
         metrics = []
         before = ts.params
         for e in range(cfg.epochs):
             ts, met = ts.apply(step, batch, key=jax.random.fold_in(k_steps, e))
             metrics.append(met)
-        if upcoming is not None:  # decoded and scored while the update ran
-            params, future = upcoming
+        if r + 1 in queued:  # sampled, decoded and scored while the update ran
+            params, future = queued.pop(r + 1)
             ahead[r + 1] = (params, device_half(*future.result()))
         info.update(placement.info())  # this iteration's weight transfers
         if k:

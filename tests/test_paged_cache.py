@@ -98,21 +98,39 @@ def test_paged_attention_rows_with_no_key_are_zero(getkey):
 
 
 def test_paged_decode_step_equals_decode_step(policy):
-    """A left-padded prompt prefilled densely, then the same prompt's real tokens in
-    pages of 4 (pages out of order): the next token's logits agree."""
+    """Two left-padded prompts prefilled densely, then their real tokens in pages of 4
+    (pages out of order, one sequence's pages interleaved with the other's): the next
+    token's logits agree, and the fed tokens' keys and values land in their pages; a
+    sequence that does not store leaves the pool as it was."""
     toks, masks, _ = _requests()
-    t, m = toks[1], masks[1]  # 6 real tokens, no padding
-    _, cache = policy.prefill(t, m, cache_size=P + 4)
-    logits, _ = policy.decode_step(jnp.int32(9), cache, index=P, position=jnp.int32(6))
-    pages = PagedKVCache.empty(policy, num_pages=5, page_size=4)
-    table = jnp.array([3, 1, -1], jnp.int32)
-    pos = jnp.arange(P)
-    pages = pages.write(cache.k[..., :P], cache.v[..., :P, :], table[pos // 4], pos % 4)
-    got, k, v = paged_decode_step(policy, jnp.int32(9), pages, table, index=6)
-    np.testing.assert_allclose(got, logits, atol=1e-5, rtol=1e-5)
-    _, after = policy.decode_step(jnp.int32(9), cache, index=P, position=jnp.int32(6))
-    np.testing.assert_allclose(k, after.k[..., P], atol=1e-6)
-    np.testing.assert_allclose(v, after.v[..., P, :], atol=1e-6)
+    rows, fed = (1, 4), jnp.array([9, 17], jnp.int32)
+    tables = jnp.array([[3, 1, -1], [0, 4, -1]], jnp.int32)
+    pages = PagedKVCache.empty(policy, num_pages=6, page_size=4)
+    want, after = [], []
+    for b, r in enumerate(rows):
+        t, m = toks[r], masks[r]
+        n = int(m.sum())
+        _, cache = policy.prefill(t, m, cache_size=P + 4)
+        pos = jnp.arange(n)
+        real = jnp.nonzero(m)[0]
+        k, v = cache.k[..., real], cache.v[..., real, :]
+        pages = pages.write(k, v, tables[b, pos // 4], pos % 4)
+        logits, c = policy.decode_step(fed[b], cache, index=P, position=jnp.int32(n))
+        want.append(logits)
+        after.append((c.k[..., P], c.v[..., P, :], n))
+    index = jnp.array([after[0][2], after[1][2]], jnp.int32)
+    got, pool = paged_decode_step(policy, fed, pages, tables, index=index)
+    np.testing.assert_allclose(got, jnp.stack(want), atol=1e-5, rtol=1e-5)
+    for b, (k, v, n) in enumerate(after):
+        page, off = int(tables[b, n // 4]), n % 4
+        np.testing.assert_allclose(pool.k[..., page, off], k, atol=1e-6)
+        np.testing.assert_allclose(pool.v[:, :, page, off], v, atol=1e-6)
+    _, kept = paged_decode_step(
+        policy, fed, pages, tables, index=index, store=jnp.array([True, False])
+    )
+    page1, off1 = int(tables[1, after[1][2] // 4]), after[1][2] % 4
+    np.testing.assert_array_equal(kept.v[:, :, page1, off1], pages.v[:, :, page1, off1])
+    np.testing.assert_allclose(kept.v[:, :, 1, 2], after[0][1], atol=1e-6)
 
 
 # --- the sampler -----------------------------------------------------------------------------

@@ -120,10 +120,6 @@ def _generate_paged(
     cdiv = lambda a, b: (a + b - 1) // b
 
     prefill = lambda t, m: policy.prefill(t, m, cache_size=P)
-    decode = jax.vmap(
-        lambda tok, table, idx, pages: paged_decode_step(policy, tok, pages, table, index=idx),
-        in_axes=(0, 0, 0, None),
-    )
     sample = _row_sampler(opts)
     one = jax.eval_shape(jax.vmap(prefill), prompts[:1], prompt_masks[:1])
     _check_decoder_output(policy, "prefill", one)
@@ -292,11 +288,7 @@ def _generate_paged(
 
         def advance(args):
             _, pages = args
-            logits, k, v = decode(tok, page_table, index, pages)
-            page = jnp.where(going, page_table[slots, entry], Np)
-            # [S, L, K, hd] -> the pool's column layouts [L, K, hd, S] and [L, K, S, hd]
-            pages = pages.write(jnp.moveaxis(k, 0, -1), jnp.moveaxis(v, 0, 2), page, index % ps)
-            return logits, pages
+            return paged_decode_step(policy, tok, pages, page_table, index=index, store=going)
 
         logits, pages = jax.lax.cond(
             jnp.any(going), advance, lambda args: args, (s.logits, s.pages)

@@ -170,63 +170,84 @@ def paged_attention(
 
 def paged_decode_step(
     policy: Policy,
-    token: Int[Array, ""],
+    tokens: Int[Array, " B"],
     pages: PagedKVCache,
-    page_table: Int[Array, " M"],
+    page_tables: Int[Array, "B M"],
     *,
-    index: Int[Array, ""] | int,
-) -> tuple[Float[Array, " V"], Float[Array, "L K hd"], Float[Array, "L K hd"]]:
-    """`Policy.decode_step` on a paged cache: feed `token` at logical slot (and rotary
-    position) `index` of the sequence whose pages are `page_table`.
+    index: Int[Array, " B"],
+    store: Bool[Array, " B"] | None = None,
+) -> tuple[Float[Array, "B V"], PagedKVCache]:
+    """`Policy.decode_step` for `B` sequences sharing a paged cache: feed `tokens[b]` at
+    logical slot (and rotary position) `index[b]` of the sequence whose pages are
+    `page_tables[b]`.
 
-    The token attends to slots `0 … index - 1` of the sequence's pages (within the
-    window on sliding-window layers) and to itself; in each layer the sequence's pages
-    are gathered (`paged_attention`), so the work and the transient memory are those of
-    one layer of one sequence of `M · page_size` slots. The pool is read, not written:
-    the token's keys and values are returned, for the caller to store at
-    `(page_table[index // page_size], index % page_size)` with `PagedKVCache.write`
-    (the caller owns the pool, which many sequences share; under `jax.vmap` over
-    sequences the pool is passed unbatched).
+    In each layer the fed tokens' keys and values are first stored in the pool, at
+    `(page_tables[b, index[b] // page_size], index[b] % page_size)` (in place: the pool
+    is carried through the layer scan), then each sequence's pages are gathered and its
+    token attends to slots `0 … index[b]` (within the window on sliding-window layers;
+    `paged_attention`). The transient memory is one layer of `B` sequences of
+    `M · page_size` slots. Several sequences may share pages (a common prefix): a page
+    written by a step must belong to that sequence alone.
 
     **Arguments:**
 
     - `policy`: a `Policy`.
-    - `token`: the id fed.
+    - `tokens`: the ids fed, `[B]`.
     - `pages`: the pool.
-    - `page_table`: the sequence's pages, `[M]` ids (entries at and past
-      `index // page_size + 1` may be unused, below 0).
-    - `index`: the slot and position of `token` (the sequence's length before it).
+    - `page_tables`: each sequence's pages, `[B, M]` ids (entries past
+      `index // page_size` may be unused, below 0).
+    - `index`: each token's slot and position (its sequence's length before it).
+    - `store`: which sequences store their token (default all); the others leave the
+      pool as it is and their logits are meaningless (an idle or waiting sequence,
+      whose page for `index` may not exist).
 
-    **Returns:** the next-token logits `[V]` and the token's keys `[L, K, hd]` and values
-    `[L, K, hd]` in every layer.
+    **Returns:** the next-token logits `[B, V]` and the pool with the tokens stored.
     """
     tr = policy.transformer
     cfg = tr.cfg
+    B = tokens.shape[0]
     index = jnp.asarray(index, jnp.int32)
-    x = tr._embed(token[None])
-    rope = _rope(cfg, index[None])
-    S = page_table.shape[0] * pages.page_size
+    x = tr._embed(tokens[:, None])  # [B, 1, D]
+    rope = _rope(cfg, index[:, None])
+    ps, Np = pages.page_size, pages.num_pages
+    S = page_tables.shape[1] * ps
     slots = jnp.arange(S, dtype=jnp.int32)
-    upto = (slots <= index)[None, :]
+    upto = (slots[None, :] <= index[:, None])[:, None, :]  # [B, 1, S]
+    entry = jnp.clip(index // ps, 0, page_tables.shape[1] - 1)
+    page = page_tables[jnp.arange(B), entry]
+    if store is not None:
+        page = jnp.where(store, page, Np)
+    page = jnp.where(page >= 0, page, Np)  # dropped: no page, or not stored
+    offset = index % ps
     dynamic, static = eqx.partition(tr.layers, eqx.is_array)
     windows, local = _per_layer(cfg)
     windowed = cfg.sliding_window is not None
+    attend_rows = jax.vmap(
+        lambda q, pool, layer, table, ok: paged_attention(
+            q, pool, layer, table, ok, scale=cfg.query_scale, cap=cfg.attn_softcap
+        ),
+        in_axes=(0, None, None, 0, 0),
+    )
 
-    def body(x, xs):
+    def body(carry, xs):
+        x, pk, pv = carry
         layer_dyn, layer_idx, window, is_local = xs
         layer = eqx.combine(layer_dyn, static)
-        allowed = upto & within_window(index[None], slots, window) if windowed else upto
+        allowed = upto
+        if windowed:
+            allowed = upto & within_window(index[:, None], slots[None, :], window)
 
         def attend(q, k, v):
-            o = paged_attention(
-                q, pages, layer_idx, page_table, allowed, k_new=k, v_new=v, new_at=index,
-                scale=cfg.query_scale, cap=cfg.attn_softcap,
-            )  # fmt: skip
-            return o, (k[0], v[0])
+            # k, v: [B, 1, K, hd]; stored as columns of the pool (index arrays at
+            # separated axes: the update is [B, K, hd])
+            pk2 = pk.at[layer_idx, :, :, page, offset].set(k[:, 0].astype(pk.dtype), mode="drop")
+            pv2 = pv.at[layer_idx, :, page, offset, :].set(v[:, 0].astype(pv.dtype), mode="drop")
+            pool = PagedKVCache(k=pk2, v=pv2)
+            return attend_rows(q, pool, layer_idx, page_tables, allowed), (pk2, pv2)
 
-        x, kv = layer.block(x, cfg, _select(rope, is_local), attend)
-        return x, kv
+        x, (pk, pv) = layer.block(x, cfg, _select(rope, is_local), attend)
+        return (x, pk, pv), None
 
     layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)
-    x, (k, v) = jax.lax.scan(body, x, (dynamic, layer_ids, windows, local))
-    return policy.logits_from_hidden(tr._final(x)[0]), k, v
+    (x, pk, pv), _ = jax.lax.scan(body, (x, pages.k, pages.v), (dynamic, layer_ids, windows, local))
+    return policy.logits_from_hidden(tr._final(x)[:, 0]), PagedKVCache(k=pk, v=pv)

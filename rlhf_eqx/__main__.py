@@ -184,7 +184,7 @@ def resume_command(argv: Sequence[str]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["sweep"]:  # grid x seeds of one stage in one program (its own options)
-        from rlhf_eqx.pipelines import sweep_command
+        from rlhf_eqx.pipelines.tools import sweep_command
 
         return sweep_command(argv[1:])
     if argv[:1] == ["serve"]:  # an OpenAI-compatible endpoint (its own options)
@@ -202,8 +202,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             _parser().print_help()
         return 0
-    from rlhf_eqx.pipelines import ConfigError, RunDirError, config_to_dict, validate_config
-    from rlhf_eqx.pipelines.config import read_fields
+    from rlhf_eqx.pipelines import ConfigError
+    from rlhf_eqx.pipelines.config import config_to_dict, read_fields, validate_config
+    from rlhf_eqx.pipelines.loop import RunDirError
 
     if args.command == "plot":
         from rlhf_eqx.pipelines.tools import plot_run
@@ -251,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(read)
     from rlhf_eqx._compilation_cache import command_line_cache
-    from rlhf_eqx.pipelines import CallbackError, RunInterrupted
+    from rlhf_eqx.pipelines.loop import CallbackError, RunInterrupted
 
     command_line_cache(cfg.ops.compilation_cache, cfg.ops.compilation_cache_max_mb)  # on disk
     try:
@@ -283,9 +284,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _callbacks(args) -> tuple:
-    """The callbacks of `--callback MODULE:NAME` (`pipelines.load_callback`); a
+    """The callbacks of `--callback MODULE:NAME` (`pipelines.loop.load_callback`); a
     `ConfigError` with `--seeds` or a command that runs no stage."""
-    from rlhf_eqx.pipelines import ConfigError, load_callback
+    from rlhf_eqx.pipelines import ConfigError
+    from rlhf_eqx.pipelines.loop import load_callback
 
     if args.callbacks and args.command in TOOL_COMMANDS:
         raise ConfigError(f"--callback: runs only, not {args.command}")

@@ -486,7 +486,7 @@ def test_the_data_settings_are_checked_before_a_run(tmp_path):
 
     def check(*overrides):
         cfg = pl.apply_overrides(pl.animal_task_config(), list(overrides))
-        pl.validate_config(cfg, stage="dpo")
+        pl.config.validate_config(cfg, stage="dpo")
 
     path = _parquet(tmp_path / "pairs.parquet", _cli_pairs())
     check(f"data.path={path}", "data.columns.chosen=response_a")
@@ -512,7 +512,7 @@ def test_the_data_settings_are_checked_before_a_run(tmp_path):
     datasets.Dataset.from_list(rows * 2).save_to_disk(str(tmp_path / "other"))
     for name in os.listdir(tmp_path / "other"):
         os.replace(tmp_path / "other" / name, folder / "test" / name)
-    with pytest.raises(pl.RunDirError, match="cannot resume: the data file"):
+    with pytest.raises(pl.loop.RunDirError, match="cannot resume: the data file"):
         pl.tools.check_data(str(run), f"{folder}:test", resume=True)
 
 

@@ -248,7 +248,7 @@ def test_a_failing_hook_names_itself_checkpoints_and_resume_is_exact(tmp_path):
     full_tally = Tally()
     full = run(tmp_path / "full", [full_tally, Boom()])
     cut = tmp_path / "cut"
-    with pytest.raises(pl.CallbackError) as err:
+    with pytest.raises(pl.loop.CallbackError) as err:
         run(cut, [Tally(), Boom(at=5)])
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith("callback Boom.on_step failed in q after iteration 5")
@@ -281,7 +281,7 @@ def test_bad_callbacks_are_refused_naming_them(tmp_path):
         def state_dict(self):
             return {"f": lambda: 0}
 
-    with pytest.raises(pl.CallbackError, match="Unsaveable.state_dict .* TypeError"):
+    with pytest.raises(pl.loop.CallbackError, match="Unsaveable.state_dict .* TypeError"):
         pl.loop.run_iterations(state, iteration, log=log, callbacks=[Unsaveable()], **kw)
 
 
@@ -301,7 +301,9 @@ def _batch_stage(name, tok, ctx):
     common = dict(steps=6, batch_size=2, max_length=32, optim=_OPTIM)
     if name == "sft":
         records = [(p.prompt, p.chosen) for p in _PAIRS]
-        return pl.runs.run_sft(policy, tok, records, cfg=pl.SFTConfig(**common, lora=_LORA), ctx=ctx)
+        return pl.runs.run_sft(
+            policy, tok, records, cfg=pl.SFTConfig(**common, lora=_LORA), ctx=ctx
+        )
     if name == "dpo":
         return pl.runs.run_dpo(policy, tok, _PAIRS, cfg=pl.DPOConfig(**common, lora=_LORA), ctx=ctx)
     if name == "reward":
@@ -425,7 +427,7 @@ def test_custom_evaluation_and_exact_resume_on_sft(tok, tmp_path):
     assert len(nll) == 4 and all(math.isfinite(x) for x in nll)
     assert full.loop.stopped == "done"  # it keeps improving on the texts it trains on
 
-    with pytest.raises(pl.CallbackError, match="Boom.on_step failed in sft after iteration 5"):
+    with pytest.raises(pl.loop.CallbackError, match="Boom.on_step failed in sft after iteration 5"):
         _sft(tok, tmp_path / "cut", [HeldOutNLL(tok, held), Boom(at=5)])
     cb = HeldOutNLL(tok, held)
     resumed = _sft(tok, tmp_path / "cut", [cb, Boom()], resume=True)
@@ -555,12 +557,16 @@ def test_cli_a_failing_callback_stops_the_run_in_one_line_and_resume_finishes_it
         "RuntimeError: the judge is down; checkpoint "
     )
     assert err[0].endswith(" --callback cli_callbacks:FailOnce --resume")
-    assert pl.tools.latest_checkpoint(str(tmp_path / "run" / "kto" / "checkpoints")).endswith("_00000002")
+    assert pl.tools.latest_checkpoint(str(tmp_path / "run" / "kto" / "checkpoints")).endswith(
+        "_00000002"
+    )
     # FailOnce is disarmed in this process: the resumed run finishes.
     assert main([*argv, "--resume"]) == 0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["stopped"] == "done"
-    assert [r["step"] for r in pl.tools.read_metrics(str(tmp_path / "run"))["kto"]] == list(range(6))
+    assert [r["step"] for r in pl.tools.read_metrics(str(tmp_path / "run"))["kto"]] == list(
+        range(6)
+    )
 
 
 @pytest.mark.slow

@@ -12,7 +12,8 @@ from helpers import SMOLLM2
 
 from rlhf_eqx import data, pipelines as pl
 from rlhf_eqx.assets import asset_path
-from rlhf_eqx.pipelines import ConfigError, DataConfig, ModelConfig, validate_config
+from rlhf_eqx.pipelines import ConfigError, DataConfig, ModelConfig
+from rlhf_eqx.pipelines.config import validate_config
 from rlhf_eqx.pipelines.runs import chat_rendering, encode_prompts, hh_messages, prompt_tokens
 
 SMOL_SYSTEM = (

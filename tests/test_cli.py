@@ -162,7 +162,9 @@ def test_a_run_prints_the_settings_it_reads_and_saves_the_whole_config(tmp_path,
     assert shown["dpo"]["beta"] == 0.1 and shown["data"]["path"] == str(data)
     saved = json.loads((out / "config.json").read_text())
     cfg = pl.apply_overrides(pl.animal_task_config(), [f"data.path={data}", f"out={out}"])
-    assert set(saved) == set(pl.config_to_dict(cfg)) >= {"ppo", "grpo", "kto", "prm", "judge"}
+    assert (
+        set(saved) == set(pl.config.config_to_dict(cfg)) >= {"ppo", "grpo", "kto", "prm", "judge"}
+    )
     assert {k: saved[k] for k in shown if k != "stages"} == {
         k: v for k, v in shown.items() if k != "stages"
     }
@@ -190,17 +192,26 @@ def test_read_fields_follow_the_stages_a_run_executes():
     cfg = pl.animal_task_config()
     task = ("stages", "out", "label_noise", "eval_samples", "notes")
     shared = ("model", "sampling", "ops")
-    assert pl.config.read_fields(cfg) == (*task, "sft", "reward", "ppo", "judge", "dpo", "grpo", *shared)
+    assert pl.config.read_fields(cfg) == (
+        *task,
+        "sft",
+        "reward",
+        "ppo",
+        "judge",
+        "dpo",
+        "grpo",
+        *shared,
+    )
     assert pl.config.read_fields(cfg, ("sft", "kto")) == (*task, "sft", "kto", *shared)
     on_file = pl.config.read_fields(cfg, ("dpo",), data_file=True)
     assert on_file == ("stages", "out", "dpo", "model", "data", "sampling", "ops")
     # online DPO reads the `dpo` section, and the reward model's only when that stage runs
     assert pl.config.read_fields(cfg, ("sft", "online-dpo"))[5:7] == ("sft", "dpo")
     assert "reward" in pl.config.read_fields(cfg, ("sft", "reward", "online-dpo"))
-    assert list(pl.config_to_dict(cfg, only=("ops", "stages"))) == ["ops", "stages"]
+    assert list(pl.config.config_to_dict(cfg, only=("ops", "stages"))) == ["ops", "stages"]
     assert pl.config.help_sections("kto", cfg) == ("kto", "sft", "model", "sampling", "ops", "data")
     with pytest.raises(pl.ConfigError, match="nope: unknown config section"):
-        pl.config_to_dict(cfg, only=("nope",))
+        pl.config.config_to_dict(cfg, only=("nope",))
 
 
 def test_result_line_shows_rates_not_their_standard_errors():

@@ -81,7 +81,7 @@ CHILD = textwrap.dedent(
                 key=jax.random.key(7),
                 checkpoint_dir=os.path.join(run_dir, "sft", "checkpoints"),
                 resume=rd.resume, prompt_length=12,
-                meta={"stage": "sft", "config": pl.config_to_dict(cfg)},
+                meta={"stage": "sft", "config": pl.config.config_to_dict(cfg)},
             )
             res = pl.runs.run_sft(policy, tok, records, cfg=cfg.sft, ctx=ctx)
             eqx.tree_serialise_leaves(out + ".part", res.state)

@@ -297,7 +297,9 @@ def test_short_model_name_resolves():
     assert pl.model_path("smollm2-135m") == SMOLLM2
     assert pl.tools.tokenizer_file("smollm2-135m") == SMOLLM2
     assert pl.model_path("builtin") == "builtin"
-    cfg = pl.tools.resolve_model_names(pl.PipelineConfig(model=pl.ModelConfig(source="smollm2-135m")))
+    cfg = pl.tools.resolve_model_names(
+        pl.PipelineConfig(model=pl.ModelConfig(source="smollm2-135m"))
+    )
     assert cfg.model.source == SMOLLM2
 
 
@@ -356,7 +358,9 @@ def test_cli_samples_and_exports_smollm2(tmp_path, capsys, fixture):
     assert "Paris" in capsys.readouterr().out
     policy, tok = pl.tools.load_model("smollm2-135m")
     run_dir = os.fspath(tmp_path)
-    pl.runs.export_policy(policy, run_dir, "sft", tokenizer_file=pl.tools.tokenizer_file("smollm2-135m"))
+    pl.runs.export_policy(
+        policy, run_dir, "sft", tokenizer_file=pl.tools.tokenizer_file("smollm2-135m")
+    )
     policy2, tok2 = pl.tools.load_model(os.fspath(tmp_path / "sft" / "hf"))
     for text in fixture["all_texts"][:40]:
         assert tok2.encode(text) == tok.encode(text)

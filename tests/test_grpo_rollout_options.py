@@ -110,7 +110,7 @@ def test_overlapped_run_interrupted_while_preparing_resumes_exactly(builtin, tmp
 
     full = run("full")
     calls.update(n=0, stop_at=2 * 4 + 1)  # rollout 2's first completion, scored in iteration 1
-    with pytest.raises(pl.RunInterrupted) as info:
+    with pytest.raises(pl.loop.RunInterrupted) as info:
         run("cut")
     assert info.value.iteration == 1
     calls["stop_at"] = None
@@ -208,5 +208,5 @@ def test_rollout_settings_are_checked():
         ("grpo.rollout_correction.mode=clip", "mode"),
     ]:
         with pytest.raises(pl.ConfigError) as info:
-            pl.validate_config(pl.apply_overrides(pl.animal_task_config(), [override]))
+            pl.config.validate_config(pl.apply_overrides(pl.animal_task_config(), [override]))
         assert message in str(info.value) and "\n" not in str(info.value)

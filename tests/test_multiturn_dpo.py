@@ -213,7 +213,7 @@ def test_run_multiturn_dpo_is_finite_and_resumes_exactly(tmp_path, monkeypatch):
 
     with monkeypatch.context() as m:
         m.setattr(rx.train.TrainState, "apply", interrupted)
-        with pytest.raises(pl.RunInterrupted):
+        with pytest.raises(pl.loop.RunInterrupted):
             run("cut")
     resumed = run("cut", resume=True)
     assert [r["iteration"] for r in resumed.history] == [1, 1]

@@ -128,7 +128,9 @@ def test_a_broken_chat_template_names_its_file(tmp_path):
 def test_kto_refuses_examples_of_one_label(tmp_path):
     records = [data.UnpairedRecord("p", " c", True)] * 4
     ctx = pl.RunContext(
-        ops=pl.OpsConfig(quiet=True), log=pl.tools.MetricsLog(str(tmp_path), "kto"), key=jax.random.key(0)
+        ops=pl.OpsConfig(quiet=True),
+        log=pl.tools.MetricsLog(str(tmp_path), "kto"),
+        key=jax.random.key(0),
     )
     with pytest.raises(ValueError, match="KTO needs desirable and undesirable examples; all 4"):
         pl.runs.run_kto(_tiny_policy(), None, records, cfg=pl.KTOConfig(), ctx=ctx)
@@ -168,9 +170,9 @@ def test_a_resume_with_every_checkpoint_damaged_is_refused(tmp_path):
     _damage(os.path.join(ck, names[-1]))  # one damaged: the older one is used
     assert pl.tools.latest_checkpoint(ck).endswith(names[0])
     _damage(os.path.join(ck, names[0]))
-    with pytest.raises(pl.RunDirError, match=f"{re.escape(ck)}: every checkpoint is damaged"):
+    with pytest.raises(pl.loop.RunDirError, match=f"{re.escape(ck)}: every checkpoint is damaged"):
         pl.loop.run_iterations(state, iteration, **kw, resume=True)
-    with pytest.raises(pl.RunDirError, match="--overwrite"):
+    with pytest.raises(pl.loop.RunDirError, match="--overwrite"):
         pl.tools.latest_checkpoint(ck)
     assert pl.tools.latest_checkpoint(str(tmp_path / "none")) is None  # no checkpoint: a new run
 
@@ -208,7 +210,7 @@ def test_check_data_records_and_compares_the_fingerprint(tmp_path):
     pl.tools.check_data(str(run), str(path), resume=True)  # unchanged: resumes
     _unpaired(path, flip=True)  # the same size, other labels
     assert os.path.getsize(path) == stored["size"]
-    with pytest.raises(pl.RunDirError, match=f"the data file {re.escape(str(path))} changed"):
+    with pytest.raises(pl.loop.RunDirError, match=f"the data file {re.escape(str(path))} changed"):
         pl.tools.check_data(str(run), str(path), resume=True)
     pl.tools.check_data(str(run), str(path), resume=False)  # a new run records the new file
 
@@ -389,7 +391,9 @@ def test_run_multiturn_runs_an_environment_without_stop_ids(tmp_path):
         key=jax.random.key(0),
         prompt_length=8,
     )
-    res = pl.runs.run_multiturn(policy, tok, ["Once upon a time", "The cat"], _Count(), cfg=cfg, ctx=ctx)
+    res = pl.runs.run_multiturn(
+        policy, tok, ["Once upon a time", "The cat"], _Count(), cfg=cfg, ctx=ctx
+    )
     assert res.loop.iterations == 1 and res.loop.stopped == "done"
 
 

@@ -94,7 +94,7 @@ def test_defaults_are_the_usual_ones_and_the_task_says_what_it_overrides():
     assert c.dpo.lora == pl.LoRASettings(rank=16, alpha=32.0, dropout=0.05, targets=("q", "v"))
     task = pl.animal_task_config()
     assert "Overrides" in task.notes and "LoRA" in task.notes and "KL target" in task.notes
-    pl.validate_config(task)
+    pl.config.validate_config(task)
 
 
 def test_overrides_and_files(tmp_path):
@@ -107,7 +107,7 @@ def test_overrides_and_files(tmp_path):
     path.write_text(json.dumps({"grpo": {"group_size": 4}, "stages": ["sft", "dpo"]}))
     c2 = pl.load_config(str(path), base=c)
     assert c2.grpo.group_size == 4 and c2.stages == ("sft", "dpo") and c2.dpo.beta == 0.2
-    assert pl.config_from_dict(pl.PipelineConfig, pl.config_to_dict(c2)) == c2
+    assert pl.config.config_from_dict(pl.PipelineConfig, pl.config.config_to_dict(c2)) == c2
 
 
 @pytest.mark.parametrize(
@@ -131,7 +131,7 @@ def test_overrides_and_files(tmp_path):
 )
 def test_invalid_configs_fail_naming_the_field(overrides, device_count, message):
     with pytest.raises(pl.ConfigError) as info:
-        pl.validate_config(
+        pl.config.validate_config(
             pl.apply_overrides(pl.animal_task_config(), overrides), device_count=device_count
         )
     assert message in str(info.value) and "\n" not in str(info.value)

@@ -69,7 +69,9 @@ def test_profile_steps_write_a_trace_in_the_run_directory(tmp_path):
     files = [os.path.join(d, f) for d, _, fs in os.walk(trace_dir) for f in fs]
     assert files, "no trace written"
     with pytest.raises(pl.ConfigError, match="ops.profile_steps"):
-        pl.validate_config(pl.apply_overrides(pl.PipelineConfig(), ["ops.profile_steps=3,1"]))
+        pl.config.validate_config(
+            pl.apply_overrides(pl.PipelineConfig(), ["ops.profile_steps=3,1"])
+        )
 
 
 def test_tensorboard_scalars_when_a_writer_is_installed(tmp_path, monkeypatch):
@@ -116,6 +118,8 @@ def test_sft_run_counts_six_flops_per_parameter_and_token(tmp_path):
         peak_flops=1e9,
     )
     sft = pl.SFTConfig(steps=1, batch_size=2, max_length=24, lora=pl.LoRASettings(rank=0))
-    res = pl.runs.run_sft(policy, tok, [("Once", " upon a time"), ("The", " dog ran")], cfg=sft, ctx=ctx)
+    res = pl.runs.run_sft(
+        policy, tok, [("Once", " upon a time"), ("The", " dog ran")], cfg=sft, ctx=ctx
+    )
     (rec,) = res.history
     assert rec["model_flops"] == 6 * rx.count_params(policy) * 2 * 24 and rec["mfu"] > 0

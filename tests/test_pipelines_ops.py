@@ -153,8 +153,8 @@ def test_stop_strings_config_from_the_command_line():
     assert c.sampling.stop_strings == ("\n\nHuman:", "###")
     assert pl.PipelineConfig().sampling.stop_strings == ()
     with pytest.raises(pl.ConfigError, match="sampling.stop_strings"):
-        pl.validate_config(
-            pl.config_from_dict(pl.PipelineConfig, {"sampling": {"stop_strings": [""]}})
+        pl.config.validate_config(
+            pl.config.config_from_dict(pl.PipelineConfig, {"sampling": {"stop_strings": [""]}})
         )
 
 
@@ -210,7 +210,7 @@ def test_quality_report_goes_to_the_log_and_the_filter_says_what_it_dropped(tmp_
     assert last["event"] == "data_filter" and last["kept"] == 3
     assert last["dropped_identical"] == 1 and last["dropped_empty"] == 1
     with pytest.raises(pl.ConfigError, match="data.filter"):
-        pl.validate_config(pl.apply_overrides(pl.PipelineConfig(), ["data.filter=typos"]))
+        pl.config.validate_config(pl.apply_overrides(pl.PipelineConfig(), ["data.filter=typos"]))
 
 
 def test_data_runs_split_by_prompt_with_the_library_split():

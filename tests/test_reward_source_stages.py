@@ -136,7 +136,7 @@ def test_judge_source_scores_every_completion_in_one_pass(builtin):
 )
 def test_reward_source_settings_are_checked(overrides, message):
     with pytest.raises(pl.ConfigError) as info:
-        pl.validate_config(pl.apply_overrides(pl.animal_task_config(), overrides))
+        pl.config.validate_config(pl.apply_overrides(pl.animal_task_config(), overrides))
     assert message in str(info.value) and "\n" not in str(info.value)
 
 

@@ -764,7 +764,9 @@ def test_judge_scores_a_whole_rollout_as_a_reward_function(getkey):
         texts=texts,
         group_size=2,
     )
-    rewards, metrics = pl.runs.score_rollout(roll, [pl.runs.RewardFunction("judge", judge.for_rollout(roll))])
+    rewards, metrics = pl.runs.score_rollout(
+        roll, [pl.runs.RewardFunction("judge", judge.for_rollout(roll))]
+    )
     want = judge.score(prompts, texts)
     np.testing.assert_allclose(rewards, want, rtol=1e-6)
     one_by_one, _ = pl.runs.score_rollout(roll, [pl.runs.RewardFunction("judge", judge)])

@@ -59,7 +59,9 @@ def test_a_second_run_into_a_live_directory_refuses_naming_the_holder(tmp_path):
     )
     try:
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(pl.RunDirError, match=f"in use by another run \\(process {holder.pid}"):
+        with pytest.raises(
+            pl.loop.RunDirError, match=f"in use by another run \\(process {holder.pid}"
+        ):
             pl.tools.open_run_dir(_cfg(tmp_path), str(tmp_path))
         assert not (tmp_path / "config.json").exists()  # nothing was written
     finally:
@@ -78,7 +80,7 @@ def test_a_new_run_into_an_old_one_refuses_and_overwrite_moves_it_aside(tmp_path
     run = tmp_path / "run"
     with pl.tools.open_run_dir(_cfg(run), str(run)):
         (run / "metrics.jsonl").write_text('{"stage": "sft", "step": 0}\n')
-    with pytest.raises(pl.RunDirError, match="--resume.*--overwrite"):
+    with pytest.raises(pl.loop.RunDirError, match="--resume.*--overwrite"):
         pl.tools.open_run_dir(_cfg(run, label_noise=0.2), str(run))
     assert json.loads((run / "config.json").read_text())["label_noise"] == 0.1
     with pl.tools.open_run_dir(_cfg(run, label_noise=0.2), str(run), overwrite=True) as rd:
@@ -112,7 +114,7 @@ def test_resume_refuses_a_changed_configuration_and_keeps_config_json(tmp_path):
         dpo=dataclasses.replace(_cfg(run).dpo, beta=0.3),
         ops=dataclasses.replace(_cfg(run).ops, seed=1),
     )
-    with pytest.raises(pl.RunDirError) as e:
+    with pytest.raises(pl.loop.RunDirError) as e:
         pl.tools.open_run_dir(changed, str(run), resume=True)
     assert "dpo.beta: 0.1 -> 0.3" in str(e.value) and "ops.seed: 0 -> 1" in str(e.value)
     assert (run / "config.json").read_text() == stored
@@ -129,9 +131,11 @@ def test_resume_refuses_a_changed_configuration_and_keeps_config_json(tmp_path):
 def test_a_changed_count_of_an_upstream_stage_is_refused(tmp_path):
     run = tmp_path / "run"
     with pl.tools.open_run_dir(_cfg(run), str(run)):
-        pl.tools.save_checkpoint(str(run / "grpo" / "checkpoints"), 1, {"w": jnp.ones(2)}, {}, keep=1)
+        pl.tools.save_checkpoint(
+            str(run / "grpo" / "checkpoints"), 1, {"w": jnp.ones(2)}, {}, keep=1
+        )
     more_sft = _cfg(run, sft=dataclasses.replace(_cfg(run).sft, steps=40))
-    with pytest.raises(pl.RunDirError, match="sft.steps changed 30 -> 40, but grpo"):
+    with pytest.raises(pl.loop.RunDirError, match="sft.steps changed 30 -> 40, but grpo"):
         pl.tools.open_run_dir(more_sft, str(run), resume=True)
 
 
@@ -174,20 +178,20 @@ def test_the_checkpointed_config_is_checked_by_the_loop(tmp_path):
     ops = pl.OpsConfig(quiet=True, checkpoint_every=1)
     log = pl.tools.MetricsLog(str(tmp_path), "q", quiet=True)
     kw = dict(key=jax.random.key(0), ops=ops, log=log, checkpoint_dir=d)
-    meta = {"config": pl.config_to_dict(pl.animal_task_config())}
+    meta = {"config": pl.config.config_to_dict(pl.animal_task_config())}
     pl.loop.run_iterations(state, _quadratic_iteration(opt), num_iterations=3, meta=meta, **kw)
     other = pl.animal_task_config()
     other = dataclasses.replace(other, sft=dataclasses.replace(other.sft, batch_size=4))
-    with pytest.raises(pl.RunDirError, match="sft.batch_size: 16 -> 4"):
+    with pytest.raises(pl.loop.RunDirError, match="sft.batch_size: 16 -> 4"):
         pl.loop.run_iterations(
             state,
             _quadratic_iteration(opt),
             num_iterations=3,
-            meta={"config": pl.config_to_dict(other)},
+            meta={"config": pl.config.config_to_dict(other)},
             resume=True,
             **kw,
         )
-    with pytest.raises(pl.RunDirError, match="past the 2 iterations"):
+    with pytest.raises(pl.loop.RunDirError, match="past the 2 iterations"):
         pl.loop.run_iterations(
             state, _quadratic_iteration(opt), num_iterations=2, meta=meta, resume=True, **kw
         )

@@ -56,7 +56,9 @@ def test_nll_matches_completion_nll_and_scores(model):
     }
     for side, m in (("before", policy), ("after", other)):
         roll = pl.runs.sample_rollout(m, tok, PROMPTS, key, group_size=3, **opts)
-        assert ev[f"base_nll_{side}"] == pytest.approx(pl.runs.completion_nll(policy, roll), rel=1e-5)
+        assert ev[f"base_nll_{side}"] == pytest.approx(
+            pl.runs.completion_nll(policy, roll), rel=1e-5
+        )
         s = np.asarray([float("a" in t) for t in roll.texts])
         assert ev[f"score_{side}"] == pytest.approx(s.mean())
         per_prompt = s.reshape(len(PROMPTS), 3).mean(1)
@@ -77,4 +79,4 @@ def test_no_prompts(model):
 def test_eval_prompts_is_validated():
     cfg = _cfg(eval_prompts=-1)
     with pytest.raises(Exception, match="data.eval_prompts"):
-        pl.validate_config(cfg)
+        pl.config.validate_config(cfg)

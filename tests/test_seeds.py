@@ -168,7 +168,7 @@ def test_run_seeds_summary_is_made_of_the_per_seed_summaries_and_resume_skips_fi
     seed0 = out / "seed-0"
     first = _read(seed0 / "summary.json")
     metrics_mtime = os.path.getmtime(seed0 / "metrics.jsonl")
-    with pytest.raises(pl.RunDirError, match="already holds a run"):
+    with pytest.raises(pl.loop.RunDirError, match="already holds a run"):
         pl.tools.run_seeds(cfg, 2)  # a new run into the old one is refused
     capsys.readouterr()
     result = pl.tools.run_seeds(cfg, 2, resume=True)
@@ -177,7 +177,9 @@ def test_run_seeds_summary_is_made_of_the_per_seed_summaries_and_resume_skips_fi
     per_seed = {s: _read(out / f"seed-{s}" / "summary.json") for s in (0, 1)}
     assert per_seed[0] == first
     assert _read(out / "seed-1" / "config.json")["ops"]["seed"] == 1
-    assert _read(out / "seeds_summary.json") == json.loads(json.dumps(pl.tools.summarize_seeds(per_seed)))
+    assert _read(out / "seeds_summary.json") == json.loads(
+        json.dumps(pl.tools.summarize_seeds(per_seed))
+    )
     assert result == pl.tools.summarize_seeds(per_seed)
     for path in ("base.score", "sft.score", "sft.score_se", "sft.kl", "sft.base_nll"):
         m = result["metrics"][path]

@@ -67,7 +67,7 @@ def test_a_registered_stage_has_help_and_checked_settings(toy_stage, capsys):
     assert cfg.toy == ToyConfig(repeat=4, lora=task_lora)
     assert pl.animal_task_config().toy == ToyConfig(lora=task_lora) == pl.config.task_section("toy")
     assert pl.PipelineConfig().toy == ToyConfig()
-    assert pl.config_from_dict(pl.PipelineConfig, pl.config_to_dict(cfg)) == cfg
+    assert pl.config.config_from_dict(pl.PipelineConfig, pl.config.config_to_dict(cfg)) == cfg
 
 
 def test_registry_refuses_duplicates_and_bad_stages():
@@ -106,9 +106,9 @@ def test_every_stage_section_takes_one_route(toy_stage):
     assert again.dpo == dpo and again.toy == ToyConfig() and again.stages == ("sft", "toy")
     assert set(again.sections) == {"dpo"}  # the toy section is at its defaults
     assert again == pl.PipelineConfig(dpo=dpo, stages=("sft", "toy"))
-    d = pl.config_to_dict(cfg)
+    d = pl.config.config_to_dict(cfg)
     assert list(d)[:6] == ["model", "data", "sampling", "ops", "sft", "reward"]
-    assert d["toy"]["repeat"] == 3 and pl.config_from_dict(pl.PipelineConfig, d) == cfg
+    assert d["toy"]["repeat"] == 3 and pl.config.config_from_dict(pl.PipelineConfig, d) == cfg
     with pytest.raises(TypeError, match="no field or stage section 'nope'"):
         pl.PipelineConfig(nope=dpo)
     with pytest.raises(TypeError, match="PipelineConfig.dpo: expected DPOConfig"):

@@ -135,7 +135,7 @@ def test_resumed_sweep_is_bit_identical_to_the_uninterrupted_one(swept, tmp_path
     for name in os.listdir(os.path.join(out, "members")):
         shutil.rmtree(os.path.join(out, "members", name, "dpo"))
         os.remove(os.path.join(out, "members", name, "summary.json"))
-    with pytest.raises(pl.RunDirError, match="already holds a sweep"):
+    with pytest.raises(pl.loop.RunDirError, match="already holds a sweep"):
         pl.sweep("dpo", tiny_config(), seeds=2, grid={"dpo.beta": [0.1, 0.3]}, out=out)
     res = pl.sweep(
         "dpo", tiny_config(), seeds=2, grid={"dpo.beta": [0.1, 0.3]}, out=out, resume=True

@@ -178,7 +178,7 @@ def tracked_run(tmp_path_factory):
         mp.setenv("WANDB_SILENT", "true")
         mp.setenv("WANDB_CONSOLE", "off")
         guard.install(mp)
-        with pl.open_trackers(names, run_dir, CONFIG, group=GROUP) as trackers:
+        with pl.trackers.open_trackers(names, run_dir, CONFIG, group=GROUP) as trackers:
             started = trackers.names
             where = {n: t for n, t in trackers.trackers.items()}
             summary = _tiny_stages(run_dir)
@@ -201,7 +201,7 @@ def test_the_network_guard_refuses_what_would_leave_the_machine(monkeypatch):
 def test_every_installed_tracker_starts_offline_and_reaches_no_network(tracked_run):
     run_dir, _, started, attempts, where = tracked_run
     assert attempts == []
-    assert pl.active_trackers(run_dir) is None  # finished: the run directory is released
+    assert pl.trackers.active_trackers(run_dir) is None  # finished: the run directory is released
     if "wandb" in where:
         assert where["wandb"].run.settings.mode == "offline"
         assert os.path.commonpath([where["wandb"].run.dir, run_dir]) == run_dir
@@ -389,7 +389,7 @@ def test_trackio_store_holds_config_group_logs_and_summary(tracked_run):
 # --- failures and choices ---------------------------------------------------------------
 
 
-class _Refuses(pl.Tracker):
+class _Refuses(pl.trackers.Tracker):
     def __init__(self, run_dir):
         del run_dir
 
@@ -406,7 +406,7 @@ class _Refuses(pl.Tracker):
         raise AssertionError("never started, never called")
 
 
-class _Breaks(pl.Tracker):
+class _Breaks(pl.trackers.Tracker):
     """Starts, then fails on its second record."""
 
     calls: list = []
@@ -430,11 +430,11 @@ class _Breaks(pl.Tracker):
 
 
 def test_a_tracker_that_fails_prints_one_line_and_the_run_completes(tmp_path, capsys):
-    pl.register_tracker("test-refuses", _Refuses)
-    pl.register_tracker("test-breaks", _Breaks)
+    pl.trackers.register_tracker("test-refuses", _Refuses)
+    pl.trackers.register_tracker("test-breaks", _Breaks)
     _Breaks.calls = []
     run_dir = str(tmp_path / "run")
-    with pl.open_trackers(["test-refuses", "test-breaks"], run_dir, {}) as trackers:
+    with pl.trackers.open_trackers(["test-refuses", "test-breaks"], run_dir, {}) as trackers:
         assert trackers.names == ("test-breaks",)
         summary = _tiny_stages(run_dir)
         assert trackers.names == ()
@@ -454,7 +454,7 @@ def test_a_tracker_that_fails_prints_one_line_and_the_run_completes(tmp_path, ca
 
 def test_a_missing_library_is_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "wandb", None)
-    with pl.open_trackers(["wandb"], str(tmp_path), {}) as trackers:
+    with pl.trackers.open_trackers(["wandb"], str(tmp_path), {}) as trackers:
         assert trackers.names == ()
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("tracker wandb: could not start (")
@@ -464,32 +464,32 @@ def test_a_missing_library_is_one_line(tmp_path, monkeypatch, capsys):
 def test_unknown_tracker_names_are_refused_listing_the_known_ones():
     cfg = pl.apply_overrides(pl.PipelineConfig(), ["ops.trackers=tensorboard,wandb"])
     assert cfg.ops.trackers == ("tensorboard", "wandb")
-    pl.validate_config(cfg)
+    pl.config.validate_config(cfg)
     bad = pl.apply_overrides(pl.PipelineConfig(), ["ops.trackers=wandb,neptune"])
     with pytest.raises(pl.ConfigError) as e:
-        pl.validate_config(bad)
+        pl.config.validate_config(bad)
     assert str(e.value).startswith("ops.trackers=neptune: must be one of tensorboard, wandb,")
     assert "mlflow" in str(e.value) and "trackio" in str(e.value)
     with pytest.raises(pl.ConfigError, match="ops.trackers=neptune"):
-        pl.open_trackers(["neptune"], "unused", {})
+        pl.trackers.open_trackers(["neptune"], "unused", {})
 
 
 def test_the_pipeline_config_selects_the_trackers_and_the_group(tmp_path):
-    pl.register_tracker("test-breaks", _Breaks)
+    pl.trackers.register_tracker("test-breaks", _Breaks)
     _Breaks.calls = []
     cfg = pl.apply_overrides(
         pl.PipelineConfig(),
         ["ops.trackers=test-breaks", "ops.tracker_group=lr-sweep", "ops.tensorboard=true"],
     )
-    with pl.run_trackers(cfg, str(tmp_path / "m3")) as trackers:
-        assert pl.active_trackers(str(tmp_path / "m3")) is trackers
+    with pl.trackers.run_trackers(cfg, str(tmp_path / "m3")) as trackers:
+        assert pl.trackers.active_trackers(str(tmp_path / "m3")) is trackers
         assert set(trackers.names) <= {"test-breaks", "tensorboard"}
         assert "test-breaks" in trackers.names
     assert _Breaks.calls[0] == ("start", "m3", "lr-sweep")
     assert _Breaks.calls[-1] == ("finish",)
 
 
-class _Records(pl.Tracker):
+class _Records(pl.trackers.Tracker):
     """Keeps what it is given (a plain backend of the protocol)."""
 
     seen: list = []
@@ -511,10 +511,10 @@ class _Records(pl.Tracker):
 
 
 def test_the_run_summary_file_is_logged_when_the_trackers_finish(tmp_path):
-    pl.register_tracker("test-records", _Records)
+    pl.trackers.register_tracker("test-records", _Records)
     _Records.seen = []
     run_dir = str(tmp_path / "r")
-    with pl.open_trackers(["test-records"], run_dir, {"a": 1}, group="g", run_name="name"):
+    with pl.trackers.open_trackers(["test-records"], run_dir, {"a": 1}, group="g", run_name="name"):
         log = pl.tools.MetricsLog(run_dir, "reward", quiet=True)
         log.write({"iteration": 0, "step": 0, "loss": 0.5, "ok": True, "note": "x"})
         log.write({"eval": True, "iteration": 1, "step": 1, "accuracy": 0.75})

@@ -15,13 +15,15 @@ from . import _kto_stage, _distill_stage, _multiturn_stage, _multiturn_dpo_stage
 from . import _prm_stage  # noqa: F401
 
 # isort: on
-from . import config as config, loop as loop, runs as runs, task as task, tools as tools
-from ._callbacks import (
-    Callback as Callback,
-    CallbackError as CallbackError,
-    RunHandle as RunHandle,
-    load_callback as load_callback,
+from . import (
+    config as config,
+    loop as loop,
+    runs as runs,
+    task as task,
+    tools as tools,
+    trackers as trackers,
 )
+from ._callbacks import Callback as Callback
 from ._config import (
     ConfigError as ConfigError,
     DataConfig as DataConfig,
@@ -30,18 +32,12 @@ from ._config import (
     OpsConfig as OpsConfig,
     SamplingConfig as SamplingConfig,
 )
-from ._config_io import (
-    apply_overrides as apply_overrides,
-    config_from_dict as config_from_dict,
-    config_to_dict as config_to_dict,
-    load_config as load_config,
-)
+from ._config_io import apply_overrides as apply_overrides, load_config as load_config
 from ._data_runs import run_on_data as run_on_data
 from ._distill_stage import DistillConfig as DistillConfig
 from ._dpo_stage import DPOConfig as DPOConfig
 from ._grpo_stage import GRPOConfig as GRPOConfig
 from ._kto_stage import KTOConfig as KTOConfig
-from ._loop_state import RunInterrupted as RunInterrupted
 from ._multiturn_dpo_stage import MultiturnDPOConfig as MultiturnDPOConfig
 from ._multiturn_stage import MultiturnConfig as MultiturnConfig
 from ._pipeline import model_path as model_path, run_pipeline as run_pipeline
@@ -58,29 +54,8 @@ from ._registry import (
     StageEnv as StageEnv,
     register_stage as register_stage,
 )
-from ._resume_rules import RunDirError as RunDirError
 from ._reward_stage import RewardConfig as RewardConfig
 from ._runs import RunContext as RunContext
 from ._sampled_eval import sampled_comparison as sampled_comparison
 from ._sft_stage import SFTConfig as SFTConfig
-from ._sweep import (
-    SweepResult as SweepResult,
-    sweep as sweep,
-    sweep_command as sweep_command,
-)
-from ._tracker_backends import (
-    MLflowTracker as MLflowTracker,
-    TensorBoardTracker as TensorBoardTracker,
-    TrackioTracker as TrackioTracker,
-    WandbTracker as WandbTracker,
-)
-from ._trackers import (
-    Tracker as Tracker,
-    Trackers as Trackers,
-    active_trackers as active_trackers,
-    open_trackers as open_trackers,
-    register_tracker as register_tracker,
-    run_trackers as run_trackers,
-    tracker_names as tracker_names,
-)
-from ._validation import validate_config as validate_config
+from ._sweep import SweepResult as SweepResult, sweep as sweep

@@ -34,7 +34,7 @@ class Tracker(abc.ABC):
     without that tracker.
 
     ```python
-    class PrintTracker(pl.Tracker):
+    class PrintTracker(pl.trackers.Tracker):
         def __init__(self, run_dir):
             self.run_dir = run_dir
 
@@ -50,7 +50,7 @@ class Tracker(abc.ABC):
         def finish(self):
             print("done")
 
-    pl.register_tracker("print", PrintTracker)  # then --set ops.trackers=print
+    pl.trackers.register_tracker("print", PrintTracker)  # then --set ops.trackers=print
     ```
     """
 

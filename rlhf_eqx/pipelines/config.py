@@ -2,9 +2,9 @@
 registry's queries (`stages`, `get_stage`, ...), the shared fields of batch and rollout
 stages, the built-in task's stage settings, what a command's `--help` and a run print
 (`config_help`, `read_fields`), and the checks of single sections (`validate_stage`,
-`validate_ops`, `validate_judge`). `rlhf_eqx.pipelines` itself has `PipelineConfig`,
-`load_config`, `config_to_dict`, `config_from_dict`, `apply_overrides` and
-`validate_config`."""
+`validate_ops`, `validate_judge`), the whole configuration's check (`validate_config`)
+and its dictionary form (`config_to_dict`, `config_from_dict`). `rlhf_eqx.pipelines`
+itself has `PipelineConfig`, `load_config` and `apply_overrides`."""
 
 from ._config import (
     REWARD_SOURCES as REWARD_SOURCES,
@@ -12,7 +12,12 @@ from ._config import (
     RolloutStageConfig as RolloutStageConfig,
 )
 from ._config_help import config_help as config_help, help_sections as help_sections
-from ._config_io import SHARED_SECTIONS as SHARED_SECTIONS, read_fields as read_fields
+from ._config_io import (
+    SHARED_SECTIONS as SHARED_SECTIONS,
+    config_from_dict as config_from_dict,
+    config_to_dict as config_to_dict,
+    read_fields as read_fields,
+)
 from ._data_runs import data_stages as data_stages
 from ._pipeline_config import (
     TASK_STAGE_SETTINGS as TASK_STAGE_SETTINGS,
@@ -27,6 +32,7 @@ from ._registry import (
 )
 from ._validation import (
     DATA_FORMATS as DATA_FORMATS,
+    validate_config as validate_config,
     validate_judge as validate_judge,
     validate_ops as validate_ops,
     validate_stage as validate_stage,

@@ -36,3 +36,4 @@ from ._seeds import (
     seeds_command as seeds_command,
     summarize_seeds as summarize_seeds,
 )
+from ._sweep import sweep_command as sweep_command

@@ -97,8 +97,13 @@ class GRPOConfig(RolloutStageConfig, GRPOSettings):
       base is placed on the sampler once), timed as `rollout/weight_sync_s` (bytes:
       `rollout/weight_sync_bytes`); the sampler splits the prompts over its `data`
       axis. The numbers are the colocated run's (up to float reassociation under FSDP).
-      With `staleness >= 1` and `overlap`, the next rollout samples on the sampler
-      mesh while the update runs on the trainer mesh.
+      With `staleness = k >= 1` and `overlap`, the sampler runs ahead on its mesh while
+      the trainer updates: up to `k` rollouts queued (rollout `r + j` samples with the
+      policy of update `r + j - k`, known before update `r` for `j <= k`), consumed in
+      order (`rollout/queued`); the numbers are those of the run without overlap, and a
+      resumed run samples the queued rollouts again from the checkpoint's stale
+      policies. `sampler_device` and `placement=split` exclude each other; the
+      multi-process case (sampler and trainer in different processes) is not covered.
     - `dynamic_sampling`: DAPO's dynamic sampling (Yu et al. 2025) — groups whose
       rewards all agree are dropped and the batch refilled with fresh groups, at most
       this many samplings per rollout (0: off, >= 0); what is still missing is filled

@@ -431,9 +431,9 @@ def generate_paged(
     case (the default) nothing ever waits; rows' `budgets` make the worst cases tight.
 
     **Outputs.** Scheduling, keys and sampling are `generate_continuous`'s: each row's
-    tokens and log-probs equal the dense sampler's and `generate_batch`'s for the same
-    keys (up to float32 rounding of the attention sums, which are laid out differently),
-    whatever `slots`, `page_size`, `num_pages` and the sharing. One compile per shapes
+    tokens and log-probs equal the dense sampler's for the same keys (and, greedy,
+    `generate_batch`'s), up to float32 rounding of the attention sums, which are laid out
+    differently, whatever `slots`, `page_size`, `num_pages` and the sharing. One compile per shapes
     and settings (the sharing plan is data).
 
     **Arguments:** as `generate_continuous` (`policy` must be a `rlhf_eqx.Policy`; the
@@ -448,8 +448,9 @@ def generate_paged(
     still held at the end: 0).
 
     Raises `ValueError` in one line naming the argument for a bad `page_size` or
-    `num_pages`, a pool too small for the largest request alone, traced prompts, a
-    decoder that is not a `Policy`, and everything `generate_continuous` refuses.
+    `num_pages`, a pool too small for the largest request alone, traced prompts, and
+    everything `generate_continuous` refuses; `TypeError` for a decoder that is not a
+    `Policy`.
     """
     if not isinstance(policy, Policy):
         raise TypeError(

@@ -172,27 +172,36 @@ def test_split_placement_synchronous_full_fine_tuning(builtin, tmp_path, monkeyp
         (dict(placement="apart"), r"grpo.placement='apart': must be one of colocated, split"),
         (
             dict(placement="split", sampler_devices=6.0, trainer_devices=4.0),
-            r"grpo.sampler_devices=6.0: 6 sampler \+ 4 trainer devices .* exceed the 8 available",
+            r"grpo.sampler_devices=6.0: 6 sampler \+ 4 trainer devices .* must fit in the 8",
         ),
         (
             dict(placement="split", trainer_devices=0.0),
             r"grpo.trainer_devices=0.0: must be a device",
         ),
-        (dict(placement="split", sampler_devices=2.5), r"grpo.sampler_devices=2.5: a count"),
-        (dict(placement="split", sampler_devices=0.05), r"grpo.sampler_devices=0.05: is less"),
+        (
+            dict(placement="split", sampler_devices=2.5),
+            r"grpo.sampler_devices=2.5: must be a whole number",
+        ),
+        (
+            dict(placement="split", sampler_devices=0.05),
+            r"grpo.sampler_devices=0.05: must be at least one of the 8",
+        ),
         (
             dict(placement="split", trainer_mesh="fsdp:2"),
-            r"grpo.trainer_mesh='fsdp:2': spans 2 device\(s\), but 4 are assigned",
+            r"grpo.trainer_mesh='fsdp:2': must span the 4 device\(s\) assigned to it, not 2",
         ),
         (
             dict(placement="split", sampler_mesh="data:2,fsdp:2"),
-            r"grpo.sampler_mesh='data:2,fsdp:2': names data and fsdp",
+            r"grpo.sampler_mesh='data:2,fsdp:2': must name data or fsdp, not both",
         ),
         (dict(placement="split", sampler_mesh="pipe:4"), r"grpo.sampler_mesh='pipe:4': must be"),
-        (dict(trainer_mesh="fsdp:4"), r"grpo.trainer_mesh='fsdp:4': needs grpo.placement=split"),
+        (
+            dict(trainer_mesh="fsdp:4"),
+            r"grpo.trainer_mesh='fsdp:4': must be empty unless grpo.placement=split",
+        ),
         (
             dict(placement="split", sampler_device=1),
-            r"grpo.sampler_device=1: with grpo.placement=split",
+            r"grpo.sampler_device=1: must stay -1 with grpo.placement=split",
         ),
     ],
 )

@@ -29,7 +29,13 @@ from ._data_prep import (
 from ._field_checks import _at_least, _check_options, _choice, _divides, _fail
 from ._lr_scale import build_optimizer
 from ._monitor import model_flops
-from ._placement import PLACEMENTS, SplitPlacement, split_devices
+from ._placement import (
+    PLACEMENTS,
+    SplitPlacement,
+    check_device_setting,
+    parse_mesh,
+    split_devices,
+)
 from ._registry import Outcome, Stage, StageEnv, register_stage
 from ._reward_sources import (
     RewardSource,
@@ -168,19 +174,27 @@ class GRPOConfig(RolloutStageConfig, GRPOSettings):
         _at_least(f"{name}.dynamic_sampling", self.dynamic_sampling, 0)
         _at_least(f"{name}.overlong_buffer", self.overlong_buffer, 0)
         _choice(f"{name}.placement", self.placement, PLACEMENTS)
+        for field in ("trainer_devices", "sampler_devices"):
+            check_device_setting(f"{name}.{field}", getattr(self, field))
+        for field in ("trainer_mesh", "sampler_mesh"):
+            parse_mesh(f"{name}.{field}", getattr(self, field))
         if self.placement == "split":
             if self.sampler_device != -1:
                 _fail(
                     f"{name}.sampler_device",
                     self.sampler_device,
-                    f"with {name}.placement=split the sampler's devices are "
-                    f"{name}.sampler_devices; leave sampler_device at -1",
+                    f"must stay -1 with {name}.placement=split (the sampler's devices are "
+                    f"{name}.sampler_devices)",
                 )
             split_devices(name, self, jax.devices())
         else:
             for field in ("trainer_mesh", "sampler_mesh"):
                 if getattr(self, field):
-                    _fail(f"{name}.{field}", getattr(self, field), f"needs {name}.placement=split")
+                    _fail(
+                        f"{name}.{field}",
+                        getattr(self, field),
+                        f"must be empty unless {name}.placement=split",
+                    )
 
 
 class OffPolicyState(eqx.Module):

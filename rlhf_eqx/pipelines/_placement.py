@@ -40,30 +40,35 @@ def _fail(field: str, value, why: str):
     raise ConfigError(f"{field}={value!r}: {why}")
 
 
+def check_device_setting(field: str, value) -> None:
+    """A device setting's form: a whole count `>= 1` or a fraction in (0, 1)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        _fail(field, value, "must be a device count >= 1 or a fraction in (0, 1)")
+    if value <= 0:
+        _fail(field, value, "must be a device count >= 1 or a fraction in (0, 1)")
+    if value >= 1 and value != int(value):
+        _fail(field, value, "must be a whole number of devices (or a fraction < 1)")
+
+
 def device_count_of(field: str, value, available: int) -> int:
     """A device setting as a count: `value >= 1` a whole number of devices, `0 < value <
     1` that fraction of the `available` devices (rounded down, at least one)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        _fail(field, value, "must be a device count >= 1 or a fraction in (0, 1)")
+    check_device_setting(field, value)
     if value >= 1:
-        if value != int(value):
-            _fail(field, value, "a count of devices must be a whole number (or a fraction < 1)")
         return int(value)
-    if value <= 0:
-        _fail(field, value, "must be a device count >= 1 or a fraction in (0, 1)")
     n = int(math.floor(value * available))
     if n < 1:
-        _fail(field, value, f"is less than one of the {available} device(s)")
+        _fail(field, value, f"must be at least one of the {available} device(s)")
     return n
 
 
-def parse_mesh(field: str, text: str, n: int) -> MeshShape:
+def parse_mesh(field: str, text: str, n: int | None = None) -> MeshShape:
     """The mesh setting `text` for `n` devices: comma-separated `axis:size` with axes
     `data` (data parallel, parameters replicated), `fsdp` (data parallel with parameters,
     gradients and optimiser state split over the data axis) and `model` (tensor parallel);
-    `""` is `data:n`. The sizes must multiply to `n`."""
+    `""` is `data:n`. The sizes must multiply to `n` (unchecked when `n` is `None`)."""
     if text == "":
-        return MeshShape(n, 1, False)
+        return MeshShape(n or 1, 1, False)
     sizes: dict[str, int] = {}
     for part in str(text).split(","):
         axis, _, size = part.strip().partition(":")
@@ -75,15 +80,15 @@ def parse_mesh(field: str, text: str, n: int) -> MeshShape:
                 "(e.g. fsdp:4, data:2,model:2)",
             )
         if axis in sizes:
-            _fail(field, text, f"names the axis {axis} twice")
+            _fail(field, text, f"must name each axis once ({axis} twice)")
         sizes[axis] = int(size)
     if "data" in sizes and "fsdp" in sizes:
-        _fail(field, text, "names data and fsdp: one data axis, with or without FSDP")
+        _fail(field, text, "must name data or fsdp, not both (one data axis, with or without FSDP)")
     shape = MeshShape(
         sizes.get("data", sizes.get("fsdp", 1)), sizes.get("model", 1), "fsdp" in sizes
     )
-    if shape.size != n:
-        _fail(field, text, f"spans {shape.size} device(s), but {n} are assigned to it")
+    if n is not None and shape.size != n:
+        _fail(field, text, f"must span the {n} device(s) assigned to it, not {shape.size}")
     return shape
 
 
@@ -101,7 +106,7 @@ def split_devices(
             f"{name}.sampler_devices",
             cfg.sampler_devices,
             f"{s} sampler + {t} trainer devices ({name}.trainer_devices={cfg.trainer_devices!r}) "
-            f"exceed the {available} available; on CPU, "
+            f"must fit in the {available} available; on CPU, "
             "XLA_FLAGS=--xla_force_host_platform_device_count=8 makes eight",
         )
     trainer_mesh = parse_mesh(f"{name}.trainer_mesh", cfg.trainer_mesh, t)

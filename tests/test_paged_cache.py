@@ -227,10 +227,6 @@ def test_shared_prefixes_and_groups_equal_the_dense_sampler(policy):
     # every row maps the 2 full system-prompt pages (the rest of a prompt is a partial
     # page, private): once held, they are mapped, not written again
     assert int(stats.pages_shared) > 0
-    # the rows, one slot at a time, still agree (pages freed and the prefix re-read)
-    single, one = rx.generate_paged(policy, toks, masks, keys, slots=1, page_size=4, **kw)
-    _assert_same(single, dense)
-    _assert_returned(one)
 
 
 def test_a_groups_prompt_pages_are_held_once(policy):
@@ -349,13 +345,13 @@ def test_shared_prefixes_at_every_page_size(policy):
     kw = dict(max_new_tokens=N, budgets=budgets, num_samples=G, eos_id=5, **SAMPLING)
     dense = rx.generate_continuous(policy, toks, masks, keys, slots=5, **kw)
     for page_size in (1, 2, 5, 8):
-        for slots in (3, 12):
+        for slots in (1, 3, 12):  # one slot: pages freed and the prefix written again
             out, stats = rx.generate_paged(
                 policy, toks, masks, keys, slots=slots, page_size=page_size, **kw
             )
             _assert_same(out, dense)
             _assert_returned(stats)
-            assert int(stats.pages_shared) > 0
+            assert int(stats.pages_shared) > 0 or slots == 1
 
 
 class _NotAPolicy(rx.models.AbstractDecoder):

@@ -221,3 +221,28 @@ def test_grpo_sweep_members_equal_their_separate_runs(extra, stopped, tmp_path):
         assert res.summaries[mem.name]["stopped"] == summary["grpo"]["stopped"]
         for k in POLICY_SUMMARY:
             assert res.summaries[mem.name][k] == pytest.approx(summary["grpo"][k], abs=1e-4), k
+
+
+def test_ppo_sweep_members_equal_their_separate_runs(tmp_path):
+    # the reward model is trained once per seed (seeds/seed-<S>/) and shared by the grid
+    sets = [
+        "reward.steps=2",
+        "ppo.rollouts=2",
+        "ppo.prompts_per_rollout=4",
+        "ppo.minibatches=2",
+        "ppo.epochs=2",
+    ]
+    cfg = pl.apply_overrides(tiny_config(), sets)
+    grid = {"ppo.kl_coef": [0.02, 0.2], "ppo.clip_eps": [0.1]}
+    with pytest.raises(pl.ConfigError, match="ppo.gamma: not traceable"):
+        pl.sweep("ppo", cfg, seeds=1, grid={"ppo.gamma": [0.9, 1.0]}, out=str(tmp_path / "x"))
+    res = pl.sweep("ppo", cfg, seeds=1, grid=grid, out=str(tmp_path / "s"), export=True)
+    assert len(res.members) == 2 and res.diverged == ()
+    assert os.path.isdir(os.path.join(res.out, "seeds", "seed-0", "reward"))
+    for mem in res.members:
+        run_dir = str(tmp_path / mem.name)
+        summary = pl.run_pipeline(dataclasses.replace(mem.cfg, out=run_dir))
+        assert_same_run(os.path.join(res.out, "members", mem.name), run_dir, "ppo")
+        assert res.summaries[mem.name]["stopped"] == summary["ppo"]["stopped"]
+        for k in POLICY_SUMMARY:
+            assert res.summaries[mem.name][k] == pytest.approx(summary["ppo"][k], abs=1e-4), k

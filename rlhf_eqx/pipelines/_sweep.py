@@ -7,7 +7,8 @@ Layout of the sweep directory `out`:
 - `sweep.json`: the stage, grid, seeds and configuration (a resume must match them);
 - `members/<name>/metrics.jsonl` and `summary.json` per member (`name` like
   `beta=0.1,seed=2`), `members/<name>/<stage>/hf/` with `export`;
-- `seeds/seed-<S>/`: the stages the built-in task runs first (SFT), once per seed;
+- `seeds/seed-<S>/`: the stages the built-in task runs first (SFT; for PPO the reward
+  model too), once per seed;
 - `checkpoints/`: the stacked state of every member, every `ops.checkpoint_every`
   iterations and at the end;
 - `sweep_summary.json` and `plots/*.png`: per grid point, mean ± standard error over
@@ -44,6 +45,7 @@ from ._sweep_dpo import dpo_sweep
 from ._sweep_grid import Member, make_members, parse_grid
 from ._sweep_grpo import grpo_sweep
 from ._sweep_offline import kto_sweep, sft_sweep
+from ._sweep_ppo import ppo_sweep
 from ._sweep_report import format_sweep_table, member_records, plot_sweep, summarize_sweep
 from ._sweep_reward import reward_sweep
 from ._sweep_starts import builtin_start
@@ -91,6 +93,7 @@ _STAGES = {
     "reward": reward_sweep,
     "kto": kto_sweep,
     "grpo": grpo_sweep,
+    "ppo": ppo_sweep,
 }
 
 
@@ -143,7 +146,8 @@ def sweep(
     **Arguments:**
 
     - `stage`: the stage to sweep (`"dpo"`: the built-in task's DPO stage, after SFT,
-      which runs once per seed).
+      which runs once per seed; `"sft"`, `"reward"`, `"kto"`, `"grpo"`, `"ppo"`: PPO
+      after SFT and its reward model, both once per seed).
     - `cfg`: the configuration (default `animal_task_config()`).
     - `seeds`: seeds per grid point (an int ≥ 1).
     - `grid`: `{"<section>.<field>": [values]}`, e.g. `{"dpo.beta": [0.05, 0.1, 0.2]}`;
@@ -187,7 +191,14 @@ def _sweep(stage, cfg, members, out, resume, export, say, t0) -> SweepResult:
     for mem in members:
         if mem.seed not in starts:
             starts[mem.seed] = builtin_start(
-                mem.cfg, base, tok, out, resume=resume, say=say, sft=stage != "sft"
+                mem.cfg,
+                base,
+                tok,
+                out,
+                resume=resume,
+                say=say,
+                sft=stage != "sft",
+                reward=stage != "reward" and "reward" in cfg.stages,
             )
     run = _STAGES[stage](members, starts, tok, tokenizer_file=tok_file)
     t_loop = time.perf_counter()

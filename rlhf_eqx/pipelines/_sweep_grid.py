@@ -21,12 +21,14 @@ TRACEABLE: dict[str, tuple[str, ...]] = {
     "reward": ("optim.learning_rate",),
     "kto": ("beta", "desirable_weight", "undesirable_weight", "optim.learning_rate"),
     "grpo": ("beta", "optim.learning_rate"),
+    "ppo": ("kl_coef", "clip_eps", "vf_coef", "ent_coef", "optim.learning_rate"),
 }
 """The fields of each stage's section a sweep may vary (`--grid <section>.<field>=...`):
 the step settings that may be JAX arrays (`beta`, `label_smoothing` of
-`rlhf_eqx.train.DPOSettings`; `beta` and the two weights of `rlhf_eqx.train.KTOSettings`)
-and the optimiser's peak learning rate (`rlhf_eqx.train.make_optimizer` takes it
-traced)."""
+`rlhf_eqx.train.DPOSettings`; `beta` and the two weights of `rlhf_eqx.train.KTOSettings`;
+`clip_eps`, `vf_coef`, `ent_coef` of `rlhf_eqx.train.PPOSettings`), PPO's `kl_coef` (the
+KL-shaped rewards of `rlhf_eqx.train.prepare_ppo_batch` take it as an array) and the
+optimiser's peak learning rate (`rlhf_eqx.train.make_optimizer` takes it traced)."""
 
 
 @dataclasses.dataclass(frozen=True)

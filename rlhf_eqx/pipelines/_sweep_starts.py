@@ -1,8 +1,8 @@
 """Where each seed of a sweep on the built-in task starts: what a separate run with that
 seed (`python -m rlhf_eqx dpo --set ops.seed=S`) computes before its stage, with the
 same keys — the base model's and the SFT policy's held-out evaluations and the SFT
-stage itself (`<out>/seeds/seed-<S>/`, its own metrics, checkpoints and resume), run
-once per seed and shared by the grid points."""
+stage itself (`<out>/seeds/seed-<S>/`, its own metrics, checkpoints and resume), and for
+PPO the reward stage after it, run once per seed and shared by the grid points."""
 
 import dataclasses
 import os
@@ -13,6 +13,7 @@ import jax
 from ._evaluate import evaluate_policy, win_rate, win_rate_se
 from ._pipeline import _ctx, _labels
 from ._registry import StageEnv, stage_key
+from ._reward_stage import reward as reward_stage
 from ._rollout import sampling_options
 from ._sft_stage import sft as sft_stage
 from ._task import HELDOUT_PROMPTS, animal_score
@@ -40,11 +41,15 @@ def seed_dir(out: str, seed: int) -> str:
     return os.path.join(out, "seeds", f"seed-{seed}")
 
 
-def builtin_start(cfg, base, tok, out: str, *, resume: bool, say, sft: bool = True) -> SeedStart:
+def builtin_start(
+    cfg, base, tok, out: str, *, resume: bool, say, sft: bool = True, reward: bool = False
+) -> SeedStart:
     """Run what precedes a stage on the built-in task for `cfg.ops.seed` (see the module
     docstring); `resume` resumes the seed's SFT run from its checkpoints. `sft=False`
     (a sweep of SFT itself): only the seed's keys, labeller, `env` and
-    `evaluate(policy, reference) -> (metrics, rollout, scores)`."""
+    `evaluate(policy, reference) -> (metrics, rollout, scores)`. `reward=True` (a PPO
+    sweep scored by the run's own reward model): the reward stage after SFT, its reward
+    source in `env.reward`."""
     seed = cfg.ops.seed
     run_dir = seed_dir(out, seed)
     os.makedirs(run_dir, exist_ok=True)
@@ -95,4 +100,8 @@ def builtin_start(cfg, base, tok, out: str, *, resume: bool, say, sft: bool = Tr
         return m
 
     sft_metrics["stopped"] = outcome.result.loop.stopped
+    if reward:
+        env.policies["sft"] = sft_policy
+        env.stage = "reward"
+        env.reward = reward_stage(env, cfg.reward).reward
     return SeedStart(seed, key, env.label, env, evaluate, sft_policy, sft_metrics, against_sft)

@@ -1,0 +1,198 @@
+"""The built-in PPO stage as a sweep: each member is `run_ppo` from its seed's SFT policy
+(a LoRA policy and a value model, rewards from `ppo.reward_source`, by default the
+seed's reward model, trained once per seed before the members and shared by that seed's
+grid points). Per rollout, the rollouts of all members are sampled in one vmapped
+sampler call (each member its own prompts, `rows_at` with its seed, and key); then per
+member the score, the reference log-probabilities, the KL-shaped rewards and GAE
+(`prepare_ppo_batch`, with the member's `ppo.kl_coef`), and the `ppo.epochs` x
+`ppo.minibatches` updates of every member in one vmapped program each, member `m`'s
+minibatch its separate run's rows (its own permutation per epoch) and key.
+
+The KL guard acts per member as in its separate run (and as in the GRPO sweep): when a
+member's rollout KL to the reference exceeds `ppo.kl_target`, that rollout's updates are
+dropped, the member stops (`stopped: "kl_guard"`) and keeps the last policy whose
+rollout was within the target, and the others go on."""
+
+import dataclasses
+from collections.abc import Sequence
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import rlhf_eqx as rx
+
+from ._config import ConfigError
+from ._lr_scale import build_optimizer
+from ._registry import stage_key
+from ._reward_sources import as_reward_source, task_reward_source
+from ._rl_rollouts import _compare, _policy_and_reference
+from ._runs import export_policy, final_policy, rows_at, take_rows
+from ._sweep_grid import Member
+from ._sweep_grpo import GRPOSweepState
+from ._sweep_offline import _optim
+from ._sweep_program import (
+    Iteration,
+    SweepRun,
+    hyper_arrays,
+    keep_where,
+    key_data,
+    make_program,
+    member,
+    stack,
+    unstacked_metrics,
+)
+from ._sweep_rollout import sample_members
+from ._sweep_starts import SeedStart
+from ._task import TRAIN_PROMPTS
+from ._validation import validate_stage
+
+# the step settings a grid may trace (`ppo.kl_coef` enters the KL-shaped rewards, per
+# member, and `ppo.optim.learning_rate` the optimiser)
+_STEP_FIELDS = ("clip_eps", "vf_coef", "ent_coef")
+
+
+def _check_simple(c) -> None:
+    if c.reward_source == "prm":
+        raise ConfigError(
+            "ppo.reward_source='prm': a PPO sweep scores whole completions (a reward model, "
+            "the task's reward or a judge), not a process reward model's step scores"
+        )
+
+
+def ppo_sweep(
+    members: Sequence[Member], starts: dict[int, SeedStart], tok, *, tokenizer_file=None
+) -> SweepRun:
+    """The built-in PPO stage of `members` (see the module docstring)."""
+    c0 = members[0].cfg.ppo
+    _check_simple(c0)
+    sampling = members[0].cfg.sampling
+    n = c0.prompts_per_rollout
+    mb = n // c0.minibatches
+    total = c0.rollouts * c0.epochs * c0.minibatches
+    trains, references, ctx_keys, sources = [], [], [], {}
+    for mem in members:
+        c = mem.cfg.ppo
+        validate_stage("ppo", c)
+        start = starts[mem.seed]
+        k_lora, k_value, ctx_key = jax.random.split(stage_key(start.key, "ppo"), 3)
+        pol, spec, reference = _policy_and_reference(start.sft_policy, c.lora, k_lora)
+        value = rx.ValueModel.from_policy(start.sft_policy, key=k_value)
+        opt = build_optimizer(c.optim, total)
+        filter_spec = (spec if spec is not None else eqx.is_inexact_array, eqx.is_inexact_array)
+        trains.append(rx.train.init_train_state((pol, value), opt, filter_spec=filter_spec))
+        references.append(reference)
+        ctx_keys.append(ctx_key)
+        if mem.seed not in sources:
+            env = start.env
+            env.policies = {"sft": start.sft_policy}
+            sources[mem.seed] = as_reward_source(task_reward_source(env, c))
+
+    def build(h: dict):
+        opt = build_optimizer(_optim(c0, h), total)
+        traced = {k: h[k] for k in _STEP_FIELDS if k in h}
+        # as `run_ppo`: the step's temperature is `sampling.temperature`
+        settings = dataclasses.replace(c0, temperature=sampling.temperature, **traced)
+        return rx.train.make_ppo_step(opt, settings, options=c0.options)
+
+    program = make_program(build)
+    hyper = hyper_arrays([dict(m.point) for m in members])
+    M = len(members)
+    train0 = stack(trains)
+    states = GRPOSweepState(train0, train0, jnp.zeros((M,), bool))
+
+    def iteration(st: GRPOSweepState, alive: np.ndarray, r: int) -> Iteration:
+        keys = [jax.random.split(jax.random.fold_in(k, r)) for k in ctx_keys]
+        k_sample, k_steps = [k[0] for k in keys], [k[1] for k in keys]
+        prompts = [
+            [TRAIN_PROMPTS[j] for j in rows_at(len(TRAIN_PROMPTS), n, mem.seed, r)]
+            for mem in members
+        ]
+        policies = st.train.model[0]
+        rolls = sample_members(
+            policies,
+            tok,
+            prompts,
+            k_sample,
+            group_size=1,
+            prompt_length=sampling.prompt_length,
+            max_new_tokens=sampling.max_new_tokens,
+            temperature=sampling.temperature,
+            stop_strings=sampling.stop_strings,
+            slots=sampling.slots,
+        )
+        batches, info = [], [{} for _ in range(M)]
+        guard = np.zeros(M, bool)
+        for m, mem in enumerate(members):
+            roll = rolls[m]
+            _, inf = _compare(roll, references[m])
+            scored = sources[mem.seed].score(roll)
+            inf.update(scored.metrics, score=float(np.mean(scored.scores)))
+            batch, stats = rx.train.prepare_ppo_batch(
+                member(st.train, m).model,
+                references[m],
+                roll.tokens,
+                roll.mask,
+                roll.completion_mask,
+                jnp.asarray(scored.scores, jnp.float32),
+                kl_coef=mem.cfg.ppo.kl_coef,
+                gamma=c0.gamma,
+                lam=c0.lam,
+                temperature=sampling.temperature,
+            )
+            done = roll.completion_mask & roll.mask
+            batch = eqx.tree_at(lambda b: b.old_logp, batch, jnp.where(done, roll.logprobs, 0.0))
+            inf.update({k: float(v) for k, v in stats.items()})
+            info[m] = inf
+            guard[m] = alive[m] and inf["kl"] > c0.kl_target
+            batches.append(batch)
+        before = st.train
+        trains, finite = before, np.ones(M, bool)
+        records: list[list[dict]] = [[] for _ in range(M)]
+        active = alive.copy()
+        for e in range(c0.epochs):
+            perms = [
+                np.asarray(jax.random.permutation(jax.random.fold_in(k, e), n)) for k in k_steps
+            ]
+            for j in range(c0.minibatches):
+                mini = stack(
+                    [take_rows(b, p[j * mb : (j + 1) * mb]) for b, p in zip(batches, perms)]
+                )
+                keys_j = key_data([jax.random.fold_in(k, 1000 + e * 100 + j) for k in k_steps])
+                trains, metrics, ok = program(trains, hyper, keys_j, mini, active)
+                ok = np.asarray(ok)
+                for m in map(int, np.flatnonzero(active)):
+                    records[m].append(unstacked_metrics(metrics, m))
+                    if not ok[m]:
+                        finite[m] = False
+                active = active & ok
+        events = []
+        stop = guard & finite
+        for m in map(int, np.flatnonzero(stop)):
+            records[m] = []
+            msg = (
+                f"iteration {r}: KL to the reference {info[m]['kl']:.4f} > target "
+                f"{c0.kl_target}; stopping with the last policy within the target"
+            )
+            events.append((m, "kl_guard", msg))
+        # a stopped member goes back to the last policy within the target
+        stop_j = jnp.asarray(stop)
+        back = jnp.asarray(np.asarray(st.has_within)) & stop_j
+        trains = keep_where(stop_j, keep_where(back, st.within, before), trains)
+        accepted = jnp.asarray(alive & ~stop)
+        within = keep_where(accepted, before, st.within)
+        st = GRPOSweepState(trains, within, st.has_within | accepted)
+        return Iteration(st, finite, records, info, events, stopped=stop)
+
+    def evaluate(st: GRPOSweepState, m: int) -> dict:
+        policy = member(st.train, m).model[0]
+        return starts[members[m].seed].against_sft(final_policy(policy))
+
+    def export(st: GRPOSweepState, m: int, directory: str) -> None:
+        policy = member(st.train, m).model[0]
+        export_policy(
+            final_policy(policy), directory, "ppo", adapted=policy, tokenizer_file=tokenizer_file
+        )
+
+    return SweepRun(states, c0.rollouts, iteration, evaluate, export)

@@ -20,8 +20,26 @@ def test_sweep_refuses_a_field_that_is_not_traceable_naming_it_and_the_allowed(f
 
 
 def test_sweep_refuses_a_stage_that_does_not_sweep(tmp_path):
-    with pytest.raises(pl.ConfigError, match="sweep ppo: not supported .*dpo"):
-        pl.sweep("ppo", seeds=1, out=str(tmp_path / "s"))
+    with pytest.raises(pl.ConfigError, match="sweep distill: not supported .*dpo"):
+        pl.sweep("distill", seeds=1, out=str(tmp_path / "s"))
+
+
+@pytest.mark.parametrize("field", ["ppo.gamma", "ppo.lam", "ppo.minibatches", "ppo.dual_clip"])
+def test_ppo_sweep_refuses_what_the_step_does_not_trace(field, tmp_path):
+    with pytest.raises(pl.ConfigError) as e:
+        pl.sweep("ppo", seeds=1, grid={field: [1.5, 2.0]}, out=str(tmp_path / "s"))
+    msg = str(e.value)
+    assert f"--grid {field}: not traceable" in msg
+    assert all(f"ppo.{f}" in msg for f in ("kl_coef", "clip_eps", "vf_coef", "ent_coef"))
+    assert not (tmp_path / "s").exists()
+
+
+def test_ppo_sweep_refuses_a_process_reward_model(tmp_path):
+    cfg = pl.apply_overrides(
+        pl.animal_task_config(), ["ppo.reward_source=prm", f"ppo.reward_model={tmp_path}"]
+    )
+    with pytest.raises(pl.ConfigError, match="ppo.reward_source='prm'"):
+        pl.sweep("ppo", cfg, seeds=1, out=str(tmp_path / "s"))
 
 
 def test_sweep_refuses_a_non_finite_grid_value_and_bad_seeds(tmp_path):

@@ -45,7 +45,7 @@ from ._sweep_dpo import dpo_sweep
 from ._sweep_grid import Member, make_members, parse_grid
 from ._sweep_grpo import grpo_sweep
 from ._sweep_offline import kto_sweep, sft_sweep
-from ._sweep_ppo import ppo_sweep
+from ._sweep_ppo import check_ppo_sweep, ppo_sweep
 from ._sweep_report import format_sweep_table, member_records, plot_sweep, summarize_sweep
 from ._sweep_reward import reward_sweep
 from ._sweep_starts import builtin_start
@@ -173,6 +173,8 @@ def sweep(
     grid = dict(grid or {})
     cfg = dataclasses.replace(cfg, stages=st.prerequisites(cfg))
     validate_config(cfg)
+    if stage == "ppo":
+        check_ppo_sweep(cfg.ppo)  # before anything is loaded or run
     members = make_members(cfg, stage, st.key, grid, seeds)
     for mem in members[::seeds]:
         validate_config(mem.cfg)

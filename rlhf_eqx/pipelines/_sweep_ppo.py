@@ -53,7 +53,8 @@ from ._validation import validate_stage
 _STEP_FIELDS = ("clip_eps", "vf_coef", "ent_coef")
 
 
-def _check_simple(c) -> None:
+def check_ppo_sweep(c) -> None:
+    """Refuse (`ConfigError`) a PPO section a sweep does not run, naming the field."""
     if c.reward_source == "prm":
         raise ConfigError(
             "ppo.reward_source='prm': a PPO sweep scores whole completions (a reward model, "
@@ -66,7 +67,7 @@ def ppo_sweep(
 ) -> SweepRun:
     """The built-in PPO stage of `members` (see the module docstring)."""
     c0 = members[0].cfg.ppo
-    _check_simple(c0)
+    check_ppo_sweep(c0)
     sampling = members[0].cfg.sampling
     n = c0.prompts_per_rollout
     mb = n // c0.minibatches

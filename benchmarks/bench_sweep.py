@@ -24,9 +24,16 @@ import os
 import tempfile
 import time
 
+import equinox as eqx
 import jax
+import jax.numpy as jnp
+import numpy as np
 
+import rlhf_eqx as rx
 from rlhf_eqx import pipelines as pl
+from rlhf_eqx.pipelines._pipeline import load_model  # the built-in stories260K
+from rlhf_eqx.pipelines._sweep_dpo import dpo_step_builder
+from rlhf_eqx.pipelines._sweep_program import make_program, shared_frozen_seeds, stack
 
 
 def dpo_records(run_dir: str) -> list[dict]:
@@ -35,14 +42,123 @@ def dpo_records(run_dir: str) -> list[dict]:
     return [r for r in recs if r.get("stage") == "dpo" and "step" in r and "event" not in r]
 
 
+def _hlo_counts(program, *args) -> dict:
+    """Ops of the optimised HLO of `program(*args)`: dots, batched dots (a member batch
+    dimension), fusions, transposes, copies and broadcasts."""
+    text = program.lower(*args).compile().compiled.as_text()
+    lines = [ln for ln in text.splitlines() if " = " in ln]
+    count = lambda op: sum(f" {op}(" in ln for ln in lines)  # noqa: E731
+    return {
+        "dot": count("dot"),
+        "batched dot": sum(" dot(" in ln and "lhs_batch_dims" in ln for ln in lines),
+        "fusion": count("fusion"),
+        "transpose": count("transpose"),
+        "copy": count("copy"),
+        "broadcast": count("broadcast"),
+    }
+
+
+def step_bench(betas, seeds: int, reps: int) -> None:
+    """8 members' DPO steps (the built-in task's model, LoRA rank 8, 16 pairs x 80
+    tokens): 8 separate calls, one program with every member's frozen base stacked, and
+    one with each seed's base shared by its grid points (`make_program(seeds=...)`)."""
+    cfg = pl.animal_task_config().dpo
+    base, _ = load_model("builtin")
+    M, T, B = len(betas) * seeds, cfg.max_length, cfg.batch_size
+    rng = np.random.default_rng(0)
+    bases = [  # one base a seed (each seed's SFT policy differs)
+        jax.tree.map(
+            lambda x: (
+                x + 0.01 * jnp.asarray(rng.standard_normal(x.shape), x.dtype)
+                if eqx.is_inexact_array(x)
+                else x
+            ),
+            base,
+        )
+        for _ in range(seeds)
+    ]
+    states = []
+    for m in range(M):
+        model, spec = pl.runs.with_lora(bases[m % seeds], cfg.lora, jax.random.key(m))
+        states.append(
+            rx.train.init_train_state(
+                model,
+                pl.runs.build_optimizer(cfg.optim, 100),
+                filter_spec=spec,
+            )
+        )
+    V = base.cfg.vocab_size
+
+    def batch(m):
+        toks = lambda: jnp.asarray(rng.integers(3, V, (B, T)), jnp.int32)  # noqa: E731
+        mask = jnp.ones((B, T), bool)
+        comp = mask.at[:, :32].set(False)
+        z = jnp.zeros((B,), jnp.float32)
+        return rx.PreferenceBatch(toks(), mask, comp, toks(), mask, comp, z, z)
+
+    batches = [batch(m) for m in range(M)]
+    hyper = {"beta": jnp.asarray([b for b in betas for _ in range(seeds)], jnp.float32)}
+    keys = jnp.stack([jax.random.key_data(jax.random.key(m)) for m in range(M)])
+
+    build = dpo_step_builder(cfg, 100)  # the sweep's own step
+
+    stacked, sb, active = stack(states), stack(batches), jnp.ones((M,), bool)
+    S = shared_frozen_seeds(stacked, [m % seeds for m in range(M)])
+    assert S == seeds, S
+    programs = {
+        "vmapped, base stacked": make_program(build),
+        "vmapped, base shared": make_program(build, seeds=S),
+    }
+    steps = [build({"beta": b}) for b in betas for _ in range(seeds)]
+
+    def separate():
+        out = [
+            st.apply(steps[m], batches[m], key=jax.random.key(m), donate=False)
+            for m, st in enumerate(states)
+        ]
+        jax.block_until_ready(out)
+
+    def timed(f):
+        f()  # compile
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t0)
+        return float(np.median(ts))
+
+    t_sep = timed(separate)
+    print(
+        f"{M} members' DPO steps ({B} pairs x {T} tokens, LoRA rank {cfg.lora.rank}), "
+        f"median of {reps}"
+    )
+    print("| | seconds | speed vs separate calls | HLO ops |")
+    print("| --- | --- | --- | --- |")
+    print(f"| {M} separate calls | {t_sep:.2f} s | 1.00x | |")
+    one = (stack(states[:1]), {"beta": hyper["beta"][:1]}, keys[:1], stack(batches[:1]))
+    counts = _hlo_counts(programs["vmapped, base stacked"], *one, active[:1])
+    print(f"| (one member's program) | | | {counts} |")
+    for name, prog in programs.items():
+        args = (stacked, hyper, keys, sb, active)
+        t = timed(lambda: jax.block_until_ready(prog(*args)))
+        counts = _hlo_counts(prog, *args)
+        print(f"| {name} | {t:.2f} s | {t_sep / t:.2f}x | {counts} |", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--betas", default="0.05,0.2")
     p.add_argument("--seeds", type=int, default=4)
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--out", help="directory for the runs (default: a temporary one)")
+    p.add_argument("--step", action="store_true", help="only the 8 members' DPO steps")
+    p.add_argument("--reps", type=int, default=3)
     args = p.parse_args()
     betas = [float(b) for b in args.betas.split(",")]
+    if args.step:
+        print(f"jax {jax.__version__}, cpus {os.cpu_count()}, load {os.getloadavg()[0]:.2f}")
+        step_bench(betas, args.seeds, args.reps)
+        return
     cfg = pl.apply_overrides(
         pl.animal_task_config(), ["ops.quiet=true", "ops.monitor=false", *args.overrides]
     )

@@ -33,6 +33,7 @@ from ._sweep_program import (
     key_data,
     make_program,
     member,
+    one_seed_shared,
     stack,
     unstacked_metrics,
 )
@@ -92,7 +93,9 @@ def dpo_sweep(
         opt = build_optimizer(c.optim, total)
         states.append(rx.train.init_train_state(model, opt, filter_spec=spec))
         ctx_keys.append(ctx_key)
-    program = make_program(dpo_step_builder(c0, total))
+    stacked = stack(states)
+    shared = one_seed_shared(stacked, [m.seed for m in members])
+    program = make_program(dpo_step_builder(c0, total), seeds=shared)
     refs = stack(references)
     rows = len(TRAIN_PROMPTS)  # best_worst_pairs: at most one pair a prompt
     hyper = hyper_arrays([dict(m.point) for m in members])
@@ -165,4 +168,4 @@ def dpo_sweep(
             final_policy(model), directory, "dpo", adapted=model, tokenizer_file=tokenizer_file
         )
 
-    return SweepRun(stack(states), c0.rounds, iteration, evaluate, export)
+    return SweepRun(stacked, c0.rounds, iteration, evaluate, export)

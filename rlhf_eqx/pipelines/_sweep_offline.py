@@ -24,6 +24,7 @@ from ._sweep_program import (
     key_data,
     make_program,
     member,
+    one_seed_shared,
     stack,
     unstacked_metrics,
 )
@@ -44,9 +45,9 @@ def offline_sweep(
     """A sweep of fixed batches: `setups[m] = (state, batch_at, ctx_key)` for member `m`
     (its initial train state, `batch_at(i)` its batch of step `i`, its run's key);
     iteration `i` is step `i` of every alive member, in one program (`make_program`)."""
-    program = make_program(build_step)
-    hyper = hyper_arrays([dict(m.point) for m in members])
     states = stack([s[0] for s in setups])
+    program = make_program(build_step, seeds=one_seed_shared(states, [m.seed for m in members]))
+    hyper = hyper_arrays([dict(m.point) for m in members])
     M = len(members)
 
     def iteration(states, alive: np.ndarray, i: int) -> Iteration:

@@ -40,6 +40,7 @@ from ._sweep_program import (
     key_data,
     make_program,
     member,
+    one_seed_shared,
     stack,
     unstacked_metrics,
 )
@@ -97,10 +98,10 @@ def ppo_sweep(
         settings = dataclasses.replace(c0, temperature=sampling.temperature, **traced)
         return rx.train.make_ppo_step(opt, settings, options=c0.options)
 
-    program = make_program(build)
+    train0 = stack(trains)
+    program = make_program(build, seeds=one_seed_shared(train0, [m.seed for m in members]))
     hyper = hyper_arrays([dict(m.point) for m in members])
     M = len(members)
-    train0 = stack(trains)
     states = GRPOSweepState(train0, train0, jnp.zeros((M,), bool))
 
     def iteration(st: GRPOSweepState, alive: np.ndarray, r: int) -> Iteration:

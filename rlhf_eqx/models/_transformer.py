@@ -259,48 +259,14 @@ class Transformer(AbstractSequenceModel, AbstractBatchedModel):
         layers) and to itself; its keys and values are written into the cache in place
         (`dynamic_update_slice` inside the layer scan).
         """
-        cfg = self.cfg
         index = jnp.asarray(index, jnp.int32)
         position = jnp.asarray(position, jnp.int32)
-        x = self._embed(token[None])
-        rope = _rope(cfg, position[None])
         slot_mask = cache.mask.at[index].set(True)
         slot_pos = cache.positions.at[index].set(position)
-        dynamic, static = eqx.partition(self.layers, eqx.is_array)
-        zero = jnp.zeros((), jnp.int32)
-        windows, local = _per_layer(cfg)
-        windowed = cfg.sliding_window is not None
-
-        def body(carry, xs):
-            x, kc, vc = carry
-            layer_dyn, layer_idx, window, is_local = xs
-            layer = eqx.combine(layer_dyn, static)
-            allowed = slot_mask[None, :]
-            if windowed:
-                allowed = allowed & within_window(position[None], slot_pos, window)
-
-            def attend(q, k, v):
-                # k, v: [1, K, hd]; the keys go in as a column of the transposed cache
-                kc2 = jax.lax.dynamic_update_slice(
-                    kc,
-                    jnp.moveaxis(k, 0, -1)[None].astype(kc.dtype),
-                    (layer_idx, zero, zero, index),
-                )
-                vc2 = jax.lax.dynamic_update_slice(
-                    vc, jnp.swapaxes(v, 0, 1)[None].astype(vc.dtype), (layer_idx, zero, index, zero)
-                )
-                kw = dict(scale=cfg.query_scale, cap=cfg.attn_softcap)
-                o = cached_attention(q, kc2[layer_idx], vc2[layer_idx], allowed, **kw)
-                return o, (kc2, vc2)
-
-            x, (kc, vc) = layer.block(x, cfg, _select(rope, is_local), attend)
-            return (x, kc, vc), None
-
-        layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)
-        (x, kc, vc), _ = jax.lax.scan(
-            body, (x, cache.k, cache.v), (dynamic, layer_ids, windows, local)
+        x, cache = self._cached_layers(
+            token[None], position[None], cache, index, slot_mask, slot_pos, slot_mask[None, :]
         )
-        return self._final(x)[0], KVCache(k=kc, v=vc, mask=slot_mask, positions=slot_pos)
+        return x[0], cache
 
     def decode_chunk(
         self,
@@ -323,19 +289,27 @@ class Transformer(AbstractSequenceModel, AbstractBatchedModel):
         `C` decode steps, and its hidden states equal the full forward pass's.
         `index + C` may not exceed the cache size.
         """
-        cfg = self.cfg
         C, S = tokens.shape[0], cache.mask.shape[0]
         index = jnp.asarray(index, jnp.int32)
         position = jnp.asarray(position, jnp.int32)
-        x = self._embed(tokens)
-        pos = position + jnp.arange(C, dtype=jnp.int32)
-        rope = _rope(cfg, pos)
         slots = jnp.arange(S, dtype=jnp.int32)
         in_chunk = (slots >= index) & (slots < index + C)
         slot_mask = (cache.mask & (slots < index)) | in_chunk
         slot_pos = jnp.where(in_chunk, position + slots - index, cache.positions)
         # causal by slot: chunk token c sees the kept slots and the chunk up to itself
         causal = slot_mask[None, :] & (slots[None, :] <= index + jnp.arange(C)[:, None])
+        pos = position + jnp.arange(C, dtype=jnp.int32)
+        return self._cached_layers(tokens, pos, cache, index, slot_mask, slot_pos, causal)
+
+    def _cached_layers(self, tokens, pos, cache, index, slot_mask, slot_pos, allowed):
+        """The layers over `C` new tokens (rotary positions `pos`) against the cache:
+        their keys and values written at slots `index …` of each layer's cache inside
+        the layer scan, attention over the slots `allowed` (`[C, S]`, narrowed to the
+        window on sliding-window layers); the final hidden states `[C, D]` and the
+        cache with `slot_mask` / `slot_pos`."""
+        cfg = self.cfg
+        x = self._embed(tokens)
+        rope = _rope(cfg, pos)
         dynamic, static = eqx.partition(self.layers, eqx.is_array)
         zero = jnp.zeros((), jnp.int32)
         windows, local = _per_layer(cfg)
@@ -345,7 +319,7 @@ class Transformer(AbstractSequenceModel, AbstractBatchedModel):
             x, kc, vc = carry
             layer_dyn, layer_idx, window, is_local = xs
             layer = eqx.combine(layer_dyn, static)
-            allowed = causal & within_window(pos, slot_pos, window) if windowed else causal
+            seen = allowed & within_window(pos, slot_pos, window) if windowed else allowed
 
             def attend(q, k, v):
                 # k, v: [C, K, hd]; the keys go in as columns of the transposed cache
@@ -358,7 +332,7 @@ class Transformer(AbstractSequenceModel, AbstractBatchedModel):
                     vc, jnp.swapaxes(v, 0, 1)[None].astype(vc.dtype), (layer_idx, zero, index, zero)
                 )
                 kw = dict(scale=cfg.query_scale, cap=cfg.attn_softcap)
-                o = cached_attention(q, kc2[layer_idx], vc2[layer_idx], allowed, **kw)
+                o = cached_attention(q, kc2[layer_idx], vc2[layer_idx], seen, **kw)
                 return o, (kc2, vc2)
 
             x, (kc, vc) = layer.block(x, cfg, _select(rope, is_local), attend)

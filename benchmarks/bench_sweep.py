@@ -15,6 +15,15 @@ favours them. Printed:
   log-probabilities and updates of every member): the sweep's `iterations` phase
   against the sum of the separate runs' `iteration_time_s` of their DPO records;
 - the largest difference between a member's final DPO loss and its separate run's.
+
+    python benchmarks/bench_sweep.py --step [--betas ...] [--seeds 4] [--reps 7]
+
+measures the update alone: the members' DPO steps (the built-in model, LoRA rank 8, 16
+pairs x 80 tokens, one base a seed) as separate calls, as the sweep's program with every
+member's frozen base stacked, and with each seed's base shared by its grid points
+(`make_program(seeds=...)`), in interleaved rounds, with op counts of each program's
+optimised HLO (dots, dots with batch dimensions, fusions, transposes, copies,
+broadcasts).
 """
 
 import argparse
@@ -118,31 +127,33 @@ def step_bench(betas, seeds: int, reps: int) -> None:
         ]
         jax.block_until_ready(out)
 
-    def timed(f):
+    args = (stacked, hyper, keys, sb, active)
+    runs = {f"{M} separate calls": separate}
+    for name, prog in programs.items():
+        runs[name] = lambda prog=prog: jax.block_until_ready(prog(*args))
+    for f in runs.values():
         f()  # compile
-        ts = []
-        for _ in range(reps):
+    times = {name: [] for name in runs}
+    for _ in range(reps):  # interleaved rounds: the machine's load drifts
+        for name, f in runs.items():
             t0 = time.perf_counter()
             f()
-            ts.append(time.perf_counter() - t0)
-        return float(np.median(ts))
-
-    t_sep = timed(separate)
+            times[name].append(time.perf_counter() - t0)
+    med = {name: float(np.median(ts)) for name, ts in times.items()}
+    t_sep = med[f"{M} separate calls"]
     print(
         f"{M} members' DPO steps ({B} pairs x {T} tokens, LoRA rank {cfg.lora.rank}), "
-        f"median of {reps}"
+        f"median of {reps} interleaved rounds, load {os.getloadavg()[0]:.2f} after"
     )
     print("| | seconds | speed vs separate calls | HLO ops |")
     print("| --- | --- | --- | --- |")
-    print(f"| {M} separate calls | {t_sep:.2f} s | 1.00x | |")
     one = (stack(states[:1]), {"beta": hyper["beta"][:1]}, keys[:1], stack(batches[:1]))
     counts = _hlo_counts(programs["vmapped, base stacked"], *one, active[:1])
-    print(f"| (one member's program) | | | {counts} |")
+    print(f"| one member's program | | | {counts} |")
+    print(f"| {M} separate calls | {t_sep:.2f} s | 1.00x | |")
     for name, prog in programs.items():
-        args = (stacked, hyper, keys, sb, active)
-        t = timed(lambda: jax.block_until_ready(prog(*args)))
         counts = _hlo_counts(prog, *args)
-        print(f"| {name} | {t:.2f} s | {t_sep / t:.2f}x | {counts} |", flush=True)
+        print(f"| {name} | {med[name]:.2f} s | {t_sep / med[name]:.2f}x | {counts} |")
 
 
 def main():

@@ -71,10 +71,11 @@ def shared_frozen_seeds(states, seeds: Sequence[int]) -> int | None:
 def one_seed_shared(states, seeds: Sequence[int]) -> int | None:
     """`make_program`'s `seeds=` for a sweep: `1` when every member has the same seed
     and the frozen arrays of the stacked `states` are equal (the whole grid shares one
-    base: measured 1.41x the speed of separate calls on 2 CPU cores for 8 grid points'
-    DPO steps, against 0.80x with the base stacked per member); `None` otherwise (with
-    several seeds the shared form measured no faster: each base's products stay batched
-    over the seeds, with more transposes around them; benchmarks/RESULTS.md)."""
+    base, read once per update and multiplied with every grid point's rows in one
+    product); `None` otherwise. On 2 CPU cores with the built-in 260K-parameter model
+    neither form is measurably faster (the base products are a small part of that
+    step: benchmarks/RESULTS.md); the shared one saves the per-member copies' memory
+    traffic, which grows with the base."""
     return 1 if shared_frozen_seeds(states, seeds) == 1 else None
 
 
@@ -96,8 +97,9 @@ def make_program(build_step: Callable[[dict], Callable], *, seeds: int | None = 
       `vmap` over the seeds of `vmap` over the grid points with the frozen part
       unbatched in the inner one (`in_axes=None`): a frozen base's products take every
       grid point's rows in one matrix product instead of a batched product of per-member
-      copies; only the trainable (e.g. low-rank) part is per member. The stacked
-      states keep their frozen arrays (the program reads those of the first grid point).
+      copies; only the trainable (e.g. low-rank) part is per member (with `S = 1`
+      there is no seed axis: one `vmap` with the base closed over). The stacked states
+      keep their frozen arrays (the program reads those of the first grid point).
 
     **Returns:** `program(states, hyper, keys, batches, active) -> (states, metrics,
     finite)`: `states` stacked `TrainState`s, `hyper` `{field: Float[Array, " M"]}`,
@@ -145,9 +147,13 @@ def make_program(build_step: Callable[[dict], Callable], *, seeds: int | None = 
 
             return eqx.filter_vmap(per_point)(rest_s, hyper_s, keys_s, batches_s)
 
-        args = (frozen, *map(split, (rest, hyper, keys, batches)))
-        new, metrics, finite = eqx.filter_vmap(per_seed)(*args)
-        new, metrics, finite = merge((new, metrics, finite))
+        if seeds == 1:  # one base: no seed axis at all
+            first = jax.tree.map(lambda x: x[0] if eqx.is_array(x) else x, frozen)
+            new, metrics, finite = per_seed(first, rest, hyper, keys, batches)
+        else:
+            args = (frozen, *map(split, (rest, hyper, keys, batches)))
+            new, metrics, finite = eqx.filter_vmap(per_seed)(*args)
+            new, metrics, finite = merge((new, metrics, finite))
         return _with_frozen(new, states.frozen), metrics, finite
 
     @eqx.filter_jit

@@ -139,6 +139,39 @@ class _SlotState(eqx.Module):
     real: Bool[Array, "B N"]
 
 
+def _stops(opts, stop_sequences) -> tuple:
+    """What ends a row in the continuous loops: `(pad_id, eos_id, stop_ids, table, care,
+    L)`, the stop sequences' table (`_stop_table`) and its width `L` (0: none)."""
+    stop_ids = jnp.asarray(opts.eos_id, jnp.int32)
+    if not stop_sequences:
+        return opts.pad_id, opts.eos_id, stop_ids, None, None, 0
+    table, care = (jnp.asarray(x) for x in _stop_table(stop_sequences))
+    return opts.pad_id, opts.eos_id, stop_ids, table, care, table.shape[1]
+
+
+def _sample_slots(s, sample, row_keys, budgets, stops):
+    """One decode step's sampling for every slot of the continuous loop's state `s`
+    (`slot_row`, `slot_step`, `logits`, `recent`): each active slot's token and log-prob
+    from its row's key folded with its step (a free slot gets the pad id), its row, its recent
+    tokens, and whether it stops (at its budget, a stop id or a stop sequence).
+    `stops`: `(pad_id, eos_id, stop_ids, table, care, L)` (`_stop_table`)."""
+    pad_id, eos_id, stop_ids, table, care, L = stops
+    active = s.slot_row >= 0
+    row = jnp.where(active, s.slot_row, 0)
+    step = s.slot_step
+    tok, lp = sample(jax.vmap(jax.random.fold_in)(row_keys[row], step), s.logits)
+    tok = jnp.where(active, tok, jnp.int32(pad_id))
+    stop = step + 1 >= budgets[row]
+    if eos_id:
+        stop = stop | jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
+    recent = s.recent
+    if L:
+        recent = jnp.concatenate([recent[:, 1:], tok[:, None]], axis=1)
+        hit = (recent[:, None, :] == table[None]) | ~care[None]
+        stop = stop | jnp.any(jnp.all(hit, axis=-1), axis=-1)
+    return active, row, step, tok, lp, recent, stop
+
+
 def _generate_continuous(
     policy: AbstractDecoder,
     prompts: Int[Array, "R P"],
@@ -175,12 +208,7 @@ def _generate_continuous(
     if G > 1:
         row_keys = jax.vmap(jax.random.fold_in)(jnp.repeat(keys, G), jnp.tile(jnp.arange(G), R))
     n_real = jnp.sum(prompt_masks, axis=-1, dtype=jnp.int32)
-    stop_ids = jnp.asarray(opts.eos_id, jnp.int32)
-    if plan.stop_sequences:
-        table, care = (jnp.asarray(x) for x in _stop_table(plan.stop_sequences))
-        L = table.shape[1]
-    else:
-        L = 0
+    stops = _stops(opts, plan.stop_sequences)
 
     def waiting(s: _SlotState):
         return (s.next_row < B) & jnp.any(s.slot_row < 0)
@@ -222,19 +250,9 @@ def _generate_continuous(
 
     def body(s: _SlotState) -> _SlotState:
         s = jax.lax.while_loop(waiting, admit, s)
-        active = s.slot_row >= 0
-        row = jnp.where(active, s.slot_row, 0)
-        step = s.slot_step
-        tok, lp = sample(jax.vmap(jax.random.fold_in)(row_keys[row], step), s.logits)
-        tok = jnp.where(active, tok, i32(opts.pad_id))
-        stop = step + 1 >= budgets[row]
-        if opts.eos_id:
-            stop = stop | jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
-        recent = s.recent
-        if L:
-            recent = jnp.concatenate([recent[:, 1:], tok[:, None]], axis=1)
-            hit = (recent[:, None, :] == table[None]) | ~care[None]
-            stop = stop | jnp.any(jnp.all(hit, axis=-1), axis=-1)
+        active, row, step, tok, lp, recent, stop = _sample_slots(
+            s, sample, row_keys, budgets, stops
+        )
         going = active & ~stop
         # write the sampled tokens at (row, step); free slots point past the buffers
         out_row = jnp.where(active, s.slot_row, B)
@@ -267,7 +285,7 @@ def _generate_continuous(
         slot_position=jnp.zeros((S,), jnp.int32),
         logits=logits0,
         cache=cache0,
-        recent=jnp.full((S, L), -1, jnp.int32),
+        recent=jnp.full((S, stops[-1]), -1, jnp.int32),
         next_row=zero,
         staged_first=i32(-M),
         staged_logits=staged_logits0,

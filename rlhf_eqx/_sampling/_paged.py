@@ -20,7 +20,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int, Key, UInt32
 
 from ..models import AbstractDecoder, PagedKVCache, Policy, paged_decode_step
-from ._continuous import _continuous_arguments, _is_int, _Plan, _stop_table
+from ._continuous import _continuous_arguments, _is_int, _Plan, _sample_slots, _stops
 from ._decode import _check_decoder_output, _int32_prompts, _row_sampler, _with_prompts
 from ._options import DEFAULT_TEMPERATURE, GenerationOutput
 from ._paged_plan import check_pool, plan_pages
@@ -130,12 +130,7 @@ def _generate_paged(
     if G > 1:
         row_keys = jax.vmap(jax.random.fold_in)(jnp.repeat(keys, G), jnp.tile(jnp.arange(G), R))
     n_real = jnp.sum(prompt_masks, axis=-1, dtype=jnp.int32)
-    stop_ids = jnp.asarray(opts.eos_id, jnp.int32)
-    if plan.base.stop_sequences:
-        table, care = (jnp.asarray(x) for x in _stop_table(plan.base.stop_sequences))
-        L = table.shape[1]
-    else:
-        L = 0
+    stops = _stops(opts, plan.base.stop_sequences)
     entries = jnp.arange(M, dtype=jnp.int32)
 
     def demand(s: _PagedState, row):
@@ -241,19 +236,9 @@ def _generate_paged(
 
     def body(s: _PagedState) -> _PagedState:
         s = jax.lax.while_loop(waiting, admit, s)
-        active = s.slot_row >= 0
-        row = jnp.where(active, s.slot_row, 0)
-        step = s.slot_step
-        tok, lp = sample(jax.vmap(jax.random.fold_in)(row_keys[row], step), s.logits)
-        tok = jnp.where(active, tok, i32(opts.pad_id))
-        stop = step + 1 >= budgets[row]
-        if opts.eos_id:
-            stop = stop | jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
-        recent = s.recent
-        if L:
-            recent = jnp.concatenate([recent[:, 1:], tok[:, None]], axis=1)
-            hit = (recent[:, None, :] == table[None]) | ~care[None]
-            stop = stop | jnp.any(jnp.all(hit, axis=-1), axis=-1)
+        active, row, step, tok, lp, recent, stop = _sample_slots(
+            s, sample, row_keys, budgets, stops
+        )
         going = active & ~stop
 
         # a row feeding the first token of a page needs a fresh one: the oldest rows
@@ -340,7 +325,7 @@ def _generate_paged(
         slot_step=jnp.zeros((S,), jnp.int32),
         slot_position=jnp.zeros((S,), jnp.int32),
         logits=jnp.zeros((S, policy.vocab_size), jnp.float32),
-        recent=jnp.full((S, L), -1, jnp.int32),
+        recent=jnp.full((S, stops[-1]), -1, jnp.int32),
         next_row=zero,
         staged_first=i32(-Q),
         staged_logits=staged_logits0,

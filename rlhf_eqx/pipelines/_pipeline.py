@@ -6,7 +6,7 @@ import importlib.util
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -197,6 +197,28 @@ def format_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def task_evaluator(cfg, tok, base, key: jax.Array) -> Callable:
+    """`evaluate(policy, reference) -> (metrics, rollout, scores)` on the built-in task's
+    held-out prompts: `cfg.eval_samples` samples each with the run's sampling settings and
+    the same key for every stage (`split(key, 8)[0]`), so that stages' samples are paired."""
+    k_eval = jax.random.split(key, 8)[0]
+
+    def evaluate(policy, reference):
+        return evaluate_policy(
+            policy,
+            tok,
+            HELDOUT_PROMPTS,
+            k_eval,
+            scorer=animal_score,
+            base=base,
+            reference=reference,
+            samples=cfg.eval_samples,
+            **sampling_options(cfg.sampling),
+        )
+
+    return evaluate
+
+
 def run_pipeline(
     cfg: PipelineConfig,
     *,
@@ -235,25 +257,11 @@ def _run_pipeline(
     cfg: PipelineConfig, run_dir: str, resume: bool, say, callbacks: tuple = ()
 ) -> dict:
     t0 = time.perf_counter()
-    s = cfg.sampling
     base, tok = load_model(cfg.model.source, cfg.model.tokenizer, quantized=cfg.model.quantized)
     key = jax.random.key(cfg.ops.seed)
-    k_eval = jax.random.split(key, 8)[0]
     log = MetricsLog(run_dir, "pipeline", quiet=cfg.ops.quiet)
     peak = measure_matmul_peak() if cfg.ops.monitor else None
-
-    def evaluate(policy, reference):
-        return evaluate_policy(
-            policy,
-            tok,
-            HELDOUT_PROMPTS,
-            k_eval,
-            scorer=animal_score,
-            base=base,
-            reference=reference,
-            samples=cfg.eval_samples,
-            **sampling_options(s),
-        )
+    evaluate = task_evaluator(cfg, tok, base, key)
 
     summary: dict = {"stopped": "done"}
     base_metrics, _, _ = evaluate(base, None)

@@ -10,13 +10,11 @@ from collections.abc import Callable
 
 import jax
 
-from ._evaluate import evaluate_policy, win_rate, win_rate_se
-from ._pipeline import _ctx, _labels
+from ._evaluate import win_rate, win_rate_se
+from ._pipeline import _ctx, _labels, task_evaluator
 from ._registry import StageEnv, stage_key
 from ._reward_stage import reward as reward_stage
-from ._rollout import sampling_options
 from ._sft_stage import sft as sft_stage
-from ._task import HELDOUT_PROMPTS, animal_score
 
 
 @dataclasses.dataclass
@@ -54,21 +52,7 @@ def builtin_start(
     run_dir = seed_dir(out, seed)
     os.makedirs(run_dir, exist_ok=True)
     key = jax.random.key(seed)
-    k_eval = jax.random.split(key, 8)[0]
-    s = cfg.sampling
-
-    def evaluate(policy, reference):
-        return evaluate_policy(
-            policy,
-            tok,
-            HELDOUT_PROMPTS,
-            k_eval,
-            scorer=animal_score,
-            base=base,
-            reference=reference,
-            samples=cfg.eval_samples,
-            **sampling_options(s),
-        )
+    evaluate = task_evaluator(cfg, tok, base, key)
 
     def make_ctx(stage: str, periodic: bool = True):
         del periodic  # a sweep's shared stages are evaluated once, at their end

@@ -173,21 +173,9 @@ def grpo_sweep(
                 if not ok[m]:
                     finite[m] = False
             active = active & ok
-        stop = guard & finite
-        for m in map(int, np.flatnonzero(stop)):
-            records[m] = []
-            msg = (
-                f"iteration {r}: KL to the reference {info[m]['kl']:.4f} > target "
-                f"{c0.kl_target}; stopping with the last policy within the target"
-            )
-            events.append((m, "kl_guard", msg))
-        # a stopped member goes back to the last policy within the target
-        stop_j = jnp.asarray(stop)
-        back = jnp.asarray(np.asarray(st.has_within)) & stop_j
-        trains = keep_where(stop_j, keep_where(back, st.within, before), trains)
-        accepted = jnp.asarray(alive & ~stop)
-        within = keep_where(accepted, before, st.within)
-        st = GRPOSweepState(trains, within, st.has_within | accepted)
+        st, stop = kl_guard_members(
+            r, st, before, trains, guard & finite, alive, records, info, events, c0.kl_target
+        )
         return Iteration(st, finite, records, info, events, stopped=stop)
 
     def evaluate(st: GRPOSweepState, m: int) -> dict:
@@ -201,3 +189,24 @@ def grpo_sweep(
         )
 
     return SweepRun(states, c0.rollouts, iteration, evaluate, export)
+
+
+def kl_guard_members(r, st, before, trains, stop, alive, records, info, events, kl_target):
+    """The KL guard of a rollout sweep's iteration `r`: each member in `stop` (past
+    `kl_target`, finite) has its records of the iteration dropped, a `kl_guard` event and
+    goes back to its last policy within the target (`st.within`, or `before` when it has
+    none); every other live member's `before` becomes its last policy within the target.
+    Returns the new `GRPOSweepState` and `stop`."""
+    for m in map(int, np.flatnonzero(stop)):
+        records[m] = []
+        msg = (
+            f"iteration {r}: KL to the reference {info[m]['kl']:.4f} > target "
+            f"{kl_target}; stopping with the last policy within the target"
+        )
+        events.append((m, "kl_guard", msg))
+    stop_j = jnp.asarray(stop)
+    back = jnp.asarray(np.asarray(st.has_within)) & stop_j
+    trains = keep_where(stop_j, keep_where(back, st.within, before), trains)
+    accepted = jnp.asarray(alive & ~stop)
+    within = keep_where(accepted, before, st.within)
+    return GRPOSweepState(trains, within, st.has_within | accepted), stop

@@ -30,13 +30,12 @@ from ._reward_sources import as_reward_source, task_reward_source
 from ._rl_rollouts import _compare, _policy_and_reference
 from ._runs import export_policy, final_policy, rows_at, take_rows
 from ._sweep_grid import Member
-from ._sweep_grpo import GRPOSweepState
+from ._sweep_grpo import GRPOSweepState, kl_guard_members
 from ._sweep_offline import _optim
 from ._sweep_program import (
     Iteration,
     SweepRun,
     hyper_arrays,
-    keep_where,
     key_data,
     make_program,
     member,
@@ -170,21 +169,9 @@ def ppo_sweep(
                         finite[m] = False
                 active = active & ok
         events = []
-        stop = guard & finite
-        for m in map(int, np.flatnonzero(stop)):
-            records[m] = []
-            msg = (
-                f"iteration {r}: KL to the reference {info[m]['kl']:.4f} > target "
-                f"{c0.kl_target}; stopping with the last policy within the target"
-            )
-            events.append((m, "kl_guard", msg))
-        # a stopped member goes back to the last policy within the target
-        stop_j = jnp.asarray(stop)
-        back = jnp.asarray(np.asarray(st.has_within)) & stop_j
-        trains = keep_where(stop_j, keep_where(back, st.within, before), trains)
-        accepted = jnp.asarray(alive & ~stop)
-        within = keep_where(accepted, before, st.within)
-        st = GRPOSweepState(trains, within, st.has_within | accepted)
+        st, stop = kl_guard_members(
+            r, st, before, trains, guard & finite, alive, records, info, events, c0.kl_target
+        )
         return Iteration(st, finite, records, info, events, stopped=stop)
 
     def evaluate(st: GRPOSweepState, m: int) -> dict:

@@ -113,12 +113,7 @@ def grpo_sweep(
     states = GRPOSweepState(train0, train0, jnp.zeros((M,), bool))
 
     def iteration(st: GRPOSweepState, alive: np.ndarray, r: int) -> Iteration:
-        keys = [jax.random.split(jax.random.fold_in(k, r)) for k in ctx_keys]
-        k_sample, k_steps = [k[0] for k in keys], [k[1] for k in keys]
-        prompts = [
-            [TRAIN_PROMPTS[j] for j in rows_at(len(TRAIN_PROMPTS), n, mem.seed, r)]
-            for mem in members
-        ]
+        k_sample, k_steps, prompts = iteration_inputs(ctx_keys, members, n, r)
         rolls = sample_members(
             st.train.model,
             tok,
@@ -210,3 +205,14 @@ def kl_guard_members(r, st, before, trains, stop, alive, records, info, events, 
     accepted = jnp.asarray(alive & ~stop)
     within = keep_where(accepted, before, st.within)
     return GRPOSweepState(trains, within, st.has_within | accepted), stop
+
+
+def iteration_inputs(ctx_keys, members, n: int, r: int):
+    """Rollout iteration `r` of each member as its separate run draws it: the sampling and
+    update keys (`split(fold_in(stage key, r))`) and its `n` training prompts (`rows_at`
+    of its seed)."""
+    keys = [jax.random.split(jax.random.fold_in(k, r)) for k in ctx_keys]
+    prompts = [
+        [TRAIN_PROMPTS[j] for j in rows_at(len(TRAIN_PROMPTS), n, mem.seed, r)] for mem in members
+    ]
+    return [k[0] for k in keys], [k[1] for k in keys], prompts

@@ -28,9 +28,9 @@ from ._lr_scale import build_optimizer
 from ._registry import stage_key
 from ._reward_sources import as_reward_source, task_reward_source
 from ._rl_rollouts import _compare, _policy_and_reference
-from ._runs import export_policy, final_policy, rows_at, take_rows
+from ._runs import export_policy, final_policy, take_rows
 from ._sweep_grid import Member
-from ._sweep_grpo import GRPOSweepState, kl_guard_members
+from ._sweep_grpo import GRPOSweepState, iteration_inputs, kl_guard_members
 from ._sweep_offline import _optim
 from ._sweep_program import (
     Iteration,
@@ -45,7 +45,6 @@ from ._sweep_program import (
 )
 from ._sweep_rollout import sample_members
 from ._sweep_starts import SeedStart
-from ._task import TRAIN_PROMPTS
 from ._validation import validate_stage
 
 # the step settings a grid may trace (`ppo.kl_coef` enters the KL-shaped rewards, per
@@ -104,12 +103,7 @@ def ppo_sweep(
     states = GRPOSweepState(train0, train0, jnp.zeros((M,), bool))
 
     def iteration(st: GRPOSweepState, alive: np.ndarray, r: int) -> Iteration:
-        keys = [jax.random.split(jax.random.fold_in(k, r)) for k in ctx_keys]
-        k_sample, k_steps = [k[0] for k in keys], [k[1] for k in keys]
-        prompts = [
-            [TRAIN_PROMPTS[j] for j in rows_at(len(TRAIN_PROMPTS), n, mem.seed, r)]
-            for mem in members
-        ]
+        k_sample, k_steps, prompts = iteration_inputs(ctx_keys, members, n, r)
         policies = st.train.model[0]
         rolls = sample_members(
             policies,

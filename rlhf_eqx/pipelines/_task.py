@@ -35,6 +35,11 @@ def noisy_scores(scores: Sequence[float], *, noise: float, seed: int) -> list[fl
     return [float(1.0 - s) if f else float(s) for s, f in zip(scores, flips)]
 
 
+def _prompts(openings: list[str], templates: list[str], names: list[str]) -> tuple[str, ...]:
+    """The openings, then every template filled with every name."""
+    return tuple(openings) + tuple(t.format(n) for t, n in itertools.product(templates, names))
+
+
 # Story openings. Training and held-out prompts share no opening and no name.
 _TRAIN_OPENINGS = [
     "Once upon a time, there was a",
@@ -57,9 +62,7 @@ _TRAIN_TEMPLATES = [
     "{} found a box. Inside the box, there was a",
     "{} looked out of the window and saw a",
 ]
-TRAIN_PROMPTS: tuple[str, ...] = tuple(_TRAIN_OPENINGS) + tuple(
-    t.format(n) for t, n in itertools.product(_TRAIN_TEMPLATES, _TRAIN_NAMES)
-)
+TRAIN_PROMPTS: tuple[str, ...] = _prompts(_TRAIN_OPENINGS, _TRAIN_TEMPLATES, _TRAIN_NAMES)
 
 _HELDOUT_OPENINGS = [
     "Once upon a time, there was a little",
@@ -74,6 +77,4 @@ _HELDOUT_TEMPLATES = [
     "{} had a new toy. It was a",
     "{} and his sister went to the",
 ]
-HELDOUT_PROMPTS: tuple[str, ...] = tuple(_HELDOUT_OPENINGS) + tuple(
-    t.format(n) for t, n in itertools.product(_HELDOUT_TEMPLATES, _HELDOUT_NAMES)
-)
+HELDOUT_PROMPTS: tuple[str, ...] = _prompts(_HELDOUT_OPENINGS, _HELDOUT_TEMPLATES, _HELDOUT_NAMES)

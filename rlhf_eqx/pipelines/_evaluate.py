@@ -9,7 +9,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int, Shaped
+from jaxtyping import Array, Float, Shaped
 
 from .._sampling import DEFAULT_TEMPERATURE
 from ._rollout import Rollout, sample_rollout, token_logps
@@ -177,14 +177,10 @@ def evaluate_policy(
 
 
 @eqx.filter_jit
-def _pair_rewards(
-    model,
-    ct: Int[Array, "B T"],
-    cm: Bool[Array, "B T"],
-    rt: Int[Array, "B T"],
-    rm: Bool[Array, "B T"],
-) -> Float[Array, " B"]:
-    return jax.vmap(model)(ct, cm) - jax.vmap(model)(rt, rm)
+def _pair_margins(model, batch) -> Float[Array, " B"]:
+    """The scalar reward of each pair's chosen row minus its rejected row's."""
+    chosen = jax.vmap(model)(batch.chosen_tokens, batch.chosen_mask)
+    return chosen - jax.vmap(model)(batch.rejected_tokens, batch.rejected_mask)
 
 
 def reward_accuracy(reward_model, batch) -> float:
@@ -195,11 +191,5 @@ def reward_accuracy(reward_model, batch) -> float:
         chosen = reward_model.scores(batch.chosen_tokens, batch.chosen_mask)[0]
         rejected = reward_model.scores(batch.rejected_tokens, batch.rejected_mask)[0]
         return float(jnp.mean((chosen > rejected).astype(jnp.float32)))
-    margin = _pair_rewards(
-        reward_model,
-        batch.chosen_tokens,
-        batch.chosen_mask,
-        batch.rejected_tokens,
-        batch.rejected_mask,
-    )
+    margin = _pair_margins(reward_model, batch)
     return float(jnp.mean((margin > 0).astype(jnp.float32)))

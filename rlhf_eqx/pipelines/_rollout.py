@@ -31,6 +31,9 @@ class Rollout:
     - `truncated`: `[B]` completions that hit `max_new_tokens` without a stop id or
       stop string.
     - `prompts`, `texts`: the prompt of each row and its decoded completion.
+    - `policy_version`: `[B, T_new]` with partial rollouts (`grpo.partial_rollouts`), the
+      update whose policy sampled each completion token (`-1` where there is none);
+      `None` otherwise.
     """
 
     tokens: Int[Array, "B T"]
@@ -41,6 +44,7 @@ class Rollout:
     prompts: tuple[str, ...]
     texts: tuple[str, ...]
     group_size: int
+    policy_version: Int[Array, "B T_new"] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -57,6 +57,20 @@ def _check_length(policy: object, prompt_length: int, max_new_tokens: int) -> No
         )
 
 
+def _check_batch(
+    policy: AbstractDecoder, prompts: Any, prompt_masks: Any, opts: SamplingOptions
+) -> None:
+    """The host-side checks of a batch of prompts: `prompts` and `prompt_masks` of one
+    shape, concrete ids inside the vocabulary, `P + max_new_tokens` within the model's
+    `max_seq_len` (each raises a `ValueError` naming what is wrong)."""
+    if prompts.shape != prompt_masks.shape:
+        raise ValueError(
+            f"prompts {prompts.shape} and prompt_masks {prompt_masks.shape} differ in shape"
+        )
+    _check_prompt_ids(prompts, policy.vocab_size)
+    _check_length(policy, prompts.shape[-1], opts.max_new_tokens)
+
+
 def _signature(tree: Any) -> tuple[Any, list[str]]:
     """The structure of a vmapped pytree and its leaves' per-sample shapes and dtypes."""
     leaves, treedef = jax.tree.flatten(tree)
@@ -259,12 +273,7 @@ def generate_batch(
     """
     opts = SamplingOptions(**options)
     policy = _check_decoder(policy)
-    if prompts.shape != prompt_masks.shape:
-        raise ValueError(
-            f"prompts {prompts.shape} and prompt_masks {prompt_masks.shape} differ in shape"
-        )
-    _check_prompt_ids(prompts, policy.vocab_size)
-    _check_length(policy, prompts.shape[-1], opts.max_new_tokens)
+    _check_batch(policy, prompts, prompt_masks, opts)
     return _generate_batch_jit(policy, prompts, prompt_masks, key, opts)
 
 

@@ -28,9 +28,8 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ..models import AbstractChunkDecoder, AbstractDecoder
 from ._decode import (
+    _check_batch,
     _check_decoder_output,
-    _check_length,
-    _check_prompt_ids,
     _int32_prompts,
     _row_sampler,
     _with_prompts,
@@ -430,11 +429,6 @@ def generate_speculative(
     k = _check_k(k)
     _check_models(target, draft)
     opts = SamplingOptions(**options)
-    if prompts.shape != prompt_masks.shape:
-        raise ValueError(
-            f"prompts {prompts.shape} and prompt_masks {prompt_masks.shape} differ in shape"
-        )
-    _check_prompt_ids(prompts, target.vocab_size)
-    _check_length(target, prompts.shape[-1], opts.max_new_tokens)
+    _check_batch(target, prompts, prompt_masks, opts)
     out, stats = _generate_speculative_jit(target, draft, prompts, prompt_masks, key, opts, k)
     return (out, stats) if with_stats else out

@@ -43,24 +43,14 @@ def _options(
     prompt_masks,
     *,
     max_turns,
-    max_new_tokens,
     max_total_tokens,
-    temperature,
-    top_k,
-    top_p,
-    eos_id,
-    pad_id,
     num_samples,
     episode_reward,
+    **sampling,
 ) -> _Options:
-    sampling = SamplingOptions(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        eos_id=eos_id,
-        pad_id=pad_id,
-    )
+    """The rollout's settings checked; `**sampling` are a turn's `SamplingOptions` fields
+    (`max_new_tokens`, `temperature`, `top_k`, `top_p`, `eos_id`, `pad_id`)."""
+    turn_sampling = SamplingOptions(**sampling)
     if not (isinstance(num_samples, int) and not isinstance(num_samples, bool) and num_samples > 0):
         raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
     if prompts.ndim != 2 or prompts.shape != prompt_masks.shape:
@@ -86,7 +76,7 @@ def _options(
                 "needs at least one (a BOS will do)"
             )
     return _Options(
-        turn=_TurnOptions(sampling=sampling, total=max_total_tokens),
+        turn=_TurnOptions(sampling=turn_sampling, total=max_total_tokens),
         num_samples=num_samples,
         max_turns=max_turns,
         episode_reward=episode_reward,

@@ -139,6 +139,50 @@ class _SlotState(eqx.Module):
     real: Bool[Array, "B N"]
 
 
+def _zeros(n: int, tree: Any) -> Any:
+    """Zeros shaped like the leaves of `tree` with their leading axis replaced by `n`."""
+    return jax.tree.map(lambda x: jnp.zeros((n,) + x.shape[1:], x.dtype), tree)
+
+
+def _prefill(policy: AbstractDecoder, prompts, prompt_masks, cache_size: int):
+    """`policy.prefill` into caches of `cache_size` entries, vmapped over prompts, and the
+    shapes of its output for one prompt (checked to be `(logits [vocab_size], cache)`)."""
+    prefill = jax.vmap(lambda t, m: policy.prefill(t, m, cache_size=cache_size))
+    one = jax.eval_shape(prefill, prompts[:1], prompt_masks[:1])
+    _check_decoder_output(policy, "prefill", one)
+    return prefill, one
+
+
+def _row_keys(keys: Key[Array, " R"], G: int) -> Key[Array, " B"]:
+    """Each output row's key: `keys[p]` alone; `fold_in(keys[p], g)` for sample `g` of
+    prompt `p`'s group of `G` (token `t` is then drawn with `fold_in(row key, t)`)."""
+    if G == 1:
+        return keys
+    R = keys.shape[0]
+    return jax.vmap(jax.random.fold_in)(jnp.repeat(keys, G), jnp.tile(jnp.arange(G), R))
+
+
+def _start(plan: _Plan, rows: int, one: Any, width: int) -> dict[str, Any]:
+    """The carry fields both continuous loops start with: every slot free, no row
+    admitted, no prompt staged (zeros shaped like the prefill's output `one`), the
+    `[rows, max_new_tokens]` outputs empty; `width` is the stop table's `L`."""
+    S, N = plan.slots, plan.opts.max_new_tokens
+    staged_logits, staged_cache = _zeros(plan.prefill_rows, one)
+    return dict(
+        slot_row=jnp.full((S,), -1, jnp.int32),
+        slot_step=jnp.zeros((S,), jnp.int32),
+        slot_position=jnp.zeros((S,), jnp.int32),
+        recent=jnp.full((S, width), -1, jnp.int32),
+        next_row=jnp.zeros((), jnp.int32),
+        staged_first=jnp.asarray(-plan.prefill_rows, jnp.int32),
+        staged_logits=staged_logits,
+        staged_cache=staged_cache,
+        tokens=jnp.full((rows, N), plan.opts.pad_id, jnp.int32),
+        logprobs=jnp.zeros((rows, N), jnp.float32),
+        real=jnp.zeros((rows, N), jnp.bool_),
+    )
+
+
 def _stops(opts, stop_sequences) -> tuple:
     """What ends a row in the continuous loops: `(pad_id, eos_id, stop_ids, table, care,
     L)`, the stop sequences' table (`_stop_table`) and its width `L` (0: none)."""
@@ -187,26 +231,17 @@ def _generate_continuous(
     S = plan.slots
     prompts = _int32_prompts(policy, prompts, opts, "prompts: ids outside [0, vocab_size)")
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # int32 indices also under jax_enable_x64
-    zero = i32(0)
 
-    prefill = lambda t, m: policy.prefill(t, m, cache_size=P + N)
+    prefill, one = _prefill(policy, prompts, prompt_masks, P + N)
     decode = jax.vmap(lambda tok, c, idx, pos: policy.decode_step(tok, c, index=idx, position=pos))
     sample = _row_sampler(opts)
-    one = jax.eval_shape(jax.vmap(prefill), prompts[:1], prompt_masks[:1])
-    _check_decoder_output(policy, "prefill", one)
-    zeros = lambda n: jax.tree.map(lambda x: jnp.zeros((n,) + x.shape[1:], x.dtype), one)
-    logits0, cache0 = zeros(S)
+    logits0, cache0 = _zeros(S, one)
     ids0 = jnp.zeros((S,), jnp.int32)
     _check_decoder_output(
         policy, "decode_step", jax.eval_shape(decode, ids0, cache0, ids0, ids0), cache0
     )
     M = plan.prefill_rows
-    staged_logits0, staged_cache0 = zeros(M)
-
-    # row key: keys[p] alone, fold_in(keys[p], g) in groups; token t: fold_in(row key, t)
-    row_keys = keys
-    if G > 1:
-        row_keys = jax.vmap(jax.random.fold_in)(jnp.repeat(keys, G), jnp.tile(jnp.arange(G), R))
+    row_keys = _row_keys(keys, G)
     n_real = jnp.sum(prompt_masks, axis=-1, dtype=jnp.int32)
     stops = _stops(opts, plan.stop_sequences)
 
@@ -222,7 +257,7 @@ def _generate_continuous(
 
         def stage():
             idx = jnp.minimum(p + jnp.arange(M, dtype=jnp.int32), R - 1)
-            return p, *jax.vmap(prefill)(prompts[idx], prompt_masks[idx])
+            return p, *prefill(prompts[idx], prompt_masks[idx])
 
         first, staged_logits, staged_cache = jax.lax.cond(
             p >= s.staged_first + M,
@@ -279,21 +314,7 @@ def _generate_continuous(
             real=write(s.real, active),
         )
 
-    init = _SlotState(
-        slot_row=jnp.full((S,), -1, jnp.int32),
-        slot_step=jnp.zeros((S,), jnp.int32),
-        slot_position=jnp.zeros((S,), jnp.int32),
-        logits=logits0,
-        cache=cache0,
-        recent=jnp.full((S, stops[-1]), -1, jnp.int32),
-        next_row=zero,
-        staged_first=i32(-M),
-        staged_logits=staged_logits0,
-        staged_cache=staged_cache0,
-        tokens=jnp.full((B, N), opts.pad_id, jnp.int32),
-        logprobs=jnp.zeros((B, N), jnp.float32),
-        real=jnp.zeros((B, N), jnp.bool_),
-    )
+    init = _SlotState(logits=logits0, cache=cache0, **_start(plan, B, one, stops[-1]))
     s = jax.lax.while_loop(cond, body, init)
     rep = lambda x: jnp.repeat(x, G, axis=0)
     return _with_prompts(rep(prompts), rep(prompt_masks), s.tokens, s.logprobs, s.real)
@@ -411,30 +432,16 @@ def _continuous_arguments(
     keys: Any,
     *,
     slots: Any,
-    max_new_tokens: Any,
     budgets: Any,
-    temperature: Any,
-    top_k: Any,
-    top_p: Any,
-    eos_id: Any,
     stop_sequences: Any,
-    pad_id: Any,
-    num_samples: Any,
-    check_ids: Any,
     prefill_rows: Any,
+    **sampling: Any,
 ) -> tuple[AbstractDecoder, Key[Array, " R"], Int[Array, " B"], _Plan]:
     """`generate_continuous`'s arguments checked: the decoder, typed keys, int32 budgets
-    and the static plan (raises naming the argument at fault)."""
-    opts = SamplingOptions(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        eos_id=eos_id,
-        pad_id=pad_id,
-        check_ids=check_ids,
-        num_samples=num_samples,
-    )
+    and the static plan (raises naming the argument at fault). `**sampling` are the
+    fields of `SamplingOptions`."""
+    opts = SamplingOptions(**sampling)
+    max_new_tokens, num_samples = opts.max_new_tokens, opts.num_samples
     policy = _check_decoder(policy)
     if not (_is_int(slots) and slots >= 1):
         raise ValueError(f"slots must be a positive int, got {slots!r}")

@@ -20,8 +20,17 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int, Key, UInt32
 
 from ..models import AbstractDecoder, PagedKVCache, Policy, paged_decode_step
-from ._continuous import _continuous_arguments, _is_int, _Plan, _sample_slots, _stops
-from ._decode import _check_decoder_output, _int32_prompts, _row_sampler, _with_prompts
+from ._continuous import (
+    _continuous_arguments,
+    _is_int,
+    _Plan,
+    _prefill,
+    _row_keys,
+    _sample_slots,
+    _start,
+    _stops,
+)
+from ._decode import _int32_prompts, _row_sampler, _with_prompts
 from ._options import DEFAULT_TEMPERATURE, GenerationOutput
 from ._paged_plan import check_pool, plan_pages
 
@@ -110,7 +119,7 @@ def _generate_paged(
 ):
     opts = plan.base.opts
     R, P = prompts.shape
-    N, G = opts.max_new_tokens, opts.num_samples
+    G = opts.num_samples
     B = R * G
     S, Q = plan.base.slots, plan.base.prefill_rows
     ps, Np, M, U = plan.page_size, plan.num_pages, plan.max_pages, plan.prefix_ids
@@ -119,16 +128,9 @@ def _generate_paged(
     zero = i32(0)
     cdiv = lambda a, b: (a + b - 1) // b
 
-    prefill = lambda t, m: policy.prefill(t, m, cache_size=P)
+    prefill, one = _prefill(policy, prompts, prompt_masks, P)
     sample = _row_sampler(opts)
-    one = jax.eval_shape(jax.vmap(prefill), prompts[:1], prompt_masks[:1])
-    _check_decoder_output(policy, "prefill", one)
-    zeros = lambda n, x: jax.tree.map(lambda a: jnp.zeros((n,) + a.shape[1:], a.dtype), x)
-    staged_logits0, staged_cache0 = zeros(Q, one)
-
-    row_keys = keys
-    if G > 1:
-        row_keys = jax.vmap(jax.random.fold_in)(jnp.repeat(keys, G), jnp.tile(jnp.arange(G), R))
+    row_keys = _row_keys(keys, G)
     n_real = jnp.sum(prompt_masks, axis=-1, dtype=jnp.int32)
     stops = _stops(opts, plan.base.stop_sequences)
     entries = jnp.arange(M, dtype=jnp.int32)
@@ -185,7 +187,7 @@ def _generate_paged(
 
         def stage():
             idx = jnp.minimum(c + jnp.arange(Q, dtype=jnp.int32), R - 1)
-            return c, *jax.vmap(prefill)(prompts[idx], prompt_masks[idx])
+            return c, *prefill(prompts[idx], prompt_masks[idx])
 
         restage = (c < s.staged_first) | (c >= s.staged_first + Q)
         first, staged_logits, staged_cache = jax.lax.cond(
@@ -321,18 +323,8 @@ def _generate_paged(
         )
 
     init = _PagedState(
-        slot_row=jnp.full((S,), -1, jnp.int32),
-        slot_step=jnp.zeros((S,), jnp.int32),
-        slot_position=jnp.zeros((S,), jnp.int32),
+        **_start(plan.base, B, one, stops[-1]),
         logits=jnp.zeros((S, policy.vocab_size), jnp.float32),
-        recent=jnp.full((S, stops[-1]), -1, jnp.int32),
-        next_row=zero,
-        staged_first=i32(-Q),
-        staged_logits=staged_logits0,
-        staged_cache=staged_cache0,
-        tokens=jnp.full((B, N), opts.pad_id, jnp.int32),
-        logprobs=jnp.zeros((B, N), jnp.float32),
-        real=jnp.zeros((B, N), jnp.bool_),
         pages=PagedKVCache.empty(policy, Np, ps),
         free=jnp.ones((Np,), jnp.bool_),
         page_table=jnp.full((S, M), -1, jnp.int32),

@@ -10,8 +10,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
 from ..ops import masked_mean
-from ._policy_losses import Stats, _check_non_negative, _clamped_log_ratio, _flags, _masked
-from ._validation import Hyperparameter, check_python_number
+from ._policy_losses import Stats
+from ._ppo import _check_clip, _clamped_log_ratio, _clip_flags, _masked_outputs
+from ._validation import Hyperparameter, check_non_negative, check_python_number
 
 
 def cispo_policy_loss(
@@ -46,8 +47,8 @@ def cispo_policy_loss(
     `"ratio"` ($w_t$), `"clipped_low"`, `"clipped_high"` (1.0 where $w_t$ is below /
     above the bounds, whatever the advantage's sign) and `"clipped"` (either).
     """
-    _check_non_negative("clip_eps_low", clip_eps_low)
-    _check_non_negative("clip_eps_high", clip_eps_high)
+    check_non_negative("clip_eps_low", clip_eps_low)
+    check_non_negative("clip_eps_high", clip_eps_high)
     w = jnp.exp(_clamped_log_ratio(logp, old_logp, mask))
     high = 1.0 + clip_eps_high
     if clip_eps_low is None:
@@ -58,14 +59,8 @@ def cispo_policy_loss(
         low_flag = w < 1.0 - clip_eps_low
     adv = jnp.asarray(advantage, dtype=logp.dtype)
     loss = -jax.lax.stop_gradient(w_hat) * adv * logp
-    high_flag = w > high
-    stats = {
-        "ratio": w,
-        **_flags(
-            w.dtype, clipped_low=low_flag, clipped_high=high_flag, clipped=low_flag | high_flag
-        ),
-    }
-    return jnp.where(mask, loss, jnp.zeros_like(loss)), _masked(stats, mask)
+    stats = {"ratio": w, **_clip_flags(w.dtype, low_flag, w > high)}
+    return _masked_outputs(loss, stats, mask)
 
 
 def gmpo_policy_loss(
@@ -107,8 +102,7 @@ def gmpo_policy_loss(
     `"clipped_low"` ($A < 0$ and $\log w_t < -\varepsilon_{\rm low}$), `"clipped_high"`
     ($A > 0$ and $\log w_t > \varepsilon_{\rm high}$) and `"clipped"` (either).
     """
-    _check_non_negative("clip_eps", clip_eps)
-    _check_non_negative("clip_eps_high", clip_eps_high)
+    _check_clip(clip_eps, clip_eps_high)
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     sg = jax.lax.stop_gradient
     x = _clamped_log_ratio(logp, old_logp, mask)
@@ -121,9 +115,9 @@ def gmpo_policy_loss(
     high = (adv > 0) & (x > eps_high)
     stats = {
         "ratio": jnp.broadcast_to(jnp.exp(mean_c), x.shape),
-        **_flags(x.dtype, clipped_low=low, clipped_high=high, clipped=low | high),
+        **_clip_flags(x.dtype, low, high),
     }
-    return jnp.where(mask, loss, jnp.zeros_like(loss)), _masked(stats, mask)
+    return _masked_outputs(loss, stats, mask)
 
 
 def sapo_policy_loss(
@@ -159,12 +153,6 @@ def sapo_policy_loss(
     tau = jnp.where(adv > 0, jnp.asarray(tau_pos, logp.dtype), jnp.asarray(tau_neg, logp.dtype))
     s = jax.nn.sigmoid(tau * (w - 1.0))
     loss = -(4.0 / tau) * s * adv
-    zero = jnp.zeros_like(w)
-    stats = {
-        "ratio": w,
-        "gate": 4.0 * s * (1.0 - s) * w,
-        "clipped": zero,
-        "clipped_low": zero,
-        "clipped_high": zero,
-    }
-    return jnp.where(mask, loss, zero), _masked(stats, mask)
+    none = jnp.zeros_like(w, dtype=bool)
+    stats = {"ratio": w, "gate": 4.0 * s * (1.0 - s) * w, **_clip_flags(w.dtype, none, none)}
+    return _masked_outputs(loss, stats, mask)

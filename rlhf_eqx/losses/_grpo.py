@@ -11,7 +11,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float
 
 from ..ops import masked_mean, masked_whiten
 from ._kl import kl_penalty
-from ._ppo import LOG_RATIO_CLAMP, clipped_surrogate, gae
+from ._ppo import LOG_RATIO_CLAMP, _clip_flags, _clip_sides, _masked_outputs, clipped_surrogate, gae
 from ._validation import Hyperparameter, check_choice, is_python_number
 
 ADVANTAGE_SCALES: tuple[str, ...] = ("group", "batch", "none")
@@ -190,18 +190,9 @@ def grpo_policy_loss(
     kl = zero if ref_logp is None else kl_penalty(logp, ref_logp, kind="k3")
     if not (is_python_number(beta) and beta == 0.0):
         loss = loss + beta * kl
-    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-    low = (w < 1.0 - clip_eps) & (adv < 0)
-    high = (w > 1.0 + eps_high) & (adv > 0)
-    stats = {
-        "ratio": w,
-        "clipped_low": low.astype(logp.dtype),
-        "clipped_high": high.astype(logp.dtype),
-        "clipped": (low | high).astype(logp.dtype),
-        "kl": kl,
-    }
-    stats = {k: jnp.where(mask, v, zero) for k, v in stats.items()}
-    return jnp.where(mask, loss, zero), stats
+    low, high = _clip_sides(w, adv, clip_eps, clip_eps_high)
+    stats = {"ratio": w, **_clip_flags(logp.dtype, low, high), "kl": kl}
+    return _masked_outputs(loss, stats, mask)
 
 
 def mask_truncated(

@@ -23,8 +23,7 @@ from typing import Literal
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float
 
-from ._ppo import LOG_RATIO_CLAMP
-from ._validation import Hyperparameter, check_python_number
+from ._validation import Hyperparameter, check_non_negative, check_python_number
 
 POLICY_LOSSES: tuple[str, ...] = (
     "grpo",
@@ -44,24 +43,6 @@ BATCH_POLICY_LOSSES: tuple[str, ...] = ("clip_cov", "kl_cov", "high_entropy")
 """The entries of `POLICY_LOSSES` whose token selection depends on the whole batch."""
 
 Stats = dict[str, Float[Array, "..."]]
-
-
-def _clamped_log_ratio(logp: Array, old_logp: Array, mask: Array) -> Array:
-    """`clip(logp - old_logp, -20, 20)` at real positions, 0 elsewhere."""
-    log_ratio = jnp.clip(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return jnp.where(mask, log_ratio, jnp.zeros_like(log_ratio))
-
-
-def _masked(stats: Stats, mask: Array) -> Stats:
-    return {k: jnp.where(mask, v, jnp.zeros_like(v)) for k, v in stats.items()}
-
-
-def _flags(dtype, **flags: Array) -> Stats:
-    return {k: v.astype(dtype) for k, v in flags.items()}
-
-
-def _check_non_negative(name: str, value: object) -> None:
-    check_python_number(name, value, lambda v: v >= 0.0, "non-negative")
 
 
 def _check_fraction(name: str, value: object) -> None:
@@ -102,8 +83,8 @@ def adaptive_entropy_coef(
 
     **Returns:** the new coefficient, a float32 scalar.
     """
-    _check_non_negative("lr", lr)
-    _check_non_negative("max_coef", max_coef)
+    check_non_negative("lr", lr)
+    check_non_negative("max_coef", max_coef)
     f32 = jnp.float32
     new = jnp.asarray(coef, f32) + lr * (target - jnp.asarray(entropy, f32))
     new = jnp.maximum(new, 0.0)

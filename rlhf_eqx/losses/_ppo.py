@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from ..ops import masked_whiten
-from ._validation import Hyperparameter, check_python_number
+from ._validation import Hyperparameter, check_non_negative, check_python_number
 
 LOG_RATIO_CLAMP = 20.0
 r"""The bound on $|\log\pi_\theta - \log\pi_{\rm old}|$ before the ratio is exponentiated
@@ -22,9 +22,48 @@ def _zero_where_masked(x: Array, mask: Array) -> Array:
     return jnp.where(mask, x, jnp.zeros_like(x))
 
 
+def _clamped_log_ratio(logp: Array, old_logp: Array, mask: Array) -> Array:
+    """`clip(logp - old_logp, -20, 20)` at real positions, 0 elsewhere."""
+    log_ratio = jnp.clip(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return _zero_where_masked(log_ratio, mask)
+
+
+def _masked_outputs(
+    loss: Array, stats: dict[str, Array], mask: Array
+) -> tuple[Array, dict[str, Array]]:
+    """A policy loss's `(per_token_loss, stats)` with every array 0 where `mask` is false."""
+    return _zero_where_masked(loss, mask), {
+        k: _zero_where_masked(v, mask) for k, v in stats.items()
+    }
+
+
+def _clip_flags(dtype, low: Array, high: Array) -> dict[str, Array]:
+    """The stats `"clipped_low"`, `"clipped_high"` and `"clipped"` (either) as 1.0 / 0.0."""
+    return {
+        "clipped_low": low.astype(dtype),
+        "clipped_high": high.astype(dtype),
+        "clipped": (low | high).astype(dtype),
+    }
+
+
+def _clip_sides(
+    ratio: Array,
+    advantages: Array,
+    clip_eps: Hyperparameter,
+    clip_eps_high: Hyperparameter | None,
+) -> tuple[Array, Array]:
+    """Where `clipped_surrogate`'s clipped branch is active on the low side (ratio below
+    `1 - clip_eps`, negative advantage) and on the high side (above `1 + clip_eps_high`,
+    positive advantage), as TRL's clip ratios."""
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    low = (ratio < 1.0 - clip_eps) & (advantages < 0)
+    high = (ratio > 1.0 + eps_high) & (advantages > 0)
+    return low, high
+
+
 def _check_clip(clip_eps: Hyperparameter, clip_eps_high: Hyperparameter | None) -> None:
-    check_python_number("clip_eps", clip_eps, lambda e: e >= 0.0, "non-negative")
-    check_python_number("clip_eps_high", clip_eps_high, lambda e: e >= 0.0, "non-negative")
+    check_non_negative("clip_eps", clip_eps)
+    check_non_negative("clip_eps_high", clip_eps_high)
 
 
 def clipped_surrogate(
@@ -103,8 +142,7 @@ def ppo_policy_loss(
     ($\rho - 1 - \log\rho$, the k3 estimator).
     """
     check_python_number("dual_clip", dual_clip, lambda c: c > 1.0, "> 1")
-    log_ratio = jnp.clip(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    log_ratio = _zero_where_masked(log_ratio, mask)
+    log_ratio = _clamped_log_ratio(logp, old_logp, mask)
     ratio = jnp.exp(log_ratio)
     loss, clipped = clipped_surrogate(
         ratio, advantages, clip_eps=clip_eps, clip_eps_high=clip_eps_high
@@ -125,8 +163,7 @@ def ppo_policy_loss(
         "approx_kl": 0.5 * jnp.square(log_ratio),
         "approx_kl_k3": jnp.maximum(jnp.expm1(log_ratio) - log_ratio, 0.0),
     }
-    stats = {k: _zero_where_masked(v, mask) for k, v in stats.items()}
-    return _zero_where_masked(loss, mask), stats
+    return _masked_outputs(loss, stats, mask)
 
 
 def ppo_value_loss(
@@ -148,7 +185,7 @@ def ppo_value_loss(
     **Returns:** `(per_token_loss, clipped)`, both `[T]`, 0 where masked; `clipped` is
     1.0 where the clipped branch is larger (TRL `val/clipfrac`).
     """
-    check_python_number("clip_eps", clip_eps, lambda e: e >= 0.0, "non-negative")
+    check_non_negative("clip_eps", clip_eps)
     l1 = jnp.square(values - returns)
     if clip_eps is None:
         loss = 0.5 * l1

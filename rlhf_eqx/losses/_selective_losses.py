@@ -15,17 +15,16 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from ..ops import masked_mean
 from ._grpo import IMPORTANCE_LEVELS, grpo_policy_loss
-from ._policy_losses import (
-    COV_SELECTIONS,
-    Stats,
-    _check_fraction,
-    _check_non_negative,
+from ._policy_losses import COV_SELECTIONS, Stats, _check_fraction
+from ._ppo import (
+    _check_clip,
     _clamped_log_ratio,
-    _flags,
-    _masked,
+    _clip_flags,
+    _clip_sides,
+    _masked_outputs,
+    clipped_surrogate,
 )
-from ._ppo import clipped_surrogate
-from ._validation import Hyperparameter, check_choice
+from ._validation import Hyperparameter, check_choice, check_non_negative
 
 
 def _all_rows(x: Array, axis_name: str | None) -> Array:
@@ -51,14 +50,23 @@ def _top_k(priority: Array, candidate: Array, k: Array) -> Array:
     return (rank < k).reshape(priority.shape) & candidate
 
 
-def _count(fraction: Hyperparameter, n: Array) -> Array:
-    """$\\max(\\lfloor \\text{fraction}\\cdot n\\rfloor, 1)$ as int32."""
+def _count(fraction: Hyperparameter, mask: Array, dtype) -> Array:
+    """$\\max(\\lfloor \\text{fraction}\\cdot n\\rfloor, 1)$ as int32, $n$ the real tokens in
+    `mask`."""
+    n = jnp.sum(mask).astype(dtype)
     return jnp.maximum(jnp.floor(fraction * n).astype(jnp.int32), 1)
 
 
-def _token_covariance(logp: Array, adv: Array, mask: Array) -> Array:
-    """$(A_t - \\bar A)(\\log\\pi_t - \\overline{\\log\\pi})$, means over the real tokens."""
-    return (adv - masked_mean(adv, mask)) * (logp - masked_mean(logp, mask))
+def _token_covariance(
+    logp: Array, adv: Array, mask: Array, axis_name: str | None
+) -> tuple[Array, Array]:
+    """$(A_t - \\bar A)(\\log\\pi_t - \\overline{\\log\\pi})$ of every device's rows, means over
+    their real tokens (log-probabilities without gradient), and those rows' mask."""
+    every_mask = _all_rows(mask, axis_name)
+    logp = _all_rows(jnp.where(mask, jax.lax.stop_gradient(logp), 0.0), axis_name)
+    adv = _all_rows(adv, axis_name)
+    cov = (adv - masked_mean(adv, every_mask)) * (logp - masked_mean(logp, every_mask))
+    return cov, every_mask
 
 
 def _row_advantages(advantages: Array, like: Array) -> Array:
@@ -109,38 +117,32 @@ def clip_cov_policy_loss(
     `"selected"` (1.0 on the tokens whose loss was cut) and `"covariance"`.
     """
     check_choice("select", select, COV_SELECTIONS)
-    _check_non_negative("clip_eps", clip_eps)
-    _check_non_negative("clip_eps_high", clip_eps_high)
+    _check_clip(clip_eps, clip_eps_high)
     _check_fraction("fraction", fraction)
     if select == "random" and key is None:
         raise ValueError("clip_cov_policy_loss(select='random') needs a key")
-    sg = jax.lax.stop_gradient
     dtype = logp.dtype
     rows = logp.shape[0]
     w = jnp.exp(_clamped_log_ratio(logp, old_logp, mask))
     adv = _row_advantages(advantages, logp)
     loss, ppo_clipped = clipped_surrogate(w, adv, clip_eps=clip_eps, clip_eps_high=clip_eps_high)
-    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
 
-    every = lambda x: _all_rows(x, axis_name)
-    g_mask = every(mask)
-    cov = _token_covariance(every(jnp.where(mask, sg(logp), 0.0)), every(adv), g_mask)
-    candidate = every(mask & ~ppo_clipped) & (cov > cov_low) & (cov < cov_high)
+    cov, every_mask = _token_covariance(logp, adv, mask, axis_name)
+    candidate = _all_rows(mask & ~ppo_clipped, axis_name) & (cov > cov_low) & (cov < cov_high)
     if select == "random":
-        priority = every(jax.random.uniform(key, logp.shape, dtype))
+        priority = _all_rows(jax.random.uniform(key, logp.shape, dtype), axis_name)
     else:
         priority = cov
-    k = _count(fraction, jnp.sum(g_mask).astype(dtype))
+    k = _count(fraction, every_mask, dtype)
     cut = _own_rows(_top_k(priority, candidate, k), rows, axis_name)
-    loss = jnp.where(cut | ~mask, jnp.zeros_like(loss), loss)
-    low = (w < 1.0 - clip_eps) & (adv < 0)
-    high = (w > 1.0 + eps_high) & (adv > 0)
+    loss = jnp.where(cut, jnp.zeros_like(loss), loss)
     stats = {
         "ratio": w,
         "covariance": _own_rows(cov, rows, axis_name),
-        **_flags(dtype, clipped_low=low, clipped_high=high, clipped=low | high, selected=cut),
+        **_clip_flags(dtype, *_clip_sides(w, adv, clip_eps, clip_eps_high)),
+        "selected": cut.astype(dtype),
     }
-    return loss, _masked(stats, mask)
+    return _masked_outputs(loss, stats, mask)
 
 
 def kl_cov_policy_loss(
@@ -171,30 +173,25 @@ def kl_cov_policy_loss(
     `"clipped"`, `"clipped_low"`, `"clipped_high"` (zeros: nothing is clipped).
     """
     _check_fraction("fraction", fraction)
-    _check_non_negative("kl_coef", kl_coef)
-    sg = jax.lax.stop_gradient
+    check_non_negative("kl_coef", kl_coef)
     dtype = logp.dtype
     log_w = _clamped_log_ratio(logp, old_logp, mask)
     w = jnp.exp(log_w)
     adv = _row_advantages(advantages, logp)
-    every = lambda x: _all_rows(x, axis_name)
-    g_mask = every(mask)
-    cov = _token_covariance(every(jnp.where(mask, sg(logp), 0.0)), every(adv), g_mask)
-    k = _count(fraction, jnp.sum(g_mask).astype(dtype))
-    chosen = _own_rows(_top_k(cov, g_mask, k), logp.shape[0], axis_name)
+    cov, every_mask = _token_covariance(logp, adv, mask, axis_name)
+    k = _count(fraction, every_mask, dtype)
+    chosen = _own_rows(_top_k(cov, every_mask, k), logp.shape[0], axis_name)
     abs_kl = jnp.abs(log_w)
     loss = -adv * w + jnp.where(chosen, kl_coef * abs_kl, jnp.zeros_like(abs_kl))
-    zero = jnp.zeros_like(w)
+    none = jnp.zeros_like(chosen)
     stats = {
         "ratio": w,
         "abs_log_ratio": abs_kl,
         "selected": chosen.astype(dtype),
         "covariance": _own_rows(cov, logp.shape[0], axis_name),
-        "clipped": zero,
-        "clipped_low": zero,
-        "clipped_high": zero,
+        **_clip_flags(dtype, none, none),
     }
-    return jnp.where(mask, loss, zero), _masked(stats, mask)
+    return _masked_outputs(loss, stats, mask)
 
 
 def entropy_quantile_mask(

@@ -158,7 +158,7 @@ STAGE_KEYS = {
     f"gamma lam kl_coef reward_source reward_model {_PPO}" + _OPTIONS,
     "grpo": "rollouts prompts_per_rollout epochs kl_target optim lora "
     "reward_source reward_model staleness overlap sampler_device placement trainer_devices "
-    "sampler_devices trainer_mesh sampler_mesh dynamic_sampling "
+    "sampler_devices trainer_mesh sampler_mesh dynamic_sampling partial_rollouts "
     f"overlong_buffer {_GRPO}" + _OPTIONS,
     "kto": "steps batch_size max_length optim beta desirable_weight undesirable_weight "
     "loss_type samples lora" + _OPTIONS,

@@ -29,6 +29,7 @@ from ._data_prep import (
 from ._field_checks import _at_least, _check_options, _choice, _divides, _fail
 from ._lr_scale import build_optimizer
 from ._monitor import model_flops
+from ._partial_rollouts import PartialRollouts, check_partial_rollouts
 from ._placement import (
     PLACEMENTS,
     SplitPlacement,
@@ -110,6 +111,27 @@ class GRPOConfig(RolloutStageConfig, GRPOSettings):
       resumed run samples the queued rollouts again from the checkpoint's stale
       policies. `sampler_device` and `placement=split` exclude each other; the
       multi-process case (sampler and trainer in different processes) is not covered.
+    - `partial_rollouts` (a segment length `S` in tokens; 0, the default: off; needs
+      `staleness >= 1`, `0 < S < sampling.max_new_tokens` and no `dynamic_sampling`):
+      partial rollouts, AReaL's interruptible generation (Fu et al. 2025, "AReaL: a
+      large-scale asynchronous reinforcement learning system for language reasoning") and
+      veRL's fully asynchronous mode. Rollout `q` samples its first `S` tokens per row with
+      the policy of update `q - staleness`; each newer policy known before the rollout is
+      consumed (updates `q - staleness + 1`, ..., `q`) continues the rows that have not
+      stopped for `S` more tokens (the last up to `max_new_tokens`) after a fresh prefill
+      of prompt + tokens so far with its weights (AReaL recomputes the KV cache). The
+      interruption points are token counts, not wall time: a run is reproducible and a
+      resumed run samples its rollouts again from the checkpoint's stale policies. Each
+      token keeps the log-probability of the policy that sampled it as its behaviour
+      log-prob and its version in `Rollout.policy_version`; the loss is decoupled PPO
+      (Hilton et al. 2022, as AReaL uses it): `old_logp`, the proximal policy of the
+      clip, is the trained policy's own, and `rollout_correction` weights each token by
+      `pi_old / mu` with `mu` the token's own behaviour policy (veRL's `rollout_is`,
+      truncated or masked). Logged: `rollout/partial_segments` (segments that sampled
+      rows), `rollout/version_lag` (mean updates between a token's policy and the
+      trained one), `rollout/tokens_lag_<d>`. With `placement=split` the sampler runs
+      ahead and continues the queued rollouts during the updates; the last segment (by
+      the policy of update `q`) runs when rollout `q` is consumed.
     - `dynamic_sampling`: DAPO's dynamic sampling (Yu et al. 2025) — groups whose
       rewards all agree are dropped and the batch refilled with fresh groups, at most
       this many samplings per rollout (0: off, >= 0); what is still missing is filled
@@ -133,6 +155,7 @@ class GRPOConfig(RolloutStageConfig, GRPOSettings):
     sampler_mesh: str = ""
     dynamic_sampling: int = 0
     overlong_buffer: int = 0
+    partial_rollouts: int = 0
 
     def check(self, name: str, *, device_count: int = 1) -> None:
         """GRPO's own rules: groups of two or more, rows that divide the devices, the
@@ -173,6 +196,15 @@ class GRPOConfig(RolloutStageConfig, GRPOSettings):
             )
         _at_least(f"{name}.dynamic_sampling", self.dynamic_sampling, 0)
         _at_least(f"{name}.overlong_buffer", self.overlong_buffer, 0)
+        _at_least(f"{name}.partial_rollouts", self.partial_rollouts, 0)
+        if self.partial_rollouts and (self.staleness < 1 or self.dynamic_sampling):
+            _fail(
+                f"{name}.partial_rollouts",
+                self.partial_rollouts,
+                f"needs {name}.staleness >= 1 (got {self.staleness}) and "
+                f"{name}.dynamic_sampling=0 (got {self.dynamic_sampling}): rollouts run ahead "
+                "by a stale policy are continued by the newer ones",
+            )
         _choice(f"{name}.placement", self.placement, PLACEMENTS)
         for field in ("trainer_devices", "sampler_devices"):
             check_device_setting(f"{name}.{field}", getattr(self, field))
@@ -327,6 +359,7 @@ def run_grpo(
     the per-token KL to the reference exceeds `cfg.kl_target`.
     """
     validate_stage("grpo", cfg)
+    check_partial_rollouts("grpo.partial_rollouts", cfg.partial_rollouts, ctx.max_new_tokens)
     source = as_reward_source(reward)
     k_lora, ctx_key = jax.random.split(ctx.key)
     pol, spec, reference = _policy_and_reference(policy, cfg.lora, k_lora)
@@ -353,14 +386,16 @@ def run_grpo(
     recompute = cfg.rollout_correction is not None or (k > 0 and cfg.epochs > 1)
     overlap = k > 0 and cfg.overlap
 
-    def dispatch(model, key, r):
+    def dispatch(model, key, r, max_new_tokens=None):  # the run's, or a partial rollout's first
         return _dispatch_sample(
             model,
             tok,
             prompts,
             key,
             r,
-            ctx=ctx,
+            ctx=ctx
+            if max_new_tokens is None
+            else dataclasses.replace(ctx, max_new_tokens=max_new_tokens),
             per_rollout=n,
             group_size=G,
             place=placement.prompts,
@@ -399,10 +434,28 @@ def run_grpo(
     queued: dict[int, tuple] = {}
     depth = (k if placement.separate else 1) if overlap else 0
     worker = ThreadPoolExecutor(1, thread_name_prefix="rollout") if overlap else None
+    partial = None
+    if cfg.partial_rollouts:  # rollouts in segments, each by the newest policy known
+        partial = PartialRollouts(
+            staleness=k,
+            segment=cfg.partial_rollouts,
+            ctx=ctx,
+            pad_id=tok.pad_id,
+            place=placement.prompts,
+            first=dispatch,
+            finish=lambda pending: device_half(*host_half(pending)),
+            key_of=lambda q: jax.random.split(jax.random.fold_in(ctx_key, q))[0],
+            worker=worker,
+        )
 
     def queue_rollouts(state, ts, r):
         """Submit rollouts r + 1 ... r + `depth` (those not queued yet), in order, each
         from its behaviour policy."""
+        if partial is not None:  # started and continued by the sampler of its own
+            if placement.separate:
+                model = lambda p: placement.model(p, ts.frozen)  # noqa: E731
+                partial.queue((*state.behind, ts.params), r, cfg.rollouts, depth, model)
+            return
         for j in range(1, depth + 1):
             q = r + j
             if q >= cfg.rollouts or q in queued or q in ahead:
@@ -434,7 +487,12 @@ def run_grpo(
             for _, future in queued.values():
                 future.cancel()
             queued.clear()
-        if prepared:
+        if partial is not None:
+            model = lambda p: placement.model(p, ts.frozen)  # noqa: E731
+            prepared, (roll, ref_logp, info, scored, rewards) = partial.take(
+                (*state.behind, ts.params), r, k_sample, model
+            )
+        elif prepared:
             roll, ref_logp, info, scored, rewards = ready[1]
         else:
             roll, ref_logp, info, scored, rewards = sample(behaviour(), k_sample, r, 0)
@@ -486,7 +544,7 @@ def run_grpo(
         if overlap:
             queue_rollouts(state, ts, r)
             if cfg.placement == "split":  # the sampler's queue after this iteration's submissions
-                info["queued"] = float(len(queued))
+                info["queued"] = float(len(queued) if partial is None else partial.in_flight)
         metrics = []
         before = ts.params
         for e in range(cfg.epochs):

@@ -51,6 +51,10 @@ from ._multiturn_dpo_stage import (
     run_multiturn_dpo as run_multiturn_dpo,
 )
 from ._multiturn_stage import run_multiturn as run_multiturn, turn_stop_ids as turn_stop_ids
+from ._partial_rollouts import (
+    continue_rollout as continue_rollout,
+    partial_segments as partial_segments,
+)
 from ._ppo_stage import run_ppo as run_ppo
 from ._prm_stage import run_prm as run_prm, step_accuracy as step_accuracy
 from ._reward_sources import (

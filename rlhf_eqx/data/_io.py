@@ -275,6 +275,19 @@ def string_field(record: dict, key: str) -> str:
     return value
 
 
+def boolean_value(value: object, name: str) -> bool:
+    """`value` as a bool: a JSON boolean, or `0` / `1` (`Malformed` naming `name`, such as
+    `'label'`, otherwise)."""
+    if isinstance(value, bool):
+        return value
+    if type(value) is int and value in (0, 1):
+        return bool(value)
+    raise Malformed(
+        "wrong type",
+        f"{name} must be a boolean (true/false, or 0/1), got {type(value).__name__} {value!r}",
+    )
+
+
 def common_prefix_length(a: Sequence, b: Sequence) -> int:
     """The number of leading items `a` and `b` share."""
     n = min(len(a), len(b))

@@ -35,7 +35,14 @@ import numpy as np
 from ._batches import PRMBatch
 from ._collate import _check_ids, row_length
 from ._errors import DataError
-from ._io import Malformed, RecordDataset, Unusable, load_records, string_field
+from ._io import (
+    Malformed,
+    RecordDataset,
+    Unusable,
+    boolean_value,
+    load_records,
+    string_field,
+)
 from ._tokenize import wants_bos
 from ._tokenized import SequenceLengths, TokenizeReport, resolve_lengths
 from ._tokenizer import Tokenizer
@@ -56,18 +63,6 @@ class StepwiseDataset(RecordDataset["StepwiseRecord"]):
     """An immutable sequence of `StepwiseRecord`s with the `LoadReport` of its file."""
 
     noun = "solutions"
-
-
-def _label(value: object, s: int) -> bool:
-    if isinstance(value, bool):
-        return value
-    if type(value) is int and value in (0, 1):
-        return bool(value)
-    raise Malformed(
-        "wrong type",
-        f"'labels'[{s}] must be a boolean (true/false, or 0/1), got {type(value).__name__} "
-        f"{value!r}",
-    )
 
 
 def _parse(record: dict) -> StepwiseRecord:
@@ -92,7 +87,11 @@ def _parse(record: dict) -> StepwiseRecord:
         )
     if not steps:
         raise Unusable("no steps")
-    return StepwiseRecord(prompt, tuple(steps), tuple(_label(v, s) for s, v in enumerate(labels)))
+    return StepwiseRecord(
+        prompt,
+        tuple(steps),
+        tuple(boolean_value(v, f"'labels'[{s}]") for s, v in enumerate(labels)),
+    )
 
 
 def load_stepwise(

@@ -31,7 +31,14 @@ from ._batches import KTOBatch
 from ._chat import ChatTemplate, format_chat, message_field, resolve_template
 from ._collate import _right_padded, row_length
 from ._errors import DataError
-from ._io import Malformed, RecordDataset, Unusable, load_records, string_field
+from ._io import (
+    Malformed,
+    RecordDataset,
+    Unusable,
+    boolean_value,
+    load_records,
+    string_field,
+)
 from ._tokenize import _check_truncation, _tokenize
 from ._tokenized import SequenceLengths, TokenizedSequence, TokenizeReport, resolve_lengths
 from ._tokenizer import Tokenizer
@@ -58,15 +65,7 @@ class UnpairedDataset(RecordDataset["UnpairedRecord"]):
 def _label(record: dict) -> bool:
     if "label" not in record:
         raise Malformed("missing key", f"no 'label' in a record with keys {sorted(record)}")
-    value = record["label"]
-    if isinstance(value, bool):
-        return value
-    if type(value) is int and value in (0, 1):
-        return bool(value)
-    raise Malformed(
-        "wrong type",
-        f"'label' must be a boolean (true/false, or 0/1), got {type(value).__name__} {value!r}",
-    )
+    return boolean_value(record["label"], "'label'")
 
 
 def _checked(prompt: str, completion: str, label: bool) -> UnpairedRecord:

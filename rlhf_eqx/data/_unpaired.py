@@ -131,9 +131,7 @@ def load_unpaired(
 
     **Arguments:**
 
-    - `path`: a `.jsonl` file (one JSON object a line), a `.json` file (a list of
-      objects) or either gzipped (`.gz`); or a `.parquet` / `.arrow` file or a
-      `datasets` `save_to_disk` directory (`dataset_files`).
+    - `path`: the file or `datasets` directory, read as by `load_preferences`.
     - `format`: `"auto"` (from the first record), `"plain"` or `"messages"` (see the
       module docstring).
     - `lenient`: skip malformed lines/records (invalid JSON, missing keys, wrong types,

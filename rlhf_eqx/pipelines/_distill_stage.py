@@ -20,11 +20,10 @@ from ..train import DistillSettings
 from ._config import BatchStageConfig, LoRASettings, _optim
 from ._data_prep import chat_split, prompt_tokens, quality_report, trained_policy
 from ._field_checks import _above, _fail, _positive, _within
-from ._lr_scale import build_optimizer
 from ._model_checks import check_teacher_vocabulary
 from ._registry import Outcome, Stage, StageEnv, find_stage, register_stage, stages
 from ._rollout import sample_rollout, sampling_options
-from ._runs import RunContext, RunResult, final_policy, rows_at, run_loop, take_rows, with_lora
+from ._runs import RunContext, RunResult, final_policy, rows_at, run_loop, take_rows, train_setup
 from ._task import TRAIN_PROMPTS
 from ._validation import validate_stage
 
@@ -178,11 +177,10 @@ def run_distill(
     if len(prompts) != n:
         raise ValueError(f"run_distill: {len(prompts)} prompts for {n} completion rows")
     k_lora, ctx_key = jax.random.split(ctx.key)
-    model, spec = with_lora(student, cfg.lora, k_lora)
-    opt = build_optimizer(cfg.optim, cfg.steps)
-    state = rx.train.init_train_state(model, opt, filter_spec=spec)
     settings = rx.train.DistillSettings(beta=cfg.beta, temperature=LOSS_TEMPERATURE)
-    step = rx.train.make_distill_step(opt, settings, options=cfg.options)
+    state, _, step = train_setup(
+        student, cfg, cfg.steps, k_lora, rx.train.make_distill_step, settings
+    )
     sampling = on_policy_sampling(ctx, cfg)
 
     def iteration(state, key, i):

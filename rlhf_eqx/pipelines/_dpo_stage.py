@@ -22,7 +22,6 @@ from ._config import BatchStageConfig, LoRASettings, _optim
 from ._data_prep import implicit_accuracy, preference_split, trained_policy
 from ._evaluate import binomial_se
 from ._field_checks import _fail, _positive
-from ._lr_scale import build_optimizer
 from ._monitor import model_flops
 from ._registry import Outcome, Stage, StageEnv, register_stage
 from ._rollout import sample_rollout, sampling_options
@@ -36,7 +35,7 @@ from ._runs import (
     run_offline,
     shuffled_batches,
     take_rows,
-    with_lora,
+    train_setup,
 )
 from ._sampled_eval import heldout_samples
 from ._task import TRAIN_PROMPTS
@@ -98,15 +97,6 @@ def _check_packing(stage: str):
     return check_run
 
 
-def _dpo_setup(model, cfg: DPOConfig, total_steps: int, key, make_step=None):
-    model, spec = with_lora(model, cfg.lora, key)
-    reference = rx.without_lora(model) if spec is not None else model
-    opt = build_optimizer(cfg.optim, total_steps)
-    state = rx.train.init_train_state(model, opt, filter_spec=spec)
-    step = (make_step or rx.train.make_dpo_step)(opt, cfg, options=cfg.options)
-    return state, reference, step
-
-
 def run_dpo(
     model,
     tok,
@@ -126,7 +116,8 @@ def run_dpo(
     with everything here: cached reference, packing, checkpoints, resume."""
     validate_stage("dpo", cfg)
     k_lora, ctx_key = jax.random.split(ctx.key)
-    state, reference, step = _dpo_setup(model, cfg, cfg.steps, k_lora, make_step)
+    make_step = make_step or rx.train.make_dpo_step
+    state, reference, step = train_setup(model, cfg, cfg.steps, k_lora, make_step)
     run = dict(steps=cfg.steps, ctx=ctx, ctx_key=ctx_key, policy_of=lambda s: s.model)
     if cfg.packing:
         batches = packed_steps(
@@ -245,7 +236,8 @@ def run_online_dpo(
     al. 2024)."""
     validate_stage("dpo", cfg)
     k_lora, ctx_key = jax.random.split(ctx.key)
-    state, reference, step = _dpo_setup(model, cfg, cfg.rounds * cfg.steps, k_lora, make_step)
+    make_step = make_step or rx.train.make_dpo_step
+    state, reference, step = train_setup(model, cfg, cfg.rounds * cfg.steps, k_lora, make_step)
 
     def iteration(state, key, r):
         k_sample, k_steps = jax.random.split(key)

@@ -27,7 +27,6 @@ from ._data_prep import (
     trained_policy,
 )
 from ._field_checks import _above, _at_least, _choice, _fail
-from ._lr_scale import build_optimizer
 from ._metrics import MetricsLog
 from ._registry import Outcome, Stage, StageEnv, register_stage
 from ._rollout import sample_rollout, sampling_options
@@ -38,7 +37,7 @@ from ._runs import (
     final_policy,
     run_offline,
     shuffled_rows,
-    with_lora,
+    train_setup,
 )
 from ._sampled_eval import heldout_samples
 from ._task import TRAIN_PROMPTS
@@ -106,11 +105,6 @@ def run_kto(
         records, tok, max_length=cfg.max_length, prompt_length=ctx.prompt_length
     )
     k_lora, ctx_key = jax.random.split(ctx.key)
-    model, spec = with_lora(model, cfg.lora, k_lora)
-    reference = rx.without_lora(model) if spec is not None else model
-    full = rx.train.compute_kto_reference_logps(reference, full)
-    opt = build_optimizer(cfg.optim, cfg.steps)
-    state = rx.train.init_train_state(model, opt, filter_spec=spec)
     settings = rx.train.KTOSettings(
         beta=cfg.beta,
         desirable_weight=cfg.desirable_weight,
@@ -118,7 +112,10 @@ def run_kto(
         loss_type=cfg.loss_type,
         reference="cached",
     )
-    step = rx.train.make_kto_step(opt, settings, options=cfg.options)
+    state, reference, step = train_setup(
+        model, cfg, cfg.steps, k_lora, rx.train.make_kto_step, settings
+    )
+    full = rx.train.compute_kto_reference_logps(reference, full)
     return run_offline(
         state,
         step,
@@ -202,9 +199,19 @@ def kto_on_data(env: StageEnv, c: KTOConfig) -> Outcome:
     """KTO on an unpaired file (`prompt`, `completion`, `label`) or on preference pairs,
     each split into a desirable and an undesirable example (`unpaired_from_preferences`);
     the held-out part is split by prompt before any splitting of pairs."""
-    cfg, policy, tok, ctx, summary, say = (
+    train, held, held_pairs = kto_examples(env, c)
+    res = run_kto(env.base, env.tok, train, cfg=c, ctx=env.ctx(""))
+    trained = trained_policy(env, res.state.model)
+    env.summary["kto"] = kto_data_metrics(env, c, trained, held, held_pairs)
+    return Outcome(res, policy=trained)
+
+
+def kto_examples(env: StageEnv, c: KTOConfig) -> tuple[list, list, list | None]:
+    """`kto_on_data`'s examples: `(train, held, held_pairs)`, the training and held-out
+    examples of the file and, for a preference file, its held-out pairs (else `None`);
+    the reader's and the quality report's counts in `env.summary["data_quality"]`."""
+    cfg, tok, ctx, summary, say = (
         env.cfg,
-        env.base,
         env.tok,
         env.ctx(""),
         env.summary,
@@ -212,6 +219,7 @@ def kto_on_data(env: StageEnv, c: KTOConfig) -> Outcome:
     )
     s = cfg.sampling
     path = cfg.data.path
+    held_pairs = None
     try:
         records = data.load_unpaired(path, cfg.data.format, **cfg.data.read_options())
         pairs = None
@@ -238,19 +246,21 @@ def kto_on_data(env: StageEnv, c: KTOConfig) -> Outcome:
         f"undesirable), {len(held)} held out"
         + (" (from preference pairs)" if pairs is not None else "")
     )
-    res = run_kto(policy, tok, train, cfg=c, ctx=ctx)
-    trained = trained_policy(env, res.state.model)
-    held_batch = collate_unpaired_records(
-        held, tok, max_length=c.max_length, prompt_length=s.prompt_length
-    )
-    summary["kto"] = kto_heldout_metrics(trained, policy, held_batch, c.beta)
-    if pairs is not None:
-        hb = collate_pairs(held_pairs, tok, max_length=c.max_length, prompt_length=s.prompt_length)
-        summary["kto"]["heldout_pair_accuracy"] = float(
-            implicit_accuracy(trained, policy, hb, c.beta)
-        )
-    summary["kto"]["sampled"] = heldout_samples(env, policy, trained, held)
-    return Outcome(res, policy=trained)
+    return train, held, held_pairs
+
+
+def kto_data_metrics(env: StageEnv, c: KTOConfig, trained, held: list, held_pairs) -> dict:
+    """`summary["kto"]` of a run on a data file: `kto_heldout_metrics` of the `trained`
+    policy against the base on the `held` examples, the implicit reward accuracy on the
+    `held_pairs` (a preference file's), and held-out samples."""
+    policy, tok, pl = env.base, env.tok, env.cfg.sampling.prompt_length
+    held_batch = collate_unpaired_records(held, tok, max_length=c.max_length, prompt_length=pl)
+    out = kto_heldout_metrics(trained, policy, held_batch, c.beta)
+    if held_pairs is not None:
+        hb = collate_pairs(held_pairs, tok, max_length=c.max_length, prompt_length=pl)
+        out["heldout_pair_accuracy"] = float(implicit_accuracy(trained, policy, hb, c.beta))
+    out["sampled"] = heldout_samples(env, policy, trained, held)
+    return out
 
 
 def _filter_unpaired(records, tok, dc: DataConfig, prompt_length: int, log: MetricsLog):

@@ -26,13 +26,13 @@ import rlhf_eqx as rx
 
 from ..envs import Trajectory
 from ._config import ConfigError, LoRASettings, _optim
-from ._dpo_stage import DPOConfig, _dpo_setup
+from ._dpo_stage import DPOConfig
 from ._monitor import model_flops
 from ._multiturn_stage import _length, _rollout, check_episode, episode_stage
 from ._registry import Outcome, Stage, StageEnv, register_stage
 from ._rl_rollouts import _per_token_kl
 from ._rollout import token_logps
-from ._runs import RunContext, RunResult, rows_at, run_loop, take_rows
+from ._runs import RunContext, RunResult, rows_at, run_loop, take_rows, train_setup
 from ._validation import validate_stage
 
 
@@ -171,7 +171,8 @@ def run_multiturn_dpo(
     """
     validate_stage("multiturn-dpo", cfg)
     k_lora, ctx_key = jax.random.split(ctx.key)
-    state, reference, step = _dpo_setup(policy, cfg, cfg.rounds * cfg.steps, k_lora)
+    total = cfg.rounds * cfg.steps
+    state, reference, step = train_setup(policy, cfg, total, k_lora, rx.train.make_dpo_step)
     n, S, P = cfg.prompts_per_round, cfg.samples, ctx.prompt_length
     length = _length(env, cfg, P)
 

@@ -29,6 +29,7 @@ from ._config import (
 )
 from ._iterations import run_iterations
 from ._loop_state import LoopResult
+from ._lr_scale import build_optimizer
 from ._metrics import MetricsLog
 from ._monitor import model_flops
 from ._validation import validate_ops
@@ -78,6 +79,24 @@ def with_lora(model, lora: LoRASettings, key: jax.Array):
         return model, None
     adapted = rx.apply_lora(model, cfg, key=key)
     return adapted, rx.lora_filter(adapted)
+
+
+def train_setup(model, cfg, total_steps: int, key: jax.Array, make_step, settings=None):
+    """`(state, reference, step)`, what a run that trains `model` starts from:
+
+    - `state`: the `TrainState` of `model` with the adapters of `cfg.lora` (`with_lora`:
+      the adapters train, or every weight with `cfg.lora.rank == 0`) and the optimiser
+      of `cfg.optim` scheduled over `total_steps` updates (`build_optimizer`);
+    - `reference`: that model with its adapters off (the same base arrays), or `model`
+      itself when it has none;
+    - `step`: `make_step(optimizer, settings, options=cfg.options)`, `settings` by
+      default `cfg` (e.g. `rlhf_eqx.train.make_sft_step`)."""
+    model, spec = with_lora(model, cfg.lora, key)
+    reference = rx.without_lora(model) if spec is not None else model
+    opt = build_optimizer(cfg.optim, total_steps)
+    state = rx.train.init_train_state(model, opt, filter_spec=spec)
+    step = make_step(opt, cfg if settings is None else settings, options=cfg.options)
+    return state, reference, step
 
 
 def has_lora(model) -> bool:

@@ -16,9 +16,8 @@ from ..train import OptimizerSettings, SFTSettings
 from ._config import BatchStageConfig, LoRASettings, _optim
 from ._data_prep import nll, preference_split, trained_policy
 from ._field_checks import _positive
-from ._lr_scale import build_optimizer
 from ._registry import Outcome, Stage, StageEnv, register_stage
-from ._runs import RunContext, RunResult, final_policy, run_offline, shuffled_rows, with_lora
+from ._runs import RunContext, RunResult, final_policy, run_offline, shuffled_rows, train_setup
 from ._sampled_eval import heldout_samples
 from ._task import TRAIN_PROMPTS
 from ._validation import validate_stage
@@ -55,10 +54,7 @@ def run_sft(
     )
     full = data.collate_sft(seqs, max_length=cfg.max_length, pad_id=tok.pad_id)
     k_lora, ctx_key = jax.random.split(ctx.key)
-    model, spec = with_lora(model, cfg.lora, k_lora)
-    opt = build_optimizer(cfg.optim, cfg.steps)
-    state = rx.train.init_train_state(model, opt, filter_spec=spec)
-    step = rx.train.make_sft_step(opt, cfg, options=cfg.options)
+    state, _, step = train_setup(model, cfg, cfg.steps, k_lora, rx.train.make_sft_step)
     return run_offline(
         state,
         step,

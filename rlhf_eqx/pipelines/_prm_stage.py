@@ -18,10 +18,9 @@ from ._config import BatchStageConfig
 from ._data_prep import chat_rendering, split_records
 from ._field_checks import _choice, _fail
 from ._lr_scale import build_optimizer
-from ._monitor import model_flops
 from ._registry import Outcome, Stage, StageEnv, register_stage
 from ._reward_sources import export_prm
-from ._runs import RunContext, RunResult, run_loop, shuffled_rows
+from ._runs import RunContext, RunResult, run_offline, shuffled_rows
 from ._validation import validate_stage
 
 
@@ -99,20 +98,14 @@ def run_prm(policy, tok, records: Sequence, *, cfg: PRMConfig, ctx: RunContext) 
     opt = build_optimizer(cfg.optim, cfg.steps)
     state = rx.train.init_train_state(model, opt)
     step = rx.train.make_prm_step(opt, rx.train.PRMSettings(), options=cfg.options)
-    batch_at = shuffled_rows(full, cfg.batch_size, ctx.ops.seed)
-
-    def iteration(ts, key, i):
-        ts, m = ts.apply(step, batch_at(i), key=key)
-        return ts, [m], {}
-
-    tokens = cfg.batch_size * cfg.max_length
-    return run_loop(
+    return run_offline(
         state,
-        iteration,
-        dataclasses.replace(ctx, key=ctx_key),
-        cfg.steps,
-        tokens_per_iteration=tokens,
-        flops_per_iteration=model_flops(rx.count_params(model), train_tokens=tokens),
+        step,
+        shuffled_rows(full, cfg.batch_size, ctx.ops.seed),
+        steps=cfg.steps,
+        tokens_per_iteration=cfg.batch_size * cfg.max_length,
+        ctx=ctx,
+        ctx_key=ctx_key,
     )
 
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from ..ops import masked_mean, masked_sum
-from ._validation import Hyperparameter, check_choice, check_python_number
+from ._validation import Hyperparameter, check_choice, check_positive
 
 AGGREGATION_MODES: tuple[str, ...] = (
     "token-mean",
@@ -84,7 +84,7 @@ def aggregate_parts(
         return jnp.sum(masked_mean(per_token, mask, axis=-1)), non_empty
     if mode == "seq-mean-token-sum":
         return masked_sum(per_token, mask), non_empty
-    check_python_number("constant", constant, lambda c: c > 0.0, "positive")
+    check_positive("constant", constant)
     if constant is None:
         c = float(per_token.shape[-1])
     elif isinstance(constant, (int, float)):

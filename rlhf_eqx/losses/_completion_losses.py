@@ -12,7 +12,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float
 from ..ops import masked_mean
 from ._policy_losses import Stats
 from ._ppo import _check_clip, _clamped_log_ratio, _clip_flags, _masked_outputs
-from ._validation import Hyperparameter, check_non_negative, check_python_number
+from ._validation import Hyperparameter, check_non_negative, check_positive
 
 
 def cispo_policy_loss(
@@ -146,8 +146,8 @@ def sapo_policy_loss(
     $-A\nabla\log\pi_\theta$) and `"clipped"`, `"clipped_low"`, `"clipped_high"` (zeros:
     nothing is hard-clipped).
     """
-    check_python_number("tau_pos", tau_pos, lambda t: t > 0.0, "positive")
-    check_python_number("tau_neg", tau_neg, lambda t: t > 0.0, "positive")
+    check_positive("tau_pos", tau_pos)
+    check_positive("tau_neg", tau_neg)
     w = jnp.exp(_clamped_log_ratio(logp, old_logp, mask))
     adv = jnp.asarray(advantage, dtype=logp.dtype)
     tau = jnp.where(adv > 0, jnp.asarray(tau_pos, logp.dtype), jnp.asarray(tau_neg, logp.dtype))

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from .._sampling import DEFAULT_TEMPERATURE
-from ._validation import Hyperparameter, check_python_number, is_python_number
+from ._validation import Hyperparameter, check_positive, check_python_number, is_python_number
 
 
 def _log_softmax(
@@ -97,7 +97,7 @@ def generalized_jsd(
     completion tokens).
     """
     check_python_number("beta", beta, lambda b: 0.0 <= b <= 1.0, "in [0, 1]")
-    check_python_number("temperature", temperature, lambda t: t > 0.0, "positive")
+    check_positive("temperature", temperature)
     if student_logits.shape != teacher_logits.shape:
         raise ValueError(
             f"student_logits {student_logits.shape} and teacher_logits {teacher_logits.shape} "

@@ -33,7 +33,7 @@ from ._dpo_losses import (
 )
 from ._dpo_registry import call_custom_loss, resolve_dpo_loss
 from ._orpo import per_token_logp
-from ._validation import Hyperparameter, check_python_number
+from ._validation import Hyperparameter, check_positive, check_python_number
 
 
 def _validate(
@@ -45,7 +45,7 @@ def _validate(
     loss_kwargs: dict[str, Any],
 ) -> LossSpec:
     spec = resolve_dpo_loss(loss_type, loss_kwargs=loss_kwargs, label_smoothing=label_smoothing)
-    check_python_number("beta", beta, lambda b: b > 0.0, "positive")
+    check_positive("beta", beta)
     check_python_number("label_smoothing", label_smoothing, lambda e: 0.0 <= e < 0.5, "in [0, 0.5)")
     if ref_missing and not (reference_free or spec.reference_free):
         raise ValueError(

@@ -5,7 +5,7 @@ from typing import Literal
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float
 
-from ._validation import Hyperparameter, check_choice, check_python_number
+from ._validation import Hyperparameter, check_choice, check_non_negative
 
 ENSEMBLE_MODES: tuple[str, ...] = ("std", "var", "min", "mean")
 """The `mode`s of `conservative_reward`."""
@@ -42,7 +42,7 @@ def conservative_reward(
     **Returns:** the scalar reward.
     """
     check_choice("mode", mode, ENSEMBLE_MODES)
-    check_python_number("penalty", penalty, lambda p: p >= 0.0, "non-negative")
+    check_non_negative("penalty", penalty)
     r = jnp.asarray(member_scores)
     if mode == "min":
         return jnp.min(r)

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
-from ._validation import Hyperparameter, check_choice, check_python_number
+from ._validation import Hyperparameter, check_choice, check_non_negative, check_positive
 
 KTO_LOSS_TYPES: tuple[str, ...] = ("kto", "apo_zero_unpaired")
 """The `loss_type`s of `kto_loss` (TRL `KTOConfig.loss_type`)."""
@@ -84,11 +84,9 @@ def kto_loss(
     of these over the batch's examples, desirable and undesirable together.
     """
     check_choice("loss_type", loss_type, KTO_LOSS_TYPES)
-    check_python_number("beta", beta, lambda b: b > 0.0, "positive")
-    check_python_number("desirable_weight", desirable_weight, lambda w: w >= 0.0, "non-negative")
-    check_python_number(
-        "undesirable_weight", undesirable_weight, lambda w: w >= 0.0, "non-negative"
-    )
+    check_positive("beta", beta)
+    check_non_negative("desirable_weight", desirable_weight)
+    check_non_negative("undesirable_weight", undesirable_weight)
     h = jnp.asarray(logp) - jnp.asarray(ref_logp)
     z = jnp.zeros_like(h) if loss_type == "apo_zero_unpaired" else jnp.asarray(kl).astype(h.dtype)
     desirable = desirable_weight * jax.nn.sigmoid(beta * (z - h))

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float
 
-from ._validation import Hyperparameter, check_python_number, is_python_number
+from ._validation import Hyperparameter, check_non_negative, is_python_number
 
 
 def bradley_terry_loss(
@@ -34,7 +34,7 @@ def bradley_terry_loss(
     """
     rc = jnp.asarray(chosen_reward)
     rr = jnp.asarray(rejected_reward)
-    check_python_number("center_coef", center_coef, lambda c: c >= 0.0, "non-negative")
+    check_non_negative("center_coef", center_coef)
     loss = -jax.nn.log_sigmoid(rc - rr - margin)
     if not (is_python_number(center_coef) and center_coef == 0.0):
         loss = loss + center_coef * jnp.square(rc + rr)

@@ -37,6 +37,11 @@ def check_non_negative(name: str, value: object) -> None:
     check_python_number(name, value, lambda v: v >= 0.0, "non-negative")
 
 
+def check_positive(name: str, value: object) -> None:
+    """`check_python_number` for a hyperparameter that must be `> 0` (`None` passes)."""
+    check_python_number(name, value, lambda v: v > 0.0, "positive")
+
+
 def check_choice(name: str, value: object, choices: Sequence[str]) -> None:
     """Raise a one-line `ValueError` naming `name`, `value` and the valid `choices`.
 

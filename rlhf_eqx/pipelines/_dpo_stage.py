@@ -219,6 +219,18 @@ def best_worst_pairs(
     return pairs
 
 
+def _round_steps(state, step, pairs, count: int, cfg: DPOConfig, seed: int, key: jax.Array):
+    """One round of online DPO's updates: `cfg.steps` steps on `cfg.batch_size` of the
+    first `count` rows of `pairs` (step `s`: the rows `rows_at(count, cfg.batch_size,
+    seed, s)`, the key `fold_in(key, s)`). Returns the state and each step's metrics."""
+    metrics = []
+    for s in range(cfg.steps):
+        batch = take_rows(pairs, rows_at(count, cfg.batch_size, seed, s))
+        state, m = state.apply(step, batch, key=jax.random.fold_in(key, s))
+        metrics.append(m)
+    return state, metrics
+
+
 def run_online_dpo(
     model,
     tok,
@@ -262,11 +274,7 @@ def run_online_dpo(
         full = collate_pairs(pairs, tok, max_length=cfg.max_length, prompt_length=ctx.prompt_length)
         full = rx.train.compute_reference_logps(reference, full)
         n = full.chosen_tokens.shape[0]
-        metrics = []
-        for s in range(cfg.steps):
-            batch = take_rows(full, rows_at(n, cfg.batch_size, ctx.ops.seed + r, s))
-            state, m = state.apply(step, batch, key=jax.random.fold_in(k_steps, s))
-            metrics.append(m)
+        state, metrics = _round_steps(state, step, full, n, cfg, ctx.ops.seed + r, k_steps)
         return state, metrics, info
 
     ctx = dataclasses.replace(ctx, key=ctx_key)

@@ -26,7 +26,7 @@ import rlhf_eqx as rx
 
 from ..envs import Trajectory
 from ._config import ConfigError, LoRASettings, _optim
-from ._dpo_stage import DPOConfig
+from ._dpo_stage import DPOConfig, _round_steps
 from ._monitor import model_flops
 from ._multiturn_stage import _length, _rollout, check_episode, episode_stage
 from ._registry import Outcome, Stage, StageEnv, register_stage
@@ -200,11 +200,7 @@ def run_multiturn_dpo(
             return state, [], info
         # one shape for the reference pass whatever the count: the pairs, cycled to `n`
         full = rx.train.compute_reference_logps(reference, take_rows(pairs, np.arange(n) % count))
-        metrics = []
-        for s in range(cfg.steps):
-            batch = take_rows(full, rows_at(count, cfg.batch_size, ctx.ops.seed + r, s))
-            state, m = state.apply(step, batch, key=jax.random.fold_in(k_steps, s))
-            metrics.append(m)
+        state, metrics = _round_steps(state, step, full, count, cfg, ctx.ops.seed + r, k_steps)
         return state, metrics, info
 
     sampled = n * S * length

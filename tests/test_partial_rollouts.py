@@ -1,0 +1,319 @@
+"""Partial rollouts in asynchronous GRPO (`grpo.partial_rollouts`): the segments' schedule,
+continued rows carrying the log-probs of the policy that sampled each token, stopped rows
+left alone, the run colocated and on split meshes, and an exact resume after SIGKILL
+with rollouts in flight. The split runs use the eight simulated CPU devices that
+tests/conftest.py sets up."""
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+
+import rlhf_eqx as rx
+from rlhf_eqx import pipelines as pl
+
+_PROMPTS = [f"Once upon a time {i}" for i in range(12)]
+_PARITY = [pl.runs.RewardFunction("parity", lambda p, t: float(len(t) % 2))]
+_TIMING = ("stage", "time", "iteration_time_s", "tokens_per_s", "rollout/overlapped")
+_SYNC = ("rollout/weight_sync_s", "rollout/weight_sync_bytes", "rollout/base_transfers")
+_PARTIAL = ("rollout/partial_segments", "rollout/version_lag")
+
+
+def _need_8():
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+
+
+@pytest.fixture(scope="module")
+def builtin():
+    return pl.tools.load_model("builtin")
+
+
+def test_segments_schedule():
+    """Segment i of rollout q is sampled by the policy of update max(q - k + i, 0), S
+    tokens each and the last (the consuming update's policy) up to max_new_tokens;
+    repeated versions at the start are one segment, and S >= max_new_tokens is the stale
+    policy's whole rollout."""
+    seg = lambda q, k, s: pl.runs.partial_segments(q, staleness=k, segment=s, max_new_tokens=8)  # noqa: E731
+    assert seg(5, 2, 3) == ((3, 3), (4, 3), (5, 2))
+    assert seg(5, 2, 5) == ((3, 5), (4, 3))  # nothing left for the newest policy
+    assert seg(5, 1, 3) == ((4, 3), (5, 5))
+    assert seg(1, 2, 3) == ((0, 3), (1, 5))  # versions 0, 0, 1: the first two are one
+    assert seg(0, 3, 2) == ((0, 8),)
+    for q in range(4):
+        assert seg(q, 2, 8) == ((max(q - 2, 0), 8),)
+        assert seg(q, 2, 9) == ((max(q - 2, 0), 8),)
+
+
+def _nudged(policy, seed):
+    """`policy` with every float weight moved by N(0, 0.05^2): another policy version."""
+    arrays, rest = eqx.partition(policy, eqx.is_inexact_array)
+    leaves, treedef = jax.tree.flatten(arrays)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    moved = [x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+    return eqx.combine(jax.tree.unflatten(treedef, moved), rest)
+
+
+def _three_segments(builtin, stop_ids):
+    """Rollout in segments of 3, 3 and 2 tokens by three policy versions."""
+    policy, tok = builtin
+    models = [policy, _nudged(policy, 1), _nudged(policy, 2)]
+    key = jax.random.key(3)
+    kw = dict(temperature=1.0)
+    pending = pl.runs.dispatch_rollout(
+        models[0],
+        tok,
+        _PROMPTS[:8],
+        key,
+        group_size=2,
+        prompt_length=16,
+        max_new_tokens=3,
+        stop_ids=stop_ids,
+        **kw,
+    )
+    first = pending
+    for i, (model, n) in enumerate(zip(models[1:], (3, 2)), start=1):
+        pending = pl.runs.continue_rollout(
+            model, pending, jax.random.fold_in(key, i), max_new_tokens=n, pad_id=tok.pad_id, **kw
+        )
+    return models, first, pending
+
+
+def test_each_token_has_the_log_prob_of_its_policy(builtin):
+    """Tokens 1-3 sampled by version 0, 4-6 by version 1 (a fresh prefill of prompt +
+    tokens so far), 7-8 by version 2: each token's behaviour log-prob is the teacher-forced
+    log-prob of its own version (and not the other versions')."""
+    models, _, pending = _three_segments(builtin, None)
+    out, P = pending.out, 16
+    assert out.tokens.shape == (16, P + 8)
+    versions = np.repeat([0, 1, 2], [3, 3, 2])
+    real = np.asarray(out.completion_mask)[:, P:]
+    assert real.all()  # the built-in model does not stop within 8 tokens
+    for v, model in enumerate(models):
+        lp = jax.vmap(lambda t, m, model=model: rx.token_logprobs(model, t, m, temperature=1.0))(
+            out.tokens, out.mask
+        )
+        own, theirs = np.asarray(out.logprobs)[:, P:], np.asarray(lp)[:, P:]
+        np.testing.assert_allclose(own[:, versions == v], theirs[:, versions == v], atol=1e-4)
+        assert np.abs(own[:, versions != v] - theirs[:, versions != v]).max() > 1e-2
+
+
+def test_rows_stopped_in_the_first_segment_are_not_continued(builtin):
+    """With a frequent token as an extra stop id, the rows that stop within the first
+    segment keep their tokens; everything after is padding with masks off and zero
+    log-probs, while the other rows go on."""
+    policy, tok = builtin
+    _, plain, _ = _three_segments(builtin, None)
+    early = np.asarray(plain.out.tokens)[:, 16:]
+    counts = np.bincount(early[:, :2].reshape(-1))
+    stop = int(np.argmax(counts))  # among the first two tokens of some rows, not of all
+    stops = (tok.eos_id, tok.bos_id, stop)
+    _, first, pending = _three_segments(builtin, stops)
+    comp = np.asarray(first.out.completion_mask)[:, 16:]
+    last = np.asarray(first.out.tokens)[:, -1]
+    stopped = ~comp.all(axis=1) | np.isin(last, stops)
+    assert 0 < stopped.sum() < len(stopped)
+    out = pending.out
+    np.testing.assert_array_equal(np.asarray(out.tokens)[:, : 16 + 3], first.out.tokens)
+    after = slice(16 + 3, None)
+    assert not np.asarray(out.completion_mask)[stopped, after].any()
+    assert not np.asarray(out.mask)[stopped, after].any()
+    assert (np.asarray(out.tokens)[stopped, after] == tok.pad_id).all()
+    assert (np.asarray(out.logprobs)[stopped, after] == 0.0).all()
+    assert np.asarray(out.completion_mask)[~stopped, 16 + 3].all()
+
+
+def _ctx(tmp_path, name, **ops):
+    return pl.RunContext(
+        ops=pl.OpsConfig(monitor=False, quiet=True, **ops),
+        log=pl.tools.MetricsLog(str(tmp_path), name, quiet=True),
+        key=jax.random.key(0),
+        checkpoint_dir=None,
+        prompt_length=16,
+        max_new_tokens=8,
+    )
+
+
+def _cfg(**changes):
+    cfg = pl.animal_task_config().grpo
+    optim = dataclasses.replace(cfg.optim, warmup_ratio=0.0)  # the first update moves
+    defaults = dict(rollouts=3, prompts_per_rollout=4, group_size=2, optim=optim)
+    return dataclasses.replace(cfg, **dict(defaults, **changes))
+
+
+def _grpo(builtin, tmp_path, name, **changes):
+    policy, tok = builtin
+    ctx = _ctx(tmp_path, name)
+    res = pl.runs.run_grpo(policy, tok, _PROMPTS, reward=_PARITY, cfg=_cfg(**changes), ctx=ctx)
+    records = [r for r in pl.tools.read_records(str(tmp_path)) if r.get("stage") == name]
+    return res, [r for r in records if "step" in r]
+
+
+def _numbers(records, leave=()):
+    return [
+        {k: v for k, v in r.items() if k not in _TIMING + _SYNC + leave and "tokens_lag" not in k}
+        for r in records
+    ]
+
+
+def _close(a, b, rtol=1e-3, atol=1e-4):
+    assert len(a) == len(b)
+    for ra, rb in zip(a, b):
+        assert ra.keys() == rb.keys()
+        for key in ra:
+            np.testing.assert_allclose(ra[key], rb[key], rtol=rtol, atol=atol, err_msg=key)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(partial_rollouts=3), r"grpo.partial_rollouts=3: needs grpo.staleness >= 1"),
+        (dict(partial_rollouts=-1, staleness=1), r"grpo.partial_rollouts=-1: must be >= 0"),
+        (
+            dict(partial_rollouts=3, staleness=1, dynamic_sampling=2),
+            r"grpo.partial_rollouts=3: .* grpo.dynamic_sampling=0 \(got 2\)",
+        ),
+    ],
+)
+def test_bad_partial_rollouts_are_refused(changes, message):
+    with pytest.raises(pl.ConfigError, match=message):
+        pl.config.validate_stage("grpo", _cfg(**changes))
+
+
+@pytest.mark.parametrize("segment", [8, 9])
+def test_a_segment_of_the_whole_completion_is_refused(builtin, tmp_path, segment):
+    """The segment must be shorter than `sampling.max_new_tokens` (8 here): a longer one
+    is the run without partial rollouts."""
+    with pytest.raises(pl.ConfigError, match=rf"grpo.partial_rollouts={segment}: must be 0"):
+        _grpo(builtin, tmp_path, "long", staleness=1, partial_rollouts=segment)
+
+
+@pytest.mark.slow
+def test_partial_run_colocated(builtin, tmp_path):
+    """Staleness 1, segments of 3 tokens: rollout 0 has one segment, the initial policy's
+    (its record is the plain staleness-1 run's); rollout 1's first 3 tokens of each row
+    come from the policy of update 0 and the other 5 from the policy of update 1, so its
+    mean version lag is 3/8 and the run differs from the plain one from there on."""
+    plain = _grpo(builtin, tmp_path, "plain", staleness=1)
+    part = _grpo(builtin, tmp_path, "partial", staleness=1, partial_rollouts=3)
+    recs = part[1]
+    assert [r["rollout/partial_segments"] for r in recs] == [1.0, 2.0, 2.0]
+    assert [r["rollout/version_lag"] for r in recs] == [0.0, 3 / 8, 3 / 8]
+    rows = 4 * 2
+    assert [(r["rollout/tokens_lag_0"], r["rollout/tokens_lag_1"]) for r in recs] == [
+        (8.0 * rows, 0.0)
+    ] + [(5.0 * rows, 3.0 * rows)] * 2
+    _close(_numbers(recs[:1], _PARTIAL), _numbers(plain[1][:1]), rtol=0, atol=0)
+    assert recs[1]["rollout/kl"] != plain[1][1]["rollout/kl"]
+
+
+@pytest.mark.slow
+def test_partial_run_on_split_meshes(builtin, tmp_path):
+    """Split placement (trainer fsdp:4, sampler data:4), staleness 2, segments of 3: the
+    sampler starts rollouts two ahead and continues them with each new policy during the
+    updates; the run is the colocated one, where every segment runs when its rollout is
+    consumed."""
+    _need_8()
+    kw = dict(staleness=2, partial_rollouts=3, rollouts=4)
+    split = _grpo(builtin, tmp_path, "split", placement="split", trainer_mesh="fsdp:4", **kw)
+    assert [r["rollout/overlapped"] for r in split[1]] == [0.0, 1.0, 1.0, 1.0]
+    assert [r["rollout/queued"] for r in split[1]] == [2.0, 2.0, 1.0, 0.0]
+    assert [r["rollout/partial_segments"] for r in split[1]] == [1.0, 2.0, 3.0, 3.0]
+    colocated = _grpo(builtin, tmp_path, "colocated", **kw)
+    _close(_numbers(split[1], ("rollout/queued",)), _numbers(colocated[1]))
+    for x, y in zip(
+        jax.tree.leaves(split[0].state.params), jax.tree.leaves(colocated[0].state.params)
+    ):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-4, rtol=0)
+
+
+_KILLED_RUN = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import dataclasses, json
+import jax
+import numpy as np
+from rlhf_eqx import pipelines as pl
+
+out, resume = sys.argv[1], sys.argv[2] == "resume"
+policy, tok = pl.tools.load_model("builtin")
+cfg = pl.animal_task_config().grpo
+cfg = dataclasses.replace(
+    cfg, prompts_per_rollout=4, group_size=2, rollouts=6, staleness=2, partial_rollouts=3,
+    placement="split", trainer_mesh="fsdp:4",
+    optim=dataclasses.replace(cfg.optim, warmup_ratio=0.0),
+)
+ctx = pl.RunContext(
+    ops=pl.OpsConfig(monitor=False, quiet=True, checkpoint_every=1),
+    log=pl.tools.MetricsLog(out, "grpo", quiet=True), key=jax.random.key(0),
+    checkpoint_dir=os.path.join(out, "ckpt"), resume=resume, prompt_length=16,
+    max_new_tokens=8,
+)
+parity = [pl.runs.RewardFunction("parity", lambda p, t: float(len(t) % 2))]
+res = pl.runs.run_grpo(policy, tok, [f"Once upon a time {i}" for i in range(12)],
+                       reward=parity, cfg=cfg, ctx=ctx)
+leaves = [np.asarray(x) for x in jax.tree.leaves(res.state.params)]
+np.savez(os.path.join(out, "params.npz"), *leaves)
+"""
+
+
+@pytest.mark.slow
+def test_kill_9_with_partial_rollouts_in_flight_then_resume_is_exact(tmp_path):
+    """A split, staleness-2 run with segments of 3 tokens, killed with SIGKILL once its
+    second checkpoint exists (rollouts started and continued on the sampler), resumes from
+    the checkpoint's stale policies, samples the rollouts in flight again in the same
+    segments and ends with the uninterrupted run's records and parameters."""
+    _need_8()
+    script = tmp_path / "run.py"
+    script.write_text(_KILLED_RUN)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+
+    def start(out, mode):
+        os.makedirs(out, exist_ok=True)
+        with open(tmp_path / f"{out.name}-{mode}.log", "wb") as log:
+            return subprocess.Popen(
+                [sys.executable, str(script), str(out), mode],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+
+    def tail(out, mode):
+        return (tmp_path / f"{out.name}-{mode}.log").read_text()[-3000:]
+
+    full = start(tmp_path / "full", "fresh")
+    assert full.wait(timeout=600) == 0, tail(tmp_path / "full", "fresh")
+    cut = start(tmp_path / "cut", "fresh")
+    ckpt, deadline = tmp_path / "cut" / "ckpt", time.time() + 600
+    while cut.poll() is None and time.time() < deadline:
+        if os.path.isdir(ckpt) and sum(n.startswith("iter_") for n in os.listdir(ckpt)) >= 2:
+            cut.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    assert cut.wait(timeout=60) == -signal.SIGKILL, "the run ended before it was killed"
+    assert not os.path.exists(tmp_path / "cut" / "params.npz")
+    resumed = start(tmp_path / "cut", "resume")
+    assert resumed.wait(timeout=600) == 0, tail(tmp_path / "cut", "resume")
+    events = [r for r in pl.tools.read_records(str(tmp_path / "cut")) if r.get("event")]
+    assert [r["iteration"] for r in events if r["event"] == "resume"][0] >= 2
+
+    def by_step(out):  # the last record of each step (a resumed run repeats the lost ones)
+        recs = [r for r in pl.tools.read_records(str(out)) if "step" in r]
+        return [v for _, v in sorted({r["step"]: r for r in recs}.items())]
+
+    want, got = by_step(tmp_path / "full"), by_step(tmp_path / "cut")
+    assert [r["rollout/partial_segments"] for r in want] == [1.0, 2.0, 3.0, 3.0, 3.0, 3.0]
+    _close(_numbers(got, ("rollout/queued",)), _numbers(want, ("rollout/queued",)), 0, 0)
+    want_p = np.load(tmp_path / "full" / "params.npz")
+    got_p = np.load(tmp_path / "cut" / "params.npz")
+    assert len(want_p.files) == len(got_p.files) > 0
+    for name in want_p.files:
+        np.testing.assert_array_equal(got_p[name], want_p[name])

@@ -267,21 +267,14 @@ def distill_on_data(env: StageEnv, c: DistillConfig) -> Outcome:
     """GKD on the prompts and chosen responses of a preference file, the teacher a
     checkpoint directory (`distill.teacher`); held out: the mean generalized JSD per
     completion token before and after."""
-    cfg, policy, tok, ctx, summary, say = (
-        env.cfg,
-        env.base,
-        env.tok,
-        env.ctx(""),
-        env.summary,
-        env.say,
-    )
+    cfg, policy, tok, ctx = env.cfg, env.base, env.tok, env.ctx("")
     s = cfg.sampling
     teacher = load_teacher(c.teacher, policy)
     records = data.load_preferences(cfg.data.path, cfg.data.format, **cfg.data.read_options())
     train, held = chat_split(env, records)
     sl = data.SequenceLengths(max_length=c.max_length, max_prompt_length=s.prompt_length)
     train, _ = quality_report(train, tok, sl, cfg.data, ctx.log, records.report)
-    summary["data_quality"] = {"skipped_by_reader": dict(records.report.skipped)}
+    env.summary["data_quality"] = {"skipped_by_reader": dict(records.report.skipped)}
     if c.lmbda > 0:
         # on-policy steps sample from the prompt: it must fit whole
         fits = [r for r in train if prompt_tokens(tok, r.prompt) <= s.prompt_length]
@@ -291,9 +284,9 @@ def distill_on_data(env: StageEnv, c: DistillConfig) -> Outcome:
                 f"on-policy steps (distill.lmbda={c.lmbda}) sample from whole prompts; raise "
                 "sampling.prompt_length or set distill.lmbda=0"
             )
-        summary["data_quality"]["longer_than_prompt_length"] = len(train) - len(fits)
+        env.summary["data_quality"]["longer_than_prompt_length"] = len(train) - len(fits)
         if len(fits) < len(train):
-            say(
+            env.say(
                 f"distill: {len(train) - len(fits)} training prompts longer than "
                 f"sampling.prompt_length={s.prompt_length} left out (on-policy steps sample "
                 "from whole prompts; data.filter=long_prompt drops them from the start)"
@@ -302,12 +295,12 @@ def distill_on_data(env: StageEnv, c: DistillConfig) -> Outcome:
     lengths = dict(max_length=c.max_length, prompt_length=s.prompt_length)
     comps = completions_batch([(r.prompt, r.chosen) for r in train], tok, **lengths)
     hb = completions_batch([(r.prompt, r.chosen) for r in held], tok, **lengths)
-    say(f"distill: {len(train)} training / {len(held)} held-out prompts, teacher {c.teacher}")
+    env.say(f"distill: {len(train)} training / {len(held)} held-out prompts, teacher {c.teacher}")
     kw = dict(beta=c.beta)  # at the loss's temperature, τ = 1 (as TRL's GKDTrainer)
     before = distill_divergence(policy, teacher, hb, **kw)
     res = run_distill(policy, teacher, tok, [r.prompt for r in train], comps, cfg=c, ctx=ctx)
     trained = trained_policy(env, res.state.model)
-    summary["distill"] = {
+    env.summary["distill"] = {
         "teacher": c.teacher,
         "heldout_jsd_before": before,
         "heldout_jsd": distill_divergence(trained, teacher, hb, **kw),

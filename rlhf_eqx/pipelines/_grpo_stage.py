@@ -589,14 +589,7 @@ def grpo(env: StageEnv, c: GRPOConfig) -> Outcome:
 def grpo_on_data(env: StageEnv, c: GRPOConfig) -> Outcome:
     """GRPO on prompts with reference answers: the exact-match reward (or `c.reward_source`),
     the held-out exact-match rate before and after."""
-    cfg, policy, tok, ctx, summary, say = (
-        env.cfg,
-        env.base,
-        env.tok,
-        env.ctx(""),
-        env.summary,
-        env.say,
-    )
+    cfg, policy, tok, ctx = env.cfg, env.base, env.tok, env.ctx("")
     s = cfg.sampling
     prompts = data.load_prompts(cfg.data.path, cfg.data.format, **cfg.data.read_options())
     with_answer = [r for r in prompts if r.answer is not None]
@@ -620,11 +613,11 @@ def grpo_on_data(env: StageEnv, c: GRPOConfig) -> Outcome:
             f"{len(with_answer)} prompts with answers has {longest} tokens with BOS); "
             "raise sampling.prompt_length"
         )
-    say(
+    env.say(
         f"grpo: {len(fits)} of {len(prompts)} prompts have an answer and fit "
         f"sampling.prompt_length={s.prompt_length}"
     )
-    summary["data_quality"] = {
+    env.summary["data_quality"] = {
         "skipped_by_reader": dict(prompts.report.skipped),
         "without_answer": len(prompts) - len(with_answer),
         "longer_than_prompt_length": len(with_answer) - len(fits),
@@ -648,7 +641,7 @@ def grpo_on_data(env: StageEnv, c: GRPOConfig) -> Outcome:
     ev = sampled_comparison(
         policy, trained, tok, [r.prompt for r in held], k, cfg, score=exact, max_prompts=0
     )
-    summary["grpo"] = {
+    env.summary["grpo"] = {
         "heldout_exact_match_before": ev.pop("score_before"),
         "heldout_exact_match_before_se": ev.pop("score_before_se"),
         "heldout_exact_match": ev.pop("score_after"),

@@ -210,13 +210,7 @@ def kto_examples(env: StageEnv, c: KTOConfig) -> tuple[list, list, list | None]:
     """`kto_on_data`'s examples: `(train, held, held_pairs)`, the training and held-out
     examples of the file and, for a preference file, its held-out pairs (else `None`);
     the reader's and the quality report's counts in `env.summary["data_quality"]`."""
-    cfg, tok, ctx, summary, say = (
-        env.cfg,
-        env.tok,
-        env.ctx(""),
-        env.summary,
-        env.say,
-    )
+    cfg, tok, ctx = env.cfg, env.tok, env.ctx("")
     s = cfg.sampling
     path = cfg.data.path
     held_pairs = None
@@ -230,9 +224,9 @@ def kto_examples(env: StageEnv, c: KTOConfig) -> tuple[list, list, list | None]:
         records = None
     source = records if records is not None else pairs
     train, held = chat_split(env, source)
-    summary["data_quality"] = {"skipped_by_reader": dict(source.report.skipped)}
+    env.summary["data_quality"] = {"skipped_by_reader": dict(source.report.skipped)}
     if pairs is not None:
-        summary["data_quality"]["pairs"] = len(train) + len(held)
+        env.summary["data_quality"]["pairs"] = len(train) + len(held)
         lengths = data.SequenceLengths(max_length=c.max_length, max_prompt_length=s.prompt_length)
         train, _ = quality_report(train, tok, lengths, cfg.data, ctx.log, source.report)
         held_pairs = held
@@ -241,7 +235,7 @@ def kto_examples(env: StageEnv, c: KTOConfig) -> tuple[list, list, list | None]:
     elif cfg.data.filter:
         train = _filter_unpaired(train, tok, cfg.data, s.prompt_length, ctx.log)
     good = sum(r.label for r in train)
-    say(
+    env.say(
         f"kto: {len(train)} training examples ({good} desirable, {len(train) - good} "
         f"undesirable), {len(held)} held out"
         + (" (from preference pairs)" if pairs is not None else "")

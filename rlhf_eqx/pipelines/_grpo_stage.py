@@ -651,6 +651,19 @@ def grpo_on_data(env: StageEnv, c: GRPOConfig) -> Outcome:
     return Outcome(res, policy=trained)
 
 
+PLACEMENT_FIELDS: tuple[str, ...] = (
+    "overlap",
+    "sampler_device",
+    "placement",
+    "trainer_devices",
+    "sampler_devices",
+    "trainer_mesh",
+    "sampler_mesh",
+)
+"""The GRPO settings of when and where the next rollout is sampled, not of what it is:
+they may change on resume (the stage's `resumable`)."""
+
+
 register_stage(
     Stage(
         "grpo",
@@ -668,16 +681,7 @@ register_stage(
             kl_target=1.0,
             optim=_optim(2e-3),
         ),
-        # when and where the next rollout is sampled, not what it is
-        resumable=(
-            "overlap",
-            "sampler_device",
-            "placement",
-            "trainer_devices",
-            "sampler_devices",
-            "trainer_mesh",
-            "sampler_mesh",
-        ),
+        resumable=PLACEMENT_FIELDS,
         key_stream=("split", 5),
     )
 )

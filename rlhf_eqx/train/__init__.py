@@ -6,7 +6,7 @@ per-algorithm loss function
 `StepOptions` (`micro_batches`, `axis_name`, `donate`, `nonfinite`, `check_token_ids`);
 the builders `make_sft_step`, `make_reward_step`, `make_dpo_step`, `make_ppo_step`,
 `make_grpo_step`, `make_kto_step`, `make_distill_step`, `make_onpolicy_distill_step` and
-`make_prm_step` are thin wrappers around it.
+`make_prm_step` are thin wrappers around it, all of the one form `step_builder` gives them.
 
 **Settings records.** Each algorithm's hyperparameters are one frozen, self-validating
 record: `SFTSettings`, `RewardSettings`, `DPOSettings`, `PPOSettings`, `GRPOSettings`,
@@ -57,6 +57,7 @@ from ._accumulate import (
     split_micro_batches as split_micro_batches,
     sums_to_means as sums_to_means,
 )
+from ._builder import step_builder as step_builder
 from ._distill import (
     DistillSettings as DistillSettings,
     distill_loss as distill_loss,

@@ -23,7 +23,6 @@ from typing import Any, NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import optax
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 
 from .._sampling import DEFAULT_TEMPERATURE
@@ -32,10 +31,10 @@ from ..losses import aggregate_parts, generalized_jsd
 from ..models import AbstractDecoder, Policy
 from ..ops import masked_sum, previous_real_index
 from ._accumulate import vmap_model
-from ._settings import StepOptions, settings_from, split_shortcuts
+from ._builder import step_builder
+from ._settings import StepOptions, settings_from
 from ._state import combine
 from ._step import LossFn, Step, make_step
-from ._step_cache import own_record
 from ._validation import check_aggregation, check_number, check_positive_int
 
 # Head chunks unrolled up to this many (a scan beyond), as in `Policy.selected_logprobs`.
@@ -227,13 +226,8 @@ def distill_loss(settings: DistillSettings | None = None, **shortcuts: Any) -> L
     return loss_fn
 
 
-def make_distill_step(
-    optimizer: optax.GradientTransformation,
-    settings: DistillSettings | None = None,
-    *,
-    options: StepOptions | None = None,
-    **shortcuts: Any,
-) -> Step:
+@step_builder(DistillSettings)
+def make_distill_step(optimizer, settings: DistillSettings, options: StepOptions) -> Step:
     r"""Build the generalised knowledge-distillation update (GKD; TRL `GKDTrainer`).
 
     $$\mathcal{L}(\theta) = \mathrm{aggregate}_{\rm mode}\Big(
@@ -259,7 +253,6 @@ def make_distill_step(
 
     **Arguments:**
 
-    - `optimizer`: e.g. from `make_optimizer`.
     - `settings`: a `DistillSettings` with the fields below.
     - `beta`: $\beta \in [0, 1]$ (TRL GKD default 0.5); `temperature`: $\tau > 0$
       dividing both logits in the divergence (default 1, as TRL's `GKDTrainer` computes
@@ -268,11 +261,9 @@ def make_distill_step(
       (traced: a new value runs the same compiled step).
     - `mode`, `constant`: aggregation (see `rlhf_eqx.losses.aggregate_parts`).
     - `chunk`: positions per head chunk (a positive int).
-    - `options`: a `StepOptions` (`micro_batches`, `axis_name`, `donate`, `nonfinite`,
-      `check_token_ids`: see `make_step`; every aggregation mode is exact across
-      micro-batches and devices).
-    - `**shortcuts`: any field of either record as a keyword (`beta=0.2`,
-      `micro_batches=2`), replacing the record's; another keyword is a `TypeError`.
+    - `optimizer`, `options` (a `StepOptions`; every aggregation mode is exact across
+      micro-batches and devices) and `**shortcuts` (`beta=0.2`, `micro_batches=2`): see
+      `step_builder`.
 
     Invalid choices and out-of-range numbers raise `ValueError` when the record is built.
 
@@ -289,14 +280,11 @@ def make_distill_step(
     Metrics: `loss`, `jsd` (token mean over the completion tokens), `num_tokens` (of the
     global batch), `grad_norm`, `learning_rate`, `nonfinite`.
     """
-    settings, options = split_shortcuts(
-        DistillSettings, settings, options, shortcuts, where="make_distill_step"
-    )
     return make_step(
         distill_loss(settings),
         optimizer,
         options,
         batch_type=DistillBatch,
         extras=("teacher",),
-        cache_key=("distill", own_record(DistillSettings, settings)),
+        cache_key=("distill", settings),
     )

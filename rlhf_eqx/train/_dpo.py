@@ -4,7 +4,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from jaxtyping import PRNGKeyArray, PyTree
 
 from ..data import PackedPreferenceBatch, PreferenceBatch
@@ -17,11 +16,11 @@ from ..losses import (
     sft_nll,
 )
 from ..ops import masked_sum
+from ._builder import step_builder
 from ._pair_logps import _cached_reference, _pairs_forward
-from ._settings import DPOSettings, StepOptions, settings_from, split_shortcuts
+from ._settings import DPOSettings, StepOptions, settings_from
 from ._state import combine
 from ._step import LossFn, Step, make_step
-from ._step_cache import own_record
 
 
 def dpo_loss_fn(settings: DPOSettings | None = None, **shortcuts: Any) -> LossFn:
@@ -130,13 +129,8 @@ def dpo_loss_fn(settings: DPOSettings | None = None, **shortcuts: Any) -> LossFn
     return loss_fn
 
 
-def make_dpo_step(
-    optimizer: optax.GradientTransformation,
-    settings: DPOSettings | None = None,
-    *,
-    options: StepOptions | None = None,
-    **shortcuts: Any,
-) -> Step:
+@step_builder(DPOSettings)
+def make_dpo_step(optimizer, settings: DPOSettings, options: StepOptions) -> Step:
     r"""Build the DPO-family update (Rafailov et al. 2023; TRL `DPOTrainer`).
 
     Sequence log-probabilities are sums of token log-probabilities over each completion
@@ -149,7 +143,6 @@ def make_dpo_step(
 
     **Arguments:**
 
-    - `optimizer`: e.g. from `make_optimizer`.
     - `settings`: a `DPOSettings` with the fields below (TRL's defaults).
     - `beta`, `loss_type`, `label_smoothing`: see `rlhf_eqx.losses.dpo_loss`. `beta`
       and `label_smoothing` may be JAX arrays (e.g. traced, to `jax.vmap` a run over β).
@@ -172,10 +165,8 @@ def make_dpo_step(
     - `loss_kwargs`: further keyword arguments of `dpo_batch_loss` (`bco_delta`,
       `discopop_tau`, `simpo_gamma`), or of a custom `loss_type` (its hyperparameters,
       which may be traced too).
-    - `options`: a `StepOptions` (`micro_batches`, `axis_name`, `donate`, `nonfinite`,
-      `check_token_ids`: see `make_step`).
-    - `**shortcuts`: any field of either record as a keyword (`beta=0.2`,
-      `micro_batches=2`), replacing the record's; another keyword is a `TypeError`.
+    - `optimizer`, `options` (a `StepOptions`) and `**shortcuts` (`beta=0.2`,
+      `micro_batches=2`): see `step_builder`.
 
     Invalid choices and out-of-range numbers raise `ValueError` when the record is built.
 
@@ -206,9 +197,6 @@ def make_dpo_step(
     token) has nothing to learn from: the update is skipped and `empty_batch = 1`
     (see `make_step`).
     """
-    settings, options = split_shortcuts(
-        DPOSettings, settings, options, shortcuts, where="make_dpo_step"
-    )
     loss_type = settings.loss_type
     batch_loss = isinstance(loss_type, str) and loss_type in DPO_BATCH_LOSS_TYPES
     if batch_loss and (options.micro_batches != 1 or options.axis_name is not None):
@@ -222,9 +210,5 @@ def make_dpo_step(
         options,
         batch_type=(PreferenceBatch, PackedPreferenceBatch),
         extras=("reference",),
-        cache_key=(
-            "dpo",
-            own_record(DPOSettings, settings),
-            registered_dpo_loss(settings.loss_type),
-        ),
+        cache_key=("dpo", settings, registered_dpo_loss(loss_type)),
     )

@@ -41,8 +41,9 @@ from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray, PyTree, UInt32
 
 from ..data import BootstrapBatch, PackedPreferenceBatch, PreferenceBatch
 from ..losses import ENSEMBLE_MODES, EnsembleMode, conservative_reward
+from ._builder import step_builder
 from ._reward import _bradley_terry_sums, _pair_scores, _reward_std, _scores
-from ._settings import RewardSettings, StepOptions, split_shortcuts
+from ._settings import RewardSettings, StepOptions
 from ._state import TrainState, combine, partition_trainable
 from ._step import LossFn, Step, make_step
 from ._validation import check_choice, check_number, check_positive_int
@@ -342,13 +343,13 @@ def _ensemble_metrics(per_member: dict[str, Array], members: int) -> dict[str, A
     return out
 
 
+@step_builder(RewardSettings)
 def make_ensemble_reward_step(
-    optimizer: optax.GradientTransformation,
-    settings: RewardSettings | None = None,
+    optimizer,
+    settings: RewardSettings,
+    options: StepOptions,
     *,
     members: int,
-    options: StepOptions | None = None,
-    **shortcuts: Any,
 ) -> Step:
     r"""Build the update of a reward-model `Ensemble`: every member's Bradley-Terry step at once.
 
@@ -365,11 +366,9 @@ def make_ensemble_reward_step(
     only); the step equals `K` separate `make_reward_step` steps. Each member gets its
     own key (`jax.random.split(key, K)`: different LoRA dropout masks).
 
-    **Arguments:** `optimizer`; `settings`, a `RewardSettings` (`center_coef`, `margin`
-    as for `make_reward_step`); `members` (`K`, the ensemble's size); `options`, a
-    `StepOptions` (`micro_batches`, `axis_name`, `donate`, `nonfinite`,
-    `check_token_ids` as for `make_step`); `**shortcuts`, any field of either record as
-    a keyword.
+    **Arguments:** `settings`, a `RewardSettings` (`center_coef`, `margin` as for
+    `make_reward_step`); `members` (`K`, the ensemble's size); `optimizer`, `options` (a
+    `StepOptions`) and `**shortcuts`: see `step_builder`.
 
     **Returns:** `step(params, opt_state, batch, *, frozen=None, key=None) -> (params,
     opt_state, metrics)`, where `params` / `frozen` are the halves of an `Ensemble`
@@ -385,9 +384,6 @@ def make_ensemble_reward_step(
     `member_<k>/accuracy`, `member_<k>/margin`, `member_<k>/grad_norm`.
     """
     check_positive_int("members", members)
-    settings, options = split_shortcuts(
-        RewardSettings, settings, options, shortcuts, where="make_ensemble_reward_step"
-    )
     inner = make_step(
         _member_reward_loss(settings),
         optimizer,

@@ -4,7 +4,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from jaxtyping import PRNGKeyArray, PyTree
 
 from ..data import GRPOBatch
@@ -20,14 +19,14 @@ from ..losses import (
 from ..models import AbstractSelectiveLM
 from ..ops import entropy_from_logits, logprobs_from_logits, masked_sum
 from ._accumulate import _moment_std, _set_fields, vmap_model
+from ._builder import step_builder
 from ._group_logps import shared_prompt_logprobs
 from ._grpo_advantages import grpo_advantages
 from ._policy_loss_fns import make_policy_loss, read_policy_loss
 from ._rl_settings import GRPOSettings
-from ._settings import StepOptions, settings_from, split_shortcuts
+from ._settings import StepOptions, settings_from
 from ._state import combine
 from ._step import LossFn, PrepareFn, Step, make_step
-from ._step_cache import own_record
 
 
 def _grpo_prepare(settings: GRPOSettings) -> PrepareFn:
@@ -214,13 +213,8 @@ def _advantage_std(metrics, grads):
     return metrics
 
 
-def make_grpo_step(
-    optimizer: optax.GradientTransformation,
-    settings: GRPOSettings | None = None,
-    *,
-    options: StepOptions | None = None,
-    **shortcuts: Any,
-) -> Step:
+@step_builder(GRPOSettings)
+def make_grpo_step(optimizer, settings: GRPOSettings, options: StepOptions) -> Step:
     r"""Build the GRPO-family update (Shao et al. 2024; TRL `GRPOTrainer`).
 
     Advantages are computed once on the **full** batch (`grpo_advantages` of
@@ -290,15 +284,13 @@ def make_grpo_step(
     tokens, with its LM head in chunks (entropies included); a batch with
     `prompt_length` / `samples_per_prompt` set also runs each group's prompt once.
 
-    **Arguments:** `optimizer`; `settings`, a `GRPOSettings`: `group_size` $G$ (rows
+    **Arguments:** `settings`, a `GRPOSettings`: `group_size` $G$ (rows
     `i*G : (i+1)*G` share a prompt; per device under `pmap`), `scale` (see
     `group_advantages`), `clip_eps`, `clip_eps_high` (`None`: same as `clip_eps`),
     `importance`, `beta` (default 0.0, TRL's), `delta` (see `grpo_policy_loss`), `mode`
     / `constant` (see `aggregate_parts`), `mask_truncated_completions`, `temperature`,
-    `policy_loss` and its parameters, `rollout_correction` (above); `options`, a
-    `StepOptions` (`micro_batches`, `axis_name`, `donate`, `nonfinite`,
-    `check_token_ids`: see `make_step`); `**shortcuts`, any field of either record as a
-    keyword, replacing the record's (another keyword is a `TypeError`). Invalid values
+    `policy_loss` and its parameters, `rollout_correction` (above); `optimizer`,
+    `options` (a `StepOptions`) and `**shortcuts`: see `step_builder`. Invalid values
     raise `ValueError` when the record is built.
 
     **Returns:**
@@ -315,9 +307,6 @@ def make_grpo_step(
     (fraction of groups whose rewards are all equal: they carry no signal),
     `advantages/std`, `grad_norm`, `learning_rate`, `nonfinite`.
     """
-    settings, options = split_shortcuts(
-        GRPOSettings, settings, options, shortcuts, where="make_grpo_step"
-    )
     return make_step(
         grpo_loss(settings, axis_name=options.axis_name),
         optimizer,
@@ -326,5 +315,5 @@ def make_grpo_step(
         metrics_fn=_advantage_std,
         batch_type=GRPOBatch,
         extras=("reference", "entropy_coef"),
-        cache_key=("grpo", own_record(GRPOSettings, settings), read_policy_loss(settings)),
+        cache_key=("grpo", settings, read_policy_loss(settings)),
     )

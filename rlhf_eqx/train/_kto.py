@@ -14,22 +14,21 @@ numerators. The step therefore runs in two stages inside one jit region:
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import optax
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from ..data import KTOBatch
 from ..losses import KTO_LOSS_TYPES, kto_loss, kto_reference_point
 from ._accumulate import _set_fields, split_micro_batches
+from ._builder import step_builder
 from ._pair_logps import _forward
-from ._settings import StepOptions, split_shortcuts
+from ._settings import StepOptions
 from ._state import combine
 from ._step import Step, _check_token_ids, make_step
-from ._step_cache import own_record, value_key
+from ._step_cache import value_key
 from ._validation import check_choice, check_number
 
 KTO_REFERENCE_MODES: tuple[str, ...] = ("model", "cached")
@@ -163,13 +162,8 @@ def _margins(metrics, grads):
     return metrics
 
 
-def make_kto_step(
-    optimizer: optax.GradientTransformation,
-    settings: KTOSettings | None = None,
-    *,
-    options: StepOptions | None = None,
-    **shortcuts: Any,
-) -> Step:
+@step_builder(KTOSettings)
+def make_kto_step(optimizer, settings: KTOSettings, options: StepOptions) -> Step:
     r"""Build the KTO update (Ethayarajh et al. 2024; TRL `KTOTrainer`).
 
     $$\mathcal{L}(\theta) = \frac1B\sum_{i=1}^{B} \begin{cases}
@@ -185,7 +179,6 @@ def make_kto_step(
 
     **Arguments:**
 
-    - `optimizer`: e.g. from `make_optimizer`.
     - `settings`: a `KTOSettings` with the fields below (TRL's defaults).
     - `beta`, `desirable_weight`, `undesirable_weight`, `loss_type`: see
       `rlhf_eqx.losses.kto_loss`; the numbers may be JAX arrays (e.g. traced, to
@@ -195,12 +188,10 @@ def make_kto_step(
       `reference=` (never differentiated); `"cached"` — `batch.ref_logp` and
       `batch.ref_kl_logp`, filled beforehand by `compute_kto_reference_logps` (TRL
       `precompute_ref_log_probs`).
-    - `options`: a `StepOptions` (`micro_batches`, `axis_name`, `donate`, `nonfinite`,
-      `check_token_ids`: see `make_step`). With `axis_name`, $z_0$ is the mean over the
-      mismatched rows of every device (TRL averages the per-process means, the same for
-      equal per-device batches).
-    - `**shortcuts`: any field of either record as a keyword (`beta=0.2`,
-      `micro_batches=2`), replacing the record's; another keyword is a `TypeError`.
+    - `optimizer`, `options` (a `StepOptions`) and `**shortcuts` (`beta=0.2`,
+      `micro_batches=2`): see `step_builder`. With `axis_name`, $z_0$ is the mean over
+      the mismatched rows of every device (TRL averages the per-process means, the same
+      for equal per-device batches).
 
     Invalid choices and out-of-range numbers raise `ValueError` when the record is built.
 
@@ -220,9 +211,6 @@ def make_kto_step(
     `learning_rate`, `nonfinite`. The `key` (dropout) is used for the policy's pass over
     the examples; the pass that estimates $z_0$ runs without it.
     """
-    settings, options = split_shortcuts(
-        KTOSettings, settings, options, shortcuts, where="make_kto_step"
-    )
     reference = settings.reference
     micro_batches, axis_name = options.micro_batches, options.axis_name
     check_token_ids = options.check_token_ids
@@ -266,7 +254,7 @@ def make_kto_step(
         return params, opt_state, metrics
 
     # equal builds share one program: the step's own donation is not part of it
-    same = (optimizer, own_record(KTOSettings, settings), dataclasses.replace(options, donate=None))
+    same = (optimizer, settings, dataclasses.replace(options, donate=None))
     shared = lambda: ("kto", value_key(same))  # noqa: E731
     return Step(
         update, donate=options.donate, batch_type=KTOBatch, extras=("reference",), shared=shared

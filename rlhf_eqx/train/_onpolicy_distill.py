@@ -9,7 +9,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from jaxtyping import Array, Bool, Float, PRNGKeyArray, PyTree
 
 from ..data import DistillBatch
@@ -17,12 +16,12 @@ from ..losses import aggregate_parts, ppo_policy_loss, reverse_kl_reward
 from ..models import AbstractSelectiveLM
 from ..ops import logprobs_from_logits, masked_sum
 from ._accumulate import vmap_model
+from ._builder import step_builder
 from ._distill import _check_vocab, _loss_mask, _vocab_size
 from ._rl_settings import SampledSettings
-from ._settings import StepOptions, settings_from, split_shortcuts
+from ._settings import StepOptions, settings_from
 from ._state import combine
 from ._step import LossFn, Step, make_step
-from ._step_cache import own_record
 from ._validation import check_aggregation, check_number
 
 # Bound on |log ratio| before exponentiating the importance ratio (as veRL and `ppo_policy_loss`).
@@ -143,12 +142,9 @@ def onpolicy_distill_loss(
     return loss_fn
 
 
+@step_builder(OnPolicyDistillSettings)
 def make_onpolicy_distill_step(
-    optimizer: optax.GradientTransformation,
-    settings: OnPolicyDistillSettings | None = None,
-    *,
-    options: StepOptions | None = None,
-    **shortcuts: Any,
+    optimizer, settings: OnPolicyDistillSettings, options: StepOptions
 ) -> Step:
     r"""Build the on-policy distillation update: a per-token reverse-KL policy gradient.
 
@@ -179,7 +175,6 @@ def make_onpolicy_distill_step(
 
     **Arguments:**
 
-    - `optimizer`: e.g. from `make_optimizer`.
     - `settings`: an `OnPolicyDistillSettings` with the fields below.
     - `kl_coef`: $\beta_{\rm KL} \geq 0$ (Thinking Machines' `kl_penalty_coef`, 1; may
       be a JAX array).
@@ -188,10 +183,8 @@ def make_onpolicy_distill_step(
     - `mode`, `constant`: aggregation (see `rlhf_eqx.losses.aggregate_parts`).
     - `temperature`: the sampling temperature (a Python number); both log-probabilities
       are taken of `logits / temperature`.
-    - `options`: a `StepOptions` (`micro_batches`, `axis_name`, `donate`, `nonfinite`,
-      `check_token_ids`: see `make_step`).
-    - `**shortcuts`: any field of either record as a keyword (`kl_coef=0.5`,
-      `micro_batches=2`), replacing the record's; another keyword is a `TypeError`.
+    - `optimizer`, `options` (a `StepOptions`) and `**shortcuts` (`kl_coef=0.5`,
+      `micro_batches=2`): see `step_builder`.
 
     Invalid choices and out-of-range numbers raise `ValueError` when the record is built.
 
@@ -208,14 +201,11 @@ def make_onpolicy_distill_step(
     Metrics: `loss`, `reverse_kl` (per-token estimate, token mean), `teacher_logp`,
     `num_tokens`, `clipfrac` (with `clip_eps`), `grad_norm`, `learning_rate`, `nonfinite`.
     """
-    settings, options = split_shortcuts(
-        OnPolicyDistillSettings, settings, options, shortcuts, where="make_onpolicy_distill_step"
-    )
     return make_step(
         onpolicy_distill_loss(settings),
         optimizer,
         options,
         batch_type=DistillBatch,
         extras=("teacher",),
-        cache_key=("onpolicy_distill", own_record(OnPolicyDistillSettings, settings)),
+        cache_key=("onpolicy_distill", settings),
     )

@@ -10,12 +10,13 @@ from jaxtyping import PRNGKeyArray, PyTree
 from ..data import PPOBatch
 from ..losses import LOG_RATIO_CLAMP, aggregate_parts, ppo_value_loss
 from ..ops import masked_sum
+from ._builder import step_builder
 from ._policy_loss_fns import make_policy_loss, read_policy_loss
 from ._ppo_rollout import policy_logps_and_values
 from ._rl_settings import PPOSettings
-from ._settings import StepOptions, settings_from, split_shortcuts
+from ._settings import StepOptions, settings_from
 from ._step import LossFn, Step, make_step
-from ._step_cache import BUILDS, own_record, value_key
+from ._step_cache import BUILDS, value_key
 
 
 def ppo_loss(settings: PPOSettings | None = None, **shortcuts: Any) -> LossFn:
@@ -102,13 +103,13 @@ def _pair_grad_norms(metrics, grads):
     return metrics
 
 
+@step_builder(PPOSettings)
 def make_ppo_step(
-    optimizer: optax.GradientTransformation,
-    settings: PPOSettings | None = None,
+    optimizer,
+    settings: PPOSettings,
+    options: StepOptions,
     *,
     value_optimizer: optax.GradientTransformation | None = None,
-    options: StepOptions | None = None,
-    **shortcuts: Any,
 ) -> Step:
     r"""Build the PPO update of the policy and the critic (Schulman et al. 2017; TRL `PPOTrainer`).
 
@@ -136,12 +137,10 @@ def make_ppo_step(
 
     `frozen` has the same layout as `params` (a pair of frozen parts, or `None`).
 
-    **Arguments:** `optimizer`; `settings`, a `PPOSettings` (`clip_eps`,
-    `clip_eps_high`, `dual_clip`, `vf_coef` 0.5, `vf_clip_eps`, `ent_coef` 0.01, `mode`,
-    `constant`, `temperature`, `policy_loss`, `loss_kwargs`); `value_optimizer` (above);
-    `options`, a `StepOptions` (`micro_batches`, `axis_name`, `donate`, `nonfinite`,
-    `check_token_ids`: see `make_step`); `**shortcuts`, any field of either record as a
-    keyword, replacing the record's (another keyword is a `TypeError`). Invalid values
+    **Arguments:** `settings`, a `PPOSettings` (`clip_eps`, `clip_eps_high`,
+    `dual_clip`, `vf_coef` 0.5, `vf_clip_eps`, `ent_coef` 0.01, `mode`, `constant`,
+    `temperature`, `policy_loss`, `loss_kwargs`); `value_optimizer` (above); `optimizer`,
+    `options` (a `StepOptions`) and `**shortcuts`: see `step_builder`. Invalid values
     raise `ValueError` when the record is built.
 
     **Returns:** `step(params, opt_state, batch: PPOBatch, *, frozen=None, key=None) ->
@@ -158,9 +157,6 @@ def make_ppo_step(
     traced. A batch whose completion masks are all false (no action to learn from) has
     every denominator 0: the update is skipped and `empty_batch = 1` (see `make_step`).
     """
-    settings, options = split_shortcuts(
-        PPOSettings, settings, options, shortcuts, where="make_ppo_step"
-    )
     opt, metrics_fn = optimizer, None
     if value_optimizer is not None:
         opt = BUILDS.get_or_build(
@@ -176,7 +172,7 @@ def make_ppo_step(
         batch_type=PPOBatch,
         cache_key=(
             "ppo",
-            own_record(PPOSettings, settings),
+            settings,
             read_policy_loss(settings),
             value_optimizer is not None,
         ),

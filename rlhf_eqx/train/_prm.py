@@ -26,7 +26,6 @@ from typing import Any, Literal
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import optax
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 
 from ..data import PPOBatch, PRMBatch
@@ -42,10 +41,10 @@ from ..losses import (
 )
 from ..ops import masked_sum
 from ._accumulate import vmap_model
-from ._settings import StepOptions, settings_from, split_shortcuts
+from ._builder import step_builder
+from ._settings import StepOptions, settings_from
 from ._state import combine
 from ._step import LossFn, Step, make_step
-from ._step_cache import own_record
 from ._validation import check_aggregation, check_choice, check_number
 
 PRM_SCORES = ("prob", "logit")
@@ -108,13 +107,8 @@ def prm_loss(settings: PRMSettings | None = None, **shortcuts: Any) -> LossFn:
     return loss_fn
 
 
-def make_prm_step(
-    optimizer: optax.GradientTransformation,
-    settings: PRMSettings | None = None,
-    *,
-    options: StepOptions | None = None,
-    **shortcuts: Any,
-) -> Step:
+@step_builder(PRMSettings)
+def make_prm_step(optimizer, settings: PRMSettings, options: StepOptions) -> Step:
     r"""Build the process-reward-model update (Lightman et al. 2023; TRL `PRMTrainer`).
 
     $$\mathcal L(\phi) = \mathrm{aggregate}_{\rm mode}\Big(-\big[y_t\log\sigma(z_{\phi,t})
@@ -125,10 +119,9 @@ def make_prm_step(
     returning another shape is refused when the step is first traced), via
     `rlhf_eqx.losses.process_reward_loss`.
 
-    **Arguments:** `optimizer`; `settings`, a `PRMSettings` (`mode`); `options`, a
-    `StepOptions` (`micro_batches`, `axis_name`, `donate`, `nonfinite`,
-    `check_token_ids`: see `make_step`); `**shortcuts`, any field of either record as a
-    keyword (`mode="seq-mean-token-mean"`, `micro_batches=2`), replacing the record's.
+    **Arguments:** `settings`, a `PRMSettings` (`mode`); `optimizer`, `options` (a
+    `StepOptions`) and `**shortcuts` (`mode="seq-mean-token-mean"`, `micro_batches=2`):
+    see `step_builder`.
 
     **Returns:** `step(params, opt_state, batch: PRMBatch, *, frozen=None, key=None)
     -> (params, opt_state, metrics)`. Metrics: `loss`, `accuracy` (steps whose
@@ -137,15 +130,12 @@ def make_prm_step(
     `grad_norm`, `learning_rate`, `nonfinite`, `empty_batch` (a batch without any step
     has nothing to learn from: the update is skipped, see `make_step`).
     """
-    settings, options = split_shortcuts(
-        PRMSettings, settings, options, shortcuts, where="make_prm_step"
-    )
     return make_step(
         prm_loss(settings),
         optimizer,
         options,
         batch_type=PRMBatch,
-        cache_key=("prm", own_record(PRMSettings, settings)),
+        cache_key=("prm", settings),
     )
 
 

@@ -4,17 +4,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from jaxtyping import PRNGKeyArray, PyTree
 
 from ..data import PackedPreferenceBatch, PreferenceBatch
 from ..losses import bradley_terry_loss
 from ..models import AbstractBranchScorer
 from ._accumulate import _moment_std, vmap_model
-from ._settings import RewardSettings, StepOptions, settings_from, split_shortcuts
+from ._builder import step_builder
+from ._settings import RewardSettings, StepOptions, settings_from
 from ._state import combine
 from ._step import LossFn, Step, make_step
-from ._step_cache import own_record
 
 
 def _scores(model, tokens, mask, key, which):
@@ -112,13 +111,8 @@ def _reward_std(metrics, grads):
     return metrics
 
 
-def make_reward_step(
-    optimizer: optax.GradientTransformation,
-    settings: RewardSettings | None = None,
-    *,
-    options: StepOptions | None = None,
-    **shortcuts: Any,
-) -> Step:
+@step_builder(RewardSettings)
+def make_reward_step(optimizer, settings: RewardSettings, options: StepOptions) -> Step:
     r"""Build the reward-model update (Bradley-Terry pairwise loss).
 
     $$\mathcal{L}(\phi) = \frac1B\sum_{i}
@@ -134,10 +128,8 @@ def make_reward_step(
     same losses and gradients; it needs a model meeting `AbstractBranchScorer`
     (`RewardModel` does).
 
-    **Arguments:** `optimizer`; `settings`, a `RewardSettings` (`center_coef`,
-    `margin`); `options`, a `StepOptions` (`micro_batches`, `axis_name`, `donate`,
-    `nonfinite`, `check_token_ids`: see `make_step`); `**shortcuts`, any field of either
-    record as a keyword, replacing the record's (another keyword is a `TypeError`).
+    **Arguments:** `settings`, a `RewardSettings` (`center_coef`, `margin`);
+    `optimizer`, `options` (a `StepOptions`) and `**shortcuts`: see `step_builder`.
 
     **Returns:** `step(params, opt_state, batch: PreferenceBatch, *, frozen=None, key=None)
     -> (params, opt_state, metrics)`. Metrics: `loss`, `accuracy` (fraction of
@@ -150,14 +142,11 @@ def make_reward_step(
     of them false does not empty the batch; a `PackedPreferenceBatch` with no real pair
     slot does (`empty_batch = 1`, the update is skipped; see `make_step`).
     """
-    settings, options = split_shortcuts(
-        RewardSettings, settings, options, shortcuts, where="make_reward_step"
-    )
     return make_step(
         reward_loss(settings),
         optimizer,
         options,
         metrics_fn=_reward_std,
         batch_type=(PreferenceBatch, PackedPreferenceBatch),
-        cache_key=("reward", own_record(RewardSettings, settings)),
+        cache_key=("reward", settings),
     )

@@ -4,17 +4,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from jaxtyping import PRNGKeyArray, PyTree
 
 from ..data import SequenceBatch
 from ..losses import aggregate_parts, sft_nll
 from ..ops import logprobs_from_logits, masked_sum, previous_real_index
 from ._accumulate import vmap_model
-from ._settings import SFTSettings, StepOptions, settings_from, split_shortcuts
+from ._builder import step_builder
+from ._settings import SFTSettings, StepOptions, settings_from
 from ._state import combine
 from ._step import LossFn, Step, make_step
-from ._step_cache import own_record
 
 
 def sft_loss(settings: SFTSettings | None = None, **shortcuts: Any) -> LossFn:
@@ -49,13 +48,8 @@ def sft_loss(settings: SFTSettings | None = None, **shortcuts: Any) -> LossFn:
     return loss_fn
 
 
-def make_sft_step(
-    optimizer: optax.GradientTransformation,
-    settings: SFTSettings | None = None,
-    *,
-    options: StepOptions | None = None,
-    **shortcuts: Any,
-) -> Step:
+@step_builder(SFTSettings)
+def make_sft_step(optimizer, settings: SFTSettings, options: StepOptions) -> Step:
     r"""Build the supervised fine-tuning update (`make_step` of `sft_loss`).
 
     $$\mathcal{L}(\theta) =
@@ -66,15 +60,11 @@ def make_sft_step(
 
     **Arguments:**
 
-    - `optimizer`: e.g. from `make_optimizer`.
     - `settings`: an `SFTSettings` (`mode`, `constant`: the aggregation, see
       `rlhf_eqx.losses.aggregate_parts`).
-    - `options`: a `StepOptions` (`micro_batches`: split each batch into this many
-      micro-batches and accumulate, same loss and gradient as the full batch, the batch
-      size must be divisible; `axis_name`, `donate`, `nonfinite`, `check_token_ids`:
-      see `make_step`).
-    - `**shortcuts`: any field of either record as a keyword (`mode="token-mean"`,
-      `micro_batches=2`), replacing the record's; another keyword is a `TypeError`.
+    - `optimizer`, `options` (a `StepOptions`; with `micro_batches` the batch size must
+      be divisible by it) and `**shortcuts` (`mode="token-mean"`, `micro_batches=2`):
+      see `step_builder`.
 
     **Returns:** `step(params, opt_state, batch: SequenceBatch, *, frozen=None, key=None)
     -> (params, opt_state, metrics)`, one `eqx.filter_jit` region. `params` is the
@@ -88,13 +78,10 @@ def make_sft_step(
     traced. A batch whose completion masks are all false (`num_tokens = 0`) has nothing
     to learn from: the update is skipped and `empty_batch = 1` (see `make_step`).
     """
-    settings, options = split_shortcuts(
-        SFTSettings, settings, options, shortcuts, where="make_sft_step"
-    )
     return make_step(
         sft_loss(settings),
         optimizer,
         options,
         batch_type=SequenceBatch,
-        cache_key=("sft", own_record(SFTSettings, settings)),
+        cache_key=("sft", settings),
     )

@@ -121,7 +121,9 @@ class _SlotState(eqx.Module):
     """Carry of the loop. `S` slots decode rows of the `[R·G, N]` output buffers.
 
     `staged_*` are the prefills of prompts `staged_first …` (`prefill_rows` of them, run
-    as one batch); each admitted row copies its prompt's prefill into its slot.
+    as one batch); each admitted row copies its prompt's prefill into its slot. `cache`
+    holds the slots' cache regions here, and the pool of pages with its bookkeeping in
+    `generate_paged`'s loop.
     """
 
     slot_row: Int[Array, " S"]  # output row a slot decodes; -1 when the slot is free
@@ -180,6 +182,40 @@ def _start(plan: _Plan, rows: int, one: Any, width: int) -> dict[str, Any]:
         tokens=jnp.full((rows, N), plan.opts.pad_id, jnp.int32),
         logprobs=jnp.zeros((rows, N), jnp.float32),
         real=jnp.zeros((rows, N), jnp.bool_),
+    )
+
+
+def _staged(s: _SlotState, p, restage, prefill, prompts, prompt_masks, rows: int):
+    """The staged prefills that hold prompt `p`: `s`'s, unless `restage`, when prompts
+    `p …` (`rows` of them, one batch) are prefilled now. Returns `(first, staged_logits,
+    staged_cache)` and `at`, which picks prompt `p`'s entry of a staged array."""
+
+    def stage():
+        idx = jnp.minimum(p + jnp.arange(rows, dtype=jnp.int32), prompts.shape[0] - 1)
+        return p, *prefill(prompts[idx], prompt_masks[idx])
+
+    staged = jax.lax.cond(restage, stage, lambda: (s.staged_first, s.staged_logits, s.staged_cache))
+    at = lambda x: jax.lax.dynamic_index_in_dim(x, p - staged[0], 0, keepdims=False)
+    return staged, at
+
+
+def _admitted(s: _SlotState, slot, position, logits, cache, staged) -> _SlotState:
+    """`s` with its next waiting row in slot `slot` (step 0, rotary position `position`,
+    no recent tokens), the slots' new `logits` and `cache`, and the staged prefills
+    `staged` (`(first, staged_logits, staged_cache)`, from `_staged`)."""
+    first, staged_logits, staged_cache = staged
+    return dataclasses.replace(
+        s,
+        slot_row=s.slot_row.at[slot].set(s.next_row),
+        slot_step=s.slot_step.at[slot].set(0),
+        slot_position=s.slot_position.at[slot].set(position),
+        logits=logits,
+        cache=cache,
+        recent=s.recent.at[slot].set(-1),
+        next_row=s.next_row + 1,
+        staged_first=first,
+        staged_logits=staged_logits,
+        staged_cache=staged_cache,
     )
 
 
@@ -252,33 +288,12 @@ def _generate_continuous(
         """Put the next waiting row into the first free slot; when its prompt is not
         staged, prefill it and the next `M - 1` prompts first (one batch)."""
         slot = i32(jnp.argmax(s.slot_row < 0))
-        row = s.next_row
-        p = row // G
-
-        def stage():
-            idx = jnp.minimum(p + jnp.arange(M, dtype=jnp.int32), R - 1)
-            return p, *prefill(prompts[idx], prompt_masks[idx])
-
-        first, staged_logits, staged_cache = jax.lax.cond(
-            p >= s.staged_first + M,
-            stage,
-            lambda: (s.staged_first, s.staged_logits, s.staged_cache),
-        )
-        at = lambda x: jax.lax.dynamic_index_in_dim(x, p - first, 0, keepdims=False)
+        p = s.next_row // G
+        staged, at = _staged(s, p, p >= s.staged_first + M, prefill, prompts, prompt_masks, M)
         put = lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, at(x), slot, 0)
-        return dataclasses.replace(
-            s,
-            slot_row=s.slot_row.at[slot].set(row),
-            slot_step=s.slot_step.at[slot].set(0),
-            slot_position=s.slot_position.at[slot].set(n_real[p]),
-            logits=put(s.logits, staged_logits),
-            cache=jax.tree.map(put, s.cache, staged_cache),
-            recent=s.recent.at[slot].set(-1),
-            next_row=row + 1,
-            staged_first=first,
-            staged_logits=staged_logits,
-            staged_cache=staged_cache,
-        )
+        logits = put(s.logits, staged[1])
+        cache = jax.tree.map(put, s.cache, staged[2])
+        return _admitted(s, slot, n_real[p], logits, cache, staged)
 
     def cond(s: _SlotState):
         return (s.next_row < B) | jnp.any(s.slot_row >= 0)

@@ -17,16 +17,19 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int, Key, UInt32
+from jaxtyping import Array, Bool, Int, Key, UInt32
 
 from ..models import AbstractDecoder, PagedKVCache, Policy, paged_decode_step
 from ._continuous import (
+    _admitted,
     _continuous_arguments,
     _is_int,
     _Plan,
     _prefill,
     _row_keys,
     _sample_slots,
+    _SlotState,
+    _staged,
     _start,
     _stops,
 )
@@ -75,24 +78,11 @@ class _PagedPlan(eqx.Module):
     prefix_ids: int
 
 
-# Fields like `_SlotState`'s (the dense loop's carry), with the pool and its bookkeeping
-# in place of the per-slot caches.
-class _PagedState(eqx.Module):
-    """Carry of the paged loop. `S` slots, `M` page-table entries a slot, `Np` pages,
-    `U` shared-page ids."""
+class _Pool(eqx.Module):
+    """The paged loop's cache (its `_SlotState.cache`, where the dense loop keeps the
+    slots' cache regions): the pool of pages and its bookkeeping. `S` slots, `M`
+    page-table entries a slot, `Np` pages, `U` shared-page ids."""
 
-    slot_row: Int[Array, " S"]
-    slot_step: Int[Array, " S"]
-    slot_position: Int[Array, " S"]  # also the slot's length: the next token's slot
-    logits: Float[Array, "S V"]
-    recent: Int[Array, "S L"]
-    next_row: Int[Array, ""]
-    staged_first: Int[Array, ""]
-    staged_logits: Float[Array, "Q V"]
-    staged_cache: object
-    tokens: Int[Array, "B N"]
-    logprobs: Float[Array, "B N"]
-    real: Bool[Array, "B N"]
     pages: PagedKVCache
     free: Bool[Array, " Np"]
     page_table: Int[Array, "S M"]  # -1: unused
@@ -135,14 +125,17 @@ def _generate_paged(
     stops = _stops(opts, plan.base.stop_sequences)
     entries = jnp.arange(M, dtype=jnp.int32)
 
-    def demand(s: _PagedState, row):
+    # The carry is the dense loop's `_SlotState` with a `_Pool` as its cache; a slot's
+    # `slot_position` is also its length: the next token's slot.
+
+    def demand(s: _SlotState, row):
         """Row `row`'s prompt pages: which are shared ids already held, which need a
         fresh page now, and how many more pages its budget may still need."""
         p = row // G
         n = n_real[p]
         u = prefix_key[p]
         is_prefix = entries < n // ps
-        held = is_prefix & (s.prefix_page[jnp.maximum(u, 0)] >= 0)
+        held = is_prefix & (s.cache.prefix_page[jnp.maximum(u, 0)] >= 0)
         partial = (entries == n // ps) & (n % ps != 0)
         fresh = (is_prefix & ~held) | partial
         later = cdiv(n + budgets[row] - 1, ps) - cdiv(n, ps)
@@ -161,83 +154,74 @@ def _generate_paged(
         ok = ~active.reshape(lead + active.shape) | (need <= free[..., None] + older_own)
         return jnp.all(ok, axis=-1) & (free >= 0)
 
-    def fits(s: _PagedState, row):
+    def fits(s: _SlotState, row):
         _, n, _, _, _, fresh, later = demand(s, row)
         slot = jnp.argmax(s.slot_row < 0)
         return safe(
-            Np - s.in_use - jnp.sum(fresh, dtype=jnp.int32),
-            s.need.at[slot].set(later),
-            s.own.at[slot].set(i32(n % ps != 0)),
+            Np - s.cache.in_use - jnp.sum(fresh, dtype=jnp.int32),
+            s.cache.need.at[slot].set(later),
+            s.cache.own.at[slot].set(i32(n % ps != 0)),
             s.slot_row.at[slot].set(row),
             s.slot_row.at[slot].set(row) >= 0,
         )
 
-    def waiting(s: _PagedState):
+    def waiting(s: _SlotState):
         row = jnp.minimum(s.next_row, B - 1)
         return (s.next_row < B) & jnp.any(s.slot_row < 0) & fits(s, row)
 
-    def admit(s: _PagedState) -> _PagedState:
+    def admit(s: _SlotState) -> _SlotState:
         """Put the next row into the first free slot: map its held prompt pages, take
         fresh ones for the rest, write its prompt's keys and values there (from the
         staged prefill of the first prompt with its real tokens)."""
+        pool = s.cache
         slot = i32(jnp.argmax(s.slot_row < 0))
         row = s.next_row
         p, n, u, is_prefix, held, fresh, later = demand(s, row)
         c = canon[p]
-
-        def stage():
-            idx = jnp.minimum(c + jnp.arange(Q, dtype=jnp.int32), R - 1)
-            return c, *prefill(prompts[idx], prompt_masks[idx])
-
         restage = (c < s.staged_first) | (c >= s.staged_first + Q)
-        first, staged_logits, staged_cache = jax.lax.cond(
-            restage, stage, lambda: (s.staged_first, s.staged_logits, s.staged_cache)
-        )
-        at = lambda x: jax.lax.dynamic_index_in_dim(x, c - first, 0, keepdims=False)
+        staged, at = _staged(s, c, restage, prefill, prompts, prompt_masks, Q)
         # fresh pages: the first free ones, in order
-        cand = jnp.nonzero(s.free, size=M, fill_value=Np)[0].astype(jnp.int32)
+        cand = jnp.nonzero(pool.free, size=M, fill_value=Np)[0].astype(jnp.int32)
         rank = jnp.cumsum(fresh, dtype=jnp.int32) - 1
         new = jnp.where(fresh, cand[jnp.maximum(rank, 0)], Np)
         uid = jnp.where(is_prefix, u, 0)
-        row_table = jnp.where(held, s.prefix_page[uid], jnp.where(fresh, new, -1))
-        prefix_page = s.prefix_page.at[jnp.where(is_prefix & ~held, u, U)].set(new, mode="drop")
-        prefix_refs = s.prefix_refs.at[jnp.where(is_prefix, u, U)].add(1, mode="drop")
+        row_table = jnp.where(held, pool.prefix_page[uid], jnp.where(fresh, new, -1))
+        prefix_page = pool.prefix_page.at[jnp.where(is_prefix & ~held, u, U)].set(new, mode="drop")
+        prefix_refs = pool.prefix_refs.at[jnp.where(is_prefix, u, U)].add(1, mode="drop")
         # the prompt's real tokens in order: the k-th one goes to slot k
         mask = prompt_masks[c]
         k = jnp.cumsum(mask, dtype=jnp.int32) - 1
         page = jnp.minimum(k // ps, M - 1)
         dest = jnp.where(mask & fresh[page], row_table[page], Np)
-        cache = jax.tree.map(at, staged_cache)
-        pages = s.pages.write(cache.k, cache.v, dest, k % ps)
-        in_use = s.in_use + jnp.sum(fresh, dtype=jnp.int32)
-        return dataclasses.replace(
+        cache = jax.tree.map(at, staged[2])
+        in_use = pool.in_use + jnp.sum(fresh, dtype=jnp.int32)
+        return _admitted(
             s,
-            slot_row=s.slot_row.at[slot].set(row),
-            slot_step=s.slot_step.at[slot].set(0),
-            slot_position=s.slot_position.at[slot].set(n),
-            logits=s.logits.at[slot].set(at(staged_logits)),
-            recent=s.recent.at[slot].set(-1),
-            next_row=row + 1,
-            staged_first=first,
-            staged_logits=staged_logits,
-            staged_cache=staged_cache,
-            pages=pages,
-            free=s.free.at[new].set(False, mode="drop"),
-            page_table=s.page_table.at[slot].set(row_table),
-            need=s.need.at[slot].set(later),
-            own=s.own.at[slot].set(i32(n % ps != 0)),
-            prefix_page=prefix_page,
-            prefix_refs=prefix_refs,
-            in_use=in_use,
-            peak=jnp.maximum(s.peak, in_use),
-            shared=s.shared + jnp.sum(held, dtype=jnp.int32),
+            slot,
+            n,
+            s.logits.at[slot].set(at(staged[1])),
+            dataclasses.replace(
+                pool,
+                pages=pool.pages.write(cache.k, cache.v, dest, k % ps),
+                free=pool.free.at[new].set(False, mode="drop"),
+                page_table=pool.page_table.at[slot].set(row_table),
+                need=pool.need.at[slot].set(later),
+                own=pool.own.at[slot].set(i32(n % ps != 0)),
+                prefix_page=prefix_page,
+                prefix_refs=prefix_refs,
+                in_use=in_use,
+                peak=jnp.maximum(pool.peak, in_use),
+                shared=pool.shared + jnp.sum(held, dtype=jnp.int32),
+            ),
+            staged,
         )
 
-    def cond(s: _PagedState):
-        return ((s.next_row < B) | jnp.any(s.slot_row >= 0)) & ~s.stuck
+    def cond(s: _SlotState):
+        return ((s.next_row < B) | jnp.any(s.slot_row >= 0)) & ~s.cache.stuck
 
-    def body(s: _PagedState) -> _PagedState:
+    def body(s: _SlotState) -> _SlotState:
         s = jax.lax.while_loop(waiting, admit, s)
+        pool = s.cache
         active, row, step, tok, lp, recent, stop = _sample_slots(
             s, sample, row_keys, budgets, stops
         )
@@ -253,9 +237,9 @@ def _generate_paged(
         grants = want[None, :] & (rank[None, :] < jnp.arange(S + 1)[:, None])  # [k, S]
         g = grants.astype(jnp.int32)
         ok = safe(
-            Np - s.in_use - jnp.sum(g, axis=1),
-            jnp.where(going, s.need, 0)[None, :] - g,
-            s.own[None, :] + g,
+            Np - pool.in_use - jnp.sum(g, axis=1),
+            jnp.where(going, pool.need, 0)[None, :] - g,
+            pool.own[None, :] + g,
             s.slot_row,
             active,
         )
@@ -263,22 +247,22 @@ def _generate_paged(
         granted = want & (rank < k)
         stalled = want & ~granted
         going, emit = going & ~stalled, active & ~stalled
-        cand = jnp.nonzero(s.free, size=S, fill_value=Np)[0].astype(jnp.int32)
+        cand = jnp.nonzero(pool.free, size=S, fill_value=Np)[0].astype(jnp.int32)
         rank_g = jnp.maximum(jnp.cumsum(granted, dtype=jnp.int32) - 1, 0)
         new = jnp.where(granted, cand[rank_g], Np)
         slots = jnp.arange(S)
-        page_table = s.page_table.at[slots, jnp.where(granted, entry, M)].set(new, mode="drop")
-        free = s.free.at[new].set(False, mode="drop")
+        page_table = pool.page_table.at[slots, jnp.where(granted, entry, M)].set(new, mode="drop")
+        free = pool.free.at[new].set(False, mode="drop")
         grew = granted.astype(jnp.int32)
-        in_use = s.in_use + jnp.sum(grew)
-        peak = jnp.maximum(s.peak, in_use)
+        in_use = pool.in_use + jnp.sum(grew)
+        peak = jnp.maximum(pool.peak, in_use)
 
         def advance(args):
             _, pages = args
             return paged_decode_step(policy, tok, pages, page_table, index=index, store=going)
 
         logits, pages = jax.lax.cond(
-            jnp.any(going), advance, lambda args: args, (s.logits, s.pages)
+            jnp.any(going), advance, lambda args: args, (s.logits, pool.pages)
         )
         logits = jnp.where(stalled[:, None], s.logits, logits)
         out_row = jnp.where(emit, s.slot_row, B)
@@ -289,13 +273,13 @@ def _generate_paged(
         n = n_real[row // G]
         is_prefix = entries[None, :] < (n // ps)[:, None]
         u = prefix_key[row // G]
-        prefix_refs = s.prefix_refs.at[jnp.where(done[:, None] & is_prefix, u, U)].add(
+        prefix_refs = pool.prefix_refs.at[jnp.where(done[:, None] & is_prefix, u, U)].add(
             -1, mode="drop"
         )
-        gone = (prefix_refs == 0) & (s.prefix_page >= 0)
+        gone = (prefix_refs == 0) & (pool.prefix_page >= 0)
         own = done[:, None] & ~is_prefix & (page_table >= 0)
         free = free.at[jnp.where(own, page_table, Np)].set(True, mode="drop")
-        free = free.at[jnp.where(gone, s.prefix_page, Np)].set(True, mode="drop")
+        free = free.at[jnp.where(gone, pool.prefix_page, Np)].set(True, mode="drop")
         in_use = in_use - jnp.sum(own, dtype=jnp.int32) - jnp.sum(gone, dtype=jnp.int32)
         moved = emit.astype(jnp.int32)
         return dataclasses.replace(
@@ -304,27 +288,28 @@ def _generate_paged(
             slot_step=step + moved,
             slot_position=s.slot_position + moved,
             logits=logits,
+            cache=dataclasses.replace(
+                pool,
+                pages=pages,
+                free=free,
+                page_table=jnp.where(done[:, None], -1, page_table),
+                need=jnp.where(done, 0, pool.need - grew),
+                own=jnp.where(done, 0, pool.own + grew),
+                prefix_page=jnp.where(gone, -1, pool.prefix_page),
+                prefix_refs=prefix_refs,
+                in_use=in_use,
+                peak=peak,
+                stalls=pool.stalls + jnp.sum(stalled, dtype=jnp.int32),
+                # never (the oldest row can always go on); ends the loop if it did happen
+                stuck=~jnp.any(emit),
+            ),
             recent=jnp.where(stalled[:, None], s.recent, recent),
             tokens=write(s.tokens, tok),
             logprobs=write(s.logprobs, lp),
             real=write(s.real, active),
-            pages=pages,
-            free=free,
-            page_table=jnp.where(done[:, None], -1, page_table),
-            need=jnp.where(done, 0, s.need - grew),
-            own=jnp.where(done, 0, s.own + grew),
-            prefix_page=jnp.where(gone, -1, s.prefix_page),
-            prefix_refs=prefix_refs,
-            in_use=in_use,
-            peak=peak,
-            stalls=s.stalls + jnp.sum(stalled, dtype=jnp.int32),
-            # never (the oldest row can always go on); ends the loop if it did happen
-            stuck=~jnp.any(emit),
         )
 
-    init = _PagedState(
-        **_start(plan.base, B, one, stops[-1]),
-        logits=jnp.zeros((S, policy.vocab_size), jnp.float32),
+    pool = _Pool(
         pages=PagedKVCache.empty(policy, Np, ps),
         free=jnp.ones((Np,), jnp.bool_),
         page_table=jnp.full((S, M), -1, jnp.int32),
@@ -338,11 +323,17 @@ def _generate_paged(
         stalls=zero,
         stuck=jnp.zeros((), jnp.bool_),
     )
+    init = _SlotState(
+        logits=jnp.zeros((S, policy.vocab_size), jnp.float32),
+        cache=pool,
+        **_start(plan.base, B, one, stops[-1]),
+    )
     s = jax.lax.while_loop(cond, body, init)
-    tokens = eqx.error_if(s.tokens, s.stuck, "generate_paged: no row could go on")
+    pool = s.cache
+    tokens = eqx.error_if(s.tokens, pool.stuck, "generate_paged: no row could go on")
     rep = lambda x: jnp.repeat(x, G, axis=0)
     out = _with_prompts(rep(prompts), rep(prompt_masks), tokens, s.logprobs, s.real)
-    return out, s.peak, s.in_use, s.shared, s.stalls
+    return out, pool.peak, pool.in_use, pool.shared, pool.stalls
 
 
 _generate_paged_jit = eqx.filter_jit(_generate_paged)

@@ -111,19 +111,7 @@ def resolve_config(args: argparse.Namespace):
     """The resolved `PipelineConfig` of parsed arguments (defaults < file < flags)."""
     from rlhf_eqx import pipelines as pl
 
-    cfg = pl.animal_task_config()
-    if args.config:
-        cfg = pl.load_config(args.config, base=cfg)
-    overrides = list(args.overrides)
-    if args.data:
-        overrides.append(f"data.path={args.data}")
-    if args.model:
-        overrides.append(f"model.source={args.model}")
-    if args.tokenizer:
-        overrides.append(f"model.tokenizer={args.tokenizer}")
-    if args.quiet:
-        overrides.append("ops.quiet=true")
-    cfg = pl.tools.resolve_model_names(pl.apply_overrides(cfg, overrides))
+    cfg = pl.tools.resolve_model_names(pl.config.command_line_config(args))
     cmd = args.command
     if cmd not in ("pipeline", *TOOL_COMMANDS):
         from rlhf_eqx.pipelines import ConfigError

@@ -16,6 +16,7 @@ from ._config import (
 )
 from ._pipeline_config import (
     PipelineConfig,
+    animal_task_config,
 )
 from ._registry import section_types
 
@@ -312,3 +313,22 @@ def apply_overrides(cfg: Any, overrides: Sequence[str]) -> Any:
         text = dataclasses.is_dataclass(cls) and _hints(cls).get(parts[-1]) is str
         node[parts[-1]] = None if value.lower() == "none" and not text else value
     return config_from_dict(type(cfg), d)
+
+
+def command_line_config(args) -> PipelineConfig:
+    """The configuration of a parsed command line (`args`, an `argparse.Namespace`): the
+    built-in task's (`animal_task_config`), then the file `args.config` (`load_config`),
+    then the `--set` overrides `args.overrides`, then the flags the namespace has, each
+    as an override: `data` (`data.path`), `model` (`model.source`), `tokenizer`
+    (`model.tokenizer`), `quiet` (`ops.quiet=true`). Defaults < file < flags."""
+    cfg = animal_task_config()
+    if args.config:
+        cfg = load_config(args.config, base=cfg)
+    overrides = list(args.overrides)
+    flags = {"data": "data.path", "model": "model.source", "tokenizer": "model.tokenizer"}
+    for flag, field in flags.items():
+        if getattr(args, flag, None):
+            overrides.append(f"{field}={getattr(args, flag)}")
+    if getattr(args, "quiet", False):
+        overrides.append("ops.quiet=true")
+    return apply_overrides(cfg, overrides)

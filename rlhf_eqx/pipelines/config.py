@@ -1,7 +1,8 @@
 """The configuration's machinery beyond building and reading a `PipelineConfig`: the
 registry's queries (`stages`, `get_stage`, ...), the shared fields of batch and rollout
-stages, the built-in task's stage settings, what a command's `--help` and a run print
-(`config_help`, `read_fields`), and the checks of single sections (`validate_stage`,
+stages, the built-in task's stage settings, a command line's configuration
+(`command_line_config`), what a command's `--help` and a run print (`config_help`,
+`read_fields`), and the checks of single sections (`validate_stage`,
 `validate_ops`, `validate_judge`), the whole configuration's check (`validate_config`)
 and its dictionary form (`config_to_dict`, `config_from_dict`). `rlhf_eqx.pipelines`
 itself has `PipelineConfig`, `load_config` and `apply_overrides`."""
@@ -14,6 +15,7 @@ from ._config import (
 from ._config_help import config_help as config_help, help_sections as help_sections
 from ._config_io import (
     SHARED_SECTIONS as SHARED_SECTIONS,
+    command_line_config as command_line_config,
     config_from_dict as config_from_dict,
     config_to_dict as config_to_dict,
     read_fields as read_fields,

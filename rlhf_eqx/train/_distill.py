@@ -61,6 +61,15 @@ def _vocab_size(model: Callable[..., Array], tokens: Array, mask: Array) -> int:
     return int(out.shape[-1])
 
 
+def _split_teacher(frozen: PyTree, cached: Array | None, where: str, field: str):
+    """`(frozen_part_of_the_student, teacher)` from a step's `frozen`; the teacher may be
+    `None` only when the batch holds its output (`cached`, the batch's `field`)."""
+    frozen_part, teacher = frozen
+    if cached is None and teacher is None:
+        raise ValueError(f"{where} needs the step's `teacher=` model or batch.{field}")
+    return frozen_part, teacher
+
+
 def _loss_mask(batch: DistillBatch) -> tuple[Bool[Array, "B T"], Int[Array, "B T"]]:
     """Completion tokens that have a real token before them (so a prediction), and for each
     position the index of that earlier token."""
@@ -198,11 +207,9 @@ def distill_loss(settings: DistillSettings | None = None, **shortcuts: Any) -> L
     f32 = jnp.float32
 
     def loss_fn(params: PyTree, frozen: PyTree, batch: DistillBatch, key: PRNGKeyArray | None):
-        frozen_part, teacher = frozen
-        if batch.teacher_logits is None and teacher is None:
-            raise ValueError(
-                "make_distill_step needs the step's `teacher=` model or batch.teacher_logits"
-            )
+        frozen_part, teacher = _split_teacher(
+            frozen, batch.teacher_logits, "make_distill_step", "teacher_logits"
+        )
         student = _scorer(combine(params, frozen_part), batch.tokens, batch.mask, key)
         if batch.teacher_logits is not None:
             lg = sg(batch.teacher_logits)

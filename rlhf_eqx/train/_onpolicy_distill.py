@@ -17,7 +17,7 @@ from ..models import AbstractSelectiveLM
 from ..ops import logprobs_from_logits, masked_sum
 from ._accumulate import vmap_model
 from ._builder import step_builder
-from ._distill import _check_vocab, _loss_mask, _vocab_size
+from ._distill import _check_vocab, _loss_mask, _split_teacher, _vocab_size
 from ._rl_settings import SampledSettings
 from ._settings import StepOptions, settings_from
 from ._state import combine
@@ -97,11 +97,9 @@ def onpolicy_distill_loss(
     f32 = jnp.float32
 
     def loss_fn(params: PyTree, frozen: PyTree, batch: DistillBatch, key: PRNGKeyArray | None):
-        frozen_part, teacher = frozen
-        if batch.teacher_logp is None and teacher is None:
-            raise ValueError(
-                "make_onpolicy_distill_step needs the step's `teacher=` model or batch.teacher_logp"
-            )
+        frozen_part, teacher = _split_teacher(
+            frozen, batch.teacher_logp, "make_onpolicy_distill_step", "teacher_logp"
+        )
         student = combine(params, frozen_part)
         m, _ = _loss_mask(batch)
         if batch.teacher_logp is not None:

@@ -12,12 +12,12 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Int, PRNGKeyArray
 
 from .._sampling import DEFAULT_TEMPERATURE, SamplingOptions
 from ..models import AbstractDecoder
 from ._environment import Environment
-from ._trajectory import Trajectory, _trajectory
+from ._trajectory import Trajectory, _Progress, _trajectory
 from ._turns import _Episode, _episode_keys, _start_batch, _turn, _TurnOptions
 
 
@@ -181,10 +181,7 @@ class _Loop(eqx.Module):
     obs: Int[Array, "E O"]
     obs_mask: Bool[Array, "E O"]
     turn: Int[Array, ""]
-    done: Bool[Array, " E"]
-    stopped: Bool[Array, " E"]
-    turn_rewards: Float[Array, "E K"]
-    num_turns: Int[Array, " E"]
+    progress: _Progress
 
 
 def _rollout(policy, env, prompts, prompt_masks, key, opts: _Options) -> Trajectory:
@@ -200,17 +197,14 @@ def _rollout(policy, env, prompts, prompt_masks, key, opts: _Options) -> Traject
         obs=obs.astype(jnp.int32),
         obs_mask=obs_mask,
         turn=jnp.zeros((), jnp.int32),
-        done=jnp.zeros((E,), jnp.bool_),
-        stopped=jnp.zeros((E,), jnp.bool_),
-        turn_rewards=jnp.zeros((E, K), jnp.float32),
-        num_turns=jnp.zeros((E,), jnp.int32),
+        progress=_Progress.start(E, K),
     )
 
     def cond(c: _Loop):
-        return (c.turn < K) & jnp.any(~c.done & ~c.stopped)
+        return (c.turn < K) & jnp.any(c.progress.active)
 
     def body(c: _Loop) -> _Loop:
-        active = ~c.done & ~c.stopped
+        active = c.progress.active
         eps, comp, cmask, took = _turn(
             policy, c.episodes, c.obs, c.obs_mask, policy_keys, c.turn, active, opts.turn
         )
@@ -221,14 +215,11 @@ def _rollout(policy, env, prompts, prompt_masks, key, opts: _Options) -> Traject
             obs=obs,
             obs_mask=obs_mask,
             turn=c.turn + 1,
-            done=c.done | ended,
-            stopped=c.stopped | (active & (~took | (eps.length >= T))),
-            turn_rewards=c.turn_rewards.at[:, c.turn].set(reward),
-            num_turns=c.num_turns + took.astype(jnp.int32),
+            progress=c.progress.after_turn(c.turn, took, reward, ended, eps.length, T),
         )
 
     c = jax.lax.while_loop(cond, body, init)
-    return _trajectory(c.episodes, c.turn_rewards, c.num_turns, c.done, opts.episode_reward)
+    return _trajectory(c.episodes, c.progress, opts.episode_reward)
 
 
 _rollout_jit = eqx.filter_jit(_rollout)

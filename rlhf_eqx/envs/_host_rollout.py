@@ -14,7 +14,7 @@ from .._sampling import DEFAULT_TEMPERATURE
 from ..models import AbstractDecoder
 from ._compiled_rollout import _check_environment, _check_policy, _env_step, _options
 from ._environment import Environment, HostEnvironment
-from ._trajectory import Trajectory, _trajectory
+from ._trajectory import Trajectory, _Progress, _trajectory
 from ._turns import _episode_keys, _start_batch, _turn
 
 
@@ -36,9 +36,7 @@ def _env_reset(env, keys, prompts, prompt_masks):
 _host_env_step = eqx.filter_jit(_env_step)
 
 
-@eqx.filter_jit
-def _finish(eps, turn_rewards, num_turns, done, episode_reward):
-    return _trajectory(eps, turn_rewards, num_turns, done, episode_reward)
+_finish = eqx.filter_jit(_trajectory)
 
 
 def _host_envs(env: object, n: int) -> list[HostEnvironment]:
@@ -156,12 +154,9 @@ def rollout_multiturn_host(
         ]
         obs = jnp.asarray([r[0] for r in rows], jnp.int32).reshape(E, width)
         obs_mask = jnp.asarray([r[1] for r in rows], jnp.bool_).reshape(E, width)
-    done = np.zeros(E, bool)
-    stopped = np.zeros(E, bool)
-    turn_rewards = np.zeros((E, K), np.float32)
-    num_turns = np.zeros(E, np.int32)
+    progress = _Progress.start(E, K)
     for k in range(K):
-        active = ~done & ~stopped
+        active = np.asarray(progress.active)
         if not active.any():
             break
         turn = jnp.asarray(k, jnp.int32)
@@ -171,7 +166,6 @@ def rollout_multiturn_host(
         took_np = np.asarray(took)
         if jax_env:
             states, obs, obs_mask, reward, ended = _host_env_step(env, states, comp, cmask, took)
-            reward, ended = np.asarray(reward), np.asarray(ended)
         else:
             comp_np, cmask_np = np.asarray(comp), np.asarray(cmask)
             reward = np.zeros(E, np.float32)
@@ -183,14 +177,5 @@ def rollout_multiturn_host(
                 if not ended[i]:
                     obs_np[i], obs_mask_np[i] = _padded(o, width, pad_id, f"episode {i}'s step")
             obs, obs_mask = jnp.asarray(obs_np), jnp.asarray(obs_mask_np)
-        turn_rewards[:, k] = np.where(took_np, reward, 0.0)
-        num_turns += took_np.astype(np.int32)
-        done = done | (took_np & ended)
-        stopped = stopped | (active & (~took_np | (np.asarray(eps.length) >= T)))
-    return _finish(
-        eps,
-        jnp.asarray(turn_rewards),
-        jnp.asarray(num_turns),
-        jnp.asarray(done),
-        opts.episode_reward,
-    )
+        progress = progress.after_turn(k, took_np, reward, ended, eps.length, T)
+    return _finish(eps, progress, opts.episode_reward)

@@ -1,4 +1,5 @@
-"""The result of a multi-turn rollout, and building it from the episodes' buffers."""
+"""The result of a multi-turn rollout, the episodes' standing between turns, and building
+the result from the episodes' buffers."""
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -40,7 +41,46 @@ class Trajectory(eqx.Module):
     truncated: Bool[Array, " E"]
 
 
-def _trajectory(eps: _Episode, turn_rewards, num_turns, done, episode_reward: str) -> Trajectory:
+class _Progress(eqx.Module):
+    """Where the `E` episodes of a rollout stand between turns (both rollouts keep it):
+    `done` once the environment ended an episode, `stopped` once it can play no more
+    (its policy had no room, or its buffer is full), each turn's reward (`[E, K]`, 0 for
+    turns not taken) and the number of turns taken."""
+
+    done: Bool[Array, " E"]
+    stopped: Bool[Array, " E"]
+    turn_rewards: Float[Array, "E K"]
+    num_turns: Int[Array, " E"]
+
+    @classmethod
+    def start(cls, episodes: int, max_turns: int) -> "_Progress":
+        return cls(
+            done=jnp.zeros((episodes,), jnp.bool_),
+            stopped=jnp.zeros((episodes,), jnp.bool_),
+            turn_rewards=jnp.zeros((episodes, max_turns), jnp.float32),
+            num_turns=jnp.zeros((episodes,), jnp.int32),
+        )
+
+    @property
+    def active(self) -> Bool[Array, " E"]:
+        """The episodes that play the next turn."""
+        return ~self.done & ~self.stopped
+
+    def after_turn(self, turn, took, reward, ended, length, total: int) -> "_Progress":
+        """The standing after turn `turn`: `took` marks the episodes whose policy played
+        it, `reward` and `ended` their environment's answer (ignored elsewhere), `length`
+        the episodes' buffer lengths out of `total`."""
+        took = jnp.asarray(took)
+        return _Progress(
+            done=self.done | (took & jnp.asarray(ended)),
+            stopped=self.stopped | (self.active & (~took | (length >= total))),
+            turn_rewards=self.turn_rewards.at[:, turn].set(jnp.where(took, reward, 0.0)),
+            num_turns=self.num_turns + took.astype(jnp.int32),
+        )
+
+
+def _trajectory(eps: _Episode, progress: _Progress, episode_reward: str) -> Trajectory:
+    turn_rewards, num_turns = progress.turn_rewards, progress.num_turns
     if episode_reward == "sum":
         reward = jnp.sum(turn_rewards, axis=-1)
     else:
@@ -56,5 +96,5 @@ def _trajectory(eps: _Episode, turn_rewards, num_turns, done, episode_reward: st
         turn_rewards=turn_rewards,
         reward=reward,
         num_turns=num_turns,
-        truncated=~done,
+        truncated=~progress.done,
     )

@@ -35,8 +35,7 @@ from ._runs import (
     RunResult,
     collate_pairs,
     final_policy,
-    run_offline,
-    shuffled_rows,
+    run_on_rows,
     train_setup,
 )
 from ._sampled_eval import heldout_samples
@@ -116,14 +115,14 @@ def run_kto(
         model, cfg, cfg.steps, k_lora, rx.train.make_kto_step, settings
     )
     full = rx.train.compute_kto_reference_logps(reference, full)
-    return run_offline(
+    return run_on_rows(
         state,
         step,
-        shuffled_rows(full, cfg.batch_size, ctx.ops.seed),
-        steps=cfg.steps,
-        tokens_per_iteration=2 * cfg.batch_size * cfg.max_length,
-        ctx=ctx,
-        ctx_key=ctx_key,
+        full,
+        cfg,
+        ctx,
+        ctx_key,
+        row_tokens=2 * cfg.max_length,
         policy_of=lambda s: s.model,
     )
 

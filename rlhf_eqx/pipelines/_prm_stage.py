@@ -20,7 +20,7 @@ from ._field_checks import _choice, _fail
 from ._lr_scale import build_optimizer
 from ._registry import Outcome, Stage, StageEnv, register_stage
 from ._reward_sources import export_prm
-from ._runs import RunContext, RunResult, run_offline, shuffled_rows
+from ._runs import RunContext, RunResult, run_on_rows
 from ._validation import validate_stage
 
 
@@ -98,15 +98,7 @@ def run_prm(policy, tok, records: Sequence, *, cfg: PRMConfig, ctx: RunContext) 
     opt = build_optimizer(cfg.optim, cfg.steps)
     state = rx.train.init_train_state(model, opt)
     step = rx.train.make_prm_step(opt, rx.train.PRMSettings(), options=cfg.options)
-    return run_offline(
-        state,
-        step,
-        shuffled_rows(full, cfg.batch_size, ctx.ops.seed),
-        steps=cfg.steps,
-        tokens_per_iteration=cfg.batch_size * cfg.max_length,
-        ctx=ctx,
-        ctx_key=ctx_key,
-    )
+    return run_on_rows(state, step, full, cfg, ctx, ctx_key)
 
 
 def prm_on_data(cfg, policy, tok, ctx: RunContext, summary: dict, say, split) -> RunResult:

@@ -255,8 +255,8 @@ def run_offline(
     ctx_key,
     policy_of=None,
 ) -> RunResult:
-    """`steps` updates of `step` on the batches `batch_at(i)` (SFT, reward model,
-    offline DPO; `shuffled_rows`, `shuffled_batches`)."""
+    """`steps` updates of `step` on the batches `batch_at(i)` (offline DPO's; SFT, KTO
+    and the PRM train on shuffled rows: `run_on_rows`)."""
 
     def iteration(state, key, i):
         state, m = state.apply(step, batch_at(i), key=key)
@@ -271,6 +271,26 @@ def run_offline(
         policy_of=policy_of,
         tokens_per_iteration=tokens,
         flops_per_iteration=model_flops(rx.count_params(state.model), train_tokens=tokens),
+    )
+
+
+def run_on_rows(
+    state, step, full, cfg, ctx: RunContext, ctx_key, *, row_tokens=None, policy_of=None
+) -> RunResult:
+    """`run_offline` on shuffled rows of `full` (`shuffled_rows`, the run's seed):
+    `cfg.steps` steps of `cfg.batch_size` rows of `row_tokens` tokens each (default
+    `cfg.max_length`)."""
+    rows = shuffled_rows(full, cfg.batch_size, ctx.ops.seed)
+    tokens = cfg.batch_size * (cfg.max_length if row_tokens is None else row_tokens)
+    return run_offline(
+        state,
+        step,
+        rows,
+        steps=cfg.steps,
+        tokens_per_iteration=tokens,
+        ctx=ctx,
+        ctx_key=ctx_key,
+        policy_of=policy_of,
     )
 
 

@@ -17,7 +17,7 @@ from ._config import BatchStageConfig, LoRASettings, _optim
 from ._data_prep import nll, preference_split, trained_policy
 from ._field_checks import _positive
 from ._registry import Outcome, Stage, StageEnv, register_stage
-from ._runs import RunContext, RunResult, final_policy, run_offline, shuffled_rows, train_setup
+from ._runs import RunContext, RunResult, final_policy, run_on_rows, train_setup
 from ._sampled_eval import heldout_samples
 from ._task import TRAIN_PROMPTS
 from ._validation import validate_stage
@@ -55,16 +55,7 @@ def run_sft(
     full = data.collate_sft(seqs, max_length=cfg.max_length, pad_id=tok.pad_id)
     k_lora, ctx_key = jax.random.split(ctx.key)
     state, _, step = train_setup(model, cfg, cfg.steps, k_lora, rx.train.make_sft_step)
-    return run_offline(
-        state,
-        step,
-        shuffled_rows(full, cfg.batch_size, ctx.ops.seed),
-        steps=cfg.steps,
-        tokens_per_iteration=cfg.batch_size * cfg.max_length,
-        ctx=ctx,
-        ctx_key=ctx_key,
-        policy_of=lambda s: s.model,
-    )
+    return run_on_rows(state, step, full, cfg, ctx, ctx_key, policy_of=lambda s: s.model)
 
 
 def sft(env: StageEnv, c: SFTConfig) -> Outcome:

@@ -70,6 +70,19 @@ def _split_teacher(frozen: PyTree, cached: Array | None, where: str, field: str)
     return frozen_part, teacher
 
 
+def _distill_step(loss_fn: LossFn, optimizer, options: StepOptions, cache_key) -> Step:
+    """`make_step` of a distillation loss: on a `DistillBatch`, with the teacher passed to
+    the step as `teacher=`."""
+    return make_step(
+        loss_fn,
+        optimizer,
+        options,
+        batch_type=DistillBatch,
+        extras=("teacher",),
+        cache_key=cache_key,
+    )
+
+
 def _loss_mask(batch: DistillBatch) -> tuple[Bool[Array, "B T"], Int[Array, "B T"]]:
     """Completion tokens that have a real token before them (so a prediction), and for each
     position the index of that earlier token."""
@@ -287,11 +300,4 @@ def make_distill_step(optimizer, settings: DistillSettings, options: StepOptions
     Metrics: `loss`, `jsd` (token mean over the completion tokens), `num_tokens` (of the
     global batch), `grad_norm`, `learning_rate`, `nonfinite`.
     """
-    return make_step(
-        distill_loss(settings),
-        optimizer,
-        options,
-        batch_type=DistillBatch,
-        extras=("teacher",),
-        cache_key=("distill", settings),
-    )
+    return _distill_step(distill_loss(settings), optimizer, options, ("distill", settings))

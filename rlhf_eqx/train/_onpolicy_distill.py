@@ -17,11 +17,11 @@ from ..models import AbstractSelectiveLM
 from ..ops import logprobs_from_logits, masked_sum
 from ._accumulate import vmap_model
 from ._builder import step_builder
-from ._distill import _check_vocab, _loss_mask, _split_teacher, _vocab_size
+from ._distill import _check_vocab, _distill_step, _loss_mask, _split_teacher, _vocab_size
 from ._rl_settings import SampledSettings
 from ._settings import StepOptions, settings_from
 from ._state import combine
-from ._step import LossFn, Step, make_step
+from ._step import LossFn, Step
 from ._validation import check_aggregation, check_number
 
 # Bound on |log ratio| before exponentiating the importance ratio (as veRL and `ppo_policy_loss`).
@@ -199,11 +199,6 @@ def make_onpolicy_distill_step(
     Metrics: `loss`, `reverse_kl` (per-token estimate, token mean), `teacher_logp`,
     `num_tokens`, `clipfrac` (with `clip_eps`), `grad_norm`, `learning_rate`, `nonfinite`.
     """
-    return make_step(
-        onpolicy_distill_loss(settings),
-        optimizer,
-        options,
-        batch_type=DistillBatch,
-        extras=("teacher",),
-        cache_key=("onpolicy_distill", settings),
+    return _distill_step(
+        onpolicy_distill_loss(settings), optimizer, options, ("onpolicy_distill", settings)
     )

@@ -3,6 +3,8 @@ step == the dense one, the paged sampler's rows == the dense continuous sampler'
 `generate_batch`'s (slots, page sizes, pool sizes, shared prefixes, GRPO groups), pages
 all returned, sharing counted, a pool too small refused, one compile per shape."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -131,6 +133,27 @@ def test_paged_decode_step_equals_decode_step(policy):
     page1, off1 = int(tables[1, after[1][2] // 4]), after[1][2] % 4
     np.testing.assert_array_equal(kept.v[:, :, page1, off1], pages.v[:, :, page1, off1])
     np.testing.assert_allclose(kept.v[:, :, 1, 2], after[0][1], atol=1e-6)
+
+
+def test_paged_decode_step_on_sliding_window_layers_equals_decode_step():
+    """A model whose local layers attend to a window of 3 (their own rotary base, as Gemma
+    3): the paged step narrows each row's slots to the window as the dense step does."""
+    cfg = dataclasses.replace(
+        CFG, sliding_window=3, window_layers=(True, False), rope_local_theta=500.0
+    )
+    policy = rx.Policy(cfg, key=jax.random.key(2))
+    toks, masks, _ = _requests()
+    t, m = toks[1], masks[1]
+    n = int(m.sum())
+    _, cache = policy.prefill(t, m, cache_size=P + 1)
+    want, _ = policy.decode_step(jnp.int32(9), cache, index=P, position=jnp.int32(n))
+    real = jnp.nonzero(m)[0]
+    pos = jnp.arange(n)
+    pages = PagedKVCache.empty(policy, num_pages=2, page_size=4)
+    pages = pages.write(cache.k[..., real], cache.v[..., real, :], pos // 4, pos % 4)
+    tables = jnp.array([[0, 1]], jnp.int32)
+    got, _ = paged_decode_step(policy, jnp.array([9]), pages, tables, index=jnp.array([n]))
+    np.testing.assert_allclose(got[0], want, atol=1e-5, rtol=1e-5)
 
 
 # --- the sampler -----------------------------------------------------------------------------

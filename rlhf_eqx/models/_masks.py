@@ -6,10 +6,10 @@ from jaxtyping import Array, Bool, Int
 
 
 def within_window(
-    query_pos: Int[Array, "*B T"], key_pos: Int[Array, "*B S"], window: Int[Array, ""]
-) -> Bool[Array, "*B T S"]:
+    query_pos: Int[Array, "*#B T"], key_pos: Int[Array, "*#B S"], window: Int[Array, ""]
+) -> Bool[Array, "*#B T S"]:
     """`query_pos - key_pos < window` (keys at most `window - 1` positions back); all
-    keys when `window` is 0 (a global layer)."""
+    keys when `window` is 0 (a global layer). The leading axes broadcast."""
     dist = query_pos[..., :, None] - key_pos[..., None, :]
     return (window == 0) | (dist < window)
 

@@ -17,8 +17,6 @@ from jaxtyping import Array, Bool, Float, Int
 
 from ._decode_attention import cached_attention
 from ._heads import Policy
-from ._masks import within_window
-from ._transformer import _per_layer, _rope, _select
 
 
 class PagedKVCache(eqx.Module):
@@ -207,8 +205,6 @@ def paged_decode_step(
     cfg = tr.cfg
     B = tokens.shape[0]
     index = jnp.asarray(index, jnp.int32)
-    x = tr._embed(tokens[:, None])  # [B, 1, D]
-    rope = _rope(cfg, index[:, None])
     ps, Np = pages.page_size, pages.num_pages
     S = page_tables.shape[1] * ps
     slots = jnp.arange(S, dtype=jnp.int32)
@@ -219,9 +215,6 @@ def paged_decode_step(
         page = jnp.where(store, page, Np)
     page = jnp.where(page >= 0, page, Np)  # dropped: no page, or not stored
     offset = index % ps
-    dynamic, static = eqx.partition(tr.layers, eqx.is_array)
-    windows, local = _per_layer(cfg)
-    windowed = cfg.sliding_window is not None
     attend_rows = jax.vmap(
         lambda q, pool, layer, table, ok: paged_attention(
             q, pool, layer, table, ok, scale=cfg.query_scale, cap=cfg.attn_softcap
@@ -229,25 +222,21 @@ def paged_decode_step(
         in_axes=(0, None, None, 0, 0),
     )
 
-    def body(carry, xs):
-        x, pk, pv = carry
-        layer_dyn, layer_idx, window, is_local = xs
-        layer = eqx.combine(layer_dyn, static)
-        allowed = upto
-        if windowed:
-            allowed = upto & within_window(index[:, None], slots[None, :], window)
+    def attend(q, k, v, kv, layer_idx, allowed):
+        pk, pv = kv
+        # k, v: [B, 1, K, hd]; stored as columns of the pool (index arrays at
+        # separated axes: the update is [B, K, hd])
+        pk = pk.at[layer_idx, :, :, page, offset].set(k[:, 0].astype(pk.dtype), mode="drop")
+        pv = pv.at[layer_idx, :, page, offset, :].set(v[:, 0].astype(pv.dtype), mode="drop")
+        pool = PagedKVCache(k=pk, v=pv)
+        return attend_rows(q, pool, layer_idx, page_tables, allowed), (pk, pv)
 
-        def attend(q, k, v):
-            # k, v: [B, 1, K, hd]; stored as columns of the pool (index arrays at
-            # separated axes: the update is [B, K, hd])
-            pk2 = pk.at[layer_idx, :, :, page, offset].set(k[:, 0].astype(pk.dtype), mode="drop")
-            pv2 = pv.at[layer_idx, :, page, offset, :].set(v[:, 0].astype(pv.dtype), mode="drop")
-            pool = PagedKVCache(k=pk2, v=pv2)
-            return attend_rows(q, pool, layer_idx, page_tables, allowed), (pk2, pv2)
-
-        x, (pk, pv) = layer.block(x, cfg, _select(rope, is_local), attend)
-        return (x, pk, pv), None
-
-    layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)
-    (x, pk, pv), _ = jax.lax.scan(body, (x, pages.k, pages.v), (dynamic, layer_ids, windows, local))
-    return policy.logits_from_hidden(tr._final(x)[:, 0]), PagedKVCache(k=pk, v=pv)
+    x, (pk, pv) = tr._cached_scan(
+        tr._embed(tokens[:, None]),  # [B, 1, D]
+        index[:, None],
+        slots[None, :],
+        upto,
+        (pages.k, pages.v),
+        attend,
+    )
+    return policy.logits_from_hidden(x[:, 0]), PagedKVCache(k=pk, v=pv)

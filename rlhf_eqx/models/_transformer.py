@@ -308,38 +308,49 @@ class Transformer(AbstractSequenceModel, AbstractBatchedModel):
         window on sliding-window layers); the final hidden states `[C, D]` and the
         cache with `slot_mask` / `slot_pos`."""
         cfg = self.cfg
-        x = self._embed(tokens)
-        rope = _rope(cfg, pos)
-        dynamic, static = eqx.partition(self.layers, eqx.is_array)
         zero = jnp.zeros((), jnp.int32)
+
+        def attend(q, k, v, kv, layer_idx, seen):
+            kc, vc = kv
+            # k, v: [C, K, hd]; the keys go in as columns of the transposed cache
+            kc = jax.lax.dynamic_update_slice(
+                kc, jnp.moveaxis(k, 0, -1)[None].astype(kc.dtype), (layer_idx, zero, zero, index)
+            )
+            vc = jax.lax.dynamic_update_slice(
+                vc, jnp.swapaxes(v, 0, 1)[None].astype(vc.dtype), (layer_idx, zero, index, zero)
+            )
+            kw = dict(scale=cfg.query_scale, cap=cfg.attn_softcap)
+            return cached_attention(q, kc[layer_idx], vc[layer_idx], seen, **kw), (kc, vc)
+
+        x, (kc, vc) = self._cached_scan(
+            self._embed(tokens), pos, slot_pos, allowed, (cache.k, cache.v), attend
+        )
+        return x, KVCache(k=kc, v=vc, mask=slot_mask, positions=slot_pos)
+
+    def _cached_scan(self, x, query_pos, slot_pos, allowed, kv, attend):
+        """The layers over the embedded new tokens `x` (rotary positions `query_pos`)
+        against a cache `kv` (any pytree of arrays: the dense cache's or a page pool's
+        keys and values), carried through the layer scan so that each layer writes its
+        part in place: `attend(q, k, v, kv, layer, seen) -> (out, kv)` stores layer
+        `layer`'s new keys and values and attends over the slots `seen` — `allowed`,
+        narrowed on sliding-window layers to the keys within the window
+        (`within_window(query_pos, slot_pos, window)`). Returns the final hidden states
+        and the cache. Shared by `decode_step`, `decode_chunk` and `paged_decode_step`."""
+        cfg = self.cfg
+        rope = _rope(cfg, query_pos)
+        dynamic, static = eqx.partition(self.layers, eqx.is_array)
         windows, local = _per_layer(cfg)
         windowed = cfg.sliding_window is not None
 
         def body(carry, xs):
-            x, kc, vc = carry
+            x, kv = carry
             layer_dyn, layer_idx, window, is_local = xs
             layer = eqx.combine(layer_dyn, static)
-            seen = allowed & within_window(pos, slot_pos, window) if windowed else allowed
-
-            def attend(q, k, v):
-                # k, v: [C, K, hd]; the keys go in as columns of the transposed cache
-                kc2 = jax.lax.dynamic_update_slice(
-                    kc,
-                    jnp.moveaxis(k, 0, -1)[None].astype(kc.dtype),
-                    (layer_idx, zero, zero, index),
-                )
-                vc2 = jax.lax.dynamic_update_slice(
-                    vc, jnp.swapaxes(v, 0, 1)[None].astype(vc.dtype), (layer_idx, zero, index, zero)
-                )
-                kw = dict(scale=cfg.query_scale, cap=cfg.attn_softcap)
-                o = cached_attention(q, kc2[layer_idx], vc2[layer_idx], seen, **kw)
-                return o, (kc2, vc2)
-
-            x, (kc, vc) = layer.block(x, cfg, _select(rope, is_local), attend)
-            return (x, kc, vc), None
+            seen = allowed & within_window(query_pos, slot_pos, window) if windowed else allowed
+            attend_layer = lambda q, k, v: attend(q, k, v, kv, layer_idx, seen)
+            x, kv = layer.block(x, cfg, _select(rope, is_local), attend_layer)
+            return (x, kv), None
 
         layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)
-        (x, kc, vc), _ = jax.lax.scan(
-            body, (x, cache.k, cache.v), (dynamic, layer_ids, windows, local)
-        )
-        return self._final(x), KVCache(k=kc, v=vc, mask=slot_mask, positions=slot_pos)
+        (x, kv), _ = jax.lax.scan(body, (x, kv), (dynamic, layer_ids, windows, local))
+        return self._final(x), kv

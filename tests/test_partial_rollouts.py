@@ -303,7 +303,7 @@ def test_kill_9_with_partial_rollouts_in_flight_then_resume_is_exact(tmp_path):
     resumed = start(tmp_path / "cut", "resume")
     assert resumed.wait(timeout=600) == 0, tail(tmp_path / "cut", "resume")
     events = [r for r in pl.tools.read_records(str(tmp_path / "cut")) if r.get("event")]
-    assert [r["iteration"] for r in events if r["event"] == "resume"][0] >= 2
+    assert [r["iteration"] for r in events if r["event"] == "resume"][0] >= 1  # rollouts in flight
 
     def by_step(out):  # the last record of each step (a resumed run repeats the lost ones)
         recs = [r for r in pl.tools.read_records(str(out)) if "step" in r]
@@ -317,3 +317,15 @@ def test_kill_9_with_partial_rollouts_in_flight_then_resume_is_exact(tmp_path):
     assert len(want_p.files) == len(got_p.files) > 0
     for name in want_p.files:
         np.testing.assert_array_equal(got_p[name], want_p[name])
+
+
+def test_the_segment_is_checked_against_max_new_tokens_before_loading():
+    """`grpo.partial_rollouts` at or above `sampling.max_new_tokens` (the task's 40) is
+    refused with the whole configuration, naming the field and the bound."""
+    cfg = pl.apply_overrides(
+        pl.animal_task_config(), ["grpo.staleness=1", "grpo.partial_rollouts=40"]
+    )
+    with pytest.raises(pl.ConfigError, match=r"grpo.partial_rollouts=40: .*max_new_tokens=40\)"):
+        pl.config.validate_config(dataclasses.replace(cfg, stages=("sft", "grpo")))
+    ok = pl.apply_overrides(cfg, ["grpo.partial_rollouts=16"])
+    pl.config.validate_config(dataclasses.replace(ok, stages=("sft", "grpo")))

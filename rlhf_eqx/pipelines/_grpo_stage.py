@@ -673,6 +673,9 @@ register_stage(
         needs=lambda cfg: scored_needs(cfg, "grpo"),
         sections=("sft", "judge"),
         help="GRPO, rewards from grpo.reward_source",
+        check_run=lambda cfg, run: check_partial_rollouts(
+            "grpo.partial_rollouts", cfg.grpo.partial_rollouts, cfg.sampling.max_new_tokens
+        ),
         task=dict(
             rollouts=12,
             prompts_per_rollout=8,

@@ -154,8 +154,8 @@ def _right_padded(
     bucket_size: int | None,
     pad_id: int,
     vocab_size: int | None,
-) -> list[SequenceBatch]:
-    """A `SequenceBatch` for each group of sequences, all of one row length."""
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """`(tokens, mask, completion_mask)` for each group of sequences, all of one row length."""
     if not groups or not groups[0]:
         raise DataError("cannot collate an empty batch")
     longest = max(len(s) for seqs in groups for s in seqs)
@@ -176,10 +176,7 @@ def _right_padded(
         _check_ids(tokens, mask, pad_id, vocab_size, "row")
         out.append((tokens.astype(np.int32), mask, completion_mask))
     _check_completions([cm for _, _, cm in out], "row")
-    return [
-        SequenceBatch(tokens=jnp.asarray(t), mask=jnp.asarray(m), completion_mask=jnp.asarray(cm))
-        for t, m, cm in out
-    ]
+    return out
 
 
 def collate_preferences(
@@ -211,7 +208,7 @@ def collate_preferences(
 
     **Returns:** the `PreferenceBatch` (with no cached reference log-probabilities).
     """
-    chosen, rejected = _right_padded(
+    (c_tokens, c_mask, c_cmask), (r_tokens, r_mask, r_cmask) = _right_padded(
         [[p.chosen for p in pairs], [p.rejected for p in pairs]],
         max_length=max_length,
         lengths=lengths,
@@ -220,12 +217,12 @@ def collate_preferences(
         vocab_size=vocab_size,
     )
     return PreferenceBatch(
-        chosen_tokens=chosen.tokens,
-        chosen_mask=chosen.mask,
-        chosen_completion_mask=chosen.completion_mask,
-        rejected_tokens=rejected.tokens,
-        rejected_mask=rejected.mask,
-        rejected_completion_mask=rejected.completion_mask,
+        chosen_tokens=jnp.asarray(c_tokens),
+        chosen_mask=jnp.asarray(c_mask),
+        chosen_completion_mask=jnp.asarray(c_cmask),
+        rejected_tokens=jnp.asarray(r_tokens),
+        rejected_mask=jnp.asarray(r_mask),
+        rejected_completion_mask=jnp.asarray(r_cmask),
     )
 
 
@@ -240,7 +237,7 @@ def collate_sft(
 ) -> SequenceBatch:
     """Right-pad sequences into a `SequenceBatch` of shape `[len(seqs), T]` (layout and
     arguments as `collate_preferences`)."""
-    (batch,) = _right_padded(
+    ((tokens, mask, completion_mask),) = _right_padded(
         [seqs],
         max_length=max_length,
         lengths=lengths,
@@ -248,7 +245,11 @@ def collate_sft(
         pad_id=pad_id,
         vocab_size=vocab_size,
     )
-    return batch
+    return SequenceBatch(
+        tokens=jnp.asarray(tokens),
+        mask=jnp.asarray(mask),
+        completion_mask=jnp.asarray(completion_mask),
+    )
 
 
 def collate_prompts(

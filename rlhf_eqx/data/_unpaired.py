@@ -311,7 +311,7 @@ def collate_unpaired(
     if kl:
         limit = row_length(1, max_length=max_length, lengths=lengths)
         groups.append(_mismatched_sequences(seqs, limit))
-    rows = _right_padded(
+    padded = _right_padded(
         groups,
         max_length=max_length,
         lengths=lengths,
@@ -319,18 +319,20 @@ def collate_unpaired(
         pad_id=pad_id,
         vocab_size=vocab_size,
     )
+    (tokens, mask, completion_mask) = padded[0]
     label = jnp.asarray(np.array([bool(e.label) for e in examples], dtype=bool))
     fields = {}
     if kl:
+        kl_tokens, kl_mask, kl_completion_mask = padded[1]
         fields = dict(
-            kl_tokens=rows[1].tokens,
-            kl_mask=rows[1].mask,
-            kl_completion_mask=rows[1].completion_mask,
+            kl_tokens=jnp.asarray(kl_tokens),
+            kl_mask=jnp.asarray(kl_mask),
+            kl_completion_mask=jnp.asarray(kl_completion_mask),
         )
     return KTOBatch(
-        tokens=rows[0].tokens,
-        mask=rows[0].mask,
-        completion_mask=rows[0].completion_mask,
+        tokens=jnp.asarray(tokens),
+        mask=jnp.asarray(mask),
+        completion_mask=jnp.asarray(completion_mask),
         label=label,
         **fields,
     )

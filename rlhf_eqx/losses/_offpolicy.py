@@ -42,8 +42,11 @@ MISMATCH_EXTREMES: tuple[str, ...] = ("rollout_corr/rollout_is_max", "rollout_co
 """The keys of `mismatch_metrics` that combine over rows by max / min (the rest are sums)."""
 
 
-def _check_bounds(mode: str, upper: object, lower: object, prefix: str = "") -> None:
-    """Validate the Python-number bounds (JAX scalars are taken as given)."""
+def _check_settings(level: str, mode: str, upper: object, lower: object, prefix: str = "") -> None:
+    """Validate `level`, `mode` and the Python-number bounds (JAX scalars are taken as
+    given); errors name the argument after `prefix`."""
+    check_choice(f"{prefix}level", level, ROLLOUT_IS_LEVELS)
+    check_choice(f"{prefix}mode", mode, ROLLOUT_IS_MODES)
     if isinstance(upper, bool) or not (is_python_number(upper) or isinstance(upper, jax.Array)):
         raise ValueError(f"{prefix}upper must be a number >= 1, got {upper!r}")
     if is_python_number(upper) and not (math.isfinite(upper) and upper >= 1.0):
@@ -111,9 +114,7 @@ def importance_weights(
     **Returns:** `(weights, kept)`, both `[T]`: the weights (0 outside `mask`, finite for
     any input) and the boolean mask of the tokens that count (`mask` under `"truncate"`).
     """
-    check_choice("level", level, ROLLOUT_IS_LEVELS)
-    check_choice("mode", mode, ROLLOUT_IS_MODES)
-    _check_bounds(mode, upper, lower)
+    _check_settings(level, mode, upper, lower)
     sg = jax.lax.stop_gradient
     dtype = jnp.promote_types(logp_old.dtype, jnp.float32)
     zero = jnp.zeros(logp_old.shape, dtype)
@@ -152,13 +153,11 @@ class RolloutCorrection(eqx.Module):
     lower: float | int | None = None
 
     def __check_init__(self):
-        check_choice("RolloutCorrection.level", self.level, ROLLOUT_IS_LEVELS)
-        check_choice("RolloutCorrection.mode", self.mode, ROLLOUT_IS_MODES)
         for name in ("upper", "lower"):
             value = getattr(self, name)
             if value is not None and not is_python_number(value):
                 raise ValueError(f"RolloutCorrection.{name} must be a Python number, got {value!r}")
-        _check_bounds(self.mode, self.upper, self.lower, prefix="RolloutCorrection.")
+        _check_settings(self.level, self.mode, self.upper, self.lower, prefix="RolloutCorrection.")
 
     def __call__(
         self,

@@ -69,3 +69,38 @@ def test_cli_sweep_refuses_bad_grids_with_exit_status_2(argv, needle, tmp_path, 
     assert code == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1
+
+
+def _pairs_file(tmp_path) -> str:
+    path = tmp_path / "pairs.jsonl"
+    path.write_text('{"prompt": "Once", "chosen": " a dog.", "rejected": " zzz."}\n')
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("stage", "sets", "needle"),
+    [
+        ("grpo", [], "sweep grpo --data: not supported .*sft, dpo, kto, reward"),
+        ("dpo", ["dpo.packing=true"], "dpo.packing=True: a DPO sweep"),
+        ("reward", ["reward.ensemble=2"], "reward.ensemble=2: a sweep trains one"),
+    ],
+)
+def test_data_sweep_refuses_what_it_does_not_run_before_taking_the_directory(
+    stage, sets, needle, tmp_path
+):
+    cfg = pl.apply_overrides(pl.animal_task_config(), [f"data.path={_pairs_file(tmp_path)}", *sets])
+    with pytest.raises(pl.ConfigError, match=needle):
+        pl.sweep(stage, cfg, seeds=1, out=str(tmp_path / "s"))
+    assert not (tmp_path / "s").exists()
+
+
+def test_multiturn_sweep_refuses_an_untraceable_field_and_a_bad_environment(tmp_path):
+    with pytest.raises(pl.ConfigError, match="--grid multiturn.turn_tokens: not traceable"):
+        pl.sweep(
+            "multiturn", seeds=1, grid={"multiturn.turn_tokens": [4.0, 8.0]}, out=str(tmp_path)
+        )
+    for spec, needle in [("nocolon", "expected MODULE:NAME"), ("no_such_mod:x", "cannot import")]:
+        cfg = pl.apply_overrides(pl.animal_task_config(), [f"multiturn.environment={spec}"])
+        with pytest.raises(pl.ConfigError, match=f"multiturn.environment='{spec}': {needle}"):
+            pl.sweep("multiturn", cfg, seeds=1, out=str(tmp_path / "s"))
+    assert not (tmp_path / "s").exists()

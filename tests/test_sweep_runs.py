@@ -53,6 +53,9 @@ def weights(hf_dir: str) -> dict[str, np.ndarray]:
     return out
 
 
+SHIFT_FREE = ("rewards/chosen", "rewards/rejected", "rewards/mean")
+
+
 def assert_same_run(member_dir: str, run_dir: str, stage: str = "dpo"):
     """Every step's metrics (timings aside) and the exported weights agree to 1e-5."""
     ours, theirs = step_records(member_dir, stage), step_records(run_dir, stage)
@@ -69,7 +72,11 @@ def assert_same_run(member_dir: str, run_dir: str, stage: str = "dpo"):
                 # rewards/margins), and which of the two is larger differs between two
                 # programs (make_dpo_step's docstring)
                 continue
-            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-5), (k, a["step"])
+            # the Bradley-Terry loss is invariant to a common shift of both rewards:
+            # nothing pulls their level back, and the two programs' rounding moves it
+            # (the margins and the loss are compared as tightly as the rest)
+            tol = 1e-3 if stage == "reward" and k in SHIFT_FREE else 1e-5
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=tol), (k, a["step"])
         moved = moved or b.get("learning_rate", 1.0) > 0
     wa = weights(os.path.join(member_dir, stage, "hf"))
     wb = weights(os.path.join(run_dir, stage, "hf"))

@@ -251,25 +251,33 @@ def after_evaluation(callbacks: Sequence[Any], loop: Any, results: dict) -> None
         CallbackList(callbacks).call("on_evaluate", run, run.iteration, results)
 
 
+def load_object(spec: str, what: str, example: str) -> Any:
+    """The object `spec` names as `module:Name` (`Name` may be dotted), the module
+    imported with the current directory first on the path; a `ConfigError` starting with
+    `what` and saying what is wrong otherwise (`example`: a valid spec, in the message)."""
+    module, sep, attr = spec.partition(":")
+    if not sep or not module or not attr:
+        raise ConfigError(f"{what}: expected MODULE:NAME, e.g. {example}")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj = importlib.import_module(module)
+    except ImportError as e:
+        raise ConfigError(f"{what}: cannot import {module} ({e})") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{what}: {module} has no {attr}")
+        obj = getattr(obj, part)
+    return obj
+
+
 def load_callback(spec: str) -> Any:
     """The callback `spec` names as `module:Name` (the command line's `--callback`): the
     module is imported with the current directory first on the path; a class `Name` is
     instantiated without arguments, any other object is used as it is. A `ConfigError`
     naming `--callback` and what is wrong otherwise."""
-    module, sep, attr = spec.partition(":")
-    if not sep or not module or not attr:
-        raise ConfigError(f"--callback {spec}: expected MODULE:NAME, e.g. my_callbacks:EarlyStop")
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        mod = importlib.import_module(module)
-    except ImportError as e:
-        raise ConfigError(f"--callback {spec}: cannot import {module} ({e})") from None
-    obj = mod
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"--callback {spec}: {module} has no {attr}")
-        obj = getattr(obj, part)
+    obj = load_object(spec, f"--callback {spec}", "my_callbacks:EarlyStop")
+    attr = spec.partition(":")[2]
     if isinstance(obj, type):
         try:
             obj = obj()

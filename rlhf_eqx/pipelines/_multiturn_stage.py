@@ -20,6 +20,7 @@ import numpy as np
 
 import rlhf_eqx as rx
 
+from ._callbacks import load_object
 from ._config import (
     ConfigError,
     LoRASettings,
@@ -53,7 +54,12 @@ class MultiturnConfig(GRPOConfig):
     synchronous: the GRPO settings of the reward source and of off-policy rollouts
     (`unused_fields`: `staleness`, `overlap`, `sampler_device`, the split placement's
     settings, `dynamic_sampling`, `overlong_buffer`, `rollout_correction`,
-    `reward_source`, `reward_model`) must keep their defaults."""
+    `reward_source`, `reward_model`) must keep their defaults.
+
+    `environment`: the user's own environment instead, `MODULE:NAME` of a factory
+    `NAME(tok) -> rlhf_eqx.envs.Environment` (or an `Environment` instance), the module
+    imported with the current directory first on the path; its held-out `success` is
+    the mean episode reward (the animal environment's is its host-side check)."""
 
     unused_fields: ClassVar[tuple[str, ...]] = (
         "staleness",
@@ -83,6 +89,13 @@ class MultiturnConfig(GRPOConfig):
     )
     max_turns: int = 2
     turn_tokens: int = 40
+    environment: str = ""
+
+    def check(self, name: str, *, device_count: int = 1) -> None:
+        """GRPO's rules, and an `environment` that loads (`environment_factory`)."""
+        super().check(name, device_count=device_count)
+        if self.environment:
+            environment_factory(self.environment, f"{name}.environment")
 
     def __post_init__(self):
         for name in ("max_turns", "turn_tokens"):
@@ -123,6 +136,25 @@ def _rollout(policy, env, tok, prompts, key, cfg, ctx: RunContext, samples):
     )
 
 
+def environment_factory(spec: str, field: str = "multiturn.environment"):
+    """The environment factory `spec` (`MODULE:NAME`) names: `tok -> Environment` (an
+    `Environment` instance is returned as it is). A `ConfigError` naming `field` and what
+    is wrong otherwise."""
+    obj = load_object(spec, f"{field}={spec!r}", "my_env:make_env")
+    if isinstance(obj, rx.envs.Environment):
+        return lambda tok: obj
+    if not callable(obj):
+        raise ConfigError(f"{field}={spec!r}: expected an Environment or a factory NAME(tok)")
+    return obj
+
+
+def stage_environment(c, tok):
+    """The environment of a multi-turn stage's settings `c`: `c.environment`'s
+    (`environment_factory`) when set, else the animal follow-up environment."""
+    spec = getattr(c, "environment", "")
+    return environment_factory(spec)(tok) if spec else rx.envs.AnimalFollowUpEnv(tok)
+
+
 def turn_stop_ids(env, tok) -> tuple[int, ...]:
     """The ids that end a policy turn: the environment's `stop_ids`
     (`rlhf_eqx.envs.Environment`), else the tokenizer's EOS."""
@@ -141,7 +173,8 @@ def multiturn_metrics(policy, base, env, tok, key, cfg, ctx, samples: int):
     base model's NLL per token of the policy's own tokens) and the per-prompt successes
     (for win rates)."""
     traj = _rollout(policy, env, tok, list(HELDOUT_PROMPTS), key, cfg, ctx, samples)
-    success = env.host_rewards(traj, tok)
+    has_check = hasattr(env, "host_rewards")  # else the episode reward
+    success = env.host_rewards(traj, tok) if has_check else np.asarray(traj.reward, np.float32)
     lp = np.asarray(token_logps(base, traj.tokens, traj.mask))
     own = np.asarray(traj.loss_mask)
     nll = float(-(lp * own).sum() / max(own.sum(), 1))
@@ -166,27 +199,7 @@ def run_multiturn(policy, tok, prompts: Sequence[str], env, *, cfg, ctx: RunCont
         k_sample, k_steps = jax.random.split(key)
         rows = rows_at(len(prompts), n, ctx.ops.seed, r)
         traj = _rollout(state.model, env, tok, [prompts[j] for j in rows], k_sample, cfg, ctx, G)
-        own = traj.loss_mask & traj.mask
-        ref = token_logps(reference, traj.tokens, traj.mask)
-        rewards = np.asarray(traj.reward, np.float32)
-        info = {
-            "kl": _per_token_kl(traj.logprobs, ref, own),
-            "score": float(rewards.mean()),
-            "turns": float(jnp.mean(traj.num_turns.astype(jnp.float32))),
-            "truncated": float(jnp.mean(traj.truncated.astype(jnp.float32))),
-            "frac_reward_zero_std": group_signal(rewards, G),
-        }
-        batch = rx.train.GRPOBatch(
-            tokens=traj.tokens,
-            mask=traj.mask,
-            completion_mask=traj.loss_mask,
-            rewards=jnp.asarray(rewards),
-            old_logp=jnp.where(own, traj.logprobs, 0.0),
-            ref_logp=jnp.where(own, ref, 0.0),
-            truncated=traj.truncated,
-            prompt_length=P,  # each group's prompt runs once in the update
-            samples_per_prompt=G,
-        )
+        batch, info = episode_batch(traj, reference, G, P)
         metrics = []
         for e in range(cfg.epochs):
             state, met = state.apply(step, batch, key=jax.random.fold_in(k_steps, e))
@@ -208,13 +221,42 @@ def run_multiturn(policy, tok, prompts: Sequence[str], env, *, cfg, ctx: RunCont
     )
 
 
+def episode_batch(traj, reference, G: int, P: int):
+    """`(GRPOBatch, info)` of a rollout's trajectories (groups of `G` episodes, prompts of
+    `P` tokens): the episode rewards, old and reference log-probabilities on the policy's
+    own tokens (the environment's are masked out), and the rollout's `kl`, `score`,
+    `turns`, `truncated` and `frac_reward_zero_std`."""
+    own = traj.loss_mask & traj.mask
+    ref = token_logps(reference, traj.tokens, traj.mask)
+    rewards = np.asarray(traj.reward, np.float32)
+    info = {
+        "kl": _per_token_kl(traj.logprobs, ref, own),
+        "score": float(rewards.mean()),
+        "turns": float(jnp.mean(traj.num_turns.astype(jnp.float32))),
+        "truncated": float(jnp.mean(traj.truncated.astype(jnp.float32))),
+        "frac_reward_zero_std": group_signal(rewards, G),
+    }
+    batch = rx.train.GRPOBatch(
+        tokens=traj.tokens,
+        mask=traj.mask,
+        completion_mask=traj.loss_mask,
+        rewards=jnp.asarray(rewards),
+        old_logp=jnp.where(own, traj.logprobs, 0.0),
+        ref_logp=jnp.where(own, ref, 0.0),
+        truncated=traj.truncated,
+        prompt_length=P,  # each group's prompt runs once in the update
+        samples_per_prompt=G,
+    )
+    return batch, info
+
+
 def episode_stage(env: StageEnv, c, name: str, run) -> Outcome:
     """A multi-turn stage on the built-in task: `run(sft, tok, prompts, game, cfg=c,
     ctx=...)` from SFT against the animal follow-up environment; the summary holds the
     held-out success rate and fluency (the base model's NLL per token of the policy's
     own tokens) of the base model, SFT and the trained policy, under keys prefixed with
     `name` (`-` as `_`)."""
-    game = rx.envs.AnimalFollowUpEnv(env.tok)
+    game = stage_environment(c, env.tok)
     sft = env.policies["sft"]
     ctx = env.ctx(name)
     key = jax.random.fold_in(env.key, 11)

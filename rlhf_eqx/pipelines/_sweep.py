@@ -9,17 +9,20 @@ Layout of the sweep directory `out`:
   `beta=0.1,seed=2`), `members/<name>/<stage>/hf/` with `export`;
 - `seeds/seed-<S>/`: the stages the built-in task runs first (SFT; for PPO the reward
   model too), once per seed;
+- on a data file (`data.path`, `_sweep_data`): `data/metrics.jsonl` (what the readers and
+  filters dropped) and `data.json` (the file's fingerprint: a resume on a changed file
+  is refused);
 - `checkpoints/`: the stacked state of every member, every `ops.checkpoint_every`
   iterations and at the end;
 - `sweep_summary.json` and `plots/*.png`: per grid point, mean ± standard error over
   its seeds.
 
 A member equals its separate run (`python -m rlhf_eqx STAGE --set ops.seed=S --set
-<grid values>`): same data, keys and updates, parameters and step metrics equal to
-float rounding. What a sweep does not do: the loss-spike rollback of a separate run (a
-member whose update is not finite is frozen at its last finite state and reported as
-diverged instead), and the periodic evaluations (`ops.eval_every`); the held-out
-evaluation runs once, at the end.
+<grid values>`, with `--data FILE` the stage's run on that file): same data, keys and
+updates, parameters and step metrics equal to float rounding. What a sweep does not
+do: the loss-spike rollback of a separate run (a member whose update is not finite is
+frozen at its last finite state and reported as diverged instead), and the periodic
+evaluations (`ops.eval_every`); the held-out evaluation runs once, at the end.
 """
 
 import dataclasses
@@ -40,10 +43,12 @@ from ._pipeline import load_model, resolve_model_names, tokenizer_file
 from ._pipeline_config import PipelineConfig, animal_task_config
 from ._registry import get_stage
 from ._resume_rules import RunDirError
-from ._rundir import RunLock, write_json_atomic
+from ._rundir import RunLock, check_data, write_json_atomic
+from ._sweep_data import check_data_sweep, data_sweep
 from ._sweep_dpo import dpo_sweep
 from ._sweep_grid import Member, make_members, parse_grid
 from ._sweep_grpo import grpo_sweep
+from ._sweep_multiturn import multiturn_sweep
 from ._sweep_offline import kto_sweep, sft_sweep
 from ._sweep_ppo import check_ppo_sweep, ppo_sweep
 from ._sweep_report import format_sweep_table, member_records, plot_sweep, summarize_sweep
@@ -94,6 +99,7 @@ _STAGES = {
     "kto": kto_sweep,
     "grpo": grpo_sweep,
     "ppo": ppo_sweep,
+    "multiturn": multiturn_sweep,
 }
 
 
@@ -147,8 +153,13 @@ def sweep(
 
     - `stage`: the stage to sweep (`"dpo"`: the built-in task's DPO stage, after SFT,
       which runs once per seed; `"sft"`, `"reward"`, `"kto"`, `"grpo"`, `"ppo"`: PPO
-      after SFT and its reward model, both once per seed).
-    - `cfg`: the configuration (default `animal_task_config()`).
+      after SFT and its reward model, both once per seed; `"multiturn"`: GRPO on
+      multi-turn episodes after SFT, against `multiturn.environment`'s environment
+      (`MODULE:NAME`, a factory `NAME(tok)`) or the animal follow-up one).
+    - `cfg`: the configuration (default `animal_task_config()`); with `cfg.data.path`
+      set, `"sft"`, `"dpo"`, `"kto"` or `"reward"` on that file, the stage alone from the
+      base model, each member equal to `run_on_data` of its configuration (the file read
+      once and shared by the members).
     - `seeds`: seeds per grid point (an int ≥ 1).
     - `grid`: `{"<section>.<field>": [values]}`, e.g. `{"dpo.beta": [0.05, 0.1, 0.2]}`;
       fields outside the stage's traceable ones (`TRACEABLE`: they would change shapes
@@ -168,16 +179,18 @@ def sweep(
     st = get_stage(stage)
     if stage not in _STAGES:
         raise ConfigError(f"sweep {stage}: not supported (stages that sweep: {', '.join(_STAGES)})")
-    if cfg.data.path is not None:
-        raise ConfigError(f"sweep {stage}: runs on the built-in task (data.path must be unset)")
     grid = dict(grid or {})
-    cfg = dataclasses.replace(cfg, stages=st.prerequisites(cfg))
-    validate_config(cfg)
+    on_data = cfg.data.path is not None
+    if on_data:  # the stage alone, on the file
+        check_data_sweep(stage, cfg)
+    else:
+        cfg = dataclasses.replace(cfg, stages=st.prerequisites(cfg))
+    validate_config(cfg, stage=stage if on_data else None)
     if stage == "ppo":
         check_ppo_sweep(cfg.ppo)  # before anything is loaded or run
     members = make_members(cfg, stage, st.key, grid, seeds)
     for mem in members[::seeds]:
-        validate_config(mem.cfg)
+        validate_config(mem.cfg, stage=stage if on_data else None)
     out = out or cfg.out or os.path.join("runs", f"sweep-{stage}")
     say = (lambda *a: None) if cfg.ops.quiet else print
     with RunLock(out):
@@ -189,20 +202,16 @@ def _sweep(stage, cfg, members, out, resume, export, say, t0) -> SweepResult:
     base, tok = load_model(cfg.model.source, cfg.model.tokenizer, quantized=cfg.model.quantized)
     tok_file = tokenizer_file(cfg.model.source, cfg.model.tokenizer)
     say(f"sweep {stage}: {len(members)} members in {out}")
-    starts = {}
-    for mem in members:
-        if mem.seed not in starts:
-            starts[mem.seed] = builtin_start(
-                mem.cfg,
-                base,
-                tok,
-                out,
-                resume=resume,
-                say=say,
-                sft=stage != "sft",
-                reward=stage != "reward" and "reward" in cfg.stages,
-            )
-    run = _STAGES[stage](members, starts, tok, tokenizer_file=tok_file)
+    if cfg.data.path is not None:
+        check_data(out, cfg.data.path, resume=resume)
+        run = data_sweep(stage, members, base, tok, out, say=say, tokenizer_file=tok_file)
+    else:
+        run = _STAGES[stage](
+            members,
+            _starts(stage, cfg, members, base, tok, out, resume, say),
+            tok,
+            tokenizer_file=tok_file,
+        )
     t_loop = time.perf_counter()
     M = len(members)
     logs = [MetricsLog(member_dir(out, m), stage, quiet=True) for m in members]
@@ -287,6 +296,24 @@ def _sweep(stage, cfg, members, out, resume, export, say, t0) -> SweepResult:
     return SweepResult(out, stage, tuple(members), summaries, summary, diverged, states)
 
 
+def _starts(stage, cfg, members, base, tok, out, resume, say) -> dict:
+    """`builtin_start` of each seed of `members`, once per seed."""
+    starts = {}
+    for mem in members:
+        if mem.seed not in starts:
+            starts[mem.seed] = builtin_start(
+                mem.cfg,
+                base,
+                tok,
+                out,
+                resume=resume,
+                say=say,
+                sft=stage != "sft",
+                reward=stage != "reward" and "reward" in cfg.stages,
+            )
+    return starts
+
+
 def _progress_line(stage, done, total, members, it, stopped) -> str:
     losses = [r[-1]["loss"] for r, s in zip(it.records, stopped) if r and s == "done"]
     mean = f", mean loss {np.mean(losses):.4f}" if losses else ""
@@ -296,10 +323,14 @@ def _progress_line(stage, done, total, members, it, stopped) -> str:
 
 def sweep_command(argv: Sequence[str]) -> int:
     """`rlhf_eqx sweep STAGE --seeds N --grid FIELD=V1,V2 [--grid ...] [--set ...]
-    [--config FILE] [--model M] [--out DIR] [--resume] [--export] [--quiet]`: `sweep`,
-    then the summary table and one result line. **Returns:** the exit status: 0 done
-    (diverged members are part of the result), 2 an invalid configuration or sweep
-    directory, 1 a run error."""
+    [--config FILE] [--data FILE] [--model M] [--out DIR] [--resume] [--export]
+    [--quiet]`: `sweep`, then the summary table and one result line. Stages: sft,
+    reward, dpo, kto, grpo, ppo, multiturn on the built-in task; sft, reward, dpo, kto on a
+    data file (`--data pairs.jsonl`, e.g. `rlhf_eqx sweep dpo --data pairs.jsonl --seeds 2
+    --grid dpo.beta=0.05,0.2`); multiturn with your own environment (`--set
+    multiturn.environment=my_env:make`, a factory `make(tok)` in `my_env.py`).
+    **Returns:** the exit status: 0 done (diverged members are part of the result), 2 an
+    invalid configuration or sweep directory, 1 a run error."""
     import argparse
 
     from ._config_io import apply_overrides, load_config

@@ -11,7 +11,6 @@ round gives), so that one program serves every round; then `dpo.steps` steps of 
 stacked states. A member without a pair in a round takes no step in it, as its
 separate run."""
 
-import dataclasses
 from collections.abc import Sequence
 
 import equinox as eqx
@@ -21,26 +20,16 @@ import numpy as np
 import rlhf_eqx as rx
 
 from ._dpo_stage import best_worst_pairs
-from ._lr_scale import build_optimizer
 from ._registry import stage_key
 from ._rollout import sampling_options
-from ._runs import collate_pairs, export_policy, final_policy, rows_at, take_rows, with_lora
+from ._runs import collate_pairs, rows_at, take_rows
 from ._sweep_grid import Member
-from ._sweep_program import (
-    Iteration,
-    SweepRun,
-    hyper_arrays,
-    key_data,
-    make_program,
-    member,
-    one_seed_shared,
-    stack,
-    unstacked_metrics,
-)
+from ._sweep_program import Iteration, SweepRun, key_data, member, stack
 from ._sweep_rollout import sample_members
+from ._sweep_setup import member_states, policy_outputs, program_of, take_steps
 from ._sweep_starts import SeedStart
+from ._sweep_steps import dpo_step_builder
 from ._task import TRAIN_PROMPTS
-from ._validation import validate_stage
 
 
 @eqx.filter_jit
@@ -54,26 +43,6 @@ def n_rows(batch) -> int:
     return 1 if batch is None else int(batch.chosen_tokens.shape[0])
 
 
-def dpo_step_builder(c, total_steps: int):
-    """`build_step(hyper)` for `make_program`: `make_dpo_step` with the member's traced
-    `beta`, `label_smoothing` and peak learning rate (`optim.learning_rate`)."""
-
-    def build(h: dict):
-        optim = c.optim
-        if "optim.learning_rate" in h:
-            optim = dataclasses.replace(optim, learning_rate=h["optim.learning_rate"])
-        settings = rx.train.DPOSettings(
-            **{f.name: getattr(c, f.name) for f in dataclasses.fields(rx.train.DPOSettings)}
-        )
-        traced = {k: h[k] for k in ("beta", "label_smoothing") if k in h}
-        settings = dataclasses.replace(settings, **traced)
-        return rx.train.make_dpo_step(
-            build_optimizer(optim, total_steps), settings, options=c.options
-        )
-
-    return build
-
-
 def dpo_sweep(
     members: Sequence[Member], starts: dict[int, SeedStart], tok, *, tokenizer_file=None
 ) -> SweepRun:
@@ -82,23 +51,15 @@ def dpo_sweep(
     c0 = members[0].cfg.dpo
     total = c0.rounds * c0.steps
     sampling = members[0].cfg.sampling
-    states, references, ctx_keys = [], [], []
-    for mem in members:
-        c = mem.cfg.dpo
-        validate_stage("dpo", c)
-        start = starts[mem.seed]
-        k_lora, ctx_key = jax.random.split(stage_key(start.key, "dpo"))
-        model, spec = with_lora(start.sft_policy, c.lora, k_lora)
-        references.append(rx.without_lora(model) if spec is not None else model)
-        opt = build_optimizer(c.optim, total)
-        states.append(rx.train.init_train_state(model, opt, filter_spec=spec))
-        ctx_keys.append(ctx_key)
-    stacked = stack(states)
-    shared = one_seed_shared(stacked, [m.seed for m in members])
-    program = make_program(dpo_step_builder(c0, total), seeds=shared)
+    stacked, references, ctx_keys = member_states(
+        members,
+        "dpo",
+        lambda mem: (starts[mem.seed].sft_policy, stage_key(starts[mem.seed].key, "dpo")),
+        total,
+    )
+    program, hyper = program_of(members, stacked, dpo_step_builder(c0, total))
     refs = stack(references)
     rows = len(TRAIN_PROMPTS)  # best_worst_pairs: at most one pair a prompt
-    hyper = hyper_arrays([dict(m.point) for m in members])
     M = len(members)
 
     def iteration(states, alive: np.ndarray, r: int) -> Iteration:
@@ -150,22 +111,12 @@ def dpo_sweep(
                 n = full.chosen_tokens.shape[0]
                 batches.append(take_rows(full, rows_at(n, c0.batch_size, mem.seed + r, s)))
             keys_s = key_data([jax.random.fold_in(k, s) for k in k_steps])
-            states, metrics, ok = program(states, hyper, keys_s, stack(batches), active)
-            ok = np.asarray(ok)
-            for m in map(int, np.flatnonzero(active)):
-                records[m].append(unstacked_metrics(metrics, m))
-                if not ok[m]:
-                    finite[m] = False
-            active = active & ok
+            states, active = take_steps(
+                program, states, hyper, keys_s, stack(batches), active, records, finite
+            )
         return Iteration(states, finite, records, info, events)
 
-    def evaluate(states, m: int) -> dict:
-        return starts[members[m].seed].against_sft(final_policy(member(states, m).model))
-
-    def export(states, m: int, directory: str) -> None:
-        model = member(states, m).model
-        export_policy(
-            final_policy(model), directory, "dpo", adapted=model, tokenizer_file=tokenizer_file
-        )
-
+    evaluate, export = policy_outputs(
+        "dpo", lambda m, policy: starts[members[m].seed].against_sft(policy), tokenizer_file
+    )
     return SweepRun(stacked, c0.rounds, iteration, evaluate, export)

@@ -21,6 +21,7 @@ TRACEABLE: dict[str, tuple[str, ...]] = {
     "reward": ("optim.learning_rate",),
     "kto": ("beta", "desirable_weight", "undesirable_weight", "optim.learning_rate"),
     "grpo": ("beta", "optim.learning_rate"),
+    "multiturn": ("beta", "optim.learning_rate"),
     "ppo": ("kl_coef", "clip_eps", "vf_coef", "ent_coef", "optim.learning_rate"),
 }
 """The fields of each stage's section a sweep may vary (`--grid <section>.<field>=...`):

@@ -10,7 +10,6 @@ reference exceeds `grpo.kl_target`, that rollout's updates are dropped, the memb
 stops (`stopped: "kl_guard"`) and keeps the last policy whose rollout was within the
 target (the state before its previous rollout), and the others go on."""
 
-import dataclasses
 from collections.abc import Sequence
 
 import equinox as eqx
@@ -22,30 +21,18 @@ from jaxtyping import Array, Bool, PyTree
 import rlhf_eqx as rx
 
 from ._config import ConfigError
-from ._lr_scale import build_optimizer
 from ._registry import stage_key
 from ._reward_sources import as_reward_source, task_reward_source
-from ._rl_rollouts import _compare, _policy_and_reference
-from ._rollout import group_signal
-from ._runs import export_policy, final_policy, rows_at
+from ._rl_rollouts import _compare
+from ._rollout import group_signal, sampling_options
+from ._runs import rows_at
 from ._sweep_grid import Member
-from ._sweep_offline import _optim
-from ._sweep_program import (
-    Iteration,
-    SweepRun,
-    hyper_arrays,
-    keep_where,
-    key_data,
-    make_program,
-    member,
-    one_seed_shared,
-    stack,
-    unstacked_metrics,
-)
+from ._sweep_program import Iteration, SweepRun, keep_where, key_data, stack
 from ._sweep_rollout import sample_members
+from ._sweep_setup import member_states, model_of, policy_outputs, program_of, take_steps
 from ._sweep_starts import SeedStart
+from ._sweep_steps import grpo_step_builder
 from ._task import TRAIN_PROMPTS
-from ._validation import validate_stage
 
 
 class GRPOSweepState(eqx.Module):
@@ -83,51 +70,23 @@ def grpo_sweep(
     sampling = members[0].cfg.sampling
     n, G = c0.prompts_per_rollout, c0.group_size
     total = c0.rollouts * c0.epochs
-    trains, references, ctx_keys, sources = [], [], [], {}
-    for mem in members:
-        c = mem.cfg.grpo
-        validate_stage("grpo", c)
-        start = starts[mem.seed]
-        k_lora, ctx_key = jax.random.split(stage_key(start.key, "grpo"))
-        pol, spec, reference = _policy_and_reference(start.sft_policy, c.lora, k_lora)
-        opt = build_optimizer(c.optim, total)
-        trains.append(rx.train.init_train_state(pol, opt, filter_spec=spec))
-        references.append(reference)
-        ctx_keys.append(ctx_key)
-        if mem.seed not in sources:
-            env = start.env
-            env.policies = {"sft": start.sft_policy}
-            sources[mem.seed] = as_reward_source(task_reward_source(env, c))
-
-    def build(h: dict):
-        opt = build_optimizer(_optim(c0, h), total)
-        traced = {k: h[k] for k in ("beta",) if k in h}
-        # as `grpo_state_and_step`: the step's temperature is `sampling.temperature`
-        settings = dataclasses.replace(c0, temperature=sampling.temperature, **traced)
-        return rx.train.make_grpo_step(opt, settings, options=c0.options)
-
-    train0 = stack(trains)
-    program = make_program(build, seeds=one_seed_shared(train0, [m.seed for m in members]))
-    hyper = hyper_arrays([dict(m.point) for m in members])
+    train0, references, ctx_keys = member_states(
+        members,
+        "grpo",
+        lambda mem: (starts[mem.seed].sft_policy, stage_key(starts[mem.seed].key, "grpo")),
+        total,
+    )
+    sources = task_sources(starts, c0)
+    program, hyper = program_of(members, train0, grpo_step_builder(c0, sampling.temperature, total))
     M = len(members)
     states = GRPOSweepState(train0, train0, jnp.zeros((M,), bool))
 
     def iteration(st: GRPOSweepState, alive: np.ndarray, r: int) -> Iteration:
         k_sample, k_steps, prompts = iteration_inputs(ctx_keys, members, n, r)
         rolls = sample_members(
-            st.train.model,
-            tok,
-            prompts,
-            k_sample,
-            group_size=G,
-            prompt_length=sampling.prompt_length,
-            max_new_tokens=sampling.max_new_tokens,
-            temperature=sampling.temperature,
-            stop_strings=sampling.stop_strings,
-            slots=sampling.slots,
+            st.train.model, tok, prompts, k_sample, group_size=G, **sampling_options(sampling)
         )
         batches, info, events = [], [{} for _ in range(M)], []
-        guard = np.zeros(M, bool)
         for m, mem in enumerate(members):
             roll = rolls[m]
             ref_logp, inf = _compare(roll, references[m])
@@ -139,7 +98,6 @@ def grpo_sweep(
                 msg = f"rollout {r}: every group has equal rewards; the update is zero"
                 events.append((m, "no_signal", msg))
             info[m] = inf
-            guard[m] = alive[m] and inf["kl"] > c0.kl_target
             batches.append(
                 rx.train.GRPOBatch(
                     tokens=roll.tokens,
@@ -154,36 +112,38 @@ def grpo_sweep(
                     behaviour_logp=None,
                 )
             )
-        batch = stack(batches)
-        before = st.train
-        trains, finite = before, np.ones(M, bool)
-        records: list[list[dict]] = [[] for _ in range(M)]
-        active = alive.copy()
-        for e in range(c0.epochs):
-            keys_e = key_data([jax.random.fold_in(k, e) for k in k_steps])
-            trains, metrics, ok = program(trains, hyper, keys_e, batch, active)
-            ok = np.asarray(ok)
-            for m in map(int, np.flatnonzero(active)):
-                records[m].append(unstacked_metrics(metrics, m))
-                if not ok[m]:
-                    finite[m] = False
-            active = active & ok
-        st, stop = kl_guard_members(
-            r, st, before, trains, guard & finite, alive, records, info, events, c0.kl_target
-        )
-        return Iteration(st, finite, records, info, events, stopped=stop)
+        update = (program, hyper, k_steps)
+        return grpo_updates(update, st, stack(batches), alive, r, info, events, c0)
 
-    def evaluate(st: GRPOSweepState, m: int) -> dict:
-        model = member(st.train, m).model
-        return starts[members[m].seed].against_sft(final_policy(model))
-
-    def export(st: GRPOSweepState, m: int, directory: str) -> None:
-        model = member(st.train, m).model
-        export_policy(
-            final_policy(model), directory, "grpo", adapted=model, tokenizer_file=tokenizer_file
-        )
-
+    evaluate, export = policy_outputs(
+        "grpo",
+        lambda m, policy: starts[members[m].seed].against_sft(policy),
+        tokenizer_file,
+        policy_of=lambda st, m: model_of(st.train, m),
+    )
     return SweepRun(states, c0.rollouts, iteration, evaluate, export)
+
+
+def grpo_updates(update, st, batch, alive: np.ndarray, r: int, info, events, c) -> Iteration:
+    """The updates of a GRPO sweep's rollout `r`: `c.epochs` steps of every live member on
+    its rollout (`batch`, stacked), member `m`'s keys `fold_in(k_steps[m], e)` (`update =
+    (program, hyper, k_steps)`), then the KL guard (`kl_guard_members`) of the members
+    whose rollout KL `info[m]["kl"]` is past `c.kl_target`, as `run_loop` guards its run.
+    **Returns:** the `Iteration`."""
+    program, hyper, k_steps = update
+    M = len(alive)
+    guard = np.asarray([bool(alive[m]) and info[m]["kl"] > c.kl_target for m in range(M)])
+    before = st.train
+    trains, finite = before, np.ones(M, bool)
+    records: list[list[dict]] = [[] for _ in range(M)]
+    active = alive.copy()
+    for e in range(c.epochs):
+        keys_e = key_data([jax.random.fold_in(k, e) for k in k_steps])
+        trains, active = take_steps(program, trains, hyper, keys_e, batch, active, records, finite)
+    st, stop = kl_guard_members(
+        r, st, before, trains, guard & finite, alive, records, info, events, c.kl_target
+    )
+    return Iteration(st, finite, records, info, events, stopped=stop)
 
 
 def kl_guard_members(r, st, before, trains, stop, alive, records, info, events, kl_target):
@@ -205,6 +165,16 @@ def kl_guard_members(r, st, before, trains, stop, alive, records, info, events, 
     accepted = jnp.asarray(alive & ~stop)
     within = keep_where(accepted, before, st.within)
     return GRPOSweepState(trains, within, st.has_within | accepted), stop
+
+
+def task_sources(starts: dict[int, SeedStart], c) -> dict:
+    """Each seed's reward source of `c.reward_source` on the built-in task, after its SFT
+    (`task_reward_source`, as the pipeline makes it for the stage)."""
+    sources = {}
+    for seed, start in starts.items():
+        start.env.policies = {"sft": start.sft_policy}
+        sources[seed] = as_reward_source(task_reward_source(start.env, c))
+    return sources
 
 
 def iteration_inputs(ctx_keys, members, n: int, r: int):

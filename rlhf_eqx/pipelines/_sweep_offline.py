@@ -3,7 +3,6 @@ as the normal stage (per seed), then `steps` updates of every member's stacked s
 one vmapped program per step, member `m`'s step `i` on its separate run's batch
 (`shuffled_rows` with its seed) and key (`fold_in(ctx_key, i)`)."""
 
-import dataclasses
 from collections.abc import Callable, Sequence
 
 import jax
@@ -13,68 +12,67 @@ import rlhf_eqx as rx
 from rlhf_eqx import data
 
 from ._kto_stage import collate_unpaired_records, sampled_unpaired
-from ._lr_scale import build_optimizer
 from ._registry import stage_key
-from ._runs import export_policy, final_policy, shuffled_rows, with_lora
+from ._runs import shuffled_rows
 from ._sweep_grid import Member
-from ._sweep_program import (
-    Iteration,
-    SweepRun,
-    hyper_arrays,
-    key_data,
-    make_program,
-    member,
-    one_seed_shared,
-    stack,
-    unstacked_metrics,
-)
+from ._sweep_program import Iteration, SweepRun, key_data, stack
+from ._sweep_setup import member_states, policy_outputs, program_of, take_steps
 from ._sweep_starts import SeedStart
+from ._sweep_steps import kto_step_builder, sft_step_builder
 from ._task import TRAIN_PROMPTS
-from ._validation import validate_stage
 
 
 def offline_sweep(
     members: Sequence[Member],
-    setups: Sequence[tuple],
+    states,
+    ctx_keys: Sequence[jax.Array],
+    batch_at: Callable[[Member], Callable[[int], object]],
     build_step: Callable[[dict], Callable],
     steps: int,
-    *,
-    evaluate: Callable[[object, int], dict],
-    export: Callable[[object, int, str], None],
+    outputs: tuple[Callable, Callable],
 ) -> SweepRun:
-    """A sweep of fixed batches: `setups[m] = (state, batch_at, ctx_key)` for member `m`
-    (its initial train state, `batch_at(i)` its batch of step `i`, its run's key);
-    iteration `i` is step `i` of every alive member, in one program (`make_program`)."""
-    states = stack([s[0] for s in setups])
-    program = make_program(build_step, seeds=one_seed_shared(states, [m.seed for m in members]))
-    hyper = hyper_arrays([dict(m.point) for m in members])
+    """A sweep of fixed batches: the members' stacked initial train `states`, their run
+    keys `ctx_keys`, `batch_at(mem)(i)` member `mem`'s batch of step `i`; iteration `i`
+    is step `i` of every alive member, in one program (`make_program`). `outputs`:
+    `(evaluate, export)` of the `SweepRun`."""
+    program, hyper = program_of(members, states, build_step)
+    batches_of = [batch_at(mem) for mem in members]
     M = len(members)
 
     def iteration(states, alive: np.ndarray, i: int) -> Iteration:
-        batches = stack([batch_at(i) for _, batch_at, _ in setups])
-        keys = key_data([jax.random.fold_in(k, i) for _, _, k in setups])
-        states, metrics, ok = program(states, hyper, keys, batches, alive)
-        ok = np.asarray(ok)
-        records = [[unstacked_metrics(metrics, m)] if alive[m] else [] for m in range(M)]
-        return Iteration(states, ok | ~alive, records, [{} for _ in range(M)])
+        batches = stack([b(i) for b in batches_of])
+        keys = key_data([jax.random.fold_in(k, i) for k in ctx_keys])
+        records: list[list[dict]] = [[] for _ in range(M)]
+        finite = np.ones(M, bool)
+        states, _ = take_steps(program, states, hyper, keys, batches, alive, records, finite)
+        return Iteration(states, finite, records, [{} for _ in range(M)])
 
-    return SweepRun(states, steps, iteration, evaluate, export)
-
-
-def _optim(c, h: dict):
-    if "optim.learning_rate" in h:
-        return dataclasses.replace(c.optim, learning_rate=h["optim.learning_rate"])
-    return c.optim
+    return SweepRun(states, steps, iteration, *outputs)
 
 
-def _policy_export(stage: str, tokenizer_file):
-    def export(states, m: int, directory: str) -> None:
-        model = member(states, m).model
-        export_policy(
-            final_policy(model), directory, stage, adapted=model, tokenizer_file=tokenizer_file
-        )
+def rows_sweep(members, c, started: tuple, fulls: dict, build_step, outputs) -> SweepRun:
+    """`offline_sweep` on shuffled rows, as `run_sft` and `run_kto` train: `started` the
+    `(states, ctx_keys)` of `member_states`, `fulls[seed]` the batch of every row of the
+    members of that seed, member `m`'s step `i` on `shuffled_rows` of it with its seed
+    and `c.batch_size` (the stage's settings `c`), `c.steps` steps."""
+    states, ctx_keys = started
+    return offline_sweep(
+        members,
+        states,
+        ctx_keys,
+        lambda mem: shuffled_rows(fulls[mem.seed], c.batch_size, mem.seed),
+        build_step,
+        c.steps,
+        outputs,
+    )
 
-    return export
+
+def sft_rows(records, tok, c, prompt_length: int):
+    """`run_sft`'s batch of every `(prompt, completion)` record (no EOS, `c.max_length`)."""
+    seqs, _ = data.tokenize_sft(
+        list(records), tok, max_length=c.max_length, max_prompt_length=prompt_length, add_eos=False
+    )
+    return data.collate_sft(seqs, max_length=c.max_length, pad_id=tok.pad_id)
 
 
 def sft_sweep(
@@ -94,32 +92,22 @@ def sft_sweep(
         records = [
             (p, roll.texts[j * c0.samples + b]) for j, (p, b) in enumerate(zip(TRAIN_PROMPTS, best))
         ]
-        seqs, _ = data.tokenize_sft(
-            records, tok, max_length=c0.max_length, max_prompt_length=prompt_length, add_eos=False
-        )
-        fulls[seed] = data.collate_sft(seqs, max_length=c0.max_length, pad_id=tok.pad_id)
-    setups = []
-    for mem in members:
-        c = mem.cfg.sft
-        validate_stage("sft", c)
-        start = starts[mem.seed]
-        k_lora, ctx_key = jax.random.split(stage_key(start.key, "sft"))
-        model, spec = with_lora(start.env.base, c.lora, k_lora)
-        opt = build_optimizer(c.optim, c.steps)
-        state = rx.train.init_train_state(model, opt, filter_spec=spec)
-        setups.append((state, shuffled_rows(fulls[mem.seed], c.batch_size, mem.seed), ctx_key))
+        fulls[seed] = sft_rows(records, tok, c0, prompt_length)
+    states, _, ctx_keys = member_states(
+        members,
+        "sft",
+        lambda mem: (starts[mem.seed].env.base, stage_key(starts[mem.seed].key, "sft")),
+        c0.steps,
+    )
 
-    def build(h: dict):
-        opt = build_optimizer(_optim(c0, h), c0.steps)
-        return rx.train.make_sft_step(opt, c0, options=c0.options)
-
-    def evaluate(states, m: int) -> dict:
+    def evaluate(m: int, policy) -> dict:
         start = starts[members[m].seed]
-        metrics, _, _ = start.evaluate(final_policy(member(states, m).model), start.env.base)
-        return metrics
+        return start.evaluate(policy, start.env.base)[0]
 
-    export = _policy_export("sft", tokenizer_file)
-    return offline_sweep(members, setups, build, c0.steps, evaluate=evaluate, export=export)
+    outputs = policy_outputs("sft", evaluate, tokenizer_file)
+    return rows_sweep(
+        members, c0, (states, ctx_keys), fulls, sft_step_builder(c0, c0.steps), outputs
+    )
 
 
 def kto_sweep(
@@ -131,52 +119,39 @@ def kto_sweep(
     `undesirable_weight` and learning rate. Evaluation: against SFT, as the pipeline's."""
     c0 = members[0].cfg.kto
     sampling = members[0].cfg.sampling
+    states, references, ctx_keys = member_states(
+        members,
+        "kto",
+        lambda mem: (starts[mem.seed].sft_policy, stage_key(starts[mem.seed].key, "kto")),
+        c0.steps,
+    )
     fulls = {}
-    setups = []
-    for mem in members:
-        c = mem.cfg.kto
-        validate_stage("kto", c)
+    for mem, reference in zip(members, references):
+        if mem.seed in fulls:
+            continue
         start = starts[mem.seed]
-        k_lora, ctx_key = jax.random.split(stage_key(start.key, "kto"))
-        model, spec = with_lora(start.sft_policy, c.lora, k_lora)
-        if mem.seed not in fulls:
-            records = sampled_unpaired(
-                start.sft_policy,
-                tok,
-                TRAIN_PROMPTS,
-                start.env.data_key(3),
-                start.label,
-                samples=c0.samples,
-                salt=4,
-                sampling=sampling,
-            )
-            if {bool(r.label) for r in records} != {True, False}:
-                raise ValueError(
-                    f"seed {mem.seed}: KTO needs desirable and undesirable examples; the "
-                    f"{len(records)} samples are all of one kind"
-                )
-            full = collate_unpaired_records(
-                records, tok, max_length=c0.max_length, prompt_length=sampling.prompt_length
-            )
-            reference = rx.without_lora(model) if spec is not None else model
-            fulls[mem.seed] = rx.train.compute_kto_reference_logps(reference, full)
-        opt = build_optimizer(c.optim, c.steps)
-        state = rx.train.init_train_state(model, opt, filter_spec=spec)
-        setups.append((state, shuffled_rows(fulls[mem.seed], c.batch_size, mem.seed), ctx_key))
-
-    def build(h: dict):
-        opt = build_optimizer(_optim(c0, h), c0.steps)
-        settings = rx.train.KTOSettings(
-            beta=h.get("beta", c0.beta),
-            desirable_weight=h.get("desirable_weight", c0.desirable_weight),
-            undesirable_weight=h.get("undesirable_weight", c0.undesirable_weight),
-            loss_type=c0.loss_type,
-            reference="cached",
+        records = sampled_unpaired(
+            start.sft_policy,
+            tok,
+            TRAIN_PROMPTS,
+            start.env.data_key(3),
+            start.label,
+            samples=c0.samples,
+            salt=4,
+            sampling=sampling,
         )
-        return rx.train.make_kto_step(opt, settings, options=c0.options)
-
-    def evaluate(states, m: int) -> dict:
-        return starts[members[m].seed].against_sft(final_policy(member(states, m).model))
-
-    export = _policy_export("kto", tokenizer_file)
-    return offline_sweep(members, setups, build, c0.steps, evaluate=evaluate, export=export)
+        if {bool(r.label) for r in records} != {True, False}:
+            raise ValueError(
+                f"seed {mem.seed}: KTO needs desirable and undesirable examples; the "
+                f"{len(records)} samples are all of one kind"
+            )
+        full = collate_unpaired_records(
+            records, tok, max_length=c0.max_length, prompt_length=sampling.prompt_length
+        )
+        fulls[mem.seed] = rx.train.compute_kto_reference_logps(reference, full)
+    outputs = policy_outputs(
+        "kto", lambda m, policy: starts[members[m].seed].against_sft(policy), tokenizer_file
+    )
+    return rows_sweep(
+        members, c0, (states, ctx_keys), fulls, kto_step_builder(c0, c0.steps), outputs
+    )

@@ -13,7 +13,6 @@ member's rollout KL to the reference exceeds `ppo.kl_target`, that rollout's upd
 dropped, the member stops (`stopped: "kl_guard"`) and keeps the last policy whose
 rollout was within the target, and the others go on."""
 
-import dataclasses
 from collections.abc import Sequence
 
 import equinox as eqx
@@ -26,30 +25,17 @@ import rlhf_eqx as rx
 from ._config import ConfigError
 from ._lr_scale import build_optimizer
 from ._registry import stage_key
-from ._reward_sources import as_reward_source, task_reward_source
 from ._rl_rollouts import _compare, _policy_and_reference
-from ._runs import export_policy, final_policy, take_rows
+from ._rollout import sampling_options
+from ._runs import take_rows
 from ._sweep_grid import Member
-from ._sweep_grpo import GRPOSweepState, iteration_inputs, kl_guard_members
-from ._sweep_offline import _optim
-from ._sweep_program import (
-    Iteration,
-    SweepRun,
-    hyper_arrays,
-    key_data,
-    make_program,
-    member,
-    one_seed_shared,
-    stack,
-    unstacked_metrics,
-)
+from ._sweep_grpo import GRPOSweepState, iteration_inputs, kl_guard_members, task_sources
+from ._sweep_program import Iteration, SweepRun, key_data, member, stack
 from ._sweep_rollout import sample_members
+from ._sweep_setup import policy_outputs, program_of, take_steps
 from ._sweep_starts import SeedStart
+from ._sweep_steps import ppo_step_builder
 from ._validation import validate_stage
-
-# the step settings a grid may trace (`ppo.kl_coef` enters the KL-shaped rewards, per
-# member, and `ppo.optim.learning_rate` the optimiser)
-_STEP_FIELDS = ("clip_eps", "vf_coef", "ent_coef")
 
 
 def check_ppo_sweep(c) -> None:
@@ -71,7 +57,7 @@ def ppo_sweep(
     n = c0.prompts_per_rollout
     mb = n // c0.minibatches
     total = c0.rollouts * c0.epochs * c0.minibatches
-    trains, references, ctx_keys, sources = [], [], [], {}
+    trains, references, ctx_keys = [], [], []
     for mem in members:
         c = mem.cfg.ppo
         validate_stage("ppo", c)
@@ -84,21 +70,10 @@ def ppo_sweep(
         trains.append(rx.train.init_train_state((pol, value), opt, filter_spec=filter_spec))
         references.append(reference)
         ctx_keys.append(ctx_key)
-        if mem.seed not in sources:
-            env = start.env
-            env.policies = {"sft": start.sft_policy}
-            sources[mem.seed] = as_reward_source(task_reward_source(env, c))
-
-    def build(h: dict):
-        opt = build_optimizer(_optim(c0, h), total)
-        traced = {k: h[k] for k in _STEP_FIELDS if k in h}
-        # as `run_ppo`: the step's temperature is `sampling.temperature`
-        settings = dataclasses.replace(c0, temperature=sampling.temperature, **traced)
-        return rx.train.make_ppo_step(opt, settings, options=c0.options)
+    sources = task_sources(starts, c0)
 
     train0 = stack(trains)
-    program = make_program(build, seeds=one_seed_shared(train0, [m.seed for m in members]))
-    hyper = hyper_arrays([dict(m.point) for m in members])
+    program, hyper = program_of(members, train0, ppo_step_builder(c0, sampling.temperature, total))
     M = len(members)
     states = GRPOSweepState(train0, train0, jnp.zeros((M,), bool))
 
@@ -106,16 +81,7 @@ def ppo_sweep(
         k_sample, k_steps, prompts = iteration_inputs(ctx_keys, members, n, r)
         policies = st.train.model[0]
         rolls = sample_members(
-            policies,
-            tok,
-            prompts,
-            k_sample,
-            group_size=1,
-            prompt_length=sampling.prompt_length,
-            max_new_tokens=sampling.max_new_tokens,
-            temperature=sampling.temperature,
-            stop_strings=sampling.stop_strings,
-            slots=sampling.slots,
+            policies, tok, prompts, k_sample, group_size=1, **sampling_options(sampling)
         )
         batches, info = [], [{} for _ in range(M)]
         guard = np.zeros(M, bool)
@@ -155,27 +121,19 @@ def ppo_sweep(
                     [take_rows(b, p[j * mb : (j + 1) * mb]) for b, p in zip(batches, perms)]
                 )
                 keys_j = key_data([jax.random.fold_in(k, 1000 + e * 100 + j) for k in k_steps])
-                trains, metrics, ok = program(trains, hyper, keys_j, mini, active)
-                ok = np.asarray(ok)
-                for m in map(int, np.flatnonzero(active)):
-                    records[m].append(unstacked_metrics(metrics, m))
-                    if not ok[m]:
-                        finite[m] = False
-                active = active & ok
+                trains, active = take_steps(
+                    program, trains, hyper, keys_j, mini, active, records, finite
+                )
         events = []
         st, stop = kl_guard_members(
             r, st, before, trains, guard & finite, alive, records, info, events, c0.kl_target
         )
         return Iteration(st, finite, records, info, events, stopped=stop)
 
-    def evaluate(st: GRPOSweepState, m: int) -> dict:
-        policy = member(st.train, m).model[0]
-        return starts[members[m].seed].against_sft(final_policy(policy))
-
-    def export(st: GRPOSweepState, m: int, directory: str) -> None:
-        policy = member(st.train, m).model[0]
-        export_policy(
-            final_policy(policy), directory, "ppo", adapted=policy, tokenizer_file=tokenizer_file
-        )
-
+    evaluate, export = policy_outputs(
+        "ppo",
+        lambda m, policy: starts[members[m].seed].against_sft(policy),
+        tokenizer_file,
+        policy_of=lambda st, m: member(st.train, m).model[0],
+    )
     return SweepRun(states, c0.rollouts, iteration, evaluate, export)

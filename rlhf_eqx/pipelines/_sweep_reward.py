@@ -24,7 +24,6 @@ from ._registry import stage_key
 from ._reward_stage import _pairs
 from ._runs import collate_pairs, export_reward_model, shuffled_rows
 from ._sweep_grid import Member
-from ._sweep_offline import _optim
 from ._sweep_program import (
     Iteration,
     SweepRun,
@@ -37,6 +36,7 @@ from ._sweep_program import (
     unstacked_metrics,
 )
 from ._sweep_starts import SeedStart
+from ._sweep_steps import reward_step_builder
 from ._task import HELDOUT_PROMPTS, TRAIN_PROMPTS, animal_score
 from ._validation import validate_stage
 
@@ -51,16 +51,41 @@ class RewardSweepState(eqx.Module):
     best_step: Int[Array, " M"]
 
 
+def check_reward_sweep(c) -> None:
+    """Refuse (`ConfigError`) a reward section a sweep does not run, naming the field."""
+    if c.ensemble > 1:
+        raise ConfigError(
+            f"reward.ensemble={c.ensemble}: a sweep trains one reward model per member "
+            "(reward.ensemble=1)"
+        )
+
+
+def reward_split(pairs: list, clean: list, c, seed: int, collate) -> dict:
+    """A seed's data of `run_reward`: with `c.eval_every`, the validation split of the
+    training `pairs` (`data.split_held_out` seeded by `seed`; none when a side would be
+    empty); the batches (`collate`) of the training, validation and held-out (`clean`)
+    pairs and their counts."""
+    val: list = []
+    if c.eval_every:
+        train, val = data.split_held_out(pairs, fraction=c.heldout_fraction, seed=seed)
+        if train and val:
+            pairs = list(train)
+        else:
+            val = []
+    return dict(
+        full=collate(pairs),
+        val=collate(val) if val else None,
+        held=collate(clean),
+        counts=(len(pairs), len(val), len(clean)),
+    )
+
+
 def reward_sweep(
     members: Sequence[Member], starts: dict[int, SeedStart], tok, *, tokenizer_file=None
 ) -> SweepRun:
     """The built-in reward stage of `members` (see the module docstring)."""
     c0 = members[0].cfg.reward
-    if c0.ensemble > 1:
-        raise ConfigError(
-            f"reward.ensemble={c0.ensemble}: a sweep trains one reward model per member "
-            "(reward.ensemble=1)"
-        )
+    check_reward_sweep(c0)
     prompt_length = members[0].cfg.sampling.prompt_length
     collate = lambda pairs: collate_pairs(  # noqa: E731
         pairs, tok, max_length=c0.max_length, prompt_length=prompt_length
@@ -73,34 +98,34 @@ def reward_sweep(
         pairs = _pairs(roll, true, np.asarray(start.label(roll.prompts, roll.texts, 2)))
         held_roll = env.sample(start.sft_policy, HELDOUT_PROMPTS, 2, n)
         clean = _pairs(held_roll, np.asarray([animal_score(t) for t in held_roll.texts]))
-        val: list = []
-        if c0.eval_every:
-            train, val = data.split_held_out(pairs, fraction=c0.heldout_fraction, seed=seed)
-            if train and val:
-                pairs = list(train)
-            else:
-                val = []
-        per_seed[seed] = dict(
-            full=collate(pairs),
-            val=collate(val) if val else None,
-            held=collate(clean),
-            counts=(len(pairs), len(val), len(clean)),
-        )
+        per_seed[seed] = reward_split(pairs, clean, c0, seed, collate)
+    start_of = lambda mem: (  # noqa: E731
+        starts[mem.seed].sft_policy,
+        stage_key(starts[mem.seed].key, "reward"),
+    )
+    return reward_members(members, per_seed, start_of, tokenizer_file)
+
+
+def reward_members(
+    members: Sequence[Member], per_seed: dict, start_of, tokenizer_file=None
+) -> SweepRun:
+    """The reward stage's sweep of `members` on `per_seed[seed]` (`reward_split`), member
+    `mem`'s model `RewardModel.from_policy(policy, key=k_init)` with `(policy, key) =
+    start_of(mem)` and `k_init, ctx_key = split(key)`, as `run_reward` starts."""
+    c0 = members[0].cfg.reward
     setups = []
     for mem in members:
         c = mem.cfg.reward
         validate_stage("reward", c)
-        start, d = starts[mem.seed], per_seed[mem.seed]
-        k_init, ctx_key = jax.random.split(stage_key(start.key, "reward"))
-        model = rx.RewardModel.from_policy(start.sft_policy, key=k_init)
+        policy, key = start_of(mem)
+        k_init, ctx_key = jax.random.split(key)
+        model = rx.RewardModel.from_policy(policy, key=k_init)
         ts = rx.train.init_train_state(model, build_optimizer(c.optim, c.steps))
-        setups.append((ts, shuffled_rows(d["full"], c.batch_size, mem.seed), ctx_key))
+        setups.append(
+            (ts, shuffled_rows(per_seed[mem.seed]["full"], c.batch_size, mem.seed), ctx_key)
+        )
 
-    def build(h: dict):
-        opt = build_optimizer(_optim(c0, h), c0.steps)
-        return rx.train.make_reward_step(opt, c0, options=c0.options)
-
-    program = make_program(build)
+    program = make_program(reward_step_builder(c0, c0.steps))
     hyper = hyper_arrays([dict(m.point) for m in members])
     M = len(members)
     trains = stack([s[0] for s in setups])

@@ -29,31 +29,23 @@ def sample_members(
     keys: Sequence[jax.Array],
     *,
     group_size: int,
-    prompt_length: int,
-    max_new_tokens: int,
-    temperature: float = rx.DEFAULT_TEMPERATURE,
-    stop_strings: Sequence[str] = (),
-    slots: int = 0,
+    **options,
 ) -> list[Rollout]:
     """`sample_rollout` of each member: member `m` samples `group_size` completions of
     each of its prompts `prompts[m]` (the same number for every member) with its policy
     (`models`, stacked on a leading member axis) and key `keys[m]`, the sampler vmapped
-    over the members (one compiled program). With
-    `slots > 0` (continuous batching) the members are sampled one after another with
+    over the members (one compiled program). `options`: `sample_rollout`'s sampling
+    keywords (`sampling_options` of the run's sampling settings: `prompt_length`,
+    `max_new_tokens`, `temperature`, `stop_strings`, `slots`). With `slots > 0`
+    (continuous batching) the members are sampled one after another with
     `sample_rollout`."""
-    if slots > 0:
-        opts = dict(
-            group_size=group_size,
-            prompt_length=prompt_length,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            stop_strings=stop_strings,
-            slots=slots,
-        )
+    if options.get("slots", 0) > 0:
         return [
-            sample_rollout(member(models, m), tok, prompts[m], k, **opts)
+            sample_rollout(member(models, m), tok, prompts[m], k, group_size=group_size, **options)
             for m, k in enumerate(keys)
         ]
+    prompt_length = options["prompt_length"]
+    stop_strings = options.get("stop_strings", ())
     stop_ids = tuple(int(t) for t in sorted({tok.eos_id, tok.bos_id}))
     ids = [encode_prompts(tok, p, prompt_length=prompt_length) for p in prompts]
     batches = [
@@ -61,15 +53,15 @@ def sample_members(
     ]
     tokens = jax.numpy.stack([b.tokens for b in batches])
     mask = jax.numpy.stack([b.mask for b in batches])
-    options = dict(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        eos_id=list(stop_ids) or None,
-        pad_id=tok.pad_id,
-        num_samples=group_size,
-    )
+    sampler = {
+        "max_new_tokens": options["max_new_tokens"],
+        "temperature": options.get("temperature", rx.DEFAULT_TEMPERATURE),
+        "eos_id": list(stop_ids) or None,
+        "pad_id": tok.pad_id,
+        "num_samples": group_size,
+    }
     key_data = jax.numpy.stack([jax.random.key_data(k) for k in keys])
-    out = _sample_all(models, tokens, mask, key_data, options)
+    out = _sample_all(models, tokens, mask, key_data, sampler)
     rolls = []
     for m in range(len(keys)):
         pending = PendingRollout(

@@ -39,6 +39,32 @@ def seed_dir(out: str, seed: int) -> str:
     return os.path.join(out, "seeds", f"seed-{seed}")
 
 
+def sweep_env(cfg, base, tok, run_dir: str, key, *, resume: bool, say, stage: str = "") -> StageEnv:
+    """The `StageEnv` of a sweep's shared stages in `run_dir`: a stage's run context
+    (`env.ctx(name)`, `name` or else `stage`) logs to `run_dir` with the key
+    `stage_key(key, name)`, evaluated once at its end; the labeller is the built-in task's
+    noisy one of `cfg.ops.seed`."""
+
+    def make_ctx(name: str, periodic: bool = True):
+        del periodic  # a sweep's shared stages are evaluated once, at their end
+        name = name or stage
+        return _ctx(cfg, run_dir, name, stage_key(key, name), resume)
+
+    return StageEnv(
+        cfg=cfg,
+        base=base,
+        tok=tok,
+        tok_file=None,
+        run_dir=run_dir,
+        resume=resume,
+        say=say,
+        key=key,
+        make_ctx=make_ctx,
+        label=_labels(cfg.label_noise, cfg.ops.seed),
+        stage=stage,
+    )
+
+
 def builtin_start(
     cfg, base, tok, out: str, *, resume: bool, say, sft: bool = True, reward: bool = False
 ) -> SeedStart:
@@ -54,22 +80,7 @@ def builtin_start(
     key = jax.random.key(seed)
     evaluate = task_evaluator(cfg, tok, base, key)
 
-    def make_ctx(stage: str, periodic: bool = True):
-        del periodic  # a sweep's shared stages are evaluated once, at their end
-        return _ctx(cfg, run_dir, stage, stage_key(key, stage), resume)
-
-    env = StageEnv(
-        cfg=cfg,
-        base=base,
-        tok=tok,
-        tok_file=None,
-        run_dir=run_dir,
-        resume=resume,
-        say=say,
-        key=key,
-        make_ctx=make_ctx,
-        label=_labels(cfg.label_noise, seed),
-    )
+    env = sweep_env(cfg, base, tok, run_dir, key, resume=resume, say=say)
     if not sft:
         return SeedStart(seed, key, env.label, env, evaluate)
     env.stage = "sft"

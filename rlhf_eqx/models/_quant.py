@@ -119,6 +119,20 @@ def _dequantize_stacked(w: AbstractQuantizedWeight, dtype) -> Array:
     return jax.vmap(lambda x: x.dequantize(dtype))(w)
 
 
+def _replace_projections(model: PyTree, quantized: bool, convert) -> PyTree:
+    """`model` with `convert(w)` in place of each stacked projection weight `w` that is
+    quantised (`quantized=True`) or dense (`False`); the others are kept."""
+    where = where_layers(model)
+    layers = where(model)
+    fields = [
+        f for f in _FIELDS if isinstance(getattr(layers, f), AbstractQuantizedWeight) == quantized
+    ]
+    if not fields:
+        return model
+    new = [convert(getattr(layers, f)) for f in fields]
+    return eqx.tree_at(lambda m: [getattr(where(m), f) for f in fields], model, new)
+
+
 def quantize_int8(model: PyTree) -> PyTree:
     """Replace the dense projection weights (`wqkv`, `wo`, `w_gate_up`, `w_down`) by `Int8Weight`s.
 
@@ -126,13 +140,7 @@ def quantize_int8(model: PyTree) -> PyTree:
     without LoRA adapters, which stay float). Already-quantised weights are kept.
     Quantisation is per layer and per output channel (see the module docstring).
     """
-    where = where_layers(model)
-    layers = where(model)
-    fields = [f for f in _FIELDS if not isinstance(getattr(layers, f), AbstractQuantizedWeight)]
-    if not fields:
-        return model
-    quantized = [_quantize_stacked(getattr(layers, f)) for f in fields]
-    return eqx.tree_at(lambda m: [getattr(where(m), f) for f in fields], model, quantized)
+    return _replace_projections(model, False, _quantize_stacked)
 
 
 def quantize_nf4(model: PyTree, *, block_size: int = 64) -> PyTree:
@@ -142,13 +150,7 @@ def quantize_nf4(model: PyTree, *, block_size: int = 64) -> PyTree:
     and train them with `lora_filter`. Works on the same models as `quantize_int8`;
     already-quantised weights (int8 or NF4) are kept.
     """
-    where = where_layers(model)
-    layers = where(model)
-    fields = [f for f in _FIELDS if not isinstance(getattr(layers, f), AbstractQuantizedWeight)]
-    if not fields:
-        return model
-    quantized = [_quantize_stacked_nf4(getattr(layers, f), block_size) for f in fields]
-    return eqx.tree_at(lambda m: [getattr(where(m), f) for f in fields], model, quantized)
+    return _replace_projections(model, False, lambda w: _quantize_stacked_nf4(w, block_size))
 
 
 def dequantize(model: PyTree, *, dtype: str | None = None) -> PyTree:
@@ -158,15 +160,9 @@ def dequantize(model: PyTree, *, dtype: str | None = None) -> PyTree:
 
     `dtype` defaults to the model's parameter dtype (`cfg.dtype`).
     """
-    where = where_layers(model)
     jdt = getattr(jnp, dtype or model_config(model).dtype)
     model = _dequantize_top(model, jdt)
-    layers = where(model)
-    fields = [f for f in _FIELDS if isinstance(getattr(layers, f), AbstractQuantizedWeight)]
-    if not fields:
-        return model
-    dense = [_dequantize_stacked(getattr(layers, f), jdt) for f in fields]
-    return eqx.tree_at(lambda m: [getattr(where(m), f) for f in fields], model, dense)
+    return _replace_projections(model, True, lambda w: _dequantize_stacked(w, jdt))
 
 
 def _dequantize_top(model: PyTree, jdt) -> PyTree:

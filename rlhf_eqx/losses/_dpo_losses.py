@@ -5,13 +5,7 @@ Each loss maps a `LogpPair` of sequence log-probabilities (scalars, or `[B]` for
 losses that sort over the batch) and the `LossHyperparameters` to a loss. `DPO_LOSSES`
 names them by TRL's `loss_type` and records which are length-normalised,
 reference-free or batch-only; `dpo_loss` / `dpo_batch_loss` are the public entry points.
-
-Notation used in the docstrings:
-
-- $h_w = \log\pi_\theta(y_w) - \log\pi_{\rm ref}(y_w)$, $h_l$ likewise (chosen / rejected
-  log-ratios);
-- $u = h_w - h_l$ (the DPO logit); $\beta$ the temperature, $\varepsilon$ the label
-  smoothing.
+The docstrings use the notation of `_dpo.py` ($h_w$, $h_l$, $u$, $\beta$, $\varepsilon$).
 """
 
 import math

@@ -25,8 +25,9 @@ def step_builder(record: type) -> Callable[[Callable[..., Step]], Callable[..., 
 
     ```python
     @rx.train.step_builder(MySettings)
-    def make_my_step(optimizer, settings: MySettings, options: rx.train.StepOptions) -> Step:
-        return rx.train.make_step(my_loss(settings), optimizer, options, cache_key=("my", settings))
+    def make_my_step(optimizer, settings: MySettings, options: rx.train.StepOptions):
+        loss_fn = my_loss(settings)  # (params, frozen, batch, key) -> (nums, dens, metrics)
+        return rx.train.make_step(loss_fn, optimizer, options, cache_key=("my", settings))
     ```
 
     **Arguments of the public builder:**

@@ -10,7 +10,13 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from ._dpo_losses import DPO_LOSS_TYPES, DPO_LOSSES, DPOLossFn, LogpPair, LossSpec
-from ._validation import Hyperparameter, check_choice, is_python_number
+from ._validation import (
+    Hyperparameter,
+    callable_name,
+    check_choice,
+    check_registered_name,
+    is_python_number,
+)
 
 _REGISTERED: dict[str, LossSpec] = {}
 _BUILTIN_KWARGS = ("bco_delta", "discopop_tau", "simpo_gamma")
@@ -62,18 +68,14 @@ def _check_callable(
         ]
         if missing and len(firsts) == 4:
             raise ValueError(
-                f"{what}={_loss_name(fn)} takes the hyperparameter {missing[0]!r}, which has "
+                f"{what}={callable_name(fn)} takes the hyperparameter {missing[0]!r}, which has "
                 "no default: give it in loss_kwargs"
             ) from None
         raise ValueError(
-            f"{what}={_loss_name(fn)} cannot be called as {_SIGNATURE}"
+            f"{what}={callable_name(fn)} cannot be called as {_SIGNATURE}"
             + (f" with loss_kwargs {sorted(loss_kwargs)}" if loss_kwargs else "")
             + f": {e}"
         ) from None
-
-
-def _loss_name(fn: object) -> str:
-    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
 
 
 def register_dpo_loss(
@@ -145,10 +147,7 @@ def register_dpo_loss(
 
     **Returns:** `fn`, unchanged.
     """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"name must be a non-empty string, got {name!r}")
-    if name in DPO_LOSSES:
-        raise ValueError(f"name {name!r} is a built-in loss_type; choose another name")
+    check_registered_name(name, DPO_LOSSES, "loss_type")
     _check_callable(fn, "fn", complete=False)
     _REGISTERED[name] = LossSpec(
         None,
@@ -188,7 +187,7 @@ def resolve_dpo_loss(
         check_choice("loss_type", loss_type, dpo_loss_types())
         spec = DPO_LOSSES.get(loss_type) or _REGISTERED[loss_type]
     elif callable(loss_type):
-        spec = LossSpec(None, custom=loss_type, name=_loss_name(loss_type))
+        spec = LossSpec(None, custom=loss_type, name=callable_name(loss_type))
     else:
         raise ValueError(
             f"loss_type must be a name in {dpo_loss_types()} or a callable {_SIGNATURE}, "

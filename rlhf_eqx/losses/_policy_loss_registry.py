@@ -19,7 +19,7 @@ from ._completion_losses import cispo_policy_loss, gmpo_policy_loss, sapo_policy
 from ._grpo import grpo_policy_loss
 from ._ppo import ppo_policy_loss
 from ._selective_losses import clip_cov_policy_loss, high_entropy_policy_loss, kl_cov_policy_loss
-from ._validation import check_choice
+from ._validation import callable_name, check_choice, check_registered_name
 
 PolicyLossFn = Callable[..., Any]
 """A per-token policy loss (see `register_policy_loss`)."""
@@ -69,10 +69,6 @@ class PolicyLossSpec(NamedTuple):
 _REGISTRY: dict[str, PolicyLossSpec] = {}
 
 
-def _loss_name(fn: object) -> str:
-    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
-
-
 def _check_fn(fn: object, what: str) -> None:
     """Refuse `fn` unless it takes the four arrays positionally."""
     if not callable(fn):
@@ -84,7 +80,7 @@ def _check_fn(fn: object, what: str) -> None:
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(positional) < 4 and not any(p.kind == p.VAR_POSITIONAL for p in params):
         raise ValueError(
-            f"{what}={_loss_name(fn)} cannot be called as {_SIGNATURE}: it takes "
+            f"{what}={callable_name(fn)} cannot be called as {_SIGNATURE}: it takes "
             f"{len(positional)} positional arguments"
         )
 
@@ -151,10 +147,7 @@ def register_policy_loss(
 
     **Returns:** `fn`, unchanged.
     """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"name must be a non-empty string, got {name!r}")
-    if name in _BUILTIN:
-        raise ValueError(f"name {name!r} is a built-in policy_loss; choose another name")
+    check_registered_name(name, _BUILTIN, "policy_loss")
     _check_fn(fn, "fn")
     check_choice("advantages", advantages, POLICY_LOSS_ADVANTAGES)
     _REGISTRY[name] = PolicyLossSpec(fn, bool(batch), advantages, repr(name))
@@ -182,7 +175,7 @@ def resolve_policy_loss(policy_loss: object, *, advantages: str | None = None) -
         return _REGISTRY[policy_loss]
     if callable(policy_loss):
         _check_fn(policy_loss, "policy_loss")
-        return PolicyLossSpec(policy_loss, name=_loss_name(policy_loss))
+        return PolicyLossSpec(policy_loss, name=callable_name(policy_loss))
     raise ValueError(
         f"policy_loss={policy_loss!r}: must be a name in {policy_loss_names(advantages)} or "
         f"a callable {_SIGNATURE}"

@@ -8,7 +8,7 @@ known while tracing.
 """
 
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from jaxtyping import Array, Real
 
@@ -40,6 +40,21 @@ def check_non_negative(name: str, value: object) -> None:
 def check_positive(name: str, value: object) -> None:
     """`check_python_number` for a hyperparameter that must be `> 0` (`None` passes)."""
     check_python_number(name, value, lambda v: v > 0.0, "positive")
+
+
+def callable_name(fn: object) -> str:
+    """How an error names a user's function: its qualified name, else its name, else its
+    `repr`."""
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+
+
+def check_registered_name(name: object, builtin: Collection[str], kind: str) -> None:
+    """Refuse a name to register a user's loss under: not a non-empty string, or the
+    name of a built-in `kind` (e.g. `"loss_type"`)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    if name in builtin:
+        raise ValueError(f"name {name!r} is a built-in {kind}; choose another name")
 
 
 def check_choice(name: str, value: object, choices: Sequence[str]) -> None:

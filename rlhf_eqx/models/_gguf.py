@@ -90,12 +90,18 @@ def interleave_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return np.ascontiguousarray(w.reshape(out, *rest))
 
 
-def open_gguf(path: str):
-    """A `gguf.GGUFReader` of `path`; every tensor's data checked to lie inside the file."""
+def gguf_package():
+    """The `gguf` package (imported on first use), or an `ImportError` saying how to get it."""
     try:
         import gguf
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError("GGUF files need the `gguf` package (pip install rlhf_eqx[gguf])") from e
+    return gguf
+
+
+def open_gguf(path: str):
+    """A `gguf.GGUFReader` of `path`; every tensor's data checked to lie inside the file."""
+    gguf = gguf_package()
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: file not found")
     try:

@@ -29,7 +29,7 @@ from jaxtyping import PyTree
 
 from ._build import check_finite, model_config, where_layers
 from ._config import TransformerConfig
-from ._gguf import gguf_names, interleave_rotary_rows
+from ._gguf import gguf_names, gguf_package, interleave_rotary_rows
 from ._gguf_config import PERMUTED, gguf_metadata, llama3_rope_factors
 from ._heads import Policy
 from ._hf_export import hf_family
@@ -41,14 +41,6 @@ from ._quant import dequantize
 _DTYPES = ("f32", "f16", "q8_0")
 
 
-def _gguf():
-    try:
-        import gguf
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("GGUF files need the `gguf` package (pip install rlhf_eqx[gguf])") from e
-    return gguf
-
-
 def _llama_cpp_rows(name: str, arr: np.ndarray, cfg: TransformerConfig) -> np.ndarray:
     """Permute the output rows of a q/k weight (or a LoRA `B`) as llama.cpp stores them."""
     if hf_family(cfg) not in PERMUTED or not (".q_proj." in name or ".k_proj." in name):
@@ -57,7 +49,7 @@ def _llama_cpp_rows(name: str, arr: np.ndarray, cfg: TransformerConfig) -> np.nd
 
 
 def _ggml_type(arr: np.ndarray, dtype: str):
-    gguf = _gguf()
+    gguf = gguf_package()
     T = gguf.GGMLQuantizationType
     if arr.ndim == 1 or dtype == "f32":
         return T.F32
@@ -69,7 +61,7 @@ def _ggml_type(arr: np.ndarray, dtype: str):
 def _write_atomic(path: str, arch: str, fill) -> None:
     """`fill(writer)` adds metadata and tensors to a `GGUFWriter` on a temporary file in
     `path`'s directory; the file is then flushed, synced and renamed to `path`."""
-    gguf = _gguf()
+    gguf = gguf_package()
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
@@ -142,7 +134,7 @@ def write_gguf(
     if dtype not in _DTYPES:
         raise ValueError(f"save_gguf: dtype must be one of {list(_DTYPES)}, got {dtype!r}")
     path = os.fspath(path)
-    gguf = _gguf()
+    gguf = gguf_package()
     cfg = model.cfg
     arch, meta = gguf_metadata(cfg)
     if where_layers(model)(model).lora is not None:
@@ -196,7 +188,7 @@ def save_gguf_adapter(
     adapters or an adapter holds NaN or ±inf (naming the tensor; nothing is written).
     """
     path = os.fspath(path)
-    gguf = _gguf()
+    gguf = gguf_package()
     lora = where_layers(model)(model).lora
     if lora is None:
         raise ValueError("save_gguf_adapter: the model has no LoRA adapters; call apply_lora first")

@@ -248,8 +248,9 @@ class PartialRollouts:
             params is known[v - r + self.k] for v, params in used.items()
         )
         if not prepared:  # a rollback or a resume: what is in flight is another policy's
-            for other, _, _ in self.flying.values():
-                other.cancel()
+            for other in [future, *(f for f, _, _ in self.flying.values())]:
+                if other is not None:
+                    other.cancel()
             self.flying.clear()
             flight, start = None, 0
         else:

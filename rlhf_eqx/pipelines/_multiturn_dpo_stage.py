@@ -28,11 +28,16 @@ from ..envs import Trajectory
 from ._config import ConfigError, LoRASettings, _optim
 from ._dpo_stage import DPOConfig, _round_steps
 from ._monitor import model_flops
-from ._multiturn_stage import _length, _rollout, check_episode, episode_stage
+from ._multiturn_stage import (
+    _length,
+    check_episode,
+    episode_scores,
+    episode_stage,
+    round_episodes,
+    run_episodes,
+)
 from ._registry import Outcome, Stage, StageEnv, register_stage
-from ._rl_rollouts import _per_token_kl
-from ._rollout import token_logps
-from ._runs import RunContext, RunResult, rows_at, run_loop, take_rows, train_setup
+from ._runs import RunContext, RunResult, take_rows, train_setup
 from ._validation import validate_stage
 
 
@@ -178,19 +183,10 @@ def run_multiturn_dpo(
 
     def iteration(state, key, r):
         k_sample, k_steps = jax.random.split(key)
-        rows = rows_at(len(prompts), n, ctx.ops.seed, r)
-        picked = [prompts[j] for j in rows]
-        traj = _rollout(state.model, env, tok, picked, k_sample, cfg, ctx, S)
-        own = traj.loss_mask & traj.mask
-        ref = token_logps(reference, traj.tokens, traj.mask)
-        rewards = np.asarray(traj.reward, np.float32)
+        traj = round_episodes(state.model, env, tok, prompts, k_sample, r, cfg, ctx, n, S)
+        _, _, rewards, scores = episode_scores(traj, reference)
         pairs, count = episode_pairs(traj, rewards, samples=S)
-        info = {
-            "pairs": float(count),
-            "score": float(rewards.mean()),
-            "turns": float(jnp.mean(traj.num_turns.astype(jnp.float32))),
-            "kl": _per_token_kl(traj.logprobs, ref, own),
-        }
+        info = {"pairs": float(count), **scores}
         if pairs is None:
             ctx.log.event(
                 "no_signal",
@@ -209,16 +205,7 @@ def run_multiturn_dpo(
         forward_tokens=2 * sampled + 2 * n * length,  # rollout, reference KL, reference pairs
         train_tokens=cfg.steps * 2 * cfg.batch_size * length,
     )
-    return run_loop(
-        state,
-        iteration,
-        dataclasses.replace(ctx, key=ctx_key),
-        cfg.rounds,
-        kl_target=cfg.kl_target,
-        policy_of=lambda s: s.model,
-        tokens_per_iteration=n * S * cfg.max_turns * cfg.turn_tokens,
-        flops_per_iteration=flops,
-    )
+    return run_episodes(state, iteration, ctx, ctx_key, cfg, cfg.rounds, n * S, flops)
 
 
 def multiturn_dpo(env: StageEnv, c: MultiturnDPOConfig) -> Outcome:

@@ -26,7 +26,7 @@ from ._config import (
     LoRASettings,
 )
 from ._evaluate import prompt_se, win_rate, win_rate_se
-from ._grpo_stage import GRPOConfig, grpo_state_and_step
+from ._grpo_stage import PLACEMENT_FIELDS, GRPOConfig, grpo_state_and_step
 from ._model_checks import check_episode_length
 from ._monitor import model_flops
 from ._registry import Outcome, Stage, StageEnv, register_stage
@@ -63,13 +63,7 @@ class MultiturnConfig(GRPOConfig):
 
     unused_fields: ClassVar[tuple[str, ...]] = (
         "staleness",
-        "overlap",
-        "sampler_device",
-        "placement",
-        "trainer_devices",
-        "sampler_devices",
-        "trainer_mesh",
-        "sampler_mesh",
+        *PLACEMENT_FIELDS,
         "dynamic_sampling",
         "overlong_buffer",
         "rollout_correction",
@@ -197,8 +191,7 @@ def run_multiturn(policy, tok, prompts: Sequence[str], env, *, cfg, ctx: RunCont
 
     def iteration(state, key, r):
         k_sample, k_steps = jax.random.split(key)
-        rows = rows_at(len(prompts), n, ctx.ops.seed, r)
-        traj = _rollout(state.model, env, tok, [prompts[j] for j in rows], k_sample, cfg, ctx, G)
+        traj = round_episodes(state.model, env, tok, prompts, k_sample, r, cfg, ctx, n, G)
         batch, info = episode_batch(traj, reference, G, P)
         metrics = []
         for e in range(cfg.epochs):
@@ -207,25 +200,24 @@ def run_multiturn(policy, tok, prompts: Sequence[str], env, *, cfg, ctx: RunCont
         return state, metrics, info
 
     rows = n * G * length
-    return run_loop(
-        state,
-        iteration,
-        dataclasses.replace(ctx, key=ctx_key),
-        cfg.rollouts,
-        kl_target=cfg.kl_target,
-        policy_of=lambda s: s.model,
-        tokens_per_iteration=n * G * cfg.max_turns * cfg.turn_tokens,
-        flops_per_iteration=model_flops(
-            rx.count_params(pol), forward_tokens=2 * rows, train_tokens=cfg.epochs * rows
-        ),
+    flops = model_flops(
+        rx.count_params(pol), forward_tokens=2 * rows, train_tokens=cfg.epochs * rows
     )
+    return run_episodes(state, iteration, ctx, ctx_key, cfg, cfg.rollouts, n * G, flops)
 
 
-def episode_batch(traj, reference, G: int, P: int):
-    """`(GRPOBatch, info)` of a rollout's trajectories (groups of `G` episodes, prompts of
-    `P` tokens): the episode rewards, old and reference log-probabilities on the policy's
-    own tokens (the environment's are masked out), and the rollout's `kl`, `score`,
-    `turns`, `truncated` and `frac_reward_zero_std`."""
+def round_episodes(model, env, tok, prompts, key, r: int, cfg, ctx: RunContext, n: int, k: int):
+    """Iteration `r`'s episodes: `k` episodes of each of `n` prompts (the rows
+    `rows_at(len(prompts), n, ctx.ops.seed, r)`) played by `model` against `env`."""
+    rows = rows_at(len(prompts), n, ctx.ops.seed, r)
+    return _rollout(model, env, tok, [prompts[j] for j in rows], key, cfg, ctx, k)
+
+
+def episode_scores(traj, reference):
+    """`(own, ref_logp, rewards, info)` of trajectories: the policy's own tokens
+    (`loss_mask & mask`), the reference's log-probabilities, the episode rewards, and
+    `kl` (per token of the policy's own, to the reference), `score` (the mean episode
+    reward) and `turns` (the mean number of policy turns)."""
     own = traj.loss_mask & traj.mask
     ref = token_logps(reference, traj.tokens, traj.mask)
     rewards = np.asarray(traj.reward, np.float32)
@@ -233,9 +225,34 @@ def episode_batch(traj, reference, G: int, P: int):
         "kl": _per_token_kl(traj.logprobs, ref, own),
         "score": float(rewards.mean()),
         "turns": float(jnp.mean(traj.num_turns.astype(jnp.float32))),
-        "truncated": float(jnp.mean(traj.truncated.astype(jnp.float32))),
-        "frac_reward_zero_std": group_signal(rewards, G),
     }
+    return own, ref, rewards, info
+
+
+def run_episodes(state, iteration, ctx, ctx_key, cfg, iterations: int, episodes: int, flops):
+    """A multi-turn run's loop (`run_loop`): `iterations` iterations of `episodes`
+    episodes each (counted by their policy turns' tokens), `flops` each, stopped when
+    the KL to the reference exceeds `cfg.kl_target`."""
+    return run_loop(
+        state,
+        iteration,
+        dataclasses.replace(ctx, key=ctx_key),
+        iterations,
+        kl_target=cfg.kl_target,
+        policy_of=lambda s: s.model,
+        tokens_per_iteration=episodes * cfg.max_turns * cfg.turn_tokens,
+        flops_per_iteration=flops,
+    )
+
+
+def episode_batch(traj, reference, G: int, P: int):
+    """`(GRPOBatch, info)` of a rollout's trajectories (groups of `G` episodes, prompts of
+    `P` tokens): the episode rewards, old and reference log-probabilities on the policy's
+    own tokens (the environment's are masked out), and the rollout's `kl`, `score`,
+    `turns` (`episode_scores`), `truncated` and `frac_reward_zero_std`."""
+    own, ref, rewards, info = episode_scores(traj, reference)
+    info["truncated"] = float(jnp.mean(traj.truncated.astype(jnp.float32)))
+    info["frac_reward_zero_std"] = group_signal(rewards, G)
     batch = rx.train.GRPOBatch(
         tokens=traj.tokens,
         mask=traj.mask,

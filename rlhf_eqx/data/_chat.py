@@ -20,7 +20,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from ._errors import DataError
-from ._io import Malformed
+from ._io import Malformed, record_field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +86,17 @@ def message_field(value: object, key: str) -> dict[str, str]:
             "wrong type", f"a message in {key!r} needs string role/content (or from/value)"
         )
     return {"role": normalise_role(role), "content": content}
+
+
+def message_list(record: dict, key: str) -> list[dict[str, str]]:
+    """`record[key]`, a list of messages, each as `message_field` reads it (`Malformed`
+    naming the key when it is missing or not a list)."""
+    value = record_field(record, key)
+    if not isinstance(value, list):
+        raise Malformed(
+            "wrong type", f"{key!r} must be a list of messages, got {type(value).__name__}"
+        )
+    return [message_field(m, key) for m in value]
 
 
 def resolve_template(template: str | ChatTemplate) -> ChatTemplate:

@@ -265,11 +265,17 @@ def load_records(
     return rows, report
 
 
-def string_field(record: dict, key: str) -> str:
-    """`record[key]`, which must be a string (`Malformed` naming the key otherwise)."""
+def record_field(record: dict, key: str) -> object:
+    """`record[key]` (`Malformed("missing key")` naming the key and the record's keys when
+    the record has no such key)."""
     if key not in record:
         raise Malformed("missing key", f"no {key!r} in a record with keys {sorted(record)}")
-    value = record[key]
+    return record[key]
+
+
+def string_field(record: dict, key: str) -> str:
+    """`record[key]`, which must be a string (`Malformed` naming the key otherwise)."""
+    value = record_field(record, key)
     if not isinstance(value, str):
         raise Malformed("wrong type", f"{key!r} must be a string, got {type(value).__name__}")
     return value
@@ -286,6 +292,12 @@ def boolean_value(value: object, name: str) -> bool:
         "wrong type",
         f"{name} must be a boolean (true/false, or 0/1), got {type(value).__name__} {value!r}",
     )
+
+
+def boolean_field(record: dict, key: str) -> bool:
+    """`record[key]`, which must be a boolean or `0` / `1` (`Malformed` naming the key
+    otherwise)."""
+    return boolean_value(record_field(record, key), repr(key))
 
 
 def common_prefix_length(a: Sequence, b: Sequence) -> int:

@@ -30,7 +30,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
-from ._chat import ChatTemplate, format_chat, message_field, resolve_template
+from ._chat import ChatTemplate, format_chat, message_field, message_list, resolve_template
 from ._errors import DataError
 from ._io import (
     Malformed,
@@ -103,17 +103,6 @@ def _parse_plain(record: dict) -> PreferenceRecord:
     )
 
 
-def _messages(record: dict, key: str) -> list[dict[str, str]]:
-    if key not in record:
-        raise Malformed("missing key", f"no {key!r} in a record with keys {sorted(record)}")
-    value = record[key]
-    if not isinstance(value, list):
-        raise Malformed(
-            "wrong type", f"{key!r} must be a list of messages, got {type(value).__name__}"
-        )
-    return [message_field(m, key) for m in value]
-
-
 def _split_messages(
     chosen: list[dict[str, str]], rejected: list[dict[str, str]], template: ChatTemplate
 ) -> PreferenceRecord:
@@ -161,7 +150,7 @@ def _prompt_messages(record: dict) -> list[dict[str, str]]:
 
 
 def _parse_messages(record: dict, template: ChatTemplate) -> PreferenceRecord:
-    chosen, rejected = _messages(record, "chosen"), _messages(record, "rejected")
+    chosen, rejected = message_list(record, "chosen"), message_list(record, "rejected")
     # TRL's conversational layout stores only the reply under chosen/rejected.
     prefix = _prompt_messages(record)
     if chosen and chosen[0]["role"] == "assistant":
@@ -172,7 +161,7 @@ def _parse_messages(record: dict, template: ChatTemplate) -> PreferenceRecord:
 
 
 def _parse_sharegpt(record: dict, template: ChatTemplate) -> PreferenceRecord:
-    conversation = _messages(record, "conversations")
+    conversation = message_list(record, "conversations")
     for key in ("chosen", "rejected"):
         if key not in record:
             raise Malformed("missing key", f"no {key!r} in a record with keys {sorted(record)}")

@@ -41,6 +41,7 @@ from ._io import (
     Unusable,
     boolean_value,
     load_records,
+    record_field,
     string_field,
 )
 from ._tokenize import wants_bos
@@ -68,9 +69,7 @@ class StepwiseDataset(RecordDataset["StepwiseRecord"]):
 def _parse(record: dict) -> StepwiseRecord:
     prompt = string_field(record, "prompt")
     for key in ("completions", "labels"):
-        if key not in record:
-            raise Malformed("missing key", f"no {key!r} in a record with keys {sorted(record)}")
-        if not isinstance(record[key], list):
+        if not isinstance(record_field(record, key), list):
             raise Malformed(
                 "wrong type", f"{key!r} must be a list, got {type(record[key]).__name__}"
             )

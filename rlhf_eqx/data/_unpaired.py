@@ -28,14 +28,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._batches import KTOBatch
-from ._chat import ChatTemplate, format_chat, message_field, resolve_template
+from ._chat import ChatTemplate, format_chat, message_list, resolve_template
 from ._collate import _right_padded, row_length
 from ._errors import DataError
 from ._io import (
     Malformed,
     RecordDataset,
     Unusable,
-    boolean_value,
+    boolean_field,
     load_records,
     string_field,
 )
@@ -62,12 +62,6 @@ class UnpairedDataset(RecordDataset["UnpairedRecord"]):
     noun = "records"
 
 
-def _label(record: dict) -> bool:
-    if "label" not in record:
-        raise Malformed("missing key", f"no 'label' in a record with keys {sorted(record)}")
-    return boolean_value(record["label"], "'label'")
-
-
 def _checked(prompt: str, completion: str, label: bool) -> UnpairedRecord:
     if not completion.strip():
         raise Unusable("empty completion")
@@ -76,25 +70,21 @@ def _checked(prompt: str, completion: str, label: bool) -> UnpairedRecord:
 
 def _parse_plain(record: dict) -> UnpairedRecord:
     return _checked(
-        string_field(record, "prompt"), string_field(record, "completion"), _label(record)
+        string_field(record, "prompt"),
+        string_field(record, "completion"),
+        boolean_field(record, "label"),
     )
 
 
 def _message_list(record: dict, key: str) -> list[dict[str, str]]:
-    if key not in record:
-        raise Malformed("missing key", f"no {key!r} in a record with keys {sorted(record)}")
-    value = record[key]
-    if isinstance(value, str) and key == "prompt":
-        return [{"role": "user", "content": value}]
-    if not isinstance(value, list):
-        raise Malformed(
-            "wrong type", f"{key!r} must be a list of messages, got {type(value).__name__}"
-        )
-    return [message_field(m, key) for m in value]
+    """`message_list`, with a string prompt read as one user message."""
+    if key == "prompt" and isinstance(record.get(key), str):
+        return [{"role": "user", "content": record[key]}]
+    return message_list(record, key)
 
 
 def _parse_messages(record: dict, template: ChatTemplate) -> UnpairedRecord:
-    label = _label(record)
+    label = boolean_field(record, "label")
     prompt_messages = _message_list(record, "prompt")
     completion_messages = _message_list(record, "completion")
     if not completion_messages or completion_messages[0]["role"] != "assistant":

@@ -125,3 +125,94 @@ def two_turn_rollout(policy, tok, *, key: int = 3, samples: int = 2):
         num_samples=samples,
     )
     return traj, ids
+
+
+KILLED_GRPO_RUN = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import dataclasses, json
+import jax
+import numpy as np
+from rlhf_eqx import pipelines as pl
+
+out, resume = sys.argv[1], sys.argv[2] == "resume"
+policy, tok = pl.tools.load_model("builtin")
+cfg = pl.animal_task_config().grpo
+cfg = dataclasses.replace(
+    cfg, prompts_per_rollout=4, group_size=2, rollouts=6,
+    optim=dataclasses.replace(cfg.optim, warmup_ratio=0.0), **json.loads(sys.argv[3]),
+)
+ctx = pl.RunContext(
+    ops=pl.OpsConfig(monitor=False, quiet=True, checkpoint_every=1),
+    log=pl.tools.MetricsLog(out, "grpo", quiet=True), key=jax.random.key(0),
+    checkpoint_dir=os.path.join(out, "ckpt"), resume=resume, prompt_length=16,
+    max_new_tokens=8,
+)
+parity = [pl.runs.RewardFunction("parity", lambda p, t: float(len(t) % 2))]
+res = pl.runs.run_grpo(policy, tok, [f"Once upon a time {i}" for i in range(12)],
+                       reward=parity, cfg=cfg, ctx=ctx)
+leaves = [np.asarray(x) for x in jax.tree.leaves(res.state.params)]
+np.savez(os.path.join(out, "params.npz"), *leaves)
+"""
+"""A GRPO run of the built-in model on eight simulated devices (6 rollouts of 4 prompts
+x 2 samples, a checkpoint every iteration) with the settings of its third argument (JSON),
+fresh or resumed (second argument), saving its final parameters in params.npz."""
+
+
+def kill_9_then_resume(tmp_path, changes: dict, *, checkpoints: int = 2):
+    """`KILLED_GRPO_RUN` with the GRPO settings `changes`: run to the end in
+    `tmp_path / "full"`; run again in `tmp_path / "cut"`, killed with SIGKILL once
+    `checkpoints` checkpoints exist, then resumed there to the end.
+
+    **Returns:** `(full, cut)`, the two run directories (each with its `params.npz`)."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "run.py"
+    script.write_text(KILLED_GRPO_RUN)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+
+    def start(out, mode):
+        os.makedirs(out, exist_ok=True)
+        with open(tmp_path / f"{out.name}-{mode}.log", "wb") as log:
+            return subprocess.Popen(
+                [sys.executable, str(script), str(out), mode, json.dumps(changes)],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+
+    def tail(out, mode):
+        return (tmp_path / f"{out.name}-{mode}.log").read_text()[-3000:]
+
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    run = start(full, "fresh")
+    assert run.wait(timeout=600) == 0, tail(full, "fresh")
+    run = start(cut, "fresh")
+    ckpt, deadline = cut / "ckpt", time.time() + 600
+    while run.poll() is None and time.time() < deadline:
+        if (
+            os.path.isdir(ckpt)
+            and sum(n.startswith("iter_") for n in os.listdir(ckpt)) >= checkpoints
+        ):
+            run.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    assert run.wait(timeout=60) == -signal.SIGKILL, "the run ended before it was killed"
+    assert not os.path.exists(cut / "params.npz")
+    run = start(cut, "resume")
+    assert run.wait(timeout=600) == 0, tail(cut, "resume")
+    return full, cut
+
+
+def assert_same_saved_params(full, cut) -> None:
+    """The `params.npz` of the two run directories are equal, array for array."""
+    want, got = np.load(full / "params.npz"), np.load(cut / "params.npz")
+    assert len(want.files) == len(got.files) > 0
+    for name in want.files:
+        np.testing.assert_array_equal(got[name], want[name])

@@ -5,16 +5,12 @@ with rollouts in flight. The split runs use the eight simulated CPU devices that
 tests/conftest.py sets up."""
 
 import dataclasses
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import equinox as eqx
 import jax
 import numpy as np
 import pytest
+from helpers import assert_same_saved_params, kill_9_then_resume
 
 import rlhf_eqx as rx
 from rlhf_eqx import pipelines as pl
@@ -24,11 +20,6 @@ _PARITY = [pl.runs.RewardFunction("parity", lambda p, t: float(len(t) % 2))]
 _TIMING = ("stage", "time", "iteration_time_s", "tokens_per_s", "rollout/overlapped")
 _SYNC = ("rollout/weight_sync_s", "rollout/weight_sync_bytes", "rollout/base_transfers")
 _PARTIAL = ("rollout/partial_segments", "rollout/version_lag")
-
-
-def _need_8():
-    if jax.device_count() < 8:
-        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
 
 
 @pytest.fixture(scope="module")
@@ -215,12 +206,12 @@ def test_partial_run_colocated(builtin, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 def test_partial_run_on_split_meshes(builtin, tmp_path):
     """Split placement (trainer fsdp:4, sampler data:4), staleness 2, segments of 3: the
     sampler starts rollouts two ahead and continues them with each new policy during the
     updates; the run is the colocated one, where every segment runs when its rollout is
     consumed."""
-    _need_8()
     kw = dict(staleness=2, partial_rollouts=3, rollouts=4)
     split = _grpo(builtin, tmp_path, "split", placement="split", trainer_mesh="fsdp:4", **kw)
     assert [r["rollout/overlapped"] for r in split[1]] == [0.0, 1.0, 1.0, 1.0]
@@ -234,89 +225,25 @@ def test_partial_run_on_split_meshes(builtin, tmp_path):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-4, rtol=0)
 
 
-_KILLED_RUN = """
-import os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-import dataclasses, json
-import jax
-import numpy as np
-from rlhf_eqx import pipelines as pl
-
-out, resume = sys.argv[1], sys.argv[2] == "resume"
-policy, tok = pl.tools.load_model("builtin")
-cfg = pl.animal_task_config().grpo
-cfg = dataclasses.replace(
-    cfg, prompts_per_rollout=4, group_size=2, rollouts=6, staleness=2, partial_rollouts=3,
-    placement="split", trainer_mesh="fsdp:4",
-    optim=dataclasses.replace(cfg.optim, warmup_ratio=0.0),
-)
-ctx = pl.RunContext(
-    ops=pl.OpsConfig(monitor=False, quiet=True, checkpoint_every=1),
-    log=pl.tools.MetricsLog(out, "grpo", quiet=True), key=jax.random.key(0),
-    checkpoint_dir=os.path.join(out, "ckpt"), resume=resume, prompt_length=16,
-    max_new_tokens=8,
-)
-parity = [pl.runs.RewardFunction("parity", lambda p, t: float(len(t) % 2))]
-res = pl.runs.run_grpo(policy, tok, [f"Once upon a time {i}" for i in range(12)],
-                       reward=parity, cfg=cfg, ctx=ctx)
-leaves = [np.asarray(x) for x in jax.tree.leaves(res.state.params)]
-np.savez(os.path.join(out, "params.npz"), *leaves)
-"""
-
-
 @pytest.mark.slow
 def test_kill_9_with_partial_rollouts_in_flight_then_resume_is_exact(tmp_path):
     """A split, staleness-2 run with segments of 3 tokens, killed with SIGKILL once its
     second checkpoint exists (rollouts started and continued on the sampler), resumes from
     the checkpoint's stale policies, samples the rollouts in flight again in the same
     segments and ends with the uninterrupted run's records and parameters."""
-    _need_8()
-    script = tmp_path / "run.py"
-    script.write_text(_KILLED_RUN)
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-
-    def start(out, mode):
-        os.makedirs(out, exist_ok=True)
-        with open(tmp_path / f"{out.name}-{mode}.log", "wb") as log:
-            return subprocess.Popen(
-                [sys.executable, str(script), str(out), mode],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-
-    def tail(out, mode):
-        return (tmp_path / f"{out.name}-{mode}.log").read_text()[-3000:]
-
-    full = start(tmp_path / "full", "fresh")
-    assert full.wait(timeout=600) == 0, tail(tmp_path / "full", "fresh")
-    cut = start(tmp_path / "cut", "fresh")
-    ckpt, deadline = tmp_path / "cut" / "ckpt", time.time() + 600
-    while cut.poll() is None and time.time() < deadline:
-        if os.path.isdir(ckpt) and sum(n.startswith("iter_") for n in os.listdir(ckpt)) >= 2:
-            cut.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.05)
-    assert cut.wait(timeout=60) == -signal.SIGKILL, "the run ended before it was killed"
-    assert not os.path.exists(tmp_path / "cut" / "params.npz")
-    resumed = start(tmp_path / "cut", "resume")
-    assert resumed.wait(timeout=600) == 0, tail(tmp_path / "cut", "resume")
-    events = [r for r in pl.tools.read_records(str(tmp_path / "cut")) if r.get("event")]
+    changes = dict(staleness=2, partial_rollouts=3, placement="split", trainer_mesh="fsdp:4")
+    full, cut = kill_9_then_resume(tmp_path, changes)
+    events = [r for r in pl.tools.read_records(str(cut)) if r.get("event")]
     assert [r["iteration"] for r in events if r["event"] == "resume"][0] >= 1  # rollouts in flight
 
     def by_step(out):  # the last record of each step (a resumed run repeats the lost ones)
         recs = [r for r in pl.tools.read_records(str(out)) if "step" in r]
         return [v for _, v in sorted({r["step"]: r for r in recs}.items())]
 
-    want, got = by_step(tmp_path / "full"), by_step(tmp_path / "cut")
+    want, got = by_step(full), by_step(cut)
     assert [r["rollout/partial_segments"] for r in want] == [1.0, 2.0, 3.0, 3.0, 3.0, 3.0]
     _close(_numbers(got, ("rollout/queued",)), _numbers(want, ("rollout/queued",)), 0, 0)
-    want_p = np.load(tmp_path / "full" / "params.npz")
-    got_p = np.load(tmp_path / "cut" / "params.npz")
-    assert len(want_p.files) == len(got_p.files) > 0
-    for name in want_p.files:
-        np.testing.assert_array_equal(got_p[name], want_p[name])
+    assert_same_saved_params(full, cut)
 
 
 def test_the_segment_is_checked_against_max_new_tokens_before_loading():

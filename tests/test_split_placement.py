@@ -10,6 +10,7 @@ import equinox as eqx
 import jax
 import numpy as np
 import pytest
+from helpers import assert_same_saved_params, kill_9_then_resume
 
 import rlhf_eqx as rx
 from rlhf_eqx import pipelines as pl
@@ -244,82 +245,14 @@ def test_sampler_runs_staleness_rollouts_ahead(builtin, tmp_path, monkeypatch):
     _same_numbers(ahead, inline, atol=0.0)
 
 
-_KILLED_RUN = """
-import os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-import dataclasses
-import jax
-import numpy as np
-from rlhf_eqx import pipelines as pl
-
-out, resume = sys.argv[1], sys.argv[2] == "resume"
-policy, tok = pl.tools.load_model("builtin")
-cfg = pl.animal_task_config().grpo
-cfg = dataclasses.replace(
-    cfg, prompts_per_rollout=4, group_size=2, rollouts=6, staleness=2, placement="split",
-    trainer_mesh="fsdp:4", optim=dataclasses.replace(cfg.optim, warmup_ratio=0.0),
-)
-ctx = pl.RunContext(
-    ops=pl.OpsConfig(monitor=False, quiet=True, checkpoint_every=1),
-    log=pl.tools.MetricsLog(out, "grpo", quiet=True), key=jax.random.key(0),
-    checkpoint_dir=os.path.join(out, "ckpt"), resume=resume, prompt_length=16,
-    max_new_tokens=8,
-)
-parity = [pl.runs.RewardFunction("parity", lambda p, t: float(len(t) % 2))]
-res = pl.runs.run_grpo(policy, tok, [f"Once upon a time {i}" for i in range(12)],
-                       reward=parity, cfg=cfg, ctx=ctx)
-leaves = [np.asarray(x) for x in jax.tree.leaves(res.state.params)]
-np.savez(os.path.join(out, "params.npz"), *leaves)
-"""
-
-
 @pytest.mark.slow
 def test_kill_9_with_queued_rollouts_then_resume_is_exact(tmp_path):
     """A split, staleness-2 run killed with SIGKILL once its second checkpoint exists
     (two rollouts queued on the sampler) resumes from the checkpoint's stale policies,
     samples the queued rollouts again and ends with the uninterrupted run's parameters."""
     _need_8()
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    script = tmp_path / "run.py"
-    script.write_text(_KILLED_RUN)
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-
-    def start(out, mode):
-        os.makedirs(out, exist_ok=True)
-        with open(tmp_path / f"{out.name}-{mode}.log", "wb") as log:
-            return subprocess.Popen(
-                [sys.executable, str(script), str(out), mode],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-
-    def tail(out, mode):
-        return (tmp_path / f"{out.name}-{mode}.log").read_text()[-3000:]
-
-    full = start(tmp_path / "full", "fresh")
-    assert full.wait(timeout=600) == 0, tail(tmp_path / "full", "fresh")
-    cut = start(tmp_path / "cut", "fresh")
-    ckpt, deadline = tmp_path / "cut" / "ckpt", time.time() + 600
-    while cut.poll() is None and time.time() < deadline:
-        if os.path.isdir(ckpt) and sum(n.startswith("iter_") for n in os.listdir(ckpt)) >= 2:
-            cut.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.05)
-    assert cut.wait(timeout=60) == -signal.SIGKILL, "the run ended before it was killed"
-    assert not os.path.exists(tmp_path / "cut" / "params.npz")
-    resumed = start(tmp_path / "cut", "resume")
-    assert resumed.wait(timeout=600) == 0, tail(tmp_path / "cut", "resume")
-    events = [r for r in pl.tools.read_records(str(tmp_path / "cut")) if r.get("event")]
+    changes = dict(staleness=2, placement="split", trainer_mesh="fsdp:4")
+    full, cut = kill_9_then_resume(tmp_path, changes)
+    events = [r for r in pl.tools.read_records(str(cut)) if r.get("event")]
     assert [r["iteration"] for r in events if r["event"] == "resume"][0] >= 2
-    want = np.load(tmp_path / "full" / "params.npz")
-    got = np.load(tmp_path / "cut" / "params.npz")
-    assert len(want.files) == len(got.files) > 0
-    for name in want.files:
-        np.testing.assert_array_equal(got[name], want[name])
+    assert_same_saved_params(full, cut)

@@ -64,6 +64,7 @@ SMALL = [
     "kto.steps=3",
     "reward.steps=4",
     "reward.eval_every=2",
+    "reward.heldout_fraction=0.5",  # a validation split of the 16 training pairs, both seeds
     *(f"{s}.{f}" for s in ("sft", "dpo", "kto", "reward") for f in ("batch_size=4",)),
     *(f"{s}.max_length=40" for s in ("sft", "dpo", "kto", "reward")),
 ]

@@ -72,11 +72,18 @@ def assert_same_run(member_dir: str, run_dir: str, stage: str = "dpo"):
                 # rewards/margins), and which of the two is larger differs between two
                 # programs (make_dpo_step's docstring)
                 continue
-            # the Bradley-Terry loss is invariant to a common shift of both rewards:
-            # nothing pulls their level back, and the two programs' rounding moves it
-            # (the margins and the loss are compared as tightly as the rest)
-            tol = 1e-3 if stage == "reward" and k in SHIFT_FREE else 1e-5
-            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=tol), (k, a["step"])
+            if stage == "reward" and k in SHIFT_FREE:
+                # the Bradley-Terry loss is invariant to a common shift of both rewards:
+                # the reward head's bias gets a zero gradient up to rounding, which Adam
+                # normalises into steps of up to the learning rate, in a direction the two
+                # programs' rounding decides. The rewards about their mean are compared
+                # as tightly as the rest; the two means part by at most twice the rates
+                ca, cb = a[k] - a["rewards/mean"], b[k] - b["rewards/mean"]
+                assert ca == pytest.approx(cb, rel=1e-5, abs=1e-5), (k, a["step"])
+                drift = sum(r.get("learning_rate", 0.0) for r in theirs[: b["step"] + 1])
+                assert abs(a["rewards/mean"] - b["rewards/mean"]) <= 2 * drift + 1e-5
+                continue
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-5), (k, a["step"])
         moved = moved or b.get("learning_rate", 1.0) > 0
     wa = weights(os.path.join(member_dir, stage, "hf"))
     wb = weights(os.path.join(run_dir, stage, "hf"))

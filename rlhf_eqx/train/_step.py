@@ -42,7 +42,6 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
@@ -60,29 +59,20 @@ PrepareFn = Callable[[PyTree, str | None], tuple[PyTree, Sums]]
 MetricsFn = Callable[[dict[str, Array], PyTree], dict[str, Array]]
 
 
-# XLA options of a step's program on the CPU backend. A whole-model update compiles to
-# hundreds of kernels, one LLVM module each; LLVM's expensive passes (loop unrolling,
-# vectorisation) cost seconds of the first GRPO iteration of the built-in task and leave
-# the program's outputs bit-identical (benchmarks/RESULTS.md, "Compile time"). Other
-# backends, and a step called under a JAX transformation, compile with their defaults.
-# The options are part of the persistent compilation cache's key.
-_FAST_CPU_COMPILE = {"xla_llvm_disable_expensive_passes": True}
-
-
-def _top_level() -> bool:
-    """Whether this call is outside every JAX transformation: `compiler_options` apply to
-    a top-level `jax.jit` only (a step called under `jax.jit` or `jax.vmap` is inlined)."""
-    with jax.extend.core.take_current_trace() as trace:
-        return type(trace).__name__ == "EvalTrace"
-
-
 def _psum(tree: PyTree, axis_name: str | None) -> PyTree:
     return tree if axis_name is None else jax.lax.psum(tree, axis_name)
 
 
-def _all_finite(loss: Array, grads: PyTree) -> Array:
-    leaves = [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]
-    return jnp.logical_and(jnp.isfinite(loss), jnp.all(jnp.stack(leaves)) if leaves else True)
+def _all_finite(loss: Array, tree: PyTree) -> Array:
+    """Whether `loss` and every array of `tree` are finite: one reduction over the arrays
+    of each dtype, concatenated (XLA fuses the concatenation into the reduction), rather
+    than a kernel per array."""
+    by_dtype: dict[Any, list[Array]] = {}
+    for x in [loss, *jax.tree.leaves(tree)]:
+        by_dtype.setdefault(jnp.dtype(x.dtype), []).append(jnp.ravel(x))
+    return jnp.all(
+        jnp.stack([jnp.all(jnp.isfinite(jnp.concatenate(v))) for v in by_dtype.values()])
+    )
 
 
 def _select(pred: Array, on_true: PyTree, on_false: PyTree) -> PyTree:
@@ -148,15 +138,9 @@ class Step:
         shared: Callable[[], Hashable] | None = None,
     ):
         def jit():
-            fast = {"compiler_options": _FAST_CPU_COMPILE}
-            return (
-                eqx.filter_jit(update),
-                eqx.filter_jit(update, donate="all-except-first"),
-                eqx.filter_jit(update, **fast),
-                eqx.filter_jit(update, donate="all-except-first", **fast),
-            )
+            return eqx.filter_jit(update), eqx.filter_jit(update, donate="all-except-first")
 
-        self._jitted = jit() if shared is None else BUILDS.get_or_build(shared, jit)
+        self._plain, self._donating = jit() if shared is None else BUILDS.get_or_build(shared, jit)
         self.donate = donate
         self.batch_type = batch_type
         self.extras = tuple(extras)
@@ -185,9 +169,9 @@ class Step:
             frozen = (frozen, *(extras.get(name) for name in self.extras))
         rest = (batch, frozen, key)
         want = bool(self.donate) if donate is None else donate
-        donating = want and _safe_to_donate((params, opt_state), rest)
-        fast = _top_level() and jax.default_backend() == "cpu"
-        return self._jitted[2 * fast + donating](rest, params, opt_state)
+        if want and _safe_to_donate((params, opt_state), rest):
+            return self._donating(rest, params, opt_state)
+        return self._plain(rest, params, opt_state)
 
 
 def make_step(

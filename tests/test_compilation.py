@@ -183,26 +183,6 @@ def test_decoder_program_size_does_not_grow_with_depth():
     assert thirty <= two * 1.05 + 5, (two, thirty)
 
 
-def test_a_step_compiled_with_its_cpu_options_gives_the_same_bits(getkey):
-    """A step called at top level on the CPU compiles with its own XLA options (LLVM's
-    expensive passes off); called under `jax.jit` it is inlined into a program with the
-    default options. Both give the same parameters, optimiser state and metrics, bit for
-    bit (a GRPO update of a decoder, AdamW)."""
-    policy = rx.Policy(rx.TransformerConfig(
-        vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
-        max_seq_len=16,
-    ), key=getkey())  # fmt: skip
-    params, frozen = eqx.partition(policy, eqx.is_inexact_array)
-    opt = _optimizer()
-    opt_state = opt.init(params)
-    batch = _grpo_batch(getkey(), policy)
-    step = make_grpo_step(opt, GRPOSettings(group_size=2))
-    top = step(params, opt_state, batch, frozen=frozen)
-    inlined = eqx.filter_jit(lambda *a: step(*a, frozen=frozen))(params, opt_state, batch)
-    for a, b in zip(jax.tree.leaves(top), jax.tree.leaves(inlined), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
 # --- the persistent compilation cache -------------------------------------------------
 
 

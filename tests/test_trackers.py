@@ -10,10 +10,14 @@ import glob
 import importlib.util
 import json
 import os
+import shutil
+import signal
 import socket
 import struct
+import subprocess
 import sys
 import tempfile
+import time
 
 import jax
 import pytest
@@ -115,6 +119,18 @@ class _Guard:
         monkeypatch.setattr(socket, "getaddrinfo", lookup)
 
 
+def _offline(mp: pytest.MonkeyPatch) -> "_Guard":
+    """The trackers' offline defaults (no setting that sends elsewhere, W&B quiet) and the
+    network refused beyond this machine; returns the guard (its `attempts`)."""
+    for var in NETWORK_SETTINGS:
+        mp.delenv(var, raising=False)
+    mp.setenv("WANDB_SILENT", "true")
+    mp.setenv("WANDB_CONSOLE", "off")
+    guard = _Guard()
+    guard.install(mp)
+    return guard
+
+
 def _tiny_stages(run_dir: str, *, ops: pl.OpsConfig | None = None) -> dict:
     """A 3-step SFT stage and a 2-step DPO stage from it on a one-layer model with the
     shipped 512-token tokenizer, logging to `run_dir`; returns a summary."""
@@ -171,13 +187,8 @@ def tracked_run(tmp_path_factory):
     )
     run_dir = str(tmp_path_factory.mktemp("tracked") / "run-1")
     mp = pytest.MonkeyPatch()
-    guard = _Guard()
     try:
-        for var in NETWORK_SETTINGS:
-            mp.delenv(var, raising=False)
-        mp.setenv("WANDB_SILENT", "true")
-        mp.setenv("WANDB_CONSOLE", "off")
-        guard.install(mp)
+        guard = _offline(mp)
         with pl.trackers.open_trackers(names, run_dir, CONFIG, group=GROUP) as trackers:
             started = trackers.names
             where = {n: t for n, t in trackers.trackers.items()}
@@ -205,6 +216,10 @@ def test_every_installed_tracker_starts_offline_and_reaches_no_network(tracked_r
     if "wandb" in where:
         assert where["wandb"].run.settings.mode == "offline"
         assert os.path.commonpath([where["wandb"].run.dir, run_dir]) == run_dir
+        # W&B's analytics exporter, which posts from a thread whatever the run's mode, is off
+        from wandb.analytics.opentelemetry import opentelemetry_proxy
+
+        assert opentelemetry_proxy.get_open_telemetry_proxy() is None
     if "mlflow" in where:
         assert where["mlflow"].tracking_uri == "sqlite:///" + os.path.join(run_dir, "mlflow.db")
     if "trackio" in where:
@@ -228,26 +243,37 @@ def _tfrecords(path: str):
             f.read(4)
 
 
+def _tensorboard_events(directory: str, purge: bool = True) -> dict[str, list[tuple]]:
+    """`{tag: [(step, value), ...]}` of the event files in `directory` in the order
+    written, read with tensorboardX's protocol buffers; `purge`: as TensorBoard reads
+    them, a session start with a step (`purge_step`) dropping the earlier events at and
+    after that step."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    out: dict[str, list[tuple]] = {}
+    files = []
+    for path in glob.glob(os.path.join(directory, "events.out.tfevents.*")):
+        events = [Event.FromString(data) for data in _tfrecords(path)]
+        files.append((events[0].wall_time, events))
+    for _, events in sorted(files, key=lambda f: f[0]):
+        for ev in events:
+            if purge and ev.HasField("session_log") and ev.session_log.status == 1:  # START
+                out = {t: [(s, v) for s, v in sv if s < ev.step] for t, sv in out.items()}
+            for v in ev.summary.value:
+                out.setdefault(v.tag, []).append((ev.step, v.simple_value))
+    return out
+
+
 def _tensorboard_scalars(directory: str) -> dict[str, dict[int, float]]:
     """`{tag: {step: value}}` of the event files in `directory`, read with TensorBoard's
     event accumulator when installed, else with tensorboardX's protocol buffers."""
-    out: dict[str, dict[int, float]] = {}
     try:
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     except ImportError:
-        from tensorboardX.proto.event_pb2 import Event
-
-        for path in sorted(glob.glob(os.path.join(directory, "events.out.tfevents.*"))):
-            for data in _tfrecords(path):
-                ev = Event.FromString(data)
-                for v in ev.summary.value:
-                    out.setdefault(v.tag, {})[ev.step] = v.simple_value
-        return out
+        return {t: dict(sv) for t, sv in _tensorboard_events(directory).items()}
     acc = EventAccumulator(directory)
     acc.Reload()
-    for tag in acc.Tags()["scalars"]:
-        out[tag] = {e.step: e.value for e in acc.Scalars(tag)}
-    return out
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
 
 
 def test_tensorboard_has_each_stage_in_its_directory_with_the_logged_values(tracked_run):
@@ -264,38 +290,6 @@ def test_tensorboard_has_each_stage_in_its_directory_with_the_logged_values(trac
 # --- Weights & Biases -------------------------------------------------------------------
 
 
-def _wandb_records(path: str):
-    """The records of a W&B transaction log (`run-<id>.wandb`): a 7-byte header, then
-    LevelDB-log chunks in 32 KiB blocks (CRC, length, type), each record a
-    `wandb_internal_pb2.Record`."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    with open(path, "rb") as f:
-        data = f.read()
-    assert data[:4] == b":W&B"
-    pos, block, pending = 7, 32768, b""
-    while pos + 7 <= len(data):
-        left = block - pos % block
-        if left < 7:
-            pos += left
-            continue
-        n, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
-        if kind == 0:  # the block's zero padding
-            pos += left
-            continue
-        chunk, pos = data[pos + 7 : pos + 7 + n], pos + 7 + n
-        if kind == 2:
-            pending = chunk
-            continue
-        if kind == 3:
-            pending += chunk
-            continue
-        record = pb.Record()
-        record.ParseFromString(pending + chunk if kind == 4 else chunk)
-        pending = b""
-        yield record
-
-
 def _item(item) -> tuple[str, object]:
     key = "/".join(item.nested_key) if item.nested_key else item.key
     return key, json.loads(item.value_json)
@@ -305,7 +299,7 @@ def test_wandb_offline_run_holds_config_group_steps_and_summary(tracked_run):
     _need("wandb", "wandb")
     run_dir, summary, *_ = tracked_run
     (path,) = glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))
-    records = list(_wandb_records(path))
+    records = list(pl.trackers.wandb_records(path))
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert run.run_group == GROUP and run.display_name == "run-1" and run.project == "rlhf_eqx"
     config = dict(_item(u) for u in run.config.update)
@@ -571,3 +565,440 @@ def test_a_run_on_a_data_file_logs_its_config_steps_and_summary_to_mlflow(tmp_pa
     assert [(m.step, m.value) for m in hist] == [(r["step"], r["loss"]) for r in recs]
     want = summary["sft"]["heldout_nll"]
     assert run.data.metrics["summary/sft/heldout_nll"] == pytest.approx(want)
+
+
+# --- resume: the same tracker runs continue ---------------------------------------------
+
+_BACKENDS = (
+    ("tensorboard", "tensorboardX"),
+    ("wandb", "wandb"),
+    ("mlflow", "mlflow"),
+    ("trackio", "trackio"),
+)
+# (stage, steps) of the uninterrupted run; the stopped one logs every SFT step and DPO's
+# steps 0-2, its last checkpoint after DPO step 0: the resumed run logs DPO's steps 1-3.
+_PLAN = (("sft", 6), ("dpo", 4))
+_STOP, _CHECKPOINT = 3, 1
+
+
+def _record(stage: str, step: int, took: float) -> dict:
+    """A step record whose numbers depend on the stage and step only (a bit-identical
+    resume), but for its measured time `took`."""
+    k = 1.0 if stage == "sft" else 2.0
+    loss, margin = k / (step + 1), k * step
+    return {"iteration": step, "step": step, "loss": loss, "margin": margin, "time_s": took}
+
+
+def _log(run_dir: str, stage: str, steps, took: float) -> None:
+    log = pl.tools.MetricsLog(run_dir, stage, quiet=True)
+    for step in steps:
+        log.write(_record(stage, step, took + step))
+
+
+def _want(stage: str) -> dict[str, list[tuple[int, float]]]:
+    """What an uninterrupted run logs of `stage`, with each step's first time (the
+    stopped run's, then the resumed run's): `{metric: [(step, value)]}`."""
+    out: dict[str, list] = {}
+    for step in range(dict(_PLAN)[stage]):
+        took = 50.0 if stage == "dpo" and step >= _STOP else 10.0
+        for k, v in _numbers(_record(stage, step, took + step)).items():
+            out.setdefault(k, []).append((step, v))
+    return out
+
+
+def _same_rows(got, want, rel: float = 1e-12) -> bool:
+    """`[(step, value)]` lists equal in their steps, in any order, and their values to
+    `rel`."""
+    got, want = sorted(got), sorted(want)
+    steps = [s for s, _ in got] == [s for s, _ in want]
+    return steps and [v for _, v in got] == pytest.approx([v for _, v in want], rel=rel)
+
+
+@pytest.fixture(scope="module")
+def resumed_run(tmp_path_factory):
+    """The plan logged by a run stopped after DPO step 2 (as a kill leaves it: no
+    summary), then resumed from its checkpoint after DPO step 0 (DPO steps 1-3 again,
+    later times), with every installed tracker and the network refused; `(run_dir,
+    started names, attempts, stderr of the resume)`."""
+    names = tuple(n for n, m in _BACKENDS if _installed(m))
+    cut = str(tmp_path_factory.mktemp("resume") / "cut-run")
+    summary = {"sft": {"final_loss": 1 / 6}, "dpo": {"final_loss": 0.5}, "stopped": "done"}
+    mp = pytest.MonkeyPatch()
+    err = tempfile.TemporaryFile("w+")
+    try:
+        guard = _offline(mp)
+        with pl.trackers.open_trackers(names, cut, CONFIG, group=GROUP) as trackers:
+            started = trackers.names
+            _log(cut, "sft", range(6), 10.0)
+            _log(cut, "dpo", range(_STOP), 10.0)
+        mp.setattr(sys, "stderr", err)
+        with pl.trackers.open_trackers(names, cut, CONFIG, group=GROUP, resume=True) as trackers:
+            assert trackers.names == started
+            _log(cut, "dpo", range(_CHECKPOINT, 4), 50.0)
+            trackers.summary(summary)
+    finally:
+        mp.undo()
+        err.seek(0)
+        said = err.read()
+        err.close()
+    return cut, started, guard.attempts, said
+
+
+@pytest.mark.slow
+def test_a_resumed_run_records_its_tracker_runs_and_warns_of_nothing(resumed_run):
+    cut, started, attempts, err = resumed_run
+    assert attempts == [] and err == ""
+    runs = pl.trackers.recorded_runs(cut)
+    assert set(runs) == set(started)
+    if "mlflow" in runs:
+        assert set(runs["mlflow"]) == {"run_id", "tracking_uri"}
+
+
+@pytest.mark.slow
+def test_tensorboard_resumed_purges_the_stopped_runs_later_steps(resumed_run):
+    _need("tensorboardX", "tensorboard")
+    cut, *_ = resumed_run
+    for stage, _ in _PLAN:
+        got = _tensorboard_events(os.path.join(cut, "tensorboard", stage))
+        for k, rows in _want(stage).items():
+            if k != "time_s":  # TensorBoard keeps the resumed run's times
+                assert _same_rows(got[f"{stage}/{k}"], rows, rel=1e-6)  # float32
+    raw = _tensorboard_events(os.path.join(cut, "tensorboard", "dpo"), purge=False)
+    assert sorted(s for s, _ in raw["dpo/loss"]) == [0, 1, 1, 2, 2, 3]  # unpurged: twice
+    times = dict(_tensorboard_events(os.path.join(cut, "tensorboard", "dpo"))["dpo/time_s"])
+    assert times == {0: 10.0, 1: 51.0, 2: 52.0, 3: 53.0}
+
+
+@pytest.mark.slow
+def test_wandb_resumed_continues_the_run_id_with_each_step_once(resumed_run):
+    _need("wandb", "wandb")
+    cut, *_ = resumed_run
+    (first, second) = sorted(glob.glob(os.path.join(cut, "wandb", "offline-run-*")))
+    assert first.rsplit("-", 1)[1] == second.rsplit("-", 1)[1]  # one run id, two parts
+    history, configs, final = [], [], {}
+    for path in (first, second):
+        (log,) = glob.glob(os.path.join(path, "run-*.wandb"))
+        for r in pl.trackers.wandb_records(log):
+            kind = r.WhichOneof("record_type")
+            if kind == "history":
+                history.append(dict(_item(i) for i in r.history.item))
+            elif kind == "run":
+                configs.append(dict(_item(u) for u in r.run.config.update))
+                assert r.run.run_group == GROUP and r.run.display_name == "cut-run"
+            elif kind == "summary":
+                final.update(_item(u) for u in r.summary.update)
+    steps = [h["_step"] for h in history]
+    assert steps == list(range(len(steps)))  # the internal step continues
+    for stage, _ in _PLAN:
+        rows = [h for h in history if f"{stage}/step" in h]
+        for k, want in _want(stage).items():
+            got = [(h[f"{stage}/step"], h[f"{stage}/{k}"]) for h in rows if f"{stage}/{k}" in h]
+            assert [s for s, _ in got] == [s for s, _ in want] and _same_rows(got, want)
+    assert [{k: c[k] for k in CONFIG} for c in configs] == [CONFIG, CONFIG]
+    assert final["summary/dpo/final_loss"] == 0.5 and final["summary/stopped"] == "done"
+
+
+@pytest.mark.slow
+def test_mlflow_resumed_reopens_its_run_with_each_step_once(resumed_run):
+    _need("mlflow", "mlflow")
+    from mlflow.tracking import MlflowClient
+
+    cut, *_ = resumed_run
+    client = MlflowClient(tracking_uri="sqlite:///" + os.path.join(cut, "mlflow.db"))
+    (found,) = client.search_runs([client.get_experiment_by_name("rlhf_eqx").experiment_id])
+    run = client.get_run(found.info.run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["group"] == GROUP
+    assert run.data.params["sft.steps"] == "3" and run.data.params["dpo.beta"] == "0.1"
+    for stage, _ in _PLAN:
+        for k, want in _want(stage).items():
+            hist = client.get_metric_history(run.info.run_id, f"{stage}/{k}")
+            assert _same_rows([(m.step, m.value) for m in hist], want)
+    (summary,) = client.get_metric_history(run.info.run_id, "summary/dpo/final_loss")
+    assert summary.value == 0.5 and run.data.tags["summary/stopped"] == "done"
+
+
+@pytest.mark.slow
+def test_trackio_resumed_reopens_its_run_with_each_step_once(resumed_run):
+    _need("trackio", "trackio")
+    import trackio
+    from trackio.sqlite_storage import SQLiteStorage
+
+    cut, *_ = resumed_run
+    (run,) = [r for r in trackio.Api().runs("rlhf_eqx") if r.name == "cut-run"]
+    assert run.config["_Group"] == GROUP and {k: run.config[k] for k in CONFIG} == CONFIG
+    logs = SQLiteStorage.get_logs("rlhf_eqx", "cut-run")
+    for stage, _ in _PLAN:
+        for k, want in _want(stage).items():
+            got = [(r["step"], r[f"{stage}/{k}"]) for r in logs if f"{stage}/{k}" in r]
+            assert _same_rows(got, want)
+    (last,) = [r for r in logs if "summary/dpo/final_loss" in r]
+    assert last["summary/dpo/final_loss"] == 0.5
+
+
+class _Resumable(_Records):
+    """Records its calls and reopens its run from its identity; `lost` ids raise."""
+
+    lost: set = set()
+
+    def start(self, run_name, config, group):
+        self.id = f"run-{len(type(self).seen)}"
+        type(self).seen.append(("start", self.id))
+
+    def identity(self):
+        return {"id": self.id}
+
+    def resume(self, run_name, config, group, identity):
+        if identity["id"] in type(self).lost:
+            raise KeyError(f"no run {identity['id']} in the store")
+        self.id = identity["id"]
+        type(self).seen.append(("resume", self.id))
+
+
+def _resumable(tmp_path) -> str:
+    pl.trackers.register_tracker("test-resumable", _Resumable)
+    _Resumable.seen, _Resumable.lost = [], set()
+    run_dir = str(tmp_path / "r")
+    with pl.trackers.open_trackers(["test-resumable"], run_dir, {}):
+        _log(run_dir, "sft", range(2), 0.0)
+    return run_dir
+
+
+def test_a_resumed_run_reopens_each_trackers_run_from_the_run_directory(tmp_path, capsys):
+    run_dir = _resumable(tmp_path)
+    assert pl.trackers.recorded_runs(run_dir) == {"test-resumable": {"id": "run-0"}}
+    with pl.trackers.open_trackers(["test-resumable"], run_dir, {}, resume=True):
+        _log(run_dir, "sft", range(1, 3), 0.0)
+    assert [c for c in _Resumable.seen if c[0] in ("start", "resume")] == [
+        ("start", "run-0"),
+        ("resume", "run-0"),
+    ]
+    assert capsys.readouterr().err == ""
+    with pl.trackers.open_trackers(["test-resumable"], run_dir, {}):  # not resumed: new
+        pass
+    assert _Resumable.seen[-2][0] == "start"
+
+
+@pytest.mark.parametrize("damage", ["missing", "corrupt", "not a mapping"])
+def test_a_missing_or_corrupt_trackers_file_starts_new_runs_with_one_line(damage, tmp_path, capsys):
+    run_dir = _resumable(tmp_path)
+    path = os.path.join(run_dir, "trackers.json")
+    if damage == "missing":
+        os.remove(path)
+    else:
+        with open(path, "w") as f:
+            f.write('{"test-resumable": {"id": ' if damage == "corrupt" else "[1, 2]")
+    capsys.readouterr()
+    with pl.trackers.open_trackers(["test-resumable"], run_dir, {}, resume=True) as trackers:
+        assert trackers.names == ("test-resumable",)
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    reason = "is missing" if damage == "missing" else "is unreadable ("
+    assert line.startswith(f"trackers: {path} {reason}")
+    assert line.endswith("; each tracker starts a new run")
+    assert [c[0] for c in _Resumable.seen if c[0] in ("start", "resume")] == ["start", "start"]
+    new_id = [c for c in _Resumable.seen if c[0] == "start"][-1][1]
+    assert pl.trackers.recorded_runs(run_dir) == {"test-resumable": {"id": new_id}}
+
+
+def test_a_run_the_store_lost_or_never_had_starts_a_new_one_with_one_line(tmp_path, capsys):
+    run_dir = _resumable(tmp_path)
+    _Resumable.lost = {"run-0"}
+    pl.trackers.register_tracker("test-records", _Records)
+    with pl.trackers.open_trackers(
+        ["test-resumable", "test-records"], run_dir, {}, resume=True
+    ) as trackers:
+        assert trackers.names == ("test-resumable", "test-records")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "tracker test-resumable: could not resume its run ('no run run-0 in the store'); "
+        "it starts a new run",
+        "tracker test-records: trackers.json records no run of it; it starts a new run",
+    ]
+    assert [c[0] for c in _Resumable.seen if c[0] in ("start", "resume")] == ["start", "start"]
+    runs = pl.trackers.recorded_runs(run_dir)
+    assert runs["test-records"] is None and runs["test-resumable"]["id"] != "run-0"
+
+
+# --- resume of a real run: a clean stop, and kill -9 ------------------------------------
+
+_PAUSE_MODULE = """
+import os, time
+from rlhf_eqx import pipelines as pl
+
+class Pause(pl.Callback):
+    def on_step(self, run, step, metrics):
+        time.sleep(float(os.environ.get("STEP_PAUSE", "0")))
+
+class StopAtFour(pl.Callback):
+    def on_step(self, run, step, metrics):
+        if step == 4:
+            run.request_stop("four steps")
+"""
+
+
+def _data_run_argv(tmp_path, out: str) -> list[str]:
+    """`python -m rlhf_eqx` arguments of a 6-step SFT run on a small data file into
+    `out`, checkpointed every 2 steps, with every installed tracker."""
+    data = tmp_path / "pairs.jsonl"
+    if not data.exists():
+        with open(data, "w") as f:
+            for i in range(40):
+                rec = {"prompt": f"Once upon a time {i}", "chosen": " a cat", "rejected": " rain"}
+                f.write(json.dumps(rec) + "\n")
+        (tmp_path / "pause_steps.py").write_text(_PAUSE_MODULE)
+    names = ",".join(n for n, m in _BACKENDS if _installed(m))
+    sets = [
+        "sft.steps=6",
+        "sft.batch_size=4",
+        "sft.max_length=32",
+        "sampling.prompt_length=16",
+        "ops.monitor=false",
+        "ops.checkpoint_every=2",
+        f"ops.trackers={names}",
+        f"ops.tracker_group={GROUP}",
+    ]
+    return ["sft", "--data", str(data), "--out", out, "--quiet"] + [
+        a for s in sets for a in ("--set", s)
+    ]
+
+
+def _held_steps(run_dir: str) -> dict[str, list[tuple[int, float]]]:
+    """What each installed tracker holds of `run_dir`'s SFT stage, by backend and metric:
+    `{backend: {metric: [(step, value)]}}` (W&B: every offline part of its run id)."""
+    out: dict[str, dict[str, list]] = {}
+    if _installed("mlflow"):
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri="sqlite:///" + os.path.join(run_dir, "mlflow.db"))
+        (run,) = client.search_runs([client.get_experiment_by_name("rlhf_eqx").experiment_id])
+        out["mlflow"] = {
+            k: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, k)]
+            for k in run.data.metrics
+            if k.startswith("sft/")
+        }
+    if _installed("trackio"):
+        from trackio.sqlite_storage import SQLiteStorage
+
+        rows = SQLiteStorage.get_logs("rlhf_eqx", os.path.basename(run_dir))
+        out["trackio"] = {}
+        for r in rows:
+            for k, v in _numbers(r).items():
+                if k.startswith("sft/"):
+                    out["trackio"].setdefault(k, []).append((r["step"], v))
+    if _installed("wandb"):
+        out["wandb"] = {}
+        parts = sorted(glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb")))
+        assert len({os.path.basename(p) for p in parts}) == 1  # one run id
+        for path in parts:
+            for r in pl.trackers.wandb_records(path):
+                if r.WhichOneof("record_type") == "history":
+                    h = dict(_item(i) for i in r.history.item)
+                    for k, v in h.items():
+                        if k.startswith("sft/") and k != "sft/step":
+                            out["wandb"].setdefault(k, []).append((h["sft/step"], v))
+    if _installed("tensorboardX"):
+        out["tensorboard"] = _tensorboard_events(os.path.join(run_dir, "tensorboard", "sft"))
+    return out
+
+
+_WALL_CLOCK = ("time", "per_s", "mfu", "seconds")
+
+
+def _assert_same_histories(got: dict, want: dict) -> None:
+    """Each backend's metrics at the same steps, each step once; the values equal but
+    for measured times (float32 in TensorBoard)."""
+    assert set(got) == set(want)
+    for backend in want:
+        assert set(got[backend]) == set(want[backend]), backend
+        for k, rows in want[backend].items():
+            steps = sorted(s for s, _ in got[backend][k])
+            assert steps == sorted(s for s, _ in rows), (backend, k)
+            if not any(w in k for w in _WALL_CLOCK):
+                rel = 1e-6 if backend == "tensorboard" else 1e-12
+                assert _same_rows(got[backend][k], rows, rel=rel), (backend, k)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_data_run(tmp_path_factory):
+    """The 6-step SFT data run without a stop: `(tmp dir, its run dir)`."""
+    from rlhf_eqx.__main__ import main
+
+    tmp = tmp_path_factory.mktemp("data-runs")
+    full = str(tmp / "full")
+    mp = pytest.MonkeyPatch()
+    try:
+        guard = _offline(mp)
+        assert main(_data_run_argv(tmp, full)) == 0
+    finally:
+        mp.undo()
+    assert guard.attempts == []
+    return tmp, full
+
+
+@pytest.mark.slow
+def test_a_data_run_stopped_by_a_callback_then_resumed_continues_its_tracker_runs(
+    uninterrupted_data_run, monkeypatch
+):
+    from rlhf_eqx.__main__ import main
+
+    tmp, full = uninterrupted_data_run
+    guard = _offline(monkeypatch)
+    monkeypatch.syspath_prepend(str(tmp))
+    cut = str(tmp / "stopped")
+    argv = _data_run_argv(tmp, cut)
+    assert main([*argv, "--callback", "pause_steps:StopAtFour"]) == 0
+    ckpts = os.path.join(cut, "sft", "checkpoints")
+    last = pl.tools.latest_checkpoint(ckpts)
+    assert last.endswith("iter_00000004")
+    shutil.rmtree(last)  # resume from step 2: the stopped run logged steps 2 and 3 after it
+    assert pl.tools.latest_checkpoint(ckpts).endswith("iter_00000002")
+    assert main([*argv, "--resume"]) == 0 and guard.attempts == []
+    _assert_same_histories(_held_steps(cut), _held_steps(full))
+
+
+_KILLED_RUN = """
+import sys
+from rlhf_eqx.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _kill_when(proc: subprocess.Popen, ready, seconds: float = 240.0) -> None:
+    """SIGKILL `proc` as soon as `ready()` holds (polled every 50 ms); the process must
+    still be running then."""
+    deadline = time.monotonic() + seconds
+    while not ready():
+        assert proc.poll() is None, "the run ended before it could be killed"
+        assert time.monotonic() < deadline, f"not ready to kill after {seconds:.0f} s"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_continues_each_tracker_run(uninterrupted_data_run, monkeypatch):
+    from rlhf_eqx.__main__ import main
+
+    tmp, full = uninterrupted_data_run
+    guard = _offline(monkeypatch)
+    killed = str(tmp / "killed")
+    argv = _data_run_argv(tmp, killed)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}  # its own W&B service
+    env.update(STEP_PAUSE="0.5", PYTHONPATH=os.pathsep.join([root, str(tmp)]))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_RUN, *argv, "--callback", "pause_steps:Pause"], env=env
+    )
+    ckpts = os.path.join(killed, "sft", "checkpoints")
+
+    def past_a_checkpoint() -> bool:  # a step logged after the checkpoint of step 2
+        latest = pl.tools.latest_checkpoint(ckpts) if os.path.isdir(ckpts) else None
+        try:
+            steps = [r["step"] for r in _steps(killed).get("sft", [])]
+        except (OSError, ValueError):  # not written yet, or a line being written
+            return False
+        return latest is not None and bool(steps) and steps[-1] >= int(latest[-8:])
+
+    _kill_when(proc, past_a_checkpoint)
+    assert int(pl.tools.latest_checkpoint(ckpts)[-8:]) < 6
+    assert main([*argv, "--resume"]) == 0 and guard.attempts == []
+    _assert_same_histories(_held_steps(killed), _held_steps(full))

@@ -76,7 +76,7 @@ def run_on_data(
     run_dir = cfg.out or os.path.join("runs", stage)
     with (
         open_run_dir(cfg, run_dir, resume=resume, overwrite=overwrite) as rd,
-        run_trackers(cfg, run_dir),
+        run_trackers(cfg, run_dir, resume=rd.resume),
     ):
         print(f"run directory: {run_dir}")
         for note in rd.notes:

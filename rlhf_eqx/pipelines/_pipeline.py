@@ -244,7 +244,7 @@ def run_pipeline(
     run_dir = cfg.out or os.path.join("runs", "pipeline")
     with (
         open_run_dir(cfg, run_dir, resume=resume, overwrite=overwrite) as rd,
-        run_trackers(cfg, run_dir),
+        run_trackers(cfg, run_dir, resume=rd.resume),
     ):
         say = (lambda *a: None) if cfg.ops.quiet else print
         print(f"run directory: {run_dir}")

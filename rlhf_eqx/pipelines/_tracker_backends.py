@@ -6,7 +6,7 @@ Each keeps to local files unless the user configured a server:
 | tracker | where it writes by default | what sends elsewhere |
 | --- | --- | --- |
 | `tensorboard` | `<run dir>/tensorboard/<stage>/` (`tensorboardX`) | nothing |
-| `wandb` | offline run in `<run dir>/wandb/` | `WANDB_MODE=online` |
+| `wandb` | offline run in `<run dir>/wandb/` (W&B's analytics off) | `WANDB_MODE=online` |
 | `mlflow` | `sqlite:///<run dir>/mlflow.db` | `MLFLOW_TRACKING_URI` |
 | `trackio` | its local store, `$TRACKIO_DIR` | `TRACKIO_SPACE_ID`, `TRACKIO_SERVER_URL` |
 
@@ -15,13 +15,30 @@ its step axis the stage's step); the others keep one run per pipeline run with t
 metrics prefixed by their stage (`sft/loss`, `dpo/loss`): W&B plots each stage against
 its own step (`<stage>/step`, `define_metric`), MLflow and trackio record each metric at
 the stage's step. The final summary is `summary/<stage>/<key>`.
+
+How a resumed run continues each (`Tracker.resume`, from `trackers.json`): TensorBoard
+writes to the same stage directories, its first record of a stage purging the steps at
+and after it (`purge_step`: the stopped run's steps after its last checkpoint); MLflow
+reopens the recorded run id; trackio reopens the run by name (`resume="must"`); W&B
+opens the recorded run id (`resume="allow"`: offline, a second `offline-run-*-<id>`
+directory), its internal `_step` continuing after the stopped run's. MLflow, trackio
+and W&B offline cannot delete what a run holds: a resumed run reads which metrics the run
+already holds at which steps and does not log those again (`_Held`), so the steps the
+stopped run logged after its last checkpoint, repeated by the resumed run, are there
+once, with their first values (the same values when the resume is bit-identical; the
+stopped run's measured times). What the stopped run's tracker lost (a killed process:
+W&B and trackio write from buffers) is logged again from `metrics.jsonl` when the run
+reopens (`_replay`). The summary is logged when a run finishes: a run that stopped
+cleanly (a callback) and is resumed logs a second one, the run's latest.
 """
 
+import glob
 import json
 import math
 import os
 import re
 import time
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ._trackers import Tracker, flatten, register_tracker
@@ -35,6 +52,65 @@ def _numbers(values: dict) -> dict[str, float]:
     }
 
 
+class _Held:
+    """The metrics a reopened run holds, by key and step. A resumed run repeats the steps
+    the stopped run logged after its last checkpoint; `new` keeps only the metrics the
+    run does not hold yet at a step, and holds them from then on (a step's first value
+    stays: the same value when the resume is bit-identical, a measured time of the
+    stopped run). A run that was not reopened (`resumed` false) logs everything."""
+
+    def __init__(self):
+        self.keys: set[tuple[str, int]] = set()
+        self.last_step = -1
+        self.resumed = False
+
+    def add(self, key: str, step: int) -> None:
+        self.keys.add((key, int(step)))
+        self.last_step = max(self.last_step, int(step))
+
+    def new(self, step: int, row: dict[str, float]) -> dict[str, float]:
+        if not self.resumed:
+            return row
+        out = {k: v for k, v in row.items() if (k, int(step)) not in self.keys}
+        for k in out:
+            self.add(k, step)
+        return out
+
+
+def _replay(tracker: Tracker, run_dir: str) -> None:
+    """Send `tracker` again the records of `run_dir/metrics.jsonl` that went to the
+    trackers (steps and evaluations, not events): its `_Held` filter keeps only those its
+    store lost, e.g. what a killed run's tracker had not yet written (W&B's and trackio's
+    buffered records)."""
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            lines = f.readlines()
+    except FileNotFoundError:
+        return
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:  # a torn last line
+            continue
+        if "step" in record and "event" not in record:
+            numbers = {k: v for k, v in _numbers(record).items() if k != "step"}
+            if numbers:
+                tracker.log(int(record["step"]), numbers, str(record.get("stage", "run")))
+
+
+def _prefixed(stage: str, metrics: dict[str, float], bad: re.Pattern | None = None):
+    """`metrics` named `<stage>/<metric>`, the characters `bad` matches replaced by `_`."""
+    out = {f"{stage}/{k}": v for k, v in metrics.items()}
+    return out if bad is None else {bad.sub("_", k): v for k, v in out.items()}
+
+
+def _run_options(project_variable: str, run_name: str, group: str | None, config: dict):
+    """The project (`$<project_variable>` or `rlhf_eqx`), name, group and configuration
+    of a W&B or trackio run."""
+    project = os.environ.get(project_variable) or "rlhf_eqx"
+    return dict(project=project, name=run_name, group=group, config=config)
+
+
 class TensorBoardTracker(Tracker):
     """TensorBoard scalars with `tensorboardX` (or `torch.utils.tensorboard`): one event
     directory per stage, `<run dir>/tensorboard/<stage>/`, tags `<stage>/<metric>` at the
@@ -45,6 +121,7 @@ class TensorBoardTracker(Tracker):
         self.run_dir = run_dir
         self.writers: dict[str, Any] = {}
         self._writer_class: Any = None
+        self.resumed = False
 
     def start(self, run_name: str, config: dict, group: str | None) -> None:
         del run_name, config, group
@@ -59,16 +136,27 @@ class TensorBoardTracker(Tracker):
                 ) from None
         self._writer_class = SummaryWriter
 
-    def writer(self, stage: str) -> Any:
-        """The `SummaryWriter` of `stage` (made on its first record)."""
+    def identity(self) -> dict:
+        return {"log_dir": "tensorboard"}  # in the run directory
+
+    def resume(self, run_name: str, config: dict, group: str | None, identity: dict) -> None:
+        del identity  # the run directory's own
+        self.start(run_name, config, group)
+        self.resumed = True
+
+    def writer(self, stage: str, purge_step: int | None = None) -> Any:
+        """The `SummaryWriter` of `stage` (made on its first record; in a resumed run,
+        `purge_step` makes TensorBoard drop the earlier events at and after it, and the
+        new event file's name sorts after the stopped run's, which it never replaces)."""
         if stage not in self.writers:
+            later = {"filename_suffix": f".{time.time_ns()}"} if purge_step is not None else {}
             self.writers[stage] = self._writer_class(
-                os.path.join(self.run_dir, "tensorboard", stage)
+                os.path.join(self.run_dir, "tensorboard", stage), purge_step=purge_step, **later
             )
         return self.writers[stage]
 
     def log(self, step: int, metrics: dict[str, float], stage: str) -> None:
-        w = self.writer(stage)
+        w = self.writer(stage, step if self.resumed else None)
         for k, v in metrics.items():
             w.add_scalar(f"{stage}/{k}", v, global_step=step)
         w.flush()
@@ -89,34 +177,75 @@ class WandbTracker(Tracker):
     (sync it later with `wandb sync <run dir>/wandb/offline-run-*`). Project
     `WANDB_PROJECT` or `rlhf_eqx`; the run's name, group and configuration as given.
     Each stage's metrics are `<stage>/<metric>` plotted against `<stage>/step`; the
-    summary is `summary/...` in the run's summary."""
+    summary is `summary/...` in the run's summary.
+
+    Resumed, it opens the recorded run id with `resume="allow"`. Offline, W&B cannot
+    reopen a run: it writes a second `offline-run-*-<id>` directory for the same id,
+    whose internal `_step` would restart at 0; this tracker reads the earlier
+    directories' transaction logs (`wandb_records`) and continues `_step` after their
+    last one, and leaves out the metrics they already hold at a step. A killed run's W&B
+    service loses the records it had not written (it writes its log in 32 KiB blocks:
+    a small run's whole history); the resumed run logs them again from `metrics.jsonl`.
+    Upload the parts in order into the one run (`wandb sync --append`, oldest first)."""
 
     def __init__(self, run_dir: str):
         self.run_dir = run_dir
         self.run: Any = None
         self.stages: set[str] = set()
+        self.held = _Held()
+        self.next_step: int | None = None  # the `_step` of the next row (resumed)
 
-    def start(self, run_name: str, config: dict, group: str | None) -> None:
+    def start(self, run_name: str, config: dict, group: str | None, **resume) -> None:
         import wandb
 
+        mode = os.environ.get("WANDB_MODE") or "offline"
+        if mode != "online":
+            _no_wandb_analytics()
         self.run = wandb.init(
-            project=os.environ.get("WANDB_PROJECT") or "rlhf_eqx",
-            name=run_name,
-            group=group,
-            config=config,
+            **_run_options("WANDB_PROJECT", run_name, group, config),
             dir=self.run_dir,
-            mode=os.environ.get("WANDB_MODE") or "offline",
+            mode=mode,
             reinit="create_new",
+            **resume,
         )
+
+    def identity(self) -> dict:
+        return {"id": self.run.id, "project": self.run.project}
+
+    def resume(self, run_name: str, config: dict, group: str | None, identity: dict) -> None:
+        last = -1
+        pattern = os.path.join(self.run_dir, "wandb", f"*-{identity['id']}", "run-*.wandb")
+        for path in sorted(glob.glob(pattern)):
+            for record in wandb_records(path):
+                if record.WhichOneof("record_type") != "history":
+                    continue
+                row = {
+                    "/".join(i.nested_key) if i.nested_key else i.key: json.loads(i.value_json)
+                    for i in record.history.item
+                }
+                last = max(last, int(row.get("_step", -1)))
+                for key in row:
+                    stage = key.split("/")[0]
+                    if f"{stage}/step" in row and key != f"{stage}/step":
+                        self.held.add(key, row[f"{stage}/step"])
+        self.start(run_name, config, group, id=identity["id"], resume="allow")
+        self.next_step, self.held.resumed = last + 1, True
+        _replay(self, self.run_dir)
 
     def log(self, step: int, metrics: dict[str, float], stage: str) -> None:
         if stage not in self.stages:
             self.run.define_metric(f"{stage}/step")
             self.run.define_metric(f"{stage}/*", step_metric=f"{stage}/step")
             self.stages.add(stage)
-        row = {f"{stage}/{k}": v for k, v in metrics.items()}
+        row = self.held.new(step, _prefixed(stage, metrics))
+        if not row:
+            return
         row[f"{stage}/step"] = step
-        self.run.log(row)
+        if self.next_step is None:
+            self.run.log(row)
+        else:
+            self.run.log(row, step=self.next_step)
+            self.next_step += 1
 
     def summary(self, values: dict) -> None:
         flat = flatten(values, "summary")
@@ -124,6 +253,58 @@ class WandbTracker(Tracker):
 
     def finish(self) -> None:
         self.run.finish()
+
+
+def _no_wandb_analytics() -> None:
+    """Turn W&B's own analytics off in this process. Its exporter (OpenTelemetry, in W&B
+    0.31) follows the process's settings, not the run's, and posts to W&B's server from a
+    background thread even while the run is offline."""
+    try:
+        from wandb.analytics.opentelemetry import opentelemetry_proxy
+    except ImportError:  # a W&B without it
+        return
+    disable = getattr(opentelemetry_proxy, "disable", None)
+    if disable is not None:
+        disable()
+
+
+def wandb_records(path: str) -> Iterator[Any]:
+    """The records of a W&B transaction log (`<run dir>/wandb/offline-run-*/run-<id>.wandb`),
+    each a `wandb.proto.wandb_internal_pb2.Record`, in the order written. The file is a
+    7-byte header (`:W&B`, version) and then LevelDB-log chunks in 32 KiB blocks (a
+    7-byte chunk header: CRC, length, type 1 whole / 2 first / 3 middle / 4 last; the
+    block's tail under 7 bytes, and type 0, are padding). A torn last chunk (a killed
+    writer) ends the records.
+
+    **Arguments:**
+
+    - `path`: the `.wandb` file.
+
+    **Returns:** an iterator over its records (`record.WhichOneof("record_type")`:
+    `"run"`, `"history"`, `"summary"`, `"config"`, `"metric"`, ...).
+    """
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:4] != b":W&B":
+        raise ValueError(f"{path}: not a W&B transaction log (no :W&B header)")
+    pos, block, pending = 7, 32768, b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        n, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        if left < 7 or kind == 0:  # the block's padding
+            pos += left
+            continue
+        chunk, pos = data[pos + 7 : pos + 7 + n], pos + 7 + n
+        if len(chunk) < n:
+            return
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
 
 
 _MLFLOW_NAME = re.compile(r"[^\w\-. :/]")
@@ -136,20 +317,27 @@ class MLflowTracker(Tracker):
     `MLFLOW_EXPERIMENT_NAME` or `rlhf_eqx`; the group is the run's `group` tag. The
     configuration is the run's parameters (dotted names, `sft.steps`), each stage's
     metrics `<stage>/<metric>` at the stage's step, and the summary `summary/...`
-    metrics (numbers) and tags (words)."""
+    metrics (numbers) and tags (words).
+
+    Resumed, it reopens the recorded run id (status `RUNNING` again) and reads its metric
+    histories: a metric history cannot be cut, so the steps the stopped run logged after
+    its last checkpoint stay, and the resumed run logs a metric at a step only when the
+    history does not hold it there (each step once, its first value). Parameters
+    are immutable in MLflow: those the run has keep their first value."""
 
     def __init__(self, run_dir: str):
         self.run_dir = os.path.abspath(run_dir)
         self.client: Any = None
         self.run_id: str | None = None
+        self.held = _Held()
         self.tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or (
             "sqlite:///" + os.path.join(self.run_dir, "mlflow.db")
         )
 
-    def start(self, run_name: str, config: dict, group: str | None) -> None:
+    def _experiment(self) -> str:
+        """Connect to the store; the experiment's id (made when new)."""
         import logging
 
-        from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
         quiet = [logging.getLogger(n) for n in ("mlflow", "alembic")]
@@ -160,18 +348,45 @@ class MLflowTracker(Tracker):
             self.client = MlflowClient(tracking_uri=self.tracking_uri)
             name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or "rlhf_eqx"
             exp = self.client.get_experiment_by_name(name)
-            exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(name)
+            return exp.experiment_id if exp is not None else self.client.create_experiment(name)
         finally:
             for q, level in zip(quiet, levels):
                 q.setLevel(level)
-        tags = {"group": group} if group else {}
-        self.run_id = self.client.create_run(exp_id, run_name=run_name, tags=tags).info.run_id
+
+    def _params(self, config: dict, held: Mapping[str, str]) -> None:
+        from mlflow.entities import Param
+
         params = [
             Param(k[:250], json.dumps(v) if not isinstance(v, str) else v[:6000])
             for k, v in flatten(config, sep=".").items()
+            if k[:250] not in held
         ]
         for i in range(0, len(params), 100):
             self.client.log_batch(self.run_id, params=params[i : i + 100])
+
+    def start(self, run_name: str, config: dict, group: str | None) -> None:
+        exp_id = self._experiment()
+        tags = {"group": group} if group else {}
+        self.run_id = self.client.create_run(exp_id, run_name=run_name, tags=tags).info.run_id
+        self._params(config, {})
+
+    def identity(self) -> dict:
+        return {"run_id": self.run_id, "tracking_uri": self.tracking_uri}
+
+    def resume(self, run_name: str, config: dict, group: str | None, identity: dict) -> None:
+        del run_name
+        self._experiment()
+        run = self.client.get_run(identity["run_id"])  # raises for a run the store lacks
+        self.run_id = run.info.run_id
+        self.client.update_run(self.run_id, status="RUNNING")
+        for key in run.data.metrics:
+            for m in self.client.get_metric_history(self.run_id, key):
+                self.held.add(key, m.step)
+        if group:
+            self.client.set_tag(self.run_id, "group", group)
+        self._params(config, run.data.params)
+        self.held.resumed = True
+        _replay(self, self.run_dir)
 
     def _metrics(self, values: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
@@ -182,7 +397,7 @@ class MLflowTracker(Tracker):
             self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
 
     def log(self, step: int, metrics: dict[str, float], stage: str) -> None:
-        self._metrics({f"{stage}/{k}": v for k, v in metrics.items()}, step)
+        self._metrics(self.held.new(step, _prefixed(stage, metrics, _MLFLOW_NAME)), step)
 
     def summary(self, values: dict) -> None:
         flat = flatten(values, "summary")
@@ -203,34 +418,57 @@ class TrackioTracker(Tracker):
     `rlhf_eqx`; the run's name, group and configuration as given. Each stage's metrics
     are `<stage>/<metric>` at the stage's step; the summary is `summary/...` logged at
     the run's last step. One trackio run at a time in a process (`trackio.init` ends
-    the previous one)."""
+    the previous one).
+
+    Resumed, it reopens the recorded run by name (`trackio.init(resume="must")`, checked
+    against the recorded run id) and reads what it holds: the resumed run logs a metric
+    at a step only when the run does not hold it there (each step once, its first
+    value). trackio writes from a background thread, so a killed run may lose its last
+    records: the resumed run logs them again from `metrics.jsonl`."""
 
     def __init__(self, run_dir: str):
         self.run_dir = run_dir
         self.run: Any = None
-        self.last_step = 0
+        self.held = _Held()
 
-    def start(self, run_name: str, config: dict, group: str | None) -> None:
+    def start(self, run_name: str, config: dict, group: str | None, **resume) -> None:
         import trackio
 
         self.run = trackio.init(
-            project=os.environ.get("TRACKIO_PROJECT") or "rlhf_eqx",
-            name=run_name,
-            group=group,
-            config=config,
+            **_run_options("TRACKIO_PROJECT", run_name, group, config),
             embed=False,
             auto_log_gpu=False,
             auto_log_cpu=False,
+            **resume,
         )
 
+    def identity(self) -> dict:
+        return {"project": self.run.project, "name": self.run.name, "id": self.run.id}
+
+    def resume(self, run_name: str, config: dict, group: str | None, identity: dict) -> None:
+        from trackio.sqlite_storage import SQLiteStorage
+
+        del run_name
+        self.start(identity["name"], config, group, resume="must")
+        if self.run.id != identity["id"]:
+            raise ValueError(f"run {identity['name']!r} is another run than {identity['id']}")
+        for row in SQLiteStorage.get_logs(self.run.project, run_id=self.run.id):
+            for key in _numbers(row):
+                if key not in ("step", "timestamp"):
+                    self.held.add(key, row["step"])
+        self.held.resumed = True
+        _replay(self, self.run_dir)
+
     def log(self, step: int, metrics: dict[str, float], stage: str) -> None:
-        self.last_step = max(self.last_step, step)
-        self.run.log({f"{stage}/{k}": v for k, v in metrics.items()}, step=step)
+        row = self.held.new(step, _prefixed(stage, metrics))
+        self.held.last_step = max(self.held.last_step, step)
+        if row:
+            self.run.log(row, step=step)
 
     def summary(self, values: dict) -> None:
         numbers = _numbers(flatten(values, "summary"))
         if numbers:
-            self.run.log(numbers, step=self.last_step)
+            self.run.log(numbers, step=max(self.held.last_step, 0))
 
     def finish(self) -> None:
         self.run.finish()

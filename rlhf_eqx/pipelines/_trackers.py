@@ -8,6 +8,11 @@ imported or fails to start prints one line (`tracker wandb: could not start (...
 run goes on without it`) and the run continues without it; one that fails later is
 dropped the same way. Nothing here touches the network: each backend writes locally
 unless the user configured otherwise (`_tracker_backends.py`).
+
+Each started tracker's run identity (`Tracker.identity`: a W&B run id, an MLflow run id,
+...) is written to the run directory's `trackers.json` (atomically); a resumed run
+(`resume=True`) reopens those runs (`Tracker.resume`) instead of starting new ones. A
+missing or unreadable `trackers.json` is one line on stderr and new runs.
 """
 
 import abc
@@ -29,9 +34,10 @@ class Tracker(abc.ABC):
     Weights & Biases, MLflow, trackio, or your own), fed by the run's metrics log.
 
     A backend is built by its factory with the run directory (`register_tracker`), then
-    called in this order: `start` once, `log` for each record, `summary` at most once,
-    `finish` once. Any exception it raises is caught by `Trackers`: the run goes on
-    without that tracker.
+    called in this order: `start` once (or `resume`, when the run resumes and
+    `trackers.json` holds what its `identity` returned), `log` for each record, `summary`
+    at most once, `finish` once. Any exception it raises is caught by `Trackers`: the run
+    goes on without that tracker.
 
     ```python
     class PrintTracker(pl.trackers.Tracker):
@@ -79,6 +85,22 @@ class Tracker(abc.ABC):
     def finish(self) -> None:
         """Close the run (flush, mark it finished)."""
 
+    def identity(self) -> dict | None:
+        """What reopens this tracker's run when the run resumes (JSON: ids, names, paths),
+        recorded in the run directory's `trackers.json` after `start` or `resume`; `None`
+        (the default): a resumed run starts a new tracker run."""
+        return None
+
+    def resume(self, run_name: str, config: dict, group: str | None, identity: dict) -> None:
+        """Reopen the run that `identity` (what `identity()` returned before) names and
+        continue it, in place of `start`: the run continues from the checkpoint's step, and
+        a record it already holds (a step the stopped run logged after its last checkpoint,
+        logged again with the same values) is not added twice where the backend allows
+        it. An exception here makes the run start a new tracker run (one line on stderr).
+        The default starts a new run (`start`)."""
+        del identity
+        self.start(run_name, config, group)
+
 
 _REGISTRY: dict[str, Callable[[str], Tracker]] = {}
 
@@ -108,9 +130,13 @@ def check_tracker_names(names: Iterable[str], field: str = "ops.trackers") -> No
             )
 
 
+def _detail(error: BaseException) -> str:
+    """The first line of `error`'s message (its type's name when it has none)."""
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
 def _say(name: str, what: str, error: BaseException) -> None:
-    detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    print(f"tracker {name}: {what} ({detail}); the run goes on without it", file=sys.stderr)
+    print(f"tracker {name}: {what} ({_detail(error)}); the run goes on without it", file=sys.stderr)
 
 
 def flatten(values: Mapping, prefix: str = "", sep: str = "/") -> dict[str, Any]:
@@ -190,6 +216,8 @@ def open_trackers(
     *,
     group: str | None = None,
     run_name: str | None = None,
+    resume: bool = False,
+    route: bool = True,
 ) -> Trackers:
     """Start the trackers `names` (registered names, `tracker_names()`) for the run in
     `run_dir`, and route the metrics of every `MetricsLog` of `run_dir` to them until
@@ -199,46 +227,114 @@ def open_trackers(
 
     - `names`: the trackers to start, e.g. `("tensorboard", "wandb")`; an unknown name
       is a `ConfigError` listing the known ones.
-    - `run_dir`: the run directory (the trackers' local files go inside it).
+    - `run_dir`: the run directory (the trackers' local files go inside it, and
+      `trackers.json`: each started tracker's `identity()`).
     - `config`: the resolved configuration to record (`config_to_dict(cfg)`).
     - `group`: the group of this run in the trackers (sweep members: one group, one
       run each); `None`: no group.
     - `run_name`: the run's name; default the run directory's base name.
+    - `resume`: reopen the tracker runs `trackers.json` records (`Tracker.resume`)
+      rather than start new ones. A missing or unreadable file, or a tracker it does
+      not name, starts a new run with one line on stderr; never an error.
+    - `route`: `False` starts them without routing `run_dir`'s metrics logs to them
+      (a log's own trackers).
 
     **Returns:** the `Trackers`; those that could not start are left out with one line
     on stderr each (`tracker wandb: could not start (...); the run goes on without it`).
     """
-    out = start_trackers(names, run_dir, config, group=group, run_name=run_name)
-    previous = _ACTIVE.get(os.path.abspath(run_dir))
-    if previous is not None:
-        previous.finish()
-    _ACTIVE[os.path.abspath(run_dir)] = out
-    return out
-
-
-def start_trackers(
-    names: Iterable[str],
-    run_dir: str,
-    config: dict,
-    *,
-    group: str | None = None,
-    run_name: str | None = None,
-) -> Trackers:
-    """`open_trackers` without routing `run_dir`'s metrics logs to them."""
     names = tuple(dict.fromkeys(names))
     check_tracker_names(names)
     os.makedirs(run_dir, exist_ok=True)
     run_name = run_name or os.path.basename(os.path.abspath(run_dir))
+    found = recorded_runs(run_dir) if resume and names else None
+    recorded = dict(found or {})
     started: dict[str, Tracker] = {}
     for name in names:
+        if found is not None and name not in found:
+            print(
+                f"tracker {name}: {TRACKERS_FILE} records no run of it; it starts a new run",
+                file=sys.stderr,
+            )
+        tracker = _start_one(name, run_dir, (run_name, config, group), recorded.get(name))
+        if tracker is not None:
+            started[name] = tracker
+            recorded[name] = tracker.identity()
+    if started:
+        _record_runs(run_dir, recorded)
+    out = Trackers(run_dir, started)
+    if route:
+        previous = _ACTIVE.get(os.path.abspath(run_dir))
+        if previous is not None:
+            previous.finish()
+        _ACTIVE[os.path.abspath(run_dir)] = out
+    return out
+
+
+def start_trackers(names: Iterable[str], run_dir: str, config: dict, **options) -> Trackers:
+    """`open_trackers` (with its keyword `options`) without routing `run_dir`'s metrics
+    logs to them."""
+    return open_trackers(names, run_dir, config, route=False, **options)
+
+
+TRACKERS_FILE = "trackers.json"
+"""The run directory's record of its tracker runs: `{tracker name: identity}`."""
+
+
+def recorded_runs(run_dir: str) -> dict[str, dict | None] | None:
+    """The tracker runs `run_dir/trackers.json` records (`{name: identity}`); `None`
+    with one line on stderr when the file is missing or unreadable (the trackers then
+    start new runs)."""
+    path = os.path.join(run_dir, TRACKERS_FILE)
+    try:
+        with open(path) as f:
+            out = json.load(f)
+        if not isinstance(out, dict) or not all(
+            v is None or isinstance(v, dict) for v in out.values()
+        ):
+            raise ValueError("not a mapping of tracker names to their runs")
+    except FileNotFoundError:
+        print(f"trackers: {path} is missing; each tracker starts a new run", file=sys.stderr)
+        return None
+    except (OSError, ValueError) as e:
+        print(
+            f"trackers: {path} is unreadable ({_detail(e)}); each tracker starts a new run",
+            file=sys.stderr,
+        )
+        return None
+    return out
+
+
+def _record_runs(run_dir: str, runs: Mapping[str, dict | None]) -> None:
+    from ._rundir import write_json_atomic
+
+    try:
+        write_json_atomic(os.path.join(run_dir, TRACKERS_FILE), dict(runs))
+    except OSError as e:  # the run goes on; a resume then starts new tracker runs
+        print(f"trackers: could not record the tracker runs ({e})", file=sys.stderr)
+
+
+def _start_one(
+    name: str, run_dir: str, run: tuple[str, dict, str | None], identity: dict | None
+) -> Tracker | None:
+    """`name`'s tracker, resumed from `identity` (else started); `None` when it could
+    not start (one line on stderr)."""
+    if identity is not None:
         try:
             tracker = _REGISTRY[name](run_dir)
-            tracker.start(run_name, config, group)
-        except Exception as e:  # a missing library or a refused start: go on without it
-            _say(name, "could not start", e)
-            continue
-        started[name] = tracker
-    return Trackers(run_dir, started)
+            tracker.resume(*run, identity)
+            return tracker
+        except Exception as e:  # a run the store no longer has: a new run
+            print(
+                f"tracker {name}: could not resume its run ({_detail(e)}); it starts a new run",
+                file=sys.stderr,
+            )
+    try:
+        tracker = _REGISTRY[name](run_dir)
+        tracker.start(*run)
+    except Exception as e:  # a missing library or a refused start: go on without it
+        _say(name, "could not start", e)
+        return None
+    return tracker
 
 
 def active_trackers(run_dir: str) -> Trackers | None:
@@ -246,12 +342,14 @@ def active_trackers(run_dir: str) -> Trackers | None:
     return _ACTIVE.get(os.path.abspath(run_dir))
 
 
-def run_trackers(cfg: Any, run_dir: str) -> Trackers:
+def run_trackers(cfg: Any, run_dir: str, *, resume: bool = False) -> Trackers:
     """`open_trackers` for a pipeline run of `cfg` (a `PipelineConfig`): the trackers of
     `cfg.ops.trackers` (and `tensorboard` when `cfg.ops.tensorboard`), the resolved
-    configuration, and `cfg.ops.tracker_group` as the group."""
+    configuration, and `cfg.ops.tracker_group` as the group; `resume=True` (the run
+    resumes) continues the tracker runs the run directory records."""
     from ._config_io import config_to_dict
 
     ops = cfg.ops
     names = tuple(ops.trackers) + (("tensorboard",) if ops.tensorboard else ())
-    return open_trackers(names, run_dir, config_to_dict(cfg), group=ops.tracker_group or None)
+    group = ops.tracker_group or None
+    return open_trackers(names, run_dir, config_to_dict(cfg), group=group, resume=resume)

@@ -104,6 +104,9 @@ class GRPOConfig(RolloutStageConfig, GRPOSettings):
       base is placed on the sampler once), timed as `rollout/weight_sync_s` (bytes:
       `rollout/weight_sync_bytes`); the sampler splits the prompts over its `data`
       axis. The numbers are the colocated run's (up to float reassociation under FSDP).
+      `split` runs in one process: in a multi-process run (`jax.distributed`) it is a
+      `ConfigError` naming `placement`, as multi-controller JAX cannot reshard the
+      weights from the trainer's devices to the sampler's across processes.
       With `staleness = k >= 1` and `overlap`, the sampler runs ahead on its mesh while
       the trainer updates: up to `k` rollouts queued (rollout `r + j` samples with the
       policy of update `r + j - k`, known before update `r` for `j <= k`), consumed in

@@ -97,7 +97,9 @@ def split_devices(
 ) -> tuple[list[jax.Device], list[jax.Device], MeshShape, MeshShape]:
     """The trainer's and the sampler's devices (the first `trainer_devices` of `devices`,
     then the next `sampler_devices`: disjoint) and their mesh shapes, for the settings
-    `cfg` of the section `name`; `ConfigError` naming the field when they do not fit."""
+    `cfg` of the section `name`; `ConfigError` naming the field when they do not fit, or
+    naming `<name>.placement` in a multi-process run (`check_one_process`)."""
+    check_one_process(name)
     available = len(devices)
     t = device_count_of(f"{name}.trainer_devices", cfg.trainer_devices, available)
     s = device_count_of(f"{name}.sampler_devices", cfg.sampler_devices, available)
@@ -112,6 +114,24 @@ def split_devices(
     trainer_mesh = parse_mesh(f"{name}.trainer_mesh", cfg.trainer_mesh, t)
     sampler_mesh = parse_mesh(f"{name}.sampler_mesh", cfg.sampler_mesh, s)
     return list(devices[:t]), list(devices[t : t + s]), trainer_mesh, sampler_mesh
+
+
+def check_one_process(name: str) -> None:
+    """A `ConfigError` naming `<name>.placement` in a multi-process run
+    (`jax.process_count() > 1`). Multi-controller JAX cannot run the split placement
+    there: `jax.device_put` refuses to reshard an array across processes onto another
+    set of devices (the weight transfer from the trainer's devices to the sampler's),
+    and meshes of one process's devices each (the first devices of `jax.devices()` are
+    process 0's) leave the other process unable to read the rollouts it decodes."""
+    if jax.process_count() > 1:
+        _fail(
+            f"{name}.placement",
+            "split",
+            f"runs in one process, not across the {jax.process_count()} of this run: "
+            "multi-controller JAX cannot move the weights from the trainer's devices to "
+            "the sampler's across processes (a cross-process reshard needs the same "
+            "devices on both sides); use placement=colocated here",
+        )
 
 
 def _arrays(tree) -> list:

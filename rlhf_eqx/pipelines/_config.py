@@ -238,7 +238,7 @@ class OpsConfig:
       (`--set ops.trackers=tensorboard,wandb`). One that is not installed or fails to
       start prints a line and the run goes on without it.
     - `tracker_group`: the group of the run in the trackers (a sweep's members: separate
-      runs in one group); empty: none.
+      runs in one group); empty: none (a sweep: the sweep directory's name).
     - `compilation_cache`: the command line keeps compiled programs on disk in
       `$XDG_CACHE_HOME/rlhf_eqx/jax` (or `~/.cache/rlhf_eqx/jax`) and reuses them in the
       next runs (`rlhf_eqx.enable_compilation_cache`); `RLHF_EQX_COMPILATION_CACHE=0`

@@ -15,7 +15,11 @@ Layout of the sweep directory `out`:
 - `checkpoints/`: the stacked state of every member, every `ops.checkpoint_every`
   iterations and at the end;
 - `sweep_summary.json` and `plots/*.png`: per grid point, mean ± standard error over
-  its seeds.
+  its seeds;
+- with `ops.trackers` (or `ops.tensorboard`): each member's tracker runs, opened as a
+  separate run's are (`run_trackers`) in `members/<name>/` (`trackers.json`,
+  `tensorboard/<stage>/`, `mlflow.db`, `wandb/`), named `<sweep dir>/<name>`, in one
+  group (`ops.tracker_group`, else the sweep directory's name).
 
 A member equals its separate run (`python -m rlhf_eqx STAGE --set ops.seed=S --set
 <grid values>`, with `--data FILE` the stage's run on that file): same data, keys and
@@ -25,6 +29,7 @@ frozen at its last finite state and reported as diverged instead), and the perio
 evaluations (`ops.eval_every`); the held-out evaluation runs once, at the end.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -54,12 +59,23 @@ from ._sweep_ppo import check_ppo_sweep, ppo_sweep
 from ._sweep_report import format_sweep_table, member_records, plot_sweep, summarize_sweep
 from ._sweep_reward import reward_sweep
 from ._sweep_starts import builtin_start
+from ._trackers import run_trackers
 from ._validation import validate_config
 
 SWEEP_SPEC = "sweep.json"
 SWEEP_SUMMARY = "sweep_summary.json"
 # fields of the configuration a resumed sweep may change: how it is operated and logged
-_OPERATIONAL = ("quiet", "checkpoint_every", "keep", "log_every", "monitor", "compilation_cache")
+_OPERATIONAL = (
+    "quiet",
+    "checkpoint_every",
+    "keep",
+    "log_every",
+    "monitor",
+    "compilation_cache",
+    "tensorboard",
+    "trackers",
+    "tracker_group",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +138,8 @@ def _take_dir(out: str, spec: dict, resume: bool) -> bool:
         )
     with open(path) as f:
         old = json.load(f)
+    if isinstance(old.get("ops"), dict):  # a spec written when these fields were kept
+        old["ops"] = {k: v for k, v in old["ops"].items() if k not in _OPERATIONAL}
     diff = sorted(k for k in set(old) | set(spec) if old.get(k) != spec.get(k))
     if diff:
         raise RunDirError(
@@ -170,6 +188,15 @@ def sweep(
       (`ops.checkpoint_every`), bit-identically to an uninterrupted one.
     - `export`: write each member's policy as `members/<name>/<stage>/hf/`.
 
+    With `cfg.ops.trackers` set, each member is a separate run of those trackers, in one
+    group (`ops.tracker_group`, else the sweep directory's name), named `<sweep
+    dir>/<member name>`, with its files in `members/<name>/`: the member's
+    configuration (its seed and grid values in it, and as `sweep.member`, `sweep.seed`,
+    `sweep.<field>`), its step records as its `metrics.jsonl` has them, and its
+    `summary.json` (`summary/stopped`: `done`, `diverged`, `kl_guard`) at the end. A
+    resumed sweep continues each member's tracker runs (its `trackers.json`) as a resumed
+    run does.
+
     **Returns:** a `SweepResult`. Diverged members (a non-finite loss, gradient or
     parameters) are frozen at their last finite state, reported on the console and in
     the summaries, and left out of the means and the plots' bands.
@@ -195,7 +222,31 @@ def sweep(
     say = (lambda *a: None) if cfg.ops.quiet else print
     with RunLock(out):
         resumed = _take_dir(out, _spec(stage, grid, seeds, cfg), resume)
-        return _sweep(stage, cfg, members, out, resumed, export, say, t0)
+        with _member_trackers(cfg, members, out, resumed):
+            return _sweep(stage, cfg, members, out, resumed, export, say, t0)
+
+
+def _member_trackers(cfg, members, out: str, resume: bool) -> contextlib.ExitStack:
+    """Each member's tracker runs (`run_trackers` in its directory: its metrics logs feed
+    them, and its `summary.json` is logged when they finish), in one group; an exit
+    stack that finishes them."""
+    stack = contextlib.ExitStack()
+    if not cfg.ops.trackers and not cfg.ops.tensorboard:
+        return stack
+    name = os.path.basename(os.path.abspath(out))
+    with stack:  # those already open are finished when one cannot be opened
+        for mem in members:
+            extra = {"sweep": {"member": mem.name, "seed": mem.seed, **dict(mem.point)}}
+            trackers = run_trackers(
+                mem.cfg,
+                member_dir(out, mem),
+                resume=resume,
+                run_name=f"{name}/{mem.name}",
+                group=cfg.ops.tracker_group or name,
+                extra=extra,
+            )
+            stack.enter_context(trackers)
+        return stack.pop_all()
 
 
 def _sweep(stage, cfg, members, out, resume, export, say, t0) -> SweepResult:

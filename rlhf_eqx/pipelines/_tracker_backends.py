@@ -32,6 +32,7 @@ reopens (`_replay`). The summary is logged when a run finishes: a run that stopp
 cleanly (a callback) and is resumed logs a second one, the run's latest.
 """
 
+import contextvars
 import glob
 import json
 import math
@@ -417,8 +418,9 @@ class TrackioTracker(Tracker):
     is set, and never launches a dashboard itself. Project `TRACKIO_PROJECT` or
     `rlhf_eqx`; the run's name, group and configuration as given. Each stage's metrics
     are `<stage>/<metric>` at the stage's step; the summary is `summary/...` logged at
-    the run's last step. One trackio run at a time in a process (`trackio.init` ends
-    the previous one).
+    the run's last step. Each run is started in a context of its own, so that several
+    (a sweep's members) stay open together in one process (`trackio.init` ends the
+    current run of its context).
 
     Resumed, it reopens the recorded run by name (`trackio.init(resume="must")`, checked
     against the recorded run id) and reads what it holds: the resumed run logs a metric
@@ -434,7 +436,10 @@ class TrackioTracker(Tracker):
     def start(self, run_name: str, config: dict, group: str | None, **resume) -> None:
         import trackio
 
-        self.run = trackio.init(
+        # in a context of its own: `trackio.init` ends the context's current run, and a
+        # sweep's members keep their runs open together
+        self.run = contextvars.Context().run(
+            trackio.init,
             **_run_options("TRACKIO_PROJECT", run_name, group, config),
             embed=False,
             auto_log_gpu=False,

@@ -342,14 +342,25 @@ def active_trackers(run_dir: str) -> Trackers | None:
     return _ACTIVE.get(os.path.abspath(run_dir))
 
 
-def run_trackers(cfg: Any, run_dir: str, *, resume: bool = False) -> Trackers:
+def run_trackers(
+    cfg: Any,
+    run_dir: str,
+    *,
+    resume: bool = False,
+    run_name: str | None = None,
+    group: str | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> Trackers:
     """`open_trackers` for a pipeline run of `cfg` (a `PipelineConfig`): the trackers of
     `cfg.ops.trackers` (and `tensorboard` when `cfg.ops.tensorboard`), the resolved
     configuration, and `cfg.ops.tracker_group` as the group; `resume=True` (the run
-    resumes) continues the tracker runs the run directory records."""
+    resumes) continues the tracker runs the run directory records. `run_name` (default
+    the run directory's name), `group` (default `cfg.ops.tracker_group`) and `extra`
+    (sections added to the recorded configuration) serve a sweep's members."""
     from ._config_io import config_to_dict
 
     ops = cfg.ops
     names = tuple(ops.trackers) + (("tensorboard",) if ops.tensorboard else ())
-    group = ops.tracker_group or None
-    return open_trackers(names, run_dir, config_to_dict(cfg), group=group, resume=resume)
+    group = group or ops.tracker_group or None
+    config = {**config_to_dict(cfg), **(extra or {})}
+    return open_trackers(names, run_dir, config, group=group, run_name=run_name, resume=resume)

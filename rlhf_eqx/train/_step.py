@@ -68,8 +68,8 @@ def _all_finite(loss: Array, tree: PyTree) -> Array:
     of each dtype, concatenated (XLA fuses the concatenation into the reduction), rather
     than a kernel per array."""
     by_dtype: dict[Any, list[Array]] = {}
-    for x in [loss, *jax.tree.leaves(tree)]:
-        by_dtype.setdefault(jnp.dtype(x.dtype), []).append(jnp.ravel(x))
+    for x in map(jnp.ravel, [loss, *jax.tree.leaves(tree)]):
+        by_dtype.setdefault(x.dtype, []).append(x)
     return jnp.all(
         jnp.stack([jnp.all(jnp.isfinite(jnp.concatenate(v))) for v in by_dtype.values()])
     )

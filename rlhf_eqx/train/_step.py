@@ -65,8 +65,8 @@ def _psum(tree: PyTree, axis_name: str | None) -> PyTree:
 
 def _all_finite(loss: Array, tree: PyTree) -> Array:
     """Whether `loss` and every array of `tree` are finite: one reduction over the arrays
-    of each dtype, concatenated (XLA fuses the concatenation into the reduction), rather
-    than a kernel per array."""
+    of each dtype, concatenated (on the CPU, XLA fuses the concatenation with `is-finite`
+    into one loop and reduces its booleans), rather than a reduction per array."""
     by_dtype: dict[Any, list[Array]] = {}
     for x in map(jnp.ravel, [loss, *jax.tree.leaves(tree)]):
         by_dtype.setdefault(x.dtype, []).append(x)

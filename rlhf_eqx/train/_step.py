@@ -64,15 +64,11 @@ def _psum(tree: PyTree, axis_name: str | None) -> PyTree:
 
 
 def _all_finite(loss: Array, tree: PyTree) -> Array:
-    """Whether `loss` and every array of `tree` are finite: one reduction over the arrays
-    of each dtype, concatenated (on the CPU, XLA fuses the concatenation with `is-finite`
-    into one loop and reduces its booleans), rather than a reduction per array."""
-    by_dtype: dict[Any, list[Array]] = {}
-    for x in map(jnp.ravel, [loss, *jax.tree.leaves(tree)]):
-        by_dtype.setdefault(x.dtype, []).append(x)
-    return jnp.all(
-        jnp.stack([jnp.all(jnp.isfinite(jnp.concatenate(v))) for v in by_dtype.values()])
-    )
+    """Whether `loss` and every array of `tree` are finite: one reduction per array, which
+    keeps each array's sharding (concatenating the arrays first would gather sharded
+    parameters and write a temporary the size of the model)."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+    return jnp.logical_and(jnp.isfinite(loss), jnp.all(jnp.stack(leaves)) if leaves else True)
 
 
 def _select(pred: Array, on_true: PyTree, on_false: PyTree) -> PyTree:

@@ -150,9 +150,13 @@ class TensorBoardTracker(Tracker):
         `purge_step` makes TensorBoard drop the earlier events at and after it, and the
         new event file's name sorts after the stopped run's, which it never replaces)."""
         if stage not in self.writers:
-            later = {"filename_suffix": f".{time.time_ns()}"} if purge_step is not None else {}
+            resumed = (
+                {"purge_step": purge_step, "filename_suffix": f".{time.time_ns()}"}
+                if purge_step is not None
+                else {}
+            )
             self.writers[stage] = self._writer_class(
-                os.path.join(self.run_dir, "tensorboard", stage), purge_step=purge_step, **later
+                os.path.join(self.run_dir, "tensorboard", stage), **resumed
             )
         return self.writers[stage]
 

@@ -121,6 +121,135 @@ def test_rows_stopped_in_the_first_segment_are_not_continued(builtin):
     assert np.asarray(out.completion_mask)[~stopped, 16 + 3].all()
 
 
+def _first_segment(builtin, place=None):
+    """16 rows (8 prompts x 2) of 3 tokens by the built-in policy, none stopped."""
+    policy, tok = builtin
+    return pl.runs.dispatch_rollout(
+        policy,
+        tok,
+        _PROMPTS[:8],
+        jax.random.key(3),
+        group_size=2,
+        prompt_length=16,
+        max_new_tokens=3,
+        temperature=1.0,
+        place=place,
+    )
+
+
+def _stopped_early(pending, rows, pad_id):
+    """`pending` with the rows `rows` ended one position early (the last a pad token with
+    masks off and log-prob 0): stopped rows, which a continuation leaves alone. The
+    arrays keep their layout."""
+    out = pending.out
+
+    def cut(x, value):
+        y = np.asarray(x).copy()
+        y[np.asarray(rows, np.int64), -1] = value
+        return jax.device_put(y, x.sharding)
+
+    grown = rx.GenerationOutput(
+        tokens=cut(out.tokens, pad_id),
+        mask=cut(out.mask, False),
+        completion_mask=cut(out.completion_mask, False),
+        logprobs=cut(out.logprobs, 0.0),
+    )
+    return dataclasses.replace(pending, out=grown)
+
+
+def test_a_rows_continuation_does_not_depend_on_the_other_rows(builtin):
+    """Row `b` continues with the key `fold_in(key, b)` whichever other rows still run:
+    with all 16 rows running, 13 (16 sampled, 3 of them padding), 5 (8 sampled), 2 or 1,
+    each running row gets the same tokens and log-probs, those of the row continued
+    alone by `generate_continuous`; the rows so far are unchanged, and the stopped rows
+    get pad tokens, masks off and log-prob 0 (nothing the padding sampled leaks)."""
+    policy, tok = builtin
+    first = _first_segment(builtin)
+    key, L, N = jax.random.key(7), 16 + 3, 4
+    cont = lambda pending: (
+        pl.runs.continue_rollout(  # noqa: E731
+            policy, pending, key, max_new_tokens=N, temperature=1.0, pad_id=tok.pad_id
+        ).out
+    )
+    full = cont(first)
+    fields = ("tokens", "mask", "completion_mask", "logprobs")
+    want = {f: np.asarray(getattr(full, f)) for f in fields}
+    assert want["completion_mask"][:, L:].all()  # the built-in model does not stop here
+    rng = np.random.default_rng(0)
+    for n in (13, 5, 2, 1):
+        running = np.sort(rng.choice(16, n, replace=False))
+        stopped = np.setdiff1d(np.arange(16), running)
+        pending = _stopped_early(first, stopped, tok.pad_id)
+        out = cont(pending)
+        got = {f: np.asarray(getattr(out, f)) for f in fields}
+        for f in fields:
+            np.testing.assert_array_equal(got[f][:, :L], np.asarray(getattr(pending.out, f)))
+        for f in ("tokens", "mask", "completion_mask"):
+            np.testing.assert_array_equal(got[f][running, L:], want[f][running, L:], err_msg=f)
+        np.testing.assert_allclose(
+            got["logprobs"][running, L:], want["logprobs"][running, L:], atol=1e-5
+        )
+        assert (got["tokens"][stopped, L:] == tok.pad_id).all()
+        assert not got["mask"][stopped, L:].any() and not got["completion_mask"][stopped, L:].any()
+        assert (got["logprobs"][stopped, L:] == 0.0).all()
+    b = 5
+    alone = rx.generate_continuous(
+        policy,
+        first.out.tokens[b : b + 1],
+        first.out.mask[b : b + 1],
+        jax.random.fold_in(key, b)[None],
+        slots=1,
+        max_new_tokens=N,
+        temperature=1.0,
+        eos_id=list(first.stop_ids),
+        pad_id=tok.pad_id,
+    )
+    np.testing.assert_array_equal(np.asarray(alone.tokens)[0], want["tokens"][b])
+    np.testing.assert_allclose(
+        np.asarray(alone.logprobs)[0, L:], want["logprobs"][b, L:], atol=1e-5
+    )
+
+
+def test_continuations_sample_a_few_bucket_sizes(builtin):
+    """Continuing 1, 3, 4, 6 or 16 of a rollout's 16 rows samples 1, 4, 4, 8 and 16 rows
+    (the next power of two): four traces of the sampler for five counts; with the rows
+    over a 4-device `"data"` mesh, multiples of 4 (1 and 3 rows: 4 sampled, 5: 8)."""
+    policy, tok = builtin
+    traces = []
+
+    def listen(event, duration, fun_name="", **_):
+        if event == "/jax/core/compile/jaxpr_trace_duration" and "generate_continuous" in fun_name:
+            traces.append(fun_name)
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[4:8]), ("data",))
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    placed = []
+
+    def place(tokens, mask):
+        placed.append(tokens.shape[0])
+        return jax.device_put((tokens, mask), rows)
+
+    def sampled(first, counts, place=None):
+        traces.clear()
+        for n in counts:
+            pending = _stopped_early(first, np.arange(n, 16), tok.pad_id)
+            kw = dict(max_new_tokens=5, temperature=1.0, pad_id=tok.pad_id, place=place)
+            out = pl.runs.continue_rollout(policy, pending, jax.random.key(1), **kw).out
+            real = np.asarray(out.completion_mask)[:, -5:]
+            assert real[:n].all() and not real[n:].any()
+        return len(traces)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        assert sampled(_first_segment(builtin), (1, 3, 4, 6, 16)) == 4
+        first = _first_segment(builtin, place)
+        placed.clear()
+        assert sampled(first, (1, 3, 5), place) == 2
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert placed == [4, 4, 8]
+
+
 def _ctx(tmp_path, name, **ops):
     return pl.RunContext(
         ops=pl.OpsConfig(monitor=False, quiet=True, **ops),

@@ -11,8 +11,16 @@ the segments `partial_segments(q, staleness=k, segment=S, max_new_tokens=N)`, se
 rollout), which runs to `N`. The first segment is sampled as a whole rollout is
 (`dispatch_rollout` with the rollout's key); each later one is `continue_rollout`: a
 fresh prefill of prompt + tokens so far with the new weights (AReaL recomputes the KV
-cache) and `S` more tokens for the rows that have not stopped, with the key
-`fold_in(key, i)`. Which thread runs a segment, and when, changes no number."""
+cache) and `S` more tokens for the rows that have not stopped, and for those rows only.
+
+Keys: segment `i > 0` has the key `fold_in(key, i)`, and row `b` of the rollout draws
+its `t`-th token of that segment with `fold_in(fold_in(fold_in(key, i), b), t)` (one key
+per row, `rlhf_eqx.generate_continuous`), so a row's continuation does not depend on
+which other rows are still running: the unfinished rows are gathered, padded up to a
+bucket size (a power of two, a multiple of the sampler mesh's `"data"` axis, at most the
+rollout's rows: a few compiled shapes) with copies that sample one token and are
+dropped, continued, and scattered back into their rows. Which thread runs a segment, and
+when, changes no number."""
 
 import dataclasses
 from collections.abc import Callable, Sequence
@@ -74,6 +82,21 @@ def unfinished_rows(pending: PendingRollout) -> Bool[np.ndarray, " B"]:
     return real & ~np.isin(last, np.asarray(pending.stop_ids, np.int64))
 
 
+def _bucket(n: int, rows: int, multiple: int) -> int:
+    """The rows sampled to continue `n` of a rollout's `rows`: the next power of two, up
+    to a multiple of `multiple` (the sampler mesh's `"data"` axis), at most `rows`."""
+    power = 1 << (n - 1).bit_length()
+    return min(-(-power // multiple) * multiple, rows)
+
+
+def _data_axis(x: jax.Array) -> int:
+    """The size of the `"data"` axis of the mesh `x` lies on (1 off a mesh)."""
+    sharding = x.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return int(dict(sharding.mesh.shape).get("data", 1))
+    return 1
+
+
 def continue_rollout(
     policy,
     pending: PendingRollout,
@@ -85,41 +108,57 @@ def continue_rollout(
     place: Callable | None = None,
 ) -> PendingRollout:
     """`pending` with up to `max_new_tokens` more tokens from `policy` for the rows that
-    have not stopped (`unfinished_rows`): a fresh prefill of each row's prompt + tokens so
-    far (no cache is carried over from the policy that sampled them), then sampling at
-    `temperature` until a stop id of `pending` or `max_new_tokens`. The other rows get
-    `pad_id`, masks off and log-probabilities 0 (and when no row continues, nothing is
-    sampled). The new log-probabilities are `policy`'s; `place` lays the rows out for the
-    sampler as in `dispatch_rollout`.
+    have not stopped (`unfinished_rows`), and only those: a fresh prefill of each row's
+    prompt + tokens so far (no cache is carried over from the policy that sampled them),
+    then sampling at `temperature` until a stop id of `pending` or `max_new_tokens`.
+
+    The unfinished rows are gathered and padded up to a bucket size (the next power of
+    two, rounded up to a multiple of the sampler mesh's `"data"` axis when `pending`'s
+    rows lie on a mesh, at most the rollout's rows; the padding copies a continued row
+    with a budget of one token, and is dropped), so a rollout of `B` rows compiles the
+    sampler for at most `ceil(log2(B)) + 1` shapes. `rlhf_eqx.generate_continuous` samples them
+    with one key per row, `fold_in(key, b)` for row `b` of `pending`: a row's tokens do
+    not depend on the other rows, on how many continue, nor on the padding. The new
+    tokens, masks and log-probabilities are scattered back into their rows; the other
+    rows get `pad_id`, masks off and log-probabilities 0 (and when no row continues,
+    nothing is sampled). The new log-probabilities are `policy`'s; `place` lays the rows
+    out for the sampler as in `dispatch_rollout`.
 
     **Returns:** the `PendingRollout` with rows `max_new_tokens` longer.
     """
     out = pending.out
-    going = unfinished_rows(pending)
+    going = np.flatnonzero(unfinished_rows(pending))
     rows, length = out.tokens.shape
-    if going.any():
-        tokens, mask = out.tokens, out.mask
+    new_real = np.zeros((rows, max_new_tokens), bool)
+    new_tokens = np.full((rows, max_new_tokens), pad_id, out.tokens.dtype)
+    new_logprobs = np.zeros((rows, max_new_tokens), out.logprobs.dtype)
+    if going.size:
+        n = going.size
+        size = _bucket(n, rows, _data_axis(out.tokens) if place is not None else 1)
+        picked = np.concatenate([going, np.full(size - n, going[0])])
+        tokens = jnp.asarray(np.asarray(out.tokens)[picked])
+        mask = jnp.asarray(np.asarray(out.mask)[picked])
         if place is not None:
             tokens, mask = place(tokens, mask)
-        more = rx.generate_batch(
+        keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.asarray(picked))
+        more = rx.generate_continuous(
             policy,
             tokens,
             mask,
-            key,
+            keys,
+            slots=size,
+            prefill_rows=size,
             max_new_tokens=max_new_tokens,
+            budgets=np.where(np.arange(size) < n, max_new_tokens, 1).astype(np.int32),
             temperature=temperature,
             eos_id=list(pending.stop_ids) or None,
             pad_id=pad_id,
         )
-        keep = jnp.asarray(going)[:, None]
-        new_real = more.completion_mask[:, length:] & keep
-        new_tokens = jnp.where(new_real, more.tokens[:, length:], pad_id)
-        new_logprobs = jnp.where(new_real, more.logprobs[:, length:], 0.0)
-    else:
-        new_real = jnp.zeros((rows, max_new_tokens), bool)
-        new_tokens = jnp.full((rows, max_new_tokens), pad_id, out.tokens.dtype)
-        new_logprobs = jnp.zeros((rows, max_new_tokens), out.logprobs.dtype)
-    cat = lambda a, b: jnp.concatenate([a, b.astype(a.dtype)], axis=1)  # noqa: E731
+        real = np.asarray(more.completion_mask)[:n, length:]
+        new_real[going] = real
+        new_tokens[going] = np.where(real, np.asarray(more.tokens)[:n, length:], pad_id)
+        new_logprobs[going] = np.where(real, np.asarray(more.logprobs)[:n, length:], 0.0)
+    cat = lambda a, b: jnp.concatenate([a, jnp.asarray(b, a.dtype)], axis=1)  # noqa: E731
     grown = rx.GenerationOutput(
         tokens=cat(out.tokens, new_tokens),
         mask=cat(out.mask, new_real),

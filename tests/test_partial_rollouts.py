@@ -10,7 +10,7 @@ import equinox as eqx
 import jax
 import numpy as np
 import pytest
-from helpers import assert_same_saved_params, kill_9_then_resume
+from helpers import ADAM_EPS, assert_adam_steps_agree, assert_same_saved_params, kill_9_then_resume
 
 import rlhf_eqx as rx
 from rlhf_eqx import pipelines as pl
@@ -349,18 +349,18 @@ def test_partial_run_on_split_meshes(builtin, tmp_path):
     """Split placement (trainer fsdp:4, sampler data:4), staleness 2, segments of 3: the
     sampler starts rollouts two ahead and continues them with each new policy during the
     updates; the run is the colocated one, where every segment runs when its rollout is
-    consumed."""
-    kw = dict(staleness=2, partial_rollouts=3, rollouts=4)
+    consumed. Adam's `eps` is `ADAM_EPS`, so that the float reassociation of FSDP's
+    gradients moves no parameter by more than `1e-2 · lr` a step (tests/helpers.py)."""
+    optim = dataclasses.replace(_cfg().optim, eps=ADAM_EPS)
+    kw = dict(staleness=2, partial_rollouts=3, rollouts=4, optim=optim)
     split = _grpo(builtin, tmp_path, "split", placement="split", trainer_mesh="fsdp:4", **kw)
     assert [r["rollout/overlapped"] for r in split[1]] == [0.0, 1.0, 1.0, 1.0]
     assert [r["rollout/queued"] for r in split[1]] == [2.0, 2.0, 1.0, 0.0]
     assert [r["rollout/partial_segments"] for r in split[1]] == [1.0, 2.0, 3.0, 3.0]
     colocated = _grpo(builtin, tmp_path, "colocated", **kw)
     _close(_numbers(split[1], ("rollout/queued",)), _numbers(colocated[1]))
-    for x, y in zip(
-        jax.tree.leaves(split[0].state.params), jax.tree.leaves(colocated[0].state.params)
-    ):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-4, rtol=0)
+    params = [run[0].state.params for run in (split, colocated)]
+    assert_adam_steps_agree(*params, lr=optim.learning_rate, steps=4)
 
 
 @pytest.mark.slow
@@ -370,7 +370,7 @@ def test_partial_rollouts_after_rollbacks(builtin, tmp_path):
     flight, continued by the discarded policies, are dropped and sampled again in the
     same segments; the run equals the one without overlap, which samples every segment
     when its rollout is consumed."""
-    ops = dict(kl_spike=1e-6, max_rollbacks=2)
+    ops = dict(kl_spike=5e-3, max_rollbacks=2)  # iteration 1 spikes at the full learning rate
     kw = dict(staleness=2, partial_rollouts=3, rollouts=4, kl_target=10.0)
     kw.update(placement="split", trainer_mesh="fsdp:4")
     on = _grpo(builtin, tmp_path, "on", ops, **kw)

@@ -80,7 +80,7 @@ def _pairs_file(tmp_path) -> str:
 @pytest.mark.parametrize(
     ("stage", "sets", "needle"),
     [
-        ("grpo", [], "sweep grpo --data: not supported .*sft, dpo, kto, reward"),
+        ("ppo", [], "sweep ppo --data: not supported .*sft, dpo, kto, reward, grpo"),
         ("dpo", ["dpo.packing=true"], "dpo.packing=True: a DPO sweep"),
         ("reward", ["reward.ensemble=2"], "reward.ensemble=2: a sweep trains one"),
     ],

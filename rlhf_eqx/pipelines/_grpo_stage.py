@@ -589,10 +589,26 @@ def grpo(env: StageEnv, c: GRPOConfig) -> Outcome:
     return Outcome(res, policy=final_policy(res.state.model))
 
 
-def grpo_on_data(env: StageEnv, c: GRPOConfig) -> Outcome:
-    """GRPO on prompts with reference answers: the exact-match reward (or `c.reward_source`),
-    the held-out exact-match rate before and after."""
-    cfg, policy, tok, ctx = env.cfg, env.base, env.tok, env.ctx("")
+@dataclasses.dataclass(frozen=True)
+class AnsweredPrompts:
+    """The prompts with reference answers of GRPO on a data file (`answered_prompts`):
+    the `train` and `held` (held-out) prompts, `exact` (the exact-match reward function
+    on the answers, also the held-out score) and `reward`, the run's reward source
+    (`grpo.reward_source`: `exact` for `task`)."""
+
+    train: tuple[str, ...]
+    held: tuple[str, ...]
+    exact: RewardFunction
+    reward: RewardSource
+
+
+def answered_prompts(env: StageEnv, c: GRPOConfig) -> AnsweredPrompts:
+    """The prompts of `env.cfg.data` as GRPO on a data file trains on them: read, those
+    with an answer through the chat template, those that fit `sampling.prompt_length`,
+    split by `data.seed` (`split_records`); `env.summary["data_quality"]` counts what was
+    dropped. A file without answers, or without a prompt that fits, is a `ValueError`
+    naming it."""
+    cfg, policy, tok = env.cfg, env.base, env.tok
     s = cfg.sampling
     prompts = data.load_prompts(cfg.data.path, cfg.data.format, **cfg.data.read_options())
     with_answer = [r for r in prompts if r.answer is not None]
@@ -631,26 +647,42 @@ def grpo_on_data(env: StageEnv, c: GRPOConfig) -> Outcome:
     def exact(prompt, completion):
         return float(data.exact_match_reward([completion], [answers[prompt]])[0])
 
+    task = RewardFunction("exact_match", exact)
     reward = stage_reward_source(
-        c,
-        task=[RewardFunction("exact_match", exact)],
-        tokenizer=tok,
-        judge=cfg.judge,
-        judges={"base": policy},
+        c, task=[task], tokenizer=tok, judge=cfg.judge, judges={"base": policy}
     )
-    res = run_grpo(policy, tok, [r.prompt for r in train], reward=reward, cfg=c, ctx=ctx)
-    trained = trained_policy(env, res.state.model)
+    prompts_of = lambda records: tuple(r.prompt for r in records)  # noqa: E731
+    return AnsweredPrompts(prompts_of(train), prompts_of(held), task, reward)
+
+
+def heldout_exact_match(env: StageEnv, prompts: AnsweredPrompts, trained) -> dict:
+    """`summary["grpo"]` of GRPO on a data file: the held-out exact-match rate of the
+    base model (`env.base`) and of the `trained` policy on paired samples
+    (`sampled_comparison` with the key `ops.seed + 1` of `env.cfg`), with their standard
+    errors over the prompts, and the rest of the comparison as `sampled`."""
+    cfg, score = env.cfg, prompts.exact.fn
     k = jax.random.key(cfg.ops.seed + 1)
     ev = sampled_comparison(
-        policy, trained, tok, [r.prompt for r in held], k, cfg, score=exact, max_prompts=0
+        env.base, trained, env.tok, list(prompts.held), k, cfg, score=score, max_prompts=0
     )
-    env.summary["grpo"] = {
+    return {
         "heldout_exact_match_before": ev.pop("score_before"),
         "heldout_exact_match_before_se": ev.pop("score_before_se"),
         "heldout_exact_match": ev.pop("score_after"),
         "heldout_exact_match_se": ev.pop("score_after_se"),
         "sampled": ev,
     }
+
+
+def grpo_on_data(env: StageEnv, c: GRPOConfig) -> Outcome:
+    """GRPO on prompts with reference answers (`answered_prompts`): the exact-match reward
+    (or `c.reward_source`), the held-out exact-match rate before and after
+    (`heldout_exact_match`)."""
+    ctx = env.ctx("")
+    prompts = answered_prompts(env, c)
+    res = run_grpo(env.base, env.tok, list(prompts.train), reward=prompts.reward, cfg=c, ctx=ctx)
+    trained = trained_policy(env, res.state.model)
+    env.summary["grpo"] = heldout_exact_match(env, prompts, trained)
     return Outcome(res, policy=trained)
 
 

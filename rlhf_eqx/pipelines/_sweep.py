@@ -175,9 +175,10 @@ def sweep(
       multi-turn episodes after SFT, against `multiturn.environment`'s environment
       (`MODULE:NAME`, a factory `NAME(tok)`) or the animal follow-up one).
     - `cfg`: the configuration (default `animal_task_config()`); with `cfg.data.path`
-      set, `"sft"`, `"dpo"`, `"kto"` or `"reward"` on that file, the stage alone from the
-      base model, each member equal to `run_on_data` of its configuration (the file read
-      once and shared by the members).
+      set, `"sft"`, `"dpo"`, `"kto"` or `"reward"` on that file of pairs, or `"grpo"` on
+      its prompts with reference answers, the stage alone from the base model, each
+      member equal to `run_on_data` of its configuration (the file read once and shared
+      by the members).
     - `seeds`: seeds per grid point (an int ≥ 1).
     - `grid`: `{"<section>.<field>": [values]}`, e.g. `{"dpo.beta": [0.05, 0.1, 0.2]}`;
       fields outside the stage's traceable ones (`TRACEABLE`: they would change shapes
@@ -377,8 +378,10 @@ def sweep_command(argv: Sequence[str]) -> int:
     [--config FILE] [--data FILE] [--model M] [--out DIR] [--resume] [--export]
     [--quiet]`: `sweep`, then the summary table and one result line. Stages: sft,
     reward, dpo, kto, grpo, ppo, multiturn on the built-in task; sft, reward, dpo, kto on a
-    data file (`--data pairs.jsonl`, e.g. `rlhf_eqx sweep dpo --data pairs.jsonl --seeds 2
-    --grid dpo.beta=0.05,0.2`); multiturn with your own environment (`--set
+    data file of pairs (`--data pairs.jsonl`, e.g. `rlhf_eqx sweep dpo --data pairs.jsonl
+    --seeds 2 --grid dpo.beta=0.05,0.2`) and grpo on prompts with answers (`rlhf_eqx sweep
+    grpo --data gsm8k.jsonl --seeds 2 --grid grpo.beta=0.0,0.04`); multiturn with your own
+    environment (`--set
     multiturn.environment=my_env:make`, a factory `make(tok)` in `my_env.py`).
     **Returns:** the exit status: 0 done (diverged members are part of the result), 2 an
     invalid configuration or sweep directory, 1 a run error."""

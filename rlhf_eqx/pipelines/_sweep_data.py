@@ -15,6 +15,13 @@ the run key `ops.seed` (LoRA adapters, step keys) and the row order (`shuffled_r
   (`kto_examples`); the held-out metrics of `kto_data_metrics`.
 - `reward`: one reward model per member (`reward.ensemble = 1`), its checkpoint
   selection on the seed's validation split; the held-out accuracy.
+- `grpo`: prompts with reference answers (`answered_prompts`, as `grpo_on_data` reads
+  them), every member from the base model, its rollouts `rows_at` its seed, scored by
+  the exact-match reward or `grpo.reward_source` (one source for all), the rollouts of
+  all members sampled in one call and their updates in one program (`rollouts_sweep`:
+  the built-in GRPO sweep's KL guard and divergence masking); the held-out exact-match
+  rate before and after (`heldout_exact_match`). The settings a GRPO sweep does not run
+  are refused (`check_grpo_sweep`).
 """
 
 import dataclasses
@@ -30,11 +37,13 @@ from ._config import ConfigError
 from ._data_prep import implicit_accuracy, nll, preference_split, trained_policy
 from ._dpo_stage import referenced_rows
 from ._evaluate import binomial_se
+from ._grpo_stage import answered_prompts, heldout_exact_match
 from ._kto_stage import collate_unpaired_records, kto_data_metrics, kto_examples
 from ._registry import StageEnv
 from ._runs import collate_pairs
 from ._sampled_eval import heldout_samples
 from ._sweep_grid import Member
+from ._sweep_grpo import check_grpo_sweep, rollouts_sweep, trained_model
 from ._sweep_offline import offline_sweep, rows_sweep, sft_rows
 from ._sweep_program import SweepRun
 from ._sweep_reward import check_reward_sweep, reward_members, reward_split
@@ -42,7 +51,7 @@ from ._sweep_setup import member_states, policy_outputs
 from ._sweep_starts import sweep_env
 from ._sweep_steps import dpo_step_builder, kto_step_builder, sft_step_builder
 
-DATA_STAGES = ("sft", "dpo", "kto", "reward")
+DATA_STAGES = ("sft", "dpo", "kto", "reward", "grpo")
 """The stages that sweep on a data file."""
 
 
@@ -67,6 +76,14 @@ def check_data_sweep(stage: str, cfg) -> None:
         )
     if stage == "reward":
         check_reward_sweep(cfg.reward)
+    if stage == "grpo":
+        c = cfg.grpo
+        check_grpo_sweep(c, reward_source=True)
+        if c.reward_source in ("reward_model", "prm") and not c.reward_model:
+            raise ConfigError(
+                f"grpo.reward_model='': grpo.reward_source={c.reward_source} on a data file "
+                "needs the directory of an exported model (<run>/reward/hf, <run>/prm/hf)"
+            )
 
 
 def data_sweep(
@@ -87,16 +104,17 @@ def _starts(members: Sequence[Member], section: str, env: StageEnv, total: int):
     return member_states(members, section, lambda mem: (env.base, jax.random.key(mem.seed)), total)
 
 
-def _outputs(stage: str, members, env: StageEnv, metrics, tokenizer_file):
+def _outputs(stage: str, members, env: StageEnv, metrics, tokenizer_file, policy_of=None):
     """`policy_outputs` of a data-file stage: member `m`'s trained policy
-    (`trained_policy`) evaluated by `metrics(env_m, m, policy)`, `env_m` the member's
-    environment (its configuration: held-out samples with its seed)."""
+    (`trained_policy` of `policy_of(states, m)`, by default the model of stacked train
+    states) evaluated by `metrics(env_m, m, policy)`, `env_m` the member's environment
+    (its configuration: held-out samples with its seed)."""
 
     def evaluate(m: int, policy) -> dict:
         return metrics(dataclasses.replace(env, cfg=members[m].cfg), m, policy)
 
     finish = lambda model: trained_policy(env, model)  # noqa: E731
-    return policy_outputs(stage, evaluate, tokenizer_file, finish=finish)
+    return policy_outputs(stage, evaluate, tokenizer_file, policy_of=policy_of, finish=finish)
 
 
 def _rows(stage: str, members, started: tuple, full, outputs) -> SweepRun:
@@ -187,4 +205,19 @@ def _reward(members: Sequence[Member], env: StageEnv, tokenizer_file) -> SweepRu
     return reward_members(members, per_seed, start_of, tokenizer_file)
 
 
-_SWEEPS = {"sft": _sft, "dpo": _dpo, "kto": _kto, "reward": _reward}
+def _grpo(members: Sequence[Member], env: StageEnv, tokenizer_file) -> SweepRun:
+    prompts = answered_prompts(env, members[0].cfg.grpo)
+    outputs = _outputs(
+        "grpo",
+        members,
+        env,
+        lambda env_m, m, policy: heldout_exact_match(env_m, prompts, policy),
+        tokenizer_file,
+        policy_of=trained_model,
+    )
+    start_of = lambda mem: (env.base, jax.random.key(mem.seed))  # noqa: E731
+    source_of = lambda mem: prompts.reward  # noqa: E731
+    return rollouts_sweep(members, env.tok, start_of, prompts.train, source_of, outputs)
+
+
+_SWEEPS = {"sft": _sft, "dpo": _dpo, "kto": _kto, "reward": _reward, "grpo": _grpo}

@@ -1,5 +1,6 @@
 """The built-in GRPO stage as a sweep: each member is `run_grpo` from its seed's SFT policy
-(synchronous rollouts, the task's reward), the rollouts of all members sampled in one
+(synchronous rollouts, the task's reward; `rollouts_sweep` is the same on other prompts,
+starts and reward sources: GRPO on a data file), the rollouts of all members sampled in one
 vmapped sampler call (each member its own prompts, `rows_at` with its seed, and key),
 then per member the reward, the reference log-probabilities and the KL guard, and the
 `grpo.epochs` updates of every member in one vmapped program (group advantages inside
@@ -10,7 +11,7 @@ reference exceeds `grpo.kl_target`, that rollout's updates are dropped, the memb
 stops (`stopped: "kl_guard"`) and keeps the last policy whose rollout was within the
 target (the state before its previous rollout), and the others go on."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import equinox as eqx
 import jax
@@ -22,7 +23,7 @@ import rlhf_eqx as rx
 
 from ._config import ConfigError
 from ._registry import stage_key
-from ._reward_sources import as_reward_source, task_reward_source
+from ._reward_sources import RewardSource, as_reward_source, task_reward_source
 from ._rl_rollouts import _compare
 from ._rollout import group_signal, sampling_options
 from ._runs import rows_at
@@ -44,20 +45,31 @@ class GRPOSweepState(eqx.Module):
     has_within: Bool[Array, " M"]
 
 
-def _check_simple(c) -> None:
+def check_grpo_sweep(c, *, reward_source: bool = False) -> None:
+    """Refuse (`ConfigError`, naming the field) the GRPO settings `c` that a sweep does not
+    run: rollouts from a stale policy (`staleness`; `overlap` acts only with it,
+    `partial_rollouts` needs it), `rollout_correction`, DAPO's `dynamic_sampling` and
+    `overlong_buffer`, a sampler on devices of its own (`sampler_device`,
+    `placement=split`: every member samples in one vmapped call); and, unless
+    `reward_source` (a sweep on a data file), a `reward_source` other than the task's."""
     what = {
         "staleness": c.staleness != 0,
+        "partial_rollouts": c.partial_rollouts != 0,
+        "rollout_correction": c.rollout_correction is not None,
         "dynamic_sampling": c.dynamic_sampling != 0,
         "overlong_buffer": c.overlong_buffer != 0,
-        "rollout_correction": c.rollout_correction is not None,
-        "reward_source": c.reward_source != "task",
+        "sampler_device": c.sampler_device != -1,
+        "placement": c.placement != "colocated",
+        "reward_source": not reward_source and c.reward_source != "task",
     }
     bad = [k for k, v in what.items() if v]
     if bad:
+        scored = "" if reward_source else ", reward_source=task"
         raise ConfigError(
             f"grpo.{bad[0]}={getattr(c, bad[0])!r}: a GRPO sweep runs synchronous rollouts "
-            "scored by the task's reward (staleness 0, no dynamic sampling, overlong "
-            "shaping or rollout correction, reward_source=task)"
+            "of every member in one sampler call on the training device (staleness 0, no "
+            "rollout correction, dynamic sampling or overlong shaping, sampler_device=-1, "
+            f"placement=colocated{scored})"
         )
 
 
@@ -66,31 +78,61 @@ def grpo_sweep(
 ) -> SweepRun:
     """The built-in GRPO stage of `members` (see the module docstring)."""
     c0 = members[0].cfg.grpo
-    _check_simple(c0)
+    check_grpo_sweep(c0)
+    sources = task_sources(starts, c0)
+    outputs = policy_outputs(
+        "grpo",
+        lambda m, policy: starts[members[m].seed].against_sft(policy),
+        tokenizer_file,
+        policy_of=trained_model,
+    )
+    return rollouts_sweep(
+        members,
+        tok,
+        lambda mem: (starts[mem.seed].sft_policy, stage_key(starts[mem.seed].key, "grpo")),
+        TRAIN_PROMPTS,
+        lambda mem: sources[mem.seed],
+        outputs,
+    )
+
+
+def trained_model(st: GRPOSweepState, m: int):
+    """Member `m`'s trained model (adapters unmerged) of a GRPO sweep's states."""
+    return model_of(st.train, m)
+
+
+def rollouts_sweep(
+    members: Sequence[Member],
+    tok,
+    start: Callable[[Member], tuple],
+    prompts: Sequence[str],
+    source_of: Callable[[Member], RewardSource],
+    outputs: tuple[Callable, Callable],
+) -> SweepRun:
+    """GRPO of `members` as a sweep (see the module docstring), each as `run_grpo` runs
+    it: from `start(mem) -> (model, run key)`, on the training `prompts` (rollout `r`'s
+    rows `rows_at(len(prompts), n, seed, r)`), scored by `source_of(mem)`;
+    `outputs`, the `(evaluate, export)` of the `SweepRun` (`policy_outputs` with
+    `policy_of=trained_model`)."""
+    c0 = members[0].cfg.grpo
     sampling = members[0].cfg.sampling
     n, G = c0.prompts_per_rollout, c0.group_size
     total = c0.rollouts * c0.epochs
-    train0, references, ctx_keys = member_states(
-        members,
-        "grpo",
-        lambda mem: (starts[mem.seed].sft_policy, stage_key(starts[mem.seed].key, "grpo")),
-        total,
-    )
-    sources = task_sources(starts, c0)
+    train0, references, ctx_keys = member_states(members, "grpo", start, total)
     program, hyper = program_of(members, train0, grpo_step_builder(c0, sampling.temperature, total))
     M = len(members)
     states = GRPOSweepState(train0, train0, jnp.zeros((M,), bool))
 
     def iteration(st: GRPOSweepState, alive: np.ndarray, r: int) -> Iteration:
-        k_sample, k_steps, prompts = iteration_inputs(ctx_keys, members, n, r)
+        k_sample, k_steps, rows = iteration_inputs(ctx_keys, members, n, r, prompts)
         rolls = sample_members(
-            st.train.model, tok, prompts, k_sample, group_size=G, **sampling_options(sampling)
+            st.train.model, tok, rows, k_sample, group_size=G, **sampling_options(sampling)
         )
         batches, info, events = [], [{} for _ in range(M)], []
         for m, mem in enumerate(members):
             roll = rolls[m]
             ref_logp, inf = _compare(roll, references[m])
-            scored = sources[mem.seed].score(roll)
+            scored = source_of(mem).score(roll)
             rewards = np.asarray(scored.scores, np.float32)
             inf.update(scored.metrics, score=float(rewards.mean()))
             inf["frac_reward_zero_std"] = group_signal(rewards, G)
@@ -115,13 +157,7 @@ def grpo_sweep(
         update = (program, hyper, k_steps)
         return grpo_updates(update, st, stack(batches), alive, r, info, events, c0)
 
-    evaluate, export = policy_outputs(
-        "grpo",
-        lambda m, policy: starts[members[m].seed].against_sft(policy),
-        tokenizer_file,
-        policy_of=lambda st, m: model_of(st.train, m),
-    )
-    return SweepRun(states, c0.rollouts, iteration, evaluate, export)
+    return SweepRun(states, c0.rollouts, iteration, *outputs)
 
 
 def grpo_updates(update, st, batch, alive: np.ndarray, r: int, info, events, c) -> Iteration:
@@ -177,12 +213,10 @@ def task_sources(starts: dict[int, SeedStart], c) -> dict:
     return sources
 
 
-def iteration_inputs(ctx_keys, members, n: int, r: int):
+def iteration_inputs(ctx_keys, members, n: int, r: int, prompts: Sequence[str] = TRAIN_PROMPTS):
     """Rollout iteration `r` of each member as its separate run draws it: the sampling and
-    update keys (`split(fold_in(stage key, r))`) and its `n` training prompts (`rows_at`
-    of its seed)."""
+    update keys (`split(fold_in(stage key, r))`) and its `n` training prompts of
+    `prompts` (`rows_at` of its seed; the built-in task's by default)."""
     keys = [jax.random.split(jax.random.fold_in(k, r)) for k in ctx_keys]
-    prompts = [
-        [TRAIN_PROMPTS[j] for j in rows_at(len(TRAIN_PROMPTS), n, mem.seed, r)] for mem in members
-    ]
-    return [k[0] for k in keys], [k[1] for k in keys], prompts
+    rows = [[prompts[j] for j in rows_at(len(prompts), n, mem.seed, r)] for mem in members]
+    return [k[0] for k in keys], [k[1] for k in keys], rows

@@ -102,17 +102,16 @@ def optimizer():
 def dpo_runner(policy, batch, *, cached: bool):
     opt = optimizer()
     step = train.make_dpo_step(opt, reference="cached" if cached else "model")
-    reference = policy
-    state = {"params": policy, "opt": opt.init(eqx.filter(policy, eqx.is_inexact_array))}
     if cached:
-        batch = train.compute_reference_logps(reference, batch)
+        batch = train.compute_reference_logps(policy, batch)
+    # `TrainState.apply`, as a user runs a step: the state's parameters and optimiser
+    # state are donated to the update (updated in place, as torch's optimisers do)
+    state = {"s": train.init_train_state(policy, opt)}
+    kwargs = {} if cached else {"reference": policy}
 
     def run():
-        p, o, m = step(
-            state["params"], state["opt"], batch, reference=None if cached else reference
-        )
+        state["s"], m = state["s"].apply(step, batch, **kwargs)
         jax.block_until_ready(m["loss"])
-        state["params"], state["opt"] = p, o
 
     return run
 
@@ -138,11 +137,7 @@ def grpo_runner(
     pmask = jnp.ones(prompts.shape, bool)
     opt = optimizer()
     step = train.make_grpo_step(opt, group_size=group)
-    state = {
-        "p": policy,
-        "o": opt.init(eqx.filter(policy, eqx.is_inexact_array)),
-        "k": jax.random.key(0),
-    }
+    state = {"s": train.init_train_state(policy, opt), "k": jax.random.key(0)}
     split = {"gen": [], "update": []}
 
     def run():
@@ -150,7 +145,7 @@ def grpo_runner(
         t0 = time.perf_counter()
         if budgets is None:
             out = rx.generate_batch(
-                state["p"],
+                state["s"].params,
                 prompts,
                 pmask,
                 sub,
@@ -160,7 +155,7 @@ def grpo_runner(
             )
         else:
             out = rx.generate_continuous(
-                state["p"],
+                state["s"].params,
                 prompts,
                 pmask,
                 jax.random.split(sub, prompts.shape[0]),
@@ -181,9 +176,8 @@ def grpo_runner(
             old_logp=None,
             **layout,
         )
-        p, o, m = step(state["p"], state["o"], batch)
+        state["s"], m = state["s"].apply(step, batch)
         jax.block_until_ready(m["loss"])
-        state["p"], state["o"] = p, o
         split["gen"].append(t1 - t0)
         split["update"].append(time.perf_counter() - t1)
 
@@ -480,12 +474,11 @@ def main():
         extra["computed_tokens"] = computed_tokens(batch)
         opt = optimizer()
         step = train.make_reward_step(opt)
-        state = {"p": model, "o": opt.init(eqx.filter(model, eqx.is_inexact_array))}
+        state = {"s": train.init_train_state(model, opt)}
 
         def run():
-            p, o, m = step(state["p"], state["o"], batch)
+            state["s"], m = state["s"].apply(step, batch)
             jax.block_until_ready(m["loss"])
-            state["p"], state["o"] = p, o
 
         first, times = common.time_steps(run, args.steps)
     elif w == "grpo":
@@ -524,7 +517,7 @@ def main():
         batches = hh_batches(inputs, common.HH["pairs"], group=HH_GROUP, bucket=HH_BUCKET)
         opt = optimizer()
         step = train.make_dpo_step(opt, reference="model")
-        state = {"p": policy, "o": opt.init(eqx.filter(policy, eqx.is_inexact_array)), "i": 0}
+        state = {"s": train.init_train_state(policy, opt), "i": 0}
         shapes = set()
         seen = []  # (real tokens, seconds) of steps whose shape was compiled before
 
@@ -535,9 +528,8 @@ def main():
             new_shape = str(shape) not in shapes
             shapes.add(str(shape))
             t0 = time.perf_counter()
-            p, o, m = step(state["p"], state["o"], b, reference=policy)
+            state["s"], m = state["s"].apply(step, b, reference=policy)
             jax.block_until_ready(m["loss"])
-            state["p"], state["o"] = p, o
             if not new_shape:
                 seen.append((n_real, time.perf_counter() - t0))
 

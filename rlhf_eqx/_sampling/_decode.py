@@ -30,17 +30,24 @@ def _check_decoder(policy: object) -> AbstractDecoder:
     return policy
 
 
-def _check_prompt_ids(prompts: Any, vocab_size: int, row_label: str = "prompt row") -> None:
-    """Raise naming the first bad row (`"{row_label} {row}"`), position and id, if
-    `prompts` are concrete."""
+def _check_prompt_ids(
+    prompts: Any, vocab_size: int, row_label: str = "prompt row", first: int = 0
+) -> None:
+    """Raise naming the first bad row (`"{row_label} {row}"`, rows counted from `first`),
+    position and id, if `prompts` are concrete."""
     if isinstance(prompts, jax.core.Tracer):
+        return
+    if isinstance(prompts, jax.Array) and not prompts.is_fully_addressable:
+        # rows on other processes' devices too: each process checks the rows it holds
+        for shard in prompts.addressable_shards:
+            _check_prompt_ids(shard.data, vocab_size, row_label, first=shard.index[0].start or 0)
         return
     ids = np.asarray(prompts)
     bad = (ids < 0) | (ids >= vocab_size)
     if bad.any():
         row, col = (int(x) for x in np.argwhere(bad)[0])
         raise ValueError(
-            f"{row_label} {row} has id {int(ids[row, col])} at position {col}, "
+            f"{row_label} {first + row} has id {int(ids[row, col])} at position {col}, "
             f"outside the vocabulary [0, {vocab_size})"
         )
 

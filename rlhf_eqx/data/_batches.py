@@ -331,7 +331,8 @@ class DistillBatch(eqx.Module):
 
 def _check_shared_prompts(batch) -> None:
     """Validate a `GRPOBatch`'s `prompt_length` / `samples_per_prompt` (static shapes
-    always; the token values when they are concrete, i.e. outside `jax.jit`)."""
+    always; the token values when they are concrete, i.e. outside `jax.jit`, and held by
+    this process)."""
     P, G = batch.prompt_length, batch.samples_per_prompt
     if P is None and G is None:
         return
@@ -348,8 +349,11 @@ def _check_shared_prompts(batch) -> None:
         raise DataError(f"GRPOBatch.prompt_length={P} leaves no completion in rows of {T} tokens")
     if B % G:
         raise DataError(f"GRPOBatch has {B} rows, not a multiple of samples_per_prompt={G}")
-    if isinstance(tokens, jax.core.Tracer) or isinstance(batch.mask, jax.core.Tracer):
+    arrays = (tokens, batch.mask, batch.completion_mask)
+    if any(isinstance(x, jax.core.Tracer) for x in arrays):
         return
+    if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in arrays):
+        return  # rows on other processes' devices too: the values are not all here
     in_prompt = np.asarray(batch.completion_mask)[:, :P] & np.asarray(batch.mask)[:, :P]
     if in_prompt.any():
         row = int(np.argmax(in_prompt.any(axis=1)))

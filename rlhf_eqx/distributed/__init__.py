@@ -20,12 +20,21 @@ places their inputs. Three modes:
   variables), a mesh over `jax.devices()` (all processes' devices), each process
   reads the records `process_record_indices` gives it (prompt-hash sharding) and
   `global_batch` assembles the processes' rows into one global array.
+  `spanning_devices` picks disjoint device groups that each span every process (e.g. a
+  trainer mesh and a sampler mesh), `reshard` moves arrays between such groups (through
+  the hosts where `jax.device_put` cannot across processes) and `to_host` reads arrays
+  sharded across processes whole on each host.
 
 Specs name mesh axes regardless of sizes; wherever a dimension does not divide by the
 size of the axis it names, that dimension is replicated instead (`fit_spec`).
 """
 
 from ..models import partition_specs as partition_specs
+from ._cross_process import (
+    reshard as reshard,
+    spanning_devices as spanning_devices,
+    to_host as to_host,
+)
 from ._memory import MemoryEstimate as MemoryEstimate, estimate_memory as estimate_memory
 from ._mesh import (
     fit_spec as fit_spec,
@@ -67,6 +76,9 @@ __all__ = [
     "ENV_COORDINATOR",
     "ENV_NUM_PROCESSES",
     "ENV_PROCESS_ID",
+    "spanning_devices",
+    "reshard",
+    "to_host",
     "estimate_memory",
     "MemoryEstimate",
 ]

@@ -104,16 +104,20 @@ class GRPOConfig(RolloutStageConfig, GRPOSettings):
       base is placed on the sampler once), timed as `rollout/weight_sync_s` (bytes:
       `rollout/weight_sync_bytes`); the sampler splits the prompts over its `data`
       axis. The numbers are the colocated run's (up to float reassociation under FSDP).
-      `split` runs in one process: in a multi-process run (`jax.distributed`) it is a
-      `ConfigError` naming `placement`, as multi-controller JAX cannot reshard the
-      weights from the trainer's devices to the sampler's across processes.
+      In a multi-process run (`jax.distributed`) each mesh spans every process: the
+      trainer takes the first `trainer_devices / P` local devices of each of the `P`
+      processes, the sampler the next `sampler_devices / P` (counts that do not divide
+      by `P` are refused naming the field); the weights move through the hosts (gathered
+      from the trainer's devices, placed on the sampler's), the sampled rows are gathered
+      to every host for decoding and rewards, and a rollout is sampled before the update
+      rather than during it (every program from one thread, in one order on every
+      process); `partial_rollouts` is refused there.
       With `staleness = k >= 1` and `overlap`, the sampler runs ahead on its mesh while
       the trainer updates: up to `k` rollouts queued (rollout `r + j` samples with the
       policy of update `r + j - k`, known before update `r` for `j <= k`), consumed in
       order (`rollout/queued`); the numbers are those of the run without overlap, and a
       resumed run samples the queued rollouts again from the checkpoint's stale
-      policies. `sampler_device` and `placement=split` exclude each other; the
-      multi-process case (sampler and trainer in different processes) is not covered.
+      policies. `sampler_device` and `placement=split` exclude each other.
     - `partial_rollouts` (a segment length `S` in tokens; 0, the default: off; needs
       `staleness >= 1`, `0 < S < sampling.max_new_tokens` and no `dynamic_sampling`):
       partial rollouts, AReaL's interruptible generation (Fu et al. 2025, "AReaL: a
@@ -312,6 +316,9 @@ class SamplerPlacement:
     def info(self) -> dict:
         return {}
 
+    def readable(self, pending):
+        return pending
+
     def model(self, params, frozen):
         """The policy `params` + `frozen` on the sampler's device."""
         if self.device is None:
@@ -390,7 +397,7 @@ def run_grpo(
     overlap = k > 0 and cfg.overlap
 
     def dispatch(model, key, r, max_new_tokens=None):  # the run's, or a partial rollout's first
-        return _dispatch_sample(
+        pending = _dispatch_sample(
             model,
             tok,
             prompts,
@@ -403,6 +410,7 @@ def run_grpo(
             group_size=G,
             place=placement.prompts,
         )
+        return placement.readable(pending)  # on this host too where rows lie on other hosts
 
     def host_half(pending):  # decoding and the reward: host work, or the reward's device
         roll = placement.back(finish_rollout(pending, tok), reference)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -95,11 +96,16 @@ def parse_mesh(field: str, text: str, n: int | None = None) -> MeshShape:
 def split_devices(
     name: str, cfg, devices: Sequence[jax.Device]
 ) -> tuple[list[jax.Device], list[jax.Device], MeshShape, MeshShape]:
-    """The trainer's and the sampler's devices (the first `trainer_devices` of `devices`,
-    then the next `sampler_devices`: disjoint) and their mesh shapes, for the settings
-    `cfg` of the section `name`; `ConfigError` naming the field when they do not fit, or
-    naming `<name>.placement` in a multi-process run (`check_one_process`)."""
-    check_one_process(name)
+    """The trainer's and the sampler's devices (disjoint) and their mesh shapes, for the
+    settings `cfg` of the section `name`; `ConfigError` naming the field when they do not
+    fit.
+
+    In one process the trainer takes the first `trainer_devices` of `devices`, the
+    sampler the next `sampler_devices`. With `P` processes each mesh spans every process
+    (every process takes part in every program, as multi-controller JAX needs): the
+    trainer takes the first `trainer_devices / P` local devices of each process, the
+    sampler the next `sampler_devices / P` (`rlhf_eqx.distributed.spanning_devices`),
+    and a count that does not divide by `P` is a `ConfigError` naming its field."""
     available = len(devices)
     t = device_count_of(f"{name}.trainer_devices", cfg.trainer_devices, available)
     s = device_count_of(f"{name}.sampler_devices", cfg.sampler_devices, available)
@@ -111,27 +117,28 @@ def split_devices(
             f"must fit in the {available} available; on CPU, "
             "XLA_FLAGS=--xla_force_host_platform_device_count=8 makes eight",
         )
+    processes = len({d.process_index for d in devices})
+    for field, n in (("trainer_devices", t), ("sampler_devices", s)):
+        if n % processes:
+            _fail(
+                f"{name}.{field}",
+                getattr(cfg, field),
+                f"{n} device(s) must divide evenly over the {processes} processes of this "
+                "run (each process holds the same share of the trainer's and the sampler's "
+                "devices)",
+            )
+    if processes > 1 and getattr(cfg, "partial_rollouts", 0):
+        _fail(
+            f"{name}.partial_rollouts",
+            cfg.partial_rollouts,
+            f"must be 0 with {name}.placement=split across the {processes} processes of this "
+            "run (partial rollouts are continued on the sampler's devices, which one process "
+            "does not hold alone)",
+        )
     trainer_mesh = parse_mesh(f"{name}.trainer_mesh", cfg.trainer_mesh, t)
     sampler_mesh = parse_mesh(f"{name}.sampler_mesh", cfg.sampler_mesh, s)
-    return list(devices[:t]), list(devices[t : t + s]), trainer_mesh, sampler_mesh
-
-
-def check_one_process(name: str) -> None:
-    """A `ConfigError` naming `<name>.placement` in a multi-process run
-    (`jax.process_count() > 1`). Multi-controller JAX cannot run the split placement
-    there: `jax.device_put` refuses to reshard an array across processes onto another
-    set of devices (the weight transfer from the trainer's devices to the sampler's),
-    and meshes of one process's devices each (the first devices of `jax.devices()` are
-    process 0's) leave the other process unable to read the rollouts it decodes."""
-    if jax.process_count() > 1:
-        _fail(
-            f"{name}.placement",
-            "split",
-            f"runs in one process, not across the {jax.process_count()} of this run: "
-            "multi-controller JAX cannot move the weights from the trainer's devices to "
-            "the sampler's across processes (a cross-process reshard needs the same "
-            "devices on both sides); use placement=colocated here",
-        )
+    trainer, sampler = dist.spanning_devices(devices, (t, s))
+    return trainer, sampler, trainer_mesh, sampler_mesh
 
 
 def _arrays(tree) -> list:
@@ -139,8 +146,9 @@ def _arrays(tree) -> list:
 
 
 def _place_like(tree, mesh: Mesh, fsdp: bool):
-    """`tree`'s arrays on `mesh` by the model family's sharding rules (one resharding
-    `jax.device_put` of all of them)."""
+    """`tree`'s arrays on `mesh` by the model family's sharding rules (one
+    `rlhf_eqx.distributed.reshard` of all of them: a resharding `jax.device_put` in one
+    process, the host route across processes)."""
     arrays, rest = eqx.partition(tree, eqx.is_array)
     specs = dist.partition_specs(arrays, fsdp=fsdp)
     leaves, treedef = jax.tree.flatten(arrays)
@@ -152,7 +160,7 @@ def _place_like(tree, mesh: Mesh, fsdp: bool):
         )
         for x, s in zip(leaves, spec_leaves)
     ]
-    placed = jax.device_put(leaves, shardings)
+    placed = dist.reshard(leaves, shardings)
     return eqx.combine(jax.tree.unflatten(treedef, placed), rest)
 
 
@@ -160,11 +168,23 @@ class SplitPlacement:
     """The split placement of a GRPO run: the train state, the reference and the update on
     the trainer mesh; the sampler's copy of the policy and the sampling on the sampler
     mesh (the prompts split over its `"data"` axis). `model(params, frozen)` moves the
-    behaviour parameters to the sampler's layout by one resharding `jax.device_put` (the
-    frozen part, e.g. a LoRA base, only when it changes: once a run), timed; `info()` is
-    the iteration's `weight_sync_s`, `weight_sync_bytes` and `base_transfers`."""
+    behaviour parameters to the sampler's layout (the frozen part, e.g. a LoRA base, only
+    when it changes: once a run), timed; `info()` is the iteration's `weight_sync_s`,
+    `weight_sync_bytes` and `base_transfers`.
 
-    separate = True
+    In one process every move is one resharding `jax.device_put`, and with `separate`
+    the sampler samples the next rollouts while the trainer updates. Across processes
+    (`jax.distributed`) each mesh spans every process (`split_devices`), and the moves
+    between the two device sets go through the hosts (`rlhf_eqx.distributed.reshard`:
+    the trainer's shards gathered with `process_allgather`, the sampler's arrays built
+    with `jax.make_array_from_callback`; replicated arrays read locally), as
+    multi-controller JAX does not reshard onto another set of devices across
+    processes; the sampled rows are gathered to every host for decoding and rewards
+    (`readable`). There every program runs from the main thread, in the same order on
+    every process (`separate` is false: a rollout is sampled before the update that
+    overlaps its decoding and rewards, not during it): with the sampler's and the
+    trainer's programs in flight at once from two threads, their cross-process
+    collectives were seen to deadlock on CPU (gloo)."""
 
     def __init__(self, name: str, cfg, devices: Sequence[jax.Device] | None = None):
         devices = jax.devices() if devices is None else devices
@@ -172,6 +192,7 @@ class SplitPlacement:
         t, s = self.trainer_shape, self.sampler_shape
         self.trainer_mesh = dist.make_mesh(t.data, t.model, devices=trainer)
         self.sampler_mesh = dist.make_mesh(s.data, s.model, devices=sampler)
+        self.separate = jax.process_count() == 1
         self._frozen: tuple = (None, None)
         self._params: tuple = (None, None)
         self.base_transfers = 0
@@ -209,9 +230,21 @@ class SplitPlacement:
     def _rows(self, x):
         mesh = self.trainer_mesh
         spec = PartitionSpec("data") if x.shape[0] % mesh.shape["data"] == 0 else PartitionSpec()
-        return jax.device_put(x, NamedSharding(mesh, spec))
+        return dist.reshard(x, NamedSharding(mesh, spec))
 
     # --- the sampler's side ---------------------------------------------------------
+
+    def readable(self, pending):
+        """The sampled rollout `pending` (a `PendingRollout`) with its arrays readable on
+        this process's host, for decoding and rewards: as it is in one process; across
+        processes, whose sampled rows lie on other processes' devices too, each array
+        whole on the host (`rlhf_eqx.distributed.to_host`: gathered on the sampler's
+        devices, a program every process runs in the same order), then on this process's
+        default device."""
+        if jax.process_count() == 1:
+            return pending
+        out = jax.tree.map(jnp.asarray, dist.to_host(pending.out))
+        return dataclasses.replace(pending, out=out)
 
     def prompts(self, tokens, mask):
         """The prompt batch on the sampler mesh: rows over `"data"` when they divide it,
@@ -220,7 +253,7 @@ class SplitPlacement:
         spec = (
             PartitionSpec("data") if tokens.shape[0] % mesh.shape["data"] == 0 else PartitionSpec()
         )
-        return jax.device_put((tokens, mask), NamedSharding(mesh, spec))
+        return dist.reshard((tokens, mask), NamedSharding(mesh, spec))
 
     def model(self, params, frozen):
         """The policy `params` + `frozen` in the sampler's layout. The same `params` object

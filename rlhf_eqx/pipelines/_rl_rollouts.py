@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import rlhf_eqx as rx
+from rlhf_eqx import distributed as dist
 
 from ._config import (
     LoRASettings,
@@ -34,8 +34,8 @@ def _policy_and_reference(policy, lora: LoRASettings, key: jax.Array):
 
 
 def _per_token_kl(logp, ref_logp, mask) -> float:
-    m = np.asarray(mask)
-    return float(((np.asarray(logp) - np.asarray(ref_logp)) * m).sum() / max(m.sum(), 1))
+    logp, ref_logp, m = dist.to_host((logp, ref_logp, mask))  # rows on every process's devices
+    return float(((logp - ref_logp) * m).sum() / max(m.sum(), 1))
 
 
 def _dispatch_sample(

@@ -253,6 +253,27 @@ def test_more_slots_than_rows_and_raw_keys(policy):
     _assert_same(a, b)
 
 
+@pytest.mark.parametrize("num_samples", [1, 2])
+def test_static_sampler_with_one_key_per_prompt_equals_the_continuous_one(policy, num_samples):
+    """`generate_batch` given one key per prompt (typed or raw) samples each row as
+    `generate_continuous` does with those keys, so a row does not depend on its batch:
+    prompts 3 and 1 alone give the rows they give among all five."""
+    toks, masks, keys = _requests()
+    kw = dict(max_new_tokens=N, eos_id=[5, 20], num_samples=num_samples, **SAMPLING)
+    static = rx.generate_batch(policy, toks, masks, keys, **kw)
+    _assert_same(static, rx.generate_continuous(policy, toks, masks, keys, slots=3, **kw))
+    lengths = np.asarray(static.completion_mask[:, P:]).sum(axis=1)
+    assert len(set(lengths.tolist())) > 1  # rows stop at different steps
+    some = np.array([3, 1])
+    alone = rx.generate_batch(
+        policy, toks[some], masks[some], jax.random.key_data(keys[some]), **kw
+    )
+    rows = (some[:, None] * num_samples + np.arange(num_samples)).reshape(-1)
+    _assert_same(alone, _rows(static, rows))
+    with pytest.raises(jaxtyping.TypeCheckError):  # not one key per prompt
+        rx.generate_batch(policy, toks, masks, keys[:4], **kw)
+
+
 @pytest.fixture
 def no_shape_checks():
     """The library as users get it: jaxtyping's checks switched off, so that the
@@ -263,6 +284,12 @@ def no_shape_checks():
         yield
     finally:
         jaxtyping.config.update("jaxtyping_disable", before)
+
+
+def test_static_sampler_refuses_keys_of_another_count(policy, no_shape_checks):
+    toks, masks, keys = _requests()
+    with pytest.raises(ValueError, match=r"key must be one PRNG key or one per prompt \(5\)"):
+        rx.generate_batch(policy, toks, masks, keys[:4], max_new_tokens=N)
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,7 @@ from ._decode import (
     _check_length,
     _check_prompt_ids,
     _int32_prompts,
+    _row_keys,
     _row_sampler,
     _with_prompts,
 )
@@ -153,15 +154,6 @@ def _prefill(policy: AbstractDecoder, prompts, prompt_masks, cache_size: int):
     one = jax.eval_shape(prefill, prompts[:1], prompt_masks[:1])
     _check_decoder_output(policy, "prefill", one)
     return prefill, one
-
-
-def _row_keys(keys: Key[Array, " R"], G: int) -> Key[Array, " B"]:
-    """Each output row's key: `keys[p]` alone; `fold_in(keys[p], g)` for sample `g` of
-    prompt `p`'s group of `G` (token `t` is then drawn with `fold_in(row key, t)`)."""
-    if G == 1:
-        return keys
-    R = keys.shape[0]
-    return jax.vmap(jax.random.fold_in)(jnp.repeat(keys, G), jnp.tile(jnp.arange(G), R))
 
 
 def _start(plan: _Plan, rows: int, one: Any, width: int) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray, UInt32
 
 from ..models import AbstractDecoder
 from ._options import GenerationOutput, SamplingOptions
@@ -135,6 +135,29 @@ def _row_sampler(opts: SamplingOptions):
     )
 
 
+def _row_keys(keys: Key[Array, " R"], G: int) -> Key[Array, " B"]:
+    """Each output row's key: `keys[p]` alone; `fold_in(keys[p], g)` for sample `g` of
+    prompt `p`'s group of `G` (token `t` is then drawn with `fold_in(row key, t)`)."""
+    if G == 1:
+        return keys
+    R = keys.shape[0]
+    return jax.vmap(jax.random.fold_in)(jnp.repeat(keys, G), jnp.tile(jnp.arange(G), R))
+
+
+def _per_prompt_keys(key: Any, prompts: int) -> bool:
+    """Whether `key` is one PRNG key per prompt (typed `[prompts]` or raw
+    `uint32[prompts, 2]`) rather than one for the batch; a `ValueError` naming `key` for
+    any other shape."""
+    raw = 0 if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else 1
+    if key.ndim == raw:
+        return False
+    if key.ndim == raw + 1 and key.shape[0] == prompts:
+        return True
+    raise ValueError(
+        f"key must be one PRNG key or one per prompt ({prompts}), got {key.dtype}{list(key.shape)}"
+    )
+
+
 def _with_prompts(prompts, prompt_masks, tokens, logprobs, real) -> GenerationOutput:
     """The output rows `prompt ++ completion`: the prompts `[B, P]` as given, then the
     sampled `tokens` `[B, N]` (`real` where a token was generated, their `logprobs`)."""
@@ -164,10 +187,17 @@ def _generate_batch(
     policy: AbstractDecoder,
     prompts: Int[Array, "B P"],
     prompt_masks: Bool[Array, "B P"],
-    key: PRNGKeyArray,
+    key: PRNGKeyArray | Key[Array, " B"] | UInt32[Array, "B 2"],
     opts: SamplingOptions,
 ) -> GenerationOutput:
     B, P = prompts.shape
+    if _per_prompt_keys(key, B):  # row b draws token t with fold_in(its row key, t)
+        if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+            key = jax.random.wrap_key_data(key)
+        row_keys = _row_keys(key, opts.num_samples)
+        step_keys = lambda step: jax.vmap(jax.random.fold_in, (0, None))(row_keys, step)  # noqa: E731
+    else:
+        step_keys = lambda step: jax.random.split(jax.random.fold_in(key, step), B)  # noqa: E731
     N = opts.max_new_tokens
     prompts = _int32_prompts(policy, prompts, opts, "prompt ids outside [0, vocab_size)")
     out = jax.vmap(lambda t, m: policy.prefill(t, m, cache_size=P + N))(prompts, prompt_masks)
@@ -198,7 +228,7 @@ def _generate_batch(
         return (s.step < N) & ~jnp.all(s.done)
 
     def body(s: _DecodeState) -> _DecodeState:
-        tok, lp = sample(jax.random.split(jax.random.fold_in(key, s.step), B), s.logits)
+        tok, lp = sample(step_keys(s.step), s.logits)
         real = ~s.done
         tok = jnp.where(real, tok, jnp.asarray(opts.pad_id, jnp.int32))
         lp = jnp.where(real, lp, jnp.zeros_like(lp))
@@ -247,7 +277,7 @@ def generate_batch(
     policy: AbstractDecoder,
     prompts: Int[Array, "B P"],
     prompt_masks: Bool[Array, "B P"],
-    key: PRNGKeyArray,
+    key: PRNGKeyArray | Key[Array, " B"] | UInt32[Array, "B 2"],
     **options: Any,
 ) -> GenerationOutput:
     """Sample completions for a batch of prompts in one compiled program.
@@ -263,7 +293,13 @@ def generate_batch(
       least one real token. Concrete ids outside `[0, vocab_size)` raise a `ValueError`
       naming the row and the id. `P + max_new_tokens` may not exceed the model's
       `cfg.max_seq_len` (when it has one): a `ValueError` names both numbers.
-    - `key`: PRNG key (ignored when greedy).
+    - `key`: PRNG key (ignored when greedy), or one key per prompt (`[B]` typed keys or
+      raw `uint32[B, 2]`): then sample `g` of prompt `p` draws its `t`-th token with
+      `fold_in(fold_in(key[p], g), t)` (`fold_in(key[p], t)` with `num_samples=1`), as
+      `generate_continuous` does with the same keys, so a row's tokens do not depend on
+      the other rows of the batch (up to the floating-point rounding of batched matrix
+      products, which could flip a near-tie). Another shape is a `ValueError` naming
+      `key`.
     - `**options`: the fields of `SamplingOptions`: `max_new_tokens` (required),
       `temperature=1.0` (0 is greedy), `top_k=None`, `top_p=None`, `eos_id=None` (one
       id or several), `pad_id=0`, `check_ids=False`, `num_samples=1` (completions per

@@ -218,7 +218,7 @@ def test_continuations_sample_a_few_bucket_sizes(builtin):
     traces = []
 
     def listen(event, duration, fun_name="", **_):
-        if event == "/jax/core/compile/jaxpr_trace_duration" and "generate_continuous" in fun_name:
+        if event == "/jax/core/compile/jaxpr_trace_duration" and "generate_batch" in fun_name:
             traces.append(fun_name)
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()[4:8]), ("data",))

@@ -15,11 +15,11 @@ cache) and `S` more tokens for the rows that have not stopped, and for those row
 
 Keys: segment `i > 0` has the key `fold_in(key, i)`, and row `b` of the rollout draws
 its `t`-th token of that segment with `fold_in(fold_in(fold_in(key, i), b), t)` (one key
-per row, `rlhf_eqx.generate_continuous`), so a row's continuation does not depend on
-which other rows are still running: the unfinished rows are gathered, padded up to a
-bucket size (a power of two, a multiple of the sampler mesh's `"data"` axis, at most the
-rollout's rows: a few compiled shapes) with copies that sample one token and are
-dropped, continued, and scattered back into their rows. Which thread runs a segment, and
+per row, `rlhf_eqx.generate_batch`), so a row's continuation does not depend on which
+other rows are still running: the unfinished rows are gathered, padded up to a bucket
+size (a power of two, a multiple of the sampler mesh's `"data"` axis, at most the
+rollout's rows: a few compiled shapes) with copies of one of them that are dropped,
+continued, and scattered back into their rows. Which thread runs a segment, and
 when, changes no number."""
 
 import dataclasses
@@ -114,11 +114,12 @@ def continue_rollout(
 
     The unfinished rows are gathered and padded up to a bucket size (the next power of
     two, rounded up to a multiple of the sampler mesh's `"data"` axis when `pending`'s
-    rows lie on a mesh, at most the rollout's rows; the padding copies a continued row
-    with a budget of one token, and is dropped), so a rollout of `B` rows compiles the
-    sampler for at most `ceil(log2(B)) + 1` shapes. `rlhf_eqx.generate_continuous` samples them
-    with one key per row, `fold_in(key, b)` for row `b` of `pending`: a row's tokens do
-    not depend on the other rows, on how many continue, nor on the padding. The new
+    rows lie on a mesh, at most the rollout's rows; the padding repeats the first
+    continued row with its key, so it stops with it, and is dropped), so a rollout of
+    `B` rows compiles the sampler for at most `ceil(log2(B)) + 1` shapes.
+    `rlhf_eqx.generate_batch` samples them with one key per row, `fold_in(key, b)` for
+    row `b` of `pending`: a row's tokens do not depend on the other rows, on how many
+    continue, nor on the padding. The new
     tokens, masks and log-probabilities are scattered back into their rows; the other
     rows get `pad_id`, masks off and log-probabilities 0 (and when no row continues,
     nothing is sampled). The new log-probabilities are `policy`'s; `place` lays the rows
@@ -141,15 +142,12 @@ def continue_rollout(
         if place is not None:
             tokens, mask = place(tokens, mask)
         keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.asarray(picked))
-        more = rx.generate_continuous(
+        more = rx.generate_batch(
             policy,
             tokens,
             mask,
             keys,
-            slots=size,
-            prefill_rows=size,
             max_new_tokens=max_new_tokens,
-            budgets=np.where(np.arange(size) < n, max_new_tokens, 1).astype(np.int32),
             temperature=temperature,
             eos_id=list(pending.stop_ids) or None,
             pad_id=pad_id,

@@ -17,7 +17,8 @@ per rollout:
 - `partial-1`, `partial-2`: split, `staleness=1` / `2` with partial rollouts
   (`partial_rollouts=--segment`): each queued rollout's unfinished rows continue with
   every newer policy, `--segment` tokens at a time, the last segment by the policy of the
-  update that consumes the rollout.
+  update that consumes the rollout; a continuation samples those rows only (gathered,
+  padded to a power of two that the sampler mesh's `"data"` axis divides).
 
 `--runs` picks some of them (default: all). With `--sentences` the completions stop
 after their first sentence (the tokenizer's "." is the stop id), a long-tailed
@@ -31,8 +32,10 @@ The prompts are a long-tailed length mix (most a few words, a few long ones) and
 completions stop at the model's stop ids or `--max-new-tokens`; the completion lengths
 are printed. The time of a run is the sum of its iterations' `iteration_time_s` after the
 first `--warmup` (default 2; they compile: a partial run with staleness `k` meets its
-last sampler shape in iteration `k`, so give it `k + 1`); tokens/s counts completion
-tokens. Rounds alternate the order of the runs; medians are printed.
+last segment in iteration `k`, so give it `k + 1`; its continuations compile a sampler
+per bucket of unfinished rows, which a later iteration of the first round may meet
+first, and rounds after the first reuse); tokens/s counts completion tokens. Rounds
+alternate the order of the runs; medians are printed.
 
 Read the numbers for what they are: the eight "devices" are XLA's simulated CPU
 devices, which share this machine's cores (2 on the machine these numbers come from),

@@ -119,11 +119,11 @@ def continue_rollout(
     `B` rows compiles the sampler for at most `ceil(log2(B)) + 1` shapes.
     `rlhf_eqx.generate_batch` samples them with one key per row, `fold_in(key, b)` for
     row `b` of `pending`: a row's tokens do not depend on the other rows, on how many
-    continue, nor on the padding. The new
-    tokens, masks and log-probabilities are scattered back into their rows; the other
-    rows get `pad_id`, masks off and log-probabilities 0 (and when no row continues,
-    nothing is sampled). The new log-probabilities are `policy`'s; `place` lays the rows
-    out for the sampler as in `dispatch_rollout`.
+    continue, nor on the padding. The new tokens, masks and log-probabilities are
+    scattered back into their rows; the other rows get `pad_id`, masks off and
+    log-probabilities 0 (and when no row continues, nothing is sampled). The new
+    log-probabilities are `policy`'s; `place` lays the rows out for the sampler as in
+    `dispatch_rollout`.
 
     **Returns:** the `PendingRollout` with rows `max_new_tokens` longer.
     """

@@ -5,21 +5,26 @@ and the sampler data parallel over the other four, each mesh spanning both proce
 devices to the sampler's through the hosts (multi-controller JAX does not reshard
 between different device sets across processes), and the sampled rows come back to
 every host for decoding and rewards. Both processes end with the same parameters and
-metrics as the same run in one process on eight simulated devices. The device choice
-itself is checked without processes.
+metrics as the same run in one process on eight simulated devices. The LoRA run killed
+with SIGKILL after its first checkpoint and resumed across both processes ends as the
+uninterrupted run (an expected failure while checkpoints of arrays spanning processes
+are not written). The device choice itself is checked without processes.
 
-Run as a script (`python tests/test_split_placement_processes.py OUT_FILE`) this file is
-one worker; the coordinator address, process count and id come from the `RLHF_EQX_*`
-variables.
+Run as a script (`python tests/test_split_placement_processes.py OUT_FILE MODE`) this
+file is one worker (`_worker`); the coordinator address, process count and id come from
+the `RLHF_EQX_*` variables.
 """
 
 import dataclasses
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -51,9 +56,11 @@ def _cases():
     }
 
 
-def _run(name: str, cfg, run_dir: str):
+def _run(name: str, cfg, run_dir: str, mode: str = "once"):
     """One GRPO run of `cfg`: its final parameters (whole, on the host), the metric records
-    of its iterations and the weight transfers' seconds per iteration."""
+    of its iterations and the processes holding the trainer's parameters. `mode`
+    `"fresh"` checkpoints every iteration in `run_dir/ckpt`, `"resume"` continues from
+    there too, `"once"` writes no checkpoint."""
     import jax
 
     from rlhf_eqx import distributed as dist, pipelines as pl
@@ -61,21 +68,28 @@ def _run(name: str, cfg, run_dir: str):
     policy, tok = pl.tools.load_model("builtin")
     reward = [pl.runs.RewardFunction("parity", lambda p, t: float(len(t) % 2))]
     ctx = pl.RunContext(
-        ops=pl.OpsConfig(monitor=False, quiet=True),
+        ops=pl.OpsConfig(monitor=False, quiet=True, checkpoint_every=1),
         log=pl.tools.MetricsLog(run_dir, name, quiet=True),
         key=jax.random.key(0),
-        checkpoint_dir=None,
+        checkpoint_dir=None if mode == "once" else os.path.join(run_dir, "ckpt"),
+        resume=mode == "resume",
         prompt_length=16,
         max_new_tokens=8,
     )
     res = pl.runs.run_grpo(policy, tok, _PROMPTS, reward=reward, cfg=cfg, ctx=ctx)
-    records = [r for r in pl.tools.read_records(run_dir) if r.get("stage") == name and "step" in r]
+    records = [
+        r
+        for r in pl.tools.read_records(run_dir)
+        if r.get("stage") == name and "step" in r and "event" not in r
+    ]
     params = [x for x in jax.tree.leaves(res.state.params) if isinstance(x, jax.Array)]
     devices = {d.process_index for x in params for d in x.sharding.device_set}
     return dist.to_host(params), records, sorted(devices)
 
 
-def _worker(out_path: str) -> None:
+def _worker(out_path: str, mode: str) -> None:
+    """This process's part of the runs: every case and the refused settings (`mode`
+    `"once"`), or the LoRA case alone, checkpointed (`"fresh"`) or resumed (`"resume"`)."""
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -84,6 +98,14 @@ def _worker(out_path: str) -> None:
     process_id, num_processes = dist.initialize_distributed(initialization_timeout=60)
     from rlhf_eqx import pipelines as pl
 
+    if mode != "once":
+        run_dir = os.path.join(os.path.dirname(out_path), f"lora{process_id}")
+        params, records, _ = _run("lora", _cases()["lora"], run_dir, mode)
+        np.savez(out_path + ".npz", *params)
+        with open(out_path, "w") as f:
+            json.dump({"records": records, "events": pl.tools.read_records(run_dir)}, f)
+        jax.distributed.shutdown()
+        return
     out: dict = {"devices": jax.device_count(), "processes": num_processes, "refused": []}
     split = [f"grpo.{k}={v}" for k, v in _SPLIT.items()]
     for changes in (
@@ -115,8 +137,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(tmp_path) -> list[tuple[dict, dict]]:
-    """Both workers' results: (json, arrays) per process."""
+def _launch(tmp_path, mode: str = "once", stop=None) -> list[tuple[dict, dict]]:
+    """Both workers' results in `tmp_path`: (json, arrays) per process. With `stop`, both
+    workers are killed with SIGKILL once `stop()` holds (polled), and `[]` returned."""
     port, root = _free_port(), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     flags = re.sub(
         r"\s*--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")
@@ -133,23 +156,34 @@ def _launch(tmp_path) -> list[tuple[dict, dict]]:
             RLHF_EQX_PROCESS_ID=str(p),
         )
         outs.append(tmp_path / f"process{p}.json")
-        cmd = [sys.executable, os.path.abspath(__file__), str(outs[-1])]
-        procs.append(
-            subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        )
+        cmd = [sys.executable, os.path.abspath(__file__), str(outs[-1]), mode]
+        with open(f"{outs[-1]}.log", "wb") as log:
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+    logs = lambda: [Path(f"{o}.log").read_text(errors="replace")[-4000:] for o in outs]  # noqa: E731
     try:
-        logs = [proc.communicate(timeout=300)[0].decode(errors="replace") for proc in procs]
+        deadline = time.time() + 300
+        while stop is not None and not stop() and time.time() < deadline:
+            assert all(proc.poll() is None for proc in procs), logs()
+            time.sleep(0.02)
+        assert stop is None or stop(), logs()
+        for proc in procs:
+            if stop is not None:
+                proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=max(deadline - time.time(), 1))
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-    for proc, log in zip(procs, logs):
-        assert proc.returncode == 0, log[-4000:]
+    if stop is not None:
+        assert [proc.returncode for proc in procs] == [-signal.SIGKILL] * 2, logs()
+        return []
+    for proc, log in zip(procs, logs()):
+        assert proc.returncode == 0, log
     return [(json.loads(o.read_text()), dict(np.load(str(o) + ".npz"))) for o in outs]
 
 
-def _strip(records):
-    return [{k: v for k, v in r.items() if k not in _TIMING} for r in records]
+def _strip(records, drop=()):
+    return [{k: v for k, v in r.items() if k not in _TIMING + drop} for r in records]
 
 
 @pytest.mark.slow
@@ -207,6 +241,47 @@ def test_split_placement_across_two_processes_is_the_one_process_run(tmp_path):
         assert [r["rollout/base_transfers"] for r in first[name]["records"]] == [1.0] * len(sync)
 
 
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="a checkpoint of a state spanning processes is not written: save_checkpoint "
+    "serialises each array with np.asarray, which refuses an array with shards on another "
+    "process's devices (gathering the state to the host first makes this test pass)",
+)
+def test_split_run_across_two_processes_killed_then_resumed_is_exact(tmp_path):
+    """The LoRA split run over two processes, checkpointed every iteration, killed with
+    SIGKILL (both processes) once the checkpoint of iteration 1 is on disk and resumed
+    from it over two processes: both processes resume from iteration 1 and end with the
+    uninterrupted run's parameters and records, bit for bit."""
+    import jax
+
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    full.mkdir(), cut.mkdir()
+    runs = _launch(full, "fresh")
+    ckpts = [cut / f"lora{p}" / "ckpt" / "iter_00000001" for p in range(2)]
+    _launch(cut, "fresh", stop=lambda: all(os.path.isdir(c) for c in ckpts))
+    for p in range(2):  # killed before either process wrote a later checkpoint
+        names = os.listdir(cut / f"lora{p}" / "ckpt")
+        assert [n for n in names if ".tmp" not in n] == ["iter_00000001"], names
+    for (want, want_arrays), (got, got_arrays) in zip(runs, _launch(cut, "resume"), strict=True):
+        assert [r["iteration"] for r in got["events"] if r.get("event") == "resume"] == [1]
+        # The resumed iteration samples its rollout again (the prepared one died with the
+        # processes): not overlapped, and its stale behaviour adapters move to the sampler
+        # before the updated ones do.
+        moved = ("rollout/overlapped", "rollout/weight_sync_bytes")
+        assert _strip(got["records"], moved) == _strip(want["records"], moved)
+        assert len(want["records"]) == 3
+        for key, resumed in zip(moved, (lambda x: 0.0, lambda x: 2 * x)):
+            x = [r[key] for r in want["records"]]
+            assert [r[key] for r in got["records"]] == [x[0], resumed(x[1]), x[2]], key
+        assert want_arrays.keys() == got_arrays.keys()
+        for key in want_arrays:
+            np.testing.assert_array_equal(got_arrays[key], want_arrays[key], err_msg=key)
+
+
 @pytest.mark.parametrize("processes", [1, 2])
 def test_each_mesh_spans_every_process(processes):
     """Eight devices, four a process with two processes: the trainer's four are the first
@@ -237,4 +312,4 @@ def test_each_mesh_spans_every_process(processes):
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1])
+    _worker(sys.argv[1], sys.argv[2])

@@ -242,13 +242,6 @@ def test_split_placement_across_two_processes_is_the_one_process_run(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="a checkpoint of a state spanning processes is not written: save_checkpoint "
-    "serialises each array with np.asarray, which refuses an array with shards on another "
-    "process's devices (gathering the state to the host first makes this test pass)",
-)
 def test_split_run_across_two_processes_killed_then_resumed_is_exact(tmp_path):
     """The LoRA split run over two processes, checkpointed every iteration, killed with
     SIGKILL (both processes) once the checkpoint of iteration 1 is on disk and resumed

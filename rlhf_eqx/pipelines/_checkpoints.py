@@ -9,7 +9,10 @@ import shutil
 import sys
 
 import equinox as eqx
+import jax
 from jaxtyping import PyTree
+
+from rlhf_eqx import distributed as dist
 
 from ._metrics import DiskFullError
 from ._resume_rules import RunDirError
@@ -46,7 +49,8 @@ def save_checkpoint(directory: str, iteration: int, tree: PyTree, meta: dict, *,
         os.makedirs(tmp)
         leaves = os.path.join(tmp, "state.eqx")
         with open(leaves, "wb") as f:
-            eqx.tree_serialise_leaves(f, tree)
+            # an array spanning processes is gathered whole first (every process saves)
+            eqx.tree_serialise_leaves(f, dist.to_host(tree) if jax.process_count() > 1 else tree)
             f.flush()
             os.fsync(f.fileno())
         meta = dict(meta, iteration=iteration, sha256=_sha256(leaves))

@@ -33,6 +33,18 @@ def data_stages() -> tuple[str, ...]:
     return tuple(s.name for s in stages() if s.data is not None)
 
 
+def check_data_reward_model(key: str, c) -> None:
+    """A `ConfigError` when the stage section `c` (named `key`) scores with a reward model
+    or PRM on a data file without the directory of one (`<key>.reward_model`): on a
+    data file no earlier stage trains it."""
+    if getattr(c, "reward_source", None) in ("reward_model", "prm") and not c.reward_model:
+        raise ConfigError(
+            f"{key}.reward_model='': {key}.reward_source={c.reward_source} on a data "
+            "file needs the directory of an exported model (<run>/reward/hf, "
+            "<run>/reward/ensemble or <run>/prm/hf)"
+        )
+
+
 def run_on_data(
     cfg: PipelineConfig,
     stage: str,
@@ -66,13 +78,7 @@ def run_on_data(
     if cfg.data.path is None:
         raise ConfigError("data.path=None: a data file is needed (--data FILE)")
     validate_config(cfg, stage=stage)  # this stage and the sections it uses
-    c = stage_config(cfg, st)
-    if getattr(c, "reward_source", None) in ("reward_model", "prm") and not c.reward_model:
-        raise ConfigError(
-            f"{st.key}.reward_model='': {st.key}.reward_source={c.reward_source} on a data "
-            "file needs the directory of an exported model (<run>/reward/hf, "
-            "<run>/reward/ensemble or <run>/prm/hf)"
-        )
+    check_data_reward_model(st.key, stage_config(cfg, st))
     run_dir = cfg.out or os.path.join("runs", stage)
     with (
         open_run_dir(cfg, run_dir, resume=resume, overwrite=overwrite) as rd,

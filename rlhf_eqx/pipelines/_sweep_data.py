@@ -35,6 +35,7 @@ import rlhf_eqx as rx
 
 from ._config import ConfigError
 from ._data_prep import implicit_accuracy, nll, preference_split, trained_policy
+from ._data_runs import check_data_reward_model
 from ._dpo_stage import referenced_rows
 from ._evaluate import binomial_se
 from ._grpo_stage import answered_prompts, heldout_exact_match
@@ -77,13 +78,8 @@ def check_data_sweep(stage: str, cfg) -> None:
     if stage == "reward":
         check_reward_sweep(cfg.reward)
     if stage == "grpo":
-        c = cfg.grpo
-        check_grpo_sweep(c, reward_source=True)
-        if c.reward_source in ("reward_model", "prm") and not c.reward_model:
-            raise ConfigError(
-                f"grpo.reward_model='': grpo.reward_source={c.reward_source} on a data file "
-                "needs the directory of an exported model (<run>/reward/hf, <run>/prm/hf)"
-            )
+        check_grpo_sweep(cfg.grpo, reward_source=True)
+        check_data_reward_model("grpo", cfg.grpo)
 
 
 def data_sweep(

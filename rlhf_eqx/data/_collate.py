@@ -136,6 +136,31 @@ def _check_ids(
         )
 
 
+def _pad_rows(
+    rows: Sequence[Sequence[int]],
+    length: int,
+    *,
+    pad_id: int,
+    vocab_size: int | None,
+    what: str,
+    left: bool = False,
+) -> tuple[np.ndarray, np.ndarray]:
+    """`(tokens, mask)` of shape `[len(rows), length]`: each row's ids then `pad_id`
+    (before them with `left=True`), `mask` true on the ids; tokens int32. A row longer
+    than `length` and an id outside range (`_check_ids`) are refused, naming the `what`."""
+    tokens = np.full((len(rows), length), pad_id, dtype=np.int64)
+    mask = np.zeros((len(rows), length), dtype=bool)
+    for i, ids in enumerate(rows):
+        n = len(ids)
+        if n > length:
+            raise DataError(f"{what} {i} has {n} tokens, more than max_length={length}")
+        span = slice(length - n, length) if left else slice(0, n)
+        tokens[i, span] = ids
+        mask[i, span] = True
+    _check_ids(tokens, mask, pad_id, vocab_size, what)
+    return tokens.astype(np.int32), mask
+
+
 def _check_completions(completion_masks: Sequence[np.ndarray], what: str) -> None:
     """Refuse a batch with no completion token at all: every loss would be 0/0 and the
     step would have nothing to learn from."""
@@ -162,19 +187,17 @@ def _right_padded(
     T = row_length(longest, max_length=max_length, lengths=lengths, bucket_size=bucket_size)
     out = []
     for seqs in groups:
-        tokens = np.full((len(seqs), T), pad_id, dtype=np.int64)
-        mask = np.zeros((len(seqs), T), dtype=bool)
+        tokens, mask = _pad_rows(
+            [(*s.prompt, *s.completion) for s in seqs],
+            T,
+            pad_id=pad_id,
+            vocab_size=vocab_size,
+            what="row",
+        )
         completion_mask = np.zeros((len(seqs), T), dtype=bool)
         for i, s in enumerate(seqs):
-            n_prompt, n = len(s.prompt), len(s)
-            if n > T:
-                raise DataError(f"row {i} has {n} tokens, more than max_length={T}")
-            tokens[i, :n_prompt] = s.prompt
-            tokens[i, n_prompt:n] = s.completion
-            mask[i, :n] = True
-            completion_mask[i, n_prompt:n] = True
-        _check_ids(tokens, mask, pad_id, vocab_size, "row")
-        out.append((tokens.astype(np.int32), mask, completion_mask))
+            completion_mask[i, len(s.prompt) : len(s)] = True
+        out.append((tokens, mask, completion_mask))
     _check_completions([cm for _, _, cm in out], "row")
     return out
 
@@ -274,17 +297,10 @@ def collate_prompts(
     if max_length is None:
         max_length = (lengths or SequenceLengths()).max_prompt_length
     P = row_length(max(len(p) for p in prompts), max_length=max_length, bucket_size=bucket_size)
-    tokens = np.full((len(prompts), P), pad_id, dtype=np.int64)
-    mask = np.zeros((len(prompts), P), dtype=bool)
-    for i, ids in enumerate(prompts):
-        n = len(ids)
-        if n > P:
-            raise DataError(f"prompt {i} has {n} tokens, more than max_length={P}")
-        if n:
-            tokens[i, P - n :] = ids
-            mask[i, P - n :] = True
-    _check_ids(tokens, mask, pad_id, vocab_size, "prompt")
-    return PromptBatch(tokens=jnp.asarray(tokens.astype(np.int32)), mask=jnp.asarray(mask))
+    tokens, mask = _pad_rows(
+        prompts, P, pad_id=pad_id, vocab_size=vocab_size, what="prompt", left=True
+    )
+    return PromptBatch(tokens=jnp.asarray(tokens), mask=jnp.asarray(mask))
 
 
 def padding_stats(batches: Sequence) -> dict[str, float | int]:

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._batches import PRMBatch
-from ._collate import _check_ids, row_length
+from ._collate import _pad_rows, row_length
 from ._errors import DataError
 from ._io import (
     Malformed,
@@ -251,23 +251,17 @@ def collate_stepwise(
         raise DataError("cannot collate an empty batch")
     longest = max(len(s) for s in solutions)
     T = row_length(longest, max_length=max_length, lengths=lengths, bucket_size=bucket_size)
-    B = len(solutions)
-    tokens = np.full((B, T), pad_id, dtype=np.int64)
-    mask = np.zeros((B, T), dtype=bool)
-    step_mask = np.zeros((B, T), dtype=bool)
-    labels = np.zeros((B, T), dtype=np.float32)
+    tokens, mask = _pad_rows(
+        [s.tokens for s in solutions], T, pad_id=pad_id, vocab_size=vocab_size, what="solution"
+    )
+    step_mask = np.zeros(mask.shape, dtype=bool)
+    labels = np.zeros(mask.shape, dtype=np.float32)
     for i, s in enumerate(solutions):
-        n = len(s)
-        if n > T:
-            raise DataError(f"solution {i} has {n} tokens, more than max_length={T}")
-        tokens[i, :n] = s.tokens
-        mask[i, :n] = True
         ends = np.asarray(s.step_ends, dtype=np.int64)
         step_mask[i, ends] = True
         labels[i, ends] = np.asarray(s.labels, dtype=np.float32)
-    _check_ids(tokens, mask, pad_id, vocab_size, "solution")
     return PRMBatch(
-        tokens=jnp.asarray(tokens.astype(np.int32)),
+        tokens=jnp.asarray(tokens),
         mask=jnp.asarray(mask),
         step_mask=jnp.asarray(step_mask),
         step_labels=jnp.asarray(labels),

@@ -28,7 +28,7 @@ with an empty (or blank) completion are skipped and counted in `dataset.report`.
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from ._chat import ChatTemplate, format_chat, message_field, message_list, resolve_template
 from ._errors import DataError
@@ -60,6 +60,18 @@ class PreferenceRecord:
     prompt: str
     chosen: str
     rejected: str
+
+
+def _preference_texts(records: Sequence) -> list[tuple[str, str, str]]:
+    """`(prompt, chosen, rejected)` of each record: a `PreferenceRecord`, or any object
+    with string `.prompt`, `.chosen` and `.rejected` (else `DataError` naming the field)."""
+    texts = []
+    for r in records:
+        for key in ("prompt", "chosen", "rejected"):
+            if not isinstance(getattr(r, key, None), str):
+                raise DataError(f"preference records need a string .{key}, got {type(r).__name__}")
+        texts.append((r.prompt, r.chosen, r.rejected))
+    return texts
 
 
 def split_hh_transcript(chosen: str, rejected: str) -> tuple[str, str, str] | None:

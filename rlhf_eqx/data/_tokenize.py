@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 from ._errors import DataError
 from ._io import common_prefix_length
+from ._preferences import _preference_texts
 from ._tokenized import (
     SequenceLengths,
     TokenizedPair,
@@ -166,16 +167,6 @@ def _tokenize(
     return out, report
 
 
-def _preference_items(records: Sequence) -> list[tuple[str, list[str]]]:
-    items = []
-    for r in records:
-        for key in ("prompt", "chosen", "rejected"):
-            if not isinstance(getattr(r, key, None), str):
-                raise DataError(f"preference records need a string .{key}, got {type(r).__name__}")
-        items.append((r.prompt, [r.chosen, r.rejected]))
-    return items
-
-
 def tokenize_preferences(
     records: Sequence,
     tokenizer: Tokenizer,
@@ -205,7 +196,7 @@ def tokenize_preferences(
     `TokenizeReport` counting truncated, dropped and boundary-merged records.
     """
     return _tokenize_as(
-        _preference_items(records),
+        [(prompt, [chosen, rejected]) for prompt, chosen, rejected in _preference_texts(records)],
         tokenizer,
         resolve_lengths(lengths, max_length, max_prompt_length, max_completion_length),
         truncation=truncation,

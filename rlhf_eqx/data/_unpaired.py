@@ -39,6 +39,7 @@ from ._io import (
     load_records,
     string_field,
 )
+from ._preferences import _preference_texts
 from ._tokenize import _check_truncation, _tokenize
 from ._tokenized import SequenceLengths, TokenizedSequence, TokenizeReport, resolve_lengths
 from ._tokenizer import Tokenizer
@@ -167,12 +168,9 @@ def unpaired_from_preferences(records: Sequence) -> list[UnpairedRecord]:
     rarely sit next to each other (neighbours form the mismatched rows of
     `collate_unpaired`).
     """
-    for r in records:
-        for key in ("prompt", "chosen", "rejected"):
-            if not isinstance(getattr(r, key, None), str):
-                raise DataError(f"preference records need a string .{key}, got {type(r).__name__}")
-    return [UnpairedRecord(r.prompt, r.chosen, True) for r in records] + [
-        UnpairedRecord(r.prompt, r.rejected, False) for r in records
+    texts = _preference_texts(records)
+    return [UnpairedRecord(prompt, chosen, True) for prompt, chosen, _ in texts] + [
+        UnpairedRecord(prompt, rejected, False) for prompt, _, rejected in texts
     ]
 
 

@@ -138,6 +138,37 @@ def _labels(noise: float, seed: int):
     return label
 
 
+def _task_env(
+    cfg: PipelineConfig,
+    base,
+    tok,
+    run_dir: str,
+    key: jax.Array,
+    make_ctx: Callable[..., RunContext],
+    *,
+    resume: bool,
+    say: Callable[..., None],
+    tok_file: str | None = None,
+    **fields: Any,
+) -> StageEnv:
+    """The `StageEnv` of stages on the built-in task in `run_dir` (the pipeline's, a
+    sweep's shared ones): its labeller is the task's noisy one of `cfg.ops.seed`;
+    `fields`, the further `StageEnv` fields (`summary`, `callbacks`, `stage`)."""
+    return StageEnv(
+        cfg=cfg,
+        base=base,
+        tok=tok,
+        tok_file=tok_file,
+        run_dir=run_dir,
+        resume=resume,
+        say=say,
+        key=key,
+        make_ctx=make_ctx,
+        label=_labels(cfg.label_noise, cfg.ops.seed),
+        **fields,
+    )
+
+
 def _ctx(
     cfg: PipelineConfig,
     run_dir: str,
@@ -289,17 +320,16 @@ def _run_pipeline(
             callbacks=callbacks,
         )
 
-    env = StageEnv(
-        cfg=cfg,
-        base=base,
-        tok=tok,
-        tok_file=tokenizer_file(cfg.model.source, cfg.model.tokenizer),
-        run_dir=run_dir,
+    env = _task_env(
+        cfg,
+        base,
+        tok,
+        run_dir,
+        key,
+        make_ctx,
         resume=resume,
         say=say,
-        key=key,
-        make_ctx=make_ctx,
-        label=_labels(cfg.label_noise, cfg.ops.seed),
+        tok_file=tokenizer_file(cfg.model.source, cfg.model.tokenizer),
         summary=summary,
         callbacks=callbacks,
     )

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import jax
 
 from ._evaluate import win_rate, win_rate_se
-from ._pipeline import _ctx, _labels, task_evaluator
+from ._pipeline import _ctx, _task_env, task_evaluator
 from ._registry import StageEnv, stage_key
 from ._reward_stage import reward as reward_stage
 from ._sft_stage import sft as sft_stage
@@ -50,19 +50,7 @@ def sweep_env(cfg, base, tok, run_dir: str, key, *, resume: bool, say, stage: st
         name = name or stage
         return _ctx(cfg, run_dir, name, stage_key(key, name), resume)
 
-    return StageEnv(
-        cfg=cfg,
-        base=base,
-        tok=tok,
-        tok_file=None,
-        run_dir=run_dir,
-        resume=resume,
-        say=say,
-        key=key,
-        make_ctx=make_ctx,
-        label=_labels(cfg.label_noise, cfg.ops.seed),
-        stage=stage,
-    )
+    return _task_env(cfg, base, tok, run_dir, key, make_ctx, resume=resume, say=say, stage=stage)
 
 
 def builtin_start(

@@ -250,6 +250,15 @@ def task_evaluator(cfg, tok, base, key: jax.Array) -> Callable:
     return evaluate
 
 
+def with_win_rates(metrics: dict, scores, sft_scores, samples: int) -> dict:
+    """`metrics` with `win_rate_vs_sft` and `win_rate_vs_sft_se` added: the win rate of a
+    policy's held-out `scores` over the SFT policy's `sft_scores` (`samples` a prompt)
+    and its standard error."""
+    metrics["win_rate_vs_sft"] = win_rate(scores, sft_scores)
+    metrics["win_rate_vs_sft_se"] = win_rate_se(scores, sft_scores, samples)
+    return metrics
+
+
 def run_pipeline(
     cfg: PipelineConfig,
     *,
@@ -302,9 +311,7 @@ def _run_pipeline(
 
     def against_sft(policy):
         m, _, scores = evaluate(policy, env.policies["sft"])
-        m["win_rate_vs_sft"] = win_rate(scores, sft_scores)
-        m["win_rate_vs_sft_se"] = win_rate_se(scores, sft_scores, cfg.eval_samples)
-        return m
+        return with_win_rates(m, scores, sft_scores, cfg.eval_samples)
 
     def make_ctx(stage: str, periodic: bool = True):
         """A stage's context; `periodic`: evaluate against SFT every `ops.eval_every`."""
@@ -351,8 +358,7 @@ def _run_pipeline(
             if is_sft:
                 sft_scores = scores
             else:
-                m["win_rate_vs_sft"] = win_rate(scores, sft_scores)
-                m["win_rate_vs_sft_se"] = win_rate_se(scores, sft_scores, cfg.eval_samples)
+                with_win_rates(m, scores, sft_scores, cfg.eval_samples)
             m["stopped"] = stopped
             if out.result.loop.stop_reason:
                 m["stop_reason"] = out.result.loop.stop_reason

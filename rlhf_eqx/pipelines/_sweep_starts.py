@@ -10,8 +10,7 @@ from collections.abc import Callable
 
 import jax
 
-from ._evaluate import win_rate, win_rate_se
-from ._pipeline import _ctx, _task_env, task_evaluator
+from ._pipeline import _ctx, _task_env, task_evaluator, with_win_rates
 from ._registry import StageEnv, stage_key
 from ._reward_stage import reward as reward_stage
 from ._sft_stage import sft as sft_stage
@@ -78,9 +77,7 @@ def builtin_start(
 
     def against_sft(policy) -> dict:
         m, _, scores = evaluate(policy, sft_policy)
-        m["win_rate_vs_sft"] = win_rate(scores, sft_scores)
-        m["win_rate_vs_sft_se"] = win_rate_se(scores, sft_scores, cfg.eval_samples)
-        return m
+        return with_win_rates(m, scores, sft_scores, cfg.eval_samples)
 
     sft_metrics["stopped"] = outcome.result.loop.stopped
     if reward:

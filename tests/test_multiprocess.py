@@ -82,6 +82,8 @@ def _worker(mode: str, out_path: str) -> None:
     import jax.numpy as jnp
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    from process_workers import leave_run
+
     from rlhf_eqx import distributed as dist
 
     process_id, num_processes = dist.initialize_distributed(initialization_timeout=60)
@@ -104,8 +106,7 @@ def _worker(mode: str, out_path: str) -> None:
         count = jax.jit(lambda b: jnp.sum(b.chosen_mask.astype(jnp.int32), axis=1))(batch)
         counts = np.asarray(multihost_utils.process_allgather(count, tiled=True))
         np.savez(out_path, counts=counts, mine=np.asarray(mine))
-        jax.distributed.shutdown()
-        return
+        leave_run()
     state = dist.shard_train_state(init_train_state(policy, opt), mesh, fsdp=True)
     reference = dist.shard_model(policy, mesh, fsdp=True)
     losses = []
@@ -121,7 +122,7 @@ def _worker(mode: str, out_path: str) -> None:
     leaves = gathered(jax.tree.leaves(state.params))
     moments = {f"opt_{i}": x for i, x in enumerate(gathered(_moments(state)))}
     np.savez(out_path, losses=np.asarray(losses), mine=np.asarray(mine), *leaves, **moments)
-    jax.distributed.shutdown()
+    leave_run()
 
 
 def _moments(state) -> list:
@@ -195,7 +196,8 @@ def _launch(mode: str, tmp_path, *, timeout: float):
     except subprocess.TimeoutExpired:
         for proc in procs:
             proc.kill()
-        pytest.fail(f"the two processes did not finish within {timeout} s")
+        tails = [proc.communicate()[0].decode(errors="replace")[-2000:] for proc in procs]
+        pytest.fail(f"the two processes did not finish within {timeout} s: {tails}")
     for p, (proc, log) in enumerate(zip(procs, logs)):
         assert proc.returncode == 0, f"process {p} failed:\n{log[-4000:]}"
     return [np.load(path) for path in outs]

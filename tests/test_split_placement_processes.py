@@ -93,6 +93,8 @@ def _worker(out_path: str, mode: str) -> None:
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    from process_workers import leave_run
+
     from rlhf_eqx import distributed as dist
 
     process_id, num_processes = dist.initialize_distributed(initialization_timeout=60)
@@ -104,8 +106,7 @@ def _worker(out_path: str, mode: str) -> None:
         np.savez(out_path + ".npz", *params)
         with open(out_path, "w") as f:
             json.dump({"records": records, "events": pl.tools.read_records(run_dir)}, f)
-        jax.distributed.shutdown()
-        return
+        leave_run()
     out: dict = {"devices": jax.device_count(), "processes": num_processes, "refused": []}
     split = [f"grpo.{k}={v}" for k, v in _SPLIT.items()]
     for changes in (
@@ -128,7 +129,7 @@ def _worker(out_path: str, mode: str) -> None:
     np.savez(out_path + ".npz", **arrays)
     with open(out_path, "w") as f:
         json.dump(out, f)
-    jax.distributed.shutdown()
+    leave_run()
 
 
 def _free_port() -> int:
@@ -174,6 +175,7 @@ def _launch(tmp_path, mode: str = "once", stop=None) -> list[tuple[dict, dict]]:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
+                proc.wait()
     if stop is not None:
         assert [proc.returncode for proc in procs] == [-signal.SIGKILL] * 2, logs()
         return []

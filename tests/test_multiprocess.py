@@ -158,8 +158,25 @@ def _single_process(order):
     return np.asarray(losses), [np.asarray(x) for x in jax.tree.leaves(state.params)], moments
 
 
-def _launch(mode: str, tmp_path, *, timeout: float):
-    """Run two workers in `mode`; return their saved results (after checking both succeeded)."""
+def _launch(mode: str, tmp_path, *, timeout: float, tries: int = 2):
+    """Run two workers in `mode`; return their saved results (after checking both succeeded).
+
+    A launch whose workers have not finished within `timeout` is killed and started again
+    on a fresh port, `tries` times in all: rarely (a few in a hundred launches with both
+    cores loaded) a gloo collective between the two CPU processes never completes, in
+    both processes at once, which says nothing of the run being tested."""
+    hung = []
+    for attempt in range(tries):
+        done, logs = _launch_once(mode, tmp_path / f"try{attempt}", timeout=timeout)
+        if done is not None:
+            return done
+        hung.append(logs)
+    pytest.fail(f"the two processes did not finish within {timeout} s, {tries} times: {hung}")
+
+
+def _launch_once(mode: str, out_dir, *, timeout: float):
+    """One launch of two workers: (their saved results, logs), or (None, the logs' tails)
+    when they did not finish within `timeout` (then both are killed and reaped)."""
     from conftest import FAST_COMPILE_FLAGS  # the parent's compile flags (not the workers')
 
     devices = f"--xla_force_host_platform_device_count={LOCAL_DEVICES}"
@@ -167,6 +184,7 @@ def _launch(mode: str, tmp_path, *, timeout: float):
     num_processes = 2
     port = _free_port()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out_dir.mkdir(parents=True)
     procs, outs = [], []
     for p in range(num_processes):
         env = dict(os.environ)
@@ -178,7 +196,7 @@ def _launch(mode: str, tmp_path, *, timeout: float):
             RLHF_EQX_NUM_PROCESSES=str(num_processes),
             RLHF_EQX_PROCESS_ID=str(p),
         )
-        outs.append(str(tmp_path / f"process{p}.npz"))
+        outs.append(str(out_dir / f"process{p}.npz"))
         procs.append(
             subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), mode, outs[-1]],
@@ -196,11 +214,10 @@ def _launch(mode: str, tmp_path, *, timeout: float):
     except subprocess.TimeoutExpired:
         for proc in procs:
             proc.kill()
-        tails = [proc.communicate()[0].decode(errors="replace")[-2000:] for proc in procs]
-        pytest.fail(f"the two processes did not finish within {timeout} s: {tails}")
+        return None, [proc.communicate()[0].decode(errors="replace")[-2000:] for proc in procs]
     for p, (proc, log) in enumerate(zip(procs, logs)):
         assert proc.returncode == 0, f"process {p} failed:\n{log[-4000:]}"
-    return [np.load(path) for path in outs]
+    return [np.load(path) for path in outs], logs
 
 
 def test_two_processes_read_their_shards_and_reduce_the_global_batch(tmp_path):

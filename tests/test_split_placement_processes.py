@@ -140,7 +140,23 @@ def _free_port() -> int:
 
 def _launch(tmp_path, mode: str = "once", stop=None) -> list[tuple[dict, dict]]:
     """Both workers' results in `tmp_path`: (json, arrays) per process. With `stop`, both
-    workers are killed with SIGKILL once `stop()` holds (polled), and `[]` returned."""
+    workers are killed with SIGKILL once `stop()` holds (polled), and `[]` returned.
+
+    In mode `"once"` (no run directory carried from one launch to the next) a launch not
+    finished within its deadline is killed and started once more on a fresh port: rarely
+    a gloo collective between the two CPU processes never completes, in both at once."""
+    if mode == "once" and stop is None:
+        try:
+            return _launch_once(tmp_path / "try0", mode, stop)
+        except subprocess.TimeoutExpired:
+            return _launch_once(tmp_path / "try1", mode, stop)
+    return _launch_once(tmp_path, mode, stop)
+
+
+def _launch_once(tmp_path, mode: str, stop) -> list[tuple[dict, dict]]:
+    """One launch of the two workers (`_launch`); `subprocess.TimeoutExpired` when they
+    did not finish by the deadline (both killed and reaped)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     port, root = _free_port(), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     flags = re.sub(
         r"\s*--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")

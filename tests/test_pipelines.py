@@ -173,6 +173,40 @@ def test_checkpoints_are_atomic_checksummed_and_pruned(tmp_path):
     assert pl.tools.latest_checkpoint(d).endswith("iter_00000002")
 
 
+def test_processes_of_a_run_can_share_a_checkpoint_directory(tmp_path, monkeypatch):
+    """Two processes of one run (`jax.process_index` 0 and 1 of 2) saving the same
+    iterations into one directory: the first to put an iteration in place keeps it and
+    the second drops its copy; each removes only its own crashed writes; a damaged
+    iteration already there is replaced."""
+    tree = {"a": jnp.arange(4.0), "b": jnp.ones((2,), jnp.int32)}
+    d = str(tmp_path)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+
+    def save(process, iteration, scale=1.0):
+        monkeypatch.setattr(jax, "process_index", lambda: process)
+        t = {"a": tree["a"] * scale, "b": tree["b"]}
+        return pl.tools.save_checkpoint(d, iteration, t, {"note": iteration}, keep=2)
+
+    first = save(0, 1)
+    with open(os.path.join(first, "meta.json")) as f:
+        sha = json.load(f)["sha256"]
+    assert save(1, 1, scale=2.0) == first  # the second writer's copy is dropped
+    with open(os.path.join(first, "meta.json")) as f:
+        assert json.load(f)["sha256"] == sha
+    assert sorted(os.listdir(d)) == ["iter_00000001"]
+    for name in ("iter_00000002.p0.tmp11", "iter_00000002.p1.tmp12", "iter_00000002.tmp13"):
+        os.makedirs(os.path.join(d, name))  # left by crashed writes of processes 0, 1, 0
+    save(0, 2)
+    assert sorted(os.listdir(d)) == ["iter_00000001", "iter_00000002", "iter_00000002.p1.tmp12"]
+    with open(os.path.join(d, "iter_00000002", "state.eqx"), "r+b") as f:
+        f.write(b"\x00\x01garbage")
+    save(1, 2, scale=3.0)  # damaged: replaced by process 1's copy
+    assert sorted(os.listdir(d)) == ["iter_00000001", "iter_00000002"]
+    restored, meta = pl.tools.restore_checkpoint(pl.tools.latest_checkpoint(d), tree)
+    np.testing.assert_array_equal(restored["a"], np.arange(4.0) * 3)
+    assert meta["iteration"] == 2
+
+
 # --- the loop: resume, rollback, KL guard ----------------------------------------------
 
 

@@ -56,11 +56,11 @@ def _cases():
     }
 
 
-def _run(name: str, cfg, run_dir: str, mode: str = "once"):
+def _run(name: str, cfg, run_dir: str, mode: str = "once", checkpoints: str | None = None):
     """One GRPO run of `cfg`: its final parameters (whole, on the host), the metric records
     of its iterations and the processes holding the trainer's parameters. `mode`
-    `"fresh"` checkpoints every iteration in `run_dir/ckpt`, `"resume"` continues from
-    there too, `"once"` writes no checkpoint."""
+    `"fresh"` checkpoints every iteration in the directory `checkpoints`, `"resume"`
+    continues from there too, `"once"` writes no checkpoint."""
     import jax
 
     from rlhf_eqx import distributed as dist, pipelines as pl
@@ -71,7 +71,7 @@ def _run(name: str, cfg, run_dir: str, mode: str = "once"):
         ops=pl.OpsConfig(monitor=False, quiet=True, checkpoint_every=1),
         log=pl.tools.MetricsLog(run_dir, name, quiet=True),
         key=jax.random.key(0),
-        checkpoint_dir=None if mode == "once" else os.path.join(run_dir, "ckpt"),
+        checkpoint_dir=None if mode == "once" else checkpoints,
         resume=mode == "resume",
         prompt_length=16,
         max_new_tokens=8,
@@ -89,7 +89,9 @@ def _run(name: str, cfg, run_dir: str, mode: str = "once"):
 
 def _worker(out_path: str, mode: str) -> None:
     """This process's part of the runs: every case and the refused settings (`mode`
-    `"once"`), or the LoRA case alone, checkpointed (`"fresh"`) or resumed (`"resume"`)."""
+    `"once"`), or the LoRA case alone, checkpointed (`"fresh"`) or resumed (`"resume"`):
+    its metrics in a run directory of each process's own, its checkpoints in one
+    directory that both processes write (as on a shared file system)."""
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -102,7 +104,8 @@ def _worker(out_path: str, mode: str) -> None:
 
     if mode != "once":
         run_dir = os.path.join(os.path.dirname(out_path), f"lora{process_id}")
-        params, records, _ = _run("lora", _cases()["lora"], run_dir, mode)
+        shared = os.path.join(os.path.dirname(out_path), "ckpt")
+        params, records, _ = _run("lora", _cases()["lora"], run_dir, mode, shared)
         np.savez(out_path + ".npz", *params)
         with open(out_path, "w") as f:
             json.dump({"records": records, "events": pl.tools.read_records(run_dir)}, f)
@@ -261,10 +264,11 @@ def test_split_placement_across_two_processes_is_the_one_process_run(tmp_path):
 
 @pytest.mark.slow
 def test_split_run_across_two_processes_killed_then_resumed_is_exact(tmp_path):
-    """The LoRA split run over two processes, checkpointed every iteration, killed with
-    SIGKILL (both processes) once the checkpoint of iteration 1 is on disk and resumed
-    from it over two processes: both processes resume from iteration 1 and end with the
-    uninterrupted run's parameters and records, bit for bit."""
+    """The LoRA split run over two processes, both checkpointing every iteration into one
+    directory, killed with SIGKILL (both processes) once the checkpoint of iteration 1
+    is on disk and resumed from it over two processes: both processes resume from
+    iteration 1 and end with the uninterrupted run's parameters and records, bit for
+    bit; the shared directory holds one checkpoint an iteration (the last two kept)."""
     import jax
 
     if jax.device_count() < 8:
@@ -272,11 +276,10 @@ def test_split_run_across_two_processes_killed_then_resumed_is_exact(tmp_path):
     full, cut = tmp_path / "full", tmp_path / "cut"
     full.mkdir(), cut.mkdir()
     runs = _launch(full, "fresh")
-    ckpts = [cut / f"lora{p}" / "ckpt" / "iter_00000001" for p in range(2)]
-    _launch(cut, "fresh", stop=lambda: all(os.path.isdir(c) for c in ckpts))
-    for p in range(2):  # killed before either process wrote a later checkpoint
-        names = os.listdir(cut / f"lora{p}" / "ckpt")
-        assert [n for n in names if ".tmp" not in n] == ["iter_00000001"], names
+    assert sorted(os.listdir(full / "ckpt")) == ["iter_00000002", "iter_00000003"]
+    _launch(cut, "fresh", stop=lambda: os.path.isdir(cut / "ckpt" / "iter_00000001"))
+    names = os.listdir(cut / "ckpt")  # killed before a later checkpoint was in place
+    assert [n for n in names if ".tmp" not in n] == ["iter_00000001"], names
     for (want, want_arrays), (got, got_arrays) in zip(runs, _launch(cut, "resume"), strict=True):
         assert [r["iteration"] for r in got["events"] if r.get("event") == "resume"] == [1]
         # The resumed iteration samples its rollout again (the prepared one died with the

@@ -5,6 +5,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -18,6 +19,8 @@ from ._metrics import DiskFullError
 from ._resume_rules import RunDirError
 
 _CKPT_PREFIX = "iter_"
+# a checkpoint being written: `iter_<n>.p<process>.tmp<pid>` (`iter_<n>.tmp<pid>`: process 0)
+_TMP = re.compile(rf"{_CKPT_PREFIX}\d+(?:\.p(\d+))?\.tmp\d+")
 
 
 def _sha256(path: str) -> str:
@@ -38,12 +41,19 @@ def save_checkpoint(directory: str, iteration: int, tree: PyTree, meta: dict, *,
     a crash left are removed on the next save). A full disk raises `OSError` naming the
     directory, with the partial files removed. Pruning keeps the last `keep` checkpoints
     up to `iteration` and never removes a later one.
+
+    The processes of a multi-process run may share `directory` (a shared file system):
+    every process holds the same gathered state, writes it under a temporary name of its
+    own (`.p<process>.tmp<pid>`), removes only its own leftovers, and the first to put an
+    iteration in place keeps it; the others drop their copy (an iteration already there
+    whose checksum does not match is replaced).
     """
     os.makedirs(directory, exist_ok=True)
     final = os.path.join(directory, f"{_CKPT_PREFIX}{iteration:08d}")
-    tmp = f"{final}.tmp{os.getpid()}"
-    for name in os.listdir(directory):  # left by a crash (the run directory has one owner)
-        if ".tmp" in name:
+    tmp = f"{final}.p{jax.process_index()}.tmp{os.getpid()}"
+    for name in os.listdir(directory):  # left by a crash of this process of the run
+        left = _TMP.fullmatch(name)
+        if left and int(left.group(1) or 0) == jax.process_index():
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
     try:
         os.makedirs(tmp)
@@ -63,14 +73,33 @@ def save_checkpoint(directory: str, iteration: int, tree: PyTree, meta: dict, *,
         if _disk_full(e, directory):
             raise DiskFullError(directory, " (checkpoint not written)") from None
         raise
-    if os.path.exists(final):
-        shutil.rmtree(final)
-    os.rename(tmp, final)
+    shared = jax.process_count() > 1
+    if shared and _complete(final):
+        shutil.rmtree(tmp)  # another process of the run put this iteration in place
+    else:
+        if os.path.exists(final):
+            shutil.rmtree(final, ignore_errors=shared)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (shared and _complete(final)):
+                raise
+            shutil.rmtree(tmp)  # another process of the run was first
     # Prune this run's older checkpoints only: never one past the iteration just written.
     older = [n for n in _checkpoints(directory) if int(n[len(_CKPT_PREFIX) :]) <= iteration]
     for old in older[:-keep]:
         shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
     return final
+
+
+def _complete(path: str) -> bool:
+    """Whether `path` is a whole checkpoint: its leaves file matches the checksum in its
+    `meta.json`."""
+    try:
+        with open(os.path.join(path, "meta.json")) as f:
+            return _sha256(os.path.join(path, "state.eqx")) == json.load(f)["sha256"]
+    except (OSError, ValueError, KeyError):
+        return False
 
 
 def _disk_full(e: BaseException, directory: str) -> bool:

@@ -32,6 +32,7 @@ from .models import (
     quantize_int8 as quantize_int8,
     quantize_nf4 as quantize_nf4,
     save_hf as save_hf,
+    with_remat as with_remat,
     without_lora as without_lora,
 )
 from .ops import (

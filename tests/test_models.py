@@ -216,14 +216,15 @@ def test_batched_call_equals_vmap(policy, getkey):
     np.testing.assert_allclose(batched, mapped, atol=1e-5, rtol=1e-5)
 
 
-def test_remat_gives_the_same_values_and_gradients(policy, getkey):
-    remat = jax.tree_util.tree_unflatten(
-        jax.tree_util.tree_structure(
-            rx.Policy(rx.TransformerConfig(**{**CFG.__dict__, "remat": True}), key=getkey())
-        ),
-        jax.tree_util.tree_leaves(policy),
-    )
-    assert remat.cfg.remat and not policy.cfg.remat
+@pytest.mark.parametrize("mode", [True, "dots"])
+def test_remat_gives_the_same_values_and_gradients(policy, getkey, mode):
+    remat = rx.with_remat(policy, mode)
+    assert remat.cfg.remat == mode and not policy.cfg.remat
+    assert remat.transformer.layers is policy.transformer.layers  # arrays shared
+    value = rx.with_remat(rx.ValueModel(CFG, key=getkey()), mode)
+    assert value.transformer.cfg.remat == mode
+    with pytest.raises(ValueError, match="remat must be False, True, 'full' or 'dots'"):
+        rx.with_remat(policy, "everything")
     toks = _tokens(getkey(), 8)
     mask = jnp.ones((8,), bool)
 
@@ -237,6 +238,32 @@ def test_remat_gives_the_same_values_and_gradients(policy, getkey):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
     jaxpr = str(jax.make_jaxpr(jax.grad(lambda m: loss(m)))(remat))
     assert "remat" in jaxpr or "checkpoint" in jaxpr
+
+
+def test_remat_modes_keep_less_for_the_backward_pass(getkey):
+    """What a differentiated forward keeps for its backward pass (the residuals of its
+    VJP, weights aside): every activation without remat; with `"dots"` the products'
+    outputs, about half of that here (norms, rotary tables, the MLP activation and the
+    attention's outputs are recomputed); with `True` little more than each layer's input."""
+    cfg = dict(CFG.__dict__, n_layers=3, d_model=64, n_heads=4, n_kv_heads=2, d_ff=160)
+    T = 32
+    toks = _tokens(getkey(), T)
+    mask = jnp.ones((T,), bool)
+
+    def kept(mode):
+        model = rx.Policy(rx.TransformerConfig(**dict(cfg, remat=mode)), key=jax.random.key(0))
+        params, static = eqx.partition(model, eqx.is_inexact_array)
+        hidden = lambda p: eqx.combine(p, static).transformer(toks, mask)  # noqa: E731
+        _, vjp = jax.vjp(hidden, params)
+        weights = {id(x) for x in jax.tree_util.tree_leaves(params)}
+        leaves = jax.tree_util.tree_leaves(vjp)
+        return sum(x.nbytes for x in leaves if hasattr(x, "nbytes") and id(x) not in weights)
+
+    none, dots, full = kept(False), kept("dots"), kept(True)
+    inputs = T * cfg["n_layers"] * cfg["d_model"] * 4  # float32 layer inputs
+    assert inputs <= full < 2 * inputs < dots < 0.6 * none
+    with pytest.raises(ValueError, match="remat must be False, True, 'full' or 'dots'"):
+        rx.TransformerConfig(**dict(cfg, remat="dot"))
 
 
 def test_models_layer_imports_nothing_above_it():

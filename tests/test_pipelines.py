@@ -418,6 +418,27 @@ def test_win_rate_pairs_and_ties():
 # --- runs on a tiny model --------------------------------------------------------------
 
 
+def test_model_remat_trains_the_same_values_with_less_kept(tmp_path, tok):
+    """`model.remat` reaches the loaded policy (`rx.with_remat`), is checked by name, may
+    change on resume, and an SFT run with the products' outputs kept (`"dots"`) or only
+    each layer's input (`"full"`) logs the losses of the run without remat."""
+    cfg = pl.apply_overrides(pl.PipelineConfig(), ["model.remat=dots"])
+    assert pl.tools.load_configured_model(cfg)[0].cfg.remat == "dots"
+    with pytest.raises(pl.ConfigError, match="model.remat=.*must be one of none, dots, full"):
+        pl.config.validate_config(pl.apply_overrides(pl.PipelineConfig(), ["model.remat=all"]))
+    records = [("Once upon a time", " there was a dog."), ("The cat", " sat on a mat.")] * 4
+    sft = pl.SFTConfig(
+        steps=3, batch_size=4, max_length=32, optim=rx.train.OptimizerSettings(learning_rate=3e-2)
+    )
+    losses = {}
+    for mode in (False, "dots", "full"):
+        policy = rx.with_remat(_tiny_policy(), mode)
+        res = pl.runs.run_sft(policy, tok, records, cfg=sft, ctx=_ctx(tmp_path / str(mode)))
+        losses[mode] = [r["loss"] for r in res.history]
+    np.testing.assert_allclose(losses["dots"], losses[False], rtol=1e-5)
+    np.testing.assert_allclose(losses["full"], losses[False], rtol=1e-5)
+
+
 def test_sft_run_lowers_the_loss_and_grpo_run_logs_its_signal(tmp_path, tok):
     policy = _tiny_policy()
     records = [("Once upon a time", " there was a dog."), ("The cat", " sat on a mat.")] * 4

@@ -286,6 +286,8 @@ def report_135(by):
                 extra.append(f"{rs[0]['weights']} weights, {rs[0]['weight_bytes'] / 1e6:,.0f} MB")
             if "layout" in rs[0]:
                 extra.append(f"{rs[0]['layout']} layout")
+            if "remat" in rs[0]:
+                extra.append(f"remat {rs[0]['remat']}")
             if "new_tokens" in rs[0]:
                 tps = common.median([r["new_tokens"] / r["median_s"] for r in rs])
                 extra.append(f"{tps:,.0f} new tok/s")

@@ -320,6 +320,9 @@ def run_135(args, inputs):
       pair per row, `[prompt | chosen | rejected]`, the prompt once) and the reference
       log-probabilities cached beforehand
       (`reference="cached"`, `compute_reference_logps` outside the timed step).
+    - `dpo135_dots`, `dpo135_remat`: as `dpo135` with the layers rematerialised in the
+      backward pass (`rx.with_remat(policy, "dots")`: the products' outputs kept, the
+      rest recomputed; `"full"`: only each layer's input kept).
     - `dpo135_lora`: as `dpo135` with LoRA adapters (`common.LORA135`, no dropout) on
       every projection; the reference is the model without its adapters.
     - `gen135`, `gen135_q8`, `gen135_q4`: greedy `generate_batch` on float32 weights, on
@@ -335,6 +338,10 @@ def run_135(args, inputs):
         policy, _ = rx.load_gguf(common.smollm2_gguf(), quantized=True)
     else:
         policy, _ = rx.load_gguf(common.smollm2_gguf())
+    remat = {"dpo135_dots": "dots", "dpo135_remat": "full"}.get(w)
+    if remat is not None:
+        policy = rx.with_remat(policy, remat)
+        extra["remat"] = remat
     extra["load_peak_rss_mb"] = common.peak_rss_mb()  # loading alone, before any step
     extra["logits_max_abs_diff"] = check_logits(policy, inputs)
     if w.startswith("dpo135"):
@@ -347,7 +354,7 @@ def run_135(args, inputs):
         else:
             batch = preference_batch(P, C, R)
             extra["layout"] = "plain"
-            if w == "dpo135":
+            if w in ("dpo135", "dpo135_dots", "dpo135_remat"):
                 run = dpo_runner(policy, batch, cached=False)
             else:
                 opt = optimizer()

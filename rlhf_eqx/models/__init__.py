@@ -85,4 +85,5 @@ from ._transformer import (
     ATTENTION_BLOCK as ATTENTION_BLOCK,
     KVCache as KVCache,
     Transformer as Transformer,
+    with_remat as with_remat,
 )

@@ -105,8 +105,15 @@ class TransformerConfig:
     - `rope_scaling`: a `RopeScaling` (Llama 3.x `llama3`, `linear`), or `None`.
     - `rope_local_theta`: rotary base of the sliding-window layers, without scaling
       (Gemma 3); `None` uses the global rotary embedding everywhere.
-    - `remat`: recompute each layer in the backward pass (`jax.checkpoint` around the
-      scanned layer): less activation memory, same values.
+    - `remat`: what the backward pass recomputes of each layer, for less activation
+      memory with the same values. `False`: nothing (every activation it reads is kept).
+      `True` (or `"full"`): the whole layer from its input (`jax.checkpoint` around the
+      scanned layer; least memory, one more forward pass of the layers). `"dots"`: all
+      but the outputs of the matrix products (`jax.checkpoint` with the policy
+      `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`: the q/k/v, output,
+      gate/up and down projections' outputs are kept; the norms, rotary embeddings, the
+      MLP activation and the attention are recomputed, which costs far less than the
+      products).
     """
 
     vocab_size: int
@@ -134,7 +141,7 @@ class TransformerConfig:
     window_layers: tuple[bool, ...] | None = None
     rope_scaling: RopeScaling | None = None
     rope_local_theta: float | None = None
-    remat: bool = False
+    remat: bool | str = False
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
@@ -159,6 +166,10 @@ class TransformerConfig:
         if self.dtype not in _DTYPES:
             raise ValueError(
                 f"TransformerConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}"
+            )
+        if not any(self.remat is v or self.remat == v for v in (False, True, "full", "dots")):
+            raise ValueError(
+                f"TransformerConfig.remat must be False, True, 'full' or 'dots', got {self.remat!r}"
             )
         if self.mlp_activation not in _ACTIVATIONS:
             raise ValueError(

@@ -13,11 +13,13 @@ base) are data scanned with the weights — `window[l]` (0 for a global layer) a
 layer body.
 """
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 
 from ._attention import attention, region_attention
 from ._config import TransformerConfig
@@ -152,7 +154,11 @@ class Transformer(AbstractSequenceModel, AbstractBatchedModel):
 
             return layer.block(x, cfg, _select(rope, is_local), attend, lkeys, at=at)
 
-        if cfg.remat:
+        if cfg.remat == "dots":  # keep the products' outputs, recompute the rest
+            body = jax.checkpoint(
+                body, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+            )
+        elif cfg.remat:
             body = jax.checkpoint(body)
         xs = (dynamic, keys, windows, local)
         if at is None:
@@ -354,3 +360,35 @@ class Transformer(AbstractSequenceModel, AbstractBatchedModel):
         layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)
         (x, kv), _ = jax.lax.scan(body, (x, kv), (dynamic, layer_ids, windows, local))
         return self._final(x), kv
+
+
+def with_remat(model: PyTree, remat: bool | str) -> PyTree:
+    """`model` with every `Transformer` in it set to recompute `remat` of each layer in
+    the backward pass (`TransformerConfig.remat`: `False`, `True` / `"full"` or
+    `"dots"`), e.g. a loaded checkpoint trained with less activation memory:
+    `policy = rx.with_remat(rx.load_gguf(path)[0], "dots")`.
+
+    Values and gradients are unchanged (up to float reassociation in the recomputed
+    parts); only what the backward pass keeps and recomputes differs. The arrays are
+    shared with `model`, not copied.
+
+    **Arguments:**
+
+    - `model`: any pytree holding `Transformer`s (a `Policy`, `ValueModel`,
+      `RewardModel`, a `Transformer`, or a container of them).
+    - `remat`: the `TransformerConfig.remat` to set; another value is a `ValueError`
+      naming it.
+
+    **Returns:** the same pytree, each `Transformer`'s `cfg` with `remat` replaced.
+    """
+
+    def swap(x):
+        if not isinstance(x, Transformer):
+            return x
+        new = object.__new__(Transformer)  # the fields as they are; only `cfg` differs
+        for field in dataclasses.fields(x):
+            object.__setattr__(new, field.name, getattr(x, field.name))
+        object.__setattr__(new, "cfg", dataclasses.replace(x.cfg, remat=remat))
+        return new
+
+    return jax.tree_util.tree_map(swap, model, is_leaf=lambda x: isinstance(x, Transformer))

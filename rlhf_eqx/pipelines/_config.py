@@ -90,6 +90,10 @@ def _optim(learning_rate: float) -> OptimizerSettings:
     return OptimizerSettings(learning_rate=learning_rate, warmup_ratio=0.1)
 
 
+# `ModelConfig.remat` -> `TransformerConfig.remat`
+REMAT_MODES = {"none": False, "dots": "dots", "full": "full"}
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Where the policy comes from.
@@ -104,12 +108,17 @@ class ModelConfig:
     `tokenizer.json`, with a GGUF file the file's own. `quantized`: keep a GGUF file's
     packed weights (`rx.load_gguf(..., quantized=True)`: QLoRA, the blocks decoded
     inside the products); only for a `.gguf` source and with LoRA on
-    (`<stage>.lora.rank > 0`), since packed weights cannot train.
+    (`<stage>.lora.rank > 0`), since packed weights cannot train. `remat`: what the
+    backward pass recomputes of each layer (`rx.with_remat`, `TransformerConfig.remat`):
+    `"none"`, `"dots"` (the products' outputs kept, the rest recomputed: less memory for
+    a little time) or `"full"` (only each layer's input kept: least memory, one more
+    forward pass of the layers); the values trained are the same.
     """
 
     source: str = "builtin"
     tokenizer: str | None = None
     quantized: bool = False
+    remat: str = "none"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -97,7 +97,7 @@ def _run_on_data(
     from ._pipeline import load_model, tokenizer_file
 
     m = cfg.model
-    policy, tok = load_model(m.source, m.tokenizer, quantized=m.quantized)
+    policy, tok = load_model(m.source, m.tokenizer, quantized=m.quantized, remat=m.remat)
     tok_file = tokenizer_file(cfg.model.source, cfg.model.tokenizer)
     ctx = RunContext(
         ops=cfg.ops,

@@ -19,8 +19,8 @@ def load_configured_model(cfg):
 
     **Arguments:**
 
-    - `cfg`: a `PipelineConfig` (its `model.source`, `model.tokenizer` and
-      `model.quantized` are read).
+    - `cfg`: a `PipelineConfig` (its `model.source`, `model.tokenizer`,
+      `model.quantized` and `model.remat` are read).
 
     **Returns:** `(policy, tokenizer)` from `load_model`; with `model.quantized`, a GGUF
     file's packed blocks kept (`rx.load_gguf(..., quantized=True)`: the projections and
@@ -28,7 +28,7 @@ def load_configured_model(cfg):
     `model.quantized` when the source is not a GGUF file.
     """
     m = cfg.model
-    return load_model(m.source, m.tokenizer, quantized=m.quantized)
+    return load_model(m.source, m.tokenizer, quantized=m.quantized, remat=m.remat)
 
 
 def render_prompts(tok, dc: DataConfig, prompts: Sequence[str]) -> list[str]:

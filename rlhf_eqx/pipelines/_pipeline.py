@@ -16,6 +16,7 @@ from rlhf_eqx import data
 
 from ._callbacks import after_evaluation
 from ._config import (
+    REMAT_MODES,
     ConfigError,
 )
 from ._config_io import config_to_dict
@@ -72,13 +73,20 @@ def resolve_model_names(cfg: PipelineConfig) -> PipelineConfig:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, source=source))
 
 
-def load_model(source: str = "builtin", tokenizer: str | None = None, *, quantized: bool = False):
+def load_model(
+    source: str = "builtin",
+    tokenizer: str | None = None,
+    *,
+    quantized: bool = False,
+    remat: str = "none",
+):
     """`(policy, tokenizer)` from `"builtin"` (the shipped stories260K), a llama2.c `.bin`
     file (with `tokenizer`), a Hugging Face checkpoint directory, a llama.cpp `.gguf`
     file (`rx.load_gguf`, dequantised, or with `quantized` its packed blocks kept; its
     tokenizer and chat template from the file's metadata) or a short model name
     (`model_path`: `"smollm2-135m"`). `quantized` with another source is a
-    `ConfigError` naming `model.quantized`.
+    `ConfigError` naming `model.quantized`. `remat` (`model.remat`: `"none"`, `"dots"`,
+    `"full"`) sets what the backward pass recomputes (`rx.with_remat`).
 
     A checkpoint directory without `tokenizer` uses the tokenizer file found in it
     (`tokenizer.json`, `tokenizer.model` or `tokenizer.bin`: the run exports put one
@@ -90,9 +98,13 @@ def load_model(source: str = "builtin", tokenizer: str | None = None, *, quantiz
     source = model_path(source)
     if quantized and not source.lower().endswith(".gguf"):
         raise ConfigError(f"model.quantized=True: needs a .gguf model.source, got {source!r}")
+    if remat not in REMAT_MODES:
+        raise ConfigError(f"model.remat={remat!r}: must be one of {', '.join(REMAT_MODES)}")
     if source == "builtin":
-        return rx.load_llama2c(asset_path("stories260K.bin"), tokenizer or asset_path("tok512.bin"))
-    if source.lower().endswith(".gguf"):
+        policy, tok = rx.load_llama2c(
+            asset_path("stories260K.bin"), tokenizer or asset_path("tok512.bin")
+        )
+    elif source.lower().endswith(".gguf"):
         policy, tok = rx.load_gguf(source, quantized=quantized)
         if tokenizer is not None:
             tok = data.load_tokenizer(tokenizer)
@@ -105,6 +117,8 @@ def load_model(source: str = "builtin", tokenizer: str | None = None, *, quantiz
         data.check_vocab(tok, policy.cfg.vocab_size)
     except data.DataError as e:
         raise ConfigError(f"model.tokenizer={tokenizer!r}: {e}") from None
+    if remat != "none":
+        policy = rx.with_remat(policy, REMAT_MODES[remat])
     return policy, tok
 
 
@@ -297,7 +311,8 @@ def _run_pipeline(
     cfg: PipelineConfig, run_dir: str, resume: bool, say, callbacks: tuple = ()
 ) -> dict:
     t0 = time.perf_counter()
-    base, tok = load_model(cfg.model.source, cfg.model.tokenizer, quantized=cfg.model.quantized)
+    m = cfg.model
+    base, tok = load_model(m.source, m.tokenizer, quantized=m.quantized, remat=m.remat)
     key = jax.random.key(cfg.ops.seed)
     log = MetricsLog(run_dir, "pipeline", quiet=cfg.ops.quiet)
     peak = measure_matmul_peak() if cfg.ops.monitor else None

@@ -34,6 +34,7 @@ RESUMABLE_FIELDS: tuple[str, ...] = (
     "ops.max_rollbacks",
     "ops.compilation_cache",  # where compiled programs are kept, not what they compute
     "ops.compilation_cache_max_mb",
+    "model.remat",  # what the backward pass keeps or recomputes; the values are the same
 )
 
 ITERATION_NAMES: tuple[str, ...] = ("steps", "rollouts", "rounds")

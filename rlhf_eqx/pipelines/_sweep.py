@@ -251,7 +251,8 @@ def _member_trackers(cfg, members, out: str, resume: bool) -> contextlib.ExitSta
 
 
 def _sweep(stage, cfg, members, out, resume, export, say, t0) -> SweepResult:
-    base, tok = load_model(cfg.model.source, cfg.model.tokenizer, quantized=cfg.model.quantized)
+    m = cfg.model
+    base, tok = load_model(m.source, m.tokenizer, quantized=m.quantized, remat=m.remat)
     tok_file = tokenizer_file(cfg.model.source, cfg.model.tokenizer)
     say(f"sweep {stage}: {len(members)} members in {out}")
     if cfg.data.path is not None:

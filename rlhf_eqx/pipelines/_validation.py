@@ -22,6 +22,7 @@ from typing import Any
 from ..data import COLUMN_NAMES, PREFERENCE_FORMATS, PROMPT_FORMATS, DataError, dataset_files
 from ..train import JUDGE_SCORES, SampledSettings
 from ._config import (
+    REMAT_MODES,
     ConfigError,
     OpsConfig,
 )
@@ -59,6 +60,7 @@ def validate_config(
         _fail("model.tokenizer", None, "a llama2.c checkpoint needs a tokenizer file")
     if m.quantized:
         _check_quantized(cfg, run_stages(cfg, stage))
+    _choice("model.remat", m.remat, tuple(REMAT_MODES))
     dc = cfg.data
     _check_chat_template(dc.chat_template)
     if dc.split is not None and dc.path is None:

@@ -221,3 +221,27 @@ def test_all_four_trackers_log_each_member_offline_in_the_group(tmp_path, monkey
             for k, rows in want.items():
                 assert _same(sorted((r["step"], r[k]) for r in logs if k in r), rows)
             assert any(r.get("summary/loss") == pytest.approx(summary["loss"]) for r in logs)
+
+
+def test_each_seeds_shared_sft_is_a_tracker_run_of_the_group(tmp_path):
+    """A DPO sweep runs SFT once per seed (`seeds/seed-<s>/`): that stage is a tracker run
+    of its own in the sweep's group, `<sweep>/seed-<s>`, its TensorBoard scalars those of
+    the seed's `metrics.jsonl`; the members' runs hold their DPO stage."""
+    out = str(tmp_path / "dposweep")
+    argv = ["sweep", "dpo", "--seeds", "2", "--grid", "dpo.beta=0.1,0.2", "--out", out]
+    sets = ["sft.steps=2", "dpo.rounds=1", "dpo.steps=2", "eval_samples=1", "ops.quiet=true"]
+    sets += ["ops.monitor=false", "ops.trackers=tensorboard"]
+    assert main([*argv, *[a for s in sets for a in ("--set", s)]]) == 0
+    seeds = sorted(glob.glob(os.path.join(out, "seeds", "seed-*")))
+    assert [os.path.basename(d) for d in seeds] == ["seed-0", "seed-1"]
+    for d in seeds:
+        with open(os.path.join(d, "trackers.json")) as f:
+            assert "tensorboard" in json.load(f)
+        scalars = _tensorboard_scalars(os.path.join(d, "tensorboard", "sft"))
+        want = _wanted(d)
+        assert want and set(scalars) == set(want)
+        for k, rows in want.items():
+            assert _same(sorted(scalars[k].items()), rows, rel=1e-6), (d, k)
+    for name in _members(out):
+        member = os.path.join(out, "members", name)
+        assert os.listdir(os.path.join(member, "tensorboard")) == ["dpo"], name

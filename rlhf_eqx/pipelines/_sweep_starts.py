@@ -4,6 +4,7 @@ same keys — the base model's and the SFT policy's held-out evaluations and the
 stage itself (`<out>/seeds/seed-<S>/`, its own metrics, checkpoints and resume), and for
 PPO the reward stage after it, run once per seed and shared by the grid points."""
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from ._pipeline import _ctx, _task_env, task_evaluator, with_win_rates
 from ._registry import StageEnv, stage_key
 from ._reward_stage import reward as reward_stage
 from ._sft_stage import sft as sft_stage
+from ._trackers import run_trackers
 
 
 @dataclasses.dataclass
@@ -70,18 +72,36 @@ def builtin_start(
     env = sweep_env(cfg, base, tok, run_dir, key, resume=resume, say=say)
     if not sft:
         return SeedStart(seed, key, env.label, env, evaluate)
-    env.stage = "sft"
-    outcome = sft_stage(env, cfg.sft)
-    sft_policy = outcome.policy
-    sft_metrics, _, sft_scores = evaluate(sft_policy, base)
+    with _seed_trackers(cfg, run_dir, out, resume):
+        env.stage = "sft"
+        outcome = sft_stage(env, cfg.sft)
+        sft_policy = outcome.policy
+        sft_metrics, _, sft_scores = evaluate(sft_policy, base)
+        if reward:
+            env.policies["sft"] = sft_policy
+            env.stage = "reward"
+            env.reward = reward_stage(env, cfg.reward).reward
 
     def against_sft(policy) -> dict:
         m, _, scores = evaluate(policy, sft_policy)
         return with_win_rates(m, scores, sft_scores, cfg.eval_samples)
 
     sft_metrics["stopped"] = outcome.result.loop.stopped
-    if reward:
-        env.policies["sft"] = sft_policy
-        env.stage = "reward"
-        env.reward = reward_stage(env, cfg.reward).reward
     return SeedStart(seed, key, env.label, env, evaluate, sft_policy, sft_metrics, against_sft)
+
+
+def _seed_trackers(cfg, run_dir: str, out: str, resume: bool):
+    """The tracker runs of a seed's shared stages (SFT, the reward model): one run a seed,
+    `<sweep>/seed-<seed>` in the sweep's group, fed by the seed directory's metrics logs
+    (`run_trackers`); nothing when the sweep logs to no tracker."""
+    if not cfg.ops.trackers and not cfg.ops.tensorboard:
+        return contextlib.nullcontext()
+    name = os.path.basename(os.path.abspath(out))
+    return run_trackers(
+        cfg,
+        run_dir,
+        resume=resume,
+        run_name=f"{name}/seed-{cfg.ops.seed}",
+        group=cfg.ops.tracker_group or name,
+        extra={"sweep": {"seed": cfg.ops.seed, "shared": "sft, reward"}},
+    )

@@ -380,6 +380,18 @@ def test_trackio_store_holds_config_group_logs_and_summary(tracked_run):
     assert last["summary/sft/final_loss"] == pytest.approx(summary["sft"]["final_loss"])
 
 
+def test_quiet_trackers_print_nothing_on_stdout(tmp_path, capsys):
+    """trackio prints its store, dashboard and run lines when it starts and a line when it
+    finishes; with `quiet` (a run's `ops.quiet`) standard output stays empty."""
+    _need("trackio", "trackio")
+    for quiet in (False, True):
+        t = pl.trackers.open_trackers(["trackio"], str(tmp_path / f"q{quiet}"), {}, quiet=quiet)
+        assert t.names == ("trackio",)
+        t.finish()
+        out = capsys.readouterr().out
+        assert ("Created new run" in out and "Run finished" in out) != quiet, out
+
+
 # --- failures and choices ---------------------------------------------------------------
 
 

@@ -16,6 +16,8 @@ missing or unreadable `trackers.json` is one line on stderr and new runs.
 """
 
 import abc
+import contextlib
+import io
 import json
 import os
 import sys
@@ -157,9 +159,10 @@ class Trackers:
     on. While open (from `open_trackers` to `finish`) every `MetricsLog` of the run
     directory logs to them. As a context manager it finishes on exit."""
 
-    def __init__(self, run_dir: str, trackers: Mapping[str, Tracker]):
+    def __init__(self, run_dir: str, trackers: Mapping[str, Tracker], *, quiet: bool = False):
         self.run_dir = run_dir
         self.trackers = dict(trackers)
+        self.quiet = quiet
         self.started = time.time()
         self.summarised = False
 
@@ -197,7 +200,8 @@ class Trackers:
                         self.summary(json.load(f))
             except (OSError, ValueError):
                 pass
-        self._each("finish", lambda t: t.finish())
+        with _silenced(self.quiet):
+            self._each("finish", lambda t: t.finish())
         self.trackers = {}
         if _ACTIVE.get(os.path.abspath(self.run_dir)) is self:
             del _ACTIVE[os.path.abspath(self.run_dir)]
@@ -218,6 +222,7 @@ def open_trackers(
     run_name: str | None = None,
     resume: bool = False,
     route: bool = True,
+    quiet: bool = False,
 ) -> Trackers:
     """Start the trackers `names` (registered names, `tracker_names()`) for the run in
     `run_dir`, and route the metrics of every `MetricsLog` of `run_dir` to them until
@@ -238,6 +243,9 @@ def open_trackers(
       not name, starts a new run with one line on stderr; never an error.
     - `route`: `False` starts them without routing `run_dir`'s metrics logs to them
       (a log's own trackers).
+    - `quiet`: drop what the trackers' libraries print on standard output while they
+      start and finish (trackio's lines about its store, dashboard and run), as
+      `ops.quiet` drops the run's own; what they print on standard error stays.
 
     **Returns:** the `Trackers`; those that could not start are left out with one line
     on stderr each (`tracker wandb: could not start (...); the run goes on without it`).
@@ -255,13 +263,14 @@ def open_trackers(
                 f"tracker {name}: {TRACKERS_FILE} records no run of it; it starts a new run",
                 file=sys.stderr,
             )
-        tracker = _start_one(name, run_dir, (run_name, config, group), recorded.get(name))
+        with _silenced(quiet):
+            tracker = _start_one(name, run_dir, (run_name, config, group), recorded.get(name))
         if tracker is not None:
             started[name] = tracker
             recorded[name] = tracker.identity()
     if started:
         _record_runs(run_dir, recorded)
-    out = Trackers(run_dir, started)
+    out = Trackers(run_dir, started, quiet=quiet)
     if route:
         previous = _ACTIVE.get(os.path.abspath(run_dir))
         if previous is not None:
@@ -302,6 +311,11 @@ def recorded_runs(run_dir: str) -> dict[str, dict | None] | None:
         )
         return None
     return out
+
+
+def _silenced(quiet: bool):
+    """Standard output dropped while `quiet` (what a tracker's library prints)."""
+    return contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext()
 
 
 def _record_runs(run_dir: str, runs: Mapping[str, dict | None]) -> None:
@@ -363,4 +377,6 @@ def run_trackers(
     names = tuple(ops.trackers) + (("tensorboard",) if ops.tensorboard else ())
     group = group or ops.tracker_group or None
     config = {**config_to_dict(cfg), **(extra or {})}
-    return open_trackers(names, run_dir, config, group=group, run_name=run_name, resume=resume)
+    return open_trackers(
+        names, run_dir, config, group=group, run_name=run_name, resume=resume, quiet=ops.quiet
+    )

@@ -196,15 +196,18 @@ def memory_table(*, pairs: int = 8, seq_len: int = 1024) -> str:
         "",
         _row(
             ["model", "mode", "mesh (data, model)", "weights", "grads + optimiser", "reference"]
-            + ["activations", "activations (remat)", "total", "total (remat)"]
+            + ["activations", "activations (dots)", "activations (remat)"]
+            + ["total", "total (dots)", "total (remat)"]
             + ["v5e-8 (16 GB)", "8×H100 (80 GB)"]
         ),
-        _row(["---"] * 12),
+        _row(["---"] * 14),
     ]
 
     def verdict(est, device_bytes):
         if est.fits(device_bytes):
             return "fits"
+        if est.fits(device_bytes, remat="dots"):
+            return "with remat dots"
         if est.fits(device_bytes, remat=True):
             return "with remat"
         return "no"
@@ -218,8 +221,10 @@ def memory_table(*, pairs: int = 8, seq_len: int = 1024) -> str:
                 est.grads + est.optimizer,
                 est.reference,
                 est.activations,
+                est.activations_dots,
                 est.activations_remat,
                 est.total,
+                est.total_dots,
                 est.total_remat,
             ]
             cells = [name, mode, mesh] + [f"{b / gib:.1f}" for b in sizes_gib]

@@ -126,15 +126,46 @@ def test_lora_int8_and_bfloat16_variants():
 def test_remat_keeps_only_layer_inputs():
     est = estimate_memory(LLAMA_7B, (8, 1), (64, 2048))
     # remat keeps each layer's input (D per token) instead of its ~25 activations of
-    # size D..F per token; logits and one attention block are kept either way
+    # size D..F per token; logits and one attention block are kept either way; "dots"
+    # keeps the input and the q/k/v and gate/up products
     assert est.activations_remat < est.activations / 5
-    assert est.total_remat < est.total
+    assert est.activations_remat < est.activations_dots < 0.6 * est.activations
+    assert est.total_remat < est.total_dots < est.total
     assert est.fits(80 * 2**30, remat=True) and not est.fits(16 * 2**30)
+    assert est.fits(80 * 2**30, remat="full") and est.fits(80 * 2**30, remat="dots")
+    assert not est.fits(45 * 2**30, remat="dots") and est.fits(45 * 2**30, remat=True)
+
+
+@pytest.mark.parametrize("remat", ["dots", True])
+def test_remat_estimates_are_within_20_percent_of_xla(remat):
+    """The step with `TransformerConfig.remat` set: XLA's buffers against `total_dots`
+    (the products' outputs kept) and `total_remat` (only the layer inputs kept)."""
+    cfg = rx.TransformerConfig(
+        vocab_size=512,
+        d_model=128,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=256,
+        max_seq_len=128,
+        remat=remat,
+    )
+    opt = optax.adamw(1e-4)
+    state = init_train_state(rx.Policy(cfg, key=jax.random.key(0)), opt)
+    ones = jnp.ones((8, 128), bool)
+    batch = rx.SequenceBatch(tokens=jnp.zeros((8, 128), jnp.int32), mask=ones, completion_mask=ones)
+    step = make_sft_step(opt)
+    measured = _xla_bytes(lambda p, o, b: step(p, o, b), (state.params, state.opt_state, batch))
+    est = estimate_memory(cfg, (1, 1), (8, 128), optimizer=opt, reference="none")
+    got = est.total_dots if remat == "dots" else est.total_remat
+    assert abs(got - measured) <= 0.2 * measured, (str(est), measured)
+    assert got < 0.8 * est.total
 
 
 def test_str_is_a_readable_table():
     text = str(estimate_memory(LLAMA_7B, (8, 1), (8, 512)))
     assert "optimizer" in text and "total (remat)" in text and "GiB" in text
+    assert "total (dots)" in text
     assert isinstance(estimate_memory(LLAMA_7B), MemoryEstimate)
 
 

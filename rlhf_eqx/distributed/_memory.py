@@ -46,8 +46,10 @@ class MemoryEstimate:
       the shared base, or with cached reference log-probabilities).
     - `activations`: what the backward pass keeps, without rematerialisation.
     - `activations_remat`: the same with each layer rematerialised (only layer inputs
-      kept, one layer recomputed at a time).
+      kept, one layer recomputed at a time: `TransformerConfig.remat=True`).
     - `trainable_params`: number of trainable parameters (not bytes).
+    - `activations_dots`: the same with the products' outputs kept and the rest of each
+      layer recomputed (`TransformerConfig.remat="dots"`).
     """
 
     params: int
@@ -57,6 +59,7 @@ class MemoryEstimate:
     activations: int
     activations_remat: int
     trainable_params: int
+    activations_dots: int = 0
 
     @property
     def state(self) -> int:
@@ -73,9 +76,18 @@ class MemoryEstimate:
         """Peak bytes per device with per-layer rematerialisation."""
         return self.state + self.activations_remat
 
-    def fits(self, device_bytes: int, *, remat: bool = False, headroom: float = 0.9) -> bool:
-        """Whether the step fits in `headroom × device_bytes` per device."""
-        return (self.total_remat if remat else self.total) <= headroom * device_bytes
+    @property
+    def total_dots(self) -> int:
+        """Peak bytes per device with the products' outputs kept (`remat="dots"`)."""
+        return self.state + self.activations_dots
+
+    def fits(self, device_bytes: int, *, remat: bool | str = False, headroom: float = 0.9) -> bool:
+        """Whether the step fits in `headroom × device_bytes` per device, with the
+        `TransformerConfig.remat` mode `remat` (`False`, `True` / `"full"`, `"dots"`)."""
+        total = {"dots": self.total_dots, "full": self.total_remat}.get(remat)
+        if total is None:
+            total = self.total_remat if remat is True else self.total
+        return total <= headroom * device_bytes
 
     def __str__(self) -> str:
         rows = [
@@ -85,8 +97,10 @@ class MemoryEstimate:
             ("reference", self.reference),
             ("activations", self.activations),
             ("activations (remat)", self.activations_remat),
+            ("activations (dots)", self.activations_dots),
             ("total", self.total),
             ("total (remat)", self.total_remat),
+            ("total (dots)", self.total_dots),
         ]
         lines = [f"per-device memory ({self.trainable_params:,} trainable parameters)"]
         lines += [f"  {name:<20}{_gib(value)}" for name, value in rows]
@@ -127,8 +141,9 @@ def _split(n: int, k: int) -> float:
 
 def _activation_bytes(
     cfg: TransformerConfig, *, sequences: int, seq_len: int, data: int, model: int
-) -> tuple[int, int]:
-    """Activation bytes per device kept for the backward pass: (no remat, per-layer remat).
+) -> tuple[int, int, int]:
+    """Activation bytes per device kept for the backward pass: (no remat, per-layer
+    remat, the products' outputs kept).
 
     Per token and layer (b = bytes of the compute dtype), what a layer keeps for its
     backward pass: its input, the residual after the attention and the two RMSNorm
@@ -142,7 +157,10 @@ def _activation_bytes(
     attention mask (`4·T`); once, the float32 scores, probabilities and their gradient
     of one tile of the attention (`ATTENTION_BLOCK` queries × `ATTENTION_BLOCK` keys)
     while its backward pass runs (`12·H·min(T, block)²` per sequence). With remat only each layer's
-    input (`D·b` per layer) is kept, plus one layer's activations while it is recomputed. Sequences
+    input (`D·b` per layer) is kept, plus one layer's activations while it is recomputed; with
+    `"dots"` each layer's input, its q/k/v and gate/up products (`(D + Q + 2·KV + 2·F)·b`),
+    plus what one layer recomputes (the rest of its activations) while its backward pass
+    runs. Sequences
     are split over `data`; heads, MLP units and the vocabulary over `model` (the residual stream is
     replicated over `model`).
     """
@@ -163,7 +181,9 @@ def _activation_bytes(
     transient = rows * 12 * H * heads * min(T, ATTENTION_BLOCK) ** 2
     full = tokens * (cfg.n_layers * per_layer + outside) + transient
     remat = tokens * (cfg.n_layers * D * b + per_layer + outside) + transient
-    return int(full), int(remat)
+    kept = (D + _split(Q, model) + 2 * _split(KV, model) + 2 * _split(F, model)) * b
+    dots = tokens * (cfg.n_layers * kept + (per_layer - kept) + outside) + transient
+    return int(full), int(remat), int(dots)
 
 
 def estimate_memory(
@@ -237,7 +257,7 @@ def estimate_memory(
     opt_specs = opt_state_specs(opt_state, params, param_specs)
     opt_bytes = _sharded_bytes(opt_state, opt_specs, sizes)
     ref_bytes = model_bytes if (reference == "model" and lora is None) else 0
-    act, act_remat = _activation_bytes(
+    act, act_remat, act_dots = _activation_bytes(
         config, sequences=batch[0], seq_len=batch[1], data=sizes["data"], model=sizes["model"]
     )
     n_trainable = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
@@ -249,4 +269,5 @@ def estimate_memory(
         activations=act,
         activations_remat=act_remat,
         trainable_params=n_trainable,
+        activations_dots=act_dots,
     )

@@ -370,7 +370,9 @@ def with_remat(model: PyTree, remat: bool | str) -> PyTree:
 
     Values and gradients are unchanged (up to float reassociation in the recomputed
     parts); only what the backward pass keeps and recomputes differs. The arrays are
-    shared with `model`, not copied.
+    shared with `model`, not copied. The mode is part of the model's pytree structure
+    (its `cfg` is a static field): build filter specs (`lora_filter`), train states and
+    steps from the returned model, not from `model`.
 
     **Arguments:**
 

@@ -36,8 +36,9 @@ _SPLIT = dict(placement="split", trainer_mesh="fsdp:4", sampler_mesh="data:4")
 
 
 def _cases():
-    """The runs: LoRA (base frozen, one rollout ahead while the update runs) and a full
-    fine-tune (synchronous), each with the split placement over eight devices."""
+    """The runs: LoRA (base frozen, one rollout ahead while the update runs), a full
+    fine-tune (synchronous) and LoRA with DAPO's dynamic sampling and overlong shaping
+    (synchronous), each with the split placement over eight devices."""
     from rlhf_eqx import pipelines as pl
 
     cfg = pl.animal_task_config().grpo
@@ -50,9 +51,12 @@ def _cases():
         lora=dataclasses.replace(cfg.lora, rank=0),
         optim=dataclasses.replace(optim, learning_rate=1e-4),
     )
+    # DAPO's reward shaping: groups whose rewards all agree resampled (at most twice a
+    # rollout) and completions near the token limit penalised
+    dapo = dict(lora, rollouts=2, staleness=0, dynamic_sampling=2, overlong_buffer=3)
     return {
         name: dataclasses.replace(cfg, **c, **_SPLIT)
-        for name, c in (("lora", lora), ("full", full))
+        for name, c in (("lora", lora), ("full", full), ("dapo", dapo))
     }
 
 
@@ -210,7 +214,8 @@ def _strip(records, drop=()):
 @pytest.mark.slow
 def test_split_placement_across_two_processes_is_the_one_process_run(tmp_path):
     """LoRA (staleness 1: the next rollout sampled, gathered, decoded and scored by a worker
-    thread while the update runs) and a full fine-tune, each split over two processes:
+    thread while the update runs), a full fine-tune and LoRA with DAPO's dynamic sampling
+    and overlong shaping, each split over two processes:
     both processes end with the same parameters and records, those of the split run in
     one process on eight devices up to float reassociation; the trainer mesh spans both
     processes, only the adapters move after a LoRA update and every parameter after a
@@ -260,6 +265,10 @@ def test_split_placement_across_two_processes_is_the_one_process_run(tmp_path):
         # one's (none after the last), each full fine-tuning iteration its own
         assert sync == ([trainable] * 2 + [0.0] if name == "lora" else [trainable] * 2)
         assert [r["rollout/base_transfers"] for r in first[name]["records"]] == [1.0] * len(sync)
+    # DAPO's shaping ran across the processes: groups resampled, the overlong penalty taken
+    dapo = first["dapo"]["records"]
+    assert max(r["rollout/dynamic_sampling/samplings"] for r in dapo) > 1, dapo
+    assert all("rollout/overlong_penalty" in r for r in dapo), dapo
 
 
 @pytest.mark.slow

@@ -420,7 +420,9 @@ def run_grpo(
         ref_logp, info = _compare(roll, reference)
         rewards = np.asarray(scored.scores, np.float32)
         if cfg.overlong_buffer:
-            lengths = jnp.asarray(np.asarray(roll.completion_mask).sum(axis=1), jnp.int32)
+            # whole on this host (gathered where the rows lie on several processes)
+            mask = rx.distributed.to_host(roll.completion_mask)
+            lengths = jnp.asarray(mask.sum(axis=1), jnp.int32)
             penalty = rx.losses.overlong_penalty(
                 lengths, max_length=ctx.max_new_tokens, buffer=cfg.overlong_buffer
             )

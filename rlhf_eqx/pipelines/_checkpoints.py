@@ -92,14 +92,24 @@ def save_checkpoint(directory: str, iteration: int, tree: PyTree, meta: dict, *,
     return final
 
 
-def _complete(path: str) -> bool:
-    """Whether `path` is a whole checkpoint: its leaves file matches the checksum in its
-    `meta.json`."""
+def _damage(path: str) -> str | None:
+    """What is wrong with the checkpoint `path` (`None`: its leaves file matches the
+    checksum in its `meta.json`)."""
     try:
         with open(os.path.join(path, "meta.json")) as f:
-            return _sha256(os.path.join(path, "state.eqx")) == json.load(f)["sha256"]
-    except (OSError, ValueError, KeyError):
-        return False
+            meta = json.load(f)
+        if _sha256(os.path.join(path, "state.eqx")) == meta["sha256"]:
+            return None
+        return "checksum mismatch"
+    except FileNotFoundError as e:
+        return f"missing {os.path.basename(e.filename or '?')}"
+    except (OSError, ValueError, KeyError) as e:
+        return f"unreadable: {type(e).__name__}"
+
+
+def _complete(path: str) -> bool:
+    """Whether `path` is a whole checkpoint (`_damage`)."""
+    return _damage(path) is None
 
 
 def _disk_full(e: BaseException, directory: str) -> bool:
@@ -144,16 +154,9 @@ def latest_checkpoint(directory: str) -> str | None:
     damaged = []
     for name in reversed(_checkpoints(directory)):
         path = os.path.join(directory, name)
-        try:
-            with open(os.path.join(path, "meta.json")) as f:
-                meta = json.load(f)
-            if _sha256(os.path.join(path, "state.eqx")) == meta["sha256"]:
-                return path
-            why = "checksum mismatch"
-        except FileNotFoundError as e:
-            why = f"missing {os.path.basename(e.filename or '?')}"
-        except (OSError, ValueError, KeyError) as e:
-            why = f"unreadable: {type(e).__name__}"
+        why = _damage(path)
+        if why is None:
+            return path
         damaged.append(f"{name}: {why}")
         print(f"warning: skipping damaged checkpoint {path} ({why})", file=sys.stderr)
     if damaged:

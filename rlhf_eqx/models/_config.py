@@ -167,7 +167,7 @@ class TransformerConfig:
             raise ValueError(
                 f"TransformerConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}"
             )
-        if not any(self.remat is v or self.remat == v for v in (False, True, "full", "dots")):
+        if self.remat not in (False, True, "full", "dots"):
             raise ValueError(
                 f"TransformerConfig.remat must be False, True, 'full' or 'dots', got {self.remat!r}"
             )

@@ -94,10 +94,9 @@ def run_on_data(
 def _run_on_data(
     cfg: PipelineConfig, st, run_dir: str, resume: bool, callbacks: tuple = ()
 ) -> dict:
-    from ._pipeline import load_model, tokenizer_file
+    from ._pipeline import load_configured_model, tokenizer_file
 
-    m = cfg.model
-    policy, tok = load_model(m.source, m.tokenizer, quantized=m.quantized, remat=m.remat)
+    policy, tok = load_configured_model(cfg)
     tok_file = tokenizer_file(cfg.model.source, cfg.model.tokenizer)
     ctx = RunContext(
         ops=cfg.ops,

@@ -10,25 +10,8 @@ from . import task
 from ._config import DataConfig
 from ._data_prep import chat_rendering, prompt_tokens
 from ._evaluate import evaluate_policy
-from ._pipeline import load_model
+from ._pipeline import load_configured_model, load_model
 from ._rollout import sample_rollout
-
-
-def load_configured_model(cfg):
-    """The model of a run's `model` section, loaded as the stages load it.
-
-    **Arguments:**
-
-    - `cfg`: a `PipelineConfig` (its `model.source`, `model.tokenizer`,
-      `model.quantized` and `model.remat` are read).
-
-    **Returns:** `(policy, tokenizer)` from `load_model`; with `model.quantized`, a GGUF
-    file's packed blocks kept (`rx.load_gguf(..., quantized=True)`: the projections and
-    the embedding are `rlhf_eqx.models.GGUFWeight`s). A `ConfigError` names
-    `model.quantized` when the source is not a GGUF file.
-    """
-    m = cfg.model
-    return load_model(m.source, m.tokenizer, quantized=m.quantized, remat=m.remat)
 
 
 def render_prompts(tok, dc: DataConfig, prompts: Sequence[str]) -> list[str]:

@@ -21,6 +21,7 @@ from ._config import (
 )
 from ._config_io import config_to_dict
 from ._evaluate import evaluate_policy, win_rate, win_rate_se
+from ._field_checks import _choice
 from ._metrics import MetricsLog
 from ._monitor import measure_matmul_peak
 from ._pipeline_config import (
@@ -65,6 +66,23 @@ def model_path(source: str) -> str:
     return path
 
 
+def load_configured_model(cfg):
+    """The model of a run's `model` section, loaded as the stages load it.
+
+    **Arguments:**
+
+    - `cfg`: a `PipelineConfig` (its `model.source`, `model.tokenizer`,
+      `model.quantized` and `model.remat` are read).
+
+    **Returns:** `(policy, tokenizer)` from `load_model`; with `model.quantized`, a GGUF
+    file's packed blocks kept (`rx.load_gguf(..., quantized=True)`: the projections and
+    the embedding are `rlhf_eqx.models.GGUFWeight`s). A `ConfigError` names
+    `model.quantized` when the source is not a GGUF file.
+    """
+    m = cfg.model
+    return load_model(m.source, m.tokenizer, quantized=m.quantized, remat=m.remat)
+
+
 def resolve_model_names(cfg: PipelineConfig) -> PipelineConfig:
     """`cfg` with a short model name in `model.source` replaced by its file (`model_path`)."""
     source = model_path(cfg.model.source)
@@ -98,8 +116,7 @@ def load_model(
     source = model_path(source)
     if quantized and not source.lower().endswith(".gguf"):
         raise ConfigError(f"model.quantized=True: needs a .gguf model.source, got {source!r}")
-    if remat not in REMAT_MODES:
-        raise ConfigError(f"model.remat={remat!r}: must be one of {', '.join(REMAT_MODES)}")
+    _choice("model.remat", remat, tuple(REMAT_MODES))
     if source == "builtin":
         policy, tok = rx.load_llama2c(
             asset_path("stories260K.bin"), tokenizer or asset_path("tok512.bin")
@@ -311,8 +328,7 @@ def _run_pipeline(
     cfg: PipelineConfig, run_dir: str, resume: bool, say, callbacks: tuple = ()
 ) -> dict:
     t0 = time.perf_counter()
-    m = cfg.model
-    base, tok = load_model(m.source, m.tokenizer, quantized=m.quantized, remat=m.remat)
+    base, tok = load_configured_model(cfg)
     key = jax.random.key(cfg.ops.seed)
     log = MetricsLog(run_dir, "pipeline", quiet=cfg.ops.quiet)
     peak = measure_matmul_peak() if cfg.ops.monitor else None

@@ -141,6 +141,14 @@ def split_devices(
     return trainer, sampler, trainer_mesh, sampler_mesh
 
 
+def _rows_on(mesh: Mesh, tree):
+    """`tree`'s arrays (rows first, all with as many rows) on `mesh`: rows over its
+    `"data"` axis when they divide it, replicated otherwise."""
+    rows = jax.tree.leaves(tree)[0].shape[0]
+    spec = PartitionSpec("data") if rows % mesh.shape["data"] == 0 else PartitionSpec()
+    return dist.reshard(tree, NamedSharding(mesh, spec))
+
+
 def _arrays(tree) -> list:
     return [x for x in jax.tree.leaves(tree) if eqx.is_array(x)]
 
@@ -228,9 +236,7 @@ class SplitPlacement:
         return dataclasses.replace(roll, **{f: self._rows(getattr(roll, f)) for f in fields})
 
     def _rows(self, x):
-        mesh = self.trainer_mesh
-        spec = PartitionSpec("data") if x.shape[0] % mesh.shape["data"] == 0 else PartitionSpec()
-        return dist.reshard(x, NamedSharding(mesh, spec))
+        return _rows_on(self.trainer_mesh, x)
 
     # --- the sampler's side ---------------------------------------------------------
 
@@ -249,11 +255,7 @@ class SplitPlacement:
     def prompts(self, tokens, mask):
         """The prompt batch on the sampler mesh: rows over `"data"` when they divide it,
         replicated otherwise."""
-        mesh = self.sampler_mesh
-        spec = (
-            PartitionSpec("data") if tokens.shape[0] % mesh.shape["data"] == 0 else PartitionSpec()
-        )
-        return dist.reshard((tokens, mask), NamedSharding(mesh, spec))
+        return _rows_on(self.sampler_mesh, (tokens, mask))
 
     def model(self, params, frozen):
         """The policy `params` + `frozen` in the sampler's layout. The same `params` object

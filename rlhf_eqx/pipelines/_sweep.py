@@ -44,7 +44,7 @@ from ._checkpoints import latest_checkpoint, restore_checkpoint, save_checkpoint
 from ._config import ConfigError
 from ._config_io import config_to_dict
 from ._metrics import MetricsLog, drop_records
-from ._pipeline import load_model, resolve_model_names, tokenizer_file
+from ._pipeline import load_configured_model, resolve_model_names, tokenizer_file
 from ._pipeline_config import PipelineConfig, animal_task_config
 from ._registry import get_stage
 from ._resume_rules import RunDirError
@@ -58,8 +58,7 @@ from ._sweep_offline import kto_sweep, sft_sweep
 from ._sweep_ppo import check_ppo_sweep, ppo_sweep
 from ._sweep_report import format_sweep_table, member_records, plot_sweep, summarize_sweep
 from ._sweep_reward import reward_sweep
-from ._sweep_starts import builtin_start
-from ._trackers import run_trackers
+from ._sweep_starts import builtin_start, sweep_trackers
 from ._validation import validate_config
 
 SWEEP_SPEC = "sweep.json"
@@ -232,27 +231,18 @@ def _member_trackers(cfg, members, out: str, resume: bool) -> contextlib.ExitSta
     them, and its `summary.json` is logged when they finish), in one group; an exit
     stack that finishes them."""
     stack = contextlib.ExitStack()
-    if not cfg.ops.trackers and not cfg.ops.tensorboard:
-        return stack
-    name = os.path.basename(os.path.abspath(out))
     with stack:  # those already open are finished when one cannot be opened
         for mem in members:
-            extra = {"sweep": {"member": mem.name, "seed": mem.seed, **dict(mem.point)}}
-            trackers = run_trackers(
-                mem.cfg,
-                member_dir(out, mem),
-                resume=resume,
-                run_name=f"{name}/{mem.name}",
-                group=cfg.ops.tracker_group or name,
-                extra=extra,
+            extra = {"member": mem.name, "seed": mem.seed, **dict(mem.point)}
+            run_dir = member_dir(out, mem)
+            stack.enter_context(
+                sweep_trackers(mem.cfg, run_dir, out, mem.name, extra, resume=resume)
             )
-            stack.enter_context(trackers)
         return stack.pop_all()
 
 
 def _sweep(stage, cfg, members, out, resume, export, say, t0) -> SweepResult:
-    m = cfg.model
-    base, tok = load_model(m.source, m.tokenizer, quantized=m.quantized, remat=m.remat)
+    base, tok = load_configured_model(cfg)
     tok_file = tokenizer_file(cfg.model.source, cfg.model.tokenizer)
     say(f"sweep {stage}: {len(members)} members in {out}")
     if cfg.data.path is not None:

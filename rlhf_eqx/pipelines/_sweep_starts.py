@@ -72,7 +72,9 @@ def builtin_start(
     env = sweep_env(cfg, base, tok, run_dir, key, resume=resume, say=say)
     if not sft:
         return SeedStart(seed, key, env.label, env, evaluate)
-    with _seed_trackers(cfg, run_dir, out, resume):
+    shared = ["sft", "reward"] if reward else ["sft"]
+    extra = {"seed": seed, "shared": ", ".join(shared)}
+    with sweep_trackers(cfg, run_dir, out, f"seed-{seed}", extra, resume=resume):
         env.stage = "sft"
         outcome = sft_stage(env, cfg.sft)
         sft_policy = outcome.policy
@@ -90,10 +92,13 @@ def builtin_start(
     return SeedStart(seed, key, env.label, env, evaluate, sft_policy, sft_metrics, against_sft)
 
 
-def _seed_trackers(cfg, run_dir: str, out: str, resume: bool):
-    """The tracker runs of a seed's shared stages (SFT, the reward model): one run a seed,
-    `<sweep>/seed-<seed>` in the sweep's group, fed by the seed directory's metrics logs
-    (`run_trackers`); nothing when the sweep logs to no tracker."""
+def sweep_trackers(cfg, run_dir: str, out: str, run: str, extra: dict, *, resume: bool):
+    """The tracker runs of one part of the sweep in `out` (a member, a seed's shared
+    stages): `run_trackers` of `cfg` in `run_dir` (its metrics logs feed them, its
+    `summary.json` is logged when they finish), named `<sweep dir>/<run>`, in the group
+    `ops.tracker_group` or else the sweep directory's name, `extra` added to the recorded
+    configuration as `sweep`; a context that does nothing when the sweep logs to no
+    tracker."""
     if not cfg.ops.trackers and not cfg.ops.tensorboard:
         return contextlib.nullcontext()
     name = os.path.basename(os.path.abspath(out))
@@ -101,7 +106,7 @@ def _seed_trackers(cfg, run_dir: str, out: str, resume: bool):
         cfg,
         run_dir,
         resume=resume,
-        run_name=f"{name}/seed-{cfg.ops.seed}",
+        run_name=f"{name}/{run}",
         group=cfg.ops.tracker_group or name,
-        extra={"sweep": {"seed": cfg.ops.seed, "shared": "sft, reward"}},
+        extra={"sweep": extra},
     )

@@ -198,7 +198,10 @@ def kill_9_then_resume(tmp_path, changes: dict, *, checkpoints: int = 2):
     while run.poll() is None and time.time() < deadline:
         if (
             os.path.isdir(ckpt)
-            and sum(n.startswith("iter_") for n in os.listdir(ckpt)) >= checkpoints
+            and sum(  # checkpoints in place, not those still being written (`.tmp`)
+                n.startswith("iter_") and ".tmp" not in n for n in os.listdir(ckpt)
+            )
+            >= checkpoints
         ):
             run.send_signal(signal.SIGKILL)
             break

@@ -418,7 +418,7 @@ def test_win_rate_pairs_and_ties():
 # --- runs on a tiny model --------------------------------------------------------------
 
 
-def test_model_remat_trains_the_same_values_with_less_kept(tmp_path, tok):
+def test_model_remat_reaches_the_policy_and_trains_the_same_losses(tmp_path, tok):
     """`model.remat` reaches the loaded policy (`rx.with_remat`), is checked by name, may
     change on resume, and an SFT run with the products' outputs kept (`"dots"`) or only
     each layer's input (`"full"`) logs the losses of the run without remat."""

@@ -7,7 +7,11 @@ The output row is always `prompt (as given, with its padding) ++ completion`.
 """
 
 from ._continuous import generate_continuous as generate_continuous
-from ._decode import generate as generate, generate_batch as generate_batch
+from ._decode import (
+    check_prompt_masks as check_prompt_masks,
+    generate as generate,
+    generate_batch as generate_batch,
+)
 from ._options import (
     DEFAULT_TEMPERATURE as DEFAULT_TEMPERATURE,
     GenerationOutput as GenerationOutput,

@@ -31,6 +31,7 @@ from ._decode import (
     _row_keys,
     _row_sampler,
     _with_prompts,
+    check_prompt_masks,
 )
 from ._options import DEFAULT_TEMPERATURE, GenerationOutput, SamplingOptions
 
@@ -42,13 +43,7 @@ def _is_int(x: object) -> bool:
 def _check_concrete_prompts(prompts: Any, prompt_masks: Any, vocab_size: int) -> None:
     """Raise naming the argument, row and position of a bad id or an empty prompt."""
     _check_prompt_ids(prompts, vocab_size, "prompts: row")
-    if not isinstance(prompt_masks, jax.core.Tracer):
-        empty = ~np.asarray(prompt_masks).any(axis=-1)
-        if empty.any():
-            raise ValueError(
-                f"prompt_masks: row {int(np.argmax(empty))} has no real token; every "
-                "prompt needs at least one"
-            )
+    check_prompt_masks(prompt_masks)
 
 
 def _check_stop_sequences(stop_sequences: Any, vocab_size: int) -> tuple[tuple[int, ...], ...]:

@@ -52,6 +52,20 @@ def _check_prompt_ids(
         )
 
 
+def check_prompt_masks(prompt_masks: Any) -> None:
+    """Refuse, naming the first such row, a prompt with no real token (an all-False row
+    of `prompt_masks`: there is nothing to condition on and no position to start from),
+    if `prompt_masks` is concrete."""
+    if isinstance(prompt_masks, jax.core.Tracer):
+        return
+    empty = ~np.asarray(prompt_masks).any(axis=-1)
+    if empty.any():
+        raise ValueError(
+            f"prompt_masks: row {int(np.argmax(empty))} has no real token; every prompt "
+            "needs at least one (a BOS will do)"
+        )
+
+
 def _check_length(policy: object, prompt_length: int, max_new_tokens: int) -> None:
     """Refuse generating past the model's `max_seq_len` (when it has a config)."""
     limit = getattr(getattr(policy, "cfg", None), "max_seq_len", None)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int, PRNGKeyArray
 
-from .._sampling import DEFAULT_TEMPERATURE, SamplingOptions
+from .._sampling import DEFAULT_TEMPERATURE, SamplingOptions, check_prompt_masks
 from ..models import AbstractDecoder
 from ._environment import Environment
 from ._trajectory import Trajectory, _Progress, _trajectory
@@ -68,13 +68,7 @@ def _options(
         )
     if episode_reward not in ("sum", "last"):
         raise ValueError(f"episode_reward must be 'sum' or 'last', got {episode_reward!r}")
-    if not isinstance(prompt_masks, jax.core.Tracer):
-        empty = ~np.asarray(prompt_masks).any(axis=-1)
-        if empty.any():
-            raise ValueError(
-                f"prompt_masks row {int(np.argmax(empty))} has no real token; every prompt "
-                "needs at least one (a BOS will do)"
-            )
+    check_prompt_masks(prompt_masks)
     return _Options(
         turn=_TurnOptions(sampling=turn_sampling, total=max_total_tokens),
         num_samples=num_samples,

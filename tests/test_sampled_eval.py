@@ -80,3 +80,33 @@ def test_eval_prompts_is_validated():
     cfg = _cfg(eval_prompts=-1)
     with pytest.raises(Exception, match="data.eval_prompts"):
         pl.config.validate_config(cfg)
+
+
+def test_reuse_keeps_the_before_side_for_later_calls(model):
+    """A sweep's members share the base model's side: with a `reuse` dict a second
+    comparison against the same base, prompts, key and settings takes the base's samples
+    from it, and reports exactly what sampling them again reports."""
+    policy, tok = model
+    cfg, key = _cfg(eval_prompts=0, eval_samples=2), jax.random.key(3)
+    score = lambda p, t: float("a" in t)  # noqa: E731
+    others = [
+        jax.tree.map(lambda x, f=f: x * f if eqx.is_inexact_array(x) else x, policy)
+        for f in (1.03, 0.97)
+    ]
+    reuse: dict = {}
+    shared = [
+        pl.sampled_comparison(policy, o, tok, PROMPTS, key, cfg, score=score, reuse=reuse)
+        for o in others
+    ]
+    assert len(reuse) == 1  # the base sampled once for both
+    fresh = [pl.sampled_comparison(policy, o, tok, PROMPTS, key, cfg, score=score) for o in others]
+    assert shared == fresh
+    assert shared[0]["score_after"] != shared[1]["score_after"] or (
+        shared[0]["kl_after"] != shared[1]["kl_after"]
+    )
+    # another key, other settings or another base: sampled anew
+    pl.sampled_comparison(policy, others[0], tok, PROMPTS, jax.random.key(4), cfg, reuse=reuse)
+    cfg_t = dataclasses.replace(cfg, sampling=dataclasses.replace(cfg.sampling, temperature=0.5))
+    pl.sampled_comparison(policy, others[0], tok, PROMPTS, key, cfg_t, score=score, reuse=reuse)
+    pl.sampled_comparison(others[1], others[0], tok, PROMPTS, key, cfg, score=score, reuse=reuse)
+    assert len(reuse) == 4

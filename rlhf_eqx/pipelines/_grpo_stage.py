@@ -665,15 +665,19 @@ def answered_prompts(env: StageEnv, c: GRPOConfig) -> AnsweredPrompts:
     return AnsweredPrompts(prompts_of(train), prompts_of(held), task, reward)
 
 
-def heldout_exact_match(env: StageEnv, prompts: AnsweredPrompts, trained) -> dict:
+def heldout_exact_match(
+    env: StageEnv, prompts: AnsweredPrompts, trained, reuse: dict | None = None
+) -> dict:
     """`summary["grpo"]` of GRPO on a data file: the held-out exact-match rate of the
     base model (`env.base`) and of the `trained` policy on paired samples
-    (`sampled_comparison` with the key `ops.seed + 1` of `env.cfg`), with their standard
-    errors over the prompts, and the rest of the comparison as `sampled`."""
+    (`sampled_comparison` with the key `ops.seed + 1` of `env.cfg`; `reuse` as there),
+    with their standard errors over the prompts, and the rest of the comparison as
+    `sampled`."""
     cfg, score = env.cfg, prompts.exact.fn
     k = jax.random.key(cfg.ops.seed + 1)
+    held = list(prompts.held)
     ev = sampled_comparison(
-        env.base, trained, env.tok, list(prompts.held), k, cfg, score=score, max_prompts=0
+        env.base, trained, env.tok, held, k, cfg, score=score, max_prompts=0, reuse=reuse
     )
     return {
         "heldout_exact_match_before": ev.pop("score_before"),

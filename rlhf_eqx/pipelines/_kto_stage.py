@@ -242,17 +242,20 @@ def kto_examples(env: StageEnv, c: KTOConfig) -> tuple[list, list, list | None]:
     return train, held, held_pairs
 
 
-def kto_data_metrics(env: StageEnv, c: KTOConfig, trained, held: list, held_pairs) -> dict:
+def kto_data_metrics(
+    env: StageEnv, c: KTOConfig, trained, held: list, held_pairs, reuse: dict | None = None
+) -> dict:
     """`summary["kto"]` of a run on a data file: `kto_heldout_metrics` of the `trained`
     policy against the base on the `held` examples, the implicit reward accuracy on the
-    `held_pairs` (a preference file's), and held-out samples."""
+    `held_pairs` (a preference file's), and held-out samples (`reuse`: as in
+    `sampled_comparison`)."""
     policy, tok, pl = env.base, env.tok, env.cfg.sampling.prompt_length
     held_batch = collate_unpaired_records(held, tok, max_length=c.max_length, prompt_length=pl)
     out = kto_heldout_metrics(trained, policy, held_batch, c.beta)
     if held_pairs is not None:
         hb = collate_pairs(held_pairs, tok, max_length=c.max_length, prompt_length=pl)
         out["heldout_pair_accuracy"] = float(implicit_accuracy(trained, policy, hb, c.beta))
-    out["sampled"] = heldout_samples(env, policy, trained, held)
+    out["sampled"] = heldout_samples(env, policy, trained, held, reuse)
     return out
 
 

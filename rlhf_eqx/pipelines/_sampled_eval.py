@@ -26,6 +26,7 @@ def sampled_comparison(
     score: Callable[[str, str], float] | None = None,
     max_prompts: int | None = None,
     shown: int = 3,
+    reuse: dict | None = None,
 ) -> dict:
     """Sample `cfg.eval_samples` completions of each of the first `max_prompts` distinct
     `prompts` that fit `cfg.sampling.prompt_length` (default `cfg.data.eval_prompts`; 0:
@@ -40,6 +41,11 @@ def sampled_comparison(
     policy's samples, k1), and, with `score(prompt, completion)`, `score_before`,
     `score_after` and their standard errors over the prompts (`*_se`, `prompt_se`);
     `examples`: the first `shown` prompts with one completion of each model.
+
+    `reuse`, a dict kept by the caller across calls (a sweep's members), holds the
+    `before` side: a later call with the same `before` model, prompts, key, sampling
+    settings and `score` takes it from there instead of sampling it again (the same
+    numbers: the samples depend on nothing else).
     """
     limit = cfg.data.eval_prompts if max_prompts is None else max_prompts
     distinct = list(dict.fromkeys(prompts))
@@ -54,17 +60,27 @@ def sampled_comparison(
     if not distinct:
         return out
     rolls = {}
+    same = (id(before), tuple(distinct), k, tuple(sorted(opts.items())), score)
+    same += (tuple(np.asarray(jax.random.key_data(key)).ravel().tolist()),)
     for name, model in (("before", before), ("after", after)):
+        if name == "before" and reuse is not None and same in reuse:
+            rolls[name], kept = reuse[same]
+            out.update(kept)
+            continue
         roll = sample_rollout(model, tok, distinct, key, group_size=k, **opts)
         rolls[name] = roll
+        side = {}
         base_lp = _token_logps(before, roll)
-        out[f"base_nll_{name}"] = -_completion_mean(base_lp, roll)
+        side[f"base_nll_{name}"] = -_completion_mean(base_lp, roll)
         if name == "after":
-            out["kl_after"] = _completion_mean(_token_logps(after, roll) - base_lp, roll)
+            side["kl_after"] = _completion_mean(_token_logps(after, roll) - base_lp, roll)
         if score is not None:
             s = np.asarray([score(p, t) for p, t in zip(roll.prompts, roll.texts)], np.float32)
-            out[f"score_{name}"] = float(s.mean())
-            out[f"score_{name}_se"] = prompt_se(s, k)
+            side[f"score_{name}"] = float(s.mean())
+            side[f"score_{name}_se"] = prompt_se(s, k)
+        out.update(side)
+        if name == "before" and reuse is not None:
+            reuse[same] = (roll, side)
     out["examples"] = [
         {
             "prompt": distinct[i],
@@ -76,8 +92,10 @@ def sampled_comparison(
     return out
 
 
-def heldout_samples(env, before, after, held: Sequence) -> dict:
+def heldout_samples(env, before, after, held: Sequence, reuse: dict | None = None) -> dict:
     """`sampled_comparison` of a stage's run (`env`: its `StageEnv`) on the prompts of
-    its held-out records (`data.eval_prompts` of them), with the key `ops.seed + 1`."""
+    its held-out records (`data.eval_prompts` of them), with the key `ops.seed + 1`
+    (`reuse`: as there)."""
     key = jax.random.key(env.cfg.ops.seed + 1)
-    return sampled_comparison(before, after, env.tok, [r.prompt for r in held], key, env.cfg)
+    prompts = [r.prompt for r in held]
+    return sampled_comparison(before, after, env.tok, prompts, key, env.cfg, reuse=reuse)

@@ -133,9 +133,10 @@ def _sft(members: Sequence[Member], env: StageEnv, tokenizer_file) -> SweepRun:
             "heldout_nll_before": before,
             "heldout_nll": after,
             "heldout_perplexity": float(np.exp(after)),
-            "sampled": heldout_samples(env_m, env.base, policy, held),
+            "sampled": heldout_samples(env_m, env.base, policy, held, base_side),
         }
 
+    base_side: dict = {}  # the base model's held-out samples, once per seed
     states, _, ctx_keys = _starts(members, "sft", env, c0.steps)
     outputs = _outputs("sft", members, env, metrics, tokenizer_file)
     return _rows("sft", members, (states, ctx_keys), full, outputs)
@@ -152,9 +153,10 @@ def _dpo(members: Sequence[Member], env: StageEnv, tokenizer_file) -> SweepRun:
         return {
             "heldout_reward_accuracy": acc,
             "heldout_reward_accuracy_se": binomial_se(acc, len(held)),
-            "sampled": heldout_samples(env_m, env.base, policy, held),
+            "sampled": heldout_samples(env_m, env.base, policy, held, base_side),
         }
 
+    base_side: dict = {}  # the base model's held-out samples, once per seed
     states, references, ctx_keys = _starts(members, "dpo", env, c0.steps)
     rows = {}
     for mem, reference in zip(members, references):
@@ -184,7 +186,10 @@ def _kto(members: Sequence[Member], env: StageEnv, tokenizer_file) -> SweepRun:
     full = rx.train.compute_kto_reference_logps(references[0], full)  # the base, for all
 
     def metrics(env_m: StageEnv, m: int, policy) -> dict:
-        return kto_data_metrics(env_m, members[m].cfg.kto, policy, held, held_pairs)
+        c = members[m].cfg.kto
+        return kto_data_metrics(env_m, c, policy, held, held_pairs, reuse=base_side)
+
+    base_side: dict = {}  # the base model's held-out samples, once per seed
 
     outputs = _outputs("kto", members, env, metrics, tokenizer_file)
     return _rows("kto", members, (states, ctx_keys), full, outputs)
@@ -203,11 +208,12 @@ def _reward(members: Sequence[Member], env: StageEnv, tokenizer_file) -> SweepRu
 
 def _grpo(members: Sequence[Member], env: StageEnv, tokenizer_file) -> SweepRun:
     prompts = answered_prompts(env, members[0].cfg.grpo)
+    base_side: dict = {}  # the base model's held-out samples, once per seed
     outputs = _outputs(
         "grpo",
         members,
         env,
-        lambda env_m, m, policy: heldout_exact_match(env_m, prompts, policy),
+        lambda env_m, m, policy: heldout_exact_match(env_m, prompts, policy, base_side),
         tokenizer_file,
         policy_of=trained_model,
     )

@@ -74,7 +74,9 @@ WORKLOADS_135 = (
     "dpo135",
     "dpo135_saving",
     "dpo135_lora",
+    "dpo135_lora_saving",
     "dpo135_dots",
+    "dpo135_saving_dots",
     "dpo135_remat",
     "gen135",
     "gen135_q8",
@@ -83,13 +85,14 @@ WORKLOADS_135 = (
 )
 ALL_WORKLOADS = WORKLOADS + WORKLOADS_135
 # Rows compared with another workload's peer rows of the same round: the quantised
-# generation rows of rlhf_eqx against HF float32 `generate` (`gen135`), the same-work DPO
-# step with rematerialised layers against TRL's `dpo135`.
+# generation rows of rlhf_eqx against HF float32 `generate` (`gen135`), the DPO steps
+# with rematerialised layers against TRL's step at the same work or with its savings.
 BASELINE = {
     "gen135_q8": "gen135",
     "gen135_q4": "gen135",
     "dpo135_dots": "dpo135",
     "dpo135_remat": "dpo135",
+    "dpo135_saving_dots": "dpo135_saving",
 }
 SMOL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

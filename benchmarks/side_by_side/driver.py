@@ -58,7 +58,7 @@ SUPPORTED = {
     "rlhf_eqx": set(common.ALL_WORKLOADS),
     "trl": {"dpo", "dpo_cached", "gen_sample", "gen_greedy", "rm", "hh_dpo", "grpo", "grpo_mix"}
     | {f"curve_{t}" for t in common.CURVE_T}
-    | {"dpo135", "dpo135_saving", "dpo135_lora", "gen135", "grpo135"},
+    | {"dpo135", "dpo135_saving", "dpo135_lora", "dpo135_lora_saving", "gen135", "grpo135"},
     "floor": {"gen_sample", "gen_greedy", "gen135"},
     "tunix": {"gen_sample", "gen_greedy", "dpo"} | {f"curve_{t}" for t in common.CURVE_T},
 }

@@ -99,14 +99,18 @@ def optimizer():
     return train.make_optimizer(learning_rate=1e-5, total_steps=1000, max_grad_norm=1.0)
 
 
-def dpo_runner(policy, batch, *, cached: bool):
+def dpo_runner(policy, batch, *, cached: bool, reference=None, lora: bool = False):
+    """A DPO step of `policy` on `batch`; with `cached` the reference log-probabilities
+    (of `reference`, default the policy itself: a full fine-tune's starting point) are
+    computed beforehand. With `lora` only the adapters train."""
     opt = optimizer()
     step = train.make_dpo_step(opt, reference="cached" if cached else "model")
     if cached:
-        batch = train.compute_reference_logps(policy, batch)
+        batch = train.compute_reference_logps(policy if reference is None else reference, batch)
     # `TrainState.apply`, as a user runs a step: the state's parameters and optimiser
     # state are donated to the update (updated in place, as torch's optimisers do)
-    state = {"s": train.init_train_state(policy, opt)}
+    trainable = rx.lora_filter(policy) if lora else None
+    state = {"s": train.init_train_state(policy, opt, filter_spec=trainable)}
     kwargs = {} if cached else {"reference": policy}
 
     def run():
@@ -323,8 +327,12 @@ def run_135(args, inputs):
     - `dpo135_dots`, `dpo135_remat`: as `dpo135` with the layers rematerialised in the
       backward pass (`rx.with_remat(policy, "dots")`: the products' outputs kept, the
       rest recomputed; `"full"`: only each layer's input kept).
+    - `dpo135_saving_dots`: as `dpo135_saving` with the layers rematerialised (`"dots"`).
     - `dpo135_lora`: as `dpo135` with LoRA adapters (`common.LORA135`, no dropout) on
       every projection; the reference is the model without its adapters.
+    - `dpo135_lora_saving`: as `dpo135_lora` with the savings of `dpo135_saving` (packed
+      rows, the reference log-probabilities of the model without its adapters cached
+      beforehand).
     - `gen135`, `gen135_q8`, `gen135_q4`: greedy `generate_batch` on float32 weights, on
       the Q8_0 file (`quantized=True`) and on the shipped Q4_1 file (`quantized=True`).
     - `grpo135`: `grpo_runner` (sampling at T = 1, then one update, shared-prompt layout).
@@ -338,7 +346,7 @@ def run_135(args, inputs):
         policy, _ = rx.load_gguf(common.smollm2_gguf(), quantized=True)
     else:
         policy, _ = rx.load_gguf(common.smollm2_gguf())
-    remat = {"dpo135_dots": "dots", "dpo135_remat": "full"}.get(w)
+    remat = {"dpo135_dots": "dots", "dpo135_remat": "full", "dpo135_saving_dots": "dots"}.get(w)
     if remat is not None:
         policy = rx.with_remat(policy, remat)
         extra["remat"] = remat
@@ -347,10 +355,18 @@ def run_135(args, inputs):
     if w.startswith("dpo135"):
         P, C, R = (inputs[f"s135_dpo_{k}"] for k in ("prompt", "chosen", "rejected"))
         T = P.shape[1] + C.shape[1]
-        if w == "dpo135_saving":
+        if w in ("dpo135_saving", "dpo135_saving_dots"):
             batch = data.pack_preferences(pairs_of(P, C, R), pad_id=0, aligned=False)
             run = dpo_runner(policy, batch, cached=True)
             extra["layout"] = "packed"
+        elif w == "dpo135_lora_saving":
+            batch = data.pack_preferences(pairs_of(P, C, R), pad_id=0, aligned=False)
+            model = rx.apply_lora(policy, lora_config(), key=jax.random.key(0))
+            run = dpo_runner(
+                model, batch, cached=True, reference=rx.without_lora(model), lora=True
+            )
+            extra["layout"] = "packed"
+            extra["trainable_params"] = rx.count_params(eqx.filter(model, rx.lora_filter(model)))
         else:
             batch = preference_batch(P, C, R)
             extra["layout"] = "plain"
@@ -374,9 +390,9 @@ def run_135(args, inputs):
         extra["flops"] = common.dpo_flops(
             P.shape[0],
             T,
-            with_reference=w != "dpo135_saving",
+            with_reference="saving" not in w,
             cfg=common.SMOL_CONFIG,
-            lora=w == "dpo135_lora",
+            lora=w.startswith("dpo135_lora"),
         )
         if args.profile and w == "dpo135":
             extra["rss_mb"] = common.peak_rss_mb()  # before the profile's own buffers

@@ -289,6 +289,7 @@ def run_135(args, inputs):
       ("temporarily unavailable"; recorded in `extra`).
     - `dpo135_lora`: `DPOTrainer` with a peft `LoraConfig` (`common.LORA135`, no dropout)
       on every projection; the reference is the model with its adapters disabled.
+    - `dpo135_lora_saving`: as `dpo135_lora` with the savings of `dpo135_saving`.
     - `gen135`: greedy Hugging Face `generate`, float32.
     - `grpo135`: `GRPOTrainer.train()` (`grpo_run`), full fine-tune, `beta=0`.
     """
@@ -304,9 +305,9 @@ def run_135(args, inputs):
         P, C, R = (inputs[f"s135_dpo_{k}"] for k in ("prompt", "chosen", "rejected"))
         T = P.shape[1] + C.shape[1]
         kw = {}
-        if w == "dpo135_saving":
+        if w in ("dpo135_saving", "dpo135_lora_saving"):
             kw = dict(precompute=True, padding_free=True)
-        elif w == "dpo135_lora":
+        if w in ("dpo135_lora", "dpo135_lora_saving"):
             from peft import LoraConfig
 
             c = common.LORA135
@@ -327,13 +328,13 @@ def run_135(args, inputs):
                 for p, c, r in zip(P, C, R)
             ]
         )
-        if w == "dpo135_saving":
+        if w in ("dpo135_saving", "dpo135_lora_saving"):
             extra["padding_free"] = bool(trainer.padding_free)
             if not trainer.padding_free:
                 extra["padding_free_note"] = "TRL 1.16 turns padding_free off for DPO"
             c_lp, r_lp = trainer.compute_ref_log_probs(trainer.ref_model or trainer.model, batch)
             batch = dict(batch, ref_chosen_logps=c_lp, ref_rejected_logps=r_lp)
-        if w == "dpo135_lora":
+        if w in ("dpo135_lora", "dpo135_lora_saving"):
             extra["trainable_params"] = int(
                 sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
             )
@@ -343,9 +344,9 @@ def run_135(args, inputs):
         extra["flops"] = common.dpo_flops(
             len(P),
             T,
-            with_reference=w != "dpo135_saving",
+            with_reference="saving" not in w,
             cfg=common.SMOL_CONFIG,
-            lora=w == "dpo135_lora",
+            lora=w.startswith("dpo135_lora"),
         )
     elif w == "gen135":
         model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()

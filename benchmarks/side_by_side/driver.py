@@ -27,6 +27,9 @@ The SmolLM2-135M-Instruct workloads (`common.WORKLOADS_135`; inputs from
         --workloads dpo135,dpo135_saving,dpo135_lora,gen135,gen135_q8,gen135_q4,grpo135 \
         --profile
 
+(also `dpo135_lora_saving`, and rlhf_eqx's rematerialised steps `dpo135_dots`,
+`dpo135_remat` and `dpo135_saving_dots`, compared with TRL's step of the same round).
+
 Their rows get a table of their own, with the compile share of the first step, the
 copy bandwidth measured in each process and, for generation, the bandwidth bound
 (weights read once per decode step) and the fraction of it reached. `--profile` has

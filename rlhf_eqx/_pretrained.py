@@ -96,9 +96,16 @@ def save_gguf(
     - `chat_template`: a Jinja chat template for `tokenizer.chat_template` (default:
       the tokenizer's own, when it has one).
 
-    Raises `ValueError` naming the tensor when a weight holds NaN or ±inf, or the
-    tokenizer type when it cannot be written; nothing is written then.
+    Raises `ValueError` naming the tensor when a weight holds NaN or ±inf, the
+    tokenizer type when it cannot be written, or both sizes when the tokenizer has more
+    ids than the model's embedding has rows; nothing is written then.
     """
+    if isinstance(model, Policy) and tokenizer.vocab_size > model.cfg.vocab_size:
+        raise ValueError(
+            f"save_gguf: {os.fspath(path)}: the tokenizer has {tokenizer.vocab_size} ids but "
+            f"the model's vocabulary (token_embd.weight) has {model.cfg.vocab_size}: llama.cpp "
+            "and load_gguf refuse such a file"
+        )
     template = chat_template or getattr(tokenizer, "chat_template", None)
     write_gguf(
         model,

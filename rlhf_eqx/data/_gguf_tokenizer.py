@@ -89,17 +89,15 @@ def split_pre_tokenizer(name: str):
 
 def _open(reader, path):
     if isinstance(reader, str | os.PathLike):
+        from ..models import open_gguf
+
         path = os.fspath(reader)
-        try:
-            import gguf
-        except ImportError:
-            raise ImportError("reading GGUF files needs gguf: pip install gguf") from None
         if not os.path.isfile(path):
             raise DataError(f"{path}: no such GGUF file")
-        try:
-            reader = gguf.GGUFReader(path)
-        except Exception as e:  # the reader raises ValueError/struct.error on bad bytes
-            raise DataError(f"{path}: not a readable GGUF file ({e})") from None
+        try:  # a truncated or unreadable file: one line naming the file and the part
+            reader = open_gguf(path)
+        except (OSError, ValueError) as e:
+            raise DataError(str(e)) from None
     if path is None:  # a reader's memory map knows its file
         path = getattr(getattr(reader, "data", None), "filename", None) or "<gguf>"
     return reader, os.fspath(path)

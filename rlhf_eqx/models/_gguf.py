@@ -25,7 +25,9 @@ Gemma 2/3's attention scale is not stored: llama.cpp uses `head_dim^-1/2`, and
 `(d_model / n_heads)^-1/2` for the 27B models, and so does this reader.
 """  # noqa: E501 (markdown table rows cannot be wrapped)
 
+import math
 import os
+import struct
 from typing import Any
 
 import numpy as np
@@ -99,22 +101,107 @@ def gguf_package():
     return gguf
 
 
+# byte sizes of the GGUF metadata value types (`gguf.GGUFValueType`); 8 is a string, 9 an array
+_VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY, _UINT32 = 8, 9, 4
+
+
+class _Cut(Exception):
+    """The file ends inside the part named by the message."""
+
+
+def truncation(path: str) -> str | None:
+    """Where a GGUF file (v2/v3, little-endian) ends too early: `"the header"`,
+    `"metadata key 'k'"`, `"the tensor table entry of 't'"` or `"the data of tensor 't'"`;
+    `None` when every part the header announces lies inside the file (or the file is not
+    one this walk understands: the reader's own error stands then).
+
+    The layout walked is llama.cpp's `gguf.h`: magic, version, tensor count and key/value
+    count; the key/value pairs (length-prefixed strings, typed scalars and arrays); the
+    tensor table (name, dimensions, type, offset); the data, from the first multiple of
+    `general.alignment` (32 by default) after the table."""
+    gguf = gguf_package()
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+
+        def take(n: int, what: str) -> bytes:
+            if f.tell() + n > size:
+                raise _Cut(what)
+            return f.read(n)
+
+        def number(fmt: str, what: str) -> int:
+            return struct.unpack("<" + fmt, take(struct.calcsize(fmt), what))[0]
+
+        def string(what: str) -> bytes:
+            return take(number("Q", what), what)
+
+        def skip(kind: int, what: str) -> None:
+            if kind == _STRING:
+                string(what)
+            elif kind == _ARRAY:
+                inner, count = number("I", what), number("Q", what)
+                if inner in _VALUE_SIZES:
+                    take(count * _VALUE_SIZES[inner], what)
+                else:
+                    for _ in range(count):
+                        skip(inner, what)
+            else:
+                take(_VALUE_SIZES[kind], what)
+
+        try:
+            if take(4, "the header") != b"GGUF" or number("I", "the header") not in (2, 3):
+                return None
+            n_tensors, n_kv = number("Q", "the header"), number("Q", "the header")
+            alignment = 32
+            for _ in range(n_kv):
+                key = string("the metadata").decode("utf-8", "replace")
+                what = f"metadata key {key!r}"
+                kind = number("I", what)
+                if key == "general.alignment" and kind == _UINT32:
+                    alignment = number("I", what)
+                else:
+                    skip(kind, what)
+            table = []
+            for _ in range(n_tensors):
+                name = string("the tensor table").decode("utf-8", "replace")
+                what = f"the tensor table entry of {name!r}"
+                dims = [number("Q", what) for _ in range(number("I", what))]
+                table.append((name, dims, number("I", what), number("Q", what)))
+            start = -(-f.tell() // alignment) * alignment
+            for name, dims, kind, offset in table:
+                block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
+                if start + offset + math.prod(dims) // block * block_bytes > size:
+                    return f"the data of tensor {name!r}"
+        except _Cut as cut:
+            return str(cut)
+        except (KeyError, ValueError, ZeroDivisionError, MemoryError, OverflowError):
+            return None  # not a layout this walk reads
+    return None
+
+
 def open_gguf(path: str):
-    """A `gguf.GGUFReader` of `path`; every tensor's data checked to lie inside the file."""
+    """A `gguf.GGUFReader` of `path`; every tensor's data checked to lie inside the file.
+
+    A file cut short is a `ValueError` naming the part it ends in (`truncation`); a
+    missing file a `FileNotFoundError`; other unreadable bytes a `ValueError` with the
+    reader's reason."""
     gguf = gguf_package()
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: file not found")
+    size = os.path.getsize(path)
+    cut = lambda part: ValueError(
+        f"{path}: truncated GGUF file: {part} runs past the end of the file ({size} bytes)"
+    )
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:  # the reader raises ValueError/IndexError/KeyError on bad headers
+        part = truncation(path)
+        if part is not None:
+            raise cut(part) from None
         raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
-    size = os.path.getsize(path)
     for t in reader.tensors:
         if t.data_offset + int(t.n_bytes) > size or t.data.nbytes != int(t.n_bytes):
-            raise ValueError(
-                f"{path}: truncated GGUF file: the data of tensor {t.name!r} runs past the "
-                f"end of the file ({size} bytes)"
-            )
+            raise cut(f"the data of tensor {t.name!r}")
     return reader
 
 
@@ -153,6 +240,12 @@ def read_config(reader, path: str, *, dtype: str | None = None):
     if rope is not None and rope["rope_type"] == "rope_freqs":
         config["rope_scaling"] = None
     cfg = config_from_hf(config, dtype=dtype or "float32", source=path)
+    if tokens is not None and len(tokens.data) > cfg.vocab_size:
+        raise ValueError(
+            f"{path}: tokenizer.ggml.tokens has {len(tokens.data)} tokens but the model's "
+            f"vocabulary (token_embd.weight) has {cfg.vocab_size}: ids {cfg.vocab_size}.."
+            f"{len(tokens.data) - 1} would be outside the embedding"
+        )
     if rope is not None and rope["rope_type"] == "rope_freqs":
         factors = dense(tensors["rope_freqs.weight"], path).reshape(-1)
         rs = llama3_from_factors(factors, cfg, path)

@@ -34,7 +34,7 @@ anything is compiled, with one line naming the field.
 Run directories (`--out`, default `runs/<command>`): a run holds a lock in its
 directory; a new run into a directory that holds one is refused (`--resume` continues
 it after checking that the configuration is the same, `--overwrite` moves it aside).
-Ctrl-C checkpoints and prints the command that resumes. `--callback MODULE:NAME`
+Ctrl-C (or SIGTERM) checkpoints and prints the command that resumes. `--callback MODULE:NAME`
 (repeatable) hooks a `rlhf_eqx.pipelines.Callback` (a class, instantiated, or an
 object; the module imported from the current directory) into every stage's loop.
 `--seeds N`: seeds `ops.seed`,
@@ -43,11 +43,14 @@ done, 1 a run error, 2 invalid configuration or run directory, 3 diverged, 130 i
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import shlex
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 TOOL_COMMANDS = ("sample", "eval", "plot")
@@ -169,12 +172,35 @@ def resume_command(argv: Sequence[str]) -> str:
     return "rlhf_eqx " + shlex.join(args)
 
 
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """Within: SIGTERM (what `kill`, `timeout`, a batch scheduler or a container stop
+    sends) raises `KeyboardInterrupt` as Ctrl-C does, so that a run stopped that way
+    checkpoints its last completed iteration and prints the command that resumes it
+    (exit status 130) instead of dying with nothing saved. The previous handler is put
+    back on leaving; outside the main thread (where handlers cannot be set) nothing
+    changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["sweep"]:  # grid x seeds of one stage in one program (its own options)
         from rlhf_eqx.pipelines.tools import sweep_command
 
-        return sweep_command(argv[1:])
+        try:
+            with _terminate_as_interrupt():
+                return sweep_command(argv[1:])
+        except KeyboardInterrupt:  # the periodic checkpoints (ops.checkpoint_every) stay
+            print(f"interrupted; resume with: {resume_command(argv)}", file=sys.stderr)
+            return 130
     if argv[:1] == ["serve"]:  # an OpenAI-compatible endpoint (its own options)
         from rlhf_eqx.serving import serve_command
 
@@ -244,7 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     command_line_cache(cfg.ops.compilation_cache, cfg.ops.compilation_cache_max_mb)  # on disk
     try:
-        return _run(args, cfg, callbacks)
+        with _terminate_as_interrupt():
+            return _run(args, cfg, callbacks)
     except ConfigError as e:
         print(f"error: invalid configuration: {e}", file=sys.stderr)
         return 2

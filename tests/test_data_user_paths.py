@@ -1,0 +1,170 @@
+"""A user's own data files on the command line: a bad record stops the run with one line
+naming the file, the line (or row) and the field, and leaves no run directory behind;
+a run or a sweep stopped by SIGTERM checkpoints and prints the command that resumes it,
+as Ctrl-C does."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rlhf_eqx.__main__ import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _jsonl(path, rows) -> str:
+    with open(path, "w") as f:
+        for row in rows:
+            f.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
+    return str(path)
+
+
+def _parquet(path, rows) -> str:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+_PAIR = {"prompt": "Once a cat", "chosen": " was happy.", "rejected": " was sad."}
+
+
+def _bad_files(tmp_path):
+    """(stage, path, what the error line says after the path) for each kind of bad input."""
+    user = {"role": "user", "content": "Hi"}
+    return [
+        ("dpo", _jsonl(tmp_path / "torn.jsonl", [_PAIR, '{"prompt": "a", "chosen":']), ":2: "),
+        (
+            "dpo",
+            _jsonl(tmp_path / "no_chosen.jsonl", [{"prompt": "a", "rejected": " b"}]),
+            ":1: cannot tell the preference format from the keys ['prompt', 'rejected']",
+        ),
+        (
+            "sft",
+            _jsonl(tmp_path / "number.jsonl", [{**_PAIR, "chosen": 5}]),
+            ":1: wrong type: 'chosen' must be a string, got int",
+        ),
+        (
+            "dpo",
+            _jsonl(
+                tmp_path / "no_content.jsonl",
+                [{"prompt": [user], "chosen": [{"role": "assistant"}], "rejected": [user]}],
+            ),
+            ":1: wrong type: a message in 'chosen' needs string role/content",
+        ),
+        (
+            "kto",
+            _jsonl(tmp_path / "label.jsonl", [{"prompt": "a", "completion": " b", "label": "yes"}]),
+            ":1: wrong type: 'label' must be a boolean (true/false, or 0/1), got str 'yes'",
+        ),
+        (
+            "prm",
+            _jsonl(
+                tmp_path / "steps.jsonl",
+                [{"prompt": "a", "completions": ["s1", "s2"], "labels": [True]}],
+            ),
+            ":1: length mismatch: 2 completions (steps) but 1 labels",
+        ),
+        (
+            "reward",
+            _parquet(tmp_path / "other.parquet", [{"foo": "a", "bar": "b"}] * 3),
+            ": row 0: cannot tell the preference format from the keys ['bar', 'foo']",
+        ),
+        ("dpo", _jsonl(tmp_path / "empty.jsonl", []), ": no records"),
+    ]
+
+
+def test_a_bad_record_is_one_line_and_leaves_no_run_directory(tmp_path, capsys):
+    for i, (stage, path, says) in enumerate(_bad_files(tmp_path)):
+        run_dir = tmp_path / f"run{i}"
+        assert main([stage, "--data", path, "--out", str(run_dir), "--quiet"]) == 1, path
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [err[0]] and err[0].startswith(f"error: {path}{says}"), (path, err)
+        assert not run_dir.exists(), (path, sorted(os.listdir(run_dir)))
+
+
+def test_a_failed_run_keeps_a_directory_it_did_not_create(tmp_path, capsys):
+    run_dir = tmp_path / "mine"
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("my notes")
+    path = _jsonl(tmp_path / "no_chosen.jsonl", [{"prompt": "a", "rejected": " b"}])
+    assert main(["dpo", "--data", path, "--out", str(run_dir), "--quiet"]) == 1
+    assert "cannot tell the preference format" in capsys.readouterr().err
+    assert (run_dir / "notes.txt").read_text() == "my notes"
+
+
+def _pairs(tmp_path) -> str:
+    animals = ["cat", "dog", "fox", "owl", "bee", "cow", "pig", "hen", "ant", "elk", "yak"]
+    rows = [
+        {"prompt": f"Once a {a}", "chosen": " was happy.", "rejected": f" was sad {i}."}
+        for i, a in enumerate(animals * 2)
+    ]
+    return _jsonl(tmp_path / "pairs.jsonl", rows)
+
+
+_TINY = [
+    "--set",
+    "dpo.batch_size=4",
+    "--set",
+    "dpo.max_length=48",
+    "--set",
+    "data.eval_prompts=2",
+    "--set",
+    "sampling.max_new_tokens=4",
+    "--set",
+    "ops.monitor=false",
+    "--set",
+    "ops.checkpoint_every=2",
+    "--quiet",
+]
+
+
+def _terminate_after_first_checkpoint(tmp_path, args: list[str], run_dir) -> tuple[int, str]:
+    """Start `rlhf_eqx ARGS`, send SIGTERM once a checkpoint is in place; (exit status,
+    stderr)."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    err_path = tmp_path / "err.txt"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rlhf_eqx", *args],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env=env,
+            cwd=tmp_path,
+        )
+        try:
+            deadline = time.monotonic() + 300
+            while not any(
+                d.startswith("iter_") and ".tmp" not in d
+                for root, dirs, _ in os.walk(run_dir)
+                if os.path.basename(root) == "checkpoints"
+                for d in dirs
+            ):
+                assert proc.poll() is None, err_path.read_text()[-4000:]
+                assert time.monotonic() < deadline, "no checkpoint appeared"
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return code, err_path.read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", [["dpo"], ["sweep", "dpo", "--seeds", "2"]])
+def test_sigterm_checkpoints_and_prints_the_resume_command(tmp_path, command):
+    run_dir = tmp_path / "run"
+    args = [*command, "--data", _pairs(tmp_path), *_TINY, "--set", "dpo.steps=100000"]
+    args += ["--out", str(run_dir)]
+    code, stderr = _terminate_after_first_checkpoint(tmp_path, args, run_dir)
+    assert code == 130, stderr[-4000:]
+    assert "Traceback" not in stderr, stderr[-4000:]
+    (line,) = [x for x in stderr.splitlines() if x.startswith("interrupted")]
+    assert line.endswith("resume with: rlhf_eqx " + " ".join(args) + " --resume"), line

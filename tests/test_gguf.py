@@ -473,6 +473,19 @@ def test_adapter_without_lora_refused(tiny, tmp_path):
     assert not os.listdir(tmp_path)
 
 
+def test_adapter_file_given_as_a_model_says_so(tiny, tmp_path):
+    """An adapter file where a model is expected: the model reader names `general.type`,
+    the tokenizer reader the missing `tokenizer.ggml.model` (not a missing size key)."""
+    path = os.fspath(tmp_path / "adapter.gguf")
+    save_gguf_adapter(apply_lora(tiny, LoRAConfig(rank=2), key=jax.random.key(0)), path)
+    with pytest.raises(ValueError) as excinfo:
+        rx.load_gguf(path)
+    _one_line_error(excinfo, path, "`general.type` = 'adapter'", "not a model")
+    with pytest.raises(data.DataError) as excinfo:
+        data.tokenizer_from_gguf(path)
+    _one_line_error(excinfo, path, "tokenizer.ggml.model is missing")
+
+
 # ---------------------------------------------------------------- the real SmolLM2 file
 
 needs_smollm2 = pytest.mark.skipif(

@@ -198,6 +198,8 @@ def tokenizer_from_gguf(reader, path: str | os.PathLike | None = None) -> HFToke
 
     reader, path = _open(reader, path)
     kind = _field(reader, "tokenizer.ggml.model")
+    if kind is None:
+        raise DataError(f"{path}: tokenizer.ggml.model is missing (the file has no tokenizer)")
     if kind not in ("gpt2", "llama"):
         raise DataError(f"{path}: tokenizer.ggml.model = {kind!r} is not supported (gpt2 or llama)")
     tokens = _field(reader, "tokenizer.ggml.tokens")

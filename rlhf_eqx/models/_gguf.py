@@ -231,6 +231,11 @@ def read_config(reader, path: str, *, dtype: str | None = None):
     """`(family, TransformerConfig)` of a GGUF file (`dtype` default float32)."""
     tensors = {t.name: t for t in reader.tensors}
     meta = lambda key, *d: field(reader, key, path, *d)
+    if meta("general.type", None) == "adapter":
+        raise ValueError(
+            f"{path}: `general.type` = 'adapter': a LoRA adapter file, not a model (load "
+            "its base model's file; llama.cpp applies the adapter with --lora)"
+        )
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     n_tokens = len(tokens.data) if tokens is not None else None
     if n_tokens is None and "token_embd.weight" in tensors:

@@ -431,7 +431,8 @@ def test_the_cli_reads_a_parquet_file_through_its_column_mapping(tmp_path, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
         "error: data.heldout_fraction=0.1: the split of 1 records by prompt left 1 for "
-        "training and 0 held out; use more records or another fraction"
+        "training and 0 held out; use more records, another fraction or another data.seed "
+        "(it picks the prompts held out)"
     ]
     assert main([*argv, "--overwrite"]) == 1
     err = capsys.readouterr().err.strip().splitlines()

@@ -168,3 +168,28 @@ def test_sigterm_checkpoints_and_prints_the_resume_command(tmp_path, command):
     assert "Traceback" not in stderr, stderr[-4000:]
     (line,) = [x for x in stderr.splitlines() if x.startswith("interrupted")]
     assert line.endswith("resume with: rlhf_eqx " + " ".join(args) + " --resume"), line
+
+
+@pytest.mark.parametrize(
+    "columns, says",
+    [
+        ({"prompt": 5}, "data.columns.prompt=5: expected a string"),
+        ({"chosen": ""}, "data.columns={'chosen': ''}: 'chosen' must name a column, got ''"),
+    ],
+)
+def test_a_column_mapped_to_no_name_is_an_invalid_configuration(tmp_path, capsys, columns, says):
+    config = tmp_path / "cfg.json"
+    config.write_text(json.dumps({"data": {"columns": columns}}))
+    run_dir = tmp_path / "run"
+    argv = ["dpo", "--data", _jsonl(tmp_path / "p.jsonl", [_PAIR]), "--config", str(config)]
+    assert main([*argv, "--out", str(run_dir), "--quiet"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == f"error: invalid configuration: {says}" and not run_dir.exists()
+
+
+def test_a_bad_data_format_lists_each_format_once(tmp_path, capsys):
+    path = _jsonl(tmp_path / "p.jsonl", [_PAIR])
+    assert main(["dpo", "--data", path, "--set", "data.format=xml", "--quiet"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    formats = line.partition("must be one of ")[2].split(", ")
+    assert "plain" in formats and len(formats) == len(set(formats)), line

@@ -135,7 +135,8 @@ def _convert(value: Any, tp: Any, name: str) -> Any:
                 raise ConfigError(f"{name}={value!r}: expected a JSON object") from None
         if not isinstance(value, dict):
             raise ConfigError(f"{name}={value!r}: expected a mapping")
-        return dict(value)
+        item = typing.get_args(tp)[1:2]  # the values' type (`data.columns`: str)
+        return {k: _convert(v, item[0], f"{name}.{k}") if item else v for k, v in value.items()}
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{name}: expected a mapping, got {value!r}")

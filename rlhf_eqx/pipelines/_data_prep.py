@@ -46,7 +46,8 @@ def split_records(records: Sequence, dc: DataConfig) -> tuple[list, list]:
         raise ValueError(
             f"data.heldout_fraction={dc.heldout_fraction}: the split of {len(records)} "
             f"records by prompt left {len(train)} for training and {len(held)} held out; "
-            "use more records or another fraction"
+            "use more records, another fraction or another data.seed (it picks the prompts "
+            "held out)"
         )
     return list(train), list(held)
 

@@ -34,7 +34,7 @@ from ._registry import find_stage
 from ._run_checks import check_section, run_stages, validate_run
 from ._trackers import check_tracker_names
 
-DATA_FORMATS: tuple[str, ...] = ("auto", *PREFERENCE_FORMATS, *PROMPT_FORMATS)
+DATA_FORMATS: tuple[str, ...] = tuple(dict.fromkeys(("auto", *PREFERENCE_FORMATS, *PROMPT_FORMATS)))
 """The values of `data.format`: preference formats for sft/reward/dpo, prompt formats for
 grpo, `auto` to detect from the first record."""
 JUDGE_MODELS: tuple[str, ...] = ("base", "sft")
@@ -79,6 +79,9 @@ def validate_config(
     if unknown:
         known = ", ".join(COLUMN_NAMES)
         _fail("data.columns", dc.columns, f"unknown field {unknown[0]!r} (known: {known})")
+    for name, column in dc.columns.items():
+        if not isinstance(column, str) or not column:
+            _fail("data.columns", dc.columns, f"{name!r} must name a column, got {column!r}")
     _choice("data.format", dc.format, DATA_FORMATS)
     _at_least("data.seed", dc.seed, 0)
     _at_least("data.eval_prompts", dc.eval_prompts, 0)

@@ -146,10 +146,12 @@ def test_stage_help_lists_its_own_and_the_shared_sections(tmp_path, capsys):
 
 def test_a_run_prints_the_settings_it_reads_and_saves_the_whole_config(tmp_path, capsys):
     # One preference pair: the run takes its directory and writes config.json, then
-    # stops at the held-out split (nothing is compiled).
+    # stops at the held-out split (nothing is compiled). The directory is made first: a
+    # run that fails before its first metrics removes a directory it created.
     data = tmp_path / "one.jsonl"
     data.write_text(json.dumps({"prompt": "Once", "chosen": " a cat", "rejected": " rain"}))
     out = tmp_path / "run"
+    out.mkdir()
     assert main(["dpo", "--data", str(data), "--out", str(out)]) == 1
     printed = capsys.readouterr().out
     header, rest = printed.split("\n", 1)

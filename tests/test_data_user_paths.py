@@ -193,3 +193,25 @@ def test_a_bad_data_format_lists_each_format_once(tmp_path, capsys):
     (line,) = capsys.readouterr().err.strip().splitlines()
     formats = line.partition("must be one of ")[2].split(", ")
     assert "plain" in formats and len(formats) == len(set(formats)), line
+
+
+@pytest.mark.parametrize(
+    "stage, row",
+    [
+        ("grpo", {"question": "What is 1+1?", "answer": "#### 2"}),
+        ("prm", {"prompt": "1+1?", "completions": ["1+1=2"], "labels": [True]}),
+        ("dpo", _PAIR),
+    ],
+)
+def test_data_filter_is_refused_by_the_stages_that_do_not_filter(tmp_path, capsys, stage, row):
+    path = _jsonl(tmp_path / "rows.jsonl", [row])
+    argv = [stage, "--data", path, "--set", "data.filter=identical", "--show-config"]
+    if stage == "dpo":  # its pairs are filtered
+        assert main(argv) == 0
+        return
+    assert main(argv) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(
+        f"error: invalid configuration: data.filter=('identical',): {stage} does not filter "
+        "its records"
+    ), line

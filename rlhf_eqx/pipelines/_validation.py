@@ -37,6 +37,9 @@ from ._trackers import check_tracker_names
 DATA_FORMATS: tuple[str, ...] = tuple(dict.fromkeys(("auto", *PREFERENCE_FORMATS, *PROMPT_FORMATS)))
 """The values of `data.format`: preference formats for sft/reward/dpo, prompt formats for
 grpo, `auto` to detect from the first record."""
+UNFILTERED_STAGES: tuple[str, ...] = ("grpo", "prm")
+"""The data-file stages that read no `data.filter` (prompts with answers, stepwise
+solutions): a filter given to them is refused rather than ignored."""
 JUDGE_MODELS: tuple[str, ...] = ("base", "sft")
 """The stages a judge can be taken from (`judge.model`), besides a checkpoint directory."""
 
@@ -93,6 +96,15 @@ def validate_config(
     for f in dc.filter:
         if f not in problems:
             _fail("data.filter", dc.filter, f"unknown problem {f!r} (known: {', '.join(problems)})")
+    unfiltered = [st for st in run_stages(cfg, stage) if st in UNFILTERED_STAGES]
+    if dc.path is not None and dc.filter and unfiltered:
+        _fail(
+            "data.filter",
+            dc.filter,
+            f"{unfiltered[0]} does not filter its records (the filters apply to preference "
+            "pairs and KTO examples; GRPO drops the prompts longer than "
+            "sampling.prompt_length itself)",
+        )
     s = cfg.sampling
     _positive("sampling.prompt_length", s.prompt_length)
     _positive("sampling.max_new_tokens", s.max_new_tokens)

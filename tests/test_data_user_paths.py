@@ -215,3 +215,16 @@ def test_data_filter_is_refused_by_the_stages_that_do_not_filter(tmp_path, capsy
         f"error: invalid configuration: data.filter=('identical',): {stage} does not filter "
         "its records"
     ), line
+
+
+def test_a_resumed_sweep_with_other_settings_names_each_changed_field(tmp_path, capsys):
+    # Pairs whose every record the reader drops: the sweep takes its directory (writes
+    # sweep.json), then stops before anything is compiled.
+    path = _jsonl(tmp_path / "same.jsonl", [{"prompt": "a", "chosen": " b", "rejected": " b"}])
+    argv = ["sweep", "dpo", "--data", path, "--seeds", "1", "--grid", "dpo.beta=0.1,0.2"]
+    argv += ["--out", str(tmp_path / "sweep"), "--quiet"]
+    assert main(argv) == 1
+    assert "no usable records" in capsys.readouterr().err
+    assert main([*argv, "--set", "dpo.steps=3", "--resume"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "the resumed sweep differs from the stored one (dpo.steps: 20 -> 3); " in line

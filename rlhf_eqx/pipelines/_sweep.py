@@ -47,7 +47,7 @@ from ._metrics import MetricsLog, drop_records
 from ._pipeline import load_configured_model, resolve_model_names, tokenizer_file
 from ._pipeline_config import PipelineConfig, animal_task_config
 from ._registry import get_stage
-from ._resume_rules import RunDirError
+from ._resume_rules import RunDirError, config_changes
 from ._rundir import RunLock, check_data, write_json_atomic
 from ._sweep_data import check_data_sweep, data_sweep
 from ._sweep_dpo import dpo_sweep
@@ -139,11 +139,12 @@ def _take_dir(out: str, spec: dict, resume: bool) -> bool:
         old = json.load(f)
     if isinstance(old.get("ops"), dict):  # a spec written when these fields were kept
         old["ops"] = {k: v for k, v in old["ops"].items() if k not in _OPERATIONAL}
-    diff = sorted(k for k in set(old) | set(spec) if old.get(k) != spec.get(k))
+    diff = config_changes(old, spec)
     if diff:
+        named = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in diff)
         raise RunDirError(
-            f"{path}: the resumed sweep differs from the stored one in {', '.join(diff)} "
-            "(only ops fields of logging and checkpointing may change)"
+            f"{path}: the resumed sweep differs from the stored one ({named}); only ops "
+            "fields of logging and checkpointing may change"
         )
     return True
 

@@ -323,6 +323,18 @@ def test_short_model_name_missing_package(monkeypatch, capsys):
     assert capsys.readouterr().err == f"error: invalid configuration: {message}\n"
 
 
+@pytest.mark.parametrize("stage", ["sft", "dpo", "grpo"])
+def test_stage_help_usage_names_the_model_options(stage, capsys):
+    """`rlhf_eqx STAGE --help` lists `--model` and `--tokenizer` in its usage line (the
+    way a GGUF file or `smollm2-135m` is given), not only the `model.*` fields."""
+    from rlhf_eqx.__main__ import main
+
+    assert main([stage, "--help"]) == 0
+    usage = capsys.readouterr().out.splitlines()[0]
+    assert usage.startswith(f"usage: rlhf_eqx {stage} ")
+    assert "[--model SRC [--tokenizer FILE]]" in usage
+
+
 def test_gguf_tokenizer_exported_as_tokenizer_json(tmp_path):
     """An export of a run whose tokenizer came from a GGUF file writes `tokenizer.json`
     and `tokenizer_config.json` (special tokens, chat template) that load back alone."""

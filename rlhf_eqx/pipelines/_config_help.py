@@ -48,8 +48,8 @@ def config_help(command: str, cfg: Any = None) -> str:
         stages = ", ".join(get_stage(command).prerequisites(cfg))
         where = f" on the built-in task (stages {stages}; with --data FILE, {command} alone)"
     lines = [
-        f"usage: rlhf_eqx {command} [--data FILE] [--config FILE] [--set FIELD=VALUE ...] "
-        "[--out DIR] [--resume | --overwrite] [--quiet]",
+        f"usage: rlhf_eqx {command} [--data FILE] [--model SRC [--tokenizer FILE]] "
+        "[--config FILE] [--set FIELD=VALUE ...] [--out DIR] [--resume | --overwrite] [--quiet]",
         "",
         f"Fields of `{command}`{where}",
         "(--set FIELD=VALUE; values: the built-in task's defaults, then --config and --set):",

@@ -17,6 +17,7 @@ __all__ = [
     "assert_tree_allclose",
     "assert_trees_close_per_leaf",
     "assert_updates_agree",
+    "signal_when",
     "tree_allclose",
     "two_turn_rollout",
 ]
@@ -219,3 +220,25 @@ def assert_same_saved_params(full, cut) -> None:
     assert len(want.files) == len(got.files) > 0
     for name in want.files:
         np.testing.assert_array_equal(got[name], want[name])
+
+
+def signal_when(proc, ready, sig, *, log, timeout: float = 300) -> int:
+    """Send `sig` to the process `proc` once `ready()` holds (e.g. a checkpoint is in
+    place), and wait for it to end. A process that ends first, or a `ready()` that does
+    not come within `timeout` seconds, fails the test with the tail of the file `log`.
+
+    **Returns:** the exit status (the process is killed if it has not ended in 120 s)."""
+    import time
+
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            assert proc.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, "the process was never ready for the signal"
+            time.sleep(0.02)
+        proc.send_signal(sig)
+        return proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

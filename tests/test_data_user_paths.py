@@ -8,9 +8,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
+from helpers import signal_when
 
 from rlhf_eqx.__main__ import main
 
@@ -129,31 +129,19 @@ def _terminate_after_first_checkpoint(tmp_path, args: list[str], run_dir) -> tup
     stderr)."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     err_path = tmp_path / "err.txt"
-    with open(err_path, "w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "rlhf_eqx", *args],
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-            env=env,
-            cwd=tmp_path,
+
+    def ready():
+        return any(
+            d.startswith("iter_") and ".tmp" not in d
+            for root, dirs, _ in os.walk(run_dir)
+            if os.path.basename(root) == "checkpoints"
+            for d in dirs
         )
-        try:
-            deadline = time.monotonic() + 300
-            while not any(
-                d.startswith("iter_") and ".tmp" not in d
-                for root, dirs, _ in os.walk(run_dir)
-                if os.path.basename(root) == "checkpoints"
-                for d in dirs
-            ):
-                assert proc.poll() is None, err_path.read_text()[-4000:]
-                assert time.monotonic() < deadline, "no checkpoint appeared"
-                time.sleep(0.05)
-            proc.send_signal(signal.SIGTERM)
-            code = proc.wait(timeout=120)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+
+    with open(err_path, "w") as err:
+        command = [sys.executable, "-m", "rlhf_eqx", *args]
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err, env=env)
+        code = signal_when(proc, ready, signal.SIGTERM, log=err_path)
     return code, err_path.read_text()
 
 

@@ -23,6 +23,7 @@ import textwrap
 import time
 
 import pytest
+from helpers import signal_when
 
 from rlhf_eqx import pipelines as pl
 
@@ -579,18 +580,8 @@ def test_ctrl_c_checkpoints_prints_the_resume_command_and_it_finishes(tmp_path, 
     with open(tmp_path / "out.txt", "w") as out, open(tmp_path / "err.txt", "w") as err:
         with _sigint_delivered():
             proc = subprocess.Popen(_cli(*args), stdout=out, stderr=err, env=env, cwd=tmp_path)
-        try:
-            deadline = time.monotonic() + 300
-            while not (ck.is_dir() and [n for n in os.listdir(ck) if ".tmp" not in n]):
-                assert proc.poll() is None, (tmp_path / "err.txt").read_text()[-4000:]
-                assert time.monotonic() < deadline, "no checkpoint appeared"
-                time.sleep(0.02)
-            proc.send_signal(signal.SIGINT)
-            code = proc.wait(timeout=120)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        ready = lambda: ck.is_dir() and [n for n in os.listdir(ck) if ".tmp" not in n]  # noqa: E731
+        code = signal_when(proc, ready, signal.SIGINT, log=tmp_path / "err.txt")
     stderr = (tmp_path / "err.txt").read_text()
     assert code == 130, stderr[-4000:]
     assert "Traceback" not in stderr

@@ -216,3 +216,18 @@ def test_a_resumed_sweep_with_other_settings_names_each_changed_field(tmp_path, 
     assert main([*argv, "--set", "dpo.steps=3", "--resume"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "the resumed sweep differs from the stored one (dpo.steps: 20 -> 3); " in line
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_record(tmp_path):
+    from rlhf_eqx import data
+
+    rows = [_PAIR, {**_PAIR, "prompt": "Once a dog"}]
+    plain = _jsonl(tmp_path / "plain.jsonl", rows)
+    expected = list(data.load_preferences(plain))
+    for name, text in [
+        ("bom.jsonl", "".join(json.dumps(r) + "\r\n" for r in rows)),
+        ("bom.json", json.dumps(rows)),
+    ]:
+        path = tmp_path / name
+        path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+        assert list(data.load_preferences(path)) == expected, name

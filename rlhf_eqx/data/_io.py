@@ -11,6 +11,7 @@ Two kinds of bad input are told apart:
   completion or prompt): always skipped and counted, never guessed at.
 """
 
+import codecs
 import dataclasses
 import gzip
 import itertools
@@ -82,7 +83,8 @@ def _open_bytes(path: str) -> bytes:
             data = gzip.decompress(data)
         except (OSError, EOFError) as e:
             raise DataError(f"{path}: cannot decompress: {e}") from None
-    return data
+    # A byte-order mark (files saved as "UTF-8 with BOM" by Windows editors) is not text.
+    return data.removeprefix(codecs.BOM_UTF8)
 
 
 def _is_json_list(path: str, data: bytes) -> bool:

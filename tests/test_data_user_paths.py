@@ -205,12 +205,17 @@ def test_data_filter_is_refused_by_the_stages_that_do_not_filter(tmp_path, capsy
     ), line
 
 
-def test_a_resumed_sweep_with_other_settings_names_each_changed_field(tmp_path, capsys):
+def test_a_failed_sweep_leaves_no_directory_and_a_resume_names_each_changed_field(tmp_path, capsys):
     # Pairs whose every record the reader drops: the sweep takes its directory (writes
     # sweep.json), then stops before anything is compiled.
     path = _jsonl(tmp_path / "same.jsonl", [{"prompt": "a", "chosen": " b", "rejected": " b"}])
     argv = ["sweep", "dpo", "--data", path, "--seeds", "1", "--grid", "dpo.beta=0.1,0.2"]
-    argv += ["--out", str(tmp_path / "sweep"), "--quiet"]
+    assert main([*argv, "--out", str(tmp_path / "fresh"), "--quiet"]) == 1
+    assert "no usable records" in capsys.readouterr().err
+    assert not (tmp_path / "fresh").exists()  # so the same command can run again
+    # A directory that was there before is kept, with the sweep's spec.
+    argv += ["--out", str(tmp_path / "made"), "--quiet"]
+    (tmp_path / "made").mkdir()
     assert main(argv) == 1
     assert "no usable records" in capsys.readouterr().err
     assert main([*argv, "--set", "dpo.steps=3", "--resume"]) == 2

@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -221,10 +222,18 @@ def sweep(
         validate_config(mem.cfg, stage=stage if on_data else None)
     out = out or cfg.out or os.path.join("runs", f"sweep-{stage}")
     say = (lambda *a: None) if cfg.ops.quiet else print
-    with RunLock(out):
-        resumed = _take_dir(out, _spec(stage, grid, seeds, cfg), resume)
-        with _member_trackers(cfg, members, out, resumed):
-            return _sweep(stage, cfg, members, out, resumed, export, say, t0)
+    fresh = not os.path.exists(out)
+    try:
+        with RunLock(out):
+            resumed = _take_dir(out, _spec(stage, grid, seeds, cfg), resume)
+            with _member_trackers(cfg, members, out, resumed):
+                return _sweep(stage, cfg, members, out, resumed, export, say, t0)
+    except Exception:
+        # A sweep that stopped before its first metrics (a bad record, say) leaves no
+        # directory behind: the same command runs once the input is fixed.
+        if fresh and not any("metrics.jsonl" in files for _, _, files in os.walk(out)):
+            shutil.rmtree(out, ignore_errors=True)
+        raise
 
 
 def _member_trackers(cfg, members, out: str, resume: bool) -> contextlib.ExitStack:

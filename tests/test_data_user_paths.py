@@ -236,3 +236,15 @@ def test_a_byte_order_mark_is_not_part_of_the_first_record(tmp_path):
         path = tmp_path / name
         path.write_bytes(b"\xef\xbb\xbf" + text.encode())
         assert list(data.load_preferences(path)) == expected, name
+
+
+def test_prm_refuses_a_data_format_it_would_ignore(tmp_path, capsys):
+    row = {"prompt": "1+1?", "completions": ["1+1=2"], "labels": [True]}
+    argv = ["prm", "--data", _jsonl(tmp_path / "steps.jsonl", [row]), "--show-config"]
+    assert main([*argv, "--set", "data.format=hh"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == (
+        "error: invalid configuration: data.format='hh': prm reads one layout (prompt, "
+        "completions, labels): auto"
+    )
+    assert main(argv) == 0

@@ -96,6 +96,8 @@ def validate_config(
     for f in dc.filter:
         if f not in problems:
             _fail("data.filter", dc.filter, f"unknown problem {f!r} (known: {', '.join(problems)})")
+    if dc.path is not None and dc.format != "auto" and "prm" in run_stages(cfg, stage):
+        _fail("data.format", dc.format, "prm reads one layout (prompt, completions, labels): auto")
     unfiltered = [st for st in run_stages(cfg, stage) if st in UNFILTERED_STAGES]
     if dc.path is not None and dc.filter and unfiltered:
         _fail(

@@ -12,6 +12,7 @@ import sys
 import pytest
 from helpers import signal_when
 
+import rlhf_eqx as rx
 from rlhf_eqx.__main__ import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -248,3 +249,40 @@ def test_prm_refuses_a_data_format_it_would_ignore(tmp_path, capsys):
         "completions, labels): auto"
     )
     assert main(argv) == 0
+
+
+def _unpaired(tmp_path, name, rows) -> str:
+    return _jsonl(tmp_path / name, [{"prompt": p, "completion": c, "label": y} for p, c, y in rows])
+
+
+def test_kto_refuses_a_split_it_cannot_use_before_training(tmp_path, capsys):
+    """KTO on a data file needs both labels among the training examples and two held-out
+    examples (the held-out reference point pairs each with another's completion): both
+    are refused up front, naming the file and the setting, with no run directory left."""
+    prompts = [f"Tom saw a bird {i}" for i in range(200)]
+    held = [p for p in rx.data.split_held_out(prompts, fraction=0.1, seed=0)[1]]
+    train = [p for p in prompts if p not in held][:11]
+    one_held = [(p, " and smiled.", i % 2 == 0) for i, p in enumerate(train + held[:1])]
+    path = _unpaired(tmp_path, "one_held.jsonl", one_held)
+    run_dir = tmp_path / "run_a"
+    args = ["kto", "--data", path, "--set", "data.seed=0", "--out", str(run_dir), "--quiet"]
+    assert main(args) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"error: data.path={path}: 1 example held out (data.heldout_fraction=0.1); KTO's "
+        "held-out metrics need at least two: raise data.heldout_fraction or try another "
+        "data.seed"
+    ]
+    assert not run_dir.exists()
+
+    rows = [{"prompt": p, "completion": " ok.", "good": True} for p in train + held[:2]]
+    path = _jsonl(tmp_path / "all_good.jsonl", rows)
+    run_dir = tmp_path / "run_b"
+    args = ["kto", "--data", path, "--set", "data.columns.label=good", "--out", str(run_dir)]
+    assert main(args + ["--quiet"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"error: data.path={path}: KTO needs desirable and undesirable examples; the 11 "
+        "training examples (of 13) are all desirable (column 'good')"
+    ]
+    assert not run_dir.exists()

@@ -233,6 +233,7 @@ def kto_examples(env: StageEnv, c: KTOConfig) -> tuple[list, list, list | None]:
         held = data.unpaired_from_preferences(held)
     elif cfg.data.filter:
         train = _filter_unpaired(train, tok, cfg.data, s.prompt_length, ctx.log)
+    _check_kto_split(cfg.data, train, held)
     good = sum(r.label for r in train)
     env.say(
         f"kto: {len(train)} training examples ({good} desirable, {len(train) - good} "
@@ -240,6 +241,26 @@ def kto_examples(env: StageEnv, c: KTOConfig) -> tuple[list, list, list | None]:
         + (" (from preference pairs)" if pairs is not None else "")
     )
     return train, held, held_pairs
+
+
+def _check_kto_split(dc: DataConfig, train: list, held: list) -> None:
+    """Refuse, before anything is trained, a split KTO cannot train or evaluate on: training
+    examples of one label only, or fewer than two held-out examples (the held-out
+    reference point needs a mismatched row from another example)."""
+    where = f"data.path={dc.path}"
+    if {bool(r.label) for r in train} != {True, False}:
+        kind = "desirable" if train and train[0].label else "undesirable"
+        column = dc.columns.get("label", "label")
+        raise data.DataError(
+            f"{where}: KTO needs desirable and undesirable examples; the {len(train)} training "
+            f"examples (of {len(train) + len(held)}) are all {kind} (column '{column}')"
+        )
+    if len(held) < 2:
+        raise data.DataError(
+            f"{where}: {len(held)} example held out (data.heldout_fraction="
+            f"{dc.heldout_fraction}); KTO's held-out metrics need at least two: raise "
+            "data.heldout_fraction or try another data.seed"
+        )
 
 
 def kto_data_metrics(

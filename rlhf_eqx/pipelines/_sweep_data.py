@@ -176,11 +176,6 @@ def _dpo(members: Sequence[Member], env: StageEnv, tokenizer_file) -> SweepRun:
 def _kto(members: Sequence[Member], env: StageEnv, tokenizer_file) -> SweepRun:
     c0, pl = members[0].cfg.kto, env.cfg.sampling.prompt_length
     train, held, held_pairs = kto_examples(env, c0)
-    if {bool(r.label) for r in train} != {True, False}:
-        raise ValueError(
-            f"data.path={env.cfg.data.path}: KTO needs desirable and undesirable examples; "
-            f"the {len(train)} training examples are all of one kind"
-        )
     states, references, ctx_keys = _starts(members, "kto", env, c0.steps)
     full = collate_unpaired_records(train, env.tok, max_length=c0.max_length, prompt_length=pl)
     full = rx.train.compute_kto_reference_logps(references[0], full)  # the base, for all

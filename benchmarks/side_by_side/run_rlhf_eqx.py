@@ -362,9 +362,7 @@ def run_135(args, inputs):
         elif w == "dpo135_lora_saving":
             batch = data.pack_preferences(pairs_of(P, C, R), pad_id=0, aligned=False)
             model = rx.apply_lora(policy, lora_config(), key=jax.random.key(0))
-            run = dpo_runner(
-                model, batch, cached=True, reference=rx.without_lora(model), lora=True
-            )
+            run = dpo_runner(model, batch, cached=True, reference=rx.without_lora(model), lora=True)
             extra["layout"] = "packed"
             extra["trainable_params"] = rx.count_params(eqx.filter(model, rx.lora_filter(model)))
         else:

@@ -286,3 +286,11 @@ def test_kto_refuses_a_split_it_cannot_use_before_training(tmp_path, capsys):
         "training examples (of 13) are all desirable (column 'good')"
     ]
     assert not run_dir.exists()
+
+
+def test_a_bad_record_leaves_no_directory_of_a_run_over_seeds(tmp_path, capsys):
+    path = _jsonl(tmp_path / "no_chosen.jsonl", [{"prompt": "a", "rejected": " b"}])
+    run_dir = tmp_path / "seeds"
+    assert main(["dpo", "--data", path, "--seeds", "2", "--out", str(run_dir), "--quiet"]) == 1
+    assert "cannot tell the preference format" in capsys.readouterr().err
+    assert not run_dir.exists()

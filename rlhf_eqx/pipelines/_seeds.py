@@ -104,19 +104,27 @@ def run_seeds(
         )
     first = cfg.ops.seed
     summaries: dict[int, dict] = {}
-    with RunLock(out):
-        for seed in range(first, first + seeds):
-            one = dataclasses.replace(
-                cfg, out=seed_dir(out, seed), ops=dataclasses.replace(cfg.ops, seed=seed)
-            )
-            done = _finished(one, one.out) if resume else None
-            if done is not None:
-                print(f"seed {seed}: finished in {one.out}, not rerun", file=sys.stderr)
-                summaries[seed] = done
-            else:
-                summaries[seed] = run(one, resume=resume, overwrite=overwrite)
-            result = summarize_seeds(summaries)
-            write_json_atomic(os.path.join(out, SEEDS_SUMMARY), result)
+    fresh = not os.path.exists(out)
+    try:
+        with RunLock(out):
+            for seed in range(first, first + seeds):
+                one = dataclasses.replace(
+                    cfg, out=seed_dir(out, seed), ops=dataclasses.replace(cfg.ops, seed=seed)
+                )
+                done = _finished(one, one.out) if resume else None
+                if done is not None:
+                    print(f"seed {seed}: finished in {one.out}, not rerun", file=sys.stderr)
+                    summaries[seed] = done
+                else:
+                    summaries[seed] = run(one, resume=resume, overwrite=overwrite)
+                result = summarize_seeds(summaries)
+                write_json_atomic(os.path.join(out, SEEDS_SUMMARY), result)
+    except Exception:
+        # the first seed failed before writing anything (a bad record): leave no empty
+        # directory of ours behind
+        if fresh and os.path.isdir(out) and not os.listdir(out):
+            os.rmdir(out)
+        raise
     return result
 
 

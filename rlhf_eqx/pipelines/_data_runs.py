@@ -4,7 +4,6 @@ directory of its own."""
 
 import json
 import os
-import shutil
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -23,7 +22,7 @@ from ._pipeline_config import (
 )
 from ._registry import StageEnv, get_stage, stage_config, stages
 from ._rollout import sampling_options
-from ._rundir import check_data, holds_run, open_run_dir, write_json_atomic
+from ._rundir import check_data, open_run_dir, removed_if_nothing_ran, write_json_atomic
 from ._runs import RunContext, export_policy
 from ._trackers import run_trackers
 from ._validation import validate_config
@@ -64,7 +63,7 @@ def run_on_data(
 
     The configuration is validated first and the run directory taken as
     `run_pipeline` does (`open_run_dir`); a run that fails before its first metrics
-    (a bad record, say) removes the directory it created, so nothing is left behind.
+    (a bad record, say) removes the directory it created (`removed_if_nothing_ran`).
     The data file's fingerprint (path, size, SHA-256) is recorded in `data.json`, and
     a resume on a changed file is refused (`check_data`). Pairs the reader dropped
     (identical or empty completions, unsplittable transcripts) are counted in the
@@ -83,23 +82,16 @@ def run_on_data(
     validate_config(cfg, stage=stage)  # this stage and the sections it uses
     check_data_reward_model(st.key, stage_config(cfg, st))
     run_dir = cfg.out or os.path.join("runs", stage)
-    fresh = not os.path.exists(run_dir)
-    try:
-        with (
-            open_run_dir(cfg, run_dir, resume=resume, overwrite=overwrite) as rd,
-            run_trackers(cfg, run_dir, resume=rd.resume),
-        ):
-            print(f"run directory: {run_dir}")
-            for note in rd.notes:
-                print(f"note: {note}", file=sys.stderr)
-            check_data(run_dir, cfg.data.path, resume=rd.resume)
-            return _run_on_data(cfg, st, run_dir, rd.resume, tuple(callbacks))
-    except Exception:
-        # A run that stopped before its first metrics line (a bad record, an unusable
-        # file, a model that does not load) leaves no directory of its own behind.
-        if fresh and os.path.isdir(run_dir) and not holds_run(run_dir):
-            shutil.rmtree(run_dir, ignore_errors=True)
-        raise
+    with (
+        removed_if_nothing_ran(run_dir),
+        open_run_dir(cfg, run_dir, resume=resume, overwrite=overwrite) as rd,
+        run_trackers(cfg, run_dir, resume=rd.resume),
+    ):
+        print(f"run directory: {run_dir}")
+        for note in rd.notes:
+            print(f"note: {note}", file=sys.stderr)
+        check_data(run_dir, cfg.data.path, resume=rd.resume)
+        return _run_on_data(cfg, st, run_dir, rd.resume, tuple(callbacks))
 
 
 def _run_on_data(

@@ -22,6 +22,7 @@ what it resumes, and `config.json` is written only after every check has passed.
    write again (`data_quality`, `data_filter`, `summary` events) are dropped.
 """
 
+import contextlib
 import datetime
 import errno
 import fcntl
@@ -57,6 +58,23 @@ def holds_run(run_dir: str) -> bool:
     if any(os.path.exists(os.path.join(run_dir, m)) for m in _RUN_MARKERS):
         return True
     return bool(_stages_with_checkpoints(run_dir))
+
+
+@contextlib.contextmanager
+def removed_if_nothing_ran(path: str):
+    """Within: a failure (an exception, not an interrupt) before anything ran removes
+    `path` when this call created it — a run directory, a sweep's or a run over seeds —
+    so that the same command works once its input is fixed (a bad record, a model that
+    does not load). "Ran" is any `metrics.jsonl` below `path`: a directory with one, or
+    one that existed before, is kept as it is."""
+    fresh = not os.path.exists(path)
+    try:
+        yield
+    except Exception:
+        ran = any("metrics.jsonl" in files for _, _, files in os.walk(path))
+        if fresh and os.path.isdir(path) and not ran:
+            shutil.rmtree(path, ignore_errors=True)
+        raise
 
 
 def _stages_with_checkpoints(run_dir: str) -> list[str]:

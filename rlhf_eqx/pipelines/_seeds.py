@@ -19,7 +19,7 @@ from ._config import ConfigError
 from ._pipeline import run_pipeline
 from ._pipeline_config import PipelineConfig
 from ._resume_rules import RunDirError, check_resumable, resumable_fields
-from ._rundir import RunLock, holds_run, write_json_atomic
+from ._rundir import RunLock, holds_run, removed_if_nothing_ran, write_json_atomic
 from ._validation import validate_config
 
 SEEDS_SUMMARY = "seeds_summary.json"
@@ -104,27 +104,20 @@ def run_seeds(
         )
     first = cfg.ops.seed
     summaries: dict[int, dict] = {}
-    fresh = not os.path.exists(out)
-    try:
-        with RunLock(out):
-            for seed in range(first, first + seeds):
-                one = dataclasses.replace(
-                    cfg, out=seed_dir(out, seed), ops=dataclasses.replace(cfg.ops, seed=seed)
-                )
-                done = _finished(one, one.out) if resume else None
-                if done is not None:
-                    print(f"seed {seed}: finished in {one.out}, not rerun", file=sys.stderr)
-                    summaries[seed] = done
-                else:
-                    summaries[seed] = run(one, resume=resume, overwrite=overwrite)
-                result = summarize_seeds(summaries)
-                write_json_atomic(os.path.join(out, SEEDS_SUMMARY), result)
-    except Exception:
-        # the first seed failed before writing anything (a bad record): leave no empty
-        # directory of ours behind
-        if fresh and os.path.isdir(out) and not os.listdir(out):
-            os.rmdir(out)
-        raise
+    # a first seed that fails before its first metrics (a bad record) leaves no directory
+    with removed_if_nothing_ran(out), RunLock(out):
+        for seed in range(first, first + seeds):
+            one = dataclasses.replace(
+                cfg, out=seed_dir(out, seed), ops=dataclasses.replace(cfg.ops, seed=seed)
+            )
+            done = _finished(one, one.out) if resume else None
+            if done is not None:
+                print(f"seed {seed}: finished in {one.out}, not rerun", file=sys.stderr)
+                summaries[seed] = done
+            else:
+                summaries[seed] = run(one, resume=resume, overwrite=overwrite)
+            result = summarize_seeds(summaries)
+            write_json_atomic(os.path.join(out, SEEDS_SUMMARY), result)
     return result
 
 

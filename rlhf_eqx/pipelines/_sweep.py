@@ -33,7 +33,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import shutil
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -49,7 +48,7 @@ from ._pipeline import load_configured_model, resolve_model_names, tokenizer_fil
 from ._pipeline_config import PipelineConfig, animal_task_config
 from ._registry import get_stage
 from ._resume_rules import RunDirError, config_changes
-from ._rundir import RunLock, check_data, write_json_atomic
+from ._rundir import RunLock, check_data, removed_if_nothing_ran, write_json_atomic
 from ._sweep_data import check_data_sweep, data_sweep
 from ._sweep_dpo import dpo_sweep
 from ._sweep_grid import Member, make_members, parse_grid
@@ -222,18 +221,11 @@ def sweep(
         validate_config(mem.cfg, stage=stage if on_data else None)
     out = out or cfg.out or os.path.join("runs", f"sweep-{stage}")
     say = (lambda *a: None) if cfg.ops.quiet else print
-    fresh = not os.path.exists(out)
-    try:
-        with RunLock(out):
-            resumed = _take_dir(out, _spec(stage, grid, seeds, cfg), resume)
-            with _member_trackers(cfg, members, out, resumed):
-                return _sweep(stage, cfg, members, out, resumed, export, say, t0)
-    except Exception:
-        # A sweep that stopped before its first metrics (a bad record, say) leaves no
-        # directory behind: the same command runs once the input is fixed.
-        if fresh and not any("metrics.jsonl" in files for _, _, files in os.walk(out)):
-            shutil.rmtree(out, ignore_errors=True)
-        raise
+    # a sweep that stops before its first metrics (a bad record) leaves no directory
+    with removed_if_nothing_ran(out), RunLock(out):
+        resumed = _take_dir(out, _spec(stage, grid, seeds, cfg), resume)
+        with _member_trackers(cfg, members, out, resumed):
+            return _sweep(stage, cfg, members, out, resumed, export, say, t0)
 
 
 def _member_trackers(cfg, members, out: str, resume: bool) -> contextlib.ExitStack:

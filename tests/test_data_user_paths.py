@@ -260,7 +260,7 @@ def test_kto_refuses_a_split_it_cannot_use_before_training(tmp_path, capsys):
     examples (the held-out reference point pairs each with another's completion): both
     are refused up front, naming the file and the setting, with no run directory left."""
     prompts = [f"Tom saw a bird {i}" for i in range(200)]
-    held = [p for p in rx.data.split_held_out(prompts, fraction=0.1, seed=0)[1]]
+    held = list(rx.data.split_held_out(prompts, fraction=0.1, seed=0)[1])
     train = [p for p in prompts if p not in held][:11]
     one_held = [(p, " and smiled.", i % 2 == 0) for i, p in enumerate(train + held[:1])]
     path = _unpaired(tmp_path, "one_held.jsonl", one_held)

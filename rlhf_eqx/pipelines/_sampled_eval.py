@@ -60,8 +60,10 @@ def sampled_comparison(
     if not distinct:
         return out
     rolls = {}
-    same = (id(before), tuple(distinct), k, tuple(sorted(opts.items())), score)
-    same += (tuple(np.asarray(jax.random.key_data(key)).ravel().tolist()),)
+    same = None  # what the `before` side depends on (`reuse`'s key)
+    if reuse is not None:
+        key_bits = tuple(np.asarray(jax.random.key_data(key)).ravel().tolist())
+        same = (id(before), tuple(distinct), k, tuple(sorted(opts.items())), score, key_bits)
     for name, model in (("before", before), ("after", after)):
         if name == "before" and reuse is not None and same in reuse:
             rolls[name], kept = reuse[same]

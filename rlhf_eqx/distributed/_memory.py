@@ -84,9 +84,12 @@ class MemoryEstimate:
     def fits(self, device_bytes: int, *, remat: bool | str = False, headroom: float = 0.9) -> bool:
         """Whether the step fits in `headroom × device_bytes` per device, with the
         `TransformerConfig.remat` mode `remat` (`False`, `True` / `"full"`, `"dots"`)."""
-        total = {"dots": self.total_dots, "full": self.total_remat}.get(remat)
-        if total is None:
-            total = self.total_remat if remat is True else self.total
+        if remat == "dots":
+            total = self.total_dots
+        elif remat is True or remat == "full":
+            total = self.total_remat
+        else:
+            total = self.total
         return total <= headroom * device_bytes
 
     def __str__(self) -> str:

@@ -66,8 +66,10 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--max-rows", type=int, default=_packed_products.PACKED_MAX_ROWS)
+    ap.add_argument("--native-max-rows", type=int, default=_packed_products.NATIVE_MAX_ROWS)
     args = ap.parse_args()
     _packed_products.PACKED_MAX_ROWS = args.max_rows
+    _packed_products.NATIVE_MAX_ROWS = args.native_max_rows
     path = smollm2_path()
     dense, tok = rx.load_gguf(path, quantized=False)
     models = {"float32": dense}
@@ -96,7 +98,8 @@ def main() -> None:
                 times[name, b].append(decode_seconds(m, *inputs[b], n) / (n - 1))
     print(
         f"copy bandwidth {bw / 1e9:.1f} GB/s (read + write); load average "
-        f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}; packed rows <= {args.max_rows}"
+        f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}; packed rows <= {args.max_rows}; "
+        f"native kernel: {rx.models.native_rows_available()}, rows <= {args.native_max_rows}"
     )
     print("model    B  weight MB  ms/token (rounds)            tok/s   bound ms  of bound")
     for b in batches:

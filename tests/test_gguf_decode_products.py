@@ -20,6 +20,7 @@ from rlhf_eqx.models import (
     dequantize_rows,
     few_rows_product,
     matmul,
+    native_rows_available,
     packed_product,
 )
 
@@ -107,7 +108,10 @@ def test_frozen_product_routes_few_rows_and_keeps_values_and_gradients(kind, get
 @pytest.mark.parametrize("limit, packed", [(None, [1, 0, 1, 0, 0]), (4, [1, 1, 1, 1, 1])])
 def test_the_route_is_chosen_by_the_rows_of_all_vmapped_calls(limit, packed):
     # rows per call, vmapped calls: 1; 2; 1 × 1; 3 × 1; 2 × 2 × 1 (4 in all); by default
-    # (`matmul` on a `GGUFWeight`) one row takes the packed product
+    # (`matmul` on a `GGUFWeight`) one row takes the packed product, and up to 16 the
+    # native kernel where it is built (up to 64)
+    if limit is None and native_rows_available():
+        packed = [1, 1, 1, 1, 1]
     w = random_weight(np.random.default_rng(3), "Q8_0", (), 8, 64)
     dense = lambda x, raw: x @ dequantize_rows(raw, "Q8_0", 64).T
     if limit is None:

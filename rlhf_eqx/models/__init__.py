@@ -51,6 +51,10 @@ from ._lora import (
     without_lora as without_lora,
 )
 from ._masks import attention_layout as attention_layout, previous_allowed as previous_allowed
+from ._native_rows import (
+    native_rows_available as native_rows_available,
+    native_rows_product as native_rows_product,
+)
 from ._packed_products import (
     PACKED_KINDS as PACKED_KINDS,
     few_rows_product as few_rows_product,

@@ -1,0 +1,181 @@
+"""A native CPU kernel for products of few rows with llama.cpp blocks, built at first use.
+
+XLA's CPU backend cannot multiply straight from packed bytes at the speed of memory: it
+hands the multiply-reduce to a library kernel that converts the bytes one value at a
+time and reads the weight once per row (see `_packed_products`). `_packed_rows.cc`
+(shipped beside this file) does what llama.cpp's CPU kernels do: each output row's
+Q8_0 / Q4_0 / Q4_1 blocks are decoded in vector registers and multiplied with every
+row of activations before the next output row is read, split over XLA's intra-op
+threads. It is an XLA FFI handler (`jax.ffi`), so it runs inside jitted programs,
+scans and while loops like any other op.
+
+It is compiled once per machine with the system's C++ compiler (`$CXX`, else `c++` /
+`g++` / `clang++`) for the machine's own instruction set, into the user's cache
+directory (`$XDG_CACHE_HOME/rlhf_eqx/native` or `~/.cache/rlhf_eqx/native`; the file
+name carries a hash of the source, the compiler, JAX's version and the CPU's flags).
+Where no compiler is found, the build fails, or `RLHF_EQX_NATIVE=0` is set,
+`native_rows_available()` is `False` and the products stay in XLA (`packed_product`),
+with the same values up to float32 summation order.
+"""
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, UInt8
+
+ENV_SWITCH = "RLHF_EQX_NATIVE"
+"""The environment variable that turns the native kernel off (`0`, `false`, `off`, `no`)."""
+
+_SOURCE = os.path.join(os.path.dirname(__file__), "_packed_rows.cc")
+_TARGET = "rlhf_eqx_packed_rows"
+_KINDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}
+_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}  # 32 values a block
+NATIVE_KINDS = tuple(_KINDS)
+
+
+def _switched_off() -> bool:
+    return os.environ.get(ENV_SWITCH, "").strip().lower() in ("0", "false", "off", "no")
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "rlhf_eqx", "native")
+
+
+def _build(compiler: str) -> str:
+    """Compile the kernel (or find it compiled) and return the shared library's path."""
+    with open(_SOURCE, "rb") as f:
+        source = f.read()
+    include = jax.ffi.include_dir()
+    flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
+    key = hashlib.sha256(
+        b"\0".join(
+            [source, compiler.encode(), " ".join(flags).encode(), jax.__version__.encode()]
+            + [platform.machine().encode(), _cpu_flags().encode()]
+        )
+    ).hexdigest()[:20]
+    directory = _cache_dir()
+    path = os.path.join(directory, f"packed_rows-{key}.so")
+    if os.path.exists(path):
+        return path
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
+    os.close(fd)
+    try:
+        cmd = [compiler, *flags, "-I", include, _SOURCE, "-o", tmp]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if done.returncode:
+            errors = [line for line in done.stderr.splitlines() if "error" in line]
+            raise RuntimeError((errors or [f"{compiler} exited {done.returncode}"])[0].strip())
+        os.replace(tmp, path)  # atomic: a concurrent build writes the same file
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
+
+
+@functools.cache
+def _load() -> bool:
+    if _switched_off() or jax.default_backend() != "cpu" or sys.platform == "win32":
+        return False
+    compiler = _compiler()
+    if compiler is None:
+        return False
+    try:
+        lib = ctypes.cdll.LoadLibrary(_build(compiler))
+        jax.ffi.register_ffi_target(
+            _TARGET, jax.ffi.pycapsule(lib.RlhfEqxPackedRows), platform="cpu"
+        )
+    except Exception as e:  # a failed build leaves the XLA products, with one line
+        warnings.warn(
+            f"rlhf_eqx: the native packed-row kernel could not be built ({e}); "
+            f"products on packed weights stay in XLA (set {ENV_SWITCH}=0 to skip the attempt)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+    return True
+
+
+def native_rows_available() -> bool:
+    """Whether the native kernel is built and registered (building it on the first call).
+
+    `False` off the CPU backend, with `RLHF_EQX_NATIVE=0`, without a C++ compiler, or
+    when the build fails (with a `RuntimeWarning` naming the error)."""
+    return _load()
+
+
+def _call(x: Array, raw: Array, kind: str) -> Array:
+    out = jax.ShapeDtypeStruct((x.shape[0], raw.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call(_TARGET, out)(x, raw, kind=np.int64(_KINDS[kind]))
+
+
+def native_rows_product(
+    x: Float[Array, "M n"], raw: UInt8[Array, "out nbytes"], kind: str
+) -> Float[Array, "M out"]:
+    """`x @ Wᵀ` for `W` the rows `raw` of llama.cpp blocks, by the native kernel.
+
+    The same contract as `packed_product` (`y[m, o] = Σ_b Σ_j w(o, b, j) · x[m, b·QK +
+    j]`, float32), differentiable in `x` (the gradient multiplies by the dequantised
+    weight). Call `native_rows_available()` first; here it must be `True`.
+    """
+    if kind not in _KINDS:
+        raise ValueError(f"native_rows_product: kind {kind!r} is not one of {list(NATIVE_KINDS)}")
+    n, nbytes = x.shape[-1], raw.shape[-1]
+    size = _BLOCK_BYTES[kind]
+    if n % 32 or nbytes != n // 32 * size:
+        raise ValueError(
+            f"native_rows_product: raw has {nbytes} bytes per row, expected {n // 32 * size} "
+            f"for x's {n} values of {kind}"
+        )
+    if not native_rows_available():
+        raise RuntimeError("native_rows_product: the native kernel is not available here")
+    return _product(x.astype(jnp.float32), raw, kind)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _product(x, raw, kind):
+    return _call(x, raw, kind)
+
+
+def _product_fwd(x, raw, kind):
+    return _call(x, raw, kind), raw
+
+
+def _product_bwd(kind, raw, g):
+    from ._gguf_blocks import dequantize_rows  # the decoder lives with the block formats
+
+    w = dequantize_rows(raw, kind, raw.shape[-1] // _BLOCK_BYTES[kind] * 32)
+    return g @ w, None
+
+
+_product.defvjp(_product_fwd, _product_bwd)

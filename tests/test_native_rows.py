@@ -1,0 +1,162 @@
+"""The native CPU kernel for products of few rows with llama.cpp blocks: built where a C++
+compiler is found, the same values as the `gguf` package's dequantise-then-dot for every
+row count it takes (groups of four rows and a remainder, one thread or the pool), the
+same input gradient, chosen inside scans and vmaps for up to 64 rows, and switched off
+or failing to build without changing any value."""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlhf_eqx.models import (
+    GGUF_BLOCKS,
+    GGUFWeight,
+    matmul,
+    native_rows_available,
+    native_rows_product,
+)
+
+gguf = pytest.importorskip("gguf")
+
+KINDS = ("Q8_0", "Q4_0", "Q4_1")
+SCALE_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2)}
+COMPILER = any(shutil.which(c) for c in (os.environ.get("CXX") or "c++", "g++", "clang++"))
+needs_kernel = pytest.mark.skipif(
+    not native_rows_available(), reason="the native kernel is not built here (no compiler)"
+)
+
+
+def random_weight(rng, kind, lead, n_out, n_in) -> GGUFWeight:
+    """Random blocks with finite float16 scales (and all 256 byte values in the rest)."""
+    qk, size = GGUF_BLOCKS[kind]
+    shape = lead + (n_out, n_in // qk)
+    b = rng.integers(0, 256, size=shape + (size,), dtype=np.uint8)
+    for o in SCALE_OFFSETS[kind]:
+        f = (rng.standard_normal(shape) * 0.05).astype(np.float16)
+        b[..., o : o + 2] = f.view(np.uint8).reshape(shape + (2,))
+    return GGUFWeight.from_numpy(b.reshape(lead + (n_out, -1)), kind, n_in)
+
+
+def reference(x, w: GGUFWeight) -> np.ndarray:
+    dense = gguf.quants.dequantize(np.asarray(w.raw), gguf.GGMLQuantizationType[w.kind])
+    return np.asarray(x, np.float64) @ dense.T.astype(np.float64)
+
+
+def close(got, want, atol=3e-6):
+    scale = float(np.max(np.abs(want))) + 1e-30
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=atol * scale)
+
+
+def test_built_wherever_a_compiler_is_found():
+    # CI has g++: a broken build must fail here, not fall back silently
+    if COMPILER and os.environ.get("RLHF_EQX_NATIVE", "1") not in ("0", "false", "off", "no"):
+        assert native_rows_available()
+
+
+_product = jax.jit(native_rows_product, static_argnums=2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 64])
+@pytest.mark.parametrize("n_out, n_blocks", [(7, 1), (300, 3), (1000, 2)])
+def test_equals_dequantise_then_dot(kind, rows, n_out, n_blocks):
+    # 300 and 1000 outputs are split between threads; 7 run on the calling thread
+    rng = np.random.default_rng([KINDS.index(kind), rows, n_out])
+    w = random_weight(rng, kind, (), n_out, 32 * n_blocks)
+    x = jnp.asarray(rng.standard_normal((rows, 32 * n_blocks)), jnp.float32)
+    close(_product(x, w.raw, kind), reference(x, w))
+    xb = x.astype(jnp.bfloat16)  # multiplied in float32
+    close(_product(xb, w.raw, kind), reference(xb.astype(jnp.float32), w))
+
+
+@needs_kernel
+def test_extreme_scales_and_values():
+    # the largest float16 scales, subnormal ones and signed zero, with every byte value
+    rng = np.random.default_rng(7)
+    w = random_weight(rng, "Q8_0", (), 256, 64)
+    raw = np.asarray(w.raw).reshape(256, 2, 34).copy()
+    scales = np.array([65504.0, -65504.0, 6e-8, -0.0, 1.0, 2.0**-24], np.float16)
+    raw[:, :, 0:2] = np.resize(scales, (256, 2)).view(np.uint8).reshape(256, 2, 2)
+    raw[:, 0, 2:] = np.arange(256, dtype=np.uint8).reshape(8, 32).repeat(32, 0)
+    w = GGUFWeight.from_numpy(raw.reshape(256, 68), "Q8_0", 64)
+    x = jnp.asarray(rng.standard_normal((3, 64)) * 1e-3, jnp.float32)
+    close(_product(x, w.raw, "Q8_0"), reference(x, w))
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", KINDS)
+def test_input_gradient_is_the_dequantised_weights(kind, getkey):
+    w = random_weight(np.random.default_rng(1), kind, (), 40, 96)
+    dense = jnp.asarray(reference(np.eye(96), w), jnp.float32)  # [in, out]
+    r = jax.random.normal(getkey(), (40,))
+    x = jax.random.normal(getkey(), (3, 96))
+    loss = lambda f: lambda x: jnp.sum(jnp.tanh(f(x) / 10.0) @ r)
+    got = jax.jit(jax.grad(loss(lambda x: native_rows_product(x, w.raw, kind))))(x)
+    close(got, np.asarray(jax.grad(loss(lambda x: x @ dense))(x)))
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", KINDS)
+def test_decode_products_take_it_inside_scans_and_vmaps(kind, getkey):
+    ws = random_weight(np.random.default_rng(4), kind, (3,), 64, 64)  # [L, out, bytes]
+    dense = ws.dequantize(jnp.float32)
+    step = lambda h, w: (jnp.tanh(matmul(h, w) / 64.0), None)
+    run = lambda x, ws: jax.lax.scan(step, x, ws)[0]
+    for batch in (1, 4, 64, 65):  # one-row steps of `batch` sequences, vmapped
+        x = jax.random.normal(getkey(), (batch, 1, 64))
+        f = jax.jit(jax.vmap(run, in_axes=(0, None)))
+        program = f.lower(x, ws).compile().as_text()
+        assert ("rlhf_eqx_packed_rows" in program) == (batch <= 64), batch
+        close(f(x, ws), np.asarray(jax.vmap(run, in_axes=(0, None))(x, dense)), atol=3e-5)
+
+
+@needs_kernel
+def test_bad_kind_and_row_bytes_are_named():
+    with pytest.raises(ValueError, match="kind 'Q6_K' is not one of"):
+        native_rows_product(jnp.ones((1, 256)), jnp.zeros((4, 210), jnp.uint8), "Q6_K")
+    with pytest.raises(ValueError, match="raw has 34 bytes per row, expected 68"):
+        native_rows_product(jnp.ones((1, 64)), jnp.zeros((4, 34), jnp.uint8), "Q8_0")
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import warnings, jax, jax.numpy as jnp, numpy as np
+    from rlhf_eqx.models import matmul, native_rows_available, quantize_gguf
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        available = native_rows_available()
+    w = quantize_gguf(jnp.linspace(-1.0, 1.0, 64 * 8).reshape(64, 8), "Q8_0")
+    x = jnp.linspace(-1.0, 1.0, 64)[None]
+    err = float(jnp.max(jnp.abs(jax.jit(matmul)(x, w) - x @ w.dequantize(jnp.float32))))
+    print(available, err < 1e-4, [str(c.message) for c in caught])
+    """
+)
+
+
+def run_script(tmp_path, **env):
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "JAX_PLATFORMS": "cpu", **env}
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_switched_off_by_the_environment(tmp_path):
+    out = run_script(tmp_path, RLHF_EQX_NATIVE="0")
+    assert out == "False True []"
+    assert not (tmp_path / "rlhf_eqx" / "native").exists()
+
+
+def test_a_failed_build_warns_once_and_keeps_the_values(tmp_path):
+    out = run_script(tmp_path, CXX=shutil.which("false") or "/bin/false")
+    assert out.startswith("False True ['rlhf_eqx: the native packed-row kernel could not be built")
+    assert "RLHF_EQX_NATIVE=0" in out

@@ -17,7 +17,7 @@ Built-in templates:
 """
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from ._errors import DataError
 from ._io import Malformed, record_field
@@ -149,3 +149,24 @@ def format_chat(
     if add_generation_prompt:
         parts.append(tmpl.generation_prompt)
     return "".join(parts)
+
+
+def split_conversation(
+    prompt: Sequence[Mapping[str, str]],
+    reply: Sequence[Mapping[str, str]],
+    render: Callable[..., str],
+) -> tuple[str, str]:
+    """`(prompt text, completion text)` of a conversation: the `prompt` messages rendered
+    with the generation prompt, and the rest of the whole conversation `prompt + reply`
+    rendered, so that the two texts concatenated are the rendered conversation.
+    `render(messages, add_generation_prompt=...)` renders (`format_chat` with a template);
+    `DataError` when the conversation's text does not start with the prompt's (the
+    template's assistant turn does not start with its generation prompt)."""
+    prompt_text = render(list(prompt), add_generation_prompt=True)
+    full = render(list(prompt) + list(reply), add_generation_prompt=False)
+    if not full.startswith(prompt_text):
+        raise DataError(
+            "the chat template's assistant turn does not start with its generation "
+            "prompt, so conversations cannot be split into prompt and completion"
+        )
+    return prompt_text, full[len(prompt_text) :]

@@ -195,6 +195,25 @@ def detect_preference_format(record: dict) -> str | None:
     return None
 
 
+def _preference_parser(fmt: str, tmpl: ChatTemplate):
+    """The record parser of the preference layout `fmt` (one of `PREFERENCE_FORMATS`),
+    message layouts rendered with `tmpl` (`DataError` when its assistant turn does not
+    start with its generation prompt: the conversations could not be split)."""
+    if fmt in ("messages", "sharegpt") and not tmpl.assistant.format(
+        content="x", role="assistant"
+    ).startswith(tmpl.generation_prompt):
+        raise DataError(
+            "the chat template's assistant turn does not start with its generation "
+            "prompt, so conversations cannot be split into prompt and completion"
+        )
+    return {
+        "hh": _parse_hh,
+        "plain": _parse_plain,
+        "messages": lambda r: _parse_messages(r, tmpl),
+        "sharegpt": lambda r: _parse_sharegpt(r, tmpl),
+    }[fmt]
+
+
 def load_preferences(
     path: str | os.PathLike,
     format: str = "auto",
@@ -229,22 +248,6 @@ def load_preferences(
     column) for malformed input when not `lenient`, and for an unknown format.
     """
     tmpl = resolve_template(template)
-
-    def make_parser(fmt: str):
-        if fmt in ("messages", "sharegpt") and not tmpl.assistant.format(
-            content="x", role="assistant"
-        ).startswith(tmpl.generation_prompt):
-            raise DataError(
-                "the chat template's assistant turn does not start with its generation "
-                "prompt, so conversations cannot be split into prompt and completion"
-            )
-        return {
-            "hh": _parse_hh,
-            "plain": _parse_plain,
-            "messages": lambda r: _parse_messages(r, tmpl),
-            "sharegpt": lambda r: _parse_sharegpt(r, tmpl),
-        }[fmt]
-
     records, report = load_records(
         path,
         format,
@@ -253,7 +256,7 @@ def load_preferences(
         detect=detect_preference_format,
         expected="'chosen'/'rejected' (HH transcripts or message lists), "
         "'prompt'/'chosen'/'rejected', or 'conversations'/'chosen'/'rejected'",
-        make_parser=make_parser,
+        make_parser=lambda fmt: _preference_parser(fmt, tmpl),
         lenient=lenient,
         columns=columns,
         split=split,

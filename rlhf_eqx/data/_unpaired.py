@@ -21,14 +21,15 @@ estimate KTO's reference point (TRL's KL dataset).
 """
 
 import dataclasses
+import functools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax.numpy as jnp
 import numpy as np
 
 from ._batches import KTOBatch
-from ._chat import ChatTemplate, format_chat, message_list, resolve_template
+from ._chat import ChatTemplate, format_chat, message_list, resolve_template, split_conversation
 from ._collate import _right_padded, row_length
 from ._errors import DataError
 from ._io import (
@@ -84,22 +85,23 @@ def _message_list(record: dict, key: str) -> list[dict[str, str]]:
     return message_list(record, key)
 
 
-def _parse_messages(record: dict, template: ChatTemplate) -> UnpairedRecord:
-    label = boolean_field(record, "label")
+def _conversation_texts(record: dict, render: Callable[..., str]) -> tuple[str, str]:
+    """`(prompt, completion)` of a record of TRL's conversational prompt-completion layout
+    (`prompt` messages or a string, `completion` messages starting with an assistant turn),
+    rendered by `render` as `split_conversation` renders."""
     prompt_messages = _message_list(record, "prompt")
     completion_messages = _message_list(record, "completion")
     if not completion_messages or completion_messages[0]["role"] != "assistant":
         raise Malformed("wrong type", "'completion' must start with an assistant message")
     if not any(m["content"].strip() for m in completion_messages):
         raise Unusable("empty completion")
-    prompt = format_chat(prompt_messages, template, add_generation_prompt=True)
-    full = format_chat(prompt_messages + completion_messages, template, add_generation_prompt=False)
-    if not full.startswith(prompt):
-        raise DataError(
-            "the chat template's assistant turn does not start with its generation "
-            "prompt, so conversations cannot be split into prompt and completion"
-        )
-    return _checked(prompt, full[len(prompt) :], label)
+    return split_conversation(prompt_messages, completion_messages, render)
+
+
+def _parse_messages(record: dict, template: ChatTemplate) -> UnpairedRecord:
+    label = boolean_field(record, "label")
+    render = functools.partial(format_chat, template=template)
+    return _checked(*_conversation_texts(record, render), label)
 
 
 def detect_unpaired_format(record: dict) -> str | None:

@@ -61,6 +61,13 @@ from ._collate import (
     padding_stats as padding_stats,
 )
 from ._columns import COLUMN_NAMES as COLUMN_NAMES
+from ._demonstrations import (
+    DEMONSTRATION_FORMATS as DEMONSTRATION_FORMATS,
+    DemonstrationDataset as DemonstrationDataset,
+    DemonstrationRecord as DemonstrationRecord,
+    load_demonstrations as load_demonstrations,
+    tokenize_demonstrations as tokenize_demonstrations,
+)
 from ._errors import DataError as DataError
 from ._gguf_tokenizer import tokenizer_from_gguf as tokenizer_from_gguf
 from ._gguf_tokenizer_export import add_tokenizer_metadata as add_tokenizer_metadata

@@ -26,11 +26,14 @@ COLUMN_NAMES: tuple[str, ...] = (
     "label",
     "completions",
     "labels",
+    "text",
+    "messages",
 )
 """The field names the readers know, the targets of a column mapping: preferences
 (`prompt`, `chosen`, `rejected`, `conversations`), prompts (`prompt`, `question`,
-`answer`, `turns`), unpaired records (`prompt`, `completion`, `label`) and stepwise
-records (`prompt`, `completions`, `labels`)."""
+`answer`, `turns`), unpaired records (`prompt`, `completion`, `label`), stepwise
+records (`prompt`, `completions`, `labels`) and demonstrations (`text`, `prompt` and
+`completion`, `messages`)."""
 
 
 def check_columns(columns: Mapping[str, str] | None) -> dict[str, str]:

@@ -5,7 +5,7 @@ chat template, a preference file's pairs with their report, the trained policy).
 
 import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -20,7 +20,9 @@ from ._metrics import MetricsLog
 from ._runs import final_policy
 
 
-def split_records(records: Sequence, dc: DataConfig) -> tuple[list, list]:
+def split_records(
+    records: Sequence, dc: DataConfig, by: Callable[[object], str] | None = None
+) -> tuple[list, list]:
     """Split records into training and held-out parts as the data runs do.
 
     **Arguments:**
@@ -28,10 +30,12 @@ def split_records(records: Sequence, dc: DataConfig) -> tuple[list, list]:
     - `records`: preference or prompt records (anything with a `.prompt`).
     - `dc`: the run's `DataConfig`; `limit` (0: all), `heldout_fraction` and `seed`
       are used.
+    - `by`: the text a record is split by (default: its `.prompt`), e.g. the text of a
+      language-modelling record, which has no prompt.
 
     **Returns:**
 
-    `(train, heldout)`: the first `dc.limit` records split by prompt with
+    `(train, heldout)`: the first `dc.limit` records split by prompt (or `by`) with
     `data.split_held_out` (seeded by `dc.seed`; no prompt on both sides).
 
     **Raises:** `ValueError` naming the file when the reader kept no record, and naming
@@ -41,7 +45,14 @@ def split_records(records: Sequence, dc: DataConfig) -> tuple[list, list]:
     records = list(records)[: dc.limit or None]
     if not records and report is not None:
         raise ValueError(f"{report.path}: no usable records ({report})")
-    train, held = data.split_held_out(records, fraction=dc.heldout_fraction, seed=dc.seed)
+    if by is None:
+        train, held = data.split_held_out(records, fraction=dc.heldout_fraction, seed=dc.seed)
+    else:  # a text's side is its hash's: equal texts land on one side
+        texts = [by(r) for r in records]
+        _, held_texts = data.split_held_out(texts, fraction=dc.heldout_fraction, seed=dc.seed)
+        out = set(held_texts)
+        train = [r for r, t in zip(records, texts) if t not in out]
+        held = [r for r, t in zip(records, texts) if t in out]
     if not train or not held:
         raise ValueError(
             f"data.heldout_fraction={dc.heldout_fraction}: the split of {len(records)} "
@@ -287,32 +298,170 @@ def preference_split(env, c) -> tuple[list, list]:
     """The preference file's training and held-out pairs for the stage settings `c`
     (`max_length`): the quality report logged, `data.filter` applied, the truncation
     and the quality in the summary."""
-    cfg, tok, summary = env.cfg, env.tok, env.summary
+    cfg, tok = env.cfg, env.tok
     log = env.ctx("").log
-    records = data.load_preferences(cfg.data.path, cfg.data.format, **cfg.data.read_options())
+    fmt = "auto" if cfg.data.format == "preference" else cfg.data.format  # sft's name
+    records = data.load_preferences(cfg.data.path, fmt, **cfg.data.read_options())
     train, held = chat_split(env, records)
-    lengths = data.SequenceLengths(
-        max_length=c.max_length, max_prompt_length=cfg.sampling.prompt_length
-    )
+    lengths = _lengths(env, c)
     train, quality = quality_report(train, tok, lengths, cfg.data, log, records.report)
     _, report = data.tokenize_preferences(train, tok, lengths=lengths, add_eos=False)
-    summary["truncation"] = {
-        "records": report.total,
-        "prompt_truncated": report.prompt_truncated,
-        "completion_truncated": report.completion_truncated,
-        "policy": report.summary(),
-    }
-    summary["data_quality"] = {
-        "skipped_by_reader": dict(records.report.skipped),
+    quality_counts = {
         "identical": len(quality.identical),
         "empty": len(quality.empty),
         "exact_duplicates": len(quality.exact_duplicates),
         "duplicate_prompts": len(quality.duplicate_prompts),
         "distinct_2": quality.distinct_2,
     }
-    skipped = records.report.num_skipped
+    _summarise_split(env, records.report, train, held, report, quality_counts)
+    return train, held
+
+
+def _lengths(env, c) -> "data.SequenceLengths":
+    """The lengths of a data-file stage: `c.max_length`, prompts `sampling.prompt_length`."""
+    return data.SequenceLengths(
+        max_length=c.max_length, max_prompt_length=env.cfg.sampling.prompt_length
+    )
+
+
+def _summarise_split(env, load_report, train, held, report, quality: dict) -> None:
+    """`summary["truncation"]` (the `TokenizeReport` `report` of the training records),
+    `summary["data_quality"]` (what the reader dropped, then `quality`) and the line that
+    says how many records each side has."""
+    env.summary["truncation"] = {
+        "records": report.total,
+        "prompt_truncated": report.prompt_truncated,
+        "completion_truncated": report.completion_truncated,
+        "policy": report.summary(),
+    }
+    env.summary["data_quality"] = {"skipped_by_reader": dict(load_report.skipped), **quality}
+    skipped = load_report.num_skipped
     env.say(
         f"{env.stage}: {len(train)} training / {len(held)} held-out records"
-        + (f" ({skipped} dropped by the reader: {records.report})" if skipped else "")
+        + (f" ({skipped} dropped by the reader: {load_report})" if skipped else "")
     )
+
+
+# --- demonstrations (the sft stage's files) ---------------------------------------------
+
+
+_DEMO_PROBLEMS = ("empty", "exact_duplicate", "duplicate_prompt", "long_prompt")
+"""The `data.filter` problems of demonstrations (`identical` is a pair's)."""
+_PAIR_FORMATS = ("preference", "hh", "sharegpt", "plain")
+"""The `data.format`s of sft that name preference pairs (besides `messages`, which is a
+conversation file's name first and a preference file's when its records are pairs)."""
+
+
+def demonstrations(env) -> "data.DemonstrationDataset | None":
+    """The data file's demonstrations (`data.load_demonstrations` in `data.format`), or
+    `None` when the file holds preference pairs (`data.format` a preference layout, or
+    detected as one), which `preference_split` reads as pairs."""
+    dc = env.cfg.data
+    if dc.format in _PAIR_FORMATS:
+        return None
+    try:
+        records = data.load_demonstrations(dc.path, dc.format, **dc.read_options())
+    except data.DataError:  # data.format=messages on preference pairs of messages
+        if dc.format != "messages" or not is_preference_file(
+            dc.path, format="messages", **dc.read_options()
+        ):
+            raise
+        return None
+    return None if records.report.format == "preference" else records
+
+
+def demonstration_split(env, c, records) -> tuple[list, list]:
+    """The training and held-out demonstrations of `records` (from `demonstrations`) for
+    the stage settings `c` (`max_length`): split by prompt, a text (which has no
+    prompt) by its text; through the model's chat template except a text, which is
+    language modelling, not a chat turn; the quality report logged (`demo_quality`),
+    `data.filter` applied, the truncation and the quality in the summary."""
+    text = records.report.format == "text"
+    by = (lambda r: r.completion) if text else None
+    train, held = split_records(records, env.cfg.data, by)
+    if not text:
+        train, held = chat_records(env, train), chat_records(env, held)
+    lengths = _lengths(env, c)
+    train, quality = demo_quality(train, env, lengths, records.report)
+    _, report = data.tokenize_demonstrations(train, env.tok, lengths=lengths, add_eos=False)
+    _summarise_split(env, records.report, train, held, report, quality)
     return train, held
+
+
+def demo_quality(records: Sequence, env, lengths, load_report) -> tuple[list, dict]:
+    """The data-quality report of the training demonstrations `records` (`.prompt`,
+    `.completion`): empty completions, exact duplicates (the same prompt and
+    completion), repeated prompts (of the records that have one), prompts longer than
+    `lengths.max_prompt_length` with BOS, mean lengths in tokens and the completions'
+    distinct-n, written to the run log and as a `data_quality` event (with what the
+    reader dropped); with `data.filter`, its `empty`, `exact_duplicate`,
+    `duplicate_prompt` and `long_prompt` drop those (`identical` is a pair's problem)
+    and a `data_filter` event says how many of each went.
+
+    **Returns:** `(records to train on, summary["data_quality"]: the layout read and the
+    counts)`."""
+    tok, dc, log = env.tok, env.cfg.data, env.ctx("").log
+    bos = int(data.wants_bos(tok))
+    problem: dict[str, list[int]] = {n: [] for n in _DEMO_PROBLEMS}
+    seen: set[tuple[str, str]] = set()
+    prompts: set[str] = set()
+    prompt_sizes, completion_sizes = [], []
+    for i, r in enumerate(records):
+        prompt_sizes.append(len(tok.encode(r.prompt)))
+        completion_sizes.append(len(tok.encode(r.completion)))
+        for name, found in (
+            ("empty", not r.completion.strip()),
+            ("exact_duplicate", (r.prompt, r.completion) in seen),
+            ("duplicate_prompt", r.prompt in prompts),
+            ("long_prompt", prompt_sizes[-1] + bos > lengths.max_prompt_length),
+        ):
+            if found:
+                problem[name].append(i)
+        seen.add((r.prompt, r.completion))
+        if r.prompt:  # a text's empty prompt repeats nothing
+            prompts.add(r.prompt)
+    completions = [r.completion for r in records]
+    counts = {
+        "demonstrations": len(records),
+        "distinct_prompts": len({r.prompt for r in records}),
+        **{f"{n}s" if n != "empty" else n: len(v) for n, v in problem.items()},
+        "distinct_2": data.distinct_n(completions, 2),
+    }
+    dropped = dict(load_report.skipped)
+    lines = [
+        f"{len(records)} demonstrations ({load_report.format}), "
+        f"{counts['distinct_prompts']} distinct prompts",
+        "; ".join(f"{n.replace('_', ' ')}: {len(v)}" for n, v in problem.items()),
+        f"prompt length (tokens): {data.LengthStats.of(prompt_sizes)}",
+        f"completion length (tokens): {data.LengthStats.of(completion_sizes)}",
+        f"completions: distinct-1 {data.distinct_n(completions, 1):.3f}, "
+        f"distinct-2 {counts['distinct_2']:.3f}",
+    ]
+    if dropped:
+        lines.append("Dropped by the reader: " + ", ".join(f"{k}: {v}" for k, v in dropped.items()))
+    message = "\n".join(lines)
+    log.write(
+        {
+            "event": "data_quality",
+            "message": message,
+            "skipped_by_reader": sum(dropped.values()),
+            **{f"skipped/{k}": v for k, v in dropped.items()},
+            **counts,
+        }
+    )
+    log.info("data quality:\n  " + message.replace("\n", "\n  "))
+    quality = {"format": load_report.format}
+    quality.update(
+        (k, v) for k, v in counts.items() if k not in ("demonstrations", "distinct_prompts")
+    )
+    filters = [f for f in dc.filter if f in problem]
+    if not filters:
+        return list(records), quality
+    reason_of: dict[int, str] = {}
+    for name in filters:
+        for i in problem[name]:
+            reason_of.setdefault(i, name)
+    kept = [r for i, r in enumerate(records) if i not in reason_of]
+    tally = {name: sum(v == name for v in reason_of.values()) for name in filters}
+    log_filter(log, dc, tally, len(records), kept, "demonstrations")
+    return kept, quality

@@ -1,7 +1,8 @@
 """Supervised fine-tuning, the `sft` stage: its settings (`SFTConfig`), its run
-(`run_sft`), the stage on the built-in task (the base model's best samples by noisy
-labels) and on a preference file (the chosen responses), and its registration. Every
-other stage of the built-in task starts from its policy."""
+(`run_sft`) and its rows (`sft_rows`), the stage on the built-in task (the base model's
+best samples by noisy labels) and on a data file (demonstrations in TRL's SFT layouts, or
+a preference file's chosen responses: `sft_split`), and its registration. Every other
+stage of the built-in task starts from its policy."""
 
 import dataclasses
 from collections.abc import Sequence
@@ -14,7 +15,13 @@ from rlhf_eqx import data
 
 from ..train import OptimizerSettings, SFTSettings
 from ._config import BatchStageConfig, LoRASettings, _optim
-from ._data_prep import nll, preference_split, trained_policy
+from ._data_prep import (
+    demonstration_split,
+    demonstrations,
+    nll,
+    preference_split,
+    trained_policy,
+)
 from ._field_checks import _positive
 from ._registry import Outcome, Stage, StageEnv, register_stage
 from ._runs import RunContext, RunResult, final_policy, run_on_rows, train_setup
@@ -45,17 +52,20 @@ def run_sft(
     """Supervised fine-tuning (NLL of the completion tokens) on `(prompt, completion)`
     records, `cfg.steps` steps of `cfg.batch_size` rows, LoRA per `cfg.lora`."""
     validate_stage("sft", cfg)
-    seqs, _ = data.tokenize_sft(
-        list(records),
-        tok,
-        max_length=cfg.max_length,
-        max_prompt_length=ctx.prompt_length,
-        add_eos=False,
-    )
-    full = data.collate_sft(seqs, max_length=cfg.max_length, pad_id=tok.pad_id)
+    full = sft_rows(records, tok, cfg, ctx.prompt_length)
     k_lora, ctx_key = jax.random.split(ctx.key)
     state, _, step = train_setup(model, cfg, cfg.steps, k_lora, rx.train.make_sft_step)
     return run_on_rows(state, step, full, cfg, ctx, ctx_key, policy_of=lambda s: s.model)
+
+
+def sft_rows(records, tok, c, prompt_length: int):
+    """`run_sft`'s batch of every `(prompt, completion)` record
+    (`data.tokenize_demonstrations`: no EOS, `c.max_length`, prompts cut to
+    `prompt_length`)."""
+    seqs, _ = data.tokenize_demonstrations(
+        list(records), tok, max_length=c.max_length, max_prompt_length=prompt_length, add_eos=False
+    )
+    return data.collate_sft(seqs, max_length=c.max_length, pad_id=tok.pad_id)
 
 
 def sft(env: StageEnv, c: SFTConfig) -> Outcome:
@@ -71,25 +81,44 @@ def sft(env: StageEnv, c: SFTConfig) -> Outcome:
     return Outcome(res, policy=final_policy(res.state.model))
 
 
+def sft_split(env: StageEnv, c: SFTConfig) -> tuple[list, list, bool]:
+    """The data file's SFT records, `(train, held, prompted)`: demonstrations
+    (`demonstrations`, `demonstration_split`) or a preference file's pairs
+    (`preference_split`) with their chosen responses as the completions; `train` as
+    `(prompt, completion)` records; `prompted` false for language-modelling text, whose
+    records have no prompt to sample from."""
+    records = demonstrations(env)
+    if records is None:
+        train, held = preference_split(env, c)
+        return [(r.prompt, r.chosen) for r in train], held, True
+    train, held = demonstration_split(env, c, records)
+    return [(r.prompt, r.completion) for r in train], held, records.report.format != "text"
+
+
+def sft_samples(env: StageEnv, before, after, held, prompted: bool, reuse=None) -> dict:
+    """`heldout_samples` of an SFT run on a data file (`reuse`: as there); for text,
+    whose records have no prompt (`prompted` false), none: a note says so."""
+    if not prompted:
+        return {"prompts": 0, "skipped": "language-modelling text has no prompt to sample from"}
+    return heldout_samples(env, before, after, held, reuse)
+
+
 def sft_on_data(env: StageEnv, c: SFTConfig) -> Outcome:
-    """SFT on a preference file's chosen responses; the held-out NLL and perplexity of the
-    chosen responses before and after, and held-out samples."""
+    """SFT on a data file's demonstrations (or a preference file's chosen responses);
+    the held-out NLL and perplexity of the completions before and after, and held-out
+    samples (`sft_samples`)."""
     policy, tok = env.base, env.tok
-    train, held = preference_split(env, c)
-    pl = env.cfg.sampling.prompt_length
-    seqs, _ = data.tokenize_sft(
-        held, tok, max_length=c.max_length, max_prompt_length=pl, add_eos=False
-    )
-    hb = data.collate_sft(seqs, max_length=c.max_length, pad_id=tok.pad_id)
+    train, held, prompted = sft_split(env, c)
+    hb = sft_rows(held, tok, c, env.cfg.sampling.prompt_length)
     before = float(nll(policy, hb))
-    res = run_sft(policy, tok, [(r.prompt, r.chosen) for r in train], cfg=c, ctx=env.ctx(""))
+    res = run_sft(policy, tok, train, cfg=c, ctx=env.ctx(""))
     trained = trained_policy(env, res.state.model)
     after = float(nll(trained, hb))
     env.summary["sft"] = {
         "heldout_nll_before": before,
         "heldout_nll": after,
         "heldout_perplexity": float(np.exp(after)),
-        "sampled": heldout_samples(env, policy, trained, held),
+        "sampled": sft_samples(env, policy, trained, held, prompted),
     }
     return Outcome(res, policy=trained)
 

@@ -7,7 +7,8 @@ The file is read, split (by `data.seed`, not by the run's seed), filtered and to
 once, and shared by the members; what depends on the seed is per member as in its run:
 the run key `ops.seed` (LoRA adapters, step keys) and the row order (`shuffled_rows`).
 
-- `sft`: the preference file's chosen responses; the held-out NLL before and after.
+- `sft`: the file's demonstrations, or a preference file's chosen responses, as the
+  `sft` stage reads them (`sft_split`); the held-out NLL before and after.
 - `dpo`: offline DPO on the pairs (unpacked batches: `dpo.packing` is refused), the
   reference log-probabilities of each seed's rows computed with the first batch that
   holds them (`referenced_rows`, once per seed); the held-out implicit reward accuracy.
@@ -43,9 +44,10 @@ from ._kto_stage import collate_unpaired_records, kto_data_metrics, kto_examples
 from ._registry import StageEnv
 from ._runs import collate_pairs
 from ._sampled_eval import heldout_samples
+from ._sft_stage import sft_rows, sft_samples, sft_split
 from ._sweep_grid import Member
 from ._sweep_grpo import check_grpo_sweep, rollouts_sweep, trained_model
-from ._sweep_offline import offline_sweep, rows_sweep, sft_rows
+from ._sweep_offline import offline_sweep, rows_sweep
 from ._sweep_program import SweepRun
 from ._sweep_reward import check_reward_sweep, reward_members, reward_split
 from ._sweep_setup import member_states, policy_outputs
@@ -122,8 +124,8 @@ def _rows(stage: str, members, started: tuple, full, outputs) -> SweepRun:
 
 def _sft(members: Sequence[Member], env: StageEnv, tokenizer_file) -> SweepRun:
     c0, pl = members[0].cfg.sft, env.cfg.sampling.prompt_length
-    train, held = preference_split(env, c0)
-    full = sft_rows([(r.prompt, r.chosen) for r in train], env.tok, c0, pl)
+    train, held, prompted = sft_split(env, c0)
+    full = sft_rows(train, env.tok, c0, pl)
     held_batch = sft_rows(held, env.tok, c0, pl)
     before = float(nll(env.base, held_batch))
 
@@ -133,7 +135,7 @@ def _sft(members: Sequence[Member], env: StageEnv, tokenizer_file) -> SweepRun:
             "heldout_nll_before": before,
             "heldout_nll": after,
             "heldout_perplexity": float(np.exp(after)),
-            "sampled": heldout_samples(env_m, env.base, policy, held, base_side),
+            "sampled": sft_samples(env_m, env.base, policy, held, prompted, base_side),
         }
 
     base_side: dict = {}  # the base model's held-out samples, once per seed

@@ -9,11 +9,11 @@ import jax
 import numpy as np
 
 import rlhf_eqx as rx
-from rlhf_eqx import data
 
 from ._kto_stage import collate_unpaired_records, sampled_unpaired
 from ._registry import stage_key
 from ._runs import shuffled_rows
+from ._sft_stage import sft_rows
 from ._sweep_grid import Member
 from ._sweep_program import Iteration, SweepRun, key_data, stack
 from ._sweep_setup import member_states, policy_outputs, program_of, take_steps
@@ -65,14 +65,6 @@ def rows_sweep(members, c, started: tuple, fulls: dict, build_step, outputs) -> 
         c.steps,
         outputs,
     )
-
-
-def sft_rows(records, tok, c, prompt_length: int):
-    """`run_sft`'s batch of every `(prompt, completion)` record (no EOS, `c.max_length`)."""
-    seqs, _ = data.tokenize_sft(
-        list(records), tok, max_length=c.max_length, max_prompt_length=prompt_length, add_eos=False
-    )
-    return data.collate_sft(seqs, max_length=c.max_length, pad_id=tok.pad_id)
 
 
 def sft_sweep(

@@ -19,7 +19,14 @@ without loading the weights, in `_model_checks.py`).
 import os
 from typing import Any
 
-from ..data import COLUMN_NAMES, PREFERENCE_FORMATS, PROMPT_FORMATS, DataError, dataset_files
+from ..data import (
+    COLUMN_NAMES,
+    DEMONSTRATION_FORMATS,
+    PREFERENCE_FORMATS,
+    PROMPT_FORMATS,
+    DataError,
+    dataset_files,
+)
 from ..train import JUDGE_SCORES, SampledSettings
 from ._config import (
     REMAT_MODES,
@@ -34,9 +41,16 @@ from ._registry import find_stage
 from ._run_checks import check_section, run_stages, validate_run
 from ._trackers import check_tracker_names
 
-DATA_FORMATS: tuple[str, ...] = tuple(dict.fromkeys(("auto", *PREFERENCE_FORMATS, *PROMPT_FORMATS)))
+DATA_FORMATS: tuple[str, ...] = tuple(
+    dict.fromkeys(("auto", *PREFERENCE_FORMATS, *PROMPT_FORMATS, *DEMONSTRATION_FORMATS))
+)
 """The values of `data.format`: preference formats for sft/reward/dpo, prompt formats for
-grpo, `auto` to detect from the first record."""
+grpo, demonstration formats for sft, `auto` to detect from the first record."""
+SFT_FORMATS: tuple[str, ...] = tuple(
+    dict.fromkeys(("auto", *DEMONSTRATION_FORMATS, *PREFERENCE_FORMATS))
+)
+"""The values of `data.format` the sft stage reads: its demonstration formats
+(`data.load_demonstrations`) and, as before them, the preference layouts."""
 UNFILTERED_STAGES: tuple[str, ...] = ("grpo", "prm")
 """The data-file stages that read no `data.filter` (prompts with answers, stepwise
 solutions): a filter given to them is refused rather than ignored."""
@@ -96,6 +110,8 @@ def validate_config(
     for f in dc.filter:
         if f not in problems:
             _fail("data.filter", dc.filter, f"unknown problem {f!r} (known: {', '.join(problems)})")
+    if dc.path is not None:
+        _check_stage_format(dc.format, run_stages(cfg, stage))
     if dc.path is not None and dc.format != "auto" and "prm" in run_stages(cfg, stage):
         _fail("data.format", dc.format, "prm reads one layout (prompt, completions, labels): auto")
     unfiltered = [st for st in run_stages(cfg, stage) if st in UNFILTERED_STAGES]
@@ -124,6 +140,21 @@ def validate_config(
         _fail("label_noise", cfg.label_noise, "must be in [0, 0.5)")
     _positive("eval_samples", cfg.eval_samples)
     validate_run(cfg, run_stages(cfg, stage), device_count=device_count)
+
+
+def _check_stage_format(fmt: str, run: tuple[str, ...]) -> None:
+    """`data.format` against the stages that read the file: sft reads `SFT_FORMATS`; the
+    demonstration formats that name no other reader's layout are sft's alone."""
+    if "sft" in run and fmt not in SFT_FORMATS:
+        _fail("data.format", fmt, f"sft reads one of {', '.join(SFT_FORMATS)}")
+    sft_only = [f for f in SFT_FORMATS if f not in ("auto", *PREFERENCE_FORMATS, *PROMPT_FORMATS)]
+    others = [st for st in run if st != "sft"]
+    if fmt in sft_only and others:
+        _fail(
+            "data.format",
+            fmt,
+            f"{others[0]} does not read it ({', '.join(sft_only)}: sft's demonstrations)",
+        )
 
 
 def _check_quantized(cfg: PipelineConfig, run: tuple[str, ...]) -> None:

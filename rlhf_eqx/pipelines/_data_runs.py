@@ -53,7 +53,8 @@ def run_on_data(
     overwrite: bool = False,
     callbacks: Sequence[Any] = (),
 ) -> dict:
-    """Run `stage` (one of `data_stages()`: `sft`, `reward`, `dpo` on preferences, `grpo`
+    """Run `stage` (one of `data_stages()`: `sft` on demonstrations or preferences,
+    `reward`, `dpo` on preferences, `grpo`
     on prompts with answers, `kto`, `distill`, `prm` on a stepwise file, and any
     registered stage with a `data` function) on `cfg.data.path`; write `summary.json`,
     `metrics.jsonl`, `config.json` and the trained model in `cfg.out` (`<stage>/hf/`

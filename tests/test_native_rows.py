@@ -5,22 +5,26 @@ same input gradient, chosen inside scans and vmaps for up to 64 rows, and switch
 or failing to build without changing any value."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 import textwrap
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import rlhf_eqx as rx
 from rlhf_eqx.models import (
     GGUF_BLOCKS,
     GGUFWeight,
     matmul,
     native_rows_available,
     native_rows_product,
+    quantize_gguf,
 )
 
 gguf = pytest.importorskip("gguf")
@@ -160,3 +164,62 @@ def test_a_failed_build_warns_once_and_keeps_the_values(tmp_path):
     out = run_script(tmp_path, CXX=shutil.which("false") or "/bin/false")
     assert out.startswith("False True ['rlhf_eqx: the native packed-row kernel could not be built")
     assert "RLHF_EQX_NATIVE=0" in out
+
+
+@needs_kernel
+def test_a_packed_decoder_reads_its_layers_in_place(getkey):
+    # each projection in another block format; the decode steps' products read the
+    # stacked blocks in place (an `[L, out, bytes]` operand of the kernel, not a copy of
+    # the layer's slice) and decode what the dequantised model decodes
+    cfg = rx.TransformerConfig(
+        vocab_size=96, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=48
+    )
+    policy = rx.Policy(cfg, key=getkey())
+    layers = policy.transformer.layers
+    kinds = {"wqkv": "Q8_0", "wo": "Q4_0", "w_gate_up": "Q4_1", "w_down": "Q8_0"}
+    packed = eqx.tree_at(
+        lambda m: [getattr(m.transformer.layers, f) for f in kinds],
+        policy,
+        [quantize_gguf(getattr(layers, f) * 4.0, k) for f, k in kinds.items()],
+    )
+    dense = rx.models.dequantize(packed)
+    prompts = jax.random.randint(getkey(), (2, 6), 1, 96)
+    masks = jnp.ones((2, 6), bool)
+
+    def greedy(m):
+        return rx.generate_batch(
+            m, prompts, masks, jax.random.key(0), max_new_tokens=12, temperature=0.0
+        )
+
+    program = jax.jit(greedy).lower(packed).compile().as_text()
+    stacked = re.findall(
+        r"custom_call_target=\"rlhf_eqx_packed_rows\".*?\{f32\[[0-9,]+\]\{1,0\}, u8\[([0-9]+),",
+        program,
+    )
+    # the decode step's four products on the 3-layer stacks (the prefill slices its layers)
+    assert stacked.count("3") == 4, stacked
+    got, want = jax.jit(greedy)(packed), jax.jit(greedy)(dense)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+
+    @eqx.filter_jit
+    def step_logits(m):  # one decode step after the first prompt
+        _, cache = m.prefill(prompts[0], masks[0], cache_size=7)
+        return m.decode_step(got.tokens[0, 6], cache, index=6, position=jnp.int32(6))[0]
+
+    close(step_logits(packed), np.asarray(step_logits(dense)), atol=1e-5)
+
+
+@needs_kernel
+def test_a_stack_is_read_at_its_layer():
+    ws = random_weight(np.random.default_rng(8), "Q4_1", (3,), 300, 64)
+    x = jnp.asarray(np.random.default_rng(9).standard_normal((4, 64)), jnp.float32)
+    f = jax.jit(lambda x, raw, i: native_rows_product(x, raw, "Q4_1", layer=i))
+    for i in range(3):
+        one = GGUFWeight(raw=ws.raw[i], kind="Q4_1", in_out=(64, 300))
+        np.testing.assert_array_equal(f(x, ws.raw, jnp.int32(i)), _product(x, one.raw, "Q4_1"))
+    with pytest.raises(Exception, match="layer out of range"):
+        f(x, ws.raw, jnp.int32(3)).block_until_ready()
+    with pytest.raises(ValueError, match=r"needs `layer` \(a stack of weights\)"):
+        native_rows_product(x, ws.raw, "Q4_1")
+    with pytest.raises(ValueError, match=r"needs no `layer`"):
+        native_rows_product(x, ws.raw[0], "Q4_1", layer=0)

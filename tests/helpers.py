@@ -17,6 +17,7 @@ __all__ = [
     "assert_tree_allclose",
     "assert_trees_close_per_leaf",
     "assert_updates_agree",
+    "random_gguf_weight",
     "signal_when",
     "tree_allclose",
     "two_turn_rollout",
@@ -242,3 +243,21 @@ def signal_when(proc, ready, sig, *, log, timeout: float = 300) -> int:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# the float16 scale fields (byte offsets) of each 32-value block format
+_GGUF_SCALE_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2)}
+
+
+def random_gguf_weight(rng, kind, lead, n_out, n_in):
+    """A `GGUFWeight` of random blocks `lead + [n_out, bytes]` (every byte value in the
+    quants) with finite float16 scales, for the Q8_0 / Q4_0 / Q4_1 formats."""
+    from rlhf_eqx.models import GGUF_BLOCKS, GGUFWeight
+
+    qk, size = GGUF_BLOCKS[kind]
+    shape = lead + (n_out, n_in // qk)
+    b = rng.integers(0, 256, size=shape + (size,), dtype=np.uint8)
+    for o in _GGUF_SCALE_OFFSETS[kind]:
+        f = (rng.standard_normal(shape) * 0.05).astype(np.float16)
+        b[..., o : o + 2] = f.view(np.uint8).reshape(shape + (2,))
+    return GGUFWeight.from_numpy(b.reshape(lead + (n_out, -1)), kind, n_in)

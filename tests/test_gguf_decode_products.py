@@ -10,13 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import SMOLLM2
+from helpers import SMOLLM2, random_gguf_weight
 
 import rlhf_eqx as rx
 from rlhf_eqx.models import (
-    GGUF_BLOCKS,
     PACKED_KINDS,
-    GGUFWeight,
     dequantize_rows,
     few_rows_product,
     matmul,
@@ -25,19 +23,6 @@ from rlhf_eqx.models import (
 )
 
 gguf = pytest.importorskip("gguf")
-
-SCALE_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2)}
-
-
-def random_weight(rng, kind, lead, n_out, n_in) -> GGUFWeight:
-    """Random blocks `lead + [n_out, bytes]` with finite float16 scales."""
-    qk, size = GGUF_BLOCKS[kind]
-    shape = lead + (n_out, n_in // qk)
-    b = rng.integers(0, 256, size=shape + (size,), dtype=np.uint8)
-    for o in SCALE_OFFSETS[kind]:
-        f = (rng.standard_normal(shape) * 0.05).astype(np.float16)
-        b[..., o : o + 2] = f.view(np.uint8).reshape(shape + (2,))
-    return GGUFWeight.from_numpy(b.reshape(lead + (n_out, -1)), kind, n_in)
 
 
 def close(got, want, atol=3e-6):
@@ -54,7 +39,7 @@ _product = jax.jit(packed_product, static_argnums=2)
 def test_packed_product_equals_dequantise_then_dot(kind, rows, n_out, n_blocks):
     rng = np.random.default_rng([PACKED_KINDS.index(kind), rows])
     n_in = 32 * n_blocks
-    w = random_weight(rng, kind, (), n_out, n_in)
+    w = random_gguf_weight(rng, kind, (), n_out, n_in)
     want_w = gguf.quants.dequantize(np.asarray(w.raw), gguf.GGMLQuantizationType[kind])
     x = jnp.asarray(rng.standard_normal((rows, n_in)), jnp.float32)
     close(_product(x, w.raw, kind), np.asarray(x) @ want_w.T)
@@ -71,7 +56,7 @@ def test_bad_kind_and_row_bytes_are_named():
 
 
 def test_one_fusion_over_the_packed_bytes_without_a_dense_weight():
-    w = random_weight(np.random.default_rng(0), "Q8_0", (), 512, 256)
+    w = random_gguf_weight(np.random.default_rng(0), "Q8_0", (), 512, 256)
     x = jnp.ones((1, 256), jnp.float32)
     text = _product.lower(x, w.raw, "Q8_0").compile().as_text()
     entry = text[text.index("\nENTRY") :]
@@ -84,7 +69,7 @@ def test_one_fusion_over_the_packed_bytes_without_a_dense_weight():
 
 @pytest.mark.parametrize("kind", PACKED_KINDS)
 def test_frozen_product_routes_few_rows_and_keeps_values_and_gradients(kind, getkey):
-    w = random_weight(np.random.default_rng(1), kind, (), 40, 96)
+    w = random_gguf_weight(np.random.default_rng(1), kind, (), 40, 96)
     dense = w.dequantize(jnp.float32)
     r = jax.random.normal(getkey(), (40,))
     loss = lambda x, w: jnp.sum(jnp.tanh(matmul(x, w) / 10.0) @ r)
@@ -100,7 +85,7 @@ def test_frozen_product_routes_few_rows_and_keeps_values_and_gradients(kind, get
         g = jax.jit(jax.vmap(jax.grad(loss), in_axes=(0, None)))(x[:b], w)
         close(g, jax.vmap(jax.grad(loss), in_axes=(0, None))(x[:b], dense))
     # a vmapped weight (a batch of models) takes the dense product
-    ws = random_weight(np.random.default_rng(2), kind, (2,), 40, 96)
+    ws = random_gguf_weight(np.random.default_rng(2), kind, (2,), 40, 96)
     got = jax.jit(jax.vmap(matmul))(x[:2], ws)
     close(got, jnp.einsum("bmi,bio->bmo", x[:2], ws.dequantize(jnp.float32)))
 
@@ -112,7 +97,7 @@ def test_the_route_is_chosen_by_the_rows_of_all_vmapped_calls(limit, packed):
     # native kernel where it is built (up to 64)
     if limit is None and native_rows_available():
         packed = [1, 1, 1, 1, 1]
-    w = random_weight(np.random.default_rng(3), "Q8_0", (), 8, 64)
+    w = random_gguf_weight(np.random.default_rng(3), "Q8_0", (), 8, 64)
     dense = lambda x, raw: x @ dequantize_rows(raw, "Q8_0", 64).T
     if limit is None:
         product = matmul
@@ -133,7 +118,7 @@ def test_the_route_is_chosen_by_the_rows_of_all_vmapped_calls(limit, packed):
 
 @pytest.mark.parametrize("kind", PACKED_KINDS)
 def test_stacked_layers_inside_a_scan(kind, getkey):
-    ws = random_weight(np.random.default_rng(4), kind, (3,), 64, 64)  # [L, out, bytes]
+    ws = random_gguf_weight(np.random.default_rng(4), kind, (3,), 64, 64)  # [L, out, bytes]
     dense = ws.dequantize(jnp.float32)
     step = lambda h, w: (jnp.tanh(matmul(h, w) / 64.0), None)
     for batch in (None, 4):
@@ -183,10 +168,10 @@ def test_a_layer_view_is_the_layer(kind, getkey):
     # `layer_view(i)` of a stack behaves as the stack's weight `i` in every use: shape,
     # decoding, gathered columns, column slices and products of few or many rows (the
     # native kernel or XLA's product read the stack in place; many rows slice it)
-    ws = random_weight(np.random.default_rng(6), kind, (3,), 40, 64)
+    ws = random_gguf_weight(np.random.default_rng(6), kind, (3,), 40, 64)
     dense = ws.dequantize(jnp.float32)
     assert ws.layer_view(0).layer is not None
-    assert random_weight(np.random.default_rng(6), kind, (), 40, 64).layer_view(0) is None
+    assert random_gguf_weight(np.random.default_rng(6), kind, (), 40, 64).layer_view(0) is None
     for i in range(3):
         view = jax.jit(lambda w, i: w.layer_view(i))(ws, jnp.int32(i))
         assert view.shape == (64, 40)

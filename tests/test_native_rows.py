@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import random_gguf_weight
 
 import rlhf_eqx as rx
 from rlhf_eqx.models import (
-    GGUF_BLOCKS,
     GGUFWeight,
     matmul,
     native_rows_available,
@@ -30,22 +30,10 @@ from rlhf_eqx.models import (
 gguf = pytest.importorskip("gguf")
 
 KINDS = ("Q8_0", "Q4_0", "Q4_1")
-SCALE_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2)}
 COMPILER = any(shutil.which(c) for c in (os.environ.get("CXX") or "c++", "g++", "clang++"))
 needs_kernel = pytest.mark.skipif(
     not native_rows_available(), reason="the native kernel is not built here (no compiler)"
 )
-
-
-def random_weight(rng, kind, lead, n_out, n_in) -> GGUFWeight:
-    """Random blocks with finite float16 scales (and all 256 byte values in the rest)."""
-    qk, size = GGUF_BLOCKS[kind]
-    shape = lead + (n_out, n_in // qk)
-    b = rng.integers(0, 256, size=shape + (size,), dtype=np.uint8)
-    for o in SCALE_OFFSETS[kind]:
-        f = (rng.standard_normal(shape) * 0.05).astype(np.float16)
-        b[..., o : o + 2] = f.view(np.uint8).reshape(shape + (2,))
-    return GGUFWeight.from_numpy(b.reshape(lead + (n_out, -1)), kind, n_in)
 
 
 def reference(x, w: GGUFWeight) -> np.ndarray:
@@ -74,7 +62,7 @@ _product = jax.jit(native_rows_product, static_argnums=2)
 def test_equals_dequantise_then_dot(kind, rows, n_out, n_blocks):
     # 300 and 1000 outputs are split between threads; 7 run on the calling thread
     rng = np.random.default_rng([KINDS.index(kind), rows, n_out])
-    w = random_weight(rng, kind, (), n_out, 32 * n_blocks)
+    w = random_gguf_weight(rng, kind, (), n_out, 32 * n_blocks)
     x = jnp.asarray(rng.standard_normal((rows, 32 * n_blocks)), jnp.float32)
     close(_product(x, w.raw, kind), reference(x, w))
     xb = x.astype(jnp.bfloat16)  # multiplied in float32
@@ -85,7 +73,7 @@ def test_equals_dequantise_then_dot(kind, rows, n_out, n_blocks):
 def test_extreme_scales_and_values():
     # the largest float16 scales, subnormal ones and signed zero, with every byte value
     rng = np.random.default_rng(7)
-    w = random_weight(rng, "Q8_0", (), 256, 64)
+    w = random_gguf_weight(rng, "Q8_0", (), 256, 64)
     raw = np.asarray(w.raw).reshape(256, 2, 34).copy()
     scales = np.array([65504.0, -65504.0, 6e-8, -0.0, 1.0, 2.0**-24], np.float16)
     raw[:, :, 0:2] = np.resize(scales, (256, 2)).view(np.uint8).reshape(256, 2, 2)
@@ -98,7 +86,7 @@ def test_extreme_scales_and_values():
 @needs_kernel
 @pytest.mark.parametrize("kind", KINDS)
 def test_input_gradient_is_the_dequantised_weights(kind, getkey):
-    w = random_weight(np.random.default_rng(1), kind, (), 40, 96)
+    w = random_gguf_weight(np.random.default_rng(1), kind, (), 40, 96)
     dense = jnp.asarray(reference(np.eye(96), w), jnp.float32)  # [in, out]
     r = jax.random.normal(getkey(), (40,))
     x = jax.random.normal(getkey(), (3, 96))
@@ -110,7 +98,7 @@ def test_input_gradient_is_the_dequantised_weights(kind, getkey):
 @needs_kernel
 @pytest.mark.parametrize("kind", KINDS)
 def test_decode_products_take_it_inside_scans_and_vmaps(kind, getkey):
-    ws = random_weight(np.random.default_rng(4), kind, (3,), 64, 64)  # [L, out, bytes]
+    ws = random_gguf_weight(np.random.default_rng(4), kind, (3,), 64, 64)  # [L, out, bytes]
     dense = ws.dequantize(jnp.float32)
     step = lambda h, w: (jnp.tanh(matmul(h, w) / 64.0), None)
     run = lambda x, ws: jax.lax.scan(step, x, ws)[0]
@@ -211,7 +199,7 @@ def test_a_packed_decoder_reads_its_layers_in_place(getkey):
 
 @needs_kernel
 def test_a_stack_is_read_at_its_layer():
-    ws = random_weight(np.random.default_rng(8), "Q4_1", (3,), 300, 64)
+    ws = random_gguf_weight(np.random.default_rng(8), "Q4_1", (3,), 300, 64)
     x = jnp.asarray(np.random.default_rng(9).standard_normal((4, 64)), jnp.float32)
     f = jax.jit(lambda x, raw, i: native_rows_product(x, raw, "Q4_1", layer=i))
     for i in range(3):

@@ -93,8 +93,8 @@ def test_frozen_product_routes_few_rows_and_keeps_values_and_gradients(kind, get
 @pytest.mark.parametrize("limit, packed", [(None, [1, 0, 1, 0, 0]), (4, [1, 1, 1, 1, 1])])
 def test_the_route_is_chosen_by_the_rows_of_all_vmapped_calls(limit, packed):
     # rows per call, vmapped calls: 1; 2; 1 × 1; 3 × 1; 2 × 2 × 1 (4 in all); by default
-    # (`matmul` on a `GGUFWeight`) one row takes the packed product, and up to 16 the
-    # native kernel where it is built (up to 64)
+    # (`matmul` on a `GGUFWeight`) one row takes the packed product, and up to 64 the
+    # native kernel where it is built
     if limit is None and native_rows_available():
         packed = [1, 1, 1, 1, 1]
     w = random_gguf_weight(np.random.default_rng(3), "Q8_0", (), 8, 64)

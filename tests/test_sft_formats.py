@@ -359,3 +359,12 @@ def test_a_sweep_on_text_equals_its_runs(tmp_path):
         ours = res.summaries[mem.name]
         assert ours["heldout_nll"] == pytest.approx(run["sft"]["heldout_nll"], abs=1e-4)
         assert ours["sampled"] == run["sft"]["sampled"]
+
+
+def test_cli_sft_on_a_bad_text_row_is_one_line_and_leaves_no_run_directory(tmp_path, capsys):
+    path = write(tmp_path, "bad.jsonl", [{"text": "Once a cat."}, {"text": ["a"]}])
+    run_dir = tmp_path / "run"
+    assert main(["sft", "--data", path, "--out", str(run_dir), "--quiet"]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == f"error: {path}:2: wrong type: 'text' must be a string, got list"
+    assert not run_dir.exists()

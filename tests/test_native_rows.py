@@ -211,3 +211,48 @@ def test_a_stack_is_read_at_its_layer():
         native_rows_product(x, ws.raw, "Q4_1")
     with pytest.raises(ValueError, match=r"needs no `layer`"):
         native_rows_product(x, ws.raw[0], "Q4_1", layer=0)
+
+
+ARCH_SCRIPT = textwrap.dedent(
+    """
+    import gguf, jax, jax.numpy as jnp, numpy as np
+    from helpers import random_gguf_weight
+    from rlhf_eqx.models import native_rows_available, native_rows_product
+    assert native_rows_available()
+    rng = np.random.default_rng(0)
+    worst = 0.0
+    for kind in ("Q8_0", "Q4_0", "Q4_1"):
+        ws = random_gguf_weight(rng, kind, (2,), 300, 96)
+        raw = np.asarray(ws.raw).copy()
+        raw[0, :3, 0:2] = np.array([6e-8, -6e-8, 65504.0], np.float16).view(np.uint8).reshape(3, 2)
+        dense = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]).astype(np.float64)
+        for rows in (1, 3, 4, 5):
+            x = rng.standard_normal((rows, 96)).astype(np.float32)
+            for i in (0, 1):
+                f = native_rows_product(jnp.asarray(x), jnp.asarray(raw), kind, layer=i)
+                want = x.astype(np.float64) @ dense[i].T
+                # float32 summation's bound: a few ulps of the sum of |terms| per output
+                bound = np.abs(x).astype(np.float64) @ np.abs(dense[i]).T + 1e-300
+                worst = max(worst, float(np.max(np.abs(np.asarray(f) - want) / bound)))
+    print(worst)
+    """
+)
+
+
+@pytest.mark.skipif(
+    not COMPILER or os.uname().machine != "x86_64", reason="needs a compiler on x86-64"
+)
+@pytest.mark.parametrize("arch", ["x86-64-v3", "x86-64"])
+def test_the_avx2_and_plain_builds_compute_the_same(tmp_path, arch):
+    # this machine's build takes the widest vectors it has; a build for AVX2 (8 lanes)
+    # and one for plain x86-64 (scalar loops, float16 scales decoded in software,
+    # subnormal and largest scales included) give the same products
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    env["RLHF_EQX_NATIVE_ARCH"] = arch
+    env["PYTHONPATH"] = os.path.dirname(__file__) + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run(
+        [sys.executable, "-c", ARCH_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert float(done.stdout.strip()) < 96 * 2**-23  # n · ε of float32
+    assert len(list((tmp_path / "rlhf_eqx" / "native").glob("packed_rows-*.so"))) == 1

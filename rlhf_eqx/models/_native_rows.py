@@ -10,7 +10,8 @@ threads. It is an XLA FFI handler (`jax.ffi`), so it runs inside jitted programs
 scans and while loops like any other op.
 
 It is compiled once per machine with the system's C++ compiler (`$CXX`, else `c++` /
-`g++` / `clang++`) for the machine's own instruction set, into the user's cache
+`g++` / `clang++`) for the machine's own instruction set (`RLHF_EQX_NATIVE_ARCH`
+overrides `-march=native`; AVX-512, AVX2 and plain C++ paths), into the user's cache
 directory (`$XDG_CACHE_HOME/rlhf_eqx/native` or `~/.cache/rlhf_eqx/native`; the file
 name carries a hash of the source, the compiler, JAX's version and the CPU's flags).
 Where no compiler is found, the build fails, or `RLHF_EQX_NATIVE=0` is set,
@@ -36,6 +37,11 @@ from jaxtyping import Array, ArrayLike, Float, Int, UInt8
 
 ENV_SWITCH = "RLHF_EQX_NATIVE"
 """The environment variable that turns the native kernel off (`0`, `false`, `off`, `no`)."""
+
+ENV_ARCH = "RLHF_EQX_NATIVE_ARCH"
+"""The environment variable that names the instruction set the kernel is compiled for
+(`-march=...`; default `native`, this machine's: e.g. `x86-64-v3` for AVX2 machines
+sharing one cache directory)."""
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "_packed_rows.cc")
 _TARGET = "rlhf_eqx_packed_rows"
@@ -76,7 +82,8 @@ def _build(compiler: str) -> str:
     with open(_SOURCE, "rb") as f:
         source = f.read()
     include = jax.ffi.include_dir()
-    flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
+    arch = os.environ.get(ENV_ARCH, "").strip() or "native"
+    flags = ["-O3", f"-march={arch}", "-std=c++17", "-shared", "-fPIC", "-w"]
     key = hashlib.sha256(
         b"\0".join(
             [source, compiler.encode(), " ".join(flags).encode(), jax.__version__.encode()]

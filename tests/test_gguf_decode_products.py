@@ -161,29 +161,3 @@ def test_smollm2_greedy_decoding_on_packed_blocks(smollm2):
         return m.decode_step(out_d.tokens[P], cache, index=P, position=jnp.int32(P))[0]
 
     np.testing.assert_allclose(step(packed), step(dense), rtol=0, atol=1e-4)
-
-
-@pytest.mark.parametrize("kind", PACKED_KINDS)
-def test_a_layer_view_is_the_layer(kind, getkey):
-    # `layer_view(i)` of a stack behaves as the stack's weight `i` in every use: shape,
-    # decoding, gathered columns, column slices and products of few or many rows (the
-    # native kernel or XLA's product read the stack in place; many rows slice it)
-    ws = random_gguf_weight(np.random.default_rng(6), kind, (3,), 40, 64)
-    dense = ws.dequantize(jnp.float32)
-    assert ws.layer_view(0).layer is not None
-    assert random_gguf_weight(np.random.default_rng(6), kind, (), 40, 64).layer_view(0) is None
-    for i in range(3):
-        view = jax.jit(lambda w, i: w.layer_view(i))(ws, jnp.int32(i))
-        assert view.shape == (64, 40)
-        np.testing.assert_array_equal(view.dequantize(jnp.float32), dense[i])
-        np.testing.assert_array_equal(
-            view.columns(jnp.array([3, 0]), jnp.float32), dense[i].T[jnp.array([3, 0])]
-        )
-        np.testing.assert_array_equal(
-            view.column_slice(jnp.int32(5), 8).dequantize(jnp.float32), dense[i][:, 5:13]
-        )
-        for rows in (1, 3, 70):
-            x = jax.random.normal(getkey(), (rows, 64))
-            close(jax.jit(matmul)(x, view), x @ dense[i])
-        g = jax.grad(lambda x: jnp.sum(jnp.tanh(matmul(x, view) / 10.0)))(x[:3])
-        close(g, jax.grad(lambda x: jnp.sum(jnp.tanh(x @ dense[i] / 10.0)))(x[:3]))

@@ -5,7 +5,6 @@ same input gradient, chosen inside scans and vmaps for up to 64 rows, and switch
 or failing to build without changing any value."""
 
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -155,10 +154,9 @@ def test_a_failed_build_warns_once_and_keeps_the_values(tmp_path):
 
 
 @needs_kernel
-def test_a_packed_decoder_reads_its_layers_in_place(getkey):
-    # each projection in another block format; the decode steps' products read the
-    # stacked blocks in place (an `[L, out, bytes]` operand of the kernel, not a copy of
-    # the layer's slice) and decode what the dequantised model decodes
+def test_a_packed_decoder_decodes_as_the_dequantised_one(getkey):
+    # each projection in another block format: the decode steps' products take the
+    # kernel and decode what the dequantised model decodes
     cfg = rx.TransformerConfig(
         vocab_size=96, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=48
     )
@@ -180,12 +178,7 @@ def test_a_packed_decoder_reads_its_layers_in_place(getkey):
         )
 
     program = jax.jit(greedy).lower(packed).compile().as_text()
-    stacked = re.findall(
-        r"custom_call_target=\"rlhf_eqx_packed_rows\".*?\{f32\[[0-9,]+\]\{1,0\}, u8\[([0-9]+),",
-        program,
-    )
-    # the decode step's four products on the 3-layer stacks (the prefill slices its layers)
-    assert stacked.count("3") == 4, stacked
+    assert program.count('custom_call_target="rlhf_eqx_packed_rows"') >= 4
     got, want = jax.jit(greedy)(packed), jax.jit(greedy)(dense)
     np.testing.assert_array_equal(got.tokens, want.tokens)
 
@@ -197,22 +190,6 @@ def test_a_packed_decoder_reads_its_layers_in_place(getkey):
     close(step_logits(packed), np.asarray(step_logits(dense)), atol=1e-5)
 
 
-@needs_kernel
-def test_a_stack_is_read_at_its_layer():
-    ws = random_gguf_weight(np.random.default_rng(8), "Q4_1", (3,), 300, 64)
-    x = jnp.asarray(np.random.default_rng(9).standard_normal((4, 64)), jnp.float32)
-    f = jax.jit(lambda x, raw, i: native_rows_product(x, raw, "Q4_1", layer=i))
-    for i in range(3):
-        one = GGUFWeight(raw=ws.raw[i], kind="Q4_1", in_out=(64, 300))
-        np.testing.assert_array_equal(f(x, ws.raw, jnp.int32(i)), _product(x, one.raw, "Q4_1"))
-    with pytest.raises(Exception, match="layer out of range"):
-        f(x, ws.raw, jnp.int32(3)).block_until_ready()
-    with pytest.raises(ValueError, match=r"needs `layer` \(a stack of weights\)"):
-        native_rows_product(x, ws.raw, "Q4_1")
-    with pytest.raises(ValueError, match=r"needs no `layer`"):
-        native_rows_product(x, ws.raw[0], "Q4_1", layer=0)
-
-
 ARCH_SCRIPT = textwrap.dedent(
     """
     import gguf, jax, jax.numpy as jnp, numpy as np
@@ -222,14 +199,14 @@ ARCH_SCRIPT = textwrap.dedent(
     rng = np.random.default_rng(0)
     worst = 0.0
     for kind in ("Q8_0", "Q4_0", "Q4_1"):
-        ws = random_gguf_weight(rng, kind, (2,), 300, 96)
+        ws = random_gguf_weight(rng, kind, (2,), 300, 96)  # two weights
         raw = np.asarray(ws.raw).copy()
         raw[0, :3, 0:2] = np.array([6e-8, -6e-8, 65504.0], np.float16).view(np.uint8).reshape(3, 2)
         dense = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]).astype(np.float64)
         for rows in (1, 3, 4, 5):
             x = rng.standard_normal((rows, 96)).astype(np.float32)
             for i in (0, 1):
-                f = native_rows_product(jnp.asarray(x), jnp.asarray(raw), kind, layer=i)
+                f = native_rows_product(jnp.asarray(x), jnp.asarray(raw[i]), kind)
                 want = x.astype(np.float64) @ dense[i].T
                 # float32 summation's bound: a few ulps of the sum of |terms| per output
                 bound = np.abs(x).astype(np.float64) @ np.abs(dense[i]).T + 1e-300

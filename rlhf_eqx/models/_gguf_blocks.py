@@ -31,7 +31,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Float, Int, UInt8
+from jaxtyping import Array, Float, Int, UInt8
 
 from ._layers import AbstractQuantizedWeight
 from ._packed_products import PACKED_KINDS, few_rows_product
@@ -175,16 +175,13 @@ class GGUFWeight(AbstractQuantizedWeight):
     `[out, in]` layout: blocks run along the input axis), so `dequantize` decodes the rows
     and transposes them. As the token embedding (`in_out = (d_model, vocab)`) the rows
     are the vocabulary: `columns(ids)` decodes only the gathered rows. In a frozen
-    product of few rows (a decode step), Q8_0, Q4_0 and Q4_1 rows are multiplied without
+    product of one row (a decode step), Q8_0, Q4_0 and Q4_1 rows are multiplied without
     a dense copy (`product`, `rlhf_eqx.models.few_rows_product`); K-quants dequantise.
-    With `layer` set (`layer_view`), the weight is layer `layer` of the stack `raw
-    [L, out, row_bytes]`, which the native kernel reads in place.
     """
 
     raw: UInt8[Array, "*L out row_bytes"]
     kind: str = eqx.field(static=True)
     in_out: tuple[int, int] = eqx.field(static=True)
-    layer: Int[Array, ""] | None = None
 
     def __check_init__(self):
         n_in, n_out = self.in_out
@@ -194,27 +191,16 @@ class GGUFWeight(AbstractQuantizedWeight):
             raise ValueError(f"GGUFWeight: raw has shape {shape}, expected [..., {n_out}, bytes]")
         if getattr(self.raw, "dtype", jnp.uint8) != jnp.uint8:
             raise ValueError(f"GGUFWeight: raw must be uint8, got {self.raw.dtype}")
-        if self.layer is not None and shape is not None and len(shape) != 3:
-            raise ValueError(f"GGUFWeight: a layer view needs raw [L, out, bytes], got {shape}")
 
     @property
     def shape(self) -> tuple[int, ...]:
-        lead = self.raw.shape[:-2] if self.layer is None else self.raw.shape[1:-2]
-        return lead + self.in_out
-
-    def _weight(self) -> "GGUFWeight":
-        """The weight itself; for a layer view, its layer sliced out of the stack."""
-        if self.layer is None:
-            return self
-        raw = jax.lax.dynamic_index_in_dim(self.raw, self.layer, keepdims=False)
-        return GGUFWeight(raw=raw, kind=self.kind, in_out=self.in_out)
+        return self.raw.shape[:-2] + self.in_out
 
     def dequantize(self, dtype) -> Array:
-        return jnp.swapaxes(self.dequantize_t(dtype), -1, -2)
+        return jnp.swapaxes(self.rows(self.raw, dtype), -1, -2)
 
     def dequantize_t(self, dtype) -> Array:
-        w = self._weight()
-        return w.rows(w.raw, dtype)
+        return self.rows(self.raw, dtype)
 
     def rows(self, raw: Array, dtype) -> Array:
         """Decode packed output rows `raw [..., k, row_bytes]` (slices of `self.raw`) to
@@ -222,32 +208,22 @@ class GGUFWeight(AbstractQuantizedWeight):
         return dequantize_rows(raw, self.kind, self.in_out[0], dtype)
 
     def columns(self, ids: Array, dtype) -> Array:
-        return self.rows(jnp.take(self._weight().raw, ids, axis=-2), dtype)
+        return self.rows(jnp.take(self.raw, ids, axis=-2), dtype)
 
     def product(self, x2: Float[Array, "M i"], dense, dtypes) -> Float[Array, "M o"]:
         """Q8_0, Q4_0 and Q4_1 multiply few rows straight from the blocks
         (`few_rows_product`, for decode steps); other kinds and more rows dequantise."""
-        stacked = self.raw.ndim == 3 and self.layer is not None
-        if self.kind not in PACKED_KINDS or not (self.raw.ndim == 2 or stacked):
-            return dense(x2, self._weight(), dtypes)
+        if self.kind not in PACKED_KINDS or self.raw.ndim != 2:
+            return dense(x2, self, dtypes)
 
         def dense_raw(x2, raw):
             return dense(x2, GGUFWeight(raw=raw, kind=self.kind, in_out=self.in_out), dtypes)
 
-        return few_rows_product(x2, self.raw, self.kind, dense_raw, dtypes[1], layer=self.layer)
+        return few_rows_product(x2, self.raw, self.kind, dense_raw, dtypes[1])
 
     def column_slice(self, start: Int[Array, ""], size: int) -> "GGUFWeight":
-        raw = jax.lax.dynamic_slice_in_dim(self._weight().raw, start, size, axis=-2)
+        raw = jax.lax.dynamic_slice_in_dim(self.raw, start, size, axis=-2)
         return GGUFWeight(raw=raw, kind=self.kind, in_out=(self.in_out[0], size))
-
-    def layer_view(self, index: Int[ArrayLike, ""]) -> "GGUFWeight | None":
-        """Layer `index` of a stack `[L, out, row_bytes]` of Q8_0 / Q4_0 / Q4_1 blocks,
-        read in place by the native kernel (other kinds: `None`, sliced as usual)."""
-        if self.kind not in PACKED_KINDS or self.raw.ndim != 3 or self.layer is not None:
-            return None
-        return GGUFWeight(
-            raw=self.raw, kind=self.kind, in_out=self.in_out, layer=jnp.asarray(index, jnp.int32)
-        )
 
     @classmethod
     def from_numpy(cls, data: np.ndarray, kind: str, n_in: int) -> "GGUFWeight":

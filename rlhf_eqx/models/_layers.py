@@ -9,7 +9,7 @@ from collections.abc import Callable
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 
 @functools.partial(jax.jit, static_argnames=("shapes", "scales", "dtype"))
@@ -61,13 +61,6 @@ class AbstractQuantizedWeight(eqx.Module):
         """Output columns `[start, start + size)` (traced `start`, clamped as `dynamic_slice`)
         as a weight of the same format, or `None` for formats not stored by output column."""
         del start, size
-        return None
-
-    def layer_view(self, index: Int[ArrayLike, ""]) -> "AbstractQuantizedWeight | None":
-        """Weight `index` of a stack `[L, ...]` as a weight whose products read the stack
-        in place (a layer scan's weights, where slicing each layer out would copy it), or
-        `None` where the format slices as usual (the default)."""
-        del index
         return None
 
 

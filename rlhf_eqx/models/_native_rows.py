@@ -33,7 +33,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Float, Int, UInt8
+from jaxtyping import Array, Float, UInt8
 
 ENV_SWITCH = "RLHF_EQX_NATIVE"
 """The environment variable that turns the native kernel off (`0`, `false`, `off`, `no`)."""
@@ -141,43 +141,22 @@ def native_rows_available() -> bool:
     return _load()
 
 
-def _call(x: Array, stack: Array, layer: Array, kind: str) -> Array:
-    out = jax.ShapeDtypeStruct((x.shape[0], stack.shape[1]), jnp.float32)
-    return jax.ffi.ffi_call(_TARGET, out)(x, stack, layer, kind=np.int64(_KINDS[kind]))
+def _call(x: Array, raw: Array, kind: str) -> Array:
+    out = jax.ShapeDtypeStruct((x.shape[0], raw.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call(_TARGET, out)(x, raw, kind=np.int64(_KINDS[kind]))
 
 
 def native_rows_product(
-    x: Float[Array, "M n"],
-    raw: UInt8[Array, "*L out nbytes"],
-    kind: str,
-    *,
-    layer: Int[ArrayLike, ""] | None = None,
+    x: Float[Array, "M n"], raw: UInt8[Array, "out nbytes"], kind: str
 ) -> Float[Array, "M out"]:
     """`x @ Wᵀ` for `W` the rows `raw` of llama.cpp blocks, by the native kernel.
 
     The same contract as `packed_product` (`y[m, o] = Σ_b Σ_j w(o, b, j) · x[m, b·QK +
     j]`, float32), differentiable in `x` (the gradient multiplies by the dequantised
     weight). Call `native_rows_available()` first; here it must be `True`.
-
-    **Arguments:**
-
-    - `x`: the activations (any float dtype; multiplied in float32).
-    - `raw`: `uint8`, one packed row of `n` values per output (`GGUFWeight.raw`); or a
-      stack of such weights `[L, out, nbytes]` with `layer`.
-    - `kind`: `"Q8_0"`, `"Q4_0"` or `"Q4_1"`.
-    - `layer`: with a stack, the (traced) index of the weight to multiply: the kernel
-      reads it in place, where slicing it out first would copy it (a layer scan's
-      weights). An index outside the stack is an error of the kernel.
-
-    **Returns:** `[M, out]`, float32.
     """
     if kind not in _KINDS:
         raise ValueError(f"native_rows_product: kind {kind!r} is not one of {list(NATIVE_KINDS)}")
-    if (raw.ndim == 3) != (layer is not None) or raw.ndim not in (2, 3):
-        raise ValueError(
-            f"native_rows_product: raw of shape {raw.shape} needs "
-            + ("`layer` (a stack of weights)" if raw.ndim == 3 else "no `layer` ([out, nbytes])")
-        )
     n, nbytes = x.shape[-1], raw.shape[-1]
     size = _BLOCK_BYTES[kind]
     if n % 32 or nbytes != n // 32 * size:
@@ -187,27 +166,23 @@ def native_rows_product(
         )
     if not native_rows_available():
         raise RuntimeError("native_rows_product: the native kernel is not available here")
-    stack = raw if layer is not None else raw[None]
-    index = jnp.asarray(0 if layer is None else layer, jnp.int32)
-    return _product(x.astype(jnp.float32), stack, index, kind)
+    return _product(x.astype(jnp.float32), raw, kind)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _product(x, stack, layer, kind):
-    return _call(x, stack, layer, kind)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _product(x, raw, kind):
+    return _call(x, raw, kind)
 
 
-def _product_fwd(x, stack, layer, kind):
-    return _call(x, stack, layer, kind), (stack, layer)
+def _product_fwd(x, raw, kind):
+    return _call(x, raw, kind), raw
 
 
-def _product_bwd(kind, res, g):
+def _product_bwd(kind, raw, g):
     from ._gguf_blocks import dequantize_rows  # the decoder lives with the block formats
 
-    stack, layer = res
-    raw = jax.lax.dynamic_index_in_dim(stack, layer, keepdims=False)
     w = dequantize_rows(raw, kind, raw.shape[-1] // _BLOCK_BYTES[kind] * 32)
-    return g @ w, None, None
+    return g @ w, None
 
 
 _product.defvjp(_product_fwd, _product_bwd)

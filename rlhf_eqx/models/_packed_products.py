@@ -28,7 +28,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Float, Int, UInt8
+from jaxtyping import Array, Float, UInt8
 
 from ._native_rows import NATIVE_KINDS, native_rows_available, native_rows_product
 
@@ -115,13 +115,12 @@ def packed_product(
 
 def few_rows_product(
     x2: Float[Array, "M n"],
-    raw: UInt8[Array, "*L out nbytes"],
+    raw: UInt8[Array, "out nbytes"],
     kind: str,
     dense: Callable[[Array, Array], Array],
     out_dtype: Any,
     *,
     max_rows: int | None = None,
-    layer: Int[ArrayLike, ""] | None = None,
 ) -> Float[Array, "M out"]:
     """`x2 @ Wᵀ` from the packed rows when few rows of activations (vmapped calls
     included) are multiplied, else `dense(x2, raw)`: up to `NATIVE_MAX_ROWS` (64) rows by the
@@ -135,48 +134,37 @@ def few_rows_product(
     **Arguments:**
 
     - `x2`: the activations.
-    - `raw`: the packed rows of `kind` (`GGUFWeight.raw`, one weight), or a stack of
-      them `[L, out, nbytes]` with `layer`.
+    - `raw`: the packed rows of `kind` (`GGUFWeight.raw`, one weight).
     - `kind`: one of `PACKED_KINDS`.
-    - `dense`: the product of more rows, `dense(x2, raw) -> [M, out]` in `out_dtype`
-      (given one weight's rows).
+    - `dense`: the product of more rows, `dense(x2, raw) -> [M, out]` in `out_dtype`.
     - `out_dtype`: of the packed product's result.
     - `max_rows`: the most rows that take the packed product (default `PACKED_MAX_ROWS`,
       read when the product is traced).
-    - `layer`: with a stack, the (traced) index of the weight: the native kernel reads
-      it in place; the other routes slice it out.
 
-    **Returns:** `[M, out]`, `packed_product(x2, W, kind)` or `dense(x2, W)`.
+    **Returns:** `[M, out]`, `packed_product(x2, raw, kind)` or `dense(x2, raw)`.
     """
     limit = PACKED_MAX_ROWS if max_rows is None else max_rows
-    stack = raw[None] if layer is None else raw
-    index = jnp.asarray(0 if layer is None else layer, jnp.int32)
-    one = lambda stack, index: jax.lax.dynamic_index_in_dim(stack, index, keepdims=False)
 
-    def route(x2, stack, index):
+    def route(x2, raw):
         rows = x2.shape[0]
         if rows <= NATIVE_MAX_ROWS and kind in NATIVE_KINDS and native_rows_available():
-            return native_rows_product(x2, stack, kind, layer=index).astype(out_dtype)
+            return native_rows_product(x2, raw, kind).astype(out_dtype)
         if rows <= limit:
-            return packed_product(x2, one(stack, index), kind).astype(out_dtype)
-        return dense(x2, one(stack, index))
+            return packed_product(x2, raw, kind).astype(out_dtype)
+        return dense(x2, raw)
 
     @jax.custom_batching.custom_vmap
-    def product(x2, stack, index):
-        return route(x2, stack, index)
+    def product(x2, raw):
+        return route(x2, raw)
 
     @product.def_vmap
-    def _batched(axis_size, in_batched, x2, stack, index):
-        x_batched, stack_batched, index_batched = in_batched
-        if stack_batched or index_batched:
-            weights = jax.vmap(
-                one, in_axes=(0 if stack_batched else None, 0 if index_batched else None)
-            )
-            w = weights(stack, index)
-            return jax.vmap(dense, in_axes=(0 if x_batched else None, 0))(x2, w), True
+    def _batched(axis_size, in_batched, x2, raw):
+        x_batched, raw_batched = in_batched
+        if raw_batched:
+            return jax.vmap(dense, in_axes=(0 if x_batched else None, 0))(x2, raw), True
         if not x_batched:
-            return product(x2, stack, index), False
-        y = product(x2.reshape((-1, x2.shape[-1])), stack, index)
+            return product(x2, raw), False
+        y = product(x2.reshape((-1, x2.shape[-1])), raw)
         return y.reshape(x2.shape[:-1] + y.shape[-1:]), True
 
-    return product(x2, stack, index)
+    return product(x2, raw)

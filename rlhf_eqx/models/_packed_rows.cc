@@ -175,21 +175,17 @@ void RowsOf(int64_t M, const float* x, const uint8_t* raw, float* y, int64_t n, 
 }
 
 using Rows32 = ffi::Buffer<ffi::F32, 2>;
-using PackedStack = ffi::Buffer<ffi::U8, 3>;  // [layers, out, row bytes]
-using LayerIndex = ffi::Buffer<ffi::S32, 0>;
+using PackedBytes = ffi::Buffer<ffi::U8, 2>;
 
-// y = x @ W[layer]ᵀ: a stacked weight is read in place (no copy of the layer's slice)
-ffi::Error PackedRowsImpl(ffi::ThreadPool pool, Rows32 x, PackedStack raw, LayerIndex layer,
+ffi::Error PackedRowsImpl(ffi::ThreadPool pool, Rows32 x, PackedBytes raw,
                           ffi::Result<Rows32> y, int64_t kind) {
   const auto xd = x.dimensions(), rd = raw.dimensions();
-  const int64_t M = xd[0], n = xd[1], layers = rd[0], out = rd[1];
+  const int64_t M = xd[0], n = xd[1], out = rd[0];
   if (kind < kQ8_0 || kind > kQ4_1) return ffi::Error::InvalidArgument("packed_rows: unknown kind");
-  if (n % 32 || rd[2] != n / 32 * BlockBytes(kind))
+  if (n % 32 || rd[1] != n / 32 * BlockBytes(kind))
     return ffi::Error::InvalidArgument("packed_rows: raw's row bytes do not match x's columns");
-  const int64_t l = *layer.typed_data();
-  if (l < 0 || l >= layers) return ffi::Error::InvalidArgument("packed_rows: layer out of range");
   const float* xp = x.typed_data();
-  const uint8_t* rp = raw.typed_data() + l * out * rd[2];
+  const uint8_t* rp = raw.typed_data();
   float* yp = y->typed_data();
   auto run = [=](int64_t o0, int64_t o1) {
     if (kind == kQ8_0) RowsOf<kQ8_0>(M, xp, rp, yp, n, out, o0, o1);
@@ -230,7 +226,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlhfEqxPackedRows, PackedRowsImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Rows32>()
-                                  .Arg<PackedStack>()
-                                  .Arg<LayerIndex>()
+                                  .Arg<PackedBytes>()
                                   .Ret<Rows32>()
                                   .Attr<int64_t>("kind"));

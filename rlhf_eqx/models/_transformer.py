@@ -344,20 +344,14 @@ class Transformer(AbstractSequenceModel, AbstractBatchedModel):
         and the cache. Shared by `decode_step`, `decode_chunk` and `paged_decode_step`."""
         cfg = self.cfg
         rope = _rope(cfg, query_pos)
-        # frozen weights that a decode step reads in place stay whole (sliced per layer,
-        # each would be copied out of the stack every step); the rest is scanned
-        in_place = lambda w: isinstance(w, AbstractQuantizedWeight) and w.layer_view(0) is not None
-        held = jax.tree.map(lambda w: w if in_place(w) else None, self.layers, is_leaf=in_place)
-        scanned = jax.tree.map(lambda w: None if in_place(w) else w, self.layers, is_leaf=in_place)
-        dynamic, static = eqx.partition(scanned, eqx.is_array)
+        dynamic, static = eqx.partition(self.layers, eqx.is_array)
         windows, local = _per_layer(cfg)
         windowed = cfg.sliding_window is not None
 
         def body(carry, xs):
             x, kv = carry
             layer_dyn, layer_idx, window, is_local = xs
-            views = jax.tree.map(lambda w: w.layer_view(layer_idx), held, is_leaf=in_place)
-            layer = eqx.combine(layer_dyn, static, views)
+            layer = eqx.combine(layer_dyn, static)
             seen = allowed & within_window(query_pos, slot_pos, window) if windowed else allowed
             attend_layer = lambda q, k, v: attend(q, k, v, kv, layer_idx, seen)
             x, kv = layer.block(x, cfg, _select(rope, is_local), attend_layer)

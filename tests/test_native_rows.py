@@ -233,3 +233,17 @@ def test_the_avx2_and_plain_builds_compute_the_same(tmp_path, arch):
     assert done.returncode == 0, done.stderr[-3000:]
     assert float(done.stdout.strip()) < 96 * 2**-23  # n · ε of float32
     assert len(list((tmp_path / "rlhf_eqx" / "native").glob("packed_rows-*.so"))) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not COMPILER, reason="needs a C++ compiler")
+def test_a_damaged_cached_library_is_built_again(tmp_path):
+    # a library cut short in the cache (a full disk, a killed copy) under the expected
+    # name is compiled again, not kept as a failure in every later process
+    assert run_script(tmp_path) == "True True []"
+    (library,) = (tmp_path / "rlhf_eqx" / "native").glob("packed_rows-*.so")
+    size = library.stat().st_size
+    with open(library, "r+b") as f:
+        f.truncate(100)
+    assert run_script(tmp_path) == "True True []"
+    assert [p.stat().st_size for p in library.parent.iterdir()] == [size]

@@ -13,7 +13,8 @@ It is compiled once per machine with the system's C++ compiler (`$CXX`, else `c+
 `g++` / `clang++`) for the machine's own instruction set (`RLHF_EQX_NATIVE_ARCH`
 overrides `-march=native`; AVX-512, AVX2 and plain C++ paths), into the user's cache
 directory (`$XDG_CACHE_HOME/rlhf_eqx/native` or `~/.cache/rlhf_eqx/native`; the file
-name carries a hash of the source, the compiler, JAX's version and the CPU's flags).
+name carries a hash of the source, the compiler, JAX's version and the CPU's flags; a
+cached library that no longer loads, cut short or overwritten, is built again once).
 Where no compiler is found, the build fails, or `RLHF_EQX_NATIVE=0` is set,
 `native_rows_available()` is `False` and the products stay in XLA (`packed_product`),
 with the same values up to float32 summation order.
@@ -77,8 +78,9 @@ def _cache_dir() -> str:
     return os.path.join(base, "rlhf_eqx", "native")
 
 
-def _build(compiler: str) -> str:
-    """Compile the kernel (or find it compiled) and return the shared library's path."""
+def _build(compiler: str, *, again: bool = False) -> str:
+    """Compile the kernel (or find it compiled, unless `again`) and return the shared
+    library's path."""
     with open(_SOURCE, "rb") as f:
         source = f.read()
     include = jax.ffi.include_dir()
@@ -92,7 +94,7 @@ def _build(compiler: str) -> str:
     ).hexdigest()[:20]
     directory = _cache_dir()
     path = os.path.join(directory, f"packed_rows-{key}.so")
-    if os.path.exists(path):
+    if os.path.exists(path) and not again:
         return path
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
@@ -118,7 +120,11 @@ def _load() -> bool:
     if compiler is None:
         return False
     try:
-        lib = ctypes.cdll.LoadLibrary(_build(compiler))
+        path = _build(compiler)
+        try:
+            lib = ctypes.cdll.LoadLibrary(path)
+        except OSError:  # a damaged file in the cache (cut short, overwritten): built again
+            lib = ctypes.cdll.LoadLibrary(_build(compiler, again=True))
         jax.ffi.register_ffi_target(
             _TARGET, jax.ffi.pycapsule(lib.RlhfEqxPackedRows), platform="cpu"
         )

@@ -65,14 +65,17 @@ def run_on_data(
     The configuration is validated first and the run directory taken as
     `run_pipeline` does (`open_run_dir`); a run that fails before its first metrics
     (a bad record, say) removes the directory it created (`removed_if_nothing_ran`).
-    The data file's fingerprint (path, size, SHA-256) is recorded in `data.json`, and
-    a resume on a changed file is refused (`check_data`). Pairs the reader dropped
+    The data file's fingerprint (path, size, SHA-256) is recorded in `data.json`, the
+    model's in `model.json`, and a resume on a changed file is refused (`check_data`,
+    `check_model`). Pairs the reader dropped
     (identical or empty completions, unsplittable transcripts) are counted in the
     data-quality report and `summary["data_quality"]["skipped_by_reader"]`;
     `summary["stopped"]` is `"done"`, `"kl_guard"`, `"diverged"` or `"callback"` (a
     stop a callback requested: `summary["stop_reason"]` says why). `callbacks`
     (`Callback`s) are called by the stage's loop and, with the stage's summary entry,
     after its held-out evaluation."""
+    from ._pipeline import check_model as _check_model
+
     st = get_stage(stage)
     if st.data is None:
         raise ConfigError(
@@ -92,6 +95,7 @@ def run_on_data(
         for note in rd.notes:
             print(f"note: {note}", file=sys.stderr)
         check_data(run_dir, cfg.data.path, resume=rd.resume)
+        _check_model(run_dir, cfg.model.source, cfg.model.tokenizer, resume=rd.resume)
         return _run_on_data(cfg, st, run_dir, rd.resume, tuple(callbacks))
 
 

@@ -29,7 +29,7 @@ from ._pipeline_config import (
 )
 from ._registry import StageEnv, stage_config, stage_key, stages
 from ._rollout import sampling_options
-from ._rundir import open_run_dir, write_json_atomic
+from ._rundir import MODEL_NAME, check_recorded, files_fingerprint, open_run_dir, write_json_atomic
 from ._runs import (
     RunContext,
     export_policy,
@@ -157,6 +157,46 @@ def tokenizer_file(source: str = "builtin", tokenizer: str | None = None) -> str
             if os.path.isfile(os.path.join(source, name)):
                 return os.path.join(source, name)
     return None
+
+
+def model_files(source: str = "builtin", tokenizer: str | None = None) -> list[str]:
+    """The files `load_model(source, tokenizer)` reads, in a fixed order: the shipped
+    model and tokenizer for `"builtin"`; a directory's `config.json`, `*.safetensors`
+    and `tokenizer*` files; a `.bin` or `.gguf` file itself; then `tokenizer` when given.
+    Files that do not exist are left out (loading names them)."""
+    from rlhf_eqx.assets import asset_path
+
+    path = model_path(source)
+    if path == "builtin":
+        files = [asset_path("stories260K.bin"), asset_path("tok512.bin")]
+    elif os.path.isdir(path):
+        read = lambda n: (
+            n == "config.json" or n.endswith(".safetensors") or n.startswith("tokenizer")
+        )
+        files = [os.path.join(path, n) for n in sorted(os.listdir(path)) if read(n)]
+    else:
+        files = [path]
+    if tokenizer is not None and tokenizer not in files:
+        files.append(tokenizer)
+    return [f for f in files if os.path.isfile(f)]
+
+
+def check_model(
+    run_dir: str, source: str = "builtin", tokenizer: str | None = None, *, resume: bool
+) -> None:
+    """Record the fingerprint of the model's files (`model_files`: their paths, total
+    size and SHA-256) in `<run_dir>/model.json`; when a run resumes, first refuse
+    (`RunDirError`) a model whose files changed since the run started (another file
+    under the same name, a re-converted checkpoint, an upgraded model package): the
+    resumed steps would continue from weights the first ones never had, and the
+    reference model would differ. A run that recorded none (an older one) records it
+    now."""
+    files = model_files(source, tokenizer)
+    size, sha = files_fingerprint(files)
+    new = {"source": source, "files": [os.path.abspath(f) for f in files], "size": size}
+    new["sha256"] = sha
+    what = f"the model (model.source={source!r}: {', '.join(files)})"
+    check_recorded(run_dir, MODEL_NAME, new, what, resume)
 
 
 def _labels(noise: float, seed: int):
@@ -321,6 +361,7 @@ def run_pipeline(
         print(f"run directory: {run_dir}")
         for note in rd.notes:
             print(f"note: {note}", file=sys.stderr)
+        check_model(run_dir, cfg.model.source, cfg.model.tokenizer, resume=rd.resume)
         return _run_pipeline(cfg, run_dir, rd.resume, say, tuple(callbacks))
 
 

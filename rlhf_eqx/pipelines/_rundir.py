@@ -32,6 +32,7 @@ import os
 import shutil
 import socket
 import sys
+from collections.abc import Sequence
 
 from ..data import dataset_files
 from ._config_io import config_to_dict
@@ -271,6 +272,19 @@ def open_run_dir(
 
 
 DATA_NAME = "data.json"
+MODEL_NAME = "model.json"
+
+
+def files_fingerprint(files: Sequence[str]) -> tuple[int, str]:
+    """The total size of `files` and the SHA-256 of their bytes one after the other."""
+    h = hashlib.sha256()
+    size = 0
+    for file in files:
+        size += os.path.getsize(file)
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return size, h.hexdigest()
 
 
 def data_fingerprint(path: str) -> dict:
@@ -278,14 +292,8 @@ def data_fingerprint(path: str) -> dict:
     bytes (everything the readers read). For a `datasets` directory, the size and
     SHA-256 of its Arrow files one after the other (`data.dataset_files`: every split of
     a `DatasetDict` unless the path names one, `DIR:SPLIT`)."""
-    h = hashlib.sha256()
-    size = 0
-    for file in dataset_files(path, all_splits=True):
-        size += os.path.getsize(file)
-        with open(file, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-    return {"path": os.path.abspath(path), "size": size, "sha256": h.hexdigest()}
+    size, sha = files_fingerprint(dataset_files(path, all_splits=True))
+    return {"path": os.path.abspath(path), "size": size, "sha256": sha}
 
 
 def check_data(run_dir: str, path: str, *, resume: bool) -> None:
@@ -294,8 +302,14 @@ def check_data(run_dir: str, path: str, *, resume: bool) -> None:
     recorded ones: the resumed steps would train on other data than the first ones, as
     with a changed configuration. A run that recorded none (an older one) records it
     now."""
-    new = data_fingerprint(path)
-    stored = os.path.join(run_dir, DATA_NAME)
+    check_recorded(run_dir, DATA_NAME, data_fingerprint(path), f"the data file {path}", resume)
+
+
+def check_recorded(run_dir: str, name: str, new: dict, what: str, resume: bool) -> None:
+    """Record the fingerprint `new` (`size`, `sha256`, ...) in `<run_dir>/<name>`; when a
+    run resumes, first refuse (`RunDirError`, naming `what`) one that differs from the
+    recorded fingerprint. A run that recorded none (an older one) records it now."""
+    stored = os.path.join(run_dir, name)
     if resume and os.path.isfile(stored):
         try:
             with open(stored) as f:
@@ -304,7 +318,7 @@ def check_data(run_dir: str, path: str, *, resume: bool) -> None:
             raise RunDirError(f"{stored}: not JSON ({e})") from None
         if (old.get("size"), old.get("sha256")) != (new["size"], new["sha256"]):
             raise RunDirError(
-                f"{run_dir}: cannot resume: the data file {path} changed since the run "
+                f"{run_dir}: cannot resume: {what} changed since the run "
                 f"started (size {old.get('size')} -> {new['size']} bytes, sha256 "
                 f"{str(old.get('sha256'))[:12]}... -> {new['sha256'][:12]}...); restore it, "
                 "or start a new run on it (another --out, or --overwrite)"

@@ -44,7 +44,12 @@ from ._checkpoints import latest_checkpoint, restore_checkpoint, save_checkpoint
 from ._config import ConfigError
 from ._config_io import config_to_dict
 from ._metrics import MetricsLog, drop_records
-from ._pipeline import load_configured_model, resolve_model_names, tokenizer_file
+from ._pipeline import (
+    check_model,
+    load_configured_model,
+    resolve_model_names,
+    tokenizer_file,
+)
 from ._pipeline_config import PipelineConfig, animal_task_config
 from ._registry import get_stage
 from ._resume_rules import RunDirError, config_changes
@@ -244,6 +249,7 @@ def _member_trackers(cfg, members, out: str, resume: bool) -> contextlib.ExitSta
 
 
 def _sweep(stage, cfg, members, out, resume, export, say, t0) -> SweepResult:
+    check_model(out, cfg.model.source, cfg.model.tokenizer, resume=resume)
     base, tok = load_configured_model(cfg)
     tok_file = tokenizer_file(cfg.model.source, cfg.model.tokenizer)
     say(f"sweep {stage}: {len(members)} members in {out}")

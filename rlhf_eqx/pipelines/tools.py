@@ -22,8 +22,10 @@ from ._monitor import (
 )
 from ._pipeline import (
     MODEL_NAMES as MODEL_NAMES,
+    check_model as check_model,
     format_table as format_table,
     load_model as load_model,
+    model_files as model_files,
     resolve_model_names as resolve_model_names,
     tokenizer_file as tokenizer_file,
 )

@@ -98,7 +98,8 @@ def cache_switched_off() -> bool:
 def command_line_cache(enabled: bool, max_mb: int) -> str | None:
     """The command line's cache: `enable_compilation_cache(max_mb=max_mb)` unless
     `enabled` is false, `RLHF_EQX_COMPILATION_CACHE` is off, or JAX already has a
-    directory (the user's own, kept). Returns the directory in use, or `None`."""
+    directory (the user's own, kept); without one, with a note, where the directory
+    cannot be made. Returns the directory in use, or `None`."""
     if not enabled or cache_switched_off():
         return None
     if jax.config.jax_compilation_cache_dir:
@@ -109,4 +110,8 @@ def command_line_cache(enabled: bool, max_mb: int) -> str | None:
             file=sys.stderr,
         )
         return None
-    return enable_compilation_cache(max_mb=max_mb)
+    try:
+        return enable_compilation_cache(max_mb=max_mb)
+    except OSError as e:  # an unwritable or misplaced cache directory: run without one
+        print(f"note: no compilation cache ({e})", file=sys.stderr)
+        return None

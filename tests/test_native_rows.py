@@ -247,3 +247,28 @@ def test_a_damaged_cached_library_is_built_again(tmp_path):
         f.truncate(100)
     assert run_script(tmp_path) == "True True []"
     assert [p.stat().st_size for p in library.parent.iterdir()] == [size]
+
+
+def test_an_unusable_cache_directory_is_one_line_each_not_a_crash(tmp_path):
+    # XDG_CACHE_HOME naming a file (as a read-only directory does for other users): the
+    # kernel stays in XLA with one warning, and a command-line run goes on without the
+    # compilation cache after one note
+    cache = tmp_path / "cache"
+    cache.write_text("not a directory")
+    out = run_script(tmp_path, XDG_CACHE_HOME=str(cache))
+    assert out.startswith("False True [")
+    assert "the native packed-row kernel could not be built ([Errno 20] Not a directory" in out
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache), "JAX_PLATFORMS": "cpu"}
+    for name in ("RLHF_EQX_COMPILATION_CACHE", "JAX_COMPILATION_CACHE_DIR"):  # the suite's
+        env.pop(name, None)
+    command = ["sample", "--prompt", "Once upon", "-n", "1", "--set", "sampling.max_new_tokens=2"]
+    done = subprocess.run(
+        [sys.executable, "-m", "rlhf_eqx", *command, "--out", str(tmp_path / "run")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("note: no compilation cache") == 1, done.stderr[-3000:]
+    assert done.stdout.startswith("Once upon")

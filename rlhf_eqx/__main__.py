@@ -8,10 +8,12 @@ Commands:
 
 - `pipeline` (the default): the whole pipeline (`--set stages=sft,dpo` to choose).
 - `sft`, `reward`, `dpo`, `grpo`, `kto`: one stage; on the built-in task (after SFT), or
-  on a data file with `--data FILE` (preferences for sft/reward/dpo, e.g. HH-RLHF;
-  prompts with answers for grpo, e.g. GSM8K; unpaired `prompt`/`completion`/`label`
-  JSONL or preferences for kto; for distill, preferences' chosen responses and
-  `--set distill.teacher=DIR`, a checkpoint directory).
+  on a data file with `--data FILE` (preferences for reward/dpo, e.g. HH-RLHF;
+  for sft TRL's `text`, `prompt`/`completion` or `messages` layouts, or preferences'
+  chosen responses; prompts with answers for grpo, e.g. GSM8K; unpaired
+  `prompt`/`completion`/`label` JSONL or preferences for kto; for distill,
+  preferences' chosen responses and `--set distill.teacher=DIR`, a checkpoint
+  directory).
 - `ppo`, `online-dpo`: SFT, the reward model, then this stage on the built-in task.
 - `prm`: a process reward model on a stepwise file (`--data FILE`, records
   `{"prompt", "completions": [steps], "labels": [bools]}`); PPO and GRPO use it with

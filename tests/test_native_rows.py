@@ -147,10 +147,15 @@ def test_switched_off_by_the_environment(tmp_path):
     assert not (tmp_path / "rlhf_eqx" / "native").exists()
 
 
-def test_a_failed_build_warns_once_and_keeps_the_values(tmp_path):
-    out = run_script(tmp_path, CXX=shutil.which("false") or "/bin/false")
-    assert out.startswith("False True ['rlhf_eqx: the native packed-row kernel could not be built")
+@pytest.mark.parametrize("cxx", ["false", "/nonexistent/c++"])
+def test_a_failed_build_warns_once_and_keeps_the_values(tmp_path, cxx):
+    # a compiler that fails, and a `$CXX` that is not there (named, not replaced)
+    out = run_script(tmp_path, CXX=shutil.which(cxx) or cxx)
+    assert out.startswith("False True [") and out.count("rlhf_eqx: the native packed-row") == 1
+    assert "kernel could not be built" in out
     assert "RLHF_EQX_NATIVE=0" in out
+    if cxx.startswith("/nonexistent"):
+        assert "/nonexistent/c++" in out
 
 
 @needs_kernel

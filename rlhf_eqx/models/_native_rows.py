@@ -56,8 +56,13 @@ def _switched_off() -> bool:
 
 
 def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
+    """`$CXX` when set (as given, even when it cannot be found: the build then fails
+    with one warning naming it), else the first of `c++`, `g++`, `clang++` found."""
+    chosen = os.environ.get("CXX", "").strip()
+    if chosen:
+        return shutil.which(chosen) or chosen
+    for name in ("c++", "g++", "clang++"):
+        if shutil.which(name):
             return shutil.which(name)
     return None
 

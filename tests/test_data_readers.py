@@ -290,7 +290,10 @@ def test_missing_keys_and_wrong_types(tmp_path):
             }
         ],
     )
-    with pytest.raises(data.DataError, match="msgs.jsonl:1: unknown chat role 'alien'"):
+    with pytest.raises(
+        data.DataError,
+        match="msgs.jsonl:1: unknown chat role: a message in 'rejected' has the role 'alien'",
+    ):
         data.load_preferences(msgs)
 
 

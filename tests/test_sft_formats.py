@@ -177,7 +177,7 @@ def test_bad_rows_name_the_file_the_line_or_row_and_the_column(tmp_path):
         (
             "m2.jsonl",
             [{"messages": [user("a"), {"role": "narrator", "content": "b"}]}],
-            ":1: unknown chat role 'narrator'",
+            ":1: unknown chat role: a message in 'messages' has the role 'narrator'",
         ),
         (
             "kto.jsonl",

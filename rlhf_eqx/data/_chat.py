@@ -85,6 +85,12 @@ def message_field(value: object, key: str) -> dict[str, str]:
         raise Malformed(
             "wrong type", f"a message in {key!r} needs string role/content (or from/value)"
         )
+    if role.strip().lower() not in _ROLE_ALIASES:
+        raise Malformed(
+            "unknown chat role",
+            f"a message in {key!r} has the role {role!r}; the readers take system, user "
+            f"and assistant turns (and their aliases: {', '.join(sorted(_ROLE_ALIASES))})",
+        )
     return {"role": normalise_role(role), "content": content}
 
 

@@ -238,12 +238,20 @@ def load_records(
                 f"(columns: {', '.join(table.columns)})"
             )
         records = table.records(report)
-    if columns:
-        records = ((where, rename_columns(item, columns)) for where, item in records)
     first = next(records, None)
     if first is None:  # an empty file, blank lines only, or (lenient) nothing readable
         skipped = f" (read {report.read}, skipped {report.num_skipped})" if report.read else ""
         raise DataError(f"{path}: no records{skipped}")
+    if columns:
+        where, item = first
+        missing = [t for t, c in columns.items() if isinstance(item, dict) and c not in item]
+        if table is None and missing:  # JSON records: judged by the first one
+            raise DataError(
+                f"{where}: column {columns[missing[0]]!r} (read as {missing[0]!r}) is "
+                f"missing (keys: {', '.join(sorted(item))})"
+            )
+        first = (where, rename_columns(item, columns) if isinstance(item, dict) else item)
+        records = ((where, rename_columns(item, columns)) for where, item in records)
     if format == "auto":
         detected = detect(first[1])
         if detected is None:

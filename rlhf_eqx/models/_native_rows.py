@@ -46,8 +46,7 @@ sharing one cache directory)."""
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "_packed_rows.cc")
 _TARGET = "rlhf_eqx_packed_rows"
-_KINDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}
-_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}  # 32 values a block
+_KINDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}  # the kernel's numbers of the block formats
 NATIVE_KINDS = tuple(_KINDS)
 
 
@@ -166,13 +165,16 @@ def native_rows_product(
     j]`, float32), differentiable in `x` (the gradient multiplies by the dequantised
     weight). Call `native_rows_available()` first; here it must be `True`.
     """
+    # the block formats live with their decoders (which import this module's caller)
+    from ._gguf_blocks import GGUF_BLOCKS
+
     if kind not in _KINDS:
         raise ValueError(f"native_rows_product: kind {kind!r} is not one of {list(NATIVE_KINDS)}")
     n, nbytes = x.shape[-1], raw.shape[-1]
-    size = _BLOCK_BYTES[kind]
-    if n % 32 or nbytes != n // 32 * size:
+    qk, size = GGUF_BLOCKS[kind]
+    if n % qk or nbytes != n // qk * size:
         raise ValueError(
-            f"native_rows_product: raw has {nbytes} bytes per row, expected {n // 32 * size} "
+            f"native_rows_product: raw has {nbytes} bytes per row, expected {n // qk * size} "
             f"for x's {n} values of {kind}"
         )
     if not native_rows_available():
@@ -190,9 +192,10 @@ def _product_fwd(x, raw, kind):
 
 
 def _product_bwd(kind, raw, g):
-    from ._gguf_blocks import dequantize_rows  # the decoder lives with the block formats
+    from ._gguf_blocks import GGUF_BLOCKS, dequantize_rows
 
-    w = dequantize_rows(raw, kind, raw.shape[-1] // _BLOCK_BYTES[kind] * 32)
+    qk, size = GGUF_BLOCKS[kind]
+    w = dequantize_rows(raw, kind, raw.shape[-1] // size * qk)
     return g @ w, None
 
 

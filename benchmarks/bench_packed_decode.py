@@ -1,7 +1,7 @@
 """Greedy decoding of SmolLM2-135M-Instruct on a float32, a Q8_0 and a Q4_1 base, side by side.
 
     .venv/bin/python benchmarks/bench_packed_decode.py [--rounds 3] [--new-tokens 32]
-        [--batches 1,4] [--max-rows N]
+        [--batches 1,4] [--max-rows N] [--native-max-rows N] [--layers 1,4,8,64]
 
 The float32 model is the shipped Q4_1 file dequantised (`load_gguf(quantized=False)`);
 the Q8_0 file is written once from it (`save_gguf(..., dtype="q8_0")`) into a temporary
@@ -11,7 +11,14 @@ Each round times every model and batch size once, alternating; the time per toke
 bandwidth bound is the bytes of every weight (read once per decode step: SmolLM2's head
 is its tied embedding) over the copy bandwidth measured in the same run (a numpy copy
 of 256 MiB, read + write bytes per second). `--max-rows 0` turns the packed products
-off (every product dequantises its weight first), for a before/after comparison.
+off (every product dequantises its weight first), for a before/after comparison;
+`--native-max-rows 0` the native kernel.
+
+`--layers ROWS` times instead the products of SmolLM2's 30 layers alone (its four
+projections a layer, `models.matmul` in a `lax.scan` over the stacked weights, `M`
+rows of activations for each `M` in ROWS; median of `--rounds`, interleaved): float32,
+Q8_0 as routed (the native kernel up to `NATIVE_MAX_ROWS` rows), and Q8_0 dequantised
+before each product.
 """
 
 import argparse
@@ -60,6 +67,54 @@ def decode_seconds(policy, prompts, masks, n: int) -> float:
     return _timed(lambda: run(n)) - _timed(lambda: run(1))
 
 
+def layer_products(policy, rows: int):
+    """A jitted scan of every layer's four projections on `rows` rows of activations."""
+    layers = policy.transformer.layers
+    weights = [layers.wqkv, layers.wo, layers.w_gate_up, layers.w_down]
+    d, ff = layers.wo.shape[-1], layers.w_down.shape[-2]
+
+    def body(h, w):
+        wqkv, wo, w_gate_up, w_down = w
+        a = rx.models.matmul(h, wqkv)
+        o = rx.models.matmul(a[:, :d], wo)
+        gu = rx.models.matmul(o, w_gate_up)
+        y = rx.models.matmul(jax.nn.silu(gu[:, :ff]) * gu[:, ff:], w_down)
+        return h + 1e-3 * y + 1e-6 * a[:, d:].sum(), None
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((rows, d)), jnp.float32)
+    run = jax.jit(lambda x, w: jax.lax.scan(body, x, w)[0])
+    return lambda: run(x, weights).block_until_ready()
+
+
+def layers_main(dense, q8, rows: list[int], rounds: int) -> None:
+    progs = {}
+    for m in rows:  # the route is chosen when a program is traced: trace each setting
+        progs["float32", m] = layer_products(dense, m)
+        progs["Q8_0", m] = layer_products(q8, m)
+        progs["Q8_0", m]()
+        limits = _packed_products.NATIVE_MAX_ROWS, _packed_products.PACKED_MAX_ROWS
+        _packed_products.NATIVE_MAX_ROWS = _packed_products.PACKED_MAX_ROWS = 0
+        progs["Q8_0 dequantised", m] = layer_products(q8, m)
+        progs["Q8_0 dequantised", m]()
+        _packed_products.NATIVE_MAX_ROWS, _packed_products.PACKED_MAX_ROWS = limits
+        progs["float32", m]()
+    times = {k: [] for k in progs}
+    for _ in range(rounds):
+        for k, f in progs.items():
+            times[k].append(_timed(f))
+    print(
+        f"native kernel: {rx.models.native_rows_available()}; load average "
+        f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}"
+    )
+    print("rows  " + "  ".join(f"{name:>18}" for name in ("float32", "Q8_0", "Q8_0 dequantised")))
+    for m in rows:
+        cells = [
+            f"{1e3 * statistics.median(times[name, m]):15.1f} ms"
+            for name in ("float32", "Q8_0", "Q8_0 dequantised")
+        ]
+        print(f"{m:4}  " + "  ".join(cells))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -67,6 +122,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--max-rows", type=int, default=_packed_products.PACKED_MAX_ROWS)
     ap.add_argument("--native-max-rows", type=int, default=_packed_products.NATIVE_MAX_ROWS)
+    ap.add_argument("--layers", default=None, help="rows, e.g. 1,4,8,64: the layers' products")
     args = ap.parse_args()
     _packed_products.PACKED_MAX_ROWS = args.max_rows
     _packed_products.NATIVE_MAX_ROWS = args.native_max_rows
@@ -77,6 +133,9 @@ def main() -> None:
         q8 = os.path.join(tmp, "smollm2-q8_0.gguf")
         rx.save_gguf(dense, q8, tokenizer=tok, dtype="q8_0")
         models["Q8_0"] = rx.load_gguf(q8, quantized=True)[0]
+    if args.layers:
+        rows = [int(r) for r in args.layers.split(",")]
+        return layers_main(dense, models["Q8_0"], rows, args.rounds)
     models["Q4_1"] = rx.load_gguf(path, quantized=True)[0]
     ids = tok.encode("Write a short poem about the sea.")
     batches = [int(b) for b in args.batches.split(",")]

@@ -35,7 +35,8 @@ from ._native_rows import NATIVE_KINDS, native_rows_available, native_rows_produ
 # rows of activations (all vmapped calls together) up to which the packed product is used
 PACKED_MAX_ROWS = 1
 # ... and up to which the native kernel is, where it is built (on 2 cores it beats
-# dequantise-then-dot up to ~64 rows: SmolLM2's layers took 104 against 148 ms at 64)
+# dequantise-then-dot up to ~64 rows: SmolLM2's layers took 95 against 150 ms at 64,
+# `benchmarks/bench_packed_decode.py --layers 64`)
 NATIVE_MAX_ROWS = 64
 
 

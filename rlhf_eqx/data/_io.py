@@ -95,6 +95,36 @@ def _is_json_list(path: str, data: bytes) -> bool:
     return data.lstrip()[:1] == b"["
 
 
+@dataclasses.dataclass
+class _InvalidJSON(Exception):
+    """Bytes that are not UTF-8 JSON: `reason` (`"invalid UTF-8"` or `"invalid JSON"`),
+    the 1-based `line` within the bytes, the `position` within that line (`"byte N"`,
+    0-based, or `"column N"`, 1-based) and the decoder's `message`."""
+
+    reason: str
+    line: int
+    position: str
+    message: str
+
+
+def _json_value(raw: bytes) -> object:
+    """`raw` decoded as UTF-8 and parsed as JSON (`_InvalidJSON` when it is not)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line_start = raw.rfind(b"\n", 0, e.start) + 1
+        raise _InvalidJSON(
+            "invalid UTF-8",
+            raw.count(b"\n", 0, e.start) + 1,
+            f"byte {e.start - line_start}",
+            e.reason,
+        ) from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _InvalidJSON("invalid JSON", e.lineno, f"column {e.colno}", e.msg) from None
+
+
 def read_json_records(
     path: str | os.PathLike, report: LoadReport, *, lenient: bool
 ) -> Iterator[tuple[str, dict]]:
@@ -119,14 +149,9 @@ def read_json_records(
 
     if _is_json_list(path, data):
         try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            line = data[: e.start].count(b"\n") + 1
-            raise DataError(f"{path}:{line}: invalid UTF-8: {e.reason}") from None
-        try:
-            items = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
+            items = _json_value(data)
+        except _InvalidJSON as e:
+            raise DataError(f"{path}:{e.line}: {e.reason}: {e.message}") from None
         if not isinstance(items, list):
             raise DataError(f"{path}: a .json file must hold a list of records")
         for n, item in enumerate(items):
@@ -144,14 +169,9 @@ def read_json_records(
         where = f"{path}:{lineno}"
         report.read += 1
         try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            bad(where, "invalid UTF-8", f"byte {e.start}: {e.reason}")
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as e:
-            bad(where, "invalid JSON", f"column {e.colno}: {e.msg}")
+            item = _json_value(raw)
+        except _InvalidJSON as e:
+            bad(where, e.reason, f"{e.position}: {e.message}")
             continue
         if not isinstance(item, dict):
             bad(where, "not a JSON object", type(item).__name__)

@@ -157,7 +157,11 @@ class RolloutCorrection(eqx.Module):
             value = getattr(self, name)
             if value is not None and not is_python_number(value):
                 raise ValueError(f"RolloutCorrection.{name} must be a Python number, got {value!r}")
-        _check_settings(self.level, self.mode, self.upper, self.lower, prefix="RolloutCorrection.")
+        _check_settings(**self._settings(), prefix="RolloutCorrection.")
+
+    def _settings(self) -> dict[str, object]:
+        """The settings as keyword arguments of `importance_weights`."""
+        return dict(level=self.level, mode=self.mode, upper=self.upper, lower=self.lower)
 
     def __call__(
         self,
@@ -165,15 +169,7 @@ class RolloutCorrection(eqx.Module):
         behaviour_logp: Float[Array, " T"],
         mask: Bool[Array, " T"],
     ) -> tuple[Float[Array, " T"], Bool[Array, " T"]]:
-        return importance_weights(
-            logp_old,
-            behaviour_logp,
-            mask,
-            level=self.level,
-            mode=self.mode,
-            upper=self.upper,
-            lower=self.lower,
-        )
+        return importance_weights(logp_old, behaviour_logp, mask, **self._settings())
 
 
 def mismatch_metrics(

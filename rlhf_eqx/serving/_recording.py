@@ -110,6 +110,15 @@ def _join(episode_id: str, turns: Sequence[Turn], reward: float | None) -> Episo
     )
 
 
+def _right_padded(rows: Sequence, length: int, fill, dtype) -> jnp.ndarray:
+    """`rows` (sequences of at most `length` values) as a `[len(rows), length]` array,
+    each right-padded with `fill`."""
+    out = np.full((len(rows), length), fill, dtype)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return jnp.asarray(out)
+
+
 class Recording:
     """The turns a `Server` samples while the recording is open
     (`with server.recording() as rec:`), and the rewards reported for their episodes.
@@ -193,31 +202,21 @@ class Recording:
                     f"episode {ep.episode_id!r} has no reward: call reward({ep.episode_id!r}, r)"
                 )
         T = max(len(ep.tokens) for ep in episodes) if length is None else int(length)
+        for ep in episodes:
+            if len(ep.tokens) > T:
+                raise ValueError(
+                    f"episode {ep.episode_id!r} has {len(ep.tokens)} tokens, above length={T}"
+                )
         turns = max(len(ep.turns) for ep in episodes)
-        E = len(episodes)
-        tokens = np.full((E, T), pad_id, np.int32)
-        mask = np.zeros((E, T), bool)
-        loss_mask = np.zeros((E, T), bool)
-        logprobs = np.zeros((E, T), np.float32)
-        turn_ids = np.full((E, T), -1, np.int32)
-        turn_rewards = np.zeros((E, turns), np.float32)
-        for i, ep in enumerate(episodes):
-            n = len(ep.tokens)
-            if n > T:
-                raise ValueError(f"episode {ep.episode_id!r} has {n} tokens, above length={T}")
-            tokens[i, :n] = ep.tokens
-            mask[i, :n] = True
-            loss_mask[i, :n] = ep.loss_mask
-            logprobs[i, :n] = ep.logprobs
-            turn_ids[i, :n] = ep.turn_ids
-            turn_rewards[i, len(ep.turns) - 1] = ep.reward
+        # the reward at the episode's last turn, 0 at the others
+        last_turn = [[0.0] * (len(ep.turns) - 1) + [ep.reward] for ep in episodes]
         return Trajectory(
-            tokens=jnp.asarray(tokens),
-            mask=jnp.asarray(mask),
-            loss_mask=jnp.asarray(loss_mask),
-            logprobs=jnp.asarray(logprobs),
-            turn_ids=jnp.asarray(turn_ids),
-            turn_rewards=jnp.asarray(turn_rewards),
+            tokens=_right_padded([ep.tokens for ep in episodes], T, pad_id, np.int32),
+            mask=_right_padded([[True] * len(ep.tokens) for ep in episodes], T, False, bool),
+            loss_mask=_right_padded([ep.loss_mask for ep in episodes], T, False, bool),
+            logprobs=_right_padded([ep.logprobs for ep in episodes], T, 0.0, np.float32),
+            turn_ids=_right_padded([ep.turn_ids for ep in episodes], T, -1, np.int32),
+            turn_rewards=_right_padded(last_turn, turns, 0.0, np.float32),
             reward=jnp.asarray([ep.reward for ep in episodes], jnp.float32),
             num_turns=jnp.asarray([len(ep.turns) for ep in episodes], jnp.int32),
             truncated=jnp.asarray([ep.truncated for ep in episodes]),

@@ -21,7 +21,8 @@ line a run log can print.
 """
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from ._errors import DataError
 from ._io import common_prefix_length
@@ -36,6 +37,7 @@ from ._tokenized import (
 from ._tokenizer import Tokenizer
 
 _TRUNCATIONS = ("keep_end", "drop")
+T = TypeVar("T")
 
 
 def wants_bos(tokenizer: Tokenizer, add_bos: bool | None = None) -> bool:
@@ -128,8 +130,9 @@ def _tokenize(
     truncation: str,
     add_bos: bool | None,
     add_eos: bool,
-) -> tuple[list[tuple[int, list[TokenizedSequence]]], TokenizeReport]:
-    """Each kept item as `(its index in items, its fitted sequences)`, and the report."""
+    build: Callable[[int, list[TokenizedSequence]], T],
+) -> tuple[list[T], TokenizeReport]:
+    """`build(index in items, fitted sequences)` of each kept item, and the report."""
     _check_truncation(truncation)
     report = TokenizeReport(lengths=lengths, truncation=truncation)
     out = []
@@ -163,7 +166,7 @@ def _tokenize(
         report.prompt_truncated += flags[0]
         report.completion_truncated += flags[1]
         report.boundary_merged += merged
-        out.append((i, seqs))
+        out.append(build(i, seqs))
     return out, report
 
 
@@ -195,14 +198,14 @@ def tokenize_preferences(
     **Returns:** `(pairs, report)`: a `TokenizedPair` for each kept record, and a
     `TokenizeReport` counting truncated, dropped and boundary-merged records.
     """
-    return _tokenize_as(
+    return _tokenize(
         [(prompt, [chosen, rejected]) for prompt, chosen, rejected in _preference_texts(records)],
         tokenizer,
-        resolve_lengths(lengths, max_length, max_prompt_length, max_completion_length),
+        lengths=resolve_lengths(lengths, max_length, max_prompt_length, max_completion_length),
         truncation=truncation,
         add_bos=add_bos,
         add_eos=add_eos,
-        build=lambda seqs: TokenizedPair(*seqs),
+        build=lambda _, seqs: TokenizedPair(*seqs),
     )
 
 
@@ -224,22 +227,15 @@ def tokenize_sft(
     `.completion` — or `.prompt` and `.chosen`, so a `PreferenceDataset` gives SFT on
     the chosen replies. Arguments and truncation as in `tokenize_preferences`.
     """
-    return _tokenize_as(
+    return _tokenize(
         [_prompt_and_completions(r) for r in records],
         tokenizer,
-        resolve_lengths(lengths, max_length, max_prompt_length, max_completion_length),
+        lengths=resolve_lengths(lengths, max_length, max_prompt_length, max_completion_length),
         truncation=truncation,
         add_bos=add_bos,
         add_eos=add_eos,
-        build=lambda seqs: seqs[0],
+        build=lambda _, seqs: seqs[0],
     )
-
-
-def _tokenize_as(items, tokenizer, lengths, *, truncation, add_bos, add_eos, build):
-    seqs, report = _tokenize(
-        items, tokenizer, lengths=lengths, truncation=truncation, add_bos=add_bos, add_eos=add_eos
-    )
-    return [build(s) for _, s in seqs], report
 
 
 def tokenize_prompts(

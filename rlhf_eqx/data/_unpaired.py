@@ -224,15 +224,15 @@ def tokenize_unpaired(
     lengths = resolve_lengths(lengths, max_length, max_prompt_length, max_completion_length)
     _check_truncation(truncation)
     fields = [_unpaired_fields(record) for record in records]
-    kept, report = _tokenize(
+    return _tokenize(
         [(prompt, [completion]) for prompt, completion, _ in fields],
         tokenizer,
         lengths=lengths,
         truncation=truncation,
         add_bos=add_bos,
         add_eos=add_eos,
+        build=lambda i, seqs: TokenizedUnpaired(seqs[0], fields[i][2]),
     )
-    return [TokenizedUnpaired(seqs[0], fields[i][2]) for i, seqs in kept], report
 
 
 def _mismatched_sequences(seqs: Sequence[TokenizedSequence], limit: int) -> list[TokenizedSequence]:

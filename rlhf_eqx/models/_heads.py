@@ -1,6 +1,7 @@
 """Policy (LM head), value model (per-token scalar) and reward model (scalar at the last real
 token)."""
 
+import abc
 import math
 
 import equinox as eqx
@@ -44,7 +45,35 @@ def _previous_real(mask: Bool[Array, "N T"]) -> tuple[Int[Array, "N T"], Bool[Ar
 _UNROLLED_CHUNKS = 16
 
 
-class Policy(AbstractChunkDecoder[KVCache], AbstractBatchedModel, AbstractSelectiveLM):
+class _BackboneModel(eqx.Module):
+    """A `Transformer` and a read-out of its final hidden states (the base of `Policy`,
+    `ValueModel` and `RewardModel`). The call applies the read-out at every position;
+    `RewardModel`'s replaces it with a read at the last real token."""
+
+    transformer: Transformer
+
+    @property
+    def cfg(self) -> TransformerConfig:
+        return self.transformer.cfg
+
+    @abc.abstractmethod
+    def _read_out(self, h: Float[Array, "*T D"]) -> Float[Array, "..."]:
+        raise NotImplementedError
+
+    def __call__(
+        self,
+        tokens: Int[Array, "*B T"],
+        mask: Bool[Array, "*B T"],
+        *,
+        segment_ids: Int[Array, "*B T"] | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> Float[Array, "..."]:
+        return self._read_out(self.transformer(tokens, mask, segment_ids=segment_ids, key=key))
+
+
+class Policy(
+    _BackboneModel, AbstractChunkDecoder[KVCache], AbstractBatchedModel, AbstractSelectiveLM
+):
     """A causal language model: `policy(tokens, mask) -> logits [T, V]` (float32).
 
     Written for one sequence; a batch `[B, T]` may also be passed directly (the result
@@ -56,7 +85,6 @@ class Policy(AbstractChunkDecoder[KVCache], AbstractBatchedModel, AbstractSelect
     quantised one (`(in, out) = (D, V)`) goes through the frozen product `matmul`.
     """
 
-    transformer: Transformer
     lm_head: Float[Array, "D V"] | AbstractQuantizedWeight | None
 
     def __init__(self, cfg: TransformerConfig, *, key: PRNGKeyArray):
@@ -68,10 +96,6 @@ class Policy(AbstractChunkDecoder[KVCache], AbstractBatchedModel, AbstractSelect
             (self.lm_head,) = normal_init(
                 kh, shapes=((cfg.d_model, cfg.vocab_size),), scales=(0.02,), dtype=cfg.param_dtype
             )
-
-    @property
-    def cfg(self) -> TransformerConfig:
-        return self.transformer.cfg
 
     @property
     def vocab_size(self) -> int:
@@ -96,17 +120,8 @@ class Policy(AbstractChunkDecoder[KVCache], AbstractBatchedModel, AbstractSelect
         logits = matmul(hidden, w, out_dtype=jnp.float32)
         return softcap(logits, self.cfg.final_softcap)
 
-    def __call__(
-        self,
-        tokens: Int[Array, "*B T"],
-        mask: Bool[Array, "*B T"],
-        *,
-        segment_ids: Int[Array, "*B T"] | None = None,
-        key: PRNGKeyArray | None = None,
-    ) -> Float[Array, "*B T V"]:
-        return self.logits_from_hidden(
-            self.transformer(tokens, mask, segment_ids=segment_ids, key=key)
-        )
+    def _read_out(self, h: Float[Array, "*T D"]) -> Float[Array, "*T V"]:
+        return self.logits_from_hidden(h)
 
     def selected_logprobs(
         self,
@@ -263,10 +278,9 @@ class Policy(AbstractChunkDecoder[KVCache], AbstractBatchedModel, AbstractSelect
         return self.logits_from_hidden(h), cache
 
 
-class _ScalarHeadModel(eqx.Module):
+class _ScalarHeadModel(_BackboneModel):
     """A backbone plus a linear scalar read-out (shared by `ValueModel` and `RewardModel`)."""
 
-    transformer: Transformer
     head: Float[Array, " D"]
     bias: Float[Array, ""]
 
@@ -276,10 +290,6 @@ class _ScalarHeadModel(eqx.Module):
         scale = 1.0 / math.sqrt(cfg.d_model + 1.0)
         (self.head,) = normal_init(kh, shapes=((cfg.d_model,),), scales=(scale,), dtype=jnp.float32)
         self.bias = jnp.zeros((), jnp.float32)
-
-    @property
-    def cfg(self) -> TransformerConfig:
-        return self.transformer.cfg
 
     @classmethod
     def from_policy(cls, policy: Policy, *, key: PRNGKeyArray):
@@ -296,16 +306,6 @@ class ValueModel(_ScalarHeadModel, AbstractSequenceModel, AbstractBatchedModel):
 
     `values[t]` estimates the return from the state after token `t`.
     """
-
-    def __call__(
-        self,
-        tokens: Int[Array, "*B T"],
-        mask: Bool[Array, "*B T"],
-        *,
-        segment_ids: Int[Array, "*B T"] | None = None,
-        key: PRNGKeyArray | None = None,
-    ) -> Float[Array, "*B T"]:
-        return self._read_out(self.transformer(tokens, mask, segment_ids=segment_ids, key=key))
 
 
 class RewardModel(

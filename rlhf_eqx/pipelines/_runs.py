@@ -200,6 +200,10 @@ def take_rows(batch, idx):
     return jax.tree.map(lambda x: None if x is None else x[idx], batch)
 
 
+_LOOP_FIELDS = ("key", "ops", "log", "checkpoint_dir", "resume", "meta", "peak_flops", "callbacks")
+"""The `RunContext` fields `run_iterations` takes as they are (`run_loop`)."""
+
+
 def run_loop(state, iteration, ctx: RunContext, num, *, policy_of=None, **kw) -> RunResult:
     """`run_iterations` with the context's settings, its periodic evaluation (on the
     policy `policy_of(state)`, LoRA merged) and its callbacks."""
@@ -209,21 +213,9 @@ def run_loop(state, iteration, ctx: RunContext, num, *, policy_of=None, **kw) ->
         merged = lambda s: final_policy(policy_of(s))  # noqa: E731
     if ctx.evaluate is not None and merged is not None:
         evaluate = lambda s, i: ctx.evaluate(merged(s))  # noqa: E731
+    given = {name: getattr(ctx, name) for name in _LOOP_FIELDS}
     loop = run_iterations(
-        state,
-        iteration,
-        num_iterations=num,
-        key=ctx.key,
-        ops=ctx.ops,
-        log=ctx.log,
-        checkpoint_dir=ctx.checkpoint_dir,
-        resume=ctx.resume,
-        meta=ctx.meta,
-        evaluate=evaluate,
-        peak_flops=ctx.peak_flops,
-        callbacks=ctx.callbacks,
-        policy_of=merged,
-        **kw,
+        state, iteration, num_iterations=num, evaluate=evaluate, policy_of=merged, **given, **kw
     )
     return RunResult(loop.state, loop.history, loop)
 

@@ -44,7 +44,7 @@ from ._io import (
     record_field,
     string_field,
 )
-from ._tokenize import wants_bos
+from ._tokenize import _cut_prompt, wants_bos
 from ._tokenized import SequenceLengths, TokenizeReport, resolve_lengths
 from ._tokenizer import Tokenizer
 
@@ -205,11 +205,10 @@ def tokenize_stepwise(
             )
         if len(steps) != len(labels):
             raise DataError(f"record {n}: {len(steps)} steps but {len(labels)} labels")
-        head = [tokenizer.bos_id] if add_bos else []
-        ids = head + list(tokenizer.encode(prompt))
-        if len(ids) > lengths.max_prompt_length:
-            keep = lengths.max_prompt_length - len(head)
-            ids = head + ids[len(ids) - keep :]
+        ids = ([tokenizer.bos_id] if add_bos else []) + list(tokenizer.encode(prompt))
+        cut = _cut_prompt(ids, lengths.max_prompt_length, truncation="keep_end", add_bos=add_bos)
+        if cut is not None:
+            ids = cut
             report.prompt_truncated += 1
         room = lengths.completion_room(len(ids))
         tokens, ends, kept = list(ids), [], []

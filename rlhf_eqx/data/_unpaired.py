@@ -111,6 +111,7 @@ def detect_unpaired_format(record: dict) -> str | None:
     return "messages" if isinstance(record["completion"], list) else "plain"
 
 
+# Same keywords as `load_preferences` (both read through `load_records`).
 def load_unpaired(
     path: str | os.PathLike,
     format: str = "auto",

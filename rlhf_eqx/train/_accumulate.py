@@ -15,9 +15,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jaxtyping import Array, Float, Key, PRNGKeyArray, PyTree
+from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray, PyTree
 
 from ..models import AbstractBatchedModel
+from ..ops import entropy_from_logits, logprobs_from_logits
 from ._optim import learning_rate_from_state
 from ._validation import check_positive_int
 
@@ -199,3 +200,22 @@ def vmap_model(
     if keys is None:
         return jax.vmap(lambda t, m: model(t, m))(tokens, mask)
     return jax.vmap(lambda t, m, k: model(t, m, key=k))(tokens, mask, keys)
+
+
+def tempered_logprobs(
+    logits: Float[Array, "B T V"],
+    tokens: Int[Array, "B T"],
+    mask: Bool[Array, "B T"],
+    temperature: float,
+) -> Float[Array, "B T"]:
+    """`rlhf_eqx.ops.logprobs_from_logits` of every row, at `temperature`."""
+    return jax.vmap(lambda lg, t, m: logprobs_from_logits(lg, t, m, temperature=temperature))(
+        logits, tokens, mask
+    )
+
+
+def tempered_entropies(
+    logits: Float[Array, "B T V"], mask: Bool[Array, "B T"], temperature: float
+) -> Float[Array, "B T"]:
+    """`rlhf_eqx.ops.entropy_from_logits` of every row, at `temperature`."""
+    return jax.vmap(lambda lg, m: entropy_from_logits(lg, m, temperature=temperature))(logits, mask)

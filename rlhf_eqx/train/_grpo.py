@@ -17,8 +17,14 @@ from ..losses import (
     resolve_policy_loss,
 )
 from ..models import AbstractSelectiveLM
-from ..ops import entropy_from_logits, logprobs_from_logits, masked_sum
-from ._accumulate import _moment_std, _set_fields, vmap_model
+from ..ops import masked_sum
+from ._accumulate import (
+    _moment_std,
+    _set_fields,
+    tempered_entropies,
+    tempered_logprobs,
+    vmap_model,
+)
 from ._builder import step_builder
 from ._group_logps import shared_prompt_logprobs
 from ._grpo_advantages import grpo_advantages
@@ -122,15 +128,10 @@ def grpo_loss(
                 out = shared_prompt_logprobs(model, batch, m, **kw)
             return out[0], (out[2] if entropy else None)
         logits = vmap_model(model, batch.tokens, batch.mask, key)
-        logp = jax.vmap(lambda lg, t, mk: logprobs_from_logits(lg, t, mk, temperature=temperature))(
-            logits, batch.tokens, batch.mask
-        )
+        logp = tempered_logprobs(logits, batch.tokens, batch.mask, temperature)
         if not entropy:
             return logp, None
-        ent = jax.vmap(lambda lg, mk: entropy_from_logits(lg, mk, temperature=temperature))(
-            logits, batch.mask
-        )
-        return logp, ent
+        return logp, tempered_entropies(logits, batch.mask, temperature)
 
     def loss_fn(params: PyTree, frozen: PyTree, batch: GRPOBatch, key: PRNGKeyArray | None):
         frozen_part, ref_model, *rest = frozen

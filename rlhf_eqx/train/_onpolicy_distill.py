@@ -14,8 +14,8 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray, PyTree
 from ..data import DistillBatch
 from ..losses import aggregate_parts, ppo_policy_loss, reverse_kl_reward
 from ..models import AbstractSelectiveLM
-from ..ops import logprobs_from_logits, masked_sum
-from ._accumulate import vmap_model
+from ..ops import masked_sum
+from ._accumulate import tempered_logprobs, vmap_model
 from ._builder import step_builder
 from ._distill import _check_vocab, _distill_step, _loss_mask, _split_teacher, _vocab_size
 from ._rl_settings import SampledSettings
@@ -72,9 +72,7 @@ def _token_logps(
         )
         return out[0]
     logits = vmap_model(model, batch.tokens, batch.mask, key)
-    return jax.vmap(lambda lg, t, mk: logprobs_from_logits(lg, t, mk, temperature=temperature))(
-        logits, batch.tokens, batch.mask
-    )
+    return tempered_logprobs(logits, batch.tokens, batch.mask, temperature)
 
 
 def onpolicy_distill_loss(

@@ -19,8 +19,8 @@ from ..losses import (
     whiten_advantages,
 )
 from ..models import AbstractSelectiveLM
-from ..ops import entropy_from_logits, logprobs_from_logits, masked_sum, previous_real_index
-from ._accumulate import vmap_model
+from ..ops import masked_sum, previous_real_index
+from ._accumulate import tempered_entropies, tempered_logprobs, vmap_model
 from ._rl_settings import SampledSettings
 from ._state import combine
 from ._validation import check_choice, check_number
@@ -129,16 +129,7 @@ def policy_logps_and_values(model, frozen, tokens, mask, select, key, *, tempera
             return logp, ent, jax.vmap(token_values)(values.astype(jnp.float32), mask)
     logits, values = policy_and_values(model, frozen, tokens, mask, key)
     logp = tempered_logprobs(logits, tokens, mask, temperature)
-    ent = jax.vmap(lambda lg, mk: entropy_from_logits(lg, mk, temperature=temperature))(
-        logits, mask
-    )
-    return logp, ent, values
-
-
-def tempered_logprobs(logits, tokens, mask, temperature):
-    return jax.vmap(lambda lg, t, m: logprobs_from_logits(lg, t, m, temperature=temperature))(
-        logits, tokens, mask
-    )
+    return logp, tempered_entropies(logits, mask, temperature), values
 
 
 @eqx.filter_jit

@@ -8,8 +8,6 @@ position `i` (no padding), in page `page_table[i // page_size]` at offset
 (a shared prefix), and nothing in a page depends on which sequence reads it.
 """
 
-import math
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -162,7 +160,6 @@ def paged_attention(
         keys_t = jax.lax.dynamic_update_slice(keys_t, k_cols, (zero, zero, at))
         v_rows = jnp.swapaxes(v_new, 0, 1).astype(values.dtype)
         values = jax.lax.dynamic_update_slice(values, v_rows, (zero, at, zero))
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     return cached_attention(q, keys_t, values, allowed, scale=scale, cap=cap)
 
 

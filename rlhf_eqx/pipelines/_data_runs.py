@@ -14,16 +14,13 @@ from ._callbacks import after_evaluation
 from ._config import (
     ConfigError,
 )
-from ._config_io import config_to_dict
-from ._metrics import MetricsLog
 from ._monitor import measure_matmul_peak
 from ._pipeline_config import (
     PipelineConfig,
 )
-from ._registry import StageEnv, get_stage, stage_config, stages
-from ._rollout import sampling_options
+from ._registry import get_stage, stage_config, stages
 from ._rundir import check_data, open_run_dir, removed_if_nothing_ran, write_json_atomic
-from ._runs import RunContext, export_policy
+from ._runs import export_policy
 from ._trackers import run_trackers
 from ._validation import validate_config
 
@@ -102,32 +99,24 @@ def run_on_data(
 def _run_on_data(
     cfg: PipelineConfig, st, run_dir: str, resume: bool, callbacks: tuple = ()
 ) -> dict:
-    from ._pipeline import load_configured_model, tokenizer_file
+    from ._pipeline import _ctx, _stage_env, load_configured_model, tokenizer_file
 
     policy, tok = load_configured_model(cfg)
     tok_file = tokenizer_file(cfg.model.source, cfg.model.tokenizer)
-    ctx = RunContext(
-        ops=cfg.ops,
-        log=MetricsLog(run_dir, st.name, quiet=cfg.ops.quiet, tensorboard=cfg.ops.tensorboard),
-        key=jax.random.key(cfg.ops.seed),
-        checkpoint_dir=os.path.join(run_dir, st.name, "checkpoints"),
-        resume=resume,
-        **sampling_options(cfg.sampling),
-        meta={"stage": st.name, "config": config_to_dict(cfg)},
-        peak_flops=measure_matmul_peak() if cfg.ops.monitor else None,
-        callbacks=callbacks,
-    )
+    key = jax.random.key(cfg.ops.seed)
+    peak = measure_matmul_peak() if cfg.ops.monitor else None
+    ctx = _ctx(cfg, run_dir, st.name, key, resume, peak_flops=peak, callbacks=callbacks)
     say = (lambda *a: None) if cfg.ops.quiet else print
-    env = StageEnv(
-        cfg=cfg,
-        base=policy,
-        tok=tok,
-        tok_file=tok_file,
-        run_dir=run_dir,
+    env = _stage_env(
+        cfg,
+        policy,
+        tok,
+        run_dir,
+        key,
+        lambda stage, periodic=True: ctx,
         resume=resume,
         say=say,
-        key=ctx.key,
-        make_ctx=lambda stage, periodic=True: ctx,
+        tok_file=tok_file,
         summary={"data": cfg.data.path},
         stage=st.name,
         callbacks=callbacks,

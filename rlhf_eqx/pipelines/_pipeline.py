@@ -199,8 +199,10 @@ def check_model(
     check_recorded(run_dir, MODEL_NAME, new, what, resume)
 
 
-def _labels(noise: float, seed: int):
-    """Noisy scorer labels (deterministic per call site `salt`)."""
+def _task_labels(cfg: PipelineConfig):
+    """The built-in task's noisy scorer labels of `cfg.ops.seed` (`cfg.label_noise`;
+    deterministic per call site `salt`)."""
+    noise, seed = cfg.label_noise, cfg.ops.seed
 
     def label(prompts, texts, salt):
         del prompts
@@ -209,7 +211,7 @@ def _labels(noise: float, seed: int):
     return label
 
 
-def _task_env(
+def _stage_env(
     cfg: PipelineConfig,
     base,
     tok,
@@ -222,9 +224,10 @@ def _task_env(
     tok_file: str | None = None,
     **fields: Any,
 ) -> StageEnv:
-    """The `StageEnv` of stages on the built-in task in `run_dir` (the pipeline's, a
-    sweep's shared ones): its labeller is the task's noisy one of `cfg.ops.seed`;
-    `fields`, the further `StageEnv` fields (`summary`, `callbacks`, `stage`)."""
+    """The `StageEnv` of stages in `run_dir` (the pipeline's, a sweep's shared ones, a
+    run on a data file); `fields`, the further `StageEnv` fields (`label`: on the
+    built-in task its noisy labeller `_task_labels(cfg)`; `summary`, `callbacks`,
+    `stage`)."""
     return StageEnv(
         cfg=cfg,
         base=base,
@@ -235,7 +238,6 @@ def _task_env(
         say=say,
         key=key,
         make_ctx=make_ctx,
-        label=_labels(cfg.label_noise, cfg.ops.seed),
         **fields,
     )
 
@@ -399,7 +401,7 @@ def _run_pipeline(
             callbacks=callbacks,
         )
 
-    env = _task_env(
+    env = _stage_env(
         cfg,
         base,
         tok,
@@ -409,6 +411,7 @@ def _run_pipeline(
         resume=resume,
         say=say,
         tok_file=tokenizer_file(cfg.model.source, cfg.model.tokenizer),
+        label=_task_labels(cfg),
         summary=summary,
         callbacks=callbacks,
     )

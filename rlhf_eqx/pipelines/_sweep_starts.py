@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import jax
 
-from ._pipeline import _ctx, _task_env, task_evaluator, with_win_rates
+from ._pipeline import _ctx, _stage_env, _task_labels, task_evaluator, with_win_rates
 from ._registry import StageEnv, stage_key
 from ._reward_stage import reward as reward_stage
 from ._sft_stage import sft as sft_stage
@@ -51,7 +51,10 @@ def sweep_env(cfg, base, tok, run_dir: str, key, *, resume: bool, say, stage: st
         name = name or stage
         return _ctx(cfg, run_dir, name, stage_key(key, name), resume)
 
-    return _task_env(cfg, base, tok, run_dir, key, make_ctx, resume=resume, say=say, stage=stage)
+    label = _task_labels(cfg)
+    return _stage_env(
+        cfg, base, tok, run_dir, key, make_ctx, resume=resume, say=say, label=label, stage=stage
+    )
 
 
 def builtin_start(

@@ -27,6 +27,7 @@ from ._decode import (
     _check_decoder_output,
     _check_length,
     _check_prompt_ids,
+    _Completions,
     _int32_prompts,
     _row_keys,
     _row_sampler,
@@ -132,9 +133,7 @@ class _SlotState(eqx.Module):
     staged_first: Int[Array, ""]
     staged_logits: Float[Array, "M V"]
     staged_cache: Any
-    tokens: Int[Array, "B N"]
-    logprobs: Float[Array, "B N"]
-    real: Bool[Array, "B N"]
+    out: _Completions
 
 
 def _zeros(n: int, tree: Any) -> Any:
@@ -155,7 +154,7 @@ def _start(plan: _Plan, rows: int, one: Any, width: int) -> dict[str, Any]:
     """The carry fields both continuous loops start with: every slot free, no row
     admitted, no prompt staged (zeros shaped like the prefill's output `one`), the
     `[rows, max_new_tokens]` outputs empty; `width` is the stop table's `L`."""
-    S, N = plan.slots, plan.opts.max_new_tokens
+    S = plan.slots
     staged_logits, staged_cache = _zeros(plan.prefill_rows, one)
     return dict(
         slot_row=jnp.full((S,), -1, jnp.int32),
@@ -166,9 +165,7 @@ def _start(plan: _Plan, rows: int, one: Any, width: int) -> dict[str, Any]:
         staged_first=jnp.asarray(-plan.prefill_rows, jnp.int32),
         staged_logits=staged_logits,
         staged_cache=staged_cache,
-        tokens=jnp.full((rows, N), plan.opts.pad_id, jnp.int32),
-        logprobs=jnp.zeros((rows, N), jnp.float32),
-        real=jnp.zeros((rows, N), jnp.bool_),
+        out=_Completions.empty(rows, plan.opts.max_new_tokens, plan.opts.pad_id),
     )
 
 
@@ -311,15 +308,13 @@ def _generate_continuous(
             logits=logits,
             cache=cache,
             recent=recent,
-            tokens=write(s.tokens, tok),
-            logprobs=write(s.logprobs, lp),
-            real=write(s.real, active),
+            out=s.out.written(write, tok, lp, active),
         )
 
     init = _SlotState(logits=logits0, cache=cache0, **_start(plan, B, one, stops[-1]))
     s = jax.lax.while_loop(cond, body, init)
     rep = lambda x: jnp.repeat(x, G, axis=0)
-    return _with_prompts(rep(prompts), rep(prompt_masks), s.tokens, s.logprobs, s.real)
+    return _with_prompts(rep(prompts), rep(prompt_masks), s.out)
 
 
 _generate_continuous_jit = eqx.filter_jit(_generate_continuous)

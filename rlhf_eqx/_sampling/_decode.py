@@ -172,29 +172,54 @@ def _per_prompt_keys(key: Any, prompts: int) -> bool:
     )
 
 
-def _with_prompts(prompts, prompt_masks, tokens, logprobs, real) -> GenerationOutput:
+class _Completions(eqx.Module):
+    """The `[B, N]` completions a sampler writes: the sampled `tokens` (`pad_id` where
+    none was), their `logprobs` (0 elsewhere), and `real` where a token was generated."""
+
+    tokens: Int[Array, "B N"]
+    logprobs: Float[Array, "B N"]
+    real: Bool[Array, "B N"]
+
+    @classmethod
+    def empty(cls, rows: int, N: int, pad_id: int) -> "_Completions":
+        """`rows` completions of `N` slots with nothing generated yet."""
+        return cls(
+            tokens=jnp.full((rows, N), pad_id, jnp.int32),
+            logprobs=jnp.zeros((rows, N), jnp.float32),
+            real=jnp.zeros((rows, N), jnp.bool_),
+        )
+
+    def written(self, write, tokens, logprobs, real) -> "_Completions":
+        """With one step's `tokens`, `logprobs` and `real` (one value a row) put in by
+        `write(buffer, values)`."""
+        return _Completions(
+            tokens=write(self.tokens, tokens),
+            logprobs=write(self.logprobs, logprobs),
+            real=write(self.real, real),
+        )
+
+
+def _with_prompts(prompts, prompt_masks, out: _Completions) -> GenerationOutput:
     """The output rows `prompt ++ completion`: the prompts `[B, P]` as given, then the
-    sampled `tokens` `[B, N]` (`real` where a token was generated, their `logprobs`)."""
+    completions `out` (`[B, N]`)."""
     B, P = prompts.shape
     return GenerationOutput(
-        tokens=jnp.concatenate([prompts, tokens], axis=1),
-        mask=jnp.concatenate([prompt_masks, real], axis=1),
-        completion_mask=jnp.concatenate([jnp.zeros_like(prompt_masks), real], axis=1),
-        logprobs=jnp.concatenate([jnp.zeros((B, P), jnp.float32), logprobs], axis=1),
+        tokens=jnp.concatenate([prompts, out.tokens], axis=1),
+        mask=jnp.concatenate([prompt_masks, out.real], axis=1),
+        completion_mask=jnp.concatenate([jnp.zeros_like(prompt_masks), out.real], axis=1),
+        logprobs=jnp.concatenate([jnp.zeros((B, P), jnp.float32), out.logprobs], axis=1),
     )
 
 
 class _DecodeState(eqx.Module):
-    """Carry of the decode loop; `tokens` / `logprobs` / `real` are the `[B, N]` outputs."""
+    """Carry of the decode loop; `out` holds the `[B, N]` completions."""
 
     step: Int[Array, ""]
     logits: Float[Array, "B V"]
     cache: Any
     done: Bool[Array, " B"]
     positions: Int[Array, " B"]
-    tokens: Int[Array, "B N"]
-    logprobs: Float[Array, "B N"]
-    real: Bool[Array, "B N"]
+    out: _Completions
 
 
 def _generate_batch(
@@ -258,16 +283,14 @@ def _generate_batch(
         logits, cache, positions = jax.lax.cond(
             s.step + 1 < N, advance, lambda args: args, (s.logits, s.cache, s.positions)
         )
-        at = (zero, s.step)
+        put = lambda buf, x: jax.lax.dynamic_update_slice(buf, x[:, None], (zero, s.step))
         return _DecodeState(
             step=s.step + 1,
             logits=logits,
             cache=cache,
             done=done,
             positions=positions,
-            tokens=jax.lax.dynamic_update_slice(s.tokens, tok[:, None], at),
-            logprobs=jax.lax.dynamic_update_slice(s.logprobs, lp[:, None], at),
-            real=jax.lax.dynamic_update_slice(s.real, real[:, None], at),
+            out=s.out.written(put, tok, lp, real),
         )
 
     init = _DecodeState(
@@ -276,12 +299,10 @@ def _generate_batch(
         cache=cache,
         done=jnp.zeros((B,), jnp.bool_),
         positions=jnp.sum(prompt_masks, axis=-1, dtype=jnp.int32),
-        tokens=jnp.full((B, N), opts.pad_id, jnp.int32),
-        logprobs=jnp.zeros((B, N), jnp.float32),
-        real=jnp.zeros((B, N), jnp.bool_),
+        out=_Completions.empty(B, N, opts.pad_id),
     )
     s = jax.lax.while_loop(cond, body, init)
-    return _with_prompts(prompts, prompt_masks, s.tokens, s.logprobs, s.real)
+    return _with_prompts(prompts, prompt_masks, s.out)
 
 
 _generate_batch_jit = eqx.filter_jit(_generate_batch)

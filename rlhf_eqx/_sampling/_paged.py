@@ -304,9 +304,7 @@ def _generate_paged(
                 stuck=~jnp.any(emit),
             ),
             recent=jnp.where(stalled[:, None], s.recent, recent),
-            tokens=write(s.tokens, tok),
-            logprobs=write(s.logprobs, lp),
-            real=write(s.real, active),
+            out=s.out.written(write, tok, lp, active),
         )
 
     pool = _Pool(
@@ -330,9 +328,9 @@ def _generate_paged(
     )
     s = jax.lax.while_loop(cond, body, init)
     pool = s.cache
-    tokens = eqx.error_if(s.tokens, pool.stuck, "generate_paged: no row could go on")
+    tokens = eqx.error_if(s.out.tokens, pool.stuck, "generate_paged: no row could go on")
     rep = lambda x: jnp.repeat(x, G, axis=0)
-    out = _with_prompts(rep(prompts), rep(prompt_masks), tokens, s.logprobs, s.real)
+    out = _with_prompts(rep(prompts), rep(prompt_masks), dataclasses.replace(s.out, tokens=tokens))
     return out, pool.peak, pool.in_use, pool.shared, pool.stalls
 
 

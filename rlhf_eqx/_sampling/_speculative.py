@@ -30,6 +30,7 @@ from ..models import AbstractChunkDecoder, AbstractDecoder
 from ._decode import (
     _check_batch,
     _check_decoder_output,
+    _Completions,
     _int32_prompts,
     _row_sampler,
     _with_prompts,
@@ -373,7 +374,7 @@ def _generate_speculative(
     tokens = jnp.where(real, s.tokens[:, :N], jnp.asarray(opts.pad_id, jnp.int32))
     logprobs = jnp.where(real, s.logprobs[:, :N], 0.0)
     stats = SpeculativeStats(target_passes=s.passes, proposed=k * s.passes, accepted=s.accepted)
-    return _with_prompts(prompts, prompt_masks, tokens, logprobs, real), stats
+    return _with_prompts(prompts, prompt_masks, _Completions(tokens, logprobs, real)), stats
 
 
 _generate_speculative_jit = eqx.filter_jit(_generate_speculative)

@@ -337,6 +337,8 @@ def _generate_paged(
 _generate_paged_jit = eqx.filter_jit(_generate_paged)
 
 
+# The keyword-only signature repeats `generate_continuous`'s on purpose (its cache="paged"
+# calls this function); the checks behind both are one function (`_continuous_arguments`).
 def generate_paged(
     policy: AbstractDecoder,
     prompts: Int[Array, "R P"],

@@ -19,8 +19,10 @@ from helpers import random_gguf_weight
 
 import rlhf_eqx as rx
 from rlhf_eqx.models import (
+    NATIVE_MIN_DENSE,
     GGUFWeight,
     matmul,
+    native_dense_product,
     native_rows_available,
     native_rows_product,
     quantize_gguf,
@@ -277,3 +279,105 @@ def test_an_unusable_cache_directory_is_one_line_each_not_a_crash(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stderr.count("note: no compilation cache") == 1, done.stderr[-3000:]
     assert done.stdout.startswith("Once upon")
+
+
+# float32 weights: the layers' own `[in, out]` and a tied head's `[out, in]`
+
+_dense = jax.jit(native_dense_product, static_argnames="transposed")
+
+
+def dense_reference(x, w, transposed):
+    w = np.asarray(w, np.float64)
+    return np.asarray(x, np.float64) @ (w.T if transposed else w)
+
+
+@needs_kernel
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 64])
+@pytest.mark.parametrize("n, out", [(576, 960), (96, 37), (64, 1040)])
+def test_dense_product_equals_the_float64_product(transposed, rows, n, out):
+    # 960 and 1040 columns are split between threads (with a tail of 16 in 1040), 37
+    # columns are all tail; by output row the inputs must be a multiple of 32
+    rng = np.random.default_rng([rows, n, out, transposed])
+    x = rng.standard_normal((rows, n)).astype(np.float32)
+    w = rng.standard_normal((out, n) if transposed else (n, out)).astype(np.float32)
+    got = _dense(jnp.asarray(x), jnp.asarray(w), transposed=transposed)
+    want = dense_reference(x, w, transposed)
+    # no worse than XLA's own float32 dot on the same inputs
+    xla = np.asarray((x @ (w.T if transposed else w)).astype(np.float32))
+    bound = max(2.0 * float(np.max(np.abs(xla - want))), 1e-6 * float(np.max(np.abs(want))))
+    assert float(np.max(np.abs(np.asarray(got) - want))) <= bound
+
+
+@needs_kernel
+@pytest.mark.parametrize("transposed", [False, True])
+def test_dense_product_derivatives_and_vmaps(transposed, getkey):
+    w = jax.random.normal(getkey(), (64, 96) if transposed else (96, 64)) / 8.0
+    x = jax.random.normal(getkey(), (4, 96))
+    ours = lambda x, w: native_dense_product(x, w, transposed=transposed)
+    xla = lambda x, w: x @ (w.T if transposed else w)
+    loss = lambda f: lambda x, w: jnp.sum(jnp.sin(f(x, w)))
+    for got, want in [
+        (jax.jit(jax.grad(loss(ours), (0, 1)))(x, w), jax.grad(loss(xla), (0, 1))(x, w)),
+        (  # per-example gradients: the vmapped rows are folded into one call
+            jax.jit(jax.vmap(jax.grad(loss(ours), (0, 1)), (0, None)))(x[:, None], w),
+            jax.vmap(jax.grad(loss(xla), (0, 1)), (0, None))(x[:, None], w),
+        ),
+        (jax.jvp(ours, (x, w), (x, w)), jax.jvp(xla, (x, w), (x, w))),
+        (  # a vmapped weight (one per member) takes XLA's product
+            jax.jit(jax.vmap(ours))(jnp.stack([x, 2 * x]), jnp.stack([w, -w])),
+            jax.vmap(xla)(jnp.stack([x, 2 * x]), jnp.stack([w, -w])),
+        ),
+    ]:
+        for g, h in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            close(g, np.asarray(h), atol=1e-5)
+
+
+@needs_kernel
+def test_matmul_takes_it_for_few_rows_of_large_float32_weights(getkey):
+    side = int(NATIVE_MIN_DENSE**0.5)  # a weight of exactly NATIVE_MIN_DENSE elements
+    big, small = jax.random.normal(getkey(), (side, side)), jax.random.normal(getkey(), (64, 64))
+
+    def routed(x, w, **kw):
+        return "rlhf_eqx_dense" in jax.jit(lambda x: matmul(x, w, **kw)).lower(x).as_text()
+
+    x = jax.random.normal(getkey(), (2, 2, side))  # 4 rows
+    assert routed(x, big) and routed(x, big, out_dtype=jnp.float32)
+    assert routed(x, big, transposed=True)
+    assert not routed(jax.random.normal(getkey(), (65, side)), big)  # too many rows
+    assert not routed(x.astype(jnp.bfloat16), big.astype(jnp.bfloat16))
+    assert not routed(x[..., :64], small)  # stays in cache: XLA's dot, bit for bit
+    np.testing.assert_array_equal(matmul(x[..., :64], small), x[..., :64] @ small)
+    close(jax.jit(matmul)(x, big), dense_reference(x, big, False), atol=1e-5)
+    f = jax.jit(lambda x: matmul(x, big, transposed=True))
+    close(f(x), dense_reference(x, big, True), atol=1e-5)
+
+
+@needs_kernel
+def test_a_float32_decoder_decodes_with_it(getkey):
+    # weights of at least NATIVE_MIN_DENSE elements and a tied head: the decode steps'
+    # products take the kernel, and their logits are the full forward pass's
+    cfg = rx.TransformerConfig(
+        vocab_size=512, d_model=512, n_layers=2, n_heads=8, n_kv_heads=4, d_ff=512,
+        max_seq_len=32, tie_embeddings=True,
+    )  # fmt: skip
+    policy = rx.Policy(cfg, key=getkey())
+    prompt = jax.random.randint(getkey(), (6,), 1, 512)
+    mask = jnp.ones((6,), bool)
+
+    @eqx.filter_jit
+    def decoded(m):  # logits of the next token after each of three greedy steps
+        logits, cache = m.prefill(prompt, mask, cache_size=9)
+        tokens, out = prompt, []
+        for i in range(3):
+            nxt = jnp.argmax(logits[-1] if i == 0 else logits)
+            tokens = jnp.append(tokens, nxt)
+            logits, cache = m.decode_step(nxt, cache, index=6 + i, position=jnp.int32(6 + i))
+            out.append(logits)
+        return tokens, jnp.stack(out)
+
+    text = jax.jit(lambda m: decoded(m)).lower(policy).as_text()
+    assert "rlhf_eqx_dense_cols" in text and "rlhf_eqx_dense_rows" in text
+    tokens, got = decoded(policy)
+    full = policy(tokens[None], jnp.ones((1, 9), bool))[0]  # 9 rows: XLA's products too
+    close(got, np.asarray(full[6:9]), atol=2e-5)

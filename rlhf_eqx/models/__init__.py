@@ -52,6 +52,8 @@ from ._lora import (
 )
 from ._masks import attention_layout as attention_layout, previous_allowed as previous_allowed
 from ._native_rows import (
+    NATIVE_MIN_DENSE as NATIVE_MIN_DENSE,
+    native_dense_product as native_dense_product,
     native_rows_available as native_rows_available,
     native_rows_product as native_rows_product,
 )

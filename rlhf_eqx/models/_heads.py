@@ -115,9 +115,8 @@ class Policy(
     def logits_from_hidden(self, hidden: Float[Array, "*T D"]) -> Float[Array, "*T V"]:
         """Apply the LM head (float32 accumulation; soft-capped with `cfg.final_softcap`)."""
         w = self.transformer.embed if self.lm_head is None else self.lm_head
-        if self.lm_head is None and not isinstance(w, AbstractQuantizedWeight):
-            w = w.T
-        logits = matmul(hidden, w, out_dtype=jnp.float32)
+        tied = self.lm_head is None and not isinstance(w, AbstractQuantizedWeight)
+        logits = matmul(hidden, w, out_dtype=jnp.float32, transposed=tied)
         return softcap(logits, self.cfg.final_softcap)
 
     def _read_out(self, h: Float[Array, "*T D"]) -> Float[Array, "*T V"]:

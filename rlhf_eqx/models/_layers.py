@@ -11,6 +11,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from ._native_rows import dense_product, dense_routed
+from ._packed_products import NATIVE_MAX_ROWS
+
 
 @functools.partial(jax.jit, static_argnames=("shapes", "scales", "dtype"))
 def normal_init(
@@ -120,7 +123,11 @@ class NF4Weight(AbstractQuantizedWeight):
 
 
 def matmul(
-    x: Float[Array, "*N i"], w: Array | AbstractQuantizedWeight, *, out_dtype=None
+    x: Float[Array, "*N i"],
+    w: Array | AbstractQuantizedWeight,
+    *,
+    out_dtype=None,
+    transposed: bool = False,
 ) -> Float[Array, "*N o"]:
     """`x @ w` for a dense or quantised weight, in `x`'s dtype (or `out_dtype`, with the
     products accumulated in it, e.g. float32 logits from bfloat16 activations).
@@ -139,13 +146,26 @@ def matmul(
     integer arrays). A differentiated scan over `L` quantised layers thus keeps `L`
     packed weights instead of `L` dense ones. A format may compute the forward product of
     few rows from its packed form (`AbstractQuantizedWeight.product`; `GGUFWeight` does
-    for a decode step's rows).
+    for a decode step's rows). A decode step's few rows with a large float32 weight take
+    the native CPU kernel where it is built (`dense_product`: the weight read once for
+    every row, at the speed of memory); the result differs from `x @ w` only in float32
+    summation order. `transposed=True` takes a dense `w [o, i]` and computes `x @ wᵀ`
+    without a transposed copy (a tied LM head's embedding table).
     """
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
+    if transposed:
+        if isinstance(w, AbstractQuantizedWeight):
+            raise ValueError("matmul: transposed=True takes a dense weight [o, i]")
+        if dense_routed(x2, w, out_dtype, transposed=True):
+            y = dense_product(x2, w, transposed=True, max_rows=NATIVE_MAX_ROWS)
+            return y.reshape(lead + (y.shape[-1],))
+        w = w.T
     if isinstance(w, AbstractQuantizedWeight):
         out_dt = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
         y = _frozen_matmul(x2, w, (jnp.dtype(x.dtype), out_dt))
+    elif dense_routed(x2, w, out_dtype):
+        y = dense_product(x2, w, max_rows=NATIVE_MAX_ROWS)
     elif out_dtype is None:
         y = x2 @ w
     else:

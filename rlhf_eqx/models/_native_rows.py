@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +47,11 @@ sharing one cache directory)."""
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "_packed_rows.cc")
 _TARGET = "rlhf_eqx_packed_rows"
+_TARGETS = {  # FFI target: the library's handler symbol
+    _TARGET: "RlhfEqxPackedRows",
+    "rlhf_eqx_dense_cols": "RlhfEqxDenseCols",
+    "rlhf_eqx_dense_rows": "RlhfEqxDenseRows",
+}
 _KINDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}  # the kernel's numbers of the block formats
 NATIVE_KINDS = tuple(_KINDS)
 
@@ -129,9 +135,10 @@ def _load() -> bool:
             lib = ctypes.cdll.LoadLibrary(path)
         except OSError:  # a damaged file in the cache (cut short, overwritten): built again
             lib = ctypes.cdll.LoadLibrary(_build(compiler, again=True))
-        jax.ffi.register_ffi_target(
-            _TARGET, jax.ffi.pycapsule(lib.RlhfEqxPackedRows), platform="cpu"
-        )
+        for target, symbol in _TARGETS.items():
+            jax.ffi.register_ffi_target(
+                target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu"
+            )
     except Exception as e:  # a failed build leaves the XLA products, with one line
         warnings.warn(
             f"rlhf_eqx: the native packed-row kernel could not be built ({e}); "
@@ -200,3 +207,136 @@ def _product_bwd(kind, raw, g):
 
 
 _product.defvjp(_product_fwd, _product_bwd)
+
+
+NATIVE_MIN_DENSE = 1 << 18
+"""Elements of a float32 weight (1 MiB) from which `dense_product` takes the native
+kernel: smaller weights stay in cache across decode steps, where XLA's dot is as fast."""
+
+
+def _dense_call(x: Array, w: Array, transposed: bool) -> Array:
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0 if transposed else 1]), jnp.float32)
+    target = "rlhf_eqx_dense_rows" if transposed else "rlhf_eqx_dense_cols"
+    return jax.ffi.ffi_call(target, out)(x, w)
+
+
+def native_dense_product(
+    x: Float[Array, "M n"], w: Float[Array, "n out"] | Float[Array, "out n"], *, transposed=False
+) -> Float[Array, "M out"]:
+    """`x @ w` (`x @ wᵀ` when `transposed`) for float32 `x` and `w`, by the native kernel,
+    reading `w` once for all rows of `x` (see `_packed_rows.cc`): `w [n, out]` by input
+    row, as the layers store their weights, or `w [out, n]` by output row (`n` a multiple
+    of 32), as a tied LM head's embedding table. Differentiable in both and vmappable as
+    `dense_product` (with no bound on the rows). Call `native_rows_available()` first;
+    here it must be `True`.
+    """
+    n = x.shape[-1]
+    if x.dtype != jnp.float32 or w.dtype != jnp.float32:
+        raise ValueError(
+            f"native_dense_product: x and w must be float32, got {x.dtype} and {w.dtype}"
+        )
+    if w.shape[-1 if transposed else 0] != n or (transposed and n % 32):
+        raise ValueError(
+            f"native_dense_product: w {w.shape} does not fit x's {n} columns "
+            f"({'[out, n], n a multiple of 32' if transposed else '[n, out]'})"
+        )
+    if not native_rows_available():
+        raise RuntimeError("native_dense_product: the native kernel is not available here")
+    return dense_product(x, w, transposed=transposed, max_rows=sys.maxsize)
+
+
+def _dense(x, w, transposed):
+    return _dense_call(x, w, transposed)
+
+
+def dense_routed(x2: Array, w: Array, out_dtype=None, *, transposed: bool = False) -> bool:
+    """Whether `dense_product` takes `x2 @ w` (`x2 @ wᵀ` when `transposed`) to the native
+    kernel when few rows multiply it: the kernel is built (`native_rows_available()`),
+    `x2`, `w` and the result are float32, `w` is a matrix of at least `NATIVE_MIN_DENSE`
+    elements with no sharding over devices (and, transposed, `n` a multiple of 32).
+    Decided when the product is traced."""
+    f32 = jnp.dtype(jnp.float32)
+    return (
+        x2.dtype == f32
+        and w.dtype == f32
+        and (out_dtype is None or jnp.dtype(out_dtype) == f32)
+        and x2.ndim == w.ndim == 2
+        and w.size >= NATIVE_MIN_DENSE
+        and not (transposed and x2.shape[-1] % 32)
+        and _unsharded(w)
+        and native_rows_available()
+    )
+
+
+def dense_product(
+    x2: Float[Array, "M n"],
+    w: Float[Array, "n out"] | Float[Array, "out n"],
+    *,
+    transposed: bool = False,
+    max_rows: int = 64,
+) -> Float[Array, "M out"]:
+    """`x2 @ w` (`x2 @ wᵀ` when `transposed`) for a weight that `dense_routed` admits: by
+    the native kernel when at most `max_rows` rows of all vmapped calls together multiply
+    it (a decode step's rows; `jax.custom_batching.custom_vmap` folds vmapped axes into
+    the rows, and a vmapped weight takes XLA's dot), else by XLA's dot. Only the float32
+    summation order differs. Differentiable in both arguments.
+    """
+    dot = (lambda a, b: a @ b.T) if transposed else (lambda a, b: a @ b)
+
+    def route(x2, w):
+        return _dense(x2, w, transposed) if x2.shape[0] <= max_rows else dot(x2, w)
+
+    product = rows_folded(route, dot)
+
+    # derivatives by XLA's products (the tangent `dx·w + x·dw` is linear, so reverse mode
+    # transposes it): the kernel computes values only
+    @jax.custom_jvp
+    def differentiable(x2, w):
+        return product(x2, w)
+
+    @functools.partial(differentiable.defjvp, symbolic_zeros=True)
+    def _jvp(primals, tangents):
+        (x2, w), (dx, dw) = primals, tangents
+        y = differentiable(x2, w)
+        dy = jnp.zeros_like(y)
+        if not isinstance(dx, jax.custom_derivatives.SymbolicZero):
+            dy = dy + dot(dx, w)
+        if not isinstance(dw, jax.custom_derivatives.SymbolicZero):
+            dy = dy + dot(x2, dw)
+        return y, dy
+
+    return differentiable(x2, w)
+
+
+def rows_folded(
+    route: Callable[[Array, Array], Array], dense: Callable[[Array, Array], Array]
+) -> Callable[[Array, Array], Array]:
+    """`route(x2, w)` (a product of `x2 [M, n]` with one weight, which may choose its
+    method from `M`) as a function whose vmapped calls fold their batched axes into the
+    rows of one call (`jax.custom_batching.custom_vmap`), so that `B` vmapped one-row
+    decode steps count `B` rows; a vmapped weight takes `dense` for each member."""
+
+    @jax.custom_batching.custom_vmap
+    def product(x2, w):
+        return route(x2, w)
+
+    @product.def_vmap
+    def _batched(axis_size, in_batched, x2, w):
+        x_batched, w_batched = in_batched
+        if w_batched:
+            return jax.vmap(dense, in_axes=(0 if x_batched else None, 0))(x2, w), True
+        if not x_batched:
+            return product(x2, w), False
+        y = product(x2.reshape((-1, x2.shape[-1])), w)
+        return y.reshape(x2.shape[:-1] + y.shape[-1:]), True
+
+    return product
+
+
+def _unsharded(w) -> bool:
+    """Whether `w` is on one device as far as tracing tells (no mesh axes in its type)."""
+    try:
+        mesh = jax.typeof(w).sharding.mesh
+    except Exception:
+        return True
+    return getattr(mesh, "empty", False) or getattr(mesh, "size", 1) <= 1

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, UInt8
 
-from ._native_rows import NATIVE_KINDS, native_rows_available, native_rows_product
+from ._native_rows import NATIVE_KINDS, native_rows_available, native_rows_product, rows_folded
 
 # rows of activations (all vmapped calls together) up to which the packed product is used
 PACKED_MAX_ROWS = 1
@@ -154,18 +154,4 @@ def few_rows_product(
             return packed_product(x2, raw, kind).astype(out_dtype)
         return dense(x2, raw)
 
-    @jax.custom_batching.custom_vmap
-    def product(x2, raw):
-        return route(x2, raw)
-
-    @product.def_vmap
-    def _batched(axis_size, in_batched, x2, raw):
-        x_batched, raw_batched = in_batched
-        if raw_batched:
-            return jax.vmap(dense, in_axes=(0 if x_batched else None, 0))(x2, raw), True
-        if not x_batched:
-            return product(x2, raw), False
-        y = product(x2.reshape((-1, x2.shape[-1])), raw)
-        return y.reshape(x2.shape[:-1] + y.shape[-1:]), True
-
-    return product(x2, raw)
+    return rows_folded(route, dense)(x2, raw)

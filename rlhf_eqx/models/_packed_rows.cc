@@ -1,13 +1,22 @@
-// Products `y = x @ Wᵀ` of a few float32 rows `x [M, n]` with a weight kept in llama.cpp's
-// Q8_0, Q4_0 or Q4_1 blocks (`raw [out, n / 32 · bytes]`, one GGUF row per output), as an
-// XLA FFI handler for the CPU. Compiled at first use by rlhf_eqx/models/_native_rows.py
-// with the machine's own instruction set (`-march=native`); see that file.
+// Products of a few float32 rows `x [M, n]` with a weight, as XLA FFI handlers for the CPU,
+// compiled at first use by rlhf_eqx/models/_native_rows.py with the machine's own
+// instruction set (`-march=native`); see that file. Each reads the weight once for all M
+// rows (the bound of a decode step: its weights' bytes over the memory bandwidth).
 //
-// Each output row is read once for all M rows of x: its blocks are decoded to floats in
-// registers (ggml's `dequantize_row_q8_0`, `_q4_0`, `_q4_1`: w = d·q, d·(q − 8),
-// d·q + m) and multiplied with every row's 32 values (four rows at a time). Chunks of
-// output rows are shared between the calling thread and XLA's intra-op thread pool.
-// Only the summation order differs from decoding the weight first and multiplying.
+// `RlhfEqxPackedRows`: `y = x @ Wᵀ` with `W` kept in llama.cpp's Q8_0, Q4_0 or Q4_1 blocks
+// (`raw [out, n / 32 · bytes]`, one GGUF row per output). Each output row's blocks are
+// decoded to floats in registers (ggml's `dequantize_row_q8_0`, `_q4_0`, `_q4_1`:
+// w = d·q, d·(q − 8), d·q + m) and multiplied with every row's 32 values (four rows at a
+// time). `RlhfEqxDenseRows`: the same with float32 rows `W [out, n]` (a tied LM head's
+// embedding table).
+//
+// `RlhfEqxDenseCols`: `y = x @ W` with a float32 `W [n, out]` stored by input row (the
+// layers' own layout): eight rows of W are read together along their columns and added,
+// for four rows of x at a time, into sums kept in cache.
+//
+// Chunks of output rows (columns) are shared between the calling thread and XLA's
+// intra-op thread pool. Only the summation order differs from decoding the weight first
+// and multiplying.
 
 #include <algorithm>
 #include <atomic>
@@ -15,6 +24,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -112,9 +122,12 @@ inline vf load(const float* p) {
 constexpr int64_t kMinChunk = 128;  // output rows a task takes at the least
 constexpr int64_t kTile = 64;       // output rows multiplied by every row of x in turn
 
-enum Kind : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
+enum Kind : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kF32 = 3 };
 
-constexpr int64_t BlockBytes(int64_t kind) { return kind == kQ8_0 ? 34 : (kind == kQ4_0 ? 18 : 20); }
+// bytes of a block of 32 values
+constexpr int64_t BlockBytes(int64_t kind) {
+  return kind == kQ8_0 ? 34 : (kind == kQ4_0 ? 18 : (kind == kQ4_1 ? 20 : 128));
+}
 
 // y[m, o] for o in [o0, o1), M rows of x at a time
 template <int64_t KIND, int M>
@@ -129,11 +142,13 @@ void Rows(const float* x, const uint8_t* raw, float* y, int64_t n, int64_t out, 
       for (int v = 0; v < V; ++v) acc[m][v] = vf{};
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = row + b * size;
-      const float d = f16(blk);
+      const float d = KIND == kF32 ? 0.0f : f16(blk);
       vf w[V];
       for (int v = 0; v < V; ++v) {
         const int j = v * W;  // first value of this vector in the block
-        if (KIND == kQ8_0) {
+        if (KIND == kF32) {
+          w[v] = load(reinterpret_cast<const float*>(blk) + j);
+        } else if (KIND == kQ8_0) {
           w[v] = signed_bytes(blk + 2 + j) * d;
         } else {
           const uint8_t* qs = blk + (KIND == kQ4_0 ? 2 : 4) + (j % 16);
@@ -174,6 +189,38 @@ void RowsOf(int64_t M, const float* x, const uint8_t* raw, float* y, int64_t n, 
   }
 }
 
+// Runs `run(begin, end)` over [0, total) in chunks of at least `min_chunk` (a multiple
+// of `align`), on this thread and XLA's intra-op pool. Chunks are claimed from a shared
+// counter by this thread and by tasks on the pool; this thread claims whatever the pool
+// has not started and then waits for the claimed chunks only, so a busy pool (all its
+// threads inside such calls) never blocks it. The state is shared, not on this stack: a
+// task that starts after the call has returned finds no chunk left and touches nothing
+// else.
+template <typename Run>
+void Parallel(ffi::ThreadPool& pool, int64_t total, int64_t min_chunk, int64_t align, Run run) {
+  const int64_t threads = pool.num_threads();
+  if (threads < 2 || total < 2 * min_chunk) {
+    run(0, total);
+    return;
+  }
+  struct Shared {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  int64_t chunk = std::max<int64_t>(min_chunk, (total + threads - 1) / threads);
+  chunk = (chunk + align - 1) / align * align;
+  const int64_t chunks = (total + chunk - 1) / chunk;
+  auto shared = std::make_shared<Shared>();
+  auto drain = [shared, run, chunk, chunks, total]() {
+    for (int64_t c; (c = shared->next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
+      run(c * chunk, std::min(total, (c + 1) * chunk));
+      shared->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t t = 1; t < threads && t < chunks; ++t) pool.Schedule([drain]() { drain(); });
+  drain();
+  while (shared->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+}
+
 using Rows32 = ffi::Buffer<ffi::F32, 2>;
 using PackedBytes = ffi::Buffer<ffi::U8, 2>;
 
@@ -187,36 +234,115 @@ ffi::Error PackedRowsImpl(ffi::ThreadPool pool, Rows32 x, PackedBytes raw,
   const float* xp = x.typed_data();
   const uint8_t* rp = raw.typed_data();
   float* yp = y->typed_data();
-  auto run = [=](int64_t o0, int64_t o1) {
+  Parallel(pool, out, kMinChunk, 1, [=](int64_t o0, int64_t o1) {
     if (kind == kQ8_0) RowsOf<kQ8_0>(M, xp, rp, yp, n, out, o0, o1);
     else if (kind == kQ4_0) RowsOf<kQ4_0>(M, xp, rp, yp, n, out, o0, o1);
     else RowsOf<kQ4_1>(M, xp, rp, yp, n, out, o0, o1);
-  };
-  const int64_t threads = pool.num_threads();
-  if (threads < 2 || out < 2 * kMinChunk) {
-    run(0, out);
-    return ffi::Error::Success();
-  }
-  // Chunks of output rows are claimed from a shared counter by this thread and by tasks
-  // on the pool; this thread claims whatever the pool has not started and then waits for
-  // the claimed chunks only, so a busy pool (all its threads inside such calls) never
-  // blocks it. The state is shared, not on this stack: a task that starts after the
-  // call has returned finds no chunk left and touches nothing else.
-  struct Shared {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  const int64_t chunk = std::max<int64_t>(kMinChunk, (out + threads - 1) / threads);
-  const int64_t chunks = (out + chunk - 1) / chunk;
-  auto shared = std::make_shared<Shared>();
-  auto drain = [shared, run, chunk, chunks, out]() {
-    for (int64_t c; (c = shared->next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
-      run(c * chunk, std::min(out, (c + 1) * chunk));
-      shared->done.fetch_add(1, std::memory_order_release);
+  });
+  return ffi::Error::Success();
+}
+
+// `y = x @ Wᵀ` with a float32 `W [out, n]` stored by output row (a tied LM head's table)
+ffi::Error DenseRowsImpl(ffi::ThreadPool pool, Rows32 x, Rows32 w, ffi::Result<Rows32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  const int64_t M = xd[0], n = xd[1], out = wd[0];
+  if (n % 32 || wd[1] != n)
+    return ffi::Error::InvalidArgument("dense_rows: w's columns do not match x's (a multiple of 32)");
+  const float* xp = x.typed_data();
+  const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.typed_data());
+  float* yp = y->typed_data();
+  Parallel(pool, out, kMinChunk, 1,
+           [=](int64_t o0, int64_t o1) { RowsOf<kF32>(M, xp, wp, yp, n, out, o0, o1); });
+  return ffi::Error::Success();
+}
+
+constexpr int kRowsK = 8;  // input rows of w read together, each along its columns
+
+// sums[m, j] += Σ_q x[m, k0 + q] · w[k0 + q, j] for j < width and M ≤ 4 rows of x, K
+// input rows of w
+template <int M, int K>
+void Block(const float* x, int64_t n, const float* w, int64_t out, float* sums, int64_t ld,
+           int64_t width) {
+  float xm[M][K];
+  for (int m = 0; m < M; ++m)
+    for (int q = 0; q < K; ++q) xm[m][q] = x[m * n + q];
+  int64_t j = 0;
+  for (; j + W <= width; j += W) {
+    vf wv[K];
+    for (int q = 0; q < K; ++q) wv[q] = load(w + q * out + j);
+    for (int m = 0; m < M; ++m) {
+      vf a = load(sums + m * ld + j);
+      for (int q = 0; q < K; ++q) a += wv[q] * xm[m][q];
+      std::memcpy(sums + m * ld + j, &a, sizeof(vf));
     }
-  };
-  for (int64_t t = 1; t < threads && t < chunks; ++t) pool.Schedule([drain]() { drain(); });
-  drain();
-  while (shared->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+  }
+  for (; j < width; ++j)
+    for (int m = 0; m < M; ++m) {
+      float a = sums[m * ld + j];
+      for (int q = 0; q < K; ++q) a += w[q * out + j] * xm[m][q];
+      sums[m * ld + j] = a;
+    }
+}
+
+template <int M>
+void BlockOf(int64_t k, const float* x, int64_t n, const float* w, int64_t out, float* sums,
+             int64_t ld, int64_t width) {
+  switch (k) {
+    case 1: Block<M, 1>(x, n, w, out, sums, ld, width); break;
+    case 2: Block<M, 2>(x, n, w, out, sums, ld, width); break;
+    case 3: Block<M, 3>(x, n, w, out, sums, ld, width); break;
+    case 4: Block<M, 4>(x, n, w, out, sums, ld, width); break;
+    case 5: Block<M, 5>(x, n, w, out, sums, ld, width); break;
+    case 6: Block<M, 6>(x, n, w, out, sums, ld, width); break;
+    case 7: Block<M, 7>(x, n, w, out, sums, ld, width); break;
+    default: Block<M, kRowsK>(x, n, w, out, sums, ld, width); break;
+  }
+}
+
+constexpr int64_t kFold = 64;  // input rows summed before their sum is added to the total
+
+// columns [c0, c1) of y for every row of x: w is read along its rows, kRowsK rows at a
+// time (streams the memory prefetchers follow), into sums kept in a buffer whose rows
+// are 64 bytes apart modulo 4 KiB (no false store-to-load aliasing); with more than 4
+// rows of x, each block of w's rows is read again from cache for the next 4. The sums
+// of each kFold input rows are added to a running total (shorter chains of rounding).
+void ColsOf(int64_t M, const float* x, const float* w, float* y, int64_t n, int64_t out,
+            int64_t c0, int64_t c1) {
+  const int64_t width = c1 - c0, ld = (width + 15) / 16 * 16 + 16;
+  thread_local std::vector<float> buffer;
+  buffer.assign(2 * M * ld, 0.0f);
+  float *sums = buffer.data(), *total = sums + M * ld;
+  for (int64_t k0 = 0; k0 < n; k0 += kRowsK) {
+    const int64_t k = std::min<int64_t>(kRowsK, n - k0);
+    const float* wk = w + k0 * out + c0;
+    for (int64_t m = 0; m < M; m += 4) {
+      const float* xm = x + m * n + k0;
+      float* sm = sums + m * ld;
+      switch (M - m < 4 ? M - m : 4) {
+        case 1: BlockOf<1>(k, xm, n, wk, out, sm, ld, width); break;
+        case 2: BlockOf<2>(k, xm, n, wk, out, sm, ld, width); break;
+        case 3: BlockOf<3>(k, xm, n, wk, out, sm, ld, width); break;
+        default: BlockOf<4>(k, xm, n, wk, out, sm, ld, width); break;
+      }
+    }
+    if ((k0 + k) % kFold == 0 || k0 + k == n) {
+      for (int64_t i = 0; i < M * ld; ++i) total[i] += sums[i];
+      std::fill(sums, sums + M * ld, 0.0f);
+    }
+  }
+  for (int64_t m = 0; m < M; ++m)
+    std::memcpy(y + m * out + c0, total + m * ld, width * sizeof(float));
+}
+
+ffi::Error DenseColsImpl(ffi::ThreadPool pool, Rows32 x, Rows32 w, ffi::Result<Rows32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  const int64_t M = xd[0], n = xd[1], out = wd[1];
+  if (wd[0] != n) return ffi::Error::InvalidArgument("dense_cols: w's rows do not match x's columns");
+  const float* xp = x.typed_data();
+  const float* wp = w.typed_data();
+  float* yp = y->typed_data();
+  Parallel(pool, out, 256, W,
+           [=](int64_t c0, int64_t c1) { ColsOf(M, xp, wp, yp, n, out, c0, c1); });
   return ffi::Error::Success();
 }
 
@@ -229,3 +355,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlhfEqxPackedRows, PackedRowsImpl,
                                   .Arg<PackedBytes>()
                                   .Ret<Rows32>()
                                   .Attr<int64_t>("kind"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlhfEqxDenseCols, DenseColsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Rows32>()
+                                  .Arg<Rows32>()
+                                  .Ret<Rows32>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlhfEqxDenseRows, DenseRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Rows32>()
+                                  .Arg<Rows32>()
+                                  .Ret<Rows32>());

@@ -1,22 +1,33 @@
 """Rendering multi-turn conversations into prompt text.
 
 A conversation is a list of messages `{"role": ..., "content": ...}` with roles
-`"system"`, `"user"` and `"assistant"` (ShareGPT's `"human"`/`"gpt"` and HH's
-`"Human"`/`"Assistant"` are accepted as aliases). A `ChatTemplate` renders each message
-with a format string and ends with a generation prompt when asked.
+`"system"`, `"user"`, `"assistant"` and `"tool"` (ShareGPT's `"human"`/`"gpt"`, HH's
+`"Human"`/`"Assistant"`, and the tool results' `"function"` / `"ipython"` are accepted as
+aliases). A `ChatTemplate` renders each message with a format string and ends with a
+generation prompt when asked.
+
+**Tool calls.** An assistant message may carry OpenAI's `tool_calls`,
+`[{"type": "function", "function": {"name": ..., "arguments": ...}}, ...]` (`arguments`
+an object or a string holding a JSON object), with an empty or null content (read as
+`""`). A Jinja chat template receives the message with its `tool_calls` as given; a
+`ChatTemplate` writes the calls in the assistant's turn after its content (a newline
+between), one line per call: `{"name": ..., "arguments": {...}}` (JSON). A tool's result
+is a `tool` message, rendered with the template's `tool` format.
 
 Built-in templates:
 
 - `"hh"` (the default), Anthropic HH-RLHF transcripts:
   `"\\n\\nHuman: {content}"`, `"\\n\\nAssistant: {content}"`, generation prompt
   `"\\n\\nAssistant:"` (the completion then starts with a space, as in HH-RLHF); a
-  system message is written first as plain text.
+  system message is written first as plain text; a tool result as
+  `"\\n\\nTool: {content}"`.
 - `"chatml"`, OpenAI ChatML / Qwen style:
-  `"<|im_start|>{role}\\n{content}<|im_end|>\\n"`, generation prompt
-  `"<|im_start|>assistant\\n"`.
+  `"<|im_start|>{role}\\n{content}<|im_end|>\\n"` (a tool result's role is `tool`),
+  generation prompt `"<|im_start|>assistant\\n"`.
 """
 
 import dataclasses
+import json
 from collections.abc import Callable, Mapping, Sequence
 
 from ._errors import DataError
@@ -28,13 +39,15 @@ class ChatTemplate:
     """Format strings (with a `{content}` field) for each role, and the generation prompt.
 
     A template can split a rendered conversation into prompt and completion when every
-    rendered assistant message starts with `generation_prompt`.
+    rendered assistant message starts with `generation_prompt`. `tool` renders a tool's
+    result (default: as a user message, `None`).
     """
 
     system: str
     user: str
     assistant: str
     generation_prompt: str
+    tool: str | None = None
 
 
 HH_TEMPLATE = ChatTemplate(
@@ -42,6 +55,7 @@ HH_TEMPLATE = ChatTemplate(
     user="\n\nHuman: {content}",
     assistant="\n\nAssistant: {content}",
     generation_prompt="\n\nAssistant:",
+    tool="\n\nTool: {content}",
 )
 
 CHATML_TEMPLATE = ChatTemplate(
@@ -49,6 +63,7 @@ CHATML_TEMPLATE = ChatTemplate(
     user="<|im_start|>user\n{content}<|im_end|>\n",
     assistant="<|im_start|>assistant\n{content}<|im_end|>\n",
     generation_prompt="<|im_start|>assistant\n",
+    tool="<|im_start|>tool\n{content}<|im_end|>\n",
 )
 
 _TEMPLATES = {"hh": HH_TEMPLATE, "chatml": CHATML_TEMPLATE}
@@ -62,25 +77,70 @@ _ROLE_ALIASES = {
     "gpt": "assistant",
     "bot": "assistant",
     "model": "assistant",
+    "tool": "tool",
+    "function": "tool",
+    "ipython": "tool",
 }
 
 
 def normalise_role(role: str) -> str:
-    """`"system"`, `"user"` or `"assistant"` for a role name or one of its aliases."""
+    """`"system"`, `"user"`, `"assistant"` or `"tool"` for a role name or one of its
+    aliases."""
     try:
         return _ROLE_ALIASES[role.strip().lower()]
     except KeyError:
         raise DataError(f"unknown chat role {role!r}") from None
 
 
-def message_field(value: object, key: str) -> dict[str, str]:
-    """`{"role", "content"}` or ShareGPT `{"from", "value"}` -> `{"role", "content"}`."""
+def tool_calls_text(calls: object) -> str:
+    """The plain form of an assistant message's OpenAI `tool_calls` (see the module
+    docstring): one JSON line `{"name": ..., "arguments": {...}}` per call. `Malformed`
+    (`"malformed tool call"`) says what is wrong with a call."""
+    if not isinstance(calls, list):
+        raise Malformed(
+            "malformed tool call", f"'tool_calls' must be a list, got {type(calls).__name__}"
+        )
+    lines = []
+    for k, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or call.get("type", "function") != "function":
+            raise Malformed(
+                "malformed tool call",
+                f'tool call {k} must be {{"type": "function", "function": {{"name", '
+                f'"arguments"}}}}, got {call!r}',
+            )
+        name, arguments = fn.get("name"), fn.get("arguments")
+        if not isinstance(name, str) or not name:
+            raise Malformed("malformed tool call", f"tool call {k} needs a string function name")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                arguments = None
+        if not isinstance(arguments, dict):
+            raise Malformed(
+                "malformed tool call",
+                f"tool call {k} ({name}): 'arguments' must be an object or a string holding "
+                f"a JSON object, got {fn.get('arguments')!r}",
+            )
+        lines.append(json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False))
+    return "\n".join(lines)
+
+
+def message_field(value: object, key: str) -> dict:
+    """`{"role", "content"}` or ShareGPT `{"from", "value"}` -> `{"role", "content"}`
+    (the role normalised), with an assistant message's `tool_calls` (checked:
+    `tool_calls_text`; its null content read as `""`) and a message's `name` and
+    `tool_call_id` kept as given."""
     if not isinstance(value, dict):
         raise Malformed(
             "wrong type", f"{key!r} must hold message objects, got {type(value).__name__}"
         )
     role = value.get("role", value.get("from"))
     content = value.get("content", value.get("value"))
+    calls = value.get("tool_calls")
+    if calls is not None and content is None:
+        content = ""
     if not isinstance(role, str) or not isinstance(content, str):
         raise Malformed(
             "wrong type", f"a message in {key!r} needs string role/content (or from/value)"
@@ -88,13 +148,24 @@ def message_field(value: object, key: str) -> dict[str, str]:
     if role.strip().lower() not in _ROLE_ALIASES:
         raise Malformed(
             "unknown chat role",
-            f"a message in {key!r} has the role {role!r}; the readers take system, user "
-            f"and assistant turns (and their aliases: {', '.join(sorted(_ROLE_ALIASES))})",
+            f"a message in {key!r} has the role {role!r}; the readers take system, user, "
+            f"assistant and tool turns (and their aliases: {', '.join(sorted(_ROLE_ALIASES))})",
         )
-    return {"role": normalise_role(role), "content": content}
+    message = {"role": normalise_role(role), "content": content}
+    if calls is not None:
+        if message["role"] != "assistant":
+            raise Malformed(
+                "malformed tool call", f"a {message['role']} message in {key!r} has tool_calls"
+            )
+        tool_calls_text(calls)
+        message["tool_calls"] = calls
+    for extra in ("name", "tool_call_id"):
+        if isinstance(value.get(extra), str):
+            message[extra] = value[extra]
+    return message
 
 
-def message_list(record: dict, key: str) -> list[dict[str, str]]:
+def message_list(record: dict, key: str) -> list[dict]:
     """`record[key]`, a list of messages, each as `message_field` reads it (`Malformed`
     naming the key when it is missing or not a list)."""
     value = record_field(record, key)
@@ -127,7 +198,8 @@ def format_chat(
 
     **Arguments:**
 
-    - `messages`: `[{"role": "user", "content": "Hi"}, ...]`.
+    - `messages`: `[{"role": "user", "content": "Hi"}, ...]` (an assistant message's
+      `tool_calls` are written after its content, see the module docstring).
     - `template`: `"hh"` (default), `"chatml"` or a `ChatTemplate`.
     - `add_generation_prompt`: append the template's generation prompt (the start of an
       assistant turn) so that a model continues with the assistant's reply.
@@ -144,13 +216,27 @@ def format_chat(
                 f"a chat message needs 'role' and 'content', got keys {sorted(message)}"
             )
         role, content = message["role"], message["content"]
+        calls = message.get("tool_calls")
+        if calls is not None and content is None:
+            content = ""
         if not isinstance(role, str) or not isinstance(content, str):
             raise DataError(
                 f"message role and content must be strings, got {type(role).__name__} "
                 f"and {type(content).__name__}"
             )
         role = normalise_role(role)
-        fmt = {"system": tmpl.system, "user": tmpl.user, "assistant": tmpl.assistant}[role]
+        if calls is not None:
+            try:
+                lines = tool_calls_text(calls)
+            except Malformed as e:
+                raise DataError(f"{e.args[0]}: {e.args[1]}") from None
+            content = f"{content}\n{lines}" if content and lines else content or lines
+        fmt = {
+            "system": tmpl.system,
+            "user": tmpl.user,
+            "assistant": tmpl.assistant,
+            "tool": tmpl.user if tmpl.tool is None else tmpl.tool,
+        }[role]
         parts.append(fmt.format(content=content, role=role))
     if add_generation_prompt:
         parts.append(tmpl.generation_prompt)

@@ -62,6 +62,7 @@ from ._collate import (
 )
 from ._columns import COLUMN_NAMES as COLUMN_NAMES
 from ._demonstrations import (
+    ASSISTANT_TURNS as ASSISTANT_TURNS,
     DEMONSTRATION_FORMATS as DEMONSTRATION_FORMATS,
     DemonstrationDataset as DemonstrationDataset,
     DemonstrationRecord as DemonstrationRecord,
@@ -114,8 +115,10 @@ from ._prompts import (
     load_prompts as load_prompts,
 )
 from ._quality import (
+    DemonstrationQuality as DemonstrationQuality,
     LengthStats as LengthStats,
     PreferenceQuality as PreferenceQuality,
+    demonstration_quality as demonstration_quality,
     distinct_n as distinct_n,
     filter_preferences as filter_preferences,
     preference_quality as preference_quality,

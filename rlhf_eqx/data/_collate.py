@@ -9,7 +9,14 @@ completion_mask   [ 0  0 0 0 0 |  1 1 1 1  |  0   0 ]
 ```
 
 The completion mask covers the completion tokens and the EOS (the model learns to
-stop), never the prompt or the padding. Prompt batches for generation are left-padded
+stop), never the prompt or the padding; of a sequence with a `completion_mask` (a
+conversation trained on every assistant turn) it covers the flagged completion tokens
+only:
+
+```
+tokens            [p p p | a a a u u u a a a | pad]
+completion_mask   [0 0 0 | 1 1 1 0 0 0 1 1 1 |  0 ]
+``` Prompt batches for generation are left-padded
 (`[pad pad BOS p p p]`) so that every row's next token is written at the same
 position.
 
@@ -196,7 +203,8 @@ def _right_padded(
         )
         completion_mask = np.zeros((len(seqs), T), dtype=bool)
         for i, s in enumerate(seqs):
-            completion_mask[i, len(s.prompt) : len(s)] = True
+            trained = True if s.completion_mask is None else s.completion_mask
+            completion_mask[i, len(s.prompt) : len(s)] = trained
         out.append((tokens, mask, completion_mask))
     _check_completions([cm for _, _, cm in out], "row")
     return out
@@ -259,7 +267,8 @@ def collate_sft(
     vocab_size: int | None = None,
 ) -> SequenceBatch:
     """Right-pad sequences into a `SequenceBatch` of shape `[len(seqs), T]` (layout and
-    arguments as `collate_preferences`)."""
+    arguments as `collate_preferences`; a sequence's `completion_mask`, when it has one,
+    says which of its completion tokens `completion_mask` marks)."""
     ((tokens, mask, completion_mask),) = _right_padded(
         [seqs],
         max_length=max_length,

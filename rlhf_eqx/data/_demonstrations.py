@@ -19,10 +19,29 @@ the keys of the first record):
 Message lists are rendered with a chat template (`format_chat`, HH style by default, or
 a model's `JinjaChatTemplate`) so that `prompt + completion` is the rendered
 conversation (up to and including the trained assistant message), as the preference
-and unpaired readers split theirs. A conversation trains on its last assistant message
-only (messages after it are not read); earlier assistant turns are part of the prompt.
-A `prompt_completion` record with a `label` column is unpaired (KTO) data and is not
-detected as demonstrations (give `format="prompt_completion"` to read it anyway).
+and unpaired readers split theirs. Messages after the last assistant message are not
+read. Which assistant messages are trained is `assistant_turns`:
+
+- `"last"` (the default here): the last assistant message only; earlier assistant turns
+  are part of the prompt.
+- `"all"` (TRL's `assistant_only_loss=True`): every assistant message. The prompt is
+  the conversation before the first one (with the generation prompt), the completion
+  the rest of the rendered conversation, and `record.spans` the character ranges of
+  the completion that are trained: each assistant message's text with the
+  end-of-turn text the template writes after it (what the prompt of that turn,
+  rendered with the generation prompt, leaves of the conversation rendered up to and
+  including it); the system, user and tool turns between are not trained. A Jinja
+  template with `{% generation %}` blocks marks the trained text itself; one whose
+  rendering of a prefix does not start its rendering of the whole conversation (it
+  rewrites earlier turns) falls back to finding each assistant content
+  (`JinjaChatTemplate.render_with_assistant_mask`). A conversation with one assistant
+  message gives the record `"last"` gives (`spans` `None`: all of the completion).
+
+Tool results (`tool` messages) are never trained; an assistant message with
+`tool_calls` is, its calls rendered as the template renders them (`format_chat`: one
+JSON line per call). A `prompt_completion` record with a `label` column is unpaired
+(KTO) data and is not detected as demonstrations (give `format="prompt_completion"` to
+read it anyway).
 
 Records with an empty (or blank) completion, and conversations without an assistant
 message, are skipped and counted in `dataset.report`; preference pairs are skipped as
@@ -48,26 +67,54 @@ from ._chat import (
     split_conversation,
 )
 from ._errors import DataError
-from ._io import Malformed, RecordDataset, Unusable, load_records, string_field
+from ._io import (
+    Malformed,
+    RecordDataset,
+    Unusable,
+    common_prefix_length,
+    load_records,
+    string_field,
+)
 from ._jinja_chat import JinjaChatTemplate
 from ._preferences import _preference_parser, detect_preference_format
-from ._tokenize import tokenize_sft
+from ._tokenize import _prompt_and_completions, _split_ids, tokenize_sft
 from ._tokenized import TokenizedSequence, TokenizeReport
 from ._tokenizer import Tokenizer
-from ._unpaired import _conversation_texts
+from ._unpaired import _conversation_texts, _message_list
 
 DEMONSTRATION_FORMATS = ("text", "prompt_completion", "messages", "preference")
 """The record layouts `load_demonstrations(path, format=...)` reads (besides `"auto"`,
 which detects one of them)."""
 
+ASSISTANT_TURNS = ("all", "last")
+"""The values of `load_demonstrations(..., assistant_turns=...)`: which assistant
+messages of a conversation are trained."""
+
+Spans = tuple[tuple[int, int], ...]
+
 
 @dataclasses.dataclass(frozen=True)
 class DemonstrationRecord:
     """One demonstration: `prompt + completion` is trained on, the loss on `completion`
-    (`prompt` is `""` for language-modelling text)."""
+    (`prompt` is `""` for language-modelling text).
+
+    `spans`: the `(start, end)` character ranges of `completion` the loss is on, in
+    order (`None`, the default: all of it), as a conversation trained on every assistant
+    turn has them (`assistant_turns="all"`).
+    """
 
     prompt: str
     completion: str
+    spans: Spans | None = None
+
+    def last_turn(self) -> "DemonstrationRecord":
+        """The record of the last trained span alone: the text before it is the prompt
+        (for a conversation: up to its last assistant message, with the generation
+        prompt), the rest the completion. The record itself when it has no `spans`."""
+        if self.spans is None:
+            return self
+        start = self.spans[-1][0]
+        return DemonstrationRecord(self.prompt + self.completion[:start], self.completion[start:])
 
 
 class DemonstrationDataset(RecordDataset["DemonstrationRecord"]):
@@ -87,20 +134,91 @@ def _parse_text(record: dict) -> DemonstrationRecord:
     return _checked("", string_field(record, "text"))
 
 
-def _parse_prompt_completion(record: dict, render: Callable[..., str]) -> DemonstrationRecord:
+def _parse_prompt_completion(
+    record: dict, render: Callable[..., str], trained: Callable | None
+) -> DemonstrationRecord:
     if isinstance(record.get("completion"), list):  # TRL's conversational layout
-        return _checked(*_conversation_texts(record, render))
+        if trained is None:
+            return _checked(*_conversation_texts(record, render))
+        prompt = _message_list(record, "prompt")
+        completion = _message_list(record, "completion")
+        if not completion or completion[0]["role"] != "assistant":
+            raise Malformed("wrong type", "'completion' must start with an assistant message")
+        return trained(prompt + completion, len(prompt))
     return _checked(string_field(record, "prompt"), string_field(record, "completion"))
 
 
-def _parse_messages(record: dict, render: Callable[..., str]) -> DemonstrationRecord:
+def _said(message: dict) -> bool:
+    """Whether an assistant message says anything: text or tool calls."""
+    return bool(message["content"].strip() or message.get("tool_calls"))
+
+
+def _parse_messages(
+    record: dict, render: Callable[..., str], trained: Callable | None
+) -> DemonstrationRecord:
     messages = message_list(record, "messages")
     last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
     if last is None:
         raise Unusable("no assistant message")
-    if not messages[last]["content"].strip():
+    if trained is not None:
+        return trained(messages[: last + 1], 0)
+    if not _said(messages[last]):
         raise Unusable("empty completion")
     return _checked(*split_conversation(messages[:last], messages[last : last + 1], render))
+
+
+def _every_turn(
+    messages: list[dict], first: int, render: Callable[..., str], template: object
+) -> DemonstrationRecord:
+    """The record of `messages` trained on each of its assistant messages from index
+    `first` on (the module docstring's `"all"`)."""
+    turns = [k for k in range(first, len(messages)) if messages[k]["role"] == "assistant"]
+    if not any(_said(messages[k]) for k in turns):
+        raise Unusable("empty completion")
+    messages = messages[: turns[-1] + 1]
+    text, spans = _turn_spans(messages, turns, render, template)
+    start = spans[0][0]
+    prompt, completion = text[:start], text[start:]
+    spans = tuple((a - start, b - start) for a, b in spans)
+    if spans == ((0, len(completion)),):
+        spans = None
+    return DemonstrationRecord(prompt, completion, spans)
+
+
+def _turn_spans(
+    messages: list[dict], turns: list[int], render: Callable[..., str], template: object
+) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character range of each assistant message in
+    `turns`: what its prompt (the messages before it, with the generation prompt) leaves
+    of the conversation rendered through it, or a Jinja template's `{% generation %}`
+    blocks; a Jinja template that rewrites earlier turns falls back to the content
+    search of `render_with_assistant_mask`."""
+    jinja = isinstance(template, JinjaChatTemplate)
+    if not (jinja and template.has_generation_blocks):
+        full = render(messages, add_generation_prompt=False)
+        spans = []
+        for k in turns:
+            before = render(messages[:k], add_generation_prompt=True)
+            through = render(messages[: k + 1], add_generation_prompt=False)
+            if not (through.startswith(before) and full.startswith(through)):
+                break
+            spans.append((len(before), len(through)))
+        else:
+            return full, spans
+        if not jinja:
+            raise DataError(
+                "the chat template's assistant turn does not start with its generation "
+                "prompt, so conversations cannot be split into prompt and completion"
+            )
+    rendered = template.render_with_assistant_mask(messages)
+    spans = list(rendered.spans)
+    if len(spans) < len(turns):
+        raise DataError(
+            f"the chat template marks {len(spans)} assistant spans for {len(turns)} assistant "
+            "messages (it rewrites earlier turns, and an assistant message without text "
+            "cannot be found in its output); use a template with {% generation %} blocks"
+        )
+    return rendered.text, spans[len(spans) - len(turns) :]
 
 
 def _chosen_parser(template: ChatTemplate) -> Callable[[dict], DemonstrationRecord]:
@@ -142,6 +260,7 @@ def load_demonstrations(
     template: str | ChatTemplate | JinjaChatTemplate = "hh",
     columns: Mapping[str, str] | None = None,
     split: str | None = None,
+    assistant_turns: str = "last",
 ) -> DemonstrationDataset:
     """Read a supervised fine-tuning dataset (see the module docstring for the layouts).
 
@@ -158,17 +277,28 @@ def load_demonstrations(
     - `columns`: `{field: column}` for a file whose columns have other names, e.g.
       `{"text": "content"}` or `{"messages": "conversation"}` (fields: `COLUMN_NAMES`).
     - `split`: the split of a `DatasetDict` directory (or give the path as `DIR:SPLIT`).
+    - `assistant_turns`: the assistant messages of a conversation that are trained,
+      `"last"` or `"all"` (see the module docstring; conversational prompt-completion
+      records: those of the completion).
 
-    **Returns:** a `DemonstrationDataset` of `DemonstrationRecord(prompt, completion)`;
-    `dataset.report` counts what was read, kept and skipped (with reasons).
+    **Returns:** a `DemonstrationDataset` of `DemonstrationRecord(prompt, completion)`
+    (with `spans` where a conversation trains on several turns); `dataset.report`
+    counts what was read, kept and skipped (with reasons).
 
     **Raises:** `DataError` (a `ValueError`) naming the file and line (a table's row and
     column) for malformed input when not `lenient`, and for an unknown format.
     """
+    if assistant_turns not in ASSISTANT_TURNS:
+        raise DataError(
+            f"assistant_turns must be one of {', '.join(ASSISTANT_TURNS)}, got {assistant_turns!r}"
+        )
     if isinstance(template, JinjaChatTemplate):
         render = template.render
     else:
         render = functools.partial(format_chat, template=resolve_template(template))
+    trained = None
+    if assistant_turns == "all":
+        trained = functools.partial(_every_turn, render=render, template=template)
 
     def make_parser(fmt: str) -> Callable[[dict], DemonstrationRecord]:
         if fmt == "text":
@@ -181,7 +311,7 @@ def load_demonstrations(
                 )
             return _chosen_parser(resolve_template(template))
         parse = _parse_messages if fmt == "messages" else _parse_prompt_completion
-        return lambda record: parse(record, render)
+        return lambda record: parse(record, render, trained)
 
     records, report = load_records(
         path,
@@ -210,17 +340,94 @@ def tokenize_demonstrations(
     numerator (TRL's language modelling leaves it out the same way). A record of one
     token is then dropped (`report.dropped["empty completion"]`).
 
+    A record with `spans` (a conversation trained on every assistant turn) gives a
+    sequence with a `completion_mask`: a completion token is trained when it holds a
+    character of a span (a token merged across a span's start or end counts as
+    trained, the rule of the prompt/completion boundary), and the EOS when added. The
+    mask of a span is that of the conversation's prefix through it: the tokens of the
+    text up to the span's start and up to its end are taken as the whole text's first
+    tokens. Truncation cuts the completion's end as for any record; a record left with
+    no trained token is dropped (`report.dropped["no trained token"]`).
+
     **Returns:** `(sequences, report)`: a `TokenizedSequence` for each kept record, in
     order, and the `TokenizeReport`.
     """
-    seqs, report = tokenize_sft(records, tokenizer, **options)
+    records = list(records)
+    if not any(getattr(r, "spans", None) is not None for r in records):
+        seqs, report = tokenize_sft(records, tokenizer, **options)
+        return _first_token_as_prompt([(s, None) for s in seqs], report)
+    report = None
+    masked = []
+    for r in records:  # one at a time: each sequence is matched with its record
+        seqs, one = tokenize_sft([r], tokenizer, **options)
+        report = one if report is None else _merged(report, one)
+        spans = getattr(r, "spans", None)
+        for s in seqs:
+            if spans is not None:
+                prompt, (completion,) = _prompt_and_completions(r)
+                flags = _trained_tokens(tokenizer, prompt, completion, spans)
+                flags += [True] * options.get("add_eos", True)
+                s = TokenizedSequence(s.prompt, s.completion, tuple(flags[: len(s.completion)]))
+            masked.append((s, spans))
+    return _first_token_as_prompt(masked, report)
+
+
+def _merged(report: TokenizeReport, one: TokenizeReport) -> TokenizeReport:
+    """`report` with the counts of `one` (a pass under the same settings) added."""
+    for name in ("total", "kept", "prompt_truncated", "completion_truncated", "boundary_merged"):
+        setattr(report, name, getattr(report, name) + getattr(one, name))
+    for reason, n in one.dropped.items():
+        report.dropped[reason] = report.dropped.get(reason, 0) + n
+    return report
+
+
+def _first_token_as_prompt(
+    seqs: list[tuple[TokenizedSequence, Spans | None]], report: TokenizeReport
+) -> tuple[list[TokenizedSequence], TokenizeReport]:
+    """The sequences with an empty prompt given their first token as prompt; those left
+    with no completion (or no trained token) dropped and counted."""
     out = []
-    for s in seqs:
+    for s, _ in seqs:
         if not s.prompt:
-            s = TokenizedSequence(s.completion[:1], s.completion[1:])
-        if not s.completion:
+            mask = s.completion_mask
+            s = TokenizedSequence(
+                s.completion[:1], s.completion[1:], None if mask is None else mask[1:]
+            )
+        reason = "empty completion" if not s.completion else None
+        if reason is None and not s.trained:
+            reason = "no trained token"
+        if reason is not None:
             report.kept -= 1
-            report.drop("empty completion")
+            report.drop(reason)
             continue
         out.append(s)
     return out, report
+
+
+def _trained_tokens(tokenizer: Tokenizer, prompt: str, completion: str, spans: Spans) -> list[bool]:
+    """One flag per completion token (as `_split_ids` splits `prompt + completion`): true
+    for a token that holds a character of one of `spans` (character ranges of
+    `completion`)."""
+    text = prompt + completion
+    full = tokenizer.encode(text)
+    _, ids, _ = _split_ids(tokenizer, prompt, completion, tokenizer.encode(prompt))
+    offset = len(full) - len(ids)
+    flags = [False] * len(ids)
+
+    def first_tokens(end: int) -> tuple[int, bool]:
+        """How many of `full` the text up to `end` gives, and whether a token of `full`
+        spans `end` (the two disagree past them)."""
+        ids_end = tokenizer.encode(text[:end])
+        k = common_prefix_length(ids_end, full)
+        return k, k < len(ids_end)
+
+    for start, end in spans:
+        a, _ = first_tokens(len(prompt) + start)
+        if len(prompt) + end >= len(text):
+            b = len(full)
+        else:
+            b, merged = first_tokens(len(prompt) + end)
+            b += merged
+        for t in range(max(a, offset), b):
+            flags[t - offset] = True
+    return flags

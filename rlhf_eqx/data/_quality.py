@@ -1,4 +1,5 @@
-"""A data-quality report for preference pairs, and filters that drop the bad ones.
+"""Data-quality reports for preference pairs and demonstrations, and filters that drop
+the bad records.
 
 Run it before training: a pair whose two completions are identical carries no
 preference (the DPO gradient is exactly zero and the reward-model loss is ln 2); an
@@ -13,6 +14,11 @@ print(report.summary())
 kept, dropped = data.filter_preferences(pairs)  # identical, empty, exact duplicates
 ```
 
+`demonstration_quality` does the same for supervised fine-tuning records (`.prompt`,
+`.completion`): empty completions, exact duplicates, repeated prompts, prompts too long
+for `max_prompt_length`, lengths in tokens and the completions' distinct-n;
+`DemonstrationQuality.select` drops the records with the problems asked for.
+
 **Distinct-n** (J. Li et al., "A Diversity-Promoting Objective Function for Neural
 Conversation Models", NAACL 2016): the number of distinct word n-grams over all
 responses (chosen and rejected) divided by the number of n-grams; 1 when no n-gram
@@ -26,11 +32,14 @@ import numpy as np
 
 from ._errors import DataError
 from ._io import RecordDataset
-from ._tokenize import tokenize_preferences
+from ._tokenize import tokenize_preferences, wants_bos
 from ._tokenized import SequenceLengths, TokenizeReport
 from ._tokenizer import Tokenizer
 
 _FILTERS = ("identical", "empty", "exact_duplicate", "duplicate_prompt")
+DEMONSTRATION_PROBLEMS = ("empty", "exact_duplicate", "duplicate_prompt", "long_prompt")
+"""The problems `demonstration_quality` counts and `DemonstrationQuality.select` drops
+(`identical` is a pair's)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +145,15 @@ def _fields(record: object, i: int) -> tuple[str, str, str]:
     return values
 
 
+def _first_reasons(found: dict[str, Sequence[int]], drop: Sequence[str]) -> dict[int, str]:
+    """`{record index: the first problem of drop it has}` of the records with any."""
+    reason_of: dict[int, str] = {}
+    for name in drop:
+        for i in found[name]:
+            reason_of.setdefault(i, name)
+    return reason_of
+
+
 def _problems(records: Sequence) -> dict[str, list[int]]:
     """Indices of the records with each problem (a record can have several)."""
     found: dict[str, list[int]] = {name: [] for name in _FILTERS}
@@ -229,11 +247,7 @@ def filter_preferences(
     unknown = [d for d in drop if d not in _FILTERS]
     if unknown:
         raise DataError(f"unknown filters {unknown}; use any of {_FILTERS}")
-    found = _problems(records)
-    reason_of: dict[int, str] = {}
-    for name in drop:
-        for i in found[name]:
-            reason_of.setdefault(i, name)
+    reason_of = _first_reasons(_problems(records), drop)
     dropped: dict[str, list] = {name: [] for name in drop}
     for i in sorted(reason_of):
         dropped[reason_of[i]].append(records[i])
@@ -241,3 +255,108 @@ def filter_preferences(
     if isinstance(records, RecordDataset):
         return records.select(keep), dropped
     return [records[i] for i in keep], dropped
+
+
+@dataclasses.dataclass(frozen=True)
+class DemonstrationQuality:
+    """What `demonstration_quality` found. Index lists point into the records given.
+
+    - `total`: records examined; `format`: their layout (`"messages"`, ...), as named in
+      the summary.
+    - `problems`: `{problem: indices}` for each of `DEMONSTRATION_PROBLEMS` — `empty`
+      (a blank completion), `exact_duplicate` (the same prompt and completion as an
+      earlier record), `duplicate_prompt` (an earlier record's prompt; a text's empty
+      prompt repeats nothing), `long_prompt` (the prompt with BOS longer than
+      `max_prompt_length`).
+    - `distinct_prompts`: the number of different prompts.
+    - `prompt_lengths`, `completion_lengths`: `LengthStats` in tokens.
+    - `distinct_1`, `distinct_2`: distinct-n of the completions.
+    """
+
+    total: int
+    format: str
+    problems: dict[str, tuple[int, ...]]
+    distinct_prompts: int
+    prompt_lengths: LengthStats
+    completion_lengths: LengthStats
+    distinct_1: float
+    distinct_2: float
+
+    def summary(self) -> str:
+        """A few lines for a run log."""
+        return "\n".join(
+            [
+                f"{self.total} demonstrations ({self.format}), "
+                f"{self.distinct_prompts} distinct prompts",
+                "; ".join(f"{n.replace('_', ' ')}: {len(v)}" for n, v in self.problems.items()),
+                f"prompt length (tokens): {self.prompt_lengths}",
+                f"completion length (tokens): {self.completion_lengths}",
+                f"completions: distinct-1 {self.distinct_1:.3f}, distinct-2 {self.distinct_2:.3f}",
+            ]
+        )
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def select(self, records: Sequence, drop: Sequence[str]) -> tuple[list, dict[str, int]]:
+        """`(kept, counts)`: the `records` (those examined) without the ones with a
+        problem of `drop`, in order, and how many went for each problem (a record with
+        several is counted under the first of `drop` that applies)."""
+        unknown = [d for d in drop if d not in DEMONSTRATION_PROBLEMS]
+        if unknown:
+            raise DataError(f"unknown filters {unknown}; use any of {DEMONSTRATION_PROBLEMS}")
+        reason_of = _first_reasons(self.problems, drop)
+        kept = [r for i, r in enumerate(records) if i not in reason_of]
+        return kept, {name: sum(v == name for v in reason_of.values()) for name in drop}
+
+
+def demonstration_quality(
+    records: Sequence,
+    *,
+    tokenizer: Tokenizer,
+    lengths: SequenceLengths,
+    format: str = "",
+) -> DemonstrationQuality:
+    """Examine supervised fine-tuning records before training.
+
+    **Arguments:**
+
+    - `records`: objects with `.prompt` and `.completion` strings (e.g. a
+      `DemonstrationDataset`).
+    - `tokenizer`: lengths are counted in its tokens (a prompt's with BOS when it asks
+      for one, `wants_bos`, for `long_prompt`).
+    - `lengths`: the `SequenceLengths` training will use (`max_prompt_length`).
+    - `format`: the records' layout, named in the summary.
+
+    **Returns:** a `DemonstrationQuality`; `print(report.summary())` for a run log.
+    """
+    bos = int(wants_bos(tokenizer))
+    problem: dict[str, list[int]] = {n: [] for n in DEMONSTRATION_PROBLEMS}
+    seen: set[tuple[str, str]] = set()
+    prompts: set[str] = set()
+    prompt_sizes, completion_sizes = [], []
+    for i, r in enumerate(records):
+        prompt_sizes.append(len(tokenizer.encode(r.prompt)))
+        completion_sizes.append(len(tokenizer.encode(r.completion)))
+        for name, found in (
+            ("empty", not r.completion.strip()),
+            ("exact_duplicate", (r.prompt, r.completion) in seen),
+            ("duplicate_prompt", r.prompt in prompts),
+            ("long_prompt", prompt_sizes[-1] + bos > lengths.max_prompt_length),
+        ):
+            if found:
+                problem[name].append(i)
+        seen.add((r.prompt, r.completion))
+        if r.prompt:  # a text's empty prompt repeats nothing
+            prompts.add(r.prompt)
+    completions = [r.completion for r in records]
+    return DemonstrationQuality(
+        total=len(completions),
+        format=format,
+        problems={n: tuple(v) for n, v in problem.items()},
+        distinct_prompts=len({r.prompt for r in records}),
+        prompt_lengths=LengthStats.of(prompt_sizes),
+        completion_lengths=LengthStats.of(completion_sizes),
+        distinct_1=distinct_n(completions, 1),
+        distinct_2=distinct_n(completions, 2),
+    )

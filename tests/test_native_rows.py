@@ -281,51 +281,51 @@ def test_an_unusable_cache_directory_is_one_line_each_not_a_crash(tmp_path):
     assert done.stdout.startswith("Once upon")
 
 
-# float32 weights: the layers' own `[in, out]` and a tied head's `[out, in]`
+# float32 tables stored by output row (a tied LM head's embedding): `x @ wᵀ`
 
-_dense = jax.jit(native_dense_product, static_argnames="transposed")
+_dense = jax.jit(native_dense_product)
 
 
-def dense_reference(x, w, transposed):
-    w = np.asarray(w, np.float64)
-    return np.asarray(x, np.float64) @ (w.T if transposed else w)
+def dense_reference(x, w):
+    return np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
 
 
 @needs_kernel
-@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 64])
 @pytest.mark.parametrize("n, out", [(576, 960), (96, 37), (64, 1040)])
-def test_dense_product_equals_the_float64_product(transposed, rows, n, out):
-    # 960 and 1040 columns are split between threads (with a tail of 16 in 1040), 37
-    # columns are all tail; by output row the inputs must be a multiple of 32
-    rng = np.random.default_rng([rows, n, out, transposed])
+def test_dense_product_equals_the_float64_product(rows, n, out):
+    # 960 and 1040 output rows are split between threads, 37 run on the calling thread
+    rng = np.random.default_rng([rows, n, out])
     x = rng.standard_normal((rows, n)).astype(np.float32)
-    w = rng.standard_normal((out, n) if transposed else (n, out)).astype(np.float32)
-    got = _dense(jnp.asarray(x), jnp.asarray(w), transposed=transposed)
-    want = dense_reference(x, w, transposed)
-    # no worse than XLA's own float32 dot on the same inputs
-    xla = np.asarray((x @ (w.T if transposed else w)).astype(np.float32))
-    bound = max(2.0 * float(np.max(np.abs(xla - want))), 1e-6 * float(np.max(np.abs(want))))
-    assert float(np.max(np.abs(np.asarray(got) - want))) <= bound
+    w = rng.standard_normal((out, n)).astype(np.float32)
+    got = np.asarray(_dense(jnp.asarray(x), jnp.asarray(w)))
+    want = dense_reference(x, w)
+    # no worse than a float32 dot of the same inputs
+    f32 = (x @ w.T).astype(np.float32)
+    bound = max(2.0 * float(np.max(np.abs(f32 - want))), 1e-6 * float(np.max(np.abs(want))))
+    assert float(np.max(np.abs(got - want))) <= bound
 
 
 @needs_kernel
-@pytest.mark.parametrize("transposed", [False, True])
-def test_dense_product_derivatives_and_vmaps(transposed, getkey):
-    w = jax.random.normal(getkey(), (64, 96) if transposed else (96, 64)) / 8.0
+def test_dense_product_derivatives_and_vmaps(getkey):
+    w = jax.random.normal(getkey(), (64, 96)) / 8.0
     x = jax.random.normal(getkey(), (4, 96))
-    ours = lambda x, w: native_dense_product(x, w, transposed=transposed)
-    xla = lambda x, w: x @ (w.T if transposed else w)
+    xla = lambda x, w: x @ w.T
     loss = lambda f: lambda x, w: jnp.sum(jnp.sin(f(x, w)))
     for got, want in [
-        (jax.jit(jax.grad(loss(ours), (0, 1)))(x, w), jax.grad(loss(xla), (0, 1))(x, w)),
+        (
+            jax.jit(jax.grad(loss(native_dense_product), (0, 1)))(x, w),
+            jax.grad(loss(xla), (0, 1))(x, w),
+        ),
         (  # per-example gradients: the vmapped rows are folded into one call
-            jax.jit(jax.vmap(jax.grad(loss(ours), (0, 1)), (0, None)))(x[:, None], w),
+            jax.jit(jax.vmap(jax.grad(loss(native_dense_product), (0, 1)), (0, None)))(
+                x[:, None], w
+            ),
             jax.vmap(jax.grad(loss(xla), (0, 1)), (0, None))(x[:, None], w),
         ),
-        (jax.jvp(ours, (x, w), (x, w)), jax.jvp(xla, (x, w), (x, w))),
-        (  # a vmapped weight (one per member) takes XLA's product
-            jax.jit(jax.vmap(ours))(jnp.stack([x, 2 * x]), jnp.stack([w, -w])),
+        (jax.jvp(native_dense_product, (x, w), (x, w)), jax.jvp(xla, (x, w), (x, w))),
+        (  # a vmapped table (one per member) takes XLA's product
+            jax.jit(jax.vmap(native_dense_product))(jnp.stack([x, 2 * x]), jnp.stack([w, -w])),
             jax.vmap(xla)(jnp.stack([x, 2 * x]), jnp.stack([w, -w])),
         ),
     ]:
@@ -333,36 +333,46 @@ def test_dense_product_derivatives_and_vmaps(transposed, getkey):
             close(g, np.asarray(h), atol=1e-5)
 
 
+def test_dense_product_refuses_what_it_cannot_take():
+    with pytest.raises(ValueError, match="must be float32"):
+        native_dense_product(jnp.ones((1, 64)), jnp.ones((4, 64), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"must be \[out, n\] with x's n = 48 columns"):
+        native_dense_product(jnp.ones((1, 48)), jnp.ones((4, 48)))
+    with pytest.raises(ValueError, match="transposed=True takes a dense weight"):
+        matmul(jnp.ones((1, 64)), quantize_gguf(jnp.ones((64, 8)), "Q8_0"), transposed=True)
+
+
 @needs_kernel
-def test_matmul_takes_it_for_few_rows_of_large_float32_weights(getkey):
-    side = int(NATIVE_MIN_DENSE**0.5)  # a weight of exactly NATIVE_MIN_DENSE elements
+def test_matmul_takes_it_for_few_rows_of_large_float32_tables(getkey):
+    side = int(NATIVE_MIN_DENSE**0.5)  # a table of exactly NATIVE_MIN_DENSE elements
     big, small = jax.random.normal(getkey(), (side, side)), jax.random.normal(getkey(), (64, 64))
 
     def routed(x, w, **kw):
-        return "rlhf_eqx_dense" in jax.jit(lambda x: matmul(x, w, **kw)).lower(x).as_text()
+        text = jax.jit(lambda x: matmul(x, w, transposed=True, **kw)).lower(x).as_text()
+        return "rlhf_eqx_dense_rows" in text
 
     x = jax.random.normal(getkey(), (2, 2, side))  # 4 rows
     assert routed(x, big) and routed(x, big, out_dtype=jnp.float32)
-    assert routed(x, big, transposed=True)
+    assert "rlhf_eqx_dense" not in jax.jit(lambda x: matmul(x, big)).lower(x).as_text()
     assert not routed(jax.random.normal(getkey(), (65, side)), big)  # too many rows
     assert not routed(x.astype(jnp.bfloat16), big.astype(jnp.bfloat16))
     assert not routed(x[..., :64], small)  # stays in cache: XLA's dot, bit for bit
-    np.testing.assert_array_equal(matmul(x[..., :64], small), x[..., :64] @ small)
-    close(jax.jit(matmul)(x, big), dense_reference(x, big, False), atol=1e-5)
+    xs = x[..., :64]
+    np.testing.assert_array_equal(matmul(xs, small, transposed=True), xs @ small.T)
     f = jax.jit(lambda x: matmul(x, big, transposed=True))
-    close(f(x), dense_reference(x, big, True), atol=1e-5)
+    close(f(x), dense_reference(x, big), atol=1e-5)
 
 
 @needs_kernel
-def test_a_float32_decoder_decodes_with_it(getkey):
-    # weights of at least NATIVE_MIN_DENSE elements and a tied head: the decode steps'
-    # products take the kernel, and their logits are the full forward pass's
+def test_a_float32_decoder_with_a_tied_head_decodes_with_it(getkey):
+    # a table of NATIVE_MIN_DENSE elements: the decode steps' heads take the kernel, and
+    # their logits are the full forward pass's
     cfg = rx.TransformerConfig(
-        vocab_size=512, d_model=512, n_layers=2, n_heads=8, n_kv_heads=4, d_ff=512,
+        vocab_size=2048, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=256,
         max_seq_len=32, tie_embeddings=True,
     )  # fmt: skip
     policy = rx.Policy(cfg, key=getkey())
-    prompt = jax.random.randint(getkey(), (6,), 1, 512)
+    prompt = jax.random.randint(getkey(), (6,), 1, 2048)
     mask = jnp.ones((6,), bool)
 
     @eqx.filter_jit
@@ -376,8 +386,7 @@ def test_a_float32_decoder_decodes_with_it(getkey):
             out.append(logits)
         return tokens, jnp.stack(out)
 
-    text = jax.jit(lambda m: decoded(m)).lower(policy).as_text()
-    assert "rlhf_eqx_dense_cols" in text and "rlhf_eqx_dense_rows" in text
+    assert "rlhf_eqx_dense_rows" in jax.jit(lambda m: decoded(m)).lower(policy).as_text()
     tokens, got = decoded(policy)
     full = policy(tokens[None], jnp.ones((1, 9), bool))[0]  # 9 rows: XLA's products too
     close(got, np.asarray(full[6:9]), atol=2e-5)

@@ -146,26 +146,26 @@ def matmul(
     integer arrays). A differentiated scan over `L` quantised layers thus keeps `L`
     packed weights instead of `L` dense ones. A format may compute the forward product of
     few rows from its packed form (`AbstractQuantizedWeight.product`; `GGUFWeight` does
-    for a decode step's rows). A decode step's few rows with a large float32 weight take
-    the native CPU kernel where it is built (`dense_product`: the weight read once for
-    every row, at the speed of memory); the result differs from `x @ w` only in float32
-    summation order. `transposed=True` takes a dense `w [o, i]` and computes `x @ wᵀ`
-    without a transposed copy (a tied LM head's embedding table).
+    for a decode step's rows).
+
+    `transposed=True` takes a dense `w [o, i]` stored by output row (a tied LM head's
+    embedding table) and computes `x @ wᵀ` without a transposed copy; a decode step's
+    few rows of float32 multiply a large table in the native CPU kernel where it is built
+    (`dense_product`: each row of the table read once for every row of `x`), with the
+    values of `x @ wᵀ` up to float32 summation order.
     """
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if transposed:
         if isinstance(w, AbstractQuantizedWeight):
             raise ValueError("matmul: transposed=True takes a dense weight [o, i]")
-        if dense_routed(x2, w, out_dtype, transposed=True):
-            y = dense_product(x2, w, transposed=True, max_rows=NATIVE_MAX_ROWS)
+        if dense_routed(x2, w, out_dtype):
+            y = dense_product(x2, w, max_rows=NATIVE_MAX_ROWS)
             return y.reshape(lead + (y.shape[-1],))
         w = w.T
     if isinstance(w, AbstractQuantizedWeight):
         out_dt = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
         y = _frozen_matmul(x2, w, (jnp.dtype(x.dtype), out_dt))
-    elif dense_routed(x2, w, out_dtype):
-        y = dense_product(x2, w, max_rows=NATIVE_MAX_ROWS)
     elif out_dtype is None:
         y = x2 @ w
     else:

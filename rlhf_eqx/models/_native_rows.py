@@ -49,7 +49,6 @@ _SOURCE = os.path.join(os.path.dirname(__file__), "_packed_rows.cc")
 _TARGET = "rlhf_eqx_packed_rows"
 _TARGETS = {  # FFI target: the library's handler symbol
     _TARGET: "RlhfEqxPackedRows",
-    "rlhf_eqx_dense_cols": "RlhfEqxDenseCols",
     "rlhf_eqx_dense_rows": "RlhfEqxDenseRows",
 }
 _KINDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}  # the kernel's numbers of the block formats
@@ -210,51 +209,45 @@ _product.defvjp(_product_fwd, _product_bwd)
 
 
 NATIVE_MIN_DENSE = 1 << 18
-"""Elements of a float32 weight (1 MiB) from which `dense_product` takes the native
-kernel: smaller weights stay in cache across decode steps, where XLA's dot is as fast."""
+"""Elements of a float32 table (1 MiB) from which `dense_product` takes the native
+kernel: smaller ones stay in cache across decode steps, where XLA's dot is as fast."""
 
 
-def _dense_call(x: Array, w: Array, transposed: bool) -> Array:
-    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0 if transposed else 1]), jnp.float32)
-    target = "rlhf_eqx_dense_rows" if transposed else "rlhf_eqx_dense_cols"
-    return jax.ffi.ffi_call(target, out)(x, w)
+def _dense_call(x: Array, w: Array) -> Array:
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call("rlhf_eqx_dense_rows", out)(x, w)
 
 
-def native_dense_product(
-    x: Float[Array, "M n"], w: Float[Array, "n out"] | Float[Array, "out n"], *, transposed=False
-) -> Float[Array, "M out"]:
-    """`x @ w` (`x @ wᵀ` when `transposed`) for float32 `x` and `w`, by the native kernel,
-    reading `w` once for all rows of `x` (see `_packed_rows.cc`): `w [n, out]` by input
-    row, as the layers store their weights, or `w [out, n]` by output row (`n` a multiple
-    of 32), as a tied LM head's embedding table. Differentiable in both and vmappable as
-    `dense_product` (with no bound on the rows). Call `native_rows_available()` first;
-    here it must be `True`.
+def native_dense_product(x: Float[Array, "M n"], w: Float[Array, "out n"]) -> Float[Array, "M out"]:
+    """`x @ wᵀ` for float32 `x` and a float32 table `w [out, n]` stored by output row (`n` a
+    multiple of 32), as a tied LM head's embedding table, by the native kernel: each row
+    of `w` is read once and multiplied with every row of `x` (see `_packed_rows.cc`).
+    For a few rows of `x` XLA's dot reads such a table several times slower (on
+    SmolLM2's 49,152 × 576 table and four rows: ~14 against ~3 ms on 2 cores).
+    Differentiable in both and vmappable as `dense_product` (with no bound on the rows).
+    Call `native_rows_available()` first; here it must be `True`.
     """
     n = x.shape[-1]
     if x.dtype != jnp.float32 or w.dtype != jnp.float32:
         raise ValueError(
             f"native_dense_product: x and w must be float32, got {x.dtype} and {w.dtype}"
         )
-    if w.shape[-1 if transposed else 0] != n or (transposed and n % 32):
+    if w.ndim != 2 or w.shape[-1] != n or n % 32:
         raise ValueError(
-            f"native_dense_product: w {w.shape} does not fit x's {n} columns "
-            f"({'[out, n], n a multiple of 32' if transposed else '[n, out]'})"
+            f"native_dense_product: w {w.shape} must be [out, n] with x's n = {n} columns, "
+            "a multiple of 32"
         )
     if not native_rows_available():
         raise RuntimeError("native_dense_product: the native kernel is not available here")
-    return dense_product(x, w, transposed=transposed, max_rows=sys.maxsize)
+    return dense_product(x, w, max_rows=sys.maxsize)
 
 
-def _dense(x, w, transposed):
-    return _dense_call(x, w, transposed)
-
-
-def dense_routed(x2: Array, w: Array, out_dtype=None, *, transposed: bool = False) -> bool:
-    """Whether `dense_product` takes `x2 @ w` (`x2 @ wᵀ` when `transposed`) to the native
-    kernel when few rows multiply it: the kernel is built (`native_rows_available()`),
-    `x2`, `w` and the result are float32, `w` is a matrix of at least `NATIVE_MIN_DENSE`
-    elements with no sharding over devices (and, transposed, `n` a multiple of 32).
-    Decided when the product is traced."""
+def dense_routed(x2: Array, w: Array, out_dtype=None) -> bool:
+    """Whether `dense_product` takes `x2 @ wᵀ` (`w [out, n]`) to the native kernel when few
+    rows multiply it: the kernel is built (`native_rows_available()`), `x2`, `w` and the
+    result are float32, `w` is a matrix of at least `NATIVE_MIN_DENSE` elements with no
+    sharding over devices, and `n` is a multiple of 32. Decided when the product is
+    traced."""
     f32 = jnp.dtype(jnp.float32)
     return (
         x2.dtype == f32
@@ -262,34 +255,31 @@ def dense_routed(x2: Array, w: Array, out_dtype=None, *, transposed: bool = Fals
         and (out_dtype is None or jnp.dtype(out_dtype) == f32)
         and x2.ndim == w.ndim == 2
         and w.size >= NATIVE_MIN_DENSE
-        and not (transposed and x2.shape[-1] % 32)
+        and x2.shape[-1] % 32 == 0
         and _unsharded(w)
         and native_rows_available()
     )
 
 
 def dense_product(
-    x2: Float[Array, "M n"],
-    w: Float[Array, "n out"] | Float[Array, "out n"],
-    *,
-    transposed: bool = False,
-    max_rows: int = 64,
+    x2: Float[Array, "M n"], w: Float[Array, "out n"], *, max_rows: int = 64
 ) -> Float[Array, "M out"]:
-    """`x2 @ w` (`x2 @ wᵀ` when `transposed`) for a weight that `dense_routed` admits: by
-    the native kernel when at most `max_rows` rows of all vmapped calls together multiply
-    it (a decode step's rows; `jax.custom_batching.custom_vmap` folds vmapped axes into
-    the rows, and a vmapped weight takes XLA's dot), else by XLA's dot. Only the float32
-    summation order differs. Differentiable in both arguments.
+    """`x2 @ wᵀ` for a table that `dense_routed` admits: by the native kernel when at most
+    `max_rows` rows of all vmapped calls together multiply it (a decode step's rows;
+    `rows_folded`), else by XLA's dot. Only the float32 summation order differs.
+    Differentiable in both arguments (the derivatives are XLA's products).
     """
-    dot = (lambda a, b: a @ b.T) if transposed else (lambda a, b: a @ b)
+
+    def dot(a, b):
+        return a @ b.T
 
     def route(x2, w):
-        return _dense(x2, w, transposed) if x2.shape[0] <= max_rows else dot(x2, w)
+        return _dense_call(x2, w) if x2.shape[0] <= max_rows else dot(x2, w)
 
     product = rows_folded(route, dot)
 
-    # derivatives by XLA's products (the tangent `dx·w + x·dw` is linear, so reverse mode
-    # transposes it): the kernel computes values only
+    # the kernel computes values only; the tangent `dx·wᵀ + x·dwᵀ` is linear, so reverse
+    # mode transposes it
     @jax.custom_jvp
     def differentiable(x2, w):
         return product(x2, w)

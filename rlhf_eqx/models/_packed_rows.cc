@@ -8,13 +8,9 @@
 // decoded to floats in registers (ggml's `dequantize_row_q8_0`, `_q4_0`, `_q4_1`:
 // w = d·q, d·(q − 8), d·q + m) and multiplied with every row's 32 values (four rows at a
 // time). `RlhfEqxDenseRows`: the same with float32 rows `W [out, n]` (a tied LM head's
-// embedding table).
+// embedding table, which XLA's dot reads several times slower for a few rows).
 //
-// `RlhfEqxDenseCols`: `y = x @ W` with a float32 `W [n, out]` stored by input row (the
-// layers' own layout): eight rows of W are read together along their columns and added,
-// for four rows of x at a time, into sums kept in cache.
-//
-// Chunks of output rows (columns) are shared between the calling thread and XLA's
+// Chunks of output rows are shared between the calling thread and XLA's
 // intra-op thread pool. Only the summation order differs from decoding the weight first
 // and multiplying.
 
@@ -24,7 +20,6 @@
 #include <cstring>
 #include <memory>
 #include <thread>
-#include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -256,96 +251,6 @@ ffi::Error DenseRowsImpl(ffi::ThreadPool pool, Rows32 x, Rows32 w, ffi::Result<R
   return ffi::Error::Success();
 }
 
-constexpr int kRowsK = 8;  // input rows of w read together, each along its columns
-
-// sums[m, j] += Σ_q x[m, k0 + q] · w[k0 + q, j] for j < width and M ≤ 4 rows of x, K
-// input rows of w
-template <int M, int K>
-void Block(const float* x, int64_t n, const float* w, int64_t out, float* sums, int64_t ld,
-           int64_t width) {
-  float xm[M][K];
-  for (int m = 0; m < M; ++m)
-    for (int q = 0; q < K; ++q) xm[m][q] = x[m * n + q];
-  int64_t j = 0;
-  for (; j + W <= width; j += W) {
-    vf wv[K];
-    for (int q = 0; q < K; ++q) wv[q] = load(w + q * out + j);
-    for (int m = 0; m < M; ++m) {
-      vf a = load(sums + m * ld + j);
-      for (int q = 0; q < K; ++q) a += wv[q] * xm[m][q];
-      std::memcpy(sums + m * ld + j, &a, sizeof(vf));
-    }
-  }
-  for (; j < width; ++j)
-    for (int m = 0; m < M; ++m) {
-      float a = sums[m * ld + j];
-      for (int q = 0; q < K; ++q) a += w[q * out + j] * xm[m][q];
-      sums[m * ld + j] = a;
-    }
-}
-
-template <int M>
-void BlockOf(int64_t k, const float* x, int64_t n, const float* w, int64_t out, float* sums,
-             int64_t ld, int64_t width) {
-  switch (k) {
-    case 1: Block<M, 1>(x, n, w, out, sums, ld, width); break;
-    case 2: Block<M, 2>(x, n, w, out, sums, ld, width); break;
-    case 3: Block<M, 3>(x, n, w, out, sums, ld, width); break;
-    case 4: Block<M, 4>(x, n, w, out, sums, ld, width); break;
-    case 5: Block<M, 5>(x, n, w, out, sums, ld, width); break;
-    case 6: Block<M, 6>(x, n, w, out, sums, ld, width); break;
-    case 7: Block<M, 7>(x, n, w, out, sums, ld, width); break;
-    default: Block<M, kRowsK>(x, n, w, out, sums, ld, width); break;
-  }
-}
-
-constexpr int64_t kFold = 64;  // input rows summed before their sum is added to the total
-
-// columns [c0, c1) of y for every row of x: w is read along its rows, kRowsK rows at a
-// time (streams the memory prefetchers follow), into sums kept in a buffer whose rows
-// are 64 bytes apart modulo 4 KiB (no false store-to-load aliasing); with more than 4
-// rows of x, each block of w's rows is read again from cache for the next 4. The sums
-// of each kFold input rows are added to a running total (shorter chains of rounding).
-void ColsOf(int64_t M, const float* x, const float* w, float* y, int64_t n, int64_t out,
-            int64_t c0, int64_t c1) {
-  const int64_t width = c1 - c0, ld = (width + 15) / 16 * 16 + 16;
-  thread_local std::vector<float> buffer;
-  buffer.assign(2 * M * ld, 0.0f);
-  float *sums = buffer.data(), *total = sums + M * ld;
-  for (int64_t k0 = 0; k0 < n; k0 += kRowsK) {
-    const int64_t k = std::min<int64_t>(kRowsK, n - k0);
-    const float* wk = w + k0 * out + c0;
-    for (int64_t m = 0; m < M; m += 4) {
-      const float* xm = x + m * n + k0;
-      float* sm = sums + m * ld;
-      switch (M - m < 4 ? M - m : 4) {
-        case 1: BlockOf<1>(k, xm, n, wk, out, sm, ld, width); break;
-        case 2: BlockOf<2>(k, xm, n, wk, out, sm, ld, width); break;
-        case 3: BlockOf<3>(k, xm, n, wk, out, sm, ld, width); break;
-        default: BlockOf<4>(k, xm, n, wk, out, sm, ld, width); break;
-      }
-    }
-    if ((k0 + k) % kFold == 0 || k0 + k == n) {
-      for (int64_t i = 0; i < M * ld; ++i) total[i] += sums[i];
-      std::fill(sums, sums + M * ld, 0.0f);
-    }
-  }
-  for (int64_t m = 0; m < M; ++m)
-    std::memcpy(y + m * out + c0, total + m * ld, width * sizeof(float));
-}
-
-ffi::Error DenseColsImpl(ffi::ThreadPool pool, Rows32 x, Rows32 w, ffi::Result<Rows32> y) {
-  const auto xd = x.dimensions(), wd = w.dimensions();
-  const int64_t M = xd[0], n = xd[1], out = wd[1];
-  if (wd[0] != n) return ffi::Error::InvalidArgument("dense_cols: w's rows do not match x's columns");
-  const float* xp = x.typed_data();
-  const float* wp = w.typed_data();
-  float* yp = y->typed_data();
-  Parallel(pool, out, 256, W,
-           [=](int64_t c0, int64_t c1) { ColsOf(M, xp, wp, yp, n, out, c0, c1); });
-  return ffi::Error::Success();
-}
-
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlhfEqxPackedRows, PackedRowsImpl,
@@ -355,13 +260,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlhfEqxPackedRows, PackedRowsImpl,
                                   .Arg<PackedBytes>()
                                   .Ret<Rows32>()
                                   .Attr<int64_t>("kind"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RlhfEqxDenseCols, DenseColsImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<Rows32>()
-                                  .Arg<Rows32>()
-                                  .Ret<Rows32>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlhfEqxDenseRows, DenseRowsImpl,
                               ffi::Ffi::Bind()

@@ -318,6 +318,7 @@ def test_the_demonstration_quality_report():
     assert kept == [recs[0], recs[3]] and counts == {"empty": 1, "exact_duplicate": 1}
 
 
+ANIMALS = ["cat", "dog", "fox", "owl", "bee", "cow", "pig", "hen", "ant", "elk", "yak", "emu"]
 TINY = [
     *("--set", "sft.steps=2", "--set", "sft.batch_size=4", "--set", "sft.max_length=160"),
     *("--set", "sampling.prompt_length=96", "--set", "sampling.max_new_tokens=4"),
@@ -327,9 +328,8 @@ TINY = [
 
 
 def test_cli_sft_on_multi_turn_conversations_with_tools(tmp_path, capsys):
-    animals = ["cat", "dog", "fox", "owl", "bee", "cow", "pig", "hen", "ant", "elk", "yak", "emu"]
     rows = []
-    for i, a in enumerate(animals):
+    for i, a in enumerate(ANIMALS):
         conv = [
             user(f"A {a} {i}?"),
             assistant("It was happy."),
@@ -353,3 +353,46 @@ def test_cli_sft_on_multi_turn_conversations_with_tools(tmp_path, capsys):
     assert sampled["examples"][0]["prompt"].endswith("Then?\n\nAssistant:")
     assert main(["sft", "--data", path, "--set", "data.assistant_turns=some", "--show-config"]) == 2
     assert "data.assistant_turns='some': must be one of all, last" in capsys.readouterr().err
+
+
+def test_cli_sft_all_turns_through_a_chat_template_file(tmp_path):
+    template = tmp_path / "chat.jinja"
+    template.write_text(TINY_CHATML)
+    rows = [
+        {"messages": [user(f"A {a} {i}?"), assistant("Happy."), user("Then?"), assistant("Ran.")]}
+        for i, a in enumerate(ANIMALS * 4)
+    ]
+    path = write(tmp_path, "chat.jsonl", rows)
+    out = tmp_path / "run"
+    argv = ["sft", "--data", path, "--out", str(out), "--set", f"data.chat_template={template}"]
+    longer = ["--set", "sampling.prompt_length=160", "--set", "sft.max_length=240"]
+    assert main([*argv, *TINY, *longer]) == 0  # ChatML's markers: many built-in tokens
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["chat_template"] == str(template)
+    (example, *_) = summary["sft"]["sampled"]["examples"]
+    assert example["prompt"].endswith(
+        "<|im_start|>assistant\nHappy.<|im_end|>\n<|im_start|>user\nThen?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+def test_conversational_prompt_completion_trains_the_completions_assistant_turns(tmp_path):
+    completion = [{"role": "assistant", "tool_calls": [CALL]}, TOOLS[2], TOOLS[3]]
+    row = {"prompt": [user("Weather in Oslo?")], "completion": completion}
+    path = write(tmp_path, "pc.jsonl", [row])
+    (r,) = data.load_demonstrations(path, template="chatml", assistant_turns="all")
+    assert r.prompt == "<|im_start|>user\nWeather in Oslo?<|im_end|>\n<|im_start|>assistant\n"
+    call = '{"name": "weather", "arguments": {"city": "Oslo"}}'
+    assert [r.completion[a:b] for a, b in r.spans] == [
+        f"{call}<|im_end|>\n",
+        "12 degrees and rain.<|im_end|>\n",
+    ]
+    (last,) = data.load_demonstrations(path, template="chatml")
+    assert last.spans is None and last.prompt + last.completion == r.prompt + r.completion
+
+
+def test_packing_refuses_masked_sequences():
+    masked = data.TokenizedSequence((1, 2), (3, 4), (True, False))
+    pair = data.TokenizedPair(masked, data.TokenizedSequence((1, 2), (5,)))
+    with pytest.raises(data.DataError, match="completion_mask"):
+        data.pack_preferences([pair], pad_id=0)

@@ -40,8 +40,14 @@ def _positive(name: str, value: object, *, allow_none: bool = True) -> None:
 
 
 def _pieces(pair: TokenizedPair) -> tuple[list[int], list[int], list[int], int, int]:
-    """`(shared, chosen_tail, rejected_tail, chosen_prompt_rest, rejected_prompt_rest)`."""
+    """`(shared, chosen_tail, rejected_tail, chosen_prompt_rest, rejected_prompt_rest)`;
+    `DataError` for a sequence with a `completion_mask`: packing scores whole completions."""
     c, r = pair.chosen, pair.rejected
+    if c.completion_mask is not None or r.completion_mask is not None:
+        raise DataError(
+            "packed pairs are scored on their whole completions; a sequence with a "
+            "completion_mask (some completion tokens untrained) cannot be packed"
+        )
     shared = 0
     limit = min(len(c.prompt), len(r.prompt))
     while shared < limit and c.prompt[shared] == r.prompt[shared]:

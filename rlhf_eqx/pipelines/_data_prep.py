@@ -183,31 +183,22 @@ def quality_report(
     **Returns:** `(records to train on, report)`.
     """
     report = data.preference_quality(records, tokenizer=tok, lengths=lengths)
+    counts = {
+        "pairs": report.total,
+        "distinct_prompts": report.distinct_prompts,
+        "identical": len(report.identical),
+        "empty": len(report.empty),
+        "exact_duplicates": len(report.exact_duplicates),
+        "duplicate_prompts": len(report.duplicate_prompts),
+        "prompt_length_mean": report.prompt_lengths.mean,
+        "chosen_length_mean": report.chosen_lengths.mean,
+        "rejected_length_mean": report.rejected_lengths.mean,
+        "distinct_1": report.distinct_1,
+        "distinct_2": report.distinct_2,
+        "truncation": report.truncation.summary() if report.truncation else None,
+    }
     dropped = dict(load_report.skipped) if load_report is not None else {}
-    message = report.summary()
-    if dropped:
-        message += "\nDropped by the reader: " + ", ".join(f"{k}: {v}" for k, v in dropped.items())
-    log.write(
-        {
-            "event": "data_quality",
-            "message": message,
-            "skipped_by_reader": sum(dropped.values()),
-            **{f"skipped/{k}": v for k, v in dropped.items()},
-            "pairs": report.total,
-            "distinct_prompts": report.distinct_prompts,
-            "identical": len(report.identical),
-            "empty": len(report.empty),
-            "exact_duplicates": len(report.exact_duplicates),
-            "duplicate_prompts": len(report.duplicate_prompts),
-            "prompt_length_mean": report.prompt_lengths.mean,
-            "chosen_length_mean": report.chosen_lengths.mean,
-            "rejected_length_mean": report.rejected_lengths.mean,
-            "distinct_1": report.distinct_1,
-            "distinct_2": report.distinct_2,
-            "truncation": report.truncation.summary() if report.truncation else None,
-        }
-    )
-    log.info("data quality:\n  " + message.replace("\n", "\n  "))
+    log_quality(log, report.summary(), dropped, counts)
     if not dc.filter:
         return list(records), report
     records = list(records)
@@ -222,6 +213,24 @@ def quality_report(
         kept = fits
     log_filter(log, dc, counts, len(records), kept, "pairs")
     return list(kept), report
+
+
+def log_quality(log: MetricsLog, message: str, dropped: dict, counts: dict) -> None:
+    """The `data_quality` event (`message`, a quality report's summary, with the line of
+    what the reader `dropped`, `{reason: count}`; then `counts`) and its lines in the
+    run log."""
+    if dropped:
+        message += "\nDropped by the reader: " + ", ".join(f"{k}: {v}" for k, v in dropped.items())
+    log.write(
+        {
+            "event": "data_quality",
+            "message": message,
+            "skipped_by_reader": sum(dropped.values()),
+            **{f"skipped/{k}": v for k, v in dropped.items()},
+            **counts,
+        }
+    )
+    log.info("data quality:\n  " + message.replace("\n", "\n  "))
 
 
 def log_filter(log: MetricsLog, dc: DataConfig, counts: dict, total: int, kept, what: str):
@@ -436,20 +445,7 @@ def demo_quality(records: Sequence, env, lengths, load_report) -> tuple[list, di
         **{f"{n}s" if n != "empty" else n: len(v) for n, v in report.problems.items()},
         "distinct_2": report.distinct_2,
     }
-    dropped = dict(load_report.skipped)
-    message = report.summary()
-    if dropped:
-        message += "\nDropped by the reader: " + ", ".join(f"{k}: {v}" for k, v in dropped.items())
-    log.write(
-        {
-            "event": "data_quality",
-            "message": message,
-            "skipped_by_reader": sum(dropped.values()),
-            **{f"skipped/{k}": v for k, v in dropped.items()},
-            **counts,
-        }
-    )
-    log.info("data quality:\n  " + message.replace("\n", "\n  "))
+    log_quality(log, report.summary(), dict(load_report.skipped), counts)
     quality = {"format": load_report.format}
     quality.update(
         (k, v) for k, v in counts.items() if k not in ("demonstrations", "distinct_prompts")

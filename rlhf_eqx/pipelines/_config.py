@@ -21,6 +21,7 @@ import dataclasses
 import re
 
 from .._sampling import DEFAULT_TEMPERATURE
+from ..data import ASSISTANT_TURNS
 from ..models import LORA_TARGETS
 from ..train import (
     OptimizerSettings,
@@ -147,12 +148,12 @@ class DataConfig:
     readers' fields from other columns, in every format (`--set
     data.columns.chosen=response_a`; the fields are `data.COLUMN_NAMES`).
 
-    `assistant_turns`: the assistant messages of a conversation (`messages`, or a
-    conversational prompt-completion's completion) that `sft` trains on, `all` (every
-    one, as TRL's `assistant_only_loss=True`: the system, user and tool turns between
-    them are in the sequence but not trained; held-out samples are still prompted with
-    the conversation up to its last assistant message) or `last` (the last one, the
-    earlier turns being its prompt)."""
+    `assistant_turns`: the assistant messages of a conversation (`messages`; a
+    conversational prompt-completion's completion when the model has no chat template)
+    that `sft` trains on, `all` (every one, as TRL's `assistant_only_loss=True`: the
+    system, user and tool turns between them are in the sequence but not trained;
+    held-out samples are still prompted with the conversation up to its last assistant
+    message) or `last` (the last one, the earlier turns being its prompt)."""
 
     path: str | None = None
     format: str = "auto"
@@ -167,9 +168,10 @@ class DataConfig:
     assistant_turns: str = "all"
 
     def __post_init__(self):
-        if self.assistant_turns not in ("all", "last"):
+        if self.assistant_turns not in ASSISTANT_TURNS:
             raise ConfigError(
-                f"data.assistant_turns={self.assistant_turns!r}: must be one of all, last"
+                f"data.assistant_turns={self.assistant_turns!r}: must be one of "
+                + ", ".join(ASSISTANT_TURNS)
             )
 
     def read_options(self) -> dict:

@@ -6,8 +6,10 @@ time and reads the weight once per row (see `_packed_products`). `_packed_rows.c
 (shipped beside this file) does what llama.cpp's CPU kernels do: each output row's
 Q8_0 / Q4_0 / Q4_1 blocks are decoded in vector registers and multiplied with every
 row of activations before the next output row is read, split over XLA's intra-op
-threads. It is an XLA FFI handler (`jax.ffi`), so it runs inside jitted programs,
-scans and while loops like any other op.
+threads. The same kernel multiplies a float32 table stored by output row, such as a tied
+LM head's `[V, D]` embedding (`native_dense_product`), which XLA's dot reads several
+times slower for a decode step's few rows. It is an XLA FFI handler (`jax.ffi`), so it
+runs inside jitted programs, scans and while loops like any other op.
 
 It is compiled once per machine with the system's C++ compiler (`$CXX`, else `c++` /
 `g++` / `clang++`) for the machine's own instruction set (`RLHF_EQX_NATIVE_ARCH`
@@ -16,8 +18,8 @@ directory (`$XDG_CACHE_HOME/rlhf_eqx/native` or `~/.cache/rlhf_eqx/native`; the 
 name carries a hash of the source, the compiler, JAX's version and the CPU's flags; a
 cached library that no longer loads, cut short or overwritten, is built again once).
 Where no compiler is found, the build fails, or `RLHF_EQX_NATIVE=0` is set,
-`native_rows_available()` is `False` and the products stay in XLA (`packed_product`),
-with the same values up to float32 summation order.
+`native_rows_available()` is `False` and the products stay in XLA (`packed_product`,
+`x @ wᵀ`), with the same values up to float32 summation order.
 """
 
 import ctypes

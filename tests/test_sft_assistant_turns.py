@@ -396,3 +396,29 @@ def test_packing_refuses_masked_sequences():
     pair = data.TokenizedPair(masked, data.TokenizedSequence((1, 2), (5,)))
     with pytest.raises(data.DataError, match="completion_mask"):
         data.pack_preferences([pair], pad_id=0)
+
+
+@pytest.mark.parametrize(
+    "template",
+    ["hh", "chatml", data.JinjaChatTemplate(GENERATION), data.JinjaChatTemplate(REWRITES)],
+    ids=["hh", "chatml", "generation", "rewrites"],
+)
+def test_a_blank_assistant_turn_is_not_trained(tmp_path, template):
+    """As `last` skips a conversation whose last assistant message is blank, `all` does
+    not train a blank turn: it stays in the text, untrained (the spans are those of the
+    said turns, however the template marks them), and a conversation ending with one
+    gives the record of the conversation without it."""
+    blank = [*THREE[1:3], assistant(""), *THREE[3:5], assistant(" "), *THREE[5:]]
+    (r,) = load(tmp_path, [blank], template=template, assistant_turns="all")
+    spans = [r.completion[a:b].split("<|im_end|>")[0].strip() for a, b in r.spans]
+    assert spans == ["Hello.", "Tom.", "Rex, a good dog."]
+    if template == "hh" or template == "chatml":
+        said_once = [blank[0], *blank[2:5]]
+        (last,) = load(tmp_path, [said_once], template=template, assistant_turns="last")
+        (one,) = load(tmp_path, [said_once], template=template, assistant_turns="all")
+        assert one == last and one.spans is None
+    (r,) = load(
+        tmp_path, [[*TWO, user("More?"), assistant("")]], template=template, assistant_turns="all"
+    )
+    (cut,) = load(tmp_path, [TWO], template=template, assistant_turns="all")
+    assert r == cut

@@ -63,7 +63,7 @@ def _spans_from_contents(
     spans, cursor = [], 0
     for i, m in enumerate(messages):
         content = m.get("content")
-        if not isinstance(content, str) or not content:
+        if not isinstance(content, str) or not content.strip():  # nothing to find
             continue
         at = text.find(content, cursor)
         if at < 0 and content.strip():

@@ -30,7 +30,9 @@ read. Which assistant messages are trained is `assistant_turns`:
   the completion that are trained: each assistant message's text with the
   end-of-turn text the template writes after it (what the prompt of that turn,
   rendered with the generation prompt, leaves of the conversation rendered up to and
-  including it); the system, user and tool turns between are not trained. A Jinja
+  including it); the system, user and tool turns between are not trained, nor is a
+  blank assistant message (no text, no tool calls; `"last"` skips a conversation
+  ending with one). A Jinja
   template with `{% generation %}` blocks marks the trained text itself; one whose
   rendering of a prefix does not start its rendering of the whole conversation (it
   rewrites earlier turns) falls back to finding each assistant content
@@ -173,10 +175,12 @@ def _every_turn(
     """The record of `messages` trained on each of its assistant messages from index
     `first` on (the module docstring's `"all"`)."""
     turns = [k for k in range(first, len(messages)) if messages[k]["role"] == "assistant"]
-    if not any(_said(messages[k]) for k in turns):
+    said = [k for k in turns if _said(messages[k])]
+    if not said:
         raise Unusable("empty completion")
-    messages = messages[: turns[-1] + 1]
-    text, spans = _turn_spans(messages, turns, render, template)
+    messages = messages[: said[-1] + 1]
+    turns = [k for k in turns if k <= said[-1]]
+    text, spans = _turn_spans(messages, turns, said, render, template)
     start = spans[0][0]
     prompt, completion = text[:start], text[start:]
     spans = tuple((a - start, b - start) for a, b in spans)
@@ -186,18 +190,23 @@ def _every_turn(
 
 
 def _turn_spans(
-    messages: list[dict], turns: list[int], render: Callable[..., str], template: object
+    messages: list[dict],
+    turns: list[int],
+    said: list[int],
+    render: Callable[..., str],
+    template: object,
 ) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character range of each assistant message in
-    `turns`: what its prompt (the messages before it, with the generation prompt) leaves
-    of the conversation rendered through it, or a Jinja template's `{% generation %}`
-    blocks; a Jinja template that rewrites earlier turns falls back to the content
-    search of `render_with_assistant_mask`."""
+    `said` (those of the assistant messages `turns` that say something; a blank one is
+    not trained, as a conversation ending with it is not): what its prompt (the messages
+    before it, with the generation prompt) leaves of the conversation rendered through
+    it, or a Jinja template's `{% generation %}` blocks; a Jinja template that rewrites
+    earlier turns falls back to the content search of `render_with_assistant_mask`."""
     jinja = isinstance(template, JinjaChatTemplate)
     if not (jinja and template.has_generation_blocks):
         full = render(messages, add_generation_prompt=False)
         spans = []
-        for k in turns:
+        for k in said:
             before = render(messages[:k], add_generation_prompt=True)
             through = render(messages[: k + 1], add_generation_prompt=False)
             if not (through.startswith(before) and full.startswith(through)):
@@ -212,13 +221,16 @@ def _turn_spans(
             )
     rendered = template.render_with_assistant_mask(messages)
     spans = list(rendered.spans)
-    if len(spans) < len(turns):
+    if len(spans) >= len(turns):  # one span for each assistant message, blank ones too
+        marked = dict(zip(turns, spans[len(spans) - len(turns) :]))
+        return rendered.text, [marked[k] for k in said]
+    if len(spans) < len(said):
         raise DataError(
-            f"the chat template marks {len(spans)} assistant spans for {len(turns)} assistant "
+            f"the chat template marks {len(spans)} assistant spans for {len(said)} assistant "
             "messages (it rewrites earlier turns, and an assistant message without text "
             "cannot be found in its output); use a template with {% generation %} blocks"
         )
-    return rendered.text, spans[len(spans) - len(turns) :]
+    return rendered.text, spans[len(spans) - len(said) :]  # a blank message marks none
 
 
 def _chosen_parser(template: ChatTemplate) -> Callable[[dict], DemonstrationRecord]:

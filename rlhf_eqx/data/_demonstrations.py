@@ -41,9 +41,11 @@ read. Which assistant messages are trained is `assistant_turns`:
 
 Tool results (`tool` messages) are never trained; an assistant message with
 `tool_calls` is, its calls rendered as the template renders them (`format_chat`: one
-JSON line per call). A `prompt_completion` record with a `label` column is unpaired
-(KTO) data and is not detected as demonstrations (give `format="prompt_completion"` to
-read it anyway).
+JSON line per call). A Jinja template that does not write them (the message renders
+the same without its calls) is refused: the calls would be lost.
+
+A `prompt_completion` record with a `label` column is unpaired (KTO) data and is not
+detected as demonstrations (give `format="prompt_completion"` to read it anyway).
 
 Records with an empty (or blank) completion, and conversations without an assistant
 message, are skipped and counted in `dataset.report`; preference pairs are skipped as
@@ -137,13 +139,17 @@ def _parse_text(record: dict) -> DemonstrationRecord:
 
 
 def _parse_prompt_completion(
-    record: dict, render: Callable[..., str], trained: Callable | None
+    record: dict, render: Callable[..., str], trained: Callable | None, jinja: bool
 ) -> DemonstrationRecord:
     if isinstance(record.get("completion"), list):  # TRL's conversational layout
-        if trained is None:
+        if trained is None and not jinja:
             return _checked(*_conversation_texts(record, render))
         prompt = _message_list(record, "prompt")
         completion = _message_list(record, "completion")
+        if jinja:
+            _check_calls_rendered(prompt + completion, render)
+        if trained is None:
+            return _checked(*_conversation_texts(record, render))
         if not completion or completion[0]["role"] != "assistant":
             raise Malformed("wrong type", "'completion' must start with an assistant message")
         return trained(prompt + completion, len(prompt))
@@ -155,10 +161,32 @@ def _said(message: dict) -> bool:
     return bool(message["content"].strip() or message.get("tool_calls"))
 
 
+def _check_calls_rendered(messages: list[dict], render: Callable[..., str]) -> None:
+    """`DataError` when a Jinja template renders an assistant message with `tool_calls`
+    as it renders the message without them (it does not write tool calls, as SmolLM2's
+    does not): the calls would be lost from the text, and a call without content would
+    train an empty turn."""
+    for k, m in enumerate(messages):
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            bare = {key: v for key, v in m.items() if key != "tool_calls"}
+            head = messages[:k]
+            if render([*head, m], add_generation_prompt=False) == render(
+                [*head, bare], add_generation_prompt=False
+            ):
+                raise DataError(
+                    f"message {k} (assistant) has tool_calls, but the chat template does "
+                    "not render them (its text is the same without them); use a template "
+                    "that writes tool calls (data.chat_template=FILE, or "
+                    "template=JinjaChatTemplate(...))"
+                )
+
+
 def _parse_messages(
-    record: dict, render: Callable[..., str], trained: Callable | None
+    record: dict, render: Callable[..., str], trained: Callable | None, jinja: bool
 ) -> DemonstrationRecord:
     messages = message_list(record, "messages")
+    if jinja:
+        _check_calls_rendered(messages, render)
     last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
     if last is None:
         raise Unusable("no assistant message")
@@ -323,7 +351,8 @@ def load_demonstrations(
                 )
             return _chosen_parser(resolve_template(template))
         parse = _parse_messages if fmt == "messages" else _parse_prompt_completion
-        return lambda record: parse(record, render, trained)
+        jinja = isinstance(template, JinjaChatTemplate)
+        return lambda record: parse(record, render, trained, jinja)
 
     records, report = load_records(
         path,

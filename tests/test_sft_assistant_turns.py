@@ -463,3 +463,20 @@ def test_a_template_that_drops_tool_calls_is_refused(tmp_path, turns):
     path = write(tmp_path, "pc.jsonl", [row])
     with pytest.raises(data.DataError, match="pc.jsonl:1: message 1 .* does not render"):
         data.load_demonstrations(path, template=NO_CALLS, assistant_turns=turns)
+
+
+def test_a_bad_message_is_named_and_a_null_call_type_is_a_function(tmp_path):
+    """A malformed message is named by its index and what it holds; a tool call's null
+    `type` (a table's column for the calls that lack one) reads as `"function"`."""
+    bad = {"messages": [user("a"), assistant("b"), user("c"), {"role": "assistant"}]}
+    path = write(tmp_path, "bad.jsonl", [{"messages": TWO}, bad])
+    with pytest.raises(
+        data.DataError,
+        match=r"bad.jsonl:2: wrong type: a message in 'messages' needs string role/content "
+        r"\(or from/value\), got content missing \(message 3\)$",
+    ):
+        data.load_demonstrations(path)
+    call = dict(CALL, type=None, id=None)
+    conv = [user("w?"), {"role": "assistant", "content": None, "tool_calls": [call]}]
+    (r,) = load(tmp_path, [conv], template="chatml")
+    assert r.completion == '{"name": "weather", "arguments": {"city": "Oslo"}}<|im_end|>\n'

@@ -103,7 +103,8 @@ def tool_calls_text(calls: object) -> str:
     lines = []
     for k, call in enumerate(calls):
         fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or call.get("type", "function") != "function":
+        # a null type is an absent one (a table's column for the rows that lack it)
+        if not isinstance(fn, dict) or (call.get("type") or "function") != "function":
             raise Malformed(
                 "malformed tool call",
                 f'tool call {k} must be {{"type": "function", "function": {{"name", '
@@ -142,8 +143,14 @@ def message_field(value: object, key: str) -> dict:
     if calls is not None and content is None:
         content = ""
     if not isinstance(role, str) or not isinstance(content, str):
+        got = ", ".join(
+            f"{name} {'missing' if v is None else type(v).__name__}"
+            for name, v in (("role", role), ("content", content))
+            if not isinstance(v, str)
+        )
         raise Malformed(
-            "wrong type", f"a message in {key!r} needs string role/content (or from/value)"
+            "wrong type",
+            f"a message in {key!r} needs string role/content (or from/value), got {got}",
         )
     if role.strip().lower() not in _ROLE_ALIASES:
         raise Malformed(
@@ -167,13 +174,20 @@ def message_field(value: object, key: str) -> dict:
 
 def message_list(record: dict, key: str) -> list[dict]:
     """`record[key]`, a list of messages, each as `message_field` reads it (`Malformed`
-    naming the key when it is missing or not a list)."""
+    naming the key when it is missing or not a list, and the message's index when one is
+    malformed)."""
     value = record_field(record, key)
     if not isinstance(value, list):
         raise Malformed(
             "wrong type", f"{key!r} must be a list of messages, got {type(value).__name__}"
         )
-    return [message_field(m, key) for m in value]
+    out = []
+    for i, m in enumerate(value):
+        try:
+            out.append(message_field(m, key))
+        except Malformed as e:
+            raise Malformed(e.args[0], f"{e.args[1]} (message {i})") from None
+    return out
 
 
 def resolve_template(template: str | ChatTemplate) -> ChatTemplate:

@@ -480,3 +480,17 @@ def test_a_bad_message_is_named_and_a_null_call_type_is_a_function(tmp_path):
     conv = [user("w?"), {"role": "assistant", "content": None, "tool_calls": [call]}]
     (r,) = load(tmp_path, [conv], template="chatml")
     assert r.completion == '{"name": "weather", "arguments": {"city": "Oslo"}}<|im_end|>\n'
+
+
+def test_the_quality_report_counts_the_trained_turns_only():
+    """Of a conversation trained on every assistant turn, the completion's length and
+    distinct-n are those of its assistant turns, not of the user turns between."""
+    R = data.DemonstrationRecord
+    turns = R("p", "a b|user says c d|a b", spans=((0, 3), (18, 21)))
+    q = data.demonstration_quality(
+        [turns],
+        tokenizer=data.ByteTokenizer(),
+        lengths=data.SequenceLengths(max_length=8, max_prompt_length=4),
+    )
+    assert q.completion_lengths.max == len("a ba b")
+    assert (q.distinct_1, q.distinct_2) == (0.5, 0.5)  # "a b" twice; no n-gram across turns

@@ -271,6 +271,11 @@ class DemonstrationQuality:
     - `distinct_prompts`: the number of different prompts.
     - `prompt_lengths`, `completion_lengths`: `LengthStats` in tokens.
     - `distinct_1`, `distinct_2`: distinct-n of the completions.
+
+    Of a record with `spans` (a conversation trained on every assistant turn), the
+    completion's length and distinct-n are those of the trained text, its assistant
+    turns (n-grams do not cross from one turn to the next), not of the user and tool
+    turns between.
     """
 
     total: int
@@ -322,7 +327,8 @@ def demonstration_quality(
     **Arguments:**
 
     - `records`: objects with `.prompt` and `.completion` strings (e.g. a
-      `DemonstrationDataset`).
+      `DemonstrationDataset`), and `.spans` where only parts of the completion are
+      trained (`DemonstrationQuality`: their lengths and distinct-n).
     - `tokenizer`: lengths are counted in its tokens (a prompt's with BOS when it asks
       for one, `wants_bos`, for `long_prompt`).
     - `lengths`: the `SequenceLengths` training will use (`max_prompt_length`).
@@ -335,9 +341,12 @@ def demonstration_quality(
     seen: set[tuple[str, str]] = set()
     prompts: set[str] = set()
     prompt_sizes, completion_sizes = [], []
+    responses = []
     for i, r in enumerate(records):
+        trained = _trained_texts(r)
+        responses.extend(trained)
         prompt_sizes.append(len(tokenizer.encode(r.prompt)))
-        completion_sizes.append(len(tokenizer.encode(r.completion)))
+        completion_sizes.append(len(tokenizer.encode("".join(trained))))
         for name, found in (
             ("empty", not r.completion.strip()),
             ("exact_duplicate", (r.prompt, r.completion) in seen),
@@ -349,14 +358,23 @@ def demonstration_quality(
         seen.add((r.prompt, r.completion))
         if r.prompt:  # a text's empty prompt repeats nothing
             prompts.add(r.prompt)
-    completions = [r.completion for r in records]
     return DemonstrationQuality(
-        total=len(completions),
+        total=len(prompt_sizes),
         format=format,
         problems={n: tuple(v) for n, v in problem.items()},
         distinct_prompts=len({r.prompt for r in records}),
         prompt_lengths=LengthStats.of(prompt_sizes),
         completion_lengths=LengthStats.of(completion_sizes),
-        distinct_1=distinct_n(completions, 1),
-        distinct_2=distinct_n(completions, 2),
+        distinct_1=distinct_n(responses, 1),
+        distinct_2=distinct_n(responses, 2),
     )
+
+
+def _trained_texts(record) -> list[str]:
+    """The trained texts of a demonstration: its completion, or the pieces of it its
+    `spans` mark (a conversation's assistant turns, without the user and tool turns
+    between)."""
+    spans = getattr(record, "spans", None)
+    if spans is None:
+        return [record.completion]
+    return [record.completion[a:b] for a, b in spans]

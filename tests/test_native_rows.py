@@ -342,6 +342,17 @@ def test_dense_product_refuses_what_it_cannot_take():
         matmul(jnp.ones((1, 64)), quantize_gguf(jnp.ones((64, 8)), "Q8_0"), transposed=True)
 
 
+def test_a_table_of_other_width_is_named_when_traced():
+    # a tied head whose width is not the hidden size fails as XLA's dot does, at trace
+    # time (also in `jax.eval_shape`), not when the compiled program runs
+    side = int(NATIVE_MIN_DENSE**0.5)
+    table = jax.ShapeDtypeStruct((side, side), jnp.float32)
+    for width in (side - 32, side + 32):
+        x = jax.ShapeDtypeStruct((2, width), jnp.float32)
+        with pytest.raises(TypeError, match="dot_general requires contracting dimensions"):
+            jax.eval_shape(lambda x, w: matmul(x, w, transposed=True), x, table)
+
+
 @needs_kernel
 def test_matmul_takes_it_for_few_rows_of_large_float32_tables(getkey):
     side = int(NATIVE_MIN_DENSE**0.5)  # a table of exactly NATIVE_MIN_DENSE elements

@@ -248,8 +248,8 @@ def dense_routed(x2: Array, w: Array, out_dtype=None) -> bool:
     """Whether `dense_product` takes `x2 @ wᵀ` (`w [out, n]`) to the native kernel when few
     rows multiply it: the kernel is built (`native_rows_available()`), `x2`, `w` and the
     result are float32, `w` is a matrix of at least `NATIVE_MIN_DENSE` elements with no
-    sharding over devices, and `n` is a multiple of 32. Decided when the product is
-    traced."""
+    sharding over devices, and `n` (the columns of both) is a multiple of 32. Decided
+    when the product is traced; other shapes take XLA's dot, which names a mismatch."""
     f32 = jnp.dtype(jnp.float32)
     return (
         x2.dtype == f32
@@ -257,6 +257,7 @@ def dense_routed(x2: Array, w: Array, out_dtype=None) -> bool:
         and (out_dtype is None or jnp.dtype(out_dtype) == f32)
         and x2.ndim == w.ndim == 2
         and w.size >= NATIVE_MIN_DENSE
+        and x2.shape[-1] == w.shape[-1]
         and x2.shape[-1] % 32 == 0
         and _unsharded(w)
         and native_rows_available()

@@ -16,6 +16,7 @@ from helpers import SMOLLM2
 import rlhf_eqx as rx
 from rlhf_eqx import data, pipelines as pl
 from rlhf_eqx.__main__ import main
+from rlhf_eqx.pipelines.runs import hh_messages
 
 SYSTEM = {"role": "system", "content": "Be brief."}
 
@@ -494,3 +495,17 @@ def test_the_quality_report_counts_the_trained_turns_only():
     )
     assert q.completion_lengths.max == len("a ba b")
     assert (q.distinct_1, q.distinct_2) == (0.5, 0.5)  # "a b" twice; no n-gram across turns
+
+
+def test_a_tool_turn_of_an_hh_prompt_is_a_tool_message():
+    """A conversation trained on its last turn through a model's chat template goes
+    through the HH text: its tool results come back as tool messages, not as part of
+    the assistant message before them."""
+    prompt = data.format_chat(TOOLS[:3] + [user("And?")])
+    call = '{"name": "weather", "arguments": {"city": "Oslo"}}'
+    assert hh_messages(prompt) == [
+        user("Weather in Oslo?"),
+        assistant(call),
+        {"role": "tool", "content": "12 C, rain"},
+        user("And?"),
+    ]

@@ -63,7 +63,8 @@ def split_records(
     return list(train), list(held)
 
 
-_HH_TURN = re.compile(r"\n\n(Human|Assistant):")
+_HH_TURN = re.compile(r"\n\n(Human|Assistant|Tool):")
+_HH_ROLES = {"Human": "user", "Assistant": "assistant", "Tool": "tool"}
 _PROBE = "\x00reply\x00"
 
 
@@ -71,15 +72,15 @@ def hh_messages(prompt: str) -> list[dict[str, str]]:
     """The conversation of a prompt: an HH-RLHF transcript (`"\\n\\nHuman: …\\n\\n
     Assistant: …\\n\\nHuman: …\\n\\nAssistant:"`, as `data.load_preferences` keeps
     it, message formats included) becomes its turns, every turn before the reply (text
-    before the first turn: a system message; the empty last `Assistant:` dropped); any
-    other text is one user message."""
+    before the first turn: a system message; a `Tool:` turn, a tool's result as
+    `data.format_chat` writes it: a tool message; the empty last `Assistant:` dropped);
+    any other text is one user message."""
     parts = _HH_TURN.split(prompt)
     if len(parts) == 1:
         return [{"role": "user", "content": prompt.strip()}]
     messages = [{"role": "system", "content": parts[0].strip()}] if parts[0].strip() else []
     for role, content in zip(parts[1::2], parts[2::2]):
-        role = "user" if role == "Human" else "assistant"
-        messages.append({"role": role, "content": content.strip()})
+        messages.append({"role": _HH_ROLES[role], "content": content.strip()})
     if messages[-1]["role"] == "assistant" and not messages[-1]["content"]:
         messages.pop()
     return messages

@@ -288,6 +288,9 @@ def test_collate_sft_honours_the_mask():
         np.asarray(batch.completion_mask),
         [[0, 0, 1, 0, 0, 1, 0, 0], [0, 1, 1, 0, 0, 0, 0, 0]],
     )
+    untrained = data.TokenizedSequence((5,), (7, 8), (False, False))
+    with pytest.raises(data.DataError, match="completion_mask with no trained token"):
+        data.collate_sft([untrained], pad_id=0, max_length=8)
 
 
 def test_the_sft_loss_over_two_turns_is_the_token_mean_of_both_spans(tmp_path):

@@ -173,8 +173,9 @@ def _check_completions(completion_masks: Sequence[np.ndarray], what: str) -> Non
     step would have nothing to learn from."""
     if not any(m.any() for m in completion_masks):
         raise DataError(
-            f"no completion token in the batch: every {what} has an empty completion, so "
-            "the loss would have nothing to learn from"
+            f"no completion token in the batch: every {what} has an empty completion (or a "
+            "completion_mask with no trained token), so the loss would have nothing to learn "
+            "from"
         )
 
 

@@ -512,3 +512,27 @@ def test_a_tool_turn_of_an_hh_prompt_is_a_tool_message():
         {"role": "tool", "content": "12 C, rain"},
         user("And?"),
     ]
+
+
+def test_a_long_conversation_cut_short_encodes_its_kept_turns_only(tmp_path):
+    """Tokenising a conversation of many turns cut to a short sequence does not encode
+    the conversation up to each of its turns (quadratic in its length), and gives the
+    mask of the turns it keeps."""
+
+    class Counting(data.ByteTokenizer):
+        encoded = 0
+
+        def encode(self, text):
+            Counting.encoded += len(text)
+            return super().encode(text)
+
+    conv = [user("Go.")]
+    for i in range(300):
+        conv += [assistant(f"Step {i} done."), user(f"Next {i}?")]
+    (r,) = load(tmp_path, [conv], template="chatml", assistant_turns="all")
+    tok = Counting()
+    (seq,), _ = data.tokenize_demonstrations([r], tok, max_length=96, max_prompt_length=32)
+    assert Counting.encoded < 10 * len(r.prompt + r.completion)
+    kept = r.completion.encode()[: len(seq.completion)].decode()
+    trained = "".join(kept[a:b] for a, b in r.spans if a < len(kept))
+    assert trained_text(tok, seq) == trained[: seq.trained]

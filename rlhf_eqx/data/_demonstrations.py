@@ -406,7 +406,7 @@ def tokenize_demonstrations(
         for s in seqs:
             if spans is not None:
                 prompt, (completion,) = _prompt_and_completions(r)
-                flags = _trained_tokens(tokenizer, prompt, completion, spans)
+                flags = _trained_tokens(tokenizer, prompt, completion, spans, len(s.completion))
                 flags += [True] * options.get("add_eos", True)
                 s = TokenizedSequence(s.prompt, s.completion, tuple(flags[: len(s.completion)]))
             masked.append((s, spans))
@@ -445,10 +445,14 @@ def _first_token_as_prompt(
     return out, report
 
 
-def _trained_tokens(tokenizer: Tokenizer, prompt: str, completion: str, spans: Spans) -> list[bool]:
+def _trained_tokens(
+    tokenizer: Tokenizer, prompt: str, completion: str, spans: Spans, kept: int
+) -> list[bool]:
     """One flag per completion token (as `_split_ids` splits `prompt + completion`): true
     for a token that holds a character of one of `spans` (character ranges of
-    `completion`)."""
+    `completion`). Only the first `kept` tokens are flagged (the rest is cut): the spans
+    that start past them are not looked at, so a long conversation cut to a short
+    sequence costs the encoding of its kept turns."""
     text = prompt + completion
     full = tokenizer.encode(text)
     _, ids, _ = _split_ids(tokenizer, prompt, completion, tokenizer.encode(prompt))
@@ -464,6 +468,8 @@ def _trained_tokens(tokenizer: Tokenizer, prompt: str, completion: str, spans: S
 
     for start, end in spans:
         a, _ = first_tokens(len(prompt) + start)
+        if a >= offset + kept:
+            break
         if len(prompt) + end >= len(text):
             b = len(full)
         else:

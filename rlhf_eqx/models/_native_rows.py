@@ -20,6 +20,13 @@ cached library that no longer loads, cut short or overwritten, is built again on
 Where no compiler is found, the build fails, or `RLHF_EQX_NATIVE=0` is set,
 `native_rows_available()` is `False` and the products stay in XLA (`packed_product`,
 `x @ wᵀ`), with the same values up to float32 summation order.
+
+The kernel is registered with XLA when a product first asks for it (tracing), so a
+program compiled elsewhere and only loaded here (`jax.experimental.serialize_executable`)
+needs `native_rows_available()` called first, else XLA finds no handler for the custom
+call; the compilation cache needs nothing, since a cached program is traced before it is
+looked up. `jax.export` refuses to serialise the kernel's custom calls (they carry no
+compatibility guarantee): trace a program to export with `RLHF_EQX_NATIVE=0`.
 """
 
 import ctypes

@@ -176,6 +176,38 @@ def test_a_row_reads_as_the_same_record_as_its_json_line(tmp_path, kind, writer)
     assert type(got) is type(expected)
 
 
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+def test_nested_objects_read_without_the_nulls_their_table_gives_them(tmp_path, writer):
+    # an Arrow struct column has every key of every row's object, null where a row's
+    # object lacks it: two tool calls with other argument names must not train `null`s
+    def call(name, arguments):
+        return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": "", "tool_calls": [call("w", {"city": "Oslo"})]},
+                {"role": "tool", "content": "Rain."},
+                {"role": "assistant", "content": "It rains."},
+            ]
+        },
+        {
+            "messages": [
+                {"role": "user", "content": "Add."},
+                {"role": "assistant", "content": "", "tool_calls": [call("add", {"a": 1, "b": 2})]},
+                {"role": "tool", "content": "3"},
+                {"role": "assistant", "content": "3."},
+            ]
+        },
+    ]  # fmt: skip
+    read = lambda path: data.load_demonstrations(path, template="chatml", assistant_turns="all")
+    expected = read(_jsonl(tmp_path / "rows.jsonl", rows))
+    got = read(WRITERS[writer](tmp_path, rows))
+    assert list(got) == list(expected) and len(got) == 2
+    assert all("null" not in r.completion for r in got)
+
+
 def _hh_rows(shared_dir, n=20):
     path = os.path.join(shared_dir, "data", "hh-rlhf", "harmless-base", "test.jsonl.gz")
     if not os.path.isfile(path):

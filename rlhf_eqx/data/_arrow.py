@@ -187,7 +187,7 @@ class Table:
             for batch in _batches(file):
                 for row in batch.to_pylist():
                     report.read += 1
-                    yield f"{file}: row {n}", {k: v for k, v in row.items() if v is not None}
+                    yield f"{file}: row {n}", _without_nulls(row)
                     n += 1
 
     def message(self, reason: str, detail: str) -> str:
@@ -203,6 +203,18 @@ class Table:
         if detail.startswith("'"):
             return f"column {detail}"
         return f"{reason}: {detail}"
+
+
+def _without_nulls(value):
+    """A row with its null fields left out, in nested objects too: an Arrow struct column
+    has every key of every row's object, null where a row's object lacks it (two tool
+    calls with other argument names), which a JSON lines file would not have written.
+    Lists keep their items (a null item stays null)."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
 
 
 def _unreadable(path: str, e: Exception) -> DataError:

@@ -536,3 +536,29 @@ def test_a_long_conversation_cut_short_encodes_its_kept_turns_only(tmp_path):
     kept = r.completion.encode()[: len(seq.completion)].decode()
     trained = "".join(kept[a:b] for a, b in r.spans if a < len(kept))
     assert trained_text(tok, seq) == trained[: seq.trained]
+
+
+@pytest.mark.parametrize("turns", ["all", "last"])
+def test_a_sharegpt_conversations_file_is_one_conversation_a_record(tmp_path, turns):
+    # ShareGPT's single-response layout: `conversations` of from/value, no `chosen`
+    sharegpt = [
+        {"from": "system", "value": "Be brief."},
+        {"from": "human", "value": "Hi"},
+        {"from": "gpt", "value": "Hello."},
+        {"from": "human", "value": "Name a cat."},
+        {"from": "gpt", "value": "Tom."},
+    ]
+    got = data.load_demonstrations(
+        write(tmp_path, "sg.jsonl", [{"conversations": sharegpt}]), assistant_turns=turns
+    )
+    want = data.load_demonstrations(
+        write(tmp_path, "m.jsonl", [{"messages": TWO}]), assistant_turns=turns
+    )
+    assert got.report.format == "messages" and list(got) == list(want)
+    out = tmp_path / "run"
+    rows = [  # the split is by prompt: the conversation before its first assistant turn
+        {"conversations": [sharegpt[0], {"from": "human", "value": f"A {a}?"}, *sharegpt[2:]]}
+        for a in ANIMALS
+    ]
+    path = write(tmp_path, "many.jsonl", rows)
+    assert main(["sft", "--data", path, "--out", str(out), *TINY]) == 0

@@ -10,7 +10,8 @@ the keys of the first record):
   conversational `{"prompt": [messages], "completion": [messages]}`: the prompt
   messages rendered with the generation prompt, the completion the rest of the
   rendered conversation.
-- `"messages"` — `{"messages": [{"role", "content"}, ...]}`: the prompt is every
+- `"messages"` — `{"messages": [{"role", "content"}, ...]}` (or ShareGPT's
+  `{"conversations": [{"from", "value"}, ...]}` without `"chosen"`): the prompt is every
   message before the last assistant message, rendered with the generation prompt; the
   completion is that assistant message, the rest of the rendered conversation.
 - `"preference"` — any layout `load_preferences` reads (detected as it detects them):
@@ -184,7 +185,7 @@ def _check_calls_rendered(messages: list[dict], render: Callable[..., str]) -> N
 def _parse_messages(
     record: dict, render: Callable[..., str], trained: Callable | None, jinja: bool
 ) -> DemonstrationRecord:
-    messages = message_list(record, "messages")
+    messages = message_list(record, _conversation_key(record))
     if jinja:
         _check_calls_rendered(messages, render)
     last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
@@ -281,11 +282,19 @@ def _chosen_parser(template: ChatTemplate) -> Callable[[dict], DemonstrationReco
     return parse
 
 
+def _conversation_key(record: dict) -> str:
+    """`"messages"`, or ShareGPT's `"conversations"` in a record without `"messages"`."""
+    if "messages" not in record and "conversations" in record:
+        return "conversations"
+    return "messages"
+
+
 def detect_demonstration_format(record: dict) -> str | None:
-    """The demonstration format of a record from its keys (`None` when unknown)."""
+    """The demonstration format of a record from its keys (`None` when unknown): a
+    ShareGPT `"conversations"` list without `"chosen"` is one conversation (`messages`)."""
     if "text" in record:
         return "text"
-    if "messages" in record:
+    if "messages" in record or ("conversations" in record and "chosen" not in record):
         return "messages"
     if {"prompt", "completion"} <= set(record):
         return None if "label" in record else "prompt_completion"

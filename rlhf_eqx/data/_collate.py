@@ -16,9 +16,10 @@ only:
 ```
 tokens            [p p p | a a a u u u a a a | pad]
 completion_mask   [0 0 0 | 1 1 1 0 0 0 1 1 1 |  0 ]
-``` Prompt batches for generation are left-padded
-(`[pad pad BOS p p p]`) so that every row's next token is written at the same
-position.
+```
+
+Prompt batches for generation are left-padded (`[pad pad BOS p p p]`) so that every
+row's next token is written at the same position.
 
 **Row length.** `T = max_length` (or `lengths.max_length`) by default: one shape for
 every batch. With `bucket_size=m`, `T` is the batch's longest row rounded up to a

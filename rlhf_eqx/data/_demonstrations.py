@@ -404,13 +404,15 @@ def tokenize_demonstrations(
     """
     records = list(records)
     if not any(getattr(r, "spans", None) is not None for r in records):
-        seqs, report = tokenize_sft(records, tokenizer, **options)
-        return _first_token_as_prompt([(s, None) for s in seqs], report)
+        return _first_token_as_prompt(*tokenize_sft(records, tokenizer, **options))
     report = None
     masked = []
     for r in records:  # one at a time: each sequence is matched with its record
         seqs, one = tokenize_sft([r], tokenizer, **options)
-        report = one if report is None else _merged(report, one)
+        if report is None:
+            report = one
+        else:
+            report.add(one)
         spans = getattr(r, "spans", None)
         for s in seqs:
             if spans is not None:
@@ -418,26 +420,17 @@ def tokenize_demonstrations(
                 flags = _trained_tokens(tokenizer, prompt, completion, spans, len(s.completion))
                 flags += [True] * options.get("add_eos", True)
                 s = TokenizedSequence(s.prompt, s.completion, tuple(flags[: len(s.completion)]))
-            masked.append((s, spans))
+            masked.append(s)
     return _first_token_as_prompt(masked, report)
 
 
-def _merged(report: TokenizeReport, one: TokenizeReport) -> TokenizeReport:
-    """`report` with the counts of `one` (a pass under the same settings) added."""
-    for name in ("total", "kept", "prompt_truncated", "completion_truncated", "boundary_merged"):
-        setattr(report, name, getattr(report, name) + getattr(one, name))
-    for reason, n in one.dropped.items():
-        report.dropped[reason] = report.dropped.get(reason, 0) + n
-    return report
-
-
 def _first_token_as_prompt(
-    seqs: list[tuple[TokenizedSequence, Spans | None]], report: TokenizeReport
+    seqs: list[TokenizedSequence], report: TokenizeReport
 ) -> tuple[list[TokenizedSequence], TokenizeReport]:
     """The sequences with an empty prompt given their first token as prompt; those left
     with no completion (or no trained token) dropped and counted."""
     out = []
-    for s, _ in seqs:
+    for s in seqs:
         if not s.prompt:
             mask = s.completion_mask
             s = TokenizedSequence(

@@ -184,15 +184,15 @@ void RowsOf(int64_t M, const float* x, const uint8_t* raw, float* y, int64_t n, 
   }
 }
 
-// Runs `run(begin, end)` over [0, total) in chunks of at least `min_chunk` (a multiple
-// of `align`), on this thread and XLA's intra-op pool. Chunks are claimed from a shared
+// Runs `run(begin, end)` over [0, total) in chunks of at least `min_chunk`, on this
+// thread and XLA's intra-op pool. Chunks are claimed from a shared
 // counter by this thread and by tasks on the pool; this thread claims whatever the pool
 // has not started and then waits for the claimed chunks only, so a busy pool (all its
 // threads inside such calls) never blocks it. The state is shared, not on this stack: a
 // task that starts after the call has returned finds no chunk left and touches nothing
 // else.
 template <typename Run>
-void Parallel(ffi::ThreadPool& pool, int64_t total, int64_t min_chunk, int64_t align, Run run) {
+void Parallel(ffi::ThreadPool& pool, int64_t total, int64_t min_chunk, Run run) {
   const int64_t threads = pool.num_threads();
   if (threads < 2 || total < 2 * min_chunk) {
     run(0, total);
@@ -201,8 +201,7 @@ void Parallel(ffi::ThreadPool& pool, int64_t total, int64_t min_chunk, int64_t a
   struct Shared {
     std::atomic<int64_t> next{0}, done{0};
   };
-  int64_t chunk = std::max<int64_t>(min_chunk, (total + threads - 1) / threads);
-  chunk = (chunk + align - 1) / align * align;
+  const int64_t chunk = std::max<int64_t>(min_chunk, (total + threads - 1) / threads);
   const int64_t chunks = (total + chunk - 1) / chunk;
   auto shared = std::make_shared<Shared>();
   auto drain = [shared, run, chunk, chunks, total]() {
@@ -229,7 +228,7 @@ ffi::Error PackedRowsImpl(ffi::ThreadPool pool, Rows32 x, PackedBytes raw,
   const float* xp = x.typed_data();
   const uint8_t* rp = raw.typed_data();
   float* yp = y->typed_data();
-  Parallel(pool, out, kMinChunk, 1, [=](int64_t o0, int64_t o1) {
+  Parallel(pool, out, kMinChunk, [=](int64_t o0, int64_t o1) {
     if (kind == kQ8_0) RowsOf<kQ8_0>(M, xp, rp, yp, n, out, o0, o1);
     else if (kind == kQ4_0) RowsOf<kQ4_0>(M, xp, rp, yp, n, out, o0, o1);
     else RowsOf<kQ4_1>(M, xp, rp, yp, n, out, o0, o1);
@@ -246,7 +245,7 @@ ffi::Error DenseRowsImpl(ffi::ThreadPool pool, Rows32 x, Rows32 w, ffi::Result<R
   const float* xp = x.typed_data();
   const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.typed_data());
   float* yp = y->typed_data();
-  Parallel(pool, out, kMinChunk, 1,
+  Parallel(pool, out, kMinChunk,
            [=](int64_t o0, int64_t o1) { RowsOf<kF32>(M, xp, wp, yp, n, out, o0, o1); });
   return ffi::Error::Success();
 }

@@ -14,6 +14,15 @@ of 256 MiB, read + write bytes per second). `--max-rows 0` turns the packed prod
 off (every product dequantises its weight first), for a before/after comparison;
 `--native-max-rows 0` the native kernel.
 
+`--models float32` times only the models named (of `float32,Q8_0,Q4_1`): with
+`RLHF_EQX_NATIVE=0` in another process, the float32 model's decoding with and without
+the native kernel's tied head.
+
+`--head ROWS` times instead the float32 model's tied LM head alone, `x @ Eᵀ` with its
+`[49,152, 576]` embedding table for `M` rows of activations for each `M` in ROWS
+(median and best of `--rounds`, interleaved): `models.matmul(..., transposed=True)` as
+routed (the native kernel up to `NATIVE_MAX_ROWS` rows) against XLA's dot.
+
 `--layers ROWS` times instead the products of SmolLM2's 30 layers alone (its four
 projections a layer, `models.matmul` in a `lax.scan` over the stacked weights, `M`
 rows of activations for each `M` in ROWS; median of `--rounds`, interleaved): float32,
@@ -115,6 +124,35 @@ def layers_main(dense, q8, rows: list[int], rounds: int) -> None:
         print(f"{m:4}  " + "  ".join(cells))
 
 
+def head_main(dense, rows: list[int], rounds: int) -> None:
+    table = dense.transformer.embed
+    progs = {}
+    for m in rows:
+        x = jnp.asarray(np.random.default_rng(0).standard_normal((m, table.shape[1])), jnp.float32)
+        routed = jax.jit(
+            lambda x, e: rx.models.matmul(x, e, out_dtype=jnp.float32, transposed=True)
+        )
+        xla = jax.jit(lambda x, e: jnp.matmul(x, e.T, preferred_element_type=jnp.float32))
+        for name, f in (("routed", routed), ("XLA", xla)):
+            f(x, table).block_until_ready()
+            progs[name, m] = lambda f=f, x=x: f(x, table).block_until_ready()
+    times = {k: [] for k in progs}
+    for _ in range(rounds):
+        for k, f in progs.items():
+            times[k].append(_timed(f))
+    print(
+        f"native kernel: {rx.models.native_rows_available()}; load average "
+        f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}; table {table.nbytes / 1e6:.0f} MB"
+    )
+    print("rows  matmul(transposed=True)      XLA x @ Eᵀ   (median, best)")
+    for m in rows:
+        cells = [
+            f"{1e3 * statistics.median(times[k, m]):7.1f}, {1e3 * min(times[k, m]):5.1f} ms"
+            for k in ("routed", "XLA")
+        ]
+        print(f"{m:4}  {cells[0]:>21}  {cells[1]:>21}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -123,11 +161,15 @@ def main() -> None:
     ap.add_argument("--max-rows", type=int, default=_packed_products.PACKED_MAX_ROWS)
     ap.add_argument("--native-max-rows", type=int, default=_packed_products.NATIVE_MAX_ROWS)
     ap.add_argument("--layers", default=None, help="rows, e.g. 1,4,8,64: the layers' products")
+    ap.add_argument("--head", default=None, help="rows, e.g. 1,4: the tied head's product")
+    ap.add_argument("--models", default="float32,Q8_0,Q4_1", help="the models to decode")
     args = ap.parse_args()
     _packed_products.PACKED_MAX_ROWS = args.max_rows
     _packed_products.NATIVE_MAX_ROWS = args.native_max_rows
     path = smollm2_path()
     dense, tok = rx.load_gguf(path, quantized=False)
+    if args.head:
+        return head_main(dense, [int(r) for r in args.head.split(",")], args.rounds)
     models = {"float32": dense}
     with tempfile.TemporaryDirectory() as tmp:
         q8 = os.path.join(tmp, "smollm2-q8_0.gguf")
@@ -137,6 +179,7 @@ def main() -> None:
         rows = [int(r) for r in args.layers.split(",")]
         return layers_main(dense, models["Q8_0"], rows, args.rounds)
     models["Q4_1"] = rx.load_gguf(path, quantized=True)[0]
+    models = {name: models[name] for name in args.models.split(",")}
     ids = tok.encode("Write a short poem about the sea.")
     batches = [int(b) for b in args.batches.split(",")]
     n = args.new_tokens
@@ -162,7 +205,7 @@ def main() -> None:
     )
     print("model    B  weight MB  ms/token (rounds)            tok/s   bound ms  of bound")
     for b in batches:
-        base = statistics.median(times["float32", b])
+        base = statistics.median(times["float32", b]) if "float32" in models else None
         for name, m in models.items():
             ts = times[name, b]
             med, mb = statistics.median(ts), weight_bytes(m) / 1e6
@@ -170,7 +213,8 @@ def main() -> None:
             rounds = " ".join(f"{1e3 * t:6.1f}" for t in ts)
             print(
                 f"{name:8} {b:2} {mb:9.0f}  {1e3 * med:7.1f} ({rounds})  {b / med:7.1f}"
-                f"  {1e3 * bound:8.1f}  {bound / med:7.1%}  {base / med:.2f}x float32"
+                f"  {1e3 * bound:8.1f}  {bound / med:7.1%}"
+                + (f"  {base / med:.2f}x float32" if base else "")
             )
 
 

@@ -7,8 +7,8 @@ time and reads the weight once per row (see `_packed_products`). `_packed_rows.c
 Q8_0 / Q4_0 / Q4_1 blocks are decoded in vector registers and multiplied with every
 row of activations before the next output row is read, split over XLA's intra-op
 threads. The same kernel multiplies a float32 table stored by output row, such as a tied
-LM head's `[V, D]` embedding (`native_dense_product`), which XLA's dot reads several
-times slower for a decode step's few rows. It is an XLA FFI handler (`jax.ffi`), so it
+LM head's `[V, D]` embedding (`native_dense_product`), which XLA's dot reads about twice
+as slowly for a decode step's few rows. It is an XLA FFI handler (`jax.ffi`), so it
 runs inside jitted programs, scans and while loops like any other op.
 
 It is compiled once per machine with the system's C++ compiler (`$CXX`, else `c++` /
@@ -231,8 +231,9 @@ def native_dense_product(x: Float[Array, "M n"], w: Float[Array, "out n"]) -> Fl
     """`x @ wᵀ` for float32 `x` and a float32 table `w [out, n]` stored by output row (`n` a
     multiple of 32), as a tied LM head's embedding table, by the native kernel: each row
     of `w` is read once and multiplied with every row of `x` (see `_packed_rows.cc`).
-    For a few rows of `x` XLA's dot reads such a table several times slower (on
-    SmolLM2's 49,152 × 576 table and four rows: ~14 against ~3 ms on 2 cores).
+    For a few rows of `x` XLA's dot reads such a table slower (SmolLM2's 49,152 × 576
+    table and four rows: 7.6 against 3.9 ms on 2 idle cores,
+    `benchmarks/bench_packed_decode.py --head 4`).
     Differentiable in both and vmappable as `dense_product` (with no bound on the rows).
     Call `native_rows_available()` first; here it must be `True`.
     """

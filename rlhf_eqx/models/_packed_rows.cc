@@ -8,7 +8,7 @@
 // decoded to floats in registers (ggml's `dequantize_row_q8_0`, `_q4_0`, `_q4_1`:
 // w = d·q, d·(q − 8), d·q + m) and multiplied with every row's 32 values (four rows at a
 // time). `RlhfEqxDenseRows`: the same with float32 rows `W [out, n]` (a tied LM head's
-// embedding table, which XLA's dot reads several times slower for a few rows).
+// embedding table, which XLA's dot reads about twice as slowly for a few rows).
 //
 // Chunks of output rows are shared between the calling thread and XLA's
 // intra-op thread pool. Only the summation order differs from decoding the weight first

@@ -290,6 +290,24 @@ def test_non_finite_weight_refused_and_nothing_written(tiny, tok512, tmp_path):
     assert path.read_bytes() == b"old" and os.listdir(tmp_path) == ["bad.gguf"]
 
 
+def test_written_files_get_ordinary_permissions(tiny, tok512, tmp_path):
+    """A new file gets the mode `open` gives (`0o666` less the umask), not the temporary
+    file's private `0o600`; a replaced file keeps its own mode."""
+    umask = os.umask(0o022)
+    try:
+        new = tmp_path / "new.gguf"
+        rx.save_gguf(tiny, new, tokenizer=tok512)
+        assert new.stat().st_mode & 0o777 == 0o644
+        old = tmp_path / "old.gguf"
+        old.write_bytes(b"old")
+        old.chmod(0o640)
+        save_gguf_adapter(apply_lora(tiny, LoRAConfig(rank=2), key=jax.random.key(0)), old)
+        assert old.stat().st_mode & 0o777 == 0o640 and old.read_bytes()[:4] == b"GGUF"
+    finally:
+        os.umask(umask)
+    assert sorted(os.listdir(tmp_path)) == ["new.gguf", "old.gguf"]
+
+
 def test_scalar_heads_refused(tiny, tok512, tmp_path):
     reward = rx.RewardModel.from_policy(tiny, key=jax.random.key(0))
     with pytest.raises(TypeError, match="RewardModel"):

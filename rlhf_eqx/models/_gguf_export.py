@@ -19,7 +19,7 @@ with the q/k row permutation of `W`). llama.cpp adds `alpha / r · B A` to `W`.
 
 import dataclasses
 import os
-import tempfile
+import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -58,14 +58,29 @@ def _ggml_type(arr: np.ndarray, dtype: str):
     return T.F16  # f16, and q8_0 rows that are not whole blocks (as llama.cpp falls back)
 
 
+def _temporary_file(path: str) -> str:
+    """A new empty file beside `path` with the permissions of the file it replaces, or
+    those a new file gets (`0o666` less the umask; `tempfile.mkstemp`'s are `0o600`)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    mode = os.stat(path).st_mode & 0o7777 if os.path.isfile(path) else 0o666
+    while True:
+        tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        except FileExistsError:
+            continue
+        os.close(fd)
+        if mode != 0o666:
+            os.chmod(tmp, mode)  # the replaced file's mode, whatever the umask
+        return tmp
+
+
 def _write_atomic(path: str, arch: str, fill) -> None:
     """`fill(writer)` adds metadata and tensors to a `GGUFWriter` on a temporary file in
     `path`'s directory; the file is then flushed, synced and renamed to `path`."""
     gguf = gguf_package()
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    os.close(fd)
+    tmp = _temporary_file(path)
     try:
         writer = gguf.GGUFWriter(tmp, arch)  # writes `general.architecture`
         fill(writer)

@@ -263,6 +263,14 @@ def test_pre_tokenizer_named_by_behaviour(tmp_path):
             {"tokenizer.chat_template": "{% for m in messages %}\n{{ m['content'] }"},
             "tokenizer.chat_template: chat template syntax error at line 2",
         ),
+        (  # compiles, but fails on every conversation
+            {"tokenizer.chat_template": "{{ messages[0]['content'].nope() }}"},
+            "tokenizer.chat_template: chat template error: 'str object' has no attribute",
+        ),
+        (
+            {"tokenizer.chat_template": "{{ raise_exception('no chat here') }}"},
+            "tokenizer.chat_template: chat template: no chat here",
+        ),
     ],
 )
 def test_bad_gpt2_metadata_names_file_and_field(tmp_path, extra, field):

@@ -192,7 +192,7 @@ def tokenizer_from_gguf(reader, path: str | os.PathLike | None = None) -> HFToke
     **Raises:** `DataError` naming the file and the field: an unknown
     `tokenizer.ggml.model` or `tokenizer.ggml.pre`, missing tokens, merges or scores, a
     merge that names an unknown token, a special id outside the vocabulary, a chat
-    template that does not compile (with its line).
+    template that does not compile (with its line) or cannot render a user turn.
     """
     from tokenizers import AddedToken, Tokenizer, normalizers
 
@@ -289,12 +289,18 @@ def tokenizer_from_gguf(reader, path: str | os.PathLike | None = None) -> HFToke
     )
 
 
+_PROBE_CHAT = ({"role": "user", "content": "Hello"},)
+
+
 def _check_template(template: str, bos: str, eos: str, path: str) -> None:
-    """Compile the chat template; a syntax error is a `DataError` naming the file."""
+    """Compile the chat template and render one user turn with the generation prompt
+    (what every chat template renders); a syntax or rendering error is a `DataError`
+    naming the file and the field."""
     try:
         from ._jinja_chat import JinjaChatTemplate
 
-        JinjaChatTemplate(template, bos_token=bos, eos_token=eos)
+        chat = JinjaChatTemplate(template, bos_token=bos, eos_token=eos)
+        chat.render(list(_PROBE_CHAT), add_generation_prompt=True)
     except ImportError:
         return  # jinja2 is optional: the template is checked when it is first used
     except DataError as e:

@@ -104,3 +104,38 @@ def test_multiturn_sweep_refuses_an_untraceable_field_and_a_bad_environment(tmp_
         with pytest.raises(pl.ConfigError, match=f"multiturn.environment='{spec}': {needle}"):
             pl.sweep("multiturn", cfg, seeds=1, out=str(tmp_path / "s"))
     assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize(
+    ("grid", "needle"),
+    [
+        ({"dpo.beta": [0.1, 0.2, 0.1]}, "--grid dpo.beta: value 0.1 given twice"),
+        ({"dpo.beta": [0.1, 0.1000]}, "--grid dpo.beta: value 0.1 given twice"),
+        ({"dpo.beta": []}, "--grid dpo.beta: no values"),
+        ({"dpo.bta": [0.1]}, "--grid dpo.bta: unknown field; traceable: dpo.beta"),
+        ({"dpo.optim.learnin_rate": [0.1]}, "--grid dpo.optim.learnin_rate: unknown field"),
+    ],
+)
+def test_sweep_refuses_a_bad_grid_value_or_a_misspelt_field_naming_it(grid, needle, tmp_path):
+    # a repeated value would make two members of one name writing one directory
+    with pytest.raises(pl.ConfigError) as e:
+        pl.sweep("dpo", seeds=1, grid=grid, out=str(tmp_path / "s"))
+    assert needle in str(e.value)
+    assert not (tmp_path / "s").exists()
+
+
+def test_sweep_takes_a_grid_of_any_sequence_of_numbers(tmp_path):
+    import numpy as np
+
+    grid = {"dpo.beta": np.array([0.05, 0.2]), "dpo.optim.learning_rate": (1e-3, 2)}
+    # the grid passes (NumPy floats, a tuple, an int); the seeds, checked after it, do not
+    with pytest.raises(pl.ConfigError, match="seeds=0"):
+        pl.sweep("dpo", seeds=0, grid=grid, out=str(tmp_path / "s"))
+
+
+def test_cli_sweep_refuses_a_repeated_grid_value_with_exit_status_2(tmp_path, capsys):
+    out = str(tmp_path / "s")
+    code = main(["sweep", "dpo", "--seeds", "1", "--out", out, "--grid", "dpo.beta=0.1,0.2,0.10"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--grid dpo.beta: value 0.1 given twice" in err and err.count("\n") == 1

@@ -35,7 +35,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -56,7 +56,7 @@ from ._resume_rules import RunDirError, config_changes
 from ._rundir import RunLock, check_data, removed_if_nothing_ran, write_json_atomic
 from ._sweep_data import check_data_sweep, data_sweep
 from ._sweep_dpo import dpo_sweep
-from ._sweep_grid import Member, make_members, parse_grid
+from ._sweep_grid import Member, grid_values, make_members, parse_grid
 from ._sweep_grpo import grpo_sweep
 from ._sweep_multiturn import multiturn_sweep
 from ._sweep_offline import kto_sweep, sft_sweep
@@ -159,7 +159,7 @@ def sweep(
     cfg: PipelineConfig | None = None,
     *,
     seeds: int = 4,
-    grid: Mapping[str, Sequence[float]] | None = None,
+    grid: Mapping[str, Iterable[float]] | None = None,
     out: str | None = None,
     resume: bool = False,
     export: bool = False,
@@ -212,7 +212,7 @@ def sweep(
     st = get_stage(stage)
     if stage not in _STAGES:
         raise ConfigError(f"sweep {stage}: not supported (stages that sweep: {', '.join(_STAGES)})")
-    grid = dict(grid or {})
+    grid = grid_values(grid)
     on_data = cfg.data.path is not None
     if on_data:  # the stage alone, on the file
         check_data_sweep(stage, cfg)

@@ -10,7 +10,8 @@ traceable ones (`TRACEABLE`).
 import dataclasses
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
 
 from ._config import ConfigError
 from ._config_io import apply_overrides
@@ -63,7 +64,8 @@ def _number(v: float) -> str:
 
 def parse_grid(specs: Sequence[str]) -> dict[str, tuple[float, ...]]:
     """`["dpo.beta=0.05,0.1"]` -> `{"dpo.beta": (0.05, 0.1)}`; a spec without `=`, an
-    empty or non-numeric value, or a field given twice is a `ConfigError` naming it."""
+    empty or non-numeric value, a value given twice, or a field given twice is a
+    `ConfigError` naming it."""
     grid: dict[str, tuple[float, ...]] = {}
     for spec in specs:
         if "=" not in spec:
@@ -75,14 +77,56 @@ def parse_grid(specs: Sequence[str]) -> dict[str, tuple[float, ...]]:
             grid[path] = tuple(float(v) for v in values.split(",") if v.strip())
         except ValueError:
             raise ConfigError(f"--grid {path}={values}: values must be numbers") from None
-        if not grid[path]:
-            raise ConfigError(f"--grid {path}: no values")
+        grid[path] = _grid_values(path, grid[path])
     return grid
 
 
-def check_grid(stage: str, section: str, grid: Mapping[str, Sequence[float]]) -> None:
+def _grid_values(path: str, values) -> tuple[float, ...]:
+    """The values of grid field `path` as floats: a non-empty sequence of distinct,
+    finite real numbers (not strings, not bools), else a `ConfigError` naming it."""
+    if isinstance(values, str | bytes) or not isinstance(values, Iterable):
+        raise ConfigError(f"--grid {path}={values!r}: expected a list of numbers, e.g. [0.05, 0.1]")
+    values = list(values)  # a tuple, a NumPy array, a range ...
+    if not values:
+        raise ConfigError(f"--grid {path}: no values")
+    out: list[float] = []
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise ConfigError(f"--grid {path}: value {v!r} is not a number")
+        if not math.isfinite(float(v)):
+            raise ConfigError(f"--grid {path}: value {v} is not finite")
+        if float(v) in out:  # two members of one name, writing the same directory
+            raise ConfigError(f"--grid {path}: value {_number(v)} given twice")
+        out.append(float(v))
+    return tuple(out)
+
+
+def grid_values(grid: Mapping[str, Iterable[float]] | None) -> dict[str, tuple[float, ...]]:
+    """`grid` with each field's values as a tuple of floats (`{"dpo.beta":
+    np.array([0.05, 0.1])}` -> `{"dpo.beta": (0.05, 0.1)}`); values that are not a
+    non-empty list of distinct finite numbers are a `ConfigError` naming the field."""
+    return {path: _grid_values(path, values) for path, values in (grid or {}).items()}
+
+
+def _is_field(cfg, path: str) -> bool:
+    """Whether the dotted `path` names a setting of the configuration `cfg` (a section's
+    field, not a method)."""
+    obj = cfg
+    for part in path.split("."):
+        obj = getattr(obj, part, _MISSING) if not part.startswith("_") else _MISSING
+        if obj is _MISSING or callable(obj):
+            return False
+    return True
+
+
+_MISSING = object()
+
+
+def check_grid(stage: str, section: str, grid: Mapping[str, Sequence[float]], cfg=None) -> None:
     """Refuse (`ConfigError`) a grid field outside the stage's traceable fields, naming
-    it and listing those the sweep can vary; and non-finite values."""
+    it (an unknown one as such when `cfg`, the configuration, is given) and listing
+    those the sweep can vary; and values that are not a non-empty list of distinct
+    finite numbers."""
     allowed = TRACEABLE.get(stage)
     if allowed is None:
         known = ", ".join(TRACEABLE)
@@ -91,13 +135,13 @@ def check_grid(stage: str, section: str, grid: Mapping[str, Sequence[float]]) ->
         field = path[len(section) + 1 :] if path.startswith(section + ".") else None
         if field not in allowed:
             listed = ", ".join(f"{section}.{f}" for f in allowed)
+            if cfg is not None and not _is_field(cfg, path):
+                raise ConfigError(f"--grid {path}: unknown field; traceable: {listed}")
             raise ConfigError(
                 f"--grid {path}: not traceable in a sweep of {stage} (a field that changes "
                 f"shapes or control flow, or of another section); traceable: {listed}"
             )
-        bad = [v for v in values if not math.isfinite(float(v))]
-        if bad:
-            raise ConfigError(f"--grid {path}: value {bad[0]} is not finite")
+        _grid_values(path, values)
 
 
 def make_members(
@@ -107,7 +151,8 @@ def make_members(
     point first); seeds `ops.seed, ops.seed + 1, ...`. Each member's configuration is
     `cfg` with its values applied by `apply_overrides` (so they are validated as
     `--set` values are)."""
-    check_grid(stage, section, grid)
+    check_grid(stage, section, grid, cfg)
+    grid = grid_values(grid)
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
         raise ConfigError(f"seeds={seeds!r}: must be an int >= 1 (the number of seeds)")
     paths = list(grid)

@@ -13,6 +13,7 @@ transformers 5.25, gguf 0.19; see that script's docstring to rebuild it).
 import json
 import os
 import shutil
+from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -384,6 +385,34 @@ def test_unsupported_tensor_type_names_the_tensor(tok512, tmp_path):
     with pytest.raises(ValueError) as excinfo:
         rx.load_gguf(path)
     _one_line_error(excinfo, path, "blk.0.ffn_up.weight", "Q5_0")
+
+
+def _retyped(path, name: str, type_id: int) -> str:
+    """`path` with the GGML type id of tensor `name` overwritten in its table entry."""
+    raw = bytearray(Path(path).read_bytes())
+    key = name.encode()
+    at = raw.find(len(key).to_bytes(8, "little") + key) + 8 + len(key)
+    n_dims = int.from_bytes(raw[at : at + 4], "little")
+    at += 4 + 8 * n_dims
+    raw[at : at + 4] = type_id.to_bytes(4, "little")
+    out = Path(f"{path}.{type_id}.gguf")
+    out.write_bytes(raw)
+    return os.fspath(out)
+
+
+def test_tensor_table_entries_the_reader_refuses_name_the_tensor(tok512, tmp_path):
+    """Rows of 32 values declared Q4_K (blocks of 256), or a type id ggml does not know:
+    one line naming the file and the tensor, not the reader's bare reason."""
+    q8 = {"blk.0.ffn_up.weight": T.Q8_0}
+    path = _write_by_hand(tmp_path / "ok.gguf", tok512, types=q8)
+    for type_id, part in [
+        (int(T.Q4_K), "tensor 'blk.0.ffn_up.weight' has rows of 32 values, not whole Q4_K blocks"),
+        (4, "tensor 'blk.0.ffn_up.weight' has GGML type id 4, which is unknown"),
+    ]:
+        bad = _retyped(path, "blk.0.ffn_up.weight", type_id)
+        with pytest.raises(ValueError) as excinfo:
+            rx.load_gguf(bad)
+        _one_line_error(excinfo, f"{bad}: {part}")
 
 
 @pytest.mark.parametrize("quantized", [False, True])

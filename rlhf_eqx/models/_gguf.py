@@ -110,11 +110,22 @@ class _Cut(Exception):
     """The file ends inside the part named by the message."""
 
 
-def truncation(path: str) -> str | None:
-    """Where a GGUF file (v2/v3, little-endian) ends too early: `"the header"`,
-    `"metadata key 'k'"`, `"the tensor table entry of 't'"` or `"the data of tensor 't'"`;
-    `None` when every part the header announces lies inside the file (or the file is not
-    one this walk understands: the reader's own error stands then).
+class _BadEntry(Exception):
+    """A tensor table entry the reader cannot take; the message names the tensor."""
+
+
+def _truncated(part: str, size: int) -> str:
+    return f"truncated GGUF file: {part} runs past the end of the file ({size} bytes)"
+
+
+def layout_problem(path: str) -> str | None:
+    """Why the `gguf` reader cannot take a GGUF file (v2/v3, little-endian), as one
+    line: where it ends too early (`"truncated GGUF file: the header runs past the end
+    ..."`, likewise `metadata key 'k'`, `the tensor table entry of 't'`, `the data of
+    tensor 't'`), or the tensor table entry of a tensor whose GGML type is unknown or
+    whose rows are not whole blocks of its type; `None` when nothing of that kind is
+    wrong (or the file is not one this walk understands: the reader's own error stands
+    then).
 
     The layout walked is llama.cpp's `gguf.h`: magic, version, tensor count and key/value
     count; the key/value pairs (length-prefixed strings, typed scalars and arrays); the
@@ -166,14 +177,26 @@ def truncation(path: str) -> str | None:
                 name = string("the tensor table").decode("utf-8", "replace")
                 what = f"the tensor table entry of {name!r}"
                 dims = [number("Q", what) for _ in range(number("I", what))]
-                table.append((name, dims, number("I", what), number("Q", what)))
+                kind, offset = number("I", what), number("Q", what)
+                if kind not in gguf.GGMLQuantizationType._value2member_map_:
+                    raise _BadEntry(f"tensor {name!r} has GGML type id {kind}, which is unknown")
+                kind = gguf.GGMLQuantizationType(kind)
+                block = gguf.GGML_QUANT_SIZES[kind][0]
+                if dims and dims[0] % block:
+                    raise _BadEntry(
+                        f"tensor {name!r} has rows of {dims[0]} values, not whole {kind.name} "
+                        f"blocks of {block}"
+                    )
+                table.append((name, dims, kind, offset))
             start = -(-f.tell() // alignment) * alignment
             for name, dims, kind, offset in table:
-                block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
+                block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
                 if start + offset + math.prod(dims) // block * block_bytes > size:
-                    return f"the data of tensor {name!r}"
+                    return _truncated(f"the data of tensor {name!r}", size)
         except _Cut as cut:
-            return str(cut)
+            return _truncated(str(cut), size)
+        except _BadEntry as bad:
+            return str(bad)
         except (KeyError, ValueError, ZeroDivisionError, MemoryError, OverflowError):
             return None  # not a layout this walk reads
     return None
@@ -182,26 +205,24 @@ def truncation(path: str) -> str | None:
 def open_gguf(path: str):
     """A `gguf.GGUFReader` of `path`; every tensor's data checked to lie inside the file.
 
-    A file cut short is a `ValueError` naming the part it ends in (`truncation`); a
-    missing file a `FileNotFoundError`; other unreadable bytes a `ValueError` with the
-    reader's reason."""
+    A file cut short is a `ValueError` naming the part it ends in, a tensor of an
+    unknown type or with rows that are not whole blocks one naming the tensor
+    (`layout_problem`); a missing file a `FileNotFoundError`; other unreadable bytes a
+    `ValueError` with the reader's reason."""
     gguf = gguf_package()
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: file not found")
     size = os.path.getsize(path)
-    cut = lambda part: ValueError(
-        f"{path}: truncated GGUF file: {part} runs past the end of the file ({size} bytes)"
-    )
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:  # the reader raises ValueError/IndexError/KeyError on bad headers
-        part = truncation(path)
-        if part is not None:
-            raise cut(part) from None
+        problem = layout_problem(path)
+        if problem is not None:
+            raise ValueError(f"{path}: {problem}") from None
         raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
     for t in reader.tensors:
         if t.data_offset + int(t.n_bytes) > size or t.data.nbytes != int(t.n_bytes):
-            raise cut(f"the data of tensor {t.name!r}")
+            raise ValueError(f"{path}: {_truncated(f'the data of tensor {t.name!r}', size)}")
     return reader
 
 
@@ -273,7 +294,8 @@ def dense(t, path: str) -> np.ndarray:
     import gguf
 
     check_type(t, path)
-    arr = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):  # a NaN is named just below
+        arr = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
     shape = tuple(int(n) for n in reversed(t.shape.tolist()))
     arr = arr.reshape(shape)
     check_finite(arr, name=t.name, source=path)

@@ -278,6 +278,25 @@ def test_truncation_cuts_the_end_and_drops_a_record_left_untrained():
         data.TokenizedSequence((1,), (2, 3), (True,))
 
 
+def test_tokenize_sft_honours_spans_in_one_pass():
+    """`tokenize_sft` masks a record with spans as `tokenize_demonstrations` does (a
+    conversation from `load_demonstrations(..., assistant_turns="all")` tokenised with
+    the plain SFT call trains its assistant turns only), each record encoded in one
+    pass: a record dropped before another leaves the other's mask its own."""
+    tok = data.ByteTokenizer()
+    short = data.DemonstrationRecord("P:", "<u>" * 40 + "ok", spans=((120, 122),))
+    plain = data.DemonstrationRecord("Q:", "all of it")
+    r = data.DemonstrationRecord("P:", "ab<u>cd", spans=((0, 2), (5, 7)))
+    seqs, report = data.tokenize_sft([short, plain, r], tok, max_length=12, max_prompt_length=2)
+    assert report.dropped == {"no trained token": 1} and report.kept == 2
+    assert seqs[0].completion_mask is None and seqs[0].trained == len(seqs[0].completion)
+    assert seqs[1].completion == tuple(tok.encode("ab<u>cd")) + (tok.eos_id,)
+    assert seqs[1].completion_mask == (1, 1, 0, 0, 0, 1, 1, 1)
+    assert data.tokenize_demonstrations([r], tok, max_length=12, max_prompt_length=2)[0] == [
+        seqs[1]
+    ]
+
+
 def test_collate_sft_honours_the_mask():
     seqs = [
         data.TokenizedSequence((5, 6), (7, 8, 9, 10), (True, False, False, True)),

@@ -76,13 +76,12 @@ from ._io import (
     Malformed,
     RecordDataset,
     Unusable,
-    common_prefix_length,
     load_records,
     string_field,
 )
 from ._jinja_chat import JinjaChatTemplate
 from ._preferences import _preference_parser, detect_preference_format
-from ._tokenize import _prompt_and_completions, _split_ids, tokenize_sft
+from ._tokenize import tokenize_sft
 from ._tokenized import TokenizedSequence, TokenizeReport
 from ._tokenizer import Tokenizer
 from ._unpaired import _conversation_texts, _message_list
@@ -390,38 +389,13 @@ def tokenize_demonstrations(
     numerator (TRL's language modelling leaves it out the same way). A record of one
     token is then dropped (`report.dropped["empty completion"]`).
 
-    A record with `spans` (a conversation trained on every assistant turn) gives a
-    sequence with a `completion_mask`: a completion token is trained when it holds a
-    character of a span (a token merged across a span's start or end counts as
-    trained, the rule of the prompt/completion boundary), and the EOS when added. The
-    mask of a span is that of the conversation's prefix through it: the tokens of the
-    text up to the span's start and up to its end are taken as the whole text's first
-    tokens. Truncation cuts the completion's end as for any record; a record left with
+    A record with `spans` gets its `completion_mask` as in `tokenize_sft`; one left with
     no trained token is dropped (`report.dropped["no trained token"]`).
 
     **Returns:** `(sequences, report)`: a `TokenizedSequence` for each kept record, in
     order, and the `TokenizeReport`.
     """
-    records = list(records)
-    if not any(getattr(r, "spans", None) is not None for r in records):
-        return _first_token_as_prompt(*tokenize_sft(records, tokenizer, **options))
-    report = None
-    masked = []
-    for r in records:  # one at a time: each sequence is matched with its record
-        seqs, one = tokenize_sft([r], tokenizer, **options)
-        if report is None:
-            report = one
-        else:
-            report.add(one)
-        spans = getattr(r, "spans", None)
-        for s in seqs:
-            if spans is not None:
-                prompt, (completion,) = _prompt_and_completions(r)
-                flags = _trained_tokens(tokenizer, prompt, completion, spans, len(s.completion))
-                flags += [True] * options.get("add_eos", True)
-                s = TokenizedSequence(s.prompt, s.completion, tuple(flags[: len(s.completion)]))
-            masked.append(s)
-    return _first_token_as_prompt(masked, report)
+    return _first_token_as_prompt(*tokenize_sft(records, tokenizer, **options))
 
 
 def _first_token_as_prompt(
@@ -445,38 +419,3 @@ def _first_token_as_prompt(
             continue
         out.append(s)
     return out, report
-
-
-def _trained_tokens(
-    tokenizer: Tokenizer, prompt: str, completion: str, spans: Spans, kept: int
-) -> list[bool]:
-    """One flag per completion token (as `_split_ids` splits `prompt + completion`): true
-    for a token that holds a character of one of `spans` (character ranges of
-    `completion`). Only the first `kept` tokens are flagged (the rest is cut): the spans
-    that start past them are not looked at, so a long conversation cut to a short
-    sequence costs the encoding of its kept turns."""
-    text = prompt + completion
-    full = tokenizer.encode(text)
-    _, ids, _ = _split_ids(tokenizer, prompt, completion, tokenizer.encode(prompt))
-    offset = len(full) - len(ids)
-    flags = [False] * len(ids)
-
-    def first_tokens(end: int) -> tuple[int, bool]:
-        """How many of `full` the text up to `end` gives, and whether a token of `full`
-        spans `end` (the two disagree past them)."""
-        ids_end = tokenizer.encode(text[:end])
-        k = common_prefix_length(ids_end, full)
-        return k, k < len(ids_end)
-
-    for start, end in spans:
-        a, _ = first_tokens(len(prompt) + start)
-        if a >= offset + kept:
-            break
-        if len(prompt) + end >= len(text):
-            b = len(full)
-        else:
-            b, merged = first_tokens(len(prompt) + end)
-            b += merged
-        for t in range(max(a, offset), b):
-            flags[t - offset] = True
-    return flags

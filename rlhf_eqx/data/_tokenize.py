@@ -132,7 +132,8 @@ def _tokenize(
     add_eos: bool,
     build: Callable[[int, list[TokenizedSequence]], T],
 ) -> tuple[list[T], TokenizeReport]:
-    """`build(index in items, fitted sequences)` of each kept item, and the report."""
+    """`build(index in items, fitted sequences)` of each kept item, and the report
+    (`build` may drop the item by raising `_Drop` with the reason)."""
     _check_truncation(truncation)
     report = TokenizeReport(lengths=lengths, truncation=truncation)
     out = []
@@ -159,6 +160,7 @@ def _tokenize(
                         flags=flags,
                     )
                 )
+            built = build(i, seqs)
         except _Drop as e:
             report.drop(str(e))
             continue
@@ -166,7 +168,7 @@ def _tokenize(
         report.prompt_truncated += flags[0]
         report.completion_truncated += flags[1]
         report.boundary_merged += merged
-        out.append(build(i, seqs))
+        out.append(built)
     return out, report
 
 
@@ -226,16 +228,75 @@ def tokenize_sft(
     Records are `(prompt, completion)` tuples, or objects with `.prompt` and
     `.completion` — or `.prompt` and `.chosen`, so a `PreferenceDataset` gives SFT on
     the chosen replies. Arguments and truncation as in `tokenize_preferences`.
+
+    A record with `spans` (a `DemonstrationRecord` of a conversation trained on every
+    assistant turn) gives a sequence with a `completion_mask`: a completion token is
+    trained when it holds a character of a span (a token merged across a span's start
+    or end counts as trained, the rule of the prompt/completion boundary), and the EOS
+    when added. The mask of a span is that of the conversation's prefix through it: the
+    tokens of the text up to the span's start and up to its end are taken as the whole
+    text's first tokens. Truncation cuts the completion's end as for any record; a
+    record left with no trained token is dropped (`report.dropped["no trained token"]`).
     """
+    records = list(records)
+    items = [_prompt_and_completions(r) for r in records]
+    spans = [getattr(r, "spans", None) for r in records]
+
+    def build(i: int, seqs: list[TokenizedSequence]) -> TokenizedSequence:
+        (s,) = seqs
+        if spans[i] is None:
+            return s
+        prompt, (completion,) = items[i]
+        flags = _trained_tokens(tokenizer, prompt, completion, spans[i], len(s.completion))
+        flags = (flags + [True] * add_eos)[: len(s.completion)]
+        if not any(flags):
+            raise _Drop("no trained token")
+        return TokenizedSequence(s.prompt, s.completion, tuple(flags))
+
     return _tokenize(
-        [_prompt_and_completions(r) for r in records],
+        items,
         tokenizer,
         lengths=resolve_lengths(lengths, max_length, max_prompt_length, max_completion_length),
         truncation=truncation,
         add_bos=add_bos,
         add_eos=add_eos,
-        build=lambda _, seqs: seqs[0],
+        build=build,
     )
+
+
+def _trained_tokens(
+    tokenizer: Tokenizer, prompt: str, completion: str, spans: Sequence[tuple[int, int]], kept: int
+) -> list[bool]:
+    """One flag per completion token (as `_split_ids` splits `prompt + completion`): true
+    for a token that holds a character of one of `spans` (character ranges of
+    `completion`). Only the first `kept` tokens are flagged (the rest is cut): the spans
+    that start past them are not looked at, so a long conversation cut to a short
+    sequence costs the encoding of its kept turns."""
+    text = prompt + completion
+    full = tokenizer.encode(text)
+    _, ids, _ = _split_ids(tokenizer, prompt, completion, tokenizer.encode(prompt))
+    offset = len(full) - len(ids)
+    flags = [False] * len(ids)
+
+    def first_tokens(end: int) -> tuple[int, bool]:
+        """How many of `full` the text up to `end` gives, and whether a token of `full`
+        spans `end` (the two disagree past them)."""
+        ids_end = tokenizer.encode(text[:end])
+        k = common_prefix_length(ids_end, full)
+        return k, k < len(ids_end)
+
+    for start, end in spans:
+        a, _ = first_tokens(len(prompt) + start)
+        if a >= offset + kept:
+            break
+        if len(prompt) + end >= len(text):
+            b = len(full)
+        else:
+            b, merged = first_tokens(len(prompt) + end)
+            b += merged
+        for t in range(max(a, offset), b):
+            flags[t - offset] = True
+    return flags
 
 
 def tokenize_prompts(

@@ -145,15 +145,6 @@ class TokenizeReport:
     def drop(self, reason: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
 
-    def add(self, other: "TokenizeReport") -> None:
-        """Add the counts of `other`, a pass under the same limits, to these."""
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, int) and not isinstance(value, bool):
-                setattr(self, f.name, value + getattr(other, f.name))
-        for reason, n in other.dropped.items():
-            self.dropped[reason] = self.dropped.get(reason, 0) + n
-
     @property
     def prompt_truncation_rate(self) -> float:
         """The share of records seen whose prompt was cut (0 when none were seen)."""

@@ -422,6 +422,29 @@ def test_cli_sft_all_turns_through_a_chat_template_file(tmp_path):
     )
 
 
+def test_cli_sft_last_turn_through_a_template_sees_the_tool_calls(tmp_path):
+    """With `data.assistant_turns=last` the model's template renders the conversation
+    itself too: the tool calls before the last turn reach it as `tool_calls` (written
+    by this template as `<call>NAME</call>`), not as the HH text of the calls."""
+    template = tmp_path / "chat.jinja"
+    template.write_text(WITH_CALLS.source)
+    rows = [
+        {"messages": [user(f"A {a} {i}?"), *TOOLS[1:3], assistant("Ran.")]}
+        for i, a in enumerate(ANIMALS * 4)
+    ]
+    path = write(tmp_path, "chat.jsonl", rows)
+    out = tmp_path / "run"
+    argv = ["sft", "--data", path, "--out", str(out), "--set", f"data.chat_template={template}"]
+    longer = ["--set", "sampling.prompt_length=160", "--set", "sft.max_length=240"]
+    last = ["--set", "data.assistant_turns=last"]
+    assert main([*argv, *TINY, *longer, *last]) == 0
+    (example, *_) = json.loads((out / "summary.json").read_text())["sft"]["sampled"]["examples"]
+    assert example["prompt"].endswith(
+        "<|im_start|>assistant\n<call>weather</call><|im_end|>\n<|im_start|>tool\n12 C, rain"
+        "<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
 def test_conversational_prompt_completion_trains_the_completions_assistant_turns(tmp_path):
     completion = [{"role": "assistant", "tool_calls": [CALL]}, TOOLS[2], TOOLS[3]]
     row = {"prompt": [user("Weather in Oslo?")], "completion": completion}

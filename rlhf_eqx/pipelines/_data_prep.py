@@ -367,16 +367,15 @@ def demonstrations(env) -> "tuple[data.DemonstrationDataset | None, bool]":
     (`data.format` a preference layout, or detected as one), which `preference_split`
     reads as pairs.
 
-    Conversations trained on every assistant turn (`"all"`) are rendered with the
-    model's template itself (`chat_rendering`'s, its BOS text removed as there), each
-    turn where that template puts it; the other records, and conversations trained on
-    their last turn, are read with the HH template and go through `chat_records`
-    afterwards (`demonstration_split`), as before."""
+    Conversations are rendered with the model's template itself (`chat_rendering`'s,
+    its BOS text removed as there), each trained turn where that template puts it, with
+    their tool calls and tool messages as given; the other records are read with the HH
+    template and go through `chat_records` afterwards (`demonstration_split`)."""
     dc = env.cfg.data
     if dc.format in _PAIR_FORMATS:
         return None, False
     options = dict(dc.read_options(), assistant_turns=dc.assistant_turns)
-    rendering = chat_rendering(env.tok, dc) if dc.assistant_turns == "all" else None
+    rendering = chat_rendering(env.tok, dc)
     try:
         if rendering is not None:
             records = data.load_demonstrations(

@@ -367,10 +367,41 @@ def test_tokenizer_larger_than_the_embedding_refused(tok512, tmp_path):
     _one_line_error(excinfo, "small.gguf", "512", "256", "token_embd.weight")
     assert not os.listdir(tmp_path)
     path = os.fspath(tmp_path / "forced.gguf")
-    write_gguf(small, path, metadata=lambda w: data.add_tokenizer_metadata(w, tok512))
+    with pytest.raises(data.DataError, match="has 512 ids but the model's vocabulary has 256"):
+        write_gguf(small, path, metadata=lambda w: data.add_tokenizer_metadata(w, tok512))
+    assert not os.path.exists(path)
+    forced = lambda w: data.add_tokenizer_metadata(w, tok512, vocab_size=512)  # a wrong size
+    write_gguf(small, path, metadata=forced)
     with pytest.raises(ValueError) as excinfo:
         rx.load_gguf(path)
     _one_line_error(excinfo, path, "tokenizer.ggml.tokens has 512", "token_embd.weight", "256")
+
+
+def test_vocabulary_padded_to_the_embedding(tok512, tmp_path):
+    """llama.cpp reads one token per embedding row: a tokenizer smaller than the model's
+    vocabulary (Qwen pads its embedding to a multiple of 128) is written padded with
+    `[PAD{i}]` tokens of type unused (score -1000), as `convert_hf_to_gguf.py` pads it,
+    and reads back encoding as before."""
+    cfg = rx.TransformerConfig(vocab_size=544, d_model=32, n_layers=1, n_heads=2, d_ff=64)
+    path = tmp_path / "padded.gguf"
+    rx.save_gguf(rx.Policy(cfg, key=jax.random.key(0)), path, tokenizer=tok512)
+    reader = gguf.GGUFReader(path)
+    field = lambda k: reader.fields[k].contents()
+    tokens, types, scores = (
+        field(f"tokenizer.ggml.{k}") for k in ("tokens", "token_type", "scores")
+    )
+    assert len(tokens) == len(types) == len(scores) == 544
+    assert tokens[512:] == [f"[PAD{i}]" for i in range(512, 544)] and "[PAD" not in tokens[511]
+    assert set(types[512:]) == {5} and set(scores[512:]) == {-1000.0}
+    back, tok = rx.load_gguf(path)
+    assert back.cfg == cfg and tok.vocab_size == 544
+    text = "Once upon a time, a [PAD520] cat"
+    assert tok.encode(text) == tok512.encode(text)
+    writer = gguf.GGUFWriter(os.fspath(tmp_path / "small.gguf"), "llama")
+    with pytest.raises(
+        data.DataError, match="the tokenizer has 512 ids but the model's vocabulary has 500"
+    ):
+        data.add_tokenizer_metadata(writer, tok512, vocab_size=500)
 
 
 def test_unknown_architecture_names_the_key(tok512, tmp_path):

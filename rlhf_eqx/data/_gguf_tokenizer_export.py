@@ -55,7 +55,28 @@ def _merges(model) -> list[str]:
     return [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or ()]
 
 
-def _write_hf(writer, tok: HFTokenizer) -> None:
+def _padded(tokens: list, types: list, scores: list | None, n: int | None):
+    """The vocabulary padded to `n` ids with `[PAD{i}]` tokens of type unused (score
+    -1000), as llama.cpp's converter pads a vocabulary smaller than the embedding."""
+    extra = range(len(tokens), n or 0)
+    tokens = [*tokens, *(f"[PAD{i}]" for i in extra)]
+    types = [*types, *(UNUSED for _ in extra)]
+    return tokens, types, None if scores is None else [*scores, *(-1000.0 for _ in extra)]
+
+
+def _written_vocab_size(writer) -> int | None:
+    """`{arch}.vocab_size` if it was already added to `writer` (the model's metadata is
+    written before the tokenizer's), else `None`."""
+    key = f"{getattr(writer, 'arch', None)}.vocab_size"
+    kv = getattr(writer, "kv_data", None)
+    for part in kv if isinstance(kv, list) else [kv] if isinstance(kv, dict) else []:
+        value = getattr(part.get(key), "value", None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _write_hf(writer, tok: HFTokenizer, n: int | None) -> None:
     spec, tokens, types = _hf_tokens(tok)
     model = spec.get("model") or {}
     if model.get("type") != "BPE":
@@ -81,7 +102,8 @@ def _write_hf(writer, tok: HFTokenizer) -> None:
             or '"first"' in json.dumps(spec.get("pre_tokenizer"))
             or '"always"' in json.dumps(spec.get("pre_tokenizer"))
         )
-        _write_llama(writer, tokens, scores, types, tok, tokens.index(unk) if unk else None)
+        unk_id = tokens.index(unk) if unk else None
+        _write_llama(writer, tokens, scores, types, tok, unk_id, n)
         writer.add_add_space_prefix(prefix)
         return
     name = _pre_name(pre_tokenizer)
@@ -92,8 +114,9 @@ def _write_hf(writer, tok: HFTokenizer) -> None:
         )
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(name)
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
+    padded, padded_types, _ = _padded(tokens, types, None, n)
+    writer.add_token_list(padded)
+    writer.add_token_types(padded_types)
     writer.add_token_merges(_merges(model))
     unk = model.get("unk_token")
     _write_ids(writer, tok, tokens.index(unk) if unk is not None else None)
@@ -109,7 +132,8 @@ def _write_ids(writer, tok, unk_id: int | None) -> None:
     writer.add_add_bos_token(bool(getattr(tok, "add_bos_token", True)))
 
 
-def _write_llama(writer, tokens, scores, types, tok, unk_id) -> None:
+def _write_llama(writer, tokens, scores, types, tok, unk_id, n) -> None:
+    tokens, types, scores = _padded(tokens, types, scores, n)
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
@@ -118,7 +142,7 @@ def _write_llama(writer, tokens, scores, types, tok, unk_id) -> None:
     _write_ids(writer, tok, unk_id)
 
 
-def _write_llama2c(writer, tok: Llama2cTokenizer) -> None:
+def _write_llama2c(writer, tok: Llama2cTokenizer, n: int | None) -> None:
     tokens, types = [], []
     for i, piece in enumerate(tok.pieces):
         try:
@@ -136,11 +160,11 @@ def _write_llama2c(writer, tok: Llama2cTokenizer) -> None:
             types.append(UNKNOWN)
         else:
             types.append(NORMAL)
-    _write_llama(writer, tokens, list(tok.scores), types, tok, 0)
+    _write_llama(writer, tokens, list(tok.scores), types, tok, 0, n)
     writer.add_add_space_prefix(True)
 
 
-def _write_sentencepiece(writer, tok: SentencePieceTokenizer) -> None:
+def _write_sentencepiece(writer, tok: SentencePieceTokenizer, n: int | None) -> None:
     sp = tok.processor
     tokens, scores, types = [], [], []
     for i in range(tok.vocab_size):
@@ -158,11 +182,13 @@ def _write_sentencepiece(writer, tok: SentencePieceTokenizer) -> None:
             else NORMAL
         )
     unk = int(sp.unk_id())
-    _write_llama(writer, tokens, scores, types, tok, unk if unk >= 0 else None)
+    _write_llama(writer, tokens, scores, types, tok, unk if unk >= 0 else None, n)
     writer.add_add_space_prefix(True)
 
 
-def add_tokenizer_metadata(writer, tokenizer, chat_template: str | None = None) -> None:
+def add_tokenizer_metadata(
+    writer, tokenizer, chat_template: str | None = None, *, vocab_size: int | None = None
+) -> None:
     """Write a tokenizer as GGUF metadata (`tokenizer.ggml.*`, `tokenizer.chat_template`),
     as llama.cpp reads it; `tokenizer_from_gguf` on the written file encodes as
     `tokenizer` does.
@@ -180,19 +206,29 @@ def add_tokenizer_metadata(writer, tokenizer, chat_template: str | None = None) 
       `▁` for spaces, scores and types).
     - `chat_template`: the jinja2 chat template; default: the tokenizer's own
       `chat_template` attribute when it has one.
+    - `vocab_size`: the model's vocabulary (rows of `token_embd.weight`); default: the
+      `{arch}.vocab_size` already added to `writer`, if any. llama.cpp reads one token
+      per embedding row, so a smaller vocabulary is padded with `[PAD{i}]` tokens of
+      type unused, as llama.cpp's `convert_hf_to_gguf.py` pads it.
 
     BOS, EOS and padding ids are written from the tokenizer, with `add_bos_token` (the
     tokenizer's attribute, default true) and `add_space_prefix`.
 
     **Raises:** `DataError` naming the tokenizer type (or pre-tokenizer) that cannot be
-    written.
+    written, or both sizes when the tokenizer has more ids than `vocab_size`.
     """
+    n = vocab_size if vocab_size is not None else _written_vocab_size(writer)
+    if n is not None and tokenizer.vocab_size > n:
+        raise DataError(
+            f"add_tokenizer_metadata: the tokenizer has {tokenizer.vocab_size} ids but the "
+            f"model's vocabulary has {n}"
+        )
     if isinstance(tokenizer, HFTokenizer):
-        _write_hf(writer, tokenizer)
+        _write_hf(writer, tokenizer, n)
     elif isinstance(tokenizer, Llama2cTokenizer):
-        _write_llama2c(writer, tokenizer)
+        _write_llama2c(writer, tokenizer, n)
     elif isinstance(tokenizer, SentencePieceTokenizer):
-        _write_sentencepiece(writer, tokenizer)
+        _write_sentencepiece(writer, tokenizer, n)
     else:
         raise DataError(
             f"add_tokenizer_metadata: a {type(tokenizer).__name__} cannot be written as GGUF "

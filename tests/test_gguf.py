@@ -306,6 +306,8 @@ def test_written_files_get_ordinary_permissions(tiny, tok512, tmp_path):
         assert old.stat().st_mode & 0o777 == 0o640 and old.read_bytes()[:4] == b"GGUF"
     finally:
         os.umask(umask)
+    with pytest.raises(IsADirectoryError, match=f"^{tmp_path}: is a directory"):
+        rx.save_gguf(tiny, tmp_path, tokenizer=tok512)
     assert sorted(os.listdir(tmp_path)) == ["new.gguf", "old.gguf"]
 
 

@@ -61,6 +61,8 @@ def _ggml_type(arr: np.ndarray, dtype: str):
 def _temporary_file(path: str) -> str:
     """A new empty file beside `path` with the permissions of the file it replaces, or
     those a new file gets (`0o666` less the umask; `tempfile.mkstemp`'s are `0o600`)."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{path}: is a directory; a GGUF file is one file (name it)")
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     mode = os.stat(path).st_mode & 0o7777 if os.path.isfile(path) else 0o666

@@ -133,3 +133,63 @@ def test_each_stage_declares_the_key_stream_of_its_numbers():
     assert streams["grpo"] == ("split", 5) and streams["online-dpo"] == ("split", 7)
     assert streams["kto"] == ("fold", 9) and streams["distill"] == ("fold", 10)
     assert streams["multiturn"] is None and streams["prm"] is None
+
+
+@dataclasses.dataclass(frozen=True)
+class NeedsRate(pl.SFTConfig):
+    """A setting without a usable default: `rate` must be given."""
+
+    rate: float | None = None
+
+    def __post_init__(self):
+        if self.rate is None:
+            raise ValueError("rate=None: must be given")
+        super().__post_init__()
+
+
+def _refused(stage, match, error=ValueError):
+    before = pl.config.stages()
+    with pytest.raises(error, match=match):
+        pl.register_stage(stage)
+    assert pl.config.stages() == before  # the registry is as it was
+
+
+def test_registration_refuses_what_would_break_other_commands():
+    """A stage that would shadow a command or a shared section, take over another stage's
+    section, or whose settings cannot be built is refused when registered, so that the
+    other commands (which build every section) keep working."""
+    for name in ("sample", "pipeline", "sweep", "serve"):
+        _refused(pl.Stage(name, ToyConfig, builtin=toy), "the name of another command")
+    for name in ("model", "ops", "judge", "stages", "out"):
+        _refused(pl.Stage(name, ToyConfig, builtin=toy), "is a field of PipelineConfig")
+    _refused(pl.Stage("toy2", ToyConfig, builtin=toy, section="dpo"), "holds DPOConfig")
+    _refused(pl.Stage("toy2", ToyConfig, builtin=toy, sections=("nope",)), r"\['nope'\]")
+    # `PipelineConfig()` builds the defaults, `animal_task_config()` the task's values
+    _refused(pl.Stage("toy2", NeedsRate, builtin=toy), "NeedsRate cannot be built: rate=None")
+    needs_rate = pl.Stage("toy2", NeedsRate, builtin=toy, task=dict(rate=0.5))
+    _refused(needs_rate, "NeedsRate cannot be built: rate=None")
+    bad_task = pl.Stage("toy2", ToyConfig, builtin=toy, task=dict(mode="nope"))
+    _refused(bad_task, "ToyConfig cannot be built: mode='nope'")
+    _refused(pl.Stage("toy2", ToyConfig, builtin=toy, resumable=("nope",)), "'nope' is not a field")
+    _refused(pl.Stage("toy2", ToyConfig, builtin=toy, resumable=("optim",)), "optim.learning_rate")
+    with pytest.raises(ValueError, match=r"task values \['nope'\] are not fields of ToyConfig"):
+        pl.Stage("toy2", ToyConfig, builtin=toy, task=dict(nope=1))
+    with pytest.raises(ValueError, match="a letter, then"):
+        pl.Stage("-x", ToyConfig, builtin=toy)
+    with pytest.raises(TypeError, match="frozen dataclass"):
+        pl.Stage("toy2", dataclasses.make_dataclass("Loose", [("a", int, 1)]), builtin=toy)
+    with pytest.raises(TypeError, match="config"):  # (the test run's type checker, too)
+        pl.Stage("toy2", ToyConfig(), builtin=toy)
+    with pytest.raises(ValueError, match="key_stream"):
+        pl.Stage("toy2", ToyConfig, builtin=toy, key_stream=("spilt", 3))
+    # a refused replacement keeps the stage it would have replaced
+    pl.register_stage(pl.Stage("toy2", ToyConfig, builtin=toy, resumable=("repeat",)))
+    try:
+        before = pl.config.get_stage("toy2")
+        with pytest.raises(ValueError, match="cannot be built"):
+            pl.register_stage(pl.Stage("toy2", NeedsRate, builtin=toy), replace=True)
+        assert pl.config.get_stage("toy2") is before
+        assert "toy2.repeat" in pl.loop.resumable_fields()
+    finally:
+        pl.config.unregister_stage("toy2")
+    assert main(["dpo", "--show-config"]) == 0

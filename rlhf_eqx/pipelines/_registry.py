@@ -104,12 +104,37 @@ class Stage:
     key_stream: tuple[str, int] | None = None
 
     def __post_init__(self):
-        if not self.name or not all(c.isalnum() or c in "-_" for c in self.name):
-            raise ValueError(f"stage name {self.name!r}: letters, digits, - and _ only")
-        if not dataclasses.is_dataclass(self.config):
-            raise TypeError(f"stage {self.name!r}: config must be a dataclass, got {self.config}")
+        for what, name in (("name", self.name), ("section", self.section)):
+            if name == "" and what == "section":
+                continue
+            if not name[:1].isalpha() or not all(c.isalnum() or c in "-_" for c in name):
+                raise ValueError(
+                    f"stage {what} {name!r}: a letter, then letters, digits, - and _ only"
+                )
+        if not (isinstance(self.config, type) and dataclasses.is_dataclass(self.config)):
+            raise TypeError(
+                f"stage {self.name!r}: config must be a dataclass class, got {self.config!r}"
+            )
+        if not self.config.__dataclass_params__.frozen:  # type: ignore[attr-defined]
+            raise TypeError(
+                f"stage {self.name!r}: config {self.config.__name__} must be a frozen dataclass "
+                "(@dataclasses.dataclass(frozen=True))"
+            )
         if self.builtin is None and self.data is None:
             raise ValueError(f"stage {self.name!r}: give builtin=, data= or both")
+        fields = {f.name for f in dataclasses.fields(self.config)}
+        unknown = sorted(set(self.task) - fields)
+        if unknown:
+            raise ValueError(
+                f"stage {self.name!r}: task values {unknown} are not fields of "
+                f"{self.config.__name__}"
+            )
+        kind, i = (*self.key_stream, None)[:2] if self.key_stream is not None else ("fold", 0)
+        if not isinstance(i, int) or not (kind == "fold" or (kind == "split" and 0 <= i < 8)):
+            raise ValueError(
+                f"stage {self.name!r}: key_stream={self.key_stream!r}: expected ('split', i) "
+                "with 0 <= i < 8 or ('fold', i)"
+            )
 
     @property
     def key(self) -> str:
@@ -124,13 +149,87 @@ class Stage:
 _REGISTRY: dict[str, Stage] = {}
 
 
+# The command line's other commands: a stage of that name could not be run.
+_COMMANDS = ("pipeline", "sample", "eval", "plot", "sweep", "serve")
+
+
 def register_stage(stage: Stage, *, replace: bool = False) -> Stage:
     """Add `stage` to the registry (in order: the pipeline runs stages in registration
-    order). A name already taken is an error unless `replace`."""
+    order). Refused (`ValueError`, naming the stage), leaving the registry as it was: a
+    name already taken (unless `replace`) or another command's (`pipeline`, `sample`,
+    ...); a section that is a field of `PipelineConfig` (`model`, `ops`, ...) or that
+    another stage holds with another settings class; `sections` that are neither
+    `PipelineConfig`'s nor a stage's registered before it; settings that cannot be built
+    at their defaults or at the built-in task's values (`task_section`); `resumable`
+    entries that are not fields of the settings."""
     if stage.name in _REGISTRY and not replace:
         raise ValueError(f"stage {stage.name!r} is already registered (replace=True replaces it)")
+    if stage.name in _COMMANDS:
+        raise ValueError(f"stage {stage.name!r}: the name of another command; choose another")
+    from ._pipeline_config import PipelineConfig
+
+    shared = {f.name for f in dataclasses.fields(PipelineConfig)}
+    if stage.key in shared:
+        raise ValueError(
+            f"stage {stage.name!r}: its section {stage.key!r} is a field of PipelineConfig; "
+            "choose another name (or section=)"
+        )
+    for other in _REGISTRY.values():
+        if other.name != stage.name and other.key == stage.key and other.config is not stage.config:
+            raise ValueError(
+                f"stage {stage.name!r}: section {stage.key!r} holds {other.config.__name__} "
+                f"(stage {other.name!r}); a stage that shares it takes the same settings class"
+            )
+    known = shared | {st.key for st in _REGISTRY.values()} | {stage.key}
+    unknown = [s for s in stage.sections if s not in known]
+    if unknown:
+        raise ValueError(
+            f"stage {stage.name!r}: sections {unknown} are neither PipelineConfig's nor a "
+            "registered stage's"
+        )
+    previous = _REGISTRY.get(stage.name)
     _REGISTRY[stage.name] = stage
+    try:
+        _check_settings(stage)
+    except BaseException:
+        if previous is None:
+            del _REGISTRY[stage.name]
+        else:
+            _REGISTRY[stage.name] = previous
+        raise
     return stage
+
+
+def _check_settings(stage: Stage) -> None:
+    """Refuse a registered stage's settings class that cannot be built at its defaults or
+    at the built-in task's values, or `resumable` entries that are not its fields."""
+    from ._pipeline_config import task_section
+
+    name = stage.config.__name__
+    try:
+        stage.config()
+        cfg = task_section(stage.key)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"stage {stage.name!r}: its settings {name} cannot be built: {e}") from e
+    for path in stage.resumable:
+        obj = cfg
+        for part in path.split("."):
+            if obj is None:  # an optional group of fields, unset by default
+                break
+            if not dataclasses.is_dataclass(obj) or part not in _field_names(obj):
+                raise ValueError(
+                    f"stage {stage.name!r}: resumable {path!r} is not a field of {name}"
+                )
+            obj = getattr(obj, part)
+        if dataclasses.is_dataclass(obj):
+            each = ", ".join(f"{path}.{f}" for f in _field_names(obj))
+            raise ValueError(
+                f"stage {stage.name!r}: resumable {path!r} is a group: name its fields ({each})"
+            )
+
+
+def _field_names(obj: Any) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(obj))
 
 
 def unregister_stage(name: str) -> None:

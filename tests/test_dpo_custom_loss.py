@@ -265,8 +265,14 @@ def test_r_dpo_with_lengths_matches_its_closed_form_and_alpha_is_traced(getkey):
 
 
 def test_a_missing_hyperparameter_or_length_is_named():
-    with pytest.raises(ValueError, match="loss_type=user_r_dpo takes the hyperparameter 'alpha'"):
+    with pytest.raises(ValueError, match="loss_type='user_r_dpo' takes the hyperparameter 'alpha'"):
         train.make_dpo_step(optax.sgd(1.0), loss_type="user_r_dpo")
+    # a registered loss is named by its name, not by its function's
+    losses.register_dpo_loss("user_length_dpo", user_r_dpo)
+    with pytest.raises(ValueError, match="loss_type='user_length_dpo' takes the hyperparameter"):
+        train.DPOSettings(loss_type="user_length_dpo")
+    with pytest.raises(ValueError, match="loss_type='user_length_dpo' cannot be called as .* 'x'"):
+        train.DPOSettings(loss_type="user_length_dpo", loss_kwargs={"alpha": 0.1, "x": 1.0})
     with pytest.raises(ValueError, match="'alpha'"):
         train.DPOSettings(loss_type=user_r_dpo)
     with pytest.raises(ValueError, match="chosen_len"):

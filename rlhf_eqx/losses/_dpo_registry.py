@@ -41,14 +41,21 @@ def declared_lengths(fn: object) -> tuple[str, ...]:
 
 
 def _check_callable(
-    fn: object, what: str, loss_kwargs: Mapping[str, Any] | None = None, *, complete: bool = True
+    fn: object,
+    what: str,
+    loss_kwargs: Mapping[str, Any] | None = None,
+    *,
+    complete: bool = True,
+    label: str | None = None,
 ) -> None:
     """Refuse `fn` unless it can be called as a `DPOLossFn` with `loss_kwargs` (and its
     declared lengths); with `complete=False` (at registration) hyperparameters without a
-    default may still be missing: `loss_kwargs` gives them later."""
+    default may still be missing: `loss_kwargs` gives them later. Errors name it
+    `what=label` (default: the function's name)."""
     if not callable(fn):
         raise ValueError(f"{what} must be a callable {_SIGNATURE}, got {fn!r}")
     params = _parameters(fn)
+    label = callable_name(fn) if label is None else label
     if params is None:
         return
     kwargs = {"beta": 1.0, **{n: 1.0 for n in declared_lengths(fn)}, **dict(loss_kwargs or {})}
@@ -68,11 +75,11 @@ def _check_callable(
         ]
         if missing and len(firsts) == 4:
             raise ValueError(
-                f"{what}={callable_name(fn)} takes the hyperparameter {missing[0]!r}, which has "
+                f"{what}={label} takes the hyperparameter {missing[0]!r}, which has "
                 "no default: give it in loss_kwargs"
             ) from None
         raise ValueError(
-            f"{what}={callable_name(fn)} cannot be called as {_SIGNATURE}"
+            f"{what}={label} cannot be called as {_SIGNATURE}"
             + (f" with loss_kwargs {sorted(loss_kwargs)}" if loss_kwargs else "")
             + f": {e}"
         ) from None
@@ -212,7 +219,7 @@ def resolve_dpo_loss(
             f"loss_kwargs {sorted(names & set(_BUILTIN_KWARGS))} are the built-in losses' "
             f"hyperparameters and never reach a custom loss_type ({spec.name}); rename them"
         )
-    _check_callable(spec.custom, "loss_type", loss_kwargs)
+    _check_callable(spec.custom, "loss_type", loss_kwargs, label=spec.name)
     if not (is_python_number(label_smoothing) and label_smoothing == 0.0):
         raise ValueError(
             f"label_smoothing={label_smoothing!r} is not passed to a custom loss_type "

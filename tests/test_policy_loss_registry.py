@@ -303,3 +303,30 @@ def test_check_loss_matches_accepts_copies_and_names_a_difference():
 
     with pytest.raises(AssertionError, match="gradients w.r.t. logp"):
         rt.check_loss_matches(no_gradient, "grpo")
+
+
+def test_a_wrong_output_is_named_per_completion(getkey):
+    """A per-completion loss's output is checked for one completion's shapes: a scalar
+    (a loss already aggregated), three outputs, a statistic of the completion."""
+    policy = CumMeanLM(getkey())
+    batch = _batch(getkey(), policy, B=4)
+    T = batch.tokens.shape[1]
+
+    def summed(logp, old_logp, advantages, mask):
+        return -jnp.sum(jnp.where(mask, advantages * logp, 0.0))
+
+    def three(logp, old_logp, advantages, mask):
+        return -advantages * logp, {}, 0.0
+
+    def row_stat(logp, old_logp, advantages, mask):
+        return -advantages * logp, {"clipped": jnp.mean(logp)}
+
+    cases = [
+        (summed, rf"shape \({T},\) per completion \(as logp\), got shape \(\) and dtype float"),
+        (three, r"must return the per-token loss or \(loss, stats dict\)"),
+        (row_stat, rf"stats 'clipped' must be per-token, of shape \({T},\) per completion"),
+    ]
+    for fn, match in cases:
+        step = train.make_grpo_step(optax.sgd(1.0), group_size=2, policy_loss=fn, donate=False)
+        with pytest.raises(ValueError, match=match):
+            sgd_delta(step, policy, batch)

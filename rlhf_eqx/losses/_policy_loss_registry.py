@@ -270,16 +270,25 @@ _REGISTRY.update({k: s._replace(name=repr(k)) for k, s in _BUILTIN.items()})
 
 
 def per_token_output(spec: PolicyLossSpec, out: Any, like: Array) -> tuple[Array, dict]:
-    """`(per_token, stats)` of a loss's output, checked: a float array shaped as `like`."""
-    per_token, stats = out if isinstance(out, tuple) else (out, {})
-    if isinstance(out, tuple) and (len(out) != 2 or not isinstance(stats, dict)):
+    """`(per_token, stats)` of a loss's output, checked: a float array shaped as `like`
+    and a dict of arrays of that shape."""
+    if isinstance(out, (tuple, list)) and (len(out) != 2 or not isinstance(out[1], dict)):
         raise ValueError(
             f"policy_loss={spec.name} must return the per-token loss or (loss, stats dict)"
         )
+    per_token, stats = out if isinstance(out, (tuple, list)) else (out, {})
+    # a per-completion loss is vmapped: name the shapes of one completion
+    each, cut = ("", 0) if spec.batch else (" per completion", 1)
     shape, dtype = jnp.shape(per_token), jnp.result_type(per_token)
     if shape != like.shape or not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(
             f"policy_loss={spec.name} must return a float per-token loss of shape "
-            f"{like.shape}, got shape {shape} and dtype {dtype}"
+            f"{like.shape[cut:]}{each} (as logp), got shape {shape[cut:]} and dtype {dtype}"
         )
+    for name, value in stats.items():
+        if jnp.shape(value) != like.shape:
+            raise ValueError(
+                f"policy_loss={spec.name}: stats {name!r} must be per-token, of shape "
+                f"{like.shape[cut:]}{each} (as logp), got shape {jnp.shape(value)[cut:]}"
+            )
     return jnp.asarray(per_token), stats

@@ -268,6 +268,30 @@ def test_a_failing_hook_names_itself_checkpoints_and_resume_is_exact(tmp_path):
     ]
 
 
+class FailsAtStop(pl.Callback):
+    def on_stop(self, run, reason):
+        raise RuntimeError(f"the report after {reason} failed")
+
+
+def test_a_failing_hook_after_the_loop_names_the_checkpoint_to_resume_from(tmp_path):
+    # on_stop (and a stage's held-out on_evaluate) run after the loop's last checkpoint:
+    # the error names it, so that the command line prints the command that resumes
+    state, iteration = _quadratic()
+    with pytest.raises(pl.loop.CallbackError) as err:
+        pl.loop.run_iterations(
+            state,
+            iteration,
+            num_iterations=4,
+            key=jax.random.key(2),
+            ops=pl.OpsConfig(quiet=True, checkpoint_every=3),
+            log=pl.tools.MetricsLog(str(tmp_path), "q", quiet=True),
+            checkpoint_dir=str(tmp_path / "ck"),
+            callbacks=[FailsAtStop()],
+        )
+    assert str(err.value).startswith("callback FailsAtStop.on_stop failed in q after iteration 4")
+    assert err.value.checkpoint == str(tmp_path / "ck" / "iter_00000004")
+
+
 def test_bad_callbacks_are_refused_naming_them(tmp_path):
     state, iteration = _quadratic()
     kw = dict(num_iterations=1, key=jax.random.key(0), ops=pl.OpsConfig(quiet=True))

@@ -31,6 +31,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ._checkpoints import latest_checkpoint
 from ._config import (
     ConfigError,
 )
@@ -175,6 +176,16 @@ class RunHandle:
         )
 
 
+def _latest(checkpoint_dir: str | None) -> str | None:
+    """The newest intact checkpoint of `checkpoint_dir`, or `None` (none, or no directory)."""
+    if not checkpoint_dir:
+        return None
+    try:
+        return latest_checkpoint(checkpoint_dir)
+    except Exception:  # every checkpoint damaged: no resume to offer
+        return None
+
+
 def _name(cb: Any) -> str:
     name = getattr(cb, "name", None)
     return name if isinstance(name, str) and name else type(cb).__name__
@@ -213,7 +224,12 @@ class CallbackList:
             try:
                 out = fn(run, *args)
             except Exception as e:
-                raise CallbackError(name, hook, run.stage, run.iteration, e) from e
+                error = CallbackError(name, hook, run.stage, run.iteration, e)
+                # where a resume continues from, until the loop sets the checkpoint it
+                # writes for the failure (`on_stop` and the held-out `on_evaluate`, after
+                # the loop: its last checkpoint)
+                error.checkpoint = _latest(run.checkpoint_dir)
+                raise error from e
             if hook == "on_step" and isinstance(out, str) and out == "stop":
                 run.request_stop(f"{name}.on_step returned 'stop'")
 

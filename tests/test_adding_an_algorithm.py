@@ -67,6 +67,20 @@ def test_the_loss_is_the_closed_form(example):
     assert (np.asarray(got) == 0).any() and (np.asarray(got) > 0).any()  # both sides of the hinge
 
 
+def test_its_settings_are_checked_before_the_run(example, capsys):
+    """A value the step could not run (another loss type, which takes no `margin`) stops
+    the command line with one line naming the field, before anything is compiled."""
+    for value, message in [
+        ("loss_type=sigmoid", "margin-hinge.loss_type='sigmoid': must be margin_hinge"),
+        ("margin=-1", "margin-hinge.margin=-1.0: must be > 0"),
+        ("nope=1", "margin-hinge.nope: unknown field"),
+    ]:
+        assert main(["margin-hinge", "--set", f"margin-hinge.{value}", "--show-config"]) == 2
+        assert message in capsys.readouterr().err
+    assert main(["margin-hinge", "--set", "margin-hinge.margin=0.5", "--show-config"]) == 0
+    assert json.loads(capsys.readouterr().out)["margin-hinge"]["margin"] == 0.5
+
+
 _SMALL = ["--quiet", "--set", "ops.monitor=false", "--set", "eval_samples=1"]
 _SMALL += ["--set", "sampling.max_new_tokens=8", "--set", "sft.steps=2"]
 _SMALL += ["--set", "margin-hinge.steps=2", "--set", "margin-hinge.batch_size=4"]

@@ -98,19 +98,25 @@ def _random_k_blocks(rng, shape, kind) -> np.ndarray:
 
 
 def _write_by_hand(
-    path, tok, *, arch="llama", types=None, nan=None, drop=(), wide=(), D=32, F=64
+    path, tok, *, arch="llama", types=None, nan=None, drop=(), wide=(), D=32, F=64, meta=None
 ) -> str:
     """A one-layer model file written with llama.cpp's `GGUFWriter`: random float32
     weights, `types` maps a tensor to the GGML type it is stored in, `nan` names a
-    tensor given a NaN, `drop` tensors left out, `wide` tensors given 32 more rows."""
+    tensor given a NaN, `drop` tensors left out, `wide` tensors given 32 more rows;
+    `meta` replaces metadata values (`{key: (value, GGUFValueType)}`, key without
+    `{arch}.`)."""
     V = tok.vocab_size
     w = gguf.GGUFWriter(os.fspath(path), arch)
-    for key, value in {"block_count": 1, "embedding_length": D, "feed_forward_length": F,
-                       "attention.head_count": 2, "attention.head_count_kv": 1,
-                       "context_length": 128, "vocab_size": V}.items():  # fmt: skip
-        w.add_uint32(f"{arch}.{key}", value)
-    w.add_float32(f"{arch}.rope.freq_base", 10000.0)
-    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
+    U32, F32 = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32
+    values = {"block_count": 1, "embedding_length": D, "feed_forward_length": F,
+              "attention.head_count": 2, "attention.head_count_kv": 1,
+              "context_length": 128, "vocab_size": V}  # fmt: skip
+    values = {k: (v, U32) for k, v in values.items()}
+    values.update(
+        {"rope.freq_base": (10000.0, F32), "attention.layer_norm_rms_epsilon": (1e-5, F32)}
+    )
+    for key, (value, kind) in {**values, **(meta or {})}.items():
+        w.add_key_value(f"{arch}.{key}", value, kind)
     data.add_tokenizer_metadata(w, tok)
     shapes = {"token_embd.weight": (V, D), "output_norm.weight": (D,), "output.weight": (V, D),
               "blk.0.attn_norm.weight": (D,), "blk.0.ffn_norm.weight": (D,),
@@ -446,6 +452,26 @@ def test_tensor_table_entries_the_reader_refuses_name_the_tensor(tok512, tmp_pat
         with pytest.raises(ValueError) as excinfo:
             rx.load_gguf(bad)
         _one_line_error(excinfo, f"{bad}: {part}")
+
+
+@pytest.mark.parametrize(
+    "key, value, kind, why",
+    [
+        ("attention.head_count", "2", "STRING", "an integer is expected"),
+        ("block_count", 1.0, "FLOAT32", "an integer is expected"),
+        ("attention.layer_norm_rms_epsilon", "1e-5", "STRING", "a number is expected"),
+        ("attention.layer_norm_rms_epsilon", -1e-5, "FLOAT32", "a positive number is expected"),
+        ("rope.freq_base", 0.0, "FLOAT32", "a positive number is expected"),
+    ],
+)
+def test_mistyped_metadata_names_the_key(tok512, tmp_path, key, value, kind, why):
+    """A metadata value llama.cpp would refuse (wrong type) or compute NaN from: one line
+    naming the GGUF key, not the Hugging Face field it becomes."""
+    kind = gguf.GGUFValueType[kind]
+    path = _write_by_hand(tmp_path / "m.gguf", tok512, meta={key: (value, kind)})
+    with pytest.raises(ValueError) as excinfo:
+        rx.load_gguf(path)
+    _one_line_error(excinfo, f"{path}: `llama.{key}` = {value!r} is not supported: {why}")
 
 
 @pytest.mark.parametrize("quantized", [False, True])

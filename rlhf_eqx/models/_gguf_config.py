@@ -107,6 +107,41 @@ def llama3_from_factors(factors: np.ndarray, cfg: TransformerConfig, path: str) 
     )
 
 
+_INT_KEYS = (
+    "vocab_size", "context_length", "embedding_length", "block_count", "feed_forward_length",
+    "attention.head_count", "attention.head_count_kv", "attention.key_length",
+    "rope.dimension_count", "attention.sliding_window",
+)  # fmt: skip
+_POSITIVE_KEYS = ("attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.freq_base_swa")
+
+
+def _typed_getter(meta, arch: str, path: str):
+    """`get(key[, default])`: metadata `{arch}.{key}`, refused naming the key when it is
+    not what llama.cpp reads there: an integer for the sizes (`_INT_KEYS`; a list is a
+    per-layer value, which this decoder does not have), a finite number for the others,
+    positive for the norm epsilon and the rotary bases."""
+
+    def get(key: str, *default):
+        value = meta(f"{arch}.{key}", *default)
+        if value is None or (default and value is default[0]):
+            return value
+        why = None
+        if isinstance(value, list):
+            why = "per-layer values"
+        elif key in _INT_KEYS:
+            if isinstance(value, bool) or not isinstance(value, int):
+                why = "an integer is expected"
+        elif isinstance(value, bool) or not isinstance(value, int | float):
+            why = "a number is expected"
+        elif not math.isfinite(value) or (key in _POSITIVE_KEYS and value <= 0):
+            why = "a positive number is expected" if key in _POSITIVE_KEYS else "not finite"
+        if why is not None:
+            raise ValueError(f"{path}: `{arch}.{key}` = {value!r} is not supported: {why}")
+        return value
+
+    return get
+
+
 def hf_config(meta, path: str, names, n_tokens: int | None) -> tuple[str, dict[str, Any]]:
     """`(family, config.json dictionary)` from a file's metadata: `meta(key[, default])`
     reads a key, `names` holds the file's tensor names, `n_tokens` is the length of
@@ -120,15 +155,10 @@ def hf_config(meta, path: str, names, n_tokens: int | None) -> tuple[str, dict[s
     family = ARCHS[arch]
     if family == "llama" and meta("llama.attention.sliding_window", None) is not None:
         family = "mistral"  # llama.cpp writes Mistral as `llama`
-    get = lambda key, *d: meta(f"{arch}.{key}", *d)
+    get = _typed_getter(meta, arch, path)
     vocab = get("vocab_size", n_tokens)
     hidden, layers, heads = get("embedding_length"), get("block_count"), get("attention.head_count")
     kv = get("attention.head_count_kv", heads)
-    for key, value in (("attention.head_count", heads), ("attention.head_count_kv", kv)):
-        if not isinstance(value, int):
-            raise ValueError(
-                f"{path}: `{arch}.{key}` = {value!r} is not supported: per-layer counts"
-            )
     head_dim = get("attention.key_length", None)
     hd = head_dim if head_dim is not None else hidden // heads
     rot = get("rope.dimension_count", hd)

@@ -2,6 +2,8 @@
 loaded or compiled — grid fields that change shapes or control flow, stages that do not
 sweep, malformed `--grid` specs — each with one line naming the field."""
 
+import os
+
 import pytest
 
 from rlhf_eqx import pipelines as pl
@@ -139,3 +141,12 @@ def test_cli_sweep_refuses_a_repeated_grid_value_with_exit_status_2(tmp_path, ca
     assert code == 2
     err = capsys.readouterr().err
     assert "--grid dpo.beta: value 0.1 given twice" in err and err.count("\n") == 1
+
+
+def test_cli_sweep_refuses_callbacks_in_one_line(tmp_path, capsys):
+    out = str(tmp_path / "s")
+    code = main(["sweep", "dpo", "--seeds", "1", "--out", out, "--callback", "m:C"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --callback: not in a sweep") and err.count("\n") == 1
+    assert not os.path.exists(out)

@@ -400,8 +400,14 @@ def sweep_command(argv: Sequence[str]) -> int:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--export", action="store_true")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--callback", action="append", default=[], help=argparse.SUPPRESS)
     args = p.parse_args(list(argv))
     try:
+        if args.callback:  # the members' loop is one program: no per-member hooks
+            raise ConfigError(
+                "--callback: not in a sweep (callbacks hook into a separate run's loop; "
+                "run the member as its own run: rlhf_eqx STAGE --set ops.seed=S --callback ...)"
+            )
         cfg = animal_task_config()
         if args.config:
             cfg = load_config(args.config, base=cfg)

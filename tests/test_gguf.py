@@ -297,6 +297,23 @@ def test_non_finite_weight_refused_and_nothing_written(tiny, tok512, tmp_path):
     assert path.read_bytes() == b"old" and os.listdir(tmp_path) == ["bad.gguf"]
 
 
+@pytest.mark.parametrize("dtype, value", [("f16", 7e4), ("q8_0", 1e7)])
+def test_weights_beyond_the_type_refused_and_nothing_written(tiny, tok512, tmp_path, dtype, value):
+    """A weight float16 cannot hold (or a Q8_0 block whose scale `max |w| / 127` it cannot
+    hold) would be an inf in the file, which every reader refuses: named instead, and
+    nothing written; float32 writes it."""
+    path = tmp_path / "big.gguf"
+    path.write_bytes(b"old")
+    w = tiny.transformer.layers.w_down
+    big = eqx.tree_at(lambda m: m.transformer.layers.w_down, tiny, w.at[0, 3, 5].set(value))
+    with pytest.raises(ValueError) as excinfo:
+        rx.save_gguf(big, path, tokenizer=tok512, dtype=dtype)
+    _one_line_error(excinfo, str(path), "'blk.0.ffn_down.weight'", f"{value:.6g}", "dtype='f32'")
+    assert path.read_bytes() == b"old" and os.listdir(tmp_path) == ["big.gguf"]
+    rx.save_gguf(big, path, tokenizer=tok512, dtype="f32")
+    assert rx.load_gguf(path)[0].transformer.layers.w_down[0, 3, 5] == value
+
+
 def test_written_files_get_ordinary_permissions(tiny, tok512, tmp_path):
     """A new file gets the mode `open` gives (`0o666` less the umask), not the temporary
     file's private `0o600`; a replaced file keeps its own mode."""

@@ -78,6 +78,27 @@ def _temporary_file(path: str) -> str:
         return tmp
 
 
+def _stored(name: str, arr: np.ndarray, dtype: str, path: str):
+    """`(data, kind)`: `arr` in the GGML type that `dtype` gives it. A value that type
+    cannot hold (beyond float16's 65504 for F16; a Q8_0 block scale `max|w| / 127` beyond
+    it) is a `ValueError` naming the tensor, instead of an inf in the file."""
+    gguf = gguf_package()
+    T = gguf.GGMLQuantizationType
+    kind = _ggml_type(arr, dtype)
+    if kind == T.F32:
+        return arr, kind
+    with np.errstate(over="ignore", invalid="ignore"):
+        data = gguf.quants.quantize(arr, kind)
+    half = data if kind == T.F16 else data.reshape(-1, 34)[:, :2].copy().view("<f2")
+    if not np.isfinite(half).all():
+        what = "float16 values" if kind == T.F16 else "float16 block scales (max |w| / 127)"
+        raise ValueError(
+            f"{path}: tensor {name!r} holds values up to {float(np.abs(arr).max()):.6g}, "
+            f"beyond what {kind.name} stores ({what} up to 65504); write it with dtype='f32'"
+        )
+    return data, kind
+
+
 def _write_atomic(path: str, arch: str, fill) -> None:
     """`fill(writer)` adds metadata and tensors to a `GGUFWriter` on a temporary file in
     `path`'s directory; the file is then flushed, synced and renamed to `path`."""
@@ -139,9 +160,10 @@ def write_gguf(
     the same outputs for sequences within the window. Gemma 2/3 are written only with
     the attention scale and window pattern llama.cpp assumes (see `load_gguf_policy`).
 
-    Raises `ValueError` naming the tensor when a weight holds NaN or ±inf (nothing is
-    written), and naming the `TransformerConfig` field when llama.cpp cannot express
-    the configuration.
+    Raises `ValueError` naming the tensor when a weight holds NaN or ±inf, or values
+    beyond what `dtype` stores (float16's 65504 for f16, for a q8_0 block's scale
+    `max |w| / 127`), and naming the `TransformerConfig` field when llama.cpp cannot
+    express the configuration; nothing is written then.
     """
     if not isinstance(model, Policy):
         raise TypeError(
@@ -164,10 +186,11 @@ def write_gguf(
         if cfg.norm_plus_one and hf_name.endswith("norm.weight"):
             arr = arr + np.float32(1.0)
         check_finite(arr, name=names[hf_name], source=path)
-        tensors.append((names[hf_name], arr))
+        tensors.append((names[hf_name], *_stored(names[hf_name], arr, dtype, path)))
     if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "llama3":
         unscaled = dataclasses.replace(cfg, rope_scaling=None).inv_freq()
-        tensors.append(("rope_freqs.weight", llama3_rope_factors(cfg.rope_scaling, unscaled)))
+        factors = llama3_rope_factors(cfg.rope_scaling, unscaled)
+        tensors.append(("rope_freqs.weight", factors, gguf.GGMLQuantizationType.F32))
     file_type = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0"}[dtype]
 
     def fill(writer):
@@ -177,9 +200,7 @@ def write_gguf(
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         if metadata is not None:
             metadata(writer)
-        for name, arr in tensors:
-            kind = _ggml_type(arr, dtype)
-            data = arr if kind == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(arr, kind)
+        for name, data, kind in tensors:
             writer.add_tensor(name, data, raw_dtype=kind)
 
     _write_atomic(path, arch, fill)

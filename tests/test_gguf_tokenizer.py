@@ -227,6 +227,13 @@ def test_tiny_gpt2_vocabulary(tmp_path):
     assert tok.jinja_chat_template().render([{"role": "user", "content": "ab"}]) == "ab"
 
 
+def test_empty_chat_template_is_none(tmp_path):
+    tok = data.tokenizer_from_gguf(
+        _tiny_gpt2(tmp_path / "g.gguf", **{"tokenizer.chat_template": ""})
+    )
+    assert tok.chat_template is None and tok.encode("ab") == [3]
+
+
 def test_pre_tokenizer_named_by_behaviour(tmp_path):
     """SmolLM2's published pre-tokenizer (digits, then GPT-2's byte level) is written as
     `smollm`, GPT-2's alone as `gpt-2`; one that splits as no llama.cpp one does is
@@ -263,6 +270,19 @@ def test_pre_tokenizer_named_by_behaviour(tmp_path):
             {"tokenizer.chat_template": "{% for m in messages %}\n{{ m['content'] }"},
             "tokenizer.chat_template: chat template syntax error at line 2",
         ),
+        (
+            {"tokenizer.ggml.eos_token_id": "0"},
+            "tokenizer.ggml.eos_token_id = '0' is not an integer",
+        ),
+        (
+            {"tokenizer.ggml.merges": [1, 2]},
+            r"tokenizer.ggml.merges = \[1, 2\] is not a list of strings",
+        ),
+        (
+            {"tokenizer.ggml.add_bos_token": "yes"},
+            "tokenizer.ggml.add_bos_token = 'yes' is not a bool",
+        ),
+        ({"tokenizer.ggml.pre": 7}, "tokenizer.ggml.pre = 7 is not a string"),
         (  # compiles, but fails on every conversation
             {"tokenizer.chat_template": "{{ messages[0]['content'].nope() }}"},
             "tokenizer.chat_template: chat template error: 'str object' has no attribute",

@@ -103,9 +103,42 @@ def _open(reader, path):
     return reader, os.fspath(path)
 
 
-def _field(reader, key: str):
+_NUMBER = (int, float)
+# what llama.cpp reads under each key: a string, an integer, a bool, or a list of one kind
+_KINDS: dict[str, tuple[type | tuple[type, ...], bool]] = {
+    "tokenizer.ggml.model": (str, False),
+    "tokenizer.ggml.pre": (str, False),
+    "tokenizer.chat_template": (str, False),
+    "tokenizer.ggml.tokens": (str, True),
+    "tokenizer.ggml.merges": (str, True),
+    "tokenizer.ggml.token_type": (int, True),
+    "tokenizer.ggml.scores": (_NUMBER, True),
+    "tokenizer.ggml.add_bos_token": (bool, False),
+    "tokenizer.ggml.add_space_prefix": (bool, False),
+    **{f"tokenizer.ggml.{k}": (int, False) for k in _SPECIAL_KEYS},
+}
+_KIND_NAMES = {str: ("a string", "strings"), int: ("an integer", "integers"),
+               bool: ("a bool", "bools"), _NUMBER: ("a number", "numbers")}  # fmt: skip
+
+
+def _field(reader, key: str, path: str):
+    """The value of `key` (`None` when absent), checked against the type llama.cpp reads
+    there (`_KINDS`); another type is a `DataError` naming the file and the key."""
     field = reader.fields.get(key)
-    return None if field is None else field.contents()
+    if field is None:
+        return None
+    value = field.contents()
+    kind, is_list = _KINDS[key]
+    items = value if is_list and isinstance(value, list) else [value]
+    bad = (is_list and not isinstance(value, list)) or any(
+        not isinstance(v, kind) or (kind is not bool and isinstance(v, bool)) for v in items
+    )
+    if bad:
+        one, many = _KIND_NAMES[kind]
+        want = f"a list of {many}" if is_list else one
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        raise DataError(f"{path}: {key} = {shown} is not {want}")
+    return value
 
 
 def _byte_level_model(tokens, merges, unk_id, path):
@@ -197,46 +230,46 @@ def tokenizer_from_gguf(reader, path: str | os.PathLike | None = None) -> HFToke
     from tokenizers import AddedToken, Tokenizer, normalizers
 
     reader, path = _open(reader, path)
-    kind = _field(reader, "tokenizer.ggml.model")
+    kind = _field(reader, "tokenizer.ggml.model", path)
     if kind is None:
         raise DataError(f"{path}: tokenizer.ggml.model is missing (the file has no tokenizer)")
     if kind not in ("gpt2", "llama"):
         raise DataError(f"{path}: tokenizer.ggml.model = {kind!r} is not supported (gpt2 or llama)")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
+    tokens = _field(reader, "tokenizer.ggml.tokens", path)
     if not tokens:
         raise DataError(f"{path}: tokenizer.ggml.tokens is missing or empty")
     n = len(tokens)
-    types = _field(reader, "tokenizer.ggml.token_type")
+    types = _field(reader, "tokenizer.ggml.token_type", path)
     if types is not None and len(types) != n:
         raise DataError(
             f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {n} tokens"
         )
     ids = {}
     for key in _SPECIAL_KEYS:
-        value = _field(reader, f"tokenizer.ggml.{key}")
+        value = _field(reader, f"tokenizer.ggml.{key}", path)
         if value is not None and not 0 <= int(value) < n:
             raise DataError(
                 f"{path}: tokenizer.ggml.{key} = {value} is outside the vocabulary of {n} tokens"
             )
         ids[key] = None if value is None else int(value)
-    add_bos = _field(reader, "tokenizer.ggml.add_bos_token")
-    add_space_prefix = _field(reader, "tokenizer.ggml.add_space_prefix")
+    add_bos = _field(reader, "tokenizer.ggml.add_bos_token", path)
+    add_space_prefix = _field(reader, "tokenizer.ggml.add_space_prefix", path)
     if kind == "gpt2":
-        pre = _field(reader, "tokenizer.ggml.pre") or "default"
+        pre = _field(reader, "tokenizer.ggml.pre", path) or "default"
         if pre not in _PRE_SPLITS:
             raise DataError(
                 f"{path}: tokenizer.ggml.pre = {pre!r} is not a supported pre-tokenizer "
                 f"({', '.join(sorted(_PRE_SPLITS))})"
             )
         model, decoder, alphabet = _byte_level_model(
-            tokens, _field(reader, "tokenizer.ggml.merges"), ids["unknown_token_id"], path
+            tokens, _field(reader, "tokenizer.ggml.merges", path), ids["unknown_token_id"], path
         )
         normalizer, pre_tokenizer = None, split_pre_tokenizer(_PRE_SPLITS[pre])
         add_bos = bool(add_bos) if add_bos is not None else False
     else:
         add_space_prefix = True if add_space_prefix is None else bool(add_space_prefix)
         model, decoder, alphabet = _sentencepiece_model(
-            tokens, _field(reader, "tokenizer.ggml.scores"), types, ids["unknown_token_id"],
+            tokens, _field(reader, "tokenizer.ggml.scores", path), types, ids["unknown_token_id"],
             add_space_prefix, path,
         )  # fmt: skip
         # llama.cpp: a space before every run of text (after each special token too) when
@@ -271,7 +304,7 @@ def tokenizer_from_gguf(reader, path: str | os.PathLike | None = None) -> HFToke
             f"{path}: tokenizer.ggml.tokens has {n} tokens but "
             f"{tok.get_vocab_size(with_added_tokens=True)} distinct ids were built (duplicates)"
         )
-    template = _field(reader, "tokenizer.chat_template")
+    template = _field(reader, "tokenizer.chat_template", path) or None  # "": no template
     eos = ids["eos_token_id"]
     if eos is None:
         raise DataError(f"{path}: tokenizer.ggml.eos_token_id is missing")

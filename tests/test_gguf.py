@@ -98,13 +98,24 @@ def _random_k_blocks(rng, shape, kind) -> np.ndarray:
 
 
 def _write_by_hand(
-    path, tok, *, arch="llama", types=None, nan=None, drop=(), wide=(), D=32, F=64, meta=None
+    path,
+    tok,
+    *,
+    arch="llama",
+    types=None,
+    nan=None,
+    drop=(),
+    wide=(),
+    D=32,
+    F=64,
+    meta=None,
+    top=None,
 ) -> str:
     """A one-layer model file written with llama.cpp's `GGUFWriter`: random float32
     weights, `types` maps a tensor to the GGML type it is stored in, `nan` names a
     tensor given a NaN, `drop` tensors left out, `wide` tensors given 32 more rows;
     `meta` replaces metadata values (`{key: (value, GGUFValueType)}`, key without
-    `{arch}.`)."""
+    `{arch}.`), `top` adds keys outside `{arch}.`."""
     V = tok.vocab_size
     w = gguf.GGUFWriter(os.fspath(path), arch)
     U32, F32 = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32
@@ -117,6 +128,8 @@ def _write_by_hand(
     )
     for key, (value, kind) in {**values, **(meta or {})}.items():
         w.add_key_value(f"{arch}.{key}", value, kind)
+    for key, (value, kind) in (top or {}).items():
+        w.add_key_value(key, value, kind)
     data.add_tokenizer_metadata(w, tok)
     shapes = {"token_embd.weight": (V, D), "output_norm.weight": (D,), "output.weight": (V, D),
               "blk.0.attn_norm.weight": (D,), "blk.0.ffn_norm.weight": (D,),
@@ -489,6 +502,24 @@ def test_mistyped_metadata_names_the_key(tok512, tmp_path, key, value, kind, why
     with pytest.raises(ValueError) as excinfo:
         rx.load_gguf(path)
     _one_line_error(excinfo, f"{path}: `llama.{key}` = {value!r} is not supported: {why}")
+
+
+def test_mixture_of_experts_and_split_shards_named(tok512, tmp_path):
+    """A Mixtral-style `llama` file (`llama.expert_count`) and one shard of a split model
+    (`split.count`): one line naming the key, not a missing or unexpected tensor."""
+    U16, U32 = gguf.GGUFValueType.UINT16, gguf.GGUFValueType.UINT32
+    moe = _write_by_hand(tmp_path / "moe.gguf", tok512, meta={"expert_count": (8, U32)})
+    with pytest.raises(ValueError) as excinfo:
+        rx.load_gguf(moe)
+    _one_line_error(excinfo, f"{moe}: `llama.expert_count` = 8 is not supported: mixture-of")
+    shard = _write_by_hand(
+        tmp_path / "m-00001-of-00002.gguf",
+        tok512,
+        top={"split.no": (0, U16), "split.count": (2, U16)},
+    )
+    with pytest.raises(ValueError) as excinfo:
+        rx.load_gguf(shard)
+    _one_line_error(excinfo, f"{shard}: `split.count` = 2: one shard", "llama-gguf-split --merge")
 
 
 @pytest.mark.parametrize("quantized", [False, True])

@@ -257,6 +257,12 @@ def read_config(reader, path: str, *, dtype: str | None = None):
             f"{path}: `general.type` = 'adapter': a LoRA adapter file, not a model (load "
             "its base model's file; llama.cpp applies the adapter with --lora)"
         )
+    shards = meta("split.count", 0)
+    if isinstance(shards, int) and shards > 1:
+        raise ValueError(
+            f"{path}: `split.count` = {shards}: one shard of a split model (merge the shards "
+            "into one file with `llama-gguf-split --merge` and load that)"
+        )
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     n_tokens = len(tokens.data) if tokens is not None else None
     if n_tokens is None and "token_embd.weight" in tensors:

@@ -110,7 +110,7 @@ def llama3_from_factors(factors: np.ndarray, cfg: TransformerConfig, path: str) 
 _INT_KEYS = (
     "vocab_size", "context_length", "embedding_length", "block_count", "feed_forward_length",
     "attention.head_count", "attention.head_count_kv", "attention.key_length",
-    "rope.dimension_count", "attention.sliding_window",
+    "rope.dimension_count", "attention.sliding_window", "expert_count",
 )  # fmt: skip
 _POSITIVE_KEYS = ("attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.freq_base_swa")
 
@@ -156,6 +156,12 @@ def hf_config(meta, path: str, names, n_tokens: int | None) -> tuple[str, dict[s
     if family == "llama" and meta("llama.attention.sliding_window", None) is not None:
         family = "mistral"  # llama.cpp writes Mistral as `llama`
     get = _typed_getter(meta, arch, path)
+    experts = get("expert_count", 0)
+    if experts:
+        raise ValueError(
+            f"{path}: `{arch}.expert_count` = {experts} is not supported: mixture-of-experts "
+            "layers (a dense decoder is read)"
+        )
     vocab = get("vocab_size", n_tokens)
     hidden, layers, heads = get("embedding_length"), get("block_count"), get("attention.head_count")
     kv = get("attention.head_count_kv", heads)

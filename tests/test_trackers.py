@@ -356,6 +356,42 @@ def test_mlflow_store_holds_params_group_metric_histories_and_summary(tracked_ru
     assert run.data.tags["summary/stopped"] == "done"
 
 
+_TELEMETRY_PROBE = """
+import os, sys, tempfile
+from rlhf_eqx import pipelines as pl
+d = tempfile.mkdtemp()
+with pl.trackers.open_trackers(["mlflow"], d, {"ops": {"seed": 0}}, quiet=True) as t:
+    assert t.names == ("mlflow",)
+    import mlflow.telemetry
+    from mlflow.telemetry.utils import is_telemetry_disabled
+    # without the setting, a client whose configuration fetch failed (no network) is
+    # dropped too: MLflow's own view of the setting is what counts
+    print("telemetry off:", is_telemetry_disabled(), mlflow.telemetry.get_telemetry_client())
+"""
+
+
+def test_mlflow_telemetry_is_off_outside_a_test_runner(tmp_path):
+    # MLflow turns its telemetry (posts to its own service from a thread) off by itself
+    # under pytest and CI only: a process outside them must find it off once the tracker
+    # started
+    _need("mlflow", "mlflow")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTEST_CURRENT_TEST", "CI", "MLFLOW_DISABLE_TELEMETRY", "DO_NOT_TRACK")
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", _TELEMETRY_PROBE],
+        env=env,
+        cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "telemetry off: True None" in out.stdout
+
+
 # --- trackio ----------------------------------------------------------------------------
 
 

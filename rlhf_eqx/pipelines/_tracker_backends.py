@@ -7,7 +7,7 @@ Each keeps to local files unless the user configured a server:
 | --- | --- | --- |
 | `tensorboard` | `<run dir>/tensorboard/<stage>/` (`tensorboardX`) | nothing |
 | `wandb` | offline run in `<run dir>/wandb/` (W&B's analytics off) | `WANDB_MODE=online` |
-| `mlflow` | `sqlite:///<run dir>/mlflow.db` | `MLFLOW_TRACKING_URI` |
+| `mlflow` | `sqlite:///<run dir>/mlflow.db` (MLflow's telemetry off) | `MLFLOW_TRACKING_URI` |
 | `trackio` | its local store, `$TRACKIO_DIR` | `TRACKIO_SPACE_ID`, `TRACKIO_SERVER_URL` |
 
 How stages show: TensorBoard keeps one event directory per stage (tags `<stage>/<metric>`,
@@ -343,6 +343,7 @@ class MLflowTracker(Tracker):
         """Connect to the store; the experiment's id (made when new)."""
         import logging
 
+        _no_mlflow_telemetry()
         from mlflow.tracking import MlflowClient
 
         quiet = [logging.getLogger(n) for n in ("mlflow", "alembic")]
@@ -413,6 +414,19 @@ class MLflowTracker(Tracker):
 
     def finish(self) -> None:
         self.client.set_terminated(self.run_id)
+
+
+def _no_mlflow_telemetry() -> None:
+    """Turn MLflow's usage telemetry off in this process (unless `MLFLOW_DISABLE_TELEMETRY`
+    says otherwise). MLflow 3 starts it on `import mlflow` and, from a background thread,
+    fetches its configuration from and posts usage records to its telemetry service
+    (`mlflow-telemetry.io`), whatever the tracking URI."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    try:
+        from mlflow.telemetry import set_telemetry_client
+    except ImportError:  # an MLflow without it
+        return
+    set_telemetry_client()  # re-reads the setting: drops the client an earlier import made
 
 
 class TrackioTracker(Tracker):

@@ -163,7 +163,8 @@ def result_line(command: str, summary: dict, out: str) -> str:
                 parts += [f"{k} {v:.4g}" for k, v in floats if not k.endswith("_se")][:2]
     reason = f": {summary['stop_reason']}" if summary.get("stop_reason") else ""
     what = "done" if stopped == "done" else f"stopped ({stopped}{reason})"
-    return f"rlhf_eqx {command}: {what}: " + ", ".join(parts) + f" ({out}/summary.json)"
+    numbers = ", ".join(parts) + " " if parts else ""
+    return f"rlhf_eqx {command}: {what}: {numbers}({out}/summary.json)"
 
 
 def resume_command(argv: Sequence[str]) -> str:

@@ -232,3 +232,5 @@ def test_result_line_shows_rates_not_their_standard_errors():
         "rlhf_eqx grpo: done: heldout_exact_match_before 0.121, heldout_exact_match 0.852"
         " (runs/x/summary.json)"
     )
+    # a stage that reports no numbers: no empty list before the path
+    assert result_line("x", {}, "runs/x") == "rlhf_eqx x: done: (runs/x/summary.json)"

@@ -80,6 +80,11 @@ def test_format_table_prints_each_rate_with_its_standard_error():
     table = pl.tools.format_table(summary)
     assert "90.6% ± 2.1" in table and "83.9% ± 3.5" in table and "17.2% ± 3.1" in table
     assert "reward model held-out accuracy: 93.9% ± 1.8" in table
+    # a stage name longer than the column widens it: every row's columns still align
+    summary["online-dpo"] = dict(summary.pop("ppo"))
+    rows = pl.tools.format_table(summary).splitlines()[:3]
+    assert rows[0].startswith("stage" + " " * 6 + " " * 8 + "score")
+    assert len({len(r) for r in rows}) == 1 and rows[2].startswith("online-dpo ")
 
 
 # --- aggregation over seeds ---------------------------------------------------------------

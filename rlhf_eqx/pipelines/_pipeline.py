@@ -282,16 +282,20 @@ def format_table(summary: dict) -> str:
     """The printed final table of a pipeline summary: each rate with its standard error
     over the held-out prompts (`score_se`, `win_rate_vs_sft_se`; `± 2.1` is 2.1
     percentage points)."""
-    lines = [f"{'stage':<8} {'score':>13} {'win vs SFT':>13} {'KL/token':>9} {'base NLL':>9}"]
-    for stage in ("base", *(st.summary_key or st.name for st in stages())):
-        if not isinstance(summary.get(stage), dict) or "score" not in summary[stage]:
-            continue
+    names = [
+        stage
+        for stage in ("base", *(st.summary_key or st.name for st in stages()))
+        if isinstance(summary.get(stage), dict) and "score" in summary[stage]
+    ]
+    w = max([8, *map(len, names)])  # a longer stage name widens the column
+    lines = [f"{'stage':<{w}} {'score':>13} {'win vs SFT':>13} {'KL/token':>9} {'base NLL':>9}"]
+    for stage in names:
         s = summary[stage]
         score = with_se(s["score"], s.get("score_se"))
         win = with_se(s.get("win_rate_vs_sft"), s.get("win_rate_vs_sft_se"))
         kl = s.get("kl")
         lines.append(
-            f"{stage:<8} {score:>13} {win:>13} "
+            f"{stage:<{w}} {score:>13} {win:>13} "
             f"{'' if kl is None else f'{kl:.3f}':>9} {s['base_nll']:>9.2f}"
         )
     if "reward_model" in summary:

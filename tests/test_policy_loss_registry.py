@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 from helpers import assert_tree_allclose
-from test_train_common import CumMeanLM, CumMeanValue, sgd_delta
+from test_train_common import CumMeanLM, CumMeanValue, preference_batch, sgd_delta
 from test_train_grpo import _batch, _sampled_groups
 from test_train_ppo import _rollout
 
@@ -330,3 +330,80 @@ def test_a_wrong_output_is_named_per_completion(getkey):
         step = train.make_grpo_step(optax.sgd(1.0), group_size=2, policy_loss=fn, donate=False)
         with pytest.raises(ValueError, match=match):
             sgd_delta(step, policy, batch)
+
+
+register_policy_loss("scaled_clip", scaled_clip)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaledSettings(train.GRPOSettings):
+    """A user's GRPO settings with a field for their loss's `coef`."""
+
+    group_size: int = 2
+    policy_loss: str = "scaled_clip"
+    coef: float = 2.5
+
+
+def test_a_settings_subclass_field_reaches_the_loss(getkey):
+    """A field of a `GRPOSettings` subclass named like a hyperparameter of its loss is
+    passed to the loss (as if in `loss_kwargs`), not dropped with the subclass: the step
+    with `ScaledSettings(coef=2.5)` is the one with `loss_kwargs={"coef": 2.5}`; the same
+    value given both ways is accepted, another refused."""
+    policy = CumMeanLM(getkey())
+    batch = _batch(getkey(), policy, B=4)
+    kw = dict(group_size=2, policy_loss="scaled_clip", donate=False)
+    want = sgd_delta(
+        train.make_grpo_step(optax.sgd(1.0), loss_kwargs={"coef": 2.5}, **kw), policy, batch
+    )
+    got = sgd_delta(
+        train.make_grpo_step(optax.sgd(1.0), ScaledSettings(), donate=False), policy, batch
+    )
+    _same_step(got, want)
+    half = sgd_delta(
+        train.make_grpo_step(optax.sgd(1.0), ScaledSettings(coef=1.25), donate=False), policy, batch
+    )
+    np.testing.assert_allclose(float(half[1]["loss"]), float(want[1]["loss"]) / 2, rtol=1e-5)
+    with pytest.raises(ValueError, match="coef=2.5 .* and loss_kwargs 'coef'=1.0: give"):
+        ScaledSettings(loss_kwargs={"coef": 1.0})
+    assert ScaledSettings(loss_kwargs={"coef": 2.5}).coef == 2.5
+    # a field the loss does not take stays the subclass's own
+    assert train.GRPOSettings(group_size=2, policy_loss="user_clip").loss_kwargs is None
+
+
+def margin_pair_loss(chosen, rejected, ref_chosen, ref_rejected, *, beta, margin):
+    return jnp.maximum(0.0, margin - beta * ((chosen - ref_chosen) - (rejected - ref_rejected)))
+
+
+losses.register_dpo_loss("margin_pair", margin_pair_loss)
+
+
+@dataclasses.dataclass(frozen=True)
+class MarginSettings(train.DPOSettings):
+    loss_type: str = "margin_pair"
+    margin: float = 1.0
+
+
+def test_a_dpo_settings_subclass_field_reaches_the_loss(getkey):
+    """The same for a DPO-family loss: `margin` (no default in the loss) comes from the
+    subclass's field, and the step is the one with `loss_kwargs={"margin": 0.5}`."""
+    assert losses.dpo_loss_hyperparameters("margin_pair") == ("margin",)
+    assert losses.dpo_loss_hyperparameters("sigmoid") == (
+        "bco_delta",
+        "discopop_tau",
+        "simpo_gamma",
+    )
+    policy, reference = CumMeanLM(getkey()), CumMeanLM(getkey())
+    batch = preference_batch(getkey())
+
+    def run(settings=None, **kw):
+        step = train.make_dpo_step(optax.sgd(1.0), settings, donate=False, **kw)
+        return sgd_delta(step, policy, batch, reference=reference)
+
+    want = run(loss_type="margin_pair", loss_kwargs={"margin": 0.5})
+    _same_step(run(MarginSettings(margin=0.5)), want)
+    assert float(want[1]["loss"]) != float(run(MarginSettings(margin=2.0))[1]["loss"])
+    with pytest.raises(ValueError, match="margin=0.5 .* and loss_kwargs 'margin'=2: give"):
+        MarginSettings(margin=0.5, loss_kwargs={"margin": 2})
+    assert MarginSettings(margin=2, loss_kwargs={"margin": 2}).margin == 2
+    with pytest.raises(ValueError, match="has no default"):
+        train.DPOSettings(loss_type="margin_pair")

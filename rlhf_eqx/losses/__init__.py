@@ -42,6 +42,7 @@ from ._dpo_losses import (
     DPOLossType as DPOLossType,
 )
 from ._dpo_registry import (
+    dpo_loss_hyperparameters as dpo_loss_hyperparameters,
     dpo_loss_types as dpo_loss_types,
     register_dpo_loss as register_dpo_loss,
     registered_dpo_loss as registered_dpo_loss,

@@ -179,6 +179,28 @@ def dpo_loss_types() -> tuple[str, ...]:
     return DPO_LOSS_TYPES + tuple(_REGISTERED)
 
 
+def dpo_loss_hyperparameters(loss_type: object) -> tuple[str, ...]:
+    """The hyperparameters a DPO-family `loss_type` takes from `loss_kwargs`: a built-in
+    loss's `bco_delta`, `discopop_tau`, `simpo_gamma`; a custom one's keyword parameters
+    after its four log-probabilities, but `beta` and the `LENGTH_ARGUMENTS` (which the
+    step passes itself). A `ValueError` names an unknown `loss_type`."""
+    if isinstance(loss_type, str):
+        check_choice("loss_type", loss_type, dpo_loss_types())
+        custom = None if loss_type in DPO_LOSSES else _REGISTERED[loss_type].custom
+    elif callable(loss_type):
+        custom = loss_type
+    else:
+        raise ValueError(f"loss_type must be a name in {dpo_loss_types()} or a callable")
+    if custom is None:
+        return _BUILTIN_KWARGS
+    params = list((_parameters(custom) or {}).values())
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    arrays = {p.name for p in [p for p in params if p.kind in positional][:4]}
+    skip = arrays | {"beta", *LENGTH_ARGUMENTS}
+    var = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return tuple(p.name for p in params if p.kind not in var and p.name not in skip)
+
+
 def resolve_dpo_loss(
     loss_type: object,
     *,

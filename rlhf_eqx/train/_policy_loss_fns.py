@@ -30,7 +30,7 @@ from ..losses import (
     policy_loss_names,
     resolve_policy_loss,
 )
-from ._validation import check_choice
+from ._validation import check_choice, loss_kwargs_with_fields
 
 # The stream of the step's key that the loss's `key` comes from (the key itself goes to
 # the model).
@@ -84,10 +84,18 @@ def check_loss_reads(
     )
 
 
+def policy_loss_takes(policy_loss: object, *, advantages: str) -> tuple[str, ...]:
+    """The hyperparameters `policy_loss` takes by name (none known for a loss that takes
+    any keyword)."""
+    spec = resolve_policy_loss(policy_loss, advantages=advantages)
+    return () if spec.takes_any_keyword() else tuple(spec.hyperparameters())
+
+
 def policy_hyperparameters(spec: PolicyLossSpec, settings: Any, record: type) -> dict[str, Any]:
-    """The keyword arguments of `spec.fn`: `loss_kwargs`, then the fields of `record` (the
-    settings class) by name; a hyperparameter with neither and no default is refused."""
-    kwargs = dict(settings.loss_kwargs or {})
+    """The keyword arguments of `spec.fn`: `loss_kwargs` (with a subclass's fields the
+    loss takes, `loss_kwargs_with_fields`), then the fields of `record` (the settings
+    class) by name; a hyperparameter with neither and no default is refused."""
+    kwargs = dict(loss_kwargs_with_fields(record, settings) or {})
     fields = {f.name for f in dataclasses.fields(record)} - set(_NOT_HYPERPARAMETERS)
     wanted = spec.hyperparameters()
     for name in kwargs:

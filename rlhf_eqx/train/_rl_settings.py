@@ -16,7 +16,7 @@ from ..losses import (
     PolicyLossFn,
     RolloutCorrection,
 )
-from ._policy_loss_fns import check_loss_reads, policy_loss_spec
+from ._policy_loss_fns import check_loss_reads, policy_loss_spec, policy_loss_takes
 from ._validation import (
     check_aggregation,
     check_choice,
@@ -89,6 +89,11 @@ class PPOSettings(SampledSettings):
         _check_loss_kwargs(self.loss_kwargs)
         spec = policy_loss_spec(self, PPOSettings, advantages="token")
         check_loss_reads(self, spec, "dual_clip", None, "token")
+
+    def _loss_hyperparameters(self) -> tuple[str, ...]:
+        """What the policy loss takes as hyperparameters; a subclass's field of such a
+        name is passed to it (`loss_kwargs_with_fields`)."""
+        return policy_loss_takes(self.policy_loss, advantages="token")
 
 
 def _check_loss_kwargs(loss_kwargs: object) -> None:
@@ -189,3 +194,8 @@ class GRPOSettings(SampledSettings):
         check_number("entropy_rho", self.entropy_rho, low=0.0, high=1.0, low_open=True)
         check_loss_reads(self, spec, "importance", "token", "sequence")
         check_loss_reads(self, spec, "delta", None, "sequence")
+
+    def _loss_hyperparameters(self) -> tuple[str, ...]:
+        """What the policy loss takes as hyperparameters; a subclass's field of such a
+        name is passed to it (`loss_kwargs_with_fields`)."""
+        return policy_loss_takes(self.policy_loss, advantages="sequence")

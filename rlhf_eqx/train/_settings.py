@@ -26,12 +26,13 @@ from typing import Any, Literal, TypeVar
 
 from jaxtyping import Array, Float
 
-from ..losses import DPOLossFn, resolve_dpo_loss
+from ..losses import DPOLossFn, dpo_loss_hyperparameters, resolve_dpo_loss
 from ._validation import (
     check_aggregation,
     check_choice,
     check_number,
     check_positive_int,
+    loss_kwargs_with_fields,
 )
 
 NonFinite = Literal["skip", "raise"]
@@ -172,12 +173,19 @@ class DPOSettings:
         # the loss's own rule: a known name, or a callable that takes `loss_kwargs`
         try:
             resolve_dpo_loss(
-                self.loss_type, loss_kwargs=self.loss_kwargs, label_smoothing=self.label_smoothing
+                self.loss_type,
+                loss_kwargs=loss_kwargs_with_fields(DPOSettings, self),
+                label_smoothing=self.label_smoothing,
             )
         except (ValueError, TypeError) as e:
             if re.match(r"[A-Za-z_]\w*=", str(e)):
                 raise
             raise type(e)(f"loss_type={self.loss_type!r}: {e}") from None
+
+    def _loss_hyperparameters(self) -> tuple[str, ...]:
+        """What the loss takes from `loss_kwargs`; a subclass's field of such a name is
+        passed to it (`loss_kwargs_with_fields`)."""
+        return dpo_loss_hyperparameters(self.loss_type)
 
 
 R = TypeVar("R")

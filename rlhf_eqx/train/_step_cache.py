@@ -36,6 +36,8 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
+from ._validation import loss_kwargs_with_fields
+
 MAX_ENTRIES = 64
 """How many built objects the cache keeps (least recently used first out)."""
 
@@ -80,10 +82,15 @@ def record_key(cls: type, record: Any) -> Hashable:
 
 def own_record(cls: type[T], record: T) -> T:
     """`record` as a plain `cls` (the fields of `cls` only), e.g. a pipeline's stage config
-    that inherits a step's settings record; `record` itself when it is one already."""
+    that inherits a step's settings record; `record` itself when it is one already. A
+    field of the subclass that the record's loss takes as a hyperparameter moves into
+    `loss_kwargs` (`loss_kwargs_with_fields`)."""
     if type(record) is cls:
         return record
-    return cls(**{f.name: getattr(record, f.name) for f in dataclasses.fields(cls)})  # type: ignore[call-arg]
+    values = {f.name: getattr(record, f.name) for f in dataclasses.fields(cls)}
+    if "loss_kwargs" in values:  # a subclass's fields that its loss takes go along
+        values["loss_kwargs"] = loss_kwargs_with_fields(cls, record)
+    return cls(**values)  # type: ignore[call-arg]
 
 
 def function_key(fn: Any) -> Hashable:

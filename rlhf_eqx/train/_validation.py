@@ -7,9 +7,10 @@ Python numbers are checked when a step is built; JAX arrays (including tracers, 
 whole run can be `jax.vmap`-ed over a hyperparameter) are accepted as they are.
 """
 
+import dataclasses
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -99,3 +100,41 @@ def check_aggregation(mode: Any, constant: Any) -> None:
                 f"(mode={mode!r})"
             )
         check_number("constant", constant, low=0.0, low_open=True)
+
+
+def loss_kwargs_with_fields(cls: type, record: Any) -> Mapping[str, Any] | None:
+    """`record.loss_kwargs` with the fields of `record` (a subclass of the settings
+    record `cls`, e.g. a user's `GRPOSettings` with a field for their loss) that `cls`
+    lacks and its loss takes as hyperparameters (`cls._loss_hyperparameters(record)`):
+    such a field reaches the loss as if given in `loss_kwargs`, instead of being dropped
+    with the subclass. A hyperparameter given both ways with other values is refused."""
+    kwargs = getattr(record, "loss_kwargs", None)
+    takes = getattr(cls, "_loss_hyperparameters", None)
+    if takes is None or type(record) is cls:
+        return kwargs
+    own = {f.name for f in dataclasses.fields(cls)}
+    extra = [f.name for f in dataclasses.fields(record) if f.name not in own]
+    names = set(takes(record)) if extra else set()
+    moved = {n: getattr(record, n) for n in extra if n in names}
+    if not moved:
+        return kwargs
+    out = dict(kwargs or {})
+    for name, value in moved.items():
+        if name in out and not _same(out[name], value):
+            raise ValueError(
+                f"{name}={value!r} (a field of {type(record).__name__}) and loss_kwargs "
+                f"{name!r}={out[name]!r}: give the loss's hyperparameter once"
+            )
+        out[name] = value
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if is_traced_or_array(a) or is_traced_or_array(b):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:
+        return False

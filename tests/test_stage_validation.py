@@ -116,6 +116,21 @@ def test_packing_is_refused_where_the_dpo_stages_sample_their_pairs(tmp_path, no
     assert "applies to offline DPO on a data file" in msg
 
 
+def test_online_dpo_refuses_packing_for_any_stage(tmp_path):
+    """A stage of its own that runs online DPO (a registered one, with its own section)
+    is refused too, before anything is sampled."""
+    ctx = pl.RunContext(
+        ops=pl.OpsConfig(quiet=True),
+        log=pl.tools.MetricsLog(str(tmp_path), "mine", quiet=True),
+        key=jax.random.key(0),
+    )
+    policy, tok = pl.tools.load_model("builtin")
+    with pytest.raises(pl.ConfigError, match="packing=True: online DPO on the built-in task"):
+        pl.runs.run_online_dpo(
+            policy, tok, ["a"], lambda *a: [0.0], cfg=pl.DPOConfig(packing=True), ctx=ctx
+        )
+
+
 def test_the_unused_settings_are_listed_by_the_stage_configs():
     assert set(pl.MultiturnConfig.unused_fields) >= {"staleness", "reward_source", "overlap"}
     for cls in (pl.MultiturnConfig, pl.MultiturnDPOConfig):

@@ -82,17 +82,18 @@ class DPOConfig(BatchStageConfig, DPOSettings):
             _fail(f"{name}.packing", self.packing, why)
 
 
+_ONLINE_UNPACKED = (
+    "on the built-in task samples fresh pairs each round and trains them unpacked; packing "
+    "applies to offline DPO on a data file"
+)
+
+
 def _check_packing(stage: str):
     def check_run(cfg, run) -> None:
         """Packing applies to offline DPO on a data file only."""
         del run
         if cfg.data.path is None and cfg.dpo.packing:
-            _fail(
-                "dpo.packing",
-                cfg.dpo.packing,
-                f"the {stage} stage on the built-in task samples fresh pairs each round "
-                "and trains them unpacked; packing applies to offline DPO on a data file",
-            )
+            _fail("dpo.packing", cfg.dpo.packing, f"the {stage} stage {_ONLINE_UNPACKED}")
 
     return check_run
 
@@ -245,8 +246,10 @@ def run_online_dpo(
     completions per prompt from the current policy, label them with
     `label(prompts, texts, round)` (a reward model or a judge), pair best and worst,
     cache the reference log-probs and take `cfg.steps` DPO steps (Xu et al. 2023; Guo et
-    al. 2024)."""
+    al. 2024). Packing is refused (`cfg.packing`): the rounds' fresh pairs train unpacked."""
     validate_stage("dpo", cfg)
+    if cfg.packing:  # the built-in stages refuse it earlier (`_check_packing`)
+        _fail("packing", cfg.packing, f"online DPO {_ONLINE_UNPACKED}")
     k_lora, ctx_key = jax.random.split(ctx.key)
     make_step = make_step or rx.train.make_dpo_step
     state, reference, step = train_setup(model, cfg, cfg.rounds * cfg.steps, k_lora, make_step)

@@ -7,6 +7,10 @@ loop, recorded and trained with one GRPO step)."""
 import concurrent.futures
 import http.client
 import json
+import select
+import signal
+import subprocess
+import sys
 import threading
 
 import equinox as eqx
@@ -24,6 +28,7 @@ openai = pytest.importorskip("openai")
 
 MODEL = "stories"
 STORY = "Once upon a time"
+HI = {"role": "user", "content": "Hi"}
 
 
 @pytest.fixture(scope="module")
@@ -265,6 +270,24 @@ def _post(server, path, body: bytes):
         ("/v1/nothing", {"model": MODEL}, 404, None),
         ("/v1/episodes/e/reward", {"reward": "high"}, 400, "reward"),
         ("/v1/episodes/e/reward", {"reward": 1.0}, 404, "episode_id"),
+        # fields the server does not implement, and unknown ones, are never ignored
+        *[
+            ("/v1/chat/completions", {"model": MODEL, "messages": [HI], k: v}, 400, k)
+            for k, v in [
+                ("tools", [{"type": "function", "function": {"name": "f"}}]),
+                ("tool_choice", "auto"),
+                ("response_format", {"type": "json_object"}),
+                ("presence_penalty", 0.5),
+                ("logit_bias", {"1": 5}),
+                ("max_token", 4),
+                ("user", {"id": 1}),
+                ("top_k", 1000),
+            ]
+        ],
+        *[
+            ("/v1/completions", {"model": MODEL, "prompt": STORY, k: v}, 400, k)
+            for k, v in [("suffix", "."), ("best_of", 2), ("echo", True), ("top_logprobs", 2)]
+        ],
     ],
 )
 def test_malformed_requests_get_openai_errors(server, path, body, status, param):
@@ -290,9 +313,118 @@ def test_remote_hosts_need_allow_remote(model):
     policy, tok = model
     with pytest.raises(ValueError, match="allow_remote"):
         serving.Server(policy, tok, host="0.0.0.0")
+    with pytest.raises(ValueError, match="port must be"):
+        serving.Server(policy, tok, port=70000)
     from rlhf_eqx.__main__ import main
 
     assert main(["serve", "--host", "0.0.0.0", "--port", "0"]) == 2
+    assert main(["serve", "--port", "70000"]) == 2  # one line, no traceback
+
+
+def test_neutral_values_of_unimplemented_fields_are_accepted(server, client):
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[HI],
+        max_tokens=2,
+        tools=[],
+        tool_choice="none",
+        response_format={"type": "text"},
+        presence_penalty=0,
+        frequency_penalty=0,
+        logit_bias={},
+        metadata={"run": "a"},
+        store=False,
+        stream=False,
+        extra_body={"return_token_ids": True},
+    )
+    assert len(r.choices[0].model_extra["token_ids"]) == 2
+
+
+def test_many_clients_connecting_at_once_are_all_served(server):
+    """More connections at once than `socketserver`'s default backlog of 5."""
+    host, port = server.url.split("//")[1].split("/")[0].rsplit(":", 1)
+    body = json.dumps({"model": MODEL, "prompt": STORY, "max_tokens": 2, "temperature": 0})
+    start = threading.Barrier(48)
+
+    def ask(_):
+        conn = http.client.HTTPConnection(host, int(port), timeout=300)
+        start.wait()
+        conn.request("POST", "/v1/completions", body=body)
+        status = conn.getresponse().status
+        conn.close()
+        return status
+
+    with concurrent.futures.ThreadPoolExecutor(48) as pool:
+        assert list(pool.map(ask, range(48))) == [200] * 48
+
+
+def test_completion_text_is_decoded_after_the_prompt(server, client, model):
+    """A SentencePiece token's leading space is kept after the prompt: "Once" + " upon",
+    as `decode(prompt + completion)` writes it (the stories vocabulary)."""
+    _, tok = model
+    r = client.completions.create(
+        model=MODEL, prompt="Once", max_tokens=6, temperature=0, logprobs=0
+    )
+    c = r.choices[0]
+    prompt = r.model_extra["prompt_token_ids"]
+    whole = tok.decode(prompt + c.model_extra["token_ids"])
+    assert c.text.startswith(" ") and "Once" + c.text == whole
+    assert "".join(c.logprobs.tokens) == c.text and c.logprobs.tokens[0].startswith(" ")
+
+
+def test_a_stop_string_inside_a_token_ends_the_text_where_it_begins(server, client, model):
+    """OpenAI's text is everything before the stop string, also when it begins inside a
+    token (the "a" of " was"): that token is not sampled for the recording, its text
+    before the stop string is returned, and a next turn that repeats it continues the
+    episode (the text is then the environment's, out of the loss)."""
+    policy, tok = model
+    ids = [tok.bos_id, *tok.encode(STORY)]
+    want, _ = _greedy(policy, tok, ids, 12)
+    full = tok.decode(ids + want)[len(STORY) :]
+    assert full.startswith(", there was a")
+    with server.recording() as rec:
+        kw = dict(model=MODEL, max_tokens=12, temperature=0, extra_body={"episode_id": "cut"})
+        r = client.completions.create(prompt=STORY, stop=["a"], **kw)
+        c = r.choices[0]
+        assert c.text == ", there w" and c.finish_reason == "stop"
+        kept = c.model_extra["token_ids"]
+        assert kept == want[: len(kept)] and tok.decode(ids + kept)[len(STORY) :] == ", there"
+        assert r.usage.completion_tokens == len(kept)
+        client.completions.create(prompt=STORY + c.text + "ent home.", **kw)
+    (ep,) = rec.episodes()
+    first, second = ep.turns
+    assert second.prompt_ids[: len(ids) + len(kept)] == tuple(ids + kept)
+    observation = second.prompt_ids[len(ids) + len(kept) :]
+    assert "went home." in tok.decode(list(observation))
+    start = len(ids) + len(kept)
+    assert not ep.loss_mask[start : start + len(observation)].any()
+    assert ep.loss_mask[start + len(observation) :].all()
+
+
+def test_top_k_one_samples_the_greedy_tokens(server, client, model):
+    policy, tok = model
+    ids = [tok.bos_id, *tok.encode(STORY)]
+    want, _ = _greedy(policy, tok, ids, 8)
+    r = client.completions.create(
+        model=MODEL, prompt=STORY, max_tokens=8, temperature=1.0, seed=1, extra_body={"top_k": 1}
+    )
+    assert r.choices[0].model_extra["token_ids"] == want
+
+
+def test_other_methods_and_unread_bodies_get_json_errors(server, client):
+    assert client.models.retrieve(MODEL).id == MODEL
+    host, port = server.url.split("//")[1].split("/")[0].rsplit(":", 1)
+    for method, headers, body, status in [
+        ("DELETE", {}, None, 405),
+        ("POST", {"Transfer-Encoding": "chunked"}, iter([b'{"model": "x"}']), 411),
+        ("POST", {"Content-Length": "ten"}, b"{}", 400),
+    ]:
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request(method, "/v1/completions", body=body, headers=headers)
+        resp = conn.getresponse()
+        assert resp.status == status and resp.getheader("Content-Type") == "application/json"
+        assert json.loads(resp.read())["error"]["message"]
+        conn.close()
 
 
 def test_serve_command_serves_the_named_model(server):
@@ -319,6 +451,21 @@ def test_serve_command_serves_the_named_model(server):
         stop.set()
         thread.join()
     assert urls[-1] == 0
+
+
+def test_serve_command_stops_on_sigterm():
+    """`kill PID` (a process manager's stop) ends `rlhf_eqx serve` as Ctrl-C does: the
+    server stops and the command exits with 0."""
+    command = [sys.executable, "-m", "rlhf_eqx", "serve", "--port", "0"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p:
+        try:
+            assert select.select([p.stdout], [], [], 300)[0], "the server did not start"
+            assert "at http://127.0.0.1:" in p.stdout.readline()
+            p.send_signal(signal.SIGTERM)
+            assert p.wait(timeout=120) == 0, p.stderr.read()
+        finally:
+            if p.poll() is None:
+                p.kill()
 
 
 def _agent_episode(client, episode_id: str) -> float:

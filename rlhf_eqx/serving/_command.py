@@ -1,6 +1,7 @@
 """`rlhf_eqx serve`: load a model by name or path and serve it until interrupted."""
 
 import argparse
+import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -60,7 +61,8 @@ def serve_command(
     stop: threading.Event | None = None,
 ) -> int:
     """What `rlhf_eqx serve [options]` runs: load `--model` (as the other commands do,
-    `rlhf_eqx.pipelines.tools.load_model`), start a `Server` and serve until Ctrl-C.
+    `rlhf_eqx.pipelines.tools.load_model`), start a `Server` and serve until Ctrl-C or
+    SIGTERM (the running batch finishes, waiting requests fail, then it returns 0).
     Compiled programs are kept on disk as for the other commands
     (`rlhf_eqx.enable_compilation_cache`; `RLHF_EQX_COMPILATION_CACHE=0` switches it
     off), so a restarted server answers its first requests without compiling again.
@@ -98,13 +100,20 @@ def serve_command(
     except (ConfigError, data.DataError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    stopping = stop or threading.Event()
+    previous = None
+    if stop is None and threading.current_thread() is threading.main_thread():
+        # SIGTERM (`kill`, a process manager) stops the server as Ctrl-C does
+        previous = signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     print(f"rlhf_eqx serve: {server.model_name!r} at {server.url} (Ctrl-C stops)", flush=True)
-    if ready is not None:
-        ready(server)
     try:
-        (stop or threading.Event()).wait()
+        if ready is not None:
+            ready(server)
+        stopping.wait()
     except KeyboardInterrupt:
         pass
     finally:
         server.stop()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return 0

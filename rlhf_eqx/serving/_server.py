@@ -19,7 +19,7 @@ import numpy as np
 from ._prompts import EpisodeContext, PromptBuilder
 from ._protocol import RequestError, parse_request
 from ._recording import Recording, Turn
-from ._scheduler import Job, Row, Sample, Scheduler
+from ._scheduler import DECODE_CONTEXT, Job, Row, Sample, Scheduler
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 _MAX_BODY = 16 * 1024 * 1024
@@ -42,10 +42,10 @@ class Server:
 
     Every request goes to one scheduler thread that samples all the requests waiting at
     that moment with `rlhf_eqx.generate_continuous` (one call per combination of
-    temperature, top-p and stop strings), in arrival order. Each choice carries its
+    temperature, top-k, top-p and stop strings), in arrival order. Each choice carries its
     `token_ids`, the response its `prompt_token_ids` (as vLLM's `return_token_ids`), and
     `policy_version`, the weights' version that sampled it. Log-probabilities are the
-    sampler's: at the request's temperature (1 when greedy), before top-p
+    sampler's: at the request's temperature (1 when greedy), before top-k and top-p
     (`rlhf_eqx.GenerationOutput.logprobs`).
 
     **Arguments:**
@@ -89,6 +89,8 @@ class Server:
                 f"host={host!r}: the server listens on 127.0.0.1 only unless allow_remote=True "
                 "(--allow-remote): it runs anyone's requests on this machine"
             )
+        if not (isinstance(port, int) and not isinstance(port, bool) and 0 <= port <= 65535):
+            raise ValueError(f"port must be an int in [0, 65535] (0: a free one), got {port!r}")
         if not (isinstance(slots, int) and slots >= 1):
             raise ValueError(f"slots must be a positive int, got {slots!r}")
         if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
@@ -129,9 +131,9 @@ class Server:
         try:
             kind = _HTTPServer6 if ":" in self.host else _HTTPServer
             self._http = kind((self.host, self.port), _Handler)
-        except OSError:
+        except OSError as e:
             self.scheduler.stop()
-            raise
+            raise OSError(e.errno, f"cannot listen on {self.host}:{self.port}: {e.strerror}") from e
         self._http.app = self  # type: ignore[attr-defined]
         self.port = self._http.server_address[1]
         self._http_thread = threading.Thread(
@@ -279,9 +281,11 @@ class Server:
             rows=rows,
             temperature=req.temperature,
             top_p=req.top_p,
+            top_k=req.top_k,
             stop=req.stop,
             top_logprobs=req.top_logprobs,
             prefix=prefix,
+            after_prompt=req.kind == "completion",
         )
         samples = self.scheduler.submit(job).result()
         return job.request_id, samples
@@ -289,8 +293,6 @@ class Server:
     def _record(self, req, request_id, index, prompt_ids, sample, messages, text) -> str:
         """Record a choice in the open recordings and remember its episode's context;
         returns the choice's text."""
-        ids = sample.ids[:-1] if sample.stop_id is not None else sample.ids
-        content = self.tokenizer.decode(list(ids))
         episode = req.episode_id or request_id
         if max(len(req.prompts), 1) * req.n > 1:  # one episode per choice
             episode = f"{episode}/{index}"
@@ -315,16 +317,19 @@ class Server:
                     messages=None if messages is None else tuple(messages),
                     prompt_text=text,
                     ids=tuple(prompt_ids) + sample.ids,
-                    content=content,
+                    content=sample.text,
+                    tail=sample.tail,
                     stop_text=self.prompts.stop_text(sample.stop_id),
                 ),
             )
-        return content
+        return sample.text
 
-    def _token_texts(self, s: Sample) -> tuple[list[str], list[list[tuple[str, float]]]]:
+    def _token_texts(
+        self, s: Sample, context: tuple[int, ...] = ()
+    ) -> tuple[list[str], list[list[tuple[str, float]]]]:
         """Each sampled token's text, and its alternatives' (`(text, logprob)`): what the
-        token adds to the decoded text before it (a lone token's decoding loses a
-        leading space in SentencePiece vocabularies)."""
+        token adds to the text decoded before it, after the tokens `context` (a lone
+        token's decoding loses a leading space in SentencePiece vocabularies)."""
 
         def piece(before: list[int], prev: str, token_id: int) -> str:
             text = self.tokenizer.decode(before + [token_id])
@@ -332,7 +337,7 @@ class Server:
 
         texts, tops = [], []
         for t, token_id in enumerate(s.ids):
-            before = list(s.ids[:t])
+            before = list(context) + list(s.ids[:t])
             prev = self.tokenizer.decode(before)
             texts.append(piece(before, prev, token_id))
             tops.append([(piece(before, prev, i), lp) for i, lp in (s.top[t] if s.top else ())])
@@ -388,7 +393,7 @@ class Server:
             text = self._record(req, request_id, index, prompts[p], s, None, prompt)
             logprobs = None
             if req.logprobs:
-                tokens, tops = self._token_texts(s)
+                tokens, tops = self._token_texts(s, tuple(prompts[p][-DECODE_CONTEXT:]))
                 offsets = list(itertools.accumulate([0] + [len(x) for x in tokens]))[:-1]
                 logprobs = {
                     "tokens": tokens,
@@ -447,6 +452,9 @@ class _HTTPServer(http.server.ThreadingHTTPServer):
 
     daemon_threads = False
     block_on_close = True
+    # connections the kernel holds until they are accepted (socketserver's 5 resets the
+    # sixth of many clients connecting at once)
+    request_queue_size = socket.SOMAXCONN
 
     def __init__(self, *args: Any, **kwargs: Any):
         self._open: set[socket.socket] = set()
@@ -485,11 +493,27 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # quiet
         del format, args
 
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None):
+        """`http.server`'s own refusals (an unknown method, a malformed request line or
+        header) as OpenAI's JSON error, not an HTML page."""
+        del explain
+        reason = self.responses.get(code, ("error",))[0]
+        err = RequestError(message or reason, status=code)
+        if code == 501:  # an unknown method
+            err = RequestError(f"method {self.command} is not allowed here", status=405)
+        self.close_connection = True
+        try:
+            self._send(err.status, err.body())
+        except OSError:
+            pass
+
     def _send(self, status: int, body: dict) -> None:
         payload = json.dumps(body).encode("utf-8")
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(payload)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(payload)
 
@@ -500,18 +524,34 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         app: Server = self.server.app  # type: ignore[attr-defined]
         if self._path() == "/v1/models":
             self._send(200, app.models())
+        elif urllib.parse.unquote(self._path()) == f"/v1/models/{app.model_name}":
+            self._send(200, app.models()["data"][0])
         elif self._path() == "/health":
             self._send(200, {"status": "ok"})
         else:
             err = RequestError(f"no route GET {self._path()}", status=404, code="not_found")
             self._send(err.status, err.body())
 
+    def _length(self) -> int:
+        """The body's length; a body whose length is not given is refused (411) and
+        the connection closed (its bytes would be read as the next request)."""
+        value = self.headers.get("Content-Length")
+        if self.headers.get("Transfer-Encoding") or (value is not None and not value.isdigit()):
+            self.close_connection = True
+            raise RequestError(
+                "the body needs a Content-Length (chunked bodies are not read), got "
+                f"Content-Length={value!r}",
+                status=411 if value is None else 400,
+            )
+        return int(value or 0)
+
     def do_POST(self) -> None:
         app: Server = self.server.app  # type: ignore[attr-defined]
         routes = {"/v1/chat/completions": app.chat, "/v1/completions": app.completions}
         try:
-            length = int(self.headers.get("Content-Length") or 0)
+            length = self._length()
             if length > _MAX_BODY:
+                self.close_connection = True  # the body is left unread
                 raise RequestError(f"the body is above {_MAX_BODY} bytes", status=413)
             raw = self.rfile.read(length) if length > 0 else b""
             handler = routes.get(self._path())

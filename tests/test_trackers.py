@@ -503,6 +503,24 @@ def test_a_missing_library_is_one_line(tmp_path, monkeypatch, capsys):
     assert line.endswith("); the run goes on without it")
 
 
+def test_an_unreachable_mlflow_server_is_one_line_within_seconds(tmp_path, monkeypatch, capsys):
+    # MLflow's own retries (7, backoff factor 2) held each run for minutes before the
+    # tracker gave up; the first request now tries twice and the run goes on
+    _need("mlflow", "mlflow")
+    with socket.socket() as s:  # a local port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
+    t0 = time.monotonic()
+    with pl.trackers.open_trackers(["mlflow"], str(tmp_path), {}) as trackers:
+        assert trackers.names == ()
+    assert time.monotonic() - t0 < 60
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("tracker mlflow: could not start (") and f":{port}" in line
+    assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ  # later requests: MLflow's
+
+
 def test_unknown_tracker_names_are_refused_listing_the_known_ones():
     cfg = pl.apply_overrides(pl.PipelineConfig(), ["ops.trackers=tensorboard,wandb"])
     assert cfg.ops.trackers == ("tensorboard", "wandb")

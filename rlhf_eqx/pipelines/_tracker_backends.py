@@ -32,6 +32,7 @@ reopens (`_replay`). The summary is logged when a run finishes: a run that stopp
 cleanly (a callback) and is resumed logs a second one, the run's latest.
 """
 
+import contextlib
 import contextvars
 import glob
 import json
@@ -353,7 +354,8 @@ class MLflowTracker(Tracker):
         try:
             self.client = MlflowClient(tracking_uri=self.tracking_uri)
             name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or "rlhf_eqx"
-            exp = self.client.get_experiment_by_name(name)
+            with _first_contact():
+                exp = self.client.get_experiment_by_name(name)
             return exp.experiment_id if exp is not None else self.client.create_experiment(name)
         finally:
             for q, level in zip(quiet, levels):
@@ -414,6 +416,27 @@ class MLflowTracker(Tracker):
 
     def finish(self) -> None:
         self.client.set_terminated(self.run_id)
+
+
+_FIRST_CONTACT = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}
+"""MLflow's HTTP settings for the tracker's first request to a tracking server, where the
+user has not set them."""
+
+
+@contextlib.contextmanager
+def _first_contact() -> Iterator[None]:
+    """One retry and a 15 s timeout (`_FIRST_CONTACT`) for the first request to an MLflow
+    tracking server, unless the environment sets them: with MLflow's defaults (7 retries,
+    backoff factor 2, 120 s timeouts) a wrong or unreachable `MLFLOW_TRACKING_URI` held
+    each run (each member of a sweep) for minutes before the tracker gave up on it.
+    Later requests keep MLflow's settings."""
+    added = {k: v for k, v in _FIRST_CONTACT.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 def _no_mlflow_telemetry() -> None:

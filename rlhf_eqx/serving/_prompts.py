@@ -29,14 +29,16 @@ _MAX_EPISODES = 65536  # episodes whose last turn is remembered (least recent dr
 @dataclasses.dataclass(frozen=True)
 class EpisodeContext:
     """What the next turn of an episode continues: the last turn's `messages` (chat) and
-    rendered `prompt_text`, the ids of its prompt and completion, the returned `content`
-    and the text of the stop token that ended it (`""` if none)."""
+    rendered `prompt_text`, the ids of its prompt and completion, the returned `content`,
+    its `tail` that no completion id covers (the start of a token a stop string began
+    in, `""` if none) and the text of the stop token that ended it (`""` if none)."""
 
     messages: tuple[dict, ...] | None
     prompt_text: str
     ids: tuple[int, ...]
     content: str
     stop_text: str
+    tail: str = ""
 
 
 def _render_function(tokenizer, chat_template):
@@ -142,7 +144,8 @@ class PromptBuilder:
         tail = turn[at + len(ctx.content) :] if ctx.content else turn
         if ctx.stop_text and tail.startswith(ctx.stop_text):
             tail = tail[len(ctx.stop_text) :]
-        return list(ctx.ids) + list(self.tokenizer.encode(tail + text[len(before) :]))
+        rest = ctx.tail + tail + text[len(before) :]
+        return list(ctx.ids) + list(self.tokenizer.encode(rest))
 
     def completion(self, prompt: str | tuple[int, ...], episode_id: str | None) -> list[int]:
         """The prompt ids of a completions request's prompt (continuing its episode when
@@ -156,5 +159,5 @@ class PromptBuilder:
                 rest = prompt[len(before) :]
                 if ctx.stop_text and rest.startswith(ctx.stop_text):
                     rest = rest[len(ctx.stop_text) :]
-                return list(ctx.ids) + list(self.tokenizer.encode(rest))
+                return list(ctx.ids) + list(self.tokenizer.encode(ctx.tail + rest))
         return self.encode(prompt)

@@ -2,7 +2,9 @@
 the error object every refused request gets.
 
 Fields follow OpenAI's API reference (`/v1/chat/completions`, `/v1/completions`); a
-field of the wrong type or out of range is refused with HTTP 400 and
+field of the wrong type or out of range, an unknown field, and a field this server does
+not implement (`tools`, `response_format`, penalties, ...) set to anything but its "off"
+value are refused with HTTP 400 and
 `{"error": {"message", "type": "invalid_request_error", "param": FIELD, "code"}}`, an
 unknown model with 404 (`code: "model_not_found"`), as OpenAI's server does.
 """
@@ -16,6 +18,36 @@ from .._sampling import DEFAULT_TEMPERATURE
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_CHOICES = 128
 MAX_TOP_LOGPROBS = 20  # chat `top_logprobs`; completions' `logprobs` allows 5
+
+# the fields read (`episode_id`, `top_k` and `return_token_ids` as vLLM's extensions),
+# and the ones that change nothing here (metadata, caching and routing hints)
+_READ = {
+    "model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "logprobs",
+    "user", "episode_id", "stream", "return_token_ids",
+}  # fmt: skip
+_NO_EFFECT = {
+    "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls",
+    "prompt_cache_key", "safety_identifier",
+}  # fmt: skip
+_FIELDS = {
+    "chat": _READ | _NO_EFFECT | {"messages", "max_completion_tokens", "top_logprobs"},
+    "completion": _READ | _NO_EFFECT | {"prompt"},
+}
+# fields this server does not implement, accepted only with the value that means "off"
+_UNSUPPORTED = {
+    "tools": lambda v: v == [],
+    "tool_choice": lambda v: v == "none",
+    "functions": lambda v: v == [],
+    "function_call": lambda v: v == "none",
+    "response_format": lambda v: v == {"type": "text"},
+    "frequency_penalty": lambda v: v == 0,
+    "presence_penalty": lambda v: v == 0,
+    "logit_bias": lambda v: v == {},
+    "echo": lambda v: v is False,
+    "suffix": lambda v: v == "",
+    "best_of": lambda v: v == 1,
+    "modalities": lambda v: v == ["text"],
+}
 
 
 class RequestError(Exception):
@@ -67,7 +99,8 @@ class ParsedRequest:
       its text parts joined into one string.
     - `prompts` (completions): one entry per prompt, a string or a list of token ids.
     - `max_tokens`: the completion budget (`None`: the server's default).
-    - `temperature`, `top_p` (`None` when 1), `n`, `stop` (strings), `seed` (or `None`).
+    - `temperature`, `top_p` (`None` when 1), `top_k` (`None`: off), `n`, `stop`
+      (strings), `seed` (or `None`).
     - `logprobs`: whether to return log-probabilities; `top_logprobs`: how many
       alternatives per token (0: none).
     - `episode_id`: the episode the request belongs to (`episode_id`, else `user`), or
@@ -81,6 +114,7 @@ class ParsedRequest:
     max_tokens: int | None = None
     temperature: float = DEFAULT_TEMPERATURE
     top_p: float | None = None
+    top_k: int | None = None
     n: int = 1
     stop: tuple[str, ...] = ()
     seed: int | None = None
@@ -228,6 +262,21 @@ def _prompts(body: Mapping, vocab_size: int) -> tuple[str | tuple[int, ...], ...
     return tuple(out)
 
 
+def _check_fields(body: Mapping, kind: str) -> None:
+    """Refuse a field this server does not know, and one it does not implement set to
+    anything but its "off" value: either would otherwise be ignored without a word."""
+    for name, value in body.items():
+        if value is None:
+            continue
+        if name in _UNSUPPORTED:
+            if not _UNSUPPORTED[name](value):
+                raise RequestError(
+                    f"{name}={value!r} is not supported by this server"[:300], param=name
+                )
+        elif name not in _FIELDS[kind]:
+            raise RequestError(f"unrecognized request argument supplied: {name}", param=name)
+
+
 def parse_request(
     body: object, kind: str, *, model_names: tuple[str, ...], vocab_size: int
 ) -> ParsedRequest:
@@ -254,17 +303,18 @@ def parse_request(
             status=404,
             code="model_not_found",
         )
+    _check_fields(body, kind)
     if body.get("stream"):
         raise RequestError("stream=true is not supported", param="stream")
     max_tokens = _int(body, "max_tokens", 1)
     if kind == "chat":
         newer = _int(body, "max_completion_tokens", 1)
         max_tokens = newer if newer is not None else max_tokens
-    episode_id = body.get("episode_id", body.get("user"))
-    if episode_id is not None and not isinstance(episode_id, str | int):
-        raise RequestError(
-            f"episode_id must be a string, got {type(episode_id).__name__}", param="episode_id"
-        )
+    tag = "episode_id" if body.get("episode_id") is not None else "user"
+    episode_id = body.get(tag)
+    if episode_id is not None and not (isinstance(episode_id, str | int) and episode_id != ""):
+        raise RequestError(f"{tag} must be a non-empty string, got {episode_id!r}"[:300], param=tag)
+    top_k = _int(body, "top_k", -1, vocab_size)
     top_p = _number(body, "top_p", 0.0, 1.0, 1.0)
     if top_p == 0.0:
         raise RequestError("top_p must be above 0, got 0", param="top_p")
@@ -273,6 +323,7 @@ def parse_request(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 0.0, 2.0, DEFAULT_TEMPERATURE),
         top_p=None if top_p == 1.0 else top_p,
+        top_k=top_k if top_k and top_k > 0 else None,  # -1 or 0: off, as in vLLM
         n=_int(body, "n", 1, MAX_CHOICES) or 1,
         stop=_stop(body),
         seed=_int(body, "seed", -(2**63)),
@@ -293,8 +344,6 @@ def parse_request(
             **common,
         )
     top = _int(body, "logprobs", 0, 5)
-    if body.get("echo"):
-        raise RequestError("echo=true is not supported", param="echo")
     return ParsedRequest(
         kind="completion",
         prompts=_prompts(body, vocab_size),

@@ -22,10 +22,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._sampling import generate_continuous, truncate_at_stop_strings
+from .._sampling import generate_continuous
 from ._protocol import MAX_TOP_LOGPROBS
 
 _MIN_BUCKET = 16
+DECODE_CONTEXT = 16  # prompt tokens a completion is decoded after (its leading space, its bytes)
+
+
+def decode_after(tokenizer, context: Sequence[int], ids: Sequence[int]) -> str:
+    """The text `ids` add after the tokens `context` (`decode(ids)` when there are
+    none): a SentencePiece vocabulary drops the leading space of a text's first word,
+    so `" upon"` after `"Once"` decodes alone as `"upon"`."""
+    if not context:
+        return tokenizer.decode(list(ids))
+    before = tokenizer.decode(list(context))
+    text = tokenizer.decode(list(context) + list(ids))
+    return text[len(before) :] if text.startswith(before) else tokenizer.decode(list(ids))
 
 
 def _bucket(n: int) -> int:
@@ -51,6 +63,11 @@ class Sample:
 
     - `ids`: the completion's token ids (a stop id that ended it included).
     - `logprobs`: their log-probabilities at the sampling temperature (1 when greedy).
+    - `text`: the completion's text as OpenAI returns it: without the stop id, and up
+      to the first stop string (which may begin inside a token: the start of that
+      token's text is in `text`, the token is not in `ids`).
+    - `tail`: the end of `text` that no token of `ids` covers (`""` unless a stop
+      string begins inside a token).
     - `finish_reason`: `"stop"` (a stop id or a stop string) or `"length"`.
     - `stop_id`: the stop id that ended it (the last of `ids`), or `None`.
     - `top`: per token, the `(id, logprob)` alternatives, most likely first (when asked).
@@ -59,6 +76,8 @@ class Sample:
 
     ids: tuple[int, ...]
     logprobs: tuple[float, ...]
+    text: str
+    tail: str
     finish_reason: str
     stop_id: int | None
     top: tuple[tuple[tuple[int, float], ...], ...] | None
@@ -74,13 +93,15 @@ class Job:
     top_p: float | None
     stop: tuple[str, ...]
     top_logprobs: int
+    top_k: int | None = None
     future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
     prefix: str = "req"
+    after_prompt: bool = False  # texts decoded after the prompt (completions)
     request_id: str = ""  # `prefix-N`, N counting submitted requests (arrival order)
 
     def group(self) -> tuple:
         """The settings one `generate_continuous` call shares."""
-        return (self.temperature, self.top_p, self.stop)
+        return (self.temperature, self.top_p, self.top_k, self.stop)
 
 
 @jax.jit
@@ -232,17 +253,14 @@ class Scheduler:
             max_new_tokens=N,
             budgets=np.asarray([r.budget for r in rows_p], np.int32),
             temperature=first.temperature,
+            top_k=first.top_k,
             top_p=first.top_p,
             eos_id=list(self.stop_ids),
             stop_sequences=stop_sequences or None,
             pad_id=self.pad_id,
         )
-        cut = out
-        if first.stop:
-            cut = truncate_at_stop_strings(out, self.tokenizer, first.stop, pad_id=self.pad_id)
         tokens = np.asarray(out.tokens)[:, P:]
         real = np.asarray(out.completion_mask)[:, P:]
-        kept = np.asarray(cut.completion_mask)[:, P:]
         logprobs = np.asarray(out.logprobs)[:, P:]
         top: Any = None
         if any(job.top_logprobs for job in jobs):
@@ -253,11 +271,13 @@ class Scheduler:
             top = (np.asarray(top_ids)[:, P - 1 : -1], np.asarray(top_lp)[:, P - 1 : -1])
         samples = []
         asks = [job.top_logprobs for job in jobs for _ in job.rows]
+        after = [job.after_prompt for job in jobs for _ in job.rows]
         for i in range(R):
-            n_real, n_kept = int(real[i].sum()), int(kept[i].sum())
+            n_real = int(real[i].sum())
+            context = rows[i].prompt[-DECODE_CONTEXT:] if after[i] else ()
+            n_kept, text, tail = self._cut(tokens[i, :n_real].tolist(), context, first.stop)
             ids = tuple(int(t) for t in tokens[i, :n_kept])
             stop_id = ids[-1] if ids and ids[-1] in self.stop_ids else None
-            # a stop string cuts the completion before it (`truncate_at_stop_strings`)
             finish = "stop" if stop_id is not None or n_kept < n_real else "length"
             alternatives = None
             if top is not None and asks[i]:
@@ -270,6 +290,8 @@ class Scheduler:
                 Sample(
                     ids=ids,
                     logprobs=tuple(float(x) for x in logprobs[i, :n_kept]),
+                    text=text,
+                    tail=tail,
                     finish_reason=finish,
                     stop_id=stop_id,
                     top=alternatives,
@@ -277,3 +299,26 @@ class Scheduler:
                 )
             )
         return samples
+
+    def _cut(
+        self, ids: list[int], context: Sequence[int], stop: Sequence[str]
+    ) -> tuple[int, str, str]:
+        """`(kept, text, tail)` of a completion `ids` decoded after `context`: OpenAI's
+        text ends before the first stop string (and never holds the stop id); the
+        tokens kept are the longest prefix whose text ends at or before it, and `tail`
+        is the rest of the text (the start of the token the stop string begins in)."""
+        body = ids[:-1] if ids and ids[-1] in self.stop_ids else ids
+        text = decode_after(self.tokenizer, context, body)
+        hits = [at for at in (text.find(s) for s in stop) if at >= 0]
+        if not hits:
+            return len(ids), text, ""
+        text = text[: min(hits)]
+        lo, hi = 0, len(body)  # the longest prefix of tokens whose text fits in `text`
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if len(decode_after(self.tokenizer, context, body[:mid])) <= len(text):
+                lo = mid
+            else:
+                hi = mid - 1
+        kept = decode_after(self.tokenizer, context, body[:lo])
+        return lo, text, text[len(kept) :] if text.startswith(kept) else ""

@@ -685,6 +685,16 @@ def test_hf_config_layer_count_must_match_and_be_an_integer(tmp_path):
         ValueError, match=r"config\.json: `num_hidden_layers` must be an integer, got 2\.9"
     ):
         load_hf(tmp_path / "frac")
+    # a field read inside the config's own checks: the path named once; eps must be > 0
+    for name, field, value, why in (
+        ("vocab", "vocab_size", "32", "must be an integer, got '32'"),
+        ("eps", "rms_norm_eps", -1e-6, "must be > 0, got -1e-06"),
+    ):
+        _write_hf(tmp_path / name, dict(c, **{field: value}), t)
+        with pytest.raises(ValueError) as e:
+            load_hf(tmp_path / name)
+        path = str(tmp_path / name / "config.json")
+        assert str(e.value) == f"{path}: `{field}` {why}", str(e.value)
 
 
 def test_hf_misshaped_tensor_in_one_layer_is_named(tmp_path):

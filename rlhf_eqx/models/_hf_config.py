@@ -271,19 +271,30 @@ def config_from_hf(
     later_gemma = family in ("gemma2", "gemma3")
     qpas = _float(config, "query_pre_attn_scalar", source, None) if later_gemma else None
     head_dim = config.get("head_dim")
+    sizes = dict(  # read before the config: their errors name the source once
+        vocab_size=_int(config, "vocab_size", source),
+        n_kv_heads=_int(config, "num_key_value_heads", source, n_heads),
+        d_ff=_int(config, "intermediate_size", source),
+        max_seq_len=_int(config, "max_position_embeddings", source, 2048),
+        norm_eps=_float(config, "rms_norm_eps", source, 1e-6),
+        head_dim=_int(config, "head_dim", source, None) if head_dim is not None else None,
+        attn_softcap=_float(config, "attn_logit_softcapping", source, None)
+        if later_gemma
+        else None,
+        final_softcap=_float(config, "final_logit_softcapping", source, None)
+        if later_gemma
+        else None,
+    )
+    if not sizes["norm_eps"] > 0:
+        raise ValueError(f"{source}: `rms_norm_eps` must be > 0, got {sizes['norm_eps']!r}")
     try:
         return TransformerConfig(
-            vocab_size=_int(config, "vocab_size", source),
+            **sizes,
             d_model=hidden,
             n_layers=n_layers,
             n_heads=n_heads,
-            n_kv_heads=_int(config, "num_key_value_heads", source, n_heads),
-            d_ff=_int(config, "intermediate_size", source),
-            max_seq_len=_int(config, "max_position_embeddings", source, 2048),
             rope_theta=theta,
-            norm_eps=_float(config, "rms_norm_eps", source, 1e-6),
             tie_embeddings=bool(config.get("tie_word_embeddings", gemma)),
-            head_dim=_int(config, "head_dim", source, None) if head_dim is not None else None,
             attn_bias=family == "qwen2" and bool(config.get("attention_bias", True)),
             dtype=dtype,
             norm_plus_one=gemma,
@@ -292,12 +303,6 @@ def config_from_hf(
             post_norms=later_gemma,
             qk_norm=family in ("qwen3", "gemma3"),
             query_scale=qpas**-0.5 if qpas is not None else None,
-            attn_softcap=_float(config, "attn_logit_softcapping", source, None)
-            if later_gemma
-            else None,
-            final_softcap=_float(config, "final_logit_softcapping", source, None)
-            if later_gemma
-            else None,
             sliding_window=window,
             window_layers=local,
             rope_scaling=scaling,

@@ -90,8 +90,10 @@ def save_gguf(
     - `path`: the file, written atomically (the old file or the whole new one).
     - `tokenizer`: the model's tokenizer, written as `tokenizer.ggml.*` metadata
       (`rlhf_eqx.data.add_tokenizer_metadata`: byte-level BPE as `gpt2`, llama2.c and
-      SentencePiece vocabularies as `llama`). llama.cpp needs its vocabulary to have
-      `cfg.vocab_size` tokens.
+      SentencePiece vocabularies as `llama`). llama.cpp reads one token per embedding
+      row: a tokenizer with fewer ids than `cfg.vocab_size` (an embedding padded to a
+      multiple of 64 or 128) is padded with unused `[PAD{i}]` tokens, as llama.cpp's
+      converter pads it.
     - `dtype`: `"f16"` (default), `"q8_0"` or `"f32"` for the matrices.
     - `chat_template`: a Jinja chat template for `tokenizer.chat_template` (default:
       the tokenizer's own, when it has one).
@@ -111,5 +113,7 @@ def save_gguf(
         model,
         path,
         dtype=dtype,
-        metadata=lambda writer: add_tokenizer_metadata(writer, tokenizer, template),
+        metadata=lambda writer: add_tokenizer_metadata(
+            writer, tokenizer, template, vocab_size=model.cfg.vocab_size
+        ),
     )

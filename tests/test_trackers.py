@@ -9,6 +9,7 @@ names are refused; the offline defaults reach no network endpoint."""
 import glob
 import importlib.util
 import json
+import math
 import os
 import shutil
 import signal
@@ -293,6 +294,18 @@ def test_tensorboard_has_each_stage_in_its_directory_with_the_logged_values(trac
 def _item(item) -> tuple[str, object]:
     key = "/".join(item.nested_key) if item.nested_key else item.key
     return key, json.loads(item.value_json)
+
+
+def test_tensorboard_logs_a_non_finite_step_without_a_warning_per_value(tmp_path, caplog):
+    # a diverged sweep member's last step is logged as it is: NaN, quietly
+    _need("tensorboardX", "tensorboard")
+    run_dir = str(tmp_path)
+    with pl.trackers.open_trackers(["tensorboard"], run_dir, {}):
+        log = pl.tools.MetricsLog(run_dir, "dpo", quiet=True)
+        log.write({"iteration": 0, "step": 0, "loss": float("nan"), "grad_norm": float("inf")})
+    assert "NaN or Inf" not in caplog.text
+    events = _tensorboard_events(os.path.join(run_dir, "tensorboard", "dpo"))
+    assert math.isnan(events["dpo/loss"][0][1]) and events["dpo/grad_norm"][0][1] == math.inf
 
 
 def test_wandb_offline_run_holds_config_group_steps_and_summary(tracked_run):

@@ -163,8 +163,9 @@ class TensorBoardTracker(Tracker):
 
     def log(self, step: int, metrics: dict[str, float], stage: str) -> None:
         w = self.writer(stage, step if self.resumed else None)
-        for k, v in metrics.items():
-            w.add_scalar(f"{stage}/{k}", v, global_step=step)
+        with _quiet_logger("tensorboardX.x2num"):  # its "NaN or Inf found" per value
+            for k, v in metrics.items():
+                w.add_scalar(f"{stage}/{k}", v, global_step=step)
         w.flush()
 
     def summary(self, values: dict) -> None:
@@ -175,6 +176,22 @@ class TensorBoardTracker(Tracker):
             close = getattr(w, "close", None)
             if close is not None:
                 close()
+
+
+@contextlib.contextmanager
+def _quiet_logger(name: str) -> Iterator[None]:
+    """The logger `name`'s warnings dropped: tensorboardX warns `NaN or Inf found in input
+    tensor.` for each non-finite value, which a diverged step logs on purpose (its
+    `metrics.jsonl` record and the console's `diverged` line say what happened)."""
+    import logging
+
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 class WandbTracker(Tracker):

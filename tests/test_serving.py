@@ -177,6 +177,27 @@ def test_each_choice_of_a_request_is_an_episode(server, client):
     )
 
 
+def test_groups_of_different_sizes_get_their_own_advantages(server, client, model):
+    policy, tok = model
+    with server.recording() as rec:
+        kw = dict(model=MODEL, max_tokens=4, temperature=1.0, seed=2)
+        client.completions.create(prompt=STORY, n=3, extra_body={"episode_id": "three"}, **kw)
+        client.completions.create(prompt="Lily", extra_body={"episode_id": "one"}, **kw)
+    groups = [["three/0", "three/1", "three/2"], ["one"]]
+    for e, r in zip(["three/0", "three/1", "three/2", "one"], [1.0, 0.0, 0.0, 5.0]):
+        rec.reward(e, r)
+    batch = rec.grpo_batch(groups=groups, pad_id=tok.pad_id)
+    want = rx.losses.group_advantages(jnp.asarray([[1.0, 0.0, 0.0]]))[0]
+    np.testing.assert_allclose(batch.advantages, [*want, 0.0], atol=1e-6)
+    np.testing.assert_array_equal(batch.rewards, [1.0, 0.0, 0.0, 5.0])
+    opt = optax.sgd(1e-2)
+    step = rx.train.make_grpo_step(opt, group_size=1, temperature=1.0, donate=False)
+    _, _, metrics = step(policy, opt.init(eqx.filter(policy, eqx.is_inexact_array)), batch)
+    assert np.isfinite(float(metrics["loss"])) and float(metrics["clip_ratio"]) == 0.0
+    with pytest.raises(ValueError, match="not both"):
+        rec.grpo_batch(["one"], groups=groups)
+
+
 def test_stop_strings_cut_the_completion(server, client, model):
     policy, tok = model
     ids = [tok.bos_id, *tok.encode(STORY)]

@@ -19,6 +19,7 @@ import numpy as np
 
 from ..data import GRPOBatch
 from ..envs import Trajectory
+from ..losses import group_advantages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,24 +227,54 @@ class Recording:
         self,
         episode_ids: Sequence[str] | None = None,
         *,
+        groups: Sequence[Sequence[str]] | None = None,
+        scale: str = "group",
         length: int | None = None,
         pad_id: int = 0,
     ) -> GRPOBatch:
         """The episodes as a `rlhf_eqx.data.GRPOBatch` (`trajectory()`'s rows: the
         `completion_mask` is `loss_mask`, `old_logp` the behaviour log-probabilities,
         `rewards` the reported rewards). Groups are consecutive rows: list each group's
-        episodes together in `episode_ids`. Train it at the temperature it was sampled
-        at (`Turn.temperature`; 1 for greedy).
+        episodes together in `episode_ids`, for a step whose `group_size` is every
+        group's size. Train it at the temperature it was sampled at (`Turn.temperature`;
+        1 for greedy).
+
+        Groups of different sizes (tasks that ended with different numbers of
+        episodes): give `groups`, each a list of episode ids, instead of `episode_ids`.
+        The rows are the groups' episodes in order, and `advantages` each group's own
+        group-relative advantages, $A_i = (r_i - \\bar r_g) / (\\sigma_g + \\epsilon)$
+        (`rlhf_eqx.losses.group_advantages` with `scale="group"`, or `"none"`: no
+        division; a group of one episode gets 0); train it with `group_size=1` (the step
+        takes the advantages as given).
 
         For PPO, `tr = trajectory(...)` then `rlhf_eqx.train.prepare_ppo_batch(model,
         reference, tr.tokens, tr.mask, tr.loss_mask, tr.reward, ...)` gives the
         `PPOBatch` (values, KL-shaped rewards and advantages on the sampled tokens)."""
+        advantages = None
+        if groups is not None:
+            if episode_ids is not None:
+                raise ValueError("give episode_ids or groups, not both")
+            if isinstance(groups, str) or not all(
+                len(g) > 0 and not isinstance(g, str) for g in groups
+            ):
+                raise ValueError("groups must be non-empty lists of episode ids")
+            if scale not in ("group", "none"):
+                raise ValueError(f"scale must be 'group' or 'none', got {scale!r}")
+            episode_ids = [e for g in groups for e in g]
         tr = self.trajectory(episode_ids, length=length, pad_id=pad_id)
+        if groups is not None:
+            rewards, start, parts = np.asarray(tr.reward), 0, []
+            for g in groups:
+                r = jnp.asarray(rewards[start : start + len(g)])[None]
+                parts.append(group_advantages(r, scale=scale)[0] if len(g) > 1 else r[0] * 0)
+                start += len(g)
+            advantages = jnp.concatenate(parts)
         return GRPOBatch(
             tokens=tr.tokens,
             mask=tr.mask,
             completion_mask=tr.loss_mask,
             rewards=tr.reward,
+            advantages=advantages,
             old_logp=tr.logprobs,
             truncated=tr.truncated,
         )

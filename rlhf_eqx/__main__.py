@@ -42,11 +42,19 @@ object; the module imported from the current directory) into every stage's loop.
 `--seeds N`: seeds `ops.seed`,
 ... into `OUT/seed-<seed>/`, their spread in `OUT/seeds_summary.json`. Exit status: 0
 done, 1 a run error, 2 invalid configuration or run directory, 3 diverged, 130 interrupted.
+
+Plugins: `--import MODULE` (repeatable; from the current directory) imports a module
+before the commands are built, and every installed package's entry points of the group
+`rlhf_eqx.plugins` are imported first (`[project.entry-points."rlhf_eqx.plugins"]
+my_stage = "my_package.stage"` in its pyproject.toml): a module that registers stages
+(`pipelines.register_stage`) or losses makes them commands and settings of every command.
 """
 
 import argparse
 import contextlib
 import dataclasses
+import importlib
+import importlib.metadata
 import json
 import os
 import shlex
@@ -56,6 +64,9 @@ import threading
 from collections.abc import Sequence
 
 TOOL_COMMANDS = ("sample", "eval", "plot")
+PLUGIN_GROUP = "rlhf_eqx.plugins"
+"""The entry-point group whose modules the command line imports before building its
+commands."""
 
 
 def stage_commands() -> tuple[str, ...]:
@@ -63,6 +74,44 @@ def stage_commands() -> tuple[str, ...]:
     from rlhf_eqx.pipelines.config import stages
 
     return tuple(st.name for st in stages())
+
+
+class PluginError(Exception):
+    """A module of `--import` that cannot be imported."""
+
+
+def load_plugins(argv: Sequence[str]) -> list[str]:
+    """Import the installed `PLUGIN_GROUP` entry points (one that fails is one warning
+    line on stderr: the other commands still work), then the modules of `--import MODULE`
+    / `--import=MODULE` in `argv`, with the current directory first on the path (a
+    `PluginError` naming the module and the error). **Returns:** `argv` without them."""
+    for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP):
+        try:
+            ep.load()
+        except Exception as e:
+            print(
+                f"warning: plugin {ep.name} ({ep.value}) not loaded: {type(e).__name__}: {e}",
+                file=sys.stderr,
+            )
+    rest, modules = [], []
+    it = iter(argv)
+    for a in it:
+        if a == "--import":
+            modules.append(next(it, ""))
+        elif a.startswith("--import="):
+            modules.append(a.partition("=")[2])
+        else:
+            rest.append(a)
+    if modules and "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    for module in modules:
+        if not module:
+            raise PluginError("--import: expected a module name, e.g. --import my_stage")
+        try:
+            importlib.import_module(module)
+        except Exception as e:
+            raise PluginError(f"--import {module}: {type(e).__name__}: {e}") from None
+    return rest
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -105,6 +154,15 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         metavar="MODULE:NAME",
         help="a pipelines.Callback class or object, from the current directory (repeatable)",
+    )
+    p.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="a module that registers stages or losses, from the current directory "
+        "(repeatable; before the commands are built)",
     )
     p.add_argument("--show-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--prompt", action="append", default=[], help="prompt (sample; repeatable)")
@@ -195,19 +253,24 @@ def _terminate_as_interrupt():
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["sweep"]:  # grid x seeds of one stage in one program (its own options)
+    try:
+        plain = load_plugins(argv)  # `argv` keeps --import for the parser and resuming
+    except PluginError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if plain[:1] == ["sweep"]:  # grid x seeds of one stage in one program (its own options)
         from rlhf_eqx.pipelines.tools import sweep_command
 
         try:
             with _terminate_as_interrupt():
-                return sweep_command(argv[1:])
+                return sweep_command(plain[1:])
         except KeyboardInterrupt:  # the periodic checkpoints (ops.checkpoint_every) stay
             print(f"interrupted; resume with: {resume_command(argv)}", file=sys.stderr)
             return 130
-    if argv[:1] == ["serve"]:  # an OpenAI-compatible endpoint (its own options)
+    if plain[:1] == ["serve"]:  # an OpenAI-compatible endpoint (its own options)
         from rlhf_eqx.serving import serve_command
 
-        return serve_command(argv[1:])
+        return serve_command(plain[1:])
     args = _parser().parse_args(argv)
     if args.help:
         from rlhf_eqx.pipelines.config import config_help, find_stage

@@ -193,3 +193,54 @@ def test_registration_refuses_what_would_break_other_commands():
     finally:
         pl.config.unregister_stage("toy2")
     assert main(["dpo", "--show-config"]) == 0
+
+
+_PLUGIN = '''
+import dataclasses
+
+from rlhf_eqx import pipelines as pl
+
+
+@dataclasses.dataclass(frozen=True)
+class {cls}(pl.SFTConfig):
+    """A stage from a plugin module."""
+
+    colour: str = "red"
+
+
+def run(env, c):
+    raise AssertionError("not run by these tests")
+
+
+pl.register_stage(pl.Stage("{name}", {cls}, builtin=run, help="a plugin's stage"))
+'''
+
+
+def test_plugins_add_their_stages_to_the_command_line(tmp_path, monkeypatch, capsys):
+    """`--import MODULE` (from the current directory) and the installed entry points of
+    `rlhf_eqx.plugins` are imported before the commands are built: their stages are
+    commands with their own settings; a module that cannot be imported is one line."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_plugin_stage.py").write_text(_PLUGIN.format(cls="PlugConfig", name="plug"))
+    site = tmp_path / "site"
+    (site / "plugdist-0.1.dist-info").mkdir(parents=True)
+    (site / "plugdist-0.1.dist-info" / "METADATA").write_text("Name: plugdist\nVersion: 0.1\n")
+    (site / "plugdist-0.1.dist-info" / "entry_points.txt").write_text(
+        "[rlhf_eqx.plugins]\nep = my_ep_stage\nbroken = no_such_module_here\n"
+    )
+    (site / "my_ep_stage.py").write_text(_PLUGIN.format(cls="EpConfig", name="epstage"))
+    monkeypatch.syspath_prepend(str(site))
+    try:
+        assert main(["plug", "--import", "my_plugin_stage", "--help"]) == 0
+        out, err = capsys.readouterr()
+        assert "plug.colour = red" in out
+        assert "warning: plugin broken (no_such_module_here) not loaded" in err
+        assert main(["epstage", "--set", "epstage.colour=blue", "--show-config"]) == 0
+        assert '"colour": "blue"' in capsys.readouterr().out
+        assert main(["--import=nope_mod", "sft", "--show-config"]) == 2
+        err = capsys.readouterr().err
+        assert "error: --import nope_mod: ModuleNotFoundError: No module named 'nope_mod'" in err
+    finally:
+        for name in ("plug", "epstage"):
+            if name in pl.config.stage_names():
+                pl.config.unregister_stage(name)

@@ -203,8 +203,6 @@ from rlhf_eqx import pipelines as pl
 
 @dataclasses.dataclass(frozen=True)
 class {cls}(pl.SFTConfig):
-    """A stage from a plugin module."""
-
     colour: str = "red"
 
 
@@ -234,6 +232,8 @@ def test_plugins_add_their_stages_to_the_command_line(tmp_path, monkeypatch, cap
         assert main(["plug", "--import", "my_plugin_stage", "--help"]) == 0
         out, err = capsys.readouterr()
         assert "plug.colour = red" in out
+        # a settings class without a docstring: no dataclass signature as its description
+        assert "\nplug:\n  plug." in out and "PlugConfig(" not in out
         assert "warning: plugin broken (no_such_module_here) not loaded" in err
         assert main(["epstage", "--set", "epstage.colour=blue", "--show-config"]) == 0
         assert '"colour": "blue"' in capsys.readouterr().out

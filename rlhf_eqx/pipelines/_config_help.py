@@ -73,7 +73,14 @@ def config_help(command: str, cfg: Any = None) -> str:
                 lines.append(f"  {name} = {shown}")
     for name in sections:
         section = getattr(cfg, name)
-        doc = " ".join((type(section).__doc__ or "").split())
-        lines += ["", f"{name}: {doc}"]
+        doc = _own_doc(type(section))
+        lines += ["", f"{name}: {doc}" if doc else f"{name}:"]
         walk(section, f"{name}.")
     return "\n".join(lines)
+
+
+def _own_doc(cls: type) -> str:
+    """`cls`'s docstring on one line; `""` for the signature `dataclasses` writes for a
+    class without one (a user's stage settings)."""
+    doc = " ".join((cls.__doc__ or "").split())
+    return "" if doc.startswith(f"{cls.__name__}(") else doc

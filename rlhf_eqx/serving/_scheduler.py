@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._sampling import generate_continuous
-from ._protocol import MAX_TOP_LOGPROBS
+from ._protocol import MAX_TOP_LOGPROBS, RequestError
 
 _MIN_BUCKET = 16
 DECODE_CONTEXT = 16  # prompt tokens a completion is decoded after (its leading space, its bytes)
@@ -38,6 +38,11 @@ def decode_after(tokenizer, context: Sequence[int], ids: Sequence[int]) -> str:
     before = tokenizer.decode(list(context))
     text = tokenizer.decode(list(context) + list(ids))
     return text[len(before) :] if text.startswith(before) else tokenizer.decode(list(ids))
+
+
+def _stopped() -> RequestError:
+    """What a request gets once the server stops: 503, as a server going down answers."""
+    return RequestError("the server is stopping", status=503, kind="server_error")
 
 
 def _bucket(n: int) -> int:
@@ -184,12 +189,12 @@ class Scheduler:
         with self._cond:
             pending, self._queue = list(self._queue), collections.deque()
         for job in pending:
-            job.future.set_exception(RuntimeError("the server stopped"))
+            job.future.set_exception(_stopped())
 
     def submit(self, job: Job) -> concurrent.futures.Future:
         with self._cond:
             if self._stopping or self._thread is None:
-                raise RuntimeError("the scheduler is not running")
+                raise _stopped()
             job.request_id = f"{job.prefix}-{next(self._arrivals)}"
             self._queue.append(job)
             self._cond.notify()

@@ -143,17 +143,19 @@ class Server:
         return self
 
     def stop(self) -> None:
-        """Stop serving: no new connections, open ones closed, requests still waiting
-        fail; returns once every thread of the server has ended."""
+        """Stop serving: no new connections; the running batch finishes and is
+        answered, requests still waiting get 503 (`"the server is stopping"`), idle
+        connections are closed; returns once every thread of the server has ended."""
         http_server, self._http = self._http, None
         if http_server is not None:
+            http_server.stopping = True  # each answer from now on closes its connection
             http_server.shutdown()  # no new connections
         if self._http_thread is not None:
             self._http_thread.join()
             self._http_thread = None
-        self.scheduler.stop()  # the running batch finishes, waiting requests fail
+        self.scheduler.stop()  # the running batch finishes, waiting requests get 503
         if http_server is not None:
-            http_server.close_connections()  # idle keep-alive connections end
+            http_server.close_connections()  # idle ones end; busy ones once answered
             http_server.server_close()  # joins the connections' threads
 
     def __enter__(self) -> "Server":
@@ -458,8 +460,22 @@ class _HTTPServer(http.server.ThreadingHTTPServer):
 
     def __init__(self, *args: Any, **kwargs: Any):
         self._open: set[socket.socket] = set()
+        self._busy: set[socket.socket] = set()  # answering a request they have read
         self._open_lock = threading.Lock()
+        self.stopping = False
         super().__init__(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def answering(self, sock: socket.socket) -> Iterator[None]:
+        """While a connection answers a request it has read (`close_connections`
+        leaves it to finish)."""
+        with self._open_lock:
+            self._busy.add(sock)
+        try:
+            yield
+        finally:
+            with self._open_lock:
+                self._busy.discard(sock)
 
     def process_request(self, request, client_address) -> None:
         with self._open_lock:
@@ -472,8 +488,10 @@ class _HTTPServer(http.server.ThreadingHTTPServer):
         super().shutdown_request(request)
 
     def close_connections(self) -> None:
+        """End the connections that wait for a request (a busy one closes itself once
+        it has answered: `stopping`)."""
         with self._open_lock:
-            sockets = list(self._open)
+            sockets = list(self._open - self._busy)
         for sock in sockets:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
@@ -508,6 +526,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             pass
 
     def _send(self, status: int, body: dict) -> None:
+        if getattr(self.server, "stopping", False):
+            self.close_connection = True
         payload = json.dumps(body).encode("utf-8")
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -565,7 +585,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 body = json.loads(raw.decode("utf-8"))
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise RequestError(f"the body is not valid JSON: {e}") from None
-            self._send(200, handler(body))
+            with self.server.answering(self.connection):  # type: ignore[attr-defined]
+                self._send(200, handler(body))
         except RequestError as e:
             self._send(e.status, e.body())
         except ValueError as e:  # what the sampler refuses (a prompt it cannot take)

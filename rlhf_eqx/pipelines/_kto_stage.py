@@ -160,19 +160,21 @@ def _logratios(policy, reference, batch):
 def kto_heldout_metrics(policy, reference, batch: rx.train.KTOBatch, beta: float) -> dict:
     """Held-out implicit rewards `β · log(π/π_ref)` of unpaired examples: their mean over
     the desirable and the undesirable ones, the margin between the two, and the
-    fraction of (desirable, undesirable) combinations ordered correctly."""
+    fraction of (desirable, undesirable) combinations ordered correctly, with the number
+    of examples of each kind (`heldout_desirable`, `heldout_undesirable`). With examples
+    of one kind only, the mean of that kind alone (no margin, no ordering)."""
     r = beta * np.asarray(_logratios(policy, reference, batch), np.float64)
     y = np.asarray(batch.label, bool)
     good, bad = r[y], r[~y]
-    if not len(good) or not len(bad):
-        return {}
-    order = float(np.mean(good[:, None] > bad[None, :]))
-    return {
-        "heldout_reward_desirable": float(good.mean()),
-        "heldout_reward_undesirable": float(bad.mean()),
-        "heldout_reward_margin": float(good.mean() - bad.mean()),
-        "heldout_ordering_accuracy": order,
-    }
+    out = {"heldout_desirable": int(len(good)), "heldout_undesirable": int(len(bad))}
+    if len(good):
+        out["heldout_reward_desirable"] = float(good.mean())
+    if len(bad):
+        out["heldout_reward_undesirable"] = float(bad.mean())
+    if len(good) and len(bad):
+        out["heldout_reward_margin"] = float(good.mean() - bad.mean())
+        out["heldout_ordering_accuracy"] = float(np.mean(good[:, None] > bad[None, :]))
+    return out
 
 
 def kto(env: StageEnv, c: KTOConfig) -> Outcome:
@@ -234,6 +236,10 @@ def kto_examples(env: StageEnv, c: KTOConfig) -> tuple[list, list, list | None]:
     elif cfg.data.filter:
         train = _filter_unpaired(train, tok, cfg.data, s.prompt_length, ctx.log)
     _check_kto_split(cfg.data, train, held)
+    note = _one_kind_held_out(cfg.data, held)
+    if note:
+        ctx.log.event("heldout_one_label", note)
+    _check_kto_weights(c, train, ctx.log)
     good = sum(r.label for r in train)
     env.say(
         f"kto: {len(train)} training examples ({good} desirable, {len(train) - good} "
@@ -263,6 +269,43 @@ def _check_kto_split(dc: DataConfig, train: list, held: list) -> None:
         )
 
 
+def _one_kind_held_out(dc: DataConfig, held: list) -> str | None:
+    """What the held-out metrics lack when the `held` examples are of one label only
+    (their margin and ordering accuracy compare the two kinds); `None` otherwise."""
+    labels = {bool(r.label) for r in held}
+    if len(labels) != 1:
+        return None
+    kind = "undesirable" if True in labels else "desirable"
+    return (
+        f"no {kind} example among the {len(held)} held out (data.heldout_fraction="
+        f"{dc.heldout_fraction}, data.seed={dc.seed}): no held-out margin or ordering "
+        "accuracy; raise data.heldout_fraction or try another data.seed"
+    )
+
+
+def _check_kto_weights(c: KTOConfig, train: list, log: MetricsLog) -> None:
+    """A `kto_weights` event when the training examples' weighted balance
+    `λ_D · n_D / (λ_U · n_U)` lies outside [1, 4/3], the range Ethayarajh et al. (2024)
+    recommend (TRL's `KTOTrainer` warns likewise), with the `desirable_weight` range that
+    would bring it back for the current `undesirable_weight`. A weight of 0 (one kind
+    switched off on purpose) and a split of one label (refused before) say nothing."""
+    n_good = sum(bool(r.label) for r in train)
+    n_bad = len(train) - n_good
+    num, den = c.desirable_weight * n_good, c.undesirable_weight * n_bad
+    if num <= 0 or den <= 0 or 1 <= num / den <= 4 / 3:
+        return
+    ratio, low = num / den, den / n_good
+    log.event(
+        "kto_weights",
+        f"kto.desirable_weight·n_desirable / (kto.undesirable_weight·n_undesirable) = "
+        f"{c.desirable_weight:g}·{n_good} / ({c.undesirable_weight:g}·{n_bad}) = {ratio:.3g}, "
+        "outside the recommended [1, 4/3]; for these examples kto.desirable_weight in "
+        f"[{low:.3g}, {4 / 3 * low:.3g}] (with kto.undesirable_weight="
+        f"{c.undesirable_weight:g}) brings it back",
+        ratio=ratio,
+    )
+
+
 def kto_data_metrics(
     env: StageEnv, c: KTOConfig, trained, held: list, held_pairs, reuse: dict | None = None
 ) -> dict:
@@ -273,6 +316,9 @@ def kto_data_metrics(
     policy, tok, pl = env.base, env.tok, env.cfg.sampling.prompt_length
     held_batch = collate_unpaired_records(held, tok, max_length=c.max_length, prompt_length=pl)
     out = kto_heldout_metrics(trained, policy, held_batch, c.beta)
+    note = _one_kind_held_out(env.cfg.data, held)
+    if note:
+        out["note"] = note
     if held_pairs is not None:
         hb = collate_pairs(held_pairs, tok, max_length=c.max_length, prompt_length=pl)
         out["heldout_pair_accuracy"] = float(implicit_accuracy(trained, policy, hb, c.beta))

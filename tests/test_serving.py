@@ -416,6 +416,8 @@ def test_a_stop_string_inside_a_token_ends_the_text_where_it_begins(server, clie
     first, second = ep.turns
     assert second.prompt_ids[: len(ids) + len(kept)] == tuple(ids + kept)
     observation = second.prompt_ids[len(ids) + len(kept) :]
+    # the joined prompt is the text sent, without a space the encoder puts before a text
+    assert tok.decode(list(second.prompt_ids)) == STORY + c.text + "ent home."
     assert "went home." in tok.decode(list(observation))
     start = len(ids) + len(kept)
     assert not ep.loss_mask[start : start + len(observation)].any()

@@ -41,6 +41,17 @@ class EpisodeContext:
     tail: str = ""
 
 
+def decode_after(tokenizer, context: Sequence[int], ids: Sequence[int]) -> str:
+    """The text `ids` add after the tokens `context` (`decode(ids)` when there are
+    none): a SentencePiece vocabulary drops the leading space of a text's first word,
+    so `" upon"` after `"Once"` decodes alone as `"upon"`."""
+    if not context:
+        return tokenizer.decode(list(ids))
+    before = tokenizer.decode(list(context))
+    text = tokenizer.decode(list(context) + list(ids))
+    return text[len(before) :] if text.startswith(before) else tokenizer.decode(list(ids))
+
+
 def _render_function(tokenizer, chat_template):
     """`render(messages, add_generation_prompt) -> str` for the server's template."""
     if chat_template is None:
@@ -144,8 +155,18 @@ class PromptBuilder:
         tail = turn[at + len(ctx.content) :] if ctx.content else turn
         if ctx.stop_text and tail.startswith(ctx.stop_text):
             tail = tail[len(ctx.stop_text) :]
-        rest = ctx.tail + tail + text[len(before) :]
-        return list(ctx.ids) + list(self.tokenizer.encode(rest))
+        return self._extend(ctx.ids, ctx.tail + tail + text[len(before) :])
+
+    def _extend(self, ids: Sequence[int], text: str) -> list[int]:
+        """`ids` followed by the encoding of `text`, less a first token that only
+        holds a SentencePiece dummy prefix (the space its encoder puts before a text,
+        which after `ids` would be a space the conversation does not have)."""
+        new = list(self.tokenizer.encode(text))
+        context = list(ids[-16:])
+        if new and decode_after(self.tokenizer, context, new) != text:
+            if decode_after(self.tokenizer, context, new[1:]) == text:
+                new = new[1:]
+        return list(ids) + new
 
     def completion(self, prompt: str | tuple[int, ...], episode_id: str | None) -> list[int]:
         """The prompt ids of a completions request's prompt (continuing its episode when
@@ -159,5 +180,5 @@ class PromptBuilder:
                 rest = prompt[len(before) :]
                 if ctx.stop_text and rest.startswith(ctx.stop_text):
                     rest = rest[len(ctx.stop_text) :]
-                return list(ctx.ids) + list(self.tokenizer.encode(ctx.tail + rest))
+                return self._extend(ctx.ids, ctx.tail + rest)
         return self.encode(prompt)

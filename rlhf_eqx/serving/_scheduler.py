@@ -23,21 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._sampling import generate_continuous
+from ._prompts import decode_after
 from ._protocol import MAX_TOP_LOGPROBS, RequestError
 
 _MIN_BUCKET = 16
 DECODE_CONTEXT = 16  # prompt tokens a completion is decoded after (its leading space, its bytes)
-
-
-def decode_after(tokenizer, context: Sequence[int], ids: Sequence[int]) -> str:
-    """The text `ids` add after the tokens `context` (`decode(ids)` when there are
-    none): a SentencePiece vocabulary drops the leading space of a text's first word,
-    so `" upon"` after `"Once"` decodes alone as `"upon"`."""
-    if not context:
-        return tokenizer.decode(list(ids))
-    before = tokenizer.decode(list(context))
-    text = tokenizer.decode(list(context) + list(ids))
-    return text[len(before) :] if text.startswith(before) else tokenizer.decode(list(ids))
 
 
 def _stopped() -> RequestError:

@@ -135,6 +135,7 @@ def test_sweep_summary_is_the_mean_and_standard_error_over_seeds(swept):
     losses = [swept.summaries[n]["loss"] for n in point["members"]]
     m = point["metrics"]["loss"]
     assert m["n"] == 2 and m["mean"] == pytest.approx(np.mean(losses))
+    assert "seed" not in point["metrics"]  # not a result of the grid point
     assert m["se"] == pytest.approx(np.std(losses, ddof=1) / np.sqrt(2))
     assert os.path.isfile(os.path.join(swept.out, "plots", "loss.png"))
     with open(os.path.join(swept.out, "members", "beta=0.1,seed=1", "summary.json")) as f:

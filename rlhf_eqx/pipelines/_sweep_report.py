@@ -42,7 +42,7 @@ def summarize_sweep(members: Sequence[Member], summaries: Mapping[str, dict]) ->
             p["diverged"].append(mem.name)
             continue
         for k, v in _numbers(s).items():
-            if not k.endswith("_se"):
+            if not k.endswith("_se") and k != "seed":  # the seeds are what it averages over
                 p["values"].setdefault(k, []).append(v)
     for p in points.values():
         values = p.pop("values")

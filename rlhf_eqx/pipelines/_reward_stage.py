@@ -88,8 +88,27 @@ class RewardRunState(eqx.Module):
     best_step: jax.Array
 
 
+def data_validation_seed(seed: int) -> int:
+    """The seed of the validation split of a reward model trained on a data file:
+    `seed + 2**64` (`seed`: `ops.seed`), a BLAKE2b key no 64-bit `data.seed` shares.
+
+    The file's held-out split (`data.split_held_out` keyed by `data.seed`) leaves
+    training pairs whose prompt hashes all lie above its threshold; a validation split
+    keyed by the same seed would find none below its own (when
+    `reward.heldout_fraction <= data.heldout_fraction`, the defaults among them), and
+    checkpoint selection would never run. With another key the two splits are
+    independent."""
+    return int(seed) + 2**64
+
+
 def run_reward(
-    policy, tok, pairs: Sequence[data.PreferenceRecord], *, cfg: RewardConfig, ctx: RunContext
+    policy,
+    tok,
+    pairs: Sequence[data.PreferenceRecord],
+    *,
+    cfg: RewardConfig,
+    ctx: RunContext,
+    validation_seed: int | None = None,
 ) -> RunResult:
     """Bradley-Terry reward model (`RewardModel.from_policy`, every weight trained) on
     preference pairs; with `cfg.ensemble = K > 1`, `K` of them stacked in an `Ensemble`
@@ -97,7 +116,8 @@ def run_reward(
     (accuracies then use the ensemble's conservative score).
 
     With `cfg.eval_every > 0`, about `cfg.heldout_fraction` of the pairs' prompts are
-    held out (`data.split_held_out`, seeded by `ops.seed`; their labels are as noisy as
+    held out (`data.split_held_out`, seeded by `validation_seed`, default `ops.seed`; on
+    a data file `data_validation_seed`; their labels are as noisy as
     the training ones): every `cfg.eval_every` steps and at the end their accuracy is
     logged (`validation/accuracy`) and the parameters with the best accuracy so far
     are kept; the result is that model (checkpoint selection: a reward model trained on
@@ -108,7 +128,8 @@ def run_reward(
     pairs = list(pairs)
     val: list = []
     if cfg.eval_every:
-        train, val = data.split_held_out(pairs, fraction=cfg.heldout_fraction, seed=ctx.ops.seed)
+        seed = ctx.ops.seed if validation_seed is None else validation_seed
+        train, val = data.split_held_out(pairs, fraction=cfg.heldout_fraction, seed=seed)
         if train and val:
             pairs = list(train)
         else:
@@ -266,7 +287,9 @@ def reward_on_data(env: StageEnv, c: RewardConfig) -> Outcome:
     held_batch = collate_pairs(
         held, tok, max_length=c.max_length, prompt_length=env.cfg.sampling.prompt_length
     )
-    res = run_reward(env.base, tok, train, cfg=c, ctx=env.ctx(""))
+    ctx = env.ctx("")
+    seed = data_validation_seed(ctx.ops.seed)
+    res = run_reward(env.base, tok, train, cfg=c, ctx=ctx, validation_seed=seed)
     rm = res.state.model
     if c.ensemble > 1:
         scorer = EnsembleReward(rm, c.ensemble_penalty, c.ensemble_mode)

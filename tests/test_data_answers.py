@@ -53,6 +53,10 @@ def test_exact_match_reward():
     reward = data.exact_match_reward(completions, answers)
     assert reward.dtype == np.float32 and reward.shape == (6,)
     np.testing.assert_array_equal(reward, [1, 1, 0, 0, 1, 1])
+    # A reference holding a whole GSM8K solution is compared by its final answer.
+    solution = "She makes 9 * 2 = $<<9*2=18>>18.\n#### 1,018"
+    got = data.exact_match_reward(["#### 1018", "1018", "18", solution], [solution] * 4)
+    np.testing.assert_array_equal(got, [1, 1, 0, 1])
     # Non-numeric references are compared as text.
     np.testing.assert_array_equal(data.exact_match_reward(["#### 3"], ["three"]), [0.0])
     with pytest.raises(ValueError):

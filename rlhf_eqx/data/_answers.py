@@ -60,8 +60,10 @@ def exact_match_reward(
     """1.0 where a completion's answer equals the reference answer, else 0.0 (float32).
 
     A completion's answer is the number after its last `"####"` when it has one, else
-    its last number; both sides are normalised (`normalise_number`) before comparison,
-    and a reference that is not a number is compared as stripped text. This is the
+    its last number; both sides are normalised (`normalise_number`) before comparison.
+    A reference that is a whole GSM8K solution (`"... #### 18"`, as a file of `prompt`
+    and `answer` columns may hold it) is compared by its final answer
+    (`extract_gsm8k_answer`); one that is not a number is compared as stripped text. This is the
     rule-based correctness reward of GRPO on GSM8K (DeepSeekMath; TRL's and Tunix's
     GRPO examples use the same check).
     """
@@ -72,7 +74,7 @@ def exact_match_reward(
         predicted = extract_gsm8k_answer(completion)
         if predicted is None:
             predicted = extract_last_number(completion)
-        reference = normalise_number(answer)
+        reference = extract_gsm8k_answer(answer) or normalise_number(answer)
         if reference is None:
             reference = answer.strip()
         out[i] = 1.0 if predicted is not None and predicted == reference else 0.0

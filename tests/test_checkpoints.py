@@ -831,3 +831,44 @@ def test_hf_inconsistent_sizes_name_the_file():
         ValueError, match=r"config\.json: TransformerConfig\.n_kv_heads=3 must divide n_heads=4"
     ):
         config_from_hf(c)
+
+
+def test_hf_absent_fields_read_as_transformers_reads_them():
+    """A field left out of `config.json` takes the default of transformers' config class
+    (`Gemma2Config`: head_dim 256, sliding_window 4096, soft-caps 50 / 30,
+    query_pre_attn_scalar 256; `Gemma3TextConfig`: the same without soft-caps;
+    `GemmaConfig` head_dim 256; `Qwen3Config` head_dim 128; `MistralConfig` sliding_window
+    4096); a field written as `null` stays unset."""
+    gelu = dict(hidden_act="gelu_pytorch_tanh")
+
+    def bare(arch, **kw):
+        c = _hf_config(arch, num_attention_heads=2, num_key_value_heads=1, **kw)
+        del c["head_dim"]
+        return c
+
+    g2 = config_from_hf(bare("Gemma2ForCausalLM", **gelu))
+    assert (g2.head_dim, g2.sliding_window, g2.local_layers) == (256, 4096, (True, False))
+    assert (g2.attn_softcap, g2.final_softcap, g2.query_scale) == (50.0, 30.0, 256**-0.5)
+    g3 = config_from_hf(bare("Gemma3ForCausalLM", **gelu))
+    assert (g3.head_dim, g3.sliding_window, g3.query_scale) == (256, 4096, 256**-0.5)
+    assert g3.attn_softcap is None and g3.final_softcap is None
+    assert config_from_hf(bare("GemmaForCausalLM", **gelu)).head_dim == 256
+    assert config_from_hf(bare("Qwen3ForCausalLM")).head_dim == 128
+    assert config_from_hf(bare("MistralForCausalLM")).sliding_window == 4096
+    assert config_from_hf(bare("LlamaForCausalLM")).head_dim == 12  # hidden / heads
+    nulls = bare("Gemma2ForCausalLM", attn_logit_softcapping=None, sliding_window=None, **gelu)
+    cfg = config_from_hf(dict(nulls, head_dim=12))
+    assert cfg.attn_softcap is None and cfg.sliding_window is None and cfg.head_dim == 12
+    assert config_from_hf(bare("MistralForCausalLM", sliding_window=None)).sliding_window is None
+
+
+def test_hf_quantized_checkpoint_and_mistral_layer_types_are_refused():
+    c = _hf_config("LlamaForCausalLM", quantization_config={"quant_method": "gptq", "bits": 4})
+    with pytest.raises(ValueError, match="`quantization_config` = 'gptq' is not supported"):
+        config_from_hf(c)
+    c = _hf_config("MistralForCausalLM", sliding_window=8)
+    mixed = dict(c, layer_types=["full_attention", "sliding_attention"])
+    with pytest.raises(ValueError, match="`layer_types`.*windows every layer"):
+        config_from_hf(mixed)
+    every = config_from_hf(dict(c, layer_types=["sliding_attention"] * 2))
+    assert every.local_layers == (True, True)

@@ -13,7 +13,10 @@
 
 Fields that would change the architecture but are not implemented (other rope types,
 `partial_rotary_factor`, `attention_bias` on Llama, `mlp_bias`, bidirectional
-attention, ...) are refused with a `ValueError` naming the field and the file.
+attention, a `quantization_config`, ...) are refused with a `ValueError` naming the field
+and the file. A field that `config.json` leaves out takes the default of transformers'
+config class for the family (e.g. Gemma 2's soft-caps 50 / 30, `head_dim` 256), as
+transformers reads it.
 """  # noqa: E501 (markdown table rows cannot be wrapped)
 
 import math
@@ -45,6 +48,23 @@ GEMMA = ("gemma", "gemma2", "gemma3")
 _TORCH_DTYPES = ("float32", "bfloat16", "float16")
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
 _UNSET = object()
+
+# Fields whose absence from `config.json` transformers fills with its config class's
+# default (not with the value derived from the other sizes): a checkpoint that leaves
+# them out must read as transformers reads it. A field present as `null` keeps `None`.
+_CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mistral": {"sliding_window": 4096},
+    "qwen3": {"head_dim": 128},
+    "gemma": {"head_dim": 256},
+    "gemma2": {
+        "head_dim": 256,
+        "sliding_window": 4096,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "query_pre_attn_scalar": 256,
+    },
+    "gemma3": {"head_dim": 256, "sliding_window": 4096, "query_pre_attn_scalar": 256},
+}
 
 # Fields that change the architecture when set; each is refused unless the family
 # implements it (value considered inactive when None / False / the listed default).
@@ -206,6 +226,14 @@ def _windows(
                 f"expected {n_layers} entries of 'sliding_attention' / 'full_attention'",
             )
         local = tuple(t == "sliding_attention" for t in types)
+        if family == "mistral" and not all(local):
+            raise _err(
+                source,
+                "layer_types",
+                types,
+                "MistralForCausalLM windows every layer (transformers ignores `layer_types` "
+                "for it); layers without a window are a different architecture",
+            )
     elif family == "mistral":
         local = (True,) * n_layers
     elif family in ("qwen2", "qwen3"):
@@ -246,6 +274,17 @@ def config_from_hf(
     if not isinstance(config, dict):
         raise ValueError(f"{source}: expected a JSON object, got {type(config).__name__}")
     family = _family(config, source)
+    config = {**_CLASS_DEFAULTS.get(family, {}), **config}
+    quant = config.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise _err(
+            source,
+            "quantization_config",
+            method,
+            "quantized Hugging Face checkpoints are not read; load the unquantized weights "
+            "(int8 / NF4 bases: rx.quantize_int8 / rx.quantize_nf4 after loading)",
+        )
     for field, (inactive, families) in _ARCH_FIELDS.items():
         value = config.get(field)
         if (

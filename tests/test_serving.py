@@ -424,6 +424,25 @@ def test_a_stop_string_inside_a_token_ends_the_text_where_it_begins(server, clie
     assert ep.loss_mask[start + len(observation) :].all()
 
 
+def test_a_retried_turn_replaces_the_answer_the_client_did_not_get(server, client):
+    """An agent's client retries a turn (its first answer lost to a timeout): the retry
+    continues the same tokens as the lost answer did, and replaces it in the episode."""
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    with server.recording() as rec:
+        kw = dict(model=MODEL, max_tokens=6, temperature=1.0, extra_body={"episode_id": "re"})
+        r = client.chat.completions.create(messages=messages, seed=1, **kw)
+        messages += [
+            {"role": "assistant", "content": r.choices[0].message.content},
+            {"role": "user", "content": "More"},
+        ]
+        lost = [client.chat.completions.create(messages=messages, seed=s, **kw) for s in (2, 3)]
+        kept = client.chat.completions.create(messages=messages, seed=4, **kw)
+    (ep,) = rec.episodes()
+    assert [t.request_id for t in ep.turns] == [r.id, kept.id]
+    prompts = {tuple(x.model_extra["prompt_token_ids"]) for x in [*lost, kept]}
+    assert len(prompts) == 1 and ep.turns[1].prompt_ids in prompts
+
+
 def test_top_k_one_samples_the_greedy_tokens(server, client, model):
     policy, tok = model
     ids = [tok.bos_id, *tok.encode(STORY)]

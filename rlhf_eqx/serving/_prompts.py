@@ -31,7 +31,9 @@ class EpisodeContext:
     """What the next turn of an episode continues: the last turn's `messages` (chat) and
     rendered `prompt_text`, the ids of its prompt and completion, the returned `content`,
     its `tail` that no completion id covers (the start of a token a stop string began
-    in, `""` if none) and the text of the stop token that ended it (`""` if none)."""
+    in, `""` if none) and the text of the stop token that ended it (`""` if none);
+    `previous`: the context that turn continued (its own `previous` dropped), which a
+    client's retry of the turn continues again."""
 
     messages: tuple[dict, ...] | None
     prompt_text: str
@@ -39,6 +41,7 @@ class EpisodeContext:
     content: str
     stop_text: str
     tail: str = ""
+    previous: "EpisodeContext | None" = None
 
 
 def decode_after(tokenizer, context: Sequence[int], ids: Sequence[int]) -> str:
@@ -107,15 +110,31 @@ class PromptBuilder:
         token = getattr(self.tokenizer, "token", None)
         return token(stop_id) if token is not None else self.tokenizer.decode([stop_id])
 
-    def context(self, episode_id: str | None) -> EpisodeContext | None:
-        if episode_id is None:
-            return None
+    def contexts(self, episode_id: str | None) -> tuple[EpisodeContext, ...]:
+        """What a request of the episode may continue: its last turn, then the turn
+        before that (a retry of the last turn, whose answer the client did not get)."""
         with self._lock:
-            return self._episodes.get(episode_id)
+            ctx = None if episode_id is None else self._episodes.get(episode_id)
+        return () if ctx is None else (ctx,) if ctx.previous is None else (ctx, ctx.previous)
 
     def remember(self, episode_id: str, context: EpisodeContext) -> None:
+        """Keep `context` as the episode's last turn, with the remembered turn it
+        continued (its ids begin with that turn's, and go on) as its `previous`."""
         with self._lock:
-            self._episodes[episode_id] = context
+            old = self._episodes.get(episode_id)
+            bases = () if old is None else (old, old.previous)
+            base = next(
+                (
+                    c
+                    for c in bases
+                    if c is not None
+                    and len(c.ids) < len(context.ids)
+                    and context.ids[: len(c.ids)] == c.ids
+                ),
+                None,
+            )
+            previous = None if base is None else dataclasses.replace(base, previous=None)
+            self._episodes[episode_id] = dataclasses.replace(context, previous=previous)
             self._episodes.move_to_end(episode_id)
             while len(self._episodes) > _MAX_EPISODES:
                 self._episodes.popitem(last=False)
@@ -127,11 +146,11 @@ class PromptBuilder:
             text = self.render(messages, True)
         except data.DataError as e:
             raise RequestError(f"messages: {e}", param="messages") from None
-        ctx = self.context(episode_id)
-        if ctx is not None and ctx.messages is not None:
-            ids = self._continue_chat(ctx, messages, text)
-            if ids is not None:
-                return text, ids
+        for ctx in self.contexts(episode_id):
+            if ctx.messages is not None:
+                ids = self._continue_chat(ctx, messages, text)
+                if ids is not None:
+                    return text, ids
         return text, self.encode(text)
 
     def _continue_chat(
@@ -173,10 +192,9 @@ class PromptBuilder:
         the text starts with the previous prompt and the returned text)."""
         if not isinstance(prompt, str):
             return list(prompt)
-        ctx = self.context(episode_id)
-        if ctx is not None and ctx.messages is None:
+        for ctx in self.contexts(episode_id):
             before = ctx.prompt_text + ctx.content
-            if prompt.startswith(before):
+            if ctx.messages is None and prompt.startswith(before):
                 rest = prompt[len(before) :]
                 if ctx.stop_text and rest.startswith(ctx.stop_text):
                     rest = rest[len(ctx.stop_text) :]

@@ -135,9 +135,15 @@ class Recording:
         self._rewards: dict[str, float] = {}
 
     def add(self, turn: Turn) -> None:
-        """Record a turn (the server calls this for every completion it returns)."""
+        """Record a turn (the server calls this for every completion it returns). A
+        turn with the same prompt as the episode's last one replaces it: the client
+        asked again (a retry after a timeout), and its history holds the new answer."""
         with self._lock:
-            self._turns.setdefault(turn.episode_id, []).append(turn)
+            turns = self._turns.setdefault(turn.episode_id, [])
+            if turns and turns[-1].prompt_ids == turn.prompt_ids:
+                turns[-1] = turn
+            else:
+                turns.append(turn)
 
     def reward(self, episode_id: str, reward: float) -> None:
         """Report an episode's reward (a finite number; a later report replaces it)."""

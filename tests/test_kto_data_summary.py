@@ -46,6 +46,7 @@ def test_kto_on_an_imbalanced_file_notes_a_held_out_side_of_one_label(tmp_path):
     assert main(["kto", "--data", str(path), "--out", str(out), *_SMALL]) == 0
     kto = json.loads((out / "summary.json").read_text())["kto"]
     assert kto["heldout_desirable"] == len(held) and kto["heldout_undesirable"] == 0
+    assert (kto["train_desirable"], kto["train_undesirable"]) == (n_good, len(train) - n_good)
     assert "heldout_reward_desirable" in kto
     assert "heldout_reward_margin" not in kto and "heldout_ordering_accuracy" not in kto
     assert "no undesirable example" in kto["note"] and "data.heldout_fraction" in kto["note"]

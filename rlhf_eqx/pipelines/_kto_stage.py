@@ -199,11 +199,14 @@ def kto(env: StageEnv, c: KTOConfig) -> Outcome:
 def kto_on_data(env: StageEnv, c: KTOConfig) -> Outcome:
     """KTO on an unpaired file (`prompt`, `completion`, `label`) or on preference pairs,
     each split into a desirable and an undesirable example (`unpaired_from_preferences`);
-    the held-out part is split by prompt before any splitting of pairs."""
+    the held-out part is split by prompt before any splitting of pairs;
+    `summary["kto"]` also counts the training examples of each kind."""
     train, held, held_pairs = kto_examples(env, c)
     res = run_kto(env.base, env.tok, train, cfg=c, ctx=env.ctx(""))
     trained = trained_policy(env, res.state.model)
-    env.summary["kto"] = kto_data_metrics(env, c, trained, held, held_pairs)
+    good = sum(bool(r.label) for r in train)
+    counts = {"train_desirable": good, "train_undesirable": len(train) - good}
+    env.summary["kto"] = {**kto_data_metrics(env, c, trained, held, held_pairs), **counts}
     return Outcome(res, policy=trained)
 
 

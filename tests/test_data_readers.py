@@ -253,6 +253,21 @@ def test_malformed_json_list(tmp_path):
             data.load_preferences(path, lenient=lenient)
 
 
+def test_a_json_file_of_one_object_over_several_lines_is_named_as_such(tmp_path):
+    pair = {"prompt": "p", "chosen": "a", "rejected": "b"}
+    for name, value in (("wrapped.json", {"data": [pair]}), ("one.json", pair)):
+        path = tmp_path / name
+        path.write_text(json.dumps(value, indent=2))
+        for lenient in (False, True):
+            with pytest.raises(data.DataError, match="holds a single object") as e:
+                data.load_preferences(path, lenient=lenient)
+            assert str(e.value).startswith(f"{path}: ") and str(sorted(value)) in str(e.value)
+    path = tmp_path / "lines.jsonl"  # not a .json file: its first line is invalid JSON
+    path.write_text(json.dumps(pair, indent=2))
+    with pytest.raises(data.DataError, match=re.escape(f"{path}:1: invalid JSON")):
+        data.load_preferences(path)
+
+
 def test_non_utf8_bytes(tmp_path):
     path = tmp_path / "latin1.jsonl"
     path.write_bytes(

@@ -125,6 +125,24 @@ def _json_value(raw: bytes) -> object:
         raise _InvalidJSON("invalid JSON", e.lineno, f"column {e.colno}", e.msg) from None
 
 
+def _refuse_one_object(path: str, data: bytes) -> None:
+    """A `DataError` for a `.json` file that holds one object spread over several lines
+    (`{"data": [...]}`, say): valid JSON, but neither a list of records nor one record
+    per line, which its first line failing to parse alone would misreport as invalid."""
+    base = path[:-3] if path.endswith(".gz") else path
+    if not base.endswith(".json"):
+        return
+    try:
+        value = _json_value(data)
+    except _InvalidJSON:
+        return
+    if isinstance(value, dict):
+        raise DataError(
+            f"{path}: a .json file must hold a list of records or one record per line; this "
+            f"one holds a single object over several lines, with the keys {sorted(value)[:10]}"
+        )
+
+
 def read_json_records(
     path: str | os.PathLike, report: LoadReport, *, lenient: bool
 ) -> Iterator[tuple[str, dict]]:
@@ -171,6 +189,8 @@ def read_json_records(
         try:
             item = _json_value(raw)
         except _InvalidJSON as e:
+            if report.read == 1:
+                _refuse_one_object(path, data)
             bad(where, e.reason, f"{e.position}: {e.message}")
             continue
         if not isinstance(item, dict):

@@ -39,6 +39,21 @@ def _parse_json(text: str, path: str) -> object:
         ) from None
 
 
+def _chat_template(config: dict, directory: str) -> str | None:
+    """The chat template that comes with a tokenizer, as transformers reads it: a
+    `chat_template.jinja` beside it (what transformers writes since 4.50), else the
+    config's `chat_template`, a string or a list of named templates (`"default"`)."""
+    jinja_path = os.path.join(directory, "chat_template.jinja")
+    if os.path.isfile(jinja_path):
+        template = _read_text(jinja_path)
+    else:
+        template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) and template else None
+
+
 class HFTokenizer:
     """A Hugging Face `tokenizers` tokenizer (`tokenizer.json`).
 
@@ -49,8 +64,10 @@ class HFTokenizer:
     JSON (or not a tokenizer) is a `DataError` naming it (and the line).
 
     `chat_template` is the model's Hugging Face chat template (a jinja2 string) when it
-    came with the tokenizer (`tokenizer_config.json`'s `chat_template`, or a GGUF file's
-    `tokenizer.chat_template`: see `tokenizer_from_gguf`), else `None`;
+    came with the tokenizer (a `chat_template.jinja` beside the file, else
+    `tokenizer_config.json`'s `chat_template`, its `"default"` one when it lists named
+    templates; or a GGUF file's `tokenizer.chat_template`: see `tokenizer_from_gguf`),
+    else `None`;
     `jinja_chat_template()` renders it. `add_bos_token` says whether the model expects
     BOS before a text (`tokenizer_config.json`'s `add_bos_token`, default true); `encode`
     never adds it: the tokenize functions' `add_bos` does.
@@ -123,13 +140,12 @@ class HFTokenizer:
         pad = resolve(pad_token, "pad_token", _PAD_CANDIDATES)
         if eos is None:
             raise DataError(f"{path}: cannot tell the EOS token; pass eos_token=...")
-        template = config.get("chat_template")
         return cls(
             tok,
             bos_token=bos if bos is not None else eos,
             eos_token=eos,
             pad_token=pad,
-            chat_template=template if isinstance(template, str) and template else None,
+            chat_template=_chat_template(config, os.path.dirname(path)),
             add_bos_token=bool(config.get("add_bos_token", True)),
         )
 

@@ -1,5 +1,6 @@
 """`rlhf_eqx kto --data FILE` on an imbalanced unpaired file: the summary says what its
-held-out metrics could not measure, and the weights' balance is checked."""
+held-out metrics could not measure and how many prompts were cut, and the weights'
+balance is checked."""
 
 import json
 
@@ -26,10 +27,14 @@ _SMALL = [
 
 
 def _imbalanced(n=16):
-    """Three desirable examples for each undesirable one."""
+    """Three desirable examples for each undesirable one; two prompts longer than
+    `sampling.prompt_length=16`."""
+    long = " and then the cat sat" * 6
     return [
         data.UnpairedRecord(
-            f"Once upon a time {i}", " a dog ran home." if i % 4 else " zzz zzz.", i % 4 != 0
+            f"Once upon a time {i}" + (long if i in (1, 2) else ""),
+            " a dog ran home." if i % 4 else " zzz zzz.",
+            i % 4 != 0,
         )
         for i in range(n)
     ]
@@ -44,7 +49,10 @@ def test_kto_on_an_imbalanced_file_notes_a_held_out_side_of_one_label(tmp_path):
     path.write_text("".join(json.dumps(vars(r)) + "\n" for r in records))
     out = tmp_path / "run"
     assert main(["kto", "--data", str(path), "--out", str(out), *_SMALL]) == 0
-    kto = json.loads((out / "summary.json").read_text())["kto"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["truncation"]["records"] == len(train)
+    assert summary["truncation"]["prompt_truncated"] == 2  # cut, their end kept
+    kto = summary["kto"]
     assert kto["heldout_desirable"] == len(held) and kto["heldout_undesirable"] == 0
     assert (kto["train_desirable"], kto["train_undesirable"]) == (n_good, len(train) - n_good)
     assert "heldout_reward_desirable" in kto

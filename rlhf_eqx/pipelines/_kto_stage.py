@@ -236,8 +236,10 @@ def kto_examples(env: StageEnv, c: KTOConfig) -> tuple[list, list, list | None]:
         held_pairs = held
         train = data.unpaired_from_preferences(train)
         held = data.unpaired_from_preferences(held)
-    elif cfg.data.filter:
-        train = _filter_unpaired(train, tok, cfg.data, s.prompt_length, ctx.log)
+    else:
+        if cfg.data.filter:
+            train = _filter_unpaired(train, tok, cfg.data, s.prompt_length, ctx.log)
+        env.summary["truncation"] = _unpaired_truncation(train, tok, c.max_length, s.prompt_length)
     _check_kto_split(cfg.data, train, held)
     note = _one_kind_held_out(cfg.data, held)
     if note:
@@ -250,6 +252,21 @@ def kto_examples(env: StageEnv, c: KTOConfig) -> tuple[list, list, list | None]:
         + (" (from preference pairs)" if pairs is not None else "")
     )
     return train, held, held_pairs
+
+
+def _unpaired_truncation(records: list, tok, max_length: int, prompt_length: int) -> dict:
+    """`summary["truncation"]` of an unpaired file's training examples, as a preference
+    file's: how many prompts (cut to `prompt_length`, their end kept) and completions
+    (cut to `max_length`) the tokeniser cut, as `collate_unpaired_records` cuts them."""
+    _, report = data.tokenize_unpaired(
+        records, tok, max_length=max_length, max_prompt_length=prompt_length, add_eos=False
+    )
+    return {
+        "records": report.total,
+        "prompt_truncated": report.prompt_truncated,
+        "completion_truncated": report.completion_truncated,
+        "policy": report.summary(),
+    }
 
 
 def _check_kto_split(dc: DataConfig, train: list, held: list) -> None:

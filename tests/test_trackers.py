@@ -441,6 +441,34 @@ def test_quiet_trackers_print_nothing_on_stdout(tmp_path, capsys):
         assert ("Created new run" in out and "Run finished" in out) != quiet, out
 
 
+_WANDB_QUIET_PROBE = """
+import sys
+from rlhf_eqx import pipelines as pl
+run_dir, quiet = sys.argv[1], sys.argv[2] == "quiet"
+with pl.trackers.open_trackers(["wandb"], run_dir, {}, quiet=quiet) as t:
+    assert t.names == ("wandb",)
+    pl.tools.MetricsLog(run_dir, "dpo", quiet=True).write({"step": 0, "loss": 0.5})
+"""
+
+
+def test_a_quiet_wandb_run_leaves_out_its_banner_and_run_summary(tmp_path):
+    """W&B prints its notes on standard error (some 20 lines a run: a sweep's members
+    each); a quiet run starts it in its quiet mode. In a process of its own: W&B's
+    terminal output goes to the standard error of the process's first run."""
+    _need("wandb", "wandb")
+    for quiet in ("loud", "quiet"):
+        out = subprocess.run(
+            [sys.executable, "-c", _WANDB_QUIET_PROBE, str(tmp_path / quiet), quiet],
+            cwd=str(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        loud = "Tracking run with wandb" in out.stderr and "Run history" in out.stderr
+        assert loud == (quiet == "loud"), out.stderr[-2000:]
+
+
 # --- failures and choices ---------------------------------------------------------------
 
 

@@ -43,7 +43,7 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from ._trackers import Tracker, flatten, register_tracker
+from ._trackers import Tracker, flatten, register_tracker, starting_quietly
 
 
 def _numbers(values: dict) -> dict[str, float]:
@@ -224,11 +224,15 @@ class WandbTracker(Tracker):
         mode = os.environ.get("WANDB_MODE") or "offline"
         if mode != "online":
             _no_wandb_analytics()
+        # a quiet run: W&B's banner and run summary (some 20 lines on stderr a run) left
+        # out, its warnings kept
+        quiet = {"settings": wandb.Settings(quiet=True)} if starting_quietly() else {}
         self.run = wandb.init(
             **_run_options("WANDB_PROJECT", run_name, group, config),
             dir=self.run_dir,
             mode=mode,
             reinit="create_new",
+            **quiet,
             **resume,
         )
 

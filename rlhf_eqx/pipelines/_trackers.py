@@ -17,12 +17,13 @@ missing or unreadable `trackers.json` is one line on stderr and new runs.
 
 import abc
 import contextlib
+import contextvars
 import io
 import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from ._config import ConfigError
@@ -313,9 +314,27 @@ def recorded_runs(run_dir: str) -> dict[str, dict | None] | None:
     return out
 
 
-def _silenced(quiet: bool):
-    """Standard output dropped while `quiet` (what a tracker's library prints)."""
-    return contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext()
+_QUIET = contextvars.ContextVar("rlhf_eqx_trackers_quiet", default=False)
+
+
+@contextlib.contextmanager
+def _silenced(quiet: bool) -> Iterator[None]:
+    """Standard output dropped while `quiet` (what a tracker's library prints), and
+    `starting_quietly()` true for the backends whose library prints its notes on standard
+    error (W&B: its banner and run summary; it is then started in its quiet mode)."""
+    token = _QUIET.set(quiet)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+            yield
+    finally:
+        _QUIET.reset(token)
+
+
+def starting_quietly() -> bool:
+    """Whether the tracker being started belongs to a quiet run (`ops.quiet`,
+    `open_trackers(..., quiet=True)`): a backend may then start its library in a mode that
+    prints only warnings."""
+    return _QUIET.get()
 
 
 def _record_runs(run_dir: str, runs: Mapping[str, dict | None]) -> None:

@@ -11,7 +11,8 @@ sampled) followed by the encoding of what the conversation adds after the reply:
 template's end of the assistant turn (less a stop token the model already sampled) and
 the new messages up to the generation prompt. A completions request continues an
 episode the same way when its prompt text starts with the previous prompt and the
-returned text. A request that does not continue its episode is encoded afresh.
+returned text. A request that repeats the last turn (a client's retry) continues the
+turn before it again; one that continues neither is encoded afresh.
 """
 
 import collections
@@ -24,6 +25,7 @@ from .. import data
 from ._protocol import RequestError
 
 _MAX_EPISODES = 65536  # episodes whose last turn is remembered (least recent dropped)
+DECODE_CONTEXT = 16  # tokens a text is decoded after (its leading space, its bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +117,7 @@ class PromptBuilder:
         before that (a retry of the last turn, whose answer the client did not get)."""
         with self._lock:
             ctx = None if episode_id is None else self._episodes.get(episode_id)
-        return () if ctx is None else (ctx,) if ctx.previous is None else (ctx, ctx.previous)
+        return tuple(c for c in (ctx, ctx and ctx.previous) if c is not None)
 
     def remember(self, episode_id: str, context: EpisodeContext) -> None:
         """Keep `context` as the episode's last turn, with the remembered turn it
@@ -181,7 +183,7 @@ class PromptBuilder:
         holds a SentencePiece dummy prefix (the space its encoder puts before a text,
         which after `ids` would be a space the conversation does not have)."""
         new = list(self.tokenizer.encode(text))
-        context = list(ids[-16:])
+        context = list(ids[-DECODE_CONTEXT:])
         if new and decode_after(self.tokenizer, context, new) != text:
             if decode_after(self.tokenizer, context, new[1:]) == text:
                 new = new[1:]

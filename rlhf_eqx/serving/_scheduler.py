@@ -23,11 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._sampling import generate_continuous
-from ._prompts import decode_after
+from ._prompts import DECODE_CONTEXT, decode_after
 from ._protocol import MAX_TOP_LOGPROBS, RequestError
 
 _MIN_BUCKET = 16
-DECODE_CONTEXT = 16  # prompt tokens a completion is decoded after (its leading space, its bytes)
 
 
 def _stopped() -> RequestError:

@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from ._prompts import EpisodeContext, PromptBuilder
+from ._prompts import DECODE_CONTEXT, EpisodeContext, PromptBuilder
 from ._protocol import RequestError, parse_request
 from ._recording import Recording, Turn
-from ._scheduler import DECODE_CONTEXT, Job, Row, Sample, Scheduler
+from ._scheduler import Job, Row, Sample, Scheduler
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 _MAX_BODY = 16 * 1024 * 1024

@@ -93,6 +93,11 @@ def run_prm(policy, tok, records: Sequence, *, cfg: PRMConfig, ctx: RunContext) 
     rows of `cfg.batch_size` solutions."""
     validate_stage("prm", cfg)
     full, _ = stepwise_batch(records, tok, cfg, ctx.prompt_length)
+    return _train_prm(policy, full, cfg=cfg, ctx=ctx)
+
+
+def _train_prm(policy, full, *, cfg: PRMConfig, ctx: RunContext) -> RunResult:
+    """`run_prm` on the `PRMBatch` `full` of its solutions."""
     k_init, ctx_key = jax.random.split(ctx.key)
     model = rx.ValueModel.from_policy(policy, key=k_init)
     opt = build_optimizer(cfg.optim, cfg.steps)
@@ -106,7 +111,12 @@ def prm_on_data(cfg, policy, tok, ctx: RunContext, summary: dict, say, split) ->
     training and held-out solutions by `split(records)` (on the file's text), their
     prompts then through the model's chat template (`chat_rendering` of
     `data.chat_template`, as the other data-file stages and the rollouts the PRM later
-    scores), and put the held-out step accuracy in `summary["prm"]`."""
+    scores), and put the held-out step accuracy in `summary["prm"]`, with `truncation`:
+    of the training solutions, those whose prompt was cut (its end kept), those whose
+    later steps did not fit `prm.max_length` and were dropped with their labels
+    (`steps_dropped`), and those with no step that fits (`too_long`, left out). Both
+    sides are tokenised before training, so a held-out side none of whose solutions fits
+    is refused before any step."""
     records = data.load_stepwise(cfg.data.path, **cfg.data.read_options())
     train, held = split(records)
     rendering = chat_rendering(tok, cfg.data)
@@ -114,8 +124,10 @@ def prm_on_data(cfg, policy, tok, ctx: RunContext, summary: dict, say, split) ->
         train, held = rendering.records(train), rendering.records(held)
         summary["chat_template"] = cfg.data.chat_template
     say(f"prm: {len(train)} training / {len(held)} held-out solutions")
-    res = run_prm(policy, tok, train, cfg=cfg.prm, ctx=ctx)
-    held_batch, _ = stepwise_batch(held, tok, cfg.prm, ctx.prompt_length)
+    validate_stage("prm", cfg.prm)
+    full, report = stepwise_batch(train, tok, cfg.prm, ctx.prompt_length)
+    held_batch, _ = stepwise_batch(held, tok, cfg.prm, ctx.prompt_length)  # before training
+    res = _train_prm(policy, full, cfg=cfg.prm, ctx=ctx)
     labels = np.asarray(held_batch.step_labels)[np.asarray(held_batch.step_mask)]
     summary["prm"] = {
         "heldout_step_accuracy": step_accuracy(res.state.model, held_batch),
@@ -123,6 +135,12 @@ def prm_on_data(cfg, policy, tok, ctx: RunContext, summary: dict, say, split) ->
         "heldout_correct_fraction": float(labels.mean()) if labels.size else 0.0,
         "train_solutions": len(train),
         "skipped_by_reader": dict(records.report.skipped),
+        "truncation": {
+            "solutions": report.total,
+            "prompt_truncated": report.prompt_truncated,
+            "steps_dropped": report.completion_truncated,
+            "too_long": report.dropped.get("too long", 0),
+        },
     }
     return res
 

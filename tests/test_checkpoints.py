@@ -674,6 +674,24 @@ def test_save_hf_cleans_stale_staging_and_keeps_permissions(tmp_path, getkey):
         assert os.stat(target / name).st_mode & 0o777 == config_mode, name
 
 
+def test_save_hf_through_a_symbolic_link_writes_where_it_points(tmp_path, getkey):
+    """A checkpoint directory reached through a link (`current -> v1`) is updated in
+    place: the link stays a link and no renamed copy of it is left beside it."""
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "v1" / "tokenizer.json").write_text("{}")
+    (tmp_path / "current").symlink_to("v1")
+    policy = _randomise(rx.Policy(_small_cfg(), key=getkey()), getkey())
+    for _ in range(2):
+        save_hf(policy, tmp_path / "current")
+    assert (tmp_path / "current").is_symlink()
+    assert sorted(os.listdir(tmp_path)) == ["current", "v1"]
+    names = ["config.json", "model.safetensors", "tokenizer.json"]
+    assert sorted(os.listdir(tmp_path / "v1")) == names
+    np.testing.assert_array_equal(
+        _logits(load_hf(tmp_path / "current"), [1, 2, 3]), _logits(policy, [1, 2, 3])
+    )
+
+
 def test_hf_config_layer_count_must_match_and_be_an_integer(tmp_path):
     c = _hf_config("LlamaForCausalLM")
     t = _hf_tensors(np.random.default_rng(2), c)

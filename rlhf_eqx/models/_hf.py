@@ -220,7 +220,9 @@ def _disk_full(e: BaseException, directory: str) -> bool:
 def _write_atomically(target: str, write, what: str) -> None:
     """`write(staging)` into a fresh directory beside `target`, then swapped into place
     (`_swap_into_place`); on any error the staging directory is removed, and a full disk
-    raises one `OSError` line naming `target` (what was there stays as it was)."""
+    raises one `OSError` line naming `target` (what was there stays as it was). A
+    `target` that is a symbolic link is written where it points (the link stays)."""
+    target = os.path.realpath(target)
     os.makedirs(os.path.dirname(target), exist_ok=True)
     _remove_stale(target)
     staging = _sibling(target, "tmp")

@@ -27,6 +27,7 @@ def test_reward_on_a_data_file_selects_on_a_validation_split(tmp_path):
     assert main([*argv, "--set", "ops.monitor=false"]) == 0
     rm = json.loads((out / "summary.json").read_text())["reward_model"]
     assert rm["validation_pairs"] > 0 and rm["train_pairs"] + rm["validation_pairs"] == len(train)
+    assert rm["heldout_pairs"] == len(held)
     assert rm["selected_step"] in (2, 4) and 0.0 <= rm["validation_accuracy"] <= 1.0
     events = [r.get("event") for r in pl.tools.read_records(str(out))]
     assert "no_validation" not in events and "reward_selection" in events

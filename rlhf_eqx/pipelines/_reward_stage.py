@@ -281,7 +281,8 @@ def reward(env: StageEnv, r: RewardConfig) -> Outcome:
 
 
 def reward_on_data(env: StageEnv, c: RewardConfig) -> Outcome:
-    """A reward model (or ensemble) on a preference file; its held-out accuracy."""
+    """A reward model (or ensemble) on a preference file; its held-out accuracy (with its
+    standard error and the number of held-out pairs, `heldout_pairs`)."""
     tok = env.tok
     train, held = preference_split(env, c)
     held_batch = collate_pairs(
@@ -300,7 +301,12 @@ def reward_on_data(env: StageEnv, c: RewardConfig) -> Outcome:
         export_reward_model(rm, env.run_dir, tokenizer_file=env.tok_file)
     acc = reward_accuracy(scorer, held_batch)
     se = binomial_se(acc, held_batch.chosen_tokens.shape[0])
-    env.summary["reward_model"] = {"heldout_accuracy": acc, "heldout_accuracy_se": se, **res.info}
+    env.summary["reward_model"] = {
+        "heldout_accuracy": acc,
+        "heldout_accuracy_se": se,
+        "heldout_pairs": len(held),
+        **res.info,
+    }
     return Outcome(res)
 
 

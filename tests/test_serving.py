@@ -161,12 +161,16 @@ def test_each_choice_of_a_request_is_an_episode(server, client):
         r = client.completions.create(
             model=MODEL, prompt=STORY, max_tokens=5, n=2, extra_body={"episode_id": "grp"}
         )
+        # a choice's episode id holds a "/": its reward path may give it as is
+        status, out = _post(server, "/v1/episodes/grp/0/reward", b'{"reward": 0.5}')
+        assert status == 200 and out["episode_id"] == "grp/0", out
     assert rec.episode_ids() == ["grp/0", "grp/1"]
     for g, ep in enumerate(rec.episodes()):
         assert ep.turns[0].completion_ids == tuple(r.choices[g].model_extra["token_ids"])
         assert ep.turns[0].prompt_ids == tuple(r.model_extra["prompt_token_ids"])
         assert ep.turns[0].request_id == r.id
-    with pytest.raises(ValueError, match="has no reward"):
+    assert rec.episodes()[0].reward == 0.5
+    with pytest.raises(ValueError, match="'grp/1' has no reward"):
         rec.grpo_batch()
     rec.reward("grp/0", 1.0)
     rec.reward("grp/1", 0.0)

@@ -576,8 +576,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             raw = self.rfile.read(length) if length > 0 else b""
             handler = routes.get(self._path())
             parts = self._path().split("/")  # "", "v1", "episodes", ID, "reward"
-            if len(parts) == 5 and parts[1:3] == ["v1", "episodes"] and parts[4] == "reward":
-                episode_id = urllib.parse.unquote(parts[3])
+            if len(parts) >= 5 and parts[1:3] == ["v1", "episodes"] and parts[-1] == "reward":
+                # an ID may hold "/" as is: choice g of a request is episode "ID/g"
+                episode_id = urllib.parse.unquote("/".join(parts[3:-1]))
                 handler = functools.partial(app.reward, episode_id)
             if handler is None:
                 raise RequestError(f"no route POST {self._path()}", status=404, code="not_found")

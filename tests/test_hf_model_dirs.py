@@ -1,10 +1,14 @@
-"""Hugging Face model directories as transformers writes them: the tokenizer files
-beside the weights."""
+"""Hugging Face model directories as transformers and PEFT write them: the tokenizer
+files beside the weights, PEFT adapter directories."""
 
 import json
 
+import jax.numpy as jnp
+import numpy as np
+import pytest
 import tokenizers
 
+import rlhf_eqx as rx
 from rlhf_eqx.data import load_tokenizer
 
 TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}{% endfor %}"
@@ -48,3 +52,79 @@ def test_named_chat_templates_in_the_config(tmp_path):
     only_tools = named[:1]
     tok = load_tokenizer(_tokenizer_dir(tmp_path / "t", chat_template=only_tools))
     assert tok.chat_template is None
+
+
+# The fields PEFT 0.21 writes in `adapter_config.json` beyond those `save_lora_adapter`
+# writes (`peft.LoraConfig(...).save_pretrained`), all at their inactive values.
+PEFT_021_EXTRAS = dict(
+    alora_invocation_tokens=None,
+    arrow_config=None,
+    auto_mapping={"base_model_class": "LlamaForCausalLM", "parent_library": "transformers"},
+    corda_config=None,
+    ensure_weight_tying=False,
+    eva_config=None,
+    exclude_modules=None,
+    layer_replication=None,
+    layers_pattern=None,
+    loftq_config={},
+    lora_bias=False,
+    megatron_config=None,
+    megatron_core="megatron.core",
+    peft_version="0.21.2",
+    qalora_group_size=16,
+    revision=None,
+    target_parameters=None,
+    trainable_token_indices=None,
+    use_qalora=False,
+)
+
+
+@pytest.fixture
+def adapter(tmp_path, getkey):
+    cfg = rx.TransformerConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=4, d_ff=24)
+    base = rx.Policy(cfg, key=getkey())
+    lora = rx.apply_lora(base, rx.LoRAConfig(rank=2, alpha=4, targets=("q", "up")), key=getkey())
+    rx.save_lora_adapter(lora, tmp_path / "adapter")
+    return base, tmp_path / "adapter"
+
+
+def _edit_config(directory, **changes):
+    path = directory / "adapter_config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | changes))
+
+
+def test_peft_adapter_config_as_peft_writes_it_loads(adapter):
+    base, directory = adapter
+    _edit_config(directory, **PEFT_021_EXTRAS, lora_alpha=4, task_type=None)
+    loaded = rx.load_lora_adapter(base, directory)
+    assert loaded.transformer.layers.lora["q"].scale == 2.0
+    toks = jnp.array([1, 2, 3])
+    np.testing.assert_array_equal(loaded(toks, toks > 0), base(toks, toks > 0))
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("layer_replication", [[0, 2], [1, 2]]),
+        ("alora_invocation_tokens", [5, 6]),
+        ("trainable_token_indices", [3]),
+    ],
+)
+def test_peft_options_that_change_the_model_are_refused(adapter, field, value):
+    base, directory = adapter
+    _edit_config(directory, **{field: value})
+    with pytest.raises(ValueError, match=f"adapter_config.json: `{field}` = .* not supported"):
+        rx.load_lora_adapter(base, directory)
+
+
+def test_peft_adapter_bad_files_are_named(adapter):
+    base, directory = adapter
+    _edit_config(directory, r=None)
+    with pytest.raises(ValueError, match="adapter_config.json: `r` must be a positive number"):
+        rx.load_lora_adapter(base, directory)
+    (directory / "adapter_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="adapter_config.json: not valid JSON"):
+        rx.load_lora_adapter(base, directory)
+    (directory / "adapter_config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="adapter_config.json: file not found"):
+        rx.load_lora_adapter(base, directory)

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PyTree
 
-from ._build import check_finite, model_config, where_layers
-from ._hf import _write_atomically
+from ._build import model_config, where_layers
+from ._hf import _load_file, _read_json, _write_atomically
 from ._layers import LoRAAdapter
 from ._lora import lora_shapes
 
@@ -124,6 +124,9 @@ def _check(config: dict[str, Any], path: str) -> None:
         ("fan_in_fan_out", False),
         ("modules_to_save", None),
         ("layers_to_transform", None),
+        ("layer_replication", None),
+        ("alora_invocation_tokens", None),
+        ("trainable_token_indices", None),
     ):
         value = config.get(field, inactive)
         if value != inactive and not (inactive is None and not value):
@@ -137,30 +140,33 @@ def _check(config: dict[str, Any], path: str) -> None:
 
 def load_lora_adapter(model: PyTree, directory: str | os.PathLike) -> PyTree:
     """Attach the LoRA adapters of a PEFT adapter directory to `model` (a base model
-    without adapters). Raises `ValueError` naming the file and field or tensor for
-    unsupported PEFT options, unknown modules, mis-shaped tensors and tensors holding
-    NaN or ±inf."""
-    import safetensors.numpy as stnp
-
+    without adapters). Raises `FileNotFoundError` naming a missing file, and
+    `ValueError` naming the file (and field or tensor) for unreadable JSON or
+    safetensors, unsupported PEFT options, unknown modules, mis-shaped tensors and
+    tensors holding NaN or ±inf."""
     directory = os.fspath(directory)
     where = where_layers(model)
     if where(model).lora is not None:
         raise ValueError("load_lora_adapter: the model already has LoRA adapters")
     cfg = model_config(model)
     config_path = os.path.join(directory, _CONFIG)
-    with open(config_path, encoding="utf-8") as f:
-        config = json.load(f)
+    config = _read_json(config_path)
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
     _check(config, config_path)
+    for field in ("r", "lora_alpha"):
+        value = config.get(field)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{config_path}: `{field}` must be a positive number, got {value!r}")
     rank, alpha = int(config["r"]), float(config["lora_alpha"])
     weights_path = os.path.join(directory, _WEIGHTS)
-    tensors = stnp.load_file(weights_path)
+    tensors = _load_file(weights_path)  # each tensor checked to be finite
     by_module = {v.split(".")[1]: k for k, v in _MODULES.items()}
     found: dict[str, dict[tuple[int, str], np.ndarray]] = {}
     for name, arr in tensors.items():
         m = _NAME.fullmatch(name)
         if m is None or m.group(3) not in by_module or int(m.group(1)) >= cfg.n_layers:
             raise ValueError(f"{weights_path}: unexpected tensor {name!r}")
-        check_finite(arr, name=name, source=weights_path)
         found.setdefault(by_module[m.group(3)], {})[(int(m.group(1)), m.group(4))] = arr
     shapes = lora_shapes(cfg)
     adapters = {}

@@ -702,3 +702,12 @@ def test_a_real_chat_template_episode_continues_on_the_sampled_tokens():
     assert not ep.loss_mask[seq : len(second.prompt_ids)].any()
     lp = rx.token_logprobs(policy, jnp.asarray(ep.tokens), jnp.ones(len(ep.tokens), bool))
     np.testing.assert_allclose(ep.logprobs[ep.loss_mask], np.asarray(lp)[ep.loss_mask], atol=1e-4)
+
+
+def test_serve_command_names_a_missing_model(capsys):
+    """`rlhf_eqx serve --model PATH` with no such file: one line naming it, exit 2."""
+    from rlhf_eqx.serving import serve_command
+
+    assert serve_command(["--model", "no/such/model.gguf", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: model.source='no/such/model.gguf' (--model): no such file or directory\n"

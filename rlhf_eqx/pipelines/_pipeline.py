@@ -114,6 +114,8 @@ def load_model(
     from rlhf_eqx.assets import asset_path
 
     source = model_path(source)
+    if source != "builtin" and not os.path.exists(source):
+        raise ConfigError(f"model.source={source!r} (--model): no such file or directory")
     if quantized and not source.lower().endswith(".gguf"):
         raise ConfigError(f"model.quantized=True: needs a .gguf model.source, got {source!r}")
     _choice("model.remat", remat, tuple(REMAT_MODES))

@@ -18,7 +18,13 @@ from rlhf_eqx import data
 
 from ..train import DistillSettings
 from ._config import BatchStageConfig, LoRASettings, _optim
-from ._data_prep import chat_split, prompt_tokens, quality_report, trained_policy
+from ._data_prep import (
+    demonstration_split,
+    demonstrations,
+    preference_split,
+    prompt_tokens,
+    trained_policy,
+)
 from ._field_checks import _above, _fail, _positive, _within
 from ._model_checks import check_teacher_vocabulary
 from ._registry import Outcome, Stage, StageEnv, find_stage, register_stage, stages
@@ -263,21 +269,48 @@ def distill(env: StageEnv, c: DistillConfig) -> Outcome:
     return Outcome(res, policy=final_policy(res.state.model), summary={"teacher": c.teacher})
 
 
+def _completion_pairs(records) -> list[tuple[str, str]]:
+    """`(prompt, completion)` of each record: a preference pair's chosen response, a
+    demonstration's last trained turn (a conversation's last assistant message, the
+    messages before it the prompt, as TRL's `GKDTrainer` reads its `messages`)."""
+    out = []
+    for r in records:
+        if isinstance(r, tuple):
+            out.append(r)
+        elif isinstance(r, data.DemonstrationRecord):
+            last = r.last_turn()
+            out.append((last.prompt, last.completion))
+        else:
+            out.append((r.prompt, r.chosen))
+    return out
+
+
 def distill_on_data(env: StageEnv, c: DistillConfig) -> Outcome:
-    """GKD on the prompts and chosen responses of a preference file, the teacher a
-    checkpoint directory (`distill.teacher`); held out: the mean generalized JSD per
-    completion token before and after."""
-    cfg, policy, tok, ctx = env.cfg, env.base, env.tok, env.ctx("")
+    """GKD on the prompts and completions of a data file, the teacher a checkpoint
+    directory (`distill.teacher`): a preference file's chosen responses, or
+    demonstrations in TRL's prompt-completion or conversational `messages` layouts
+    (read as `sft` reads them; a conversation's last assistant message is
+    the completion). Language-modelling text, which has no prompt to sample from, is
+    refused. Held out: the mean generalized JSD per completion token before and
+    after."""
+    cfg, policy, tok = env.cfg, env.base, env.tok
     s = cfg.sampling
     teacher = load_teacher(c.teacher, policy)
-    records = data.load_preferences(cfg.data.path, cfg.data.format, **cfg.data.read_options())
-    train, held = chat_split(env, records)
-    sl = data.SequenceLengths(max_length=c.max_length, max_prompt_length=s.prompt_length)
-    train, _ = quality_report(train, tok, sl, cfg.data, ctx.log, records.report)
-    env.summary["data_quality"] = {"skipped_by_reader": dict(records.report.skipped)}
+    records, rendered = demonstrations(env)
+    if records is None:
+        train, held = preference_split(env, c)
+    elif records.report.format == "text":
+        raise ValueError(
+            f"data.path={cfg.data.path}: language-modelling text has no prompt; distill "
+            "needs prompts with completions (preference pairs, prompt/completion or "
+            "messages records)"
+        )
+    else:
+        train, held = demonstration_split(env, c, records, rendered)
+    train, held = _completion_pairs(train), _completion_pairs(held)
     if c.lmbda > 0:
         # on-policy steps sample from the prompt: it must fit whole
-        fits = [r for r in train if prompt_tokens(tok, r.prompt) <= s.prompt_length]
+        fits = [r for r in train if prompt_tokens(tok, r[0]) <= s.prompt_length]
         if not fits:
             raise ValueError(
                 f"sampling.prompt_length={s.prompt_length}: no training prompt fits, and the "
@@ -293,12 +326,13 @@ def distill_on_data(env: StageEnv, c: DistillConfig) -> Outcome:
             )
         train = fits
     lengths = dict(max_length=c.max_length, prompt_length=s.prompt_length)
-    comps = completions_batch([(r.prompt, r.chosen) for r in train], tok, **lengths)
-    hb = completions_batch([(r.prompt, r.chosen) for r in held], tok, **lengths)
+    comps = completions_batch(train, tok, **lengths)
+    hb = completions_batch(held, tok, **lengths)
     env.say(f"distill: {len(train)} training / {len(held)} held-out prompts, teacher {c.teacher}")
     kw = dict(beta=c.beta)  # at the loss's temperature, τ = 1 (as TRL's GKDTrainer)
     before = distill_divergence(policy, teacher, hb, **kw)
-    res = run_distill(policy, teacher, tok, [r.prompt for r in train], comps, cfg=c, ctx=ctx)
+    ctx = env.ctx("")
+    res = run_distill(policy, teacher, tok, [r[0] for r in train], comps, cfg=c, ctx=ctx)
     trained = trained_policy(env, res.state.model)
     env.summary["distill"] = {
         "teacher": c.teacher,

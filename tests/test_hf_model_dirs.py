@@ -128,3 +128,32 @@ def test_peft_adapter_bad_files_are_named(adapter):
     (directory / "adapter_config.json").unlink()
     with pytest.raises(FileNotFoundError, match="adapter_config.json: file not found"):
         rx.load_lora_adapter(base, directory)
+
+
+def test_load_hf_says_what_the_path_is_instead(adapter, tmp_path):
+    """An adapter directory, a pickled-weights directory, a file and a missing path are
+    each named for what they are."""
+    _, directory = adapter
+    with pytest.raises(FileNotFoundError, match="a PEFT adapter directory.*load_lora_adapter"):
+        rx.load_hf(directory)
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (pickled / "pytorch_model.bin").write_bytes(b"\x80\x04")
+    with pytest.raises(ValueError, match="required field `num_hidden_layers`"):
+        rx.load_hf(pickled)  # the config is read first
+    config = dict(
+        architectures=["LlamaForCausalLM"],
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        vocab_size=32,
+    )
+    (pickled / "config.json").write_text(json.dumps(config))
+    with pytest.raises(FileNotFoundError, match="pytorch_model.bin holds pickled PyTorch"):
+        rx.load_hf(pickled)
+    with pytest.raises(FileNotFoundError, match="pytorch_model.bin: not a directory"):
+        rx.load_hf(pickled / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match="nowhere: no such directory"):
+        rx.load_hf(tmp_path / "nowhere")

@@ -80,6 +80,7 @@ def _load_file(path: str) -> dict[str, np.ndarray]:
 
 
 def _read_tensors(directory: str) -> dict[str, np.ndarray]:
+    _has = lambda name: os.path.isfile(os.path.join(directory, name))
     index_path = os.path.join(directory, _INDEX)
     single = os.path.join(directory, _SINGLE)
     if os.path.exists(index_path):
@@ -91,7 +92,14 @@ def _read_tensors(directory: str) -> dict[str, np.ndarray]:
     elif os.path.exists(single):
         files = [_SINGLE]
     else:
-        raise FileNotFoundError(f"{directory}: neither {_SINGLE} nor {_INDEX} found")
+        pickled = [n for n in ("pytorch_model.bin", "pytorch_model.bin.index.json") if _has(n)]
+        hint = (
+            f" ({pickled[0]} holds pickled PyTorch weights, which are not read: convert the "
+            "checkpoint to safetensors, e.g. save_pretrained(..., safe_serialization=True))"
+            if pickled
+            else ""
+        )
+        raise FileNotFoundError(f"{directory}: neither {_SINGLE} nor {_INDEX} found{hint}")
     tensors: dict[str, np.ndarray] = {}
     for name in files:
         if not isinstance(name, str) or os.path.basename(name) != name:
@@ -120,7 +128,19 @@ def load_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> Policy
     ±inf. No code from the checkpoint is executed.
     """
     directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        what = "no such directory" if not os.path.exists(directory) else "not a directory"
+        raise FileNotFoundError(
+            f"{directory}: {what} (load_hf reads a Hugging Face checkpoint directory)"
+        )
     config_path = os.path.join(directory, _CONFIG)
+    if not os.path.exists(config_path) and os.path.exists(
+        os.path.join(directory, "adapter_config.json")
+    ):
+        raise FileNotFoundError(
+            f"{directory}: a PEFT adapter directory (adapter_config.json, no config.json); "
+            "load its base model with load_hf and attach the adapter with load_lora_adapter"
+        )
     config = _read_json(config_path)
     cfg = config_from_hf(config, dtype=dtype, source=config_path)
     head = hf_head(config, source=config_path)

@@ -15,7 +15,8 @@ the run key `ops.seed` (LoRA adapters, step keys) and the row order (`shuffled_r
 - `kto`: an unpaired file, or pairs split into a desirable and an undesirable example
   (`kto_examples`); the held-out metrics of `kto_data_metrics`.
 - `reward`: one reward model per member (`reward.ensemble = 1`), its checkpoint
-  selection on the seed's validation split; the held-out accuracy.
+  selection on the seed's validation split (keyed by `data_validation_seed`, as
+  `reward_on_data` keys it); the held-out accuracy.
 - `grpo`: prompts with reference answers (`answered_prompts`, as `grpo_on_data` reads
   them), every member from the base model, its rollouts `rows_at` its seed, scored by
   the exact-match reward or `grpo.reward_source` (one source for all), the rollouts of
@@ -42,6 +43,7 @@ from ._evaluate import binomial_se
 from ._grpo_stage import answered_prompts, heldout_exact_match
 from ._kto_stage import collate_unpaired_records, kto_data_metrics, kto_examples
 from ._registry import StageEnv
+from ._reward_stage import data_validation_seed
 from ._runs import collate_pairs
 from ._sampled_eval import heldout_samples
 from ._sft_stage import sft_rows, sft_samples, sft_split
@@ -198,7 +200,12 @@ def _reward(members: Sequence[Member], env: StageEnv, tokenizer_file) -> SweepRu
     collate = lambda pairs: collate_pairs(  # noqa: E731
         pairs, env.tok, max_length=c0.max_length, prompt_length=pl
     )
-    per_seed = {s: reward_split(train, held, c0, s, collate) for s in {m.seed for m in members}}
+    # the validation split keyed as `reward_on_data` keys it (independent of the file's
+    # held-out split)
+    per_seed = {
+        s: reward_split(train, held, c0, data_validation_seed(s), collate)
+        for s in {m.seed for m in members}
+    }
     start_of = lambda mem: (env.base, jax.random.key(mem.seed))  # noqa: E731
     return reward_members(members, per_seed, start_of, tokenizer_file)
 

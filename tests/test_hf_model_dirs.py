@@ -157,3 +157,28 @@ def test_load_hf_says_what_the_path_is_instead(adapter, tmp_path):
         rx.load_hf(pickled / "pytorch_model.bin")
     with pytest.raises(FileNotFoundError, match="nowhere: no such directory"):
         rx.load_hf(tmp_path / "nowhere")
+
+
+def test_add_bos_token_when_the_config_does_not_say(tmp_path):
+    """transformers adds BOS where the config's `add_bos_token` says so; without it, for
+    the Llama / Gemma tokenizer classes, and where the `tokenizer.json` post-processor
+    puts it first (Llama 3); GPT-2-style files (Qwen, SmolLM2, and every file
+    transformers 5 saves, which drops the field) get none."""
+    plain = load_tokenizer(_tokenizer_dir(tmp_path / "plain"))
+    assert plain.add_bos_token is False
+    assert rx.data.tokenize_prompts(["a b"], plain)[0] == [(2, 3)]
+    d = _tokenizer_dir(tmp_path / "template")
+    tok = tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
+    tok.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 0)]
+    )
+    tok.save(str(d / "tokenizer.json"))
+    assert load_tokenizer(d).add_bos_token is True
+    assert rx.data.tokenize_prompts(["a b"], load_tokenizer(d))[0] == [(0, 2, 3)]
+    llama = _tokenizer_dir(tmp_path / "llama", tokenizer_class="LlamaTokenizerFast")
+    assert load_tokenizer(llama).add_bos_token is True
+    said = _tokenizer_dir(tmp_path / "said", add_bos_token=True)
+    assert load_tokenizer(said).add_bos_token is True
+    config = {"eos_token": "</s>", "add_bos_token": False}
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    assert load_tokenizer(d).add_bos_token is False

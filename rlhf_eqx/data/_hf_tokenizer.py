@@ -54,6 +54,27 @@ def _chat_template(config: dict, directory: str) -> str | None:
     return template if isinstance(template, str) and template else None
 
 
+_BOS_BY_DEFAULT = ("LlamaTokenizer", "CodeLlamaTokenizer", "GemmaTokenizer")
+
+
+def _adds_bos(tok, bos: str | None, config: dict) -> bool:
+    """Whether the model expects BOS before a text, as transformers decides: the
+    config's `add_bos_token` when given; else true for the tokenizer classes whose
+    default is true (Llama, Gemma); else whether the `tokenizer.json` post-processor
+    puts BOS first (Llama 3 and Gemma files do, GPT-2-style files such as Qwen's and
+    SmolLM2's do not)."""
+    if config.get("add_bos_token") is not None:
+        return bool(config["add_bos_token"])
+    tokenizer_class = str(config.get("tokenizer_class") or "").removesuffix("Fast")
+    if tokenizer_class in _BOS_BY_DEFAULT:
+        return True
+    bos_id = tok.token_to_id(bos) if bos is not None else None
+    if bos_id is None:
+        return False
+    first = tok.encode("a", add_special_tokens=True).ids[:1]
+    return first == [bos_id] and tok.encode("a", add_special_tokens=False).ids[:1] != first
+
+
 class HFTokenizer:
     """A Hugging Face `tokenizers` tokenizer (`tokenizer.json`).
 
@@ -69,8 +90,10 @@ class HFTokenizer:
     templates; or a GGUF file's `tokenizer.chat_template`: see `tokenizer_from_gguf`),
     else `None`;
     `jinja_chat_template()` renders it. `add_bos_token` says whether the model expects
-    BOS before a text (`tokenizer_config.json`'s `add_bos_token`, default true); `encode`
-    never adds it: the tokenize functions' `add_bos` does.
+    BOS before a text (`tokenizer_config.json`'s `add_bos_token`; without it, true for
+    a Llama or Gemma `tokenizer_class`, else whether the file's post-processor puts BOS
+    first, as transformers does); `encode` never adds it: the tokenize functions'
+    `add_bos` does.
     """
 
     def __init__(
@@ -146,7 +169,7 @@ class HFTokenizer:
             eos_token=eos,
             pad_token=pad,
             chat_template=_chat_template(config, os.path.dirname(path)),
-            add_bos_token=bool(config.get("add_bos_token", True)),
+            add_bos_token=_adds_bos(tok, bos, config),
         )
 
     def save(self, directory: str | os.PathLike) -> None:

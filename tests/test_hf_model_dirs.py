@@ -182,3 +182,13 @@ def test_add_bos_token_when_the_config_does_not_say(tmp_path):
     config = {"eos_token": "</s>", "add_bos_token": False}
     (d / "tokenizer_config.json").write_text(json.dumps(config))
     assert load_tokenizer(d).add_bos_token is False
+
+
+def test_adapter_config_lora_alpha_is_the_alpha_given(tmp_path, getkey):
+    cfg = rx.TransformerConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=4, d_ff=24)
+    base = rx.Policy(cfg, key=getkey())
+    lora = rx.apply_lora(base, rx.LoRAConfig(rank=25, alpha=7), key=getkey())
+    rx.save_lora_adapter(lora, tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (25, 7.0)  # 7 / 25 * 25 is 7.000000000000001
+    assert rx.load_lora_adapter(base, tmp_path).transformer.layers.lora["q"].scale == 7 / 25

@@ -89,7 +89,7 @@ def save_lora_adapter(
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name_or_path,
         "r": rank,
-        "lora_alpha": scale * rank,
+        "lora_alpha": float(f"{scale * rank:.15g}"),  # alpha again, not 7.000000000000001
         "lora_dropout": dropout,
         "target_modules": sorted(_MODULES[n].split(".")[1] for n in lora),
         "bias": "none",

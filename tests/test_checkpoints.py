@@ -890,3 +890,23 @@ def test_hf_quantized_checkpoint_and_mistral_layer_types_are_refused():
         config_from_hf(mixed)
     every = config_from_hf(dict(c, layer_types=["sliding_attention"] * 2))
     assert every.local_layers == (True, True)
+
+
+def test_save_hf_refuses_weights_that_would_not_load(tmp_path, getkey):
+    """A weight beyond float16's range becomes inf when written as float16, which
+    `load_hf` refuses: `save_hf` refuses first and writes nothing."""
+    policy = _randomise(rx.Policy(_small_cfg(), key=getkey()), getkey())
+    big = eqx.tree_at(
+        lambda m: m.transformer.final_norm, policy, policy.transformer.final_norm.at[1].set(1e5)
+    )
+    with pytest.raises(
+        ValueError, match=r"'model.norm.weight' .*\(float16 holds magnitudes up to 65504"
+    ):
+        save_hf(big, tmp_path / "f16", dtype="float16")
+    assert not (tmp_path / "f16").exists()
+    save_hf(big, tmp_path / "bf16", dtype="bfloat16")  # in range there
+    nan = eqx.tree_at(
+        lambda m: m.transformer.embed, policy, policy.transformer.embed.at[2, 3].set(jnp.nan)
+    )
+    with pytest.raises(ValueError, match=r"'model.embed_tokens.weight' .* \(2, 3\) in float32"):
+        save_hf(nan, tmp_path / "nan")

@@ -300,6 +300,22 @@ def _remove_stale(target: str) -> None:
             shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
 
 
+def _check_written_finite(tensors: dict[str, np.ndarray], dtype: str) -> None:
+    """Refuse to write a tensor holding NaN or ±inf (which `load_hf` would refuse to
+    read): a diverged model, or a weight beyond float16's range (±65504)."""
+    for name, arr in tensors.items():
+        try:
+            check_finite(arr, name=name, source="save_hf")
+        except ValueError as e:
+            why = str(e).split(": the checkpoint is corrupt")[0]
+            hint = (
+                " (float16 holds magnitudes up to 65504 only: export as bfloat16 or float32)"
+                if dtype == "float16"
+                else " (a diverged model?)"
+            )
+            raise ValueError(f"{why} in {dtype}{hint}; nothing written") from None
+
+
 def save_hf(
     policy: Policy | RewardModel | ValueModel,
     directory: str | os.PathLike,
@@ -332,7 +348,9 @@ def save_hf(
       its score at the last token that is not `pad_token_id`).
 
     The architecture written is the family the configuration's switches describe
-    (`config_to_hf`).
+    (`config_to_hf`). A weight that is NaN or ±inf in the written dtype (a diverged
+    model, or beyond float16's range) is a `ValueError` naming the tensor, and nothing
+    is written.
     """
     if not isinstance(policy, (Policy, RewardModel, ValueModel)):
         raise TypeError(
@@ -351,6 +369,7 @@ def save_hf(
     head = "lm" if isinstance(policy, Policy) else "score"
     config = config_to_hf(policy.cfg, dtype=dtype, head=head, pad_token_id=pad_token_id)
     tensors = tensors_from_model(policy, dtype)
+    _check_written_finite(tensors, dtype)
     target = os.path.abspath(os.fspath(directory))
     if os.path.exists(target) and not os.path.isdir(target):
         raise ValueError(f"save_hf: {target} exists and is not a directory")

@@ -910,3 +910,7 @@ def test_save_hf_refuses_weights_that_would_not_load(tmp_path, getkey):
     )
     with pytest.raises(ValueError, match=r"'model.embed_tokens.weight' .* \(2, 3\) in float32"):
         save_hf(nan, tmp_path / "nan")
+    # bfloat16 holds it; loading that as float16 would make it inf
+    with pytest.raises(ValueError, match=r"'model.norm.weight' holds a magnitude of 99840, past"):
+        load_hf(tmp_path / "bf16", dtype="float16")
+    assert load_hf(tmp_path / "bf16").cfg.dtype == "bfloat16"

@@ -108,6 +108,26 @@ def _read_tensors(directory: str) -> dict[str, np.ndarray]:
     return tensors
 
 
+_FLOAT16_MAX = float(np.finfo(np.float16).max)  # 65504
+_RANGE_CHUNK = 1 << 22
+
+
+def _check_float16_range(tensors: dict[str, np.ndarray], source: str) -> None:
+    """Refuse to load a wider-typed tensor as float16 when it holds a magnitude past
+    float16's range (it would become ±inf, and every output NaN)."""
+    for name, arr in tensors.items():
+        if arr.dtype == np.float16 or arr.dtype.kind not in "fV":
+            continue
+        flat = np.ravel(arr)
+        for start in range(0, flat.size, _RANGE_CHUNK):
+            peak = float(np.abs(flat[start : start + _RANGE_CHUNK].astype(np.float32)).max())
+            if peak > _FLOAT16_MAX:
+                raise ValueError(
+                    f"{source}: tensor {name!r} holds a magnitude of {peak:g}, past float16's "
+                    f"range (±{_FLOAT16_MAX:g}); load it with dtype='bfloat16' or 'float32'"
+                )
+
+
 def load_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> Policy | RewardModel:
     """Load a Hugging Face checkpoint (Llama, Mistral, Qwen2/3, Gemma 1/2/3): a causal LM
     as a `Policy`, a one-label `...ForSequenceClassification` as a `RewardModel`.
@@ -125,7 +145,8 @@ def load_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> Policy
     Raises `ValueError` naming the file and field for invalid or unsupported config
     fields, the file for unreadable JSON or safetensors, the tensor for missing,
     extra or mis-shaped weights, and the file and tensor for a weight holding NaN or
-    ±inf. No code from the checkpoint is executed.
+    ±inf, or (with `dtype="float16"`) a magnitude past float16's range. No code from
+    the checkpoint is executed.
     """
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
@@ -145,6 +166,8 @@ def load_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> Policy
     cfg = config_from_hf(config, dtype=dtype, source=config_path)
     head = hf_head(config, source=config_path)
     tensors = _read_tensors(directory)
+    if cfg.dtype == "float16":
+        _check_float16_range(tensors, directory)
     arrays = arrays_from_tensors(cfg, tensors, source=directory, head=head)
     return model_from_arrays(Policy if head == "lm" else RewardModel, cfg, arrays, source=directory)
 

@@ -914,3 +914,34 @@ def test_save_hf_refuses_weights_that_would_not_load(tmp_path, getkey):
     with pytest.raises(ValueError, match=r"'model.norm.weight' holds a magnitude of 99840, past"):
         load_hf(tmp_path / "bf16", dtype="float16")
     assert load_hf(tmp_path / "bf16").cfg.dtype == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    "field, rope",
+    [
+        (
+            "rope_parameters.partial_rotary_factor",
+            dict(
+                rope_parameters={"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}
+            ),
+        ),
+        (
+            "rope_parameters.sliding_attention.partial_rotary_factor",
+            dict(
+                rope_parameters={
+                    "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                    "sliding_attention": {"rope_type": "default", "partial_rotary_factor": 0.25},
+                }
+            ),
+        ),
+        ("rope_scaling", dict(rope_scaling="linear")),
+    ],
+)
+def test_hf_rope_fields_transformers_would_read_differently(field, rope):
+    """transformers rotates only `partial_rotary_factor` of each head where the rotary
+    parameters name it; refused rather than read as a full rotation."""
+    c = _hf_config("Gemma3ForCausalLM", hidden_act="gelu_pytorch_tanh", **rope)
+    with pytest.raises(ValueError, match=rf"`{field}` = .* is not supported"):
+        config_from_hf(c)
+    c["rope_parameters" if "rope_parameters" in rope else "rope_scaling"] = None
+    assert config_from_hf(c).rope_scaling is None

@@ -162,9 +162,10 @@ def _rope(config, source: str) -> tuple[float, RopeScaling | None, float | None]
     scaling = config.get("rope_scaling")
     field = "rope_scaling"
     params = config.get("rope_parameters")
+    local_params: dict[str, Any] = {}
     if isinstance(params, dict):
         if "full_attention" in params or "sliding_attention" in params:
-            local = params.get("sliding_attention") or {}
+            local = local_params = params.get("sliding_attention") or {}
             local_theta = local.get("rope_theta", local_theta)
             if local.get("rope_type", "default") != "default":
                 raise _err(
@@ -178,6 +179,14 @@ def _rope(config, source: str) -> tuple[float, RopeScaling | None, float | None]
         scaling, field = params, "rope_parameters"
     if scaling is None:
         return float(theta if theta is not None else 10000.0), None, local_theta
+    if not isinstance(scaling, dict):
+        raise _err(source, field, scaling, "expected a JSON object")
+    for name, part in ((field, scaling), (f"{field}.sliding_attention", local_params)):
+        factor = part.get("partial_rotary_factor")
+        if factor is not None and factor != 1:
+            raise _err(
+                source, f"{name}.partial_rotary_factor", factor, "every head dimension rotates"
+            )
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     theta = float(theta if theta is not None else 10000.0)
     if kind == "default":

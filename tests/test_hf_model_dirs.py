@@ -192,3 +192,10 @@ def test_adapter_config_lora_alpha_is_the_alpha_given(tmp_path, getkey):
     config = json.loads((tmp_path / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"]) == (25, 7.0)  # 7 / 25 * 25 is 7.000000000000001
     assert rx.load_lora_adapter(base, tmp_path).transformer.layers.lora["q"].scale == 7 / 25
+
+
+def test_tokenizer_dir_with_only_slow_tokenizer_files_says_so(tmp_path):
+    (tmp_path / "vocab.json").write_text("{}")
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    with pytest.raises(rx.data.DataError, match=r"no tokenizer.json.*vocab.json / merges.txt"):
+        load_tokenizer(tmp_path)

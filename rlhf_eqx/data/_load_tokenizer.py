@@ -23,7 +23,14 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
             candidate = os.path.join(path, name)
             if os.path.isfile(candidate):
                 return load_tokenizer(candidate)
-        raise DataError(f"{path}: no tokenizer.json, tokenizer.model or tokenizer.bin")
+        hint = ""
+        if any(os.path.isfile(os.path.join(path, n)) for n in ("vocab.json", "merges.txt")):
+            hint = (
+                " (vocab.json / merges.txt, a slow tokenizer's files, are not read: write a "
+                "tokenizer.json with transformers' AutoTokenizer.from_pretrained(DIR)"
+                ".save_pretrained(DIR))"
+            )
+        raise DataError(f"{path}: no tokenizer.json, tokenizer.model or tokenizer.bin{hint}")
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such tokenizer file")
     suffix = os.path.splitext(path)[1].lower()

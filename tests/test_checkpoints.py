@@ -945,3 +945,19 @@ def test_hf_rope_fields_transformers_would_read_differently(field, rope):
         config_from_hf(c)
     c["rope_parameters" if "rope_parameters" in rope else "rope_scaling"] = None
     assert config_from_hf(c).rope_scaling is None
+
+
+def test_hf_single_file_is_read_before_a_stale_index(tmp_path, getkey):
+    """transformers' unsharded re-save into a sharded checkpoint deletes the shards but
+    not `model.safetensors.index.json`; transformers then reads `model.safetensors`, and
+    so does `load_hf`."""
+    policy = _randomise(rx.Policy(_small_cfg(), key=getkey()), getkey())
+    save_hf(policy, tmp_path, max_shard_bytes=2000)
+    for name in os.listdir(tmp_path):
+        if name.startswith("model-"):
+            os.remove(tmp_path / name)
+    with pytest.raises(FileNotFoundError, match="model-00001-of"):
+        load_hf(tmp_path)
+    save_hf(policy, tmp_path / "single")
+    os.rename(tmp_path / "single" / "model.safetensors", tmp_path / "model.safetensors")
+    np.testing.assert_array_equal(_logits(load_hf(tmp_path), [1, 2]), _logits(policy, [1, 2]))

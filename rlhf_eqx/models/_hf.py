@@ -5,7 +5,7 @@ names): Llama 2/3.x (`llama3` and `linear` rope scaling, tied or untied embeddin
 Mistral (sliding window), Qwen2/2.5 (q/k/v biases), Qwen3 (QK-norm), Gemma, Gemma 2
 and Gemma 3 text models. A checkpoint is either one `model.safetensors` or shards
 `model-0000i-of-0000n.safetensors` listed in `model.safetensors.index.json`
-(`weight_map`).
+(`weight_map`); where both are present the single file is read, as transformers does.
 
 **dtypes.** numpy has no native bfloat16; `ml_dtypes.bfloat16` (installed with jax)
 fills the gap and the `safetensors` numpy API reads and writes it, so bfloat16
@@ -83,14 +83,16 @@ def _read_tensors(directory: str) -> dict[str, np.ndarray]:
     _has = lambda name: os.path.isfile(os.path.join(directory, name))
     index_path = os.path.join(directory, _INDEX)
     single = os.path.join(directory, _SINGLE)
-    if os.path.exists(index_path):
+    # the single file before the index, as transformers reads them: its re-save without
+    # shards removes the old shards but leaves their index behind
+    if os.path.exists(single):
+        files = [_SINGLE]
+    elif os.path.exists(index_path):
         index = _read_json(index_path)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index_path}: no `weight_map` object")
         files = sorted(set(weight_map.values()))
-    elif os.path.exists(single):
-        files = [_SINGLE]
     else:
         pickled = [n for n in ("pytorch_model.bin", "pytorch_model.bin.index.json") if _has(n)]
         hint = (

@@ -856,7 +856,8 @@ def test_hf_absent_fields_read_as_transformers_reads_them():
     (`Gemma2Config`: head_dim 256, sliding_window 4096, soft-caps 50 / 30,
     query_pre_attn_scalar 256; `Gemma3TextConfig`: the same without soft-caps;
     `GemmaConfig` head_dim 256; `Qwen3Config` head_dim 128; `MistralConfig` sliding_window
-    4096); a field written as `null` stays unset."""
+    4096; `Qwen2Config` / `Qwen3Config` sliding_window 4096 and max_window_layers 28, used
+    with `use_sliding_window`); a field written as `null` stays unset."""
     gelu = dict(hidden_act="gelu_pytorch_tanh")
 
     def bare(arch, **kw):
@@ -873,6 +874,10 @@ def test_hf_absent_fields_read_as_transformers_reads_them():
     assert config_from_hf(bare("GemmaForCausalLM", **gelu)).head_dim == 256
     assert config_from_hf(bare("Qwen3ForCausalLM")).head_dim == 128
     assert config_from_hf(bare("MistralForCausalLM")).sliding_window == 4096
+    for arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):  # windows from layer 28 on
+        qwen = config_from_hf(bare(arch, use_sliding_window=True, num_hidden_layers=30))
+        assert qwen.sliding_window == 4096 and qwen.local_layers == (False,) * 28 + (True,) * 2
+        assert config_from_hf(bare(arch, num_hidden_layers=30)).sliding_window is None
     assert config_from_hf(bare("LlamaForCausalLM")).head_dim == 12  # hidden / heads
     nulls = bare("Gemma2ForCausalLM", attn_logit_softcapping=None, sliding_window=None, **gelu)
     cfg = config_from_hf(dict(nulls, head_dim=12))

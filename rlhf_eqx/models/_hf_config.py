@@ -54,7 +54,8 @@ _UNSET = object()
 # them out must read as transformers reads it. A field present as `null` keeps `None`.
 _CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
     "mistral": {"sliding_window": 4096},
-    "qwen3": {"head_dim": 128},
+    "qwen2": {"sliding_window": 4096, "max_window_layers": 28},
+    "qwen3": {"head_dim": 128, "sliding_window": 4096, "max_window_layers": 28},
     "gemma": {"head_dim": 256},
     "gemma2": {
         "head_dim": 256,

@@ -12,8 +12,8 @@ Commands:
   for sft TRL's `text`, `prompt`/`completion` or `messages` layouts, or preferences'
   chosen responses; prompts with answers for grpo, e.g. GSM8K; unpaired
   `prompt`/`completion`/`label` JSONL or preferences for kto; for distill,
-  preferences' chosen responses and `--set distill.teacher=DIR`, a checkpoint
-  directory).
+  prompts of `prompt`/`completion` or `messages` records or of preferences, and `--set
+  distill.teacher=DIR`, a checkpoint directory).
 - `ppo`, `online-dpo`: SFT, the reward model, then this stage on the built-in task.
 - `prm`: a process reward model on a stepwise file (`--data FILE`, records
   `{"prompt", "completions": [steps], "labels": [bools]}`); PPO and GRPO use it with

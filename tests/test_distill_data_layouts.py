@@ -77,3 +77,18 @@ def test_distill_reads_pairs_prompt_completion_and_messages(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "language-modelling text has no prompt" in err[0]
     assert not (tmp_path / "text").exists()
+
+
+def test_distill_accepts_the_demonstration_formats_it_reads(tmp_path, capsys):
+    """`data.format=prompt_completion` / `messages` pass distill's checks (the teacher is
+    the next thing checked); `text` is refused naming what distill does not read."""
+    path = _write(tmp_path / "pc.jsonl", [{"prompt": "a", "completion": "b"}])
+    base = ["distill", "--data", path, "--set", f"distill.teacher={tmp_path}", "--show-config"]
+    for fmt in ("prompt_completion", "messages"):
+        assert main([*base, "--set", f"data.format={fmt}"]) == 2
+        assert "distill.teacher=" in capsys.readouterr().err
+    assert main([*base, "--set", "data.format=text"]) == 2
+    assert capsys.readouterr().err == (
+        "error: invalid configuration: data.format='text': distill does not read it "
+        "(text, preference: sft's demonstrations)\n"
+    )

@@ -144,16 +144,19 @@ def validate_config(
 
 def _check_stage_format(fmt: str, run: tuple[str, ...]) -> None:
     """`data.format` against the stages that read the file: sft reads `SFT_FORMATS`; the
-    demonstration formats that name no other reader's layout are sft's alone."""
+    demonstration formats that name no other reader's layout are sft's alone, but for the
+    conversations and prompt-completion records distill reads too."""
     if "sft" in run and fmt not in SFT_FORMATS:
         _fail("data.format", fmt, f"sft reads one of {', '.join(SFT_FORMATS)}")
     sft_only = [f for f in SFT_FORMATS if f not in ("auto", *PREFERENCE_FORMATS, *PROMPT_FORMATS)]
-    others = [st for st in run if st != "sft"]
+    also = {"distill": ("prompt_completion", "messages")}
+    others = [st for st in run if st != "sft" and fmt not in also.get(st, ())]
     if fmt in sft_only and others:
+        not_read = [f for f in sft_only if f not in also.get(others[0], ())]
         _fail(
             "data.format",
             fmt,
-            f"{others[0]} does not read it ({', '.join(sft_only)}: sft's demonstrations)",
+            f"{others[0]} does not read it ({', '.join(not_read)}: sft's demonstrations)",
         )
 
 

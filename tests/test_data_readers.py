@@ -379,6 +379,12 @@ def test_prompt_formats_and_errors(tmp_path):
     mt = write_jsonl(tmp_path / "mt.jsonl", [{"turns": []}])
     with pytest.raises(data.DataError, match="mt.jsonl:1: wrong type"):
         data.load_prompts(mt)
+    # TRL's math sets name the reference `solution`: read as the answer
+    sol = write_jsonl(tmp_path / "s.jsonl", [{"prompt": "q", "solution": "x = 4"}])
+    assert list(data.load_prompts(sol)) == [data.PromptRecord("q", "x = 4")]
+    bad = write_jsonl(tmp_path / "b.jsonl", [{"prompt": "q", "solution": [4]}])
+    with pytest.raises(data.DataError, match="b.jsonl:1: wrong type: 'solution' must be a string"):
+        data.load_prompts(bad)
 
 
 def test_a_directory_is_named_as_such(tmp_path):

@@ -7,6 +7,8 @@
 | `"gsm8k"` | `{"question", "answer"}` | the question | the integer after `####` |
 | `"mt-bench"` | `{"question_id", "category", "turns": [str, ...]}` | the first turn | `None` |
 | `"plain"` | `{"prompt": str or [messages], "answer"?: str}` | the prompt | the answer, if any |
+
+A plain record without `answer` may name it `solution` (TRL's math datasets).
 """
 
 import dataclasses
@@ -78,9 +80,10 @@ def _parse_mt_bench(record: dict, template: ChatTemplate | None) -> PromptRecord
 
 def _parse_plain(record: dict, template: ChatTemplate | None) -> PromptRecord:
     prompt = record.get("prompt")
-    answer = record.get("answer")
+    key = "answer" if "answer" in record else "solution"  # TRL's math sets name it so
+    answer = record.get(key)
     if answer is not None and not isinstance(answer, (str, int)):
-        raise Malformed("wrong type", f"'answer' must be a string, got {type(answer).__name__}")
+        raise Malformed("wrong type", f"{key!r} must be a string, got {type(answer).__name__}")
     answer = None if answer is None else str(answer)
     if isinstance(prompt, list):
         messages = [message_field(m, "prompt") for m in prompt]

@@ -462,9 +462,9 @@ def test_the_cli_reads_a_parquet_file_through_its_column_mapping(tmp_path, capsy
     assert main([*argv, *(a for m in mapping for a in ("--set", m))]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
-        "error: data.heldout_fraction=0.1: the split of 1 records by prompt left 1 for "
-        "training and 0 held out; use more records, another fraction or another data.seed "
-        "(it picks the prompts held out)"
+        f"error: data.heldout_fraction=0.1: the split of the 1 record of {path} by prompt "
+        "left 1 for training and 0 held out; use more records, another fraction or another "
+        "data.seed (it picks the prompts held out)"
     ]
     assert main([*argv, "--overwrite"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
@@ -567,5 +567,5 @@ def test_every_data_stage_reads_its_kind_from_arrow_files_with_a_mapping(tmp_pat
         assert main([*argv, *(a for m in mapping for a in ("--set", f"data.columns.{m}"))]) == 1
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(
-            "error: data.heldout_fraction=0.1: the split of 1 records by prompt left"
+            f"error: data.heldout_fraction=0.1: the split of the 1 record of {path} by prompt"
         ), (stage, err)

@@ -58,6 +58,10 @@ def test_truncation_summary_for_a_run_log():
         "(kept the start, lost the EOS); kept 3 of 3"
     )
     assert str(report) == report.summary()
+    _, no_eos = data.tokenize_preferences(
+        records, BYTES, max_length=16, max_prompt_length=8, add_eos=False
+    )
+    assert "(kept the start, lost its end)" in no_eos.summary()
     _, dropped = data.tokenize_preferences(
         records, BYTES, max_length=16, max_prompt_length=8, truncation="drop"
     )

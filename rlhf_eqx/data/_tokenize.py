@@ -135,7 +135,7 @@ def _tokenize(
     """`build(index in items, fitted sequences)` of each kept item, and the report
     (`build` may drop the item by raising `_Drop` with the reason)."""
     _check_truncation(truncation)
-    report = TokenizeReport(lengths=lengths, truncation=truncation)
+    report = TokenizeReport(lengths=lengths, truncation=truncation, eos=add_eos)
     out = []
     add_bos = wants_bos(tokenizer, add_bos)
     bos = [tokenizer.bos_id] if add_bos else []

@@ -123,7 +123,9 @@ class TokenizeReport:
     - `dropped`: `{reason: count}` (`"too long"` under `truncation="drop"`,
       `"empty completion"` when nothing of a completion is left).
     - `boundary_merged`: records where a token spans the prompt/completion boundary.
-    - `lengths`, `truncation`: the limits and policy applied.
+    - `lengths`, `truncation`: the limits and policy applied; `eos`: whether completions
+      end with EOS (a cut one loses it; else it loses its end, e.g. a template's
+      end-of-turn text).
 
     `summary()` (also `str(report)`) puts the policy and the rates in one line, e.g.
     `"67% of prompts (2/3) were cut to 128 tokens (kept the end); ..."`.
@@ -137,6 +139,7 @@ class TokenizeReport:
     dropped: dict[str, int] = dataclasses.field(default_factory=dict)
     lengths: SequenceLengths | None = None
     truncation: str = "keep_end"
+    eos: bool = True
 
     @property
     def num_dropped(self) -> int:
@@ -179,7 +182,7 @@ class TokenizeReport:
                 room = ""
             parts.append(
                 f"{share(self.completion_truncated)} of records had a completion cut{room} "
-                "(kept the start, lost the EOS)"
+                f"(kept the start, lost {'the EOS' if self.eos else 'its end'})"
             )
         if self.dropped:
             reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.dropped.items()))

@@ -54,11 +54,13 @@ def split_records(
         train = [r for r, t in zip(records, texts) if t not in out]
         held = [r for r, t in zip(records, texts) if t in out]
     if not train or not held:
+        n = len(records)
+        where = f" of {dc.path}" if dc.path else ""
         raise ValueError(
-            f"data.heldout_fraction={dc.heldout_fraction}: the split of {len(records)} "
-            f"records by prompt left {len(train)} for training and {len(held)} held out; "
-            "use more records, another fraction or another data.seed (it picks the prompts "
-            "held out)"
+            f"data.heldout_fraction={dc.heldout_fraction}: the split of the {n} "
+            f"record{'s' if n != 1 else ''}{where} by prompt left {len(train)} for training "
+            f"and {len(held)} held out; use more records, another fraction or another "
+            "data.seed (it picks the prompts held out)"
         )
     return list(train), list(held)
 

@@ -265,3 +265,36 @@ def test_sweep_pairs_contrast_accepted_and_rejected_completions():
         ("p1", "a pig", "y"),
     ]
     assert len(sweep.contrast_pairs(["p0"], texts[:4], labels[:4], 4, per_prompt=1)) == 1
+
+
+def test_exports_name_the_special_tokens_and_carry_the_tokenizer_files(tmp_path):
+    """The `hf/` exports name the tokenizer's BOS and EOS in `config.json` (transformers'
+    `generate` stops at EOS only then), the reward model its padding id too (transformers
+    scores batches of a sequence classifier only with one); a Hugging Face tokenizer's
+    chat template file and generation config come along, for `tokenizer.model` too."""
+    from rlhf_eqx.assets import asset_path
+
+    policy, tok = pl.tools.load_model("builtin")
+    pl.runs.export_policy(policy, str(tmp_path), "sft", tokenizer_file=asset_path("tok512.bin"))
+    config = json.loads((tmp_path / "sft" / "hf" / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (tok.bos_id, tok.eos_id)
+    assert "pad_token_id" not in config
+    rm = rx.RewardModel(policy.cfg, key=jax.random.key(0))
+    pl.runs.export_reward_model(rm, str(tmp_path), tokenizer_file=asset_path("tok512.bin"))
+    config = json.loads((tmp_path / "reward" / "hf" / "config.json").read_text())
+    assert config["pad_token_id"] == tok.pad_id and config["eos_token_id"] == tok.eos_id
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "tokenizer.model").write_bytes(b"not read here")
+    (src / "chat_template.jinja").write_text("{{ messages }}")
+    (src / "generation_config.json").write_text('{"eos_token_id": 2}')
+    out = tmp_path / "out"
+    out.mkdir()
+    pl.runs.copy_tokenizer(str(src / "tokenizer.model"), str(out))
+    assert sorted(os.listdir(out)) == [
+        "chat_template.jinja",
+        "generation_config.json",
+        "tokenizer.model",
+    ]
+    with pytest.raises(ValueError, match=r"save_hf: eos_token_id=\[2, 999\]: must be ids in"):
+        rx.save_hf(policy, tmp_path / "bad", eos_token_id=[2, 999])

@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -348,6 +349,8 @@ def save_hf(
     max_shard_bytes: int = 5 * 2**30,
     dtype: str | None = None,
     pad_token_id: int | None = None,
+    bos_token_id: int | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
 ) -> None:
     """Write a model as a Hugging Face checkpoint (`config.json` + safetensors).
 
@@ -371,6 +374,9 @@ def save_hf(
       model's parameter dtype.
     - `pad_token_id`: written to `config.json` when given (a sequence classifier reads
       its score at the last token that is not `pad_token_id`).
+    - `bos_token_id`, `eos_token_id` (an id or several): written to `config.json` when
+      given; transformers' `generate` stops at `eos_token_id` only when the checkpoint
+      names it.
 
     The architecture written is the family the configuration's switches describe
     (`config_to_hf`). A weight that is NaN or ±inf in the written dtype (a diverged
@@ -393,6 +399,9 @@ def save_hf(
         raise ValueError(f"save_hf: dtype must be one of {list(_TORCH_DTYPES)}, got {dtype!r}")
     head = "lm" if isinstance(policy, Policy) else "score"
     config = config_to_hf(policy.cfg, dtype=dtype, head=head, pad_token_id=pad_token_id)
+    for name, ids in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id)):
+        if ids is not None:
+            config[name] = _token_ids(name, ids, policy.cfg.vocab_size)
     tensors = tensors_from_model(policy, dtype)
     _check_written_finite(tensors, dtype)
     target = os.path.abspath(os.fspath(directory))
@@ -400,3 +409,15 @@ def save_hf(
         raise ValueError(f"save_hf: {target} exists and is not a directory")
     shards = _plan_shards(tensors, max_shard_bytes)
     _write_atomically(target, lambda d: _write_files(d, config, tensors, shards), "export")
+
+
+def _token_ids(name: str, ids: object, vocab_size: int) -> int | list[int]:
+    """`ids` (an id or a sequence of them) as `config.json` holds it; a `ValueError`
+    naming `name` for a value that is not an id of the vocabulary."""
+    many = isinstance(ids, (list, tuple))
+    values = list(ids) if many else [ids]
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v < vocab_size:
+            raise ValueError(f"save_hf: {name}={ids!r}: must be ids in [0, {vocab_size})")
+    values = [int(v) for v in values]
+    return values if many else values[0]

@@ -115,7 +115,12 @@ def check_finite_weights(model, what: str) -> None:
 
 
 _TOKENIZER_FILES = {".json": "tokenizer.json", ".model": "tokenizer.model", ".bin": "tokenizer.bin"}
-_HF_TOKENIZER_EXTRAS = ("tokenizer_config.json", "special_tokens_map.json")
+_HF_TOKENIZER_EXTRAS = (
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",  # where transformers >= 4.50 saves a chat template
+    "generation_config.json",
+)
 
 
 @functools.lru_cache(maxsize=4)
@@ -127,10 +132,12 @@ def _gguf_tokenizer(path: str, stamp: int):
 def copy_tokenizer(tokenizer_file: str | None, directory: str) -> None:
     """Copy the tokenizer file a model was loaded with into `directory` under the name
     `data.load_tokenizer(directory)` finds (`tokenizer.json`, `tokenizer.model` or
-    `tokenizer.bin`), with an HF tokenizer's `tokenizer_config.json` and
-    `special_tokens_map.json` when they sit beside it. For a `.gguf` file the tokenizer
-    built from its metadata is written instead (`HFTokenizer.save`: `tokenizer.json`,
-    and `tokenizer_config.json` with the special tokens and the chat template)."""
+    `tokenizer.bin`), with the files of a Hugging Face directory beside a `tokenizer.json`
+    or `tokenizer.model` (`tokenizer_config.json`, `special_tokens_map.json`,
+    `chat_template.jinja`, `generation_config.json`) when they are there. For a `.gguf`
+    file the tokenizer built from its metadata is written instead (`HFTokenizer.save`:
+    `tokenizer.json`, and `tokenizer_config.json` with the special tokens and the chat
+    template)."""
     if tokenizer_file is None:
         return
     ext = os.path.splitext(tokenizer_file)[1].lower()
@@ -142,11 +149,29 @@ def copy_tokenizer(tokenizer_file: str | None, directory: str) -> None:
     if name is None:
         raise ValueError(f"{tokenizer_file}: unknown tokenizer file type, not exported")
     shutil.copyfile(tokenizer_file, os.path.join(directory, name))
-    if ext == ".json":
+    if ext in (".json", ".model"):
         for extra in _HF_TOKENIZER_EXTRAS:
             src = os.path.join(os.path.dirname(tokenizer_file), extra)
             if os.path.isfile(src):
                 shutil.copyfile(src, os.path.join(directory, extra))
+
+
+def special_token_ids(tokenizer_file: str | None, *, pad: bool) -> dict[str, int]:
+    """The `save_hf` keywords of the tokenizer `tokenizer_file` (`copy_tokenizer`'s):
+    `bos_token_id`, `eos_token_id` (so that transformers' `generate` stops there) and,
+    with `pad` (a sequence classifier, which transformers scores on batches only with
+    one), `pad_token_id`; none without a file."""
+    if tokenizer_file is None:
+        return {}
+    if tokenizer_file.lower().endswith(".gguf"):
+        stamp = os.stat(tokenizer_file).st_mtime_ns
+        tok = _gguf_tokenizer(os.path.abspath(tokenizer_file), stamp)
+    else:
+        tok = data.load_tokenizer(tokenizer_file)
+    ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
+    if pad:
+        ids["pad_token_id"] = tok.pad_id
+    return {k: v for k, v in ids.items() if isinstance(v, int) and v >= 0}
 
 
 def export_policy(
@@ -160,7 +185,7 @@ def export_policy(
     (`save_lora_adapter`). A model with a non-finite weight is refused."""
     check_finite_weights(policy, f"{stage} policy")
     out = os.path.join(run_dir, stage, "hf")
-    rx.save_hf(policy, out)
+    rx.save_hf(policy, out, **special_token_ids(tokenizer_file, pad=False))
     copy_tokenizer(tokenizer_file, out)
     if adapted is not None and has_lora(adapted):
         rx.save_lora_adapter(adapted, os.path.join(run_dir, stage, "adapter"))
@@ -175,7 +200,7 @@ def export_reward_model(model, run_dir: str, *, tokenizer_file: str | None = Non
     check_finite_weights(model, "reward model")
     model = eqx.tree_at(lambda m: m.bias, model, jnp.zeros_like(model.bias))
     out = os.path.join(run_dir, "reward", "hf")
-    rx.save_hf(model, out)
+    rx.save_hf(model, out, **special_token_ids(tokenizer_file, pad=True))
     copy_tokenizer(tokenizer_file, out)
 
 

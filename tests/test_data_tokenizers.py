@@ -399,3 +399,23 @@ def test_every_tokenizer_refuses_ids_outside_its_vocabulary(tok512, hf_tok):
             tok.decode([-1, 5])
         with pytest.raises(data.DataError, match=f"token id {tok.vocab_size} at position 1"):
             tok.decode([5, tok.vocab_size])
+
+
+def test_sentencepiece_reads_the_hugging_face_files_beside_it(spm_model, tmp_path):
+    """A Llama-2-style directory (`tokenizer.model` with `tokenizer_config.json`): the
+    chat template and `add_bos_token` are the directory's, as transformers reads them;
+    `chat_template.jinja` comes first; without the files, no template and BOS first."""
+    import shutil
+
+    shutil.copyfile(spm_model, tmp_path / "tokenizer.model")
+    plain = data.load_tokenizer(tmp_path)
+    assert plain.chat_template is None and plain.add_bos_token and data.wants_bos(plain)
+    template = "{{ bos_token }}{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    config = {"chat_template": template, "add_bos_token": False}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = data.load_tokenizer(tmp_path)
+    assert not data.wants_bos(tok)
+    rendered = tok.jinja_chat_template().render([{"role": "user", "content": "hi"}])
+    assert rendered == f"{tok.token(tok.bos_id)}[hi]" == "<s>[hi]"
+    (tmp_path / "chat_template.jinja").write_text("{{ eos_token }}")
+    assert data.load_tokenizer(tmp_path).jinja_chat_template().render([]) == "</s>"

@@ -54,6 +54,18 @@ def _chat_template(config: dict, directory: str) -> str | None:
     return template if isinstance(template, str) and template else None
 
 
+def tokenizer_config(directory: str) -> dict:
+    """The `tokenizer_config.json` in `directory` (`{}` when there is none); a
+    `DataError` naming the file when it is not a JSON object."""
+    config_path = os.path.join(directory, "tokenizer_config.json")
+    if not os.path.isfile(config_path):
+        return {}
+    config = _parse_json(_read_text(config_path), config_path)
+    if not isinstance(config, dict):
+        raise DataError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
+    return config
+
+
 _BOS_BY_DEFAULT = ("LlamaTokenizer", "CodeLlamaTokenizer", "GemmaTokenizer")
 
 
@@ -140,14 +152,7 @@ class HFTokenizer:
         except Exception as e:  # the Rust library raises a bare Exception
             _parse_json(text, path)  # names the line when the JSON itself is broken
             raise DataError(f"{path}: not a Hugging Face tokenizer file ({e})") from None
-        config_path = os.path.join(os.path.dirname(path), "tokenizer_config.json")
-        config: dict = {}
-        if os.path.isfile(config_path):
-            config = _parse_json(_read_text(config_path), config_path)
-            if not isinstance(config, dict):
-                raise DataError(
-                    f"{config_path}: expected a JSON object, got {type(config).__name__}"
-                )
+        config = tokenizer_config(os.path.dirname(path))
         vocab = tok.get_vocab(with_added_tokens=True)
 
         def resolve(given: str | None, key: str, candidates: tuple[str, ...]) -> str | None:
@@ -199,16 +204,7 @@ class HFTokenizer:
         """The `chat_template` as a `JinjaChatTemplate` with this tokenizer's BOS and EOS
         text (for `render` and `render_with_assistant_mask`); a `DataError` when there is
         none."""
-        from ._jinja_chat import JinjaChatTemplate
-
-        if self.chat_template is None:
-            raise DataError("this tokenizer carries no chat template")
-        return JinjaChatTemplate(
-            self.chat_template,
-            bos_token=self.token(self.bos_id),
-            eos_token=self.token(self.eos_id),
-            pad_token=self.token(self.pad_id),
-        )
+        return carried_chat_template(self)
 
     def encode(self, text: str) -> list[int]:
         return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False).ids]
@@ -219,3 +215,19 @@ class HFTokenizer:
 
     def __repr__(self) -> str:
         return f"HFTokenizer(vocab_size={self.vocab_size})"
+
+
+def carried_chat_template(tok):
+    """`tok.chat_template` (a tokenizer with `token(i)` and its special ids) as a
+    `JinjaChatTemplate` with the tokenizer's BOS, EOS and padding text; a `DataError`
+    when it carries none."""
+    from ._jinja_chat import JinjaChatTemplate
+
+    if tok.chat_template is None:
+        raise DataError("this tokenizer carries no chat template")
+    return JinjaChatTemplate(
+        tok.chat_template,
+        bos_token=tok.token(tok.bos_id),
+        eos_token=tok.token(tok.eos_id),
+        pad_token=tok.token(tok.pad_id),
+    )

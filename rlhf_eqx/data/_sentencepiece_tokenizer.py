@@ -3,6 +3,11 @@
 import os
 
 from ._errors import DataError
+from ._hf_tokenizer import (
+    _chat_template as hf_chat_template,
+    carried_chat_template,
+    tokenizer_config,
+)
 from ._tokenizer import TokenIds, int_ids
 
 
@@ -11,11 +16,17 @@ class SentencePieceTokenizer:
 
     BOS/EOS/padding are the model's own ids; a model without a padding piece pads with
     the unknown-piece id (padding is always masked). `decode` skips BOS, EOS and the
-    padding piece (when the model has one).
+    padding piece (when the model has one). `chat_template` and `add_bos_token` are a
+    Hugging Face directory's (`tokenizer_config.json` or `chat_template.jinja` beside
+    the file, read by `from_file`: the model's chat template, `jinja_chat_template()`
+    rendering it); without them, no template and BOS first (the sentencepiece models'
+    convention).
     """
 
-    def __init__(self, processor):
+    def __init__(self, processor, *, chat_template: str | None = None, add_bos_token: bool = True):
         self.processor = processor
+        self.chat_template: str | None = chat_template
+        self.add_bos_token: bool = bool(add_bos_token)
         self.vocab_size: int = int(processor.get_piece_size())
         bos, eos, pad, unk = (
             int(processor.bos_id()),
@@ -36,7 +47,24 @@ class SentencePieceTokenizer:
     def from_file(cls, path: str | os.PathLike) -> "SentencePieceTokenizer":
         import sentencepiece as spm
 
-        return cls(spm.SentencePieceProcessor(model_file=os.fspath(path)))
+        path = os.fspath(path)
+        directory = os.path.dirname(path)
+        config = tokenizer_config(directory)
+        add_bos = config.get("add_bos_token")
+        return cls(
+            spm.SentencePieceProcessor(model_file=path),
+            chat_template=hf_chat_template(config, directory),
+            add_bos_token=True if add_bos is None else bool(add_bos),
+        )
+
+    def token(self, i: int) -> str:
+        """The piece of id `i` (e.g. `"<s>"`)."""
+        return str(self.processor.id_to_piece(int(i)))
+
+    def jinja_chat_template(self):
+        """The `chat_template` as a `JinjaChatTemplate` with this tokenizer's BOS and EOS
+        pieces; a `DataError` when there is none."""
+        return carried_chat_template(self)
 
     def encode(self, text: str) -> list[int]:
         return [int(i) for i in self.processor.encode(text, out_type=int)]

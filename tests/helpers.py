@@ -48,6 +48,12 @@ SMOLLM2 = _smollm2_path()
 ADAM_EPS = 1e-3
 
 
+def quiet_settings(*overrides: str) -> list[str]:
+    """Command-line options of a short quiet run: `--quiet`, a `--set` for each
+    `"section.field=value"` and the monitor off."""
+    return ["--quiet", *(a for o in (*overrides, "ops.monitor=false") for a in ("--set", o))]
+
+
 def _float_leaves(tree) -> list[np.ndarray]:
     leaves = jax.tree.leaves(eqx.filter(tree, eqx.is_inexact_array))
     return [np.asarray(x, np.float64) for x in leaves]

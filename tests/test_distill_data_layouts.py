@@ -5,29 +5,21 @@ message the completion); language-modelling text, without prompts, is refused.""
 import json
 
 import equinox as eqx
+from helpers import quiet_settings
 
 import rlhf_eqx as rx
 from rlhf_eqx import pipelines as pl
 from rlhf_eqx.__main__ import main
 from rlhf_eqx.assets import asset_path
 
-_SMALL = [
-    "--quiet",
-    "--set",
+_SMALL = quiet_settings(
     "distill.steps=2",
-    "--set",
     "distill.batch_size=4",
-    "--set",
     "distill.max_length=40",
-    "--set",
     "sampling.prompt_length=16",
-    "--set",
     "sampling.max_new_tokens=4",
-    "--set",
     "data.heldout_fraction=0.25",
-    "--set",
-    "ops.monitor=false",
-]
+)
 
 
 def _write(path, rows) -> str:

@@ -4,26 +4,19 @@ balance is checked."""
 
 import json
 
+from helpers import quiet_settings
+
 from rlhf_eqx import data, pipelines as pl
 from rlhf_eqx.__main__ import main
 
-_SMALL = [
-    "--quiet",
-    "--set",
+_SMALL = quiet_settings(
     "kto.steps=2",
-    "--set",
     "kto.batch_size=4",
-    "--set",
     "kto.max_length=40",
-    "--set",
     "sampling.prompt_length=16",
-    "--set",
     "sampling.max_new_tokens=4",
-    "--set",
     "data.heldout_fraction=0.25",
-    "--set",
-    "ops.monitor=false",
-]
+)
 
 
 def _imbalanced(n=16):

@@ -148,6 +148,31 @@ def test_hooks_run_in_order_with_host_float_metrics(tmp_path):
     assert rec.metrics["rollout/score"] == 3.0 and "step" not in rec.metrics
 
 
+def test_a_stop_at_a_checkpoint_iteration_reports_that_checkpoint_once(tmp_path):
+    """A callback's stop after an iteration that wrote a regular checkpoint saves again
+    (to mark the stop) but tells `on_checkpoint` of that checkpoint once."""
+
+    class StopAtTwo(Recorder):
+        def on_step(self, run, step, metrics):
+            super().on_step(run, step, metrics)
+            return "stop" if step == 2 else None
+
+    state, iteration = _quadratic()
+    rec = StopAtTwo()
+    res = pl.loop.run_iterations(
+        state,
+        iteration,
+        num_iterations=4,
+        key=jax.random.key(1),
+        ops=pl.OpsConfig(quiet=True, checkpoint_every=2),
+        log=pl.tools.MetricsLog(str(tmp_path), "q", quiet=True),
+        checkpoint_dir=str(tmp_path / "ck"),
+        callbacks=[rec],
+    )
+    assert res.stopped == "callback"
+    assert [c for c in rec.calls if c[0] == "checkpoint"] == [("checkpoint", 2, "iter_00000002")]
+
+
 class StopAt(pl.Callback):
     """Returns "stop" from `on_step` after `n` iterations."""
 

@@ -184,6 +184,7 @@ def run_iterations(
     # callbacks' state then: what an error in a hook (or Ctrl-C) checkpoints.
     hooked: tuple[Position, dict | None] = (committed, None)
     last_path: str | None = None
+    notified: tuple[int, str] | None = None  # the last checkpoint `on_checkpoint` was told of
     try:
         if cbs:
             cbs.call("on_start", _sync(run, committed))
@@ -202,7 +203,7 @@ def run_iterations(
                     reason=stop_reason,
                 )
                 last_path = save(pos, hooked[1], stopped="callback", stop_reason=stop_reason)
-                if last_path is not None:
+                if last_path is not None and notified != (i, last_path):  # once a checkpoint
                     cbs.call("on_checkpoint", _sync(run, pos), i, last_path)
                 break
             good = copy_state(pos.state)
@@ -285,6 +286,7 @@ def run_iterations(
                 last_path = save(committed, hooked[1])
                 if last_path is not None:
                     cbs.call("on_checkpoint", run, i, last_path)
+                    notified = (i, last_path)
     except CallbackError as e:
         if e.hook == "on_checkpoint":
             e.checkpoint = last_path

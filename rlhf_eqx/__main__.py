@@ -221,6 +221,14 @@ def result_line(command: str, summary: dict, out: str) -> str:
                 parts += [f"{k} {v:.4g}" for k, v in floats if not k.endswith("_se")][:2]
     reason = f": {summary['stop_reason']}" if summary.get("stop_reason") else ""
     what = "done" if stopped == "done" else f"stopped ({stopped}{reason})"
+    early = []  # stages of a pipeline that ended before their last iteration
+    for stage in names:
+        m = summary.get(stage)
+        if isinstance(m, dict) and m.get("stopped") not in (None, "done", "diverged"):
+            why = f": {m['stop_reason']}" if m.get("stop_reason") else ""
+            early.append(f"{stage} stopped ({m['stopped']}{why})")
+    if early and stopped == "done":
+        what += f" ({'; '.join(early)})"
     numbers = ", ".join(parts) + " " if parts else ""
     return f"rlhf_eqx {command}: {what}: {numbers}({out}/summary.json)"
 

@@ -232,5 +232,12 @@ def test_result_line_shows_rates_not_their_standard_errors():
         "rlhf_eqx grpo: done: heldout_exact_match_before 0.121, heldout_exact_match 0.852"
         " (runs/x/summary.json)"
     )
+    # a pipeline stage a callback (or the KL guard) stopped early is named
+    summary = {"stopped": "done", "sft": {"score": 0.25, "stopped": "callback"}}
+    summary["sft"]["stop_reason"] = "EarlyStop: plateau"
+    assert result_line("pipeline", summary, "r") == (
+        "rlhf_eqx pipeline: done (sft stopped (callback: EarlyStop: plateau)): sft 25.0% "
+        "(r/summary.json)"
+    )
     # a stage that reports no numbers: no empty list before the path
     assert result_line("x", {}, "runs/x") == "rlhf_eqx x: done: (runs/x/summary.json)"

@@ -195,7 +195,7 @@ def test_registration_refuses_what_would_break_other_commands():
     assert main(["dpo", "--show-config"]) == 0
 
 
-_PLUGIN = '''
+_PLUGIN = """
 import dataclasses
 
 from rlhf_eqx import pipelines as pl
@@ -211,7 +211,7 @@ def run(env, c):
 
 
 pl.register_stage(pl.Stage("{name}", {cls}, builtin=run, help="a plugin's stage"))
-'''
+"""
 
 
 def test_plugins_add_their_stages_to_the_command_line(tmp_path, monkeypatch, capsys):

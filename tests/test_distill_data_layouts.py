@@ -5,6 +5,7 @@ message the completion); language-modelling text, without prompts, is refused.""
 import json
 
 import equinox as eqx
+import pytest
 from helpers import quiet_settings
 
 import rlhf_eqx as rx
@@ -27,6 +28,7 @@ def _write(path, rows) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_distill_reads_pairs_prompt_completion_and_messages(tmp_path, capsys):
     policy, _ = pl.tools.load_model("builtin")
     policy = eqx.tree_at(lambda p: p.transformer.final_norm, policy, replace_fn=lambda w: 1.5 * w)

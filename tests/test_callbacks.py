@@ -116,20 +116,22 @@ class Recorder(pl.Callback):
         self.calls.append(("stop", run.iteration, reason))
 
 
-def test_hooks_run_in_order_with_host_float_metrics(tmp_path):
+def _four_iterations(tmp_path, callback, ops, **kw):
+    """`run_iterations` of `_quadratic` for 4 iterations with `callback`, checkpoints in
+    `tmp_path / "ck"`."""
     state, iteration = _quadratic()
+    log = pl.tools.MetricsLog(str(tmp_path), "q", quiet=True)
+    ck = str(tmp_path / "ck")
+    return pl.loop.run_iterations(
+        state, iteration, num_iterations=4, key=jax.random.key(1), ops=ops, log=log,
+        checkpoint_dir=ck, callbacks=[callback], **kw,
+    )  # fmt: skip
+
+
+def test_hooks_run_in_order_with_host_float_metrics(tmp_path):
     rec = Recorder()
-    res = pl.loop.run_iterations(
-        state,
-        iteration,
-        num_iterations=4,
-        key=jax.random.key(1),
-        ops=pl.OpsConfig(quiet=True, eval_every=2, checkpoint_every=3),
-        log=pl.tools.MetricsLog(str(tmp_path), "q", quiet=True),
-        checkpoint_dir=str(tmp_path / "ck"),
-        evaluate=lambda s, i: {"probe": float(s.step)},
-        callbacks=[rec],
-    )
+    ops = pl.OpsConfig(quiet=True, eval_every=2, checkpoint_every=3)
+    res = _four_iterations(tmp_path, rec, ops, evaluate=lambda s, i: {"probe": float(s.step)})
     assert res.stopped == "done" and res.stop_reason is None
     assert rec.calls == [
         ("start", 0, False),
@@ -157,18 +159,8 @@ def test_a_stop_at_a_checkpoint_iteration_reports_that_checkpoint_once(tmp_path)
             super().on_step(run, step, metrics)
             return "stop" if step == 2 else None
 
-    state, iteration = _quadratic()
     rec = StopAtTwo()
-    res = pl.loop.run_iterations(
-        state,
-        iteration,
-        num_iterations=4,
-        key=jax.random.key(1),
-        ops=pl.OpsConfig(quiet=True, checkpoint_every=2),
-        log=pl.tools.MetricsLog(str(tmp_path), "q", quiet=True),
-        checkpoint_dir=str(tmp_path / "ck"),
-        callbacks=[rec],
-    )
+    res = _four_iterations(tmp_path, rec, pl.OpsConfig(quiet=True, checkpoint_every=2))
     assert res.stopped == "callback"
     assert [c for c in rec.calls if c[0] == "checkpoint"] == [("checkpoint", 2, "iter_00000002")]
 
@@ -301,18 +293,8 @@ class FailsAtStop(pl.Callback):
 def test_a_failing_hook_after_the_loop_names_the_checkpoint_to_resume_from(tmp_path):
     # on_stop (and a stage's held-out on_evaluate) run after the loop's last checkpoint:
     # the error names it, so that the command line prints the command that resumes
-    state, iteration = _quadratic()
     with pytest.raises(pl.loop.CallbackError) as err:
-        pl.loop.run_iterations(
-            state,
-            iteration,
-            num_iterations=4,
-            key=jax.random.key(2),
-            ops=pl.OpsConfig(quiet=True, checkpoint_every=3),
-            log=pl.tools.MetricsLog(str(tmp_path), "q", quiet=True),
-            checkpoint_dir=str(tmp_path / "ck"),
-            callbacks=[FailsAtStop()],
-        )
+        _four_iterations(tmp_path, FailsAtStop(), pl.OpsConfig(quiet=True, checkpoint_every=3))
     assert str(err.value).startswith("callback FailsAtStop.on_stop failed in q after iteration 4")
     assert err.value.checkpoint == str(tmp_path / "ck" / "iter_00000004")
 

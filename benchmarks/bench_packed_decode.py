@@ -65,6 +65,22 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
+def _interleaved(progs: dict, rounds: int) -> dict:
+    """`{key: [seconds of each round]}` of every program, the programs interleaved."""
+    times = {k: [] for k in progs}
+    for _ in range(rounds):
+        for k, f in progs.items():
+            times[k].append(_timed(f))
+    return times
+
+
+def _machine_line() -> str:
+    return (
+        f"native kernel: {rx.models.native_rows_available()}; load average "
+        f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}"
+    )
+
+
 def weight_bytes(policy) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(eqx.filter(policy, eqx.is_array)))
 
@@ -107,14 +123,8 @@ def layers_main(dense, q8, rows: list[int], rounds: int) -> None:
         progs["Q8_0 dequantised", m]()
         _packed_products.NATIVE_MAX_ROWS, _packed_products.PACKED_MAX_ROWS = limits
         progs["float32", m]()
-    times = {k: [] for k in progs}
-    for _ in range(rounds):
-        for k, f in progs.items():
-            times[k].append(_timed(f))
-    print(
-        f"native kernel: {rx.models.native_rows_available()}; load average "
-        f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}"
-    )
+    times = _interleaved(progs, rounds)
+    print(_machine_line())
     print("rows  " + "  ".join(f"{name:>18}" for name in ("float32", "Q8_0", "Q8_0 dequantised")))
     for m in rows:
         cells = [
@@ -136,14 +146,8 @@ def head_main(dense, rows: list[int], rounds: int) -> None:
         for name, f in (("routed", routed), ("XLA", xla)):
             f(x, table).block_until_ready()
             progs[name, m] = lambda f=f, x=x: f(x, table).block_until_ready()
-    times = {k: [] for k in progs}
-    for _ in range(rounds):
-        for k, f in progs.items():
-            times[k].append(_timed(f))
-    print(
-        f"native kernel: {rx.models.native_rows_available()}; load average "
-        f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}; table {table.nbytes / 1e6:.0f} MB"
-    )
+    times = _interleaved(progs, rounds)
+    print(f"{_machine_line()}; table {table.nbytes / 1e6:.0f} MB")
     print("rows  matmul(transposed=True)      XLA x @ Eᵀ   (median, best)")
     for m in rows:
         cells = [

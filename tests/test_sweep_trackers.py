@@ -245,3 +245,46 @@ def test_each_seeds_shared_sft_is_a_tracker_run_of_the_group(tmp_path):
     for name in _members(out):
         member = os.path.join(out, "members", name)
         assert os.listdir(os.path.join(member, "tensorboard")) == ["dpo"], name
+
+
+class _NoServer(pl.trackers.Tracker):
+    """A tracker whose server never answers: each start is counted, then refused."""
+
+    starts = 0
+
+    def __init__(self, run_dir):
+        del run_dir
+
+    def start(self, run_name, config, group):
+        type(self).starts += 1
+        raise ConnectionError("tracking server unreachable")
+
+    def log(self, step, metrics, stage):
+        raise AssertionError("never started, never called")
+
+    def summary(self, values):
+        raise AssertionError("never started, never called")
+
+    def finish(self):
+        raise AssertionError("never started, never called")
+
+
+def test_a_tracker_that_cannot_start_is_tried_once_for_the_whole_sweep(tmp_path, capsys):
+    """2 β × 2 seeds of DPO open trackers for 4 members and 2 seeds' shared SFT: a tracker
+    that cannot start is tried once and said once, and the sweep goes on with the others
+    (TensorBoard logs every member)."""
+    pl.trackers.register_tracker("test-no-server", _NoServer)
+    _NoServer.starts = 0
+    out = str(tmp_path / "s")
+    argv = ["sweep", "dpo", "--seeds", "2", "--grid", "dpo.beta=0.1,0.2", "--out", out]
+    sets = ["sft.steps=2", "dpo.rounds=1", "dpo.steps=2", "eval_samples=1", "ops.quiet=true"]
+    sets += ["ops.monitor=false", "ops.trackers=test-no-server", "ops.tensorboard=true"]
+    assert main([*argv, *[a for s in sets for a in ("--set", s)]]) == 0
+    err = capsys.readouterr().err
+    assert _NoServer.starts == 1, err
+    assert err.count("tracker test-no-server: could not start") == 1, err
+    members = _members(out)
+    assert len(members) == 4
+    for name in members:
+        recorded = pl.trackers.recorded_runs(os.path.join(out, "members", name))
+        assert set(recorded) == {"tensorboard"}, name

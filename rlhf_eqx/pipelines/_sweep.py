@@ -64,6 +64,7 @@ from ._sweep_ppo import check_ppo_sweep, ppo_sweep
 from ._sweep_report import format_sweep_table, member_records, plot_sweep, summarize_sweep
 from ._sweep_reward import reward_sweep
 from ._sweep_starts import builtin_start, sweep_trackers
+from ._trackers import trying_once
 from ._validation import validate_config
 
 SWEEP_SPEC = "sweep.json"
@@ -229,7 +230,7 @@ def sweep(
     # a sweep that stops before its first metrics (a bad record) leaves no directory
     with removed_if_nothing_ran(out), RunLock(out):
         resumed = _take_dir(out, _spec(stage, grid, seeds, cfg), resume)
-        with _member_trackers(cfg, members, out, resumed):
+        with trying_once(), _member_trackers(cfg, members, out, resumed):
             return _sweep(stage, cfg, members, out, resumed, export, say, t0)
 
 

@@ -6,7 +6,9 @@ A run opens its trackers once (`open_trackers`, or `run_trackers` from a
 its step and evaluation records to them with its stage name. A tracker that cannot be
 imported or fails to start prints one line (`tracker wandb: could not start (...); the
 run goes on without it`) and the run continues without it; one that fails later is
-dropped the same way. Nothing here touches the network: each backend writes locally
+dropped the same way. Within `trying_once()` (a sweep: its members and seeds each open
+trackers) a tracker that could not start is not tried again: one line, not one a run.
+Nothing here touches the network: each backend writes locally
 unless the user configured otherwise (`_tracker_backends.py`).
 
 Each started tracker's run identity (`Tracker.identity`: a W&B run id, an MLflow run id,
@@ -30,6 +32,11 @@ from ._config import ConfigError
 
 _ACTIVE: dict[str, "Trackers"] = {}
 """The open trackers of each run directory (absolute path), for its `MetricsLog`s."""
+
+_GAVE_UP: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar(
+    "rlhf_eqx_trackers_gave_up", default=None
+)
+"""Inside `trying_once()`: the trackers that could not start (not tried again)."""
 
 
 class Tracker(abc.ABC):
@@ -258,7 +265,10 @@ def open_trackers(
     found = recorded_runs(run_dir) if resume and names else None
     recorded = dict(found or {})
     started: dict[str, Tracker] = {}
+    gave_up = _GAVE_UP.get()
     for name in names:
+        if gave_up is not None and name in gave_up:
+            continue  # it could not start for an earlier run of this sweep (said then)
         if found is not None and name not in found:
             print(
                 f"tracker {name}: {TRACKERS_FILE} records no run of it; it starts a new run",
@@ -269,6 +279,8 @@ def open_trackers(
         if tracker is not None:
             started[name] = tracker
             recorded[name] = tracker.identity()
+        elif gave_up is not None:
+            gave_up.add(name)
     if started:
         _record_runs(run_dir, recorded)
     out = Trackers(run_dir, started, quiet=quiet)
@@ -278,6 +290,19 @@ def open_trackers(
             previous.finish()
         _ACTIVE[os.path.abspath(run_dir)] = out
     return out
+
+
+@contextlib.contextmanager
+def trying_once() -> Iterator[None]:
+    """Within it, `open_trackers` does not try again a tracker that could not start for
+    an earlier run (its one line said so): a sweep opens the trackers of each member and
+    seed, and a tracker whose server is unreachable would otherwise cost each of them its
+    retries and one line."""
+    token = _GAVE_UP.set(set())
+    try:
+        yield
+    finally:
+        _GAVE_UP.reset(token)
 
 
 def start_trackers(names: Iterable[str], run_dir: str, config: dict, **options) -> Trackers:

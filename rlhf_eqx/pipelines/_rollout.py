@@ -110,9 +110,20 @@ def dispatch_rollout(
     slots: int = 0,
     place: Callable | None = None,
 ) -> PendingRollout:
-    """The device half of `sample_rollout` (same arguments): encode the prompts and run
-    the compiled sampler (`place`, when given, lays the prompt tokens and mask out for
-    it, e.g. split over a sampler mesh: `(tokens, mask) -> (tokens, mask)`);
+    """The device half of `sample_rollout`: encode the prompts and run the compiled
+    sampler for `group_size` completions of each prompt, with `rlhf_eqx.generate_batch`
+    or with `slots > 0` with `rlhf_eqx.generate_continuous` (that many decode slots
+    refilled as rows finish; prompt `i` draws from `fold_in(key, i)`, so its samples do
+    not depend on the batching).
+
+    Prompts are left-padded to `prompt_length` (one compiled sampler per batch size).
+    The sampler stops a row at the first of `stop_ids` (default: EOS and BOS — the
+    stories260K model starts a new story with BOS; the stop id is kept). `stop_strings`
+    (e.g. `("\\n\\nHuman:",)` for chat-formatted prompts) are applied by the host half. The
+    same `temperature` must be given to the training steps. `place`, when given, lays the
+    prompt tokens and mask out for the sampler, e.g. split over a sampler mesh:
+    `(tokens, mask) -> (tokens, mask)`.
+
     `finish_rollout`, the host half (cutting at stop strings, decoding), can then run
     elsewhere, e.g. in a worker thread while an update runs (a GRPO run with `overlap`).
     Equinox's compiled calls return once their result is ready, so this returns after
@@ -180,49 +191,14 @@ def finish_rollout(pending: PendingRollout, tok) -> Rollout:
     )
 
 
-def sample_rollout(
-    policy,
-    tok,
-    prompts: Sequence[str],
-    key: jax.Array,
-    *,
-    group_size: int = 1,
-    prompt_length: int,
-    max_new_tokens: int,
-    temperature: float = rx.DEFAULT_TEMPERATURE,
-    stop_ids: Sequence[int] | None = None,
-    stop_strings: Sequence[str] = (),
-    slots: int = 0,
-) -> Rollout:
-    """Sample `group_size` completions of each prompt with `rlhf_eqx.generate_batch`, or
-    with `slots > 0` with `rlhf_eqx.generate_continuous` (that many decode slots refilled
-    as rows finish; prompt `i` draws from `fold_in(key, i)`, so its samples do not depend
-    on the batching).
-
-    Prompts are left-padded to `prompt_length` (one compiled sampler per batch size).
-    The sampler stops a row at the first of `stop_ids` (default: EOS and BOS — the
-    stories260K model starts a new story with BOS; the stop id is kept). Then, when
-    `stop_strings` are given (e.g. `("\\n\\nHuman:",)` for chat-formatted prompts), each
-    completion is cut where one first appears in its text
-    (`rlhf_eqx.truncate_at_stop_strings`: the string is dropped, and the tokens, masks
-    and log-probabilities after the cut are cleared), before anything is scored. The same
-    `temperature` must be given to the training steps. It is `dispatch_rollout` then
-    `finish_rollout`.
-    """
-    pending = dispatch_rollout(
-        policy,
-        tok,
-        prompts,
-        key,
-        group_size=group_size,
-        prompt_length=prompt_length,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        stop_ids=stop_ids,
-        stop_strings=stop_strings,
-        slots=slots,
-    )
-    return finish_rollout(pending, tok)
+def sample_rollout(policy, tok, prompts: Sequence[str], key: jax.Array, **options) -> Rollout:
+    """Sample completions of `prompts`: `dispatch_rollout` (its keyword `options`:
+    `group_size`, `prompt_length`, `max_new_tokens`, `temperature`, `stop_ids`,
+    `stop_strings`, `slots`) then `finish_rollout`, which cuts each completion where one
+    of `stop_strings` first appears in its text (`rlhf_eqx.truncate_at_stop_strings`: the
+    string is dropped, and the tokens, masks and log-probabilities after the cut are
+    cleared) before anything is scored."""
+    return finish_rollout(dispatch_rollout(policy, tok, prompts, key, **options), tok)
 
 
 def _reward_value(value: object, name: str, row: int, group_size: int) -> float:

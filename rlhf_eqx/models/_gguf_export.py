@@ -34,7 +34,7 @@ from ._gguf_config import PERMUTED, gguf_metadata, llama3_rope_factors
 from ._heads import Policy
 from ._hf_export import hf_family
 from ._hf_tensors import tensors_from_model
-from ._lora import merge_lora
+from ._lora import layer_ranks_and_scales, merge_lora
 from ._peft import _MODULES
 from ._quant import dequantize
 
@@ -218,8 +218,10 @@ def save_gguf_adapter(
       `load_lora_adapter`.
     - `path`: the file, written atomically.
     - `alpha`: the `adapter.lora.alpha` written; default `scale · rank` of the first
-      adapter. llama.cpp scales every adapter by `alpha / r`, so each `B` is written
-      multiplied by `scale · r / alpha`: the update `alpha / r · B A` is the model's.
+      adapter's first layer. llama.cpp scales each tensor pair by `alpha / r` (`r` its
+      rank), so each `B` is written multiplied by `scale · r / alpha`: the update
+      `alpha / r · B A` is the model's (a `LayerwiseLoRAAdapter` layer by layer, at its
+      own rank and scale).
 
     With the base model written by `save_gguf(without_lora(model), ...)`, llama.cpp
     (`--lora`) computes the adapted model. Raises `ValueError` when the model has no
@@ -232,20 +234,22 @@ def save_gguf_adapter(
         raise ValueError("save_gguf_adapter: the model has no LoRA adapters; call apply_lora first")
     cfg = model_config(model)
     arch, _ = gguf_metadata(cfg)
-    first = next(iter(lora.values()))
-    alpha = float(first.scale * first.a.shape[-1]) if alpha is None else float(alpha)
+    ranks, scales = layer_ranks_and_scales(next(iter(lora.values())), cfg.n_layers)
+    alpha = float(scales[0] * ranks[0]) if alpha is None else float(alpha)
     if not alpha > 0:
         raise ValueError(f"save_gguf_adapter: alpha must be positive, got {alpha!r}")
     names = gguf_names(cfg.n_layers, cfg.post_norms)
     tensors = []
     for target, ad in lora.items():
         a = np.asarray(jnp.asarray(ad.a, jnp.float32))
-        b = np.asarray(jnp.asarray(ad.b, jnp.float32)) * np.float32(ad.scale * a.shape[-1] / alpha)
+        b = np.asarray(jnp.asarray(ad.b, jnp.float32))
+        ranks, scales = layer_ranks_and_scales(ad, cfg.n_layers)
         for i in range(cfg.n_layers):
             hf_name = f"model.layers.{i}.{_MODULES[target]}.weight"
             base = names[hf_name]
-            lora_a = np.ascontiguousarray(a[i].T)
-            lora_b = _llama_cpp_rows(hf_name, np.ascontiguousarray(b[i].T), cfg)
+            r, factor = ranks[i], np.float32(scales[i] * ranks[i] / alpha)
+            lora_a = np.ascontiguousarray(a[i][:, :r].T)
+            lora_b = _llama_cpp_rows(hf_name, np.ascontiguousarray(b[i][:r].T) * factor, cfg)
             for suffix, arr in (("lora_a", lora_a), ("lora_b", lora_b)):
                 check_finite(arr, name=f"{base}.{suffix}", source=path)
                 tensors.append((f"{base}.{suffix}", arr))

@@ -20,6 +20,11 @@ reference = without_lora(model)   # the base model, sharing the same base arrays
 Inside the differentiated function recombine with `eqx.combine(trainable, frozen)`.
 Dropout on the adapter input is active only when the model is called with a `key`.
 The frozen base may be int8 (`quantize_int8`, QLoRA-style: Dettmers et al. 2023).
+
+Adapters whose layers differ in rank or scale (PEFT's `rank_pattern` / `alpha_pattern`,
+and rank-stabilised LoRA's `alpha / √r`, Kalajdzievski 2023, arXiv:2312.03732), as
+`load_lora_adapter` reads them, are `LayerwiseLoRAAdapter`s: the same stacked arrays,
+zero-padded to the largest rank, with a frozen per-layer `scale`.
 """
 
 import dataclasses
@@ -30,12 +35,50 @@ from collections.abc import Sequence
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import PRNGKeyArray, PyTree
+import numpy as np
+from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from ._build import model_config, where_layers
 from ._config import TransformerConfig
 from ._decoder_layer import LORA_TARGETS, DecoderLayer
 from ._layers import AbstractQuantizedWeight, LoRAAdapter
+
+
+class LayerwiseLoRAAdapter(eqx.Module):
+    """A stack of LoRA adapters whose layers differ in rank or scale.
+
+    Layer `l` computes `Δ(x) = dropout(x) @ a[l] @ b[l] · scale[l]` (Hu et al. 2021), with
+    `a [L, in, r]`, `b [L, r, out]` and `r = max(ranks)`: a layer of rank `ranks[l] < r`
+    holds zeros in `a[l][:, ranks[l]:]` and `b[l][ranks[l]:]`. Those add nothing, and
+    their gradients are zero (`∂/∂a[l][:, k] = x ⊗ (dy·b[l][k])`, `∂/∂b[l][k] = (x·a[l][:,
+    k]) ⊗ dy`, both zero while the other factor's `k` is), so training keeps them zero.
+
+    `scale [L]` (float32) is `alpha_l / ranks[l]`, or with `rslora` `alpha_l / √ranks[l]`
+    (rank-stabilised LoRA, Kalajdzievski 2023). It is an array so that the scanned layer
+    stack slices it with the layer, and frozen: `lora_filter` leaves it out and no
+    gradient flows into it.
+    """
+
+    a: Float[Array, "*L i r"]
+    b: Float[Array, "*L r o"]
+    scale: Float[Array, "*L"]
+    ranks: tuple[int, ...] = eqx.field(static=True)
+    dropout: float = eqx.field(static=True)
+    rslora: bool = eqx.field(static=True, default=False)
+
+    def __call__(
+        self, x: Float[Array, "*N i"], key: PRNGKeyArray | None = None
+    ) -> Float[Array, "*N o"]:
+        unscaled = LoRAAdapter(a=self.a, b=self.b, scale=1.0, dropout=self.dropout)(x, key)
+        return unscaled * jax.lax.stop_gradient(self.scale).astype(x.dtype)
+
+
+def layer_ranks_and_scales(adapter: PyTree, n_layers: int) -> tuple[list[int], list[float]]:
+    """Each layer's rank and scale of a stacked `LoRAAdapter` or `LayerwiseLoRAAdapter`."""
+    if isinstance(adapter, LayerwiseLoRAAdapter):
+        scales = np.asarray(adapter.scale, np.float32).reshape(-1)
+        return list(adapter.ranks), [float(s) for s in scales]
+    return [int(adapter.a.shape[-1])] * n_layers, [adapter.scale] * n_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +187,12 @@ def lora_filter(model: PyTree) -> PyTree:
     if lora is None:
         raise ValueError("the model has no LoRA adapters; call apply_lora first")
     spec = jax.tree_util.tree_map(lambda _: False, model)
-    return eqx.tree_at(lambda m: where(m).lora, spec, jax.tree_util.tree_map(eqx.is_array, lora))
+    adapters = {}
+    for name, adapter in lora.items():
+        adapters[name] = jax.tree_util.tree_map(eqx.is_array, adapter)
+        if isinstance(adapter, LayerwiseLoRAAdapter):  # the per-layer scale is frozen
+            adapters[name] = eqx.tree_at(lambda ad: ad.scale, adapters[name], False)
+    return eqx.tree_at(lambda m: where(m).lora, spec, adapters)
 
 
 def without_lora(model: PyTree) -> PyTree:
@@ -181,16 +229,19 @@ def _column_range(name: str, cfg: TransformerConfig) -> tuple[int, int]:
     }.get(name, (0, -1))
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4, 5))
-def _add_low_rank(w, a, b, scale: float, lo: int, hi: int):
-    """`w[..., lo:hi] += a @ b · scale` per layer, in float32, cast back to `w.dtype`."""
-    delta = jnp.einsum("lir,lro->lio", a.astype(jnp.float32), b.astype(jnp.float32)) * scale
+@functools.partial(jax.jit, static_argnums=(4, 5))
+def _add_low_rank(w, a, b, scale, lo: int, hi: int):
+    """`w[..., lo:hi] += a @ b · scale` per layer (`scale` one value or `[L]`), in
+    float32, cast back to `w.dtype`."""
+    delta = jnp.einsum("lir,lro->lio", a.astype(jnp.float32), b.astype(jnp.float32))
+    delta = delta * jnp.asarray(scale, jnp.float32).reshape(-1, 1, 1)
     updated = w[..., lo:hi].astype(jnp.float32) + delta
     return w.at[..., lo:hi].set(updated.astype(w.dtype))
 
 
 def merge_lora(model: PyTree) -> PyTree:
-    """Fold the adapters into the base weights: `W[:, cols] += A @ B · (alpha / rank)`.
+    """Fold the adapters into the base weights: `W[:, cols] += A @ B · (alpha / rank)`
+    (per layer `A[l] @ B[l] · scale[l]` for a `LayerwiseLoRAAdapter`).
 
     q/k/v update their column ranges of the fused `wqkv`, gate/up those of
     `w_gate_up`. The sum is computed in float32 and cast back to the base dtype.

@@ -14,12 +14,28 @@ stores `a [L, in, r]` and `b [L, r, out]` per target, so `lora_A = a[i]ᵀ` and
 
 The base model is saved separately (`save_hf(without_lora(model), ...)`); PEFT's
 `PeftModel.from_pretrained(base, adapter_dir)` then computes the same logits as the
-adapted rlhf_eqx model.
+adapted rlhf_eqx model. The adapter goes onto whichever base the caller passes:
+`base_model_name_or_path` is only recorded (`null`, as PEFT writes it, when unknown) and
+may be missing or `null` when loading.
+
+**Ranks and scales.** PEFT gives the module `model.layers.{i}.{self_attn|mlp}.{proj}`
+the rank `rank_pattern[key]` and alpha `alpha_pattern[key]` for the first key of each
+dict that matches the end of the name after a dot (`re.match(rf"(.*\\.)?({key})$",
+name)`, PEFT's `get_pattern_key`), else `r` and `lora_alpha`; its update is
+`B·A·x · alpha / r`, or with `use_rslora` `B·A·x · alpha / √r`. Where the layers of a
+projection share one rank and scale it is a `LoRAAdapter`; otherwise (and always with
+`use_rslora`) a `LayerwiseLoRAAdapter` (zero-padded to the largest rank, per-layer
+scale). Saving writes the most common rank and alpha as `r` / `lora_alpha` and the
+others as patterns, keyed by the projection (`"q_proj"`) when all its layers agree, else
+by layer (`"layers.3.self_attn.q_proj"`), in both patterns, which PEFT versions before
+and after its `(.*\\.)?` prefix match alike.
 """
 
 import json
+import math
 import os
 import re
+from collections import Counter
 from typing import Any
 
 import equinox as eqx
@@ -31,7 +47,7 @@ from jaxtyping import PyTree
 from ._build import model_config, where_layers
 from ._hf import _load_file, _read_json, _write_atomically
 from ._layers import LoRAAdapter
-from ._lora import lora_shapes
+from ._lora import LayerwiseLoRAAdapter, layer_ranks_and_scales, lora_shapes
 
 _MODULES = {
     "q": "self_attn.q_proj",
@@ -49,6 +65,50 @@ _NAME = re.compile(
 _CONFIG, _WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
 
+def _alpha(scale: float | int, rank: int, rslora: bool, exact: bool) -> float:
+    """The `lora_alpha` of `scale` at `rank`: `scale·r` (`scale·√r` with rsLoRA), as the
+    shortest decimal that gives `scale` again (`exact`: a float64 scale, else a float32
+    one, which `alpha / r` need only round to)."""
+    div = math.sqrt(rank) if rslora else rank
+    alpha = scale * div
+    if exact:
+        return float(f"{alpha:.15g}")
+    for digits in range(1, 18):
+        short = float(f"{alpha:.{digits}g}")
+        if np.float32(short / div) == np.float32(scale):
+            return short
+    return alpha
+
+
+def _layer_key(target: str, i: int) -> str:
+    return f"layers.{i}.{_MODULES[target]}"
+
+
+def _patterns(lora: dict, n_layers: int) -> tuple[int, float, bool, dict, dict]:
+    """`(r, lora_alpha, use_rslora, rank_pattern, alpha_pattern)` of the adapters (see
+    the module docstring)."""
+    rslora = any(getattr(ad, "rslora", False) for ad in lora.values())
+    per: dict[str, list[tuple[int, float]]] = {}
+    for name, ad in lora.items():
+        ranks, scales = layer_ranks_and_scales(ad, n_layers)
+        exact = not isinstance(ad, LayerwiseLoRAAdapter)
+        per[name] = [(r, _alpha(sc, r, rslora, exact)) for r, sc in zip(ranks, scales)]
+    counts = Counter(pair for pairs in per.values() for pair in pairs)
+    rank = Counter(r for r, _ in counts.elements()).most_common(1)[0][0]
+    alpha = Counter(a for _, a in counts.elements()).most_common(1)[0][0]
+    rank_pattern, alpha_pattern = {}, {}
+    for name, pairs in per.items():
+        keys = (
+            {_MODULES[name].split(".")[1]: pairs[0]}
+            if len(set(pairs)) == 1
+            else {_layer_key(name, i): pair for i, pair in enumerate(pairs)}
+        )
+        for key, (r, a) in keys.items():
+            if (r, a) != (rank, alpha):
+                rank_pattern[key], alpha_pattern[key] = r, a
+    return rank, alpha, rslora, rank_pattern, alpha_pattern
+
+
 def save_lora_adapter(
     model: PyTree, directory: str | os.PathLike, *, base_model_name_or_path: str | None = None
 ) -> None:
@@ -56,52 +116,52 @@ def save_lora_adapter(
 
     **Arguments:**
 
-    - `model`: a `Policy` (or other decoder model) with adapters from `apply_lora`; all
-      adapters must share one rank and one scale (as `apply_lora` makes them).
+    - `model`: a `Policy` (or other decoder model) with adapters from `apply_lora` or
+      `load_lora_adapter`. Adapters that differ in rank or scale, by projection or by
+      layer, are written with PEFT's `rank_pattern` / `alpha_pattern`, and those loaded
+      with `use_rslora` with it again (see the module docstring).
     - `directory`: created if needed; `adapter_config.json` and
       `adapter_model.safetensors` are written there (float32), through a fresh directory
       swapped into place as `save_hf` does (a full disk raises one `OSError` line naming
       the directory, and an adapter already there is kept).
-    - `base_model_name_or_path`: recorded in the config for PEFT.
+    - `base_model_name_or_path`: recorded in the config for PEFT (`null` when not given,
+      as PEFT writes it for a base without a name).
     """
     import safetensors.numpy as stnp
 
     lora = where_layers(model)(model).lora
     if lora is None:
         raise ValueError("save_lora_adapter: the model has no LoRA adapters; call apply_lora first")
-    ranks = {name: int(ad.a.shape[-1]) for name, ad in lora.items()}
-    scales = {name: ad.scale for name, ad in lora.items()}
-    if len(set(ranks.values())) != 1 or len(set(scales.values())) != 1:
-        raise ValueError(
-            f"save_lora_adapter: adapters differ in rank {ranks} or scale {scales}; PEFT needs one"
-        )
-    rank, scale = next(iter(ranks.values())), next(iter(scales.values()))
+    n_layers = model_config(model).n_layers
+    rank, alpha, rslora, rank_pattern, alpha_pattern = _patterns(lora, n_layers)
     dropout = next(iter(lora.values())).dropout
     tensors = {}
     for name, ad in lora.items():
         a, b = np.asarray(ad.a, np.float32), np.asarray(ad.b, np.float32)
+        ranks, _ = layer_ranks_and_scales(ad, n_layers)
         for i in range(a.shape[0]):
             stem = f"{_PREFIX}{i}.{_MODULES[name]}"
-            tensors[f"{stem}.lora_A.weight"] = np.ascontiguousarray(a[i].T)
-            tensors[f"{stem}.lora_B.weight"] = np.ascontiguousarray(b[i].T)
+            r = ranks[i]
+            tensors[f"{stem}.lora_A.weight"] = np.ascontiguousarray(a[i][:, :r].T)
+            tensors[f"{stem}.lora_B.weight"] = np.ascontiguousarray(b[i][:r].T)
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name_or_path,
         "r": rank,
-        "lora_alpha": float(f"{scale * rank:.15g}"),  # alpha again, not 7.000000000000001
+        "lora_alpha": alpha,  # alpha again, not 7.000000000000001
         "lora_dropout": dropout,
         "target_modules": sorted(_MODULES[n].split(".")[1] for n in lora),
         "bias": "none",
         "fan_in_fan_out": False,
-        "use_rslora": False,
+        "use_rslora": rslora,
         "use_dora": False,
         "inference_mode": True,
         "init_lora_weights": True,
         "modules_to_save": None,
         "layers_to_transform": None,
-        "rank_pattern": {},
-        "alpha_pattern": {},
+        "rank_pattern": rank_pattern,
+        "alpha_pattern": alpha_pattern,
     }
 
     def write(staging: str) -> None:
@@ -118,7 +178,6 @@ def _check(config: dict[str, Any], path: str) -> None:
             f"{path}: `peft_type` = {config.get('peft_type')!r} is not supported: only LORA"
         )
     for field, inactive in (
-        ("use_rslora", False),
         ("use_dora", False),
         ("bias", "none"),
         ("fan_in_fan_out", False),
@@ -131,19 +190,64 @@ def _check(config: dict[str, Any], path: str) -> None:
         value = config.get(field, inactive)
         if value != inactive and not (inactive is None and not value):
             raise ValueError(f"{path}: `{field}` = {value!r} is not supported")
+    for field in ("r", "lora_alpha"):
+        _positive(config.get(field), f"`{field}`", path)
+    if not isinstance(config.get("use_rslora", False), bool):
+        value = config["use_rslora"]
+        raise ValueError(f"{path}: `use_rslora` must be true or false, got {value!r}")
     for field in ("rank_pattern", "alpha_pattern"):
-        if config.get(field):
-            raise ValueError(
-                f"{path}: `{field}` = {config[field]!r} is not supported (one rank and alpha)"
-            )
+        pattern = config.get(field) or {}
+        if not isinstance(pattern, dict):
+            raise ValueError(f"{path}: `{field}` must be an object, got {pattern!r}")
+        for key, value in pattern.items():
+            _positive(value, f"`{field}[{key!r}]`", path)
+            try:
+                re.compile(key)
+            except re.error as e:
+                raise ValueError(f"{path}: `{field}` key {key!r} is not a regex ({e})") from None
+    for key, value in (config.get("rank_pattern") or {}).items():
+        if value != int(value):
+            raise ValueError(f"{path}: `rank_pattern[{key!r}]` must be an integer, got {value!r}")
+
+
+def _positive(value: object, what: str, path: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{path}: {what} must be a positive number, got {value!r}")
+
+
+def _pattern_value(pattern: dict[str, Any], name: str, default: float | int) -> float | int:
+    """PEFT's `get_pattern_key`: the value of the first key matching the end of `name`
+    after a dot (or the whole name), else `default`."""
+    for key, value in pattern.items():
+        if re.match(rf"(.*\.)?({key})$", name):
+            return value
+    return default
+
+
+def _layer_ranks_and_alphas(
+    config: dict[str, Any], target: str, n_layers: int
+) -> tuple[list[int], list[float]]:
+    """Each layer's rank and alpha of the projection `target`, as PEFT assigns them."""
+    ranks, alphas = [], []
+    for i in range(n_layers):
+        name = f"model.layers.{i}.{_MODULES[target]}"
+        ranks.append(int(_pattern_value(config.get("rank_pattern") or {}, name, config["r"])))
+        alphas.append(
+            float(_pattern_value(config.get("alpha_pattern") or {}, name, config["lora_alpha"]))
+        )
+    return ranks, alphas
 
 
 def load_lora_adapter(model: PyTree, directory: str | os.PathLike) -> PyTree:
     """Attach the LoRA adapters of a PEFT adapter directory to `model` (a base model
-    without adapters). Raises `FileNotFoundError` naming a missing file, and
-    `ValueError` naming the file (and field or tensor) for unreadable JSON or
-    safetensors, unsupported PEFT options, unknown modules, mis-shaped tensors and
-    tensors holding NaN or ±inf."""
+    without adapters), whatever base the config's `base_model_name_or_path` names (it may
+    be missing or `null`).
+
+    Per-layer ranks and alphas (`rank_pattern`, `alpha_pattern`) and rank-stabilised
+    scaling (`use_rslora`: `alpha / √r`) are read as PEFT reads them (see the module
+    docstring). Raises `FileNotFoundError` naming a missing file, and `ValueError` naming
+    the file (and field or tensor) for unreadable JSON or safetensors, unsupported PEFT
+    options, unknown modules, mis-shaped tensors and tensors holding NaN or ±inf."""
     directory = os.fspath(directory)
     where = where_layers(model)
     if where(model).lora is not None:
@@ -154,11 +258,8 @@ def load_lora_adapter(model: PyTree, directory: str | os.PathLike) -> PyTree:
     if not isinstance(config, dict):
         raise ValueError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
     _check(config, config_path)
-    for field in ("r", "lora_alpha"):
-        value = config.get(field)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"{config_path}: `{field}` must be a positive number, got {value!r}")
-    rank, alpha = int(config["r"]), float(config["lora_alpha"])
+    rslora = bool(config.get("use_rslora", False))
+    dropout = float(config.get("lora_dropout", 0.0))
     weights_path = os.path.join(directory, _WEIGHTS)
     tensors = _load_file(weights_path)  # each tensor checked to be finite
     by_module = {v.split(".")[1]: k for k, v in _MODULES.items()}
@@ -172,22 +273,35 @@ def load_lora_adapter(model: PyTree, directory: str | os.PathLike) -> PyTree:
     adapters = {}
     for target, parts in found.items():
         fan_in, fan_out = shapes[target]
-        a, b = [], []
-        for i in range(cfg.n_layers):
-            for part, expected, out in (("A", (rank, fan_in), a), ("B", (fan_out, rank), b)):
+        ranks, alphas = _layer_ranks_and_alphas(config, target, cfg.n_layers)
+        width = max(ranks)
+        a = np.zeros((cfg.n_layers, fan_in, width), np.float32)
+        b = np.zeros((cfg.n_layers, width, fan_out), np.float32)
+        for i, r in enumerate(ranks):
+            for part, expected, out in (("A", (r, fan_in), a), ("B", (fan_out, r), b)):
                 name = f"{_PREFIX}{i}.{_MODULES[target]}.lora_{part}.weight"
                 if (i, part) not in parts:
                     raise ValueError(f"{weights_path}: tensor {name!r} is missing")
                 if parts[(i, part)].shape != expected:
                     raise ValueError(
                         f"{weights_path}: tensor {name!r} has shape {parts[(i, part)].shape}, "
-                        f"expected {expected}"
+                        f"expected {expected} (rank {r})"
                     )
-                out.append(parts[(i, part)].T)
-        make = lambda a, b: LoRAAdapter(
-            a=a, b=b, scale=alpha / rank, dropout=float(config.get("lora_dropout", 0.0))
-        )
-        adapters[target] = jax.vmap(make)(
-            jnp.asarray(np.stack(a), jnp.float32), jnp.asarray(np.stack(b), jnp.float32)
-        )
+                if part == "A":
+                    out[i, :, :r] = parts[(i, part)].T
+                else:
+                    out[i, :r] = parts[(i, part)].T
+        scales = [al / (math.sqrt(r) if rslora else r) for r, al in zip(ranks, alphas)]
+        if rslora or len(set(zip(ranks, scales))) > 1:
+            adapters[target] = LayerwiseLoRAAdapter(
+                a=jnp.asarray(a),
+                b=jnp.asarray(b),
+                scale=jnp.asarray(scales, jnp.float32),
+                ranks=tuple(ranks),
+                dropout=dropout,
+                rslora=rslora,
+            )
+        else:
+            make = lambda a, b: LoRAAdapter(a=a, b=b, scale=scales[0], dropout=dropout)
+            adapters[target] = jax.vmap(make)(jnp.asarray(a), jnp.asarray(b))
     return eqx.tree_at(lambda m: where(m).lora, model, adapters, is_leaf=lambda x: x is None)

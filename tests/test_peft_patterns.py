@@ -1,0 +1,257 @@
+"""PEFT adapter directories beyond one rank and alpha: `use_rslora`, `rank_pattern` /
+`alpha_pattern`, and adapters whose config names no base model. Directories are written
+by hand as PEFT writes them, and the maths is checked against `B·A·x · scale` computed
+in numpy."""
+
+import json
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import rlhf_eqx as rx
+
+CFG = rx.TransformerConfig(
+    vocab_size=32, d_model=16, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=24, max_seq_len=32
+)
+MODULES = {"q": "self_attn.q_proj", "v": "self_attn.v_proj", "up": "mlp.up_proj"}
+SHAPES = {"q": (16, 16), "v": (16, 8), "up": (16, 24)}  # (in, out)
+TOKENS = jnp.asarray([1, 5, 9, 2, 30, 7, 7, 11], jnp.int32)
+MASK = TOKENS > 0
+
+
+@pytest.fixture(scope="module")
+def base():
+    return rx.Policy(CFG, key=jax.random.key(0))
+
+
+def _write_adapter(directory, ranks, config, seed=0):
+    """A PEFT adapter directory: `ranks[target][i]` is layer `i`'s rank; returns the
+    tensors `{(target, i): (A [r, in], B [out, r])}`."""
+    rng = np.random.default_rng(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors, parts = {}, {}
+    for target, per_layer in ranks.items():
+        fan_in, fan_out = SHAPES[target]
+        for i, r in enumerate(per_layer):
+            a = rng.standard_normal((r, fan_in)).astype(np.float32) * 0.3
+            b = rng.standard_normal((fan_out, r)).astype(np.float32) * 0.3
+            stem = f"base_model.model.model.layers.{i}.{MODULES[target]}"
+            tensors[f"{stem}.lora_A.weight"], tensors[f"{stem}.lora_B.weight"] = a, b
+            parts[(target, i)] = (a, b)
+    save_file(tensors, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+    full = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": None,
+        "lora_dropout": 0.0,
+        "target_modules": sorted(MODULES[t].split(".")[1] for t in ranks),
+        "bias": "none",
+        "use_rslora": False,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        **config,
+    }
+    (directory / "adapter_config.json").write_text(json.dumps(full, indent=2, sort_keys=True))
+    return parts
+
+
+def _layer(adapter, i):
+    return jax.tree_util.tree_map(lambda t: t[i], adapter)
+
+
+def _hand_merged(base, parts, scales):
+    """`base` with `W += (B·A)ᵀ · scale` per adapted layer, in numpy float64."""
+    layers = base.transformer.layers
+    wqkv, wgu = np.array(layers.wqkv, np.float64), np.array(layers.w_gate_up, np.float64)
+    cols = {"q": (wqkv, 0, 16), "v": (wqkv, 24, 32), "up": (wgu, 24, 48)}
+    for (target, i), (a, b) in parts.items():
+        w, lo, hi = cols[target]
+        w[i, :, lo:hi] += (b.astype(np.float64) @ a).T * scales[(target, i)]
+    return eqx.tree_at(
+        lambda m: [m.transformer.layers.wqkv, m.transformer.layers.w_gate_up],
+        base,
+        [jnp.asarray(wqkv, jnp.float32), jnp.asarray(wgu, jnp.float32)],
+    )
+
+
+def _logits(model):
+    return np.asarray(eqx.filter_jit(lambda m: m(TOKENS, MASK))(model))
+
+
+def test_rslora_scales_by_alpha_over_root_rank(base, tmp_path):
+    parts = _write_adapter(
+        tmp_path / "ad", {"q": [4, 4, 4]}, {"r": 4, "lora_alpha": 3, "use_rslora": True}
+    )
+    model = rx.load_lora_adapter(base, tmp_path / "ad")
+    ad = model.transformer.layers.lora["q"]
+    np.testing.assert_allclose(np.asarray(ad.scale), [3 / 2] * 3, rtol=1e-7)
+    x = np.random.default_rng(1).standard_normal((5, 16)).astype(np.float32)
+    for i in range(3):
+        a, b = parts[("q", i)]
+        want = x.astype(np.float64) @ a.T @ b.T * (3 / math.sqrt(4))
+        got = np.asarray(_layer(ad, i)(jnp.asarray(x)))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    scales = {k: 3 / 2 for k in parts}
+    np.testing.assert_allclose(
+        _logits(model), _logits(_hand_merged(base, parts, scales)), atol=2e-5
+    )
+
+
+def test_rank_and_alpha_patterns_match_as_peft_does(base, tmp_path):
+    """PEFT's `get_pattern_key`: the first key of each pattern that matches the end of the
+    module name after a dot; `up_proj` matches every layer's `mlp.up_proj`, a regex key
+    only its layers."""
+    config = {
+        "r": 2,
+        "lora_alpha": 4,
+        "rank_pattern": {r"model\.layers\.[12]\.self_attn\.q_proj": 3, "up_proj": 5},
+        "alpha_pattern": {"layers.2.self_attn.q_proj": 9, "q_proj": 1.5},
+    }
+    ranks = {"q": [2, 3, 3], "v": [2, 2, 2], "up": [5, 5, 5]}
+    parts = _write_adapter(tmp_path / "ad", ranks, config)
+    model = rx.load_lora_adapter(base, tmp_path / "ad")
+    lora = model.transformer.layers.lora
+    q_alphas = [1.5, 1.5, 9]
+    scales = {("q", i): q_alphas[i] / ranks["q"][i] for i in range(3)}
+    scales |= {("v", i): 4 / 2 for i in range(3)} | {("up", i): 4 / 5 for i in range(3)}
+    assert lora["q"].ranks == (2, 3, 3) and lora["q"].a.shape == (3, 16, 3)
+    np.testing.assert_allclose(np.asarray(lora["q"].scale), [0.75, 0.5, 3.0], rtol=1e-7)
+    assert lora["v"].scale == 2.0 and lora["up"].scale == 0.8  # one rank and scale each
+    np.testing.assert_array_equal(np.asarray(lora["q"].a[0, :, 2:]), 0.0)  # rank 2 of 3
+    np.testing.assert_array_equal(np.asarray(lora["q"].b[0, 2:]), 0.0)
+    x = np.random.default_rng(2).standard_normal((4, 16)).astype(np.float32)
+    for i in range(3):
+        a, b = parts[("q", i)]
+        want = x.astype(np.float64) @ a.T @ b.T * scales[("q", i)]
+        np.testing.assert_allclose(
+            np.asarray(_layer(lora["q"], i)(jnp.asarray(x))), want, rtol=1e-5, atol=1e-5
+        )
+    np.testing.assert_allclose(
+        _logits(model), _logits(_hand_merged(base, parts, scales)), atol=2e-5
+    )
+    merged = rx.merge_lora(model)
+    np.testing.assert_allclose(_logits(merged), _logits(model), atol=2e-5)
+
+
+def test_patterned_adapters_save_and_load_again(base, tmp_path):
+    config = {
+        "r": 2,
+        "lora_alpha": 7,
+        "use_rslora": True,
+        "rank_pattern": {"layers.1.self_attn.q_proj": 3, "v_proj": 1},
+        "alpha_pattern": {"v_proj": 5},
+    }
+    _write_adapter(tmp_path / "ad", {"q": [2, 3, 2], "v": [1, 1, 1], "up": [2, 2, 2]}, config)
+    model = rx.load_lora_adapter(base, tmp_path / "ad")
+    rx.save_lora_adapter(model, tmp_path / "again")
+    written = json.loads((tmp_path / "again" / "adapter_config.json").read_text())
+    assert (written["r"], written["lora_alpha"], written["use_rslora"]) == (2, 7.0, True)
+    assert written["rank_pattern"] == {"layers.1.self_attn.q_proj": 3, "v_proj": 1}
+    assert written["alpha_pattern"] == {"layers.1.self_attn.q_proj": 7.0, "v_proj": 5.0}
+    back = rx.load_lora_adapter(base, tmp_path / "again")
+    for name, ad in model.transformer.layers.lora.items():
+        other = back.transformer.layers.lora[name]
+        assert type(other) is type(ad)
+        for x, y in zip(jax.tree_util.tree_leaves(ad), jax.tree_util.tree_leaves(other)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    np.testing.assert_array_equal(_logits(back), _logits(model))
+
+
+def test_per_projection_ranks_save_as_patterns(base, tmp_path):
+    """Adapters of different ranks by projection (one `LoRAAdapter` each) were refused
+    on saving; they are written as `rank_pattern` / `alpha_pattern` by projection."""
+    config = {"r": 4, "lora_alpha": 8, "rank_pattern": {"up_proj": 2}}
+    _write_adapter(tmp_path / "ad", {"q": [4, 4, 4], "up": [2, 2, 2]}, config)
+    model = rx.load_lora_adapter(base, tmp_path / "ad")
+    assert type(model.transformer.layers.lora["up"]) is rx.models.LoRAAdapter
+    rx.save_lora_adapter(model, tmp_path / "again")
+    written = json.loads((tmp_path / "again" / "adapter_config.json").read_text())
+    assert (written["r"], written["lora_alpha"], written["use_rslora"]) == (4, 8.0, False)
+    assert written["rank_pattern"] == {"up_proj": 2}
+    assert written["alpha_pattern"] == {"up_proj": 8.0}
+    np.testing.assert_array_equal(
+        _logits(rx.load_lora_adapter(base, tmp_path / "again")), _logits(model)
+    )
+
+
+def test_layerwise_adapters_train_only_their_own_ranks(base, tmp_path):
+    """The per-layer scale is frozen, and the zero padding beyond a layer's rank gets
+    zero gradients."""
+    config = {"r": 2, "lora_alpha": 2, "rank_pattern": {"layers.0.self_attn.q_proj": 1}}
+    _write_adapter(tmp_path / "ad", {"q": [1, 2, 2]}, config)
+    model = rx.load_lora_adapter(base, tmp_path / "ad")
+    spec = rx.lora_filter(model)
+    assert spec.transformer.layers.lora["q"].scale is False
+    assert spec.transformer.layers.lora["q"].a is True
+    trainable, frozen = eqx.partition(model, spec)
+
+    def loss(t):
+        m = eqx.combine(t, frozen)
+        return jnp.sum(m(TOKENS, MASK) ** 2)
+
+    grads = jax.grad(loss)(trainable).transformer.layers.lora["q"]
+    assert float(jnp.abs(grads.a[0, :, 1:]).max()) == 0.0
+    assert float(jnp.abs(grads.b[0, 1:]).max()) == 0.0
+    assert float(jnp.abs(grads.a[1]).max()) > 0.0
+    assert rx.count_params(model, spec) == 3 * (16 * 2 + 2 * 16)
+
+
+@pytest.mark.parametrize("value", ["missing", None])
+def test_adapter_without_a_base_model_name_loads_on_the_base_given(base, tmp_path, value):
+    parts = _write_adapter(tmp_path / "ad", {"v": [2, 2, 2]}, {"r": 2, "lora_alpha": 2})
+    path = tmp_path / "ad" / "adapter_config.json"
+    config = json.loads(path.read_text())
+    if value == "missing":
+        del config["base_model_name_or_path"]
+    path.write_text(json.dumps(config))
+    model = rx.load_lora_adapter(base, tmp_path / "ad")
+    scales = {k: 1.0 for k in parts}
+    np.testing.assert_allclose(
+        _logits(model), _logits(_hand_merged(base, parts, scales)), atol=2e-5
+    )
+    # saved again, the config records no base as PEFT does: the key with null
+    rx.save_lora_adapter(model, tmp_path / "again")
+    written = json.loads((tmp_path / "again" / "adapter_config.json").read_text())
+    assert "base_model_name_or_path" in written and written["base_model_name_or_path"] is None
+    rx.save_lora_adapter(model, tmp_path / "named", base_model_name_or_path="org/base")
+    named = json.loads((tmp_path / "named" / "adapter_config.json").read_text())
+    assert named["base_model_name_or_path"] == "org/base"
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"rank_pattern": {"q_proj": 0}}, r"`rank_pattern\['q_proj'\]` must be a positive"),
+        ({"rank_pattern": {"q_proj": 2.5}}, r"`rank_pattern\['q_proj'\]` must be an integer"),
+        ({"alpha_pattern": {"(q_proj": 2}}, r"`alpha_pattern` key '\(q_proj' is not a regex"),
+        ({"rank_pattern": ["q_proj"]}, "`rank_pattern` must be an object"),
+        ({"use_rslora": "yes"}, "`use_rslora` must be true or false"),
+        ({"rank_pattern": {"q_proj": 3}}, r"has shape \(2, 16\), expected \(3, 16\) \(rank 3\)"),
+    ],
+)
+def test_bad_patterns_are_named(base, tmp_path, changes, message):
+    _write_adapter(tmp_path / "ad", {"q": [2, 2, 2]}, {"r": 2, "lora_alpha": 2, **changes})
+    with pytest.raises(ValueError, match=message):
+        rx.load_lora_adapter(base, tmp_path / "ad")
+
+
+def test_layerwise_adapter_to_llama_cpp_adapter_file(base, tmp_path):
+    """llama.cpp scales each tensor pair by `alpha / r` at the pair's own rank: the file
+    holds each layer's rank, and `alpha / r_l · B A` is the model's `scale_l · B A`."""
+    gguf = pytest.importorskip("gguf")
+    config = {"r": 2, "lora_alpha": 3, "rank_pattern": {"layers.1.mlp.up_proj": 4}}
+    parts = _write_adapter(tmp_path / "ad", {"up": [2, 4, 2]}, config)
+    model = rx.load_lora_adapter(base, tmp_path / "ad")
+    rx.models.save_gguf_adapter(model, tmp_path / "ad.gguf", alpha=5.0)
+    reader = gguf.GGUFReader(tmp_path / "ad.gguf")
+    tensors = {t.name: np.asarray(t.data, np.float64) for t in reader.tensors}
+    for i, r in enumerate([2, 4, 2]):
+        a, b = tensors[f"blk.{i}.ffn_up.weight.lora_a"], tensors[f"blk.{i}.ffn_up.weight.lora_b"]
+        assert a.shape == (r, 16) and b.shape == (24, r)
+        want_a, want_b = parts[("up", i)]
+        np.testing.assert_allclose(5.0 / r * b @ a, 3 / r * want_b @ want_a, rtol=1e-5, atol=1e-6)

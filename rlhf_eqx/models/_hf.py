@@ -6,6 +6,9 @@ Mistral (sliding window), Qwen2/2.5 (q/k/v biases), Qwen3 (QK-norm), Gemma, Gemm
 and Gemma 3 text models. A checkpoint is either one `model.safetensors` or shards
 `model-0000i-of-0000n.safetensors` listed in `model.safetensors.index.json`
 (`weight_map`); where both are present the single file is read, as transformers does.
+Tensors are read one at a time through safetensors' lazy `safe_open` and written into
+the model's stacked fields as they come, so loading peaks near one model copy (plus
+the field being handed over), not at every shard plus the stacked copy plus the model.
 
 **dtypes.** numpy has no native bfloat16; `ml_dtypes.bfloat16` (installed with jax)
 fills the gap and the `safetensors` numpy API reads and writes it, so bfloat16
@@ -25,7 +28,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -80,7 +83,70 @@ def _load_file(path: str) -> dict[str, np.ndarray]:
     return tensors
 
 
-def _read_tensors(directory: str) -> dict[str, np.ndarray]:
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+
+
+def _safe_open(path: str):
+    """A lazy reader of one safetensors file (`pread` where safetensors has it, so that
+    no tensor outlives its use as a mapped page); a `ValueError` naming the file when
+    its header is unreadable."""
+    from safetensors import safe_open
+
+    _safetensors_numpy()  # the install hint when safetensors is missing
+    try:
+        try:
+            return safe_open(path, framework="np", backend="pread")
+        except TypeError:  # pragma: no cover - safetensors before `backend`
+            return safe_open(path, framework="np")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: file not found") from None
+    except Exception as e:  # safetensors raises its own error types for bad headers/data
+        raise ValueError(
+            f"{path}: not a readable safetensors file ({type(e).__name__}: {e})"
+        ) from None
+
+
+class _CheckpointTensors(Mapping):
+    """The tensors of a checkpoint's safetensors files, read one at a time when asked
+    for, each checked to be finite (`check_finite`) and, when loading as float16, within
+    float16's range (`_check_float16_range`). Shapes and dtypes come from the headers
+    (`shape_and_float`), so names and shapes are checked before any tensor is read."""
+
+    def __init__(self, directory: str, files: list[str], float16: bool):
+        self._directory, self._float16 = directory, float16
+        self._where: dict[str, tuple[str, Any]] = {}
+        for name in files:
+            path = os.path.join(directory, name)
+            reader = _safe_open(path)
+            self._where.update({k: (path, reader) for k in reader.keys()})
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        path, reader = self._where[name]
+        try:
+            arr = reader.get_tensor(name)
+        except Exception as e:
+            raise ValueError(
+                f"{path}: not a readable safetensors file ({type(e).__name__}: {e})"
+            ) from None
+        check_finite(arr, name=name, source=path)
+        if self._float16:
+            _check_float16_range({name: arr}, self._directory)
+        return arr
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def shape_and_float(self, name: str) -> tuple[tuple[int, ...], bool]:
+        view = self._where[name][1].get_slice(name)
+        return tuple(int(n) for n in view.get_shape()), view.get_dtype() in _FLOAT_DTYPES
+
+
+def _read_tensors(directory: str, *, float16: bool = False) -> _CheckpointTensors:
+    """The checkpoint's tensors, read lazily (`_CheckpointTensors`): one file or the
+    shards of the index."""
     _has = lambda name: os.path.isfile(os.path.join(directory, name))
     index_path = os.path.join(directory, _INDEX)
     single = os.path.join(directory, _SINGLE)
@@ -103,12 +169,10 @@ def _read_tensors(directory: str) -> dict[str, np.ndarray]:
             else ""
         )
         raise FileNotFoundError(f"{directory}: neither {_SINGLE} nor {_INDEX} found{hint}")
-    tensors: dict[str, np.ndarray] = {}
     for name in files:
         if not isinstance(name, str) or os.path.basename(name) != name:
             raise ValueError(f"{index_path}: shard name {name!r} is not a plain file name")
-        tensors.update(_load_file(os.path.join(directory, name)))
-    return tensors
+    return _CheckpointTensors(directory, files, float16)
 
 
 _FLOAT16_MAX = float(np.finfo(np.float16).max)  # 65504
@@ -168,11 +232,19 @@ def load_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> Policy
     config = _read_json(config_path)
     cfg = config_from_hf(config, dtype=dtype, source=config_path)
     head = hf_head(config, source=config_path)
-    tensors = _read_tensors(directory)
-    if cfg.dtype == "float16":
-        _check_float16_range(tensors, directory)
-    arrays = arrays_from_tensors(cfg, tensors, source=directory, head=head)
+    tensors = _read_tensors(directory, float16=cfg.dtype == "float16")
+    arrays = arrays_from_tensors(cfg, tensors, source=directory, head=head, dtype=cfg.param_dtype)
+    arrays = _Handover((k, None if v is None else np.asarray(v)) for k, v in arrays.items())
     return model_from_arrays(Policy if head == "lm" else RewardModel, cfg, arrays, source=directory)
+
+
+class _Handover(dict):
+    """Host views of the loaded device arrays, each let go of when `model_from_arrays`
+    takes it (`get` pops): the views' arrays are freed one by one as they are copied
+    into the model, so that loading holds one model copy plus one array."""
+
+    def get(self, key, default=None):
+        return self.pop(key, default)
 
 
 def _plan_shards(tensors: dict[str, np.ndarray], max_shard_bytes: int) -> list[list[str]]:

@@ -31,7 +31,9 @@ columns, so no permutation is needed. Gemma's RMSNorm weights are stored as `w` 
 `(1 + w)` scale on both sides.
 """  # noqa: E501 (markdown table rows cannot be wrapped)
 
+import functools
 import re
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -88,73 +90,120 @@ def _norm_fields(cfg: TransformerConfig) -> dict[str, str]:
     return {"attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight"}
 
 
+def _meta(tensors, name: str) -> tuple[tuple[int, ...], bool]:
+    """A tensor's shape and whether it is floating point, without reading it when
+    `tensors` reads lazily (it then has `shape_and_float`)."""
+    if hasattr(tensors, "shape_and_float"):
+        return tensors.shape_and_float(name)
+    arr = tensors[name]
+    return tuple(arr.shape), arr.dtype.kind in "fV"  # ml_dtypes bfloat16 has kind 'V'
+
+
+@functools.partial(jax.jit, static_argnums=4, donate_argnums=0)
+def _put(buf, i, x, lo, transpose: bool):
+    """`buf` with `x` (`xᵀ`) written at layer `i`, last-axis offset `lo` (`buf` donated:
+    filled in place)."""
+    x = x.T if transpose else x
+    start = (i,) + (0,) * (x.ndim - 1) + (lo,)
+    return jax.lax.dynamic_update_slice(buf, x[None].astype(buf.dtype), start)
+
+
 def arrays_from_tensors(
-    cfg: TransformerConfig, tensors: dict[str, np.ndarray], *, source: str, head: str = "lm"
-) -> dict[str, np.ndarray | None]:
+    cfg: TransformerConfig,
+    tensors: Mapping[str, np.ndarray],
+    *,
+    source: str,
+    head: str = "lm",
+    dtype=None,
+) -> dict[str, np.ndarray | jax.Array | None]:
     """The host arrays of `model_from_arrays` from a checkpoint's tensors (`head="score"`:
     a sequence classifier's backbone and `score.weight`).
+
+    `tensors` maps names to arrays, or reads them lazily (a mapping with
+    `shape_and_float(name)`, as `load_hf` passes): names and shapes are checked first,
+    then each tensor is read once. With `dtype` the arrays are device arrays of that
+    dtype, each stacked field filled one layer at a time in place, so that no more than
+    the fields built so far and one tensor are held (a sharded checkpoint is never
+    whole in memory); without it they are numpy arrays.
 
     Raises `ValueError` naming the tensor when one is missing, has the wrong shape or
     a non-float dtype, belongs to a layer beyond `num_hidden_layers`, or is not part of
     the architecture (e.g. an `o_proj.bias`).
     """
-    D, V = cfg.d_model, cfg.vocab_size
+    D, V, L = cfg.d_model, cfg.vocab_size, cfg.n_layers
     per_layer = _layer_names(cfg)
     top = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
     top.update({"score.weight": (1, D)} if head == "score" else {"lm_head.weight": (V, D)})
-    for name, arr in tensors.items():
+    for name in tensors:
         m = _LAYER_NAME.fullmatch(name)
         if _IGNORED.fullmatch(name):
             continue
-        if m is not None and int(m.group(1)) >= cfg.n_layers:
+        if m is not None and int(m.group(1)) >= L:
             raise ValueError(
                 f"{source}: tensor {name!r} belongs to layer {m.group(1)} but config.json has "
-                f"num_hidden_layers={cfg.n_layers}"
+                f"num_hidden_layers={L}"
             )
         expected = per_layer.get(m.group(2)) if m is not None else top.get(name)
         if expected is None:
             raise ValueError(
                 f"{source}: unexpected tensor {name!r}: not part of this architecture ({cfg})"
             )
-        if tuple(arr.shape) != expected:
-            raise ValueError(
-                f"{source}: tensor {name!r} has shape {tuple(arr.shape)}, expected {expected}"
-            )
-        if arr.dtype.kind not in "fV":  # ml_dtypes bfloat16 has kind 'V'
-            raise ValueError(f"{source}: tensor {name!r} has non-float dtype {arr.dtype}")
+        shape, is_float = _meta(tensors, name)
+        if shape != expected:
+            raise ValueError(f"{source}: tensor {name!r} has shape {shape}, expected {expected}")
+        if not is_float:
+            raise ValueError(f"{source}: tensor {name!r} has non-float dtype {tensors[name].dtype}")
 
     def get(name: str) -> np.ndarray:
         if name not in tensors:
             raise ValueError(f"{source}: tensor {name!r} is missing from the checkpoint")
         return tensors[name]
 
-    def stack(suffix: str) -> np.ndarray:
-        return np.stack([get(f"model.layers.{i}.{suffix}") for i in range(cfg.n_layers)])
+    def field(suffixes: tuple[str, ...], transpose: bool = True):
+        """`[L, ...]`: per layer the named tensors (transposed), side by side."""
+        names = [[f"model.layers.{i}.{s}" for s in suffixes] for i in range(L)]
+        for name in (n for row in names for n in row if n not in tensors):
+            get(name)  # the first missing one, before anything is read
+        if dtype is None:
+            per = lambda i: [get(n).T if transpose else get(n) for n in names[i]]
+            return np.stack([np.concatenate(per(i), axis=-1) for i in range(L)])
+        shapes = [per_layer[s][::-1] if transpose else per_layer[s] for s in suffixes]
+        buf = jnp.zeros((L,) + shapes[0][:-1] + (sum(sh[-1] for sh in shapes),), dtype)
+        for i in range(L):
+            lo = 0
+            for name, sh in zip(names[i], shapes):
+                buf = _put(buf, jnp.int32(i), get(name), jnp.int32(lo), transpose)
+                lo += sh[-1]
+        return buf
 
-    def stack_t(suffix: str) -> np.ndarray:
-        return np.swapaxes(stack(suffix), -1, -2)
+    def one(name: str, transpose: bool = False):
+        arr = get(name)
+        if dtype is None:
+            return arr.T if transpose else arr
+        arr = jnp.asarray(arr)
+        return (arr.T if transpose else arr).astype(dtype)
 
     attn, mlp = "self_attn.", "mlp."
-    arrays: dict[str, np.ndarray | None] = {
-        "embed": get("model.embed_tokens.weight"),
-        "final_norm": get("model.norm.weight"),
-        "lm_head": None if cfg.tie_embeddings or head == "score" else get("lm_head.weight").T,
-        "wqkv": np.concatenate([stack_t(attn + f"{p}_proj.weight") for p in "qkv"], axis=-1),
-        "wo": stack_t(attn + "o_proj.weight"),
-        "w_gate_up": np.concatenate(
-            [stack_t(mlp + "gate_proj.weight"), stack_t(mlp + "up_proj.weight")], axis=-1
-        ),
-        "w_down": stack_t(mlp + "down_proj.weight"),
+    arrays: dict[str, np.ndarray | jax.Array | None] = {
+        "embed": one("model.embed_tokens.weight"),
+        "final_norm": one("model.norm.weight"),
+        "lm_head": None
+        if cfg.tie_embeddings or head == "score"
+        else one("lm_head.weight", transpose=True),
+        "wqkv": field(tuple(attn + f"{p}_proj.weight" for p in "qkv")),
+        "wo": field((attn + "o_proj.weight",)),
+        "w_gate_up": field((mlp + "gate_proj.weight", mlp + "up_proj.weight")),
+        "w_down": field((mlp + "down_proj.weight",)),
     }
-    for field, suffix in _norm_fields(cfg).items():
-        arrays[field] = stack(suffix)
+    for name, suffix in _norm_fields(cfg).items():
+        arrays[name] = field((suffix,), transpose=False)
     if cfg.attn_bias:
-        arrays["bqkv"] = np.concatenate([stack(attn + f"{p}_proj.bias") for p in "qkv"], axis=-1)
+        arrays["bqkv"] = field(tuple(attn + f"{p}_proj.bias" for p in "qkv"), transpose=False)
     if cfg.qk_norm:
-        arrays["q_norm"] = stack(attn + "q_norm.weight")
-        arrays["k_norm"] = stack(attn + "k_norm.weight")
+        arrays["q_norm"] = field((attn + "q_norm.weight",), transpose=False)
+        arrays["k_norm"] = field((attn + "k_norm.weight",), transpose=False)
     if head == "score":
-        arrays["head"] = get("score.weight")[0]
+        arrays["head"] = one("score.weight")[0]
         arrays["bias"] = np.zeros((), np.float32)
     return arrays
 

@@ -352,3 +352,52 @@ def test_under_the_callers_jit_equals_the_direct_call(policy):
         eqx.filter_jit(lambda m, t: rx.generate_continuous(m, t, masks, keys, **kw))(
             policy, toks.at[1, 5].set(CFG.vocab_size)
         ).tokens.block_until_ready()
+
+
+ROW_SETTINGS = [
+    dict(temperature=0.8, top_k=20),
+    dict(temperature=0.0),
+    dict(temperature=1.3, top_p=0.7),
+    dict(temperature=0.5, top_k=5, top_p=0.9),
+    dict(temperature=1.0),
+]
+
+
+def test_per_row_settings_equal_each_rows_own_and_compile_once(policy):
+    """Temperature, top-k and top-p given per row are traced: each row samples as with
+    its settings given alone, and other values compile nothing new."""
+    toks, masks, keys = _requests()
+    kw = dict(slots=2, max_new_tokens=N, budgets=BUDGETS, eos_id=3)
+    rows = {
+        "temperature": [s["temperature"] for s in ROW_SETTINGS],
+        "top_k": [s.get("top_k", 0) for s in ROW_SETTINGS],
+        "top_p": [s.get("top_p", 1.0) for s in ROW_SETTINGS],
+    }
+    out = rx.generate_continuous(policy, toks, masks, keys, **kw, **rows)
+    for i, settings in enumerate(ROW_SETTINGS):
+        alone = rx.generate_continuous(policy, toks, masks, keys, **kw, **settings)
+        np.testing.assert_array_equal(out.tokens[i], alone.tokens[i])
+        np.testing.assert_array_equal(out.completion_mask[i], alone.completion_mask[i])
+        np.testing.assert_allclose(out.logprobs[i], alone.logprobs[i], atol=1e-5, rtol=0)
+    compiled = []
+
+    def listen(event, duration, fun_name="", **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(fun_name)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        other = dict(temperature=[0.3, 1.7, 0.0, 0.9, 1.1], top_k=[0, 7, 2, 0, 1])
+        again = rx.generate_continuous(policy, toks, masks, keys, **kw, **other, top_p=0.6)
+        again.tokens.block_until_ready()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiled == []
+    with pytest.raises(ValueError, match="top_p"):
+        rx.generate_continuous(policy, toks, masks, keys, **kw, temperature=[1.0] * 5, top_p=0.0)
+    with pytest.raises(ValueError, match="one value per output row"):
+        rx.generate_continuous(policy, toks, masks, keys, **kw, temperature=[1.0, 0.5])
+    with pytest.raises(ValueError, match="cache='dense'"):
+        rx.generate_continuous(
+            policy, toks, masks, keys, **kw, temperature=[1.0] * 5, cache="paged"
+        )

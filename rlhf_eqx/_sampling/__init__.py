@@ -6,7 +6,10 @@ the completion then starts right after the last real prompt token in every row.
 The output row is always `prompt (as given, with its padding) ++ completion`.
 """
 
-from ._continuous import generate_continuous as generate_continuous
+from ._continuous import (
+    ContinuousDecoding as ContinuousDecoding,
+    generate_continuous as generate_continuous,
+)
 from ._decode import (
     check_prompt_masks as check_prompt_masks,
     generate as generate,

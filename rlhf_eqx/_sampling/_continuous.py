@@ -34,7 +34,14 @@ from ._decode import (
     _with_prompts,
     check_prompt_masks,
 )
-from ._options import DEFAULT_TEMPERATURE, GenerationOutput, SamplingOptions
+from ._options import (
+    DEFAULT_TEMPERATURE,
+    GenerationOutput,
+    SamplingOptions,
+    check_temperature,
+    check_top_p,
+)
+from ._token import sample_rows
 
 
 def _is_int(x: object) -> bool:
@@ -223,7 +230,7 @@ def _sample_slots(s, sample, row_keys, budgets, stops):
     active = s.slot_row >= 0
     row = jnp.where(active, s.slot_row, 0)
     step = s.slot_step
-    tok, lp = sample(jax.vmap(jax.random.fold_in)(row_keys[row], step), s.logits)
+    tok, lp = sample(jax.vmap(jax.random.fold_in)(row_keys[row], step), s.logits, row)
     tok = jnp.where(active, tok, jnp.int32(pad_id))
     stop = step + 1 >= budgets[row]
     if eos_id:
@@ -236,14 +243,85 @@ def _sample_slots(s, sample, row_keys, budgets, stops):
     return active, row, step, tok, lp, recent, stop
 
 
-def _generate_continuous(
+class _RowSettings(eqx.Module):
+    """Per-row sampling settings, traced: `[B]` temperatures (0: greedy), top-k (0: off)
+    and top-p (1: off)."""
+
+    temperature: Float[Array, " B"]
+    top_k: Int[Array, " B"]
+    top_p: Float[Array, " B"]
+
+
+def _slot_sampler(opts: SamplingOptions, settings: _RowSettings | None):
+    """`sample(keys [S], logits [S, V], rows [S]) -> (tokens [S], logprobs [S])` for the
+    slots decoding `rows`: `opts`' settings, or each row's own (`settings`)."""
+    if settings is None:
+        static = _row_sampler(opts)
+        return lambda keys, logits, rows: static(keys, logits)
+    return lambda keys, logits, rows: sample_rows(
+        keys, logits, settings.temperature[rows], settings.top_k[rows], settings.top_p[rows]
+    )
+
+
+def _is_per_row(x: object) -> bool:
+    return isinstance(x, np.ndarray | jax.Array | Sequence) and not isinstance(x, str)
+
+
+def _row_values(value: Any, rows: int, name: str, off: Any, dtype) -> Any:
+    """A per-row setting as a `[rows]` array (a scalar repeated; `None`: `off`)."""
+    if value is None:
+        value = off
+    if not _is_per_row(value):
+        return jnp.asarray(np.full((rows,), value, dtype))  # built on the host: no program
+    arr = value if isinstance(value, jax.Array) else np.asarray(value)
+    if arr.shape != (rows,):
+        raise ValueError(
+            f"{name}: one value per output row (R · num_samples = {rows}), got shape "
+            f"{tuple(arr.shape)}"
+        )
+    return arr.astype(dtype) if arr.dtype != dtype else jnp.asarray(arr)
+
+
+def _row_settings(temperature: Any, top_k: Any, top_p: Any, rows: int) -> _RowSettings | None:
+    """`None` when the three settings are scalars (compiled into the sampler); else each as
+    a `[rows]` array (traced: one program serves every value), checked when concrete."""
+    if not any(_is_per_row(x) for x in (temperature, top_k, top_p)):
+        return None
+    for x, check in ((temperature, check_temperature), (top_p, check_top_p)):
+        if not _is_per_row(x):
+            check(x)
+    if not _is_per_row(top_k) and top_k is not None and not (_is_int(top_k) and top_k >= 0):
+        raise ValueError(f"top_k must be a non-negative int (0: off) or None, got {top_k!r}")
+    settings = _RowSettings(
+        temperature=jnp.asarray(_row_values(temperature, rows, "temperature", 0.0, np.float32)),
+        top_k=jnp.asarray(_row_values(top_k, rows, "top_k", 0, np.int32)),
+        top_p=jnp.asarray(_row_values(top_p, rows, "top_p", 1.0, np.float32)),
+    )
+    if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(settings)):
+        t, k, p = (np.asarray(x) for x in (settings.temperature, settings.top_k, settings.top_p))
+        if not (np.all(np.isfinite(t)) and np.all(t >= 0)):
+            raise ValueError(f"temperature: each row's must be a number >= 0, got {t.tolist()}")
+        if np.any(k < 0):
+            raise ValueError(f"top_k: each row's must be >= 0 (0: off), got {k.tolist()}")
+        if not np.all((p > 0) & (p <= 1)):
+            raise ValueError(f"top_p: each row's must lie in (0, 1], got {p.tolist()}")
+    return settings
+
+
+def _continuous_loop(
     policy: AbstractDecoder,
     prompts: Int[Array, "R P"],
     prompt_masks: Bool[Array, "R P"],
     keys: Key[Array, " R"],
     budgets: Int[Array, " B"],
+    settings: _RowSettings | None,
     plan: _Plan,
-) -> GenerationOutput:
+    cancelled: Bool[Array, " B"] | None = None,
+):
+    """The continuous loop's pieces: `(init, cond, body, finish)`, the carry it starts
+    with, whether rows remain, one decode step of every slot, and the output of a carry.
+    Rows marked in `cancelled` stop where they are (their slots are freed and a waiting
+    one is never admitted)."""
     opts = plan.opts
     R, P = prompts.shape
     N, G = opts.max_new_tokens, opts.num_samples
@@ -254,7 +332,7 @@ def _generate_continuous(
 
     prefill, one = _prefill(policy, prompts, prompt_masks, P + N)
     decode = jax.vmap(lambda tok, c, idx, pos: policy.decode_step(tok, c, index=idx, position=pos))
-    sample = _row_sampler(opts)
+    sample = _slot_sampler(opts, settings)
     logits0, cache0 = _zeros(S, one)
     ids0 = jnp.zeros((S,), jnp.int32)
     _check_decoder_output(
@@ -279,10 +357,21 @@ def _generate_continuous(
         cache = jax.tree.map(put, s.cache, staged[2])
         return _admitted(s, slot, n_real[p], logits, cache, staged)
 
+    if cancelled is not None:
+        admit_one = admit
+
+        def admit(s: _SlotState) -> _SlotState:  # noqa: F811 - a cancelled row is skipped
+            skip = cancelled[jnp.minimum(s.next_row, B - 1)]
+            passed = lambda s: dataclasses.replace(s, next_row=s.next_row + 1)
+            return jax.lax.cond(skip, passed, admit_one, s)
+
     def cond(s: _SlotState):
         return (s.next_row < B) | jnp.any(s.slot_row >= 0)
 
     def body(s: _SlotState) -> _SlotState:
+        if cancelled is not None:
+            gone = (s.slot_row >= 0) & cancelled[jnp.maximum(s.slot_row, 0)]
+            s = dataclasses.replace(s, slot_row=jnp.where(gone, -1, s.slot_row))
         s = jax.lax.while_loop(waiting, admit, s)
         active, row, step, tok, lp, recent, stop = _sample_slots(
             s, sample, row_keys, budgets, stops
@@ -311,13 +400,42 @@ def _generate_continuous(
             out=s.out.written(write, tok, lp, active),
         )
 
-    init = _SlotState(logits=logits0, cache=cache0, **_start(plan, B, one, stops[-1]))
-    s = jax.lax.while_loop(cond, body, init)
+    init = lambda: _SlotState(logits=logits0, cache=cache0, **_start(plan, B, one, stops[-1]))
     rep = lambda x: jnp.repeat(x, G, axis=0)
-    return _with_prompts(rep(prompts), rep(prompt_masks), s.out)
+    finish = lambda s: _with_prompts(rep(prompts), rep(prompt_masks), s.out)
+    return init, cond, body, finish
+
+
+def _generate_continuous(*inputs: Any) -> GenerationOutput:
+    """The whole loop in one program (`inputs`: `_continuous_loop`'s, none cancelled)."""
+    init, cond, body, finish = _continuous_loop(*inputs)
+    return finish(jax.lax.while_loop(cond, body, init()))
 
 
 _generate_continuous_jit = eqx.filter_jit(_generate_continuous)
+
+
+@eqx.filter_jit
+def _continuous_start(inputs: tuple) -> _SlotState:
+    """The carry `ContinuousDecoding` starts from (`inputs`: the loop's arguments)."""
+    init, *_ = _continuous_loop(*inputs)
+    return init()
+
+
+def _continuous_steps(
+    inputs: tuple, steps: Int[Array, ""], state: _SlotState
+) -> tuple[_SlotState, GenerationOutput, Bool[Array, ""]]:
+    """Up to `steps` decode steps from `state`: the new carry, the output so far and
+    whether rows remain."""
+    _, cond, body, finish = _continuous_loop(*inputs)
+    state, _ = jax.lax.while_loop(
+        lambda c: cond(c[0]) & (c[1] < steps), lambda c: (body(c[0]), c[1] + 1), (state, 0)
+    )
+    return state, finish(state), cond(state)
+
+
+# the carry (the slots' caches) is donated: each call updates it in place
+_continuous_steps_jit = eqx.filter_jit(_continuous_steps, donate="all-except-first")
 
 
 def generate_continuous(
@@ -329,9 +447,11 @@ def generate_continuous(
     slots: int,
     max_new_tokens: int,
     budgets: Int[Array | np.ndarray, " B"] | Sequence[int] | None = None,
-    temperature: float | int = DEFAULT_TEMPERATURE,
-    top_k: int | None = None,
-    top_p: float | int | None = None,
+    temperature: float | int | Float[Array | np.ndarray, " B"] | Sequence[float] = (
+        DEFAULT_TEMPERATURE
+    ),
+    top_k: int | None | Int[Array | np.ndarray, " B"] | Sequence[int] = None,
+    top_p: float | int | None | Float[Array | np.ndarray, " B"] | Sequence[float] = None,
     eos_id: int | Sequence[int] | None = None,
     stop_sequences: Sequence[Sequence[int]] | None = None,
     pad_id: int = 0,
@@ -376,7 +496,11 @@ def generate_continuous(
     - `budgets`: optional per-row token budgets, `[R · num_samples]` ints in
       `[1, max_new_tokens]` (row order as in the result); default `max_new_tokens`.
     - `temperature`, `top_k`, `top_p`, `eos_id`, `pad_id`, `num_samples`, `check_ids`: as
-      in `generate_batch` (`SamplingOptions`).
+      in `generate_batch` (`SamplingOptions`). `temperature`, `top_k` and `top_p` may
+      also be given per output row, `[R · num_samples]` arrays (a scalar beside them
+      applies to every row; `top_k` 0 and `top_p` 1 are off): they are then traced,
+      so one compiled program serves every value, each row sampling as it would with
+      its settings given alone (dense cache only).
     - `stop_sequences`: token-id sequences (non-empty); a row stops right after the
       first place its generated tokens end with one of them (the sequence is kept, as
       a stop id is). Only completion tokens are matched, never the prompt.
@@ -409,6 +533,8 @@ def generate_continuous(
         num_samples=num_samples, check_ids=check_ids, prefill_rows=prefill_rows,
     )  # fmt: skip
     if cache == "paged":
+        if any(_is_per_row(x) for x in (temperature, top_k, top_p)):
+            raise ValueError("per-row temperature, top_k or top_p need cache='dense'")
         # imported here: the paged sampler reuses this module's checks and carry
         from ._paged import generate_paged
 
@@ -416,10 +542,79 @@ def generate_continuous(
         return generate_paged(policy, prompts, prompt_masks, keys, **settings, **pool)[0]
     if page_size is not None or num_pages is not None:
         raise ValueError("page_size and num_pages apply to cache='paged' only")
-    policy, keys, budgets, plan = _continuous_arguments(
-        policy, prompts, prompt_masks, keys, **settings
+    policy, keys, budgets, plan, rows = _row_arguments(
+        policy, prompts, prompt_masks, keys, settings
     )
-    return _generate_continuous_jit(policy, prompts, prompt_masks, keys, budgets, plan)
+    return _generate_continuous_jit(policy, prompts, prompt_masks, keys, budgets, rows, plan)
+
+
+def _row_arguments(policy, prompts, prompt_masks, keys, settings: dict) -> tuple:
+    """`_continuous_arguments` with per-row `temperature` / `top_k` / `top_p` taken out
+    of the static options into `_RowSettings` (or `None` when they are scalars)."""
+    rows = prompts.shape[0] * settings["num_samples"] if prompts.ndim == 2 else 0
+    per_row = _row_settings(settings["temperature"], settings["top_k"], settings["top_p"], rows)
+    if per_row is not None:
+        settings = settings | dict(temperature=DEFAULT_TEMPERATURE, top_k=None, top_p=None)
+    checked = _continuous_arguments(policy, prompts, prompt_masks, keys, **settings)
+    return (*checked, per_row)
+
+
+class ContinuousDecoding:
+    """`generate_continuous` (dense cache) run a few decode steps at a time: between
+    calls the caller reads the tokens sampled so far (to stream them) and may cancel
+    rows (a client gone, a stop string found in the text), whose slots then take the
+    next waiting rows. The tokens are those `generate_continuous` samples with the same
+    arguments; a cancelled row keeps what it had sampled.
+
+    **Arguments:** those of `generate_continuous` (`temperature`, `top_k`, `top_p` per
+    row or scalars), except `cache`, `page_size` and `num_pages`.
+
+    `run(steps)` decodes up to `steps` steps (one token for every busy slot each) and
+    returns the `GenerationOutput` so far; `done` says whether every row has stopped.
+    Two compiled programs (the start and the steps), whatever `steps`; the slots' caches
+    are updated in place between calls (donated).
+    """
+
+    def __init__(
+        self,
+        policy: AbstractDecoder,
+        prompts: Int[Array, "R P"],
+        prompt_masks: Bool[Array, "R P"],
+        keys: Key[Array, " R"] | UInt32[Array, "R 2"],
+        **options: Any,
+    ):
+        settings = dict(
+            budgets=None, temperature=DEFAULT_TEMPERATURE, top_k=None, top_p=None,
+            eos_id=None, stop_sequences=None, pad_id=0, num_samples=1, check_ids=False,
+            prefill_rows=None,
+        ) | options  # fmt: skip
+        policy, keys, budgets, plan, rows = _row_arguments(
+            policy, prompts, prompt_masks, keys, settings
+        )
+        self._inputs = (policy, prompts, prompt_masks, keys, budgets, rows)
+        self._plan = plan
+        self.rows = prompts.shape[0] * plan.opts.num_samples
+        self._cancelled = np.zeros(self.rows, bool)
+        self._state = _continuous_start((*self._inputs, plan))
+        self.done = False
+
+    def cancel(self, rows: Sequence[int]) -> None:
+        """Stop `rows` (output rows) at the next `run`: a decoding one is dropped from
+        its slot, a waiting one is never admitted."""
+        self._cancelled[list(rows)] = True
+
+    def run(self, steps: int) -> GenerationOutput:
+        """Decode up to `steps` steps (fewer when every row stops first); returns the
+        output so far, laid out as `generate_continuous`'s (rows not yet done hold the
+        tokens they have)."""
+        if not (_is_int(steps) and steps >= 1):
+            raise ValueError(f"steps must be a positive int, got {steps!r}")
+        inputs = (*self._inputs, self._plan, jnp.asarray(self._cancelled))
+        self._state, out, going = _continuous_steps_jit(
+            inputs, jnp.asarray(steps, jnp.int32), self._state
+        )
+        self.done = not bool(going)
+        return out
 
 
 def _continuous_arguments(

@@ -28,12 +28,13 @@ from ._continuous import (
     _prefill,
     _row_keys,
     _sample_slots,
+    _slot_sampler,
     _SlotState,
     _staged,
     _start,
     _stops,
 )
-from ._decode import _int32_prompts, _row_sampler, _with_prompts
+from ._decode import _int32_prompts, _with_prompts
 from ._options import DEFAULT_TEMPERATURE, GenerationOutput
 from ._paged_plan import check_pool, plan_pages
 
@@ -119,7 +120,7 @@ def _generate_paged(
     cdiv = lambda a, b: (a + b - 1) // b
 
     prefill, one = _prefill(policy, prompts, prompt_masks, P)
-    sample = _row_sampler(opts)
+    sample = _slot_sampler(opts, None)
     row_keys = _row_keys(keys, G)
     n_real = jnp.sum(prompt_masks, axis=-1, dtype=jnp.int32)
     stops = _stops(opts, plan.base.stop_sequences)

@@ -4,7 +4,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, Int, Key, PRNGKeyArray
 
 from ._options import DEFAULT_TEMPERATURE, check_temperature, check_top_k, check_top_p
 
@@ -55,6 +55,49 @@ def sample_token(
         token = inverse_cdf_sample(key, filtered)
     logprob = scaled[token] - jax.nn.logsumexp(scaled)
     return token, logprob
+
+
+def _filter_row(
+    logits: Float[Array, " V"], top_k: Int[Array, ""], top_p: Float[Array, ""]
+) -> Float[Array, " V"]:
+    """`filter_logits` with a traced `top_k` (0: off) and `top_p` (1: off): the `k` best
+    are the first `k` of the sorted logits, top-p works on them only."""
+    V = logits.shape[-1]
+    best = jnp.sort(logits)[::-1]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+    in_k = jnp.arange(V) < k
+    probs = jax.nn.softmax(jnp.where(in_k, best, -jnp.inf))
+    before = jnp.cumsum(probs) - probs  # mass strictly above each candidate
+    keep = in_k & ((before < top_p) | (top_p >= 1.0))  # always keeps the best token
+    threshold = jnp.min(jnp.where(keep, best, jnp.inf))
+    return jnp.where(logits < threshold, jnp.asarray(-jnp.inf, logits.dtype), logits)
+
+
+def sample_rows(
+    keys: Key[Array, " B"],
+    logits: Float[Array, "B V"],
+    temperature: Float[Array, " B"],
+    top_k: Int[Array, " B"],
+    top_p: Float[Array, " B"],
+) -> tuple[Int[Array, " B"], Float[Array, " B"]]:
+    """`sample_token` for a batch of rows, each with its own traced settings (one compiled
+    program for every setting): row `b` is greedy where `temperature[b] == 0`, else
+    draws from `logits[b] / temperature[b]` with its `top_k[b]` (0: off) and `top_p[b]`
+    (1: off). Returns each row's token and its log-probability at its temperature (1
+    when greedy). Same numbers as `sample_token` with the row's settings (with both
+    top-k and top-p on, up to the rounding of the nucleus' running sum, which could
+    move a near-tie at its edge)."""
+    logits = logits.astype(jnp.float32)
+    greedy = temperature == 0.0
+    scaled = logits / jnp.where(greedy, 1.0, temperature).astype(jnp.float32)[:, None]
+    filtering = jnp.any(~greedy & ((top_k > 0) | (top_p < 1.0)))
+    filtered = jax.lax.cond(
+        filtering, lambda x: jax.vmap(_filter_row)(x, top_k, top_p), lambda x: x, scaled
+    )
+    drawn = jax.vmap(inverse_cdf_sample)(keys, filtered)
+    token = jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn)
+    picked = jnp.take_along_axis(scaled, token[:, None], axis=-1)[:, 0]
+    return token, picked - jax.nn.logsumexp(scaled, axis=-1)
 
 
 def inverse_cdf_sample(key: PRNGKeyArray, logits: Float[Array, " V"]) -> Int[Array, ""]:

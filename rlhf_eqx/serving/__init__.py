@@ -4,8 +4,11 @@
 and `GET /v1/models` (OpenAI's JSON, plus each choice's `token_ids` and the
 `prompt_token_ids` as vLLM returns them), on 127.0.0.1, from one scheduler thread that
 samples every waiting request with the continuous-batching sampler
-(`rlhf_eqx.generate_continuous`). `rlhf_eqx serve --model NAME` runs one from the
-command line.
+(`rlhf_eqx.generate_continuous`, each row with its own temperature, top-k and top-p).
+`"stream": true` answers as server-sent events whose pieces never cut a UTF-8
+character; a client that disconnects has its rows dropped; a request beyond
+`max_request_rows` / `max_request_tokens` is refused. `rlhf_eqx serve --model NAME`
+runs one from the command line.
 
 Rollout mode: any code that speaks OpenAI's protocol (an agent loop with tools, the
 `openai` client) drives episodes; inside `with server.recording() as rec:` each

@@ -43,6 +43,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--served-model-name", help="the model name requests give (default: --model)")
     p.add_argument("--seed", type=int, default=0, help="seed of requests without one")
+    p.add_argument(
+        "--max-request-rows",
+        type=int,
+        default=64,
+        help="most completions (prompts × n) one request may ask for (default 64)",
+    )
+    p.add_argument(
+        "--max-request-tokens",
+        type=int,
+        default=65536,
+        help="most completion tokens (completions × max_tokens) one request may ask for "
+        "(default 65536)",
+    )
     return p
 
 
@@ -95,6 +108,8 @@ def serve_command(
             max_new_tokens=args.max_new_tokens,
             seed=args.seed,
             allow_remote=args.allow_remote,
+            max_request_rows=args.max_request_rows,
+            max_request_tokens=args.max_request_tokens,
         )
         server.start()
     except (ConfigError, data.DataError, ValueError, OSError) as e:

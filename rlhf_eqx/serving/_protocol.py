@@ -23,10 +23,10 @@ MAX_TOP_LOGPROBS = 20  # chat `top_logprobs`; completions' `logprobs` allows 5
 # and the ones that change nothing here (metadata, caching and routing hints)
 _READ = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "logprobs",
-    "user", "episode_id", "stream", "return_token_ids",
+    "user", "episode_id", "stream", "stream_options", "return_token_ids",
 }  # fmt: skip
 _NO_EFFECT = {
-    "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls",
+    "metadata", "store", "service_tier", "parallel_tool_calls",
     "prompt_cache_key", "safety_identifier",
 }  # fmt: skip
 _FIELDS = {
@@ -105,6 +105,8 @@ class ParsedRequest:
       alternatives per token (0: none).
     - `episode_id`: the episode the request belongs to (`episode_id`, else `user`), or
       `None`.
+    - `stream`: answer as server-sent events; `include_usage`: end the stream with a
+      chunk holding the usage (`stream_options`).
     """
 
     kind: str
@@ -121,6 +123,8 @@ class ParsedRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     episode_id: str | None = None
+    stream: bool = False
+    include_usage: bool = False
 
 
 def _is_int(x: object) -> bool:
@@ -262,6 +266,29 @@ def _prompts(body: Mapping, vocab_size: int) -> tuple[str | tuple[int, ...], ...
     return tuple(out)
 
 
+def _stream_options(options: object, stream: bool) -> bool:
+    """`stream_options.include_usage` (OpenAI allows `stream_options` with `stream`
+    only)."""
+    if options is None:
+        return False
+    if not stream:
+        raise RequestError(
+            "stream_options is only allowed when stream is true", param="stream_options"
+        )
+    if not isinstance(options, Mapping) or set(options) - {"include_usage"}:
+        raise RequestError(
+            f"stream_options must be an object with at most include_usage, got {options!r}"[:300],
+            param="stream_options",
+        )
+    usage = options.get("include_usage")
+    if usage is not None and not isinstance(usage, bool):
+        raise RequestError(
+            f"stream_options.include_usage must be a boolean, got {usage!r}",
+            param="stream_options.include_usage",
+        )
+    return bool(usage)
+
+
 def _check_fields(body: Mapping, kind: str) -> None:
     """Refuse a field this server does not know, and one it does not implement set to
     anything but its "off" value: either would otherwise be ignored without a word."""
@@ -304,15 +331,19 @@ def parse_request(
             code="model_not_found",
         )
     _check_fields(body, kind)
-    if body.get("stream"):
-        raise RequestError("stream=true is not supported", param="stream")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise RequestError(f"stream must be a boolean, got {stream!r}"[:300], param="stream")
+    include_usage = _stream_options(body.get("stream_options"), bool(stream))
     max_tokens = _int(body, "max_tokens", 1)
     if kind == "chat":
         newer = _int(body, "max_completion_tokens", 1)
         max_tokens = newer if newer is not None else max_tokens
     tag = "episode_id" if body.get("episode_id") is not None else "user"
     episode_id = body.get(tag)
-    if episode_id is not None and not (isinstance(episode_id, str | int) and episode_id != ""):
+    if episode_id is not None and (
+        isinstance(episode_id, bool) or not (isinstance(episode_id, str | int) and episode_id != "")
+    ):
         raise RequestError(f"{tag} must be a non-empty string, got {episode_id!r}"[:300], param=tag)
     top_k = _int(body, "top_k", -1, vocab_size)
     top_p = _number(body, "top_p", 0.0, 1.0, 1.0)
@@ -328,6 +359,8 @@ def parse_request(
         stop=_stop(body),
         seed=_int(body, "seed", -(2**63)),
         episode_id=None if episode_id is None else str(episode_id),
+        stream=bool(stream),
+        include_usage=include_usage,
     )
     if kind == "chat":
         logprobs = body.get("logprobs")

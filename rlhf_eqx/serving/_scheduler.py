@@ -1,6 +1,12 @@
 """The one scheduler thread: requests wait in a FIFO queue; the thread takes every
-request waiting at that moment, groups the rows by their sampling settings and samples
-each group with one `generate_continuous` call, then takes the next batch.
+request waiting at that moment and samples all their rows with one continuous-batching
+run (`ContinuousDecoding`: each row with its own temperature, top-k and top-p, traced,
+so one compiled sampler serves every setting), then takes the next batch.
+
+The run goes a few decode steps at a time (`Scheduler.steps`): in between, the thread
+sends streamed rows their new text, stops rows whose text holds a stop string, drops
+the rows of a request whose client has gone (their slots take the next rows), and
+answers each request as soon as its rows are done.
 
 Fairness: a batch holds every request that arrived before it started, so a request is
 never served after one that arrived later (it may share a batch with it). Shapes are
@@ -11,8 +17,8 @@ compiled programs stays small whatever the request mix.
 import collections
 import concurrent.futures
 import dataclasses
-import functools
 import itertools
+import queue
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -22,9 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._sampling import generate_continuous
+from .._sampling import ContinuousDecoding
 from ._prompts import DECODE_CONTEXT, decode_after
 from ._protocol import MAX_TOP_LOGPROBS, RequestError
+from ._text import StreamedRow
 
 _MIN_BUCKET = 16
 
@@ -78,9 +85,30 @@ class Sample:
     policy_version: int
 
 
+class ClientGone(Exception):
+    """The client of a request closed its connection: its rows were dropped."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """What a streamed row adds: `index` (the row of its request), the new `text`, and
+    the new tokens whose text is all sent: `ids`, `logprobs` and `top` (per token the
+    `(id, logprob)` alternatives, when asked)."""
+
+    index: int
+    text: str
+    ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    top: tuple[tuple[tuple[int, float], ...], ...] | None
+
+
 @dataclasses.dataclass
 class Job:
-    """A request's rows and settings, and the future its samples are set on."""
+    """A request's rows and settings, and the future its samples are set on.
+
+    `stream`: for a streamed request, the queue its rows' `Progress` goes to (`None`
+    once every row is done and the future is set). `cancel()` drops its rows (a client
+    gone)."""
 
     rows: Sequence[Row]
     temperature: float
@@ -92,10 +120,12 @@ class Job:
     prefix: str = "req"
     after_prompt: bool = False  # texts decoded after the prompt (completions)
     request_id: str = ""  # `prefix-N`, N counting submitted requests (arrival order)
+    stream: "queue.SimpleQueue[Progress | None] | None" = None
+    cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
 
-    def group(self) -> tuple:
-        """The settings one `generate_continuous` call shares."""
-        return (self.temperature, self.top_p, self.top_k, self.stop)
+    def cancel(self) -> None:
+        """Drop the request: its rows stop at the scheduler's next step."""
+        self.cancelled.set()
 
 
 @jax.jit
@@ -109,15 +139,35 @@ def _row_keys(seeds, choices):
     return jax.vmap(one)(seeds, choices)
 
 
-@functools.partial(eqx.filter_jit)
+@eqx.filter_jit
 def _top_logprobs(policy, tokens, mask, temperature):
     """`(ids, logprobs)` `[B, T, K]` of the `K` most likely next tokens at each position,
-    at `temperature` (log-softmax of `logits / temperature`)."""
-    logits = jax.vmap(policy)(tokens, mask).astype(jnp.float32) / temperature
+    at each row's `temperature` `[B]` (log-softmax of `logits / temperature`)."""
+    logits = jax.vmap(policy)(tokens, mask).astype(jnp.float32) / temperature[:, None, None]
     logp = jax.nn.log_softmax(logits, axis=-1)
     k = min(MAX_TOP_LOGPROBS, logp.shape[-1])
     values, ids = jax.lax.top_k(logp, k)
     return ids, values
+
+
+_TOP_ROWS = 8  # rows per top-logprobs pass (its logits are [rows, T, vocab])
+
+
+@dataclasses.dataclass
+class _Run:
+    """One batch being sampled: its jobs, their rows (`rows[i]`, `owner[i]` the job of
+    row `i`), the padded shapes and the rows each job still waits for."""
+
+    policy: Any
+    version: int
+    jobs: list[Job]
+    rows: list[Row]
+    owner: list[Job]
+    first: dict[int, int]  # id(job) -> its first row
+    P: int
+    N: int
+    streamed: dict[int, StreamedRow]
+    open: set[int]  # ids of the jobs not answered yet
 
 
 class Scheduler:
@@ -126,17 +176,29 @@ class Scheduler:
     **Arguments:**
 
     - `policy`: the decoder that samples (`update_policy` replaces it).
-    - `tokenizer`: decodes completions for stop strings and encodes stop strings.
-    - `slots`: decode slots of `generate_continuous`.
+    - `tokenizer`: decodes completions for stop strings and streams.
+    - `slots`: decode slots of the continuous sampler.
     - `stop_ids`: ids that end a completion.
     - `pad_id`: the padding id.
+    - `steps`: decode steps between two looks at the rows (streams, stop strings,
+      clients gone).
     """
 
-    def __init__(self, policy, tokenizer, *, slots: int, stop_ids: tuple[int, ...], pad_id: int):
+    def __init__(
+        self,
+        policy,
+        tokenizer,
+        *,
+        slots: int,
+        stop_ids: tuple[int, ...],
+        pad_id: int,
+        steps: int = 8,
+    ):
         self.tokenizer = tokenizer
         self.slots = slots
         self.stop_ids = stop_ids
         self.pad_id = pad_id
+        self.steps = steps
         self._policy = policy
         self._version = 0
         self._queue: collections.deque[Job] = collections.deque()
@@ -145,6 +207,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._arrivals = itertools.count()
         self.batch_log: collections.deque[tuple[str, ...]] = collections.deque(maxlen=1024)
+        self.dropped_rows = 0  # rows dropped because their client went away
 
     @property
     def policy(self):
@@ -178,7 +241,7 @@ class Scheduler:
         with self._cond:
             pending, self._queue = list(self._queue), collections.deque()
         for job in pending:
-            job.future.set_exception(_stopped())
+            self._fail(job, _stopped())
 
     def submit(self, job: Job) -> concurrent.futures.Future:
         with self._cond:
@@ -188,6 +251,13 @@ class Scheduler:
             self._queue.append(job)
             self._cond.notify()
         return job.future
+
+    @staticmethod
+    def _fail(job: Job, error: BaseException) -> None:
+        if not job.future.done():
+            job.future.set_exception(error)
+        if job.stream is not None:
+            job.stream.put(None)
 
     def _loop(self) -> None:
         while True:
@@ -199,30 +269,32 @@ class Scheduler:
                 batch, self._queue = list(self._queue), collections.deque()
                 policy, version = self._policy, self._version
             self.batch_log.append(tuple(job.request_id for job in batch))
-            groups: dict[tuple, list[Job]] = {}
-            for job in batch:  # in arrival order; a group runs at its first request's turn
-                groups.setdefault(job.group(), []).append(job)
-            for jobs in groups.values():
-                try:
-                    samples = self._sample(policy, version, jobs)
-                except Exception as e:  # the requests fail, the server goes on
-                    for job in jobs:
-                        job.future.set_exception(e)
-                    continue
-                start = 0
+            jobs = []
+            for job in batch:  # a request whose client left while it waited is dropped
+                if job.cancelled.is_set():
+                    self.dropped_rows += len(job.rows)
+                    self._fail(job, ClientGone())
+                else:
+                    jobs.append(job)
+            if not jobs:
+                continue
+            try:
+                self._sample(policy, version, jobs)
+            except Exception as e:  # the requests fail, the server goes on
                 for job in jobs:
-                    job.future.set_result(samples[start : start + len(job.rows)])
-                    start += len(job.rows)
+                    self._fail(job, e)
 
-    def _sample(self, policy, version: int, jobs: list[Job]) -> list[Sample]:
-        """Every row of `jobs` (same settings) in one `generate_continuous` call."""
+    def _sample(self, policy, version: int, jobs: list[Job]) -> None:
+        """Every row of `jobs` in one continuous run, a few steps at a time; each job is
+        answered once its rows are done."""
         rows = [row for job in jobs for row in job.rows]
-        first = jobs[0]
+        owner = [job for job in jobs for _ in job.rows]
         R = len(rows)
         # rows padded to a power of two by copies with a 1-token budget (not up to `slots`:
         # a filler row costs a prefill, which on a real model outweighs one compilation)
         Rp = 1 << (R - 1).bit_length()
         rows_p = rows + [dataclasses.replace(rows[0], budget=1)] * (Rp - R)
+        settings = [owner[min(i, R - 1)] for i in range(Rp)]
         longest = max(len(r.prompt) for r in rows)
         most = max(r.budget for r in rows)
         ctx = policy.cfg.max_seq_len
@@ -237,8 +309,7 @@ class Scheduler:
             jnp.asarray([r.seed for r in rows_p], jnp.uint32),
             jnp.asarray([r.choice for r in rows_p], jnp.int32),
         )
-        stop_sequences = [ids for s in first.stop if (ids := list(self.tokenizer.encode(s)))]
-        out = generate_continuous(
+        decoding = ContinuousDecoding(
             policy,
             jnp.asarray(prompts),
             jnp.asarray(masks),
@@ -246,53 +317,141 @@ class Scheduler:
             slots=min(self.slots, Rp),
             max_new_tokens=N,
             budgets=np.asarray([r.budget for r in rows_p], np.int32),
-            temperature=first.temperature,
-            top_k=first.top_k,
-            top_p=first.top_p,
+            temperature=np.asarray([j.temperature for j in settings], np.float32),
+            top_k=np.asarray([j.top_k or 0 for j in settings], np.int32),
+            top_p=np.asarray([1.0 if j.top_p is None else j.top_p for j in settings], np.float32),
             eos_id=list(self.stop_ids),
-            stop_sequences=stop_sequences or None,
             pad_id=self.pad_id,
         )
-        tokens = np.asarray(out.tokens)[:, P:]
-        real = np.asarray(out.completion_mask)[:, P:]
-        logprobs = np.asarray(out.logprobs)[:, P:]
-        top: Any = None
-        if any(job.top_logprobs for job in jobs):
-            temperature = first.temperature or 1.0
-            top_ids, top_lp = _top_logprobs(
-                policy, out.tokens, out.mask, jnp.asarray(temperature, jnp.float32)
+        first, start = {}, 0
+        for job in jobs:
+            first[id(job)] = start
+            start += len(job.rows)
+        run = _Run(
+            policy=policy, version=version, jobs=jobs, rows=rows, owner=owner, first=first,
+            P=P, N=N, streamed={}, open={id(job) for job in jobs},
+        )  # fmt: skip
+        for i, row in enumerate(rows):
+            job = owner[i]
+            if job.stream is not None:
+                context = row.prompt[-DECODE_CONTEXT:] if job.after_prompt else ()
+                run.streamed[i] = StreamedRow(self.tokenizer, context, job.stop)
+        if R < Rp:
+            decoding.cancel(range(R, Rp))  # the filler rows are never needed
+        while run.open:
+            out = decoding.run(self.steps)
+            host = _Host(out, P)
+            for job in jobs:
+                if id(job) in run.open:
+                    self._look(run, job, host, decoding)
+            if decoding.done:
+                for job in jobs:
+                    if id(job) in run.open:
+                        self._answer(run, job, host)
+
+    def _look(self, run: _Run, job: Job, host: "_Host", decoding: ContinuousDecoding) -> None:
+        """After some steps: drop `job` if its client has gone, stop its rows at a stop
+        string, stream their new text, and answer it once its rows are done."""
+        lo = run.first[id(job)]
+        rows = range(lo, lo + len(job.rows))
+        if job.cancelled.is_set():
+            decoding.cancel(rows)
+            self.dropped_rows += len(job.rows)
+            run.open.discard(id(job))
+            self._fail(job, ClientGone())
+            return
+        done = []
+        for k, i in enumerate(rows):
+            ids = host.ids(i)
+            over = len(ids) >= run.rows[i].budget or (ids and ids[-1] in self.stop_ids)
+            if not over and (job.stop or job.stream is not None):
+                context = run.rows[i].prompt[-DECODE_CONTEXT:] if job.after_prompt else ()
+                if job.stop and any(
+                    s in decode_after(self.tokenizer, context, ids) for s in job.stop
+                ):
+                    decoding.cancel([i])  # the text ends before the stop string
+                    over = True
+                elif i in run.streamed:
+                    self._stream(run, job, k, i, ids, host)
+            done.append(over)
+        if all(done):
+            self._answer(run, job, host)
+
+    def _stream(self, run: _Run, job: Job, k: int, i: int, ids: list[int], host) -> None:
+        """Send row `i` (the `k`-th of `job`) its new text and fully sent tokens."""
+        state = run.streamed[i]
+        before = state.tokens
+        text, count = state.advance(ids)
+        if not (text or count):
+            return
+        new = list(range(before, before + count))
+        top = None
+        if job.top_logprobs and new:
+            alternatives = self._alternatives(run, [i], host)
+            top = tuple(_top_of(alternatives, 0, t, job.top_logprobs) for t in new)
+        assert job.stream is not None
+        job.stream.put(
+            Progress(
+                index=k,
+                text=text,
+                ids=tuple(ids[t] for t in new),
+                logprobs=tuple(float(host.logprobs[i, t]) for t in new),
+                top=top,
             )
-            top = (np.asarray(top_ids)[:, P - 1 : -1], np.asarray(top_lp)[:, P - 1 : -1])
+        )
+
+    def _alternatives(self, run: _Run, rows: list[int], host) -> tuple[np.ndarray, np.ndarray]:
+        """The `MAX_TOP_LOGPROBS` most likely tokens `(ids, logprobs)` `[len(rows), N, K]`
+        at each completion position of `rows`, at their requests' temperatures (1 when
+        greedy); `_TOP_ROWS` rows a pass, padded to a power of two."""
+        ids_out, lp_out = [], []
+        for lo in range(0, len(rows), _TOP_ROWS):
+            part = rows[lo : lo + _TOP_ROWS]
+            padded = part + [part[-1]] * ((1 << (len(part) - 1).bit_length()) - len(part))
+            temps = [run.owner[i].temperature or 1.0 for i in padded]
+            ids, lps = _top_logprobs(
+                run.policy,
+                jnp.asarray(host.tokens[padded]),
+                jnp.asarray(host.mask[padded]),
+                jnp.asarray(temps, jnp.float32),
+            )
+            P = run.P
+            ids_out.append(np.asarray(ids)[: len(part), P - 1 : -1])
+            lp_out.append(np.asarray(lps)[: len(part), P - 1 : -1])
+        return np.concatenate(ids_out), np.concatenate(lp_out)
+
+    def _answer(self, run: _Run, job: Job, host: "_Host") -> None:
+        """Set `job`'s samples (its rows are done)."""
+        run.open.discard(id(job))
+        lo = run.first[id(job)]
+        rows = list(range(lo, lo + len(job.rows)))
+        alternatives = self._alternatives(run, rows, host) if job.top_logprobs else None
         samples = []
-        asks = [job.top_logprobs for job in jobs for _ in job.rows]
-        after = [job.after_prompt for job in jobs for _ in job.rows]
-        for i in range(R):
-            n_real = int(real[i].sum())
-            context = rows[i].prompt[-DECODE_CONTEXT:] if after[i] else ()
-            n_kept, text, tail = self._cut(tokens[i, :n_real].tolist(), context, first.stop)
-            ids = tuple(int(t) for t in tokens[i, :n_kept])
+        for k, i in enumerate(rows):
+            real = host.ids(i)
+            context = run.rows[i].prompt[-DECODE_CONTEXT:] if job.after_prompt else ()
+            n_kept, text, tail = self._cut(real, context, job.stop)
+            ids = tuple(real[:n_kept])
             stop_id = ids[-1] if ids and ids[-1] in self.stop_ids else None
-            finish = "stop" if stop_id is not None or n_kept < n_real else "length"
-            alternatives = None
-            if top is not None and asks[i]:
-                k = asks[i]
-                alternatives = tuple(
-                    tuple((int(top[0][i, t, j]), float(top[1][i, t, j])) for j in range(k))
-                    for t in range(n_kept)
-                )
+            finish = "stop" if stop_id is not None or n_kept < len(real) else "length"
+            top = None
+            if alternatives is not None:
+                top = tuple(_top_of(alternatives, k, t, job.top_logprobs) for t in range(n_kept))
             samples.append(
                 Sample(
                     ids=ids,
-                    logprobs=tuple(float(x) for x in logprobs[i, :n_kept]),
+                    logprobs=tuple(float(x) for x in host.logprobs[i, :n_kept]),
                     text=text,
                     tail=tail,
                     finish_reason=finish,
                     stop_id=stop_id,
-                    top=alternatives,
-                    policy_version=version,
+                    top=top,
+                    policy_version=run.version,
                 )
             )
-        return samples
+        job.future.set_result(samples)
+        if job.stream is not None:
+            job.stream.put(None)
 
     def _cut(
         self, ids: list[int], context: Sequence[int], stop: Sequence[str]
@@ -316,3 +475,25 @@ class Scheduler:
                 hi = mid - 1
         kept = decode_after(self.tokenizer, context, body[:lo])
         return lo, text, text[len(kept) :] if text.startswith(kept) else ""
+
+
+def _top_of(alternatives, k: int, t: int, count: int) -> tuple[tuple[int, float], ...]:
+    """The `count` best `(id, logprob)` at position `t` of row `k` of `alternatives`."""
+    ids, lps = alternatives
+    return tuple((int(ids[k, t, j]), float(lps[k, t, j])) for j in range(count))
+
+
+class _Host:
+    """A run's output so far on the host: completion `tokens`, `mask` (whole rows, for
+    the top-logprobs pass) and `logprobs`; `ids(i)` are row `i`'s sampled ids."""
+
+    def __init__(self, out, P: int):
+        self.tokens = np.asarray(out.tokens)
+        self.mask = np.asarray(out.mask)
+        self.real = np.asarray(out.completion_mask)[:, P:]
+        self.logprobs = np.asarray(out.logprobs)[:, P:]
+        self.P = P
+
+    def ids(self, i: int) -> list[int]:
+        n = int(self.real[i].sum())
+        return self.tokens[i, self.P : self.P + n].tolist()

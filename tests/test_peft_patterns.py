@@ -3,6 +3,7 @@
 by hand as PEFT writes them, and the maths is checked against `B·A·x · scale` computed
 in numpy."""
 
+import dataclasses
 import json
 import math
 
@@ -231,7 +232,10 @@ def test_adapter_without_a_base_model_name_loads_on_the_base_given(base, tmp_pat
         ({"alpha_pattern": {"(q_proj": 2}}, r"`alpha_pattern` key '\(q_proj' is not a regex"),
         ({"rank_pattern": ["q_proj"]}, "`rank_pattern` must be an object"),
         ({"use_rslora": "yes"}, "`use_rslora` must be true or false"),
-        ({"rank_pattern": {"q_proj": 3}}, r"has shape \(2, 16\), expected \(3, 16\) \(rank 3\)"),
+        (
+            {"rank_pattern": {"q_proj": 3}},
+            r"has shape \(2, 16\), expected \(3, 16\) \(rank 3, from `r` / `rank_pattern`\)",
+        ),
     ],
 )
 def test_bad_patterns_are_named(base, tmp_path, changes, message):
@@ -255,3 +259,23 @@ def test_layerwise_adapter_to_llama_cpp_adapter_file(base, tmp_path):
         assert a.shape == (r, 16) and b.shape == (24, r)
         want_a, want_b = parts[("up", i)]
         np.testing.assert_allclose(5.0 / r * b @ a, 3 / r * want_b @ want_a, rtol=1e-5, atol=1e-6)
+
+
+def test_adapter_of_another_base_and_a_file_in_the_way_are_named(base, tmp_path, getkey):
+    _write_adapter(tmp_path / "ad", {"up": [2, 2, 2]}, {"r": 2, "lora_alpha": 2})
+    narrow = rx.Policy(dataclasses.replace(CFG, d_ff=32), key=getkey())
+    with pytest.raises(
+        ValueError, match=r"has shape \(24, 2\), expected \(32, 2\).*up projection is 16 → 32"
+    ):
+        rx.load_lora_adapter(narrow, tmp_path / "ad")
+    shallow = rx.Policy(dataclasses.replace(CFG, n_layers=2), key=getkey())
+    with pytest.raises(ValueError, match="adapts layer 2, but the base model has 2 layers"):
+        rx.load_lora_adapter(shallow, tmp_path / "ad")
+    deep = rx.Policy(dataclasses.replace(CFG, n_layers=4), key=getkey())
+    with pytest.raises(ValueError, match="covers 3 layers, the base model has 4"):
+        rx.load_lora_adapter(deep, tmp_path / "ad")
+    model = rx.load_lora_adapter(base, tmp_path / "ad")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="file exists and is not a directory"):
+        rx.save_lora_adapter(model, tmp_path / "file")
+    assert (tmp_path / "file").read_text() == "x"

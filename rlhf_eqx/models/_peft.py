@@ -169,7 +169,10 @@ def save_lora_adapter(
             json.dump(config, f, indent=2)
         stnp.save_file(tensors, os.path.join(staging, _WEIGHTS), metadata={"format": "pt"})
 
-    _write_atomically(os.path.abspath(os.fspath(directory)), write, "adapter")
+    target = os.path.abspath(os.fspath(directory))
+    if os.path.exists(target) and not os.path.isdir(target):
+        raise ValueError(f"save_lora_adapter: {target} exists and is not a directory")
+    _write_atomically(target, write, "adapter")
 
 
 def _check(config: dict[str, Any], path: str) -> None:
@@ -266,8 +269,13 @@ def load_lora_adapter(model: PyTree, directory: str | os.PathLike) -> PyTree:
     found: dict[str, dict[tuple[int, str], np.ndarray]] = {}
     for name, arr in tensors.items():
         m = _NAME.fullmatch(name)
-        if m is None or m.group(3) not in by_module or int(m.group(1)) >= cfg.n_layers:
+        if m is None or m.group(3) not in by_module:
             raise ValueError(f"{weights_path}: unexpected tensor {name!r}")
+        if int(m.group(1)) >= cfg.n_layers:
+            raise ValueError(
+                f"{weights_path}: tensor {name!r} adapts layer {m.group(1)}, but the base model "
+                f"has {cfg.n_layers} layers (an adapter of another base model?)"
+            )
         found.setdefault(by_module[m.group(3)], {})[(int(m.group(1)), m.group(4))] = arr
     shapes = lora_shapes(cfg)
     adapters = {}
@@ -281,11 +289,26 @@ def load_lora_adapter(model: PyTree, directory: str | os.PathLike) -> PyTree:
             for part, expected, out in (("A", (r, fan_in), a), ("B", (fan_out, r), b)):
                 name = f"{_PREFIX}{i}.{_MODULES[target]}.lora_{part}.weight"
                 if (i, part) not in parts:
-                    raise ValueError(f"{weights_path}: tensor {name!r} is missing")
-                if parts[(i, part)].shape != expected:
+                    covered = 1 + max(layer for layer, _ in parts)
+                    hint = (
+                        f" (the adapter covers {covered} layers, the base model has "
+                        f"{cfg.n_layers}: an adapter of another base model?)"
+                        if covered < cfg.n_layers
+                        else ""
+                    )
+                    raise ValueError(f"{weights_path}: tensor {name!r} is missing{hint}")
+                got = parts[(i, part)].shape
+                if got != expected:
+                    fan = 1 if part == "A" else 0  # the axis that is not the rank
+                    hint = (
+                        f"rank {r}, from `r` / `rank_pattern`"
+                        if len(got) == 2 and got[fan] == expected[fan]
+                        else f"the base model's {target} projection is {fan_in} → {fan_out}: "
+                        "an adapter of another base model?"
+                    )
                     raise ValueError(
-                        f"{weights_path}: tensor {name!r} has shape {parts[(i, part)].shape}, "
-                        f"expected {expected} (rank {r})"
+                        f"{weights_path}: tensor {name!r} has shape {got}, expected {expected} "
+                        f"({hint})"
                     )
                 if part == "A":
                     out[i, :, :r] = parts[(i, part)].T

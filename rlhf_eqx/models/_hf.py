@@ -7,8 +7,9 @@ and Gemma 3 text models. A checkpoint is either one `model.safetensors` or shard
 `model-0000i-of-0000n.safetensors` listed in `model.safetensors.index.json`
 (`weight_map`); where both are present the single file is read, as transformers does.
 Tensors are read one at a time through safetensors' lazy `safe_open` and written into
-the model's stacked fields as they come, so loading peaks near one model copy (plus
-the field being handed over), not at every shard plus the stacked copy plus the model.
+the model's stacked fields (device arrays, filled in place) as they come, so loading
+peaks near one model copy plus one tensor, not at every shard plus a stacked copy plus
+the model.
 
 **dtypes.** numpy has no native bfloat16; `ml_dtypes.bfloat16` (installed with jax)
 fills the gap and the `safetensors` numpy API reads and writes it, so bfloat16
@@ -33,11 +34,11 @@ from typing import Any
 
 import numpy as np
 
-from ._build import check_finite, model_from_arrays
+from ._build import check_finite
 from ._heads import Policy, RewardModel, ValueModel
 from ._hf_config import config_from_hf, hf_head
 from ._hf_export import config_to_hf
-from ._hf_tensors import arrays_from_tensors, tensors_from_model
+from ._hf_tensors import arrays_from_tensors, fill_model, tensors_from_model
 
 _TORCH_DTYPES = ("float32", "bfloat16", "float16")
 _SINGLE = "model.safetensors"
@@ -234,17 +235,7 @@ def load_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> Policy
     head = hf_head(config, source=config_path)
     tensors = _read_tensors(directory, float16=cfg.dtype == "float16")
     arrays = arrays_from_tensors(cfg, tensors, source=directory, head=head, dtype=cfg.param_dtype)
-    arrays = _Handover((k, None if v is None else np.asarray(v)) for k, v in arrays.items())
-    return model_from_arrays(Policy if head == "lm" else RewardModel, cfg, arrays, source=directory)
-
-
-class _Handover(dict):
-    """Host views of the loaded device arrays, each let go of when `model_from_arrays`
-    takes it (`get` pops): the views' arrays are freed one by one as they are copied
-    into the model, so that loading holds one model copy plus one array."""
-
-    def get(self, key, default=None):
-        return self.pop(key, default)
+    return fill_model(Policy if head == "lm" else RewardModel, cfg, arrays, source=directory)
 
 
 def _plan_shards(tensors: dict[str, np.ndarray], max_shard_bytes: int) -> list[list[str]]:

@@ -35,10 +35,12 @@ import functools
 import re
 from collections.abc import Mapping
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._build import LAYER_FIELDS, _layer_field_used
 from ._config import TransformerConfig
 from ._heads import Policy, RewardModel, ValueModel
 from ._layers import AbstractQuantizedWeight
@@ -206,6 +208,51 @@ def arrays_from_tensors(
         arrays["head"] = one("score.weight")[0]
         arrays["bias"] = np.zeros((), np.float32)
     return arrays
+
+
+def fill_model(
+    cls: type, cfg: TransformerConfig, values: dict, *, source: str, dense_of=None
+) -> Policy | RewardModel:
+    """An abstractly built `cls` (`Policy` or `RewardModel`, no random initialisation)
+    holding `values[field]`, or `dense_of(field)` for a field not in `values`, for each of
+    its weights (`embed`, `final_norm`, `lm_head` untied, `head` / `bias`, the stacked
+    layer fields the configuration uses).
+
+    Dense arrays are checked against the expected shape and cast to `cfg.param_dtype`
+    (no copy when they are device arrays of that dtype already: what `load_hf` passes,
+    so the model is the only copy); quantised weights are kept as they are. A missing
+    weight is a `ValueError` naming it and `source`.
+    """
+    skeleton = eqx.filter_eval_shape(cls, cfg, key=jax.random.key(0))
+    getters = {
+        "embed": lambda p: p.transformer.embed,
+        "final_norm": lambda p: p.transformer.final_norm,
+    }
+    if cls is not Policy:
+        getters |= {"head": lambda p: p.head, "bias": lambda p: p.bias}
+    elif not cfg.tie_embeddings:
+        getters["lm_head"] = lambda p: p.lm_head
+    for name in LAYER_FIELDS:
+        if _layer_field_used(name, cfg):
+            getters[name] = (lambda n: lambda p: getattr(p.transformer.layers, n))(name)
+    leaves = []
+    for name, get in getters.items():
+        value = values.pop(name) if name in values else None
+        if value is None and dense_of is not None:
+            value = dense_of(name)
+        spec = get(skeleton)
+        if value is None:
+            raise ValueError(f"{source}: missing weight {name!r} (expected shape {spec.shape})")
+        if not isinstance(value, AbstractQuantizedWeight):
+            if tuple(value.shape) != tuple(spec.shape):
+                raise ValueError(
+                    f"{source}: weight {name!r} has shape {tuple(value.shape)}, expected "
+                    f"{tuple(spec.shape)} for {cfg}"
+                )
+            value = jnp.asarray(value).astype(spec.dtype)
+        leaves.append(value)
+    fns = list(getters.values())
+    return eqx.tree_at(lambda p: [g(p) for g in fns], skeleton, leaves)
 
 
 def tensors_from_model(

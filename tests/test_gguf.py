@@ -110,16 +110,18 @@ def _write_by_hand(
     F=64,
     meta=None,
     top=None,
+    layers=1,
 ) -> str:
-    """A one-layer model file written with llama.cpp's `GGUFWriter`: random float32
-    weights, `types` maps a tensor to the GGML type it is stored in, `nan` names a
-    tensor given a NaN, `drop` tensors left out, `wide` tensors given 32 more rows;
+    """A model file of `layers` layers (one by default) written with llama.cpp's
+    `GGUFWriter`: random float32 weights, `types` maps a tensor to the GGML type it is
+    stored in, `nan` names a tensor given a NaN, `drop` tensors left out, `wide` tensors
+    given 32 more rows;
     `meta` replaces metadata values (`{key: (value, GGUFValueType)}`, key without
     `{arch}.`), `top` adds keys outside `{arch}.`."""
     V = tok.vocab_size
     w = gguf.GGUFWriter(os.fspath(path), arch)
     U32, F32 = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32
-    values = {"block_count": 1, "embedding_length": D, "feed_forward_length": F,
+    values = {"block_count": layers, "embedding_length": D, "feed_forward_length": F,
               "attention.head_count": 2, "attention.head_count_kv": 1,
               "context_length": 128, "vocab_size": V}  # fmt: skip
     values = {k: (v, U32) for k, v in values.items()}
@@ -131,12 +133,13 @@ def _write_by_hand(
     for key, (value, kind) in (top or {}).items():
         w.add_key_value(key, value, kind)
     data.add_tokenizer_metadata(w, tok)
-    shapes = {"token_embd.weight": (V, D), "output_norm.weight": (D,), "output.weight": (V, D),
-              "blk.0.attn_norm.weight": (D,), "blk.0.ffn_norm.weight": (D,),
-              "blk.0.attn_q.weight": (D, D), "blk.0.attn_k.weight": (D // 2, D),
-              "blk.0.attn_v.weight": (D // 2, D), "blk.0.attn_output.weight": (D, D),
-              "blk.0.ffn_gate.weight": (F, D), "blk.0.ffn_up.weight": (F, D),
-              "blk.0.ffn_down.weight": (D, F)}  # fmt: skip
+    shapes = {"token_embd.weight": (V, D), "output_norm.weight": (D,), "output.weight": (V, D)}
+    for i in range(layers):
+        shapes |= {f"blk.{i}.attn_norm.weight": (D,), f"blk.{i}.ffn_norm.weight": (D,),
+                   f"blk.{i}.attn_q.weight": (D, D), f"blk.{i}.attn_k.weight": (D // 2, D),
+                   f"blk.{i}.attn_v.weight": (D // 2, D), f"blk.{i}.attn_output.weight": (D, D),
+                   f"blk.{i}.ffn_gate.weight": (F, D), f"blk.{i}.ffn_up.weight": (F, D),
+                   f"blk.{i}.ffn_down.weight": (D, F)}  # fmt: skip
     rng = np.random.default_rng(0)
     for name, shape in shapes.items():
         if name in drop:
@@ -249,9 +252,10 @@ def test_quantized_load_keeps_blocks(tiny, tok512, tmp_path):
     np.testing.assert_allclose(_logits(half), _logits(dense), atol=0.1, rtol=0)
 
 
-def test_quantized_load_mixed_kinds_falls_back_to_dense(tok512, tmp_path):
-    """q/k in Q8_0 and v in Q4_0 cannot share one `GGUFWeight`: `wqkv` is dense, the
-    others stay packed; the logits equal the dense load's."""
+def test_quantized_load_mixed_kinds_stays_packed(tok512, tmp_path):
+    """q/k in Q8_0 and v in Q4_0 cannot share one `GGUFWeight`: `wqkv` is a
+    `GGUFMixedWeight`, F32 `wo` is dense, the others are `GGUFWeight`s; the logits equal
+    the dense load's."""
     types = {"blk.0.attn_q.weight": T.Q8_0, "blk.0.attn_k.weight": T.Q8_0,
              "blk.0.attn_v.weight": T.Q4_0, "blk.0.ffn_down.weight": T.Q4_1,
              "blk.0.ffn_gate.weight": T.Q8_0, "blk.0.ffn_up.weight": T.Q8_0}  # fmt: skip
@@ -259,7 +263,10 @@ def test_quantized_load_mixed_kinds_falls_back_to_dense(tok512, tmp_path):
     dense, _ = rx.load_gguf(path)
     packed, _ = rx.load_gguf(path, quantized=True)
     L = packed.transformer.layers
-    assert not isinstance(L.wqkv, GGUFWeight) and not isinstance(L.wo, GGUFWeight)  # F32 wo
+    assert type(L.wqkv).__name__ == "GGUFMixedWeight" and L.wqkv.kinds == (
+        ("Q8_0",), ("Q8_0",), ("Q4_0",),
+    )  # fmt: skip
+    assert isinstance(L.wo, jax.Array)  # F32 wo
     assert L.w_down.kind == "Q4_1" and L.w_gate_up.kind == "Q8_0"
     np.testing.assert_allclose(_logits(packed), _logits(dense), atol=2e-5, rtol=0)
 
@@ -282,6 +289,48 @@ def test_quantized_load_of_k_quants(tok512, tmp_path):
         np.asarray(L.wqkv.dequantize(jnp.float32)), np.asarray(dense.transformer.layers.wqkv)
     )
     np.testing.assert_allclose(_logits(packed), _logits(dense), atol=1e-4, rtol=1e-5)
+
+
+def test_q4_k_m_mix_of_kinds_by_layer_stays_packed(tok512, tmp_path, getkey):
+    """llama.cpp's `Q4_K_M`: `attn_v` / `ffn_down` in `Q6_K` in some layers and `Q4_K` in
+    the others (here also a `Q5_K` and a `Q8_0` layer). Every projection stays packed,
+    each layer decoding its own kind: the weights equal the dense load's, the logits are
+    within 1e-3 of them and the gradients to the activations equal."""
+    kinds = {
+        "attn_q": [T.Q4_K] * 3, "attn_k": [T.Q4_K] * 3, "attn_v": [T.Q6_K, T.Q4_K, T.Q6_K],
+        "attn_output": [T.Q4_K] * 3, "ffn_gate": [T.Q4_K] * 3, "ffn_up": [T.Q4_K, T.Q8_0, T.Q4_K],
+        "ffn_down": [T.Q6_K, T.Q5_K, T.Q4_K],
+    }  # fmt: skip
+    types = {f"blk.{i}.{t}.weight": k[i] for t, k in kinds.items() for i in range(3)}
+    path = _write_by_hand(tmp_path / "km.gguf", tok512, types=types, D=256, F=256, layers=3)
+    dense, _ = rx.load_gguf(path)
+    packed, _ = rx.load_gguf(path, quantized=True)
+    L, DL = packed.transformer.layers, dense.transformer.layers
+    assert L.wo.kind == "Q4_K"
+    assert L.wqkv.kinds == (("Q4_K",), ("Q4_K",), ("Q4_K", "Q6_K"))
+    np.testing.assert_array_equal(np.asarray(L.wqkv.codes[2]), [1, 0, 1])
+    assert L.w_gate_up.kinds == (("Q4_K",), ("Q4_K", "Q8_0"))
+    assert L.w_down.kinds == (("Q4_K", "Q5_K", "Q6_K"),)
+    assert L.w_down.raws[0].shape == (3, 256, 210)  # Q6_K's rows, the widest
+    back = rx.models.dequantize(packed, dtype="float32").transformer.layers
+    for f in ("wqkv", "w_gate_up", "w_down"):
+        np.testing.assert_array_equal(np.asarray(getattr(back, f)), np.asarray(getattr(DL, f)))
+    np.testing.assert_allclose(_logits(packed), _logits(dense), atol=1e-3, rtol=0)
+
+    def scanned(x, ws):  # the layers' products in a scan, as the decoder runs them
+        def body(h, w):
+            return 0.1 * rx.models.matmul(h, w)[..., :256], None
+
+        return jnp.sum(jnp.sin(jax.lax.scan(body, x, ws)[0]))
+
+    x = jax.random.normal(getkey(), (2, 5, 256))
+    for f in ("wqkv", "w_gate_up", "w_down"):
+        got = jax.jit(jax.value_and_grad(scanned))(x, getattr(L, f))
+        want = jax.jit(jax.value_and_grad(scanned))(x, getattr(DL, f))
+        np.testing.assert_allclose(got[0], want[0], rtol=0, atol=1e-3)
+        # equal up to float32 summation order, as a one-kind `GGUFWeight`'s are
+        scale = float(np.abs(want[1]).max())
+        np.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=1e-5 * scale)
 
 
 def test_lora_is_merged_on_save(tiny, tok512, tmp_path):

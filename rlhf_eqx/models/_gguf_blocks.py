@@ -238,6 +238,71 @@ class GGUFWeight(AbstractQuantizedWeight):
         return cls(raw=jnp.asarray(data), kind=kind, in_out=(int(n_in), int(data.shape[-2])))
 
 
+class GGUFMixedWeight(AbstractQuantizedWeight):
+    """A frozen `[in, out]` weight (or a stack `[*L, in, out]`) whose output columns are
+    runs of llama.cpp rows in different block kinds, the kind of a run possibly changing
+    from layer to layer (llama.cpp's `Q4_K_M` stores `attn_v` and `ffn_down` as `Q6_K` in
+    some layers and `Q4_K` in the others, so the fused `wqkv` of such a layer has `Q4_K`
+    q/k rows and `Q6_K` v rows).
+
+    Run `p` holds `raws[p] [*L, out_p, bytes_p]`, each row the GGUF row of one output
+    column, `bytes_p` the longest row among its kinds `kinds[p]` (shorter rows are
+    zero-padded at the end), and `codes[p] [*L]` the index into `kinds[p]` of each layer's
+    kind. Decoding a layer decodes each run in its kind (`jax.lax.switch` on the code, so
+    a scanned layer decodes only its own kind) and concatenates the runs: the weight
+    stays packed, at the bytes of its widest kind, and decodes to exactly the values of
+    the file's tensors.
+    """
+
+    raws: tuple[Array, ...]  # uint8 [*L, out_p, bytes_p] each (the runs' shapes differ)
+    codes: tuple[Array, ...]  # int32 [*L] each
+    kinds: tuple[tuple[str, ...], ...] = eqx.field(static=True)
+    in_out: tuple[int, int] = eqx.field(static=True)
+
+    def __check_init__(self):
+        if not (len(self.raws) == len(self.codes) == len(self.kinds)) or not self.raws:
+            raise ValueError("GGUFMixedWeight: one code array and kind list per run of rows")
+        n_in, n_out = self.in_out
+        for raw, kinds in zip(self.raws, self.kinds):
+            for kind in kinds:
+                _check_kind(kind, n_in, None, "GGUFMixedWeight")
+            widest = max(n_in // GGUF_BLOCKS[k][0] * GGUF_BLOCKS[k][1] for k in kinds)
+            shape = getattr(raw, "shape", None)
+            if shape is not None and shape[-1] != widest:
+                raise ValueError(f"GGUFMixedWeight: rows of {shape[-1]} bytes, expected {widest}")
+        total = sum(getattr(r, "shape", (0, 0))[-2] for r in self.raws)
+        if all(hasattr(r, "shape") for r in self.raws) and total != n_out:
+            raise ValueError(f"GGUFMixedWeight: runs of {total} rows, expected {n_out}")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.raws[0].shape[:-2] + self.in_out
+
+    def dequantize(self, dtype) -> Array:
+        return jnp.swapaxes(self.dequantize_t(dtype), -1, -2)
+
+    def dequantize_t(self, dtype) -> Array:
+        if self.raws[0].ndim > 2:  # a stack: layer by layer
+            return jax.vmap(lambda w: w.dequantize_t(dtype))(self)
+        n_in, runs = self.in_out[0], []
+        for raw, code, kinds in zip(self.raws, self.codes, self.kinds):
+            decoders = [
+                (lambda k: lambda r: dequantize_rows(r[:, : _row_bytes(k, n_in)], k, n_in, dtype))(
+                    k
+                )
+                for k in kinds
+            ]
+            runs.append(
+                decoders[0](raw) if len(kinds) == 1 else jax.lax.switch(code, decoders, raw)
+            )
+        return jnp.concatenate(runs, axis=0)
+
+
+def _row_bytes(kind: str, n: int) -> int:
+    qk, size = GGUF_BLOCKS[kind]
+    return n // qk * size
+
+
 def quantize_gguf(w: Float[Array, "*L i o"], kind: str) -> GGUFWeight:
     """Quantise an `[in, out]` weight (or a stack) into llama.cpp blocks with the `gguf`
     package's reference quantiser (`gguf.quants.quantize`, the same bytes as

@@ -4,26 +4,26 @@ Each projection field of the decoder becomes one `GGUFWeight` over the stacked l
 `raw [L, out, row_bytes]`, one GGUF row of blocks per output column. The fused fields
 are concatenations of whole rows along `out`: `wqkv` = q, k, v rows (after undoing
 llama.cpp's q/k row permutation, itself a permutation of whole rows), `w_gate_up` =
-gate, up rows. That needs one block kind for all parts and layers of a field; when a
-file mixes kinds in a field (llama.cpp's `Q4_K_M` stores some `attn_v` / `ffn_down` as
-`Q6_K`), or stores it as F32 / F16 / BF16, that field is loaded dense (dequantised to
-the model dtype) instead: no requantisation, so no further error. The token embedding
+gate, up rows. Where a file mixes block kinds in a field (llama.cpp's `Q4_K_M` stores
+`attn_v` and `ffn_down` as `Q6_K` in some layers and `Q4_K` in the others; other mixes
+put `Q5_K` or `Q8_0` beside them), the field is a `GGUFMixedWeight` instead: per part
+(q, k, v; gate, up) its rows in each layer's own kind, padded to the part's widest
+kind, decoded with the layer's kind inside the product, so it stays packed too. A field
+with a tensor stored as F32 / F16 / BF16 is loaded dense (dequantised to the model
+dtype): no requantisation, so no further error. The token embedding
 (`in_out = (d_model, vocab)`, a row per token) and an untied `output.weight` are kept
 packed the same way; norms and biases are always dense.
 """
 
-import equinox as eqx
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._build import LAYER_FIELDS, _layer_field_used
 from ._config import TransformerConfig
 from ._gguf import gguf_names, hf_tensors, unpermute
-from ._gguf_blocks import GGUF_BLOCKS, GGUFWeight
+from ._gguf_blocks import GGUF_BLOCKS, GGUFMixedWeight, GGUFWeight
 from ._gguf_config import PERMUTED
 from ._heads import Policy
-from ._hf_tensors import _norm_fields
+from ._hf_tensors import _norm_fields, fill_model
 
 _PACKED = {
     "wqkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
@@ -72,6 +72,32 @@ def _packed(tensors: dict, names: list[str], path: str) -> tuple[str, list[np.nd
     return next(iter(kinds)), [_checked_rows(tensors[n], path) for n in names]
 
 
+def _mixed(
+    tensors: dict, per_layer: list[list[str]], rows_of, n_in: int, path: str
+) -> GGUFMixedWeight | None:
+    """A `GGUFMixedWeight` over the layers' tensors (`per_layer[i]`: layer `i`'s parts in
+    order) when every one is in a block kind, else None. `rows_of(i, part, raw)` gives a
+    part's rows as the field stores them (q/k unpermuted)."""
+    kinds = [[tensors[n].tensor_type.name for n in row] for row in per_layer]
+    if any(k not in GGUF_BLOCKS for row in kinds for k in row):
+        return None
+    raws, codes, run_kinds = [], [], []
+    for p in range(len(per_layer[0])):
+        used = tuple(sorted({row[p] for row in kinds}))
+        width = max(n_in // GGUF_BLOCKS[k][0] * GGUF_BLOCKS[k][1] for k in used)
+        layers = []
+        for i, row in enumerate(per_layer):
+            rows = rows_of(i, p, _checked_rows(tensors[row[p]], path))
+            layers.append(np.pad(rows, ((0, 0), (0, width - rows.shape[-1]))))
+        raws.append(jnp.asarray(np.stack(layers)))
+        codes.append(jnp.asarray([used.index(row[p]) for row in kinds], jnp.int32))
+        run_kinds.append(used)
+    n_out = sum(int(r.shape[-2]) for r in raws)
+    return GGUFMixedWeight(
+        raws=tuple(raws), codes=tuple(codes), kinds=tuple(run_kinds), in_out=(n_in, n_out)
+    )
+
+
 def quantized_policy(reader, path: str, family: str, cfg: TransformerConfig) -> Policy:
     """The `Policy` of a GGUF file (its tensors checked by `check_tensors`) with
     projections, token embedding and LM head kept as `GGUFWeight`s wherever the file's
@@ -81,21 +107,26 @@ def quantized_policy(reader, path: str, family: str, cfg: TransformerConfig) -> 
     values: dict[str, object] = {}
     for field, suffixes in _PACKED.items():
         per_layer = [[f"model.layers.{i}.{s}" for s in suffixes] for i in range(cfg.n_layers)]
+        n_in = cfg.q_size if field == "wo" else cfg.d_ff if field == "w_down" else cfg.d_model
+
+        def rows_of(i: int, p: int, raw: np.ndarray) -> np.ndarray:
+            h = per_layer[i][p]
+            permuted = family in PERMUTED and (".q_proj." in h or ".k_proj." in h)
+            return unpermute(h, raw, cfg) if permuted else raw
+
         got = _packed(tensors, [names[h] for row in per_layer for h in row], path)
         if got is None:
+            mixed = _mixed(tensors, [[names[h] for h in row] for row in per_layer], rows_of,
+                           n_in, path)  # fmt: skip
+            if mixed is not None:
+                values[field] = mixed
             continue
         kind, rows = got
         stacked = []
-        for i, hf_row in enumerate(per_layer):
+        for i in range(cfg.n_layers):
             parts = rows[i * len(suffixes) : (i + 1) * len(suffixes)]
-            if family in PERMUTED:
-                parts = [
-                    unpermute(h, p, cfg) if (".q_proj." in h or ".k_proj." in h) else p
-                    for h, p in zip(hf_row, parts)
-                ]
-            stacked.append(np.concatenate(parts, axis=0))
+            stacked.append(np.concatenate([rows_of(i, p, r) for p, r in enumerate(parts)], 0))
         raw = np.stack(stacked)
-        n_in = cfg.q_size if field == "wo" else cfg.d_ff if field == "w_down" else cfg.d_model
         values[field] = GGUFWeight(raw=jnp.asarray(raw), kind=kind, in_out=(n_in, raw.shape[1]))
     top = {"embed": "model.embed_tokens.weight"}
     if not cfg.tie_embeddings:
@@ -132,7 +163,6 @@ class _Subset:
 def _assemble(cfg: TransformerConfig, values: dict, hf: dict[str, np.ndarray], path: str):
     """Fill an abstract `Policy` with the packed `values` and the dense Hugging Face
     tensors `hf` for every other field."""
-    dt = cfg.param_dtype
 
     def get(name: str) -> np.ndarray:
         if name not in hf:
@@ -158,25 +188,4 @@ def _assemble(cfg: TransformerConfig, values: dict, hf: dict[str, np.ndarray], p
         "k_norm": lambda: stack(attn + "k_norm.weight"),
         **{f: (lambda s: lambda: stack(s))(s) for f, s in _norm_fields(cfg).items()},
     }
-    skeleton = eqx.filter_eval_shape(Policy, cfg, key=jax.random.key(0))
-    getters = {
-        "embed": lambda p: p.transformer.embed,
-        "final_norm": lambda p: p.transformer.final_norm,
-    }
-    if not cfg.tie_embeddings:
-        getters["lm_head"] = lambda p: p.lm_head
-    for name in LAYER_FIELDS:
-        if _layer_field_used(name, cfg):
-            getters[name] = (lambda n: lambda p: getattr(p.transformer.layers, n))(name)
-    out = []
-    for name, g in getters.items():
-        if name in values:
-            out.append(values[name])
-            continue
-        arr = dense_of[name]()
-        want = tuple(g(skeleton).shape)
-        if arr.shape != want:
-            raise ValueError(f"{path}: weight {name!r} has shape {arr.shape}, expected {want}")
-        out.append(jnp.asarray(arr).astype(dt))
-    fns = list(getters.values())
-    return eqx.tree_at(lambda p: [g(p) for g in fns], skeleton, out)
+    return fill_model(Policy, cfg, dict(values), source=path, dense_of=lambda n: dense_of[n]())

@@ -375,10 +375,10 @@ def load_gguf_policy(
     - `quantized`: `False` dequantises every tensor (`gguf.quants.dequantize`) to a
       dense model; `True` keeps the q/k/v/o, gate/up/down projections, the token
       embedding and an untied LM head in the file's packed blocks (`GGUFWeight`,
-      decoded inside the forward pass). A fused field (`wqkv`, `w_gate_up`) whose parts
-      or layers mix block types (llama.cpp's `Q4_K_M` stores some tensors as `Q6_K`),
-      or a tensor stored as F32 / F16 / BF16, is loaded dense instead (no
-      requantisation).
+      decoded inside the forward pass). A field whose parts or layers mix block types
+      (llama.cpp's `Q4_K_M` stores `attn_v` / `ffn_down` as `Q6_K` in some layers) is a
+      `GGUFMixedWeight`, each layer decoded in its own kind; a field with a tensor
+      stored as F32 / F16 / BF16 is loaded dense instead (no requantisation).
     - `dtype`: the parameter dtype of the dense weights (`"float32"` default,
       `"bfloat16"`, `"float16"`).
     - `reader`: the file already opened with `open_gguf(path)` (parsing a large

@@ -4,6 +4,7 @@ that carry each token's true bytes, one compiled sampler for every temperature /
 top-p, clients that disconnect (their rows are dropped), and requests beyond the
 server's limits refused with 400."""
 
+import concurrent.futures
 import http.client
 import json
 import socket
@@ -344,3 +345,37 @@ def _is_utf8(raw: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+def test_concurrent_streams_equal_their_unstreamed_answers(server, client):
+    """Eight clients at once, every other one streaming, some with a stop string: each
+    answer is the one the same seeded request gets alone and unstreamed."""
+
+    def ask(i: int, stream: bool) -> tuple[str, list[int]]:
+        kw = dict(model=MODEL, prompt=STORY, max_tokens=12, temperature=1.0, seed=i)
+        kw |= dict(stop=["The"]) if i % 3 == 0 else {}
+        if not stream:
+            r = client.completions.create(**kw)
+            return r.choices[0].text, r.choices[0].model_extra["token_ids"]
+        text, ids = "", []
+        for chunk in client.completions.create(**kw, stream=True):
+            text += chunk.choices[0].text
+            ids += chunk.choices[0].model_extra["token_ids"]
+        return text, ids
+
+    alone = [ask(i, False) for i in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda i: ask(i, i % 2 == 0), range(8)))
+    assert together == alone
+
+
+def test_a_streamed_turn_is_recorded(server, client):
+    with server.recording() as rec:
+        chunks = list(
+            client.completions.create(
+                model=MODEL, prompt=STORY, max_tokens=6, stream=True, extra_body={"episode_id": "s"}
+            )
+        )
+    ids = [i for c in chunks for i in c.choices[0].model_extra["token_ids"]]
+    (turn,) = rec.turns("s")
+    assert list(turn.completion_ids) == ids and len(turn.logprobs) == len(ids)

@@ -311,7 +311,11 @@ def test_q4_k_m_mix_of_kinds_by_layer_stays_packed(tok512, tmp_path, getkey):
     np.testing.assert_array_equal(np.asarray(L.wqkv.codes[2]), [1, 0, 1])
     assert L.w_gate_up.kinds == (("Q4_K",), ("Q4_K", "Q8_0"))
     assert L.w_down.kinds == (("Q4_K", "Q5_K", "Q6_K"),)
-    assert L.w_down.raws[0].shape == (3, 256, 210)  # Q6_K's rows, the widest
+    assert L.w_down.raw[0].shape == (3, 256, 210)  # Q6_K's rows, the widest
+    specs = rx.models.partition_specs(packed, fsdp=True).transformer.layers
+    P = jax.sharding.PartitionSpec  # runs split by output row, as a GGUFWeight's rows are
+    assert specs.wqkv.raw == (P(None, "model", None),) * 3
+    assert specs.w_down.raw == (P(None, "data", None),)
     back = rx.models.dequantize(packed, dtype="float32").transformer.layers
     for f in ("wqkv", "w_gate_up", "w_down"):
         np.testing.assert_array_equal(np.asarray(getattr(back, f)), np.asarray(getattr(DL, f)))

@@ -245,47 +245,48 @@ class GGUFMixedWeight(AbstractQuantizedWeight):
     some layers and `Q4_K` in the others, so the fused `wqkv` of such a layer has `Q4_K`
     q/k rows and `Q6_K` v rows).
 
-    Run `p` holds `raws[p] [*L, out_p, bytes_p]`, each row the GGUF row of one output
+    Run `p` holds `raw[p] [*L, out_p, bytes_p]`, each row the GGUF row of one output
     column, `bytes_p` the longest row among its kinds `kinds[p]` (shorter rows are
     zero-padded at the end), and `codes[p] [*L]` the index into `kinds[p]` of each layer's
     kind. Decoding a layer decodes each run in its kind (`jax.lax.switch` on the code, so
     a scanned layer decodes only its own kind) and concatenates the runs: the weight
     stays packed, at the bytes of its widest kind, and decodes to exactly the values of
-    the file's tensors.
+    the file's tensors. The runs are the field `raw` (as a `GGUFWeight`'s rows are), so
+    `partition_specs` splits them by output row the same way.
     """
 
-    raws: tuple[Array, ...]  # uint8 [*L, out_p, bytes_p] each (the runs' shapes differ)
+    raw: tuple[Array, ...]  # uint8 [*L, out_p, bytes_p] each (the runs' shapes differ)
     codes: tuple[Array, ...]  # int32 [*L] each
     kinds: tuple[tuple[str, ...], ...] = eqx.field(static=True)
     in_out: tuple[int, int] = eqx.field(static=True)
 
     def __check_init__(self):
-        if not (len(self.raws) == len(self.codes) == len(self.kinds)) or not self.raws:
+        if not (len(self.raw) == len(self.codes) == len(self.kinds)) or not self.raw:
             raise ValueError("GGUFMixedWeight: one code array and kind list per run of rows")
         n_in, n_out = self.in_out
-        for raw, kinds in zip(self.raws, self.kinds):
+        for raw, kinds in zip(self.raw, self.kinds):
             for kind in kinds:
                 _check_kind(kind, n_in, None, "GGUFMixedWeight")
             widest = max(n_in // GGUF_BLOCKS[k][0] * GGUF_BLOCKS[k][1] for k in kinds)
             shape = getattr(raw, "shape", None)
             if shape is not None and shape[-1] != widest:
                 raise ValueError(f"GGUFMixedWeight: rows of {shape[-1]} bytes, expected {widest}")
-        total = sum(getattr(r, "shape", (0, 0))[-2] for r in self.raws)
-        if all(hasattr(r, "shape") for r in self.raws) and total != n_out:
+        total = sum(getattr(r, "shape", (0, 0))[-2] for r in self.raw)
+        if all(hasattr(r, "shape") for r in self.raw) and total != n_out:
             raise ValueError(f"GGUFMixedWeight: runs of {total} rows, expected {n_out}")
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.raws[0].shape[:-2] + self.in_out
+        return self.raw[0].shape[:-2] + self.in_out
 
     def dequantize(self, dtype) -> Array:
         return jnp.swapaxes(self.dequantize_t(dtype), -1, -2)
 
     def dequantize_t(self, dtype) -> Array:
-        if self.raws[0].ndim > 2:  # a stack: layer by layer
+        if self.raw[0].ndim > 2:  # a stack: layer by layer
             return jax.vmap(lambda w: w.dequantize_t(dtype))(self)
         n_in, runs = self.in_out[0], []
-        for raw, code, kinds in zip(self.raws, self.codes, self.kinds):
+        for raw, code, kinds in zip(self.raw, self.codes, self.kinds):
             decoders = [
                 (lambda k: lambda r: dequantize_rows(r[:, : _row_bytes(k, n_in)], k, n_in, dtype))(
                     k

@@ -94,7 +94,7 @@ def _mixed(
         run_kinds.append(used)
     n_out = sum(int(r.shape[-2]) for r in raws)
     return GGUFMixedWeight(
-        raws=tuple(raws), codes=tuple(codes), kinds=tuple(run_kinds), in_out=(n_in, n_out)
+        raw=tuple(raws), codes=tuple(codes), kinds=tuple(run_kinds), in_out=(n_in, n_out)
     )
 
 

@@ -714,9 +714,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         """Whether the client has closed its connection (it reads as ended: no request
         of its own waits in it)."""
         try:
+            if hasattr(socket, "MSG_DONTWAIT"):  # any descriptor, however many are open
+                peek = socket.MSG_PEEK | socket.MSG_DONTWAIT
+                return self.connection.recv(1, peek) == b""
             readable, _, _ = select.select([self.connection], [], [], 0)
             return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
-        except (OSError, ValueError):
+        except (BlockingIOError, InterruptedError):  # nothing to read: still there
+            return False
+        except (OSError, ValueError):  # reset, or closed here
             return True
 
     def _send_stream(self, chunks: Iterator[dict]) -> None:

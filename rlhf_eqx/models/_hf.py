@@ -70,18 +70,21 @@ def _read_json(path: str) -> Any:
 
 def _load_file(path: str) -> dict[str, np.ndarray]:
     """The tensors of one safetensors file, each checked to be finite (`check_finite`)."""
-    stnp = _safetensors_numpy()
+    reader = _safe_open(path)
+    return {name: _checked_tensor(reader, name, path) for name in reader.keys()}
+
+
+def _checked_tensor(reader, name: str, path: str) -> np.ndarray:
+    """Tensor `name` of the file `path` open in `reader`, checked to be finite; a
+    `ValueError` naming the file when its data cannot be read."""
     try:
-        tensors = stnp.load_file(path)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: file not found") from None
-    except Exception as e:  # safetensors raises its own error types for bad headers/data
+        arr = reader.get_tensor(name)
+    except Exception as e:  # safetensors raises its own error types for bad data
         raise ValueError(
             f"{path}: not a readable safetensors file ({type(e).__name__}: {e})"
         ) from None
-    for name, arr in tensors.items():
-        check_finite(arr, name=name, source=path)
-    return tensors
+    check_finite(arr, name=name, source=path)
+    return arr
 
 
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
@@ -123,13 +126,7 @@ class _CheckpointTensors(Mapping):
 
     def __getitem__(self, name: str) -> np.ndarray:
         path, reader = self._where[name]
-        try:
-            arr = reader.get_tensor(name)
-        except Exception as e:
-            raise ValueError(
-                f"{path}: not a readable safetensors file ({type(e).__name__}: {e})"
-            ) from None
-        check_finite(arr, name=name, source=path)
+        arr = _checked_tensor(reader, name, path)
         if self._float16:
             _check_float16_range({name: arr}, self._directory)
         return arr

@@ -279,3 +279,26 @@ def test_adapter_of_another_base_and_a_file_in_the_way_are_named(base, tmp_path,
     with pytest.raises(ValueError, match="file exists and is not a directory"):
         rx.save_lora_adapter(model, tmp_path / "file")
     assert (tmp_path / "file").read_text() == "x"
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"init_lora_weights": "pissa_niter_4"}, "PEFT changed the base weights"),
+        ({"init_lora_weights": "olora"}, "path_initial_model_for_weight_conversion"),
+        ({"lora_bias": True}, "`lora_bias` = True is not supported"),
+        ({"use_qalora": True}, "`use_qalora` = True is not supported"),
+        ({"target_parameters": ["mlp.experts.down_proj"]}, "`target_parameters` = "),
+    ],
+)
+def test_adapters_that_need_another_base_or_layer_are_refused(base, tmp_path, changes, message):
+    """A PiSSA / OLoRA / CorDA / LoRA-GA / LoftQ adapter saved without PEFT's conversion
+    holds the update of a base PEFT changed: on the original base it would load and
+    compute something else without a word."""
+    _write_adapter(tmp_path / "ad", {"q": [2, 2, 2]}, {"r": 2, "lora_alpha": 2, **changes})
+    with pytest.raises(ValueError, match=message):
+        rx.load_lora_adapter(base, tmp_path / "ad")
+    for init in (True, False, "gaussian", "eva", "orthogonal"):  # the base as it was
+        _write_adapter(tmp_path / str(init), {"q": [2, 2, 2]}, {"r": 2, "lora_alpha": 2,
+                       "init_lora_weights": init})  # fmt: skip
+        rx.load_lora_adapter(base, tmp_path / str(init))

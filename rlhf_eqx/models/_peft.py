@@ -175,6 +175,11 @@ def save_lora_adapter(
     _write_atomically(target, write, "adapter")
 
 
+# PEFT initialisations that replace the base weights by a residual (PiSSA, OLoRA, CorDA,
+# LoRA-GA) or by a quantised residual (LoftQ)
+_BASE_CHANGING_INITS = ("pissa", "olora", "corda", "lora_ga", "loftq")
+
+
 def _check(config: dict[str, Any], path: str) -> None:
     if config.get("peft_type") != "LORA":
         raise ValueError(
@@ -189,10 +194,22 @@ def _check(config: dict[str, Any], path: str) -> None:
         ("layer_replication", None),
         ("alora_invocation_tokens", None),
         ("trainable_token_indices", None),
+        ("lora_bias", False),
+        ("use_qalora", False),
+        ("target_parameters", None),
     ):
         value = config.get(field, inactive)
         if value != inactive and not (inactive is None and not value):
             raise ValueError(f"{path}: `{field}` = {value!r} is not supported")
+    init = config.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
+        raise ValueError(
+            f"{path}: `init_lora_weights` = {init!r}: PEFT changed the base weights when it "
+            "made this adapter (it holds the update from that changed base), so on the original "
+            "base it computes something else; convert it with PEFT first "
+            "(`save_pretrained(..., path_initial_model_for_weight_conversion=...)`, a plain "
+            "LoRA of the original base)"
+        )
     for field in ("r", "lora_alpha"):
         _positive(config.get(field), f"`{field}`", path)
     if not isinstance(config.get("use_rslora", False), bool):

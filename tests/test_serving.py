@@ -504,8 +504,8 @@ def test_stopping_answers_every_request_it_has_read(model):
     waiting requests get 503 as JSON (not a connection closed under them)."""
     policy, tok = model
     srv = serving.Server(policy, tok, slots=2, model_name=MODEL).start()
-    gate, sample = threading.Event(), srv.scheduler._sample
-    srv.scheduler._sample = lambda *args: gate.wait(60) and sample(*args)  # a long batch
+    gate, start = threading.Event(), srv.scheduler._start
+    srv.scheduler._start = lambda *args: gate.wait(60) and start(*args)  # a long batch
     body = json.dumps({"model": MODEL, "prompt": STORY, "max_tokens": 4}).encode()
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         running = pool.submit(_post, srv, "/v1/completions", body)

@@ -8,6 +8,7 @@ import concurrent.futures
 import http.client
 import json
 import socket
+import threading
 import time
 
 import jax
@@ -379,3 +380,28 @@ def test_a_streamed_turn_is_recorded(server, client):
     ids = [i for c in chunks for i in c.choices[0].model_extra["token_ids"]]
     (turn,) = rec.turns("s")
     assert list(turn.completion_ids) == ids and len(turn.logprobs) == len(ids)
+
+
+def test_with_concurrent_batches_a_short_request_passes_a_long_one(model):
+    """`concurrent_batches=2`: a request arriving while a long batch decodes starts at
+    once in its own batch and is answered before the long one ends."""
+    policy, tok = model
+    with serving.Server(
+        policy, tok, slots=2, model_name=MODEL, decode_steps=1, concurrent_batches=2
+    ) as srv:
+        client = openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=300)
+        short = dict(model=MODEL, prompt=STORY, max_tokens=2, temperature=0)
+        client.completions.create(**short)  # compiled before the race
+        long = client.completions.create(
+            model=MODEL, prompt=STORY, max_tokens=300, temperature=0, stream=True
+        )
+        chunks = [next(long)]  # the long batch is decoding
+        reader = threading.Thread(target=lambda: chunks.extend(long))
+        reader.start()
+        r = client.completions.create(**short)
+        answered = len(chunks)
+        reader.join()
+        assert len(r.choices[0].model_extra["token_ids"]) == 2
+        assert answered < len(chunks)  # the long stream went on after the short answer
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert sum(len(c.choices[0].model_extra["token_ids"]) for c in chunks) == 300

@@ -56,6 +56,13 @@ def _parser() -> argparse.ArgumentParser:
         help="most completion tokens (completions × max_tokens) one request may ask for "
         "(default 65536)",
     )
+    p.add_argument(
+        "--concurrent-batches",
+        type=int,
+        default=1,
+        help="batches decoding at once: more lets a request start while a long batch runs "
+        "(each batch holds its own slots' caches; default 1)",
+    )
     return p
 
 
@@ -110,6 +117,7 @@ def serve_command(
             allow_remote=args.allow_remote,
             max_request_rows=args.max_request_rows,
             max_request_tokens=args.max_request_tokens,
+            concurrent_batches=args.concurrent_batches,
         )
         server.start()
     except (ConfigError, data.DataError, ValueError, OSError) as e:

@@ -1,15 +1,17 @@
 """The one scheduler thread: requests wait in a FIFO queue; the thread takes every
 request waiting at that moment and samples all their rows with one continuous-batching
 run (`ContinuousDecoding`: each row with its own temperature, top-k and top-p, traced,
-so one compiled sampler serves every setting), then takes the next batch.
+so one compiled sampler serves every setting), then takes the next batch; with
+`batches > 1`, requests that arrive while a batch runs start a batch of their own at
+once, the running batches taking turns a few steps each.
 
 The run goes a few decode steps at a time (`Scheduler.steps`): in between, the thread
 sends streamed rows their new text, stops rows whose text holds a stop string, drops
 the rows of a request whose client has gone (their slots take the next rows), and
 answers each request as soon as its rows are done.
 
-Fairness: a batch holds every request that arrived before it started, so a request is
-never served after one that arrived later (it may share a batch with it). Shapes are
+Fairness: a batch holds every request that arrived before it started, so a request
+never starts after one that arrived later (it may share a batch with it). Shapes are
 bucketed to powers of two (rows, prompt length, completion length), so the number of
 compiled programs stays small whatever the request mix.
 """
@@ -168,6 +170,7 @@ class _Run:
     N: int
     streamed: dict[int, StreamedRow]
     open: set[int]  # ids of the jobs not answered yet
+    decoding: ContinuousDecoding
 
 
 class Scheduler:
@@ -182,6 +185,10 @@ class Scheduler:
     - `pad_id`: the padding id.
     - `steps`: decode steps between two looks at the rows (streams, stop strings,
       clients gone).
+    - `batches`: batches decoding at once. A request that arrives while a batch runs
+      starts at once in a batch of its own (up to this many; each holds its own slots'
+      caches), decoded in turn with the others, instead of waiting for the longest row
+      of the running one.
     """
 
     def __init__(
@@ -193,8 +200,10 @@ class Scheduler:
         stop_ids: tuple[int, ...],
         pad_id: int,
         steps: int = 8,
+        batches: int = 1,
     ):
         self.tokenizer = tokenizer
+        self.batches = batches
         self.slots = slots
         self.stop_ids = stop_ids
         self.pad_id = pad_id
@@ -260,33 +269,54 @@ class Scheduler:
             job.stream.put(None)
 
     def _loop(self) -> None:
+        runs: list[_Run] = []
         while True:
+            batch: list[Job] = []
             with self._cond:
-                while not self._queue and not self._stopping:
+                while not self._queue and not runs and not self._stopping:
                     self._cond.wait()
-                if self._stopping:
+                if self._stopping and not runs:
                     return
-                batch, self._queue = list(self._queue), collections.deque()
-                policy, version = self._policy, self._version
-            self.batch_log.append(tuple(job.request_id for job in batch))
-            jobs = []
-            for job in batch:  # a request whose client left while it waited is dropped
-                if job.cancelled.is_set():
-                    self.dropped_rows += len(job.rows)
-                    self._fail(job, ClientGone())
-                else:
-                    jobs.append(job)
-            if not jobs:
-                continue
-            try:
-                self._sample(policy, version, jobs)
-            except Exception as e:  # the requests fail, the server goes on
-                for job in jobs:
-                    self._fail(job, e)
+                if self._queue and not self._stopping and len(runs) < self.batches:
+                    batch, self._queue = list(self._queue), collections.deque()
+                    policy, version = self._policy, self._version
+            if batch:
+                run = self._begin(policy, version, batch)
+                if run is not None:
+                    runs.append(run)
+            for run in list(runs):  # each running batch a few steps, in turn
+                try:
+                    self._advance(run)
+                except Exception as e:  # the requests fail, the server goes on
+                    for job in run.jobs:
+                        self._fail(job, e)
+                    run.open.clear()
+                if not run.open:
+                    runs.remove(run)
 
-    def _sample(self, policy, version: int, jobs: list[Job]) -> None:
-        """Every row of `jobs` in one continuous run, a few steps at a time; each job is
-        answered once its rows are done."""
+    def _begin(self, policy, version: int, batch: list[Job]) -> "_Run | None":
+        """Start sampling `batch` (less the requests whose client left while they
+        waited); `None` when none is left or the start failed (the requests fail)."""
+        self.batch_log.append(tuple(job.request_id for job in batch))
+        jobs = []
+        for job in batch:
+            if job.cancelled.is_set():
+                self.dropped_rows += len(job.rows)
+                self._fail(job, ClientGone())
+            else:
+                jobs.append(job)
+        if not jobs:
+            return None
+        try:
+            return self._start(policy, version, jobs)
+        except Exception as e:  # the requests fail, the server goes on
+            for job in jobs:
+                self._fail(job, e)
+            return None
+
+    def _start(self, policy, version: int, jobs: list[Job]) -> "_Run":
+        """Every row of `jobs` in one continuous run (`_advance` steps it; each job is
+        answered once its rows are done)."""
         rows = [row for job in jobs for row in job.rows]
         owner = [job for job in jobs for _ in job.rows]
         R = len(rows)
@@ -329,7 +359,7 @@ class Scheduler:
             start += len(job.rows)
         run = _Run(
             policy=policy, version=version, jobs=jobs, rows=rows, owner=owner, first=first,
-            P=P, N=N, streamed={}, open={id(job) for job in jobs},
+            P=P, N=N, streamed={}, open={id(job) for job in jobs}, decoding=decoding,
         )  # fmt: skip
         for i, row in enumerate(rows):
             job = owner[i]
@@ -338,16 +368,19 @@ class Scheduler:
                 run.streamed[i] = StreamedRow(self.tokenizer, context, job.stop)
         if R < Rp:
             decoding.cancel(range(R, Rp))  # the filler rows are never needed
-        while run.open:
-            out = decoding.run(self.steps)
-            host = _Host(out, P)
-            for job in jobs:
+        return run
+
+    def _advance(self, run: "_Run") -> None:
+        """`steps` decode steps of `run`, then a look at each of its open jobs."""
+        out = run.decoding.run(self.steps)
+        host = _Host(out, run.P)
+        for job in run.jobs:
+            if id(job) in run.open:
+                self._look(run, job, host, run.decoding)
+        if run.decoding.done:
+            for job in run.jobs:
                 if id(job) in run.open:
-                    self._look(run, job, host, decoding)
-            if decoding.done:
-                for job in jobs:
-                    if id(job) in run.open:
-                        self._answer(run, job, host)
+                    self._answer(run, job, host)
 
     def _look(self, run: _Run, job: Job, host: "_Host", decoding: ContinuousDecoding) -> None:
         """After some steps: drop `job` if its client has gone, stop its rows at a stop

@@ -79,6 +79,11 @@ class Server:
       naming `max_tokens`.
     - `decode_steps`: decode steps between two looks at the rows (streamed text, stop
       strings, clients gone): fewer sends text sooner, more runs faster.
+    - `concurrent_batches`: batches that decode at once. With 1 (the default) requests
+      that arrive while a batch runs wait for all of it; with more, they start at once
+      in a batch of their own, the batches taking turns `decode_steps` steps each (so a
+      short request is not held up by a long one), each batch with its own slots'
+      caches (up to this many times the memory).
 
     Use as a context manager, or `start()` / `stop()`; `url` is the base URL
     (`http://127.0.0.1:PORT/v1`) to give an OpenAI client.
@@ -101,6 +106,7 @@ class Server:
         max_request_rows: int = 64,
         max_request_tokens: int = 65536,
         decode_steps: int = 8,
+        concurrent_batches: int = 1,
     ):
         if host not in LOCAL_HOSTS and not allow_remote:
             raise ValueError(
@@ -116,6 +122,7 @@ class Server:
             ("max_request_rows", max_request_rows),
             ("max_request_tokens", max_request_tokens),
             ("decode_steps", decode_steps),
+            ("concurrent_batches", concurrent_batches),
         ):
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -137,6 +144,7 @@ class Server:
             stop_ids=_stop_ids(tokenizer, stop_ids),
             pad_id=pad,
             steps=decode_steps,
+            batches=concurrent_batches,
         )
         self._seeds = np.random.default_rng(seed)  # seeds of requests without one
         self._recordings: list[Recording] = []

@@ -6,6 +6,7 @@ in numpy."""
 import dataclasses
 import json
 import math
+import re
 
 import equinox as eqx
 import jax
@@ -31,14 +32,16 @@ def base():
 
 
 def _write_adapter(directory, ranks, config, seed=0):
-    """A PEFT adapter directory: `ranks[target][i]` is layer `i`'s rank; returns the
-    tensors `{(target, i): (A [r, in], B [out, r])}`."""
+    """A PEFT adapter directory: `ranks[target][i]` is layer `i`'s rank (0: no tensors);
+    returns the tensors `{(target, i): (A [r, in], B [out, r])}`."""
     rng = np.random.default_rng(seed)
     directory.mkdir(parents=True, exist_ok=True)
     tensors, parts = {}, {}
     for target, per_layer in ranks.items():
         fan_in, fan_out = SHAPES[target]
         for i, r in enumerate(per_layer):
+            if r == 0:
+                continue
             a = rng.standard_normal((r, fan_in)).astype(np.float32) * 0.3
             b = rng.standard_normal((fan_out, r)).astype(np.float32) * 0.3
             stem = f"base_model.model.model.layers.{i}.{MODULES[target]}"
@@ -249,12 +252,14 @@ def test_layerwise_adapter_to_llama_cpp_adapter_file(base, tmp_path):
     holds each layer's rank, and `alpha / r_l · B A` is the model's `scale_l · B A`."""
     gguf = pytest.importorskip("gguf")
     config = {"r": 2, "lora_alpha": 3, "rank_pattern": {"layers.1.mlp.up_proj": 4}}
-    parts = _write_adapter(tmp_path / "ad", {"up": [2, 4, 2]}, config)
+    config["target_modules"] = r"model\.layers\.[12]\.mlp\.up_proj"  # none in layer 0
+    parts = _write_adapter(tmp_path / "ad", {"up": [0, 4, 2]}, config)
     model = rx.load_lora_adapter(base, tmp_path / "ad")
     rx.models.save_gguf_adapter(model, tmp_path / "ad.gguf", alpha=5.0)
     reader = gguf.GGUFReader(tmp_path / "ad.gguf")
     tensors = {t.name: np.asarray(t.data, np.float64) for t in reader.tensors}
-    for i, r in enumerate([2, 4, 2]):
+    assert "blk.0.ffn_up.weight.lora_a" not in tensors
+    for i, r in [(1, 4), (2, 2)]:
         a, b = tensors[f"blk.{i}.ffn_up.weight.lora_a"], tensors[f"blk.{i}.ffn_up.weight.lora_b"]
         assert a.shape == (r, 16) and b.shape == (24, r)
         want_a, want_b = parts[("up", i)]
@@ -302,3 +307,70 @@ def test_adapters_that_need_another_base_or_layer_are_refused(base, tmp_path, ch
         _write_adapter(tmp_path / str(init), {"q": [2, 2, 2]}, {"r": 2, "lora_alpha": 2,
                        "init_lora_weights": init})  # fmt: skip
         rx.load_lora_adapter(base, tmp_path / str(init))
+
+
+@pytest.mark.parametrize(
+    "config, ranks, written",
+    [
+        (  # a regex over whole module names: q in layers 0 and 2
+            {"target_modules": r"model\.layers\.[02]\.self_attn\.q_proj"},
+            {"q": [2, 0, 2]},
+            {"target_modules": ["q_proj"], "layers_to_transform": [0, 2]},
+        ),
+        (  # PEFT's layers_to_transform over a list of names
+            {"target_modules": ["q_proj", "up_proj"], "layers_to_transform": 1},
+            {"q": [0, 2, 0], "up": [0, 2, 0]},
+            {"target_modules": ["q_proj", "up_proj"], "layers_to_transform": [1]},
+        ),
+        (  # different layers by projection: one regex, which PEFT matches the same way
+            {"target_modules": ["q_proj", "up_proj"], "exclude_modules": ["layers.0.mlp.up_proj"]},
+            {"q": [2, 2, 2], "up": [0, 2, 2]},
+            {
+                "target_modules": r"model\.layers\.(0|1|2)\.self_attn\.q_proj|"
+                r"model\.layers\.(1|2)\.mlp\.up_proj",
+                "layers_to_transform": None,
+            },
+        ),
+    ],
+)
+def test_adapters_of_some_layers(base, tmp_path, config, ranks, written):
+    """PEFT adapts the modules `target_modules` (a regex, or names restricted by
+    `layers_to_transform`) selects, less `exclude_modules`; the other layers get none.
+    Saved again, the selection is written back, and PEFT's matching selects the same."""
+    parts = _write_adapter(tmp_path / "ad", ranks, {"r": 2, "lora_alpha": 3, **config})
+    model = rx.load_lora_adapter(base, tmp_path / "ad")
+    for target, per_layer in ranks.items():
+        ad = model.transformer.layers.lora[target]  # a LoRAAdapter where all layers agree
+        assert getattr(ad, "ranks", (ad.a.shape[-1],) * 3) == tuple(per_layer)
+    scales = {k: 1.5 for k in parts}
+    np.testing.assert_allclose(
+        _logits(model), _logits(_hand_merged(base, parts, scales)), atol=2e-5
+    )
+    rx.save_lora_adapter(model, tmp_path / "again")
+    saved = json.loads((tmp_path / "again" / "adapter_config.json").read_text())
+    assert {k: saved[k] for k in written} == written
+    for target, per_layer in ranks.items():
+        for i, r in enumerate(per_layer):
+            name = f"model.layers.{i}.{MODULES[target]}"
+            targeted = (
+                re.fullmatch(saved["target_modules"], name) is not None
+                if isinstance(saved["target_modules"], str)
+                else name.endswith("." + MODULES[target].split(".")[1])
+                and (saved["layers_to_transform"] is None or i in saved["layers_to_transform"])
+            )
+            assert targeted == (r > 0), name
+    np.testing.assert_array_equal(
+        _logits(rx.load_lora_adapter(base, tmp_path / "again")), _logits(model)
+    )
+    merged = rx.merge_lora(model)
+    np.testing.assert_allclose(_logits(merged), _logits(model), atol=2e-5)
+
+
+def test_tensors_of_a_module_peft_would_not_adapt_are_refused(base, tmp_path):
+    config = {"r": 2, "lora_alpha": 2, "layers_to_transform": [0, 1]}
+    _write_adapter(tmp_path / "ad", {"q": [2, 2, 2]}, config)
+    with pytest.raises(ValueError, match="layers.2.self_attn.q_proj.lora_A.weight belongs to a"):
+        rx.load_lora_adapter(base, tmp_path / "ad")
+    all_linear = {"r": 2, "lora_alpha": 2, "target_modules": "all-linear"}
+    _write_adapter(tmp_path / "all", {"q": [2, 2, 2]}, all_linear)
+    assert rx.load_lora_adapter(base, tmp_path / "all").transformer.layers.lora["q"].scale == 1.0

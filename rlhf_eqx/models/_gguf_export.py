@@ -218,7 +218,7 @@ def save_gguf_adapter(
       `load_lora_adapter`.
     - `path`: the file, written atomically.
     - `alpha`: the `adapter.lora.alpha` written; default `scale · rank` of the first
-      adapter's first layer. llama.cpp scales each tensor pair by `alpha / r` (`r` its
+      adapter's first adapted layer. llama.cpp scales each tensor pair by `alpha / r` (`r` its
       rank), so each `B` is written multiplied by `scale · r / alpha`: the update
       `alpha / r · B A` is the model's (a `LayerwiseLoRAAdapter` layer by layer, at its
       own rank and scale).
@@ -235,7 +235,8 @@ def save_gguf_adapter(
     cfg = model_config(model)
     arch, _ = gguf_metadata(cfg)
     ranks, scales = layer_ranks_and_scales(next(iter(lora.values())), cfg.n_layers)
-    alpha = float(scales[0] * ranks[0]) if alpha is None else float(alpha)
+    first = next(i for i, r in enumerate(ranks) if r > 0)
+    alpha = float(scales[first] * ranks[first]) if alpha is None else float(alpha)
     if not alpha > 0:
         raise ValueError(f"save_gguf_adapter: alpha must be positive, got {alpha!r}")
     names = gguf_names(cfg.n_layers, cfg.post_norms)
@@ -248,6 +249,8 @@ def save_gguf_adapter(
             hf_name = f"model.layers.{i}.{_MODULES[target]}.weight"
             base = names[hf_name]
             r, factor = ranks[i], np.float32(scales[i] * ranks[i] / alpha)
+            if r == 0:  # a layer without an adapter
+                continue
             lora_a = np.ascontiguousarray(a[i][:, :r].T)
             lora_b = _llama_cpp_rows(hf_name, np.ascontiguousarray(b[i][:r].T) * factor, cfg)
             for suffix, arr in (("lora_a", lora_a), ("lora_b", lora_b)):

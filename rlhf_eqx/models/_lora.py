@@ -53,6 +53,8 @@ class LayerwiseLoRAAdapter(eqx.Module):
     their gradients are zero (`∂/∂a[l][:, k] = x ⊗ (dy·b[l][k])`, `∂/∂b[l][k] = (x·a[l][:,
     k]) ⊗ dy`, both zero while the other factor's `k` is), so training keeps them zero.
 
+    A layer of rank 0 has no adapter (all zeros; scale 0).
+
     `scale [L]` (float32) is `alpha_l / ranks[l]`, or with `rslora` `alpha_l / √ranks[l]`
     (rank-stabilised LoRA, Kalajdzievski 2023). It is an array so that the scanned layer
     stack slices it with the layer, and frozen: `lora_filter` leaves it out and no

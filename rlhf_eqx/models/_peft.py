@@ -29,6 +29,14 @@ scale). Saving writes the most common rank and alpha as `r` / `lora_alpha` and t
 others as patterns, keyed by the projection (`"q_proj"`) when all its layers agree, else
 by layer (`"layers.3.self_attn.q_proj"`), in both patterns, which PEFT versions before
 and after its `(.*\\.)?` prefix match alike.
+
+**Which layers.** PEFT adapts the modules `target_modules` selects (a regex the whole
+name matches, or names the module name ends with, then only the layers of
+`layers_to_transform`), less `exclude_modules`; the other layers of an adapted
+projection get rank 0 (a `LayerwiseLoRAAdapter` holding zeros there). Saving writes
+`layers_to_transform` where the adapted projections share their layers, else one
+`target_modules` regex. A tensor of a module the config does not adapt is refused
+(PEFT would drop it).
 """
 
 import json
@@ -86,27 +94,50 @@ def _layer_key(target: str, i: int) -> str:
 
 def _patterns(lora: dict, n_layers: int) -> tuple[int, float, bool, dict, dict]:
     """`(r, lora_alpha, use_rslora, rank_pattern, alpha_pattern)` of the adapters (see
-    the module docstring)."""
+    the module docstring); layers of rank 0 (not adapted) are left out."""
     rslora = any(getattr(ad, "rslora", False) for ad in lora.values())
-    per: dict[str, list[tuple[int, float]]] = {}
+    per: dict[str, dict[int, tuple[int, float]]] = {}
     for name, ad in lora.items():
         ranks, scales = layer_ranks_and_scales(ad, n_layers)
         exact = not isinstance(ad, LayerwiseLoRAAdapter)
-        per[name] = [(r, _alpha(sc, r, rslora, exact)) for r, sc in zip(ranks, scales)]
-    counts = Counter(pair for pairs in per.values() for pair in pairs)
+        per[name] = {
+            i: (r, _alpha(sc, r, rslora, exact))
+            for i, (r, sc) in enumerate(zip(ranks, scales))
+            if r > 0
+        }
+    counts = Counter(pair for pairs in per.values() for pair in pairs.values())
     rank = Counter(r for r, _ in counts.elements()).most_common(1)[0][0]
     alpha = Counter(a for _, a in counts.elements()).most_common(1)[0][0]
     rank_pattern, alpha_pattern = {}, {}
     for name, pairs in per.items():
         keys = (
-            {_MODULES[name].split(".")[1]: pairs[0]}
-            if len(set(pairs)) == 1
-            else {_layer_key(name, i): pair for i, pair in enumerate(pairs)}
+            {_MODULES[name].split(".")[1]: next(iter(pairs.values()))}
+            if len(set(pairs.values())) == 1
+            else {_layer_key(name, i): pair for i, pair in pairs.items()}
         )
         for key, (r, a) in keys.items():
             if (r, a) != (rank, alpha):
                 rank_pattern[key], alpha_pattern[key] = r, a
     return rank, alpha, rslora, rank_pattern, alpha_pattern
+
+
+def _selection(lora: dict, n_layers: int) -> tuple[list[str] | str, list[int] | None]:
+    """`(target_modules, layers_to_transform)` naming the adapted layers (rank > 0): the
+    projections' names when every layer is adapted or the same layers of each, else one
+    regex that PEFT matches against whole module names."""
+    layers = {
+        name: [i for i, r in enumerate(layer_ranks_and_scales(ad, n_layers)[0]) if r > 0]
+        for name, ad in lora.items()
+    }
+    names = sorted(_MODULES[n].split(".")[1] for n in lora)
+    if all(len(v) == n_layers for v in layers.values()):
+        return names, None
+    if len({tuple(v) for v in layers.values()}) == 1:
+        return names, next(iter(layers.values()))
+    return "|".join(
+        rf"model\.layers\.({'|'.join(map(str, v))})\.{re.escape(_MODULES[n])}"
+        for n, v in layers.items()
+    ), None
 
 
 def save_lora_adapter(
@@ -134,6 +165,7 @@ def save_lora_adapter(
         raise ValueError("save_lora_adapter: the model has no LoRA adapters; call apply_lora first")
     n_layers = model_config(model).n_layers
     rank, alpha, rslora, rank_pattern, alpha_pattern = _patterns(lora, n_layers)
+    target_modules, layers_to_transform = _selection(lora, n_layers)
     dropout = next(iter(lora.values())).dropout
     tensors = {}
     for name, ad in lora.items():
@@ -142,6 +174,8 @@ def save_lora_adapter(
         for i in range(a.shape[0]):
             stem = f"{_PREFIX}{i}.{_MODULES[name]}"
             r = ranks[i]
+            if r == 0:  # layer not adapted
+                continue
             tensors[f"{stem}.lora_A.weight"] = np.ascontiguousarray(a[i][:, :r].T)
             tensors[f"{stem}.lora_B.weight"] = np.ascontiguousarray(b[i][:r].T)
     config = {
@@ -151,7 +185,7 @@ def save_lora_adapter(
         "r": rank,
         "lora_alpha": alpha,  # alpha again, not 7.000000000000001
         "lora_dropout": dropout,
-        "target_modules": sorted(_MODULES[n].split(".")[1] for n in lora),
+        "target_modules": target_modules,
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": rslora,
@@ -159,7 +193,7 @@ def save_lora_adapter(
         "inference_mode": True,
         "init_lora_weights": True,
         "modules_to_save": None,
-        "layers_to_transform": None,
+        "layers_to_transform": layers_to_transform,
         "rank_pattern": rank_pattern,
         "alpha_pattern": alpha_pattern,
     }
@@ -190,7 +224,6 @@ def _check(config: dict[str, Any], path: str) -> None:
         ("bias", "none"),
         ("fan_in_fan_out", False),
         ("modules_to_save", None),
-        ("layers_to_transform", None),
         ("layer_replication", None),
         ("alora_invocation_tokens", None),
         ("trainable_token_indices", None),
@@ -225,6 +258,25 @@ def _check(config: dict[str, Any], path: str) -> None:
                 re.compile(key)
             except re.error as e:
                 raise ValueError(f"{path}: `{field}` key {key!r} is not a regex ({e})") from None
+    for field in ("target_modules", "exclude_modules", "layers_pattern"):
+        value = config.get(field)
+        names = [value] if isinstance(value, str) else value
+        if names is not None and not (
+            isinstance(names, list) and all(isinstance(n, str) for n in names)
+        ):
+            raise ValueError(f"{path}: `{field}` must be a string or a list of them, got {value!r}")
+        for pattern in names or []:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"{path}: `{field}` {pattern!r} is not a regex ({e})") from None
+    layers = config.get("layers_to_transform")
+    indices = [layers] if isinstance(layers, int) else layers
+    if indices is not None and not (
+        isinstance(indices, list)
+        and all(isinstance(i, int) and not isinstance(i, bool) for i in indices)
+    ):
+        raise ValueError(f"{path}: `layers_to_transform` must be layer indices, got {layers!r}")
     for key, value in (config.get("rank_pattern") or {}).items():
         if value != int(value):
             raise ValueError(f"{path}: `rank_pattern[{key!r}]` must be an integer, got {value!r}")
@@ -256,6 +308,40 @@ def _layer_ranks_and_alphas(
             float(_pattern_value(config.get("alpha_pattern") or {}, name, config["lora_alpha"]))
         )
     return ranks, alphas
+
+
+def _matches(patterns: str | list[str], name: str) -> bool:
+    """PEFT's module match: a string is a regex the whole name matches, a list names
+    modules by their whole name or the end of it after a dot."""
+    if isinstance(patterns, str):
+        return re.fullmatch(patterns, name) is not None
+    return name in patterns or any(name.endswith(f".{p}") for p in patterns)
+
+
+def _targeted(config: dict[str, Any], name: str) -> bool:
+    """Whether PEFT adapts module `name` (its `check_target_module_exists`): not in
+    `exclude_modules`, matched by `target_modules` (none: every module with tensors) and,
+    for a list of names, in `layers_to_transform` (the index after `layers_pattern`, by
+    default after the first dotted name with a number behind it)."""
+    if config.get("exclude_modules") and _matches(config["exclude_modules"], name):
+        return False
+    targets = config.get("target_modules")
+    if targets == "all-linear":  # expanded by PEFT when saving; here every projection
+        targets = None
+    if targets is None or isinstance(targets, str) or name in targets:
+        return targets is None or _matches(targets, name)
+    if not _matches(targets, name):
+        return False
+    layers = config.get("layers_to_transform")
+    if layers is None or layers == []:
+        return True
+    patterns = config.get("layers_pattern") or r"[^.]*"
+    for pattern in [patterns] if isinstance(patterns, str) else patterns:
+        m = re.match(rf".*?\.{pattern}\.(\d+)\.", name)
+        if m is not None:
+            index = int(m.group(1))
+            return index == layers if isinstance(layers, int) else index in layers
+    return False
 
 
 def load_lora_adapter(model: PyTree, directory: str | os.PathLike) -> PyTree:
@@ -299,10 +385,23 @@ def load_lora_adapter(model: PyTree, directory: str | os.PathLike) -> PyTree:
     for target, parts in found.items():
         fan_in, fan_out = shapes[target]
         ranks, alphas = _layer_ranks_and_alphas(config, target, cfg.n_layers)
+        adapted = [
+            _targeted(config, f"model.layers.{i}.{_MODULES[target]}") for i in range(cfg.n_layers)
+        ]
+        for i, part in parts:
+            if not adapted[i]:
+                raise ValueError(
+                    f"{weights_path}: tensor {_PREFIX}{i}.{_MODULES[target]}.lora_{part}.weight "
+                    "belongs to a module that `target_modules` / `layers_to_transform` / "
+                    "`exclude_modules` do not adapt"
+                )
+        ranks = [r if on else 0 for r, on in zip(ranks, adapted)]
         width = max(ranks)
         a = np.zeros((cfg.n_layers, fan_in, width), np.float32)
         b = np.zeros((cfg.n_layers, width, fan_out), np.float32)
         for i, r in enumerate(ranks):
+            if r == 0:
+                continue
             for part, expected, out in (("A", (r, fan_in), a), ("B", (fan_out, r), b)):
                 name = f"{_PREFIX}{i}.{_MODULES[target]}.lora_{part}.weight"
                 if (i, part) not in parts:
@@ -331,7 +430,9 @@ def load_lora_adapter(model: PyTree, directory: str | os.PathLike) -> PyTree:
                     out[i, :, :r] = parts[(i, part)].T
                 else:
                     out[i, :r] = parts[(i, part)].T
-        scales = [al / (math.sqrt(r) if rslora else r) for r, al in zip(ranks, alphas)]
+        scales = [
+            al / (math.sqrt(r) if rslora else r) if r else 0.0 for r, al in zip(ranks, alphas)
+        ]
         if rslora or len(set(zip(ranks, scales))) > 1:
             adapters[target] = LayerwiseLoRAAdapter(
                 a=jnp.asarray(a),

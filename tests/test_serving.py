@@ -307,11 +307,12 @@ def _post(server, path, body: bytes):
                 ("max_token", 4),
                 ("user", {"id": 1}),
                 ("top_k", 1000),
+                ("echo", True),
             ]
         ],
         *[
             ("/v1/completions", {"model": MODEL, "prompt": STORY, k: v}, 400, k)
-            for k, v in [("suffix", "."), ("best_of", 2), ("echo", True), ("top_logprobs", 2)]
+            for k, v in [("suffix", "."), ("best_of", 2), ("echo", "yes"), ("top_logprobs", 2)]
         ],
     ],
 )

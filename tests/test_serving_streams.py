@@ -201,6 +201,8 @@ def test_one_compiled_sampler_serves_every_setting(server, client, model):
         )
     )
     assert compiled == []
+    # nor do stop strings (matched on the text)
+    assert _compiles(lambda: client.completions.create(**kw, stop=["q", "zz"])) == []
     # each setting samples what generate_continuous samples with it (the server's
     # shapes: one row, 16 prompt and 16 completion positions)
     ids = got[0].model_extra["prompt_token_ids"]
@@ -405,3 +407,25 @@ def test_with_concurrent_batches_a_short_request_passes_a_long_one(model):
         assert answered < len(chunks)  # the long stream went on after the short answer
         assert chunks[-1].choices[0].finish_reason == "length"
         assert sum(len(c.choices[0].model_extra["token_ids"]) for c in chunks) == 300
+
+
+def test_echo_scores_the_prompt(server, client, model):
+    """`echo` with `max_tokens=0`: the prompt's text and its tokens' log-probabilities
+    (`token_logprobs` of the policy; none for the first), as an evaluation harness asks."""
+    policy, tok = model
+    r = client.completions.create(model=MODEL, prompt=STORY, echo=True, max_tokens=0, logprobs=2)
+    choice = r.choices[0]
+    ids = r.model_extra["prompt_token_ids"]
+    assert choice.text == STORY and choice.model_extra["token_ids"] == []
+    lp = choice.logprobs
+    want = rx.token_logprobs(policy, jnp.asarray(ids), jnp.ones(len(ids), bool))
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    np.testing.assert_allclose(lp.token_logprobs[1:], np.asarray(want)[1:], atol=1e-5)
+    assert "".join(lp.tokens) == STORY and all(len(t) == 2 for t in lp.top_logprobs[1:])
+    # with a completion: the prompt's entries, then the completion's
+    kw = dict(model=MODEL, prompt=STORY, max_tokens=4, temperature=0, logprobs=1)
+    plain = client.completions.create(**kw).choices[0]
+    both = client.completions.create(**kw, echo=True).choices[0]
+    assert both.text == STORY + plain.text
+    assert both.logprobs.token_logprobs[len(ids) :] == plain.logprobs.token_logprobs
+    assert both.logprobs.text_offset[len(ids)] == len(STORY)

@@ -31,7 +31,7 @@ _NO_EFFECT = {
 }  # fmt: skip
 _FIELDS = {
     "chat": _READ | _NO_EFFECT | {"messages", "max_completion_tokens", "top_logprobs"},
-    "completion": _READ | _NO_EFFECT | {"prompt"},
+    "completion": _READ | _NO_EFFECT | {"prompt", "echo"},
 }
 # fields this server does not implement, accepted only with the value that means "off"
 _UNSUPPORTED = {
@@ -43,7 +43,7 @@ _UNSUPPORTED = {
     "frequency_penalty": lambda v: v == 0,
     "presence_penalty": lambda v: v == 0,
     "logit_bias": lambda v: v == {},
-    "echo": lambda v: v is False,
+    "echo": lambda v: v is False,  # chat; completions read it
     "suffix": lambda v: v == "",
     "best_of": lambda v: v == 1,
     "modalities": lambda v: v == ["text"],
@@ -107,6 +107,8 @@ class ParsedRequest:
       `None`.
     - `stream`: answer as server-sent events; `include_usage`: end the stream with a
       chunk holding the usage (`stream_options`).
+    - `echo` (completions): the text and log-probabilities begin with the prompt's
+      (`max_tokens` may then be 0: the prompt scored, nothing sampled).
     """
 
     kind: str
@@ -125,6 +127,7 @@ class ParsedRequest:
     episode_id: str | None = None
     stream: bool = False
     include_usage: bool = False
+    echo: bool = False
 
 
 def _is_int(x: object) -> bool:
@@ -295,7 +298,7 @@ def _check_fields(body: Mapping, kind: str) -> None:
     for name, value in body.items():
         if value is None:
             continue
-        if name in _UNSUPPORTED:
+        if name in _UNSUPPORTED and name not in _FIELDS[kind]:
             if not _UNSUPPORTED[name](value):
                 raise RequestError(
                     f"{name}={value!r} is not supported by this server"[:300], param=name
@@ -335,7 +338,12 @@ def parse_request(
     if stream is not None and not isinstance(stream, bool):
         raise RequestError(f"stream must be a boolean, got {stream!r}"[:300], param="stream")
     include_usage = _stream_options(body.get("stream_options"), bool(stream))
-    max_tokens = _int(body, "max_tokens", 1)
+    echo = body.get("echo") if kind == "completion" else None
+    if echo is not None and not isinstance(echo, bool):
+        raise RequestError(f"echo must be a boolean, got {echo!r}"[:300], param="echo")
+    if echo and stream:
+        raise RequestError("echo with stream=true is not supported", param="echo")
+    max_tokens = _int(body, "max_tokens", 0 if echo else 1)
     if kind == "chat":
         newer = _int(body, "max_completion_tokens", 1)
         max_tokens = newer if newer is not None else max_tokens
@@ -379,6 +387,7 @@ def parse_request(
     top = _int(body, "logprobs", 0, 5)
     return ParsedRequest(
         kind="completion",
+        echo=bool(echo),
         prompts=_prompts(body, vocab_size),
         logprobs=top is not None,
         top_logprobs=top or 0,

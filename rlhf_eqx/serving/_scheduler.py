@@ -142,14 +142,16 @@ def _row_keys(seeds, choices):
 
 
 @eqx.filter_jit
-def _top_logprobs(policy, tokens, mask, temperature):
+def top_logprobs(policy, tokens, mask, temperature):
     """`(ids, logprobs)` `[B, T, K]` of the `K` most likely next tokens at each position,
-    at each row's `temperature` `[B]` (log-softmax of `logits / temperature`)."""
+    at each row's `temperature` `[B]` (log-softmax of `logits / temperature`), and the
+    log-probabilities `[B, T - 1]` of the tokens that follow (`tokens[:, 1:]`)."""
     logits = jax.vmap(policy)(tokens, mask).astype(jnp.float32) / temperature[:, None, None]
     logp = jax.nn.log_softmax(logits, axis=-1)
     k = min(MAX_TOP_LOGPROBS, logp.shape[-1])
     values, ids = jax.lax.top_k(logp, k)
-    return ids, values
+    taken = jnp.take_along_axis(logp[:, :-1], tokens[:, 1:, None], axis=-1)[..., 0]
+    return ids, values, taken
 
 
 _TOP_ROWS = 8  # rows per top-logprobs pass (its logits are [rows, T, vocab])
@@ -442,7 +444,7 @@ class Scheduler:
             part = rows[lo : lo + _TOP_ROWS]
             padded = part + [part[-1]] * ((1 << (len(part) - 1).bit_length()) - len(part))
             temps = [run.owner[i].temperature or 1.0 for i in padded]
-            ids, lps = _top_logprobs(
+            ids, lps, _ = top_logprobs(
                 run.policy,
                 jnp.asarray(host.tokens[padded]),
                 jnp.asarray(host.mask[padded]),

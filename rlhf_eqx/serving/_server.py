@@ -16,12 +16,13 @@ import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from ._prompts import DECODE_CONTEXT, EpisodeContext, PromptBuilder
 from ._protocol import RequestError, parse_request
 from ._recording import Recording, Turn
-from ._scheduler import ClientGone, Job, Progress, Row, Sample, Scheduler
+from ._scheduler import ClientGone, Job, Progress, Row, Sample, Scheduler, top_logprobs
 from ._text import piece_entry, token_bytes
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -148,6 +149,7 @@ class Server:
         )
         self._seeds = np.random.default_rng(seed)  # seeds of requests without one
         self._recordings: list[Recording] = []
+        self._echoed = 0  # requests answered without sampling (echo, max_tokens=0)
         self._lock = threading.Lock()
         self._http: http.server.ThreadingHTTPServer | None = None
         self._http_thread: threading.Thread | None = None
@@ -428,7 +430,7 @@ class Server:
             before = list(context) + list(ids[:t])
             prev = self.tokenizer.decode(before)
             texts.append(piece(before, prev, token_id))
-            tops.append([(piece(before, prev, i), lp) for i, lp in (top[t] if top else ())])
+            tops.append([(piece(before, prev, i), lp) for i, lp in ((top[t] or ()) if top else ())])
         return texts, tops
 
     def _entry(self, text: str, token_id: int) -> tuple[str, list[int]]:
@@ -483,13 +485,13 @@ class Server:
     def _completion_logprobs(self, ids, logprobs, top, context, offset: int = 0) -> dict:
         texts, tops = self._token_texts(ids, top, context)
         offsets = list(itertools.accumulate([offset] + [len(x) for x in texts]))[:-1]
-        alternatives = [[i for i, _ in t] for t in top] if top else []
+        alternatives = [[i for i, _ in (t or ())] for t in top] if top else []
         return {
             "tokens": [self._entry(x, i)[0] for x, i in zip(texts, ids)],
             "token_logprobs": list(logprobs),
             "top_logprobs": [
-                {self._entry(a, j)[0]: alp for (a, alp), j in zip(tt, alt)}
-                for tt, alt in zip(tops, alternatives)
+                None if t is None else {self._entry(a, j)[0]: alp for (a, alp), j in zip(tt, alt)}
+                for tt, alt, t in zip(tops, alternatives, top)
             ]
             if top
             else None,
@@ -502,19 +504,30 @@ class Server:
             body, "completion", model_names=(self.model_name,), vocab_size=self._vocab()
         )
         prompts = [self.prompts.completion(p, req.episode_id) for p in req.prompts]
-        job = self._submit(req, prompts, "cmpl", stream=req.stream)
-        if req.stream:
-            return self._stream(req, job, prompts, client_gone)
-        samples = self._wait(job, client_gone)
+        if req.max_tokens == 0:  # echo: the prompts scored, nothing sampled
+            request_id, samples = self._nothing_sampled(req, prompts)
+        else:
+            job = self._submit(req, prompts, "cmpl", stream=req.stream)
+            if req.stream:
+                return self._stream(req, job, prompts, client_gone)
+            request_id, samples = job.request_id, self._wait(job, client_gone)
+        scored = [self._prompt_logprobs(req, p) for p in prompts] if req.echo else None
         choices = []
         for index, s in enumerate(samples):
             p = index // req.n
             prompt = req.prompts[p]
-            text = self._record(req, job.request_id, index, prompts[p], s, None, prompt)
+            text = s.text
+            if req.max_tokens != 0:
+                text = self._record(req, request_id, index, prompts[p], s, None, prompt)
             logprobs = None
             if req.logprobs:
                 context = tuple(prompts[p][-DECODE_CONTEXT:])
-                logprobs = self._completion_logprobs(s.ids, s.logprobs, s.top, context)
+                offset = len(self._prompt_text(prompt)) if req.echo else 0
+                logprobs = self._completion_logprobs(s.ids, s.logprobs, s.top, context, offset)
+                if scored is not None:
+                    logprobs = _joined_logprobs(scored[p], logprobs)
+            if req.echo:
+                text = self._prompt_text(prompt) + text
             choices.append(
                 {
                     "index": index,
@@ -526,10 +539,53 @@ class Server:
                     "policy_version": s.policy_version,
                 }
             )
-        out = self._response(job.request_id, "text_completion", choices, prompts, samples)
+        out = self._response(request_id, "text_completion", choices, prompts, samples)
         if len(prompts) == 1:
             out["prompt_token_ids"] = list(prompts[0])
         return out
+
+    def _prompt_text(self, prompt: str | tuple[int, ...]) -> str:
+        """A prompt's text as `echo` gives it back (a token-id prompt decoded)."""
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(list(prompt))
+
+    def _nothing_sampled(self, req, prompts: list[list[int]]) -> tuple[str, list[Sample]]:
+        """`(request id, samples)` of a request with `max_tokens=0`: empty completions."""
+        empty = Sample(
+            ids=(),
+            logprobs=(),
+            text="",
+            tail="",
+            finish_reason="length",
+            stop_id=None,
+            top=() if req.top_logprobs else None,
+            policy_version=self.policy_version,
+        )
+        with self._lock:
+            self._echoed += 1
+            request_id = f"cmpl-echo-{self._echoed}"
+        return request_id, [empty] * (len(prompts) * req.n)
+
+    def _prompt_logprobs(self, req, ids: list[int]) -> dict:
+        """The `logprobs` of a prompt's tokens for `echo`: each token's log-probability
+        after the ones before it at the request's temperature (1 when greedy), `None`
+        for the first, with its alternatives when asked."""
+        n = len(ids)
+        length = max(16, 1 << (n - 1).bit_length())  # bucketed: few compiled shapes
+        tokens = np.zeros((1, length), np.int32)
+        tokens[0, :n] = ids
+        mask = np.arange(length)[None] < n
+        top_ids, top_lp, taken = top_logprobs(
+            self.scheduler.policy,
+            jnp.asarray(tokens),
+            jnp.asarray(mask),
+            jnp.asarray([req.temperature or 1.0], jnp.float32),
+        )
+        k = req.top_logprobs
+        top_ids, top_lp, taken = (np.asarray(x)[0] for x in (top_ids, top_lp, taken))
+        top = [None] + [
+            tuple((int(top_ids[t, j]), float(top_lp[t, j])) for j in range(k)) for t in range(n - 1)
+        ]
+        return self._completion_logprobs(ids, [None, *taken[: n - 1].tolist()], k and top, ())
 
     def _stream(
         self,
@@ -835,6 +891,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._send(400, RequestError(str(e)).body())
         except Exception as e:  # noqa: BLE001 - the server keeps serving
             self._send(500, _server_error(e))
+
+
+def _joined_logprobs(head: dict, tail: dict) -> dict:
+    """Completions `logprobs` of a text followed by another (offsets of `tail` already
+    after `head`'s text)."""
+    out = {k: head[k] + tail[k] for k in ("tokens", "token_logprobs", "text_offset")}
+    tops = (head["top_logprobs"], tail["top_logprobs"])
+    out["top_logprobs"] = None if tops == (None, None) else (tops[0] or []) + (tops[1] or [])
+    return out
 
 
 def _server_error(e: Exception) -> dict:

@@ -51,11 +51,12 @@ class Server:
     `"stream": true` the answer comes as server-sent events (OpenAI's chunks), a piece
     of text at a time, never a character cut in two. A client that disconnects, before
     its answer or mid-stream, has its rows dropped (their slots take the next rows).
-    Each choice carries its
-    `token_ids`, the response its `prompt_token_ids` (as vLLM's `return_token_ids`), and
-    `policy_version`, the weights' version that sampled it. Log-probabilities are the
-    sampler's: at the request's temperature (1 when greedy), before top-k and top-p
-    (`rlhf_eqx.GenerationOutput.logprobs`).
+    Each choice carries its `token_ids`, the response its `prompt_token_ids` (as vLLM's
+    `return_token_ids`), and `policy_version`, the weights' version that sampled it.
+    Log-probabilities are the sampler's: at the request's temperature (1 when greedy),
+    before top-k and top-p (`rlhf_eqx.GenerationOutput.logprobs`); each entry's `bytes`
+    are the token's own. A completions request with `echo` also gets its prompt's text
+    and its prompt tokens' log-probabilities (`max_tokens=0`: those only).
 
     **Arguments:**
 
@@ -637,11 +638,8 @@ class Server:
             samples = self._wait(job, client_gone)
             for k, s in enumerate(samples):
                 p = k // req.n
-                if chat:
-                    text = self._record(req, job.request_id, k, prompts[p], s, req.messages,
-                                        chat_text)  # fmt: skip
-                else:
-                    text = self._record(req, job.request_id, k, prompts[p], s, None, req.prompts[p])
+                messages, given = (req.messages, chat_text) if chat else (None, req.prompts[p])
+                text = self._record(req, job.request_id, k, prompts[p], s, messages, given)
                 rest = text[len(sent_text[k]) :] if text.startswith(sent_text[k]) else ""
                 n = len(sent_ids[k])
                 top = s.top[n:] if s.top else None

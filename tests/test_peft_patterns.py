@@ -374,3 +374,30 @@ def test_tensors_of_a_module_peft_would_not_adapt_are_refused(base, tmp_path):
     all_linear = {"r": 2, "lora_alpha": 2, "target_modules": "all-linear"}
     _write_adapter(tmp_path / "all", {"q": [2, 2, 2]}, all_linear)
     assert rx.load_lora_adapter(base, tmp_path / "all").transformer.layers.lora["q"].scale == 1.0
+
+
+def test_new_rslora_adapters_train_and_save_as_peft_reads_them(base, tmp_path, getkey):
+    """`LoRAConfig(use_rslora=True)`: scale `alpha / √r`; saved with `use_rslora` and the
+    alpha given, and read back with the same scale."""
+    config = rx.LoRAConfig(rank=4, alpha=6, targets=("q", "up"), use_rslora=True)
+    assert config.scale == 3.0
+    model = rx.apply_lora(base, config, key=getkey())
+    ad = model.transformer.layers.lora["q"]
+    np.testing.assert_array_equal(np.asarray(ad.scale), [3.0] * 3)
+    np.testing.assert_array_equal(_logits(model), _logits(base))  # b starts at zero
+    spec = rx.lora_filter(model)
+    assert rx.count_params(model, spec) == 3 * (16 * 4 + 4 * 16) + 3 * (16 * 4 + 4 * 24)
+    model = eqx.tree_at(
+        lambda m: m.transformer.layers.lora["q"].b, model, jnp.full((3, 4, 16), 0.1)
+    )
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 16)), jnp.float32)
+    a = np.asarray(ad.a[1], np.float64)
+    want = np.asarray(x, np.float64) @ a @ np.full((4, 16), 0.1) * 6 / math.sqrt(4)
+    got = _layer(model.transformer.layers.lora["q"], 1)(x)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+    rx.save_lora_adapter(model, tmp_path / "ad")
+    saved = json.loads((tmp_path / "ad" / "adapter_config.json").read_text())
+    assert (saved["r"], saved["lora_alpha"], saved["use_rslora"]) == (4, 6.0, True)
+    assert saved["rank_pattern"] == {} and saved["alpha_pattern"] == {}
+    back = rx.load_lora_adapter(base, tmp_path / "ad")
+    np.testing.assert_array_equal(_logits(back), _logits(model))

@@ -90,17 +90,22 @@ class LoRAConfig:
     **Arguments:**
 
     - `rank`: inner dimension `r` of each adapter.
-    - `alpha`: the update is scaled by `alpha / rank`.
+    - `alpha`: the update is scaled by `alpha / rank` (`scale`).
     - `dropout`: dropout probability on the adapter's input (training calls with a
       `key` only).
     - `targets`: projections to adapt, a subset of `("q", "k", "v", "o", "gate",
       "up", "down")` (any sequence of names; stored as a tuple).
+    - `use_rslora`: scale by `alpha / √rank` instead (rank-stabilised LoRA, Kalajdzievski
+      2023: the update's size no longer shrinks as the rank grows). The adapters are
+      then `LayerwiseLoRAAdapter`s, which `save_lora_adapter` writes with PEFT's
+      `use_rslora`.
     """
 
     rank: int = 16
     alpha: float | int = 32.0
     dropout: float = 0.05
     targets: Sequence[str] = ("q", "v")
+    use_rslora: bool = False
 
     def __post_init__(self):
         if isinstance(self.targets, str):
@@ -123,7 +128,7 @@ class LoRAConfig:
 
     @property
     def scale(self) -> float:
-        return self.alpha / self.rank
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
 
 
 def lora_shapes(cfg: TransformerConfig) -> dict[str, tuple[int, int]]:
@@ -174,8 +179,19 @@ def apply_lora(model: PyTree, config: LoRAConfig, *, key: PRNGKeyArray) -> PyTre
     arrays = _init_adapters(
         key, cfg.n_layers, tuple(shapes[t] for t in config.targets), config.rank
     )
-    make = lambda a, b: LoRAAdapter(a=a, b=b, scale=config.scale, dropout=config.dropout)
-    adapters = {name: jax.vmap(make)(a, b) for name, (a, b) in zip(config.targets, arrays)}
+    if config.use_rslora:
+        make = lambda a, b: LayerwiseLoRAAdapter(
+            a=a,
+            b=b,
+            scale=jnp.full((cfg.n_layers,), config.scale, jnp.float32),
+            ranks=(config.rank,) * cfg.n_layers,
+            dropout=config.dropout,
+            rslora=True,
+        )
+        adapters = {name: make(a, b) for name, (a, b) in zip(config.targets, arrays)}
+    else:
+        make = lambda a, b: LoRAAdapter(a=a, b=b, scale=config.scale, dropout=config.dropout)
+        adapters = {name: jax.vmap(make)(a, b) for name, (a, b) in zip(config.targets, arrays)}
     return eqx.tree_at(lambda m: where(m).lora, model, adapters, is_leaf=lambda x: x is None)
 
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file, save_file
 
 import rlhf_eqx as rx
 
@@ -281,6 +281,14 @@ def test_adapter_of_another_base_and_a_file_in_the_way_are_named(base, tmp_path,
         rx.load_lora_adapter(deep, tmp_path / "ad")
     model = rx.load_lora_adapter(base, tmp_path / "ad")
     (tmp_path / "file").write_text("x")
+    tensors = load_file(str(tmp_path / "ad" / "adapter_model.safetensors"))
+    name = "base_model.model.model.layers.1.mlp.up_proj.lora_A.weight"
+    save_file(
+        {**tensors, name: tensors[name].astype(np.int32)},
+        str(tmp_path / "ad" / "adapter_model.safetensors"),
+    )
+    with pytest.raises(ValueError, match="lora_A.weight' has non-float dtype int32"):
+        rx.load_lora_adapter(base, tmp_path / "ad")
     with pytest.raises(ValueError, match="file exists and is not a directory"):
         rx.save_lora_adapter(model, tmp_path / "file")
     assert (tmp_path / "file").read_text() == "x"

@@ -379,6 +379,8 @@ def load_lora_adapter(model: PyTree, directory: str | os.PathLike) -> PyTree:
                 f"{weights_path}: tensor {name!r} adapts layer {m.group(1)}, but the base model "
                 f"has {cfg.n_layers} layers (an adapter of another base model?)"
             )
+        if arr.dtype.kind not in "fV":  # ml_dtypes bfloat16 has kind 'V'
+            raise ValueError(f"{weights_path}: tensor {name!r} has non-float dtype {arr.dtype}")
         found.setdefault(by_module[m.group(3)], {})[(int(m.group(1)), m.group(4))] = arr
     shapes = lora_shapes(cfg)
     adapters = {}

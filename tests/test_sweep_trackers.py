@@ -18,6 +18,7 @@ from test_trackers import (
     _item,
     _numbers,
     _offline,
+    _Refuses,
     _steps,
     _tensorboard_events,
     _tensorboard_scalars,
@@ -247,26 +248,14 @@ def test_each_seeds_shared_sft_is_a_tracker_run_of_the_group(tmp_path):
         assert os.listdir(os.path.join(member, "tensorboard")) == ["dpo"], name
 
 
-class _NoServer(pl.trackers.Tracker):
+class _NoServer(_Refuses):
     """A tracker whose server never answers: each start is counted, then refused."""
 
     starts = 0
 
-    def __init__(self, run_dir):
-        del run_dir
-
     def start(self, run_name, config, group):
         type(self).starts += 1
-        raise ConnectionError("tracking server unreachable")
-
-    def log(self, step, metrics, stage):
-        raise AssertionError("never started, never called")
-
-    def summary(self, values):
-        raise AssertionError("never started, never called")
-
-    def finish(self):
-        raise AssertionError("never started, never called")
+        super().start(run_name, config, group)
 
 
 def test_a_tracker_that_cannot_start_is_tried_once_for_the_whole_sweep(tmp_path, capsys):

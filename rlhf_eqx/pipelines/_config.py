@@ -182,7 +182,8 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LoRASettings:
-    """LoRA adapters (Hu et al. 2021; PEFT defaults): rank `rank`, scale `alpha / rank`,
+    """LoRA adapters (Hu et al. 2021; PEFT defaults): rank `rank`, scale `alpha / rank`
+    (`alpha / √rank` with `use_rslora`: rank-stabilised LoRA, Kalajdzievski 2023),
     `dropout` on the adapter input, on the projections `targets`. `rank=0`: train every
     weight instead. With `rank > 0` these are the fields of the models' record
     `rlhf_eqx.LoRAConfig` (`lora_config()`), which cannot express "no adapters"; checked
@@ -192,6 +193,7 @@ class LoRASettings:
     alpha: float = 32.0
     dropout: float = 0.05
     targets: tuple[str, ...] = ("q", "v")
+    use_rslora: bool = False
 
     def __post_init__(self):
         try:
@@ -215,7 +217,11 @@ class LoRASettings:
         if self.rank == 0:
             return None
         return LoRAConfig(
-            rank=self.rank, alpha=self.alpha, dropout=self.dropout, targets=self.targets
+            rank=self.rank,
+            alpha=self.alpha,
+            dropout=self.dropout,
+            targets=self.targets,
+            use_rslora=self.use_rslora,
         )
 
 

@@ -9,6 +9,7 @@ from ._draft import truncated_draft as truncated_draft
 from ._gguf import load_gguf_policy as load_gguf_policy, open_gguf as open_gguf
 from ._gguf_blocks import (
     GGUF_BLOCKS as GGUF_BLOCKS,
+    GGUFMixedWeight as GGUFMixedWeight,
     GGUFWeight as GGUFWeight,
     dequantize_rows as dequantize_rows,
     quantize_gguf as quantize_gguf,
@@ -43,6 +44,7 @@ from ._llama2c import (
     read_llama2c_header as read_llama2c_header,
 )
 from ._lora import (
+    LayerwiseLoRAAdapter as LayerwiseLoRAAdapter,
     LoRAConfig as LoRAConfig,
     apply_lora as apply_lora,
     count_params as count_params,

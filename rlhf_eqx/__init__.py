@@ -61,6 +61,7 @@ from ._pretrained import (
 )
 from ._sampling import (
     DEFAULT_TEMPERATURE as DEFAULT_TEMPERATURE,
+    ContinuousDecoding as ContinuousDecoding,
     GenerationOutput as GenerationOutput,
     PagedCacheStats as PagedCacheStats,
     SamplingOptions as SamplingOptions,

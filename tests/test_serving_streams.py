@@ -429,3 +429,37 @@ def test_echo_scores_the_prompt(server, client, model):
     assert both.text == STORY + plain.text
     assert both.logprobs.token_logprobs[len(ids) :] == plain.logprobs.token_logprobs
     assert both.logprobs.text_offset[len(ids)] == len(STORY)
+
+
+def _steps_per_call(server, fn) -> list[int]:
+    """The decode steps of each sampler call the scheduler makes while `fn` runs."""
+    scheduler, steps = server.scheduler, []
+    advance = scheduler._advance
+
+    def logged(run):
+        steps.append(run.steps)
+        return advance(run)
+
+    scheduler._advance = logged
+    try:
+        fn()
+    finally:
+        del scheduler._advance
+    return steps
+
+
+def test_steps_per_call_grow_only_when_no_row_needs_the_host(server, client):
+    """A batch with no stream and no stop string doubles its steps per call (decode
+    steps 2 here), with the same tokens; streamed rows and stop strings are looked at
+    every `decode_steps` steps."""
+    kw = dict(model=MODEL, prompt=STORY, max_tokens=16, temperature=1.0, seed=3)
+    got = []
+    plain = _steps_per_call(server, lambda: got.append(client.completions.create(**kw)))
+    assert plain[0] == 2 and max(plain) > 2, plain
+    stopped = _steps_per_call(server, lambda: client.completions.create(**kw, stop=["\x00"]))
+    assert set(stopped) == {2}, stopped
+    streamed = _steps_per_call(server, lambda: list(client.completions.create(**kw, stream=True)))
+    assert set(streamed) == {2}, streamed
+    # the grown calls sample what steps of 2 do
+    again = client.completions.create(**kw, stop=["\x00"])
+    assert again.choices[0].model_extra["token_ids"] == got[0].choices[0].model_extra["token_ids"]

@@ -319,7 +319,9 @@ def _continuous_loop(
     cancelled: Bool[Array, " B"] | None = None,
 ):
     """The continuous loop's pieces: `(init, cond, body, finish)`, the carry it starts
-    with, whether rows remain, one decode step of every slot, and the output of a carry.
+    with, whether rows remain, one decode step of every slot (the new carry and what the
+    step wrote: `[S]` output rows (`R · num_samples` for a free slot), steps, tokens and
+    log-probabilities), and the output of a carry.
     Rows marked in `cancelled` stop where they are (their slots are freed and a waiting
     one is never admitted)."""
     opts = plan.opts
@@ -368,7 +370,7 @@ def _continuous_loop(
     def cond(s: _SlotState):
         return (s.next_row < B) | jnp.any(s.slot_row >= 0)
 
-    def body(s: _SlotState) -> _SlotState:
+    def body(s: _SlotState) -> tuple[_SlotState, tuple]:
         if cancelled is not None:
             gone = (s.slot_row >= 0) & cancelled[jnp.maximum(s.slot_row, 0)]
             s = dataclasses.replace(s, slot_row=jnp.where(gone, -1, s.slot_row))
@@ -389,7 +391,7 @@ def _continuous_loop(
         logits, cache = jax.lax.cond(
             jnp.any(going), advance, lambda args: args, (s.logits, s.cache)
         )
-        return dataclasses.replace(
+        s = dataclasses.replace(
             s,
             slot_row=jnp.where(going, s.slot_row, -1),
             slot_step=step + 1,
@@ -399,6 +401,7 @@ def _continuous_loop(
             recent=recent,
             out=s.out.written(write, tok, lp, active),
         )
+        return s, (out_row, step, tok, lp)
 
     init = lambda: _SlotState(logits=logits0, cache=cache0, **_start(plan, B, one, stops[-1]))
     rep = lambda x: jnp.repeat(x, G, axis=0)
@@ -409,7 +412,7 @@ def _continuous_loop(
 def _generate_continuous(*inputs: Any) -> GenerationOutput:
     """The whole loop in one program (`inputs`: `_continuous_loop`'s, none cancelled)."""
     init, cond, body, finish = _continuous_loop(*inputs)
-    return finish(jax.lax.while_loop(cond, body, init()))
+    return finish(jax.lax.while_loop(cond, lambda s: body(s)[0], init()))
 
 
 _generate_continuous_jit = eqx.filter_jit(_generate_continuous)
@@ -423,15 +426,32 @@ def _continuous_start(inputs: tuple) -> _SlotState:
 
 
 def _continuous_steps(
-    inputs: tuple, steps: Int[Array, ""], state: _SlotState
-) -> tuple[_SlotState, GenerationOutput, Bool[Array, ""]]:
-    """Up to `steps` decode steps from `state`: the new carry, the output so far and
-    whether rows remain."""
-    _, cond, body, finish = _continuous_loop(*inputs)
-    state, _ = jax.lax.while_loop(
-        lambda c: cond(c[0]) & (c[1] < steps), lambda c: (body(c[0]), c[1] + 1), (state, 0)
+    args: tuple[tuple, int, Int[Array, ""]], state: _SlotState
+) -> tuple[_SlotState, Bool[Array, ""], Int[Array, ""], tuple]:
+    """Up to `steps` decode steps from `state` (`args`: the loop's arguments,
+    `log_steps` and `steps`): the new carry, whether rows remain, the steps run and what
+    the first `log_steps` of them wrote (`[log_steps, S]` rows, steps, tokens and
+    log-probabilities; rows `R · num_samples` where nothing was)."""
+    inputs, log_steps, steps = args
+    _, cond, body, _ = _continuous_loop(*inputs)
+    S, B = state.slot_row.shape[0], state.out.tokens.shape[0]
+    log = (
+        jnp.full((log_steps, S), B, jnp.int32),
+        jnp.zeros((log_steps, S), jnp.int32),
+        jnp.zeros((log_steps, S), jnp.int32),
+        jnp.zeros((log_steps, S), jnp.float32),
     )
-    return state, finish(state), cond(state)
+
+    def logged(c):
+        s, n, log = c
+        s, wrote = body(s)
+        log = tuple(buf.at[n].set(x, mode="drop") for buf, x in zip(log, wrote))
+        return s, n + 1, log
+
+    state, n, log = jax.lax.while_loop(
+        lambda c: cond(c[0]) & (c[1] < steps), logged, (state, jnp.zeros((), jnp.int32), log)
+    )
+    return state, cond(state), n, log
 
 
 # the carry (the slots' caches) is donated: each call updates it in place
@@ -561,18 +581,45 @@ def _row_arguments(policy, prompts, prompt_masks, keys, settings: dict) -> tuple
 
 class ContinuousDecoding:
     """`generate_continuous` (dense cache) run a few decode steps at a time: between
-    calls the caller reads the tokens sampled so far (to stream them) and may cancel
-    rows (a client gone, a stop string found in the text), whose slots then take the
-    next waiting rows. The tokens are those `generate_continuous` samples with the same
+    calls the caller reads the tokens sampled so far (to stream them, to look for stop
+    strings in their text) and may cancel rows (a client gone, a stop string found),
+    whose slots then take the next waiting rows. Run to the end, the tokens and
+    log-probabilities are exactly those `generate_continuous` returns with the same
     arguments; a cancelled row keeps what it had sampled.
 
     **Arguments:** those of `generate_continuous` (`temperature`, `top_k`, `top_p` per
-    row or scalars), except `cache`, `page_size` and `num_pages`.
+    row or scalars), except `cache`, `page_size` and `num_pages`; and `log_steps`: a call
+    of up to this many steps sends the host only the tokens it sampled (longer calls send
+    the whole `[R · num_samples, max_new_tokens]` completions once).
 
-    `run(steps)` decodes up to `steps` steps (one token for every busy slot each) and
-    returns the `GenerationOutput` so far; `done` says whether every row has stopped.
-    Two compiled programs (the start and the steps), whatever `steps`; the slots' caches
-    are updated in place between calls (donated).
+    `run(steps)` decodes up to `steps` steps (one token for every busy slot each);
+    afterwards `tokens`, `logprobs` (`[R · num_samples, max_new_tokens]` NumPy arrays on
+    the host, `pad_id` and 0 past a row's end) and `lengths` (`[R · num_samples]`) hold
+    every row's completion so far, `done` says whether every row has stopped, and
+    `output()` lays them out as `generate_continuous`'s result. The carry stays on the
+    device between calls (the slots' caches updated in place, donated); two compiled
+    programs (the start and the steps), whatever `steps`.
+
+    Example: stream the rows of a batch as they grow, and stop row 0 early.
+
+    ```python
+    import jax, jax.numpy as jnp, rlhf_eqx as rx
+
+    cfg = rx.TransformerConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, d_ff=64)
+    policy = rx.Policy(cfg, key=jax.random.key(0))
+    prompts = jnp.asarray([[5, 6, 7], [8, 9, 10]], jnp.int32)
+    masks = jnp.ones_like(prompts, bool)
+    keys = jax.random.split(jax.random.key(1), 2)
+    decoding = rx.ContinuousDecoding(
+        policy, prompts, masks, keys, slots=1, max_new_tokens=16, temperature=1.0
+    )
+    decoding.run(4)
+    print(decoding.tokens[0, : decoding.lengths[0]])  # row 0's first 4 tokens
+    decoding.cancel([0])  # row 0 stops; row 1 takes its slot at the next run
+    while not decoding.done:
+        decoding.run(8)
+    out = decoding.output()  # GenerationOutput: rows prompt ++ completion
+    ```
     """
 
     def __init__(
@@ -581,8 +628,12 @@ class ContinuousDecoding:
         prompts: Int[Array, "R P"],
         prompt_masks: Bool[Array, "R P"],
         keys: Key[Array, " R"] | UInt32[Array, "R 2"],
+        *,
+        log_steps: int = 16,
         **options: Any,
     ):
+        if not (_is_int(log_steps) and log_steps >= 1):
+            raise ValueError(f"log_steps must be a positive int, got {log_steps!r}")
         settings = dict(
             budgets=None, temperature=DEFAULT_TEMPERATURE, top_k=None, top_p=None,
             eos_id=None, stop_sequences=None, pad_id=0, num_samples=1, check_ids=False,
@@ -591,30 +642,72 @@ class ContinuousDecoding:
         policy, keys, budgets, plan, rows = _row_arguments(
             policy, prompts, prompt_masks, keys, settings
         )
-        self._inputs = (policy, prompts, prompt_masks, keys, budgets, rows)
-        self._plan = plan
-        self.rows = prompts.shape[0] * plan.opts.num_samples
-        self._cancelled = np.zeros(self.rows, bool)
-        self._state = _continuous_start((*self._inputs, plan))
+        self._inputs = (policy, prompts, prompt_masks, keys, budgets, rows, plan)
+        self._prompts = (prompts, prompt_masks)
+        self._log_steps = int(log_steps)
+        self.rows = B = prompts.shape[0] * plan.opts.num_samples
+        N = plan.opts.max_new_tokens
+        self.tokens = np.full((B, N), plan.opts.pad_id, np.int32)
+        self.logprobs = np.zeros((B, N), np.float32)
+        self.lengths = np.zeros((B,), np.int32)
+        self._cancelled = np.zeros(B, bool)
+        self._cancelled_on_device = jnp.asarray(self._cancelled)
+        self._steps_on_device: dict[int, Array] = {}
+        self._state = _continuous_start(self._inputs)
         self.done = False
 
     def cancel(self, rows: Sequence[int]) -> None:
         """Stop `rows` (output rows) at the next `run`: a decoding one is dropped from
         its slot, a waiting one is never admitted."""
-        self._cancelled[list(rows)] = True
+        rows = list(rows)
+        if rows and not self._cancelled[rows].all():
+            self._cancelled[rows] = True
+            self._cancelled_on_device = jnp.asarray(self._cancelled)
 
-    def run(self, steps: int) -> GenerationOutput:
-        """Decode up to `steps` steps (fewer when every row stops first); returns the
-        output so far, laid out as `generate_continuous`'s (rows not yet done hold the
-        tokens they have)."""
+    def run(self, steps: int) -> int:
+        """Decode up to `steps` steps (fewer when every row stops first) and bring the
+        new tokens to the host (`tokens`, `logprobs`, `lengths`); returns the steps run."""
         if not (_is_int(steps) and steps >= 1):
             raise ValueError(f"steps must be a positive int, got {steps!r}")
-        inputs = (*self._inputs, self._plan, jnp.asarray(self._cancelled))
-        self._state, out, going = _continuous_steps_jit(
-            inputs, jnp.asarray(steps, jnp.int32), self._state
+        if self.done:
+            return 0
+        if steps not in self._steps_on_device:
+            self._steps_on_device[steps] = jnp.asarray(steps, jnp.int32)
+        args = ((*self._inputs, self._cancelled_on_device), self._log_steps)
+        self._state, going, n, log = _continuous_steps_jit(
+            (*args, self._steps_on_device[steps]), self._state
         )
+        n = int(n)
+        if n <= self._log_steps:  # the new tokens only
+            rows, at, toks, lps = (np.asarray(x)[:n].ravel() for x in log)
+            wrote = rows < self.rows
+            rows, at = rows[wrote], at[wrote]
+            self.tokens[rows, at] = toks[wrote]
+            self.logprobs[rows, at] = lps[wrote]
+            np.maximum.at(self.lengths, rows, at + 1)
+        else:  # a long call: the whole completions once (copied before the next call)
+            out = self._state.out
+            self.tokens[:] = np.asarray(out.tokens)
+            self.logprobs[:] = np.asarray(out.logprobs)
+            self.lengths[:] = np.asarray(out.real).sum(axis=1)
         self.done = not bool(going)
-        return out
+        return n
+
+    def output(self) -> GenerationOutput:
+        """The completions so far laid out as `generate_continuous`'s result: each row
+        its prompt as given, then its completion (`pad_id` past its end)."""
+        prompts, prompt_masks = (np.asarray(x) for x in self._prompts)
+        G = self.rows // prompts.shape[0]
+        prompts, prompt_masks = np.repeat(prompts, G, 0), np.repeat(prompt_masks, G, 0)
+        real = np.arange(self.tokens.shape[1])[None, :] < self.lengths[:, None]
+        return GenerationOutput(
+            tokens=jnp.asarray(np.concatenate([prompts.astype(np.int32), self.tokens], 1)),
+            mask=jnp.asarray(np.concatenate([prompt_masks, real], 1)),
+            completion_mask=jnp.asarray(np.concatenate([np.zeros_like(prompt_masks), real], 1)),
+            logprobs=jnp.asarray(
+                np.concatenate([np.zeros(prompts.shape, np.float32), self.logprobs], 1)
+            ),
+        )
 
 
 def _continuous_arguments(

@@ -22,6 +22,7 @@ import dataclasses
 import itertools
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -155,6 +156,10 @@ def top_logprobs(policy, tokens, mask, temperature):
 
 
 _TOP_ROWS = 8  # rows per top-logprobs pass (its logits are [rows, T, vocab])
+# a run no row of which needs the host between steps (no stream, no stop string) doubles
+# its steps per call while a call takes less than half this, so that clients gone are
+# still looked for about this often
+_LOOK_SECONDS = 0.25
 
 
 @dataclasses.dataclass
@@ -173,6 +178,9 @@ class _Run:
     streamed: dict[int, StreamedRow]
     open: set[int]  # ids of the jobs not answered yet
     decoding: ContinuousDecoding
+    host: "_Host"
+    steps: int  # decode steps of the next call
+    grows: bool  # whether `steps` may grow (no row needs the host between calls)
 
 
 class Scheduler:
@@ -354,6 +362,7 @@ class Scheduler:
             top_p=np.asarray([1.0 if j.top_p is None else j.top_p for j in settings], np.float32),
             eos_id=list(self.stop_ids),
             pad_id=self.pad_id,
+            log_steps=self.steps,
         )
         first, start = {}, 0
         for job in jobs:
@@ -362,6 +371,8 @@ class Scheduler:
         run = _Run(
             policy=policy, version=version, jobs=jobs, rows=rows, owner=owner, first=first,
             P=P, N=N, streamed={}, open={id(job) for job in jobs}, decoding=decoding,
+            host=_Host(decoding, prompts, masks), steps=self.steps,
+            grows=not any(job.stop or job.stream is not None for job in jobs),
         )  # fmt: skip
         for i, row in enumerate(rows):
             job = owner[i]
@@ -373,9 +384,18 @@ class Scheduler:
         return run
 
     def _advance(self, run: "_Run") -> None:
-        """`steps` decode steps of `run`, then a look at each of its open jobs."""
-        out = run.decoding.run(self.steps)
-        host = _Host(out, run.P)
+        """`run.steps` decode steps of `run`, then a look at each of its open jobs. A run
+        whose rows need the host only once done takes twice the steps next time while a
+        call takes under `_LOOK_SECONDS / 2` (up to its completion length), and half
+        (down to `steps`) when one takes over `_LOOK_SECONDS`."""
+        start = time.perf_counter()
+        run.decoding.run(run.steps)
+        took = time.perf_counter() - start
+        if run.grows and took < _LOOK_SECONDS / 2:
+            run.steps = min(2 * run.steps, max(run.N, self.steps))
+        elif took > _LOOK_SECONDS:
+            run.steps = max(run.steps // 2, self.steps)
+        host = run.host
         for job in run.jobs:
             if id(job) in run.open:
                 self._look(run, job, host, run.decoding)
@@ -444,11 +464,9 @@ class Scheduler:
             part = rows[lo : lo + _TOP_ROWS]
             padded = part + [part[-1]] * ((1 << (len(part) - 1).bit_length()) - len(part))
             temps = [run.owner[i].temperature or 1.0 for i in padded]
+            tokens, mask = host.rows(padded)
             ids, lps, _ = top_logprobs(
-                run.policy,
-                jnp.asarray(host.tokens[padded]),
-                jnp.asarray(host.mask[padded]),
-                jnp.asarray(temps, jnp.float32),
+                run.policy, jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(temps, jnp.float32)
             )
             P = run.P
             ids_out.append(np.asarray(ids)[: len(part), P - 1 : -1])
@@ -519,16 +537,22 @@ def _top_of(alternatives, k: int, t: int, count: int) -> tuple[tuple[int, float]
 
 
 class _Host:
-    """A run's output so far on the host: completion `tokens`, `mask` (whole rows, for
-    the top-logprobs pass) and `logprobs`; `ids(i)` are row `i`'s sampled ids."""
+    """A run's output so far on the host (the `ContinuousDecoding`'s completions, brought
+    over a call's new tokens at a time): `logprobs` `[B, N]` of the completion positions,
+    `ids(i)` row `i`'s sampled ids, `rows(rows)` whole rows (prompt ++ completion) and
+    their masks for the top-logprobs pass."""
 
-    def __init__(self, out, P: int):
-        self.tokens = np.asarray(out.tokens)
-        self.mask = np.asarray(out.mask)
-        self.real = np.asarray(out.completion_mask)[:, P:]
-        self.logprobs = np.asarray(out.logprobs)[:, P:]
-        self.P = P
+    def __init__(self, decoding: ContinuousDecoding, prompts: np.ndarray, masks: np.ndarray):
+        self.decoding = decoding
+        self.prompts = prompts
+        self.masks = masks
+        self.logprobs = decoding.logprobs
 
     def ids(self, i: int) -> list[int]:
-        n = int(self.real[i].sum())
-        return self.tokens[i, self.P : self.P + n].tolist()
+        return self.decoding.tokens[i, : self.decoding.lengths[i]].tolist()
+
+    def rows(self, rows: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        d = self.decoding
+        real = np.arange(d.tokens.shape[1])[None, :] < d.lengths[rows, None]
+        tokens = np.concatenate([self.prompts[rows], d.tokens[rows]], axis=1)
+        return tokens, np.concatenate([self.masks[rows], real], axis=1)

@@ -328,7 +328,7 @@ def test_bad_arguments_raise(policy):
     class WrongObs(Guess):
         max_observation_tokens: int = eqx.field(static=True, default=3)
 
-    with pytest.raises(ValueError, match=r"observation must be a int array of shape \(3,\)"):
+    with pytest.raises(ValueError, match=r"observation must be an int array of shape \(3,\)"):
         run(env=WrongObs())
 
     class GrowingState(Guess):
@@ -348,6 +348,105 @@ def test_host_observation_longer_than_declared_raises(policy):
     toks, masks = _prompts()
     with pytest.raises(ValueError, match="5 tokens, more than its max_observation_tokens=4"):
         rollout_multiturn_host(policy, lambda: Long(3), toks, masks, jax.random.key(3), **SETTINGS)
+
+
+class _Broken(Guess):
+    """`Guess` whose observation after turn `turn` gets `offset` added to its ids and
+    whose reward at that turn gets `bonus` added (it never ends at that turn)."""
+
+    offset: int = eqx.field(static=True, default=0)
+    bonus: float = eqx.field(static=True, default=0.0)
+    turn: int = eqx.field(static=True, default=0)
+
+    def step(self, state, completion, completion_mask):
+        at = state[1] == self.turn
+        new, obs, mask, reward, done = super().step(state, completion, completion_mask)
+        obs = jnp.where(at, obs + self.offset, obs)
+        return new, obs, mask, jnp.where(at, reward + self.bonus, reward), done & ~at
+
+
+@pytest.mark.parametrize("host", [False, True])
+def test_environment_values_outside_the_vocabulary_or_not_finite_raise(policy, host):
+    """An observation id outside the vocabulary (the next logits would be NaN) and a
+    reward that is not finite are refused once the rollout is done, naming the class,
+    the episode and where."""
+    toks, masks = _prompts()
+    run = rollout_multiturn_host if host else rollout_multiturn
+    go = lambda env: run(policy, env, toks, masks, jax.random.key(3), **SETTINGS)
+    with pytest.raises(ValueError, match=r"_Broken returned the observation id 6\d .*\[0, 53\)"):
+        go(_Broken(offset=CFG.vocab_size - 40))
+    with pytest.raises(ValueError, match=r"_Broken returned the observation id -\d+"):
+        go(_Broken(offset=-60))
+    with pytest.raises(ValueError, match=r"_Broken.step returned the reward (nan|inf).*turn 1"):
+        go(_Broken(bonus=float("nan"), turn=1))
+    with pytest.raises(ValueError, match=r"reward -inf \(episode 0, turn 0\)"):
+        go(_Broken(bonus=-float("inf")))
+
+
+def test_host_environment_answers_are_checked_and_failures_named(policy):
+    toks, masks = _prompts()
+    E = toks.shape[0] * G
+
+    def go(make):
+        return rollout_multiturn_host(policy, make, toks, masks, jax.random.key(3), **SETTINGS)
+
+    def answer(**change):
+        class Changed(HostGuess):
+            def step(self, completion):
+                obs, reward, done = super().step(completion)
+                out = {"obs": obs, "reward": reward, "done": done, **change}
+                return out.get("tuple") or (out["obs"], out["reward"], out["done"])
+
+        return lambda: Changed(3)
+
+    class Crash(HostGuess):
+        def step(self, completion):
+            if self.turn == 0:
+                raise RuntimeError("the tool crashed")
+            return super().step(completion)
+
+    with pytest.raises(RuntimeError, match="the tool crashed") as info:
+        go([HostGuess(3) if e != 4 else Crash(3) for e in range(E)])
+    assert "raised by Crash.step of episode 4 at turn 0" in "".join(info.value.__notes__)
+
+    def factory():
+        raise OSError("no sandbox")
+
+    with pytest.raises(OSError, match="no sandbox") as info:
+        go(factory)
+    assert "raised by the environment factory factory (episode 0)" in info.value.__notes__[0]
+    with pytest.raises(ValueError, match=r"Changed.step of episode 0 at turn 0 .* id 53,"):
+        go(answer(obs=[53]))
+    with pytest.raises(ValueError, match="id -1, outside the vocabulary"):
+        go(answer(obs=[-1, 4]))
+    with pytest.raises(TypeError, match="sequence of token ids, got str"):
+        go(answer(obs="ok"))
+    with pytest.raises(TypeError, match=r"not a list of int ids: \[1.5\]"):
+        go(answer(obs=[1.5]))
+    with pytest.raises(ValueError, match="reward nan: rewards must be finite"):
+        go(answer(reward=float("nan")))
+    with pytest.raises(TypeError, match="reward None: it must be a real number"):
+        go(answer(reward=None))
+    with pytest.raises(TypeError, match="done='no': it must be a bool"):
+        go(answer(done="no"))
+    with pytest.raises(TypeError, match=r"must return \(observation, reward, done\)"):
+        go(answer(tuple=([1], 0.0)))
+    with pytest.raises(TypeError, match="reset of episode 0 must return the observation"):
+
+        class NoObservation(HostGuess):
+            def reset(self, prompt):
+                return None
+
+        go(lambda: NoObservation(3))
+
+    class Silent(HostGuess):
+        max_observation_tokens = 0
+
+    with pytest.raises(ValueError, match="Silent.max_observation_tokens must be a positive int"):
+        go(lambda: Silent(3))
+    # NumPy answers are fine
+    ok = go(answer(obs=np.asarray([5, 6]), reward=np.float32(1.0), done=np.bool_(True)))
+    assert np.all(np.asarray(ok.num_turns) == 1)
 
 
 # -------------------------------------------------------------------------- animal task

@@ -114,8 +114,9 @@ def _check_array(name: str, x: Any, shape: tuple[int, ...], kind: str) -> None:
         or (kind == "float" and jnp.issubdtype(dtype, jnp.floating))
     )
     if tuple(getattr(x, "shape", ())) != shape or not ok_kind:
-        got = f"{getattr(x, 'shape', None)} {dtype}"
-        raise ValueError(f"{name} must be a {kind} array of shape {shape}, got {got}")
+        got = f"{x.shape} {dtype}" if dtype is not None else f"a {type(x).__name__}"
+        article = "an" if kind == "int" else "a"
+        raise ValueError(f"{name} must be {article} {kind} array of shape {shape}, got {got}")
 
 
 def _check_environment(env: object, prompt_length: int, opts: _Options) -> Environment:
@@ -158,6 +159,32 @@ def _check_environment(env: object, prompt_length: int, opts: _Options) -> Envir
             "shapes and dtypes"
         )
     return env
+
+
+def _check_values(traj: Trajectory, name: str, vocab_size: int) -> Trajectory:
+    """Refuse what only the values of a concrete trajectory show a jittable environment
+    got wrong (`name` the environment's class): an observation id outside the vocabulary
+    (the policy's next logits would be NaN) or a reward that is not finite. Traced
+    trajectories (a rollout inside `jit` / `vmap`) pass unchecked."""
+    if isinstance(traj.tokens, jax.core.Tracer):
+        return traj
+    tokens, context = np.asarray(traj.tokens), np.asarray(traj.mask & ~traj.loss_mask)
+    bad = context & ((tokens < 0) | (tokens >= vocab_size))
+    if bad.any():
+        e, t = (int(x) for x in np.argwhere(bad)[0])
+        raise ValueError(
+            f"{name} returned the observation id {int(tokens[e, t])} (episode {e}, position "
+            f"{t}), outside the vocabulary [0, {vocab_size})"
+        )
+    rewards, turns = np.asarray(traj.turn_rewards), np.asarray(traj.num_turns)
+    bad = (np.arange(rewards.shape[1])[None, :] < turns[:, None]) & ~np.isfinite(rewards)
+    if bad.any():
+        e, k = (int(x) for x in np.argwhere(bad)[0])
+        raise ValueError(
+            f"{name}.step returned the reward {float(rewards[e, k])} (episode {e}, turn {k}): "
+            "rewards must be finite"
+        )
+    return traj
 
 
 def _env_step(env: Environment, states, comp, cmask, took):
@@ -274,6 +301,10 @@ def rollout_multiturn(
     `loss_mask` (the sampling ratio is 1 on-policy). The prompt is prefilled once and
     every later token, sampled or observed, goes through `decode_step` into the same KV
     cache: no turn recomputes the context before it.
+
+    **Raises** a `ValueError` (outside `jit` / `vmap`, once the rollout is done) when the
+    environment returned an observation id outside the policy's vocabulary or a reward
+    that is not finite, naming the episode and the position or turn.
     """
     opts = _options(
         prompts,
@@ -291,4 +322,5 @@ def rollout_multiturn(
     )
     policy = _check_policy(policy, prompts, opts)
     env = _check_environment(env, prompts.shape[1], opts)
-    return _rollout_jit(policy, env, prompts, prompt_masks.astype(jnp.bool_), key, opts)
+    traj = _rollout_jit(policy, env, prompts, prompt_masks.astype(jnp.bool_), key, opts)
+    return _check_values(traj, type(env).__name__, policy.vocab_size)

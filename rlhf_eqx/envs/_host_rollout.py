@@ -12,7 +12,13 @@ from jaxtyping import Array, Bool, Int, PRNGKeyArray
 
 from .._sampling import DEFAULT_TEMPERATURE
 from ..models import AbstractDecoder
-from ._compiled_rollout import _check_environment, _check_policy, _env_step, _options
+from ._compiled_rollout import (
+    _check_environment,
+    _check_policy,
+    _check_values,
+    _env_step,
+    _options,
+)
 from ._environment import Environment, HostEnvironment
 from ._trajectory import Trajectory, _Progress, _trajectory
 from ._turns import _episode_keys, _start_batch, _turn
@@ -39,6 +45,11 @@ _host_env_step = eqx.filter_jit(_env_step)
 _finish = eqx.filter_jit(_trajectory)
 
 
+def _noted(error: BaseException, where: str) -> None:
+    """Name the environment call an exception came from (the exception itself goes on)."""
+    error.add_note(f"raised by {where} (rlhf_eqx.envs.rollout_multiturn_host)")
+
+
 def _host_envs(env: object, n: int) -> list[HostEnvironment]:
     if isinstance(env, Sequence):
         envs = list(env)
@@ -47,7 +58,14 @@ def _host_envs(env: object, n: int) -> list[HostEnvironment]:
                 f"env is a sequence of {len(envs)} environments; {n} episodes need {n}"
             )
     elif callable(env):
-        envs = [env() for _ in range(n)]
+        envs = []
+        for i in range(n):
+            try:
+                envs.append(env())
+            except Exception as e:
+                name = getattr(env, "__name__", type(env).__name__)
+                _noted(e, f"the environment factory {name} (episode {i})")
+                raise
     else:
         raise TypeError(
             "env must be an Environment, a factory of HostEnvironments (called once per "
@@ -56,17 +74,78 @@ def _host_envs(env: object, n: int) -> list[HostEnvironment]:
     for e in envs:
         if not isinstance(e, HostEnvironment):
             raise TypeError(f"expected HostEnvironment instances, got {type(e).__name__}")
+    width = getattr(envs[0], "max_observation_tokens", None)
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise ValueError(
+            f"{type(envs[0]).__name__}.max_observation_tokens must be a positive int (the "
+            f"longest observation it returns; 1 for one that returns none), got {width!r}"
+        )
+    if any(getattr(e, "max_observation_tokens", None) != width for e in envs):
+        raise ValueError("every episode's environment must have the same max_observation_tokens")
     return envs
 
 
-def _padded(ids: Sequence[int], length: int, pad_id: int, where: str) -> tuple[list, list]:
+def _padded(
+    ids: object, length: int, pad_id: int, vocab_size: int, where: str
+) -> tuple[list, list]:
+    """An observation padded to `length` and its mask; anything but a sequence of at most
+    `length` integer ids in `[0, vocab_size)` is refused, naming `where` it came from."""
+    if isinstance(ids, str | bytes) or not isinstance(ids, Sequence | np.ndarray):
+        raise TypeError(
+            f"{where} must return the observation as a sequence of token ids, got "
+            f"{type(ids).__name__}"
+        )
+    if np.ndim(ids) != 1 or not all(
+        isinstance(i, int | np.integer) and not isinstance(i, bool | np.bool_) for i in ids
+    ):
+        raise TypeError(f"{where} returned an observation that is not a list of int ids: {ids!r}")
     ids = [int(i) for i in ids]
     if len(ids) > length:
         raise ValueError(
             f"{where} returned an observation of {len(ids)} tokens, more than its "
             f"max_observation_tokens={length}"
         )
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(
+            f"{where} returned the observation id {bad[0]}, outside the vocabulary "
+            f"[0, {vocab_size})"
+        )
     return ids + [pad_id] * (length - len(ids)), [True] * len(ids) + [False] * (length - len(ids))
+
+
+def _reset(env: HostEnvironment, prompt: list[int], where: str) -> object:
+    try:
+        return env.reset(prompt)
+    except Exception as e:
+        _noted(e, where)
+        raise
+
+
+def _step(env: HostEnvironment, completion: list[int], where: str) -> tuple[object, float, bool]:
+    """`env.step(completion)`, its answer checked: `(observation, reward, done)` with a
+    finite real reward and a bool `done`; an exception inside it names `where`."""
+    try:
+        out = env.step(completion)
+    except Exception as e:
+        _noted(e, where)
+        raise
+    if not (isinstance(out, tuple | list) and len(out) == 3):
+        raise TypeError(f"{where} must return (observation, reward, done), got {out!r}")
+    obs, reward, done = out
+    value = None
+    if np.ndim(reward) == 0 and not isinstance(reward, str | bytes) and np.isrealobj(reward):
+        try:
+            value = float(reward)
+        except (TypeError, ValueError):
+            pass
+    if value is None:
+        raise TypeError(f"{where} returned the reward {reward!r}: it must be a real number")
+    if not np.isfinite(value):
+        raise ValueError(f"{where} returned the reward {value}: rewards must be finite")
+    if np.ndim(done) != 0 or np.asarray(done).dtype != np.bool_:
+        raise TypeError(f"{where} returned done={done!r}: it must be a bool")
+    return obs, value, bool(done)
 
 
 # The keyword-only signature repeats `rollout_multiturn`'s on purpose (the two are
@@ -106,8 +185,14 @@ def rollout_multiturn_host(
       between the policy turns).
 
     A host environment's `reset` receives the prompt's real ids (padding removed), its
-    `step` the turn's ids; an observation longer than its `max_observation_tokens`
-    raises a `ValueError`.
+    `step` the turn's ids. What they return is checked as it comes, naming the class,
+    the method, the episode and the turn: an observation that is not a sequence of int
+    ids, is longer than `max_observation_tokens` or holds an id outside the policy's
+    vocabulary, a `step` answer that is not `(observation, reward, done)`, a reward that
+    is not a finite real number, a `done` that is not a bool (a `TypeError` or
+    `ValueError`). An exception raised inside `reset`, `step` or the factory stops the
+    rollout as it is, with a note naming the call (`raised by HostCount.step of episode
+    3 at turn 1`). A jittable `env` is checked as `rollout_multiturn` checks it.
 
     **Returns:** a `Trajectory`.
     """
@@ -137,21 +222,13 @@ def rollout_multiturn_host(
         states, obs, obs_mask = _env_reset(env, env_keys, prompts_e, masks_e)
     else:
         envs = _host_envs(env, E)
-        width = envs[0].max_observation_tokens
-        if any(e.max_observation_tokens != width for e in envs):
-            raise ValueError(
-                "every episode's environment must have the same max_observation_tokens"
-            )
+        width, V = envs[0].max_observation_tokens, policy.vocab_size
         host_prompts, host_masks = np.asarray(prompts_e), np.asarray(masks_e)
-        rows = [
-            _padded(
-                e.reset(host_prompts[i][host_masks[i]].tolist()),
-                width,
-                pad_id,
-                f"episode {i}'s reset",
-            )
-            for i, e in enumerate(envs)
-        ]
+        rows = []
+        for i, e in enumerate(envs):
+            where = f"{type(e).__name__}.reset of episode {i}"
+            obs_i = _reset(e, host_prompts[i][host_masks[i]].tolist(), where)
+            rows.append(_padded(obs_i, width, pad_id, V, where))
         obs = jnp.asarray([r[0] for r in rows], jnp.int32).reshape(E, width)
         obs_mask = jnp.asarray([r[1] for r in rows], jnp.bool_).reshape(E, width)
     progress = _Progress.start(E, K)
@@ -172,10 +249,11 @@ def rollout_multiturn_host(
             ended = np.zeros(E, bool)
             obs_np, obs_mask_np = np.array(obs), np.array(obs_mask)
             for i in np.flatnonzero(took_np):
-                o, r, d = envs[i].step(comp_np[i][cmask_np[i]].tolist())
-                reward[i], ended[i] = float(r), bool(d)
+                where = f"{type(envs[i]).__name__}.step of episode {i} at turn {k}"
+                o, reward[i], ended[i] = _step(envs[i], comp_np[i][cmask_np[i]].tolist(), where)
                 if not ended[i]:
-                    obs_np[i], obs_mask_np[i] = _padded(o, width, pad_id, f"episode {i}'s step")
+                    obs_np[i], obs_mask_np[i] = _padded(o, width, pad_id, V, where)
             obs, obs_mask = jnp.asarray(obs_np), jnp.asarray(obs_mask_np)
         progress = progress.after_turn(k, took_np, reward, ended, eps.length, T)
-    return _finish(eps, progress, opts.episode_reward)
+    traj = _finish(eps, progress, opts.episode_reward)
+    return _check_values(traj, type(env).__name__, policy.vocab_size) if jax_env else traj

@@ -31,6 +31,7 @@ from ._monitor import model_flops
 from ._multiturn_stage import (
     _length,
     check_episode,
+    environment_factory,
     episode_scores,
     episode_stage,
     round_episodes,
@@ -60,7 +61,11 @@ class MultiturnDPOConfig(DPOConfig):
     rounds of 16 prompts × 8 episodes, 4 steps of 8 pairs a round, and the chosen
     episodes' NLL with weight `rpo_alpha` 0.5 (RPO, Pang et al. 2024), measured to
     raise the held-out success rate well over SFT's while the base model's NLL of the
-    policy's tokens stays within 0.3 nat per token of its own."""
+    policy's tokens stays within 0.3 nat per token of its own.
+
+    `environment`: the user's own environment instead, as the `multiturn` stage's
+    (`MODULE:NAME` of a factory `NAME(tok) -> rlhf_eqx.envs.Environment`, or an
+    `Environment` instance; its held-out `success` is the mean episode reward)."""
 
     unused_fields: ClassVar[tuple[str, ...]] = ("max_length", "packing")
     rounds: int = 24
@@ -76,6 +81,13 @@ class MultiturnDPOConfig(DPOConfig):
     turn_tokens: int = 40
     prompts_per_round: int = 16
     kl_target: float = 1.0
+    environment: str = ""
+
+    def check(self, name: str, *, device_count: int = 1) -> None:
+        """DPO's rules, and an `environment` that loads (`environment_factory`)."""
+        super().check(name, device_count=device_count)
+        if self.environment:
+            environment_factory(self.environment, f"{name}.environment")
 
     def __post_init__(self):
         for name in ("max_turns", "turn_tokens", "prompts_per_round"):

@@ -26,8 +26,9 @@ from ._config import (
     LoRASettings,
 )
 from ._evaluate import prompt_se, win_rate, win_rate_se
+from ._field_checks import _fail
 from ._grpo_stage import PLACEMENT_FIELDS, GRPOConfig, grpo_state_and_step
-from ._model_checks import check_episode_length
+from ._model_checks import check_episode_length, model_sizes, run_tokenizer
 from ._monitor import model_flops
 from ._registry import Outcome, Stage, StageEnv, register_stage
 from ._rl_rollouts import _per_token_kl, _policy_and_reference
@@ -142,11 +143,31 @@ def environment_factory(spec: str, field: str = "multiturn.environment"):
     return obj
 
 
-def stage_environment(c, tok):
-    """The environment of a multi-turn stage's settings `c`: `c.environment`'s
-    (`environment_factory`) when set, else the animal follow-up environment."""
+def load_environment(spec: str, tok, field: str = "multiturn.environment"):
+    """The `rlhf_eqx.envs.Environment` that `spec`'s factory (`environment_factory`)
+    builds for `tok`; a `ConfigError` naming `field` when the factory raises or returns
+    anything else."""
+    factory = environment_factory(spec, field)
+    try:
+        env = factory(tok)
+    except Exception as e:
+        raise ConfigError(f"{field}={spec!r}: the factory raised {type(e).__name__}: {e}") from e
+    if not isinstance(env, rx.envs.Environment):
+        raise ConfigError(
+            f"{field}={spec!r}: the factory returned {type(env).__name__}, not an "
+            "rlhf_eqx.envs.Environment"
+        )
+    return env
+
+
+def stage_environment(c, tok, name: str = "multiturn"):
+    """The environment of a multi-turn stage's settings `c` (the stage `name`):
+    `c.environment`'s (`load_environment`) when set, else the animal follow-up
+    environment."""
     spec = getattr(c, "environment", "")
-    return environment_factory(spec)(tok) if spec else rx.envs.AnimalFollowUpEnv(tok)
+    if spec:
+        return load_environment(spec, tok, f"{name}.environment")
+    return rx.envs.AnimalFollowUpEnv(tok)
 
 
 def turn_stop_ids(env, tok) -> tuple[int, ...]:
@@ -156,9 +177,11 @@ def turn_stop_ids(env, tok) -> tuple[int, ...]:
 
 
 def _length(env, cfg, prompt_length: int) -> int:
-    """The static episode length: the prompt, every turn, the observations between."""
+    """The static episode length: the prompt, every turn, the observations between and
+    `reset`'s before the first turn (but the animal environment's, which is empty)."""
     turns = cfg.max_turns * cfg.turn_tokens
-    return prompt_length + turns + (cfg.max_turns - 1) * env.max_observation_tokens
+    first = 0 if isinstance(env, rx.envs.AnimalFollowUpEnv) else 1
+    return prompt_length + turns + (cfg.max_turns - 1 + first) * env.max_observation_tokens
 
 
 def multiturn_metrics(policy, base, env, tok, key, cfg, ctx, samples: int):
@@ -219,8 +242,14 @@ def episode_scores(traj, reference):
     `kl` (per token of the policy's own, to the reference), `score` (the mean episode
     reward) and `turns` (the mean number of policy turns)."""
     own = traj.loss_mask & traj.mask
-    ref = token_logps(reference, traj.tokens, traj.mask)
     rewards = np.asarray(traj.reward, np.float32)
+    if not np.all(np.isfinite(rewards)):
+        bad = np.flatnonzero(~np.isfinite(rewards))
+        raise ValueError(
+            f"the environment's episode rewards must be finite; episodes {bad[:4].tolist()} "
+            f"got {rewards[bad[:4]].tolist()}"
+        )
+    ref = token_logps(reference, traj.tokens, traj.mask)
     info = {
         "kl": _per_token_kl(traj.logprobs, ref, own),
         "score": float(rewards.mean()),
@@ -273,7 +302,7 @@ def episode_stage(env: StageEnv, c, name: str, run) -> Outcome:
     held-out success rate and fluency (the base model's NLL per token of the policy's
     own tokens) of the base model, SFT and the trained policy, under keys prefixed with
     `name` (`-` as `_`)."""
-    game = stage_environment(c, env.tok)
+    game = stage_environment(c, env.tok, name)
     sft = env.policies["sft"]
     ctx = env.ctx(name)
     key = jax.random.fold_in(env.key, 11)
@@ -312,11 +341,32 @@ def multiturn(env: StageEnv, c: MultiturnConfig) -> Outcome:
 
 
 def check_episode(key: str):
-    """A multi-turn stage's rule with the model: an episode fits its `max_seq_len`."""
+    """A multi-turn stage's rules with the model: its `environment` (when set) builds an
+    `Environment` for the run's tokenizer, and an episode fits the model's `max_seq_len`
+    (`check_episode_length` for the animal environment; with the stage's own, its
+    episode length `_length`)."""
 
     def check_run(cfg, run) -> None:
         del run
-        check_episode_length(cfg, key, getattr(cfg, key))
+        c = getattr(cfg, key)
+        if not getattr(c, "environment", ""):
+            check_episode_length(cfg, key, c)
+            return
+        sizes, found = model_sizes("model.source", cfg.model.source), run_tokenizer(cfg)
+        if found is None:
+            return
+        game = load_environment(c.environment, found[0], f"{key}.environment")
+        P = cfg.sampling.prompt_length
+        total = _length(game, c, P)
+        if sizes is not None and total > sizes[1]:
+            _fail(
+                f"{key}.turn_tokens",
+                c.turn_tokens,
+                f"an episode of sampling.prompt_length={P} + {key}.max_turns={c.max_turns} "
+                f"turns of {c.turn_tokens} tokens + {c.max_turns} observations of up to "
+                f"{game.max_observation_tokens} tokens ({key}.environment's) is {total} "
+                f"tokens, longer than the model's max_seq_len={sizes[1]}",
+            )
 
     return check_run
 

@@ -1,0 +1,128 @@
+"""The multi-turn stages with the user's own environment (`multiturn.environment`,
+`multiturn-dpo.environment`): a factory that raises, returns something else or makes
+episodes longer than the model's context is refused before anything runs, naming the
+field; an environment whose `reset` gives a first observation plays every turn; an
+episode reward that is not finite stops the run with one clear error."""
+
+import sys
+import textwrap
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+
+import rlhf_eqx as rx
+from rlhf_eqx import pipelines as pl
+from rlhf_eqx.__main__ import main
+from rlhf_eqx.pipelines import MultiturnConfig
+from rlhf_eqx.pipelines.runs import run_multiturn
+
+MODULE = textwrap.dedent(
+    """
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    import rlhf_eqx as rx
+
+
+    class Ask(rx.envs.Environment):
+        question: jax.Array
+        max_observation_tokens: int = eqx.field(static=True)
+
+        def reset(self, key, prompt, prompt_mask):
+            return jnp.zeros((), jnp.int32), self.question, self.question >= 0
+
+        def step(self, turns, completion, completion_mask):
+            reward = jnp.sum(completion_mask).astype(jnp.float32)
+            return turns + 1, self.question, self.question >= 0, reward, turns + 1 >= 2
+
+
+    def make(tok):
+        question = jnp.asarray(tok.encode(" And then?"), jnp.int32)
+        return Ask(question, max_observation_tokens=int(question.shape[0]))
+
+
+    def huge(tok):
+        return Ask(jnp.full((300,), 5, jnp.int32), max_observation_tokens=300)
+
+
+    def broken(tok):
+        raise RuntimeError("cannot build the game")
+
+
+    def text(tok):
+        return "not an environment"
+    """
+)
+
+
+@pytest.fixture
+def env_module(tmp_path, monkeypatch):
+    (tmp_path / "user_env_module.py").write_text(MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "user_env_module"
+    sys.modules.pop("user_env_module", None)
+
+
+@pytest.mark.parametrize("stage", ["multiturn", "multiturn-dpo"])
+def test_a_user_environment_is_built_and_checked_before_the_run(env_module, stage, capsys):
+    argv = [stage, "--out", "run", "--quiet", "--show-config"]
+
+    def refused(spec):
+        assert main([*argv, "--set", f"{stage}.environment={env_module}:{spec}"]) == 2
+        return capsys.readouterr().err
+
+    assert f"{stage}.environment='{env_module}:broken': the factory raised RuntimeError" in (
+        refused("broken")
+    )
+    assert "the factory returned str, not an rlhf_eqx.envs.Environment" in refused("text")
+    err = refused("huge")
+    assert f"{stage}.turn_tokens=40" in err and "2 observations of up to 300 tokens" in err
+    assert "longer than the model's max_seq_len=512" in err
+    assert main([*argv, "--set", f"{stage}.environment={env_module}:make"]) == 0
+    shown = capsys.readouterr().out
+    assert f'"environment": "{env_module}:make"' in shown
+
+
+def _ctx(tmp_path):
+    return pl.RunContext(
+        ops=pl.OpsConfig(quiet=True, seed=1),
+        log=pl.tools.MetricsLog(str(tmp_path), "multiturn", quiet=True),
+        key=jax.random.key(4),
+        prompt_length=8,
+    )
+
+
+def test_an_environment_with_a_first_observation_plays_every_turn(env_module, tmp_path):
+    """The episode buffer holds `reset`'s observation too: no turn is lost to it."""
+    policy, tok = pl.tools.load_model("builtin")
+    env = __import__(env_module).make(tok)
+    cfg = MultiturnConfig(rollouts=1, prompts_per_rollout=2, group_size=2, turn_tokens=4)
+    res = run_multiturn(
+        policy, tok, ["Once upon a time", "Tom and Sue"], env, cfg=cfg, ctx=_ctx(tmp_path)
+    )
+    (record,) = [r for r in res.history if "rollout/turns" in r]
+    assert record["rollout/turns"] == 2.0 and record["rollout/truncated"] == 0.0
+
+
+class _NaN(rx.envs.Environment):
+    max_observation_tokens: int = eqx.field(static=True, default=1)
+
+    def reset(self, key, prompt, prompt_mask):
+        return jnp.zeros((), jnp.int32), jnp.zeros((1,), jnp.int32), jnp.zeros((1,), bool)
+
+    def step(self, state, completion, completion_mask):
+        obs, mask = jnp.zeros((1,), jnp.int32), jnp.zeros((1,), bool)
+        return state + 1, obs, mask, jnp.asarray(jnp.nan, jnp.float32), state >= 1
+
+
+def test_a_reward_that_is_not_finite_stops_the_run_naming_the_environment(tmp_path):
+    policy, tok = pl.tools.load_model("builtin")
+    cfg = MultiturnConfig(rollouts=1, prompts_per_rollout=2, group_size=2, turn_tokens=4)
+    with pytest.raises(
+        ValueError, match=r"_NaN.step returned the reward nan \(episode 0, turn 0\)"
+    ):
+        run_multiturn(policy, tok, ["Once upon a time"] * 2, _NaN(), cfg=cfg, ctx=_ctx(tmp_path))

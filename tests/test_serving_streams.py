@@ -463,3 +463,23 @@ def test_steps_per_call_grow_only_when_no_row_needs_the_host(server, client):
     # the grown calls sample what steps of 2 do
     again = client.completions.create(**kw, stop=["\x00"])
     assert again.choices[0].model_extra["token_ids"] == got[0].choices[0].model_extra["token_ids"]
+
+
+def test_a_stop_string_late_in_a_long_completion_stops_its_row(server, client):
+    """Stop strings of a row not streamed are looked for in the text of its new tokens
+    (and a few before them): a row stops within a look of the string, its answer cut
+    there as the whole text is."""
+    kw = dict(model=MODEL, prompt=STORY, max_tokens=60, temperature=0)
+    full = client.completions.create(**kw)
+    text = full.choices[0].text
+    ids = full.choices[0].model_extra["token_ids"]
+    assert len(ids) == 60, "the greedy story runs to its budget"
+    cut = len(text) * 2 // 3
+    stop = text[cut : cut + 5]
+    got = []
+    calls = _steps_per_call(
+        server, lambda: got.append(client.completions.create(**kw, stop=[stop]))
+    )
+    r = got[0]
+    assert r.choices[0].text == text[: text.find(stop)] and r.choices[0].finish_reason == "stop"
+    assert len(calls) < 30 - 2, calls  # 60 tokens would take 30 looks of 2 steps

@@ -8,7 +8,11 @@ once, the running batches taking turns a few steps each.
 The run goes a few decode steps at a time (`Scheduler.steps`): in between, the thread
 sends streamed rows their new text, stops rows whose text holds a stop string, drops
 the rows of a request whose client has gone (their slots take the next rows), and
-answers each request as soon as its rows are done.
+answers each request as soon as its rows are done. Each call brings only the tokens it
+sampled to the host, and the text is decoded once a look (a row not streamed: only the
+text its new tokens add); a batch with no stream and no stop string needs the host only
+to answer and to look for clients gone, so its calls grow (twice the steps each time,
+while a call stays short).
 
 Fairness: a batch holds every request that arrived before it started, so a request
 never starts after one that arrived later (it may share a batch with it). Shapes are
@@ -181,6 +185,7 @@ class _Run:
     host: "_Host"
     steps: int  # decode steps of the next call
     grows: bool  # whether `steps` may grow (no row needs the host between calls)
+    looked: dict[int, int] = dataclasses.field(default_factory=dict)  # row -> ids at its last look
 
 
 class Scheduler:
@@ -194,7 +199,8 @@ class Scheduler:
     - `stop_ids`: ids that end a completion.
     - `pad_id`: the padding id.
     - `steps`: decode steps between two looks at the rows (streams, stop strings,
-      clients gone).
+      clients gone); a batch with no stream and no stop string doubles them call after
+      call while a call takes under `_LOOK_SECONDS / 2`.
     - `batches`: batches decoding at once. A request that arrives while a batch runs
       starts at once in a batch of its own (up to this many; each holds its own slots'
       caches), decoded in turn with the others, instead of waiting for the longest row
@@ -419,24 +425,46 @@ class Scheduler:
         for k, i in enumerate(rows):
             ids = host.ids(i)
             over = len(ids) >= run.rows[i].budget or (ids and ids[-1] in self.stop_ids)
-            if not over and (job.stop or job.stream is not None):
+            if not over and i in run.streamed:  # its whole text, decoded once a look
                 context = run.rows[i].prompt[-DECODE_CONTEXT:] if job.after_prompt else ()
-                if job.stop and any(
-                    s in decode_after(self.tokenizer, context, ids) for s in job.stop
-                ):
+                text = decode_after(self.tokenizer, context, ids)
+                if job.stop and any(s in text for s in job.stop):
                     decoding.cancel([i])  # the text ends before the stop string
                     over = True
-                elif i in run.streamed:
-                    self._stream(run, job, k, i, ids, host)
+                else:
+                    self._stream(run, job, k, i, ids, text, host)
+            elif not over and job.stop and self._holds_stop(run, job, i, ids):
+                decoding.cancel([i])
+                over = True
             done.append(over)
         if all(done):
             self._answer(run, job, host)
 
-    def _stream(self, run: _Run, job: Job, k: int, i: int, ids: list[int], host) -> None:
-        """Send row `i` (the `k`-th of `job`) its new text and fully sent tokens."""
+    def _holds_stop(self, run: _Run, job: Job, i: int, ids: list[int]) -> bool:
+        """Whether the text of row `i` (not streamed; `ids` so far) holds one of `job`'s
+        stop strings. Only the text of the tokens since the last look (and of enough
+        tokens before them to hold a stop string ending in them: 4 per character, a
+        character's UTF-8 bytes in as many tokens) is decoded, after the
+        `DECODE_CONTEXT` tokens before it; a stop string found there is confirmed on the
+        whole text. (One missed would only let the row run on: the answer is cut at the
+        first stop string of the whole text.)"""
+        reach = 4 * max(len(s) for s in job.stop) + 4
+        lo = max(0, run.looked.get(i, 0) - reach)
+        run.looked[i] = len(ids)
+        context = list(run.rows[i].prompt[-DECODE_CONTEXT:]) if job.after_prompt else []
+        before = (context + ids[:lo])[-DECODE_CONTEXT:] if lo else context
+        window = decode_after(self.tokenizer, before, ids[lo:])
+        if not any(s in window for s in job.stop):
+            return False
+        text = decode_after(self.tokenizer, context, ids)
+        return any(s in text for s in job.stop)
+
+    def _stream(self, run: _Run, job: Job, k: int, i: int, ids: list[int], text: str, host) -> None:
+        """Send row `i` (the `k`-th of `job`) its new text and fully sent tokens (`text`:
+        the text of `ids`)."""
         state = run.streamed[i]
         before = state.tokens
-        text, count = state.advance(ids)
+        text, count = state.advance(ids, text)
         if not (text or count):
             return
         new = list(range(before, before + count))

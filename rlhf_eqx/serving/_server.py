@@ -80,7 +80,9 @@ class Server:
       completions × their `max_tokens`, or the default budget); more is refused with 400
       naming `max_tokens`.
     - `decode_steps`: decode steps between two looks at the rows (streamed text, stop
-      strings, clients gone): fewer sends text sooner, more runs faster.
+      strings, clients gone): fewer sends text sooner, more runs faster. A batch with
+      no stream and no stop string doubles its steps call after call while a call
+      takes under 0.125 s (clients gone are still noticed within about 0.25 s).
     - `concurrent_batches`: batches that decode at once. With 1 (the default) requests
       that arrive while a batch runs wait for all of it; with more, they start at once
       in a batch of their own, the batches taking turns `decode_steps` steps each (so a

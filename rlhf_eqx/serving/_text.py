@@ -96,8 +96,11 @@ def sendable(text: str, stop: Sequence[str]) -> str:
 
 class StreamedRow:
     """What a streamed row has sent: `text` and the first `tokens` of its ids (those
-    whose text is all within it). `advance(ids)` returns the new text and the number of
-    new tokens to send after the row's ids so far (`ids`, no stop id)."""
+    whose text is all within it). `advance(ids, text)` returns the new text and the
+    number of new tokens to send after the row's ids so far (`ids`, no stop id, whose
+    text is `text`: `decode_after(tokenizer, context, ids)`, decoded once by the caller).
+    When nothing is held back every token is sent; else the tokens whose text fits are
+    found one at a time."""
 
     def __init__(self, tokenizer, context: Sequence[int], stop: Sequence[str]):
         self.tokenizer = tokenizer
@@ -106,12 +109,14 @@ class StreamedRow:
         self.text = ""
         self.tokens = 0
 
-    def advance(self, ids: Sequence[int]) -> tuple[str, int]:
-        text = sendable(decode_after(self.tokenizer, self.context, ids), self.stop)
+    def advance(self, ids: Sequence[int], text: str) -> tuple[str, int]:
+        full, text = text, sendable(text, self.stop)
         if not text.startswith(self.text):  # a decoding that changed its past: wait
             return "", 0
         new, self.text = text[len(self.text) :], text
         start = self.tokens
+        if text == full:  # nothing held back: every token's text is in it
+            self.tokens = len(ids)
         while self.tokens < len(ids):
             upto = decode_after(self.tokenizer, self.context, ids[: self.tokens + 1])
             if len(upto) > len(text):

@@ -87,6 +87,17 @@ def test_a_user_environment_is_built_and_checked_before_the_run(env_module, stag
     assert f'"environment": "{env_module}:make"' in shown
 
 
+def test_the_other_stage_s_environment_is_not_silently_ignored(env_module, capsys):
+    """`multiturn.environment` on a `multiturn-dpo` run (and the reverse) would play the
+    animal game: refused, naming the field to set."""
+    for stage, other in (("multiturn-dpo", "multiturn"), ("multiturn", "multiturn-dpo")):
+        argv = [stage, "--out", "run", "--quiet", "--show-config"]
+        assert main([*argv, "--set", f"{other}.environment={env_module}:make"]) == 2
+        err = capsys.readouterr().err
+        assert f"{other}.environment='{env_module}:make'" in err
+        assert f"set {stage}.environment" in err
+
+
 def _ctx(tmp_path):
     return pl.RunContext(
         ops=pl.OpsConfig(quiet=True, seed=1),

@@ -344,12 +344,21 @@ def check_episode(key: str):
     """A multi-turn stage's rules with the model: its `environment` (when set) builds an
     `Environment` for the run's tokenizer, and an episode fits the model's `max_seq_len`
     (`check_episode_length` for the animal environment; with the stage's own, its
-    episode length `_length`)."""
+    episode length `_length`). The other multi-turn stage's `environment`, set while that
+    stage does not run, is refused (this stage would not read it)."""
 
     def check_run(cfg, run) -> None:
-        del run
         c = getattr(cfg, key)
-        if not getattr(c, "environment", ""):
+        other = "multiturn-dpo" if key == "multiturn" else "multiturn"
+        spec = getattr(getattr(cfg, other, None), "environment", "")
+        if spec and not c.environment and other not in run:
+            _fail(
+                f"{other}.environment",
+                spec,
+                f"the {other} stage does not run and {key} does not read it; set "
+                f"{key}.environment for the {key} stage's own environment",
+            )
+        if not c.environment:
             check_episode_length(cfg, key, c)
             return
         sizes, found = model_sizes("model.source", cfg.model.source), run_tokenizer(cfg)

@@ -98,6 +98,15 @@ def test_the_other_stage_s_environment_is_not_silently_ignored(env_module, capsy
         assert f"set {stage}.environment" in err
 
 
+@pytest.mark.parametrize("stage", ["multiturn", "multiturn-dpo"])
+def test_one_turn_of_the_animal_game_is_refused(stage, capsys):
+    """The animal environment rewards the second turn only: one turn would train on
+    rewards that are always 0."""
+    argv = [stage, "--out", "run", "--quiet", "--show-config"]
+    assert main([*argv, "--set", f"{stage}.max_turns=1"]) == 2
+    assert f"{stage}.max_turns=1: must be >= 2 with the animal" in capsys.readouterr().err
+
+
 def _ctx(tmp_path):
     return pl.RunContext(
         ops=pl.OpsConfig(quiet=True, seed=1),

@@ -345,7 +345,8 @@ def check_episode(key: str):
     `Environment` for the run's tokenizer, and an episode fits the model's `max_seq_len`
     (`check_episode_length` for the animal environment; with the stage's own, its
     episode length `_length`). The other multi-turn stage's `environment`, set while that
-    stage does not run, is refused (this stage would not read it)."""
+    stage does not run, is refused (this stage would not read it), and so is
+    `max_turns=1` with the animal environment (it rewards the second turn only)."""
 
     def check_run(cfg, run) -> None:
         c = getattr(cfg, key)
@@ -359,6 +360,13 @@ def check_episode(key: str):
                 f"{key}.environment for the {key} stage's own environment",
             )
         if not c.environment:
+            if c.max_turns < 2:
+                _fail(
+                    f"{key}.max_turns",
+                    c.max_turns,
+                    "must be >= 2 with the animal follow-up environment (it rewards the "
+                    f"second turn only; set {key}.environment for a one-turn game)",
+                )
             check_episode_length(cfg, key, c)
             return
         sizes, found = model_sizes("model.source", cfg.model.source), run_tokenizer(cfg)

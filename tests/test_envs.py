@@ -320,6 +320,8 @@ def test_bad_arguments_raise(policy):
         run(max_total_tokens=65)
     with pytest.raises(ValueError, match="episode_reward"):
         run(episode_reward="mean")
+    with pytest.raises(ValueError, match=r"eos_id 60 is outside the vocabulary \[0, 53\)"):
+        run(eos_id=(EOS, 60))
     with pytest.raises(TypeError, match="Environment"):
         run(env=HostGuess(3))
     with pytest.raises(ValueError, match="row 0 has no real token"):

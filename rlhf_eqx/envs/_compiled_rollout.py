@@ -93,6 +93,12 @@ def _check_policy(policy: object, prompts, opts: _Options) -> AbstractDecoder:
                 f"prompts row {row} has id {int(ids[row, col])} at position {col}, outside "
                 f"the vocabulary [0, {policy.vocab_size})"
             )
+    stops = [i for i in opts.sampling.eos_id or () if i >= policy.vocab_size]
+    if stops:
+        raise ValueError(
+            f"eos_id {stops[0]} is outside the vocabulary [0, {policy.vocab_size}): no turn "
+            "could stop at it (an environment's stop_ids of another tokenizer?)"
+        )
     limit = getattr(getattr(policy, "cfg", None), "max_seq_len", None)
     if isinstance(limit, int) and opts.total > limit:
         raise ValueError(
@@ -289,8 +295,8 @@ def rollout_multiturn(
     - `max_new_tokens`: most tokens per policy turn.
     - `max_total_tokens`: the static length `T` of each episode's buffer (prompt
       included; at most the model's `cfg.max_seq_len`).
-    - `temperature`, `top_k`, `top_p`, `eos_id` (one stop id or several), `pad_id`: as
-      for `rlhf_eqx.generate`.
+    - `temperature`, `top_k`, `top_p`, `eos_id` (one stop id or several, inside the
+      vocabulary), `pad_id`: as for `rlhf_eqx.generate`.
     - `num_samples`: episodes per prompt (a GRPO group), each prompt prefilled once.
     - `episode_reward`: `"sum"` of the turn rewards, or `"last"` (the final turn's).
 

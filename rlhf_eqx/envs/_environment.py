@@ -34,6 +34,9 @@ class Environment(eqx.Module):
     traceable: no Python branching on array values (use `jnp.where` / `lax.cond`), no
     host calls. The state is any pytree whose structure, shapes and dtypes `step` keeps.
     Randomness comes from `reset`'s key (keep a key in the state if `step` needs one).
+    Python code in `reset` / `step` (a `print`, a counter, a list append) runs when they
+    are traced — by the rollout's checks, then once per compile — not once per episode
+    or turn: a side effect per turn needs `jax.debug.callback`, or a `HostEnvironment`.
 
     Rewards: each `step` returns the reward of the turn it saw. The rollout returns these
     per-turn rewards and an episode reward, their sum or the last turn's (for an

@@ -54,6 +54,20 @@ MODULE = textwrap.dedent(
 
     def text(tok):
         return "not an environment"
+
+
+    class Host(rx.envs.HostEnvironment):
+        max_observation_tokens = 1
+
+        def reset(self, prompt):
+            return []
+
+        def step(self, completion):
+            return [], 0.0, True
+
+
+    def host(tok):
+        return Host()
     """
 )
 
@@ -79,6 +93,9 @@ def test_a_user_environment_is_built_and_checked_before_the_run(env_module, stag
         refused("broken")
     )
     assert "the factory returned str, not an rlhf_eqx.envs.Environment" in refused("text")
+    assert "returned Host, not an rlhf_eqx.envs.Environment (the stages roll out jittable" in (
+        refused("host")
+    )
     err = refused("huge")
     assert f"{stage}.turn_tokens=40" in err and "2 observations of up to 300 tokens" in err
     assert "longer than the model's max_seq_len=512" in err

@@ -153,9 +153,11 @@ def load_environment(spec: str, tok, field: str = "multiturn.environment"):
     except Exception as e:
         raise ConfigError(f"{field}={spec!r}: the factory raised {type(e).__name__}: {e}") from e
     if not isinstance(env, rx.envs.Environment):
+        host = isinstance(env, rx.envs.HostEnvironment)
+        why = " (the stages roll out jittable environments only)" if host else ""
         raise ConfigError(
             f"{field}={spec!r}: the factory returned {type(env).__name__}, not an "
-            "rlhf_eqx.envs.Environment"
+            f"rlhf_eqx.envs.Environment{why}"
         )
     return env
 

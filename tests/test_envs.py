@@ -367,6 +367,31 @@ class _Broken(Guess):
         return new, obs, mask, jnp.where(at, reward + self.bonus, reward), done & ~at
 
 
+class _Dice(Environment):
+    """Keeps a typed PRNG key in its state (as `Environment` advises for randomness in
+    `step`): each turn's reward is a uniform draw, its observation a random id."""
+
+    max_observation_tokens: int = eqx.field(static=True, default=1)
+
+    def reset(self, key, prompt, prompt_mask):
+        return (key, jnp.zeros((), jnp.int32)), jnp.zeros((1,), jnp.int32), jnp.zeros((1,), bool)
+
+    def step(self, state, completion, completion_mask):
+        key, turn = state
+        key, sub = jax.random.split(key)
+        obs = jax.random.randint(sub, (1,), 10, 20, dtype=jnp.int32)
+        return (key, turn + 1), obs, jnp.ones((1,), bool), jax.random.uniform(sub), turn >= 1
+
+
+def test_a_prng_key_in_the_state(policy):
+    toks, masks = _prompts()
+    run = lambda f: f(policy, _Dice(), toks, masks, jax.random.key(3), **SETTINGS)
+    jitted, host = run(rollout_multiturn), run(rollout_multiturn_host)
+    _assert_same(jitted, host)
+    rewards = np.asarray(jitted.turn_rewards)[np.asarray(jitted.num_turns) == 2, :2]
+    assert rewards.size and np.all((rewards > 0) & (rewards < 1))
+
+
 @pytest.mark.parametrize("host", [False, True])
 def test_environment_values_outside_the_vocabulary_or_not_finite_raise(policy, host):
     """An observation id outside the vocabulary (the next logits would be NaN) and a

@@ -109,7 +109,7 @@ def _check_policy(policy: object, prompts, opts: _Options) -> AbstractDecoder:
 
 def _signature(tree: Any) -> tuple[Any, list[str]]:
     leaves, treedef = jax.tree.flatten(tree)
-    return treedef, [f"{np.dtype(x.dtype).name}{list(np.shape(x))}" for x in leaves]
+    return treedef, [f"{x.dtype}{list(np.shape(x))}" for x in leaves]  # PRNG keys too
 
 
 def _check_array(name: str, x: Any, shape: tuple[int, ...], kind: str) -> None:

@@ -474,6 +474,8 @@ def test_host_environment_answers_are_checked_and_failures_named(policy):
     # NumPy answers are fine
     ok = go(answer(obs=np.asarray([5, 6]), reward=np.float32(1.0), done=np.bool_(True)))
     assert np.all(np.asarray(ok.num_turns) == 1)
+    ok = go(answer(obs=jnp.asarray([5, 6]), reward=jnp.float32(1.0), done=jnp.asarray(False)))
+    assert np.asarray(ok.truncated).all() and np.asarray(ok.num_turns).max() > 1
 
 
 # -------------------------------------------------------------------------- animal task

@@ -90,6 +90,8 @@ def _padded(
 ) -> tuple[list, list]:
     """An observation padded to `length` and its mask; anything but a sequence of at most
     `length` integer ids in `[0, vocab_size)` is refused, naming `where` it came from."""
+    if isinstance(ids, jax.Array):
+        ids = np.asarray(ids)
     if isinstance(ids, str | bytes) or not isinstance(ids, Sequence | np.ndarray):
         raise TypeError(
             f"{where} must return the observation as a sequence of token ids, got "
@@ -114,9 +116,10 @@ def _padded(
     return ids + [pad_id] * (length - len(ids)), [True] * len(ids) + [False] * (length - len(ids))
 
 
-def _reset(env: HostEnvironment, prompt: list[int], where: str) -> object:
+def _call(method, ids: list[int], where: str) -> object:
+    """`method(ids)`; an exception inside it goes on with a note naming `where`."""
     try:
-        return env.reset(prompt)
+        return method(ids)
     except Exception as e:
         _noted(e, where)
         raise
@@ -125,11 +128,7 @@ def _reset(env: HostEnvironment, prompt: list[int], where: str) -> object:
 def _step(env: HostEnvironment, completion: list[int], where: str) -> tuple[object, float, bool]:
     """`env.step(completion)`, its answer checked: `(observation, reward, done)` with a
     finite real reward and a bool `done`; an exception inside it names `where`."""
-    try:
-        out = env.step(completion)
-    except Exception as e:
-        _noted(e, where)
-        raise
+    out = _call(env.step, completion, where)
     if not (isinstance(out, tuple | list) and len(out) == 3):
         raise TypeError(f"{where} must return (observation, reward, done), got {out!r}")
     obs, reward, done = out
@@ -227,7 +226,7 @@ def rollout_multiturn_host(
         rows = []
         for i, e in enumerate(envs):
             where = f"{type(e).__name__}.reset of episode {i}"
-            obs_i = _reset(e, host_prompts[i][host_masks[i]].tolist(), where)
+            obs_i = _call(e.reset, host_prompts[i][host_masks[i]].tolist(), where)
             rows.append(_padded(obs_i, width, pad_id, V, where))
         obs = jnp.asarray([r[0] for r in rows], jnp.int32).reshape(E, width)
         obs_mask = jnp.asarray([r[1] for r in rows], jnp.bool_).reshape(E, width)

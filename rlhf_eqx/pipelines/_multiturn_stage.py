@@ -314,8 +314,12 @@ def episode_stage(env: StageEnv, c, name: str, run) -> Outcome:
     res = run(sft, env.tok, TRAIN_PROMPTS, game, cfg=c, ctx=ctx)
     policy = final_policy(res.state.model)
     after, success = multiturn_metrics(policy, env.base, game, env.tok, key, c, ctx, samples)
+    rate = hasattr(game, "host_rewards")  # else the mean episode reward, any scale
+    what = "success" if rate else "mean episode reward"
+    show = (lambda x: f"{x:.1%}") if rate else (lambda x: f"{x:.4g}")
     env.say(
-        f"{name}: held-out success {before['success']:.1%} (SFT) -> {after['success']:.1%}; "
+        f"{name}: held-out {what} {show(before['success'])} (SFT) -> "
+        f"{show(after['success'])}; "
         f"base-model NLL of the policy's tokens {after['base_nll']:.2f} (base model's own "
         f"{base['base_nll']:.2f})"
     )

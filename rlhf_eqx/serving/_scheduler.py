@@ -423,8 +423,9 @@ class Scheduler:
             return
         done = []
         for k, i in enumerate(rows):
-            ids = host.ids(i)
-            over = len(ids) >= run.rows[i].budget or (ids and ids[-1] in self.stop_ids)
+            n = int(host.decoding.lengths[i])
+            over = n >= run.rows[i].budget or (n > 0 and host.last(i) in self.stop_ids)
+            ids = host.ids(i) if not over and (i in run.streamed or job.stop) else []
             if not over and i in run.streamed:  # its whole text, decoded once a look
                 context = run.rows[i].prompt[-DECODE_CONTEXT:] if job.after_prompt else ()
                 text = decode_after(self.tokenizer, context, ids)
@@ -578,6 +579,10 @@ class _Host:
 
     def ids(self, i: int) -> list[int]:
         return self.decoding.tokens[i, : self.decoding.lengths[i]].tolist()
+
+    def last(self, i: int) -> int:
+        """Row `i`'s last sampled id (it has one)."""
+        return int(self.decoding.tokens[i, self.decoding.lengths[i] - 1])
 
     def rows(self, rows: list[int]) -> tuple[np.ndarray, np.ndarray]:
         d = self.decoding

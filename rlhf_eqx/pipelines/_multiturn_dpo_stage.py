@@ -29,9 +29,9 @@ from ._config import ConfigError, LoRASettings, _optim
 from ._dpo_stage import DPOConfig, _round_steps
 from ._monitor import model_flops
 from ._multiturn_stage import (
+    EnvironmentChecked,
     _length,
     check_episode,
-    environment_factory,
     episode_scores,
     episode_stage,
     round_episodes,
@@ -43,7 +43,7 @@ from ._validation import validate_stage
 
 
 @dataclasses.dataclass(frozen=True)
-class MultiturnDPOConfig(DPOConfig):
+class MultiturnDPOConfig(EnvironmentChecked, DPOConfig):
     """Online DPO (the `dpo` settings: `beta`, `loss_type`, ...) on episodes of
     `max_turns` policy turns of at most `turn_tokens` tokens each against the animal
     follow-up environment (`rlhf_eqx.envs.AnimalFollowUpEnv`). Each of `rounds` rounds
@@ -82,12 +82,6 @@ class MultiturnDPOConfig(DPOConfig):
     prompts_per_round: int = 16
     kl_target: float = 1.0
     environment: str = ""
-
-    def check(self, name: str, *, device_count: int = 1) -> None:
-        """DPO's rules, and an `environment` that loads (`environment_factory`)."""
-        super().check(name, device_count=device_count)
-        if self.environment:
-            environment_factory(self.environment, f"{name}.environment")
 
     def __post_init__(self):
         for name in ("max_turns", "turn_tokens", "prompts_per_round"):

@@ -38,8 +38,18 @@ from ._task import HELDOUT_PROMPTS, TRAIN_PROMPTS
 from ._validation import validate_stage
 
 
+class EnvironmentChecked:
+    """The `check` of a multi-turn stage's settings: its parent's rules, and an
+    `environment` (its field) that loads (`environment_factory`)."""
+
+    def check(self, name: str, *, device_count: int = 1) -> None:
+        super().check(name, device_count=device_count)
+        if self.environment:
+            environment_factory(self.environment, f"{name}.environment")
+
+
 @dataclasses.dataclass(frozen=True)
-class MultiturnConfig(GRPOConfig):
+class MultiturnConfig(EnvironmentChecked, GRPOConfig):
     """GRPO (the `grpo` settings) on episodes of `max_turns` policy turns of at most
     `turn_tokens` tokens each against the animal follow-up environment
     (`rlhf_eqx.envs.AnimalFollowUpEnv`); the reward is the episode's (the second turn
@@ -85,12 +95,6 @@ class MultiturnConfig(GRPOConfig):
     max_turns: int = 2
     turn_tokens: int = 40
     environment: str = ""
-
-    def check(self, name: str, *, device_count: int = 1) -> None:
-        """GRPO's rules, and an `environment` that loads (`environment_factory`)."""
-        super().check(name, device_count=device_count)
-        if self.environment:
-            environment_factory(self.environment, f"{name}.environment")
 
     def __post_init__(self):
         for name in ("max_turns", "turn_tokens"):

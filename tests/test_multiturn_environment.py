@@ -93,6 +93,13 @@ def test_a_user_environment_is_built_and_checked_before_the_run(env_module, stag
         refused("broken")
     )
     assert "the factory returned str, not an rlhf_eqx.envs.Environment" in refused("text")
+    for name, source in (("unparsable", "def make(tok)\n"), ("failing", "1 / 0\n")):
+        with open(f"{env_module}_{name}.py", "w") as f:
+            f.write(source)
+        assert main([*argv, "--set", f"{stage}.environment={env_module}_{name}:make"]) == 2
+        raised = "SyntaxError" if name == "unparsable" else "ZeroDivisionError"
+        assert f"importing {env_module}_{name} raised {raised}" in capsys.readouterr().err
+        sys.modules.pop(f"{env_module}_{name}", None)
     assert "returned Host, not an rlhf_eqx.envs.Environment (the stages roll out jittable" in (
         refused("host")
     )

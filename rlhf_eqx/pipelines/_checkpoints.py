@@ -69,8 +69,10 @@ def save_checkpoint(directory: str, iteration: int, tree: PyTree, meta: dict, *,
             f.flush()
             os.fsync(f.fileno())
     except BaseException as e:
+        # asked before the partial files go: their removal frees the space that ran out
+        full = _disk_full(e, directory)
         shutil.rmtree(tmp, ignore_errors=True)
-        if _disk_full(e, directory):
+        if full:
             raise DiskFullError(directory, " (checkpoint not written)") from None
         raise
     shared = jax.process_count() > 1
@@ -114,8 +116,9 @@ def _complete(path: str) -> bool:
 
 def _disk_full(e: BaseException, directory: str) -> bool:
     """Whether `e` (or an error it wraps: serialisers re-raise write errors as their own)
-    comes from a full disk. A short write can carry no errno, so a device with less than
-    1 MiB free also counts."""
+    comes from a full disk. A short write can carry no errno (numpy's `OSError: N
+    requested and M written`), so a device with less than 1 MiB free also counts: asked
+    while the partial files that filled it are still there."""
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))

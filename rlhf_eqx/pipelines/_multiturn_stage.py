@@ -70,7 +70,10 @@ class MultiturnConfig(EnvironmentChecked, GRPOConfig):
     `environment`: the user's own environment instead, `MODULE:NAME` of a factory
     `NAME(tok) -> rlhf_eqx.envs.Environment` (or an `Environment` instance), the module
     imported with the current directory first on the path; its held-out `success` is
-    the mean episode reward (the animal environment's is its host-side check)."""
+    the mean episode reward (the animal environment's is its host-side check). The
+    factory is called, and the episode (`reset`'s first observation included, up to
+    `max_observation_tokens`) checked against `max_seq_len`, before any stage runs; the
+    animal environment needs `max_turns >= 2` (it rewards the second turn)."""
 
     unused_fields: ClassVar[tuple[str, ...]] = (
         "staleness",

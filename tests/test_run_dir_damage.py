@@ -46,3 +46,45 @@ def test_a_short_write_on_a_full_disk_is_named_as_such_and_the_old_checkpoint_ke
     assert str(e.value) == f"no space left on the device of {d} (checkpoint not written)"
     assert sorted(os.listdir(d)) == ["iter_00000001"]
     assert pl.tools.latest_checkpoint(d).endswith("iter_00000001")
+
+
+def _started_run(run_dir: str) -> pl.PipelineConfig:
+    cfg = pl.PipelineConfig(stages=("sft",), out=run_dir)
+    with pl.tools.open_run_dir(cfg, run_dir):
+        log = pl.tools.MetricsLog(run_dir, "sft", quiet=True)
+        for step in range(3):
+            log.write({"iteration": step, "step": step, "loss": 1.0})
+    return cfg
+
+
+@pytest.mark.parametrize("line", ["garbage\n", '{"stage": "sft", "ste\n', "[1, 2]\n"])
+def test_a_resume_refuses_a_metrics_line_that_is_not_a_record_naming_it(tmp_path, line):
+    # Such a line (a hand edit) would otherwise let the resumed run train to its end and
+    # then fail reading the log back for its plots.
+    run_dir = str(tmp_path / "run")
+    cfg = _started_run(run_dir)
+    path = os.path.join(run_dir, "metrics.jsonl")
+    with open(path) as f:
+        lines = f.readlines()
+    lines.insert(2, line)
+    with open(path, "w") as f:
+        f.writelines(lines)
+    before = (tmp_path / "run" / "config.json").read_text()
+    with pytest.raises(pl.loop.RunDirError, match=r"metrics\.jsonl:3: not a? ?JSON"):
+        pl.tools.open_run_dir(cfg, run_dir, resume=True)
+    assert (tmp_path / "run" / "config.json").read_text() == before
+    assert not os.path.exists(os.path.join(run_dir, ".lock"))  # released
+    lines.pop(2)
+    with open(path, "w") as f:
+        f.writelines(lines)
+    with pl.tools.open_run_dir(cfg, run_dir, resume=True) as rd:
+        assert rd.resume
+
+
+def test_a_resume_still_cuts_a_torn_last_line(tmp_path):
+    run_dir = str(tmp_path / "run")
+    cfg = _started_run(run_dir)
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+        f.write('{"stage": "sft", "iter')
+    with pl.tools.open_run_dir(cfg, run_dir, resume=True) as rd:
+        assert any("torn last line" in n for n in rd.notes)

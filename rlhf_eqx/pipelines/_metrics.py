@@ -124,6 +124,24 @@ def repair_metrics(path: str) -> bool:
         return False
 
 
+def bad_line(path: str) -> tuple[int, str] | None:
+    """The first line of the JSON-lines file `path` that is not a JSON object, as
+    `(line number, why)`; `None` when every line is one (or there is no file)."""
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError as e:
+                return n, f"not JSON: {getattr(e, 'msg', e)}"
+            if not isinstance(rec, dict):
+                return n, f"not a JSON object: {type(rec).__name__}"
+    return None
+
+
 def drop_records(path: str, drop: Callable[[dict], bool]) -> int:
     """Rewrite the JSON-lines file `path` without the records for which `drop(record)`
     is true (atomically: a temporary file and a rename); returns how many went."""

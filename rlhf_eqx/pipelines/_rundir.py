@@ -18,8 +18,10 @@ what it resumes, and `config.json` is written only after every check has passed.
    Iteration counts (each stage's `steps`, `rollouts`, `rounds`) may change,
    but not for a stage whose later stages already have checkpoints built on it.
 4. **Clean-up.** Checkpoint directories left half-written by a crash (`*.tmp*`) are
-   removed; a torn last line of `metrics.jsonl` is cut; the records a resumed run will
-   write again (`data_quality`, `data_filter`, `summary` events) are dropped.
+   removed; a torn last line of `metrics.jsonl` is cut (any other line that is not a
+   JSON object refuses the resume, naming it: nothing is trained that the end of the
+   run could not read back); the records a resumed run will write again
+   (`data_quality`, `data_filter`, `summary` events) are dropped.
 """
 
 import contextlib
@@ -36,7 +38,7 @@ from collections.abc import Sequence
 
 from ..data import dataset_files
 from ._config_io import config_to_dict
-from ._metrics import DiskFullError, drop_records, repair_metrics
+from ._metrics import DiskFullError, bad_line, drop_records, repair_metrics
 from ._pipeline_config import (
     PipelineConfig,
 )
@@ -259,6 +261,12 @@ def open_run_dir(
             metrics = os.path.join(run_dir, "metrics.jsonl")
             if repair_metrics(metrics):
                 notes.append(f"cut a torn last line of {metrics}")
+            bad = bad_line(metrics)
+            if bad is not None:
+                raise RunDirError(
+                    f"{metrics}:{bad[0]}: {bad[1]} (a line edited or written by something "
+                    "else); fix or remove that line, then resume again"
+                )
             drop_records(
                 metrics, lambda r: r.get("event") in ("data_quality", "data_filter", "summary")
             )

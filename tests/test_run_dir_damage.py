@@ -88,3 +88,26 @@ def test_a_resume_still_cuts_a_torn_last_line(tmp_path):
         f.write('{"stage": "sft", "iter')
     with pl.tools.open_run_dir(cfg, run_dir, resume=True) as rd:
         assert any("torn last line" in n for n in rd.notes)
+
+
+def test_a_crash_while_pruning_leaves_no_half_removed_checkpoint(tmp_path, monkeypatch):
+    import shutil
+
+    d = str(tmp_path / "ck")
+    tree = {"w": jnp.arange(10.0)}
+    for i in (1, 2):
+        pl.tools.save_checkpoint(d, i, tree, {}, keep=2)
+    real_rmtree = shutil.rmtree
+
+    def killed_midway(path, ignore_errors=False):  # the first file goes, then the crash
+        os.remove(os.path.join(path, sorted(os.listdir(path))[0]))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        pl.tools.save_checkpoint(d, 3, tree, {}, keep=2)
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
+    left = sorted(os.listdir(d))
+    assert [n for n in left if ".tmp" not in n] == ["iter_00000002", "iter_00000003"]
+    pl.tools.save_checkpoint(d, 4, tree, {}, keep=2)  # removes what the crash left
+    assert sorted(os.listdir(d)) == ["iter_00000003", "iter_00000004"]

@@ -90,8 +90,20 @@ def save_checkpoint(directory: str, iteration: int, tree: PyTree, meta: dict, *,
     # Prune this run's older checkpoints only: never one past the iteration just written.
     older = [n for n in _checkpoints(directory) if int(n[len(_CKPT_PREFIX) :]) <= iteration]
     for old in older[:-keep]:
-        shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
+        _remove(directory, old)
     return final
+
+
+def _remove(directory: str, name: str) -> None:
+    """Remove the checkpoint `directory/name`: first renamed to a temporary name, so that
+    a crash while its files go leaves no half-removed `iter_<n>` (the temporary
+    directory is removed by the next save or the next start)."""
+    gone = f"{os.path.join(directory, name)}.p{jax.process_index()}.tmp{os.getpid()}"
+    try:
+        os.rename(os.path.join(directory, name), gone)
+    except OSError:  # already removed (another process of the run), or not renamable
+        gone = os.path.join(directory, name)
+    shutil.rmtree(gone, ignore_errors=True)
 
 
 def _damage(path: str) -> str | None:
@@ -192,4 +204,4 @@ def discard_checkpoints_after(directory: str, iteration: int) -> None:
     the past of a run that no longer happened)."""
     for name in _checkpoints(directory):
         if int(name[len(_CKPT_PREFIX) :]) > iteration:
-            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+            _remove(directory, name)

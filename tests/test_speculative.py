@@ -221,9 +221,9 @@ def test_greedy_with_a_decoder_without_decode_chunk(stories):
     np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5)
 
 
-def test_stop_ids_budgets_and_num_samples_per_row(stories):
+def test_stop_ids_per_row(stories):
     """A row stops at its stop id even inside an accepted run (the target as its own
-    draft accepts all k); the rest is padding; budgets not a multiple of k + 1."""
+    draft accepts all k); the rest is padding."""
     policy, prompts, masks = stories
     key = jax.random.key(0)
     plain = rx.generate_batch(policy, prompts, masks, key, max_new_tokens=12, temperature=0.0)
@@ -235,33 +235,42 @@ def test_stop_ids_budgets_and_num_samples_per_row(stories):
     assert out.mask.tolist() == ref.mask.tolist()
     assert int(out.completion_mask[1].sum()) <= 3
     assert np.all(np.asarray(out.tokens[1, 4 + 3 :]) == 7)
-    for n in (1, 2, 7):
-        kw = dict(max_new_tokens=n, temperature=0.0, num_samples=2)
-        ref = rx.generate_batch(policy, prompts, masks, key, **kw)
-        out = rx.generate_speculative(
-            policy, rx.models.truncated_draft(policy, 2), prompts, masks, key, k=3, **kw
-        )
-        assert out.tokens.tolist() == ref.tokens.tolist()
-        assert out.mask.tolist() == ref.mask.tolist()
 
 
-def test_sampled_logprobs_are_the_targets(stories):
+@pytest.mark.parametrize("n", [1, 2, 7])
+def test_budgets_and_num_samples(stories, n):
+    """Budgets not a multiple of k + 1 (within the first pass, and over several), with
+    several samples per prompt: generate_batch's tokens."""
+    policy, prompts, masks = stories
+    key = jax.random.key(0)
+    kw = dict(max_new_tokens=n, temperature=0.0, num_samples=2)
+    ref = rx.generate_batch(policy, prompts, masks, key, **kw)
+    out = rx.generate_speculative(
+        policy, rx.models.truncated_draft(policy, 2), prompts, masks, key, k=3, **kw
+    )
+    assert out.tokens.tolist() == ref.tokens.tolist()
+    assert out.mask.tolist() == ref.mask.tolist()
+
+
+@pytest.mark.parametrize(
+    "settings", [dict(temperature=0.8, top_k=20), dict(temperature=1.2, top_p=0.9)]
+)
+def test_sampled_logprobs_are_the_targets(stories, settings):
     policy, prompts, masks = stories
     draft = rx.models.truncated_draft(policy, 1)
-    for settings in (dict(temperature=0.8, top_k=20), dict(temperature=1.2, top_p=0.9)):
-        out = rx.generate_speculative(
-            policy, draft, prompts, masks, jax.random.key(4), max_new_tokens=20, k=3, **settings
-        )
-        t = settings["temperature"]
-        ref = jax.vmap(lambda x, m: rx.token_logprobs(policy, x, m, temperature=t))(
-            out.tokens, out.mask
-        )
-        assert bool(jnp.all(out.completion_mask[:, 4:]))
-        np.testing.assert_allclose(
-            np.where(out.completion_mask, out.logprobs, 0.0),
-            np.where(out.completion_mask, ref, 0.0),
-            atol=1e-5,
-        )
+    out = rx.generate_speculative(
+        policy, draft, prompts, masks, jax.random.key(4), max_new_tokens=20, k=3, **settings
+    )
+    t = settings["temperature"]
+    ref = jax.vmap(lambda x, m: rx.token_logprobs(policy, x, m, temperature=t))(
+        out.tokens, out.mask
+    )
+    assert bool(jnp.all(out.completion_mask[:, 4:]))
+    np.testing.assert_allclose(
+        np.where(out.completion_mask, out.logprobs, 0.0),
+        np.where(out.completion_mask, ref, 0.0),
+        atol=1e-5,
+    )
 
 
 def test_top_k_one_is_greedy(stories):

@@ -545,10 +545,14 @@ def _cli_dir(tmp_path, monkeypatch):
 
 def test_cli_callback_specs_are_checked_in_one_line(tmp_path, monkeypatch, capsys):
     argv = _cli_dir(tmp_path, monkeypatch)
+    (tmp_path / "broken_callbacks.py").write_text("class Stop(\n")
+    (tmp_path / "failing_callbacks.py").write_text("import json\njson.loads('{')\n")
     for spec, what in [
         ("cli_callbacks", "expected MODULE:NAME"),
         ("no_such_module:X", "cannot import no_such_module"),
         ("cli_callbacks:Nope", "cli_callbacks has no Nope"),
+        ("broken_callbacks:Stop", "importing broken_callbacks raised SyntaxError: "),
+        ("failing_callbacks:Stop", "importing failing_callbacks raised JSONDecodeError: "),
     ]:
         assert main([*argv, "--callback", spec]) == 2
         err = capsys.readouterr().err.strip().splitlines()

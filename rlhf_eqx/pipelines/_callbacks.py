@@ -270,7 +270,10 @@ def after_evaluation(callbacks: Sequence[Any], loop: Any, results: dict) -> None
 def load_object(spec: str, what: str, example: str) -> Any:
     """The object `spec` names as `module:Name` (`Name` may be dotted), the module
     imported with the current directory first on the path; a `ConfigError` starting with
-    `what` and saying what is wrong otherwise (`example`: a valid spec, in the message)."""
+    `what` and saying what is wrong otherwise (`example`: a valid spec, in the message),
+    an exception raised while the module is imported included (a syntax error, an error
+    of its top-level code: its type and message, with the file and line of a syntax
+    error)."""
     module, sep, attr = spec.partition(":")
     if not sep or not module or not attr:
         raise ConfigError(f"{what}: expected MODULE:NAME, e.g. {example}")
@@ -280,6 +283,8 @@ def load_object(spec: str, what: str, example: str) -> Any:
         obj = importlib.import_module(module)
     except ImportError as e:
         raise ConfigError(f"{what}: cannot import {module} ({e})") from None
+    except Exception as e:  # the module's own code failed while imported
+        raise ConfigError(f"{what}: importing {module} raised {type(e).__name__}: {e}") from e
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ConfigError(f"{what}: {module} has no {attr}")

@@ -142,15 +142,7 @@ def environment_factory(spec: str, field: str = "multiturn.environment"):
     """The environment factory `spec` (`MODULE:NAME`) names: `tok -> Environment` (an
     `Environment` instance is returned as it is). A `ConfigError` naming `field` and what
     is wrong otherwise (an exception raised while its module is imported included)."""
-    try:
-        obj = load_object(spec, f"{field}={spec!r}", "my_env:make_env")
-    except ConfigError:
-        raise
-    except Exception as e:
-        module = spec.partition(":")[0]
-        raise ConfigError(
-            f"{field}={spec!r}: importing {module} raised {type(e).__name__}: {e}"
-        ) from e
+    obj = load_object(spec, f"{field}={spec!r}", "my_env:make_env")
     if isinstance(obj, rx.envs.Environment):
         return lambda tok: obj
     if not callable(obj):

@@ -170,3 +170,39 @@ def test_a_reward_that_is_not_finite_stops_the_run_naming_the_environment(tmp_pa
         ValueError, match=r"_NaN.step returned the reward nan \(episode 0, turn 0\)"
     ):
         run_multiturn(policy, tok, ["Once upon a time"] * 2, _NaN(), cfg=cfg, ctx=_ctx(tmp_path))
+
+
+class _Counting(rx.envs.Environment):
+    """Turn `t` (from 0) is rewarded `t + 1`; the episode ends after two turns."""
+
+    max_observation_tokens: int = eqx.field(static=True, default=1)
+
+    def reset(self, key, prompt, prompt_mask):
+        return jnp.zeros((), jnp.int32), jnp.zeros((1,), jnp.int32), jnp.zeros((1,), bool)
+
+    def step(self, turns, completion, completion_mask):
+        obs, mask = jnp.zeros((1,), jnp.int32), jnp.zeros((1,), bool)
+        return turns + 1, obs, mask, (turns + 1).astype(jnp.float32), turns + 1 >= 2
+
+
+@pytest.mark.parametrize(("episode_reward", "score"), [("sum", 3.0), ("last", 2.0)])
+def test_the_episode_reward_is_the_sum_or_the_last_turn_s(episode_reward, score, tmp_path):
+    policy, tok = pl.tools.load_model("builtin")
+    cfg = MultiturnConfig(
+        rollouts=1,
+        prompts_per_rollout=2,
+        group_size=2,
+        turn_tokens=4,
+        episode_reward=episode_reward,
+    )
+    res = run_multiturn(
+        policy, tok, ["Once upon a time"] * 2, _Counting(), cfg=cfg, ctx=_ctx(tmp_path)
+    )
+    (record,) = [r for r in res.history if "rollout/turns" in r]
+    assert record["rollout/turns"] == 2.0 and record["rollout/score"] == score, record
+
+
+@pytest.mark.parametrize("stage", ["multiturn", "multiturn-dpo"])
+def test_an_unknown_episode_reward_is_refused_naming_the_field(stage, capsys):
+    assert main([stage, "--set", f"{stage}.episode_reward=mean", "--show-config"]) == 2
+    assert f"{stage}.episode_reward='mean': must be one of sum, last" in capsys.readouterr().err

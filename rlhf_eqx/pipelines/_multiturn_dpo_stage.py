@@ -65,7 +65,8 @@ class MultiturnDPOConfig(EnvironmentChecked, DPOConfig):
 
     `environment`: the user's own environment instead, as the `multiturn` stage's
     (`MODULE:NAME` of a factory `NAME(tok) -> rlhf_eqx.envs.Environment`, or an
-    `Environment` instance; its held-out `success` is the mean episode reward)."""
+    `Environment` instance; its held-out `success` is the mean episode reward), and
+    `episode_reward` (`sum` or `last` of the turns' rewards) as that stage's."""
 
     unused_fields: ClassVar[tuple[str, ...]] = ("max_length", "packing")
     rounds: int = 24
@@ -82,6 +83,7 @@ class MultiturnDPOConfig(EnvironmentChecked, DPOConfig):
     prompts_per_round: int = 16
     kl_target: float = 1.0
     environment: str = ""
+    episode_reward: str = "sum"
 
     def __post_init__(self):
         for name in ("max_turns", "turn_tokens", "prompts_per_round"):

@@ -37,13 +37,24 @@ from ._runs import RunContext, RunResult, final_policy, rows_at, run_loop
 from ._task import HELDOUT_PROMPTS, TRAIN_PROMPTS
 from ._validation import validate_stage
 
+EPISODE_REWARDS = ("sum", "last")
+"""How an episode's reward is made of its turns' (`rlhf_eqx.envs.rollout_multiturn`'s
+`episode_reward`): their sum, or the last turn's (an environment whose reward is a
+running score)."""
+
 
 class EnvironmentChecked:
-    """The `check` of a multi-turn stage's settings: its parent's rules, and an
-    `environment` (its field) that loads (`environment_factory`)."""
+    """The `check` of a multi-turn stage's settings: its parent's rules, an
+    `episode_reward` of `EPISODE_REWARDS`, and an `environment` (its field) that loads
+    (`environment_factory`)."""
 
     def check(self, name: str, *, device_count: int = 1) -> None:
         super().check(name, device_count=device_count)
+        if self.episode_reward not in EPISODE_REWARDS:
+            raise ConfigError(
+                f"{name}.episode_reward={self.episode_reward!r}: must be one of "
+                f"{', '.join(EPISODE_REWARDS)}"
+            )
         if self.environment:
             environment_factory(self.environment, f"{name}.environment")
 
@@ -70,7 +81,9 @@ class MultiturnConfig(EnvironmentChecked, GRPOConfig):
     `environment`: the user's own environment instead, `MODULE:NAME` of a factory
     `NAME(tok) -> rlhf_eqx.envs.Environment` (or an `Environment` instance), the module
     imported with the current directory first on the path; its held-out `success` is
-    the mean episode reward (the animal environment's is its host-side check). The
+    the mean episode reward (the animal environment's is its host-side check).
+    `episode_reward`: an episode's reward is the sum of its turns' rewards (`sum`) or the
+    last turn's (`last`: an environment whose reward is a running score). The
     factory is called, and the episode (`reset`'s first observation included, up to
     `max_observation_tokens`) checked against `max_seq_len`, before any stage runs; the
     animal environment needs `max_turns >= 2` (it rewards the second turn)."""
@@ -98,6 +111,7 @@ class MultiturnConfig(EnvironmentChecked, GRPOConfig):
     max_turns: int = 2
     turn_tokens: int = 40
     environment: str = ""
+    episode_reward: str = "sum"
 
     def __post_init__(self):
         for name in ("max_turns", "turn_tokens"):
@@ -135,6 +149,7 @@ def _rollout(policy, env, tok, prompts, key, cfg, ctx: RunContext, samples):
         eos_id=turn_stop_ids(env, tok),
         pad_id=tok.pad_id,
         num_samples=samples,
+        episode_reward=cfg.episode_reward,
     )
 
 

@@ -75,6 +75,7 @@ def multiturn_sweep(
         eos_id=turn_stop_ids(game, tok),
         pad_id=tok.pad_id,
         num_samples=G,
+        episode_reward=c0.episode_reward,
     )
 
     def iteration(st: GRPOSweepState, alive: np.ndarray, r: int):

@@ -111,3 +111,18 @@ def test_a_crash_while_pruning_leaves_no_half_removed_checkpoint(tmp_path, monke
     assert [n for n in left if ".tmp" not in n] == ["iter_00000002", "iter_00000003"]
     pl.tools.save_checkpoint(d, 4, tree, {}, keep=2)  # removes what the crash left
     assert sorted(os.listdir(d)) == ["iter_00000003", "iter_00000004"]
+
+
+def test_a_resume_drops_the_events_of_no_iteration_which_every_run_writes_again(tmp_path):
+    # A stage writes them as it prepares its data (`kto_weights`, `no_validation`, ...)
+    # or ends (`reward_selection`): kept, each resume would add one more of each.
+    run_dir = str(tmp_path / "run")
+    cfg = _started_run(run_dir)
+    log = pl.tools.MetricsLog(run_dir, "kto", quiet=True)
+    log.event("kto_weights", "outside the recommended range", ratio=2.0)
+    log.write({"event": "reward_selection", "message": "kept step 3", "selected_step": 3})
+    log.event("rollback", "loss spiked", iteration=1, step=1)
+    with pl.tools.open_run_dir(cfg, run_dir, resume=True):
+        pass
+    records = pl.tools.read_records(run_dir)
+    assert [r.get("event") for r in records] == [None, None, None, "rollback"]

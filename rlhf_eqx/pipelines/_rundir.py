@@ -20,8 +20,9 @@ what it resumes, and `config.json` is written only after every check has passed.
 4. **Clean-up.** Checkpoint directories left half-written by a crash (`*.tmp*`) are
    removed; a torn last line of `metrics.jsonl` is cut (any other line that is not a
    JSON object refuses the resume, naming it: nothing is trained that the end of the
-   run could not read back); the records a resumed run will write again
-   (`data_quality`, `data_filter`, `summary` events) are dropped.
+   run could not read back); the records a resumed run will write again (the events
+   of no iteration, `rewritten_on_resume`: `data_quality`, `data_filter`, `kto_weights`,
+   `reward_selection`, `summary`, ...) are dropped.
 """
 
 import contextlib
@@ -267,9 +268,7 @@ def open_run_dir(
                     f"{metrics}:{bad[0]}: {bad[1]} (a line edited or written by something "
                     "else); fix or remove that line, then resume again"
                 )
-            drop_records(
-                metrics, lambda r: r.get("event") in ("data_quality", "data_filter", "summary")
-            )
+            drop_records(metrics, rewritten_on_resume)
         elif resume:
             notes.append(f"nothing to resume in {run_dir}: starting a new run")
         write_json_atomic(cfg_path, new)
@@ -277,6 +276,17 @@ def open_run_dir(
         lock.release()
         raise
     return RunDir(run_dir, lock, resume, notes)
+
+
+def rewritten_on_resume(record: dict) -> bool:
+    """Whether a resumed run writes `record` of `metrics.jsonl` again, whatever checkpoint
+    it resumes from: the events of no iteration — those a stage writes as it prepares its
+    data (`data_quality`, `data_filter`, `kto_weights`, `heldout_one_label`,
+    `no_validation`) or as it ends (`reward_selection`, the run's `summary`). Every
+    stage of a resumed run prepares and ends again, a finished one too."""
+    return "event" in record and (
+        "iteration" not in record or record["event"] in ("data_quality", "data_filter", "summary")
+    )
 
 
 DATA_NAME = "data.json"

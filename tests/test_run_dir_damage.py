@@ -126,3 +126,21 @@ def test_a_resume_drops_the_events_of_no_iteration_which_every_run_writes_again(
         pass
     records = pl.tools.read_records(run_dir)
     assert [r.get("event") for r in records] == [None, None, None, "rollback"]
+
+
+@pytest.mark.parametrize("kind", ["file", "damaged"])
+def test_a_checkpoint_replaces_whatever_holds_its_name(tmp_path, kind):
+    d = tmp_path / "ck"
+    tree = {"w": jnp.arange(10.0)}
+    pl.tools.save_checkpoint(str(d), 1, tree, {}, keep=3)
+    if kind == "file":
+        (d / "iter_00000002").write_text("not a checkpoint")
+    else:
+        (d / "iter_00000002").mkdir()
+        (d / "iter_00000002" / "state.eqx").write_bytes(b"torn")
+    pl.tools.save_checkpoint(str(d), 2, tree, {}, keep=3)
+    assert sorted(os.listdir(d)) == ["iter_00000001", "iter_00000002"]
+    latest = pl.tools.latest_checkpoint(str(d))
+    assert latest.endswith("iter_00000002")
+    restored, _ = pl.tools.restore_checkpoint(latest, tree)
+    assert bool((restored["w"] == tree["w"]).all())

@@ -1,6 +1,7 @@
 """Checkpoints: atomic, checksummed, pruned to the last few; restored into a template of
 the run's state (`eqx.tree_serialise_leaves`)."""
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -79,14 +80,15 @@ def save_checkpoint(directory: str, iteration: int, tree: PyTree, meta: dict, *,
     if shared and _complete(final):
         shutil.rmtree(tmp)  # another process of the run put this iteration in place
     else:
-        if os.path.exists(final):
-            shutil.rmtree(final, ignore_errors=shared)
+        if os.path.lexists(final):  # a damaged one, or anything else under its name
+            _remove(directory, os.path.basename(final))
         try:
             os.rename(tmp, final)
         except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
             if not (shared and _complete(final)):
                 raise
-            shutil.rmtree(tmp)  # another process of the run was first
+            # another process of the run was first
     # Prune this run's older checkpoints only: never one past the iteration just written.
     older = [n for n in _checkpoints(directory) if int(n[len(_CKPT_PREFIX) :]) <= iteration]
     for old in older[:-keep]:
@@ -103,7 +105,11 @@ def _remove(directory: str, name: str) -> None:
         os.rename(os.path.join(directory, name), gone)
     except OSError:  # already removed (another process of the run), or not renamable
         gone = os.path.join(directory, name)
-    shutil.rmtree(gone, ignore_errors=True)
+    if os.path.isdir(gone) and not os.path.islink(gone):
+        shutil.rmtree(gone, ignore_errors=True)
+    else:  # a file (or a link) under a checkpoint's name
+        with contextlib.suppress(OSError):
+            os.remove(gone)
 
 
 def _damage(path: str) -> str | None:

@@ -144,3 +144,28 @@ def test_a_checkpoint_replaces_whatever_holds_its_name(tmp_path, kind):
     assert latest.endswith("iter_00000002")
     restored, _ = pl.tools.restore_checkpoint(latest, tree)
     assert bool((restored["w"] == tree["w"]).all())
+
+
+def test_a_lock_released_while_it_is_taken_is_taken_on_the_file_others_see(tmp_path, monkeypatch):
+    # The holder removes `.lock` as it releases it; a run that opened the file just
+    # before must not end up holding a lock on the removed file, which a third run
+    # would not see (two runs in one directory).
+    import fcntl
+
+    run_dir = str(tmp_path / "run")
+    path = os.path.join(run_dir, ".lock")
+    real_flock = fcntl.flock
+    calls = []
+
+    def released_meanwhile(fd, op):
+        if not calls:
+            os.remove(path)
+        calls.append(op)
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", released_meanwhile)
+    cfg = pl.PipelineConfig(stages=("sft",), out=run_dir)
+    with pl.tools.open_run_dir(cfg, run_dir):
+        monkeypatch.setattr(fcntl, "flock", real_flock)
+        with pytest.raises(pl.loop.RunDirError, match="in use by another run"):
+            pl.tools.open_run_dir(cfg, run_dir)

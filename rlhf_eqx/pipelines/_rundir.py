@@ -134,18 +134,24 @@ class RunLock:
     def __init__(self, run_dir: str):
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, LOCK_NAME)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = _read_holder(fd)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                holder = _read_holder(fd)
+                os.close(fd)
+                if e.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+                raise RunDirError(
+                    f"{run_dir} is in use by another run ({holder}); wait for it to finish "
+                    "or use another --out"
+                ) from None
+            if _same_file(fd, self.path):
+                break
+            # The holder removed the file as it released it, after it was opened here: the
+            # lock taken is on a file no other run sees; take the one at the path instead.
             os.close(fd)
-            if e.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
-            raise RunDirError(
-                f"{run_dir} is in use by another run ({holder}); wait for it to finish or "
-                "use another --out"
-            ) from None
         self.stale = _read_holder(fd) if os.fstat(fd).st_size else None
         pid = os.getpid()
         info = {
@@ -176,6 +182,16 @@ class RunLock:
 
     def __exit__(self, *exc):
         self.release()
+
+
+def _same_file(fd: int, path: str) -> bool:
+    """Whether the open file `fd` is the file at `path` (not one removed since)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (own.st_dev, own.st_ino) == (st.st_dev, st.st_ino)
 
 
 def _read_holder(fd: int) -> str:

@@ -103,11 +103,30 @@ def config_changes(old: dict, new: dict) -> list[tuple[str, object, object]]:
     return changed
 
 
+def _added_since(old: dict, new: dict) -> set[str]:
+    """The dotted fields `new` (a whole `PipelineConfig`'s dict) has and `old` lacks that
+    hold their class defaults: settings added to the library after `old` was written,
+    which the run that wrote it had as those defaults."""
+    from ._config_io import config_to_dict
+    from ._pipeline_config import PipelineConfig
+
+    stored = _flatten(old)
+    lacking = {k: v for k, v in _flatten(new).items() if k not in stored}
+    if not lacking:
+        return set()
+    defaults = _flatten(config_to_dict(PipelineConfig()))
+    missing = object()
+    return {k for k, v in lacking.items() if defaults.get(k, missing) == v}
+
+
 def check_resumable(old: dict, new: dict, *, where: str) -> list[tuple[str, object, object]]:
     """Refuse (`RunDirError`) a resume whose configuration differs from the stored one
     `old` outside `resumable_fields()` and `iteration_fields()`, naming every such field
-    with both values; returns all the changes (the allowed ones included)."""
-    changes = config_changes(old, new)
+    with both values; returns all the changes (the allowed ones included). A field the
+    stored configuration lacks (one added to the library since) is no change while it
+    holds its default."""
+    added = _added_since(old, new)
+    changes = [c for c in config_changes(old, new) if c[0] not in added]
     counts = iteration_fields()
     resumable = resumable_fields()
     bad = [c for c in changes if c[0] not in resumable and c[0] not in counts]

@@ -48,6 +48,23 @@ SMOLLM2 = _smollm2_path()
 ADAM_EPS = 1e-3
 
 
+def compilations(fn) -> list[str]:
+    """The names of the programs XLA compiles while `fn()` runs (a listener of JAX's
+    backend-compile events; the persistent cache does not hide a compilation from it)."""
+    compiled = []
+
+    def listen(event, duration, fun_name="", **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(fun_name)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        fn()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    return compiled
+
+
 def quiet_settings(*overrides: str) -> list[str]:
     """Command-line options of a short quiet run: `--quiet`, a `--set` for each
     `"section.field=value"` and the monitor off."""

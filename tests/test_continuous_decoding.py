@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import compilations
 
 import rlhf_eqx as rx
 
@@ -114,21 +115,14 @@ def test_one_program_serves_every_step_count(policy):
     toks, masks, keys = _requests()
     kw = dict(slots=2, max_new_tokens=N, temperature=1.0, log_steps=2)
     _to_the_end(rx.ContinuousDecoding(policy, toks, masks, keys, **kw), [1])
-    compiled = []
 
-    def listen(event, duration, fun_name="", **_):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiled.append(fun_name)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    def again():
         decoding = rx.ContinuousDecoding(policy, toks, masks, keys, **kw)
         decoding.run(2)
         decoding.cancel([3])
         _to_the_end(decoding, [5, 1, 7])
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
-    assert compiled == []
+
+    assert compilations(again) == []
 
 
 def test_bad_steps_are_refused(policy):

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import SMOLLM2
+from helpers import SMOLLM2, compilations
 
 import rlhf_eqx as rx
 from rlhf_eqx import serving
@@ -172,29 +172,13 @@ def test_logprob_bytes_are_the_tokens_own(server, client, model):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == r.choices[0].message.content
 
 
-def _compiles(fn):
-    """The XLA compilations `fn()` runs."""
-    compiled = []
-
-    def listen(event, duration, fun_name="", **_):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiled.append(fun_name)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        fn()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
-    return compiled
-
-
 def test_one_compiled_sampler_serves_every_setting(server, client, model):
     policy, tok = model
     kw = dict(model=MODEL, prompt=STORY, max_tokens=10, seed=5, logprobs=1)
     client.completions.create(**kw, temperature=0.5, top_p=0.9, extra_body={"top_k": 10})
     settings = [(0.0, 1.0, -1), (0.7, 0.8, 0), (1.3, 0.95, 40), (0.9, 1.0, 3)]
     got = []
-    compiled = _compiles(
+    compiled = compilations(
         lambda: got.extend(
             client.completions.create(**kw, temperature=t, top_p=p, extra_body={"top_k": k})
             for t, p, k in settings
@@ -202,7 +186,7 @@ def test_one_compiled_sampler_serves_every_setting(server, client, model):
     )
     assert compiled == []
     # nor do stop strings (matched on the text)
-    assert _compiles(lambda: client.completions.create(**kw, stop=["q", "zz"])) == []
+    assert compilations(lambda: client.completions.create(**kw, stop=["q", "zz"])) == []
     # each setting samples what generate_continuous samples with it (the server's
     # shapes: one row, 16 prompt and 16 completion positions)
     ids = got[0].model_extra["prompt_token_ids"]

@@ -70,7 +70,10 @@ from ._demonstrations import (
     tokenize_demonstrations as tokenize_demonstrations,
 )
 from ._errors import DataError as DataError
-from ._gguf_tokenizer import tokenizer_from_gguf as tokenizer_from_gguf
+from ._gguf_tokenizer import (
+    byte_alphabet as byte_alphabet,
+    tokenizer_from_gguf as tokenizer_from_gguf,
+)
 from ._gguf_tokenizer_export import add_tokenizer_metadata as add_tokenizer_metadata
 from ._hf_tokenizer import HFTokenizer as HFTokenizer
 from ._io import LoadReport as LoadReport

@@ -13,6 +13,7 @@ import functools
 import re
 from collections.abc import Sequence
 
+from ..data import byte_alphabet
 from ._prompts import decode_after
 
 REPLACEMENT = "\ufffd"
@@ -21,11 +22,8 @@ _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 @functools.cache
 def _byte_of_char() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, reversed: the printable bytes spell themselves, the
-    others `chr(256 + k)` in byte order."""
-    shown = {*range(33, 127), *range(161, 173), *range(174, 256)}
-    hidden = [b for b in range(256) if b not in shown]
-    return {chr(b): b for b in shown} | {chr(256 + k): b for k, b in enumerate(hidden)}
+    """GPT-2's byte-level alphabet (`rlhf_eqx.data.byte_alphabet`), reversed."""
+    return {c: b for b, c in byte_alphabet().items()}
 
 
 def _lossy(raw: bytes) -> str:

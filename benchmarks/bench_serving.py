@@ -36,21 +36,11 @@ import urllib.request
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_speculative import STORY_PROMPTS  # the same story openings
 
 import rlhf_eqx as rx
 from rlhf_eqx import serving
 from rlhf_eqx.assets import asset_path
-
-STORY_PROMPTS = [
-    "Once upon a time, there was a little girl",
-    "The cat sat on the mat and",
-    "One day, Tom went to the park",
-    "Lily wanted to play with her ball",
-    "There was a big tree in the garden",
-    "The sun was shining and the birds",
-    "Ben had a red car",
-    "Mom said it was time for bed",
-]
 
 
 def machine() -> str:

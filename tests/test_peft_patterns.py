@@ -202,7 +202,10 @@ def test_layerwise_adapters_train_only_their_own_ranks(base, tmp_path):
     assert float(jnp.abs(grads.a[0, :, 1:]).max()) == 0.0
     assert float(jnp.abs(grads.b[0, 1:]).max()) == 0.0
     assert float(jnp.abs(grads.a[1]).max()) > 0.0
-    assert rx.count_params(model, spec) == 3 * (16 * 2 + 2 * 16)
+    # each layer's own rank, as PEFT counts it: no zero padding
+    assert rx.count_params(model, spec) == (16 * 1 + 1 * 16) + 2 * (16 * 2 + 2 * 16)
+    padded = sum(x.size for x in jax.tree_util.tree_leaves(eqx.filter(model, spec)))
+    assert padded == 3 * (16 * 2 + 2 * 16)
 
 
 @pytest.mark.parametrize("value", ["missing", None])

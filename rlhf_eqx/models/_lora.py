@@ -295,8 +295,27 @@ def count_params(model: PyTree, filter_spec: PyTree | None = None) -> int:
     """Number of array elements in `model`, or in its part selected by `filter_spec`.
 
     `count_params(model, lora_filter(model))` counts the trainable adapter parameters.
-    Int8 weights count their int8 entries and their scales.
+    Int8 weights count their int8 entries and their scales. A `LayerwiseLoRAAdapter`
+    counts each layer's own rank, `ranks[l] · (in + out)`, not the zero padding up to the
+    largest rank (the figure PEFT's `print_trainable_parameters` gives).
     """
     if filter_spec is not None:
         model = eqx.filter(model, filter_spec)
-    return int(sum(x.size for x in jax.tree_util.tree_leaves(model) if eqx.is_array(x)))
+    is_layerwise = lambda x: isinstance(x, LayerwiseLoRAAdapter)
+    total = 0
+    for leaf in jax.tree_util.tree_leaves(model, is_leaf=is_layerwise):
+        if is_layerwise(leaf):
+            total += _layerwise_size(leaf)
+        elif eqx.is_array(leaf):
+            total += leaf.size
+    return int(total)
+
+
+def _layerwise_size(adapter: LayerwiseLoRAAdapter) -> int:
+    """Elements of `adapter` without the zero padding beyond each layer's rank."""
+    total = sum(x.size for x in (adapter.scale,) if eqx.is_array(x))
+    rank_sum, r = sum(adapter.ranks), max(adapter.ranks, default=0)
+    for x in (adapter.a, adapter.b):
+        if eqx.is_array(x) and r > 0:
+            total += x.size // (r * len(adapter.ranks)) * rank_sum
+    return total

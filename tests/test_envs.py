@@ -133,7 +133,7 @@ def host_python(policy):
 
 
 def _assert_same(a: Trajectory, b: Trajectory):
-    for name in ("tokens", "mask", "loss_mask", "turn_ids", "num_turns", "truncated"):
+    for name in ("tokens", "mask", "loss_mask", "turn_ids", "num_turns", "truncated", "turn_limit"):
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
     np.testing.assert_allclose(a.turn_rewards, b.turn_rewards, rtol=0, atol=1e-6)
     np.testing.assert_allclose(a.reward, b.reward, rtol=0, atol=1e-6)
@@ -184,18 +184,20 @@ def test_trajectory_layout_and_rewards(jitted):
             done = hits > 0
             obs = [targets[e], 52 - k]
         if done:
-            endings.add("done")
+            ending = "done"
         elif tr.num_turns[e] < K:  # the pending observation filled the buffer
             assert 0 <= T - pos < len(obs) or pos == T
             assert tr.tokens[e, pos:T].tolist() == obs[: T - pos]
             pos = T
-            endings.add("budget")
-        else:
-            endings.add("budget" if pos == T else "turns")
+            ending = "budget"
+        else:  # the turn limit, unless the last turn was cut without its stop id
+            ending = "turns" if stop else "budget"
+        endings.add(ending)
         assert not tr.mask[e, pos:].any()  # nothing after the end
         np.testing.assert_allclose(tr.turn_rewards[e], expected_reward, atol=1e-6)
         np.testing.assert_allclose(tr.reward[e], expected_reward.sum(), atol=1e-6)
-        assert bool(tr.truncated[e]) == (not done)
+        assert bool(tr.truncated[e]) == (ending == "budget"), (e, ending)
+        assert bool(tr.turn_limit[e]) == (ending == "turns"), (e, ending)
     assert {"done", "budget"} <= endings  # the batch covers the endings that matter here
 
 
@@ -301,6 +303,37 @@ def test_multiturn_trajectory_trains_with_loss_mask_only(policy, jitted):
         np.allclose(a, b, rtol=1e-3, atol=2e-6)
         for a, b in zip(jax.tree.leaves(delta), jax.tree.leaves(eqx.filter(wrong, eqx.is_array)))
     )
+
+
+class _Endless(Environment):
+    """Never ends an episode: each turn is answered with one token and reward 1."""
+
+    max_observation_tokens: int = eqx.field(static=True, default=1)
+
+    def reset(self, key, prompt, prompt_mask):
+        return jnp.zeros((), jnp.int32), jnp.zeros((1,), jnp.int32), jnp.zeros((1,), bool)
+
+    def step(self, state, completion, completion_mask):
+        obs = jnp.full((1,), 5, jnp.int32)
+        return state + 1, obs, jnp.ones((1,), bool), jnp.ones((), jnp.float32), state < 0
+
+
+@pytest.mark.parametrize("rollout", [rollout_multiturn, rollout_multiturn_host])
+def test_the_turn_limit_is_not_a_truncation(policy, rollout):
+    """An environment that never ends its episodes: whole turns up to `max_turns` end by
+    the turn limit (`turn_limit`, not `truncated`); turns cut at `max_new_tokens` without
+    a stop id, or an episode out of buffer, are `truncated`."""
+    toks, masks = _prompts()
+    run = lambda **kw: rollout(policy, _Endless(), toks, masks, jax.random.key(3), **kw)
+    every_id = tuple(range(CFG.vocab_size))  # each turn stops at its first token
+    whole = run(max_turns=2, max_new_tokens=4, max_total_tokens=20, eos_id=every_id)
+    assert np.all(np.asarray(whole.num_turns) == 2)
+    assert np.asarray(whole.turn_limit).all() and not np.asarray(whole.truncated).any()
+    cut = run(max_turns=2, max_new_tokens=4, max_total_tokens=20, eos_id=None)
+    assert np.asarray(cut.truncated).all() and not np.asarray(cut.turn_limit).any()
+    # a buffer too short for the second turn: the budget, whatever stops the turns
+    short = run(max_turns=3, max_new_tokens=4, max_total_tokens=8, eos_id=every_id)
+    assert np.all(np.asarray(short.num_turns) < 3) and np.asarray(short.truncated).all()
 
 
 # ---------------------------------------------------------------------------- validation
@@ -475,7 +508,9 @@ def test_host_environment_answers_are_checked_and_failures_named(policy):
     ok = go(answer(obs=np.asarray([5, 6]), reward=np.float32(1.0), done=np.bool_(True)))
     assert np.all(np.asarray(ok.num_turns) == 1)
     ok = go(answer(obs=jnp.asarray([5, 6]), reward=jnp.float32(1.0), done=jnp.asarray(False)))
-    assert np.asarray(ok.truncated).all() and np.asarray(ok.num_turns).max() > 1
+    assert not np.asarray(ok.num_turns == 0).any() and np.asarray(ok.num_turns).max() > 1
+    ended = np.asarray(ok.truncated).astype(int) + np.asarray(ok.turn_limit)
+    assert np.all(ended == 1)  # never the environment: the budget or the turn limit
 
 
 # -------------------------------------------------------------------------- animal task

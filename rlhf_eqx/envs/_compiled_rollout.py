@@ -232,7 +232,7 @@ def _rollout(policy, env, prompts, prompt_masks, key, opts: _Options) -> Traject
 
     def body(c: _Loop) -> _Loop:
         active = c.progress.active
-        eps, comp, cmask, took = _turn(
+        eps, comp, cmask, took, cut = _turn(
             policy, c.episodes, c.obs, c.obs_mask, policy_keys, c.turn, active, opts.turn
         )
         states, obs, obs_mask, reward, ended = _env_step(env, c.states, comp, cmask, took)
@@ -242,7 +242,7 @@ def _rollout(policy, env, prompts, prompt_masks, key, opts: _Options) -> Traject
             obs=obs,
             obs_mask=obs_mask,
             turn=c.turn + 1,
-            progress=c.progress.after_turn(c.turn, took, reward, ended, eps.length, T),
+            progress=c.progress.after_turn(c.turn, took, cut, reward, ended, eps.length, T),
         )
 
     c = jax.lax.while_loop(cond, body, init)

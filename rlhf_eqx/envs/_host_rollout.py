@@ -236,7 +236,7 @@ def rollout_multiturn_host(
         if not active.any():
             break
         turn = jnp.asarray(k, jnp.int32)
-        eps, comp, cmask, took = _host_turn(
+        eps, comp, cmask, took, cut = _host_turn(
             policy, eps, obs, obs_mask, policy_keys, turn, jnp.asarray(active), opts.turn
         )
         took_np = np.asarray(took)
@@ -253,6 +253,6 @@ def rollout_multiturn_host(
                 if not ended[i]:
                     obs_np[i], obs_mask_np[i] = _padded(o, width, pad_id, V, where)
             obs, obs_mask = jnp.asarray(obs_np), jnp.asarray(obs_mask_np)
-        progress = progress.after_turn(k, took_np, reward, ended, eps.length, T)
+        progress = progress.after_turn(k, took_np, cut, reward, ended, eps.length, T)
     traj = _finish(eps, progress, opts.episode_reward)
     return _check_values(traj, type(env).__name__, policy.vocab_size) if jax_env else traj

@@ -26,8 +26,16 @@ class Trajectory(eqx.Module):
     - `reward`: `[E]` the episode reward: the sum of `turn_rewards`, or the last turn's
       (`episode_reward="last"`).
     - `num_turns`: `[E]` policy turns taken.
-    - `truncated`: `[E]` the environment did not end the episode (the turn limit or the
-      token budget did).
+    - `truncated`: `[E]` the token budget cut the episode: the environment did not end
+      it, and its buffer of `max_total_tokens` filled up before `max_turns` turns were
+      played, or its last turn was cut at `max_new_tokens` (or at the end of the buffer)
+      without a stop id. The episode's output ends mid-turn: what DAPO's overlong
+      filtering (`mask_truncated_completions`) drops.
+    - `turn_limit`: `[E]` the turn limit ended the episode: `max_turns` turns played,
+      the last one ended at a stop id, and the environment did not end it. Not
+      truncated: every turn is whole. Each episode ends one way: by the environment
+      (neither flag), by the turn limit or by the token budget. `None` in a
+      `Trajectory` built without it.
     """
 
     tokens: Int[Array, "E T"]
@@ -39,16 +47,19 @@ class Trajectory(eqx.Module):
     reward: Float[Array, " E"]
     num_turns: Int[Array, " E"]
     truncated: Bool[Array, " E"]
+    turn_limit: Bool[Array, " E"] | None = None
 
 
 class _Progress(eqx.Module):
     """Where the `E` episodes of a rollout stand between turns (both rollouts keep it):
     `done` once the environment ended an episode, `stopped` once it can play no more
-    (its policy had no room, or its buffer is full), each turn's reward (`[E, K]`, 0 for
-    turns not taken) and the number of turns taken."""
+    (its policy had no room, or its buffer is full), `cut` when its last turn ended
+    without a stop id, each turn's reward (`[E, K]`, 0 for turns not taken) and the
+    number of turns taken."""
 
     done: Bool[Array, " E"]
     stopped: Bool[Array, " E"]
+    cut: Bool[Array, " E"]
     turn_rewards: Float[Array, "E K"]
     num_turns: Int[Array, " E"]
 
@@ -57,6 +68,7 @@ class _Progress(eqx.Module):
         return cls(
             done=jnp.zeros((episodes,), jnp.bool_),
             stopped=jnp.zeros((episodes,), jnp.bool_),
+            cut=jnp.zeros((episodes,), jnp.bool_),
             turn_rewards=jnp.zeros((episodes, max_turns), jnp.float32),
             num_turns=jnp.zeros((episodes,), jnp.int32),
         )
@@ -66,14 +78,16 @@ class _Progress(eqx.Module):
         """The episodes that play the next turn."""
         return ~self.done & ~self.stopped
 
-    def after_turn(self, turn, took, reward, ended, length, total: int) -> "_Progress":
+    def after_turn(self, turn, took, cut, reward, ended, length, total: int) -> "_Progress":
         """The standing after turn `turn`: `took` marks the episodes whose policy played
-        it, `reward` and `ended` their environment's answer (ignored elsewhere), `length`
-        the episodes' buffer lengths out of `total`."""
+        it, `cut` those whose turn ended without a stop id, `reward` and `ended` their
+        environment's answer (ignored elsewhere), `length` the episodes' buffer lengths
+        out of `total`."""
         took = jnp.asarray(took)
         return _Progress(
             done=self.done | (took & jnp.asarray(ended)),
             stopped=self.stopped | (self.active & (~took | (length >= total))),
+            cut=jnp.where(took, jnp.asarray(cut), self.cut),
             turn_rewards=self.turn_rewards.at[:, turn].set(jnp.where(took, reward, 0.0)),
             num_turns=self.num_turns + took.astype(jnp.int32),
         )
@@ -81,6 +95,9 @@ class _Progress(eqx.Module):
 
 def _trajectory(eps: _Episode, progress: _Progress, episode_reward: str) -> Trajectory:
     turn_rewards, num_turns = progress.turn_rewards, progress.num_turns
+    open_ended = ~progress.done  # the environment did not end it
+    all_turns = num_turns >= turn_rewards.shape[1]
+    truncated = open_ended & (~all_turns | progress.cut)
     if episode_reward == "sum":
         reward = jnp.sum(turn_rewards, axis=-1)
     else:
@@ -96,5 +113,6 @@ def _trajectory(eps: _Episode, progress: _Progress, episode_reward: str) -> Traj
         turn_rewards=turn_rewards,
         reward=reward,
         num_turns=num_turns,
-        truncated=~progress.done,
+        truncated=truncated,
+        turn_limit=open_ended & ~truncated,
     )

@@ -153,8 +153,10 @@ def _turn(policy: AbstractDecoder, eps: _Episode, obs, obs_mask, policy_keys, tu
     of token, one `decode_step` each, so the decoder appears once in the program. Token
     `i` of episode `e` is drawn with `fold_in(fold_in(policy_keys[e], turn), i)`.
 
-    Returns `(episodes, completions [E, N], completion_masks [E, N], took [E])`; `took`
-    says the episode's policy had room to play (its environment should see the turn)."""
+    Returns `(episodes, completions [E, N], completion_masks [E, N], took [E], cut [E])`;
+    `took` says the episode's policy had room to play (its environment should see the
+    turn), `cut` that its turn ended without a stop id (at `max_new_tokens` or a full
+    buffer)."""
     s = opts.sampling
     E, N, T = obs.shape[0], s.max_new_tokens, opts.total
     keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(policy_keys, turn)
@@ -172,7 +174,13 @@ def _turn(policy: AbstractDecoder, eps: _Episode, obs, obs_mask, policy_keys, tu
     c = jax.lax.while_loop(
         lambda c: jnp.any(~c.stopped), lambda c: step(c, ids.astype(jnp.int32), n_obs, keys), init
     )
-    return c.episode, c.completion, c.completion_mask, active & (c.i > 0)
+    took = active & (c.i > 0)
+    if s.eos_id:
+        stop = jnp.isin(c.completion, jnp.asarray(s.eos_id, jnp.int32)) & c.completion_mask
+        cut = took & ~jnp.any(stop, axis=-1)
+    else:
+        cut = took
+    return c.episode, c.completion, c.completion_mask, took, cut
 
 
 def _episode_keys(key: PRNGKeyArray, n: int):

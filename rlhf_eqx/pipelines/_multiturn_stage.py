@@ -240,6 +240,9 @@ def run_multiturn(policy, tok, prompts: Sequence[str], env, *, cfg, ctx: RunCont
         k_sample, k_steps = jax.random.split(key)
         traj = round_episodes(state.model, env, tok, prompts, k_sample, r, cfg, ctx, n, G)
         batch, info = episode_batch(traj, reference, G, P)
+        note = all_truncated(r, info, cfg, "multiturn")
+        if note is not None:
+            ctx.log.event("all_truncated", note, iteration=r)
         metrics = []
         for e in range(cfg.epochs):
             state, met = state.apply(step, batch, key=jax.random.fold_in(k_steps, e))
@@ -298,13 +301,34 @@ def run_episodes(state, iteration, ctx, ctx_key, cfg, iterations: int, episodes:
     )
 
 
+def all_truncated(r: int, info: dict, cfg, name: str) -> str | None:
+    """The message of an `all_truncated` event when `cfg.mask_truncated_completions`
+    masks every episode of iteration `r` (`info["truncated"] == 1`, `episode_batch`'s):
+    the update has no token to learn from; it says why and which settings give the
+    turns room. `None` otherwise."""
+    if not (cfg.mask_truncated_completions and info.get("truncated") == 1.0):
+        return None
+    return (
+        f"iteration {r}: every episode was cut by the token budget (a turn reached "
+        f"{name}.turn_tokens={cfg.turn_tokens} tokens without a stop id, or the episode "
+        f"filled its buffer before {name}.max_turns={cfg.max_turns} turns) and "
+        f"{name}.mask_truncated_completions=true masks them all: the update has no token "
+        f"to learn from; raise {name}.turn_tokens, or let the environment's stop_ids end "
+        "the turns"
+    )
+
+
 def episode_batch(traj, reference, G: int, P: int):
     """`(GRPOBatch, info)` of a rollout's trajectories (groups of `G` episodes, prompts of
     `P` tokens): the episode rewards, old and reference log-probabilities on the policy's
     own tokens (the environment's are masked out), and the rollout's `kl`, `score`,
-    `turns` (`episode_scores`), `truncated` and `frac_reward_zero_std`."""
+    `turns` (`episode_scores`), `truncated` (the fraction of episodes the token budget
+    cut: `Trajectory.truncated`, what `mask_truncated_completions` masks), `turn_limit`
+    (the fraction the turn limit ended, whole turns: `Trajectory.turn_limit`) and
+    `frac_reward_zero_std`."""
     own, ref, rewards, info = episode_scores(traj, reference)
     info["truncated"] = float(jnp.mean(traj.truncated.astype(jnp.float32)))
+    info["turn_limit"] = float(jnp.mean(traj.turn_limit.astype(jnp.float32)))
     info["frac_reward_zero_std"] = group_signal(rewards, G)
     batch = rx.train.GRPOBatch(
         tokens=traj.tokens,
@@ -368,15 +392,49 @@ def multiturn(env: StageEnv, c: MultiturnConfig) -> Outcome:
     return episode_stage(env, c, "multiturn", run_multiturn)
 
 
+MULTITURN_STAGES = ("multiturn", "multiturn-dpo")
+
+_EPISODE_SAMPLING = {
+    "max_new_tokens": "a policy turn's length is {key}.turn_tokens: set that",
+    "stop_strings": "a policy turn ends at one of the environment's stop_ids, or EOS",
+    "slots": "the episodes roll out in one compiled program, rlhf_eqx.envs.rollout_multiturn, "
+    "without continuous batching",
+}
+"""The single-turn sampling settings a multi-turn episode does not read, and what does
+instead; `sampling.temperature` (and `prompt_length`) are the episodes' too."""
+
+
+def check_episode_sampling(cfg, key: str, run) -> None:
+    """Refuse a `sampling` setting of `_EPISODE_SAMPLING` changed from its default for a
+    run whose stages (SFT aside) are multi-turn only: the episodes never read it, and
+    only the single-turn held-out samples of the evaluation would; one line naming the
+    field and the setting that applies."""
+    if not set(run) <= {"sft", *MULTITURN_STAGES}:
+        return  # a single-turn stage of the run samples with it
+    default = type(cfg.sampling)()
+    for field, instead in _EPISODE_SAMPLING.items():
+        value = getattr(cfg.sampling, field)
+        if value != getattr(default, field):
+            _fail(
+                f"sampling.{field}",
+                value,
+                f"the {key} stage's episodes do not read it ({instead.format(key=key)}); "
+                "it would only change the single-turn held-out samples of the evaluation: "
+                "keep its default for a multi-turn run",
+            )
+
+
 def check_episode(key: str):
     """A multi-turn stage's rules with the model: its `environment` (when set) builds an
     `Environment` for the run's tokenizer, and an episode fits the model's `max_seq_len`
     (`check_episode_length` for the animal environment; with the stage's own, its
     episode length `_length`). The other multi-turn stage's `environment`, set while that
     stage does not run, is refused (this stage would not read it), and so is
-    `max_turns=1` with the animal environment (it rewards the second turn only)."""
+    `max_turns=1` with the animal environment (it rewards the second turn only), and a
+    single-turn sampling setting the episodes do not read (`check_episode_sampling`)."""
 
     def check_run(cfg, run) -> None:
+        check_episode_sampling(cfg, key, run)
         c = getattr(cfg, key)
         other = "multiturn-dpo" if key == "multiturn" else "multiturn"
         spec = getattr(getattr(cfg, other, None), "environment", "")

@@ -25,6 +25,7 @@ from ._evaluate import prompt_se, win_rate, win_rate_se
 from ._multiturn_stage import (
     _length,
     _prompts,
+    all_truncated,
     episode_batch,
     multiturn_metrics,
     stage_environment,
@@ -84,12 +85,16 @@ def multiturn_sweep(
         trajs = _rollout_all(
             st.train.model, game, jnp.stack(ids), jnp.stack(masks), key_data(k_sample), options
         )
-        batches, info = [], []
+        batches, info, events = [], [], []
         for m in range(M):
             batch, inf = episode_batch(member(trajs, m), references[m], G, P)
             batches.append(batch)
             info.append(inf)
-        return grpo_updates((program, hyper, k_steps), st, stack(batches), alive, r, info, [], c0)
+            note = all_truncated(r, inf, members[m].cfg.multiturn, "multiturn")
+            if note is not None and alive[m]:
+                events.append((m, "all_truncated", note))
+        update = (program, hyper, k_steps)
+        return grpo_updates(update, st, stack(batches), alive, r, info, events, c0)
 
     key_eval = {s: jax.random.fold_in(start.key, 11) for s, start in starts.items()}
     samples = members[0].cfg.eval_samples

@@ -8,20 +8,24 @@
 | `"mt-bench"` | `{"question_id", "category", "turns": [str, ...]}` | the first turn | `None` |
 | `"plain"` | `{"prompt": str or [messages], "answer"?: str}` | the prompt | the answer, if any |
 
-A plain record without `answer` may name it `solution` (TRL's math datasets).
+A plain record without `answer` may name it `solution` (TRL's math datasets). An answer
+is a string or a number (a JSON number, a Parquet `int64` or `double` column: `3.0` reads
+as `"3"`, as `exact_match_reward` compares it); a GSM8K answer is a solution ending
+`#### <number>`, or the number alone.
 """
 
 import dataclasses
 import os
 from collections.abc import Mapping
 
-from ._answers import extract_gsm8k_answer
+from ._answers import extract_gsm8k_answer, normalise_number
 from ._chat import ChatTemplate, format_chat, message_field, resolve_template
 from ._io import (
     Malformed,
     RecordDataset,
     Unusable,
     load_records,
+    record_field,
     string_field,
 )
 
@@ -63,11 +67,32 @@ def _render(text: str, template: ChatTemplate | None) -> str:
     return format_chat([{"role": "user", "content": text}], template, add_generation_prompt=True)
 
 
+def _answer_value(record: dict, key: str) -> str | None:
+    """The reference answer `record[key]` as text: a string as it is, a number (not a
+    bool) in its normal form (`normalise_number`: `3.0` -> `"3"`); `None` when absent;
+    `Malformed` naming the key for another type or a number that is not finite."""
+    value = record.get(key)
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise Malformed(
+            "wrong type", f"{key!r} must be a string or a number, got {type(value).__name__}"
+        )
+    number = normalise_number(repr(value))
+    if number is None:
+        raise Malformed("wrong type", f"{key!r} must be a finite number, got {value!r}")
+    return number
+
+
 def _parse_gsm8k(record: dict, template: ChatTemplate | None) -> PromptRecord:
-    question, solution = string_field(record, "question"), string_field(record, "answer")
-    answer = extract_gsm8k_answer(solution)
+    question = string_field(record, "question")
+    record_field(record, "answer")
+    solution = _answer_value(record, "answer")
+    answer = None if solution is None else extract_gsm8k_answer(solution)
+    if answer is None and solution is not None:
+        answer = normalise_number(solution)  # the final answer alone
     if answer is None:
-        raise Malformed("no answer", "the 'answer' has no '#### <number>'")
+        raise Malformed("no answer", "the 'answer' has no '#### <number>' and is not a number")
     return PromptRecord(_render(question, template), answer)
 
 
@@ -81,10 +106,7 @@ def _parse_mt_bench(record: dict, template: ChatTemplate | None) -> PromptRecord
 def _parse_plain(record: dict, template: ChatTemplate | None) -> PromptRecord:
     prompt = record.get("prompt")
     key = "answer" if "answer" in record else "solution"  # TRL's math sets name it so
-    answer = record.get(key)
-    if answer is not None and not isinstance(answer, (str, int)):
-        raise Malformed("wrong type", f"{key!r} must be a string, got {type(answer).__name__}")
-    answer = None if answer is None else str(answer)
+    answer = _answer_value(record, key)
     if isinstance(prompt, list):
         messages = [message_field(m, "prompt") for m in prompt]
         if not any(m["content"].strip() for m in messages):

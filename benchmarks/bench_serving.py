@@ -2,7 +2,8 @@
 (and optionally SmolLM2-135M-Instruct).
 
     .venv/bin/python benchmarks/bench_serving.py [--rounds 3] [--clients 16] [--tokens 64]
-        [--slots 16] [--rows 8] [--row-tokens 256] [--steps 4,8,32] [--smollm2]
+        [--slots 16] [--gather-ms 0,5] [--rows 8] [--row-tokens 256] [--steps 4,8,32]
+        [--smollm2] [--server-only]
 
 Three comparisons, each run once to compile, then `--rounds` interleaved rounds (every
 configuration once per round, in turn; the table gives the median and the range):
@@ -10,8 +11,10 @@ configuration once per round, in turn; the table gives the median and the range)
 - **server**: `--clients` threads each post one completions request at once (real HTTP
   on 127.0.0.1, `--tokens` tokens, temperature 1, seed = client index, the prompt sent
   as token ids) to a `rlhf_eqx.serving.Server`, timed from the first post to the last
-  answer (the clients may reach the scheduler in more than one batch: every power-of-two
-  row count is compiled first, and the batches' sizes are printed); beside it,
+  answer, once per value of `--gather-ms` (the server's `batch_gather_ms`: how long a
+  new batch waits for more requests; 0: the first request to arrive starts alone). The
+  clients may reach the scheduler in more than one batch: every power-of-two row count
+  is compiled first, and the batches' sizes are printed. Beside them,
   `generate_continuous` on the same prompts with the same settings (the shapes the
   server pads to, the same keys), whose tokens the answers must equal.
 - **stepped**: `ContinuousDecoding` (`--rows` rows, `--row-tokens` tokens, no stop id)
@@ -25,6 +28,7 @@ Ratios are the median time over that of the one `generate_continuous` call.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -140,48 +144,68 @@ def bench_server(policy, tok, args) -> None:
         dict(model="stories", prompt=p, max_tokens=args.tokens, temperature=1.0, seed=i)
         for i, p in enumerate(prompts)
     ]
-    times: dict[str, list[float]] = {"server": [], "generate_continuous": []}
-    with serving.Server(
-        policy, tok, slots=args.slots, model_name="stories", max_new_tokens=args.tokens,
-        max_request_rows=args.clients,
-    ) as server:  # fmt: skip
-        url = server.url + "/completions"
-        t0 = time.perf_counter()
-        _, answers = concurrent_posts(url, bodies)
-        # the clients may reach the scheduler in several batches: compile every row count
-        k = 1
-        while k < args.clients:
-            concurrent_posts(url, bodies[:k])
-            k *= 2
-        compile_server = time.perf_counter() - t0
+    names = [f"server, gather {g:g} ms" for g in args.gather_ms]
+    times: dict[str, list[float]] = {name: [] for name in names}
+    times["generate_continuous"] = []
+    compiling, logged = {}, {}
+    with contextlib.ExitStack() as stack:
+        servers = {
+            name: stack.enter_context(
+                serving.Server(
+                    policy,
+                    tok,
+                    slots=args.slots,
+                    model_name="stories",
+                    max_new_tokens=args.tokens,
+                    max_request_rows=args.clients,
+                    batch_gather_ms=g,
+                )
+            )  # fmt: skip
+            for name, g in zip(names, args.gather_ms)
+        }
+        for name, server in servers.items():
+            url = server.url + "/completions"
+            t0 = time.perf_counter()
+            _, answers = concurrent_posts(url, bodies)
+            # the clients may reach the scheduler in several batches: compile every row count
+            k = 1
+            while k < args.clients:
+                concurrent_posts(url, bodies[:k])
+                k *= 2
+            compiling[name] = time.perf_counter() - t0
         t0 = time.perf_counter()
         out = direct()
-        compile_direct = time.perf_counter() - t0
+        compiling["generate_continuous"] = time.perf_counter() - t0
         P = ids.shape[1]
         for i, answer in enumerate(answers):
             n = int(np.asarray(out.completion_mask)[i].sum())
             want = np.asarray(out.tokens)[i, P : P + n].tolist()
             got = answer["choices"][0]["token_ids"]
             assert got == want, f"client {i}: the server's tokens differ from the sampler's"
-        logged = len(server.scheduler.batch_log)
+        logged = {name: len(server.scheduler.batch_log) for name, server in servers.items()}
         for _ in range(args.rounds):
-            times["server"].append(concurrent_posts(url, bodies)[0])
+            for name, server in servers.items():
+                times[name].append(concurrent_posts(server.url + "/completions", bodies)[0])
             t0 = time.perf_counter()
             direct()
             times["generate_continuous"].append(time.perf_counter() - t0)
         tokens = sum(len(a["choices"][0]["token_ids"]) for a in answers)
-        batches = [len(b) for b in list(server.scheduler.batch_log)[logged:]]
+        batches = {
+            name: [len(b) for b in list(server.scheduler.batch_log)[logged[name] :]]
+            for name, server in servers.items()
+        }
+    first = ", ".join(f"{name} {t:.1f} s" for name, t in compiling.items())
     print(
         f"\n## server: {args.clients} clients x {args.tokens} tokens, slots {args.slots} "
-        f"(first round, compiling: server {compile_server:.1f} s, sampler {compile_direct:.1f} s; "
-        f"{tokens} tokens; answers equal the sampler's)"
+        f"(first round, compiling: {first}; {tokens} tokens; answers equal the sampler's)"
     )
     base = statistics.median(times["generate_continuous"])
     for name, t in times.items():
         rate = tokens / statistics.median(t)
         ratio = statistics.median(t) / base
-        print(f"{name:>22}: {summary(t)}  {rate:8.0f} tokens/s  x{ratio:.2f}")
-    print(f"{'batches':>22}: {batches} (requests in each, all rounds)")
+        print(f"{name:>24}: {summary(t)}  {rate:8.0f} tokens/s  x{ratio:.2f}")
+    for name, sizes in batches.items():
+        print(f"{'batches, ' + name.split(', ')[1]:>24}: {sizes} (requests in each, all rounds)")
 
 
 def bench_stepped(policy, tok, args) -> None:
@@ -265,16 +289,21 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--slots", type=int, default=16)
+    parser.add_argument("--gather-ms", default="0,5")
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--row-tokens", type=int, default=256)
     parser.add_argument("--steps", default="4,8,32")
     parser.add_argument("--smollm2", action="store_true")
+    parser.add_argument("--server-only", action="store_true")
     args = parser.parse_args()
     args.steps = [int(s) for s in args.steps.split(",")]
+    args.gather_ms = [float(g) for g in args.gather_ms.split(",")]
     print(f"# bench_serving on {machine()}, jax {jax.__version__}, {jax.devices()[0].platform}")
     print(f"# load {os.getloadavg()[0]:.1f}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     policy, tok = rx.load_llama2c(asset_path("stories260K.bin"), asset_path("tok512.bin"))
     bench_server(policy, tok, args)
+    if args.server_only:
+        return
     bench_stepped(policy, tok, args)
     if args.smollm2:
         bench_smollm2(args)

@@ -500,6 +500,27 @@ def test_serve_command_serves_the_named_model(server):
     assert urls[-1] == 0
 
 
+def test_a_burst_of_requests_is_one_batch(model):
+    """Requests a few milliseconds apart share one batch (the batch waits
+    `batch_gather_ms` for them), instead of the first alone and the others after it;
+    a batch whose rows fill the slots does not wait."""
+    policy, tok = model
+    body = json.dumps({"model": MODEL, "prompt": STORY, "max_tokens": 2}).encode()
+    with serving.Server(policy, tok, slots=8, model_name=MODEL, batch_gather_ms=500) as srv:
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            answers = []
+            for _ in range(6):
+                answers.append(pool.submit(_post, srv, "/v1/completions", body))
+                threading.Event().wait(0.01)
+            assert all(a.result()[0] == 200 for a in answers)
+        assert [len(batch) for batch in srv.batch_log] == [6]
+    with serving.Server(policy, tok, slots=2, model_name=MODEL, batch_gather_ms=60_000) as srv:
+        two = json.dumps({"model": MODEL, "prompt": STORY, "max_tokens": 2, "n": 2}).encode()
+        assert _post(srv, "/v1/completions", two)[0] == 200  # full: no 60 s wait
+    with pytest.raises(ValueError, match="batch_gather_ms"):
+        serving.Server(policy, tok, model_name=MODEL, batch_gather_ms=-1)
+
+
 def test_stopping_answers_every_request_it_has_read(model):
     """`stop()` with a batch running and requests waiting: the batch is answered, the
     waiting requests get 503 as JSON (not a connection closed under them)."""

@@ -63,6 +63,13 @@ def _parser() -> argparse.ArgumentParser:
         help="batches decoding at once: more lets a request start while a long batch runs "
         "(each batch holds its own slots' caches; default 1)",
     )
+    p.add_argument(
+        "--batch-gather-ms",
+        type=float,
+        default=5.0,
+        help="how long a new batch waits for more requests to join it (a burst of clients "
+        "becomes one batch; 0: no wait; default 5)",
+    )
     return p
 
 
@@ -118,6 +125,7 @@ def serve_command(
             max_request_rows=args.max_request_rows,
             max_request_tokens=args.max_request_tokens,
             concurrent_batches=args.concurrent_batches,
+            batch_gather_ms=args.batch_gather_ms,
         )
         server.start()
     except (ConfigError, data.DataError, ValueError, OSError) as e:

@@ -129,6 +129,7 @@ class Job:
     request_id: str = ""  # `prefix-N`, N counting submitted requests (arrival order)
     stream: "queue.SimpleQueue[Progress | None] | None" = None
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+    arrived: float = 0.0  # `time.monotonic()` when submitted
 
     def cancel(self) -> None:
         """Drop the request: its rows stop at the scheduler's next step."""
@@ -164,6 +165,9 @@ _TOP_ROWS = 8  # rows per top-logprobs pass (its logits are [rows, T, vocab])
 # its steps per call while a call takes less than half this, so that clients gone are
 # still looked for about this often
 _LOOK_SECONDS = 0.25
+# a new batch waits until no request has arrived for `gather_seconds`, at most this many
+# times `gather_seconds` after its first request
+_GATHER_AT_MOST = 4
 
 
 @dataclasses.dataclass
@@ -205,6 +209,11 @@ class Scheduler:
       starts at once in a batch of its own (up to this many; each holds its own slots'
       caches), decoded in turn with the others, instead of waiting for the longest row
       of the running one.
+    - `gather_seconds`: a new batch starts once no request has arrived for this long
+      (at most 4 times this after its first request), so that a burst of requests a few
+      milliseconds apart becomes one batch instead of one request and then all the
+      others; it starts at once when its rows fill the slots. 0: start as soon as a
+      request is there.
     """
 
     def __init__(
@@ -217,9 +226,11 @@ class Scheduler:
         pad_id: int,
         steps: int = 8,
         batches: int = 1,
+        gather_seconds: float | int = 0.005,
     ):
         self.tokenizer = tokenizer
         self.batches = batches
+        self.gather_seconds = gather_seconds
         self.slots = slots
         self.stop_ids = stop_ids
         self.pad_id = pad_id
@@ -273,6 +284,7 @@ class Scheduler:
             if self._stopping or self._thread is None:
                 raise _stopped()
             job.request_id = f"{job.prefix}-{next(self._arrivals)}"
+            job.arrived = time.monotonic()
             self._queue.append(job)
             self._cond.notify()
         return job.future
@@ -294,6 +306,16 @@ class Scheduler:
                 if self._stopping and not runs:
                     return
                 if self._queue and not self._stopping and len(runs) < self.batches:
+                    while not runs and not self._stopping and self._gathering():
+                        self._cond.wait(self._gathering())
+                if self._stopping and not runs:
+                    return
+                if (
+                    self._queue
+                    and not self._stopping
+                    and len(runs) < self.batches
+                    and not self._gathering()
+                ):
                     batch, self._queue = list(self._queue), collections.deque()
                     policy, version = self._policy, self._version
             if batch:
@@ -309,6 +331,16 @@ class Scheduler:
                     run.open.clear()
                 if not run.open:
                     runs.remove(run)
+
+    def _gathering(self) -> float:
+        """Seconds the waiting requests still wait for others to join their batch: 0
+        once the first has waited `gather_seconds` or their rows fill the slots (call
+        with `_cond` held)."""
+        if sum(len(job.rows) for job in self._queue) >= self.slots:
+            return 0.0
+        quiet = self._queue[-1].arrived + self.gather_seconds
+        longest = self._queue[0].arrived + _GATHER_AT_MOST * self.gather_seconds
+        return max(0.0, min(quiet, longest) - time.monotonic())
 
     def _begin(self, policy, version: int, batch: list[Job]) -> "_Run | None":
         """Start sampling `batch` (less the requests whose client left while they

@@ -88,6 +88,10 @@ class Server:
       in a batch of their own, the batches taking turns `decode_steps` steps each (so a
       short request is not held up by a long one), each batch with its own slots'
       caches (up to this many times the memory).
+    - `batch_gather_ms`: how long a new batch waits, from its first request's arrival, for
+      more requests to join it, so that a burst of clients a few milliseconds apart is one
+      batch rather than the first request alone and the rest after it; a batch whose
+      rows fill the slots starts at once. 0: no wait.
 
     Use as a context manager, or `start()` / `stop()`; `url` is the base URL
     (`http://127.0.0.1:PORT/v1`) to give an OpenAI client.
@@ -111,6 +115,7 @@ class Server:
         max_request_tokens: int = 65536,
         decode_steps: int = 8,
         concurrent_batches: int = 1,
+        batch_gather_ms: float | int = 5.0,
     ):
         if host not in LOCAL_HOSTS and not allow_remote:
             raise ValueError(
@@ -130,6 +135,15 @@ class Server:
         ):
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not (
+            isinstance(batch_gather_ms, int | float)
+            and not isinstance(batch_gather_ms, bool)
+            and 0 <= batch_gather_ms <= 60_000
+        ):
+            raise ValueError(
+                f"batch_gather_ms must be a number of milliseconds in [0, 60000], "
+                f"got {batch_gather_ms!r}"
+            )
         self.max_request_rows = max_request_rows
         self.max_request_tokens = max_request_tokens
         if not isinstance(getattr(getattr(policy, "cfg", None), "max_seq_len", None), int):
@@ -149,6 +163,7 @@ class Server:
             pad_id=pad,
             steps=decode_steps,
             batches=concurrent_batches,
+            gather_seconds=batch_gather_ms / 1000,
         )
         self._seeds = np.random.default_rng(seed)  # seeds of requests without one
         self._recordings: list[Recording] = []

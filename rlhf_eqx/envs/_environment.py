@@ -142,14 +142,43 @@ class HostEnvironment(abc.ABC):
         raise NotImplementedError
 
 
+_ANCHORS = ("\n", ".", "a", " ")
+"""Texts an observation is encoded after, then cut off (`_encode_after`): with a
+SentencePiece vocabulary the anchor takes the dummy-prefix space that `encode` puts
+before a text."""
+_TAIL = 16
+"""Context tokens an observation's ids are decoded after to check them."""
+
+
+def _encode_after(tokenizer: Tokenizer, context: list[int], text: str) -> list[int]:
+    """Ids of `text` that decode to exactly `text` after the ids `context`
+    (`decode_continuation`): `tokenizer.encode(text)` when it does (a byte-level
+    vocabulary, or a context that ends in BOS), else the ids after an anchor's in
+    `encode(anchor + text)` (a SentencePiece vocabulary, whose `encode` starts a text
+    with a space), the first anchor whose ids split cleanly and decode back; `encode(text)`
+    when none does."""
+    plain = list(tokenizer.encode(text))
+    tail = context[-_TAIL:]
+    if not tail or decode_continuation(tokenizer, tail, plain) == text:
+        return plain
+    for anchor in _ANCHORS:
+        head, ids = list(tokenizer.encode(anchor)), list(tokenizer.encode(anchor + text))
+        rest = ids[len(head) :]
+        if ids[: len(head)] == head and decode_continuation(tokenizer, tail, rest) == text:
+            return rest
+    return plain
+
+
 class TextEnvironment(HostEnvironment):
     """A `HostEnvironment` that speaks text: subclasses implement `reset_text` and
     `step_text`; this class decodes the policy's ids and encodes the observations.
 
     Each turn is decoded as the continuation of everything before it
     (`rlhf_eqx.data.decode_continuation`), so a leading space is kept; BOS/EOS/padding
-    ids are dropped from the text. An observation is encoded with `tokenizer.encode`
-    (no BOS/EOS added).
+    ids are dropped from the text. An observation is encoded as the continuation of the
+    episode so far (no BOS/EOS added): its ids decode after the previous turn to exactly
+    its text — with a SentencePiece vocabulary (llama2.c, Llama 2, Gemma) without the
+    space that `tokenizer.encode` puts before a text of its own.
 
     **Arguments:**
 
@@ -184,11 +213,14 @@ class TextEnvironment(HostEnvironment):
         raise NotImplementedError
 
     def encode_observation(self, text: str) -> list[int]:
-        """The ids of an observation's text (`[]` for the empty string)."""
-        return list(self.tokenizer.encode(text)) if text else []
+        """The ids of an observation's text (`[]` for the empty string), encoded as the
+        continuation of the episode so far (the prompt, or the turn `step_text` is
+        answering): `decode_continuation(tokenizer, context, ids) == text`."""
+        return _encode_after(self.tokenizer, self._context, text) if text else []
 
     def reset(self, prompt: Sequence[int]) -> list[int]:
         prompt = [int(i) for i in prompt]
+        self._context = prompt
         observation = self.encode_observation(self.reset_text(self.tokenizer.decode(prompt)))
         self._context = prompt + observation
         return observation
@@ -196,7 +228,8 @@ class TextEnvironment(HostEnvironment):
     def step(self, completion: Sequence[int]) -> tuple[list[int], float, bool]:
         completion = [int(i) for i in completion]
         text = decode_continuation(self.tokenizer, self._context, completion)
+        self._context = self._context + completion
         obs_text, reward, done = self.step_text(text)
         observation = [] if done else self.encode_observation(obs_text)
-        self._context = self._context + completion + observation
+        self._context = self._context + observation
         return observation, float(reward), bool(done)

@@ -16,7 +16,7 @@ from jaxtyping import PyTree
 
 from rlhf_eqx import distributed as dist
 
-from ._metrics import DiskFullError
+from ._metrics import DiskFullError, fsync_dir
 from ._resume_rules import RunDirError
 
 _CKPT_PREFIX = "iter_"
@@ -41,7 +41,9 @@ def save_checkpoint(directory: str, iteration: int, tree: PyTree, meta: dict, *,
     the previous checkpoints or the new one, never a partial one (temporary directories
     a crash left are removed on the next save). A full disk raises `OSError` naming the
     directory, with the partial files removed. Pruning keeps the last `keep` checkpoints
-    up to `iteration` and never removes a later one.
+    up to `iteration` and never removes a later one. The files, the temporary directory's
+    entries and the rename are flushed to the device (`fsync`) before the older
+    checkpoints go: after a power cut too, the checkpoint is whole or absent.
 
     The processes of a multi-process run may share `directory` (a shared file system):
     every process holds the same gathered state, writes it under a temporary name of its
@@ -69,6 +71,7 @@ def save_checkpoint(directory: str, iteration: int, tree: PyTree, meta: dict, *,
             json.dump(meta, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
+        fsync_dir(tmp)  # its two entries, before the rename makes it a checkpoint
     except BaseException as e:
         # asked before the partial files go: their removal frees the space that ran out
         full = _disk_full(e, directory)
@@ -89,6 +92,7 @@ def save_checkpoint(directory: str, iteration: int, tree: PyTree, meta: dict, *,
             if not (shared and _complete(final)):
                 raise
             # another process of the run was first
+        fsync_dir(directory)  # the rename: the commit point, on the device before pruning
     # Prune this run's older checkpoints only: never one past the iteration just written.
     older = [n for n in _checkpoints(directory) if int(n[len(_CKPT_PREFIX) :]) <= iteration]
     for old in older[:-keep]:
@@ -172,21 +176,45 @@ def latest_checkpoint(directory: str) -> str | None:
     A directory whose checkpoints are *all* damaged raises `RunDirError` naming it and
     each checkpoint: whoever asks continues a run, and starting it again from iteration
     0 would not be what was asked (`--overwrite` moves the run aside for a new start)."""
+    path, damaged = _newest(directory)
+    for name, why in damaged:
+        print(
+            f"warning: skipping damaged checkpoint {os.path.join(directory, name)} ({why})",
+            file=sys.stderr,
+        )
+    if path is not None:
+        return path
+    if damaged:
+        raise RunDirError(
+            f"{directory}: every checkpoint is damaged "
+            f"({'; '.join(f'{name}: {why}' for name, why in damaged)}), so the run "
+            "cannot continue; start it again with --overwrite (the run is moved aside) or "
+            "another --out"
+        )
+    return None
+
+
+def _newest(directory: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """The newest complete checkpoint under `directory` (`None`: none) and the damaged
+    ones newer than it, as `(name, what is wrong)`."""
     damaged = []
     for name in reversed(_checkpoints(directory)):
         path = os.path.join(directory, name)
         why = _damage(path)
         if why is None:
-            return path
-        damaged.append(f"{name}: {why}")
-        print(f"warning: skipping damaged checkpoint {path} ({why})", file=sys.stderr)
-    if damaged:
-        raise RunDirError(
-            f"{directory}: every checkpoint is damaged ({'; '.join(damaged)}), so the run "
-            "cannot continue; start it again with --overwrite (the run is moved aside) or "
-            "another --out"
-        )
-    return None
+            return path, damaged
+        damaged.append((name, why))
+    return None, damaged
+
+
+def newest_meta(directory: str) -> tuple[str, dict] | None:
+    """`(path, meta.json)` of the checkpoint `latest_checkpoint` would resume from, read
+    quietly (no warning, no refusal: it only looks); `None` when there is none."""
+    path, _ = _newest(directory)
+    if path is None:
+        return None
+    with open(os.path.join(path, "meta.json")) as f:
+        return path, json.load(f)
 
 
 def restore_checkpoint(path: str, like: PyTree) -> tuple[PyTree, dict]:

@@ -129,7 +129,7 @@ def run_iterations(
       `reward_improvement` (the rollout score minus that of `ops.log_every` iterations
       before); `ops.profile_steps` writes a profiler trace.
     """
-    ckpts = LoopCheckpoints(checkpoint_dir, key, dict(meta or {}), ops.keep)
+    ckpts = LoopCheckpoints(checkpoint_dir, key, dict(meta or {}), ops.keep, num_iterations, log)
     cbs = CallbackList(callbacks)
     history: list[dict] = []
     run = RunHandle(

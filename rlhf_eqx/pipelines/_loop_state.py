@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jaxtyping import PyTree
 
 from ._checkpoints import latest_checkpoint, restore_checkpoint, save_checkpoint
-from ._metrics import MetricsLog, drop_records
+from ._metrics import MetricsLog, drop_records, missing_steps, step_ranges
 from ._resume_rules import RunDirError, check_resumable
 
 
@@ -89,6 +89,33 @@ def stale_record(stage: str, steps: int, start: int) -> Callable[[dict], bool]:
     return stale
 
 
+def check_iteration_count(checkpoint: str, saved: dict, num_iterations: int, stage: str) -> None:
+    """Refuse (`RunDirError`, naming both numbers) to resume `stage` with
+    `num_iterations` iterations from `checkpoint` (its `meta.json`: `saved`) when the
+    checkpoint is past them, unless the run had stopped early there."""
+    at = int(saved["iteration"])
+    if at > num_iterations and (saved.get("stopped") or "done") == "done":
+        raise RunDirError(
+            f"{checkpoint}: the checkpoint is at iteration {at}, past the "
+            f"{num_iterations} iterations of {stage} requested"
+        )
+
+
+def check_logged_steps(log_path: str, stage: str, steps: int, checkpoint: str) -> None:
+    """Refuse (`RunDirError`, naming the file and the steps) to resume `stage` from
+    `checkpoint`, taken after `steps` steps, when step records before it are missing
+    from the metrics log `log_path` (`missing_steps`: lines removed by hand, or lost):
+    the resumed run would leave its metrics with holes."""
+    missing = missing_steps(log_path, stage, steps)
+    if missing:
+        raise RunDirError(
+            f"{log_path}: the step records of {stage} before the checkpoint {checkpoint} "
+            f"(step {steps}) lack step(s) {step_ranges(missing)}; put those lines back, or "
+            "start a new run (--overwrite or another --out): resuming would leave holes in "
+            "the metrics"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class Resumed:
     """What a checkpoint gives back: the position, the rollbacks, how the run had
@@ -107,12 +134,16 @@ class Resumed:
 class LoopCheckpoints:
     """The checkpoints of one run of the loop: `directory` (`None`: none are written),
     the run's `key`, the `meta` every checkpoint carries (its `"config"` is checked on
-    resume) and how many to keep."""
+    resume), how many to keep, the loop's `num_iterations` (recorded in each checkpoint:
+    a resume tells the stage's iteration count by it) and the metrics `log` flushed
+    (`MetricsLog.sync`) before each checkpoint's commit."""
 
     directory: str | None
     key: jax.Array
     meta: dict
     keep: int
+    num_iterations: int | None = None
+    log: MetricsLog | None = None
 
     def save(
         self, pos: Position, rollbacks: int, callbacks: dict | None = None, **extra
@@ -122,8 +153,12 @@ class LoopCheckpoints:
         if self.directory is None:
             return None
         m = dict(self.meta, steps=pos.steps, rollbacks=rollbacks, losses=pos.losses[-10:], **extra)
+        if self.num_iterations is not None:
+            m["num_iterations"] = self.num_iterations
         if callbacks:
             m["callbacks"] = callbacks
+        if self.log is not None:
+            self.log.sync()  # the lines of its steps reach the device before it does
         tree = {"state": pos.state, "key": jax.random.key_data(self.key)}
         return save_checkpoint(self.directory, pos.iteration, tree, m, keep=self.keep)
 
@@ -131,8 +166,9 @@ class LoopCheckpoints:
         """Read the latest checkpoint into the structure of `state` and drop the records
         of `log.stage` written after it (`stale_record`); `None` when there is none
         (the records of an earlier start are dropped too). A checkpoint whose
-        configuration differs outside the resumable fields, or one past `num_iterations`
-        (unless the run had stopped early), raises `RunDirError`."""
+        configuration differs outside the resumable fields, one past `num_iterations`
+        (unless the run had stopped early), or one whose earlier steps lack their
+        records in `log` (`check_logged_steps`) raises `RunDirError`."""
         path = latest_checkpoint(self.directory) if self.directory is not None else None
         resumed = None
         if path is not None:
@@ -147,11 +183,8 @@ class LoopCheckpoints:
                 [float(x) for x in saved.get("losses", [])],
             )
             stopped = saved.get("stopped") or "done"
-            if pos.iteration > num_iterations and stopped == "done":
-                raise RunDirError(
-                    f"{path}: the checkpoint is at iteration {pos.iteration}, past the "
-                    f"{num_iterations} iterations of {log.stage} requested"
-                )
+            check_iteration_count(path, saved, num_iterations, log.stage)
+            check_logged_steps(log.path, log.stage, pos.steps, path)
             resumed = Resumed(
                 pos,
                 int(saved.get("rollbacks", 0)),

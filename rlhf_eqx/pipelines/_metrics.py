@@ -46,6 +46,7 @@ class MetricsLog:
         repair_metrics(self.path)
         self.stage = stage
         self.quiet = quiet
+        self._dir_synced = False
         self._own: Trackers | None = None
         if tensorboard and active_trackers(run_dir) is None:
             self._own = start_trackers(("tensorboard",), run_dir, {})
@@ -84,6 +85,23 @@ class MetricsLog:
             }
             trackers.log(int(line["step"]), numbers, self.stage)
 
+    def sync(self) -> None:
+        """Flush the lines written so far to the device (`fsync`), and, the first time,
+        the run directory's entry of the file: what a checkpoint's commit waits for, so
+        that a power cut cannot keep a checkpoint whose metrics lines it lost. Once per
+        checkpoint, not per line."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if not self._dir_synced:
+            fsync_dir(self.run_dir)
+            self._dir_synced = True
+
     def event(self, kind: str, message: str, **fields: Any) -> None:
         self.write({"event": kind, "message": message, **fields})
         print(f"[{self.stage}] {kind}: {message}", file=sys.stderr)
@@ -101,6 +119,22 @@ def progress(total: int, initial: int, desc: str, quiet: bool):
     except ImportError:
         return None
     return tqdm(total=total, initial=initial, desc=desc, leave=False, file=sys.stderr)
+
+
+def fsync_dir(path: str) -> None:
+    """Flush the entries of the directory `path` (files created, renamed or removed in it)
+    to the device; a file system that cannot (`EINVAL`, `EBADF`, `EACCES`, ...) is let be."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO):
+            raise
+    finally:
+        os.close(fd)
 
 
 def repair_metrics(path: str) -> bool:
@@ -126,12 +160,13 @@ def repair_metrics(path: str) -> bool:
 
 def bad_line(path: str) -> tuple[int, str] | None:
     """The first line of the JSON-lines file `path` that is not a JSON object, as
-    `(line number, why)`; `None` when every line is one (or there is no file)."""
+    `(line number, why)`; `None` when every line is one (or there is no file). A torn
+    last line (no newline: what `repair_metrics` cuts) is not counted."""
     if not os.path.isfile(path):
         return None
     with open(path, "rb") as f:
         for n, line in enumerate(f, 1):
-            if not line.strip():
+            if not line.strip() or not line.endswith(b"\n"):
                 continue
             try:
                 rec = json.loads(line)
@@ -166,4 +201,39 @@ def drop_records(path: str, drop: Callable[[dict], bool]) -> int:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_dir(os.path.dirname(path) or ".")
     return n
+
+
+def missing_steps(path: str, stage: str, steps: int) -> list[int]:
+    """The steps `0 .. steps - 1` of `stage` that have no step record (`"step"`, no
+    `"event"`, no `"eval"`) in the JSON-lines file `path`: lines removed by hand, or lost.
+    A run that reached step `steps` wrote each of them once (a rollback's steps go on)."""
+    seen: set[int] = set()
+    if steps > 0 and os.path.isfile(path):
+        with open(path, "rb") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if (
+                    isinstance(rec, dict)
+                    and rec.get("stage") == stage
+                    and isinstance(rec.get("step"), int)
+                    and "event" not in rec
+                    and not rec.get("eval")
+                ):
+                    seen.add(rec["step"])
+    return [s for s in range(steps) if s not in seen]
+
+
+def step_ranges(steps: list[int]) -> str:
+    """Sorted step numbers as runs: `[0, 1, 2, 5, 7, 8]` as `0-2, 5, 7-8`."""
+    runs: list[list[int]] = []
+    for s in steps:
+        if runs and s == runs[-1][1] + 1:
+            runs[-1][1] = s
+        else:
+            runs.append([s, s])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

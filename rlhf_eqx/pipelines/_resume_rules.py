@@ -69,6 +69,28 @@ def iteration_fields() -> dict[str, tuple[str, ...]]:
     return out
 
 
+def requested_iterations(stage: str, new: dict, saved: dict) -> int | None:
+    """The iteration count the configuration `new` (a config dict, `config_to_dict`)
+    requests of `stage`, told before its loop starts: the `iteration_fields()` field that
+    counts it. `saved` is the `meta.json` of one of its checkpoints: its loop's
+    `num_iterations` and its `config` tell apart the fields of a stage that has several
+    (`dpo.steps` counts offline DPO, `dpo.rounds` online DPO), and a stage whose count is
+    none of them. `None` when it cannot be told (the loop checks it as it starts)."""
+    fields = [k for k, names in iteration_fields().items() if stage in names]
+    done = saved.get("num_iterations")
+    if done is not None:
+        stored = _flatten(saved.get("config") or {})
+        fields = [k for k in fields if stored.get(k) == done]
+    elif len(fields) > 1:
+        return None
+    wanted = _flatten(new)
+    counts = {wanted.get(k) for k in fields}
+    if len(counts) != 1:
+        return None
+    (count,) = counts
+    return count if isinstance(count, int) and not isinstance(count, bool) else None
+
+
 def downstream(stage: str, cfg=None) -> tuple[str, ...]:
     """The stages trained from `stage`'s result under the configuration `cfg` (default:
     `PipelineConfig()`): every registered stage whose prerequisites on the built-in task

@@ -16,7 +16,11 @@ what it resumes, and `config.json` is written only after every check has passed.
    `config.json`; any difference outside the resumable fields (`RESUMABLE_FIELDS` and each
    stage's `Stage.resumable`) is refused, naming each field with its old and new value.
    Iteration counts (each stage's `steps`, `rollouts`, `rounds`) may change,
-   but not for a stage whose later stages already have checkpoints built on it.
+   but not for a stage whose later stages already have checkpoints built on it, nor below
+   a stage's latest checkpoint. A line of `metrics.jsonl` that is not a JSON object, or
+   step records missing before a stage's latest checkpoint, are refused too, naming the
+   file, the line or the steps. Nothing in the directory changes before these checks
+   have passed.
 4. **Clean-up.** Checkpoint directories left half-written by a crash (`*.tmp*`) are
    removed; a torn last line of `metrics.jsonl` is cut (any other line that is not a
    JSON object refuses the resume, naming it: nothing is trained that the end of the
@@ -38,8 +42,10 @@ import sys
 from collections.abc import Sequence
 
 from ..data import dataset_files
+from ._checkpoints import newest_meta
 from ._config_io import config_to_dict
-from ._metrics import DiskFullError, bad_line, drop_records, repair_metrics
+from ._loop_state import check_iteration_count, check_logged_steps
+from ._metrics import DiskFullError, bad_line, drop_records, fsync_dir, repair_metrics
 from ._pipeline_config import (
     PipelineConfig,
 )
@@ -47,6 +53,7 @@ from ._resume_rules import (
     RunDirError,
     check_resumable,
     check_upstream_counts,
+    requested_iterations,
 )
 
 # A `config.json` alone (a run that stopped before it logged anything) is no run.
@@ -270,20 +277,23 @@ def open_run_dir(
                     old = json.load(f)
             except ValueError as e:
                 raise RunDirError(f"{cfg_path}: not JSON ({e})") from None
+            # Every check before anything in the directory changes: a refused resume
+            # leaves it as it was.
             changes = check_resumable(old, new, where=run_dir)
             check_upstream_counts(run_dir, changes, _stages_with_checkpoints)
-            removed = remove_partial_checkpoints(run_dir) + _remove_partial_files(run_dir)
-            if removed:
-                notes.append(f"removed {len(removed)} partial file(s) left by a crash")
             metrics = os.path.join(run_dir, "metrics.jsonl")
-            if repair_metrics(metrics):
-                notes.append(f"cut a torn last line of {metrics}")
             bad = bad_line(metrics)
             if bad is not None:
                 raise RunDirError(
                     f"{metrics}:{bad[0]}: {bad[1]} (a line edited or written by something "
                     "else); fix or remove that line, then resume again"
                 )
+            check_stage_checkpoints(run_dir, new)
+            removed = remove_partial_checkpoints(run_dir) + _remove_partial_files(run_dir)
+            if removed:
+                notes.append(f"removed {len(removed)} partial file(s) left by a crash")
+            if repair_metrics(metrics):
+                notes.append(f"cut a torn last line of {metrics}")
             drop_records(metrics, rewritten_on_resume)
         elif resume:
             notes.append(f"nothing to resume in {run_dir}: starting a new run")
@@ -292,6 +302,27 @@ def open_run_dir(
         lock.release()
         raise
     return RunDir(run_dir, lock, resume, notes)
+
+
+def check_stage_checkpoints(run_dir: str, new: dict) -> None:
+    """Check the latest checkpoint of each stage in `run_dir` (`<stage>/checkpoints/`)
+    against the resumed configuration `new` (a config dict) before anything is written,
+    as each stage's loop would check it only as it starts (after `config.json`, and the
+    stages before it, changed the directory): refuse (`RunDirError`) one past the
+    stage's requested iteration count (`requested_iterations`, `check_iteration_count`)
+    or one whose earlier steps lack their records in `metrics.jsonl`
+    (`check_logged_steps`). A stage without a complete checkpoint is left to its loop."""
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    for stage in _stages_with_checkpoints(run_dir):
+        found = newest_meta(os.path.join(run_dir, stage, "checkpoints"))
+        if found is None:
+            continue
+        path, saved = found
+        count = requested_iterations(stage, new, saved)
+        if count is not None and "iteration" in saved:
+            check_iteration_count(path, saved, count, stage)
+        if isinstance(saved.get("steps"), int):
+            check_logged_steps(metrics, stage, saved["steps"], path)
 
 
 def rewritten_on_resume(record: dict) -> bool:
@@ -371,6 +402,7 @@ def write_json_atomic(path: str, obj) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_dir(os.path.dirname(path) or ".")
     except OSError as e:
         try:
             os.remove(tmp)

@@ -43,6 +43,7 @@ import numpy as np
 from ._checkpoints import latest_checkpoint, restore_checkpoint, save_checkpoint
 from ._config import ConfigError
 from ._config_io import config_to_dict
+from ._loop_state import check_logged_steps
 from ._metrics import MetricsLog, drop_records
 from ._pipeline import (
     check_model,
@@ -276,6 +277,8 @@ def _sweep(stage, cfg, members, out, resume, export, say, t0) -> SweepResult:
             tree, meta = restore_checkpoint(path, {"states": states})
             states, stopped = tree["states"], meta["stopped"]
             start, steps, diverged_at = meta["iteration"], meta["steps"], meta["diverged"]
+            for log, n in zip(logs, steps):
+                check_logged_steps(log.path, stage, n, path)
             say(f"sweep {stage}: resuming from {path} (iteration {start})")
         for log in logs:
             drop_records(log.path, lambda r, s=start: r.get("iteration", -1) >= s)
@@ -311,6 +314,8 @@ def _sweep(stage, cfg, members, out, resume, export, say, t0) -> SweepResult:
         ):
             tree = {"states": states}
             meta = {"steps": steps, "stopped": stopped, "diverged": diverged_at, "stage": stage}
+            for log in logs:  # their lines reach the device before the checkpoint does
+                log.sync()
             save_checkpoint(ckpt_dir, done, tree, meta, keep=ops.keep)
         say(_progress_line(stage, done, run.num_iterations, members, it, stopped))
     t_eval = time.perf_counter()

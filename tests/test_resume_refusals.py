@@ -1,0 +1,238 @@
+"""A resume that cannot continue is refused before anything in the run directory changes
+(an iteration count below the latest checkpoint, step records missing before it), and
+the run's metrics reach the device before each checkpoint that counts on them."""
+
+import dataclasses
+import json
+import os
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import rlhf_eqx as rx
+from rlhf_eqx import pipelines as pl
+
+
+def _cfg(run_dir, steps: int) -> pl.PipelineConfig:
+    cfg = pl.PipelineConfig(stages=("sft",), out=str(run_dir))
+    return dataclasses.replace(cfg, sft=dataclasses.replace(cfg.sft, steps=steps))
+
+
+def _state():
+    opt = optax.chain(optax.sgd(0.1), pl.loop.scale_by_lr_factor())
+    params = {"w": jnp.asarray([1.0, -2.0, 3.0], jnp.float32)}
+    return rx.train.init_train_state(params, opt), opt
+
+
+def _iteration(opt, fail_at=None):
+    @eqx.filter_jit
+    def step(params, opt_state, key):
+        noise = 0.01 * jax.random.normal(key, (3,))
+        loss, g = jax.value_and_grad(lambda p: jnp.sum((p["w"] - noise) ** 2))(params)
+        upd, opt_state = opt.update(g, opt_state, params)
+        return optax.apply_updates(params, upd), opt_state, loss
+
+    def iteration(state, key, i):
+        if i == fail_at:
+            raise RuntimeError("crash")
+        params, opt_state, loss = step(state.params, state.opt_state, key)
+        state = eqx.tree_at(
+            lambda s: (s.params, s.opt_state, s.step), state, (params, opt_state, state.step + 1)
+        )
+        return state, [{"loss": loss}], {}
+
+    return iteration
+
+
+def _run(run_dir, steps: int, *, resume: bool = False, fail_at=None):
+    """An SFT-like stage of `steps` iterations in `run_dir` through the run-directory layer
+    (`open_run_dir`, then the loop with the stage's checkpoints and the run's log)."""
+    cfg = _cfg(run_dir, steps)
+    state, opt = _state()
+    with pl.tools.open_run_dir(cfg, str(run_dir), resume=resume) as rd:
+        return pl.loop.run_iterations(
+            state,
+            _iteration(opt, fail_at),
+            num_iterations=steps,
+            key=jax.random.key(3),
+            ops=pl.OpsConfig(quiet=True, checkpoint_every=1, keep=2),
+            log=pl.tools.MetricsLog(str(run_dir), "sft", quiet=True),
+            checkpoint_dir=os.path.join(str(run_dir), "sft", "checkpoints"),
+            resume=rd.resume,
+            meta={"stage": "sft", "config": pl.config.config_to_dict(cfg)},
+        )
+
+
+def _snapshot(root) -> dict[str, bytes]:
+    """Every file under `root` (relative path -> bytes)."""
+    out = {}
+    for d, _, files in os.walk(root):
+        for n in files:
+            path = os.path.join(d, n)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, root)] = f.read()
+    return out
+
+
+def _steps(run_dir) -> list[int]:
+    with open(os.path.join(str(run_dir), "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    return [r["step"] for r in records if "event" not in r and not r.get("eval")]
+
+
+def _interrupted(tmp_path, steps=6, at=4):
+    """A run of `steps` iterations stopped by a crash in iteration `at` (checkpoints of
+    every iteration before it), and the uninterrupted run's final state."""
+    full = _run(tmp_path / "full", steps)
+    run_dir = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="crash"):
+        _run(run_dir, steps, fail_at=at)
+    assert _steps(run_dir) == list(range(at))
+    return run_dir, full
+
+
+def test_a_resume_with_fewer_steps_than_the_checkpoint_changes_nothing(tmp_path):
+    run_dir, full = _interrupted(tmp_path)
+    before = _snapshot(run_dir)
+    with pytest.raises(pl.loop.RunDirError, match="at iteration 4, past the 3 iterations of sft"):
+        _run(run_dir, 3, resume=True)
+    assert _snapshot(run_dir) == before  # config.json included, byte for byte
+    # The right count afterwards continues exactly.
+    res = _run(run_dir, 6, resume=True)
+    assert _steps(run_dir) == list(range(6))
+    np.testing.assert_array_equal(res.state.params["w"], full.state.params["w"])
+    stored = json.loads((run_dir / "config.json").read_text())
+    assert stored["sft"]["steps"] == 6
+
+
+def test_a_resume_with_fewer_steps_is_refused_by_open_run_dir_alone(tmp_path):
+    run_dir, _ = _interrupted(tmp_path)
+    before = _snapshot(run_dir)
+    with pytest.raises(pl.loop.RunDirError, match="past the 2 iterations of sft"):
+        pl.tools.open_run_dir(_cfg(run_dir, 2), str(run_dir), resume=True)
+    assert _snapshot(run_dir) == before
+    assert not (run_dir / ".lock").exists()
+    # a count at the checkpoint or past it is accepted
+    with pl.tools.open_run_dir(_cfg(run_dir, 4), str(run_dir), resume=True) as rd:
+        assert rd.resume
+
+
+def test_a_checkpoint_of_a_run_stopped_early_is_not_refused_for_its_count(tmp_path):
+    run_dir = tmp_path / "run"
+    with pl.tools.open_run_dir(_cfg(run_dir, 10), str(run_dir)):
+        meta = {"stage": "sft", "steps": 0, "stopped": "kl_guard", "num_iterations": 10}
+        meta["config"] = pl.config.config_to_dict(_cfg(run_dir, 10))
+        ck = str(run_dir / "sft" / "checkpoints")
+        pl.tools.save_checkpoint(ck, 8, {"w": jnp.ones(2)}, meta, keep=2)
+    with pl.tools.open_run_dir(_cfg(run_dir, 5), str(run_dir), resume=True) as rd:
+        assert rd.resume
+
+
+def _remove_steps(run_dir, gone: set[int]) -> None:
+    path = os.path.join(str(run_dir), "metrics.jsonl")
+    with open(path) as f:
+        lines = f.readlines()
+    kept = [x for x in lines if json.loads(x).get("step") not in gone or "event" in x]
+    with open(path, "w") as f:
+        f.writelines(kept)
+
+
+def test_step_lines_removed_before_the_checkpoint_are_refused_naming_file_and_steps(tmp_path):
+    run_dir, full = _interrupted(tmp_path)
+    _remove_steps(run_dir, {1, 2})
+    before = _snapshot(run_dir)
+    metrics = os.path.join(str(run_dir), "metrics.jsonl")
+    with pytest.raises(pl.loop.RunDirError) as e:
+        _run(run_dir, 6, resume=True)
+    assert str(e.value).startswith(f"{metrics}: ")
+    assert "lack step(s) 1-2" in str(e.value)
+    assert _snapshot(run_dir) == before
+
+
+def test_the_loop_alone_refuses_missing_step_lines(tmp_path):
+    # A run resumed without the run-directory layer (a stage function with a resuming
+    # `RunContext`) is refused by its loop.
+    state, opt = _state()
+    kw = dict(
+        num_iterations=5,
+        key=jax.random.key(3),
+        ops=pl.OpsConfig(quiet=True, checkpoint_every=1),
+        log=pl.tools.MetricsLog(str(tmp_path), "q", quiet=True),
+        checkpoint_dir=str(tmp_path / "ck"),
+    )
+    with pytest.raises(RuntimeError, match="crash"):
+        pl.loop.run_iterations(state, _iteration(opt, fail_at=3), **kw)
+    _remove_steps(tmp_path, {0})
+    with pytest.raises(pl.loop.RunDirError, match=r"metrics\.jsonl: .* lack step\(s\) 0;"):
+        pl.loop.run_iterations(state, _iteration(opt), resume=True, **kw)
+
+
+def test_the_metrics_are_on_the_device_before_each_checkpoint_commits(tmp_path, monkeypatch):
+    # A power cut cannot be made here; what is checked is the order of the calls: the
+    # metrics file (and, once, its directory) is flushed after its last line and before
+    # the rename that makes a checkpoint, and the rename itself is flushed.
+    run_dir = str(tmp_path / "run")
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    ck = os.path.join(run_dir, "sft", "checkpoints")
+    events = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        size = os.path.getsize(path) if path == metrics else None
+        events.append(("fsync", path, size))
+        real_fsync(fd)
+
+    def rename(src, dst):
+        real_rename(src, dst)
+        if os.path.dirname(dst) == ck and ".tmp" not in os.path.basename(dst):
+            events.append(("commit", dst, os.path.getsize(metrics)))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    _run(run_dir, 3)
+    commits = [i for i, e in enumerate(events) if e[0] == "commit"]
+    assert [os.path.basename(events[i][1]) for i in commits] == [f"iter_{n:08d}" for n in (1, 2, 3)]
+    previous = 0
+    for i in commits:
+        size = events[i][2]
+        synced = [e for e in events[previous:i] if e[:2] == ("fsync", metrics)]
+        assert synced and synced[-1][2] == size  # flushed with every line before it
+        assert ("fsync", ck, None) in events[i + 1 :]  # the rename flushed
+        previous = i
+    assert ("fsync", run_dir, None) in events[: commits[0]]  # the file's entry
+    # Once per checkpoint, not per line (one step line an iteration here).
+    assert sum(e[:2] == ("fsync", metrics) for e in events) == 3
+
+
+@pytest.mark.parametrize(
+    ("stage", "at", "refused", "accepted"),
+    [
+        ("online-dpo", 3, {"rounds": 2}, {"steps": 5}),  # online DPO counts rounds
+        ("dpo", 10, {"steps": 5}, {"rounds": 1}),  # offline DPO counts steps
+    ],
+)
+def test_a_stage_with_two_counts_is_checked_against_the_one_its_loop_ran(
+    tmp_path, stage, at, refused, accepted
+):
+    run_dir = tmp_path / "run"
+    base = pl.animal_task_config()
+    cfg = dataclasses.replace(base, out=str(run_dir), stages=("sft", stage))
+    with pl.tools.open_run_dir(cfg, str(run_dir)):
+        d = pl.config.config_to_dict(cfg)
+        count = cfg.dpo.rounds if stage == "online-dpo" else cfg.dpo.steps
+        meta = {"stage": stage, "config": d, "num_iterations": count}
+        ck = str(run_dir / stage / "checkpoints")
+        pl.tools.save_checkpoint(ck, at, {"w": jnp.ones(2)}, meta, keep=2)
+
+    def changed(**kw):
+        return dataclasses.replace(cfg, dpo=dataclasses.replace(cfg.dpo, **kw))
+
+    with pytest.raises(pl.loop.RunDirError, match=f"past the .* iterations of {stage}"):
+        pl.tools.open_run_dir(changed(**refused), str(run_dir), resume=True)
+    with pl.tools.open_run_dir(changed(**accepted), str(run_dir), resume=True) as rd:
+        assert rd.resume

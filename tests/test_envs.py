@@ -318,6 +318,26 @@ class _Endless(Environment):
         return state + 1, obs, jnp.ones((1,), bool), jnp.ones((), jnp.float32), state < 0
 
 
+def test_stop_ids_as_a_field_after_fields_without_a_default():
+    """The documented override, a static `stop_ids` field with a default, may follow the
+    subclass's fields that have none (it takes its place in their order)."""
+
+    class Asks(Environment):
+        question: jax.Array
+        max_observation_tokens: int = eqx.field(static=True)
+        stop_ids: tuple[int, ...] = eqx.field(static=True, default=(EOS,))
+
+        def reset(self, key, prompt, prompt_mask):
+            return jnp.zeros((), jnp.int32), self.question, self.question < 0
+
+        def step(self, state, completion, completion_mask):
+            return state, self.question, self.question >= 0, jnp.zeros(()), state >= 0
+
+    env = Asks(jnp.asarray([5, 6]), max_observation_tokens=2)
+    assert env.stop_ids == (EOS,) and Asks(env.question, 2, (7,)).stop_ids == (7,)
+    assert Environment.stop_ids == () and _Endless().stop_ids == ()
+
+
 @pytest.mark.parametrize("rollout", [rollout_multiturn, rollout_multiturn_host])
 def test_the_turn_limit_is_not_a_truncation(policy, rollout):
     """An environment that never ends its episodes: whole turns up to `max_turns` end by

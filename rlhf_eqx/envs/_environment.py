@@ -17,7 +17,7 @@ Observations are token ids padded to the environment's static
 
 import abc
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import equinox as eqx
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
@@ -67,12 +67,15 @@ class Environment(eqx.Module):
       token, a newline). The rollouts of the pipelines (`run_multiturn`, the
       `multiturn-dpo` stage) pass them to the sampler as `eos_id`; with `()` a turn ends
       at the tokenizer's EOS. Override it with a static field
-      (`stop_ids: tuple[int, ...] = eqx.field(static=True, default=(...))`) or a class
-      attribute, as `AnimalFollowUpEnv` does.
+      (`stop_ids: tuple[int, ...] = eqx.field(static=True, default=(...))`, anywhere
+      among the subclass's fields: it takes its place in their order), one set in
+      `__init__` as `AnimalFollowUpEnv` does, or a class attribute (`stop_ids = (...)`).
     """
 
     max_observation_tokens: eqx.AbstractVar[int]
-    stop_ids: ClassVar[tuple[int, ...]] = ()
+    # a plain class attribute, not an annotated `ClassVar`: a dataclass would place a
+    # subclass's `stop_ids` field (with its default) first, before its fields without one
+    stop_ids = ()  # tuple[int, ...]
 
     @abc.abstractmethod
     def reset(

@@ -242,12 +242,52 @@ def _load_scalar(directory: str, bias: float, cls=None):
     return eqx.tree_at(lambda m: m.bias, model, jnp.asarray(bias, jnp.float32))
 
 
+EXPORTED_REWARD_MODELS: tuple[str, ...] = (
+    os.path.join("reward", "ensemble"),
+    os.path.join("reward", "hf"),
+    os.path.join("prm", "hf"),
+)
+"""Where a run directory holds the reward models its `reward` and `prm` stages exported."""
+
+
+def _exported_in_run(directory: str) -> str:
+    """The reward model a directory stands for: for the directory of a whole run
+    (`rlhf_eqx reward --out RUN`, whose `config.json` is the run's configuration, not a
+    model's) the one it exported (`EXPORTED_REWARD_MODELS`), else `directory` itself.
+    A `ValueError` naming the run when it exported several, or none (a run directory:
+    one with `summary.json`)."""
+    found = [
+        os.path.join(directory, sub)
+        for sub in EXPORTED_REWARD_MODELS
+        if any(os.path.isfile(os.path.join(directory, sub, f)) for f in _MODEL_FILES)
+    ]
+    if len(found) > 1:
+        raise ValueError(
+            f"reward model {directory!r}: a run directory with several exported models; "
+            f"choose one: {', '.join(found)}"
+        )
+    if found:
+        return found[0]
+    if os.path.isfile(os.path.join(directory, "summary.json")):
+        raise ValueError(
+            f"reward model {directory!r}: a run directory without an exported reward model "
+            f"({' or '.join(EXPORTED_REWARD_MODELS)}); train one with the reward or prm stage"
+        )
+    return directory
+
+
+_MODEL_FILES = ("ensemble.json", "prm.json", "config.json")
+
+
 def load_reward_source(directory: str, tokenizer, *, eos_ids: Sequence[int] = ()) -> RewardSource:
     """The reward source a directory holds: an ensemble (`ensemble.json`), a process
     reward model (`prm.json`; its step separator encoded with `tokenizer`) or one reward
-    model. `ValueError` naming the directory when it holds none of these."""
+    model; the directory of a run stands for the model it exported (`RUN/reward/hf`,
+    `RUN/reward/ensemble` or `RUN/prm/hf`). `ValueError` naming the directory when it
+    holds none of these."""
     if not os.path.isdir(directory):
         raise ValueError(f"reward model {directory!r}: no such directory")
+    directory = _exported_in_run(directory)
     ens = os.path.join(directory, "ensemble.json")
     prm = os.path.join(directory, "prm.json")
     if os.path.isfile(ens):

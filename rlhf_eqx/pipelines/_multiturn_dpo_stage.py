@@ -175,8 +175,9 @@ def run_multiturn_dpo(
     the environment's observations sit in the context $y_{<t}$ and are not scored
     (Xiong et al. 2024, multi-turn DPO with external messages masked; Shi et al. 2024
     on DPO for multi-turn agents). Each round logs `pairs`, `score` (mean episode
-    reward), `turns` and `kl` (per-token KL of the sampled policy tokens to the
-    reference; the KL guard stops the run above `cfg.kl_target`); a round without a
+    reward), `turns`, `truncated` and `turn_limit` (the fractions of episodes the token
+    budget cut and the turn limit ended) and `kl` (per-token KL of the sampled policy
+    tokens to the reference; the KL guard stops the run above `cfg.kl_target`); a round without a
     pair logs a `no_signal` event and takes no step. Checkpoints, exact resume and
     rollback are `run_loop`'s.
 

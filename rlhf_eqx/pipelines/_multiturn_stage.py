@@ -267,7 +267,10 @@ def episode_scores(traj, reference):
     """`(own, ref_logp, rewards, info)` of trajectories: the policy's own tokens
     (`loss_mask & mask`), the reference's log-probabilities, the episode rewards, and
     `kl` (per token of the policy's own, to the reference), `score` (the mean episode
-    reward) and `turns` (the mean number of policy turns)."""
+    reward), `turns` (the mean number of policy turns), `truncated` (the fraction of
+    episodes the token budget cut: `Trajectory.truncated`, what
+    `mask_truncated_completions` masks) and `turn_limit` (the fraction the turn limit
+    ended, whole turns: `Trajectory.turn_limit`)."""
     own = traj.loss_mask & traj.mask
     rewards = np.asarray(traj.reward, np.float32)
     if not np.all(np.isfinite(rewards)):
@@ -281,6 +284,8 @@ def episode_scores(traj, reference):
         "kl": _per_token_kl(traj.logprobs, ref, own),
         "score": float(rewards.mean()),
         "turns": float(jnp.mean(traj.num_turns.astype(jnp.float32))),
+        "truncated": float(jnp.mean(traj.truncated.astype(jnp.float32))),
+        "turn_limit": float(jnp.mean(traj.turn_limit.astype(jnp.float32))),
     }
     return own, ref, rewards, info
 
@@ -322,13 +327,8 @@ def episode_batch(traj, reference, G: int, P: int):
     """`(GRPOBatch, info)` of a rollout's trajectories (groups of `G` episodes, prompts of
     `P` tokens): the episode rewards, old and reference log-probabilities on the policy's
     own tokens (the environment's are masked out), and the rollout's `kl`, `score`,
-    `turns` (`episode_scores`), `truncated` (the fraction of episodes the token budget
-    cut: `Trajectory.truncated`, what `mask_truncated_completions` masks), `turn_limit`
-    (the fraction the turn limit ended, whole turns: `Trajectory.turn_limit`) and
-    `frac_reward_zero_std`."""
+    `turns`, `truncated`, `turn_limit` (`episode_scores`) and `frac_reward_zero_std`."""
     own, ref, rewards, info = episode_scores(traj, reference)
-    info["truncated"] = float(jnp.mean(traj.truncated.astype(jnp.float32)))
-    info["turn_limit"] = float(jnp.mean(traj.turn_limit.astype(jnp.float32)))
     info["frac_reward_zero_std"] = group_signal(rewards, G)
     batch = rx.train.GRPOBatch(
         tokens=traj.tokens,

@@ -4,6 +4,8 @@ those the turn limit ended, and an update left with nothing says why; the sampli
 temperature is the episodes' and the loss's; the single-turn sampling settings that
 would not reach the episodes are refused naming the field that does."""
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -127,3 +129,14 @@ def test_single_turn_sampling_settings_are_refused_for_the_episodes(
     # a run with a single-turn stage that samples with them takes them
     cfg = pl.apply_overrides(pl.animal_task_config(), [setting, f"stages=sft,{stage},grpo"])
     pl.config.validate_config(cfg)
+
+
+def test_partial_rollouts_are_not_a_multiturn_setting():
+    """Episodes roll out whole: `multiturn.partial_rollouts` is refused as unused (not
+    sent to `multiturn.staleness`, which is unused too)."""
+    cfg = pl.apply_overrides(pl.animal_task_config(), ["multiturn.partial_rollouts=2"])
+    with pytest.raises(pl.ConfigError) as info:
+        pl.config.validate_config(dataclasses.replace(cfg, stages=("multiturn",)))
+    assert "multiturn.partial_rollouts=2: the multiturn stage does not use this setting" in str(
+        info.value
+    )

@@ -75,8 +75,8 @@ class MultiturnConfig(EnvironmentChecked, GRPOConfig):
     (checked before any stage runs). The rewards are the environment's and the rollouts
     synchronous: the GRPO settings of the reward source and of off-policy rollouts
     (`unused_fields`: `staleness`, `overlap`, `sampler_device`, the split placement's
-    settings, `dynamic_sampling`, `overlong_buffer`, `rollout_correction`,
-    `reward_source`, `reward_model`) must keep their defaults.
+    settings, `dynamic_sampling`, `overlong_buffer`, `partial_rollouts`,
+    `rollout_correction`, `reward_source`, `reward_model`) must keep their defaults.
 
     `environment`: the user's own environment instead, `MODULE:NAME` of a factory
     `NAME(tok) -> rlhf_eqx.envs.Environment` (or an `Environment` instance), the module
@@ -93,6 +93,7 @@ class MultiturnConfig(EnvironmentChecked, GRPOConfig):
         *PLACEMENT_FIELDS,
         "dynamic_sampling",
         "overlong_buffer",
+        "partial_rollouts",
         "rollout_correction",
         "reward_source",
         "reward_model",

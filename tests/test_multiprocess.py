@@ -100,6 +100,16 @@ def _worker(mode: str, out_path: str) -> None:
         [pairs[i] for i in mine], max_length=MAX_LEN, pad_id=tok.pad_id
     )
     mesh = dist.make_mesh(num_processes, LOCAL_DEVICES)
+    if mode == "uneven":
+        # Process 1 passes one row fewer: refused in both processes, naming the field.
+        local = jax.tree.map(lambda x: x[: x.shape[0] - process_id], local)
+        try:
+            dist.global_batch(local, mesh)
+            message = ""
+        except ValueError as e:
+            message = str(e)
+        np.savez(out_path, message=np.asarray(message), mine=np.asarray(mine))
+        leave_run()
     batch = dist.global_batch(local, mesh)
     if mode == "count":
         # A cross-process reduction over the global batch, without training.
@@ -229,6 +239,19 @@ def test_two_processes_read_their_shards_and_reduce_the_global_batch(tmp_path):
     expected = [len(pairs[i].chosen) for o in order for i in o]
     for r in results:
         np.testing.assert_array_equal(r["counts"], expected)
+
+
+def test_two_processes_with_different_batch_shapes_are_refused_by_name(tmp_path):
+    """Batches whose rows differ between the processes would compile different programs
+    in each (gloo then aborts both with "Received data size doesn't match expected size");
+    `global_batch` refuses them in every process, naming the field and the shapes."""
+    results = _launch("uneven", tmp_path, timeout=120)
+    rows = len(_order(2)[0])
+    for r in results:
+        message = str(r["message"])
+        assert "batch field .chosen_tokens differs between the processes" in message
+        shapes = f"process 0: shape ({rows}, {MAX_LEN}), process 1: shape ({rows - 1}, {MAX_LEN})"
+        assert shapes in message
 
 
 def test_two_processes_train_like_one(tmp_path):

@@ -1,5 +1,6 @@
 """Multi-process runs: joining the run, per-process record shards, global batches."""
 
+import hashlib
 import os
 from collections.abc import Sequence
 
@@ -7,7 +8,7 @@ import equinox as eqx
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from jaxtyping import PyTree
+from jaxtyping import Array, PyTree
 
 from ._mesh import tree_path_str
 
@@ -114,14 +115,76 @@ def global_batch(local_batch: PyTree, mesh: Mesh, *, axis: str = "data") -> PyTr
     result is a global `[b · num_processes, ...]` array per field, rows of process `p`
     at `p·b … (p+1)·b - 1` (with the mesh's devices ordered by process, as
     `make_mesh` over `jax.devices()` does). With one process it equals `shard_batch`.
+
+    **Raises:** `ValueError` naming the field when a field is a scalar, or, with several
+    processes, in every process when the processes' batches differ in a field's shape
+    or dtype (checked with a small all-gather of the shapes before the batch is built).
     """
     sharding = NamedSharding(mesh, PartitionSpec(axis))
+    fields = [
+        (tree_path_str(path), x)
+        for path, x in jax.tree_util.tree_leaves_with_path(local_batch)
+        if eqx.is_array(x)
+    ]
+    for name, x in fields:
+        if x.ndim == 0:
+            raise ValueError(f"global_batch: batch field {name} is a scalar")
+    if jax.process_count() > 1:
+        _check_same_shapes(fields)
 
-    def put(path, x):
+    def put(x):
         if not eqx.is_array(x):
             return x
-        if x.ndim == 0:
-            raise ValueError(f"global_batch: batch field {tree_path_str(path)} is a scalar")
         return jax.make_array_from_process_local_data(sharding, np.asarray(x))
 
-    return jax.tree_util.tree_map_with_path(put, local_batch)
+    return jax.tree.map(put, local_batch)
+
+
+_MAX_RANK = 8
+
+
+def _check_same_shapes(fields: list[tuple[str, Array]]) -> None:
+    """Refuse local batches whose fields differ between the processes (`ValueError` in
+    every process, naming the first field that differs and each process's shape).
+
+    Each process derives the global shape of a field from its own rows, so batches of
+    different sizes would otherwise compile different programs in different processes,
+    whose collectives then fail (gloo: "Received data size doesn't match expected size")
+    or wait for each other forever. Two small all-gathers of host integers: a digest of
+    the fields' names, shapes and dtypes, then (when the digests differ and the processes
+    hold as many fields) every field's shape."""
+    from jax.experimental import multihost_utils
+
+    described = repr([(name, tuple(x.shape), str(x.dtype)) for name, x in fields])
+    digest = hashlib.blake2b(described.encode(), digest_size=4).digest()
+    mine = np.asarray([len(fields), int.from_bytes(digest, "big") >> 1], np.int32)
+    every = np.asarray(multihost_utils.process_allgather(mine))
+    if (every == every[0]).all():
+        return
+    if (every[:, 0] != every[0, 0]).any():
+        counts = ", ".join(f"process {p}: {int(n)}" for p, n in enumerate(every[:, 0]))
+        raise ValueError(
+            f"global_batch: the processes pass batches with different numbers of array "
+            f"fields ({counts}); every process must pass the same batch type"
+        )
+    shapes = np.full((len(fields), _MAX_RANK + 1), -1, np.int32)
+    for i, (_, x) in enumerate(fields):
+        shapes[i, : min(x.ndim, _MAX_RANK)] = x.shape[:_MAX_RANK]
+        shapes[i, _MAX_RANK] = np.dtype(x.dtype).num
+    gathered = np.asarray(multihost_utils.process_allgather(shapes))  # [process, field, ...]
+    for i, (name, _) in enumerate(fields):
+        if (gathered[:, i] == gathered[0, i]).all():
+            continue
+        per_process = ", ".join(
+            f"process {p}: shape {tuple(int(d) for d in row[:_MAX_RANK] if d >= 0)}"
+            for p, row in enumerate(gathered[:, i])
+        )
+        raise ValueError(
+            f"global_batch: batch field {name} differs between the processes "
+            f"({per_process}); every process must pass the same shapes and dtypes "
+            "(pad or drop rows to a common count)"
+        )
+    raise ValueError(
+        "global_batch: the processes pass batches whose fields are named differently; "
+        "every process must pass the same batch type"
+    )

@@ -84,7 +84,8 @@ def test_registry_refuses_duplicates_and_bad_stages():
 def test_builtin_stages_come_from_the_registry():
     names = pl.config.stage_names()
     assert names[:8] == ("sft", "reward", "ppo", "online-dpo", "dpo", "grpo", "kto", "distill")
-    assert set(pl.config.data_stages()) == {"sft", "reward", "dpo", "grpo", "kto", "distill", "prm"}
+    data_stages = {"sft", "reward", "ppo", "dpo", "grpo", "kto", "distill", "prm"}
+    assert set(pl.config.data_stages()) == data_stages
     cfg = pl.animal_task_config()
     assert pl.config.get_stage("ppo").prerequisites(cfg) == ("sft", "reward", "ppo")
     task = dataclasses.replace(cfg, ppo=dataclasses.replace(cfg.ppo, reward_source="task"))

@@ -1,6 +1,7 @@
 """PPO (Schulman et al. 2017; Ouyang et al. 2022), the `ppo` stage: its settings
 (`PPOConfig`), its run with a value model and KL-shaped rewards (`run_ppo`), the stage on
-the built-in task (from SFT, rewards from `ppo.reward_source`) and its registration."""
+the built-in task (from SFT, rewards from `ppo.reward_source`), on a prompt file
+(`ppo_on_data`) and its registration."""
 
 import dataclasses
 from collections.abc import Sequence
@@ -11,17 +12,26 @@ import jax.numpy as jnp
 import numpy as np
 
 import rlhf_eqx as rx
+from rlhf_eqx import data
 
 from ..train import PPOSettings
 from ._config import _SET_BY_SAMPLING, RolloutStageConfig, SamplingConfig, _optim
+from ._data_prep import chat_records, prompt_tokens, split_records, trained_policy
 from ._field_checks import _at_least, _check_options, _divides, _fail, _positive, _within
 from ._lr_scale import build_optimizer
 from ._monitor import model_flops
 from ._registry import Outcome, Stage, StageEnv, register_stage
-from ._reward_sources import RewardSource, as_reward_source, scored_needs, scored_on_task
+from ._reward_sources import (
+    RewardSource,
+    as_reward_source,
+    scored_needs,
+    scored_on_task,
+    stage_reward_source,
+)
 from ._rl_rollouts import _policy_and_reference, _sample_and_compare
 from ._rollout import RewardFunction
 from ._runs import RunContext, RunResult, final_policy, run_loop, take_rows
+from ._sampled_eval import sampled_comparison
 from ._validation import validate_stage
 
 
@@ -166,11 +176,86 @@ def ppo(env: StageEnv, c: PPOConfig) -> Outcome:
     return Outcome(res, policy=final_policy(policy), adapted=policy)
 
 
+def scored_prompts(env: StageEnv, c: PPOConfig) -> tuple[list[str], list[str], RewardSource]:
+    """The training and held-out prompts of `env.cfg.data` (`data.load_prompts`: TRL's
+    prompt-only `prompt`, a string or messages, GSM8K, MT-Bench; an answer is not
+    needed), split by `data.seed` (`split_records`: the file's text), each side through
+    the model's chat template and cut to the prompts that fit `sampling.prompt_length`,
+    and the reward source of `c` (`stage_reward_source`; `reward_source=task` is the
+    exact match of the reference answers, which every prompt must then have).
+    `env.summary["data_quality"]` counts what the reader skipped, the repeated prompts
+    and those too long; a `ValueError` names the file when no prompt is left."""
+    cfg, tok = env.cfg, env.tok
+    records = data.load_prompts(cfg.data.path, cfg.data.format, **cfg.data.read_options())
+    train, held = (chat_records(env, side) for side in split_records(records, cfg.data))
+    limit = cfg.sampling.prompt_length
+    train_fits, held_fits = (
+        [r for r in side if prompt_tokens(tok, r.prompt) <= limit] for side in (train, held)
+    )
+    if not train_fits or not held_fits:
+        raise ValueError(
+            f"sampling.prompt_length={limit}: {len(train_fits)} training and "
+            f"{len(held_fits)} held-out prompts of {cfg.data.path} fit; raise "
+            "sampling.prompt_length or shorten the prompts"
+        )
+    kept = train_fits + held_fits
+    env.summary["data_quality"] = {
+        "skipped_by_reader": dict(records.report.skipped),
+        "duplicate_prompts": len(kept) - len({r.prompt for r in kept}),
+        "longer_than_prompt_length": len(train) + len(held) - len(kept),
+    }
+    env.say(f"ppo: {len(train_fits)} training / {len(held_fits)} held-out prompts")
+    answers = {r.prompt: r.answer for r in kept if r.answer is not None}
+    task = []
+    if c.reward_source == "task":
+        if len(answers) < len({r.prompt for r in kept}):
+            raise ValueError(
+                f"ppo.reward_source=task: the exact match of reference answers, but "
+                f"{sum(r.answer is None for r in kept)} prompts of {cfg.data.path} have "
+                "none; score with ppo.reward_source=reward_model (ppo.reward_model=DIR), "
+                "judge or prm"
+            )
+
+        def exact(prompt: str, completion: str) -> float:
+            return float(data.exact_match_reward([completion], [answers[prompt]])[0])
+
+        task = [RewardFunction("exact_match", exact)]
+    reward = stage_reward_source(
+        c, task=task, tokenizer=tok, judge=cfg.judge, judges={"base": env.base}
+    )
+    return [r.prompt for r in train_fits], [r.prompt for r in held_fits], reward
+
+
+def ppo_on_data(env: StageEnv, c: PPOConfig) -> Outcome:
+    """PPO from the loaded model on a prompt file (`scored_prompts`), rewards from
+    `c.reward_source` (on a data file a reward model, ensemble or PRM is a directory,
+    `ppo.reward_model`); `summary["ppo"]`: the reward of the base model's and the trained
+    policy's held-out samples (`heldout_reward_before`, `heldout_reward`, with their
+    standard errors over the prompts), paired (`sampled_comparison` with the key
+    `ops.seed + 1`, `data.eval_prompts` prompts), and the rest of the comparison as
+    `sampled`."""
+    train, held, reward = scored_prompts(env, c)
+    res = run_ppo(env.base, env.tok, train, reward=reward, cfg=c, ctx=env.ctx(""))
+    policy, _ = res.state.model
+    trained = trained_policy(env, policy)
+    key = jax.random.key(env.cfg.ops.seed + 1)
+    ev = sampled_comparison(env.base, trained, env.tok, held, key, env.cfg, reward=reward)
+    env.summary["ppo"] = {
+        "heldout_reward_before": ev.pop("reward_before"),
+        "heldout_reward_before_se": ev.pop("reward_before_se"),
+        "heldout_reward": ev.pop("reward_after"),
+        "heldout_reward_se": ev.pop("reward_after_se"),
+        "sampled": ev,
+    }
+    return Outcome(res, policy=trained, adapted=policy)
+
+
 register_stage(
     Stage(
         "ppo",
         PPOConfig,
         ppo,
+        ppo_on_data,
         needs=lambda cfg: scored_needs(cfg, "ppo"),
         sections=("reward", "sft", "judge"),
         help="PPO with a value model, rewards from ppo.reward_source",

@@ -24,6 +24,7 @@ def sampled_comparison(
     cfg,
     *,
     score: Callable[[str, str], float] | None = None,
+    reward=None,
     max_prompts: int | None = None,
     shown: int = 3,
     reuse: dict | None = None,
@@ -40,6 +41,8 @@ def sampled_comparison(
     trained policy's samples), `kl_after` (per-token KL(after || before) on the trained
     policy's samples, k1), and, with `score(prompt, completion)`, `score_before`,
     `score_after` and their standard errors over the prompts (`*_se`, `prompt_se`);
+    with `reward` (a `RewardSource`: a reward model, an ensemble, a judge or a PRM,
+    scoring a whole rollout), `reward_before`, `reward_after` and their `*_se` alike;
     `examples`: the first `shown` prompts with one completion of each model.
 
     `reuse`, a dict kept by the caller across calls (a sweep's members), holds the
@@ -64,6 +67,7 @@ def sampled_comparison(
     if reuse is not None:
         key_bits = tuple(np.asarray(jax.random.key_data(key)).ravel().tolist())
         same = (id(before), tuple(distinct), k, tuple(sorted(opts.items())), score, key_bits)
+        same += (id(reward),) if reward is not None else ()
     for name, model in (("before", before), ("after", after)):
         if name == "before" and reuse is not None and same in reuse:
             rolls[name], kept = reuse[same]
@@ -80,6 +84,10 @@ def sampled_comparison(
             s = np.asarray([score(p, t) for p, t in zip(roll.prompts, roll.texts)], np.float32)
             side[f"score_{name}"] = float(s.mean())
             side[f"score_{name}_se"] = prompt_se(s, k)
+        if reward is not None:
+            r = np.asarray(reward.score(roll).scores, np.float64)
+            side[f"reward_{name}"] = float(r.mean())
+            side[f"reward_{name}_se"] = prompt_se(r, k)
         out.update(side)
         if name == "before" and reuse is not None:
             reuse[same] = (roll, side)

@@ -86,6 +86,16 @@ def _worker(mode: str, out_path: str) -> None:
 
     from rlhf_eqx import distributed as dist
 
+    if mode == "mismatch":
+        # Process 1 is started with another process count than the coordinator's.
+        own = int(os.environ[dist.ENV_PROCESS_ID])
+        try:
+            dist.initialize_distributed(num_processes=2 + own, initialization_timeout=60)
+            message = ""
+        except ValueError as e:
+            message = str(e)
+        np.savez(out_path, message=np.asarray(message))
+        leave_run()
     process_id, num_processes = dist.initialize_distributed(initialization_timeout=60)
     assert jax.device_count() == LOCAL_DEVICES * num_processes, jax.devices()
     from jax.experimental import multihost_utils
@@ -252,6 +262,16 @@ def test_two_processes_with_different_batch_shapes_are_refused_by_name(tmp_path)
         assert "batch field .chosen_tokens differs between the processes" in message
         shapes = f"process 0: shape ({rows}, {MAX_LEN}), process 1: shape ({rows - 1}, {MAX_LEN})"
         assert shapes in message
+
+
+def test_a_process_started_with_another_process_count_is_refused(tmp_path):
+    """JAX takes the coordinator's process count; a process started with another one is
+    refused by name instead of running on with settings its peers do not share."""
+    first, second = _launch("mismatch", tmp_path, timeout=120)
+    assert str(first["message"]) == ""
+    message = str(second["message"])
+    assert "started with num_processes=3 (RLHF_EQX_NUM_PROCESSES)" in message
+    assert "has 2 processes" in message
 
 
 def test_two_processes_train_like_one(tmp_path):

@@ -51,6 +51,11 @@ def initialize_distributed(
     without arguments and detects the cluster itself (Slurm, Cloud TPU, ...).
 
     **Returns:** `(process_id, num_processes)` as JAX sees them afterwards.
+
+    **Raises:** `ValueError` naming the setting when only some of the three are given,
+    when `process_id` is not in `[0, num_processes)`, or when the run joined has another
+    number of processes than `num_processes` (JAX takes the coordinator's count: a
+    process started with another one is refused rather than run on).
     """
     coordinator_address = coordinator_address or os.environ.get(ENV_COORDINATOR) or None
     num_processes = _env_int(ENV_NUM_PROCESSES, num_processes)
@@ -79,6 +84,15 @@ def initialize_distributed(
         local_device_ids=local_device_ids,
         initialization_timeout=initialization_timeout,
     )
+    if num_processes is not None and jax.process_count() != num_processes:
+        # The coordinator's count wins in JAX; a process started with another one would
+        # otherwise run on silently with settings that disagree with its peers'.
+        raise ValueError(
+            f"initialize_distributed: this process was started with "
+            f"num_processes={num_processes} ({ENV_NUM_PROCESSES}), but the run it joined at "
+            f"{coordinator_address} has {jax.process_count()} processes; start every "
+            "process with the same num_processes"
+        )
     return jax.process_index(), jax.process_count()
 
 

@@ -395,6 +395,32 @@ def test_bad_arguments_raise(policy):
         run(env=GrowingState())
 
 
+def test_an_environment_is_checked_without_a_policy():
+    """`check_environment`: the rollout's checks of `reset` and `step`, and `stop_ids`
+    inside the vocabulary, before anything is compiled."""
+    check = rx.envs.check_environment
+    assert check(Guess(), prompt_length=6, max_new_tokens=4, vocab_size=53) == Guess()
+
+    class WrongObs(Guess):
+        max_observation_tokens: int = eqx.field(static=True, default=3)
+
+    with pytest.raises(ValueError, match=r"WrongObs.reset's observation must be an int array"):
+        check(WrongObs(), prompt_length=6, max_new_tokens=4)
+
+    class Stops(Guess):
+        stop_ids = (EOS, 60)
+
+    with pytest.raises(ValueError, match=r"Stops.stop_ids holds 60, outside the vocabulary"):
+        check(Stops(), prompt_length=6, max_new_tokens=4, vocab_size=53)
+    check(Stops(), prompt_length=6, max_new_tokens=4)  # no vocabulary: not checked
+
+    class OneStop(Guess):
+        stop_ids = EOS
+
+    with pytest.raises(TypeError, match="OneStop.stop_ids must be a tuple of int token ids"):
+        check(OneStop(), prompt_length=6, max_new_tokens=4)
+
+
 def test_host_observation_longer_than_declared_raises(policy):
     class Long(HostGuess):
         def reset(self, prompt):

@@ -52,6 +52,26 @@ MODULE = textwrap.dedent(
         raise RuntimeError("cannot build the game")
 
 
+    class Stops(Ask):
+        stop_ids = (9999,)
+
+
+    def foreign_stops(tok):
+        question = jnp.asarray(tok.encode(" And then?"), jnp.int32)
+        return Stops(question, max_observation_tokens=int(question.shape[0]))
+
+
+    class IntReward(Ask):
+        def step(self, turns, completion, completion_mask):
+            out = super().step(turns, completion, completion_mask)
+            return out[:3] + (out[3].astype(jnp.int32), out[4])
+
+
+    def int_reward(tok):
+        question = jnp.asarray(tok.encode(" And then?"), jnp.int32)
+        return IntReward(question, max_observation_tokens=int(question.shape[0]))
+
+
     def text(tok):
         return "not an environment"
 
@@ -103,6 +123,8 @@ def test_a_user_environment_is_built_and_checked_before_the_run(env_module, stag
     assert "returned Host, not an rlhf_eqx.envs.Environment (the stages roll out jittable" in (
         refused("host")
     )
+    assert "Stops.stop_ids holds 9999, outside the vocabulary [0, 512)" in refused("foreign_stops")
+    assert "IntReward.step's reward must be a float array of shape ()" in refused("int_reward")
     err = refused("huge")
     assert f"{stage}.turn_tokens=40" in err and "2 observations of up to 300 tokens" in err
     assert "longer than the model's max_seq_len=512" in err

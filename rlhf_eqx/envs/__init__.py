@@ -18,7 +18,10 @@ from ._animal import (
 )
 from ._animal_words import ANIMALS as ANIMALS, animal_word_forms as animal_word_forms
 from ._calculator import calculator as calculator
-from ._compiled_rollout import rollout_multiturn as rollout_multiturn
+from ._compiled_rollout import (
+    check_environment as check_environment,
+    rollout_multiturn as rollout_multiturn,
+)
 from ._environment import (
     Environment as Environment,
     HostEnvironment as HostEnvironment,

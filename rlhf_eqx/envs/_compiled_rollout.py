@@ -125,7 +125,42 @@ def _check_array(name: str, x: Any, shape: tuple[int, ...], kind: str) -> None:
         raise ValueError(f"{name} must be {article} {kind} array of shape {shape}, got {got}")
 
 
-def _check_environment(env: object, prompt_length: int, opts: _Options) -> Environment:
+def check_environment(
+    env: Environment,
+    *,
+    prompt_length: int,
+    max_new_tokens: int,
+    vocab_size: int | None = None,
+) -> Environment:
+    """Check a jittable environment as `rollout_multiturn` does before it compiles
+    anything, without a policy: `reset` and `step` traced once (no computation) on a
+    prompt of `prompt_length` ids and a turn of `max_new_tokens`, their answers'
+    structure, shapes and dtypes, the state `step` keeps; and, with `vocab_size`, its
+    `stop_ids` (ints inside the vocabulary). For a run to refuse an environment before
+    it trains anything (the multi-turn stages do).
+
+    **Raises** a `TypeError` or `ValueError` naming the environment's class and what is
+    wrong. **Returns** `env`.
+    """
+    if not (isinstance(max_new_tokens, int) and max_new_tokens > 0):
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    env = _check_environment(env, prompt_length, max_new_tokens)
+    stops = getattr(env, "stop_ids", ()) or ()
+    name = type(env).__name__
+    if isinstance(stops, int | str | bytes) or not all(
+        isinstance(i, int | np.integer) and not isinstance(i, bool) for i in stops
+    ):
+        raise TypeError(f"{name}.stop_ids must be a tuple of int token ids, got {stops!r}")
+    bad = [int(i) for i in stops if vocab_size is not None and not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(
+            f"{name}.stop_ids holds {bad[0]}, outside the vocabulary [0, {vocab_size}): no "
+            "turn could stop at it (stop ids of another tokenizer?)"
+        )
+    return env
+
+
+def _check_environment(env: object, prompt_length: int, max_new_tokens: int) -> Environment:
     """Trace `reset` and `step` once (no computation) and refuse wrong outputs."""
     if not isinstance(env, Environment):
         raise TypeError(
@@ -145,7 +180,7 @@ def _check_environment(env: object, prompt_length: int, opts: _Options) -> Envir
     state, obs, obs_mask = out
     _check_array(f"{name}.reset's observation", obs, (width,), "int")
     _check_array(f"{name}.reset's observation_mask", obs_mask, (width,), "bool")
-    N = opts.sampling.max_new_tokens
+    N = max_new_tokens
     comp = jax.ShapeDtypeStruct((N,), jnp.int32)
     cmask = jax.ShapeDtypeStruct((N,), jnp.bool_)
     out = jax.eval_shape(env.step, state, comp, cmask)
@@ -327,6 +362,6 @@ def rollout_multiturn(
         episode_reward=episode_reward,
     )
     policy = _check_policy(policy, prompts, opts)
-    env = _check_environment(env, prompts.shape[1], opts)
+    env = _check_environment(env, prompts.shape[1], opts.sampling.max_new_tokens)
     traj = _rollout_jit(policy, env, prompts, prompt_masks.astype(jnp.bool_), key, opts)
     return _check_values(traj, type(env).__name__, policy.vocab_size)

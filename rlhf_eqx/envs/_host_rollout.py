@@ -217,7 +217,7 @@ def rollout_multiturn_host(
     E, K, T = prompts_e.shape[0], opts.max_turns, opts.total
     jax_env = isinstance(env, Environment)
     if jax_env:
-        env = _check_environment(env, prompts.shape[1], opts)
+        env = _check_environment(env, prompts.shape[1], opts.sampling.max_new_tokens)
         states, obs, obs_mask = _env_reset(env, env_keys, prompts_e, masks_e)
     else:
         envs = _host_envs(env, E)

@@ -427,7 +427,9 @@ def check_episode_sampling(cfg, key: str, run) -> None:
 
 def check_episode(key: str):
     """A multi-turn stage's rules with the model: its `environment` (when set) builds an
-    `Environment` for the run's tokenizer, and an episode fits the model's `max_seq_len`
+    `Environment` for the run's tokenizer that passes `rlhf_eqx.envs.check_environment`
+    (its `reset` and `step` answers, its `stop_ids` inside the model's vocabulary), and
+    an episode fits the model's `max_seq_len`
     (`check_episode_length` for the animal environment; with the stage's own, its
     episode length `_length`). The other multi-turn stage's `environment`, set while that
     stage does not run, is refused (this stage would not read it), and so is
@@ -461,6 +463,13 @@ def check_episode(key: str):
             return
         game = load_environment(c.environment, found[0], f"{key}.environment")
         P = cfg.sampling.prompt_length
+        vocab = sizes[0] if sizes is not None else found[0].vocab_size
+        try:
+            rx.envs.check_environment(
+                game, prompt_length=P, max_new_tokens=c.turn_tokens, vocab_size=vocab
+            )
+        except (TypeError, ValueError) as e:
+            _fail(f"{key}.environment", c.environment, str(e))
         total = _length(game, c, P)
         if sizes is not None and total > sizes[1]:
             _fail(

@@ -164,6 +164,26 @@ def test_shard_batch_splits_rows_and_names_a_field_that_does_not_divide(getkey):
         dist.shard_batch(odd, mesh)
 
 
+def test_global_batch_in_one_process_is_shard_batch_and_names_a_field_that_does_not_divide(
+    getkey,
+):
+    mesh = dist.make_mesh(4, 2)
+    local = _preference_batch(getkey())
+    placed, expected = dist.global_batch(local, mesh), dist.shard_batch(local, mesh)
+    for x, y in zip(jax.tree.leaves(placed), jax.tree.leaves(expected)):
+        assert x.sharding == y.sharding
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    odd = rx.SequenceBatch(
+        tokens=jnp.zeros((6, T), jnp.int32),
+        mask=jnp.ones((6, T), bool),
+        completion_mask=jnp.ones((6, T), bool),
+    )
+    with pytest.raises(
+        ValueError, match=r"field \.tokens has 6 rows .*4 slice\(s\) of mesh axis 'data'"
+    ):
+        dist.global_batch(odd, mesh)
+
+
 # ------------------------------------------------------------------ equivalence
 
 

@@ -130,9 +130,11 @@ def global_batch(local_batch: PyTree, mesh: Mesh, *, axis: str = "data") -> PyTr
     at `p·b … (p+1)·b - 1` (with the mesh's devices ordered by process, as
     `make_mesh` over `jax.devices()` does). With one process it equals `shard_batch`.
 
-    **Raises:** `ValueError` naming the field when a field is a scalar, or, with several
-    processes, in every process when the processes' batches differ in a field's shape
-    or dtype (checked with a small all-gather of the shapes before the batch is built).
+    **Raises:** `ValueError` naming the field when a field is a scalar or its rows do not
+    divide by the slices of `axis` on this process's devices; with several processes, in
+    every process when the processes' batches differ in a field's shape or dtype (checked
+    with a small all-gather of the shapes before the batch is built) or the processes
+    hold different numbers of the slices of `axis`.
     """
     sharding = NamedSharding(mesh, PartitionSpec(axis))
     fields = [
@@ -145,6 +147,22 @@ def global_batch(local_batch: PyTree, mesh: Mesh, *, axis: str = "data") -> PyTr
             raise ValueError(f"global_batch: batch field {name} is a scalar")
     if jax.process_count() > 1:
         _check_same_shapes(fields)
+    slices = _slices_per_process(mesh, axis)
+    if len(set(slices.values())) > 1:
+        held = ", ".join(f"process {p}: {n}" for p, n in sorted(slices.items()))
+        raise ValueError(
+            f"global_batch: the processes hold different numbers of the {mesh.shape[axis]} "
+            f"slices of mesh axis {axis!r} ({held}), so their rows cannot be equal shares "
+            "of the global batch; give every process as many devices of the mesh"
+        )
+    n = slices[jax.process_index()]
+    for name, x in fields:
+        if x.shape[0] % n:
+            raise ValueError(
+                f"global_batch: batch field {name} has {x.shape[0]} rows (shape "
+                f"{tuple(x.shape)}), not divisible by the {n} slice(s) of mesh axis "
+                f"{axis!r} on this process's devices"
+            )
 
     def put(x):
         if not eqx.is_array(x):
@@ -152,6 +170,17 @@ def global_batch(local_batch: PyTree, mesh: Mesh, *, axis: str = "data") -> PyTr
         return jax.make_array_from_process_local_data(sharding, np.asarray(x))
 
     return jax.tree.map(put, local_batch)
+
+
+def _slices_per_process(mesh: Mesh, axis: str) -> dict[int, int]:
+    """How many positions along the mesh axis `axis` each process's devices occupy (the
+    shares of the global rows that `global_batch` gives each process)."""
+    devices = np.moveaxis(mesh.devices, mesh.axis_names.index(axis), 0)
+    counts: dict[int, int] = {}
+    for position in devices:
+        for p in {d.process_index for d in position.flat}:
+            counts[p] = counts.get(p, 0) + 1
+    return counts
 
 
 _MAX_RANK = 8

@@ -183,8 +183,8 @@ def test_trajectory_layout_and_rewards(jitted):
             expected_reward[k] = hits + 0.5 * k
             done = hits > 0
             obs = [targets[e], 52 - k]
-        if done:
-            ending = "done"
+        if done:  # the environment ended it, after a whole turn or a cut one
+            ending = "done" if stop else "done, cut"
         elif tr.num_turns[e] < K:  # the pending observation filled the buffer
             assert 0 <= T - pos < len(obs) or pos == T
             assert tr.tokens[e, pos:T].tolist() == obs[: T - pos]
@@ -196,9 +196,9 @@ def test_trajectory_layout_and_rewards(jitted):
         assert not tr.mask[e, pos:].any()  # nothing after the end
         np.testing.assert_allclose(tr.turn_rewards[e], expected_reward, atol=1e-6)
         np.testing.assert_allclose(tr.reward[e], expected_reward.sum(), atol=1e-6)
-        assert bool(tr.truncated[e]) == (ending == "budget"), (e, ending)
+        assert bool(tr.truncated[e]) == (ending in ("budget", "done, cut")), (e, ending)
         assert bool(tr.turn_limit[e]) == (ending == "turns"), (e, ending)
-    assert {"done", "budget"} <= endings  # the batch covers the endings that matter here
+    assert "budget" in endings and endings & {"done", "done, cut"}  # the endings that matter
 
 
 def test_jit_rollout_equals_host_driven_rollout(policy, jitted):
@@ -354,6 +354,17 @@ def test_the_turn_limit_is_not_a_truncation(policy, rollout):
     # a buffer too short for the second turn: the budget, whatever stops the turns
     short = run(max_turns=3, max_new_tokens=4, max_total_tokens=8, eos_id=every_id)
     assert np.all(np.asarray(short.num_turns) < 3) and np.asarray(short.truncated).all()
+
+    class Once(_Endless):  # ends every episode after its first turn
+        def step(self, state, completion, completion_mask):
+            return super().step(state, completion, completion_mask)[:4] + (state >= 0,)
+
+    # the environment ended them, but on a turn cut short: a cut answer is truncated
+    for eos, cut in ((None, True), (every_id, False)):
+        tr = rollout(policy, Once(), toks, masks, jax.random.key(3), max_turns=2,
+                     max_new_tokens=4, max_total_tokens=20, eos_id=eos)  # fmt: skip
+        assert np.all(np.asarray(tr.num_turns) == 1) and not np.asarray(tr.turn_limit).any()
+        assert np.all(np.asarray(tr.truncated) == cut)
 
 
 # ---------------------------------------------------------------------------- validation

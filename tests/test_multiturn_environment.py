@@ -171,7 +171,7 @@ def test_an_environment_with_a_first_observation_plays_every_turn(env_module, tm
         policy, tok, ["Once upon a time", "Tom and Sue"], env, cfg=cfg, ctx=_ctx(tmp_path)
     )
     (record,) = [r for r in res.history if "rollout/turns" in r]
-    assert record["rollout/turns"] == 2.0 and record["rollout/truncated"] == 0.0
+    assert record["rollout/turns"] == 2.0 and record["rollout/turn_limit"] == 0.0
 
 
 class _NaN(rx.envs.Environment):

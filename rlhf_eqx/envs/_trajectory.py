@@ -26,16 +26,17 @@ class Trajectory(eqx.Module):
     - `reward`: `[E]` the episode reward: the sum of `turn_rewards`, or the last turn's
       (`episode_reward="last"`).
     - `num_turns`: `[E]` policy turns taken.
-    - `truncated`: `[E]` the token budget cut the episode: the environment did not end
-      it, and its buffer of `max_total_tokens` filled up before `max_turns` turns were
-      played, or its last turn was cut at `max_new_tokens` (or at the end of the buffer)
-      without a stop id. The episode's output ends mid-turn: what DAPO's overlong
-      filtering (`mask_truncated_completions`) drops.
+    - `truncated`: `[E]` the token budget cut the episode: its last turn was cut at
+      `max_new_tokens` (or at the end of the buffer) without a stop id — even when the
+      environment then ended the episode, as a final answer cut short — or its buffer of
+      `max_total_tokens` filled up before the environment or the turn limit ended it.
+      Its output is cut short: what DAPO's overlong filtering
+      (`mask_truncated_completions`) drops.
     - `turn_limit`: `[E]` the turn limit ended the episode: `max_turns` turns played,
       the last one ended at a stop id, and the environment did not end it. Not
       truncated: every turn is whole. Each episode ends one way: by the environment
-      (neither flag), by the turn limit or by the token budget. `None` in a
-      `Trajectory` built without it.
+      with a whole last turn (neither flag), by the turn limit, or by the token budget.
+      `None` in a `Trajectory` built without it.
     """
 
     tokens: Int[Array, "E T"]
@@ -97,7 +98,7 @@ def _trajectory(eps: _Episode, progress: _Progress, episode_reward: str) -> Traj
     turn_rewards, num_turns = progress.turn_rewards, progress.num_turns
     open_ended = ~progress.done  # the environment did not end it
     all_turns = num_turns >= turn_rewards.shape[1]
-    truncated = open_ended & (~all_turns | progress.cut)
+    truncated = progress.cut | (open_ended & ~all_turns)
     if episode_reward == "sum":
         reward = jnp.sum(turn_rewards, axis=-1)
     else:

@@ -315,9 +315,9 @@ def all_truncated(r: int, info: dict, cfg, name: str) -> str | None:
     if not (cfg.mask_truncated_completions and info.get("truncated") == 1.0):
         return None
     return (
-        f"iteration {r}: every episode was cut by the token budget (a turn reached "
+        f"iteration {r}: every episode was cut by the token budget (its last turn reached "
         f"{name}.turn_tokens={cfg.turn_tokens} tokens without a stop id, or the episode "
-        f"filled its buffer before {name}.max_turns={cfg.max_turns} turns) and "
+        f"filled its buffer before it ended) and "
         f"{name}.mask_truncated_completions=true masks them all: the update has no token "
         f"to learn from; raise {name}.turn_tokens, or let the environment's stop_ids end "
         "the turns"

@@ -93,3 +93,19 @@ def test_tool_responses_follow_the_turn_without_a_space(tok):
     obs, reward, done = env.step(turn)
     assert (reward, done) == (0.0, False)
     assert decode_continuation(tok, prompt + turn, obs) == "<tool_response>14</tool_response>"
+
+
+def test_an_observation_that_is_not_text_is_named():
+    tok = rx.data.ByteTokenizer()
+
+    class Numbers(Replies):
+        def step_text(self, completion):
+            return 14, 0.0, False
+
+    env = Numbers(tok, [7])
+    with pytest.raises(TypeError, match=r"Numbers.reset_text must return the observation's text"):
+        env.reset([tok.bos_id])
+    env = Numbers(tok, [""])
+    env.reset([tok.bos_id])
+    with pytest.raises(TypeError, match=r"Numbers.step_text must return \(observation text, "):
+        env.step(tok.encode("hi"))

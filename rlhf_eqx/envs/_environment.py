@@ -224,7 +224,13 @@ class TextEnvironment(HostEnvironment):
     def reset(self, prompt: Sequence[int]) -> list[int]:
         prompt = [int(i) for i in prompt]
         self._context = prompt
-        observation = self.encode_observation(self.reset_text(self.tokenizer.decode(prompt)))
+        text = self.reset_text(self.tokenizer.decode(prompt))
+        if not isinstance(text, str):
+            raise TypeError(
+                f"{type(self).__name__}.reset_text must return the observation's text (a "
+                f"str, '' for none), got {type(text).__name__}: {text!r}"
+            )
+        observation = self.encode_observation(text)
         self._context = prompt + observation
         return observation
 
@@ -232,7 +238,13 @@ class TextEnvironment(HostEnvironment):
         completion = [int(i) for i in completion]
         text = decode_continuation(self.tokenizer, self._context, completion)
         self._context = self._context + completion
-        obs_text, reward, done = self.step_text(text)
+        out = self.step_text(text)
+        if not (isinstance(out, tuple | list) and len(out) == 3 and isinstance(out[0], str)):
+            raise TypeError(
+                f"{type(self).__name__}.step_text must return (observation text, reward, "
+                f"done) with the text a str ('' for none), got {out!r}"
+            )
+        obs_text, reward, done = out
         observation = [] if done else self.encode_observation(obs_text)
         self._context = self._context + observation
         return observation, float(reward), bool(done)

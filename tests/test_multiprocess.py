@@ -96,7 +96,9 @@ def _worker(mode: str, out_path: str) -> None:
             message = str(e)
         np.savez(out_path, message=np.asarray(message))
         leave_run()
-    process_id, num_processes = dist.initialize_distributed(initialization_timeout=60)
+    # "die": a peer silent for 5 s counts as dead (JAX's default: 100 s).
+    timeouts = {"heartbeat_timeout_seconds": 5} if mode == "die" else {}
+    process_id, num_processes = dist.initialize_distributed(initialization_timeout=60, **timeouts)
     assert jax.device_count() == LOCAL_DEVICES * num_processes, jax.devices()
     from jax.experimental import multihost_utils
 
@@ -129,6 +131,8 @@ def _worker(mode: str, out_path: str) -> None:
         leave_run()
     state = dist.shard_train_state(init_train_state(policy, opt), mesh, fsdp=True)
     reference = dist.shard_model(policy, mesh, fsdp=True)
+    if mode == "die":
+        _die_after_one_step(process_id, state, step, batch, reference, out_path)
     losses = []
     for _ in range(STEPS):
         state, metrics = state.apply(step, batch, reference=reference)
@@ -143,6 +147,29 @@ def _worker(mode: str, out_path: str) -> None:
     moments = {f"opt_{i}": x for i, x in enumerate(gathered(_moments(state)))}
     np.savez(out_path, losses=np.asarray(losses), mine=np.asarray(mine), *leaves, **moments)
     leave_run()
+
+
+def _die_after_one_step(process_id, state, step, batch, reference, out_path) -> None:
+    """One step in both processes, then process 1 kills itself (SIGKILL) and process 0
+    goes on: it writes what its next steps raised (or "finished") and leaves."""
+    import signal
+
+    import jax
+
+    state, _ = state.apply(step, batch, reference=reference)
+    jax.block_until_ready(state.params)
+    if process_id == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        for _ in range(STEPS):
+            state, metrics = state.apply(step, batch, reference=reference)
+            float(metrics["loss"].addressable_data(0))
+        message = "finished"
+    except Exception as e:  # noqa: BLE001 - what the survivor sees is the result
+        message = f"{type(e).__name__}: {e}"
+    with open(out_path, "w") as f:
+        f.write(message)
+    sys.exit(0)  # JAX's shutdown then finds the peer gone and ends the process
 
 
 def _moments(state) -> list:
@@ -197,6 +224,23 @@ def _launch(mode: str, tmp_path, *, timeout: float, tries: int = 2):
 def _launch_once(mode: str, out_dir, *, timeout: float):
     """One launch of two workers: (their saved results, logs), or (None, the logs' tails)
     when they did not finish within `timeout` (then both are killed and reaped)."""
+    procs, outs = _start(mode, out_dir)
+    logs = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=timeout)
+            logs.append(out.decode(errors="replace"))
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+        return None, [proc.communicate()[0].decode(errors="replace")[-2000:] for proc in procs]
+    for p, (proc, log) in enumerate(zip(procs, logs)):
+        assert proc.returncode == 0, f"process {p} failed:\n{log[-4000:]}"
+    return [np.load(path) for path in outs], logs
+
+
+def _start(mode: str, out_dir) -> tuple[list[subprocess.Popen], list[str]]:
+    """Start two workers in `mode` on a fresh port: the processes and their output paths."""
     from conftest import FAST_COMPILE_FLAGS  # the parent's compile flags (not the workers')
 
     devices = f"--xla_force_host_platform_device_count={LOCAL_DEVICES}"
@@ -226,18 +270,7 @@ def _launch_once(mode: str, out_dir, *, timeout: float):
                 cwd=root,
             )
         )
-    logs = []
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=timeout)
-            logs.append(out.decode(errors="replace"))
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            proc.kill()
-        return None, [proc.communicate()[0].decode(errors="replace")[-2000:] for proc in procs]
-    for p, (proc, log) in enumerate(zip(procs, logs)):
-        assert proc.returncode == 0, f"process {p} failed:\n{log[-4000:]}"
-    return [np.load(path) for path in outs], logs
+    return procs, outs
 
 
 def test_two_processes_read_their_shards_and_reduce_the_global_batch(tmp_path):
@@ -272,6 +305,26 @@ def test_a_process_started_with_another_process_count_is_refused(tmp_path):
     message = str(second["message"])
     assert "started with num_processes=3 (RLHF_EQX_NUM_PROCESSES)" in message
     assert "has 2 processes" in message
+
+
+@pytest.mark.slow
+def test_a_process_killed_mid_run_does_not_leave_the_other_waiting(tmp_path):
+    """Process 1 is killed with SIGKILL after a step: process 0's next step fails (gloo
+    sees the connection reset) and the process ends (JAX's shutdown finds the peer gone
+    after the heartbeat timeout, 5 s here) instead of waiting for its peer forever."""
+    procs, outs = _start("die", tmp_path / "run")
+    try:
+        logs = [proc.communicate(timeout=240)[0].decode(errors="replace") for proc in procs]
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+        logs = [proc.communicate()[0].decode(errors="replace")[-2000:] for proc in procs]
+        pytest.fail(f"a process still ran 240 s after the launch: {logs}")
+    assert procs[1].returncode == -9, logs[1][-2000:]
+    assert procs[0].returncode != 0, logs[0][-2000:]  # not a clean exit with a peer gone
+    if os.path.exists(outs[0]):  # the step's error, unless JAX ended the process first
+        with open(outs[0]) as f:
+            assert f.read() != "finished"
 
 
 def test_two_processes_train_like_one(tmp_path):

@@ -36,6 +36,8 @@ def initialize_distributed(
     *,
     local_device_ids: Sequence[int] | None = None,
     initialization_timeout: int = 300,
+    heartbeat_timeout_seconds: int = 100,
+    shutdown_timeout_seconds: int = 300,
 ) -> tuple[int, int]:
     """Join a multi-process JAX run (`jax.distributed.initialize`); call before any computation.
 
@@ -49,6 +51,13 @@ def initialize_distributed(
 
     When none of the three is given anywhere, `jax.distributed.initialize()` is called
     without arguments and detects the cluster itself (Slurm, Cloud TPU, ...).
+
+    The timeouts are JAX's (its defaults): `initialization_timeout` bounds the wait for
+    every process to join; `heartbeat_timeout_seconds` is how long a process may be
+    silent before the others count it as dead and end (a peer killed with SIGKILL makes
+    the next collective fail at once, and the survivors then wait about this long in
+    the shutdown barrier before they abort); `shutdown_timeout_seconds` bounds that
+    barrier.
 
     **Returns:** `(process_id, num_processes)` as JAX sees them afterwards.
 
@@ -83,6 +92,8 @@ def initialize_distributed(
         process_id=process_id,
         local_device_ids=local_device_ids,
         initialization_timeout=initialization_timeout,
+        heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+        shutdown_timeout_seconds=shutdown_timeout_seconds,
     )
     if num_processes is not None and jax.process_count() != num_processes:
         # The coordinator's count wins in JAX; a process started with another one would

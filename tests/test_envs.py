@@ -522,6 +522,10 @@ def test_host_environment_answers_are_checked_and_failures_named(policy):
                 raise RuntimeError("the tool crashed")
             return super().step(completion)
 
+    shared = HostGuess(3)
+    for env in ([shared] * E, lambda: shared):
+        with pytest.raises(ValueError, match=r"the same environment object to several episodes"):
+            go(env)
     with pytest.raises(RuntimeError, match="the tool crashed") as info:
         go([HostGuess(3) if e != 4 else Crash(3) for e in range(E)])
     assert "raised by Crash.step of episode 4 at turn 0" in "".join(info.value.__notes__)

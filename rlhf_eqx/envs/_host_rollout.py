@@ -74,6 +74,12 @@ def _host_envs(env: object, n: int) -> list[HostEnvironment]:
     for e in envs:
         if not isinstance(e, HostEnvironment):
             raise TypeError(f"expected HostEnvironment instances, got {type(e).__name__}")
+    if len({id(e) for e in envs}) != n:
+        raise ValueError(
+            "env gives the same environment object to several episodes ([env] * n, or a "
+            "factory that returns one object); each episode needs its own: a host "
+            "environment keeps its episode's state"
+        )
     width = getattr(envs[0], "max_observation_tokens", None)
     if isinstance(width, bool) or not isinstance(width, int) or width < 1:
         raise ValueError(
@@ -179,7 +185,8 @@ def rollout_multiturn_host(
 
     - a factory `() -> HostEnvironment`, called once per episode (episode `e` gets the
       `e`-th object; episodes are numbered as the output rows);
-    - or a sequence of `B · num_samples` `HostEnvironment`s;
+    - or a sequence of `B · num_samples` `HostEnvironment`s (distinct objects: each
+      keeps its episode's state; one object for several episodes is refused);
     - or a jittable `Environment` (its `reset` / `step` then run as compiled calls
       between the policy turns).
 

@@ -106,6 +106,19 @@ def _worker(out_path: str, mode: str) -> None:
     process_id, num_processes = dist.initialize_distributed(initialization_timeout=60)
     from rlhf_eqx import pipelines as pl
 
+    if mode == "mismatch":
+        # process 1 lays its trainer out otherwise: refused by name in both processes
+        mesh = "fsdp:4" if process_id == 0 else "data:4"
+        cfg = dataclasses.replace(_cases()["full"], trainer_mesh=mesh)
+        try:
+            _run("mismatch", cfg, os.path.join(os.path.dirname(out_path), f"run{process_id}"))
+            message = ""
+        except pl.ConfigError as e:
+            message = str(e)
+        np.savez(out_path + ".npz")
+        with open(out_path, "w") as f:
+            json.dump({"message": message}, f)
+        leave_run()
     if mode != "once":
         run_dir = os.path.join(os.path.dirname(out_path), f"lora{process_id}")
         shared = os.path.join(os.path.dirname(out_path), "ckpt")
@@ -209,6 +222,19 @@ def _launch_once(tmp_path, mode: str, stop) -> list[tuple[dict, dict]]:
 
 def _strip(records, drop=()):
     return [{k: v for k, v in r.items() if k not in _TIMING + drop} for r in records]
+
+
+@pytest.mark.slow
+def test_a_placement_that_differs_between_the_processes_is_refused_by_name(tmp_path):
+    """Each process compiles the programs of its own settings: with another trainer mesh
+    in one process the collectives do not match (gloo timed out after 30 s, "Gloo
+    context initialization failed"). The run refuses it in both processes first."""
+    results = _launch(tmp_path, "mismatch")
+    for (out, _), mine in zip(results, ("fsdp:4", "data:4"), strict=True):
+        assert out["message"] == (
+            f"grpo.trainer_mesh={mine!r}: must be the same in every process of this run "
+            "(process 0: 'fsdp:4', process 1: 'data:4')"
+        )
 
 
 @pytest.mark.slow

@@ -93,6 +93,50 @@ def parse_mesh(field: str, text: str, n: int | None = None) -> MeshShape:
     return shape
 
 
+AGREED_FIELDS = (
+    "trainer_devices",
+    "sampler_devices",
+    "trainer_mesh",
+    "sampler_mesh",
+    "staleness",
+    "overlap",
+    "partial_rollouts",
+)
+"""The settings of a split placement that every process of a multi-process run must share:
+they fix which programs run on which devices, and in what order."""
+
+_SETTING_BYTES = 48
+
+
+def same_in_every_process(name: str, cfg, fields: Sequence[str]) -> None:
+    """`ConfigError` in every process naming the first of `fields` (of the section `name`)
+    whose value differs between the processes of a multi-process run, with each process's
+    value (the first 48 bytes of its `repr`).
+
+    Every process compiles and runs the programs its own settings give; with another mesh
+    or another order in one process, the cross-process collectives would not match
+    (gloo aborts, or the processes wait for each other). One all-gather of the values."""
+    from jax.experimental import multihost_utils
+
+    values = [repr(getattr(cfg, f, None)).encode()[:_SETTING_BYTES] for f in fields]
+    mine = np.zeros((len(fields), _SETTING_BYTES), np.int32)
+    for i, v in enumerate(values):
+        mine[i, : len(v)] = list(v)
+    every = np.asarray(multihost_utils.process_allgather(mine))  # [process, field, byte]
+    for i, field in enumerate(fields):
+        if (every[:, i] == every[0, i]).all():
+            continue
+        seen = ", ".join(
+            f"process {p}: {bytes(int(b) for b in row if b).decode(errors='replace')}"
+            for p, row in enumerate(every[:, i])
+        )
+        _fail(
+            f"{name}.{field}",
+            getattr(cfg, field, None),
+            f"must be the same in every process of this run ({seen})",
+        )
+
+
 def split_devices(
     name: str, cfg, devices: Sequence[jax.Device]
 ) -> tuple[list[jax.Device], list[jax.Device], MeshShape, MeshShape]:
@@ -196,6 +240,8 @@ class SplitPlacement:
 
     def __init__(self, name: str, cfg, devices: Sequence[jax.Device] | None = None):
         devices = jax.devices() if devices is None else devices
+        if len({d.process_index for d in devices}) > 1:
+            same_in_every_process(name, cfg, AGREED_FIELDS)
         trainer, sampler, self.trainer_shape, self.sampler_shape = split_devices(name, cfg, devices)
         t, s = self.trainer_shape, self.sampler_shape
         self.trainer_mesh = dist.make_mesh(t.data, t.model, devices=trainer)

@@ -432,6 +432,18 @@ def test_an_environment_is_checked_without_a_policy():
         check(OneStop(), prompt_length=6, max_new_tokens=4)
 
 
+def test_a_trajectory_is_checked_after_a_rollout_inside_vmap(jitted):
+    """`check_trajectory`: what a rollout inside `jit` / `vmap` leaves unchecked."""
+    check = rx.envs.check_trajectory
+    assert check(jitted, environment="Guess", vocab_size=53) is jitted
+    with pytest.raises(ValueError, match=r"Guess returned the observation id 50 \(episode 0, "):
+        check(jitted, environment="Guess", vocab_size=50)  # reset's observation holds 50
+    rewards = jitted.turn_rewards.at[1, 0].set(jnp.inf)
+    bad = eqx.tree_at(lambda t: t.turn_rewards, jitted, rewards)
+    with pytest.raises(ValueError, match=r"Guess.step returned the reward inf \(episode 1, turn 0"):
+        check(bad, environment="Guess", vocab_size=53)
+
+
 def test_host_observation_longer_than_declared_raises(policy):
     class Long(HostGuess):
         def reset(self, prompt):

@@ -90,3 +90,17 @@ def test_multiturn_sweep_with_a_user_environment_equals_its_separate_runs(
         assert any("rollout/turns" in r for r in recs)
         for k in COMPARED:
             assert res.summaries[mem.name][k] == pytest.approx(summary["multiturn"][k], abs=1e-4), k
+
+
+def test_an_observation_outside_the_vocabulary_stops_the_sweep_naming_it(tmp_path, monkeypatch):
+    """The members' rollout runs inside `vmap`, where the rollout cannot check its values:
+    the sweep checks each member's episodes (`rlhf_eqx.envs.check_trajectory`)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    foreign = "def make_foreign(tok):\n    return EvenIds(jnp.asarray([600, 601]), 2)\n\n\n"
+    source = ENV_MODULE.replace("def make(tok):", foreign + "def make(tok):")
+    (tmp_path / "foreign_env_module.py").write_text(source)
+    sets = [s.replace("sweep_env_module:make", "foreign_env_module:make_foreign") for s in SETS]
+    cfg = pl.apply_overrides(pl.animal_task_config(), sets)
+    with pytest.raises(ValueError, match=r"EvenIds returned the observation id 600 \(episode"):
+        pl.sweep("multiturn", cfg, seeds=1, out=str(tmp_path / "s"))

@@ -20,6 +20,7 @@ from ._animal_words import ANIMALS as ANIMALS, animal_word_forms as animal_word_
 from ._calculator import calculator as calculator
 from ._compiled_rollout import (
     check_environment as check_environment,
+    check_trajectory as check_trajectory,
     rollout_multiturn as rollout_multiturn,
 )
 from ._environment import (

@@ -202,6 +202,18 @@ def _check_environment(env: object, prompt_length: int, max_new_tokens: int) -> 
     return env
 
 
+def check_trajectory(trajectory: Trajectory, *, environment: str, vocab_size: int) -> Trajectory:
+    """Refuse what a rollout inside `jit` / `vmap` could not check: an observation id
+    outside the vocabulary of `vocab_size` ids, or a turn reward that is not finite, in
+    a concrete `trajectory` (`rollout_multiturn` checks its own when called outside
+    them). `environment` names the environment in the error (its class name).
+
+    **Raises** a `ValueError` naming the environment, the episode and the position or
+    turn. **Returns** `trajectory`.
+    """
+    return _check_values(trajectory, environment, vocab_size)
+
+
 def _check_values(traj: Trajectory, name: str, vocab_size: int) -> Trajectory:
     """Refuse what only the values of a concrete trajectory show a jittable environment
     got wrong (`name` the environment's class): an observation id outside the vocabulary

@@ -66,7 +66,7 @@ def multiturn_sweep(
         total,
     )
     program, hyper = program_of(members, train0, grpo_step_builder(c0, sampling.temperature, total))
-    M = len(members)
+    M, V = len(members), starts[members[0].seed].sft_policy.vocab_size
     states = GRPOSweepState(train0, train0, jnp.zeros((M,), bool))
     options = dict(
         max_turns=c0.max_turns,
@@ -87,7 +87,9 @@ def multiturn_sweep(
         )
         batches, info, events = [], [], []
         for m in range(M):
-            batch, inf = episode_batch(member(trajs, m), references[m], G, P)
+            traj = member(trajs, m)  # checked here: the vmapped rollout could not
+            rx.envs.check_trajectory(traj, environment=type(game).__name__, vocab_size=V)
+            batch, inf = episode_batch(traj, references[m], G, P)
             batches.append(batch)
             info.append(inf)
             note = all_truncated(r, inf, members[m].cfg.multiturn, "multiturn")

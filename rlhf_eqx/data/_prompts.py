@@ -17,6 +17,7 @@ as `"3"`, as `exact_match_reward` compares it); a GSM8K answer is a solution end
 import dataclasses
 import os
 from collections.abc import Mapping
+from typing import Any
 
 from ._answers import extract_gsm8k_answer, normalise_number
 from ._chat import ChatTemplate, format_chat, message_field, resolve_template
@@ -42,10 +43,14 @@ class PromptDataset(RecordDataset["PromptRecord"]):
 
 @dataclasses.dataclass(frozen=True)
 class PromptRecord:
-    """A prompt and, when the dataset has one, its reference answer."""
+    """A prompt and, when the dataset has one, its reference answer; `columns`: the
+    record's other fields as read (the answer's column and any other, e.g. a
+    `difficulty`, under their names after the column mapping; not the prompt's), which
+    user reward functions receive as keywords, as TRL's do. Not compared."""
 
     prompt: str
     answer: str | None = None
+    columns: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 
 def detect_prompt_format(record: dict) -> str | None:
@@ -65,6 +70,11 @@ def _render(text: str, template: ChatTemplate | None) -> str:
     if template is None:
         return text
     return format_chat([{"role": "user", "content": text}], template, add_generation_prompt=True)
+
+
+def _others(record: dict, prompt_key: str) -> dict:
+    """The fields of `record` other than its prompt's (`PromptRecord.columns`)."""
+    return {k: v for k, v in record.items() if k != prompt_key}
 
 
 def _answer_value(record: dict, key: str) -> str | None:
@@ -93,14 +103,14 @@ def _parse_gsm8k(record: dict, template: ChatTemplate | None) -> PromptRecord:
         answer = normalise_number(solution)  # the final answer alone
     if answer is None:
         raise Malformed("no answer", "the 'answer' has no '#### <number>' and is not a number")
-    return PromptRecord(_render(question, template), answer)
+    return PromptRecord(_render(question, template), answer, _others(record, "question"))
 
 
 def _parse_mt_bench(record: dict, template: ChatTemplate | None) -> PromptRecord:
     turns = record["turns"]
     if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
         raise Malformed("wrong type", "'turns' must be a non-empty list of strings")
-    return PromptRecord(_render(turns[0], template), None)
+    return PromptRecord(_render(turns[0], template), None, _others(record, "turns"))
 
 
 def _parse_plain(record: dict, template: ChatTemplate | None) -> PromptRecord:
@@ -111,10 +121,10 @@ def _parse_plain(record: dict, template: ChatTemplate | None) -> PromptRecord:
         messages = [message_field(m, "prompt") for m in prompt]
         if not any(m["content"].strip() for m in messages):
             raise Unusable("empty prompt")
-        return PromptRecord(
-            format_chat(messages, template or "hh", add_generation_prompt=True), answer
-        )
-    return PromptRecord(_render(string_field(record, "prompt"), template), answer)
+        rendered = format_chat(messages, template or "hh", add_generation_prompt=True)
+        return PromptRecord(rendered, answer, _others(record, "prompt"))
+    prompt = _render(string_field(record, "prompt"), template)
+    return PromptRecord(prompt, answer, _others(record, "prompt"))
 
 
 def load_prompts(

@@ -39,6 +39,12 @@ def check_data_reward_model(key: str, c) -> None:
             f"{key}.reward_model='': {key}.reward_source={c.reward_source} on a data "
             "file needs the directory of an exported model (<run>/reward/hf, "
             "<run>/reward/ensemble or <run>/prm/hf)"
+            + (
+                f"; or score with your own functions: {key}.reward_source=task "
+                f"{key}.reward_functions=MODULE:NAME"
+                if hasattr(c, "reward_functions")
+                else ""
+            )
         )
 
 

@@ -24,6 +24,7 @@ from ._registry import Outcome, Stage, StageEnv, register_stage
 from ._reward_sources import (
     RewardSource,
     as_reward_source,
+    load_reward_functions,
     scored_needs,
     scored_on_task,
     stage_reward_source,
@@ -40,7 +41,13 @@ class PPOConfig(RolloutStageConfig, PPOSettings):
     """PPO (Schulman et al. 2017; Ouyang et al. 2022) with a value model and KL-shaped
     rewards; `epochs` x `minibatches` updates per rollout of `prompts_per_rollout`
     completions. The step's settings are `rlhf_eqx.train.PPOSettings` (`clip_eps`,
-    `vf_coef`, `ent_coef`, ...; its `temperature` is `sampling.temperature`)."""
+    `vf_coef`, `ent_coef`, ...; its `temperature` is `sampling.temperature`).
+
+    `reward_functions`: the user's reward functions (`MODULE:NAME` each, from the
+    current directory), called as TRL calls them (`BatchFunctionReward`: `fn(prompts=,
+    completions=, completion_ids=, **columns) -> one score per completion`, the data
+    file's other columns as keywords), weighted by `reward_weights` (default 1 each);
+    with `reward_source=task` they replace the task's reward."""
 
     temperature: float = dataclasses.field(
         default=SamplingConfig.temperature, metadata=_SET_BY_SAMPLING
@@ -51,10 +58,14 @@ class PPOConfig(RolloutStageConfig, PPOSettings):
     lam: float = 0.95
     kl_coef: float = 0.05
     reward_source: str = "reward_model"
+    reward_functions: tuple[str, ...] = ()
+    reward_weights: tuple[float, ...] = ()
 
     def check(self, name: str, *, device_count: int = 1) -> None:
         """PPO's own rules: minibatches divide the rollout (and its rows the devices), a
-        KL coefficient >= 0, γ and λ in [0, 1]."""
+        KL coefficient >= 0, γ and λ in [0, 1], reward functions that import, one finite
+        weight each, scored with `reward_source=task`."""
+        check_reward_functions(name, self)
         _positive(f"{name}.minibatches", self.minibatches)
         if self.prompts_per_rollout % self.minibatches:
             _fail(
@@ -71,6 +82,27 @@ class PPOConfig(RolloutStageConfig, PPOSettings):
         _check_options(name, self, self.prompts_per_rollout // self.minibatches)
         _within(f"{name}.gamma", self.gamma, 0, 1)
         _within(f"{name}.lam", self.lam, 0, 1)
+
+
+def check_reward_functions(name: str, c) -> None:
+    """A `ConfigError` naming the field when the stage config `c` (section `name`) has
+    reward functions that do not import (`load_reward_functions`), weights that are not
+    one finite number per function, or functions with another `reward_source` than
+    `task`, which is the one they score."""
+    specs, weights = tuple(c.reward_functions), tuple(c.reward_weights)
+    if weights and not specs:
+        _fail(f"{name}.reward_weights", weights, f"only with {name}.reward_functions")
+    for w in weights:
+        if not np.isfinite(w):
+            _fail(f"{name}.reward_weights", weights, "must be finite numbers")
+    if specs:
+        load_reward_functions(specs, weights, field=f"{name}.reward_functions")
+        if c.reward_source != "task":
+            _fail(
+                f"{name}.reward_functions",
+                specs,
+                f"score only with {name}.reward_source=task (it is {c.reward_source})",
+            )
 
 
 def run_ppo(
@@ -182,7 +214,8 @@ def scored_prompts(env: StageEnv, c: PPOConfig) -> tuple[list[str], list[str], R
     needed), split by `data.seed` (`split_records`: the file's text), each side through
     the model's chat template and cut to the prompts that fit `sampling.prompt_length`,
     and the reward source of `c` (`stage_reward_source`; `reward_source=task` is the
-    exact match of the reference answers, which every prompt must then have).
+    user's `reward_functions`, given each prompt's other columns, or else the exact
+    match of the reference answers, which every prompt must then have).
     `env.summary["data_quality"]` counts what the reader skipped, the repeated prompts
     and those too long; a `ValueError` names the file when no prompt is left."""
     cfg, tok = env.cfg, env.tok
@@ -205,15 +238,18 @@ def scored_prompts(env: StageEnv, c: PPOConfig) -> tuple[list[str], list[str], R
         "longer_than_prompt_length": len(train) + len(held) - len(kept),
     }
     env.say(f"ppo: {len(train_fits)} training / {len(held_fits)} held-out prompts")
+    columns = {}  # each prompt's other columns: the first record's of a repeated one
+    for r in kept:
+        columns.setdefault(r.prompt, r.columns)
     answers = {r.prompt: r.answer for r in kept if r.answer is not None}
     task = []
-    if c.reward_source == "task":
+    if c.reward_source == "task" and not c.reward_functions:
         if len(answers) < len({r.prompt for r in kept}):
             raise ValueError(
                 f"ppo.reward_source=task: the exact match of reference answers, but "
                 f"{sum(r.answer is None for r in kept)} prompts of {cfg.data.path} have "
-                "none; score with ppo.reward_source=reward_model (ppo.reward_model=DIR), "
-                "judge or prm"
+                "none; score with your own functions (ppo.reward_functions=MODULE:NAME), "
+                "or ppo.reward_source=reward_model (ppo.reward_model=DIR), judge or prm"
             )
 
         def exact(prompt: str, completion: str) -> float:
@@ -221,7 +257,7 @@ def scored_prompts(env: StageEnv, c: PPOConfig) -> tuple[list[str], list[str], R
 
         task = [RewardFunction("exact_match", exact)]
     reward = stage_reward_source(
-        c, task=task, tokenizer=tok, judge=cfg.judge, judges={"base": env.base}
+        c, task=task, tokenizer=tok, judge=cfg.judge, judges={"base": env.base}, columns=columns
     )
     return [r.prompt for r in train_fits], [r.prompt for r in held_fits], reward
 

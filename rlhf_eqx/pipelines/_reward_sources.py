@@ -4,7 +4,8 @@ A stage's `reward_source` (`ppo.reward_source`, `grpo.reward_source`) is one of
 `REWARD_SOURCES`:
 
 - `"task"`: reward functions on the decoded text (the built-in task's animal scorer, the
-  exact-match answer of a GSM8K-style file);
+  exact-match answer of a GSM8K-style file), or the user's own (`<stage>.reward_functions
+  =MODULE:NAME,...`, called as TRL calls them: `BatchFunctionReward`);
 - `"reward_model"`: a Bradley-Terry reward model, or an ensemble of them scored as
   `mean - penalty * std` (`reward.ensemble`, Coste et al. 2024);
 - `"judge"`: a generative judge, a language model's verdict token after a template
@@ -22,8 +23,10 @@ the run's own (the `reward` stage) or a directory written by `export_reward_mode
 
 import dataclasses
 import json
+import math
 import os
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -33,10 +36,12 @@ import numpy as np
 
 import rlhf_eqx as rx
 
+from ._callbacks import load_object
 from ._config import (
     REWARD_SOURCES as REWARD_SOURCES,
+    ConfigError,
 )
-from ._rollout import RewardFunction, Rollout, reward_model_scores, score_rollout
+from ._rollout import RewardFunction, Rollout, _reward_value, reward_model_scores, score_rollout
 from ._runs import check_finite_weights, copy_tokenizer
 from ._task import TRAIN_PROMPTS, animal_score
 
@@ -68,6 +73,114 @@ class FunctionReward(RewardSource):
     def score(self, rollout: Rollout) -> Scored:
         scores, metrics = score_rollout(rollout, self.fns)
         return Scored(scores, metrics)
+
+
+_CALL_KEYWORDS = ("prompts", "completions", "completion_ids")
+"""The keywords `BatchFunctionReward` gives every reward function besides the columns."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BatchFunctionReward(RewardSource):
+    """Reward functions as TRL's GRPO and PPO trainers call them: each `fn(prompts=...,
+    completions=..., completion_ids=..., **columns)` once per rollout, with lists of one
+    entry per completion (the prompt as the model saw it, the decoded completion, its
+    token ids) and, as keywords, the other columns of each completion's record
+    (`columns`: `{prompt: {column: value}}`, e.g. a file's `answer` or `difficulty`;
+    `None` for a prompt without that column). A function returns one score per
+    completion: a list, tuple, numpy or jax array of finite real numbers, `None` where
+    it does not score that completion (as in TRL, that function then adds nothing to
+    it). The reward is `Σ_k w_k · r_k` over the functions `fns` (`(name, fn, w_k)`);
+    `reward/<name>` the mean of each function's scores. A function that raises, or
+    returns another number of scores, a NaN, an infinity or something not a number is a
+    `ValueError` naming it (and the completion, its prompt and the value)."""
+
+    fns: tuple[tuple[str, Callable, float], ...]
+    columns: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def _column_names(self) -> list[str]:
+        """Every column of the records (a rollout whose records lack one passes `None`s)."""
+        names = dict.fromkeys(k for r in self.columns.values() for k in r)
+        return [k for k in names if k not in _CALL_KEYWORDS]
+
+    def score(self, rollout: Rollout) -> Scored:
+        prompts, texts = list(rollout.prompts), list(rollout.texts)
+        kept = np.asarray(rollout.completion_mask & rollout.mask)
+        ids = [row[m].tolist() for row, m in zip(np.asarray(rollout.tokens), kept)]
+        rows = [self.columns.get(p, {}) for p in prompts]
+        kwargs = {k: [r.get(k) for r in rows] for k in self._column_names}
+        total = np.zeros(len(texts), np.float64)
+        metrics = {}
+        for name, fn, weight in self.fns:
+            try:
+                out = fn(prompts=prompts, completions=texts, completion_ids=ids, **kwargs)
+            except Exception as e:
+                raise ValueError(
+                    f"reward function {name!r} raised {type(e).__name__}: {e}{_where(e)}"
+                ) from e
+            values = batch_scores(out, name, len(texts), max(int(rollout.group_size), 1))
+            scored = ~np.isnan(values)
+            total += weight * np.where(scored, values, 0.0)
+            metrics[f"reward/{name}"] = float(values[scored].mean()) if scored.any() else math.nan
+        return Scored(total.astype(np.float32), metrics)
+
+
+def _where(e: Exception) -> str:
+    """` (at FILE:LINE)` of the innermost frame of `e` outside this module, if any."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename != __file__]
+    return f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+
+
+def batch_scores(out: Any, name: str, n: int, group_size: int = 1) -> np.ndarray:
+    """The scores a batched reward function `name` returned for `n` completions as a
+    float64 array, NaN where it returned `None`; a `ValueError` naming the function for
+    another length or shape, a value that is not a finite real number (`_reward_value`)."""
+    if getattr(out, "dtype", None) is not None and np.ndim(out) != 1:
+        raise ValueError(
+            f"reward function {name!r} returned an array of shape {np.shape(out)}: expected "
+            f"{n} scores, one per completion"
+        )
+    if isinstance(out, (str, bytes, Mapping)) or not hasattr(out, "__len__"):
+        raise ValueError(
+            f"reward function {name!r} returned {type(out).__name__} {out!r:.60}: expected "
+            f"a list of {n} scores, one per completion"
+        )
+    if len(out) != n:
+        raise ValueError(
+            f"reward function {name!r} returned {len(out)} scores for {n} completions "
+            "(one per completion)"
+        )
+    if getattr(out, "dtype", None) is not None:
+        out = np.asarray(out)  # a numpy or jax array: its items as numpy scalars
+    return np.asarray(
+        [
+            math.nan if v is None else _reward_value(v, name, b, group_size)
+            for b, v in enumerate(out)
+        ],
+        np.float64,
+    )
+
+
+def load_reward_functions(
+    specs: Sequence[str], weights: Sequence[float] = (), *, field: str = "reward_functions"
+) -> tuple[tuple[str, Callable, float], ...]:
+    """`(name, fn, weight)` of each `MODULE:NAME` of `specs` (imported with the current
+    directory first on the path, as `--callback`'s), the weights `weights` (default 1
+    each) for `BatchFunctionReward`. A `ConfigError` naming `field` (e.g.
+    `grpo.reward_functions`) and the spec when one does not import, is not callable, or
+    the weights are not one finite number per function."""
+    if weights and len(weights) != len(specs):
+        raise ConfigError(
+            f"{field.rpartition('.')[0] or field}.reward_weights={tuple(weights)!r}: expected "
+            f"one weight per function of {field}={tuple(specs)!r}"
+        )
+    out = []
+    for spec, weight in zip(specs, weights or [1.0] * len(specs)):
+        fn = load_object(spec, f"{field}={spec}", "my_rewards:length_reward")
+        if not callable(fn):
+            raise ConfigError(f"{field}={spec}: expected a function, got {type(fn).__name__}")
+        out.append((spec.partition(":")[2], fn, float(weight)))
+    return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -330,14 +443,20 @@ def stage_reward_source(
     judge,
     judges: dict,
     run_reward: RewardSource | None = None,
+    columns: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> RewardSource:
     """The reward source of a PPO / GRPO stage config `c` (`c.reward_source`,
-    `c.reward_model`): the `task` reward functions; the run's reward model
+    `c.reward_model`): the user's `c.reward_functions` when it names some
+    (`BatchFunctionReward`, given `columns`, `{prompt: {column: value}}`: a data file's
+    other columns), else the `task` reward functions; the run's reward model
     (`run_reward`) or a directory's; a judge (`judge`: the `JudgeConfig`; `judges` maps
     `judge.model` names to policies, e.g. `{"base": base, "sft": sft}`, and a directory
     is loaded); a process reward model from a directory."""
     eos = tuple(i for i in (tokenizer.eos_id,) if i is not None)
     if c.reward_source == "task":
+        own = user_reward_functions(c)
+        if own is not None:
+            return dataclasses.replace(own, columns=dict(columns or {}))
         return FunctionReward(tuple(task))
     if c.reward_source == "judge":
         model = judges.get(judge.model)
@@ -370,9 +489,23 @@ def stage_reward_source(
     return source
 
 
+def user_reward_functions(c, key: str = "") -> BatchFunctionReward | None:
+    """The user's reward functions of a PPO / GRPO stage config `c` (section `key`, in
+    messages): `c.reward_functions` (`MODULE:NAME` each) weighted by
+    `c.reward_weights`, as a `BatchFunctionReward` without columns; `None` when it
+    names none (or `c` has no such field)."""
+    specs = tuple(getattr(c, "reward_functions", ()))
+    if not specs:
+        return None
+    weights = tuple(getattr(c, "reward_weights", ()))
+    field = f"{key}.reward_functions" if key else "reward_functions"
+    return BatchFunctionReward(load_reward_functions(specs, weights, field=field))
+
+
 def task_reward_source(env, c) -> RewardSource:
     """The reward source of a PPO / GRPO stage on the built-in task (`c.reward_source`):
-    the animal scorer, the run's reward model, or the judge (`base` or `sft`)."""
+    the animal scorer (or the user's `reward_functions`), the run's reward model, or the
+    judge (`base` or `sft`)."""
     task = [RewardFunction("animal", lambda p, t: animal_score(t))]
     judges = {"base": env.base, "sft": env.policies.get("sft")}
     return stage_reward_source(

@@ -236,3 +236,56 @@ def test_a_stage_with_two_counts_is_checked_against_the_one_its_loop_ran(
         pl.tools.open_run_dir(changed(**refused), str(run_dir), resume=True)
     with pl.tools.open_run_dir(changed(**accepted), str(run_dir), resume=True) as rd:
         assert rd.resume
+
+
+# --- a directory of several runs is no single run's, and the reverse ----------------------
+
+
+def _fake_many(root, kind: str) -> None:
+    """A sweep's directory (`sweep.json`, its members' logs) or a run's over several seeds
+    (`seed-<seed>/` run directories)."""
+    member = root / ("members/lr=0.1,seed=0" if kind == "sweep" else "seed-0")
+    member.mkdir(parents=True)
+    (member / "metrics.jsonl").write_text('{"stage": "sft", "iteration": 0, "step": 0}\n')
+    if kind == "sweep":
+        (root / "sweep.json").write_text('{"stage": "sft"}')
+
+
+@pytest.mark.parametrize(
+    ("kind", "what"), [("sweep", "a sweep"), ("seeds", "a run over several seeds")]
+)
+def test_a_single_run_into_a_directory_of_several_runs_is_refused(tmp_path, kind, what):
+    root = tmp_path / "many"
+    _fake_many(root, kind)
+    before = _snapshot(root)
+    for resume in (False, True):
+        with pytest.raises(pl.loop.RunDirError, match=f"holds {what}, not a single run"):
+            pl.tools.open_run_dir(_cfg(root, 3), str(root), resume=resume)
+        assert _snapshot(root) == before
+    # --overwrite moves it aside, as it does a run
+    with pl.tools.open_run_dir(_cfg(root, 3), str(root), overwrite=True) as rd:
+        assert any("moved the previous run" in n for n in rd.notes)
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("many.replaced-")]
+    assert _snapshot(aside) == before
+
+
+def test_a_sweep_into_a_single_runs_directory_is_refused(tmp_path):
+    run_dir = tmp_path / "run"
+    _run(run_dir, 2)
+    before = _snapshot(run_dir)
+    with pytest.raises(pl.loop.RunDirError, match="holds a run, not a sweep"):
+        pl.sweep("sft", pl.animal_task_config(), seeds=1, out=str(run_dir))
+    assert _snapshot(run_dir) == before
+
+
+@pytest.mark.parametrize("out", [".", "..", "inner/.."])
+def test_overwrite_refuses_to_move_the_working_directory_aside(tmp_path, monkeypatch, out):
+    run_dir = tmp_path / "run"
+    _run(run_dir, 2)
+    (run_dir / "inner").mkdir()
+    monkeypatch.chdir(run_dir / "inner" if out == ".." else run_dir)
+    before = _snapshot(run_dir)
+    with pytest.raises(pl.loop.RunDirError, match="cannot move .* aside: it holds the working"):
+        pl.tools.open_run_dir(_cfg(out, 2), out, overwrite=True)
+    assert _snapshot(run_dir) == before  # nothing moved, no lock left
+    assert not [p for p in tmp_path.iterdir() if ".replaced-" in p.name]

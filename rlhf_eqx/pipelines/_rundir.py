@@ -11,7 +11,9 @@ what it resumes, and `config.json` is written only after every check has passed.
 2. **New run or resume.** A directory that already holds a run (`metrics.jsonl`,
    `summary.json` or stage checkpoints) is refused for a new run,
    naming `--resume` and `--overwrite`; `overwrite=True` first moves the old run aside
-   to `<run_dir>.replaced-<UTC time>` (nothing is deleted).
+   to `<run_dir>.replaced-<UTC time>` (nothing is deleted). A directory of several runs
+   (a sweep, a run over several seeds: `holds_runs`) is refused for a run and its
+   resume alike (`overwrite` moves it aside too).
 3. **Resume checks.** The requested configuration is compared with the stored
    `config.json`; any difference outside the resumable fields (`RESUMABLE_FIELDS` and each
    stage's `Stage.resumable`) is refused, naming each field with its old and new value.
@@ -59,6 +61,27 @@ from ._resume_rules import (
 # A `config.json` alone (a run that stopped before it logged anything) is no run.
 _RUN_MARKERS = ("metrics.jsonl", "summary.json")
 LOCK_NAME = ".lock"
+
+
+# What marks a directory of several runs: a sweep (`sweep.json`, `_sweep.py`) or a run
+# over several seeds (`seeds_summary.json` and `seed-<seed>/` run directories,
+# `_seeds.py`). A single run never goes into one, nor one into a single run's directory.
+_MANY_RUNS = {"sweep.json": "a sweep", "seeds_summary.json": "a run over several seeds"}
+
+
+def holds_runs(run_dir: str) -> str | None:
+    """What `run_dir` holds when it is a directory of several runs (`"a sweep"`, `"a run
+    over several seeds"`), else `None`."""
+    if not os.path.isdir(run_dir):
+        return None
+    for marker, what in _MANY_RUNS.items():
+        if os.path.exists(os.path.join(run_dir, marker)):
+            return what
+    for name in os.listdir(run_dir):
+        number = name.removeprefix("seed-")
+        if name != number and number.isdigit() and holds_run(os.path.join(run_dir, name)):
+            return "a run over several seeds"
+    return None
 
 
 def holds_run(run_dir: str) -> bool:
@@ -241,19 +264,14 @@ def open_run_dir(
     if resume and overwrite:
         raise RunDirError("--resume and --overwrite exclude each other")
     notes: list[str] = []
-    if overwrite and holds_run(run_dir):
-        # Hold the old run's lock while moving it: a live run is never moved away.
-        old_lock = RunLock(run_dir)
-        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S")
-        aside = f"{run_dir.rstrip(os.sep)}.replaced-{stamp}"
-        n = 1
-        while os.path.exists(aside):
-            aside = f"{run_dir.rstrip(os.sep)}.replaced-{stamp}-{n}"
-            n += 1
-        os.rename(run_dir, aside)
-        old_lock.path = os.path.join(aside, LOCK_NAME)
-        old_lock.release()
-        notes.append(f"moved the previous run in {run_dir} to {aside}")
+    many = holds_runs(run_dir)
+    if many is not None and not overwrite:
+        raise RunDirError(
+            f"{run_dir} holds {many}, not a single run; choose another --out (or "
+            "--overwrite to move it aside)"
+        )
+    if overwrite and (holds_run(run_dir) or many is not None):
+        notes.append(_move_aside(run_dir))
     lock = RunLock(run_dir)
     try:
         if lock.stale:
@@ -323,6 +341,35 @@ def check_stage_checkpoints(run_dir: str, new: dict) -> None:
             check_iteration_count(path, saved, count, stage)
         if isinstance(saved.get("steps"), int):
             check_logged_steps(metrics, stage, saved["steps"], path)
+
+
+def _move_aside(run_dir: str) -> str:
+    """Move the run in `run_dir` to `<run_dir>.replaced-<UTC time>` (`--overwrite`),
+    holding its lock meanwhile: a live run is never moved away. A directory that holds
+    the working directory is refused (the new run would go where the old one went).
+    Returns the note that says where it went."""
+    here, target = os.path.realpath(os.getcwd()), os.path.realpath(run_dir)
+    if os.path.commonpath([here, target]) == target:
+        raise RunDirError(
+            f"--overwrite cannot move {run_dir} aside: it holds the working directory "
+            f"({here}); run from another directory, or choose another --out"
+        )
+    old_lock = RunLock(run_dir)
+    try:
+        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S")
+        name = os.path.normpath(run_dir)
+        aside = f"{name}.replaced-{stamp}"
+        n = 1
+        while os.path.exists(aside):
+            aside = f"{name}.replaced-{stamp}-{n}"
+            n += 1
+        os.rename(run_dir, aside)
+    except BaseException:
+        old_lock.release()
+        raise
+    old_lock.path = os.path.join(aside, LOCK_NAME)
+    old_lock.release()
+    return f"moved the previous run in {run_dir} to {aside}"
 
 
 def rewritten_on_resume(record: dict) -> bool:

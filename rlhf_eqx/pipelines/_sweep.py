@@ -54,7 +54,14 @@ from ._pipeline import (
 from ._pipeline_config import PipelineConfig, animal_task_config
 from ._registry import get_stage
 from ._resume_rules import RunDirError, config_changes
-from ._rundir import RunLock, check_data, removed_if_nothing_ran, write_json_atomic
+from ._rundir import (
+    RunLock,
+    check_data,
+    holds_run,
+    holds_runs,
+    removed_if_nothing_ran,
+    write_json_atomic,
+)
 from ._sweep_data import check_data_sweep, data_sweep
 from ._sweep_dpo import dpo_sweep
 from ._sweep_grid import Member, grid_values, make_members, parse_grid
@@ -136,6 +143,9 @@ def _take_dir(out: str, spec: dict, resume: bool) -> bool:
     """Check `out` for this sweep; write its spec. **Returns:** whether it resumes."""
     path = os.path.join(out, SWEEP_SPEC)
     if not os.path.isfile(path):
+        other = "a run" if holds_run(out) else holds_runs(out)
+        if other is not None:  # never mixed with a sweep's files (metrics, data.json, ...)
+            raise RunDirError(f"{out} holds {other}, not a sweep; choose another --out")
         write_json_atomic(path, spec)
         return False
     if not resume:

@@ -24,7 +24,7 @@ from ._registry import Outcome, Stage, StageEnv, register_stage
 from ._reward_sources import (
     RewardSource,
     as_reward_source,
-    load_reward_functions,
+    check_reward_functions,
     scored_needs,
     scored_on_task,
     stage_reward_source,
@@ -82,27 +82,6 @@ class PPOConfig(RolloutStageConfig, PPOSettings):
         _check_options(name, self, self.prompts_per_rollout // self.minibatches)
         _within(f"{name}.gamma", self.gamma, 0, 1)
         _within(f"{name}.lam", self.lam, 0, 1)
-
-
-def check_reward_functions(name: str, c) -> None:
-    """A `ConfigError` naming the field when the stage config `c` (section `name`) has
-    reward functions that do not import (`load_reward_functions`), weights that are not
-    one finite number per function, or functions with another `reward_source` than
-    `task`, which is the one they score."""
-    specs, weights = tuple(c.reward_functions), tuple(c.reward_weights)
-    if weights and not specs:
-        _fail(f"{name}.reward_weights", weights, f"only with {name}.reward_functions")
-    for w in weights:
-        if not np.isfinite(w):
-            _fail(f"{name}.reward_weights", weights, "must be finite numbers")
-    if specs:
-        load_reward_functions(specs, weights, field=f"{name}.reward_functions")
-        if c.reward_source != "task":
-            _fail(
-                f"{name}.reward_functions",
-                specs,
-                f"score only with {name}.reward_source=task (it is {c.reward_source})",
-            )
 
 
 def run_ppo(

@@ -489,6 +489,25 @@ def stage_reward_source(
     return source
 
 
+def check_reward_functions(name: str, c) -> None:
+    """A `ConfigError` naming the field when the stage config `c` (section `name`) has
+    reward functions that do not import (`load_reward_functions`), weights that are not
+    one finite number per function, or functions with another `reward_source` than
+    `task`, which is the one they score."""
+    specs, weights = tuple(c.reward_functions), tuple(c.reward_weights)
+    if weights and not specs:
+        raise ConfigError(f"{name}.reward_weights={weights!r}: only with {name}.reward_functions")
+    if not all(math.isfinite(w) for w in weights):
+        raise ConfigError(f"{name}.reward_weights={weights!r}: must be finite numbers")
+    if specs:
+        load_reward_functions(specs, weights, field=f"{name}.reward_functions")
+        if c.reward_source != "task":
+            raise ConfigError(
+                f"{name}.reward_functions={specs!r}: score only with {name}.reward_source=task "
+                f"(it is {c.reward_source})"
+            )
+
+
 def user_reward_functions(c, key: str = "") -> BatchFunctionReward | None:
     """The user's reward functions of a PPO / GRPO stage config `c` (section `key`, in
     messages): `c.reward_functions` (`MODULE:NAME` each) weighted by

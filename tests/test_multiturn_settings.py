@@ -81,6 +81,25 @@ def test_a_batch_the_token_budget_cut_whole_is_named(tmp_path):
     assert "raise multiturn.turn_tokens" in note["message"]
 
 
+class _Flat(_Endless):
+    """Every episode gets the same reward."""
+
+    def step(self, state, completion, completion_mask):
+        out = super().step(state, completion, completion_mask)
+        return out[:3] + (jnp.zeros((), jnp.float32), out[4])
+
+
+def test_a_rollout_without_signal_is_named(tmp_path):
+    """Equal rewards in every group: a `no_signal` event, as the GRPO stage logs."""
+    res, tok = _run(tmp_path, _Flat(stop_ids=(2,)))
+    (record,) = [r for r in res.history if "rollout/turns" in r]
+    assert record["rollout/frac_reward_zero_std"] == 1.0
+    (note,) = [e for e in _events(tmp_path) if e["event"] == "no_signal"]
+    assert note["message"] == "iteration 0: every group's episodes got the same reward; " + (
+        "no advantage to learn from"
+    )
+
+
 def tok_unk() -> int:
     """An id the shipped model never samples: `<unk>`, id 0 of llama2.c vocabularies."""
     return 0

@@ -241,9 +241,8 @@ def run_multiturn(policy, tok, prompts: Sequence[str], env, *, cfg, ctx: RunCont
         k_sample, k_steps = jax.random.split(key)
         traj = round_episodes(state.model, env, tok, prompts, k_sample, r, cfg, ctx, n, G)
         batch, info = episode_batch(traj, reference, G, P)
-        note = all_truncated(r, info, cfg, "multiturn")
-        if note is not None:
-            ctx.log.event("all_truncated", note, iteration=r)
+        for kind, note in episode_notes(r, info, cfg, "multiturn"):
+            ctx.log.event(kind, note, iteration=r)
         metrics = []
         for e in range(cfg.epochs):
             state, met = state.apply(step, batch, key=jax.random.fold_in(k_steps, e))
@@ -307,21 +306,35 @@ def run_episodes(state, iteration, ctx, ctx_key, cfg, iterations: int, episodes:
     )
 
 
-def all_truncated(r: int, info: dict, cfg, name: str) -> str | None:
-    """The message of an `all_truncated` event when `cfg.mask_truncated_completions`
-    masks every episode of iteration `r` (`info["truncated"] == 1`, `episode_batch`'s):
-    the update has no token to learn from; it says why and which settings give the
-    turns room. `None` otherwise."""
-    if not (cfg.mask_truncated_completions and info.get("truncated") == 1.0):
-        return None
-    return (
-        f"iteration {r}: every episode was cut by the token budget (its last turn reached "
-        f"{name}.turn_tokens={cfg.turn_tokens} tokens without a stop id, or the episode "
-        f"filled its buffer before it ended) and "
-        f"{name}.mask_truncated_completions=true masks them all: the update has no token "
-        f"to learn from; raise {name}.turn_tokens, or let the environment's stop_ids end "
-        "the turns"
-    )
+def episode_notes(r: int, info: dict, cfg, name: str) -> list[tuple[str, str]]:
+    """The events `(kind, message)` of iteration `r` of a multi-turn GRPO run (`info`,
+    `episode_batch`'s): `no_signal` when every group's episodes got the same reward (no
+    advantage: only the KL term moves the policy), and `all_truncated` when
+    `cfg.mask_truncated_completions` masks every episode (`info["truncated"] == 1`: the
+    update has no token to learn from), saying why and which settings give the turns
+    room."""
+    notes = []
+    if info.get("frac_reward_zero_std") == 1.0:
+        notes.append(
+            (
+                "no_signal",
+                f"iteration {r}: every group's episodes got the same reward; no advantage "
+                "to learn from",
+            )
+        )
+    if cfg.mask_truncated_completions and info.get("truncated") == 1.0:
+        notes.append(
+            (
+                "all_truncated",
+                f"iteration {r}: every episode was cut by the token budget (its last turn "
+                f"reached {name}.turn_tokens={cfg.turn_tokens} tokens without a stop id, or "
+                f"the episode filled its buffer before it ended) and "
+                f"{name}.mask_truncated_completions=true masks them all: the update has no "
+                f"token to learn from; raise {name}.turn_tokens, or let the environment's "
+                "stop_ids end the turns",
+            )
+        )
+    return notes
 
 
 def episode_batch(traj, reference, G: int, P: int):

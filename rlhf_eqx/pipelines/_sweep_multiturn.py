@@ -25,8 +25,8 @@ from ._evaluate import prompt_se, win_rate, win_rate_se
 from ._multiturn_stage import (
     _length,
     _prompts,
-    all_truncated,
     episode_batch,
+    episode_notes,
     multiturn_metrics,
     stage_environment,
     turn_stop_ids,
@@ -92,9 +92,9 @@ def multiturn_sweep(
             batch, inf = episode_batch(traj, references[m], G, P)
             batches.append(batch)
             info.append(inf)
-            note = all_truncated(r, inf, members[m].cfg.multiturn, "multiturn")
-            if note is not None and alive[m]:
-                events.append((m, "all_truncated", note))
+            if alive[m]:
+                notes = episode_notes(r, inf, members[m].cfg.multiturn, "multiturn")
+                events += [(m, kind, note) for kind, note in notes]
         update = (program, hyper, k_steps)
         return grpo_updates(update, st, stack(batches), alive, r, info, events, c0)
 

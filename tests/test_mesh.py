@@ -150,6 +150,22 @@ def test_shard_model_and_opt_state_place_leaves_by_the_rules(getkey):
     assert _max_abs_diff(state.params, policy) == 0.0
 
 
+def test_shard_train_state_keeps_the_run_key_and_the_skipped_count(getkey):
+    policy = rx.Policy(_config(), key=getkey())
+    opt = make_optimizer(learning_rate=LR, total_steps=10)
+    state = init_train_state(policy, opt, key=jax.random.key(5))
+    state = eqx.tree_at(lambda s: s.skipped, state, jnp.asarray(3, jnp.int32))
+    mesh = dist.make_mesh(4, 2)
+    placed = dist.shard_train_state(state, mesh, fsdp=True)
+    assert int(placed.skipped) == 3 and int(placed.step) == 0
+    assert placed.key is not None
+    np.testing.assert_array_equal(
+        jax.random.key_data(placed.key), jax.random.key_data(jax.random.key(5))
+    )
+    for x in (placed.step, placed.skipped, placed.key):
+        assert x.sharding == NamedSharding(mesh, P())
+
+
 def test_shard_batch_splits_rows_and_names_a_field_that_does_not_divide(getkey):
     mesh = dist.make_mesh(4, 2)
     batch = dist.shard_batch(_preference_batch(getkey()), mesh)

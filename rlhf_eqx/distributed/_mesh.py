@@ -1,5 +1,6 @@
 """Sharded meshes: `jax.jit` + `NamedSharding` placement of models, optimiser states and batches."""
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -147,14 +148,24 @@ def shard_train_state(
     state: Any, mesh: Mesh, *, fsdp: bool = False, tensor_parallel: bool = True
 ) -> Any:
     """Place a `rlhf_eqx.train.TrainState` on `mesh`: params and frozen parts by the model
-    rules, optimiser state like its params, the step counter replicated."""
+    rules, optimiser state like its params, every other field (the step and skipped
+    counters, the run's key) replicated and kept as it is."""
     kw = dict(fsdp=fsdp, tensor_parallel=tensor_parallel)
-    return type(state)(
+    placed = dict(
         params=shard_model(state.params, mesh, **kw),
         frozen=shard_model(state.frozen, mesh, **kw),
         opt_state=shard_opt_state(state.opt_state, state.params, mesh, **kw),
-        step=jax.device_put(state.step, NamedSharding(mesh, PartitionSpec())),
     )
+    replicated = NamedSharding(mesh, PartitionSpec())
+    rest = {
+        f.name: jax.tree.map(
+            lambda x: jax.device_put(x, replicated) if eqx.is_array(x) else x,
+            getattr(state, f.name),
+        )
+        for f in dataclasses.fields(state)
+        if f.name not in placed
+    }
+    return dataclasses.replace(state, **placed, **rest)
 
 
 def shard_batch(batch: PyTree, mesh: Mesh, *, axis: str = "data") -> PyTree:

@@ -393,6 +393,66 @@ def test_shard_batch_for_pmap_refuses_a_batch_that_does_not_divide(getkey):
         dist.shard_batch_for_pmap({"x": jnp.zeros(())}, 2)
 
 
+def _objective_case(name):
+    """A model, a micro-batched step (two micro-batches of four rows), a batch with uneven
+    masks, and the step's extra arguments, for SFT, reward modelling, GRPO and KTO."""
+    from rlhf_eqx import train
+
+    opt = make_optimizer(learning_rate=LR, eps=ADAM_EPS, total_steps=10)
+    policy = rx.Policy(_config(), key=jax.random.key(0))
+    tokens, mask, completion = _rows(jax.random.key(1), [12, 10, 8, 4, 11, 9, 12, 7])
+    if name == "sft":
+        batch = rx.SequenceBatch(tokens=tokens, mask=mask, completion_mask=completion)
+        return policy, opt, train.make_sft_step(opt, micro_batches=2), batch, {}
+    if name == "reward":
+        model = rx.RewardModel(_config(), key=jax.random.key(3))
+        step = train.make_reward_step(opt, center_coef=0.01, micro_batches=2)
+        return model, opt, step, _preference_batch(jax.random.key(4)), {}
+    reference = _perturbed(policy, 2)
+    if name == "grpo":
+        rewards = jnp.asarray([1.0, 0.0, 0.5, 0.5, 0.0, 1.0, 1.0, 0.0])
+        batch = train.GRPOBatch(
+            tokens=tokens, mask=mask, completion_mask=completion, rewards=rewards
+        )
+        step = train.make_grpo_step(opt, group_size=2, beta=0.04, micro_batches=2)
+        return policy, opt, step, batch, {"reference": reference}
+    kl_tokens, kl_mask, kl_completion = _rows(jax.random.key(5), [11, 12, 9, 10, 12, 8, 11, 12])
+    batch = train.KTOBatch(
+        tokens=tokens,
+        mask=mask,
+        completion_mask=completion,
+        label=jnp.asarray([True, False, True, True, False, False, True, False]),
+        kl_tokens=kl_tokens,
+        kl_mask=kl_mask,
+        kl_completion_mask=kl_completion,
+    )
+    return policy, opt, train.make_kto_step(opt, micro_batches=2), batch, {"reference": reference}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["sft", "reward", "grpo", "kto"])
+def test_micro_batched_steps_of_other_objectives_on_an_fsdp_tp_mesh_equal_one_device(name):
+    """SFT, reward modelling, GRPO (groups of two, a KL term) and KTO (its KL baseline from
+    mismatched pairs), each with two micro-batches, on a (4, 2) mesh with FSDP and tensor
+    parallel: the step of one device on the same global batch."""
+    model, opt, step, batch, extras = _objective_case(name)
+    state = init_train_state(model, opt)
+    single, m1 = state.apply(step, batch, donate=False, **extras)
+    mesh = dist.make_mesh(4, 2)
+    placed = dist.shard_train_state(state, mesh, fsdp=True)
+    extras = {k: dist.shard_model(v, mesh, fsdp=True) for k, v in extras.items()}
+    sharded, m2 = placed.apply(step, dist.shard_batch(batch, mesh), **extras)
+    assert_adam_steps_agree(
+        single.params,
+        sharded.params,
+        lr=LR,
+        a_opt_state=single.opt_state,
+        b_opt_state=sharded.opt_state,
+    )
+    for key, value in m1.items():
+        np.testing.assert_allclose(float(m2[key]), float(value), rtol=1e-4, atol=1e-6, err_msg=key)
+
+
 @pytest.mark.slow
 def test_lora_dpo_step_with_int8_base_on_a_mesh_equals_one_device():
     policy = rx.quantize_int8(rx.Policy(_config(), key=jax.random.key(0)))

@@ -18,9 +18,11 @@ import rlhf_eqx as rx
 from rlhf_eqx.distributed import replicate, shard_batch_for_pmap, unreplicate
 from rlhf_eqx.train import (
     GRPOBatch,
+    KTOBatch,
     compute_reference_logps,
     make_dpo_step,
     make_grpo_step,
+    make_kto_step,
     make_ppo_step,
     make_reward_step,
     make_sft_step,
@@ -225,6 +227,36 @@ def test_pmap_grpo_shared_prompt_equals_one_device_unshared(getkey):
     assert_updates_agree(unreplicate(dp_params), one_params, policy)
     for k in ("loss", "kl", "entropy"):
         np.testing.assert_allclose(unreplicate(dp_m)[k], one_m[k], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_pmap_kto_equals_one_device(getkey):
+    """KTO's KL baseline (a batch mean over mismatched pairs) and its desirable and
+    undesirable sums are reduced over the devices: labels are uneven across them."""
+    policy = rx.Policy(tiny_config(), key=getkey())
+    ref = rx.Policy(tiny_config(), key=getkey())
+    tokens, mask, cm = _uneven_sequences(getkey())
+    kl_tokens, kl_mask, kl_cm = _uneven_sequences(getkey())
+    label = jnp.arange(B) % 3 == 0
+    batch = KTOBatch(
+        tokens=tokens,
+        mask=mask,
+        completion_mask=cm,
+        label=label,
+        kl_tokens=kl_tokens,
+        kl_mask=kl_mask,
+        kl_completion_mask=kl_cm,
+    )
+    opt = optax.sgd(0.5)
+    for micro_batches in (1, 2):
+        _compare(
+            make_kto_step(opt, axis_name="data", micro_batches=micro_batches),
+            make_kto_step(opt, micro_batches=micro_batches),
+            policy,
+            opt,
+            batch,
+            reference=ref,
+        )
 
 
 def test_naive_pmap_without_axis_name_differs(getkey):

@@ -153,6 +153,20 @@ def test_step_lines_removed_before_the_checkpoint_are_refused_naming_file_and_st
     assert _snapshot(run_dir) == before
 
 
+def test_a_step_line_copied_by_hand_is_refused_naming_the_step(tmp_path):
+    run_dir, _ = _interrupted(tmp_path)
+    path = os.path.join(str(run_dir), "metrics.jsonl")
+    with open(path) as f:
+        lines = f.readlines()
+    (third,) = [x for x in lines if json.loads(x).get("step") == 2 and "event" not in x]
+    with open(path, "a") as f:
+        f.write(third)
+    before = _snapshot(run_dir)
+    with pytest.raises(pl.loop.RunDirError, match=r"hold step\(s\) 2 more than once"):
+        _run(run_dir, 6, resume=True)
+    assert _snapshot(run_dir) == before
+
+
 def test_the_loop_alone_refuses_missing_step_lines(tmp_path):
     # A run resumed without the run-directory layer (a stage function with a resuming
     # `RunContext`) is refused by its loop.

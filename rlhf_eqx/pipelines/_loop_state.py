@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jaxtyping import PyTree
 
 from ._checkpoints import latest_checkpoint, restore_checkpoint, save_checkpoint
-from ._metrics import MetricsLog, drop_records, missing_steps, step_ranges
+from ._metrics import MetricsLog, drop_records, logged_steps, step_ranges
 from ._resume_rules import RunDirError, check_resumable
 
 
@@ -101,18 +101,23 @@ def check_iteration_count(checkpoint: str, saved: dict, num_iterations: int, sta
         )
 
 
-def check_logged_steps(log_path: str, stage: str, steps: int, checkpoint: str) -> None:
+def check_logged_steps(
+    log_path: str, stage: str, steps: int, checkpoint: str, *, repeats: bool = True
+) -> None:
     """Refuse (`RunDirError`, naming the file and the steps) to resume `stage` from
-    `checkpoint`, taken after `steps` steps, when step records before it are missing
-    from the metrics log `log_path` (`missing_steps`: lines removed by hand, or lost):
-    the resumed run would leave its metrics with holes."""
-    missing = missing_steps(log_path, stage, steps)
-    if missing:
+    `checkpoint`, taken after `steps` steps, when the metrics log `log_path` lacks step
+    records before it, or (with `repeats`: a log of this run alone, as a run directory's
+    is) holds one twice (`logged_steps`: lines removed, lost or copied by hand): the
+    resumed run's metrics would have holes or repeats."""
+    missing, repeated = logged_steps(log_path, stage, steps)
+    wrong = [f"lack step(s) {step_ranges(missing)}"] if missing else []
+    if repeats and repeated:
+        wrong.append(f"hold step(s) {step_ranges(repeated)} more than once")
+    if wrong:
         raise RunDirError(
             f"{log_path}: the step records of {stage} before the checkpoint {checkpoint} "
-            f"(step {steps}) lack step(s) {step_ranges(missing)}; put those lines back, or "
-            "start a new run (--overwrite or another --out): resuming would leave holes in "
-            "the metrics"
+            f"(step {steps}) {' and '.join(wrong)}; restore those lines as the run wrote "
+            "them (each step once), or start a new run (--overwrite or another --out)"
         )
 
 
@@ -184,7 +189,9 @@ class LoopCheckpoints:
             )
             stopped = saved.get("stopped") or "done"
             check_iteration_count(path, saved, num_iterations, log.stage)
-            check_logged_steps(log.path, log.stage, pos.steps, path)
+            # a log given to several runs of the loop may repeat steps; the run
+            # directory's own check (`open_run_dir`) refuses repeats too
+            check_logged_steps(log.path, log.stage, pos.steps, path, repeats=False)
             resumed = Resumed(
                 pos,
                 int(saved.get("rollbacks", 0)),

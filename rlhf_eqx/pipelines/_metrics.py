@@ -205,11 +205,12 @@ def drop_records(path: str, drop: Callable[[dict], bool]) -> int:
     return n
 
 
-def missing_steps(path: str, stage: str, steps: int) -> list[int]:
-    """The steps `0 .. steps - 1` of `stage` that have no step record (`"step"`, no
-    `"event"`, no `"eval"`) in the JSON-lines file `path`: lines removed by hand, or lost.
-    A run that reached step `steps` wrote each of them once (a rollback's steps go on)."""
-    seen: set[int] = set()
+def logged_steps(path: str, stage: str, steps: int) -> tuple[list[int], list[int]]:
+    """`(missing, repeated)`: the steps `0 .. steps - 1` of `stage` with no step record
+    (`"step"`, no `"event"`, no `"eval"`) in the JSON-lines file `path`, and those with
+    more than one: lines removed, lost or copied by hand. A run that reached step
+    `steps` wrote each of them once (a rollback's steps go on)."""
+    seen: dict[int, int] = {}
     if steps > 0 and os.path.isfile(path):
         with open(path, "rb") as f:
             for line in f:
@@ -221,11 +222,13 @@ def missing_steps(path: str, stage: str, steps: int) -> list[int]:
                     isinstance(rec, dict)
                     and rec.get("stage") == stage
                     and isinstance(rec.get("step"), int)
+                    and 0 <= rec["step"] < steps
                     and "event" not in rec
                     and not rec.get("eval")
                 ):
-                    seen.add(rec["step"])
-    return [s for s in range(steps) if s not in seen]
+                    seen[rec["step"]] = seen.get(rec["step"], 0) + 1
+    missing = [s for s in range(steps) if s not in seen]
+    return missing, sorted(s for s, n in seen.items() if n > 1)
 
 
 def step_ranges(steps: list[int]) -> str:

@@ -5,7 +5,9 @@ one compiled rollout (`rollout_multiturn`), or a Python `HostEnvironment` /
 `TextEnvironment` (tools, interpreters, anything) between compiled policy turns
 (`rollout_multiturn_host`). Both return a `Trajectory` whose `loss_mask` marks the
 policy's own tokens only, ready for the GRPO / PPO steps (`completion_mask=loss_mask`,
-`old_logp=logprobs`).
+`old_logp=logprobs`). `check_environment` runs a rollout's checks of a jittable
+environment before anything is compiled; `check_trajectory` the checks of its values
+that a rollout inside `jit` / `vmap` cannot run.
 
 The animal task's words (`ANIMALS`, with `animal_word_forms`) are shared by its
 follow-up environment (`AnimalFollowUpEnv`) and the built-in task's scorer

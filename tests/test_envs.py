@@ -770,7 +770,10 @@ def test_animal_followup_rollout_on_stories260k(tok512):
     recomputed = jax.vmap(lambda t, m: rx.token_logprobs(policy, t, m))(tr.tokens, tr.mask)
     diff = jnp.where(tr.loss_mask, recomputed - tr.logprobs, 0.0)
     assert float(jnp.max(jnp.abs(diff))) < 5e-5
-    assert np.all(np.asarray(tr.num_turns) == 2) and not np.asarray(tr.truncated).any()
+    assert np.all(np.asarray(tr.num_turns) == 2) and not np.asarray(tr.turn_limit).any()
+    tokens, turn_ids = np.asarray(tr.tokens), np.asarray(tr.turn_ids)
+    stopped = [bool(set(tokens[e][turn_ids[e] == 1]) & set(env.stop_ids)) for e in range(8)]
+    np.testing.assert_array_equal(np.asarray(tr.truncated), np.logical_not(stopped))
     np.testing.assert_array_equal(env.host_rewards(tr, tok), np.asarray(tr.reward))
     assert all(np.asarray(tr.turn_rewards[:, 0]) == 0.0)
 

@@ -285,8 +285,9 @@ def episode_scores(traj, reference):
         "score": float(rewards.mean()),
         "turns": float(jnp.mean(traj.num_turns.astype(jnp.float32))),
         "truncated": float(jnp.mean(traj.truncated.astype(jnp.float32))),
-        "turn_limit": float(jnp.mean(traj.turn_limit.astype(jnp.float32))),
     }
+    if traj.turn_limit is not None:  # None in a Trajectory built without it
+        info["turn_limit"] = float(jnp.mean(traj.turn_limit.astype(jnp.float32)))
     return own, ref, rewards, info
 
 

@@ -57,8 +57,9 @@ def run_on_data(
     callbacks: Sequence[Any] = (),
 ) -> dict:
     """Run `stage` (one of `data_stages()`: `sft` on demonstrations or preferences,
-    `reward`, `dpo` on preferences, `grpo`
-    on prompts with answers, `kto`, `distill`, `prm` on a stepwise file, and any
+    `reward`, `dpo` on preferences, `grpo` on prompts with answers, `ppo` on prompts
+    (scored by an exported reward model, a judge or the user's reward functions),
+    `kto`, `distill`, `prm` on a stepwise file, and any
     registered stage with a `data` function) on `cfg.data.path`; write `summary.json`,
     `metrics.jsonl`, `config.json` and the trained model in `cfg.out` (`<stage>/hf/`
     with its tokenizer; a reward model as `...ForSequenceClassification` in

@@ -67,6 +67,26 @@ MODULE = textwrap.dedent(
             return out[:3] + (out[3].astype(jnp.int32), out[4])
 
 
+    class Branchy(Ask):
+        def step(self, turns, completion, completion_mask):
+            if completion[0] > 3:  # Python branching on a traced value
+                turns = turns + 1
+            return super().step(turns, completion, completion_mask)
+
+
+    class Typo(Ask):
+        def step(self, turns, completion, completion_mask):
+            return self.questoin
+
+
+    def branchy(tok):
+        return Branchy(jnp.asarray([5, 6]), max_observation_tokens=2)
+
+
+    def typo(tok):
+        return Typo(jnp.asarray([5, 6]), max_observation_tokens=2)
+
+
     def int_reward(tok):
         question = jnp.asarray(tok.encode(" And then?"), jnp.int32)
         return IntReward(question, max_observation_tokens=int(question.shape[0]))
@@ -125,6 +145,12 @@ def test_a_user_environment_is_built_and_checked_before_the_run(env_module, stag
     )
     assert "Stops.stop_ids holds 9999, outside the vocabulary [0, 512)" in refused("foreign_stops")
     assert "IntReward.step's reward must be a float array of shape ()" in refused("int_reward")
+    err = refused("branchy")
+    assert "tracing its reset and step raised TracerBoolConversionError" in err
+    assert "use jnp.where or jax.lax.cond" in err and len(err.strip().splitlines()) == 1
+    err = refused("typo")
+    assert "raised AttributeError: 'Typo' object has no attribute 'questoin'" in err
+    assert len(err.strip().splitlines()) == 1
     err = refused("huge")
     assert f"{stage}.turn_tokens=40" in err and "2 observations of up to 300 tokens" in err
     assert "longer than the model's max_seq_len=512" in err

@@ -439,6 +439,22 @@ def check_episode_sampling(cfg, key: str, run) -> None:
             )
 
 
+def _traced_failure(error: Exception) -> str:
+    """One line on why `rlhf_eqx.envs.check_environment` refused an environment: its own
+    message, or the exception tracing `reset` / `step` raised (its first line), with a
+    hint when they branch in Python on a traced value."""
+    first = str(error).splitlines()[0] if str(error) else ""
+    if type(error) in (TypeError, ValueError):  # the check's own message
+        return first
+    why = f"tracing its reset and step raised {type(error).__name__}: {first}"
+    if isinstance(error, jax.errors.ConcretizationTypeError):
+        why += (
+            " (they run traced, inside the compiled rollout: no Python branching on "
+            "array values; use jnp.where or jax.lax.cond)"
+        )
+    return why
+
+
 def check_episode(key: str):
     """A multi-turn stage's rules with the model: its `environment` (when set) builds an
     `Environment` for the run's tokenizer that passes `rlhf_eqx.envs.check_environment`
@@ -482,8 +498,8 @@ def check_episode(key: str):
             rx.envs.check_environment(
                 game, prompt_length=P, max_new_tokens=c.turn_tokens, vocab_size=vocab
             )
-        except (TypeError, ValueError) as e:
-            _fail(f"{key}.environment", c.environment, str(e))
+        except Exception as e:
+            _fail(f"{key}.environment", c.environment, _traced_failure(e))
         total = _length(game, c, P)
         if sizes is not None and total > sizes[1]:
             _fail(

@@ -303,3 +303,47 @@ def test_overwrite_refuses_to_move_the_working_directory_aside(tmp_path, monkeyp
         pl.tools.open_run_dir(_cfg(out, 2), out, overwrite=True)
     assert _snapshot(run_dir) == before  # nothing moved, no lock left
     assert not [p for p in tmp_path.iterdir() if ".replaced-" in p.name]
+
+
+# --- a changed data file or model is refused before anything changes ---------------------
+
+
+def _data_run(tmp_path):
+    """A data-file run's directory as a run leaves it: its data and model fingerprints,
+    the data-quality event every start writes again, steps."""
+    data = tmp_path / "pairs.jsonl"
+    rec = {"prompt": "Tom saw a dog.", "chosen": " It ran.", "rejected": " No."}
+    data.write_text(json.dumps(rec) + "\n")
+    run_dir = tmp_path / "run"
+    cfg = _cfg(run_dir, 3)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(data)))
+    with pl.tools.open_run_dir(cfg, str(run_dir)):
+        pl.tools.check_data(str(run_dir), str(data), resume=False)
+        pl.tools.check_model(str(run_dir), "builtin", None, resume=False)
+        log = pl.tools.MetricsLog(str(run_dir), "sft", quiet=True)
+        log.write({"event": "data_quality", "message": "1 pair"})
+        for step in range(2):
+            log.write({"iteration": step, "step": step, "loss": 1.0})
+    return cfg, data, run_dir
+
+
+def test_a_resume_on_a_changed_data_file_changes_nothing(tmp_path):
+    cfg, data, run_dir = _data_run(tmp_path)
+    data.write_text(data.read_text().replace("dog", "cat"))  # same size, other contents
+    before = _snapshot(run_dir)
+    with pytest.raises(pl.loop.RunDirError, match="the data file .* changed since the run"):
+        pl.tools.open_run_dir(cfg, str(run_dir), resume=True)
+    assert _snapshot(run_dir) == before  # the data-quality event kept, config.json as it was
+    data.write_text(data.read_text().replace("cat", "dog"))
+    with pl.tools.open_run_dir(cfg, str(run_dir), resume=True) as rd:
+        assert rd.resume
+
+
+def test_a_resume_on_changed_model_files_changes_nothing(tmp_path):
+    cfg, _, run_dir = _data_run(tmp_path)
+    recorded = json.loads((run_dir / "model.json").read_text())
+    (run_dir / "model.json").write_text(json.dumps(dict(recorded, sha256="0" * 64)))
+    before = _snapshot(run_dir)
+    with pytest.raises(pl.loop.RunDirError, match="the model .* changed since the run"):
+        pl.tools.open_run_dir(cfg, str(run_dir), resume=True)
+    assert _snapshot(run_dir) == before

@@ -307,6 +307,7 @@ def open_run_dir(
                     "else); fix or remove that line, then resume again"
                 )
             check_stage_checkpoints(run_dir, new)
+            _check_inputs(run_dir, cfg)
             removed = remove_partial_checkpoints(run_dir) + _remove_partial_files(run_dir)
             if removed:
                 notes.append(f"removed {len(removed)} partial file(s) left by a crash")
@@ -387,8 +388,32 @@ DATA_NAME = "data.json"
 MODEL_NAME = "model.json"
 
 
+def _check_inputs(run_dir: str, cfg: PipelineConfig) -> None:
+    """Refuse a resume whose data file (`data.json`) or model files (`model.json`) changed
+    since the run started, before anything in `run_dir` changes (`check_data`,
+    `check_model`: they record the same fingerprints again; the run calls them once more
+    as it starts, at no cost: `files_fingerprint` keeps the last ones)."""
+    from ._pipeline import check_model
+
+    if cfg.data.path is not None and os.path.isfile(os.path.join(run_dir, DATA_NAME)):
+        check_data(run_dir, cfg.data.path, resume=True)
+    if os.path.isfile(os.path.join(run_dir, MODEL_NAME)):
+        check_model(run_dir, cfg.model.source, cfg.model.tokenizer, resume=True)
+
+
+# The last fingerprints taken, by the files' (path, size, mtime, inode): a run's start
+# checks its data file and model twice (before and after its directory is opened).
+_FINGERPRINTS: dict[tuple, tuple[int, str]] = {}
+
+
 def files_fingerprint(files: Sequence[str]) -> tuple[int, str]:
     """The total size of `files` and the SHA-256 of their bytes one after the other."""
+    stats = [os.stat(f) for f in files]
+    key = tuple(
+        (os.path.abspath(f), s.st_size, s.st_mtime_ns, s.st_ino) for f, s in zip(files, stats)
+    )
+    if key in _FINGERPRINTS:
+        return _FINGERPRINTS[key]
     h = hashlib.sha256()
     size = 0
     for file in files:
@@ -396,6 +421,9 @@ def files_fingerprint(files: Sequence[str]) -> tuple[int, str]:
         with open(file, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 h.update(chunk)
+    if len(_FINGERPRINTS) >= 8:
+        _FINGERPRINTS.clear()
+    _FINGERPRINTS[key] = (size, h.hexdigest())
     return size, h.hexdigest()
 
 

@@ -104,5 +104,16 @@ def test_ppo_trains_on_a_prompt_file_with_an_exported_reward_model(builtin, tmp_
     out2 = tmp_path / "ppo_task"
     argv = ["ppo", "--data", answered, "--out", str(out2), *_QUIET, *_SMALL]
     assert main([*argv, "--set", "ppo.reward_source=task"]) == 0
+    # data.filter=duplicate_prompt: the repeated prompt is trained on once
+    out3 = tmp_path / "ppo_once"
+    argv[4] = str(out3)
+    filtered = ["--set", "data.filter=duplicate_prompt", "--set", "ppo.rollouts=1"]
+    assert main([*argv, "--set", "ppo.reward_source=task", *filtered]) == 0
+    quality = json.loads((out3 / "summary.json").read_text())["data_quality"]
+    assert quality["duplicate_prompts"] == 1
+    dc = dataclasses.replace(pl.DataConfig(), heldout_fraction=0.25)
+    train, _ = pl.runs.split_records(rx.data.load_prompts(answered), dc)
+    repeated_in_training = [r.prompt for r in train].count("Once upon a time 0") == 2
+    assert quality["dropped_duplicate_prompts"] == int(repeated_in_training)
     held = json.loads((out2 / "summary.json").read_text())["ppo"]
     assert 0.0 <= held["heldout_reward_before"] <= 1.0 and 0.0 <= held["heldout_reward"] <= 1.0

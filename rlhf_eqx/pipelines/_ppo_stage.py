@@ -196,7 +196,9 @@ def scored_prompts(env: StageEnv, c: PPOConfig) -> tuple[list[str], list[str], R
     user's `reward_functions`, given each prompt's other columns, or else the exact
     match of the reference answers, which every prompt must then have).
     `env.summary["data_quality"]` counts what the reader skipped, the repeated prompts
-    and those too long; a `ValueError` names the file when no prompt is left."""
+    and those too long (always left out); `data.filter=duplicate_prompt` (or
+    `exact_duplicate`) trains on each prompt once. A `ValueError` names the file when
+    no prompt is left."""
     cfg, tok = env.cfg, env.tok
     records = data.load_prompts(cfg.data.path, cfg.data.format, **cfg.data.read_options())
     train, held = (chat_records(env, side) for side in split_records(records, cfg.data))
@@ -216,6 +218,12 @@ def scored_prompts(env: StageEnv, c: PPOConfig) -> tuple[list[str], list[str], R
         "duplicate_prompts": len(kept) - len({r.prompt for r in kept}),
         "longer_than_prompt_length": len(train) + len(held) - len(kept),
     }
+    if {"duplicate_prompt", "exact_duplicate"} & set(cfg.data.filter):  # each prompt once
+        first = {}
+        for r in train_fits:
+            first.setdefault(r.prompt, r)
+        env.summary["data_quality"]["dropped_duplicate_prompts"] = len(train_fits) - len(first)
+        train_fits = list(first.values())
     env.say(f"ppo: {len(train_fits)} training / {len(held_fits)} held-out prompts")
     columns = {}  # each prompt's other columns: the first record's of a repeated one
     for r in kept:

@@ -19,10 +19,11 @@ what it resumes, and `config.json` is written only after every check has passed.
    stage's `Stage.resumable`) is refused, naming each field with its old and new value.
    Iteration counts (each stage's `steps`, `rollouts`, `rounds`) may change,
    but not for a stage whose later stages already have checkpoints built on it, nor below
-   a stage's latest checkpoint. A line of `metrics.jsonl` that is not a JSON object, or
-   step records missing before a stage's latest checkpoint, are refused too, naming the
-   file, the line or the steps. Nothing in the directory changes before these checks
-   have passed.
+   a stage's latest checkpoint. A line of `metrics.jsonl` that is not a JSON object,
+   step records missing (or repeated) before a stage's latest checkpoint, and a data
+   file or model whose fingerprint differs from the recorded one (`data.json`,
+   `model.json`) are refused too, naming the file, the line or the steps. Nothing in the
+   directory changes before these checks have passed.
 4. **Clean-up.** Checkpoint directories left half-written by a crash (`*.tmp*`) are
    removed; a torn last line of `metrics.jsonl` is cut (any other line that is not a
    JSON object refuses the resume, naming it: nothing is trained that the end of the

@@ -498,3 +498,15 @@ def test_the_distillation_stage_samples_at_its_temperature_and_computes_the_loss
     assert jsd == pytest.approx(at_one, rel=1e-4)
     assert abs(at_09 - at_one) > 100 * abs(jsd - at_one)
     assert pl.runs.distill_divergence(student, teacher, batch, beta=0.5) == at_one
+
+
+@pytest.mark.parametrize("stage", ["grpo", "multiturn"])
+def test_prompts_longer_than_the_prompt_length_name_the_setting(tmp_path, capsys, stage):
+    """Built-in prompts that do not fit `sampling.prompt_length` are one line naming the
+    setting, how many do not fit and the length that holds them all, before any step."""
+    argv = [stage, "--out", str(tmp_path / "run"), "--quiet", "--set", "sampling.prompt_length=3"]
+    assert main(argv) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "tokens > prompt_length=3" in line and "`sampling.prompt_length`" in line, line
+    assert re.search(r"(\d+) of \1 prompt\(s\) do not fit", line), line
+    assert not (tmp_path / "run" / "sft" / "ckpt").exists()

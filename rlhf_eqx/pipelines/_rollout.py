@@ -59,16 +59,19 @@ class RewardFunction:
 
 def encode_prompts(tok, prompts: Sequence[str], *, prompt_length: int) -> list[list[int]]:
     """Token ids of each prompt (BOS first when the tokenizer asks for it,
-    `data.wants_bos`); a prompt longer than `prompt_length` is an error naming it."""
-    ids = []
+    `data.wants_bos`); prompts longer than `prompt_length` are an error naming the
+    first of them, how many there are and the length that holds them all."""
     bos = [tok.bos_id] if data.wants_bos(tok) else []
-    for i, p in enumerate(prompts):
-        x = bos + list(tok.encode(p))
-        if len(x) > prompt_length:
-            raise ValueError(
-                f"prompt {i} ({p[:40]!r}...) has {len(x)} tokens > prompt_length={prompt_length}"
-            )
-        ids.append(x)
+    ids = [bos + list(tok.encode(p)) for p in prompts]
+    over = [i for i, x in enumerate(ids) if len(x) > prompt_length]
+    if over:
+        i, p = over[0], prompts[over[0]]
+        raise ValueError(
+            f"prompt {i} ({p[:40]!r}...) has {len(ids[i])} tokens > "
+            f"prompt_length={prompt_length} ({len(over)} of {len(ids)} prompt(s) do not "
+            f"fit; `sampling.prompt_length` in a pipeline run: "
+            f"{max(len(x) for x in ids)} holds them all)"
+        )
     return ids
 
 

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import rlhf_eqx as rx
 from rlhf_eqx import pipelines as pl
 from rlhf_eqx.__main__ import main
 
@@ -68,6 +69,11 @@ def only_dogs(completions, **kwargs):  # None: not scored by this function
     return jnp.asarray([1.0, 2.0, 3.0, 4.0])[:2].tolist() + [None, None]
 
 
+def conversational(prompts, completions, **kwargs):  # TRL's conversational example
+    SEEN.update(prompts=prompts, completions=completions, keywords=sorted(kwargs))
+    return [float(len(c[0]["content"])) for c in completions]
+
+
 def returns(completions, **kwargs):
     return OUT
 
@@ -116,6 +122,28 @@ def test_functions_get_every_completion_and_the_columns_and_are_weighted(
     assert seen["answer"] == ["cat", "cat", "red", "red"]
     assert seen["level"] == [1, 1, None, None]  # a column a record lacks: None
     assert [len(ids) for ids in seen["completion_ids"]] == [len(tok.encode(t)) for t in _TEXTS]
+
+
+def test_conversational_prompts_reach_the_functions_as_trl_passes_them(tok, tmp_path, monkeypatch):
+    mod = _module(tmp_path, monkeypatch, "rewards_chat", _MODULE)
+    path = tmp_path / "chat.jsonl"
+    rows = [
+        {"prompt": [{"role": "user", "content": p}], "level": i}
+        for i, p in enumerate(("Name a cat.", "Name a dog."))
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    records = list(rx.data.load_prompts(str(path)))
+    assert [r.columns for r in records] == [
+        {"prompt": row["prompt"], "level": row["level"]} for row in rows
+    ]
+    columns = {r.prompt: r.columns for r in records}
+    source = _source(tok, ("rewards_chat:conversational",), columns=columns)
+    texts = (" Tom.", " Rex!!")
+    scored = source.score(_rollout(tok, [r.prompt for r in records], texts))
+    np.testing.assert_array_equal(scored.scores, [5.0, 6.0])
+    assert mod.SEEN["prompts"] == [row["prompt"] for row in rows]
+    assert mod.SEEN["completions"] == [[{"role": "assistant", "content": t}] for t in texts]
+    assert mod.SEEN["keywords"] == ["completion_ids", "level"]  # the prompt is not repeated
 
 
 @pytest.mark.parametrize(

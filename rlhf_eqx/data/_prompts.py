@@ -45,8 +45,10 @@ class PromptDataset(RecordDataset["PromptRecord"]):
 class PromptRecord:
     """A prompt and, when the dataset has one, its reference answer; `columns`: the
     record's other fields as read (the answer's column and any other, e.g. a
-    `difficulty`, under their names after the column mapping; not the prompt's), which
-    user reward functions receive as keywords, as TRL's do. Not compared."""
+    `difficulty`, under their names after the column mapping), which user reward
+    functions receive as keywords, as TRL's do, and a conversational prompt's messages
+    as written (`"prompt"`: a list of `{"role", "content"}`; a text prompt's is not
+    kept). Not compared."""
 
     prompt: str
     answer: str | None = None
@@ -122,7 +124,7 @@ def _parse_plain(record: dict, template: ChatTemplate | None) -> PromptRecord:
         if not any(m["content"].strip() for m in messages):
             raise Unusable("empty prompt")
         rendered = format_chat(messages, template or "hh", add_generation_prompt=True)
-        return PromptRecord(rendered, answer, _others(record, "prompt"))
+        return PromptRecord(rendered, answer, {**_others(record, "prompt"), "prompt": prompt})
     prompt = _render(string_field(record, "prompt"), template)
     return PromptRecord(prompt, answer, _others(record, "prompt"))
 

@@ -75,8 +75,10 @@ class FunctionReward(RewardSource):
         return Scored(scores, metrics)
 
 
-_CALL_KEYWORDS = ("prompts", "completions", "completion_ids")
-"""The keywords `BatchFunctionReward` gives every reward function besides the columns."""
+_CALL_KEYWORDS = ("prompts", "completions", "completion_ids", "prompt")
+"""The keywords `BatchFunctionReward` gives every reward function besides the columns
+(and the column a conversational prompt's messages come in, which TRL passes as
+`prompts`)."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -86,13 +88,17 @@ class BatchFunctionReward(RewardSource):
     entry per completion (the prompt as the model saw it, the decoded completion, its
     token ids) and, as keywords, the other columns of each completion's record
     (`columns`: `{prompt: {column: value}}`, e.g. a file's `answer` or `difficulty`;
-    `None` for a prompt without that column). A function returns one score per
-    completion: a list, tuple, numpy or jax array of finite real numbers, `None` where
-    it does not score that completion (as in TRL, that function then adds nothing to
-    it). The reward is `Σ_k w_k · r_k` over the functions `fns` (`(name, fn, w_k)`);
-    `reward/<name>` the mean of each function's scores. A function that raises, or
-    returns another number of scores, a NaN, an infinity or something not a number is a
-    `ValueError` naming it (and the completion, its prompt and the value)."""
+    `None` for a prompt without that column). When every record's prompt is a list of
+    messages (TRL's conversational layout: `columns[prompt]["prompt"]`, as
+    `data.PromptRecord.columns` keeps it), `prompts` are those messages and each
+    completion is `[{"role": "assistant", "content": text}]`, as TRL passes them. A
+    function returns one score per completion: a list, tuple, numpy or jax array of
+    finite real numbers, `None` where it does not score that completion (as in TRL,
+    that function then adds nothing to it). The reward is `Σ_k w_k · r_k` over the
+    functions `fns` (`(name, fn, w_k)`); `reward/<name>` the mean of each function's
+    scores. A function that raises, or returns another number of scores, a NaN, an
+    infinity or something not a number is a `ValueError` naming it (and the completion,
+    its prompt and the value)."""
 
     fns: tuple[tuple[str, Callable, float], ...]
     columns: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
@@ -103,12 +109,21 @@ class BatchFunctionReward(RewardSource):
         names = dict.fromkeys(k for r in self.columns.values() for k in r)
         return [k for k in names if k not in _CALL_KEYWORDS]
 
+    @property
+    def _conversational(self) -> bool:
+        """Whether every record's prompt is a list of messages."""
+        rows = self.columns.values()
+        return bool(rows) and all(isinstance(r.get("prompt"), list) for r in rows)
+
     def score(self, rollout: Rollout) -> Scored:
         prompts, texts = list(rollout.prompts), list(rollout.texts)
         kept = np.asarray(rollout.completion_mask & rollout.mask)
         ids = [row[m].tolist() for row, m in zip(np.asarray(rollout.tokens), kept)]
         rows = [self.columns.get(p, {}) for p in prompts]
         kwargs = {k: [r.get(k) for r in rows] for k in self._column_names}
+        if self._conversational:
+            prompts = [r["prompt"] for r in rows]
+            texts = [[{"role": "assistant", "content": t}] for t in texts]
         total = np.zeros(len(texts), np.float64)
         metrics = {}
         for name, fn, weight in self.fns:

@@ -4,6 +4,7 @@ episodes longer than the model's context is refused before anything runs, naming
 field; an environment whose `reset` gives a first observation plays every turn; an
 episode reward that is not finite stops the run with one clear error."""
 
+import json
 import sys
 import textwrap
 
@@ -254,3 +255,21 @@ def test_the_episode_reward_is_the_sum_or_the_last_turn_s(episode_reward, score,
 def test_an_unknown_episode_reward_is_refused_naming_the_field(stage, capsys):
     assert main([stage, "--set", f"{stage}.episode_reward=mean", "--show-config"]) == 2
     assert f"{stage}.episode_reward='mean': must be one of sum, last" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_periodic_evaluation_of_a_user_environment_plays_its_episodes(env_module):
+    """`ops.eval_every` with the user's environment scores its own held-out episodes
+    (the built-in evaluation scores single-turn animal stories)."""
+    argv = ["multiturn", "--out", "run", "--quiet", "--set", "ops.monitor=false"]
+    argv += ["--set", "sft.steps=2", "--set", "eval_samples=1", "--set", "multiturn.rollouts=2"]
+    argv += ["--set", "multiturn.prompts_per_rollout=2", "--set", "multiturn.group_size=2"]
+    argv += ["--set", "multiturn.turn_tokens=6", "--set", "ops.eval_every=1"]
+    argv += ["--set", f"multiturn.environment={env_module}:make"]
+    assert main(argv) == 0
+    with open("run/metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    (periodic,) = [r for r in records if r.get("eval") and r["stage"] == "multiturn"]
+    assert periodic["iteration"] == 1 and "score" not in periodic, periodic
+    # `Ask` rewards each turn's token count: two turns of at most 6 tokens
+    assert 0.0 < periodic["mean_episode_reward"] <= 12.0 and periodic["base_nll"] > 0

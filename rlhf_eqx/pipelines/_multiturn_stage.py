@@ -370,6 +370,14 @@ def episode_stage(env: StageEnv, c, name: str, run) -> Outcome:
     ctx = env.ctx(name)
     key = jax.random.fold_in(env.key, 11)
     samples = env.cfg.eval_samples
+    if c.environment and ctx.evaluate is not None:
+        # the built-in periodic evaluation scores single-turn animal stories; a user's
+        # environment is scored on its own held-out episodes (as at the end)
+        def episodes(policy):
+            m, _ = multiturn_metrics(policy, env.base, game, env.tok, key, c, ctx, samples)
+            return {"mean_episode_reward": m["success"], "base_nll": m["base_nll"]}
+
+        ctx = dataclasses.replace(ctx, evaluate=episodes)
     before, sft_success = multiturn_metrics(sft, env.base, game, env.tok, key, c, ctx, samples)
     base, base_success = multiturn_metrics(env.base, env.base, game, env.tok, key, c, ctx, samples)
     res = run(sft, env.tok, TRAIN_PROMPTS, game, cfg=c, ctx=ctx)

@@ -158,9 +158,9 @@ STAGE_KEYS = {
     f"gamma lam kl_coef reward_source reward_model reward_functions reward_weights {_PPO}"
     + _OPTIONS,
     "grpo": "rollouts prompts_per_rollout epochs kl_target optim lora "
-    "reward_source reward_model staleness overlap sampler_device placement trainer_devices "
-    "sampler_devices trainer_mesh sampler_mesh dynamic_sampling partial_rollouts "
-    f"overlong_buffer {_GRPO}" + _OPTIONS,
+    "reward_source reward_model reward_functions reward_weights staleness overlap "
+    "sampler_device placement trainer_devices sampler_devices trainer_mesh sampler_mesh "
+    f"dynamic_sampling partial_rollouts overlong_buffer {_GRPO}" + _OPTIONS,
     "kto": "steps batch_size max_length optim beta desirable_weight undesirable_weight "
     "loss_type samples lora" + _OPTIONS,
     "distill": "steps batch_size max_length optim beta temperature lmbda teacher samples lora"

@@ -330,7 +330,15 @@ class RolloutStageConfig(_Checked):
     model or ensemble), `judge` (a generative judge, `judge.*`) or `prm` (a process
     reward model). `reward_model`: the directory of an exported reward model, ensemble
     or PRM (`<run>/reward/hf`, `<run>/reward/ensemble`, `<run>/prm/hf`); empty: the
-    run's own reward stage."""
+    run's own reward stage.
+
+    `reward_functions`: the user's reward functions (`MODULE:NAME` each, imported with
+    the current directory first on the path), called as TRL calls them
+    (`pipelines.runs.BatchFunctionReward`: `fn(prompts=, completions=, completion_ids=,
+    **columns) -> one score per completion`, a data file's other columns as keywords),
+    weighted by `reward_weights` (default 1 each: `Σ_k w_k · r_k`); they score with
+    `reward_source=task`, replacing the task's reward (the stage's `check` refuses them
+    with another source, `pipelines.runs.check_reward_functions`)."""
 
     rollouts: int = 20
     prompts_per_rollout: int = 32
@@ -341,3 +349,5 @@ class RolloutStageConfig(_Checked):
     lora: LoRASettings = LoRASettings()
     reward_source: str = "task"
     reward_model: str = ""
+    reward_functions: tuple[str, ...] = ()
+    reward_weights: tuple[float, ...] = ()

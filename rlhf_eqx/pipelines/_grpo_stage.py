@@ -41,6 +41,8 @@ from ._registry import Outcome, Stage, StageEnv, register_stage
 from ._reward_sources import (
     RewardSource,
     as_reward_source,
+    check_reward_functions,
+    heldout_reward_summary,
     scored_needs,
     scored_on_task,
     stage_reward_source,
@@ -167,7 +169,9 @@ class GRPOConfig(RolloutStageConfig, GRPOSettings):
     def check(self, name: str, *, device_count: int = 1) -> None:
         """GRPO's own rules: groups of two or more, rows that divide the devices, the
         staleness below the rollouts and `MAX_STALENESS`, a local sampler device, DAPO's
-        counts >= 0."""
+        counts >= 0, reward functions that import, one finite weight each, scored with
+        `reward_source=task` (`check_reward_functions`)."""
+        check_reward_functions(name, self)
         if self.group_size < 2:
             _fail(f"{name}.group_size", self.group_size, "must be >= 2")
         _divides(
@@ -600,84 +604,119 @@ def grpo(env: StageEnv, c: GRPOConfig) -> Outcome:
 
 
 @dataclasses.dataclass(frozen=True)
-class AnsweredPrompts:
-    """The prompts with reference answers of GRPO on a data file (`answered_prompts`):
-    the `train` and `held` (held-out) prompts, `exact` (the exact-match reward function
-    on the answers, also the held-out score) and `reward`, the run's reward source
-    (`grpo.reward_source`: `exact` for `task`)."""
+class GRPOPrompts:
+    """The prompts of GRPO on a data file (`grpo_prompts`): the `train` and `held`
+    (held-out) prompts, `exact` (the exact-match reward function on the reference
+    answers, also the held-out score; `None` when some prompt has no answer) and
+    `reward`, the run's reward source (`grpo.reward_source`: `exact` for `task`, or the
+    user's `grpo.reward_functions`)."""
 
     train: tuple[str, ...]
     held: tuple[str, ...]
-    exact: RewardFunction
+    exact: RewardFunction | None
     reward: RewardSource
 
 
-def answered_prompts(env: StageEnv, c: GRPOConfig) -> AnsweredPrompts:
-    """The prompts of `env.cfg.data` as GRPO on a data file trains on them: read, those
-    with an answer through the chat template, those that fit `sampling.prompt_length`,
-    split by `data.seed` (`split_records`); `env.summary["data_quality"]` counts what was
-    dropped. A file without answers, or without a prompt that fits, is a `ValueError`
-    naming it."""
+def grpo_prompts(env: StageEnv, c: GRPOConfig) -> GRPOPrompts:
+    """The prompts of `env.cfg.data` as GRPO on a data file trains on them: read, through
+    the chat template, those that fit `sampling.prompt_length`, split by `data.seed`
+    (`split_records`). The exact-match reward (`reward_source=task` without
+    `reward_functions`) keeps the prompts with a reference answer; the other rewards (the
+    user's functions, given each prompt's other columns, a reward model, a judge, a PRM)
+    need none and keep every prompt. `env.summary["data_quality"]` counts what was
+    dropped and the repeated prompts. A file without a usable prompt (no answer for the
+    exact match, none that fits) is a `ValueError` naming it."""
     cfg, policy, tok = env.cfg, env.base, env.tok
     s = cfg.sampling
     prompts = data.load_prompts(cfg.data.path, cfg.data.format, **cfg.data.read_options())
-    with_answer = [r for r in prompts if r.answer is not None]
-    if not with_answer:
+    exact_match = c.reward_source == "task" and not c.reward_functions
+    usable = [r for r in prompts if r.answer is not None or not exact_match]
+    if not usable:
         raise ValueError(
             f"data.path={cfg.data.path}: none of its {len(prompts)} prompts has a reference "
-            f"answer (format {prompts.report.format!r}); GRPO on a data file needs prompts "
-            "with answers for its exact-match reward, e.g. GSM8K's '#### <int>'"
+            f"answer (format {prompts.report.format!r}); GRPO's exact-match reward needs "
+            "answers, e.g. GSM8K's '#### <int>'; or score with your own functions "
+            "(grpo.reward_functions=MODULE:NAME), grpo.reward_source=reward_model "
+            "(grpo.reward_model=DIR), judge or prm"
             + (
                 " (this looks like a preference file: run sft, reward or dpo on it)"
                 if is_preference_file(cfg.data.path, **cfg.data.read_options())
                 else ""
             )
         )
-    with_answer = chat_records(env, with_answer)
-    fits = [r for r in with_answer if prompt_tokens(tok, r.prompt) <= s.prompt_length]
+    usable = chat_records(env, usable)
+    fits = [r for r in usable if prompt_tokens(tok, r.prompt) <= s.prompt_length]
     if not fits:
-        longest = min(prompt_tokens(tok, r.prompt) for r in with_answer)
+        longest = min(prompt_tokens(tok, r.prompt) for r in usable)
         raise ValueError(
             f"sampling.prompt_length={s.prompt_length}: no prompt fits (the shortest of "
-            f"{len(with_answer)} prompts with answers has {longest} tokens with BOS); "
-            "raise sampling.prompt_length"
+            f"{len(usable)} prompts{' with answers' if exact_match else ''} has {longest} "
+            "tokens with BOS); raise sampling.prompt_length"
         )
     env.say(
-        f"grpo: {len(fits)} of {len(prompts)} prompts have an answer and fit "
+        f"grpo: {len(fits)} of {len(prompts)} prompts "
+        f"{'have an answer and ' if exact_match else ''}fit "
         f"sampling.prompt_length={s.prompt_length}"
     )
-    env.summary["data_quality"] = {
-        "skipped_by_reader": dict(prompts.report.skipped),
-        "without_answer": len(prompts) - len(with_answer),
-        "longer_than_prompt_length": len(with_answer) - len(fits),
-    }
+    quality = {"skipped_by_reader": dict(prompts.report.skipped)}
+    if exact_match:
+        quality["without_answer"] = len(prompts) - len(usable)
+    quality["duplicate_prompts"] = len(fits) - len({r.prompt for r in fits})
+    quality["longer_than_prompt_length"] = len(usable) - len(fits)
+    env.summary["data_quality"] = quality
     train, held = split_records(fits, cfg.data)
-    answers = {r.prompt: r.answer for r in fits}
+    answers = {r.prompt: r.answer for r in fits if r.answer is not None}
+    columns = {}  # each prompt's other columns: the first record's of a repeated one
+    for r in fits:
+        columns.setdefault(r.prompt, r.columns)
 
     def exact(prompt, completion):
         return float(data.exact_match_reward([completion], [answers[prompt]])[0])
 
     task = RewardFunction("exact_match", exact)
     reward = stage_reward_source(
-        c, task=[task], tokenizer=tok, judge=cfg.judge, judges={"base": policy}
+        c, task=[task], tokenizer=tok, judge=cfg.judge, judges={"base": policy}, columns=columns
     )
     prompts_of = lambda records: tuple(r.prompt for r in records)  # noqa: E731
-    return AnsweredPrompts(prompts_of(train), prompts_of(held), task, reward)
+    every_answer = len(answers) == len(columns)
+    return GRPOPrompts(prompts_of(train), prompts_of(held), task if every_answer else None, reward)
 
 
-def heldout_exact_match(
-    env: StageEnv, prompts: AnsweredPrompts, trained, reuse: dict | None = None
-) -> dict:
+def heldout_scores(env: StageEnv, prompts: GRPOPrompts, trained, reuse: dict | None = None) -> dict:
     """`summary["grpo"]` of GRPO on a data file: the held-out exact-match rate of the
     base model (`env.base`) and of the `trained` policy on paired samples
-    (`sampled_comparison` with the key `ops.seed + 1` of `env.cfg`; `reuse` as there),
-    with their standard errors over the prompts, and the rest of the comparison as
-    `sampled`."""
-    cfg, score = env.cfg, prompts.exact.fn
+    (`sampled_comparison` of every held-out prompt with the key `ops.seed + 1` of
+    `env.cfg`; `reuse` as there), with their standard errors over the prompts
+    (`heldout_exact_match_before`, `heldout_exact_match`, `*_se`), when every prompt has
+    a reference answer; else the run's reward of those samples (`prompts.reward`:
+    `heldout_reward_before`, `heldout_reward`, `*_se`, as PPO on a data file reports
+    it); the rest of the comparison as `sampled`."""
+    cfg = env.cfg
     k = jax.random.key(cfg.ops.seed + 1)
     held = list(prompts.held)
+    if prompts.exact is None:
+        ev = sampled_comparison(
+            env.base,
+            trained,
+            env.tok,
+            held,
+            k,
+            cfg,
+            reward=prompts.reward,
+            max_prompts=0,
+            reuse=reuse,
+        )
+        return heldout_reward_summary(ev)
     ev = sampled_comparison(
-        env.base, trained, env.tok, held, k, cfg, score=score, max_prompts=0, reuse=reuse
+        env.base,
+        trained,
+        env.tok,
+        held,
+        k,
+        cfg,
+        score=prompts.exact.fn,
+        max_prompts=0,
+        reuse=reuse,
     )
     return {
         "heldout_exact_match_before": ev.pop("score_before"),
@@ -689,14 +728,15 @@ def heldout_exact_match(
 
 
 def grpo_on_data(env: StageEnv, c: GRPOConfig) -> Outcome:
-    """GRPO on prompts with reference answers (`answered_prompts`): the exact-match reward
-    (or `c.reward_source`), the held-out exact-match rate before and after
-    (`heldout_exact_match`)."""
+    """GRPO on a prompt file (`grpo_prompts`): the exact-match reward of the reference
+    answers, or `c.reward_functions`, or `c.reward_source`; the held-out exact-match
+    rate, or without every answer the held-out reward, before and after
+    (`heldout_scores`)."""
     ctx = env.ctx("")
-    prompts = answered_prompts(env, c)
+    prompts = grpo_prompts(env, c)
     res = run_grpo(env.base, env.tok, list(prompts.train), reward=prompts.reward, cfg=c, ctx=ctx)
     trained = trained_policy(env, res.state.model)
-    env.summary["grpo"] = heldout_exact_match(env, prompts, trained)
+    env.summary["grpo"] = heldout_scores(env, prompts, trained)
     return Outcome(res, policy=trained)
 
 

@@ -25,6 +25,7 @@ from ._reward_sources import (
     RewardSource,
     as_reward_source,
     check_reward_functions,
+    heldout_reward_summary,
     scored_needs,
     scored_on_task,
     stage_reward_source,
@@ -41,13 +42,8 @@ class PPOConfig(RolloutStageConfig, PPOSettings):
     """PPO (Schulman et al. 2017; Ouyang et al. 2022) with a value model and KL-shaped
     rewards; `epochs` x `minibatches` updates per rollout of `prompts_per_rollout`
     completions. The step's settings are `rlhf_eqx.train.PPOSettings` (`clip_eps`,
-    `vf_coef`, `ent_coef`, ...; its `temperature` is `sampling.temperature`).
-
-    `reward_functions`: the user's reward functions (`MODULE:NAME` each, from the
-    current directory), called as TRL calls them (`BatchFunctionReward`: `fn(prompts=,
-    completions=, completion_ids=, **columns) -> one score per completion`, the data
-    file's other columns as keywords), weighted by `reward_weights` (default 1 each);
-    with `reward_source=task` they replace the task's reward."""
+    `vf_coef`, `ent_coef`, ...; its `temperature` is `sampling.temperature`). The
+    user's `reward_functions` (with `reward_weights`) are `RolloutStageConfig`'s."""
 
     temperature: float = dataclasses.field(
         default=SamplingConfig.temperature, metadata=_SET_BY_SAMPLING
@@ -58,8 +54,6 @@ class PPOConfig(RolloutStageConfig, PPOSettings):
     lam: float = 0.95
     kl_coef: float = 0.05
     reward_source: str = "reward_model"
-    reward_functions: tuple[str, ...] = ()
-    reward_weights: tuple[float, ...] = ()
 
     def check(self, name: str, *, device_count: int = 1) -> None:
         """PPO's own rules: minibatches divide the rollout (and its rows the devices), a
@@ -263,13 +257,7 @@ def ppo_on_data(env: StageEnv, c: PPOConfig) -> Outcome:
     trained = trained_policy(env, policy)
     key = jax.random.key(env.cfg.ops.seed + 1)
     ev = sampled_comparison(env.base, trained, env.tok, held, key, env.cfg, reward=reward)
-    env.summary["ppo"] = {
-        "heldout_reward_before": ev.pop("reward_before"),
-        "heldout_reward_before_se": ev.pop("reward_before_se"),
-        "heldout_reward": ev.pop("reward_after"),
-        "heldout_reward_se": ev.pop("reward_after_se"),
-        "sampled": ev,
-    }
+    env.summary["ppo"] = heldout_reward_summary(ev)
     return Outcome(res, policy=trained, adapted=policy)
 
 

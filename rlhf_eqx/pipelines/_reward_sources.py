@@ -508,8 +508,17 @@ def check_reward_functions(name: str, c) -> None:
     """A `ConfigError` naming the field when the stage config `c` (section `name`) has
     reward functions that do not import (`load_reward_functions`), weights that are not
     one finite number per function, or functions with another `reward_source` than
-    `task`, which is the one they score."""
+    `task`, which is the one they score. A stage whose config declares `reward_source`
+    unused (`unused_fields`: its rewards are its environment's) uses no reward
+    functions either: setting them is refused, not ignored."""
     specs, weights = tuple(c.reward_functions), tuple(c.reward_weights)
+    if "reward_source" in getattr(type(c), "unused_fields", ()):
+        for field, value in (("reward_functions", specs), ("reward_weights", weights)):
+            if value:
+                raise ConfigError(
+                    f"{name}.{field}={value!r}: the {name} stage does not use this setting "
+                    "(its rewards are its environment's)"
+                )
     if weights and not specs:
         raise ConfigError(f"{name}.reward_weights={weights!r}: only with {name}.reward_functions")
     if not all(math.isfinite(w) for w in weights):
@@ -521,6 +530,21 @@ def check_reward_functions(name: str, c) -> None:
                 f"{name}.reward_functions={specs!r}: score only with {name}.reward_source=task "
                 f"(it is {c.reward_source})"
             )
+
+
+def heldout_reward_summary(ev: dict) -> dict:
+    """A data-file stage's held-out reward (`summary[<stage>]`) from `ev`, a
+    `sampled_comparison` scored by the run's reward source: `heldout_reward_before`,
+    `heldout_reward` (the mean reward of the base model's and the trained policy's
+    samples) with their standard errors over the prompts (`*_se`), the rest of `ev` as
+    `sampled`."""
+    return {
+        "heldout_reward_before": ev.pop("reward_before"),
+        "heldout_reward_before_se": ev.pop("reward_before_se"),
+        "heldout_reward": ev.pop("reward_after"),
+        "heldout_reward_se": ev.pop("reward_after_se"),
+        "sampled": ev,
+    }
 
 
 def user_reward_functions(c, key: str = "") -> BatchFunctionReward | None:

@@ -17,12 +17,13 @@ the run key `ops.seed` (LoRA adapters, step keys) and the row order (`shuffled_r
 - `reward`: one reward model per member (`reward.ensemble = 1`), its checkpoint
   selection on the seed's validation split (keyed by `data_validation_seed`, as
   `reward_on_data` keys it); the held-out accuracy.
-- `grpo`: prompts with reference answers (`answered_prompts`, as `grpo_on_data` reads
-  them), every member from the base model, its rollouts `rows_at` its seed, scored by
-  the exact-match reward or `grpo.reward_source` (one source for all), the rollouts of
-  all members sampled in one call and their updates in one program (`rollouts_sweep`:
-  the built-in GRPO sweep's KL guard and divergence masking); the held-out exact-match
-  rate before and after (`heldout_exact_match`). The settings a GRPO sweep does not run
+- `grpo`: the prompts as `grpo_on_data` reads them (`grpo_prompts`), every member from
+  the base model, its rollouts `rows_at` its seed, scored by the exact-match reward,
+  the user's `grpo.reward_functions` or `grpo.reward_source` (one source for all: a
+  sweep does not vary them), the rollouts of all members sampled in one call and their
+  updates in one program (`rollouts_sweep`: the built-in GRPO sweep's KL guard and
+  divergence masking); the held-out exact-match rate before and after, or the held-out
+  reward when some prompt has no answer (`heldout_scores`). The settings a GRPO sweep does not run
   are refused (`check_grpo_sweep`).
 """
 
@@ -40,7 +41,7 @@ from ._data_prep import implicit_accuracy, nll, preference_split, trained_policy
 from ._data_runs import check_data_reward_model
 from ._dpo_stage import referenced_rows
 from ._evaluate import binomial_se
-from ._grpo_stage import answered_prompts, heldout_exact_match
+from ._grpo_stage import grpo_prompts, heldout_scores
 from ._kto_stage import collate_unpaired_records, kto_data_metrics, kto_examples
 from ._registry import StageEnv
 from ._reward_stage import data_validation_seed
@@ -211,13 +212,13 @@ def _reward(members: Sequence[Member], env: StageEnv, tokenizer_file) -> SweepRu
 
 
 def _grpo(members: Sequence[Member], env: StageEnv, tokenizer_file) -> SweepRun:
-    prompts = answered_prompts(env, members[0].cfg.grpo)
+    prompts = grpo_prompts(env, members[0].cfg.grpo)
     base_side: dict = {}  # the base model's held-out samples, once per seed
     outputs = _outputs(
         "grpo",
         members,
         env,
-        lambda env_m, m, policy: heldout_exact_match(env_m, prompts, policy, base_side),
+        lambda env_m, m, policy: heldout_scores(env_m, prompts, policy, base_side),
         tokenizer_file,
         policy_of=trained_model,
     )

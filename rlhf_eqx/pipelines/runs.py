@@ -1,9 +1,10 @@
 """Each algorithm's run and the pieces the stages are built of, for code that drives them
 itself (a stage of its own, a script, a test): the runs (`run_sft`, `run_dpo`, ...,
 each `(model, tok, data, *, cfg, ctx) -> RunResult`), their helpers, the rollouts, the
-reward sources PPO and GRPO score with, the held-out evaluation, the data-file
-preparation and the exports of a trained model. `rlhf_eqx.pipelines` itself keeps what
-a run is configured and started with."""
+reward sources PPO and GRPO score with (the user's reward functions among them:
+`BatchFunctionReward`, `load_reward_functions`, `check_reward_functions`), the
+held-out evaluation, the data-file preparation and the exports of a trained model.
+`rlhf_eqx.pipelines` itself keeps what a run is configured and started with."""
 
 from ._data_prep import (
     ChatRendering as ChatRendering,
@@ -58,6 +59,7 @@ from ._partial_rollouts import (
 from ._ppo_stage import run_ppo as run_ppo
 from ._prm_stage import run_prm as run_prm, step_accuracy as step_accuracy
 from ._reward_sources import (
+    BatchFunctionReward as BatchFunctionReward,
     EnsembleReward as EnsembleReward,
     FunctionReward as FunctionReward,
     JudgeSource as JudgeSource,
@@ -65,8 +67,10 @@ from ._reward_sources import (
     ProcessReward as ProcessReward,
     RewardSource as RewardSource,
     Scored as Scored,
+    check_reward_functions as check_reward_functions,
     export_prm as export_prm,
     export_reward_ensemble as export_reward_ensemble,
+    load_reward_functions as load_reward_functions,
     load_reward_source as load_reward_source,
     stage_reward_source as stage_reward_source,
 )

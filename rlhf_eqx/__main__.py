@@ -7,14 +7,17 @@ an animal appears; prints a table of held-out gains and writes a run directory.
 Commands:
 
 - `pipeline` (the default): the whole pipeline (`--set stages=sft,dpo` to choose).
-- `sft`, `reward`, `dpo`, `grpo`, `kto`: one stage; on the built-in task (after SFT), or
-  on a data file with `--data FILE` (preferences for reward/dpo, e.g. HH-RLHF;
-  for sft TRL's `text`, `prompt`/`completion` or `messages` layouts, or preferences'
-  chosen responses; prompts with answers for grpo, e.g. GSM8K; unpaired
-  `prompt`/`completion`/`label` JSONL or preferences for kto; for distill,
-  prompts of `prompt`/`completion` or `messages` records or of preferences, and `--set
-  distill.teacher=DIR`, a checkpoint directory).
-- `ppo`, `online-dpo`: SFT, the reward model, then this stage on the built-in task.
+- `sft`, `reward`, `dpo`, `grpo`, `ppo`, `kto`: one stage; on the built-in task (after
+  SFT; `ppo` after SFT and the reward model), or on a data file with `--data FILE`
+  (preferences for reward/dpo, e.g. HH-RLHF; for sft TRL's `text`,
+  `prompt`/`completion` or `messages` layouts, or preferences' chosen responses;
+  prompts for grpo and ppo, with answers for the exact-match reward (e.g. GSM8K) or
+  without, scored by your functions `--set grpo.reward_functions=MODULE:NAME` with
+  `--set grpo.reward_source=task`, a reward model `--set ppo.reward_model=DIR` or a
+  judge; unpaired `prompt`/`completion`/`label` JSONL or preferences for kto; for
+  distill, prompts of `prompt`/`completion` or `messages` records or of preferences,
+  and `--set distill.teacher=DIR`, a checkpoint directory).
+- `online-dpo`: SFT, the reward model, then this stage on the built-in task.
 - `prm`: a process reward model on a stepwise file (`--data FILE`, records
   `{"prompt", "completions": [steps], "labels": [bools]}`); PPO and GRPO use it with
   `--set grpo.reward_source=prm --set grpo.reward_model=RUN/prm/hf`.
@@ -23,7 +26,9 @@ Commands:
 - `serve --model NAME`: an OpenAI-compatible endpoint on 127.0.0.1 (`rlhf_eqx serve
   --help`).
 - `sample`: print completions of a model; `eval`: score a model on the built-in task's
-  held-out prompts; `plot RUN_DIR`: redraw a run's PNG plots.
+  held-out prompts as a run evaluates its stages (a run's exported policy gets the
+  numbers of its summary.json); `plot RUN_DIR`: redraw a run's PNG plots. `--model`
+  also takes a run directory, which stands for the one policy it exported.
 
 Configuration: built-in defaults, then `--config FILE` (JSON or YAML), then `--set
 field.sub=value` overrides. `rlhf_eqx STAGE --help` lists the fields that stage reads
@@ -137,7 +142,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", help="run directory (default: runs/<command> under the cwd)")
     p.add_argument("--data", help="data file (same as --set data.path=FILE)")
-    p.add_argument("--model", help="builtin, smollm2-135m, a .gguf, a llama2.c .bin or HF dir")
+    p.add_argument(
+        "--model",
+        help="builtin, smollm2-135m, a .gguf, a llama2.c .bin, an HF dir or a run dir "
+        "(its one exported policy)",
+    )
     p.add_argument("--tokenizer", help="tokenizer file for --model")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoints")
     p.add_argument(

@@ -694,30 +694,13 @@ def heldout_scores(env: StageEnv, prompts: GRPOPrompts, trained, reuse: dict | N
     cfg = env.cfg
     k = jax.random.key(cfg.ops.seed + 1)
     held = list(prompts.held)
-    if prompts.exact is None:
-        ev = sampled_comparison(
-            env.base,
-            trained,
-            env.tok,
-            held,
-            k,
-            cfg,
-            reward=prompts.reward,
-            max_prompts=0,
-            reuse=reuse,
-        )
-        return heldout_reward_summary(ev)
+    exact = prompts.exact
+    scoring = dict(reward=prompts.reward) if exact is None else dict(score=exact.fn)
     ev = sampled_comparison(
-        env.base,
-        trained,
-        env.tok,
-        held,
-        k,
-        cfg,
-        score=prompts.exact.fn,
-        max_prompts=0,
-        reuse=reuse,
+        env.base, trained, env.tok, held, k, cfg, max_prompts=0, reuse=reuse, **scoring
     )
+    if exact is None:
+        return heldout_reward_summary(ev)
     return {
         "heldout_exact_match_before": ev.pop("score_before"),
         "heldout_exact_match_before_se": ev.pop("score_before_se"),

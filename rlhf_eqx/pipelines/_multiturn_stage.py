@@ -76,7 +76,8 @@ class MultiturnConfig(EnvironmentChecked, GRPOConfig):
     synchronous: the GRPO settings of the reward source and of off-policy rollouts
     (`unused_fields`: `staleness`, `overlap`, `sampler_device`, the split placement's
     settings, `dynamic_sampling`, `overlong_buffer`, `partial_rollouts`,
-    `rollout_correction`, `reward_source`, `reward_model`) must keep their defaults.
+    `rollout_correction`, `reward_source`, `reward_model`, `reward_functions`,
+    `reward_weights`) must keep their defaults.
 
     `environment`: the user's own environment instead, `MODULE:NAME` of a factory
     `NAME(tok) -> rlhf_eqx.envs.Environment` (or an `Environment` instance), the module
@@ -97,6 +98,8 @@ class MultiturnConfig(EnvironmentChecked, GRPOConfig):
         "rollout_correction",
         "reward_source",
         "reward_model",
+        "reward_functions",
+        "reward_weights",
     )
     rollouts: int = 40
     prompts_per_rollout: int = 8

@@ -7,6 +7,7 @@ weighted; a function that raises or returns the wrong thing is one line naming i
 import importlib
 import json
 import re
+import sys
 import textwrap
 
 import jax.numpy as jnp
@@ -238,3 +239,31 @@ def test_ppo_on_a_prompt_file_with_functions_from_a_module(tmp_path, monkeypatch
             assert answer is None or isinstance(answer, int)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert np.isfinite(summary["ppo"]["heldout_reward"])
+
+
+@pytest.mark.slow
+def test_a_run_whose_reward_function_raises_leaves_nothing_in_the_way(tmp_path, monkeypatch):
+    """A reward function that raises at the first rollout stops the run before any step:
+    its directory (which holds only events of the data preparation) is removed, so the
+    same command works once the function is fixed."""
+    mod = "rewards_fixed_later"
+    source = """
+        def score(completions, **kwargs):
+            return [float(len(c) > 3) for c in completions]{}
+        """
+    _module(tmp_path, monkeypatch, mod, source.format(" + kwargs['nope']"))
+    path = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": f"Once upon a time {i}"} for i in range(12)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = tmp_path / "run"
+    argv = ["grpo", "--data", str(path), "--out", str(run), "--quiet"]
+    argv += ["--set", f"grpo.reward_functions={mod}:score"]  # the monitor logs an event
+    argv += ["--set", "grpo.rollouts=1", "--set", "grpo.prompts_per_rollout=2"]
+    argv += ["--set", "grpo.group_size=2", "--set", "sampling.max_new_tokens=4"]
+    argv += ["--set", "eval_samples=1", "--set", "data.heldout_fraction=0.25"]
+    assert main(argv) == 1
+    assert not run.exists()
+    monkeypatch.delitem(sys.modules, mod)
+    _module(tmp_path, monkeypatch, mod, source.format(""))
+    assert main(argv) == 0
+    assert (run / "summary.json").exists()

@@ -100,16 +100,36 @@ def removed_if_nothing_ran(path: str):
     """Within: a failure (an exception, not an interrupt) before anything ran removes
     `path` when this call created it — a run directory, a sweep's or a run over seeds —
     so that the same command works once its input is fixed (a bad record, a model that
-    does not load). "Ran" is any `metrics.jsonl` below `path`: a directory with one, or
-    one that existed before, is kept as it is."""
+    does not load, a reward function that raises at the first rollout). "Ran" is a
+    checkpoint or a step record (not an event of data preparation or monitoring) in a
+    `metrics.jsonl` below `path`: a directory with one, or one that existed before, is
+    kept as it is."""
     fresh = not os.path.exists(path)
     try:
         yield
     except Exception:
-        ran = any("metrics.jsonl" in files for _, _, files in os.walk(path))
-        if fresh and os.path.isdir(path) and not ran:
+        if fresh and os.path.isdir(path) and not _anything_ran(path):
             shutil.rmtree(path, ignore_errors=True)
         raise
+
+
+def _anything_ran(path: str) -> bool:
+    """Whether below `path` a checkpoint (`iter_*`) or a step record of a
+    `metrics.jsonl` (a record with a `step` and no `event`) was written."""
+    for root, dirs, files in os.walk(path):
+        if any(d.startswith("iter_") for d in dirs):
+            return True
+        if "metrics.jsonl" not in files:
+            continue
+        with open(os.path.join(root, "metrics.jsonl"), "rb") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    return True  # not ours to judge: keep it
+                if isinstance(rec, dict) and "step" in rec and "event" not in rec:
+                    return True
+    return False
 
 
 def _stages_with_checkpoints(run_dir: str) -> list[str]:

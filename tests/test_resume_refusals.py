@@ -292,6 +292,17 @@ def test_a_sweep_into_a_single_runs_directory_is_refused(tmp_path):
     assert _snapshot(run_dir) == before
 
 
+def test_a_run_over_several_seeds_into_a_sweep_s_directory_is_refused(tmp_path):
+    root = tmp_path / "many"
+    _fake_many(root, "sweep")
+    before = _snapshot(root)
+    cfg = dataclasses.replace(pl.animal_task_config(), out=str(root))
+    for resume in (False, True):
+        with pytest.raises(pl.loop.RunDirError, match="holds a sweep; choose another --out"):
+            pl.tools.run_seeds(cfg, 2, resume=resume)
+    assert _snapshot(root) == before
+
+
 @pytest.mark.parametrize("out", [".", "..", "inner/.."])
 def test_overwrite_refuses_to_move_the_working_directory_aside(tmp_path, monkeypatch, out):
     run_dir = tmp_path / "run"

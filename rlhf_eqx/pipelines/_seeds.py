@@ -19,7 +19,7 @@ from ._config import ConfigError
 from ._pipeline import run_pipeline
 from ._pipeline_config import PipelineConfig
 from ._resume_rules import RunDirError, check_resumable, resumable_fields
-from ._rundir import RunLock, holds_run, removed_if_nothing_ran, write_json_atomic
+from ._rundir import RunLock, holds_run, holds_runs, removed_if_nothing_ran, write_json_atomic
 from ._validation import validate_config
 
 SEEDS_SUMMARY = "seeds_summary.json"
@@ -102,6 +102,8 @@ def run_seeds(
         raise RunDirError(
             f"{out} holds a single run; choose another --out for a run over several seeds"
         )
+    if holds_runs(out) == "a sweep":  # never mixed with a sweep's members and files
+        raise RunDirError(f"{out} holds a sweep; choose another --out for a run over several seeds")
     first = cfg.ops.seed
     summaries: dict[int, dict] = {}
     # a first seed that fails before its first metrics (a bad record) leaves no directory

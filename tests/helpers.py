@@ -1,5 +1,7 @@
 """Shared helpers for the tests (import as ``from helpers import ...``)."""
 
+import random
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -284,3 +286,54 @@ def random_gguf_weight(rng, kind, lead, n_out, n_in):
         f = (rng.standard_normal(shape) * 0.05).astype(np.float16)
         b[..., o : o + 2] = f.view(np.uint8).reshape(shape + (2,))
     return GGUFWeight.from_numpy(b.reshape(lead + (n_out, -1)), kind, n_in)
+
+
+def text_rollout(tok, prompts, texts, group_size: int = 1) -> "_pl.runs.Rollout":
+    """A `Rollout` of the given completion texts after their prompts (BOS, the prompt's
+    ids, the completion's; left padded, as sampled), for scoring by a reward source."""
+    rows = [[tok.bos_id, *tok.encode(p), *tok.encode(t)] for p, t in zip(prompts, texts)]
+    T = max(map(len, rows))
+    tokens = np.zeros((len(rows), T), np.int32)
+    mask = np.zeros((len(rows), T), bool)
+    comp = np.zeros((len(rows), T), bool)
+    for i, (r, p) in enumerate(zip(rows, prompts)):
+        tokens[i, T - len(r) :] = r
+        mask[i, T - len(r) :] = True
+        comp[i, T - len(r) + 1 + len(tok.encode(p)) :] = True
+    return _pl.runs.Rollout(
+        tokens=jnp.asarray(tokens),
+        mask=jnp.asarray(mask),
+        completion_mask=jnp.asarray(comp),
+        logprobs=jnp.zeros(tokens.shape, jnp.float32),
+        truncated=jnp.zeros((len(rows),), bool),
+        prompts=tuple(prompts),
+        texts=tuple(texts),
+        group_size=group_size,
+    )
+
+
+def train_byte_bpe(directory, words) -> str:
+    """A byte-level BPE tokenizer (`tokenizers`; 300 ids, `<pad> <s> </s> <unk>` first)
+    trained on 200 lines of ten of `words`, saved as `directory/tokenizer.json`; returns
+    that path."""
+    import pytest
+
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    rng = random.Random(0)
+    tok.train_from_iterator(
+        [" ".join(rng.choice(words) for _ in range(10)) for _ in range(200)], trainer
+    )
+    path = str(directory / "tokenizer.json")
+    tok.save(path)
+    return path

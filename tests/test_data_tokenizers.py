@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import jaxtyping
 import numpy as np
 import pytest
+from helpers import train_byte_bpe
 from hypothesis import given, strategies as st
 
 from rlhf_eqx import data
@@ -242,25 +243,7 @@ def test_sentencepiece(spm_model):
 
 
 def _train_hf(directory):
-    tokenizers = pytest.importorskip("tokenizers")
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    rng = random.Random(0)
-    tok.train_from_iterator(
-        [" ".join(rng.choice(WORDS) for _ in range(10)) for _ in range(200)], trainer
-    )
-    path = directory / "tokenizer.json"
-    tok.save(str(path))
-    return path
+    return train_byte_bpe(directory, WORDS)
 
 
 def test_hf_tokenizer(tmp_path):

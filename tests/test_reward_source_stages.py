@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import text_rollout
 
 import rlhf_eqx as rx
 from rlhf_eqx import pipelines as pl
@@ -18,28 +19,6 @@ from rlhf_eqx.__main__ import main
 @pytest.fixture(scope="module")
 def builtin():
     return pl.tools.load_model("builtin")
-
-
-def _rollout(tok, prompts, texts):
-    rows = [[tok.bos_id, *tok.encode(p), *tok.encode(t)] for p, t in zip(prompts, texts)]
-    T = max(map(len, rows))
-    tokens = np.zeros((len(rows), T), np.int32)
-    mask = np.zeros((len(rows), T), bool)
-    comp = np.zeros((len(rows), T), bool)
-    for i, (r, p) in enumerate(zip(rows, prompts)):
-        tokens[i, T - len(r) :] = r  # left padded, as sampled
-        mask[i, T - len(r) :] = True
-        comp[i, T - len(r) + 1 + len(tok.encode(p)) :] = True
-    return pl.runs.Rollout(
-        tokens=jnp.asarray(tokens),
-        mask=jnp.asarray(mask),
-        completion_mask=jnp.asarray(comp),
-        logprobs=jnp.zeros(tokens.shape, jnp.float32),
-        truncated=jnp.zeros((len(rows),), bool),
-        prompts=tuple(prompts),
-        texts=tuple(texts),
-        group_size=1,
-    )
 
 
 _PROMPTS = ("Once upon a time", "Tom had a")
@@ -57,7 +36,7 @@ def test_ensemble_export_and_load_give_the_same_scores(builtin, tmp_path):
     loaded = pl.runs.load_reward_source(out, tok)
     assert isinstance(loaded, pl.runs.EnsembleReward)
     assert (loaded.penalty, loaded.mode, loaded.ensemble.num_members) == (0.7, "std", 3)
-    roll = _rollout(tok, _PROMPTS, _TEXTS)
+    roll = text_rollout(tok, _PROMPTS, _TEXTS)
     want, want_members = source.scores(roll.tokens, roll.mask)
     got, got_members = loaded.scores(roll.tokens, roll.mask)
     np.testing.assert_allclose(got_members, want_members, atol=1e-5)
@@ -82,7 +61,7 @@ def test_prm_export_and_load_give_the_same_step_rewards(builtin, tmp_path):
     assert isinstance(loaded, pl.runs.ProcessReward)
     assert loaded.separator_id == rx.data.separator_id(tok, "\n")
     assert (loaded.aggregation, loaded.score_kind) == ("mean", "prob")
-    roll = _rollout(tok, _PROMPTS, _TEXTS)
+    roll = text_rollout(tok, _PROMPTS, _TEXTS)
     direct = pl.runs.ProcessReward(prm, loaded.separator_id, aggregation="mean")
     want, got = direct.score(roll), loaded.score(roll)
     np.testing.assert_allclose(got.scores, want.scores, atol=1e-5)
@@ -112,7 +91,7 @@ def test_judge_source_scores_every_completion_in_one_pass(builtin):
         judge=judge,
         judges={"base": policy},
     )
-    roll = _rollout(tok, _PROMPTS, _TEXTS)
+    roll = text_rollout(tok, _PROMPTS, _TEXTS)
     want = rx.train.judge_reward(
         policy, tok, template=judge.template, yes_token="happy", no_token="big"
     ).score(list(_PROMPTS), list(_TEXTS))

@@ -3,9 +3,8 @@ their ids decode after the previous turn to exactly the observation's text, with
 SentencePiece vocabulary (the shipped llama2.c tokenizer, which puts a space before a
 text of its own) as with byte-level ones."""
 
-import random
-
 import pytest
+from helpers import train_byte_bpe
 
 import rlhf_eqx as rx
 from rlhf_eqx.assets import asset_path
@@ -33,23 +32,7 @@ class Replies(TextEnvironment):
 
 
 def _byte_bpe(tmp_path):
-    tokenizers = pytest.importorskip("tokenizers")
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    rng = random.Random(0)
-    tok.train_from_iterator(
-        [" ".join(rng.choice(WORDS) for _ in range(10)) for _ in range(200)], trainer
-    )
-    tok.save(str(tmp_path / "tokenizer.json"))
+    train_byte_bpe(tmp_path, WORDS)
     return rx.data.load_tokenizer(tmp_path)
 
 

@@ -13,6 +13,7 @@ import textwrap
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import text_rollout
 
 import rlhf_eqx as rx
 from rlhf_eqx import pipelines as pl
@@ -22,28 +23,6 @@ from rlhf_eqx.__main__ import main
 @pytest.fixture(scope="module")
 def tok():
     return pl.tools.load_model("builtin")[1]
-
-
-def _rollout(tok, prompts, texts, group_size=1):
-    rows = [[tok.bos_id, *tok.encode(p), *tok.encode(t)] for p, t in zip(prompts, texts)]
-    T = max(map(len, rows))
-    tokens = np.zeros((len(rows), T), np.int32)
-    mask = np.zeros((len(rows), T), bool)
-    comp = np.zeros((len(rows), T), bool)
-    for i, (r, p) in enumerate(zip(rows, prompts)):
-        tokens[i, T - len(r) :] = r
-        mask[i, T - len(r) :] = True
-        comp[i, T - len(r) + 1 + len(tok.encode(p)) :] = True
-    return pl.runs.Rollout(
-        tokens=jnp.asarray(tokens),
-        mask=jnp.asarray(mask),
-        completion_mask=jnp.asarray(comp),
-        logprobs=jnp.zeros(tokens.shape, jnp.float32),
-        truncated=jnp.zeros((len(rows),), bool),
-        prompts=tuple(prompts),
-        texts=tuple(texts),
-        group_size=group_size,
-    )
 
 
 _PROMPTS = ("Once upon a time", "Once upon a time", "Tom had a", "Tom had a")
@@ -109,7 +88,7 @@ def test_functions_get_every_completion_and_the_columns_and_are_weighted(
     columns = {"Once upon a time": {"answer": "cat", "level": 1}, "Tom had a": {"answer": "red"}}
     specs = tuple(f"rewards_weighted:{n}" for n in ("length", "has_answer", "only_dogs"))
     source = _source(tok, specs, (1.0, 10.0, 0.5), columns)
-    scored = source.score(_rollout(tok, _PROMPTS, _TEXTS, 2))
+    scored = source.score(text_rollout(tok, _PROMPTS, _TEXTS, 2))
     lengths = np.asarray([len(t) for t in _TEXTS], np.float64)
     want = lengths + 10.0 * np.asarray([1, 0, 0, 1]) + 0.5 * np.asarray([1.0, 2.0, 0, 0])
     np.testing.assert_allclose(scored.scores, want, rtol=1e-6)
@@ -140,7 +119,7 @@ def test_conversational_prompts_reach_the_functions_as_trl_passes_them(tok, tmp_
     columns = {r.prompt: r.columns for r in records}
     source = _source(tok, ("rewards_chat:conversational",), columns=columns)
     texts = (" Tom.", " Rex!!")
-    scored = source.score(_rollout(tok, [r.prompt for r in records], texts))
+    scored = source.score(text_rollout(tok, [r.prompt for r in records], texts))
     np.testing.assert_array_equal(scored.scores, [5.0, 6.0])
     assert mod.SEEN["prompts"] == [row["prompt"] for row in rows]
     assert mod.SEEN["completions"] == [[{"role": "assistant", "content": t}] for t in texts]
@@ -164,7 +143,7 @@ def test_a_wrong_return_is_one_line_naming_the_function(tok, tmp_path, monkeypat
     monkeypatch.setattr(mod, "OUT", out)
     source = _source(tok, ("rewards_wrong:returns",))
     with pytest.raises(ValueError, match=f"^reward function 'returns' {message}"):
-        source.score(_rollout(tok, _PROMPTS, _TEXTS, 2))
+        source.score(text_rollout(tok, _PROMPTS, _TEXTS, 2))
 
 
 def test_a_function_that_raises_is_named_with_its_file_and_line(tok, tmp_path, monkeypatch):
@@ -175,7 +154,7 @@ def test_a_function_that_raises_is_named_with_its_file_and_line(tok, tmp_path, m
         rf"^reward function 'broken' raised KeyError: 'missing' \(at rewards_raising.py:{line}\)"
     )
     with pytest.raises(ValueError, match=match):
-        source.score(_rollout(tok, _PROMPTS, _TEXTS))
+        source.score(text_rollout(tok, _PROMPTS, _TEXTS))
 
 
 def test_reward_function_settings_are_refused_before_loading(tmp_path, monkeypatch):

@@ -338,6 +338,46 @@ def _data_run(tmp_path):
     return cfg, data, run_dir
 
 
+def test_a_data_path_written_another_way_resumes(tmp_path, monkeypatch):
+    """A run started with a relative `data.path` resumes with the absolute path of the
+    same file (or through a link to it), exactly; another file at another path, even of
+    the same contents, is refused."""
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "pairs.jsonl"
+    data.write_text(json.dumps({"prompt": "Tom saw a dog.", "chosen": " Hi.", "rejected": " No."}))
+    (tmp_path / "link.jsonl").symlink_to(data)
+    (tmp_path / "copy.jsonl").write_text(data.read_text())
+
+    def run(run_dir, steps, path, resume=False, fail_at=None):
+        cfg = _cfg(run_dir, steps)
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=path))
+        state, opt = _state()
+        with pl.tools.open_run_dir(cfg, str(run_dir), resume=resume) as rd:
+            return pl.loop.run_iterations(
+                state,
+                _iteration(opt, fail_at),
+                num_iterations=steps,
+                key=jax.random.key(3),
+                ops=pl.OpsConfig(quiet=True, checkpoint_every=1, keep=2),
+                log=pl.tools.MetricsLog(str(run_dir), "sft", quiet=True),
+                checkpoint_dir=os.path.join(str(run_dir), "sft", "checkpoints"),
+                resume=rd.resume,
+                meta={"stage": "sft", "config": pl.config.config_to_dict(cfg)},
+            )
+
+    full = run(tmp_path / "full", 4, "pairs.jsonl")
+    for n, path in enumerate((str(data), "./link.jsonl")):
+        cut = tmp_path / f"cut{n}"
+        with pytest.raises(RuntimeError, match="crash"):
+            run(cut, 4, "pairs.jsonl", fail_at=2)
+        resumed = run(cut, 4, path, resume=True)
+        np.testing.assert_array_equal(resumed.state.params["w"], full.state.params["w"])
+    with pytest.raises(RuntimeError, match="crash"):
+        run(tmp_path / "cut2", 4, "pairs.jsonl", fail_at=2)
+    with pytest.raises(pl.loop.RunDirError, match="data.path: 'pairs.jsonl' -> 'copy.jsonl'"):
+        run(tmp_path / "cut2", 4, "copy.jsonl", resume=True)
+
+
 def test_a_resume_on_a_changed_data_file_changes_nothing(tmp_path):
     cfg, data, run_dir = _data_run(tmp_path)
     data.write_text(data.read_text().replace("dog", "cat"))  # same size, other contents

@@ -141,14 +141,28 @@ def _added_since(old: dict, new: dict) -> set[str]:
     return {k for k, v in lacking.items() if defaults.get(k, missing) == v}
 
 
+def _same_path(a: object, b: object) -> bool:
+    """Whether `a` and `b` are two spellings (relative, absolute, through a link) of one
+    existing file or directory."""
+    if not (isinstance(a, str) and isinstance(b, str) and a and b):
+        return False
+    try:
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):
+        return False
+
+
 def check_resumable(old: dict, new: dict, *, where: str) -> list[tuple[str, object, object]]:
     """Refuse (`RunDirError`) a resume whose configuration differs from the stored one
     `old` outside `resumable_fields()` and `iteration_fields()`, naming every such field
     with both values; returns all the changes (the allowed ones included). A field the
     stored configuration lacks (one added to the library since) is no change while it
-    holds its default."""
+    holds its default, nor is a path written another way that names the same file or
+    directory from here (`data.path=pairs.jsonl` then `/home/me/pairs.jsonl`)."""
     added = _added_since(old, new)
-    changes = [c for c in config_changes(old, new) if c[0] not in added]
+    changes = [
+        c for c in config_changes(old, new) if c[0] not in added and not _same_path(c[1], c[2])
+    ]
     counts = iteration_fields()
     resumable = resumable_fields()
     bad = [c for c in changes if c[0] not in resumable and c[0] not in counts]

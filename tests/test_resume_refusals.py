@@ -48,10 +48,13 @@ def _iteration(opt, fail_at=None):
     return iteration
 
 
-def _run(run_dir, steps: int, *, resume: bool = False, fail_at=None):
+def _run(run_dir, steps: int, *, resume: bool = False, fail_at=None, data=None):
     """An SFT-like stage of `steps` iterations in `run_dir` through the run-directory layer
-    (`open_run_dir`, then the loop with the stage's checkpoints and the run's log)."""
+    (`open_run_dir`, then the loop with the stage's checkpoints and the run's log);
+    `data`: the configuration's `data.path`."""
     cfg = _cfg(run_dir, steps)
+    if data is not None:
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=data))
     state, opt = _state()
     with pl.tools.open_run_dir(cfg, str(run_dir), resume=resume) as rd:
         return pl.loop.run_iterations(
@@ -348,34 +351,17 @@ def test_a_data_path_written_another_way_resumes(tmp_path, monkeypatch):
     (tmp_path / "link.jsonl").symlink_to(data)
     (tmp_path / "copy.jsonl").write_text(data.read_text())
 
-    def run(run_dir, steps, path, resume=False, fail_at=None):
-        cfg = _cfg(run_dir, steps)
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=path))
-        state, opt = _state()
-        with pl.tools.open_run_dir(cfg, str(run_dir), resume=resume) as rd:
-            return pl.loop.run_iterations(
-                state,
-                _iteration(opt, fail_at),
-                num_iterations=steps,
-                key=jax.random.key(3),
-                ops=pl.OpsConfig(quiet=True, checkpoint_every=1, keep=2),
-                log=pl.tools.MetricsLog(str(run_dir), "sft", quiet=True),
-                checkpoint_dir=os.path.join(str(run_dir), "sft", "checkpoints"),
-                resume=rd.resume,
-                meta={"stage": "sft", "config": pl.config.config_to_dict(cfg)},
-            )
-
-    full = run(tmp_path / "full", 4, "pairs.jsonl")
+    full = _run(tmp_path / "full", 4, data="pairs.jsonl")
     for n, path in enumerate((str(data), "./link.jsonl")):
         cut = tmp_path / f"cut{n}"
         with pytest.raises(RuntimeError, match="crash"):
-            run(cut, 4, "pairs.jsonl", fail_at=2)
-        resumed = run(cut, 4, path, resume=True)
+            _run(cut, 4, fail_at=2, data="pairs.jsonl")
+        resumed = _run(cut, 4, resume=True, data=path)
         np.testing.assert_array_equal(resumed.state.params["w"], full.state.params["w"])
     with pytest.raises(RuntimeError, match="crash"):
-        run(tmp_path / "cut2", 4, "pairs.jsonl", fail_at=2)
+        _run(tmp_path / "cut2", 4, fail_at=2, data="pairs.jsonl")
     with pytest.raises(pl.loop.RunDirError, match="data.path: 'pairs.jsonl' -> 'copy.jsonl'"):
-        run(tmp_path / "cut2", 4, "copy.jsonl", resume=True)
+        _run(tmp_path / "cut2", 4, resume=True, data="copy.jsonl")
 
 
 def test_a_resume_on_a_changed_data_file_changes_nothing(tmp_path):

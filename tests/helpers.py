@@ -312,10 +312,17 @@ def text_rollout(tok, prompts, texts, group_size: int = 1) -> "_pl.runs.Rollout"
     )
 
 
-def train_byte_bpe(directory, words) -> str:
-    """A byte-level BPE tokenizer (`tokenizers`; 300 ids, `<pad> <s> </s> <unk>` first)
-    trained on 200 lines of ten of `words`, saved as `directory/tokenizer.json`; returns
-    that path."""
+def train_byte_bpe(
+    directory,
+    words,
+    *,
+    vocab_size: int = 300,
+    special_tokens=("<pad>", "<s>", "</s>", "<unk>"),
+    words_per_line: int = 10,
+) -> str:
+    """A byte-level BPE tokenizer (`tokenizers`; `vocab_size` ids, `special_tokens`
+    first) trained on 200 lines of `words_per_line` of `words`, saved as
+    `directory/tokenizer.json`; returns that path."""
     import pytest
 
     tokenizers = pytest.importorskip("tokenizers")
@@ -325,14 +332,15 @@ def train_byte_bpe(directory, words) -> str:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
+        vocab_size=vocab_size,
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     rng = random.Random(0)
     tok.train_from_iterator(
-        [" ".join(rng.choice(words) for _ in range(10)) for _ in range(200)], trainer
+        [" ".join(rng.choice(words) for _ in range(words_per_line)) for _ in range(200)],
+        trainer,
     )
     path = str(directory / "tokenizer.json")
     tok.save(path)

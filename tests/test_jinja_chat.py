@@ -2,10 +2,10 @@
 the fallback without them, per-token masks, loading from tokenizer_config.json."""
 
 import json
-import random
 
 import numpy as np
 import pytest
+from helpers import train_byte_bpe
 from hypothesis import given, strategies as st
 
 from rlhf_eqx import data
@@ -151,25 +151,14 @@ def test_template_errors_and_sandbox():
 
 
 def _train_hf(directory):
-    tokenizers = pytest.importorskip("tokenizers")
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=320,
-        special_tokens=["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    rng = random.Random(0)
     words = ["hi", "say", "salut", "ça", "va", "user", "assistant", "system", "be", "brief"]
-    tok.train_from_iterator(
-        [" ".join(rng.choice(words) for _ in range(8)) for _ in range(200)], trainer
+    path = train_byte_bpe(
+        directory,
+        words,
+        vocab_size=320,
+        special_tokens=("<pad>", "<unk>", "<|im_start|>", "<|im_end|>"),
+        words_per_line=8,
     )
-    path = directory / "tokenizer.json"
-    tok.save(str(path))
     return data.HFTokenizer.from_file(path, bos_token="<|im_start|>", eos_token="<|im_end|>")
 
 

@@ -6,6 +6,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from conftest import SHARED, assert_tree_allclose, tree_allclose
 
 import rlhf_eqx as rx
@@ -345,3 +346,41 @@ def train_byte_bpe(
     path = str(directory / "tokenizer.json")
     tok.save(path)
     return path
+
+
+def quadratic_state(lr=0.1):
+    """A three-parameter `TrainState` under SGD with the loop's learning-rate factor, and
+    its optimiser (for the run-loop tests)."""
+    opt = optax.chain(optax.sgd(lr), _pl.loop.scale_by_lr_factor())
+    params = {"w": jnp.asarray([1.0, -2.0, 3.0], jnp.float32)}
+    return rx.train.init_train_state(params, opt), opt
+
+
+def quadratic_iteration(opt, fail_at=None, steps_per_iteration=1):
+    """A run-loop iteration of `steps_per_iteration` SGD steps on a noisy quadratic (the
+    noise from the iteration's key); it raises `RuntimeError("crash")` at `fail_at`."""
+
+    @eqx.filter_jit
+    def step(params, opt_state, key):
+        noise = 0.01 * jax.random.normal(key, (3,))
+        loss, g = jax.value_and_grad(lambda p: jnp.sum((p["w"] - noise) ** 2))(params)
+        upd, opt_state = opt.update(g, opt_state, params)
+        return optax.apply_updates(params, upd), opt_state, loss
+
+    def iteration(state, key, i):
+        if fail_at is not None and i == fail_at:
+            raise RuntimeError("crash")
+        metrics = []
+        for j in range(steps_per_iteration):
+            params, opt_state, loss = step(
+                state.params, state.opt_state, jax.random.fold_in(key, j)
+            )
+            state = eqx.tree_at(
+                lambda s: (s.params, s.opt_state, s.step),
+                state,
+                (params, opt_state, state.step + 1),
+            )
+            metrics.append({"loss": loss})
+        return state, metrics, {}
+
+    return iteration

@@ -6,46 +6,18 @@ import dataclasses
 import json
 import os
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
+from helpers import quadratic_iteration, quadratic_state
 
-import rlhf_eqx as rx
 from rlhf_eqx import pipelines as pl
 
 
 def _cfg(run_dir, steps: int) -> pl.PipelineConfig:
     cfg = pl.PipelineConfig(stages=("sft",), out=str(run_dir))
     return dataclasses.replace(cfg, sft=dataclasses.replace(cfg.sft, steps=steps))
-
-
-def _state():
-    opt = optax.chain(optax.sgd(0.1), pl.loop.scale_by_lr_factor())
-    params = {"w": jnp.asarray([1.0, -2.0, 3.0], jnp.float32)}
-    return rx.train.init_train_state(params, opt), opt
-
-
-def _iteration(opt, fail_at=None):
-    @eqx.filter_jit
-    def step(params, opt_state, key):
-        noise = 0.01 * jax.random.normal(key, (3,))
-        loss, g = jax.value_and_grad(lambda p: jnp.sum((p["w"] - noise) ** 2))(params)
-        upd, opt_state = opt.update(g, opt_state, params)
-        return optax.apply_updates(params, upd), opt_state, loss
-
-    def iteration(state, key, i):
-        if i == fail_at:
-            raise RuntimeError("crash")
-        params, opt_state, loss = step(state.params, state.opt_state, key)
-        state = eqx.tree_at(
-            lambda s: (s.params, s.opt_state, s.step), state, (params, opt_state, state.step + 1)
-        )
-        return state, [{"loss": loss}], {}
-
-    return iteration
 
 
 def _run(run_dir, steps: int, *, resume: bool = False, fail_at=None, data=None):
@@ -55,11 +27,11 @@ def _run(run_dir, steps: int, *, resume: bool = False, fail_at=None, data=None):
     cfg = _cfg(run_dir, steps)
     if data is not None:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=data))
-    state, opt = _state()
+    state, opt = quadratic_state()
     with pl.tools.open_run_dir(cfg, str(run_dir), resume=resume) as rd:
         return pl.loop.run_iterations(
             state,
-            _iteration(opt, fail_at),
+            quadratic_iteration(opt, fail_at),
             num_iterations=steps,
             key=jax.random.key(3),
             ops=pl.OpsConfig(quiet=True, checkpoint_every=1, keep=2),
@@ -173,7 +145,7 @@ def test_a_step_line_copied_by_hand_is_refused_naming_the_step(tmp_path):
 def test_the_loop_alone_refuses_missing_step_lines(tmp_path):
     # A run resumed without the run-directory layer (a stage function with a resuming
     # `RunContext`) is refused by its loop.
-    state, opt = _state()
+    state, opt = quadratic_state()
     kw = dict(
         num_iterations=5,
         key=jax.random.key(3),
@@ -182,10 +154,10 @@ def test_the_loop_alone_refuses_missing_step_lines(tmp_path):
         checkpoint_dir=str(tmp_path / "ck"),
     )
     with pytest.raises(RuntimeError, match="crash"):
-        pl.loop.run_iterations(state, _iteration(opt, fail_at=3), **kw)
+        pl.loop.run_iterations(state, quadratic_iteration(opt, fail_at=3), **kw)
     _remove_steps(tmp_path, {0})
     with pytest.raises(pl.loop.RunDirError, match=r"metrics\.jsonl: .* lack step\(s\) 0;"):
-        pl.loop.run_iterations(state, _iteration(opt), resume=True, **kw)
+        pl.loop.run_iterations(state, quadratic_iteration(opt), resume=True, **kw)
 
 
 def test_the_metrics_are_on_the_device_before_each_checkpoint_commits(tmp_path, monkeypatch):

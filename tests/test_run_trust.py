@@ -15,8 +15,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
+from helpers import quadratic_iteration, quadratic_state
 
 import rlhf_eqx as rx
 from rlhf_eqx import pipelines as pl
@@ -139,53 +139,20 @@ def test_a_changed_count_of_an_upstream_stage_is_refused(tmp_path):
         pl.tools.open_run_dir(more_sft, str(run), resume=True)
 
 
-def _quadratic_state(lr=0.1):
-    opt = optax.chain(optax.sgd(lr), pl.loop.scale_by_lr_factor())
-    params = {"w": jnp.asarray([1.0, -2.0, 3.0], jnp.float32)}
-    return rx.train.init_train_state(params, opt), opt
-
-
-def _quadratic_iteration(opt, fail_at=None, steps_per_iteration=1):
-    @eqx.filter_jit
-    def step(params, opt_state, key):
-        noise = 0.01 * jax.random.normal(key, (3,))
-        loss, g = jax.value_and_grad(lambda p: jnp.sum((p["w"] - noise) ** 2))(params)
-        upd, opt_state = opt.update(g, opt_state, params)
-        return optax.apply_updates(params, upd), opt_state, loss
-
-    def iteration(state, key, i):
-        if fail_at is not None and i == fail_at:
-            raise RuntimeError("crash")
-        metrics = []
-        for j in range(steps_per_iteration):
-            params, opt_state, loss = step(
-                state.params, state.opt_state, jax.random.fold_in(key, j)
-            )
-            state = eqx.tree_at(
-                lambda s: (s.params, s.opt_state, s.step),
-                state,
-                (params, opt_state, state.step + 1),
-            )
-            metrics.append({"loss": loss})
-        return state, metrics, {}
-
-    return iteration
-
-
 def test_the_checkpointed_config_is_checked_by_the_loop(tmp_path):
-    state, opt = _quadratic_state()
+    state, opt = quadratic_state()
     d = str(tmp_path / "ck")
     ops = pl.OpsConfig(quiet=True, checkpoint_every=1)
     log = pl.tools.MetricsLog(str(tmp_path), "q", quiet=True)
     kw = dict(key=jax.random.key(0), ops=ops, log=log, checkpoint_dir=d)
     meta = {"config": pl.config.config_to_dict(pl.animal_task_config())}
-    pl.loop.run_iterations(state, _quadratic_iteration(opt), num_iterations=3, meta=meta, **kw)
+    pl.loop.run_iterations(state, quadratic_iteration(opt), num_iterations=3, meta=meta, **kw)
     other = pl.animal_task_config()
     other = dataclasses.replace(other, sft=dataclasses.replace(other.sft, batch_size=4))
     with pytest.raises(pl.loop.RunDirError, match="sft.batch_size: 16 -> 4"):
         pl.loop.run_iterations(
             state,
-            _quadratic_iteration(opt),
+            quadratic_iteration(opt),
             num_iterations=3,
             meta={"config": pl.config.config_to_dict(other)},
             resume=True,
@@ -193,7 +160,7 @@ def test_the_checkpointed_config_is_checked_by_the_loop(tmp_path):
         )
     with pytest.raises(pl.loop.RunDirError, match="past the 2 iterations"):
         pl.loop.run_iterations(
-            state, _quadratic_iteration(opt), num_iterations=2, meta=meta, resume=True, **kw
+            state, quadratic_iteration(opt), num_iterations=2, meta=meta, resume=True, **kw
         )
 
 
@@ -201,7 +168,7 @@ def test_the_checkpointed_config_is_checked_by_the_loop(tmp_path):
 
 
 def test_resume_continues_step_and_writes_no_record_twice(tmp_path):
-    state, opt = _quadratic_state()
+    state, opt = quadratic_state()
     d = str(tmp_path / "ck")
     ops = pl.OpsConfig(quiet=True, checkpoint_every=2, eval_every=2)
     log = pl.tools.MetricsLog(str(tmp_path), "q", quiet=True)
@@ -209,14 +176,14 @@ def test_resume_continues_step_and_writes_no_record_twice(tmp_path):
     evaluate = lambda s, i: {"w0": float(s.params["w"][0])}  # noqa: E731
     # Crash in iteration 5: iteration 4 was logged after the checkpoint at 4.
     with pytest.raises(RuntimeError):
-        pl.loop.run_iterations(state, _quadratic_iteration(opt, 5, 2), evaluate=evaluate, **kw)
+        pl.loop.run_iterations(state, quadratic_iteration(opt, 5, 2), evaluate=evaluate, **kw)
     # A torn last line, as a crash mid-write leaves it.
     with open(log.path, "a") as f:
         f.write('{"stage": "q", "iter')
     log = pl.tools.MetricsLog(str(tmp_path), "q", quiet=True)  # repairs the torn line
     kw["log"] = log
     res = pl.loop.run_iterations(
-        state, _quadratic_iteration(opt, None, 2), evaluate=evaluate, resume=True, **kw
+        state, quadratic_iteration(opt, None, 2), evaluate=evaluate, resume=True, **kw
     )
     recs = _records(log.path)
     steps = [r["step"] for r in recs if "event" not in r and not r.get("eval")]
@@ -227,7 +194,7 @@ def test_resume_continues_step_and_writes_no_record_twice(tmp_path):
     assert res.history[0]["step"] == 8
     full = pl.loop.run_iterations(
         state,
-        _quadratic_iteration(opt, None, 2),
+        quadratic_iteration(opt, None, 2),
         num_iterations=8,
         key=jax.random.key(3),
         ops=ops,
@@ -279,11 +246,11 @@ def test_divergence_rolls_back_to_a_verified_state_then_stops(tmp_path):
     # lr 1e3 ruins the weights at the first update: each rollback must land on the
     # starting state (the only one whose loss was measured finite and in range), and the
     # run ends "diverged" with finite weights once the rollbacks are spent.
-    state, opt = _quadratic_state(lr=1e3)
+    state, opt = quadratic_state(lr=1e3)
     log = pl.tools.MetricsLog(str(tmp_path), "q", quiet=True)
     ops = pl.OpsConfig(quiet=True, max_rollbacks=2, lr_backoff=10.0)
     res = pl.loop.run_iterations(
-        state, _quadratic_iteration(opt), num_iterations=6, key=jax.random.key(0), ops=ops, log=log
+        state, quadratic_iteration(opt), num_iterations=6, key=jax.random.key(0), ops=ops, log=log
     )
     assert res.stopped == "diverged" and res.rollbacks == 2
     assert bool(jnp.all(jnp.isfinite(res.state.params["w"])))
@@ -295,11 +262,11 @@ def test_divergence_rolls_back_to_a_verified_state_then_stops(tmp_path):
 
 
 def test_a_run_recovers_when_a_lower_rate_is_enough(tmp_path):
-    state, opt = _quadratic_state(lr=3.0)  # diverges at 3.0, converges at 0.3
+    state, opt = quadratic_state(lr=3.0)  # diverges at 3.0, converges at 0.3
     log = pl.tools.MetricsLog(str(tmp_path), "q", quiet=True)
     res = pl.loop.run_iterations(
         state,
-        _quadratic_iteration(opt),
+        quadratic_iteration(opt),
         num_iterations=12,
         key=jax.random.key(0),
         ops=pl.OpsConfig(quiet=True),

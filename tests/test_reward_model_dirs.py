@@ -59,6 +59,12 @@ def test_a_run_directory_without_one_reward_model_is_refused_naming_them(builtin
     empty = _run_dir(tmp_path / "grpo_run")
     with pytest.raises(ValueError, match="a run directory without an exported reward model"):
         pl.runs.load_reward_source(empty, tok)
+    stopped = tmp_path / "stopped"  # a run that stopped before its summary: its metrics
+    stopped.mkdir()
+    (stopped / "config.json").write_text('{"stages": ["reward"]}')
+    (stopped / "metrics.jsonl").write_text('{"stage": "reward", "step": 0, "loss": 1.0}\n')
+    with pytest.raises(ValueError, match="a run directory without an exported reward model"):
+        pl.runs.load_reward_source(str(stopped), tok)
     both = _run_dir(tmp_path / "both")
     pl.runs.export_reward_model(rx.RewardModel.from_policy(policy, key=jax.random.key(0)), both)
     prm = rx.ValueModel.from_policy(policy, key=jax.random.key(1))

@@ -383,7 +383,7 @@ def _exported_in_run(directory: str) -> str:
     (`rlhf_eqx reward --out RUN`, whose `config.json` is the run's configuration, not a
     model's) the one it exported (`EXPORTED_REWARD_MODELS`), else `directory` itself.
     A `ValueError` naming the run when it exported several, or none (a run directory:
-    one with `summary.json`)."""
+    `holds_run`, metrics, a summary or checkpoints)."""
     found = [
         os.path.join(directory, sub)
         for sub in EXPORTED_REWARD_MODELS
@@ -396,7 +396,9 @@ def _exported_in_run(directory: str) -> str:
         )
     if found:
         return found[0]
-    if os.path.isfile(os.path.join(directory, "summary.json")):
+    from ._rundir import holds_run  # the run-directory layer (it imports the stages)
+
+    if holds_run(directory):
         raise ValueError(
             f"reward model {directory!r}: a run directory without an exported reward model "
             f"({' or '.join(EXPORTED_REWARD_MODELS)}); train one with the reward or prm stage"

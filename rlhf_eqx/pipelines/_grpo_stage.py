@@ -43,9 +43,9 @@ from ._reward_sources import (
     as_reward_source,
     check_reward_functions,
     heldout_reward_summary,
+    prompt_file_reward,
     scored_needs,
     scored_on_task,
-    stage_reward_source,
 )
 from ._rl_rollouts import _compare, _dispatch_sample, _policy_and_reference
 from ._rollout import RewardFunction, Rollout, finish_rollout, group_signal
@@ -665,21 +665,11 @@ def grpo_prompts(env: StageEnv, c: GRPOConfig) -> GRPOPrompts:
     quality["longer_than_prompt_length"] = len(usable) - len(fits)
     env.summary["data_quality"] = quality
     train, held = split_records(fits, cfg.data)
-    answers = {r.prompt: r.answer for r in fits if r.answer is not None}
-    columns = {}  # each prompt's other columns: the first record's of a repeated one
-    for r in fits:
-        columns.setdefault(r.prompt, r.columns)
-
-    def exact(prompt, completion):
-        return float(data.exact_match_reward([completion], [answers[prompt]])[0])
-
-    task = RewardFunction("exact_match", exact)
-    reward = stage_reward_source(
-        c, task=[task], tokenizer=tok, judge=cfg.judge, judges={"base": policy}, columns=columns
+    reward, exact = prompt_file_reward(
+        "grpo", c, fits, cfg.data.path, tokenizer=tok, judge=cfg.judge, judges={"base": policy}
     )
     prompts_of = lambda records: tuple(r.prompt for r in records)  # noqa: E731
-    every_answer = len(answers) == len(columns)
-    return GRPOPrompts(prompts_of(train), prompts_of(held), task if every_answer else None, reward)
+    return GRPOPrompts(prompts_of(train), prompts_of(held), exact, reward)
 
 
 def heldout_scores(env: StageEnv, prompts: GRPOPrompts, trained, reuse: dict | None = None) -> dict:

@@ -26,9 +26,9 @@ from ._reward_sources import (
     as_reward_source,
     check_reward_functions,
     heldout_reward_summary,
+    prompt_file_reward,
     scored_needs,
     scored_on_task,
-    stage_reward_source,
 )
 from ._rl_rollouts import _policy_and_reference, _sample_and_compare
 from ._rollout import RewardFunction
@@ -219,26 +219,8 @@ def scored_prompts(env: StageEnv, c: PPOConfig) -> tuple[list[str], list[str], R
         env.summary["data_quality"]["dropped_duplicate_prompts"] = len(train_fits) - len(first)
         train_fits = list(first.values())
     env.say(f"ppo: {len(train_fits)} training / {len(held_fits)} held-out prompts")
-    columns = {}  # each prompt's other columns: the first record's of a repeated one
-    for r in kept:
-        columns.setdefault(r.prompt, r.columns)
-    answers = {r.prompt: r.answer for r in kept if r.answer is not None}
-    task = []
-    if c.reward_source == "task" and not c.reward_functions:
-        if len(answers) < len({r.prompt for r in kept}):
-            raise ValueError(
-                f"ppo.reward_source=task: the exact match of reference answers, but "
-                f"{sum(r.answer is None for r in kept)} prompts of {cfg.data.path} have "
-                "none; score with your own functions (ppo.reward_functions=MODULE:NAME), "
-                "or ppo.reward_source=reward_model (ppo.reward_model=DIR), judge or prm"
-            )
-
-        def exact(prompt: str, completion: str) -> float:
-            return float(data.exact_match_reward([completion], [answers[prompt]])[0])
-
-        task = [RewardFunction("exact_match", exact)]
-    reward = stage_reward_source(
-        c, task=task, tokenizer=tok, judge=cfg.judge, judges={"base": env.base}, columns=columns
+    reward, _ = prompt_file_reward(
+        "ppo", c, kept, cfg.data.path, tokenizer=tok, judge=cfg.judge, judges={"base": env.base}
     )
     return [r.prompt for r in train_fits], [r.prompt for r in held_fits], reward
 

@@ -506,6 +506,39 @@ def stage_reward_source(
     return source
 
 
+def prompt_file_reward(
+    name: str, c, records: Sequence, path: str, *, tokenizer, judge, judges: dict
+) -> tuple[RewardSource, RewardFunction | None]:
+    """The reward source of a PPO / GRPO stage (section `name`, config `c`) on the
+    records `records` of the prompt file `path` (`data.PromptRecord`s as trained on), and the
+    exact-match reward of their reference answers (`None` unless every prompt has one).
+    `reward_source=task` is the user's `reward_functions` (given each prompt's other
+    columns: the first record's of a repeated prompt) or else that exact match, which
+    then needs every prompt's answer (a `ValueError` naming the stage's other choices);
+    the other sources as `stage_reward_source` builds them."""
+    columns: dict = {}
+    for r in records:
+        columns.setdefault(r.prompt, r.columns)
+    answers = {r.prompt: r.answer for r in records if r.answer is not None}
+
+    def exact(prompt: str, completion: str) -> float:
+        return float(rx.data.exact_match_reward([completion], [answers[prompt]])[0])
+
+    match = RewardFunction("exact_match", exact) if len(answers) == len(columns) else None
+    if c.reward_source == "task" and not c.reward_functions and match is None:
+        raise ValueError(
+            f"{name}.reward_source=task: the exact match of reference answers, but "
+            f"{sum(r.answer is None for r in records)} prompts of {path} have none; score "
+            f"with your own functions ({name}.reward_functions=MODULE:NAME), or "
+            f"{name}.reward_source=reward_model ({name}.reward_model=DIR), judge or prm"
+        )
+    task = [match] if match is not None else []
+    source = stage_reward_source(
+        c, task=task, tokenizer=tokenizer, judge=judge, judges=judges, columns=columns
+    )
+    return source, match
+
+
 def check_reward_functions(name: str, c) -> None:
     """A `ConfigError` naming the field when the stage config `c` (section `name`) has
     reward functions that do not import (`load_reward_functions`), weights that are not

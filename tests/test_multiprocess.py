@@ -127,7 +127,14 @@ def _worker(mode: str, out_path: str) -> None:
         # A cross-process reduction over the global batch, without training.
         count = jax.jit(lambda b: jnp.sum(b.chosen_mask.astype(jnp.int32), axis=1))(batch)
         counts = np.asarray(multihost_utils.process_allgather(count, tiled=True))
-        np.savez(out_path, counts=counts, mine=np.asarray(mine))
+        # the same batch built again without the cross-process shape check
+        unchecked = dist.global_batch(local, mesh, check_shapes=False)
+        same = all(
+            np.array_equal(a.addressable_data(0), b.addressable_data(0))
+            and a.sharding == b.sharding
+            for a, b in zip(jax.tree.leaves(batch), jax.tree.leaves(unchecked))
+        )
+        np.savez(out_path, counts=counts, mine=np.asarray(mine), same=np.asarray(same))
         leave_run()
     state = dist.shard_train_state(init_train_state(policy, opt), mesh, fsdp=True)
     reference = dist.shard_model(policy, mesh, fsdp=True)
@@ -282,6 +289,7 @@ def test_two_processes_read_their_shards_and_reduce_the_global_batch(tmp_path):
     expected = [len(pairs[i].chosen) for o in order for i in o]
     for r in results:
         np.testing.assert_array_equal(r["counts"], expected)
+        assert bool(r["same"])  # `check_shapes=False` builds the same global batch
 
 
 def test_two_processes_with_different_batch_shapes_are_refused_by_name(tmp_path):

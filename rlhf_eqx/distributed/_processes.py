@@ -133,7 +133,9 @@ def process_record_indices(
     return assign_shards(records, num_processes, local_devices)[process_id]
 
 
-def global_batch(local_batch: PyTree, mesh: Mesh, *, axis: str = "data") -> PyTree:
+def global_batch(
+    local_batch: PyTree, mesh: Mesh, *, axis: str = "data", check_shapes: bool = True
+) -> PyTree:
     """Assemble the processes' local rows into one global batch sharded over `axis`.
 
     Each process passes its own rows (`[b, ...]`, the same `b` on every process); the
@@ -146,6 +148,13 @@ def global_batch(local_batch: PyTree, mesh: Mesh, *, axis: str = "data") -> PyTr
     every process when the processes' batches differ in a field's shape or dtype (checked
     with a small all-gather of the shapes before the batch is built) or the processes
     hold different numbers of the slices of `axis`.
+
+    `check_shapes=False` skips the cross-process shape check (one small all-gather, so one
+    round trip between the hosts, per call). Every process must pass the same value, and
+    batches that then differ between the processes are not refused: each process
+    compiles its own program and the collectives abort or wait. Use it once the shapes
+    are fixed by construction (a bucketed or fixed-length collate), e.g. after the first
+    batch of a run was checked.
     """
     sharding = NamedSharding(mesh, PartitionSpec(axis))
     fields = [
@@ -156,7 +165,7 @@ def global_batch(local_batch: PyTree, mesh: Mesh, *, axis: str = "data") -> PyTr
     for name, x in fields:
         if x.ndim == 0:
             raise ValueError(f"global_batch: batch field {name} is a scalar")
-    if jax.process_count() > 1:
+    if check_shapes and jax.process_count() > 1:
         _check_same_shapes(fields)
     slices = _slices_per_process(mesh, axis)
     if len(set(slices.values())) > 1:

@@ -363,14 +363,12 @@ def test_mt_bench_real_file(shared_dir):
 def test_prompt_formats_and_errors(tmp_path):
     path = write_jsonl(
         tmp_path / "p.jsonl",
-        [{"prompt": "q1"}, {"prompt": "q2", "answer": 7}, {"prompt": [user("hi")]}],
+        [{"prompt": "q1"}, {"prompt": "q2", "answer": 7}],
     )
     ds = data.load_prompts(path)
-    assert list(ds) == [
-        data.PromptRecord("q1"),
-        data.PromptRecord("q2", "7"),
-        data.PromptRecord("\n\nHuman: hi\n\nAssistant:"),
-    ]
+    assert list(ds) == [data.PromptRecord("q1"), data.PromptRecord("q2", "7")]
+    chat = write_jsonl(tmp_path / "c.jsonl", [{"prompt": [user("hi")]}])
+    assert list(data.load_prompts(chat)) == [data.PromptRecord("\n\nHuman: hi\n\nAssistant:")]
     assert data.load_prompts(path, template="hh")[0].prompt == "\n\nHuman: q1\n\nAssistant:"
     gsm = write_jsonl(tmp_path / "g.jsonl", [{"question": "q", "answer": "no final answer"}])
     with pytest.raises(data.DataError, match="g.jsonl:1: no answer"):

@@ -190,6 +190,35 @@ def message_list(record: dict, key: str) -> list[dict]:
     return out
 
 
+class ColumnKind:
+    """Whether a file's `key` column holds messages, told by its first record and the
+    same for every record: `kind(record)` is `True` when `record[key]` is a list (of
+    messages), `False` when it is a string, and `Malformed` naming the key when it is
+    the other of the two than the first record's (a file mixing text and conversational
+    rows, which the preference, unpaired and stepwise readers refuse by their layout).
+    Another value passes as `False` (the record's parser then says what is wrong)."""
+
+    def __init__(self, key: str):
+        self.key = key
+        self.first: bool | None = None
+
+    def __call__(self, record: dict) -> bool:
+        value = record.get(self.key)
+        if not isinstance(value, (list, str)):
+            return False
+        listed = isinstance(value, list)
+        if self.first is None:
+            self.first = listed
+        elif listed != self.first:
+            want = "a list of messages" if self.first else "a string"
+            raise Malformed(
+                "wrong type",
+                f"{self.key!r} must be {want}, as the first record's is (text and "
+                f"conversational rows do not mix), got {type(value).__name__}",
+            )
+        return listed
+
+
 def resolve_template(template: str | ChatTemplate) -> ChatTemplate:
     """A `ChatTemplate` as given, or the built-in one of that name."""
     if isinstance(template, ChatTemplate):

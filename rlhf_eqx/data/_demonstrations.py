@@ -9,7 +9,9 @@ the keys of the first record):
 - `"prompt_completion"` — `{"prompt": str, "completion": str}`, used as given; or TRL's
   conversational `{"prompt": [messages], "completion": [messages]}`: the prompt
   messages rendered with the generation prompt, the completion the rest of the
-  rendered conversation.
+  rendered conversation. A file's completions are all strings or all message lists,
+  as its first record's (`Malformed` naming `completion` for a record of the other
+  kind).
 - `"messages"` — `{"messages": [{"role", "content"}, ...]}` (or ShareGPT's
   `{"conversations": [{"from", "value"}, ...]}` without `"chosen"`): the prompt is every
   message before the last assistant message, rendered with the generation prompt; the
@@ -66,6 +68,7 @@ from typing import Any
 
 from ._chat import (
     ChatTemplate,
+    ColumnKind,
     format_chat,
     message_list,
     resolve_template,
@@ -139,9 +142,13 @@ def _parse_text(record: dict) -> DemonstrationRecord:
 
 
 def _parse_prompt_completion(
-    record: dict, render: Callable[..., str], trained: Callable | None, jinja: bool
+    record: dict,
+    render: Callable[..., str],
+    trained: Callable | None,
+    jinja: bool,
+    conversational: ColumnKind,
 ) -> DemonstrationRecord:
-    if isinstance(record.get("completion"), list):  # TRL's conversational layout
+    if conversational(record):  # TRL's conversational layout
         if trained is None and not jinja:
             return _checked(*_conversation_texts(record, render))
         prompt = _message_list(record, "prompt")
@@ -358,9 +365,13 @@ def load_demonstrations(
                     "ChatTemplate, not a JinjaChatTemplate"
                 )
             return _chosen_parser(resolve_template(template))
-        parse = _parse_messages if fmt == "messages" else _parse_prompt_completion
         jinja = isinstance(template, JinjaChatTemplate)
-        return lambda record: parse(record, render, trained, jinja)
+        if fmt == "messages":
+            return lambda record: _parse_messages(record, render, trained, jinja)
+        conversational = ColumnKind("completion")
+        return lambda record: _parse_prompt_completion(
+            record, render, trained, jinja, conversational
+        )
 
     records, report = load_records(
         path,

@@ -12,6 +12,9 @@ A plain record without `answer` may name it `solution` (TRL's math datasets). An
 is a string or a number (a JSON number, a Parquet `int64` or `double` column: `3.0` reads
 as `"3"`, as `exact_match_reward` compares it); a GSM8K answer is a solution ending
 `#### <number>`, or the number alone.
+
+A plain file's prompts are all strings or all message lists, as its first record's
+(`Malformed` naming `prompt` for a record of the other kind).
 """
 
 import dataclasses
@@ -20,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._answers import extract_gsm8k_answer, normalise_number
-from ._chat import ChatTemplate, format_chat, message_field, resolve_template
+from ._chat import ChatTemplate, ColumnKind, format_chat, message_field, resolve_template
 from ._io import (
     Malformed,
     RecordDataset,
@@ -115,11 +118,13 @@ def _parse_mt_bench(record: dict, template: ChatTemplate | None) -> PromptRecord
     return PromptRecord(_render(turns[0], template), None, _others(record, "turns"))
 
 
-def _parse_plain(record: dict, template: ChatTemplate | None) -> PromptRecord:
+def _parse_plain(
+    record: dict, template: ChatTemplate | None, conversational: ColumnKind
+) -> PromptRecord:
     prompt = record.get("prompt")
     key = "answer" if "answer" in record else "solution"  # TRL's math sets name it so
     answer = _answer_value(record, key)
-    if isinstance(prompt, list):
+    if conversational(record):
         messages = [message_field(m, "prompt") for m in prompt]
         if not any(m["content"].strip() for m in messages):
             raise Unusable("empty prompt")
@@ -159,9 +164,15 @@ def load_prompts(
     counted in `dataset.report`.
     """
     tmpl = None if template is None else resolve_template(template)
-    parsers = {"gsm8k": _parse_gsm8k, "mt-bench": _parse_mt_bench, "plain": _parse_plain}
 
     def make_parser(fmt: str):
+        conversational = ColumnKind("prompt")
+        parsers = {
+            "gsm8k": _parse_gsm8k,
+            "mt-bench": _parse_mt_bench,
+            "plain": lambda record, tmpl: _parse_plain(record, tmpl, conversational),
+        }
+
         def parse(record: dict) -> PromptRecord:
             if fmt == "mt-bench" and "turns" not in record:
                 raise Malformed("missing key", f"no 'turns' in a record with keys {sorted(record)}")

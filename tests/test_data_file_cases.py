@@ -1,0 +1,75 @@
+"""Data files as users write them: rows that mix text and conversations, and the edge
+cases of each file format (JSON lines, JSON lists, gzip, Parquet, Arrow, saved
+`datasets` directories), each refused with its file, row and column or read as the
+same records in every format."""
+
+import json
+import re
+
+import pytest
+
+from rlhf_eqx import data
+
+datasets = pytest.importorskip("datasets")
+pytest.importorskip("pyarrow")
+
+datasets.disable_progress_bars()
+
+_USER = [{"role": "user", "content": "Hi"}]
+_REPLY = [{"role": "assistant", "content": "Hello!"}]
+
+
+def _jsonl(path, rows):
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return str(path)
+
+
+def _parquet(path, rows):
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    return str(path)
+
+
+MIXED = {
+    "prompts": (data.load_prompts, "prompt", [{"prompt": _USER}, {"prompt": "Hi"}]),
+    "demonstrations": (
+        data.load_demonstrations,
+        "completion",
+        [{"prompt": _USER, "completion": _REPLY}, {"prompt": "Hi", "completion": " Hello!"}],
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MIXED))
+@pytest.mark.parametrize("conversational_first", [True, False])
+def test_text_and_conversational_rows_do_not_mix(tmp_path, kind, conversational_first):
+    read, column, rows = MIXED[kind]
+    rows = rows if conversational_first else rows[::-1]
+    first, second = ("a list of messages", "str") if conversational_first else ("a string", "list")
+    said = (
+        f"'{column}' must be {first}, as the first record's is (text and conversational "
+        f"rows do not mix), got {second}"
+    )
+    path = _jsonl(tmp_path / "mixed.jsonl", rows)
+    with pytest.raises(data.DataError, match=f"^{re.escape(f'{path}:2: wrong type: {said}')}$"):
+        read(path)
+    lenient = read(path, lenient=True)
+    assert len(lenient) == 1 and lenient.report.skipped == {"wrong type": 1}
+    # A table cannot mix them in one column, a directory of Parquet shards can.
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    _parquet(shards / "a.parquet", rows[:1])
+    second_file = _parquet(shards / "b.parquet", rows[1:])
+    with pytest.raises(
+        data.DataError, match=f"^{re.escape(f'{second_file}: row 0: column {said}')}$"
+    ):
+        read(shards)
+    # Through a column mapping the message names the file's column.
+    renamed = [{"x" if k == column else k: v for k, v in r.items()} for r in rows]
+    path = _jsonl(tmp_path / "renamed.jsonl", renamed)
+    with pytest.raises(data.DataError, match=re.escape(f"{path}:2: wrong type: 'x' must be")):
+        read(path, columns={column: "x"})
+    # Each kind alone is read.
+    for row in rows:
+        assert len(read(_jsonl(tmp_path / "one.jsonl", [row, row]))) == 2

@@ -73,3 +73,41 @@ def test_text_and_conversational_rows_do_not_mix(tmp_path, kind, conversational_
     # Each kind alone is read.
     for row in rows:
         assert len(read(_jsonl(tmp_path / "one.jsonl", [row, row]))) == 2
+
+
+_PAIRS = [
+    {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."},
+    {"prompt": "Two and two", "chosen": " make four.", "rejected": " make five."},
+]
+
+
+@pytest.mark.parametrize("indent", [None, 2])
+def test_a_jsonl_file_holding_one_json_list_is_read_as_that_list(tmp_path, indent):
+    # `json.dump(rows, f)` into a `.jsonl` file: `datasets`' JSON reader takes it too.
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(_PAIRS, indent=indent))
+    expected = data.load_preferences(_jsonl(tmp_path / "lines.jsonl", _PAIRS))
+    got = data.load_preferences(path)
+    assert list(got) == list(expected) and len(got) == 2
+    # A JSON lines file of lists (not records) is refused line by line, as before.
+    lists = tmp_path / "lists.jsonl"
+    lists.write_text("[1, 2]\n[3]\n")
+    with pytest.raises(data.DataError, match=re.escape(f"{lists}:1: not a JSON object: list")):
+        data.load_preferences(lists)
+
+
+def test_an_empty_saved_dataset_has_no_records(tmp_path):
+    # `save_to_disk` of an empty dataset lists no Arrow file in its state.json.
+    folder = tmp_path / "empty"
+    datasets.Dataset.from_dict({"prompt": [], "chosen": [], "rejected": []}).save_to_disk(
+        str(folder)
+    )
+    with pytest.raises(data.DataError, match=f"^{re.escape(str(folder))}: no records$"):
+        data.load_preferences(folder)
+    splits = tmp_path / "splits"
+    empty = datasets.Dataset.from_dict({"prompt": [], "chosen": [], "rejected": []})
+    full = datasets.Dataset.from_list(_PAIRS)
+    datasets.DatasetDict({"train": full, "test": empty}).save_to_disk(str(splits))
+    assert len(data.load_preferences(f"{splits}:train")) == 2
+    with pytest.raises(data.DataError, match=f"^{re.escape(str(splits))}:test: no records$"):
+        data.load_preferences(f"{splits}:test")

@@ -178,6 +178,8 @@ class Table:
             if os.path.isdir(base)
             else dataset_files(base, split)
         )
+        if not self.files:  # `save_to_disk` of an empty dataset lists no data file
+            raise DataError(f"{path}: no records")
         self.columns: tuple[str, ...] = tuple(_schema(self.files[0]).names)
 
     def records(self, report) -> Iterator[tuple[str, dict]]:

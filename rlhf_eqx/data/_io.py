@@ -88,11 +88,19 @@ def _open_bytes(path: str) -> bytes:
 
 
 def _is_json_list(path: str, data: bytes) -> bool:
-    """`.json` files holding a list; `.json` files of one object per line are JSON lines."""
-    base = path[:-3] if path.endswith(".gz") else path
-    if not base.endswith(".json"):
+    """`.json` files holding a list (`.json` files of one object per line are JSON lines),
+    and a file of another name that is one JSON list as a whole (a `.jsonl` file written
+    by `json.dump(rows, f)`, which `datasets`' JSON reader reads too); a JSON lines file
+    of lists (not records) stays JSON lines, its lines refused one by one."""
+    if data.lstrip()[:1] != b"[":
         return False
-    return data.lstrip()[:1] == b"["
+    base = path[:-3] if path.endswith(".gz") else path
+    if base.endswith(".json"):
+        return True
+    try:
+        return isinstance(_json_value(data), list)
+    except _InvalidJSON:
+        return False
 
 
 @dataclasses.dataclass

@@ -111,3 +111,32 @@ def test_an_empty_saved_dataset_has_no_records(tmp_path):
     assert len(data.load_preferences(f"{splits}:train")) == 2
     with pytest.raises(data.DataError, match=f"^{re.escape(str(splits))}:test: no records$"):
         data.load_preferences(f"{splits}:test")
+
+
+_CALL = {"type": "function", "function": {"name": "weather", "arguments": {"city": "Oslo"}}}
+_CALLING = {"role": "assistant", "content": None, "tool_calls": [_CALL]}
+_CALL_TEXT = '{"name": "weather", "arguments": {"city": "Oslo"}}<|im_end|>\n'
+
+
+def test_a_reply_that_only_calls_a_tool_is_not_an_empty_completion(tmp_path):
+    # A call is what the assistant says: its rendered text is trained, as sft trains it.
+    pair = {"prompt": _USER, "chosen": [_CALLING], "rejected": _REPLY}
+    unpaired = {"prompt": _USER, "completion": [_CALLING], "label": True}
+    demo = {"prompt": _USER, "completion": [_CALLING]}
+    cases = [
+        (data.load_preferences, pair, lambda r: r.chosen),
+        (data.load_unpaired, unpaired, lambda r: r.completion),
+        (data.load_demonstrations, demo, lambda r: r.completion),
+    ]
+    for read, row, completion in cases:
+        for path in (
+            _jsonl(tmp_path / "calls.jsonl", [row]),
+            _parquet(tmp_path / "calls.parquet", [row]),
+        ):
+            got = read(path, template="chatml")
+            assert len(got) == 1 and got.report.skipped == {}, (read, path)
+            assert completion(got[0]) == _CALL_TEXT
+    # A blank reply without a call is still skipped.
+    blank = {"prompt": _USER, "chosen": [{"role": "assistant", "content": " "}], "rejected": _REPLY}
+    got = data.load_preferences(_jsonl(tmp_path / "blank.jsonl", [blank]), template="chatml")
+    assert len(got) == 0 and got.report.skipped == {"empty completion": 1}

@@ -172,6 +172,12 @@ def message_field(value: object, key: str) -> dict:
     return message
 
 
+def said(message: Mapping[str, object]) -> bool:
+    """Whether a message (as `message_field` reads it) says anything: text that is not
+    blank, or tool calls (an assistant message whose only output is a call)."""
+    return bool(str(message["content"]).strip() or message.get("tool_calls"))
+
+
 def message_list(record: dict, key: str) -> list[dict]:
     """`record[key]`, a list of messages, each as `message_field` reads it (`Malformed`
     naming the key when it is missing or not a list, and the message's index when one is

@@ -72,6 +72,7 @@ from ._chat import (
     format_chat,
     message_list,
     resolve_template,
+    said as _said,
     split_conversation,
 )
 from ._errors import DataError
@@ -161,11 +162,6 @@ def _parse_prompt_completion(
             raise Malformed("wrong type", "'completion' must start with an assistant message")
         return trained(prompt + completion, len(prompt))
     return _checked(string_field(record, "prompt"), string_field(record, "completion"))
-
-
-def _said(message: dict) -> bool:
-    """Whether an assistant message says anything: text or tool calls."""
-    return bool(message["content"].strip() or message.get("tool_calls"))
 
 
 def _check_calls_rendered(messages: list[dict], render: Callable[..., str]) -> None:

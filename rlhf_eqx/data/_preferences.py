@@ -30,7 +30,14 @@ import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 
-from ._chat import ChatTemplate, format_chat, message_field, message_list, resolve_template
+from ._chat import (
+    ChatTemplate,
+    format_chat,
+    message_field,
+    message_list,
+    resolve_template,
+    said,
+)
 from ._errors import DataError
 from ._io import (
     Malformed,
@@ -136,7 +143,7 @@ def _split_messages(
     prompt = format_chat(chosen[:k], template, add_generation_prompt=True)
     completions = []
     for messages in (chosen, rejected):
-        if not any(m["content"].strip() for m in messages[k:]):
+        if not any(said(m) for m in messages[k:]):
             raise Unusable("empty completion")
         full = format_chat(messages, template, add_generation_prompt=False)
         if not full.startswith(prompt):

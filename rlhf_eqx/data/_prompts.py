@@ -23,7 +23,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._answers import extract_gsm8k_answer, normalise_number
-from ._chat import ChatTemplate, ColumnKind, format_chat, message_field, resolve_template
+from ._chat import (
+    ChatTemplate,
+    ColumnKind,
+    format_chat,
+    message_field,
+    resolve_template,
+    said,
+)
 from ._io import (
     Malformed,
     RecordDataset,
@@ -126,7 +133,7 @@ def _parse_plain(
     answer = _answer_value(record, key)
     if conversational(record):
         messages = [message_field(m, "prompt") for m in prompt]
-        if not any(m["content"].strip() for m in messages):
+        if not any(said(m) for m in messages):
             raise Unusable("empty prompt")
         rendered = format_chat(messages, template or "hh", add_generation_prompt=True)
         return PromptRecord(rendered, answer, {**_others(record, "prompt"), "prompt": prompt})

@@ -29,7 +29,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._batches import KTOBatch
-from ._chat import ChatTemplate, format_chat, message_list, resolve_template, split_conversation
+from ._chat import (
+    ChatTemplate,
+    format_chat,
+    message_list,
+    resolve_template,
+    said,
+    split_conversation,
+)
 from ._collate import _right_padded, row_length
 from ._errors import DataError
 from ._io import (
@@ -93,7 +100,7 @@ def _conversation_texts(record: dict, render: Callable[..., str]) -> tuple[str, 
     completion_messages = _message_list(record, "completion")
     if not completion_messages or completion_messages[0]["role"] != "assistant":
         raise Malformed("wrong type", "'completion' must start with an assistant message")
-    if not any(m["content"].strip() for m in completion_messages):
+    if not any(said(m) for m in completion_messages):
         raise Unusable("empty completion")
     return split_conversation(prompt_messages, completion_messages, render)
 

@@ -140,3 +140,21 @@ def test_a_reply_that_only_calls_a_tool_is_not_an_empty_completion(tmp_path):
     blank = {"prompt": _USER, "chosen": [{"role": "assistant", "content": " "}], "rejected": _REPLY}
     got = data.load_preferences(_jsonl(tmp_path / "blank.jsonl", [blank]), template="chatml")
     assert len(got) == 0 and got.report.skipped == {"empty completion": 1}
+
+
+def test_two_fields_read_from_one_column_are_refused(tmp_path):
+    # chosen and rejected from one column would be identical: every pair skipped.
+    rows = [{"instruction": "p", "response_a": " a", "response_b": " b"}]
+    path = _parquet(tmp_path / "rows.parquet", rows)
+    columns = {"prompt": "instruction", "chosen": "response_a", "rejected": "response_a"}
+    with pytest.raises(
+        data.DataError,
+        match=re.escape(
+            "columns: 'chosen' and 'rejected' both read the column 'response_a'; a column "
+            "is read as one field"
+        ),
+    ):
+        data.load_preferences(path, columns=columns)
+    # Each field from a column of its own is read.
+    got = data.load_preferences(path, columns={**columns, "rejected": "response_b"})
+    assert list(got) == [data.PreferenceRecord("p", " a", " b")]

@@ -38,7 +38,8 @@ records (`prompt`, `completions`, `labels`) and demonstrations (`text`, `prompt`
 
 def check_columns(columns: Mapping[str, str] | None) -> dict[str, str]:
     """The mapping `{target: source}` as a dict, after checking it (`DataError` naming an
-    unknown target or a source that is not a non-empty string)."""
+    unknown target, a source that is not a non-empty string, or two targets read from
+    one source)."""
     if columns is None:
         return {}
     if not isinstance(columns, Mapping):
@@ -51,6 +52,12 @@ def check_columns(columns: Mapping[str, str] | None) -> dict[str, str]:
             raise DataError(f"columns: unknown field {target!r} (known: {', '.join(COLUMN_NAMES)})")
         if not isinstance(source, str) or not source:
             raise DataError(f"columns: {target!r} must map to a column name, got {source!r}")
+        other = next((t for t, s in out.items() if s == source), None)
+        if other is not None:  # e.g. chosen and rejected both from one column: equal
+            raise DataError(
+                f"columns: {other!r} and {target!r} both read the column {source!r}; a "
+                "column is read as one field"
+            )
         out[target] = source
     return out
 

@@ -100,7 +100,7 @@ def _directory_files(directory: str, split: str | None, *, every_split: bool) ->
             if len(splits) != 1:
                 raise DataError(
                     f"{directory}: a DatasetDict with the splits {splits}; choose one as "
-                    f"{directory}:SPLIT (or split=SPLIT)"
+                    f"{directory}:SPLIT (split=SPLIT; --set data.split=SPLIT in a run)"
                 )
             split = splits[0]
         if split not in splits:

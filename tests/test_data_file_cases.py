@@ -11,7 +11,8 @@ import pytest
 from rlhf_eqx import data
 
 datasets = pytest.importorskip("datasets")
-pytest.importorskip("pyarrow")
+pa = pytest.importorskip("pyarrow")
+pytest.importorskip("pyarrow.ipc")
 
 datasets.disable_progress_bars()
 
@@ -29,6 +30,26 @@ def _jsonl(path, rows):
 def _parquet(path, rows):
     datasets.Dataset.from_list(rows).to_parquet(str(path))
     return str(path)
+
+
+def _saved(path, rows):
+    datasets.Dataset.from_list(rows).save_to_disk(str(path), num_shards=min(2, len(rows)))
+    return str(path)
+
+
+def _ipc(path, rows):
+    table = datasets.Dataset.from_list(rows).data.table
+    with pa.OSFile(str(path), "wb") as sink:
+        with pa.ipc.new_file(sink, table.schema) as writer:
+            writer.write_table(table, max_chunksize=2)
+    return str(path)
+
+
+WRITERS = {
+    "parquet": lambda d, rows: _parquet(d / "rows.parquet", rows),
+    "arrow-file": lambda d, rows: _ipc(d / "rows.arrow", rows),
+    "save_to_disk-2-shards": lambda d, rows: _saved(d / "saved", rows),
+}
 
 
 MIXED = {
@@ -158,3 +179,53 @@ def test_two_fields_read_from_one_column_are_refused(tmp_path):
     # Each field from a column of its own is read.
     got = data.load_preferences(path, columns={**columns, "rejected": "response_b"})
     assert list(got) == [data.PreferenceRecord("p", " a", " b")]
+
+
+_SYSTEM = {"role": "system", "content": "Be brief."}
+
+# The SFT layouts, each with a row the reader skips.
+DEMONSTRATIONS = {
+    "text": [{"text": "The sky is blue."}, {"text": "Cats sleep."}, {"text": " "}],
+    "prompt-completion": [
+        {"prompt": "The sky is", "completion": " blue."},
+        {"prompt": "The sky is", "completion": " blue."},  # an exact duplicate
+        {"prompt": "Empty", "completion": ""},
+    ],
+    "conversational prompt-completion": [
+        {"prompt": [_SYSTEM, *_USER], "completion": _REPLY},
+        {"prompt": _USER, "completion": [_CALLING]},
+        {"prompt": _USER, "completion": [{"role": "assistant", "content": " "}]},
+    ],
+    "messages": [
+        {"messages": [_SYSTEM, *_USER, *_REPLY, *_USER, {"role": "assistant", "content": "Bye."}]},
+        {"messages": [*_USER, _CALLING, {"role": "tool", "content": "Rain."}, *_REPLY]},
+        {"messages": _USER},  # no assistant message
+    ],
+    "preference": [
+        {"prompt": _USER, "chosen": _REPLY, "rejected": [{"role": "assistant", "content": "No."}]},
+        {"prompt": _USER, "chosen": _REPLY, "rejected": _REPLY},  # identical
+    ],
+}
+
+
+@pytest.mark.parametrize("turns", ["last", "all"])
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+@pytest.mark.parametrize("layout", sorted(DEMONSTRATIONS))
+def test_demonstrations_read_the_same_from_every_format(tmp_path, layout, writer, turns):
+    rows = DEMONSTRATIONS[layout]
+    template = "hh" if layout == "preference" else "chatml"
+
+    def read(path):
+        return data.load_demonstrations(path, template=template, assistant_turns=turns)
+
+    expected = read(_jsonl(tmp_path / "rows.jsonl", rows))
+    got = read(WRITERS[writer](tmp_path, rows))
+    assert list(got) == list(expected) and len(got) >= 1
+    assert [r.spans for r in got] == [r.spans for r in expected]
+    summary = lambda d: (d.report.format, d.report.read, d.report.kept, d.report.skipped)
+    assert summary(got) == summary(expected) and sum(got.report.skipped.values()) == 1
+    lengths = data.SequenceLengths(max_length=64, max_prompt_length=16)
+    quality = lambda d: data.demonstration_quality(
+        d, tokenizer=data.ByteTokenizer(), lengths=lengths, format=d.report.format
+    ).summary()
+    assert quality(got) == quality(expected)

@@ -4,6 +4,7 @@ cases of each file format (JSON lines, JSON lists, gzip, Parquet, Arrow, saved
 same records in every format."""
 
 import json
+import os
 import re
 
 import pytest
@@ -229,3 +230,21 @@ def test_demonstrations_read_the_same_from_every_format(tmp_path, layout, writer
         d, tokenizer=data.ByteTokenizer(), lengths=lengths, format=d.report.format
     ).summary()
     assert quality(got) == quality(expected)
+
+
+def test_a_shard_without_a_column_names_its_own_columns(tmp_path):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    _parquet(shards / "a.parquet", _PAIRS[:1])
+    second = _parquet(shards / "b.parquet", [{"prompt": "p", "rejected": " b"}])
+    with pytest.raises(
+        data.DataError,
+        match=f"^{re.escape(second)}: row 0: column 'chosen' is missing "
+        r"\(columns: prompt, rejected\)$",
+    ):
+        data.load_preferences(shards)
+    third = _parquet(shards / "c.parquet", [{"prompt": "p", "chosen": None, "rejected": " b"}])
+    os.remove(second)
+    null = f"^{re.escape(third)}: row 0: column 'chosen' is null$"
+    with pytest.raises(data.DataError, match=null):
+        data.load_preferences(shards)

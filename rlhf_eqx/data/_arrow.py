@@ -181,10 +181,13 @@ class Table:
         if not self.files:  # `save_to_disk` of an empty dataset lists no data file
             raise DataError(f"{path}: no records")
         self.columns: tuple[str, ...] = tuple(_schema(self.files[0]).names)
+        self._file_columns = self.columns  # those of the file being read
 
     def records(self, report) -> Iterator[tuple[str, dict]]:
-        """Yield `("FILE: row N", record)` for every row, counting them in `report.read`."""
+        """Yield `("FILE: row N", record)` for every row, counting them in `report.read`
+        (`message` then names the columns of the file of the last row yielded)."""
         for file in self.files:
+            self._file_columns = tuple(_schema(file).names)
             n = 0
             for batch in _batches(file):
                 for row in batch.to_pylist():
@@ -199,9 +202,9 @@ class Table:
         found = _MISSING.match(detail)
         if reason == "missing key" and found:
             name = found[1]
-            if name in self.columns:
+            if name in self._file_columns:
                 return f"column {name!r} is null"
-            return f"column {name!r} is missing (columns: {', '.join(self.columns)})"
+            return f"column {name!r} is missing (columns: {', '.join(self._file_columns)})"
         if detail.startswith("'"):
             return f"column {detail}"
         return f"{reason}: {detail}"

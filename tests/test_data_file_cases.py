@@ -248,3 +248,35 @@ def test_a_shard_without_a_column_names_its_own_columns(tmp_path):
     null = f"^{re.escape(third)}: row 0: column 'chosen' is null$"
     with pytest.raises(data.DataError, match=null):
         data.load_preferences(shards)
+
+
+def test_a_folder_of_split_files_reads_the_split_asked_for(tmp_path):
+    # A hub dataset's data/ folder: train and test files side by side. Reading both
+    # would train on the test split.
+    folder = tmp_path / "data"
+    folder.mkdir()
+    _parquet(folder / "train-00000-of-00002.parquet", _PAIRS[:1])
+    _parquet(folder / "train-00001-of-00002.parquet", _PAIRS[1:])
+    test = _parquet(folder / "test-00000-of-00001.parquet", [_PAIRS[0]])
+    with pytest.raises(
+        data.DataError,
+        match=re.escape(f"{folder}: files of the splits ['test', 'train'] (by their names")
+        + ".*choose one",
+    ):
+        data.load_preferences(folder)
+    assert list(data.load_preferences(f"{folder}:train")) == list(
+        data.load_preferences(_jsonl(tmp_path / "pairs.jsonl", _PAIRS))
+    )
+    assert len(data.load_preferences(folder, split="test")) == 1
+    assert data.dataset_files(f"{folder}:test") == [test]
+    assert len(data.dataset_files(folder, all_splits=True)) == 3  # a run's fingerprint
+    with pytest.raises(data.DataError, match=re.escape("no split 'dev' (the file names give")):
+        data.load_preferences(folder, split="dev")
+    # One split, or names without a split, are read whole; a split is then refused.
+    os.remove(test)
+    assert len(data.load_preferences(folder)) == 2
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    _parquet(plain / "a.parquet", _PAIRS)
+    with pytest.raises(data.DataError, match="not a DatasetDict directory"):
+        data.load_preferences(plain, split="train")

@@ -10,7 +10,9 @@ told by the path:
   v2, `pyarrow.ipc.new_file`);
 - a directory written by `Dataset.save_to_disk` (its `state.json` lists the `.arrow`
   files, read in that order), or any directory of `.parquet` / `.arrow` files (read in
-  name order);
+  name order; files whose names put them in several splits, as a hub dataset's
+  `data/train-00000-of-00001.parquet` and `data/test-00000-of-00001.parquet`, are
+  read one split at a time, chosen as for a `DatasetDict`);
 - a directory written by `DatasetDict.save_to_disk` (`dataset_dict.json`), with its
   split chosen as `DIR:SPLIT` or `split="SPLIT"` (a dictionary of one split needs
   neither).
@@ -106,13 +108,14 @@ def _directory_files(directory: str, split: str | None, *, every_split: bool) ->
         if split not in splits:
             raise DataError(f"{directory}: no split {split!r} (splits: {', '.join(splits)})")
         return _directory_files(os.path.join(directory, split), None, every_split=False)
-    if split is not None:
-        raise DataError(
-            f"{directory}: split={split!r}, but this is not a DatasetDict directory "
-            "(no dataset_dict.json)"
-        )
+    not_a_dict = DataError(
+        f"{directory}: split={split!r}, but this is not a DatasetDict directory "
+        "(no dataset_dict.json) nor one of files named by split (train-*.parquet, ...)"
+    )
     state_file = os.path.join(directory, "state.json")
     if os.path.isfile(state_file):
+        if split is not None:
+            raise not_a_dict
         entries = _read_json(state_file).get("_data_files")
         if not isinstance(entries, list) or not all(
             isinstance(e, dict) and isinstance(e.get("filename"), str) for e in entries
@@ -129,7 +132,47 @@ def _directory_files(directory: str, split: str | None, *, every_split: bool) ->
             f"{directory}: is a directory; give the path of a .jsonl, .json, .gz, .parquet or "
             ".arrow file, or a directory written by datasets' save_to_disk"
         )
+    by_split: dict[str, list[str]] = {}
+    for n in names:
+        by_split.setdefault(_file_split(n) or "", []).append(n)
+    if split is not None:
+        if not split or split not in by_split:
+            if len(by_split) == 1 and "" in by_split:
+                raise not_a_dict
+            raise DataError(
+                f"{directory}: no split {split!r} (the file names give the splits: "
+                f"{', '.join(sorted(s for s in by_split if s))})"
+            )
+        names = by_split[split]
+    elif not every_split and len([s for s in by_split if s]) > 1:
+        raise DataError(
+            f"{directory}: files of the splits {sorted(s for s in by_split if s)} (by their "
+            f"names, as datasets reads a hub dataset's data/ folder); choose one as "
+            f"{directory}:SPLIT (split=SPLIT; --set data.split=SPLIT in a run)"
+        )
     return [os.path.join(directory, n) for n in names]
+
+
+_SPLIT_WORDS = {
+    "train": ("train", "training"),
+    "validation": ("validation", "valid", "dev", "val"),
+    "test": ("test", "testing", "eval", "evaluation"),
+}
+"""The words of a data file's name that put it in a split, as `datasets` reads a
+directory of data files (its `SPLIT_KEYWORDS`)."""
+
+
+def _file_split(name: str) -> str | None:
+    """The split (`"train"`, `"validation"` or `"test"`) of a data file by its name, as
+    `datasets` tells it: one of the split's words (`train`, `dev`, `eval`, ...) at the
+    start of the name or after a separator (`-`, `.`, `_`, a space or a digit) and
+    followed by one (`train-00000-of-00001.parquet`, `my_test.arrow`); `None` when the
+    name holds none."""
+    for split, words in _SPLIT_WORDS.items():
+        for word in words:
+            if re.search(rf"(^|[-._ 0-9]){word}[-._ 0-9]", name.lower()):
+                return split
+    return None
 
 
 def dataset_files(

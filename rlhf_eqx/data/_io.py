@@ -87,20 +87,22 @@ def _open_bytes(path: str) -> bytes:
     return data.removeprefix(codecs.BOM_UTF8)
 
 
-def _is_json_list(path: str, data: bytes) -> bool:
-    """`.json` files holding a list (`.json` files of one object per line are JSON lines),
-    and a file of another name that is one JSON list as a whole (a `.jsonl` file written
-    by `json.dump(rows, f)`, which `datasets`' JSON reader reads too); a JSON lines file
-    of lists (not records) stays JSON lines, its lines refused one by one."""
+def _json_list(path: str, data: bytes) -> list | None:
+    """The items of a file that is one JSON list: a `.json` file starting with `[` (`.json`
+    files of one object per line are JSON lines), or a file of another name that is one
+    JSON list as a whole (a `.jsonl` file written by `json.dump(rows, f)`, which
+    `datasets`' JSON reader reads too); `None` for JSON lines (a JSON lines file of lists,
+    not records, stays JSON lines, its lines refused one by one). A `.json` list that is
+    not valid JSON as a whole cannot be read past the error: a `DataError`."""
     if data.lstrip()[:1] != b"[":
-        return False
+        return None
     base = path[:-3] if path.endswith(".gz") else path
-    if base.endswith(".json"):
-        return True
     try:
-        return isinstance(_json_value(data), list)
-    except _InvalidJSON:
-        return False
+        return _json_value(data)  # valid JSON that starts with `[`: a list
+    except _InvalidJSON as e:
+        if not base.endswith(".json"):
+            return None
+        raise DataError(f"{path}:{e.line}: {e.reason}: {e.message}") from None
 
 
 @dataclasses.dataclass
@@ -173,13 +175,8 @@ def read_json_records(
             raise DataError(f"{where}: {reason}: {detail}")
         report.skip(where, reason, detail)
 
-    if _is_json_list(path, data):
-        try:
-            items = _json_value(data)
-        except _InvalidJSON as e:
-            raise DataError(f"{path}:{e.line}: {e.reason}: {e.message}") from None
-        if not isinstance(items, list):
-            raise DataError(f"{path}: a .json file must hold a list of records")
+    items = _json_list(path, data)
+    if items is not None:
         for n, item in enumerate(items):
             where = f"{path}:item {n}"
             report.read += 1

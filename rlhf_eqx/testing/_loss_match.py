@@ -30,10 +30,26 @@ def _which(library_loss: object, registry: str | None) -> str:
         raise ValueError("library_loss is not a name: say which registry, registry='dpo'|'policy'")
     tables = (("dpo", dpo_loss_types()), ("policy", policy_loss_names()))
     found = [r for r, names in tables if library_loss in names]
-    if len(found) != 1:
-        why = "no registry has" if not found else "both registries have"
-        raise ValueError(f"library_loss={library_loss!r}: {why} it; pass registry=...")
+    if not found:
+        raise ValueError(
+            f"library_loss={library_loss!r} is not a loss name: DPO losses are "
+            f"{', '.join(dpo_loss_types())}; policy losses are {', '.join(policy_loss_names())}"
+        )
+    if len(found) > 1:
+        raise ValueError(
+            f"library_loss={library_loss!r} names a DPO loss and a policy loss: pass "
+            "registry='dpo' or registry='policy'"
+        )
     return found[0]
+
+
+def _default_settings(*losses: object) -> GRPOSettings | PPOSettings:
+    """The settings of a policy-loss comparison when none are given: PPO's when one of
+    the losses takes per-token advantages only (as `"ppo"`), else GRPO's."""
+    token_only = set(policy_loss_names("token")) - set(policy_loss_names("sequence"))
+    if any(isinstance(loss, str) and loss in token_only for loss in losses):
+        return PPOSettings()
+    return GRPOSettings(group_size=1)
 
 
 def _name(loss: object) -> str:
@@ -110,7 +126,10 @@ def _policy_inputs(rng: np.random.Generator, kind: str, B: int, T: int, token_ad
     spread = 30.0 if kind == "extreme" else 0.4
     logp = old + rng.uniform(-spread, spread, (B, T))
     if kind == "extreme":
+        # log-ratios far below and far above the ±20 clamp: the policy or the old policy
+        # at -1e4 where the other is an ordinary log-probability
         logp = np.where(rng.random((B, T)) < 0.3, -1e4, np.minimum(logp, 0.0))
+        old = np.where((rng.random((B, T)) < 0.3) & (logp > -1e3), -1e4, old)
     mask = rng.random((B, T)) < 0.7
     if kind == "padded":
         mask = np.arange(T)[None, :] < rng.integers(0, T + 1, (B, 1))
@@ -131,7 +150,7 @@ def _check_policy(
     user, library, user_kwargs, library_kwargs, settings, n_examples, seed, rtol, atol
 ):
     if settings is None:
-        settings = GRPOSettings(group_size=1)
+        settings = _default_settings(library, user)
     record = GRPOSettings if isinstance(settings, GRPOSettings) else PPOSettings
     if not isinstance(settings, (GRPOSettings, PPOSettings)):
         raise ValueError(f"settings={settings!r}: must be a GRPOSettings or a PPOSettings")
@@ -191,13 +210,16 @@ def check_loss_matches(
       exact zeros) and ties (policy equal to the reference, chosen equal to rejected),
       lengths 1..64.
     - **policy losses** (`registry="policy"`; `register_policy_loss`): the per-token loss
-      a GRPO step (`settings` a `GRPOSettings`, the default `GRPOSettings(group_size=1)`)
-      or PPO step (a `PPOSettings`) computes from `settings` with `policy_loss` replaced,
-      and its gradient w.r.t. `logp`, on `[4, 8]` batches: ratios inside and outside
-      the clip range, extreme log-probabilities (-1e4, log-ratios beyond the ±20
-      clamp), right-padded, one-token and fully masked rows and batches, zero
-      advantages. Entropies, reference log-probabilities and a key are given to losses
-      that declare them; both losses get the same.
+      a GRPO step (`settings` a `GRPOSettings`) or PPO step (a `PPOSettings`) computes
+      from `settings` with `policy_loss` replaced, and its gradient w.r.t. `logp`, on
+      `[4, 8]` batches: ratios inside and outside the clip range, extreme
+      log-probabilities (-1e4 for the policy or the old policy: log-ratios beyond the
+      ±20 clamp on both sides), right-padded, one-token and fully masked rows and
+      batches, zero advantages. Without `settings`: `PPOSettings()` when either loss
+      takes per-token advantages only (`"ppo"`, a loss registered with
+      `advantages="token"`), else `GRPOSettings(group_size=1)`. Entropies, reference
+      log-probabilities and a key are given to losses that declare them; both losses
+      get the same.
 
     **Arguments:**
 
@@ -206,7 +228,7 @@ def check_loss_matches(
     - `user_kwargs`, `library_kwargs`: each loss's `loss_kwargs` (its hyperparameters);
       for a built-in DPO loss, its keywords (`simpo_gamma`, ...).
     - `beta`: the DPO temperature; `settings`: the policy losses' settings (fields such
-      as `clip_eps` are hyperparameters of the losses that name them).
+      as `clip_eps` are hyperparameters of the losses that name them; `None`: above).
     - `n_examples`, `seed`: how many batches, drawn from which seed (kinds in turn).
     - `rtol`, `atol`: the tolerance of `numpy.isclose` (NaN equals NaN).
     """

@@ -1,0 +1,49 @@
+"""`rlhf_eqx.testing.check_loss_matches` on policy losses: the extreme inputs reach
+log-ratios beyond the ±20 clamp on both sides, a PPO-only library loss is compared under
+PPO's settings without being told, and an unknown name is refused with the valid ones."""
+
+import jax.numpy as jnp
+import pytest
+
+import rlhf_eqx.testing as rt
+from rlhf_eqx.losses import register_policy_loss
+
+
+def clipped(logp, old_logp, advantages, mask, *, clip_eps, clip_eps_high):
+    """PPO's clipped surrogate (Schulman et al. 2017, eq. 7) with the library's clamp of
+    the log-ratio to [-20, 20]."""
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    ratio = jnp.exp(jnp.clip(logp - old_logp, -20.0, 20.0))
+    return -jnp.minimum(ratio * advantages, jnp.clip(ratio, 1 - clip_eps, 1 + high) * advantages)
+
+
+def unclamped(logp, old_logp, advantages, mask, *, clip_eps, clip_eps_high):
+    """The same without the clamp: `exp` overflows where the policy gained e^88 over the
+    old policy."""
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    ratio = jnp.exp(logp - old_logp)
+    return -jnp.minimum(ratio * advantages, jnp.clip(ratio, 1 - clip_eps, 1 + high) * advantages)
+
+
+register_policy_loss("token_clipped", clipped, advantages="token")
+
+
+def test_a_loss_without_the_clamp_is_caught_on_large_log_ratios():
+    rt.check_loss_matches(clipped, "grpo")
+    with pytest.raises(AssertionError, match="on extreme inputs"):
+        rt.check_loss_matches(unclamped, "grpo")
+
+
+def test_a_ppo_loss_is_compared_under_ppo_settings_by_default():
+    rt.check_loss_matches(clipped, "ppo")
+    rt.check_loss_matches("token_clipped", "ppo")
+    rt.check_loss_matches("ppo", "token_clipped")
+    with pytest.raises(AssertionError, match="on extreme inputs"):
+        rt.check_loss_matches(unclamped, "ppo")
+
+
+def test_an_unknown_library_loss_is_refused_with_the_names():
+    with pytest.raises(ValueError, match=r"'nope' is not a loss name: DPO losses are sigmoid.*"):
+        rt.check_loss_matches(clipped, "nope")
+    with pytest.raises(ValueError, match="policy losses are grpo, .*token_clipped"):
+        rt.check_loss_matches(clipped, "nope")

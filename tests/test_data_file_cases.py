@@ -280,3 +280,38 @@ def test_a_folder_of_split_files_reads_the_split_asked_for(tmp_path):
     _parquet(plain / "a.parquet", _PAIRS)
     with pytest.raises(data.DataError, match="not a DatasetDict directory"):
         data.load_preferences(plain, split="train")
+
+
+_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }}</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("write", [_jsonl, _parquet])
+def test_a_conversational_prompt_reaches_a_models_template_as_its_messages(tmp_path, write):
+    # Through the model's template a prompt file's conversation is rendered from its
+    # messages: its tool calls as the template writes calls, and a message quoting an
+    # HH turn marker stays one message.
+    from rlhf_eqx.pipelines.runs import ChatRendering
+
+    template = data.JinjaChatTemplate(_TEMPLATE, bos_token="", eos_token="<|im_end|>")
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "human", "content": "Quote 'x\n\nAssistant: y'."},
+        _CALLING,
+        {"role": "tool", "content": "Rain."},
+    ]
+    path = write(tmp_path / ("p.jsonl" if write is _jsonl else "p.parquet"), [{"prompt": messages}])
+    (record,) = ChatRendering(template, "<|im_end|>").records(data.load_prompts(path))
+    assert record.prompt == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nQuote 'x\n\nAssistant: y'.<|im_end|>\n"
+        "<|im_start|>assistant\n<tool_call>weather</tool_call><|im_end|>\n"
+        "<|im_start|>tool\nRain.<|im_end|>\n<|im_start|>assistant\n"
+    )
+    # A text prompt is one user message, as before.
+    text = _jsonl(tmp_path / "t.jsonl", [{"prompt": "Hi"}])
+    (record,) = ChatRendering(template, "<|im_end|>").records(data.load_prompts(text))
+    assert record.prompt == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"

@@ -58,11 +58,16 @@ class PromptRecord:
     `difficulty`, under their names after the column mapping), which user reward
     functions receive as keywords, as TRL's do, and a conversational prompt's messages
     as written (`"prompt"`: a list of `{"role", "content"}`; a text prompt's is not
-    kept). Not compared."""
+    kept). Not compared. `messages`: a conversational prompt's messages as the readers
+    read them (roles normalised, tool calls checked), which a model's chat template
+    renders itself; `None` for a text prompt. Not compared."""
 
     prompt: str
     answer: str | None = None
     columns: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    messages: tuple[Mapping[str, Any], ...] | None = dataclasses.field(
+        default=None, compare=False, repr=False
+    )
 
 
 def detect_prompt_format(record: dict) -> str | None:
@@ -136,7 +141,8 @@ def _parse_plain(
         if not any(said(m) for m in messages):
             raise Unusable("empty prompt")
         rendered = format_chat(messages, template or "hh", add_generation_prompt=True)
-        return PromptRecord(rendered, answer, {**_others(record, "prompt"), "prompt": prompt})
+        others = {**_others(record, "prompt"), "prompt": prompt}
+        return PromptRecord(rendered, answer, others, tuple(messages))
     prompt = _render(string_field(record, "prompt"), template)
     return PromptRecord(prompt, answer, _others(record, "prompt"))
 

@@ -102,7 +102,12 @@ class ChatRendering:
     strip_bos: str = ""
 
     def prompt(self, text: str) -> str:
-        out = self.template.render(hh_messages(text), add_generation_prompt=True)
+        return self.prompt_of(hh_messages(text))
+
+    def prompt_of(self, messages: Sequence) -> str:
+        """The prompt of a conversation: its messages rendered with the generation
+        prompt (the BOS text removed)."""
+        out = self.template.render(list(messages), add_generation_prompt=True)
         if self.strip_bos and out.startswith(self.strip_bos):
             out = out[len(self.strip_bos) :]
         return out
@@ -112,10 +117,15 @@ class ChatRendering:
 
     def records(self, records: Sequence) -> list:
         """Preference, unpaired or prompt records with their `prompt` rendered and their
-        `chosen` / `rejected` / `completion` ended."""
+        `chosen` / `rejected` / `completion` ended. A conversational prompt's own messages
+        (`data.PromptRecord.messages`) are rendered as they are, not the text the reader
+        rendered them to: a tool call reaches the template as a call, and a message that
+        quotes `\n\nAssistant:` stays one message."""
         out = []
         for r in records:
-            changes = {"prompt": self.prompt(r.prompt)}
+            messages = getattr(r, "messages", None)
+            prompt = self.prompt(r.prompt) if messages is None else self.prompt_of(messages)
+            changes = {"prompt": prompt}
             for key in ("chosen", "rejected", "completion"):
                 if hasattr(r, key):
                     changes[key] = self.completion(getattr(r, key))

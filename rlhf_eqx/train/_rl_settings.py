@@ -61,7 +61,8 @@ class PPOSettings(SampledSettings):
       `clip_eps`, `clip_eps_high`, `dual_clip`), a name registered with
       `rlhf_eqx.losses.register_policy_loss` that takes per-token advantages, or such a
       loss itself; `loss_kwargs`: its hyperparameters that are not fields here (may be
-      JAX arrays). `dual_clip` applies only to a loss that reads it.
+      JAX arrays). `clip_eps_high` and `dual_clip` apply only to a loss that reads
+      them (set for another, they are refused).
 
     Numbers except `dual_clip`, `constant` and `temperature` may be JAX arrays.
     """
@@ -89,6 +90,7 @@ class PPOSettings(SampledSettings):
         _check_loss_kwargs(self.loss_kwargs)
         spec = policy_loss_spec(self, PPOSettings, advantages="token")
         check_loss_reads(self, spec, "dual_clip", None, "token")
+        check_loss_reads(self, spec, "clip_eps_high", None, "token")
 
     def _loss_hyperparameters(self) -> tuple[str, ...]:
         """What the policy loss takes as hyperparameters; a subclass's field of such a
@@ -123,7 +125,9 @@ class GRPOSettings(SampledSettings):
       ($> 0$), `sapo_tau_pos`, `sapo_tau_neg` ($> 0$), `cov_fraction` (in $(0, 1]$),
       `clip_cov_low` < `clip_cov_high`, `clip_cov_select` (`"random"` or `"top"`),
       `kl_cov_coef` ($\geq 0$), `entropy_rho` (in $(0, 1]$). `importance` and `delta`
-      apply only to a loss that reads them (`"grpo"`, `"high_entropy"`).
+      apply only to a loss that reads them (`"grpo"`, `"high_entropy"`), and
+      `clip_eps_high` too (`"grpo"`, `"clip_cov"`, `"high_entropy"`: CISPO's is
+      `cispo_eps_high`); set for another loss, they are refused.
     - `rollout_correction`: a `rlhf_eqx.losses.RolloutCorrection` for off-policy
       rollouts (`None`: none).
 
@@ -194,6 +198,7 @@ class GRPOSettings(SampledSettings):
         check_number("entropy_rho", self.entropy_rho, low=0.0, high=1.0, low_open=True)
         check_loss_reads(self, spec, "importance", "token", "sequence")
         check_loss_reads(self, spec, "delta", None, "sequence")
+        check_loss_reads(self, spec, "clip_eps_high", None, "sequence")
 
     def _loss_hyperparameters(self) -> tuple[str, ...]:
         """What the policy loss takes as hyperparameters; a subclass's field of such a

@@ -608,10 +608,10 @@ def test_other_families_round_trip(family, tmp_path):
     np.testing.assert_allclose(_logits(back, tokens), _logits(model, tokens), atol=1e-5, rtol=0)
 
 
-def _family_model(family: str, tmp_path):
+def _family_model(family: str, tmp_path, **changes):
     """The tiny reference checkpoint of `family`; Gemma 2/3 with llama.cpp's attention
     scale (`query_pre_attn_scalar = head_dim`) and Gemma 3 with its window pattern, which
-    GGUF cannot store otherwise."""
+    GGUF cannot store otherwise; `changes` are further `config.json` values."""
     directory = tmp_path / f"hf-{family}"
     shutil.copytree(os.path.join(FAMILIES, family), directory)
     with open(directory / "config.json") as f:
@@ -623,6 +623,7 @@ def _family_model(family: str, tmp_path):
         n = config["num_hidden_layers"]
         config["layer_types"] = [("full" if (i + 1) % 6 == 0 else "sliding") + "_attention"
                                  for i in range(n)]  # fmt: skip
+    config.update(changes)
     with open(directory / "config.json", "w") as f:
         json.dump(config, f)
     return load_hf(directory, dtype="float32")
@@ -636,6 +637,56 @@ def test_inexpressible_attention_scale_refused(tmp_path):
     with pytest.raises(ValueError, match="query_scale"):
         write_gguf(model, tmp_path / "g2.gguf")
     assert not os.listdir(tmp_path)
+
+
+def _without_keys(path, drop, out) -> str:
+    """A copy of the GGUF file `path` (float32 tensors) without the metadata keys `drop`."""
+    reader = gguf.GGUFReader(path)
+    writer = gguf.GGUFWriter(os.fspath(out), reader.fields["general.architecture"].contents())
+    for name, f in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture" or name in drop:
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, f.contents(), f.types[0], sub_type=sub)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return os.fspath(out)
+
+
+def test_gemma2_without_soft_caps_or_window_reads_as_llama_cpp(tmp_path):
+    """llama.cpp always soft-caps Gemma 2 and windows its even layers: without the keys
+    at 50 (attention), 30 (final logits) and a window of 4096. A file that leaves them
+    out reads so, and a Gemma 2 model without soft-caps is refused, nothing written."""
+    model = _family_model("gemma2", tmp_path)
+    full = tmp_path / "full.gguf"
+    write_gguf(model, full, dtype="f32")
+    keys = ("attn_logit_softcapping", "final_logit_softcapping", "attention.sliding_window")
+    bare = _without_keys(full, [f"gemma2.{k}" for k in keys], tmp_path / "bare.gguf")
+    cfg = load_gguf_policy(bare).cfg
+    assert (cfg.attn_softcap, cfg.final_softcap, cfg.sliding_window) == (50.0, 30.0, 4096)
+    assert cfg.local_layers == model.cfg.local_layers
+    out = tmp_path / "out"
+    uncapped = _family_model("gemma2", out, attn_logit_softcapping=None)
+    with pytest.raises(ValueError) as excinfo:
+        write_gguf(uncapped, out / "uncapped.gguf")
+    _one_line_error(excinfo, "TransformerConfig.attn_softcap=None", "gemma2", "50.0")
+    assert os.listdir(out) == ["hf-gemma2"]
+
+
+def test_gemma3_final_soft_cap_round_trips(tmp_path):
+    """Gemma 3's final soft-cap is `gemma3.final_logit_softcapping` (read by llama.cpp)."""
+    capped = _family_model("gemma3", tmp_path, final_logit_softcapping=2.0)
+    path = tmp_path / "g3.gguf"
+    write_gguf(capped, path, dtype="f32")
+    back = load_gguf_policy(path)
+    assert back.cfg.final_softcap == 2.0 and back.cfg == capped.cfg
+    tokens = TOKENS % capped.cfg.vocab_size
+    np.testing.assert_allclose(_logits(back, tokens), _logits(capped, tokens), atol=1e-5, rtol=0)
+    assert np.abs(_logits(back, tokens)).max() <= 2.0
 
 
 def test_adapter_file_is_llama_cpps_layout(tiny, tok512, tmp_path):

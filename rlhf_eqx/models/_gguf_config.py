@@ -9,7 +9,11 @@ scaling is the tensor `rope_freqs.weight` (each inverse frequency's divisor), ma
 here against Meta's `llama3` rule. What llama.cpp does not store it hard-codes, and so
 does this module: Gemma 2/3's attention scale (`head_dim^-1/2`, `(d_model /
 n_heads)^-1/2` for the 27B models), Gemma 2's alternate and Gemma 3's every-sixth
-global layer, Gemma 3's local rotary base 10,000 (unless `.rope.freq_base_swa` says).
+global layer, Gemma 3's local rotary base 10,000 (unless `.rope.freq_base_swa` says),
+and Gemma 2's defaults for absent keys: a window of 4096 and the soft-caps 50 (attention)
+and 30 (final logits), which llama.cpp always applies to Gemma 2 (a Gemma 2 model without
+soft-caps cannot be written: llama.cpp would read it with them). Gemma 3 has a final
+soft-cap only when `.final_logit_softcapping` is stored, and no attention soft-cap.
 Mistral is written with `general.architecture = llama`; a `llama` file with a sliding
 window reads as Mistral.
 """
@@ -34,6 +38,12 @@ ARCHS = {
 }
 PERMUTED = ("llama", "mistral")  # llama.cpp's non-NeoX rotary: q/k rows interleaved
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# what llama.cpp's Gemma 2 takes when a key is absent (`llama_hparams`, `load_hparams`)
+_GEMMA2_DEFAULTS = {
+    "attention.sliding_window": 4096,
+    "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0,
+}
 
 _UNSET = object()
 
@@ -189,15 +199,17 @@ def hf_config(meta, path: str, names, n_tokens: int | None) -> tuple[str, dict[s
         "rope_scaling": _rope(meta, arch, path, names),
         "torch_dtype": "float32",
     }
-    window = get("attention.sliding_window", None)
+    no_window = _GEMMA2_DEFAULTS["attention.sliding_window"] if family == "gemma2" else None
+    window = get("attention.sliding_window", no_window)
     if family in ("mistral", "gemma2", "gemma3"):
         config["sliding_window"] = window
     if family in ("gemma2", "gemma3"):
         config["query_pre_attn_scalar"] = gemma_attention_scalar(family, layers, hidden, heads, hd)
-    if family == "gemma2":
-        config["attn_logit_softcapping"] = get("attn_logit_softcapping", None)
+    if family == "gemma2":  # llama.cpp always soft-caps Gemma 2, at 50 / 30 without the keys
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            config[key] = get(key, _GEMMA2_DEFAULTS[key])
+    if family == "gemma3":  # llama.cpp reads Gemma 3's final soft-cap (no attention soft-cap)
         config["final_logit_softcapping"] = get("final_logit_softcapping", None)
-    if family == "gemma3":
         config["rope_local_base_freq"] = get("rope.freq_base_swa", 10_000.0)
     return family, config
 

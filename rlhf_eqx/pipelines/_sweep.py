@@ -163,6 +163,12 @@ def _take_dir(out: str, spec: dict, resume: bool) -> bool:
             f"{path}: the resumed sweep differs from the stored one ({named}); only ops "
             "fields of logging and checkpointing may change"
         )
+    before, now = list(old.get("grid") or {}), list(spec["grid"])
+    if before != now:  # the members' names and their order on the stacked axis follow it
+        raise RunDirError(
+            f"{path}: the resumed sweep gives the grid's fields in another order "
+            f"({', '.join(before)} -> {', '.join(now)}); give --grid in the stored order"
+        )
     return True
 
 

@@ -58,8 +58,11 @@ def _short(field: str) -> str:
 
 
 def _number(v: float) -> str:
-    """`0.1`, `0.0005`, `1e+06`: `repr` of a fraction (exact), `%g` of a whole number."""
-    return repr(float(v)) if not float(v).is_integer() else f"{float(v):g}"
+    """`0.1`, `0.0005`, `1e+06`: `repr` of a fraction (exact), `%g` of a whole number
+    where that is exact (`1234567` stays `1234567.0`: `%g` would give it the name of
+    `1234568`)."""
+    v = float(v)
+    return f"{v:g}" if v.is_integer() and float(f"{v:g}") == v else repr(v)
 
 
 def parse_grid(specs: Sequence[str]) -> dict[str, tuple[float, ...]]:

@@ -245,3 +245,23 @@ def test_plugins_add_their_stages_to_the_command_line(tmp_path, monkeypatch, cap
         for name in ("plug", "epstage"):
             if name in pl.config.stage_names():
                 pl.config.unregister_stage(name)
+
+
+def test_a_stage_whose_needs_leave_it_out_or_whose_functions_are_not_functions_is_refused():
+    """`needs` must end with the stage itself (else its command would run only the stages
+    before it); `builtin`, `data`, `needs` and `check_run` must be functions."""
+    _refused(
+        pl.Stage("toy2", ToyConfig, builtin=toy, needs=lambda cfg: ("sft",)),
+        r"stage 'toy2': needs\(cfg\) returned \('sft',\); .* 'toy2' last",
+    )
+    _refused(pl.Stage("toy2", ToyConfig, builtin=toy, needs=lambda cfg: "toy2"), "needs")
+    with pytest.raises(TypeError, match="builtin"):  # (the test run's type checker, too)
+        pl.Stage("toy2", ToyConfig, builtin=3)
+    with pytest.raises(TypeError, match="check_run"):
+        pl.Stage("toy2", ToyConfig, builtin=toy, check_run="sft")
+    with_needs = pl.Stage("toy2", ToyConfig, builtin=toy, needs=lambda cfg: ["sft", "toy2"])
+    pl.register_stage(with_needs)
+    try:
+        assert with_needs.prerequisites(pl.animal_task_config()) == ("sft", "toy2")
+    finally:
+        pl.config.unregister_stage("toy2")

@@ -122,6 +122,10 @@ class Stage:
             )
         if self.builtin is None and self.data is None:
             raise ValueError(f"stage {self.name!r}: give builtin=, data= or both")
+        for what in ("builtin", "data", "needs", "check_run"):
+            fn = getattr(self, what)
+            if fn is not None and not callable(fn):
+                raise TypeError(f"stage {self.name!r}: {what} must be a function, got {fn!r}")
         fields = {f.name for f in dataclasses.fields(self.config)}
         unknown = sorted(set(self.task) - fields)
         if unknown:
@@ -142,8 +146,19 @@ class Stage:
         return self.section or self.name
 
     def prerequisites(self, cfg) -> tuple[str, ...]:
-        """The stages the built-in task runs for this command, itself last."""
-        return tuple(self.needs(cfg)) if self.needs is not None else ("sft", self.name)
+        """The stages the built-in task runs for this command, itself last (`needs(cfg)`
+        that is not a sequence of stage names ending with this stage's is a
+        `ConfigError`)."""
+        if self.needs is None:
+            return ("sft", self.name)
+        got = self.needs(cfg)
+        run = tuple(got) if isinstance(got, (tuple, list)) else ()
+        if not run or run[-1] != self.name or not all(isinstance(s, str) for s in run):
+            raise ConfigError(
+                f"stage {self.name!r}: needs(cfg) returned {got!r}; expected the stages "
+                f"that run on the built-in task, {self.name!r} last"
+            )
+        return run
 
 
 _REGISTRY: dict[str, Stage] = {}
@@ -161,7 +176,8 @@ def register_stage(stage: Stage, *, replace: bool = False) -> Stage:
     another stage holds with another settings class; `sections` that are neither
     `PipelineConfig`'s nor a stage's registered before it; settings that cannot be built
     at their defaults or at the built-in task's values (`task_section`); `resumable`
-    entries that are not fields of the settings."""
+    entries that are not fields of the settings; a `needs` whose stages on the built-in
+    task do not end with the stage itself."""
     if stage.name in _REGISTRY and not replace:
         raise ValueError(f"stage {stage.name!r} is already registered (replace=True replaces it)")
     if stage.name in _COMMANDS:
@@ -211,6 +227,10 @@ def _check_settings(stage: Stage) -> None:
         cfg = task_section(stage.key)
     except (TypeError, ValueError) as e:
         raise ValueError(f"stage {stage.name!r}: its settings {name} cannot be built: {e}") from e
+    if stage.needs is not None and stage.builtin is not None:
+        from ._pipeline_config import animal_task_config
+
+        stage.prerequisites(animal_task_config())  # a `ConfigError` (a `ValueError`)
     for path in stage.resumable:
         obj = cfg
         for part in path.split("."):

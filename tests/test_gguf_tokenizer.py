@@ -227,6 +227,40 @@ def test_tiny_gpt2_vocabulary(tmp_path):
     assert tok.jinja_chat_template().render([{"role": "user", "content": "ab"}]) == "ab"
 
 
+def _whole_piece_vocab(path, pre: str, **extra) -> str:
+    """`_tiny_gpt2` with `abb`, a token no merge makes, and the pre-tokenizer `pre`."""
+    fields = {"tokenizer.ggml.pre": pre, "tokenizer.ggml.token_type": [3] + [1] * 6,
+              "tokenizer.ggml.tokens": ["<|end|>", "a", "b", "ab", "Ġ", "Ġab", "abb"]}  # fmt: skip
+    return _tiny_gpt2(path, **fields, **extra)
+
+
+@pytest.mark.parametrize("pre, ids, bos", [("llama-bpe", [6], True), ("gpt-2", [3, 2], False)])
+def test_llama3_pre_tokenizer_takes_whole_pieces_and_adds_bos(tmp_path, pre, ids, bos):
+    """With Llama 3's pre-tokenizer llama.cpp takes a piece that is a token whole, though
+    no merge makes it (`ignore_merges`), and adds BOS when the file does not say; with
+    GPT-2's it merges, and adds no BOS."""
+    tok = data.tokenizer_from_gguf(_whole_piece_vocab(tmp_path / "t.gguf", pre))
+    assert (tok.encode("abb"), tok.add_bos_token) == (ids, bos)
+    said = _whole_piece_vocab(tmp_path / "s.gguf", pre, **{"tokenizer.ggml.add_bos_token": False})
+    assert data.tokenizer_from_gguf(said).add_bos_token is False
+
+
+@pytest.mark.parametrize(
+    "whole, name, ids", [(True, "llama-bpe", [6]), (False, "smaug-bpe", [3, 2])]
+)
+def test_llama3_splits_written_with_their_merge_rule(tmp_path, whole, name, ids):
+    """Llama 3's splits are written as `llama-bpe` when the model takes whole pieces
+    first, else as `smaug-bpe` (the same splits without that rule): read back, the ids
+    are the tokenizer's."""
+    inner = data.tokenizer_from_gguf(_whole_piece_vocab(tmp_path / "t.gguf", "llama3")).tokenizer
+    inner.model.ignore_merges = whole
+    tok = data.HFTokenizer(inner, bos_token="<|end|>", eos_token="<|end|>")
+    assert tok.encode("abb") == ids
+    written = _write_tokenizer(tmp_path / "w.gguf", tok)
+    assert gguf.GGUFReader(written).fields["tokenizer.ggml.pre"].contents() == name
+    assert data.tokenizer_from_gguf(written).encode("abb") == ids
+
+
 def test_empty_chat_template_is_none(tmp_path):
     tok = data.tokenizer_from_gguf(
         _tiny_gpt2(tmp_path / "g.gguf", **{"tokenizer.chat_template": ""})

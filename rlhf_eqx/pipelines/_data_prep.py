@@ -379,31 +379,34 @@ def demonstrations(env) -> "tuple[data.DemonstrationDataset | None, bool]":
     (`data.format` a preference layout, or detected as one), which `preference_split`
     reads as pairs.
 
-    Conversations are rendered with the model's template itself (`chat_rendering`'s,
-    its BOS text removed as there), each trained turn where that template puts it, with
-    their tool calls and tool messages as given; the other records are read with the HH
-    template and go through `chat_records` afterwards (`demonstration_split`)."""
+    Conversations (`messages`, and conversational prompt-completion records) are
+    rendered with the model's template itself (`chat_rendering`'s, its BOS text removed
+    as there), each trained turn where that template puts it, with their tool calls and
+    tool messages as given; the other records are read with the HH template and go
+    through `chat_records` afterwards (`demonstration_split`)."""
     dc = env.cfg.data
     if dc.format in _PAIR_FORMATS:
         return None, False
     options = dict(dc.read_options(), assistant_turns=dc.assistant_turns)
     rendering = chat_rendering(env.tok, dc)
+    read = dict(options, assistant_turns="last") if rendering is not None else options
     try:
-        if rendering is not None:
-            records = data.load_demonstrations(
-                dc.path, dc.format, template=rendering.template, **options
-            )
-            if records.report.format == "messages":
-                return _without_bos(records, rendering.strip_bos), True
-            options["assistant_turns"] = "last"  # through chat_records, as before
-        records = data.load_demonstrations(dc.path, dc.format, **options)
+        records = data.load_demonstrations(dc.path, dc.format, **read)
     except data.DataError:  # data.format=messages on preference pairs of messages
         if dc.format != "messages" or not is_preference_file(
             dc.path, format="messages", **dc.read_options()
         ):
             raise
         return None, False
-    return (None if records.report.format == "preference" else records), False
+    if records.report.format == "preference":
+        return None, False
+    if rendering is not None and records.report.format in ("messages", "prompt_completion"):
+        own = data.load_demonstrations(dc.path, dc.format, template=rendering.template, **options)
+        # Text prompt-completion records read the same with either template (their
+        # text as given) and go through `chat_records`; conversations differ.
+        if own.report.format == "messages" or list(own) != list(records):
+            return _without_bos(own, rendering.strip_bos), True
+    return records, False
 
 
 def _without_bos(records, bos: str):

@@ -254,6 +254,9 @@ def test_ppo_sweep_members_equal_their_separate_runs(tmp_path):
     res = pl.sweep("ppo", cfg, seeds=1, grid=grid, out=str(tmp_path / "s"), export=True)
     assert len(res.members) == 2 and res.diverged == ()
     assert os.path.isdir(os.path.join(res.out, "seeds", "seed-0", "reward"))
+    # the rollout's numbers, on each rollout's last update only, are plotted too
+    plots = os.listdir(os.path.join(res.out, "plots"))
+    assert {"loss.png", "rollout_score.png", "rollout_kl.png"} <= set(plots), plots
     for mem in res.members:
         run_dir = str(tmp_path / mem.name)
         summary = pl.run_pipeline(dataclasses.replace(mem.cfg, out=run_dir))

@@ -113,25 +113,29 @@ def plot_sweep(
 ) -> list[str]:
     """One PNG per step metric in `<out>/plots/`: x the step, per grid point the mean over
     its seeds (members that did not diverge) and a band of ± one standard error of that
-    mean. `member_dir(member) -> directory`. Needs matplotlib (`ImportError`
-    otherwise). **Returns:** the files written."""
+    mean. A metric a member logs on some steps only (`rollout/*`: an iteration's last
+    step) is drawn through the steps that have it; after a member stopped (its KL guard)
+    a point's mean and band are over the seeds still running. `member_dir(member) ->
+    directory`. Needs matplotlib (`ImportError` otherwise). **Returns:** the files
+    written."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    by_point: dict[str, list[dict[str, np.ndarray]]] = {}
+    by_point: dict[str, list[dict[str, dict[int, float]]]] = {}
     names: list[str] = []
     for mem in members:
         if summaries.get(mem.name, {}).get("stopped", "done") == "diverged":
             continue
-        recs = member_records(member_dir(mem))
-        series = {}
-        for k in recs[0] if recs else {}:
-            if isinstance(recs[0][k], int | float) and k not in ("step", "iteration"):
-                series[k] = np.asarray([r.get(k, np.nan) for r in recs], np.float64)
-                if k not in names:
-                    names.append(k)
+        series: dict[str, dict[int, float]] = {}
+        for r in member_records(member_dir(mem)):
+            for k, v in r.items():
+                if isinstance(v, int | float) and not isinstance(v, bool):
+                    if k not in ("step", "iteration"):
+                        series.setdefault(k, {})[int(r["step"])] = float(v)
+                        if k not in names:
+                            names.append(k)
         by_point.setdefault(mem.point_name, []).append(series)
     wanted = [k for k in names if metrics is None or k in metrics]
     wanted = [k for k in wanted if k not in ("nonfinite", "empty_batch", "lr_scale")]
@@ -140,17 +144,14 @@ def plot_sweep(
     for k in wanted:
         fig, ax = plt.subplots(figsize=(5, 3.2))
         for point, runs in by_point.items():
-            ys = [r[k] for r in runs if k in r]
-            if not ys:
+            x, mean, se = _mean_band([r[k] for r in runs if k in r])
+            if not x.size:
                 continue
-            n = min(len(y) for y in ys)
-            y = np.stack([y[:n] for y in ys])
-            mean = y.mean(0)
-            x = np.arange(n)
-            ax.plot(x, mean, label=point, lw=1.2)
-            if y.shape[0] > 1:
-                se = y.std(0, ddof=1) / math.sqrt(y.shape[0])
-                ax.fill_between(x, mean - se, mean + se, alpha=0.25)
+            ax.plot(x, mean, label=point, lw=1.2, marker="o" if x.size < 12 else None, ms=3)
+            band = ~np.isnan(se)
+            if band.any():
+                lo, hi = mean - se, mean + se
+                ax.fill_between(x, lo, hi, where=band, alpha=0.25)
         ax.set_xlabel("step")
         ax.set_ylabel(k)
         seeds = max((len(r) for r in by_point.values()), default=0)
@@ -162,3 +163,16 @@ def plot_sweep(
         plt.close(fig)
         files.append(path)
     return files
+
+
+def _mean_band(runs: Sequence[Mapping[int, float]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`(steps, mean, se)` over the seeds' `{step: value}`: each step any seed logged, the
+    mean of the seeds that logged it, and the standard error of that mean
+    (`std(ddof=1) / sqrt(n)`, NaN where fewer than two seeds logged it)."""
+    steps = np.asarray(sorted({s for r in runs for s in r}), np.int64)
+    y = np.asarray([[r.get(int(s), np.nan) for s in steps] for r in runs], np.float64)
+    n = np.sum(~np.isnan(y), axis=0)
+    mean = np.nansum(y, axis=0) / np.maximum(n, 1)
+    dev = np.where(np.isnan(y), 0.0, y - mean) ** 2
+    se = np.where(n > 1, np.sqrt(dev.sum(0) / np.maximum(n - 1, 1) / np.maximum(n, 1)), np.nan)
+    return steps, mean, se

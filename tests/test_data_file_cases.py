@@ -345,3 +345,35 @@ def test_sft_through_a_models_chat_template_reads_pairs_and_conversations(tmp_pa
     _smollm2_sft(tmp_path, [{"prompt": _USER, "completion": [_CALLING, *_REPLY]}])
     err = capsys.readouterr().err.strip().splitlines()
     assert "message 1 (assistant) has tool_calls, but the chat template does not render" in err[-1]
+
+
+def test_arrow_types_and_files_without_rows(tmp_path):
+    # large_string and dictionary-encoded columns read as strings; a Parquet or Arrow
+    # file with a schema and no row has no records.
+    import pyarrow.parquet as pq
+
+    table = pa.table(
+        {
+            "prompt": pa.array([r["prompt"] for r in _PAIRS], pa.large_string()),
+            "chosen": pa.array([r["chosen"] for r in _PAIRS]).dictionary_encode(),
+            "rejected": pa.array([r["rejected"] for r in _PAIRS], pa.large_string()),
+        }
+    )
+    pq.write_table(table, tmp_path / "typed.parquet")
+    expected = list(data.load_preferences(_jsonl(tmp_path / "pairs.jsonl", _PAIRS)))
+    assert list(data.load_preferences(tmp_path / "typed.parquet")) == expected
+    pq.write_table(table.slice(0, 0), tmp_path / "header.parquet")
+    with pa.OSFile(str(tmp_path / "header.arrow"), "wb") as sink:
+        pa.ipc.new_stream(sink, table.schema).close()
+    for name in ("header.parquet", "header.arrow"):
+        path = str(tmp_path / name)
+        with pytest.raises(data.DataError, match=f"^{re.escape(path)}: no records$"):
+            data.load_preferences(path)
+
+
+def test_windows_line_endings_and_trailing_blank_lines_read_as_lines(tmp_path):
+    expected = list(data.load_preferences(_jsonl(tmp_path / "pairs.jsonl", _PAIRS)))
+    path = tmp_path / "windows.jsonl"
+    path.write_bytes(b"".join(json.dumps(r).encode() + b"\r\n" for r in _PAIRS) + b"\r\n \n")
+    got = data.load_preferences(path)
+    assert list(got) == expected and got.report.read == 2

@@ -729,6 +729,28 @@ def test_a_real_chat_template_episode_continues_on_the_sampled_tokens():
     np.testing.assert_allclose(ep.logprobs[ep.loss_mask], np.asarray(lp)[ep.loss_mask], atol=1e-4)
 
 
+def test_serve_command_keeps_a_gguf_files_blocks(tmp_path, model, capsys):
+    """`--quantized` serves a GGUF file's packed blocks (`model.quantized`); with a model
+    that is no GGUF file it is refused in one line, exit 2."""
+    from rlhf_eqx.serving import serve_command
+
+    policy, tok = model
+    path = str(tmp_path / "stories.gguf")
+    rx.save_gguf(policy, path, tokenizer=tok, dtype="q8_0")
+    served, stop = [], threading.Event()
+
+    def ready(server):
+        served.append(server.policy)
+        stop.set()
+
+    argv = ["--model", path, "--quantized", "--port", "0"]
+    assert serve_command(argv, ready=ready, stop=stop) == 0
+    assert isinstance(served[0].transformer.layers.wqkv, rx.models.GGUFWeight)
+    assert serve_command(["--quantized", "--port", "0"]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err == "error: model.quantized=True: needs a .gguf model.source, got 'builtin'"
+
+
 def test_serve_command_names_a_missing_model(capsys):
     """`rlhf_eqx serve --model PATH` with no such file: one line naming it, exit 2."""
     from rlhf_eqx.serving import serve_command

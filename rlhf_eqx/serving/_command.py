@@ -24,6 +24,12 @@ def _parser() -> argparse.ArgumentParser:
         help="builtin, smollm2-135m, a .gguf, a llama2.c .bin or HF dir",
     )
     p.add_argument("--tokenizer", help="tokenizer file for --model")
+    p.add_argument(
+        "--quantized",
+        action="store_true",
+        help="keep a .gguf model's packed blocks (model.quantized: less memory, and Q8_0 / "
+        "Q4_0 / Q4_1 decode steps in the native CPU kernel)",
+    )
     p.add_argument("--port", type=int, default=8000, help="port (0: a free one; default 8000)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument(
@@ -88,7 +94,8 @@ def serve_command(
     stop: threading.Event | None = None,
 ) -> int:
     """What `rlhf_eqx serve [options]` runs: load `--model` (as the other commands do,
-    `rlhf_eqx.pipelines.tools.load_model`), start a `Server` and serve until Ctrl-C or
+    `rlhf_eqx.pipelines.tools.load_model`; `--quantized` keeps a GGUF file's packed
+    blocks, as `model.quantized` does), start a `Server` and serve until Ctrl-C or
     SIGTERM (the running batch finishes, waiting requests fail, then it returns 0).
     Compiled programs are kept on disk as for the other commands
     (`rlhf_eqx.enable_compilation_cache`; `RLHF_EQX_COMPILATION_CACHE=0` switches it
@@ -110,7 +117,7 @@ def serve_command(
     ops = OpsConfig()  # compiled programs kept on disk, as for the other commands
     command_line_cache(ops.compilation_cache, ops.compilation_cache_max_mb)
     try:
-        policy, tok = load_model(args.model, args.tokenizer)
+        policy, tok = load_model(args.model, args.tokenizer, quantized=args.quantized)
         server = Server(
             policy,
             tok,

@@ -36,8 +36,9 @@ def help_sections(command: str, cfg: Any) -> tuple[str, ...]:
 def config_help(command: str, cfg: Any = None) -> str:
     """The text of `rlhf_eqx COMMAND --help`: the fields of `help_sections(command, cfg)`
     with their values in `cfg` (default: `animal_task_config()`), each as
-    `  section.field = value` under its section's description; `"pipeline"` also lists
-    the top-level fields (`stages`, `label_noise`, ...)."""
+    `  section.field = value` under its section's description (but the fields set from
+    another section, as the PPO and GRPO `temperature` from `sampling.temperature`);
+    `"pipeline"` also lists the top-level fields (`stages`, `label_noise`, ...)."""
     cfg = animal_task_config() if cfg is None else cfg
     sections = help_sections(command, cfg)
     if command == "pipeline":
@@ -57,6 +58,8 @@ def config_help(command: str, cfg: Any = None) -> str:
 
     def walk(obj, prefix):
         for f in dataclasses.fields(obj):
+            if f.metadata.get("set_by"):  # set from another section (`sampling.temperature`)
+                continue
             v = getattr(obj, f.name)
             if dataclasses.is_dataclass(v):
                 walk(v, f"{prefix}{f.name}.")

@@ -38,8 +38,9 @@ def step_builder(record: type) -> Callable[[Callable[..., Step]], Callable[..., 
     - `options`: a `StepOptions` (`micro_batches`, `axis_name`, `donate`, `nonfinite`,
       `check_token_ids`: see `make_step`; `None`: its defaults).
     - `**shortcuts`: any field of either record as a keyword (`beta=0.2`,
-      `micro_batches=2`), replacing the record's; another keyword is a `TypeError`
-      naming every valid one.
+      `micro_batches=2`), replacing the record's; with `settings` a subclass of the
+      record, also its fields that its loss takes as hyperparameters (`margin=2.0`);
+      another keyword is a `TypeError` naming every valid one.
 
     `build` receives the settings as a plain `record` with the shortcuts applied (so
     that `(name, settings)` is a `cache_key` for `make_step`: equal settings share one

@@ -195,12 +195,25 @@ def field_names(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(cls))
 
 
+def shortcut_names(cls: type, settings: Any) -> tuple[str, ...]:
+    """The fields a keyword shortcut may replace: those of the record `cls`, and, when
+    `settings` is an instance of a subclass (a user's record with a field for their
+    loss), the subclass's fields that its loss takes as hyperparameters (they reach the
+    loss, `loss_kwargs_with_fields`)."""
+    names = field_names(cls)
+    takes = getattr(cls, "_loss_hyperparameters", None)
+    if takes is None or not isinstance(settings, cls) or type(settings) is cls:
+        return names
+    hyper = set(takes(settings))
+    return names + tuple(n for n in field_names(type(settings)) if n in hyper and n not in names)
+
+
 def settings_from(
     cls: type[R], settings: R | None, shortcuts: Mapping[str, Any], *, where: str
 ) -> R:
-    """`settings` (or `cls()`) with the keyword `shortcuts` replacing its fields; an
-    unknown keyword is a `TypeError` naming the valid ones."""
-    names = field_names(cls)
+    """`settings` (or `cls()`) with the keyword `shortcuts` replacing its fields
+    (`shortcut_names`); an unknown keyword is a `TypeError` naming the valid ones."""
+    names = shortcut_names(cls, settings)
     unknown = sorted(set(shortcuts) - set(names))
     if unknown:
         raise TypeError(
@@ -227,12 +240,13 @@ def split_shortcuts(
     `make_x_step(optimizer, settings, *, options, **shortcuts)`: each shortcut replaces
     the field of the record it names (`settings`' fields first); an unknown keyword is a
     `TypeError` naming every valid one."""
-    own, step = set(field_names(cls)), set(field_names(StepOptions))
+    names = shortcut_names(cls, settings)
+    own, step = set(names), set(field_names(StepOptions))
     unknown = sorted(set(shortcuts) - own - step)
     if unknown:
         raise TypeError(
             f"{where}() got unexpected keyword argument(s) {unknown}; the fields of "
-            f"{cls.__name__} are {', '.join(field_names(cls))} and those of StepOptions "
+            f"{cls.__name__} are {', '.join(names)} and those of StepOptions "
             f"are {', '.join(field_names(StepOptions))}"
         )
     mine = {k: v for k, v in shortcuts.items() if k in own}

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 import rlhf_eqx.testing as rt
-from rlhf_eqx.losses import register_policy_loss
+from rlhf_eqx.losses import register_dpo_loss, register_policy_loss
 
 
 def clipped(logp, old_logp, advantages, mask, *, clip_eps, clip_eps_high):
@@ -47,3 +47,16 @@ def test_an_unknown_library_loss_is_refused_with_the_names():
         rt.check_loss_matches(clipped, "nope")
     with pytest.raises(ValueError, match="policy losses are grpo, .*token_clipped"):
         rt.check_loss_matches(clipped, "nope")
+
+
+def ipo(chosen, rejected, ref_chosen, ref_rejected, *, beta):
+    """IPO (Azar et al. 2023, eq. 17): (u - 1/(2β))², on per-token averages in the library."""
+    return jnp.square((chosen - rejected) - (ref_chosen - ref_rejected) - 1.0 / (2.0 * beta))
+
+
+def test_a_dpo_mismatch_names_the_registration_flag_that_differs():
+    register_dpo_loss("ipo_on_sums", ipo)
+    register_dpo_loss("ipo_on_averages", ipo, length_normalised=True)
+    rt.check_loss_matches("ipo_on_averages", "ipo")
+    with pytest.raises(AssertionError, match=r"\(note: 'ipo' takes per-token averages .*"):
+        rt.check_loss_matches("ipo_on_sums", "ipo")

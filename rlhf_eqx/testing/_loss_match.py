@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..losses import dpo_batch_loss, dpo_loss_types, policy_loss_names
+from ..losses import dpo_batch_loss, dpo_loss_types, policy_loss_names, resolve_dpo_loss
 from ..train import GRPOSettings, PPOSettings, make_policy_loss
 
 REGISTRIES: tuple[str, ...] = ("dpo", "policy")
@@ -119,6 +119,26 @@ def _check_dpo(user, library, user_kwargs, library_kwargs, beta, n_examples, see
                 rtol,
                 atol,
             )
+
+
+def _dpo_flags_differ(user: object, library: object) -> str:
+    """A hint for a DPO mismatch: the registration flags in which the two losses differ
+    (a loss registered without `length_normalised=True` against `"ipo"`, say)."""
+    try:
+        u, lib = resolve_dpo_loss(user), resolve_dpo_loss(library)
+    except (TypeError, ValueError):
+        return ""
+    what = {
+        "length_normalised": "takes per-token averages (length_normalised)",
+        "reference_free": "runs without a reference (reference_free)",
+    }
+    notes = [
+        f"{_name(user) if getattr(u, flag) else _name(library)} {text}, "
+        f"{_name(library) if getattr(u, flag) else _name(user)} does not"
+        for flag, text in what.items()
+        if getattr(u, flag) != getattr(lib, flag)
+    ]
+    return f" (note: {'; '.join(notes)})" if notes else ""
 
 
 def _policy_inputs(rng: np.random.Generator, kind: str, B: int, T: int, token_advantages: bool):
@@ -260,6 +280,7 @@ def check_loss_matches(
                 atol,
             )
     except AssertionError as e:
+        hint = _dpo_flags_differ(user_loss, library_loss) if which == "dpo" else ""
         raise AssertionError(
-            f"{which} loss {_name(user_loss)} does not match {_name(library_loss)}: {e}"
+            f"{which} loss {_name(user_loss)} does not match {_name(library_loss)}: {e}{hint}"
         ) from None

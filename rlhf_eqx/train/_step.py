@@ -71,6 +71,30 @@ def _all_finite(loss: Array, tree: PyTree) -> Array:
     return jnp.logical_and(jnp.isfinite(loss), jnp.all(jnp.stack(leaves)) if leaves else True)
 
 
+def _raise_nonfinite(loss: Array, grads: PyTree, terms: dict[str, Array], finite: Array) -> Array:
+    """`loss`, with a runtime error unless `finite` that says what is not finite: a term
+    of the loss by name (`'policy'`, `'dpo'`, ...), the loss, the gradient (of a finite
+    loss) or the update (of a finite loss and gradient)."""
+    names = sorted(terms)
+    messages = [
+        *(f"non-finite loss, gradient or update: the loss term {n!r} is not finite" for n in names),
+        "non-finite loss, gradient or update: the loss is not finite",
+        "non-finite loss, gradient or update: the gradient of a finite loss is not finite",
+        "non-finite loss, gradient or update: the update of a finite loss and gradient is not "
+        "finite (the optimizer's state or learning rate)",
+    ]
+    n = len(names)
+    if names:
+        bad_terms = jnp.stack([~jnp.isfinite(terms[k]) for k in names])
+        first_bad = jnp.argmax(bad_terms)
+        loss_index = jnp.where(jnp.any(bad_terms), first_bad, n)
+    else:
+        loss_index = jnp.asarray(n)
+    grads_finite = _all_finite(jnp.zeros((), jnp.float32), grads)
+    index = jnp.where(~jnp.isfinite(loss), loss_index, jnp.where(grads_finite, n + 2, n + 1))
+    return eqx.branched_error_if(loss, ~finite, index, messages)
+
+
 def _select(pred: Array, on_true: PyTree, on_false: PyTree) -> PyTree:
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
@@ -285,7 +309,7 @@ def make_step(
         # learning rate): check both.
         finite = _all_finite(loss, (grads, eqx.filter(new_params, eqx.is_inexact_array)))
         if nonfinite == "raise":
-            loss = eqx.error_if(loss, ~finite, "non-finite loss, gradient or update")
+            loss = _raise_nonfinite(loss, grads, terms, finite)
         # An empty batch (nothing to learn from) leaves the state as it is; so does a
         # non-finite update under "skip".
         keep = finite & ~empty if nonfinite == "skip" else ~empty

@@ -64,6 +64,8 @@ def _write(path, fields: dict) -> str:
             w.add_uint32(key, value)
         elif isinstance(value, str):
             w.add_string(key, value)
+        elif isinstance(value, bytes):  # a string's bytes as stored, UTF-8 or not
+            w.add_key_value(key, value, gguf.GGUFValueType.STRING)
         else:
             w.add_array(key, list(value))
     w.write_header_to_file()
@@ -317,6 +319,11 @@ def test_pre_tokenizer_named_by_behaviour(tmp_path):
             "tokenizer.ggml.add_bos_token = 'yes' is not a bool",
         ),
         ({"tokenizer.ggml.pre": 7}, "tokenizer.ggml.pre = 7 is not a string"),
+        (
+            {"tokenizer.ggml.tokens": ["<|end|>", "a", "b", "ab", "Ġ", b"\xff"]},
+            r"tokenizer.ggml.tokens\[5\] is not UTF-8",
+        ),
+        ({"tokenizer.chat_template": b"{{ x }}\xff"}, "tokenizer.chat_template is not UTF-8"),
         (  # compiles, but fails on every conversation
             {"tokenizer.chat_template": "{{ messages[0]['content'].nope() }}"},
             "tokenizer.chat_template: chat template error: 'str object' has no attribute",

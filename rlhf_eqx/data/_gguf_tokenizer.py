@@ -132,11 +132,15 @@ _KIND_NAMES = {str: ("a string", "strings"), int: ("an integer", "integers"),
 
 def _field(reader, key: str, path: str):
     """The value of `key` (`None` when absent), checked against the type llama.cpp reads
-    there (`_KINDS`); another type is a `DataError` naming the file and the key."""
+    there (`_KINDS`); another type, or a string that is not UTF-8, is a `DataError`
+    naming the file and the key (and the list entry)."""
     field = reader.fields.get(key)
     if field is None:
         return None
-    value = field.contents()
+    try:
+        value = field.contents()
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: {key}{_undecodable_entry(field)} is not UTF-8: {e}") from None
     kind, is_list = _KINDS[key]
     items = value if is_list and isinstance(value, list) else [value]
     bad = (is_list and not isinstance(value, list)) or any(
@@ -148,6 +152,20 @@ def _field(reader, key: str, path: str):
         shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
         raise DataError(f"{path}: {key} = {shown} is not {want}")
     return value
+
+
+def _undecodable_entry(field) -> str:
+    """`[i]`: the first entry of a list of strings that is not UTF-8 (`""` for a string)."""
+    from gguf import GGUFValueType
+
+    if field.types[0] != GGUFValueType.ARRAY:
+        return ""
+    for n, i in enumerate(field.data):
+        try:
+            bytes(field.parts[i]).decode("utf-8")
+        except UnicodeDecodeError:
+            return f"[{n}]"
+    return ""
 
 
 def _byte_level_model(tokens, merges, unk_id, ignore_merges, path):

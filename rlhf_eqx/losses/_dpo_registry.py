@@ -78,10 +78,19 @@ def _check_callable(
                 f"{what}={label} takes the hyperparameter {missing[0]!r}, which has "
                 "no default: give it in loss_kwargs"
             ) from None
+        why = str(e)
+        kinds = {p.kind for p in params.values()}
+        if len(firsts) < 4 and inspect.Parameter.VAR_POSITIONAL not in kinds:
+            why = f"it takes {len(firsts)} positional arguments"
+        elif "beta" not in params and inspect.Parameter.VAR_KEYWORD not in kinds:
+            why = "it takes no `beta` (declare it, even unused)"
+        elif "unexpected keyword" in why:
+            own = _hyperparameter_names(fn)
+            why += f" (its hyperparameters: {', '.join(own) if own else 'none'})"
         raise ValueError(
             f"{what}={label} cannot be called as {_SIGNATURE}"
             + (f" with loss_kwargs {sorted(loss_kwargs)}" if loss_kwargs else "")
-            + f": {e}"
+            + f": {why}"
         ) from None
 
 
@@ -193,7 +202,13 @@ def dpo_loss_hyperparameters(loss_type: object) -> tuple[str, ...]:
         raise ValueError(f"loss_type must be a name in {dpo_loss_types()} or a callable")
     if custom is None:
         return _BUILTIN_KWARGS
-    params = list((_parameters(custom) or {}).values())
+    return _hyperparameter_names(custom)
+
+
+def _hyperparameter_names(fn: object) -> tuple[str, ...]:
+    """A custom loss's keyword parameters after its four log-probabilities, but `beta`
+    and the `LENGTH_ARGUMENTS`."""
+    params = list((_parameters(fn) or {}).values())
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     arrays = {p.name for p in [p for p in params if p.kind in positional][:4]}
     skip = arrays | {"beta", *LENGTH_ARGUMENTS}

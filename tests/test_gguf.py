@@ -545,6 +545,9 @@ def test_tensor_table_entries_the_reader_refuses_name_the_tensor(tok512, tmp_pat
         ("attention.layer_norm_rms_epsilon", "1e-5", "STRING", "a number is expected"),
         ("attention.layer_norm_rms_epsilon", -1e-5, "FLOAT32", "a positive number is expected"),
         ("rope.freq_base", 0.0, "FLOAT32", "a positive number is expected"),
+        ("attention.head_count", 0, "UINT32", "a positive integer is expected"),
+        ("embedding_length", 0, "UINT32", "a positive integer is expected"),
+        ("attention.head_count_kv", -2, "INT32", "a positive integer is expected"),
     ],
 )
 def test_mistyped_metadata_names_the_key(tok512, tmp_path, key, value, kind, why):

@@ -123,13 +123,15 @@ _INT_KEYS = (
     "rope.dimension_count", "attention.sliding_window", "expert_count",
 )  # fmt: skip
 _POSITIVE_KEYS = ("attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.freq_base_swa")
+_COUNTS = ("sliding_window", "expert_count")  # the integers that may be 0 (none)
 
 
 def _typed_getter(meta, arch: str, path: str):
     """`get(key[, default])`: metadata `{arch}.{key}`, refused naming the key when it is
     not what llama.cpp reads there: an integer for the sizes (`_INT_KEYS`; a list is a
-    per-layer value, which this decoder does not have), a finite number for the others,
-    positive for the norm epsilon and the rotary bases."""
+    per-layer value, which this decoder does not have), positive but for the window
+    and the expert count, a finite number for the others, positive for the norm epsilon
+    and the rotary bases."""
 
     def get(key: str, *default):
         value = meta(f"{arch}.{key}", *default)
@@ -141,6 +143,8 @@ def _typed_getter(meta, arch: str, path: str):
         elif key in _INT_KEYS:
             if isinstance(value, bool) or not isinstance(value, int):
                 why = "an integer is expected"
+            elif value < 0 or (value == 0 and not key.endswith(_COUNTS)):
+                why = "a positive integer is expected"
         elif isinstance(value, bool) or not isinstance(value, int | float):
             why = "a number is expected"
         elif not math.isfinite(value) or (key in _POSITIVE_KEYS and value <= 0):

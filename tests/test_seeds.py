@@ -127,6 +127,26 @@ def test_seeds_table_shows_mean_std_and_range():
     assert "reward_model.heldout_accuracy: 85.0% ± 7.1 (80.0–90.0)" in table
 
 
+def test_seeds_table_of_a_data_file_stage_lists_its_held_out_numbers():
+    # a stage on a data file has no score: its own numbers, not an empty table
+    summaries = {
+        s: {
+            "data": "pairs.jsonl",
+            "truncation": {"records": 42},
+            "dpo": {"heldout_reward_accuracy": a, "heldout_reward_accuracy_se": 0.1, "n": 6},
+            "sft": {"heldout_nll": nll, "sampled": {"kl_after": 0.01}, "stopped": "done"},
+        }
+        for s, a, nll in ((0, 0.5, 2.5), (1, 1.0, 2.7))
+    }
+    table = pl.tools.format_seeds_table(pl.tools.summarize_seeds(summaries))
+    assert table.splitlines()[2:] == [
+        "dpo.heldout_reward_accuracy: 75.0% ± 35.4 (50.0–100.0)",
+        "dpo.n: 6.000 ± 0.000 (6.000–6.000)",
+        "sft.heldout_nll: 2.600 ± 0.141 (2.500–2.700)",
+    ]
+    assert "| stage |" not in table
+
+
 @pytest.mark.parametrize("bad", [0, -2, True, 1.5, "3"])
 def test_seeds_must_be_a_positive_int(bad):
     with pytest.raises(pl.ConfigError, match=f"seeds={bad!r}: must be an int >= 1"):

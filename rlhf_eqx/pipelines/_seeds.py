@@ -178,15 +178,19 @@ def _cell(m: dict | None, rate: bool) -> str:
 def format_seeds_table(seeds_summary: dict) -> str:
     """The printed table of a multi-seed summary, in markdown: per stage, each column
     as `mean ± std (min–max)` over the seeds (rates in percent, their std and range in
-    percentage points); then every other rate that has a standard error."""
+    percentage points); then every other rate that has a standard error. Runs of a
+    stage on a data file (no score) list their stage's own numbers instead
+    (`sft.heldout_nll`, `dpo.heldout_reward_accuracy`, ...: those with a standard
+    error as rates)."""
     metrics, seeds = seeds_summary["metrics"], seeds_summary["seeds"]
     stages = list(dict.fromkeys(p.split(".")[0] for p in metrics if p.endswith(".score")))
-    lines = [
-        f"{len(seeds)} seeds ({', '.join(map(str, seeds))}): mean ± sample std (min–max)",
-        "",
-        "| stage | score | win rate vs SFT | KL/token | base NLL/token |",
-        "| --- | --- | --- | --- | --- |",
-    ]
+    lines = [f"{len(seeds)} seeds ({', '.join(map(str, seeds))}): mean ± sample std (min–max)"]
+    if stages:
+        lines += [
+            "",
+            "| stage | score | win rate vs SFT | KL/token | base NLL/token |",
+            "| --- | --- | --- | --- | --- |",
+        ]
     shown = set()
     for stage in stages:
         cols = [("score", True), ("win_rate_vs_sft", True), ("kl", False), ("base_nll", False)]
@@ -194,10 +198,22 @@ def format_seeds_table(seeds_summary: dict) -> str:
         shown |= {f"{stage}.{k}" for k, _ in cols}
         lines.append(f"| {stage} | " + " | ".join(cells) + " |")
     rest = [p for p in metrics if p not in shown and f"{p}_se" in metrics]
+    if not stages:  # a stage on a data file: no score, its own held-out numbers
+        rest = [p for p in metrics if f"{p}_se" in metrics or _stage_number(p)]
     if rest:
         lines.append("")
-    lines += [f"{p}: {_cell(metrics[p], True)}" for p in rest]
+    lines += [f"{p}: {_cell(metrics[p], f'{p}_se' in metrics)}" for p in rest]
     return "\n".join(lines)
+
+
+def _stage_number(path: str) -> bool:
+    """Whether `path` is a number of a stage's summary entry itself (`sft.heldout_nll`,
+    not `sft.sampled.kl_after` nor a standard error)."""
+    from ._registry import stages
+
+    stage, _, key = path.partition(".")
+    names = {st.summary_key or st.name for st in stages()}
+    return stage in names and bool(key) and "." not in key and not key.endswith("_se")
 
 
 def seeds_command(

@@ -377,3 +377,42 @@ def test_windows_line_endings_and_trailing_blank_lines_read_as_lines(tmp_path):
     path.write_bytes(b"".join(json.dumps(r).encode() + b"\r\n" for r in _PAIRS) + b"\r\n \n")
     got = data.load_preferences(path)
     assert list(got) == expected and got.report.read == 2
+
+
+def test_conversational_pairs_and_unpaired_reach_a_models_template_as_their_messages(tmp_path):
+    # A reply of several messages (a call, the tool's result, the answer) is written in
+    # the template's turns, not as the HH text the reader rendered it to.
+    from rlhf_eqx.pipelines.runs import ChatRendering
+
+    template = data.JinjaChatTemplate(_TEMPLATE, bos_token="", eos_token="<|im_end|>")
+    rendering = ChatRendering(template, "<|im_end|>")
+    tool_turn = [_CALLING, {"role": "tool", "content": "Rain."}, *_REPLY]
+    prompt = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    called = (
+        "<tool_call>weather</tool_call><|im_end|>\n<|im_start|>tool\nRain.<|im_end|>\n"
+        "<|im_start|>assistant\nHello!<|im_end|>"
+    )
+    no = [{"role": "assistant", "content": " No."}]
+    pair = {"prompt": _USER, "chosen": tool_turn, "rejected": no}
+    (got,) = rendering.records(data.load_preferences(_parquet(tmp_path / "p.parquet", [pair])))
+    assert (got.prompt, got.chosen, got.rejected) == (prompt, called, "No.<|im_end|>")
+    unpaired = {"prompt": _USER, "completion": tool_turn, "label": True}
+    (got,) = rendering.records(data.load_unpaired(_jsonl(tmp_path / "u.jsonl", [unpaired])))
+    assert (got.prompt, got.completion) == (prompt, called)
+    # Conversations that part at an earlier turn (TRL's implicit prompt): the rest of
+    # each is the completion, in the template's turns.
+    parted = {
+        "chosen": [*_USER, {"role": "assistant", "content": "a"}, *_USER, *_REPLY],
+        "rejected": [*_USER, {"role": "assistant", "content": "b"}, *_USER, *_REPLY],
+    }
+    (got,) = rendering.records(data.load_preferences(_jsonl(tmp_path / "i.jsonl", [parted])))
+    rest = "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>"
+    assert (got.prompt, got.chosen, got.rejected) == (prompt, "a" + rest, "b" + rest)
+    # A template that does not write tool calls is refused: the calls would be lost.
+    silent = data.JinjaChatTemplate(
+        _TEMPLATE.replace("<tool_call>{{ c.function.name }}</tool_call>", ""),
+        bos_token="",
+        eos_token="<|im_end|>",
+    )
+    with pytest.raises(data.DataError, match="message 1 .assistant. has tool_calls, but the chat"):
+        ChatRendering(silent, "<|im_end|>").records(data.load_unpaired(tmp_path / "u.jsonl"))

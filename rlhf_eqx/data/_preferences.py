@@ -29,6 +29,7 @@ with an empty (or blank) completion are skipped and counted in `dataset.report`.
 import dataclasses
 import os
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ._chat import (
     ChatTemplate,
@@ -62,11 +63,19 @@ class PreferenceDataset(RecordDataset["PreferenceRecord"]):
 
 @dataclasses.dataclass(frozen=True)
 class PreferenceRecord:
-    """One preference pair: `prompt + chosen` is preferred over `prompt + rejected`."""
+    """One preference pair: `prompt + chosen` is preferred over `prompt + rejected`.
+
+    `messages`: a pair of conversations as the reader split them, `{"prompt": (message,
+    ...), "chosen": (...), "rejected": (...)}` (the shared messages, then each reply's),
+    which a model's chat template renders itself; `None` for text pairs. Not compared.
+    """
 
     prompt: str
     chosen: str
     rejected: str
+    messages: Mapping[str, tuple[Mapping[str, Any], ...]] | None = dataclasses.field(
+        default=None, compare=False, repr=False
+    )
 
 
 def _preference_texts(records: Sequence) -> list[tuple[str, str, str]]:
@@ -96,12 +105,12 @@ def split_hh_transcript(chosen: str, rejected: str) -> tuple[str, str, str] | No
     return chosen[:end], chosen[end:], rejected[end:]
 
 
-def _checked(prompt: str, chosen: str, rejected: str) -> PreferenceRecord:
+def _checked(prompt: str, chosen: str, rejected: str, messages=None) -> PreferenceRecord:
     if not chosen.strip() or not rejected.strip():
         raise Unusable("empty completion")
     if chosen == rejected:
         raise Unusable("identical completions")
-    return PreferenceRecord(prompt, chosen, rejected)
+    return PreferenceRecord(prompt, chosen, rejected, messages)
 
 
 def _parse_hh(record: dict) -> PreferenceRecord:
@@ -152,7 +161,9 @@ def _split_messages(
                 "prompt, so conversations cannot be split into prompt and completion"
             )
         completions.append(full[len(prompt) :])
-    return _checked(prompt, *completions)
+    messages = {"prompt": tuple(chosen[:k]), "chosen": tuple(chosen[k:])}
+    messages["rejected"] = tuple(rejected[k:])
+    return _checked(prompt, *completions, messages)
 
 
 def _prompt_messages(record: dict) -> list[dict[str, str]]:

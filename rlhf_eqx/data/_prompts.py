@@ -59,13 +59,13 @@ class PromptRecord:
     functions receive as keywords, as TRL's do, and a conversational prompt's messages
     as written (`"prompt"`: a list of `{"role", "content"}`; a text prompt's is not
     kept). Not compared. `messages`: a conversational prompt's messages as the readers
-    read them (roles normalised, tool calls checked), which a model's chat template
-    renders itself; `None` for a text prompt. Not compared."""
+    read them (roles normalised, tool calls checked), `{"prompt": (message, ...)}`, which
+    a model's chat template renders itself; `None` for a text prompt. Not compared."""
 
     prompt: str
     answer: str | None = None
     columns: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
-    messages: tuple[Mapping[str, Any], ...] | None = dataclasses.field(
+    messages: Mapping[str, tuple[Mapping[str, Any], ...]] | None = dataclasses.field(
         default=None, compare=False, repr=False
     )
 
@@ -142,7 +142,7 @@ def _parse_plain(
             raise Unusable("empty prompt")
         rendered = format_chat(messages, template or "hh", add_generation_prompt=True)
         others = {**_others(record, "prompt"), "prompt": prompt}
-        return PromptRecord(rendered, answer, others, tuple(messages))
+        return PromptRecord(rendered, answer, others, {"prompt": tuple(messages)})
     prompt = _render(string_field(record, "prompt"), template)
     return PromptRecord(prompt, answer, _others(record, "prompt"))
 

@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -58,11 +59,18 @@ UNPAIRED_FORMATS = ("plain", "messages")
 @dataclasses.dataclass(frozen=True)
 class UnpairedRecord:
     """One completion of a prompt with binary feedback: `label` is true when
-    `prompt + completion` is desirable, false when it is undesirable."""
+    `prompt + completion` is desirable, false when it is undesirable.
+
+    `messages`: a conversational record's messages as read, `{"prompt": (message, ...),
+    "completion": (...)}`, which a model's chat template renders itself; `None` for
+    text records. Not compared."""
 
     prompt: str
     completion: str
     label: bool
+    messages: Mapping[str, tuple[Mapping[str, Any], ...]] | None = dataclasses.field(
+        default=None, compare=False, repr=False
+    )
 
 
 class UnpairedDataset(RecordDataset["UnpairedRecord"]):
@@ -108,7 +116,9 @@ def _conversation_texts(record: dict, render: Callable[..., str]) -> tuple[str, 
 def _parse_messages(record: dict, template: ChatTemplate) -> UnpairedRecord:
     label = boolean_field(record, "label")
     render = functools.partial(format_chat, template=template)
-    return _checked(*_conversation_texts(record, render), label)
+    checked = _checked(*_conversation_texts(record, render), label)
+    messages = {key: tuple(_message_list(record, key)) for key in ("prompt", "completion")}
+    return dataclasses.replace(checked, messages=messages)
 
 
 def detect_unpaired_format(record: dict) -> str | None:

@@ -115,22 +115,68 @@ class ChatRendering:
     def completion(self, text: str) -> str:
         return text.strip() + self.end
 
+    def reply(self, prompt: Sequence, reply: Sequence) -> str:
+        """The completion of a conversation's `reply` messages after its `prompt` ones:
+        what the template writes for them after the prompt (with the generation prompt),
+        its trailing whitespace removed as `completion` removes it. A `DataError` when
+        the template's text of the conversation does not start with the prompt's, or
+        when it does not write an assistant message's tool calls (its text the same
+        without them: the calls would be lost)."""
+        prompt, reply = list(prompt), list(reply)
+        for k, m in enumerate(reply):
+            if m.get("tool_calls"):
+                bare = {key: v for key, v in m.items() if key != "tool_calls"}
+                head = prompt + reply[:k]
+                if self.template.render([*head, m]) == self.template.render([*head, bare]):
+                    raise data.DataError(
+                        f"message {len(head)} ({m['role']}) has tool_calls, but the chat "
+                        "template does not render them (its text is the same without "
+                        "them); use a template that writes tool calls (data.chat_template="
+                        "FILE)"
+                    )
+        start = self.prompt_of(prompt)
+        full = self.template.render(prompt + reply)
+        if self.strip_bos and full.startswith(self.strip_bos):
+            full = full[len(self.strip_bos) :]
+        if not full.startswith(start):
+            raise data.DataError(
+                "the chat template's assistant turn does not start with its generation "
+                "prompt, so conversations cannot be split into prompt and completion"
+            )
+        return full[len(start) :].rstrip()
+
     def records(self, records: Sequence) -> list:
         """Preference, unpaired or prompt records with their `prompt` rendered and their
-        `chosen` / `rejected` / `completion` ended. A conversational prompt's own messages
-        (`data.PromptRecord.messages`) are rendered as they are, not the text the reader
-        rendered them to: a tool call reaches the template as a call, and a message that
-        quotes `\n\nAssistant:` stays one message."""
+        `chosen` / `rejected` / `completion` ended. A conversational record's own
+        messages (`data.PromptRecord.messages`, `data.PreferenceRecord.messages`,
+        `data.UnpairedRecord.messages`) are rendered as they are, not the text the reader
+        rendered them to: a tool call reaches the template as a call, a message that
+        quotes `\n\nAssistant:` stays one message, and a reply of several messages (a
+        tool's result, another user turn) is written in the template's turns (`reply`);
+        a reply of one assistant message with text alone is ended as a text is."""
         out = []
         for r in records:
-            messages = getattr(r, "messages", None)
-            prompt = self.prompt(r.prompt) if messages is None else self.prompt_of(messages)
-            changes = {"prompt": prompt}
+            messages = getattr(r, "messages", None) or {}
+            prompt_messages = messages.get("prompt")
+            if prompt_messages is None:
+                changes = {"prompt": self.prompt(r.prompt)}
+            else:
+                changes = {"prompt": self.prompt_of(prompt_messages)}
             for key in ("chosen", "rejected", "completion"):
-                if hasattr(r, key):
+                if not hasattr(r, key):
+                    continue
+                reply = messages.get(key)
+                if prompt_messages is None or reply is None or _one_text_turn(reply):
                     changes[key] = self.completion(getattr(r, key))
+                else:
+                    changes[key] = self.reply(prompt_messages, reply)
             out.append(dataclasses.replace(r, **changes))
         return out
+
+
+def _one_text_turn(reply: Sequence) -> bool:
+    """Whether a reply is one assistant message of text alone (no tool calls)."""
+    return len(reply) == 1 and reply[0]["role"] == "assistant" and not reply[0].get("tool_calls")
 
 
 def chat_rendering(tok, dc: DataConfig) -> ChatRendering | None:

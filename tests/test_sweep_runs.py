@@ -8,6 +8,7 @@ separate run."""
 import dataclasses
 import json
 import os
+import re
 import shutil
 
 import equinox as eqx
@@ -220,7 +221,7 @@ def test_batch_stage_sweeps_equal_their_separate_runs(stage, grid, key, compared
 @pytest.mark.parametrize(
     ("extra", "stopped"), [([], "done"), (["grpo.rollouts=3", "grpo.kl_target=0.001"], "kl_guard")]
 )
-def test_grpo_sweep_members_equal_their_separate_runs(extra, stopped, tmp_path):
+def test_grpo_sweep_members_equal_their_separate_runs(extra, stopped, tmp_path, capsys):
     # with a KL target of 0.001 the second rollout (from the updated policy) is past it:
     # the member stops there with its first policy, as its separate run
     sets = ["grpo.rollouts=2", "grpo.prompts_per_rollout=4", "grpo.group_size=4", *extra]
@@ -229,6 +230,10 @@ def test_grpo_sweep_members_equal_their_separate_runs(extra, stopped, tmp_path):
     res = pl.sweep("grpo", cfg, seeds=2, grid=grid, out=str(tmp_path / "s"), export=True)
     assert len(res.members) == 4 and res.diverged == ()
     assert {s["stopped"] for s in res.summaries.values()} == {stopped}
+    err = capsys.readouterr().err  # a member stopped by its KL guard says so, as one diverged
+    for mem in res.members:
+        said = re.search(rf"\[sweep grpo\] {re.escape(mem.name)} stopped: iteration \d+: KL ", err)
+        assert (said is not None) == (stopped == "kl_guard"), err
     for mem in res.members[1:3]:  # one of each grid point, both seeds
         run_dir = str(tmp_path / mem.name)
         summary = pl.run_pipeline(dataclasses.replace(mem.cfg, out=run_dir))

@@ -315,6 +315,8 @@ def _sweep(stage, cfg, members, out, resume, export, say, t0) -> SweepResult:
             steps[m] += len(recs)
             if alive[m] and it.stopped is not None and it.stopped[m]:
                 stopped[m] = "kl_guard"
+                why = next((g for mm, k, g in it.events if mm == m and k == "kl_guard"), "")
+                print(f"[sweep {stage}] {members[m].name} stopped: {why}", file=sys.stderr)
             if alive[m] and not it.finite[m]:
                 stopped[m] = "diverged"
                 diverged_at[members[m].name] = {"iteration": i, "step": steps[m] - 1}

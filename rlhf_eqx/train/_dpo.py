@@ -21,6 +21,7 @@ from ._pair_logps import _cached_reference, _pairs_forward
 from ._settings import DPOSettings, StepOptions, settings_from
 from ._state import combine
 from ._step import LossFn, Step, make_step
+from ._step_cache import user_function_key
 
 
 def dpo_loss_fn(settings: DPOSettings | None = None, **shortcuts: Any) -> LossFn:
@@ -129,6 +130,12 @@ def dpo_loss_fn(settings: DPOSettings | None = None, **shortcuts: Any) -> LossFn
     return loss_fn
 
 
+def _custom_loss(loss_type: object) -> object:
+    """The user's function a `loss_type` stands for (a registered name's now, or the
+    callable itself); `None` for a built-in loss."""
+    return loss_type if callable(loss_type) else registered_dpo_loss(loss_type)
+
+
 @step_builder(DPOSettings)
 def make_dpo_step(optimizer, settings: DPOSettings, options: StepOptions) -> Step:
     r"""Build the DPO-family update (Rafailov et al. 2023; TRL `DPOTrainer`).
@@ -210,5 +217,5 @@ def make_dpo_step(optimizer, settings: DPOSettings, options: StepOptions) -> Ste
         options,
         batch_type=(PreferenceBatch, PackedPreferenceBatch),
         extras=("reference",),
-        cache_key=("dpo", settings, registered_dpo_loss(loss_type)),
+        cache_key=("dpo", settings, user_function_key(_custom_loss(loss_type))),
     )

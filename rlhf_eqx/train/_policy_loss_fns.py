@@ -25,16 +25,20 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from ..losses import (
     POLICY_LOSS_INPUTS,
+    POLICY_LOSSES,
     PolicyLossSpec,
     per_token_output,
     policy_loss_names,
     resolve_policy_loss,
 )
+from ._step_cache import user_function_key
 from ._validation import check_choice, loss_kwargs_with_fields
 
 # The stream of the step's key that the loss's `key` comes from (the key itself goes to
 # the model).
 _LOSS_STREAM = 1
+# The built-in policy losses: no name of theirs can be registered again.
+_BUILTIN_NAMES = (*POLICY_LOSSES, "ppo")
 # The settings fields that say which loss runs, not how: never a hyperparameter.
 _NOT_HYPERPARAMETERS = ("policy_loss", "loss_kwargs")
 
@@ -169,6 +173,10 @@ def make_policy_loss(
 
 
 def read_policy_loss(settings: Any) -> object:
-    """The `policy_loss` a settings record names, resolved to its function (part of a
-    build's cache key: re-registering a name must not reuse a build of the old loss)."""
-    return resolve_policy_loss(settings.policy_loss).fn
+    """The `policy_loss` a settings record names, resolved to its function, as part of a
+    build's cache key (`user_function_key`): re-registering a name must not reuse a build
+    of the old loss, and a closure is not cached."""
+    name = settings.policy_loss
+    if isinstance(name, str) and name in _BUILTIN_NAMES:  # never registered again
+        return name
+    return user_function_key(resolve_policy_loss(name).fn)

@@ -16,7 +16,9 @@ computes:
 - a user's **loss function** (`make_step(loss_fn, ...)` without `cache_key`) by identity
   when it captures nothing (a module-level function): a closure may hold anything
   (weights, a mutable object), so a build from one is cached only under a `cache_key`
-  that says what it computes;
+  that says what it computes; the same holds for a settings record's own loss (a
+  `policy_loss` or DPO `loss_type` given as a function, or registered under a name):
+  a closure or a callable object there leaves the build uncached (`user_function_key`);
 - the `StepOptions` by value.
 
 A build is not cached (it compiles on its own, as before) when a setting holds an array
@@ -102,6 +104,25 @@ def function_key(fn: Any) -> Hashable:
     if not isinstance(fn, types.FunctionType) or fn.__closure__:
         raise Uncacheable("a closure or a callable object")
     return value_key(fn)
+
+
+class _Unkeyed:
+    """Stands in a build key for a function that cannot be keyed (unhashable: the build
+    is not cached)."""
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def user_function_key(fn: Any) -> Any:
+    """What a user's function inside a build key stands for (a settings record's
+    `policy_loss` or `loss_type`, or the function a registered name stands for): the
+    function itself when it captures nothing, else a value that makes the build
+    uncached, as `function_key` decides for `make_step`'s `loss_fn` (a closure or a
+    callable object may hold anything, and a cell it reads may be rebound)."""
+    try:
+        return function_key(fn)
+    except Uncacheable:
+        return _Unkeyed()
 
 
 def _tracing() -> bool:

@@ -38,3 +38,10 @@ def test_cispo_names_its_own_bound():
     with pytest.raises(ValueError, match=r"'grpo', .*'high_entropy'.* only, not 'cispo'$"):
         train.GRPOSettings(group_size=2, policy_loss="cispo", clip_eps_high=0.28)
     train.GRPOSettings(group_size=2, policy_loss="cispo", cispo_eps_high=0.28)
+
+
+def test_a_field_in_loss_kwargs_is_refused_with_both_ways_out():
+    with pytest.raises(ValueError, match="set the field instead .* or rename the loss's"):
+        train.GRPOSettings(
+            group_size=2, policy_loss="symmetric_clip", loss_kwargs={"clip_eps": 0.1}
+        )

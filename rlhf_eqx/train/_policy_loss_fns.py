@@ -105,7 +105,9 @@ def policy_hyperparameters(spec: PolicyLossSpec, settings: Any, record: type) ->
     for name in kwargs:
         if name in fields:
             raise ValueError(
-                f"loss_kwargs {name!r} is a field of {record.__name__}: set the field instead"
+                f"loss_kwargs {name!r} is a field of {record.__name__}: set the field instead "
+                "(the loss reads it), or rename the loss's hyperparameter if it means "
+                "something else"
             )
         if name in POLICY_LOSS_INPUTS:
             raise ValueError(f"loss_kwargs {name!r} is a step input, not a hyperparameter")

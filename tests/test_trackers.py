@@ -535,6 +535,30 @@ def test_a_tracker_that_fails_prints_one_line_and_the_run_completes(tmp_path, ca
     assert [len(steps[s]) for s in STAGES] == [3, 2] and summary["dpo"]["final_loss"] > 0
 
 
+@pytest.mark.parametrize(
+    ("error", "status"),
+    [(ValueError("the probe failed"), "FAILED"), (KeyboardInterrupt(), "KILLED")],
+)
+def test_a_run_that_ends_with_an_exception_is_no_finished_tracker_run(
+    error, status, tmp_path, monkeypatch
+):
+    # a crashed or interrupted run is marked so in the trackers, not FINISHED
+    _need("mlflow", "mlflow")
+    for var in NETWORK_SETTINGS:
+        monkeypatch.delenv(var, raising=False)
+    from mlflow.tracking import MlflowClient
+
+    run_dir = str(tmp_path / "run")
+    with pytest.raises(type(error)):
+        with pl.trackers.open_trackers(["mlflow"], run_dir, {}) as trackers:
+            assert trackers.names == ("mlflow",)
+            raise error
+    with open(os.path.join(run_dir, "trackers.json")) as f:
+        run_id = json.load(f)["mlflow"]["run_id"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir}/mlflow.db")
+    assert client.get_run(run_id).info.status == status
+
+
 def test_a_missing_library_is_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "wandb", None)
     with pl.trackers.open_trackers(["wandb"], str(tmp_path), {}) as trackers:

@@ -217,6 +217,7 @@ class WandbTracker(Tracker):
         self.stages: set[str] = set()
         self.held = _Held()
         self.next_step: int | None = None  # the `_step` of the next row (resumed)
+        self.exit_code: int | None = None  # 1 after `fail`
 
     def start(self, run_name: str, config: dict, group: str | None, **resume) -> None:
         import wandb
@@ -278,8 +279,12 @@ class WandbTracker(Tracker):
         flat = flatten(values, "summary")
         self.run.summary.update({k: v for k, v in flat.items() if v is not None})
 
+    def fail(self, error: BaseException) -> None:
+        del error
+        self.exit_code = 1
+
     def finish(self) -> None:
-        self.run.finish()
+        self.run.finish(exit_code=self.exit_code)
 
 
 def _no_wandb_analytics() -> None:
@@ -350,13 +355,16 @@ class MLflowTracker(Tracker):
     histories: a metric history cannot be cut, so the steps the stopped run logged after
     its last checkpoint stay, and the resumed run logs a metric at a step only when the
     history does not hold it there (each step once, its first value). Parameters
-    are immutable in MLflow: those the run has keep their first value."""
+    are immutable in MLflow: those the run has keep their first value. A run that
+    ends with an exception is `FAILED` (`KILLED` when interrupted); a resume makes it
+    `RUNNING` again."""
 
     def __init__(self, run_dir: str):
         self.run_dir = os.path.abspath(run_dir)
         self.client: Any = None
         self.run_id: str | None = None
         self.held = _Held()
+        self.status = "FINISHED"
         self.tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or (
             "sqlite:///" + os.path.join(self.run_dir, "mlflow.db")
         )
@@ -435,8 +443,11 @@ class MLflowTracker(Tracker):
             if isinstance(v, str):
                 self.client.set_tag(self.run_id, _MLFLOW_NAME.sub("_", k), v[:5000])
 
+    def fail(self, error: BaseException) -> None:
+        self.status = "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED"
+
     def finish(self) -> None:
-        self.client.set_terminated(self.run_id)
+        self.client.set_terminated(self.run_id, status=self.status)
 
 
 _FIRST_CONTACT = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}

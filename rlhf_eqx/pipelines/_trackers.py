@@ -46,8 +46,9 @@ class Tracker(abc.ABC):
     A backend is built by its factory with the run directory (`register_tracker`), then
     called in this order: `start` once (or `resume`, when the run resumes and
     `trackers.json` holds what its `identity` returned), `log` for each record, `summary`
-    at most once, `finish` once. Any exception it raises is caught by `Trackers`: the run
-    goes on without that tracker.
+    at most once, `finish` once (after `fail` when the run ended with an exception).
+    Any exception it raises is caught by `Trackers`: the run goes on without that
+    tracker.
 
     ```python
     class PrintTracker(pl.trackers.Tracker):
@@ -94,6 +95,12 @@ class Tracker(abc.ABC):
     @abc.abstractmethod
     def finish(self) -> None:
         """Close the run (flush, mark it finished)."""
+
+    def fail(self, error: BaseException) -> None:
+        """The run ended with `error` (an exception; `KeyboardInterrupt` for an interrupt
+        or SIGTERM), called just before `finish`: a backend marks its run failed or
+        killed rather than finished. The default does nothing."""
+        del error
 
     def identity(self) -> dict | None:
         """What reopens this tracker's run when the run resumes (JSON: ids, names, paths),
@@ -217,7 +224,14 @@ class Trackers:
     def __enter__(self) -> "Trackers":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def fail(self, error: BaseException) -> None:
+        """Tell every tracker that the run ended with `error` (`Tracker.fail`), before
+        `finish`."""
+        self._each("mark the run failed", lambda t: t.fail(error))
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if error is not None and self.trackers:
+            self.fail(error)
         self.finish()
 
 

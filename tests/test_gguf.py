@@ -380,6 +380,16 @@ def test_weights_beyond_the_type_refused_and_nothing_written(tiny, tok512, tmp_p
     assert rx.load_gguf(path)[0].transformer.layers.w_down[0, 3, 5] == value
 
 
+def test_failed_save_leaves_no_directory(tiny, tmp_path):
+    """A save that fails after the file was begun (a tokenizer GGUF cannot hold) removes
+    the directories it made for it, and only those."""
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    with pytest.raises(data.DataError, match="ByteTokenizer cannot be written"):
+        rx.save_gguf(tiny, kept / "new" / "sub" / "m.gguf", tokenizer=data.ByteTokenizer())
+    assert os.listdir(kept) == []
+
+
 def test_written_files_get_ordinary_permissions(tiny, tok512, tmp_path):
     """A new file gets the mode `open` gives (`0o666` less the umask), not the temporary
     file's private `0o600`; a replaced file keeps its own mode."""

@@ -99,10 +99,33 @@ def _stored(name: str, arr: np.ndarray, dtype: str, path: str):
     return data, kind
 
 
+def _first_missing_directory(path: str) -> str | None:
+    """The outermost directory above `path` that does not exist yet (`None`: all do)."""
+    missing, directory = None, os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(directory):
+        missing, directory = directory, os.path.dirname(directory)
+    return missing
+
+
+def _remove_created(directory: str, created: str) -> None:
+    """Remove `directory` and its parents up to `created`, the first that was made for
+    the file, where each is empty (what failed leaves no directory behind)."""
+    while True:
+        try:
+            os.rmdir(directory)
+        except OSError:
+            return
+        if directory == created:
+            return
+        directory = os.path.dirname(directory)
+
+
 def _write_atomic(path: str, arch: str, fill) -> None:
     """`fill(writer)` adds metadata and tensors to a `GGUFWriter` on a temporary file in
-    `path`'s directory; the file is then flushed, synced and renamed to `path`."""
+    `path`'s directory; the file is then flushed, synced and renamed to `path`. When
+    anything fails, the temporary file and the directories made for it are removed."""
     gguf = gguf_package()
+    created = _first_missing_directory(path)
     tmp = _temporary_file(path)
     try:
         writer = gguf.GGUFWriter(tmp, arch)  # writes `general.architecture`
@@ -117,6 +140,8 @@ def _write_atomic(path: str, arch: str, fill) -> None:
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
+        if created is not None:
+            _remove_created(os.path.dirname(tmp), created)
         raise
 
 

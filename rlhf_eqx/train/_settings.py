@@ -221,10 +221,22 @@ def settings_from(
             f"{cls.__name__} are {', '.join(names)}"
         )
     if settings is None:
+        required = [
+            f.name
+            for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
+        missing = [n for n in required if n not in shortcuts]
+        if missing:
+            raise TypeError(
+                f"{where}() needs {', '.join(missing)} (a field of {cls.__name__} without a "
+                f"default): pass it, or a {cls.__name__}"
+            )
         return cls(**shortcuts)
     if not isinstance(settings, cls):
         got = type(settings).__name__
-        raise TypeError(f"{where}: settings must be a {cls.__name__}, got {got}")
+        what = "options" if cls is StepOptions else "settings"
+        raise TypeError(f"{where}: {what} must be a {cls.__name__}, got {got}")
     return dataclasses.replace(settings, **shortcuts) if shortcuts else settings  # type: ignore[type-var]
 
 

@@ -132,3 +132,15 @@ def test_the_stage_runs_from_the_cli_on_a_preference_file(example, tmp_path):
     assert math.isclose(_first_loss(out), 1.5, abs_tol=1e-5)
     assert len(pl.tools.read_metrics(str(out))["margin-hinge"]) == 2
     assert (out / "margin-hinge" / "hf" / "config.json").exists()
+
+
+def test_the_stage_holds_out_pairs_of_a_preference_file_as_dpo_does(example, tmp_path, capsys):
+    """One prompt cannot be split into training and held-out pairs: the stage stops, as
+    `dpo --data` does, naming `data.heldout_fraction` (before anything is compiled)."""
+    pairs = tmp_path / "one_prompt.jsonl"
+    row = {"prompt": "Once upon a time", "chosen": " a cat sat.", "rejected": " it rained."}
+    pairs.write_text((json.dumps(row) + "\n") * 8)
+    for stage in ("dpo", "margin-hinge"):
+        argv = [stage, "--data", str(pairs), "--out", str(tmp_path / stage), *_SMALL]
+        assert main(argv) != 0
+        assert "data.heldout_fraction=0.1: the split of the 8 records" in capsys.readouterr().err

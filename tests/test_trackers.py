@@ -949,6 +949,37 @@ def test_a_run_the_store_lost_or_never_had_starts_a_new_one_with_one_line(tmp_pa
     assert runs["test-records"] is None and runs["test-resumable"]["id"] != "run-0"
 
 
+def test_a_new_tracker_run_of_a_resumed_run_holds_the_earlier_steps_once(
+    tmp_path, monkeypatch, capsys
+):
+    # a tracker added on resume (or whose record is lost) gets the whole run, not only
+    # the steps after the checkpoint; the steps the resumed run repeats are there once
+    _need("mlflow", "mlflow")
+    for var in NETWORK_SETTINGS:
+        monkeypatch.delenv(var, raising=False)
+    from mlflow.tracking import MlflowClient
+
+    run_dir = str(tmp_path / "run")
+    log = pl.tools.MetricsLog(run_dir, "sft", quiet=True)
+    for step in range(3):  # the stopped run's records, none sent to a tracker
+        log.write({"iteration": step, "step": step, "loss": 1.0 - step / 10})
+    with pl.trackers.open_trackers(["mlflow"], run_dir, {}, resume=True) as trackers:
+        assert trackers.names == ("mlflow",)
+        log.write({"iteration": 2, "step": 2, "loss": 0.8})  # the resumed run repeats step 2
+        log.write({"iteration": 3, "step": 3, "loss": 0.7})
+    assert capsys.readouterr().err.strip().endswith("is missing; each tracker starts a new run")
+    with open(os.path.join(run_dir, "trackers.json")) as f:
+        run_id = json.load(f)["mlflow"]["run_id"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir}/mlflow.db")
+    history = client.get_metric_history(run_id, "sft/loss")
+    assert sorted((m.step, round(m.value, 6)) for m in history) == [
+        (0, 1.0),
+        (1, 0.9),
+        (2, 0.8),
+        (3, 0.7),
+    ]
+
+
 # --- resume of a real run: a clean stop, and kill -9 ------------------------------------
 
 _PAUSE_MODULE = """

@@ -29,7 +29,10 @@ once, with their first values (the same values when the resume is bit-identical;
 stopped run's measured times). What the stopped run's tracker lost (a killed process:
 W&B and trackio write from buffers) is logged again from `metrics.jsonl` when the run
 reopens (`_replay`). The summary is logged when a run finishes: a run that stopped
-cleanly (a callback) and is resumed logs a second one, the run's latest.
+cleanly (a callback) and is resumed logs a second one, the run's latest. A new tracker
+run of a resumed run (none recorded: a tracker added on resume, a lost record) catches
+up (`catch_up`): it logs the run's earlier records from `metrics.jsonl`, then each step
+once, as a reopened one; TensorBoard purges the steps after the checkpoint.
 """
 
 import contextlib
@@ -100,6 +103,13 @@ def _replay(tracker: Tracker, run_dir: str) -> None:
                 tracker.log(int(record["step"]), numbers, str(record.get("stage", "run")))
 
 
+def _catch_up(tracker: Tracker, held: "_Held", run_dir: str) -> None:
+    """A new run of a resumed run (`trackers.json` had none to reopen) logs the run's
+    earlier records of `metrics.jsonl` and then, as a reopened one, each step once."""
+    held.resumed = True
+    _replay(tracker, run_dir)
+
+
 def _prefixed(stage: str, metrics: dict[str, float], bad: re.Pattern | None = None):
     """`metrics` named `<stage>/<metric>`, the characters `bad` matches replaced by `_`."""
     out = {f"{stage}/{k}": v for k, v in metrics.items()}
@@ -144,6 +154,11 @@ class TensorBoardTracker(Tracker):
     def resume(self, run_name: str, config: dict, group: str | None, identity: dict) -> None:
         del identity  # the run directory's own
         self.start(run_name, config, group)
+        self.resumed = True
+
+    def catch_up(self) -> None:
+        """A new tracker run of a resumed run: the stage directories hold the earlier
+        events; the first record of each stage purges those at and after it."""
         self.resumed = True
 
     def writer(self, stage: str, purge_step: int | None = None) -> Any:
@@ -259,6 +274,9 @@ class WandbTracker(Tracker):
         self.start(run_name, config, group, id=identity["id"], resume="allow")
         self.next_step, self.held.resumed = last + 1, True
         _replay(self, self.run_dir)
+
+    def catch_up(self) -> None:
+        _catch_up(self, self.held, self.run_dir)
 
     def log(self, step: int, metrics: dict[str, float], stage: str) -> None:
         if stage not in self.stages:
@@ -425,6 +443,9 @@ class MLflowTracker(Tracker):
         self.held.resumed = True
         _replay(self, self.run_dir)
 
+    def catch_up(self) -> None:
+        _catch_up(self, self.held, self.run_dir)
+
     def _metrics(self, values: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
@@ -536,6 +557,9 @@ class TrackioTracker(Tracker):
                     self.held.add(key, row["step"])
         self.held.resumed = True
         _replay(self, self.run_dir)
+
+    def catch_up(self) -> None:
+        _catch_up(self, self.held, self.run_dir)
 
     def log(self, step: int, metrics: dict[str, float], stage: str) -> None:
         row = self.held.new(step, _prefixed(stage, metrics))

@@ -227,7 +227,8 @@ class Trackers:
     def fail(self, error: BaseException) -> None:
         """Tell every tracker that the run ended with `error` (`Tracker.fail`), before
         `finish`."""
-        self._each("mark the run failed", lambda t: t.fail(error))
+        # a tracker of its own class, not a `Tracker`, may lack it
+        self._each("mark the run failed", lambda t: getattr(t, "fail", lambda e: None)(error))
 
     def __exit__(self, kind, error, traceback) -> None:
         if error is not None and self.trackers:
@@ -289,7 +290,9 @@ def open_trackers(
                 file=sys.stderr,
             )
         with _silenced(quiet):
-            tracker = _start_one(name, run_dir, (run_name, config, group), recorded.get(name))
+            tracker = _start_one(
+                name, run_dir, (run_name, config, group), recorded.get(name), resume=resume
+            )
         if tracker is not None:
             started[name] = tracker
             recorded[name] = tracker.identity()
@@ -386,10 +389,18 @@ def _record_runs(run_dir: str, runs: Mapping[str, dict | None]) -> None:
 
 
 def _start_one(
-    name: str, run_dir: str, run: tuple[str, dict, str | None], identity: dict | None
+    name: str,
+    run_dir: str,
+    run: tuple[str, dict, str | None],
+    identity: dict | None,
+    *,
+    resume: bool = False,
 ) -> Tracker | None:
     """`name`'s tracker, resumed from `identity` (else started); `None` when it could
-    not start (one line on stderr)."""
+    not start (one line on stderr). A new tracker run of a resumed run (no identity
+    recorded, or the recorded run lost) catches up with the run's earlier records
+    where the backend can (`catch_up`: the built-in ones log `metrics.jsonl` again, or
+    TensorBoard purges the steps after the checkpoint), so that it holds the whole run."""
     if identity is not None:
         try:
             tracker = _REGISTRY[name](run_dir)
@@ -406,6 +417,15 @@ def _start_one(
     except Exception as e:  # a missing library or a refused start: go on without it
         _say(name, "could not start", e)
         return None
+    catch_up = getattr(tracker, "catch_up", None)
+    if resume and callable(catch_up):
+        try:
+            catch_up()
+        except Exception as e:  # the new run lacks the earlier steps; it logs the rest
+            print(
+                f"tracker {name}: could not log the run's earlier records ({_detail(e)})",
+                file=sys.stderr,
+            )
     return tracker
 
 

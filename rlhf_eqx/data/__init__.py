@@ -51,6 +51,8 @@ from ._chat import (
     HH_TEMPLATE as HH_TEMPLATE,
     ChatTemplate as ChatTemplate,
     format_chat as format_chat,
+    join_reply as join_reply,
+    render_prompt as render_prompt,
 )
 from ._chat_spans import token_offsets as token_offsets
 from ._collate import (
@@ -101,6 +103,7 @@ from ._preferences import (
     PreferenceRecord as PreferenceRecord,
     load_preferences as load_preferences,
     split_hh_transcript as split_hh_transcript,
+    split_implicit_prompt as split_implicit_prompt,
 )
 from ._prm import (
     StepwiseDataset as StepwiseDataset,

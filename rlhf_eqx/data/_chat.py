@@ -2,9 +2,21 @@
 
 A conversation is a list of messages `{"role": ..., "content": ...}` with roles
 `"system"`, `"user"`, `"assistant"` and `"tool"` (ShareGPT's `"human"`/`"gpt"`, HH's
-`"Human"`/`"Assistant"`, and the tool results' `"function"` / `"ipython"` are accepted as
-aliases). A `ChatTemplate` renders each message with a format string and ends with a
-generation prompt when asked.
+`"Human"`/`"Assistant"`, OpenAI's `"developer"` for `"system"`, and the tool results'
+`"function"` / `"ipython"` are accepted as aliases). A content may be a list of parts,
+`[{"type": "text", "text": ...}, ...]` (the Hugging Face chat format's and OpenAI's),
+read as its texts joined; a part of another type (an image, audio) is refused. A
+`ChatTemplate` renders each message with a format string and ends with a generation
+prompt when asked.
+
+**Continuing a prompt.** A prompt whose last message is the assistant's (a prefill such
+as `"The answer is"` or `"<think>"`) is continued, as `transformers`'
+`apply_chat_template(..., continue_final_message=True)` renders it (and TRL does for such
+prompts): without that message's end of turn and without a new generation prompt
+(`render_prompt`). Its reply's first assistant message continues that message: the two
+are one message, the prefill's text followed by the reply's (`join_reply`), so that the
+prompt text and the completion text concatenated are that conversation's rendering. A
+prompt that ends with a system message is refused (`prompt_messages`).
 
 **Tool calls.** An assistant message may carry OpenAI's `tool_calls`,
 `[{"type": "function", "function": {"name": ..., "arguments": ...}}, ...]` (`arguments`
@@ -70,6 +82,7 @@ _TEMPLATES = {"hh": HH_TEMPLATE, "chatml": CHATML_TEMPLATE}
 
 _ROLE_ALIASES = {
     "system": "system",
+    "developer": "system",
     "user": "user",
     "human": "user",
     "prompter": "user",
@@ -128,17 +141,45 @@ def tool_calls_text(calls: object) -> str:
     return "\n".join(lines)
 
 
+def content_text(content: object, key: str) -> object:
+    """A message's content as text: a list of parts `[{"type": "text", "text": ...}, ...]`
+    gives its texts joined (as a chat template writes them, one after the other); any
+    other value is returned as it is. `Malformed` names a part that is not text (its
+    type, e.g. `"image"`) or a text part without a string `text`."""
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind is None and isinstance(part, dict) and "text" in part:
+            kind = "text"  # a part written without its type
+        if kind != "text":
+            got = repr(kind) if kind is not None else type(part).__name__
+            raise Malformed(
+                "unsupported content",
+                f"a message in {key!r} has a content part of type {got} (part {j}); the "
+                "readers take text parts only",
+            )
+        if not isinstance(part.get("text"), str):
+            raise Malformed(
+                "wrong type",
+                f"a message in {key!r} has a text part without a string 'text' (part {j})",
+            )
+        texts.append(part["text"])
+    return "".join(texts)
+
+
 def message_field(value: object, key: str) -> dict:
     """`{"role", "content"}` or ShareGPT `{"from", "value"}` -> `{"role", "content"}`
-    (the role normalised), with an assistant message's `tool_calls` (checked:
-    `tool_calls_text`; its null content read as `""`) and a message's `name` and
-    `tool_call_id` kept as given."""
+    (the role normalised, a content of parts as its text: `content_text`), with an
+    assistant message's `tool_calls` (checked: `tool_calls_text`; its null content read
+    as `""`) and a message's `name` and `tool_call_id` kept as given."""
     if not isinstance(value, dict):
         raise Malformed(
             "wrong type", f"{key!r} must hold message objects, got {type(value).__name__}"
         )
     role = value.get("role", value.get("from"))
-    content = value.get("content", value.get("value"))
+    content = content_text(value.get("content", value.get("value")), key)
     calls = value.get("tool_calls")
     if calls is not None and content is None:
         content = ""
@@ -242,21 +283,31 @@ def format_chat(
     template: str | ChatTemplate = "hh",
     *,
     add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> str:
     """Render a conversation as text.
 
     **Arguments:**
 
     - `messages`: `[{"role": "user", "content": "Hi"}, ...]` (an assistant message's
-      `tool_calls` are written after its content, see the module docstring).
+      `tool_calls` are written after its content, see the module docstring; a content
+      of text parts is their text, `content_text`).
     - `template`: `"hh"` (default), `"chatml"` or a `ChatTemplate`.
     - `add_generation_prompt`: append the template's generation prompt (the start of an
       assistant turn) so that a model continues with the assistant's reply.
+    - `continue_final_message`: end at the last message's text, without what its format
+      writes after the text (the end of its turn), so that a model continues that
+      message (a prefill); not with `add_generation_prompt`.
 
     **Returns:** the concatenation of each message's rendering (plus the generation
     prompt). For example `format_chat([{"role": "user", "content": "Hi"}])` is
     `"\\n\\nHuman: Hi\\n\\nAssistant:"`.
     """
+    if add_generation_prompt and continue_final_message:
+        raise DataError(
+            "add_generation_prompt and continue_final_message do not go together: the one "
+            "starts a new assistant turn, the other continues the last message"
+        )
     tmpl = resolve_template(template)
     parts = []
     for message in messages:
@@ -265,6 +316,11 @@ def format_chat(
                 f"a chat message needs 'role' and 'content', got keys {sorted(message)}"
             )
         role, content = message["role"], message["content"]
+        if isinstance(content, list):  # parts: their text
+            try:
+                content = content_text(content, "messages")
+            except Malformed as e:
+                raise DataError(f"{e.args[0]}: {e.args[1]}") from None
         calls = message.get("tool_calls")
         if calls is not None and content is None:
             content = ""
@@ -287,27 +343,125 @@ def format_chat(
             "tool": tmpl.user if tmpl.tool is None else tmpl.tool,
         }[role]
         parts.append(fmt.format(content=content, role=role))
+    if continue_final_message and parts:
+        marker = "\x00content\x00"
+        head = fmt.format(content=marker, role=role).split(marker)[0]
+        parts[-1] = head + content
     if add_generation_prompt:
         parts.append(tmpl.generation_prompt)
     return "".join(parts)
+
+
+def continues(messages: Sequence[Mapping[str, object]]) -> bool:
+    """Whether a prompt's messages end with the assistant's (a prefill the reply
+    continues: see the module docstring)."""
+    return bool(messages) and messages[-1].get("role") == "assistant"
+
+
+def prompt_messages(messages: list[dict], key: str = "prompt") -> list[dict]:
+    """A prompt's messages (as `message_field` reads them), checked for their end:
+    `Malformed` naming `key` when the last is a system message (TRL refuses such a
+    prompt: nothing asks for a reply), or an assistant message that cannot be continued
+    (no text, or tool calls, which a template writes after the text)."""
+    if not messages:
+        return messages
+    last = messages[-1]
+    if last["role"] == "system":
+        raise Malformed(
+            "wrong role",
+            f"{key!r} ends with a system message; a prompt ends with a user or tool turn, or "
+            "with an assistant turn that the reply continues",
+        )
+    if last["role"] == "assistant" and (last.get("tool_calls") or not last["content"].strip()):
+        what = "tool calls" if last.get("tool_calls") else "no text"
+        raise Malformed(
+            "wrong role",
+            f"{key!r} ends with an assistant message with {what}, which cannot be continued "
+            "(a prompt's last assistant message is a prefix of the reply)",
+        )
+    return messages
+
+
+def join_reply(
+    prompt: Sequence[Mapping[str, object]], reply: Sequence[Mapping[str, object]]
+) -> list[dict]:
+    """The conversation of a prompt and its reply: `prompt + reply`, or, when the prompt
+    ends with an assistant message (a prefill) and the reply starts with one, the two
+    as one message, the prefill's content followed by the reply's (the reply's tool calls
+    kept), which continues the prompt."""
+    prompt, reply = [dict(m) for m in prompt], [dict(m) for m in reply]
+    if continues(prompt) and reply and reply[0].get("role") == "assistant":
+        joined = {**reply[0], "content": str(prompt[-1]["content"]) + str(reply[0]["content"])}
+        return prompt[:-1] + [joined] + reply[1:]
+    return prompt + reply
+
+
+def render_prompt(messages: Sequence[Mapping[str, object]], render: Callable[..., str]) -> str:
+    """A prompt's messages rendered for its reply with `render(messages, ...)`
+    (`format_chat` with a template, or `JinjaChatTemplate.render`): with the generation
+    prompt, or continuing the last message when it is the assistant's
+    (`continue_final_message=True`)."""
+    if continues(messages):
+        return render(list(messages), add_generation_prompt=False, continue_final_message=True)
+    return render(list(messages), add_generation_prompt=True)
+
+
+def cut_after_final_content(text: str, messages: Sequence[Mapping[str, object]]) -> str:
+    """`text`, a conversation rendered without the generation prompt, cut just after its
+    last message's text, as `transformers`' `apply_chat_template(...,
+    continue_final_message=True)` cuts it: at the last occurrence of that text (its
+    surrounding whitespace stripped; kept up to its own end where the template keeps
+    it). `DataError` naming the message when its text is not in `text` (the template
+    rewrites it) or it has none."""
+    last = messages[-1]
+    content = last.get("content")
+    if isinstance(content, list):  # parts: the last text one, as transformers takes it
+        texts = [p.get("text") for p in content if isinstance(p, dict) and "text" in p]
+        content = texts[-1] if texts else None
+    where = f"message {len(messages) - 1} ({last.get('role')})"
+    if not isinstance(content, str) or not content.strip():
+        raise DataError(f"{where}: no text to continue")
+    at = text.rfind(content.strip())
+    if at < 0:
+        raise DataError(
+            f"{where}: its content is not in the chat template's rendering (the template "
+            "rewrites it), so the prompt cannot be continued from it"
+        )
+    if text[at : at + len(content.lstrip())] == content:
+        return text[: at + len(content.lstrip())]
+    return text[: at + len(content.strip())]
 
 
 def split_conversation(
     prompt: Sequence[Mapping[str, str]],
     reply: Sequence[Mapping[str, str]],
     render: Callable[..., str],
+    *,
+    continued: bool = True,
 ) -> tuple[str, str]:
     """`(prompt text, completion text)` of a conversation: the `prompt` messages rendered
-    with the generation prompt, and the rest of the whole conversation `prompt + reply`
-    rendered, so that the two texts concatenated are the rendered conversation.
-    `render(messages, add_generation_prompt=...)` renders (`format_chat` with a template);
-    `DataError` when the conversation's text does not start with the prompt's (the
-    template's assistant turn does not start with its generation prompt)."""
-    prompt_text = render(list(prompt), add_generation_prompt=True)
-    full = render(list(prompt) + list(reply), add_generation_prompt=False)
+    for the reply (`render_prompt`: with the generation prompt, or continuing a final
+    assistant message), and the rest of the whole conversation (`join_reply(prompt,
+    reply)`) rendered, so that the two texts concatenated are the rendered conversation.
+    `continued=False`: a final assistant message of `prompt` is a turn of its own (a
+    conversation's earlier turn), rendered with the generation prompt after it.
+    `render(messages, add_generation_prompt=..., continue_final_message=...)` renders
+    (`format_chat` with a template); `DataError` when the conversation's text does not
+    start with the prompt's (the template's assistant turn does not start with its
+    generation prompt)."""
+    if continued:
+        prompt_text = render_prompt(prompt, render)
+        full = render(join_reply(prompt, reply), add_generation_prompt=False)
+    else:
+        prompt_text = render(list(prompt), add_generation_prompt=True)
+        full = render(list(prompt) + list(reply), add_generation_prompt=False)
     if not full.startswith(prompt_text):
         raise DataError(
             "the chat template's assistant turn does not start with its generation "
             "prompt, so conversations cannot be split into prompt and completion"
+            if not (continued and continues(prompt))
+            else "the chat template's rendering of the continued assistant message does "
+            "not start with the prompt's, so the conversation cannot be split into "
+            "prompt and completion"
         )
     return prompt_text, full[len(prompt_text) :]

@@ -69,8 +69,11 @@ from typing import Any
 from ._chat import (
     ChatTemplate,
     ColumnKind,
+    continues,
     format_chat,
+    join_reply,
     message_list,
+    render_prompt,
     resolve_template,
     said as _said,
     split_conversation,
@@ -158,9 +161,15 @@ def _parse_prompt_completion(
             _check_calls_rendered(prompt + completion, render)
         if trained is None:
             return _checked(*_conversation_texts(record, render))
-        if not completion or completion[0]["role"] != "assistant":
+        if not completion:
+            raise Unusable("empty completion")
+        if completion[0]["role"] != "assistant":
             raise Malformed("wrong type", "'completion' must start with an assistant message")
-        return trained(prompt + completion, len(prompt))
+        if not continues(prompt):
+            return trained(prompt + completion, len(prompt))
+        if not any(_said(m) for m in completion):
+            raise Unusable("empty completion")
+        return trained(join_reply(prompt, completion), len(prompt) - 1, prompt=prompt)
     return _checked(string_field(record, "prompt"), string_field(record, "completion"))
 
 
@@ -197,14 +206,22 @@ def _parse_messages(
         return trained(messages[: last + 1], 0)
     if not _said(messages[last]):
         raise Unusable("empty completion")
-    return _checked(*split_conversation(messages[:last], messages[last : last + 1], render))
+    return _checked(
+        *split_conversation(messages[:last], messages[last : last + 1], render, continued=False)
+    )
 
 
 def _every_turn(
-    messages: list[dict], first: int, render: Callable[..., str], template: object
+    messages: list[dict],
+    first: int,
+    render: Callable[..., str],
+    template: object,
+    prompt: list[dict] | None = None,
 ) -> DemonstrationRecord:
     """The record of `messages` trained on each of its assistant messages from index
-    `first` on (the module docstring's `"all"`)."""
+    `first` on (the module docstring's `"all"`). `prompt`: the prompt messages when its
+    last one (a prefill) is continued by message `first` (`join_reply`): that message is
+    trained from the end of the prompt's rendering (`render_prompt`) on."""
     turns = [k for k in range(first, len(messages)) if messages[k]["role"] == "assistant"]
     said = [k for k in turns if _said(messages[k])]
     if not said:
@@ -212,6 +229,16 @@ def _every_turn(
     messages = messages[: said[-1] + 1]
     turns = [k for k in turns if k <= said[-1]]
     text, spans = _turn_spans(messages, turns, said, render, template)
+    if prompt is not None:
+        head = render_prompt(prompt, render)
+        cut = len(head)
+        if not (text.startswith(head) and spans[0][1] >= cut):
+            raise DataError(
+                "the chat template's rendering of the continued assistant message does not "
+                "start with the prompt's, so the conversation cannot be split into prompt "
+                "and completion"
+            )
+        spans[0] = (max(spans[0][0], cut), spans[0][1])
     start = spans[0][0]
     prompt, completion = text[:start], text[start:]
     spans = tuple((a - start, b - start) for a, b in spans)

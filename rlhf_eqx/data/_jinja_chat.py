@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from ._chat import cut_after_final_content
 from ._chat_spans import (
     _GENERATION_TAG,
     _MARKERS,
@@ -149,6 +150,7 @@ class JinjaChatTemplate:
         messages: Sequence[Mapping[str, Any]],
         *,
         add_generation_prompt: bool = False,
+        continue_final_message: bool = False,
         tools: Sequence[Any] | None = None,
         **kwargs: Any,
     ) -> str:
@@ -158,11 +160,24 @@ class JinjaChatTemplate:
 
         - `messages`: `[{"role": ..., "content": ...}, ...]` (any fields the template reads).
         - `add_generation_prompt`: end with the start of an assistant turn.
+        - `continue_final_message`: end just after the last message's text, so that a
+          model continues it (a prefill), as `transformers` does: the conversation is
+          rendered without the generation prompt and cut at the last occurrence of that
+          text (`DataError` naming the message when the template rewrites it so that
+          it cannot be found); not with `add_generation_prompt`.
         - `tools`: tool schemas for templates that render them.
         - `**kwargs`: other template variables.
         """
+        if add_generation_prompt and continue_final_message:
+            raise DataError(
+                "add_generation_prompt and continue_final_message do not go together: the "
+                "one starts a new assistant turn, the other continues the last message"
+            )
         raw = self._render_raw(messages, add_generation_prompt, tools, kwargs)
-        return _MARKERS.sub("", raw)
+        text = _MARKERS.sub("", raw)
+        if continue_final_message and messages:
+            text = cut_after_final_content(text, messages)
+        return text
 
     def render_with_assistant_mask(
         self,

@@ -3,14 +3,18 @@
 `load_preferences` reads four layouts (auto-detected from the keys of the first
 record):
 
-- `"hh"` — `{"chosen": str, "rejected": str}`, full Anthropic HH-RLHF transcripts
-  `\n\nHuman: …\n\nAssistant: …`; split at the last `\n\nAssistant:` inside the
-  common prefix of the two transcripts.
+- `"hh"` — `{"chosen": str, "rejected": str}` (TRL's implicit prompt): full Anthropic
+  HH-RLHF transcripts `\n\nHuman: …\n\nAssistant: …`, split at the last
+  `\n\nAssistant:` inside the common prefix of the two transcripts; texts without HH
+  turns (`"The sky is blue."`, `"The sky is green."`) at their common prefix, as TRL's
+  `extract_prompt`, cut back to a word boundary (`split_implicit_prompt`).
 - `"messages"` — `{"prompt"?, "chosen": [msg], "rejected": [msg]}` with OpenAI-style
   `{"role", "content"}` messages (UltraFeedback-binarized; TRL's conversational layout,
   where `prompt` is a message list and `chosen`/`rejected` hold only the reply); the
   prompt is the longest shared message prefix that is followed by an assistant message
-  in both.
+  in both. A given prompt that ends with an assistant message (a prefill) is continued
+  by each reply's first message (`join_reply`), as `load_prompts` continues it; one
+  that ends with a system message is refused. A reply `[]` is an empty completion.
 - `"sharegpt"` — `{"conversations": [{"from", "value"}, ...], "chosen": {"from",
   "value"}, "rejected": {...}}`; the conversation is the prompt.
 - `"plain"` — `{"prompt": str, "chosen": str, "rejected": str}`, used as given.
@@ -27,17 +31,21 @@ with an empty (or blank) completion are skipped and counted in `dataset.report`.
 """
 
 import dataclasses
+import functools
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ._chat import (
     ChatTemplate,
+    continues,
     format_chat,
     message_field,
     message_list,
+    prompt_messages,
     resolve_template,
     said,
+    split_conversation,
 )
 from ._errors import DataError
 from ._io import (
@@ -50,6 +58,7 @@ from ._io import (
 )
 
 HH_ASSISTANT = "\n\nAssistant:"
+HH_HUMAN = "\n\nHuman:"
 PREFERENCE_FORMATS = ("hh", "messages", "sharegpt", "plain")
 """The record layouts `load_preferences(path, format=...)` reads (besides `"auto"`, which
 detects one of them)."""
@@ -113,9 +122,29 @@ def _checked(prompt: str, chosen: str, rejected: str, messages=None) -> Preferen
     return PreferenceRecord(prompt, chosen, rejected, messages)
 
 
+def split_implicit_prompt(chosen: str, rejected: str) -> tuple[str, str, str] | None:
+    """Split two texts that share their prompt into `(prompt, chosen, rejected)`: HH-RLHF
+    transcripts as `split_hh_transcript` splits them; texts without HH turns
+    (`"\\n\\nHuman:"`, `"\\n\\nAssistant:"`) at their longest common prefix, as TRL's
+    `extract_prompt` splits them, cut back to a word boundary: the prompt ends before
+    the last whitespace character of the shared text, which starts both completions
+    (`"The sky is blue."`, `"The sky is green."` -> `"The sky is"`, `" blue."`,
+    `" green."`; TRL cuts where the texts part and moves one space into the completions,
+    which is the same for texts that part at a word). `None` when the shared text has
+    no whitespace after a non-blank prompt (`"no turns here"`, `"nor here"`), or when
+    HH transcripts do not split."""
+    if any(m in t for t in (chosen, rejected) for m in (HH_ASSISTANT, HH_HUMAN)):
+        return split_hh_transcript(chosen, rejected)
+    common = chosen[: common_prefix_length(chosen, rejected)]
+    cut = max((i for i, c in enumerate(common) if c.isspace()), default=-1)
+    if cut < 0 or not common[:cut].strip():
+        return None
+    return chosen[:cut], chosen[cut:], rejected[cut:]
+
+
 def _parse_hh(record: dict) -> PreferenceRecord:
     chosen, rejected = string_field(record, "chosen"), string_field(record, "rejected")
-    split = split_hh_transcript(chosen, rejected)
+    split = split_implicit_prompt(chosen, rejected)
     if split is None:
         if chosen == rejected:
             raise Unusable("identical completions")
@@ -134,16 +163,19 @@ def _parse_plain(record: dict) -> PreferenceRecord:
 def _split_messages(
     chosen: list[dict[str, str]], rejected: list[dict[str, str]], template: ChatTemplate
 ) -> PreferenceRecord:
-    """Prompt = the longest shared message prefix followed, in both, by an assistant turn."""
+    """Prompt = the longest shared message prefix followed, in both, by an assistant turn
+    (and not ending with one, which would be a prefill that the reply continues: two
+    assistant turns in a row stay two turns)."""
     if chosen == rejected:
         raise Unusable("identical completions")
     k = common_prefix_length(chosen, rejected)
-    while k >= 0:
+    while k >= 0:  # a prompt ending with an assistant message would be continued: not here
         if (
             k < len(chosen)
             and k < len(rejected)
             and chosen[k]["role"] == "assistant"
             and rejected[k]["role"] == "assistant"
+            and not continues(chosen[:k])
         ):
             break
         k -= 1
@@ -179,13 +211,34 @@ def _prompt_messages(record: dict) -> list[dict[str, str]]:
     )
 
 
+def _continued(
+    prompt: list[dict], chosen: list[dict], rejected: list[dict], template: ChatTemplate
+) -> PreferenceRecord:
+    """The pair of replies to a prompt that ends with an assistant message (a prefill):
+    each reply's first message continues it (`split_conversation`)."""
+    if chosen == rejected:
+        raise Unusable("identical completions")
+    if not all(any(said(m) for m in reply) for reply in (chosen, rejected)):
+        raise Unusable("empty completion")
+    render = functools.partial(format_chat, template=template)
+    text, chosen_text = split_conversation(prompt, chosen, render)
+    _, rejected_text = split_conversation(prompt, rejected, render)
+    messages = {"prompt": tuple(prompt), "chosen": tuple(chosen), "rejected": tuple(rejected)}
+    return _checked(text, chosen_text, rejected_text, messages)
+
+
 def _parse_messages(record: dict, template: ChatTemplate) -> PreferenceRecord:
     chosen, rejected = message_list(record, "chosen"), message_list(record, "rejected")
+    if not chosen or not rejected:  # as an empty string is
+        raise Unusable("empty completion")
     # TRL's conversational layout stores only the reply under chosen/rejected.
-    prefix = _prompt_messages(record)
-    if chosen and chosen[0]["role"] == "assistant":
+    replies = [m[0]["role"] == "assistant" for m in (chosen, rejected)]
+    prefix = prompt_messages(_prompt_messages(record)) if any(replies) else []
+    if all(replies) and continues(prefix):
+        return _continued(prefix, chosen, rejected, template)
+    if replies[0]:
         chosen = prefix + chosen
-    if rejected and rejected[0]["role"] == "assistant":
+    if replies[1]:
         rejected = prefix + rejected
     return _split_messages(chosen, rejected, template)
 

@@ -10,7 +10,8 @@
 is correct (a JSON boolean; `0` and `1` are accepted). A record whose `completions` is
 not a list of strings, whose `labels` is not a list of booleans, or whose lists differ
 in length is an error naming the file and line (`path:LINE: reason`); a record without
-steps is skipped and counted in the report.
+steps, or with an empty (or blank) step, is skipped and counted in the report (`"no
+steps"`, `"empty step"`), as the other readers skip an empty completion.
 
 `tokenize_stepwise` joins the steps with a separator, `BOS prompt step_1 SEP step_2 SEP
 ...` (BOS when the tokenizer asks for it, `wants_bos`), and marks the last token of each
@@ -86,10 +87,13 @@ def _parse(record: dict) -> StepwiseRecord:
         )
     if not steps:
         raise Unusable("no steps")
+    labelled = tuple(boolean_value(v, f"'labels'[{s}]") for s, v in enumerate(labels))
+    if not all(step.strip() for step in steps):  # as an empty completion is
+        raise Unusable("empty step")
     return StepwiseRecord(
         prompt,
         tuple(steps),
-        tuple(boolean_value(v, f"'labels'[{s}]") for s, v in enumerate(labels)),
+        labelled,
     )
 
 

@@ -14,10 +14,14 @@ as `"3"`, as `exact_match_reward` compares it); a GSM8K answer is a solution end
 `#### <number>`, or the number alone.
 
 A plain file's prompts are all strings or all message lists, as its first record's
-(`Malformed` naming `prompt` for a record of the other kind).
+(`Malformed` naming `prompt` for a record of the other kind). A message list ends with
+the generation prompt, or, when its last message is the assistant's (a prefill such as
+`"The answer is"`), continues that message (`format_chat(...,
+continue_final_message=True)`); one that ends with a system message is refused.
 """
 
 import dataclasses
+import functools
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -28,6 +32,8 @@ from ._chat import (
     ColumnKind,
     format_chat,
     message_field,
+    prompt_messages,
+    render_prompt,
     resolve_template,
     said,
 )
@@ -140,7 +146,9 @@ def _parse_plain(
         messages = [message_field(m, "prompt") for m in prompt]
         if not any(said(m) for m in messages):
             raise Unusable("empty prompt")
-        rendered = format_chat(messages, template or "hh", add_generation_prompt=True)
+        prompt_messages(messages)
+        render = functools.partial(format_chat, template=template or "hh")
+        rendered = render_prompt(messages, render)
         others = {**_others(record, "prompt"), "prompt": prompt}
         return PromptRecord(rendered, answer, others, {"prompt": tuple(messages)})
     prompt = _render(string_field(record, "prompt"), template)

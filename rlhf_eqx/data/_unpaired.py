@@ -8,11 +8,14 @@ keys `prompt`, `completion` and `label`):
 - `"messages"` — TRL's conversational layout: `prompt` a list of `{"role", "content"}`
   messages (or a string, one user turn) and `completion` a list of messages starting
   with an assistant turn, rendered with a chat template (`format_chat`) so that
-  `prompt + completion` is the rendered conversation.
+  `prompt + completion` is the rendered conversation. A prompt that ends with an
+  assistant message (a prefill) is continued by the completion's first message
+  (`join_reply`); one that ends with a system message is refused.
 
 `label` must be a JSON boolean; `0` and `1` are accepted as false and true, anything
 else (a string such as `"true"`, another number) is an error naming the file and line.
-Records with an empty (or blank) completion are skipped and counted in the report.
+Records with an empty (or blank) completion (`""`, or `[]` and messages without text)
+are skipped and counted in the report.
 
 `unpaired_from_preferences` turns preference pairs into unpaired records (TRL's
 `unpair_preference_dataset`); `tokenize_unpaired` and `collate_unpaired` make the
@@ -34,6 +37,7 @@ from ._chat import (
     ChatTemplate,
     format_chat,
     message_list,
+    prompt_messages,
     resolve_template,
     said,
     split_conversation,
@@ -94,10 +98,12 @@ def _parse_plain(record: dict) -> UnpairedRecord:
 
 
 def _message_list(record: dict, key: str) -> list[dict[str, str]]:
-    """`message_list`, with a string prompt read as one user message."""
+    """`message_list`, with a string prompt read as one user message (a prompt's list
+    checked for its end: `prompt_messages`)."""
     if key == "prompt" and isinstance(record.get(key), str):
         return [{"role": "user", "content": record[key]}]
-    return message_list(record, key)
+    messages = message_list(record, key)
+    return prompt_messages(messages, key) if key == "prompt" else messages
 
 
 def _conversation_texts(record: dict, render: Callable[..., str]) -> tuple[str, str]:
@@ -106,7 +112,9 @@ def _conversation_texts(record: dict, render: Callable[..., str]) -> tuple[str, 
     rendered by `render` as `split_conversation` renders."""
     prompt_messages = _message_list(record, "prompt")
     completion_messages = _message_list(record, "completion")
-    if not completion_messages or completion_messages[0]["role"] != "assistant":
+    if not completion_messages:
+        raise Unusable("empty completion")
+    if completion_messages[0]["role"] != "assistant":
         raise Malformed("wrong type", "'completion' must start with an assistant message")
     if not any(said(m) for m in completion_messages):
         raise Unusable("empty completion")

@@ -102,26 +102,34 @@ class ChatRendering:
     strip_bos: str = ""
 
     def prompt(self, text: str) -> str:
-        return self.prompt_of(hh_messages(text))
+        """The prompt of a text (`hh_messages`): its turns rendered with the generation
+        prompt (a text's last assistant turn is a turn of its own), the BOS text
+        removed."""
+        out = self.template.render(hh_messages(text), add_generation_prompt=True)
+        return self._without_bos(out)
 
     def prompt_of(self, messages: Sequence) -> str:
         """The prompt of a conversation: its messages rendered with the generation
-        prompt (the BOS text removed)."""
-        out = self.template.render(list(messages), add_generation_prompt=True)
-        if self.strip_bos and out.startswith(self.strip_bos):
-            out = out[len(self.strip_bos) :]
-        return out
+        prompt, or continuing its last message when that is the assistant's (a prefill:
+        `data.render_prompt`), the BOS text removed."""
+        return self._without_bos(data.render_prompt(list(messages), self.template.render))
+
+    def _without_bos(self, text: str) -> str:
+        if self.strip_bos and text.startswith(self.strip_bos):
+            return text[len(self.strip_bos) :]
+        return text
 
     def completion(self, text: str) -> str:
         return text.strip() + self.end
 
     def reply(self, prompt: Sequence, reply: Sequence) -> str:
         """The completion of a conversation's `reply` messages after its `prompt` ones:
-        what the template writes for them after the prompt (with the generation prompt),
-        its trailing whitespace removed as `completion` removes it. A `DataError` when
-        the template's text of the conversation does not start with the prompt's, or
-        when it does not write an assistant message's tool calls (its text the same
-        without them: the calls would be lost)."""
+        what the template writes for them after the prompt (with the generation prompt;
+        a prompt ending with an assistant message is continued by the reply's first,
+        `data.join_reply`), its trailing whitespace removed as `completion` removes it.
+        A `DataError` when the template's text of the conversation does not start with
+        the prompt's, or when it does not write an assistant message's tool calls (its
+        text the same without them: the calls would be lost)."""
         prompt, reply = list(prompt), list(reply)
         for k, m in enumerate(reply):
             if m.get("tool_calls"):
@@ -135,9 +143,7 @@ class ChatRendering:
                         "FILE)"
                     )
         start = self.prompt_of(prompt)
-        full = self.template.render(prompt + reply)
-        if self.strip_bos and full.startswith(self.strip_bos):
-            full = full[len(self.strip_bos) :]
+        full = self._without_bos(self.template.render(data.join_reply(prompt, reply)))
         if not full.startswith(start):
             raise data.DataError(
                 "the chat template's assistant turn does not start with its generation "
@@ -153,7 +159,8 @@ class ChatRendering:
         rendered them to: a tool call reaches the template as a call, a message that
         quotes `\n\nAssistant:` stays one message, and a reply of several messages (a
         tool's result, another user turn) is written in the template's turns (`reply`);
-        a reply of one assistant message with text alone is ended as a text is."""
+        a reply of one assistant message with text alone is ended as a text is, unless
+        it continues the prompt's last (assistant) message: then `reply` writes it."""
         out = []
         for r in records:
             messages = getattr(r, "messages", None) or {}
@@ -166,7 +173,11 @@ class ChatRendering:
                 if not hasattr(r, key):
                     continue
                 reply = messages.get(key)
-                if prompt_messages is None or reply is None or _one_text_turn(reply):
+                if (
+                    prompt_messages is None
+                    or reply is None
+                    or _one_text_turn(reply, prompt_messages)
+                ):
                     changes[key] = self.completion(getattr(r, key))
                 else:
                     changes[key] = self.reply(prompt_messages, reply)
@@ -174,9 +185,12 @@ class ChatRendering:
         return out
 
 
-def _one_text_turn(reply: Sequence) -> bool:
-    """Whether a reply is one assistant message of text alone (no tool calls)."""
-    return len(reply) == 1 and reply[0]["role"] == "assistant" and not reply[0].get("tool_calls")
+def _one_text_turn(reply: Sequence, prompt: Sequence) -> bool:
+    """Whether a reply is one assistant message of text alone (no tool calls) that does
+    not continue the prompt's last message (a prompt ending with the assistant's)."""
+    continued = bool(prompt) and prompt[-1]["role"] == "assistant"
+    one = len(reply) == 1 and reply[0]["role"] == "assistant"
+    return one and not reply[0].get("tool_calls") and not continued
 
 
 def chat_rendering(tok, dc: DataConfig) -> ChatRendering | None:

@@ -980,6 +980,20 @@ def test_a_new_tracker_run_of_a_resumed_run_holds_the_earlier_steps_once(
     ]
 
 
+def test_tensorboard_added_on_resume_holds_the_earlier_steps_once(tmp_path):
+    _need("tensorboardX", "tensorboard")
+    run_dir = str(tmp_path / "run")
+    log = pl.tools.MetricsLog(run_dir, "sft", quiet=True)
+    for step in range(3):  # the stopped run's records, none sent to a tracker
+        log.write({"iteration": step, "step": step, "loss": 1.0 - step / 10})
+    with pl.trackers.open_trackers(["tensorboard"], run_dir, {}, resume=True):
+        log.write({"iteration": 2, "step": 2, "loss": 0.75})  # the resumed run repeats step 2
+        log.write({"iteration": 3, "step": 3, "loss": 0.7})
+    events = _tensorboard_events(os.path.join(run_dir, "tensorboard", "sft"))
+    got = [(s, round(v, 6)) for s, v in events["sft/loss"]]
+    assert got == [(0, 1.0), (1, 0.9), (2, 0.75), (3, 0.7)]
+
+
 # --- resume of a real run: a clean stop, and kill -9 ------------------------------------
 
 _PAUSE_MODULE = """

@@ -32,7 +32,8 @@ reopens (`_replay`). The summary is logged when a run finishes: a run that stopp
 cleanly (a callback) and is resumed logs a second one, the run's latest. A new tracker
 run of a resumed run (none recorded: a tracker added on resume, a lost record) catches
 up (`catch_up`): it logs the run's earlier records from `metrics.jsonl`, then each step
-once, as a reopened one; TensorBoard purges the steps after the checkpoint.
+once, as a reopened one; TensorBoard writes them into a stage directory without events
+and purges the steps after the checkpoint.
 """
 
 import contextlib
@@ -87,6 +88,13 @@ def _replay(tracker: Tracker, run_dir: str) -> None:
     trackers (steps and evaluations, not events): its `_Held` filter keeps only those its
     store lost, e.g. what a killed run's tracker had not yet written (W&B's and trackio's
     buffered records)."""
+    for step, numbers, stage in _logged(run_dir):
+        tracker.log(step, numbers, stage)
+
+
+def _logged(run_dir: str) -> Iterator[tuple[int, dict[str, float], str]]:
+    """`(step, numbers, stage)` of each record of `run_dir/metrics.jsonl` that goes to
+    the trackers (steps and evaluations, not events; a torn last line skipped)."""
     try:
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             lines = f.readlines()
@@ -100,7 +108,7 @@ def _replay(tracker: Tracker, run_dir: str) -> None:
         if "step" in record and "event" not in record:
             numbers = {k: v for k, v in _numbers(record).items() if k != "step"}
             if numbers:
-                tracker.log(int(record["step"]), numbers, str(record.get("stage", "run")))
+                yield int(record["step"]), numbers, str(record.get("stage", "run"))
 
 
 def _catch_up(tracker: Tracker, held: "_Held", run_dir: str) -> None:
@@ -157,8 +165,21 @@ class TensorBoardTracker(Tracker):
         self.resumed = True
 
     def catch_up(self) -> None:
-        """A new tracker run of a resumed run: the stage directories hold the earlier
-        events; the first record of each stage purges those at and after it."""
+        """A new tracker run of a resumed run: a stage directory without events (the
+        tracker added on resume) gets the stage's earlier records of `metrics.jsonl`;
+        then, as a reopened run, the first record of each stage purges the events at
+        and after it (those of steps after the checkpoint, which the run repeats)."""
+        root = os.path.join(self.run_dir, "tensorboard")
+        have = {
+            stage
+            for stage in (os.listdir(root) if os.path.isdir(root) else ())
+            if glob.glob(os.path.join(root, glob.escape(stage), "events.out.tfevents.*"))
+        }
+        for step, numbers, stage in _logged(self.run_dir):
+            if stage not in have:
+                self.log(step, numbers, stage)
+        self.finish()  # the next record of each stage opens a purging event file
+        self.writers = {}
         self.resumed = True
 
     def writer(self, stage: str, purge_step: int | None = None) -> Any:

@@ -752,9 +752,16 @@ def test_serve_command_keeps_a_gguf_files_blocks(tmp_path, model, capsys):
 
 
 def test_serve_command_names_a_missing_model(capsys):
-    """`rlhf_eqx serve --model PATH` with no such file: one line naming it, exit 2."""
+    """`rlhf_eqx serve --model PATH` with no such file: one line naming it and the short
+    model names, exit 2; a near miss of a short name is told the closest."""
     from rlhf_eqx.serving import serve_command
 
     assert serve_command(["--model", "no/such/model.gguf", "--port", "0"]) == 2
     err = capsys.readouterr().err
-    assert err == "error: model.source='no/such/model.gguf' (--model): no such file or directory\n"
+    assert err == (
+        "error: model.source='no/such/model.gguf' (--model): no such file or directory, "
+        "nor a short model name (builtin, smollm2-135m)\n"
+    )
+    assert serve_command(["--model", "smollm2", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith("(builtin, smollm2-135m); did you mean 'smollm2-135m'?\n"), err

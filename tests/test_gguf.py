@@ -385,8 +385,10 @@ def test_failed_save_leaves_no_directory(tiny, tmp_path):
     the directories it made for it, and only those."""
     kept = tmp_path / "kept"
     kept.mkdir()
-    with pytest.raises(data.DataError, match="ByteTokenizer cannot be written"):
-        rx.save_gguf(tiny, kept / "new" / "sub" / "m.gguf", tokenizer=data.ByteTokenizer())
+    target = kept / "new" / "sub" / "m.gguf"
+    with pytest.raises(data.DataError) as excinfo:
+        rx.save_gguf(tiny, target, tokenizer=data.ByteTokenizer())
+    _one_line_error(excinfo, f"save_gguf: {target}: a ByteTokenizer cannot be written")
     assert os.listdir(kept) == []
 
 
@@ -568,6 +570,44 @@ def test_mistyped_metadata_names_the_key(tok512, tmp_path, key, value, kind, why
     with pytest.raises(ValueError) as excinfo:
         rx.load_gguf(path)
     _one_line_error(excinfo, f"{path}: `llama.{key}` = {value!r} is not supported: {why}")
+
+
+@pytest.mark.parametrize(
+    "meta, parts",
+    [
+        (
+            {"attention.head_count": 4, "attention.head_count_kv": 3},
+            ("TransformerConfig.n_kv_heads=3 must divide n_heads=4",
+             "`llama.attention.head_count_kv` = 3", "`llama.attention.head_count` = 4"),
+        ),
+        (
+            {"attention.head_count": 3},
+            ("TransformerConfig.d_model=32 is not divisible by n_heads=3",
+             "`llama.embedding_length` = 32", "`llama.attention.head_count` = 3"),
+        ),
+        (
+            {"attention.key_length": 5},
+            ("TransformerConfig.head_dim=5 must be even", "`llama.attention.key_length` = 5"),
+        ),
+    ],
+)  # fmt: skip
+def test_sizes_that_do_not_fit_name_the_keys(tok512, tmp_path, meta, parts):
+    """Sizes that do not fit together: one line naming the file and the GGUF keys they
+    come from, besides the configuration's rule."""
+    U32 = gguf.GGUFValueType.UINT32
+    path = _write_by_hand(tmp_path / "m.gguf", tok512, meta={k: (v, U32) for k, v in meta.items()})
+    with pytest.raises(ValueError) as excinfo:
+        rx.load_gguf(path)
+    _one_line_error(excinfo, f"{path}: ", *parts)
+
+
+def test_extra_layer_names_the_block_count(tok512, tmp_path):
+    U32 = gguf.GGUFValueType.UINT32
+    path = _write_by_hand(tmp_path / "m.gguf", tok512, layers=2, meta={"block_count": (1, U32)})
+    with pytest.raises(ValueError) as excinfo:
+        rx.load_gguf(path)
+    _one_line_error(excinfo, f"{path}: unexpected tensor 'blk.1.", "`llama.block_count` = 1")
+    assert "TransformerConfig" not in str(excinfo.value)
 
 
 def test_mixture_of_experts_and_split_shards_named(tok512, tmp_path):

@@ -34,7 +34,7 @@ import numpy as np
 
 from ._build import check_finite, model_from_arrays
 from ._config import TransformerConfig
-from ._gguf_config import PERMUTED, hf_config, llama3_from_factors, llama3_json
+from ._gguf_config import PERMUTED, config_keys, hf_config, llama3_from_factors, llama3_json
 from ._heads import Policy
 from ._hf_config import GEMMA, config_from_hf
 from ._hf_tensors import _layer_names, arrays_from_tensors
@@ -271,7 +271,10 @@ def read_config(reader, path: str, *, dtype: str | None = None):
     rope = config["rope_scaling"]
     if rope is not None and rope["rope_type"] == "rope_freqs":
         config["rope_scaling"] = None
-    cfg = config_from_hf(config, dtype=dtype or "float32", source=path)
+    keys = config_keys(meta("general.architecture"))
+    if meta(keys["vocab_size"], None) is None:  # the vocabulary is the token list's length
+        keys["vocab_size"] = "tokenizer.ggml.tokens (its length)"
+    cfg = config_from_hf(config, dtype=dtype or "float32", source=path, keys=keys)
     if tokens is not None and len(tokens.data) > cfg.vocab_size:
         raise ValueError(
             f"{path}: tokenizer.ggml.tokens has {len(tokens.data)} tokens but the model's "
@@ -282,7 +285,7 @@ def read_config(reader, path: str, *, dtype: str | None = None):
         factors = dense(tensors["rope_freqs.weight"], path).reshape(-1)
         rs = llama3_from_factors(factors, cfg, path)
         cfg = config_from_hf(
-            {**config, "rope_scaling": llama3_json(rs)}, dtype=cfg.dtype, source=path
+            {**config, "rope_scaling": llama3_json(rs)}, dtype=cfg.dtype, source=path, keys=keys
         )
     return family, cfg
 
@@ -327,7 +330,11 @@ def check_tensors(reader, path: str, family: str, cfg: TransformerConfig) -> Non
             continue
         name = by_gguf.get(t.name)
         if name not in shapes:
-            raise ValueError(f"{path}: unexpected tensor {t.name!r}: not part of {family} ({cfg})")
+            arch = field(reader, "general.architecture", path)
+            raise ValueError(
+                f"{path}: unexpected tensor {t.name!r}: not part of a {family} model of "
+                f"`{arch}.block_count` = {cfg.n_layers} layers"
+            )
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))
         if shape != shapes[name]:
             raise ValueError(

@@ -218,6 +218,31 @@ def hf_config(meta, path: str, names, n_tokens: int | None) -> tuple[str, dict[s
     return family, config
 
 
+# the metadata key (after `{arch}.`) that `hf_config` reads each `config.json` field from
+_GGUF_KEYS = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "embedding_length",
+    "num_hidden_layers": "block_count",
+    "num_attention_heads": "attention.head_count",
+    "num_key_value_heads": "attention.head_count_kv",
+    "intermediate_size": "feed_forward_length",
+    "max_position_embeddings": "context_length",
+    "rope_theta": "rope.freq_base",
+    "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+    "head_dim": "attention.key_length",
+    "sliding_window": "attention.sliding_window",
+    "attn_logit_softcapping": "attn_logit_softcapping",
+    "final_logit_softcapping": "final_logit_softcapping",
+    "rope_local_base_freq": "rope.freq_base_swa",
+}
+
+
+def config_keys(arch: str) -> dict[str, str]:
+    """The GGUF metadata key (`{arch}.attention.head_count_kv`, ...) of each `config.json`
+    field `hf_config` fills from one: what a refusal of the configuration names."""
+    return {hf: f"{arch}.{key}" for hf, key in _GGUF_KEYS.items()}
+
+
 def llama3_json(rs: RopeScaling) -> dict[str, Any]:
     """A `llama3` rope scaling as Hugging Face's `rope_scaling` object."""
     return rope_scaling_json(rs)

@@ -20,6 +20,7 @@ transformers reads it.
 """  # noqa: E501 (markdown table rows cannot be wrapped)
 
 import math
+import re
 from typing import Any
 
 from ._config import RopeScaling, TransformerConfig
@@ -271,15 +272,58 @@ def _activation(config, family: str, source: str) -> str:
     )
 
 
+# the `TransformerConfig` field each `config.json` field sets (what a refusal of the
+# config names), for naming the file's fields when the sizes do not fit together
+_CONFIG_FIELDS = {
+    "vocab_size": "vocab_size",
+    "d_model": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "d_ff": "intermediate_size",
+    "max_seq_len": "max_position_embeddings",
+    "head_dim": "head_dim",
+    "sliding_window": "sliding_window",
+    "attn_softcap": "attn_logit_softcapping",
+    "final_softcap": "final_logit_softcapping",
+    "query_scale": "query_pre_attn_scalar",
+    "rope_local_theta": "rope_local_base_freq",
+}
+
+
+def _source_fields(why: str, config: dict[str, Any], keys: dict[str, str]) -> str:
+    """` (`key` = value, ...)`: the fields of the source file behind the
+    `TransformerConfig` fields that the refusal `why` names (`keys` maps a `config.json`
+    field to the source's own name, e.g. a GGUF key; a head size the file leaves out
+    is named by the sizes it comes from)."""
+    named = re.findall(r"\b(" + "|".join(_CONFIG_FIELDS) + r")\b", why)
+    if "head_dim" in named and config.get("head_dim") is None:
+        named += ["d_model", "n_heads"]
+    shown = []
+    for field in dict.fromkeys(named):
+        hf = _CONFIG_FIELDS[field]
+        if config.get(hf) is not None:
+            shown.append(f"`{keys.get(hf, hf)}` = {config[hf]!r}")
+    return f" ({', '.join(shown)})" if shown else ""
+
+
 def config_from_hf(
-    config: dict[str, Any], *, dtype: str | None = None, source: str = "config.json"
+    config: dict[str, Any],
+    *,
+    dtype: str | None = None,
+    source: str = "config.json",
+    keys: dict[str, str] | None = None,
 ) -> TransformerConfig:
     """Translate a Hugging Face `config.json` dictionary into a `TransformerConfig`.
 
     `dtype=None` takes the checkpoint's `torch_dtype` / `dtype` (float32 when absent or
     not one of float32 / bfloat16 / float16). `source` names the file in errors.
     Raises `ValueError` naming the field for missing or non-integer sizes and for
-    unsupported architectures and features (see the module docstring).
+    unsupported architectures and features (see the module docstring); sizes that do
+    not fit together (`TransformerConfig`'s refusal, e.g. a KV head count that does not
+    divide the head count) are named by the file's fields too, as `keys` spells them
+    (a `config.json` field to the source's name: a GGUF file's metadata keys; default:
+    the `config.json` names).
     """
     if not isinstance(config, dict):
         raise ValueError(f"{source}: expected a JSON object, got {type(config).__name__}")
@@ -360,4 +404,4 @@ def config_from_hf(
             else None,
         )
     except ValueError as e:  # sizes that do not fit together, e.g. heads
-        raise ValueError(f"{source}: {e}") from None
+        raise ValueError(f"{source}: {e}{_source_fields(str(e), config, keys or {})}") from None

@@ -60,3 +60,14 @@ def test_a_dpo_mismatch_names_the_registration_flag_that_differs():
     rt.check_loss_matches("ipo_on_averages", "ipo")
     with pytest.raises(AssertionError, match=r"\(note: 'ipo' takes per-token averages .*"):
         rt.check_loss_matches("ipo_on_sums", "ipo")
+
+
+def weighted(logp, old_logp, advantages, mask, *, weight):
+    return -weight * advantages * jnp.exp(jnp.clip(logp - old_logp, -20.0, 20.0))
+
+
+def test_a_missing_hyperparameter_names_the_argument_that_gives_it():
+    with pytest.raises(ValueError, match="'weight', which has no default: .* gives user_kwargs"):
+        rt.check_loss_matches(weighted, "grpo")
+    with pytest.raises(AssertionError, match="does not match 'grpo'"):
+        rt.check_loss_matches(weighted, "grpo", user_kwargs={"weight": 2.0})

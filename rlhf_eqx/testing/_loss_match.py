@@ -279,6 +279,13 @@ def check_loss_matches(
                 rtol,
                 atol,
             )
+    except ValueError as e:
+        if "loss_kwargs" not in str(e):
+            raise
+        raise ValueError(
+            f"{e} (check_loss_matches gives user_kwargs to {_name(user_loss)} and "
+            f"library_kwargs to {_name(library_loss)} as their loss_kwargs)"
+        ) from None
     except AssertionError as e:
         hint = _dpo_flags_differ(user_loss, library_loss) if which == "dpo" else ""
         raise AssertionError(

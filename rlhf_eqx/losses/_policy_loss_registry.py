@@ -105,7 +105,8 @@ def register_policy_loss(
     completion in GRPO, `[T]` per token in PPO) and the loss mask `[T]`; it returns the
     per-token loss `[T]` (any value where `mask` is false: the step zeroes it), alone or
     with a dict of per-token stats, of which the steps log `clipped`, `clipped_low`,
-    `clipped_high` (`clip_ratio*`, `policy/clipfrac`) and `selected` (`selected_frac`).
+    `clipped_high` (`clip_ratio*`, `policy/clipfrac`; 0 for a loss that returns none of
+    them) and `selected` (`selected_frac`).
     The step then adds its KL term ($\beta$ k3, GRPO), applies `rollout_correction`
     and aggregates with its `mode`, so every aggregation mode, micro-batching, devices,
     shared-prompt packing and the selective LM head apply unchanged.

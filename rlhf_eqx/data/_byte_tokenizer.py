@@ -15,6 +15,7 @@ class ByteTokenizer:
     bos_id: int = 1
     eos_id: int = 2
     vocab_size: int = 259
+    stop_ids: tuple[int, ...] = (2,)  # EOS
 
     def encode(self, text: str) -> list[int]:
         return [b + 3 for b in text.encode("utf-8", errors="surrogatepass")]

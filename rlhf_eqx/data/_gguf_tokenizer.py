@@ -71,6 +71,9 @@ LLAMA3_RULES = frozenset(
 )
 CONTROL, USER_DEFINED = 3, 4
 _SPECIAL_KEYS = ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id")
+# the end-of-turn ids llama.cpp stops generation at besides EOS (`llama_vocab::is_eog`):
+# Gemma's `<end_of_turn>`, Llama 3's `<|eot_id|>` and `<|eom_id|>`
+END_OF_TURN_KEYS = ("eot_token_id", "eom_token_id")
 
 
 def byte_alphabet() -> dict[int, str]:
@@ -124,7 +127,7 @@ _KINDS: dict[str, tuple[type | tuple[type, ...], bool]] = {
     "tokenizer.ggml.scores": (_NUMBER, True),
     "tokenizer.ggml.add_bos_token": (bool, False),
     "tokenizer.ggml.add_space_prefix": (bool, False),
-    **{f"tokenizer.ggml.{k}": (int, False) for k in _SPECIAL_KEYS},
+    **{f"tokenizer.ggml.{k}": (int, False) for k in _SPECIAL_KEYS + END_OF_TURN_KEYS},
 }
 _KIND_NAMES = {str: ("a string", "strings"), int: ("an integer", "integers"),
                bool: ("a bool", "bools"), _NUMBER: ("a number", "numbers")}  # fmt: skip
@@ -243,7 +246,9 @@ def tokenizer_from_gguf(reader, path: str | os.PathLike | None = None) -> HFToke
 
     **Returns:** an `HFTokenizer` over the rebuilt `tokenizers.Tokenizer`, with BOS, EOS
     and padding from `tokenizer.ggml.bos_token_id` / `eos_token_id` /
-    `padding_token_id` (padding falls back to EOS), `chat_template` from
+    `padding_token_id` (padding falls back to EOS), `stop_ids` EOS and the end-of-turn
+    ids `tokenizer.ggml.eot_token_id` / `eom_token_id` (where llama.cpp stops
+    generating: Gemma's `<end_of_turn>`, Llama 3's `<|eot_id|>`), `chat_template` from
     `tokenizer.chat_template` (or `None`) and `add_bos_token` from
     `tokenizer.ggml.add_bos_token` (default: as llama.cpp, true for `llama` and for a
     `gpt2` vocabulary with one of Llama 3's pre-tokenizers, `LLAMA3_RULES`, false for
@@ -275,7 +280,7 @@ def tokenizer_from_gguf(reader, path: str | os.PathLike | None = None) -> HFToke
             f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {n} tokens"
         )
     ids = {}
-    for key in _SPECIAL_KEYS:
+    for key in _SPECIAL_KEYS + END_OF_TURN_KEYS:
         value = _field(reader, f"tokenizer.ggml.{key}", path)
         if value is not None and not 0 <= int(value) < n:
             raise DataError(
@@ -351,6 +356,7 @@ def tokenizer_from_gguf(reader, path: str | os.PathLike | None = None) -> HFToke
         pad_token=tokens[pad] if pad is not None else None,
         chat_template=template,
         add_bos_token=add_bos,
+        stop_ids=[ids[k] for k in END_OF_TURN_KEYS if ids[k] is not None],
     )
 
 

@@ -5,7 +5,7 @@ import json
 import re
 
 from ._errors import DataError
-from ._gguf_tokenizer import CONTROL, USER_DEFINED, split_pre_tokenizer
+from ._gguf_tokenizer import CONTROL, END_OF_TURN_KEYS, USER_DEFINED, split_pre_tokenizer
 from ._hf_tokenizer import HFTokenizer
 from ._llama2c_tokenizer import Llama2cTokenizer
 from ._sentencepiece_tokenizer import SentencePieceTokenizer
@@ -131,6 +131,9 @@ def _write_ids(writer, tok, unk_id: int | None) -> None:
     writer.add_pad_token_id(tok.pad_id)
     if unk_id is not None:
         writer.add_unk_token_id(unk_id)
+    ends = [i for i in getattr(tok, "stop_ids", ()) if i != tok.eos_id]
+    for key, i in zip(END_OF_TURN_KEYS, ends):  # a third end-of-turn id has no key
+        writer.add_uint32(f"tokenizer.ggml.{key}", int(i))
     writer.add_add_bos_token(bool(getattr(tok, "add_bos_token", True)))
 
 
@@ -216,7 +219,9 @@ def add_tokenizer_metadata(
       type unused, as llama.cpp's `convert_hf_to_gguf.py` pads it.
 
     BOS, EOS and padding ids are written from the tokenizer, with `add_bos_token` (the
-    tokenizer's attribute, default true) and `add_space_prefix`.
+    tokenizer's attribute, default true) and `add_space_prefix`; the end-of-turn ids
+    of its `stop_ids` (those besides EOS) as `tokenizer.ggml.eot_token_id` and a second
+    as `eom_token_id` (llama.cpp has no key for more).
 
     **Raises:** `DataError` naming the tokenizer type (or pre-tokenizer) that cannot be
     written, or both sizes when the tokenizer has more ids than `vocab_size`.

@@ -2,6 +2,7 @@
 
 import json
 import os
+from collections.abc import Sequence
 
 from ._errors import DataError
 from ._tokenizer import TokenIds, int_ids
@@ -66,6 +67,33 @@ def tokenizer_config(directory: str) -> dict:
     return config
 
 
+def generation_stop_ids(directory: str, vocab_size: int) -> tuple[int, ...]:
+    """The ids transformers' `generate` stops at for the checkpoint in `directory`:
+    `generation_config.json`'s `eos_token_id` (an id or a list of them: Llama 3's
+    `<|end_of_text|>`, `<|eom_id|>`, `<|eot_id|>`), else `config.json`'s (what
+    `GenerationConfig.from_model_config` takes without the file); `()` when neither
+    names one. A value that is not ids of the vocabulary is a `DataError` naming the
+    file."""
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            continue
+        config = _parse_json(_read_text(path), path)
+        value = config.get("eos_token_id") if isinstance(config, dict) else None
+        if value is None:
+            continue
+        ids = value if isinstance(value, list) else [value]
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids) or not all(
+            0 <= i < vocab_size for i in ids
+        ):
+            raise DataError(
+                f"{path}: eos_token_id = {value!r} is not ids of the tokenizer's "
+                f"{vocab_size} tokens"
+            )
+        return tuple(ids)
+    return ()
+
+
 _BOS_BY_DEFAULT = ("LlamaTokenizer", "CodeLlamaTokenizer", "GemmaTokenizer")
 
 
@@ -105,7 +133,11 @@ class HFTokenizer:
     BOS before a text (`tokenizer_config.json`'s `add_bos_token`; without it, true for
     a Llama or Gemma `tokenizer_class`, else whether the file's post-processor puts BOS
     first, as transformers does); `encode` never adds it: the tokenize functions'
-    `add_bos` does.
+    `add_bos` does. `stop_ids` are the ids a completion ends at: EOS, then the
+    end-of-turn ids the model names (`from_file`: the `eos_token_id` list of a
+    `generation_config.json` or `config.json` beside the file, `generation_stop_ids`; a
+    GGUF file's `eot_token_id` / `eom_token_id`: `tokenizer_from_gguf`), which the
+    samplers stop at by default.
     """
 
     def __init__(
@@ -117,6 +149,7 @@ class HFTokenizer:
         pad_token: str | None = None,
         chat_template: str | None = None,
         add_bos_token: bool = True,
+        stop_ids: Sequence[int] = (),
     ):
         self.tokenizer = tokenizer
         self.chat_template: str | None = chat_template
@@ -133,6 +166,7 @@ class HFTokenizer:
         self.eos_id: int = token_id(eos_token)
         self.pad_id: int = token_id(pad_token) if pad_token is not None else self.eos_id
         self._skip: frozenset[int] = frozenset((self.bos_id, self.eos_id, self.pad_id))
+        self.stop_ids: tuple[int, ...] = end_ids(self.eos_id, stop_ids, self.vocab_size)
 
     @classmethod
     def from_file(
@@ -175,6 +209,7 @@ class HFTokenizer:
             pad_token=pad,
             chat_template=_chat_template(config, os.path.dirname(path)),
             add_bos_token=_adds_bos(tok, bos, config),
+            stop_ids=generation_stop_ids(os.path.dirname(path), len(vocab)),
         )
 
     def save(self, directory: str | os.PathLike) -> None:
@@ -215,6 +250,16 @@ class HFTokenizer:
 
     def __repr__(self) -> str:
         return f"HFTokenizer(vocab_size={self.vocab_size})"
+
+
+def end_ids(eos_id: int, stop_ids: Sequence[int], vocab_size: int) -> tuple[int, ...]:
+    """`(eos_id, *stop_ids)` without repeats: a tokenizer's `stop_ids`; an id outside
+    `[0, vocab_size)` is a `DataError`."""
+    ids = tuple(dict.fromkeys((int(eos_id), *(int(i) for i in stop_ids))))
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise DataError(f"stop id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    return ids
 
 
 def carried_chat_template(tok):

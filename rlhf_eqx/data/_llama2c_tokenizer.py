@@ -45,7 +45,7 @@ class Llama2cTokenizer:
     **Decoding:** byte pieces back to bytes, the leading space of the first piece of
     the text (and of the first piece after a BOS) removed — the dummy prefix — and
     invalid UTF-8 replaced (`errors="replace"`). BOS, EOS and padding are skipped, so
-    `decode(encode(s)) == s`.
+    `decode(encode(s)) == s`. `stop_ids` is `(eos_id,)`: no end-of-turn token.
 
     Reference: A. Karpathy, llama2.c, `run.c` (`encode`, `decode`); T. Kudo and
     J. Richardson, "SentencePiece", EMNLP 2018.
@@ -87,6 +87,7 @@ class Llama2cTokenizer:
         self._chunked: bool = not any(_CROSSES_SPACE.search(p) for p in self.pieces)
         self._cache: dict[bytes, list[int]] = {}
         self._special: frozenset[int] = frozenset((bos_id, eos_id, pad_id))
+        self.stop_ids: tuple[int, ...] = (eos_id,)  # no end-of-turn token
 
     @classmethod
     def from_file(

@@ -1,11 +1,14 @@
 """Sentencepiece models (`.model`) as tokenizers."""
 
 import os
+from collections.abc import Sequence
 
 from ._errors import DataError
 from ._hf_tokenizer import (
     _chat_template as hf_chat_template,
     carried_chat_template,
+    end_ids,
+    generation_stop_ids,
     tokenizer_config,
 )
 from ._tokenizer import TokenIds, int_ids
@@ -20,10 +23,18 @@ class SentencePieceTokenizer:
     Hugging Face directory's (`tokenizer_config.json` or `chat_template.jinja` beside
     the file, read by `from_file`: the model's chat template, `jinja_chat_template()`
     rendering it); without them, no template and BOS first (the sentencepiece models'
-    convention).
+    convention). `stop_ids`: EOS, then the end-of-turn ids of a Hugging Face directory's
+    `generation_config.json` (or `config.json`) `eos_token_id` list beside the file.
     """
 
-    def __init__(self, processor, *, chat_template: str | None = None, add_bos_token: bool = True):
+    def __init__(
+        self,
+        processor,
+        *,
+        chat_template: str | None = None,
+        add_bos_token: bool = True,
+        stop_ids: Sequence[int] = (),
+    ):
         self.processor = processor
         self.chat_template: str | None = chat_template
         self.add_bos_token: bool = bool(add_bos_token)
@@ -42,6 +53,7 @@ class SentencePieceTokenizer:
         self._skip: frozenset[int] = frozenset(
             {self.bos_id, self.eos_id} | ({pad} if pad >= 0 else set())
         )
+        self.stop_ids: tuple[int, ...] = end_ids(self.eos_id, stop_ids, self.vocab_size)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "SentencePieceTokenizer":
@@ -51,10 +63,12 @@ class SentencePieceTokenizer:
         directory = os.path.dirname(path)
         config = tokenizer_config(directory)
         add_bos = config.get("add_bos_token")
+        processor = spm.SentencePieceProcessor(model_file=path)
         return cls(
-            spm.SentencePieceProcessor(model_file=path),
+            processor,
             chat_template=hf_chat_template(config, directory),
             add_bos_token=True if add_bos is None else bool(add_bos),
+            stop_ids=generation_stop_ids(directory, int(processor.get_piece_size())),
         )
 
     def token(self, i: int) -> str:

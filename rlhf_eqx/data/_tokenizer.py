@@ -41,6 +41,13 @@ class Tokenizer(Protocol):
     - `bos_id`, `eos_id`, `pad_id`: special ids (`pad_id` only needs to be a valid id:
       padded positions are always masked).
     - `vocab_size`: number of ids; every id produced is in `[0, vocab_size)`.
+
+    Optional: `stop_ids`, the ids that end a completion: EOS, then the model's
+    end-of-turn ids when they differ from it (a GGUF file's
+    `tokenizer.ggml.eot_token_id` / `eom_token_id`, Gemma's `<end_of_turn>`, Llama 3's
+    `<|eot_id|>`; an HF directory's `generation_config.json` `eos_token_id` list). The
+    samplers' default stop set is these and BOS; a tokenizer without the member stops
+    at EOS (and BOS) only, as the llama2.c and byte tokenizers' `(eos_id,)` does.
     """
 
     @property

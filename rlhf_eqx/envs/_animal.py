@@ -70,7 +70,8 @@ class AnimalFollowUpEnv(Environment):
     Fields used by the rollout and the caller:
 
     - `stop_ids`: the ids that end a policy turn — pass them as `eos_id` to
-      `rollout_multiturn`: EOS, BOS and the newline id (when the vocabulary has one).
+      `rollout_multiturn`: EOS and the model's end-of-turn ids (the tokenizer's
+      `stop_ids`), BOS and the newline id (when the vocabulary has one).
     - `max_observation_tokens`: the longest question, in tokens.
     - `animals`: the animal of each index (the state's `animal`); `question` the template.
     - `host_rewards(trajectory, tokenizer)`: the same rewards recomputed from decoded
@@ -118,7 +119,8 @@ class AnimalFollowUpEnv(Environment):
         self.form_lengths = jnp.asarray(lengths)
         self.animals = names
         self.question = question
-        stops = [tokenizer.eos_id, tokenizer.bos_id] + tail
+        ends = getattr(tokenizer, "stop_ids", None) or (tokenizer.eos_id,)
+        stops = [*ends, tokenizer.bos_id] + tail
         self.stop_ids = tuple(dict.fromkeys(int(i) for i in stops))
         self.max_observation_tokens = width
 

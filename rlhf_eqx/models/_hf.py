@@ -45,6 +45,7 @@ _SINGLE = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _CONFIG = "config.json"
+_GENERATION = "generation_config.json"
 
 
 def _safetensors_numpy():
@@ -250,16 +251,26 @@ def _plan_shards(tensors: dict[str, np.ndarray], max_shard_bytes: int) -> list[l
 
 
 def _write_files(
-    directory: str, config: dict[str, Any], tensors: dict[str, np.ndarray], shards
+    directory: str,
+    config: dict[str, Any],
+    tensors: dict[str, np.ndarray],
+    shards,
+    *,
+    generation: dict[str, Any] | None = None,
 ) -> None:
-    """Write `config.json`, the safetensors file(s) and the index into `directory`;
-    weight files get the config's permissions."""
+    """Write `config.json` (and `generation_config.json` when `generation` is given),
+    the safetensors file(s) and the index into `directory`; weight files get the
+    config's permissions."""
     stnp = _safetensors_numpy()
     config_path = os.path.join(directory, _CONFIG)
     with open(config_path, "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
-    metadata = {"format": "pt"}
     written = []
+    if generation is not None:
+        with open(os.path.join(directory, _GENERATION), "w", encoding="utf-8") as f:
+            json.dump(generation, f, indent=2)
+        written.append(_GENERATION)
+    metadata = {"format": "pt"}
     if len(shards) == 1:
         written.append(_SINGLE)
         stnp.save_file(tensors, os.path.join(directory, _SINGLE), metadata=metadata)
@@ -434,9 +445,11 @@ def save_hf(
       model's parameter dtype.
     - `pad_token_id`: written to `config.json` when given (a sequence classifier reads
       its score at the last token that is not `pad_token_id`).
-    - `bos_token_id`, `eos_token_id` (an id or several): written to `config.json` when
-      given; transformers' `generate` stops at `eos_token_id` only when the checkpoint
-      names it.
+    - `bos_token_id`, `eos_token_id` (an id or several: EOS and the end-of-turn ids, a
+      tokenizer's `stop_ids`): written to `config.json` when given, and for a `Policy`
+      to `generation_config.json` too; transformers' `generate` stops at every id of
+      `eos_token_id` only when the checkpoint names them (and `rlhf_eqx`'s tokenizers
+      read the list back as their `stop_ids`).
 
     The architecture written is the family the configuration's switches describe
     (`config_to_hf`). A weight that is NaN or ±inf in the written dtype (a diverged
@@ -459,16 +472,20 @@ def save_hf(
         raise ValueError(f"save_hf: dtype must be one of {list(_TORCH_DTYPES)}, got {dtype!r}")
     head = "lm" if isinstance(policy, Policy) else "score"
     config = config_to_hf(policy.cfg, dtype=dtype, head=head, pad_token_id=pad_token_id)
+    generation: dict[str, Any] | None = {}
     for name, ids in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id)):
         if ids is not None:
-            config[name] = _token_ids(name, ids, policy.cfg.vocab_size)
+            config[name] = generation[name] = _token_ids(name, ids, policy.cfg.vocab_size)
+    if head != "lm" or eos_token_id is None:
+        generation = None  # a scorer does not generate
     tensors = tensors_from_model(policy, dtype)
     _check_written_finite(tensors, dtype)
     target = os.path.abspath(os.fspath(directory))
     if os.path.exists(target) and not os.path.isdir(target):
         raise ValueError(f"save_hf: {target} exists and is not a directory")
     shards = _plan_shards(tensors, max_shard_bytes)
-    _write_atomically(target, lambda d: _write_files(d, config, tensors, shards), "export")
+    write = lambda d: _write_files(d, config, tensors, shards, generation=generation)
+    _write_atomically(target, write, "export")
 
 
 def _token_ids(name: str, ids: object, vocab_size: int) -> int | list[int]:

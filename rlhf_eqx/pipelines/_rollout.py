@@ -98,6 +98,16 @@ class PendingRollout:
     stop_strings: tuple[str, ...]
 
 
+def default_stop_ids(tok) -> tuple[int, ...]:
+    """The ids a completion of `tok`'s model stops at unless told otherwise: the
+    tokenizer's `stop_ids` (EOS and its model's end-of-turn ids: a GGUF file's
+    `tokenizer.ggml.eot_token_id`, an HF directory's `generation_config.json` list; EOS
+    alone for a tokenizer without them) and BOS (the stories260K model starts a new story
+    with it), in ascending order."""
+    stops = getattr(tok, "stop_ids", None) or (tok.eos_id,)
+    return tuple(sorted({*(int(i) for i in stops), int(tok.bos_id)}))
+
+
 def dispatch_rollout(
     policy,
     tok,
@@ -120,8 +130,9 @@ def dispatch_rollout(
     not depend on the batching).
 
     Prompts are left-padded to `prompt_length` (one compiled sampler per batch size).
-    The sampler stops a row at the first of `stop_ids` (default: EOS and BOS — the
-    stories260K model starts a new story with BOS; the stop id is kept). `stop_strings`
+    The sampler stops a row at the first of `stop_ids` (default: `default_stop_ids`,
+    EOS, the model's end-of-turn ids and BOS — the stories260K model starts a new story
+    with BOS; the stop id is kept). `stop_strings`
     (e.g. `("\\n\\nHuman:",)` for chat-formatted prompts) are applied by the host half. The
     same `temperature` must be given to the training steps. `place`, when given, lays the
     prompt tokens and mask out for the sampler, e.g. split over a sampler mesh:
@@ -132,7 +143,7 @@ def dispatch_rollout(
     Equinox's compiled calls return once their result is ready, so this returns after
     sampling."""
     if stop_ids is None:
-        stop_ids = tuple(sorted({tok.eos_id, tok.bos_id}))
+        stop_ids = default_stop_ids(tok)
     stop_ids = tuple(int(t) for t in stop_ids)
     ids = encode_prompts(tok, prompts, prompt_length=prompt_length)
     batch = data.collate_prompts(list(ids), max_length=prompt_length, pad_id=tok.pad_id)

@@ -31,8 +31,9 @@ _POLL = 0.05  # seconds between two looks at a waiting request's connection
 
 
 def _stop_ids(tokenizer, stop_ids) -> tuple[int, ...]:
-    if stop_ids is None:  # EOS, and BOS (the stories model starts a new story with it)
-        stop_ids = [tokenizer.eos_id, tokenizer.bos_id]
+    if stop_ids is None:  # EOS, end-of-turn ids, BOS (the stories model's new story)
+        ends = getattr(tokenizer, "stop_ids", None) or (tokenizer.eos_id,)
+        stop_ids = [*ends, tokenizer.bos_id]
     elif isinstance(stop_ids, int):
         stop_ids = [stop_ids]
     out = tuple(dict.fromkeys(int(i) for i in stop_ids if i is not None and i >= 0))
@@ -72,7 +73,8 @@ class Server:
     - `model_name`: the `model` requests must name.
     - `max_new_tokens`: the completion budget when a request gives none (cut to the
       model's context).
-    - `stop_ids`: ids that end a completion (default EOS and BOS).
+    - `stop_ids`: ids that end a completion (default the tokenizer's `stop_ids`, EOS and
+      its model's end-of-turn ids, then BOS).
     - `seed`: requests without a `seed` get one drawn from a generator seeded with it.
     - `max_request_rows`: the most completions one request may ask for (prompts × `n`);
       more is refused with 400 naming `n` (or `prompt`).

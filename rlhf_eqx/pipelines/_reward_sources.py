@@ -467,8 +467,9 @@ def stage_reward_source(
     (`BatchFunctionReward`, given `columns`, `{prompt: {column: value}}`: a data file's
     other columns), else the `task` reward functions; the run's reward model
     (`run_reward`) or a directory's; a judge (`judge`: the `JudgeConfig`; `judges` maps
-    `judge.model` names to policies, e.g. `{"base": base, "sft": sft}`, and a directory
-    is loaded); a process reward model from a directory."""
+    `judge.model` names to policies, e.g. `{"base": base, "sft": sft}`; any other
+    `judge.model` is loaded as `--model` is: a short model name, a run or checkpoint
+    directory, a `.gguf` file); a process reward model from a directory."""
     eos = tuple(i for i in (tokenizer.eos_id,) if i is not None)
     if c.reward_source == "task":
         own = user_reward_functions(c)
@@ -477,10 +478,10 @@ def stage_reward_source(
         return FunctionReward(tuple(task))
     if c.reward_source == "judge":
         model = judges.get(judge.model)
-        if model is None:
-            from ._pipeline import load_model
+        if model is None:  # a short model name, a run, checkpoint directory or .gguf file
+            from ._pipeline import load_model, model_path
 
-            model, _ = load_model(judge.model)
+            model, _ = load_model(model_path(judge.model, "judge.model"))
         return JudgeSource(
             rx.train.judge_reward(
                 model,

@@ -152,3 +152,55 @@ def test_a_diverged_member_of_a_data_sweep_is_frozen_and_reported(tmp_path):
     assert bad["stopped"] == "diverged" and "heldout_nll" not in bad
     good = res.summaries["learning_rate=0.0005,seed=0"]
     assert good["stopped"] == "done" and np.isfinite(good["heldout_nll"])
+
+
+class _Interrupts(pl.trackers.Tracker):
+    """Ctrl-C while the sweep logs a member's step `at` (once)."""
+
+    at = 2
+
+    def __init__(self, run_dir):
+        del run_dir
+
+    def start(self, run_name, config, group):
+        pass
+
+    def log(self, step, metrics, stage):
+        if stage == "dpo" and step == type(self).at:
+            type(self).at = None
+            raise KeyboardInterrupt
+
+    def summary(self, values):
+        pass
+
+    def finish(self):
+        pass
+
+
+def test_an_interrupted_sweep_checkpoints_its_last_completed_iteration(tmp_path, capsys):
+    # interrupted while logging iteration 2, with a checkpoint every 3: the 2 iterations
+    # completed are checkpointed, and the resumed sweep ends as the uninterrupted one
+    pl.trackers.register_tracker("test-interrupts", _Interrupts)
+    path = write_jsonl(tmp_path / "pairs.jsonl", pair_rows())
+    cfg = pl.apply_overrides(data_config(path), ["dpo.steps=4", "ops.checkpoint_every=3"])
+    out = str(tmp_path / "s")
+    with pytest.raises(KeyboardInterrupt):
+        pl.sweep(
+            "dpo",
+            dataclasses.replace(
+                cfg, ops=dataclasses.replace(cfg.ops, trackers=("test-interrupts",))
+            ),
+            seeds=2,
+            out=out,
+        )
+    assert "sweep dpo: checkpointed iteration 2" in capsys.readouterr().err
+    assert os.listdir(os.path.join(out, "checkpoints")) == ["iter_00000002"]
+    resumed = pl.sweep("dpo", cfg, seeds=2, out=out, resume=True)
+    whole = pl.sweep("dpo", cfg, seeds=2, out=str(tmp_path / "whole"))
+    a = jax.tree.leaves(eqx.filter(whole.states, eqx.is_array))
+    b = jax.tree.leaves(eqx.filter(resumed.states, eqx.is_array))
+    assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b))
+    for mem in whole.members:
+        ours = step_records(os.path.join(out, "members", mem.name))
+        theirs = step_records(os.path.join(whole.out, "members", mem.name))
+        assert [(r["step"], r["loss"]) for r in ours] == [(r["step"], r["loss"]) for r in theirs]

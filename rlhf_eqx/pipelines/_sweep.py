@@ -299,43 +299,58 @@ def _sweep(stage, cfg, members, out, resume, export, say, t0) -> SweepResult:
         for log in logs:
             drop_records(log.path, lambda r, s=start: r.get("iteration", -1) >= s)
     ops = cfg.ops
-    for i in range(start, run.num_iterations):
-        alive = np.asarray([s == "done" for s in stopped])
-        it = run.iteration(states, alive, i)
-        states = it.states
-        for m, log in enumerate(logs):
-            for kind, msg in ((k, g) for mm, k, g in it.events if mm == m):
-                log.write({"event": kind, "message": msg, "iteration": i, "step": steps[m]})
-            recs = it.records[m]
-            for j, rec in enumerate(recs):
-                rec = {"iteration": i, "step": steps[m] + j, **rec}
-                if j == len(recs) - 1:
-                    rec.update({f"rollout/{k}": v for k, v in it.info[m].items()})
-                log.write({**rec, "lr_scale": 1.0})
-            steps[m] += len(recs)
-            if alive[m] and it.stopped is not None and it.stopped[m]:
-                stopped[m] = "kl_guard"
-                why = next((g for mm, k, g in it.events if mm == m and k == "kl_guard"), "")
-                print(f"[sweep {stage}] {members[m].name} stopped: {why}", file=sys.stderr)
-            if alive[m] and not it.finite[m]:
-                stopped[m] = "diverged"
-                diverged_at[members[m].name] = {"iteration": i, "step": steps[m] - 1}
-                msg = (
-                    f"iteration {i}, step {steps[m] - 1}: non-finite loss, gradient or "
-                    "parameters; frozen at its last finite state, left out of the means"
-                )
-                log.write({"event": "diverged", "message": msg, "iteration": i, "step": steps[m]})
-                print(f"[sweep {stage}] {members[m].name} diverged: {msg}", file=sys.stderr)
-        done = i + 1
-        if (ops.checkpoint_every and done % ops.checkpoint_every == 0) or (
-            done == run.num_iterations
-        ):
-            tree = {"states": states}
-            meta = {"steps": steps, "stopped": stopped, "diverged": diverged_at, "stage": stage}
-            for log in logs:  # their lines reach the device before the checkpoint does
-                log.sync()
-            save_checkpoint(ckpt_dir, done, tree, meta, keep=ops.keep)
-        say(_progress_line(stage, done, run.num_iterations, members, it, stopped))
+
+    def save(done, states, steps, stopped, diverged_at) -> None:
+        meta = {"steps": steps, "stopped": stopped, "diverged": diverged_at, "stage": stage}
+        for log in logs:  # their lines reach the device before the checkpoint does
+            log.sync()
+        save_checkpoint(ckpt_dir, done, {"states": states}, meta, keep=ops.keep)
+
+    saved = completed = start  # the last checkpoint's iteration, the last one completed
+    last = (states, list(steps), list(stopped), dict(diverged_at))
+    try:
+        for i in range(start, run.num_iterations):
+            alive = np.asarray([s == "done" for s in stopped])
+            it = run.iteration(states, alive, i)
+            states = it.states
+            for m, log in enumerate(logs):
+                for kind, msg in ((k, g) for mm, k, g in it.events if mm == m):
+                    log.write({"event": kind, "message": msg, "iteration": i, "step": steps[m]})
+                recs = it.records[m]
+                for j, rec in enumerate(recs):
+                    rec = {"iteration": i, "step": steps[m] + j, **rec}
+                    if j == len(recs) - 1:
+                        rec.update({f"rollout/{k}": v for k, v in it.info[m].items()})
+                    log.write({**rec, "lr_scale": 1.0})
+                steps[m] += len(recs)
+                if alive[m] and it.stopped is not None and it.stopped[m]:
+                    stopped[m] = "kl_guard"
+                    why = next((g for mm, k, g in it.events if mm == m and k == "kl_guard"), "")
+                    print(f"[sweep {stage}] {members[m].name} stopped: {why}", file=sys.stderr)
+                if alive[m] and not it.finite[m]:
+                    stopped[m] = "diverged"
+                    diverged_at[members[m].name] = {"iteration": i, "step": steps[m] - 1}
+                    msg = (
+                        f"iteration {i}, step {steps[m] - 1}: non-finite loss, gradient or "
+                        "parameters; frozen at its last finite state, left out of the means"
+                    )
+                    log.write(
+                        {"event": "diverged", "message": msg, "iteration": i, "step": steps[m]}
+                    )
+                    print(f"[sweep {stage}] {members[m].name} diverged: {msg}", file=sys.stderr)
+            completed = done = i + 1
+            last = (states, list(steps), list(stopped), dict(diverged_at))
+            if (ops.checkpoint_every and done % ops.checkpoint_every == 0) or (
+                done == run.num_iterations
+            ):
+                save(done, *last)
+                saved = done
+            say(_progress_line(stage, done, run.num_iterations, members, it, stopped))
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep the iterations completed
+        if completed > saved:
+            save(completed, *last)
+            print(f"sweep {stage}: checkpointed iteration {completed}", file=sys.stderr)
+        raise
     t_eval = time.perf_counter()
     summaries = {}
     for m, mem in enumerate(members):

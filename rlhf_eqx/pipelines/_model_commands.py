@@ -46,7 +46,9 @@ def sample_model(cfg, prompts: Sequence[str] = (), *, num_samples: int = 4) -> l
 
     Each prompt goes to the model through `render_prompts` (BOS in front only when the
     tokenizer asks for it, `data.wants_bos`), and a row stops at EOS (SmolLM2's
-    `<|im_end|>`, its template's end of turn) or `sampling.stop_strings`. A prompt longer
+    `<|im_end|>`, its template's end of turn), the model's end-of-turn ids (the
+    tokenizer's `stop_ids`: Gemma's `<end_of_turn>`, Llama 3's `<|eot_id|>`), BOS or
+    `sampling.stop_strings`. A prompt longer
     than `sampling.prompt_length` widens it instead of being refused.
 
     **Returns:** one text per sample, prompt by prompt: the prompt as given, then its

@@ -167,12 +167,13 @@ def plot_sweep(
 
 def _mean_band(runs: Sequence[Mapping[int, float]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`(steps, mean, se)` over the seeds' `{step: value}`: each step any seed logged, the
-    mean of the seeds that logged it, and the standard error of that mean
-    (`std(ddof=1) / sqrt(n)`, NaN where fewer than two seeds logged it)."""
+    mean of the seeds that logged it (a finite value), and the standard error of that
+    mean (`std(ddof=1) / sqrt(n)`, NaN where fewer than two seeds logged it)."""
     steps = np.asarray(sorted({s for r in runs for s in r}), np.int64)
     y = np.asarray([[r.get(int(s), np.nan) for s in steps] for r in runs], np.float64)
     n = np.sum(~np.isnan(y), axis=0)
     mean = np.nansum(y, axis=0) / np.maximum(n, 1)
     dev = np.where(np.isnan(y), 0.0, y - mean) ** 2
     se = np.where(n > 1, np.sqrt(dev.sum(0) / np.maximum(n - 1, 1) / np.maximum(n, 1)), np.nan)
-    return steps, mean, se
+    some = n > 0  # a step where every seed's value is NaN is left out
+    return steps[some], mean[some], se[some]

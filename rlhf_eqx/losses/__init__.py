@@ -6,9 +6,12 @@ and reduce per-token values with `aggregate`. Hyperparameters may be Python numb
 (validated eagerly) or JAX scalars, traced under `jax.jit` / `jax.vmap`. The valid
 string options are the public tuples `AGGREGATION_MODES`, `KL_KINDS`,
 `ADVANTAGE_SCALES`, `IMPORTANCE_LEVELS` and `DPO_LOSS_TYPES`; `check_choice` validates
-against them with a one-line error.
+against them with a one-line error. The default hyperparameters, which the losses and the
+step settings records of `rlhf_eqx.train` share, are the constants of
+`rlhf_eqx.losses.defaults`.
 """
 
+from . import defaults as defaults
 from ._aggregate import (
     AGGREGATION_MODES as AGGREGATION_MODES,
     AggregationMode as AggregationMode,

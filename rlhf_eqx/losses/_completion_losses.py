@@ -13,6 +13,7 @@ from ..ops import masked_mean
 from ._policy_losses import Stats
 from ._ppo import _check_clip, _clamped_log_ratio, _clip_flags, _masked_outputs
 from ._validation import Hyperparameter, check_non_negative, check_positive
+from .defaults import CISPO_EPS_HIGH, GMPO_CLIP, SAPO_TAU_NEG, SAPO_TAU_POS
 
 
 def cispo_policy_loss(
@@ -22,7 +23,7 @@ def cispo_policy_loss(
     mask: Bool[Array, " T"],
     *,
     clip_eps_low: Hyperparameter | None = None,
-    clip_eps_high: Hyperparameter = 4.0,
+    clip_eps_high: Hyperparameter = CISPO_EPS_HIGH,
 ) -> tuple[Float[Array, " T"], Stats]:
     r"""CISPO: REINFORCE weighted by a clipped, stop-gradient importance weight.
 
@@ -69,7 +70,7 @@ def gmpo_policy_loss(
     advantage: Float[ArrayLike, ""],
     mask: Bool[Array, " T"],
     *,
-    clip_eps: Hyperparameter = 0.4,
+    clip_eps: Hyperparameter = GMPO_CLIP,
     clip_eps_high: Hyperparameter | None = None,
 ) -> tuple[Float[Array, " T"], Stats]:
     r"""GMPO: the geometric mean of token ratios, clipped per token in log space.
@@ -126,8 +127,8 @@ def sapo_policy_loss(
     advantage: Float[ArrayLike, ""],
     mask: Bool[Array, " T"],
     *,
-    tau_pos: Hyperparameter = 1.0,
-    tau_neg: Hyperparameter = 1.05,
+    tau_pos: Hyperparameter = SAPO_TAU_POS,
+    tau_neg: Hyperparameter = SAPO_TAU_NEG,
 ) -> tuple[Float[Array, " T"], Stats]:
     r"""SAPO: a soft, temperature-controlled sigmoid gate in place of the hard clip.
 

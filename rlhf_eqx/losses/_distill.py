@@ -18,6 +18,7 @@ from jaxtyping import Array, Bool, Float
 
 from .._sampling import DEFAULT_TEMPERATURE
 from ._validation import Hyperparameter, check_positive, check_python_number, is_python_number
+from .defaults import DISTILL_BETA
 
 
 def _log_softmax(
@@ -50,7 +51,7 @@ def generalized_jsd(
     teacher_logits: Float[Array, "T V"],
     mask: Bool[Array, " T"],
     *,
-    beta: Hyperparameter = 0.5,
+    beta: Hyperparameter = DISTILL_BETA,
     temperature: Hyperparameter = DEFAULT_TEMPERATURE,
 ) -> Float[Array, " T"]:
     r"""Per-position generalised Jensen-Shannon divergence between teacher and student.

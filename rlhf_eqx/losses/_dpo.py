@@ -34,6 +34,14 @@ from ._dpo_losses import (
 from ._dpo_registry import call_custom_loss, resolve_dpo_loss
 from ._orpo import per_token_logp
 from ._validation import Hyperparameter, check_positive, check_python_number
+from .defaults import (
+    BCO_DELTA,
+    DISCOPOP_TAU,
+    DPO_BETA,
+    DPO_LABEL_SMOOTHING,
+    DPO_LOSS_TYPE,
+    SIMPO_GAMMA,
+)
 
 
 def _validate(
@@ -88,15 +96,15 @@ def dpo_loss(
     ref_chosen_logp: Float[ArrayLike, ""] | None = None,
     ref_rejected_logp: Float[ArrayLike, ""] | None = None,
     *,
-    beta: Hyperparameter = 0.1,
-    loss_type: DPOLossType | str | DPOLossFn = "sigmoid",
-    label_smoothing: Hyperparameter = 0.0,
+    beta: Hyperparameter = DPO_BETA,
+    loss_type: DPOLossType | str | DPOLossFn = DPO_LOSS_TYPE,
+    label_smoothing: Hyperparameter = DPO_LABEL_SMOOTHING,
     chosen_len: Real[ArrayLike, ""] | None = None,
     rejected_len: Real[ArrayLike, ""] | None = None,
     reference_free: bool = False,
-    bco_delta: Float[ArrayLike, ""] = 0.0,
-    discopop_tau: Hyperparameter = 0.05,
-    simpo_gamma: Hyperparameter = 0.5,
+    bco_delta: Float[ArrayLike, ""] = BCO_DELTA,
+    discopop_tau: Hyperparameter = DISCOPOP_TAU,
+    simpo_gamma: Hyperparameter = SIMPO_GAMMA,
     **loss_kwargs: Any,
 ) -> Float[Array, ""]:
     r"""Loss of one preference pair for the DPO family (TRL `DPOTrainer.dpo_loss`).
@@ -213,15 +221,15 @@ def dpo_batch_loss(
     ref_chosen_logp: Float[Array, " B"] | None = None,
     ref_rejected_logp: Float[Array, " B"] | None = None,
     *,
-    beta: Hyperparameter = 0.1,
-    loss_type: DPOLossType | str | DPOLossFn = "sigmoid",
-    label_smoothing: Hyperparameter = 0.0,
+    beta: Hyperparameter = DPO_BETA,
+    loss_type: DPOLossType | str | DPOLossFn = DPO_LOSS_TYPE,
+    label_smoothing: Hyperparameter = DPO_LABEL_SMOOTHING,
     chosen_len: Real[Array, " B"] | None = None,
     rejected_len: Real[Array, " B"] | None = None,
     reference_free: bool = False,
-    bco_delta: Float[ArrayLike, ""] = 0.0,
-    discopop_tau: Hyperparameter = 0.05,
-    simpo_gamma: Hyperparameter = 0.5,
+    bco_delta: Float[ArrayLike, ""] = BCO_DELTA,
+    discopop_tau: Hyperparameter = DISCOPOP_TAU,
+    simpo_gamma: Hyperparameter = SIMPO_GAMMA,
     **loss_kwargs: Any,
 ) -> Float[Array, " B"]:
     r"""Per-pair losses of a batch, for every `loss_type` including the sorting ones.
@@ -283,7 +291,7 @@ def dpo_implicit_rewards(
     ref_chosen_logp: Float[ArrayLike, ""] | None = None,
     ref_rejected_logp: Float[ArrayLike, ""] | None = None,
     *,
-    beta: Hyperparameter = 0.1,
+    beta: Hyperparameter = DPO_BETA,
 ) -> tuple[Float[Array, ""], Float[Array, ""]]:
     r"""DPO's implicit rewards $\beta(\log\pi_\theta(y) - \log\pi_{\rm ref}(y))$ of a pair.
 

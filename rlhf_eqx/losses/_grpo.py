@@ -13,6 +13,7 @@ from ..ops import masked_mean, masked_whiten
 from ._kl import kl_penalty
 from ._ppo import LOG_RATIO_CLAMP, _clip_flags, _clip_sides, _masked_outputs, clipped_surrogate, gae
 from ._validation import Hyperparameter, check_choice, is_python_number
+from .defaults import GRPO_BETA, GRPO_CLIP_EPS, GRPO_IMPORTANCE, GRPO_SCALE
 
 ADVANTAGE_SCALES: tuple[str, ...] = ("group", "batch", "none")
 """The `scale`s of `group_advantages`."""
@@ -44,7 +45,7 @@ def _centred(rewards: Array) -> Array:
 def group_advantages(
     rewards: Float[Array, "*batch G"],
     *,
-    scale: Literal["group", "batch", "none"] = "group",
+    scale: Literal["group", "batch", "none"] = GRPO_SCALE,
     eps: Hyperparameter = 1e-4,
 ) -> Float[Array, "*batch G"]:
     r"""Group-relative advantages of the $G$ completions sampled for each prompt.
@@ -126,11 +127,11 @@ def grpo_policy_loss(
     advantage: Float[ArrayLike, ""],
     mask: Bool[Array, " T"],
     *,
-    clip_eps: Hyperparameter = 0.2,
+    clip_eps: Hyperparameter = GRPO_CLIP_EPS,
     clip_eps_high: Hyperparameter | None = None,
-    importance: Literal["token", "sequence"] = "token",
+    importance: Literal["token", "sequence"] = GRPO_IMPORTANCE,
     ref_logp: Float[Array, " T"] | None = None,
-    beta: Hyperparameter = 0.0,
+    beta: Hyperparameter = GRPO_BETA,
     delta: Hyperparameter | None = None,
 ) -> tuple[Float[Array, " T"], dict[str, Float[Array, " T"]]]:
     r"""Per-token clipped policy loss of one completion with a sequence-level advantage.

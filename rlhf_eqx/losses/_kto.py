@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
 from ._validation import Hyperparameter, check_choice, check_non_negative, check_positive
+from .defaults import KTO_BETA, KTO_DESIRABLE_WEIGHT, KTO_LOSS_TYPE, KTO_UNDESIRABLE_WEIGHT
 
 KTO_LOSS_TYPES: tuple[str, ...] = ("kto", "apo_zero_unpaired")
 """The `loss_type`s of `kto_loss` (TRL `KTOConfig.loss_type`)."""
@@ -40,10 +41,10 @@ def kto_loss(
     label: Bool[ArrayLike, ""],
     kl: Float[ArrayLike, ""] = 0.0,
     *,
-    beta: Hyperparameter = 0.1,
-    desirable_weight: Hyperparameter = 1.0,
-    undesirable_weight: Hyperparameter = 1.0,
-    loss_type: KTOLossType = "kto",
+    beta: Hyperparameter = KTO_BETA,
+    desirable_weight: Hyperparameter = KTO_DESIRABLE_WEIGHT,
+    undesirable_weight: Hyperparameter = KTO_UNDESIRABLE_WEIGHT,
+    loss_type: KTOLossType = KTO_LOSS_TYPE,
 ) -> Float[Array, ""]:
     r"""Loss of one unpaired example (TRL `KTOTrainer.kto_loss`).
 

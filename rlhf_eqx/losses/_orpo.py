@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Real
 
 from ._validation import Hyperparameter
+from .defaults import DPO_BETA
 
 # Largest average log-probability fed to log(1 - p) in ORPO (keeps it finite at p = 1).
 _ORPO_MAX_AVG_LOGP = -1e-7
@@ -56,7 +57,7 @@ def orpo_loss(
     *,
     chosen_len: Real[ArrayLike, ""],
     rejected_len: Real[ArrayLike, ""],
-    beta: Hyperparameter = 0.1,
+    beta: Hyperparameter = DPO_BETA,
 ) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
     r"""ORPO (Hong et al. 2024): supervised NLL of the chosen completion plus $\lambda$ times
     the odds-ratio loss, for one pair.

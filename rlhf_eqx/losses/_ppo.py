@@ -11,6 +11,7 @@ from jaxtyping import Array, Bool, Float
 
 from ..ops import masked_whiten
 from ._validation import Hyperparameter, check_non_negative, check_python_number
+from .defaults import PPO_CLIP_EPS, PPO_VF_CLIP_EPS
 
 LOG_RATIO_CLAMP = 20.0
 r"""The bound on $|\log\pi_\theta - \log\pi_{\rm old}|$ before the ratio is exponentiated
@@ -70,7 +71,7 @@ def clipped_surrogate(
     ratio: Float[Array, "*T"],
     advantages: Float[Array, "*#T"],
     *,
-    clip_eps: Hyperparameter = 0.2,
+    clip_eps: Hyperparameter = PPO_CLIP_EPS,
     clip_eps_high: Hyperparameter | None = None,
     ratio_max: Hyperparameter | None = None,
 ) -> tuple[Float[Array, "*T"], Bool[Array, "*T"]]:
@@ -107,7 +108,7 @@ def ppo_policy_loss(
     advantages: Float[Array, " T"],
     mask: Bool[Array, " T"],
     *,
-    clip_eps: Hyperparameter = 0.2,
+    clip_eps: Hyperparameter = PPO_CLIP_EPS,
     clip_eps_high: Hyperparameter | None = None,
     dual_clip: Hyperparameter | None = None,
 ) -> tuple[Float[Array, " T"], dict[str, Float[Array, " T"]]]:
@@ -172,7 +173,7 @@ def ppo_value_loss(
     returns: Float[Array, " T"],
     mask: Bool[Array, " T"],
     *,
-    clip_eps: Hyperparameter | None = 0.2,
+    clip_eps: Hyperparameter | None = PPO_VF_CLIP_EPS,
 ) -> tuple[Float[Array, " T"], Float[Array, " T"]]:
     r"""Per-token clipped value loss.
 

@@ -5,14 +5,15 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float
 
 from ._validation import Hyperparameter, check_non_negative, is_python_number
+from .defaults import REWARD_CENTER_COEF, REWARD_MARGIN
 
 
 def bradley_terry_loss(
     chosen_reward: Float[ArrayLike, ""],
     rejected_reward: Float[ArrayLike, ""],
     *,
-    margin: Float[ArrayLike, ""] = 0.0,
-    center_coef: Hyperparameter = 0.0,
+    margin: Float[ArrayLike, ""] = REWARD_MARGIN,
+    center_coef: Hyperparameter = REWARD_CENTER_COEF,
 ) -> Float[Array, ""]:
     r"""Bradley-Terry negative log-likelihood of one preference pair.
 

@@ -25,6 +25,16 @@ from ._ppo import (
     clipped_surrogate,
 )
 from ._validation import Hyperparameter, check_choice, check_non_negative
+from .defaults import (
+    CLIP_COV_HIGH,
+    CLIP_COV_LOW,
+    CLIP_COV_SELECT,
+    COV_FRACTION,
+    ENTROPY_RHO,
+    GRPO_CLIP_EPS,
+    GRPO_IMPORTANCE,
+    KL_COV_COEF,
+)
 
 
 def _all_rows(x: Array, axis_name: str | None) -> Array:
@@ -79,12 +89,12 @@ def clip_cov_policy_loss(
     advantages: Float[Array, " B"],
     mask: Bool[Array, "B T"],
     *,
-    clip_eps: Hyperparameter = 0.2,
+    clip_eps: Hyperparameter = GRPO_CLIP_EPS,
     clip_eps_high: Hyperparameter | None = None,
-    fraction: Hyperparameter = 2e-4,
-    cov_low: Hyperparameter = 1.0,
-    cov_high: Hyperparameter = 5.0,
-    select: Literal["random", "top"] = "random",
+    fraction: Hyperparameter = COV_FRACTION,
+    cov_low: Hyperparameter = CLIP_COV_LOW,
+    cov_high: Hyperparameter = CLIP_COV_HIGH,
+    select: Literal["random", "top"] = CLIP_COV_SELECT,
     key: PRNGKeyArray | None = None,
     axis_name: str | None = None,
 ) -> tuple[Float[Array, "B T"], Stats]:
@@ -151,8 +161,8 @@ def kl_cov_policy_loss(
     advantages: Float[Array, " B"],
     mask: Bool[Array, "B T"],
     *,
-    fraction: Hyperparameter = 2e-4,
-    kl_coef: Hyperparameter = 1.0,
+    fraction: Hyperparameter = COV_FRACTION,
+    kl_coef: Hyperparameter = KL_COV_COEF,
     axis_name: str | None = None,
 ) -> tuple[Float[Array, "B T"], Stats]:
     r"""KL-Cov: the unclipped policy gradient, with a KL penalty on the top-covariance tokens.
@@ -198,7 +208,7 @@ def entropy_quantile_mask(
     entropy: Float[Array, "B T"],
     mask: Bool[Array, "B T"],
     *,
-    rho: Hyperparameter = 0.2,
+    rho: Hyperparameter = ENTROPY_RHO,
     axis_name: str | None = None,
 ) -> Bool[Array, "B T"]:
     r"""The real tokens whose entropy is in the top `rho` fraction of the batch's.
@@ -233,10 +243,10 @@ def high_entropy_policy_loss(
     mask: Bool[Array, "B T"],
     entropy: Float[Array, "B T"],
     *,
-    rho: Hyperparameter = 0.2,
-    clip_eps: Hyperparameter = 0.2,
+    rho: Hyperparameter = ENTROPY_RHO,
+    clip_eps: Hyperparameter = GRPO_CLIP_EPS,
     clip_eps_high: Hyperparameter | None = None,
-    importance: Literal["token", "sequence"] = "token",
+    importance: Literal["token", "sequence"] = GRPO_IMPORTANCE,
     delta: Hyperparameter | None = None,
     axis_name: str | None = None,
 ) -> tuple[Float[Array, "B T"], Stats]:

@@ -28,6 +28,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 from .._sampling import DEFAULT_TEMPERATURE
 from ..data import DistillBatch
 from ..losses import aggregate_parts, generalized_jsd
+from ..losses.defaults import DISTILL_BETA
 from ..models import AbstractDecoder, Policy
 from ..ops import masked_sum, previous_real_index
 from ._accumulate import vmap_model
@@ -109,7 +110,7 @@ class DistillSettings:
     Validated when built (see `DPOSettings`): one `ValueError` line naming the field.
     """
 
-    beta: float | Float[Array, ""] = 0.5
+    beta: float | Float[Array, ""] = DISTILL_BETA
     temperature: float | Float[Array, ""] = DEFAULT_TEMPERATURE
     mode: str = "token-mean"
     constant: float | None = None

@@ -22,6 +22,7 @@ from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from ..data import KTOBatch
 from ..losses import KTO_LOSS_TYPES, kto_loss, kto_reference_point
+from ..losses.defaults import KTO_BETA, KTO_DESIRABLE_WEIGHT, KTO_LOSS_TYPE, KTO_UNDESIRABLE_WEIGHT
 from ._accumulate import _set_fields, split_micro_batches
 from ._builder import step_builder
 from ._pair_logps import _forward
@@ -50,10 +51,10 @@ class KTOSettings:
     Validated when built (see `DPOSettings`): one `ValueError` line naming the field.
     """
 
-    beta: float | Float[Array, ""] = 0.1
-    desirable_weight: float | Float[Array, ""] = 1.0
-    undesirable_weight: float | Float[Array, ""] = 1.0
-    loss_type: str = "kto"
+    beta: float | Float[Array, ""] = KTO_BETA
+    desirable_weight: float | Float[Array, ""] = KTO_DESIRABLE_WEIGHT
+    undesirable_weight: float | Float[Array, ""] = KTO_UNDESIRABLE_WEIGHT
+    loss_type: str = KTO_LOSS_TYPE
     reference: str = "model"
 
     def __post_init__(self):

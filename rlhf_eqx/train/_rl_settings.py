@@ -16,6 +16,24 @@ from ..losses import (
     PolicyLossFn,
     RolloutCorrection,
 )
+from ..losses.defaults import (
+    CISPO_EPS_HIGH,
+    CLIP_COV_HIGH,
+    CLIP_COV_LOW,
+    CLIP_COV_SELECT,
+    COV_FRACTION,
+    ENTROPY_RHO,
+    GMPO_CLIP,
+    GRPO_BETA,
+    GRPO_CLIP_EPS,
+    GRPO_IMPORTANCE,
+    GRPO_SCALE,
+    KL_COV_COEF,
+    PPO_CLIP_EPS,
+    PPO_VF_CLIP_EPS,
+    SAPO_TAU_NEG,
+    SAPO_TAU_POS,
+)
 from ._policy_loss_fns import check_loss_reads, policy_loss_spec, policy_loss_takes
 from ._validation import (
     check_aggregation,
@@ -67,11 +85,11 @@ class PPOSettings(SampledSettings):
     Numbers except `dual_clip`, `constant` and `temperature` may be JAX arrays.
     """
 
-    clip_eps: float | Float[Array, ""] = 0.2
+    clip_eps: float | Float[Array, ""] = PPO_CLIP_EPS
     clip_eps_high: float | Float[Array, ""] | None = None
     dual_clip: float | None = None
     vf_coef: float | Float[Array, ""] = 0.5
-    vf_clip_eps: float | Float[Array, ""] | None = 0.2
+    vf_clip_eps: float | Float[Array, ""] | None = PPO_VF_CLIP_EPS
     ent_coef: float | Float[Array, ""] = 0.01
     mode: str = "token-mean"
     constant: float | None = None
@@ -135,11 +153,11 @@ class GRPOSettings(SampledSettings):
     """
 
     group_size: int
-    scale: str = "group"
-    clip_eps: float | Float[Array, ""] = 0.2
+    scale: str = GRPO_SCALE
+    clip_eps: float | Float[Array, ""] = GRPO_CLIP_EPS
     clip_eps_high: float | Float[Array, ""] | None = None
-    importance: str = "token"
-    beta: float | Float[Array, ""] = 0.0
+    importance: str = GRPO_IMPORTANCE
+    beta: float | Float[Array, ""] = GRPO_BETA
     delta: float | None = None
     mode: str = "seq-mean-token-mean"
     constant: float | None = None
@@ -147,16 +165,16 @@ class GRPOSettings(SampledSettings):
     policy_loss: str | PolicyLossFn = "grpo"
     loss_kwargs: Mapping[str, Any] | None = None
     cispo_eps_low: float | Float[Array, ""] | None = None
-    cispo_eps_high: float | Float[Array, ""] = 4.0
-    gmpo_clip: float | Float[Array, ""] = 0.4
-    sapo_tau_pos: float | Float[Array, ""] = 1.0
-    sapo_tau_neg: float | Float[Array, ""] = 1.05
-    cov_fraction: float | Float[Array, ""] = 2e-4
-    clip_cov_low: float | Float[Array, ""] = 1.0
-    clip_cov_high: float | Float[Array, ""] = 5.0
-    clip_cov_select: str = "random"
-    kl_cov_coef: float | Float[Array, ""] = 1.0
-    entropy_rho: float | Float[Array, ""] = 0.2
+    cispo_eps_high: float | Float[Array, ""] = CISPO_EPS_HIGH
+    gmpo_clip: float | Float[Array, ""] = GMPO_CLIP
+    sapo_tau_pos: float | Float[Array, ""] = SAPO_TAU_POS
+    sapo_tau_neg: float | Float[Array, ""] = SAPO_TAU_NEG
+    cov_fraction: float | Float[Array, ""] = COV_FRACTION
+    clip_cov_low: float | Float[Array, ""] = CLIP_COV_LOW
+    clip_cov_high: float | Float[Array, ""] = CLIP_COV_HIGH
+    clip_cov_select: str = CLIP_COV_SELECT
+    kl_cov_coef: float | Float[Array, ""] = KL_COV_COEF
+    entropy_rho: float | Float[Array, ""] = ENTROPY_RHO
     rollout_correction: RolloutCorrection | None = None
 
     def __post_init__(self):

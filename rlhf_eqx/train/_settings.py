@@ -27,6 +27,13 @@ from typing import Any, Literal, TypeVar
 from jaxtyping import Array, Float
 
 from ..losses import DPOLossFn, dpo_loss_hyperparameters, resolve_dpo_loss
+from ..losses.defaults import (
+    DPO_BETA,
+    DPO_LABEL_SMOOTHING,
+    DPO_LOSS_TYPE,
+    REWARD_CENTER_COEF,
+    REWARD_MARGIN,
+)
 from ._validation import (
     check_aggregation,
     check_choice,
@@ -132,8 +139,8 @@ class RewardSettings:
     each pair's score difference and `center_coef` $\lambda_c \geq 0$ (TRL
     `center_rewards_coefficient`)."""
 
-    center_coef: float = 0.0
-    margin: float = 0.0
+    center_coef: float = REWARD_CENTER_COEF
+    margin: float = REWARD_MARGIN
 
     def __post_init__(self):
         check_number("center_coef", self.center_coef, low=0.0)
@@ -156,9 +163,9 @@ class DPOSettings:
       `simpo_gamma`, or a custom loss's own).
     """
 
-    beta: float | Float[Array, ""] = 0.1
-    loss_type: str | DPOLossFn = "sigmoid"
-    label_smoothing: float | Float[Array, ""] = 0.0
+    beta: float | Float[Array, ""] = DPO_BETA
+    loss_type: str | DPOLossFn = DPO_LOSS_TYPE
+    label_smoothing: float | Float[Array, ""] = DPO_LABEL_SMOOTHING
     reference: str = "model"
     rpo_alpha: float | None = None
     loss_kwargs: Mapping[str, Any] | None = None

@@ -215,6 +215,9 @@ class LossSpec(NamedTuple):
     batch: bool = False  # sorts over the batch: only in `dpo_batch_loss`
     custom: DPOLossFn | None = None  # a user's loss, called as `DPOLossFn` (then `fn` is None)
     name: str = ""  # how errors name a user's loss
+    # the metrics' log-probabilities are per-token averages (TRL's `CPOTrainer` /
+    # `ORPOTrainer` log them so; its `DPOTrainer` logs sums for every loss type)
+    per_token_metrics: bool = False
 
 
 # The one list of DPO-family losses; names are TRL's `loss_type`s.
@@ -231,8 +234,8 @@ DPO_LOSSES: dict[str, LossSpec] = {
     "apo_down": LossSpec(_apo_down),
     "discopop": LossSpec(_discopop),
     "sigmoid_norm": LossSpec(_sigmoid, length_normalised=True),
-    "simpo": LossSpec(_simpo, length_normalised=True, reference_free=True),
-    "orpo": LossSpec(_orpo, length_normalised=True, reference_free=True),
+    "simpo": LossSpec(_simpo, length_normalised=True, reference_free=True, per_token_metrics=True),
+    "orpo": LossSpec(_orpo, length_normalised=True, reference_free=True, per_token_metrics=True),
     "aot": LossSpec(_aot, batch=True),
     "aot_pair": LossSpec(_aot_pair, batch=True),
 }

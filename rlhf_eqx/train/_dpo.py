@@ -106,11 +106,12 @@ def dpo_loss_fn(settings: DPOSettings | None = None, **shortcuts: Any) -> LossFn
             nll = masked_sum(jax.vmap(sft_nll)(out.chosen_tokens_logp, cm), cm)
             nums["nll"], dens["nll"] = rpo_alpha * nll, n_c
             metrics["nll_loss"] = (nll, n_c)
-        if rc is None:
-            rw, rl = jax.vmap(lambda a, b: dpo_implicit_rewards(a, b, beta=beta))(c, r)
+        mc, mr, mrc, mrr = _metric_logps(spec, out, c, r, rc, rr)
+        if mrc is None:
+            rw, rl = jax.vmap(lambda a, b: dpo_implicit_rewards(a, b, beta=beta))(mc, mr)
         else:
             rw, rl = jax.vmap(lambda a, b, x, y: dpo_implicit_rewards(a, b, x, y, beta=beta))(
-                c, r, rc, rr
+                mc, mr, mrc, mrr
             )
         wsum = lambda x: jnp.sum(jnp.where(real, x, 0.0))
         metrics.update(
@@ -119,8 +120,8 @@ def dpo_loss_fn(settings: DPOSettings | None = None, **shortcuts: Any) -> LossFn
                 "rewards/rejected": (wsum(rl), n),
                 "rewards/margins": (wsum(rw - rl), n),
                 "rewards/accuracies": (wsum((rw > rl).astype(f32)), n),
-                "logps/chosen": (wsum(c), n),
-                "logps/rejected": (wsum(r), n),
+                "logps/chosen": (wsum(mc), n),
+                "logps/rejected": (wsum(mr), n),
                 "logits/chosen": (wsum(out.chosen_logit), n_c),
                 "logits/rejected": (wsum(out.rejected_logit), n_r),
             }
@@ -128,6 +129,28 @@ def dpo_loss_fn(settings: DPOSettings | None = None, **shortcuts: Any) -> LossFn
         return nums, dens, metrics
 
     return loss_fn
+
+
+def _metric_logps(spec, out, c, r, rc, rr):
+    r"""The log-probabilities the metrics are taken of, as TRL logs them.
+
+    TRL's `DPOTrainer._compute_loss` (TRL 1.x) logs `rewards/*` as
+    $\beta(\log\pi_\theta(y) - \log\pi_{\rm ref}(y))$ and `logps/*` as
+    $\log\pi_\theta(y)$ of the **summed** completion log-probabilities for every loss
+    type, `"ipo"` and `"sigmoid_norm"` included (they divide by the completion length
+    inside the loss only). Its `CPOTrainer` (`"simpo"`: `concatenated_forward(...,
+    average_log_prob=loss_type in ["ipo", "simpo"])`) and `ORPOTrainer`
+    (`average_log_prob=True`) log the **per-token averages** $\log\pi_\theta(y) / |y|$
+    (`get_batch_loss_metrics`: `rewards/chosen` $= \beta\,\log\pi_\theta(y_w)/|y_w|$,
+    no reference). So a loss with `spec.per_token_metrics` (`"simpo"`, `"orpo"`) gets
+    the averages (a length of 0 counts as 1, as in the loss), every other one the sums.
+    """
+    if not spec.per_token_metrics:
+        return c, r, rc, rr
+    cl, rl = jnp.maximum(out.chosen_len, 1.0), jnp.maximum(out.rejected_len, 1.0)
+    if rc is None:
+        return c / cl, r / rl, None, None
+    return c / cl, r / rl, rc / cl, rr / rl
 
 
 def _custom_loss(loss_type: object) -> object:
@@ -195,7 +218,12 @@ def make_dpo_step(optimizer, settings: DPOSettings, options: StepOptions) -> Ste
     $\beta(\log\pi_\theta - \log\pi_{\rm ref})$), `rewards/margins`, `rewards/accuracies`,
     `logps/chosen`, `logps/rejected`, `logits/chosen`, `logits/rejected` (mean logit over the
     completion positions and the vocabulary), `nll_loss` (with `rpo_alpha`), `grad_norm`,
-    `learning_rate`, `nonfinite`, `empty_batch`. `rewards/accuracies` counts pairs with a strictly
+    `learning_rate`, `nonfinite`, `empty_batch`. The rewards and `logps/*` are taken of the
+    summed completion log-probabilities for every loss type, `"ipo"` and `"sigmoid_norm"`
+    included, as TRL 1.x's `DPOTrainer` logs them (those two divide by the length inside
+    the loss only), and of the per-token averages $\log\pi_\theta(y)/|y|$ for `"simpo"`
+    and `"orpo"` (no reference), as TRL's `CPOTrainer` and `ORPOTrainer` log them
+    (`get_batch_loss_metrics`). `rewards/accuracies` counts pairs with a strictly
     larger chosen reward, as TRL does: while the policy equals the reference the rewards are
     rounding noise (~1e-7), so the first step's accuracy is not meaningful.
 

@@ -71,3 +71,29 @@ def test_a_missing_hyperparameter_names_the_argument_that_gives_it():
         rt.check_loss_matches(weighted, "grpo")
     with pytest.raises(AssertionError, match="does not match 'grpo'"):
         rt.check_loss_matches(weighted, "grpo", user_kwargs={"weight": 2.0})
+
+
+def ignores_the_upper_clip(logp, old_logp, advantages, mask, *, clip_eps, clip_eps_high):
+    """Declares `clip_eps_high` but clips both sides at `clip_eps`: equal to the library
+    loss under the default (symmetric) settings only."""
+    ratio = jnp.exp(jnp.clip(logp - old_logp, -20.0, 20.0))
+    return -jnp.minimum(
+        ratio * advantages, jnp.clip(ratio, 1 - clip_eps, 1 + clip_eps) * advantages
+    )
+
+
+@pytest.mark.parametrize("library", ["grpo", "ppo"])
+def test_a_loss_that_ignores_clip_eps_high_fails_under_an_asymmetric_clip(library):
+    rt.check_loss_matches(clipped, library)  # reads it: passes both comparisons
+    with pytest.raises(AssertionError, match=r"asymmetric clip, clip_eps_high=0\.3"):
+        rt.check_loss_matches(ignores_the_upper_clip, library)
+
+
+def test_given_asymmetric_settings_are_compared_as_they_are():
+    import rlhf_eqx as rx
+
+    settings = rx.train.GRPOSettings(group_size=1, clip_eps_high=0.28)
+    rt.check_loss_matches(clipped, "grpo", settings=settings)
+    with pytest.raises(AssertionError, match="per-token losses") as e:
+        rt.check_loss_matches(ignores_the_upper_clip, "grpo", settings=settings)
+    assert "asymmetric clip" not in str(e.value)  # the given settings were asymmetric

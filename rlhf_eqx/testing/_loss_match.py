@@ -10,7 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..losses import dpo_batch_loss, dpo_loss_types, policy_loss_names, resolve_dpo_loss
+from ..losses import (
+    dpo_batch_loss,
+    dpo_loss_types,
+    policy_loss_names,
+    resolve_dpo_loss,
+    resolve_policy_loss,
+)
 from ..train import GRPOSettings, PPOSettings, make_policy_loss
 
 REGISTRIES: tuple[str, ...] = ("dpo", "policy")
@@ -175,6 +181,59 @@ def _check_policy(
     if not isinstance(settings, (GRPOSettings, PPOSettings)):
         raise ValueError(f"settings={settings!r}: must be a GRPOSettings or a PPOSettings")
     advantages = "sequence" if record is GRPOSettings else "token"
+    _compare_policy(
+        user, library, user_kwargs, library_kwargs, settings, record, n_examples, seed, rtol, atol
+    )
+    asymmetric = _asymmetric_clip(user, library, settings, advantages)
+    if asymmetric is not None:
+        try:
+            _compare_policy(
+                user,
+                library,
+                user_kwargs,
+                library_kwargs,
+                asymmetric,
+                record,
+                n_examples,
+                seed,
+                rtol,
+                atol,
+            )
+        except AssertionError as e:
+            raise AssertionError(
+                f"under an asymmetric clip, clip_eps_high={asymmetric.clip_eps_high!r} "
+                f"(clip_eps={asymmetric.clip_eps!r}; the settings' clip_eps_high="
+                f"{settings.clip_eps_high!r} clips both sides alike), {e}"
+            ) from None
+
+
+def _reads(loss: object, name: str, advantages: str) -> bool:
+    try:
+        spec = resolve_policy_loss(loss, advantages=advantages)
+    except (TypeError, ValueError):
+        return False
+    return name in spec.parameters()
+
+
+def _asymmetric_clip(user, library, settings, advantages):
+    """`settings` with `clip_eps_high` 1.5 x `clip_eps` when both losses read
+    `clip_eps_high` and `settings` clip both sides alike (`None` or `clip_eps`), so a loss
+    that declares the upper clip but ignores it is seen; `None` when there is nothing to
+    add."""
+    if not all(_reads(loss, "clip_eps_high", advantages) for loss in (user, library)):
+        return None
+    high = settings.clip_eps_high
+    if high is not None and not bool(np.all(np.asarray(high) == np.asarray(settings.clip_eps))):
+        return None
+    eps = settings.clip_eps
+    high = round(1.5 * eps, 6) if isinstance(eps, int | float) else 1.5 * eps
+    return dataclasses.replace(settings, clip_eps_high=high)
+
+
+def _compare_policy(
+    user, library, user_kwargs, library_kwargs, settings, record, n_examples, seed, rtol, atol
+):
+    advantages = "sequence" if record is GRPOSettings else "token"
 
     def build(loss, kwargs):
         s = dataclasses.replace(settings, policy_loss=loss, loss_kwargs=dict(kwargs) or None)
@@ -239,7 +298,10 @@ def check_loss_matches(
       takes per-token advantages only (`"ppo"`, a loss registered with
       `advantages="token"`), else `GRPOSettings(group_size=1)`. Entropies, reference
       log-probabilities and a key are given to losses that declare them; both losses
-      get the same.
+      get the same. When both losses read `clip_eps_high` and `settings` clip both
+      sides alike (`clip_eps_high` `None` or `clip_eps`), they are compared again under
+      an asymmetric clip, `clip_eps_high` = 1.5 `clip_eps`: a loss that declares the
+      upper clip but ignores it fails, the message naming `clip_eps_high`.
 
     **Arguments:**
 

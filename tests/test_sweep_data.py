@@ -116,8 +116,12 @@ def test_cli_dpo_sweep_on_a_parquet_file_equals_its_runs_and_resumes(tmp_path, c
     out = str(tmp_path / "s")
     sets = [a for s in SMALL for a in ("--set", s)]
     argv = ["sweep", "dpo", "--data", path, "--seeds", "2", "--grid", "dpo.beta=0.05,0.2"]
-    assert main([*argv, "--out", out, "--export", *sets]) == 0
-    assert "4 members done" in capsys.readouterr().out
+    assert main([*argv, "--out", out, "--export", *sets, "--set", "ops.quiet=false"]) == 0
+    printed = capsys.readouterr().out
+    assert "4 members done" in printed
+    # the table has the held-out numbers of the stage's run on the file
+    assert "| grid point | seeds | loss | rewards/accuracies | rewards/margins | " in printed
+    assert "| heldout_reward_accuracy |" in printed
     with open(os.path.join(out, "sweep.json")) as f:
         assert json.load(f)["data"]["path"] == path
     cfg = data_config(path)

@@ -73,8 +73,11 @@ TABLE_METRICS = (
 
 def format_sweep_table(result: dict, columns: Sequence[str] = TABLE_METRICS) -> str:
     """The sweep summary as a markdown table: one row per grid point, each column
-    `mean ± standard error` over the seeds that did not diverge."""
+    `mean ± standard error` over the seeds that did not diverge: `columns`, then the
+    held-out numbers a stage on a data file reports (`heldout_*`)."""
     points = result["points"]
+    held = [k for p in points.values() for k in p["metrics"] if k.startswith("heldout_")]
+    columns = [*columns, *dict.fromkeys(k for k in held if not k.endswith("_se"))]
     present = [c for c in columns if any(c in p["metrics"] for p in points.values())]
     lines = [
         "| grid point | seeds | " + " | ".join(present) + " |",

@@ -202,13 +202,25 @@ def resolve_config(args: argparse.Namespace):
 
 def help_config(args: argparse.Namespace):
     """The configuration `--help` describes (`pipelines.config.config_help`): the command
-    line's (`resolve_config`), or the built-in task's defaults where it does not resolve."""
+    line's (`resolve_config`; for a stage that runs on a data file and has none, its
+    defaults with the command line's settings).
+
+    A command line whose settings do not load (`--set bad.field=1`, a value out of range,
+    a config file that does not read) is refused as a run refuses it: the error line
+    `error: invalid configuration: ...` on stderr, above the help of the built-in task's
+    defaults, and exit status 2."""
     from rlhf_eqx import pipelines as pl
 
     try:
+        given = pl.tools.resolve_model_names(pl.config.command_line_config(args))
+    except pl.ConfigError as e:
+        print(f"error: invalid configuration: {e}", file=sys.stderr, flush=True)
+        print(pl.config.config_help(args.command, pl.animal_task_config()))
+        raise SystemExit(2) from None
+    try:
         return resolve_config(args)
-    except pl.ConfigError:
-        return pl.animal_task_config()
+    except pl.ConfigError:  # a data-file stage without --data: what it would read
+        return given
 
 
 def result_line(command: str, summary: dict, out: str) -> str:

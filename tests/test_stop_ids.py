@@ -130,3 +130,20 @@ def test_built_in_tokenizers_stop_at_eos_and_bos_only():
         policy, tok, ["Once"], jax.random.key(0), prompt_length=8, max_new_tokens=2
     )
     assert roll.stop_ids == (1, 2)
+
+
+def test_run_exports_and_text_environments_keep_the_end_of_turn(gemma, tmp_path):
+    """A run's `<stage>/hf` export names every stop id in its `generation_config.json`
+    (transformers' `generate` then stops there too), and an environment without stop ids
+    of its own ends its turns at the tokenizer's."""
+    policy, tok = rx.load_gguf(gemma)
+    pl.runs.export_policy(policy, str(tmp_path), "sft", tokenizer_file=str(gemma))
+    generation = json.loads((tmp_path / "sft" / "hf" / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [EOS, EOT]
+    assert data.load_tokenizer(tmp_path / "sft" / "hf").stop_ids == (EOS, EOT)
+
+    class Plain:  # an environment that names no stop ids
+        stop_ids = ()
+
+    assert pl.runs.turn_stop_ids(Plain(), tok) == (EOS, EOT)
+    assert pl.runs.turn_stop_ids(Plain(), data.ByteTokenizer()) == (2,)

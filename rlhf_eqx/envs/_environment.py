@@ -66,7 +66,8 @@ class Environment(eqx.Module):
       environments whose turns end at their own markers (a chat format's end-of-turn
       token, a newline). The rollouts of the pipelines (`run_multiturn`, the
       `multiturn-dpo` stage) pass them to the sampler as `eos_id`; with `()` a turn ends
-      at the tokenizer's EOS. Override it with a static field
+      at the tokenizer's `stop_ids` (its EOS and its model's end-of-turn ids). Override
+      it with a static field
       (`stop_ids: tuple[int, ...] = eqx.field(static=True, default=(...))`, anywhere
       among the subclass's fields: it takes its place in their order), one set in
       `__init__` as `AnimalFollowUpEnv` does, or a class attribute (`stop_ids = (...)`).

@@ -200,8 +200,10 @@ def stage_environment(c, tok, name: str = "multiturn"):
 
 def turn_stop_ids(env, tok) -> tuple[int, ...]:
     """The ids that end a policy turn: the environment's `stop_ids`
-    (`rlhf_eqx.envs.Environment`), else the tokenizer's EOS."""
-    return tuple(getattr(env, "stop_ids", ()) or ()) or (int(tok.eos_id),)
+    (`rlhf_eqx.envs.Environment`), else the tokenizer's (EOS and its model's end-of-turn
+    ids; EOS alone for a tokenizer without `stop_ids`)."""
+    own = tuple(getattr(env, "stop_ids", ()) or ())
+    return own or tuple(int(i) for i in (getattr(tok, "stop_ids", None) or (tok.eos_id,)))
 
 
 def _length(env, cfg, prompt_length: int) -> int:

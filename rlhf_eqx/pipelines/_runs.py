@@ -158,7 +158,8 @@ def copy_tokenizer(tokenizer_file: str | None, directory: str) -> None:
 
 def special_token_ids(tokenizer_file: str | None, *, pad: bool) -> dict[str, int]:
     """The `save_hf` keywords of the tokenizer `tokenizer_file` (`copy_tokenizer`'s):
-    `bos_token_id`, `eos_token_id` (so that transformers' `generate` stops there) and,
+    `bos_token_id`, `eos_token_id` (so that transformers' `generate` stops there: a list,
+    EOS first, when the tokenizer's `stop_ids` hold its model's end-of-turn ids too) and,
     with `pad` (a sequence classifier, which transformers scores on batches only with
     one), `pad_token_id`; none without a file."""
     if tokenizer_file is None:
@@ -171,7 +172,11 @@ def special_token_ids(tokenizer_file: str | None, *, pad: bool) -> dict[str, int
     ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
     if pad:
         ids["pad_token_id"] = tok.pad_id
-    return {k: v for k, v in ids.items() if isinstance(v, int) and v >= 0}
+    ids = {k: v for k, v in ids.items() if isinstance(v, int) and v >= 0}
+    stops = [int(i) for i in getattr(tok, "stop_ids", None) or ()]
+    if "eos_token_id" in ids and len(stops) > 1:
+        ids["eos_token_id"] = stops
+    return ids
 
 
 def export_policy(

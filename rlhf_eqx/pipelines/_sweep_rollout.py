@@ -10,7 +10,14 @@ import jax
 import rlhf_eqx as rx
 from rlhf_eqx import data
 
-from ._rollout import PendingRollout, Rollout, encode_prompts, finish_rollout, sample_rollout
+from ._rollout import (
+    PendingRollout,
+    Rollout,
+    default_stop_ids,
+    encode_prompts,
+    finish_rollout,
+    sample_rollout,
+)
 from ._sweep_program import member
 
 
@@ -46,7 +53,8 @@ def sample_members(
         ]
     prompt_length = options["prompt_length"]
     stop_strings = options.get("stop_strings", ())
-    stop_ids = tuple(int(t) for t in sorted({tok.eos_id, tok.bos_id}))
+    stop_ids = options.get("stop_ids")
+    stop_ids = default_stop_ids(tok) if stop_ids is None else tuple(int(t) for t in stop_ids)
     ids = [encode_prompts(tok, p, prompt_length=prompt_length) for p in prompts]
     batches = [
         data.collate_prompts(list(x), max_length=prompt_length, pad_id=tok.pad_id) for x in ids

@@ -132,6 +132,10 @@ def test_the_stage_runs_from_the_cli_on_a_preference_file(example, tmp_path):
     assert math.isclose(_first_loss(out), 1.5, abs_tol=1e-5)
     assert len(pl.tools.read_metrics(str(out))["margin-hinge"]) == 2
     assert (out / "margin-hinge" / "hf" / "config.json").exists()
+    # held-out metrics as `dpo --data` reports them (its summary entry's keys)
+    held = json.loads((out / "summary.json").read_text())["margin-hinge"]
+    assert 0.0 <= held["heldout_reward_accuracy"] <= 1.0
+    assert held["heldout_reward_accuracy_se"] >= 0.0 and held["sampled"]
 
 
 def test_the_stage_holds_out_pairs_of_a_preference_file_as_dpo_does(example, tmp_path, capsys):

@@ -332,23 +332,35 @@ def dpo(env: StageEnv, c: DPOConfig) -> Outcome:
     return Outcome(res, policy=final_policy(res.state.model))
 
 
+def dpo_heldout_metrics(env: StageEnv, reference, trained, held: Sequence, c: DPOConfig) -> dict:
+    r"""The held-out evaluation of a DPO-family stage on a preference file (the summary
+    entry of `dpo --data`): `heldout_reward_accuracy`, the fraction of the `held` pairs
+    (`preference_split`'s second part) whose implicit reward margin
+    $\beta[(\log\pi(y_w) - \log\pi_{\rm ref}(y_w)) - (\log\pi(y_l) - \log\pi_{\rm ref}(y_l))]$
+    of the `trained` policy against `reference` (the model training started from) is
+    positive, with `c.beta` and the pairs collated at `c.max_length`; its binomial
+    standard error `heldout_reward_accuracy_se`; and `sampled`, the two models' samples on
+    the held-out prompts (`sampling` and `eval_samples` of the run's configuration)."""
+    held_batch = collate_pairs(
+        held, env.tok, max_length=c.max_length, prompt_length=env.cfg.sampling.prompt_length
+    )
+    accuracy = float(implicit_accuracy(trained, reference, held_batch, c.beta))
+    n_held = held_batch.chosen_tokens.shape[0]
+    return {
+        "heldout_reward_accuracy": accuracy,
+        "heldout_reward_accuracy_se": binomial_se(accuracy, n_held),
+        "sampled": heldout_samples(env, reference, trained, held),
+    }
+
+
 def dpo_on_data(env: StageEnv, c: DPOConfig) -> Outcome:
     """Offline DPO on a preference file; the held-out implicit reward accuracy and
-    held-out samples."""
-    policy, tok = env.base, env.tok
+    held-out samples (`dpo_heldout_metrics`)."""
+    policy = env.base
     train, held = preference_split(env, c)
-    held_batch = collate_pairs(
-        held, tok, max_length=c.max_length, prompt_length=env.cfg.sampling.prompt_length
-    )
-    res = run_dpo(policy, tok, train, cfg=c, ctx=env.ctx(""))
+    res = run_dpo(policy, env.tok, train, cfg=c, ctx=env.ctx(""))
     trained = trained_policy(env, res.state.model)
-    accuracy = implicit_accuracy(trained, policy, held_batch, c.beta)
-    n_held = held_batch.chosen_tokens.shape[0]
-    env.summary["dpo"] = {
-        "heldout_reward_accuracy": float(accuracy),
-        "heldout_reward_accuracy_se": binomial_se(float(accuracy), n_held),
-        "sampled": heldout_samples(env, policy, trained, held),
-    }
+    env.summary["dpo"] = dpo_heldout_metrics(env, policy, trained, held, c)
     return Outcome(res, policy=trained)
 
 

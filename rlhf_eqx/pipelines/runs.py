@@ -10,9 +10,11 @@ from ._data_prep import (
     ChatRendering as ChatRendering,
     chat_rendering as chat_rendering,
     hh_messages as hh_messages,
+    preference_split as preference_split,
     prompt_tokens as prompt_tokens,
     quality_report as quality_report,
     split_records as split_records,
+    trained_policy as trained_policy,
 )
 from ._distill_stage import (
     check_same_vocabulary as check_same_vocabulary,
@@ -23,6 +25,7 @@ from ._distill_stage import (
 )
 from ._dpo_stage import (
     best_worst_pairs as best_worst_pairs,
+    dpo_heldout_metrics as dpo_heldout_metrics,
     packed_steps as packed_steps,
     run_dpo as run_dpo,
     run_online_dpo as run_online_dpo,

@@ -11,9 +11,12 @@ step = rx.train.make_dpo_step(optimizer, beta=0.1, loss_type="ipo", micro_batche
 
 A record is a frozen dataclass that validates itself when it is built: a bad value
 raises one `ValueError` line naming the field, the value and the valid range or choices
-(`beta=-0.1: must be > 0`). Its defaults are the only ones: the builders, the loss
-functions and the pipeline's configs (which inherit these records, so `--set dpo.beta`
-is `DPOSettings.beta`) read them from here. Numeric hyperparameters that a step allows
+(`beta=-0.1: must be > 0`). Its defaults are the only ones: the builders and the
+pipeline's configs (which inherit these records, so `--set dpo.beta` is
+`DPOSettings.beta`) read them from here; a field that is also a keyword of a per-sample
+loss (`beta` of `rlhf_eqx.losses.dpo_loss`) defaults to the constant of
+`rlhf_eqx.losses.defaults` that the loss names too (`DPO_BETA`), so each number is
+written once. Numeric hyperparameters that a step allows
 to be traced may be JAX arrays, including tracers under `jax.jit` / `jax.vmap` (a run
 vmapped over β builds `DPOSettings(beta=b)` from a traced `b`); their values are not
 checked. The records of PPO and GRPO are in `_rl_settings.py`.

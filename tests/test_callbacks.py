@@ -698,3 +698,22 @@ def test_kill_9_with_a_stateful_callback_then_resume_is_exact(tmp_path):
     full = json.loads((tmp_path / "full.eqx.json").read_text())
     assert json.loads((tmp_path / "killed.eqx.json").read_text()) == full and len(full) == 10
     assert _comparable(ckpt) == _comparable(str(tmp_path / "full"))
+
+
+class LogsAtStop(pl.Callback):
+    def on_stop(self, run, reason):
+        run.log_metrics({"final_probe": float(run.iteration)})
+
+
+def test_records_a_callback_writes_after_the_loop_are_not_repeated_on_resume(tmp_path):
+    """What a callback logs once the loop has ended (`on_stop`, the held-out
+    `on_evaluate`) follows the last checkpoint: resuming the finished run writes it
+    again in place of the old one, not beside it."""
+    ops = pl.OpsConfig(quiet=True, checkpoint_every=2)
+    _four_iterations(tmp_path, LogsAtStop(), ops)
+    first = [r for r in _records(tmp_path) if "final_probe" in r]
+    assert len(first) == 1 and first[0]["after_loop"] and first[0]["iteration"] == 4
+    again = _four_iterations(tmp_path, LogsAtStop(), ops, resume=True)
+    assert again.iterations == 4 and again.history == []
+    finals = [r for r in _records(tmp_path) if "final_probe" in r]
+    assert finals == first

@@ -142,6 +142,9 @@ class RunHandle:
         self.resumed = resumed
         self.history = [] if history is None else history
         self.stop_reason: str | None = None
+        # set once the loop has ended (`on_stop`, the held-out `on_evaluate`): records
+        # written then come after the last checkpoint and are written again on resume
+        self.after_loop = False
         self._policy_of = policy_of
 
     @property
@@ -169,9 +172,12 @@ class RunHandle:
             self.stop_reason = str(reason) or "stop requested"
 
     def log_metrics(self, values: dict) -> None:
-        """Write `values` as an evaluation record of the current iteration."""
+        """Write `values` as an evaluation record of the current iteration (marked
+        `"after_loop": true` once the loop has ended: a resumed run writes it again)."""
+        mark = {"after_loop": True} if self.after_loop else {}
         self.log.write(
             {"eval": True, "callback": True, "iteration": self.iteration, "step": self.steps}
+            | mark
             | dict(values)
         )
 
@@ -264,6 +270,7 @@ def after_evaluation(callbacks: Sequence[Any], loop: Any, results: dict) -> None
     stage's loop ended (`loop`: its `LoopResult`, whose `run` the callbacks saw)."""
     run = getattr(loop, "run", None)
     if callbacks and run is not None:
+        run.after_loop = True
         CallbackList(callbacks).call("on_evaluate", run, run.iteration, results)
 
 

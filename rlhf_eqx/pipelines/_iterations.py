@@ -153,6 +153,7 @@ def run_iterations(
         if stopped != "done":
             run.stop_reason = stop_reason
             cbs.call("on_start", run)
+            run.after_loop = True
             cbs.call("on_stop", run, stopped)
             return LoopResult(
                 committed.state, [], committed.iteration, stopped, rollbacks, stop_reason, run
@@ -308,6 +309,7 @@ def run_iterations(
         if bar is not None:
             bar.close()
     _sync(run, committed)
+    run.after_loop = True
     cbs.call("on_stop", run, stopped)
     n, rollbacks = committed.iteration, fallbacks.rollbacks
     return LoopResult(committed.state, history, n, stopped, rollbacks, stop_reason, run)

@@ -75,11 +75,15 @@ def copy_state(tree: PyTree) -> PyTree:
 
 def stale_record(stage: str, steps: int, start: int) -> Callable[[dict], bool]:
     """Records of `stage` written after the checkpoint a run resumes from (they are
-    written again), except an evaluation at or before the resumed iteration."""
+    written again), except an evaluation at or before the resumed iteration that the loop
+    wrote before that checkpoint (a callback's record written after the loop ended,
+    `"after_loop"`, follows the last checkpoint and is written again)."""
 
     def stale(r: dict) -> bool:
         if r.get("stage") != stage or r.get("event") == "resume":
             return False
+        if r.get("after_loop"):
+            return True
         if r.get("eval") and r.get("iteration", start + 1) <= start:
             return False
         if "step" in r:

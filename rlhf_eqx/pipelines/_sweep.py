@@ -476,5 +476,6 @@ def sweep_command(argv: Sequence[str]) -> int:
         return 1
     n = len(res.members)
     bad = f", {len(res.diverged)} diverged" if res.diverged else ""
-    print(f"rlhf_eqx sweep {args.stage}: {n} members done{bad} ({out}/{SWEEP_SUMMARY})")
+    members = "member" if n == 1 else "members"
+    print(f"rlhf_eqx sweep {args.stage}: {n} {members} done{bad} ({out}/{SWEEP_SUMMARY})")
     return 0

@@ -79,15 +79,15 @@ def format_sweep_table(result: dict, columns: Sequence[str] = TABLE_METRICS) -> 
     held = [k for p in points.values() for k in p["metrics"] if k.startswith("heldout_")]
     columns = [*columns, *dict.fromkeys(k for k in held if not k.endswith("_se"))]
     present = [c for c in columns if any(c in p["metrics"] for p in points.values())]
-    lines = [
-        "| grid point | seeds | " + " | ".join(present) + " |",
-        "| --- | --- | " + " | ".join("---" for _ in present) + " |",
-    ]
+
+    def row(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(cells) + " |"
+
+    lines = [row(["grid point", "seeds", *present]), row(["---"] * (2 + len(present)))]
     for name, p in points.items():
         n = len(p["members"]) - len(p["diverged"])
         seeds = f"{n}" + (f" ({len(p['diverged'])} diverged)" if p["diverged"] else "")
-        cells = [_cell(p["metrics"].get(c)) for c in present]
-        lines.append(f"| {name} | {seeds} | " + " | ".join(cells) + " |")
+        lines.append(row([name, seeds, *(_cell(p["metrics"].get(c)) for c in present)]))
     return "\n".join(lines)
 
 

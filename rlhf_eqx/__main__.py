@@ -208,7 +208,7 @@ def help_config(args: argparse.Namespace):
     A command line whose settings do not load (`--set bad.field=1`, a value out of range,
     a config file that does not read) is refused as a run refuses it: the error line
     `error: invalid configuration: ...` on stderr, above the help of the built-in task's
-    defaults, and exit status 2."""
+    defaults; `None` is returned then (exit status 2)."""
     from rlhf_eqx import pipelines as pl
 
     try:
@@ -216,7 +216,7 @@ def help_config(args: argparse.Namespace):
     except pl.ConfigError as e:
         print(f"error: invalid configuration: {e}", file=sys.stderr, flush=True)
         print(pl.config.config_help(args.command, pl.animal_task_config()))
-        raise SystemExit(2) from None
+        return None
     try:
         return resolve_config(args)
     except pl.ConfigError:  # a data-file stage without --data: what it would read
@@ -307,7 +307,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if find_stage(args.command) is not None or (
             args.command == "pipeline" and "pipeline" in argv
         ):
-            print(config_help(args.command, help_config(args)))
+            cfg = help_config(args)
+            if cfg is None:
+                return 2
+            print(config_help(args.command, cfg))
         else:
             _parser().print_help()
         return 0

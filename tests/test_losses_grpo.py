@@ -296,3 +296,22 @@ def test_choice_tuples_and_errors():
     with pytest.raises(ValueError, match="^unknown mode 'mean'; expected one of 'token-mean'"):
         check_choice("mode", "mean", AGGREGATION_MODES)
     check_choice("kind", "k3", KL_KINDS)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch"])
+def test_group_advantages_eps_zero_constant_group_is_zero_not_nan(scale):
+    """A group of identical rewards (or a group of one) with `eps=0` divided 0 by 0."""
+    for rewards in (jnp.full((2, 3), 5.0), jnp.array([[3.0]])):
+        adv, grad = jax.value_and_grad(
+            lambda r: jnp.sum(group_advantages(r, scale=scale, eps=0.0))
+        )(rewards)
+        assert float(adv) == 0.0 and np.all(np.asarray(grad) == 0.0)
+        assert np.all(np.asarray(group_advantages(rewards, scale=scale, eps=0.0)) == 0.0)
+    spread = jnp.array([[1.0, 3.0]])
+    np.testing.assert_allclose(
+        np.asarray(group_advantages(spread, scale=scale, eps=0.0)),
+        [[-1.0 / np.sqrt(2.0), 1.0 / np.sqrt(2.0)]],
+        rtol=1e-6,
+    )
+    with pytest.raises(ValueError, match="eps must be non-negative"):
+        group_advantages(spread, eps=-1e-4)

@@ -10,9 +10,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
 from ..ops import masked_mean, masked_whiten
+from ._aggregate import safe_divide
 from ._kl import kl_penalty
 from ._ppo import LOG_RATIO_CLAMP, _clip_flags, _clip_sides, _masked_outputs, clipped_surrogate, gae
-from ._validation import Hyperparameter, check_choice, is_python_number
+from ._validation import Hyperparameter, check_choice, check_non_negative, is_python_number
 from .defaults import GRPO_BETA, GRPO_CLIP_EPS, GRPO_IMPORTANCE, GRPO_SCALE
 
 ADVANTAGE_SCALES: tuple[str, ...] = ("group", "batch", "none")
@@ -61,23 +62,26 @@ def group_advantages(
       Training").
 
     Standard deviations are unbiased (Bessel-corrected, as `torch.std` in TRL) and
-    $\epsilon$ is added to $\sigma$ (TRL uses 1e-4). A group of identical rewards gets
-    exactly zero advantages.
+    $\epsilon$ is added to $\sigma$ (TRL `GRPOTrainer`: `advantages / (std + 1e-4)`). A
+    group of identical rewards, and a group of one, gets exactly zero advantages (and zero
+    gradient), `eps=0` included.
 
     **Arguments:**
 
     - `rewards`: `[..., G]` rewards, the last axis being the group.
     - `scale`: see above.
-    - `eps`: $\epsilon$.
+    - `eps`: $\epsilon \geq 0$.
 
     **Returns:** advantages of the same shape.
     """
     check_choice("scale", scale, ADVANTAGE_SCALES)
+    check_non_negative("eps", eps)
     centred = _centred(rewards)
     if scale == "none":
         return centred
     std = _std(rewards, axis=-1 if scale == "group" else None)
-    return centred / (std + eps)
+    # The denominator is 0 only for zero spread with eps=0, where `centred` is exactly 0.
+    return safe_divide(centred, jnp.broadcast_to(std + eps, centred.shape))
 
 
 def rloo_advantages(rewards: Float[Array, "*batch G"]) -> Float[Array, "*batch G"]:

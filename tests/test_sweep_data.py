@@ -52,10 +52,7 @@ def write_parquet(path, rows) -> str:
 
 SMALL = [
     "sampling.prompt_length=16",
-    "sampling.max_new_tokens=8",
     "data.heldout_fraction=0.25",
-    "data.eval_prompts=2",
-    "eval_samples=1",
     "ops.quiet=true",
     "ops.monitor=false",
     "ops.checkpoint_every=1",
@@ -70,8 +67,14 @@ SMALL = [
 ]
 
 
-def data_config(path: str):
-    return pl.apply_overrides(pl.animal_task_config(), [*SMALL, f"data.path={path}"])
+SAMPLED_EVAL = ["sampling.max_new_tokens=8", "data.eval_prompts=2", "eval_samples=1"]
+"""The held-out samples' size, for the stages that sample them (`reward` samples nothing
+and refuses these settings)."""
+
+
+def data_config(path: str, stage: str = "dpo"):
+    sampled = SAMPLED_EVAL if stage != "reward" else []
+    return pl.apply_overrides(pl.animal_task_config(), [*SMALL, *sampled, f"data.path={path}"])
 
 
 HELD = {
@@ -104,7 +107,7 @@ def check_members_equal_their_runs(res, stage: str, tmp_path, members):
 @pytest.mark.parametrize("stage", ["sft", "dpo", "kto", "reward"])
 def test_data_sweep_members_equal_their_runs_on_the_file(stage, tmp_path):
     path = write_jsonl(tmp_path / "pairs.jsonl", pair_rows())
-    cfg = data_config(path)
+    cfg = data_config(path, stage)
     res = pl.sweep(stage, cfg, seeds=2, grid=GRIDS[stage], out=str(tmp_path / "s"), export=True)
     assert len(res.members) == 4 and res.diverged == ()
     assert not os.path.isdir(os.path.join(res.out, "seeds"))  # no built-in task stages
@@ -114,7 +117,7 @@ def test_data_sweep_members_equal_their_runs_on_the_file(stage, tmp_path):
 def test_cli_dpo_sweep_on_a_parquet_file_equals_its_runs_and_resumes(tmp_path, capsys):
     path = write_parquet(tmp_path / "pairs.parquet", pair_rows())
     out = str(tmp_path / "s")
-    sets = [a for s in SMALL for a in ("--set", s)]
+    sets = [a for s in (*SMALL, *SAMPLED_EVAL) for a in ("--set", s)]
     argv = ["sweep", "dpo", "--data", path, "--seeds", "2", "--grid", "dpo.beta=0.05,0.2"]
     assert main([*argv, "--out", out, "--export", *sets, "--set", "ops.quiet=false"]) == 0
     printed = capsys.readouterr().out

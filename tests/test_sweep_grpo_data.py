@@ -24,6 +24,8 @@ from rlhf_eqx.__main__ import main
 
 SETS = [
     *SMALL,  # the data sweeps' small settings (prompt and completion lengths, ops)
+    "sampling.max_new_tokens=8",
+    "eval_samples=1",  # GRPO completes every held-out prompt (it reads no data.eval_prompts)
     "grpo.rollouts=3",
     "grpo.prompts_per_rollout=2",
     "grpo.group_size=4",

@@ -3,25 +3,90 @@ runnable where it runs, its prerequisites present, its settings valid (the field
 batch or rollout stage shares, then the settings' own `check`), and the rules across
 stages and sections (a batch's length above the prompt's, the reward source and the
 judge's verdict tokens, then each running stage's `Stage.check_run`) checked before any
-stage runs."""
+stage runs. A setting that the run would not read, set to another value than its default
+(the usual one or the built-in task's), is refused rather than ignored (`check_unread`,
+`check_full_finetune`, the stage configs' `unused_fields`)."""
 
+import dataclasses
 from typing import Any
 
-from ._config import BatchStageConfig, RolloutStageConfig
+from ._config import BatchStageConfig, DataConfig, LoRASettings, RolloutStageConfig
 from ._field_checks import _fail, check_shared_fields, check_unused
 from ._model_checks import check_judge
+from ._pipeline_config import (
+    TASK_STAGE_SETTINGS,
+    PipelineConfig,
+    animal_task_config,
+    task_section,
+)
 from ._registry import find_stage, stage_names, stages
+
+UNREAD_DATA_FIELDS: dict[str, tuple[str, ...]] = {
+    "eval_prompts": ("grpo", "reward", "prm", "distill"),
+    "assistant_turns": ("reward", "dpo", "grpo", "kto", "ppo", "prm"),
+}
+"""The data-file stages that do not read a `data` field read by others: `eval_prompts`,
+the held-out prompts `sft`, `dpo`, `kto` and `ppo` complete before and after training
+(`grpo` completes every held-out prompt, the others sample none), and
+`assistant_turns`, the assistant messages of a conversation that the demonstration
+readers of `sft` and `distill` train on."""
+UNSAMPLED_EVAL_STAGES: tuple[str, ...] = ("reward", "prm", "distill")
+"""The data-file stages whose held-out evaluation samples no completions (it reads no
+`eval_samples`)."""
+UNSAMPLING_STAGES: tuple[str, ...] = ("reward", "prm")
+"""The data-file stages that sample nothing at all: of `sampling` they read
+`prompt_length` alone (`SAMPLING_FIELDS` are unread)."""
+SAMPLING_FIELDS: tuple[str, ...] = ("max_new_tokens", "temperature", "stop_strings", "slots")
+"""The `sampling` fields that only a sampled completion reads."""
+TASK_ONLY_FIELDS: dict[str, tuple[str, ...]] = {
+    "sft": ("samples",),
+    "reward": ("pairs_per_prompt",),
+    "dpo": ("rounds", "samples"),
+    "kto": ("samples",),
+    "distill": ("samples",),
+}
+"""The settings of a stage section that only its run on the built-in task reads: how many
+completions of the task's prompts it samples (`samples`, `pairs_per_prompt`) and the
+rounds of fresh samples (`dpo.rounds`); on a data file the pairs, examples or prompts are
+the file's."""
+UNEVALUATED_STAGES: tuple[str, ...] = ("sft", "reward")
+"""The built-in task's stages without a periodic evaluation against SFT
+(`ops.eval_every`): SFT is what the others are compared with, and the reward model
+trains no policy."""
 
 
 def check_section(name: str, c: Any, *, device_count: int = 1) -> None:
     """Check the settings `c` of the stage section `name` (see `validate_stage`): unused
-    settings at their defaults, the shared batch / rollout fields, then the settings'
-    own rules (their `check(name, device_count=...)` method, where they have one)."""
+    settings at their defaults, LoRA settings without adapters (`check_full_finetune`),
+    the shared batch / rollout fields, then the settings' own rules (their
+    `check(name, device_count=...)` method, where they have one)."""
     check_unused(name, c)
+    check_full_finetune(name, c)
     check_shared_fields(name, c, device_count)
     own = getattr(c, "check", None)
     if callable(own):
         own(name, device_count=device_count)
+
+
+def check_full_finetune(name: str, c: Any) -> None:
+    """Refuse an adapter setting (`alpha`, `dropout`, `targets`, `use_rslora`) of the
+    section `name` changed while `lora.rank=0` trains every weight without adapters,
+    which reads none of them; a value of the usual defaults (`LoRASettings()`), of the
+    built-in task's or of the settings class's own is not refused."""
+    lora = getattr(c, "lora", None)
+    if not isinstance(lora, LoRASettings) or lora.rank != 0:
+        return
+    own = {f.name: f.default for f in dataclasses.fields(type(c))}.get("lora")
+    usual = [LoRASettings(), TASK_STAGE_SETTINGS["lora"], own]
+    for field in ("alpha", "dropout", "targets", "use_rslora"):
+        value = getattr(lora, field)
+        if all(value != getattr(d, field) for d in usual if isinstance(d, LoRASettings)):
+            _fail(
+                f"{name}.lora.{field}",
+                value,
+                f"{name}.lora.rank=0 trains every weight without LoRA adapters, which do not "
+                f"read it; set {name}.lora.rank > 0 for adapters",
+            )
 
 
 def run_stages(cfg: Any, stage: str | None = None) -> tuple[str, ...]:
@@ -60,6 +125,13 @@ def _check_rewards(cfg: Any, key: str, c: Any, run: tuple[str, ...]) -> bool:
     """The reward source of a rollout stage; whether it is the judge."""
     if not isinstance(c, RolloutStageConfig) or "reward_source" in _unused(c):
         return False
+    if c.reward_model and c.reward_source in ("task", "judge"):
+        _fail(
+            f"{key}.reward_model",
+            c.reward_model,
+            f"read only with {key}.reward_source=reward_model or prm (it is "
+            f"{c.reward_source}, which scores without it)",
+        )
     if c.reward_source == "judge":
         return True
     if c.reward_model:
@@ -110,9 +182,107 @@ def validate_run(cfg: Any, run: tuple[str, ...], *, device_count: int = 1) -> No
         st = find_stage(name)
         if st.check_run is not None:
             st.check_run(cfg, run)
+    check_unread(cfg, run, uses_judge)
     if uses_judge:
         validate_judge(cfg.judge)
         if cfg.data.path is not None and cfg.judge.model == "sft":
             why = "on a data file the judge is base or a checkpoint directory"
             _fail("judge.model", "sft", why)
         check_judge(cfg, cfg.judge)
+
+
+def _changed(value: Any, *defaults: Any) -> bool:
+    """Whether `value` differs from every one of `defaults` (the usual default and the
+    built-in task's): a value a user set, not one a configuration was built with."""
+    return all(value != d for d in defaults)
+
+
+def _check_task_only(cfg: Any, run: tuple[str, ...]) -> None:
+    """On a data file, a running stage's `TASK_ONLY_FIELDS` changed from their defaults
+    (the settings class's and the built-in task's) are refused."""
+    for key in dict.fromkeys(find_stage(st).key for st in run):
+        if key not in TASK_ONLY_FIELDS:
+            continue
+        c = getattr(cfg, key)
+        defaults = (type(c)(), task_section(key))
+        for field in TASK_ONLY_FIELDS[key]:
+            value = getattr(c, field)
+            if _changed(value, *(getattr(d, field) for d in defaults)):
+                _fail(
+                    f"{key}.{field}",
+                    value,
+                    "applies to the built-in task's sampled training data only; on a data "
+                    "file the stage trains on the file's records",
+                )
+
+
+def check_unread(cfg: Any, run: tuple[str, ...], uses_judge: bool) -> None:
+    """Refuse a shared setting that the stages `run` would not read, changed from its
+    default (the usual one or the built-in task's): one line naming the field and what
+    applies instead. `data.*` on the built-in task (no `data.path`); on a data file the
+    running stages' `TASK_ONLY_FIELDS`, and `label_noise`, `data.eval_prompts`,
+    `data.assistant_turns`, `eval_samples` and the `sampling` of completions where no
+    running stage reads them (`UNREAD_DATA_FIELDS`, `UNSAMPLED_EVAL_STAGES`,
+    `UNSAMPLING_STAGES`); the `judge` section when no running
+    stage scores with the judge (`uses_judge`); and `ops.eval_every` where no stage
+    evaluates periodically (a data file, or SFT and the reward model alone)."""
+    base, dc, usual = PipelineConfig(), cfg.data, DataConfig()
+    if dc.path is None:
+        for f in dataclasses.fields(dc):
+            value = getattr(dc, f.name)
+            if _changed(value, getattr(usual, f.name)):
+                _fail(
+                    f"data.{f.name}",
+                    value,
+                    "applies to a data file (data.path, --data FILE); the built-in task reads "
+                    "no data settings",
+                )
+    else:
+        _check_task_only(cfg, run)
+        if _changed(cfg.label_noise, base.label_noise):
+            _fail(
+                "label_noise",
+                cfg.label_noise,
+                "applies to the built-in task's noisy labels; a data file's labels are its own",
+            )
+        for field, readers_not in UNREAD_DATA_FIELDS.items():
+            value = getattr(dc, field)
+            if _changed(value, getattr(usual, field)) and set(run) <= set(readers_not):
+                _fail(f"data.{field}", value, f"the {run[0]} stage does not read it")
+        if _changed(cfg.eval_samples, base.eval_samples) and set(run) <= set(UNSAMPLED_EVAL_STAGES):
+            _fail(
+                "eval_samples",
+                cfg.eval_samples,
+                f"the {run[0]} stage's held-out evaluation samples no completions",
+            )
+        if set(run) <= set(UNSAMPLING_STAGES):
+            usual = type(cfg.sampling)()
+            for field in SAMPLING_FIELDS:
+                value = getattr(cfg.sampling, field)
+                if _changed(value, getattr(usual, field)):
+                    _fail(
+                        f"sampling.{field}",
+                        value,
+                        f"the {run[0]} stage samples no completions on a data file (of "
+                        "sampling it reads prompt_length alone)",
+                    )
+    if cfg.ops.eval_every and (dc.path is not None or set(run) <= set(UNEVALUATED_STAGES)):
+        where = "a data-file run" if dc.path is not None else "a run of sft and reward alone"
+        _fail(
+            "ops.eval_every",
+            cfg.ops.eval_every,
+            f"{where} has no periodic evaluation (the built-in task's PPO, DPO, GRPO, ... "
+            "are evaluated against SFT every ops.eval_every iterations); the held-out "
+            "evaluation runs at the end",
+        )
+    if not uses_judge:
+        task_judge = animal_task_config().judge
+        for f in dataclasses.fields(cfg.judge):
+            value = getattr(cfg.judge, f.name)
+            if _changed(value, getattr(base.judge, f.name), getattr(task_judge, f.name)):
+                _fail(
+                    f"judge.{f.name}",
+                    value,
+                    "no stage of this run scores with the judge (a stage's "
+                    "reward_source=judge reads it)",
+                )

@@ -1,6 +1,7 @@
 """`rlhf_eqx serve`: load a model by name or path and serve it until interrupted."""
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -45,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--chat-template",
         default=None,
-        help="hh, chatml or a .jinja file (default: the model's own template, else hh)",
+        help="hh, chatml, a .jinja file or a model directory (default: the model's own "
+        "template, else hh)",
     )
     p.add_argument("--served-model-name", help="the model name requests give (default: --model)")
     p.add_argument("--seed", type=int, default=0, help="seed of requests without one")
@@ -80,11 +82,22 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _chat_template(value: str | None):
+    """`--chat-template`: a built-in name, else a template file or model directory
+    (`rlhf_eqx.data.load_chat_template`); anything else is a `ValueError` naming the
+    option and what it takes."""
     if value is None or value in ("hh", "chatml"):
         return value
     from rlhf_eqx import data
 
-    return data.load_chat_template(value)
+    if not os.path.exists(value):
+        raise ValueError(
+            f"--chat-template {value!r}: not hh, chatml, nor an existing .jinja file, "
+            "tokenizer_config.json or model directory"
+        )
+    try:
+        return data.load_chat_template(value)
+    except data.DataError as e:
+        raise ValueError(f"--chat-template: {e}") from None
 
 
 def serve_command(
@@ -117,12 +130,13 @@ def serve_command(
     ops = OpsConfig()  # compiled programs kept on disk, as for the other commands
     command_line_cache(ops.compilation_cache, ops.compilation_cache_max_mb)
     try:
+        chat_template = _chat_template(args.chat_template)  # before the model loads
         policy, tok = load_model(args.model, args.tokenizer, quantized=args.quantized)
         server = Server(
             policy,
             tok,
             slots=args.slots,
-            chat_template=_chat_template(args.chat_template),
+            chat_template=chat_template,
             host=args.host,
             port=args.port,
             model_name=args.served_model_name or args.model,

@@ -49,11 +49,14 @@ def sample_model(cfg, prompts: Sequence[str] = (), *, num_samples: int = 4) -> l
     `<|im_end|>`, its template's end of turn), the model's end-of-turn ids (the
     tokenizer's `stop_ids`: Gemma's `<end_of_turn>`, Llama 3's `<|eot_id|>`), BOS or
     `sampling.stop_strings`. A prompt longer
-    than `sampling.prompt_length` widens it instead of being refused.
+    than `sampling.prompt_length` widens it instead of being refused. `num_samples`
+    below 1 is a `ConfigError` naming `-n` (`--num-samples`), before the model loads.
 
     **Returns:** one text per sample, prompt by prompt: the prompt as given, then its
     completion (after a line break when the prompt went through a chat template).
     """
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+        raise ConfigError(f"-n/--num-samples={num_samples!r}: must be >= 1")
     policy, tok = load_configured_model(cfg)
     prompts = list(prompts) or list(task.HELDOUT_PROMPTS[:2])
     fed = render_prompts(tok, cfg.data, prompts)

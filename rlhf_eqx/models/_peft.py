@@ -321,13 +321,13 @@ def _matches(patterns: str | list[str], name: str) -> bool:
 def _targeted(config: dict[str, Any], name: str) -> bool:
     """Whether PEFT adapts module `name` (its `check_target_module_exists`): not in
     `exclude_modules`, matched by `target_modules` (none: every module with tensors) and,
-    for a list of names, in `layers_to_transform` (the index after `layers_pattern`, by
-    default after the first dotted name with a number behind it)."""
+    for a list of names, in `layers_to_transform` (the index after `layers_pattern`, which
+    may begin the name, by default after the first dotted name with a number behind it)."""
     if config.get("exclude_modules") and _matches(config["exclude_modules"], name):
         return False
     targets = config.get("target_modules")
-    if targets == "all-linear":  # expanded by PEFT when saving; here every projection
-        targets = None
+    if isinstance(targets, str) and targets.lower() == "all-linear":
+        targets = None  # expanded by PEFT when saving; here every projection
     if targets is None or isinstance(targets, str) or name in targets:
         return targets is None or _matches(targets, name)
     if not _matches(targets, name):
@@ -335,9 +335,13 @@ def _targeted(config: dict[str, Any], name: str) -> bool:
     layers = config.get("layers_to_transform")
     if layers is None or layers == []:
         return True
-    patterns = config.get("layers_pattern") or r"[^.]*"
-    for pattern in [patterns] if isinstance(patterns, str) else patterns:
-        m = re.match(rf".*?\.{pattern}\.(\d+)\.", name)
+    patterns = config.get("layers_pattern")
+    patterns = [patterns] if isinstance(patterns, str) else patterns
+    regexes = (
+        [rf"(?:^|.*?\.){p}\.(\d+)\." for p in patterns] if patterns else [r".*?\.[^.]*\.(\d+)\."]
+    )
+    for regex in regexes:
+        m = re.match(regex, name)
         if m is not None:
             index = int(m.group(1))
             return index == layers if isinstance(layers, int) else index in layers

@@ -1,0 +1,48 @@
+"""Adapters made by PEFT itself (`get_peft_model` + `save_pretrained`, see
+`tests/fixtures/make_peft_fixtures.py`) loaded with `load_lora_adapter`: the outputs PEFT
+computed for them (`tests/fixtures/peft/reference.npz`), or a refusal naming what a LoRA
+of the plain base cannot express."""
+
+import os
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rlhf_eqx as rx
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+PEFT = os.path.join(FIXTURES, "peft")
+REFERENCE = np.load(os.path.join(PEFT, "reference.npz"))
+TOKENS = jnp.asarray(REFERENCE["tokens"], jnp.int32)
+MASK = jnp.ones(TOKENS.shape, bool)
+
+
+def _base(family):
+    return rx.load_hf(os.path.join(FIXTURES, "hf", family), dtype="float32")
+
+
+def _logits(model):
+    return np.asarray(eqx.filter_jit(lambda m: m(TOKENS, MASK))(model))
+
+
+@pytest.mark.parametrize(
+    "case, family",
+    [
+        ("patterns", "llama3"),
+        ("rslora_regex", "llama3"),
+        ("layers_pattern", "llama3"),
+        ("exclude", "qwen2"),
+    ],
+)
+def test_peft_adapters_compute_what_peft_computes(case, family, tmp_path):
+    base = _base(family)
+    model = rx.load_lora_adapter(base, os.path.join(PEFT, case))
+    want = REFERENCE[case]
+    assert np.abs(want - _logits(base)).max() > 1.0  # the adapter shows
+    np.testing.assert_allclose(_logits(model), want, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(_logits(rx.merge_lora(model)), want, atol=2e-5, rtol=0)
+    rx.save_lora_adapter(model, tmp_path / "again")
+    again = rx.load_lora_adapter(base, tmp_path / "again")
+    np.testing.assert_allclose(_logits(again), want, atol=2e-5, rtol=0)

@@ -653,3 +653,17 @@ def test_pmap_equals_one_device(getkey):
         np.testing.assert_allclose(
             unreplicate(dp_m)[name], value, rtol=2e-4, atol=2e-5, err_msg=name
         )
+
+
+def test_reverse_kl_reward_keeps_float64_and_widens_bfloat16():
+    """The difference was taken in float32 for every input, narrowing float64 ones."""
+    a = np.array([-3.0, -1.0 - 1e-12, -2.0])
+    b = np.array([-3.5, -1.0, -2.5])
+    mask = jnp.array([True, True, False])
+    with jax.enable_x64(True):
+        r = reverse_kl_reward(jnp.asarray(a), jnp.asarray(b), mask)
+        assert r.dtype == jnp.float64
+        assert float(r[1]) == pytest.approx(1e-12, rel=1e-3)
+        assert float(r[2]) == 0.0
+    half = jnp.asarray(a, jnp.bfloat16)
+    assert reverse_kl_reward(half, half, mask).dtype == jnp.float32

@@ -766,3 +766,15 @@ def test_tiny_model_learns_from_collated_text(getkey):
     assert float(metrics["loss"]) < float(first["loss"]) - 0.1
     assert float(metrics["rewards/margins"]) > 0.0
     assert float(metrics["nonfinite"]) == 0.0
+
+
+def test_reference_point_keeps_float64_and_widens_bfloat16():
+    """The mean was taken in float32 for every input, narrowing float64 ones."""
+    a = np.array([-3.0, -1.0 - 1e-9, -2.0])
+    b = np.array([-3.0, -1.0, -2.0])
+    with jax.enable_x64(True):
+        z0 = kto_reference_point(jnp.asarray(b), jnp.asarray(a))
+        assert z0.dtype == jnp.float64
+        assert float(z0) == pytest.approx(1e-9 / 3, rel=1e-6)
+    half = jnp.asarray(a, jnp.bfloat16)
+    assert kto_reference_point(half, half).dtype == jnp.float32

@@ -17,7 +17,13 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from .._sampling import DEFAULT_TEMPERATURE
-from ._validation import Hyperparameter, check_positive, check_python_number, is_python_number
+from ._validation import (
+    Hyperparameter,
+    check_positive,
+    check_python_number,
+    is_python_number,
+    wide_float_dtype,
+)
 from .defaults import DISTILL_BETA
 
 
@@ -147,7 +153,10 @@ def reverse_kl_reward(
     - `teacher_logp`: `[T]` their log-probabilities under the teacher.
     - `mask`: `[T]`, true on the sampled (completion) tokens.
 
-    **Returns:** `[T]` rewards, 0 where `mask` is false.
+    **Returns:** `[T]` rewards, 0 where `mask` is false; float32 (float64 for float64
+    inputs).
     """
-    r = teacher_logp.astype(jnp.float32) - student_logp.astype(jnp.float32)
+    # at least float32 (bfloat16 inputs are subtracted in float32), float64 kept as is
+    dtype = wide_float_dtype(student_logp, teacher_logp)
+    r = teacher_logp.astype(dtype) - student_logp.astype(dtype)
     return jnp.where(mask, r, 0.0)

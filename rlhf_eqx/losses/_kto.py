@@ -27,7 +27,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
-from ._validation import Hyperparameter, check_choice, check_non_negative, check_positive
+from ._validation import (
+    Hyperparameter,
+    check_choice,
+    check_non_negative,
+    check_positive,
+    wide_float_dtype,
+)
 from .defaults import KTO_BETA, KTO_DESIRABLE_WEIGHT, KTO_LOSS_TYPE, KTO_UNDESIRABLE_WEIGHT
 
 KTO_LOSS_TYPES: tuple[str, ...] = ("kto", "apo_zero_unpaired")
@@ -122,11 +128,14 @@ def kto_reference_point(
       over the examples of **every** device (TRL gathers the per-process means across
       processes), so $z_0$ is the same on each.
 
-    **Returns:** the scalar $z_0 \ge 0$ (0 when `B` is 0).
+    **Returns:** the scalar $z_0 \ge 0$ (0 when `B` is 0), in float32 (float64 for
+    float64 inputs).
     """
-    diff = (kl_logp - ref_kl_logp).astype(jnp.float32)
+    # at least float32 (bfloat16 inputs are summed in float32), float64 kept as is
+    dtype = wide_float_dtype(kl_logp, ref_kl_logp)
+    diff = (kl_logp - ref_kl_logp).astype(dtype)
     total = jnp.sum(diff)
-    count = jnp.asarray(diff.shape[0], jnp.float32)
+    count = jnp.asarray(diff.shape[0], dtype)
     if axis_name is not None:
         total, count = jax.lax.psum((total, count), axis_name)
     mean = total / jnp.maximum(count, 1.0)

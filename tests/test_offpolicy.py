@@ -608,3 +608,36 @@ def test_corrected_step_under_pmap_equals_one_device(getkey):
         )
     assert 0.0 < float(one_m["rollout_corr/rollout_is_masked_fraction"]) < 1.0
     assert float(one_m["rollout_corr/rollout_is_max"]) > 1.3
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_low_precision_inputs_under_strict_promotion(dtype):
+    """`promote_types(bfloat16, float32)` raised under strict dtype promotion: the weights
+    and metrics of bfloat16 log-probabilities are computed in float32."""
+    old = jnp.array([-1.0, -2.0, -0.5], dtype)
+    behaviour = jnp.array([-1.1, -1.9, -0.5], dtype)
+    mask = jnp.array([True, True, False])
+    w, kept = importance_weights(old, behaviour, mask, level="geometric", mode="mask", upper=2.0)
+    assert w.dtype == jnp.float32 and kept.dtype == jnp.bool_
+    ref = importance_weights(
+        old.astype(jnp.float32),
+        behaviour.astype(jnp.float32),
+        mask,
+        level="geometric",
+        mode="mask",
+        upper=2.0,
+    )
+    np.testing.assert_array_equal(np.asarray(w), np.asarray(ref[0]))
+    np.testing.assert_array_equal(np.asarray(kept), np.asarray(ref[1]))
+    metrics = mismatch_metrics(old, behaviour, mask)
+    assert all(v.dtype == jnp.float32 for pair in metrics.values() for v in pair)
+
+
+def test_float64_inputs_keep_float64():
+    with jax.enable_x64(True):
+        old = jnp.array([-1.0, -2.0 - 1e-12], jnp.float64)
+        mask = jnp.array([True, True])
+        w, _ = importance_weights(old, jnp.array([-1.0, -2.0], jnp.float64), mask)
+        assert w.dtype == jnp.float64 and float(w[1]) == pytest.approx(1.0 - 1e-12, abs=1e-15)
+        metrics = mismatch_metrics(old, old, mask)
+        assert all(v.dtype == jnp.float64 for pair in metrics.values() for v in pair)

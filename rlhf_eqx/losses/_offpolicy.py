@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
-from ._validation import Hyperparameter, check_choice, is_python_number
+from ._validation import Hyperparameter, check_choice, is_python_number, wide_float_dtype
 
 ROLLOUT_IS_LEVELS: tuple[str, ...] = ("token", "sequence", "geometric")
 """The `level`s of `importance_weights` (veRL `rollout_is_level`)."""
@@ -116,7 +116,7 @@ def importance_weights(
     """
     _check_settings(level, mode, upper, lower)
     sg = jax.lax.stop_gradient
-    dtype = jnp.promote_types(logp_old.dtype, jnp.float32)
+    dtype = wide_float_dtype(logp_old)  # float32, or float64 for float64 inputs
     zero = jnp.zeros(logp_old.shape, dtype)
     r = jnp.where(mask, sg(logp_old).astype(dtype) - sg(behaviour_logp).astype(dtype), zero)
     if level == "token":
@@ -219,7 +219,7 @@ def mismatch_metrics(
     **Returns:** `{name: (value, count)}` of float scalars.
     """
     sg = jax.lax.stop_gradient
-    dtype = jnp.promote_types(logp_old.dtype, jnp.float32)
+    dtype = wide_float_dtype(logp_old)  # float32, or float64 for float64 inputs
     zero = jnp.zeros(logp_old.shape, dtype)
     o = jnp.where(mask, sg(logp_old).astype(dtype), zero)
     b = jnp.where(mask, sg(behaviour_logp).astype(dtype), zero)

@@ -305,6 +305,11 @@ def test_adapter_of_another_base_and_a_file_in_the_way_are_named(base, tmp_path,
         ({"lora_bias": True}, "`lora_bias` = True is not supported"),
         ({"use_qalora": True}, "`use_qalora` = True is not supported"),
         ({"target_parameters": ["mlp.experts.down_proj"]}, "`target_parameters` = "),
+        ({"kasa_config": {}}, "`kasa_config` = {} is not supported"),
+        ({"arrow_config": {"top_k": 3}}, "`arrow_config` = "),
+        ({"use_bdlora": {"nblocks": 2}}, "`use_bdlora` = "),
+        ({"monteclora_config": {"n_experts": 4}}, "`monteclora_config` = "),
+        ({"bias": "some"}, "`bias` = 'some' is not one of none, all, lora_only"),
     ],
 )
 def test_adapters_that_need_another_base_or_layer_are_refused(base, tmp_path, changes, message):

@@ -46,3 +46,25 @@ def test_peft_adapters_compute_what_peft_computes(case, family, tmp_path):
     rx.save_lora_adapter(model, tmp_path / "again")
     again = rx.load_lora_adapter(base, tmp_path / "again")
     np.testing.assert_allclose(_logits(again), want, atol=2e-5, rtol=0)
+
+
+def test_bias_setting_without_saved_biases_is_a_plain_lora():
+    """`bias="lora_only"` on modules without biases: PEFT saves no bias, the adapter is a
+    plain LoRA; where the base has biases PEFT saves them trained, which is refused."""
+    base = _base("llama3")
+    model = rx.load_lora_adapter(base, os.path.join(PEFT, "bias_no_biases"))
+    np.testing.assert_allclose(_logits(model), REFERENCE["bias_no_biases"], atol=2e-5, rtol=0)
+    with pytest.raises(ValueError, match=r"self_attn\.q_proj\.base_layer\.bias' is a bias of the"):
+        rx.load_lora_adapter(_base("qwen2"), os.path.join(PEFT, "bias_trained"))
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("dora", "`use_dora` = True is not supported"),
+        ("lm_head_saved", r"`modules_to_save` = \['lm_head'\] is not supported"),
+    ],
+)
+def test_peft_options_beyond_lora_are_refused(case, message):
+    with pytest.raises(ValueError, match=rf"{case}/adapter_config\.json: {message}"):
+        rx.load_lora_adapter(_base("llama3"), os.path.join(PEFT, case))

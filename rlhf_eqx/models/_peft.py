@@ -221,7 +221,6 @@ def _check(config: dict[str, Any], path: str) -> None:
         )
     for field, inactive in (
         ("use_dora", False),
-        ("bias", "none"),
         ("fan_in_fan_out", False),
         ("modules_to_save", None),
         ("layer_replication", None),
@@ -234,6 +233,12 @@ def _check(config: dict[str, Any], path: str) -> None:
         value = config.get(field, inactive)
         if value != inactive and not (inactive is None and not value):
             raise ValueError(f"{path}: `{field}` = {value!r} is not supported")
+    # LoRA variants PEFT switches on by any sub-config, even an empty one
+    for field in ("kasa_config", "monteclora_config", "use_bdlora", "arrow_config"):
+        if config.get(field) is not None:
+            raise ValueError(f"{path}: `{field}` = {config[field]!r} is not supported")
+    if config.get("bias", "none") not in ("none", "all", "lora_only"):
+        raise ValueError(f"{path}: `bias` = {config['bias']!r} is not one of none, all, lora_only")
     init = config.get("init_lora_weights", True)
     if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
         raise ValueError(
@@ -355,9 +360,13 @@ def load_lora_adapter(model: PyTree, directory: str | os.PathLike) -> PyTree:
 
     Per-layer ranks and alphas (`rank_pattern`, `alpha_pattern`) and rank-stabilised
     scaling (`use_rslora`: `alpha / √r`) are read as PEFT reads them (see the module
-    docstring). Raises `FileNotFoundError` naming a missing file, and `ValueError` naming
-    the file (and field or tensor) for unreadable JSON or safetensors, unsupported PEFT
-    options, unknown modules, mis-shaped tensors and tensors holding NaN or ±inf."""
+    docstring). PEFT's `bias` = `"all"` / `"lora_only"` also trains the biases of the base
+    model and saves them beside the adapter; with no bias tensor saved (the adapted
+    modules have none) the adapter is a plain LoRA and loads, a saved bias is refused.
+    Raises `FileNotFoundError` naming a missing file, and `ValueError` naming the file
+    (and field or tensor) for unreadable JSON or safetensors, unsupported PEFT options
+    (DoRA, `lora_bias`, `modules_to_save`, ...), unknown modules, mis-shaped tensors and
+    tensors holding NaN or ±inf."""
     directory = os.fspath(directory)
     where = where_layers(model)
     if where(model).lora is not None:
@@ -375,6 +384,12 @@ def load_lora_adapter(model: PyTree, directory: str | os.PathLike) -> PyTree:
     by_module = {v.split(".")[1]: k for k, v in _MODULES.items()}
     found: dict[str, dict[tuple[int, str], np.ndarray]] = {}
     for name, arr in tensors.items():
+        if name.endswith(".bias"):
+            raise ValueError(
+                f"{weights_path}: tensor {name!r} is a bias of the base model that PEFT trained "
+                f"(`bias` = {config.get('bias')!r}); an adapter here holds LoRA tensors only: "
+                "merge it with PEFT (`merge_and_unload`) and load the merged checkpoint"
+            )
         m = _NAME.fullmatch(name)
         if m is None or m.group(3) not in by_module:
             raise ValueError(f"{weights_path}: unexpected tensor {name!r}")

@@ -98,9 +98,14 @@ def sqrt_loss(x, mask):  # finite value, NaN gradient at masked negative entries
     return jnp.sum(jnp.where(mask, jnp.sqrt(jnp.where(mask, -x, x)), 0.0))
 
 
+def grad_leak_loss(x, mask):  # same values as good_loss, but padding gets gradient
+    return good_loss(x, mask) + jnp.sum(x - jax.lax.stop_gradient(x))
+
+
 def test_checks_pass_on_a_correct_loss():
     rt.check_finite(good_loss, X, MASK)
     rt.check_padding_invariance(good_loss, (X,), MASK)
+    rt.check_masked_gradients_zero(good_loss, (X,), MASK)
     rt.check_all_masked_contributes_nothing(good_loss, (X,), MASK)
     rt.check_permutation_invariance(good_loss, (X, MASK))
 
@@ -108,6 +113,14 @@ def test_checks_pass_on_a_correct_loss():
 def test_check_padding_invariance_catches_leaks():
     with pytest.raises(AssertionError, match="changed"):
         rt.check_padding_invariance(leaky_loss, (X,), MASK)
+
+
+def test_check_masked_gradients_catches_gradient_through_padding():
+    rt.check_padding_invariance(grad_leak_loss, (X,), MASK)  # the values do not show it
+    with pytest.raises(AssertionError, match="non-zero at masked positions"):
+        rt.check_masked_gradients_zero(grad_leak_loss, (X,), MASK)
+    with pytest.raises(AssertionError, match="non-zero at masked positions"):
+        rt.check_masked_gradients_zero(grad_leak_loss, (X,), MASK, jit=False)
 
 
 def test_check_all_masked_catches_counted_rows():

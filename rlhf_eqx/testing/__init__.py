@@ -24,6 +24,7 @@ def test_my_kl_loss(data):
     logp, ref_logp, mask = data
     rt.check_finite(my_kl_loss, logp, ref_logp, mask)  # values and gradients
     rt.check_padding_invariance(my_kl_loss, (logp, ref_logp), mask)
+    rt.check_masked_gradients_zero(my_kl_loss, (logp, ref_logp), mask)
     rt.check_all_masked_contributes_nothing(my_kl_loss, (logp, ref_logp), mask)
     rt.check_permutation_invariance(my_kl_loss, (logp, ref_logp, mask))
 ```
@@ -51,6 +52,7 @@ where the ratio is clipped, nor at masked positions.
 from ._checks import (
     check_all_masked_contributes_nothing as check_all_masked_contributes_nothing,
     check_finite as check_finite,
+    check_masked_gradients_zero as check_masked_gradients_zero,
     check_padding_invariance as check_padding_invariance,
     check_permutation_invariance as check_permutation_invariance,
     check_ppo_clip_gradient_zero as check_ppo_clip_gradient_zero,

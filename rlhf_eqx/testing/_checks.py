@@ -6,7 +6,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Bool, Float
+from jaxtyping import Array, ArrayLike, Bool, Float, Shaped
 
 # Junk written into padded positions: extreme and ordinary values of both signs.
 DEFAULT_FILL = (-1e4, 3.0, -0.5, 0.0)
@@ -101,7 +101,7 @@ def _compare(
 
 def check_padding_invariance(
     fn: Callable[..., Any],
-    arrays: Sequence[Array],
+    arrays: Sequence[Shaped[Array, "..."]],
     mask: Bool[Array, "*B T"],
     *,
     n_pad: int = 3,
@@ -175,7 +175,7 @@ def _set_row(x: Array, i: int, row: np.ndarray) -> Array:
 
 def check_all_masked_contributes_nothing(
     fn: Callable[..., Any],
-    arrays: Sequence[Array],
+    arrays: Sequence[Shaped[Array, "..."]],
     mask: Bool[Array, "B T"],
     *,
     fill: Sequence[float] = DEFAULT_FILL,
@@ -242,7 +242,7 @@ def check_all_masked_contributes_nothing(
 
 def check_permutation_invariance(
     fn: Callable[..., Any],
-    arrays: Sequence[Array],
+    arrays: Sequence[Shaped[Array, "..."]],
     *,
     permute_outputs: bool = True,
     n_permutations: int = 3,
@@ -343,4 +343,54 @@ def check_ppo_clip_gradient_zero(
         inside = m & (np.abs(adv) > 1e-6) & (ratio > inside_lo) & (ratio < inside_hi)
         assert np.all(g[inside] != 0.0), (
             f"zero gradient inside the clip region at {np.argwhere(inside & (g == 0)).tolist()}"
+        )
+
+
+def _masked_grads(fn: Callable[..., Any], argnums: tuple[int, ...], *args: Any) -> tuple:
+    return _grad_of_sum(fn, argnums, *args)
+
+
+_masked_grads_jit = jax.jit(_masked_grads, static_argnums=(0, 1))
+
+
+def check_masked_gradients_zero(
+    fn: Callable[..., Any],
+    arrays: Sequence[Shaped[Array, "..."]],
+    mask: Bool[Array, "*B T"],
+    *,
+    fill: Sequence[float] = DEFAULT_FILL,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+    jit: bool = True,
+) -> None:
+    """Check that masked positions receive no gradient and do not change the others.
+
+    The gradient of the sum of every floating output leaf of `fn(*arrays, mask)` is taken
+    with respect to each float array of `mask`'s shape. Checked:
+
+    1. it is exactly 0 at every masked position (a masked token must not be trained);
+    2. replacing the masked entries by junk (`fill`, which includes -1e4) leaves the
+       gradient at the real positions unchanged, and still exactly 0 at the masked ones.
+
+    `check_padding_invariance` checks the values; this checks what training sees.
+    """
+    arrays = tuple(arrays)
+    argnums = tuple(i for i, x in enumerate(arrays) if _is_float_array(x) and x.shape == mask.shape)
+    if not argnums:
+        return
+    grad_fn = _masked_grads_jit if jit else _masked_grads
+    m = np.asarray(mask)
+    altered = tuple(_fill_masked(x, mask, fill) for x in arrays)
+    base = grad_fn(fn, argnums, *arrays, mask)
+    other = grad_fn(fn, argnums, *altered, mask)
+    for i, g, h in zip(argnums, base, other):
+        g, h = np.asarray(g), np.asarray(h)
+        for what, x in (("", g), (" after junk at masked positions", h)):
+            assert np.all(x[~m] == 0.0), (
+                f"gradient w.r.t. argument {i}{what} is non-zero at masked positions "
+                f"{np.argwhere(~m & (x != 0)).tolist()}"
+            )
+        assert _close(g[m], h[m], rtol, atol), (
+            f"gradient w.r.t. argument {i} at real positions changed with the junk at masked "
+            f"positions: {g[m]} vs {h[m]}"
         )

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import settings, strategies as st
 from hypothesis.extra import numpy as hnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 PROFILE = "rlhf_eqx"
 
@@ -57,7 +57,9 @@ def _masks(draw, shape, allow_all_masked):
     return np.stack(rows).reshape(shape)
 
 
-def masks(shape: tuple[int, ...], *, allow_all_masked: bool = True) -> st.SearchStrategy[Array]:
+def masks(
+    shape: tuple[int, ...], *, allow_all_masked: bool = True
+) -> st.SearchStrategy[Bool[Array, "*B T"]]:
     """Boolean masks of `shape` (last axis = sequence), one pattern per row.
 
     Each row is drawn from: random, right-padded, left-padded, all real, and (when
@@ -87,7 +89,7 @@ def logprob_arrays(
     min_value: float | int = -1e4,
     max_value: float | int = 0.0,
     allow_all_masked: bool = True,
-) -> st.SearchStrategy[tuple[Array, ...]]:
+) -> st.SearchStrategy[tuple[Float[Array, "*B T"] | Bool[Array, "*B T"], ...]]:
     """`n` float32 log-probability arrays and a boolean mask: `(logp_1, ..., logp_n, mask)`.
 
     Values lie in `[min_value, max_value]` (default `[-1e4, 0]`, boundaries included, so

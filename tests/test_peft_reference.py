@@ -4,6 +4,7 @@ computed for them (`tests/fixtures/peft/reference.npz`), or a refusal naming wha
 of the plain base cannot express."""
 
 import os
+import shutil
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -68,3 +69,20 @@ def test_bias_setting_without_saved_biases_is_a_plain_lora():
 def test_peft_options_beyond_lora_are_refused(case, message):
     with pytest.raises(ValueError, match=rf"{case}/adapter_config\.json: {message}"):
         rx.load_lora_adapter(_base("llama3"), os.path.join(PEFT, case))
+
+
+def test_a_missing_adapter_file_is_named_with_what_is_there_instead(tmp_path):
+    """An adapter saved as `adapter_model.bin` (a PyTorch pickle) or a model checkpoint
+    given as an adapter: one line naming the missing file and what to do."""
+    base = _base("llama3")
+    (tmp_path / "ad").mkdir()
+    shutil.copy(os.path.join(PEFT, "patterns", "adapter_config.json"), tmp_path / "ad")
+    with pytest.raises(FileNotFoundError, match=r"ad/adapter_model\.safetensors: file not found$"):
+        rx.load_lora_adapter(base, tmp_path / "ad")
+    (tmp_path / "ad" / "adapter_model.bin").write_bytes(b"\x80\x02")
+    with pytest.raises(
+        FileNotFoundError, match=r"safetensors: file not found; .* adapter_model\.bin"
+    ):
+        rx.load_lora_adapter(base, tmp_path / "ad")
+    with pytest.raises(FileNotFoundError, match="adapter_config.json: file not found; .* load_hf"):
+        rx.load_lora_adapter(base, os.path.join(FIXTURES, "hf", "llama3"))

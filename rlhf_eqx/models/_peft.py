@@ -71,6 +71,7 @@ _NAME = re.compile(
     r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight"
 )
 _CONFIG, _WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+_PICKLED = "adapter_model.bin"  # PEFT before 0.6 and `safe_serialization=False`
 
 
 def _alpha(scale: float | int, rank: int, rslora: bool, exact: bool) -> float:
@@ -373,6 +374,11 @@ def load_lora_adapter(model: PyTree, directory: str | os.PathLike) -> PyTree:
         raise ValueError("load_lora_adapter: the model already has LoRA adapters")
     cfg = model_config(model)
     config_path = os.path.join(directory, _CONFIG)
+    if not os.path.exists(config_path) and os.path.exists(os.path.join(directory, "config.json")):
+        raise FileNotFoundError(
+            f"{config_path}: file not found; {directory} holds a model checkpoint "
+            "(config.json), not a PEFT adapter: load it with load_hf"
+        )
     config = _read_json(config_path)
     if not isinstance(config, dict):
         raise ValueError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
@@ -380,6 +386,12 @@ def load_lora_adapter(model: PyTree, directory: str | os.PathLike) -> PyTree:
     rslora = bool(config.get("use_rslora", False))
     dropout = float(config.get("lora_dropout", 0.0))
     weights_path = os.path.join(directory, _WEIGHTS)
+    if not os.path.exists(weights_path) and os.path.exists(os.path.join(directory, _PICKLED)):
+        raise FileNotFoundError(
+            f"{weights_path}: file not found; the adapter's tensors are in {_PICKLED} (a "
+            "PyTorch pickle, not read here): write them again as safetensors with PEFT "
+            "(`PeftModel.from_pretrained(base, dir).save_pretrained(dir)`)"
+        )
     tensors = _load_file(weights_path)  # each tensor checked to be finite
     by_module = {v.split(".")[1]: k for k, v in _MODULES.items()}
     found: dict[str, dict[tuple[int, str], np.ndarray]] = {}

@@ -31,7 +31,6 @@ BUILTIN_REFUSED = [
     (["data.limit=5"], r"^data\.limit=5: applies to a data file \(data\.path, --data FILE\)"),
     (["data.eval_prompts=3"], r"^data\.eval_prompts=3: applies to a data file"),
     (["data.filter=identical"], r"^data\.filter=\('identical',\): applies to a data file"),
-    (["data.chat_template=none"], r"^data\.chat_template='none': applies to a data file"),
     (["data.assistant_turns=last"], r"^data\.assistant_turns='last': applies to a data file"),
     (["stages=sft", "ops.eval_every=2"], r"^ops\.eval_every=2: a run of sft and reward alone"),
     (["stages=sft,dpo", "judge.score=prob"], r"^judge\.score='prob': no stage of this run"),
@@ -45,6 +44,15 @@ BUILTIN_REFUSED = [
         r"^dpo\.lora\.alpha=3\.0: dpo\.lora\.rank=0 trains every weight without LoRA",
     ),
     (["grpo.lora.rank=0", "grpo.lora.targets=q"], r"^grpo\.lora\.targets=\('q',\): grpo\.lora"),
+    (
+        ["distill.lmbda=0", "distill.temperature=0.7"],
+        r"^distill\.temperature=0\.7: samples the on-policy completions only",
+    ),
+    (["ops.tracker_group=g"], r"^ops\.tracker_group='g': no tracker of the run groups runs"),
+    (
+        ["ops.tracker_group=g", "ops.trackers=tensorboard"],
+        r"^ops\.tracker_group='g': no tracker of the run groups runs",
+    ),
 ]
 
 
@@ -85,6 +93,9 @@ def test_the_defaults_and_the_settings_that_are_read_pass(pairs):
     _validate(["dpo.lora.rank=0"])  # the task's adapter settings stay, unread
     _validate(["dpo.lora.rank=0", "dpo.lora.alpha=32", "dpo.lora.dropout=0.05"])  # usual ones
     _validate(["stages=sft,grpo", "grpo.reward_source=judge", "judge.score=prob"])
+    _validate(["ops.tracker_group=g", "ops.trackers=tensorboard,mlflow"])
+    _validate(["distill.lmbda=0"])
+    _validate(["data.chat_template=none"])  # `rlhf_eqx sample` renders its prompts with it
     read = ["data.eval_prompts=3", "eval_samples=2", "data.limit=6", "dpo.beta=0.2"]
     _validate([*read, f"data.path={pairs}"], stage="dpo")
     _validate([f"data.path={pairs}", "data.assistant_turns=last"], stage="sft")

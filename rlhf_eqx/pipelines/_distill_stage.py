@@ -57,7 +57,8 @@ class DistillConfig(BatchStageConfig):
     lora: LoRASettings = LoRASettings()
 
     def check(self, name: str, *, device_count: int = 1) -> None:
-        """Distillation's own rules: β and λ in [0, 1], a temperature > 0, samples >= 1, and a
+        """Distillation's own rules: β and λ in [0, 1], a temperature > 0 (and its default
+        with `lmbda=0`, which samples no on-policy completion at it), samples >= 1, and a
         teacher that is a teacher stage, a short model name (`MODEL_NAMES`, as `--model`
         takes), a checkpoint or run directory or a `.gguf` file."""
         from ._pipeline import MODEL_NAMES, closest_name
@@ -66,6 +67,13 @@ class DistillConfig(BatchStageConfig):
         _within(f"{name}.beta", self.beta, 0, 1, " (0: forward KL, 1: reverse KL)")
         _within(f"{name}.lmbda", self.lmbda, 0, 1)
         _above(f"{name}.temperature", self.temperature, 0)
+        if self.lmbda == 0 and self.temperature != DistillConfig.temperature:
+            _fail(
+                f"{name}.temperature",
+                self.temperature,
+                f"samples the on-policy completions only, and {name}.lmbda=0 has none (the "
+                "loss is at temperature 1)",
+            )
         _positive(f"{name}.samples", self.samples)
         t = self.teacher
         gguf = t.lower().endswith(".gguf") and os.path.isfile(t)

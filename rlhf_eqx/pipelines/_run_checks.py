@@ -21,6 +21,9 @@ from ._pipeline_config import (
 )
 from ._registry import find_stage, stage_names, stages
 
+SAMPLE_DATA_FIELDS: tuple[str, ...] = ("chat_template",)
+"""The `data` fields read without a data file: `rlhf_eqx sample` renders its prompts with
+`data.chat_template` (its configuration is checked as the built-in pipeline's)."""
 UNREAD_DATA_FIELDS: dict[str, tuple[str, ...]] = {
     "eval_prompts": ("grpo", "reward", "prm", "distill"),
     "assistant_turns": ("reward", "dpo", "grpo", "kto", "ppo", "prm"),
@@ -219,7 +222,8 @@ def _check_task_only(cfg: Any, run: tuple[str, ...]) -> None:
 def check_unread(cfg: Any, run: tuple[str, ...], uses_judge: bool) -> None:
     """Refuse a shared setting that the stages `run` would not read, changed from its
     default (the usual one or the built-in task's): one line naming the field and what
-    applies instead. `data.*` on the built-in task (no `data.path`); on a data file the
+    applies instead. `data.*` on the built-in task (no `data.path`; but
+    `SAMPLE_DATA_FIELDS`); on a data file the
     running stages' `TASK_ONLY_FIELDS`, and `label_noise`, `data.eval_prompts`,
     `data.assistant_turns`, `eval_samples` and the `sampling` of completions where no
     running stage reads them (`UNREAD_DATA_FIELDS`, `UNSAMPLED_EVAL_STAGES`,
@@ -229,6 +233,8 @@ def check_unread(cfg: Any, run: tuple[str, ...], uses_judge: bool) -> None:
     base, dc, usual = PipelineConfig(), cfg.data, DataConfig()
     if dc.path is None:
         for f in dataclasses.fields(dc):
+            if f.name in SAMPLE_DATA_FIELDS:
+                continue
             value = getattr(dc, f.name)
             if _changed(value, getattr(usual, f.name)):
                 _fail(

@@ -245,6 +245,13 @@ def validate_ops(o: OpsConfig) -> None:
     if ps and (len(ps) != 2 or not 0 <= ps[0] < ps[1]):
         _fail("ops.profile_steps", ps, "must be empty or [a, b] with 0 <= a < b")
     check_tracker_names(o.trackers)
+    if o.tracker_group and not [t for t in o.trackers if t != "tensorboard"]:
+        _fail(
+            "ops.tracker_group",
+            o.tracker_group,
+            "no tracker of the run groups runs (set ops.trackers: wandb, mlflow, trackio or "
+            "a registered one; TensorBoard has no groups)",
+        )
 
 
 def validate_stage(name: str, c: Any, *, device_count: int = 1) -> None:

@@ -3,13 +3,16 @@
 computed for them (`tests/fixtures/peft/reference.npz`), or a refusal naming what a LoRA
 of the plain base cannot express."""
 
+import json
 import os
 import shutil
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 import rlhf_eqx as rx
 
@@ -86,3 +89,39 @@ def test_a_missing_adapter_file_is_named_with_what_is_there_instead(tmp_path):
         rx.load_lora_adapter(base, tmp_path / "ad")
     with pytest.raises(FileNotFoundError, match="adapter_config.json: file not found; .* load_hf"):
         rx.load_lora_adapter(base, os.path.join(FIXTURES, "hf", "llama3"))
+
+
+def _rewards(model):
+    return np.asarray(eqx.filter_jit(lambda m: m(TOKENS, MASK))(model))
+
+
+def test_sequence_classifier_adapter_scores_as_peft_does():
+    """A PEFT `SEQ_CLS` adapter holds the score head (`modules_to_save`): onto a
+    `RewardModel` it sets the head; onto a policy it is refused."""
+    base = _base("llama3")
+    reward = rx.RewardModel.from_policy(base, key=jax.random.key(0))
+    loaded = rx.load_lora_adapter(reward, os.path.join(PEFT, "seq_cls"))
+    np.testing.assert_allclose(_rewards(loaded), REFERENCE["seq_cls"], atol=2e-5, rtol=0)
+    with pytest.raises(ValueError, match=r"'base_model\.model\.score\.weight' is the score head"):
+        rx.load_lora_adapter(base, os.path.join(PEFT, "seq_cls"))
+
+
+def test_reward_model_adapters_are_saved_with_their_head(tmp_path):
+    """`save_lora_adapter` of a `RewardModel` writes PEFT's sequence-classifier layout,
+    and reads back onto a reward model with another head as the same rewards."""
+    base = _base("llama3")
+    reward = rx.RewardModel.from_policy(base, key=jax.random.key(0))
+    adapted = rx.load_lora_adapter(reward, os.path.join(PEFT, "seq_cls"))
+    rx.save_lora_adapter(adapted, tmp_path / "ad")
+    config = json.loads((tmp_path / "ad" / "adapter_config.json").read_text())
+    assert (config["task_type"], config["modules_to_save"]) == ("SEQ_CLS", ["classifier", "score"])
+    score = load_file(str(tmp_path / "ad" / "adapter_model.safetensors"))[
+        "base_model.model.score.weight"
+    ]
+    np.testing.assert_array_equal(score, np.asarray(adapted.head)[None])
+    other = rx.RewardModel.from_policy(base, key=jax.random.key(1))
+    again = rx.load_lora_adapter(other, tmp_path / "ad")
+    np.testing.assert_allclose(_rewards(again), REFERENCE["seq_cls"], atol=2e-5, rtol=0)
+    biased = eqx.tree_at(lambda m: m.bias, adapted, jnp.ones(()))
+    with pytest.raises(ValueError, match="RewardModel's `bias` is 1.0, but PEFT's score head"):
+        rx.save_lora_adapter(biased, tmp_path / "biased")

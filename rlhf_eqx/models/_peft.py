@@ -37,6 +37,14 @@ projection get rank 0 (a `LayerwiseLoRAAdapter` holding zeros there). Saving wri
 `layers_to_transform` where the adapted projections share their layers, else one
 `target_modules` regex. A tensor of a module the config does not adapt is refused
 (PEFT would drop it).
+
+**Reward and value models.** A `RewardModel` or `ValueModel` is saved as PEFT saves a
+sequence classifier's adapter (`task_type` `SEQ_CLS`, `modules_to_save` `["classifier",
+"score"]`): its head as `base_model.model.score.weight` `[1, D]` beside the adapters, so
+that `PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(base,
+num_labels=1), adapter_dir)` scores as the model does (its `bias` must be zero: the
+`score` layer has none). Loading such an adapter onto a `RewardModel` / `ValueModel`
+sets `head` from that tensor and `bias` to zero; onto a `Policy` it is refused.
 """
 
 import json
@@ -53,6 +61,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from ._build import model_config, where_layers
+from ._heads import RewardModel, ValueModel
 from ._hf import _load_file, _read_json, _write_atomically
 from ._layers import LoRAAdapter
 from ._lora import LayerwiseLoRAAdapter, layer_ranks_and_scales, lora_shapes
@@ -67,6 +76,8 @@ _MODULES = {
     "down": "mlp.down_proj",
 }
 _PREFIX = "base_model.model.model.layers."
+_SCORE = "base_model.model.score.weight"  # a sequence classifier's head, `[1, D]`
+_SCORE_MODULES = ["classifier", "score"]  # PEFT's `modules_to_save` for `SEQ_CLS`
 _NAME = re.compile(
     r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight"
 )
@@ -149,7 +160,9 @@ def save_lora_adapter(
     **Arguments:**
 
     - `model`: a `Policy` (or other decoder model) with adapters from `apply_lora` or
-      `load_lora_adapter`. Adapters that differ in rank or scale, by projection or by
+      `load_lora_adapter`; a `RewardModel` / `ValueModel` is written with its head as a
+      sequence classifier's (see the module docstring; a nonzero `bias` is a
+      `ValueError`). Adapters that differ in rank or scale, by projection or by
       layer, are written with PEFT's `rank_pattern` / `alpha_pattern`, and those loaded
       with `use_rslora` with it again (see the module docstring).
     - `directory`: created if needed; `adapter_config.json` and
@@ -164,6 +177,14 @@ def save_lora_adapter(
     lora = where_layers(model)(model).lora
     if lora is None:
         raise ValueError("save_lora_adapter: the model has no LoRA adapters; call apply_lora first")
+    scorer = isinstance(model, (RewardModel, ValueModel))
+    if scorer and float(model.bias) != 0.0:
+        raise ValueError(
+            f"save_lora_adapter: the {type(model).__name__}'s `bias` is {float(model.bias)}, "
+            "but PEFT's score head (a ...ForSequenceClassification `score`) has no bias; set "
+            "it to zero first (eqx.tree_at(lambda m: m.bias, model, jnp.zeros(()))): a "
+            "Bradley-Terry reward does not change"
+        )
     n_layers = model_config(model).n_layers
     rank, alpha, rslora, rank_pattern, alpha_pattern = _patterns(lora, n_layers)
     target_modules, layers_to_transform = _selection(lora, n_layers)
@@ -179,9 +200,11 @@ def save_lora_adapter(
                 continue
             tensors[f"{stem}.lora_A.weight"] = np.ascontiguousarray(a[i][:, :r].T)
             tensors[f"{stem}.lora_B.weight"] = np.ascontiguousarray(b[i][:r].T)
+    if scorer:
+        tensors[_SCORE] = np.asarray(model.head, np.float32)[None]
     config = {
         "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
+        "task_type": "SEQ_CLS" if scorer else "CAUSAL_LM",
         "base_model_name_or_path": base_model_name_or_path,
         "r": rank,
         "lora_alpha": alpha,  # alpha again, not 7.000000000000001
@@ -193,7 +216,7 @@ def save_lora_adapter(
         "use_dora": False,
         "inference_mode": True,
         "init_lora_weights": True,
-        "modules_to_save": None,
+        "modules_to_save": _SCORE_MODULES if scorer else None,
         "layers_to_transform": layers_to_transform,
         "rank_pattern": rank_pattern,
         "alpha_pattern": alpha_pattern,
@@ -223,7 +246,6 @@ def _check(config: dict[str, Any], path: str) -> None:
     for field, inactive in (
         ("use_dora", False),
         ("fan_in_fan_out", False),
-        ("modules_to_save", None),
         ("layer_replication", None),
         ("alora_invocation_tokens", None),
         ("trainable_token_indices", None),
@@ -234,6 +256,9 @@ def _check(config: dict[str, Any], path: str) -> None:
         value = config.get(field, inactive)
         if value != inactive and not (inactive is None and not value):
             raise ValueError(f"{path}: `{field}` = {value!r} is not supported")
+    saved = config.get("modules_to_save") or []
+    if not isinstance(saved, list) or not set(saved) <= set(_SCORE_MODULES):
+        raise ValueError(f"{path}: `modules_to_save` = {saved!r} is not supported")
     # LoRA variants PEFT switches on by any sub-config, even an empty one
     for field in ("kasa_config", "monteclora_config", "use_bdlora", "arrow_config"):
         if config.get(field) is not None:
@@ -395,6 +420,9 @@ def load_lora_adapter(model: PyTree, directory: str | os.PathLike) -> PyTree:
     tensors = _load_file(weights_path)  # each tensor checked to be finite
     by_module = {v.split(".")[1]: k for k, v in _MODULES.items()}
     found: dict[str, dict[tuple[int, str], np.ndarray]] = {}
+    score = tensors.pop(_SCORE, None)
+    if score is not None:
+        model = _with_score(model, score, weights_path)
     for name, arr in tensors.items():
         if name.endswith(".bias"):
             raise ValueError(
@@ -479,3 +507,22 @@ def load_lora_adapter(model: PyTree, directory: str | os.PathLike) -> PyTree:
             make = lambda a, b: LoRAAdapter(a=a, b=b, scale=scales[0], dropout=dropout)
             adapters[target] = jax.vmap(make)(jnp.asarray(a), jnp.asarray(b))
     return eqx.tree_at(lambda m: where(m).lora, model, adapters, is_leaf=lambda x: x is None)
+
+
+def _with_score(model: PyTree, score: np.ndarray, path: str) -> PyTree:
+    """`model` (a `RewardModel` / `ValueModel`) reading out with the saved score head:
+    `head = score[0]`, `bias = 0` (PEFT's `score` is a `Linear` without bias)."""
+    if not isinstance(model, (RewardModel, ValueModel)):
+        raise ValueError(
+            f"{path}: tensor {_SCORE!r} is the score head of a sequence classifier (`task_type` "
+            f"SEQ_CLS); load the adapter onto a RewardModel or ValueModel, not a "
+            f"{type(model).__name__}"
+        )
+    d_model = model_config(model).d_model
+    if score.shape != (1, d_model):
+        raise ValueError(
+            f"{path}: tensor {_SCORE!r} has shape {score.shape}, expected (1, {d_model}) (one "
+            "label, the base model's width)"
+        )
+    head = jnp.asarray(score[0], jnp.float32)
+    return eqx.tree_at(lambda m: (m.head, m.bias), model, (head, jnp.zeros((), jnp.float32)))

@@ -66,7 +66,8 @@ class RewardConfig(BatchStageConfig, RewardSettings):
 
     def check(self, name: str, *, device_count: int = 1) -> None:
         """The reward stage's own rules: pairs per prompt, the held-out fraction, the
-        ensemble's size, mode and penalty."""
+        ensemble's size, mode and penalty (their defaults with `ensemble=1`: one reward
+        model scores alone)."""
         del device_count
         _positive(f"{name}.pairs_per_prompt", self.pairs_per_prompt)
         if not 0 < self.heldout_fraction < 1:
@@ -75,6 +76,16 @@ class RewardConfig(BatchStageConfig, RewardSettings):
         _positive(f"{name}.ensemble", self.ensemble)
         _choice(f"{name}.ensemble_mode", self.ensemble_mode, ENSEMBLE_MODES)
         _at_least(f"{name}.ensemble_penalty", self.ensemble_penalty, 0)
+        if self.ensemble == 1:
+            for field in ("ensemble_mode", "ensemble_penalty"):
+                value = getattr(self, field)
+                if value != getattr(RewardConfig, field):
+                    _fail(
+                        f"{name}.{field}",
+                        value,
+                        f"combines the members of an ensemble; {name}.ensemble=1 trains one "
+                        f"reward model (set {name}.ensemble >= 2)",
+                    )
 
 
 class RewardRunState(eqx.Module):

@@ -228,7 +228,10 @@ def validate_judge(j) -> None:
 
 
 def validate_ops(o: OpsConfig) -> None:
-    """Check the operations settings of a run (`ops.*`); `ConfigError` naming the field."""
+    """Check the operations settings of a run (`ops.*`); `ConfigError` naming the field.
+    A setting nothing reads under the others is refused at another value than its
+    default: `ops.lr_backoff` and `ops.max_rollbacks` with `ops.rollback=false`,
+    `ops.tracker_group` without a tracker that groups runs."""
     _at_least("ops.seed", o.seed, 0)
     if o.checkpoint_every < 0:
         _fail("ops.checkpoint_every", o.checkpoint_every, "must be >= 0")
@@ -245,6 +248,12 @@ def validate_ops(o: OpsConfig) -> None:
     if ps and (len(ps) != 2 or not 0 <= ps[0] < ps[1]):
         _fail("ops.profile_steps", ps, "must be empty or [a, b] with 0 <= a < b")
     check_tracker_names(o.trackers)
+    if not o.rollback:  # the spikes are still noted; nothing is rolled back
+        for field in ("lr_backoff", "max_rollbacks"):
+            value = getattr(o, field)
+            if value != getattr(OpsConfig, field):
+                why = "applies to the rollbacks; ops.rollback=false has none"
+                _fail(f"ops.{field}", value, why)
     if o.tracker_group and not [t for t in o.trackers if t != "tensorboard"]:
         _fail(
             "ops.tracker_group",

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 
 import rlhf_eqx as rx
 
@@ -125,3 +125,20 @@ def test_reward_model_adapters_are_saved_with_their_head(tmp_path):
     biased = eqx.tree_at(lambda m: m.bias, adapted, jnp.ones(()))
     with pytest.raises(ValueError, match="RewardModel's `bias` is 1.0, but PEFT's score head"):
         rx.save_lora_adapter(biased, tmp_path / "biased")
+
+
+def test_tensors_outside_the_adapted_projections_are_named(tmp_path):
+    """PEFT adapters of the embedding, or of a module this model does not have: one line
+    naming the file, the tensor and why."""
+    shutil.copytree(os.path.join(PEFT, "patterns"), tmp_path / "ad")
+    path = tmp_path / "ad" / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    for name, why in [
+        ("base_model.model.model.embed_tokens.lora_embedding_A", "outside the decoder layers"),
+        ("base_model.model.model.layers.0.self_attn.rotary.lora_A.weight", "q_proj, k_proj"),
+    ]:
+        save_file({**tensors, name: np.zeros((2, 32), np.float32)}, str(path))
+        with pytest.raises(
+            ValueError, match=rf"adapter_model\.safetensors: unexpected tensor '{name}' .*{why}"
+        ):
+            rx.load_lora_adapter(_base("llama3"), tmp_path / "ad")

@@ -432,7 +432,7 @@ def load_lora_adapter(model: PyTree, directory: str | os.PathLike) -> PyTree:
             )
         m = _NAME.fullmatch(name)
         if m is None or m.group(3) not in by_module:
-            raise ValueError(f"{weights_path}: unexpected tensor {name!r}")
+            raise ValueError(f"{weights_path}: unexpected tensor {name!r} ({_unexpected(name)})")
         if int(m.group(1)) >= cfg.n_layers:
             raise ValueError(
                 f"{weights_path}: tensor {name!r} adapts layer {m.group(1)}, but the base model "
@@ -507,6 +507,17 @@ def load_lora_adapter(model: PyTree, directory: str | os.PathLike) -> PyTree:
             make = lambda a, b: LoRAAdapter(a=a, b=b, scale=scales[0], dropout=dropout)
             adapters[target] = jax.vmap(make)(jnp.asarray(a), jnp.asarray(b))
     return eqx.tree_at(lambda m: where(m).lora, model, adapters, is_leaf=lambda x: x is None)
+
+
+def _unexpected(name: str) -> str:
+    """Why the adapter tensor `name` has no place in rlhf_eqx's LoRA."""
+    if not name.startswith(_PREFIX):
+        return (
+            "a module outside the decoder layers, such as embed_tokens or lm_head; rlhf_eqx "
+            "adapts the layers' projections only"
+        )
+    modules = ", ".join(v.split(".")[1] for v in _MODULES.values())
+    return f"rlhf_eqx adapts the layers' {modules} with lora_A / lora_B only"
 
 
 def _with_score(model: PyTree, score: np.ndarray, path: str) -> PyTree:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
-from jaxtyping import Array
+from jaxtyping import Array, ArrayLike, Float, Shaped
 
 from ._completion_losses import cispo_policy_loss, gmpo_policy_loss, sapo_policy_loss
 from ._grpo import grpo_policy_loss
@@ -270,7 +270,9 @@ _BUILTIN: dict[str, PolicyLossSpec] = {
 _REGISTRY.update({k: s._replace(name=repr(k)) for k, s in _BUILTIN.items()})
 
 
-def per_token_output(spec: PolicyLossSpec, out: Any, like: Array) -> tuple[Array, dict]:
+def per_token_output(
+    spec: PolicyLossSpec, out: Any, like: Float[Array, "*B T"]
+) -> tuple[Float[Array, "*B T"], dict[str, Shaped[ArrayLike, "*B T"]]]:
     """`(per_token, stats)` of a loss's output, checked: a float array shaped as `like`
     and a dict of arrays of that shape."""
     if isinstance(out, (tuple, list)) and (len(out) != 2 or not isinstance(out[1], dict)):

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, Int, Int8, PRNGKeyArray, UInt8
 
 from ._native_rows import dense_product, dense_routed
 from ._packed_products import NATIVE_MAX_ROWS
@@ -43,10 +43,10 @@ class AbstractQuantizedWeight(eqx.Module):
         """The dense weight's shape (leading stack axes included)."""
 
     @abc.abstractmethod
-    def dequantize(self, dtype) -> Array:
+    def dequantize(self, dtype) -> Float[Array, "*L i o"]:
         """The dense weight in `dtype`."""
 
-    def dequantize_t(self, dtype) -> Array:
+    def dequantize_t(self, dtype) -> Float[Array, "*L o i"]:
         """The dense weight transposed, `[..., out, in]` (decoded as such when stored by column)."""
         return jnp.swapaxes(self.dequantize(dtype), -1, -2)
 
@@ -73,14 +73,14 @@ class Int8Weight(AbstractQuantizedWeight):
     `w ≈ q * scale[None, :]`, with `scale = max_i |w[i, o]| / 127`.
     """
 
-    q: Array  # int8 [in, out]
+    q: Int8[Array, "i out"]
     scale: Float[Array, " out"]
 
     @property
     def shape(self) -> tuple[int, ...]:
         return self.q.shape
 
-    def dequantize(self, dtype) -> Array:
+    def dequantize(self, dtype) -> Float[Array, "*L i o"]:  # stacked in a layer scan
         return self.q.astype(dtype) * self.scale.astype(dtype)[None, :]
 
 
@@ -103,7 +103,7 @@ class NF4Weight(AbstractQuantizedWeight):
     4 + 32 / `block_size` bits per entry (0.14× float32 at the default 64).
     """
 
-    codes: Array  # uint8 [..., n_padded // 2]
+    codes: UInt8[Array, "*L packed"]  # two 4-bit codes per byte: n_padded // 2
     absmax: Float[Array, "*L blocks"]
     in_out: tuple[int, int] = eqx.field(static=True)
     block_size: int = eqx.field(static=True)
@@ -112,7 +112,7 @@ class NF4Weight(AbstractQuantizedWeight):
     def shape(self) -> tuple[int, ...]:
         return self.codes.shape[:-1] + self.in_out
 
-    def dequantize(self, dtype) -> Array:
+    def dequantize(self, dtype) -> Float[Array, "*L i o"]:
         lead = self.codes.shape[:-1]
         hi = (self.codes >> 4).astype(jnp.int32)
         lo = (self.codes & 15).astype(jnp.int32)
@@ -124,7 +124,7 @@ class NF4Weight(AbstractQuantizedWeight):
 
 def matmul(
     x: Float[Array, "*N i"],
-    w: Array | AbstractQuantizedWeight,
+    w: Float[Array, "_ _"] | AbstractQuantizedWeight,  # [i, o] ([o, i] when transposed)
     *,
     out_dtype=None,
     transposed: bool = False,

@@ -15,7 +15,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray, PyTree
+from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray, PyTree, Real
 
 from ..models import AbstractBatchedModel
 from ..ops import entropy_from_logits, logprobs_from_logits
@@ -23,7 +23,7 @@ from ._optim import learning_rate_from_state
 from ._validation import check_positive_int
 
 # name -> (sum, count): a masked mean that can be added up over micro-batches and devices.
-Sums = dict[str, tuple[Array, Array]]
+Sums = dict[str, tuple[Real[Array, ""], Real[Array, ""]]]
 
 
 def split_micro_batches(batch: PyTree, micro_batches: int) -> PyTree:

@@ -29,7 +29,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Float32, Int, Int32
 
 from ..data import Tokenizer, wants_bos
 from ..models import Policy, last_real_index
@@ -145,7 +145,7 @@ class JudgeReward:
 
     def encode(
         self, prompts: Sequence[str], completions: Sequence[str]
-    ) -> tuple[np.ndarray, np.ndarray]:
+    ) -> tuple[Int32[np.ndarray, "N T"], Bool[np.ndarray, "N T"]]:
         """`(tokens [N, T], mask [N, T])`: `encode(render(p, c))`, after BOS when the
         tokenizer asks for it (`data.wants_bos`), right-padded to a multiple of
         `bucket_size` (at most `max_length`). A text longer than `max_length` keeps its
@@ -168,7 +168,9 @@ class JudgeReward:
             mask[i, : len(r)] = True
         return tokens, mask
 
-    def score(self, prompts: Sequence[str], completions: Sequence[str]) -> np.ndarray:
+    def score(
+        self, prompts: Sequence[str], completions: Sequence[str]
+    ) -> Float32[np.ndarray, " N"]:
         """Scores `[N]` (float32) of the pairs `(prompts[i], completions[i])`: all rows in one
         batched forward pass (`batch_size` rows at a time when set). Rows are padded up to
         a power of two (or to `batch_size`), so a handful of shapes are compiled."""

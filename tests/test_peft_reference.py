@@ -119,6 +119,16 @@ def test_reward_model_adapters_are_saved_with_their_head(tmp_path):
         "base_model.model.score.weight"
     ]
     np.testing.assert_array_equal(score, np.asarray(adapted.head)[None])
+    # the layout PEFT wrote for the same adapter: tensor names, shapes, config fields
+    peft_dir = os.path.join(PEFT, "seq_cls")
+    theirs = load_file(os.path.join(peft_dir, "adapter_model.safetensors"))
+    ours = load_file(str(tmp_path / "ad" / "adapter_model.safetensors"))
+    assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in theirs.items()}
+    with open(os.path.join(peft_dir, "adapter_config.json")) as f:
+        peft_config = json.load(f)
+    for field in ("peft_type", "task_type", "r", "lora_alpha", "modules_to_save", "bias"):
+        assert config[field] == peft_config[field], field
+    assert sorted(config["target_modules"]) == sorted(peft_config["target_modules"])
     other = rx.RewardModel.from_policy(base, key=jax.random.key(1))
     again = rx.load_lora_adapter(other, tmp_path / "ad")
     np.testing.assert_allclose(_rewards(again), REFERENCE["seq_cls"], atol=2e-5, rtol=0)

@@ -159,7 +159,9 @@ def test_a_run_prints_the_settings_it_reads_and_saves_the_whole_config(tmp_path,
         header == f"rlhf_eqx dpo: the settings this run reads (the whole config: {out}/config.json)"
     )
     shown = json.JSONDecoder().raw_decode(rest)[0]
-    assert list(shown) == ["stages", "out", "dpo", "model", "data", "sampling", "ops"]
+    assert list(shown) == [
+        "stages", "out", "eval_samples", "dpo", "model", "data", "sampling", "ops"
+    ]  # fmt: skip
     assert '"ppo"' not in printed and '"sft"' not in printed and '"judge"' not in printed
     assert shown["dpo"]["beta"] == 0.1 and shown["data"]["path"] == str(data)
     saved = json.loads((out / "config.json").read_text())
@@ -206,7 +208,10 @@ def test_read_fields_follow_the_stages_a_run_executes():
     )
     assert pl.config.read_fields(cfg, ("sft", "kto")) == (*task, "sft", "kto", *shared)
     on_file = pl.config.read_fields(cfg, ("dpo",), data_file=True)
-    assert on_file == ("stages", "out", "dpo", "model", "data", "sampling", "ops")
+    assert on_file == ("stages", "out", "eval_samples", "dpo", "model", "data", "sampling", "ops")
+    # a reward model's held-out evaluation on a data file samples nothing
+    on_file = pl.config.read_fields(cfg, ("reward",), data_file=True)
+    assert on_file == ("stages", "out", "reward", "model", "data", "sampling", "ops")
     # online DPO reads the `dpo` section, and the reward model's only when that stage runs
     assert pl.config.read_fields(cfg, ("sft", "online-dpo"))[5:7] == ("sft", "dpo")
     assert "reward" in pl.config.read_fields(cfg, ("sft", "reward", "online-dpo"))

@@ -100,14 +100,15 @@ def read_fields(
     - `data_file`: whether the run reads a data file (default: `data.path` is set).
 
     **Returns:** `stages` and `out`; on the built-in task also `label_noise`,
-    `eval_samples` and `notes`; then each stage's own section and the further sections it
-    declares (`Stage.sections`: `judge`, or the section of a stage it starts from, kept
-    only when that stage runs, so a data-file `dpo` run leaves out SFT's); then `model`,
-    `data` (on a data file), `sampling` and `ops`. A stage that is not registered is
-    skipped (`validate_config` names it).
+    `eval_samples` and `notes` (on a data file `eval_samples` when a stage samples its
+    held-out evaluation: not `UNSAMPLED_EVAL_STAGES` alone); then each stage's own
+    section and the further sections it declares (`Stage.sections`: `judge`, or the
+    section of a stage it starts from, kept only when that stage runs, so a data-file
+    `dpo` run leaves out SFT's); then `model`, `data` (on a data file), `sampling` and
+    `ops`. A stage that is not registered is skipped (`validate_config` names it).
     """
     from ._registry import find_stage, stages as registered
-    from ._run_checks import run_stages
+    from ._run_checks import UNSAMPLED_EVAL_STAGES, run_stages
 
     data_file = cfg.data.path is not None if data_file is None else data_file
     run = tuple(run_stages(cfg) if stages is None else stages)
@@ -115,6 +116,8 @@ def read_fields(
     running = {find_stage(s).key for s in run if find_stage(s) is not None}
     task = ("label_noise", "eval_samples", "notes")  # the built-in task's own fields
     names = ["stages", "out", *(() if data_file else task)]
+    if data_file and not set(run) <= set(UNSAMPLED_EVAL_STAGES):
+        names.append("eval_samples")  # the held-out samples of a data-file stage that samples
     for name in run:
         st = find_stage(name)
         if st is not None:

@@ -150,3 +150,15 @@ def test_cli_sweep_refuses_callbacks_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: --callback: not in a sweep") and err.count("\n") == 1
     assert not os.path.exists(out)
+
+
+@pytest.mark.parametrize(
+    "setting", ["ops.eval_every=2", "ops.loss_spike=3", "ops.kl_spike=4", "ops.max_rollbacks=1"]
+)
+def test_sweep_refuses_the_ops_settings_it_does_not_read(setting, tmp_path):
+    """A sweep has no periodic evaluation and no rollback: setting them is refused by
+    name, not silently ignored."""
+    cfg = pl.apply_overrides(pl.animal_task_config(), [setting])
+    with pytest.raises(pl.ConfigError, match=f"{setting.split('=')[0]}="):
+        pl.sweep("dpo", cfg, seeds=1, out=str(tmp_path / "s"))
+    assert not (tmp_path / "s").exists()

@@ -106,6 +106,24 @@ def test_sequence_classifier_adapter_scores_as_peft_does():
         rx.load_lora_adapter(base, os.path.join(PEFT, "seq_cls"))
 
 
+@pytest.mark.parametrize(
+    "score, message",
+    [
+        (np.zeros((1, 7), np.float32), r"has shape \(1, 7\), expected \(1, 32\)"),
+        (np.zeros((1, 32), np.int32), "has non-float dtype int32"),
+    ],
+)
+def test_a_score_head_that_does_not_fit_is_named(score, message, tmp_path):
+    shutil.copytree(os.path.join(PEFT, "seq_cls"), tmp_path / "ad")
+    path = str(tmp_path / "ad" / "adapter_model.safetensors")
+    save_file({**load_file(path), "base_model.model.score.weight": score}, path)
+    reward = rx.RewardModel.from_policy(_base("llama3"), key=jax.random.key(0))
+    with pytest.raises(
+        ValueError, match=rf"safetensors: tensor 'base_model\.model\.score\.weight' {message}"
+    ):
+        rx.load_lora_adapter(reward, tmp_path / "ad")
+
+
 def test_reward_model_adapters_are_saved_with_their_head(tmp_path):
     """`save_lora_adapter` of a `RewardModel` writes PEFT's sequence-classifier layout,
     and reads back onto a reward model with another head as the same rewards."""

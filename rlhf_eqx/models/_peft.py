@@ -530,6 +530,8 @@ def _with_score(model: PyTree, score: np.ndarray, path: str) -> PyTree:
             f"{type(model).__name__}"
         )
     d_model = model_config(model).d_model
+    if score.dtype.kind not in "fV":  # ml_dtypes bfloat16 has kind 'V'
+        raise ValueError(f"{path}: tensor {_SCORE!r} has non-float dtype {score.dtype}")
     if score.shape != (1, d_model):
         raise ValueError(
             f"{path}: tensor {_SCORE!r} has shape {score.shape}, expected (1, {d_model}) (one "

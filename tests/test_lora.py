@@ -74,6 +74,11 @@ def test_config_validation():
         dict(dropout=-0.1),
         dict(targets=()),
         dict(targets=("q", "q")),
+        dict(rank=True),
+        dict(alpha=0),
+        dict(alpha=-2.0),
+        dict(alpha=float("nan")),
+        dict(alpha=float("inf")),
     ):
         with pytest.raises(ValueError):
             LoRAConfig(**bad)

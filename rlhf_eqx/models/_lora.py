@@ -90,7 +90,7 @@ class LoRAConfig:
     **Arguments:**
 
     - `rank`: inner dimension `r` of each adapter.
-    - `alpha`: the update is scaled by `alpha / rank` (`scale`).
+    - `alpha`: the update is scaled by `alpha / rank` (`scale`); positive and finite.
     - `dropout`: dropout probability on the adapter's input (training calls with a
       `key` only).
     - `targets`: projections to adapt, a subset of `("q", "k", "v", "o", "gate",
@@ -111,8 +111,18 @@ class LoRAConfig:
         if isinstance(self.targets, str):
             object.__setattr__(self, "targets", (self.targets,))
         object.__setattr__(self, "targets", tuple(self.targets))
-        if not isinstance(self.rank, int) or self.rank <= 0:
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank <= 0:
             raise ValueError(f"LoRAConfig.rank must be a positive int, got {self.rank!r}")
+        alpha = self.alpha
+        if (
+            isinstance(alpha, bool)
+            or not isinstance(alpha, (int, float))
+            or not 0 < alpha < math.inf
+        ):
+            raise ValueError(
+                f"LoRAConfig.alpha must be a positive finite number, got {alpha!r} (the "
+                "update's scale is alpha / rank; PEFT's lora_alpha must be positive too)"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"LoRAConfig.dropout must be in [0, 1), got {self.dropout!r}")
         if not self.targets:

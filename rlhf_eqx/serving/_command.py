@@ -120,7 +120,9 @@ def serve_command(
     - `ready`: called with the `Server` once it listens (for running it in a thread).
     - `stop`: serve until it is set (default: until Ctrl-C).
 
-    **Returns:** the exit status: 0 once stopped, 2 for invalid options (one line).
+    **Returns:** the exit status: 0 once stopped, 2 for invalid options (one line),
+    130 when a second Ctrl-C cuts the stop short (one line; the idle connections are
+    closed, the running batch is still answered before the process ends).
     """
     args = _parser().parse_args(list(sys.argv[2:] if argv is None else argv))
     from rlhf_eqx import data
@@ -164,8 +166,12 @@ def serve_command(
         stopping.wait()
     except KeyboardInterrupt:
         pass
-    finally:
+    try:
         server.stop()
+    except KeyboardInterrupt:  # a second Ctrl-C: no traceback; the batch still ends
+        print("interrupted while stopping: the running batch ends, then exit", file=sys.stderr)
+        return 130
+    finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     return 0

@@ -271,13 +271,15 @@ class Scheduler:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        with self._cond:
-            pending, self._queue = list(self._queue), collections.deque()
-        for job in pending:
-            self._fail(job, _stopped())
+        try:
+            if self._thread is not None:
+                self._thread.join()
+                self._thread = None
+        finally:  # interrupted while the running batch finishes: the waiting ones fail
+            with self._cond:
+                pending, self._queue = list(self._queue), collections.deque()
+            for job in pending:
+                self._fail(job, _stopped())
 
     def submit(self, job: Job) -> concurrent.futures.Future:
         with self._cond:

@@ -206,17 +206,24 @@ class Server:
     def stop(self) -> None:
         """Stop serving: no new connections; the running batch finishes and is
         answered, requests still waiting get 503 (`"the server is stopping"`), idle
-        connections are closed; returns once every thread of the server has ended."""
+        connections are closed; returns once every thread of the server has ended. A
+        `KeyboardInterrupt` that cuts the wait short (a second Ctrl-C) still fails the
+        waiting requests and closes the idle connections before it propagates (the
+        connections answering the running batch end once it is answered)."""
         http_server, self._http = self._http, None
+        try:
+            if http_server is not None:
+                http_server.stopping = True  # each answer from now on closes its connection
+                http_server.shutdown()  # no new connections
+            if self._http_thread is not None:
+                self._http_thread.join()
+                self._http_thread = None
+            self.scheduler.stop()  # the running batch finishes, waiting requests get 503
+        finally:  # even when a second Ctrl-C cuts the wait short
+            if http_server is not None:
+                http_server.close_connections()  # idle ones end; busy ones once answered
+                http_server.socket.close()  # the listening socket
         if http_server is not None:
-            http_server.stopping = True  # each answer from now on closes its connection
-            http_server.shutdown()  # no new connections
-        if self._http_thread is not None:
-            self._http_thread.join()
-            self._http_thread = None
-        self.scheduler.stop()  # the running batch finishes, waiting requests get 503
-        if http_server is not None:
-            http_server.close_connections()  # idle ones end; busy ones once answered
             http_server.server_close()  # joins the connections' threads
 
     def __enter__(self) -> "Server":

@@ -5,6 +5,7 @@ second Ctrl-C."""
 import concurrent.futures
 import http.client
 import json
+import socket
 import threading
 import time
 
@@ -96,3 +97,18 @@ def test_a_stop_cut_short_still_closes_idle_connections_and_fails_waiting_reques
             release.set()
         assert running.result(timeout=60) == 200
         threading.Thread.join(thread, 60)
+
+
+def test_serve_command_stops_the_server_when_ready_fails():
+    """An error raised by `ready` propagates, and the server is stopped first (its
+    port no longer accepts connections)."""
+    ports = []
+
+    def ready(server):
+        ports.append(server.port)
+        raise RuntimeError("ready failed")
+
+    with pytest.raises(RuntimeError, match="ready failed"):
+        serve_command(["--port", "0"], ready=ready)
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", ports[0]), timeout=10).close()

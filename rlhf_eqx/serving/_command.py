@@ -161,13 +161,14 @@ def serve_command(
         previous = signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     print(f"rlhf_eqx serve: {server.model_name!r} at {server.url} (Ctrl-C stops)", flush=True)
     try:
-        if ready is not None:
-            ready(server)
-        stopping.wait()
-    except KeyboardInterrupt:
-        pass
-    try:
-        server.stop()
+        try:
+            if ready is not None:
+                ready(server)
+            stopping.wait()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            server.stop()
     except KeyboardInterrupt:  # a second Ctrl-C: no traceback; the batch still ends
         print("interrupted while stopping: the running batch ends, then exit", file=sys.stderr)
         return 130

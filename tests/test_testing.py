@@ -123,6 +123,14 @@ def test_check_masked_gradients_catches_gradient_through_padding():
         rt.check_masked_gradients_zero(grad_leak_loss, (X,), MASK, jit=False)
 
 
+def test_check_finite_of_a_function_with_boolean_outputs_only():
+    """The gradient of a function returning only a mask is zero (it raised: `jax.grad` of
+    an integer 0)."""
+    for jit in (True, False):
+        out = rt.check_finite(lambda x, m: m & (x > -2.0), X, MASK, jit=jit)
+        assert out.dtype == jnp.bool_
+
+
 def test_check_all_masked_catches_counted_rows():
     rt.check_padding_invariance(counts_empty_rows, (X,), MASK)  # fine within rows ...
     with pytest.raises(AssertionError):  # ... but an empty row changes the mean

@@ -27,7 +27,10 @@ def _close(a: Any, b: Any, rtol: float, atol: float) -> bool:
 
 
 def _sum_of_float_outputs(fn: Callable[..., Any], *args: Any) -> Array:
-    return sum(jnp.sum(leaf) for leaf in _float_leaves(fn(*args)))
+    leaves = _float_leaves(fn(*args))
+    if not leaves:  # only integer / boolean outputs (a mask): nothing to differentiate
+        return jnp.zeros(())
+    return sum(jnp.sum(leaf) for leaf in leaves)
 
 
 def _grad_of_sum(fn: Callable[..., Any], argnums: tuple[int, ...], *args: Any) -> tuple:

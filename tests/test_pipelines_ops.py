@@ -237,7 +237,14 @@ def test_export_writes_the_merged_policy_and_the_peft_adapters(tmp_path):
     assert os.path.isfile(tmp_path / "dpo" / "hf" / "model.safetensors")
     config = json.loads((tmp_path / "dpo" / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 2 and config["peft_type"] == "LORA"
+    assert config["base_model_name_or_path"] is None  # trained on no Hugging Face directory
     assert os.path.isfile(tmp_path / "dpo" / "adapter" / "adapter_model.safetensors")
+    base = str(tmp_path / "base")
+    pl.runs.export_policy(
+        pl.runs.final_policy(adapted), str(tmp_path), "sft", adapted=adapted, base_model=base
+    )
+    config = json.loads((tmp_path / "sft" / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == base
     pl.runs.export_policy(policy, str(tmp_path), "full", adapted=policy)
     assert not os.path.exists(tmp_path / "full" / "adapter")
 

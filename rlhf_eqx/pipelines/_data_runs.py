@@ -103,6 +103,18 @@ def run_on_data(
         return _run_on_data(cfg, st, run_dir, rd.resume, tuple(callbacks))
 
 
+def _hf_base(source: str) -> str | None:
+    """The absolute path of the Hugging Face directory `source` names (a run directory
+    stands for its policy export), the base a PEFT adapter trained on it records; `None`
+    for the built-in model and a GGUF file."""
+    from ._pipeline import model_path
+
+    if source == "builtin":
+        return None
+    path = model_path(source)
+    return os.path.abspath(path) if os.path.isdir(path) else None
+
+
 def _run_on_data(
     cfg: PipelineConfig, st, run_dir: str, resume: bool, callbacks: tuple = ()
 ) -> dict:
@@ -138,7 +150,14 @@ def _run_on_data(
         after_evaluation(callbacks, out.result.loop, held)
     if out.policy is not None:
         adapted = out.adapted if out.adapted is not None else out.result.state.model
-        export_policy(out.policy, run_dir, st.name, adapted=adapted, tokenizer_file=tok_file)
+        export_policy(
+            out.policy,
+            run_dir,
+            st.name,
+            adapted=adapted,
+            tokenizer_file=tok_file,
+            base_model=_hf_base(cfg.model.source),
+        )
     write_json_atomic(os.path.join(run_dir, "summary.json"), summary)
     try:
         from ._plots import plot_run

@@ -180,20 +180,30 @@ def special_token_ids(tokenizer_file: str | None, *, pad: bool) -> dict[str, int
 
 
 def export_policy(
-    policy, run_dir: str, stage: str, *, adapted=None, tokenizer_file: str | None = None
+    policy,
+    run_dir: str,
+    stage: str,
+    *,
+    adapted=None,
+    tokenizer_file: str | None = None,
+    base_model: str | None = None,
 ) -> None:
     """Write `policy` (merged) as a Hugging Face checkpoint in `<run_dir>/<stage>/hf/`
     (`save_hf`) with its tokenizer beside it (`tokenizer_file`, copied by
     `copy_tokenizer`: `rlhf_eqx sample --model <run_dir>/<stage>/hf` then works alone);
     when `adapted`, the trained model before merging, has LoRA adapters, also the
     adapters alone in the PEFT layout in `<run_dir>/<stage>/adapter/`
-    (`save_lora_adapter`). A model with a non-finite weight is refused."""
+    (`save_lora_adapter`), with `base_model` (the Hugging Face directory the adapters
+    were trained on, when there is one) as its `base_model_name_or_path`. A model with a
+    non-finite weight is refused."""
     check_finite_weights(policy, f"{stage} policy")
     out = os.path.join(run_dir, stage, "hf")
     rx.save_hf(policy, out, **special_token_ids(tokenizer_file, pad=False))
     copy_tokenizer(tokenizer_file, out)
     if adapted is not None and has_lora(adapted):
-        rx.save_lora_adapter(adapted, os.path.join(run_dir, stage, "adapter"))
+        rx.save_lora_adapter(
+            adapted, os.path.join(run_dir, stage, "adapter"), base_model_name_or_path=base_model
+        )
 
 
 def export_reward_model(model, run_dir: str, *, tokenizer_file: str | None = None) -> None:

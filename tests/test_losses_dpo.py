@@ -400,3 +400,12 @@ def test_bradley_terry_traced_center_coef():
         [bradley_terry_loss(1.0, 0.5), bradley_terry_loss(1.0, 0.5, center_coef=0.01)],
         rtol=1e-6,
     )
+
+
+def test_running_mean_ignores_an_empty_batch():
+    """The mean of an empty batch is NaN, and `NaN * 0` stuck in the running mean."""
+    for state in (RunningMean(), RunningMean(0.25, 8.0)):
+        after = running_mean_update(state, jnp.zeros((0,), jnp.float32))
+        assert float(after.mean) == float(state.mean) and float(after.count) == float(state.count)
+    s = running_mean_update(running_mean_update(RunningMean(), jnp.zeros((0,))), jnp.array([2.0]))
+    assert float(s.mean) == 2.0 and float(s.count) == 1.0

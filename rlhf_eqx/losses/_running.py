@@ -31,7 +31,11 @@ def running_mean_update(state: RunningMean, values: Float[Array, "*n"]) -> Runni
     state = running_mean_update(state, jax.lax.stop_gradient(jnp.concatenate([rc, rr])))
     losses = dpo_batch_loss(c, r, ref_c, ref_r, loss_type="bco_pair", bco_delta=state.mean)
     ```
+
+    An empty batch (`values.size == 0`) leaves the state as it is.
     """
+    if values.size == 0:  # the mean of nothing is NaN, and NaN * 0 would stick
+        return state
     x = values.astype(jnp.float32)
     n = jnp.asarray(float(x.size), dtype=jnp.float32)
     total = state.count + n

@@ -349,3 +349,11 @@ def test_python_clip_values_are_validated():
         ppo_value_loss(x, x, x, m, clip_eps=-0.1)
     with pytest.raises((ValueError, TypeCheckError), match="k4"):
         kl_penalty(x, x, kind="k4")  # pyright: ignore
+
+
+@pytest.mark.parametrize("bad", [dict(target=0.0), dict(horizon=0), dict(target=-1.0)])
+def test_adaptive_kl_update_refuses_non_positive_target_and_horizon(bad):
+    """`target=0` gave a NaN coefficient (0 / 0) with a KL of 0."""
+    kw = dict(target=6.0, horizon=10000) | bad
+    with pytest.raises(ValueError, match="must be positive"):
+        adaptive_kl_update(KLControllerState(0.1), 0.0, 256, **kw)

@@ -11,7 +11,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
-from ._validation import Hyperparameter, check_choice
+from ._validation import Hyperparameter, check_choice, check_positive
 
 KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3", "abs")
 """The per-token KL estimators of `kl_penalty`."""
@@ -123,8 +123,11 @@ def adaptive_kl_update(
     \beta \leftarrow \beta\,\Big(1 + e\,\frac{n_{\rm steps}}{H}\Big)$$
 
     as TRL's `AdaptiveKLController.update` (`n_steps` = samples in the batch, $H$ =
-    `horizon`). Pure: returns the new state.
+    `horizon`). `target` and `horizon` must be positive (a Python number that is not
+    raises `ValueError`). Pure: returns the new state.
     """
+    check_positive("target", target)
+    check_positive("horizon", horizon)
     kl = jnp.asarray(current_kl, dtype=jnp.float32)
     err = jnp.clip(kl / target - 1.0, -0.2, 0.2)
     n = jnp.asarray(n_steps).astype(jnp.float32)

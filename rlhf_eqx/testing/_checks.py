@@ -349,13 +349,6 @@ def check_ppo_clip_gradient_zero(
         )
 
 
-def _masked_grads(fn: Callable[..., Any], argnums: tuple[int, ...], *args: Any) -> tuple:
-    return _grad_of_sum(fn, argnums, *args)
-
-
-_masked_grads_jit = jax.jit(_masked_grads, static_argnums=(0, 1))
-
-
 def check_masked_gradients_zero(
     fn: Callable[..., Any],
     arrays: Sequence[Shaped[Array, "..."]],
@@ -381,7 +374,7 @@ def check_masked_gradients_zero(
     argnums = tuple(i for i, x in enumerate(arrays) if _is_float_array(x) and x.shape == mask.shape)
     if not argnums:
         return
-    grad_fn = _masked_grads_jit if jit else _masked_grads
+    grad_fn = _grad_of_sum_jit if jit else _grad_of_sum
     m = np.asarray(mask)
     altered = tuple(_fill_masked(x, mask, fill) for x in arrays)
     base = grad_fn(fn, argnums, *arrays, mask)

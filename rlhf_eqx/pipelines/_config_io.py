@@ -164,9 +164,14 @@ def _convert(value: Any, tp: Any, name: str) -> Any:
             raise errors[0]
         raise ConfigError(f"{name}={value!r}: expected {' or '.join(readable) or tp}")
     if origin is tuple:
-        if isinstance(value, str) and name.endswith("stop_strings"):
-            # From the command line: comma-separated, with escapes (`\\n\\nHuman:`).
-            value = [v.encode().decode("unicode_escape") for v in value.split(",") if v]
+        if isinstance(value, str) and isinstance(_json_list(value), list):
+            value = _json_list(value)  # from the command line: items may hold commas
+        elif isinstance(value, str) and name.endswith("stop_strings"):
+            # From the command line: comma-separated, with escapes (`\\n\\nHuman:`)
+            try:
+                value = [_unescape(v) for v in value.split(",") if v]
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{name}={value!r}: bad escape ({e.reason})") from None
         elif isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, (list, tuple)):
@@ -200,6 +205,24 @@ def _convert(value: Any, tp: Any, name: str) -> Any:
             raise ConfigError(f"{name}={value!r}: expected a string")
         return value
     raise ConfigError(f"{name}: unsupported field type {tp}")
+
+
+def _json_list(text: str) -> Any:
+    """The JSON value of `text` when it starts with `[` and parses (`None` otherwise, so
+    that a stop string such as `[INST]` is read as written)."""
+    if not text.lstrip().startswith("["):
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
+def _unescape(text: str) -> str:
+    """`text` with its backslash escapes (`\\n`, `\\t`, `\\u20ac`) decoded and every other
+    character kept: `café`, `€ 日本` as written. (`unicode_escape` reads bytes as
+    Latin-1, so each character outside Latin-1 goes to it as its own `\\u` escape.)"""
+    return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
 
 
 def config_from_dict(cls: type, d: dict, *, prefix: str = "") -> Any:
@@ -295,7 +318,8 @@ def _optional_section(cls: type, name: str) -> type | None:
 
 def apply_overrides(cfg: Any, overrides: Sequence[str]) -> Any:
     """Apply dotted `field.sub=value` overrides (e.g. `"dpo.beta=0.2"`); values are parsed
-    by the field's type (lists comma-separated)."""
+    by the field's type (lists comma-separated, or a JSON list when the value starts with
+    `[`: `'sampling.stop_strings=["a,b", "c"]'`)."""
     d = config_to_dict(cfg)
     for item in overrides:
         if "=" not in item:

@@ -72,6 +72,20 @@ def test_reward_groups_reach_extremes_and_constant_groups():
     assert const.shape == (3,)
 
 
+@given(rt.scales(min_value=1e-3, max_value=1e3))
+def test_scales_stay_in_range(x):
+    assert isinstance(x, float) and 1e-3 <= x <= 1e3
+
+
+def test_scales_reach_both_ends_and_orders_between():
+    assert find(rt.scales(), lambda x: x == 1e-8) == 1e-8
+    assert find(rt.scales(), lambda x: x == 1e8) == 1e8
+    find(rt.scales(), lambda x: 1e-5 < x < 1e-3)
+    find(rt.scales(), lambda x: 1e3 < x < 1e5)
+    with pytest.raises(ValueError, match="min_value"):
+        rt.scales(min_value=0.0)
+
+
 # --- checks pass on good losses and fail on broken ones ----------------------------------
 
 X = jnp.array([[-1.0, -2.0, -3.0], [-0.5, -4.0, -1.0], [-2.0, -2.0, -2.0]])

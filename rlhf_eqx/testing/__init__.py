@@ -2,8 +2,9 @@
 
 Import it explicitly (`import rlhf_eqx.testing`); it needs `hypothesis`. The strategies
 draw log-probabilities down to -1e4 with every kind of mask (right/left padding, random,
-fully masked rows), preference pairs (with ties) and reward groups up to ±1e6; the
-checks raise `AssertionError` with a message when an invariant fails.
+fully masked rows), preference pairs (with ties), reward groups up to ±1e6 and
+hyperparameters from 1e-8 to 1e8 (`scales`, for β and temperatures); the checks raise
+`AssertionError` with a message when an invariant fails.
 
 Property-testing your own loss takes a few lines:
 
@@ -64,6 +65,7 @@ from ._strategies import (
     masks as masks,
     preference_pairs as preference_pairs,
     reward_groups as reward_groups,
+    scales as scales,
     use_no_deadline as _use_no_deadline,
 )
 

@@ -1,5 +1,7 @@
-"""Hypothesis strategies for log-probabilities, masks, preference pairs and reward groups."""
+"""Hypothesis strategies for log-probabilities, masks, preference pairs, reward groups and
+hyperparameter scales."""
 
+import math
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -202,3 +204,20 @@ def reward_groups(
         float(min_value),
         float(max_value),
     )
+
+
+def scales(*, min_value: float = 1e-8, max_value: float = 1e8) -> st.SearchStrategy[float]:
+    """Positive hyperparameters spread over orders of magnitude: β, temperatures, τ.
+
+    Python floats `10**e` for a uniform exponent `e` in `[log10(min_value),
+    log10(max_value)]`, with both ends and 1.0 (when in range) among the examples, so
+    that a loss is tried with tiny and huge temperatures as well as ordinary ones.
+    """
+    if not 0.0 < min_value <= max_value:
+        raise ValueError(f"need 0 < min_value <= max_value, got {min_value}, {max_value}")
+    lo, hi = math.log10(min_value), math.log10(max_value)
+    spread = st.floats(lo, hi, allow_nan=False).map(
+        lambda e: min(max(10.0**e, min_value), max_value)
+    )
+    ends = [min_value, max_value] + ([1.0] if min_value <= 1.0 <= max_value else [])
+    return st.one_of(st.sampled_from(ends), spread)

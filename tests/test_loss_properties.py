@@ -331,3 +331,43 @@ def test_group_advantages_finite_and_zero_for_constant_groups(scale, eps, reward
     adv = rt.check_finite(lambda r: L.group_advantages(r, scale=scale, eps=eps), rewards)
     same = np.all(np.asarray(rewards) == np.asarray(rewards)[:, :1], axis=-1)
     assert np.all(np.asarray(adv)[same] == 0.0)
+
+
+LOG2 = math.log(2.0)
+# Every per-pair loss where the policy equals the reference and the chosen equals the
+# rejected completion (h_w = h_l = u = 0), at beta = 0.1, from the formulas of the papers
+# cited by `dpo_loss` (and TRL's `DPOTrainer.dpo_loss` branch of the same name).
+AT_THE_START = {
+    "sigmoid": LOG2,  # -log σ(0)
+    "robust": LOG2,  # [(1-ε) log 2 - ε log 2] / (1 - 2ε)
+    "sigmoid_norm": LOG2,
+    "hinge": 1.0,  # max(0, 1 - 0)
+    "ipo": (1.0 / 0.2) ** 2,  # (0 - 1/(2β))²
+    "exo_pair": 0.5 * (-LOG2 - math.log(1 - 1e-3)) + 0.5 * (-LOG2 - math.log(1e-3)),
+    "nca_pair": 2.0 * LOG2,  # -log σ(0) - ½ log σ(0) - ½ log σ(0)
+    "bco_pair": 2.0 * LOG2,  # δ = 0
+    "sppo_hard": 2.0 * (0.5 / 0.1) ** 2,  # (0 - 1/(2β))² + (0 + 1/(2β))²
+    "apo_zero": 1.0,  # 1 - σ(0) + σ(0)
+    "apo_down": 1.0,  # σ(0) + 1 - σ(0)
+    "discopop": LOG2 * 0.5 + 0.5,  # -log σ(0)(1 - σ(0)) + e^0 σ(0)
+    "simpo": math.log1p(math.exp(0.5)),  # -log σ(-γ), γ = 0.5
+    "orpo": 0.1 * LOG2,  # -β log σ(0)
+    "aot": LOG2,
+    "aot_pair": LOG2,
+}
+
+
+def test_closed_forms_cover_every_loss_type():
+    assert set(AT_THE_START) == set(L.DPO_LOSS_TYPES)
+
+
+@pytest.mark.parametrize("loss_type", sorted(AT_THE_START))
+@settings(max_examples=4, deadline=None)
+@given(logp=st.floats(-200.0, -0.5, width=32), n=st.integers(1, 9))
+def test_dpo_family_closed_form_at_the_start_of_training(loss_type, logp, n):
+    lp = jnp.full((2,), logp, jnp.float32)
+    length = jnp.full((2,), n)
+    out = L.dpo_batch_loss(
+        lp, lp, lp, lp, beta=0.1, loss_type=loss_type, chosen_len=length, rejected_len=length
+    )
+    np.testing.assert_allclose(np.asarray(out), AT_THE_START[loss_type], rtol=2e-6)

@@ -2,9 +2,13 @@
 plot` on run directories without step records, seeds and sweep directories, `--model`
 given a directory that is not a model, and the options `sample` and `eval` share."""
 
+import json
+import os
+
 import pytest
 
 from rlhf_eqx import pipelines as pl
+from rlhf_eqx.__main__ import main
 
 
 def _stops(value: str) -> tuple[str, ...]:
@@ -33,3 +37,84 @@ def test_a_json_list_may_hold_commas():
     assert tuple(cfg.ops.profile_steps) == (2, 4)
     cfg = pl.apply_overrides(pl.PipelineConfig(), ['stages=["sft", "dpo"]'])
     assert cfg.stages == ("sft", "dpo")
+
+
+def _metrics(run, lines: list[str], summary: dict | None = None) -> str:
+    os.makedirs(run, exist_ok=True)
+    with open(os.path.join(run, "metrics.jsonl"), "w") as f:
+        f.write("\n".join(lines))
+    if summary is not None:
+        with open(os.path.join(run, "summary.json"), "w") as f:
+            json.dump(summary, f)
+    return str(run)
+
+
+def _step(stage: str, step: int) -> str:
+    return json.dumps({"stage": stage, "step": step, "loss": 1.0 / (step + 1)})
+
+
+@pytest.mark.parametrize("lines", [[], [json.dumps({"event": "start", "stage": "sft"}), ""]])
+def test_plot_says_when_there_are_no_step_records_yet(tmp_path, capsys, lines):
+    run = _metrics(tmp_path / "run", lines)
+    assert main(["plot", run]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "no step records yet" in captured.err
+
+
+def test_plot_notes_a_torn_last_line_once(tmp_path, capsys):
+    run = _metrics(tmp_path / "run", [_step("sft", 0), _step("sft", 1), '{"stage": "sf'])
+    assert main(["plot", run]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.count("skipped a torn last line") == 1, captured.err
+    assert captured.out.split() == [os.path.join(run, "sft.png")]
+
+
+def test_plot_names_a_line_that_is_not_a_json_object(tmp_path, capsys):
+    run = _metrics(tmp_path / "run", [_step("sft", 0), "[1, 2]", _step("sft", 1), ""])
+    assert main(["plot", run]) == 2
+    err = capsys.readouterr().err
+    path = os.path.join(run, "metrics.jsonl")
+    assert err == f"error: {path}:2: not a JSON object (list)\n"
+
+
+def test_plot_draws_each_seed_of_a_seeds_run_and_points_a_sweep_to_its_plots(tmp_path, capsys):
+    root = tmp_path / "seeds"
+    for seed in (2, 1):
+        _metrics(root / f"seed-{seed}", [_step("sft", 0), _step("sft", 1), ""])
+    (root / "seeds_summary.json").write_text("{}")
+    assert main(["plot", str(root)]) == 0
+    out = capsys.readouterr().out.split()
+    assert out == [str(root / f"seed-{s}" / "sft.png") for s in (1, 2)]
+    sweep = tmp_path / "sweep"
+    _metrics(sweep / "members" / "beta=0.1", [_step("dpo", 0), ""])
+    (sweep / "sweep.json").write_text("{}")
+    assert main(["plot", str(sweep)]) == 2
+    err = capsys.readouterr().err
+    assert f"{sweep}/plots/" in err and f"rlhf_eqx plot {sweep}/members/<name>" in err
+    assert "\n" not in err.rstrip("\n")
+
+
+def test_summary_plot_has_every_stage_with_a_score(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    summary = {
+        "base": {"score": 0.1},
+        "sft": {"score": 0.2},
+        "kto": {"score": 0.3, "win_rate_vs_sft": 0.6},
+        "distill": {"score": 0.4},
+        "multiturn": {"score": 0.5},
+        "reward": {"accuracy": 0.7},
+        "stopped": "done",
+    }
+    run = _metrics(tmp_path / "run", [_step("sft", 0), ""], summary)
+    import matplotlib.axes
+
+    bars = []
+    real_bar = matplotlib.axes.Axes.bar
+    monkeypatch.setattr(
+        matplotlib.axes.Axes,
+        "bar",
+        lambda self, x, *a, **k: bars.append(list(x)) or real_bar(self, x, *a, **k),
+    )
+    assert pl.tools.plot_run(run)[-1] == os.path.join(run, "summary.png")
+    assert bars == [["base", "sft", "kto", "distill", "multiturn"]]

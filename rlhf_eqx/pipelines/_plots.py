@@ -5,6 +5,8 @@ import os
 import sys
 from collections import defaultdict
 
+from ._rundir import holds_runs
+
 # What each panel shows: the first metric name a stage logged wins; the panel is titled
 # with that metric's name.
 _PANELS = {
@@ -21,8 +23,8 @@ _MAX_BOUNDARIES = 60  # iteration boundaries drawn when a stage has at most this
 
 def read_records(run_dir: str) -> list[dict]:
     """Every record of `run_dir/metrics.jsonl`. A torn last line (a run killed while
-    writing it) is skipped with a note; any other line that is not JSON is an error
-    naming it."""
+    writing it) is skipped with a note; any other line that is not a JSON object is an
+    error naming the file and the line."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} does not exist: not a run directory")
@@ -33,20 +35,27 @@ def read_records(run_dir: str) -> list[dict]:
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
+            rec = json.loads(line)
         except json.JSONDecodeError as e:
             if n == len(lines):  # no newline after it: torn by a crash
                 print(f"note: {path}:{n}: skipped a torn last line", file=sys.stderr)
                 continue
             raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+        if not isinstance(rec, dict):
+            raise ValueError(f"{path}:{n}: not a JSON object ({type(rec).__name__})")
+        records.append(rec)
     return records
 
 
 def read_metrics(run_dir: str) -> dict[str, list[dict]]:
     """The step records of `run_dir/metrics.jsonl`, grouped by stage (events and
     evaluations left out; a torn last line skipped)."""
+    return _step_records(read_records(run_dir))
+
+
+def _step_records(records: list[dict]) -> dict[str, list[dict]]:
     stages: dict[str, list[dict]] = defaultdict(list)
-    for rec in read_records(run_dir):
+    for rec in records:
         if "event" in rec or rec.get("eval"):
             continue
         stages[rec.get("stage", "run")].append(rec)
@@ -70,10 +79,26 @@ def plot_run(run_dir: str) -> list[str]:
     and held-out accuracy against the step; each panel titled with the metric it shows;
     dotted lines where an iteration of several steps begins — a rollout, a round — and
     red lines at rollbacks) and, with a `summary.json`, `summary.png` (held-out score and
-    win rate per stage). Returns the files written."""
-    stages = read_metrics(run_dir)
+    win rate of each stage of the summary that reports a score: `base`, `sft`, `dpo`,
+    `kto`, `distill`, ...). A run over several seeds (`--seeds`) has each `seed-<s>/`
+    drawn; a sweep is refused (a `ValueError`) naming its `plots/` and
+    `members/<name>/`. A run without step records yet (an empty `metrics.jsonl`, or
+    events alone) draws no stage, with a note. Returns the files written."""
+    many = holds_runs(run_dir)
+    if many == "a sweep":
+        raise ValueError(
+            f"{run_dir} is a sweep: its plots are in {os.path.join(run_dir, 'plots')}/; "
+            f"plot one member with: rlhf_eqx plot {os.path.join(run_dir, 'members', '<name>')}"
+        )
+    if many is not None:
+        return _plot_seeds(run_dir)
+    records = read_records(run_dir)
+    stages = _step_records(records)
+    if not stages:
+        where = os.path.join(run_dir, "metrics.jsonl")
+        print(f"note: {where}: no step records yet; no stage to plot", file=sys.stderr)
     rollbacks: dict[str, list[float]] = defaultdict(list)
-    for rec in read_records(run_dir):
+    for rec in records:
         if rec.get("event") == "rollback" and "step" in rec:
             rollbacks[rec.get("stage", "run")].append(rec["step"])
     import matplotlib
@@ -118,20 +143,22 @@ def plot_run(run_dir: str) -> list[str]:
     summary_path = os.path.join(run_dir, "summary.json")
     if os.path.isfile(summary_path):
         with open(summary_path) as f:
-            summary = json.load(f)
-        stages = [
-            s
-            for s in ("base", "sft", "ppo", "dpo", "grpo", "online-dpo")
-            if isinstance(summary.get(s), dict) and "score" in summary[s]
-        ]
+            try:
+                summary = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{summary_path}:{e.lineno}: not JSON ({e.msg})") from None
+        items = summary.items() if isinstance(summary, dict) else ()
+        stages = [s for s, v in items if isinstance(v, dict) and _number(v.get("score"))]
         if stages:
             fig, ax = plt.subplots(figsize=(5, 3))
             scores = [summary[s]["score"] for s in stages]
             ax.bar(stages, scores, color="tab:blue", label="held-out score")
             wins = [summary[s].get("win_rate_vs_sft") for s in stages]
+            wins = [w if _number(w) else None for w in wins]
             xs = [i for i, w in enumerate(wins) if w is not None]
             ax.plot(xs, [wins[i] for i in xs], "o", color="tab:red", label="win rate vs SFT")
-            ax.set_ylim(0, 1)
+            if all(0 <= y <= 1 for y in scores):
+                ax.set_ylim(0, 1)
             ax.legend(fontsize=7)
             ax.set_title("held-out prompts")
             fig.tight_layout()
@@ -139,4 +166,26 @@ def plot_run(run_dir: str) -> list[str]:
             fig.savefig(path, dpi=90)
             plt.close(fig)
             written.append(path)
+    return written
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _plot_seeds(run_dir: str) -> list[str]:
+    """The plots of each `seed-<s>/` run of a run over several seeds (in seed order; a
+    seed that has logged nothing yet is noted)."""
+    seeds = sorted(
+        (int(n.removeprefix("seed-")), n)
+        for n in os.listdir(run_dir)
+        if n.startswith("seed-") and n.removeprefix("seed-").isdigit()
+    )
+    written = []
+    for _, name in seeds:
+        seed_dir = os.path.join(run_dir, name)
+        if os.path.isfile(os.path.join(seed_dir, "metrics.jsonl")):
+            written += plot_run(seed_dir)
+        else:
+            print(f"note: {seed_dir}: no metrics.jsonl yet; not plotted", file=sys.stderr)
     return written

@@ -42,7 +42,8 @@ COV_SELECTIONS: tuple[str, ...] = ("random", "top")
 BATCH_POLICY_LOSSES: tuple[str, ...] = ("clip_cov", "kl_cov", "high_entropy")
 """The entries of `POLICY_LOSSES` whose token selection depends on the whole batch."""
 
-Stats = dict[str, Float[Array, "..."]]
+# A policy loss's statistics: per-token, each shaped as the loss (`[T]` or `[B, T]`).
+Stats = dict[str, Float[Array, "*B T"]]
 
 
 def _check_fraction(name: str, value: object) -> None:

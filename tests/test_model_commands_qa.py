@@ -5,8 +5,10 @@ given a directory that is not a model, and the options `sample` and `eval` share
 import json
 import os
 
+import jax
 import pytest
 
+import rlhf_eqx as rx
 from rlhf_eqx import pipelines as pl
 from rlhf_eqx.__main__ import main
 
@@ -118,3 +120,58 @@ def test_summary_plot_has_every_stage_with_a_score(tmp_path, monkeypatch):
     )
     assert pl.tools.plot_run(run)[-1] == os.path.join(run, "summary.png")
     assert bars == [["base", "sft", "kto", "distill", "multiturn"]]
+
+
+def _export(out) -> str:
+    """The stories model saved as a Hugging Face directory with its tokenizer."""
+    policy, _ = pl.tools.load_model("builtin")
+    rx.save_hf(policy, out)
+    pl.runs.copy_tokenizer(pl.tools.tokenizer_file(), str(out))
+    return str(out)
+
+
+def test_a_directory_without_a_model_names_the_one_to_pass(tmp_path):
+    seeds = tmp_path / "seeds"
+    _metrics(seeds / "seed-3", [_step("sft", 0), ""])
+    (seeds / "seeds_summary.json").write_text("{}")
+    with pytest.raises(pl.ConfigError) as e:
+        pl.tools.load_model(str(seeds))
+    assert str(e.value) == (
+        f"model.source={str(seeds)!r} (--model): a run over several seeds; pass one seed's "
+        f"run, {seeds}/seed-<s>, e.g. {seeds}/seed-3"
+    )
+    sweep = tmp_path / "sweep"
+    os.makedirs(sweep)
+    (sweep / "sweep.json").write_text("{}")
+    with pytest.raises(pl.ConfigError, match="a sweep exports no single policy") as e:
+        pl.tools.load_model(str(sweep))
+    assert f"{sweep}/members/<name>/<stage>/hf (written with --export)" in str(e.value)
+    hf = _export(tmp_path / "run" / "sft" / "hf")
+    with pytest.raises(pl.ConfigError) as e:
+        pl.tools.load_model(str(tmp_path / "run" / "sft"))
+    assert str(e.value).endswith(f": a stage's directory; its model is {hf}")
+
+
+def test_an_adapter_directory_loads_on_its_base(tmp_path):
+    hf = _export(tmp_path / "base")
+    base, tok = pl.tools.load_model(hf)
+    lora = rx.apply_lora(base, rx.LoRAConfig(rank=2, alpha=4.0), key=jax.random.key(0))
+    adapter = tmp_path / "run" / "sft" / "adapter"
+    rx.save_lora_adapter(lora, adapter, base_model_name_or_path=hf)
+    policy, tok2 = pl.tools.load_model(str(adapter))
+    assert tok2.vocab_size == tok.vocab_size
+    want = rx.merge_lora(rx.load_lora_adapter(base, adapter))
+    assert all(
+        jax.numpy.array_equal(a, b) for a, b in zip(jax.tree.leaves(policy), jax.tree.leaves(want))
+    )
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = "HuggingFaceTB/SmolLM2-135M"
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(pl.ConfigError, match="^model.source=.*a PEFT adapter whose base") as e:
+        pl.tools.load_model(str(adapter))
+    assert "('HuggingFaceTB/SmolLM2-135M') is not a directory here" in str(e.value)
+    assert "merged model" not in str(e.value)  # no export beside the adapter
+    merged = _export(tmp_path / "run" / "sft" / "hf")
+    with pytest.raises(pl.ConfigError) as e:
+        pl.tools.load_model(str(adapter))
+    assert str(e.value).endswith(f", or pass the merged model: --model {merged}")

@@ -100,8 +100,16 @@ def run_export(source: str, field: str = "model.source") -> str:
     is `RUN/sft/hf`); with several (a pipeline's `sft`, `dpo`, ... policies) or none, a
     `ConfigError` naming `field` (`model.source` by default) and the candidates
     (`RUN/sft/hf`, `RUN/dpo/hf`, in the order the stages run) to pass instead. Any other
-    `source` is returned unchanged."""
-    config = _json_file(os.path.join(source, "config.json")) if os.path.isdir(source) else None
+    `source` is returned unchanged.
+
+    A directory that holds no model is refused the same way, naming what to pass: a run
+    over several seeds (one seed's run, `RUN/seed-<s>`), a sweep (it exports no single
+    policy: `members/<name>/<stage>/hf`, written with `--export`) or a stage's directory
+    (`RUN/sft`: its export `RUN/sft/hf`)."""
+    if not os.path.isdir(source):
+        return source
+    _check_holds_a_model(source, field)
+    config = _json_file(os.path.join(source, "config.json"))
     if not isinstance(config, dict) or not {"stages", "model"} <= set(config):
         return source
     order = {st.name: i for i, st in enumerate(stages())}
@@ -127,6 +135,35 @@ def run_export(source: str, field: str = "model.source") -> str:
         f"{field}={source!r}{flag}: a run directory without an exported policy "
         f"(<stage>/hf of a stage that trains one){scored}"
     )
+
+
+def _check_holds_a_model(source: str, field: str) -> None:
+    """A `ConfigError` naming `field` and the directory to pass instead when the
+    directory `source` is a run over several seeds, a sweep or a stage's directory."""
+    from ._rundir import holds_runs
+
+    flag = " (--model)" if field == "model.source" else ""
+    what = holds_runs(source)
+    if what == "a sweep":
+        raise ConfigError(
+            f"{field}={source!r}{flag}: a sweep exports no single policy: pass one member's, "
+            f"{os.path.join(source, 'members', '<name>', '<stage>', 'hf')} (written with --export)"
+        )
+    if what is not None:
+        seeds = sorted(
+            (n for n in os.listdir(source) if n[:5] == "seed-" and n[5:].isdigit()),
+            key=lambda n: int(n.removeprefix("seed-")),
+        )
+        example = f", e.g. {os.path.join(source, seeds[0])}" if seeds else ""
+        raise ConfigError(
+            f"{field}={source!r}{flag}: a run over several seeds; pass one seed's run, "
+            f"{os.path.join(source, 'seed-<s>')}{example}"
+        )
+    hf = os.path.join(source, "hf")
+    if not os.path.exists(os.path.join(source, "config.json")) and os.path.isfile(
+        os.path.join(hf, "config.json")
+    ):
+        raise ConfigError(f"{field}={source!r}{flag}: a stage's directory; its model is {hf}")
 
 
 def _json_file(path: str):
@@ -177,8 +214,13 @@ def load_model(
     (`model_path`: `"smollm2-135m"`) or a run directory, standing for the one policy it
     exported (`run_export`: `RUN` for `RUN/sft/hf`; refused naming them when it exported
     several). `quantized` with another source is a
-    `ConfigError` naming `model.quantized`. `remat` (`model.remat`: `"none"`, `"dots"`,
-    `"full"`) sets what the backward pass recomputes (`rx.with_remat`).
+    `ConfigError` naming `model.quantized`. A PEFT adapter directory
+    (`adapter_config.json`, no `config.json`: a run's `RUN/<stage>/adapter`) loads its
+    base from `base_model_name_or_path` when that is a directory, then the adapter,
+    merged (`rx.load_lora_adapter`, `rx.merge_lora`; the base's tokenizer); otherwise a
+    `ConfigError` saying to record the base there (or to pass the merged export).
+    `remat` (`model.remat`: `"none"`, `"dots"`, `"full"`) sets what the backward pass
+    recomputes (`rx.with_remat`).
 
     A checkpoint directory without `tokenizer` uses the tokenizer file found in it
     (`tokenizer.json`, `tokenizer.model` or `tokenizer.bin`: the run exports put one
@@ -202,8 +244,11 @@ def load_model(
         if tokenizer is not None:
             tok = data.load_tokenizer(tokenizer)
     elif os.path.isdir(source):
-        policy = rx.load_hf(source)
-        tok = data.load_tokenizer(tokenizer or source)
+        base = _adapter_base(source)
+        policy = rx.load_hf(base or source)
+        if base is not None:
+            policy = rx.merge_lora(rx.load_lora_adapter(policy, source))
+        tok = data.load_tokenizer(tokenizer or base or source)
     else:
         policy, tok = rx.load_llama2c(source, tokenizer)
     try:
@@ -213,6 +258,27 @@ def load_model(
     if remat != "none":
         policy = rx.with_remat(policy, REMAT_MODES[remat])
     return policy, tok
+
+
+def _adapter_base(source: str) -> str | None:
+    """The base model directory of the PEFT adapter directory `source`
+    (`base_model_name_or_path`), `None` when `source` is not an adapter directory; a
+    `ConfigError` saying how to give the base when it is not a directory here."""
+    config_path = os.path.join(source, "adapter_config.json")
+    if os.path.exists(os.path.join(source, "config.json")) or not os.path.isfile(config_path):
+        return None
+    config = _json_file(config_path)
+    base = config.get("base_model_name_or_path") if isinstance(config, dict) else None
+    if isinstance(base, str) and os.path.isdir(base):
+        return base
+    merged = os.path.join(os.path.dirname(os.path.normpath(source)), "hf")
+    export = os.path.isfile(os.path.join(merged, "config.json"))
+    raise ConfigError(
+        f"model.source={source!r} (--model): a PEFT adapter whose base_model_name_or_path "
+        f"({base!r}) is not a directory here; set it to the base model's Hugging Face "
+        f"directory in {config_path}, then --model {source} loads the base and applies "
+        f"the adapter{f', or pass the merged model: --model {merged}' if export else ''}"
+    )
 
 
 def tokenizer_file(source: str = "builtin", tokenizer: str | None = None) -> str | None:

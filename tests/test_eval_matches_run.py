@@ -70,8 +70,9 @@ def test_eval_of_a_finished_run_gives_the_numbers_of_its_summary(tmp_path, capsy
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
     capsys.readouterr()
-    for model, want in ((out, summary["sft"]), (f"{out}/sft/hf", summary["sft"])):
-        assert main(["eval", "--model", model, "--set", "eval_samples=2"]) == 0
+    for model, sets in ((out, []), (f"{out}/sft/hf", ["--set", "eval_samples=2"])):
+        assert main(["eval", "--model", model, *sets]) == 0  # RUN: the run's own settings
+        want = summary["sft"]
         got = json.loads(capsys.readouterr().out)
         for k in ("score", "score_se", "base_nll", "kl"):
             assert got[k] == want[k], (model, k)
@@ -79,3 +80,44 @@ def test_eval_of_a_finished_run_gives_the_numbers_of_its_summary(tmp_path, capsy
     got = json.loads(capsys.readouterr().out)
     for k in ("score", "score_se", "base_nll"):
         assert got[k] == summary["base"][k], k
+
+
+def _settings_run(root) -> str:
+    """A run directory whose `config.json` has evaluation settings that are not the
+    built-in task's, with the stories model exported as its one policy."""
+    run = _run_dir(root, {"sft": "lm"})
+    cfg = pl.apply_overrides(
+        pl.animal_task_config(),
+        ["eval_samples=2", "ops.seed=7", "sampling.max_new_tokens=6", "sampling.temperature=0.7"],
+    )
+    with open(os.path.join(run, "config.json"), "w") as f:
+        json.dump(pl.config.config_to_dict(cfg), f)
+    return run
+
+
+def test_eval_of_a_run_directory_defaults_to_the_runs_settings(tmp_path, capsys):
+    """`eval --model RUN` reads the run's `eval_samples`, `sampling.*` and `ops.seed` from
+    its `config.json`; a `--set` still overrides them; another model is unaffected."""
+    run = _settings_run(tmp_path / "run")
+    assert main(["eval", "--model", run, "--show-config"]) == 0
+    cfg = json.loads(capsys.readouterr().out)
+    assert (cfg["eval_samples"], cfg["ops"]["seed"]) == (2, 7)
+    assert (cfg["sampling"]["max_new_tokens"], cfg["sampling"]["temperature"]) == (6, 0.7)
+    sets = ["--set", "ops.seed=3", "--set", "sampling.temperature=1.0"]
+    assert main(["eval", "--model", run, *sets, "--show-config"]) == 0
+    cfg = json.loads(capsys.readouterr().out)
+    assert (cfg["eval_samples"], cfg["ops"]["seed"], cfg["sampling"]["temperature"]) == (2, 3, 1)
+    hf = os.path.join(run, "sft", "hf")
+    assert main(["eval", "--model", hf, "--show-config"]) == 0
+    assert json.loads(capsys.readouterr().out)["ops"]["seed"] == pl.animal_task_config().ops.seed
+
+
+def test_eval_of_a_run_directory_scores_as_with_the_runs_settings_repeated(tmp_path, capsys):
+    run = _settings_run(tmp_path / "run")
+    assert main(["eval", "--model", run]) == 0
+    got = json.loads(capsys.readouterr().out)
+    with open(os.path.join(run, "config.json")) as f:
+        cfg = pl.config.config_from_dict(pl.PipelineConfig, json.load(f))
+    hf = os.path.join(run, "sft", "hf")
+    want = pl.tools.evaluate_model(pl.apply_overrides(cfg, [f"model.source={hf}"]))
+    assert got == json.loads(json.dumps(want))

@@ -348,8 +348,14 @@ def command_line_config(args) -> PipelineConfig:
     built-in task's (`animal_task_config`), then the file `args.config` (`load_config`),
     then the `--set` overrides `args.overrides`, then the flags the namespace has, each
     as an override: `data` (`data.path`), `model` (`model.source`), `tokenizer`
-    (`model.tokenizer`), `quiet` (`ops.quiet=true`). Defaults < file < flags."""
+    (`model.tokenizer`), `quiet` (`ops.quiet=true`). Defaults < file < flags.
+
+    `rlhf_eqx eval --model RUN` of a run directory starts from that run's own evaluation
+    settings instead of the built-in task's (`run_eval_settings`), so that it scores the
+    run's exported policy as the run did; the file and the flags still override them."""
     cfg = animal_task_config()
+    if getattr(args, "command", None) == "eval" and getattr(args, "model", None):
+        cfg = run_eval_settings(cfg, args.model)
     if args.config:
         cfg = load_config(args.config, base=cfg)
     overrides = list(args.overrides)
@@ -360,3 +366,38 @@ def command_line_config(args) -> PipelineConfig:
     if getattr(args, "quiet", False):
         overrides.append("ops.quiet=true")
     return apply_overrides(cfg, overrides)
+
+
+EVAL_SETTINGS: tuple[str, ...] = ("eval_samples", "sampling", "ops.seed")
+"""What a run's held-out evaluation reads besides the model (`task_evaluator`): the
+samples per opening, the sampling settings and the key's seed."""
+
+
+def run_eval_settings(cfg: PipelineConfig, run_dir: str) -> PipelineConfig:
+    """`cfg` with the `EVAL_SETTINGS` of the run in `run_dir` (its `config.json`, when
+    `run_dir` is a run directory: one with `stages` and `model`); `cfg` itself otherwise.
+    A run's `config.json` that does not load is a `ConfigError` naming it."""
+    path = os.path.join(run_dir, "config.json")
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return cfg
+    if not isinstance(saved, dict) or not {"stages", "model"} <= set(saved):
+        return cfg
+    d = config_to_dict(cfg)
+    for name in EVAL_SETTINGS:  # just these: the run's other sections are not read
+        *sections, key = name.split(".")
+        mine, theirs = d, saved
+        for section in sections:
+            mine, theirs = mine[section], theirs.get(section)
+            if not isinstance(theirs, dict):
+                break
+        else:
+            if key in theirs:
+                both = isinstance(mine[key], dict) and isinstance(theirs[key], dict)
+                mine[key] = _deep_merge(mine[key], theirs[key]) if both else theirs[key]
+    try:
+        return config_from_dict(PipelineConfig, d)
+    except ConfigError as e:
+        raise ConfigError(f"{path} (the run's settings that eval reads): {e}") from None

@@ -348,7 +348,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # base needs no stage's LoRA (load_model checks its .gguf source).
         tool = args.command in TOOL_COMMANDS and cfg.model.quantized
         model = dataclasses.replace(cfg.model, quantized=False) if tool else cfg.model
-        validate_config(dataclasses.replace(cfg, model=model), device_count=1)
+        # sample / eval take sampling.temperature=0 as greedy decoding (the sampler's
+        # argmax, as serve does); the stages need a positive one for their log-probabilities
+        greedy = args.command in TOOL_COMMANDS and cfg.sampling.temperature == 0
+        sampling = dataclasses.replace(cfg.sampling, temperature=1.0) if greedy else cfg.sampling
+        validate_config(dataclasses.replace(cfg, model=model, sampling=sampling), device_count=1)
     except ConfigError as e:
         print(f"error: invalid configuration: {e}", file=sys.stderr)
         return 2

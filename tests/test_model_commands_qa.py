@@ -175,3 +175,24 @@ def test_an_adapter_directory_loads_on_its_base(tmp_path):
     with pytest.raises(pl.ConfigError) as e:
         pl.tools.load_model(str(adapter))
     assert str(e.value).endswith(f", or pass the merged model: --model {merged}")
+
+
+def test_sample_refuses_a_data_file_by_name(tmp_path, capsys):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "Once upon a time"}) + "\n")
+    assert main(["sample", "--data", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: invalid configuration: data.path={str(path)!r} (--data): ")
+    assert "sample completes the --prompt texts" in err and err.count("\n") == 1
+
+
+def test_sample_and_eval_take_temperature_zero_as_greedy(capsys):
+    sets = ["--set", "sampling.temperature=0", "--set", "sampling.max_new_tokens=8"]
+    assert main(["sample", "-n", "2", "--prompt", "Once upon a time", *sets]) == 0
+    first, second = capsys.readouterr().out.split("\n\n")[:2]
+    assert first == second and first.startswith("Once upon a time")  # argmax each token
+    assert main(["eval", *sets, "--set", "eval_samples=2"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["score_se"] == 0.0  # every sample of an opening is the same
+    assert main(["sample", "--set", "sampling.temperature=-1"]) == 2
+    assert "sampling.temperature=-1.0: must be" in capsys.readouterr().err

@@ -50,13 +50,16 @@ def sample_model(cfg, prompts: Sequence[str] = (), *, num_samples: int = 4) -> l
     tokenizer's `stop_ids`: Gemma's `<end_of_turn>`, Llama 3's `<|eot_id|>`), BOS or
     `sampling.stop_strings`. A prompt longer
     than `sampling.prompt_length` widens it instead of being refused. `num_samples`
-    below 1 is a `ConfigError` naming `-n` (`--num-samples`), before the model loads.
+    below 1 is a `ConfigError` naming `-n` (`--num-samples`), before the model loads, and
+    so is `data.path` (`--data`: sample reads no data file). `sampling.temperature=0`
+    is greedy decoding (each token the argmax), as `rlhf_eqx serve` takes it.
 
     **Returns:** one text per sample, prompt by prompt: the prompt as given, then its
     completion (after a line break when the prompt went through a chat template).
     """
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
         raise ConfigError(f"-n/--num-samples={num_samples!r}: must be >= 1")
+    _no_data_file(cfg, "sample completes the --prompt texts (by default two story openings)")
     policy, tok = load_configured_model(cfg)
     prompts = list(prompts) or list(task.HELDOUT_PROMPTS[:2])
     fed = render_prompts(tok, cfg.data, prompts)
@@ -86,19 +89,24 @@ def evaluate_model(cfg) -> dict:
     `ops.seed`, `eval_samples` and `sampling.*` are those in its `summary.json`, and
     `builtin`'s are the run's `base` numbers. `data.path` is refused (a `ConfigError`):
     eval reads no data file (a data-file run reports its held-out numbers in its
-    `summary.json`).
+    `summary.json`). `sampling.temperature=0` samples greedily, as `sample` does.
 
     **Returns:** the metrics of `evaluate_policy` (`score`, `score_se`, `base_nll`,
     `kl`).
     """
-    if cfg.data.path is not None:
-        raise ConfigError(
-            f"data.path={cfg.data.path!r} (--data): eval scores the built-in task's story "
-            "openings and reads no data file (a data-file run reports its held-out numbers "
-            "in its summary.json)"
-        )
+    _no_data_file(cfg, "eval scores the built-in task's story openings")
     policy, tok = load_configured_model(cfg)
     base, _ = load_model("builtin") if policy.cfg.vocab_size == 512 else (policy, tok)
     evaluate = task_evaluator(cfg, tok, base, jax.random.key(cfg.ops.seed))
     metrics, _, _ = evaluate(policy, base)
     return metrics
+
+
+def _no_data_file(cfg, what: str) -> None:
+    """A `ConfigError` naming `data.path` (`--data`) when it is set: `what` the command
+    reads instead."""
+    if cfg.data.path is not None:
+        raise ConfigError(
+            f"data.path={cfg.data.path!r} (--data): {what} and reads no data file (a "
+            "data-file run reports its held-out numbers in its summary.json)"
+        )

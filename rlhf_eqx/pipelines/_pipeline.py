@@ -150,10 +150,9 @@ def _check_holds_a_model(source: str, field: str) -> None:
             f"{os.path.join(source, 'members', '<name>', '<stage>', 'hf')} (written with --export)"
         )
     if what is not None:
-        seeds = sorted(
-            (n for n in os.listdir(source) if n[:5] == "seed-" and n[5:].isdigit()),
-            key=lambda n: int(n.removeprefix("seed-")),
-        )
+        from ._plots import seed_runs
+
+        seeds = seed_runs(source)
         example = f", e.g. {os.path.join(source, seeds[0])}" if seeds else ""
         raise ConfigError(
             f"{field}={source!r}{flag}: a run over several seeds; pass one seed's run, "

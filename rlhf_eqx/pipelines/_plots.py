@@ -176,16 +176,18 @@ def _number(value) -> bool:
 def _plot_seeds(run_dir: str) -> list[str]:
     """The plots of each `seed-<s>/` run of a run over several seeds (in seed order; a
     seed that has logged nothing yet is noted)."""
-    seeds = sorted(
-        (int(n.removeprefix("seed-")), n)
-        for n in os.listdir(run_dir)
-        if n.startswith("seed-") and n.removeprefix("seed-").isdigit()
-    )
     written = []
-    for _, name in seeds:
+    for name in seed_runs(run_dir):
         seed_dir = os.path.join(run_dir, name)
         if os.path.isfile(os.path.join(seed_dir, "metrics.jsonl")):
             written += plot_run(seed_dir)
         else:
             print(f"note: {seed_dir}: no metrics.jsonl yet; not plotted", file=sys.stderr)
     return written
+
+
+def seed_runs(run_dir: str) -> list[str]:
+    """The `seed-<s>` entries of the directory `run_dir` (a run over several seeds), in
+    seed order."""
+    names = [n for n in os.listdir(run_dir) if n[:5] == "seed-" and n[5:].isdigit()]
+    return sorted(names, key=lambda n: int(n[5:]))

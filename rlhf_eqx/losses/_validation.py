@@ -11,7 +11,7 @@ import numbers
 from collections.abc import Callable, Collection, Sequence
 
 import jax.numpy as jnp
-from jaxtyping import Array, Real
+from jaxtyping import Array, Float, Real
 
 # A scalar hyperparameter: a Python number or a (possibly traced) JAX scalar.
 Hyperparameter = float | int | Real[Array, ""]
@@ -43,7 +43,7 @@ def check_positive(name: str, value: object) -> None:
     check_python_number(name, value, lambda v: v > 0.0, "positive")
 
 
-def wide_float_dtype(*arrays: Array) -> type:
+def wide_float_dtype(*arrays: Float[Array, "..."]) -> type:
     """float64 if any of `arrays` is float64, else float32: the dtype to sum or subtract
     log-probabilities in (bfloat16 inputs are widened, float64 ones are kept)."""
     return jnp.float64 if any(a.dtype == jnp.float64 for a in arrays) else jnp.float32

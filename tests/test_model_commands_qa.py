@@ -164,6 +164,11 @@ def test_an_adapter_directory_loads_on_its_base(tmp_path):
     assert all(
         jax.numpy.array_equal(a, b) for a, b in zip(jax.tree.leaves(policy), jax.tree.leaves(want))
     )
+    # a run on the adapter copies the base's tokenizer and fingerprints both directories
+    assert pl.tools.tokenizer_file(str(adapter)) == pl.tools.tokenizer_file(hf)
+    files = pl.tools.model_files(str(adapter))
+    assert str(adapter / "adapter_config.json") in files
+    assert set(pl.tools.model_files(hf)) <= set(files)
     config = json.loads((adapter / "adapter_config.json").read_text())
     config["base_model_name_or_path"] = "HuggingFaceTB/SmolLM2-135M"
     (adapter / "adapter_config.json").write_text(json.dumps(config))

@@ -106,13 +106,15 @@ def run_on_data(
 def _hf_base(source: str) -> str | None:
     """The absolute path of the Hugging Face directory `source` names (a run directory
     stands for its policy export), the base a PEFT adapter trained on it records; `None`
-    for the built-in model and a GGUF file."""
+    for the built-in model, a GGUF file and a PEFT adapter directory (loaded merged into
+    its base: no directory holds that model)."""
     from ._pipeline import model_path
 
     if source == "builtin":
         return None
     path = model_path(source)
-    return os.path.abspath(path) if os.path.isdir(path) else None
+    hf = os.path.isfile(os.path.join(path, "config.json"))  # not a GGUF file, nor an adapter
+    return os.path.abspath(path) if hf else None
 
 
 def _run_on_data(

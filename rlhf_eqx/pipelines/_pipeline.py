@@ -294,6 +294,7 @@ def tokenizer_file(source: str = "builtin", tokenizer: str | None = None) -> str
     if source.lower().endswith(".gguf"):
         return source
     if os.path.isdir(source):
+        source = _adapter_base(source) or source  # a PEFT adapter: its base's tokenizer
         for name in ("tokenizer.json", "tokenizer.model", "tokenizer.bin"):
             if os.path.isfile(os.path.join(source, name)):
                 return os.path.join(source, name)
@@ -303,8 +304,9 @@ def tokenizer_file(source: str = "builtin", tokenizer: str | None = None) -> str
 def model_files(source: str = "builtin", tokenizer: str | None = None) -> list[str]:
     """The files `load_model(source, tokenizer)` reads, in a fixed order: the shipped
     model and tokenizer for `"builtin"`; a directory's `config.json`, `*.safetensors`
-    and `tokenizer*` files; a `.bin` or `.gguf` file itself; then `tokenizer` when given.
-    Files that do not exist are left out (loading names them)."""
+    and `tokenizer*` files (a PEFT adapter directory's `adapter_config.json` and
+    weights, then its base directory's files); a `.bin` or `.gguf` file itself; then
+    `tokenizer` when given. Files that do not exist are left out (loading names them)."""
     from rlhf_eqx.assets import asset_path
 
     path = model_path(source)
@@ -312,9 +314,17 @@ def model_files(source: str = "builtin", tokenizer: str | None = None) -> list[s
         files = [asset_path("stories260K.bin"), asset_path("tok512.bin")]
     elif os.path.isdir(path):
         read = lambda n: (
-            n == "config.json" or n.endswith(".safetensors") or n.startswith("tokenizer")
+            n in ("config.json", "adapter_config.json")
+            or n.endswith(".safetensors")
+            or n.startswith("tokenizer")
         )
-        files = [os.path.join(path, n) for n in sorted(os.listdir(path)) if read(n)]
+        base = _adapter_base(path)
+        files = [
+            os.path.join(d, n)
+            for d in (path, *((base,) if base else ()))
+            for n in sorted(os.listdir(d))
+            if read(n)
+        ]
     else:
         files = [path]
     if tokenizer is not None and tokenizer not in files:

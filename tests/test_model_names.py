@@ -89,6 +89,7 @@ def test_judge_and_teacher_settings_take_short_names():
     pl.config.validate_stage("distill", pl.DistillConfig(teacher="smollm2-135m"))
 
 
+@pytest.mark.slow
 @needs_smollm2
 def test_teacher_short_name_loads_its_file():
     """`load_teacher` resolves the name as `--model` does: SmolLM2's weights are read

@@ -9,7 +9,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Shaped
+from jaxtyping import Array, Float, PRNGKeyArray, Shaped
 
 from .._sampling import DEFAULT_TEMPERATURE
 from ._rollout import Rollout, sample_rollout, token_logps
@@ -133,7 +133,7 @@ def evaluate_policy(
     policy,
     tok,
     prompts: Sequence[str],
-    key: jax.Array,
+    key: PRNGKeyArray,
     *,
     scorer: Callable[[str], float],
     base,

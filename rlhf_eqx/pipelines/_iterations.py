@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+from jaxtyping import PRNGKeyArray
 
 from ._callbacks import CallbackError, CallbackList, RunHandle
 from ._config import (
@@ -68,7 +69,7 @@ def run_iterations(
     iteration: Callable[[Any, jax.Array, int], tuple[Any, list[dict], dict]],
     *,
     num_iterations: int,
-    key: jax.Array,
+    key: PRNGKeyArray,
     ops: OpsConfig,
     log: MetricsLog,
     checkpoint_dir: str | None = None,

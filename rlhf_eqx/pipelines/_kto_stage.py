@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 import equinox as eqx
 import jax
 import numpy as np
+from jaxtyping import PRNGKeyArray
 
 import rlhf_eqx as rx
 from rlhf_eqx import data
@@ -131,7 +132,7 @@ def sampled_unpaired(
     policy,
     tok,
     prompts: Sequence[str],
-    key: jax.Array,
+    key: PRNGKeyArray,
     label: Callable[[Sequence[str], Sequence[str], int], Sequence[float]],
     *,
     samples: int,

@@ -29,7 +29,7 @@ from concurrent.futures import Future
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Bool
+from jaxtyping import Bool, PRNGKeyArray
 
 import rlhf_eqx as rx
 
@@ -100,7 +100,7 @@ def _data_axis(x: jax.Array) -> int:
 def continue_rollout(
     policy,
     pending: PendingRollout,
-    key: jax.Array,
+    key: PRNGKeyArray,
     *,
     max_new_tokens: int,
     temperature: float,

@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+from jaxtyping import PRNGKeyArray
 
 from ._config import (
     ConfigError,
@@ -314,7 +315,7 @@ class StageEnv:
     run_dir: str
     resume: bool
     say: Callable[..., None]
-    key: jax.Array
+    key: PRNGKeyArray
     make_ctx: Callable[..., Any]
     label: Callable | None = None
     policies: dict = dataclasses.field(default_factory=dict)
@@ -327,7 +328,7 @@ class StageEnv:
         """The `RunContext` of `stage` (its key, checkpoint directory, metrics log)."""
         return self.make_ctx(stage, periodic=periodic)
 
-    def data_key(self, salt: int) -> jax.Array:
+    def data_key(self, salt: int) -> PRNGKeyArray:
         """A key for the stage's own sampling (`fold_in` of the run's data key)."""
         return jax.random.fold_in(_data_key(self.key), salt)
 

@@ -14,7 +14,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 import rlhf_eqx as rx
 from rlhf_eqx import data
@@ -112,7 +112,7 @@ def dispatch_rollout(
     policy,
     tok,
     prompts: Sequence[str],
-    key: jax.Array,
+    key: PRNGKeyArray,
     *,
     group_size: int = 1,
     prompt_length: int,
@@ -205,7 +205,7 @@ def finish_rollout(pending: PendingRollout, tok) -> Rollout:
     )
 
 
-def sample_rollout(policy, tok, prompts: Sequence[str], key: jax.Array, **options) -> Rollout:
+def sample_rollout(policy, tok, prompts: Sequence[str], key: PRNGKeyArray, **options) -> Rollout:
     """Sample completions of `prompts`: `dispatch_rollout` (its keyword `options`:
     `group_size`, `prompt_length`, `max_new_tokens`, `temperature`, `stop_ids`,
     `stop_strings`, `slots`) then `finish_rollout`, which cuts each completion where one

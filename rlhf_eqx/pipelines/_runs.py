@@ -18,6 +18,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import PRNGKeyArray
 
 import rlhf_eqx as rx
 from rlhf_eqx import data
@@ -47,7 +48,7 @@ class RunContext:
 
     ops: OpsConfig
     log: MetricsLog
-    key: jax.Array
+    key: PRNGKeyArray
     checkpoint_dir: str | None = None
     resume: bool = False
     prompt_length: int = SamplingConfig.prompt_length
@@ -72,7 +73,7 @@ class RunResult:
     info: dict = dataclasses.field(default_factory=dict)
 
 
-def with_lora(model, lora: LoRASettings, key: jax.Array):
+def with_lora(model, lora: LoRASettings, key: PRNGKeyArray):
     """`(model with adapters, filter spec)`; `lora.rank == 0`: `(model, None)` (train all)."""
     cfg = lora.lora_config()
     if cfg is None:

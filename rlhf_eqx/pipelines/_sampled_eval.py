@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
+from jaxtyping import PRNGKeyArray
 
 from ._data_prep import prompt_tokens
 from ._evaluate import _completion_mean, _token_logps, prompt_se
@@ -20,7 +21,7 @@ def sampled_comparison(
     after,
     tok,
     prompts: Sequence[str],
-    key: jax.Array,
+    key: PRNGKeyArray,
     cfg,
     *,
     score: Callable[[str, str], float] | None = None,

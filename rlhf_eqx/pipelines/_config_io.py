@@ -164,8 +164,9 @@ def _convert(value: Any, tp: Any, name: str) -> Any:
             raise errors[0]
         raise ConfigError(f"{name}={value!r}: expected {' or '.join(readable) or tp}")
     if origin is tuple:
-        if isinstance(value, str) and isinstance(_json_list(value), list):
-            value = _json_list(value)  # from the command line: items may hold commas
+        listed = _json_list(value) if isinstance(value, str) else None
+        if isinstance(listed, list):
+            value = listed  # from the command line: items may hold commas
         elif isinstance(value, str) and name.endswith("stop_strings"):
             # From the command line: comma-separated, with escapes (`\\n\\nHuman:`)
             try:

@@ -219,6 +219,27 @@ def _check_task_only(cfg: Any, run: tuple[str, ...]) -> None:
                 )
 
 
+SWEEP_UNREAD_OPS: dict[str, str] = {
+    "eval_every": "a sweep has no periodic evaluation; the held-out evaluation runs at the end",
+    "lr_backoff": "a sweep does not roll back; a member whose update is not finite is frozen",
+    "max_rollbacks": "a sweep does not roll back; a member whose update is not finite is frozen",
+    "loss_spike": "a sweep does not roll back on a loss spike",
+    "kl_spike": "a sweep does not roll back on a KL spike (a GRPO or PPO member past its KL "
+    "target stops: kl_guard)",
+}
+"""The `ops` fields a separate run reads and a sweep does not, with why."""
+
+
+def check_sweep_ops(ops: Any) -> None:
+    """Refuse the `SWEEP_UNREAD_OPS` of `ops` changed from their defaults (the usual one
+    or the built-in task's), as `check_unread` refuses a run's unread settings."""
+    usual, task = PipelineConfig().ops, animal_task_config().ops
+    for field, why in SWEEP_UNREAD_OPS.items():
+        value = getattr(ops, field)
+        if _changed(value, getattr(usual, field), getattr(task, field)):
+            _fail(f"ops.{field}", value, why)
+
+
 def check_unread(cfg: Any, run: tuple[str, ...], uses_judge: bool) -> None:
     """Refuse a shared setting that the stages `run` would not read, changed from its
     default (the usual one or the built-in task's): one line naming the field and what

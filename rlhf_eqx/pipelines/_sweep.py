@@ -56,6 +56,7 @@ from ._pipeline import (
 from ._pipeline_config import PipelineConfig, animal_task_config
 from ._registry import get_stage
 from ._resume_rules import RunDirError, config_changes
+from ._run_checks import check_sweep_ops
 from ._rundir import (
     RunLock,
     check_data,
@@ -239,7 +240,7 @@ def sweep(
     else:
         cfg = dataclasses.replace(cfg, stages=st.prerequisites(cfg))
     validate_config(cfg, stage=stage if on_data else None)
-    _check_unread_ops(cfg.ops)
+    check_sweep_ops(cfg.ops)
     if stage == "ppo":
         check_ppo_sweep(cfg.ppo)  # before anything is loaded or run
     members = make_members(cfg, stage, st.key, grid, seeds)
@@ -252,27 +253,6 @@ def sweep(
         resumed = _take_dir(out, _spec(stage, grid, seeds, cfg), resume)
         with trying_once(), _member_trackers(cfg, members, out, resumed):
             return _sweep(stage, cfg, members, out, resumed, export, say, t0)
-
-
-# what a separate run reads of `ops` and a sweep does not (the module docstring)
-_UNREAD_OPS = {
-    "eval_every": "a sweep has no periodic evaluation; the held-out evaluation runs at the end",
-    "lr_backoff": "a sweep does not roll back; a member whose update is not finite is frozen",
-    "max_rollbacks": "a sweep does not roll back; a member whose update is not finite is frozen",
-    "loss_spike": "a sweep does not roll back on a loss spike",
-    "kl_spike": "a sweep does not roll back on a KL spike (a GRPO or PPO member past its KL "
-    "target stops: kl_guard)",
-}
-
-
-def _check_unread_ops(ops) -> None:
-    """Refuse (`ConfigError`, naming the field) the `ops` settings a separate run reads
-    and a sweep does not, set to other than their defaults."""
-    usual, task = type(ops)(), animal_task_config().ops
-    for field, why in _UNREAD_OPS.items():
-        value = getattr(ops, field)
-        if value != getattr(usual, field) and value != getattr(task, field):
-            raise ConfigError(f"ops.{field}={value!r}: {why}")
 
 
 def _member_trackers(cfg, members, out: str, resume: bool) -> contextlib.ExitStack:

@@ -1178,3 +1178,22 @@ def test_kill_9_then_resume_continues_each_tracker_run(uninterrupted_data_run, m
     assert int(pl.tools.latest_checkpoint(ckpts)[-8:]) < 6
     assert main([*argv, "--resume"]) == 0 and guard.attempts == []
     _assert_same_histories(_held_steps(killed), _held_steps(full))
+
+
+def test_trackio_with_an_unwritable_store_says_so(tmp_path, monkeypatch, capsys):
+    """A trackio store that cannot be written (here under a file; permissions do not stop
+    root) is one line naming it and `TRACKIO_DIR`, as another tracker that cannot start
+    is, rather than a tracker whose background writes fail unseen."""
+    _need("trackio", "trackio")
+    import trackio
+
+    (tmp_path / "file").write_text("")
+    store = tmp_path / "file" / "trackio"
+    monkeypatch.setattr(trackio.utils, "TRACKIO_DIR", store)
+    t = pl.trackers.open_trackers(["trackio"], str(tmp_path / "run"), {}, quiet=True)
+    assert t.names == ()
+    t.finish()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith(f"tracker trackio: could not start (its store {store} is not writable")
+    assert "TRACKIO_DIR" in err[0] and err[0].endswith("; the run goes on without it")

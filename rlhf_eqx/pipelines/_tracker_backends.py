@@ -43,6 +43,7 @@ import json
 import math
 import os
 import re
+import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -530,7 +531,9 @@ class TrackioTracker(Tracker):
     """A trackio run in its local store (`$TRACKIO_DIR`, default
     `~/.cache/huggingface/trackio`; `trackio show` opens the dashboard). It syncs to a
     Hugging Face Space or a server only when `TRACKIO_SPACE_ID` or `TRACKIO_SERVER_URL`
-    is set, and never launches a dashboard itself. Project `TRACKIO_PROJECT` or
+    is set, and never launches a dashboard itself. A store that cannot be written is
+    refused when the run starts (one line naming it, as for a tracker that cannot
+    start), not left to fail in trackio's background writer. Project `TRACKIO_PROJECT` or
     `rlhf_eqx`; the run's name, group and configuration as given. Each stage's metrics
     are `<stage>/<metric>` at the stage's step; the summary is `summary/...` logged at
     the run's last step. Each run is started in a context of its own, so that several
@@ -551,6 +554,7 @@ class TrackioTracker(Tracker):
     def start(self, run_name: str, config: dict, group: str | None, **resume) -> None:
         import trackio
 
+        _writable_store(str(trackio.utils.TRACKIO_DIR))
         # in a context of its own: `trackio.init` ends the context's current run, and a
         # sweep's members keep their runs open together
         self.run = contextvars.Context().run(
@@ -595,6 +599,21 @@ class TrackioTracker(Tracker):
 
     def finish(self) -> None:
         self.run.finish()
+
+
+def _writable_store(where: str) -> None:
+    """Refuse (`OSError`, naming the directory and `TRACKIO_DIR`) a trackio store that
+    cannot be written: trackio writes from a background thread, whose failures would
+    only warn while the run believes it is tracked."""
+    try:
+        os.makedirs(where, exist_ok=True)
+        with tempfile.TemporaryFile(dir=where):
+            pass
+    except OSError as e:
+        raise OSError(
+            f"its store {where} is not writable ({e.strerror or e}); set TRACKIO_DIR to a "
+            "writable directory"
+        ) from None
 
 
 register_tracker("tensorboard", TensorBoardTracker)

@@ -37,20 +37,7 @@ EXCEPTIONS = {
 # Entries must still be needed (see `test_pending_entries_are_still_needed`); remove
 # one when its function gets shaped annotations.
 PENDING = {
-    "rlhf_eqx.data._jinja_chat.RenderedChat.__init__": {"char_mask", "token_mask"},
     "rlhf_eqx.envs._animal.AnimalFollowUpEnv.host_rewards": {"return"},
-    "rlhf_eqx.models._config.RopeScaling.apply": {"inv_freq", "return"},
-    "rlhf_eqx.models._config.TransformerConfig.inv_freq": {"return"},
-    "rlhf_eqx.models._decoder_layer.DecoderLayer.block": {"rope"},
-    "rlhf_eqx.models._gguf_blocks.GGUFMixedWeight.__init__": {"raw", "codes"},
-    "rlhf_eqx.models._gguf_blocks.GGUFMixedWeight.dequantize": {"return"},
-    "rlhf_eqx.models._gguf_blocks.GGUFMixedWeight.dequantize_t": {"return"},
-    "rlhf_eqx.models._gguf_blocks.GGUFWeight.columns": {"ids", "return"},
-    "rlhf_eqx.models._gguf_blocks.GGUFWeight.dequantize": {"return"},
-    "rlhf_eqx.models._gguf_blocks.GGUFWeight.dequantize_t": {"return"},
-    "rlhf_eqx.models._gguf_blocks.GGUFWeight.from_numpy": {"data"},
-    "rlhf_eqx.models._gguf_blocks.GGUFWeight.rows": {"raw", "return"},
-    "rlhf_eqx.models._llama2c.read_llama2c": {"return"},
     "rlhf_eqx.pipelines._reward_sources.EnsembleReward.scores": {"return"},
     "rlhf_eqx.pipelines._reward_sources.ModelReward.scores": {"return"},
     "rlhf_eqx.pipelines._reward_sources.Scored.__init__": {"scores"},
@@ -58,12 +45,6 @@ PENDING = {
     "rlhf_eqx.pipelines._rollout.score_rollout": {"return"},
     "rlhf_eqx.pipelines._evaluate.evaluate_policy": {"return"},
     "rlhf_eqx.pipelines._runs.rows_at": {"return"},
-    "rlhf_eqx.serving._recording.Episode.__init__": {
-        "tokens",
-        "loss_mask",
-        "logprobs",
-        "turn_ids",
-    },
 }
 
 

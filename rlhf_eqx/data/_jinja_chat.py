@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from jaxtyping import Bool
 
 from ._chat import cut_after_final_content
 from ._chat_spans import (
@@ -77,9 +78,9 @@ class RenderedChat:
 
     text: str
     spans: tuple[tuple[int, int], ...]
-    char_mask: np.ndarray
+    char_mask: Bool[np.ndarray, " chars"]
     ids: list[int] | None = None
-    token_mask: np.ndarray | None = None
+    token_mask: Bool[np.ndarray, " tokens"] | None = None
 
 
 class JinjaChatTemplate:

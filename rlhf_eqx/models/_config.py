@@ -5,6 +5,7 @@ import math
 
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Float, Float32
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
@@ -45,7 +46,7 @@ class RopeScaling:
                 f"{self.high_freq_factor!r} <= {self.low_freq_factor!r}"
             )
 
-    def apply(self, inv_freq: np.ndarray) -> np.ndarray:
+    def apply(self, inv_freq: Float[np.ndarray, " half"]) -> Float32[np.ndarray, " half"]:
         """The rescaled inverse frequencies (float32, as Hugging Face computes them)."""
         inv_freq = inv_freq.astype(np.float32)
         factor = np.float32(self.factor)
@@ -231,7 +232,7 @@ class TransformerConfig:
         """The RMSNorm weight value of the identity scale (0 with `norm_plus_one`)."""
         return 0.0 if self.norm_plus_one else 1.0
 
-    def inv_freq(self, *, local: bool = False) -> np.ndarray:
+    def inv_freq(self, *, local: bool = False) -> Float32[np.ndarray, " half"]:
         """Rotary inverse frequencies `[head_dim / 2]` (float32), of the local layers with
         `local`."""
         theta = (

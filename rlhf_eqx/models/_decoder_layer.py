@@ -98,7 +98,7 @@ class DecoderLayer(eqx.Module):
         self,
         x: Float[Array, "*B T D"],
         cfg: TransformerConfig,
-        rope: tuple[Array, Array],
+        rope: tuple[Float[Array, "*R T hd"], Float[Array, "*R T hd"]],
         attend: Callable,
         keys=None,
         at: Int[Array, "*B N"] | None = None,

@@ -31,7 +31,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int, UInt8
+from jaxtyping import Array, Float, Int, Shaped, UInt8
 
 from ._layers import AbstractQuantizedWeight
 from ._packed_products import PACKED_KINDS, few_rows_product
@@ -196,18 +196,18 @@ class GGUFWeight(AbstractQuantizedWeight):
     def shape(self) -> tuple[int, ...]:
         return self.raw.shape[:-2] + self.in_out
 
-    def dequantize(self, dtype) -> Array:
+    def dequantize(self, dtype) -> Float[Array, "*L i o"]:
         return jnp.swapaxes(self.rows(self.raw, dtype), -1, -2)
 
-    def dequantize_t(self, dtype) -> Array:
+    def dequantize_t(self, dtype) -> Float[Array, "*L o i"]:
         return self.rows(self.raw, dtype)
 
-    def rows(self, raw: Array, dtype) -> Array:
+    def rows(self, raw: UInt8[Array, "*K row_bytes"], dtype) -> Float[Array, "*K i"]:
         """Decode packed output rows `raw [..., k, row_bytes]` (slices of `self.raw`) to
         `[..., k, in]`."""
         return dequantize_rows(raw, self.kind, self.in_out[0], dtype)
 
-    def columns(self, ids: Array, dtype) -> Array:
+    def columns(self, ids: Int[Array, "*N"], dtype) -> Float[Array, "*N i"]:
         return self.rows(jnp.take(self.raw, ids, axis=-2), dtype)
 
     def product(self, x2: Float[Array, "M i"], dense, dtypes) -> Float[Array, "M o"]:
@@ -226,9 +226,11 @@ class GGUFWeight(AbstractQuantizedWeight):
         return GGUFWeight(raw=raw, kind=self.kind, in_out=(self.in_out[0], size))
 
     @classmethod
-    def from_numpy(cls, data: np.ndarray, kind: str, n_in: int) -> "GGUFWeight":
+    def from_numpy(
+        cls, data: Shaped[np.ndarray, "*L out row_bytes"], kind: str, n_in: int
+    ) -> "GGUFWeight":
         """A weight from a GGUF tensor's bytes, `uint8 [out, row_bytes]` (or `[*L, out,
-        row_bytes]`), with `n_in` values per row."""
+        row_bytes]`), with `n_in` values per row (another dtype raises `ValueError`)."""
         data = np.asarray(data)
         if data.dtype != np.uint8 or data.ndim < 2:
             raise ValueError(
@@ -255,8 +257,8 @@ class GGUFMixedWeight(AbstractQuantizedWeight):
     `partition_specs` splits them by output row the same way.
     """
 
-    raw: tuple[Array, ...]  # uint8 [*L, out_p, bytes_p] each (the runs' shapes differ)
-    codes: tuple[Array, ...]  # int32 [*L] each
+    raw: tuple[UInt8[Array, "*L _out_p _bytes_p"], ...]  # the runs' rows and bytes differ
+    codes: tuple[Int[Array, "*L"], ...]
     kinds: tuple[tuple[str, ...], ...] = eqx.field(static=True)
     in_out: tuple[int, int] = eqx.field(static=True)
 
@@ -279,10 +281,10 @@ class GGUFMixedWeight(AbstractQuantizedWeight):
     def shape(self) -> tuple[int, ...]:
         return self.raw[0].shape[:-2] + self.in_out
 
-    def dequantize(self, dtype) -> Array:
+    def dequantize(self, dtype) -> Float[Array, "*L i o"]:
         return jnp.swapaxes(self.dequantize_t(dtype), -1, -2)
 
-    def dequantize_t(self, dtype) -> Array:
+    def dequantize_t(self, dtype) -> Float[Array, "*L o i"]:
         if self.raw[0].ndim > 2:  # a stack: layer by layer
             return jax.vmap(lambda w: w.dequantize_t(dtype))(self)
         n_in, runs = self.in_out[0], []

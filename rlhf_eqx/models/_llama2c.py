@@ -35,7 +35,7 @@ executes code from the file (no pickle).
 import os
 
 import numpy as np
-from jaxtyping import Shaped
+from jaxtyping import Float32, Shaped
 
 from ._build import check_finite, policy_from_arrays
 from ._config import TransformerConfig
@@ -126,7 +126,9 @@ def read_llama2c_header(path: str | os.PathLike) -> tuple[dict[str, int], bool, 
     return sizes, shared, version, offset
 
 
-def read_llama2c(path: str | os.PathLike) -> tuple[dict[str, int], bool, dict[str, np.ndarray]]:
+def read_llama2c(
+    path: str | os.PathLike,
+) -> tuple[dict[str, int], bool, dict[str, Float32[np.ndarray, "..."]]]:
     """Read a llama2.c checkpoint into numpy arrays in llama2.c's own layout.
 
     **Returns:** `(sizes, shared_classifier, arrays)` where `sizes` holds the 7 header

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Bool, Float32, Int32
 
 from ..data import GRPOBatch
 from ..envs import Trajectory
@@ -65,10 +66,10 @@ class Episode:
     """
 
     episode_id: str
-    tokens: np.ndarray
-    loss_mask: np.ndarray
-    logprobs: np.ndarray
-    turn_ids: np.ndarray
+    tokens: Int32[np.ndarray, " T"]
+    loss_mask: Bool[np.ndarray, " T"]
+    logprobs: Float32[np.ndarray, " T"]
+    turn_ids: Int32[np.ndarray, " T"]
     prompt_length: int
     turns: tuple[Turn, ...]
     reward: float | None

@@ -72,23 +72,25 @@ def check_finite(fn: Callable[..., Any], *args: Any, grad: bool = True, jit: boo
     return out
 
 
+def _junk(x: Array, shape: tuple[int, ...], fill: Sequence[float]) -> np.ndarray:
+    """An array of `shape` and `x`'s dtype: `fill` cycled for a float `x`, zeros (masked,
+    id 0) for any other."""
+    dtype = np.asarray(x).dtype
+    if _is_float_array(x):
+        return np.resize(np.asarray(fill, np.float64), shape).astype(dtype)
+    return np.zeros(shape, dtype)
+
+
 def _fill_masked(x: Array, mask: Array, fill: Sequence[float]) -> Array:
     """Replace the entries of `x` where `mask` is false by cycling through `fill`."""
     if not _is_float_array(x) or x.shape != mask.shape:
         return x
-    xn = np.asarray(x)
-    junk = np.resize(np.asarray(fill, np.float64), x.shape).astype(xn.dtype)
-    return jnp.asarray(np.where(np.asarray(mask), xn, junk))
+    return jnp.asarray(np.where(np.asarray(mask), np.asarray(x), _junk(x, x.shape, fill)))
 
 
 def _pad_last(x: Array, n_pad: int, fill: Sequence[float]) -> Array:
-    xn = np.asarray(x)
-    shape = (*x.shape[:-1], n_pad)
-    if _is_float_array(x):
-        pad = np.resize(np.asarray(fill, np.float64), shape).astype(xn.dtype)
-    else:
-        pad = np.zeros(shape, xn.dtype)
-    return jnp.asarray(np.concatenate([xn, pad], axis=-1))
+    pad = _junk(x, (*x.shape[:-1], n_pad), fill)
+    return jnp.asarray(np.concatenate([np.asarray(x), pad], axis=-1))
 
 
 def _compare(
@@ -163,11 +165,7 @@ def check_padding_invariance(
 
 
 def _junk_row(x: Array, fill: Sequence[float]) -> np.ndarray:
-    xn = np.asarray(x)
-    shape = (1, *x.shape[1:])
-    if _is_float_array(x):
-        return np.resize(np.asarray(fill, np.float64), shape).astype(xn.dtype)
-    return np.zeros(shape, xn.dtype)
+    return _junk(x, (1, *x.shape[1:]), fill)
 
 
 def _set_row(x: Array, i: int, row: np.ndarray) -> Array:

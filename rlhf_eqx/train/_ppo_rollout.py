@@ -93,15 +93,22 @@ def compute_advantages(
     return adv, ret, stats
 
 
+def _pair(model, frozen, key):
+    """`(policy, value, policy_key, value_key)` of a `(policy, value)` pair, each model
+    combined with its frozen part (`frozen`: a pair too, or `None`)."""
+    policy, value = model
+    pf, vf = (None, None) if frozen is None else frozen
+    kp, kv = (None, None) if key is None else tuple(jax.random.split(key))
+    return combine(policy, pf), combine(value, vf), kp, kv
+
+
 def policy_and_values(model, frozen, tokens, mask, key):
     """`(logits [b, T, V], token-aligned values [b, T])` of a `(policy, value)` pair or of a
     combined model returning `(logits, values)`."""
     if isinstance(model, tuple):
-        policy, value = model
-        pf, vf = (None, None) if frozen is None else frozen
-        kp, kv = (None, None) if key is None else tuple(jax.random.split(key))
-        logits = vmap_model(combine(policy, pf), tokens, mask, kp)
-        values = vmap_model(combine(value, vf), tokens, mask, kv)
+        policy, value, kp, kv = _pair(model, frozen, key)
+        logits = vmap_model(policy, tokens, mask, kp)
+        values = vmap_model(value, tokens, mask, kv)
     else:
         logits, values = vmap_model(combine(model, frozen), tokens, mask, key)
     values = jax.vmap(token_values)(values.astype(jnp.float32), mask)
@@ -117,15 +124,12 @@ def policy_logps_and_values(model, frozen, tokens, mask, select, key, *, tempera
     chunks); otherwise from full logits. Outside `select` the values may differ
     between the two paths and must not be read."""
     if isinstance(model, tuple) and not entropy_grad:
-        policy, value = model
-        pf, vf = (None, None) if frozen is None else frozen
-        policy = combine(policy, pf)
+        policy, value, kp, kv = _pair(model, frozen, key)
         if isinstance(policy, AbstractSelectiveLM):
-            kp, kv = (None, None) if key is None else tuple(jax.random.split(key))
             logp, _, ent = policy.selected_logprobs(
                 tokens, mask, select, key=kp, temperature=temperature, with_entropy=True
             )
-            values = vmap_model(combine(value, vf), tokens, mask, kv)
+            values = vmap_model(value, tokens, mask, kv)
             return logp, ent, jax.vmap(token_values)(values.astype(jnp.float32), mask)
     logits, values = policy_and_values(model, frozen, tokens, mask, key)
     logp = tempered_logprobs(logits, tokens, mask, temperature)

@@ -39,6 +39,13 @@ def _is_array(x: object) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
+def _check_floating(kind: str, name: str, x: Array, hint: str = "") -> None:
+    """Refuse the field `kind.name` unless its dtype is floating point (`hint`: what it
+    holds, said after "floating point")."""
+    if not np.issubdtype(np.dtype(x.dtype), np.floating):
+        raise DataError(f"{kind}.{name} must be floating point{hint}, got dtype {x.dtype}")
+
+
 def _validate(
     batch: eqx.Module,
     tokens: tuple[str, ...],
@@ -81,8 +88,7 @@ def _validate(
         x = getattr(batch, name)
         if not _is_array(x):
             continue
-        if not np.issubdtype(np.dtype(x.dtype), np.floating):
-            raise DataError(f"{kind}.{name} must be floating point, got dtype {x.dtype}")
+        _check_floating(kind, name, x)
         if shape is not None and tuple(x.shape) != shape[:1]:
             raise DataError(
                 f"{kind}.{name} has shape {tuple(x.shape)} but the batch has "
@@ -206,8 +212,8 @@ class PackedPreferenceBatch(eqx.Module):
                     f"{kind}.{name} has shape {tuple(x.shape)}; expected {tuple(pairs.shape)} "
                     "(one value per pair slot, like `pairs`)"
                 )
-            if _is_array(x) and not np.issubdtype(np.dtype(x.dtype), np.floating):
-                raise DataError(f"{kind}.{name} must be floating point, got dtype {x.dtype}")
+            if _is_array(x):
+                _check_floating(kind, name, x)
 
     @property
     def num_slots(self) -> int:
@@ -313,8 +319,7 @@ class DistillBatch(eqx.Module):
             x = getattr(self, name)
             if not _is_array(x):
                 continue
-            if not np.issubdtype(np.dtype(x.dtype), np.floating):
-                raise DataError(f"DistillBatch.{name} must be floating point, got dtype {x.dtype}")
+            _check_floating("DistillBatch", name, x)
             got = tuple(x.shape)
             if name == "teacher_logits":
                 ok = len(got) == 3 and (shape is None or got[:2] == shape)
@@ -455,11 +460,7 @@ class PRMBatch(eqx.Module):
         _validate(self, ("tokens",), ("mask", "step_mask"))
         labels = self.step_labels
         if _is_array(labels):
-            if not np.issubdtype(np.dtype(labels.dtype), np.floating):
-                raise DataError(
-                    f"PRMBatch.step_labels must be floating point (1.0 / 0.0 or a probability), "
-                    f"got dtype {labels.dtype}"
-                )
+            _check_floating("PRMBatch", "step_labels", labels, " (1.0 / 0.0 or a probability)")
             if _is_array(self.tokens) and tuple(labels.shape) != tuple(self.tokens.shape):
                 raise DataError(
                     f"PRMBatch.step_labels has shape {tuple(labels.shape)} but PRMBatch.tokens "
@@ -487,8 +488,7 @@ class BootstrapBatch(eqx.Module):
         w, p = self.weights, self.pairs
         if not _is_array(w):
             return
-        if not np.issubdtype(np.dtype(w.dtype), np.floating):
-            raise DataError(f"BootstrapBatch.weights must be floating point, got dtype {w.dtype}")
+        _check_floating("BootstrapBatch", "weights", w)
         if isinstance(p, PackedPreferenceBatch):
             slots = tuple(p.pairs.shape) if _is_array(p.pairs) else None
         else:

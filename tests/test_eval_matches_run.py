@@ -70,8 +70,8 @@ def test_eval_of_a_finished_run_gives_the_numbers_of_its_summary(tmp_path, capsy
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
     capsys.readouterr()
-    for model, sets in ((out, []), (f"{out}/sft/hf", ["--set", "eval_samples=2"])):
-        assert main(["eval", "--model", model, *sets]) == 0  # RUN: the run's own settings
+    for model in (out, f"{out}/sft/hf"):
+        assert main(["eval", "--model", model]) == 0  # the run's own settings
         want = summary["sft"]
         got = json.loads(capsys.readouterr().out)
         for k in ("score", "score_se", "base_nll", "kl"):
@@ -107,8 +107,30 @@ def test_eval_of_a_run_directory_defaults_to_the_runs_settings(tmp_path, capsys)
     assert main(["eval", "--model", run, *sets, "--show-config"]) == 0
     cfg = json.loads(capsys.readouterr().out)
     assert (cfg["eval_samples"], cfg["ops"]["seed"], cfg["sampling"]["temperature"]) == (2, 3, 1)
+    other = _run_dir(tmp_path / "other", {"sft": "lm"})  # config.json: the defaults
+    os.remove(os.path.join(other, "config.json"))  # no longer a run directory
+    assert main(["eval", "--model", other, "--show-config"]) == 0
+    assert json.loads(capsys.readouterr().out)["ops"]["seed"] == pl.animal_task_config().ops.seed
+
+
+def test_eval_of_a_stage_export_in_a_run_directory_reads_the_runs_settings(tmp_path, capsys):
+    """`eval --model RUN/<stage>/hf` reads the run's evaluation settings as `eval --model
+    RUN` does; a `--set` still wins; an `hf` directory outside a run directory keeps the
+    command line's defaults."""
+    run = _settings_run(tmp_path / "run")
+    for export in ("hf", "hf/"):
+        model = os.path.join(run, "sft", export)
+        assert main(["eval", "--model", model, "--show-config"]) == 0
+        cfg = json.loads(capsys.readouterr().out)
+        assert (cfg["eval_samples"], cfg["ops"]["seed"]) == (2, 7), export
+        assert cfg["sampling"]["temperature"] == 0.7
     hf = os.path.join(run, "sft", "hf")
-    assert main(["eval", "--model", hf, "--show-config"]) == 0
+    assert main(["eval", "--model", hf, "--set", "ops.seed=3", "--show-config"]) == 0
+    cfg = json.loads(capsys.readouterr().out)
+    assert (cfg["eval_samples"], cfg["ops"]["seed"]) == (2, 3)
+    os.makedirs(tmp_path / "loose" / "sft")
+    os.rename(hf, tmp_path / "loose" / "sft" / "hf")
+    assert main(["eval", "--model", str(tmp_path / "loose" / "sft" / "hf"), "--show-config"]) == 0
     assert json.loads(capsys.readouterr().out)["ops"]["seed"] == pl.animal_task_config().ops.seed
 
 

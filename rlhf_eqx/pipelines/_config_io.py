@@ -18,7 +18,7 @@ from ._pipeline_config import (
     PipelineConfig,
     animal_task_config,
 )
-from ._registry import section_types
+from ._registry import section_types, stages as registered_stages
 
 
 @functools.cache
@@ -351,12 +351,14 @@ def command_line_config(args) -> PipelineConfig:
     as an override: `data` (`data.path`), `model` (`model.source`), `tokenizer`
     (`model.tokenizer`), `quiet` (`ops.quiet=true`). Defaults < file < flags.
 
-    `rlhf_eqx eval --model RUN` of a run directory starts from that run's own evaluation
-    settings instead of the built-in task's (`run_eval_settings`), so that it scores the
-    run's exported policy as the run did; the file and the flags still override them."""
+    `rlhf_eqx eval --model RUN` of a run directory, or of a stage's export inside one
+    (`RUN/<stage>/hf`, `RUN/<stage>/adapter`: `model_run_dir`), starts from that run's
+    own evaluation settings instead of the built-in task's (`run_eval_settings`), so
+    that it scores the run's exported policy as the run did; the file and the flags
+    still override them."""
     cfg = animal_task_config()
     if getattr(args, "command", None) == "eval" and getattr(args, "model", None):
-        cfg = run_eval_settings(cfg, args.model)
+        cfg = run_eval_settings(cfg, model_run_dir(args.model))
     if args.config:
         cfg = load_config(args.config, base=cfg)
     overrides = list(args.overrides)
@@ -372,6 +374,35 @@ def command_line_config(args) -> PipelineConfig:
 EVAL_SETTINGS: tuple[str, ...] = ("eval_samples", "sampling", "ops.seed")
 """What a run's held-out evaluation reads besides the model (`task_evaluator`): the
 samples per opening, the sampling settings and the key's seed."""
+
+
+EXPORT_DIRS: tuple[str, ...] = ("hf", "adapter")
+"""The directories a stage exports its model to inside a run directory
+(`RUN/<stage>/hf`, the merged model; `RUN/<stage>/adapter`, its PEFT adapter)."""
+
+
+def _is_run_dir(path: str) -> bool:
+    """Whether `path` holds a run's `config.json` (one with `stages` and `model`)."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and {"stages", "model"} <= set(saved)
+
+
+def model_run_dir(source: str) -> str:
+    """The run directory a model source belongs to: a stage's export inside a run
+    directory (`RUN/<stage>/hf` or `RUN/<stage>/adapter`, `<stage>` a registered stage)
+    gives `RUN`; anything else (a run directory itself, another model) is returned as
+    given."""
+    path = os.path.normpath(source)
+    stage_dir, export = os.path.split(path)
+    run, stage = os.path.split(stage_dir)
+    stages = {st.name for st in registered_stages()} | set(section_types())
+    if export in EXPORT_DIRS and stage in stages and _is_run_dir(run or "."):
+        return run or "."
+    return source
 
 
 def run_eval_settings(cfg: PipelineConfig, run_dir: str) -> PipelineConfig:

@@ -58,6 +58,22 @@ def test_load_hf_names_a_non_finite_tensor_and_its_file(tmp_path, getkey, dtype,
         rx.load_hf(tmp_path / "ckpt")
 
 
+def test_a_non_finite_tensor_is_named_whichever_tensor_it_is(tmp_path, getkey):
+    """Every tensor of the checkpoint, the first in the file included (`lm_head.weight`,
+    which the runtime shape checks once read to check the tensor mapping's values):
+    a `ValueError` naming the file and the tensor."""
+    rx.save_hf(small_policy(getkey()), tmp_path / "ckpt")
+    path = tmp_path / "ckpt" / "model.safetensors"
+    tensors = stnp.load_file(str(path))
+    for name in ("lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"):
+        bad = dict(tensors)
+        bad[name] = tensors[name].copy()
+        bad[name].flat[1] = np.nan
+        stnp.save_file(bad, str(path))
+        with pytest.raises(ValueError, match=rf"model\.safetensors: tensor '{name}' holds"):
+            rx.load_hf(tmp_path / "ckpt")
+
+
 def test_load_llama2c_names_a_non_finite_tensor_and_its_file(tmp_path):
     D, F, L, H, K, V, S = 8, 16, 2, 2, 2, 12, 16
     rng = np.random.default_rng(0)

@@ -34,6 +34,7 @@ columns, so no permutation is needed. Gemma's RMSNorm weights are stored as `w` 
 import functools
 import re
 from collections.abc import Mapping
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -112,7 +113,7 @@ def _put(buf, i, x, lo, transpose: bool):
 
 def arrays_from_tensors(
     cfg: TransformerConfig,
-    tensors: Mapping[str, np.ndarray],
+    tensors: Mapping[str, Any],  # numpy arrays; `Any`: a lazy mapping reads one when asked
     *,
     source: str,
     head: str = "lm",

@@ -363,6 +363,21 @@ def test_non_finite_weight_refused_and_nothing_written(tiny, tok512, tmp_path):
     assert path.read_bytes() == b"old" and os.listdir(tmp_path) == ["bad.gguf"]
 
 
+@pytest.mark.parametrize("quantized", [False, True])
+def test_float16_load_refuses_a_weight_past_its_range(tiny, tok512, tmp_path, quantized):
+    """A float32 weight float16 cannot hold would load as inf (and every output NaN):
+    `load_gguf(dtype="float16")` names the file and the tensor, as `load_hf` does;
+    bfloat16 holds it."""
+    norm = tiny.transformer.final_norm
+    big = eqx.tree_at(lambda m: m.transformer.final_norm, tiny, norm.at[5].set(1e5))
+    path = tmp_path / "big.gguf"
+    rx.save_gguf(big, path, tokenizer=tok512, dtype="f32")
+    with pytest.raises(ValueError) as excinfo:
+        load_gguf_policy(path, dtype="float16", quantized=quantized)
+    _one_line_error(excinfo, str(path), "'output_norm.weight'", "past float16's range")
+    assert load_gguf_policy(path, dtype="bfloat16").cfg.dtype == "bfloat16"
+
+
 @pytest.mark.parametrize("dtype, value", [("f16", 7e4), ("q8_0", 1e7)])
 def test_weights_beyond_the_type_refused_and_nothing_written(tiny, tok512, tmp_path, dtype, value):
     """A weight float16 cannot hold (or a Q8_0 block whose scale `max |w| / 127` it cannot

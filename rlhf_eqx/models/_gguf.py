@@ -37,7 +37,7 @@ from ._config import TransformerConfig
 from ._gguf_config import PERMUTED, config_keys, hf_config, llama3_from_factors, llama3_json
 from ._heads import Policy
 from ._hf_config import GEMMA, config_from_hf
-from ._hf_tensors import _layer_names, arrays_from_tensors
+from ._hf_tensors import _layer_names, arrays_from_tensors, check_float16_range
 from ._llama2c import permute_rotary_rows
 
 DENSE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
@@ -360,6 +360,8 @@ def hf_tensors(reader, path: str, family: str, cfg: TransformerConfig) -> dict[s
             arr = unpermute(name, arr, cfg)
         if family in GEMMA and name.endswith("norm.weight"):
             arr = arr - np.float32(1.0)
+        if cfg.dtype == "float16":
+            check_float16_range({t.name: arr}, path)
         tensors[name] = arr
     return tensors
 

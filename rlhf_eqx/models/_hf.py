@@ -38,7 +38,12 @@ from ._build import check_finite
 from ._heads import Policy, RewardModel, ValueModel
 from ._hf_config import config_from_hf, hf_head
 from ._hf_export import config_to_hf
-from ._hf_tensors import arrays_from_tensors, fill_model, tensors_from_model
+from ._hf_tensors import (
+    arrays_from_tensors,
+    check_float16_range,
+    fill_model,
+    tensors_from_model,
+)
 
 _TORCH_DTYPES = ("float32", "bfloat16", "float16")
 _SINGLE = "model.safetensors"
@@ -114,7 +119,7 @@ def _safe_open(path: str):
 class _CheckpointTensors(Mapping):
     """The tensors of a checkpoint's safetensors files, read one at a time when asked
     for, each checked to be finite (`check_finite`) and, when loading as float16, within
-    float16's range (`_check_float16_range`). Shapes and dtypes come from the headers
+    float16's range (`check_float16_range`). Shapes and dtypes come from the headers
     (`shape_and_float`), so names and shapes are checked before any tensor is read."""
 
     def __init__(self, directory: str, files: list[str], float16: bool):
@@ -129,7 +134,7 @@ class _CheckpointTensors(Mapping):
         path, reader = self._where[name]
         arr = _checked_tensor(reader, name, path)
         if self._float16:
-            _check_float16_range({name: arr}, self._directory)
+            check_float16_range({name: arr}, path)
         return arr
 
     def __iter__(self):
@@ -172,26 +177,6 @@ def _read_tensors(directory: str, *, float16: bool = False) -> _CheckpointTensor
         if not isinstance(name, str) or os.path.basename(name) != name:
             raise ValueError(f"{index_path}: shard name {name!r} is not a plain file name")
     return _CheckpointTensors(directory, files, float16)
-
-
-_FLOAT16_MAX = float(np.finfo(np.float16).max)  # 65504
-_RANGE_CHUNK = 1 << 22
-
-
-def _check_float16_range(tensors: dict[str, np.ndarray], source: str) -> None:
-    """Refuse to load a wider-typed tensor as float16 when it holds a magnitude past
-    float16's range (it would become ±inf, and every output NaN)."""
-    for name, arr in tensors.items():
-        if arr.dtype == np.float16 or arr.dtype.kind not in "fV":
-            continue
-        flat = np.ravel(arr)
-        for start in range(0, flat.size, _RANGE_CHUNK):
-            peak = float(np.abs(flat[start : start + _RANGE_CHUNK].astype(np.float32)).max())
-            if peak > _FLOAT16_MAX:
-                raise ValueError(
-                    f"{source}: tensor {name!r} holds a magnitude of {peak:g}, past float16's "
-                    f"range (±{_FLOAT16_MAX:g}); load it with dtype='bfloat16' or 'float32'"
-                )
 
 
 def load_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> Policy | RewardModel:

@@ -40,6 +40,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Shaped
 
 from ._build import LAYER_FIELDS, _layer_field_used
 from ._config import TransformerConfig
@@ -91,6 +92,27 @@ def _norm_fields(cfg: TransformerConfig) -> dict[str, str]:
             "mlp_post_norm": "post_feedforward_layernorm.weight",
         }
     return {"attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight"}
+
+
+_FLOAT16_MAX = float(np.finfo(np.float16).max)  # 65504
+_RANGE_CHUNK = 1 << 22
+
+
+def check_float16_range(tensors: dict[str, Shaped[np.ndarray, "..."]], source: str) -> None:
+    """Refuse to load a wider-typed tensor as float16 when it holds a magnitude past
+    float16's range (it would become ±inf, and every output NaN): a `ValueError` naming
+    `source` and the tensor."""
+    for name, arr in tensors.items():
+        if arr.dtype == np.float16 or arr.dtype.kind not in "fV":
+            continue
+        flat = np.ravel(arr)
+        for start in range(0, flat.size, _RANGE_CHUNK):
+            peak = float(np.abs(flat[start : start + _RANGE_CHUNK].astype(np.float32)).max())
+            if peak > _FLOAT16_MAX:
+                raise ValueError(
+                    f"{source}: tensor {name!r} holds a magnitude of {peak:g}, past float16's "
+                    f"range (±{_FLOAT16_MAX:g}); load it with dtype='bfloat16' or 'float32'"
+                )
 
 
 def _meta(tensors, name: str) -> tuple[tuple[int, ...], bool]:

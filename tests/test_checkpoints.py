@@ -768,6 +768,29 @@ def test_hf_bad_files_are_named(tmp_path):
         load_hf(tmp_path / "d")
 
 
+def test_hf_truncated_file_names_the_tensor_it_ends_in(tmp_path):
+    """A safetensors file cut short: one line naming the file and the first tensor whose
+    data runs past its end (or the header, when that is cut)."""
+    c = _hf_config("LlamaForCausalLM")
+    _write_hf(tmp_path, c, _hf_tensors(np.random.default_rng(5), c))
+    weights = tmp_path / "model.safetensors"
+    whole = weights.read_bytes()
+    n = int.from_bytes(whole[:8], "little")
+    header = json.loads(whole[8 : 8 + n])
+    ends = {k: 8 + n + v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"}
+    weights.write_bytes(whole[:-100])
+    cut = min((e, k) for k, e in ends.items() if e > len(whole) - 100)[1]  # the file ends in it
+    with pytest.raises(ValueError) as excinfo:
+        load_hf(tmp_path)
+    message = str(excinfo.value)
+    assert "\n" not in message and message.startswith(f"{weights}: not a readable safetensors")
+    assert f"the data of tensor {cut!r} ends at byte {ends[cut]}" in message
+    assert f"the file has {len(whole) - 100} bytes" in message
+    weights.write_bytes(whole[: 8 + n // 2])
+    with pytest.raises(ValueError, match=rf"the header ends at byte {8 + n}, the file has"):
+        load_hf(tmp_path)
+
+
 def test_config_to_hf_refuses_what_no_architecture_expresses():
     cfg = _small_cfg(attn_bias=True, sliding_window=8, window_layers=(True, False))
     with pytest.raises(ValueError, match="window_layers"):

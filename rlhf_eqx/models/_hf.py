@@ -111,9 +111,37 @@ def _safe_open(path: str):
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: file not found") from None
     except Exception as e:  # safetensors raises its own error types for bad headers/data
-        raise ValueError(
-            f"{path}: not a readable safetensors file ({type(e).__name__}: {e})"
-        ) from None
+        why = _truncation(path) or f"{type(e).__name__}: {e}"
+        raise ValueError(f"{path}: not a readable safetensors file ({why})") from None
+
+
+def _truncation(path: str) -> str | None:
+    """Where a safetensors file (an 8-byte little-endian header length, the JSON header,
+    then the data at the header's `data_offsets`) ends too early: the header, or the
+    first tensor whose data runs past the end; `None` when it does not, or when the
+    header is not one this reads."""
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return None
+            n = int.from_bytes(head, "little")
+            if 8 + n > size:
+                return f"truncated: the header ends at byte {8 + n}, the file has {size} bytes"
+            header = json.loads(f.read(n))
+        ends = [
+            (8 + n + int(entry["data_offsets"][1]), name)
+            for name, entry in header.items()
+            if name != "__metadata__"
+        ]
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, OSError):
+        return None
+    past = sorted(e for e in ends if e[0] > size)
+    if not past:
+        return None
+    end, name = past[0]
+    return f"truncated: the data of tensor {name!r} ends at byte {end}, the file has {size} bytes"
 
 
 class _CheckpointTensors(Mapping):

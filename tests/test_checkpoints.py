@@ -768,6 +768,25 @@ def test_hf_bad_files_are_named(tmp_path):
         load_hf(tmp_path / "d")
 
 
+def test_hf_bad_tensor_names_the_shard_that_holds_it(tmp_path, getkey):
+    """In a sharded checkpoint a tensor of the wrong dtype or shape is named with the
+    shard file it is in."""
+    from safetensors.numpy import load_file, save_file
+
+    save_hf(rx.Policy(_small_cfg(), key=getkey()), tmp_path, max_shard_bytes=2000)
+    with open(tmp_path / "model.safetensors.index.json") as f:
+        weight_map = json.load(f)["weight_map"]
+    name = "model.layers.1.self_attn.k_proj.weight"
+    shard = tmp_path / weight_map[name]
+    tensors = load_file(shard)
+    save_file({**tensors, name: tensors[name].astype(np.int32)}, shard)
+    with pytest.raises(ValueError, match=rf"{shard}: tensor '{name}' has non-float dtype int32"):
+        load_hf(tmp_path)
+    save_file({**tensors, name: tensors[name][:-1]}, shard)
+    with pytest.raises(ValueError, match=rf"{shard}: tensor '{name}' has shape \(7, 16\)"):
+        load_hf(tmp_path)
+
+
 def test_hf_truncated_file_names_the_tensor_it_ends_in(tmp_path):
     """A safetensors file cut short: one line naming the file and the first tensor whose
     data runs past its end (or the header, when that is cut)."""

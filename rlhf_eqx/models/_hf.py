@@ -171,6 +171,10 @@ class _CheckpointTensors(Mapping):
     def __len__(self) -> int:
         return len(self._where)
 
+    def file_of(self, name: str) -> str:
+        """The path of the file holding tensor `name`."""
+        return self._where[name][0]
+
     def shape_and_float(self, name: str) -> tuple[tuple[int, ...], bool]:
         view = self._where[name][1].get_slice(name)
         return tuple(int(n) for n in view.get_shape()), view.get_dtype() in _FLOAT_DTYPES

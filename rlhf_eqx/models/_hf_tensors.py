@@ -145,7 +145,8 @@ def arrays_from_tensors(
     a sequence classifier's backbone and `score.weight`).
 
     `tensors` maps names to arrays, or reads them lazily (a mapping with
-    `shape_and_float(name)`, as `load_hf` passes): names and shapes are checked first,
+    `shape_and_float(name)` and `file_of(name)`, the file a tensor is in, which the
+    errors below name; as `load_hf` passes): names and shapes are checked first,
     then each tensor is read once. With `dtype` the arrays are device arrays of that
     dtype, each stacked field filled one layer at a time in place, so that no more than
     the fields built so far and one tensor are held (a sharded checkpoint is never
@@ -159,25 +160,31 @@ def arrays_from_tensors(
     per_layer = _layer_names(cfg)
     top = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
     top.update({"score.weight": (1, D)} if head == "score" else {"lm_head.weight": (V, D)})
+    file_of = getattr(tensors, "file_of", lambda name: source)
     for name in tensors:
         m = _LAYER_NAME.fullmatch(name)
         if _IGNORED.fullmatch(name):
             continue
         if m is not None and int(m.group(1)) >= L:
             raise ValueError(
-                f"{source}: tensor {name!r} belongs to layer {m.group(1)} but config.json has "
-                f"num_hidden_layers={L}"
+                f"{file_of(name)}: tensor {name!r} belongs to layer {m.group(1)} but "
+                f"config.json has num_hidden_layers={L}"
             )
         expected = per_layer.get(m.group(2)) if m is not None else top.get(name)
         if expected is None:
             raise ValueError(
-                f"{source}: unexpected tensor {name!r}: not part of this architecture ({cfg})"
+                f"{file_of(name)}: unexpected tensor {name!r}: not part of this architecture "
+                f"({cfg})"
             )
         shape, is_float = _meta(tensors, name)
         if shape != expected:
-            raise ValueError(f"{source}: tensor {name!r} has shape {shape}, expected {expected}")
+            raise ValueError(
+                f"{file_of(name)}: tensor {name!r} has shape {shape}, expected {expected}"
+            )
         if not is_float:
-            raise ValueError(f"{source}: tensor {name!r} has non-float dtype {tensors[name].dtype}")
+            raise ValueError(
+                f"{file_of(name)}: tensor {name!r} has non-float dtype {tensors[name].dtype}"
+            )
 
     def get(name: str) -> np.ndarray:
         if name not in tensors:

@@ -16,6 +16,7 @@ from rlhf_eqx import data
 from ._config import (
     DataConfig,
 )
+from ._field_checks import _fail
 from ._metrics import MetricsLog
 from ._runs import final_policy
 
@@ -501,16 +502,36 @@ def demonstration_split(env, c, records, rendered: bool = False) -> tuple[list, 
     return train, held
 
 
+DEMONSTRATION_FILTERS: tuple[str, ...] = (
+    "empty",
+    "exact_duplicate",
+    "duplicate_prompt",
+    "long_prompt",
+)
+"""The `data.filter` problems that apply to demonstrations (`DemonstrationQuality.select`
+drops them; `identical` is a preference pair's)."""
+
+
 def demo_quality(records: Sequence, env, lengths, load_report) -> tuple[list, dict]:
     """`data.demonstration_quality` of the training demonstrations `records`, written to
     the run log and as a `data_quality` event (with what the reader dropped); with
     `data.filter`, its `empty`, `exact_duplicate`, `duplicate_prompt` and `long_prompt`
-    drop those (`DemonstrationQuality.select`; `identical` is a pair's problem) and a
-    `data_filter` event says how many of each went.
+    drop those (`DemonstrationQuality.select`) and a `data_filter` event says how many of
+    each went; `identical`, a pair's problem (chosen = rejected), is refused naming the
+    field rather than ignored.
 
     **Returns:** `(records to train on, summary["data_quality"]: the layout read and the
     counts)`."""
     tok, dc, log = env.tok, env.cfg.data, env.ctx("").log
+    other = [f for f in dc.filter if f not in DEMONSTRATION_FILTERS]
+    if other:
+        _fail(
+            "data.filter",
+            dc.filter,
+            f"{', '.join(other)}: a preference pair's problem, not a demonstration's (one "
+            f"completion per prompt); on a {load_report.format or 'demonstration'} file "
+            f"{', '.join(DEMONSTRATION_FILTERS)} apply",
+        )
     report = data.demonstration_quality(
         records, tokenizer=tok, lengths=lengths, format=load_report.format
     )

@@ -98,12 +98,46 @@ def teacher_stages() -> tuple[str, ...]:
     )
 
 
+ON_POLICY_SAMPLING = ("max_new_tokens", "stop_strings", "slots")
+"""The `sampling` fields a data-file `distill` run reads for its on-policy completions
+only (`distill.lmbda > 0`)."""
+
+
+def check_data_sampling(cfg) -> None:
+    """On a data file, refuse the `sampling` settings the `distill` run would not read,
+    changed from their defaults: its held-out measure samples nothing and its on-policy
+    completions sample at `distill.temperature`, so `sampling.temperature` is never read;
+    with `distill.lmbda=0` no completion is sampled at all (`ON_POLICY_SAMPLING`)."""
+    c, usual = cfg.distill, type(cfg.sampling)()
+    if cfg.sampling.temperature != usual.temperature:
+        _fail(
+            "sampling.temperature",
+            cfg.sampling.temperature,
+            "a distill run on a data file samples its on-policy completions at "
+            "distill.temperature (and its held-out measure samples none): set that",
+        )
+    if c.lmbda == 0:
+        for field in ON_POLICY_SAMPLING:
+            value = getattr(cfg.sampling, field)
+            if value != getattr(usual, field):
+                _fail(
+                    f"sampling.{field}",
+                    value,
+                    "distill.lmbda=0 samples no on-policy completion (and the held-out "
+                    "measure samples none), so nothing reads it",
+                )
+
+
 def check_run(cfg, run) -> None:
     """The teacher of a run: a stage of the run on the built-in task (a checkpoint
     directory, a `.gguf` file or a short model name on a data file), with the student's
-    vocabulary when it is a checkpoint directory (a run directory: its exported policy)."""
+    vocabulary when it is a checkpoint directory (a run directory: its exported policy);
+    on a data file, no `sampling` setting the run would not read
+    (`check_data_sampling`)."""
     from ._pipeline import model_path
 
+    if cfg.data.path is not None:
+        check_data_sampling(cfg)
     t = cfg.distill.teacher
     if t in teacher_stages():
         if cfg.data.path is not None:

@@ -347,10 +347,25 @@ def kto_data_metrics(
     return out
 
 
+UNPAIRED_FILTERS: tuple[str, ...] = ("empty", "long_prompt")
+"""The `data.filter` problems that apply to an unpaired KTO file's examples."""
+
+
 def _filter_unpaired(records, tok, dc: DataConfig, prompt_length: int, log: MetricsLog):
     """`data.filter` on unpaired examples: `empty` (an empty completion) and `long_prompt`
     (a prompt with BOS longer than `prompt_length`) apply; a `data_filter` event counts
-    what went. The pair filters (`identical`, `exact_duplicate`) do not apply."""
+    what went. The others (`identical`, `exact_duplicate`, `duplicate_prompt`: a
+    pair's or a demonstration's problems) are refused naming the field, rather than
+    ignored."""
+    other = [f for f in dc.filter if f not in UNPAIRED_FILTERS]
+    if other:
+        _fail(
+            "data.filter",
+            dc.filter,
+            f"{', '.join(other)}: not a problem of unpaired KTO examples (on an unpaired file "
+            f"only {' and '.join(UNPAIRED_FILTERS)} apply; the others are problems of "
+            "preference pairs or demonstrations)",
+        )
     counts: dict[str, int] = {}
     kept = list(records)
     if "empty" in dc.filter:

@@ -810,6 +810,38 @@ def test_hf_truncated_file_names_the_tensor_it_ends_in(tmp_path):
         load_hf(tmp_path)
 
 
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(dtype="F33"), "has dtype 'F33', which safetensors does not know"),
+        (dict(dtype="F16"), "of shape [16, 24] and dtype F16 takes 768 bytes, but its "
+                            "data_offsets span 1536"),
+        (dict(shape=[16, 25]), "of shape [16, 25] and dtype F32 takes 1600 bytes, but its "
+                               "data_offsets span 1536"),
+    ],
+)  # fmt: skip
+def test_hf_header_that_disagrees_with_a_tensor_names_it(tmp_path, change, message):
+    """A safetensors header whose entry for a tensor has an unknown dtype, or a shape and
+    dtype that do not fill its bytes: one line naming the file and the tensor."""
+    c = _hf_config("LlamaForCausalLM")
+    _write_hf(tmp_path, c, _hf_tensors(np.random.default_rng(5), c))
+    weights = tmp_path / "model.safetensors"
+    whole = weights.read_bytes()
+    n = int.from_bytes(whole[:8], "little")
+    header = json.loads(whole[8 : 8 + n])
+    name = "model.layers.1.self_attn.k_proj.weight"
+    assert header[name]["shape"] == [16, 24] and header[name]["dtype"] == "F32"
+    header[name].update(change)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    weights.write_bytes(len(text).to_bytes(8, "little") + text + whole[8 + n :])
+    with pytest.raises(ValueError) as excinfo:
+        load_hf(tmp_path)
+    assert str(excinfo.value) == (
+        f"{weights}: not a readable safetensors file (tensor {name!r} {message})"
+    )
+
+
 def test_config_to_hf_refuses_what_no_architecture_expresses():
     cfg = _small_cfg(attn_bias=True, sliding_window=8, window_layers=(True, False))
     with pytest.raises(ValueError, match="window_layers"):

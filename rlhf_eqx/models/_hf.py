@@ -25,6 +25,7 @@ half-written checkpoint.
 
 import errno
 import json
+import math
 import os
 import re
 import shutil
@@ -111,15 +112,26 @@ def _safe_open(path: str):
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: file not found") from None
     except Exception as e:  # safetensors raises its own error types for bad headers/data
-        why = _truncation(path) or f"{type(e).__name__}: {e}"
+        why = _header_problem(path) or f"{type(e).__name__}: {e}"
         raise ValueError(f"{path}: not a readable safetensors file ({why})") from None
 
 
-def _truncation(path: str) -> str | None:
-    """Where a safetensors file (an 8-byte little-endian header length, the JSON header,
-    then the data at the header's `data_offsets`) ends too early: the header, or the
-    first tensor whose data runs past the end; `None` when it does not, or when the
-    header is not one this reads."""
+# bytes per element of the safetensors dtypes (sub-byte float formats are not checked)
+_DTYPE_BYTES = {
+    **dict.fromkeys(("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0"), 1),
+    **dict.fromkeys(("F8_E4M3FNUZ", "F8_E5M2FNUZ"), 1),
+    **dict.fromkeys(("U16", "I16", "F16", "BF16"), 2),
+    **dict.fromkeys(("U32", "I32", "F32"), 4),
+    **dict.fromkeys(("U64", "I64", "F64", "C64"), 8),
+}
+
+
+def _header_problem(path: str) -> str | None:
+    """What is wrong in a safetensors file (an 8-byte little-endian header length, the
+    JSON header, then the data at the header's `data_offsets`) that names the tensor: the
+    first tensor, in the order of the data, of an unknown dtype, whose bytes disagree
+    with its shape and dtype, or whose data runs past the end of the file; or a header
+    that does. `None` when none of these is, or when the header is not one this reads."""
     size = os.path.getsize(path)
     try:
         with open(path, "rb") as f:
@@ -130,18 +142,31 @@ def _truncation(path: str) -> str | None:
             if 8 + n > size:
                 return f"truncated: the header ends at byte {8 + n}, the file has {size} bytes"
             header = json.loads(f.read(n))
-        ends = [
-            (8 + n + int(entry["data_offsets"][1]), name)
-            for name, entry in header.items()
+        entries = sorted(
+            (int(e["data_offsets"][0]), int(e["data_offsets"][1]), name, e["dtype"], e["shape"])
+            for name, e in header.items()
             if name != "__metadata__"
-        ]
+        )
+        for begin, end, name, dtype, shape in entries:
+            if not isinstance(dtype, str) or dtype.startswith(("F4", "F6")):
+                continue
+            width = _DTYPE_BYTES.get(dtype)
+            if width is None:
+                return f"tensor {name!r} has dtype {dtype!r}, which safetensors does not know"
+            need = width * math.prod(int(d) for d in shape)
+            if end - begin != need:
+                return (
+                    f"tensor {name!r} of shape {list(shape)} and dtype {dtype} takes {need} "
+                    f"bytes, but its data_offsets span {end - begin}"
+                )
+            if 8 + n + end > size:
+                return (
+                    f"truncated: the data of tensor {name!r} ends at byte {8 + n + end}, the "
+                    f"file has {size} bytes"
+                )
     except (ValueError, TypeError, KeyError, IndexError, AttributeError, OSError):
         return None
-    past = sorted(e for e in ends if e[0] > size)
-    if not past:
-        return None
-    end, name = past[0]
-    return f"truncated: the data of tensor {name!r} ends at byte {end}, the file has {size} bytes"
+    return None
 
 
 class _CheckpointTensors(Mapping):

@@ -136,3 +136,62 @@ def test_bad_steps_are_refused(policy):
             decoding.run(bad)
     with pytest.raises(ValueError, match="log_steps"):
         rx.ContinuousDecoding(policy, toks, masks, keys, slots=2, max_new_tokens=N, log_steps=0)
+
+
+@pytest.mark.parametrize("settings", [SETTINGS[0], SETTINGS[2]])
+@pytest.mark.parametrize("steps", [[3], [100]])
+def test_top_logprobs_are_those_of_a_forward_pass(policy, settings, steps):
+    """`top_logprobs=K` keeps at each sampled position the K likeliest tokens at the
+    row's temperature (1 when greedy), from the logits the decode step sampled from:
+    those of a forward pass over prompt ++ completion; the sampled token's entry is its
+    log-probability; the tokens are unchanged."""
+    toks, masks, keys = _requests()
+    K = 5
+    kw = dict(max_new_tokens=N, log_steps=4, **settings)
+    plain = rx.ContinuousDecoding(policy, toks, masks, keys, **kw)
+    decoding = rx.ContinuousDecoding(policy, toks, masks, keys, top_logprobs=K, **kw)
+    _to_the_end(plain, steps)
+    _to_the_end(decoding, steps)
+    np.testing.assert_array_equal(decoding.tokens, plain.tokens)
+    np.testing.assert_array_equal(decoding.logprobs, plain.logprobs)
+    assert decoding.top_ids.shape == decoding.top_logprobs.shape == (5, N, K)
+    out = decoding.output()
+    logits = jax.vmap(policy)(out.tokens, out.mask).astype(jnp.float32)
+    temps = np.broadcast_to(np.asarray(settings.get("temperature", 1.0), np.float32), (5,))
+    temps = np.where(temps == 0, 1.0, temps)
+    logp = jax.nn.log_softmax(logits / temps[:, None, None], axis=-1)
+    P = toks.shape[1]
+    want_lp, want_ids = jax.lax.top_k(logp[:, P - 1 : -1], K)
+    real = np.arange(N)[None, :] < decoding.lengths[:, None]
+    np.testing.assert_array_equal(decoding.top_ids[real], np.asarray(want_ids)[real])
+    np.testing.assert_allclose(
+        decoding.top_logprobs[real], np.asarray(want_lp)[real], atol=1e-5, rtol=0
+    )
+    assert not decoding.top_logprobs[~real].any()
+    # the sampled token's log-probability is its entry among the alternatives
+    for b, t in zip(*np.nonzero(real)):
+        hit = decoding.top_ids[b, t] == decoding.tokens[b, t]
+        if hit.any():
+            assert decoding.top_logprobs[b, t][hit][0] == decoding.logprobs[b, t]
+
+
+def test_a_pause_token_ends_the_call_after_its_step(policy):
+    """A call ends right after the step in which a row samples one of its pause tokens;
+    the tokens are those of the calls without pauses."""
+    toks, masks, keys = _requests()
+    kw = dict(slots=2, max_new_tokens=N, temperature=1.0)
+    plain = rx.ContinuousDecoding(policy, toks, masks, keys, **kw)
+    _to_the_end(plain, [N])
+    pause = np.zeros((5, CFG.vocab_size), bool)
+    marked = int(plain.tokens[1, 2])  # row 1's third token
+    pause[1, marked] = True
+    decoding = rx.ContinuousDecoding(policy, toks, masks, keys, pause_tokens=pause, **kw)
+    first = decoding.run(N)
+    assert first <= 3 and marked in decoding.tokens[1, : decoding.lengths[1]]
+    assert decoding.tokens[1, decoding.lengths[1] - 1] == marked
+    _to_the_end(decoding, [N])
+    np.testing.assert_array_equal(decoding.tokens, plain.tokens)
+    with pytest.raises(ValueError, match="pause_tokens"):
+        rx.ContinuousDecoding(policy, toks, masks, keys, pause_tokens=pause[:2], **kw)
+    with pytest.raises(ValueError, match="top_logprobs"):
+        rx.ContinuousDecoding(policy, toks, masks, keys, top_logprobs=-1, **kw)

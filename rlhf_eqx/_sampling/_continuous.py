@@ -117,6 +117,7 @@ class _Plan(eqx.Module):
     slots: int
     prefill_rows: int
     stop_sequences: tuple[tuple[int, ...], ...]
+    top_logprobs: int = 0  # alternatives kept per sampled token (`ContinuousDecoding`)
 
 
 # Fields like `_DecodeState`'s (the static-batch loop's carry), but a slot is not a row: slots
@@ -141,6 +142,9 @@ class _SlotState(eqx.Module):
     staged_logits: Float[Array, "M V"]
     staged_cache: Any
     out: _Completions
+    # `(ids, logprobs)` `[R·G, N, K]`: the K most likely tokens at each sampled position
+    # (`_Plan.top_logprobs`; `None` when 0)
+    top: Any = None
 
 
 def _zeros(n: int, tree: Any) -> Any:
@@ -263,6 +267,29 @@ def _slot_sampler(opts: SamplingOptions, settings: _RowSettings | None):
     )
 
 
+def _slot_top(
+    logits: Float[Array, "S V"],
+    rows: Int[Array, " S"],
+    opts: SamplingOptions,
+    settings: _RowSettings | None,
+    k: int,
+) -> tuple[Int[Array, "S K"], Float[Array, "S K"]]:
+    """The `k` most likely next tokens of each slot and their log-probabilities
+    `log softmax(logits / τ)` at its row's temperature `τ` (1 when greedy): the
+    distribution the sampled token's log-probability is read from, computed as the
+    sampler computes it (`sample_token`, `sample_rows`), so the sampled token's entry
+    equals its log-probability."""
+    logits = logits.astype(jnp.float32)
+    if settings is None:
+        scaled = logits if opts.temperature == 0.0 else logits / opts.temperature
+    else:
+        t = settings.temperature[rows]
+        scaled = logits / jnp.where(t == 0.0, 1.0, t).astype(jnp.float32)[:, None]
+    logp = scaled - jax.nn.logsumexp(scaled, axis=-1, keepdims=True)
+    values, ids = jax.lax.top_k(logp, min(k, logp.shape[-1]))
+    return ids.astype(jnp.int32), values
+
+
 def _is_per_row(x: object) -> bool:
     return isinstance(x, np.ndarray | jax.Array | Sequence) and not isinstance(x, str)
 
@@ -321,7 +348,8 @@ def _continuous_loop(
     """The continuous loop's pieces: `(init, cond, body, finish)`, the carry it starts
     with, whether rows remain, one decode step of every slot (the new carry and what the
     step wrote: `[S]` output rows (`R · num_samples` for a free slot), steps, tokens and
-    log-probabilities), and the output of a carry.
+    log-probabilities, then with `plan.top_logprobs = K` the `[S, K]` ids and
+    log-probabilities of the likeliest tokens), and the output of a carry.
     Rows marked in `cancelled` stop where they are (their slots are freed and a waiting
     one is never admitted)."""
     opts = plan.opts
@@ -391,6 +419,11 @@ def _continuous_loop(
         logits, cache = jax.lax.cond(
             jnp.any(going), advance, lambda args: args, (s.logits, s.cache)
         )
+        wrote, top = (out_row, step, tok, lp), s.top
+        if plan.top_logprobs:
+            alternatives = _slot_top(s.logits, row, opts, settings, plan.top_logprobs)
+            top = tuple(write(buf, x) for buf, x in zip(top, alternatives))
+            wrote = wrote + alternatives
         s = dataclasses.replace(
             s,
             slot_row=jnp.where(going, s.slot_row, -1),
@@ -400,10 +433,15 @@ def _continuous_loop(
             cache=cache,
             recent=recent,
             out=s.out.written(write, tok, lp, active),
+            top=top,
         )
-        return s, (out_row, step, tok, lp)
+        return s, wrote
 
-    init = lambda: _SlotState(logits=logits0, cache=cache0, **_start(plan, B, one, stops[-1]))
+    K = min(plan.top_logprobs, one[0].shape[-1])
+    top0 = (jnp.zeros((B, N, K), jnp.int32), jnp.zeros((B, N, K), jnp.float32)) if K else None
+    init = lambda: _SlotState(
+        logits=logits0, cache=cache0, top=top0, **_start(plan, B, one, stops[-1])
+    )
     rep = lambda x: jnp.repeat(x, G, axis=0)
     finish = lambda s: _with_prompts(rep(prompts), rep(prompt_masks), s.out)
     return init, cond, body, finish
@@ -426,13 +464,15 @@ def _continuous_start(inputs: tuple) -> _SlotState:
 
 
 def _continuous_steps(
-    args: tuple[tuple, int, Int[Array, ""]], state: _SlotState
+    args: tuple[tuple, int, Int[Array, ""], Bool[Array, "B V"] | None], state: _SlotState
 ) -> tuple[_SlotState, Bool[Array, ""], Int[Array, ""], tuple]:
     """Up to `steps` decode steps from `state` (`args`: the loop's arguments,
-    `log_steps` and `steps`): the new carry, whether rows remain, the steps run and what
-    the first `log_steps` of them wrote (`[log_steps, S]` rows, steps, tokens and
-    log-probabilities; rows `R · num_samples` where nothing was)."""
-    inputs, log_steps, steps = args
+    `log_steps`, `steps` and `pause`): the new carry, whether rows remain, the steps run
+    and what the first `log_steps` of them wrote (`[log_steps, S]` rows, steps, tokens
+    and log-probabilities, and `[log_steps, S, K]` alternatives with
+    `plan.top_logprobs = K`; rows `R · num_samples` where nothing was). The steps end
+    early after one in which a row `b` sampled a token `t` with `pause[b, t]`."""
+    inputs, log_steps, steps, pause = args
     _, cond, body, _ = _continuous_loop(*inputs)
     S, B = state.slot_row.shape[0], state.out.tokens.shape[0]
     log = (
@@ -441,15 +481,23 @@ def _continuous_steps(
         jnp.zeros((log_steps, S), jnp.int32),
         jnp.zeros((log_steps, S), jnp.float32),
     )
+    if state.top is not None:
+        K = state.top[0].shape[-1]
+        log += (jnp.zeros((log_steps, S, K), jnp.int32), jnp.zeros((log_steps, S, K), jnp.float32))
 
     def logged(c):
-        s, n, log = c
+        s, n, log, _ = c
         s, wrote = body(s)
         log = tuple(buf.at[n].set(x, mode="drop") for buf, x in zip(log, wrote))
-        return s, n + 1, log
+        paused = jnp.zeros((), bool)
+        if pause is not None:
+            row, tok = wrote[0], wrote[2]
+            paused = jnp.any((row < B) & pause[jnp.minimum(row, B - 1), tok])
+        return s, n + 1, log, paused
 
-    state, n, log = jax.lax.while_loop(
-        lambda c: cond(c[0]) & (c[1] < steps), logged, (state, jnp.zeros((), jnp.int32), log)
+    start = (state, jnp.zeros((), jnp.int32), log, jnp.zeros((), bool))
+    state, n, log, _ = jax.lax.while_loop(
+        lambda c: cond(c[0]) & (c[1] < steps) & ~c[3], logged, start
     )
     return state, cond(state), n, log
 
@@ -588,9 +636,21 @@ class ContinuousDecoding:
     arguments; a cancelled row keeps what it had sampled.
 
     **Arguments:** those of `generate_continuous` (`temperature`, `top_k`, `top_p` per
-    row or scalars), except `cache`, `page_size` and `num_pages`; and `log_steps`: a call
-    of up to this many steps sends the host only the tokens it sampled (longer calls send
-    the whole `[R · num_samples, max_new_tokens]` completions once).
+    row or scalars), except `cache`, `page_size` and `num_pages`; and
+
+    - `log_steps`: a call of up to this many steps sends the host only the tokens it
+      sampled (longer calls send the whole `[R · num_samples, max_new_tokens]`
+      completions once).
+    - `top_logprobs`: `K >= 0`; with `K > 0` each step also keeps, at every sampled
+      position, the `K` most likely tokens and their log-probabilities
+      `log softmax(logits / τ)` at the row's temperature `τ` (1 when greedy), from the
+      logits the token was sampled from (no other forward pass): `top_ids` and
+      `top_logprobs` `[R · num_samples, max_new_tokens, K]`, most likely first (0 past a
+      row's end). The sampled token's log-probability equals its entry there.
+    - `pause_tokens`: optional `[R · num_samples, vocab_size]` bools: a `run` ends early,
+      right after the step in which a row `b` samples a token `t` with
+      `pause_tokens[b, t]`, so the caller looks at that row at once (e.g. at the token
+      that may complete a stop string in its text). The tokens sampled are the same.
 
     `run(steps)` decodes up to `steps` steps (one token for every busy slot each);
     afterwards `tokens`, `logprobs` (`[R · num_samples, max_new_tokens]` NumPy arrays on
@@ -630,10 +690,14 @@ class ContinuousDecoding:
         keys: Key[Array, " R"] | UInt32[Array, "R 2"],
         *,
         log_steps: int = 16,
+        top_logprobs: int = 0,
+        pause_tokens: Bool[Array | np.ndarray, "B V"] | None = None,
         **options: Any,
     ):
         if not (_is_int(log_steps) and log_steps >= 1):
             raise ValueError(f"log_steps must be a positive int, got {log_steps!r}")
+        if not (_is_int(top_logprobs) and top_logprobs >= 0):
+            raise ValueError(f"top_logprobs must be an int >= 0, got {top_logprobs!r}")
         settings = dict(
             budgets=None, temperature=DEFAULT_TEMPERATURE, top_k=None, top_p=None,
             eos_id=None, stop_sequences=None, pad_id=0, num_samples=1, check_ids=False,
@@ -642,14 +706,30 @@ class ContinuousDecoding:
         policy, keys, budgets, plan, rows = _row_arguments(
             policy, prompts, prompt_masks, keys, settings
         )
+        plan = dataclasses.replace(plan, top_logprobs=int(top_logprobs))
         self._inputs = (policy, prompts, prompt_masks, keys, budgets, rows, plan)
         self._prompts = (prompts, prompt_masks)
         self._log_steps = int(log_steps)
         self.rows = B = prompts.shape[0] * plan.opts.num_samples
         N = plan.opts.max_new_tokens
+        if pause_tokens is not None:
+            pause_tokens = jnp.asarray(pause_tokens)
+            if pause_tokens.shape != (B, policy.vocab_size) or pause_tokens.dtype != bool:
+                raise ValueError(
+                    f"pause_tokens must be bools [R · num_samples, vocab_size] = "
+                    f"[{B}, {policy.vocab_size}], got {pause_tokens.dtype}"
+                    f"{list(pause_tokens.shape)}"
+                )
+        self._pause = pause_tokens
         self.tokens = np.full((B, N), plan.opts.pad_id, np.int32)
         self.logprobs = np.zeros((B, N), np.float32)
         self.lengths = np.zeros((B,), np.int32)
+        self.top_ids: np.ndarray | None = None
+        self.top_logprobs: np.ndarray | None = None
+        if top_logprobs:
+            K = min(int(top_logprobs), policy.vocab_size)
+            self.top_ids = np.zeros((B, N, K), np.int32)
+            self.top_logprobs = np.zeros((B, N, K), np.float32)
         self._cancelled = np.zeros(B, bool)
         self._cancelled_on_device = jnp.asarray(self._cancelled)
         self._steps_on_device: dict[int, Array] = {}
@@ -675,21 +755,29 @@ class ContinuousDecoding:
             self._steps_on_device[steps] = jnp.asarray(steps, jnp.int32)
         args = ((*self._inputs, self._cancelled_on_device), self._log_steps)
         self._state, going, n, log = _continuous_steps_jit(
-            (*args, self._steps_on_device[steps]), self._state
+            (*args, self._steps_on_device[steps], self._pause), self._state
         )
         n = int(n)
         if n <= self._log_steps:  # the new tokens only
-            rows, at, toks, lps = (np.asarray(x)[:n].ravel() for x in log)
+            rows, at, toks, lps = (np.asarray(x)[:n].ravel() for x in log[:4])
             wrote = rows < self.rows
             rows, at = rows[wrote], at[wrote]
             self.tokens[rows, at] = toks[wrote]
             self.logprobs[rows, at] = lps[wrote]
             np.maximum.at(self.lengths, rows, at + 1)
+            if self.top_ids is not None and self.top_logprobs is not None:
+                K = self.top_ids.shape[-1]
+                top_ids, top_lps = (np.asarray(x)[:n].reshape(-1, K)[wrote] for x in log[4:])
+                self.top_ids[rows, at] = top_ids
+                self.top_logprobs[rows, at] = top_lps
         else:  # a long call: the whole completions once (copied before the next call)
             out = self._state.out
             self.tokens[:] = np.asarray(out.tokens)
             self.logprobs[:] = np.asarray(out.logprobs)
             self.lengths[:] = np.asarray(out.real).sum(axis=1)
+            if self.top_ids is not None and self.top_logprobs is not None:
+                self.top_ids[:] = np.asarray(self._state.top[0])
+                self.top_logprobs[:] = np.asarray(self._state.top[1])
         self.done = not bool(going)
         return n
 

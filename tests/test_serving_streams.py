@@ -467,3 +467,35 @@ def test_a_stop_string_late_in_a_long_completion_stops_its_row(server, client):
     r = got[0]
     assert r.choices[0].text == text[: text.find(stop)] and r.choices[0].finish_reason == "stop"
     assert len(calls) < 30 - 2, calls  # 60 tokens would take 30 looks of 2 steps
+
+
+def test_streamed_top_logprobs_come_from_the_sampling_step(server, client, model):
+    """Top log-probabilities are those the decode step sampled from (no forward pass of
+    the row per streamed piece): the sampled token's entry among them is its own
+    log-probability exactly, streamed and unstreamed agree, and both are the
+    policy's (a forward pass over prompt ++ completion, at the temperature)."""
+    policy, _ = model
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    for temperature in (0.0, 0.7):
+        kw = dict(model=MODEL, messages=messages, max_tokens=12, temperature=temperature, seed=4)
+        kw |= dict(logprobs=True, top_logprobs=3)
+        want = client.chat.completions.create(**kw)
+        chunks = [c.model_dump() for c in client.chat.completions.create(**kw, stream=True)]
+        got = _joined(chunks, "delta")[0]
+        assert got["ids"] == want.choices[0].model_extra["token_ids"]
+        entries = want.choices[0].logprobs.content
+        assert [e["top_logprobs"] for e in got["lp"]] == [
+            [t.model_dump() for t in e.top_logprobs] for e in entries
+        ]
+        for e in got["lp"]:
+            same = [t["logprob"] for t in e["top_logprobs"] if t["token"] == e["token"]]
+            assert same[:1] in ([], [e["logprob"]]), e
+        if temperature == 0.0:  # greedy: the token is the likeliest
+            assert all(e["top_logprobs"][0]["logprob"] == e["logprob"] for e in got["lp"])
+        ids = want.model_extra["prompt_token_ids"] + got["ids"]
+        logits = policy(jnp.asarray(ids), jnp.ones(len(ids), bool)).astype(jnp.float32)
+        logp = jax.nn.log_softmax(logits / (temperature or 1.0), axis=-1)
+        P = len(want.model_extra["prompt_token_ids"])
+        best = np.asarray(jax.lax.top_k(logp[P - 1 : -1], 3)[0])
+        top = np.asarray([[t["logprob"] for t in e["top_logprobs"]] for e in got["lp"]])
+        np.testing.assert_allclose(top, best, atol=1e-4)

@@ -12,7 +12,8 @@ answers each request as soon as its rows are done. Each call brings only the tok
 sampled to the host, and the text is decoded once a look (a row not streamed: only the
 text its new tokens add); a batch with no stream and no stop string needs the host only
 to answer and to look for clients gone, so its calls grow (twice the steps each time,
-while a call stays short).
+while a call stays short). The alternatives of `top_logprobs` are kept by the decode
+steps, from the logits each token was sampled from (no forward pass of the rows).
 
 Fairness: a batch holds every request that arrived before it started, so a request
 never starts after one that arrived later (it may share a batch with it). Shapes are
@@ -160,7 +161,6 @@ def top_logprobs(policy, tokens, mask, temperature):
     return ids, values, taken
 
 
-_TOP_ROWS = 8  # rows per top-logprobs pass (its logits are [rows, T, vocab])
 # a run no row of which needs the host between steps (no stream, no stop string) doubles
 # its steps per call while a call takes less than half this, so that clients gone are
 # still looked for about this often
@@ -403,6 +403,7 @@ class Scheduler:
             eos_id=list(self.stop_ids),
             pad_id=self.pad_id,
             log_steps=self.steps,
+            top_logprobs=MAX_TOP_LOGPROBS if any(job.top_logprobs for job in jobs) else 0,
         )
         first, start = {}, 0
         for job in jobs:
@@ -411,7 +412,7 @@ class Scheduler:
         run = _Run(
             policy=policy, version=version, jobs=jobs, rows=rows, owner=owner, first=first,
             P=P, N=N, streamed={}, open={id(job) for job in jobs}, decoding=decoding,
-            host=_Host(decoding, prompts, masks), steps=self.steps,
+            host=_Host(decoding), steps=self.steps,
             grows=not any(job.stop or job.stream is not None for job in jobs),
         )  # fmt: skip
         for i, row in enumerate(rows):
@@ -505,8 +506,7 @@ class Scheduler:
         new = list(range(before, before + count))
         top = None
         if job.top_logprobs and new:
-            alternatives = self._alternatives(run, [i], host)
-            top = tuple(_top_of(alternatives, 0, t, job.top_logprobs) for t in new)
+            top = tuple(_top_of(host.decoding, i, t, job.top_logprobs) for t in new)
         assert job.stream is not None
         job.stream.put(
             Progress(
@@ -518,32 +518,12 @@ class Scheduler:
             )
         )
 
-    def _alternatives(self, run: _Run, rows: list[int], host) -> tuple[np.ndarray, np.ndarray]:
-        """The `MAX_TOP_LOGPROBS` most likely tokens `(ids, logprobs)` `[len(rows), N, K]`
-        at each completion position of `rows`, at their requests' temperatures (1 when
-        greedy); `_TOP_ROWS` rows a pass, padded to a power of two."""
-        ids_out, lp_out = [], []
-        for lo in range(0, len(rows), _TOP_ROWS):
-            part = rows[lo : lo + _TOP_ROWS]
-            padded = part + [part[-1]] * ((1 << (len(part) - 1).bit_length()) - len(part))
-            temps = [run.owner[i].temperature or 1.0 for i in padded]
-            tokens, mask = host.rows(padded)
-            ids, lps, _ = top_logprobs(
-                run.policy, jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(temps, jnp.float32)
-            )
-            P = run.P
-            ids_out.append(np.asarray(ids)[: len(part), P - 1 : -1])
-            lp_out.append(np.asarray(lps)[: len(part), P - 1 : -1])
-        return np.concatenate(ids_out), np.concatenate(lp_out)
-
     def _answer(self, run: _Run, job: Job, host: "_Host") -> None:
         """Set `job`'s samples (its rows are done)."""
         run.open.discard(id(job))
         lo = run.first[id(job)]
-        rows = list(range(lo, lo + len(job.rows)))
-        alternatives = self._alternatives(run, rows, host) if job.top_logprobs else None
         samples = []
-        for k, i in enumerate(rows):
+        for i in range(lo, lo + len(job.rows)):
             real = host.ids(i)
             context = run.rows[i].prompt[-DECODE_CONTEXT:] if job.after_prompt else ()
             n_kept, text, tail = self._cut(real, context, job.stop)
@@ -551,8 +531,8 @@ class Scheduler:
             stop_id = ids[-1] if ids and ids[-1] in self.stop_ids else None
             finish = "stop" if stop_id is not None or n_kept < len(real) else "length"
             top = None
-            if alternatives is not None:
-                top = tuple(_top_of(alternatives, k, t, job.top_logprobs) for t in range(n_kept))
+            if job.top_logprobs:
+                top = tuple(_top_of(host.decoding, i, t, job.top_logprobs) for t in range(n_kept))
             samples.append(
                 Sample(
                     ids=ids,
@@ -593,22 +573,21 @@ class Scheduler:
         return lo, text, text[len(kept) :] if text.startswith(kept) else ""
 
 
-def _top_of(alternatives, k: int, t: int, count: int) -> tuple[tuple[int, float], ...]:
-    """The `count` best `(id, logprob)` at position `t` of row `k` of `alternatives`."""
-    ids, lps = alternatives
-    return tuple((int(ids[k, t, j]), float(lps[k, t, j])) for j in range(count))
+def _top_of(decoding: ContinuousDecoding, i: int, t: int, count: int):
+    """The `count` best `(id, logprob)` at completion position `t` of row `i`, kept by
+    the decode step that sampled it (`ContinuousDecoding(top_logprobs=...)`)."""
+    ids, lps = decoding.top_ids, decoding.top_logprobs
+    assert ids is not None and lps is not None
+    return tuple((int(ids[i, t, j]), float(lps[i, t, j])) for j in range(count))
 
 
 class _Host:
     """A run's output so far on the host (the `ContinuousDecoding`'s completions, brought
     over a call's new tokens at a time): `logprobs` `[B, N]` of the completion positions,
-    `ids(i)` row `i`'s sampled ids, `rows(rows)` whole rows (prompt ++ completion) and
-    their masks for the top-logprobs pass."""
+    `ids(i)` row `i`'s sampled ids."""
 
-    def __init__(self, decoding: ContinuousDecoding, prompts: np.ndarray, masks: np.ndarray):
+    def __init__(self, decoding: ContinuousDecoding):
         self.decoding = decoding
-        self.prompts = prompts
-        self.masks = masks
         self.logprobs = decoding.logprobs
 
     def ids(self, i: int) -> list[int]:
@@ -617,9 +596,3 @@ class _Host:
     def last(self, i: int) -> int:
         """Row `i`'s last sampled id (it has one)."""
         return int(self.decoding.tokens[i, self.decoding.lengths[i] - 1])
-
-    def rows(self, rows: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        d = self.decoding
-        real = np.arange(d.tokens.shape[1])[None, :] < d.lengths[rows, None]
-        tokens = np.concatenate([self.prompts[rows], d.tokens[rows]], axis=1)
-        return tokens, np.concatenate([self.masks[rows], real], axis=1)

@@ -219,6 +219,52 @@ def test_stop_strings_cut_the_completion(server, client, model):
     assert cut == want[: len(cut)] and len(cut) < len(want)
 
 
+def _decoded(server, fn) -> list[int]:
+    """The tokens each row decoded (its stop strings' overrun included) in the requests
+    answered while `fn` runs."""
+    scheduler, decoded = server.scheduler, []
+    answer = scheduler._answer
+
+    def logged(run, job, host):
+        lo = run.first[id(job)]
+        decoded.extend(int(host.decoding.lengths[i]) for i in range(lo, lo + len(job.rows)))
+        return answer(run, job, host)
+
+    scheduler._answer = logged
+    try:
+        fn()
+    finally:
+        del scheduler._answer
+    return decoded
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_row_stops_at_the_token_that_completes_its_stop_string(server, client, model, stream):
+    """A row is retired right after the token whose text completes a stop string (the
+    decoding pauses there for a look), not at the end of the server's `decode_steps`
+    (8 here) steps; the answers are those of the whole text cut at the stop string."""
+    _, tok = model
+    kw = dict(model=MODEL, prompt=STORY, max_tokens=16, temperature=0)
+    full = client.completions.create(**kw).choices[0]
+    ids, context = full.model_extra["token_ids"], [tok.bos_id, *tok.encode(STORY)]
+    for stop in [" the", "little", " a ", "named"]:
+        assert stop in full.text
+        # the first m tokens whose text holds the stop string
+        m = next(m for m in range(1, 17) if stop in tok.decode(context + ids[:m])[len(STORY) :])
+        got = []
+        if stream:
+            ask = lambda: got.append(  # noqa: E731
+                "".join(
+                    c.choices[0].text
+                    for c in client.completions.create(**kw, stop=[stop], stream=True)
+                )
+            )
+        else:
+            ask = lambda: got.append(client.completions.create(**kw, stop=[stop]).choices[0].text)  # noqa: E731
+        assert _decoded(server, ask) == [m], stop
+        assert got == [full.text[: full.text.index(stop)]]
+
+
 def test_sixteen_concurrent_clients_are_served_in_arrival_order(server, client):
     def ask(i):
         r = client.completions.create(

@@ -12,8 +12,11 @@ answers each request as soon as its rows are done. Each call brings only the tok
 sampled to the host, and the text is decoded once a look (a row not streamed: only the
 text its new tokens add); a batch with no stream and no stop string needs the host only
 to answer and to look for clients gone, so its calls grow (twice the steps each time,
-while a call stays short). The alternatives of `top_logprobs` are kept by the decode
-steps, from the logits each token was sampled from (no forward pass of the rows).
+while a call stays short). A call ends early after a step in which a row with stop
+strings sampled a token that may complete one of them (its bytes hold the string, or
+begin with an end of it), so such a row is retired at that token, not up to `steps`
+tokens later. The alternatives of `top_logprobs` are kept by the decode steps, from
+the logits each token was sampled from (no forward pass of the rows).
 
 Fairness: a batch holds every request that arrived before it started, so a request
 never starts after one that arrived later (it may share a batch with it). Shapes are
@@ -39,7 +42,7 @@ import numpy as np
 from .._sampling import ContinuousDecoding
 from ._prompts import DECODE_CONTEXT, decode_after
 from ._protocol import MAX_TOP_LOGPROBS, RequestError
-from ._text import StreamedRow
+from ._text import StreamedRow, token_bytes
 
 _MIN_BUCKET = 16
 
@@ -244,6 +247,8 @@ class Scheduler:
         self._arrivals = itertools.count()
         self.batch_log: collections.deque[tuple[str, ...]] = collections.deque(maxlen=1024)
         self.dropped_rows = 0  # rows dropped because their client went away
+        self._token_bytes: list[bytes | None] | None = None  # each token's bytes, once
+        self._completing_cache: dict[str, np.ndarray] = {}  # stop string -> `_completing`
 
     @property
     def policy(self):
@@ -404,6 +409,7 @@ class Scheduler:
             pad_id=self.pad_id,
             log_steps=self.steps,
             top_logprobs=MAX_TOP_LOGPROBS if any(job.top_logprobs for job in jobs) else 0,
+            pause_tokens=self._pause_tokens([j.stop for j in settings], policy.cfg.vocab_size),
         )
         first, start = {}, 0
         for job in jobs:
@@ -423,6 +429,36 @@ class Scheduler:
         if R < Rp:
             decoding.cancel(range(R, Rp))  # the filler rows are never needed
         return run
+
+    def _pause_tokens(self, stops: list[tuple[str, ...]], vocab_size: int) -> np.ndarray:
+        """`[rows, vocab_size]` bools: for each row, the tokens that may complete one of
+        its stop strings (`stops[i]`) in its text (`may_complete`), after which the
+        decoding pauses for a look, so that a row is stopped at the token its stop string
+        ends in rather than at the end of the call."""
+        out = np.zeros((len(stops), vocab_size), bool)
+        for i, stop in enumerate(stops):
+            for s in stop:
+                out[i] |= self._completing(s, vocab_size)
+        return out
+
+    def _completing(self, stop: str, vocab_size: int) -> np.ndarray:
+        """`[vocab_size]` bools: the tokens that may complete `stop` (kept for the last
+        256 stop strings; each token's bytes read once)."""
+        if stop not in self._completing_cache:
+            if self._token_bytes is None:
+                self._token_bytes = [self._bytes_of(i) for i in range(vocab_size)]
+            raw = stop.encode("utf-8")
+            mask = np.fromiter((may_complete(b, raw) for b in self._token_bytes), bool)
+            if len(self._completing_cache) >= 256:
+                self._completing_cache.pop(next(iter(self._completing_cache)))
+            self._completing_cache[stop] = mask
+        return self._completing_cache[stop]
+
+    def _bytes_of(self, token_id: int) -> bytes | None:
+        try:
+            return token_bytes(self.tokenizer, token_id)
+        except Exception:  # noqa: BLE001 - an id the tokenizer cannot spell: may complete
+            return None
 
     def _advance(self, run: "_Run") -> None:
         """`run.steps` decode steps of `run`, then a look at each of its open jobs. A run
@@ -579,6 +615,14 @@ def _top_of(decoding: ContinuousDecoding, i: int, t: int, count: int):
     ids, lps = decoding.top_ids, decoding.top_logprobs
     assert ids is not None and lps is not None
     return tuple((int(ids[i, t, j]), float(lps[i, t, j])) for j in range(count))
+
+
+def may_complete(raw: bytes | None, stop: bytes) -> bool:
+    """Whether a token that adds the bytes `raw` to a text may complete `stop` there:
+    `stop` lies in `raw`, or `raw` begins with an end of `stop` (unknown bytes: may)."""
+    if raw is None or stop in raw:
+        return True
+    return any(raw.startswith(stop[-j:]) for j in range(1, min(len(stop), len(raw) + 1)))
 
 
 class _Host:

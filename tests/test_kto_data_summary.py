@@ -1,6 +1,6 @@
 """`rlhf_eqx kto --data FILE` on an imbalanced unpaired file: the summary says what its
-held-out metrics could not measure and how many prompts were cut, and the weights'
-balance is checked."""
+held-out metrics could not measure and how many prompts were cut (a `truncation` event
+too), and the weights' balance is checked."""
 
 import json
 
@@ -60,3 +60,7 @@ def test_kto_on_an_imbalanced_file_notes_a_held_out_side_of_one_label(tmp_path):
         f"kto.desirable_weight in [{low:.3g}, {4 / 3 * low:.3g}]"
         in (events["kto_weights"]["message"])
     )
+    cut = events["truncation"]
+    assert (cut["prompt_truncated"], cut["completion_truncated"]) == (2, 0)
+    assert cut["message"].startswith(f"{path}: 2 of {len(train)} prompts cut (their end kept)")
+    assert "data.filter=long_prompt" in cut["message"]

@@ -1,5 +1,6 @@
 """`rlhf_eqx prm --data FILE`: the summary counts the training solutions whose prompt was
-cut and whose later steps did not fit `prm.max_length`."""
+cut and whose later steps did not fit `prm.max_length`, and a `truncation` event says so
+on stderr."""
 
 import json
 
@@ -7,7 +8,7 @@ from rlhf_eqx import data
 from rlhf_eqx.__main__ import main
 
 
-def test_prm_summary_counts_cut_prompts_and_dropped_steps(tmp_path):
+def test_prm_summary_counts_cut_prompts_and_dropped_steps(tmp_path, capsys):
     long_prompt = {1, 2, 5}
     long_step = {3, 4, 6}
     records = []
@@ -35,3 +36,16 @@ def test_prm_summary_counts_cut_prompts_and_dropped_steps(tmp_path):
         "steps_dropped": n_long_step,
         "too_long": 0,
     }
+    events = [
+        json.loads(line)
+        for line in (out / "metrics.jsonl").read_text().splitlines()
+        if '"truncation"' in line
+    ]
+    (event,) = [e for e in events if e.get("event") == "truncation"]
+    assert (event["prompt_truncated"], event["completion_truncated"]) == (
+        n_long_prompt,
+        n_long_step,
+    )
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if "truncation" in x]
+    assert line.startswith(f"[prm] truncation: {path}: {n_long_prompt} of {len(train)} prompts cut")
+    assert "lost their later steps" in line and "prm.max_length" in line

@@ -307,6 +307,28 @@ def log_quality(log: MetricsLog, message: str, dropped: dict, counts: dict) -> N
     log.info("data quality:\n  " + message.replace("\n", "\n  "))
 
 
+def log_truncation(log: MetricsLog, path, report, what: str, remedy: str) -> None:
+    """A `truncation` event (on stderr and in `metrics.jsonl`) when the tokeniser cut the
+    prompt or the completion of any training record of the file `path` (`report`, a
+    `data.TokenizeReport`; `what` says what befell a cut completion, `remedy` the settings that
+    give the records room), so that no cut goes unsaid; nothing otherwise."""
+    cut_prompts, cut_completions = report.prompt_truncated, report.completion_truncated
+    if not (cut_prompts or cut_completions):
+        return
+    parts = []
+    if cut_prompts:
+        parts.append(f"{cut_prompts} of {report.total} prompts cut (their end kept)")
+    if cut_completions:
+        parts.append(f"{cut_completions} of {report.total} {what}")
+    log.event(
+        "truncation",
+        f"{path}: {'; '.join(parts)}; {remedy}",
+        prompt_truncated=cut_prompts,
+        completion_truncated=cut_completions,
+        records=report.total,
+    )
+
+
 def log_filter(log: MetricsLog, dc: DataConfig, counts: dict, total: int, kept, what: str):
     """The `data_filter` event of `data.filter` (how many of each kind went); a
     `ValueError` when nothing is left to train on."""

@@ -23,6 +23,7 @@ from ._data_prep import (
     implicit_accuracy,
     is_preference_file,
     log_filter,
+    log_truncation,
     prompt_tokens,
     quality_report,
     trained_policy,
@@ -240,7 +241,9 @@ def kto_examples(env: StageEnv, c: KTOConfig) -> tuple[list, list, list | None]:
     else:
         if cfg.data.filter:
             train = _filter_unpaired(train, tok, cfg.data, s.prompt_length, ctx.log)
-        env.summary["truncation"] = _unpaired_truncation(train, tok, c.max_length, s.prompt_length)
+        env.summary["truncation"] = _unpaired_truncation(
+            train, tok, c.max_length, s.prompt_length, ctx.log, path
+        )
     _check_kto_split(cfg.data, train, held)
     note = _one_kind_held_out(cfg.data, held)
     if note:
@@ -255,12 +258,23 @@ def kto_examples(env: StageEnv, c: KTOConfig) -> tuple[list, list, list | None]:
     return train, held, held_pairs
 
 
-def _unpaired_truncation(records: list, tok, max_length: int, prompt_length: int) -> dict:
+def _unpaired_truncation(
+    records: list, tok, max_length: int, prompt_length: int, log: MetricsLog, path
+) -> dict:
     """`summary["truncation"]` of an unpaired file's training examples, as a preference
     file's: how many prompts (cut to `prompt_length`, their end kept) and completions
-    (cut to `max_length`) the tokeniser cut, as `collate_unpaired_records` cuts them."""
+    (cut to `max_length`) the tokeniser cut, as `collate_unpaired_records` cuts them; a
+    `truncation` event when any was (`log_truncation`)."""
     _, report = data.tokenize_unpaired(
         records, tok, max_length=max_length, max_prompt_length=prompt_length, add_eos=False
+    )
+    log_truncation(
+        log,
+        path,
+        report,
+        f"completions cut (their end lost, to fit kto.max_length={max_length})",
+        f"raise sampling.prompt_length={prompt_length} or kto.max_length, or leave the long "
+        "prompts out with data.filter=long_prompt",
     )
     return {
         "records": report.total,

@@ -15,7 +15,7 @@ from rlhf_eqx import data
 from ..losses import PRM_AGGREGATIONS
 from ..train import PRM_SCORES
 from ._config import BatchStageConfig
-from ._data_prep import chat_rendering, split_records
+from ._data_prep import chat_rendering, log_truncation, split_records
 from ._field_checks import _choice, _fail
 from ._lr_scale import build_optimizer
 from ._registry import Outcome, Stage, StageEnv, register_stage
@@ -114,7 +114,8 @@ def prm_on_data(cfg, policy, tok, ctx: RunContext, summary: dict, say, split) ->
     scores), and put the held-out step accuracy in `summary["prm"]`, with `truncation`:
     of the training solutions, those whose prompt was cut (its end kept), those whose
     later steps did not fit `prm.max_length` and were dropped with their labels
-    (`steps_dropped`), and those with no step that fits (`too_long`, left out). Both
+    (`steps_dropped`), and those with no step that fits (`too_long`, left out), with a
+    `truncation` event when any prompt was cut or step dropped. Both
     sides are tokenised before training, so a held-out side none of whose solutions fits
     is refused before any step."""
     records = data.load_stepwise(cfg.data.path, **cfg.data.read_options())
@@ -127,6 +128,14 @@ def prm_on_data(cfg, policy, tok, ctx: RunContext, summary: dict, say, split) ->
     validate_stage("prm", cfg.prm)
     full, report = stepwise_batch(train, tok, cfg.prm, ctx.prompt_length)
     held_batch, _ = stepwise_batch(held, tok, cfg.prm, ctx.prompt_length)  # before training
+    log_truncation(
+        ctx.log,
+        cfg.data.path,
+        report,
+        f"solutions lost their later steps (dropped with their labels, to fit prm.max_length="
+        f"{cfg.prm.max_length})",
+        f"raise sampling.prompt_length={ctx.prompt_length} or prm.max_length",
+    )
     res = _train_prm(policy, full, cfg=cfg.prm, ctx=ctx)
     labels = np.asarray(held_batch.step_labels)[np.asarray(held_batch.step_mask)]
     summary["prm"] = {

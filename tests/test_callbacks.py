@@ -179,7 +179,7 @@ class StopAt(pl.Callback):
         self.reasons.append((reason, run.stop_reason))
 
 
-def test_a_stop_ends_the_loop_with_a_checkpoint_and_resume_returns_at_once(tmp_path):
+def test_a_stop_ends_the_loop_with_a_checkpoint_and_resume_continues_it(tmp_path):
     state, iteration = _quadratic()
     kw = dict(
         num_iterations=8,
@@ -200,11 +200,18 @@ def test_a_stop_ends_the_loop_with_a_checkpoint_and_resume_returns_at_once(tmp_p
     assert meta["stopped"] == "callback" and meta["stop_reason"] == res.stop_reason
     events = [r for r in _records(tmp_path) if r.get("event") == "callback_stop"]
     assert len(events) == 1 and events[0]["reason"] == res.stop_reason
-    # Resuming the stopped run returns at once, with or without the callback.
+    # Resuming the stopped run continues it from that checkpoint, as TRL's
+    # `resume_from_checkpoint` does, to the run that was never stopped.
+    full = pl.loop.run_iterations(state, iteration, **{**kw, "checkpoint_dir": None})
     again = pl.loop.run_iterations(state, iteration, resume=True, **kw)
-    assert again.stopped == "callback" and again.history == [] and again.iterations == 3
-    assert again.stop_reason == res.stop_reason
-    assert (again.state.params["w"] == res.state.params["w"]).all()
+    assert again.stopped == "done" and again.stop_reason is None and again.iterations == 8
+    assert [int(r["step"]) for r in again.history] == [3, 4, 5, 6, 7]
+    assert (again.state.params["w"] == full.state.params["w"]).all()
+    (event,) = [r for r in _records(tmp_path) if r.get("event") == "resume"]
+    assert event["message"].endswith(
+        "a callback had stopped it there (StopAt.on_step returned 'stop'), training goes on"
+    )
+    assert not [r for r in _records(tmp_path) if r.get("event") == "callback_stop"]
     # request_stop from on_start stops before the first iteration.
 
     class Never(pl.Callback):
@@ -215,6 +222,36 @@ def test_a_stop_ends_the_loop_with_a_checkpoint_and_resume_returns_at_once(tmp_p
         state, iteration, callbacks=[Never()], **{**kw, "checkpoint_dir": None}
     )
     assert none.stopped == "callback" and none.iterations == 0 and none.stop_reason == "not today"
+
+
+def test_a_stopped_stage_that_a_later_stage_trained_on_stays_stopped_on_resume(tmp_path):
+    """A pipeline's stage stopped by a callback, then a later stage trained from it:
+    resuming keeps it as it stopped (continuing it would change what the later stage
+    started from), and the resume event says so and what trains it further."""
+    state, iteration = _quadratic()
+    ops = pl.OpsConfig(quiet=True, checkpoint_every=5)
+
+    def run(stage, callbacks=(), resume=False):
+        return pl.loop.run_iterations(
+            state,
+            iteration,
+            num_iterations=8,
+            key=jax.random.key(1),
+            ops=ops,
+            log=pl.tools.MetricsLog(str(tmp_path), stage, quiet=True),
+            checkpoint_dir=str(tmp_path / stage / "ck"),
+            callbacks=callbacks,
+            resume=resume,
+        )
+
+    assert run("a", [StopAt(3)]).stopped == "callback"
+    assert run("b").stopped == "done"
+    again = run("a", resume=True)
+    assert again.stopped == "callback" and again.history == [] and again.iterations == 3
+    assert again.stop_reason == "StopAt.on_step returned 'stop'"
+    (event,) = [r for r in _records(tmp_path) if r.get("event") == "resume"]
+    assert "it stays stopped: b trained on its result" in event["message"]
+    assert "--overwrite or another --out" in event["message"]
 
 
 class Tally(pl.Callback):

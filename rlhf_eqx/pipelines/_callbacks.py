@@ -16,9 +16,11 @@ every stage) calls them in the order given:
 
 A callback stops the run on its own criterion with `run.request_stop(reason)` from any
 hook, or by returning `"stop"` from `on_step`: the loop ends after that iteration with
-`stopped="callback"` and `stop_reason`, and writes a checkpoint marked stopped (resuming
-it returns at once). A callback that keeps state gives `state_dict() -> dict` (JSON)
-and `load_state_dict(d)`: the state goes into every checkpoint and comes back on resume.
+`stopped="callback"` and `stop_reason`, and writes a checkpoint marked stopped; resuming
+continues from it, as TRL's `resume_from_checkpoint` does, unless a later stage of the
+run has trained on its result (then it stays stopped). A callback that keeps state
+gives `state_dict() -> dict` (JSON) and `load_state_dict(d)`: the state goes into every
+checkpoint and comes back on resume.
 An exception in a hook stops the run with a checkpoint of the last completed iteration
 and raises `CallbackError`, one line naming the callback and the hook; resuming
 continues from that checkpoint.

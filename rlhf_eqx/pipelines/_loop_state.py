@@ -11,6 +11,8 @@ it continues exactly as the uninterrupted run.
 """
 
 import dataclasses
+import json
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -125,6 +127,26 @@ def check_logged_steps(
         )
 
 
+def stages_after(log_path: str, stage: str) -> list[str]:
+    """The stages with step records in the metrics log `log_path` after the last record
+    of `stage`, in order: the stages of a pipeline that trained on its result."""
+    later: dict[str, None] = {}
+    if os.path.isfile(log_path):
+        with open(log_path, "rb") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if not isinstance(rec, dict):
+                    continue
+                if rec.get("stage") == stage:
+                    later = {}
+                elif "step" in rec and "event" not in rec and isinstance(rec.get("stage"), str):
+                    later[rec["stage"]] = None
+    return list(later)
+
+
 @dataclasses.dataclass(frozen=True)
 class Resumed:
     """What a checkpoint gives back: the position, the rollbacks, how the run had
@@ -174,12 +196,16 @@ class LoopCheckpoints:
     def resume(self, state: Any, num_iterations: int, log: MetricsLog) -> Resumed | None:
         """Read the latest checkpoint into the structure of `state` and drop the records
         of `log.stage` written after it (`stale_record`); `None` when there is none
-        (the records of an earlier start are dropped too). A checkpoint whose
+        (the records of an earlier start are dropped too). A checkpoint that a callback
+        stopped before `num_iterations` continues (`stopped` is `"done"`), unless a
+        later stage has step records in `log` after this stage's (`stages_after`): it
+        trained on this stage's result, which then stays as it stopped; the `resume`
+        event says which. A checkpoint whose
         configuration differs outside the resumable fields, one past `num_iterations`
         (unless the run had stopped early), or one whose earlier steps lack their
         records in `log` (`check_logged_steps`) raises `RunDirError`."""
         path = latest_checkpoint(self.directory) if self.directory is not None else None
-        resumed = None
+        resumed, note = None, ""
         if path is not None:
             like = {"state": state, "key": jax.random.key_data(self.key)}
             tree, saved = restore_checkpoint(path, like)
@@ -191,16 +217,28 @@ class LoopCheckpoints:
                 int(saved.get("steps", 0)),
                 [float(x) for x in saved.get("losses", [])],
             )
-            stopped = saved.get("stopped") or "done"
+            stopped, reason = saved.get("stopped") or "done", saved.get("stop_reason")
             check_iteration_count(path, saved, num_iterations, log.stage)
             # a log given to several runs of the loop may repeat steps; the run
             # directory's own check (`open_run_dir`) refuses repeats too
             check_logged_steps(log.path, log.stage, pos.steps, path, repeats=False)
+            if stopped == "callback" and pos.iteration < num_iterations:
+                later = stages_after(log.path, log.stage)
+                why = f" ({reason})" if reason else ""
+                if later:
+                    note = (
+                        f"; a callback stopped it there{why} and it stays stopped: "
+                        f"{', '.join(later)} trained on its result (a new run trains it "
+                        "further: --overwrite or another --out)"
+                    )
+                else:  # as `resume_from_checkpoint` does: the run goes on
+                    stopped, reason = "done", None
+                    note = f"; a callback had stopped it there{why}, training goes on"
             resumed = Resumed(
                 pos,
                 int(saved.get("rollbacks", 0)),
                 stopped,
-                saved.get("stop_reason"),
+                reason,
                 dict(saved.get("callbacks") or {}),
                 path,
             )
@@ -209,7 +247,7 @@ class LoopCheckpoints:
         if resumed is not None:
             log.event(
                 "resume",
-                f"continuing from {path} (iteration {start}, step {steps})",
+                f"continuing from {path} (iteration {start}, step {steps}){note}",
                 iteration=start,
                 step=steps,
             )

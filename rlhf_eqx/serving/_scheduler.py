@@ -247,7 +247,8 @@ class Scheduler:
         self._arrivals = itertools.count()
         self.batch_log: collections.deque[tuple[str, ...]] = collections.deque(maxlen=1024)
         self.dropped_rows = 0  # rows dropped because their client went away
-        self._token_bytes: list[bytes | None] | None = None  # each token's bytes, once
+        # each token's bytes, read once by a thread of their own (`None` until then)
+        self._token_bytes: list[bytes | None] | None = None
         self._completing_cache: dict[str, np.ndarray] = {}  # stop string -> `_completing`
 
     @property
@@ -271,6 +272,13 @@ class Scheduler:
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="rlhf_eqx-scheduler", daemon=True)
         self._thread.start()
+        if self._token_bytes is None:  # seconds for a large vocabulary: not on the scheduler
+            args = (self._policy.cfg.vocab_size,)
+            read = threading.Thread(target=self._read_token_bytes, args=args, daemon=True)
+            read.start()
+
+    def _read_token_bytes(self, vocab_size: int) -> None:
+        self._token_bytes = [self._bytes_of(i) for i in range(vocab_size)]
 
     def stop(self) -> None:
         with self._cond:
@@ -443,12 +451,14 @@ class Scheduler:
 
     def _completing(self, stop: str, vocab_size: int) -> np.ndarray:
         """`[vocab_size]` bools: the tokens that may complete `stop` (kept for the last
-        256 stop strings; each token's bytes read once)."""
+        256 stop strings); none until the tokens' bytes are read (`start`), when rows
+        stop at the end of a call as without pauses."""
+        token_bytes = self._token_bytes
+        if token_bytes is None or len(token_bytes) != vocab_size:
+            return np.zeros(vocab_size, bool)
         if stop not in self._completing_cache:
-            if self._token_bytes is None:
-                self._token_bytes = [self._bytes_of(i) for i in range(vocab_size)]
             raw = stop.encode("utf-8")
-            mask = np.fromiter((may_complete(b, raw) for b in self._token_bytes), bool)
+            mask = np.fromiter((may_complete(b, raw) for b in token_bytes), bool)
             if len(self._completing_cache) >= 256:
                 self._completing_cache.pop(next(iter(self._completing_cache)))
             self._completing_cache[stop] = mask

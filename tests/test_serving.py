@@ -297,6 +297,13 @@ def _post(server, path, body: bytes):
     [
         ("/v1/chat/completions", b"{not json", 400, None),
         ("/v1/chat/completions", b"[1, 2]", 400, None),
+        ("/v1/chat/completions", b"[" * 100_000 + b"]" * 100_000, 400, None),
+        (
+            "/v1/completions",
+            b'{"model": "m", "metadata": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
+            400,
+            None,
+        ),
         ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
         ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages"),
         (

@@ -901,6 +901,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 body = json.loads(raw.decode("utf-8"))
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise RequestError(f"the body is not valid JSON: {e}") from None
+            except RecursionError:  # arrays or objects nested thousands deep
+                raise RequestError("the body is not valid JSON: nested too deeply") from None
             with self.server.answering(self.connection):  # type: ignore[attr-defined]
                 answer = handler(body)
                 if isinstance(answer, dict):

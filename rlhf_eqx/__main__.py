@@ -27,7 +27,9 @@ Commands:
   --help`).
 - `sample`: print completions of a model; `eval`: score a model on the built-in task's
   held-out prompts as a run evaluates its stages (a run's exported policy gets the
-  numbers of its summary.json); `plot RUN_DIR`: redraw a run's PNG plots. `--model`
+  numbers of its summary.json: `eval --model RUN` or `--model RUN/<stage>/hf` reads
+  that run's `eval_samples`, `sampling.*` and `ops.seed`, which flags still override);
+  `plot RUN_DIR`: redraw a run's PNG plots. `--model`
   also takes a run directory, which stands for the one policy it exported.
 
 Configuration: built-in defaults, then `--config FILE` (JSON or YAML), then `--set
@@ -36,7 +38,10 @@ field.sub=value` overrides. `rlhf_eqx STAGE --help` lists the fields that stage 
 the stages it starts from), `rlhf_eqx pipeline --help` every field; `--show-config`
 prints the whole resolved configuration. A run prints the settings it reads and saves
 the whole configuration as `OUT/config.json`. Invalid values stop the run before
-anything is compiled, with one line naming the field.
+anything is compiled, with one line naming the field; so does a `--set` of a stage's
+section that the command does not run (`dpo --data FILE --set ppo.kl_coef=0.1`: `ppo`
+reads it), or `--set stages=...` on a stage command (a config file may set every
+section).
 
 Run directories (`--out`, default `runs/<command>`): a run holds a lock in its
 directory; a new run into a directory that holds one is refused (`--resume` continues
@@ -145,7 +150,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         help="builtin, smollm2-135m, a .gguf, a llama2.c .bin, an HF dir or a run dir "
-        "(its one exported policy)",
+        "(its one exported policy); eval of a run dir or of its RUN/<stage>/hf reads the "
+        "run's evaluation settings (eval_samples, sampling, ops.seed; flags still win)",
     )
     p.add_argument("--tokenizer", help="tokenizer file for --model")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoints")
@@ -196,8 +202,110 @@ def resolve_config(args: argparse.Namespace):
             raise ConfigError(f"{cmd} runs on a data file: --data FILE ({stage.help})")
         else:
             cfg = dataclasses.replace(cfg, stages=stage.prerequisites(cfg))
+    check_set_sections(cmd, cfg, args.overrides)
     out = args.out or cfg.out or os.path.join("runs", cmd)
     return dataclasses.replace(cfg, out=out)
+
+
+def command_stages(command: str, cfg) -> tuple[str, ...]:
+    """The stages `command` runs with the resolved configuration `cfg`: none for `sample`,
+    `eval` and `plot`; else `cfg.stages` (a stage command's are set by `resolve_config`:
+    the stage alone on a data file, its prerequisites on the built-in task), with SFT
+    first on the built-in task (the others start from it)."""
+    if command in TOOL_COMMANDS:
+        return ()
+    if cfg.data.path is None:
+        return tuple(dict.fromkeys(("sft", *cfg.stages)))
+    return tuple(cfg.stages)
+
+
+def check_set_sections(
+    command: str, cfg, overrides: Sequence[str], flag: str = "--set", *, sweep: bool = False
+) -> None:
+    """Refuse (`ConfigError`, one line) an explicit `--set` (or a sweep's `--grid`,
+    `flag`) that no stage `command` runs would read: a field of another stage's section
+    (`dpo --data FILE --set ppo.kl_coef=0.1`), naming the key, the stages the command
+    runs and the command that reads it; and `stages` on a stage command, which runs its
+    own. A configuration file sets every section and is not checked; nor are the shared
+    sections (`model`, `data`, `sampling`, `ops`, ...), which `validate_config` checks.
+    A run whose stages are not all registered is left to `validate_config`. `sweep`: the
+    command is `rlhf_eqx sweep COMMAND`."""
+    from rlhf_eqx.pipelines import ConfigError
+    from rlhf_eqx.pipelines.config import find_stage, read_fields, stages
+
+    run = command_stages(command, cfg)
+    if any(find_stage(s) is None for s in run):
+        return
+    read = set(read_fields(cfg)) if run else set()
+    keys = {st.key for st in stages()}
+    runs = f"runs {', '.join(run)}" if run else "runs no stage"
+    shown = f"rlhf_eqx sweep {command}" if sweep else f"rlhf_eqx {command}"
+    unread = "does" if len(run) == 1 else "do"
+    for item in overrides:
+        key = item.partition("=")[0].strip()
+        section = key.split(".")[0]
+        if section == "stages" and command not in ("pipeline", *TOOL_COMMANDS):
+            how = "" if sweep else f"; choose them with rlhf_eqx pipeline {flag} {item}"
+            raise ConfigError(f"{flag} {item}: {shown} {runs} (its own stages){how}")
+        if section not in keys or section in read:
+            continue
+        readers = [f"rlhf_eqx {st.name}" for st in stages() if st.key == section]
+        also = ""
+        if command == "pipeline":
+            names = [st.name for st in stages() if st.key == section and st.builtin]
+            if names:
+                also = f", or this pipeline with stages={','.join((*cfg.stages, names[0]))}"
+        if run:
+            which = f"{runs}, which {unread} not read {section}.*"
+        else:
+            which = f"{runs} and reads no stage's settings ({section}.*)"
+        raise ConfigError(f"{flag} {item}: {shown} {which}; {' or '.join(readers)} reads it{also}")
+
+
+class _SweepArgs(argparse.ArgumentParser):
+    """The sweep command's options, read to check its `--set` and `--grid` keys; an
+    argument it cannot read is left to the sweep command (`ValueError`)."""
+
+    def error(self, message):
+        raise ValueError(message)
+
+
+def check_sweep_sets(argv: Sequence[str]) -> None:
+    """Refuse (`ConfigError`) a sweep's `--set` or `--grid` key that the stages it runs
+    would not read, as a run's (`check_set_sections`): the swept stage on a data file,
+    its prerequisites on the built-in task. A command line that does not read (an
+    unknown stage or option, a config file that does not load) is left to the sweep
+    command, which names what is wrong."""
+    from rlhf_eqx import pipelines as pl
+    from rlhf_eqx.pipelines.config import find_stage
+
+    p = _SweepArgs(add_help=False, allow_abbrev=False)
+    p.add_argument("stage")
+    for flag in ("--grid", "--set", "--callback"):
+        p.add_argument(flag, action="append", default=[])
+    for flag in ("--seeds", "--config", "--data", "--model", "--out"):
+        p.add_argument(flag)
+    for flag in ("--resume", "--export", "--quiet", "-h", "--help"):
+        p.add_argument(flag, action="store_true")
+    try:
+        args = p.parse_args(list(argv))
+    except ValueError:
+        return
+    st = find_stage(args.stage)
+    if st is None or args.help:
+        return
+    ns = argparse.Namespace(
+        command=args.stage, config=args.config, overrides=args.set, data=args.data,
+        model=args.model, tokenizer=None, quiet=False,
+    )  # fmt: skip
+    try:
+        cfg = pl.config.command_line_config(ns)
+        run = (args.stage,) if cfg.data.path is not None else st.prerequisites(cfg)
+    except pl.ConfigError:
+        return
+    cfg = dataclasses.replace(cfg, stages=run)
+    check_set_sections(args.stage, cfg, args.set, sweep=True)
+    check_set_sections(args.stage, cfg, args.grid, flag="--grid", sweep=True)
 
 
 def help_config(args: argparse.Namespace):
@@ -288,8 +396,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if plain[:1] == ["sweep"]:  # grid x seeds of one stage in one program (its own options)
+        from rlhf_eqx.pipelines import ConfigError
         from rlhf_eqx.pipelines.tools import sweep_command
 
+        try:
+            check_sweep_sets(plain[1:])
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         try:
             with _terminate_as_interrupt():
                 return sweep_command(plain[1:])

@@ -5,6 +5,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import rlhf_eqx as rx
 from rlhf_eqx import data
@@ -79,3 +80,16 @@ def test_stop_strings_never_cut_inside_a_character():
         n = len(kept.encode("utf-8"))
         np.testing.assert_array_equal(real[1:], np.arange(len(ids)) < n)
         np.testing.assert_array_equal(cut.logprobs[0, 1:], np.where(real[1:], -0.5, 0.0))
+
+
+def test_a_prompt_without_a_real_token_is_refused():
+    """A row of `prompt_masks` with no real token has nothing to condition on:
+    `generate_batch` and `generate` name the row, as `generate_continuous` does."""
+    policy = rx.Policy(CFG, key=jax.random.key(3))
+    prompts = jnp.asarray([[3, 4, 5], [0, 0, 0], [0, 0, 0]], jnp.int32)
+    masks = jnp.asarray([[1, 1, 1], [0, 0, 0], [0, 0, 0]], bool)
+    key = jax.random.key(0)
+    with pytest.raises(ValueError, match=r"prompt_masks: row 1 has no real token"):
+        rx.generate_batch(policy, prompts, masks, key, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"prompt_masks: row 0 has no real token"):
+        rx.generate(policy, prompts[1], masks[1], key, max_new_tokens=2)

@@ -52,17 +52,22 @@ def _check_prompt_ids(
         )
 
 
-def check_prompt_masks(prompt_masks: Any) -> None:
+def check_prompt_masks(prompt_masks: Any, first: int = 0) -> None:
     """Refuse, naming the first such row, a prompt with no real token (an all-False row
     of `prompt_masks`: there is nothing to condition on and no position to start from),
-    if `prompt_masks` is concrete."""
+    if `prompt_masks` is concrete (rows held by other processes are theirs to check;
+    `first` numbers the rows given)."""
     if isinstance(prompt_masks, jax.core.Tracer):
+        return
+    if isinstance(prompt_masks, jax.Array) and not prompt_masks.is_fully_addressable:
+        for shard in prompt_masks.addressable_shards:
+            check_prompt_masks(shard.data, first=shard.index[0].start or 0)
         return
     empty = ~np.asarray(prompt_masks).any(axis=-1)
     if empty.any():
         raise ValueError(
-            f"prompt_masks: row {int(np.argmax(empty))} has no real token; every prompt "
-            "needs at least one (a BOS will do)"
+            f"prompt_masks: row {first + int(np.argmax(empty))} has no real token; every "
+            "prompt needs at least one (a BOS will do)"
         )
 
 
@@ -82,13 +87,15 @@ def _check_batch(
     policy: AbstractDecoder, prompts: Any, prompt_masks: Any, opts: SamplingOptions
 ) -> None:
     """The host-side checks of a batch of prompts: `prompts` and `prompt_masks` of one
-    shape, concrete ids inside the vocabulary, `P + max_new_tokens` within the model's
+    shape, concrete ids inside the vocabulary, a real token in every concrete row of
+    `prompt_masks`, `P + max_new_tokens` within the model's
     `max_seq_len` (each raises a `ValueError` naming what is wrong)."""
     if prompts.shape != prompt_masks.shape:
         raise ValueError(
             f"prompts {prompts.shape} and prompt_masks {prompt_masks.shape} differ in shape"
         )
     _check_prompt_ids(prompts, policy.vocab_size)
+    check_prompt_masks(prompt_masks)
     _check_length(policy, prompts.shape[-1], opts.max_new_tokens)
 
 

@@ -118,6 +118,7 @@ def test_a_streamed_completion_joins_into_the_unstreamed_one(server):
     assert got["finish"][:-1] == [None] * (len(got["finish"]) - 1)
     assert got["finish"][-1] == want["finish_reason"]
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == len(got["ids"])
+    assert all("usage" in c and c["usage"] is None for c in chunks)  # as OpenAI's chunks
 
 
 def test_streamed_chat_choices_and_stop_strings(server, client, model):

@@ -633,6 +633,8 @@ class Server:
             "created": int(time.time()),
             "model": self.model_name,
         }
+        if req.include_usage:  # OpenAI's: every chunk but the last has `usage: null`
+            base["usage"] = None
         sent_text = [""] * len(job.rows)
         sent_ids: list[list[int]] = [[] for _ in job.rows]
 

@@ -1,0 +1,62 @@
+"""GKD's mixing in `run_distill`: a fraction `lmbda` of the steps trains on the student's
+own samples (`on_policy` 1: completions of at most `sampling.max_new_tokens` tokens
+sampled for the rows' prompts), the others on the fixed completions (`on_policy` 0: the
+rows' own completion tokens); `lmbda` 0 and 1 are all of one kind."""
+
+import jax
+import numpy as np
+import pytest
+
+import rlhf_eqx as rx
+from rlhf_eqx import data, pipelines as pl
+from rlhf_eqx.assets import asset_path
+
+_RECORDS = [("Once upon a time", " a dog ran far away."), ("The cat", " sat on a big mat.")] * 2
+
+
+def _run(tmp_path, lmbda: float, steps: int):
+    tok = data.load_tokenizer(asset_path("tok512.bin"))
+    cfg = rx.TransformerConfig(
+        vocab_size=tok.vocab_size,
+        d_model=16,
+        n_layers=1,
+        n_heads=2,
+        n_kv_heads=1,
+        d_ff=32,
+        max_seq_len=48,
+    )
+    student, teacher = rx.Policy(cfg, key=jax.random.key(0)), rx.Policy(cfg, key=jax.random.key(1))
+    seqs, _ = data.tokenize_sft(_RECORDS, tok, max_length=24, max_prompt_length=8, add_eos=False)
+    b = data.collate_sft(seqs, max_length=24, pad_id=tok.pad_id)
+    batch = rx.train.DistillBatch(b.tokens, b.mask, b.completion_mask)
+    c = pl.DistillConfig(steps=steps, batch_size=4, max_length=24, lmbda=lmbda)
+    ctx = pl.RunContext(
+        ops=pl.OpsConfig(quiet=True, monitor=False),
+        log=pl.tools.MetricsLog(str(tmp_path / str(lmbda)), "distill", quiet=True),
+        key=jax.random.key(2),
+        prompt_length=8,
+        max_new_tokens=3,
+    )
+    prompts = [p for p, _ in _RECORDS]
+    res = pl.runs.run_distill(student, teacher, tok, prompts, batch, cfg=c, ctx=ctx)
+    fixed = float(np.sum(np.asarray(b.completion_mask & b.mask)))  # every row, each step
+    return res.loop.history, fixed
+
+
+@pytest.mark.parametrize("lmbda", [0.0, 1.0])
+def test_lmbda_zero_and_one_are_all_off_and_all_on_policy(tmp_path, lmbda):
+    history, fixed = _run(tmp_path, lmbda, 3)
+    assert [h["on_policy"] for h in history] == [lmbda] * 3
+    for h in history:
+        if lmbda == 0.0:  # the batch is the 4 rows' own completions
+            assert h["num_tokens"] == fixed
+        else:  # 4 sampled completions of at most max_new_tokens=3 tokens each
+            assert 4 <= h["num_tokens"] <= 4 * 3
+
+
+def test_lmbda_mixes_the_two_kinds_of_steps(tmp_path):
+    history, fixed = _run(tmp_path, 0.5, 12)
+    on = [h["on_policy"] for h in history]
+    assert set(on) == {0.0, 1.0}  # both kinds (a fair coin each step)
+    for h in history:
+        assert (h["num_tokens"] <= 12) if h["on_policy"] else (h["num_tokens"] == fixed)

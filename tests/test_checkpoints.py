@@ -674,6 +674,33 @@ def test_save_hf_cleans_stale_staging_and_keeps_permissions(tmp_path, getkey):
         assert os.stat(target / name).st_mode & 0o777 == config_mode, name
 
 
+def test_save_hf_into_the_working_directory_leaves_it_and_its_open_files(
+    tmp_path, getkey, monkeypatch
+):
+    """Saving into the directory a process works in, with a file of it open: the
+    directory stays the same one (the working directory and the open file stay valid),
+    its other files are not copied, and the new checkpoint replaces the old one."""
+    target = tmp_path / "run"
+    target.mkdir()
+    (target / "data.bin").write_bytes(b"x" * 4096)
+    inode = os.stat(target / "data.bin").st_ino
+    monkeypatch.chdir(target)
+    first = _randomise(rx.Policy(_small_cfg(), key=getkey()), getkey())
+    second = _randomise(rx.Policy(_small_cfg(), key=getkey()), getkey())
+    with open("log.txt", "w") as log:
+        save_hf(first, ".", max_shard_bytes=2000)
+        log.write("after the first save\n")
+        log.flush()
+        save_hf(second, ".")
+        log.write("after the second\n")
+    assert os.getcwd() == str(target)
+    assert (target / "log.txt").read_text() == "after the first save\nafter the second\n"
+    assert os.stat(target / "data.bin").st_ino == inode
+    names = ["config.json", "data.bin", "log.txt", "model.safetensors"]
+    assert sorted(os.listdir(target)) == names and sorted(os.listdir(tmp_path)) == ["run"]
+    np.testing.assert_array_equal(_logits(load_hf(target), [1, 2, 3]), _logits(second, [1, 2, 3]))
+
+
 def test_save_hf_through_a_symbolic_link_writes_where_it_points(tmp_path, getkey):
     """A checkpoint directory reached through a link (`current -> v1`) is updated in
     place: the link stays a link and no renamed copy of it is left beside it."""

@@ -377,7 +377,7 @@ def _disk_full(e: BaseException, directory: str) -> bool:
 
 
 def _write_atomically(target: str, write, what: str) -> None:
-    """`write(staging)` into a fresh directory beside `target`, then swapped into place
+    """`write(staging)` into a fresh directory beside `target`, then moved into place
     (`_swap_into_place`); on any error the staging directory is removed, and a full disk
     raises one `OSError` line naming `target` (what was there stays as it was). A
     `target` that is a symbolic link is written where it points (the link stays)."""
@@ -401,24 +401,39 @@ def _is_checkpoint_file(name: str) -> bool:
 
 
 def _swap_into_place(staging: str, target: str) -> None:
-    """Make `staging` the new `target`: other files already in `target` (tokenizer,
-    generation config, ...) are carried over, old checkpoint files are dropped."""
+    """Make the files written in `staging` those of `target`. A new `target` is
+    `staging` renamed. An existing directory stays the same directory, with its other
+    files (tokenizer, generation config, ...) untouched and whatever holds it open (a
+    process's working directory, open files) still valid: each new file is renamed over
+    its old one (`os.replace`, atomic per file; the JSON files, which name the others,
+    last), then the old checkpoint files the new checkpoint does not have are removed."""
     if not os.path.isdir(target):
         os.rename(staging, target)
         return
+    names = sorted(os.listdir(staging), key=lambda n: (n.endswith(".json"), n))
+    for name in names:
+        _replace(os.path.join(staging, name), os.path.join(target, name))
     for name in os.listdir(target):
-        if not _is_checkpoint_file(name) and not os.path.exists(os.path.join(staging, name)):
-            src = os.path.join(target, name)
-            dst = os.path.join(staging, name)
-            if os.path.isdir(src) and not os.path.islink(src):
-                shutil.copytree(src, dst, symlinks=True)
-            else:
-                shutil.copy2(src, dst, follow_symlinks=False)
-    os.chmod(staging, os.stat(target).st_mode & 0o7777)
-    old = _sibling(target, "old")
-    os.rename(target, old)
-    os.rename(staging, target)
-    shutil.rmtree(old, ignore_errors=True)
+        if _is_checkpoint_file(name) and name not in names:
+            os.remove(os.path.join(target, name))
+    os.rmdir(staging)
+
+
+def _replace(src: str, dst: str) -> None:
+    """`os.replace(src, dst)`; across file systems (a `dst` directory that is a mount
+    point) a copy beside `dst`, then renamed over it."""
+    try:
+        os.replace(src, dst)
+    except OSError as e:
+        if e.errno != errno.EXDEV:
+            raise
+        part = f"{dst}.part-{uuid.uuid4().hex[:12]}"
+        try:
+            shutil.copy2(src, part)
+            os.replace(part, dst)
+        finally:
+            if os.path.exists(part):
+                os.remove(part)
 
 
 def _sibling(target: str, kind: str) -> str:
@@ -475,10 +490,12 @@ def save_hf(
       (merge them first with `merge_lora`, or drop them with `without_lora`).
       Int8-quantised projections are written dequantised.
     - `directory`: the checkpoint directory. The checkpoint is written into a fresh
-      directory beside it and then swapped into place: an existing checkpoint there is
-      replaced only once the new one is complete, other files in it are kept, and
-      staging directories left by an interrupted save are removed. A full disk raises
-      one `OSError` line naming the directory (the previous checkpoint is kept).
+      directory beside it and then moved into place: an existing checkpoint there is
+      replaced only once the new one is complete (file by file, each an atomic rename),
+      the directory itself and the other files in it are kept as they are (a process
+      working in it, or holding a file of it open, is not disturbed), and staging
+      directories left by an interrupted save are removed. A full disk raises one
+      `OSError` line naming the directory (the previous checkpoint is kept).
     - `max_shard_bytes`: shard size limit; when the weights exceed it they are split
       into `model-0000i-of-0000n.safetensors` (a tensor larger than the limit gets a
       shard of its own) with `model.safetensors.index.json`, else one

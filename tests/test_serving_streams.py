@@ -500,3 +500,37 @@ def test_streamed_top_logprobs_come_from_the_sampling_step(server, client, model
         best = np.asarray(jax.lax.top_k(logp[P - 1 : -1], 3)[0])
         top = np.asarray([[t["logprob"] for t in e["top_logprobs"]] for e in got["lp"]])
         np.testing.assert_allclose(top, best, atol=1e-4)
+
+
+def test_a_body_shorter_than_its_length_is_refused_not_waited_for(server):
+    """A client that sends less than its `Content-Length` gets 408 once no byte has come
+    for `body_seconds` (the connection closed), or 400 when it closes its side first;
+    the server goes on."""
+
+    def answer(close_side: bool) -> tuple[bytes, bytes]:
+        sock = socket.create_connection(_address(server), timeout=30)
+        try:
+            sock.sendall(
+                b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"model": '
+            )
+            if close_side:
+                sock.shutdown(socket.SHUT_WR)
+            raw = b""
+            while chunk := sock.recv(4096):  # the server closes the connection
+                raw += chunk
+        finally:
+            sock.close()
+        head, _, body = raw.partition(b"\r\n\r\n")
+        return head.split(b"\r\n")[0], body
+
+    server.body_seconds = 0.5
+    try:
+        start = time.monotonic()
+        status, body = answer(close_side=False)
+        assert b" 408 " in status and time.monotonic() - start < 20
+        assert "did not arrive" in json.loads(body)["error"]["message"]
+        status, body = answer(close_side=True)
+        assert b" 400 " in status and "ended after 10 of" in json.loads(body)["error"]["message"]
+    finally:
+        server.body_seconds = 30.0
+    assert _post(server, "/v1/completions", dict(model=MODEL, prompt=STORY, max_tokens=2))[0] == 200

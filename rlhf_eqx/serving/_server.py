@@ -95,6 +95,10 @@ class Server:
       batch rather than the first request alone and the rest after it; a batch whose
       rows fill the slots starts at once. 0: no wait.
 
+    A request whose body does not arrive within `body_seconds` (30; an attribute) of
+    waiting, a client that sent less than its `Content-Length`, is refused with 408 and
+    its connection closed.
+
     Use as a context manager, or `start()` / `stop()`; `url` is the base URL
     (`http://127.0.0.1:PORT/v1`) to give an OpenAI client.
     """
@@ -148,6 +152,7 @@ class Server:
             )
         self.max_request_rows = max_request_rows
         self.max_request_tokens = max_request_tokens
+        self.body_seconds = 30.0
         if not isinstance(getattr(getattr(policy, "cfg", None), "max_seq_len", None), int):
             raise TypeError("policy needs a cfg.max_seq_len (an rlhf_eqx.Policy or decoder)")
         self.tokenizer = tokenizer
@@ -879,6 +884,31 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             )
         return int(value or 0)
 
+    def _body(self, length: int, seconds: float) -> bytes:
+        """The body's `length` bytes. One that stops arriving for `seconds`, or ends
+        before `length` (the client closed its side), is refused and the connection
+        closed (408 / 400)."""
+        if length <= 0:
+            return b""
+        self.connection.settimeout(seconds)
+        try:
+            raw = self.rfile.read(length)
+        except TimeoutError:
+            self.close_connection = True
+            raise RequestError(
+                f"the body did not arrive: Content-Length is {length} bytes, and no byte came "
+                f"for {seconds:g} s",
+                status=408,
+            ) from None
+        finally:
+            self.connection.settimeout(None)
+        if len(raw) < length:
+            self.close_connection = True
+            raise RequestError(
+                f"the body ended after {len(raw)} of its Content-Length {length} bytes"
+            )
+        return raw
+
     def do_POST(self) -> None:
         app: Server = self.server.app  # type: ignore[attr-defined]
         routes: dict[str, Callable[[object], Any]] = {
@@ -890,7 +920,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if length > _MAX_BODY:
                 self.close_connection = True  # the body is left unread
                 raise RequestError(f"the body is above {_MAX_BODY} bytes", status=413)
-            raw = self.rfile.read(length) if length > 0 else b""
+            raw = self._body(length, app.body_seconds)
             handler = routes.get(self._path())
             parts = self._path().split("/")  # "", "v1", "episodes", ID, "reward"
             if len(parts) >= 5 and parts[1:3] == ["v1", "episodes"] and parts[-1] == "reward":

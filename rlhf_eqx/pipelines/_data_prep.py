@@ -307,6 +307,23 @@ def log_quality(log: MetricsLog, message: str, dropped: dict, counts: dict) -> N
     log.info("data quality:\n  " + message.replace("\n", "\n  "))
 
 
+def log_skipped(log: MetricsLog, report) -> None:
+    """A `skipped_records` event (on stderr and in `metrics.jsonl`) when the reader left
+    records of the file out (`report`, the dataset's `data.LoadReport`): how many of how
+    many, why, and the first few as `path:line: reason`; nothing otherwise."""
+    if not report.num_skipped:
+        return
+    reasons = ", ".join(f"{k}: {v}" for k, v in sorted(report.skipped.items()))
+    where = "; ".join(report.examples)
+    log.event(
+        "skipped_records",
+        f"the reader left out {report.num_skipped} of the {report.read} records ({reasons}): "
+        f"{where}",
+        skipped=report.num_skipped,
+        read=report.read,
+    )
+
+
 def log_truncation(log: MetricsLog, path, report, what: str, remedy: str) -> None:
     """A `truncation` event (on stderr and in `metrics.jsonl`) when the tokeniser cut the
     prompt or the completion of any training record of the file `path` (`report`, a

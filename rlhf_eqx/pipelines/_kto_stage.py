@@ -23,6 +23,7 @@ from ._data_prep import (
     implicit_accuracy,
     is_preference_file,
     log_filter,
+    log_skipped,
     log_truncation,
     prompt_tokens,
     quality_report,
@@ -215,7 +216,9 @@ def kto_on_data(env: StageEnv, c: KTOConfig) -> Outcome:
 def kto_examples(env: StageEnv, c: KTOConfig) -> tuple[list, list, list | None]:
     """`kto_on_data`'s examples: `(train, held, held_pairs)`, the training and held-out
     examples of the file and, for a preference file, its held-out pairs (else `None`);
-    the reader's and the quality report's counts in `env.summary["data_quality"]`."""
+    the reader's and the quality report's counts in `env.summary["data_quality"]` (and,
+    for an unpaired file, a `skipped_records` event naming the lines the reader left
+    out)."""
     cfg, tok, ctx = env.cfg, env.tok, env.ctx("")
     s = cfg.sampling
     path = cfg.data.path
@@ -239,6 +242,7 @@ def kto_examples(env: StageEnv, c: KTOConfig) -> tuple[list, list, list | None]:
         train = data.unpaired_from_preferences(train)
         held = data.unpaired_from_preferences(held)
     else:
+        log_skipped(ctx.log, source.report)  # a preference file's is in its quality report
         if cfg.data.filter:
             train = _filter_unpaired(train, tok, cfg.data, s.prompt_length, ctx.log)
         env.summary["truncation"] = _unpaired_truncation(

@@ -15,7 +15,7 @@ from rlhf_eqx import data
 from ..losses import PRM_AGGREGATIONS
 from ..train import PRM_SCORES
 from ._config import BatchStageConfig
-from ._data_prep import chat_rendering, log_truncation, split_records
+from ._data_prep import chat_rendering, log_skipped, log_truncation, split_records
 from ._field_checks import _choice, _fail
 from ._lr_scale import build_optimizer
 from ._registry import Outcome, Stage, StageEnv, register_stage
@@ -115,10 +115,12 @@ def prm_on_data(cfg, policy, tok, ctx: RunContext, summary: dict, say, split) ->
     of the training solutions, those whose prompt was cut (its end kept), those whose
     later steps did not fit `prm.max_length` and were dropped with their labels
     (`steps_dropped`), and those with no step that fits (`too_long`, left out), with a
-    `truncation` event when any prompt was cut or step dropped. Both
+    `truncation` event when any prompt was cut or step dropped (and a `skipped_records`
+    event naming the lines the reader left out, e.g. a solution without steps). Both
     sides are tokenised before training, so a held-out side none of whose solutions fits
     is refused before any step."""
     records = data.load_stepwise(cfg.data.path, **cfg.data.read_options())
+    log_skipped(ctx.log, records.report)
     train, held = split(records)
     rendering = chat_rendering(tok, cfg.data)
     if rendering is not None:

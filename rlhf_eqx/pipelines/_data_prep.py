@@ -541,6 +541,14 @@ def demonstration_split(env, c, records, rendered: bool = False) -> tuple[list, 
     return train, held
 
 
+def refuse_other_filters(dc: DataConfig, applies: Sequence[str], why: str) -> None:
+    """Refuse (`ConfigError` naming `data.filter`) the problems of `dc.filter` outside
+    `applies`, those the records at hand cannot have: `"<problems>: <why>"`."""
+    other = [f for f in dc.filter if f not in applies]
+    if other:
+        _fail("data.filter", dc.filter, f"{', '.join(other)}: {why}")
+
+
 DEMONSTRATION_FILTERS: tuple[str, ...] = (
     "empty",
     "exact_duplicate",
@@ -562,15 +570,13 @@ def demo_quality(records: Sequence, env, lengths, load_report) -> tuple[list, di
     **Returns:** `(records to train on, summary["data_quality"]: the layout read and the
     counts)`."""
     tok, dc, log = env.tok, env.cfg.data, env.ctx("").log
-    other = [f for f in dc.filter if f not in DEMONSTRATION_FILTERS]
-    if other:
-        _fail(
-            "data.filter",
-            dc.filter,
-            f"{', '.join(other)}: a preference pair's problem, not a demonstration's (one "
-            f"completion per prompt); on a {load_report.format or 'demonstration'} file "
-            f"{', '.join(DEMONSTRATION_FILTERS)} apply",
-        )
+    refuse_other_filters(
+        dc,
+        DEMONSTRATION_FILTERS,
+        "a preference pair's problem, not a demonstration's (one completion per prompt); on a "
+        f"{load_report.format or 'demonstration'} file {', '.join(DEMONSTRATION_FILTERS)} "
+        "apply",
+    )
     report = data.demonstration_quality(
         records, tokenizer=tok, lengths=lengths, format=load_report.format
     )

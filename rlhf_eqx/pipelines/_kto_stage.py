@@ -27,6 +27,7 @@ from ._data_prep import (
     log_truncation,
     prompt_tokens,
     quality_report,
+    refuse_other_filters,
     trained_policy,
 )
 from ._field_checks import _above, _at_least, _choice, _fail
@@ -375,15 +376,13 @@ def _filter_unpaired(records, tok, dc: DataConfig, prompt_length: int, log: Metr
     what went. The others (`identical`, `exact_duplicate`, `duplicate_prompt`: a
     pair's or a demonstration's problems) are refused naming the field, rather than
     ignored."""
-    other = [f for f in dc.filter if f not in UNPAIRED_FILTERS]
-    if other:
-        _fail(
-            "data.filter",
-            dc.filter,
-            f"{', '.join(other)}: not a problem of unpaired KTO examples (on an unpaired file "
-            f"only {' and '.join(UNPAIRED_FILTERS)} apply; the others are problems of "
-            "preference pairs or demonstrations)",
-        )
+    refuse_other_filters(
+        dc,
+        UNPAIRED_FILTERS,
+        f"not a problem of unpaired KTO examples (on an unpaired file only "
+        f"{' and '.join(UNPAIRED_FILTERS)} apply; the others are problems of preference "
+        "pairs or demonstrations)",
+    )
     counts: dict[str, int] = {}
     kept = list(records)
     if "empty" in dc.filter:

@@ -14,7 +14,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Float32, Int, PRNGKeyArray
 
 from ..data import Tokenizer, decode_continuation
 from ._animal_words import ANIMALS, animal_word_forms as _forms
@@ -124,7 +124,9 @@ class AnimalFollowUpEnv(Environment):
         self.stop_ids = tuple(dict.fromkeys(int(i) for i in stops))
         self.max_observation_tokens = width
 
-    def host_rewards(self, trajectory: Trajectory, tokenizer: Tokenizer) -> np.ndarray:
+    def host_rewards(
+        self, trajectory: Trajectory, tokenizer: Tokenizer
+    ) -> Float32[np.ndarray, " E"]:
         """The second-turn rewards recomputed on the host from decoded text (for evaluation
         and checks): per episode, the animal is read back from the question between the
         two turns and the second turn is scored with `animal_followup_score`; 0 for an

@@ -33,6 +33,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, Float
 
 import rlhf_eqx as rx
 
@@ -52,7 +53,7 @@ class Scored:
     with the iteration) and, for a PRM, `token_rewards [B, T]` (step scores at the step
     ends; `None` otherwise)."""
 
-    scores: np.ndarray
+    scores: Float[np.ndarray, " B"]
     metrics: dict
     token_rewards: Any = None
 
@@ -204,7 +205,7 @@ class ModelReward(RewardSource):
 
     model: Any
 
-    def scores(self, tokens, mask) -> tuple[jax.Array, None]:
+    def scores(self, tokens, mask) -> tuple[Float[Array, " B"], None]:
         """`(scores [B], None)` of token rows `[B, T]`."""
         return reward_model_scores(self.model, tokens, mask), None
 
@@ -222,7 +223,7 @@ class EnsembleReward(RewardSource):
     penalty: float = 0.0
     mode: str = "std"
 
-    def scores(self, tokens, mask) -> tuple[jax.Array, jax.Array]:
+    def scores(self, tokens, mask) -> tuple[Float[Array, " B"], Float[Array, "K B"]]:
         """`(conservative scores [B], member scores [K, B])` of token rows `[B, T]`."""
         return rx.train.ensemble_scores(
             self.ensemble, tokens, mask, penalty=self.penalty, mode=self.mode

@@ -270,6 +270,7 @@ def _slot_sampler(opts: SamplingOptions, settings: _RowSettings | None):
 def _slot_top(
     logits: Float[Array, "S V"],
     rows: Int[Array, " S"],
+    sampled: tuple[Int[Array, " S"], Float[Array, " S"]],
     opts: SamplingOptions,
     settings: _RowSettings | None,
     k: int,
@@ -277,8 +278,9 @@ def _slot_top(
     """The `k` most likely next tokens of each slot and their log-probabilities
     `log softmax(logits / τ)` at its row's temperature `τ` (1 when greedy): the
     distribution the sampled token's log-probability is read from, computed as the
-    sampler computes it (`sample_token`, `sample_rows`), so the sampled token's entry
-    equals its log-probability."""
+    sampler computes it (`sample_token`, `sample_rows`); the entry of the token sampled
+    (`sampled`: tokens and log-probabilities `[S]`) is its log-probability, so the two
+    agree exactly whatever the rounding of either computation."""
     logits = logits.astype(jnp.float32)
     if settings is None:
         scaled = logits if opts.temperature == 0.0 else logits / opts.temperature
@@ -287,7 +289,8 @@ def _slot_top(
         scaled = logits / jnp.where(t == 0.0, 1.0, t).astype(jnp.float32)[:, None]
     logp = scaled - jax.nn.logsumexp(scaled, axis=-1, keepdims=True)
     values, ids = jax.lax.top_k(logp, min(k, logp.shape[-1]))
-    return ids.astype(jnp.int32), values
+    tok, lp = sampled
+    return ids.astype(jnp.int32), jnp.where(ids == tok[:, None], lp[:, None], values)
 
 
 def _is_per_row(x: object) -> bool:
@@ -421,7 +424,7 @@ def _continuous_loop(
         )
         wrote, top = (out_row, step, tok, lp), s.top
         if plan.top_logprobs:
-            alternatives = _slot_top(s.logits, row, opts, settings, plan.top_logprobs)
+            alternatives = _slot_top(s.logits, row, (tok, lp), opts, settings, plan.top_logprobs)
             top = tuple(write(buf, x) for buf, x in zip(top, alternatives))
             wrote = wrote + alternatives
         s = dataclasses.replace(

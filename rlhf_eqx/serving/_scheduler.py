@@ -619,7 +619,9 @@ class Scheduler:
         return lo, text, text[len(kept) :] if text.startswith(kept) else ""
 
 
-def _top_of(decoding: ContinuousDecoding, i: int, t: int, count: int):
+def _top_of(
+    decoding: ContinuousDecoding, i: int, t: int, count: int
+) -> tuple[tuple[int, float], ...]:
     """The `count` best `(id, logprob)` at completion position `t` of row `i`, kept by
     the decode step that sampled it (`ContinuousDecoding(top_logprobs=...)`)."""
     ids, lps = decoding.top_ids, decoding.top_logprobs

@@ -63,6 +63,7 @@ my_stage = "my_package.stage"` in its pyproject.toml): a module that registers s
 import argparse
 import contextlib
 import dataclasses
+import difflib
 import importlib
 import importlib.metadata
 import json
@@ -124,8 +125,21 @@ def load_plugins(argv: Sequence[str]) -> list[str]:
     return rest
 
 
+class _Parser(argparse.ArgumentParser):
+    """The command line's parser: an unknown command names the nearest ones."""
+
+    def error(self, message):
+        known = ("pipeline", *stage_commands(), *TOOL_COMMANDS, "sweep", "serve")
+        if message.startswith("argument command: invalid choice: "):
+            given = message.split("'")[1] if message.count("'") >= 2 else ""
+            close = difflib.get_close_matches(given, known, n=2)
+            hint = f"; did you mean {' or '.join(close)}?" if close else ""
+            message = f"unknown command {given!r}{hint} (commands: {', '.join(known)})"
+        super().error(message)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="rlhf_eqx",
         description=(__doc__ or "").splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,

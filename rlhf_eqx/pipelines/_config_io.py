@@ -1,12 +1,13 @@
 """Configs to and from dicts, JSON / YAML files and dotted command-line overrides."""
 
 import dataclasses
+import difflib
 import functools
 import json
 import os
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ._config import (
@@ -124,6 +125,61 @@ def read_fields(
             names += [st.key, *(s for s in st.sections if s not in keys or s in running)]
     names += [s for s in SHARED_SECTIONS if data_file or s != "data"]
     return tuple(dict.fromkeys(names))
+
+
+TRL_NAMES: dict[str, tuple[str, ...]] = {
+    "num_generations": ("group_size",),
+    "learning_rate": ("optim.learning_rate",),
+    "lr": ("optim.learning_rate", "learning_rate"),
+    "max_steps": ("steps",),
+    "per_device_train_batch_size": ("batch_size",),
+    "max_grad_norm": ("optim.max_grad_norm",),
+    "warmup_ratio": ("optim.warmup_ratio",),
+    "weight_decay": ("optim.weight_decay",),
+    "lr_scheduler_type": ("optim.schedule", "schedule"),
+    "max_completion_length": ("sampling.max_new_tokens",),
+    "max_prompt_length": ("sampling.prompt_length",),
+    "seed": ("ops.seed",),
+    "r": ("rank",),
+    "lora_alpha": ("alpha",),
+    "lora_dropout": ("dropout",),
+    "target_modules": ("targets",),
+}
+"""TRL's (and PEFT's) names of settings that are named otherwise here, each with where
+it may be, relative to the section (`grpo.num_generations` is `grpo.group_size`,
+`dpo.learning_rate` is `dpo.optim.learning_rate`, `dpo.lora.r` is `dpo.lora.rank`) or
+a shared one (`sampling.max_new_tokens`): the first that is a field is suggested."""
+
+
+def has_field(cls: type, path: str) -> bool:
+    """Whether the dotted `path` names a setting of the config class `cls` (a path of a
+    shared section, `sampling.max_new_tokens`, is `PipelineConfig`'s)."""
+    head, _, rest = path.partition(".")
+    if not dataclasses.is_dataclass(cls):
+        return False
+    if cls is not PipelineConfig and head in SHARED_SECTIONS:
+        return has_field(PipelineConfig, path)
+    names = {f.name for f in _settings(cls)}
+    if cls is PipelineConfig:
+        names |= set(section_types())
+    if head not in names:
+        return False
+    sub = _section_type(cls, head) if rest else None
+    return not rest or (sub is not None and has_field(sub, rest))
+
+
+def near_miss(name: str, known: Iterable[str], cls: type | None = None, prefix: str = "") -> str:
+    """`"; did you mean X?"` for a misspelt `name` among `known` (`difflib`'s close
+    matches), or, for a field of the config class `cls` under `prefix`, TRL's name of a
+    setting named otherwise here (`TRL_NAMES`, when `cls` has it: `grpo.num_generations`
+    is `grpo.group_size`); `""` when there is none."""
+    found = [t for t in TRL_NAMES.get(name, ()) if cls is not None and has_field(cls, t)]
+    if found:
+        target = found[0]
+        where = target if target.partition(".")[0] in SHARED_SECTIONS else prefix + target
+        return f"; TRL's {name} is {where} here"
+    close = difflib.get_close_matches(name, sorted(known), n=2)
+    return f"; did you mean {' or '.join(prefix + c for c in close)}?" if close else ""
 
 
 def _convert(value: Any, tp: Any, name: str) -> Any:
@@ -246,7 +302,8 @@ def config_from_dict(cls: type, d: dict, *, prefix: str = "") -> Any:
             sections[key] = config_from_dict(section_of[key], value, prefix=f"{prefix}{key}.")
         elif key not in names:
             known = ", ".join(sorted(names | set(section_of)))
-            raise ConfigError(f"{prefix}{key}: unknown field (known: {known})")
+            hint = near_miss(key, names | set(section_of), cls, prefix)
+            raise ConfigError(f"{prefix}{key}: unknown field{hint} (known: {known})")
     kwargs = {k: _convert(v, hints[k], prefix + k) for k, v in d.items() if k in names}
     try:
         return cls(**kwargs, sections=sections) if cls is PipelineConfig else cls(**kwargs)
@@ -334,7 +391,14 @@ def apply_overrides(cfg: Any, overrides: Sequence[str]) -> Any:
                 if section is not None:
                     node[p] = json.loads(json.dumps(dataclasses.asdict(section())))
             if not isinstance(node.get(p), dict):
-                raise ConfigError(f"{'.'.join(parts[: i + 1])}: unknown config section")
+                where = ".".join(parts[: i + 1])
+                if p in node:  # a field, not a section
+                    raise ConfigError(f"{where}: a setting, not a config section")
+                known = [k for k, v in node.items() if isinstance(v, dict)]
+                hint = near_miss(p, known)
+                raise ConfigError(
+                    f"{where}: unknown config section{hint} (known: {', '.join(known)})"
+                )
             node = node[p]
             cls = _section_type(cls, p)
         # an unknown field is refused by `config_from_dict`, naming the known ones; `none`

@@ -26,6 +26,7 @@ pl.register_stage(pl.Stage("toy", ToyConfig, builtin=toy, help="SFT, scaled"))
 """
 
 import dataclasses
+import difflib
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -272,7 +273,9 @@ def get_stage(name: str) -> Stage:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise ConfigError(f"unknown stage {name!r} (known: {', '.join(_REGISTRY)})") from None
+        close = difflib.get_close_matches(str(name), list(_REGISTRY), n=2)
+        hint = f"; did you mean {' or '.join(close)}?" if close else ""
+        raise ConfigError(f"unknown stage {name!r}{hint} (known: {', '.join(_REGISTRY)})") from None
 
 
 def find_stage(name: str) -> Stage | None:

@@ -8,6 +8,7 @@ stage runs. A setting that the run would not read, set to another value than its
 `check_full_finetune`, the stage configs' `unused_fields`)."""
 
 import dataclasses
+import difflib
 from typing import Any
 
 from ._config import BatchStageConfig, DataConfig, LoRASettings, RolloutStageConfig
@@ -111,7 +112,9 @@ def _check_stages(cfg: Any, run: tuple[str, ...]) -> None:
     names = stage_names()
     for st in run:
         if st not in names:
-            _fail("stages", cfg.stages, f"unknown stage {st!r} (known: {', '.join(names)})")
+            close = difflib.get_close_matches(str(st), list(names), n=2)
+            hint = f"; did you mean {' or '.join(close)}?" if close else ""
+            _fail("stages", cfg.stages, f"unknown stage {st!r}{hint} (known: {', '.join(names)})")
         if cfg.data.path is None and find_stage(st).builtin is None:
             _fail("stages", cfg.stages, f"{st} runs on a data file only (data.path)")
 

@@ -81,9 +81,10 @@ def test_its_settings_are_checked_before_the_run(example, capsys):
     assert json.loads(capsys.readouterr().out)["margin-hinge"]["margin"] == 0.5
 
 
-_SMALL = ["--quiet", "--set", "ops.monitor=false", "--set", "eval_samples=1"]
-_SMALL += ["--set", "sampling.max_new_tokens=8", "--set", "sft.steps=2"]
-_SMALL += ["--set", "margin-hinge.steps=2", "--set", "margin-hinge.batch_size=4"]
+_DATA = ["--quiet", "--set", "ops.monitor=false", "--set", "eval_samples=1"]
+_DATA += ["--set", "sampling.max_new_tokens=8"]
+_HINGE = ["--set", "margin-hinge.steps=2", "--set", "margin-hinge.batch_size=4"]
+_SMALL = [*_DATA, "--set", "sft.steps=2", *_HINGE]  # on the built-in task, after SFT
 
 
 def _first_loss(out: pathlib.Path) -> float:
@@ -124,7 +125,7 @@ def test_the_stage_runs_from_the_cli_on_a_preference_file(example, tmp_path):
             f.write(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": " She sat."}))
             f.write("\n")
     out = tmp_path / "data"
-    argv = ["margin-hinge", "--data", str(pairs), "--out", str(out), *_SMALL]
+    argv = ["margin-hinge", "--data", str(pairs), "--out", str(out), *_DATA, *_HINGE]
     argv += ["--set", "margin-hinge.margin=1.5", "--set", "margin-hinge.beta=0.2"]
     assert main(argv) == 0
     config = json.loads((out / "config.json").read_text())
@@ -144,7 +145,7 @@ def test_the_stage_holds_out_pairs_of_a_preference_file_as_dpo_does(example, tmp
     pairs = tmp_path / "one_prompt.jsonl"
     row = {"prompt": "Once upon a time", "chosen": " a cat sat.", "rejected": " it rained."}
     pairs.write_text((json.dumps(row) + "\n") * 8)
-    for stage in ("dpo", "margin-hinge"):
-        argv = [stage, "--data", str(pairs), "--out", str(tmp_path / stage), *_SMALL]
+    for stage, own in (("dpo", []), ("margin-hinge", _HINGE)):
+        argv = [stage, "--data", str(pairs), "--out", str(tmp_path / stage), *_DATA, *own]
         assert main(argv) != 0
         assert "data.heldout_fraction=0.1: the split of the 8 records" in capsys.readouterr().err

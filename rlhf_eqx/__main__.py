@@ -233,6 +233,13 @@ def command_stages(command: str, cfg) -> tuple[str, ...]:
     return tuple(cfg.stages)
 
 
+def _unread(error: Exception) -> Exception:
+    """`error` marked as a refused `--set` (`check_set_sections`), which `--help` reports
+    as a run does."""
+    error.unread_setting = True  # type: ignore[attr-defined]
+    return error
+
+
 def check_set_sections(
     command: str, cfg, overrides: Sequence[str], flag: str = "--set", *, sweep: bool = False
 ) -> None:
@@ -260,7 +267,7 @@ def check_set_sections(
         section = key.split(".")[0]
         if section == "stages" and command not in ("pipeline", *TOOL_COMMANDS):
             how = "" if sweep else f"; choose them with rlhf_eqx pipeline {flag} {item}"
-            raise ConfigError(f"{flag} {item}: {shown} {runs} (its own stages){how}")
+            raise _unread(ConfigError(f"{flag} {item}: {shown} {runs} (its own stages){how}"))
         if section not in keys or section in read:
             continue
         readers = [f"rlhf_eqx {st.name}" for st in stages() if st.key == section]
@@ -273,7 +280,8 @@ def check_set_sections(
             which = f"{runs}, which {unread} not read {section}.*"
         else:
             which = f"{runs} and reads no stage's settings ({section}.*)"
-        raise ConfigError(f"{flag} {item}: {shown} {which}; {' or '.join(readers)} reads it{also}")
+        why = f"{flag} {item}: {shown} {which}; {' or '.join(readers)} reads it{also}"
+        raise _unread(ConfigError(why))
 
 
 class _SweepArgs(argparse.ArgumentParser):
@@ -328,7 +336,8 @@ def help_config(args: argparse.Namespace):
     defaults with the command line's settings).
 
     A command line whose settings do not load (`--set bad.field=1`, a value out of range,
-    a config file that does not read) is refused as a run refuses it: the error line
+    a config file that does not read, a `--set` of a stage the command does not run) is
+    refused as a run refuses it: the error line
     `error: invalid configuration: ...` on stderr, above the help of the built-in task's
     defaults; `None` is returned then (exit status 2)."""
     from rlhf_eqx import pipelines as pl
@@ -341,8 +350,12 @@ def help_config(args: argparse.Namespace):
         return None
     try:
         return resolve_config(args)
-    except pl.ConfigError:  # a data-file stage without --data: what it would read
-        return given
+    except pl.ConfigError as e:
+        if getattr(e, "unread_setting", False):  # a --set the command would not read
+            print(f"error: invalid configuration: {e}", file=sys.stderr, flush=True)
+            print(pl.config.config_help(args.command, pl.animal_task_config()))
+            return None
+        return given  # a data-file stage without --data: what it would read
 
 
 def result_line(command: str, summary: dict, out: str) -> str:

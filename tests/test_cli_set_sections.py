@@ -105,3 +105,12 @@ def test_a_sweep_refuses_another_stages_set_and_grid_keys(prefs, tmp_path, capsy
     line = _refused([*argv, "--data", prefs, "--grid", "sft.optim.learning_rate=0.1,0.2"], capsys)
     assert "rlhf_eqx sweep dpo runs dpo, which does not read sft.*" in line
     assert not (tmp_path / "sweep").exists()
+
+
+def test_help_refuses_another_stages_setting_as_a_run_does(prefs, capsys):
+    assert main(["dpo", "--data", prefs, "--set", "ppo.kl_coef=0.1", "--help"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("error: invalid configuration: --set ppo.kl_coef=0.1: ")
+    assert "dpo.beta" in captured.out  # the help still follows
+    assert main(["dpo", "--data", prefs, "--set", "dpo.beta=0.3", "--help"]) == 0
+    assert "dpo.beta = 0.3" in capsys.readouterr().out

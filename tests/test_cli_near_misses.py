@@ -76,3 +76,9 @@ def test_a_config_file_with_a_trl_name_is_refused_the_same_way(tmp_path, capsys)
     path.write_text(json.dumps({"grpo": {"num_generations": 8}}))
     line = _refused(["grpo", "--config", str(path)], capsys)
     assert "grpo.num_generations: unknown field; TRL's num_generations is grpo.group_size" in line
+
+
+def test_a_stage_whose_settings_are_another_section_names_it(capsys):
+    line = _refused(["online-dpo", "--set", "online-dpo.beta=0.2"], capsys)
+    assert "online-dpo: unknown config section; the online-dpo stage's settings" in line
+    assert "are the dpo section (dpo.beta)" in line

@@ -19,7 +19,7 @@ from ._pipeline_config import (
     PipelineConfig,
     animal_task_config,
 )
-from ._registry import section_types, stages as registered_stages
+from ._registry import find_stage, section_types, stages as registered_stages
 
 
 @functools.cache
@@ -396,6 +396,10 @@ def apply_overrides(cfg: Any, overrides: Sequence[str]) -> Any:
                     raise ConfigError(f"{where}: a setting, not a config section")
                 known = [k for k, v in node.items() if isinstance(v, dict)]
                 hint = near_miss(p, known)
+                owner = find_stage(p) if i == 0 and cls is PipelineConfig else None
+                if owner is not None and owner.key != p:  # `online-dpo` reads `dpo`
+                    hint = f"; the {p} stage's settings are the {owner.key} section"
+                    hint += f" ({owner.key}.{'.'.join(parts[1:])})"
                 raise ConfigError(
                     f"{where}: unknown config section{hint} (known: {', '.join(known)})"
                 )

@@ -193,7 +193,7 @@ def run_multiturn_dpo(
     def iteration(state, key, r):
         k_sample, k_steps = jax.random.split(key)
         traj = round_episodes(state.model, env, tok, prompts, k_sample, r, cfg, ctx, n, S)
-        _, _, rewards, scores = episode_scores(traj, reference)
+        _, _, rewards, scores = episode_scores(traj, reference, ctx.temperature)
         pairs, count = episode_pairs(traj, rewards, samples=S)
         info = {"pairs": float(count), **scores}
         if pairs is None:

@@ -245,7 +245,7 @@ def run_multiturn(policy, tok, prompts: Sequence[str], env, *, cfg, ctx: RunCont
     def iteration(state, key, r):
         k_sample, k_steps = jax.random.split(key)
         traj = round_episodes(state.model, env, tok, prompts, k_sample, r, cfg, ctx, n, G)
-        batch, info = episode_batch(traj, reference, G, P)
+        batch, info = episode_batch(traj, reference, G, P, ctx.temperature)
         for kind, note in episode_notes(r, info, cfg, "multiturn"):
             ctx.log.event(kind, note, iteration=r)
         metrics = []
@@ -268,9 +268,11 @@ def round_episodes(model, env, tok, prompts, key, r: int, cfg, ctx: RunContext, 
     return _rollout(model, env, tok, [prompts[j] for j in rows], key, cfg, ctx, k)
 
 
-def episode_scores(traj, reference):
+def episode_scores(traj, reference, temperature: float = rx.DEFAULT_TEMPERATURE):
     """`(own, ref_logp, rewards, info)` of trajectories: the policy's own tokens
-    (`loss_mask & mask`), the reference's log-probabilities, the episode rewards, and
+    (`loss_mask & mask`), the reference's log-probabilities (at the episodes' sampling
+    `temperature`, that of `traj.logprobs` and of the policy's in the steps), the
+    episode rewards, and
     `kl` (per token of the policy's own, to the reference), `score` (the mean episode
     reward), `turns` (the mean number of policy turns), `truncated` (the fraction of
     episodes the token budget cut: `Trajectory.truncated`, what
@@ -284,7 +286,7 @@ def episode_scores(traj, reference):
             f"the environment's episode rewards must be finite; episodes {bad[:4].tolist()} "
             f"got {rewards[bad[:4]].tolist()}"
         )
-    ref = token_logps(reference, traj.tokens, traj.mask)
+    ref = token_logps(reference, traj.tokens, traj.mask, temperature)
     info = {
         "kl": _per_token_kl(traj.logprobs, ref, own),
         "score": float(rewards.mean()),
@@ -343,12 +345,12 @@ def episode_notes(r: int, info: dict, cfg, name: str) -> list[tuple[str, str]]:
     return notes
 
 
-def episode_batch(traj, reference, G: int, P: int):
+def episode_batch(traj, reference, G: int, P: int, temperature: float = rx.DEFAULT_TEMPERATURE):
     """`(GRPOBatch, info)` of a rollout's trajectories (groups of `G` episodes, prompts of
     `P` tokens): the episode rewards, old and reference log-probabilities on the policy's
     own tokens (the environment's are masked out), and the rollout's `kl`, `score`,
     `turns`, `truncated`, `turn_limit` (`episode_scores`) and `frac_reward_zero_std`."""
-    own, ref, rewards, info = episode_scores(traj, reference)
+    own, ref, rewards, info = episode_scores(traj, reference, temperature)
     info["frac_reward_zero_std"] = group_signal(rewards, G)
     batch = rx.train.GRPOBatch(
         tokens=traj.tokens,

@@ -67,11 +67,14 @@ def _dispatch_sample(
 
 
 def _compare(roll: Rollout, reference):
-    """The reference's log-probs of `roll`'s completions (0 elsewhere) and `info`: the
-    per-token KL of the samples to the reference (`kl`, the KL guard's measure) and the
-    fraction of completions cut at `max_new_tokens` (`truncated`)."""
+    """The reference's log-probs of `roll`'s completions (0 elsewhere) at the rollout's
+    sampling temperature (`roll.temperature`, that of `roll.logprobs` and of the policy's
+    log-probs in the steps; TRL's GRPO and PPO temper the reference's logits too, so that
+    the policy as it starts is at KL 0) and `info`: the per-token KL of the samples to
+    the reference (`kl`, the KL guard's measure) and the fraction of completions cut at
+    `max_new_tokens` (`truncated`)."""
     m = roll.completion_mask & roll.mask
-    ref_logp = token_logps(reference, roll.tokens, roll.mask)
+    ref_logp = token_logps(reference, roll.tokens, roll.mask, roll.temperature)
     info = {
         "kl": _per_token_kl(roll.logprobs, ref_logp, m),
         "truncated": float(jnp.mean(roll.truncated.astype(jnp.float32))),

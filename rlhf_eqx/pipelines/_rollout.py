@@ -34,6 +34,9 @@ class Rollout:
     - `policy_version`: `[B, T_new]` with partial rollouts (`grpo.partial_rollouts`), the
       update whose policy sampled each completion token (`-1` where there is none);
       `None` otherwise.
+    - `temperature`: the sampling temperature, at which `logprobs` are and at which the
+      reference's log-probabilities are compared with them (`token_logps(...,
+      temperature=)`, as TRL's GRPO and PPO temper the reference's logits too).
     """
 
     tokens: Int[Array, "B T"]
@@ -45,6 +48,7 @@ class Rollout:
     texts: tuple[str, ...]
     group_size: int
     policy_version: Int[Array, "B T_new"] | None = None
+    temperature: float = rx.DEFAULT_TEMPERATURE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +100,7 @@ class PendingRollout:
     prompt_length: int
     stop_ids: tuple[int, ...]
     stop_strings: tuple[str, ...]
+    temperature: float = rx.DEFAULT_TEMPERATURE
 
 
 def default_stop_ids(tok) -> tuple[int, ...]:
@@ -171,6 +176,7 @@ def dispatch_rollout(
         prompt_length=prompt_length,
         stop_ids=stop_ids,
         stop_strings=tuple(stop_strings),
+        temperature=float(temperature),
     )
 
 
@@ -202,6 +208,7 @@ def finish_rollout(pending: PendingRollout, tok) -> Rollout:
         prompts=tuple(p for p in pending.prompts for _ in range(G)),
         texts=tuple(texts),
         group_size=G,
+        temperature=pending.temperature,
     )
 
 
@@ -291,6 +298,16 @@ def reward_model_scores(
 
 
 @eqx.filter_jit
-def token_logps(model, tokens: Int[Array, "B T"], mask: Bool[Array, "B T"]) -> Float[Array, "B T"]:
-    """`log p(tokens[t] | tokens[<t])` of every row under `model` (0 where undefined)."""
-    return jax.vmap(lambda t, m: rx.token_logprobs(model, t, m))(tokens, mask)
+def token_logps(
+    model,
+    tokens: Int[Array, "B T"],
+    mask: Bool[Array, "B T"],
+    temperature: float = rx.DEFAULT_TEMPERATURE,
+) -> Float[Array, "B T"]:
+    r"""`log p(tokens[t] | tokens[<t])` of every row under `model` (0 where undefined), of
+    the distribution $\mathrm{softmax}(z / \tau)$ at `temperature` $\tau$ (a sampler's
+    log-probabilities are at its sampling temperature; a reference compared with them is
+    taken at the same one)."""
+    return jax.vmap(lambda t, m: rx.token_logprobs(model, t, m, temperature=temperature))(
+        tokens, mask
+    )

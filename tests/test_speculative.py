@@ -339,14 +339,16 @@ def _peaked(key, scale=10.0):
     return eqx.tree_at(lambda p: p.lm_head, policy, policy.lm_head * scale)
 
 
-def _exact_joint(policy, prompt, n, temperature, top_k, top_p):
+def _exact_joint(policy, prompt, n, temperature, top_k, top_p, min_p=None):
     """The probability of each of the V**n continuations of `prompt`, under the filtered,
     temperature-scaled distributions `sample_token` draws from."""
     V, P = TINY.vocab_size, prompt.shape[0]
     conts = np.array(np.meshgrid(*[np.arange(V)] * n, indexing="ij")).reshape(n, -1).T
     seqs = jnp.concatenate([jnp.tile(prompt, (len(conts), 1)), jnp.asarray(conts, jnp.int32)], 1)
     logits = jax.vmap(policy)(seqs, jnp.ones_like(seqs, bool))[:, P - 1 : P - 1 + n]
-    filt = jax.vmap(jax.vmap(lambda x: rx.filter_logits(x / temperature, top_k=top_k, top_p=top_p)))
+    filt = jax.vmap(
+        jax.vmap(lambda x: rx.filter_logits(x / temperature, top_k=top_k, top_p=top_p, min_p=min_p))
+    )
     probs = jax.nn.softmax(filt(logits), axis=-1)
     picked = jnp.take_along_axis(probs, jnp.asarray(conts)[..., None], axis=-1)[..., 0]
     return np.asarray(jnp.prod(picked, axis=-1), np.float64)
@@ -388,9 +390,10 @@ P_VALUE = 1e-3
         dict(temperature=1.0),
         dict(temperature=0.8, top_k=4),
         dict(temperature=1.3, top_p=0.8),
+        dict(temperature=1.2, min_p=0.1),
         dict(temperature=1.0, plain=True),
     ],
-    ids=["t1", "top-k", "top-p", "no-decode-chunk"],
+    ids=["t1", "top-k", "top-p", "min-p", "no-decode-chunk"],
 )
 def test_sampled_tokens_follow_the_targets_distribution(settings):
     settings = dict(settings)
@@ -398,9 +401,8 @@ def test_sampled_tokens_follow_the_targets_distribution(settings):
     target, draft = _peaked(jax.random.key(11)), _peaked(jax.random.key(12))
     prompt = jnp.array([1, 2, 3], jnp.int32)
     R, n = 20000, 3
-    exact = _exact_joint(
-        target, prompt, n, settings["temperature"], settings.get("top_k"), settings.get("top_p")
-    )
+    filters = [settings.get(name) for name in ("top_k", "top_p", "min_p")]
+    exact = _exact_joint(target, prompt, n, settings["temperature"], *filters)
     assert abs(exact.sum() - 1.0) < 1e-5
     prompts, masks = jnp.tile(prompt, (R, 1)), jnp.ones((R, 3), bool)
     if plain:

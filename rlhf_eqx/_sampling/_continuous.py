@@ -38,6 +38,7 @@ from ._options import (
     DEFAULT_TEMPERATURE,
     GenerationOutput,
     SamplingOptions,
+    check_min_p,
     check_temperature,
     check_top_p,
 )
@@ -248,12 +249,13 @@ def _sample_slots(s, sample, row_keys, budgets, stops):
 
 
 class _RowSettings(eqx.Module):
-    """Per-row sampling settings, traced: `[B]` temperatures (0: greedy), top-k (0: off)
-    and top-p (1: off)."""
+    """Per-row sampling settings, traced: `[B]` temperatures (0: greedy), top-k (0: off),
+    top-p (1: off) and min-p (0: off)."""
 
     temperature: Float[Array, " B"]
     top_k: Int[Array, " B"]
     top_p: Float[Array, " B"]
+    min_p: Float[Array, " B"]
 
 
 def _slot_sampler(opts: SamplingOptions, settings: _RowSettings | None):
@@ -263,7 +265,12 @@ def _slot_sampler(opts: SamplingOptions, settings: _RowSettings | None):
         static = _row_sampler(opts)
         return lambda keys, logits, rows: static(keys, logits)
     return lambda keys, logits, rows: sample_rows(
-        keys, logits, settings.temperature[rows], settings.top_k[rows], settings.top_p[rows]
+        keys,
+        logits,
+        settings.temperature[rows],
+        settings.top_k[rows],
+        settings.top_p[rows],
+        settings.min_p[rows],
     )
 
 
@@ -312,12 +319,15 @@ def _row_values(value: Any, rows: int, name: str, off: Any, dtype) -> Any:
     return arr.astype(dtype) if arr.dtype != dtype else jnp.asarray(arr)
 
 
-def _row_settings(temperature: Any, top_k: Any, top_p: Any, rows: int) -> _RowSettings | None:
-    """`None` when the three settings are scalars (compiled into the sampler); else each as
+def _row_settings(
+    temperature: Any, top_k: Any, top_p: Any, min_p: Any, rows: int
+) -> _RowSettings | None:
+    """`None` when the four settings are scalars (compiled into the sampler); else each as
     a `[rows]` array (traced: one program serves every value), checked when concrete."""
-    if not any(_is_per_row(x) for x in (temperature, top_k, top_p)):
+    if not any(_is_per_row(x) for x in (temperature, top_k, top_p, min_p)):
         return None
-    for x, check in ((temperature, check_temperature), (top_p, check_top_p)):
+    checks = ((temperature, check_temperature), (top_p, check_top_p), (min_p, check_min_p))
+    for x, check in checks:
         if not _is_per_row(x):
             check(x)
     if not _is_per_row(top_k) and top_k is not None and not (_is_int(top_k) and top_k >= 0):
@@ -326,15 +336,18 @@ def _row_settings(temperature: Any, top_k: Any, top_p: Any, rows: int) -> _RowSe
         temperature=jnp.asarray(_row_values(temperature, rows, "temperature", 0.0, np.float32)),
         top_k=jnp.asarray(_row_values(top_k, rows, "top_k", 0, np.int32)),
         top_p=jnp.asarray(_row_values(top_p, rows, "top_p", 1.0, np.float32)),
+        min_p=jnp.asarray(_row_values(min_p, rows, "min_p", 0.0, np.float32)),
     )
     if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(settings)):
-        t, k, p = (np.asarray(x) for x in (settings.temperature, settings.top_k, settings.top_p))
+        t, k, p, m = (np.asarray(x) for x in jax.tree.leaves(settings))
         if not (np.all(np.isfinite(t)) and np.all(t >= 0)):
             raise ValueError(f"temperature: each row's must be a number >= 0, got {t.tolist()}")
         if np.any(k < 0):
             raise ValueError(f"top_k: each row's must be >= 0 (0: off), got {k.tolist()}")
         if not np.all((p > 0) & (p <= 1)):
             raise ValueError(f"top_p: each row's must lie in (0, 1], got {p.tolist()}")
+        if not np.all((m >= 0) & (m <= 1)):
+            raise ValueError(f"min_p: each row's must lie in [0, 1] (0: off), got {m.tolist()}")
     return settings
 
 
@@ -523,6 +536,7 @@ def generate_continuous(
     ),
     top_k: int | None | Int[Array | np.ndarray, " B"] | Sequence[int] = None,
     top_p: float | int | None | Float[Array | np.ndarray, " B"] | Sequence[float] = None,
+    min_p: float | int | None | Float[Array | np.ndarray, " B"] | Sequence[float] = None,
     eos_id: int | Sequence[int] | None = None,
     stop_sequences: Sequence[Sequence[int]] | None = None,
     pad_id: int = 0,
@@ -566,12 +580,12 @@ def generate_continuous(
     - `max_new_tokens`: the longest completion (the width of the result).
     - `budgets`: optional per-row token budgets, `[R · num_samples]` ints in
       `[1, max_new_tokens]` (row order as in the result); default `max_new_tokens`.
-    - `temperature`, `top_k`, `top_p`, `eos_id`, `pad_id`, `num_samples`, `check_ids`: as
-      in `generate_batch` (`SamplingOptions`). `temperature`, `top_k` and `top_p` may
-      also be given per output row, `[R · num_samples]` arrays (a scalar beside them
-      applies to every row; `top_k` 0 and `top_p` 1 are off): they are then traced,
-      so one compiled program serves every value, each row sampling as it would with
-      its settings given alone (dense cache only).
+    - `temperature`, `top_k`, `top_p`, `min_p`, `eos_id`, `pad_id`, `num_samples`,
+      `check_ids`: as in `generate_batch` (`SamplingOptions`). `temperature`, `top_k`,
+      `top_p` and `min_p` may also be given per output row, `[R · num_samples]` arrays
+      (a scalar beside them applies to every row; `top_k` 0, `top_p` 1 and `min_p` 0
+      are off): they are then traced, so one compiled program serves every value, each
+      row sampling as it would with its settings given alone (dense cache only).
     - `stop_sequences`: token-id sequences (non-empty); a row stops right after the
       first place its generated tokens end with one of them (the sequence is kept, as
       a stop id is). Only completion tokens are matched, never the prompt.
@@ -600,12 +614,12 @@ def generate_continuous(
         raise ValueError(f"cache must be 'dense' or 'paged', got {cache!r}")
     settings = dict(
         slots=slots, max_new_tokens=max_new_tokens, budgets=budgets, temperature=temperature,
-        top_k=top_k, top_p=top_p, eos_id=eos_id, stop_sequences=stop_sequences, pad_id=pad_id,
-        num_samples=num_samples, check_ids=check_ids, prefill_rows=prefill_rows,
+        top_k=top_k, top_p=top_p, min_p=min_p, eos_id=eos_id, stop_sequences=stop_sequences,
+        pad_id=pad_id, num_samples=num_samples, check_ids=check_ids, prefill_rows=prefill_rows,
     )  # fmt: skip
     if cache == "paged":
-        if any(_is_per_row(x) for x in (temperature, top_k, top_p)):
-            raise ValueError("per-row temperature, top_k or top_p need cache='dense'")
+        if any(_is_per_row(x) for x in (temperature, top_k, top_p, min_p)):
+            raise ValueError("per-row temperature, top_k, top_p or min_p need cache='dense'")
         # imported here: the paged sampler reuses this module's checks and carry
         from ._paged import generate_paged
 
@@ -620,12 +634,16 @@ def generate_continuous(
 
 
 def _row_arguments(policy, prompts, prompt_masks, keys, settings: dict) -> tuple:
-    """`_continuous_arguments` with per-row `temperature` / `top_k` / `top_p` taken out
-    of the static options into `_RowSettings` (or `None` when they are scalars)."""
+    """`_continuous_arguments` with per-row `temperature` / `top_k` / `top_p` / `min_p`
+    taken out of the static options into `_RowSettings` (or `None` when they are
+    scalars)."""
     rows = prompts.shape[0] * settings["num_samples"] if prompts.ndim == 2 else 0
-    per_row = _row_settings(settings["temperature"], settings["top_k"], settings["top_p"], rows)
+    names = ("temperature", "top_k", "top_p", "min_p")
+    per_row = _row_settings(*(settings[name] for name in names), rows)
     if per_row is not None:
-        settings = settings | dict(temperature=DEFAULT_TEMPERATURE, top_k=None, top_p=None)
+        settings = settings | dict(
+            temperature=DEFAULT_TEMPERATURE, top_k=None, top_p=None, min_p=None
+        )
     checked = _continuous_arguments(policy, prompts, prompt_masks, keys, **settings)
     return (*checked, per_row)
 
@@ -638,8 +656,8 @@ class ContinuousDecoding:
     log-probabilities are exactly those `generate_continuous` returns with the same
     arguments; a cancelled row keeps what it had sampled.
 
-    **Arguments:** those of `generate_continuous` (`temperature`, `top_k`, `top_p` per
-    row or scalars), except `cache`, `page_size` and `num_pages`; and
+    **Arguments:** those of `generate_continuous` (`temperature`, `top_k`, `top_p`,
+    `min_p` per row or scalars), except `cache`, `page_size` and `num_pages`; and
 
     - `log_steps`: a call of up to this many steps sends the host only the tokens it
       sampled (longer calls send the whole `[R · num_samples, max_new_tokens]`
@@ -702,7 +720,7 @@ class ContinuousDecoding:
         if not (_is_int(top_logprobs) and top_logprobs >= 0):
             raise ValueError(f"top_logprobs must be an int >= 0, got {top_logprobs!r}")
         settings = dict(
-            budgets=None, temperature=DEFAULT_TEMPERATURE, top_k=None, top_p=None,
+            budgets=None, temperature=DEFAULT_TEMPERATURE, top_k=None, top_p=None, min_p=None,
             eos_id=None, stop_sequences=None, pad_id=0, num_samples=1, check_ids=False,
             prefill_rows=None,
         ) | options  # fmt: skip

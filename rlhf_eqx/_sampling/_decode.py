@@ -147,11 +147,15 @@ def _int32_prompts(
 
 
 def _row_sampler(opts: SamplingOptions):
-    """`sample_token` with `opts`' temperature, top-k and top-p, vmapped over rows:
-    `(keys [B], logits [B, V]) -> (tokens [B], logprobs [B])`."""
+    """`sample_token` with `opts`' temperature, top-k, top-p and min-p, vmapped over
+    rows: `(keys [B], logits [B, V]) -> (tokens [B], logprobs [B])`."""
     return jax.vmap(
         functools.partial(
-            sample_token, temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p
+            sample_token,
+            temperature=opts.temperature,
+            top_k=opts.top_k,
+            top_p=opts.top_p,
+            min_p=opts.min_p,
         )
     )
 
@@ -343,9 +347,10 @@ def generate_batch(
       products, which could flip a near-tie). Another shape is a `ValueError` naming
       `key`.
     - `**options`: the fields of `SamplingOptions`: `max_new_tokens` (required),
-      `temperature=1.0` (0 is greedy), `top_k=None`, `top_p=None`, `eos_id=None` (one
-      id or several), `pad_id=0`, `check_ids=False`, `num_samples=1` (completions per
-      prompt, each prompt prefilled once).
+      `temperature=1.0` (0 is greedy), `top_k=None`, `top_p=None`, `min_p=None`
+      (`filter_logits`), `eos_id=None` (one id or several), `pad_id=0`,
+      `check_ids=False`, `num_samples=1` (completions per prompt, each prompt
+      prefilled once).
 
     **Returns:** a `GenerationOutput` with a leading batch axis (`B · num_samples`
     rows), rows of length `P + max_new_tokens`. Cut completions at stop *strings* afterwards with

@@ -31,6 +31,14 @@ def check_top_p(top_p: object) -> None:
         raise ValueError(f"top_p must be a number in (0, 1] or None, got {top_p!r}")
 
 
+def check_min_p(min_p: object) -> None:
+    """Raise unless `min_p` is a number in [0, 1] or None (0 and None: off)."""
+    if min_p is not None and not (
+        isinstance(min_p, numbers.Real) and not isinstance(min_p, bool) and 0.0 <= min_p <= 1.0
+    ):
+        raise ValueError(f"min_p must be a number in [0, 1] or None, got {min_p!r}")
+
+
 def check_temperature(temperature: object) -> None:
     """Raise unless `temperature` is a number >= 0."""
     if not (
@@ -59,7 +67,11 @@ class SamplingOptions(eqx.Module):
 
     - `max_new_tokens`: number of tokens to sample (a positive int).
     - `temperature`: 0 means greedy; otherwise logits are divided by it.
-    - `top_k`, `top_p`: optional filters (a positive int; a number in (0, 1]).
+    - `top_k`, `top_p`, `min_p`: optional filters (a positive int; a number in (0, 1];
+      a number in [0, 1], 0 being off), applied after the temperature in that order, as
+      Hugging Face's `generate` applies its warpers (`filter_logits`). Top-p keeps
+      every token tied with its boundary token, where Hugging Face and vLLM cut ties by
+      sorted position; min-p keeps `p_v >= min_p · max_u p_u`.
     - `eos_id`: a stop id, several stop ids (`[2, 13]`) or `None`; a row stops at the
       first of them, which is kept in its completion.
     - `pad_id`: fills rows after they stop.
@@ -77,6 +89,7 @@ class SamplingOptions(eqx.Module):
     temperature: float | int = DEFAULT_TEMPERATURE
     top_k: Any = None
     top_p: float | int | None = None
+    min_p: float | int | None = None
     eos_id: tuple[int, ...] = eqx.field(default=(), converter=_stop_ids)
     pad_id: int = 0
     check_ids: bool = False
@@ -90,6 +103,7 @@ class SamplingOptions(eqx.Module):
         check_temperature(self.temperature)
         check_top_k(self.top_k)
         check_top_p(self.top_p)
+        check_min_p(self.min_p)
         if not _is_int(self.pad_id):
             raise ValueError(f"pad_id must be an int, got {self.pad_id!r}")
 
@@ -102,8 +116,8 @@ class GenerationOutput(eqx.Module):
       including EOS).
     - `completion_mask`: the completion's real tokens.
     - `logprobs`: log-probability of each sampled token under the model's distribution
-      at the sampling temperature (`logits / temperature`, before top-k / top-p
-      filtering; temperature 1 for greedy), 0 elsewhere. It matches
+      at the sampling temperature (`logits / temperature`, before top-k / top-p /
+      min-p filtering; temperature 1 for greedy), 0 elsewhere. It matches
       `token_logprobs(policy, tokens, mask, temperature=...)`.
     """
 

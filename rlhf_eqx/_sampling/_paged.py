@@ -354,6 +354,7 @@ def generate_paged(
     temperature: float | int = DEFAULT_TEMPERATURE,
     top_k: int | None = None,
     top_p: float | int | None = None,
+    min_p: float | int | None = None,
     eos_id: int | Sequence[int] | None = None,
     stop_sequences: Sequence[Sequence[int]] | None = None,
     pad_id: int = 0,
@@ -433,8 +434,8 @@ def generate_paged(
         )
     policy, keys, budgets, base = _continuous_arguments(
         policy, prompts, prompt_masks, keys, slots=slots, max_new_tokens=max_new_tokens,
-        budgets=budgets, temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id,
-        stop_sequences=stop_sequences, pad_id=pad_id, num_samples=num_samples,
+        budgets=budgets, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+        eos_id=eos_id, stop_sequences=stop_sequences, pad_id=pad_id, num_samples=num_samples,
         check_ids=check_ids, prefill_rows=prefill_rows,
     )  # fmt: skip
     if not (_is_int(page_size) and page_size >= 1):

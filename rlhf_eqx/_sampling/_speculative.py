@@ -4,10 +4,11 @@ pass, and the output is distributed exactly as the target's own samples.
 Leviathan, Kalman & Matias 2023, "Fast Inference from Transformers via Speculative
 Decoding"; Chen et al. 2023, "Accelerating Large Language Model Decoding with
 Speculative Sampling". With `p` the target's and `q` the draft's next-token
-distribution (both after temperature, top-k and top-p, as `sample_token` uses them),
-a proposed token `x ~ q` is accepted with probability `min(1, p(x) / q(x))`; at the
-first rejection the token is drawn from the residual `max(0, p − q) / Σ max(0, p − q)`;
-when all `k` are accepted a bonus token is drawn from `p` at the next position. Then
+distribution (both after temperature, top-k, top-p and min-p, as `sample_token` uses
+them), a proposed token `x ~ q` is accepted with probability `min(1, p(x) / q(x))`; at
+the first rejection the token is drawn from the residual
+`max(0, p − q) / Σ max(0, p − q)`; when all `k` are accepted a bonus token is drawn
+from `p` at the next position. Then
 
 $$P(x) = q(x) \min(1, p(x)/q(x)) + (1 − \textstyle\sum_y \min(p(y), q(y)))
 \frac{\max(0, p(x) − q(x))}{\sum_y \max(0, p(y) − q(y))} = p(x),$$
@@ -98,12 +99,13 @@ def _check_models(target: object, draft: object) -> None:
 
 
 def _filtered(logits: Float[Array, "*N V"], opts: SamplingOptions) -> Float[Array, "*N V"]:
-    """`logits / temperature` with top-k / top-p applied (`sample_token`'s distribution)."""
+    """`logits / temperature` with top-k / top-p / min-p applied (`sample_token`'s
+    distribution)."""
     lead, V = logits.shape[:-1], logits.shape[-1]
     scaled = logits.astype(jnp.float32) / opts.temperature
-    flat = jax.vmap(lambda x: filter_logits(x, top_k=opts.top_k, top_p=opts.top_p))(
-        scaled.reshape(-1, V)
-    )
+    flat = jax.vmap(
+        lambda x: filter_logits(x, top_k=opts.top_k, top_p=opts.top_p, min_p=opts.min_p)
+    )(scaled.reshape(-1, V))
     return flat.reshape(lead + (V,))
 
 
@@ -401,13 +403,14 @@ def generate_speculative(
     decode steps otherwise); proposal `i` is accepted with probability `min(1,
     p(x_i)/q(x_i))`, the first rejected one is replaced by a draw from `max(0, p −
     q)` normalised, and when all are accepted a bonus token is drawn from `p`. `p` and
-    `q` are the target's and the draft's distributions after temperature, top-k and
-    top-p (those `generate_batch` samples from), so the completions are distributed as
-    `generate_batch(target, ...)`'s, whatever the draft; greedy (`temperature=0`) gives
-    exactly its tokens. Rows accept different numbers of tokens: each keeps its own
-    count, positions and cache slots. A decoder's cache is rolled back to the last
-    accepted token (a chunk fed at a slot drops the slots after it; other decoders keep
-    the cache after each step of the pass and the right one is picked).
+    `q` are the target's and the draft's distributions after temperature, top-k,
+    top-p and min-p (those `generate_batch` samples from), so the completions are
+    distributed as `generate_batch(target, ...)`'s, whatever the draft; greedy
+    (`temperature=0`) gives exactly its tokens. Rows accept different numbers of
+    tokens: each keeps its own count, positions and cache slots. A decoder's cache is
+    rolled back to the last accepted token (a chunk fed at a slot drops the slots after
+    it; other decoders keep the cache after each step of the pass and the right one is
+    picked).
 
     **Arguments:**
 

@@ -1,4 +1,5 @@
-"""Sampling one token from logits: top-k / top-p filtering and an exact inverse-CDF draw."""
+"""Sampling one token from logits: top-k / top-p / min-p filtering and an exact inverse-CDF
+draw."""
 
 import math
 
@@ -6,33 +7,73 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Key, PRNGKeyArray
 
-from ._options import DEFAULT_TEMPERATURE, check_temperature, check_top_k, check_top_p
+from ._options import (
+    DEFAULT_TEMPERATURE,
+    check_min_p,
+    check_temperature,
+    check_top_k,
+    check_top_p,
+)
 
 
 def filter_logits(
-    logits: Float[Array, " V"], *, top_k: int | None = None, top_p: float | int | None = None
+    logits: Float[Array, " V"],
+    *,
+    top_k: int | None = None,
+    top_p: float | int | None = None,
+    min_p: float | int | None = None,
 ) -> Float[Array, " V"]:
-    """Set logits outside the top-k set and outside the top-p nucleus (Holtzman et al. 2020)
-    to -inf.
+    """Set the logits of the tokens that top-k, top-p or min-p drop to -inf.
 
-    Skips all sorting when both are off; with `top_k`, top-p works on the `k` best only.
+    The filters apply in Hugging Face's order (`GenerationMixin._get_logits_processor`:
+    `TemperatureLogitsWarper`, `TopKLogitsWarper`, `TopPLogitsWarper`,
+    `MinPLogitsWarper`), to logits already divided by the temperature
+    (`sample_token`). With `p = softmax(logits)`:
+
+    - `top_k`: keep the logits `>=` the `k`-th largest (its ties too, as Hugging Face's).
+    - `top_p` (nucleus, Holtzman et al. 2020): of the tokens top-k kept, sorted by
+      decreasing `p` and renormalised, keep each whose mass strictly above it is
+      `< top_p` (the best token always). **Ties:** the cut is a logit threshold, the
+      smallest logit kept, so every token tied with the boundary token is kept too;
+      Hugging Face's `TopPLogitsWarper` and vLLM cut by sorted position and keep only
+      the tied tokens the sort puts first (the kept sets differ only on exact ties at
+      the boundary, and by the rounding of the running sums).
+    - `min_p` (Nguyen et al. 2024; `MinPLogitsWarper`): of the tokens still kept, keep
+      those with `p_v >= min_p · max_u p_u`, i.e. `exp(logits_v - max logits) >= min_p`
+      (the ratio does not depend on the renormalisation after top-k / top-p, so this is
+      their intersection with the min-p set of the whole vocabulary). The best token is
+      always kept; 0 (or `None`) is off, 1 keeps the best token and its exact ties.
+
+    Skips all sorting when top-k and top-p are off; with `top_k`, top-p works on the
+    `k` best only. Returns `logits` itself when every filter is off.
     """
     check_top_k(top_k)
     check_top_p(top_p)
-    if top_k is None and top_p is None:
+    check_min_p(min_p)
+    if not min_p:
+        min_p = None
+    if top_k is None and top_p is None and min_p is None:
         return logits
     neg = jnp.asarray(-jnp.inf, logits.dtype)
-    if top_k is not None:
-        best = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0]
+    if top_k is None and top_p is None:
+        drop = jnp.zeros(logits.shape, bool)
+        best = jnp.max(logits)
     else:
-        best = jnp.sort(logits)[::-1]
-    threshold = best[-1]
-    if top_p is not None:
-        probs = jax.nn.softmax(best)
-        before = jnp.cumsum(probs) - probs  # mass strictly above each candidate
-        keep = before < top_p  # always keeps the best token
-        threshold = jnp.min(jnp.where(keep, best, jnp.inf))
-    return jnp.where(logits < threshold, neg, logits)
+        if top_k is not None:
+            best = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0]
+        else:
+            best = jnp.sort(logits)[::-1]
+        threshold = best[-1]
+        if top_p is not None:
+            probs = jax.nn.softmax(best)
+            before = jnp.cumsum(probs) - probs  # mass strictly above each candidate
+            keep = before < top_p  # always keeps the best token
+            threshold = jnp.min(jnp.where(keep, best, jnp.inf))
+        drop = logits < threshold
+        best = best[0]
+    if min_p is not None:
+        drop = drop | (jnp.exp(logits - best) < min_p)
+    return jnp.where(drop, neg, logits)
 
 
 def sample_token(
@@ -42,8 +83,11 @@ def sample_token(
     temperature: float | int = DEFAULT_TEMPERATURE,
     top_k: int | None = None,
     top_p: float | int | None = None,
+    min_p: float | int | None = None,
 ) -> tuple[Int[Array, ""], Float[Array, ""]]:
-    """Sample one token; return it and its log-probability at `temperature` (1 when greedy)."""
+    """Sample one token from `filter_logits(logits / temperature, top_k=, top_p=, min_p=)`
+    (greedy at `temperature == 0`); return it and its log-probability at `temperature`
+    (1 when greedy), before the filters."""
     check_temperature(temperature)
     logits = logits.astype(jnp.float32)
     if temperature == 0.0:
@@ -51,17 +95,21 @@ def sample_token(
         scaled = logits
     else:
         scaled = logits / temperature
-        filtered = filter_logits(scaled, top_k=top_k, top_p=top_p)
+        filtered = filter_logits(scaled, top_k=top_k, top_p=top_p, min_p=min_p)
         token = inverse_cdf_sample(key, filtered)
     logprob = scaled[token] - jax.nn.logsumexp(scaled)
     return token, logprob
 
 
 def _filter_row(
-    logits: Float[Array, " V"], top_k: Int[Array, ""], top_p: Float[Array, ""]
+    logits: Float[Array, " V"],
+    top_k: Int[Array, ""],
+    top_p: Float[Array, ""],
+    min_p: Float[Array, ""],
 ) -> Float[Array, " V"]:
-    """`filter_logits` with a traced `top_k` (0: off) and `top_p` (1: off): the `k` best
-    are the first `k` of the sorted logits, top-p works on them only."""
+    """`filter_logits` with a traced `top_k` (0: off), `top_p` (1: off) and `min_p`
+    (0: off): the `k` best are the first `k` of the sorted logits, top-p works on them
+    only, min-p drops `exp(logits - max) < min_p` (nothing at 0)."""
     V = logits.shape[-1]
     best = jnp.sort(logits)[::-1]
     k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
@@ -70,7 +118,8 @@ def _filter_row(
     before = jnp.cumsum(probs) - probs  # mass strictly above each candidate
     keep = in_k & ((before < top_p) | (top_p >= 1.0))  # always keeps the best token
     threshold = jnp.min(jnp.where(keep, best, jnp.inf))
-    return jnp.where(logits < threshold, jnp.asarray(-jnp.inf, logits.dtype), logits)
+    drop = (logits < threshold) | (jnp.exp(logits - best[0]) < min_p)
+    return jnp.where(drop, jnp.asarray(-jnp.inf, logits.dtype), logits)
 
 
 def sample_rows(
@@ -79,20 +128,26 @@ def sample_rows(
     temperature: Float[Array, " B"],
     top_k: Int[Array, " B"],
     top_p: Float[Array, " B"],
+    min_p: Float[Array, " B"] | None = None,
 ) -> tuple[Int[Array, " B"], Float[Array, " B"]]:
     """`sample_token` for a batch of rows, each with its own traced settings (one compiled
     program for every setting): row `b` is greedy where `temperature[b] == 0`, else
-    draws from `logits[b] / temperature[b]` with its `top_k[b]` (0: off) and `top_p[b]`
-    (1: off). Returns each row's token and its log-probability at its temperature (1
-    when greedy). Same numbers as `sample_token` with the row's settings (with both
-    top-k and top-p on, up to the rounding of the nucleus' running sum, which could
-    move a near-tie at its edge)."""
+    draws from `logits[b] / temperature[b]` with its `top_k[b]` (0: off), `top_p[b]`
+    (1: off) and `min_p[b]` (0: off; `None`: off for every row). Returns each row's
+    token and its log-probability at its temperature (1 when greedy). Same numbers as
+    `sample_token` with the row's settings (with both top-k and top-p on, up to the
+    rounding of the nucleus' running sum, which could move a near-tie at its edge)."""
     logits = logits.astype(jnp.float32)
+    if min_p is None:
+        min_p = jnp.zeros(temperature.shape, jnp.float32)
     greedy = temperature == 0.0
     scaled = logits / jnp.where(greedy, 1.0, temperature).astype(jnp.float32)[:, None]
-    filtering = jnp.any(~greedy & ((top_k > 0) | (top_p < 1.0)))
+    filtering = jnp.any(~greedy & ((top_k > 0) | (top_p < 1.0) | (min_p > 0.0)))
     filtered = jax.lax.cond(
-        filtering, lambda x: jax.vmap(_filter_row)(x, top_k, top_p), lambda x: x, scaled
+        filtering,
+        lambda x: jax.vmap(_filter_row)(x, top_k, top_p, min_p),
+        lambda x: x,
+        scaled,
     )
     drawn = jax.vmap(inverse_cdf_sample)(keys, filtered)
     token = jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn)

@@ -105,6 +105,7 @@ def _token(policy: AbstractDecoder, c: _TurnCarry, ids, n_obs, key, turn, opts) 
         temperature=s.temperature,
         top_k=s.top_k,
         top_p=s.top_p,
+        min_p=s.min_p,
     )
     tok = jnp.where(feeding, ids[jnp.minimum(c.j, ids.shape[0] - 1)], tok)
     lp = jnp.where(feeding, 0.0, lp.astype(jnp.float32))

@@ -360,6 +360,9 @@ def _post(server, path, body: bytes):
                 ("max_token", 4),
                 ("user", {"id": 1}),
                 ("top_k", 1000),
+                ("min_p", 1.5),
+                ("min_p", -0.1),
+                ("min_p", "0.1"),
                 ("echo", True),
             ]
         ],
@@ -507,6 +510,17 @@ def test_top_k_one_samples_the_greedy_tokens(server, client, model):
     want, _ = _greedy(policy, tok, ids, 8)
     r = client.completions.create(
         model=MODEL, prompt=STORY, max_tokens=8, temperature=1.0, seed=1, extra_body={"top_k": 1}
+    )
+    assert r.choices[0].model_extra["token_ids"] == want
+
+
+def test_min_p_one_samples_the_greedy_tokens(server, client, model):
+    """vLLM's `min_p` (an extra field): 1 keeps the most likely token only."""
+    policy, tok = model
+    ids = [tok.bos_id, *tok.encode(STORY)]
+    want, _ = _greedy(policy, tok, ids, 8)
+    r = client.completions.create(
+        model=MODEL, prompt=STORY, max_tokens=8, temperature=1.0, seed=1, extra_body={"min_p": 1}
     )
     assert r.choices[0].model_extra["token_ids"] == want
 

@@ -177,12 +177,20 @@ def test_one_compiled_sampler_serves_every_setting(server, client, model):
     policy, tok = model
     kw = dict(model=MODEL, prompt=STORY, max_tokens=10, seed=5, logprobs=1)
     client.completions.create(**kw, temperature=0.5, top_p=0.9, extra_body={"top_k": 10})
-    settings = [(0.0, 1.0, -1), (0.7, 0.8, 0), (1.3, 0.95, 40), (0.9, 1.0, 3)]
+    settings = [
+        (0.0, 1.0, -1, 0.0),
+        (0.7, 0.8, 0, 0.0),
+        (1.3, 0.95, 40, 0.05),
+        (0.9, 1.0, 3, 0.0),
+        (1.0, 1.0, 0, 0.2),
+    ]
     got = []
     compiled = compilations(
         lambda: got.extend(
-            client.completions.create(**kw, temperature=t, top_p=p, extra_body={"top_k": k})
-            for t, p, k in settings
+            client.completions.create(
+                **kw, temperature=t, top_p=p, extra_body={"top_k": k, "min_p": m}
+            )
+            for t, p, k, m in settings
         )
     )
     assert compiled == []
@@ -193,7 +201,7 @@ def test_one_compiled_sampler_serves_every_setting(server, client, model):
     ids = got[0].model_extra["prompt_token_ids"]
     prompts = np.zeros((1, 16), np.int32)
     prompts[0, 16 - len(ids) :] = ids
-    for r, (t, p, k) in zip(got, settings):
+    for r, (t, p, k, m) in zip(got, settings):
         out = rx.generate_continuous(
             policy,
             jnp.asarray(prompts),
@@ -205,10 +213,11 @@ def test_one_compiled_sampler_serves_every_setting(server, client, model):
             temperature=t,
             top_p=None if p == 1.0 else p,
             top_k=k if k > 0 else None,
+            min_p=m,
             eos_id=[tok.eos_id, tok.bos_id],
         )
         want = np.asarray(out.tokens)[0, 16:][np.asarray(out.completion_mask)[0, 16:]]
-        assert r.choices[0].model_extra["token_ids"] == want.tolist(), (t, p, k)
+        assert r.choices[0].model_extra["token_ids"] == want.tolist(), (t, p, k, m)
 
 
 def _dropped(server, before: int, rows: int, timeout: float = 60.0) -> int:

@@ -19,11 +19,11 @@ MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_CHOICES = 128
 MAX_TOP_LOGPROBS = 20  # chat `top_logprobs`; completions' `logprobs` allows 5
 
-# the fields read (`episode_id`, `top_k` and `return_token_ids` as vLLM's extensions),
-# and the ones that change nothing here (metadata, caching and routing hints)
+# the fields read (`episode_id`, `top_k`, `min_p` and `return_token_ids` as vLLM's
+# extensions), and the ones that change nothing here (metadata, caching and routing hints)
 _READ = {
-    "model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "logprobs",
-    "user", "episode_id", "stream", "stream_options", "return_token_ids",
+    "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "seed",
+    "logprobs", "user", "episode_id", "stream", "stream_options", "return_token_ids",
 }  # fmt: skip
 _NO_EFFECT = {
     "metadata", "store", "service_tier", "parallel_tool_calls",
@@ -99,8 +99,8 @@ class ParsedRequest:
       its text parts joined into one string.
     - `prompts` (completions): one entry per prompt, a string or a list of token ids.
     - `max_tokens`: the completion budget (`None`: the server's default).
-    - `temperature`, `top_p` (`None` when 1), `top_k` (`None`: off), `n`, `stop`
-      (strings), `seed` (or `None`).
+    - `temperature`, `top_p` (`None` when 1), `top_k` (`None`: off), `min_p` (vLLM's, in
+      [0, 1]; `None` when 0), `n`, `stop` (strings), `seed` (or `None`).
     - `logprobs`: whether to return log-probabilities; `top_logprobs`: how many
       alternatives per token (0: none).
     - `episode_id`: the episode the request belongs to (`episode_id`, else `user`), or
@@ -119,6 +119,7 @@ class ParsedRequest:
     temperature: float = DEFAULT_TEMPERATURE
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     n: int = 1
     stop: tuple[str, ...] = ()
     seed: int | None = None
@@ -357,12 +358,14 @@ def parse_request(
     top_p = _number(body, "top_p", 0.0, 1.0, 1.0)
     if top_p == 0.0:
         raise RequestError("top_p must be above 0, got 0", param="top_p")
+    min_p = _number(body, "min_p", 0.0, 1.0, 0.0)
     common = dict(
         model=model,
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 0.0, 2.0, DEFAULT_TEMPERATURE),
         top_p=None if top_p == 1.0 else top_p,
         top_k=top_k if top_k and top_k > 0 else None,  # -1 or 0: off, as in vLLM
+        min_p=min_p or None,  # 0: off, as in vLLM
         n=_int(body, "n", 1, MAX_CHOICES) or 1,
         stop=_stop(body),
         seed=_int(body, "seed", -(2**63)),

@@ -48,14 +48,14 @@ class Server:
 
     Every request goes to one scheduler thread that samples all the requests waiting at
     that moment in one continuous-batching run, in arrival order (each row with its own
-    temperature, top-k and top-p: one compiled sampler serves every setting). With
+    temperature, top-k, top-p and min-p: one compiled sampler serves every setting). With
     `"stream": true` the answer comes as server-sent events (OpenAI's chunks), a piece
     of text at a time, never a character cut in two. A client that disconnects, before
     its answer or mid-stream, has its rows dropped (their slots take the next rows).
     Each choice carries its `token_ids`, the response its `prompt_token_ids` (as vLLM's
     `return_token_ids`), and `policy_version`, the weights' version that sampled it.
     Log-probabilities are the sampler's: at the request's temperature (1 when greedy),
-    before top-k and top-p (`rlhf_eqx.GenerationOutput.logprobs`); each entry's `bytes`
+    before top-k, top-p and min-p (`rlhf_eqx.GenerationOutput.logprobs`); each entry's `bytes`
     are the token's own. A completions request with `echo` also gets its prompt's text
     and its prompt tokens' log-probabilities (`max_tokens=0`: those only).
 
@@ -374,6 +374,7 @@ class Server:
             temperature=req.temperature,
             top_p=req.top_p,
             top_k=req.top_k,
+            min_p=req.min_p,
             stop=req.stop,
             top_logprobs=req.top_logprobs,
             prefix=prefix,

@@ -280,8 +280,23 @@ def check_set_sections(
             which = f"{runs}, which {unread} not read {section}.*"
         else:
             which = f"{runs} and reads no stage's settings ({section}.*)"
+        own = find_stage(command)
+        field = key.partition(".")[2]
+        if own is not None and own.key != section and _has_setting(getattr(cfg, own.key), field):
+            also += f"; for this command set {own.key}.{field}"
         why = f"{flag} {item}: {shown} {which}; {' or '.join(readers)} reads it{also}"
         raise _unread(ConfigError(why))
+
+
+def _has_setting(section, path: str) -> bool:
+    """Whether the dotted `path` names a field of the settings `section` (a dataclass)."""
+    obj = section
+    for part in path.split(".") if path else ():
+        names = {f.name for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else ()
+        if part not in names:
+            return False
+        obj = getattr(obj, part)
+    return bool(path)
 
 
 class _SweepArgs(argparse.ArgumentParser):

@@ -44,11 +44,13 @@ def test_another_stages_setting_is_refused_naming_what_runs_and_what_reads_it(pr
     )
     line = _refused(["kto", "--set", "grpo.beta=0.1"], capsys)
     assert "--set grpo.beta=0.1: rlhf_eqx kto runs sft, kto, which do not read grpo.*" in line
-    assert line.endswith("rlhf_eqx grpo reads it")
+    assert line.endswith("rlhf_eqx grpo reads it; for this command set kto.beta")
     # SFT runs before DPO on the built-in task, not on a data file
     assert _accepted(["dpo", "--set", "sft.steps=3"], capsys)["sft"]["steps"] == 3
     line = _refused(["dpo", "--data", prefs, "--set", "sft.steps=3"], capsys)
     assert "rlhf_eqx dpo runs dpo, which does not read sft.*; rlhf_eqx sft reads it" in line
+    line = _refused(["dpo", "--data", prefs, "--set", "sft.lora.rank=4"], capsys)
+    assert line.endswith("rlhf_eqx sft reads it; for this command set dpo.lora.rank")
     # the reward model runs before PPO, and before GRPO only when GRPO scores with it
     assert _accepted(["ppo", "--set", "reward.steps=3"], capsys)["reward"]["steps"] == 3
     assert "rlhf_eqx reward reads it" in _refused(["grpo", "--set", "reward.steps=3"], capsys)

@@ -167,7 +167,7 @@ def test_the_other_stage_s_environment_is_not_silently_ignored(env_module, capsy
         argv = [stage, "--out", "run", "--quiet", "--show-config"]
         assert main([*argv, "--set", f"{other}.environment={env_module}:make"]) == 2
         err = capsys.readouterr().err
-        assert f"{other}.environment='{env_module}:make'" in err
+        assert f"--set {other}.environment={env_module}:make: rlhf_eqx {stage} runs" in err
         assert f"set {stage}.environment" in err
 
 

@@ -117,9 +117,11 @@ def test_data_sweep_members_equal_their_runs_on_the_file(stage, tmp_path):
 def test_cli_dpo_sweep_on_a_parquet_file_equals_its_runs_and_resumes(tmp_path, capsys):
     path = write_parquet(tmp_path / "pairs.parquet", pair_rows())
     out = str(tmp_path / "s")
-    sets = [a for s in (*SMALL, *SAMPLED_EVAL) for a in ("--set", s)]
-    argv = ["sweep", "dpo", "--data", path, "--seeds", "2", "--grid", "dpo.beta=0.05,0.2"]
-    assert main([*argv, "--out", out, "--export", *sets, "--set", "ops.quiet=false"]) == 0
+    small = tmp_path / "small.json"  # a file sets every section, as data_config does
+    small.write_text(json.dumps(pl.config.config_to_dict(data_config(path))))
+    argv = ["sweep", "dpo", "--config", str(small), "--data", path, "--seeds", "2"]
+    argv += ["--grid", "dpo.beta=0.05,0.2"]
+    assert main([*argv, "--out", out, "--export", "--set", "ops.quiet=false"]) == 0
     printed = capsys.readouterr().out
     assert "4 members done" in printed
     # the table has the held-out numbers of the stage's run on the file

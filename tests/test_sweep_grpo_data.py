@@ -117,10 +117,10 @@ def test_resumed_grpo_data_sweep_is_bit_identical_to_the_uninterrupted_one(
     for name in os.listdir(os.path.join(out, "members")):
         shutil.rmtree(os.path.join(out, "members", name, "grpo"))
         os.remove(os.path.join(out, "members", name, "summary.json"))
-    path, reward_dir = files
-    sets = [f"grpo.reward_model={reward_dir}", *SETS]
-    argv = ["sweep", "grpo", "--data", path, "--seeds", "2", "--grid", "grpo.beta=0.02,0.2"]
-    argv += ["--out", out, "--resume", "--export", *[a for s in sets for a in ("--set", s)]]
+    small = tmp_path / "small.json"  # a file sets every section, as the swept run did
+    small.write_text(json.dumps(pl.config.config_to_dict(grpo_config(files))))
+    argv = ["sweep", "grpo", "--config", str(small), "--seeds", "2"]
+    argv += ["--grid", "grpo.beta=0.02,0.2", "--out", out, "--resume", "--export"]
     assert main(argv) == 0
     assert "4 members done" in capsys.readouterr().out
     last = pl.tools.latest_checkpoint(os.path.join(out, "checkpoints"))

@@ -12,7 +12,6 @@ it continues exactly as the uninterrupted run.
 
 import dataclasses
 import json
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -130,21 +129,28 @@ def check_logged_steps(
 def stages_after(log_path: str, stage: str) -> list[str]:
     """The stages with step records in the metrics log `log_path` after the last record
     of `stage`, in order: the stages of a pipeline that trained on its result."""
-    later: dict[str, None] = {}
-    if os.path.isfile(log_path):
+    try:
         with open(log_path, "rb") as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                if not isinstance(rec, dict):
-                    continue
-                if rec.get("stage") == stage:
-                    later = {}
-                elif "step" in rec and "event" not in rec and isinstance(rec.get("stage"), str):
-                    later[rec["stage"]] = None
+            records = [_record(line) for line in f.read().splitlines()]
+    except OSError:  # no log yet
+        return []
+    later: dict[str, None] = {}
+    for rec in records:
+        name = rec.get("stage")
+        if name == stage:
+            later = {}
+        elif isinstance(name, str) and "step" in rec and "event" not in rec:
+            later[name] = None
     return list(later)
+
+
+def _record(line: bytes) -> dict:
+    """The JSON object of a metrics log line (`{}` for a torn or foreign one)."""
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return {}
+    return rec if isinstance(rec, dict) else {}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -55,6 +55,7 @@ SETS = [
     "multiturn.group_size=2",
     "multiturn.turn_tokens=6",
     "multiturn.environment=sweep_env_module:make",
+    "sampling.temperature=0.7",  # the reference at the episodes' temperature, as in a run
 ]
 COMPARED = (
     "multiturn_success",

@@ -219,7 +219,13 @@ def test_batch_stage_sweeps_equal_their_separate_runs(stage, grid, key, compared
 
 
 @pytest.mark.parametrize(
-    ("extra", "stopped"), [([], "done"), (["grpo.rollouts=3", "grpo.kl_target=0.001"], "kl_guard")]
+    ("extra", "stopped"),
+    [
+        ([], "done"),
+        (["grpo.rollouts=3", "grpo.kl_target=0.001"], "kl_guard"),
+        # the reference compared with the samples at their temperature, as in a run
+        (["sampling.temperature=0.7"], "done"),
+    ],
 )
 def test_grpo_sweep_members_equal_their_separate_runs(extra, stopped, tmp_path, capsys):
     # with a KL target of 0.001 the second rollout (from the updated policy) is past it:
@@ -239,6 +245,10 @@ def test_grpo_sweep_members_equal_their_separate_runs(extra, stopped, tmp_path, 
         summary = pl.run_pipeline(dataclasses.replace(mem.cfg, out=run_dir))
         assert_same_run(os.path.join(res.out, "members", mem.name), run_dir, "grpo")
         assert res.summaries[mem.name]["stopped"] == summary["grpo"]["stopped"]
+        if extra == ["sampling.temperature=0.7"]:
+            # the held-out samples at 0.7 are one sampled token away from a flip under the
+            # rounding of the two programs: the steps and weights above are the comparison
+            continue
         for k in POLICY_SUMMARY:
             assert res.summaries[mem.name][k] == pytest.approx(summary["grpo"][k], abs=1e-4), k
 

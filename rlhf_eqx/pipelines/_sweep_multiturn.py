@@ -89,7 +89,7 @@ def multiturn_sweep(
         for m in range(M):
             traj = member(trajs, m)  # checked here: the vmapped rollout could not
             rx.envs.check_trajectory(traj, environment=type(game).__name__, vocab_size=V)
-            batch, inf = episode_batch(traj, references[m], G, P)
+            batch, inf = episode_batch(traj, references[m], G, P, sampling.temperature)
             batches.append(batch)
             info.append(inf)
             if alive[m]:

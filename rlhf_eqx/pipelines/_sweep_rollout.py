@@ -80,6 +80,7 @@ def sample_members(
             prompt_length=prompt_length,
             stop_ids=stop_ids,
             stop_strings=tuple(stop_strings),
+            temperature=float(sampler["temperature"]),
         )
         rolls.append(finish_rollout(pending, tok))
     return rolls

@@ -4,7 +4,7 @@
 and `GET /v1/models` (OpenAI's JSON, plus each choice's `token_ids` and the
 `prompt_token_ids` as vLLM returns them), on 127.0.0.1, from one scheduler thread that
 samples every waiting request with the continuous-batching sampler
-(`rlhf_eqx.generate_continuous`, each row with its own temperature, top-k and top-p).
+(`rlhf_eqx.generate_continuous`, each row with its own temperature, top-k, top-p and min-p).
 `"stream": true` answers as server-sent events whose pieces never cut a UTF-8
 character; a client that disconnects has its rows dropped; a request beyond
 `max_request_rows` / `max_request_tokens` is refused. `rlhf_eqx serve --model NAME`

@@ -229,7 +229,11 @@ class LoRASettings:
 class SamplingConfig:
     """Rollouts and evaluation samples: prompts left-padded (or rejected) at
     `prompt_length` tokens, `max_new_tokens` sampled at `temperature` (the same
-    temperature is used for the steps' log-probabilities). Each completion stops at EOS
+    temperature is used for the steps' log-probabilities), optionally from the `top_k`
+    likeliest tokens, the smallest set holding `top_p` of the probability, and the tokens
+    at least `min_p` times as likely as the likeliest (TRL's GRPOConfig and vLLM's names;
+    `0`, `1.0` and `0.0` are off; the steps' log-probabilities are of the tempered
+    distribution before these filters, as TRL's). Each completion stops at EOS
     (and BOS) and, when `stop_strings` are given, is cut where one first appears: none
     for the story task; `("\\n\\nHuman:",)` for HH-RLHF-style chat prompts, so that a
     completion that starts the next human turn ends there. `slots > 0` samples rollouts
@@ -240,6 +244,9 @@ class SamplingConfig:
     prompt_length: int = 32
     max_new_tokens: int = 40
     temperature: float = DEFAULT_TEMPERATURE
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
     stop_strings: tuple[str, ...] = ()
     slots: int = 0
 

@@ -98,7 +98,7 @@ def teacher_stages() -> tuple[str, ...]:
     )
 
 
-ON_POLICY_SAMPLING = ("max_new_tokens", "stop_strings", "slots")
+ON_POLICY_SAMPLING = ("max_new_tokens", "top_k", "top_p", "min_p", "stop_strings", "slots")
 """The `sampling` fields a data-file `distill` run reads for its on-policy completions
 only (`distill.lmbda > 0`)."""
 

@@ -142,6 +142,9 @@ def evaluate_policy(
     prompt_length: int,
     max_new_tokens: int,
     temperature: float = DEFAULT_TEMPERATURE,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
     stop_strings: Sequence[str] = (),
     slots: int = 0,
 ) -> tuple[dict, Rollout, np.ndarray]:
@@ -162,6 +165,9 @@ def evaluate_policy(
         prompt_length=prompt_length,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
         stop_strings=stop_strings,
         slots=slots,
     )

@@ -35,7 +35,12 @@ def render_prompts(tok, dc: DataConfig, prompts: Sequence[str]) -> list[str]:
 def _sampling(cfg) -> dict:
     s = cfg.sampling
     return dict(
-        max_new_tokens=s.max_new_tokens, temperature=s.temperature, stop_strings=s.stop_strings
+        max_new_tokens=s.max_new_tokens,
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        min_p=s.min_p,
+        stop_strings=s.stop_strings,
     )
 
 

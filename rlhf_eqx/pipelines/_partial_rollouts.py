@@ -110,7 +110,8 @@ def continue_rollout(
     """`pending` with up to `max_new_tokens` more tokens from `policy` for the rows that
     have not stopped (`unfinished_rows`), and only those: a fresh prefill of each row's
     prompt + tokens so far (no cache is carried over from the policy that sampled them),
-    then sampling at `temperature` until a stop id of `pending` or `max_new_tokens`.
+    then sampling at `temperature` (with `pending`'s top-k / top-p / min-p filters)
+    until a stop id of `pending` or `max_new_tokens`.
 
     The unfinished rows are gathered and padded up to a bucket size (the next power of
     two, rounded up to a multiple of the sampler mesh's `"data"` axis when `pending`'s
@@ -151,6 +152,7 @@ def continue_rollout(
             temperature=temperature,
             eos_id=list(pending.stop_ids) or None,
             pad_id=pad_id,
+            **pending.filters,  # the rollout's top-k / top-p / min-p
         )
         real = np.asarray(more.completion_mask)[:n, length:]
         new_real[going] = real

@@ -79,7 +79,32 @@ def encode_prompts(tok, prompts: Sequence[str], *, prompt_length: int) -> list[l
     return ids
 
 
-SAMPLING_FIELDS = ("prompt_length", "max_new_tokens", "temperature", "stop_strings", "slots")
+SAMPLING_FIELDS = (
+    "prompt_length",
+    "max_new_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "stop_strings",
+    "slots",
+)
+
+
+def filter_options(top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> dict:
+    """The sampler's filter keywords of a run's `sampling.top_k` / `top_p` / `min_p`,
+    each only where it filters (`top_k=0`, `top_p=1`, `min_p=0` are off, as in TRL's
+    GRPOConfig and vLLM): `{}` for the defaults, so unfiltered runs sample with the
+    same compiled program as before. The log-probabilities the sampler returns (and the
+    steps use) are those of the tempered distribution before the filters, as TRL's."""
+    options: dict = {}
+    if top_k:
+        options["top_k"] = int(top_k)
+    if top_p < 1:
+        options["top_p"] = float(top_p)
+    if min_p > 0:
+        options["min_p"] = float(min_p)
+    return options
 
 
 def sampling_options(settings) -> dict:
@@ -101,6 +126,7 @@ class PendingRollout:
     stop_ids: tuple[int, ...]
     stop_strings: tuple[str, ...]
     temperature: float = rx.DEFAULT_TEMPERATURE
+    filters: dict = dataclasses.field(default_factory=dict)  # `filter_options`
 
 
 def default_stop_ids(tok) -> tuple[int, ...]:
@@ -123,6 +149,9 @@ def dispatch_rollout(
     prompt_length: int,
     max_new_tokens: int,
     temperature: float = rx.DEFAULT_TEMPERATURE,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
     stop_ids: Sequence[int] | None = None,
     stop_strings: Sequence[str] = (),
     slots: int = 0,
@@ -139,9 +168,10 @@ def dispatch_rollout(
     EOS, the model's end-of-turn ids and BOS — the stories260K model starts a new story
     with BOS; the stop id is kept). `stop_strings`
     (e.g. `("\\n\\nHuman:",)` for chat-formatted prompts) are applied by the host half. The
-    same `temperature` must be given to the training steps. `place`, when given, lays the
-    prompt tokens and mask out for the sampler, e.g. split over a sampler mesh:
-    `(tokens, mask) -> (tokens, mask)`.
+    same `temperature` must be given to the training steps. `top_k`, `top_p`, `min_p`
+    filter the tempered distribution (`filter_options`: off at 0, 1, 0). `place`, when
+    given, lays the prompt tokens and mask out for the sampler, e.g. split over a sampler
+    mesh: `(tokens, mask) -> (tokens, mask)`.
 
     `finish_rollout`, the host half (cutting at stop strings, decoding), can then run
     elsewhere, e.g. in a worker thread while an update runs (a GRPO run with `overlap`).
@@ -152,12 +182,14 @@ def dispatch_rollout(
     stop_ids = tuple(int(t) for t in stop_ids)
     ids = encode_prompts(tok, prompts, prompt_length=prompt_length)
     batch = data.collate_prompts(list(ids), max_length=prompt_length, pad_id=tok.pad_id)
+    filters = filter_options(top_k, top_p, min_p)
     kw = dict(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         eos_id=list(stop_ids) or None,
         pad_id=tok.pad_id,
         num_samples=group_size,  # each prompt prefilled once, its group_size rows follow it
+        **filters,
     )
     tokens, mask = batch.tokens, batch.mask
     if place is not None:
@@ -177,6 +209,7 @@ def dispatch_rollout(
         stop_ids=stop_ids,
         stop_strings=tuple(stop_strings),
         temperature=float(temperature),
+        filters=filters,
     )
 
 
@@ -214,11 +247,11 @@ def finish_rollout(pending: PendingRollout, tok) -> Rollout:
 
 def sample_rollout(policy, tok, prompts: Sequence[str], key: PRNGKeyArray, **options) -> Rollout:
     """Sample completions of `prompts`: `dispatch_rollout` (its keyword `options`:
-    `group_size`, `prompt_length`, `max_new_tokens`, `temperature`, `stop_ids`,
-    `stop_strings`, `slots`) then `finish_rollout`, which cuts each completion where one
-    of `stop_strings` first appears in its text (`rlhf_eqx.truncate_at_stop_strings`: the
-    string is dropped, and the tokens, masks and log-probabilities after the cut are
-    cleared) before anything is scored."""
+    `group_size`, `prompt_length`, `max_new_tokens`, `temperature`, `top_k`, `top_p`,
+    `min_p`, `stop_ids`, `stop_strings`, `slots`) then `finish_rollout`, which cuts each
+    completion where one of `stop_strings` first appears in its text
+    (`rlhf_eqx.truncate_at_stop_strings`: the string is dropped, and the tokens, masks
+    and log-probabilities after the cut are cleared) before anything is scored."""
     return finish_rollout(dispatch_rollout(policy, tok, prompts, key, **options), tok)
 
 

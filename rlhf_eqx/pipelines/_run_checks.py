@@ -40,7 +40,15 @@ UNSAMPLED_EVAL_STAGES: tuple[str, ...] = ("reward", "prm", "distill")
 UNSAMPLING_STAGES: tuple[str, ...] = ("reward", "prm")
 """The data-file stages that sample nothing at all: of `sampling` they read
 `prompt_length` alone (`SAMPLING_FIELDS` are unread)."""
-SAMPLING_FIELDS: tuple[str, ...] = ("max_new_tokens", "temperature", "stop_strings", "slots")
+SAMPLING_FIELDS: tuple[str, ...] = (
+    "max_new_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "stop_strings",
+    "slots",
+)
 """The `sampling` fields that only a sampled completion reads."""
 TASK_ONLY_FIELDS: dict[str, tuple[str, ...]] = {
     "sft": ("samples",),

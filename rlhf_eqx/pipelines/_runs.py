@@ -54,6 +54,9 @@ class RunContext:
     prompt_length: int = SamplingConfig.prompt_length
     max_new_tokens: int = SamplingConfig.max_new_tokens
     temperature: float = SamplingConfig.temperature
+    top_k: int = SamplingConfig.top_k
+    top_p: float = SamplingConfig.top_p
+    min_p: float = SamplingConfig.min_p
     stop_strings: tuple[str, ...] = SamplingConfig.stop_strings
     slots: int = SamplingConfig.slots
     meta: dict | None = None

@@ -15,6 +15,7 @@ from ._rollout import (
     Rollout,
     default_stop_ids,
     encode_prompts,
+    filter_options,
     finish_rollout,
     sample_rollout,
 )
@@ -43,9 +44,9 @@ def sample_members(
     (`models`, stacked on a leading member axis) and key `keys[m]`, the sampler vmapped
     over the members (one compiled program). `options`: `sample_rollout`'s sampling
     keywords (`sampling_options` of the run's sampling settings: `prompt_length`,
-    `max_new_tokens`, `temperature`, `stop_strings`, `slots`). With `slots > 0`
-    (continuous batching) the members are sampled one after another with
-    `sample_rollout`."""
+    `max_new_tokens`, `temperature`, `top_k`, `top_p`, `min_p`, `stop_strings`, `slots`).
+    With `slots > 0` (continuous batching) the members are sampled one after another
+    with `sample_rollout`."""
     if options.get("slots", 0) > 0:
         return [
             sample_rollout(member(models, m), tok, prompts[m], k, group_size=group_size, **options)
@@ -61,12 +62,16 @@ def sample_members(
     ]
     tokens = jax.numpy.stack([b.tokens for b in batches])
     mask = jax.numpy.stack([b.mask for b in batches])
+    filters = filter_options(
+        options.get("top_k", 0), options.get("top_p", 1.0), options.get("min_p", 0.0)
+    )
     sampler = {
         "max_new_tokens": options["max_new_tokens"],
         "temperature": options.get("temperature", rx.DEFAULT_TEMPERATURE),
         "eos_id": list(stop_ids) or None,
         "pad_id": tok.pad_id,
         "num_samples": group_size,
+        **filters,
     }
     key_data = jax.numpy.stack([jax.random.key_data(k) for k in keys])
     out = _sample_all(models, tokens, mask, key_data, sampler)
@@ -81,6 +86,7 @@ def sample_members(
             stop_ids=stop_ids,
             stop_strings=tuple(stop_strings),
             temperature=float(sampler["temperature"]),
+            filters=filters,
         )
         rolls.append(finish_rollout(pending, tok))
     return rolls

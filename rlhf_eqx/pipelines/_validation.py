@@ -136,6 +136,11 @@ def validate_config(
     except ValueError as e:
         raise ConfigError(f"sampling.{e}") from None
     _at_least("sampling.slots", s.slots, 0)
+    _at_least("sampling.top_k", s.top_k, 0)
+    if not 0 < s.top_p <= 1:
+        _fail("sampling.top_p", s.top_p, "must be in (0, 1] (1: off)")
+    if not 0 <= s.min_p <= 1:
+        _fail("sampling.min_p", s.min_p, "must be in [0, 1] (0: off)")
     if not all(isinstance(x, str) and x for x in s.stop_strings):
         _fail("sampling.stop_strings", s.stop_strings, "must be non-empty strings")
     validate_ops(cfg.ops)

@@ -26,7 +26,7 @@ def help_sections(command: str, cfg: Any) -> tuple[str, ...]:
     if command == "pipeline":
         return tuple(k for k in config_to_dict(cfg) if dataclasses.is_dataclass(getattr(cfg, k)))
     st = get_stage(command)
-    data_file = cfg.data.path is not None or st.builtin is None
+    data_file = (cfg.data.path is not None and st.data is not None) or st.builtin is None
     run = (command,) if data_file else st.prerequisites(cfg)
     read = read_fields(cfg, run, data_file=data_file)
     sections = [k for k in read if dataclasses.is_dataclass(getattr(cfg, k))]
@@ -43,11 +43,8 @@ def config_help(command: str, cfg: Any = None) -> str:
     sections = help_sections(command, cfg)
     if command == "pipeline":
         where = ": every section (`--set stages=...` runs any stage)"
-    elif cfg.data.path is not None or get_stage(command).builtin is None:
-        where = f" on a data file (--data FILE): {command} alone"
     else:
-        stages = ", ".join(get_stage(command).prerequisites(cfg))
-        where = f" on the built-in task (stages {stages}; with --data FILE, {command} alone)"
+        where = _where(get_stage(command), cfg)
     lines = [
         f"usage: rlhf_eqx {command} [--data FILE] [--model SRC [--tokenizer FILE]] "
         "[--config FILE] [--set FIELD=VALUE ...] [--out DIR] [--resume | --overwrite] [--quiet]",
@@ -80,6 +77,18 @@ def config_help(command: str, cfg: Any = None) -> str:
         lines += ["", f"{name}: {doc}" if doc else f"{name}:"]
         walk(section, f"{name}.")
     return "\n".join(lines)
+
+
+def _where(st: Any, cfg: Any) -> str:
+    """The runs of the stage `st` that `config_help` describes: on a data file (`st.name`
+    alone), or on the built-in task with the stages it starts from, with or without a
+    data-file form (a stage without a `data` function is refused `--data FILE`)."""
+    if st.builtin is None or (cfg.data.path is not None and st.data is not None):
+        return f" on a data file (--data FILE): {st.name} alone"
+    stages = ", ".join(st.prerequisites(cfg))
+    if st.data is None:
+        return f" on the built-in task (stages {stages}; {st.name} does not run on a data file)"
+    return f" on the built-in task (stages {stages}; with --data FILE, {st.name} alone)"
 
 
 def _own_doc(cls: type) -> str:

@@ -114,8 +114,14 @@ def test_multiturn_sweep_refuses_an_untraceable_field_and_a_bad_environment(tmp_
         ({"dpo.beta": [0.1, 0.2, 0.1]}, "--grid dpo.beta: value 0.1 given twice"),
         ({"dpo.beta": [0.1, 0.1000]}, "--grid dpo.beta: value 0.1 given twice"),
         ({"dpo.beta": []}, "--grid dpo.beta: no values"),
-        ({"dpo.bta": [0.1]}, "--grid dpo.bta: unknown field; traceable: dpo.beta"),
-        ({"dpo.optim.learnin_rate": [0.1]}, "--grid dpo.optim.learnin_rate: unknown field"),
+        ({"dpo.bta": [0.1]}, "--grid dpo.bta: unknown field; did you mean dpo.beta? (traceable: "),
+        (
+            {"dpo.optim.learnin_rate": [0.1]},
+            "--grid dpo.optim.learnin_rate: unknown field; did you mean dpo.optim.learning_rate?",
+        ),
+        ({"dop.beta": [0.1]}, "--grid dop.beta: unknown field; did you mean dpo.beta?"),
+        ({"dpo.lr": [0.1]}, "--grid dpo.lr: unknown field; TRL's lr is dpo.optim.learning_rate"),
+        ({"dpo.xyz": [0.1]}, "--grid dpo.xyz: unknown field (traceable: dpo.beta, "),
     ],
 )
 def test_sweep_refuses_a_bad_grid_value_or_a_misspelt_field_naming_it(grid, needle, tmp_path):
@@ -141,6 +147,14 @@ def test_cli_sweep_refuses_a_repeated_grid_value_with_exit_status_2(tmp_path, ca
     assert code == 2
     err = capsys.readouterr().err
     assert "--grid dpo.beta: value 0.1 given twice" in err and err.count("\n") == 1
+
+
+def test_cli_sweep_suggests_the_traceable_field_of_a_misspelt_grid_field(tmp_path, capsys):
+    out = str(tmp_path / "s")
+    assert main(["sweep", "dpo", "--seeds", "1", "--out", out, "--grid", "dpo.bta=0.1,0.2"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: --grid dpo.bta: unknown field; did you mean dpo.beta? ("), line
+    assert not os.path.exists(out)
 
 
 def test_cli_sweep_refuses_callbacks_in_one_line(tmp_path, capsys):

@@ -14,7 +14,7 @@ import numbers
 from collections.abc import Iterable, Mapping, Sequence
 
 from ._config import ConfigError
-from ._config_io import apply_overrides
+from ._config_io import apply_overrides, near_miss
 
 TRACEABLE: dict[str, tuple[str, ...]] = {
     "dpo": ("beta", "label_smoothing", "optim.learning_rate"),
@@ -125,11 +125,22 @@ def _is_field(cfg, path: str) -> bool:
 _MISSING = object()
 
 
+def _grid_hint(path: str, section: str, allowed: Sequence[str], cfg) -> str:
+    """`"; did you mean dpo.beta?"` for an unknown grid field `path` close to a traceable
+    one of `section` (`allowed`), or TRL's name of one (`dpo.lr`, `dpo.learning_rate`:
+    `dpo.optim.learning_rate`), as `--set` suggests (`near_miss`); `""` when none is."""
+    head, _, rest = path.partition(".")
+    settings = getattr(cfg, section, None)
+    if head == section and rest and dataclasses.is_dataclass(settings):
+        return near_miss(rest, allowed, type(settings), prefix=section + ".")
+    return near_miss(path, [f"{section}.{f}" for f in allowed])
+
+
 def check_grid(stage: str, section: str, grid: Mapping[str, Sequence[float]], cfg=None) -> None:
     """Refuse (`ConfigError`) a grid field outside the stage's traceable fields, naming
-    it (an unknown one as such when `cfg`, the configuration, is given) and listing
-    those the sweep can vary; and values that are not a non-empty list of distinct
-    finite numbers."""
+    it (an unknown one as such when `cfg`, the configuration, is given, with the
+    traceable field it is close to: `_grid_hint`) and listing those the sweep can vary;
+    and values that are not a non-empty list of distinct finite numbers."""
     allowed = TRACEABLE.get(stage)
     if allowed is None:
         known = ", ".join(TRACEABLE)
@@ -139,7 +150,8 @@ def check_grid(stage: str, section: str, grid: Mapping[str, Sequence[float]], cf
         if field not in allowed:
             listed = ", ".join(f"{section}.{f}" for f in allowed)
             if cfg is not None and not _is_field(cfg, path):
-                raise ConfigError(f"--grid {path}: unknown field; traceable: {listed}")
+                hint = _grid_hint(path, section, allowed, cfg)
+                raise ConfigError(f"--grid {path}: unknown field{hint} (traceable: {listed})")
             raise ConfigError(
                 f"--grid {path}: not traceable in a sweep of {stage} (a field that changes "
                 f"shapes or control flow, or of another section); traceable: {listed}"

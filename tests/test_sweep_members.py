@@ -2,9 +2,13 @@
 order a resume must keep — checked without training (a data file whose one record is
 refused stops the sweep after it took its directory and opened its members' trackers)."""
 
+import json
+import os
+
 import pytest
 
 from rlhf_eqx import pipelines as pl
+from rlhf_eqx.__main__ import main
 
 
 class _Names(pl.trackers.Tracker):
@@ -67,3 +71,50 @@ def test_a_resume_with_the_grids_fields_in_another_order_is_refused_naming_them(
     )
     with pytest.raises(ValueError, match="bad.jsonl:1"):  # the stored order resumes
         _stopped_sweep(tmp_path, grid, resume=True)
+
+
+def _cli_stopped_sweep(tmp_path, capsys, settings: dict, *more: str) -> tuple[int, str]:
+    """`rlhf_eqx sweep dpo --config FILE` of `settings` on the file whose one record is
+    refused, resumed into `tmp_path / "s"`: the exit status and the error line."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "Once"}\n')
+    conf = tmp_path / "conf.json"
+    conf.write_text(json.dumps(settings))
+    (tmp_path / "s").mkdir(exist_ok=True)
+    argv = ["sweep", "dpo", "--data", str(bad), "--config", str(conf), "--seeds", "1"]
+    argv += ["--grid", "dpo.beta=0.1,0.2", "--out", str(tmp_path / "s"), "--quiet", *more]
+    code = main(argv)
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    return code, line
+
+
+def test_a_resume_compares_only_the_sections_the_swept_stage_reads(tmp_path, capsys):
+    code, line = _cli_stopped_sweep(tmp_path, capsys, {"kto": {"batch_size": 4}})
+    assert code == 1 and "bad.jsonl:1" in line  # stopped after it took the directory
+    # another stage's section (and, on a data file, `stages`) is not read: it resumes
+    other = {"kto": {"batch_size": 8}, "sft": {"steps": 7}, "stages": ["sft", "kto"]}
+    code, line = _cli_stopped_sweep(tmp_path, capsys, other, "--resume")
+    assert code == 1 and "bad.jsonl:1" in line, line
+    # what the sweep reads is still compared, naming the field (not the unread ones)
+    code, line = _cli_stopped_sweep(tmp_path, capsys, {**other, "dpo": {"steps": 3}}, "--resume")
+    assert code == 2 and "the resumed sweep differs from the stored one (dpo.steps: " in line
+    assert "kto" not in line and "sft.steps" not in line, line
+
+
+def test_a_resume_of_the_built_in_task_compares_the_prerequisites_sections(tmp_path):
+    # a sweep of dpo on the built-in task runs SFT first: its settings are read, KTO's
+    # are not (a stored spec as the sweep writes it, with both changed)
+    out = str(tmp_path / "s")
+    os.makedirs(out)
+    cfg = pl.animal_task_config()
+    spec = {"stage": "dpo", "grid": {}, "seeds": 1, **pl.config.config_to_dict(cfg)}
+    del spec["out"]
+    spec["stages"] = ["sft", "dpo"]
+    spec["sft"]["steps"] += 1
+    spec["kto"]["batch_size"] += 1
+    with open(os.path.join(out, "sweep.json"), "w") as f:
+        json.dump(spec, f)
+    with pytest.raises(pl.loop.RunDirError) as e:
+        pl.sweep("dpo", cfg, seeds=1, out=out, resume=True)
+    assert "differs from the stored one (sft.steps: " in str(e.value)
+    assert "kto" not in str(e.value)

@@ -4,7 +4,9 @@ program per step, with the run layer of a normal run per member (`sweep`, and
 
 Layout of the sweep directory `out`:
 
-- `sweep.json`: the stage, grid, seeds and configuration (a resume must match them);
+- `sweep.json`: the stage, grid, seeds and configuration (a resume must match them
+  in what the sweep reads, `read_fields` of the stages it runs: the sections of other
+  stages may differ);
 - `members/<name>/metrics.jsonl` and `summary.json` per member (`name` like
   `beta=0.1,seed=2`), `members/<name>/<stage>/hf/` with `export`;
 - `seeds/seed-<S>/`: the stages the built-in task runs first (SFT; for PPO the reward
@@ -44,7 +46,7 @@ import numpy as np
 
 from ._checkpoints import latest_checkpoint, restore_checkpoint, save_checkpoint
 from ._config import ConfigError
-from ._config_io import config_to_dict
+from ._config_io import config_to_dict, read_fields
 from ._loop_state import check_logged_steps
 from ._metrics import MetricsLog, drop_records
 from ._pipeline import (
@@ -142,8 +144,19 @@ def _spec(stage: str, grid: Mapping, seeds: int, cfg: PipelineConfig) -> dict:
     return {"stage": stage, "grid": {k: list(v) for k, v in grid.items()}, "seeds": seeds, **d}
 
 
-def _take_dir(out: str, spec: dict, resume: bool) -> bool:
-    """Check `out` for this sweep; write its spec. **Returns:** whether it resumes."""
+def _read_names(stage: str, cfg: PipelineConfig) -> tuple[str, ...]:
+    """The top-level names of `cfg` the sweep of `stage` reads (`read_fields`): on a data
+    file the stage alone (not `stages`), on the built-in task the stages of `cfg.stages`
+    (its prerequisites, `Stage.needs`); with the spec's own `stage`, `grid` and `seeds`."""
+    on_data = cfg.data.path is not None
+    read = read_fields(cfg, (stage,) if on_data else None, data_file=on_data)
+    return ("stage", "grid", "seeds", *(k for k in read if not (on_data and k == "stages")))
+
+
+def _take_dir(out: str, spec: dict, resume: bool, read: Sequence[str]) -> bool:
+    """Check `out` for this sweep; write its spec. A resumed sweep's spec must match the
+    stored one in the top-level names `read` (`_read_names`).
+    **Returns:** whether it resumes."""
     path = os.path.join(out, SWEEP_SPEC)
     if not os.path.isfile(path):
         other = "a run" if holds_run(out) else holds_runs(out)
@@ -159,12 +172,15 @@ def _take_dir(out: str, spec: dict, resume: bool) -> bool:
         old = json.load(f)
     if isinstance(old.get("ops"), dict):  # a spec written when these fields were kept
         old["ops"] = {k: v for k, v in old["ops"].items() if k not in _OPERATIONAL}
-    diff = config_changes(old, spec)
+    diff = config_changes(
+        {k: v for k, v in old.items() if k in read}, {k: v for k, v in spec.items() if k in read}
+    )
     if diff:
         named = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in diff)
         raise RunDirError(
             f"{path}: the resumed sweep differs from the stored one ({named}); only ops "
-            "fields of logging and checkpointing may change"
+            "fields of logging and checkpointing, and the sections of stages the sweep does "
+            "not run, may change"
         )
     before, now = list(old.get("grid") or {}), list(spec["grid"])
     if before != now:  # the members' names and their order on the stacked axis follow it
@@ -250,7 +266,7 @@ def sweep(
     say = (lambda *a: None) if cfg.ops.quiet else print
     # a sweep that stops before its first metrics (a bad record) leaves no directory
     with removed_if_nothing_ran(out), RunLock(out):
-        resumed = _take_dir(out, _spec(stage, grid, seeds, cfg), resume)
+        resumed = _take_dir(out, _spec(stage, grid, seeds, cfg), resume, _read_names(stage, cfg))
         with trying_once(), _member_trackers(cfg, members, out, resumed):
             return _sweep(stage, cfg, members, out, resumed, export, say, t0)
 

@@ -120,10 +120,13 @@ def run_iterations(
       iteration, `on_evaluate`, `on_checkpoint`, `on_stop`; they see a `RunHandle`
       (`policy_of(state)` gives its `policy()`). A stop a callback requests ends the run
       after that iteration with `stopped="callback"` and `stop_reason`, and writes a
-      checkpoint marked stopped (resuming returns at once). Their `state_dict()` goes
-      into every checkpoint and `load_state_dict` gets it back on resume. A hook that
-      raises stops the run: the last iteration whose hooks all completed is
-      checkpointed and `CallbackError` (its `checkpoint` set) is raised.
+      checkpoint marked stopped; resuming it continues training from that checkpoint
+      (a `resume` event says so), unless a later stage has step records in `log` after
+      this stage's: it trained on this stage's result, which then stays as it stopped
+      (`LoopCheckpoints.resume`). Their `state_dict()` goes into every checkpoint and
+      `load_state_dict` gets it back on resume. A hook that raises stops the run: the
+      last iteration whose hooks all completed is checkpointed and `CallbackError` (its
+      `checkpoint` set) is raised.
     - **Monitoring**: on the last step line of each iteration, `iteration_time_s`,
       `tokens_per_s`, `model_flops` (`flops_per_iteration`) and `mfu` (against
       `peak_flops`), device memory where the backend reports it, and

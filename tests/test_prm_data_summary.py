@@ -35,6 +35,7 @@ def test_prm_summary_counts_cut_prompts_and_dropped_steps(tmp_path, capsys):
         "prompt_truncated": n_long_prompt,
         "steps_dropped": n_long_step,
         "too_long": 0,
+        "truncated_records": prm["truncation"]["truncated_records"],
     }
     events = [
         json.loads(line)
@@ -46,6 +47,12 @@ def test_prm_summary_counts_cut_prompts_and_dropped_steps(tmp_path, capsys):
         n_long_prompt,
         n_long_step,
     )
+    # the first cut solutions named by their lines (one record a line, 1-based)
+    cut_lines = {i + 1 for i in long_prompt | long_step if records[i]["prompt"] in train}
+    named = prm["truncation"]["truncated_records"]
+    assert len(named) == min(5, len(cut_lines)) and set(named) <= cut_lines
+    assert event["truncated_records"] == ", ".join(map(str, named))
     (line,) = [x for x in capsys.readouterr().err.splitlines() if "truncation" in x]
+    assert "; first cut: records " in line
     assert line.startswith(f"[prm] truncation: {path}: {n_long_prompt} of {len(train)} prompts cut")
     assert "lost their later steps" in line and "prm.max_length" in line

@@ -112,6 +112,11 @@ class TokenizedPair:
     rejected: TokenizedSequence
 
 
+MAX_TRUNCATED_ROWS = 5
+"""How many cut records a `TokenizeReport` names (`truncated_rows`)."""
+_CUT_COUNTS = ("prompt_truncated", "completion_truncated")
+
+
 @dataclasses.dataclass
 class TokenizeReport:
     """What a tokenisation pass kept, cut and dropped (records, not sequences: a pair
@@ -126,6 +131,10 @@ class TokenizeReport:
     - `lengths`, `truncation`: the limits and policy applied; `eos`: whether completions
       end with EOS (a cut one loses it; else it loses its end, e.g. a template's
       end-of-turn text).
+    - `truncated_rows`: the indices (in the records tokenised, from 0) of the first
+      `MAX_TRUNCATED_ROWS` records with a cut prompt or completion, so that a log can
+      name them: a pass counts a record (`total += 1`) before its cuts, and a count of
+      cuts that grows notes the record counted last.
 
     `summary()` (also `str(report)`) puts the policy and the rates in one line, e.g.
     `"67% of prompts (2/3) were cut to 128 tokens (kept the end); ..."`.
@@ -140,6 +149,15 @@ class TokenizeReport:
     lengths: SequenceLengths | None = None
     truncation: str = "keep_end"
     eos: bool = True
+    truncated_rows: list[int] = dataclasses.field(default_factory=list)
+
+    def __setattr__(self, name: str, value) -> None:
+        rows = self.__dict__.get("truncated_rows")
+        if name in _CUT_COUNTS and rows is not None and value > self.__dict__.get(name, 0):
+            row = self.total - 1
+            if row >= 0 and row not in rows and len(rows) < MAX_TRUNCATED_ROWS:
+                rows.append(row)
+        super().__setattr__(name, value)
 
     @property
     def num_dropped(self) -> int:

@@ -324,26 +324,50 @@ def log_skipped(log: MetricsLog, report) -> None:
     )
 
 
-def log_truncation(log: MetricsLog, path, report, what: str, remedy: str) -> None:
+def log_truncation(
+    log: MetricsLog, path, report, what: str, remedy: str, numbers: Sequence | None = None
+) -> list[int]:
     """A `truncation` event (on stderr and in `metrics.jsonl`) when the tokeniser cut the
     prompt or the completion of any training record of the file `path` (`report`, a
     `data.TokenizeReport`; `what` says what befell a cut completion, `remedy` the settings that
-    give the records room), so that no cut goes unsaid; nothing otherwise."""
+    give the records room), so that no cut goes unsaid; nothing otherwise. The event names
+    the first cut records (`report.truncated_rows`) by their number in the file
+    (`numbers[row]`, 1-based in the order read, from `record_numbers`; without `numbers`,
+    the row among the records tokenised, 1-based), in the event's `truncated_records`
+    (comma-separated) and in the list returned (empty when nothing was cut)."""
     cut_prompts, cut_completions = report.prompt_truncated, report.completion_truncated
     if not (cut_prompts or cut_completions):
-        return
+        return []
     parts = []
     if cut_prompts:
         parts.append(f"{cut_prompts} of {report.total} prompts cut (their end kept)")
     if cut_completions:
         parts.append(f"{cut_completions} of {report.total} {what}")
+    rows = list(report.truncated_rows)
+    named = [numbers[i] if numbers is not None else i + 1 for i in rows]
+    named = [n for n in named if n is not None]
+    if named:
+        where = "of the file, in the order read" if numbers is not None else "tokenised"
+        parts.append(f"first cut: records {', '.join(map(str, named))} ({where})")
     log.event(
         "truncation",
         f"{path}: {'; '.join(parts)}; {remedy}",
         prompt_truncated=cut_prompts,
         completion_truncated=cut_completions,
         records=report.total,
+        truncated_records=", ".join(map(str, named)),
     )
+    return named
+
+
+def record_numbers(records: Sequence, raw: Sequence, rendered: Sequence) -> dict[int, int]:
+    """`{id(rendered[i]): n}`, `n` the 1-based position of `raw[i]` in `records` (the
+    file's records in the order read; `raw` a part of them, e.g. `split_records`'s
+    training side, and `rendered` the same records after `chat_records`), so that a later
+    report on the rendered records can name them in the file; a record not in `records`
+    is left out."""
+    at = {id(r): n for n, r in enumerate(records, start=1)}
+    return {id(new): at[id(old)] for old, new in zip(raw, rendered) if id(old) in at}
 
 
 def log_filter(log: MetricsLog, dc: DataConfig, counts: dict, total: int, kept, what: str):

@@ -19,7 +19,7 @@ from ..losses import KTO_LOSS_TYPES
 from ..train import KTOSettings
 from ._config import BatchStageConfig, DataConfig, LoRASettings, _optim
 from ._data_prep import (
-    chat_split,
+    chat_records,
     implicit_accuracy,
     is_preference_file,
     log_filter,
@@ -27,7 +27,9 @@ from ._data_prep import (
     log_truncation,
     prompt_tokens,
     quality_report,
+    record_numbers,
     refuse_other_filters,
+    split_records,
     trained_policy,
 )
 from ._field_checks import _above, _at_least, _choice, _fail
@@ -233,7 +235,8 @@ def kto_examples(env: StageEnv, c: KTOConfig) -> tuple[list, list, list | None]:
         pairs = data.load_preferences(path, cfg.data.format, **cfg.data.read_options())
         records = None
     source = records if records is not None else pairs
-    train, held = chat_split(env, source)
+    raw, held = split_records(source, cfg.data)
+    train, held = chat_records(env, raw), chat_records(env, held)
     env.summary["data_quality"] = {"skipped_by_reader": dict(source.report.skipped)}
     if pairs is not None:
         env.summary["data_quality"]["pairs"] = len(train) + len(held)
@@ -246,8 +249,9 @@ def kto_examples(env: StageEnv, c: KTOConfig) -> tuple[list, list, list | None]:
         log_skipped(ctx.log, source.report)  # a preference file's is in its quality report
         if cfg.data.filter:
             train = _filter_unpaired(train, tok, cfg.data, s.prompt_length, ctx.log)
+        numbers = record_numbers(source, raw, train)
         env.summary["truncation"] = _unpaired_truncation(
-            train, tok, c.max_length, s.prompt_length, ctx.log, path
+            train, tok, c.max_length, s.prompt_length, ctx.log, path, numbers
         )
     _check_kto_split(cfg.data, train, held)
     note = _one_kind_held_out(cfg.data, held)
@@ -264,27 +268,37 @@ def kto_examples(env: StageEnv, c: KTOConfig) -> tuple[list, list, list | None]:
 
 
 def _unpaired_truncation(
-    records: list, tok, max_length: int, prompt_length: int, log: MetricsLog, path
+    records: list,
+    tok,
+    max_length: int,
+    prompt_length: int,
+    log: MetricsLog,
+    path,
+    numbers: dict[int, int],
 ) -> dict:
     """`summary["truncation"]` of an unpaired file's training examples, as a preference
     file's: how many prompts (cut to `prompt_length`, their end kept) and completions
     (cut to `max_length`) the tokeniser cut, as `collate_unpaired_records` cuts them; a
-    `truncation` event when any was (`log_truncation`)."""
+    `truncation` event when any was (`log_truncation`), naming the first cut examples by
+    their number in the file (`numbers`: `record_numbers` of the examples;
+    `truncated_records`)."""
     _, report = data.tokenize_unpaired(
         records, tok, max_length=max_length, max_prompt_length=prompt_length, add_eos=False
     )
-    log_truncation(
+    named = log_truncation(
         log,
         path,
         report,
         f"completions cut (their end lost, to fit kto.max_length={max_length})",
         f"raise sampling.prompt_length={prompt_length} or kto.max_length, or leave the long "
         "prompts out with data.filter=long_prompt",
+        [numbers.get(id(r)) for r in records],
     )
     return {
         "records": report.total,
         "prompt_truncated": report.prompt_truncated,
         "completion_truncated": report.completion_truncated,
+        "truncated_records": named,
         "policy": report.summary(),
     }
 

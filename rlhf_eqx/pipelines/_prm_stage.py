@@ -15,7 +15,13 @@ from rlhf_eqx import data
 from ..losses import PRM_AGGREGATIONS
 from ..train import PRM_SCORES
 from ._config import BatchStageConfig
-from ._data_prep import chat_rendering, log_skipped, log_truncation, split_records
+from ._data_prep import (
+    chat_rendering,
+    log_skipped,
+    log_truncation,
+    record_numbers,
+    split_records,
+)
 from ._field_checks import _choice, _fail
 from ._lr_scale import build_optimizer
 from ._registry import Outcome, Stage, StageEnv, register_stage
@@ -115,28 +121,32 @@ def prm_on_data(cfg, policy, tok, ctx: RunContext, summary: dict, say, split) ->
     of the training solutions, those whose prompt was cut (its end kept), those whose
     later steps did not fit `prm.max_length` and were dropped with their labels
     (`steps_dropped`), and those with no step that fits (`too_long`, left out), with a
-    `truncation` event when any prompt was cut or step dropped (and a `skipped_records`
+    `truncation` event when any prompt was cut or step dropped, naming the first of them
+    by their number in the file (`truncated_records`; and a `skipped_records`
     event naming the lines the reader left out, e.g. a solution without steps). Both
     sides are tokenised before training, so a held-out side none of whose solutions fits
     is refused before any step."""
     records = data.load_stepwise(cfg.data.path, **cfg.data.read_options())
     log_skipped(ctx.log, records.report)
-    train, held = split(records)
+    raw, held = split(records)
+    train = raw
     rendering = chat_rendering(tok, cfg.data)
     if rendering is not None:
-        train, held = rendering.records(train), rendering.records(held)
+        train, held = rendering.records(raw), rendering.records(held)
         summary["chat_template"] = cfg.data.chat_template
+    numbers = record_numbers(records, raw, train)
     say(f"prm: {len(train)} training / {len(held)} held-out solutions")
     validate_stage("prm", cfg.prm)
     full, report = stepwise_batch(train, tok, cfg.prm, ctx.prompt_length)
     held_batch, _ = stepwise_batch(held, tok, cfg.prm, ctx.prompt_length)  # before training
-    log_truncation(
+    named = log_truncation(
         ctx.log,
         cfg.data.path,
         report,
         f"solutions lost their later steps (dropped with their labels, to fit prm.max_length="
         f"{cfg.prm.max_length})",
         f"raise sampling.prompt_length={ctx.prompt_length} or prm.max_length",
+        [numbers.get(id(r)) for r in train],
     )
     res = _train_prm(policy, full, cfg=cfg.prm, ctx=ctx)
     labels = np.asarray(held_batch.step_labels)[np.asarray(held_batch.step_mask)]
@@ -151,6 +161,7 @@ def prm_on_data(cfg, policy, tok, ctx: RunContext, summary: dict, say, split) ->
             "prompt_truncated": report.prompt_truncated,
             "steps_dropped": report.completion_truncated,
             "too_long": report.dropped.get("too long", 0),
+            "truncated_records": named,
         },
     }
     return res

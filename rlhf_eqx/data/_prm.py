@@ -213,7 +213,7 @@ def tokenize_stepwise(
         cut = _cut_prompt(ids, lengths.max_prompt_length, truncation="keep_end", add_bos=add_bos)
         if cut is not None:
             ids = cut
-            report.prompt_truncated += 1
+            report.note_cut(prompt=True)
         room = lengths.completion_room(len(ids))
         tokens, ends, kept = list(ids), [], []
         for step, label in zip(steps, labels):
@@ -227,7 +227,7 @@ def tokenize_stepwise(
             report.drop("too long")
             continue
         if len(kept) < len(steps):
-            report.completion_truncated += 1
+            report.note_cut(completion=True)
         if last_step_only:
             ends, kept = ends[-1:], kept[-1:]
         report.kept += 1

@@ -165,8 +165,7 @@ def _tokenize(
             report.drop(str(e))
             continue
         report.kept += 1
-        report.prompt_truncated += flags[0]
-        report.completion_truncated += flags[1]
+        report.note_cut(prompt=flags[0], completion=flags[1])
         report.boundary_merged += merged
         out.append(built)
     return out, report
@@ -341,7 +340,7 @@ def tokenize_prompts(
             continue
         if cut is not None:
             ids = cut
-            report.prompt_truncated += 1
+            report.note_cut(prompt=True)
         if not ids:
             report.drop("empty prompt")
             continue

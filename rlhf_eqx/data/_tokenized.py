@@ -114,7 +114,6 @@ class TokenizedPair:
 
 MAX_TRUNCATED_ROWS = 5
 """How many cut records a `TokenizeReport` names (`truncated_rows`)."""
-_CUT_COUNTS = ("prompt_truncated", "completion_truncated")
 
 
 @dataclasses.dataclass
@@ -133,8 +132,7 @@ class TokenizeReport:
       end-of-turn text).
     - `truncated_rows`: the indices (in the records tokenised, from 0) of the first
       `MAX_TRUNCATED_ROWS` records with a cut prompt or completion, so that a log can
-      name them: a pass counts a record (`total += 1`) before its cuts, and a count of
-      cuts that grows notes the record counted last.
+      name them: a pass counts a record (`total += 1`) before its cuts (`note_cut`).
 
     `summary()` (also `str(report)`) puts the policy and the rates in one line, e.g.
     `"67% of prompts (2/3) were cut to 128 tokens (kept the end); ..."`.
@@ -151,13 +149,16 @@ class TokenizeReport:
     eos: bool = True
     truncated_rows: list[int] = dataclasses.field(default_factory=list)
 
-    def __setattr__(self, name: str, value) -> None:
-        rows = self.__dict__.get("truncated_rows")
-        if name in _CUT_COUNTS and rows is not None and value > self.__dict__.get(name, 0):
-            row = self.total - 1
-            if row >= 0 and row not in rows and len(rows) < MAX_TRUNCATED_ROWS:
+    def note_cut(self, prompt: bool = False, completion: bool = False) -> None:
+        """Count a cut `prompt` and / or `completion` of the record counted last
+        (`total - 1`), and name that record in `truncated_rows` (the first
+        `MAX_TRUNCATED_ROWS` cut records)."""
+        self.prompt_truncated += bool(prompt)
+        self.completion_truncated += bool(completion)
+        row, rows = self.total - 1, self.truncated_rows
+        if (prompt or completion) and row >= 0 and row not in rows:
+            if len(rows) < MAX_TRUNCATED_ROWS:
                 rows.append(row)
-        super().__setattr__(name, value)
 
     @property
     def num_dropped(self) -> int:

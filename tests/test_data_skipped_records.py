@@ -43,3 +43,16 @@ def test_the_lines_the_reader_left_out_are_named(tmp_path, capsys, stage):
     summary = json.loads((out / "summary.json").read_text())
     skipped = (summary["data_quality"] if stage == "kto" else summary["prm"])["skipped_by_reader"]
     assert skipped == {reason: 1}
+
+
+def test_eval_prompts_zero_samples_no_held_out_completions(tmp_path):
+    """`data.eval_prompts=0` is none, as the setting says: the run samples no held-out
+    completion (`sampled.prompts` 0, no NLL or KL of samples)."""
+    rows = [{"prompt": f"Tom {i}", "completion": " ran.", "label": bool(i % 2)} for i in range(12)]
+    out = tmp_path / "run"
+    argv = ["kto", "--data", _write(tmp_path / "rows.jsonl", rows), "--out", str(out), "--quiet"]
+    argv += ["--set", "kto.steps=1", "--set", "data.heldout_fraction=0.3"]
+    argv += ["--set", "ops.monitor=false", "--set", "data.eval_prompts=0"]
+    assert main(argv) == 0
+    sampled = json.loads((out / "summary.json").read_text())["kto"]["sampled"]
+    assert sampled["prompts"] == 0 and "base_nll_after" not in sampled, sampled

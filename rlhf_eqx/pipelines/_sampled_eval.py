@@ -105,8 +105,8 @@ def sampled_comparison(
 
 def heldout_samples(env, before, after, held: Sequence, reuse: dict | None = None) -> dict:
     """`sampled_comparison` of a stage's run (`env`: its `StageEnv`) on the prompts of
-    its held-out records (`data.eval_prompts` of them), with the key `ops.seed + 1`
-    (`reuse`: as there)."""
+    its held-out records (`data.eval_prompts` of them; 0: none, nothing is sampled and
+    the result holds `prompts: 0`), with the key `ops.seed + 1` (`reuse`: as there)."""
     key = jax.random.key(env.cfg.ops.seed + 1)
-    prompts = [r.prompt for r in held]
+    prompts = [r.prompt for r in held] if env.cfg.data.eval_prompts else []
     return sampled_comparison(before, after, env.tok, prompts, key, env.cfg, reuse=reuse)

@@ -9,7 +9,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, PRNGKeyArray, Shaped
+from jaxtyping import Array, Float, Float32, PRNGKeyArray, Shaped
 
 from .._sampling import DEFAULT_TEMPERATURE
 from ._rollout import Rollout, sample_rollout, token_logps
@@ -147,7 +147,7 @@ def evaluate_policy(
     min_p: float = 0.0,
     stop_strings: Sequence[str] = (),
     slots: int = 0,
-) -> tuple[dict, Rollout, np.ndarray]:
+) -> tuple[dict, Rollout, Float32[np.ndarray, " N"]]:
     """Sample `samples` completions per held-out prompt and measure them.
 
     **Returns:** `(metrics, rollout, scores)`; metrics: `score` (mean scorer value) and

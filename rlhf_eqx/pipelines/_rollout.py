@@ -14,7 +14,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Float32, Int, PRNGKeyArray
 
 import rlhf_eqx as rx
 from rlhf_eqx import data
@@ -283,7 +283,7 @@ def _reward_value(value: object, name: str, row: int, group_size: int) -> float:
 
 def score_rollout(
     rollout: Rollout, reward_fns: Sequence[RewardFunction]
-) -> tuple[np.ndarray, dict[str, float]]:
+) -> tuple[Float32[np.ndarray, " B"], dict[str, float]]:
     """Weighted sum of `reward_fns` on each completion: `(rewards [B], metrics)` with the
     mean of each named reward (`reward/<name>`).
 
@@ -315,7 +315,7 @@ def score_rollout(
     return total, metrics
 
 
-def group_signal(rewards: np.ndarray, group_size: int) -> float:
+def group_signal(rewards: Float[Array | np.ndarray, " B"], group_size: int) -> float:
     """`frac_reward_zero_std`: the fraction of groups whose rewards are all equal (their
     group-relative advantages are 0: no learning signal)."""
     groups = np.asarray(rewards).reshape(-1, group_size)

@@ -18,7 +18,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import PRNGKeyArray
+from jaxtyping import Int, PRNGKeyArray
 
 import rlhf_eqx as rx
 from rlhf_eqx import data
@@ -228,7 +228,7 @@ def final_policy(model):
     return rx.merge_lora(model)
 
 
-def rows_at(n: int, batch_size: int, seed: int, i: int) -> np.ndarray:
+def rows_at(n: int, batch_size: int, seed: int, i: int) -> Int[np.ndarray, " batch"]:
     """Row indices of batch `i` of shuffled epochs over `n` rows (`epoch_permutation`);
     with fewer than `batch_size` rows, rows repeat (fixed shapes)."""
     if n < batch_size:

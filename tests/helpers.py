@@ -22,6 +22,7 @@ __all__ = [
     "assert_updates_agree",
     "random_gguf_weight",
     "signal_when",
+    "TallyEnv",
     "tree_allclose",
     "two_turn_rollout",
 ]
@@ -384,3 +385,27 @@ def quadratic_iteration(opt, fail_at=None, steps_per_iteration=1):
         return state, metrics, {}
 
     return iteration
+
+
+class TallyEnv(rx.envs.Environment):
+    """Two turns: a fixed question (" Then what?") after the first; the second turn's
+    reward is the sum of its ids modulo 5 (varied rewards, so every round has pairs)."""
+
+    question: jax.Array
+    stop_ids: tuple[int, ...] = eqx.field(static=True)
+    max_observation_tokens: int = eqx.field(static=True)
+
+    def __init__(self, tok):
+        self.question = jnp.asarray(tok.encode(" Then what?"), jnp.int32)
+        self.stop_ids = (tok.eos_id,)
+        self.max_observation_tokens = int(self.question.shape[0])
+
+    def reset(self, key, prompt, prompt_mask):
+        empty = jnp.zeros_like(self.question)
+        return jnp.zeros((), jnp.int32), empty, jnp.zeros(empty.shape, bool)
+
+    def step(self, state, completion, completion_mask):
+        total = jnp.sum(jnp.where(completion_mask, completion, 0))
+        reward = jnp.where(state == 1, (total % 5).astype(jnp.float32), 0.0)
+        mask = jnp.ones(self.question.shape, bool)
+        return state + 1, self.question, mask, reward, state >= 1

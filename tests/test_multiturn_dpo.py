@@ -4,12 +4,11 @@ over the policy's own tokens only, a short run that resumes exactly, and the
 
 import json
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import two_turn_rollout
+from helpers import TallyEnv, two_turn_rollout
 from hypothesis import given, strategies as st
 
 import rlhf_eqx as rx
@@ -150,33 +149,9 @@ def test_pairs_of_a_real_rollout_score_the_policy_tokens_only():
     np.testing.assert_allclose(float(m["loss/nll"]), cfg.rpo_alpha * nll, rtol=1e-4)
 
 
-class _Tally(rx.envs.Environment):
-    """Two turns: a fixed question after the first; the second turn's reward is the sum
-    of its ids modulo 5 (varied rewards, so every round has pairs)."""
-
-    question: jax.Array
-    stop_ids: tuple[int, ...] = eqx.field(static=True)
-    max_observation_tokens: int = eqx.field(static=True)
-
-    def __init__(self, tok):
-        self.question = jnp.asarray(tok.encode(" Then what?"), jnp.int32)
-        self.stop_ids = (tok.eos_id,)
-        self.max_observation_tokens = int(self.question.shape[0])
-
-    def reset(self, key, prompt, prompt_mask):
-        empty = jnp.zeros_like(self.question)
-        return jnp.zeros((), jnp.int32), empty, jnp.zeros(empty.shape, bool)
-
-    def step(self, state, completion, completion_mask):
-        total = jnp.sum(jnp.where(completion_mask, completion, 0))
-        reward = jnp.where(state == 1, (total % 5).astype(jnp.float32), 0.0)
-        mask = jnp.ones(self.question.shape, bool)
-        return state + 1, self.question, mask, reward, state >= 1
-
-
 def test_run_multiturn_dpo_is_finite_and_resumes_exactly(tmp_path, monkeypatch):
     policy, tok = pl.tools.load_model("builtin")
-    env = _Tally(tok)
+    env = TallyEnv(tok)
     prompts = ["Once upon a time", "One day, a little", "Tom and Sue", "The sun was"]
     cfg = MultiturnDPOConfig(
         rounds=2, prompts_per_round=2, samples=3, turn_tokens=4, steps=2, batch_size=2

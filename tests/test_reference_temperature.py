@@ -4,13 +4,11 @@ stages temper the reference's logits by `sampling.temperature` as the policy's a
 (TRL's GRPO and PPO do so), so a policy that starts as its reference starts at KL 0 at
 any temperature, not at the KL between the tempered and the untempered model."""
 
-import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import TallyEnv
 
-import rlhf_eqx as rx
 from rlhf_eqx import pipelines as pl
 from rlhf_eqx.pipelines.runs import run_multiturn_dpo
 
@@ -41,36 +39,12 @@ def test_grpo_starts_at_kl_zero_at_any_sampling_temperature(tmp_path, temperatur
     assert abs(first["kl"]) < 1e-6 and abs(first["rollout/kl"]) < 1e-5, first
 
 
-class _Tally(rx.envs.Environment):
-    """Two turns: a fixed question after the first; the second turn's reward is the sum
-    of its ids modulo 5."""
-
-    question: jax.Array
-    stop_ids: tuple[int, ...] = eqx.field(static=True)
-    max_observation_tokens: int = eqx.field(static=True)
-
-    def __init__(self, tok):
-        self.question = jnp.asarray(tok.encode(" Then what?"), jnp.int32)
-        self.stop_ids = (tok.eos_id,)
-        self.max_observation_tokens = int(self.question.shape[0])
-
-    def reset(self, key, prompt, prompt_mask):
-        empty = jnp.zeros_like(self.question)
-        return jnp.zeros((), jnp.int32), empty, jnp.zeros(empty.shape, bool)
-
-    def step(self, state, completion, completion_mask):
-        total = jnp.sum(jnp.where(completion_mask, completion, 0))
-        reward = jnp.where(state == 1, (total % 5).astype(jnp.float32), 0.0)
-        mask = jnp.ones(self.question.shape, bool)
-        return state + 1, self.question, mask, reward, state >= 1
-
-
 def test_multiturn_dpo_kl_guard_starts_at_zero_at_a_sampling_temperature(tmp_path):
     policy, tok = pl.tools.load_model("builtin")
     cfg = pl.MultiturnDPOConfig(
         rounds=1, prompts_per_round=2, samples=3, turn_tokens=4, steps=1, batch_size=2
     )
     ctx = _ctx(tmp_path, "multiturn-dpo", 0.5)
-    res = run_multiturn_dpo(policy, tok, _PROMPTS, _Tally(tok), cfg=cfg, ctx=ctx)
+    res = run_multiturn_dpo(policy, tok, _PROMPTS, TallyEnv(tok), cfg=cfg, ctx=ctx)
     (end,) = [r for r in res.history if "rollout/kl" in r]
     assert abs(end["rollout/kl"]) < 1e-5 and np.isfinite(end["loss"]), end

@@ -22,6 +22,7 @@ __all__ = [
     "assert_updates_agree",
     "random_gguf_weight",
     "signal_when",
+    "tiny_policies",
     "TallyEnv",
     "tree_allclose",
     "two_turn_rollout",
@@ -409,3 +410,18 @@ class TallyEnv(rx.envs.Environment):
         reward = jnp.where(state == 1, (total % 5).astype(jnp.float32), 0.0)
         mask = jnp.ones(self.question.shape, bool)
         return state + 1, self.question, mask, reward, state >= 1
+
+
+def tiny_policies(vocab_size: int, *seeds: int) -> tuple:
+    """One tiny random `Policy` per seed (d_model 16, 1 layer, 2/1 heads, context 48):
+    e.g. a student and a teacher of the same vocabulary."""
+    cfg = rx.TransformerConfig(
+        vocab_size=vocab_size,
+        d_model=16,
+        n_layers=1,
+        n_heads=2,
+        n_kv_heads=1,
+        d_ff=32,
+        max_seq_len=48,
+    )
+    return tuple(rx.Policy(cfg, key=jax.random.key(s)) for s in seeds)

@@ -6,6 +6,7 @@ rows' own completion tokens); `lmbda` 0 and 1 are all of one kind."""
 import jax
 import numpy as np
 import pytest
+from helpers import tiny_policies
 
 import rlhf_eqx as rx
 from rlhf_eqx import data, pipelines as pl
@@ -16,16 +17,7 @@ _RECORDS = [("Once upon a time", " a dog ran far away."), ("The cat", " sat on a
 
 def _run(tmp_path, lmbda: float, steps: int):
     tok = data.load_tokenizer(asset_path("tok512.bin"))
-    cfg = rx.TransformerConfig(
-        vocab_size=tok.vocab_size,
-        d_model=16,
-        n_layers=1,
-        n_heads=2,
-        n_kv_heads=1,
-        d_ff=32,
-        max_seq_len=48,
-    )
-    student, teacher = rx.Policy(cfg, key=jax.random.key(0)), rx.Policy(cfg, key=jax.random.key(1))
+    student, teacher = tiny_policies(tok.vocab_size, 0, 1)
     seqs, _ = data.tokenize_sft(_RECORDS, tok, max_length=24, max_prompt_length=8, add_eos=False)
     b = data.collate_sft(seqs, max_length=24, pad_id=tok.pad_id)
     batch = rx.train.DistillBatch(b.tokens, b.mask, b.completion_mask)

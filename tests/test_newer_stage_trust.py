@@ -20,6 +20,7 @@ import numpy as np
 import optax
 import pytest
 import safetensors.numpy
+from helpers import tiny_policies
 from jaxtyping import TypeCheckError
 
 import rlhf_eqx as rx
@@ -471,16 +472,7 @@ def test_the_distillation_stage_samples_at_its_temperature_and_computes_the_loss
     tmp_path,
 ):
     tok = data.load_tokenizer(asset_path("tok512.bin"))
-    cfg = rx.TransformerConfig(
-        vocab_size=tok.vocab_size,
-        d_model=16,
-        n_layers=1,
-        n_heads=2,
-        n_kv_heads=1,
-        d_ff=32,
-        max_seq_len=48,
-    )
-    student, teacher = rx.Policy(cfg, key=jax.random.key(0)), rx.Policy(cfg, key=jax.random.key(1))
+    student, teacher = tiny_policies(tok.vocab_size, 0, 1)
     records = [("Once upon a time", " a dog ran."), ("The cat", " sat on a mat.")] * 2
     seqs, _ = data.tokenize_sft(records, tok, max_length=24, max_prompt_length=8, add_eos=False)
     b = data.collate_sft(seqs, max_length=24, pad_id=tok.pad_id)

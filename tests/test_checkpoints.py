@@ -814,15 +814,21 @@ def test_hf_bad_tensor_names_the_shard_that_holds_it(tmp_path, getkey):
         load_hf(tmp_path)
 
 
-def test_hf_truncated_file_names_the_tensor_it_ends_in(tmp_path):
-    """A safetensors file cut short: one line naming the file and the first tensor whose
-    data runs past its end (or the header, when that is cut)."""
+def _llama_safetensors(tmp_path):
+    """A small Llama checkpoint written to `tmp_path`: `(its weights file, the file's
+    bytes, the header's length, the header)`."""
     c = _hf_config("LlamaForCausalLM")
     _write_hf(tmp_path, c, _hf_tensors(np.random.default_rng(5), c))
     weights = tmp_path / "model.safetensors"
     whole = weights.read_bytes()
     n = int.from_bytes(whole[:8], "little")
-    header = json.loads(whole[8 : 8 + n])
+    return weights, whole, n, json.loads(whole[8 : 8 + n])
+
+
+def test_hf_truncated_file_names_the_tensor_it_ends_in(tmp_path):
+    """A safetensors file cut short: one line naming the file and the first tensor whose
+    data runs past its end (or the header, when that is cut)."""
+    weights, whole, n, header = _llama_safetensors(tmp_path)
     ends = {k: 8 + n + v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"}
     weights.write_bytes(whole[:-100])
     cut = min((e, k) for k, e in ends.items() if e > len(whole) - 100)[1]  # the file ends in it
@@ -850,12 +856,7 @@ def test_hf_truncated_file_names_the_tensor_it_ends_in(tmp_path):
 def test_hf_header_that_disagrees_with_a_tensor_names_it(tmp_path, change, message):
     """A safetensors header whose entry for a tensor has an unknown dtype, or a shape and
     dtype that do not fill its bytes: one line naming the file and the tensor."""
-    c = _hf_config("LlamaForCausalLM")
-    _write_hf(tmp_path, c, _hf_tensors(np.random.default_rng(5), c))
-    weights = tmp_path / "model.safetensors"
-    whole = weights.read_bytes()
-    n = int.from_bytes(whole[:8], "little")
-    header = json.loads(whole[8 : 8 + n])
+    weights, whole, n, header = _llama_safetensors(tmp_path)
     name = "model.layers.1.self_attn.k_proj.weight"
     assert header[name]["shape"] == [16, 24] and header[name]["dtype"] == "F32"
     header[name].update(change)

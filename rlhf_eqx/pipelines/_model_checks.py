@@ -2,8 +2,10 @@
 and without loading weights: the sizes come from a checkpoint's header
 (`config.json`, a llama2.c header), the tokenizer file is read on its own.
 
-- a multi-turn episode (prompt, every turn, the questions between) fits the model's
-  `max_seq_len`, named by the user's fields (`multiturn.turn_tokens`, ...);
+- every length of model input the run reads (a stage's `max_length`, a sampled
+  `sampling.prompt_length + sampling.max_new_tokens`) fits the model's context
+  `max_seq_len` (`check_context`), and a multi-turn episode (prompt, every turn, the
+  questions between) fits it too, named by the user's fields (`multiturn.turn_tokens`, ...);
 - a judge's verdicts (`judge.yes`, `judge.no`) are single, different tokens of the
   tokenizer it reads with, and a judge checkpoint shares the policy's vocabulary;
 - a distillation teacher's checkpoint shares the student's vocabulary.
@@ -12,6 +14,7 @@ and without loading weights: the sizes come from a checkpoint's header
 import functools
 import json
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from ._config import ConfigError
@@ -32,6 +35,8 @@ def _header_sizes(source: str) -> tuple[int, int] | None:
     if source.lower().endswith(".gguf"):
         return None  # its metadata takes seconds to parse: `load_model` checks it
     if os.path.isdir(source):
+        base = getattr(_pipeline, "_adapter_base", None)  # a PEFT adapter: its base's sizes
+        source = (base(source) if base is not None else None) or source
         path = os.path.join(source, "config.json")
         if not os.path.isfile(path):
             raise ValueError(f"{source}: no config.json (not a Hugging Face checkpoint directory)")
@@ -79,6 +84,36 @@ def run_tokenizer(cfg: Any) -> tuple[Any, str] | None:
         return _read_tokenizer(path, os.stat(path).st_mtime_ns), path
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.tokenizer={m.tokenizer!r}: {str(e).splitlines()[0]}") from None
+
+
+def check_context(
+    cfg: Any, lengths: Sequence[tuple[str, int]], max_seq_len: int | None = None
+) -> None:
+    """Refuse the `lengths` a run reads (`(settings, tokens)`: `("kto.max_length", 1024)`,
+    `("sampling.prompt_length=32 + sampling.max_new_tokens=600", 632)`) that exceed the
+    model's context `max_seq_len` (by default read from the header of `model.source`;
+    not for a GGUF file or a header that cannot be read: checked once it is loaded):
+    one `ConfigError` line naming each, its value, the context and the model
+    (`model.source`, as given). Positions past `max_seq_len` are ones the model's rotary
+    embedding was not trained on, and the sampler refuses them only after training."""
+    if max_seq_len is None:
+        try:
+            sizes = model_sizes("model.source", cfg.model.source)
+        except ConfigError:  # an unreadable header: loading the model names what is wrong
+            return
+        if sizes is None:
+            return
+        max_seq_len = sizes[1]
+    over = [(what, n) for what, n in lengths if n > max_seq_len]
+    if not over:
+        return
+    named = " and ".join(f"{what}{' = ' if '+' in what else '='}{n}" for what, n in over)
+    verb = "exceeds" if len(over) == 1 else "exceed"
+    raise ConfigError(
+        f"{named} {verb} the context of the model {cfg.model.source!r} (model.source, "
+        f"--model): max_seq_len={max_seq_len} tokens; lower "
+        f"{'it' if len(over) == 1 else 'them'} or use a model with a longer context"
+    )
 
 
 def _vocab(field: str, source: str) -> int | None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from ._config import BatchStageConfig, DataConfig, LoRASettings, RolloutStageConfig
 from ._field_checks import _fail, check_shared_fields, check_unused
-from ._model_checks import check_judge
+from ._model_checks import check_context, check_judge
 from ._pipeline_config import (
     TASK_STAGE_SETTINGS,
     PipelineConfig,
@@ -167,12 +167,58 @@ def _check_rewards(cfg: Any, key: str, c: Any, run: tuple[str, ...]) -> bool:
     return False
 
 
+HELDOUT_SAMPLING_STAGES: tuple[str, ...] = ("sft", "dpo", "kto")
+"""The data-file stages that sample `sampling.max_new_tokens` tokens only for their
+held-out completions (`data.eval_prompts` of them; 0: none); `ppo` and `grpo` sample
+their rollouts, `distill` its on-policy completions (`distill.lmbda > 0`)."""
+
+
+def samples_completions(cfg: Any, run: tuple[str, ...]) -> bool:
+    """Whether a run of the stages `run` samples completions of `sampling.prompt_length +
+    sampling.max_new_tokens` tokens: always on the built-in task (its SFT samples the base
+    model); on a data file a stage that samples (not `UNSAMPLING_STAGES`), the
+    `HELDOUT_SAMPLING_STAGES` when `data.eval_prompts > 0` (`sft` on language-modelling
+    text has no prompt: none), `distill` when `distill.lmbda > 0`."""
+    if cfg.data.path is None:
+        return True
+    for name in run:
+        if name in UNSAMPLING_STAGES:
+            continue
+        if name in HELDOUT_SAMPLING_STAGES:
+            text = name == "sft" and cfg.data.format == "text"
+            if cfg.data.eval_prompts > 0 and not text:
+                return True
+        elif name != "distill" or cfg.distill.lmbda > 0:
+            return True
+    return False
+
+
+def read_lengths(cfg: Any, run: tuple[str, ...]) -> list[tuple[str, int]]:
+    """The lengths of model input a run of the stages `run` reads, `(settings, tokens)`:
+    each running section's `max_length` (where it reads one) and, when it samples
+    (`samples_completions`), `sampling.prompt_length + sampling.max_new_tokens`; each
+    must fit the model's context (`check_context`). A multi-turn episode's length is
+    its stage's own check (`check_episode_length`)."""
+    lengths = []
+    for key in dict.fromkeys(find_stage(st).key for st in run):
+        c = getattr(cfg, key)
+        if isinstance(c, BatchStageConfig) and "max_length" not in _unused(c):
+            lengths.append((f"{key}.max_length", c.max_length))
+    if samples_completions(cfg, run):
+        s = cfg.sampling
+        what = f"sampling.prompt_length={s.prompt_length} + "
+        what += f"sampling.max_new_tokens={s.max_new_tokens}"
+        lengths.append((what, s.prompt_length + s.max_new_tokens))
+    return lengths
+
+
 def validate_run(cfg: Any, run: tuple[str, ...], *, device_count: int = 1) -> None:
     """Check the stages `run` of `cfg` (see `run_stages`): each registered stage's own
     fields (`validate_stage`), then what the stages that run combine with other sections
     (a batch above the prompt length, the reward source and the judge, each stage's
-    `check_run`: the teacher, a multi-turn episode's length); `ConfigError` naming the
-    first bad field."""
+    `check_run`: the teacher, a multi-turn episode's length; every length the run reads
+    within the model's context, `read_lengths`); `ConfigError` naming the first bad
+    field."""
     from ._validation import validate_judge
 
     _check_stages(cfg, run)
@@ -196,6 +242,7 @@ def validate_run(cfg: Any, run: tuple[str, ...], *, device_count: int = 1) -> No
         st = find_stage(name)
         if st.check_run is not None:
             st.check_run(cfg, run)
+    check_context(cfg, read_lengths(cfg, run))
     check_unread(cfg, run, uses_judge)
     if uses_judge:
         validate_judge(cfg.judge)

@@ -471,7 +471,7 @@ def test_a_stop_string_inside_a_token_ends_the_text_where_it_begins(server, clie
         assert c.text == ", there w" and c.finish_reason == "stop"
         kept = c.model_extra["token_ids"]
         assert kept == want[: len(kept)] and tok.decode(ids + kept)[len(STORY) :] == ", there"
-        assert r.usage.completion_tokens == len(kept)
+        assert r.usage.completion_tokens == len(kept) + 1  # " was", the stop string's, billed
         client.completions.create(prompt=STORY + c.text + "ent home.", **kw)
     (ep,) = rec.episodes()
     first, second = ep.turns

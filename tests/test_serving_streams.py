@@ -543,3 +543,78 @@ def test_a_body_shorter_than_its_length_is_refused_not_waited_for(server):
     finally:
         server.body_seconds = 30.0
     assert _post(server, "/v1/completions", dict(model=MODEL, prompt=STORY, max_tokens=2))[0] == 200
+
+
+def test_usage_counts_the_tokens_sampled_up_to_a_stop_string(server, client, model):
+    """`usage.completion_tokens` counts the tokens sampled, as OpenAI and vLLM bill
+    them: after a stop string, up to the token it ends in, though `token_ids` (and the
+    recording) keep only the tokens whose text comes before it; streamed or not."""
+    _, tok = model
+    kw = dict(model=MODEL, prompt=STORY, max_tokens=16, temperature=0)
+    full = client.completions.create(**kw).choices[0]
+    ids, context = full.model_extra["token_ids"], [tok.bos_id, *tok.encode(STORY)]
+    stop = "little"
+    # the first m tokens whose text holds the stop string
+    m = next(m for m in range(1, 17) if stop in tok.decode(context + ids[:m])[len(STORY) :])
+    with server.recording() as rec:
+        r = client.completions.create(**kw, stop=[stop], extra_body={"episode_id": "billed"})
+    kept = r.choices[0].model_extra["token_ids"]
+    assert kept == ids[: len(kept)] and len(kept) < m
+    assert r.usage.completion_tokens == m and r.usage.total_tokens == len(context) + m
+    assert rec.episodes()[0].turns[0].completion_ids == tuple(kept)  # the recording's own
+    body = kw | {"stop": [stop], "stream": True, "stream_options": {"include_usage": True}}
+    status, _, raw = _post(server, "/v1/completions", body)
+    events = _events(raw)
+    assert status == 200 and _joined(events[:-2])[0]["ids"] == kept
+    assert events[-2]["usage"]["completion_tokens"] == m
+
+
+def test_a_streamed_choice_that_stops_early_is_finished_at_once(server, client):
+    """With `n=2`, a choice that ends at its stop string gets its last chunk (with its
+    `finish_reason`) at once, while the other choice's text is still coming; each
+    choice's pieces still join into its unstreamed answer."""
+    kw = dict(model=MODEL, prompt=STORY, max_tokens=16, temperature=1.0, n=2, seed=4)
+    a, b = (c.text for c in client.completions.create(**kw).choices)
+    at = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    stop = b[at : at + 4]  # choice 1 stops a few tokens in, choice 0 runs on
+    assert stop not in a and at < len(b) // 2, (a, b)
+    want = client.completions.create(**kw, stop=[stop]).choices
+    assert [c.finish_reason for c in want] == ["length", "stop"]
+    chunks = [c.model_dump() for c in client.completions.create(**kw, stop=[stop], stream=True)]
+    got = _joined(chunks)
+    assert [got[c.index]["text"] for c in want] == [c.text for c in want]
+    assert [got[c.index]["finish"][-1] for c in want] == ["length", "stop"]
+    pieces = [c["choices"][0] for c in chunks]
+    ended = next(t for t, c in enumerate(pieces) if c["index"] == 1 and c["finish_reason"])
+    later = [c for c in pieces[ended + 1 :] if c["index"] == 0 and c["token_ids"]]
+    assert len(later) >= 2, pieces  # choice 0's later text came after choice 1's end
+
+
+def test_a_half_sent_request_head_is_refused_not_waited_for(server):
+    """A client that sends half a request line or half its headers gets 408 once no
+    byte has come for `head_seconds` (the connection closed), and one that connects and
+    sends nothing is closed after as long: none holds a thread of the server."""
+
+    def answer(sent: bytes) -> bytes:
+        sock = socket.create_connection(_address(server), timeout=30)
+        try:
+            sock.sendall(sent)
+            raw = b""
+            while chunk := sock.recv(4096):  # the server closes the connection
+                raw += chunk
+        finally:
+            sock.close()
+        return raw
+
+    server.head_seconds = 0.5
+    try:
+        for sent in (b"POST /v1/compl", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConte"):
+            start = time.monotonic()
+            head, _, body = answer(sent).partition(b"\r\n\r\n")
+            assert b" 408 " in head.split(b"\r\n")[0] and time.monotonic() - start < 20
+            assert "did not arrive" in json.loads(body)["error"]["message"]
+        start = time.monotonic()
+        assert answer(b"") == b"" and time.monotonic() - start < 20
+    finally:
+        server.head_seconds = 30.0
+    assert _post(server, "/v1/completions", dict(model=MODEL, prompt=STORY, max_tokens=2))[0] == 200

@@ -84,6 +84,9 @@ class Sample:
     - `stop_id`: the stop id that ended it (the last of `ids`), or `None`.
     - `top`: per token, the `(id, logprob)` alternatives, most likely first (when asked).
     - `policy_version`: the version of the weights that sampled it.
+    - `generated`: how many tokens were sampled, as OpenAI's and vLLM's `usage` counts
+      them: `len(ids)`, or after a stop string the tokens up to the one it ends in
+      (those cut from `ids` included).
     """
 
     ids: tuple[int, ...]
@@ -94,6 +97,7 @@ class Sample:
     stop_id: int | None
     top: tuple[tuple[tuple[int, float], ...], ...] | None
     policy_version: int
+    generated: int
 
 
 class ClientGone(Exception):
@@ -113,13 +117,22 @@ class Progress:
     top: tuple[tuple[tuple[int, float], ...], ...] | None
 
 
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    """A streamed row done: `index` (the row of its request) and its `Sample`, sent as
+    soon as the row ends, while the request's other rows may go on."""
+
+    index: int
+    sample: Sample
+
+
 @dataclasses.dataclass
 class Job:
     """A request's rows and settings, and the future its samples are set on.
 
-    `stream`: for a streamed request, the queue its rows' `Progress` goes to (`None`
-    once every row is done and the future is set). `cancel()` drops its rows (a client
-    gone)."""
+    `stream`: for a streamed request, the queue its rows' `Progress` goes to, and each
+    row's `Finished` as soon as it ends (`None` once every row is done and the future is
+    set). `cancel()` drops its rows (a client gone)."""
 
     rows: Sequence[Row]
     temperature: float
@@ -132,7 +145,7 @@ class Job:
     prefix: str = "req"
     after_prompt: bool = False  # texts decoded after the prompt (completions)
     request_id: str = ""  # `prefix-N`, N counting submitted requests (arrival order)
-    stream: "queue.SimpleQueue[Progress | None] | None" = None
+    stream: "queue.SimpleQueue[Progress | Finished | None] | None" = None
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     arrived: float = 0.0  # `time.monotonic()` when submitted
 
@@ -194,6 +207,8 @@ class _Run:
     steps: int  # decode steps of the next call
     grows: bool  # whether `steps` may grow (no row needs the host between calls)
     looked: dict[int, int] = dataclasses.field(default_factory=dict)  # row -> ids at its last look
+    # streamed rows done, until their job is answered: row -> its sample (sent `Finished`)
+    finished: dict[int, Sample] = dataclasses.field(default_factory=dict)
 
 
 class Scheduler:
@@ -495,7 +510,8 @@ class Scheduler:
 
     def _look(self, run: _Run, job: Job, host: "_Host", decoding: ContinuousDecoding) -> None:
         """After some steps: drop `job` if its client has gone, stop its rows at a stop
-        string, stream their new text, and answer it once its rows are done."""
+        string, stream their new text (and a streamed row's `Finished` once it is done),
+        and answer it once its rows are done."""
         lo = run.first[id(job)]
         rows = range(lo, lo + len(job.rows))
         if job.cancelled.is_set():
@@ -506,6 +522,9 @@ class Scheduler:
             return
         done = []
         for k, i in enumerate(rows):
+            if i in run.finished:  # a streamed row done and sent
+                done.append(True)
+                continue
             n = int(host.decoding.lengths[i])
             over = n >= run.rows[i].budget or (n > 0 and host.last(i) in self.stop_ids)
             ids = host.ids(i) if not over and (i in run.streamed or job.stop) else []
@@ -520,6 +539,8 @@ class Scheduler:
             elif not over and job.stop and self._holds_stop(run, job, i, ids):
                 decoding.cancel([i])
                 over = True
+            if over and job.stream is not None:
+                self._finish(run, job, k, i, host)
             done.append(over)
         if all(done):
             self._answer(run, job, host)
@@ -566,59 +587,81 @@ class Scheduler:
             )
         )
 
+    def _finish(self, run: _Run, job: Job, k: int, i: int, host: "_Host") -> None:
+        """Send streamed row `i` (the `k`-th of `job`), now done, its `Finished`."""
+        assert job.stream is not None
+        run.finished[i] = self._sample(run, job, i, host)
+        job.stream.put(Finished(index=k, sample=run.finished[i]))
+
     def _answer(self, run: _Run, job: Job, host: "_Host") -> None:
-        """Set `job`'s samples (its rows are done)."""
+        """Set `job`'s samples (its rows are done; a streamed row not yet sent its
+        `Finished` gets it first)."""
         run.open.discard(id(job))
         lo = run.first[id(job)]
         samples = []
-        for i in range(lo, lo + len(job.rows)):
-            real = host.ids(i)
-            context = run.rows[i].prompt[-DECODE_CONTEXT:] if job.after_prompt else ()
-            n_kept, text, tail = self._cut(real, context, job.stop)
-            ids = tuple(real[:n_kept])
-            stop_id = ids[-1] if ids and ids[-1] in self.stop_ids else None
-            finish = "stop" if stop_id is not None or n_kept < len(real) else "length"
-            top = None
-            if job.top_logprobs:
-                top = tuple(_top_of(host.decoding, i, t, job.top_logprobs) for t in range(n_kept))
-            samples.append(
-                Sample(
-                    ids=ids,
-                    logprobs=tuple(float(x) for x in host.logprobs[i, :n_kept]),
-                    text=text,
-                    tail=tail,
-                    finish_reason=finish,
-                    stop_id=stop_id,
-                    top=top,
-                    policy_version=run.version,
-                )
-            )
+        for k, i in enumerate(range(lo, lo + len(job.rows))):
+            if job.stream is not None and i not in run.finished:
+                self._finish(run, job, k, i, host)
+            sample = run.finished.pop(i, None)
+            samples.append(sample if sample is not None else self._sample(run, job, i, host))
         job.future.set_result(samples)
         if job.stream is not None:
             job.stream.put(None)
 
+    def _sample(self, run: _Run, job: Job, i: int, host: "_Host") -> Sample:
+        """Row `i`'s `Sample` (the row is done)."""
+        real = host.ids(i)
+        context = run.rows[i].prompt[-DECODE_CONTEXT:] if job.after_prompt else ()
+        n_kept, text, tail, generated = self._cut(real, context, job.stop)
+        ids = tuple(real[:n_kept])
+        stop_id = ids[-1] if ids and ids[-1] in self.stop_ids else None
+        finish = "stop" if stop_id is not None or n_kept < len(real) else "length"
+        top = None
+        if job.top_logprobs:
+            top = tuple(_top_of(host.decoding, i, t, job.top_logprobs) for t in range(n_kept))
+        return Sample(
+            ids=ids,
+            logprobs=tuple(float(x) for x in host.logprobs[i, :n_kept]),
+            text=text,
+            tail=tail,
+            finish_reason=finish,
+            stop_id=stop_id,
+            top=top,
+            policy_version=run.version,
+            generated=generated,
+        )
+
     def _cut(
         self, ids: list[int], context: Sequence[int], stop: Sequence[str]
-    ) -> tuple[int, str, str]:
-        """`(kept, text, tail)` of a completion `ids` decoded after `context`: OpenAI's
-        text ends before the first stop string (and never holds the stop id); the
-        tokens kept are the longest prefix whose text ends at or before it, and `tail`
-        is the rest of the text (the start of the token the stop string begins in)."""
+    ) -> tuple[int, str, str, int]:
+        """`(kept, text, tail, generated)` of a completion `ids` decoded after `context`:
+        OpenAI's text ends before the first stop string (and never holds the stop id);
+        the tokens kept are the longest prefix whose text ends at or before it, `tail`
+        is the rest of the text (the start of the token the stop string begins in), and
+        `generated` counts the shortest prefix whose text holds a stop string (the
+        tokens sampled up to the one a stop string ends in: those a decoding that looks
+        after every token samples; `len(ids)` without a stop string)."""
         body = ids[:-1] if ids and ids[-1] in self.stop_ids else ids
         text = decode_after(self.tokenizer, context, body)
         hits = [at for at in (text.find(s) for s in stop) if at >= 0]
         if not hits:
-            return len(ids), text, ""
+            return len(ids), text, "", len(ids)
         text = text[: min(hits)]
-        lo, hi = 0, len(body)  # the longest prefix of tokens whose text fits in `text`
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if len(decode_after(self.tokenizer, context, body[:mid])) <= len(text):
-                lo = mid
-            else:
-                hi = mid - 1
+
+        def longest(fits) -> int:  # the longest prefix of `body` whose text `fits`
+            lo, hi = 0, len(body)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if fits(decode_after(self.tokenizer, context, body[:mid])):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            return lo
+
+        lo = longest(lambda t: len(t) <= len(text))
+        generated = 1 + longest(lambda t: not any(s in t for s in stop))
         kept = decode_after(self.tokenizer, context, body[:lo])
-        return lo, text, text[len(kept) :] if text.startswith(kept) else ""
+        return lo, text, text[len(kept) :] if text.startswith(kept) else "", generated
 
 
 def _top_of(

@@ -22,7 +22,16 @@ import numpy as np
 from ._prompts import DECODE_CONTEXT, EpisodeContext, PromptBuilder
 from ._protocol import RequestError, parse_request
 from ._recording import Recording, Turn
-from ._scheduler import ClientGone, Job, Progress, Row, Sample, Scheduler, top_logprobs
+from ._scheduler import (
+    ClientGone,
+    Finished,
+    Job,
+    Progress,
+    Row,
+    Sample,
+    Scheduler,
+    top_logprobs,
+)
 from ._text import piece_entry, token_bytes
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -97,7 +106,12 @@ class Server:
 
     A request whose body does not arrive within `body_seconds` (30; an attribute) of
     waiting, a client that sent less than its `Content-Length`, is refused with 408 and
-    its connection closed.
+    its connection closed; so is one whose request line or headers stop arriving for
+    `head_seconds` (30; an attribute), and a connection that sends nothing that long
+    between requests is closed (a client holds no thread by sending half a request).
+
+    `usage.completion_tokens` counts the tokens sampled, as OpenAI and vLLM bill them:
+    after a stop string, those up to the token it ends in (not in `token_ids`).
 
     Use as a context manager, or `start()` / `stop()`; `url` is the base URL
     (`http://127.0.0.1:PORT/v1`) to give an OpenAI client.
@@ -153,6 +167,7 @@ class Server:
         self.max_request_rows = max_request_rows
         self.max_request_tokens = max_request_tokens
         self.body_seconds = 30.0
+        self.head_seconds = 30.0
         if not isinstance(getattr(getattr(policy, "cfg", None), "max_seq_len", None), int):
             raise TypeError("policy needs a cfg.max_seq_len (an rlhf_eqx.Policy or decoder)")
         self.tokenizer = tokenizer
@@ -397,8 +412,11 @@ class Server:
                     raise ClientGone() from None
 
     @staticmethod
-    def _progress(job: Job, client_gone: Callable[[], bool] | None) -> Iterator[Progress]:
-        """A streamed job's `Progress`, until its rows are done (`ClientGone` as `_wait`)."""
+    def _progress(
+        job: Job, client_gone: Callable[[], bool] | None
+    ) -> Iterator[Progress | Finished]:
+        """A streamed job's `Progress` and `Finished`, until its rows are done
+        (`ClientGone` as `_wait`)."""
         assert job.stream is not None
         while True:
             try:
@@ -592,6 +610,7 @@ class Server:
             stop_id=None,
             top=() if req.top_logprobs else None,
             policy_version=self.policy_version,
+            generated=0,
         )
         with self._lock:
             self._echoed += 1
@@ -629,9 +648,11 @@ class Server:
         chat_text: str | None = None,
     ) -> Iterator[dict]:
         """The chunks of a streamed answer: each row's new text as it comes (with its
-        tokens' ids and log-probabilities), then each choice's last piece with its
-        `finish_reason`, then (`include_usage`) the usage. The pieces of a choice join
-        into the text the request gives unstreamed."""
+        tokens' ids and log-probabilities), each choice's last piece with its
+        `finish_reason` as soon as that choice is done (its request's other choices may
+        go on), then (`include_usage`) the usage. The pieces of a choice join into the
+        text the request gives unstreamed. The choices are recorded once every one is
+        done, before the last choice's last piece is sent."""
         chat = req.kind == "chat"
         base = {
             "id": job.request_id,
@@ -665,20 +686,26 @@ class Server:
             sent_ids[k] += list(ids)
             return out | {"finish_reason": finish, "token_ids": list(ids)}
 
+        done: dict[int, Sample] = {}
         try:
             for event in self._progress(job, client_gone):
-                c = choice(event.index, event.text, event.ids, event.logprobs, event.top, None)
-                yield base | {"choices": [c]}
-            samples = self._wait(job, client_gone)
-            for k, s in enumerate(samples):
-                p = k // req.n
-                messages, given = (req.messages, chat_text) if chat else (None, req.prompts[p])
-                text = self._record(req, job.request_id, k, prompts[p], s, messages, given)
-                rest = text[len(sent_text[k]) :] if text.startswith(sent_text[k]) else ""
+                if isinstance(event, Progress):
+                    c = choice(event.index, event.text, event.ids, event.logprobs, event.top, None)
+                    yield base | {"choices": [c]}
+                    continue
+                k, s = event.index, event.sample
+                done[k] = s
+                if len(done) == len(job.rows):  # recorded as the choices were unstreamed
+                    for g in range(len(job.rows)):
+                        p = g // req.n
+                        given = (req.messages, chat_text) if chat else (None, req.prompts[p])
+                        self._record(req, job.request_id, g, prompts[p], done[g], *given)
+                rest = s.text[len(sent_text[k]) :] if s.text.startswith(sent_text[k]) else ""
                 n = len(sent_ids[k])
                 top = s.top[n:] if s.top else None
                 c = choice(k, rest, s.ids[n:], s.logprobs[n:], top, s.finish_reason)
                 yield base | {"choices": [c | {"policy_version": s.policy_version}]}
+            samples = self._wait(job, client_gone)
             if req.include_usage:
                 yield base | {"choices": [], "usage": self._usage(prompts, samples)}
         finally:
@@ -687,7 +714,7 @@ class Server:
 
     def _usage(self, prompts, samples) -> dict:
         prompt_tokens = sum(len(p) for p in prompts)
-        completion_tokens = sum(len(s.ids) for s in samples)
+        completion_tokens = sum(s.generated for s in samples)  # stop strings' included
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
@@ -779,6 +806,45 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:  # quiet
         del format, args
+
+    def handle_one_request(self) -> None:
+        """`http.server`'s, with the wait for a request bounded by `Server.head_seconds`
+        between two bytes: a connection that sends nothing that long is closed (idle
+        between requests), one whose request line or headers stop arriving that long
+        gets 408 and is closed."""
+        seconds = self.server.app.head_seconds  # type: ignore[attr-defined]
+        self.connection.settimeout(seconds)
+        try:
+            try:
+                if not self.rfile.peek(1):  # the client closed its side
+                    self.close_connection = True
+                    return
+            except OSError:  # idle for `seconds` (a timeout), or reset
+                self.close_connection = True
+                return
+            self.requestline, self.request_version, self.command = "", "", ""
+            try:
+                self.raw_requestline = self.rfile.readline(65537)
+                if len(self.raw_requestline) > 65536:
+                    self.send_error(414)
+                    return
+                if not self.parse_request():  # refused (an error sent)
+                    return
+            except TimeoutError:
+                self.close_connection = True
+                self.send_error(
+                    408,
+                    f"the request line and headers did not arrive: no byte came for {seconds:g} s",
+                )
+                return
+        finally:
+            self.connection.settimeout(None)
+        method = getattr(self, f"do_{self.command}", None)
+        if method is None:
+            self.send_error(501)
+            return
+        method()
+        self.wfile.flush()
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None):
         """`http.server`'s own refusals (an unknown method, a malformed request line or

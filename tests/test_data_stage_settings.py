@@ -89,3 +89,22 @@ def test_distill_on_a_data_file_reads_the_on_policy_sampling(tmp_path, capsys):
     argv = ["distill", "--data", path, "--set", f"distill.teacher={tmp_path}", "--show-config"]
     main([*argv, "--set", "distill.lmbda=0.5", "--set", "sampling.max_new_tokens=5"])
     assert "sampling." not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stage", ["sft", "dpo", "kto"])
+@pytest.mark.parametrize(
+    "setting", ["sampling.temperature=0.7", "sampling.max_new_tokens=9", "eval_samples=3"]
+)
+def test_no_held_out_prompts_read_no_sampling(tmp_path, capsys, stage, setting):
+    """With `data.eval_prompts=0` a data-file sft, dpo or kto run samples nothing: the
+    sampling settings and `eval_samples` are refused; with held-out prompts they are read."""
+    row = {"prompt": "a", "chosen": "b", "rejected": "c"}
+    path = _write(tmp_path / "rows.jsonl", [row])
+    argv = [stage, "--data", path, "--set", setting, "--show-config"]
+    assert main([*argv, "--set", "data.eval_prompts=0"]) == 2
+    field = setting.split("=")[0]
+    line = _error_line(capsys)
+    assert line.startswith(f"error: invalid configuration: {field}=") and (
+        "with data.eval_prompts=0" in line
+    ), line
+    assert main(argv) == 0

@@ -21,6 +21,7 @@ from ._pipeline_config import (
     task_section,
 )
 from ._registry import find_stage, stage_names, stages
+from ._rollout import SAMPLING_FIELDS as ROLLOUT_FIELDS
 
 SAMPLE_DATA_FIELDS: tuple[str, ...] = ("chat_template",)
 """The `data` fields read without a data file: `rlhf_eqx sample` renders its prompts with
@@ -40,16 +41,13 @@ UNSAMPLED_EVAL_STAGES: tuple[str, ...] = ("reward", "prm", "distill")
 UNSAMPLING_STAGES: tuple[str, ...] = ("reward", "prm")
 """The data-file stages that sample nothing at all: of `sampling` they read
 `prompt_length` alone (`SAMPLING_FIELDS` are unread)."""
-SAMPLING_FIELDS: tuple[str, ...] = (
-    "max_new_tokens",
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "stop_strings",
-    "slots",
-)
-"""The `sampling` fields that only a sampled completion reads."""
+SAMPLING_FIELDS: tuple[str, ...] = tuple(f for f in ROLLOUT_FIELDS if f != "prompt_length")
+"""The `sampling` fields that only a sampled completion reads (the sampler's keywords
+but the prompt length, which the data-file stages also cut prompts at)."""
+HELDOUT_SAMPLING_STAGES: tuple[str, ...] = ("sft", "dpo", "kto")
+"""The data-file stages whose only samples are the held-out comparison's
+(`data.eval_prompts` prompts; 0: none, and then they read no `SAMPLING_FIELDS` nor
+`eval_samples`)."""
 TASK_ONLY_FIELDS: dict[str, tuple[str, ...]] = {
     "sft": ("samples",),
     "reward": ("pairs_per_prompt",),
@@ -306,7 +304,8 @@ def check_unread(cfg: Any, run: tuple[str, ...], uses_judge: bool) -> None:
     running stages' `TASK_ONLY_FIELDS`, and `label_noise`, `data.eval_prompts`,
     `data.assistant_turns`, `eval_samples` and the `sampling` of completions where no
     running stage reads them (`UNREAD_DATA_FIELDS`, `UNSAMPLED_EVAL_STAGES`,
-    `UNSAMPLING_STAGES`); the `judge` section when no running
+    `UNSAMPLING_STAGES`, and `HELDOUT_SAMPLING_STAGES` with `data.eval_prompts=0`); the
+    `judge` section when no running
     stage scores with the judge (`uses_judge`); and `ops.eval_every` where no stage
     evaluates periodically (a data file, or SFT and the reward model alone)."""
     base, dc, usual = PipelineConfig(), cfg.data, DataConfig()
@@ -334,13 +333,18 @@ def check_unread(cfg: Any, run: tuple[str, ...], uses_judge: bool) -> None:
             value = getattr(dc, field)
             if _changed(value, getattr(usual, field)) and set(run) <= set(readers_not):
                 _fail(f"data.{field}", value, f"the {run[0]} stage does not read it")
-        if _changed(cfg.eval_samples, base.eval_samples) and set(run) <= set(UNSAMPLED_EVAL_STAGES):
+        none = HELDOUT_SAMPLING_STAGES if dc.eval_prompts == 0 else ()
+        why = " with data.eval_prompts=0" if set(run) & set(none) else ""
+        if _changed(cfg.eval_samples, base.eval_samples) and set(run) <= {
+            *UNSAMPLED_EVAL_STAGES,
+            *none,
+        }:
             _fail(
                 "eval_samples",
                 cfg.eval_samples,
-                f"the {run[0]} stage's held-out evaluation samples no completions",
+                f"the {run[0]} stage's held-out evaluation samples no completions{why}",
             )
-        if set(run) <= set(UNSAMPLING_STAGES):
+        if set(run) <= {*UNSAMPLING_STAGES, *none}:
             usual = type(cfg.sampling)()
             for field in SAMPLING_FIELDS:
                 value = getattr(cfg.sampling, field)
@@ -348,8 +352,8 @@ def check_unread(cfg: Any, run: tuple[str, ...], uses_judge: bool) -> None:
                     _fail(
                         f"sampling.{field}",
                         value,
-                        f"the {run[0]} stage samples no completions on a data file (of "
-                        "sampling it reads prompt_length alone)",
+                        f"the {run[0]} stage samples no completions on a data file{why} "
+                        "(of sampling it reads prompt_length alone)",
                     )
     if cfg.ops.eval_every and (dc.path is not None or set(run) <= set(UNEVALUATED_STAGES)):
         where = "a data-file run" if dc.path is not None else "a run of sft and reward alone"

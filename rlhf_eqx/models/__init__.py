@@ -14,6 +14,7 @@ from ._gguf_blocks import (
     dequantize_rows as dequantize_rows,
     quantize_gguf as quantize_gguf,
 )
+from ._gguf_config import read_gguf_sizes as read_gguf_sizes
 from ._gguf_export import save_gguf_adapter as save_gguf_adapter, write_gguf as write_gguf
 from ._heads import (
     Policy as Policy,

@@ -319,3 +319,105 @@ def gguf_metadata(cfg: TransformerConfig) -> tuple[str, dict[str, Any]]:
                 f"{getattr(back, field)!r})"
             )
     return arch, meta
+
+
+# GGUF value types: their fixed sizes (struct formats); 8 is a string, 9 an array
+_SCALARS = {
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
+}
+
+
+def read_gguf_sizes(path: str) -> tuple[int, int] | None:
+    """`(vocab_size, max_seq_len)` of the GGUF file `path`, read from its metadata header
+    alone: `{arch}.vocab_size` (else the length of `tokenizer.ggml.tokens`) and
+    `{arch}.context_length` (2048 when absent, as `load_gguf` reads it), `{arch}` being
+    `general.architecture`. The walk stops once it has both, skipping the tokenizer's
+    arrays without decoding them: milliseconds where `gguf.GGUFReader` takes seconds.
+
+    `None` for what this walk does not read (not a little-endian GGUF file of version
+    2 or 3, a cut or damaged header, an unsupported architecture): loading the file
+    names what is wrong. A missing or unreadable file is an `OSError`."""
+    import mmap
+    import struct
+
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            return None
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            try:
+                return _walk_sizes(m, struct)
+            except (struct.error, ValueError, UnicodeDecodeError, IndexError):
+                return None
+
+
+def _walk_sizes(m, struct) -> tuple[int, int] | None:
+    version, _, n_kv = struct.unpack_from("<IQQ", m, 4)
+    if version not in (2, 3):
+        return None
+    pos = 24
+
+    def string() -> str:
+        nonlocal pos
+        (n,) = struct.unpack_from("<Q", m, pos)
+        if pos + 8 + n > len(m):
+            raise ValueError("cut")
+        pos += 8 + n
+        return bytes(m[pos - n : pos]).decode("utf-8")
+
+    def skip(kind: int) -> None:
+        nonlocal pos
+        if kind == 8:
+            (n,) = struct.unpack_from("<Q", m, pos)
+            pos += 8 + n
+        elif kind in _SCALARS:
+            pos += struct.calcsize("<" + _SCALARS[kind])
+        else:
+            raise ValueError(f"value type {kind}")
+
+    arch = None
+    found: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = string()
+        (kind,) = struct.unpack_from("<I", m, pos)
+        pos += 4
+        if kind == 9:
+            sub, count = struct.unpack_from("<IQ", m, pos)
+            pos += 12
+            if key == "tokenizer.ggml.tokens":
+                found["tokens"] = count
+            if sub in _SCALARS:
+                pos += count * struct.calcsize("<" + _SCALARS[sub])
+            else:
+                for _ in range(count):
+                    skip(sub)
+        elif kind == 8:
+            value = string()
+            if key == "general.architecture":
+                arch = value
+        elif kind in _SCALARS:
+            (value,) = struct.unpack_from("<" + _SCALARS[kind], m, pos)
+            skip(kind)
+            if arch is not None and key in (f"{arch}.context_length", f"{arch}.vocab_size"):
+                found[key.rsplit(".", 1)[1]] = value
+        else:
+            return None
+        if pos > len(m):
+            return None
+        if arch is not None and "context_length" in found and ("vocab_size" in found):
+            break
+    if arch not in ARCHS:
+        return None
+    vocab = found.get("vocab_size", found.get("tokens"))
+    context = found.get("context_length", 2048)
+    ints = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (vocab, context))
+    return (vocab, context) if ints else None

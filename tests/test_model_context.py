@@ -48,6 +48,23 @@ def short_hf(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def teacher_hf(tmp_path_factory):
+    """A Hugging Face checkpoint directory with the built-in model's context (512)."""
+    path = str(tmp_path_factory.mktemp("models") / "teacher")
+    rx.save_hf(_tiny_policy(512), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def short_gguf(tmp_path_factory):
+    """A GGUF file of the shipped vocabulary with a context of 64."""
+    tok = rx.data.load_tokenizer(asset_path("tok512.bin"))
+    path = str(tmp_path_factory.mktemp("models") / "short.gguf")
+    rx.save_gguf(_tiny_policy(64), path, tokenizer=tok, dtype="f32")
+    return path
+
+
 def _validate(overrides, stage=None, base=None):
     cfg = pl.apply_overrides(base or pl.animal_task_config(), overrides)
     pl.config.validate_config(cfg, stage=stage)
@@ -58,11 +75,11 @@ def _data(pairs, *overrides):
 
 
 @pytest.mark.parametrize("base", [pl.PipelineConfig, pl.animal_task_config])
-def test_the_defaults_fit_the_builtin_model(pairs, short_hf, base):
+def test_the_defaults_fit_the_builtin_model(pairs, teacher_hf, base):
     everything = ",".join(s.name for s in pl.config.stages() if s.builtin is not None)
     _validate([f"stages={everything}"], base=base())
     for stage in DATA_STAGES:
-        teacher = [f"distill.teacher={short_hf}"] if stage == "distill" else []
+        teacher = [f"distill.teacher={teacher_hf}"] if stage == "distill" else []
         _validate(_data(pairs, *teacher), stage=stage, base=base())
 
 
@@ -106,8 +123,8 @@ def test_a_data_file_length_past_the_context_is_refused(pairs, stage, overrides,
     assert "\n" not in line
 
 
-def test_a_distillation_length_past_the_context_is_refused(pairs, short_hf):
-    teacher = f"distill.teacher={short_hf}"
+def test_a_distillation_length_past_the_context_is_refused(pairs, teacher_hf):
+    teacher = f"distill.teacher={teacher_hf}"
     with pytest.raises(pl.ConfigError, match=r"^distill\.max_length=600 exceeds"):
         _validate(_data(pairs, teacher, "distill.max_length=600"), stage="distill")
     long = ["sampling.prompt_length=480", "distill.max_length=500"]
@@ -160,20 +177,89 @@ def test_the_command_line_refuses_before_any_step(pairs, tmp_path, capsys):
     assert not out.exists()  # no checkpoint, no metrics
 
 
-def test_a_gguf_model_is_checked_once_loaded_before_any_step(pairs, tmp_path):
-    """A GGUF file's context is read when it is loaded (its header is not parsed during
-    validation): the run stops there, before its first step, and leaves no directory."""
-    tok = rx.data.load_tokenizer(asset_path("tok512.bin"))
-    path = str(tmp_path / "short.gguf")
-    rx.save_gguf(_tiny_policy(64), path, tokenizer=tok, dtype="f32")
+def test_a_gguf_header_gives_its_sizes_without_loading(short_gguf):
+    assert rx.models.read_gguf_sizes(short_gguf) == (512, 64)
+    try:
+        smollm2 = pl.model_path("smollm2-135m")
+    except pl.ConfigError:
+        return  # its package is not installed
+    assert rx.models.read_gguf_sizes(smollm2) == (49152, 8192)
+
+
+def test_a_gguf_model_is_checked_before_its_run_directory(pairs, short_gguf, tmp_path):
+    """A GGUF file's context is read from its metadata header during validation: the
+    run stops before its directory is taken."""
     out = tmp_path / "run"
     cfg = pl.apply_overrides(
         pl.PipelineConfig(),
-        [f"model.source={path}", f"data.path={pairs}", f"out={out}", "ops.quiet=true"],
+        [f"model.source={short_gguf}", f"data.path={pairs}", f"out={out}", "ops.quiet=true"],
     )
     with pytest.raises(pl.ConfigError) as e:
         pl.run_on_data(cfg, "kto")
     line = str(e.value)
     assert line.startswith("kto.max_length=80 and sampling.prompt_length=32 + "), line
-    assert f"the context of the model {path!r}" in line and "max_seq_len=64" in line
+    assert f"the context of the model {short_gguf!r}" in line and "max_seq_len=64" in line
     assert not os.path.exists(out)
+
+
+def test_the_builtin_pipeline_refuses_a_short_gguf_model(short_gguf, tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["--model", short_gguf, "--out", str(out), "--quiet"]
+    assert main([*argv, "--show-config"]) == 2
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and err[0] == err[1], err
+    assert f"exceed the context of the model {short_gguf!r}" in err[0], err
+    assert "max_seq_len=64" in err[0] and "sampling.prompt_length=32 + " in err[0], err
+    assert not out.exists()
+    # lengths within its context pass
+    fits = ["stages=sft", "sampling.prompt_length=16", "sft.max_length=60"]
+    _validate([f"model.source={short_gguf}", *fits], base=pl.PipelineConfig())
+
+
+def test_a_teacher_shorter_than_what_it_scores_is_refused(pairs, short_hf, short_gguf):
+    for teacher in (short_hf, short_gguf):
+        with pytest.raises(pl.ConfigError) as e:
+            _validate(_data(pairs, f"distill.teacher={teacher}"), stage="distill")
+        line = str(e.value)
+        assert line.startswith("distill.max_length=80 and sampling.prompt_length=32 + "), line
+        assert f"the model distill.teacher={teacher!r}: max_seq_len=64" in line, line
+    fits = ["distill.max_length=64", "sampling.prompt_length=16", "distill.lmbda=0"]
+    _validate(_data(pairs, f"distill.teacher={short_hf}", *fits), stage="distill")
+
+
+def _reward_model(path, max_seq_len):
+    cfg = _tiny_policy(max_seq_len).cfg
+    rx.save_hf(rx.RewardModel(cfg, key=jax.random.key(1)), str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["one", "ensemble", "prm"])
+def test_a_reward_model_shorter_than_the_samples_is_refused(pairs, tmp_path, kind):
+    if kind == "ensemble":
+        rm = tmp_path / "ensemble"
+        _reward_model(rm / "member_0", 512)
+        scored = _reward_model(rm / "member_1", 64)
+        (rm / "ensemble.json").write_text(json.dumps({"biases": [0.0, 0.0]}))
+    else:
+        rm = scored = _reward_model(tmp_path / kind, 64)
+    source = "prm" if kind == "prm" else "reward_model"
+    if kind == "prm":
+        (tmp_path / kind / "prm.json").write_text(json.dumps({"bias": 0.0}))
+    for stage in ("ppo", "grpo"):
+        sets = [f"{stage}.reward_source={source}", f"{stage}.reward_model={rm}"]
+        with pytest.raises(pl.ConfigError) as e:
+            _validate(_data(pairs, *sets), stage=stage)
+        line = str(e.value)
+        assert line.startswith("sampling.prompt_length=32 + sampling.max_new_tokens=40 = 72"), line
+        assert f"the model {stage}.reward_model={scored!r}: max_seq_len=64" in line, line
+        _validate(_data(pairs, *sets, "sampling.max_new_tokens=32"), stage=stage)
+
+
+def test_a_judge_shorter_than_the_samples_is_refused(pairs, short_hf):
+    sets = ["ppo.reward_source=judge", f"judge.model={short_hf}"]
+    with pytest.raises(pl.ConfigError) as e:
+        _validate(_data(pairs, *sets), stage="ppo")
+    line = str(e.value)
+    assert line.startswith("sampling.prompt_length=32 + sampling.max_new_tokens=40 = 72"), line
+    assert f"the model judge.model={short_hf!r}: max_seq_len=64" in line, line

@@ -14,13 +14,12 @@ from ._callbacks import after_evaluation
 from ._config import (
     ConfigError,
 )
-from ._model_checks import check_context
 from ._monitor import measure_matmul_peak
 from ._pipeline_config import (
     PipelineConfig,
 )
 from ._registry import get_stage, stage_config, stages
-from ._run_checks import read_lengths
+from ._run_checks import check_loaded_context
 from ._rundir import check_data, open_run_dir, removed_if_nothing_ran, write_json_atomic
 from ._runs import export_policy
 from ._trackers import run_trackers
@@ -69,7 +68,7 @@ def run_on_data(
     alone in the PEFT layout in `<stage>/adapter/`); return the summary.
 
     The configuration is validated first (every length the stage reads within the
-    model's context: a GGUF model's once it is loaded, before any step) and the run
+    model's context, a GGUF model's read from its header) and the run
     directory taken as `run_pipeline` does (`open_run_dir`); a run that fails before its
     first metrics (a bad record, say) removes the directory it created
     (`removed_if_nothing_ran`).
@@ -127,9 +126,7 @@ def _run_on_data(
     from ._pipeline import _ctx, _stage_env, load_configured_model, tokenizer_file
 
     policy, tok = load_configured_model(cfg)
-    context = getattr(getattr(policy, "cfg", None), "max_seq_len", None)
-    if isinstance(context, int):  # a GGUF file's context is known once it is loaded
-        check_context(cfg, read_lengths(cfg, (st.name,)), context)
+    check_loaded_context(cfg, policy, (st.name,))
     tok_file = tokenizer_file(cfg.model.source, cfg.model.tokenizer)
     key = jax.random.key(cfg.ops.seed)
     peak = measure_matmul_peak() if cfg.ops.monitor else None

@@ -26,7 +26,7 @@ from ._data_prep import (
     trained_policy,
 )
 from ._field_checks import _above, _fail, _positive, _within
-from ._model_checks import check_teacher_vocabulary
+from ._model_checks import check_context, check_teacher_vocabulary
 from ._registry import Outcome, Stage, StageEnv, find_stage, register_stage, stages
 from ._rollout import sample_rollout, sampling_options
 from ._runs import RunContext, RunResult, final_policy, rows_at, run_loop, take_rows, train_setup
@@ -131,9 +131,9 @@ def check_data_sampling(cfg) -> None:
 def check_run(cfg, run) -> None:
     """The teacher of a run: a stage of the run on the built-in task (a checkpoint
     directory, a `.gguf` file or a short model name on a data file), with the student's
-    vocabulary when it is a checkpoint directory (a run directory: its exported policy);
-    on a data file, no `sampling` setting the run would not read
-    (`check_data_sampling`)."""
+    vocabulary when it is a checkpoint directory (a run directory: its exported policy),
+    with a context that holds what it scores (`teacher_lengths`); on a data file, no
+    `sampling` setting the run would not read (`check_data_sampling`)."""
     from ._pipeline import model_path
 
     if cfg.data.path is not None:
@@ -148,6 +148,17 @@ def check_run(cfg, run) -> None:
     path = model_path(t, "distill.teacher")
     if os.path.isdir(path):
         check_teacher_vocabulary(cfg, path)
+    check_context(cfg, teacher_lengths(cfg), field="distill.teacher", source=t)
+
+
+def teacher_lengths(cfg) -> list[tuple[str, int]]:
+    """What the teacher scores: sequences of `distill.max_length` tokens and, with
+    `distill.lmbda > 0`, the student's samples (`sampling.prompt_length +
+    sampling.max_new_tokens`)."""
+    from ._run_checks import sampled_length
+
+    lengths = [("distill.max_length", cfg.distill.max_length)]
+    return lengths + [sampled_length(cfg)] if cfg.distill.lmbda > 0 else lengths
 
 
 LOSS_TEMPERATURE = rx.train.DistillSettings.temperature

@@ -1,10 +1,13 @@
 """Checks that need the model's sizes or the run's tokenizer, made before any stage runs
 and without loading weights: the sizes come from a checkpoint's header
-(`config.json`, a llama2.c header), the tokenizer file is read on its own.
+(`config.json`, a llama2.c header, a GGUF file's metadata), the tokenizer file is read
+on its own.
 
 - every length of model input the run reads (a stage's `max_length`, a sampled
   `sampling.prompt_length + sampling.max_new_tokens`) fits the model's context
-  `max_seq_len` (`check_context`), and a multi-turn episode (prompt, every turn, the
+  `max_seq_len` (`check_context`), and so do the lengths the other models a run reads
+  see (a distillation teacher, a reward model, an ensemble's members, a PRM, a judge);
+  a multi-turn episode (prompt, every turn, the
   questions between) fits it too, named by the user's fields (`multiturn.turn_tokens`, ...);
 - a judge's verdicts (`judge.yes`, `judge.no`) are single, different tokens of the
   tokenizer it reads with, and a judge checkpoint shares the policy's vocabulary;
@@ -25,15 +28,15 @@ def _header_sizes(source: str) -> tuple[int, int] | None:
     """`(vocab_size, max_seq_len)` of a checkpoint, read from its header only (`None`
     for a format whose sizes are not read here: `load_model` checks it)."""
     from ..assets import asset_path
-    from ..models import config_from_hf, read_llama2c_header
+    from ..models import config_from_hf, read_gguf_sizes, read_llama2c_header
     from . import _pipeline
 
     resolve = getattr(_pipeline, "model_path", None)  # short model names
     source = resolve(source) if resolve is not None else source
     if source == "builtin":
         source = asset_path("stories260K.bin")
-    if source.lower().endswith(".gguf"):
-        return None  # its metadata takes seconds to parse: `load_model` checks it
+    if source.lower().endswith(".gguf"):  # `None`: a header this walk does not read
+        return read_gguf_sizes(source) if os.path.isfile(source) else None
     if os.path.isdir(source):
         base = getattr(_pipeline, "_adapter_base", None)  # a PEFT adapter: its base's sizes
         source = (base(source) if base is not None else None) or source
@@ -49,9 +52,10 @@ def _header_sizes(source: str) -> tuple[int, int] | None:
 
 def model_sizes(field: str, source: str) -> tuple[int, int] | None:
     """`(vocab_size, max_seq_len)` of the checkpoint `source` (`"builtin"`, a llama2.c
-    `.bin` file or a Hugging Face directory) without loading its weights; a
-    `ConfigError` naming `field` when its header cannot be read, `None` for a GGUF file
-    (the limits that need its sizes are then checked when it is loaded)."""
+    `.bin` file, a Hugging Face directory or a GGUF file: `read_gguf_sizes`) without
+    loading its weights; a `ConfigError` naming `field` when its header cannot be read,
+    `None` for a GGUF header that walk does not read (the limits that need its sizes
+    are then checked when it is loaded)."""
     try:
         return _header_sizes(source)
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -87,18 +91,25 @@ def run_tokenizer(cfg: Any) -> tuple[Any, str] | None:
 
 
 def check_context(
-    cfg: Any, lengths: Sequence[tuple[str, int]], max_seq_len: int | None = None
+    cfg: Any,
+    lengths: Sequence[tuple[str, int]],
+    max_seq_len: int | None = None,
+    *,
+    field: str = "model.source",
+    source: str | None = None,
 ) -> None:
-    """Refuse the `lengths` a run reads (`(settings, tokens)`: `("kto.max_length", 1024)`,
-    `("sampling.prompt_length=32 + sampling.max_new_tokens=600", 632)`) that exceed the
-    model's context `max_seq_len` (by default read from the header of `model.source`;
-    not for a GGUF file or a header that cannot be read: checked once it is loaded):
-    one `ConfigError` line naming each, its value, the context and the model
-    (`model.source`, as given). Positions past `max_seq_len` are ones the model's rotary
+    """Refuse the `lengths` a model reads (`(settings, tokens)`: `("kto.max_length", 1024)`,
+    `("sampling.prompt_length=32 + sampling.max_new_tokens=600", 632)`) that exceed its
+    context `max_seq_len` (by default read from the header of `source`, the setting
+    `field`: the policy `model.source` unless given, or a teacher, reward model or judge;
+    not for a header that cannot be read: checked once it is loaded): one `ConfigError`
+    line naming each, its value, the context and the model (`model.source` as given, or
+    `distill.teacher=...`). Positions past `max_seq_len` are ones the model's rotary
     embedding was not trained on, and the sampler refuses them only after training."""
+    source = cfg.model.source if source is None else source
     if max_seq_len is None:
         try:
-            sizes = model_sizes("model.source", cfg.model.source)
+            sizes = model_sizes(field, source)
         except ConfigError:  # an unreadable header: loading the model names what is wrong
             return
         if sizes is None:
@@ -109,10 +120,12 @@ def check_context(
         return
     named = " and ".join(f"{what}{' = ' if '+' in what else '='}{n}" for what, n in over)
     verb = "exceeds" if len(over) == 1 else "exceed"
+    model = (
+        f"{source!r} (model.source, --model)" if field == "model.source" else f"{field}={source!r}"
+    )
     raise ConfigError(
-        f"{named} {verb} the context of the model {cfg.model.source!r} (model.source, "
-        f"--model): max_seq_len={max_seq_len} tokens; lower "
-        f"{'it' if len(over) == 1 else 'them'} or use a model with a longer context"
+        f"{named} {verb} the context of the model {model}: max_seq_len={max_seq_len} tokens; "
+        f"lower {'it' if len(over) == 1 else 'them'} or use a model with a longer context"
     )
 
 

@@ -31,7 +31,15 @@ from ._pipeline_config import (
 )
 from ._registry import StageEnv, stage_config, stage_key, stages
 from ._rollout import sampling_options
-from ._rundir import MODEL_NAME, check_recorded, files_fingerprint, open_run_dir, write_json_atomic
+from ._run_checks import check_loaded_context, run_stages
+from ._rundir import (
+    MODEL_NAME,
+    check_recorded,
+    files_fingerprint,
+    open_run_dir,
+    removed_if_nothing_ran,
+    write_json_atomic,
+)
 from ._runs import (
     RunContext,
     export_policy,
@@ -499,11 +507,14 @@ def run_pipeline(
     summary.
 
     The configuration is validated first (`validate_config`: a `ConfigError` naming the
-    field), then the run directory is taken (`open_run_dir`: one owner, no new run
-    into an old one unless `overwrite` moves it aside, `resume` checks the stored
-    configuration). `summary["stopped"]` is `"done"`, or `"diverged"` when a stage
-    diverged past its rollbacks (the pipeline stops there, and that stage's export is
-    its last verified, finite state); each stage's entry says how it stopped.
+    field; every length the run reads within the context of each model it reads, a
+    GGUF file's read from its header), then the run directory is taken (`open_run_dir`:
+    one owner, no new run into an old one unless `overwrite` moves it aside, `resume`
+    checks the stored configuration); a run that fails before its first step record or
+    checkpoint removes the directory it created (`removed_if_nothing_ran`).
+    `summary["stopped"]` is `"done"`, or `"diverged"` when a stage diverged past its
+    rollbacks (the pipeline stops there, and that stage's export is its last verified,
+    finite state); each stage's entry says how it stopped.
     `callbacks` (`Callback`s) are called by every stage's loop and after each stage's
     held-out evaluation; a stop one requests ends that stage (`"stopped": "callback"`
     and its `"stop_reason"` in the stage's entry), and the pipeline goes on.
@@ -511,6 +522,7 @@ def run_pipeline(
     validate_config(cfg)
     run_dir = cfg.out or os.path.join("runs", "pipeline")
     with (
+        removed_if_nothing_ran(run_dir),
         open_run_dir(cfg, run_dir, resume=resume, overwrite=overwrite) as rd,
         run_trackers(cfg, run_dir, resume=rd.resume),
     ):
@@ -527,6 +539,7 @@ def _run_pipeline(
 ) -> dict:
     t0 = time.perf_counter()
     base, tok = load_configured_model(cfg)
+    check_loaded_context(cfg, base, run_stages(cfg))
     key = jax.random.key(cfg.ops.seed)
     log = MetricsLog(run_dir, "pipeline", quiet=cfg.ops.quiet)
     peak = measure_matmul_peak() if cfg.ops.monitor else None

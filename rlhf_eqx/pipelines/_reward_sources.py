@@ -410,6 +410,25 @@ def _exported_in_run(directory: str) -> str:
 _MODEL_FILES = ("ensemble.json", "prm.json", "config.json")
 
 
+def reward_model_checkpoints(directory: str) -> tuple[str, ...]:
+    """The checkpoint directories `load_reward_source(directory, ...)` loads: an
+    ensemble's `member_<k>/` (`ensemble.json`), else the directory of the one reward
+    model or PRM (a run directory's export, `_exported_in_run`); `()` when `directory`
+    holds none that can be named without loading it (loading names what is wrong)."""
+    if not os.path.isdir(directory):
+        return ()
+    try:
+        directory = _exported_in_run(directory)
+        ens = os.path.join(directory, "ensemble.json")
+        if os.path.isfile(ens):
+            with open(ens) as f:
+                biases = json.load(f)["biases"]
+            return tuple(os.path.join(directory, f"member_{k}") for k in range(len(biases)))
+    except (OSError, ValueError, KeyError, TypeError):
+        return ()
+    return (directory,) if os.path.isfile(os.path.join(directory, "config.json")) else ()
+
+
 def load_reward_source(directory: str, tokenizer, *, eos_ids: Sequence[int] = ()) -> RewardSource:
     """The reward source a directory holds: an ensemble (`ensemble.json`), a process
     reward model (`prm.json`; its step separator encoded with `tokenizer`) or one reward

@@ -203,11 +203,46 @@ def read_lengths(cfg: Any, run: tuple[str, ...]) -> list[tuple[str, int]]:
         if isinstance(c, BatchStageConfig) and "max_length" not in _unused(c):
             lengths.append((f"{key}.max_length", c.max_length))
     if samples_completions(cfg, run):
-        s = cfg.sampling
-        what = f"sampling.prompt_length={s.prompt_length} + "
-        what += f"sampling.max_new_tokens={s.max_new_tokens}"
-        lengths.append((what, s.prompt_length + s.max_new_tokens))
+        lengths.append(sampled_length(cfg))
     return lengths
+
+
+def sampled_length(cfg: Any) -> tuple[str, int]:
+    """`(settings, tokens)` of a sampled sequence: `sampling.prompt_length +
+    sampling.max_new_tokens`, what a reward model, a judge or a teacher scoring on-policy
+    samples reads."""
+    s = cfg.sampling
+    what = f"sampling.prompt_length={s.prompt_length} + "
+    what += f"sampling.max_new_tokens={s.max_new_tokens}"
+    return what, s.prompt_length + s.max_new_tokens
+
+
+def check_scorer_context(cfg: Any, run: tuple[str, ...]) -> None:
+    """Each reward model a rollout stage of `run` scores its samples with (`<stage>.reward_model`:
+    one, an ensemble's members, a PRM) and a judge checkpoint (`judge.model`, not the
+    run's own `base` or `sft`) reads the sampled length (`sampled_length`) within its
+    context (`check_context`, naming the setting and the model)."""
+    from ._reward_sources import reward_model_checkpoints
+
+    sampled = [sampled_length(cfg)]
+    for key in dict.fromkeys(find_stage(st).key for st in run):
+        c = getattr(cfg, key)
+        if not isinstance(c, RolloutStageConfig) or "reward_source" in _unused(c):
+            continue
+        if c.reward_model and c.reward_source in ("reward_model", "prm"):
+            for path in reward_model_checkpoints(c.reward_model):
+                check_context(cfg, sampled, field=f"{key}.reward_model", source=path)
+        if c.reward_source == "judge" and cfg.judge.model not in ("base", "sft"):
+            check_context(cfg, sampled, field="judge.model", source=cfg.judge.model)
+
+
+def check_loaded_context(cfg: Any, policy: Any, run: tuple[str, ...]) -> None:
+    """`check_context` of the lengths `run` reads against the loaded `policy`'s own
+    `max_seq_len` (a GGUF file whose header `read_gguf_sizes` could not read is
+    compared once it is loaded)."""
+    context = getattr(getattr(policy, "cfg", None), "max_seq_len", None)
+    if isinstance(context, int):
+        check_context(cfg, read_lengths(cfg, run), context)
 
 
 def validate_run(cfg: Any, run: tuple[str, ...], *, device_count: int = 1) -> None:
@@ -215,7 +250,8 @@ def validate_run(cfg: Any, run: tuple[str, ...], *, device_count: int = 1) -> No
     fields (`validate_stage`), then what the stages that run combine with other sections
     (a batch above the prompt length, the reward source and the judge, each stage's
     `check_run`: the teacher, a multi-turn episode's length; every length the run reads
-    within the model's context, `read_lengths`); `ConfigError` naming the first bad
+    within the model's context, `read_lengths`, and the sampled length within each
+    reward model's and judge's, `check_scorer_context`); `ConfigError` naming the first bad
     field."""
     from ._validation import validate_judge
 
@@ -241,6 +277,7 @@ def validate_run(cfg: Any, run: tuple[str, ...], *, device_count: int = 1) -> No
         if st.check_run is not None:
             st.check_run(cfg, run)
     check_context(cfg, read_lengths(cfg, run))
+    check_scorer_context(cfg, run)
     check_unread(cfg, run, uses_judge)
     if uses_judge:
         validate_judge(cfg.judge)

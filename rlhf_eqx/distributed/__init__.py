@@ -25,6 +25,10 @@ places their inputs. Three modes:
   the hosts where `jax.device_put` cannot across processes) and `to_host` reads arrays
   sharded across processes whole on each host.
 
+Meshes have automatic (GSPMD) axes: the placement helpers refuse a mesh with an
+`AxisType.Explicit` axis (the default axis type of `jax.make_mesh`), naming its axes,
+since the models' gathers and products fail to trace under sharding-in-types.
+
 Specs name mesh axes regardless of sizes; wherever a dimension does not divide by the
 size of the axis it names, that dimension is replicated instead (`fit_spec`).
 """

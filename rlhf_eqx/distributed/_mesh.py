@@ -18,6 +18,23 @@ def tree_path_str(path) -> str:
     return jax.tree_util.keystr(path) or "<root>"
 
 
+def check_auto_axes(mesh: Mesh, where: str) -> None:
+    """Refuse a mesh with an `AxisType.Explicit` (or `Manual`) axis, naming the axes: the
+    models and steps run on automatic (GSPMD) axes, where `jax.jit` propagates the
+    inputs' shardings; under sharding-in-types (`jax.make_mesh`'s default axis types)
+    their gathers and products fail to trace."""
+    other = [
+        f"{a!r}: {t.name}" for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Auto
+    ]
+    if other:
+        raise ValueError(
+            f"{where}: mesh axes {', '.join(other)} are not automatic; the steps and models "
+            "run on meshes whose axes are all AxisType.Auto: build the mesh with "
+            "rlhf_eqx.distributed.make_mesh, or jax.make_mesh(shape, names, "
+            "axis_types=(jax.sharding.AxisType.Auto,) * len(names))"
+        )
+
+
 def make_mesh(data: int, model: int = 1, *, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A `("data", "model")` mesh of `data × model` devices with automatic (GSPMD) axes.
 
@@ -28,7 +45,9 @@ def make_mesh(data: int, model: int = 1, *, devices: Sequence[jax.Device] | None
       their number must be `data * model`.
 
     **Returns:** a `jax.sharding.Mesh` whose axes are `AxisType.Auto`, so that `jax.jit`
-    of an unmodified step propagates shardings from its inputs.
+    of an unmodified step propagates shardings from its inputs. (`jax.make_mesh` gives
+    `AxisType.Explicit` axes by default, which the placement helpers refuse; pass it
+    `axis_types=(AxisType.Auto,) * len(names)` to build such a mesh yourself.)
     """
     devices = list(jax.devices() if devices is None else devices)
     if data < 1 or model < 1:
@@ -62,6 +81,8 @@ def fit_spec(
 
 
 def _place(tree: PyTree, specs: PyTree, mesh: Mesh) -> PyTree:
+    check_auto_axes(mesh, "shard_model")
+
     def put(x, spec):
         if not eqx.is_array(x):
             return x
@@ -131,6 +152,7 @@ def shard_opt_state(
 
     **Returns:** the optimiser state with every array on `mesh`.
     """
+    check_auto_axes(mesh, "shard_opt_state")
     param_specs = partition_specs(params, fsdp=fsdp, tensor_parallel=tensor_parallel)
     specs = opt_state_specs(opt_state, params, param_specs)
     return jax.tree.map(
@@ -150,6 +172,7 @@ def shard_train_state(
     """Place a `rlhf_eqx.train.TrainState` on `mesh`: params and frozen parts by the model
     rules, optimiser state like its params, every other field (the step and skipped
     counters, the run's key) replicated and kept as it is."""
+    check_auto_axes(mesh, "shard_train_state")
     kw = dict(fsdp=fsdp, tensor_parallel=tensor_parallel)
     placed = dict(
         params=shard_model(state.params, mesh, **kw),
@@ -174,6 +197,7 @@ def shard_batch(batch: PyTree, mesh: Mesh, *, axis: str = "data") -> PyTree:
     Scalars are replicated. Raises `ValueError` naming the field when a leading axis
     does not divide by the axis size (pad the batch or change the mesh).
     """
+    check_auto_axes(mesh, "shard_batch")
     n = mesh.shape[axis]
 
     def put(path, x):

@@ -10,7 +10,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, PyTree
 
-from ._mesh import tree_path_str
+from ._mesh import check_auto_axes, tree_path_str
 
 ENV_COORDINATOR = "RLHF_EQX_COORDINATOR"
 ENV_NUM_PROCESSES = "RLHF_EQX_NUM_PROCESSES"
@@ -156,6 +156,7 @@ def global_batch(
     are fixed by construction (a bucketed or fixed-length collate), e.g. after the first
     batch of a run was checked.
     """
+    check_auto_axes(mesh, "global_batch")
     sharding = NamedSharding(mesh, PartitionSpec(axis))
     fields = [
         (tree_path_str(path), x)

@@ -29,17 +29,21 @@ Sums = dict[str, tuple[Real[Array, ""], Real[Array, ""]]]
 def split_micro_batches(batch: PyTree, micro_batches: int) -> PyTree:
     """Reshape every array leaf `[B, ...]` to `[micro_batches, B // micro_batches, ...]`.
 
-    Rows `i * b : (i + 1) * b` form micro-batch `i`. Raises if `B` is not divisible.
+    Rows `i * b : (i + 1) * b` form micro-batch `i`. Raises `ValueError` naming the
+    field, its shape and `micro_batches` when `B` is not divisible.
     """
     check_positive_int("micro_batches", micro_batches)
 
-    def split(x):
+    def split(path, x):
         B = x.shape[0]
         if B % micro_batches != 0:
-            raise ValueError(f"batch size {B} is not divisible by micro_batches={micro_batches}")
+            raise ValueError(
+                f"batch field {jax.tree_util.keystr(path) or '<root>'} has {B} rows (shape "
+                f"{tuple(x.shape)}), not divisible by micro_batches={micro_batches}"
+            )
         return x.reshape((micro_batches, B // micro_batches) + x.shape[1:])
 
-    return jax.tree.map(split, batch)
+    return jax.tree_util.tree_map_with_path(split, batch)
 
 
 def _set_fields(batch: PyTree, **values: Any) -> PyTree:

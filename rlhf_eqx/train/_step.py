@@ -44,6 +44,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import AxisType
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from ..losses import safe_divide
@@ -108,6 +109,71 @@ def _check_rows(batch: PyTree) -> None:
                 f"{type(batch).__name__}{jax.tree_util.keystr(path)} has shape {tuple(shape)}: "
                 "the batch has no rows (a step needs at least one)"
             )
+
+
+def _check_micro_batches(batch: PyTree, micro_batches: int, axis_name: str | None) -> None:
+    """Refuse (at trace time) a batch whose rows do not divide into `micro_batches`,
+    naming the field and its shape (under `axis_name`, the rows of one device)."""
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        shape = getattr(x, "shape", None)
+        if shape is None or len(shape) == 0 or shape[0] % micro_batches == 0:
+            continue
+        rows = f"{shape[0]} rows"
+        if axis_name is not None:
+            rows += (
+                f" on each device of axis {axis_name!r} (under jax.pmap / shard_map a step "
+                "sees its device's rows: the global batch's rows / the number of devices)"
+            )
+        raise ValueError(
+            f"{type(batch).__name__}{jax.tree_util.keystr(path)} has shape {tuple(shape)}: "
+            f"{rows}, not divisible by micro_batches={micro_batches}"
+        )
+
+
+def _check_axis_bound(axis_name: str) -> None:
+    """Refuse (at trace time) a step built for the device axis `axis_name` that runs
+    where no such axis is bound (under `jax.jit` on a mesh, or outside any transform)."""
+    try:
+        jax.lax.axis_index(axis_name)
+    except NameError:
+        raise ValueError(
+            f"this step was built with axis_name={axis_name!r} (StepOptions.axis_name), but it "
+            f"runs where no device axis {axis_name!r} is bound: call it under "
+            f"jax.pmap(..., axis_name={axis_name!r}) or jax.shard_map over a mesh axis of that "
+            "name, or build it without axis_name to run it under jax.jit on a sharded mesh "
+            "(rlhf_eqx.distributed.shard_train_state / shard_batch)"
+        ) from None
+
+
+def _explicit_leaves(named: Mapping[str, PyTree]) -> list[str]:
+    """The array leaves of `named` (argument name -> tree) that are sharded over a mesh
+    axis of type `AxisType.Explicit`, each as `"<argument><path> shape ... over axis ..."`."""
+    found = []
+    for name, tree in named.items():
+        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            if not eqx.is_array(x):
+                continue
+            sharding = getattr(jax.typeof(x), "sharding", None)
+            mesh = getattr(sharding, "mesh", None)
+            if mesh is None or not mesh.axis_names:
+                continue
+            explicit = {
+                a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit
+            }
+            axes = [
+                a
+                for part in sharding.spec
+                if part is not None
+                for a in (part if isinstance(part, tuple) else (part,))
+                if a in explicit
+            ]
+            if axes:
+                where = ", ".join(repr(a) for a in axes)
+                found.append(
+                    f"{name}{jax.tree_util.keystr(path)} (shape {tuple(x.shape)}) over the "
+                    f"Explicit mesh axis {where}"
+                )
+    return found
 
 
 def _check_token_ids(batch: PyTree, vocab_size: int) -> PyTree:
@@ -215,11 +281,17 @@ def make_step(
     - `options`: a `StepOptions` (or its fields as keyword shortcuts, e.g.
       `micro_batches=2`):
         - `micro_batches`: split the (per-device) batch into this many micro-batches
-          and accumulate; same loss and gradient as the full batch.
+          and accumulate; same loss and gradient as the full batch. Rows that do not
+          divide are refused when the step is traced (`ValueError` naming the field,
+          its shape and, under `axis_name`, the device axis).
         - `axis_name`: the device axis of `jax.pmap` (or `shard_map`) this step runs
           under; numerators, denominators, gradients and metric sums are
           `psum`-reduced over it. A `key` is folded with the device index, so dropout
-          differs across devices.
+          differs across devices. Called where no axis of that name is bound (e.g.
+          under `jax.jit` on a sharded mesh, which needs no axis name) the step raises
+          `ValueError` when traced. Inputs sharded over `AxisType.Explicit` mesh axes
+          (sharding-in-types) that fail to trace are named in a `ValueError`: the
+          steps run on automatic axes (`rlhf_eqx.distributed.make_mesh`).
         - `donate`: donating `params` / `opt_state`: `None` (default) only through
           `TrainState.apply`, `True` also on direct calls, `False` never (see the
           module docstring).
@@ -257,8 +329,34 @@ def make_step(
     sg = jax.lax.stop_gradient
 
     def update(rest, params, opt_state):
+        try:
+            return run(rest, params, opt_state)
+        except ValueError:
+            raise
+        except Exception as e:
+            batch, frozen, _ = rest
+            named = dict(params=params, opt_state=opt_state, batch=batch, frozen=frozen)
+            explicit = _explicit_leaves(named)
+            if not explicit:
+                raise
+            # sharding-in-types (jax.make_mesh's default axis types): the model's
+            # gathers and products need each output's sharding spelled out
+            raise ValueError(
+                f"the step failed to trace ({type(e).__name__}) with inputs sharded over "
+                f"Explicit mesh axes: {'; '.join(explicit[:3])}"
+                f"{f' and {len(explicit) - 3} more' if len(explicit) > 3 else ''}. The steps "
+                "run on meshes with automatic (GSPMD) axes: build the mesh with "
+                "rlhf_eqx.distributed.make_mesh, or jax.make_mesh(..., "
+                "axis_types=(jax.sharding.AxisType.Auto,) * n)"
+            ) from e
+
+    def run(rest, params, opt_state):
         batch, frozen, key = rest
         _check_rows(batch)
+        if axis_name is not None:
+            _check_axis_bound(axis_name)
+        if micro_batches > 1:
+            _check_micro_batches(batch, micro_batches, axis_name)
         if key is not None and axis_name is not None:
             key = jax.random.fold_in(key, jax.lax.axis_index(axis_name))
         if check_token_ids is not None:

@@ -94,3 +94,17 @@ def test_micro_batches_that_do_not_divide_a_devices_rows_are_refused_by_field():
         )
     with pytest.raises(ValueError, match=r"has shape \(8, 6\): 8 rows, not divisible by micro"):
         make_sft_step(opt, micro_batches=3)(policy, opt.init(policy), _batch())
+
+
+def test_a_step_whose_arguments_live_on_different_devices_names_them():
+    policy, opt = _policy(), optax.sgd(0.1)
+    half = dist.make_mesh(4, 1, devices=jax.devices()[:4])
+    state = dist.shard_train_state(init_train_state(policy, opt), half)
+    batch = dist.shard_batch(_batch(), dist.make_mesh(4, 2))
+    with pytest.raises(
+        ValueError,
+        match=r"different sets of devices: params\.transformer\.embed \(shape \(32, 16\)\) "
+        r"on devices \[0, 1, 2, 3\]; "
+        r"batch\.tokens \(shape \(8, 6\)\) on devices \[0, 1, 2, 3, 4, 5, 6, 7\]",
+    ):
+        state.apply(make_sft_step(opt), batch)

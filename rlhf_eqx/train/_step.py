@@ -176,6 +176,29 @@ def _explicit_leaves(named: Mapping[str, PyTree]) -> list[str]:
     return found
 
 
+def _device_sets_message(named: Mapping[str, PyTree]) -> str:
+    """Why one jitted step cannot take these arguments: the first array (by argument and
+    path) on each distinct set of devices, with its shape and device ids."""
+    first: dict[tuple[int, ...], str] = {}
+    for name, tree in named.items():
+        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+                continue
+            ids = tuple(sorted(d.id for d in x.sharding.device_set))
+            first.setdefault(
+                ids,
+                f"{name}{jax.tree_util.keystr(path)} (shape {tuple(x.shape)}) on devices "
+                f"{list(ids)}",
+            )
+    return (
+        "the step's arguments live on different sets of devices: "
+        + "; ".join(first.values())
+        + ". One jitted step runs on one set: place the train state, the batch and any "
+        "reference model on the same mesh (rlhf_eqx.distributed.shard_train_state, "
+        "shard_model, shard_batch)"
+    )
+
+
 def _check_token_ids(batch: PyTree, vocab_size: int) -> PyTree:
     """Raise at run time (`eqx.error_if`) if an integer leaf of `batch` leaves `[0, vocab_size)`."""
 
@@ -251,13 +274,20 @@ class Step:
                 f"batch must be a {getattr(self.batch_type, '__name__', self.batch_type)}, "
                 f"got {type(batch).__name__}"
             )
+        named = dict(params=params, opt_state=opt_state, batch=batch, frozen=frozen, **extras)
         if self.extras:
             frozen = (frozen, *(extras.get(name) for name in self.extras))
         rest = (batch, frozen, key)
         want = bool(self.donate) if donate is None else donate
+        update = self._plain
         if want and _safe_to_donate((params, opt_state), rest):
-            return self._donating(rest, params, opt_state)
-        return self._plain(rest, params, opt_state)
+            update = self._donating
+        try:
+            return update(rest, params, opt_state)
+        except ValueError as e:
+            if "incompatible devices" not in str(e):
+                raise
+            raise ValueError(_device_sets_message({**named, "key": key})) from e
 
 
 def make_step(

@@ -657,9 +657,10 @@ def recorded(server, client):
     with server.recording() as rec:
         with concurrent.futures.ThreadPoolExecutor(len(ids)) as pool:
             rewards = list(pool.map(lambda e: _agent_episode(client, e), ids))
-        # the second episode of each group gets one more, so that no group can tie (a
-        # tied group has no advantage, and the update would not move the policy)
-        rewards = [r + i % 2 for i, r in enumerate(rewards)]
+        # the second episode of each group gets 100 more (past any count of the 16 words
+        # two turns write), so that no group can tie (a tied group has no advantage, and
+        # the update would not move the policy)
+        rewards = [r + 100 * (i % 2) for i, r in enumerate(rewards)]
         for e, r in zip(ids[1:], rewards[1:]):
             rec.reward(e, r)
         # an environment in another process reports over HTTP

@@ -407,17 +407,17 @@ def _walk_sizes(m, struct) -> tuple[int, int] | None:
         elif kind in _SCALARS:
             (value,) = struct.unpack_from("<" + _SCALARS[kind], m, pos)
             skip(kind)
-            if arch is not None and key in (f"{arch}.context_length", f"{arch}.vocab_size"):
-                found[key.rsplit(".", 1)[1]] = value
+            if key.endswith((".context_length", ".vocab_size")):
+                found[key] = value  # `{arch}.` is checked once the architecture is known
         else:
             return None
         if pos > len(m):
             return None
-        if arch is not None and "context_length" in found and ("vocab_size" in found):
+        if arch is not None and {f"{arch}.context_length", f"{arch}.vocab_size"} <= set(found):
             break
     if arch not in ARCHS:
         return None
-    vocab = found.get("vocab_size", found.get("tokens"))
-    context = found.get("context_length", 2048)
+    vocab = found.get(f"{arch}.vocab_size", found.get("tokens"))
+    context = found.get(f"{arch}.context_length", 2048)
     ints = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (vocab, context))
     return (vocab, context) if ints else None

@@ -19,8 +19,8 @@ import rlhf_eqx as rx
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 PEFT = os.path.join(FIXTURES, "peft")
 REFERENCE = np.load(os.path.join(PEFT, "reference.npz"))
-TOKENS = jnp.asarray(REFERENCE["tokens"], jnp.int32)
-MASK = jnp.ones(TOKENS.shape, bool)
+TOKENS = np.asarray(REFERENCE["tokens"], np.int32)  # numpy: nothing runs at collection
+MASK = np.ones(TOKENS.shape, bool)
 
 
 def _base(family):
@@ -28,7 +28,7 @@ def _base(family):
 
 
 def _logits(model):
-    return np.asarray(eqx.filter_jit(lambda m: m(TOKENS, MASK))(model))
+    return np.asarray(eqx.filter_jit(lambda m: m(jnp.asarray(TOKENS), jnp.asarray(MASK)))(model))
 
 
 @pytest.mark.parametrize(
@@ -92,7 +92,7 @@ def test_a_missing_adapter_file_is_named_with_what_is_there_instead(tmp_path):
 
 
 def _rewards(model):
-    return np.asarray(eqx.filter_jit(lambda m: m(TOKENS, MASK))(model))
+    return np.asarray(eqx.filter_jit(lambda m: m(jnp.asarray(TOKENS), jnp.asarray(MASK)))(model))
 
 
 def test_sequence_classifier_adapter_scores_as_peft_does():

@@ -108,3 +108,29 @@ def test_a_step_whose_arguments_live_on_different_devices_names_them():
         r"batch\.tokens \(shape \(8, 6\)\) on devices \[0, 1, 2, 3, 4, 5, 6, 7\]",
     ):
         state.apply(make_sft_step(opt), batch)
+
+
+def test_groups_that_straddle_devices_are_refused_naming_the_axis():
+    """GRPO's groups of one prompt's samples lie on one device: 2 rows a device with
+    group_size 4 is refused naming each device's rows and the axis."""
+    policy, opt = _policy(), optax.sgd(0.1)
+    devices = jax.local_devices()[:4]
+    step = rx.train.make_grpo_step(opt, group_size=4, axis_name="data")
+    run = jax.pmap(lambda p, s, b: step(p, s, b), axis_name="data", devices=devices)
+    seq = _batch()
+    batch = rx.train.GRPOBatch(
+        tokens=seq.tokens,
+        mask=seq.mask,
+        completion_mask=seq.completion_mask,
+        rewards=jnp.arange(B, dtype=jnp.float32),
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"batch size 2 is not a multiple of group_size=4 \(the rows on each device of "
+        r"axis 'data'",
+    ):
+        run(
+            dist.replicate(policy, devices),
+            dist.replicate(opt.init(policy), devices),
+            dist.shard_batch_for_pmap(batch, 4),
+        )

@@ -28,7 +28,13 @@ def grpo_advantages(
     check_positive_int("group_size", group_size)
     (B,) = rewards.shape
     if B % group_size != 0:
-        raise ValueError(f"batch size {B} is not a multiple of group_size={group_size}")
+        where = (
+            ""
+            if axis_name is None
+            else f" (the rows on each device of axis {axis_name!r}: a group of samples of one "
+            "prompt lies on one device, so give each device whole groups)"
+        )
+        raise ValueError(f"batch size {B} is not a multiple of group_size={group_size}{where}")
     grouped = rewards.reshape(B // group_size, group_size)
     if scale != "batch" or axis_name is None:
         return group_advantages(grouped, scale=scale, eps=eps).reshape(B)

@@ -31,6 +31,18 @@ def _batch():
     return rx.SequenceBatch(tokens=tokens, mask=mask, completion_mask=mask.at[:, :2].set(False))
 
 
+def _run_on_four_devices(step, opt, batch):
+    """`step` under `jax.pmap` over 4 devices: the policy and its optimiser state
+    replicated, `batch` split into 4 shards of its rows."""
+    policy, devices = _policy(), jax.local_devices()[:4]
+    run = jax.pmap(lambda p, s, b: step(p, s, b), axis_name="data", devices=devices)
+    return run(
+        dist.replicate(policy, devices),
+        dist.replicate(opt.init(policy), devices),
+        dist.shard_batch_for_pmap(batch, 4),
+    )
+
+
 def _explicit_mesh():
     return jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
 
@@ -79,19 +91,13 @@ def test_a_step_built_for_a_device_axis_refuses_to_run_without_it():
 
 def test_micro_batches_that_do_not_divide_a_devices_rows_are_refused_by_field():
     policy, opt = _policy(), optax.sgd(0.1)
-    devices = jax.local_devices()[:4]
     step = make_sft_step(opt, axis_name="data", micro_batches=4)
-    run = jax.pmap(lambda p, s, b: step(p, s, b), axis_name="data", devices=devices)
     with pytest.raises(
         ValueError,
         match=r"SequenceBatch\.tokens has shape \(2, 6\): 2 rows on each device of axis 'data'"
         r".*not divisible by micro_batches=4",
     ):
-        run(
-            dist.replicate(policy, devices),
-            dist.replicate(opt.init(policy), devices),
-            dist.shard_batch_for_pmap(_batch(), 4),
-        )
+        _run_on_four_devices(step, opt, _batch())
     with pytest.raises(ValueError, match=r"has shape \(8, 6\): 8 rows, not divisible by micro"):
         make_sft_step(opt, micro_batches=3)(policy, opt.init(policy), _batch())
 
@@ -113,10 +119,8 @@ def test_a_step_whose_arguments_live_on_different_devices_names_them():
 def test_groups_that_straddle_devices_are_refused_naming_the_axis():
     """GRPO's groups of one prompt's samples lie on one device: 2 rows a device with
     group_size 4 is refused naming each device's rows and the axis."""
-    policy, opt = _policy(), optax.sgd(0.1)
-    devices = jax.local_devices()[:4]
+    opt = optax.sgd(0.1)
     step = rx.train.make_grpo_step(opt, group_size=4, axis_name="data")
-    run = jax.pmap(lambda p, s, b: step(p, s, b), axis_name="data", devices=devices)
     seq = _batch()
     batch = rx.train.GRPOBatch(
         tokens=seq.tokens,
@@ -129,8 +133,4 @@ def test_groups_that_straddle_devices_are_refused_naming_the_axis():
         match=r"batch size 2 is not a multiple of group_size=4 \(the rows on each device of "
         r"axis 'data'",
     ):
-        run(
-            dist.replicate(policy, devices),
-            dist.replicate(opt.init(policy), devices),
-            dist.shard_batch_for_pmap(batch, 4),
-        )
+        _run_on_four_devices(step, opt, batch)

@@ -364,6 +364,7 @@ ROW_SETTINGS = [
 ]
 
 
+@pytest.mark.slow
 def test_per_row_settings_equal_each_rows_own_and_compile_once(policy):
     """Temperature, top-k and top-p given per row are traced: each row samples as with
     its settings given alone, and other values compile nothing new."""

@@ -15,6 +15,7 @@ def _write(path, rows) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", ["kto", "prm"])
 def test_the_lines_the_reader_left_out_are_named(tmp_path, capsys, stage):
     if stage == "kto":

@@ -338,6 +338,7 @@ def test_stop_ids_as_a_field_after_fields_without_a_default():
     assert Environment.stop_ids == () and _Endless().stop_ids == ()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rollout", [rollout_multiturn, rollout_multiturn_host])
 def test_the_turn_limit_is_not_a_truncation(policy, rollout):
     """An environment that never ends its episodes: whole turns up to `max_turns` end by

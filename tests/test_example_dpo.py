@@ -93,6 +93,7 @@ def test_main_exits_with_a_message_when_training_diverges(shared_dir, monkeypatc
     assert "training diverged" in str(info.value.code) and "nan" in str(info.value.code)
 
 
+@pytest.mark.slow
 def test_tiny_dpo_run_end_to_end(shared_dir, tmp_path):
     model, tok_path = _model_paths(shared_dir)
     # Target words that about half of the base model's completions contain, so that

@@ -115,6 +115,7 @@ def test_grpo_on_a_file_without_answers_is_refused_naming_the_rewards_that_need_
     assert "grpo.reward_functions=MODULE:NAME" in err and "grpo.reward_model=DIR" in err
 
 
+@pytest.mark.slow
 def test_grpo_on_prompts_without_answers_scores_with_the_users_functions(tmp_path, rewards):
     path = _prompts(tmp_path / "p.jsonl", answers=False)
     argv = ["grpo", "--data", path, "--out", str(tmp_path / "run"), *_SMALL]

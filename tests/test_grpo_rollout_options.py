@@ -41,6 +41,7 @@ def _grpo(builtin, tmp_path, name, reward=None, ops=None, **changes):
     return res, [r for r in records if "step" in r]
 
 
+@pytest.mark.slow
 def test_staleness_samples_with_the_previous_policy(builtin, tmp_path):
     """With staleness 1 the second rollout comes from the first policy: its tokens differ
     from the current policy's distribution (the mismatch KL is no longer ~0) while the
@@ -79,6 +80,7 @@ def test_overlapped_rollouts_train_the_same_numbers(builtin, tmp_path):
     _same_run(a, b)
 
 
+@pytest.mark.slow
 def test_overlapped_run_interrupted_while_preparing_resumes_exactly(builtin, tmp_path):
     """Ctrl-C while the next rollout is being scored (during an update) checkpoints the
     last completed iteration; the resumed run samples that rollout again and ends where
@@ -119,6 +121,7 @@ def test_overlapped_run_interrupted_while_preparing_resumes_exactly(builtin, tmp
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow
 def test_sampler_on_its_own_device_trains_the_same_numbers(builtin, tmp_path, monkeypatch):
     """`sampler_device=1`: every rollout is sampled on device 1 (the behaviour parameters
     copied there) while the update runs on device 0; the run is the one on one device."""
@@ -165,6 +168,7 @@ def test_staleness_zero_is_the_synchronous_run(builtin, tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_refills_uninformative_groups(builtin, tmp_path):
     # half the prompts always score 0 (their groups carry no signal)
     def reward(prompt, completion):

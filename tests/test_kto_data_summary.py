@@ -4,6 +4,7 @@ too), and the weights' balance is checked."""
 
 import json
 
+import pytest
 from helpers import quiet_settings
 
 from rlhf_eqx import data, pipelines as pl
@@ -33,6 +34,7 @@ def _imbalanced(n=16):
     ]
 
 
+@pytest.mark.slow
 def test_kto_on_an_imbalanced_file_notes_a_held_out_side_of_one_label(tmp_path):
     records = _imbalanced()
     train, held = data.split_held_out(records, fraction=0.25, seed=0)

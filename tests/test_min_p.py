@@ -170,6 +170,7 @@ ROW_SETTINGS = [
 ]
 
 
+@pytest.mark.slow
 def test_per_row_min_p_equals_each_rows_own_and_compiles_once(policy):
     toks, masks, keys = (x[jnp.array([0, 1, 2, 3, 4, 0])] for x in _requests())
     kw = dict(slots=2, max_new_tokens=N, eos_id=3)

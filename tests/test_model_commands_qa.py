@@ -191,6 +191,7 @@ def test_sample_refuses_a_data_file_by_name(tmp_path, capsys):
     assert "sample completes the --prompt texts" in err and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_sample_and_eval_take_temperature_zero_as_greedy(capsys):
     sets = ["--set", "sampling.temperature=0", "--set", "sampling.max_new_tokens=8"]
     assert main(["sample", "-n", "2", "--prompt", "Once upon a time", *sets]) == 0

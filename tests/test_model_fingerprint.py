@@ -67,6 +67,7 @@ def test_the_files_of_each_kind_of_source(tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_a_resume_on_a_changed_model_is_refused(tmp_path, capsys):
     model, tok = _copy_model(tmp_path)
     data_file = tmp_path / "text.jsonl"

@@ -109,6 +109,7 @@ def test_multiturn_dpo_config_names_its_fields():
         MultiturnDPOConfig(packing=True)
 
 
+@pytest.mark.slow
 def test_pairs_of_a_real_rollout_score_the_policy_tokens_only():
     """Two two-turn episodes of the shipped model as a pair: the sequence log-probs are
     the sums of the token log-probs over the policy's turns (not over the question
@@ -149,6 +150,7 @@ def test_pairs_of_a_real_rollout_score_the_policy_tokens_only():
     np.testing.assert_allclose(float(m["loss/nll"]), cfg.rpo_alpha * nll, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_run_multiturn_dpo_is_finite_and_resumes_exactly(tmp_path, monkeypatch):
     policy, tok = pl.tools.load_model("builtin")
     env = TallyEnv(tok)

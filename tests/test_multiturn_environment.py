@@ -189,6 +189,7 @@ def _ctx(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_an_environment_with_a_first_observation_plays_every_turn(env_module, tmp_path):
     """The episode buffer holds `reset`'s observation too: no turn is lost to it."""
     policy, tok = pl.tools.load_model("builtin")

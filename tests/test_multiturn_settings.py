@@ -56,6 +56,7 @@ def _events(tmp_path):
     return [r for r in pl.tools.read_records(str(tmp_path)) if "event" in r]
 
 
+@pytest.mark.slow
 def test_overlong_filtering_keeps_the_episodes_the_turn_limit_ended(tmp_path):
     """Every turn stops at a stop id (each id is one), the environment never ends an
     episode: the turn limit ends them all, whole, and none is masked."""
@@ -89,6 +90,7 @@ class _Flat(_Endless):
         return out[:3] + (jnp.zeros((), jnp.float32), out[4])
 
 
+@pytest.mark.slow
 def test_a_rollout_without_signal_is_named(tmp_path):
     """Equal rewards in every group: a `no_signal` event, as the GRPO stage logs."""
     res, tok = _run(tmp_path, _Flat(stop_ids=(2,)))

@@ -71,6 +71,7 @@ def test_multiturn_batch_trains_the_policy_tokens_only():
     assert float(m1["clip_ratio"]) == 0.0
 
 
+@pytest.mark.slow
 def test_ppo_and_dpo_train_on_the_policy_tokens_of_multiturn_trajectories():
     """PPO: the advantages and returns of a multi-turn batch live on the policy's tokens
     only, and the step's loss ignores what lies outside them. DPO: two trajectories as a

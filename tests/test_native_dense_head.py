@@ -74,6 +74,7 @@ def run_samplers(**env):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @needs_kernel
 def test_samplers_decode_the_tokens_they_decode_without_it():
     # sampled, paged continuous and speculative decoding: the same tokens, the head's
@@ -156,6 +157,7 @@ CACHED = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @needs_kernel
 def test_a_cached_program_with_the_kernel_runs_in_another_process(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(tmp_path)}

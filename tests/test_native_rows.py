@@ -223,6 +223,7 @@ ARCH_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not COMPILER or os.uname().machine != "x86_64", reason="needs a compiler on x86-64"
 )
@@ -256,6 +257,7 @@ def test_a_damaged_cached_library_is_built_again(tmp_path):
     assert [p.stat().st_size for p in library.parent.iterdir()] == [size]
 
 
+@pytest.mark.slow
 def test_an_unusable_cache_directory_is_one_line_each_not_a_crash(tmp_path):
     # XDG_CACHE_HOME naming a file (as a read-only directory does for other users): the
     # kernel stays in XLA with one warning, and a command-line run goes on without the

@@ -44,6 +44,7 @@ def _unpaired(path, n=16):
             f.write(json.dumps(rec) + "\n")
 
 
+@pytest.mark.slow
 def test_kto_runs_on_an_unpaired_file(tmp_path, capsys):
     data = tmp_path / "unpaired.jsonl"
     _unpaired(data)
@@ -94,6 +95,7 @@ def test_kto_settings_are_checked():
         pl.config.validate_stage("kto", pl.KTOConfig(desirable_weight=-1.0))
 
 
+@pytest.mark.slow
 def test_distill_from_a_checkpoint_directory_on_a_data_file(tmp_path):
     data = tmp_path / "pairs.jsonl"
     with open(data, "w") as f:

@@ -210,6 +210,7 @@ def test_a_rows_continuation_does_not_depend_on_the_other_rows(builtin):
     )
 
 
+@pytest.mark.slow
 def test_continuations_sample_a_few_bucket_sizes(builtin):
     """Continuing 1, 3, 4, 6 or 16 of a rollout's 16 rows samples 1, 4, 4, 8 and 16 rows
     (the next power of two): four traces of the sampler for five counts; with the rows

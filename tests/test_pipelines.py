@@ -418,6 +418,7 @@ def test_win_rate_pairs_and_ties():
 # --- runs on a tiny model --------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_model_remat_reaches_the_policy_and_trains_the_same_losses(tmp_path, tok):
     """`model.remat` reaches the loaded policy (`rx.with_remat`), is checked by name, may
     change on resume, and an SFT run with the products' outputs kept (`"dots"`) or only

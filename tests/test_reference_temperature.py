@@ -39,6 +39,7 @@ def test_grpo_starts_at_kl_zero_at_any_sampling_temperature(tmp_path, temperatur
     assert abs(first["kl"]) < 1e-6 and abs(first["rollout/kl"]) < 1e-5, first
 
 
+@pytest.mark.slow
 def test_multiturn_dpo_kl_guard_starts_at_zero_at_a_sampling_temperature(tmp_path):
     policy, tok = pl.tools.load_model("builtin")
     cfg = pl.MultiturnDPOConfig(

@@ -4,10 +4,13 @@ independently of the file's held-out split, so it is not empty."""
 
 import json
 
+import pytest
+
 from rlhf_eqx import data, pipelines as pl
 from rlhf_eqx.__main__ import main
 
 
+@pytest.mark.slow
 def test_reward_on_a_data_file_selects_on_a_validation_split(tmp_path):
     rows = [
         {"prompt": f"Once upon a time {i}", "chosen": " a dog ran home.", "rejected": f" zzz {i}."}

@@ -63,6 +63,7 @@ def test_a_continued_rollout_keeps_its_filters(builtin):
     assert pl.runs.finish_rollout(more, tok).texts == whole.texts
 
 
+@pytest.mark.slow
 def test_grpo_rollouts_read_the_run_context_filters(builtin, tmp_path):
     """With `top_k=1` every completion of a group is the same text: no group has a reward
     spread (`frac_reward_zero_std` 1), where the unfiltered rollouts had one."""
@@ -88,6 +89,7 @@ def test_grpo_rollouts_read_the_run_context_filters(builtin, tmp_path):
     assert spreads["top1"] == [1.0] and spreads["free"][0] < 1.0, spreads
 
 
+@pytest.mark.slow
 def test_sample_and_eval_read_the_filters(capsys):
     argv = ["sample", "-n", "3", "--prompt", "Once upon a time", "--set", "sampling.top_k=1"]
     assert main([*argv, "--set", "sampling.max_new_tokens=8"]) == 0

@@ -315,6 +315,7 @@ def smollm2():
         yield srv
 
 
+@pytest.mark.slow
 def test_a_character_split_across_tokens_never_reaches_a_stream_cut(smollm2):
     """SmolLM2's byte-level pieces split a kana in two tokens ("く" = E3 81 | 8F): a
     stream holds the first until the second completes it."""

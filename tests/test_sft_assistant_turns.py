@@ -373,6 +373,7 @@ TINY = [
 ]
 
 
+@pytest.mark.slow
 def test_cli_sft_on_multi_turn_conversations_with_tools(tmp_path, capsys):
     rows = []
     for i, a in enumerate(ANIMALS):
@@ -401,6 +402,7 @@ def test_cli_sft_on_multi_turn_conversations_with_tools(tmp_path, capsys):
     assert "data.assistant_turns='some': must be one of all, last" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_sft_all_turns_through_a_chat_template_file(tmp_path):
     template = tmp_path / "chat.jinja"
     template.write_text(TINY_CHATML)
@@ -422,6 +424,7 @@ def test_cli_sft_all_turns_through_a_chat_template_file(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_cli_sft_last_turn_through_a_template_sees_the_tool_calls(tmp_path):
     """With `data.assistant_turns=last` the model's template renders the conversation
     itself too: the tool calls before the last turn reach it as `tool_calls` (written

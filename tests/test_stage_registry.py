@@ -35,6 +35,7 @@ _SMALL = ["--quiet", "--set", "ops.monitor=false", "--set", "eval_samples=1"]
 _SMALL += ["--set", "sft.steps=2", "--set", "sampling.max_new_tokens=8"]
 
 
+@pytest.mark.slow
 def test_a_registered_stage_runs_from_the_cli(toy_stage, tmp_path, capsys):
     assert "toy" in stage_commands() and "toy" in pl.config.stage_names()
     out = tmp_path / "run"

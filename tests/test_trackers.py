@@ -383,6 +383,7 @@ with pl.trackers.open_trackers(["mlflow"], d, {"ops": {"seed": 0}}, quiet=True) 
 """
 
 
+@pytest.mark.slow
 def test_mlflow_telemetry_is_off_outside_a_test_runner(tmp_path):
     # MLflow turns its telemetry (posts to its own service from a thread) off by itself
     # under pytest and CI only: a process outside them must find it off once the tracker
@@ -451,6 +452,7 @@ with pl.trackers.open_trackers(["wandb"], run_dir, {}, quiet=quiet) as t:
 """
 
 
+@pytest.mark.slow
 def test_a_quiet_wandb_run_leaves_out_its_banner_and_run_summary(tmp_path):
     """W&B prints its notes on standard error (some 20 lines a run: a sweep's members
     each); a quiet run starts it in its quiet mode. In a process of its own: W&B's

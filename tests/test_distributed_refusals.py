@@ -1,7 +1,8 @@
 """Steps and placement helpers refuse, by name, what they cannot run: a mesh with Explicit
-(sharding-in-types) axes, a step built for a device axis run where none is bound, and
-micro-batches that do not divide the rows one device of `jax.pmap` holds (8 simulated
-CPU devices, set by the suite's conftest)."""
+(sharding-in-types) axes, a step built for a device axis run where none is bound, a step
+built without one run under `jax.pmap` / `shard_map`, and micro-batches that do not
+divide the rows one device of `jax.pmap` holds (8 simulated CPU devices, set by the
+suite's conftest)."""
 
 import jax
 import jax.numpy as jnp
@@ -134,3 +135,47 @@ def test_groups_that_straddle_devices_are_refused_naming_the_axis():
         r"axis 'data'",
     ):
         _run_on_four_devices(step, opt, batch)
+
+
+def test_a_step_built_without_a_device_axis_refuses_to_run_under_pmap():
+    """Without `axis_name` each replica would take its own shard's step and the copies
+    would drift apart silently: under a named or unnamed `jax.pmap` and under
+    `jax.shard_map` the step refuses, naming `axis_name` and the bound axis."""
+    policy, opt = _policy(), optax.sgd(0.1)
+    step = make_sft_step(opt)
+    with pytest.raises(ValueError, match=r"built without axis_name.*device axis\(es\) 'data'"):
+        _run_on_four_devices(step, opt, _batch())
+    devices = jax.local_devices()[:4]
+    args = (
+        dist.replicate(policy, devices),
+        dist.replicate(opt.init(policy), devices),
+        dist.shard_batch_for_pmap(_batch(), 4),
+    )
+    with pytest.raises(ValueError, match=r"under jax.pmap without an axis name.*axis_name='data'"):
+        jax.pmap(step, devices=devices)(*args)
+    mesh = dist.make_mesh(4, 2)
+    run = jax.shard_map(
+        lambda p, s, b: step(p, s, b)[2]["loss"][None],
+        mesh=mesh,
+        in_specs=(P(), P(), P("data")),
+        out_specs=P("data"),
+        axis_names={"data"},
+    )
+    with pytest.raises(ValueError, match=r"built without axis_name.*axis\(es\) 'data'"):
+        run(policy, opt.init(policy), _batch())
+
+
+def test_a_step_under_another_device_axis_names_the_bound_axes():
+    policy, opt = _policy(), optax.sgd(0.1)
+    devices = jax.local_devices()[:4]
+    step = jax.pmap(make_sft_step(opt, axis_name="data"), axis_name="batch", devices=devices)
+    with pytest.raises(
+        ValueError,
+        match=r"no device axis 'data' is bound \(the device axes "
+        r"bound here: 'batch'\)",
+    ):
+        step(
+            dist.replicate(policy, devices),
+            dist.replicate(opt.init(policy), devices),
+            dist.shard_batch_for_pmap(_batch(), 4),
+        )

@@ -257,27 +257,3 @@ def test_pmap_kto_equals_one_device(getkey):
             batch,
             reference=ref,
         )
-
-
-def test_naive_pmap_without_axis_name_differs(getkey):
-    """Why `axis_name` exists: without it, each replica takes its own shard's step."""
-    devices = _devices()
-    policy = rx.Policy(tiny_config(), key=getkey())
-    tokens, mask, cm = _uneven_sequences(getkey())
-    batch = rx.SequenceBatch(tokens=tokens, mask=mask, completion_mask=cm)
-    opt = optax.sgd(0.5)
-    step = make_sft_step(opt)
-    dp = jax.pmap(step, devices=devices)
-    params, _, _ = dp(
-        replicate(policy, devices),
-        replicate(opt.init(policy), devices),
-        shard_batch_for_pmap(batch, N_DEV),
-    )
-    embed = np.asarray(params.transformer.embed)
-    assert np.max(np.abs(embed[0] - embed[1])) > 1e-6
-    # ... and the comparison of the tests above fails on such a step (the mean of the
-    # replicas' updates, each normalised by its own shard's token count)
-    one, _, _ = step(policy, opt.init(policy), batch)
-    mean = jax.tree.map(lambda x: jnp.mean(x, axis=0), eqx.filter(params, eqx.is_inexact_array))
-    with pytest.raises(AssertionError, match="update leaf"):
-        assert_updates_agree(mean, one, policy)

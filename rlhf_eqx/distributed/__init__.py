@@ -5,8 +5,9 @@ places their inputs. Three modes:
 
 - **pmap** (data parallel, one process): `replicate` the params and the optimiser
   state, `shard_batch_for_pmap` the global batch onto a leading device axis, run the
-  step under `jax.pmap(..., axis_name="data")` (with a step built for that axis name),
-  `unreplicate` the result.
+  step under `jax.pmap(..., axis_name="data")` (with a step built for that axis name:
+  a step built without one refuses to run under `jax.pmap`, where each replica would
+  take its own shard's step), `unreplicate` the result.
 - **mesh** (`jax.jit` + `NamedSharding`): `make_mesh(data, model)` builds a
   `("data", "model")` mesh; `shard_model` / `shard_train_state` place a model, its
   trainable partition and optimiser state by the model family's rules

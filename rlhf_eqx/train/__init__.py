@@ -30,7 +30,8 @@ of float32 scalars. `TrainState.apply(step, batch, ...)` runs the same step on a
 `axis_name="data"` makes the step exact under `jax.pmap(step, axis_name="data")`:
 numerators, denominators, gradients and metric sums are summed over micro-batches and
 devices before dividing, so every aggregation mode gives the full-batch loss and
-gradient.
+gradient. A step built without `axis_name` refuses (`ValueError`, when traced) to run
+inside `jax.pmap` / `shard_map`, where its replicas would silently drift apart.
 
 **Non-finite updates.** A step whose loss or gradient is not finite is skipped by
 default (`params` and `opt_state` unchanged, metric `nonfinite = 1`, counted in

@@ -66,7 +66,8 @@ class StepOptions:
     - `micro_batches`: split each (per-device) batch into this many micro-batches and
       accumulate; same loss and gradient as the full batch.
     - `axis_name`: the device axis of `jax.pmap` / `shard_map` the step runs under
-      (`None`: one device).
+      (`None`: one device, or `jax.jit` on a sharded mesh; such a step refuses to run
+      inside `jax.pmap` / `shard_map`).
     - `donate`: donate `params` / `opt_state` (`None`: only through `TrainState.apply`).
     - `nonfinite`: `"skip"` a non-finite update (default) or `"raise"`.
     - `check_token_ids`: a vocabulary size; every integer array of the batch is checked

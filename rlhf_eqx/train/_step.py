@@ -130,19 +130,58 @@ def _check_micro_batches(batch: PyTree, micro_batches: int, axis_name: str | Non
         )
 
 
+def _manual_axes() -> list[str]:
+    """The device axes bound where the step is traced: the `Manual` axes of the abstract
+    mesh that `jax.pmap` and `jax.shard_map` set (none under `jax.jit` or `jax.vmap`)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return [a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual]
+
+
+# The name `jax.pmap` gives its axis when called without `axis_name`.
+_UNNAMED_PMAP_AXIS = "_internal_pmap_axis_name"
+
+
 def _check_axis_bound(axis_name: str) -> None:
     """Refuse (at trace time) a step built for the device axis `axis_name` that runs
     where no such axis is bound (under `jax.jit` on a mesh, or outside any transform)."""
     try:
         jax.lax.axis_index(axis_name)
     except NameError:
+        bound = [repr(a) for a in _manual_axes() if a != _UNNAMED_PMAP_AXIS]
+        where = f" (the device axes bound here: {', '.join(bound)})" if bound else ""
         raise ValueError(
             f"this step was built with axis_name={axis_name!r} (StepOptions.axis_name), but it "
-            f"runs where no device axis {axis_name!r} is bound: call it under "
+            f"runs where no device axis {axis_name!r} is bound{where}: call it under "
             f"jax.pmap(..., axis_name={axis_name!r}) or jax.shard_map over a mesh axis of that "
             "name, or build it without axis_name to run it under jax.jit on a sharded mesh "
             "(rlhf_eqx.distributed.shard_train_state / shard_batch)"
         ) from None
+
+
+def _check_no_device_axis() -> None:
+    """Refuse (at trace time) a step built without `axis_name` that runs inside
+    `jax.pmap` or `jax.shard_map`: each device would take its own shard's step and the
+    replicas would drift apart, with no error."""
+    axes = _manual_axes()
+    if not axes:
+        return
+    if axes == [_UNNAMED_PMAP_AXIS]:
+        where, name = "under jax.pmap without an axis name", "data"
+        how = f"jax.pmap(step, axis_name={name!r}) with make_x_step(..., axis_name={name!r})"
+    else:
+        names = ", ".join(repr(a) for a in axes)
+        where = f"over the device axis(es) {names} (jax.pmap / shard_map)"
+        name = axes[0]
+        how = f"make_x_step(..., axis_name={name!r}) (StepOptions.axis_name)"
+    raise ValueError(
+        f"this step was built without axis_name (StepOptions.axis_name) but runs {where}: "
+        "each device would update its own copy with its own shard's gradient and the copies "
+        f"would drift apart. Build it for the axis: {how}, which sums numerators, "
+        "denominators and gradients over the devices; or run the unchanged step under "
+        "jax.jit on a sharded mesh (rlhf_eqx.distributed.make_mesh, shard_train_state, "
+        "shard_batch). Independent copies on purpose (one per device): jax.vmap the step "
+        "over a leading copy axis and shard that axis over a mesh under jax.jit"
+    )
 
 
 def _explicit_leaves(named: Mapping[str, PyTree]) -> list[str]:
@@ -319,9 +358,13 @@ def make_step(
           `psum`-reduced over it. A `key` is folded with the device index, so dropout
           differs across devices. Called where no axis of that name is bound (e.g.
           under `jax.jit` on a sharded mesh, which needs no axis name) the step raises
-          `ValueError` when traced. Inputs sharded over `AxisType.Explicit` mesh axes
-          (sharding-in-types) that fail to trace are named in a `ValueError`: the
-          steps run on automatic axes (`rlhf_eqx.distributed.make_mesh`).
+          `ValueError` when traced; so does a step built without `axis_name` traced
+          inside `jax.pmap` or `jax.shard_map` (a `Manual` axis of
+          `jax.sharding.get_abstract_mesh()`), where each device would otherwise take its
+          own shard's step and the replicas would drift apart. Inputs sharded over
+          `AxisType.Explicit` mesh axes (sharding-in-types) that fail to trace are
+          named in a `ValueError`: the steps run on automatic axes
+          (`rlhf_eqx.distributed.make_mesh`).
         - `donate`: donating `params` / `opt_state`: `None` (default) only through
           `TrainState.apply`, `True` also on direct calls, `False` never (see the
           module docstring).
@@ -385,6 +428,8 @@ def make_step(
         _check_rows(batch)
         if axis_name is not None:
             _check_axis_bound(axis_name)
+        else:
+            _check_no_device_axis()
         if micro_batches > 1:
             _check_micro_batches(batch, micro_batches, axis_name)
         if key is not None and axis_name is not None:

@@ -53,6 +53,6 @@ def test_prm_summary_counts_cut_prompts_and_dropped_steps(tmp_path, capsys):
     assert len(named) == min(5, len(cut_lines)) and set(named) <= cut_lines
     assert event["truncated_records"] == ", ".join(map(str, named))
     (line,) = [x for x in capsys.readouterr().err.splitlines() if "truncation" in x]
-    assert "; first cut: records " in line
+    assert "; first cut: lines " in line
     assert line.startswith(f"[prm] truncation: {path}: {n_long_prompt} of {len(train)} prompts cut")
     assert "lost their later steps" in line and "prm.max_length" in line

@@ -48,6 +48,9 @@ class LoadReport:
     - `path`: the file read; `format`: the record format used.
     - `read`: records (non-blank lines / list items) seen; `kept`: records returned.
     - `skipped`: `{reason: count}`; `examples`: the first few `"path:line: reason"`.
+    - `locations`: where each kept record is in the file, in the order kept
+      (`"path:LINE"`, the line counting blank ones; `"path:item N"`; `"FILE: row N"`),
+      as the reader's errors name it.
     """
 
     path: str
@@ -56,6 +59,7 @@ class LoadReport:
     kept: int = 0
     skipped: dict[str, int] = dataclasses.field(default_factory=dict)
     examples: list[str] = dataclasses.field(default_factory=list)
+    locations: list[str] = dataclasses.field(default_factory=list, repr=False)
 
     @property
     def num_skipped(self) -> int:
@@ -222,6 +226,7 @@ def parse_records(
     for where, item in records:
         try:
             out.append(parse(item))
+            report.locations.append(where)
         except Malformed as e:
             reason, detail = e.args[0], (e.args[1] if len(e.args) > 1 else "")
             detail = source_names(detail, columns or {})
@@ -368,14 +373,27 @@ class RecordDataset(Sequence, Generic[R]):
     """An immutable sequence of records with the `LoadReport` of the file they came from.
 
     Indexing with an int gives a record; with a slice, a dataset of the same class (and
-    report). `select(indices)` takes any rows, in the order given.
+    report). `select(indices)` takes any rows, in the order given. `locations[i]` says
+    where record `i` is in the file (`"path:LINE"`, `"path:item N"`, `"FILE: row N"`:
+    what an error about it would name; `None` when not known): a reader's dataset
+    takes them from its report, slices and selections keep them with their records.
     """
 
     noun: ClassVar[str] = "records"
 
-    def __init__(self, records: Sequence[R], report: LoadReport):
+    def __init__(
+        self,
+        records: Sequence[R],
+        report: LoadReport,
+        locations: Sequence[str | None] | None = None,
+    ):
         self._records: tuple[R, ...] = tuple(records)
         self.report: LoadReport = report
+        if locations is None and len(report.locations) == len(self._records):
+            locations = report.locations
+        if locations is None or len(locations) != len(self._records):
+            locations = [None] * len(self._records)
+        self.locations: tuple[str | None, ...] = tuple(locations)
 
     @overload
     def __getitem__(self, index: int) -> R: ...
@@ -385,12 +403,17 @@ class RecordDataset(Sequence, Generic[R]):
 
     def __getitem__(self, index):
         if isinstance(index, slice):
-            return type(self)(self._records[index], self.report)
+            return type(self)(self._records[index], self.report, self.locations[index])
         return self._records[index]
 
     def select(self, indices: Sequence[int]) -> "RecordDataset[R]":
         """The records at `indices` (in that order), as a dataset of the same class."""
-        return type(self)([self._records[int(i)] for i in indices], self.report)
+        picked = [int(i) for i in indices]
+        return type(self)(
+            [self._records[i] for i in picked],
+            self.report,
+            [self.locations[i] for i in picked],
+        )
 
     def __len__(self) -> int:
         return len(self._records)

@@ -4,6 +4,7 @@ implicit accuracy and NLL, and what the data-file stages share (the split throug
 chat template, a preference file's pairs with their report, the trained policy)."""
 
 import dataclasses
+import os
 import re
 from collections.abc import Callable, Sequence
 
@@ -331,10 +332,13 @@ def log_truncation(
     prompt or the completion of any training record of the file `path` (`report`, a
     `data.TokenizeReport`; `what` says what befell a cut completion, `remedy` the settings that
     give the records room), so that no cut goes unsaid; nothing otherwise. The event names
-    the first cut records (`report.truncated_rows`) by their number in the file
-    (`numbers[row]`, 1-based in the order read, from `record_numbers`; without `numbers`,
-    the row among the records tokenised, 1-based), in the event's `truncated_records`
-    (comma-separated) and in the list returned (empty when nothing was cut)."""
+    the first cut records (`report.truncated_rows`) where they are in the file
+    (`numbers[row]`, from `record_numbers`): `"lines 3, 7"` of a JSON lines file (the
+    line counting blank ones, as its errors name it), `"items 0, 4"` of a JSON list,
+    `"rows 0, 4"` of a table (0-based within its file); a number without its location
+    (a record built by hand), or every one without `numbers`, as its row among the
+    records tokenised, 1-based. The list returned (empty when nothing was cut), and
+    the event's `truncated_records` (comma-separated), hold those numbers."""
     cut_prompts, cut_completions = report.prompt_truncated, report.completion_truncated
     if not (cut_prompts or cut_completions):
         return []
@@ -344,11 +348,14 @@ def log_truncation(
     if cut_completions:
         parts.append(f"{cut_completions} of {report.total} {what}")
     rows = list(report.truncated_rows)
-    named = [numbers[i] if numbers is not None else i + 1 for i in rows]
-    named = [n for n in named if n is not None]
-    if named:
-        where = "of the file, in the order read" if numbers is not None else "tokenised"
-        parts.append(f"first cut: records {', '.join(map(str, named))} ({where})")
+    found = [numbers[i] for i in rows] if numbers is not None else [i + 1 for i in rows]
+    found = [n for n in found if n is not None]
+    places = [getattr(n, "where", None) for n in found]
+    named = [int(n) for n in found]
+    if named and all(places):
+        parts.append(f"first cut: {_places(os.fspath(path), places)}")
+    elif named:
+        parts.append(f"first cut: records {', '.join(map(str, named))} (of those tokenised)")
     log.event(
         "truncation",
         f"{path}: {'; '.join(parts)}; {remedy}",
@@ -360,13 +367,53 @@ def log_truncation(
     return named
 
 
+_PLACE = re.compile(r"(?:: row |:item |:)(\d+)$")
+
+
+class FilePlace(int):
+    """The number of a record in its file (its line, counting blank ones; its item of a
+    JSON list; its row of a table, 0-based within its file) that keeps the reader's
+    location of it, `where` (`"path:LINE"`, `"path:item N"`, `"FILE: row N"`)."""
+
+    where: str
+
+    def __new__(cls, where: str) -> "FilePlace":
+        place = super().__new__(cls, int(_PLACE.search(where)[1]))
+        place.where = where
+        return place
+
+
+def _places(path: str, locations: Sequence[str]) -> str:
+    """Readers' locations in the file (or dataset directory) `path`, shortly: `"lines 3,
+    7"`, `"items 0, 4"`, `"rows 0, 4"` when they are all of one kind in `path` itself,
+    else each as a reader names it, `path/` left out (a saved dataset's files)."""
+    kinds = []
+    for where in locations:
+        if where.startswith(f"{path}: row "):
+            kinds.append("rows")
+        elif where.startswith(f"{path}:item "):
+            kinds.append("items")
+        elif where.startswith(f"{path}:") and where[len(path) + 1 :].isdigit():
+            kinds.append("lines")
+        else:
+            kinds.append("")
+    if kinds[0] and len(set(kinds)) == 1:
+        numbers = ", ".join(str(int(FilePlace(w))) for w in locations)
+        return f"{kinds[0]} {numbers}" + (" (0-based)" if kinds[0] != "lines" else "")
+    prefix = path.rstrip(os.sep) + os.sep
+    return ", ".join(w.removeprefix(prefix) for w in locations)
+
+
 def record_numbers(records: Sequence, raw: Sequence, rendered: Sequence) -> dict[int, int]:
-    """`{id(rendered[i]): n}`, `n` the 1-based position of `raw[i]` in `records` (the
-    file's records in the order read; `raw` a part of them, e.g. `split_records`'s
-    training side, and `rendered` the same records after `chat_records`), so that a later
-    report on the rendered records can name them in the file; a record not in `records`
-    is left out."""
-    at = {id(r): n for n, r in enumerate(records, start=1)}
+    """`{id(rendered[i]): place}`, the `FilePlace` of `raw[i]` (its line, item or row, with
+    its location) in the file that `records` was read from (a reader's dataset, whose
+    `locations` say where each record is); `raw` a part of `records`, e.g.
+    `split_records`'s training side, and `rendered` the same records after
+    `chat_records`, so that a later report on the rendered records can name them in the
+    file (`log_truncation`). A record not in `records`, or whose location is not known
+    (a dataset built by hand), is left out."""
+    places = getattr(records, "locations", None) or [None] * len(records)
+    at = {id(r): FilePlace(w) for r, w in zip(records, places) if w is not None}
     return {id(new): at[id(old)] for old, new in zip(raw, rendered) if id(old) in at}
 
 
@@ -448,10 +495,13 @@ def preference_split(env, c) -> tuple[list, list]:
     log = env.ctx("").log
     fmt = "auto" if cfg.data.format == "preference" else cfg.data.format  # sft's name
     records = data.load_preferences(cfg.data.path, fmt, **cfg.data.read_options())
-    train, held = chat_split(env, records)
+    raw, held = split_records(records, cfg.data)
+    train, held = chat_records(env, raw), chat_records(env, held)
+    places = record_numbers(records, raw, train)
     lengths = _lengths(env, c)
     train, quality = quality_report(train, tok, lengths, cfg.data, log, records.report)
     _, report = data.tokenize_preferences(train, tok, lengths=lengths, add_eos=False)
+    _log_cuts(env, c, report, "pairs", [places.get(id(r)) for r in train])
     quality_counts = {
         "identical": len(quality.identical),
         "empty": len(quality.empty),
@@ -461,6 +511,22 @@ def preference_split(env, c) -> tuple[list, list]:
     }
     _summarise_split(env, records.report, train, held, report, quality_counts)
     return train, held
+
+
+def _log_cuts(env, c, report, what: str, numbers: Sequence) -> None:
+    """`log_truncation` of the training records of a data-file stage whose settings `c`
+    cut their completions to `c.max_length` (`report` their `TokenizeReport`, `what` the
+    records' noun, `numbers` where each is in the file, `record_numbers`)."""
+    stage, limit = env.stage or "the stage", env.cfg.sampling.prompt_length
+    log_truncation(
+        env.ctx("").log,
+        env.cfg.data.path,
+        report,
+        f"{what} had a completion cut (its end lost, to fit {stage}.max_length={c.max_length})",
+        f"raise sampling.prompt_length={limit} or {stage}.max_length, or leave the long "
+        "prompts out with data.filter=long_prompt",
+        numbers,
+    )
 
 
 def _lengths(env, c) -> "data.SequenceLengths":
@@ -541,7 +607,7 @@ def _without_bos(records, bos: str):
         dataclasses.replace(r, prompt=r.prompt[len(bos) :]) if r.prompt.startswith(bos) else r
         for r in records
     ]
-    return type(records)(kept, records.report)
+    return type(records)(kept, records.report, records.locations)
 
 
 def demonstration_split(env, c, records, rendered: bool = False) -> tuple[list, list]:
@@ -553,14 +619,17 @@ def demonstration_split(env, c, records, rendered: bool = False) -> tuple[list, 
     summary."""
     text = records.report.format == "text"
     by = (lambda r: r.completion) if text else None
-    train, held = split_records(records, env.cfg.data, by)
+    raw, held = split_records(records, env.cfg.data, by)
+    train = raw
     if rendered:
         env.summary["chat_template"] = env.cfg.data.chat_template
     elif not text:
-        train, held = chat_records(env, train), chat_records(env, held)
+        train, held = chat_records(env, raw), chat_records(env, held)
+    places = record_numbers(records, raw, train)
     lengths = _lengths(env, c)
     train, quality = demo_quality(train, env, lengths, records.report)
     _, report = data.tokenize_demonstrations(train, env.tok, lengths=lengths, add_eos=False)
+    _log_cuts(env, c, report, "demonstrations", [places.get(id(r)) for r in train])
     _summarise_split(env, records.report, train, held, report, quality)
     return train, held
 

@@ -207,9 +207,14 @@ def open_gguf(path: str):
 
     A file cut short is a `ValueError` naming the part it ends in, a tensor of an
     unknown type or with rows that are not whole blocks one naming the tensor
-    (`layout_problem`); a missing file a `FileNotFoundError`; other unreadable bytes a
+    (`layout_problem`); a missing file a `FileNotFoundError`, a directory an
+    `IsADirectoryError` naming the `.gguf` files in it; other unreadable bytes a
     `ValueError` with the reader's reason."""
     gguf = gguf_package()
+    if os.path.isdir(path):
+        inside = sorted(n for n in os.listdir(path) if n.endswith(".gguf"))
+        hint = f" (it holds {', '.join(inside[:3])}{', ...' if len(inside) > 3 else ''})"
+        raise IsADirectoryError(f"{path}: is a directory, not a GGUF file{hint if inside else ''}")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: file not found")
     size = os.path.getsize(path)

@@ -32,6 +32,7 @@ from ._config import TransformerConfig
 from ._gguf import gguf_names, gguf_package, interleave_rotary_rows
 from ._gguf_config import PERMUTED, gguf_metadata, llama3_rope_factors
 from ._heads import Policy
+from ._hf import NoSpace, cannot_write, disk_full, prepare_parent, remove_created
 from ._hf_export import hf_family
 from ._hf_tensors import tensors_from_model
 from ._lora import layer_ranks_and_scales, merge_lora
@@ -59,12 +60,10 @@ def _ggml_type(arr: np.ndarray, dtype: str):
 
 
 def _temporary_file(path: str) -> str:
-    """A new empty file beside `path` with the permissions of the file it replaces, or
-    those a new file gets (`0o666` less the umask; `tempfile.mkstemp`'s are `0o600`)."""
-    if os.path.isdir(path):
-        raise IsADirectoryError(f"{path}: is a directory; a GGUF file is one file (name it)")
+    """A new empty file beside `path` (whose directory exists) with the permissions of
+    the file it replaces, or those a new file gets (`0o666` less the umask;
+    `tempfile.mkstemp`'s are `0o600`)."""
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
     mode = os.stat(path).st_mode & 0o7777 if os.path.isfile(path) else 0o666
     while True:
         tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
@@ -99,34 +98,20 @@ def _stored(name: str, arr: np.ndarray, dtype: str, path: str):
     return data, kind
 
 
-def _first_missing_directory(path: str) -> str | None:
-    """The outermost directory above `path` that does not exist yet (`None`: all do)."""
-    missing, directory = None, os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(directory):
-        missing, directory = directory, os.path.dirname(directory)
-    return missing
-
-
-def _remove_created(directory: str, created: str) -> None:
-    """Remove `directory` and its parents up to `created`, the first that was made for
-    the file, where each is empty (what failed leaves no directory behind)."""
-    while True:
-        try:
-            os.rmdir(directory)
-        except OSError:
-            return
-        if directory == created:
-            return
-        directory = os.path.dirname(directory)
-
-
 def _write_atomic(path: str, arch: str, fill) -> None:
     """`fill(writer)` adds metadata and tensors to a `GGUFWriter` on a temporary file in
     `path`'s directory; the file is then flushed, synced and renamed to `path`. When
-    anything fails, the temporary file and the directories made for it are removed."""
+    anything fails, the temporary file and the directories made for it are removed; a
+    directory that cannot be written or a full disk is one `OSError` line naming `path`."""
     gguf = gguf_package()
-    created = _first_missing_directory(path)
-    tmp = _temporary_file(path)
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{path}: is a directory; a GGUF file is one file (name it)")
+    created = prepare_parent(path, "GGUF file")
+    try:
+        tmp = _temporary_file(path)
+    except OSError as e:
+        remove_created(os.path.dirname(os.path.abspath(path)), created)
+        raise cannot_write(e, path, "GGUF file") from None
     try:
         writer = gguf.GGUFWriter(tmp, arch)  # writes `general.architecture`
         fill(writer)
@@ -137,11 +122,12 @@ def _write_atomic(path: str, arch: str, fill) -> None:
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.remove(tmp)
-        if created is not None:
-            _remove_created(os.path.dirname(tmp), created)
+        remove_created(os.path.dirname(tmp), created)
+        if isinstance(e, Exception) and disk_full(e, os.path.dirname(tmp)):
+            raise NoSpace(path, "GGUF file") from None
         raise
 
 

@@ -340,7 +340,7 @@ def _write_files(
         os.chmod(os.path.join(directory, fname), mode)
 
 
-class _NoSpace(OSError):
+class NoSpace(OSError):
     """A full disk while exporting; the message names the directory."""
 
     def __init__(self, directory: str, what: str):
@@ -354,7 +354,7 @@ class _NoSpace(OSError):
         return str(self.strerror)
 
 
-def _disk_full(e: BaseException, directory: str) -> bool:
+def disk_full(e: BaseException, directory: str) -> bool:
     """Whether `e` (or an error it wraps) comes from a full disk: an `OSError` with
     `ENOSPC`/`EDQUOT`, safetensors' error carrying that OS error, or (a short write
     carries no errno) a device with less than 1 MiB free."""
@@ -365,7 +365,10 @@ def _disk_full(e: BaseException, directory: str) -> bool:
             return True
         if f"(os error {errno.ENOSPC})" in str(e) or f"(os error {errno.EDQUOT})" in str(e):
             return True
-        io = io or isinstance(e, OSError) or type(e).__name__ == "SafetensorError"
+        # an OSError with another errno (no permission, a read-only or virtual file
+        # system) is not a full disk, however little the device reports free
+        io = io or (isinstance(e, OSError) and e.errno is None)
+        io = io or type(e).__name__ == "SafetensorError"
         e = e.__cause__ or e.__context__
     if not io:
         return False
@@ -376,23 +379,79 @@ def _disk_full(e: BaseException, directory: str) -> bool:
         return False
 
 
+def cannot_write(e: OSError, target: str, what: str) -> OSError:
+    """`e` (a file or directory that could not be made for `target`) as one `OSError`
+    line (of `e`'s errno, hence subclass) naming `target` and the directory."""
+    where = os.path.dirname(os.path.abspath(target))
+    reason = e.strerror or str(e)
+    return OSError(
+        e.errno,
+        f"cannot write {target}: {reason} in {where} ({what} not written; what was there "
+        "before is unchanged)",
+    )
+
+
+def prepare_parent(target: str, what: str) -> str | None:
+    """Make the directory that is to hold `target`, with any missing parents; returns
+    the outermost directory made (`None` when it existed), for `remove_created`. A path
+    that runs through a file, or a directory that cannot be made, is one `OSError`
+    line naming `target`."""
+    directory = os.path.dirname(os.path.abspath(target))
+    created, existing = None, directory
+    while not os.path.exists(existing):
+        created, existing = existing, os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise NotADirectoryError(
+            errno.ENOTDIR,
+            f"cannot write {target}: {existing} is a file, not a directory ({what} not written)",
+        )
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        remove_created(directory, created)
+        raise OSError(
+            e.errno,
+            f"cannot write {target}: the directory {e.filename or directory} cannot be made: "
+            f"{e.strerror or e} ({what} not written)",
+        ) from None
+    return created
+
+
+def remove_created(directory: str, created: str | None) -> None:
+    """Remove `directory` and its parents up to `created`, the first one made for an
+    export (`prepare_parent`), where each is empty: a failed export leaves none behind."""
+    while created is not None:
+        try:
+            os.rmdir(directory)
+        except OSError:
+            return
+        if directory == created:
+            return
+        directory = os.path.dirname(directory)
+
+
 def _write_atomically(target: str, write, what: str) -> None:
     """`write(staging)` into a fresh directory beside `target`, then moved into place
-    (`_swap_into_place`); on any error the staging directory is removed, and a full disk
-    raises one `OSError` line naming `target` (what was there stays as it was). A
-    `target` that is a symbolic link is written where it points (the link stays)."""
+    (`_swap_into_place`); on any error the staging directory (and the parent
+    directories made for it) are removed, and a full disk or a directory that cannot be
+    written raises one `OSError` line naming `target` (what was there stays as it was).
+    A `target` that is a symbolic link is written where it points (the link stays)."""
     target = os.path.realpath(target)
-    os.makedirs(os.path.dirname(target), exist_ok=True)
+    created = prepare_parent(target, what)
     _remove_stale(target)
     staging = _sibling(target, "tmp")
     try:
-        os.mkdir(staging)
+        try:
+            os.mkdir(staging)
+        except OSError as e:
+            raise cannot_write(e, target, what) from None
         write(staging)
         _swap_into_place(staging, target)
     except BaseException as e:
         shutil.rmtree(staging, ignore_errors=True)
-        if isinstance(e, Exception) and _disk_full(e, os.path.dirname(target)):
-            raise _NoSpace(target, what) from None
+        remove_created(os.path.dirname(target), created)
+        if isinstance(e, Exception) and disk_full(e, os.path.dirname(target)):
+            raise NoSpace(target, what) from None
         raise
 
 

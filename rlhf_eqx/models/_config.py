@@ -177,6 +177,10 @@ class TransformerConfig:
                 f"TransformerConfig.mlp_activation must be one of {_ACTIVATIONS}, "
                 f"got {self.mlp_activation!r}"
             )
+        if not self.rope_theta > 0 or not math.isfinite(self.rope_theta):
+            raise ValueError(
+                f"TransformerConfig.rope_theta must be a positive number, got {self.rope_theta!r}"
+            )
         for name in ("query_scale", "attn_softcap", "final_softcap", "rope_local_theta"):
             value = getattr(self, name)
             if value is not None and not value > 0:

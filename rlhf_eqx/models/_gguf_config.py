@@ -59,7 +59,9 @@ def llama3_rope_factors(rs: RopeScaling, inv_freq: np.ndarray) -> np.ndarray:
     return (inv_freq.astype(np.float32) / rs.apply(inv_freq)).astype(np.float32)
 
 
-def _rope(get, arch: str, path: str, names) -> dict[str, Any] | None:
+def _rope(get, number, arch: str, path: str, names) -> dict[str, Any] | None:
+    """`rope_scaling` of `config.json` from the metadata (`get` reads a key as stored,
+    `number` an `{arch}.` key checked by `_typed_getter`)."""
     kind = get(f"{arch}.rope.scaling.type", "none")
     if "rope_freqs.weight" in names:
         if kind != "none":
@@ -72,7 +74,7 @@ def _rope(get, arch: str, path: str, names) -> dict[str, Any] | None:
             f"{path}: `{arch}.rope.scaling.type` = {kind!r} is not supported: "
             "implemented rotary scalings are 'linear' and llama3 (rope_freqs.weight)"
         )
-    return {"rope_type": "linear", "factor": get(f"{arch}.rope.scaling.factor")}
+    return {"rope_type": "linear", "factor": number("rope.scaling.factor")}
 
 
 def llama3_from_factors(factors: np.ndarray, cfg: TransformerConfig, path: str) -> RopeScaling:
@@ -122,7 +124,10 @@ _INT_KEYS = (
     "attention.head_count", "attention.head_count_kv", "attention.key_length",
     "rope.dimension_count", "attention.sliding_window", "expert_count",
 )  # fmt: skip
-_POSITIVE_KEYS = ("attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.freq_base_swa")
+_POSITIVE_KEYS = (
+    "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.freq_base_swa",
+    "rope.scaling.factor",
+)  # fmt: skip
 _COUNTS = ("sliding_window", "expert_count")  # the integers that may be 0 (none)
 
 
@@ -200,7 +205,7 @@ def hf_config(meta, path: str, names, n_tokens: int | None) -> tuple[str, dict[s
         "rms_norm_eps": get("attention.layer_norm_rms_epsilon"),
         "head_dim": head_dim,
         "tie_word_embeddings": "output.weight" not in names,
-        "rope_scaling": _rope(meta, arch, path, names),
+        "rope_scaling": _rope(meta, get, arch, path, names),
         "torch_dtype": "float32",
     }
     no_window = _GEMMA2_DEFAULTS["attention.sliding_window"] if family == "gemma2" else None

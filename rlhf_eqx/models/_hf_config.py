@@ -156,11 +156,30 @@ def _float(config, name: str, source: str, default: Any = _UNSET) -> float | Non
     return float(value)
 
 
+def _positive(config, name: str, source: str, default: Any = _UNSET) -> float | None:
+    """`_float`, and positive: a rotary base, a scaling factor, an attention scalar."""
+    value = _float(config, name, source, default)
+    if value is not None and value is not default and not value > 0:
+        raise ValueError(f"{source}: `{name}` must be a positive number, got {value!r}")
+    return value
+
+
+def _flag(config, name: str, source: str, default: bool) -> bool:
+    """A `true` / `false` field (`null` or absent: `default`); a string such as `"false"`
+    is refused rather than read as true."""
+    value = config.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"{source}: `{name}` must be true or false, got {value!r}")
+    return value
+
+
 def _rope(config, source: str) -> tuple[float, RopeScaling | None, float | None]:
     """`(rope_theta, rope_scaling, local_theta)` from old-style or new-style (`rope_parameters`)
     fields."""
-    theta = config.get("rope_theta")
-    local_theta = config.get("rope_local_base_freq")
+    theta = _positive(config, "rope_theta", source, None)
+    local_theta = _positive(config, "rope_local_base_freq", source, None)
     scaling = config.get("rope_scaling")
     field = "rope_scaling"
     params = config.get("rope_parameters")
@@ -168,7 +187,8 @@ def _rope(config, source: str) -> tuple[float, RopeScaling | None, float | None]
     if isinstance(params, dict):
         if "full_attention" in params or "sliding_attention" in params:
             local = local_params = params.get("sliding_attention") or {}
-            local_theta = local.get("rope_theta", local_theta)
+            where = f"{source}: rope_parameters.sliding_attention"
+            local_theta = _positive(local, "rope_theta", where, local_theta)
             if local.get("rope_type", "default") != "default":
                 raise _err(
                     source,
@@ -177,7 +197,10 @@ def _rope(config, source: str) -> tuple[float, RopeScaling | None, float | None]
                     "the local rotary embedding must be 'default'",
                 )
             params = params.get("full_attention") or {}
-        theta = params.get("rope_theta", theta)
+            where = f"{source}: rope_parameters.full_attention"
+            theta = _positive(params, "rope_theta", where, theta)
+        else:
+            theta = _positive(params, "rope_theta", f"{source}: rope_parameters", theta)
         scaling, field = params, "rope_parameters"
     if scaling is None:
         return float(theta if theta is not None else 10000.0), None, local_theta
@@ -193,19 +216,27 @@ def _rope(config, source: str) -> tuple[float, RopeScaling | None, float | None]
     theta = float(theta if theta is not None else 10000.0)
     if kind == "default":
         return theta, None, local_theta
-    get = lambda name, default=_UNSET: _float(scaling, name, f"{source}: {field}", default)
+    get = lambda name, default=_UNSET: _positive(scaling, name, f"{source}: {field}", default)
     if kind == "linear":
         return theta, RopeScaling("linear", get("factor")), local_theta
     if kind == "llama3":
-        rs = RopeScaling(
-            "llama3",
-            get("factor"),
-            low_freq_factor=get("low_freq_factor", 1.0),
-            high_freq_factor=get("high_freq_factor", 4.0),
-            original_max_position=_int(
-                scaling, "original_max_position_embeddings", f"{source}: {field}", 8192
-            ),
-        )
+        low, high = get("low_freq_factor", 1.0), get("high_freq_factor", 4.0)
+        if not high > low:
+            raise _err(
+                source,
+                f"{field}.high_freq_factor",
+                high,
+                f"it must exceed `low_freq_factor` = {low!r}",
+            )
+        original = _int(scaling, "original_max_position_embeddings", f"{source}: {field}", 8192)
+        if original <= 0:
+            raise _err(
+                source,
+                f"{field}.original_max_position_embeddings",
+                original,
+                "a positive integer is expected",
+            )
+        rs = RopeScaling("llama3", get("factor"), low, high, original)
         return theta, rs, local_theta
     raise _err(
         source, f"{field}.rope_type", kind, "implemented rotary scalings are 'linear' and 'llama3'"
@@ -218,7 +249,7 @@ def _windows(
     if family in ("llama", "gemma"):
         return None, None
     window = config.get("sliding_window")
-    if family in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
+    if family in ("qwen2", "qwen3") and not _flag(config, "use_sliding_window", source, False):
         window = None
     if window is None:
         return None, None
@@ -288,6 +319,7 @@ _CONFIG_FIELDS = {
     "final_softcap": "final_logit_softcapping",
     "query_scale": "query_pre_attn_scalar",
     "rope_local_theta": "rope_local_base_freq",
+    "rope_theta": "rope_theta",
 }
 
 
@@ -362,7 +394,7 @@ def config_from_hf(
     window, local = _windows(config, family, n_layers, source)
     gemma = family in GEMMA
     later_gemma = family in ("gemma2", "gemma3")
-    qpas = _float(config, "query_pre_attn_scalar", source, None) if later_gemma else None
+    qpas = _positive(config, "query_pre_attn_scalar", source, None) if later_gemma else None
     head_dim = config.get("head_dim")
     sizes = dict(  # read before the config: their errors name the source once
         vocab_size=_int(config, "vocab_size", source),
@@ -387,8 +419,8 @@ def config_from_hf(
             n_layers=n_layers,
             n_heads=n_heads,
             rope_theta=theta,
-            tie_embeddings=bool(config.get("tie_word_embeddings", gemma)),
-            attn_bias=family == "qwen2" and bool(config.get("attention_bias", True)),
+            tie_embeddings=_flag(config, "tie_word_embeddings", source, gemma),
+            attn_bias=family == "qwen2" and _flag(config, "attention_bias", source, True),
             dtype=dtype,
             norm_plus_one=gemma,
             mlp_activation=act,

@@ -238,6 +238,12 @@ class Table:
                     yield f"{file}: row {n}", _without_nulls(row)
                     n += 1
 
+    def with_nulls(self, row: dict) -> dict:
+        """`row` (the last row yielded) with the columns of its file that are null in it
+        given as `None`: what the row is before `records` leaves its nulls out, for telling
+        a dataset's layout from its columns."""
+        return {**{c: None for c in self._file_columns}, **row}
+
     def message(self, reason: str, detail: str) -> str:
         """A record parser's complaint in terms of this table's columns: a missing key is
         a column that is missing (from the file) or null (in this row), a wrong type is

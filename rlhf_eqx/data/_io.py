@@ -87,7 +87,16 @@ def _open_bytes(path: str) -> bytes:
             data = gzip.decompress(data)
         except (OSError, EOFError) as e:
             raise DataError(f"{path}: cannot decompress: {e}") from None
-    # A byte-order mark (files saved as "UTF-8 with BOM" by Windows editors) is not text.
+    # A byte-order mark (files saved as "UTF-8 with BOM" by Windows editors) is not text;
+    # one of UTF-16 (Windows' "Unicode", PowerShell's `>`) says how to read the text.
+    if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        try:
+            return data.decode("utf-16").encode("utf-8")
+        except UnicodeDecodeError as e:
+            line = data[: e.start].decode("utf-16", errors="replace").count("\n") + 1
+            raise DataError(
+                f"{path}:{line}: invalid UTF-16 (the file's byte-order mark): {e.reason}"
+            ) from None
     return data.removeprefix(codecs.BOM_UTF8)
 
 
@@ -292,7 +301,11 @@ def load_records(
     if first is None:  # an empty file, blank lines only, or (lenient) nothing readable
         skipped = f" (read {report.read}, skipped {report.num_skipped})" if report.read else ""
         raise DataError(f"{path}: no records{skipped}")
+    # A table's first row with its null columns, whose names say the layout as a JSON
+    # line's null keys would (a null value is then refused by its column).
+    shape = table.with_nulls(first[1]) if table is not None else first[1]
     if columns:
+        shape = rename_columns(shape, columns)
         where, item = first
         missing = [t for t, c in columns.items() if isinstance(item, dict) and c not in item]
         if table is None and missing:  # JSON records: judged by the first one
@@ -303,7 +316,7 @@ def load_records(
         first = (where, rename_columns(item, columns) if isinstance(item, dict) else item)
         records = ((where, rename_columns(item, columns)) for where, item in records)
     if format == "auto":
-        detected = detect(first[1])
+        detected = detect(first[1]) or detect(shape)
         if detected is None:
             keys = source_names(str(sorted(first[1])), columns)
             mapped = f" (columns read as: {columns})" if columns else ""

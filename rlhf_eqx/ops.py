@@ -64,11 +64,15 @@ def masked_whiten(
     shift_mean: bool = True,
     eps: float = 1e-8,
 ) -> Float[Array, "*shape"]:
-    """Whiten the selected entries: `(x - mean) / sqrt(var + eps)`; masked entries become 0.
+    """Whiten the selected entries: `(x - mean) / sqrt(var + eps)`; masked entries become 0
+    (they may be NaN / inf: neither the value nor the gradient of a selected entry sees them).
 
     With `shift_mean=False` the mean is added back after scaling (as TRL's
     `masked_whiten(..., shift_mean=False)` does for PPO values).
     """
+    # masked entries may be NaN / inf: zero them first, or their product with the
+    # scale would reach the gradient of every entry through the mean and variance
+    x = jnp.where(mask, x, jnp.zeros_like(x))
     mean = masked_mean(x, mask)
     var = masked_var(x, mask, unbiased=True)
     out = (x - mean) * jax.lax.rsqrt(var + eps)

@@ -192,7 +192,12 @@ def grpo_policy_loss(
     loss, _ = clipped_surrogate(
         w, adv, clip_eps=clip_eps, clip_eps_high=clip_eps_high, ratio_max=delta
     )
-    kl = zero if ref_logp is None else kl_penalty(logp, ref_logp, kind="k3")
+    kl = (
+        zero
+        if ref_logp is None
+        # zeroed where masked: a NaN there would reach the gradient of `logp`
+        else kl_penalty(jnp.where(mask, logp, zero), jnp.where(mask, ref_logp, zero), kind="k3")
+    )
     if not (is_python_number(beta) and beta == 0.0):
         loss = loss + beta * kl
     low, high = _clip_sides(w, adv, clip_eps, clip_eps_high)

@@ -187,6 +187,10 @@ def ppo_value_loss(
     1.0 where the clipped branch is larger (TRL `val/clipfrac`).
     """
     check_non_negative("clip_eps", clip_eps)
+    # masked entries may be NaN / inf: zeroed, so that no gradient passes through them
+    values, old_values, returns = (
+        _zero_where_masked(x, mask) for x in (values, old_values, returns)
+    )
     l1 = jnp.square(values - returns)
     if clip_eps is None:
         loss = 0.5 * l1

@@ -1,0 +1,94 @@
+"""NaN (or inf) at masked positions reaches neither the value nor the gradient of the
+losses: the per-token losses that take several per-token inputs, the whitening of
+advantages, and a PPO step whose batch carries NaN where its completion mask is false."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import rlhf_eqx as rx
+from rlhf_eqx import losses as L
+from rlhf_eqx.ops import masked_whiten
+from rlhf_eqx.train import PPOBatch, make_ppo_step
+
+MASK = jnp.array([True, True, True, False, False])
+LOGP = jnp.array([-1.0, -2.0, -0.5, 0.0, 0.0])
+OLD = jnp.array([-1.2, -1.5, -0.7, 0.0, 0.0])
+REF = jnp.array([-1.1, -1.9, -0.4, 0.0, 0.0])
+RET = jnp.array([0.1, 0.2, 0.3, 0.0, 0.0])
+
+
+def _nan_where_masked(x):
+    return jnp.where(MASK, x, jnp.nan)
+
+
+def _value_and_grad(fn, x, *rest):
+    return jax.value_and_grad(lambda y: jnp.sum(fn(y, *rest)))(x)
+
+
+def _same_with_nan_where_masked(fn, x, *rest):
+    """`fn(x, *rest)` summed: value and gradient with NaN at the masked positions of
+    every argument equal those with zeros there, and the masked gradient is 0."""
+    value, grad = _value_and_grad(fn, x, *rest)
+    nan_value, nan_grad = _value_and_grad(fn, _nan_where_masked(x), *map(_nan_where_masked, rest))
+    np.testing.assert_allclose(float(nan_value), float(value), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(nan_grad), np.asarray(grad), rtol=1e-6, atol=1e-7)
+    assert np.all(np.asarray(nan_grad)[~np.asarray(MASK)] == 0.0)
+
+
+def test_grpo_kl_term_ignores_nan_at_masked_positions():
+    def loss(logp, old, ref):
+        return L.grpo_policy_loss(logp, old, 1.0, MASK, ref_logp=ref, beta=0.1)[0]
+
+    _same_with_nan_where_masked(loss, LOGP, OLD, REF)
+
+
+def test_ppo_value_loss_ignores_nan_at_masked_positions():
+    for clip_eps in (0.2, None):
+
+        def loss(values, old, returns, clip_eps=clip_eps):
+            return L.ppo_value_loss(values, old, returns, MASK, clip_eps=clip_eps)[0]
+
+        _same_with_nan_where_masked(loss, LOGP, OLD, RET)
+
+
+def test_whitening_ignores_nan_at_masked_positions():
+    """A NaN at a masked position used to make the gradient of every real one NaN."""
+    _same_with_nan_where_masked(lambda a: L.whiten_advantages(a, MASK) * RET, LOGP)
+    _same_with_nan_where_masked(lambda a: masked_whiten(a, MASK, shift_mean=False) * RET, LOGP)
+
+
+def test_ppo_step_with_nan_in_masked_returns_and_values_updates_as_with_zeros():
+    V, T, B = 16, 6, 2
+    cfg = rx.TransformerConfig(
+        vocab_size=V, d_model=8, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=16, max_seq_len=T
+    )
+    params = (rx.Policy(cfg, key=jax.random.key(0)), rx.ValueModel(cfg, key=jax.random.key(1)))
+    pos = jnp.arange(T)[None]
+    mask = pos < jnp.array([[T], [4]])
+    completion = mask & (pos >= 2)
+    per_token = jax.random.normal(jax.random.key(2), (B, T)) - 1.0
+
+    def batch(fill):
+        masked = lambda x: jnp.where(completion, x, fill)  # noqa: E731
+        return PPOBatch(
+            tokens=jax.random.randint(jax.random.key(3), (B, T), 0, V),
+            mask=mask,
+            completion_mask=completion,
+            old_logp=masked(per_token),
+            old_values=masked(per_token),
+            advantages=masked(per_token),
+            returns=masked(per_token + 0.5),
+        )
+
+    opt = optax.sgd(0.1)
+    step = make_ppo_step(opt)
+    opt_state = opt.init(eqx.filter(params, eqx.is_inexact_array))
+    clean, _, m_clean = step(params, opt_state, batch(0.0))
+    dirty, _, m_dirty = step(params, opt_state, batch(jnp.nan))
+    assert float(m_dirty["nonfinite"]) == 0.0
+    np.testing.assert_allclose(float(m_dirty["loss"]), float(m_clean["loss"]), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(dirty), jax.tree.leaves(clean), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)

@@ -113,3 +113,16 @@ def test_a_cut_row_of_a_table_is_named_by_its_row(tmp_path):
     trained = {r.prompt for r in train}
     cut = [i for i in (3, 7) if rows[i]["prompt"] in trained]
     assert f"first cut: rows {', '.join(map(str, cut))} (0-based);" in event["message"]
+
+
+def test_the_pairs_the_reader_left_out_are_named_by_their_lines(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    rows = _pairs()
+    rows[5]["chosen"] = ""  # an empty completion, skipped
+    at = _with_blank_lines(path, rows)
+    env, log = _env(path, tmp_path / "run", chat_template="none")
+    runs.preference_split(env, env.cfg.dpo)
+    records = pl.tools.read_records(log.run_dir)
+    (event,) = [e for e in records if e.get("event") == "skipped_records"]
+    assert event["message"].endswith(f": {path}:{at[5]}: empty completion")
+    assert (event["skipped"], event["read"]) == (1, len(rows))

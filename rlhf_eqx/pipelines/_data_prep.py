@@ -250,7 +250,8 @@ def quality_report(
 ):
     """`data.preference_quality` of the training `records`, written to the run log and as a
     `data_quality` event in `metrics.jsonl` (with what the reader dropped, from
-    `load_report`); with `dc.filter`, `data.filter_preferences` drops those problems
+    `load_report`, whose first skipped lines a `skipped_records` event names:
+    `log_skipped`); with `dc.filter`, `data.filter_preferences` drops those problems
     (`long_prompt`: pairs whose prompt with BOS does not fit the prompt length of
     `lengths`, so that every prompt trained on is whole) and a `data_filter` event says
     how many of each went.
@@ -274,6 +275,8 @@ def quality_report(
     }
     dropped = dict(load_report.skipped) if load_report is not None else {}
     log_quality(log, report.summary(), dropped, counts)
+    if load_report is not None:
+        log_skipped(log, load_report)
     if not dc.filter:
         return list(records), report
     records = list(records)
@@ -654,7 +657,8 @@ drops them; `identical` is a preference pair's)."""
 
 def demo_quality(records: Sequence, env, lengths, load_report) -> tuple[list, dict]:
     """`data.demonstration_quality` of the training demonstrations `records`, written to
-    the run log and as a `data_quality` event (with what the reader dropped); with
+    the run log and as a `data_quality` event (with what the reader dropped, and a
+    `skipped_records` event naming the first lines it dropped: `log_skipped`); with
     `data.filter`, its `empty`, `exact_duplicate`, `duplicate_prompt` and `long_prompt`
     drop those (`DemonstrationQuality.select`) and a `data_filter` event says how many of
     each went; `identical`, a pair's problem (chosen = rejected), is refused naming the
@@ -680,6 +684,7 @@ def demo_quality(records: Sequence, env, lengths, load_report) -> tuple[list, di
         "distinct_2": report.distinct_2,
     }
     log_quality(log, report.summary(), dict(load_report.skipped), counts)
+    log_skipped(log, load_report)
     quality = {"format": load_report.format}
     quality.update(
         (k, v) for k, v in counts.items() if k not in ("demonstrations", "distinct_prompts")

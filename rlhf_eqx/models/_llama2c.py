@@ -74,6 +74,34 @@ def permute_rotary_rows(
     return w.reshape(*lead, out, fan_in)
 
 
+def _refuse_other_format(path: str) -> None:
+    """Refuse, saying what it is and how to load it, a file that the first bytes show to be
+    another checkpoint format (its header is never a plausible llama2.c one): a GGUF
+    file, a safetensors file, a PyTorch pickle or zip archive."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    what = None
+    if head[:4] == b"GGUF":
+        what = (
+            "a GGUF file (magic 'GGUF'); load it with rlhf_eqx.load_gguf (on the command "
+            "line, name it .gguf)"
+        )
+    elif len(head) == 9 and head[8:9] == b"{" and 2 <= int.from_bytes(head[:8], "little") < 2**27:
+        what = (
+            "a safetensors file; load its Hugging Face checkpoint directory (with "
+            "config.json) with rlhf_eqx.load_hf"
+        )
+    elif head[:4] == b"PK\x03\x04" or (
+        head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")
+    ):
+        what = (
+            "a PyTorch checkpoint (a pickle or zip archive, not read: loading it would run "
+            "its code); convert it to safetensors and load the directory with rlhf_eqx.load_hf"
+        )
+    if what is not None:
+        raise ValueError(f"{path}: not a llama2.c checkpoint but {what}")
+
+
 def read_llama2c_header(path: str | os.PathLike) -> tuple[dict[str, int], bool, int, int]:
     """Read a llama2.c checkpoint's header only (no weights): its sizes and layout.
 
@@ -88,11 +116,13 @@ def read_llama2c_header(path: str | os.PathLike) -> tuple[dict[str, int], bool, 
 
     Raises `ValueError`, naming the file, for a file too small or truncated, an
     unsupported version, or implausible sizes (not positive, heads that do not divide the
-    width, an odd head size).
+    width, an odd head size); one whose first bytes show another format (GGUF,
+    safetensors, a PyTorch pickle or zip archive) is named as that, with how to load it.
     """
     path = os.fspath(path)
     size = os.path.getsize(path)
     if size < _LEGACY_HEADER_BYTES:
+        _refuse_other_format(path)
         raise ValueError(f"{path}: file of {size} bytes is too small to be a llama2.c checkpoint")
     magic = int(np.fromfile(path, dtype="<u4", count=1)[0])
     if magic == _MAGIC:
@@ -118,6 +148,7 @@ def read_llama2c_header(path: str | os.PathLike) -> tuple[dict[str, int], bool, 
     sizes = {n: int(v) for n, v in zip(names, ints)}
     bad = [n for n, v in sizes.items() if v <= 0 or v > 2**24]
     if bad or sizes["dim"] % sizes["n_heads"] or sizes["n_heads"] % sizes["n_kv_heads"]:
+        _refuse_other_format(path)
         raise ValueError(f"{path}: not a llama2.c checkpoint (implausible header {sizes})")
     if (sizes["dim"] // sizes["n_heads"]) % 2:
         raise ValueError(

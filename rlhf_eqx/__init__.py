@@ -72,6 +72,7 @@ from ._sampling import (
     generate_continuous as generate_continuous,
     generate_paged as generate_paged,
     generate_speculative as generate_speculative,
+    penalize_logits as penalize_logits,
     sample_token as sample_token,
     truncate_at_stop_strings as truncate_at_stop_strings,
 )

@@ -21,6 +21,7 @@ from ._options import (
     SamplingOptions as SamplingOptions,
 )
 from ._paged import PagedCacheStats as PagedCacheStats, generate_paged as generate_paged
+from ._penalties import context_counts as context_counts, penalize_logits as penalize_logits
 from ._speculative import (
     SpeculativeStats as SpeculativeStats,
     generate_speculative as generate_speculative,

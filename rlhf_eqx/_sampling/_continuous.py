@@ -39,10 +39,14 @@ from ._options import (
     GenerationOutput,
     SamplingOptions,
     check_min_p,
+    check_penalty,
+    check_repetition_penalty,
     check_temperature,
     check_top_p,
+    penalties_on,
 )
-from ._token import sample_rows
+from ._penalties import Seen
+from ._token import RowPenalties, sample_rows
 
 
 def _is_int(x: object) -> bool:
@@ -146,6 +150,8 @@ class _SlotState(eqx.Module):
     # `(ids, logprobs)` `[R·G, N, K]`: the K most likely tokens at each sampled position
     # (`_Plan.top_logprobs`; `None` when 0)
     top: Any = None
+    # the slots' rows' context and generated counts (`Seen`, `[S, V]`) when a penalty is on
+    seen: Any = None
 
 
 def _zeros(n: int, tree: Any) -> Any:
@@ -162,13 +168,19 @@ def _prefill(policy: AbstractDecoder, prompts, prompt_masks, cache_size: int):
     return prefill, one
 
 
-def _start(plan: _Plan, rows: int, one: Any, width: int) -> dict[str, Any]:
+def _start(plan: _Plan, rows: int, one: Any, width: int, penalized: bool) -> dict[str, Any]:
     """The carry fields both continuous loops start with: every slot free, no row
     admitted, no prompt staged (zeros shaped like the prefill's output `one`), the
-    `[rows, max_new_tokens]` outputs empty; `width` is the stop table's `L`."""
+    `[rows, max_new_tokens]` outputs empty; `width` is the stop table's `L`; with
+    `penalized`, the slots' (empty) `Seen` tokens."""
     S = plan.slots
     staged_logits, staged_cache = _zeros(plan.prefill_rows, one)
+    V = one[0].shape[-1]
+    seen = None
+    if penalized:
+        seen = Seen(jnp.zeros((S, V), jnp.bool_), jnp.zeros((S, V), jnp.int32))
     return dict(
+        seen=seen,
         slot_row=jnp.full((S,), -1, jnp.int32),
         slot_step=jnp.zeros((S,), jnp.int32),
         slot_position=jnp.zeros((S,), jnp.int32),
@@ -195,10 +207,11 @@ def _staged(s: _SlotState, p, restage, prefill, prompts, prompt_masks, rows: int
     return staged, at
 
 
-def _admitted(s: _SlotState, slot, position, logits, cache, staged) -> _SlotState:
+def _admitted(s: _SlotState, slot, position, logits, cache, staged, prompt) -> _SlotState:
     """`s` with its next waiting row in slot `slot` (step 0, rotary position `position`,
-    no recent tokens), the slots' new `logits` and `cache`, and the staged prefills
-    `staged` (`(first, staged_logits, staged_cache)`, from `_staged`)."""
+    no recent tokens, its `prompt`'s real tokens as its context: `(ids [P], mask [P])`),
+    the slots' new `logits` and `cache`, and the staged prefills `staged` (`(first,
+    staged_logits, staged_cache)`, from `_staged`)."""
     first, staged_logits, staged_cache = staged
     return dataclasses.replace(
         s,
@@ -212,6 +225,7 @@ def _admitted(s: _SlotState, slot, position, logits, cache, staged) -> _SlotStat
         staged_first=first,
         staged_logits=staged_logits,
         staged_cache=staged_cache,
+        seen=None if s.seen is None else s.seen.admitted(slot, *prompt),
     )
 
 
@@ -235,7 +249,7 @@ def _sample_slots(s, sample, row_keys, budgets, stops):
     active = s.slot_row >= 0
     row = jnp.where(active, s.slot_row, 0)
     step = s.slot_step
-    tok, lp = sample(jax.vmap(jax.random.fold_in)(row_keys[row], step), s.logits, row)
+    tok, lp = sample(jax.vmap(jax.random.fold_in)(row_keys[row], step), s.logits, row, s.seen)
     tok = jnp.where(active, tok, jnp.int32(pad_id))
     stop = step + 1 >= budgets[row]
     if eos_id:
@@ -250,28 +264,40 @@ def _sample_slots(s, sample, row_keys, budgets, stops):
 
 class _RowSettings(eqx.Module):
     """Per-row sampling settings, traced: `[B]` temperatures (0: greedy), top-k (0: off),
-    top-p (1: off) and min-p (0: off)."""
+    top-p (1: off), min-p (0: off) and, when a penalty is on for some row, the
+    `(repetition, presence, frequency)` penalties (1, 0, 0: off; `None`: off for all)."""
 
     temperature: Float[Array, " B"]
     top_k: Int[Array, " B"]
     top_p: Float[Array, " B"]
     min_p: Float[Array, " B"]
+    penalties: tuple[Float[Array, " B"], Float[Array, " B"], Float[Array, " B"]] | None = None
 
 
 def _slot_sampler(opts: SamplingOptions, settings: _RowSettings | None):
-    """`sample(keys [S], logits [S, V], rows [S]) -> (tokens [S], logprobs [S])` for the
-    slots decoding `rows`: `opts`' settings, or each row's own (`settings`)."""
+    """`sample(keys [S], logits [S, V], rows [S], seen) -> (tokens [S], logprobs [S])`
+    for the slots decoding `rows` (`seen`: their `Seen` tokens when a penalty is on):
+    `opts`' settings, or each row's own (`settings`)."""
     if settings is None:
         static = _row_sampler(opts)
-        return lambda keys, logits, rows: static(keys, logits)
-    return lambda keys, logits, rows: sample_rows(
-        keys,
-        logits,
-        settings.temperature[rows],
-        settings.top_k[rows],
-        settings.top_p[rows],
-        settings.min_p[rows],
-    )
+        return lambda keys, logits, rows, seen: static(keys, logits, seen)
+
+    def sample(keys, logits, rows, seen):
+        penalties = None
+        if settings.penalties is not None:
+            r, p, f = (x[rows] for x in settings.penalties)
+            penalties = RowPenalties(repetition=r, presence=p, frequency=f, seen=seen)
+        return sample_rows(
+            keys,
+            logits,
+            settings.temperature[rows],
+            settings.top_k[rows],
+            settings.top_p[rows],
+            settings.min_p[rows],
+            penalties,
+        )
+
+    return sample
 
 
 def _slot_top(
@@ -319,14 +345,26 @@ def _row_values(value: Any, rows: int, name: str, off: Any, dtype) -> Any:
     return arr.astype(dtype) if arr.dtype != dtype else jnp.asarray(arr)
 
 
+_PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
 def _row_settings(
-    temperature: Any, top_k: Any, top_p: Any, min_p: Any, rows: int
+    temperature: Any, top_k: Any, top_p: Any, min_p: Any, rows: int, penalties: tuple = (1, 0, 0)
 ) -> _RowSettings | None:
-    """`None` when the four settings are scalars (compiled into the sampler); else each as
-    a `[rows]` array (traced: one program serves every value), checked when concrete."""
-    if not any(_is_per_row(x) for x in (temperature, top_k, top_p, min_p)):
+    """`None` when the seven settings (`penalties`: repetition, presence, frequency) are
+    scalars (compiled into the sampler); else each as a `[rows]` array (traced: one
+    program serves every value; the penalties only when one is per row or on), checked
+    when concrete."""
+    if not any(_is_per_row(x) for x in (temperature, top_k, top_p, min_p, *penalties)):
         return None
-    checks = ((temperature, check_temperature), (top_p, check_top_p), (min_p, check_min_p))
+    checks = (
+        (temperature, check_temperature),
+        (top_p, check_top_p),
+        (min_p, check_min_p),
+        (penalties[0], check_repetition_penalty),
+        (penalties[1], lambda x: check_penalty("presence_penalty", x)),
+        (penalties[2], lambda x: check_penalty("frequency_penalty", x)),
+    )
     for x, check in checks:
         if not _is_per_row(x):
             check(x)
@@ -338,8 +376,17 @@ def _row_settings(
         top_p=jnp.asarray(_row_values(top_p, rows, "top_p", 1.0, np.float32)),
         min_p=jnp.asarray(_row_values(min_p, rows, "min_p", 0.0, np.float32)),
     )
+    if any(_is_per_row(x) for x in penalties) or penalties_on(*penalties):
+        values = zip(penalties, _PENALTIES, (1.0, 0.0, 0.0))
+        settings = dataclasses.replace(
+            settings,
+            penalties=tuple(
+                jnp.asarray(_row_values(x, rows, name, off, np.float32)) for x, name, off in values
+            ),
+        )
     if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(settings)):
-        t, k, p, m = (np.asarray(x) for x in jax.tree.leaves(settings))
+        _check_row_penalties(settings.penalties)
+        t, k, p, m = (np.asarray(x) for x in jax.tree.leaves(settings)[:4])
         if not (np.all(np.isfinite(t)) and np.all(t >= 0)):
             raise ValueError(f"temperature: each row's must be a number >= 0, got {t.tolist()}")
         if np.any(k < 0):
@@ -349,6 +396,21 @@ def _row_settings(
         if not np.all((m >= 0) & (m <= 1)):
             raise ValueError(f"min_p: each row's must lie in [0, 1] (0: off), got {m.tolist()}")
     return settings
+
+
+def _check_row_penalties(penalties: tuple | None) -> None:
+    """Raise naming the setting and the rows' values when a concrete per-row penalty is out
+    of range (repetition: finite and > 0; presence, frequency: in [-2, 2])."""
+    if penalties is None:
+        return
+    r, p, f = (np.asarray(x) for x in penalties)
+    if not (np.all(np.isfinite(r)) and np.all(r > 0)):
+        raise ValueError(
+            f"repetition_penalty: each row's must be a finite number > 0 (1: off), got {r.tolist()}"
+        )
+    for name, x in (("presence_penalty", p), ("frequency_penalty", f)):
+        if not np.all((x >= -2) & (x <= 2)):
+            raise ValueError(f"{name}: each row's must lie in [-2, 2] (0: off), got {x.tolist()}")
 
 
 def _continuous_loop(
@@ -379,6 +441,7 @@ def _continuous_loop(
     prefill, one = _prefill(policy, prompts, prompt_masks, P + N)
     decode = jax.vmap(lambda tok, c, idx, pos: policy.decode_step(tok, c, index=idx, position=pos))
     sample = _slot_sampler(opts, settings)
+    penalized = opts.penalized or (settings is not None and settings.penalties is not None)
     logits0, cache0 = _zeros(S, one)
     ids0 = jnp.zeros((S,), jnp.int32)
     _check_decoder_output(
@@ -401,7 +464,8 @@ def _continuous_loop(
         put = lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, at(x), slot, 0)
         logits = put(s.logits, staged[1])
         cache = jax.tree.map(put, s.cache, staged[2])
-        return _admitted(s, slot, n_real[p], logits, cache, staged)
+        prompt = (prompts[p], prompt_masks[p])
+        return _admitted(s, slot, n_real[p], logits, cache, staged, prompt)
 
     if cancelled is not None:
         admit_one = admit
@@ -450,13 +514,14 @@ def _continuous_loop(
             recent=recent,
             out=s.out.written(write, tok, lp, active),
             top=top,
+            seen=None if s.seen is None else s.seen.after(tok, active),
         )
         return s, wrote
 
     K = min(plan.top_logprobs, one[0].shape[-1])
     top0 = (jnp.zeros((B, N, K), jnp.int32), jnp.zeros((B, N, K), jnp.float32)) if K else None
     init = lambda: _SlotState(
-        logits=logits0, cache=cache0, top=top0, **_start(plan, B, one, stops[-1])
+        logits=logits0, cache=cache0, top=top0, **_start(plan, B, one, stops[-1], penalized)
     )
     rep = lambda x: jnp.repeat(x, G, axis=0)
     finish = lambda s: _with_prompts(rep(prompts), rep(prompt_masks), s.out)
@@ -537,6 +602,9 @@ def generate_continuous(
     top_k: int | None | Int[Array | np.ndarray, " B"] | Sequence[int] = None,
     top_p: float | int | None | Float[Array | np.ndarray, " B"] | Sequence[float] = None,
     min_p: float | int | None | Float[Array | np.ndarray, " B"] | Sequence[float] = None,
+    repetition_penalty: float | int | Float[Array | np.ndarray, " B"] | Sequence[float] = 1.0,
+    presence_penalty: float | int | Float[Array | np.ndarray, " B"] | Sequence[float] = 0.0,
+    frequency_penalty: float | int | Float[Array | np.ndarray, " B"] | Sequence[float] = 0.0,
     eos_id: int | Sequence[int] | None = None,
     stop_sequences: Sequence[Sequence[int]] | None = None,
     pad_id: int = 0,
@@ -580,12 +648,16 @@ def generate_continuous(
     - `max_new_tokens`: the longest completion (the width of the result).
     - `budgets`: optional per-row token budgets, `[R · num_samples]` ints in
       `[1, max_new_tokens]` (row order as in the result); default `max_new_tokens`.
-    - `temperature`, `top_k`, `top_p`, `min_p`, `eos_id`, `pad_id`, `num_samples`,
-      `check_ids`: as in `generate_batch` (`SamplingOptions`). `temperature`, `top_k`,
-      `top_p` and `min_p` may also be given per output row, `[R · num_samples]` arrays
-      (a scalar beside them applies to every row; `top_k` 0, `top_p` 1 and `min_p` 0
-      are off): they are then traced, so one compiled program serves every value, each
-      row sampling as it would with its settings given alone (dense cache only).
+    - `temperature`, `top_k`, `top_p`, `min_p`, `repetition_penalty`,
+      `presence_penalty`, `frequency_penalty`, `eos_id`, `pad_id`, `num_samples`,
+      `check_ids`: as in `generate_batch` (`SamplingOptions`; a row's penalties count
+      its own prompt and tokens, a slot's counts are reset when it takes a new row).
+      `temperature`, `top_k`, `top_p`, `min_p` and the three penalties may also be
+      given per output row, `[R · num_samples]` arrays (a scalar beside them applies to
+      every row; `top_k` 0, `top_p` 1, `min_p` 0, `repetition_penalty` 1 and the other
+      penalties 0 are off): they are then traced, so one compiled program serves every
+      value, each row sampling as it would with its settings given alone (dense cache
+      only).
     - `stop_sequences`: token-id sequences (non-empty); a row stops right after the
       first place its generated tokens end with one of them (the sequence is kept, as
       a stop id is). Only completion tokens are matched, never the prompt.
@@ -614,12 +686,18 @@ def generate_continuous(
         raise ValueError(f"cache must be 'dense' or 'paged', got {cache!r}")
     settings = dict(
         slots=slots, max_new_tokens=max_new_tokens, budgets=budgets, temperature=temperature,
-        top_k=top_k, top_p=top_p, min_p=min_p, eos_id=eos_id, stop_sequences=stop_sequences,
-        pad_id=pad_id, num_samples=num_samples, check_ids=check_ids, prefill_rows=prefill_rows,
+        top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, eos_id=eos_id,
+        stop_sequences=stop_sequences, pad_id=pad_id, num_samples=num_samples,
+        check_ids=check_ids, prefill_rows=prefill_rows,
     )  # fmt: skip
     if cache == "paged":
-        if any(_is_per_row(x) for x in (temperature, top_k, top_p, min_p)):
-            raise ValueError("per-row temperature, top_k, top_p or min_p need cache='dense'")
+        row_settings = (temperature, top_k, top_p, min_p, repetition_penalty)
+        if any(_is_per_row(x) for x in row_settings + (presence_penalty, frequency_penalty)):
+            raise ValueError(
+                "per-row temperature, top_k, top_p, min_p, repetition_penalty, "
+                "presence_penalty or frequency_penalty need cache='dense'"
+            )
         # imported here: the paged sampler reuses this module's checks and carry
         from ._paged import generate_paged
 
@@ -635,15 +713,17 @@ def generate_continuous(
 
 def _row_arguments(policy, prompts, prompt_masks, keys, settings: dict) -> tuple:
     """`_continuous_arguments` with per-row `temperature` / `top_k` / `top_p` / `min_p`
-    taken out of the static options into `_RowSettings` (or `None` when they are
-    scalars)."""
+    and penalties taken out of the static options into `_RowSettings` (or `None` when
+    they are scalars)."""
     rows = prompts.shape[0] * settings["num_samples"] if prompts.ndim == 2 else 0
     names = ("temperature", "top_k", "top_p", "min_p")
-    per_row = _row_settings(*(settings[name] for name in names), rows)
+    penalties = tuple(settings[name] for name in _PENALTIES)
+    per_row = _row_settings(*(settings[name] for name in names), rows, penalties)
     if per_row is not None:
         settings = settings | dict(
             temperature=DEFAULT_TEMPERATURE, top_k=None, top_p=None, min_p=None
         )
+        settings |= dict(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
     checked = _continuous_arguments(policy, prompts, prompt_masks, keys, **settings)
     return (*checked, per_row)
 
@@ -657,7 +737,8 @@ class ContinuousDecoding:
     arguments; a cancelled row keeps what it had sampled.
 
     **Arguments:** those of `generate_continuous` (`temperature`, `top_k`, `top_p`,
-    `min_p` per row or scalars), except `cache`, `page_size` and `num_pages`; and
+    `min_p` and the three penalties per row or scalars), except `cache`, `page_size` and
+    `num_pages`; and
 
     - `log_steps`: a call of up to this many steps sends the host only the tokens it
       sampled (longer calls send the whole `[R · num_samples, max_new_tokens]`
@@ -721,8 +802,8 @@ class ContinuousDecoding:
             raise ValueError(f"top_logprobs must be an int >= 0, got {top_logprobs!r}")
         settings = dict(
             budgets=None, temperature=DEFAULT_TEMPERATURE, top_k=None, top_p=None, min_p=None,
-            eos_id=None, stop_sequences=None, pad_id=0, num_samples=1, check_ids=False,
-            prefill_rows=None,
+            repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, eos_id=None,
+            stop_sequences=None, pad_id=0, num_samples=1, check_ids=False, prefill_rows=None,
         ) | options  # fmt: skip
         policy, keys, budgets, plan, rows = _row_arguments(
             policy, prompts, prompt_masks, keys, settings

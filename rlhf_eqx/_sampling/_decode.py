@@ -17,6 +17,7 @@ from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray, UInt32
 
 from ..models import AbstractDecoder
 from ._options import GenerationOutput, SamplingOptions
+from ._penalties import Seen
 from ._token import sample_token
 
 
@@ -147,17 +148,28 @@ def _int32_prompts(
 
 
 def _row_sampler(opts: SamplingOptions):
-    """`sample_token` with `opts`' temperature, top-k, top-p and min-p, vmapped over
-    rows: `(keys [B], logits [B, V]) -> (tokens [B], logprobs [B])`."""
-    return jax.vmap(
-        functools.partial(
-            sample_token,
-            temperature=opts.temperature,
-            top_k=opts.top_k,
-            top_p=opts.top_p,
-            min_p=opts.min_p,
+    """`sample_token` with `opts`' settings, vmapped over rows:
+    `(keys [B], logits [B, V], seen) -> (tokens [B], logprobs [B])`, `seen` the rows'
+    `Seen` tokens when `opts.penalized` (else ignored: `None`)."""
+    settings = dict(
+        temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p, min_p=opts.min_p
+    )
+    if not opts.penalized:
+        plain = jax.vmap(functools.partial(sample_token, **settings))
+        return lambda keys, logits, seen=None: plain(keys, logits)
+    penalized = jax.vmap(
+        lambda key, logits, context, generated: sample_token(
+            key,
+            logits,
+            **settings,
+            repetition_penalty=opts.repetition_penalty,
+            presence_penalty=opts.presence_penalty,
+            frequency_penalty=opts.frequency_penalty,
+            context=context,
+            generated=generated,
         )
     )
+    return lambda keys, logits, seen: penalized(keys, logits, seen.context, seen.generated)
 
 
 def _row_keys(keys: Key[Array, " R"], G: int) -> Key[Array, " B"]:
@@ -231,6 +243,7 @@ class _DecodeState(eqx.Module):
     done: Bool[Array, " B"]
     positions: Int[Array, " B"]
     out: _Completions
+    seen: Seen | None = None  # the rows' context and generated counts (`opts.penalized`)
 
 
 def _generate_batch(
@@ -278,7 +291,7 @@ def _generate_batch(
         return (s.step < N) & ~jnp.all(s.done)
 
     def body(s: _DecodeState) -> _DecodeState:
-        tok, lp = sample(step_keys(s.step), s.logits)
+        tok, lp = sample(step_keys(s.step), s.logits, s.seen)
         real = ~s.done
         tok = jnp.where(real, tok, jnp.asarray(opts.pad_id, jnp.int32))
         lp = jnp.where(real, lp, jnp.zeros_like(lp))
@@ -302,6 +315,7 @@ def _generate_batch(
             done=done,
             positions=positions,
             out=s.out.written(put, tok, lp, real),
+            seen=None if s.seen is None else s.seen.after(tok, real),
         )
 
     init = _DecodeState(
@@ -311,6 +325,9 @@ def _generate_batch(
         done=jnp.zeros((B,), jnp.bool_),
         positions=jnp.sum(prompt_masks, axis=-1, dtype=jnp.int32),
         out=_Completions.empty(B, N, opts.pad_id),
+        seen=(
+            Seen.of_prompts(prompts, prompt_masks, policy.vocab_size) if opts.penalized else None
+        ),
     )
     s = jax.lax.while_loop(cond, body, init)
     return _with_prompts(prompts, prompt_masks, s.out)
@@ -348,7 +365,10 @@ def generate_batch(
       `key`.
     - `**options`: the fields of `SamplingOptions`: `max_new_tokens` (required),
       `temperature=1.0` (0 is greedy), `top_k=None`, `top_p=None`, `min_p=None`
-      (`filter_logits`), `eos_id=None` (one id or several), `pad_id=0`,
+      (`filter_logits`), `repetition_penalty=1.0`, `presence_penalty=0.0`,
+      `frequency_penalty=0.0` (`penalize_logits`: a row's context is its prompt's real
+      tokens and its tokens so far; its generated counts start at 0, also for each of a
+      prompt's `num_samples` rows), `eos_id=None` (one id or several), `pad_id=0`,
       `check_ids=False`, `num_samples=1` (completions per prompt, each prompt
       prefilled once).
 

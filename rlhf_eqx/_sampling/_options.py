@@ -1,5 +1,6 @@
 """`SamplingOptions` (validated once) and the `GenerationOutput` of a sampled batch."""
 
+import math
 import numbers
 from collections.abc import Sequence
 from typing import Any
@@ -39,6 +40,25 @@ def check_min_p(min_p: object) -> None:
         raise ValueError(f"min_p must be a number in [0, 1] or None, got {min_p!r}")
 
 
+def _is_number(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def check_repetition_penalty(repetition_penalty: object) -> None:
+    """Raise unless `repetition_penalty` is a finite number > 0 (1: off)."""
+    if not (_is_number(repetition_penalty) and repetition_penalty > 0):  # type: ignore[operator]
+        raise ValueError(
+            f"repetition_penalty must be a finite number > 0 (1: off), got {repetition_penalty!r}"
+        )
+
+
+def check_penalty(name: str, value: object) -> None:
+    """Raise unless `value` (`presence_penalty` or `frequency_penalty`, named `name`) is a
+    number in [-2, 2] (0: off), the range of OpenAI's API and vLLM."""
+    if not (_is_number(value) and -2.0 <= value <= 2.0):  # type: ignore[operator]
+        raise ValueError(f"{name} must be a number in [-2, 2] (0: off), got {value!r}")
+
+
 def check_temperature(temperature: object) -> None:
     """Raise unless `temperature` is a number >= 0."""
     if not (
@@ -47,6 +67,11 @@ def check_temperature(temperature: object) -> None:
         and temperature >= 0.0
     ):
         raise ValueError(f"temperature must be a number >= 0 (0 is greedy), got {temperature!r}")
+
+
+def penalties_on(repetition_penalty: Any, presence_penalty: Any, frequency_penalty: Any) -> bool:
+    """Whether any of the three (scalar) penalties is on (`1`, `0`, `0` are off)."""
+    return repetition_penalty != 1 or presence_penalty != 0 or frequency_penalty != 0
 
 
 def _stop_ids(eos_id: object) -> tuple[int, ...]:
@@ -72,6 +97,17 @@ class SamplingOptions(eqx.Module):
       Hugging Face's `generate` applies its warpers (`filter_logits`). Top-p keeps
       every token tied with its boundary token, where Hugging Face and vLLM cut ties by
       sorted position; min-p keeps `p_v >= min_p · max_u p_u`.
+    - `repetition_penalty` (a number > 0, 1 off), `presence_penalty` and
+      `frequency_penalty` (numbers in [-2, 2], 0 off): penalties of the tokens already
+      seen, applied to the raw logits before the temperature and the filters
+      (`penalize_logits`): a token of the row's context (the prompt's real tokens and
+      the tokens generated so far) has its logit `l` divided by `repetition_penalty`
+      where `l > 0`, multiplied by it otherwise (CTRL, Keskar et al. 2019, as Hugging
+      Face's `RepetitionPenaltyLogitsProcessor` and vLLM apply it); a token generated
+      `c` times loses `frequency_penalty · c + presence_penalty · [c > 0]` (OpenAI's
+      API, vLLM). Greedy takes the argmax of the penalised logits. When on, each row
+      carries `[vocab_size]` counts of its context through the decode loop; all off
+      (the defaults) is the program without them.
     - `eos_id`: a stop id, several stop ids (`[2, 13]`) or `None`; a row stops at the
       first of them, which is kept in its completion.
     - `pad_id`: fills rows after they stop.
@@ -90,6 +126,9 @@ class SamplingOptions(eqx.Module):
     top_k: Any = None
     top_p: float | int | None = None
     min_p: float | int | None = None
+    repetition_penalty: float | int = 1.0
+    presence_penalty: float | int = 0.0
+    frequency_penalty: float | int = 0.0
     eos_id: tuple[int, ...] = eqx.field(default=(), converter=_stop_ids)
     pad_id: int = 0
     check_ids: bool = False
@@ -104,8 +143,16 @@ class SamplingOptions(eqx.Module):
         check_top_k(self.top_k)
         check_top_p(self.top_p)
         check_min_p(self.min_p)
+        check_repetition_penalty(self.repetition_penalty)
+        check_penalty("presence_penalty", self.presence_penalty)
+        check_penalty("frequency_penalty", self.frequency_penalty)
         if not _is_int(self.pad_id):
             raise ValueError(f"pad_id must be an int, got {self.pad_id!r}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty is on (the decode loop then carries each row's counts)."""
+        return penalties_on(self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
 
 
 class GenerationOutput(eqx.Module):
@@ -117,8 +164,10 @@ class GenerationOutput(eqx.Module):
     - `completion_mask`: the completion's real tokens.
     - `logprobs`: log-probability of each sampled token under the model's distribution
       at the sampling temperature (`logits / temperature`, before top-k / top-p /
-      min-p filtering; temperature 1 for greedy), 0 elsewhere. It matches
-      `token_logprobs(policy, tokens, mask, temperature=...)`.
+      min-p filtering and before the repetition / presence / frequency penalties;
+      temperature 1 for greedy), 0 elsewhere: the policy's own distribution, the one
+      RL steps train on (the penalties and filters only change which token is drawn).
+      It matches `token_logprobs(policy, tokens, mask, temperature=...)`.
     """
 
     tokens: Int[Array, "*B T"]

@@ -196,6 +196,7 @@ def _generate_paged(
         dest = jnp.where(mask & fresh[page], row_table[page], Np)
         cache = jax.tree.map(at, staged[2])
         in_use = pool.in_use + jnp.sum(fresh, dtype=jnp.int32)
+        prompt = (prompts[p], prompt_masks[p])
         return _admitted(
             s,
             slot,
@@ -215,6 +216,7 @@ def _generate_paged(
                 shared=pool.shared + jnp.sum(held, dtype=jnp.int32),
             ),
             staged,
+            prompt,
         )
 
     def cond(s: _SlotState):
@@ -306,6 +308,7 @@ def _generate_paged(
             ),
             recent=jnp.where(stalled[:, None], s.recent, recent),
             out=s.out.written(write, tok, lp, active),
+            seen=None if s.seen is None else s.seen.after(tok, emit),
         )
 
     pool = _Pool(
@@ -325,7 +328,7 @@ def _generate_paged(
     init = _SlotState(
         logits=jnp.zeros((S, policy.vocab_size), jnp.float32),
         cache=pool,
-        **_start(plan.base, B, one, stops[-1]),
+        **_start(plan.base, B, one, stops[-1], opts.penalized),
     )
     s = jax.lax.while_loop(cond, body, init)
     pool = s.cache
@@ -355,6 +358,9 @@ def generate_paged(
     top_k: int | None = None,
     top_p: float | int | None = None,
     min_p: float | int | None = None,
+    repetition_penalty: float | int = 1.0,
+    presence_penalty: float | int = 0.0,
+    frequency_penalty: float | int = 0.0,
     eos_id: int | Sequence[int] | None = None,
     stop_sequences: Sequence[Sequence[int]] | None = None,
     pad_id: int = 0,
@@ -435,8 +441,9 @@ def generate_paged(
     policy, keys, budgets, base = _continuous_arguments(
         policy, prompts, prompt_masks, keys, slots=slots, max_new_tokens=max_new_tokens,
         budgets=budgets, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-        eos_id=eos_id, stop_sequences=stop_sequences, pad_id=pad_id, num_samples=num_samples,
-        check_ids=check_ids, prefill_rows=prefill_rows,
+        repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty, eos_id=eos_id, stop_sequences=stop_sequences,
+        pad_id=pad_id, num_samples=num_samples, check_ids=check_ids, prefill_rows=prefill_rows,
     )  # fmt: skip
     if not (_is_int(page_size) and page_size >= 1):
         raise ValueError(f"page_size must be a positive int, got {page_size!r}")

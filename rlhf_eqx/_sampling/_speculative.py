@@ -421,18 +421,35 @@ def generate_speculative(
     - `k`: tokens the draft proposes per target pass (a positive int).
     - `with_stats`: also return a `SpeculativeStats` (target passes, proposed and
       accepted tokens per row).
-    - `**options`: the fields of `SamplingOptions`, as for `generate_batch`.
+    - `**options`: the fields of `SamplingOptions`, as for `generate_batch`, except the
+      penalties: a `repetition_penalty` other than 1 or a non-zero `presence_penalty` /
+      `frequency_penalty` is refused (the target's penalised distribution at each
+      proposal depends on the proposals before it; sample with `generate_batch`).
 
     **Returns:** a `GenerationOutput` with the same fields as `generate_batch`'s:
     `logprobs` are the log-probabilities of the sampled tokens under the target at the
     sampling temperature; with `with_stats`, the pair `(output, stats)`.
 
     Bad arguments raise one line naming them: `k`, a `draft` (or `target`) that is not
-    a decoder, a draft whose `vocab_size` differs from the target's.
+    a decoder, a draft whose `vocab_size` differs from the target's, a penalty that is on.
     """
     k = _check_k(k)
     _check_models(target, draft)
     opts = SamplingOptions(**options)
+    if opts.penalized:
+        on = [
+            f"{name}={getattr(opts, name)!r}"
+            for name, off in (
+                ("repetition_penalty", 1),
+                ("presence_penalty", 0),
+                ("frequency_penalty", 0),
+            )
+            if getattr(opts, name) != off
+        ]
+        raise ValueError(
+            f"generate_speculative does not take sampling penalties (got {', '.join(on)}): "
+            "use generate_batch or generate_continuous for penalised sampling"
+        )
     _check_batch(target, prompts, prompt_masks, opts)
     out, stats = _generate_speculative_jit(target, draft, prompts, prompt_masks, key, opts, k)
     return (out, stats) if with_stats else out

@@ -3,9 +3,10 @@ draw."""
 
 import math
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, Key, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray
 
 from ._options import (
     DEFAULT_TEMPERATURE,
@@ -13,7 +14,9 @@ from ._options import (
     check_temperature,
     check_top_k,
     check_top_p,
+    penalties_on,
 )
+from ._penalties import Seen, penalize_logits
 
 
 def filter_logits(
@@ -84,18 +87,42 @@ def sample_token(
     top_k: int | None = None,
     top_p: float | int | None = None,
     min_p: float | int | None = None,
+    repetition_penalty: float | int = 1.0,
+    presence_penalty: float | int = 0.0,
+    frequency_penalty: float | int = 0.0,
+    context: Bool[Array, " V"] | None = None,
+    generated: Int[Array, " V"] | None = None,
 ) -> tuple[Int[Array, ""], Float[Array, ""]]:
-    """Sample one token from `filter_logits(logits / temperature, top_k=, top_p=, min_p=)`
-    (greedy at `temperature == 0`); return it and its log-probability at `temperature`
-    (1 when greedy), before the filters."""
+    """Sample one token from `filter_logits(penalize_logits(logits, context, generated,
+    ...) / temperature, top_k=, top_p=, min_p=)` (greedy at `temperature == 0`: the
+    argmax of the penalised logits); return it and its log-probability at `temperature`
+    (1 when greedy) under the model's own distribution, before the penalties and the
+    filters. `context` / `generated` (the row's seen tokens and generated counts,
+    `penalize_logits`) are needed when a penalty is on."""
     check_temperature(temperature)
     logits = logits.astype(jnp.float32)
+    drawn = logits
+    if penalties_on(repetition_penalty, presence_penalty, frequency_penalty):
+        if context is None or generated is None:
+            raise ValueError(
+                "sample_token: a repetition / presence / frequency penalty needs the row's "
+                "context and generated counts (context=, generated=)"
+            )
+        drawn = penalize_logits(
+            logits,
+            context,
+            generated,
+            repetition_penalty=repetition_penalty,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+        )
     if temperature == 0.0:
-        token = jnp.argmax(logits).astype(jnp.int32)
+        token = jnp.argmax(drawn).astype(jnp.int32)
         scaled = logits
     else:
         scaled = logits / temperature
-        filtered = filter_logits(scaled, top_k=top_k, top_p=top_p, min_p=min_p)
+        shown = scaled if drawn is logits else drawn / temperature
+        filtered = filter_logits(shown, top_k=top_k, top_p=top_p, min_p=min_p)
         token = inverse_cdf_sample(key, filtered)
     logprob = scaled[token] - jax.nn.logsumexp(scaled)
     return token, logprob
@@ -122,6 +149,16 @@ def _filter_row(
     return jnp.where(drop, jnp.asarray(-jnp.inf, logits.dtype), logits)
 
 
+class RowPenalties(eqx.Module):
+    """Per-row penalties, traced: `[B]` repetition (1: off), presence and frequency (0:
+    off) penalties, and the rows' `Seen` tokens (`penalize_logits`)."""
+
+    repetition: Float[Array, " B"]
+    presence: Float[Array, " B"]
+    frequency: Float[Array, " B"]
+    seen: Seen
+
+
 def sample_rows(
     keys: Key[Array, " B"],
     logits: Float[Array, "B V"],
@@ -129,28 +166,42 @@ def sample_rows(
     top_k: Int[Array, " B"],
     top_p: Float[Array, " B"],
     min_p: Float[Array, " B"] | None = None,
+    penalties: RowPenalties | None = None,
 ) -> tuple[Int[Array, " B"], Float[Array, " B"]]:
     """`sample_token` for a batch of rows, each with its own traced settings (one compiled
     program for every setting): row `b` is greedy where `temperature[b] == 0`, else
     draws from `logits[b] / temperature[b]` with its `top_k[b]` (0: off), `top_p[b]`
-    (1: off) and `min_p[b]` (0: off; `None`: off for every row). Returns each row's
-    token and its log-probability at its temperature (1 when greedy). Same numbers as
+    (1: off) and `min_p[b]` (0: off; `None`: off for every row), after its penalties
+    (`penalties`; `None`: none). Returns each row's token and its log-probability at its
+    temperature (1 when greedy), before the penalties and the filters. Same numbers as
     `sample_token` with the row's settings (with both top-k and top-p on, up to the
     rounding of the nucleus' running sum, which could move a near-tie at its edge)."""
     logits = logits.astype(jnp.float32)
     if min_p is None:
         min_p = jnp.zeros(temperature.shape, jnp.float32)
     greedy = temperature == 0.0
-    scaled = logits / jnp.where(greedy, 1.0, temperature).astype(jnp.float32)[:, None]
+    divisor = jnp.where(greedy, 1.0, temperature).astype(jnp.float32)[:, None]
+    scaled = logits / divisor
+    drawn, shown = logits, scaled
+    if penalties is not None:
+        drawn = penalize_logits(
+            logits,
+            penalties.seen.context,
+            penalties.seen.generated,
+            repetition_penalty=penalties.repetition,
+            presence_penalty=penalties.presence,
+            frequency_penalty=penalties.frequency,
+        )
+        shown = drawn / divisor
     filtering = jnp.any(~greedy & ((top_k > 0) | (top_p < 1.0) | (min_p > 0.0)))
     filtered = jax.lax.cond(
         filtering,
         lambda x: jax.vmap(_filter_row)(x, top_k, top_p, min_p),
         lambda x: x,
-        scaled,
+        shown,
     )
-    drawn = jax.vmap(inverse_cdf_sample)(keys, filtered)
-    token = jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn)
+    drawn_token = jax.vmap(inverse_cdf_sample)(keys, filtered)
+    token = jnp.where(greedy, jnp.argmax(drawn, axis=-1).astype(jnp.int32), drawn_token)
     picked = jnp.take_along_axis(scaled, token[:, None], axis=-1)[:, 0]
     return token, picked - jax.nn.logsumexp(scaled, axis=-1)
 

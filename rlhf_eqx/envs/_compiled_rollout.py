@@ -49,7 +49,8 @@ def _options(
     **sampling,
 ) -> _Options:
     """The rollout's settings checked; `**sampling` are a turn's `SamplingOptions` fields
-    (`max_new_tokens`, `temperature`, `top_k`, `top_p`, `min_p`, `eos_id`, `pad_id`)."""
+    (`max_new_tokens`, `temperature`, `top_k`, `top_p`, `min_p`, the three penalties,
+    `eos_id`, `pad_id`)."""
     turn_sampling = SamplingOptions(**sampling)
     if not (isinstance(num_samples, int) and not isinstance(num_samples, bool) and num_samples > 0):
         raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
@@ -313,6 +314,9 @@ def rollout_multiturn(
     top_k: int | None = None,
     top_p: float | int | None = None,
     min_p: float | int | None = None,
+    repetition_penalty: float | int = 1.0,
+    presence_penalty: float | int = 0.0,
+    frequency_penalty: float | int = 0.0,
     eos_id: int | Sequence[int] | None = None,
     pad_id: int = 0,
     num_samples: int = 1,
@@ -343,8 +347,12 @@ def rollout_multiturn(
     - `max_new_tokens`: most tokens per policy turn.
     - `max_total_tokens`: the static length `T` of each episode's buffer (prompt
       included; at most the model's `cfg.max_seq_len`).
-    - `temperature`, `top_k`, `top_p`, `min_p`, `eos_id` (one stop id or several,
-      inside the vocabulary), `pad_id`: as for `rlhf_eqx.generate`.
+    - `temperature`, `top_k`, `top_p`, `min_p`, `repetition_penalty`,
+      `presence_penalty`, `frequency_penalty`, `eos_id` (one stop id or several, inside
+      the vocabulary), `pad_id`: as for `rlhf_eqx.generate`. A penalty's context is the
+      episode's whole buffer so far (prompt, earlier turns, observations); its generated
+      counts cover the policy's tokens of every turn (the log-probabilities stay the
+      policy's own, before the penalties).
     - `num_samples`: episodes per prompt (a GRPO group), each prompt prefilled once.
     - `episode_reward`: `"sum"` of the turn rewards, or `"last"` (the final turn's).
 
@@ -370,6 +378,9 @@ def rollout_multiturn(
         top_k=top_k,
         top_p=top_p,
         min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
         eos_id=eos_id,
         pad_id=pad_id,
         num_samples=num_samples,

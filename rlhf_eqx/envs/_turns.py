@@ -11,6 +11,11 @@ tokens only (prompts and observations are context, never trained on).
 `num_samples` episodes); every later token — sampled or observed — is fed through
 `decode_step` into the same cache, so a turn never recomputes the context before it.
 
+**Penalties.** With a repetition / presence / frequency penalty on, a token's context
+is the episode's buffer so far (the prompt's real tokens, every earlier turn and
+observation, the turn's tokens so far) and its generated counts are those of the
+policy's sampled tokens of every turn (`loss_mask`), read from the buffer at each token.
+
 **Keys.** Episode `e` (row `e` of the output, `e = i · num_samples + g` for prompt `i`)
 has the key `split(key, E)[e]`, split again into a policy key and an environment key;
 token `t` of policy turn `k` is drawn with `fold_in(fold_in(policy_key, k), t)`. A draw
@@ -25,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from .._sampling import SamplingOptions, sample_token
+from .._sampling import SamplingOptions, context_counts, sample_token
 from ..models import AbstractDecoder
 
 
@@ -99,6 +104,16 @@ def _token(policy: AbstractDecoder, c: _TurnCarry, ids, n_obs, key, turn, opts) 
     e = c.episode
     live = ~c.stopped
     feeding = c.j < n_obs
+    seen = {}
+    if s.penalized:  # the episode's context so far: prompt, turns, observations
+        context, generated = context_counts(e.tokens, e.mask, e.loss_mask, e.logits.shape[-1])
+        seen = dict(
+            repetition_penalty=s.repetition_penalty,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+            context=context,
+            generated=generated,
+        )
     tok, lp = sample_token(
         jax.random.fold_in(key, c.i),
         e.logits,
@@ -106,6 +121,7 @@ def _token(policy: AbstractDecoder, c: _TurnCarry, ids, n_obs, key, turn, opts) 
         top_k=s.top_k,
         top_p=s.top_p,
         min_p=s.min_p,
+        **seen,
     )
     tok = jnp.where(feeding, ids[jnp.minimum(c.j, ids.shape[0] - 1)], tok)
     lp = jnp.where(feeding, 0.0, lp.astype(jnp.float32))

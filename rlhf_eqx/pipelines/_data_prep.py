@@ -334,8 +334,9 @@ def log_truncation(
     """A `truncation` event (on stderr and in `metrics.jsonl`) when the tokeniser cut the
     prompt or the completion of any training record of the file `path` (`report`, a
     `data.TokenizeReport`; `what` says what befell a cut completion, `remedy` the settings that
-    give the records room), so that no cut goes unsaid; nothing otherwise. The event names
-    the first cut records (`report.truncated_rows`) where they are in the file
+    give the records room), or left any out (`report.dropped`: a record with nothing left
+    to train on, counted by reason), so that no cut goes unsaid; nothing otherwise. The
+    event names the first cut records (`report.truncated_rows`) where they are in the file
     (`numbers[row]`, from `record_numbers`): `"lines 3, 7"` of a JSON lines file (the
     line counting blank ones, as its errors name it), `"items 0, 4"` of a JSON list,
     `"rows 0, 4"` of a table (0-based within its file); a number without its location
@@ -343,13 +344,17 @@ def log_truncation(
     records tokenised, 1-based. The list returned (empty when nothing was cut), and
     the event's `truncated_records` (comma-separated), hold those numbers."""
     cut_prompts, cut_completions = report.prompt_truncated, report.completion_truncated
-    if not (cut_prompts or cut_completions):
+    dropped = report.num_dropped
+    if not (cut_prompts or cut_completions or dropped):
         return []
     parts = []
     if cut_prompts:
         parts.append(f"{cut_prompts} of {report.total} prompts cut (their end kept)")
     if cut_completions:
         parts.append(f"{cut_completions} of {report.total} {what}")
+    if dropped:
+        reasons = ", ".join(f"{k}: {n}" for k, n in sorted(report.dropped.items()))
+        parts.append(f"{dropped} of {report.total} left out ({reasons})")
     rows = list(report.truncated_rows)
     found = [numbers[i] for i in rows] if numbers is not None else [i + 1 for i in rows]
     found = [n for n in found if n is not None]
@@ -364,6 +369,7 @@ def log_truncation(
         f"{path}: {'; '.join(parts)}; {remedy}",
         prompt_truncated=cut_prompts,
         completion_truncated=cut_completions,
+        dropped=dropped,
         records=report.total,
         truncated_records=", ".join(map(str, named)),
     )

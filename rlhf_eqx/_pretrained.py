@@ -5,6 +5,7 @@ import os
 from .data import (
     DataError,
     HFTokenizer,
+    JinjaChatTemplate,
     Llama2cTokenizer,
     Tokenizer,
     add_tokenizer_metadata,
@@ -74,6 +75,35 @@ def load_gguf(
     return policy, tokenizer_from_gguf(reader, path)
 
 
+def _piece(tokenizer: Tokenizer, i: int | None) -> str:
+    """The text of special token `i` as a chat template sees it: the vocabulary's spelling
+    (`tokenizer.token(i)`) where the tokenizer has one, else `""`."""
+    token = getattr(tokenizer, "token", None)
+    if i is None or token is None:
+        return ""
+    return str(token(i))
+
+
+def _check_chat_template(template: str, tokenizer: Tokenizer, path: str) -> None:
+    """Compile `template` and render one user turn with the generation prompt, as
+    `load_gguf` does when it reads the file: a template it would refuse is a `DataError`
+    naming the file, before anything is written."""
+    try:
+        chat = JinjaChatTemplate(
+            template,
+            bos_token=_piece(tokenizer, getattr(tokenizer, "bos_id", None)),
+            eos_token=_piece(tokenizer, getattr(tokenizer, "eos_id", None)),
+        )
+        chat.render([{"role": "user", "content": "Hello"}], add_generation_prompt=True)
+    except ImportError:
+        return  # jinja2 is optional: the template is checked where it is first used
+    except DataError as e:
+        raise DataError(
+            f"save_gguf: {path}: chat_template: {e} (load_gguf would refuse the file; "
+            "nothing written)"
+        ) from None
+
+
 def save_gguf(
     model: Policy,
     path: str | os.PathLike,
@@ -104,7 +134,8 @@ def save_gguf(
     reads back as stop ids.
 
     Raises `ValueError` naming the tensor when a weight holds NaN or ±inf, the file and
-    the tokenizer type when it cannot be written (a `rlhf_eqx.data.DataError`), or both
+    the tokenizer type when it cannot be written, the file and the error when the chat
+    template does not compile or render a user turn (a `rlhf_eqx.data.DataError`), or both
     sizes when the tokenizer has more ids than the model's embedding has rows; nothing
     is written then.
     """
@@ -115,6 +146,8 @@ def save_gguf(
             "and load_gguf refuse such a file"
         )
     template = chat_template or getattr(tokenizer, "chat_template", None)
+    if template:
+        _check_chat_template(template, tokenizer, os.fspath(path))
 
     def metadata(writer) -> None:
         try:

@@ -355,7 +355,11 @@ def _post(server, path, body: bytes):
                 ("tools", [{"type": "function", "function": {"name": "f"}}]),
                 ("tool_choice", "auto"),
                 ("response_format", {"type": "json_object"}),
-                ("presence_penalty", 0.5),
+                ("presence_penalty", 2.5),
+                ("frequency_penalty", -2.1),
+                ("frequency_penalty", "0.1"),
+                ("repetition_penalty", 0),
+                ("repetition_penalty", -1.0),
                 ("logit_bias", {"1": 5}),
                 ("max_token", 4),
                 ("user", {"id": 1}),
@@ -523,6 +527,30 @@ def test_min_p_one_samples_the_greedy_tokens(server, client, model):
         model=MODEL, prompt=STORY, max_tokens=8, temperature=1.0, seed=1, extra_body={"min_p": 1}
     )
     assert r.choices[0].model_extra["token_ids"] == want
+
+
+def test_penalties_sample_what_generate_samples(server, client, model):
+    """OpenAI's `presence_penalty` / `frequency_penalty` and vLLM's `repetition_penalty`
+    (greedy: the argmax of the penalised logits over the prompt and the completion so
+    far); the log-probabilities are the model's, before the penalties."""
+    policy, tok = model
+    ids = [tok.bos_id, *tok.encode(STORY)]
+    penalties = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=2.0)
+    out = rx.generate(
+        policy, jnp.asarray(ids, jnp.int32), jnp.ones(len(ids), bool), jax.random.key(0),
+        max_new_tokens=12, temperature=0.0, eos_id=_stops(tok), **penalties,
+    )  # fmt: skip
+    real = np.asarray(out.completion_mask)
+    want = np.asarray(out.tokens)[real].tolist()
+    assert want != _greedy(policy, tok, ids, 12)[0]  # the penalties change the tokens
+    r = client.completions.create(
+        model=MODEL, prompt=STORY, max_tokens=12, temperature=0, logprobs=1,
+        presence_penalty=1.5, frequency_penalty=0.5, extra_body={"repetition_penalty": 2.0},
+    )  # fmt: skip
+    assert r.choices[0].model_extra["token_ids"] == want
+    np.testing.assert_allclose(
+        r.choices[0].logprobs.token_logprobs, np.asarray(out.logprobs)[real], atol=1e-4
+    )
 
 
 def test_other_methods_and_unread_bodies_get_json_errors(server, client):

@@ -177,20 +177,29 @@ def test_one_compiled_sampler_serves_every_setting(server, client, model):
     policy, tok = model
     kw = dict(model=MODEL, prompt=STORY, max_tokens=10, seed=5, logprobs=1)
     client.completions.create(**kw, temperature=0.5, top_p=0.9, extra_body={"top_k": 10})
+    # (temperature, top_p, top_k, min_p, (presence, frequency, repetition) penalties)
+    off = (0.0, 0.0, 1.0)
     settings = [
-        (0.0, 1.0, -1, 0.0),
-        (0.7, 0.8, 0, 0.0),
-        (1.3, 0.95, 40, 0.05),
-        (0.9, 1.0, 3, 0.0),
-        (1.0, 1.0, 0, 0.2),
+        (0.0, 1.0, -1, 0.0, off),
+        (0.7, 0.8, 0, 0.0, off),
+        (1.3, 0.95, 40, 0.05, off),
+        (0.9, 1.0, 3, 0.0, off),
+        (1.0, 1.0, 0, 0.2, off),
+        (0.0, 1.0, 0, 0.0, (0.0, 0.0, 1.5)),
+        (0.8, 1.0, 0, 0.0, (1.2, 0.6, 1.0)),
+        (1.1, 0.9, 0, 0.0, (-0.5, 0.3, 0.8)),
     ]
+    names = ("presence_penalty", "frequency_penalty", "repetition_penalty")
     got = []
     compiled = compilations(
         lambda: got.extend(
             client.completions.create(
-                **kw, temperature=t, top_p=p, extra_body={"top_k": k, "min_p": m}
+                **kw,
+                temperature=t,
+                top_p=p,
+                extra_body={"top_k": k, "min_p": m, **dict(zip(names, pen))},
             )
-            for t, p, k, m in settings
+            for t, p, k, m, pen in settings
         )
     )
     assert compiled == []
@@ -201,7 +210,7 @@ def test_one_compiled_sampler_serves_every_setting(server, client, model):
     ids = got[0].model_extra["prompt_token_ids"]
     prompts = np.zeros((1, 16), np.int32)
     prompts[0, 16 - len(ids) :] = ids
-    for r, (t, p, k, m) in zip(got, settings):
+    for r, (t, p, k, m, pen) in zip(got, settings):
         out = rx.generate_continuous(
             policy,
             jnp.asarray(prompts),
@@ -214,10 +223,11 @@ def test_one_compiled_sampler_serves_every_setting(server, client, model):
             top_p=None if p == 1.0 else p,
             top_k=k if k > 0 else None,
             min_p=m,
+            **dict(zip(names, pen)),
             eos_id=[tok.eos_id, tok.bos_id],
         )
         want = np.asarray(out.tokens)[0, 16:][np.asarray(out.completion_mask)[0, 16:]]
-        assert r.choices[0].model_extra["token_ids"] == want.tolist(), (t, p, k, m)
+        assert r.choices[0].model_extra["token_ids"] == want.tolist(), (t, p, k, m, pen)
 
 
 def _dropped(server, before: int, rows: int, timeout: float = 60.0) -> int:

@@ -3,13 +3,14 @@ the error object every refused request gets.
 
 Fields follow OpenAI's API reference (`/v1/chat/completions`, `/v1/completions`); a
 field of the wrong type or out of range, an unknown field, and a field this server does
-not implement (`tools`, `response_format`, penalties, ...) set to anything but its "off"
+not implement (`tools`, `response_format`, `logit_bias`, ...) set to anything but its "off"
 value are refused with HTTP 400 and
 `{"error": {"message", "type": "invalid_request_error", "param": FIELD, "code"}}`, an
 unknown model with 404 (`code: "model_not_found"`), as OpenAI's server does.
 """
 
 import dataclasses
+import math
 import numbers
 from collections.abc import Mapping
 
@@ -19,11 +20,13 @@ MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_CHOICES = 128
 MAX_TOP_LOGPROBS = 20  # chat `top_logprobs`; completions' `logprobs` allows 5
 
-# the fields read (`episode_id`, `top_k`, `min_p` and `return_token_ids` as vLLM's
-# extensions), and the ones that change nothing here (metadata, caching and routing hints)
+# the fields read (`episode_id`, `top_k`, `min_p`, `repetition_penalty` and
+# `return_token_ids` as vLLM's extensions), and the ones that change nothing here
+# (metadata, caching and routing hints)
 _READ = {
-    "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "seed",
-    "logprobs", "user", "episode_id", "stream", "stream_options", "return_token_ids",
+    "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "n", "stop", "seed", "logprobs", "user",
+    "episode_id", "stream", "stream_options", "return_token_ids",
 }  # fmt: skip
 _NO_EFFECT = {
     "metadata", "store", "service_tier", "parallel_tool_calls",
@@ -40,8 +43,6 @@ _UNSUPPORTED = {
     "functions": lambda v: v == [],
     "function_call": lambda v: v == "none",
     "response_format": lambda v: v == {"type": "text"},
-    "frequency_penalty": lambda v: v == 0,
-    "presence_penalty": lambda v: v == 0,
     "logit_bias": lambda v: v == {},
     "echo": lambda v: v is False,  # chat; completions read it
     "suffix": lambda v: v == "",
@@ -101,6 +102,10 @@ class ParsedRequest:
     - `max_tokens`: the completion budget (`None`: the server's default).
     - `temperature`, `top_p` (`None` when 1), `top_k` (`None`: off), `min_p` (vLLM's, in
       [0, 1]; `None` when 0), `n`, `stop` (strings), `seed` (or `None`).
+    - `presence_penalty`, `frequency_penalty` (OpenAI's, in [-2, 2]; 0: off) and
+      `repetition_penalty` (vLLM's, > 0; 1: off): `rlhf_eqx.penalize_logits`, over the
+      row's prompt tokens and its completion so far (the repetition penalty) or its
+      completion so far (the other two).
     - `logprobs`: whether to return log-probabilities; `top_logprobs`: how many
       alternatives per token (0: none).
     - `episode_id`: the episode the request belongs to (`episode_id`, else `user`), or
@@ -120,6 +125,9 @@ class ParsedRequest:
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     n: int = 1
     stop: tuple[str, ...] = ()
     seed: int | None = None
@@ -359,6 +367,13 @@ def parse_request(
     if top_p == 0.0:
         raise RequestError("top_p must be above 0, got 0", param="top_p")
     min_p = _number(body, "min_p", 0.0, 1.0, 0.0)
+    repetition_penalty = _number(body, "repetition_penalty", 0.0, math.inf, 1.0)
+    if not (0.0 < repetition_penalty < math.inf):
+        raise RequestError(
+            f"repetition_penalty must be a finite number above 0 (1: off), got "
+            f"{repetition_penalty}",
+            param="repetition_penalty",
+        )
     common = dict(
         model=model,
         max_tokens=max_tokens,
@@ -366,6 +381,9 @@ def parse_request(
         top_p=None if top_p == 1.0 else top_p,
         top_k=top_k if top_k and top_k > 0 else None,  # -1 or 0: off, as in vLLM
         min_p=min_p or None,  # 0: off, as in vLLM
+        presence_penalty=_number(body, "presence_penalty", -2.0, 2.0, 0.0),
+        frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0, 0.0),
+        repetition_penalty=repetition_penalty,
         n=_int(body, "n", 1, MAX_CHOICES) or 1,
         stop=_stop(body),
         seed=_int(body, "seed", -(2**63)),

@@ -1,7 +1,7 @@
 """The one scheduler thread: requests wait in a FIFO queue; the thread takes every
 request waiting at that moment and samples all their rows with one continuous-batching
-run (`ContinuousDecoding`: each row with its own temperature, top-k, top-p and min-p,
-traced, so one compiled sampler serves every setting), then takes the next batch; with
+run (`ContinuousDecoding`: each row with its own temperature, top-k, top-p, min-p and
+penalties, traced, so one compiled sampler serves every setting), then takes the next batch; with
 `batches > 1`, requests that arrive while a batch runs start a batch of their own at
 once, the running batches taking turns a few steps each.
 
@@ -141,6 +141,9 @@ class Job:
     top_logprobs: int
     top_k: int | None = None
     min_p: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
     prefix: str = "req"
     after_prompt: bool = False  # texts decoded after the prompt (completions)
@@ -430,6 +433,9 @@ class Scheduler:
             top_k=np.asarray([j.top_k or 0 for j in settings], np.int32),
             top_p=np.asarray([1.0 if j.top_p is None else j.top_p for j in settings], np.float32),
             min_p=np.asarray([j.min_p or 0.0 for j in settings], np.float32),
+            presence_penalty=np.asarray([j.presence_penalty for j in settings], np.float32),
+            frequency_penalty=np.asarray([j.frequency_penalty for j in settings], np.float32),
+            repetition_penalty=np.asarray([j.repetition_penalty for j in settings], np.float32),
             eos_id=list(self.stop_ids),
             pad_id=self.pad_id,
             log_steps=self.steps,

@@ -57,14 +57,15 @@ class Server:
 
     Every request goes to one scheduler thread that samples all the requests waiting at
     that moment in one continuous-batching run, in arrival order (each row with its own
-    temperature, top-k, top-p and min-p: one compiled sampler serves every setting). With
-    `"stream": true` the answer comes as server-sent events (OpenAI's chunks), a piece
-    of text at a time, never a character cut in two. A client that disconnects, before
-    its answer or mid-stream, has its rows dropped (their slots take the next rows).
-    Each choice carries its `token_ids`, the response its `prompt_token_ids` (as vLLM's
-    `return_token_ids`), and `policy_version`, the weights' version that sampled it.
-    Log-probabilities are the sampler's: at the request's temperature (1 when greedy),
-    before top-k, top-p and min-p (`rlhf_eqx.GenerationOutput.logprobs`); each entry's `bytes`
+    temperature, top-k, top-p, min-p and presence / frequency / repetition penalties: one
+    compiled sampler serves every setting). With `"stream": true` the answer comes as
+    server-sent events (OpenAI's chunks), a piece of text at a time, never a character
+    cut in two. A client that disconnects, before its answer or mid-stream, has its rows
+    dropped (their slots take the next rows). Each choice carries its `token_ids`, the
+    response its `prompt_token_ids` (as vLLM's `return_token_ids`), and
+    `policy_version`, the weights' version that sampled it. Log-probabilities are the
+    sampler's: at the request's temperature (1 when greedy), before the penalties and
+    top-k, top-p and min-p (`rlhf_eqx.GenerationOutput.logprobs`); each entry's `bytes`
     are the token's own. A completions request with `echo` also gets its prompt's text
     and its prompt tokens' log-probabilities (`max_tokens=0`: those only).
 
@@ -390,6 +391,9 @@ class Server:
             top_p=req.top_p,
             top_k=req.top_k,
             min_p=req.min_p,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
             stop=req.stop,
             top_logprobs=req.top_logprobs,
             prefix=prefix,

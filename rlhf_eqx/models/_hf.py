@@ -33,6 +33,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from ._build import check_finite
@@ -45,6 +46,7 @@ from ._hf_tensors import (
     fill_model,
     tensors_from_model,
 )
+from ._layers import AbstractQuantizedWeight
 
 _TORCH_DTYPES = ("float32", "bfloat16", "float16")
 _SINGLE = "model.safetensors"
@@ -581,8 +583,15 @@ def save_hf(
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     if policy.transformer.layers.lora is not None:
+        quantized = any(
+            isinstance(leaf, AbstractQuantizedWeight)
+            for leaf in jax.tree.leaves(
+                policy, is_leaf=lambda x: isinstance(x, AbstractQuantizedWeight)
+            )
+        )
+        merge = "merge_lora(dequantize(policy))" if quantized else "merge_lora(policy)"
         raise ValueError(
-            "save_hf: the model has LoRA adapters; fold them in with merge_lora(policy) "
+            f"save_hf: the model has LoRA adapters; fold them in with {merge} "
             "(or drop them with without_lora(policy)) before exporting"
         )
     dtype = dtype or policy.cfg.dtype

@@ -126,3 +126,31 @@ def test_the_pairs_the_reader_left_out_are_named_by_their_lines(tmp_path):
     (event,) = [e for e in records if e.get("event") == "skipped_records"]
     assert event["message"].endswith(f": {path}:{at[5]}: empty completion")
     assert (event["skipped"], event["read"]) == (1, len(rows))
+
+
+_SILENT = (  # a template that writes no tool calls
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_a_record_the_chat_template_cannot_render_is_named_by_its_line(tmp_path):
+    user = {"role": "user", "content": "Weather?"}
+    call = {"type": "function", "function": {"name": "wx", "arguments": {"city": "Paris"}}}
+    calling = [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "sunny"},
+        {"role": "assistant", "content": "Sunny."},
+    ]
+    plain = {"role": "assistant", "content": "No idea."}
+    rows = [{"prompt": [user], "chosen": [plain], "rejected": [plain | {"content": "?"}]}] * 3
+    rows.append({"prompt": [user], "chosen": [plain], "rejected": calling})
+    path = tmp_path / "tools.jsonl"
+    at = _with_blank_lines(path, rows)
+    records = data.load_preferences(path)
+    rendering = runs.ChatRendering(data.JinjaChatTemplate(_SILENT), "<|end|>")
+    want = f"^{path}:{at[3]}: 'rejected': message 1 .assistant. has tool_calls, but the chat"
+    with pytest.raises(data.DataError, match=want):
+        rendering.records(records)
+    with pytest.raises(data.DataError, match=want):  # a part of the dataset, named by it
+        rendering.records(list(records)[2:], records)

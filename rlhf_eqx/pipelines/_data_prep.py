@@ -153,7 +153,7 @@ class ChatRendering:
             )
         return full[len(start) :].rstrip()
 
-    def records(self, records: Sequence) -> list:
+    def records(self, records: Sequence, source: Sequence | None = None) -> list:
         """Preference, unpaired or prompt records with their `prompt` rendered and their
         `chosen` / `rejected` / `completion` ended. A conversational record's own
         messages (`data.PromptRecord.messages`, `data.PreferenceRecord.messages`,
@@ -162,29 +162,47 @@ class ChatRendering:
         quotes `\n\nAssistant:` stays one message, and a reply of several messages (a
         tool's result, another user turn) is written in the template's turns (`reply`);
         a reply of one assistant message with text alone is ended as a text is, unless
-        it continues the prompt's last (assistant) message: then `reply` writes it."""
+        it continues the prompt's last (assistant) message: then `reply` writes it.
+
+        A record the template cannot render is a `DataError` that names the field and,
+        when `source` (the reader's dataset the records are part of; `records` itself by
+        default) says where the record is, the file and line (or row)."""
+        source = records if source is None else source
+        places = record_numbers(source, records, records)
         out = []
         for r in records:
-            messages = getattr(r, "messages", None) or {}
-            prompt_messages = messages.get("prompt")
-            if prompt_messages is None:
-                changes = {"prompt": self.prompt(r.prompt)}
-            else:
-                changes = {"prompt": self.prompt_of(prompt_messages)}
-            for key in ("chosen", "rejected", "completion"):
-                if not hasattr(r, key):
-                    continue
-                reply = messages.get(key)
-                if (
-                    prompt_messages is None
-                    or reply is None
-                    or _one_text_turn(reply, prompt_messages)
-                ):
-                    changes[key] = self.completion(getattr(r, key))
-                else:
-                    changes[key] = self.reply(prompt_messages, reply)
-            out.append(dataclasses.replace(r, **changes))
+            try:
+                out.append(self._record(r))
+            except data.DataError as e:
+                place = places.get(id(r))
+                if place is None:
+                    raise
+                raise data.DataError(f"{place.where}: {e}") from None
         return out
+
+    def _record(self, r):
+        """`records` of one record."""
+        messages = getattr(r, "messages", None) or {}
+        prompt_messages = messages.get("prompt")
+        if prompt_messages is None:
+            changes = {"prompt": self.prompt(r.prompt)}
+        else:
+            try:
+                changes = {"prompt": self.prompt_of(prompt_messages)}
+            except data.DataError as e:
+                raise data.DataError(f"'prompt': {e}") from None
+        for key in ("chosen", "rejected", "completion"):
+            if not hasattr(r, key):
+                continue
+            reply = messages.get(key)
+            if prompt_messages is None or reply is None or _one_text_turn(reply, prompt_messages):
+                changes[key] = self.completion(getattr(r, key))
+                continue
+            try:
+                changes[key] = self.reply(prompt_messages, reply)
+            except data.DataError as e:
+                raise data.DataError(f"{key!r}: {e}") from None
+        return dataclasses.replace(r, **changes)
 
 
 def _one_text_turn(reply: Sequence, prompt: Sequence) -> bool:
@@ -479,21 +497,23 @@ def trained_policy(env, model):
     return final_policy(rx.dequantize(model) if env.cfg.model.quantized else model)
 
 
-def chat_records(env, records) -> list:
+def chat_records(env, records, source: Sequence | None = None) -> list:
     """`records` through the model's chat template (`chat_rendering` of
-    `data.chat_template`; recorded in the summary), or as they are."""
+    `data.chat_template`; recorded in the summary), or as they are. `source`: the
+    reader's dataset the records are part of, whose locations name a record the
+    template cannot render (`ChatRendering.records`)."""
     rendering = chat_rendering(env.tok, env.cfg.data)
     if rendering is None:
         return list(records)
     env.summary["chat_template"] = env.cfg.data.chat_template
-    return rendering.records(records)
+    return rendering.records(records, source)
 
 
 def chat_split(env, records) -> tuple[list, list]:
     """`split_records`, then both sides through the model's chat template
     (`chat_records`; the split is that of the file's text)."""
     train, held = split_records(records, env.cfg.data)
-    return chat_records(env, train), chat_records(env, held)
+    return chat_records(env, train, records), chat_records(env, held, records)
 
 
 def preference_split(env, c) -> tuple[list, list]:
@@ -505,7 +525,7 @@ def preference_split(env, c) -> tuple[list, list]:
     fmt = "auto" if cfg.data.format == "preference" else cfg.data.format  # sft's name
     records = data.load_preferences(cfg.data.path, fmt, **cfg.data.read_options())
     raw, held = split_records(records, cfg.data)
-    train, held = chat_records(env, raw), chat_records(env, held)
+    train, held = chat_records(env, raw, records), chat_records(env, held, records)
     places = record_numbers(records, raw, train)
     lengths = _lengths(env, c)
     train, quality = quality_report(train, tok, lengths, cfg.data, log, records.report)
@@ -633,7 +653,7 @@ def demonstration_split(env, c, records, rendered: bool = False) -> tuple[list, 
     if rendered:
         env.summary["chat_template"] = env.cfg.data.chat_template
     elif not text:
-        train, held = chat_records(env, raw), chat_records(env, held)
+        train, held = chat_records(env, raw, records), chat_records(env, held, records)
     places = record_numbers(records, raw, train)
     lengths = _lengths(env, c)
     train, quality = demo_quality(train, env, lengths, records.report)

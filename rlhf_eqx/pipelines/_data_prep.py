@@ -167,17 +167,15 @@ class ChatRendering:
         A record the template cannot render is a `DataError` that names the field and,
         when `source` (the reader's dataset the records are part of; `records` itself by
         default) says where the record is, the file and line (or row)."""
-        source = records if source is None else source
-        places = record_numbers(source, records, records)
         out = []
         for r in records:
             try:
                 out.append(self._record(r))
             except data.DataError as e:
-                place = places.get(id(r))
-                if place is None:
+                where = _location(records if source is None else source, r)
+                if where is None:
                     raise
-                raise data.DataError(f"{place.where}: {e}") from None
+                raise data.DataError(f"{where}: {e}") from None
         return out
 
     def _record(self, r):
@@ -203,6 +201,13 @@ class ChatRendering:
             except data.DataError as e:
                 raise data.DataError(f"{key!r}: {e}") from None
         return dataclasses.replace(r, **changes)
+
+
+def _location(source: Sequence, record) -> str | None:
+    """Where `record` is in its file, by the `locations` of the reader's dataset `source`
+    it is part of (`None` when not known)."""
+    locations = getattr(source, "locations", None) or ()
+    return next((w for r, w in zip(source, locations) if r is record), None)
 
 
 def _one_text_turn(reply: Sequence, prompt: Sequence) -> bool:

@@ -7,6 +7,7 @@ import json
 import math
 
 import jax
+import numpy as np
 import pytest
 
 import rlhf_eqx as rx
@@ -137,3 +138,52 @@ def test_a_gguf_rope_scaling_factor_that_is_not_positive_names_the_key(tmp_path,
         f"{path}: `llama.rope.scaling.factor` = {factor!r} is not supported: a positive "
         "number is expected"
     )
+
+
+def _with_rope_freqs(tmp_path, factors):
+    """A Llama GGUF file (head_dim 16) holding `factors` as its `rope_freqs.weight`."""
+    pytest.importorskip("gguf", reason="GGUF files need the gguf package")
+    cfg = rx.TransformerConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, d_ff=32)
+    policy = rx.Policy(cfg, key=jax.random.key(0))
+    path = tmp_path / "m.gguf"
+    add = lambda writer: writer.add_tensor("rope_freqs.weight", factors)
+    write_gguf(policy, path, dtype="f32", metadata=add)
+    return policy, path
+
+
+def test_rope_freqs_of_ones_read_as_no_scaling(tmp_path):
+    policy, path = _with_rope_freqs(tmp_path, np.ones(8, np.float32))
+    back = load_gguf_policy(path)
+    assert back.cfg == policy.cfg and back.cfg.rope_scaling is None
+
+
+@pytest.mark.parametrize("shape", [(3,), (2, 8)])
+def test_rope_freqs_of_another_shape_names_the_expected_one(tmp_path, shape):
+    _, path = _with_rope_freqs(tmp_path, np.full(shape, 2.0, np.float32))
+    with pytest.raises(ValueError) as e:
+        load_gguf_policy(path)
+    assert str(e.value) == (
+        f"{path}: tensor 'rope_freqs.weight' has shape {shape}, expected (8,): one divisor "
+        "per rotary frequency (head_dim 16 / 2)"
+    )
+
+
+def test_a_gemma_config_without_head_dim_names_transformers_default(tmp_path):
+    """Gemma's config class defaults `head_dim` to 256 (not hidden_size / heads): a
+    `config.json` that leaves it out reads as transformers reads it, and the shape
+    refusal says where the 256 comes from."""
+    cfg = rx.TransformerConfig(
+        vocab_size=64, d_model=32, n_layers=1, n_heads=2, d_ff=32,
+        norm_plus_one=True, embed_scale=True, mlp_activation="gelu_tanh", tie_embeddings=True,
+    )  # fmt: skip
+    rx.save_hf(rx.Policy(cfg, key=jax.random.key(0)), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["GemmaForCausalLM"]
+    del config["head_dim"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as e:
+        rx.load_hf(tmp_path)
+    msg = str(e.value)
+    assert "\n" not in msg and "expected (512, 32)" in msg
+    assert f"({tmp_path / 'config.json'} has no `head_dim`: transformers takes its config " in msg
+    assert "default 256, not hidden_size / num_attention_heads = 16" in msg

@@ -287,7 +287,15 @@ def read_config(reader, path: str, *, dtype: str | None = None):
             f"{len(tokens.data) - 1} would be outside the embedding"
         )
     if rope is not None and rope["rope_type"] == "rope_freqs":
-        factors = dense(tensors["rope_freqs.weight"], path).reshape(-1)
+        factors = dense(tensors["rope_freqs.weight"], path)
+        half = cfg.head_dim // 2
+        if factors.shape != (half,):
+            raise ValueError(
+                f"{path}: tensor 'rope_freqs.weight' has shape {factors.shape}, expected "
+                f"({half},): one divisor per rotary frequency (head_dim {cfg.head_dim} / 2)"
+            )
+        if np.all(factors == 1):  # every divisor 1: the unscaled frequencies
+            return family, cfg
         rs = llama3_from_factors(factors, cfg, path)
         cfg = config_from_hf(
             {**config, "rope_scaling": llama3_json(rs)}, dtype=cfg.dtype, source=path, keys=keys

@@ -276,7 +276,19 @@ def load_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> Policy
     cfg = config_from_hf(config, dtype=dtype, source=config_path)
     head = hf_head(config, source=config_path)
     tensors = _read_tensors(directory, float16=cfg.dtype == "float16")
-    arrays = arrays_from_tensors(cfg, tensors, source=directory, head=head, dtype=cfg.param_dtype)
+    try:
+        arrays = arrays_from_tensors(
+            cfg, tensors, source=directory, head=head, dtype=cfg.param_dtype
+        )
+    except ValueError as e:
+        derived = cfg.d_model // cfg.n_heads
+        if "has shape" not in str(e) or "head_dim" in config or cfg.head_dim == derived:
+            raise
+        raise ValueError(
+            f"{e} ({config_path} has no `head_dim`: transformers takes its config class's "
+            f"default {cfg.head_dim}, not hidden_size / num_attention_heads = {derived}; "
+            "write the checkpoint's head_dim there)"
+        ) from None
     return fill_model(Policy if head == "lm" else RewardModel, cfg, arrays, source=directory)
 
 

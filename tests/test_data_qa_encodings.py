@@ -63,3 +63,13 @@ def test_a_null_mapped_column_in_the_first_row_names_the_file_column(tmp_path):
     columns = {"prompt": "q", "chosen": "a", "rejected": "b"}
     with pytest.raises(data.DataError, match=f"^{re.escape(path)}: row 0: column 'b' is null$"):
         data.load_preferences(path, columns=columns)
+
+
+@pytest.mark.parametrize("name", ["pairs.csv", "pairs.tsv"])
+def test_a_csv_file_is_refused_as_such(tmp_path, name):
+    path = tmp_path / name
+    sep = "," if name.endswith(".csv") else "\t"
+    path.write_text(sep.join(_PAIR) + "\n" + sep.join(_PAIR.values()) + "\n")
+    kind = name.rsplit(".", 1)[1].upper()
+    with pytest.raises(data.DataError, match=f"^{re.escape(str(path))}: a {kind} file is not"):
+        data.load_preferences(path, lenient=True)

@@ -166,6 +166,17 @@ def _refuse_one_object(path: str, data: bytes) -> None:
         )
 
 
+def _refuse_delimited(path: str) -> None:
+    """A `DataError` for a CSV or TSV file (told by its suffix) whose first line is not
+    JSON: not a format the readers take, which its first line's JSON error would not say."""
+    base = path[:-3] if path.endswith(".gz") else path
+    if base.lower().endswith((".csv", ".tsv")):
+        raise DataError(
+            f"{path}: a {base.rsplit('.', 1)[1].upper()} file is not read; give JSON lines, "
+            "JSON, Parquet or Arrow (e.g. datasets.Dataset.from_csv(path).to_parquet(...))"
+        )
+
+
 def read_json_records(
     path: str | os.PathLike, report: LoadReport, *, lenient: bool
 ) -> Iterator[tuple[str, dict]]:
@@ -209,6 +220,7 @@ def read_json_records(
         except _InvalidJSON as e:
             if report.read == 1:
                 _refuse_one_object(path, data)
+                _refuse_delimited(path)
             bad(where, e.reason, f"{e.position}: {e.message}")
             continue
         if not isinstance(item, dict):

@@ -1,7 +1,8 @@
-"""Files as editors and tools save them: UTF-16 with its byte-order mark (Windows'
-"Unicode", PowerShell's `>`) reads as its text, lines counted as in the file; a table
+"""Files as editors and tools save them (and cut them): UTF-16 with its byte-order mark
+(Windows' "Unicode", PowerShell's `>`) reads as its text, lines counted as in the file; a table
 whose first row has a null in a column of the layout is refused naming that row and
-column, as a later row is."""
+column, as a later row is; a CSV file is refused as such; a last line cut short (no
+newline, its JSON left open) is said to be."""
 
 import json
 import re
@@ -73,3 +74,25 @@ def test_a_csv_file_is_refused_as_such(tmp_path, name):
     kind = name.rsplit(".", 1)[1].upper()
     with pytest.raises(data.DataError, match=f"^{re.escape(str(path))}: a {kind} file is not"):
         data.load_preferences(path, lenient=True)
+
+
+@pytest.mark.parametrize(
+    "tail,torn",
+    [
+        ('{"prompt": "a", "chosen": " b", "rej', True),
+        ('{"prompt": "a", "chosen": [" b",', True),
+        ("{'prompt': 'a'}", False),  # not JSON, but not cut short
+    ],
+)
+def test_a_last_line_cut_short_is_said_so(tmp_path, tail, torn):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps(_PAIR) + "\n\n" + tail)
+    with pytest.raises(data.DataError, match=f"^{re.escape(str(path))}:3: invalid JSON") as e:
+        data.load_preferences(path)
+    assert str(e.value).endswith("(the last line, with no newline: the file looks cut short)") == (
+        torn
+    )
+    path.write_text(json.dumps(_PAIR) + "\n\n" + tail + "\n")  # ended: not the hint
+    with pytest.raises(data.DataError, match="invalid JSON") as e:
+        data.load_preferences(path)
+    assert "cut short" not in str(e.value)

@@ -148,6 +148,16 @@ def _json_value(raw: bytes) -> object:
         raise _InvalidJSON("invalid JSON", e.lineno, f"column {e.colno}", e.msg) from None
 
 
+def _ends_early(e: _InvalidJSON, raw: bytes) -> bool:
+    """Whether the JSON of the line `raw` failed for ending early (a string, object or
+    list left open), as a line cut short does."""
+    if e.reason != "invalid JSON":
+        return False
+    column = int(e.position.removeprefix("column "))
+    text = raw.decode("utf-8").rstrip()
+    return e.message.startswith("Unterminated string") or column > len(text)
+
+
 def _refuse_one_object(path: str, data: bytes) -> None:
     """A `DataError` for a `.json` file that holds one object spread over several lines
     (`{"data": [...]}`, say): valid JSON, but neither a list of records nor one record
@@ -210,7 +220,8 @@ def read_json_records(
             yield where, item
         return
 
-    for lineno, raw in enumerate(data.split(b"\n"), start=1):
+    lines = data.split(b"\n")
+    for lineno, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
         where = f"{path}:{lineno}"
@@ -221,7 +232,12 @@ def read_json_records(
             if report.read == 1:
                 _refuse_one_object(path, data)
                 _refuse_delimited(path)
-            bad(where, e.reason, f"{e.position}: {e.message}")
+            # The last line without its newline: a file cut short (a copy or a write
+            # interrupted), which a JSON lines writer would have ended.
+            torn = ""
+            if lineno == len(lines) and _ends_early(e, raw):
+                torn = " (the last line, with no newline: the file looks cut short)"
+            bad(where, e.reason, f"{e.position}: {e.message}{torn}")
             continue
         if not isinstance(item, dict):
             bad(where, "not a JSON object", type(item).__name__)

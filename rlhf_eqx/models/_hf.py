@@ -235,6 +235,12 @@ def _read_tensors(directory: str, *, float16: bool = False) -> _CheckpointTensor
     for name in files:
         if not isinstance(name, str) or os.path.basename(name) != name:
             raise ValueError(f"{index_path}: shard name {name!r} is not a plain file name")
+        if files != [_SINGLE] and not _has(name):
+            listed = sum(1 for f in weight_map.values() if f == name)
+            raise FileNotFoundError(
+                f"{os.path.join(directory, name)}: file not found ({_INDEX} maps {listed} "
+                f"tensor{'s' if listed != 1 else ''} to it: a shard missing from the checkpoint)"
+            )
     return _CheckpointTensors(directory, files, float16)
 
 

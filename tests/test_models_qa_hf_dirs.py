@@ -28,3 +28,21 @@ def test_a_missing_shard_is_named_with_what_the_index_maps_to_it(sharded, tmp_pa
     msg = str(e.value)
     assert msg.startswith(f"{tmp_path / shards[1]}: file not found (model.safetensors.index.json")
     assert "tensors to it: a shard missing from the checkpoint)" in msg and "\n" not in msg
+
+
+def test_a_tensor_in_two_shards_is_named_with_both(sharded, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    shards = sorted(n for n in os.listdir(sharded) if n.startswith("model-"))
+    for name in os.listdir(sharded):
+        os.symlink(sharded / name, tmp_path / name)
+    first, second = (load_file(sharded / s) for s in shards[:2])
+    name = sorted(first)[0]
+    os.remove(tmp_path / shards[1])
+    save_file({**second, name: first[name] * 2}, tmp_path / shards[1], metadata={"format": "pt"})
+    with pytest.raises(ValueError) as e:
+        rx.load_hf(tmp_path)
+    assert str(e.value) == (
+        f"{tmp_path / shards[1]}: tensor {name!r} is also in {tmp_path / shards[0]} (two "
+        "shards hold it; which copy is meant is not known)"
+    )

@@ -183,7 +183,13 @@ class _CheckpointTensors(Mapping):
         for name in files:
             path = os.path.join(directory, name)
             reader = _safe_open(path)
-            self._where.update({k: (path, reader) for k in reader.keys()})
+            for k in reader.keys():
+                if k in self._where:  # which copy a reader takes is its own choice
+                    raise ValueError(
+                        f"{path}: tensor {k!r} is also in {self._where[k][0]} (two shards "
+                        "hold it; which copy is meant is not known)"
+                    )
+                self._where[k] = (path, reader)
 
     def __getitem__(self, name: str) -> np.ndarray:
         path, reader = self._where[name]

@@ -61,10 +61,14 @@ def test_locations_of_a_json_list_and_a_table(tmp_path):
     assert data.load_preferences(table).locations == tuple(f"{table}: row {n}" for n in range(3))
 
 
-def test_a_dataset_built_by_hand_has_unknown_locations():
+def test_a_dataset_built_by_hand_has_unknown_locations(tmp_path):
     report = data.LoadReport(path="pairs.jsonl", read=1)
     records = data.PreferenceDataset([data.PreferenceRecord("a", " b", " c")], report)
     assert records.locations == (None,)
+    path = tmp_path / "pairs.jsonl"
+    _with_blank_lines(path, _pairs(3))
+    read = data.load_preferences(path)  # its records reordered, with its report
+    assert data.PreferenceDataset(list(read)[::-1], read.report).locations == (None,) * 3
 
 
 def _env(path, run_dir, **data_settings):

@@ -411,7 +411,7 @@ def load_demonstrations(
         columns=columns,
         split=split,
     )
-    return DemonstrationDataset(records, report)
+    return DemonstrationDataset(records, report, report.locations)
 
 
 def tokenize_demonstrations(

@@ -416,8 +416,9 @@ class RecordDataset(Sequence, Generic[R]):
     Indexing with an int gives a record; with a slice, a dataset of the same class (and
     report). `select(indices)` takes any rows, in the order given. `locations[i]` says
     where record `i` is in the file (`"path:LINE"`, `"path:item N"`, `"FILE: row N"`:
-    what an error about it would name; `None` when not known): a reader's dataset
-    takes them from its report, slices and selections keep them with their records.
+    what an error about it would name; `None` when not known, as for records given
+    without their `locations`): a reader gives them (`LoadReport.locations`), slices
+    and selections keep them with their records.
     """
 
     noun: ClassVar[str] = "records"
@@ -430,8 +431,6 @@ class RecordDataset(Sequence, Generic[R]):
     ):
         self._records: tuple[R, ...] = tuple(records)
         self.report: LoadReport = report
-        if locations is None and len(report.locations) == len(self._records):
-            locations = report.locations
         if locations is None or len(locations) != len(self._records):
             locations = [None] * len(self._records)
         self.locations: tuple[str | None, ...] = tuple(locations)

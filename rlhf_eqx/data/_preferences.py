@@ -334,4 +334,4 @@ def load_preferences(
         columns=columns,
         split=split,
     )
-    return PreferenceDataset(records, report)
+    return PreferenceDataset(records, report, report.locations)

@@ -128,7 +128,7 @@ def load_stepwise(
         columns=columns,
         split=split,
     )
-    return StepwiseDataset(records, report)
+    return StepwiseDataset(records, report, report.locations)
 
 
 @dataclasses.dataclass(frozen=True)

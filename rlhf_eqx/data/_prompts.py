@@ -213,4 +213,4 @@ def load_prompts(
         columns=columns,
         split=split,
     )
-    return PromptDataset(records, report)
+    return PromptDataset(records, report, report.locations)

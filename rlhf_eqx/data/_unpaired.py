@@ -182,7 +182,7 @@ def load_unpaired(
         columns=columns,
         split=split,
     )
-    return UnpairedDataset(records, report)
+    return UnpairedDataset(records, report, report.locations)
 
 
 def unpaired_from_preferences(records: Sequence) -> list[UnpairedRecord]:

@@ -43,8 +43,12 @@ def _header_sizes(source: str) -> tuple[int, int] | None:
         path = os.path.join(source, "config.json")
         if not os.path.isfile(path):
             raise ValueError(f"{source}: no config.json (not a Hugging Face checkpoint directory)")
-        with open(path) as f:
-            cfg = config_from_hf(json.load(f), source=path)
+        with open(path, encoding="utf-8") as f:
+            try:
+                config = json.load(f)
+            except (ValueError, UnicodeDecodeError) as e:  # name the file, not only the spot
+                raise ValueError(f"{path}: not valid JSON ({e})") from None
+        cfg = config_from_hf(config, source=path)
         return cfg.vocab_size, cfg.max_seq_len
     sizes, _, _, _ = read_llama2c_header(source)
     return sizes["vocab_size"], sizes["seq_len"]

@@ -233,7 +233,13 @@ class SamplingConfig:
     likeliest tokens, the smallest set holding `top_p` of the probability, and the tokens
     at least `min_p` times as likely as the likeliest (TRL's GRPOConfig and vLLM's names;
     `0`, `1.0` and `0.0` are off; the steps' log-probabilities are of the tempered
-    distribution before these filters, as TRL's). Each completion stops at EOS
+    distribution before these filters, as TRL's), with the tokens already seen penalised
+    before the temperature (`rlhf_eqx.penalize_logits`): `repetition_penalty` (TRL's
+    GRPOConfig name, > 0, 1.0 off; CTRL's, as Hugging Face applies it: a token of the
+    prompt or of the completion so far has its logit divided by it where positive,
+    multiplied by it otherwise), `presence_penalty` and `frequency_penalty` (OpenAI's and
+    vLLM's, in [-2, 2], 0.0 off: a token the completion holds `c` times loses
+    `frequency_penalty · c + presence_penalty`). Each completion stops at EOS
     (and BOS) and, when `stop_strings` are given, is cut where one first appears: none
     for the story task; `("\\n\\nHuman:",)` for HH-RLHF-style chat prompts, so that a
     completion that starts the next human turn ends there. `slots > 0` samples rollouts
@@ -247,6 +253,9 @@ class SamplingConfig:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     stop_strings: tuple[str, ...] = ()
     slots: int = 0
 

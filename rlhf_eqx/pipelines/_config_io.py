@@ -142,6 +142,7 @@ TRL_NAMES: dict[str, tuple[str, ...]] = {
     "top_k": ("sampling.top_k",),
     "top_p": ("sampling.top_p",),
     "min_p": ("sampling.min_p",),
+    "repetition_penalty": ("sampling.repetition_penalty",),
     "seed": ("ops.seed",),
     "r": ("rank",),
     "lora_alpha": ("alpha",),

@@ -28,7 +28,7 @@ from ._data_prep import (
 from ._field_checks import _above, _fail, _positive, _within
 from ._model_checks import check_context, check_teacher_vocabulary
 from ._registry import Outcome, Stage, StageEnv, find_stage, register_stage, stages
-from ._rollout import sample_rollout, sampling_options
+from ._rollout import SAMPLING_FIELDS, sample_rollout, sampling_options
 from ._runs import RunContext, RunResult, final_policy, rows_at, run_loop, take_rows, train_setup
 from ._task import TRAIN_PROMPTS
 from ._validation import validate_stage
@@ -98,7 +98,7 @@ def teacher_stages() -> tuple[str, ...]:
     )
 
 
-ON_POLICY_SAMPLING = ("max_new_tokens", "top_k", "top_p", "min_p", "stop_strings", "slots")
+ON_POLICY_SAMPLING = tuple(f for f in SAMPLING_FIELDS if f not in ("prompt_length", "temperature"))
 """The `sampling` fields a data-file `distill` run reads for its on-policy completions
 only (`distill.lmbda > 0`)."""
 

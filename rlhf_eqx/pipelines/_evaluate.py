@@ -142,11 +142,9 @@ def evaluate_policy(
     prompt_length: int,
     max_new_tokens: int,
     temperature: float = DEFAULT_TEMPERATURE,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    min_p: float = 0.0,
     stop_strings: Sequence[str] = (),
     slots: int = 0,
+    **filters: float | int,
 ) -> tuple[dict, Rollout, Float32[np.ndarray, " N"]]:
     """Sample `samples` completions per held-out prompt and measure them.
 
@@ -154,7 +152,9 @@ def evaluate_policy(
     `score_se` (its standard error over the prompts, `prompt_se`), `base_nll` (NLL per
     token under `base`: fluency), `kl` (per-token KL to `reference`, when given). Two
     policies evaluated with the same `key` give paired samples for `win_rate`.
-    `slots > 0`: continuous batching (see `sample_rollout`).
+    `slots > 0`: continuous batching (see `sample_rollout`); `**filters`: the sampler's
+    `top_k`, `top_p`, `min_p`, `repetition_penalty`, `presence_penalty` and
+    `frequency_penalty` (`sample_rollout`'s; off by default).
     """
     rollout = sample_rollout(
         policy,
@@ -165,11 +165,9 @@ def evaluate_policy(
         prompt_length=prompt_length,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
         stop_strings=stop_strings,
         slots=slots,
+        **filters,
     )
     scores = np.asarray([scorer(t) for t in rollout.texts], np.float32)
     metrics = {

@@ -40,6 +40,9 @@ def _sampling(cfg) -> dict:
         top_k=s.top_k,
         top_p=s.top_p,
         min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
         stop_strings=s.stop_strings,
     )
 

@@ -32,7 +32,7 @@ from ._model_checks import check_episode_length, model_sizes, run_tokenizer
 from ._monitor import model_flops
 from ._registry import Outcome, Stage, StageEnv, register_stage
 from ._rl_rollouts import _per_token_kl, _policy_and_reference
-from ._rollout import encode_prompts, filter_options, group_signal, token_logps
+from ._rollout import encode_prompts, filters_of, group_signal, token_logps
 from ._runs import RunContext, RunResult, final_policy, rows_at, run_loop
 from ._task import HELDOUT_PROMPTS, TRAIN_PROMPTS
 from ._validation import validate_stage
@@ -150,7 +150,7 @@ def _rollout(policy, env, tok, prompts, key, cfg, ctx: RunContext, samples):
         max_new_tokens=cfg.turn_tokens,
         max_total_tokens=_length(env, cfg, ctx.prompt_length),
         temperature=ctx.temperature,
-        **filter_options(ctx.top_k, ctx.top_p, ctx.min_p),
+        **filters_of(ctx),
         eos_id=turn_stop_ids(env, tok),
         pad_id=tok.pad_id,
         num_samples=samples,
@@ -432,8 +432,8 @@ _EPISODE_SAMPLING = {
     "without continuous batching",
 }
 """The single-turn sampling settings a multi-turn episode does not read, and what does
-instead; `sampling.temperature`, `top_k`, `top_p`, `min_p` (and `prompt_length`) are the
-episodes' too."""
+instead; `sampling.temperature`, `top_k`, `top_p`, `min_p`, the penalties (and
+`prompt_length`) are the episodes' too."""
 
 
 def check_episode_sampling(cfg, key: str, run) -> None:

@@ -110,8 +110,11 @@ def continue_rollout(
     """`pending` with up to `max_new_tokens` more tokens from `policy` for the rows that
     have not stopped (`unfinished_rows`), and only those: a fresh prefill of each row's
     prompt + tokens so far (no cache is carried over from the policy that sampled them),
-    then sampling at `temperature` (with `pending`'s top-k / top-p / min-p filters)
-    until a stop id of `pending` or `max_new_tokens`.
+    then sampling at `temperature` (with `pending`'s top-k / top-p / min-p filters and
+    repetition penalty, whose context, the prompt and the tokens so far, is the same)
+    until a stop id of `pending` or `max_new_tokens`. A presence or frequency penalty
+    (which count the generated tokens only) is refused: the tokens so far would count
+    as prompt.
 
     The unfinished rows are gathered and padded up to a bucket size (the next power of
     two, rounded up to a multiple of the sampler mesh's `"data"` axis when `pending`'s
@@ -128,6 +131,13 @@ def continue_rollout(
 
     **Returns:** the `PendingRollout` with rows `max_new_tokens` longer.
     """
+    counted = sorted(set(pending.filters) & {"presence_penalty", "frequency_penalty"})
+    if counted:
+        raise ValueError(
+            f"continue_rollout: {counted[0]}={pending.filters[counted[0]]} counts the "
+            "generated tokens only, and a continued row is prefilled afresh with its tokens "
+            "so far as its prompt; continue without it (repetition_penalty is exact)"
+        )
     out = pending.out
     going = np.flatnonzero(unfinished_rows(pending))
     rows, length = out.tokens.shape
@@ -152,7 +162,7 @@ def continue_rollout(
             temperature=temperature,
             eos_id=list(pending.stop_ids) or None,
             pad_id=pad_id,
-            **pending.filters,  # the rollout's top-k / top-p / min-p
+            **pending.filters,  # the rollout's top-k / top-p / min-p / repetition penalty
         )
         real = np.asarray(more.completion_mask)[:n, length:]
         new_real[going] = real

@@ -86,17 +86,30 @@ SAMPLING_FIELDS = (
     "top_k",
     "top_p",
     "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
     "stop_strings",
     "slots",
 )
 
 
-def filter_options(top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> dict:
-    """The sampler's filter keywords of a run's `sampling.top_k` / `top_p` / `min_p`,
-    each only where it filters (`top_k=0`, `top_p=1`, `min_p=0` are off, as in TRL's
-    GRPOConfig and vLLM): `{}` for the defaults, so unfiltered runs sample with the
-    same compiled program as before. The log-probabilities the sampler returns (and the
-    steps use) are those of the tempered distribution before the filters, as TRL's."""
+def filter_options(
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    *,
+    repetition_penalty: float = 1.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+) -> dict:
+    """The sampler's filter and penalty keywords of a run's `sampling.top_k` / `top_p` /
+    `min_p` / `repetition_penalty` / `presence_penalty` / `frequency_penalty`, each only
+    where it acts (`top_k=0`, `top_p=1`, `min_p=0`, `repetition_penalty=1` and the other
+    penalties 0 are off, as in TRL's GRPOConfig and vLLM): `{}` for the defaults, so
+    unfiltered runs sample with the same compiled program as before. The
+    log-probabilities the sampler returns (and the steps use) are those of the tempered
+    distribution before the penalties and the filters, as TRL's and vLLM's."""
     options: dict = {}
     if top_k:
         options["top_k"] = int(top_k)
@@ -104,7 +117,26 @@ def filter_options(top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> di
         options["top_p"] = float(top_p)
     if min_p > 0:
         options["min_p"] = float(min_p)
+    if repetition_penalty != 1:
+        options["repetition_penalty"] = float(repetition_penalty)
+    if presence_penalty != 0:
+        options["presence_penalty"] = float(presence_penalty)
+    if frequency_penalty != 0:
+        options["frequency_penalty"] = float(frequency_penalty)
     return options
+
+
+def filters_of(settings) -> dict:
+    """`filter_options`' keywords of the run context or sampling settings `settings` (an
+    object with the six `sampling` fields)."""
+    return filter_options(
+        settings.top_k,
+        settings.top_p,
+        settings.min_p,
+        repetition_penalty=settings.repetition_penalty,
+        presence_penalty=settings.presence_penalty,
+        frequency_penalty=settings.frequency_penalty,
+    )
 
 
 def sampling_options(settings) -> dict:
@@ -152,6 +184,9 @@ def dispatch_rollout(
     top_k: int = 0,
     top_p: float = 1.0,
     min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
     stop_ids: Sequence[int] | None = None,
     stop_strings: Sequence[str] = (),
     slots: int = 0,
@@ -169,7 +204,9 @@ def dispatch_rollout(
     with BOS; the stop id is kept). `stop_strings`
     (e.g. `("\\n\\nHuman:",)` for chat-formatted prompts) are applied by the host half. The
     same `temperature` must be given to the training steps. `top_k`, `top_p`, `min_p`
-    filter the tempered distribution (`filter_options`: off at 0, 1, 0). `place`, when
+    filter the tempered distribution (`filter_options`: off at 0, 1, 0);
+    `repetition_penalty`, `presence_penalty`, `frequency_penalty` penalise the tokens
+    already seen (`rlhf_eqx.penalize_logits`: off at 1, 0, 0). `place`, when
     given, lays the prompt tokens and mask out for the sampler, e.g. split over a sampler
     mesh: `(tokens, mask) -> (tokens, mask)`.
 
@@ -182,7 +219,14 @@ def dispatch_rollout(
     stop_ids = tuple(int(t) for t in stop_ids)
     ids = encode_prompts(tok, prompts, prompt_length=prompt_length)
     batch = data.collate_prompts(list(ids), max_length=prompt_length, pad_id=tok.pad_id)
-    filters = filter_options(top_k, top_p, min_p)
+    filters = filter_options(
+        top_k,
+        top_p,
+        min_p,
+        repetition_penalty=repetition_penalty,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+    )
     kw = dict(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
@@ -248,7 +292,8 @@ def finish_rollout(pending: PendingRollout, tok) -> Rollout:
 def sample_rollout(policy, tok, prompts: Sequence[str], key: PRNGKeyArray, **options) -> Rollout:
     """Sample completions of `prompts`: `dispatch_rollout` (its keyword `options`:
     `group_size`, `prompt_length`, `max_new_tokens`, `temperature`, `top_k`, `top_p`,
-    `min_p`, `stop_ids`, `stop_strings`, `slots`) then `finish_rollout`, which cuts each
+    `min_p`, the three penalties, `stop_ids`, `stop_strings`, `slots`) then
+    `finish_rollout`, which cuts each
     completion where one of `stop_strings` first appears in its text
     (`rlhf_eqx.truncate_at_stop_strings`: the string is dropped, and the tokens, masks
     and log-probabilities after the cut are cleared) before anything is scored."""

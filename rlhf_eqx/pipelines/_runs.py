@@ -57,6 +57,9 @@ class RunContext:
     top_k: int = SamplingConfig.top_k
     top_p: float = SamplingConfig.top_p
     min_p: float = SamplingConfig.min_p
+    repetition_penalty: float = SamplingConfig.repetition_penalty
+    presence_penalty: float = SamplingConfig.presence_penalty
+    frequency_penalty: float = SamplingConfig.frequency_penalty
     stop_strings: tuple[str, ...] = SamplingConfig.stop_strings
     slots: int = SamplingConfig.slots
     meta: dict | None = None

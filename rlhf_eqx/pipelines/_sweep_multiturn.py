@@ -32,7 +32,7 @@ from ._multiturn_stage import (
     turn_stop_ids,
 )
 from ._registry import stage_key
-from ._rollout import filter_options
+from ._rollout import filters_of
 from ._sweep_grid import Member
 from ._sweep_grpo import GRPOSweepState, grpo_updates, iteration_inputs
 from ._sweep_program import SweepRun, key_data, member, stack
@@ -74,7 +74,7 @@ def multiturn_sweep(
         max_new_tokens=c0.turn_tokens,
         max_total_tokens=_length(game, c0, P),
         temperature=sampling.temperature,
-        **filter_options(sampling.top_k, sampling.top_p, sampling.min_p),
+        **filters_of(sampling),
         eos_id=turn_stop_ids(game, tok),
         pad_id=tok.pad_id,
         num_samples=G,

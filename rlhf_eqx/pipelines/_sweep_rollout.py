@@ -44,7 +44,8 @@ def sample_members(
     (`models`, stacked on a leading member axis) and key `keys[m]`, the sampler vmapped
     over the members (one compiled program). `options`: `sample_rollout`'s sampling
     keywords (`sampling_options` of the run's sampling settings: `prompt_length`,
-    `max_new_tokens`, `temperature`, `top_k`, `top_p`, `min_p`, `stop_strings`, `slots`).
+    `max_new_tokens`, `temperature`, `top_k`, `top_p`, `min_p`, the three penalties,
+    `stop_strings`, `slots`).
     With `slots > 0` (continuous batching) the members are sampled one after another
     with `sample_rollout`."""
     if options.get("slots", 0) > 0:
@@ -63,7 +64,12 @@ def sample_members(
     tokens = jax.numpy.stack([b.tokens for b in batches])
     mask = jax.numpy.stack([b.mask for b in batches])
     filters = filter_options(
-        options.get("top_k", 0), options.get("top_p", 1.0), options.get("min_p", 0.0)
+        options.get("top_k", 0),
+        options.get("top_p", 1.0),
+        options.get("min_p", 0.0),
+        repetition_penalty=options.get("repetition_penalty", 1.0),
+        presence_penalty=options.get("presence_penalty", 0.0),
+        frequency_penalty=options.get("frequency_penalty", 0.0),
     )
     sampler = {
         "max_new_tokens": options["max_new_tokens"],

@@ -16,6 +16,8 @@ stages in `_run_checks.py` (those that need the model's sizes or the tokenizer, 
 without loading the weights, in `_model_checks.py`).
 """
 
+import math
+import numbers
 import os
 from typing import Any
 
@@ -141,6 +143,13 @@ def validate_config(
         _fail("sampling.top_p", s.top_p, "must be in (0, 1] (1: off)")
     if not 0 <= s.min_p <= 1:
         _fail("sampling.min_p", s.min_p, "must be in [0, 1] (0: off)")
+    if not (_is_real(s.repetition_penalty) and 0 < s.repetition_penalty < math.inf):
+        _fail("sampling.repetition_penalty", s.repetition_penalty, "must be a number > 0 (1: off)")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(s, name)
+        if not (_is_real(value) and -2 <= value <= 2):
+            _fail(f"sampling.{name}", value, "must be in [-2, 2] (0: off)")
+    _check_penalised_continuations(cfg, run_stages(cfg, stage))
     if not all(isinstance(x, str) and x for x in s.stop_strings):
         _fail("sampling.stop_strings", s.stop_strings, "must be non-empty strings")
     validate_ops(cfg.ops)
@@ -148,6 +157,33 @@ def validate_config(
         _fail("label_noise", cfg.label_noise, "must be in [0, 0.5)")
     _positive("eval_samples", cfg.eval_samples)
     validate_run(cfg, run_stages(cfg, stage), device_count=device_count)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _check_penalised_continuations(cfg: PipelineConfig, run: tuple[str, ...]) -> None:
+    """Refuse `sampling.presence_penalty` / `frequency_penalty` with a stage's
+    `partial_rollouts`: a continued row is prefilled afresh with its tokens so far as its
+    prompt, so its earlier tokens would no longer count as generated (the repetition
+    penalty, which counts the prompt too, stays exact)."""
+    s = cfg.sampling
+    on = [name for name in ("presence_penalty", "frequency_penalty") if getattr(s, name) != 0]
+    if not on:
+        return
+    for name in run:
+        stage = find_stage(name)
+        section = getattr(cfg, stage.key, None) if stage is not None else None
+        segment = getattr(section, "partial_rollouts", 0)
+        if segment:
+            _fail(
+                f"sampling.{on[0]}",
+                getattr(s, on[0]),
+                f"is not supported with {stage.key}.partial_rollouts={segment} (a continued "
+                "row is prefilled afresh, so its earlier tokens would not count as "
+                "generated); use sampling.repetition_penalty, or partial_rollouts=0",
+            )
 
 
 def _check_stage_format(fmt: str, run: tuple[str, ...]) -> None:

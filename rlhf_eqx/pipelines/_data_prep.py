@@ -483,13 +483,16 @@ def nll(model, batch):
 
 
 def is_preference_file(path: str, **options) -> bool:
-    """Whether `path` reads as preference pairs (`options`: the readers' `columns`,
-    `split`, `DataConfig.read_options`)."""
+    """Whether `path` holds preference pairs (`options`: the readers' `format`,
+    `columns`, `split`, `DataConfig.read_options`): its first record is in a preference
+    layout (`format="auto"`) or some record reads as the `format` given, even when
+    another record is malformed, so that reading it as pairs then names that record
+    rather than a mismatch of layouts at its first line."""
     try:
-        data.load_preferences(path, **options)
-        return True
+        records = data.load_preferences(path, lenient=True, **options)
     except (ValueError, OSError):
         return False
+    return options.get("format", "auto") == "auto" or len(records) > 0
 
 
 # --- what the data-file stages share ---------------------------------------------------

@@ -123,6 +123,15 @@ def test_penalize_logits_by_hand():
     )
     np.testing.assert_array_equal(rows[0], logits)
     np.testing.assert_allclose(rows[1], out)
+    numpy_rows = rx.penalize_logits(
+        jnp.stack([logits, logits]),
+        jnp.stack([context, context]),
+        jnp.stack([generated, generated]),
+        repetition_penalty=np.array([1.0, 2.0], np.float32),
+        presence_penalty=np.array([0.0, 0.5], np.float32),
+        frequency_penalty=np.array([0.0, 0.25], np.float32),
+    )
+    np.testing.assert_array_equal(numpy_rows, rows)
 
 
 _BIG = float(np.float32(1e30))

@@ -4,6 +4,7 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from ._options import check_penalty, check_repetition_penalty
@@ -16,9 +17,9 @@ def penalize_logits(
     context: Bool[Array, "*B V"] | Int[Array, "*B V"],
     generated: Int[Array, "*B V"],
     *,
-    repetition_penalty: float | int | Float[Array, "*B"] = 1.0,
-    presence_penalty: float | int | Float[Array, "*B"] = 0.0,
-    frequency_penalty: float | int | Float[Array, "*B"] = 0.0,
+    repetition_penalty: float | int | Float[Array | np.ndarray, "*B"] = 1.0,
+    presence_penalty: float | int | Float[Array | np.ndarray, "*B"] = 0.0,
+    frequency_penalty: float | int | Float[Array | np.ndarray, "*B"] = 0.0,
 ) -> Float[Array, "*B V"]:
     """Penalise the logits of the tokens a row has already seen.
 
@@ -34,7 +35,7 @@ def penalize_logits(
     - `repetition_penalty` `r > 0` (1: off; CTRL, Keskar et al. 2019, as Hugging Face's
       `RepetitionPenaltyLogitsProcessor` and vLLM apply it), `presence_penalty` `p` and
       `frequency_penalty` `f` (OpenAI's API and vLLM, in [-2, 2], 0: off): numbers, or
-      one value per row (`[*B]` arrays, traced, always applied).
+      one value per row (`[*B]` arrays, traced, always applied; NumPy arrays too).
 
     **Returns:** the penalised logits,
 
@@ -48,7 +49,7 @@ def penalize_logits(
     itself. Raises `ValueError` naming the argument for a scalar out of range.
     """
     scalars = (repetition_penalty, presence_penalty, frequency_penalty)
-    per_row = [isinstance(x, jax.Array) for x in scalars]
+    per_row = [isinstance(x, jax.Array | np.ndarray) for x in scalars]
     if not per_row[0]:
         check_repetition_penalty(repetition_penalty)
     for name, value, traced in zip(_NAMES[1:], scalars[1:], per_row[1:]):

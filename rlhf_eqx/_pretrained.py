@@ -125,7 +125,8 @@ def save_gguf(
       row: a tokenizer with fewer ids than `cfg.vocab_size` (an embedding padded to a
       multiple of 64 or 128) is padded with unused `[PAD{i}]` tokens, as llama.cpp's
       converter pads it.
-    - `dtype`: `"f16"` (default), `"q8_0"` or `"f32"` for the matrices.
+    - `dtype`: `"f16"` (default), `"bf16"` (a bfloat16 model bit for bit), `"q8_0"` or
+      `"f32"` for the matrices.
     - `chat_template`: a Jinja chat template for `tokenizer.chat_template` (default:
       the tokenizer's own, when it has one).
 

@@ -2,6 +2,7 @@
 that does not compile or cannot render a user turn is named, with the file, before
 anything is written (an existing file at the target stays as it was)."""
 
+import equinox as eqx
 import jax
 import pytest
 
@@ -48,3 +49,27 @@ def test_a_chat_template_that_renders_round_trips(model, tmp_path):
     rx.save_gguf(policy, tmp_path / "m.gguf", tokenizer=tok, chat_template=template)
     _, back = rx.load_gguf(tmp_path / "m.gguf")
     assert back.chat_template == template
+
+
+def test_a_bfloat16_model_exports_bit_for_bit_as_bf16(tmp_path):
+    """`dtype="bf16"` keeps a bfloat16 model's weights exactly (f16 would round the small
+    ones and refuse the large ones), and its range: a weight past float16's 65504."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    cfg = rx.TransformerConfig(
+        vocab_size=64, d_model=32, n_layers=1, n_heads=2, d_ff=32, dtype="bfloat16"
+    )
+    policy = rx.Policy(cfg, key=jax.random.key(0))
+    wide = lambda w: w.at[0, 0, 0].set(1e5) if w.ndim == 3 and w.shape[-1] == 32 else w
+    layers = jax.tree.map(wide, policy.transformer.layers)
+    policy = eqx.tree_at(lambda m: m.transformer.layers, policy, layers)
+    with pytest.raises(ValueError, match="write it with dtype='bf16' or 'f32'"):
+        rx.models.write_gguf(policy, tmp_path / "f16.gguf", dtype="f16")
+    rx.models.write_gguf(policy, tmp_path / "bf16.gguf", dtype="bf16")
+    back = rx.models.load_gguf_policy(tmp_path / "bf16.gguf", dtype="bfloat16")
+    for a, b in zip(jax.tree.leaves(policy), jax.tree.leaves(back), strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    tokens = jnp.arange(1, 9)
+    mask = jnp.ones(tokens.shape, bool)
+    np.testing.assert_array_equal(back(tokens, mask), policy(tokens, mask))

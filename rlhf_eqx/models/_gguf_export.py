@@ -39,7 +39,7 @@ from ._lora import layer_ranks_and_scales, merge_lora
 from ._peft import _MODULES
 from ._quant import dequantize
 
-_DTYPES = ("f32", "f16", "q8_0")
+_DTYPES = ("f32", "f16", "bf16", "q8_0")
 
 
 def _llama_cpp_rows(name: str, arr: np.ndarray, cfg: TransformerConfig) -> np.ndarray:
@@ -54,6 +54,8 @@ def _ggml_type(arr: np.ndarray, dtype: str):
     T = gguf.GGMLQuantizationType
     if arr.ndim == 1 or dtype == "f32":
         return T.F32
+    if dtype == "bf16":
+        return T.BF16
     if dtype == "q8_0" and arr.shape[-1] % 32 == 0:
         return T.Q8_0
     return T.F16  # f16, and q8_0 rows that are not whole blocks (as llama.cpp falls back)
@@ -84,8 +86,8 @@ def _stored(name: str, arr: np.ndarray, dtype: str, path: str):
     gguf = gguf_package()
     T = gguf.GGMLQuantizationType
     kind = _ggml_type(arr, dtype)
-    if kind == T.F32:
-        return arr, kind
+    if kind in (T.F32, T.BF16):  # bfloat16 has float32's range: nothing to overflow
+        return (arr if kind == T.F32 else gguf.quants.quantize(arr, kind)), kind
     with np.errstate(over="ignore", invalid="ignore"):
         data = gguf.quants.quantize(arr, kind)
     half = data if kind == T.F16 else data.reshape(-1, 34)[:, :2].copy().view("<f2")
@@ -93,7 +95,8 @@ def _stored(name: str, arr: np.ndarray, dtype: str, path: str):
         what = "float16 values" if kind == T.F16 else "float16 block scales (max |w| / 127)"
         raise ValueError(
             f"{path}: tensor {name!r} holds values up to {float(np.abs(arr).max()):.6g}, "
-            f"beyond what {kind.name} stores ({what} up to 65504); write it with dtype='f32'"
+            f"beyond what {kind.name} stores ({what} up to 65504); write it with "
+            "dtype='bf16' or 'f32'"
         )
     return data, kind
 
@@ -160,9 +163,10 @@ def write_gguf(
       `ValueModel` is refused (llama.cpp has no scalar head).
     - `path`: the file; written atomically (a temporary file beside it, synced, then
       renamed over it).
-    - `dtype`: the matrices' type: `"f16"` (llama.cpp's default), `"q8_0"` (8-bit
-      blocks of 32 with a float16 scale, `gguf.quants.quantize`; a matrix whose rows
-      are not whole blocks falls back to f16) or `"f32"`. 1-D tensors are always f32.
+    - `dtype`: the matrices' type: `"f16"` (llama.cpp's default), `"bf16"` (a bfloat16
+      model's weights bit for bit, float32's range), `"q8_0"` (8-bit blocks of 32 with
+      a float16 scale, `gguf.quants.quantize`; a matrix whose rows are not whole blocks
+      falls back to f16) or `"f32"`. 1-D tensors are always f32.
     - `metadata`: called with the `gguf.GGUFWriter` before the tensors are added, to
       write further key/value metadata (the tokenizer's `tokenizer.ggml.*`).
 
@@ -202,7 +206,8 @@ def write_gguf(
         unscaled = dataclasses.replace(cfg, rope_scaling=None).inv_freq()
         factors = llama3_rope_factors(cfg.rope_scaling, unscaled)
         tensors.append(("rope_freqs.weight", factors, gguf.GGMLQuantizationType.F32))
-    file_type = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0"}[dtype]
+    file_types = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16"}
+    file_type = file_types.get(dtype, "MOSTLY_Q8_0")
 
     def fill(writer):
         _add_metadata(writer, meta)

@@ -60,7 +60,19 @@ def test_whitening_ignores_nan_at_masked_positions():
     _same_with_nan_where_masked(lambda a: masked_whiten(a, MASK, shift_mean=False) * RET, LOGP)
 
 
-def test_ppo_step_with_nan_in_masked_returns_and_values_updates_as_with_zeros():
+def _plain_clip(logp, old_logp, advantages, mask, *, clip_eps):
+    """A user's clipped surrogate, written without any care for masked positions."""
+    ratio = jnp.exp(logp - old_logp)
+    clipped = jnp.clip(ratio, 1 - clip_eps, 1 + clip_eps)
+    return -jnp.minimum(ratio * advantages, clipped * advantages)
+
+
+L.register_policy_loss("qa_plain_clip", _plain_clip, advantages="token")
+
+
+def _ppo_updates(fill, **settings):
+    """One PPO step on a batch whose per-token fields hold `fill` where the completion
+    mask is false: `(params, metrics)`."""
     V, T, B = 16, 6, 2
     cfg = rx.TransformerConfig(
         vocab_size=V, d_model=8, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=16, max_seq_len=T
@@ -70,25 +82,30 @@ def test_ppo_step_with_nan_in_masked_returns_and_values_updates_as_with_zeros():
     mask = pos < jnp.array([[T], [4]])
     completion = mask & (pos >= 2)
     per_token = jax.random.normal(jax.random.key(2), (B, T)) - 1.0
-
-    def batch(fill):
-        masked = lambda x: jnp.where(completion, x, fill)  # noqa: E731
-        return PPOBatch(
-            tokens=jax.random.randint(jax.random.key(3), (B, T), 0, V),
-            mask=mask,
-            completion_mask=completion,
-            old_logp=masked(per_token),
-            old_values=masked(per_token),
-            advantages=masked(per_token),
-            returns=masked(per_token + 0.5),
-        )
-
+    masked = lambda x: jnp.where(completion, x, fill)  # noqa: E731
+    batch = PPOBatch(
+        tokens=jax.random.randint(jax.random.key(3), (B, T), 0, V),
+        mask=mask,
+        completion_mask=completion,
+        old_logp=masked(per_token),
+        old_values=masked(per_token),
+        advantages=masked(per_token),
+        returns=masked(per_token + 0.5),
+    )
     opt = optax.sgd(0.1)
-    step = make_ppo_step(opt)
-    opt_state = opt.init(eqx.filter(params, eqx.is_inexact_array))
-    clean, _, m_clean = step(params, opt_state, batch(0.0))
-    dirty, _, m_dirty = step(params, opt_state, batch(jnp.nan))
-    assert float(m_dirty["nonfinite"]) == 0.0
-    np.testing.assert_allclose(float(m_dirty["loss"]), float(m_clean["loss"]), rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(dirty), jax.tree.leaves(clean), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    step = make_ppo_step(opt, **settings)
+    new, _, metrics = step(params, opt.init(eqx.filter(params, eqx.is_inexact_array)), batch)
+    return new, metrics
+
+
+def test_ppo_step_with_nan_in_masked_fields_updates_as_with_zeros():
+    """The built-in loss and a user's per-token loss that multiplies the advantages
+    without masking them: NaN in the padding of `old_logp`, `old_values`, `advantages`
+    and `returns` changes nothing."""
+    for settings in ({}, {"policy_loss": "qa_plain_clip"}):
+        clean, m_clean = _ppo_updates(0.0, **settings)
+        dirty, m_dirty = _ppo_updates(jnp.nan, **settings)
+        assert float(m_dirty["nonfinite"]) == 0.0, settings
+        np.testing.assert_allclose(float(m_dirty["loss"]), float(m_clean["loss"]), rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(dirty), jax.tree.leaves(clean), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)

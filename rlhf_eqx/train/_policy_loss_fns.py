@@ -130,6 +130,10 @@ def policy_hyperparameters(spec: PolicyLossSpec, settings: Any, record: type) ->
     return out
 
 
+def _zero_masked(x: Array | None, mask: Array) -> Array | None:
+    return None if x is None else jnp.where(mask, x, jnp.zeros_like(x))
+
+
 def make_policy_loss(
     settings: Any, record: type, *, advantages: str, axis_name: str | None
 ) -> PolicyTokenLoss:
@@ -148,6 +152,12 @@ def make_policy_loss(
                 "`reference=` model"
             )
         k = None if key is None else jax.random.fold_in(key, _LOSS_STREAM)
+        # The batch's per-token inputs are zeroed where masked: a NaN / inf there (e.g. in
+        # padding) would otherwise reach the gradient through the loss's products, since
+        # masking the loss afterwards multiplies the NaN by a zero cotangent.
+        old_logp, ref_logp = (_zero_masked(x, m) for x in (old_logp, ref_logp))
+        if jnp.ndim(adv) == m.ndim:
+            adv = _zero_masked(adv, m)
         inputs = {"ref_logp": ref_logp, "entropy": ent, "key": k}
         if spec.batch:
             kw = {n: inputs[n] for n in wants if n != "axis_name"}

@@ -60,7 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PyTree
 
-from ._build import model_config, where_layers
+from ._build import check_finite, model_config, where_layers
 from ._heads import RewardModel, ValueModel
 from ._hf import _load_file, _read_json, _write_atomically
 from ._layers import LoRAAdapter
@@ -168,7 +168,8 @@ def save_lora_adapter(
     - `directory`: created if needed; `adapter_config.json` and
       `adapter_model.safetensors` are written there (float32), through a fresh directory
       swapped into place as `save_hf` does (a full disk raises one `OSError` line naming
-      the directory, and an adapter already there is kept).
+      the directory, and an adapter already there is kept). An adapter (or score head)
+      holding NaN or ±inf is a `ValueError` naming the tensor, and nothing is written.
     - `base_model_name_or_path`: recorded in the config for PEFT (`null` when not given,
       as PEFT writes it for a base without a name).
     """
@@ -202,6 +203,12 @@ def save_lora_adapter(
             tensors[f"{stem}.lora_B.weight"] = np.ascontiguousarray(b[i][:r].T)
     if scorer:
         tensors[_SCORE] = np.asarray(model.head, np.float32)[None]
+    for name, arr in tensors.items():  # what load_lora_adapter would refuse to read back
+        try:
+            check_finite(arr, name=name, source=f"save_lora_adapter: {os.fspath(directory)}")
+        except ValueError as e:
+            why = str(e).split(": the checkpoint is corrupt")[0]
+            raise ValueError(f"{why} (a diverged model?); nothing written") from None
     config = {
         "peft_type": "LORA",
         "task_type": "SEQ_CLS" if scorer else "CAUSAL_LM",

@@ -187,3 +187,19 @@ def test_a_gemma_config_without_head_dim_names_transformers_default(tmp_path):
     assert "\n" not in msg and "expected (512, 32)" in msg
     assert f"({tmp_path / 'config.json'} has no `head_dim`: transformers takes its config " in msg
     assert "default 256, not hidden_size / num_attention_heads = 16" in msg
+
+
+@pytest.mark.parametrize("pattern", [0, -6])
+def test_a_gemma3_window_pattern_that_is_not_positive_is_named(checkpoint, tmp_path, pattern):
+    d = _with(
+        checkpoint,
+        tmp_path,
+        architectures=["Gemma3ForCausalLM"],
+        model_type="gemma3_text",
+        head_dim=16,
+        hidden_act="gelu_pytorch_tanh",
+        query_pre_attn_scalar=16,
+        sliding_window=4,
+        sliding_window_pattern=pattern,
+    )
+    _refused(d, f"`sliding_window_pattern` = {pattern} is not supported: a positive integer")

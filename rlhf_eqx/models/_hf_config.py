@@ -283,6 +283,13 @@ def _windows(
         local = tuple(i >= first for i in range(n_layers))
     else:
         pattern = 2 if family == "gemma2" else _int(config, "sliding_window_pattern", source, 6)
+        if pattern < 1:
+            raise _err(
+                source,
+                "sliding_window_pattern",
+                pattern,
+                "a positive integer is expected (every pattern-th layer is global)",
+            )
         local = tuple(bool((i + 1) % pattern) for i in range(n_layers))
     return (window, local) if any(local) else (None, None)
 

@@ -94,49 +94,37 @@ SAMPLING_FIELDS = (
 )
 
 
-def filter_options(
-    top_k: int = 0,
-    top_p: float = 1.0,
-    min_p: float = 0.0,
-    *,
-    repetition_penalty: float = 1.0,
-    presence_penalty: float = 0.0,
-    frequency_penalty: float = 0.0,
-) -> dict:
+FILTERS_OFF: dict[str, float | int] = {
+    "top_k": 0,
+    "top_p": 1.0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
+"""The sampler's filters and penalties (`SAMPLING_FIELDS`) and the value of each that is
+off (TRL's GRPOConfig and vLLM's)."""
+
+
+def filter_options(**settings: float | int) -> dict:
     """The sampler's filter and penalty keywords of a run's `sampling.top_k` / `top_p` /
-    `min_p` / `repetition_penalty` / `presence_penalty` / `frequency_penalty`, each only
-    where it acts (`top_k=0`, `top_p=1`, `min_p=0`, `repetition_penalty=1` and the other
-    penalties 0 are off, as in TRL's GRPOConfig and vLLM): `{}` for the defaults, so
+    `min_p` / `repetition_penalty` / `presence_penalty` / `frequency_penalty` (given by
+    name), each only where it acts (`FILTERS_OFF`: `top_k=0`, `top_p=1`, `min_p=0`,
+    `repetition_penalty=1` and the other penalties 0 are off): `{}` for the defaults, so
     unfiltered runs sample with the same compiled program as before. The
     log-probabilities the sampler returns (and the steps use) are those of the tempered
     distribution before the penalties and the filters, as TRL's and vLLM's."""
-    options: dict = {}
-    if top_k:
-        options["top_k"] = int(top_k)
-    if top_p < 1:
-        options["top_p"] = float(top_p)
-    if min_p > 0:
-        options["min_p"] = float(min_p)
-    if repetition_penalty != 1:
-        options["repetition_penalty"] = float(repetition_penalty)
-    if presence_penalty != 0:
-        options["presence_penalty"] = float(presence_penalty)
-    if frequency_penalty != 0:
-        options["frequency_penalty"] = float(frequency_penalty)
-    return options
+    return {
+        name: int(value) if name == "top_k" else float(value)
+        for name, value in settings.items()
+        if value != FILTERS_OFF[name]
+    }
 
 
 def filters_of(settings) -> dict:
-    """`filter_options`' keywords of the run context or sampling settings `settings` (an
-    object with the six `sampling` fields)."""
-    return filter_options(
-        settings.top_k,
-        settings.top_p,
-        settings.min_p,
-        repetition_penalty=settings.repetition_penalty,
-        presence_penalty=settings.presence_penalty,
-        frequency_penalty=settings.frequency_penalty,
-    )
+    """`filter_options` of the run context or sampling settings `settings` (an object with
+    the `FILTERS_OFF` fields)."""
+    return filter_options(**{name: getattr(settings, name) for name in FILTERS_OFF})
 
 
 def sampling_options(settings) -> dict:
@@ -214,19 +202,13 @@ def dispatch_rollout(
     elsewhere, e.g. in a worker thread while an update runs (a GRPO run with `overlap`).
     Equinox's compiled calls return once their result is ready, so this returns after
     sampling."""
+    parameters = locals()  # the arguments by name (the filters and penalties are read below)
     if stop_ids is None:
         stop_ids = default_stop_ids(tok)
     stop_ids = tuple(int(t) for t in stop_ids)
     ids = encode_prompts(tok, prompts, prompt_length=prompt_length)
     batch = data.collate_prompts(list(ids), max_length=prompt_length, pad_id=tok.pad_id)
-    filters = filter_options(
-        top_k,
-        top_p,
-        min_p,
-        repetition_penalty=repetition_penalty,
-        presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty,
-    )
+    filters = filter_options(**{name: parameters[name] for name in FILTERS_OFF})
     kw = dict(
         max_new_tokens=max_new_tokens,
         temperature=temperature,

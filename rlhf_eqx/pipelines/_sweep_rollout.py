@@ -11,6 +11,7 @@ import rlhf_eqx as rx
 from rlhf_eqx import data
 
 from ._rollout import (
+    FILTERS_OFF,
     PendingRollout,
     Rollout,
     default_stop_ids,
@@ -63,14 +64,7 @@ def sample_members(
     ]
     tokens = jax.numpy.stack([b.tokens for b in batches])
     mask = jax.numpy.stack([b.mask for b in batches])
-    filters = filter_options(
-        options.get("top_k", 0),
-        options.get("top_p", 1.0),
-        options.get("min_p", 0.0),
-        repetition_penalty=options.get("repetition_penalty", 1.0),
-        presence_penalty=options.get("presence_penalty", 0.0),
-        frequency_penalty=options.get("frequency_penalty", 0.0),
-    )
+    filters = filter_options(**{k: v for k, v in options.items() if k in FILTERS_OFF})
     sampler = {
         "max_new_tokens": options["max_new_tokens"],
         "temperature": options.get("temperature", rx.DEFAULT_TEMPERATURE),

@@ -3,6 +3,7 @@ made or written, a directory given where one file is read. Each is one line nami
 target, and nothing is left behind (no temporary file, no directory made for it)."""
 
 import errno
+import gc
 import os
 
 import jax
@@ -119,3 +120,25 @@ def test_a_directory_given_as_a_gguf_file_says_so(policy, tmp_path):
     with pytest.raises(IsADirectoryError) as e:
         load_gguf_policy(tmp_path)
     _one_line(e, f"{tmp_path}: is a directory, not a GGUF file (it holds a.gguf)")
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # file left open
+def test_a_full_disk_while_writing_gguf_is_one_line_and_keeps_the_old_file(
+    policy, tmp_path, monkeypatch
+):
+    import gguf
+
+    target = tmp_path / "model.gguf"
+    write_gguf(policy, target, dtype="f32")
+    before = target.read_bytes()
+
+    def full(self, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", full)
+    with pytest.raises(OSError) as e:
+        write_gguf(policy, target, dtype="f16")
+    assert e.value.errno == errno.ENOSPC
+    _one_line(e, f"no space left on the device of {target} (GGUF file not written")
+    assert target.read_bytes() == before and os.listdir(tmp_path) == ["model.gguf"]
+    gc.collect()  # an unclosed temporary file would be reported here

@@ -115,6 +115,7 @@ def _write_atomic(path: str, arch: str, fill) -> None:
     except OSError as e:
         remove_created(os.path.dirname(os.path.abspath(path)), created)
         raise cannot_write(e, path, "GGUF file") from None
+    writer = None
     try:
         writer = gguf.GGUFWriter(tmp, arch)  # writes `general.architecture`
         fill(writer)
@@ -126,6 +127,11 @@ def _write_atomic(path: str, arch: str, fill) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
+        if writer is not None:
+            try:  # the file the writer holds open (a failed write leaves it open)
+                writer.close()
+            except OSError:
+                pass
         if os.path.exists(tmp):
             os.remove(tmp)
         remove_created(os.path.dirname(tmp), created)

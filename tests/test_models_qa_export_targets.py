@@ -142,3 +142,16 @@ def test_a_full_disk_while_writing_gguf_is_one_line_and_keeps_the_old_file(
     _one_line(e, f"no space left on the device of {target} (GGUF file not written")
     assert target.read_bytes() == before and os.listdir(tmp_path) == ["model.gguf"]
     gc.collect()  # an unclosed temporary file would be reported here
+
+
+def test_a_gguf_target_that_is_a_symbolic_link_is_written_where_it_points(policy, tmp_path):
+    store = tmp_path / "store"
+    store.mkdir()
+    write_gguf(policy, store / "model.gguf", dtype="f32")
+    link = tmp_path / "current.gguf"
+    link.symlink_to(store / "model.gguf")
+    write_gguf(policy, link, dtype="f16")
+    assert link.is_symlink() and os.readlink(link) == str(store / "model.gguf")
+    assert load_gguf_policy(link).cfg == policy.cfg
+    assert sorted(os.listdir(store)) == ["model.gguf"]
+    assert sorted(os.listdir(tmp_path)) == ["current.gguf", "store"]

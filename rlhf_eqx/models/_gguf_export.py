@@ -105,13 +105,16 @@ def _write_atomic(path: str, arch: str, fill) -> None:
     """`fill(writer)` adds metadata and tensors to a `GGUFWriter` on a temporary file in
     `path`'s directory; the file is then flushed, synced and renamed to `path`. When
     anything fails, the temporary file and the directories made for it are removed; a
-    directory that cannot be written or a full disk is one `OSError` line naming `path`."""
+    directory that cannot be written or a full disk is one `OSError` line naming `path`.
+    A `path` that is a symbolic link is written where it points (the link stays), as
+    `save_hf` does."""
     gguf = gguf_package()
     if os.path.isdir(path):
         raise IsADirectoryError(f"{path}: is a directory; a GGUF file is one file (name it)")
     created = prepare_parent(path, "GGUF file")
+    target = os.path.realpath(path)
     try:
-        tmp = _temporary_file(path)
+        tmp = _temporary_file(target)
     except OSError as e:
         remove_created(os.path.dirname(os.path.abspath(path)), created)
         raise cannot_write(e, path, "GGUF file") from None
@@ -125,7 +128,7 @@ def _write_atomic(path: str, arch: str, fill) -> None:
         writer.close()
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except BaseException as e:
         if writer is not None:
             try:  # the file the writer holds open (a failed write leaves it open)
@@ -134,7 +137,7 @@ def _write_atomic(path: str, arch: str, fill) -> None:
                 pass
         if os.path.exists(tmp):
             os.remove(tmp)
-        remove_created(os.path.dirname(tmp), created)
+        remove_created(os.path.dirname(os.path.abspath(path)), created)
         if isinstance(e, Exception) and disk_full(e, os.path.dirname(tmp)):
             raise NoSpace(path, "GGUF file") from None
         raise

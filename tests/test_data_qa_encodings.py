@@ -96,3 +96,12 @@ def test_a_last_line_cut_short_is_said_so(tmp_path, tail, torn):
     with pytest.raises(data.DataError, match="invalid JSON") as e:
         data.load_preferences(path)
     assert "cut short" not in str(e.value)
+
+
+def test_a_bad_byte_in_a_json_list_is_named_by_its_line_and_byte(tmp_path):
+    path = tmp_path / "pairs.json"
+    pair = json.dumps(_PAIR).encode()
+    path.write_bytes(b"[\n  " + pair + b',\n  {"prompt": "caf\xe9"}\n]')
+    want = f"^{re.escape(str(path))}:3: invalid UTF-8: byte 17: invalid continuation byte$"
+    with pytest.raises(data.DataError, match=want):
+        data.load_preferences(path)

@@ -115,7 +115,7 @@ def _json_list(path: str, data: bytes) -> list | None:
     except _InvalidJSON as e:
         if not base.endswith(".json"):
             return None
-        raise DataError(f"{path}:{e.line}: {e.reason}: {e.message}") from None
+        raise DataError(f"{path}:{e.line}: {e.reason}: {e.position}: {e.message}") from None
 
 
 @dataclasses.dataclass

@@ -4,6 +4,7 @@ list; the row of a table), slices and selections keep them, and a data-file stag
 `truncation` event names the cut records by those lines."""
 
 import json
+import re
 import types
 
 import pytest
@@ -52,8 +53,18 @@ def test_locations_are_the_file_lines_counting_blank_ones(tmp_path):
 def test_locations_of_a_json_list_and_a_table(tmp_path):
     rows = _pairs(3)
     listed = tmp_path / "pairs.json"
-    listed.write_text(json.dumps(rows))
-    assert data.load_preferences(listed).locations == tuple(f"{listed}:item {n}" for n in range(3))
+    listed.write_text(json.dumps(rows))  # one line
+    assert data.load_preferences(listed).locations == tuple(
+        f"{listed}:1: item {n}" for n in range(3)
+    )
+    listed.write_text(json.dumps(rows, indent=2))  # an item over five lines
+    assert data.load_preferences(listed).locations == tuple(
+        f"{listed}:{2 + 5 * n}: item {n}" for n in range(3)
+    )
+    listed.write_text(json.dumps([*rows[:2], {**rows[2], "chosen": 7}], indent=2))
+    want = f"^{re.escape(str(listed))}:12: item 2: wrong type: 'chosen' must be a string"
+    with pytest.raises(data.DataError, match=want):
+        data.load_preferences(listed)
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
     table = tmp_path / "pairs.parquet"

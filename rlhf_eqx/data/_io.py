@@ -48,9 +48,9 @@ class LoadReport:
     - `path`: the file read; `format`: the record format used.
     - `read`: records (non-blank lines / list items) seen; `kept`: records returned.
     - `skipped`: `{reason: count}`; `examples`: the first few `"path:line: reason"`.
-    - `locations`: where each kept record is in the file, in the order kept
-      (`"path:LINE"`, the line counting blank ones; `"path:item N"`; `"FILE: row N"`),
-      as the reader's errors name it.
+    - `locations`: where each kept record is in the file, in the order kept, as the
+      reader's errors name it: `"path:LINE"` (the line counting blank ones), `"path:LINE:
+      item N"` (a JSON list's item, 0-based, and the line it starts on), `"FILE: row N"`.
     """
 
     path: str
@@ -116,6 +116,28 @@ def _json_list(path: str, data: bytes) -> list | None:
         if not base.endswith(".json"):
             return None
         raise DataError(f"{path}:{e.line}: {e.reason}: {e.position}: {e.message}") from None
+
+
+_JSON_SPACE = " \t\n\r"
+
+
+def _item_lines(data: bytes) -> Iterator[int]:
+    """The 1-based line where each item of the valid JSON list `data` starts."""
+    text = data.decode("utf-8")
+    decoder = json.JSONDecoder()
+    i, line, counted = text.index("[") + 1, 1, 0
+    while True:
+        while text[i] in _JSON_SPACE:
+            i += 1
+        if text[i] == "]":
+            return
+        if text[i] == ",":
+            i += 1
+            continue
+        line += text.count("\n", counted, i)
+        counted = i
+        yield line
+        _, i = decoder.raw_decode(text, i)
 
 
 @dataclasses.dataclass
@@ -192,10 +214,10 @@ def read_json_records(
 ) -> Iterator[tuple[str, dict]]:
     """Yield `(location, record)` for each JSON object in the file.
 
-    `location` is `"path:LINE"` for JSON lines and `"path:item N"` (0-based) for a JSON
-    list. Blank lines are ignored. Malformed lines raise `DataError`, or are counted in
-    `report` when `lenient`. A `.json` list that is not valid JSON as a whole cannot be
-    read past the error and always raises.
+    `location` is `"path:LINE"` for JSON lines and `"path:LINE: item N"` for a JSON
+    list (the line where item `N`, 0-based, starts). Blank lines are ignored. Malformed
+    lines raise `DataError`, or are counted in `report` when `lenient`. A `.json` list
+    that is not valid JSON as a whole cannot be read past the error and always raises.
     """
     path = os.fspath(path)
     if os.path.isdir(path):
@@ -211,8 +233,8 @@ def read_json_records(
 
     items = _json_list(path, data)
     if items is not None:
-        for n, item in enumerate(items):
-            where = f"{path}:item {n}"
+        for n, (line, item) in enumerate(zip(_item_lines(data), items)):
+            where = f"{path}:{line}: item {n}"
             report.read += 1
             if not isinstance(item, dict):
                 bad(where, "not a JSON object", type(item).__name__)
@@ -415,7 +437,7 @@ class RecordDataset(Sequence, Generic[R]):
 
     Indexing with an int gives a record; with a slice, a dataset of the same class (and
     report). `select(indices)` takes any rows, in the order given. `locations[i]` says
-    where record `i` is in the file (`"path:LINE"`, `"path:item N"`, `"FILE: row N"`:
+    where record `i` is in the file (`"path:LINE"`, `"path:LINE: item N"`, `"FILE: row N"`:
     what an error about it would name; `None` when not known, as for records given
     without their `locations`): a reader gives them (`LoadReport.locations`), slices
     and selections keep them with their records.

@@ -399,13 +399,14 @@ def log_truncation(
     return named
 
 
-_PLACE = re.compile(r"(?:: row |:item |:)(\d+)$")
+_PLACE = re.compile(r"(?:: row |: item |:)(\d+)$")
 
 
 class FilePlace(int):
     """The number of a record in its file (its line, counting blank ones; its item of a
-    JSON list; its row of a table, 0-based within its file) that keeps the reader's
-    location of it, `where` (`"path:LINE"`, `"path:item N"`, `"FILE: row N"`)."""
+    JSON list, 0-based; its row of a table, 0-based within its file) that keeps the
+    reader's location of it, `where` (`"path:LINE"`, `"path:LINE: item N"`, `"FILE: row
+    N"`)."""
 
     where: str
 
@@ -423,7 +424,7 @@ def _places(path: str, locations: Sequence[str]) -> str:
     for where in locations:
         if where.startswith(f"{path}: row "):
             kinds.append("rows")
-        elif where.startswith(f"{path}:item "):
+        elif where.startswith(f"{path}:") and ": item " in where[len(path) + 1 :]:
             kinds.append("items")
         elif where.startswith(f"{path}:") and where[len(path) + 1 :].isdigit():
             kinds.append("lines")

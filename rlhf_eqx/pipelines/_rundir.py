@@ -11,7 +11,9 @@ what it resumes, and `config.json` is written only after every check has passed.
 2. **New run or resume.** A directory that already holds a run (`metrics.jsonl`,
    `summary.json` or stage checkpoints) is refused for a new run,
    naming `--resume` and `--overwrite`; `overwrite=True` first moves the old run aside
-   to `<run_dir>.replaced-<UTC time>` (nothing is deleted). A directory of several runs
+   to `<run_dir>.replaced-<UTC time>` (nothing is deleted), and puts it back when the
+   new run fails before anything ran (a bad data file, a model that does not load:
+   `RunDir`), so that the old run is where it was. A directory of several runs
    (a sweep, a run over several seeds: `holds_runs`) is refused for a run and its
    resume alike (`overwrite` moves it aside too).
 3. **Resume checks.** The requested configuration is compared with the stored
@@ -103,7 +105,7 @@ def removed_if_nothing_ran(path: str):
     does not load, a reward function that raises at the first rollout). "Ran" is a
     checkpoint or a step record (not an event of data preparation or monitoring) in a
     `metrics.jsonl` below `path`: a directory with one, or one that existed before, is
-    kept as it is."""
+    kept as it is (one that `--overwrite` replaced is back by then: `RunDir`)."""
     fresh = not os.path.exists(path)
     try:
         yield
@@ -217,11 +219,14 @@ class RunLock:
         os.fsync(fd)
         self.fd: int | None = fd
 
-    def release(self) -> None:
+    def release(self, *, remove: bool = True) -> None:
+        """Unlock; `remove`: remove the lock file first (not when it is gone already, or
+        its path another run's now)."""
         if self.fd is None:
             return
         try:
-            os.remove(self.path)
+            if remove:
+                os.remove(self.path)
         except OSError:
             pass
         fcntl.flock(self.fd, fcntl.LOCK_UN)
@@ -256,14 +261,28 @@ def _read_holder(fd: int) -> str:
 
 class RunDir:
     """An opened run directory (`open_run_dir`): its path, its lock, whether it resumes,
-    and the notes the opening made (a stale lock taken over, partial checkpoints
-    removed, a previous run moved aside)."""
+    the notes the opening made (a stale lock taken over, partial checkpoints removed, a
+    previous run moved aside) and where `--overwrite` moved the previous run
+    (`replaced`, else `None`).
 
-    def __init__(self, path: str, lock: RunLock, resume: bool, notes: list[str]):
+    Left by an exception (not an interrupt) before anything ran in it (no checkpoint,
+    no step record: `_anything_ran`), a run that replaced another puts it back: the new
+    directory is removed and the previous run renamed back to `path`, untouched, so that
+    a failed `--overwrite` (a bad data file, say) loses nothing."""
+
+    def __init__(
+        self,
+        path: str,
+        lock: RunLock,
+        resume: bool,
+        notes: list[str],
+        replaced: str | None = None,
+    ):
         self.path = path
         self.lock = lock
         self.resume = resume
         self.notes = notes
+        self.replaced = replaced
 
     def close(self) -> None:
         self.lock.release()
@@ -271,7 +290,9 @@ class RunDir:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, kind, error, tb):
+        if isinstance(error, Exception) and self.replaced and not _anything_ran(self.path):
+            _put_back(self.path, self.replaced, self.lock)
         self.close()
 
 
@@ -291,9 +312,16 @@ def open_run_dir(
             f"{run_dir} holds {many}, not a single run; choose another --out (or "
             "--overwrite to move it aside)"
         )
+    replaced = None
     if overwrite and (holds_run(run_dir) or many is not None):
-        notes.append(_move_aside(run_dir))
-    lock = RunLock(run_dir)
+        replaced = _move_aside(run_dir)
+        notes.append(f"moved the previous run in {run_dir} to {replaced}")
+    try:
+        lock = RunLock(run_dir)
+    except BaseException:
+        if replaced is not None and not os.path.exists(run_dir):
+            os.rename(replaced, run_dir)
+        raise
     try:
         if lock.stale:
             notes.append(
@@ -338,10 +366,12 @@ def open_run_dir(
         elif resume:
             notes.append(f"nothing to resume in {run_dir}: starting a new run")
         write_json_atomic(cfg_path, new)
-    except BaseException:
+    except BaseException as e:
+        if replaced is not None and isinstance(e, Exception):
+            _put_back(run_dir, replaced, lock)
         lock.release()
         raise
-    return RunDir(run_dir, lock, resume, notes)
+    return RunDir(run_dir, lock, resume, notes, replaced)
 
 
 def check_stage_checkpoints(run_dir: str, new: dict) -> None:
@@ -369,7 +399,7 @@ def _move_aside(run_dir: str) -> str:
     """Move the run in `run_dir` to `<run_dir>.replaced-<UTC time>` (`--overwrite`),
     holding its lock meanwhile: a live run is never moved away. A directory that holds
     the working directory is refused (the new run would go where the old one went).
-    Returns the note that says where it went."""
+    Returns where it went."""
     here, target = os.path.realpath(os.getcwd()), os.path.realpath(run_dir)
     if os.path.commonpath([here, target]) == target:
         raise RunDirError(
@@ -391,7 +421,26 @@ def _move_aside(run_dir: str) -> str:
         raise
     old_lock.path = os.path.join(aside, LOCK_NAME)
     old_lock.release()
-    return f"moved the previous run in {run_dir} to {aside}"
+    return aside
+
+
+def _put_back(run_dir: str, aside: str, lock: RunLock) -> None:
+    """Undo `_move_aside` for a run that failed before anything ran: remove the new run's
+    directory `run_dir` (while `lock`, its lock, is held: no other run starts in it
+    meanwhile), unlock, and rename the previous run `aside` back to `run_dir`; a note on
+    stderr says so, or where the previous run stays when `run_dir` is taken again
+    meanwhile."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    lock.release(remove=False)  # its file went with the directory
+    try:
+        os.rename(aside, run_dir)
+    except OSError as e:
+        print(
+            f"note: the previous run stays in {aside} ({run_dir}: {e.strerror or e})",
+            file=sys.stderr,
+        )
+        return
+    print(f"note: nothing ran: the previous run is back in {run_dir}", file=sys.stderr)
 
 
 def rewritten_on_resume(record: dict) -> bool:

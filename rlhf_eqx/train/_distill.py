@@ -62,6 +62,25 @@ def _vocab_size(model: Callable[..., Array], tokens: Array, mask: Array) -> int:
     return int(out.shape[-1])
 
 
+def _check_reference_vocab(
+    policy: Callable[..., Array],
+    reference: Callable[..., Array],
+    tokens: Array,
+    mask: Array,
+    where: str,
+) -> None:
+    """Refuse (at trace time) a reference model whose vocabulary differs from the
+    policy's: it would score the policy's token ids against other tokens (an id past
+    its vocabulary is clamped by the gather, silently)."""
+    mine, theirs = _vocab_size(policy, tokens, mask), _vocab_size(reference, tokens, mask)
+    if mine != theirs:
+        raise ValueError(
+            f"{where}: the reference model's vocab_size={theirs} differs from the policy's "
+            f"vocab_size={mine}: the reference scores the policy's token ids (use a "
+            "reference with the policy's tokenizer, e.g. a frozen copy of the initial policy)"
+        )
+
+
 def _split_teacher(frozen: PyTree, cached: Array | None, where: str, field: str):
     """`(frozen_part_of_the_student, teacher)` from a step's `frozen`; the teacher may be
     `None` only when the batch holds its output (`cached`, the batch's `field`)."""

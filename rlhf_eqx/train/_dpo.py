@@ -17,6 +17,7 @@ from ..losses import (
 )
 from ..ops import masked_sum
 from ._builder import step_builder
+from ._distill import _check_reference_vocab
 from ._pair_logps import _cached_reference, _pairs_forward
 from ._settings import DPOSettings, StepOptions, settings_from
 from ._state import combine
@@ -73,6 +74,12 @@ def dpo_loss_fn(settings: DPOSettings | None = None, **shortcuts: Any) -> LossFn
         elif reference == "cached":
             rc, rr = _cached_reference(batch)
         else:
+            tokens, mask = (
+                (batch.tokens, batch.mask)
+                if isinstance(batch, PackedPreferenceBatch)
+                else (batch.chosen_tokens, batch.chosen_mask)
+            )
+            _check_reference_vocab(model, ref_model, tokens, mask, "make_dpo_step")
             ref = _pairs_forward(ref_model, batch, None)
             rc, rr = ref.chosen, ref.rejected
         if rc is not None:

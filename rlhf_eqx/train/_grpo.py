@@ -26,6 +26,7 @@ from ._accumulate import (
     vmap_model,
 )
 from ._builder import step_builder
+from ._distill import _check_reference_vocab
 from ._group_logps import shared_prompt_logprobs
 from ._grpo_advantages import grpo_advantages
 from ._policy_loss_fns import make_policy_loss, read_policy_loss
@@ -148,6 +149,7 @@ def grpo_loss(
         old_logp = jax.lax.stop_gradient(logp) if batch.old_logp is None else batch.old_logp
         ref_logp = batch.ref_logp
         if need_ref:
+            _check_reference_vocab(model, ref_model, batch.tokens, batch.mask, "make_grpo_step")
             ref_logp = logprobs(ref_model, batch, None, entropy=False)[0]
         if ref_logp is not None:
             ref_logp = jax.lax.stop_gradient(ref_logp.astype(f32))

@@ -25,6 +25,7 @@ from ..losses import KTO_LOSS_TYPES, kto_loss, kto_reference_point
 from ..losses.defaults import KTO_BETA, KTO_DESIRABLE_WEIGHT, KTO_LOSS_TYPE, KTO_UNDESIRABLE_WEIGHT
 from ._accumulate import _set_fields, split_micro_batches
 from ._builder import step_builder
+from ._distill import _check_reference_vocab
 from ._pair_logps import _forward
 from ._settings import StepOptions
 from ._state import combine
@@ -118,6 +119,7 @@ def _kto_loss_fn(s: KTOSettings):
                 raise ValueError(
                     "make_kto_step(reference='model') needs the step's `reference=` model"
                 )
+            _check_reference_vocab(model, ref_model, batch.tokens, batch.mask, "make_kto_step")
             ref = _forward(ref_model, batch.tokens, batch.mask, cm, None)[1]
         ref = sg(ref.astype(f32))
 

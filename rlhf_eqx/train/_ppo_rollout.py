@@ -110,7 +110,18 @@ def policy_and_values(model, frozen, tokens, mask, key):
         logits = vmap_model(policy, tokens, mask, kp)
         values = vmap_model(value, tokens, mask, kv)
     else:
-        logits, values = vmap_model(combine(model, frozen), tokens, mask, key)
+        whole = combine(model, frozen)
+        out = vmap_model(whole, tokens, mask, key)
+        if not (isinstance(out, tuple | list) and len(out) == 2):
+            shape = getattr(out, "shape", None)
+            got = f"an array of shape {tuple(shape)}" if shape is not None else type(out).__name__
+            raise ValueError(
+                "PPO's params (and the model given to prepare_ppo_batch) must be a "
+                "(policy, value_model) pair or one model returning (logits, values): "
+                f"{type(whole).__name__} returned {got} for tokens of shape "
+                f"{tuple(tokens.shape)}"
+            )
+        logits, values = out
     values = jax.vmap(token_values)(values.astype(jnp.float32), mask)
     return logits, values
 

@@ -54,8 +54,11 @@ def _f16(b: Array) -> Array:
 
 
 def _i8(b: Array) -> Array:
-    """Bytes as two's-complement int8 (XLA's integer conversion wraps), as float32."""
-    return b.astype(jnp.int8).astype(jnp.float32)
+    """Bytes as two's-complement int8, as float32: `(b xor 128) − 128`, exact. Not the
+    `uint8 → int8 → float32` conversion chain: XLA's CPU backend (jax 0.10) miscomputes
+    it once the decode is fused into a product of more than 4096 rows (a dense product
+    of a packed Q8_0 / Q6_K weight: a batch of more than 4096 tokens)."""
+    return (b ^ jnp.uint8(128)).astype(jnp.float32) - 128.0
 
 
 def _nibbles(qs: Array) -> Array:

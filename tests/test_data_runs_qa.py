@@ -5,8 +5,10 @@ every stage."""
 
 import json
 
+import rlhf_eqx as rx
 from rlhf_eqx import pipelines as pl
 from rlhf_eqx.__main__ import main
+from rlhf_eqx.assets import asset_path
 
 
 def _write(path, rows) -> str:
@@ -44,3 +46,101 @@ def test_overwrite_with_a_bad_data_file_puts_the_previous_run_back(tmp_path, cap
     assert f"nothing ran: the previous run is back in {run}" in err
     assert _snapshot(run) == before  # the previous run where it was, untouched
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "run"]
+
+
+# --- prompts a stage leaves out, named by their lines --------------------------------------
+
+_LONG = "Once upon a time there was a little cat who " * 6  # over 32 tokens
+
+
+def _run_fails_at_the_split(tmp_path, capsys, argv) -> tuple[list[str], list[dict]]:
+    """Run `argv` into a directory made first (kept when the run fails) that stops at the
+    held-out split (one prompt is left); return its event lines on stderr and its events
+    in `metrics.jsonl`."""
+    out = tmp_path / "run"
+    out.mkdir()
+    argv = [*argv, "--out", str(out), "--quiet", "--set", "ops.monitor=false"]
+    assert main([*argv, "--set", "sampling.prompt_length=32"]) == 1
+    err = capsys.readouterr().err
+    assert "the split of the 1 record" in err.splitlines()[-1]
+    events = [r for r in pl.tools.read_records(str(out)) if "event" in r]
+    return err.splitlines(), events
+
+
+def test_grpo_names_the_prompts_it_leaves_out_by_their_lines(tmp_path, capsys):
+    rows = [
+        {"prompt": "Tom had 2 cats.", "answer": 2},
+        {"prompt": "Lily saw a dog."},  # no answer: left out by the exact match
+        {"prompt": "", "answer": 1},  # the reader skips it
+        {"prompt": _LONG, "answer": 3},  # too long
+    ]
+    path = _write(tmp_path / "q.jsonl", rows)
+    err, events = _run_fails_at_the_split(tmp_path, capsys, ["grpo", "--data", path])
+    want = (
+        f"{path}: 2 of 3 prompts left out: 1 without a reference answer (line 2); 1 longer "
+        "than sampling.prompt_length=32 with BOS (line 4); raise "
+        "sampling.prompt_length to keep the long ones; grpo.reward_functions=MODULE:NAME "
+        "(or another grpo.reward_source) scores prompts without an answer"
+    )
+    assert f"[grpo] prompts_left_out: {want}" in err
+    skipped = f"the reader left out 1 of the 4 records (empty prompt: 1): {path}:3: empty prompt"
+    assert f"[grpo] skipped_records: {skipped}" in err
+    (left,) = [e for e in events if e["event"] == "prompts_left_out"]
+    assert (left["message"], left["left_out_records"]) == (want, "2, 4")
+    assert (left["left_out"], left["records"], left["without_answer"], left["long_prompt"]) == (
+        2,
+        3,
+        1,
+        1,
+    )
+    assert [e["message"] for e in events if e["event"] == "skipped_records"] == [skipped]
+
+
+def test_ppo_names_the_prompts_it_leaves_out_by_their_lines(tmp_path, capsys):
+    rows = [{"prompt": "Tom had 2 cats.", "answer": 2}, {"prompt": " "}]
+    rows += [{"prompt": _LONG + str(i), "answer": i} for i in range(3)]
+    path = _write(tmp_path / "q.jsonl", rows)
+    argv = ["ppo", "--data", path, "--set", "ppo.reward_source=task"]
+    out = tmp_path / "run"
+    out.mkdir()
+    argv += ["--out", str(out), "--quiet", "--set", "ops.monitor=false"]
+    assert main([*argv, "--set", "sampling.prompt_length=32"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert "training and" in err[-1] and "held-out prompts of" in err[-1]  # one side is empty
+    want = (
+        f"{path}: 3 of 4 prompts left out: 3 longer than sampling.prompt_length=32 with BOS "
+        "(lines 3, 4, 5); raise sampling.prompt_length to keep them"
+    )
+    assert f"[ppo] prompts_left_out: {want}" in err
+    assert any(line.endswith(f"{path}:2: empty prompt") for line in err)
+    events = [r for r in pl.tools.read_records(str(out)) if "event" in r]
+    (left,) = [e for e in events if e["event"] == "prompts_left_out"]
+    assert (left["message"], left["left_out_records"], left["long_prompt"]) == (want, "3, 4, 5", 3)
+    assert [e["event"] for e in events] == ["skipped_records", "prompts_left_out"]
+
+
+def test_distill_names_the_prompts_its_on_policy_steps_cannot_sample_from(tmp_path, capsys):
+    teacher = tmp_path / "teacher"
+    rx.save_hf(pl.tools.load_model("builtin")[0], teacher)
+    pl.runs.copy_tokenizer(asset_path("tok512.bin"), str(teacher))
+    rows = [{"prompt": f"{i} {_LONG}", "completion": " sat on a mat."} for i in range(8)]
+    path = _write(tmp_path / "pc.jsonl", rows)
+    out = tmp_path / "run"
+    out.mkdir()
+    argv = ["distill", "--data", path, "--out", str(out), "--quiet", "--set", "ops.monitor=false"]
+    argv += ["--set", f"distill.teacher={teacher}", "--set", "data.heldout_fraction=0.25"]
+    assert main([*argv, "--set", "sampling.prompt_length=32"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert "sampling.prompt_length=32: no training prompt fits" in err[-1]
+    events = [r for r in pl.tools.read_records(str(out)) if r.get("event") == "prompts_left_out"]
+    (left,) = events
+    n = left["records"]
+    assert 0 < n < 8 and left["left_out"] == left["long_prompt"] == n  # every training one
+    lines = [int(x) for x in left["left_out_records"].split(", ")]
+    assert lines == sorted(lines) and len(lines) == min(n, 5) and set(lines) <= set(range(1, 9))
+    named = ", ".join(map(str, lines)) + (", ...)" if n > 5 else ")")
+    word = "line" if n == 1 else "lines"
+    want = f"{n} longer than sampling.prompt_length=32 with BOS ({word} {named}"
+    assert left["message"].startswith(f"{path}: {n} of {n} prompts left out: {want}; ")
+    assert "distill.lmbda=0.5" in left["message"]
+    assert f"[distill] prompts_left_out: {left['message']}" in err

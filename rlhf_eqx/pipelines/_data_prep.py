@@ -399,6 +399,56 @@ def log_truncation(
     return named
 
 
+MAX_NAMED = 5
+"""How many records of each reason a `prompts_left_out` event names (`log_left_out`)."""
+
+
+def log_left_out(
+    log: MetricsLog,
+    path,
+    total: int,
+    left: Sequence[tuple[str, str, Sequence]],
+    remedy: str,
+) -> list[int]:
+    """A `prompts_left_out` event (on stderr and in `metrics.jsonl`) when a stage left
+    prompts of the file `path` (`total` of them, those the reader kept) out for reasons
+    of its own, after the reader (whose skipped lines `log_skipped` names); nothing
+    otherwise. `left`: `(key, reason, places)` of each reason, `places` the
+    `FilePlace`s of the prompts left out for it (`record_numbers`; `None` for one whose
+    place is not known), e.g. `("long_prompt", "longer than sampling.prompt_length=16",
+    ...)`. The event says how many went for each reason and names the first
+    `MAX_NAMED` of each where they are in the file (`"lines 3, 7"`, `"items 0, 4
+    (0-based)"`, `"rows 0, 4 (0-based)"`, `"line 3"`), then what keeps them (`remedy`);
+    its fields:
+    `left_out` (all of them), `records` (`total`), each reason's count under its key, and
+    `left_out_records`, the numbers named, comma-separated (also returned)."""
+    left = [(key, reason, list(places)) for key, reason, places in left if places]
+    if not left:
+        return []
+    parts, named = [], []
+    for _, reason, places in left:
+        first = [p for p in places if p is not None][:MAX_NAMED]
+        part = f"{len(places)} {reason}"
+        if first:
+            where = _places(os.fspath(path), [p.where for p in first])
+            if len(first) == 1:  # "line 3", not "lines 3"
+                where = re.sub(r"^(line|item|row)s ", r"\1 ", where)
+            part += f" ({where}"
+            part += ", ...)" if len(places) > len(first) else ")"
+        parts.append(part)
+        named += [int(p) for p in first]
+    n = sum(len(places) for _, _, places in left)
+    log.event(
+        "prompts_left_out",
+        f"{path}: {n} of {total} prompts left out: {'; '.join(parts)}; {remedy}",
+        left_out=n,
+        records=total,
+        **{key: len(places) for key, _, places in left},
+        left_out_records=", ".join(map(str, named)),
+    )
+    return named
+
+
 _PLACE = re.compile(r"(?:: row |: item |:)(\d+)$")
 
 
@@ -529,6 +579,13 @@ def preference_split(env, c) -> tuple[list, list]:
     """The preference file's training and held-out pairs for the stage settings `c`
     (`max_length`): the quality report logged, `data.filter` applied, the truncation
     and the quality in the summary."""
+    train, held, _ = located_preference_split(env, c)
+    return train, held
+
+
+def located_preference_split(env, c) -> tuple[list, list, list]:
+    """`preference_split`, and where each training pair is in the file (its
+    `FilePlace`, `record_numbers`; `None` when not known), in the order of the pairs."""
     cfg, tok = env.cfg, env.tok
     log = env.ctx("").log
     fmt = "auto" if cfg.data.format == "preference" else cfg.data.format  # sft's name
@@ -539,7 +596,8 @@ def preference_split(env, c) -> tuple[list, list]:
     lengths = _lengths(env, c)
     train, quality = quality_report(train, tok, lengths, cfg.data, log, records.report)
     _, report = data.tokenize_preferences(train, tok, lengths=lengths, add_eos=False)
-    _log_cuts(env, c, report, "pairs", [places.get(id(r)) for r in train])
+    numbers = [places.get(id(r)) for r in train]
+    _log_cuts(env, c, report, "pairs", numbers)
     quality_counts = {
         "identical": len(quality.identical),
         "empty": len(quality.empty),
@@ -548,7 +606,7 @@ def preference_split(env, c) -> tuple[list, list]:
         "distinct_2": quality.distinct_2,
     }
     _summarise_split(env, records.report, train, held, report, quality_counts)
-    return train, held
+    return train, held, numbers
 
 
 def _log_cuts(env, c, report, what: str, numbers: Sequence) -> None:
@@ -655,6 +713,13 @@ def demonstration_split(env, c, records, rendered: bool = False) -> tuple[list, 
     a text, which is language modelling, not a chat turn; the quality report logged
     (`demo_quality`), `data.filter` applied, the truncation and the quality in the
     summary."""
+    train, held, _ = located_demonstration_split(env, c, records, rendered)
+    return train, held
+
+
+def located_demonstration_split(env, c, records, rendered: bool = False) -> tuple[list, list, list]:
+    """`demonstration_split`, and where each training demonstration is in the file (its
+    `FilePlace`, `record_numbers`; `None` when not known), in their order."""
     text = records.report.format == "text"
     by = (lambda r: r.completion) if text else None
     raw, held = split_records(records, env.cfg.data, by)
@@ -667,9 +732,10 @@ def demonstration_split(env, c, records, rendered: bool = False) -> tuple[list, 
     lengths = _lengths(env, c)
     train, quality = demo_quality(train, env, lengths, records.report)
     _, report = data.tokenize_demonstrations(train, env.tok, lengths=lengths, add_eos=False)
-    _log_cuts(env, c, report, "demonstrations", [places.get(id(r)) for r in train])
+    numbers = [places.get(id(r)) for r in train]
+    _log_cuts(env, c, report, "demonstrations", numbers)
     _summarise_split(env, records.report, train, held, report, quality)
-    return train, held
+    return train, held, numbers
 
 
 def refuse_other_filters(dc: DataConfig, applies: Sequence[str], why: str) -> None:

@@ -19,9 +19,10 @@ from rlhf_eqx import data
 from ..train import DistillSettings
 from ._config import BatchStageConfig, LoRASettings, _optim
 from ._data_prep import (
-    demonstration_split,
     demonstrations,
-    preference_split,
+    located_demonstration_split,
+    located_preference_split,
+    log_left_out,
     prompt_tokens,
     trained_policy,
 )
@@ -358,14 +359,16 @@ def distill_on_data(env: StageEnv, c: DistillConfig) -> Outcome:
     demonstrations in TRL's prompt-completion or conversational `messages` layouts
     (read as `sft` reads them; a conversation's last assistant message is
     the completion). Language-modelling text, which has no prompt to sample from, is
-    refused. Held out: the mean generalized JSD per completion token before and
-    after."""
+    refused. With `lmbda > 0` the training prompts longer than `sampling.prompt_length`
+    are left out (on-policy steps sample from whole prompts), named by their lines in a
+    `prompts_left_out` event (`log_left_out`). Held out: the mean generalized JSD per
+    completion token before and after."""
     cfg, policy, tok = env.cfg, env.base, env.tok
     s = cfg.sampling
     teacher = load_teacher(c.teacher, policy)
     records, rendered = demonstrations(env)
     if records is None:
-        train, held = preference_split(env, c)
+        train, held, numbers = located_preference_split(env, c)
     elif records.report.format == "text":
         raise ValueError(
             f"data.path={cfg.data.path}: language-modelling text has no prompt; distill "
@@ -373,11 +376,27 @@ def distill_on_data(env: StageEnv, c: DistillConfig) -> Outcome:
             "messages records)"
         )
     else:
-        train, held = demonstration_split(env, c, records, rendered)
+        train, held, numbers = located_demonstration_split(env, c, records, rendered)
     train, held = _completion_pairs(train), _completion_pairs(held)
     if c.lmbda > 0:
         # on-policy steps sample from the prompt: it must fit whole
-        fits = [r for r in train if prompt_tokens(tok, r[0]) <= s.prompt_length]
+        whole = [prompt_tokens(tok, r[0]) <= s.prompt_length for r in train]
+        fits = [r for r, ok in zip(train, whole) if ok]
+        log_left_out(
+            env.ctx("").log,
+            cfg.data.path,
+            len(train),
+            [
+                (
+                    "long_prompt",
+                    f"longer than sampling.prompt_length={s.prompt_length} with BOS",
+                    [n for n, ok in zip(numbers, whole) if not ok],
+                )
+            ],
+            f"the on-policy steps (distill.lmbda={c.lmbda}) sample from whole prompts: raise "
+            "sampling.prompt_length to keep them, or set distill.lmbda=0 (a long prompt is "
+            "then cut, its end kept)",
+        )
         if not fits:
             raise ValueError(
                 f"sampling.prompt_length={s.prompt_length}: no training prompt fits, and the "

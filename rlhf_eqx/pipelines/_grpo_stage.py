@@ -22,7 +22,10 @@ from ._config import _SET_BY_SAMPLING, RolloutStageConfig, SamplingConfig, _opti
 from ._data_prep import (
     chat_records,
     is_preference_file,
+    log_left_out,
+    log_skipped,
     prompt_tokens,
+    record_numbers,
     split_records,
     trained_policy,
 )
@@ -624,14 +627,19 @@ def grpo_prompts(env: StageEnv, c: GRPOConfig) -> GRPOPrompts:
     `reward_functions`) keeps the prompts with a reference answer; the other rewards (the
     user's functions, given each prompt's other columns, a reward model, a judge, a PRM)
     need none and keep every prompt. `env.summary["data_quality"]` counts what was
-    dropped and the repeated prompts. A file without a usable prompt (no answer for the
-    exact match, none that fits) is a `ValueError` naming it."""
+    dropped and the repeated prompts; a `skipped_records` event names the lines the
+    reader left out (`log_skipped`), a `prompts_left_out` event those left out here
+    (without an answer, longer than `sampling.prompt_length`: `log_left_out`). A file
+    without a usable prompt (no answer for the exact match, none that fits) is a
+    `ValueError` naming it."""
     cfg, policy, tok = env.cfg, env.base, env.tok
     s = cfg.sampling
+    log = env.ctx("").log
     prompts = data.load_prompts(cfg.data.path, cfg.data.format, **cfg.data.read_options())
+    log_skipped(log, prompts.report)
     exact_match = c.reward_source == "task" and not c.reward_functions
-    usable = [r for r in prompts if r.answer is not None or not exact_match]
-    if not usable:
+    raw = [r for r in prompts if r.answer is not None or not exact_match]
+    if not raw:
         raise ValueError(
             f"data.path={cfg.data.path}: none of its {len(prompts)} prompts has a reference "
             f"answer (format {prompts.report.format!r}); GRPO's exact-match reward needs "
@@ -644,8 +652,9 @@ def grpo_prompts(env: StageEnv, c: GRPOConfig) -> GRPOPrompts:
                 else ""
             )
         )
-    usable = chat_records(env, usable)
+    usable = chat_records(env, raw, prompts)
     fits = [r for r in usable if prompt_tokens(tok, r.prompt) <= s.prompt_length]
+    _log_left_out(log, cfg.data.path, prompts, raw, usable, fits, s.prompt_length)
     if not fits:
         longest = min(prompt_tokens(tok, r.prompt) for r in usable)
         raise ValueError(
@@ -670,6 +679,38 @@ def grpo_prompts(env: StageEnv, c: GRPOConfig) -> GRPOPrompts:
     )
     prompts_of = lambda records: tuple(r.prompt for r in records)  # noqa: E731
     return GRPOPrompts(prompts_of(train), prompts_of(held), exact, reward)
+
+
+def _log_left_out(log, path, prompts, raw: list, usable: list, fits: list, limit: int) -> None:
+    """`log_left_out` of `grpo_prompts`: the prompts of the reader's dataset `prompts`
+    (of the file `path`) left out without an answer (not in `raw`) and those too long for
+    `sampling.prompt_length=limit` (of `usable`, the `raw` prompts through the chat
+    template, those not in `fits`), named by their lines."""
+    kept = {id(r) for r in raw}
+    unanswered = [r for r in prompts if id(r) not in kept]
+    fit = {id(r) for r in fits}
+    long = [r for r in usable if id(r) not in fit]
+    at = {**record_numbers(prompts, unanswered, unanswered), **record_numbers(prompts, raw, usable)}
+    log_left_out(
+        log,
+        path,
+        len(prompts),
+        [
+            ("without_answer", "without a reference answer", [at.get(id(r)) for r in unanswered]),
+            (
+                "long_prompt",
+                f"longer than sampling.prompt_length={limit} with BOS",
+                [at.get(id(r)) for r in long],
+            ),
+        ],
+        "raise sampling.prompt_length to keep the long ones"
+        + (
+            "; grpo.reward_functions=MODULE:NAME (or another grpo.reward_source) scores "
+            "prompts without an answer"
+            if unanswered
+            else ""
+        ),
+    )
 
 
 def heldout_scores(env: StageEnv, prompts: GRPOPrompts, trained, reuse: dict | None = None) -> dict:

@@ -16,7 +16,15 @@ from rlhf_eqx import data
 
 from ..train import PPOSettings
 from ._config import _SET_BY_SAMPLING, RolloutStageConfig, SamplingConfig, _optim
-from ._data_prep import chat_records, prompt_tokens, split_records, trained_policy
+from ._data_prep import (
+    chat_records,
+    log_left_out,
+    log_skipped,
+    prompt_tokens,
+    record_numbers,
+    split_records,
+    trained_policy,
+)
 from ._field_checks import _at_least, _check_options, _divides, _fail, _positive, _within
 from ._lr_scale import build_optimizer
 from ._monitor import model_flops
@@ -191,14 +199,33 @@ def scored_prompts(env: StageEnv, c: PPOConfig) -> tuple[list[str], list[str], R
     match of the reference answers, which every prompt must then have).
     `env.summary["data_quality"]` counts what the reader skipped, the repeated prompts
     and those too long (always left out); `data.filter=duplicate_prompt` (or
-    `exact_duplicate`) trains on each prompt once. A `ValueError` names the file when
-    no prompt is left."""
+    `exact_duplicate`) trains on each prompt once. A `skipped_records` event names the
+    lines the reader left out (`log_skipped`), a `prompts_left_out` event the prompts
+    too long (`log_left_out`). A `ValueError` names the file when no prompt is left."""
     cfg, tok = env.cfg, env.tok
+    log = env.ctx("").log
     records = data.load_prompts(cfg.data.path, cfg.data.format, **cfg.data.read_options())
-    train, held = (chat_records(env, side) for side in split_records(records, cfg.data))
+    log_skipped(log, records.report)
+    raw = split_records(records, cfg.data)
+    train, held = (chat_records(env, side, records) for side in raw)
     limit = cfg.sampling.prompt_length
     train_fits, held_fits = (
         [r for r in side if prompt_tokens(tok, r.prompt) <= limit] for side in (train, held)
+    )
+    at = {**record_numbers(records, raw[0], train), **record_numbers(records, raw[1], held)}
+    fits = {id(r) for r in train_fits + held_fits}
+    log_left_out(
+        log,
+        cfg.data.path,
+        len(train) + len(held),
+        [
+            (
+                "long_prompt",
+                f"longer than sampling.prompt_length={limit} with BOS",
+                [at.get(id(r)) for r in train + held if id(r) not in fits],
+            )
+        ],
+        "raise sampling.prompt_length to keep them",
     )
     if not train_fits or not held_fits:
         raise ValueError(

@@ -5,6 +5,8 @@ every stage."""
 
 import json
 
+import pytest
+
 import rlhf_eqx as rx
 from rlhf_eqx import pipelines as pl
 from rlhf_eqx.__main__ import main
@@ -144,3 +146,43 @@ def test_distill_names_the_prompts_its_on_policy_steps_cannot_sample_from(tmp_pa
     assert left["message"].startswith(f"{path}: {n} of {n} prompts left out: {want}; ")
     assert "distill.lmbda=0.5" in left["message"]
     assert f"[distill] prompts_left_out: {left['message']}" in err
+
+
+# --- a record the chat template cannot render, named by its line ----------------------------
+
+_PICKY = (  # a template that refuses a message with the word "forbidden"
+    "{% for m in messages %}{% if 'forbidden' in m['content'] %}"
+    "{{ raise_exception('no forbidden words') }}{% endif %}"
+    "<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.mark.parametrize("stage", ["kto", "prm", "ppo", "grpo"])
+def test_a_record_the_chat_template_cannot_render_is_named_by_its_line(tmp_path, capsys, stage):
+    template = tmp_path / "picky.jinja"
+    template.write_text(_PICKY)
+    user = lambda text: [{"role": "user", "content": text}]  # noqa: E731
+    rows = []
+    for i in range(12):
+        if stage == "kto":
+            reply = [{"role": "assistant", "content": "ran."}]
+            rows.append({"prompt": user(f"Tom {i}"), "completion": reply, "label": i % 2 == 0})
+        elif stage == "prm":
+            rows.append({"prompt": f"Q{i}", "completions": ["s1", "s2"], "labels": [True, False]})
+        else:
+            rows.append({"prompt": user(f"Tom had {i} cats."), "answer": i})
+    bad = rows[9]
+    bad["prompt"] = user("a forbidden word") if stage != "prm" else "a forbidden word"
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n" + "".join(json.dumps(r) + "\n" for r in rows))  # a blank first line
+    argv = [stage, "--data", str(path), "--out", str(tmp_path / "run"), "--quiet"]
+    argv += ["--set", f"data.chat_template={template}", "--set", "ops.monitor=false"]
+    argv += ["--set", "data.heldout_fraction=0.25"]
+    if stage == "ppo":
+        argv += ["--set", "ppo.reward_source=task"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    field = "" if stage == "prm" else "'prompt': "
+    assert err[-1] == f"error: {path}:11: {field}chat template: no forbidden words"
+    assert not (tmp_path / "run").exists()

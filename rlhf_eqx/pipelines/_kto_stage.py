@@ -236,7 +236,7 @@ def kto_examples(env: StageEnv, c: KTOConfig) -> tuple[list, list, list | None]:
         records = None
     source = records if records is not None else pairs
     raw, held = split_records(source, cfg.data)
-    train, held = chat_records(env, raw), chat_records(env, held)
+    train, held = chat_records(env, raw, source), chat_records(env, held, source)
     env.summary["data_quality"] = {"skipped_by_reader": dict(source.report.skipped)}
     if pairs is not None:
         env.summary["data_quality"]["pairs"] = len(train) + len(held)

@@ -132,7 +132,7 @@ def prm_on_data(cfg, policy, tok, ctx: RunContext, summary: dict, say, split) ->
     train = raw
     rendering = chat_rendering(tok, cfg.data)
     if rendering is not None:
-        train, held = rendering.records(raw), rendering.records(held)
+        train, held = rendering.records(raw, records), rendering.records(held, records)
         summary["chat_template"] = cfg.data.chat_template
     numbers = record_numbers(records, raw, train)
     say(f"prm: {len(train)} training / {len(held)} held-out solutions")

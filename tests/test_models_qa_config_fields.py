@@ -203,3 +203,27 @@ def test_a_gemma3_window_pattern_that_is_not_positive_is_named(checkpoint, tmp_p
         sliding_window_pattern=pattern,
     )
     _refused(d, f"`sliding_window_pattern` = {pattern} is not supported: a positive integer")
+
+
+@pytest.mark.parametrize("arch, count", [("llama", 2**32 - 1), ("gemma2", 200_000)])
+def test_a_gguf_block_count_past_the_tensors_is_named_at_once(tmp_path, arch, count):
+    """A corrupt layer count is compared with the layers the file holds before anything
+    is built per layer (it took seconds per hundred thousand layers, and memory)."""
+    pytest.importorskip("gguf", reason="GGUF files need the gguf package")
+    gemma = arch == "gemma2"
+    cfg = rx.TransformerConfig(
+        vocab_size=64, d_model=32, n_layers=1, n_heads=2, d_ff=32, head_dim=16,
+        **(dict(norm_plus_one=True, embed_scale=True, post_norms=True, tie_embeddings=True,
+                mlp_activation="gelu_tanh", query_scale=16**-0.5, attn_softcap=50.0,
+                final_softcap=30.0, sliding_window=4096, window_layers=(True,))
+           if gemma else {}),
+    )  # fmt: skip
+    path = tmp_path / "m.gguf"
+    corrupt = lambda writer: writer.add_uint32(f"{arch}.block_count", count)
+    write_gguf(rx.Policy(cfg, key=jax.random.key(0)), path, dtype="f32", metadata=corrupt)
+    with pytest.raises(ValueError) as e:
+        load_gguf_policy(path)
+    assert str(e.value) == (
+        f"{path}: `{arch}.block_count` = {count} but the file holds the tensors of 1 layer "
+        "(tensor 'blk.1.attn_norm.weight' is missing)"
+    )

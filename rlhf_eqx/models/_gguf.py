@@ -27,6 +27,7 @@ Gemma 2/3's attention scale is not stored: llama.cpp uses `head_dim^-1/2`, and
 
 import math
 import os
+import re
 import struct
 from typing import Any
 
@@ -57,6 +58,7 @@ _LAYER = {
     **{f"mlp.{p}_proj.weight": f"ffn_{p}.weight" for p in ("gate", "up", "down")},
 }
 _UNSET = object()
+_BLOCK = re.compile(r"blk\.(\d+)\.")
 
 
 def gguf_names(n_layers: int, post_norms: bool) -> dict[str, str]:
@@ -273,6 +275,14 @@ def read_config(reader, path: str, *, dtype: str | None = None):
     if n_tokens is None and "token_embd.weight" in tensors:
         n_tokens = int(tensors["token_embd.weight"].shape[-1])
     family, config = hf_config(meta, path, tensors, n_tokens)
+    blocks = {int(m.group(1)) for name in tensors if (m := _BLOCK.match(name))}
+    held, layers = max(blocks, default=-1) + 1, config["num_hidden_layers"]
+    if layers > held:  # before anything is built per layer (a corrupt count may be huge)
+        raise ValueError(
+            f"{path}: `{meta('general.architecture')}.block_count` = {layers} but the file "
+            f"holds the tensors of {held} layer{'s' if held != 1 else ''} (tensor "
+            f"'blk.{held}.attn_norm.weight' is missing)"
+        )
     rope = config["rope_scaling"]
     if rope is not None and rope["rope_type"] == "rope_freqs":
         config["rope_scaling"] = None

@@ -91,7 +91,9 @@ def kl_shaped_rewards(
     - `kind`: KL estimator (see `kl_penalty`).
     """
     (T,) = mask.shape
-    kl = kl_penalty(logp, ref_logp, kind=kind)
+    zero = jnp.zeros_like(logp)
+    # zeroed where masked: a NaN there would reach the gradient through the estimator
+    kl = kl_penalty(jnp.where(mask, logp, zero), jnp.where(mask, ref_logp, zero), kind=kind)
     rewards = jnp.where(mask, -kl_coef * kl, jnp.zeros_like(kl))
     idx = jnp.arange(T)
     last = jnp.max(jnp.where(mask, idx, -1))

@@ -46,3 +46,24 @@ def test_a_tensor_in_two_shards_is_named_with_both(sharded, tmp_path):
         f"{tmp_path / shards[1]}: tensor {name!r} is also in {tmp_path / shards[0]} (two "
         "shards hold it; which copy is meant is not known)"
     )
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM"])
+def test_a_layer_count_past_the_tensors_is_named_at_once(sharded, tmp_path, arch):
+    """A mistyped `num_hidden_layers` is compared with the layers the checkpoint holds
+    before anything is built per layer (a window per layer, a stacked array)."""
+    import json
+
+    for name in os.listdir(sharded):
+        if name != "config.json":
+            os.symlink(sharded / name, tmp_path / name)
+    config = json.loads((sharded / "config.json").read_text())
+    extra = {"use_sliding_window": True, "sliding_window": 4} if arch.startswith("Qwen") else {}
+    config.update(architectures=[arch], num_hidden_layers=2_000_000_000, **extra)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as e:
+        rx.load_hf(tmp_path)
+    assert str(e.value) == (
+        f"{tmp_path / 'config.json'}: `num_hidden_layers` = 2000000000 but the checkpoint "
+        "holds the tensors of 2 layers (layer 2's are missing)"
+    )

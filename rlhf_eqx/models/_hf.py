@@ -178,7 +178,7 @@ class _CheckpointTensors(Mapping):
     (`shape_and_float`), so names and shapes are checked before any tensor is read."""
 
     def __init__(self, directory: str, files: list[str], float16: bool):
-        self._directory, self._float16 = directory, float16
+        self._directory, self.float16 = directory, float16
         self._where: dict[str, tuple[str, Any]] = {}
         for name in files:
             path = os.path.join(directory, name)
@@ -194,7 +194,7 @@ class _CheckpointTensors(Mapping):
     def __getitem__(self, name: str) -> np.ndarray:
         path, reader = self._where[name]
         arr = _checked_tensor(reader, name, path)
-        if self._float16:
+        if self.float16:
             check_float16_range({name: arr}, path)
         return arr
 
@@ -285,9 +285,16 @@ def load_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> Policy
             "load its base model with load_hf and attach the adapter with load_lora_adapter"
         )
     config = _read_json(config_path)
+    try:  # the headers only (names and shapes), for the layer count
+        tensors = _read_tensors(directory)
+    except (OSError, ValueError):  # named below, after what is wrong with the config
+        tensors = None
+    else:
+        _check_layer_count(config, tensors, config_path)
     cfg = config_from_hf(config, dtype=dtype, source=config_path)
     head = hf_head(config, source=config_path)
-    tensors = _read_tensors(directory, float16=cfg.dtype == "float16")
+    tensors = _read_tensors(directory) if tensors is None else tensors
+    tensors.float16 = cfg.dtype == "float16"
     try:
         arrays = arrays_from_tensors(
             cfg, tensors, source=directory, head=head, dtype=cfg.param_dtype
@@ -302,6 +309,24 @@ def load_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> Policy
             "write the checkpoint's head_dim there)"
         ) from None
     return fill_model(Policy if head == "lm" else RewardModel, cfg, arrays, source=directory)
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _check_layer_count(config: Any, tensors: Mapping[str, Any], config_path: str) -> None:
+    """Refuse a `num_hidden_layers` past the layers whose tensors the checkpoint holds,
+    before anything is built per layer (a mistyped count may be huge)."""
+    layers = config.get("num_hidden_layers") if isinstance(config, dict) else None
+    if isinstance(layers, bool) or not isinstance(layers, int):
+        return  # config_from_hf names what is wrong with it
+    found = {int(m.group(1)) for name in tensors if (m := _LAYER_INDEX.search(name))}
+    held = max(found, default=-1) + 1
+    if layers > held:
+        raise ValueError(
+            f"{config_path}: `num_hidden_layers` = {layers} but the checkpoint holds the "
+            f"tensors of {held} layer{'s' if held != 1 else ''} (layer {held}'s are missing)"
+        )
 
 
 def _plan_shards(tensors: dict[str, np.ndarray], max_shard_bytes: int) -> list[list[str]]:

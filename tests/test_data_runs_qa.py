@@ -186,3 +186,28 @@ def test_a_record_the_chat_template_cannot_render_is_named_by_its_line(tmp_path,
     field = "" if stage == "prm" else "'prompt': "
     assert err[-1] == f"error: {path}:11: {field}chat template: no forbidden words"
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_a_grpo_run_that_trains_names_what_it_left_out(tmp_path, capsys):
+    rows = [{"prompt": f"Tom had {i} cats.", "answer": i} for i in range(8)]
+    rows[2] = {"prompt": "Lily saw a dog."}  # no answer
+    rows[5] = {"prompt": _LONG, "answer": 5}  # too long
+    path = _write(tmp_path / "q.jsonl", rows)
+    out = tmp_path / "run"
+    argv = ["grpo", "--data", path, "--out", str(out), "--quiet", "--set", "ops.monitor=false"]
+    for setting in (
+        "grpo.rollouts=1",
+        "grpo.prompts_per_rollout=2",
+        "grpo.group_size=2",
+        "sampling.max_new_tokens=4",
+        "sampling.prompt_length=32",
+        "data.heldout_fraction=0.25",
+    ):
+        argv += ["--set", setting]
+    assert main(argv) == 0
+    (left,) = [r for r in pl.tools.read_records(str(out)) if r.get("event") == "prompts_left_out"]
+    assert (left["left_out_records"], left["without_answer"], left["long_prompt"]) == ("3, 6", 1, 1)
+    assert f"[grpo] prompts_left_out: {left['message']}" in capsys.readouterr().err
+    quality = json.loads((out / "summary.json").read_text())["data_quality"]
+    assert (quality["without_answer"], quality["longer_than_prompt_length"]) == (1, 1)

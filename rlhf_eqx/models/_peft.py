@@ -405,6 +405,12 @@ def load_lora_adapter(model: PyTree, directory: str | os.PathLike) -> PyTree:
     if where(model).lora is not None:
         raise ValueError("load_lora_adapter: the model already has LoRA adapters")
     cfg = model_config(model)
+    if not os.path.isdir(directory):
+        what = "not a directory" if os.path.exists(directory) else "no such directory"
+        raise FileNotFoundError(
+            f"{directory}: {what} (load_lora_adapter reads a PEFT adapter directory: "
+            f"{_CONFIG} and {_WEIGHTS})"
+        )
     config_path = os.path.join(directory, _CONFIG)
     if not os.path.exists(config_path) and os.path.exists(os.path.join(directory, "config.json")):
         raise FileNotFoundError(
@@ -416,7 +422,13 @@ def load_lora_adapter(model: PyTree, directory: str | os.PathLike) -> PyTree:
         raise ValueError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
     _check(config, config_path)
     rslora = bool(config.get("use_rslora", False))
-    dropout = float(config.get("lora_dropout", 0.0))
+    dropout = config.get("lora_dropout")
+    dropout = 0.0 if dropout is None else dropout
+    if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
+        raise ValueError(
+            f"{config_path}: `lora_dropout` must be a number in [0, 1), got {dropout!r}"
+        )
+    dropout = float(dropout)
     weights_path = os.path.join(directory, _WEIGHTS)
     if not os.path.exists(weights_path) and os.path.exists(os.path.join(directory, _PICKLED)):
         raise FileNotFoundError(

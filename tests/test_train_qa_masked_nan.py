@@ -11,7 +11,7 @@ import optax
 import rlhf_eqx as rx
 from rlhf_eqx import losses as L
 from rlhf_eqx.ops import masked_whiten
-from rlhf_eqx.train import PPOBatch, make_ppo_step
+from rlhf_eqx.train import GRPOBatch, PPOBatch, make_grpo_step, make_ppo_step
 
 MASK = jnp.array([True, True, True, False, False])
 LOGP = jnp.array([-1.0, -2.0, -0.5, 0.0, 0.0])
@@ -109,3 +109,44 @@ def test_ppo_step_with_nan_in_masked_fields_updates_as_with_zeros():
         np.testing.assert_allclose(float(m_dirty["loss"]), float(m_clean["loss"]), rtol=1e-6)
         for a, b in zip(jax.tree.leaves(dirty), jax.tree.leaves(clean), strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+class _FullLogits(eqx.Module):
+    """A policy that returns full logits (no selective LM head), as a user's model does."""
+
+    policy: rx.Policy
+
+    def __call__(self, tokens, mask, key=None):
+        return self.policy(tokens, mask)
+
+
+def test_grpo_step_with_nan_in_masked_reference_logps_updates_as_with_zeros():
+    V, T, B = 16, 6, 4
+    cfg = rx.TransformerConfig(
+        vocab_size=V, d_model=8, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=16, max_seq_len=T
+    )
+    model = _FullLogits(rx.Policy(cfg, key=jax.random.key(0)))
+    pos = jnp.arange(T)[None]
+    mask = pos < jnp.array([[T], [4], [5], [T]])
+    completion = mask & (pos >= 2)
+    per_token = jax.random.normal(jax.random.key(2), (B, T)) - 1.0
+    tokens = jax.random.randint(jax.random.key(3), (B, T), 0, V)
+    opt = optax.sgd(0.1)
+    step = make_grpo_step(opt, group_size=2, beta=0.1)
+    opt_state = opt.init(eqx.filter(model, eqx.is_inexact_array))
+    out = []
+    for fill in (0.0, jnp.nan):
+        batch = GRPOBatch(
+            tokens=tokens,
+            mask=mask,
+            completion_mask=completion,
+            rewards=jnp.array([1.0, 0.0, 0.5, 2.0]),
+            old_logp=jnp.where(completion, per_token, fill),
+            ref_logp=jnp.where(completion, per_token - 0.3, fill),
+        )
+        out.append(step(model, opt_state, batch))
+    (clean, _, m_clean), (dirty, _, m_dirty) = out
+    assert float(m_dirty["nonfinite"]) == 0.0
+    np.testing.assert_allclose(float(m_dirty["loss"]), float(m_clean["loss"]), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(dirty), jax.tree.leaves(clean), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)

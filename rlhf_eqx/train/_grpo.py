@@ -152,7 +152,8 @@ def grpo_loss(
             _check_reference_vocab(model, ref_model, batch.tokens, batch.mask, "make_grpo_step")
             ref_logp = logprobs(ref_model, batch, None, entropy=False)[0]
         if ref_logp is not None:
-            ref_logp = jax.lax.stop_gradient(ref_logp.astype(f32))
+            # zeroed where masked: a NaN there would reach the gradient through the KL
+            ref_logp = jnp.where(m, jax.lax.stop_gradient(ref_logp.astype(f32)), 0.0)
 
         per_token, stats = policy_loss(
             logp, old_logp.astype(f32), batch.advantages, m, ent, ref_logp, key

@@ -90,3 +90,17 @@ def test_ppo_names_a_model_that_returns_no_values():
         r"Policy returned an array of shape \(4, 8, 32\) for tokens of shape \(4, 8\)",
     ):
         _call(lambda o: T.make_ppo_step(o), _policy(), batch)
+
+
+def test_float16_trainable_weights_are_refused_naming_a_leaf():
+    tokens, mask, completion = _rows()
+    half = jax.tree.map(
+        lambda x: x.astype(jnp.float16) if eqx.is_inexact_array(x) else x, _policy()
+    )
+    batch = rx.SequenceBatch(tokens=tokens, mask=mask, completion_mask=completion)
+    with pytest.raises(
+        ValueError,
+        match=r"^float16 trainable weights \(params\.transformer\.embed \(shape \(32, 8\)\) and "
+        r"\d+ more\)",
+    ):
+        _call(lambda o: T.make_sft_step(o), half, batch)

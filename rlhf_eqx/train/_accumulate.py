@@ -150,10 +150,19 @@ def apply_optimizer(
     update of bfloat16 weights would otherwise promote them to float32, doubling their
     memory and recompiling the step on its next call.
     """
-    if any(g.dtype == jnp.float16 for g in jax.tree.leaves(grads)):
+    half = [
+        (path, g)
+        for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]
+        if g.dtype == jnp.float16
+    ]
+    if half:
+        path, g = half[0]
+        where = f"params{jax.tree_util.keystr(path)} (shape {tuple(g.shape)})"
+        more = f" and {len(half) - 1} more" if len(half) > 1 else ""
         raise ValueError(
-            "float16 trainable weights: Adam's epsilon (1e-8) and small second moments "
-            "underflow in float16, so every update would be non-finite and skipped. Train "
+            f"float16 trainable weights ({where}{more}): Adam's epsilon (1e-8) and small "
+            "second moments underflow in float16, so every update would be non-finite and "
+            "skipped. Train "
             "bfloat16 or float32 weights (TransformerConfig(dtype=...), load_hf(..., dtype=...)), "
             "or LoRA adapters (float32) on a float16 base; float16 suits frozen weights "
             "such as a reference model."

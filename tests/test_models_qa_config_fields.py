@@ -227,3 +227,13 @@ def test_a_gguf_block_count_past_the_tensors_is_named_at_once(tmp_path, arch, co
         f"{path}: `{arch}.block_count` = {count} but the file holds the tensors of 1 layer "
         "(tensor 'blk.1.attn_norm.weight' is missing)"
     )
+
+
+def test_flags_absent_take_the_family_default_and_null_is_false(checkpoint):
+    _, config = checkpoint
+    base = {k: v for k, v in config.items() if k != "tie_word_embeddings"}
+    gemma = {**base, "architectures": ["GemmaForCausalLM"], "hidden_act": "gelu_pytorch_tanh"}
+    assert rx.models.config_from_hf(base).tie_embeddings is False
+    assert rx.models.config_from_hf(gemma).tie_embeddings is True
+    assert rx.models.config_from_hf({**gemma, "tie_word_embeddings": None}).tie_embeddings is False
+    assert rx.models.config_from_hf({**base, "tie_word_embeddings": True}).tie_embeddings is True

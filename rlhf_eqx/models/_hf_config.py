@@ -165,11 +165,13 @@ def _positive(config, name: str, source: str, default: Any = _UNSET) -> float | 
 
 
 def _flag(config, name: str, source: str, default: bool) -> bool:
-    """A `true` / `false` field (`null` or absent: `default`); a string such as `"false"`
-    is refused rather than read as true."""
-    value = config.get(name)
-    if value is None:
+    """A `true` / `false` field (absent: `default`; `null` is false, as transformers tests
+    it); a string such as `"false"` is refused rather than read as true."""
+    if name not in config:
         return default
+    value = config[name]
+    if value is None:
+        return False
     if not isinstance(value, bool):
         raise ValueError(f"{source}: `{name}` must be true or false, got {value!r}")
     return value

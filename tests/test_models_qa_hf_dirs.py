@@ -67,3 +67,16 @@ def test_a_layer_count_past_the_tensors_is_named_at_once(sharded, tmp_path, arch
         f"{tmp_path / 'config.json'}: `num_hidden_layers` = 2000000000 but the checkpoint "
         "holds the tensors of 2 layers (layer 2's are missing)"
     )
+
+
+def test_an_unsupported_architecture_is_named_before_its_layer_count(sharded, tmp_path):
+    import json
+
+    for name in os.listdir(sharded):
+        if name != "config.json":
+            os.symlink(sharded / name, tmp_path / name)
+    config = json.loads((sharded / "config.json").read_text())
+    config.update(architectures=["GPTNeoXForCausalLM"], num_hidden_layers=40)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="`architectures` = \\['GPTNeoXForCausalLM'\\] is not"):
+        rx.load_hf(tmp_path)

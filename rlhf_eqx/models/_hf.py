@@ -38,7 +38,7 @@ import numpy as np
 
 from ._build import check_finite
 from ._heads import Policy, RewardModel, ValueModel
-from ._hf_config import config_from_hf, hf_head
+from ._hf_config import _family, config_from_hf, hf_head
 from ._hf_export import config_to_hf
 from ._hf_tensors import (
     arrays_from_tensors,
@@ -285,12 +285,15 @@ def load_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> Policy
             "load its base model with load_hf and attach the adapter with load_lora_adapter"
         )
     config = _read_json(config_path)
-    try:  # the headers only (names and shapes), for the layer count
-        tensors = _read_tensors(directory)
-    except (OSError, ValueError):  # named below, after what is wrong with the config
-        tensors = None
-    else:
-        _check_layer_count(config, tensors, config_path)
+    tensors = None
+    if isinstance(config, dict):
+        _family(config, config_path)  # an unsupported architecture is named first
+        try:  # the headers only (names and shapes), for the layer count
+            tensors = _read_tensors(directory)
+        except (OSError, ValueError):  # named below, after what is wrong with the config
+            tensors = None
+        else:
+            _check_layer_count(config, tensors, config_path)
     cfg = config_from_hf(config, dtype=dtype, source=config_path)
     head = hf_head(config, source=config_path)
     tensors = _read_tensors(directory) if tensors is None else tensors

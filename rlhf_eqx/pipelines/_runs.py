@@ -227,7 +227,14 @@ def export_reward_model(model, run_dir: str, *, tokenizer_file: str | None = Non
 
 
 def final_policy(model):
-    """The trained policy with its LoRA adapters (if any) merged into the weights."""
+    """The trained policy with its LoRA adapters (if any) merged into the weights; a
+    quantised frozen base (`model.quantized`: QLoRA) is decoded first, so the merged
+    policy is dense."""
+    quantized = jax.tree.leaves(
+        model, is_leaf=lambda x: isinstance(x, rx.models.AbstractQuantizedWeight)
+    )
+    if any(isinstance(x, rx.models.AbstractQuantizedWeight) for x in quantized):
+        model = rx.models.dequantize(model)
     return rx.merge_lora(model)
 
 

@@ -169,3 +169,24 @@ def test_a_lock_released_while_it_is_taken_is_taken_on_the_file_others_see(tmp_p
         monkeypatch.setattr(fcntl, "flock", real_flock)
         with pytest.raises(pl.loop.RunDirError, match="in use by another run"):
             pl.tools.open_run_dir(cfg, run_dir)
+
+
+def test_a_write_refused_on_a_nearly_full_device_is_not_called_a_full_disk(tmp_path, monkeypatch):
+    # a permission error (an errno other than ENOSPC) is what it is, however little the
+    # device has free; the previous checkpoint stays
+    d = str(tmp_path / "ck")
+    tree = {"w": jnp.arange(10.0)}
+    pl.tools.save_checkpoint(d, 1, tree, {}, keep=2)
+    monkeypatch.setattr(os, "statvfs", lambda p: types.SimpleNamespace(f_bavail=0, f_frsize=4096))
+
+    def refused(f, pytree):
+        try:
+            raise PermissionError(errno.EACCES, "Permission denied")
+        except OSError as e:
+            raise RuntimeError("Error at leaf with path ('w',)") from e
+
+    monkeypatch.setattr(eqx, "tree_serialise_leaves", refused)
+    with pytest.raises(RuntimeError, match="Error at leaf") as e:
+        pl.tools.save_checkpoint(d, 2, tree, {}, keep=2)
+    assert isinstance(e.value.__cause__, PermissionError)
+    assert sorted(os.listdir(d)) == ["iter_00000001"]

@@ -139,22 +139,24 @@ def _complete(path: str) -> bool:
 def _disk_full(e: BaseException, directory: str) -> bool:
     """Whether `e` (or an error it wraps: serialisers re-raise write errors as their own)
     comes from a full disk. A short write can carry no errno (numpy's `OSError: N
-    requested and M written`), so a device with less than 1 MiB free also counts: asked
-    while the partial files that filled it are still there."""
-    seen = set()
+    requested and M written`), so for such an error a device with less than 1 MiB free
+    also counts: asked while the partial files that filled it are still there. An
+    `OSError` with another errno (no permission, a read-only file system) is not a full
+    disk, however little the device has free."""
+    seen, short_write = set(), False
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        if isinstance(e, OSError | RuntimeError):
-            try:
-                st = os.statvfs(directory)
-                if st.f_bavail * st.f_frsize < (1 << 20):
-                    return True
-            except OSError:
-                pass
+        short_write = short_write or (isinstance(e, OSError) and e.errno is None)
         e = e.__cause__ or e.__context__
-    return False
+    if not short_write:
+        return False
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < (1 << 20)
 
 
 def _checkpoints(directory: str) -> list[str]:

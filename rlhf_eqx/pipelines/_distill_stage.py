@@ -27,7 +27,7 @@ from ._data_prep import (
     trained_policy,
 )
 from ._field_checks import _above, _fail, _positive, _within
-from ._model_checks import check_context, check_teacher_vocabulary
+from ._model_checks import check_context, check_teacher_vocabulary, is_gguf_file
 from ._registry import Outcome, Stage, StageEnv, find_stage, register_stage, stages
 from ._rollout import SAMPLING_FIELDS, sample_rollout, sampling_options
 from ._runs import RunContext, RunResult, final_policy, rows_at, run_loop, take_rows, train_setup
@@ -77,7 +77,7 @@ class DistillConfig(BatchStageConfig):
             )
         _positive(f"{name}.samples", self.samples)
         t = self.teacher
-        gguf = t.lower().endswith(".gguf") and os.path.isfile(t)
+        gguf = is_gguf_file(t) and os.path.isfile(t)
         named = t in teacher_stages() or t in MODEL_NAMES
         if not named and not os.path.isdir(t) and not gguf:
             _fail(
@@ -193,7 +193,7 @@ def load_teacher(directory: str, student) -> rx.Policy:
 
     path = model_path(directory, "distill.teacher")
     try:
-        if path.lower().endswith(".gguf"):
+        if is_gguf_file(path):
             teacher, _ = rx.load_gguf(path)
         else:
             teacher = rx.load_hf(path)

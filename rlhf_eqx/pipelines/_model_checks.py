@@ -23,6 +23,36 @@ from typing import Any
 from ._config import ConfigError
 from ._field_checks import _fail
 
+GGUF_MAGIC = b"GGUF"
+
+
+def is_gguf_file(path: str) -> bool:
+    """Whether `path` is a llama.cpp GGUF file: a `.gguf` name (whether or not the file
+    exists: loading it names what is missing), or a file whose first four bytes are the
+    magic `GGUF` whatever its name (`model.bin`, `my-model`, as such files are often
+    downloaded). Every place that tells a model, a teacher, a judge, a tokenizer file or
+    a reference apart asks this, so that such a file loads as its `.gguf` name would."""
+    if path.lower().endswith(".gguf"):
+        return True
+    if not os.path.isfile(path):
+        return False
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def read_tokenizer_file(path: str):
+    """The tokenizer of the file `path`: a GGUF file's from its metadata
+    (`data.tokenizer_from_gguf`, whatever the file's name: `is_gguf_file`), any other
+    by its type (`data.load_tokenizer`, which names a missing file)."""
+    from .. import data
+
+    if os.path.isfile(path) and is_gguf_file(path):
+        return data.tokenizer_from_gguf(path)
+    return data.load_tokenizer(path)
+
 
 def _header_sizes(source: str) -> tuple[int, int] | None:
     """`(vocab_size, max_seq_len)` of a checkpoint, read from its header only (`None`
@@ -35,7 +65,7 @@ def _header_sizes(source: str) -> tuple[int, int] | None:
     source = resolve(source) if resolve is not None else source
     if source == "builtin":
         source = asset_path("stories260K.bin")
-    if source.lower().endswith(".gguf"):  # `None`: a header this walk does not read
+    if is_gguf_file(source):  # `None`: a header this walk does not read
         return read_gguf_sizes(source) if os.path.isfile(source) else None
     if os.path.isdir(source):
         base = getattr(_pipeline, "_adapter_base", None)  # a PEFT adapter: its base's sizes
@@ -84,7 +114,7 @@ def run_tokenizer(cfg: Any) -> tuple[Any, str] | None:
 
     m = cfg.model
     path = tokenizer_file(m.source, m.tokenizer)
-    if path is not None and path.lower().endswith(".gguf"):
+    if path is not None and is_gguf_file(path):
         return None
     if path is None:
         _fail("model.tokenizer", m.tokenizer, f"no tokenizer file found for {m.source!r}")

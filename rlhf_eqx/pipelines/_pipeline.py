@@ -25,6 +25,7 @@ from ._config_io import config_to_dict
 from ._evaluate import evaluate_policy, win_rate, win_rate_se
 from ._field_checks import _choice
 from ._metrics import MetricsLog
+from ._model_checks import is_gguf_file, read_tokenizer_file
 from ._monitor import measure_matmul_peak
 from ._pipeline_config import (
     PipelineConfig,
@@ -217,7 +218,8 @@ def load_model(
     """`(policy, tokenizer)` from `"builtin"` (the shipped stories260K), a llama2.c `.bin`
     file (with `tokenizer`), a Hugging Face checkpoint directory, a llama.cpp `.gguf`
     file (`rx.load_gguf`, dequantised, or with `quantized` its packed blocks kept; its
-    tokenizer and chat template from the file's metadata), a short model name
+    tokenizer and chat template from the file's metadata; a GGUF file under another
+    name, `model.bin`, is one too: `is_gguf_file`), a short model name
     (`model_path`: `"smollm2-135m"`) or a run directory, standing for the one policy it
     exported (`run_export`: `RUN` for `RUN/sft/hf`; refused naming them when it exported
     several). `quantized` with another source is a
@@ -239,23 +241,24 @@ def load_model(
     source = model_path(source)
     if source != "builtin" and not os.path.exists(source):
         raise ConfigError(f"model.source={source!r} (--model): {unknown_model(source)}")
-    if quantized and not source.lower().endswith(".gguf"):
+    gguf = source != "builtin" and is_gguf_file(source)
+    if quantized and not gguf:
         raise ConfigError(f"model.quantized=True: needs a .gguf model.source, got {source!r}")
     _choice("model.remat", remat, tuple(REMAT_MODES))
     if source == "builtin":
         policy, tok = rx.load_llama2c(
             asset_path("stories260K.bin"), tokenizer or asset_path("tok512.bin")
         )
-    elif source.lower().endswith(".gguf"):
+    elif gguf:
         policy, tok = rx.load_gguf(source, quantized=quantized)
         if tokenizer is not None:
-            tok = data.load_tokenizer(tokenizer)
+            tok = read_tokenizer_file(tokenizer)
     elif os.path.isdir(source):
         base = _adapter_base(source)
         policy = rx.load_hf(base or source)
         if base is not None:
             policy = rx.merge_lora(rx.load_lora_adapter(policy, source))
-        tok = data.load_tokenizer(tokenizer or base or source)
+        tok = read_tokenizer_file(tokenizer) if tokenizer else data.load_tokenizer(base or source)
     else:
         policy, tok = rx.load_llama2c(source, tokenizer)
     try:
@@ -299,7 +302,7 @@ def tokenizer_file(source: str = "builtin", tokenizer: str | None = None) -> str
     source = model_path(source)
     if source == "builtin":
         return asset_path("tok512.bin")
-    if source.lower().endswith(".gguf"):
+    if is_gguf_file(source):
         return source
     if os.path.isdir(source):
         source = _adapter_base(source) or source  # a PEFT adapter: its base's tokenizer

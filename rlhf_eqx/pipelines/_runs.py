@@ -32,6 +32,7 @@ from ._iterations import run_iterations
 from ._loop_state import LoopResult
 from ._lr_scale import build_optimizer
 from ._metrics import MetricsLog
+from ._model_checks import is_gguf_file
 from ._monitor import model_flops
 from ._validation import validate_ops
 
@@ -141,14 +142,14 @@ def copy_tokenizer(tokenizer_file: str | None, directory: str) -> None:
     `data.load_tokenizer(directory)` finds (`tokenizer.json`, `tokenizer.model` or
     `tokenizer.bin`), with the files of a Hugging Face directory beside a `tokenizer.json`
     or `tokenizer.model` (`tokenizer_config.json`, `special_tokens_map.json`,
-    `chat_template.jinja`, `generation_config.json`) when they are there. For a `.gguf`
-    file the tokenizer built from its metadata is written instead (`HFTokenizer.save`:
-    `tokenizer.json`, and `tokenizer_config.json` with the special tokens and the chat
-    template)."""
+    `chat_template.jinja`, `generation_config.json`) when they are there. For a GGUF
+    file (`is_gguf_file`: a `.gguf` name or the file's magic) the tokenizer built from
+    its metadata is written instead (`HFTokenizer.save`: `tokenizer.json`, and
+    `tokenizer_config.json` with the special tokens and the chat template)."""
     if tokenizer_file is None:
         return
     ext = os.path.splitext(tokenizer_file)[1].lower()
-    if ext == ".gguf":
+    if is_gguf_file(tokenizer_file):
         stamp = os.stat(tokenizer_file).st_mtime_ns
         _gguf_tokenizer(os.path.abspath(tokenizer_file), stamp).save(directory)
         return
@@ -171,7 +172,7 @@ def special_token_ids(tokenizer_file: str | None, *, pad: bool) -> dict[str, int
     one), `pad_token_id`; none without a file."""
     if tokenizer_file is None:
         return {}
-    if tokenizer_file.lower().endswith(".gguf"):
+    if is_gguf_file(tokenizer_file):
         stamp = os.stat(tokenizer_file).st_mtime_ns
         tok = _gguf_tokenizer(os.path.abspath(tokenizer_file), stamp)
     else:

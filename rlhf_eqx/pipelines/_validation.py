@@ -36,6 +36,7 @@ from ._config import (
     OpsConfig,
 )
 from ._field_checks import _above, _at_least, _choice, _fail, _positive
+from ._model_checks import is_gguf_file
 from ._pipeline_config import (
     PipelineConfig,
 )
@@ -78,7 +79,7 @@ def validate_config(
         _fail("model.source", m.source, unknown_model(m.source))
     if m.tokenizer is not None and not os.path.isfile(m.tokenizer):
         _fail("model.tokenizer", m.tokenizer, "no such file")
-    if m.source.endswith(".bin") and m.tokenizer is None:
+    if m.source.endswith(".bin") and m.tokenizer is None and not is_gguf_file(m.source):
         _fail("model.tokenizer", None, "a llama2.c checkpoint needs a tokenizer file")
     if m.quantized:
         _check_quantized(cfg, run_stages(cfg, stage))
@@ -210,7 +211,7 @@ def _check_quantized(cfg: PipelineConfig, run: tuple[str, ...]) -> None:
     from ._pipeline import MODEL_NAMES
 
     source = cfg.model.source
-    if not (source.lower().endswith(".gguf") or source in MODEL_NAMES):
+    if not (is_gguf_file(source) or source in MODEL_NAMES):
         _fail("model.quantized", True, f"needs a .gguf model.source, got {source!r}")
     for st in run:
         key = find_stage(st).key
@@ -242,7 +243,7 @@ def validate_judge(j) -> None:
     of the run's tokenizer is checked by `validate_config`, which knows the model."""
     from ._pipeline import MODEL_NAMES, closest_name
 
-    gguf = j.model.lower().endswith(".gguf") and os.path.isfile(j.model)
+    gguf = is_gguf_file(j.model) and os.path.isfile(j.model)
     named = j.model in JUDGE_MODELS or j.model in MODEL_NAMES
     if not named and not os.path.isdir(j.model) and not gguf:
         choices = ", ".join(JUDGE_MODELS)

@@ -104,3 +104,18 @@ def test_float16_trainable_weights_are_refused_naming_a_leaf():
         r"\d+ more\)",
     ):
         _call(lambda o: T.make_sft_step(o), half, batch)
+
+
+def test_a_step_of_a_language_model_names_a_model_that_returns_no_logits():
+    tokens, mask, completion = _rows()
+    cfg = rx.TransformerConfig(
+        vocab_size=V, d_model=8, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=16, max_seq_len=L
+    )
+    scorer = rx.RewardModel(cfg, key=jax.random.key(0))
+    batch = rx.SequenceBatch(tokens=tokens, mask=mask, completion_mask=completion)
+    with pytest.raises(
+        ValueError,
+        match=r"^the policy must return next-token logits \[T, V\] for each sequence: "
+        r"RewardModel returned shape \(4,\) for tokens of shape \(4, 8\)",
+    ):
+        _call(lambda o: T.make_sft_step(o), scorer, batch)

@@ -215,6 +215,23 @@ def vmap_model(
     return jax.vmap(lambda t, m, k: model(t, m, key=k))(tokens, mask, keys)
 
 
+def policy_logits(
+    model: Callable[..., Any], tokens: Array, mask: Array, key: PRNGKeyArray | None
+) -> Array:
+    """`vmap_model` of a language model: its logits `[B, T, V]`, or a `ValueError` naming
+    the model and what it returned (e.g. a reward model's one score per sequence)."""
+    out = vmap_model(model, tokens, mask, key)
+    shape = getattr(out, "shape", None)
+    if shape is None or len(shape) != 3 or tuple(shape[:2]) != tuple(tokens.shape):
+        got = f"shape {tuple(shape)}" if shape is not None else type(out).__name__
+        raise ValueError(
+            "the policy must return next-token logits [T, V] for each sequence: "
+            f"{type(model).__name__} returned {got} for tokens of shape {tuple(tokens.shape)} "
+            "(expected (B, T, vocab)); use a language model such as rlhf_eqx.Policy"
+        )
+    return out
+
+
 def tempered_logprobs(
     logits: Float[Array, "B T V"],
     tokens: Int[Array, "B T"],

@@ -21,9 +21,9 @@ from ..ops import masked_sum
 from ._accumulate import (
     _moment_std,
     _set_fields,
+    policy_logits,
     tempered_entropies,
     tempered_logprobs,
-    vmap_model,
 )
 from ._builder import step_builder
 from ._distill import _check_reference_vocab
@@ -128,7 +128,7 @@ def grpo_loss(
             else:
                 out = shared_prompt_logprobs(model, batch, m, **kw)
             return out[0], (out[2] if entropy else None)
-        logits = vmap_model(model, batch.tokens, batch.mask, key)
+        logits = policy_logits(model, batch.tokens, batch.mask, key)
         logp = tempered_logprobs(logits, batch.tokens, batch.mask, temperature)
         if not entropy:
             return logp, None

@@ -15,7 +15,7 @@ from ..data import DistillBatch
 from ..losses import aggregate_parts, ppo_policy_loss, reverse_kl_reward
 from ..models import AbstractSelectiveLM
 from ..ops import masked_sum
-from ._accumulate import tempered_logprobs, vmap_model
+from ._accumulate import policy_logits, tempered_logprobs
 from ._builder import step_builder
 from ._distill import _check_vocab, _distill_step, _loss_mask, _split_teacher, _vocab_size
 from ._rl_settings import SampledSettings
@@ -71,7 +71,7 @@ def _token_logps(
             batch.tokens, batch.mask, select, key=key, temperature=temperature
         )
         return out[0]
-    logits = vmap_model(model, batch.tokens, batch.mask, key)
+    logits = policy_logits(model, batch.tokens, batch.mask, key)
     return tempered_logprobs(logits, batch.tokens, batch.mask, temperature)
 
 

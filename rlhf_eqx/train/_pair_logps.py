@@ -11,7 +11,7 @@ from jaxtyping import Array, Bool, Float, Int
 from ..data import PackedPreferenceBatch, PreferenceBatch
 from ..models import AbstractSelectiveLM, branch_sums
 from ..ops import logprobs_from_logits, masked_sum, previous_real_index
-from ._accumulate import _set_fields, vmap_model
+from ._accumulate import _set_fields, policy_logits
 
 
 def _forward(model, tokens, mask, completion_mask, key):
@@ -24,7 +24,7 @@ def _forward(model, tokens, mask, completion_mask, key):
     if isinstance(model, AbstractSelectiveLM):
         logp, mean_logit = model.selected_logprobs(tokens, mask, m, key=key)
         return logp, masked_sum(logp, m, axis=-1), masked_sum(mean_logit, m, axis=-1)
-    logits = vmap_model(model, tokens, mask, key)
+    logits = policy_logits(model, tokens, mask, key)
     logp = jax.vmap(logprobs_from_logits)(logits, tokens, mask)
     seq = masked_sum(logp, m, axis=-1)
     prev, _ = jax.vmap(previous_real_index)(mask)

@@ -9,7 +9,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 from ..data import SequenceBatch
 from ..losses import aggregate_parts, sft_nll
 from ..ops import logprobs_from_logits, masked_sum, previous_real_index
-from ._accumulate import vmap_model
+from ._accumulate import policy_logits
 from ._builder import step_builder
 from ._settings import SFTSettings, StepOptions, settings_from
 from ._state import combine
@@ -29,7 +29,7 @@ def sft_loss(settings: SFTSettings | None = None, **shortcuts: Any) -> LossFn:
 
     def loss_fn(params: PyTree, frozen: PyTree, batch: SequenceBatch, key: PRNGKeyArray | None):
         model = combine(params, frozen)
-        logits = vmap_model(model, batch.tokens, batch.mask, key)
+        logits = policy_logits(model, batch.tokens, batch.mask, key)
         logp = jax.vmap(logprobs_from_logits)(logits, batch.tokens, batch.mask)
         m = batch.completion_mask & batch.mask
         nll = jax.vmap(sft_nll)(logp, m)

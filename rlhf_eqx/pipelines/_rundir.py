@@ -12,10 +12,10 @@ what it resumes, and `config.json` is written only after every check has passed.
    `summary.json` or stage checkpoints) is refused for a new run,
    naming `--resume` and `--overwrite`; `overwrite=True` first moves the old run aside
    to `<run_dir>.replaced-<UTC time>` (nothing is deleted), and puts it back when the
-   new run fails before anything ran (a bad data file, a model that does not load:
-   `RunDir`), so that the old run is where it was. A directory of several runs
-   (a sweep, a run over several seeds: `holds_runs`) is refused for a run and its
-   resume alike (`overwrite` moves it aside too).
+   new run fails or is interrupted (Ctrl-C, SIGTERM) before anything ran (a bad data
+   file, a model that does not load: `RunDir`), so that the old run is where it was.
+   A directory of several runs (a sweep, a run over several seeds: `holds_runs`) is
+   refused for a run and its resume alike (`overwrite` moves it aside too).
 3. **Resume checks.** The requested configuration is compared with the stored
    `config.json`; any difference outside the resumable fields (`RESUMABLE_FIELDS` and each
    stage's `Stage.resumable`) is refused, naming each field with its old and new value.
@@ -99,17 +99,19 @@ def holds_run(run_dir: str) -> bool:
 
 @contextlib.contextmanager
 def removed_if_nothing_ran(path: str):
-    """Within: a failure (an exception, not an interrupt) before anything ran removes
-    `path` when this call created it — a run directory, a sweep's or a run over seeds —
-    so that the same command works once its input is fixed (a bad record, a model that
-    does not load, a reward function that raises at the first rollout). "Ran" is a
+    """Within: a failure (an exception) or an interrupt (Ctrl-C, SIGTERM: a
+    `KeyboardInterrupt`) before anything ran removes `path` when this call created it —
+    a run directory, a sweep's or a run over seeds — so that the same command works
+    once its input is fixed (a bad record, a model that does not load, a reward function
+    that raises at the first rollout), and an interrupted start leaves no empty run
+    behind (its resume command starts the run anew). "Ran" is a
     checkpoint or a step record (not an event of data preparation or monitoring) in a
     `metrics.jsonl` below `path`: a directory with one, or one that existed before, is
     kept as it is (one that `--overwrite` replaced is back by then: `RunDir`)."""
     fresh = not os.path.exists(path)
     try:
         yield
-    except Exception:
+    except (Exception, KeyboardInterrupt):
         if fresh and os.path.isdir(path) and not _anything_ran(path):
             shutil.rmtree(path, ignore_errors=True)
         raise
@@ -265,10 +267,11 @@ class RunDir:
     previous run moved aside) and where `--overwrite` moved the previous run
     (`replaced`, else `None`).
 
-    Left by an exception (not an interrupt) before anything ran in it (no checkpoint,
-    no step record: `_anything_ran`), a run that replaced another puts it back: the new
-    directory is removed and the previous run renamed back to `path`, untouched, so that
-    a failed `--overwrite` (a bad data file, say) loses nothing."""
+    Left by an exception or an interrupt (Ctrl-C, SIGTERM: a `KeyboardInterrupt`)
+    before anything ran in it (no checkpoint, no step record: `_anything_ran`), a run
+    that replaced another puts it back: the new directory is removed and the previous
+    run renamed back to `path`, untouched, so that a failed or interrupted `--overwrite`
+    (a bad data file, say) loses nothing."""
 
     def __init__(
         self,
@@ -291,8 +294,8 @@ class RunDir:
         return self
 
     def __exit__(self, kind, error, tb):
-        if isinstance(error, Exception) and self.replaced and not _anything_ran(self.path):
-            _put_back(self.path, self.replaced, self.lock)
+        if _undone(error) and self.replaced and not _anything_ran(self.path):
+            _put_back(self.path, self.replaced, self.lock, error)
         self.close()
 
 
@@ -367,8 +370,8 @@ def open_run_dir(
             notes.append(f"nothing to resume in {run_dir}: starting a new run")
         write_json_atomic(cfg_path, new)
     except BaseException as e:
-        if replaced is not None and isinstance(e, Exception):
-            _put_back(run_dir, replaced, lock)
+        if replaced is not None and _undone(e):
+            _put_back(run_dir, replaced, lock, e)
         lock.release()
         raise
     return RunDir(run_dir, lock, resume, notes, replaced)
@@ -424,11 +427,20 @@ def _move_aside(run_dir: str) -> str:
     return aside
 
 
-def _put_back(run_dir: str, aside: str, lock: RunLock) -> None:
-    """Undo `_move_aside` for a run that failed before anything ran: remove the new run's
-    directory `run_dir` (while `lock`, its lock, is held: no other run starts in it
-    meanwhile), unlock, and rename the previous run `aside` back to `run_dir`; a note on
-    stderr says so, or where the previous run stays when `run_dir` is taken again
+def _undone(error: BaseException | None) -> bool:
+    """Whether a run left by `error` before anything ran is undone (`RunDir`,
+    `removed_if_nothing_ran`): an exception or an interrupt (Ctrl-C, SIGTERM: a
+    `KeyboardInterrupt`), not a normal exit nor `SystemExit` / `GeneratorExit`."""
+    return isinstance(error, (Exception, KeyboardInterrupt))
+
+
+def _put_back(run_dir: str, aside: str, lock: RunLock, error: BaseException | None = None) -> None:
+    """Undo `_move_aside` for a run that failed or was interrupted (`error`) before
+    anything ran: remove the new run's directory `run_dir` (while `lock`, its lock, is
+    held: no other run starts in it meanwhile), unlock, and rename the previous run
+    `aside` back to `run_dir`; a note on stderr says so (after an interrupt, that the
+    same command with `--overwrite` replaces it: a `--resume` would continue the
+    previous run), or where the previous run stays when `run_dir` is taken again
     meanwhile."""
     shutil.rmtree(run_dir, ignore_errors=True)
     lock.release(remove=False)  # its file went with the directory
@@ -437,6 +449,14 @@ def _put_back(run_dir: str, aside: str, lock: RunLock) -> None:
     except OSError as e:
         print(
             f"note: the previous run stays in {aside} ({run_dir}: {e.strerror or e})",
+            file=sys.stderr,
+        )
+        return
+    if isinstance(error, KeyboardInterrupt):
+        print(
+            f"note: interrupted before anything ran: the previous run is back in {run_dir} "
+            "(to replace it, run the same command with --overwrite again; --resume would "
+            "continue the previous run)",
             file=sys.stderr,
         )
         return

@@ -82,7 +82,10 @@ def test_validation_reads_a_renamed_gguf(models, name):
     long = pl.apply_overrides(cfg, ["sampling.max_new_tokens=200"])
     with pytest.raises(pl.ConfigError, match=r"max_seq_len=128 tokens"):
         pl.config.validate_config(long)  # the context from the file's header
-    policy, _ = pl.tools.load_configured_model(pl.apply_overrides(cfg, ["model.quantized=true"]))
+    quantized = pl.apply_overrides(cfg, ["model.quantized=true"])
+    with pytest.raises(pl.ConfigError, match="LoRA"):  # the source is taken; SFT has no LoRA
+        pl.config.validate_config(quantized)
+    policy, _ = pl.tools.load_configured_model(quantized)
     assert type(policy.transformer.embed).__name__ == "GGUFWeight"
 
 

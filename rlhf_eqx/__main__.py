@@ -404,6 +404,19 @@ def result_line(command: str, summary: dict, out: str) -> str:
     return f"rlhf_eqx {command}: {what}: {numbers}({out}/summary.json)"
 
 
+def _interrupted(e: KeyboardInterrupt, argv: Sequence[str], what: str = "interrupted") -> str:
+    """The line for an interrupted command: the command that resumes it, or, when the
+    interrupt came before anything ran (`nothing_ran`, set by the run directory: the
+    new directory removed, or the previous run that `--overwrite` replaced put back),
+    the same command again (a resume would find nothing, or the previous run)."""
+    if getattr(e, "nothing_ran", False):
+        return (
+            "interrupted before anything ran (nothing to resume); to start it again: "
+            "rlhf_eqx " + shlex.join(argv)
+        )
+    return f"{what}; resume with: {resume_command(argv)}"
+
+
 def resume_command(argv: Sequence[str]) -> str:
     """The command that resumes the run `argv` started."""
     args = [a for a in argv if a != "--overwrite"]
@@ -449,8 +462,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             with _terminate_as_interrupt():
                 return sweep_command(plain[1:])
-        except KeyboardInterrupt:  # the periodic checkpoints (ops.checkpoint_every) stay
-            print(f"interrupted; resume with: {resume_command(argv)}", file=sys.stderr)
+        except KeyboardInterrupt as e:  # the periodic checkpoints (ops.checkpoint_every) stay
+            print(_interrupted(e, argv), file=sys.stderr)
             return 130
     if plain[:1] == ["serve"]:  # an OpenAI-compatible endpoint (its own options)
         from rlhf_eqx.serving import serve_command
@@ -542,14 +555,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except RunInterrupted as e:
         where = f"; checkpoint {e.checkpoint}" if e.checkpoint else ""
-        print(
-            f"interrupted: {e.stage} at iteration {e.iteration}/{e.total}{where}; resume with: "
-            f"{resume_command(argv)}",
-            file=sys.stderr,
-        )
+        what = f"interrupted: {e.stage} at iteration {e.iteration}/{e.total}{where}"
+        print(_interrupted(e, argv, what), file=sys.stderr)
         return 130
-    except KeyboardInterrupt:
-        print(f"interrupted; resume with: {resume_command(argv)}", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        print(_interrupted(e, argv), file=sys.stderr)
         return 130
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

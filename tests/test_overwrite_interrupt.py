@@ -65,6 +65,10 @@ def test_an_interrupted_overwrite_puts_the_previous_run_back(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"interrupted before anything ran: the previous run is back in {run}" in err
     assert "--overwrite again" in err
+    argv = _argv(tmp_path, run, "--overwrite")
+    again = "to start it again: rlhf_eqx " + " ".join(argv)
+    assert "interrupted before anything ran (nothing to resume); " + again in err
+    assert "--resume" not in err.replace("--resume would", "")
     assert _snapshot(run) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pairs.jsonl", "run"]
 
@@ -72,7 +76,9 @@ def test_an_interrupted_overwrite_puts_the_previous_run_back(tmp_path, capsys):
 def test_an_interrupted_new_run_leaves_no_directory(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(_argv(tmp_path, run)) == 130
-    assert "interrupted; resume with:" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "interrupted before anything ran (nothing to resume); to start it again:" in err
+    assert "resume with" not in err
     assert not run.exists()
 
 

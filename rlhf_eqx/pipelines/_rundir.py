@@ -111,10 +111,20 @@ def removed_if_nothing_ran(path: str):
     fresh = not os.path.exists(path)
     try:
         yield
-    except (Exception, KeyboardInterrupt):
+    except (Exception, KeyboardInterrupt) as e:
         if fresh and os.path.isdir(path) and not _anything_ran(path):
             shutil.rmtree(path, ignore_errors=True)
+            _mark_nothing_ran(e)
         raise
+
+
+def _mark_nothing_ran(error: BaseException | None) -> None:
+    """Mark an interrupt that came before anything ran (`error.nothing_ran = True`): the
+    command line then says to run the same command again, not to resume (there is
+    nothing of this run to resume, and with `--overwrite` a resume would continue the
+    previous run put back)."""
+    if isinstance(error, KeyboardInterrupt):
+        error.nothing_ran = True
 
 
 def _anything_ran(path: str) -> bool:
@@ -296,6 +306,7 @@ class RunDir:
     def __exit__(self, kind, error, tb):
         if _undone(error) and self.replaced and not _anything_ran(self.path):
             _put_back(self.path, self.replaced, self.lock, error)
+            _mark_nothing_ran(error)
         self.close()
 
 

@@ -13,9 +13,13 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """Load a tokenizer, choosing the class from the file type.
 
     `*.json` → `HFTokenizer`, `*.model` → `SentencePieceTokenizer`, `*.bin` →
-    `Llama2cTokenizer`, `*.gguf` → `HFTokenizer` from the file's metadata
+    `Llama2cTokenizer`, a GGUF file → `HFTokenizer` from the file's metadata
     (`tokenizer_from_gguf`); a directory is searched for `tokenizer.json`,
     `tokenizer.model`, `tokenizer.bin` (in that order).
+
+    A GGUF file is told by its `.gguf` name or by its first four bytes, the magic
+    `GGUF`, whatever its name (`tok.bin`, `model`, as such files are often downloaded;
+    `is_gguf_file`), so that it never reaches the reader of its suffix.
     """
     path = os.fspath(path)
     if os.path.isdir(path):
@@ -33,6 +37,10 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         raise DataError(f"{path}: no tokenizer.json, tokenizer.model or tokenizer.bin{hint}")
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such tokenizer file")
+    if is_gguf_file(path):
+        from ._gguf_tokenizer import tokenizer_from_gguf
+
+        return tokenizer_from_gguf(path)
     suffix = os.path.splitext(path)[1].lower()
     if suffix == ".json":
         return HFTokenizer.from_file(path)
@@ -40,8 +48,24 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         return SentencePieceTokenizer.from_file(path)
     if suffix == ".bin":
         return Llama2cTokenizer.from_file(path)
-    if suffix == ".gguf":
-        from ._gguf_tokenizer import tokenizer_from_gguf
-
-        return tokenizer_from_gguf(path)
     raise DataError(f"{path}: unknown tokenizer file type (expected .json, .model, .bin or .gguf)")
+
+
+GGUF_MAGIC = b"GGUF"
+"""The first four bytes of every llama.cpp GGUF file."""
+
+
+def is_gguf_file(path: str | os.PathLike) -> bool:
+    """Whether `path` is a llama.cpp GGUF file: a `.gguf` name (whether or not the file
+    exists), or a readable file whose first four bytes are `GGUF_MAGIC`, whatever its
+    name."""
+    path = os.fspath(path)
+    if path.lower().endswith(".gguf"):
+        return True
+    if not os.path.isfile(path):
+        return False
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+    except OSError:
+        return False

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ._config import TransformerConfig
-from ._layers import AbstractQuantizedWeight, matmul, normal_init, softcap
+from ._layers import AbstractQuantizedWeight, matmul, normal_init, softcap, vary_like
 from ._masks import attention_layout, previous_allowed
 from ._packing import branch_last_index
 from ._protocols import (
@@ -119,6 +119,15 @@ class Policy(
         logits = matmul(hidden, w, out_dtype=jnp.float32, transposed=tied)
         return softcap(logits, self.cfg.final_softcap)
 
+    def _head_varying_like(self, h: Array) -> "Policy":
+        """`self` with the LM head's weight cast to vary over the manual device axes `h`
+        varies over (`vary_like`); `self` outside `jax.shard_map`."""
+        if self.lm_head is None:
+            return eqx.tree_at(
+                lambda p: p.transformer.embed, self, vary_like(h, self.transformer.embed)
+            )
+        return eqx.tree_at(lambda p: p.lm_head, self, vary_like(h, self.lm_head))
+
     def _read_out(self, h: Float[Array, "*T D"]) -> Float[Array, "*T V"]:
         return self.logits_from_hidden(h)
 
@@ -203,9 +212,13 @@ class Policy(
 
         n_out = 3 if with_entropy else 2
 
+        # the head's weights vary over the device axes the rows do (under shard_map),
+        # so that a skipped chunk's branch and the backward's sum stay out of the cond
+        head = self._head_varying_like(h)
+
         def scored(args):
             hc, tc = args
-            logits = self.logits_from_hidden(hc).astype(jnp.float32)
+            logits = head.logits_from_hidden(hc).astype(jnp.float32)
             if temperature != 1.0:
                 logits = logits / temperature
             lse = jax.nn.logsumexp(logits, axis=-1)
@@ -217,7 +230,8 @@ class Policy(
             return out
 
         def skipped(args):
-            return (jnp.zeros((chunk,), jnp.float32),) * n_out
+            # of the chunk's type under shard_map (varying over the axes the rows vary over)
+            return (vary_like(args[0], jnp.zeros((chunk,), jnp.float32)),) * n_out
 
         # Across processes the head's weights may be sharded, and a collective inside a
         # conditional can run concurrently with another collective in a different order

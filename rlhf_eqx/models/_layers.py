@@ -9,7 +9,7 @@ from collections.abc import Callable
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, Int8, PRNGKeyArray, UInt8
+from jaxtyping import Array, Float, Int, Int8, PRNGKeyArray, PyTree, UInt8
 
 from ._native_rows import dense_product, dense_routed
 from ._packed_products import NATIVE_MAX_ROWS
@@ -275,8 +275,46 @@ def rms_norm(
     The backward pass is written out (`n = x·r`, `g = dy·w`: `dx = r·(g − n·mean(g·n))`,
     `dw = Σ dy·n`) and keeps only `x` and the per-row `r = 1/√(mean(x²) + eps)`, where
     autodiff kept the normalised rows as well (less memory, no slower).
+
+    Under `jax.shard_map` (with its default `check_vma=True`) a replicated weight is
+    first cast to vary over the device axes `x` varies over (`vary_like`), so that its
+    per-device cotangent `dw` has the weight's type; the cast's transpose sums `dw` over
+    those axes, as autodiff of the written-out product does.
     """
-    return _rms_norm(x, weight, float(eps), bool(plus_one))
+    return _rms_norm(x, vary_like(x, weight), float(eps), bool(plus_one))
+
+
+def vary_like(x: Array, y: PyTree) -> PyTree:
+    """`y`'s arrays cast to vary over the manual device axes (`jax.shard_map`'s) that `x`
+    varies over and they do not; `y` itself outside `shard_map` or with `check_vma=False`.
+
+    A `custom_vjp` whose backward pass computes a replicated input's cotangent from
+    varying values (the weight of a norm applied to a shard of the batch) must receive
+    that input as varying: the cotangent then matches its type, and the transpose of the
+    cast (`psum` over those axes) gives the replicated input the summed cotangent that
+    autodiff would give it. Cast before a conditional whose branch differs across
+    devices, that `psum` stays out of the branch. Values are unchanged.
+    """
+    vx = _varying_axes(x)
+
+    def cast(leaf):
+        if not isinstance(leaf, jax.Array):
+            return leaf
+        axes = tuple(sorted(vx - _varying_axes(leaf), key=str))
+        if not axes:
+            return leaf
+        if hasattr(jax.lax, "pcast"):
+            return jax.lax.pcast(leaf, axes, to="varying")
+        return jax.lax.pvary(leaf, axes)  # JAX before `pcast`
+
+    return jax.tree.map(cast, y) if vx else y
+
+
+def _varying_axes(x: Array) -> frozenset:
+    """The manual axes `x`'s type varies over (its `vma`; empty outside `shard_map`)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
 
 
 def _rms_scale(x32, eps):
@@ -358,7 +396,7 @@ def gated_activation(
     """
     if gate.shape != up.shape:
         raise ValueError(f"gate {gate.shape} and up {up.shape} must have the same shape")
-    return _gated(gate, up, kind)
+    return _gated(vary_like(up, gate), vary_like(gate, up), kind)
 
 
 def softcap(x: Array, cap: float | None) -> Array:

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from ._dense_attention import _fused_attention
+from ._layers import vary_together
 from ._tiled_attention import _LOOPED_BLOCKS, _looped_attention, _unrolled_attention
 
 
@@ -47,6 +48,9 @@ def attention(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if causal_block is not None and causal_block < 1:
         raise ValueError(f"causal_block must be a positive int, got {causal_block!r}")
+    # under jax.shard_map, one type for all (each cotangent has its input's type, and
+    # the tiled loops' carries start with the type their bodies return)
+    q, k, v, allowed = vary_together(q, k, v, allowed)
     if causal_block is None or S < T or (T <= causal_block and S <= causal_block):
         return _fused_attention(q, k, v, allowed, scale, cap)
     whole = T // causal_block * causal_block

@@ -310,6 +310,20 @@ def vary_like(x: Array, y: PyTree) -> PyTree:
     return jax.tree.map(cast, y) if vx else y
 
 
+def vary_together(*arrays: Array) -> tuple[Array, ...]:
+    """`arrays` each cast to vary over every manual device axis that any of them varies
+    over (`vary_like`): the inputs of a `custom_vjp` whose backward pass mixes them (a
+    cotangent then has its input's type), and the references for a loop's initial
+    carries built from them. Values are unchanged."""
+    axes = frozenset().union(*(_varying_axes(a) for a in arrays))
+    if not axes:
+        return arrays
+    ref = max(arrays, key=lambda a: len(_varying_axes(a)))
+    if _varying_axes(ref) != axes:  # no one array varies over all of them
+        ref = functools.reduce(lambda r, a: vary_like(a, r), arrays, ref)
+    return tuple(vary_like(ref, a) for a in arrays)
+
+
 def _varying_axes(x: Array) -> frozenset:
     """The manual axes `x`'s type varies over (its `vma`; empty outside `shard_map`)."""
     aval = jax.typeof(x)

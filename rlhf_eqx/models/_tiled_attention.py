@@ -10,7 +10,7 @@ import numpy as np
 from einops import rearrange
 
 from ._dense_attention import _f32
-from ._layers import softcap
+from ._layers import softcap, vary_like
 
 
 def _tile_scores(qb, kt, G: int, scale: float, cap: float | None):
@@ -41,7 +41,8 @@ def _softmax_step(carry, qb, kt, vt, ok, G: int, scale: float, cap: float | None
 
 def _softmax_init(qb, G: int):
     stats = qb.shape[:-2] + (G, qb.shape[-2] // G)
-    return jnp.full(stats, -jnp.inf, _f32), jnp.zeros(stats, _f32), jnp.zeros(qb.shape, _f32)
+    init = jnp.full(stats, -jnp.inf, _f32), jnp.zeros(stats, _f32), jnp.zeros(qb.shape, _f32)
+    return vary_like(qb, init)  # of the loop body's type under jax.shard_map
 
 
 def _softmax_finish(m, den, acc, G: int):
@@ -144,7 +145,8 @@ def _unrolled_backward(q, k, v, allowed, out, lse, d_out, scale, cap, block):
             dq_t, dk_t, dv_t = _grad_step(qb, dob, lse_b, delta_b, kt, vt, at, G, scale, cap)
             return dq + dq_t, (dk_t, dv_t)
 
-        dq_b, (dk_b, dv_b) = jax.lax.scan(body, jnp.zeros(qb.shape, _f32), (kb, vb, ab))
+        dq0 = vary_like(qb, jnp.zeros(qb.shape, _f32))
+        dq_b, (dk_b, dv_b) = jax.lax.scan(body, dq0, (kb, vb, ab))
         dqs.append(rearrange(dq_b, "... k (g t) d -> ... k g t d", g=G))
         back = lambda x: jnp.moveaxis(x, 0, -3).reshape(x.shape[1:-2] + (-1, hd))[..., :end, :]
         pad = [(0, 0)] * (k.ndim - 2) + [(0, S - end), (0, 0)]
@@ -220,10 +222,11 @@ def _looped_backward(q, k, v, allowed, out, lse, d_out, scale, cap, block):
             )
             return dq + dq_t, add(dk, dk_t), add(dv, dv_t)
 
-        dq, dk, dv = jax.lax.fori_loop(0, n_keys, step, (jnp.zeros(qb.shape, _f32), *grads))
+        dq0 = vary_like(qb, jnp.zeros(qb.shape, _f32))
+        dq, dk, dv = jax.lax.fori_loop(0, n_keys, step, (dq0, *grads))
         return (dk, dv), dq
 
-    zeros = jnp.zeros(kp.shape, _f32)
+    zeros = vary_like(qb_all, jnp.zeros(kp.shape, _f32))
     xs = (qb_all, rows_all, do_all, per_block(lse), per_block(delta), seen)
     (dk, dv), dq = jax.lax.scan(per_query_block, (zeros, zeros), xs)
     dq = rearrange(dq, "n ... k (g b) d -> ... (n b) (k g) d", g=G)

@@ -5,7 +5,7 @@ selective LM head's skipped chunks) type-check there: the gradient of a loss sum
 a shard of the rows, with respect to replicated parameters, is the gradient of the loss
 summed over all rows (autodiff sums a replicated input's cotangent over the axis).
 
-A step built with `axis_name="data"` should equal the one-device step on the global
+A step built with `axis_name="data"` equals the one-device step on the global
 batch. The rows have uneven masks across devices (very different lengths, an empty
 completion), so a per-device mean would differ from the global one.
 """
@@ -42,14 +42,9 @@ def _uneven_sequences(key, prompt=3):
     return tokens, mask, mask & (pos >= prompt)
 
 
-# The step differentiates with respect to the replicated parameters, whose gradient
-# shard_map's autodiff has already summed over the axis, and then sums it again: its
-# update is N_DEV times the one-device update until it differentiates per-device
-# (varying) copies of the parameters.
-_STEP_SUMS_TWICE = pytest.mark.xfail(
-    strict=True,
-    reason="the step psums gradients that shard_map (check_vma=True) already summed",
-)
+# The step differentiates per-device (varying) copies of the replicated parameters and
+# sums the gradients once itself: differentiating the replicated parameters, whose
+# gradient shard_map's autodiff already sums over the axis, gave N_DEV times the update.
 
 
 def test_shard_map_gradient_of_replicated_policy_is_the_global_gradient(getkey):
@@ -103,7 +98,6 @@ def _compare(step_dp, step_one, params, opt, batch, **kwargs):
         )
 
 
-@_STEP_SUMS_TWICE
 def test_shard_map_sft_equals_one_device(getkey):
     policy = rx.Policy(tiny_config(), key=getkey())
     tokens, mask, cm = _uneven_sequences(getkey())
@@ -112,7 +106,6 @@ def test_shard_map_sft_equals_one_device(getkey):
     _compare(make_sft_step(opt, axis_name="data"), make_sft_step(opt), policy, opt, batch)
 
 
-@_STEP_SUMS_TWICE
 def test_shard_map_dpo_equals_one_device(getkey):
     policy = rx.Policy(tiny_config(), key=getkey())
     ref = rx.Policy(tiny_config(), key=getkey())
@@ -137,7 +130,6 @@ def test_shard_map_dpo_equals_one_device(getkey):
     )
 
 
-@_STEP_SUMS_TWICE
 def test_shard_map_grpo_equals_one_device(getkey):
     policy = rx.Policy(tiny_config(), key=getkey())
     ref = rx.Policy(tiny_config(), key=getkey())

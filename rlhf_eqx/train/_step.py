@@ -158,6 +158,35 @@ def _check_axis_bound(axis_name: str) -> None:
         ) from None
 
 
+def _vma(x) -> frozenset:
+    """The manual device axes `x`'s type varies over (empty outside `jax.shard_map`, or
+    where the varying axes are not tracked: `check_vma=False`)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # where JAX keeps them since 0.9
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+
+
+def _varying_like_batch(params: PyTree, batch: PyTree, axis_name: str | None) -> PyTree:
+    """`params`' floating-point arrays cast to vary over the device axis `axis_name`
+    where the batch varies over it and they do not: replicated parameters inside
+    `jax.shard_map` with `check_vma=True`. Autodiff would otherwise sum a replicated
+    input's cotangent over the devices itself, and the step's own `psum` of the gradients
+    would sum it a second time (an update `N` times too large on `N` devices); cast, each
+    device's gradient stays its own and is summed once. The values are unchanged, and so
+    is everything under `jax.pmap`, `jax.jit` or `check_vma=False` (nothing to cast)."""
+    if axis_name is None or not any(
+        axis_name in _vma(x) for x in jax.tree.leaves(batch) if isinstance(x, jax.Array)
+    ):
+        return params
+
+    def cast(x):
+        if not eqx.is_inexact_array(x) or axis_name in _vma(x):
+            return x
+        return jax.lax.pcast(x, (axis_name,), to="varying")
+
+    return jax.tree.map(cast, params)
+
+
 def _check_no_device_axis() -> None:
     """Refuse (at trace time) a step built without `axis_name` that runs inside
     `jax.pmap` or `jax.shard_map`: each device would take its own shard's step and the
@@ -467,7 +496,11 @@ def make_step(
             return total, (sg(terms), sums, counts)
 
         loss, grads, (terms, sums, counts) = accumulate_gradients(
-            contribution, params, batch, micro_batches=micro_batches, key=key
+            contribution,
+            _varying_like_batch(params, batch, axis_name),
+            batch,
+            micro_batches=micro_batches,
+            key=key,
         )
         loss, grads, terms, sums, prep_sums = _psum(
             (loss, grads, terms, sums, prep_sums), axis_name

@@ -85,7 +85,7 @@ from ._jinja_chat import (
     load_chat_template as load_chat_template,
 )
 from ._llama2c_tokenizer import Llama2cTokenizer as Llama2cTokenizer
-from ._load_tokenizer import load_tokenizer as load_tokenizer
+from ._load_tokenizer import is_gguf_file as is_gguf_file, load_tokenizer as load_tokenizer
 from ._loader import (
     BatchIterator as BatchIterator,
     IteratorState as IteratorState,

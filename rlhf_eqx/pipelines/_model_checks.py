@@ -20,34 +20,25 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from rlhf_eqx import data
+
 from ._config import ConfigError
 from ._field_checks import _fail
 
-GGUF_MAGIC = b"GGUF"
-
 
 def is_gguf_file(path: str) -> bool:
-    """Whether `path` is a llama.cpp GGUF file: a `.gguf` name (whether or not the file
-    exists: loading it names what is missing), or a file whose first four bytes are the
-    magic `GGUF` whatever its name (`model.bin`, `my-model`, as such files are often
-    downloaded). Every place that tells a model, a teacher, a judge, a tokenizer file or
-    a reference apart asks this, so that such a file loads as its `.gguf` name would."""
-    if path.lower().endswith(".gguf"):
-        return True
-    if not os.path.isfile(path):
-        return False
-    try:
-        with open(path, "rb") as f:
-            return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
-    except OSError:
-        return False
+    """Whether `path` is a llama.cpp GGUF file (`rlhf_eqx.data.is_gguf_file`: a `.gguf`
+    name, or a file whose first four bytes are the magic `GGUF` whatever its name, as
+    such files are often downloaded). Every place that tells a model, a teacher, a judge,
+    a tokenizer file or a reference apart asks this, so that such a file loads as its
+    `.gguf` name would."""
+    return data.is_gguf_file(path)
 
 
 def read_tokenizer_file(path: str):
     """The tokenizer of the file `path`: a GGUF file's from its metadata
     (`data.tokenizer_from_gguf`, whatever the file's name: `is_gguf_file`), any other
     by its type (`data.load_tokenizer`, which names a missing file)."""
-    from .. import data
 
     if os.path.isfile(path) and is_gguf_file(path):
         return data.tokenizer_from_gguf(path)
@@ -99,8 +90,6 @@ def model_sizes(field: str, source: str) -> tuple[int, int] | None:
 
 @functools.lru_cache(maxsize=8)
 def _read_tokenizer(path: str, stamp: int):
-    from .. import data
-
     del stamp  # part of the cache key: a rewritten file is read again
     return data.load_tokenizer(path)
 

@@ -7,10 +7,11 @@ Two reports:
    unless real ones are present), on a `(N, 1)` mesh: parameters replicated, the global
    batch split over `"data"`, XLA's all-reduce of the gradients. The collective share
    is measured by timing the same step with the all-reduce removed: the step runs per
-   device on its own rows inside `jax.shard_map` (same FLOPs, no cross-device
-   reduction), and `share = 1 - t_no_collective / t_mesh`. Simulated CPU devices share
-   the host's cores, so on them the step time does not fall with N; the table shows the
-   overhead of the distribution itself.
+   device on its own rows as one `vmap`ped copy of the state per device, the copy axis
+   sharded over the mesh (same FLOPs, no cross-device reduction), and
+   `share = 1 - t_no_collective / t_mesh`. Simulated CPU devices share the host's
+   cores, so on them the step time does not fall with N; the table shows the overhead
+   of the distribution itself.
 2. **Memory table** (`--memory-table`): `rlhf_eqx.estimate_memory` for Llama-7B/13B/70B
    on 8-device meshes (v5e-8: 8 × 16 GB; 8×H100: 8 × 80 GB), full fine-tuning with
    FSDP, LoRA and int8-base LoRA, bfloat16; the markdown table in `docs/scaling.md`.
@@ -37,7 +38,7 @@ def _worker(n_devices: int, quick: bool) -> dict:
     import equinox as eqx
     import jax
     import jax.numpy as jnp
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
     import rlhf_eqx as rx
     from rlhf_eqx import distributed as dist
@@ -79,34 +80,43 @@ def _worker(n_devices: int, quick: bool) -> dict:
         return step(p, o, b)
 
     mesh_step = jax.jit(run)
-    params_spec = jax.tree.map(lambda _: P(), params)
-    opt_spec = jax.tree.map(lambda _: P(), opt_state)
-    batch_spec = jax.tree.map(lambda _: P("data"), sharded)
-    # The same step on each device's own rows, nothing reduced across devices.
-    local_step = jax.jit(
-        jax.shard_map(
-            run,
-            mesh=mesh,
-            in_specs=(params_spec, opt_spec, batch_spec),
-            out_specs=P(),
-            check_vma=False,
-        )
-    )
+    # The same step on each device's own rows, nothing reduced across devices: one
+    # independent copy of the state per device, `vmap`ped over a leading copy axis that
+    # the mesh shards over "data" (a step built without `axis_name` refuses to run
+    # inside `shard_map` / `pmap`, where the copies would silently drift apart).
+    copy_axis = NamedSharding(mesh, P("data"))
 
-    def best(fn):
+    def copies(tree):
+        return jax.tree.map(
+            lambda x: jax.device_put(jnp.broadcast_to(x, (n_devices,) + x.shape), copy_axis),
+            eqx.filter(tree, eqx.is_array),
+        )
+
+    def per_device(b):
+        return jax.device_put(
+            b.reshape((n_devices, b.shape[0] // n_devices) + b.shape[1:]), copy_axis
+        )
+
+    local_args = (
+        eqx.combine(copies(params), eqx.filter(params, eqx.is_array, inverse=True)),
+        eqx.combine(copies(opt_state), eqx.filter(opt_state, eqx.is_array, inverse=True)),
+        jax.tree.map(per_device, sharded),
+    )
+    local_step = eqx.filter_jit(eqx.filter_vmap(run))
+
+    def best(fn, args):
         start = time.perf_counter()
-        jax.block_until_ready(fn(params, opt_state, sharded))
+        jax.block_until_ready(fn(*args))
         compile_s = time.perf_counter() - start
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
-            jax.block_until_ready(fn(params, opt_state, sharded))
+            jax.block_until_ready(fn(*args))
             times.append(time.perf_counter() - start)
         return min(times), compile_s
 
-    t_mesh, c_mesh = best(mesh_step)
-    t_local, _ = best(local_step) if n_devices > 1 else (t_mesh, 0.0)
-    del eqx
+    t_mesh, c_mesh = best(mesh_step, (params, opt_state, sharded))
+    t_local, _ = best(local_step, local_args) if n_devices > 1 else (t_mesh, 0.0)
     return {
         "devices": n_devices,
         "pairs": pairs,

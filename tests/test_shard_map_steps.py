@@ -18,7 +18,7 @@ import optax
 import pytest
 from helpers import assert_updates_agree
 from jax.sharding import PartitionSpec as P
-from test_train_common import VOCAB, tiny_config
+from test_train_common import tiny_config, uneven_sequences
 
 import rlhf_eqx as rx
 from rlhf_eqx.distributed import make_mesh
@@ -34,12 +34,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def _uneven_sequences(key, prompt=3):
-    k1, k2 = jax.random.split(key)
-    tokens = jax.random.randint(k1, (B, T), 1, VOCAB)
-    lengths = jax.random.randint(k2, (B,), prompt + 1, T + 1).at[0].set(prompt).at[5].set(T)
-    pos = jnp.arange(T)[None, :]
-    mask = pos < lengths[:, None]
-    return tokens, mask, mask & (pos >= prompt)
+    return uneven_sequences(key, B, T, prompt)
 
 
 # The step differentiates per-device (varying) copies of the replicated parameters and

@@ -131,6 +131,18 @@ def preference_batch(key, B=4, T=10, prompt=3, vocab=VOCAB):
     )
 
 
+def uneven_sequences(key, B, T, prompt=3, vocab=VOCAB):
+    """`(tokens, mask, completion_mask)` of `B` rows of `T` tokens whose lengths differ
+    widely (row 0 has no completion token, row 5 is full), so that a per-device mean
+    differs from the global one."""
+    k1, k2 = jax.random.split(key)
+    tokens = jax.random.randint(k1, (B, T), 1, vocab)
+    lengths = jax.random.randint(k2, (B,), prompt + 1, T + 1).at[0].set(prompt).at[5].set(T)
+    pos = jnp.arange(T)[None, :]
+    mask = pos < lengths[:, None]
+    return tokens, mask, mask & (pos >= prompt)
+
+
 def sgd_delta(step, model, batch, **kwargs):
     """Run one `optax.sgd(1.0)` step on `model`: returns (-gradient, metrics)."""
     opt = optax.sgd(1.0)

@@ -357,7 +357,6 @@ def reward_model_scores(
     return jax.vmap(reward_model)(tokens, mask).astype(jnp.float32)
 
 
-@eqx.filter_jit
 def token_logps(
     model,
     tokens: Int[Array, "B T"],
@@ -367,7 +366,15 @@ def token_logps(
     r"""`log p(tokens[t] | tokens[<t])` of every row under `model` (0 where undefined), of
     the distribution $\mathrm{softmax}(z / \tau)$ at `temperature` $\tau$ (a sampler's
     log-probabilities are at its sampling temperature; a reference compared with them is
-    taken at the same one)."""
+    taken at the same one). One compiled program per model, shapes and temperature,
+    however the temperature is given (left out, or passed by position or by name)."""
+    if isinstance(temperature, int | float):  # a number: static, one program per value
+        temperature = float(temperature)
+    return _token_logps(model, tokens, mask, temperature)
+
+
+@eqx.filter_jit
+def _token_logps(model, tokens, mask, temperature):
     return jax.vmap(lambda t, m: rx.token_logprobs(model, t, m, temperature=temperature))(
         tokens, mask
     )

@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 from helpers import assert_updates_agree
-from test_train_common import tiny_config, uneven_sequences
+from test_train_common import tiny_config, uneven_preferences, uneven_sequences
 
 import rlhf_eqx as rx
 from rlhf_eqx.distributed import replicate, shard_batch_for_pmap, unreplicate
@@ -45,18 +45,7 @@ def _uneven_sequences(key, prompt=3):
 
 
 def _preferences(key):
-    k1, k2 = jax.random.split(key)
-    ct, cm, ccm = _uneven_sequences(k1)
-    rt, rm, rcm = _uneven_sequences(k2)
-    rt = rt.at[:, :3].set(ct[:, :3])
-    return rx.PreferenceBatch(
-        chosen_tokens=ct,
-        chosen_mask=cm,
-        chosen_completion_mask=ccm,
-        rejected_tokens=rt,
-        rejected_mask=rm,
-        rejected_completion_mask=rcm,
-    )
+    return uneven_preferences(key, B, T)
 
 
 def _compare(step_dp, step_one, params, opt, batch, **kwargs):

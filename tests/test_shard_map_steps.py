@@ -18,7 +18,7 @@ import optax
 import pytest
 from helpers import assert_updates_agree
 from jax.sharding import PartitionSpec as P
-from test_train_common import tiny_config, uneven_sequences
+from test_train_common import tiny_config, uneven_preferences, uneven_sequences
 
 import rlhf_eqx as rx
 from rlhf_eqx.distributed import make_mesh
@@ -104,15 +104,7 @@ def test_shard_map_sft_equals_one_device(getkey):
 def test_shard_map_dpo_equals_one_device(getkey):
     policy = rx.Policy(tiny_config(), key=getkey())
     ref = rx.Policy(tiny_config(), key=getkey())
-    (ct, cm, ccm), (rt, rm, rcm) = _uneven_sequences(getkey()), _uneven_sequences(getkey())
-    batch = rx.PreferenceBatch(
-        chosen_tokens=ct,
-        chosen_mask=cm,
-        chosen_completion_mask=ccm,
-        rejected_tokens=rt.at[:, :3].set(ct[:, :3]),
-        rejected_mask=rm,
-        rejected_completion_mask=rcm,
-    )
+    batch = uneven_preferences(getkey(), B, T)
     opt = optax.sgd(2.0)
     kw = dict(beta=0.5, rpo_alpha=0.3)
     _compare(

@@ -143,6 +143,22 @@ def uneven_sequences(key, B, T, prompt=3, vocab=VOCAB):
     return tokens, mask, mask & (pos >= prompt)
 
 
+def uneven_preferences(key, B, T, prompt=3):
+    """A `PreferenceBatch` of `uneven_sequences` rows, the rejected rows sharing the
+    chosen rows' prompt tokens."""
+    k1, k2 = jax.random.split(key)
+    ct, cm, ccm = uneven_sequences(k1, B, T, prompt)
+    rt, rm, rcm = uneven_sequences(k2, B, T, prompt)
+    return rx.PreferenceBatch(
+        chosen_tokens=ct,
+        chosen_mask=cm,
+        chosen_completion_mask=ccm,
+        rejected_tokens=rt.at[:, :prompt].set(ct[:, :prompt]),
+        rejected_mask=rm,
+        rejected_completion_mask=rcm,
+    )
+
+
 def sgd_delta(step, model, batch, **kwargs):
     """Run one `optax.sgd(1.0)` step on `model`: returns (-gradient, metrics)."""
     opt = optax.sgd(1.0)

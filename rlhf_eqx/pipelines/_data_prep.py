@@ -550,10 +550,11 @@ def is_preference_file(path: str, **options) -> bool:
 
 
 def trained_policy(env, model):
-    """`final_policy` (adapters merged) of a data-file stage's trained model; on a
-    quantised base (`model.quantized`) the packed weights are decoded first, so the
-    merged policy is dense."""
-    return final_policy(rx.dequantize(model) if env.cfg.model.quantized else model)
+    """`final_policy` (adapters merged, a quantised base decoded first: the merged
+    policy is dense) of a data-file stage's trained model; `env`, the stage's, is the
+    stage functions' calling convention."""
+    del env
+    return final_policy(model)
 
 
 def chat_records(env, records, source: Sequence | None = None) -> list:

@@ -774,3 +774,15 @@ def test_judge_scores_a_whole_rollout_as_a_reward_function(getkey):
     assert metrics["reward/judge"] == pytest.approx(float(np.mean(want)), rel=1e-6)
     chunked = dataclasses.replace(judge, batch_size=4)  # two passes of 4 rows
     np.testing.assert_allclose(chunked.score(prompts, texts), want, rtol=1e-5, atol=1e-6)
+
+
+def test_judge_refuses_a_template_that_leaves_no_room_within_max_length(getkey):
+    tok, policy, template, judge = _judge_setup(getkey)
+    own = 1 + len(tok.encode(template.format(prompt="", completion="")))  # BOS + template
+    with pytest.raises(ValueError, match=f"is already {own} tokens.*max_length={own} "):
+        judge_reward(policy, tok, template=template, yes_token="Y", no_token="N", max_length=own)
+    # one token of room is enough to build it; a function template is not called
+    judge_reward(policy, tok, template=template, yes_token="Y", no_token="N", max_length=own + 1)
+    judge_reward(
+        policy, tok, template=lambda p, c: p.split()[0], yes_token="Y", no_token="N", max_length=2
+    )

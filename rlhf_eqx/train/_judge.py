@@ -282,7 +282,7 @@ def judge_reward(
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("chat=True: the judge's tokenizer carries no chat template")
         chat_template = tokenizer.jinja_chat_template()
-    return JudgeReward(
+    judge = JudgeReward(
         model=model,
         tokenizer=tokenizer,
         template=template,
@@ -294,3 +294,17 @@ def judge_reward(
         batch_size=batch_size,
         chat_template=chat_template,
     )
+    # a format string's own tokens must leave room for a prompt and a completion: longer
+    # texts keep their end, so a template that fills `max_length` alone would lose its
+    # opening on every text, and a prompt and completion would never be seen (a function
+    # template is not called here: it may not accept empty texts)
+    own = 0
+    if isinstance(template, str):
+        own = int(wants_bos(tokenizer)) + len(tokenizer.encode(judge.render("", "")))
+    if own >= max_length:
+        raise ValueError(
+            f"template: the judging text with an empty prompt and completion is already "
+            f"{own} tokens (BOS and chat template included), max_length={max_length} leaves "
+            "no room for them; shorten the template or raise max_length"
+        )
+    return judge

@@ -35,7 +35,7 @@ from ._accumulate import vmap_model
 from ._builder import step_builder
 from ._settings import StepOptions, settings_from
 from ._state import combine
-from ._step import LossFn, Step, make_step
+from ._step import LossFn, Step, make_step, vary_over, varying_axes
 from ._validation import check_aggregation, check_number, check_positive_int
 
 # Head chunks unrolled up to this many (a scan beyond), as in `Policy.selected_logprobs`.
@@ -197,15 +197,21 @@ def _chunked_jsd(
     count = jnp.sum(flat_valid, dtype=jnp.int32)
     starts = jnp.arange(n_chunks, dtype=jnp.int32) * c
     offsets = jnp.arange(c, dtype=jnp.int32)
+    # Under `jax.shard_map` (check_vma) every value in a chunk's branches varies over the
+    # device axes the rows (or the heads' weights) vary over: the heads' weights are cast
+    # before the conditional and a skipped chunk's zeros have a scored chunk's type.
+    axes = varying_axes((fs, ft, count, student.head, teacher.head))
+    student_head, teacher_head = vary_over((student.head, teacher.head), axes)
 
     def scored(args):
         hs, ht, start = args
-        ls = student.head(hs)
-        lt = jax.lax.stop_gradient(teacher.head(ht))
-        return generalized_jsd(ls, lt, start + offsets < count, beta=beta, temperature=temperature)
+        ls = student_head(hs)
+        lt = jax.lax.stop_gradient(teacher_head(ht))
+        jsd = generalized_jsd(ls, lt, start + offsets < count, beta=beta, temperature=temperature)
+        return vary_over(jsd.astype(jnp.float32), axes)
 
     def skipped(args):
-        return jnp.zeros((c,), jnp.float32)
+        return vary_over(jnp.zeros((c,), jnp.float32), axes)
 
     # As in `Policy.selected_logprobs`: across processes no collective may run inside a
     # conditional, so there every chunk is scored.

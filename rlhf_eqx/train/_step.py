@@ -178,13 +178,32 @@ def _varying_like_batch(params: PyTree, batch: PyTree, axis_name: str | None) ->
         axis_name in _vma(x) for x in jax.tree.leaves(batch) if isinstance(x, jax.Array)
     ):
         return params
+    return vary_over(params, frozenset((axis_name,)))
+
+
+def varying_axes(tree: PyTree) -> frozenset:
+    """The manual device axes that any array of `tree` varies over (`jax.shard_map` with
+    `check_vma=True`; empty elsewhere)."""
+    return frozenset().union(*(_vma(x) for x in jax.tree.leaves(tree) if eqx.is_array(x)))
+
+
+def vary_over(tree: PyTree, axes: frozenset) -> PyTree:
+    """`tree`'s floating-point arrays cast (`jax.lax.pcast(..., to="varying")`) to vary
+    over the manual device axes `axes` where they do not yet; values unchanged, and
+    `tree` itself when `axes` is empty (outside `jax.shard_map`, or `check_vma=False`).
+
+    A replicated weight used on a shard of the rows inside a branch of `jax.lax.cond`
+    must vary like the rows before the branch: the branches then have one output type
+    (a skipped branch's zeros cast the same way), and the cast's transpose (a `psum` of
+    the weight's cotangent over the axes) runs outside the conditional, on every device."""
+    if not axes:
+        return tree
 
     def cast(x):
-        if not eqx.is_inexact_array(x) or axis_name in _vma(x):
-            return x
-        return jax.lax.pcast(x, (axis_name,), to="varying")
+        missing = tuple(sorted(axes - _vma(x), key=str)) if eqx.is_inexact_array(x) else ()
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
 
-    return jax.tree.map(cast, params)
+    return jax.tree.map(cast, tree)
 
 
 def _check_no_device_axis() -> None:

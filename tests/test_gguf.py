@@ -13,6 +13,8 @@ transformers 5.25, gguf 0.19; see that script's docstring to rebuild it).
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import equinox as eqx
@@ -874,3 +876,77 @@ def test_smollm2_quantized_matches_transformers(smollm2_reader, reference):
     logits = _logits(policy, jnp.asarray(reference["tokens"]), jnp.ones(16, bool))
     np.testing.assert_allclose(logits[-1], reference["last_logits"], atol=2e-4, rtol=0)
     np.testing.assert_array_equal(logits.argmax(-1), reference["argmax"])
+
+
+# ---------------------------------------------------------------- byte order
+
+
+def _big_endian_copy(path) -> str:
+    """A copy of the GGUF file `path` in big-endian byte order, written by llama.cpp's own
+    converter (`gguf_convert_endian.py` of the `gguf` package, which asks for a YES)."""
+    out = os.fspath(path).replace(".gguf", "-be.gguf")
+    shutil.copy(path, out)
+    subprocess.run(
+        [sys.executable, "-m", "gguf.scripts.gguf_convert_endian", out, "big"],
+        input="YES\n",
+        text=True,
+        check=True,
+        capture_output=True,
+    )
+    assert gguf.GGUFReader(out).endianess == gguf.GGUFEndian.BIG
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16", "q8_0"])
+def test_big_endian_files_load_as_their_originals(tiny, tok512, tmp_path, dtype):
+    """A file in the other byte order (as llama.cpp writes for s390x) holds the same
+    model: its scalars and the blocks' float16 scales are brought to this machine's
+    order, so the logits equal those of the little-endian original bit for bit."""
+    path = tmp_path / f"tiny-{dtype}.gguf"
+    rx.save_gguf(tiny, path, tokenizer=tok512, dtype=dtype)
+    big = _big_endian_copy(path)
+    for quantized in (False, True) if dtype == "q8_0" else (False,):
+        want, _ = rx.load_gguf(path, quantized=quantized)
+        got, tok = rx.load_gguf(big, quantized=quantized)
+        np.testing.assert_array_equal(_logits(got), _logits(want))
+    assert tok.encode("Once upon a time") == tok512.encode("Once upon a time")
+
+
+def test_big_endian_block_types_load_as_their_originals(tok512, tmp_path):
+    """Every block type in the other byte order: Q4_0, Q8_0, Q4_K, Q6_K and BF16 as
+    llama.cpp's converter swaps them; Q4_1 and Q5_K, which the converter refuses, with
+    their float16 fields (`d`, `m` / `dmin`) swapped as ggml's structs lay them out."""
+    types = {"blk.0.attn_q.weight": T.Q4_K, "blk.0.attn_output.weight": T.Q6_K,
+             "blk.0.attn_k.weight": T.Q4_0, "blk.0.attn_v.weight": T.Q8_0,
+             "blk.0.ffn_gate.weight": T.BF16, "blk.0.ffn_up.weight": T.F16}  # fmt: skip
+    path = _write_by_hand(tmp_path / "blocks.gguf", tok512, types=types, D=256, F=256)
+    big = _big_endian_copy(path)
+    want, _ = rx.load_gguf(path)
+    got, _ = rx.load_gguf(big)
+    np.testing.assert_array_equal(_logits(got), _logits(want))
+
+    others = {"blk.0.attn_q.weight": T.Q5_K, "blk.0.attn_k.weight": T.Q4_1}
+    path = _write_by_hand(tmp_path / "others.gguf", tok512, types=others, D=256, F=256)
+    reader = gguf.GGUFReader(path)
+    big = os.fspath(tmp_path / "others-be.gguf")
+    w = gguf.GGUFWriter(big, "llama", endianess=gguf.GGUFEndian.BIG)
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
+    for t in reader.tensors:
+        a = np.array(t.data)
+        if t.tensor_type.name in ("Q4_1", "Q5_K"):
+            blocks = a.reshape(-1, gguf.GGML_QUANT_SIZES[t.tensor_type][1])
+            for at in (0, 2):  # d, then m (Q4_1) or dmin (Q5_K)
+                blocks[:, [at, at + 1]] = blocks[:, [at + 1, at]]
+        w.add_tensor(t.name, a, raw_dtype=t.tensor_type)  # float32: swapped by the writer
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    want, _ = rx.load_gguf(path)
+    for quantized in (False, True):
+        got, _ = rx.load_gguf(big, quantized=quantized)
+        np.testing.assert_allclose(_logits(got), _logits(want), rtol=1e-5, atol=1e-5)

@@ -211,7 +211,9 @@ def open_gguf(path: str):
     unknown type or with rows that are not whole blocks one naming the tensor
     (`layout_problem`); a missing file a `FileNotFoundError`, a directory an
     `IsADirectoryError` naming the `.gguf` files in it; other unreadable bytes a
-    `ValueError` with the reader's reason."""
+    `ValueError` with the reader's reason. A file written in the other byte order (a
+    big-endian file from an s390x machine, or one `gguf_convert_endian.py` wrote) has its
+    tensors brought to this machine's order in memory (`_host_order`)."""
     gguf = gguf_package()
     if os.path.isdir(path):
         inside = sorted(n for n in os.listdir(path) if n.endswith(".gguf"))
@@ -230,7 +232,43 @@ def open_gguf(path: str):
     for t in reader.tensors:
         if t.data_offset + int(t.n_bytes) > size or t.data.nbytes != int(t.n_bytes):
             raise ValueError(f"{path}: {_truncated(f'the data of tensor {t.name!r}', size)}")
+    if reader.byte_order == "S":  # written on a machine of the other byte order
+        reader.tensors = [_host_order(t) for t in reader.tensors]
     return reader
+
+
+# Byte offsets of the float16 fields in one block of each GGML type (ggml's `block_*`
+# structs: `d` first, and `m` / `dmin` next for Q4_1 / Q4_K / Q5_K; Q6_K's `d` last; a
+# BF16 value is one two-byte "block"), the fields a file written in the other byte
+# order holds byte-swapped (llama.cpp's `gguf_convert_endian.py` swaps the same ones).
+_HALF_FIELDS = {
+    "BF16": (0,),
+    "Q8_0": (0,),
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+}
+
+
+def _host_order(t):
+    """`t` (a `gguf` reader tensor of a file in the other byte order) with its data in
+    this machine's order, in memory: scalar types as native arrays (the reader views
+    them in the file's order), block types with their float16 fields swapped back. A
+    type not listed here is left as it is (`check_type` names it when it is read)."""
+    import gguf
+
+    if t.data.dtype != np.uint8:
+        return t._replace(data=np.ascontiguousarray(t.data, t.data.dtype.newbyteorder("=")))
+    fields = _HALF_FIELDS.get(t.tensor_type.name)
+    if fields is None:
+        return t
+    raw = np.array(t.data)
+    blocks = raw.reshape(-1, gguf.GGML_QUANT_SIZES[t.tensor_type][1])
+    for at in fields:
+        blocks[:, [at, at + 1]] = blocks[:, [at + 1, at]]
+    return t._replace(data=raw)
 
 
 def field(reader, key: str, path: str, default: Any = _UNSET) -> Any:

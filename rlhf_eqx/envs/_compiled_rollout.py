@@ -161,6 +161,17 @@ def check_environment(
     return env
 
 
+def _traced(method, where: str, *args: Any) -> Any:
+    """`jax.eval_shape(method, *args)`; an exception raised while tracing it goes on with
+    a note naming `where` (`Guess.step`): `raised by Guess.step while it was traced
+    (rlhf_eqx.envs.check_environment)`."""
+    try:
+        return jax.eval_shape(method, *args)
+    except Exception as e:
+        e.add_note(f"raised by {where} while it was traced (rlhf_eqx.envs.check_environment)")
+        raise
+
+
 def _check_environment(env: object, prompt_length: int, max_new_tokens: int) -> Environment:
     """Trace `reset` and `step` once (no computation) and refuse wrong outputs."""
     if not isinstance(env, Environment):
@@ -169,13 +180,13 @@ def _check_environment(env: object, prompt_length: int, max_new_tokens: int) -> 
             f"rollout_multiturn_host for a HostEnvironment); got {type(env).__name__}"
         )
     width = env.max_observation_tokens
-    if not (isinstance(width, int) and not isinstance(width, bool) and width > 0):
-        raise ValueError(f"{type(env).__name__}.max_observation_tokens must be a positive int")
     name = type(env).__name__
+    if not (isinstance(width, int) and not isinstance(width, bool) and width > 0):
+        raise ValueError(f"{name}.max_observation_tokens must be a positive int, got {width!r}")
     key = jax.random.key(0)
     prompt = jax.ShapeDtypeStruct((prompt_length,), jnp.int32)
     pmask = jax.ShapeDtypeStruct((prompt_length,), jnp.bool_)
-    out = jax.eval_shape(env.reset, key, prompt, pmask)
+    out = _traced(env.reset, f"{name}.reset", key, prompt, pmask)
     if not (isinstance(out, tuple) and len(out) == 3):
         raise ValueError(f"{name}.reset must return (state, observation, observation_mask)")
     state, obs, obs_mask = out
@@ -184,7 +195,7 @@ def _check_environment(env: object, prompt_length: int, max_new_tokens: int) -> 
     N = max_new_tokens
     comp = jax.ShapeDtypeStruct((N,), jnp.int32)
     cmask = jax.ShapeDtypeStruct((N,), jnp.bool_)
-    out = jax.eval_shape(env.step, state, comp, cmask)
+    out = _traced(env.step, f"{name}.step", state, comp, cmask)
     if not (isinstance(out, tuple) and len(out) == 5):
         raise ValueError(
             f"{name}.step must return (state, observation, observation_mask, reward, done)"
@@ -226,9 +237,11 @@ def _check_values(traj: Trajectory, name: str, vocab_size: int) -> Trajectory:
     bad = context & ((tokens < 0) | (tokens >= vocab_size))
     if bad.any():
         e, t = (int(x) for x in np.argwhere(bad)[0])
+        before = np.asarray(traj.turn_ids)[e, :t]  # the policy turns written before it
+        method = f"step after turn {int(before.max())}" if (before >= 0).any() else "reset"
         raise ValueError(
             f"{name} returned the observation id {int(tokens[e, t])} (episode {e}, position "
-            f"{t}), outside the vocabulary [0, {vocab_size})"
+            f"{t}, from {name}.{method}), outside the vocabulary [0, {vocab_size})"
         )
     rewards, turns = np.asarray(traj.turn_rewards), np.asarray(traj.num_turns)
     bad = (np.arange(rewards.shape[1])[None, :] < turns[:, None]) & ~np.isfinite(rewards)

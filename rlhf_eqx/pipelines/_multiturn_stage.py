@@ -11,6 +11,7 @@ the members of each group); the environment's tokens are context but not trained
 """
 
 import dataclasses
+import re
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -456,14 +457,24 @@ def check_episode_sampling(cfg, key: str, run) -> None:
             )
 
 
+_RAISED_BY = re.compile(r"raised by (\S+) while it was traced")
+"""The note `rlhf_eqx.envs.check_environment` adds to an exception raised inside an
+environment's `reset` or `step`, naming the method."""
+
+
 def _traced_failure(error: Exception) -> str:
     """One line on why `rlhf_eqx.envs.check_environment` refused an environment: its own
-    message, or the exception tracing `reset` / `step` raised (its first line), with a
-    hint when they branch in Python on a traced value."""
+    message, or the exception tracing `reset` / `step` raised (its first line, and the
+    method its note names: a `ValueError` of the environment's own is not the check's),
+    with a hint when they branch in Python on a traced value."""
     first = str(error).splitlines()[0] if str(error) else ""
-    if type(error) in (TypeError, ValueError):  # the check's own message
+    notes = [_RAISED_BY.match(n) for n in getattr(error, "__notes__", ())]
+    where = next((m.group(1) for m in notes if m), None)  # the method that raised it
+    if where is None and type(error) in (TypeError, ValueError):  # the check's own message
         return first
     why = f"tracing its reset and step raised {type(error).__name__}: {first}"
+    if where is not None:
+        why += f" (in {where})"
     if isinstance(error, jax.errors.ConcretizationTypeError):
         why += (
             " (they run traced, inside the compiled rollout: no Python branching on "

@@ -1,0 +1,131 @@
+"""A user's jittable environment that fails: an exception raised inside its `reset` or
+`step` names the method it came from (in the rollouts, `check_environment` and the
+multi-turn stages' one-line refusal, where an environment's own `ValueError` is not taken
+for the check's message), and an observation id outside the vocabulary names the call
+that returned it (`reset`, or `step` after which turn)."""
+
+import sys
+import textwrap
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+
+import rlhf_eqx as rx
+from rlhf_eqx.__main__ import main
+from rlhf_eqx.envs import Environment, check_environment, rollout_multiturn, rollout_multiturn_host
+
+CFG = rx.TransformerConfig(
+    vocab_size=53, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=24, max_seq_len=32
+)
+KW = dict(max_turns=3, max_new_tokens=4, max_total_tokens=24, eos_id=3, num_samples=2)
+
+
+class Ask(Environment):
+    """Asks `[40, 41]` after every turn (and before the first); reward 1; done after 3."""
+
+    max_observation_tokens: int = eqx.field(static=True, default=2)
+
+    def reset(self, key, prompt, prompt_mask):
+        return jnp.zeros((), jnp.int32), jnp.array([40, 41], jnp.int32), jnp.ones((2,), bool)
+
+    def step(self, turns, completion, completion_mask):
+        obs, mask = jnp.array([40, 41], jnp.int32), jnp.ones((2,), bool)
+        return turns + 1, obs, mask, jnp.ones((), jnp.float32), turns + 1 >= 3
+
+
+class StepRaises(Ask):
+    def step(self, turns, completion, completion_mask):
+        raise ValueError("the board has no square 9")
+
+
+class ResetRaises(Ask):
+    def reset(self, key, prompt, prompt_mask):
+        raise KeyError("level")
+
+
+class BadResetId(Ask):
+    def reset(self, key, prompt, prompt_mask):
+        state, obs, mask = super().reset(key, prompt, prompt_mask)
+        return state, obs.at[1].set(99), mask
+
+
+class BadStepId(Ask):
+    def step(self, turns, completion, completion_mask):
+        out = super().step(turns, completion, completion_mask)
+        return out[0], jnp.where(turns >= 1, out[1] + 60, out[1]), *out[2:]
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return rx.Policy(CFG, key=jax.random.key(0))
+
+
+def _prompts():
+    toks = jnp.array([[0, 7, 8, 9], [10, 11, 12, 13]], jnp.int32)
+    return toks, toks != 0
+
+
+@pytest.mark.parametrize("rollout", [rollout_multiturn, rollout_multiturn_host])
+@pytest.mark.parametrize(
+    "env, error, method",
+    [(StepRaises(), ValueError, "StepRaises.step"), (ResetRaises(), KeyError, "ResetRaises.reset")],
+)
+def test_an_exception_inside_reset_or_step_names_the_method(policy, rollout, env, error, method):
+    with pytest.raises(error) as info:
+        rollout(policy, env, *_prompts(), jax.random.key(1), **KW)
+    assert f"raised by {method} while it was traced" in "\n".join(info.value.__notes__)
+    with pytest.raises(error) as info:
+        check_environment(env, prompt_length=4, max_new_tokens=4)
+    assert f"raised by {method} while it was traced" in "\n".join(info.value.__notes__)
+
+
+@pytest.mark.parametrize("rollout", [rollout_multiturn, rollout_multiturn_host])
+def test_an_observation_id_outside_the_vocabulary_names_the_call(policy, rollout):
+    with pytest.raises(ValueError, match=r"id 99 \(episode 0, position 5, from BadResetId.reset\)"):
+        rollout(policy, BadResetId(), *_prompts(), jax.random.key(1), **KW)
+    step = r"id 10\d \(episode \d, position \d+, from BadStepId.step after turn 1\), outside"
+    with pytest.raises(ValueError, match=step):
+        rollout(policy, BadStepId(), *_prompts(), jax.random.key(1), **KW)
+
+
+MODULE = textwrap.dedent(
+    """
+    import jax.numpy as jnp
+    import rlhf_eqx as rx
+
+
+    class Own(rx.envs.Environment):
+        max_observation_tokens: int = 1
+
+        def reset(self, key, prompt, prompt_mask):
+            return jnp.zeros((), jnp.int32), jnp.zeros((1,), jnp.int32), jnp.zeros((1,), bool)
+
+        def step(self, state, completion, completion_mask):
+            raise ValueError("the board has no square 9")
+
+
+    def make(tok):
+        return Own()
+    """
+)
+
+
+@pytest.mark.parametrize("stage", ["multiturn", "multiturn-dpo"])
+def test_the_stage_names_the_method_that_raised(stage, tmp_path, monkeypatch, capsys):
+    """An environment's own `ValueError` is not the check's message: the one-line refusal
+    says tracing raised it and names the method."""
+    (tmp_path / "own_env_module.py").write_text(MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        argv = [stage, "--out", "run", "--quiet", "--show-config"]
+        assert main([*argv, "--set", f"{stage}.environment=own_env_module:make"]) == 2
+    finally:
+        sys.modules.pop("own_env_module", None)
+    err = capsys.readouterr().err
+    assert (
+        "tracing its reset and step raised ValueError: the board has no square 9 (in Own.step)"
+    ) in err
+    assert len(err.strip().splitlines()) == 1

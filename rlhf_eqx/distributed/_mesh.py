@@ -35,6 +35,35 @@ def check_auto_axes(mesh: Mesh, where: str) -> None:
         )
 
 
+def check_mesh_axis(mesh: Mesh, axis: str, where: str, field: str = "axis") -> None:
+    """Refuse an `axis` that is not one of `mesh`'s axes, naming it and the mesh's axes."""
+    if axis not in mesh.axis_names:
+        raise ValueError(
+            f"{where}: {field}={axis!r} is not an axis of the mesh, whose axes are "
+            f"{tuple(mesh.axis_names)} (sizes {dict(mesh.shape)}); pass {field}= one of them"
+        )
+
+
+def _check_rule_axes(mesh: Mesh, fsdp: bool, where: str) -> None:
+    """Refuse a mesh on which the sharding rules would place nothing: the rules name the
+    axes `"data"` (FSDP) and `"model"` (tensor parallel), and a spec naming an axis the
+    mesh lacks is replicated, so another naming would replicate every parameter silently."""
+    names = tuple(mesh.axis_names)
+    if fsdp and "data" not in names:
+        raise ValueError(
+            f"{where}: fsdp=True splits parameters over the mesh axis 'data', but the mesh's "
+            f"axes are {names}: every parameter would be replicated. Build the mesh with "
+            "rlhf_eqx.distributed.make_mesh (axes 'data', 'model') or name its axes so"
+        )
+    if "data" not in names and "model" not in names:
+        raise ValueError(
+            f"{where}: the mesh's axes {names} include neither 'data' nor 'model', the axes "
+            "the sharding rules (rlhf_eqx.models.partition_specs) split parameters over: "
+            "every parameter would be replicated. Build the mesh with "
+            "rlhf_eqx.distributed.make_mesh (axes 'data', 'model') or name its axes so"
+        )
+
+
 def make_mesh(data: int, model: int = 1, *, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A `("data", "model")` mesh of `data × model` devices with automatic (GSPMD) axes.
 
@@ -81,7 +110,6 @@ def fit_spec(
 
 
 def _place(tree: PyTree, specs: PyTree, mesh: Mesh) -> PyTree:
-    check_auto_axes(mesh, "shard_model")
 
     def put(x, spec):
         if not eqx.is_array(x):
@@ -107,6 +135,8 @@ def shard_model(
 
     **Returns:** the same pytree with every array leaf a `jax.Array` sharded on `mesh`.
     """
+    check_auto_axes(mesh, "shard_model")
+    _check_rule_axes(mesh, fsdp, "shard_model")
     specs = partition_specs(model, fsdp=fsdp, tensor_parallel=tensor_parallel)
     return _place(model, specs, mesh)
 
@@ -153,6 +183,7 @@ def shard_opt_state(
     **Returns:** the optimiser state with every array on `mesh`.
     """
     check_auto_axes(mesh, "shard_opt_state")
+    _check_rule_axes(mesh, fsdp, "shard_opt_state")
     param_specs = partition_specs(params, fsdp=fsdp, tensor_parallel=tensor_parallel)
     specs = opt_state_specs(opt_state, params, param_specs)
     return jax.tree.map(
@@ -173,6 +204,7 @@ def shard_train_state(
     rules, optimiser state like its params, every other field (the step and skipped
     counters, the run's key) replicated and kept as it is."""
     check_auto_axes(mesh, "shard_train_state")
+    _check_rule_axes(mesh, fsdp, "shard_train_state")
     kw = dict(fsdp=fsdp, tensor_parallel=tensor_parallel)
     placed = dict(
         params=shard_model(state.params, mesh, **kw),
@@ -198,6 +230,7 @@ def shard_batch(batch: PyTree, mesh: Mesh, *, axis: str = "data") -> PyTree:
     does not divide by the axis size (pad the batch or change the mesh).
     """
     check_auto_axes(mesh, "shard_batch")
+    check_mesh_axis(mesh, axis, "shard_batch")
     n = mesh.shape[axis]
 
     def put(path, x):

@@ -10,7 +10,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, PyTree
 
-from ._mesh import check_auto_axes, tree_path_str
+from ._mesh import check_auto_axes, check_mesh_axis, tree_path_str
 
 ENV_COORDINATOR = "RLHF_EQX_COORDINATOR"
 ENV_NUM_PROCESSES = "RLHF_EQX_NUM_PROCESSES"
@@ -157,6 +157,7 @@ def global_batch(
     batch of a run was checked.
     """
     check_auto_axes(mesh, "global_batch")
+    check_mesh_axis(mesh, axis, "global_batch")
     sharding = NamedSharding(mesh, PartitionSpec(axis))
     fields = [
         (tree_path_str(path), x)

@@ -30,7 +30,8 @@ zero-padded to the largest rank, with a frozen per-layer `scale`.
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+import numbers
+from collections.abc import Collection
 
 import equinox as eqx
 import jax
@@ -89,42 +90,64 @@ class LoRAConfig:
 
     **Arguments:**
 
-    - `rank`: inner dimension `r` of each adapter.
-    - `alpha`: the update is scaled by `alpha / rank` (`scale`); positive and finite.
+    - `rank`: inner dimension `r` of each adapter (any integer type, numpy's included;
+      stored as an `int`).
+    - `alpha`: the update is scaled by `alpha / rank` (`scale`); positive and finite
+      (numpy scalars are stored as Python numbers).
     - `dropout`: dropout probability on the adapter's input (training calls with a
-      `key` only).
+      `key` only), in `[0, 1)`.
     - `targets`: projections to adapt, a subset of `("q", "k", "v", "o", "gate",
-      "up", "down")` (any sequence of names; stored as a tuple).
+      "up", "down")` (a sequence of names, kept in its order, which is the order the
+      adapters' keys are drawn in; a set, whose order would change from one interpreter
+      to the next, is put in that order; stored as a tuple).
     - `use_rslora`: scale by `alpha / √rank` instead (rank-stabilised LoRA, Kalajdzievski
       2023: the update's size no longer shrinks as the rank grows). The adapters are
       then `LayerwiseLoRAAdapter`s, which `save_lora_adapter` writes with PEFT's
       `use_rslora`.
     """
 
-    rank: int = 16
-    alpha: float | int = 32.0
-    dropout: float = 0.05
-    targets: Sequence[str] = ("q", "v")
+    rank: int | numbers.Integral = 16
+    alpha: float | numbers.Real = 32.0
+    dropout: float | numbers.Real = 0.05
+    targets: Collection[str] = ("q", "v")
     use_rslora: bool = False
 
     def __post_init__(self):
-        if isinstance(self.targets, str):
-            object.__setattr__(self, "targets", (self.targets,))
-        object.__setattr__(self, "targets", tuple(self.targets))
-        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank <= 0:
-            raise ValueError(f"LoRAConfig.rank must be a positive int, got {self.rank!r}")
+        targets = self.targets
+        if targets is None:
+            raise ValueError(f"LoRAConfig.targets is None; choose from {list(LORA_TARGETS)}")
+        if isinstance(targets, str):
+            targets = (targets,)
+        elif isinstance(targets, (set, frozenset)):
+            rank = {t: i for i, t in enumerate(LORA_TARGETS)}
+            targets = sorted(targets, key=lambda t: (rank.get(t, len(rank)), str(t)))
+        object.__setattr__(self, "targets", tuple(targets))
+        rank = self.rank
+        if not isinstance(rank, numbers.Integral) or isinstance(rank, bool) or rank <= 0:
+            raise ValueError(f"LoRAConfig.rank must be a positive int, got {rank!r}")
+        object.__setattr__(self, "rank", int(rank))
         alpha = self.alpha
         if (
             isinstance(alpha, bool)
-            or not isinstance(alpha, (int, float))
+            or not isinstance(alpha, numbers.Real)
             or not 0 < alpha < math.inf
         ):
             raise ValueError(
                 f"LoRAConfig.alpha must be a positive finite number, got {alpha!r} (the "
                 "update's scale is alpha / rank; PEFT's lora_alpha must be positive too)"
             )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"LoRAConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        if not isinstance(alpha, (int, float)):  # a numpy scalar
+            object.__setattr__(
+                self, "alpha", int(alpha) if isinstance(alpha, numbers.Integral) else float(alpha)
+            )
+        dropout = self.dropout
+        if (
+            isinstance(dropout, bool)
+            or not isinstance(dropout, numbers.Real)
+            or not 0 <= dropout < 1
+        ):
+            raise ValueError(f"LoRAConfig.dropout must be a number in [0, 1), got {dropout!r}")
+        object.__setattr__(self, "dropout", float(dropout))
         if not self.targets:
             raise ValueError(f"LoRAConfig.targets is empty; choose from {list(LORA_TARGETS)}")
         unknown = [t for t in self.targets if t not in LORA_TARGETS]

@@ -460,6 +460,14 @@ def load_lora_adapter(model: PyTree, directory: str | os.PathLike) -> PyTree:
         if arr.dtype.kind not in "fV":  # ml_dtypes bfloat16 has kind 'V'
             raise ValueError(f"{weights_path}: tensor {name!r} has non-float dtype {arr.dtype}")
         found.setdefault(by_module[m.group(3)], {})[(int(m.group(1)), m.group(4))] = arr
+    if not found:
+        raise ValueError(
+            f"{weights_path}: no LoRA tensor (`target_modules` = "
+            f"{config.get('target_modules')!r}): PEFT refuses target modules that name no "
+            f"module of the model; rlhf_eqx adapts the decoder layers' "
+            f"{', '.join(v.split('.')[1] for v in _MODULES.values())}"
+            f"{_string_target_hint(config)}"
+        )
     shapes = lora_shapes(cfg)
     adapters = {}
     for target, parts in found.items():
@@ -473,7 +481,7 @@ def load_lora_adapter(model: PyTree, directory: str | os.PathLike) -> PyTree:
                 raise ValueError(
                     f"{weights_path}: tensor {_PREFIX}{i}.{_MODULES[target]}.lora_{part}.weight "
                     "belongs to a module that `target_modules` / `layers_to_transform` / "
-                    "`exclude_modules` do not adapt"
+                    f"`exclude_modules` do not adapt{_string_target_hint(config)}"
                 )
         ranks = [r if on else 0 for r, on in zip(ranks, adapted)]
         width = max(ranks)
@@ -526,6 +534,18 @@ def load_lora_adapter(model: PyTree, directory: str | os.PathLike) -> PyTree:
             make = lambda a, b: LoRAAdapter(a=a, b=b, scale=scales[0], dropout=dropout)
             adapters[target] = jax.vmap(make)(jnp.asarray(a), jnp.asarray(b))
     return eqx.tree_at(lambda m: where(m).lora, model, adapters, is_leaf=lambda x: x is None)
+
+
+def _string_target_hint(config: dict[str, Any]) -> str:
+    """Why a string `target_modules` may select nothing: PEFT reads it as a regex."""
+    targets = config.get("target_modules")
+    if not isinstance(targets, str) or targets.lower() == "all-linear":
+        return ""
+    return (
+        f" (`target_modules` is the string {targets!r}, which PEFT reads as a regex the "
+        "whole module name, such as model.layers.0.self_attn.q_proj, must match; a list "
+        'such as ["q_proj"] names modules by the end of their names)'
+    )
 
 
 def _unexpected(name: str) -> str:

@@ -173,6 +173,7 @@ class Server:
             raise TypeError("policy needs a cfg.max_seq_len (an rlhf_eqx.Policy or decoder)")
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.created = int(time.time())  # `/v1/models`' `created`: when the model was loaded
         self.max_new_tokens = max_new_tokens
         self.host = host
         self.port = port
@@ -736,11 +737,17 @@ class Server:
         }
 
     def models(self) -> dict:
-        """The `/v1/models` response: the one served model."""
+        """The `/v1/models` response: the one served model, `created` (a Unix time, as
+        OpenAI's) the time this server was made."""
         return {
             "object": "list",
             "data": [
-                {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rlhf_eqx"}
+                {
+                    "id": self.model_name,
+                    "object": "model",
+                    "created": self.created,
+                    "owned_by": "rlhf_eqx",
+                }
             ],
         }
 

@@ -53,6 +53,11 @@ object; the module imported from the current directory) into every stage's loop.
 ... into `OUT/seed-<seed>/`, their spread in `OUT/seeds_summary.json`. Exit status: 0
 done, 1 a run error, 2 invalid configuration or run directory, 3 diverged, 130 interrupted.
 
+Multi-process runs: with `RLHF_EQX_COORDINATOR=host:port`, `RLHF_EQX_NUM_PROCESSES` and
+`RLHF_EQX_PROCESS_ID` set, each process joins the run before anything else
+(`rlhf_eqx.distributed.initialize_distributed`); give each its own `--out`. GRPO's
+`grpo.placement=split` spans the processes' devices (docs/scaling.md).
+
 Plugins: `--import MODULE` (repeatable; from the current directory) imports a module
 before the commands are built, and every installed package's entry points of the group
 `rlhf_eqx.plugins` are imported first (`[project.entry-points."rlhf_eqx.plugins"]
@@ -504,6 +509,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return 0
     try:
+        join_processes()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
         cfg = resolve_config(args)
         if args.seeds is not None:
             from rlhf_eqx.pipelines.tools import check_seeds
@@ -564,6 +574,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+
+
+def join_processes() -> tuple[int, int] | None:
+    """Join the multi-process run the environment names, before anything touches a device.
+
+    When any of `RLHF_EQX_COORDINATOR`, `RLHF_EQX_NUM_PROCESSES`, `RLHF_EQX_PROCESS_ID`
+    is set, `rlhf_eqx.distributed.initialize_distributed()` joins the run (all three are
+    needed) and a line `rlhf_eqx: process P of N (coordinator HOST:PORT)` goes to stderr;
+    with none set nothing happens. Configuration checks read the devices (which starts
+    JAX's backend, after which no process can join), so this runs first.
+
+    **Returns:** `(process_id, num_processes)`, or `None` when no variable is set.
+
+    **Raises:** `ValueError` from `initialize_distributed` naming the variable that is
+    missing, not an integer or out of range, or a process count that differs from the
+    run's.
+    """
+    from rlhf_eqx import distributed as dist
+
+    names = (dist.ENV_COORDINATOR, dist.ENV_NUM_PROCESSES, dist.ENV_PROCESS_ID)
+    if not any(os.environ.get(name) for name in names):
+        return None
+    process_id, num_processes = dist.initialize_distributed()
+    print(
+        f"rlhf_eqx: process {process_id} of {num_processes} (coordinator "
+        f"{os.environ.get(dist.ENV_COORDINATOR)})",
+        file=sys.stderr,
+        flush=True,
+    )
+    return process_id, num_processes
 
 
 def _callbacks(args) -> tuple:

@@ -1,0 +1,132 @@
+"""The command line joins a multi-process run from the `RLHF_EQX_*` environment variables
+(`RLHF_EQX_COORDINATOR`, `RLHF_EQX_NUM_PROCESSES`, `RLHF_EQX_PROCESS_ID`), before its
+configuration checks start JAX's backend; incomplete or malformed settings are refused
+with one line naming the variable, before anything runs."""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NAMES = ("RLHF_EQX_COORDINATOR", "RLHF_EQX_NUM_PROCESSES", "RLHF_EQX_PROCESS_ID")
+SAMPLE = ["sample", "--prompt", "Once", "-n", "1", "--set", "sampling.max_new_tokens=4"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(local_devices: int = 1, **variables: str) -> dict:
+    flags = re.sub(
+        r"\s*--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")
+    )
+    env = {k: v for k, v in os.environ.items() if k not in NAMES}
+    env.update(
+        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={local_devices}".strip(),
+    )
+    env.update(variables)
+    return env
+
+
+def _cli(env: dict, args=SAMPLE, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rlhf_eqx", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.parametrize(
+    "variables, message",
+    [
+        (
+            {"RLHF_EQX_PROCESS_ID": "1"},
+            "missing coordinator_address (or RLHF_EQX_COORDINATOR), num_processes "
+            "(or RLHF_EQX_NUM_PROCESSES)",
+        ),
+        (
+            {
+                "RLHF_EQX_COORDINATOR": "127.0.0.1:1",
+                "RLHF_EQX_NUM_PROCESSES": "two",
+                "RLHF_EQX_PROCESS_ID": "0",
+            },
+            "environment variable RLHF_EQX_NUM_PROCESSES='two' is not an integer",
+        ),
+        (
+            {
+                "RLHF_EQX_COORDINATOR": "127.0.0.1:1",
+                "RLHF_EQX_NUM_PROCESSES": "2",
+                "RLHF_EQX_PROCESS_ID": "2",
+            },
+            "process_id=2 is not in [0, num_processes=2)",
+        ),
+    ],
+)
+def test_cli_refuses_incomplete_or_bad_process_settings(variables, message):
+    done = _cli(_env(**variables), timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr, done.stderr
+    assert done.stdout == ""
+
+
+def test_cli_joins_a_one_process_run_from_the_environment():
+    port = _free_port()
+    env = _env(
+        RLHF_EQX_COORDINATOR=f"127.0.0.1:{port}",
+        RLHF_EQX_NUM_PROCESSES="1",
+        RLHF_EQX_PROCESS_ID="0",
+    )
+    done = _cli(env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"rlhf_eqx: process 0 of 1 (coordinator 127.0.0.1:{port})" in done.stderr
+    assert done.stdout.startswith("Once")
+
+
+def test_cli_runs_without_the_variables_join_nothing():
+    done = _cli(_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rlhf_eqx: process" not in done.stderr
+
+
+@pytest.mark.slow
+def test_cli_two_processes_join_one_run():
+    port = _free_port()
+    procs = []
+    for p in range(2):
+        env = _env(
+            local_devices=2,
+            RLHF_EQX_COORDINATOR=f"127.0.0.1:{port}",
+            RLHF_EQX_NUM_PROCESSES="2",
+            RLHF_EQX_PROCESS_ID=str(p),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "rlhf_eqx", *SAMPLE],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    try:
+        outs = [proc.communicate(timeout=240) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for p, (proc, (out, err)) in enumerate(zip(procs, outs)):
+        assert proc.returncode == 0, err[-3000:]
+        assert f"rlhf_eqx: process {p} of 2 (coordinator 127.0.0.1:{port})" in err
+        assert out.startswith("Once")
+    assert outs[0][0] == outs[1][0]  # the same seed samples the same text in each process

@@ -9,6 +9,7 @@ hyperparameters from 1e-8 to 1e8 (`scales`, for β and temperatures); the checks
 Property-testing your own loss takes a few lines:
 
 ```python
+import jax.numpy as jnp
 from hypothesis import given
 
 import rlhf_eqx.testing as rt
@@ -16,6 +17,8 @@ from rlhf_eqx.losses import aggregate, kl_penalty
 
 
 def my_kl_loss(logp, ref_logp, mask):  # [B, T] -> scalar
+    # padding zeroed before the estimator: a NaN there would reach its gradient
+    logp, ref_logp = jnp.where(mask, logp, 0.0), jnp.where(mask, ref_logp, 0.0)
     per_token = kl_penalty(logp, ref_logp, kind="k3")
     return aggregate(per_token, mask, mode="seq-mean-token-mean")
 
@@ -24,14 +27,17 @@ def my_kl_loss(logp, ref_logp, mask):  # [B, T] -> scalar
 def test_my_kl_loss(data):
     logp, ref_logp, mask = data
     rt.check_finite(my_kl_loss, logp, ref_logp, mask)  # values and gradients
-    rt.check_padding_invariance(my_kl_loss, (logp, ref_logp), mask)
-    rt.check_masked_gradients_zero(my_kl_loss, (logp, ref_logp), mask)
+    rt.check_padding_invariance(my_kl_loss, (logp, ref_logp), mask, nonfinite=True)
+    rt.check_masked_gradients_zero(my_kl_loss, (logp, ref_logp), mask, nonfinite=True)
     rt.check_all_masked_contributes_nothing(my_kl_loss, (logp, ref_logp), mask)
     rt.check_permutation_invariance(my_kl_loss, (logp, ref_logp, mask))
 ```
 
 The checks compile `fn` with `jax.jit` (pass `jit=False` to run eagerly); fixed shapes
 and module-level functions let every hypothesis example reuse one compilation.
+`nonfinite=True` also writes NaN and infinities into the padding (`NONFINITE_FILL`):
+without the two `jnp.where` above, `kl_penalty`'s gradient at a NaN in the padding is
+`0 * NaN`, which finite junk never shows.
 
 Because the first example of a test compiles, Hypothesis' per-example deadline (200 ms
 in its default profile) would fail it. Importing `rlhf_eqx.testing` therefore turns the
@@ -51,6 +57,8 @@ where the ratio is clipped, nor at masked positions.
 """
 
 from ._checks import (
+    DEFAULT_FILL as DEFAULT_FILL,
+    NONFINITE_FILL as NONFINITE_FILL,
     check_all_masked_contributes_nothing as check_all_masked_contributes_nothing,
     check_finite as check_finite,
     check_masked_gradients_zero as check_masked_gradients_zero,

@@ -10,6 +10,11 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Shaped
 
 # Junk written into padded positions: extreme and ordinary values of both signs.
 DEFAULT_FILL = (-1e4, 3.0, -0.5, 0.0)
+# Junk of a second pass: padding may hold NaN or infinities (a fully masked attention row,
+# the log of a zero probability), which no finite junk reveals: a loss that multiplies
+# padding by 0 instead of selecting it gets `0 * NaN`, as the gradient of
+# `jnp.where(mask, x**2, 0)` does at a NaN, which passes `DEFAULT_FILL`.
+NONFINITE_FILL = (float("nan"), float("inf"), float("-inf"))
 
 
 def _is_float_array(x: Any) -> bool:
@@ -111,17 +116,21 @@ def check_padding_invariance(
     *,
     n_pad: int = 3,
     fill: Sequence[float] = DEFAULT_FILL,
+    nonfinite: bool = False,
     rtol: float = 1e-5,
     atol: float = 1e-6,
     jit: bool = True,
 ) -> None:
     """Check that masked positions cannot influence `fn(*arrays, mask)`.
 
-    Two perturbations of the padding, each of which must leave the output unchanged:
+    Perturbations of the padding, each of which must leave the output unchanged:
 
     1. every entry of a float array (same shape as `mask`) at a masked position is
        replaced by junk (`fill`, which includes -1e4);
-    2. `n_pad` masked positions holding junk are appended along the last (sequence) axis
+    2. with `nonfinite=True`, the same with NaN, inf and -inf (`NONFINITE_FILL`): a
+       value that multiplies padding by 0 instead of selecting it (`0 * NaN` is NaN)
+       fails here, not with finite junk;
+    3. `n_pad` masked positions holding junk are appended along the last (sequence) axis
        of every array whose shape is `mask`'s.
 
     Output leaves with `mask`'s shape (per-token outputs) are compared on the real
@@ -142,6 +151,10 @@ def check_padding_invariance(
 
     altered = tuple(_fill_masked(x, mask, fill) for x in arrays)
     _compare(base, fn(*altered, mask), "junk at masked positions", rtol, atol, select_same)
+    if nonfinite:
+        altered = tuple(_fill_masked(x, mask, NONFINITE_FILL) for x in arrays)
+        what = "NaN / inf at masked positions"
+        _compare(base, fn(*altered, mask), what, rtol, atol, select_same)
 
     padded_mask = _pad_last(mask, n_pad, fill)
     padded = tuple(
@@ -353,6 +366,7 @@ def check_masked_gradients_zero(
     mask: Bool[Array, "*B T"],
     *,
     fill: Sequence[float] = DEFAULT_FILL,
+    nonfinite: bool = False,
     rtol: float = 1e-5,
     atol: float = 1e-6,
     jit: bool = True,
@@ -364,7 +378,12 @@ def check_masked_gradients_zero(
 
     1. it is exactly 0 at every masked position (a masked token must not be trained);
     2. replacing the masked entries by junk (`fill`, which includes -1e4) leaves the
-       gradient at the real positions unchanged, and still exactly 0 at the masked ones.
+       gradient at the real positions unchanged, and still exactly 0 at the masked ones;
+    3. with `nonfinite=True`, the same with NaN, inf and -inf as the junk
+       (`NONFINITE_FILL`): `jnp.where(mask, x**2, 0)` fails here (its gradient at a NaN
+       is `0 * NaN`), and so does any function of the padding taken before the mask
+       selects it (`jnp.where(mask, kl_penalty(logp, ref_logp), 0)`), not with finite
+       junk.
 
     `check_padding_invariance` checks the values; this checks what training sees.
     """
@@ -374,17 +393,24 @@ def check_masked_gradients_zero(
         return
     grad_fn = _grad_of_sum_jit if jit else _grad_of_sum
     m = np.asarray(mask)
-    altered = tuple(_fill_masked(x, mask, fill) for x in arrays)
     base = grad_fn(fn, argnums, *arrays, mask)
-    other = grad_fn(fn, argnums, *altered, mask)
-    for i, g, h in zip(argnums, base, other):
-        g, h = np.asarray(g), np.asarray(h)
-        for what, x in (("", g), (" after junk at masked positions", h)):
-            assert np.all(x[~m] == 0.0), (
-                f"gradient w.r.t. argument {i}{what} is non-zero at masked positions "
-                f"{np.argwhere(~m & (x != 0)).tolist()}"
-            )
-        assert _close(g[m], h[m], rtol, atol), (
-            f"gradient w.r.t. argument {i} at real positions changed with the junk at masked "
-            f"positions: {g[m]} vs {h[m]}"
+    fills = [("junk", fill)] + ([("NaN / inf", NONFINITE_FILL)] if nonfinite else [])
+    for i, g in zip(argnums, base):
+        g = np.asarray(g)
+        assert np.all(g[~m] == 0.0), (
+            f"gradient w.r.t. argument {i} is non-zero at masked positions "
+            f"{np.argwhere(~m & (g != 0)).tolist()}"
         )
+    for junk, values in fills:
+        altered = tuple(_fill_masked(x, mask, values) for x in arrays)
+        other = grad_fn(fn, argnums, *altered, mask)
+        for i, g, h in zip(argnums, base, other):
+            g, h = np.asarray(g), np.asarray(h)
+            assert np.all(h[~m] == 0.0), (
+                f"gradient w.r.t. argument {i} after {junk} at masked positions is non-zero "
+                f"at masked positions {np.argwhere(~m & (h != 0)).tolist()}"
+            )
+            assert _close(g[m], h[m], rtol, atol), (
+                f"gradient w.r.t. argument {i} at real positions changed with the {junk} at "
+                f"masked positions: {g[m]} vs {h[m]}"
+            )

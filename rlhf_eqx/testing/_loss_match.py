@@ -25,6 +25,16 @@ REGISTRIES: tuple[str, ...] = ("dpo", "policy")
 # ties (policy equal to the reference / chosen equal to rejected) and degenerate masks.
 _DPO_KINDS = ("ordinary", "extreme", "ties")
 _POLICY_KINDS = ("ordinary", "extreme", "padded", "one-token", "all-masked")
+# How a mismatch message names the inputs at the differing entry.
+_DPO_INPUT_NAMES = (
+    "chosen_logp",
+    "rejected_logp",
+    "ref_chosen_logp",
+    "ref_rejected_logp",
+    "chosen_len",
+    "rejected_len",
+)
+_POLICY_INPUT_NAMES = ("logp", "old_logp", "advantages", "mask")
 
 
 def _which(library_loss: object, registry: str | None) -> str:
@@ -62,10 +72,29 @@ def _name(loss: object) -> str:
     return repr(loss) if isinstance(loss, str) else getattr(loss, "__qualname__", repr(loss))
 
 
+def _inputs_at(names: tuple[str, ...], arrays: tuple[Any, ...], at: tuple[int, ...]) -> str:
+    """`name=value` of each input at entry `at` (an input with fewer axes, as a per-row
+    advantage, at its leading indices), for a mismatch message."""
+    parts = []
+    for name, x in zip(names, arrays):
+        x = np.asarray(x)
+        value = x[at[: x.ndim]]
+        parts.append(f"{name}={value.item() if value.ndim == 0 else value.tolist()!r}")
+    return ", ".join(parts)
+
+
 def _mismatch(
-    what: str, kind: str, i: int, got: np.ndarray, want: np.ndarray, rtol: float, atol: float
+    what: str,
+    kind: str,
+    i: int,
+    got: np.ndarray,
+    want: np.ndarray,
+    rtol: float,
+    atol: float,
+    inputs: tuple[tuple[str, ...], tuple[Any, ...]] | None = None,
 ) -> None:
-    """Raise `AssertionError` naming the first differing entry (or return when close)."""
+    """Raise `AssertionError` naming the first differing entry and, with `inputs`
+    (`(names, arrays)`), the inputs there (or return when close)."""
     if got.shape != want.shape:
         raise AssertionError(
             f"{what} on {kind} inputs (example {i}): shape {got.shape} vs {want.shape}"
@@ -74,9 +103,10 @@ def _mismatch(
     if close.all():
         return
     at = tuple(int(k) for k in np.argwhere(~close)[0])
+    where = "" if inputs is None else f" (inputs there: {_inputs_at(*inputs, at)})"
     raise AssertionError(
         f"{what} on {kind} inputs (example {i}) differ at {at}: user {got[at]!r}, library "
-        f"{want[at]!r} ({int((~close).sum())} of {close.size} entries differ)"
+        f"{want[at]!r}{where} ({int((~close).sum())} of {close.size} entries differ)"
     )
 
 
@@ -97,7 +127,27 @@ def _dpo_inputs(rng: np.random.Generator, kind: str, batch: int):
     return [f32(x) for x in (c, r, rc, rr)], f32(lengths[0]), f32(lengths[1])
 
 
+def _other_beta(beta: float) -> float:
+    """A second temperature for the DPO comparison: 4 x `beta` (`beta` / 4 above 1), so a
+    loss that ignores `beta` (a number written into it instead) cannot match."""
+    return beta / 4.0 if beta > 1.0 else 4.0 * beta
+
+
 def _check_dpo(user, library, user_kwargs, library_kwargs, beta, n_examples, seed, rtol, atol):
+    _compare_dpo(user, library, user_kwargs, library_kwargs, beta, n_examples, seed, rtol, atol)
+    other = _other_beta(beta)
+    try:
+        _compare_dpo(
+            user, library, user_kwargs, library_kwargs, other, n_examples, seed, rtol, atol
+        )
+    except AssertionError as e:
+        raise AssertionError(
+            f"at beta={other!r} (they agree at beta={beta!r}: does the loss use its `beta` "
+            f"argument?), {e}"
+        ) from None
+
+
+def _compare_dpo(user, library, user_kwargs, library_kwargs, beta, n_examples, seed, rtol, atol):
     def losses_and_grads(loss_type, kwargs, logps, cl, rl):
         def total(lp):
             out = dpo_batch_loss(
@@ -114,7 +164,8 @@ def _check_dpo(user, library, user_kwargs, library_kwargs, beta, n_examples, see
         logps, cl, rl = _dpo_inputs(rng, kind, batch=8)
         got, g_got = losses_and_grads(user, user_kwargs, logps, cl, rl)
         want, g_want = losses_and_grads(library, library_kwargs, logps, cl, rl)
-        _mismatch("per-pair losses", kind, i, np.asarray(got), np.asarray(want), rtol, atol)
+        inputs = (_DPO_INPUT_NAMES, (*logps, cl, rl))
+        _mismatch("per-pair losses", kind, i, np.asarray(got), np.asarray(want), rtol, atol, inputs)
         for name, a, b in zip(("chosen", "rejected"), g_got, g_want):
             _mismatch(
                 f"gradients w.r.t. the {name} log-probs",
@@ -124,6 +175,7 @@ def _check_dpo(user, library, user_kwargs, library_kwargs, beta, n_examples, see
                 np.asarray(b),
                 rtol,
                 atol,
+                inputs,
             )
 
 
@@ -254,11 +306,26 @@ def _compare_policy(
         (_, got), g_got = ours(*args, key)
         (_, want), g_want = theirs(*args, key)
         m = np.asarray(args[3])
+        inputs = (_POLICY_INPUT_NAMES, args[:4])
         _mismatch(
-            "per-token losses", kind, i, np.asarray(got) * m, np.asarray(want) * m, rtol, atol
+            "per-token losses",
+            kind,
+            i,
+            np.asarray(got) * m,
+            np.asarray(want) * m,
+            rtol,
+            atol,
+            inputs,
         )
         _mismatch(
-            "gradients w.r.t. logp", kind, i, np.asarray(g_got), np.asarray(g_want), rtol, atol
+            "gradients w.r.t. logp",
+            kind,
+            i,
+            np.asarray(g_got),
+            np.asarray(g_want),
+            rtol,
+            atol,
+            inputs,
         )
 
 
@@ -287,7 +354,8 @@ def check_loss_matches(
       their gradients w.r.t. the policy's chosen / rejected log-probabilities, on
       batches of 8 pairs: ordinary log-probabilities, extreme ones (down to -1e4, and
       exact zeros) and ties (policy equal to the reference, chosen equal to rejected),
-      lengths 1..64.
+      lengths 1..64; then again at a second temperature, 4 `beta` (`beta` / 4 when
+      `beta` > 1), so that a loss that ignores its `beta` fails, the message naming it.
     - **policy losses** (`registry="policy"`; `register_policy_loss`): the per-token loss
       a GRPO step (`settings` a `GRPOSettings`) or PPO step (a `PPOSettings`) computes
       from `settings` with `policy_loss` replaced, and its gradient w.r.t. `logp`, on

@@ -34,6 +34,15 @@ def test_a_set_of_targets_is_in_the_projections_order():
     assert rx.LoRAConfig(targets=["v", "q"]).targets == ("v", "q")  # a sequence keeps its order
 
 
+@pytest.mark.parametrize(
+    "targets, hint",
+    [(["q_proj", "v_proj"], "here 'q', 'v'"), ("all-linear", "all-linear is targets=")],
+)
+def test_peft_module_names_are_refused_with_their_names_here(targets, hint):
+    with pytest.raises(ValueError, match=hint):
+        rx.LoRAConfig(targets=targets)
+
+
 def _adapter_dir(path, config, tensors):
     path.mkdir()
     base = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 2, "lora_alpha": 4}

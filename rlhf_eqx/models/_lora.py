@@ -154,7 +154,7 @@ class LoRAConfig:
         if unknown:
             raise ValueError(
                 f"LoRAConfig.targets has unknown projection(s) {unknown}; "
-                f"allowed: {list(LORA_TARGETS)}"
+                f"allowed: {list(LORA_TARGETS)}{_peft_names_hint(unknown)}"
             )
         if len(set(self.targets)) != len(self.targets):
             raise ValueError(f"LoRAConfig.targets has duplicates: {list(self.targets)}")
@@ -162,6 +162,18 @@ class LoRAConfig:
     @property
     def scale(self) -> float:
         return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+
+def _peft_names_hint(unknown: list) -> str:
+    """The rlhf_eqx names of PEFT's `target_modules` names (`"q_proj"`, `"all-linear"`)
+    among `unknown`, as a hint."""
+    names = {f"{t}_proj": t for t in LORA_TARGETS}
+    if any(str(t).lower() == "all-linear" for t in unknown):
+        return f" (PEFT's all-linear is targets={LORA_TARGETS!r})"
+    mapped = [names[t] for t in unknown if t in names]
+    if not mapped:
+        return ""
+    return f" (PEFT's module names; here {', '.join(repr(t) for t in mapped)})"
 
 
 def lora_shapes(cfg: TransformerConfig) -> dict[str, tuple[int, int]]:

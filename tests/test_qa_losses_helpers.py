@@ -84,3 +84,16 @@ def test_nonfinite_junk_passes_a_loss_that_selects_its_padding():
     for jit in (True, False):
         rt.check_padding_invariance(selected, (X,), MASK, jit=jit, nonfinite=True)
         rt.check_masked_gradients_zero(selected, (X,), MASK, jit=jit, nonfinite=True)
+
+
+def clip_low_written_in(logp, old_logp, advantages, mask, *, clip_eps, clip_eps_high):
+    """Declares `clip_eps` but clips the low side at 0.8 (the default 0.2 written in)."""
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    ratio = jnp.exp(jnp.clip(logp - old_logp, -20.0, 20.0))
+    return -jnp.minimum(ratio * advantages, jnp.clip(ratio, 0.8, 1 + high) * advantages)
+
+
+@pytest.mark.parametrize("library", ["grpo", "ppo"])
+def test_a_policy_loss_that_writes_in_its_clip_fails_at_another_clip_eps(library):
+    with pytest.raises(AssertionError, match=r"at clip_eps=0\.1 .*use its `clip_eps`"):
+        rt.check_loss_matches(clip_low_written_in, library)

@@ -257,6 +257,30 @@ def _check_policy(
                 f"(clip_eps={asymmetric.clip_eps!r}; the settings' clip_eps_high="
                 f"{settings.clip_eps_high!r} clips both sides alike), {e}"
             ) from None
+    other = _other_clip_eps(user, library, settings, advantages)
+    if other is not None:
+        try:
+            _compare_policy(
+                user, library, user_kwargs, library_kwargs, other, record, n_examples, seed,
+                rtol, atol,
+            )  # fmt: skip
+        except AssertionError as e:
+            raise AssertionError(
+                f"at clip_eps={other.clip_eps!r} (they agree at the settings' clip_eps="
+                f"{settings.clip_eps!r}: does the loss use its `clip_eps` argument?), {e}"
+            ) from None
+
+
+def _other_clip_eps(user, library, settings, advantages):
+    """`settings` with `clip_eps` halved (the upper clip kept where it is set) when both
+    losses read `clip_eps` and it is a positive Python number, so a loss that declares
+    the clip but writes its own number in fails; `None` when there is nothing to vary."""
+    if not all(_reads(loss, "clip_eps", advantages) for loss in (user, library)):
+        return None
+    eps = settings.clip_eps
+    if isinstance(eps, bool) or not isinstance(eps, int | float) or eps <= 0:
+        return None
+    return dataclasses.replace(settings, clip_eps=round(0.5 * eps, 6))
 
 
 def _reads(loss: object, name: str, advantages: str) -> bool:
@@ -369,7 +393,9 @@ def check_loss_matches(
       get the same. When both losses read `clip_eps_high` and `settings` clip both
       sides alike (`clip_eps_high` `None` or `clip_eps`), they are compared again under
       an asymmetric clip, `clip_eps_high` = 1.5 `clip_eps`: a loss that declares the
-      upper clip but ignores it fails, the message naming `clip_eps_high`.
+      upper clip but ignores it fails, the message naming `clip_eps_high`. When both
+      read `clip_eps`, they are compared again with it halved, so that a loss that
+      writes its own clip in fails, the message naming `clip_eps`.
 
     **Arguments:**
 

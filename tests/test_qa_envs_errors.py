@@ -129,3 +129,34 @@ def test_the_stage_names_the_method_that_raised(stage, tmp_path, monkeypatch, ca
         "tracing its reset and step raised ValueError: the board has no square 9 (in Own.step)"
     ) in err
     assert len(err.strip().splitlines()) == 1
+
+
+def _episodes(turn_rewards, num_turns):
+    """One rollout's trajectory of 3 episodes of 6 tokens (policy tokens from position 2)."""
+    E, T = turn_rewards.shape[0], 6
+    zeros = jnp.zeros((E, T), jnp.int32)
+    return rx.envs.Trajectory(
+        tokens=zeros + 5,
+        mask=zeros == 0,
+        loss_mask=jnp.broadcast_to(jnp.arange(T) >= 2, (E, T)),
+        logprobs=jnp.zeros((E, T)),
+        turn_ids=zeros,
+        turn_rewards=turn_rewards,
+        reward=jnp.nansum(turn_rewards, -1),
+        num_turns=num_turns,
+        truncated=jnp.zeros((E,), bool),
+    )
+
+
+def test_check_trajectory_refuses_a_vmapped_trajectory_and_checks_its_members():
+    """A `[M, E, T]` trajectory (a vmapped rollout's) is refused naming the shapes, not
+    read with its axes mixed up (a NaN reward went unseen); each member is checked."""
+    rewards = jnp.ones((2, 3, 3)).at[1, 0, 2].set(jnp.nan)
+    turns = jnp.asarray([[3, 3, 1], [3, 3, 1]], jnp.int32)
+    traj = jax.vmap(_episodes)(rewards, turns)  # as a vmapped rollout returns it
+    with pytest.raises(ValueError, match=r"one rollout's episodes .* tokens \(2, 3, 6\)"):
+        rx.envs.check_trajectory(traj, environment="Ask", vocab_size=53)
+    member = lambda m: jax.tree.map(lambda x: x[m], traj)  # noqa: E731
+    rx.envs.check_trajectory(member(0), environment="Ask", vocab_size=53)
+    with pytest.raises(ValueError, match=r"Ask.step returned the reward nan \(episode 0, turn 2\)"):
+        rx.envs.check_trajectory(member(1), environment="Ask", vocab_size=53)

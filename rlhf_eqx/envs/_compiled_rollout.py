@@ -218,11 +218,21 @@ def check_trajectory(trajectory: Trajectory, *, environment: str, vocab_size: in
     """Refuse what a rollout inside `jit` / `vmap` could not check: an observation id
     outside the vocabulary of `vocab_size` ids, or a turn reward that is not finite, in
     a concrete `trajectory` (`rollout_multiturn` checks its own when called outside
-    them). `environment` names the environment in the error (its class name).
+    them). `environment` names the environment in the error (its class name). One
+    rollout's episodes (`tokens` `[E, T]`, `turn_rewards` `[E, K]`): check the members of
+    a vmapped rollout one at a time (`jax.tree.map(lambda x: x[m], trajectory)`).
 
     **Raises** a `ValueError` naming the environment, the episode and the position or
-    turn. **Returns** `trajectory`.
+    turn (or the shapes, for a trajectory of another rank). **Returns** `trajectory`.
     """
+    shapes = (np.ndim(trajectory.tokens), np.ndim(trajectory.turn_rewards))
+    if shapes != (2, 2):
+        raise ValueError(
+            "check_trajectory checks one rollout's episodes (tokens [E, T], turn_rewards "
+            f"[E, K]); got tokens {np.shape(trajectory.tokens)} and turn_rewards "
+            f"{np.shape(trajectory.turn_rewards)}: check each member of a vmapped rollout "
+            "(jax.tree.map(lambda x: x[m], trajectory))"
+        )
     return _check_values(trajectory, environment, vocab_size)
 
 

@@ -366,10 +366,10 @@ def check_masked_gradients_zero(
     mask: Bool[Array, "*B T"],
     *,
     fill: Sequence[float] = DEFAULT_FILL,
-    nonfinite: bool = False,
     rtol: float = 1e-5,
     atol: float = 1e-6,
     jit: bool = True,
+    nonfinite: bool = False,
 ) -> None:
     """Check that masked positions receive no gradient and do not change the others.
 

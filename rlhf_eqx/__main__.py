@@ -582,8 +582,10 @@ def join_processes() -> tuple[int, int] | None:
     When any of `RLHF_EQX_COORDINATOR`, `RLHF_EQX_NUM_PROCESSES`, `RLHF_EQX_PROCESS_ID`
     is set, `rlhf_eqx.distributed.initialize_distributed()` joins the run (all three are
     needed) and a line `rlhf_eqx: process P of N (coordinator HOST:PORT)` goes to stderr;
-    with none set nothing happens. Configuration checks read the devices (which starts
-    JAX's backend, after which no process can join), so this runs first.
+    with none set nothing happens, nor when this process has joined a run already (a
+    program that calls `main` after `initialize_distributed`). Configuration checks read
+    the devices (which starts JAX's backend, after which no process can join), so this
+    runs first.
 
     **Returns:** `(process_id, num_processes)`, or `None` when no variable is set.
 
@@ -596,6 +598,10 @@ def join_processes() -> tuple[int, int] | None:
     names = (dist.ENV_COORDINATOR, dist.ENV_NUM_PROCESSES, dist.ENV_PROCESS_ID)
     if not any(os.environ.get(name) for name in names):
         return None
+    import jax
+
+    if jax.distributed.is_initialized():  # `main` called by a program that joined already
+        return jax.process_index(), jax.process_count()
     process_id, num_processes = dist.initialize_distributed()
     print(
         f"rlhf_eqx: process {process_id} of {num_processes} (coordinator "

@@ -130,3 +130,26 @@ def test_cli_two_processes_join_one_run():
         assert f"rlhf_eqx: process {p} of 2 (coordinator 127.0.0.1:{port})" in err
         assert out.startswith("Once")
     assert outs[0][0] == outs[1][0]  # the same seed samples the same text in each process
+
+
+def test_main_in_a_program_that_joined_already_does_not_join_again():
+    """`main` called by a program that ran `initialize_distributed` itself (with the
+    variables set, as a launcher does) runs on in the run it joined."""
+    port = _free_port()
+    env = _env(
+        RLHF_EQX_COORDINATOR=f"127.0.0.1:{port}",
+        RLHF_EQX_NUM_PROCESSES="1",
+        RLHF_EQX_PROCESS_ID="0",
+    )
+    program = (
+        "import sys\n"
+        "from rlhf_eqx import distributed as dist\n"
+        "from rlhf_eqx.__main__ import main\n"
+        "assert dist.initialize_distributed() == (0, 1)\n"
+        f"sys.exit(main({SAMPLE!r}))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("Once")

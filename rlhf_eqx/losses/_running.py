@@ -24,7 +24,10 @@ def running_mean_update(state: RunningMean, values: Float[Array, "*n"]) -> Runni
 
     For BCO (`bco_pair`), TRL updates the mean with the batch's detached implicit rewards
     (chosen and rejected together) *before* computing the loss, then uses it as
-    `bco_delta`:
+    `bco_delta`. It folds in their *mean*, one value per batch (`RunningMoments.update`
+    of `torch.cat(...).mean()`), so every batch weighs the same; folding in the values
+    themselves, as below, weighs batches by their size, the same mean when batches are
+    of equal size (pass `jnp.mean(rewards)[None]` for TRL's weighting of uneven ones):
 
     ```python
     rc, rr = jax.vmap(dpo_implicit_rewards)(c, r, ref_c, ref_r)

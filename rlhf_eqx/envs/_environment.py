@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import equinox as eqx
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 
 from ..data import Tokenizer, decode_continuation
@@ -113,6 +114,23 @@ class Environment(eqx.Module):
         float scalar) and whether the episode is over (a bool scalar).
         """
         raise NotImplementedError
+
+
+def _reward_and_done(reward: object, done: object, where: str) -> tuple[float, bool]:
+    """A host environment's `reward` as a float and `done` as a bool; a `TypeError` naming
+    `where` they came from for a reward that is not a real number (a string, `None`, an
+    array of several values) or a `done` that is not a bool (a string, a number)."""
+    value = None
+    if not isinstance(reward, str | bytes) and np.ndim(reward) == 0 and np.isrealobj(reward):
+        try:
+            value = float(reward)
+        except (TypeError, ValueError):
+            pass
+    if value is None:
+        raise TypeError(f"{where} returned the reward {reward!r}: it must be a real number")
+    if np.ndim(done) != 0 or np.asarray(done).dtype != np.bool_:
+        raise TypeError(f"{where} returned done={done!r}: it must be a bool")
+    return value, bool(done)
 
 
 class HostEnvironment(abc.ABC):
@@ -213,7 +231,9 @@ class TextEnvironment(HostEnvironment):
 
     @abc.abstractmethod
     def step_text(self, completion: str) -> tuple[str, float, bool]:
-        """Answer one turn's text: `(observation text, reward, done)`."""
+        """Answer one turn's text: `(observation text, reward, done)`, the reward a real
+        number and `done` a bool (checked: anything else is a `TypeError` naming this
+        method)."""
         raise NotImplementedError
 
     def encode_observation(self, text: str) -> list[int]:
@@ -246,6 +266,7 @@ class TextEnvironment(HostEnvironment):
                 f"done) with the text a str ('' for none), got {out!r}"
             )
         obs_text, reward, done = out
+        reward, done = _reward_and_done(reward, done, f"{type(self).__name__}.step_text")
         observation = [] if done else self.encode_observation(obs_text)
         self._context = self._context + observation
-        return observation, float(reward), bool(done)
+        return observation, reward, done

@@ -19,7 +19,7 @@ from ._compiled_rollout import (
     _env_step,
     _options,
 )
-from ._environment import Environment, HostEnvironment
+from ._environment import Environment, HostEnvironment, _reward_and_done
 from ._trajectory import Trajectory, _Progress, _trajectory
 from ._turns import _episode_keys, _start_batch, _turn
 
@@ -138,19 +138,10 @@ def _step(env: HostEnvironment, completion: list[int], where: str) -> tuple[obje
     if not (isinstance(out, tuple | list) and len(out) == 3):
         raise TypeError(f"{where} must return (observation, reward, done), got {out!r}")
     obs, reward, done = out
-    value = None
-    if np.ndim(reward) == 0 and not isinstance(reward, str | bytes) and np.isrealobj(reward):
-        try:
-            value = float(reward)
-        except (TypeError, ValueError):
-            pass
-    if value is None:
-        raise TypeError(f"{where} returned the reward {reward!r}: it must be a real number")
+    value, done = _reward_and_done(reward, done, where)
     if not np.isfinite(value):
         raise ValueError(f"{where} returned the reward {value}: rewards must be finite")
-    if np.ndim(done) != 0 or np.asarray(done).dtype != np.bool_:
-        raise TypeError(f"{where} returned done={done!r}: it must be a bool")
-    return obs, value, bool(done)
+    return obs, value, done
 
 
 # The keyword-only signature repeats `rollout_multiturn`'s on purpose (the two are

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..data import Tokenizer
-from ._environment import TextEnvironment
+from ._environment import TextEnvironment, _reward_and_done
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _OPEN = "<tool_call>"
@@ -200,9 +200,10 @@ class ToolEnvironment(TextEnvironment):
     def step_text(self, completion: str) -> tuple[str, float, bool]:
         calls = parse_tool_calls(completion)
         if not calls:
-            reward = (
-                0.0 if self.reward_fn is None else float(self.reward_fn(self.prompt, completion))
-            )
+            if self.reward_fn is None:
+                return "", 0.0, True
+            value = self.reward_fn(self.prompt, completion)
+            reward, _ = _reward_and_done(value, True, f"{type(self).__name__}'s reward_fn")
             return "", reward, True
         results = []
         for i, call in enumerate(calls):

@@ -19,7 +19,9 @@ def replicate(tree: PyTree, devices: Sequence[jax.Device] | None = None) -> PyTr
     `devices` (default `jax.local_devices()`).
 
     **Returns:** `tree` with each array `x` replaced by `[n_devices, *x.shape]`, the
-    `i`-th copy stored on `devices[i]`.
+    `i`-th copy stored on `devices[i]`. Each copy is placed on its device directly: no
+    device ever holds the `n_devices` copies together (a model that fits one device once
+    is replicated without holding it `n_devices` times on the first).
     """
     devices = list(jax.local_devices() if devices is None else devices)
     mesh = Mesh(np.asarray(devices), ("devices",))
@@ -29,7 +31,9 @@ def replicate(tree: PyTree, devices: Sequence[jax.Device] | None = None) -> PyTr
     def put(x):
         if not eqx.is_array(x):
             return x
-        return jax.device_put(jnp.broadcast_to(x[None], (n,) + x.shape), sharding)
+        one = jnp.expand_dims(x, 0)
+        copies = [jax.device_put(one, d) for d in devices]
+        return jax.make_array_from_single_device_arrays((n,) + x.shape, sharding, copies)
 
     return jax.tree.map(put, tree)
 

@@ -63,6 +63,16 @@ def _add(a, b):
     return jax.tree.map(jnp.add, a, b)
 
 
+def _zeros_of(s: jax.ShapeDtypeStruct) -> Array:
+    """Zeros of `s`'s shape and dtype that vary over the manual device axes `s` varies
+    over (inside `jax.shard_map` with `check_vma=True`: a scan's carry must have the type
+    its body returns, and a micro-batch's loss and gradients vary over the data axis)."""
+    z = jnp.zeros(s.shape, s.dtype)
+    manual = getattr(s, "manual_axis_type", None)
+    axes = manual.varying if manual is not None else getattr(s, "vma", None) or ()
+    return jax.lax.pcast(z, tuple(sorted(axes, key=str)), to="varying") if axes else z
+
+
 def accumulate_gradients(
     fn: Callable[..., tuple[Array, PyTree]],
     params: PyTree,
@@ -100,7 +110,7 @@ def accumulate_gradients(
     k0 = None if keys is None else keys[0]
     # Shapes of the carry, without running anything.
     (loss_s, aux_s), grads_s = eqx.filter_eval_shape(grad_fn, params, first, k0)
-    zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t)
+    zeros = lambda t: jax.tree.map(_zeros_of, t)
     init = (zeros(loss_s), zeros(grads_s), zeros(aux_s))
 
     def body(carry, xs):

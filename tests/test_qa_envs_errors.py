@@ -160,3 +160,32 @@ def test_check_trajectory_refuses_a_vmapped_trajectory_and_checks_its_members():
     rx.envs.check_trajectory(member(0), environment="Ask", vocab_size=53)
     with pytest.raises(ValueError, match=r"Ask.step returned the reward nan \(episode 0, turn 2\)"):
         rx.envs.check_trajectory(member(1), environment="Ask", vocab_size=53)
+
+
+class GymStyle(rx.envs.HostEnvironment):
+    """`reset` answers `(observation, info)` as a gym environment does; `step` answers
+    with a ragged observation."""
+
+    max_observation_tokens = 4
+
+    def reset(self, prompt):
+        return [40, 41], {}
+
+    def step(self, completion):
+        return [[40, 41], [42]], 0.0, False
+
+
+class RaggedStep(GymStyle):
+    def reset(self, prompt):
+        return [40]
+
+
+@pytest.mark.parametrize(
+    "env, where",
+    [(GymStyle, r"GymStyle.reset of episode 0"), (RaggedStep, r"RaggedStep.step of episode 0 at")],
+)
+def test_a_nested_host_observation_is_named(policy, env, where):
+    """A nested or ragged observation (a gym-style `(observation, info)`) was a bare numpy
+    error from building an array of it; it is refused naming the call."""
+    with pytest.raises(TypeError, match=where + r".* not a list of int ids: \(?\["):
+        rollout_multiturn_host(policy, env, *_prompts(), jax.random.key(1), **KW)

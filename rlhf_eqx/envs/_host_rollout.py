@@ -103,9 +103,13 @@ def _padded(
             f"{where} must return the observation as a sequence of token ids, got "
             f"{type(ids).__name__}"
         )
-    if np.ndim(ids) != 1 or not all(
-        isinstance(i, int | np.integer) and not isinstance(i, bool | np.bool_) for i in ids
-    ):
+    if isinstance(ids, np.ndarray):  # read as its ids, without building an array of a list
+        ok = ids.ndim == 1 and np.issubdtype(ids.dtype, np.integer)
+    else:  # a nested or ragged one, e.g. a gym-style (observation, info), is no list of ids
+        ok = all(
+            isinstance(i, int | np.integer) and not isinstance(i, bool | np.bool_) for i in ids
+        )
+    if not ok:
         raise TypeError(f"{where} returned an observation that is not a list of int ids: {ids!r}")
     ids = [int(i) for i in ids]
     if len(ids) > length:

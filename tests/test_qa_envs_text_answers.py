@@ -57,3 +57,16 @@ def test_a_tool_environment_s_reward_fn_is_checked(value):
         _step(env)
     env = ToolEnvironment({}, rx.data.ByteTokenizer(), reward_fn=lambda prompt, answer: 0.25)
     assert _step(env) == ([], 0.25, True)
+
+
+@pytest.mark.parametrize(
+    "reward, done, message",
+    [
+        ([[1.0], [1.0, 2.0]], False, r"returned the reward \[\[1.0\], \[1.0, 2.0\]\]: it must"),
+        (1.0, [[True], [True, False]], r"returned done=\[\[True\], \[True, False\]\]: it must"),
+    ],
+)
+def test_a_ragged_reward_or_done_is_named(reward, done, message):
+    """A ragged list (numpy cannot make an array of it) was numpy's bare `ValueError`."""
+    with pytest.raises(TypeError, match=r"Answers.step_text " + message):
+        _step(Answers(reward, done))

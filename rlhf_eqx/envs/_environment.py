@@ -121,16 +121,25 @@ def _reward_and_done(reward: object, done: object, where: str) -> tuple[float, b
     `where` they came from for a reward that is not a real number (a string, `None`, an
     array of several values) or a `done` that is not a bool (a string, a number)."""
     value = None
-    if not isinstance(reward, str | bytes) and np.ndim(reward) == 0 and np.isrealobj(reward):
+    if not isinstance(reward, str | bytes) and _scalar(reward) and np.isrealobj(reward):
         try:
             value = float(reward)
         except (TypeError, ValueError):
             pass
     if value is None:
         raise TypeError(f"{where} returned the reward {reward!r}: it must be a real number")
-    if np.ndim(done) != 0 or np.asarray(done).dtype != np.bool_:
+    if not (_scalar(done) and np.asarray(done).dtype == np.bool_):
         raise TypeError(f"{where} returned done={done!r}: it must be a bool")
     return value, bool(done)
+
+
+def _scalar(x: object) -> bool:
+    """Whether `x` is one value (`np.ndim(x) == 0`; a ragged list, which numpy cannot
+    make an array of, is not)."""
+    try:
+        return np.ndim(x) == 0
+    except ValueError:
+        return False
 
 
 class HostEnvironment(abc.ABC):

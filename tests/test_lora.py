@@ -303,3 +303,39 @@ def test_peft_adapter_round_trip(tmp_path, getkey):
     (tmp_path / "adapter_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="`use_dora`"):
         load_lora_adapter(base, tmp_path)
+
+
+def test_lora_filter_trains_a_scalar_head_as_peft_sequence_classifiers_do(getkey):
+    """On a reward or value model, `lora_filter` marks the adapters and the scalar
+    read-out (PEFT's `SEQ_CLS` keeps its `score` head in `modules_to_save`): a reward step
+    moves the fresh head, not only the adapters; `head=False` keeps it frozen; a policy has
+    no scalar head to ask for."""
+    from test_train_common import preference_batch
+
+    policy = rx.Policy(CFG, key=getkey())
+    reward = apply_lora(rx.RewardModel.from_policy(policy, key=getkey()), LCFG, key=getkey())
+    spec = lora_filter(reward)
+    assert spec.head is True and spec.bias is True
+    assert count_params(reward, spec) == count_params(reward, lora_filter(reward, head=False)) + (
+        CFG.d_model + 1
+    )
+    assert lora_filter(reward, head=False).head is False
+    value = apply_lora(rx.ValueModel(CFG, key=getkey()), LCFG, key=getkey())
+    assert lora_filter(value).head is True
+    assert lora_filter(apply_lora(policy, LCFG, key=getkey()), head=None) is not None
+    with pytest.raises(ValueError, match=r"head=True.*Policy has no scalar read-out"):
+        lora_filter(apply_lora(policy, LCFG, key=getkey()), head=True)
+
+    opt = optax.sgd(0.5)
+    batch = preference_batch(getkey(), B=4, T=10, vocab=CFG.vocab_size)
+    step = rx.train.make_reward_step(opt)
+    for head, moves in ((None, True), (False, False)):
+        state = rx.train.init_train_state(reward, opt, filter_spec=lora_filter(reward, head=head))
+        state, _ = state.apply(step, batch)
+        new = state.model
+        assert (not np.array_equal(np.asarray(new.head), np.asarray(reward.head))) is moves
+        assert not np.array_equal(
+            np.asarray(new.transformer.layers.lora["q"].b),
+            np.asarray(reward.transformer.layers.lora["q"].b),
+        )
+        assert new.transformer.layers.wqkv is reward.transformer.layers.wqkv  # base frozen

@@ -636,7 +636,7 @@ def test_lora_ensemble_scores_are_mean_minus_penalty_std(getkey):
     cfg = rx.LoRAConfig(rank=2, targets=("q", "v"))
     make = lambda k: rx.apply_lora(base, cfg, key=k)
     keys = jax.random.split(getkey(), K)
-    spec = rx.lora_filter(make(keys[0]))
+    spec = rx.lora_filter(make(keys[0]), head=False)
     adapters = make_ensemble(make, keys, filter_spec=spec)
     # memory: the base is the reward model's own arrays; only the adapters are stacked
     assert adapters.shared.transformer.layers.wqkv is base.transformer.layers.wqkv

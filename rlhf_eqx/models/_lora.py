@@ -240,8 +240,23 @@ def apply_lora(model: PyTree, config: LoRAConfig, *, key: PRNGKeyArray) -> PyTre
     return eqx.tree_at(lambda m: where(m).lora, model, adapters, is_leaf=lambda x: x is None)
 
 
-def lora_filter(model: PyTree) -> PyTree:
-    """Filter spec for `eqx.partition`: `True` exactly on the adapter arrays.
+def lora_filter(model: PyTree, *, head: bool | None = None) -> PyTree:
+    """Filter spec for `eqx.partition`: `True` on the adapter arrays and, on a
+    `RewardModel` or `ValueModel`, on its scalar read-out (`head`, `bias`).
+
+    A reward or value model trained with LoRA trains its scalar head beside the
+    adapters, as PEFT's sequence classifiers do (`task_type="SEQ_CLS"` puts the `score`
+    head in `modules_to_save`, and TRL's `RewardTrainer` with a `peft_config` trains it):
+    a fresh head (`RewardModel.from_policy`) would otherwise stay at its random
+    initialisation, and `save_lora_adapter` writes the head as trained.
+
+    **Arguments:**
+
+    - `model`: a model with adapters (`apply_lora`, `load_lora_adapter`).
+    - `head`: whether the scalar read-out trains; `None` (default): yes for a model that
+      has one, `False`: adapters only (e.g. adapters on a reward model whose head is
+      already trained, the members of a LoRA ensemble). `True` on a model without a
+      scalar read-out is an error.
 
     Raises `ValueError` when the model has no adapters.
     """
@@ -249,13 +264,22 @@ def lora_filter(model: PyTree) -> PyTree:
     lora = where(model).lora
     if lora is None:
         raise ValueError("the model has no LoRA adapters; call apply_lora first")
+    scalar = hasattr(model, "head") and hasattr(model, "bias")
+    if head and not scalar:
+        raise ValueError(
+            f"lora_filter(head=True): a {type(model).__name__} has no scalar read-out "
+            "(`head`, `bias`: RewardModel and ValueModel have one)"
+        )
     spec = jax.tree_util.tree_map(lambda _: False, model)
     adapters = {}
     for name, adapter in lora.items():
         adapters[name] = jax.tree_util.tree_map(eqx.is_array, adapter)
         if isinstance(adapter, LayerwiseLoRAAdapter):  # the per-layer scale is frozen
             adapters[name] = eqx.tree_at(lambda ad: ad.scale, adapters[name], False)
-    return eqx.tree_at(lambda m: where(m).lora, spec, adapters)
+    spec = eqx.tree_at(lambda m: where(m).lora, spec, adapters)
+    if scalar and head is not False:
+        spec = eqx.tree_at(lambda m: (m.head, m.bias), spec, (True, True))
+    return spec
 
 
 def without_lora(model: PyTree) -> PyTree:

@@ -8,7 +8,7 @@ $k$ is `eqx.combine(members[k], shared)`.
 **Memory.** The shared part is stored once, never $K$ times: for $K$ scalar heads on a
 frozen `RewardModel` backbone the members hold $K (D + 1)$ floats; for $K$ LoRA
 adapters on a frozen base they hold $K$ times the adapters (`count_params(model,
-lora_filter(model))`), and the base weights are the very arrays of the model the
+lora_filter(model, head=False))`), and the base weights are the very arrays of the model the
 ensemble was built from. Optimiser state is per member, so it is $K$ times the
 trainable part only. Activations: `jax.vmap` batches only what depends on the members,
 so $K$ heads on a frozen backbone run the backbone **once** per step (and per scoring
@@ -138,10 +138,11 @@ def make_ensemble(
     make = lambda k: rx.RewardModel.from_policy(policy, key=k)
     heads = make_ensemble(make, keys, filter_spec=scalar_head_filter(make(keys[0])))
     make = lambda k: rx.apply_lora(reward_model, lora_cfg, key=k)
-    adapters = make_ensemble(make, keys, filter_spec=rx.lora_filter(make(keys[0])))
+    adapters = make_ensemble(make, keys, filter_spec=rx.lora_filter(make(keys[0]), head=False))
     ```
 
-    (`K` scalar heads on the policy's backbone; `K` LoRA adapters on a reward model.)
+    (`K` scalar heads on the policy's backbone; `K` LoRA adapters on a trained reward
+    model, its head shared.)
 
     (`filter_spec=None`: every floating-point array is per member, i.e. `K` independent
     models.) A shared part that differs across keys is an error.

@@ -73,3 +73,11 @@ def test_mesh_with_an_extra_axis_name_equals_one_device(getkey):
     state, m = state.apply(step, dist.shard_batch(batch, mesh))
     assert_updates_agree(state.model, one_params, policy)
     assert jnp.allclose(m["loss"], one_m["loss"], rtol=1e-5)
+
+
+def test_make_mesh_of_fewer_devices_says_how_to_pick_them():
+    with pytest.raises(ValueError, match=r"3 × 1 = 3 devices, but 8 are given \(for a mesh of "):
+        dist.make_mesh(3, devices=jax.devices()[:8])
+    with pytest.raises(ValueError, match=r"2 × 1 = 2 devices, but 1 are given$"):
+        dist.make_mesh(2, devices=jax.devices()[:1])
+    assert dist.make_mesh(3, devices=jax.devices()[:3]).shape == {"data": 3, "model": 1}

@@ -85,6 +85,11 @@ def make_mesh(data: int, model: int = 1, *, devices: Sequence[jax.Device] | None
         raise ValueError(
             f"make_mesh: data × model = {data} × {model} = {data * model} devices, "
             f"but {len(devices)} are given"
+            + (
+                f" (for a mesh of some of them: devices=jax.devices()[:{data * model}])"
+                if data * model < len(devices)
+                else ""
+            )
         )
     return jax.make_mesh(
         (data, model), ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto), devices=devices

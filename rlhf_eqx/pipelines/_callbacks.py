@@ -26,6 +26,7 @@ and raises `CallbackError`, one line naming the callback and the hook; resuming
 continues from that checkpoint.
 """
 
+import copy
 import importlib
 import json
 import os
@@ -109,7 +110,8 @@ class RunHandle:
 
     - `stage`, `num_iterations`; `iteration` (iterations completed), `steps`
       (optimiser steps taken), `state` (the loop's state: a `TrainState`, or a run's
-      own state pytree holding one), `history` (this call's step records), `resumed`;
+      own state pytree holding one), `history` (a copy of this call's step records:
+      changing it changes nothing of the run), `resumed`;
     - `log` (the stage's `MetricsLog`), `run_dir`, `checkpoint_dir`;
     - `policy()`: the current policy with LoRA merged (stages that train a policy:
       `has_policy`);
@@ -142,12 +144,18 @@ class RunHandle:
         self.iteration = iteration
         self.steps = steps
         self.resumed = resumed
-        self.history = [] if history is None else history
+        self._history = [] if history is None else history
         self.stop_reason: str | None = None
         # set once the loop has ended (`on_stop`, the held-out `on_evaluate`): records
         # written then come after the last checkpoint and are written again on resume
         self.after_loop = False
         self._policy_of = policy_of
+
+    @property
+    def history(self) -> list[dict]:
+        """This call's step records, a copy: the loop's own list (what a rollback keeps,
+        the stage's summary) does not change with what a callback does to it."""
+        return copy.deepcopy(self._history)
 
     @property
     def run_dir(self) -> str:
@@ -268,12 +276,13 @@ class CallbackList:
 
 
 def after_evaluation(callbacks: Sequence[Any], loop: Any, results: dict) -> None:
-    """Call `on_evaluate` of `callbacks` with a stage's held-out `results`, after the
-    stage's loop ended (`loop`: its `LoopResult`, whose `run` the callbacks saw)."""
+    """Call `on_evaluate` of `callbacks` with a copy of a stage's held-out `results`,
+    after the stage's loop ended (`loop`: its `LoopResult`, whose `run` the callbacks
+    saw); what a callback does to its copy leaves the summary as it was."""
     run = getattr(loop, "run", None)
     if callbacks and run is not None:
         run.after_loop = True
-        CallbackList(callbacks).call("on_evaluate", run, run.iteration, results)
+        CallbackList(callbacks).call("on_evaluate", run, run.iteration, copy.deepcopy(results))
 
 
 def load_object(spec: str, what: str, example: str) -> Any:

@@ -6,7 +6,7 @@ number) is a `TypeError` naming the method and the value."""
 import pytest
 
 import rlhf_eqx as rx
-from rlhf_eqx.envs import TextEnvironment, ToolEnvironment
+from rlhf_eqx.envs import TextEnvironment, ToolEnvironment, calculator
 
 
 class Answers(TextEnvironment):
@@ -70,3 +70,27 @@ def test_a_ragged_reward_or_done_is_named(reward, done, message):
     """A ragged list (numpy cannot make an array of it) was numpy's bare `ValueError`."""
     with pytest.raises(TypeError, match=r"Answers.step_text " + message):
         _step(Answers(reward, done))
+
+
+@pytest.mark.parametrize(
+    "tools, settings, message",
+    [
+        ([calculator], {}, r"tools"),
+        (calculator, {}, r"tools"),
+        (None, dict(timeout="5"), r"timeout"),
+        (None, dict(timeout=float("nan")), r"timeout must be a positive .*nan"),
+        (None, dict(max_calls_per_turn=True), r"max_calls_per_turn must be a positive int"),
+        (None, dict(response_prefix=None), r"response_prefix"),
+        (None, dict(reward_fn=3), r"reward_fn"),
+    ],
+)
+def test_tool_environment_settings_are_checked_when_built(tools, settings, message):
+    """Each bad setting is refused when the environment is built, naming it. Without the
+    runtime type checks of the test suite a list of tools was an AttributeError (`'list'
+    object has no attribute 'items'`), a string timeout a bare comparison error, and a
+    prefix of None or a reward_fn that is not callable were accepted until the first tool
+    call or final answer; `max_calls_per_turn=True` was taken for 1 in either case."""
+    tools = {"calculator": calculator} if tools is None else tools
+    with pytest.raises((TypeError, ValueError), match=message):
+        ToolEnvironment(tools, rx.data.ByteTokenizer(), **settings)
+    ToolEnvironment({"calculator": calculator}, rx.data.ByteTokenizer(), timeout=2)

@@ -18,6 +18,8 @@ final answer and ends the episode.
 
 import dataclasses
 import json
+import math
+import numbers
 import re
 import threading
 from collections.abc import Callable, Mapping
@@ -169,22 +171,40 @@ class ToolEnvironment(TextEnvironment):
         tokenizer: Tokenizer,
         *,
         max_observation_tokens: int = 128,
-        timeout: float = 5.0,
+        timeout: float | int = 5.0,
         max_calls_per_turn: int = 4,
         reward_fn: Callable[[str, str], float] | None = None,
         response_prefix: str = "",
         response_suffix: str = "",
     ):
         super().__init__(tokenizer, max_observation_tokens=max_observation_tokens)
+        if not isinstance(tools, Mapping):
+            raise TypeError(
+                "tools must map names to callables (e.g. {'calculator': calculator}); got "
+                f"{type(tools).__name__}: {tools!r}"
+            )
         for name, fn in tools.items():
             if not (isinstance(name, str) and callable(fn)):
                 raise TypeError(f"tools must map names to callables; got {name!r}: {fn!r}")
-        if not timeout > 0:
-            raise ValueError(f"timeout must be positive, got {timeout!r}")
-        if not (isinstance(max_calls_per_turn, int) and max_calls_per_turn > 0):
+        real = isinstance(timeout, numbers.Real) and not isinstance(timeout, bool)
+        if not (real and 0 < timeout < math.inf):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if isinstance(max_calls_per_turn, bool) or not (
+            isinstance(max_calls_per_turn, int) and max_calls_per_turn > 0
+        ):
             raise ValueError(
                 f"max_calls_per_turn must be a positive int, got {max_calls_per_turn!r}"
             )
+        if not (reward_fn is None or callable(reward_fn)):
+            raise TypeError(
+                f"reward_fn must be None or (prompt, answer) -> float, got {reward_fn!r}"
+            )
+        for name, text in (
+            ("response_prefix", response_prefix),
+            ("response_suffix", response_suffix),
+        ):
+            if not isinstance(text, str):
+                raise TypeError(f"{name} must be a str, got {text!r}")
         self.tools = dict(tools)
         self.timeout = float(timeout)
         self.max_calls_per_turn = max_calls_per_turn

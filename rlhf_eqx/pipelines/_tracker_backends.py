@@ -119,10 +119,9 @@ def _catch_up(tracker: Tracker, held: "_Held", run_dir: str) -> None:
     _replay(tracker, run_dir)
 
 
-def _prefixed(stage: str, metrics: dict[str, float], bad: re.Pattern | None = None):
-    """`metrics` named `<stage>/<metric>`, the characters `bad` matches replaced by `_`."""
-    out = {f"{stage}/{k}": v for k, v in metrics.items()}
-    return out if bad is None else {bad.sub("_", k): v for k, v in out.items()}
+def _prefixed(stage: str, metrics: dict[str, float]) -> dict[str, float]:
+    """`metrics` named `<stage>/<metric>`."""
+    return {f"{stage}/{k}": v for k, v in metrics.items()}
 
 
 def _run_options(project_variable: str, run_name: str, group: str | None, config: dict):
@@ -380,6 +379,21 @@ def wandb_records(path: str) -> Iterator[Any]:
 
 
 _MLFLOW_NAME = re.compile(r"[^\w\-. :/]")
+_MLFLOW_KEY_LENGTH = 250
+
+
+def _mlflow_key(name: str) -> str:
+    """`name` as an MLflow metric or tag key: the characters MLflow refuses replaced by
+    `_`, empty parts of the path dropped and `.` / `..` parts spelt `_` / `__` (MLflow
+    refuses a key that a path would resolve to another: `a//b`, `a/../b`, `a/`), and cut
+    to MLflow's 250 characters. A metric named so is logged, where MLflow's refusal
+    dropped the tracker for the rest of the run."""
+
+    def tidy(key: str) -> str:
+        parts = [p.replace(".", "_") if p in (".", "..") else p for p in key.split("/")]
+        return "/".join(p for p in parts if p) or "_"
+
+    return tidy(tidy(_MLFLOW_NAME.sub("_", name))[:_MLFLOW_KEY_LENGTH])
 
 
 class MLflowTracker(Tracker):
@@ -472,19 +486,21 @@ class MLflowTracker(Tracker):
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = [Metric(_MLFLOW_NAME.sub("_", k), v, now, step) for k, v in values.items()]
+        named = {_mlflow_key(k): v for k, v in values.items()}  # one value a key
+        metrics = [Metric(k, v, now, step) for k, v in named.items()]
         for i in range(0, len(metrics), 1000):
             self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
 
     def log(self, step: int, metrics: dict[str, float], stage: str) -> None:
-        self._metrics(self.held.new(step, _prefixed(stage, metrics, _MLFLOW_NAME)), step)
+        named = {_mlflow_key(k): v for k, v in _prefixed(stage, metrics).items()}
+        self._metrics(self.held.new(step, named), step)
 
     def summary(self, values: dict) -> None:
         flat = flatten(values, "summary")
         self._metrics({k: v for k, v in _numbers(flat).items() if math.isfinite(v)}, 0)
         for k, v in flat.items():
             if isinstance(v, str):
-                self.client.set_tag(self.run_id, _MLFLOW_NAME.sub("_", k), v[:5000])
+                self.client.set_tag(self.run_id, _mlflow_key(k), v[:5000])
 
     def fail(self, error: BaseException) -> None:
         self.status = "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED"

@@ -108,27 +108,42 @@ MODULE = textwrap.dedent(
 
     def make(tok):
         return Own()
+
+
+    def make_class(tok):
+        return Own
     """
 )
+
+
+def _refused(stage, spec, tmp_path, monkeypatch, capsys) -> str:
+    (tmp_path / "own_env_module.py").write_text(MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        argv = [stage, "--out", "run", "--quiet", "--show-config"]
+        assert main([*argv, "--set", f"{stage}.environment=own_env_module:{spec}"]) == 2
+    finally:
+        sys.modules.pop("own_env_module", None)
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    return err
 
 
 @pytest.mark.parametrize("stage", ["multiturn", "multiturn-dpo"])
 def test_the_stage_names_the_method_that_raised(stage, tmp_path, monkeypatch, capsys):
     """An environment's own `ValueError` is not the check's message: the one-line refusal
     says tracing raised it and names the method."""
-    (tmp_path / "own_env_module.py").write_text(MODULE)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    try:
-        argv = [stage, "--out", "run", "--quiet", "--show-config"]
-        assert main([*argv, "--set", f"{stage}.environment=own_env_module:make"]) == 2
-    finally:
-        sys.modules.pop("own_env_module", None)
-    err = capsys.readouterr().err
+    err = _refused(stage, "make", tmp_path, monkeypatch, capsys)
     assert (
         "tracing its reset and step raised ValueError: the board has no square 9 (in Own.step)"
     ) in err
-    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_factory_that_returns_the_class_is_named(tmp_path, monkeypatch, capsys):
+    """It said `the factory returned _ModuleMeta` (the class's metaclass)."""
+    err = _refused("multiturn", "make_class", tmp_path, monkeypatch, capsys)
+    assert "the factory returned the class Own, not an rlhf_eqx.envs.Environment (return an" in err
 
 
 def _episodes(turn_rewards, num_turns):

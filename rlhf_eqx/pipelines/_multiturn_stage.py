@@ -183,9 +183,11 @@ def load_environment(spec: str, tok, field: str = "multiturn.environment"):
     if not isinstance(env, rx.envs.Environment):
         host = isinstance(env, rx.envs.HostEnvironment)
         why = " (the stages roll out jittable environments only)" if host else ""
+        what = type(env).__name__
+        if isinstance(env, type):  # the class, not an instance of it
+            what, why = f"the class {env.__name__}", " (return an instance of it)"
         raise ConfigError(
-            f"{field}={spec!r}: the factory returned {type(env).__name__}, not an "
-            f"rlhf_eqx.envs.Environment{why}"
+            f"{field}={spec!r}: the factory returned {what}, not an rlhf_eqx.envs.Environment{why}"
         )
     return env
 

@@ -81,3 +81,20 @@ def test_make_mesh_of_fewer_devices_says_how_to_pick_them():
     with pytest.raises(ValueError, match=r"2 × 1 = 2 devices, but 1 are given$"):
         dist.make_mesh(2, devices=jax.devices()[:1])
     assert dist.make_mesh(3, devices=jax.devices()[:3]).shape == {"data": 3, "model": 1}
+
+
+def test_plain_data_parallel_takes_a_mesh_of_any_axis_names(getkey):
+    """`fsdp=False, tensor_parallel=False`: every parameter replicated, which a mesh named
+    `("batch",)` holds as well as any; the step over rows split on `batch` equals one
+    device."""
+    policy = rx.Policy(tiny_config(), key=getkey())
+    opt = optax.sgd(0.5)
+    batch = _batch(getkey())
+    step = make_sft_step(opt, mode="seq-mean-token-mean")
+    one_params, _, _ = step(policy, opt.init(eqx.filter(policy, eqx.is_inexact_array)), batch)
+    mesh = _mesh((8,), ("batch",))
+    state = dist.shard_train_state(init_train_state(policy, opt), mesh, tensor_parallel=False)
+    state, _ = state.apply(step, dist.shard_batch(batch, mesh, axis="batch"))
+    assert_updates_agree(state.model, one_params, policy)
+    with pytest.raises(ValueError, match="pass tensor_parallel=False for plain data parallelism"):
+        dist.shard_model(policy, mesh)

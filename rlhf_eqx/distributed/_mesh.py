@@ -44,10 +44,12 @@ def check_mesh_axis(mesh: Mesh, axis: str, where: str, field: str = "axis") -> N
         )
 
 
-def _check_rule_axes(mesh: Mesh, fsdp: bool, where: str) -> None:
-    """Refuse a mesh on which the sharding rules would place nothing: the rules name the
-    axes `"data"` (FSDP) and `"model"` (tensor parallel), and a spec naming an axis the
-    mesh lacks is replicated, so another naming would replicate every parameter silently."""
+def _check_rule_axes(mesh: Mesh, fsdp: bool, tensor_parallel: bool, where: str) -> None:
+    """Refuse a mesh on which the sharding rules asked for would place nothing: the rules
+    name the axes `"data"` (FSDP) and `"model"` (tensor parallel), and a spec naming an
+    axis the mesh lacks is replicated, so another naming would replicate every parameter
+    silently. Plain data parallelism (`fsdp=False, tensor_parallel=False`: every
+    parameter replicated) takes a mesh of any axis names."""
     names = tuple(mesh.axis_names)
     if fsdp and "data" not in names:
         raise ValueError(
@@ -55,12 +57,13 @@ def _check_rule_axes(mesh: Mesh, fsdp: bool, where: str) -> None:
             f"axes are {names}: every parameter would be replicated. Build the mesh with "
             "rlhf_eqx.distributed.make_mesh (axes 'data', 'model') or name its axes so"
         )
-    if "data" not in names and "model" not in names:
+    if tensor_parallel and "data" not in names and "model" not in names:
         raise ValueError(
             f"{where}: the mesh's axes {names} include neither 'data' nor 'model', the axes "
             "the sharding rules (rlhf_eqx.models.partition_specs) split parameters over: "
             "every parameter would be replicated. Build the mesh with "
-            "rlhf_eqx.distributed.make_mesh (axes 'data', 'model') or name its axes so"
+            "rlhf_eqx.distributed.make_mesh (axes 'data', 'model') or name its axes so, or "
+            "pass tensor_parallel=False for plain data parallelism (parameters replicated)"
         )
 
 
@@ -141,7 +144,7 @@ def shard_model(
     **Returns:** the same pytree with every array leaf a `jax.Array` sharded on `mesh`.
     """
     check_auto_axes(mesh, "shard_model")
-    _check_rule_axes(mesh, fsdp, "shard_model")
+    _check_rule_axes(mesh, fsdp, tensor_parallel, "shard_model")
     specs = partition_specs(model, fsdp=fsdp, tensor_parallel=tensor_parallel)
     return _place(model, specs, mesh)
 
@@ -188,7 +191,7 @@ def shard_opt_state(
     **Returns:** the optimiser state with every array on `mesh`.
     """
     check_auto_axes(mesh, "shard_opt_state")
-    _check_rule_axes(mesh, fsdp, "shard_opt_state")
+    _check_rule_axes(mesh, fsdp, tensor_parallel, "shard_opt_state")
     param_specs = partition_specs(params, fsdp=fsdp, tensor_parallel=tensor_parallel)
     specs = opt_state_specs(opt_state, params, param_specs)
     return jax.tree.map(
@@ -209,7 +212,7 @@ def shard_train_state(
     rules, optimiser state like its params, every other field (the step and skipped
     counters, the run's key) replicated and kept as it is."""
     check_auto_axes(mesh, "shard_train_state")
-    _check_rule_axes(mesh, fsdp, "shard_train_state")
+    _check_rule_axes(mesh, fsdp, tensor_parallel, "shard_train_state")
     kw = dict(fsdp=fsdp, tensor_parallel=tensor_parallel)
     placed = dict(
         params=shard_model(state.params, mesh, **kw),

@@ -10,6 +10,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
+import pytest
 
 import rlhf_eqx as rx
 from rlhf_eqx import pipelines as pl
@@ -120,3 +121,23 @@ def test_a_callback_changing_the_held_out_results_leaves_the_summary_as_it_was(t
     assert summary["sft"]["stopped"] == "done" and "score" in summary["sft"]
     assert _summary(out)["sft"] == summary["sft"]
     assert summary["sft"] == got[0]
+
+
+def test_a_value_named_as_a_records_own_field_is_refused_naming_the_callback(tmp_path):
+    """`run.log_metrics({"step": ...})` moved the record to that step (in
+    `metrics.jsonl` and the trackers); `{"event": ...}` made it an event."""
+
+    class Clash(pl.Callback):
+        def on_step(self, run, step, metrics):
+            if step == 2:
+                run.log_metrics({"acc": 0.5, "step": 99})
+
+    with pytest.raises(pl.loop.CallbackError) as caught:
+        _run(tmp_path, [Clash()])
+    message = str(caught.value)
+    assert message.startswith("callback Clash.on_step failed in q after iteration 2: ValueError")
+    assert "'step'" in message
+    assert caught.value.checkpoint is not None
+    with open(tmp_path / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert all(r.get("step") != 99 and "acc" not in r for r in records)

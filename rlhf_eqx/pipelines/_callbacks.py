@@ -43,6 +43,10 @@ from ._metrics import MetricsLog
 HOOKS = ("on_start", "on_step", "on_evaluate", "on_checkpoint", "on_stop")
 """The hooks a callback may have, in the order of a run."""
 
+RESERVED_NAMES = ("stage", "iteration", "step", "eval", "callback", "after_loop", "event")
+"""The fields of a record that `RunHandle.log_metrics` writes itself (or that make a
+record an event): not names of a callback's values."""
+
 
 class Callback:
     """The callback protocol: hooks into a run, each a no-op here. Subclass and
@@ -183,7 +187,16 @@ class RunHandle:
 
     def log_metrics(self, values: dict) -> None:
         """Write `values` as an evaluation record of the current iteration (marked
-        `"after_loop": true` once the loop has ended: a resumed run writes it again)."""
+        `"after_loop": true` once the loop has ended: a resumed run writes it again).
+        A `ValueError` for a name the record's own fields use (`RESERVED_NAMES`: a
+        `"step"` of the callback's would move the record to another step in
+        `metrics.jsonl` and the trackers, an `"event"` would hide it from them)."""
+        taken = sorted(str(k) for k in values if k in RESERVED_NAMES)
+        if taken:
+            raise ValueError(
+                f"log_metrics: {', '.join(map(repr, taken))} name the record's own fields "
+                f"({', '.join(RESERVED_NAMES)}); give the values other names"
+            )
         mark = {"after_loop": True} if self.after_loop else {}
         self.log.write(
             {"eval": True, "callback": True, "iteration": self.iteration, "step": self.steps}

@@ -219,9 +219,10 @@ def _length(env, cfg, prompt_length: int) -> int:
 
 
 def multiturn_metrics(policy, base, env, tok, key, cfg, ctx, samples: int):
-    """Held-out multi-turn metrics of `policy`: `success` (the fraction of episodes whose
-    second turn names the animal asked for, scored on the decoded text), `base_nll` (the
-    base model's NLL per token of the policy's own tokens) and the per-prompt successes
+    """Held-out multi-turn metrics of `policy`: `success` (with the animal environment the
+    fraction of episodes whose second turn names the animal asked for, scored on the
+    decoded text; with a user's environment the mean episode reward), `base_nll` (the
+    base model's NLL per token of the policy's own tokens) and the per-episode successes
     (for win rates)."""
     traj = _rollout(policy, env, tok, list(HELDOUT_PROMPTS), key, cfg, ctx, samples)
     has_check = hasattr(env, "host_rewards")  # else the episode reward

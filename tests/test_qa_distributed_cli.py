@@ -153,3 +153,43 @@ def test_main_in_a_program_that_joined_already_does_not_join_again():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("Once")
+
+
+@pytest.mark.slow
+def test_cli_split_grpo_across_two_processes_exports_its_policy(tmp_path):
+    """`grpo.placement=split` over two processes of 4 devices each: the trained policy's
+    arrays are sharded across the processes, and each process gathers them for its own
+    export (`save_hf` of the whole policy); both exports are the same model."""
+    port = _free_port()
+    args = ["grpo", "--quiet", "--set", "grpo.placement=split"]
+    args += ["--set", "grpo.trainer_mesh=fsdp:4", "--set", "grpo.sampler_mesh=data:4"]
+    args += ["--set", "sft.steps=2", "--set", "grpo.rollouts=2", "--set", "eval_samples=2"]
+    procs = []
+    for p in range(2):
+        env = _env(
+            local_devices=4,
+            RLHF_EQX_COORDINATOR=f"127.0.0.1:{port}",
+            RLHF_EQX_NUM_PROCESSES="2",
+            RLHF_EQX_PROCESS_ID=str(p),
+        )
+        out = ["--out", str(tmp_path / f"p{p}")]
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "rlhf_eqx", *args, *out],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    try:
+        outs = [proc.communicate(timeout=500) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for proc, (_, err) in zip(procs, outs):
+        assert proc.returncode == 0, err[-3000:]
+    files = [tmp_path / f"p{p}" / "grpo" / "hf" / "model.safetensors" for p in range(2)]
+    assert files[0].read_bytes() == files[1].read_bytes()

@@ -203,7 +203,18 @@ def export_policy(
     adapters alone in the PEFT layout in `<run_dir>/<stage>/adapter/`
     (`save_lora_adapter`), with `base_model` (the Hugging Face directory the adapters
     were trained on, when there is one) as its `base_model_name_or_path`. A model with a
-    non-finite weight is refused."""
+    non-finite weight is refused. In a run of several processes every process calls it:
+    arrays sharded across the processes are gathered whole first (`to_host`, a
+    collective) onto this process's default device, and each process writes its own
+    `run_dir`."""
+    if jax.process_count() > 1:
+        from rlhf_eqx.distributed import to_host
+
+        local = lambda t: jax.tree.map(
+            lambda x: jnp.asarray(x) if isinstance(x, np.ndarray) else x, to_host(t)
+        )
+        policy = local(policy)
+        adapted = None if adapted is None else local(adapted)
     check_finite_weights(policy, f"{stage} policy")
     out = os.path.join(run_dir, stage, "hf")
     rx.save_hf(policy, out, **special_token_ids(tokenizer_file, pad=False))

@@ -85,6 +85,19 @@ def test_format_table_prints_each_rate_with_its_standard_error():
     rows = pl.tools.format_table(summary).splitlines()[:3]
     assert rows[0].startswith("stage" + " " * 6 + " " * 8 + "score")
     assert len({len(r) for r in rows}) == 1 and rows[2].startswith("online-dpo ")
+    # a multi-turn stage's own held-out episodes are shown beside the task's score
+    summary["multiturn"] = {
+        **summary["online-dpo"],
+        "multiturn_success": 1.6875,
+        "multiturn_success_se": 0.125,
+        "multiturn_success_sft": 1.25,
+        "multiturn_success_sft_se": float("nan"),
+    }
+    line = pl.tools.format_table(summary).splitlines()[-2]
+    assert line == (
+        "multiturn held-out episodes (success or mean episode reward): 1.25 (SFT) -> "
+        "1.688 ± 0.125; the score above is the task's own"
+    )
 
 
 # --- aggregation over seeds ---------------------------------------------------------------

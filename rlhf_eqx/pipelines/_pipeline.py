@@ -460,6 +460,16 @@ def format_table(summary: dict) -> str:
             f"{stage:<{w}} {score:>13} {win:>13} "
             f"{'' if kl is None else f'{kl:.3f}':>9} {s['base_nll']:>9.2f}"
         )
+    for stage in names:  # a multi-turn stage's own episodes, beside the task's score
+        s, k = summary[stage], stage.replace("-", "_")
+        if f"{k}_success" in s and f"{k}_success_sft" in s:
+            se = lambda v: "" if v is None or v != v else f" ± {v:.3g}"
+            lines.append(
+                f"{stage} held-out episodes (success or mean episode reward): "
+                f"{s[f'{k}_success_sft']:.4g}{se(s.get(f'{k}_success_sft_se'))} (SFT) -> "
+                f"{s[f'{k}_success']:.4g}{se(s.get(f'{k}_success_se'))}; the score above is "
+                "the task's own"
+            )
     if "reward_model" in summary:
         rm = summary["reward_model"]
         acc = with_se(rm["heldout_accuracy"], rm.get("heldout_accuracy_se"))

@@ -531,7 +531,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         # argmax, as serve does); the stages need a positive one for their log-probabilities
         greedy = args.command in TOOL_COMMANDS and cfg.sampling.temperature == 0
         sampling = dataclasses.replace(cfg.sampling, temperature=1.0) if greedy else cfg.sampling
-        validate_config(dataclasses.replace(cfg, model=model, sampling=sampling), device_count=1)
+        checked = dataclasses.replace(cfg, model=model, sampling=sampling)
+        try:
+            validate_config(checked, device_count=1)
+        except ConfigError as e:
+            if args.command in TOOL_COMMANDS and str(e).startswith("sampling.temperature="):
+                raise ConfigError(f"{e}, or 0 for greedy decoding") from None
+            raise
     except ConfigError as e:
         print(f"error: invalid configuration: {e}", file=sys.stderr)
         return 2

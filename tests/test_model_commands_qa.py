@@ -202,3 +202,14 @@ def test_sample_and_eval_take_temperature_zero_as_greedy(capsys):
     assert got["score_se"] == 0.0  # every sample of an opening is the same
     assert main(["sample", "--set", "sampling.temperature=-1"]) == 2
     assert "sampling.temperature=-1.0: must be" in capsys.readouterr().err
+
+
+def test_sample_names_greedy_when_refusing_a_negative_temperature(capsys):
+    assert main(["sample", "--set", "sampling.temperature=-1"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "error: invalid configuration: sampling.temperature=-1.0: must be > 0, or 0 for "
+        "greedy decoding\n"
+    )
+    assert main(["sft", "--set", "sampling.temperature=-1"]) == 2  # a stage: no greedy
+    assert capsys.readouterr().err.endswith("sampling.temperature=-1.0: must be > 0\n")

@@ -295,7 +295,7 @@ def open_trackers(
             )
         if tracker is not None:
             started[name] = tracker
-            recorded[name] = tracker.identity()
+            recorded[name] = _identity(name, tracker)
         elif gave_up is not None:
             gave_up.add(name)
     if started:
@@ -377,6 +377,27 @@ def starting_quietly() -> bool:
     `open_trackers(..., quiet=True)`): a backend may then start its library in a mode that
     prints only warnings."""
     return _QUIET.get()
+
+
+def _identity(name: str, tracker: Tracker) -> dict | None:
+    """`tracker.identity()` when it is a JSON object (or `None`); otherwise one line on
+    stderr and `None` (a resumed run starts a new run of it): an identity that raises
+    or is not JSON would fail the run, and one that is not a mapping would make the whole
+    `trackers.json` unreadable, every tracker's record with it."""
+    try:
+        ask = getattr(tracker, "identity", None)  # a tracker not a `Tracker` may lack it
+        identity = ask() if callable(ask) else None
+        if identity is not None and not isinstance(identity, dict):
+            raise TypeError(f"identity() returned {type(identity).__name__}, not a dict")
+        json.dumps(identity, allow_nan=False)
+    except Exception as e:
+        print(
+            f"tracker {name}: could not record its run ({_detail(e)}); a resumed run "
+            "starts a new run of it",
+            file=sys.stderr,
+        )
+        return None
+    return identity
 
 
 def _record_runs(run_dir: str, runs: Mapping[str, dict | None]) -> None:

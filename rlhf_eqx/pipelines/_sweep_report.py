@@ -17,22 +17,27 @@ def mean_se(values: Sequence[float]) -> tuple[float, float | None]:
     """Mean and standard error of the mean, `std(ddof=1) / sqrt(n)` (`None` for one
     value)."""
     x = np.asarray(values, np.float64)
-    se = float(x.std(ddof=1) / math.sqrt(x.size)) if x.size > 1 else None
-    return float(x.mean()), se
+    with np.errstate(invalid="ignore"):  # an infinite value: NaN standard error
+        se = float(x.std(ddof=1) / math.sqrt(x.size)) if x.size > 1 else None
+        return float(x.mean()), se
 
 
 def _numbers(summary: Mapping) -> dict[str, float]:
+    """The numbers of a member's summary, a NaN or infinite one (a held-out KL of a
+    policy far from its reference) included."""
     return {
         k: float(v)
         for k, v in summary.items()
-        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(float(v))
+        if isinstance(v, int | float) and not isinstance(v, bool)
     }
 
 
 def summarize_sweep(members: Sequence[Member], summaries: Mapping[str, dict]) -> dict:
     """The sweep summary: `{"points": {point: {"members", "diverged", "metrics": {name:
     {"mean", "se", "n"}}}}}`, over the members of each grid point that did not diverge
-    (`summaries[name]["stopped"] != "diverged"`)."""
+    (`summaries[name]["stopped"] != "diverged"`). A number that is NaN or infinite for
+    one of them makes its point's mean and standard error so (NaN, ±inf): a mean of
+    the other seeds alone would pass for the mean over all of them."""
     points: dict[str, dict] = {}
     for mem in members:
         p = points.setdefault(mem.point_name, {"members": [], "diverged": [], "values": {}})

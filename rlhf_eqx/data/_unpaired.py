@@ -261,9 +261,35 @@ def tokenize_unpaired(
     )
 
 
+def _other_prompt_sources(prompts: Sequence[tuple[int, ...]]) -> list[int]:
+    """For each example `i`, the example whose completion its mismatched row takes: `i - 1`
+    (cyclically, TRL's shift) when that one has another prompt, else the nearest earlier
+    example (cyclically) with another prompt, i.e. the last one before the run of equal
+    prompts that holds `i`; `i - 1` when every prompt is the same.
+
+    Several completions of one prompt often sit next to each other (a prompt's samples,
+    a file grouped by prompt); shifted by one, they would pair a prompt with its own
+    completions, and $z_0$ would estimate the matched log-ratio instead of the KL."""
+    n = len(prompts)
+    start = [0] * n  # the first index of the run of equal prompts ending at i
+    for i in range(1, n):
+        start[i] = start[i - 1] if prompts[i] == prompts[i - 1] else i
+    out = []
+    for i in range(n):
+        j = start[i] - 1
+        if j < 0:  # the run reaches the front: continue from the end
+            j = n - 1
+            if prompts[j] == prompts[i]:
+                j = start[j] - 1
+        out.append(j if j >= 0 and prompts[j] != prompts[i] else (i - 1) % n)
+    return out
+
+
 def _mismatched_sequences(seqs: Sequence[TokenizedSequence], limit: int) -> list[TokenizedSequence]:
     """The mismatched rows of KTO's reference point: prompt `i` followed by the completion
-    of example `i - 1` (cyclically; TRL's KL dataset), cut to at most `limit` tokens.
+    of example `i - 1` (cyclically; TRL's KL dataset), or, when example `i - 1` has the
+    same prompt, of the nearest earlier example with another prompt
+    (`_other_prompt_sources`), cut to at most `limit` tokens.
 
     With the same `limit` as the rows, a mismatched row fits whenever the rows do; its
     completion is cut at the end (like `truncation="keep_end"`) when the other example's
@@ -274,6 +300,7 @@ def _mismatched_sequences(seqs: Sequence[TokenizedSequence], limit: int) -> list
             f"the mismatched rows need at least two examples, got {len(seqs)} (with one, the "
             "mismatched row is the example itself and the reference point is its own reward)"
         )
+    sources = _other_prompt_sources([tuple(s.prompt) for s in seqs])
     out = []
     for i, s in enumerate(seqs):
         room = limit - len(s.prompt)
@@ -282,7 +309,7 @@ def _mismatched_sequences(seqs: Sequence[TokenizedSequence], limit: int) -> list
                 f"row {i} has a prompt of {len(s.prompt)} tokens, leaving no room for a "
                 f"completion within max_length={limit}"
             )
-        out.append(TokenizedSequence(s.prompt, seqs[i - 1].completion[:room]))
+        out.append(TokenizedSequence(s.prompt, seqs[sources[i]].completion[:room]))
     return out
 
 
@@ -303,7 +330,9 @@ def collate_unpaired(
     `make_kto_step(loss_type="kto")`) the batch also holds the mismatched rows that
     estimate KTO's reference point: prompt `i` followed by the completion of example
     `i - 1` (cyclically), as TRL's KL dataset shifts the completions of each batch by
-    one; they share the row length `T`. `label` is the examples' labels (bool).
+    one, or, when example `i - 1` has the same prompt (a prompt's completions next to
+    each other), of the nearest earlier example with another prompt; they share the row
+    length `T`. `label` is the examples' labels (bool).
 
     **Arguments:**
 

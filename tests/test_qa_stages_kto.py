@@ -1,0 +1,56 @@
+"""KTO's mismatched rows as a TRL `KTOTrainer` user lays out unpaired data: several
+completions of one prompt next to each other (a prompt's samples, a file grouped by
+prompt) still pair each prompt with another prompt's completion."""
+
+import numpy as np
+import pytest
+
+from rlhf_eqx import data
+
+
+def _rows(batch, field, mask_field):
+    tokens, mask = np.asarray(getattr(batch, field)), np.asarray(getattr(batch, mask_field))
+    return [tokens[i][mask[i]].tolist() for i in range(tokens.shape[0])]
+
+
+def _kl_prompts_and_completions(records):
+    tok = data.ByteTokenizer()
+    lengths = data.SequenceLengths(max_length=32, max_prompt_length=8)
+    examples, _ = data.tokenize_unpaired(records, tok, lengths=lengths)
+    batch = data.collate_unpaired(examples, pad_id=tok.pad_id, lengths=lengths)
+    comps = _rows(batch, "tokens", "completion_mask")
+    kl_comps = _rows(batch, "kl_tokens", "kl_completion_mask")
+    kl_rows = _rows(batch, "kl_tokens", "kl_mask")
+    prompts = [row[: len(row) - len(c)] for row, c in zip(kl_rows, kl_comps)]
+    return prompts, [comps.index(c) for c in kl_comps]
+
+
+def test_grouped_prompts_pair_with_another_prompts_completion():
+    # four samples of each of three prompts, grouped as a sampler returns them
+    records = [
+        data.UnpairedRecord(p, f" {p}{k}", k % 2 == 0) for p in ("ab", "cd", "ef") for k in range(4)
+    ]
+    _, sources = _kl_prompts_and_completions(records)
+    for i, j in enumerate(sources):
+        assert records[j].prompt != records[i].prompt, (i, j)
+    # TRL's shift by one where the neighbour has another prompt (the first of each group);
+    # the others take the last completion of the previous group (cyclically)
+    assert sources == [11, 11, 11, 11, 3, 3, 3, 3, 7, 7, 7, 7]
+
+
+def test_distinct_neighbours_keep_trls_shift_by_one():
+    records = [data.UnpairedRecord(p, f" {p}{i}", i % 2 == 0) for i, p in enumerate("abcab")]
+    _, sources = _kl_prompts_and_completions(records)
+    assert sources == [4, 0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("layout", ["wraps", "one_prompt"])
+def test_runs_across_the_end_and_a_single_prompt(layout):
+    prompts = ["a", "b", "b", "a", "a"] if layout == "wraps" else ["a", "a", "a"]
+    records = [data.UnpairedRecord(p, f" {p}{i}", i % 2 == 0) for i, p in enumerate(prompts)]
+    _, sources = _kl_prompts_and_completions(records)
+    if layout == "wraps":
+        # the run of 'a' wraps from the end to the front: its rows take the last 'b'
+        assert sources == [2, 0, 0, 2, 2]
+    else:  # no other prompt: TRL's shift by one
+        assert sources == [2, 0, 1]

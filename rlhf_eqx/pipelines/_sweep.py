@@ -70,12 +70,12 @@ from ._rundir import (
 from ._sweep_data import check_data_sweep, data_sweep
 from ._sweep_dpo import dpo_sweep
 from ._sweep_grid import Member, grid_values, make_members, parse_grid
-from ._sweep_grpo import grpo_sweep
+from ._sweep_grpo import check_grpo_sweep, grpo_sweep
 from ._sweep_multiturn import multiturn_sweep
 from ._sweep_offline import kto_sweep, sft_sweep
 from ._sweep_ppo import check_ppo_sweep, ppo_sweep
 from ._sweep_report import format_sweep_table, member_records, plot_sweep, summarize_sweep
-from ._sweep_reward import reward_sweep
+from ._sweep_reward import check_reward_sweep, reward_sweep
 from ._sweep_starts import builtin_start, sweep_trackers
 from ._trackers import trying_once
 from ._validation import validate_config
@@ -257,8 +257,14 @@ def sweep(
         cfg = dataclasses.replace(cfg, stages=st.prerequisites(cfg))
     validate_config(cfg, stage=stage if on_data else None)
     check_sweep_ops(cfg.ops)
+    # the settings the stage's sweep does not run, before anything is loaded or run
+    # (the seeds' SFT) and the directory is taken
     if stage == "ppo":
-        check_ppo_sweep(cfg.ppo)  # before anything is loaded or run
+        check_ppo_sweep(cfg.ppo)
+    elif stage == "grpo" and not on_data:  # on a data file: check_data_sweep
+        check_grpo_sweep(cfg.grpo)
+    elif stage == "reward" and not on_data:
+        check_reward_sweep(cfg.reward)
     members = make_members(cfg, stage, st.key, grid, seeds)
     for mem in members[::seeds]:
         validate_config(mem.cfg, stage=stage if on_data else None)

@@ -254,6 +254,7 @@ class WandbTracker(Tracker):
         self.held = _Held()
         self.next_step: int | None = None  # the `_step` of the next row (resumed)
         self.exit_code: int | None = None  # 1 after `fail`
+        self.summarised: set[str] = set()  # summary keys the run holds (resumed)
 
     def start(self, run_name: str, config: dict, group: str | None, **resume) -> None:
         import wandb
@@ -281,12 +282,12 @@ class WandbTracker(Tracker):
         pattern = os.path.join(self.run_dir, "wandb", f"*-{identity['id']}", "run-*.wandb")
         for path in sorted(glob.glob(pattern)):
             for record in wandb_records(path):
+                if record.WhichOneof("record_type") == "summary":
+                    self.summarised |= {_wandb_key(i) for i in record.summary.update}
+                    self.summarised -= {_wandb_key(i) for i in record.summary.remove}
                 if record.WhichOneof("record_type") != "history":
                     continue
-                row = {
-                    "/".join(i.nested_key) if i.nested_key else i.key: json.loads(i.value_json)
-                    for i in record.history.item
-                }
+                row = {_wandb_key(i): json.loads(i.value_json) for i in record.history.item}
                 last = max(last, int(row.get("_step", -1)))
                 for key in row:
                     stage = key.split("/")[0]
@@ -315,8 +316,12 @@ class WandbTracker(Tracker):
             self.next_step += 1
 
     def summary(self, values: dict) -> None:
-        flat = flatten(values, "summary")
-        self.run.summary.update({k: v for k, v in flat.items() if v is not None})
+        """The run's summary `summary/...`; a resumed run's earlier summary keys that this
+        one lacks (a callback's `stop_reason` of the stopped run) are removed."""
+        flat = {k: v for k, v in flatten(values, "summary").items() if v is not None}
+        self.run.summary.update(flat)
+        for key in sorted(k for k in self.summarised - set(flat) if k.startswith("summary/")):
+            del self.run.summary[key]
 
     def fail(self, error: BaseException) -> None:
         del error
@@ -324,6 +329,11 @@ class WandbTracker(Tracker):
 
     def finish(self) -> None:
         self.run.finish(exit_code=self.exit_code)
+
+
+def _wandb_key(item: Any) -> str:
+    """The key of an item of a W&B history or summary record (its parts joined by `/`)."""
+    return "/".join(item.nested_key) if item.nested_key else item.key
 
 
 def _no_wandb_analytics() -> None:
@@ -419,6 +429,7 @@ class MLflowTracker(Tracker):
         self.run_id: str | None = None
         self.held = _Held()
         self.status = "FINISHED"
+        self.summary_tags: set[str] = set()  # the summary's words the run holds (resumed)
         self.tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or (
             "sqlite:///" + os.path.join(self.run_dir, "mlflow.db")
         )
@@ -470,6 +481,7 @@ class MLflowTracker(Tracker):
         run = self.client.get_run(identity["run_id"])  # raises for a run the store lacks
         self.run_id = run.info.run_id
         self.client.update_run(self.run_id, status="RUNNING")
+        self.summary_tags = {k for k in run.data.tags if k.startswith("summary/")}
         for key in run.data.metrics:
             for m in self.client.get_metric_history(self.run_id, key):
                 self.held.add(key, m.step)
@@ -496,11 +508,16 @@ class MLflowTracker(Tracker):
         self._metrics(self.held.new(step, named), step)
 
     def summary(self, values: dict) -> None:
+        """The summary's numbers as `summary/...` metrics at step 0 and its words as
+        tags; a resumed run's earlier summary tags that this summary lacks (a callback's
+        `stop_reason` of the stopped run) are deleted."""
         flat = flatten(values, "summary")
         self._metrics({k: v for k, v in _numbers(flat).items() if math.isfinite(v)}, 0)
-        for k, v in flat.items():
-            if isinstance(v, str):
-                self.client.set_tag(self.run_id, _mlflow_key(k), v[:5000])
+        words = {_mlflow_key(k): v for k, v in flat.items() if isinstance(v, str)}
+        for k, v in words.items():
+            self.client.set_tag(self.run_id, k, v[:5000])
+        for k in sorted(self.summary_tags - set(words)):
+            self.client.delete_tag(self.run_id, k)
 
     def fail(self, error: BaseException) -> None:
         self.status = "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED"

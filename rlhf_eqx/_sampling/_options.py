@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import equinox as eqx
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 DEFAULT_TEMPERATURE: float = 1.0
@@ -74,8 +75,18 @@ def penalties_on(repetition_penalty: Any, presence_penalty: Any, frequency_penal
     return repetition_penalty != 1 or presence_penalty != 0 or frequency_penalty != 0
 
 
+def _plain(x: Any) -> Any:
+    """A NumPy scalar (`np.int64(3)`, `np.float32(0.7)`, a config's value) as the Python
+    number it holds; anything else unchanged. The settings are static in the compiled
+    program: a NumPy scalar would be traced there as an array."""
+    return x.item() if isinstance(x, np.generic) else x
+
+
 def _stop_ids(eos_id: object) -> tuple[int, ...]:
-    """`eos_id` as a tuple of ids: `None` -> `()`, `2` -> `(2,)`, `[2, 7]` -> `(2, 7)`."""
+    """`eos_id` as a tuple of ids: `None` -> `()`, `2` -> `(2,)`, `[2, 7]` -> `(2, 7)`
+    (a NumPy scalar or 1-D array of ids too)."""
+    if isinstance(eos_id, np.ndarray) and eos_id.ndim <= 1:
+        eos_id = eos_id.tolist()
     if eos_id is None:
         return ()
     ids = (eos_id,) if not isinstance(eos_id, Sequence) else tuple(eos_id)
@@ -119,20 +130,23 @@ class SamplingOptions(eqx.Module):
       groups): the output has `B · num_samples` rows, those of prompt `i` at
       `i · num_samples …`, identical to passing every prompt repeated `num_samples`
       times.
+
+    NumPy scalars (`np.int64(64)`, `np.float32(0.7)`) are taken as the Python numbers
+    they hold, and `eos_id` may be a 1-D NumPy array of ids.
     """
 
-    max_new_tokens: Any
-    temperature: float | int = DEFAULT_TEMPERATURE
-    top_k: Any = None
-    top_p: float | int | None = None
-    min_p: float | int | None = None
-    repetition_penalty: float | int = 1.0
-    presence_penalty: float | int = 0.0
-    frequency_penalty: float | int = 0.0
+    max_new_tokens: Any = eqx.field(converter=_plain)
+    temperature: float | int = eqx.field(default=DEFAULT_TEMPERATURE, converter=_plain)
+    top_k: Any = eqx.field(default=None, converter=_plain)
+    top_p: float | int | None = eqx.field(default=None, converter=_plain)
+    min_p: float | int | None = eqx.field(default=None, converter=_plain)
+    repetition_penalty: float | int = eqx.field(default=1.0, converter=_plain)
+    presence_penalty: float | int = eqx.field(default=0.0, converter=_plain)
+    frequency_penalty: float | int = eqx.field(default=0.0, converter=_plain)
     eos_id: tuple[int, ...] = eqx.field(default=(), converter=_stop_ids)
-    pad_id: int = 0
-    check_ids: bool = False
-    num_samples: int = 1
+    pad_id: int = eqx.field(default=0, converter=_plain)
+    check_ids: bool = eqx.field(default=False, converter=_plain)
+    num_samples: int = eqx.field(default=1, converter=_plain)
 
     def __check_init__(self):
         if not (_is_int(self.num_samples) and self.num_samples > 0):

@@ -1,0 +1,74 @@
+"""Sampling settings given as NumPy scalars (a config's or a tokenizer's values, HF's
+`generation_config` read through NumPy) sample exactly as the Python numbers they hold."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rlhf_eqx as rx
+
+
+@pytest.fixture(scope="module")
+def policy():
+    cfg = rx.TransformerConfig(
+        vocab_size=37, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32, max_seq_len=16
+    )
+    return rx.Policy(cfg, key=jax.random.key(0))
+
+
+PROMPTS = jnp.array([[0, 5, 7], [3, 4, 9]], jnp.int32)
+MASKS = jnp.array([[False, True, True], [True, True, True]])
+
+CASES = [
+    (dict(max_new_tokens=np.int64(4)), dict(max_new_tokens=4)),
+    (
+        dict(max_new_tokens=4, temperature=np.float64(0.7), top_k=np.int64(5)),
+        dict(max_new_tokens=4, temperature=0.7, top_k=5),
+    ),
+    (
+        dict(max_new_tokens=4, temperature=np.float32(0.0), eos_id=np.array([3, 4])),
+        dict(max_new_tokens=4, temperature=0.0, eos_id=[3, 4]),
+    ),
+    (
+        dict(max_new_tokens=3, top_p=np.float32(0.5), min_p=np.float64(0.1), pad_id=np.int32(1)),
+        dict(max_new_tokens=3, top_p=float(np.float32(0.5)), min_p=0.1, pad_id=1),
+    ),
+    (
+        dict(max_new_tokens=3, num_samples=np.int64(2), repetition_penalty=np.float64(1.3)),
+        dict(max_new_tokens=3, num_samples=2, repetition_penalty=1.3),
+    ),
+]
+
+
+def _same(a, b):
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    np.testing.assert_array_equal(np.asarray(a.mask), np.asarray(b.mask))
+    np.testing.assert_array_equal(np.asarray(a.logprobs), np.asarray(b.logprobs))
+
+
+@pytest.mark.parametrize("numpy_kw, python_kw", CASES)
+def test_generate_batch_takes_numpy_scalars(policy, numpy_kw, python_kw):
+    key = jax.random.key(1)
+    got = rx.generate_batch(policy, PROMPTS, MASKS, key, **numpy_kw)
+    _same(got, rx.generate_batch(policy, PROMPTS, MASKS, key, **python_kw))
+
+
+def test_sampling_options_hold_python_numbers():
+    opts = rx.SamplingOptions(
+        max_new_tokens=np.int64(3), temperature=np.float32(0.5), top_k=np.int16(2)
+    )
+    assert type(opts.max_new_tokens) is int and type(opts.top_k) is int
+    assert type(opts.temperature) is float
+    assert rx.SamplingOptions(max_new_tokens=1, eos_id=np.array([2, 7])).eos_id == (2, 7)
+    # a NumPy bool is no count, as a Python bool is none
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        rx.SamplingOptions(max_new_tokens=np.bool_(True))
+
+
+def test_generate_speculative_takes_numpy_scalars(policy):
+    key = jax.random.key(2)
+    spec = lambda n: rx.generate_speculative(  # noqa: E731
+        policy, policy, PROMPTS, MASKS, key, k=2, temperature=0.0, max_new_tokens=n
+    )
+    _same(spec(np.int64(4)), spec(4))

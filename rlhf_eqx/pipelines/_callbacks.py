@@ -159,7 +159,7 @@ class RunHandle:
     def history(self) -> list[dict]:
         """This call's step records, a copy: the loop's own list (what a rollback keeps,
         the stage's summary) does not change with what a callback does to it."""
-        return copy.deepcopy(self._history)
+        return [dict(record) for record in self._history]  # flat records of numbers
 
     @property
     def run_dir(self) -> str:

@@ -182,6 +182,13 @@ class GenerationOutput(eqx.Module):
       temperature 1 for greedy), 0 elsewhere: the policy's own distribution, the one
       RL steps train on (the penalties and filters only change which token is drawn).
       It matches `token_logprobs(policy, tokens, mask, temperature=...)`.
+
+    **A broken model.** No sampler stops on non-finite logits (the loop has no host
+    round trip): a step whose logits hold a NaN or `+inf`, or are all `-inf`, gives its
+    row a non-finite `logprobs` entry (NaN, or `-inf`) at the token it wrote, and that
+    token means nothing. Finite logits give finite log-probs, so
+    `jnp.isfinite(out.logprobs).all()` tells whether every sampled token came from a
+    usable distribution (the train steps skip a non-finite loss).
     """
 
     tokens: Int[Array, "*B T"]

@@ -237,12 +237,9 @@ def open_gguf(path: str):
     return reader
 
 
-# Byte offsets of the float16 fields in one block of each GGML type (ggml's `block_*`
-# structs: `d` first, and `m` / `dmin` next for Q4_1 / Q4_K / Q5_K; Q6_K's `d` last; a
-# BF16 value is one two-byte "block"), the fields a file written in the other byte
-# order holds byte-swapped (llama.cpp's `gguf_convert_endian.py` swaps the same ones).
-_HALF_FIELDS = {
-    "BF16": (0,),
+# Byte offsets of the float16 scales in one block of each block type (ggml's `block_*`
+# structs: `d` first, and `m` / `dmin` next for Q4_1 / Q4_K / Q5_K; Q6_K's `d` last).
+BLOCK_SCALES = {
     "Q8_0": (0,),
     "Q4_0": (0,),
     "Q4_1": (0, 2),
@@ -250,6 +247,10 @@ _HALF_FIELDS = {
     "Q5_K": (0, 2),
     "Q6_K": (208,),
 }
+# The fields a file written in the other byte order holds byte-swapped: the blocks'
+# scales, and a BF16 value as one two-byte "block" (llama.cpp's `gguf_convert_endian.py`
+# swaps the same ones).
+_HALF_FIELDS = {"BF16": (0,), **BLOCK_SCALES}
 
 
 def _host_order(t):

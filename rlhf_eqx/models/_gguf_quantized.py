@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._config import TransformerConfig
-from ._gguf import gguf_names, hf_tensors, unpermute
+from ._gguf import BLOCK_SCALES, gguf_names, hf_tensors, unpermute
 from ._gguf_blocks import GGUF_BLOCKS, GGUFMixedWeight, GGUFWeight
 from ._gguf_config import PERMUTED
 from ._heads import Policy
@@ -33,16 +33,9 @@ _PACKED = {
 }
 
 
-# Byte offsets of each block's float16 scales (`d`, and `m` / `dmin`): the decoded
-# values `d·q (+ m)` of a block are finite exactly when these are.
-_SCALES = {
-    "Q8_0": (0,),
-    "Q4_0": (0,),
-    "Q4_1": (0, 2),
-    "Q4_K": (0, 2),
-    "Q5_K": (0, 2),
-    "Q6_K": (208,),
-}
+# The decoded values `d·q (+ m)` of a block are finite exactly when its float16 scales
+# (`BLOCK_SCALES`: `d`, and `m` / `dmin`) are.
+_SCALES = BLOCK_SCALES
 
 
 def _checked_rows(t, path: str) -> np.ndarray:

@@ -2,10 +2,13 @@
 completions of one prompt next to each other (a prompt's samples, a file grouped by
 prompt) still pair each prompt with another prompt's completion."""
 
+import json
+
 import numpy as np
 import pytest
 
-from rlhf_eqx import data
+from rlhf_eqx import data, pipelines as pl
+from rlhf_eqx.__main__ import main
 
 
 def _rows(batch, field, mask_field):
@@ -54,3 +57,29 @@ def test_runs_across_the_end_and_a_single_prompt(layout):
         assert sources == [2, 0, 0, 2, 2]
     else:  # no other prompt: TRL's shift by one
         assert sources == [2, 0, 1]
+
+
+def _first_step(tmp_path, loss_type):
+    rows = [
+        {"prompt": f"Tom {i} went out.", "completion": " He ran.", "label": bool(i % 2)}
+        for i in range(16)
+    ]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / loss_type
+    argv = ["kto", "--data", str(path), "--out", str(out), "--quiet"]
+    for s in ("kto.steps=1", "kto.batch_size=4", f"kto.loss_type={loss_type}"):
+        argv += ["--set", s]
+    argv += ["--set", "data.heldout_fraction=0.3", "--set", "data.eval_prompts=0"]
+    assert main(argv) == 0
+    records = pl.tools.read_records(str(out))
+    return next(r for r in records if r.get("step") == 0 and "loss" in r)
+
+
+def test_apo_zero_unpaired_counts_no_mismatched_rows(tmp_path):
+    """`apo_zero_unpaired` has no reference point: its rows are the examples alone, so
+    its model FLOPs per step are half of `kto`'s (which also reads a mismatched row per
+    example)."""
+    kto = _first_step(tmp_path, "kto")
+    apo = _first_step(tmp_path, "apo_zero_unpaired")
+    assert apo["model_flops"] == kto["model_flops"] / 2

@@ -81,14 +81,20 @@ class KTOConfig(BatchStageConfig):
 
 
 def collate_unpaired_records(
-    records: Sequence[data.UnpairedRecord], tok, *, max_length: int, prompt_length: int
+    records: Sequence[data.UnpairedRecord],
+    tok,
+    *,
+    max_length: int,
+    prompt_length: int,
+    kl: bool = True,
 ) -> rx.train.KTOBatch:
-    """Tokenise `prompt + completion` (no EOS) right-padded to `max_length`, with the
-    mismatched rows KTO's reference point needs (`data.collate_unpaired`)."""
+    """Tokenise `prompt + completion` (no EOS) right-padded to `max_length`, with (`kl`)
+    the mismatched rows KTO's reference point needs (`data.collate_unpaired`;
+    `loss_type="apo_zero_unpaired"` reads none)."""
     tokenized, _ = data.tokenize_unpaired(
         list(records), tok, max_length=max_length, max_prompt_length=prompt_length, add_eos=False
     )
-    return data.collate_unpaired(tokenized, pad_id=tok.pad_id, max_length=max_length)
+    return data.collate_unpaired(tokenized, pad_id=tok.pad_id, max_length=max_length, kl=kl)
 
 
 def run_kto(
@@ -97,7 +103,7 @@ def run_kto(
     """KTO (Ethayarajh et al. 2024; TRL `KTOTrainer`) on unpaired records: LoRA adapters
     per `cfg.lora` (the reference is the model without them), reference log-probs
     computed once (`compute_kto_reference_logps`), `cfg.steps` steps of `cfg.batch_size`
-    examples (`make_kto_step`)."""
+    examples (`make_kto_step`); the mismatched rows only for `loss_type="kto"`."""
     validate_stage("kto", cfg)
     records = list(records)
     labels = {bool(r.label) for r in records}
@@ -106,8 +112,9 @@ def run_kto(
         raise ValueError(
             f"KTO needs desirable and undesirable examples; all {len(records)} are {kind}"
         )
+    kl = cfg.loss_type == "kto"  # the other loss has no reference point
     full = collate_unpaired_records(
-        records, tok, max_length=cfg.max_length, prompt_length=ctx.prompt_length
+        records, tok, max_length=cfg.max_length, prompt_length=ctx.prompt_length, kl=kl
     )
     k_lora, ctx_key = jax.random.split(ctx.key)
     settings = rx.train.KTOSettings(
@@ -128,7 +135,7 @@ def run_kto(
         cfg,
         ctx,
         ctx_key,
-        row_tokens=2 * cfg.max_length,
+        row_tokens=(2 if kl else 1) * cfg.max_length,
         policy_of=lambda s: s.model,
     )
 

@@ -98,20 +98,21 @@ def test_cli_runs_without_the_variables_join_nothing():
     assert "rlhf_eqx: process" not in done.stderr
 
 
-@pytest.mark.slow
-def test_cli_two_processes_join_one_run():
+def _two_processes(args_of, *, local_devices: int, timeout: float):
+    """Run `python -m rlhf_eqx *args_of(p)` as processes 0 and 1 of one run on
+    127.0.0.1; returns `(port, [(returncode, stdout, stderr)] by process)`."""
     port = _free_port()
     procs = []
     for p in range(2):
         env = _env(
-            local_devices=2,
+            local_devices=local_devices,
             RLHF_EQX_COORDINATOR=f"127.0.0.1:{port}",
             RLHF_EQX_NUM_PROCESSES="2",
             RLHF_EQX_PROCESS_ID=str(p),
         )
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "rlhf_eqx", *SAMPLE],
+                [sys.executable, "-m", "rlhf_eqx", *args_of(p)],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -119,17 +120,23 @@ def test_cli_two_processes_join_one_run():
             )
         )
     try:
-        outs = [proc.communicate(timeout=240) for proc in procs]
+        outs = [proc.communicate(timeout=timeout) for proc in procs]
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    for p, (proc, (out, err)) in enumerate(zip(procs, outs)):
-        assert proc.returncode == 0, err[-3000:]
+    return port, [(proc.returncode, out, err) for proc, (out, err) in zip(procs, outs)]
+
+
+@pytest.mark.slow
+def test_cli_two_processes_join_one_run():
+    port, runs = _two_processes(lambda p: SAMPLE, local_devices=2, timeout=240)
+    for p, (code, out, err) in enumerate(runs):
+        assert code == 0, err[-3000:]
         assert f"rlhf_eqx: process {p} of 2 (coordinator 127.0.0.1:{port})" in err
         assert out.startswith("Once")
-    assert outs[0][0] == outs[1][0]  # the same seed samples the same text in each process
+    assert runs[0][1] == runs[1][1]  # the same seed samples the same text in each process
 
 
 def test_main_in_a_program_that_joined_already_does_not_join_again():
@@ -160,36 +167,13 @@ def test_cli_split_grpo_across_two_processes_exports_its_policy(tmp_path):
     """`grpo.placement=split` over two processes of 4 devices each: the trained policy's
     arrays are sharded across the processes, and each process gathers them for its own
     export (`save_hf` of the whole policy); both exports are the same model."""
-    port = _free_port()
     args = ["grpo", "--quiet", "--set", "grpo.placement=split"]
     args += ["--set", "grpo.trainer_mesh=fsdp:4", "--set", "grpo.sampler_mesh=data:4"]
     args += ["--set", "sft.steps=2", "--set", "grpo.rollouts=2", "--set", "eval_samples=2"]
-    procs = []
-    for p in range(2):
-        env = _env(
-            local_devices=4,
-            RLHF_EQX_COORDINATOR=f"127.0.0.1:{port}",
-            RLHF_EQX_NUM_PROCESSES="2",
-            RLHF_EQX_PROCESS_ID=str(p),
-        )
-        out = ["--out", str(tmp_path / f"p{p}")]
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "rlhf_eqx", *args, *out],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    try:
-        outs = [proc.communicate(timeout=500) for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for proc, (_, err) in zip(procs, outs):
-        assert proc.returncode == 0, err[-3000:]
+    _, runs = _two_processes(
+        lambda p: [*args, "--out", str(tmp_path / f"p{p}")], local_devices=4, timeout=500
+    )
+    for code, _, err in runs:
+        assert code == 0, err[-3000:]
     files = [tmp_path / f"p{p}" / "grpo" / "hf" / "model.safetensors" for p in range(2)]
     assert files[0].read_bytes() == files[1].read_bytes()

@@ -123,7 +123,9 @@ def plot_sweep(
     its seeds (members that did not diverge) and a band of ± one standard error of that
     mean. A metric a member logs on some steps only (`rollout/*`: an iteration's last
     step) is drawn through the steps that have it; after a member stopped (its KL guard)
-    a point's mean and band are over the seeds still running. `member_dir(member) ->
+    a point's mean and band are over the seeds still running. The legend names a point's
+    diverged members (`beta=0.5 (1 of 2 diverged, left out)`), and a point whose every
+    member diverged, which has no line. `member_dir(member) ->
     directory`. Needs matplotlib (`ImportError` otherwise). **Returns:** the files
     written."""
     import matplotlib
@@ -132,9 +134,13 @@ def plot_sweep(
     import matplotlib.pyplot as plt
 
     by_point: dict[str, list[dict[str, dict[int, float]]]] = {}
+    counts: dict[str, list[int]] = {}  # per grid point: [members, diverged]
     names: list[str] = []
     for mem in members:
+        count = counts.setdefault(mem.point_name, [0, 0])
+        count[0] += 1
         if summaries.get(mem.name, {}).get("stopped", "done") == "diverged":
+            count[1] += 1
             continue
         series: dict[str, dict[int, float]] = {}
         for r in member_records(member_dir(mem)):
@@ -151,11 +157,15 @@ def plot_sweep(
     files = []
     for k in wanted:
         fig, ax = plt.subplots(figsize=(5, 3.2))
-        for point, runs in by_point.items():
-            x, mean, se = _mean_band([r[k] for r in runs if k in r])
+        for point, (n, bad) in counts.items():
+            runs = [r[k] for r in by_point.get(point, []) if k in r]
+            x, mean, se = _mean_band(runs) if runs else (np.zeros(0), None, None)
+            label = point if not bad else f"{point} ({bad} of {n} diverged, left out)"
             if not x.size:
+                if bad == n:  # every seed diverged: named in the legend, no line
+                    ax.plot([], [], ls="none", marker="x", color="k", label=label)
                 continue
-            ax.plot(x, mean, label=point, lw=1.2, marker="o" if x.size < 12 else None, ms=3)
+            ax.plot(x, mean, label=label, lw=1.2, marker="o" if x.size < 12 else None, ms=3)
             band = ~np.isnan(se)
             if band.any():
                 lo, hi = mean - se, mean + se

@@ -191,7 +191,9 @@ def kto_heldout_metrics(policy, reference, batch: rx.train.KTOBatch, beta: float
 
 
 def kto(env: StageEnv, c: KTOConfig) -> Outcome:
-    """KTO from SFT on the built-in task, on SFT samples labelled by the noisy scorer."""
+    """KTO from SFT on the built-in task, on SFT samples labelled by the noisy scorer (a
+    `kto_weights` event when their weighted balance lies outside [1, 4/3], as on a data
+    file)."""
     sft_policy = env.policies["sft"]
     records = sampled_unpaired(
         sft_policy,
@@ -205,7 +207,10 @@ def kto(env: StageEnv, c: KTOConfig) -> Outcome:
     )
     good = sum(r.label for r in records)
     env.say(f"kto: {good} desirable / {len(records) - good} undesirable samples (noisy labels)")
-    res = run_kto(sft_policy, env.tok, records, cfg=c, ctx=env.ctx("kto"))
+    ctx = env.ctx("kto")
+    if 0 < good < len(records):  # one label only is refused by `run_kto`
+        _check_kto_weights(c, records, ctx.log)
+    res = run_kto(sft_policy, env.tok, records, cfg=c, ctx=ctx)
     return Outcome(res, policy=final_policy(res.state.model))
 
 

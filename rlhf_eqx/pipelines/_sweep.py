@@ -69,7 +69,7 @@ from ._rundir import (
 )
 from ._sweep_data import check_data_sweep, data_sweep
 from ._sweep_dpo import dpo_sweep
-from ._sweep_grid import Member, grid_values, make_members, parse_grid
+from ._sweep_grid import TRACEABLE, Member, grid_values, make_members, parse_grid
 from ._sweep_grpo import check_grpo_sweep, grpo_sweep
 from ._sweep_multiturn import multiturn_sweep
 from ._sweep_offline import kto_sweep, sft_sweep
@@ -454,17 +454,40 @@ def sweep_command(argv: Sequence[str]) -> int:
     from ._config_io import apply_overrides, load_config
 
     p = argparse.ArgumentParser(prog="rlhf_eqx sweep", description=sweep_command.__doc__)
-    p.add_argument("stage")
-    p.add_argument("--seeds", type=int, default=4)
-    p.add_argument("--grid", action="append", default=[], metavar="FIELD=V1,V2,...")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE")
-    p.add_argument("--config")
-    p.add_argument("--data")
-    p.add_argument("--model")
-    p.add_argument("--out")
-    p.add_argument("--resume", action="store_true")
-    p.add_argument("--export", action="store_true")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("stage", help=f"the stage to sweep: {', '.join(_STAGES)}")
+    p.add_argument(
+        "--seeds", type=int, default=4, help="seeds per grid point: ops.seed, +1, ... (default 4)"
+    )
+    p.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="FIELD=V1,V2,...",
+        help="a traced field and its values, e.g. dpo.beta=0.05,0.1 (repeat for several "
+        "fields: every combination); the traceable fields of each stage's section: "
+        + "; ".join(f"{k}: {', '.join(v)}" for k, v in TRACEABLE.items()),
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="a setting of every member, e.g. sft.steps=2 (the sections the sweep's stages read)",
+    )
+    p.add_argument("--config", help="a configuration file the --set values apply over")
+    p.add_argument("--data", help="a data file: the stage alone on it (data.path)")
+    p.add_argument("--model", help="the base model (model.source)")
+    p.add_argument("--out", help="the sweep directory (default runs/sweep-STAGE)")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the sweep in --out from its last checkpoint (ops.checkpoint_every)",
+    )
+    p.add_argument(
+        "--export", action="store_true", help="write each member's model to members/NAME/STAGE/hf/"
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress lines (ops.quiet)")
     p.add_argument("--callback", action="append", default=[], help=argparse.SUPPRESS)
     args = p.parse_args(list(argv))
     try:

@@ -162,6 +162,8 @@ def _take_dir(out: str, spec: dict, resume: bool, read: Sequence[str]) -> bool:
         other = "a run" if holds_run(out) else holds_runs(out)
         if other is not None:  # never mixed with a sweep's files (metrics, data.json, ...)
             raise RunDirError(f"{out} holds {other}, not a sweep; choose another --out")
+        if resume:  # as a run's resume says (a mistyped --out would start a sweep silently)
+            print(f"note: nothing to resume in {out}: starting a new sweep", file=sys.stderr)
         write_json_atomic(path, spec)
         return False
     if not resume:

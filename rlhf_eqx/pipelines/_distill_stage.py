@@ -45,9 +45,9 @@ class DistillConfig(BatchStageConfig):
     fixed completions (the data file's chosen responses, or `samples` samples per prompt
     of the teacher on the built-in task). `teacher`: a stage of the same run (`grpo`,
     `dpo`, `ppo`, `online-dpo`, `kto`) or a Hugging Face checkpoint directory; it must
-    share the student's vocabulary (a directory's `vocab_size` is checked against the
-    student's before anything is loaded) and may differ in size. `beta` and `lmbda` in
-    [0, 1], `temperature` > 0."""
+    share the student's vocabulary (a directory's or a GGUF file's `vocab_size` is
+    checked against the student's before anything is loaded) and may differ in size.
+    `beta` and `lmbda` in [0, 1], `temperature` > 0."""
 
     steps: int = 40
     beta: float = DistillSettings.beta
@@ -134,7 +134,9 @@ def check_run(cfg, run) -> None:
     directory, a `.gguf` file or a short model name on a data file), with the student's
     vocabulary when it is a checkpoint directory (a run directory: its exported policy),
     with a context that holds what it scores (`teacher_lengths`); on a data file, no
-    `sampling` setting the run would not read (`check_data_sampling`)."""
+    `sampling` setting the run would not read (`check_data_sampling`). The vocabulary of a
+    directory or a `.gguf` file (a short model name's too) is read from its header,
+    before the run directory is taken and the teacher loaded."""
     from ._pipeline import model_path
 
     if cfg.data.path is not None:
@@ -147,8 +149,8 @@ def check_run(cfg, run) -> None:
             _fail("distill.teacher", t, f"the teacher stage {t!r} is not among the stages")
         return
     path = model_path(t, "distill.teacher")
-    if os.path.isdir(path):
-        check_teacher_vocabulary(cfg, path)
+    if os.path.isdir(path) or is_gguf_file(path):  # a GGUF file's header: milliseconds
+        check_teacher_vocabulary(cfg, t)  # resolved there too; named as the user wrote it
     check_context(cfg, teacher_lengths(cfg), field="distill.teacher", source=t)
 
 

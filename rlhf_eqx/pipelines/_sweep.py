@@ -439,6 +439,11 @@ def _progress_line(stage, done, total, members, it, stopped) -> str:
     return f"[sweep {stage}] iteration {done}/{total}: {n} members alive{mean}"
 
 
+def _named(text: str) -> dict:
+    """`add_argument`'s `metavar` and `help` of `--set`."""
+    return {"metavar": "FIELD=VALUE", "help": text}
+
+
 def sweep_command(argv: Sequence[str]) -> int:
     """`rlhf_eqx sweep STAGE --seeds N --grid FIELD=V1,V2 [--grid ...] [--set ...]
     [--config FILE] [--data FILE] [--model M] [--out DIR] [--resume] [--export]
@@ -469,14 +474,8 @@ def sweep_command(argv: Sequence[str]) -> int:
         "fields: every combination); the traceable fields of each stage's section: "
         + "; ".join(f"{k}: {', '.join(v)}" for k, v in TRACEABLE.items()),
     )
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="FIELD=VALUE",
-        help="a setting of every member, e.g. sft.steps=2 (the sections the sweep's stages read)",
-    )
+    each = "a setting of every member, e.g. sft.steps=2 (the sections the sweep's stages read)"
+    p.add_argument("--set", dest="overrides", action="append", default=[], **_named(each))
     p.add_argument("--config", help="a configuration file the --set values apply over")
     p.add_argument("--data", help="a data file: the stage alone on it (data.path)")
     p.add_argument("--model", help="the base model (model.source)")

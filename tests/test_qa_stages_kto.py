@@ -88,10 +88,13 @@ def test_apo_zero_unpaired_counts_no_mismatched_rows(tmp_path):
 @pytest.mark.slow
 def test_builtin_task_reports_its_imbalanced_labels(tmp_path, capsys):
     """The built-in task's samples (about one in five desirable) lie outside the
-    recommended weighted balance [1, 4/3]: a `kto_weights` event, as on a data file."""
+    recommended weighted balance [1, 4/3]: a `kto_weights` event, and the summary counts
+    the examples of each kind, as on a data file."""
     out = tmp_path / "run"
     argv = ["kto", "--out", str(out), "--quiet", "--set", "sft.steps=1", "--set", "kto.steps=1"]
     assert main(argv + ["--set", "ops.monitor=false"]) == 0
     assert "[kto] kto_weights: " in capsys.readouterr().err
     (event,) = [r for r in pl.tools.read_records(str(out)) if r.get("event") == "kto_weights"]
     assert not 1 <= event["ratio"] <= 4 / 3
+    kto = json.loads((out / "summary.json").read_text())["kto"]
+    assert event["ratio"] == kto["train_desirable"] / kto["train_undesirable"]

@@ -192,8 +192,8 @@ def kto_heldout_metrics(policy, reference, batch: rx.train.KTOBatch, beta: float
 
 def kto(env: StageEnv, c: KTOConfig) -> Outcome:
     """KTO from SFT on the built-in task, on SFT samples labelled by the noisy scorer (a
-    `kto_weights` event when their weighted balance lies outside [1, 4/3], as on a data
-    file)."""
+    `kto_weights` event when their weighted balance lies outside [1, 4/3], and the
+    number of examples of each kind in the summary, as on a data file)."""
     sft_policy = env.policies["sft"]
     records = sampled_unpaired(
         sft_policy,
@@ -211,7 +211,8 @@ def kto(env: StageEnv, c: KTOConfig) -> Outcome:
     if 0 < good < len(records):  # one label only is refused by `run_kto`
         _check_kto_weights(c, records, ctx.log)
     res = run_kto(sft_policy, env.tok, records, cfg=c, ctx=ctx)
-    return Outcome(res, policy=final_policy(res.state.model))
+    counts = {"train_desirable": good, "train_undesirable": len(records) - good}
+    return Outcome(res, policy=final_policy(res.state.model), summary=counts)
 
 
 def kto_on_data(env: StageEnv, c: KTOConfig) -> Outcome:

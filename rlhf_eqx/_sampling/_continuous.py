@@ -33,6 +33,7 @@ from ._decode import (
     _row_sampler,
     _with_prompts,
     check_prompt_masks,
+    check_stop_ids,
 )
 from ._options import (
     DEFAULT_TEMPERATURE,
@@ -679,8 +680,8 @@ def generate_continuous(
     raise jaxtyping's `TypeCheckError` (the shape checks, on by default; `ValueError`
     with `RLHF_EQX_TYPECHECK=0`). Raises `ValueError` naming the argument for
     `slots < 1`, concrete prompt ids outside the vocabulary, an empty prompt, budgets
-    out of range, malformed stop sequences, or `P + max_new_tokens` above the model's
-    `max_seq_len`.
+    out of range, malformed stop sequences, a stop id (`eos_id`) outside the vocabulary,
+    or `P + max_new_tokens` above the model's `max_seq_len`.
     """
     if cache not in ("dense", "paged"):
         raise ValueError(f"cache must be 'dense' or 'paged', got {cache!r}")
@@ -931,6 +932,7 @@ def _continuous_arguments(
     keys = _key_array(keys, R)
     _check_concrete_prompts(prompts, prompt_masks, policy.vocab_size)
     _check_length(policy, P, max_new_tokens)
+    check_stop_ids(opts.eos_id, policy.vocab_size)
     stops = _check_stop_sequences(stop_sequences, policy.vocab_size)
     rows = R * num_samples
     if budgets is None:

@@ -84,13 +84,25 @@ def _check_length(policy: object, prompt_length: int, max_new_tokens: int) -> No
         )
 
 
+def check_stop_ids(eos_id: tuple[int, ...], vocab_size: int) -> None:
+    """Refuse a stop id outside the vocabulary `[0, vocab_size)`: the model never samples
+    it, so a row would never stop there (a tokenizer's id for another model)."""
+    bad = [i for i in eos_id if i >= vocab_size]
+    if bad:
+        raise ValueError(
+            f"eos_id {bad[0]} is outside the model's vocabulary [0, {vocab_size}): it can "
+            "never be sampled, so no row would stop at it (is it another tokenizer's id?)"
+        )
+
+
 def _check_batch(
     policy: AbstractDecoder, prompts: Any, prompt_masks: Any, opts: SamplingOptions
 ) -> None:
     """The host-side checks of a batch of prompts: `prompts` and `prompt_masks` of one
     shape, concrete ids inside the vocabulary, a real token in every concrete row of
     `prompt_masks`, `P + max_new_tokens` within the model's
-    `max_seq_len` (each raises a `ValueError` naming what is wrong)."""
+    `max_seq_len`, stop ids inside the vocabulary (each raises a `ValueError` naming what
+    is wrong)."""
     if prompts.shape != prompt_masks.shape:
         raise ValueError(
             f"prompts {prompts.shape} and prompt_masks {prompt_masks.shape} differ in shape"
@@ -98,6 +110,7 @@ def _check_batch(
     _check_prompt_ids(prompts, policy.vocab_size)
     check_prompt_masks(prompt_masks)
     _check_length(policy, prompts.shape[-1], opts.max_new_tokens)
+    check_stop_ids(opts.eos_id, policy.vocab_size)
 
 
 def _signature(tree: Any) -> tuple[Any, list[str]]:
@@ -370,7 +383,8 @@ def generate_batch(
       tokens and its tokens so far; its generated counts start at 0, also for each of a
       prompt's `num_samples` rows), `eos_id=None` (one id or several), `pad_id=0`,
       `check_ids=False`, `num_samples=1` (completions per prompt, each prompt
-      prefilled once).
+      prefilled once). A stop id outside `[0, vocab_size)` is a `ValueError` (the model
+      never samples it).
 
     **Returns:** a `GenerationOutput` with a leading batch axis (`B · num_samples`
     rows), rows of length `P + max_new_tokens`. Cut completions at stop *strings* afterwards with

@@ -9,7 +9,8 @@
 `completions` are the reasoning steps, in order, and `labels[s]` says whether step `s`
 is correct (a JSON boolean; `0` and `1` are accepted). A record whose `completions` is
 not a list of strings, whose `labels` is not a list of booleans, or whose lists differ
-in length is an error naming the file and line (`path:LINE: reason`); a record without
+in length, or whose `prompt` is a list of messages (the conversational layout, not read
+here), is an error naming the file and line (`path:LINE: reason`); a record without
 steps, or with an empty (or blank) step, is skipped and counted in the report (`"no
 steps"`, `"empty step"`), as the other readers skip an empty completion.
 
@@ -68,6 +69,12 @@ class StepwiseDataset(RecordDataset["StepwiseRecord"]):
 
 
 def _parse(record: dict) -> StepwiseRecord:
+    if isinstance(record.get("prompt"), list):
+        raise Malformed(
+            "wrong type",
+            "'prompt' must be a string, got a list (stepwise records are read in the "
+            "standard layout only: render a conversational prompt to text first)",
+        )
     prompt = string_field(record, "prompt")
     for key in ("completions", "labels"):
         if not isinstance(record_field(record, key), list):

@@ -19,7 +19,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int, Key, UInt32
+from jaxtyping import Array, Bool, Float, Int, Key, Real, UInt32
 
 from ..models import AbstractDecoder
 from ._decode import (
@@ -597,15 +597,15 @@ def generate_continuous(
     slots: int,
     max_new_tokens: int,
     budgets: Int[Array | np.ndarray, " B"] | Sequence[int] | None = None,
-    temperature: float | int | Float[Array | np.ndarray, " B"] | Sequence[float] = (
+    temperature: float | int | Real[Array | np.ndarray, " B"] | Sequence[float | int] = (
         DEFAULT_TEMPERATURE
     ),
     top_k: int | None | Int[Array | np.ndarray, " B"] | Sequence[int] = None,
-    top_p: float | int | None | Float[Array | np.ndarray, " B"] | Sequence[float] = None,
-    min_p: float | int | None | Float[Array | np.ndarray, " B"] | Sequence[float] = None,
-    repetition_penalty: float | int | Float[Array | np.ndarray, " B"] | Sequence[float] = 1.0,
-    presence_penalty: float | int | Float[Array | np.ndarray, " B"] | Sequence[float] = 0.0,
-    frequency_penalty: float | int | Float[Array | np.ndarray, " B"] | Sequence[float] = 0.0,
+    top_p: float | int | None | Real[Array | np.ndarray, " B"] | Sequence[float | int] = None,
+    min_p: float | int | None | Real[Array | np.ndarray, " B"] | Sequence[float | int] = None,
+    repetition_penalty: float | int | Real[Array | np.ndarray, " B"] | Sequence[float | int] = 1.0,
+    presence_penalty: float | int | Real[Array | np.ndarray, " B"] | Sequence[float | int] = 0.0,
+    frequency_penalty: float | int | Real[Array | np.ndarray, " B"] | Sequence[float | int] = 0.0,
     eos_id: int | Sequence[int] | None = None,
     stop_sequences: Sequence[Sequence[int]] | None = None,
     pad_id: int = 0,

@@ -165,7 +165,8 @@ STAGE_KEYS = {
     "loss_type samples lora" + _OPTIONS,
     "distill": "steps batch_size max_length optim beta temperature lmbda teacher samples lora"
     + _OPTIONS,
-    "prm": "steps batch_size max_length optim separator aggregation score" + _OPTIONS,
+    "prm": "steps batch_size max_length optim separator aggregation score"
+    " train_on_last_step_only" + _OPTIONS,
     "judge": "model template yes no score",
 }
 OPTIM_KEYS = "learning_rate warmup_ratio weight_decay max_grad_norm schedule b1 b2 eps"

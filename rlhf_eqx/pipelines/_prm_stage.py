@@ -38,7 +38,9 @@ class PRMConfig(BatchStageConfig):
     backbone reads the step `separator` after each step. Its use as a reward
     (`reward_source=prm`) reads the step scores (`score`: `prob` or `logit`) at the
     separators of each completion: per token for PPO, and their `aggregation` (`min`,
-    `last`, `mean`) per sequence for GRPO; both are stored with the export."""
+    `last`, `mean`) per sequence for GRPO; both are stored with the export.
+    `train_on_last_step_only` (TRL's field of that name): train and measure on the label
+    of each solution's last step alone (the last one kept within `max_length`)."""
 
     steps: int = 100
     batch_size: int = 8
@@ -46,6 +48,7 @@ class PRMConfig(BatchStageConfig):
     separator: str = "\n"
     aggregation: str = "min"
     score: str = "prob"
+    train_on_last_step_only: bool = False
 
     def check(self, name: str, *, device_count: int = 1) -> None:
         """The PRM's own rules: a non-empty step separator, a known aggregation and score."""
@@ -59,13 +62,15 @@ class PRMConfig(BatchStageConfig):
 def stepwise_batch(records: Sequence, tok, cfg: PRMConfig, prompt_length: int):
     """`(PRMBatch, report)` of stepwise records: `BOS prompt step SEP step SEP ...` (BOS
     when the tokenizer asks for it, `data.wants_bos`), rows of `cfg.max_length` tokens,
-    prompts cut (their end kept) at `prompt_length`."""
+    prompts cut (their end kept) at `prompt_length`; with `cfg.train_on_last_step_only`
+    only the last kept step of each solution is marked and labelled."""
     sols, report = data.tokenize_stepwise(
         records,
         tok,
         separator=cfg.separator,
         max_length=cfg.max_length,
         max_prompt_length=min(prompt_length, cfg.max_length - 1),
+        last_step_only=cfg.train_on_last_step_only,
     )
     if not sols:
         raise ValueError(

@@ -13,6 +13,7 @@ import pytest
 from helpers import signal_when
 
 import rlhf_eqx as rx
+from rlhf_eqx import data
 from rlhf_eqx.__main__ import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -294,3 +295,17 @@ def test_a_bad_record_leaves_no_directory_of_a_run_over_seeds(tmp_path, capsys):
     assert main(["dpo", "--data", path, "--seeds", "2", "--out", str(run_dir), "--quiet"]) == 1
     assert "cannot tell the preference format" in capsys.readouterr().err
     assert not run_dir.exists()
+
+
+def test_labels_written_as_numbers_of_zero_or_one_are_read_as_booleans(tmp_path):
+    """KTO labels as a Parquet or pandas column holds them (floats `1.0` / `0.0`, or
+    integers) are booleans; any other number is refused by name."""
+    rows = [
+        {"prompt": "a", "completion": " b", "label": 1.0},
+        {"prompt": "c", "completion": " d", "label": 0.0},
+    ]
+    for path in (_jsonl(tmp_path / "f.jsonl", rows), _parquet(tmp_path / "f.parquet", rows)):
+        assert [r.label for r in data.load_unpaired(path)] == [True, False]
+    bad = _jsonl(tmp_path / "half.jsonl", [{**rows[0], "label": 0.5}])
+    with pytest.raises(data.DataError, match=r"'label' must be a boolean .* got float 0.5"):
+        data.load_unpaired(bad)

@@ -638,7 +638,7 @@ def test_load_unpaired_plain_and_messages(tmp_path):
 
 @pytest.mark.parametrize(
     "label,shown",
-    [("true", "str 'true'"), (2, "int 2"), (1.0, "float 1.0"), (None, "NoneType None")],
+    [("true", "str 'true'"), (2, "int 2"), (0.5, "float 0.5"), (None, "NoneType None")],
 )
 def test_load_unpaired_rejects_non_boolean_labels_with_file_and_line(tmp_path, label, shown):
     path = write_jsonl(

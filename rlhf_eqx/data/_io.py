@@ -20,6 +20,8 @@ import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import ClassVar, Generic, TypeVar, overload
 
+import numpy as np
+
 from ._arrow import open_table
 from ._columns import check_columns, rename_columns, source_names
 from ._errors import DataError
@@ -405,11 +407,12 @@ def string_field(record: dict, key: str) -> str:
 
 
 def boolean_value(value: object, name: str) -> bool:
-    """`value` as a bool: a JSON boolean, or `0` / `1` (`Malformed` naming `name`, such as
-    `'label'`, otherwise)."""
-    if isinstance(value, bool):
-        return value
-    if type(value) is int and value in (0, 1):
+    """`value` as a bool: a JSON boolean, or `0` / `1` as an integer or a float (`1.0`, as
+    a Parquet or pandas column with a missing value holds its labels) or a NumPy scalar
+    (`Malformed` naming `name`, such as `'label'`, otherwise)."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (int, float, np.integer, np.floating)) and value in (0, 1):
         return bool(value)
     raise Malformed(
         "wrong type",

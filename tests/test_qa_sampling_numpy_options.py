@@ -72,3 +72,25 @@ def test_generate_speculative_takes_numpy_scalars(policy):
         policy, policy, PROMPTS, MASKS, key, k=2, temperature=0.0, max_new_tokens=n
     )
     _same(spec(np.int64(4)), spec(4))
+
+
+@pytest.mark.parametrize("cache", ["dense", "paged"])
+def test_generate_continuous_takes_numpy_scalars(policy, cache):
+    keys = jax.random.split(jax.random.key(3), 2)
+    numpy_kw = dict(
+        slots=np.int64(2), max_new_tokens=np.int32(4), temperature=np.float32(0.5),
+        top_k=np.int64(6), top_p=np.float64(0.9), eos_id=np.array([3, 4]), pad_id=np.int64(1),
+        num_samples=np.int64(2), prefill_rows=np.int64(1),
+    )  # fmt: skip
+    python_kw = dict(
+        slots=2, max_new_tokens=4, temperature=float(np.float32(0.5)), top_k=6, top_p=0.9,
+        eos_id=[3, 4], pad_id=1, num_samples=2, prefill_rows=1,
+    )  # fmt: skip
+    if cache == "paged":
+        numpy_kw |= dict(page_size=np.int64(2), num_pages=np.int64(12))
+        python_kw |= dict(page_size=2, num_pages=12)
+    run = lambda kw: rx.generate_continuous(policy, PROMPTS, MASKS, keys, cache=cache, **kw)  # noqa: E731
+    _same(run(numpy_kw), run(python_kw))
+    if cache == "paged":
+        _, stats = rx.generate_paged(policy, PROMPTS, MASKS, keys, **numpy_kw)
+        assert type(stats.dense_bytes) is int

@@ -37,8 +37,11 @@ from ._decode import (
 )
 from ._options import (
     DEFAULT_TEMPERATURE,
+    Count,
     GenerationOutput,
+    Number,
     SamplingOptions,
+    _plain,
     check_min_p,
     check_penalty,
     check_repetition_penalty,
@@ -594,27 +597,27 @@ def generate_continuous(
     prompt_masks: Bool[Array, "R P"],
     keys: Key[Array, " R"] | UInt32[Array, "R 2"],
     *,
-    slots: int,
-    max_new_tokens: int,
+    slots: Count,
+    max_new_tokens: Count,
     budgets: Int[Array | np.ndarray, " B"] | Sequence[int] | None = None,
-    temperature: float | int | Real[Array | np.ndarray, " B"] | Sequence[float | int] = (
+    temperature: Number | Real[Array | np.ndarray, " B"] | Sequence[float | int] = (
         DEFAULT_TEMPERATURE
     ),
-    top_k: int | None | Int[Array | np.ndarray, " B"] | Sequence[int] = None,
-    top_p: float | int | None | Real[Array | np.ndarray, " B"] | Sequence[float | int] = None,
-    min_p: float | int | None | Real[Array | np.ndarray, " B"] | Sequence[float | int] = None,
-    repetition_penalty: float | int | Real[Array | np.ndarray, " B"] | Sequence[float | int] = 1.0,
-    presence_penalty: float | int | Real[Array | np.ndarray, " B"] | Sequence[float | int] = 0.0,
-    frequency_penalty: float | int | Real[Array | np.ndarray, " B"] | Sequence[float | int] = 0.0,
-    eos_id: int | Sequence[int] | None = None,
+    top_k: Count | None | Int[Array | np.ndarray, " B"] | Sequence[Count] = None,
+    top_p: Number | None | Real[Array | np.ndarray, " B"] | Sequence[float | int] = None,
+    min_p: Number | None | Real[Array | np.ndarray, " B"] | Sequence[float | int] = None,
+    repetition_penalty: Number | Real[Array | np.ndarray, " B"] | Sequence[float | int] = 1.0,
+    presence_penalty: Number | Real[Array | np.ndarray, " B"] | Sequence[float | int] = 0.0,
+    frequency_penalty: Number | Real[Array | np.ndarray, " B"] | Sequence[float | int] = 0.0,
+    eos_id: Count | Sequence[Count] | Int[np.ndarray, " S"] | None = None,
     stop_sequences: Sequence[Sequence[int]] | None = None,
-    pad_id: int = 0,
-    num_samples: int = 1,
+    pad_id: Count = 0,
+    num_samples: Count = 1,
     check_ids: bool = False,
-    prefill_rows: int | None = None,
+    prefill_rows: Count | None = None,
     cache: str = "dense",
-    page_size: int | None = None,
-    num_pages: int | None = None,
+    page_size: Count | None = None,
+    num_pages: Count | None = None,
 ) -> GenerationOutput:
     """Sample completions with continuous batching: `slots` rows decode at once, and a
     row that stops is refilled with the next waiting request inside the same compiled
@@ -716,7 +719,7 @@ def _row_arguments(policy, prompts, prompt_masks, keys, settings: dict) -> tuple
     """`_continuous_arguments` with per-row `temperature` / `top_k` / `top_p` / `min_p`
     and penalties taken out of the static options into `_RowSettings` (or `None` when
     they are scalars)."""
-    rows = prompts.shape[0] * settings["num_samples"] if prompts.ndim == 2 else 0
+    rows = prompts.shape[0] * _plain(settings["num_samples"]) if prompts.ndim == 2 else 0
     names = ("temperature", "top_k", "top_p", "min_p")
     penalties = tuple(settings[name] for name in _PENALTIES)
     per_row = _row_settings(*(settings[name] for name in names), rows, penalties)

@@ -15,6 +15,13 @@ DEFAULT_TEMPERATURE: float = 1.0
 (`rlhf_eqx.train.SampledSettings`, `rlhf_eqx.train.DistillSettings`) default to it."""
 
 
+Count = int | np.integer
+"""A count or an id as the samplers' signatures take it: a Python int or a NumPy one."""
+
+Number = float | int | np.floating | np.integer
+"""A scalar setting as the samplers' signatures take it: a Python or NumPy number."""
+
+
 def _is_int(x: object) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 

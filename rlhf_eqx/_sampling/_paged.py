@@ -35,7 +35,7 @@ from ._continuous import (
     _stops,
 )
 from ._decode import _int32_prompts, _with_prompts
-from ._options import DEFAULT_TEMPERATURE, GenerationOutput
+from ._options import DEFAULT_TEMPERATURE, Count, GenerationOutput, Number
 from ._paged_plan import check_pool, plan_pages
 
 
@@ -349,24 +349,24 @@ def generate_paged(
     prompt_masks: Bool[Array, "R P"],
     keys: Key[Array, " R"] | UInt32[Array, "R 2"],
     *,
-    slots: int,
-    max_new_tokens: int,
-    page_size: int = 16,
-    num_pages: int | None = None,
+    slots: Count,
+    max_new_tokens: Count,
+    page_size: Count = 16,
+    num_pages: Count | None = None,
     budgets: Int[Array | np.ndarray, " B"] | Sequence[int] | None = None,
-    temperature: float | int = DEFAULT_TEMPERATURE,
-    top_k: int | None = None,
-    top_p: float | int | None = None,
-    min_p: float | int | None = None,
-    repetition_penalty: float | int = 1.0,
-    presence_penalty: float | int = 0.0,
-    frequency_penalty: float | int = 0.0,
-    eos_id: int | Sequence[int] | None = None,
+    temperature: Number = DEFAULT_TEMPERATURE,
+    top_k: Count | None = None,
+    top_p: Number | None = None,
+    min_p: Number | None = None,
+    repetition_penalty: Number = 1.0,
+    presence_penalty: Number = 0.0,
+    frequency_penalty: Number = 0.0,
+    eos_id: Count | Sequence[Count] | Int[np.ndarray, " S"] | None = None,
     stop_sequences: Sequence[Sequence[int]] | None = None,
-    pad_id: int = 0,
-    num_samples: int = 1,
+    pad_id: Count = 0,
+    num_samples: Count = 1,
     check_ids: bool = False,
-    prefill_rows: int | None = None,
+    prefill_rows: Count | None = None,
 ) -> tuple[GenerationOutput, PagedCacheStats]:
     """`generate_continuous` on a paged, prefix-shared KV cache: the same rows, with cache
     memory that follows the tokens held instead of `slots · (P + max_new_tokens)`.
@@ -445,6 +445,7 @@ def generate_paged(
         frequency_penalty=frequency_penalty, eos_id=eos_id, stop_sequences=stop_sequences,
         pad_id=pad_id, num_samples=num_samples, check_ids=check_ids, prefill_rows=prefill_rows,
     )  # fmt: skip
+    num_samples, max_new_tokens = base.opts.num_samples, base.opts.max_new_tokens  # Python ints
     if not (_is_int(page_size) and page_size >= 1):
         raise ValueError(f"page_size must be a positive int, got {page_size!r}")
     ids, masks = np.asarray(prompts), np.asarray(prompt_masks, bool)

@@ -94,3 +94,22 @@ def test_generate_continuous_takes_numpy_scalars(policy, cache):
     if cache == "paged":
         _, stats = rx.generate_paged(policy, PROMPTS, MASKS, keys, **numpy_kw)
         assert type(stats.dense_bytes) is int
+
+
+def test_sample_token_and_filter_logits_take_numpy_scalars():
+    logits = jax.random.normal(jax.random.key(4), (23,))
+    got = rx.filter_logits(logits, top_k=np.int64(7), top_p=np.float32(0.8), min_p=np.float64(0.1))
+    want = rx.filter_logits(logits, top_k=7, top_p=float(np.float32(0.8)), min_p=0.1)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    key = jax.random.key(5)
+    seen = dict(context=jnp.zeros(23, bool).at[3].set(True), generated=jnp.zeros(23, jnp.int32))
+    got = rx.sample_token(
+        key,
+        logits,
+        temperature=np.float32(0.5),
+        top_k=np.int32(5),
+        repetition_penalty=np.float64(1.5),
+        **seen,
+    )
+    want = rx.sample_token(key, logits, temperature=0.5, top_k=5, repetition_penalty=1.5, **seen)
+    assert int(got[0]) == int(want[0]) and float(got[1]) == float(want[1])

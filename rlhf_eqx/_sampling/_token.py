@@ -10,6 +10,9 @@ from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray
 
 from ._options import (
     DEFAULT_TEMPERATURE,
+    Count,
+    Number,
+    _plain,
     check_min_p,
     check_temperature,
     check_top_k,
@@ -22,9 +25,9 @@ from ._penalties import Seen, penalize_logits
 def filter_logits(
     logits: Float[Array, " V"],
     *,
-    top_k: int | None = None,
-    top_p: float | int | None = None,
-    min_p: float | int | None = None,
+    top_k: Count | None = None,
+    top_p: Number | None = None,
+    min_p: Number | None = None,
 ) -> Float[Array, " V"]:
     """Set the logits of the tokens that top-k, top-p or min-p drop to -inf.
 
@@ -50,6 +53,7 @@ def filter_logits(
     Skips all sorting when top-k and top-p are off; with `top_k`, top-p works on the
     `k` best only. Returns `logits` itself when every filter is off.
     """
+    top_k, top_p, min_p = _plain(top_k), _plain(top_p), _plain(min_p)
     check_top_k(top_k)
     check_top_p(top_p)
     check_min_p(min_p)
@@ -83,13 +87,13 @@ def sample_token(
     key: PRNGKeyArray,
     logits: Float[Array, " V"],
     *,
-    temperature: float | int = DEFAULT_TEMPERATURE,
-    top_k: int | None = None,
-    top_p: float | int | None = None,
-    min_p: float | int | None = None,
-    repetition_penalty: float | int = 1.0,
-    presence_penalty: float | int = 0.0,
-    frequency_penalty: float | int = 0.0,
+    temperature: Number = DEFAULT_TEMPERATURE,
+    top_k: Count | None = None,
+    top_p: Number | None = None,
+    min_p: Number | None = None,
+    repetition_penalty: Number = 1.0,
+    presence_penalty: Number = 0.0,
+    frequency_penalty: Number = 0.0,
     context: Bool[Array, " V"] | None = None,
     generated: Int[Array, " V"] | None = None,
 ) -> tuple[Int[Array, ""], Float[Array, ""]]:
@@ -99,6 +103,10 @@ def sample_token(
     (1 when greedy) under the model's own distribution, before the penalties and the
     filters. `context` / `generated` (the row's seen tokens and generated counts,
     `penalize_logits`) are needed when a penalty is on."""
+    temperature = _plain(temperature)
+    repetition_penalty, presence_penalty, frequency_penalty = (
+        _plain(x) for x in (repetition_penalty, presence_penalty, frequency_penalty)
+    )
     check_temperature(temperature)
     logits = logits.astype(jnp.float32)
     drawn = logits

@@ -6,38 +6,14 @@ of the run without the callback."""
 import json
 import os
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
-import optax
 import pytest
+from test_callbacks import _quadratic
 
-import rlhf_eqx as rx
 from rlhf_eqx import pipelines as pl
 
 _TIMING = ("iteration_time_s", "tokens_per_s", "mfu", "model_flops")
-
-
-def _quadratic():
-    opt = optax.chain(optax.sgd(0.1), pl.loop.scale_by_lr_factor())
-    state = rx.train.init_train_state({"w": jnp.full((3,), 2.0, jnp.float32)}, opt)
-
-    @eqx.filter_jit
-    def step(params, opt_state, key):
-        target = jax.random.normal(key, (3,))
-        loss, g = jax.value_and_grad(lambda p: jnp.sum((p["w"] - target) ** 2))(params)
-        with jax.numpy_dtype_promotion("standard"):
-            updates, opt_state = opt.update(g, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    def iteration(s, key, i):
-        params, opt_state, loss = step(s.params, s.opt_state, key)
-        new = eqx.tree_at(
-            lambda t: (t.params, t.opt_state, t.step), s, (params, opt_state, s.step + 1)
-        )
-        return new, [{"loss": loss}], {"score": float(i)}
-
-    return state, iteration
 
 
 def _run(path, callbacks):

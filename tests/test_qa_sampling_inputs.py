@@ -1,5 +1,8 @@
-"""Sampling settings given as NumPy scalars (a config's or a tokenizer's values, HF's
-`generation_config` read through NumPy) sample exactly as the Python numbers they hold."""
+"""Sampling settings as users give them: NumPy scalars (a config's or a tokenizer's
+values, HF's `generation_config` read through NumPy) sample exactly as the Python numbers
+they hold; a stop id the model can never sample (outside its vocabulary: another
+tokenizer's EOS) is refused by every sampler, naming `eos_id`, as an out-of-vocabulary
+stop sequence is, instead of decoding every row to `max_new_tokens` without a word."""
 
 import jax
 import jax.numpy as jnp
@@ -113,3 +116,30 @@ def test_sample_token_and_filter_logits_take_numpy_scalars():
     )
     want = rx.sample_token(key, logits, temperature=0.5, top_k=5, repetition_penalty=1.5, **seen)
     assert int(got[0]) == int(want[0]) and float(got[1]) == float(want[1])
+
+
+KEYS = jax.random.split(jax.random.key(1), 2)
+SAMPLERS = {
+    "batch": lambda pol, **kw: rx.generate_batch(pol, PROMPTS, MASKS, KEYS, **kw),
+    "one": lambda pol, **kw: rx.generate(pol, PROMPTS[1], MASKS[1], KEYS[0], **kw),
+    "continuous": lambda pol, **kw: rx.generate_continuous(
+        pol, PROMPTS, MASKS, KEYS, slots=1, **kw
+    ),
+    "paged": lambda pol, **kw: rx.generate_paged(pol, PROMPTS, MASKS, KEYS, slots=1, **kw),
+    "decoding": lambda pol, **kw: rx.ContinuousDecoding(pol, PROMPTS, MASKS, KEYS, slots=1, **kw),
+    "speculative": lambda pol, **kw: rx.generate_speculative(
+        pol, pol, PROMPTS, MASKS, KEYS[0], k=2, **kw
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLERS))
+@pytest.mark.parametrize("eos_id", [37, [2, 50256]])
+def test_stop_id_outside_the_vocabulary_is_refused(policy, name, eos_id):
+    with pytest.raises(ValueError, match=r"eos_id \d+ is outside the model's vocabulary \[0, 37\)"):
+        SAMPLERS[name](policy, max_new_tokens=3, eos_id=eos_id)
+
+
+def test_last_id_of_the_vocabulary_still_stops(policy):
+    out = rx.generate_batch(policy, PROMPTS, MASKS, KEYS, max_new_tokens=3, eos_id=[36, 2])
+    assert out.tokens.shape == (2, 6)

@@ -30,7 +30,8 @@ def _refusal(capsys, argv) -> str:
 @pytest.mark.parametrize(
     "argv",
     [
-        ["distill", "--set", "distill.teacher=smollm2-135m"],
+        # a student of the teacher's vocabulary (the built-in model's is refused as such)
+        ["distill", "--model", "smollm2-135m", "--set", "distill.teacher=smollm2-135m"],
         ["grpo", *JUDGE, "judge.model=smollm2-135m"],
         ["sample", "--model", "smollm2-135m"],
     ],

@@ -214,7 +214,8 @@ def export_policy(
             lambda x: jnp.asarray(x) if isinstance(x, np.ndarray) else x, to_host(t)
         )
         policy = local(policy)
-        adapted = None if adapted is None else local(adapted)
+        # the adapters are written only when there are some: gather the model once else
+        adapted = local(adapted) if adapted is not None and has_lora(adapted) else None
     check_finite_weights(policy, f"{stage} policy")
     out = os.path.join(run_dir, stage, "hf")
     rx.save_hf(policy, out, **special_token_ids(tokenizer_file, pad=False))

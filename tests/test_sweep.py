@@ -63,6 +63,9 @@ def test_sweep_validates_each_grid_value_as_a_set_value(tmp_path):
         (["--grid", "dpo.max_length=40,80"], "--grid dpo.max_length: not traceable"),
         (["--grid", "dpo.beta"], "expected FIELD=V1,V2"),
         (["--grid", "dpo.beta=a,b"], "values must be numbers"),
+        (["--grid", "dpo.beta=0.1,,0.2"], "an empty value between commas"),
+        (["--grid", "dpo.beta=0.1,0.2,"], "an empty value between commas"),
+        (["--grid", "dpo.beta="], "no values"),
         (["--grid", "dpo.beta=0.1", "--grid", "dpo.beta=0.2"], "given twice"),
     ],
 )

@@ -76,8 +76,11 @@ def parse_grid(specs: Sequence[str]) -> dict[str, tuple[float, ...]]:
         path, values = (s.strip() for s in spec.split("=", 1))
         if path in grid:
             raise ConfigError(f"--grid {path}: given twice")
+        parts = [v.strip() for v in values.split(",")]
+        if values.strip() and not all(parts):  # `1,,2`, `0.1,0.2,`: a value left out
+            raise ConfigError(f"--grid {path}={values}: an empty value between commas")
         try:
-            grid[path] = tuple(float(v) for v in values.split(",") if v.strip())
+            grid[path] = tuple(float(v) for v in parts if v)
         except ValueError:
             raise ConfigError(f"--grid {path}={values}: values must be numbers") from None
         grid[path] = _grid_values(path, grid[path])

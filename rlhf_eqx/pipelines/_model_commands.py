@@ -10,7 +10,7 @@ from . import task
 from ._config import ConfigError, DataConfig
 from ._data_prep import chat_rendering, prompt_tokens
 from ._pipeline import load_configured_model, load_model, task_evaluator
-from ._rollout import sample_rollout
+from ._rollout import sample_rollout, sampling_options
 
 
 def render_prompts(tok, dc: DataConfig, prompts: Sequence[str]) -> list[str]:
@@ -30,21 +30,6 @@ def render_prompts(tok, dc: DataConfig, prompts: Sequence[str]) -> list[str]:
     """
     rendering = chat_rendering(tok, dc)
     return list(prompts) if rendering is None else [rendering.prompt(p) for p in prompts]
-
-
-def _sampling(cfg) -> dict:
-    s = cfg.sampling
-    return dict(
-        max_new_tokens=s.max_new_tokens,
-        temperature=s.temperature,
-        top_k=s.top_k,
-        top_p=s.top_p,
-        min_p=s.min_p,
-        repetition_penalty=s.repetition_penalty,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        stop_strings=s.stop_strings,
-    )
 
 
 def sample_model(cfg, prompts: Sequence[str] = (), *, num_samples: int = 4) -> list[str]:
@@ -73,14 +58,15 @@ def sample_model(cfg, prompts: Sequence[str] = (), *, num_samples: int = 4) -> l
     fed = render_prompts(tok, cfg.data, prompts)
     shown, sep = dict(zip(fed, prompts)), "" if fed == prompts else "\n"
     length = max(cfg.sampling.prompt_length, *(prompt_tokens(tok, p) for p in fed))
+    # `sampling.*` as a run samples, but the prompt length widened and the static batch loop
+    options = sampling_options(cfg.sampling) | dict(prompt_length=length, slots=0)
     roll = sample_rollout(
         policy,
         tok,
         fed,
         jax.random.key(cfg.ops.seed),
         group_size=num_samples,
-        prompt_length=length,
-        **_sampling(cfg),
+        **options,
     )
     return [f"{shown[p]}{sep}{t}" for p, t in zip(roll.prompts, roll.texts)]
 

@@ -41,7 +41,7 @@ import numpy as np
 
 from .._sampling import ContinuousDecoding
 from ._prompts import DECODE_CONTEXT, decode_after
-from ._protocol import MAX_TOP_LOGPROBS, RequestError
+from ._protocol import MAX_TOP_LOGPROBS, ParsedRequest, RequestError
 from ._text import StreamedRow, token_bytes
 
 _MIN_BUCKET = 16
@@ -128,29 +128,28 @@ class Finished:
 
 @dataclasses.dataclass
 class Job:
-    """A request's rows and settings, and the future its samples are set on.
+    """A request's rows and the checked request they come from, and the future its
+    samples are set on.
 
-    `stream`: for a streamed request, the queue its rows' `Progress` goes to, and each
-    row's `Finished` as soon as it ends (`None` once every row is done and the future is
-    set). `cancel()` drops its rows (a client gone)."""
+    `request`: the request's sampling settings (temperature, top-k, top-p, min-p, the
+    penalties), its stop strings and its `top_logprobs`. `stream`: for a streamed
+    request, the queue its rows' `Progress` goes to, and each row's `Finished` as soon
+    as it ends (`None` once every row is done and the future is set). `cancel()` drops
+    its rows (a client gone)."""
 
     rows: Sequence[Row]
-    temperature: float
-    top_p: float | None
-    stop: tuple[str, ...]
-    top_logprobs: int
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    request: ParsedRequest
     future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
     prefix: str = "req"
-    after_prompt: bool = False  # texts decoded after the prompt (completions)
     request_id: str = ""  # `prefix-N`, N counting submitted requests (arrival order)
     stream: "queue.SimpleQueue[Progress | Finished | None] | None" = None
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     arrived: float = 0.0  # `time.monotonic()` when submitted
+
+    @property
+    def after_prompt(self) -> bool:
+        """Whether the rows' texts are decoded after the prompt (completions)."""
+        return self.request.kind == "completion"
 
     def cancel(self) -> None:
         """Drop the request: its rows stop at the scheduler's next step."""
@@ -406,7 +405,7 @@ class Scheduler:
         # a filler row costs a prefill, which on a real model outweighs one compilation)
         Rp = 1 << (R - 1).bit_length()
         rows_p = rows + [dataclasses.replace(rows[0], budget=1)] * (Rp - R)
-        settings = [owner[min(i, R - 1)] for i in range(Rp)]
+        settings = [owner[min(i, R - 1)].request for i in range(Rp)]
         longest = max(len(r.prompt) for r in rows)
         most = max(r.budget for r in rows)
         ctx = policy.cfg.max_seq_len
@@ -439,7 +438,7 @@ class Scheduler:
             eos_id=list(self.stop_ids),
             pad_id=self.pad_id,
             log_steps=self.steps,
-            top_logprobs=MAX_TOP_LOGPROBS if any(job.top_logprobs for job in jobs) else 0,
+            top_logprobs=MAX_TOP_LOGPROBS if any(job.request.top_logprobs for job in jobs) else 0,
             pause_tokens=self._pause_tokens([j.stop for j in settings], policy.cfg.vocab_size),
         )
         first, start = {}, 0
@@ -450,13 +449,13 @@ class Scheduler:
             policy=policy, version=version, jobs=jobs, rows=rows, owner=owner, first=first,
             P=P, N=N, streamed={}, open={id(job) for job in jobs}, decoding=decoding,
             host=_Host(decoding), steps=self.steps,
-            grows=not any(job.stop or job.stream is not None for job in jobs),
+            grows=not any(job.request.stop or job.stream is not None for job in jobs),
         )  # fmt: skip
         for i, row in enumerate(rows):
             job = owner[i]
             if job.stream is not None:
                 context = row.prompt[-DECODE_CONTEXT:] if job.after_prompt else ()
-                run.streamed[i] = StreamedRow(self.tokenizer, context, job.stop)
+                run.streamed[i] = StreamedRow(self.tokenizer, context, job.request.stop)
         if R < Rp:
             decoding.cancel(range(R, Rp))  # the filler rows are never needed
         return run
@@ -533,16 +532,16 @@ class Scheduler:
                 continue
             n = int(host.decoding.lengths[i])
             over = n >= run.rows[i].budget or (n > 0 and host.last(i) in self.stop_ids)
-            ids = host.ids(i) if not over and (i in run.streamed or job.stop) else []
+            ids = host.ids(i) if not over and (i in run.streamed or job.request.stop) else []
             if not over and i in run.streamed:  # its whole text, decoded once a look
                 context = run.rows[i].prompt[-DECODE_CONTEXT:] if job.after_prompt else ()
                 text = decode_after(self.tokenizer, context, ids)
-                if job.stop and any(s in text for s in job.stop):
+                if job.request.stop and any(s in text for s in job.request.stop):
                     decoding.cancel([i])  # the text ends before the stop string
                     over = True
                 else:
                     self._stream(run, job, k, i, ids, text, host)
-            elif not over and job.stop and self._holds_stop(run, job, i, ids):
+            elif not over and job.request.stop and self._holds_stop(run, job, i, ids):
                 decoding.cancel([i])
                 over = True
             if over and job.stream is not None:
@@ -559,16 +558,16 @@ class Scheduler:
         `DECODE_CONTEXT` tokens before it; a stop string found there is confirmed on the
         whole text. (One missed would only let the row run on: the answer is cut at the
         first stop string of the whole text.)"""
-        reach = 4 * max(len(s) for s in job.stop) + 4
+        reach = 4 * max(len(s) for s in job.request.stop) + 4
         lo = max(0, run.looked.get(i, 0) - reach)
         run.looked[i] = len(ids)
         context = list(run.rows[i].prompt[-DECODE_CONTEXT:]) if job.after_prompt else []
         before = (context + ids[:lo])[-DECODE_CONTEXT:] if lo else context
         window = decode_after(self.tokenizer, before, ids[lo:])
-        if not any(s in window for s in job.stop):
+        if not any(s in window for s in job.request.stop):
             return False
         text = decode_after(self.tokenizer, context, ids)
-        return any(s in text for s in job.stop)
+        return any(s in text for s in job.request.stop)
 
     def _stream(self, run: _Run, job: Job, k: int, i: int, ids: list[int], text: str, host) -> None:
         """Send row `i` (the `k`-th of `job`) its new text and fully sent tokens (`text`:
@@ -580,8 +579,8 @@ class Scheduler:
             return
         new = list(range(before, before + count))
         top = None
-        if job.top_logprobs and new:
-            top = tuple(_top_of(host.decoding, i, t, job.top_logprobs) for t in new)
+        if job.request.top_logprobs and new:
+            top = tuple(_top_of(host.decoding, i, t, job.request.top_logprobs) for t in new)
         assert job.stream is not None
         job.stream.put(
             Progress(
@@ -618,13 +617,15 @@ class Scheduler:
         """Row `i`'s `Sample` (the row is done)."""
         real = host.ids(i)
         context = run.rows[i].prompt[-DECODE_CONTEXT:] if job.after_prompt else ()
-        n_kept, text, tail, generated = self._cut(real, context, job.stop)
+        n_kept, text, tail, generated = self._cut(real, context, job.request.stop)
         ids = tuple(real[:n_kept])
         stop_id = ids[-1] if ids and ids[-1] in self.stop_ids else None
         finish = "stop" if stop_id is not None or n_kept < len(real) else "length"
         top = None
-        if job.top_logprobs:
-            top = tuple(_top_of(host.decoding, i, t, job.top_logprobs) for t in range(n_kept))
+        if job.request.top_logprobs:
+            top = tuple(
+                _top_of(host.decoding, i, t, job.request.top_logprobs) for t in range(n_kept)
+            )
         return Sample(
             ids=ids,
             logprobs=tuple(float(x) for x in host.logprobs[i, :n_kept]),

@@ -388,17 +388,8 @@ class Server:
                 rows.append(Row(prompt=tuple(ids), seed=seed, choice=choice, budget=budget))
         job = Job(
             rows=rows,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            min_p=req.min_p,
-            presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty,
-            stop=req.stop,
-            top_logprobs=req.top_logprobs,
+            request=req,
             prefix=prefix,
-            after_prompt=req.kind == "completion",
             stream=queue.SimpleQueue() if stream else None,
         )
         self.scheduler.submit(job)

@@ -293,10 +293,13 @@ def _turn_spans(
     return rendered.text, spans[len(spans) - len(said) :]  # a blank message marks none
 
 
-def _chosen_parser(template: ChatTemplate) -> Callable[[dict], DemonstrationRecord]:
-    """A parser of preference records to their chosen responses, in the preference layout
-    of the first record it parses (as `load_preferences` detects it)."""
-    parser = None
+def _chosen_parser(
+    template: ChatTemplate, layout: str | None = None
+) -> Callable[[dict], DemonstrationRecord]:
+    """A parser of preference records to their chosen responses, in the preference
+    `layout` (`None`: that of the first record it parses, as `load_preferences` detects
+    it)."""
+    parser = None if layout is None else _preference_parser(layout, template)
 
     def parse(record: dict) -> DemonstrationRecord:
         nonlocal parser
@@ -380,6 +383,17 @@ def load_demonstrations(
     if assistant_turns == "all":
         trained = functools.partial(_every_turn, render=render, template=template)
 
+    # The preference layout of the first record as `load_records` detects its format:
+    # a table's row with its null columns, where a null `prompt` is a pair's (refused by
+    # its column), not an implicit prompt.
+    layouts: list[str | None] = []
+
+    def detect(record: dict) -> str | None:
+        fmt = detect_demonstration_format(record)
+        if fmt == "preference" and not layouts:
+            layouts.append(detect_preference_format(record))
+        return fmt
+
     def make_parser(fmt: str) -> Callable[[dict], DemonstrationRecord]:
         if fmt == "text":
             return _parse_text
@@ -389,7 +403,7 @@ def load_demonstrations(
                     "preference pairs render their messages with 'hh', 'chatml' or a "
                     "ChatTemplate, not a JinjaChatTemplate"
                 )
-            return _chosen_parser(resolve_template(template))
+            return _chosen_parser(resolve_template(template), layouts[0] if layouts else None)
         jinja = isinstance(template, JinjaChatTemplate)
         if fmt == "messages":
             return lambda record: _parse_messages(record, render, trained, jinja)
@@ -403,7 +417,7 @@ def load_demonstrations(
         format,
         kind="demonstration",
         formats=DEMONSTRATION_FORMATS,
-        detect=detect_demonstration_format,
+        detect=detect,
         expected="'text', 'prompt'/'completion' (without 'label': that is unpaired data), "
         "'messages', or a preference layout ('chosen'/'rejected', ...)",
         make_parser=make_parser,

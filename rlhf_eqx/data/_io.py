@@ -368,7 +368,10 @@ def load_records(
         first = (where, rename_columns(item, columns) if isinstance(item, dict) else item)
         records = ((where, rename_columns(item, columns)) for where, item in records)
     if format == "auto":
-        detected = detect(first[1]) or detect(shape)
+        # The layout of the row with its null columns first: a null `prompt` beside
+        # `chosen` / `rejected` is a pair with a null prompt (refused by its column, as
+        # the JSON line with `"prompt": null` is), not an implicit-prompt pair.
+        detected = detect(shape) or detect(first[1])
         if detected is None:
             keys = source_names(str(sorted(first[1])), columns)
             mapped = f" (columns read as: {columns})" if columns else ""

@@ -1,0 +1,40 @@
+"""The data readers on datasets as TRL users have them: a table whose first row holds a
+null prompt beside `chosen` / `rejected` is a pair with a null prompt (refused by its
+row and column, as the JSON line is), never read as implicit-prompt pairs."""
+
+import json
+import re
+
+import pytest
+
+from rlhf_eqx import data
+
+
+def _parquet(path, columns):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table(columns), path)
+    return str(path)
+
+
+_NULL_PROMPT_FIRST = {
+    "prompt": [None, "The sea is"],
+    "chosen": ["The sky is blue.", " blue."],
+    "rejected": ["The sky is green.", " green."],
+}
+
+
+@pytest.mark.parametrize("load", [data.load_preferences, data.load_demonstrations])
+def test_a_null_prompt_in_a_tables_first_row_is_refused_by_its_column(tmp_path, load):
+    path = _parquet(tmp_path / "pairs.parquet", _NULL_PROMPT_FIRST)
+    refusal = f"^{re.escape(path)}: row 0: column 'prompt' is null$"
+    with pytest.raises(data.DataError, match=refusal):
+        load(path)
+    lenient = load(path, lenient=True)  # the other row, as the pair it is
+    assert [r.prompt for r in lenient] == ["The sea is"]
+    assert lenient.report.skipped == {"missing key": 1}
+    lines = tmp_path / "pairs.jsonl"  # the same rows as JSON lines: the same refusal
+    rows = [dict(zip(_NULL_PROMPT_FIRST, v)) for v in zip(*_NULL_PROMPT_FIRST.values())]
+    lines.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(data.DataError, match=f"^{re.escape(str(lines))}:1: .*'prompt'"):
+        load(lines)

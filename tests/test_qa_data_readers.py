@@ -38,3 +38,9 @@ def test_a_null_prompt_in_a_tables_first_row_is_refused_by_its_column(tmp_path, 
     lines.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(data.DataError, match=f"^{re.escape(str(lines))}:1: .*'prompt'"):
         load(lines)
+
+
+@pytest.mark.parametrize("name,value", [("seed", -1), ("num_epochs", -1)])
+def test_a_negative_seed_or_epoch_count_is_refused_when_made(name, value):
+    with pytest.raises(data.DataError, match=f"^IteratorState.{name} must be >= 0, got -1$"):
+        data.BatchIterator(4, 2, **{"seed": 0, name: value})

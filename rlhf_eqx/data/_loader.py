@@ -79,10 +79,12 @@ class IteratorState:
                 )
             if not ok:
                 raise DataError(f"IteratorState.{name} must be {kind}, got {value!r}")
-        if self.group_by_length < 0:
-            raise DataError(
-                f"IteratorState.group_by_length must be >= 0, got {self.group_by_length}"
-            )
+        # numpy's seed sequence takes no negative entropy: refused here, not at the first
+        # batch.
+        for name in ("group_by_length", "seed", "num_epochs"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise DataError(f"IteratorState.{name} must be >= 0, got {value}")
         if self.dataset_size < 1 or self.batch_size < 1:
             raise DataError(
                 "need a positive dataset_size and batch_size, got "
@@ -253,6 +255,11 @@ class BatchIterator:
         skipping records, so any difference is a `DataError` naming the field. A state
         saved with `group_by_length` needs the records' `lengths` again.
         """
+        if not isinstance(state, IteratorState):
+            raise DataError(
+                f"expected an IteratorState, got {type(state).__name__} (a saved dict: "
+                "IteratorState.from_dict)"
+            )
         for name, now in (
             ("dataset_size", dataset_size),
             ("batch_size", batch_size),
@@ -264,8 +271,6 @@ class BatchIterator:
                     f"the saved iterator state has {name}={saved} but this run has "
                     f"{name}={now}; resuming would not continue the saved order"
                 )
-        if not isinstance(state, IteratorState):
-            raise DataError(f"expected an IteratorState, got {type(state).__name__}")
         return cls(**dataclasses.asdict(state), lengths=lengths)
 
     def __repr__(self) -> str:

@@ -44,3 +44,13 @@ def test_a_null_prompt_in_a_tables_first_row_is_refused_by_its_column(tmp_path, 
 def test_a_negative_seed_or_epoch_count_is_refused_when_made(name, value):
     with pytest.raises(data.DataError, match=f"^IteratorState.{name} must be >= 0, got -1$"):
         data.BatchIterator(4, 2, **{"seed": 0, name: value})
+
+
+def test_a_float32_answer_column_reads_as_its_shortest_decimal(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    answers = pa.array([0.1, 2.5, None, 3.0], pa.float32())
+    path = _parquet(tmp_path / "q.parquet", {"prompt": ["a", "b", "c", "d"], "answer": answers})
+    records = data.load_prompts(path)
+    assert [r.answer for r in records] == ["0.1", "2.5", None, "3"]
+    assert records[0].columns["answer"] == 0.1
+    assert data.exact_match_reward(["#### 0.1"], [records[0].answer]).tolist() == [1.0]

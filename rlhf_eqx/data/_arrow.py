@@ -19,7 +19,8 @@ told by the path:
 
 Each row becomes the record a JSON line would be: a dict of its columns, with null
 values left out (so a column that `datasets` filled with nulls for the rows that lack
-it reads as an absent key), nested lists and structs as lists and dicts. The record
+it reads as an absent key), nested lists and structs as lists and dicts, a `float32`
+column's numbers as their shortest decimals (`0.1`, as `to_json` writes it). The record
 parsers of the JSON readers then apply unchanged. Rows are named `FILE: row N`
 (0-based, within that file), and a malformed row's error names its column:
 `data.parquet: row 17: column 'chosen' is null`.
@@ -42,6 +43,7 @@ _MISSING = re.compile(r"no '([^']+)' in a record")
 def _pyarrow():
     try:
         import pyarrow
+        import pyarrow.compute
         import pyarrow.ipc
         import pyarrow.parquet
     except ImportError:
@@ -233,7 +235,7 @@ class Table:
             self._file_columns = tuple(_schema(file).names)
             n = 0
             for batch in _batches(file):
-                for row in batch.to_pylist():
+                for row in _as_written(batch).to_pylist():
                     report.read += 1
                     yield f"{file}: row {n}", _without_nulls(row)
                     n += 1
@@ -257,6 +259,19 @@ class Table:
         if detail.startswith("'"):
             return f"column {detail}"
         return f"{reason}: {detail}"
+
+
+def _as_written(batch):
+    """`batch` with its `float32` columns as the `float64` of their shortest decimals (a
+    `float32` column's `0.1` reads as `0.1`, as a JSON file of it says, not as
+    `0.10000000149011612`: an answer compared by its text, a column a reward function
+    receives)."""
+    pa = _pyarrow()
+    for i, field in enumerate(batch.schema):
+        if pa.types.is_float32(field.type):
+            shortest = pa.compute.cast(pa.compute.cast(batch.column(i), pa.string()), pa.float64())
+            batch = batch.set_column(i, field.with_type(pa.float64()), shortest)
+    return batch
 
 
 def _without_nulls(value):

@@ -2,6 +2,7 @@
 null prompt beside `chosen` / `rejected` is a pair with a null prompt (refused by its
 row and column, as the JSON line is), never read as implicit-prompt pairs."""
 
+import decimal
 import json
 import re
 
@@ -54,3 +55,10 @@ def test_a_float32_answer_column_reads_as_its_shortest_decimal(tmp_path):
     assert [r.answer for r in records] == ["0.1", "2.5", None, "3"]
     assert records[0].columns["answer"] == 0.1
     assert data.exact_match_reward(["#### 0.1"], [records[0].answer]).tolist() == [1.0]
+
+
+def test_a_decimal_answer_column_reads_as_its_number(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    answers = pa.array([decimal.Decimal("3.50"), decimal.Decimal("-2.00")], pa.decimal128(5, 2))
+    path = _parquet(tmp_path / "q.parquet", {"prompt": ["a", "b"], "answer": answers})
+    assert [r.answer for r in data.load_prompts(path)] == ["3.5", "-2"]

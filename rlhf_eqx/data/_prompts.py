@@ -9,8 +9,8 @@
 | `"plain"` | `{"prompt": str or [messages], "answer"?: str}` | the prompt | the answer, if any |
 
 A plain record without `answer` may name it `solution` (TRL's math datasets). An answer
-is a string or a number (a JSON number, a Parquet `int64` or `double` column: `3.0` reads
-as `"3"`, as `exact_match_reward` compares it); a GSM8K answer is a solution ending
+is a string or a number (a JSON number, a Parquet `int64`, `double` or decimal column: `3.0`
+reads as `"3"`, as `exact_match_reward` compares it); a GSM8K answer is a solution ending
 `#### <number>`, or the number alone.
 
 A plain file's prompts are all strings or all message lists, as its first record's
@@ -21,6 +21,7 @@ continue_final_message=True)`); one that ends with a system message is refused.
 """
 
 import dataclasses
+import decimal
 import functools
 import os
 from collections.abc import Mapping
@@ -102,16 +103,18 @@ def _others(record: dict, prompt_key: str) -> dict:
 
 def _answer_value(record: dict, key: str) -> str | None:
     """The reference answer `record[key]` as text: a string as it is, a number (not a
-    bool) in its normal form (`normalise_number`: `3.0` -> `"3"`); `None` when absent;
-    `Malformed` naming the key for another type or a number that is not finite."""
+    bool; a Parquet decimal too) in its normal form (`normalise_number`: `3.0` -> `"3"`);
+    `None` when absent; `Malformed` naming the key for another type or a number that is
+    not finite."""
     value = record.get(key)
     if value is None or isinstance(value, str):
         return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    # A Parquet decimal column (Spark's, a SQL export's) holds `Decimal`s.
+    if isinstance(value, bool) or not isinstance(value, (int, float, decimal.Decimal)):
         raise Malformed(
             "wrong type", f"{key!r} must be a string or a number, got {type(value).__name__}"
         )
-    number = normalise_number(repr(value))
+    number = normalise_number(str(value))
     if number is None:
         raise Malformed("wrong type", f"{key!r} must be a finite number, got {value!r}")
     return number

@@ -62,3 +62,17 @@ def test_a_decimal_answer_column_reads_as_its_number(tmp_path):
     answers = pa.array([decimal.Decimal("3.50"), decimal.Decimal("-2.00")], pa.decimal128(5, 2))
     path = _parquet(tmp_path / "q.parquet", {"prompt": ["a", "b"], "answer": answers})
     assert [r.answer for r in data.load_prompts(path)] == ["3.5", "-2"]
+
+
+@pytest.mark.parametrize(
+    "name,indent", [("pairs.json", None), ("pairs.json", 2), ("p.jsonl", None)]
+)
+def test_a_table_by_columns_is_refused_as_pandas_default_json(tmp_path, name, indent):
+    by_columns = {
+        k: {"0": v, "1": v} for k, v in {"prompt": "a", "chosen": "b", "rejected": "c"}.items()
+    }
+    path = tmp_path / name
+    path.write_text(json.dumps(by_columns, indent=indent))
+    refusal = f"^{re.escape(str(path))}: one object of columns \\(prompt, chosen, rejected\\), each"
+    with pytest.raises(data.DataError, match=refusal + ".*orient='records', lines=True\\)$"):
+        data.load_preferences(path, lenient=True)

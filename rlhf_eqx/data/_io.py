@@ -194,10 +194,30 @@ def _refuse_one_object(path: str, data: bytes) -> None:
     except _InvalidJSON:
         return
     if isinstance(value, dict):
+        _refuse_by_columns(path, value)
         raise DataError(
             f"{path}: a .json file must hold a list of records or one record per line; this "
             f"one holds a single object over several lines, with the keys {sorted(value)[:10]}"
         )
+
+
+def _refuse_by_columns(path: str, value: object) -> None:
+    """A `DataError` for a file's first object when it is a table by columns, each column
+    an object from row numbers to values (`{"prompt": {"0": ..., "1": ...}, ...}`, what
+    pandas' `DataFrame.to_json(path)` writes by default): one object, not a record a row,
+    which its columns' types would misreport as a record's wrong types."""
+    if not isinstance(value, dict) or not value:
+        return
+    columns = list(value.values())
+    if not all(isinstance(c, dict) and c and all(k.isdigit() for k in c) for c in columns):
+        return
+    if any(c.keys() != columns[0].keys() for c in columns):
+        return
+    raise DataError(
+        f"{path}: one object of columns ({', '.join(list(value)[:10])}), each mapping the "
+        f"{len(columns[0])} row numbers to values (pandas' DataFrame.to_json default), not a "
+        "record a line; write records: df.to_json(path, orient='records', lines=True)"
+    )
 
 
 def _refuse_delimited(path: str) -> None:
@@ -266,6 +286,8 @@ def read_json_records(
         if not isinstance(item, dict):
             bad(where, "not a JSON object", type(item).__name__)
             continue
+        if report.read == 1:
+            _refuse_by_columns(path, item)
         yield where, item
 
 

@@ -76,3 +76,17 @@ def test_a_table_by_columns_is_refused_as_pandas_default_json(tmp_path, name, in
     refusal = f"^{re.escape(str(path))}: one object of columns \\(prompt, chosen, rejected\\), each"
     with pytest.raises(data.DataError, match=refusal + ".*orient='records', lines=True\\)$"):
         data.load_preferences(path, lenient=True)
+
+
+def test_a_directory_without_a_dataset_names_what_it_holds(tmp_path):
+    (tmp_path / "train.jsonl").write_text("{}\n")
+    with pytest.raises(
+        data.DataError, match=r"is a directory; .* \(it holds train.jsonl: give one\)$"
+    ):
+        data.load_preferences(tmp_path)
+    clone = tmp_path / "clone"
+    (clone / "data").mkdir(parents=True)
+    _parquet(clone / "data" / "train-0.parquet", {"a": [1]})
+    hint = f"(its data/ folder holds a dataset's files: give {clone / 'data'})"
+    with pytest.raises(data.DataError, match=re.escape(hint) + "$"):
+        data.load_prompts(clone)

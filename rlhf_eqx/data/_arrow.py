@@ -132,7 +132,7 @@ def _directory_files(directory: str, split: str | None, *, every_split: bool) ->
     if not names:
         raise DataError(
             f"{directory}: is a directory; give the path of a .jsonl, .json, .gz, .parquet or "
-            ".arrow file, or a directory written by datasets' save_to_disk"
+            ".arrow file, or a directory written by datasets' save_to_disk" + _held(directory)
         )
     by_split: dict[str, list[str]] = {}
     for n in names:
@@ -153,6 +153,21 @@ def _directory_files(directory: str, split: str | None, *, every_split: bool) ->
             f"{directory}:SPLIT (split=SPLIT; --set data.split=SPLIT in a run)"
         )
     return [os.path.join(directory, n) for n in names]
+
+
+def _held(directory: str) -> str:
+    """What a directory without a dataset holds that a reader reads, as a hint: its JSON
+    files (each read alone), or the `data/` folder of a hub dataset's clone."""
+    found = sorted(
+        n for n in os.listdir(directory) if n.lower().endswith((".jsonl", ".json", ".gz"))
+    )
+    if found:
+        more = f", ... ({len(found)} files)" if len(found) > 3 else ""
+        return f" (it holds {', '.join(found[:3])}{more}: give one)"
+    data = os.path.join(directory, "data")
+    if os.path.isdir(data) and any(n.lower().endswith(TABLE_SUFFIXES) for n in os.listdir(data)):
+        return f" (its data/ folder holds a dataset's files: give {data})"
+    return ""
 
 
 _SPLIT_WORDS = {

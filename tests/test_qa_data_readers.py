@@ -90,3 +90,39 @@ def test_a_directory_without_a_dataset_names_what_it_holds(tmp_path):
     hint = f"(its data/ folder holds a dataset's files: give {clone / 'data'})"
     with pytest.raises(data.DataError, match=re.escape(hint) + "$"):
         data.load_prompts(clone)
+
+
+@pytest.mark.parametrize("include_eos", [True, False])
+@pytest.mark.parametrize(
+    "source,eos,answer",
+    [
+        (
+            "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content']"
+            " + '<|im_end|>\\n' }}{% endfor %}",
+            "<|im_end|>",
+            "a",
+        ),
+        (
+            "{% for m in messages %}{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
+            "{% else %}<｜Assistant｜>{{ m['content'] }}<｜end▁of▁sentence｜>{% endif %}"
+            "{% endfor %}",
+            "<｜end▁of▁sentence｜>",
+            "A",
+        ),
+    ],
+)
+def test_an_answer_also_in_the_templates_markup_is_masked_where_it_is_said(
+    source, eos, answer, include_eos
+):
+    pytest.importorskip("jinja2")
+    template = data.JinjaChatTemplate(source, eos_token=eos)
+    messages = [
+        {"role": "user", "content": "Pick a or b."},
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "Again?"},
+        {"role": "assistant", "content": answer},
+    ]
+    chat = template.render_with_assistant_mask(messages, include_eos=include_eos)
+    said = answer + (eos if include_eos else "")
+    assert [chat.text[a:b] for a, b in chat.spans] == [said, said]
+    assert all(chat.text.startswith(eos, a + len(answer)) for a, _ in chat.spans)

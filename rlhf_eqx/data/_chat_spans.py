@@ -58,8 +58,11 @@ def _spans_from_markers(raw: str) -> tuple[str, list[tuple[int, int]]]:
 
 
 def _spans_from_contents(
-    text: str, messages: Sequence[Mapping[str, Any]], eos: str
+    text: str, messages: Sequence[Mapping[str, Any]], eos: str, *, include_eos: bool = True
 ) -> list[tuple[int, int]]:
+    """The `(start, end)` of each assistant message's content in `text`, searched in
+    message order, each after the previous message's; over an `eos` that follows it when
+    `include_eos` (`eos` also tells the turn's text from the template's markup)."""
     spans, cursor = [], 0
     for i, m in enumerate(messages):
         content = m.get("content")
@@ -77,13 +80,27 @@ def _spans_from_contents(
                     "{% generation %} blocks"
                 )
             continue  # a system / user message the template rewrote: skip it
+        if m.get("role") == "assistant" and eos:
+            at = _ending_turn(text, content, at, eos)
         end = at + len(content)
         if m.get("role") == "assistant":
-            if eos and text.startswith(eos, end):
+            if include_eos and eos and text.startswith(eos, end):
                 end += len(eos)
             spans.append((at, end))
         cursor = end
     return spans
+
+
+def _ending_turn(text: str, content: str, at: int, eos: str) -> int:
+    """Where the assistant's `content` is in `text`, its first occurrence being at `at`:
+    the occurrence that ends at the first `eos` after `at` when there is one (the turn's
+    text, not a match inside the template's own markup before it: `"a"` in
+    `<|im_start|>assistant`, `"A"` in `<｜Assistant｜>`), else `at`."""
+    stop = text.find(eos, at)
+    start = stop - len(content)
+    if stop >= 0 and start >= at and text.startswith(content, start):
+        return start
+    return at
 
 
 def token_offsets(tokenizer: Tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:

@@ -212,7 +212,7 @@ class JinjaChatTemplate:
             text, spans = _spans_from_markers(raw)
         else:
             text = raw
-            spans = _spans_from_contents(text, messages, self.eos_token if include_eos else "")
+            spans = _spans_from_contents(text, messages, self.eos_token, include_eos=include_eos)
         char_mask = np.zeros(len(text), bool)
         for start, end in spans:
             char_mask[start:end] = True

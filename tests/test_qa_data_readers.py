@@ -126,3 +126,16 @@ def test_an_answer_also_in_the_templates_markup_is_masked_where_it_is_said(
     said = answer + (eos if include_eos else "")
     assert [chat.text[a:b] for a, b in chat.spans] == [said, said]
     assert all(chat.text.startswith(eos, a + len(answer)) for a, _ in chat.spans)
+
+
+def test_hub_split_files_of_one_split_word_are_splits_of_their_own(tmp_path):
+    names = {"train_prefs": "a", "train_sft": "b", "test_prefs": "c"}
+    for split, prompt in names.items():
+        pair = {"prompt": [prompt], "chosen": [" x"], "rejected": [" y"]}
+        _parquet(tmp_path / f"{split}-00000-of-00001-0a1b2c.parquet", pair)
+    splits = "test_prefs, train_prefs, train_sft"
+    with pytest.raises(data.DataError, match=rf"no split 'train' \(.*splits: {splits}\)$"):
+        data.load_preferences(f"{tmp_path}:train")  # not train_prefs and train_sft together
+    assert [r.prompt for r in data.load_preferences(f"{tmp_path}:train_sft")] == ["b"]
+    with pytest.raises(data.DataError, match=r"files of the splits \['test_prefs', "):
+        data.load_preferences(tmp_path)

@@ -12,7 +12,8 @@ told by the path:
   files, read in that order), or any directory of `.parquet` / `.arrow` files (read in
   name order; files whose names put them in several splits, as a hub dataset's
   `data/train-00000-of-00001.parquet` and `data/test-00000-of-00001.parquet`, are
-  read one split at a time, chosen as for a `DatasetDict`);
+  read one split at a time, chosen as for a `DatasetDict`; files named as `push_to_hub`
+  names them give their own split names, `train_prefs` and `train_sft` two splits);
 - a directory written by `DatasetDict.save_to_disk` (`dataset_dict.json`), with its
   split chosen as `DIR:SPLIT` or `split="SPLIT"` (a dictionary of one split needs
   neither).
@@ -137,7 +138,12 @@ def _directory_files(directory: str, split: str | None, *, every_split: bool) ->
     by_split: dict[str, list[str]] = {}
     for n in names:
         by_split.setdefault(_file_split(n) or "", []).append(n)
+    named = _named_splits(names)
+    if named and len(named) > len(by_split):  # train_prefs and train_sft: two splits
+        by_split = named
     if split is not None:
+        if split in named and split not in by_split:  # dev-00000-of-00001.parquet: "dev"
+            by_split = {split: named[split]}
         if not split or split not in by_split:
             if len(by_split) == 1 and "" in by_split:
                 raise not_a_dict
@@ -177,6 +183,27 @@ _SPLIT_WORDS = {
 }
 """The words of a data file's name that put it in a split, as `datasets` reads a
 directory of data files (its `SPLIT_KEYWORDS`)."""
+
+
+_SHARD_NAME = re.compile(r"^(.+?)-\d{5}-of-\d{5}(?:-[0-9a-f]+)?\.(?:parquet|arrow)$")
+"""The name `push_to_hub` gives a split's file: `SPLIT-00000-of-00002.parquet` (with a
+hash before the suffix in older versions)."""
+
+
+def _named_splits(names: list[str]) -> dict[str, list[str]]:
+    """The files of each split by the split names in the files' own names, when every
+    file is named as `push_to_hub` names them (`train_prefs-00000-of-00001.parquet`,
+    `test_prefs-...`: the splits `train_prefs` and `test_prefs`, which `datasets` reads
+    from the dataset card where its split words alone would make both `train_prefs` and
+    `train_sft` part of `train`); `{}` otherwise, or when a name holds no split word
+    (`data-00000-of-00002.arrow`: one dataset's shards)."""
+    found = [_SHARD_NAME.match(n.lower()) for n in names]
+    if not all(found) or not all(_file_split(m[1] + "-") for m in found):
+        return {}
+    named: dict[str, list[str]] = {}
+    for n, m in zip(names, found):
+        named.setdefault(n[: len(m[1])], []).append(n)
+    return named
 
 
 def _file_split(name: str) -> str | None:

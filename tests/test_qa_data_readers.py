@@ -139,3 +139,16 @@ def test_hub_split_files_of_one_split_word_are_splits_of_their_own(tmp_path):
     assert [r.prompt for r in data.load_preferences(f"{tmp_path}:train_sft")] == ["b"]
     with pytest.raises(data.DataError, match=r"files of the splits \['test_prefs', "):
         data.load_preferences(tmp_path)
+
+
+def test_a_trl_prompt_beside_gsm8k_columns_is_the_prompt(tmp_path):
+    system = {"role": "system", "content": "End with #### <n>."}
+    question = "Tom has 3 apples and buys 2. How many?"
+    row = {"question": question, "answer": "3 + 2 = 5\n#### 5"}
+    row["prompt"] = [system, {"role": "user", "content": question}]
+    path = tmp_path / "grpo.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    (record,) = data.load_prompts(path, template="chatml")
+    assert record.prompt.startswith("<|im_start|>system\nEnd with #### <n>.<|im_end|>\n")
+    assert data.exact_match_reward(["#### 5"], [record.answer]).tolist() == [1.0]
+    assert record.columns["question"] == question

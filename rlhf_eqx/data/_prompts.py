@@ -8,7 +8,9 @@
 | `"mt-bench"` | `{"question_id", "category", "turns": [str, ...]}` | the first turn | `None` |
 | `"plain"` | `{"prompt": str or [messages], "answer"?: str}` | the prompt | the answer, if any |
 
-A plain record without `answer` may name it `solution` (TRL's math datasets). An answer
+A record with a `prompt` is plain, whatever else it holds (a GSM8K `question` and
+`answer` kept beside the `prompt` that TRL's layout adds). A plain record without
+`answer` may name it `solution` (TRL's math datasets). An answer
 is a string or a number (a JSON number, a Parquet `int64`, `double` or decimal column: `3.0`
 reads as `"3"`, as `exact_match_reward` compares it); a GSM8K answer is a solution ending
 `#### <number>`, or the number alone.
@@ -78,13 +80,16 @@ class PromptRecord:
 
 
 def detect_prompt_format(record: dict) -> str | None:
-    """The prompt format of a record from its keys (`None` when unknown)."""
+    """The prompt format of a record from its keys (`None` when unknown): a `prompt` is
+    the prompt (TRL's column) beside any other, a GSM8K `question` too (a dataset mapped
+    to TRL's layout keeps its source's columns: the `prompt` with its system message is
+    what is trained on)."""
+    if "prompt" in record:
+        return "plain"
     if "question" in record and "answer" in record:
         return "gsm8k"
     if "turns" in record:
         return "mt-bench"
-    if "prompt" in record:
-        return "plain"
     return None
 
 

@@ -89,6 +89,19 @@ def test_distill_on_a_data_file_reads_the_on_policy_sampling(tmp_path, capsys):
     argv = ["distill", "--data", path, "--set", f"distill.teacher={tmp_path}", "--show-config"]
     main([*argv, "--set", "distill.lmbda=0.5", "--set", "sampling.max_new_tokens=5"])
     assert "sampling." not in capsys.readouterr().err
+    # so do the teacher's completions of `distill.seq_kd`, without on-policy steps
+    main(
+        [
+            *argv,
+            "--set",
+            "distill.lmbda=0",
+            "--set",
+            "distill.seq_kd=true",
+            "--set",
+            "sampling.max_new_tokens=5",
+        ]
+    )
+    assert "sampling." not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("stage", ["sft", "dpo", "kto"])

@@ -163,7 +163,7 @@ STAGE_KEYS = {
     f"dynamic_sampling partial_rollouts overlong_buffer {_GRPO}" + _OPTIONS,
     "kto": "steps batch_size max_length optim beta desirable_weight undesirable_weight "
     "loss_type samples lora" + _OPTIONS,
-    "distill": "steps batch_size max_length optim beta temperature lmbda teacher samples lora"
+    "distill": "steps batch_size max_length optim beta temperature lmbda seq_kd teacher samples lora"
     + _OPTIONS,
     "prm": "steps batch_size max_length optim separator aggregation score"
     " train_on_last_step_only" + _OPTIONS,

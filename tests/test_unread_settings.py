@@ -99,6 +99,7 @@ def test_the_defaults_and_the_settings_that_are_read_pass(pairs):
     _validate(["stages=sft,grpo", "grpo.reward_source=judge", "judge.score=prob"])
     _validate(["ops.tracker_group=g", "ops.trackers=tensorboard,mlflow"])
     _validate(["distill.lmbda=0"])
+    _validate(["distill.lmbda=0", "distill.seq_kd=true", "distill.temperature=0.7"])  # teacher's
     _validate(["ops.rollback=false", "ops.loss_spike=5", "ops.kl_spike=3"])  # spikes noted
     _validate(["reward.ensemble=2", "reward.ensemble_penalty=0.5", "reward.ensemble_mode=min"])
     _validate(["data.chat_template=none"])  # `rlhf_eqx sample` renders its prompts with it

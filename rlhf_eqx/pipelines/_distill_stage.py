@@ -43,23 +43,27 @@ class DistillConfig(BatchStageConfig):
     interpolation `beta` (0: forward KL, 1: reverse KL) at `temperature`; a fraction
     `lmbda` of the steps trains on the student's own samples (on-policy), the rest on
     fixed completions (the data file's chosen responses, or `samples` samples per prompt
-    of the teacher on the built-in task). `teacher`: a stage of the same run (`grpo`,
-    `dpo`, `ppo`, `online-dpo`, `kto`) or a Hugging Face checkpoint directory; it must
-    share the student's vocabulary (a directory's or a GGUF file's `vocab_size` is
-    checked against the student's before anything is loaded) and may differ in size.
+    of the teacher on the built-in task) or, with `seq_kd` (TRL's `GKDConfig.seq_kd`,
+    sequence-level KD, Kim & Rush 2016), on the teacher's samples for the rows' prompts,
+    drawn afresh each step with the run's sampling settings at `temperature`. `teacher`:
+    a stage of the same run (`grpo`, `dpo`, `ppo`, `online-dpo`, `kto`) or a Hugging Face
+    checkpoint directory; it must share the student's vocabulary (a directory's or a GGUF
+    file's `vocab_size` is checked against the student's before anything is loaded) and
+    may differ in size.
     `beta` and `lmbda` in [0, 1], `temperature` > 0."""
 
     steps: int = 40
     beta: float = DistillSettings.beta
     temperature: float = 0.9
     lmbda: float = 0.5
+    seq_kd: bool = False
     teacher: str = "grpo"
     samples: int = 2
     lora: LoRASettings = LoRASettings()
 
     def check(self, name: str, *, device_count: int = 1) -> None:
         """Distillation's own rules: β and λ in [0, 1], a temperature > 0 (and its default
-        with `lmbda=0`, which samples no on-policy completion at it), samples >= 1, and a
+        with `lmbda=0` and no `seq_kd`, which sample nothing at it), samples >= 1, and a
         teacher that is a teacher stage, a short model name (`MODEL_NAMES`, as `--model`
         takes), a checkpoint or run directory or a `.gguf` file."""
         from ._pipeline import MODEL_NAMES, closest_name
@@ -68,12 +72,13 @@ class DistillConfig(BatchStageConfig):
         _within(f"{name}.beta", self.beta, 0, 1, " (0: forward KL, 1: reverse KL)")
         _within(f"{name}.lmbda", self.lmbda, 0, 1)
         _above(f"{name}.temperature", self.temperature, 0)
-        if self.lmbda == 0 and self.temperature != DistillConfig.temperature:
+        if not self.samples_completions and self.temperature != DistillConfig.temperature:
             _fail(
                 f"{name}.temperature",
                 self.temperature,
-                f"samples the on-policy completions only, and {name}.lmbda=0 has none (the "
-                "loss is at temperature 1)",
+                f"samples the on-policy completions only (and the teacher's with "
+                f"{name}.seq_kd), and {name}.lmbda=0 without {name}.seq_kd samples none "
+                "(the loss is at temperature 1)",
             )
         _positive(f"{name}.samples", self.samples)
         t = self.teacher
@@ -88,6 +93,12 @@ class DistillConfig(BatchStageConfig):
                 f"{closest_name(t, (*teacher_stages(), *MODEL_NAMES))}",
             )
 
+    @property
+    def samples_completions(self) -> bool:
+        """Whether the run samples completions for its steps: on-policy steps
+        (`lmbda > 0`) or the teacher's (`seq_kd`)."""
+        return self.lmbda > 0 or self.seq_kd
+
 
 def teacher_stages() -> tuple[str, ...]:
     """The stages `distill.teacher` may name: registered stages that train a policy on the
@@ -100,15 +111,16 @@ def teacher_stages() -> tuple[str, ...]:
 
 
 ON_POLICY_SAMPLING = tuple(f for f in SAMPLING_FIELDS if f not in ("prompt_length", "temperature"))
-"""The `sampling` fields a data-file `distill` run reads for its on-policy completions
-only (`distill.lmbda > 0`)."""
+"""The `sampling` fields a data-file `distill` run reads for its sampled completions only
+(the student's with `distill.lmbda > 0`, the teacher's with `distill.seq_kd`)."""
 
 
 def check_data_sampling(cfg) -> None:
     """On a data file, refuse the `sampling` settings the `distill` run would not read,
     changed from their defaults: its held-out measure samples nothing and its on-policy
     completions sample at `distill.temperature`, so `sampling.temperature` is never read;
-    with `distill.lmbda=0` no completion is sampled at all (`ON_POLICY_SAMPLING`)."""
+    with `distill.lmbda=0` and no `distill.seq_kd` no completion is sampled at all
+    (`ON_POLICY_SAMPLING`)."""
     c, usual = cfg.distill, type(cfg.sampling)()
     if cfg.sampling.temperature != usual.temperature:
         _fail(
@@ -117,15 +129,15 @@ def check_data_sampling(cfg) -> None:
             "a distill run on a data file samples its on-policy completions at "
             "distill.temperature (and its held-out measure samples none): set that",
         )
-    if c.lmbda == 0:
+    if not c.samples_completions:
         for field in ON_POLICY_SAMPLING:
             value = getattr(cfg.sampling, field)
             if value != getattr(usual, field):
                 _fail(
                     f"sampling.{field}",
                     value,
-                    "distill.lmbda=0 samples no on-policy completion (and the held-out "
-                    "measure samples none), so nothing reads it",
+                    "distill.lmbda=0 without distill.seq_kd samples no completion (and the "
+                    "held-out measure samples none), so nothing reads it",
                 )
 
 
@@ -155,13 +167,13 @@ def check_run(cfg, run) -> None:
 
 
 def teacher_lengths(cfg) -> list[tuple[str, int]]:
-    """What the teacher scores: sequences of `distill.max_length` tokens and, with
-    `distill.lmbda > 0`, the student's samples (`sampling.prompt_length +
-    sampling.max_new_tokens`)."""
+    """What the teacher scores (and samples): sequences of `distill.max_length` tokens
+    and, with `distill.lmbda > 0` or `distill.seq_kd`, sampled completions
+    (`sampling.prompt_length + sampling.max_new_tokens`)."""
     from ._run_checks import sampled_length
 
     lengths = [("distill.max_length", cfg.distill.max_length)]
-    return lengths + [sampled_length(cfg)] if cfg.distill.lmbda > 0 else lengths
+    return lengths + [sampled_length(cfg)] if cfg.distill.samples_completions else lengths
 
 
 LOSS_TEMPERATURE = rx.train.DistillSettings.temperature
@@ -239,7 +251,11 @@ def run_distill(
     Step `i` is on-policy with probability `cfg.lmbda` (drawn from `fold_in(key, i)`):
     its completions are sampled from the current student for the rows' prompts with the
     run's sampling settings at temperature `cfg.temperature`; otherwise they are the
-    rows of `completions` (dataset completions, or the teacher's own samples).
+    rows of `completions` (dataset completions, or the teacher's own samples) or, with
+    `cfg.seq_kd`, the teacher's samples for the rows' prompts, drawn as the on-policy
+    ones are (TRL samples the teacher first and lets an on-policy step replace them; an
+    on-policy step here samples the student only). The metrics `on_policy` and
+    `teacher_sampled` say which kind each step was.
     `prompts[j]` is the prompt of row `j`. As in TRL, `cfg.temperature` (0.9) is the
     sampling temperature only: the divergence is computed at `LOSS_TEMPERATURE` (τ = 1;
     TRL 1.16 `trl/experimental/gkd/gkd_trainer.py`: `compute_loss` calls
@@ -263,15 +279,18 @@ def run_distill(
         rows = rows_at(n, cfg.batch_size, ctx.ops.seed, i)
         k_coin, k_sample, k_step = jax.random.split(key, 3)
         on_policy = float(jax.random.uniform(k_coin)) < cfg.lmbda
-        if on_policy:
-            roll = sample_rollout(
-                state.model, tok, [prompts[j] for j in rows], k_sample, **sampling
-            )
+        if on_policy or cfg.seq_kd:
+            sampler = state.model if on_policy else teacher
+            roll = sample_rollout(sampler, tok, [prompts[j] for j in rows], k_sample, **sampling)
             batch = rx.train.DistillBatch(roll.tokens, roll.mask, roll.completion_mask)
         else:
             batch = take_rows(completions, rows)
         state, m = state.apply(step, batch, key=k_step, teacher=teacher)
-        return state, [{**m, "on_policy": float(on_policy)}], {}
+        kinds = {
+            "on_policy": float(on_policy),
+            "teacher_sampled": float(cfg.seq_kd and not on_policy),
+        }
+        return state, [{**m, **kinds}], {}
 
     tokens = cfg.batch_size * cfg.max_length
     return run_loop(
@@ -285,7 +304,8 @@ def run_distill(
 
 
 def on_policy_sampling(ctx: RunContext, cfg: DistillConfig) -> dict:
-    """The sampling keywords of the on-policy steps: the run's, at `cfg.temperature`."""
+    """The sampling keywords of the on-policy (and `seq_kd`) steps: the run's, at
+    `cfg.temperature`."""
     return dict(sampling_options(ctx), temperature=cfg.temperature)
 
 
@@ -361,10 +381,10 @@ def distill_on_data(env: StageEnv, c: DistillConfig) -> Outcome:
     demonstrations in TRL's prompt-completion or conversational `messages` layouts
     (read as `sft` reads them; a conversation's last assistant message is
     the completion). Language-modelling text, which has no prompt to sample from, is
-    refused. With `lmbda > 0` the training prompts longer than `sampling.prompt_length`
-    are left out (on-policy steps sample from whole prompts), named by their lines in a
-    `prompts_left_out` event (`log_left_out`). Held out: the mean generalized JSD per
-    completion token before and after."""
+    refused. With `lmbda > 0` or `seq_kd` the training prompts longer than
+    `sampling.prompt_length` are left out (sampled steps sample from whole prompts), named
+    by their lines in a `prompts_left_out` event (`log_left_out`). Held out: the mean
+    generalized JSD per completion token before and after."""
     cfg, policy, tok = env.cfg, env.base, env.tok
     s = cfg.sampling
     teacher = load_teacher(c.teacher, policy)
@@ -380,8 +400,9 @@ def distill_on_data(env: StageEnv, c: DistillConfig) -> Outcome:
     else:
         train, held, numbers = located_demonstration_split(env, c, records, rendered)
     train, held = _completion_pairs(train), _completion_pairs(held)
-    if c.lmbda > 0:
-        # on-policy steps sample from the prompt: it must fit whole
+    if c.samples_completions:
+        # sampled steps (on-policy, seq_kd) sample from the prompt: it must fit whole
+        why = f"distill.lmbda={c.lmbda}" if c.lmbda > 0 else "distill.seq_kd"
         whole = [prompt_tokens(tok, r[0]) <= s.prompt_length for r in train]
         fits = [r for r, ok in zip(train, whole) if ok]
         log_left_out(
@@ -395,21 +416,21 @@ def distill_on_data(env: StageEnv, c: DistillConfig) -> Outcome:
                     [n for n, ok in zip(numbers, whole) if not ok],
                 )
             ],
-            f"the on-policy steps (distill.lmbda={c.lmbda}) sample from whole prompts: raise "
-            "sampling.prompt_length to keep them, or set distill.lmbda=0 (a long prompt is "
-            "then cut, its end kept)",
+            f"the sampled steps ({why}) sample from whole prompts: raise "
+            "sampling.prompt_length to keep them, or set distill.lmbda=0 without "
+            "distill.seq_kd (a long prompt is then cut, its end kept)",
         )
         if not fits:
             raise ValueError(
                 f"sampling.prompt_length={s.prompt_length}: no training prompt fits, and the "
-                f"on-policy steps (distill.lmbda={c.lmbda}) sample from whole prompts; raise "
-                "sampling.prompt_length or set distill.lmbda=0"
+                f"sampled steps ({why}) sample from whole prompts; raise "
+                "sampling.prompt_length or set distill.lmbda=0 without distill.seq_kd"
             )
         env.summary["data_quality"]["longer_than_prompt_length"] = len(train) - len(fits)
         if len(fits) < len(train):
             env.say(
                 f"distill: {len(train) - len(fits)} training prompts longer than "
-                f"sampling.prompt_length={s.prompt_length} left out (on-policy steps sample "
+                f"sampling.prompt_length={s.prompt_length} left out (sampled steps sample "
                 "from whole prompts; data.filter=long_prompt drops them from the start)"
             )
         train = fits

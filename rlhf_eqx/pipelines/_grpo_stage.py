@@ -52,7 +52,7 @@ from ._reward_sources import (
 )
 from ._rl_rollouts import _compare, _dispatch_sample, _policy_and_reference
 from ._rollout import RewardFunction, Rollout, finish_rollout, group_signal
-from ._runs import RunContext, RunResult, final_policy, run_loop
+from ._runs import RunContext, RunResult, final_policy, rl_step_settings, run_loop
 from ._sampled_eval import sampled_comparison
 from ._validation import validate_stage
 
@@ -342,13 +342,15 @@ class SamplerPlacement:
         return dataclasses.replace(roll, **{f: _put(getattr(roll, f), home) for f in _ROW_ARRAYS})
 
 
-def grpo_state_and_step(pol, spec, cfg, ctx: RunContext):
+def grpo_state_and_step(pol, spec, cfg, ctx: RunContext, completion_budget: int | None = None):
     """The `TrainState` of the policy `pol` (trainable part `spec`) and the GRPO step of
-    `cfg` at the run's sampling temperature, its optimiser scheduled over
+    `cfg` at the run's sampling temperature (`rl_step_settings`: Dr.GRPO's normaliser the
+    `completion_budget`, by default `ctx.max_new_tokens`), its optimiser scheduled over
     `cfg.rollouts * cfg.epochs` updates."""
     opt = build_optimizer(cfg.optim, cfg.rollouts * cfg.epochs)
     state = rx.train.init_train_state(pol, opt, filter_spec=spec)
-    cfg = dataclasses.replace(cfg, temperature=ctx.temperature)  # `sampling.temperature`
+    budget = ctx.max_new_tokens if completion_budget is None else completion_budget
+    cfg = rl_step_settings(cfg, ctx.temperature, budget)
     return state, rx.train.make_grpo_step(opt, cfg, options=cfg.options)
 
 

@@ -243,7 +243,8 @@ def run_multiturn(policy, tok, prompts: Sequence[str], env, *, cfg, ctx: RunCont
     validate_stage("multiturn", cfg)
     k_lora, ctx_key = jax.random.split(ctx.key)
     pol, spec, reference = _policy_and_reference(policy, cfg.lora, k_lora)
-    state, step = grpo_state_and_step(pol, spec, cfg, ctx)
+    # Dr.GRPO's normaliser: the most policy tokens an episode holds
+    state, step = grpo_state_and_step(pol, spec, cfg, ctx, cfg.max_turns * cfg.turn_tokens)
     G, n, P = cfg.group_size, cfg.prompts_per_rollout, ctx.prompt_length
     length = _length(env, cfg, P)
 

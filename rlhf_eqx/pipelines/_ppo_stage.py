@@ -40,7 +40,7 @@ from ._reward_sources import (
 )
 from ._rl_rollouts import _policy_and_reference, _sample_and_compare
 from ._rollout import RewardFunction
-from ._runs import RunContext, RunResult, final_policy, run_loop, take_rows
+from ._runs import RunContext, RunResult, final_policy, rl_step_settings, run_loop, take_rows
 from ._sampled_eval import sampled_comparison
 from ._validation import validate_stage
 
@@ -116,7 +116,7 @@ def run_ppo(
     filter_spec = (spec if spec is not None else eqx.is_inexact_array, eqx.is_inexact_array)
     state = rx.train.init_train_state((pol, value), opt, filter_spec=filter_spec)
     # the sampling temperature has one owner, `sampling.temperature` (the run's context)
-    cfg = dataclasses.replace(cfg, temperature=ctx.temperature)
+    cfg = rl_step_settings(cfg, ctx.temperature, ctx.max_new_tokens)
     step = rx.train.make_ppo_step(opt, cfg, options=cfg.options)
     n = cfg.prompts_per_rollout
     mb = n // cfg.minibatches

@@ -107,6 +107,19 @@ def train_setup(model, cfg, total_steps: int, key: jax.Array, make_step, setting
     return state, reference, step
 
 
+def rl_step_settings(cfg, temperature: float, completion_budget: int):
+    """The settings an RL stage's step is built from: `cfg` at the run's sampling
+    `temperature` (its one owner, `sampling.temperature`) and, for Dr.GRPO's aggregation
+    (`mode="seq-mean-token-sum-norm"`) without a `constant`, the normaliser
+    `C = completion_budget`, the most loss tokens a row can hold, as TRL's
+    `loss_type="dr_grpo"` divides by `max_completion_length` (the step's own default, the
+    padded row width, would count the prompt too)."""
+    constant = cfg.constant
+    if cfg.mode == "seq-mean-token-sum-norm" and constant is None:
+        constant = float(completion_budget)
+    return dataclasses.replace(cfg, temperature=temperature, constant=constant)
+
+
 def has_lora(model) -> bool:
     """Whether `model` carries LoRA adapters (`apply_lora`)."""
     return rx.without_lora(model) is not model

@@ -119,7 +119,9 @@ def rollouts_sweep(
     n, G = c0.prompts_per_rollout, c0.group_size
     total = c0.rollouts * c0.epochs
     train0, references, ctx_keys = member_states(members, "grpo", start, total)
-    program, hyper = program_of(members, train0, grpo_step_builder(c0, sampling.temperature, total))
+    program, hyper = program_of(
+        members, train0, grpo_step_builder(c0, sampling.temperature, total, sampling.max_new_tokens)
+    )
     M = len(members)
     states = GRPOSweepState(train0, train0, jnp.zeros((M,), bool))
 

@@ -66,7 +66,11 @@ def multiturn_sweep(
         lambda mem: (starts[mem.seed].sft_policy, stage_key(starts[mem.seed].key, "multiturn")),
         total,
     )
-    program, hyper = program_of(members, train0, grpo_step_builder(c0, sampling.temperature, total))
+    program, hyper = program_of(
+        members,
+        train0,
+        grpo_step_builder(c0, sampling.temperature, total, c0.max_turns * c0.turn_tokens),
+    )
     M, V = len(members), starts[members[0].seed].sft_policy.vocab_size
     states = GRPOSweepState(train0, train0, jnp.zeros((M,), bool))
     options = dict(

@@ -73,7 +73,9 @@ def ppo_sweep(
     sources = task_sources(starts, c0)
 
     train0 = stack(trains)
-    program, hyper = program_of(members, train0, ppo_step_builder(c0, sampling.temperature, total))
+    program, hyper = program_of(
+        members, train0, ppo_step_builder(c0, sampling.temperature, total, sampling.max_new_tokens)
+    )
     M = len(members)
     states = GRPOSweepState(train0, train0, jnp.zeros((M,), bool))
 

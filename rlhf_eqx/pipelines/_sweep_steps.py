@@ -8,6 +8,7 @@ import dataclasses
 import rlhf_eqx as rx
 
 from ._lr_scale import build_optimizer
+from ._runs import rl_step_settings
 
 
 def traced_optimizer(c, h: dict, total: int):
@@ -66,25 +67,29 @@ def kto_step_builder(c, total: int):
     return build
 
 
-def grpo_step_builder(c, temperature: float, total: int):
+def grpo_step_builder(c, temperature: float, total: int, completion_budget: int):
     """`make_grpo_step` with the member's traced `beta` and learning rate; the step's
-    temperature is the sampling one (as `grpo_state_and_step`)."""
+    temperature is the sampling one and Dr.GRPO's normaliser the `completion_budget` (as
+    `grpo_state_and_step`, `rl_step_settings`)."""
+    c = rl_step_settings(c, temperature, completion_budget)
 
     def build(h: dict):
-        settings = _traced(rx.train.GRPOSettings, c, h, ("beta",), temperature=temperature)
+        settings = _traced(rx.train.GRPOSettings, c, h, ("beta",))
         return rx.train.make_grpo_step(traced_optimizer(c, h, total), settings, options=c.options)
 
     return build
 
 
-def ppo_step_builder(c, temperature: float, total: int):
+def ppo_step_builder(c, temperature: float, total: int, completion_budget: int):
     """`make_ppo_step` with the member's traced `clip_eps`, `vf_coef`, `ent_coef` and
     learning rate (`kl_coef` enters the KL-shaped rewards, per member); the step's
-    temperature is the sampling one (as `run_ppo`)."""
+    temperature is the sampling one and Dr.GRPO's normaliser the `completion_budget` (as
+    `run_ppo`, `rl_step_settings`)."""
+    c = rl_step_settings(c, temperature, completion_budget)
 
     def build(h: dict):
         fields = ("clip_eps", "vf_coef", "ent_coef")
-        settings = _traced(rx.train.PPOSettings, c, h, fields, temperature=temperature)
+        settings = _traced(rx.train.PPOSettings, c, h, fields)
         return rx.train.make_ppo_step(traced_optimizer(c, h, total), settings, options=c.options)
 
     return build

@@ -66,7 +66,9 @@ class GRPOConfig(RolloutStageConfig, GRPOSettings):
     """GRPO (Shao et al. 2024) with the task's verifiable reward: `group_size` samples per
     prompt, group-normalised advantages, k3 KL to the reference with weight `beta`
     (TRL's default 0.0: no KL term). The step's settings are
-    `rlhf_eqx.train.GRPOSettings` (its `temperature` is `sampling.temperature`):
+    `rlhf_eqx.train.GRPOSettings` (its `temperature` is `sampling.temperature`; with
+    `mode="seq-mean-token-sum-norm"` its `constant` is by default
+    `sampling.max_new_tokens`, TRL's `dr_grpo`):
     `policy_loss` selects the token objective of `make_grpo_step`: `grpo` (the PPO-clip
     surrogate), or after DAPO `cispo`, `gmpo`, `sapo`, `clip_cov`, `kl_cov`,
     `high_entropy` (each with the step's published defaults; docs/objectives.md).

@@ -50,7 +50,9 @@ class PPOConfig(RolloutStageConfig, PPOSettings):
     """PPO (Schulman et al. 2017; Ouyang et al. 2022) with a value model and KL-shaped
     rewards; `epochs` x `minibatches` updates per rollout of `prompts_per_rollout`
     completions. The step's settings are `rlhf_eqx.train.PPOSettings` (`clip_eps`,
-    `vf_coef`, `ent_coef`, ...; its `temperature` is `sampling.temperature`). The
+    `vf_coef`, `ent_coef`, ...; its `temperature` is `sampling.temperature`, and with
+    `mode="seq-mean-token-sum-norm"` its `constant` is by default
+    `sampling.max_new_tokens`). The
     user's `reward_functions` (with `reward_weights`) are `RolloutStageConfig`'s."""
 
     temperature: float = dataclasses.field(

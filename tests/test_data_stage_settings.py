@@ -38,7 +38,7 @@ def test_kto_unpaired_file_refuses_the_filters_of_pairs_and_demonstrations(
     assert main(argv) == 2
     line = _error_line(capsys)
     assert line.startswith(
-        f"error: invalid configuration: data.filter=('empty', '{problem}'): {problem}: not a "
+        f"error: invalid configuration: data.filter=empty,{problem}: {problem}: not a "
         "problem of unpaired KTO examples (on an unpaired file only empty and long_prompt apply"
     ), line
     assert not out.exists()  # refused before any step
@@ -57,7 +57,7 @@ def test_demonstrations_refuse_the_identical_filter(tmp_path, capsys, stage):
     assert main(argv) == 2
     line = _error_line(capsys)
     assert line.startswith(
-        "error: invalid configuration: data.filter=('identical',): identical: a preference "
+        "error: invalid configuration: data.filter=identical: identical: a preference "
         "pair's problem, not a demonstration's"
     ), line
 

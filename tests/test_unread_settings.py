@@ -30,7 +30,7 @@ def pairs(tmp_path):
 BUILTIN_REFUSED = [
     (["data.limit=5"], r"^data\.limit=5: applies to a data file \(data\.path, --data FILE\)"),
     (["data.eval_prompts=3"], r"^data\.eval_prompts=3: applies to a data file"),
-    (["data.filter=identical"], r"^data\.filter=\('identical',\): applies to a data file"),
+    (["data.filter=identical"], r"^data\.filter=identical: applies to a data file"),
     (["data.assistant_turns=last"], r"^data\.assistant_turns='last': applies to a data file"),
     (["stages=sft", "ops.eval_every=2"], r"^ops\.eval_every=2: a run of sft and reward alone"),
     (["stages=sft,dpo", "judge.score=prob"], r"^judge\.score='prob': no stage of this run"),
@@ -43,7 +43,7 @@ BUILTIN_REFUSED = [
         ["dpo.lora.rank=0", "dpo.lora.alpha=3"],
         r"^dpo\.lora\.alpha=3\.0: dpo\.lora\.rank=0 trains every weight without LoRA",
     ),
-    (["grpo.lora.rank=0", "grpo.lora.targets=q"], r"^grpo\.lora\.targets=\('q',\): grpo\.lora"),
+    (["grpo.lora.rank=0", "grpo.lora.targets=q"], r"^grpo\.lora\.targets=q: grpo\.lora"),
     (
         ["distill.lmbda=0", "distill.temperature=0.7"],
         r"^distill\.temperature=0\.7: samples the on-policy completions only",

@@ -13,7 +13,15 @@ from ._config import REWARD_SOURCES, BatchStageConfig, ConfigError, RolloutStage
 
 
 def _fail(name: str, value: Any, why: str) -> None:
-    raise ConfigError(f"{name}={value!r}: {why}")
+    raise ConfigError(f"{name}={_shown(value)}: {why}")
+
+
+def _shown(value: Any) -> str:
+    """`value` as a refusal shows it: a list setting as it is written with `--set`
+    (`data.filter=identical,empty`), anything else as its `repr`."""
+    if isinstance(value, tuple | list) and all(isinstance(v, str | int | float) for v in value):
+        return ",".join(str(v) for v in value)
+    return repr(value)
 
 
 def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

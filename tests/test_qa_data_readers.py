@@ -152,3 +152,25 @@ def test_a_trl_prompt_beside_gsm8k_columns_is_the_prompt(tmp_path):
     assert record.prompt.startswith("<|im_start|>system\nEnd with #### <n>.<|im_end|>\n")
     assert data.exact_match_reward(["#### 5"], [record.answer]).tolist() == [1.0]
     assert record.columns["question"] == question
+
+
+class _CountingTokenizer(data.ByteTokenizer):
+    """A ByteTokenizer that counts the ids it decodes."""
+
+    decoded = 0
+
+    def decode(self, ids):
+        self.decoded += len(ids)
+        return super().decode(ids)
+
+
+def test_token_offsets_of_a_long_text_decode_far_fewer_than_every_prefix():
+    text = "héllo wörld, 中文 🤖\n" * 100
+    tok = _CountingTokenizer()
+    ids, offsets = data.token_offsets(tok, text)
+    n = len(ids)
+    assert tok.decoded < n * n / 10  # every prefix: n * n / 2
+    ends = [len(data.ByteTokenizer().decode(ids[: k + 1])) for k in range(0, n, 97)]
+    assert [offsets[k][1] for k in range(0, n, 97)] == [min(e, len(text)) for e in ends]
+    assert offsets[-1][1] == len(text) and all(a <= b for a, b in offsets)
+    assert "".join(text[a:b] for a, b in offsets) == text

@@ -3,6 +3,7 @@ extension and the character spans it marks, the fallback search for assistant co
 and token offsets that carry a character mask over to tokens.
 """
 
+import math
 import re
 import uuid
 from collections.abc import Mapping, Sequence
@@ -124,8 +125,34 @@ def token_offsets(tokenizer: Tokenizer, text: str) -> tuple[list[int], list[tupl
             "with characters; use a tokenizer with offsets (HFTokenizer)"
         )
     offsets, prev = [], 0
-    for k in range(len(ids)):
-        end = min(max(len(tokenizer.decode(ids[: k + 1])), prev), len(text))
+    for length in _prefix_lengths(tokenizer, ids):
+        end = min(max(length, prev), len(text))
         offsets.append((prev, end))
         prev = end
     return ids, offsets
+
+
+def _prefix_lengths(tokenizer: Tokenizer, ids: list[int], context: int = 8) -> list[int]:
+    """`len(tokenizer.decode(ids[: k + 1]))` for each `k`, without decoding every prefix
+    (quadratic: minutes for a long conversation). In blocks of about `sqrt(len(ids))` ids,
+    each length is the block's start (a prefix decoded whole) plus what the ids from it
+    add, decoded after `context` ids before it (a SentencePiece piece's space, a character
+    split over byte tokens); the block's last is checked against its prefix decoded whole,
+    and a block that does not agree is decoded prefix by prefix."""
+    block = max(32, math.isqrt(len(ids)))
+    lengths: list[int] = []
+    start_length = 0  # len(decode(ids[:start]))
+    for start in range(0, len(ids), block):
+        stop = min(start + block, len(ids))
+        before = max(start - context, 0)
+        head = len(tokenizer.decode(ids[before:start])) if start > before else 0
+        guess = [
+            start_length + len(tokenizer.decode(ids[before : k + 1])) - head
+            for k in range(start, stop)
+        ]
+        stop_length = len(tokenizer.decode(ids[:stop]))
+        if guess[-1] != stop_length:
+            guess = [len(tokenizer.decode(ids[: k + 1])) for k in range(start, stop)]
+        lengths += guess
+        start_length = stop_length
+    return lengths

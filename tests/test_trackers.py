@@ -469,6 +469,8 @@ def test_a_quiet_wandb_run_leaves_out_its_banner_and_run_summary(tmp_path):
         assert out.returncode == 0, out.stderr[-2000:]
         loud = "Tracking run with wandb" in out.stderr and "Run history" in out.stderr
         assert loud == (quiet == "loud"), out.stderr[-2000:]
+        if quiet == "quiet":  # offline: not even where the run is stored
+            assert "wandb:" not in out.stderr, out.stderr[-2000:]
 
 
 # --- failures and choices ---------------------------------------------------------------

@@ -263,8 +263,12 @@ class WandbTracker(Tracker):
         if mode != "online":
             _no_wandb_analytics()
         # a quiet run: W&B's banner and run summary (some 20 lines on stderr a run) left
-        # out, its warnings kept
-        quiet = {"settings": wandb.Settings(quiet=True)} if starting_quietly() else {}
+        # out, its warnings kept; offline, W&B prints its three lines of where the run
+        # is stored even in its quiet mode, so only its silent mode leaves them out (the
+        # run's own line names a tracker that fails to start)
+        quiet = {}
+        if starting_quietly():
+            quiet = {"settings": wandb.Settings(quiet=True, silent=mode != "online")}
         self.run = wandb.init(
             **_run_options("WANDB_PROJECT", run_name, group, config),
             dir=self.run_dir,

@@ -2,9 +2,12 @@
 null prompt beside `chosen` / `rejected` is a pair with a null prompt (refused by its
 row and column, as the JSON line is), never read as implicit-prompt pairs."""
 
+import bz2
 import decimal
 import json
+import lzma
 import re
+import zipfile
 
 import pytest
 
@@ -174,3 +177,25 @@ def test_token_offsets_of_a_long_text_decode_far_fewer_than_every_prefix():
     assert [offsets[k][1] for k in range(0, n, 97)] == [min(e, len(text)) for e in ends]
     assert offsets[-1][1] == len(text) and all(a <= b for a, b in offsets)
     assert "".join(text[a:b] for a, b in offsets) == text
+
+
+@pytest.mark.parametrize("name", ["pairs.jsonl.bz2", "pairs.json.xz"])
+def test_bzip2_and_xz_files_read_as_their_text(tmp_path, name):
+    pair = {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."}
+    text = json.dumps([pair, pair]) if ".json." in name else json.dumps(pair) + "\n"
+    compress = bz2.compress if name.endswith(".bz2") else lzma.compress
+    path = tmp_path / name
+    path.write_bytes(compress(text.encode()))
+    records = data.load_preferences(path)
+    assert records[0] == data.PreferenceRecord(**pair)
+    path.write_bytes(compress(text.encode())[:-8])  # cut short
+    with pytest.raises(data.DataError, match=f"^{re.escape(str(path))}: cannot decompress: "):
+        data.load_preferences(path)
+
+
+def test_a_zip_archive_is_refused_as_such(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("pairs.jsonl", "{}\n")
+    with pytest.raises(data.DataError, match=f"^{re.escape(str(path))}: a zip archive; extract"):
+        data.load_preferences(path, lenient=True)

@@ -1,4 +1,5 @@
-"""Reading JSON records from `.jsonl`, `.json` and gzipped files, with a load report.
+"""Reading JSON records from `.jsonl`, `.json` and compressed files (gzip, bzip2, xz; zstd
+with `zstandard`), with a load report.
 
 Two kinds of bad input are told apart:
 
@@ -11,11 +12,13 @@ Two kinds of bad input are told apart:
   completion or prompt): always skipped and counted, never guessed at.
 """
 
+import bz2
 import codecs
 import dataclasses
 import gzip
 import itertools
 import json
+import lzma
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import ClassVar, Generic, TypeVar, overload
@@ -81,14 +84,46 @@ class LoadReport:
         )
 
 
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def _decompressed(path: str, data: bytes) -> bytes:
+    """`data` decompressed when its first bytes say it is gzip, bzip2 or xz (as `datasets`
+    reads `.gz`, `.bz2`, `.xz`); zstd with `zstandard` installed; a zip archive, or zstd
+    without `zstandard`, is a `DataError` saying what to do."""
+    if data[:4] == b"PK\x03\x04":
+        raise DataError(f"{path}: a zip archive; extract its .jsonl / .json / .parquet file")
+    if data[:4] == _ZSTD_MAGIC:
+        try:
+            import zstandard
+        except ImportError:
+            raise DataError(
+                f"{path}: zstd-compressed; pip install zstandard, or decompress it (zstd -d)"
+            ) from None
+        try:
+            return zstandard.ZstdDecompressor().decompressobj().decompress(data)
+        except zstandard.ZstdError as e:
+            raise DataError(f"{path}: cannot decompress: {e}") from None
+    for magic, module in ((b"\x1f\x8b", gzip), (b"BZh", bz2), (b"\xfd7zXZ\x00", lzma)):
+        if data.startswith(magic) or (module is gzip and path.endswith(".gz")):
+            try:
+                return module.decompress(data)
+            except (OSError, EOFError, ValueError, lzma.LZMAError) as e:
+                raise DataError(f"{path}: cannot decompress: {e}") from None
+    return data
+
+
+def _uncompressed_name(path: str) -> str:
+    """`path` without a compression suffix (`pairs.json.gz` -> `pairs.json`)."""
+    for suffix in (".gz", ".bz2", ".xz", ".zst"):
+        if path.endswith(suffix):
+            return path.removesuffix(suffix)
+    return path
+
+
 def _open_bytes(path: str) -> bytes:
     with open(path, "rb") as f:
-        data = f.read()
-    if path.endswith(".gz") or data[:2] == b"\x1f\x8b":
-        try:
-            data = gzip.decompress(data)
-        except (OSError, EOFError) as e:
-            raise DataError(f"{path}: cannot decompress: {e}") from None
+        data = _decompressed(path, f.read())
     # A byte-order mark (files saved as "UTF-8 with BOM" by Windows editors) is not text;
     # one of UTF-16 (Windows' "Unicode", PowerShell's `>`) says how to read the text.
     if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
@@ -111,7 +146,7 @@ def _json_list(path: str, data: bytes) -> list | None:
     not valid JSON as a whole cannot be read past the error: a `DataError`."""
     if data.lstrip()[:1] != b"[":
         return None
-    base = path[:-3] if path.endswith(".gz") else path
+    base = _uncompressed_name(path)
     try:
         return _json_value(data)  # valid JSON that starts with `[`: a list
     except _InvalidJSON as e:
@@ -186,7 +221,7 @@ def _refuse_one_object(path: str, data: bytes) -> None:
     """A `DataError` for a `.json` file that holds one object spread over several lines
     (`{"data": [...]}`, say): valid JSON, but neither a list of records nor one record
     per line, which its first line failing to parse alone would misreport as invalid."""
-    base = path[:-3] if path.endswith(".gz") else path
+    base = _uncompressed_name(path)
     if not base.endswith(".json"):
         return
     try:
@@ -223,7 +258,7 @@ def _refuse_by_columns(path: str, value: object) -> None:
 def _refuse_delimited(path: str) -> None:
     """A `DataError` for a CSV or TSV file (told by its suffix) whose first line is not
     JSON: not a format the readers take, which its first line's JSON error would not say."""
-    base = path[:-3] if path.endswith(".gz") else path
+    base = _uncompressed_name(path)
     if base.lower().endswith((".csv", ".tsv")):
         raise DataError(
             f"{path}: a {base.rsplit('.', 1)[1].upper()} file is not read; give JSON lines, "

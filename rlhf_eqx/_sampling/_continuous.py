@@ -6,8 +6,8 @@ stopped. `generate_continuous` keeps `slots` rows in flight instead; when a row 
 (a stop id, a stop sequence or its token budget), the next waiting request is prefilled
 into that row's cache region and decoding goes on, all inside one `lax.while_loop`.
 
-The argument checks (concrete prompt ids, stop sequences, one key per prompt) and the
-stop-sequence table the loop matches against come first.
+The argument checks (concrete prompt ids and masks, stop sequences, one key per prompt)
+and the stop-sequence table the loop matches against come first.
 """
 
 import dataclasses
@@ -19,21 +19,20 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int, Key, Real, UInt32
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, Integer, Key, Real, UInt32
 
 from ..models import AbstractDecoder
 from ._decode import (
     _check_decoder,
     _check_decoder_output,
     _check_length,
-    _check_prompt_ids,
     _Completions,
     _int32_prompts,
     _row_keys,
     _row_sampler,
     _with_prompts,
-    check_prompt_masks,
     check_stop_ids,
+    prompt_arrays,
 )
 from ._options import (
     DEFAULT_TEMPERATURE,
@@ -55,12 +54,6 @@ from ._token import RowPenalties, sample_rows
 
 def _is_int(x: object) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def _check_concrete_prompts(prompts: Any, prompt_masks: Any, vocab_size: int) -> None:
-    """Raise naming the argument, row and position of a bad id or an empty prompt."""
-    _check_prompt_ids(prompts, vocab_size, "prompts: row")
-    check_prompt_masks(prompt_masks)
 
 
 def _check_stop_sequences(stop_sequences: Any, vocab_size: int) -> tuple[tuple[int, ...], ...]:
@@ -593,8 +586,8 @@ _continuous_steps_jit = eqx.filter_jit(_continuous_steps, donate="all-except-fir
 
 def generate_continuous(
     policy: AbstractDecoder,
-    prompts: Int[Array, "R P"],
-    prompt_masks: Bool[Array, "R P"],
+    prompts: Integer[ArrayLike, "R P"],
+    prompt_masks: Bool[ArrayLike, "R P"] | Integer[ArrayLike, "R P"],
     keys: Key[Array, " R"] | UInt32[Array, "R 2"],
     *,
     slots: Count,
@@ -645,6 +638,9 @@ def generate_continuous(
     - `policy`: a decoder (`rlhf_eqx.models.AbstractDecoder`, e.g. `rlhf_eqx.Policy`).
     - `prompts`, `prompt_masks`: `[R, P]` ids and real-token masks (left padding
       recommended, as for `generate_batch`); each row needs at least one real token.
+      As for `generate_batch`: JAX or NumPy arrays, ids of any integer dtype, masks of
+      bools or the integers 0 and 1 (another value is a `ValueError` naming
+      `prompt_masks`); nested Python lists are refused.
     - `keys`: one PRNG key per prompt, `[R]` (`jax.random.split(key, R)`; raw
       `uint32[R, 2]` keys are accepted). Unused when greedy.
     - `slots`: rows decoded at once (a positive int; more than `R · num_samples` is
@@ -709,7 +705,7 @@ def generate_continuous(
         return generate_paged(policy, prompts, prompt_masks, keys, **settings, **pool)[0]
     if page_size is not None or num_pages is not None:
         raise ValueError("page_size and num_pages apply to cache='paged' only")
-    policy, keys, budgets, plan, rows = _row_arguments(
+    policy, prompts, prompt_masks, keys, budgets, plan, rows = _row_arguments(
         policy, prompts, prompt_masks, keys, settings
     )
     return _generate_continuous_jit(policy, prompts, prompt_masks, keys, budgets, rows, plan)
@@ -791,8 +787,8 @@ class ContinuousDecoding:
     def __init__(
         self,
         policy: AbstractDecoder,
-        prompts: Int[Array, "R P"],
-        prompt_masks: Bool[Array, "R P"],
+        prompts: Integer[ArrayLike, "R P"],
+        prompt_masks: Bool[ArrayLike, "R P"] | Integer[ArrayLike, "R P"],
         keys: Key[Array, " R"] | UInt32[Array, "R 2"],
         *,
         log_steps: int = 16,
@@ -809,7 +805,7 @@ class ContinuousDecoding:
             repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, eos_id=None,
             stop_sequences=None, pad_id=0, num_samples=1, check_ids=False, prefill_rows=None,
         ) | options  # fmt: skip
-        policy, keys, budgets, plan, rows = _row_arguments(
+        policy, prompts, prompt_masks, keys, budgets, plan, rows = _row_arguments(
             policy, prompts, prompt_masks, keys, settings
         )
         plan = dataclasses.replace(plan, top_logprobs=int(top_logprobs))
@@ -915,10 +911,11 @@ def _continuous_arguments(
     stop_sequences: Any,
     prefill_rows: Any,
     **sampling: Any,
-) -> tuple[AbstractDecoder, Key[Array, " R"], Int[Array, " B"], _Plan]:
-    """`generate_continuous`'s arguments checked: the decoder, typed keys, int32 budgets
-    and the static plan (raises naming the argument at fault). `**sampling` are the
-    fields of `SamplingOptions`."""
+) -> tuple[AbstractDecoder, Any, Any, Key[Array, " R"], Int[Array, " B"], _Plan]:
+    """`generate_continuous`'s arguments checked: the decoder, the prompts and their
+    masks (`prompt_arrays`: JAX arrays, bool masks), typed keys, int32 budgets and the
+    static plan (raises naming the argument at fault). `**sampling` are the fields of
+    `SamplingOptions`."""
     opts = SamplingOptions(**sampling)
     max_new_tokens, num_samples = opts.max_new_tokens, opts.num_samples
     policy = _check_decoder(policy)
@@ -933,7 +930,7 @@ def _continuous_arguments(
     if R == 0:
         raise ValueError("prompts: need at least one prompt, got R=0")
     keys = _key_array(keys, R)
-    _check_concrete_prompts(prompts, prompt_masks, policy.vocab_size)
+    prompts, prompt_masks = prompt_arrays(prompts, prompt_masks, policy.vocab_size, "prompts: row")
     _check_length(policy, P, max_new_tokens)
     check_stop_ids(opts.eos_id, policy.vocab_size)
     stops = _check_stop_sequences(stop_sequences, policy.vocab_size)
@@ -966,4 +963,4 @@ def _continuous_arguments(
         prefill_rows=min(int(prefill_rows), R),
         stop_sequences=stops,
     )
-    return policy, keys, budgets, plan
+    return policy, prompts, prompt_masks, keys, budgets, plan

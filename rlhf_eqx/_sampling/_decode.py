@@ -13,7 +13,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray, UInt32
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, Integer, Key, PRNGKeyArray, UInt32
 
 from ..models import AbstractDecoder
 from ._options import GenerationOutput, SamplingOptions
@@ -72,6 +72,66 @@ def check_prompt_masks(prompt_masks: Any, first: int = 0) -> None:
         )
 
 
+def _check_mask_values(masks: Any, name: str, first: int = 0) -> None:
+    """Refuse, naming `name`, the row and the position of the first one, an integer mask
+    value other than 0 and 1, if `masks` is concrete (rows held by other processes are
+    theirs to check; `first` numbers the rows given). Bool masks pass as they are."""
+    if isinstance(masks, jax.core.Tracer) or np.dtype(masks.dtype) == np.bool_:
+        return
+    if isinstance(masks, jax.Array) and not masks.is_fully_addressable:
+        for shard in masks.addressable_shards:
+            _check_mask_values(shard.data, name, first=shard.index[0].start or 0)
+        return
+    values = np.asarray(masks)
+    bad = (values != 0) & (values != 1)
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        row = f" row {first + at[0]}" if values.ndim > 1 else ""
+        raise ValueError(
+            f"{name}:{row} holds {values[at].item()} at position {at[-1]}; a mask is bools "
+            "or the integers 0 and 1 (1 marks a real token, as a tokenizer's attention_mask)"
+        )
+
+
+def bool_masks(masks: Any, name: str = "prompt_masks") -> Any:
+    """`masks` (JAX or NumPy, bools or 0 / 1 integers, any shape) as a JAX bool array.
+
+    A concrete integer mask holding another value is refused first (a `ValueError`
+    naming `name`, the row and the position); then `masks != 0`. A traced mask is
+    converted without the check; a JAX bool mask is returned as it is."""
+    _check_mask_values(masks, name)
+    masks = jnp.asarray(masks)
+    return masks if masks.dtype == jnp.bool_ else masks != 0
+
+
+def prompt_arrays(
+    prompts: Any, prompt_masks: Any, vocab_size: int, row_label: str = "prompt row"
+) -> tuple[Any, Any]:
+    """`prompts` and `prompt_masks` as the samplers take them, checked on the host.
+
+    - `prompt_masks`: JAX or NumPy bools or 0 / 1 integers, as a JAX bool array
+      (`bool_masks`: another integer value is a `ValueError` naming `prompt_masks`).
+    - `prompts`: JAX or NumPy integer ids of any dtype, as int32 (the model's ids).
+      Concrete ids outside `[0, vocab_size)` are a `ValueError` naming the row
+      (`"{row_label} {row}"`), the position and the id, checked before the conversion
+      (an int64 id past the int32 range is refused, never wrapped).
+    - A row of `prompt_masks` with no real token is a `ValueError` (`check_prompt_masks`).
+
+    Traced arguments (under the caller's `jit` / `vmap`) are converted, unchecked (a
+    traced integer mask becomes `mask != 0`; the samplers cast their ids to int32 in any
+    case). JAX int32 ids and bool masks are returned as they are; NumPy arrays become
+    JAX arrays. Returns `(prompts, prompt_masks)`.
+    """
+    prompt_masks = bool_masks(prompt_masks, "prompt_masks")
+    _check_prompt_ids(prompts, vocab_size, row_label)
+    check_prompt_masks(prompt_masks)
+    if not isinstance(prompts, jax.Array):  # NumPy ids, just checked
+        prompts = jnp.asarray(np.asarray(prompts).astype(np.int32))
+    elif prompts.dtype != jnp.int32:
+        prompts = prompts.astype(jnp.int32)
+    return prompts, prompt_masks
+
+
 def _check_length(policy: object, prompt_length: int, max_new_tokens: int) -> None:
     """Refuse generating past the model's `max_seq_len` (when it has a config)."""
     limit = getattr(getattr(policy, "cfg", None), "max_seq_len", None)
@@ -97,20 +157,20 @@ def check_stop_ids(eos_id: tuple[int, ...], vocab_size: int) -> None:
 
 def _check_batch(
     policy: AbstractDecoder, prompts: Any, prompt_masks: Any, opts: SamplingOptions
-) -> None:
+) -> tuple[Any, Any]:
     """The host-side checks of a batch of prompts: `prompts` and `prompt_masks` of one
-    shape, concrete ids inside the vocabulary, a real token in every concrete row of
-    `prompt_masks`, `P + max_new_tokens` within the model's
+    shape, then `prompt_arrays`' (0 / 1 mask values, concrete ids inside the vocabulary,
+    a real token in every concrete row), `P + max_new_tokens` within the model's
     `max_seq_len`, stop ids inside the vocabulary (each raises a `ValueError` naming what
-    is wrong)."""
+    is wrong). Returns `(prompts, prompt_masks)` as `prompt_arrays` does."""
     if prompts.shape != prompt_masks.shape:
         raise ValueError(
             f"prompts {prompts.shape} and prompt_masks {prompt_masks.shape} differ in shape"
         )
-    _check_prompt_ids(prompts, policy.vocab_size)
-    check_prompt_masks(prompt_masks)
+    prompts, prompt_masks = prompt_arrays(prompts, prompt_masks, policy.vocab_size)
     _check_length(policy, prompts.shape[-1], opts.max_new_tokens)
     check_stop_ids(opts.eos_id, policy.vocab_size)
+    return prompts, prompt_masks
 
 
 def _signature(tree: Any) -> tuple[Any, list[str]]:
@@ -351,8 +411,8 @@ _generate_batch_jit = eqx.filter_jit(_generate_batch)
 
 def generate_batch(
     policy: AbstractDecoder,
-    prompts: Int[Array, "B P"],
-    prompt_masks: Bool[Array, "B P"],
+    prompts: Integer[ArrayLike, "B P"],
+    prompt_masks: Bool[ArrayLike, "B P"] | Integer[ArrayLike, "B P"],
     key: PRNGKeyArray | Key[Array, " B"] | UInt32[Array, "B 2"],
     **options: Any,
 ) -> GenerationOutput:
@@ -366,7 +426,13 @@ def generate_batch(
 
     - `policy`: a decoder (`rlhf_eqx.models.AbstractDecoder`, e.g. `rlhf_eqx.Policy`).
     - `prompts`, `prompt_masks`: `[B, P]` ids and real-token masks; each row needs at
-      least one real token. Concrete ids outside `[0, vocab_size)` raise a `ValueError`
+      least one real token. JAX or NumPy arrays, as a tokenizer returns them
+      (`tokenizer(..., return_tensors="np")`'s `input_ids` and `attention_mask`): ids of
+      any integer dtype (NumPy int64 ids become int32 once checked), masks of bools or
+      the integers 0 and 1 (read as `mask != 0`; another value in a concrete mask is a
+      `ValueError` naming `prompt_masks`). Nested Python lists are refused (pass
+      `np.asarray(ids)`). The results are those of the same values given as JAX int32
+      ids and bool masks. Concrete ids outside `[0, vocab_size)` raise a `ValueError`
       naming the row and the id. `P + max_new_tokens` may not exceed the model's
       `cfg.max_seq_len` (when it has one): a `ValueError` names both numbers.
     - `key`: PRNG key (ignored when greedy), or one key per prompt (`[B]` typed keys or
@@ -397,20 +463,22 @@ def generate_batch(
     """
     opts = SamplingOptions(**options)
     policy = _check_decoder(policy)
-    _check_batch(policy, prompts, prompt_masks, opts)
+    prompts, prompt_masks = _check_batch(policy, prompts, prompt_masks, opts)
     return _generate_batch_jit(policy, prompts, prompt_masks, key, opts)
 
 
 def generate(
     policy: AbstractDecoder,
-    prompt: Int[Array, " P"],
-    prompt_mask: Bool[Array, " P"],
+    prompt: Integer[ArrayLike, " P"],
+    prompt_mask: Bool[ArrayLike, " P"] | Integer[ArrayLike, " P"],
     key: PRNGKeyArray,
     **options: Any,
 ) -> GenerationOutput:
     """Sample a completion of one prompt (jitted; vmappable over a batch of prompts).
 
-    `generate_batch` on a batch of one: same `options` (`SamplingOptions`), no batch axis.
+    `generate_batch` on a batch of one: same `options` (`SamplingOptions`), no batch axis;
+    `prompt` and `prompt_mask` (`[P]`) may be JAX or NumPy arrays, as `generate_batch`'s
+    (integer ids; bool or 0 / 1 integer masks, another value naming `prompt_mask`).
     Under `jax.vmap` the loop runs until every row of the batch is done; `generate_batch`
     is the batched entry point.
     """
@@ -419,5 +487,6 @@ def generate(
             f"generate samples one completion (got num_samples={options['num_samples']!r}); "
             "use generate_batch(..., num_samples=n)"
         )
+    prompt_mask = bool_masks(prompt_mask, "prompt_mask")
     out = generate_batch(policy, prompt[None], prompt_mask[None], key, **options)
     return jax.tree_util.tree_map(lambda x: x[0], out)

@@ -17,7 +17,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Int, Key, UInt32
+from jaxtyping import Array, ArrayLike, Bool, Int, Integer, Key, UInt32
 
 from ..models import AbstractDecoder, PagedKVCache, Policy, paged_decode_step
 from ._continuous import (
@@ -345,8 +345,8 @@ _generate_paged_jit = eqx.filter_jit(_generate_paged)
 # calls this function); the checks behind both are one function (`_continuous_arguments`).
 def generate_paged(
     policy: AbstractDecoder,
-    prompts: Int[Array, "R P"],
-    prompt_masks: Bool[Array, "R P"],
+    prompts: Integer[ArrayLike, "R P"],
+    prompt_masks: Bool[ArrayLike, "R P"] | Integer[ArrayLike, "R P"],
     keys: Key[Array, " R"] | UInt32[Array, "R 2"],
     *,
     slots: Count,
@@ -413,8 +413,8 @@ def generate_paged(
     and settings (the sharing plan is data).
 
     **Arguments:** as `generate_continuous` (`policy` must be a `rlhf_eqx.Policy`; the
-    prompts and their masks must be concrete: the sharing plan is made on the host),
-    and
+    prompts and their masks, JAX or NumPy arrays with integer ids and bool or 0 / 1
+    integer masks, must be concrete: the sharing plan is made on the host), and
 
     - `page_size`: tokens per page (a positive int).
     - `num_pages`: pages in the pool; default `slots · M`, the dense layout's room.
@@ -438,7 +438,7 @@ def generate_paged(
             "generate_paged: prompts and prompt_masks must be concrete (the shared prefixes "
             "are planned on the host); call it outside jax.jit"
         )
-    policy, keys, budgets, base = _continuous_arguments(
+    policy, prompts, prompt_masks, keys, budgets, base = _continuous_arguments(
         policy, prompts, prompt_masks, keys, slots=slots, max_new_tokens=max_new_tokens,
         budgets=budgets, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
@@ -448,7 +448,7 @@ def generate_paged(
     num_samples, max_new_tokens = base.opts.num_samples, base.opts.max_new_tokens  # Python ints
     if not (_is_int(page_size) and page_size >= 1):
         raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-    ids, masks = np.asarray(prompts), np.asarray(prompt_masks, bool)
+    ids, masks = np.asarray(prompts), np.asarray(prompt_masks)
     R, P = ids.shape
     concrete = not isinstance(budgets, jax.core.Tracer)
     row_budgets = np.asarray(budgets) if concrete else np.full(R * num_samples, max_new_tokens)

@@ -25,7 +25,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, Integer, PRNGKeyArray
 
 from ..models import AbstractChunkDecoder, AbstractDecoder
 from ._decode import (
@@ -385,8 +385,8 @@ _generate_speculative_jit = eqx.filter_jit(_generate_speculative)
 def generate_speculative(
     target: AbstractDecoder,
     draft: Any,  # checked below, so that a wrong draft or k gets a one-line error
-    prompts: Int[Array, "B P"],
-    prompt_masks: Bool[Array, "B P"],
+    prompts: Integer[ArrayLike, "B P"],
+    prompt_masks: Bool[ArrayLike, "B P"] | Integer[ArrayLike, "B P"],
     key: PRNGKeyArray,
     *,
     k: Any = 4,
@@ -417,7 +417,8 @@ def generate_speculative(
     - `target`: the model to sample from (`rlhf_eqx.models.AbstractDecoder`).
     - `draft`: any decoder over the same vocabulary, e.g. a small model of the same
       family or `rlhf_eqx.models.truncated_draft(target, n_layers)`.
-    - `prompts`, `prompt_masks`, `key`: as for `generate_batch`.
+    - `prompts`, `prompt_masks`, `key`: as for `generate_batch` (JAX or NumPy integer
+      ids; bool or 0 / 1 integer masks).
     - `k`: tokens the draft proposes per target pass (a positive int).
     - `with_stats`: also return a `SpeculativeStats` (target passes, proposed and
       accepted tokens per row).
@@ -450,6 +451,6 @@ def generate_speculative(
             f"generate_speculative does not take sampling penalties (got {', '.join(on)}): "
             "use generate_batch or generate_continuous for penalised sampling"
         )
-    _check_batch(target, prompts, prompt_masks, opts)
+    prompts, prompt_masks = _check_batch(target, prompts, prompt_masks, opts)
     out, stats = _generate_speculative_jit(target, draft, prompts, prompt_masks, key, opts, k)
     return (out, stats) if with_stats else out

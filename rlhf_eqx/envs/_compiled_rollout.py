@@ -12,9 +12,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Int, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Bool, Int, Integer, PRNGKeyArray
 
-from .._sampling import DEFAULT_TEMPERATURE, SamplingOptions, check_prompt_masks
+from .._sampling import DEFAULT_TEMPERATURE, SamplingOptions, prompt_arrays
 from ..models import AbstractDecoder
 from ._environment import Environment
 from ._trajectory import Trajectory, _Progress, _trajectory
@@ -69,7 +69,6 @@ def _options(
         )
     if episode_reward not in ("sum", "last"):
         raise ValueError(f"episode_reward must be 'sum' or 'last', got {episode_reward!r}")
-    check_prompt_masks(prompt_masks)
     return _Options(
         turn=_TurnOptions(sampling=turn_sampling, total=max_total_tokens),
         num_samples=num_samples,
@@ -78,22 +77,19 @@ def _options(
     )
 
 
-def _check_policy(policy: object, prompts, opts: _Options) -> AbstractDecoder:
+def _check_policy(
+    policy: object, prompts: Any, prompt_masks: Any, opts: _Options
+) -> tuple[AbstractDecoder, Any, Any]:
+    """The decoder checked, with the prompts and their masks as `prompt_arrays` returns
+    them (concrete ids inside its vocabulary, 0 / 1 mask values, a real token in every
+    row; JAX arrays, bool masks), its stop ids and its `max_seq_len` against the buffer."""
     if not isinstance(policy, AbstractDecoder):
         raise TypeError(
             "a rollout needs a decoder: a model inheriting rlhf_eqx.models.AbstractDecoder "
             f"(init_cache / prefill / decode_step), such as rlhf_eqx.Policy; got "
             f"{type(policy).__name__}"
         )
-    if not isinstance(prompts, jax.core.Tracer):
-        ids = np.asarray(prompts)
-        bad = (ids < 0) | (ids >= policy.vocab_size)
-        if bad.any():
-            row, col = (int(x) for x in np.argwhere(bad)[0])
-            raise ValueError(
-                f"prompts row {row} has id {int(ids[row, col])} at position {col}, outside "
-                f"the vocabulary [0, {policy.vocab_size})"
-            )
+    prompts, prompt_masks = prompt_arrays(prompts, prompt_masks, policy.vocab_size, "prompts row")
     stops = [i for i in opts.sampling.eos_id or () if i >= policy.vocab_size]
     if stops:
         raise ValueError(
@@ -105,7 +101,7 @@ def _check_policy(policy: object, prompts, opts: _Options) -> AbstractDecoder:
         raise ValueError(
             f"max_total_tokens={opts.total} is longer than the model's max_seq_len={limit}"
         )
-    return policy
+    return policy, prompts, prompt_masks
 
 
 def _signature(tree: Any) -> tuple[Any, list[str]]:
@@ -326,8 +322,8 @@ _rollout_jit = eqx.filter_jit(_rollout)
 def rollout_multiturn(
     policy: AbstractDecoder,
     env: Environment,
-    prompts: Int[Array, "B P"],
-    prompt_masks: Bool[Array, "B P"],
+    prompts: Integer[ArrayLike, "B P"],
+    prompt_masks: Bool[ArrayLike, "B P"] | Integer[ArrayLike, "B P"],
     key: PRNGKeyArray,
     *,
     max_turns: int,
@@ -361,7 +357,10 @@ def rollout_multiturn(
     - `policy`: a decoder (`rlhf_eqx.models.AbstractDecoder`, e.g. `rlhf_eqx.Policy`).
     - `env`: an `Environment`.
     - `prompts`, `prompt_masks`: `[B, P]` ids and real-token masks, left- or right-padded
-      (each row needs a real token; concrete ids outside the vocabulary raise).
+      (each row needs a real token; concrete ids outside the vocabulary raise). JAX or
+      NumPy arrays, as for `rlhf_eqx.generate_batch`: ids of any integer dtype, masks of
+      bools or the integers 0 and 1 (another value is a `ValueError` naming
+      `prompt_masks`); nested Python lists are refused.
     - `key`: PRNG key. Episode `e` uses `split(key, E)[e]`, split again into a policy
       key and an environment key (`env.reset`'s); token `t` of policy turn `k` is drawn
       with `fold_in(fold_in(policy_key, k), t)`, so a draw depends only on its episode,
@@ -409,7 +408,7 @@ def rollout_multiturn(
         num_samples=num_samples,
         episode_reward=episode_reward,
     )
-    policy = _check_policy(policy, prompts, opts)
+    policy, prompts, prompt_masks = _check_policy(policy, prompts, prompt_masks, opts)
     env = _check_environment(env, prompts.shape[1], opts.sampling.max_new_tokens)
-    traj = _rollout_jit(policy, env, prompts, prompt_masks.astype(jnp.bool_), key, opts)
+    traj = _rollout_jit(policy, env, prompts, prompt_masks, key, opts)
     return _check_values(traj, type(env).__name__, policy.vocab_size)

@@ -8,7 +8,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Int, PRNGKeyArray
+from jaxtyping import ArrayLike, Bool, Integer, PRNGKeyArray
 
 from .._sampling import DEFAULT_TEMPERATURE
 from ..models import AbstractDecoder
@@ -153,8 +153,8 @@ def _step(env: HostEnvironment, completion: list[int], where: str) -> tuple[obje
 def rollout_multiturn_host(
     policy: AbstractDecoder,
     env: Environment | Callable[[], HostEnvironment] | Sequence[HostEnvironment],
-    prompts: Int[Array, "B P"],
-    prompt_masks: Bool[Array, "B P"],
+    prompts: Integer[ArrayLike, "B P"],
+    prompt_masks: Bool[ArrayLike, "B P"] | Integer[ArrayLike, "B P"],
     key: PRNGKeyArray,
     *,
     max_turns: int,
@@ -180,7 +180,8 @@ def rollout_multiturn_host(
     going. With the same `key` and options it returns the same `Trajectory` as
     `rollout_multiturn` does for the same environment.
 
-    **Arguments:** as `rollout_multiturn`, except `env`:
+    **Arguments:** as `rollout_multiturn` (`prompts`, `prompt_masks`: JAX or NumPy
+    arrays, integer ids, bool or 0 / 1 integer masks), except `env`:
 
     - a factory `() -> HostEnvironment`, called once per episode (episode `e` gets the
       `e`-th object; episodes are numbered as the output rows);
@@ -219,8 +220,7 @@ def rollout_multiturn_host(
         num_samples=num_samples,
         episode_reward=episode_reward,
     )
-    policy = _check_policy(policy, prompts, opts)
-    prompt_masks = jnp.asarray(prompt_masks, jnp.bool_)
+    policy, prompts, prompt_masks = _check_policy(policy, prompts, prompt_masks, opts)
     eps, prompts_e, masks_e, policy_keys, env_keys = _host_start(
         policy, prompts, prompt_masks, key, opts.turn, opts.num_samples
     )

@@ -4,6 +4,7 @@ policy after a learning rate of 1e6, whose update is finite) makes the point's m
 NaN rather than being dropped from it (a mean of the other seeds alone, or no entry)."""
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -36,3 +37,5 @@ def test_a_non_finite_member_number_is_in_its_points_mean(tmp_path):
             assert got["n"] == len(values), (name, k)
             assert _same(got["mean"], float(np.mean(values))), (name, k, got)
     assert math.isnan(res.summary["points"]["learning_rate=1e+06"]["metrics"]["kl"]["mean"])
+    # a sweep of SFT runs nothing before its members: no shared stages' seed directory
+    assert not os.path.exists(os.path.join(res.out, "seeds"))

@@ -68,13 +68,13 @@ def builtin_start(
     source in `env.reward`."""
     seed = cfg.ops.seed
     run_dir = seed_dir(out, seed)
-    os.makedirs(run_dir, exist_ok=True)
     key = jax.random.key(seed)
     evaluate = task_evaluator(cfg, tok, base, key)
 
     env = sweep_env(cfg, base, tok, run_dir, key, resume=resume, say=say)
-    if not sft:
+    if not sft:  # nothing runs before the members: no directory of the seed's own
         return SeedStart(seed, key, env.label, env, evaluate)
+    os.makedirs(run_dir, exist_ok=True)
     shared = ["sft", "reward"] if reward else ["sft"]
     extra = {"seed": seed, "shared": ", ".join(shared)}
     with sweep_trackers(cfg, run_dir, out, f"seed-{seed}", extra, resume=resume):

@@ -199,3 +199,12 @@ def test_a_zip_archive_is_refused_as_such(tmp_path):
         archive.writestr("pairs.jsonl", "{}\n")
     with pytest.raises(data.DataError, match=f"^{re.escape(str(path))}: a zip archive; extract"):
         data.load_preferences(path, lenient=True)
+
+
+def test_a_null_label_in_a_tables_first_row_keeps_it_unpaired_data(tmp_path):
+    rows = {"prompt": ["a", "b"], "completion": [" x", " y"], "label": [None, False]}
+    path = _parquet(tmp_path / "kto.parquet", rows)
+    with pytest.raises(data.DataError, match="keys \\['completion', 'label', 'prompt'\\]"):
+        data.load_demonstrations(path)  # not an undesirable completion trained on
+    with pytest.raises(data.DataError, match=f"^{re.escape(path)}: row 0: column 'label' is null"):
+        data.load_unpaired(path)

@@ -425,12 +425,13 @@ def load_records(
         first = (where, rename_columns(item, columns) if isinstance(item, dict) else item)
         records = ((where, rename_columns(item, columns)) for where, item in records)
     if format == "auto":
-        # The layout of the row with its null columns first: a null `prompt` beside
-        # `chosen` / `rejected` is a pair with a null prompt (refused by its column, as
-        # the JSON line with `"prompt": null` is), not an implicit-prompt pair.
-        detected = detect(shape) or detect(first[1])
+        # The layout of the row with its null columns, as of the JSON line with its
+        # nulls: a null `prompt` beside `chosen` / `rejected` is a pair with a null
+        # prompt (refused by its column), not an implicit-prompt pair; a null `label` is
+        # an unpaired record's, not a prompt-completion demonstration.
+        detected = detect(shape)
         if detected is None:
-            keys = source_names(str(sorted(first[1])), columns)
+            keys = source_names(str(sorted(shape)), columns)
             mapped = f" (columns read as: {columns})" if columns else ""
             raise DataError(
                 f"{first[0]}: cannot tell the {kind} format from the keys {keys}{mapped}; "

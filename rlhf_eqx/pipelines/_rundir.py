@@ -112,10 +112,26 @@ def removed_if_nothing_ran(path: str):
     try:
         yield
     except (Exception, KeyboardInterrupt) as e:
-        if fresh and os.path.isdir(path) and not _anything_ran(path):
-            shutil.rmtree(path, ignore_errors=True)
+        if fresh and os.path.isdir(path) and _remove_unrun(path):
             _mark_nothing_ran(e)
         raise
+
+
+def _remove_unrun(path: str) -> bool:
+    """Remove the directory `path` when nothing ran in it (`_anything_ran`), holding its
+    lock meanwhile; whether it was removed. A directory another run holds (one that
+    started there after `removed_if_nothing_ran` looked: the refusal that brought it
+    here) is that run's, and stays."""
+    try:
+        lock = RunLock(path)
+    except (RunDirError, OSError):
+        return False
+    if _anything_ran(path):
+        lock.release()
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    lock.release(remove=False)  # its file went with the directory
+    return True
 
 
 def _mark_nothing_ran(error: BaseException | None) -> None:
@@ -197,10 +213,16 @@ class RunLock:
     (or leaving the `with` block) unlocks and removes the file."""
 
     def __init__(self, run_dir: str):
-        os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, LOCK_NAME)
+        try:
+            os.makedirs(run_dir, exist_ok=True)
+        except OSError as e:
+            raise unusable_dir(run_dir, e) from None
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                raise unusable_dir(run_dir, e) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
@@ -250,6 +272,25 @@ class RunLock:
 
     def __exit__(self, *exc):
         self.release()
+
+
+def unusable_dir(run_dir: str, e: OSError) -> Exception:
+    """`e`, raised creating `run_dir` or its lock, as the one line a user acts on: a
+    `RunDirError` naming `run_dir` for a path that is (or passes through) a file, a
+    directory without write permission and a read-only file system; a full disk as
+    `DiskFullError` (`disk_error`); any other error as it is."""
+    if e.errno in (errno.EEXIST, errno.ENOTDIR) and not os.path.isdir(run_dir):
+        what = "is a file" if os.path.lexists(run_dir) else "passes through a file"
+        return RunDirError(
+            f"{run_dir} {what}, not a directory; choose a directory for the run (--out)"
+        )
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        where = e.filename or run_dir
+        why = "read-only file system" if e.errno == errno.EROFS else "permission denied"
+        return RunDirError(
+            f"{run_dir}: cannot write the run directory ({where}: {why}); choose a writable --out"
+        )
+    return disk_error(e, run_dir)
 
 
 def _same_file(fd: int, path: str) -> bool:

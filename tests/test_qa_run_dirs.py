@@ -7,8 +7,13 @@ whole one, which `keep` then never prunes in favour of the damaged one)."""
 import errno
 import os
 
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
 import pytest
 
+import rlhf_eqx as rx
 from rlhf_eqx import pipelines as pl
 from rlhf_eqx.__main__ import main
 
@@ -70,3 +75,41 @@ def test_a_run_refused_by_a_run_that_took_the_new_directory_first_leaves_it(tmp_
         pl.tools.run_seeds(pl.PipelineConfig(out=str(out)), 2, run=lambda c, **kw: {})
     assert sorted(os.listdir(out)) == [".lock", "config.json"]
     other[0].release()
+
+
+def _quadratic():
+    opt = optax.sgd(0.1)
+    state = rx.train.init_train_state({"w": jnp.full((3,), 2.0)}, opt)
+
+    def iteration(state, key, i):
+        g = jax.grad(lambda p: jnp.sum((p["w"] - jax.random.normal(key, (3,))) ** 2))(state.params)
+        updates, opt_state = opt.update(g, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        new = eqx.tree_at(lambda s: (s.params, s.opt_state), state, (params, opt_state))
+        return new, [{"loss": jnp.sum(params["w"] ** 2)}], {}
+
+    return state, iteration
+
+
+def test_a_resume_past_a_damaged_checkpoint_sets_it_aside_and_keeps_the_whole_ones(
+    tmp_path, capsys
+):
+    state, iteration = _quadratic()
+    log = pl.tools.MetricsLog(str(tmp_path), "q", quiet=True)
+    ck = str(tmp_path / "ck")
+    kw = dict(key=jax.random.key(0), log=log, checkpoint_dir=ck)
+    ops = pl.OpsConfig(quiet=True, checkpoint_every=2, keep=3)
+    pl.loop.run_iterations(state, iteration, num_iterations=6, ops=ops, **kw)
+    assert sorted(os.listdir(ck)) == ["iter_00000002", "iter_00000004", "iter_00000006"]
+    with open(os.path.join(ck, "iter_00000006", "state.eqx"), "r+b") as f:
+        f.truncate(10)  # torn on the disk
+    capsys.readouterr()
+    # resumed with more iterations, a final checkpoint only and ops.keep=2: it goes on from
+    # iteration 4, and the damaged 6 does not take the place of the whole 4
+    ops = pl.OpsConfig(quiet=True, checkpoint_every=0, keep=2)
+    pl.loop.run_iterations(state, iteration, num_iterations=8, ops=ops, resume=True, **kw)
+    err = capsys.readouterr().err
+    aside = os.path.join(ck, "iter_00000006.damaged")
+    assert f"iter_00000006 (checksum mismatch); kept as {aside}" in err
+    assert sorted(os.listdir(ck)) == ["iter_00000004", "iter_00000006.damaged", "iter_00000008"]
+    assert pl.tools.latest_checkpoint(ck).endswith("iter_00000008")

@@ -170,18 +170,22 @@ def _checkpoints(directory: str) -> list[str]:
     return sorted(names)
 
 
-def latest_checkpoint(directory: str) -> str | None:
+def latest_checkpoint(directory: str, *, set_aside: bool = False) -> str | None:
     """The newest complete checkpoint under `directory` whose checksum matches (older
     ones are tried when the newest is damaged, each skipped with a warning), or `None`
-    when there is none.
+    when there is none. `set_aside` (a run resuming from it): the damaged ones are
+    renamed `<name>.damaged`, kept to look at but no longer among the last `keep` that
+    `save_checkpoint` keeps, where they would take the place of whole older ones.
 
     A directory whose checkpoints are *all* damaged raises `RunDirError` naming it and
     each checkpoint: whoever asks continues a run, and starting it again from iteration
     0 would not be what was asked (`--overwrite` moves the run aside for a new start)."""
     path, damaged = _newest(directory)
     for name, why in damaged:
+        aside = _set_aside(directory, name) if set_aside and path is not None else None
         print(
-            f"warning: skipping damaged checkpoint {os.path.join(directory, name)} ({why})",
+            f"warning: skipping damaged checkpoint {os.path.join(directory, name)} "
+            f"({why}){f'; kept as {aside}' if aside else ''}",
             file=sys.stderr,
         )
     if path is not None:
@@ -194,6 +198,23 @@ def latest_checkpoint(directory: str) -> str | None:
             "another --out"
         )
     return None
+
+
+def _set_aside(directory: str, name: str) -> str | None:
+    """Rename the damaged checkpoint `directory/name` to `<name>.damaged` (`-<n>` added
+    when taken): out of the checkpoints that pruning counts and a resume reads, kept for
+    whoever wants to look at it. Returns the new path, or `None` when it could not be
+    renamed (another process of the run did, say)."""
+    aside = os.path.join(directory, f"{name}.damaged")
+    n = 1
+    while os.path.lexists(aside):
+        aside = os.path.join(directory, f"{name}.damaged-{n}")
+        n += 1
+    try:
+        os.rename(os.path.join(directory, name), aside)
+    except OSError:
+        return None
+    return aside
 
 
 def _newest(directory: str) -> tuple[str | None, list[tuple[str, str]]]:

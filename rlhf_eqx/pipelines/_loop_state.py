@@ -210,7 +210,8 @@ class LoopCheckpoints:
         configuration differs outside the resumable fields, one past `num_iterations`
         (unless the run had stopped early), or one whose earlier steps lack their
         records in `log` (`check_logged_steps`) raises `RunDirError`."""
-        path = latest_checkpoint(self.directory) if self.directory is not None else None
+        directory = self.directory
+        path = latest_checkpoint(directory, set_aside=True) if directory is not None else None
         resumed, note = None, ""
         if path is not None:
             like = {"state": state, "key": jax.random.key_data(self.key)}

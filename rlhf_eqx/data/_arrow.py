@@ -165,7 +165,9 @@ def _held(directory: str) -> str:
     """What a directory without a dataset holds that a reader reads, as a hint: its JSON
     files (each read alone), or the `data/` folder of a hub dataset's clone."""
     found = sorted(
-        n for n in os.listdir(directory) if n.lower().endswith((".jsonl", ".json", ".gz"))
+        n
+        for n in os.listdir(directory)
+        if n.lower().endswith((".jsonl", ".json", ".gz", ".bz2", ".xz", ".zst"))
     )
     if found:
         more = f", ... ({len(found)} files)" if len(found) > 3 else ""

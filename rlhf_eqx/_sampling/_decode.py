@@ -159,13 +159,15 @@ def _check_batch(
     policy: AbstractDecoder, prompts: Any, prompt_masks: Any, opts: SamplingOptions
 ) -> tuple[Any, Any]:
     """The host-side checks of a batch of prompts: `prompts` and `prompt_masks` of one
-    shape, then `prompt_arrays`' (0 / 1 mask values, concrete ids inside the vocabulary,
-    a real token in every concrete row), `P + max_new_tokens` within the model's
-    `max_seq_len`, stop ids inside the vocabulary (each raises a `ValueError` naming what
-    is wrong). Returns `(prompts, prompt_masks)` as `prompt_arrays` does."""
-    if prompts.shape != prompt_masks.shape:
+    `[B, P]` shape (also with the shape checks off), then `prompt_arrays`' (0 / 1 mask
+    values, concrete ids inside the vocabulary, a real token in every concrete row),
+    `P + max_new_tokens` within the model's `max_seq_len`, stop ids inside the
+    vocabulary (each raises a `ValueError` naming what is wrong). Returns `(prompts,
+    prompt_masks)` as `prompt_arrays` does."""
+    if prompts.ndim != 2 or prompts.shape != prompt_masks.shape:
         raise ValueError(
-            f"prompts {prompts.shape} and prompt_masks {prompt_masks.shape} differ in shape"
+            f"prompts {prompts.shape} and prompt_masks {prompt_masks.shape} must be the "
+            "same [B, P] shape"
         )
     prompts, prompt_masks = prompt_arrays(prompts, prompt_masks, policy.vocab_size)
     _check_length(policy, prompts.shape[-1], opts.max_new_tokens)

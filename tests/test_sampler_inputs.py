@@ -150,3 +150,12 @@ def test_traced_prompts_and_masks_sample_as_concrete_ones(policy):
     sample = jax.jit(lambda p, m: rx.generate_batch(policy, p, m, KEY, **SAMPLING))
     _assert_identical(sample(*REFERENCE), want)
     _assert_identical(sample(REFERENCE[0], jnp.asarray(MASK, jnp.int32)), want)
+
+
+def test_generate_vmapped_over_prompts_takes_integer_masks(policy):
+    """`generate` under the caller's `vmap` (traced rows): an integer mask samples as
+    the bool one."""
+    sample = jax.vmap(lambda p, m: rx.generate(policy, p, m, KEY, **SAMPLING))
+    want = sample(*REFERENCE)
+    _assert_identical(sample(REFERENCE[0], jnp.asarray(MASK, jnp.int32)), want)
+    _assert_identical(sample(REFERENCE[0], jnp.asarray(MASK, jnp.uint8)), want)

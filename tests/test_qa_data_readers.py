@@ -208,3 +208,20 @@ def test_a_null_label_in_a_tables_first_row_keeps_it_unpaired_data(tmp_path):
         data.load_demonstrations(path)  # not an undesirable completion trained on
     with pytest.raises(data.DataError, match=f"^{re.escape(path)}: row 0: column 'label' is null"):
         data.load_unpaired(path)
+
+
+def test_an_arrow_file_cut_short_names_the_first_row_it_cannot_read(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pytest.importorskip("pyarrow.ipc")
+    rows = [{"prompt": f"p{i}" * 200, "chosen": " a", "rejected": " b"} for i in range(6)]
+    table = pa.Table.from_pylist(rows)
+    path = tmp_path / "pairs.arrow"
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=2):
+            writer.write_batch(batch)
+    path.write_bytes(path.read_bytes()[:-900])  # into the last batch's body
+    refusal = (
+        f"^{re.escape(str(path))}: row 4: not a readable Arrow file: .* \\(from this row on\\)$"
+    )
+    with pytest.raises(data.DataError, match=refusal):
+        data.load_preferences(path)

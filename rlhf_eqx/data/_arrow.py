@@ -278,11 +278,16 @@ class Table:
         for file in self.files:
             self._file_columns = tuple(_schema(file).names)
             n = 0
-            for batch in _batches(file):
-                for row in _as_written(batch).to_pylist():
-                    report.read += 1
-                    yield f"{file}: row {n}", _without_nulls(row)
-                    n += 1
+            try:
+                for batch in _batches(file):
+                    for row in _as_written(batch).to_pylist():
+                        report.read += 1
+                        yield f"{file}: row {n}", _without_nulls(row)
+                        n += 1
+            except _Unreadable as e:  # damaged after its first rows: say where
+                if not n:
+                    raise
+                raise DataError(f"{file}: row {n}: {e.reason} (from this row on)") from None
 
     def with_nulls(self, row: dict) -> dict:
         """`row` (the last row yielded) with the columns of its file that are null in it
@@ -330,9 +335,17 @@ def _without_nulls(value):
     return value
 
 
+class _Unreadable(DataError):
+    """A file that pyarrow cannot read: `reason` without the path."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"{path}: {reason}")
+        self.reason = reason
+
+
 def _unreadable(path: str, e: Exception) -> DataError:
     kind = "Parquet" if path.lower().endswith(".parquet") else "Arrow"
-    return DataError(f"{path}: not a readable {kind} file: {e}")
+    return _Unreadable(path, f"not a readable {kind} file: {' '.join(str(e).split())}")
 
 
 def _schema(path: str):

@@ -225,3 +225,12 @@ def test_an_arrow_file_cut_short_names_the_first_row_it_cannot_read(tmp_path):
     )
     with pytest.raises(data.DataError, match=refusal):
         data.load_preferences(path)
+
+
+def test_a_conversational_prompt_with_a_text_completion_says_both_must_agree(tmp_path):
+    path = tmp_path / "sft.jsonl"
+    row = {"prompt": [{"role": "user", "content": "Hi"}], "completion": "Hello."}
+    path.write_text(json.dumps(row) + "\n")
+    says = ":1: wrong type: 'prompt' is a list of messages but 'completion' is a string; give"
+    with pytest.raises(data.DataError, match=f"^{re.escape(str(path) + says)}"):
+        data.load_demonstrations(path)

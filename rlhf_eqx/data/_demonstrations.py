@@ -172,6 +172,13 @@ def _parse_prompt_completion(
         if not any(_said(m) for m in completion):
             raise Unusable("empty completion")
         return trained(join_reply(prompt, completion), len(prompt) - 1, prompt=prompt)
+    if isinstance(record.get("prompt"), list) and isinstance(record.get("completion"), str):
+        raise Malformed(
+            "wrong type",
+            "'prompt' is a list of messages but 'completion' is a string; give the "
+            "completion as messages too (TRL's conversational prompt-completion), or both "
+            "as strings",
+        )
     return _checked(string_field(record, "prompt"), string_field(record, "completion"))
 
 

@@ -4,6 +4,7 @@ same new directory at once (the one refused leaves the other's directory alone),
 checkpoint directory whose newest checkpoint is damaged (the run goes on from the older
 whole one, which `keep` then never prunes in favour of the damaged one)."""
 
+import dataclasses
 import errno
 import os
 
@@ -113,3 +114,32 @@ def test_a_resume_past_a_damaged_checkpoint_sets_it_aside_and_keeps_the_whole_on
     assert f"iter_00000006 (checksum mismatch); kept as {aside}" in err
     assert sorted(os.listdir(ck)) == ["iter_00000004", "iter_00000006.damaged", "iter_00000008"]
     assert pl.tools.latest_checkpoint(ck).endswith("iter_00000008")
+
+
+def test_a_data_file_run_resumed_by_another_stage_command_is_refused(tmp_path):
+    # `sft --data FILE --out RUN`, then `dpo --data FILE --out RUN --resume`: DPO on a
+    # data file starts from model.source, so it would not continue the SFT run, only
+    # replace its summary in the same directory
+    data = tmp_path / "pairs.jsonl"
+    data.write_text('{"prompt": "Tom saw a dog.", "chosen": " Hi.", "rejected": " No."}\n')
+    run_dir = str(tmp_path / "run")
+
+    def cfg(stage):
+        c = pl.PipelineConfig(out=run_dir, stages=(stage,))
+        return dataclasses.replace(c, data=dataclasses.replace(c.data, path=str(data)))
+
+    with pl.tools.open_run_dir(cfg("sft"), run_dir):
+        pl.tools.MetricsLog(run_dir, "sft", quiet=True).write({"iteration": 0, "step": 0})
+    with open(os.path.join(run_dir, "config.json")) as f:
+        stored = f.read()
+    with pytest.raises(pl.loop.RunDirError) as e:
+        pl.tools.open_run_dir(cfg("dpo"), run_dir, resume=True)
+    assert str(e.value) == (
+        f"{run_dir} holds a run of sft on a data file, which dpo does not continue (a stage "
+        f"on a data file starts from model.source); choose another --out (--model {run_dir} "
+        "trains from its exported policy)"
+    )
+    with open(os.path.join(run_dir, "config.json")) as f:
+        assert f.read() == stored
+    with pl.tools.open_run_dir(cfg("sft"), run_dir, resume=True) as rd:  # its own stage resumes
+        assert rd.resume

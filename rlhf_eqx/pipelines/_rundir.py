@@ -402,6 +402,7 @@ def open_run_dir(
             # Every check before anything in the directory changes: a refused resume
             # leaves it as it was.
             changes = check_resumable(old, new, where=run_dir)
+            _check_same_data_stages(run_dir, old, new)
             check_upstream_counts(run_dir, changes, _stages_with_checkpoints)
             metrics = os.path.join(run_dir, "metrics.jsonl")
             bad = bad_line(metrics)
@@ -427,6 +428,27 @@ def open_run_dir(
         lock.release()
         raise
     return RunDir(run_dir, lock, resume, notes, replaced)
+
+
+def _check_same_data_stages(run_dir: str, old: dict, new: dict) -> None:
+    """Refuse (`RunDirError`) to resume a run on a data file (`data.path`) with stages
+    that leave out one it ran (`sft --data FILE` resumed by `dpo --data FILE`): a stage
+    on a data file starts from `model.source`, not from the stages before it, so the
+    other stage would not continue the run, only replace its summary. The built-in
+    task's pipeline may change its `stages` (a stage added trains from SFT's result)."""
+    if (new.get("data") or {}).get("path") is None:
+        return
+    ran, asked = old.get("stages"), new.get("stages")
+    if not (isinstance(ran, list) and isinstance(asked, list)):
+        return
+    left = [s for s in ran if s not in asked]
+    if left:
+        raise RunDirError(
+            f"{run_dir} holds a run of {', '.join(map(str, ran))} on a data file, which "
+            f"{', '.join(map(str, asked))} does not continue (a stage on a data file "
+            f"starts from model.source); choose another --out (--model {run_dir} trains "
+            "from its exported policy)"
+        )
 
 
 def check_stage_checkpoints(run_dir: str, new: dict) -> None:

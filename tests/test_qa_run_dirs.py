@@ -143,3 +143,19 @@ def test_a_data_file_run_resumed_by_another_stage_command_is_refused(tmp_path):
         assert f.read() == stored
     with pl.tools.open_run_dir(cfg("sft"), run_dir, resume=True) as rd:  # its own stage resumes
         assert rd.resume
+
+
+def test_a_refused_resume_names_what_may_change_of_the_stages_it_runs(tmp_path):
+    run_dir = str(tmp_path / "run")
+    cfg = pl.PipelineConfig(out=run_dir, stages=("sft",))
+    with pl.tools.open_run_dir(cfg, run_dir):
+        pl.tools.MetricsLog(run_dir, "sft", quiet=True).write({"iteration": 0, "step": 0})
+    seeded = dataclasses.replace(cfg, ops=dataclasses.replace(cfg.ops, seed=3))
+    with pytest.raises(pl.loop.RunDirError) as e:
+        pl.tools.open_run_dir(seeded, run_dir, resume=True)
+    message = str(e.value)
+    assert message.startswith(
+        f"{run_dir}: cannot resume with a different configuration (ops.seed: 0 -> 3). Only "
+        "iteration counts (sft.steps) and out, notes, stages, eval_samples, ops.quiet,"
+    )
+    assert "\n" not in message and "grpo." not in message and "dpo." not in message

@@ -170,11 +170,30 @@ def check_resumable(old: dict, new: dict, *, where: str) -> list[tuple[str, obje
         lines = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in bad)
         raise RunDirError(
             f"{where}: cannot resume with a different configuration ({lines}). Only "
-            f"iteration counts ({', '.join(counts)}) and "
-            f"{', '.join(resumable)} may change on resume; start a new run "
+            f"iteration counts ({', '.join(_running(counts, new))}) and "
+            f"{', '.join(_running(resumable, new))} may change on resume; start a new run "
             "(another --out, or --overwrite) to train with other settings"
         )
     return changes
+
+
+def _running(fields, new: dict) -> list[str]:
+    """`fields` (dotted) but those of the sections of registered stages that the
+    configuration `new` does not run (its `stages`, and SFT on the built-in task): what a
+    refused resume names as changeable. All of them when a stage is not registered."""
+    from ._registry import find_stage, stages
+
+    names = new.get("stages")
+    if not isinstance(names, list):
+        return list(fields)
+    if (new.get("data") or {}).get("path") is None:
+        names = ["sft", *names]
+    found = [find_stage(n) if isinstance(n, str) else None for n in names]
+    if None in found:
+        return list(fields)
+    keys = {st.key for st in found}
+    others = {st.key for st in stages()} - keys
+    return [f for f in fields if f.split(".")[0] not in others]
 
 
 def _stored_config(run_dir: str):

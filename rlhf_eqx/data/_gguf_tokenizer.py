@@ -171,7 +171,12 @@ def _undecodable_entry(field) -> str:
     return ""
 
 
-def _byte_level_model(tokens, merges, unk_id, ignore_merges, path):
+def _byte_level_model(tokens, types, merges, unk_id, ignore_merges, path):
+    """The byte-level BPE model: ordinary tokens under their byte-alphabet spelling
+    (a token outside that alphabet spelled from its UTF-8 bytes), control and
+    user-defined tokens under their own text, as llama.cpp's converter writes them
+    (DeepSeek's `<｜User｜>`, a user-defined run of spaces): the added tokens of the same
+    text then take their ids."""
     from tokenizers import decoders, models
 
     if merges is None:
@@ -180,8 +185,9 @@ def _byte_level_model(tokens, merges, unk_id, ignore_merges, path):
     alphabet = set(spelling.values())
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
-        spelled = t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))
-        vocab.setdefault(spelled, i)
+        added = types is not None and types[i] in (CONTROL, USER_DEFINED)
+        as_is = added or set(t) <= alphabet
+        vocab.setdefault(t if as_is else "".join(spelling[b] for b in t.encode("utf-8")), i)
     pairs = []
     for i, m in enumerate(merges):
         left, sep, right = m.partition(" ")
@@ -195,7 +201,7 @@ def _byte_level_model(tokens, merges, unk_id, ignore_merges, path):
     model = models.BPE(
         vocab=vocab, merges=pairs, unk_token=unk, fuse_unk=False, ignore_merges=ignore_merges
     )
-    return model, decoders.ByteLevel(), alphabet
+    return model, decoders.ByteLevel()
 
 
 def _sentencepiece_model(tokens, scores, types, unk_id, add_space_prefix, path):
@@ -232,7 +238,7 @@ def _sentencepiece_model(tokens, scores, types, unk_id, add_space_prefix, path):
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     if add_space_prefix:
         steps.append(decoders.Strip(content=" ", left=1, right=0))
-    return model, decoders.Sequence(steps), None
+    return model, decoders.Sequence(steps)
 
 
 def tokenizer_from_gguf(reader, path: str | os.PathLike | None = None) -> HFTokenizer:
@@ -298,14 +304,14 @@ def tokenizer_from_gguf(reader, path: str | os.PathLike | None = None) -> HFToke
             )
         llama3 = pre in LLAMA3_RULES
         merges = _field(reader, "tokenizer.ggml.merges", path)
-        model, decoder, alphabet = _byte_level_model(
-            tokens, merges, ids["unknown_token_id"], llama3, path
+        model, decoder = _byte_level_model(
+            tokens, types, merges, ids["unknown_token_id"], llama3, path
         )
         normalizer, pre_tokenizer = None, split_pre_tokenizer(_PRE_SPLITS[pre])
         add_bos = bool(add_bos) if add_bos is not None else llama3
     else:
         add_space_prefix = True if add_space_prefix is None else bool(add_space_prefix)
-        model, decoder, alphabet = _sentencepiece_model(
+        model, decoder = _sentencepiece_model(
             tokens, _field(reader, "tokenizer.ggml.scores", path), types, ids["unknown_token_id"],
             add_space_prefix, path,
         )  # fmt: skip
@@ -323,17 +329,16 @@ def tokenizer_from_gguf(reader, path: str | os.PathLike | None = None) -> HFToke
         tok.pre_tokenizer = pre_tokenizer
     tok.decoder = decoder
     if types is not None:
-        # a control token outside GPT-2's byte alphabet is a mislabelled ordinary token
         special = [
             AddedToken(t, special=True, normalized=False)
             for t, ty in zip(tokens, types)
-            if ty == CONTROL and (alphabet is None or set(t) <= alphabet)
+            if ty == CONTROL
         ]
         tok.add_special_tokens(special)
         user = [
             AddedToken(t, special=False, normalized=False)
             for t, ty in zip(tokens, types)
-            if ty == USER_DEFINED and (alphabet is None or set(t) <= alphabet)
+            if ty == USER_DEFINED
         ]
         tok.add_tokens(user)
     if tok.get_vocab_size(with_added_tokens=True) != n:

@@ -1,0 +1,181 @@
+"""GGUF files as a llama.cpp user makes them: written with llama.cpp's own `gguf.GGUFWriter`
+(small random models of each architecture `load_gguf` reads, each tensor type,
+odd-but-legal metadata), read, written back with `rx.save_gguf` and read again; and
+damaged files, each refused in one line naming the file and the tensor or key."""
+
+import os
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlhf_eqx import data
+
+gguf = pytest.importorskip("gguf", reason="GGUF files need the gguf package")
+T = gguf.GGMLQuantizationType
+
+CHAT = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _byte_alphabet() -> list[str]:
+    """GPT-2's byte alphabet, in byte order of its printable characters first."""
+    bs = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    cs, extra = list(bs), 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + extra)
+            extra += 1
+    return [chr(c) for c in cs]
+
+
+def _gpt2_tokenizer(w, V: int, *, added=(), pre="gpt-2") -> list[str]:
+    """A byte-level vocabulary of `V` tokens (bytes, a few merges, unreachable fillers,
+    then the `added` `(text, type)` tokens and three control tokens) written to `w`."""
+    toks = _byte_alphabet() + ["he", "ll", "hell", "hello", "Ġw", "or", "Ġwor", "ld", "Ġworld"]
+    merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "l d", "Ġwor ld"]
+    tail = [*added, ("<|endoftext|>", 3), ("<|im_start|>", 3), ("<|im_end|>", 3)]
+    toks += [f"x{i}y" for i in range(V - len(toks) - len(tail))]
+    types = [1] * len(toks) + [ty for _, ty in tail]
+    toks += [t for t, _ in tail]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(toks)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(V - 3)
+    w.add_eos_token_id(V - 1)
+    w.add_pad_token_id(V - 3)
+    w.add_chat_template(CHAT)
+    return toks
+
+
+# byte offsets of the float16 scales in a K-quant block (ggml's `block_q4_K`, ...)
+_K_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def _write(
+    path,
+    arch: str = "llama",
+    *,
+    tied=False,
+    D=64,
+    F=128,
+    H=4,
+    KV=2,
+    HD=None,
+    L=2,
+    V=300,
+    kind=T.F32,
+    window=None,
+    alignment=None,
+    added=(),
+) -> str:
+    """A random `arch` model written with `gguf.GGUFWriter` as llama.cpp lays it out:
+    matrices stored as `kind`, norms and biases float32; qwen2 with q/k/v biases,
+    qwen3 / gemma3 with q/k norms, gemma2/3 with the post norms."""
+    rng = np.random.default_rng(0)
+    HD = HD or D // H
+    w = gguf.GGUFWriter(os.fspath(path), arch)
+    if alignment:
+        w.add_custom_alignment(alignment)
+    w.add_context_length(256)
+    w.add_embedding_length(D)
+    w.add_block_count(L)
+    w.add_feed_forward_length(F)
+    w.add_head_count(H)
+    w.add_head_count_kv(KV)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    w.add_key_length(HD)
+    w.add_value_length(HD)
+    if window:
+        w.add_sliding_window(window)
+    w.add_array("general.tags", ["ünïcödé", "中文", "🙂", ""])
+    _gpt2_tokenizer(w, V, added=added)
+    shapes = {"token_embd.weight": (V, D), "output_norm.weight": (D,)}
+    if not tied:
+        shapes["output.weight"] = (V, D)
+    for i in range(L):
+        p = f"blk.{i}."
+        shapes |= {p + "attn_norm.weight": (D,), p + "ffn_norm.weight": (D,),
+                   p + "attn_q.weight": (H * HD, D), p + "attn_k.weight": (KV * HD, D),
+                   p + "attn_v.weight": (KV * HD, D), p + "attn_output.weight": (D, H * HD),
+                   p + "ffn_gate.weight": (F, D), p + "ffn_up.weight": (F, D),
+                   p + "ffn_down.weight": (D, F)}  # fmt: skip
+        if arch == "qwen2":
+            shapes |= {p + f"attn_{x}.bias": (n * HD,) for x, n in (("q", H), ("k", KV), ("v", KV))}
+        if arch in ("qwen3", "gemma3"):
+            shapes |= {p + "attn_q_norm.weight": (HD,), p + "attn_k_norm.weight": (HD,)}
+        if arch in ("gemma2", "gemma3"):
+            shapes |= {p + "post_attention_norm.weight": (D,), p + "post_ffw_norm.weight": (D,)}
+    for name, shape in shapes.items():
+        arr = 0.1 * rng.standard_normal(shape).astype(np.float32)
+        if len(shape) == 1:
+            w.add_tensor(name, arr + np.float32("norm" in name))
+        elif kind in (T.Q4_K, T.Q5_K, T.Q6_K):  # random blocks with small scales
+            qk, size = gguf.GGML_QUANT_SIZES[kind]
+            raw = rng.integers(0, 256, (shape[0], shape[1] // qk, size), dtype=np.uint8)
+            for at in _K_SCALES[kind.name]:
+                scale = rng.uniform(1e-4, 2e-4, raw.shape[:2]).astype("<f2")
+                raw[..., at : at + 2] = scale[..., None].view(np.uint8)
+            w.add_tensor(name, raw.reshape(shape[0], -1), raw_dtype=kind)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(arr, kind), raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return os.fspath(path)
+
+
+TOKENS = jnp.asarray([297, 5, 77, 101, 250, 3, 9, 44, 120, 199, 12, 15])
+
+
+def _logits(model) -> np.ndarray:
+    mask = jnp.ones(TOKENS.shape, bool)
+    return np.asarray(eqx.filter_jit(lambda m: m(TOKENS, mask))(model))
+
+
+def _one_line(excinfo, *parts) -> None:
+    msg = str(excinfo.value)
+    assert "\n" not in msg, msg
+    for part in parts:
+        assert part in msg, (part, msg)
+
+
+# ------------------------------------------------------------- byte-level added tokens
+
+
+def test_control_tokens_outside_the_byte_alphabet_are_single_ids(tmp_path):
+    """llama.cpp's converter writes added tokens as their text: DeepSeek-R1's
+    `<｜User｜>` (fullwidth bars, `▁`) and a user-defined run of spaces are outside
+    GPT-2's byte alphabet. Each is one id wherever it appears, BOS/EOS among them, and
+    they survive `save_gguf`."""
+    added = [("<｜begin▁of▁sentence｜>", 3), ("<｜User｜>", 3), ("<think>", 4), ("   ", 4)]
+    path = tmp_path / "ds.gguf"
+    w = gguf.GGUFWriter(os.fspath(path), "qwen2")
+    toks = _gpt2_tokenizer(w, 300, added=added, pre="deepseek-r1-qwen")
+    w.add_bos_token_id(toks.index("<｜begin▁of▁sentence｜>"))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    tok = data.tokenizer_from_gguf(path)
+    assert tok.bos_id == toks.index("<｜begin▁of▁sentence｜>")
+    ids = tok.encode("<｜User｜>hello world<think>hello   world")
+    assert [toks[i] for i in ids] == ["<｜User｜>", "hello", "Ġworld", "<think>", "hello",
+                                      "   ", "w", "or", "ld"]  # fmt: skip
+    assert tok.decode(ids) == "hello world<think>hello   world"  # the special one skipped
+    out = tmp_path / "out.gguf"
+    w = gguf.GGUFWriter(os.fspath(out), "qwen2")
+    data.add_tokenizer_metadata(w, tok)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    back = data.tokenizer_from_gguf(out)
+    assert back.encode("<｜User｜>hello world<think>hello   world") == ids
+    assert (back.bos_id, back.eos_id) == (tok.bos_id, tok.eos_id)

@@ -234,3 +234,21 @@ def test_a_conversational_prompt_with_a_text_completion_says_both_must_agree(tmp
     says = ":1: wrong type: 'prompt' is a list of messages but 'completion' is a string; give"
     with pytest.raises(data.DataError, match=f"^{re.escape(str(path) + says)}"):
         data.load_demonstrations(path)
+
+
+@pytest.mark.parametrize("name", ["pairs.jsonl", "pairs.json"])
+def test_a_lone_surrogate_escape_is_refused_by_its_line_and_field(tmp_path, name):
+    good = {"prompt": "Hi \\ud83d\\ude00", "chosen": [{"role": "assistant", "content": "a"}]}
+    bad = {"prompt": "Hi", "chosen": [{"role": "assistant", "content": "cut \\ud83d"}]}
+    rows = [{**r, "rejected": [{"role": "assistant", "content": "b"}]} for r in (good, bad)]
+    text = "[" + ",\n".join(json.dumps(r) for r in rows) + "]" if name.endswith(".json") else ""
+    text = text or "".join(json.dumps(r) + "\n" for r in rows)
+    path = tmp_path / name
+    path.write_text(text.replace("\\\\u", "\\u"))  # the JSON escapes \\ud83d, \\ude00
+    where = f"{path}:2" + (": item 1" if name.endswith(".json") else "")
+    says = "invalid text: 'chosen'[0]['content']: a lone surrogate \\ud83d at character 4"
+    with pytest.raises(data.DataError, match=f"^{re.escape(where + ': ' + says)} "):
+        data.load_preferences(path)
+    kept = data.load_preferences(path, lenient=True)
+    assert len(kept) == 1 and kept.report.skipped == {"invalid text": 1}
+    assert "\U0001f600" in kept[0].prompt  # a whole pair is a character

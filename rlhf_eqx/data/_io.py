@@ -20,6 +20,7 @@ import itertools
 import json
 import lzma
 import os
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import ClassVar, Generic, TypeVar, overload
 
@@ -266,6 +267,35 @@ def _refuse_delimited(path: str) -> None:
         )
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(value: object, key: str = "") -> str | None:
+    """Where a string of the parsed JSON `value` holds half a UTF-16 pair (a `\\ud83d`
+    escape without its other half, as text cut inside an emoji leaves it), which no
+    tokenizer encodes: `"'prompt': \\ud83d at character 2 (...)"`; `None` when none does."""
+    if isinstance(value, str):
+        found = _SURROGATE.search(value)
+        if found is None:
+            return None
+        return (
+            f"{key or 'a string'}: a lone surrogate \\u{ord(found[0]):04x} at character "
+            f"{found.start()} (half of a UTF-16 pair: text cut inside a character)"
+        )
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for k, v in items:
+        found = _lone_surrogate(v, f"{key}[{k!r}]" if key else repr(k))
+        if found:
+            return found
+    return None
+
+
 def read_json_records(
     path: str | os.PathLike, report: LoadReport, *, lenient: bool
 ) -> Iterator[tuple[str, dict]]:
@@ -288,6 +318,7 @@ def read_json_records(
             raise DataError(f"{where}: {reason}: {detail}")
         report.skip(where, reason, detail)
 
+    escaped = _SURROGATE_ESCAPE.search(data) is not None  # a \\udXXX escape anywhere
     items = _json_list(path, data)
     if items is not None:
         for n, (line, item) in enumerate(zip(_item_lines(data), items)):
@@ -295,6 +326,9 @@ def read_json_records(
             report.read += 1
             if not isinstance(item, dict):
                 bad(where, "not a JSON object", type(item).__name__)
+                continue
+            if escaped and (half := _lone_surrogate(item)):
+                bad(where, "invalid text", half)
                 continue
             yield where, item
         return
@@ -323,6 +357,9 @@ def read_json_records(
             continue
         if report.read == 1:
             _refuse_by_columns(path, item)
+        if escaped and (half := _lone_surrogate(item)):
+            bad(where, "invalid text", half)
+            continue
         yield where, item
 
 

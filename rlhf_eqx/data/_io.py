@@ -3,8 +3,9 @@ with `zstandard`), with a load report.
 
 Two kinds of bad input are told apart:
 
-- **malformed input** — a line that is not valid JSON or not valid UTF-8, a record that
-  is not an object, a missing key, a value of the wrong type: an error
+- **malformed input** — a line that is not valid JSON or not valid UTF-8 (or a string
+  with half of a UTF-16 pair, `"\\ud83d"`), a record that is not an object, a missing
+  key, a value of the wrong type: an error
   (`DataError` naming the file and line) unless `lenient=True`, in which case the record
   is skipped and counted in the report;
 - **unusable records** — well-formed, but with nothing to learn from (a preference pair

@@ -4,12 +4,14 @@ odd-but-legal metadata), read, written back with `rx.save_gguf` and read again; 
 damaged files, each refused in one line naming the file and the tensor or key."""
 
 import os
+import struct
 
 import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import rlhf_eqx as rx
 from rlhf_eqx import data
 
 gguf = pytest.importorskip("gguf", reason="GGUF files need the gguf package")
@@ -179,3 +181,60 @@ def test_control_tokens_outside_the_byte_alphabet_are_single_ids(tmp_path):
     back = data.tokenizer_from_gguf(out)
     assert back.encode("<｜User｜>hello world<think>hello   world") == ids
     assert (back.bos_id, back.eos_id) == (tok.bos_id, tok.eos_id)
+
+
+# ------------------------------------------------------------------- damaged files
+
+
+def _patched(src, out, name: str, part: str, value: int) -> str:
+    """A copy of `src` with one field of tensor `name`'s table entry overwritten:
+    `part` is "n_dims" (uint32) or "offset" (uint64)."""
+    with open(src, "rb") as f:
+        raw = bytearray(f.read())
+    entry = next(t for t in gguf.GGUFReader(src).tensors if t.name == name).field.offset
+    at = entry + 8 + struct.unpack_from("<Q", raw, entry)[0]  # past the name
+    n_dims = struct.unpack_from("<I", raw, at)[0]
+    if part == "n_dims":
+        struct.pack_into("<I", raw, at, value)
+    else:
+        struct.pack_into("<Q", raw, at + 4 + 8 * n_dims + 4, value)
+    with open(out, "wb") as f:
+        f.write(raw)
+    return os.fspath(out)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    return _write(tmp_path_factory.mktemp("gguf") / "small.gguf", L=1, alignment=64)
+
+
+@pytest.mark.parametrize(
+    "name, part, value, said",
+    [
+        ("blk.0.attn_k.weight", "offset", None, "not a multiple of the alignment 64"),
+        ("blk.0.attn_v.weight", "offset", 0, "inside the data of tensor 'token_embd.weight'"),
+        ("blk.0.attn_q.weight", "n_dims", 1000, "1000 dimensions, more than GGUF's 4"),
+    ],
+)
+def test_corrupt_tensor_table_entries_name_the_tensor(small, tmp_path, name, part, value, said):
+    """The `gguf` reader takes any data offset: a misaligned or overlapping one would
+    read another tensor's bytes as this one's (garbage weights, or a NaN blamed on the
+    weights); llama.cpp refuses both, and more than 4 dimensions."""
+    if value is None:
+        offset = next(t for t in gguf.GGUFReader(small).tensors if t.name == name)
+        value = int(offset.data_offset) - int(gguf.GGUFReader(small).data_offset) + 2
+    bad = _patched(small, tmp_path / "bad.gguf", name, part, value)
+    with pytest.raises(ValueError) as excinfo:
+        rx.load_gguf(bad)
+    _one_line(excinfo, bad, f"tensor {name!r}", said)
+
+
+def test_absurd_tensor_count_names_the_header(small, tmp_path):
+    with open(small, "rb") as f:
+        raw = bytearray(f.read())
+    struct.pack_into("<Q", raw, 8, 2**60)  # the tensor count, after magic and version
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(raw)
+    with pytest.raises(ValueError) as excinfo:
+        rx.load_gguf(bad)
+    _one_line(excinfo, os.fspath(bad), f"the header's tensor count {2**60} cannot be right")

@@ -106,6 +106,9 @@ def gguf_package():
 # byte sizes of the GGUF metadata value types (`gguf.GGUFValueType`); 8 is a string, 9 an array
 _VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY, _UINT32 = 8, 9, 4
+# ggml's GGML_MAX_DIMS, and the smallest tensor table entry (name length, dimension
+# count, one dimension, type, offset)
+_MAX_DIMS, _MIN_ENTRY = 4, 8 + 4 + 8 + 4 + 8
 
 
 class _Cut(Exception):
@@ -120,14 +123,23 @@ def _truncated(part: str, size: int) -> str:
     return f"truncated GGUF file: {part} runs past the end of the file ({size} bytes)"
 
 
+def _bad_count(n_tensors: int, left: int) -> str:
+    return (
+        f"the header's tensor count {n_tensors} cannot be right: that many tensor table "
+        f"entries take more than the {left} bytes left after the metadata (the header is "
+        "corrupt)"
+    )
+
+
 def layout_problem(path: str) -> str | None:
     """Why the `gguf` reader cannot take a GGUF file (v2/v3, little-endian), as one
     line: where it ends too early (`"truncated GGUF file: the header runs past the end
     ..."`, likewise `metadata key 'k'`, `the tensor table entry of 't'`, `the data of
-    tensor 't'`), or the tensor table entry of a tensor whose GGML type is unknown or
-    whose rows are not whole blocks of its type; `None` when nothing of that kind is
-    wrong (or the file is not one this walk understands: the reader's own error stands
-    then).
+    tensor 't'`), the tensor table entry of a tensor whose GGML type is unknown, whose
+    rows are not whole blocks of its type or with more than 4 dimensions, or a tensor
+    count too large for the file (the table would be read from the data); `None` when
+    nothing of that kind is wrong (or the file is not one this walk understands: the
+    reader's own error stands then).
 
     The layout walked is llama.cpp's `gguf.h`: magic, version, tensor count and key/value
     count; the key/value pairs (length-prefixed strings, typed scalars and arrays); the
@@ -161,6 +173,7 @@ def layout_problem(path: str) -> str | None:
             else:
                 take(_VALUE_SIZES[kind], what)
 
+        table_start = None
         try:
             if take(4, "the header") != b"GGUF" or number("I", "the header") not in (2, 3):
                 return None
@@ -175,10 +188,16 @@ def layout_problem(path: str) -> str | None:
                 else:
                     skip(kind, what)
             table = []
+            table_start = f.tell()
             for _ in range(n_tensors):
                 name = string("the tensor table").decode("utf-8", "replace")
                 what = f"the tensor table entry of {name!r}"
-                dims = [number("Q", what) for _ in range(number("I", what))]
+                n_dims = number("I", what)
+                if n_dims > _MAX_DIMS:
+                    raise _BadEntry(
+                        f"tensor {name!r} has {n_dims} dimensions, more than GGUF's {_MAX_DIMS}"
+                    )
+                dims = [number("Q", what) for _ in range(n_dims)]
                 kind, offset = number("I", what), number("Q", what)
                 if kind not in gguf.GGMLQuantizationType._value2member_map_:
                     raise _BadEntry(f"tensor {name!r} has GGML type id {kind}, which is unknown")
@@ -196,8 +215,12 @@ def layout_problem(path: str) -> str | None:
                 if start + offset + math.prod(dims) // block * block_bytes > size:
                     return _truncated(f"the data of tensor {name!r}", size)
         except _Cut as cut:
+            if table_start is not None and n_tensors * _MIN_ENTRY > size:
+                return _bad_count(n_tensors, size - table_start)
             return _truncated(str(cut), size)
         except _BadEntry as bad:
+            if n_tensors * _MIN_ENTRY > size - table_start:  # entries read from past the table
+                return _bad_count(n_tensors, size - table_start)
             return str(bad)
         except (KeyError, ValueError, ZeroDivisionError, MemoryError, OverflowError):
             return None  # not a layout this walk reads
@@ -209,7 +232,9 @@ def open_gguf(path: str):
 
     A file cut short is a `ValueError` naming the part it ends in, a tensor of an
     unknown type or with rows that are not whole blocks one naming the tensor
-    (`layout_problem`); a missing file a `FileNotFoundError`, a directory an
+    (`layout_problem`), as is one whose data offset is not a multiple of
+    `general.alignment` or lies inside another tensor's data (`_offset_problem`); a
+    missing file a `FileNotFoundError`, a directory an
     `IsADirectoryError` naming the `.gguf` files in it; other unreadable bytes a
     `ValueError` with the reader's reason. A file written in the other byte order (a
     big-endian file from an s390x machine, or one `gguf_convert_endian.py` wrote) has its
@@ -232,9 +257,39 @@ def open_gguf(path: str):
     for t in reader.tensors:
         if t.data_offset + int(t.n_bytes) > size or t.data.nbytes != int(t.n_bytes):
             raise ValueError(f"{path}: {_truncated(f'the data of tensor {t.name!r}', size)}")
+    problem = _offset_problem(reader)
+    if problem is not None:
+        raise ValueError(f"{path}: {problem}")
     if reader.byte_order == "S":  # written on a machine of the other byte order
         reader.tensors = [_host_order(t) for t in reader.tensors]
     return reader
+
+
+def _offset_problem(reader) -> str | None:
+    """Why the tensors' data offsets are not a layout llama.cpp writes, as one line
+    naming the tensor: an offset that is not a multiple of `general.alignment`, or data
+    that overlaps the previous tensor's (in offset order); `None` when they are sound.
+    The `gguf` reader takes any offset, so a corrupt one would read another tensor's
+    bytes (or padding) as this one's values."""
+    align = int(reader.alignment)
+    spans = sorted(  # in offset order, a tie in table order (the later entry is named)
+        (int(t.data_offset) - int(reader.data_offset), i, int(t.n_bytes), t.name)
+        for i, t in enumerate(reader.tensors)
+    )
+    end, previous = 0, None
+    for offset, _, n_bytes, name in spans:
+        if offset % align:
+            return (
+                f"tensor {name!r} has data offset {offset}, not a multiple of the "
+                f"alignment {align} (general.alignment): the tensor table is corrupt"
+            )
+        if offset < end:
+            return (
+                f"tensor {name!r} has data offset {offset}, inside the data of tensor "
+                f"{previous!r} (which ends at {end}): the tensor table is corrupt"
+            )
+        end, previous = offset + n_bytes, name
+    return None
 
 
 # Byte offsets of the float16 scales in one block of each block type (ggml's `block_*`

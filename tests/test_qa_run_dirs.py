@@ -6,6 +6,7 @@ whole one, which `keep` then never prunes in favour of the damaged one)."""
 
 import dataclasses
 import errno
+import json
 import os
 
 import equinox as eqx
@@ -159,3 +160,26 @@ def test_a_refused_resume_names_what_may_change_of_the_stages_it_runs(tmp_path):
         "iteration counts (sft.steps) and out, notes, stages, eval_samples, ops.quiet,"
     )
     assert "\n" not in message and "grpo." not in message and "dpo." not in message
+
+
+def test_seeds_refuse_resume_with_overwrite_even_when_every_seed_finished(tmp_path):
+    out = tmp_path / "seeds"
+    cfg = pl.PipelineConfig(out=str(out))
+    for seed in (0, 1):  # two finished seeds of this configuration
+        seed_dir = out / f"seed-{seed}"
+        seed_dir.mkdir(parents=True)
+        ops = dataclasses.replace(cfg.ops, seed=seed)
+        one = dataclasses.replace(cfg, out=str(seed_dir), ops=ops)
+        (seed_dir / "config.json").write_text(json.dumps(pl.config.config_to_dict(one)))
+        (seed_dir / "summary.json").write_text('{"stopped": "done"}')
+    ran = []
+
+    def run(c, **kw):
+        ran.append(c)
+        return {}
+
+    with pytest.raises(pl.loop.RunDirError, match="^--resume and --overwrite exclude each other$"):
+        pl.tools.run_seeds(cfg, 2, resume=True, overwrite=True, run=run)
+    assert ran == [] and sorted(os.listdir(out)) == ["seed-0", "seed-1"]
+    assert pl.tools.run_seeds(cfg, 2, resume=True, run=run)["seeds"] == [0, 1]
+    assert ran == []  # both read back

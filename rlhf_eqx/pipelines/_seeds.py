@@ -95,6 +95,8 @@ def run_seeds(
     **Returns:** the multi-seed summary.
     """
     check_seeds(seeds)
+    if resume and overwrite:  # a finished seed would be read back, not moved aside
+        raise RunDirError("--resume and --overwrite exclude each other")
     validate_config(cfg)
     run = run_pipeline if run is None else run
     out = cfg.out or os.path.join("runs", "pipeline")

@@ -45,9 +45,11 @@ class RewardConfig(BatchStageConfig, RewardSettings):
     sampled per prompt by the pipeline).
 
     Checkpoint selection: about `heldout_fraction` of the training pairs' prompts are
-    held out, labels as noisy as the rest; every `eval_every` steps (0: never) and at
-    the end their accuracy is measured and the model with the best accuracy is kept
-    (a reward model trained on noisy labels otherwise memorises them).
+    held out, labels as noisy as the rest; every `eval_every` steps and at the end
+    their accuracy is measured and the model with the best accuracy is kept (a reward
+    model trained on noisy labels otherwise memorises them). `eval_every=0`: no
+    selection, every pair trains (`heldout_fraction` is then not read and must keep its
+    default).
 
     Ensemble: `ensemble > 1` (>= 1) trains that many reward models in one vmapped step
     (`rlhf_eqx.train.make_ensemble_reward_step`), each on its own bootstrap resample of
@@ -65,14 +67,21 @@ class RewardConfig(BatchStageConfig, RewardSettings):
     ensemble_penalty: float = 0.0
 
     def check(self, name: str, *, device_count: int = 1) -> None:
-        """The reward stage's own rules: pairs per prompt, the held-out fraction, the
-        ensemble's size, mode and penalty (their defaults with `ensemble=1`: one reward
-        model scores alone)."""
+        """The reward stage's own rules: pairs per prompt, the held-out fraction (its
+        default with `eval_every=0`: nothing is held out), the ensemble's size, mode and
+        penalty (their defaults with `ensemble=1`: one reward model scores alone)."""
         del device_count
         _positive(f"{name}.pairs_per_prompt", self.pairs_per_prompt)
         if not 0 < self.heldout_fraction < 1:
             _fail(f"{name}.heldout_fraction", self.heldout_fraction, "must be in (0, 1)")
         _at_least(f"{name}.eval_every", self.eval_every, 0)
+        if self.eval_every == 0 and self.heldout_fraction != RewardConfig.heldout_fraction:
+            _fail(
+                f"{name}.heldout_fraction",
+                self.heldout_fraction,
+                f"holds pairs out for checkpoint selection; {name}.eval_every=0 selects no "
+                f"checkpoint and trains on every pair (set {name}.eval_every >= 1)",
+            )
         _positive(f"{name}.ensemble", self.ensemble)
         _choice(f"{name}.ensemble_mode", self.ensemble_mode, ENSEMBLE_MODES)
         _at_least(f"{name}.ensemble_penalty", self.ensemble_penalty, 0)

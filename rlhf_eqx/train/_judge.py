@@ -247,7 +247,7 @@ def judge_reward(
       braces doubled), or a function `(prompt, completion) -> str`. It should end where
       the verdict comes, e.g. `"...Is the answer correct? Answer:"`.
     - `yes_token`, `no_token`: the verdict tokens, as strings that encode to one token
-      each (e.g. `" Yes"`, `" No"`), or ids.
+      each (e.g. `" Yes"`, `" No"`), or ids; two different tokens.
     - `score`: `"log_odds"` (log p(yes) - log p(no)) or `"prob"` (p(yes)).
     - `max_length`: the longest judging text in tokens (default: the model's
       `cfg.max_seq_len`, else 1024); longer texts keep their end.
@@ -282,12 +282,19 @@ def judge_reward(
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("chat=True: the judge's tokenizer carries no chat template")
         chat_template = tokenizer.jinja_chat_template()
+    yes_id = _token_id(tokenizer, yes_token, "yes_token")
+    no_id = _token_id(tokenizer, no_token, "no_token")
+    if yes_id == no_id:  # log p(yes) - log p(no) would be 0 for every completion
+        raise ValueError(
+            f"yes_token={yes_token!r} and no_token={no_token!r} are the same token (id "
+            f"{yes_id}); the verdict needs two different tokens"
+        )
     judge = JudgeReward(
         model=model,
         tokenizer=tokenizer,
         template=template,
-        yes_id=_token_id(tokenizer, yes_token, "yes_token"),
-        no_id=_token_id(tokenizer, no_token, "no_token"),
+        yes_id=yes_id,
+        no_id=no_id,
         score_kind=score,
         max_length=max_length,
         bucket_size=bucket_size,

@@ -38,6 +38,15 @@ def token_values(values: Float[Array, " T"], mask: Bool[Array, " T"]) -> Float[A
     return jnp.where(mask & has_prev, values[prev], jnp.zeros_like(values))
 
 
+def _check_advantage_settings(kl_coef, gamma, lam, kl_kind) -> None:
+    """`ValueError` naming the argument: `kl_coef >= 0`, `gamma`, `lam` in [0, 1], a known
+    `kl_kind` (Python numbers only; arrays pass)."""
+    check_number("kl_coef", kl_coef, low=0.0)
+    check_number("gamma", gamma, low=0.0, high=1.0)
+    check_number("lam", lam, low=0.0, high=1.0)
+    check_choice("kl_kind", kl_kind, KL_KINDS)
+
+
 def compute_advantages(
     scores: Float[Array, " B"],
     logp: Float[Array, "B T"],
@@ -68,7 +77,12 @@ def compute_advantages(
     **Returns:** `(advantages, returns, stats)` with the TRL metrics
     `objective/kl` (mean over sequences of the summed per-token KL), `objective/scores`,
     `objective/non_score_reward` (mean summed KL penalty) and `objective/rlhf_reward`.
+
+    A Python `kl_coef` below 0, a `gamma` or `lam` outside $[0, 1]$ (or any of them not
+    finite) and an unknown `kl_kind` raise `ValueError` naming the argument, as in
+    `prepare_ppo_batch`; JAX arrays are taken as given.
     """
+    _check_advantage_settings(kl_coef, gamma, lam, kl_kind)
     m = completion_mask
     f32 = jnp.float32
     logp = logp.astype(f32)
@@ -206,11 +220,8 @@ def prepare_ppo_batch(
 
     **Returns:** `(batch, stats)`; `stats` as `compute_advantages`.
     """
-    check_number("kl_coef", kl_coef, low=0.0)
-    check_number("gamma", gamma, low=0.0, high=1.0)
-    check_number("lam", lam, low=0.0, high=1.0)
+    _check_advantage_settings(kl_coef, gamma, lam, kl_kind)
     SampledSettings(temperature=temperature)  # the one rule of a sampling temperature
-    check_choice("kl_kind", kl_kind, KL_KINDS)
     coef = jnp.asarray(kl_coef, jnp.float32)
     return _prepare(
         model,

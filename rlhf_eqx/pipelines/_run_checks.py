@@ -45,9 +45,10 @@ SAMPLING_FIELDS: tuple[str, ...] = tuple(f for f in ROLLOUT_FIELDS if f != "prom
 """The `sampling` fields that only a sampled completion reads (the sampler's keywords
 but the prompt length, which the data-file stages also cut prompts at)."""
 HELDOUT_SAMPLING_STAGES: tuple[str, ...] = ("sft", "dpo", "kto")
-"""The data-file stages whose only samples are the held-out comparison's
-(`data.eval_prompts` prompts; 0: none, and then they read no `SAMPLING_FIELDS` nor
-`eval_samples`)."""
+"""The data-file stages whose only samples are the held-out comparison's: they sample
+`sampling.max_new_tokens` tokens for `data.eval_prompts` held-out prompts (0: none, and
+then they read no `SAMPLING_FIELDS` nor `eval_samples`); `ppo` and `grpo` sample their
+rollouts, `distill` its on-policy completions (`distill.lmbda > 0`)."""
 TASK_ONLY_FIELDS: dict[str, tuple[str, ...]] = {
     "sft": ("samples",),
     "reward": ("pairs_per_prompt",),
@@ -163,12 +164,6 @@ def _check_rewards(cfg: Any, key: str, c: Any, run: tuple[str, ...]) -> bool:
             "process reward model (rlhf_eqx prm writes <run>/prm/hf)",
         )
     return False
-
-
-HELDOUT_SAMPLING_STAGES: tuple[str, ...] = ("sft", "dpo", "kto")
-"""The data-file stages that sample `sampling.max_new_tokens` tokens only for their
-held-out completions (`data.eval_prompts` of them; 0: none); `ppo` and `grpo` sample
-their rollouts, `distill` its on-policy completions (`distill.lmbda > 0`)."""
 
 
 def samples_completions(cfg: Any, run: tuple[str, ...]) -> bool:

@@ -38,6 +38,13 @@ def test_out_naming_a_file_is_refused_in_one_line(tmp_path, capsys):
         f"error: {file / 'run'} passes through a file, not a directory; choose a "
         "directory for the run (--out)"
     )
+    link = tmp_path / "latest"
+    link.symlink_to(tmp_path / "gone")
+    assert main(_cli(link)) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {link} is a link to {tmp_path / 'gone'}, which does not exist, not a "
+        "directory; choose a directory for the run (--out)"
+    )
 
 
 def test_an_unwritable_out_is_refused_in_one_line(tmp_path, monkeypatch):

@@ -276,11 +276,16 @@ class RunLock:
 
 def unusable_dir(run_dir: str, e: OSError) -> Exception:
     """`e`, raised creating `run_dir` or its lock, as the one line a user acts on: a
-    `RunDirError` naming `run_dir` for a path that is (or passes through) a file, a
-    directory without write permission and a read-only file system; a full disk as
-    `DiskFullError` (`disk_error`); any other error as it is."""
+    `RunDirError` naming `run_dir` for a path that is (or passes through) a file or a
+    link to nothing, a directory without write permission and a read-only file system;
+    a full disk as `DiskFullError` (`disk_error`); any other error as it is."""
     if e.errno in (errno.EEXIST, errno.ENOTDIR) and not os.path.isdir(run_dir):
-        what = "is a file" if os.path.lexists(run_dir) else "passes through a file"
+        if os.path.islink(run_dir) and not os.path.exists(run_dir):
+            what = f"is a link to {os.readlink(run_dir)}, which does not exist"
+        elif os.path.lexists(run_dir):
+            what = "is a file"
+        else:
+            what = "passes through a file"
         return RunDirError(
             f"{run_dir} {what}, not a directory; choose a directory for the run (--out)"
         )

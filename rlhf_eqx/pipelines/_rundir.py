@@ -7,7 +7,9 @@ what it resumes, and `config.json` is written only after every check has passed.
 1. **Lock.** `<run_dir>/.lock` is held with `fcntl.flock` for the whole run and names
    its holder (process id, host, start time). The kernel releases the lock when the
    process dies, even by `kill -9`, so a lock left behind is detected as stale and
-   taken over; a live holder makes a second run refuse at once, naming it.
+   taken over; a live holder makes a second run refuse at once, naming it. A path that
+   is a file (or a link to nothing) or cannot be written is refused in one line naming
+   it (`RunDirError`).
 2. **New run or resume.** A directory that already holds a run (`metrics.jsonl`,
    `summary.json` or stage checkpoints) is refused for a new run,
    naming `--resume` and `--overwrite`; `overwrite=True` first moves the old run aside
@@ -217,12 +219,12 @@ class RunLock:
         try:
             os.makedirs(run_dir, exist_ok=True)
         except OSError as e:
-            raise unusable_dir(run_dir, e) from None
+            raise _unusable_dir(run_dir, e) from None
         while True:
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             except OSError as e:
-                raise unusable_dir(run_dir, e) from None
+                raise _unusable_dir(run_dir, e) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
@@ -274,7 +276,7 @@ class RunLock:
         self.release()
 
 
-def unusable_dir(run_dir: str, e: OSError) -> Exception:
+def _unusable_dir(run_dir: str, e: OSError) -> Exception:
     """`e`, raised creating `run_dir` or its lock, as the one line a user acts on: a
     `RunDirError` naming `run_dir` for a path that is (or passes through) a file or a
     link to nothing, a directory without write permission and a read-only file system;

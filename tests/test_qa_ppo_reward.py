@@ -54,3 +54,20 @@ def test_a_judge_whose_yes_and_no_are_one_token_is_refused():
         None, tok, template="{prompt}{completion}?", yes_token="Y", no_token="N", max_length=64
     )
     assert judge.yes_id != judge.no_id
+
+
+def test_gae_and_kl_shaped_rewards_refuse_out_of_range_numbers():
+    """A discount or GAE λ above 1 (or NaN) and a negative KL coefficient are refused by
+    name; the edge values 0 and 1 are accepted, and arrays are taken as given."""
+    r, v, m = jnp.ones(3), jnp.zeros(3), jnp.ones(3, bool)
+    with pytest.raises(ValueError, match=r"^gamma must be in \[0, 1\], got 1\.5"):
+        rx.losses.gae(r, v, m, gamma=1.5, lam=0.9)
+    with pytest.raises(ValueError, match=r"^lam must be in \[0, 1\], got nan"):
+        rx.losses.gae(r, v, m, gamma=0.9, lam=float("nan"))
+    values = jnp.asarray([0.5, 0.25, 0.0])
+    adv, ret = rx.losses.gae(r, values, m, gamma=1.0, lam=0.0)  # λ = 0: the TD error
+    assert adv.tolist() == [0.75, 0.75, 1.0] and ret.tolist() == [1.25, 1.0, 1.0]
+    with pytest.raises(ValueError, match=r"^kl_coef must be non-negative, got -0\.1"):
+        rx.losses.kl_shaped_rewards(1.0, v, v, m, kl_coef=-0.1)
+    shaped = rx.losses.kl_shaped_rewards(1.0, v, v, m, kl_coef=jnp.asarray(0.1))
+    assert shaped.tolist() == [0.0, 0.0, 1.0]  # the score at the last real token

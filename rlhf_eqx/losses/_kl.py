@@ -11,7 +11,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
-from ._validation import Hyperparameter, check_choice, check_positive
+from ._validation import Hyperparameter, check_choice, check_non_negative, check_positive
 
 KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3", "abs")
 """The per-token KL estimators of `kl_penalty`."""
@@ -87,9 +87,10 @@ def kl_shaped_rewards(
     - `logp`, `ref_logp`: `[T]` token log-probabilities of the policy (at sampling time)
       and the reference.
     - `mask`: `[T]`, true on the completion's real tokens.
-    - `kl_coef`: $\beta_{\rm KL}$ (a float or the controller's `coef`).
+    - `kl_coef`: $\beta_{\rm KL} \geq 0$ (a float or the controller's `coef`).
     - `kind`: KL estimator (see `kl_penalty`).
     """
+    check_non_negative("kl_coef", kl_coef)
     (T,) = mask.shape
     zero = jnp.zeros_like(logp)
     # zeroed where masked: a NaN there would reach the gradient through the estimator

@@ -229,8 +229,12 @@ def gae(
     - `mask`: `[T]` real positions; values at other positions are never read.
     - `gamma`, `lam`: discount $\gamma$ and GAE $\lambda$.
 
-    **Returns:** `(advantages, returns)`, both `[T]`, 0 where masked.
+    **Returns:** `(advantages, returns)`, both `[T]`, 0 where masked. A Python `gamma` or
+    `lam` outside $[0, 1]$ (or not finite) raises `ValueError`; JAX arrays are taken as
+    given.
     """
+    for name, value in (("gamma", gamma), ("lam", lam)):
+        check_python_number(name, value, lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
     zero = jnp.zeros_like(rewards)
     r = jnp.where(mask, rewards, zero)
     v = jnp.where(mask, values, zero)

@@ -7,12 +7,14 @@ import os
 import struct
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import rlhf_eqx as rx
 from rlhf_eqx import data
+from rlhf_eqx.models import LoRAConfig, apply_lora, lora_filter
 
 gguf = pytest.importorskip("gguf", reason="GGUF files need the gguf package")
 T = gguf.GGMLQuantizationType
@@ -123,7 +125,7 @@ def _write(
             qk, size = gguf.GGML_QUANT_SIZES[kind]
             raw = rng.integers(0, 256, (shape[0], shape[1] // qk, size), dtype=np.uint8)
             for at in _K_SCALES[kind.name]:
-                scale = rng.uniform(1e-4, 2e-4, raw.shape[:2]).astype("<f2")
+                scale = rng.uniform(2e-5, 4e-5, raw.shape[:2]).astype("<f2")
                 raw[..., at : at + 2] = scale[..., None].view(np.uint8)
             w.add_tensor(name, raw.reshape(shape[0], -1), raw_dtype=kind)
         else:
@@ -238,3 +240,97 @@ def test_absurd_tensor_count_names_the_header(small, tmp_path):
     with pytest.raises(ValueError) as excinfo:
         rx.load_gguf(bad)
     _one_line(excinfo, os.fspath(bad), f"the header's tensor count {2**60} cannot be right")
+
+
+# ------------------------------------------------------------ round trips by family
+
+_FAMILIES = {
+    "llama": dict(arch="llama", KV=1),  # untied head, GQA 4:1
+    "llama-tied": dict(arch="llama", tied=True, alignment=64),
+    "mistral": dict(arch="llama", window=8),
+    "qwen2": dict(arch="qwen2", tied=True),  # q/k/v biases
+    "qwen3": dict(arch="qwen3", HD=32),  # qk-norm, head_dim != d_model / n_heads
+    "gemma": dict(arch="gemma", tied=True, HD=32, KV=1),  # 1 + w norms, scaled embedding
+    "gemma2": dict(arch="gemma2", tied=True, HD=32, window=4),
+    "gemma3": dict(arch="gemma3", tied=True, HD=32, window=4, L=7),
+}
+_TEXTS = ["hello world", "<|im_start|>user\nhello<|im_end|>", "héllo 🙂\n\n1.  x"]
+
+
+@pytest.mark.parametrize("family", list(_FAMILIES))
+def test_hand_written_files_round_trip(family, tmp_path):
+    """A file of each architecture, written with `gguf.GGUFWriter`, through `save_gguf`
+    (f16) and back: the same configuration, logits within float16 rounding, and the
+    same tokenizer (ids, special ids, template)."""
+    path = _write(tmp_path / "in.gguf", **_FAMILIES[family])
+    model, tok = rx.load_gguf(path)
+    out = tmp_path / "out.gguf"
+    rx.save_gguf(model, out, tokenizer=tok, dtype="f16")
+    back, tok2 = rx.load_gguf(out)
+    assert back.cfg == model.cfg
+    np.testing.assert_allclose(_logits(back), _logits(model), atol=2e-2, rtol=0)
+    assert [tok2.encode(s) for s in _TEXTS] == [tok.encode(s) for s in _TEXTS]
+    specials = lambda t: (t.bos_id, t.eos_id, t.pad_id, t.add_bos_token, t.chat_template)
+    assert specials(tok2) == specials(tok)
+    assert tok.encode("<|im_end|>") == [299]  # one control id
+
+
+_KINDS = ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]
+
+
+@pytest.mark.parametrize("kind", _KINDS)
+def test_quantized_load_of_each_type_matches_dense(kind, tmp_path):
+    """`quantized=True` decodes the blocks as `gguf.quants.dequantize` does: with LoRA
+    adapters attached, the logits and the adapters' gradients are the dense model's up
+    to float32 rounding."""
+    K = kind.startswith("Q") and kind.endswith("K")
+    shape = dict(D=256, F=256, H=2, KV=1, L=1) if K else dict(L=1)
+    path = _write(tmp_path / "m.gguf", "llama", kind=T[kind], **shape)
+    lora = LoRAConfig(rank=2, targets=("q", "v", "down"))
+    mask = jnp.ones(TOKENS.shape[0] - 1, bool)
+
+    def loss(train, frozen):
+        logits = eqx.combine(train, frozen)(TOKENS[:-1], mask)
+        return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(mask.size), TOKENS[1:]]), logits
+
+    def run(quantized: bool):
+        model = apply_lora(rx.load_gguf(path, quantized=quantized)[0], lora, key=jax.random.key(0))
+        adapters = {n: eqx.tree_at(lambda a: a.b, ad, ad.b + 0.05)  # B = 0: no gradient for A
+                    for n, ad in model.transformer.layers.lora.items()}  # fmt: skip
+        model = eqx.tree_at(lambda m: m.transformer.layers.lora, model, adapters)
+        train, frozen = eqx.partition(model, lora_filter(model))
+        step = eqx.filter_jit(eqx.filter_value_and_grad(loss, has_aux=True))
+        (_, logits), grads = step(train, frozen)
+        return np.asarray(logits), jax.tree.leaves(grads)
+
+    (a, g_dense), (b, g_packed) = run(False), run(True)
+    np.testing.assert_allclose(b, a, atol=1e-5 * np.abs(a).max(), rtol=0)
+    for g, h in zip(g_dense, g_packed, strict=True):
+        assert np.abs(g).max() > 0
+        np.testing.assert_allclose(h, g, atol=1e-3 * np.abs(g).max(), rtol=0)
+
+
+def test_a_trained_adapter_on_a_packed_base_saves_merged(tmp_path):
+    """QLoRA on a Q4_0 file: one gradient step on the adapters, then `save_gguf`
+    (f32) folds them into the dequantised base, and the file reads back as the trained
+    model."""
+    path = _write(tmp_path / "m.gguf", "qwen2", kind=T.Q4_0, L=1, tied=True)
+    packed, tok = rx.load_gguf(path, quantized=True)
+    model = apply_lora(packed, LoRAConfig(rank=2, targets=("q", "k", "up")), key=jax.random.key(1))
+    train, frozen = eqx.partition(model, lora_filter(model))
+    mask = jnp.ones(TOKENS.shape[0] - 1, bool)
+
+    def loss(t):
+        logits = eqx.combine(t, frozen)(TOKENS[:-1], mask)
+        return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(mask.size), TOKENS[1:]])
+
+    step = eqx.filter_jit(eqx.filter_value_and_grad(loss))
+    before, grads = step(train)
+    train = jax.tree.map(lambda p, g: p - 1.0 * g, train, grads)
+    assert step(train)[0] < before
+    trained = eqx.combine(train, frozen)
+    out = tmp_path / "trained.gguf"
+    rx.save_gguf(trained, out, tokenizer=tok, dtype="f32")
+    back, tok2 = rx.load_gguf(out)
+    np.testing.assert_allclose(_logits(back), _logits(trained), atol=1e-5, rtol=0)
+    assert tok2.encode(_TEXTS[1]) == tok.encode(_TEXTS[1])

@@ -252,3 +252,15 @@ def test_a_lone_surrogate_escape_is_refused_by_its_line_and_field(tmp_path, name
     kept = data.load_preferences(path, lenient=True)
     assert len(kept) == 1 and kept.report.skipped == {"invalid text": 1}
     assert "\U0001f600" in kept[0].prompt  # a whole pair is a character
+
+
+def test_a_messages_prompt_beside_string_replies_names_the_mix(tmp_path):
+    # TRL's preference layouts keep prompt, chosen and rejected alike: strings or messages
+    path = tmp_path / "mixed.jsonl"
+    row = {"prompt": [{"role": "user", "content": "hi"}], "chosen": "yes", "rejected": "no"}
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(
+        data.DataError, match=r"mixed\.jsonl:1: wrong type: 'prompt' is a list"
+    ) as e:
+        data.load_preferences(path)
+    assert "'chosen' and 'rejected' as lists of messages too" in str(e.value)

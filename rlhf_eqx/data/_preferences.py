@@ -153,6 +153,12 @@ def _parse_hh(record: dict) -> PreferenceRecord:
 
 
 def _parse_plain(record: dict) -> PreferenceRecord:
+    if isinstance(record.get("prompt"), list):  # TRL's layouts keep the three alike
+        raise Malformed(
+            "wrong type",
+            "'prompt' is a list of messages but 'chosen' and 'rejected' are strings: give "
+            "all three as strings, or 'chosen' and 'rejected' as lists of messages too",
+        )
     return _checked(
         string_field(record, "prompt"),
         string_field(record, "chosen"),

@@ -316,7 +316,7 @@ def _sweep(stage, cfg, members, out, resume, export, say, t0) -> SweepResult:
     states, stopped = run.states, ["done"] * M  # "done" (running), "diverged", "kl_guard"
     steps, diverged_at, start = [0] * M, {}, 0
     if resume:
-        path = latest_checkpoint(ckpt_dir)
+        path = latest_checkpoint(ckpt_dir, set_aside=True)  # a damaged one not kept
         if path is not None:
             tree, meta = restore_checkpoint(path, {"states": states})
             states, stopped = tree["states"], meta["stopped"]

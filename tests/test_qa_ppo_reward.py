@@ -71,3 +71,26 @@ def test_gae_and_kl_shaped_rewards_refuse_out_of_range_numbers():
         rx.losses.kl_shaped_rewards(1.0, v, v, m, kl_coef=-0.1)
     shaped = rx.losses.kl_shaped_rewards(1.0, v, v, m, kl_coef=jnp.asarray(0.1))
     assert shaped.tolist() == [0.0, 0.0, 1.0]  # the score at the last real token
+
+
+def _tiny_reward_dir(path, vocab):
+    import jax
+
+    cfg = rx.TransformerConfig(
+        vocab_size=vocab, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32, max_seq_len=16
+    )
+    policy = rx.Policy(cfg, key=jax.random.key(0))
+    rx.save_hf(rx.RewardModel.from_policy(policy, key=jax.random.key(1)), str(path))
+    return str(path)
+
+
+def test_a_reward_model_with_a_smaller_vocabulary_than_the_tokenizer_is_refused(tmp_path):
+    """Its embedding would read the policy's larger ids as NaN, and every reward of a
+    completion holding one would be NaN; refused when loaded, naming the directory."""
+    tok = data.ByteTokenizer()  # 259 ids
+    small = _tiny_reward_dir(tmp_path / "small", 32)
+    with pytest.raises(ValueError, match=r"small'?: its vocabulary has 32 ids, the policy's"):
+        pl.runs.load_reward_source(small, tok)
+    fits = pl.runs.load_reward_source(_tiny_reward_dir(tmp_path / "fits", 259), tok)
+    s, _ = fits.scores(jnp.asarray([[1, 200, 258]]), jnp.ones((1, 3), bool))
+    assert bool(jnp.all(jnp.isfinite(s)))

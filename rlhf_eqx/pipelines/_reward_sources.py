@@ -354,12 +354,20 @@ def export_prm(
     return out
 
 
-def _load_scalar(directory: str, bias: float, cls=None):
+def _load_scalar(directory: str, bias: float, tokenizer, cls=None):
     model = rx.load_hf(directory)
     if not isinstance(model, rx.RewardModel):
         raise ValueError(
             f"{directory}: holds a {type(model).__name__}, not a reward model "
             "(a one-label ...ForSequenceClassification checkpoint)"
+        )
+    # an id past the embedding would be read as NaN: every score of such a row NaN
+    ids = int(tokenizer.vocab_size)
+    if model.cfg.vocab_size < ids:
+        raise ValueError(
+            f"reward model {directory!r}: its vocabulary has {model.cfg.vocab_size} ids, the "
+            f"policy's tokenizer {ids}; a reward model scores the policy's tokens, so it must "
+            "be trained from the same base model (or one with the same tokenizer)"
         )
     if cls is not None:  # the same fields under another read-out (per token)
         shell = eqx.filter_eval_shape(cls, model.cfg, key=jax.random.key(0))
@@ -434,7 +442,8 @@ def load_reward_source(directory: str, tokenizer, *, eos_ids: Sequence[int] = ()
     reward model (`prm.json`; its step separator encoded with `tokenizer`) or one reward
     model; the directory of a run stands for the model it exported (`RUN/reward/hf`,
     `RUN/reward/ensemble` or `RUN/prm/hf`). `ValueError` naming the directory when it
-    holds none of these."""
+    holds none of these, or a model whose vocabulary is smaller than `tokenizer`'s (the
+    policy's token ids would lie outside it)."""
     if not os.path.isdir(directory):
         raise ValueError(f"reward model {directory!r}: no such directory")
     directory = _exported_in_run(directory)
@@ -444,7 +453,7 @@ def load_reward_source(directory: str, tokenizer, *, eos_ids: Sequence[int] = ()
         with open(ens) as f:
             meta = json.load(f)
         models = [
-            _load_scalar(os.path.join(directory, f"member_{k}"), b)
+            _load_scalar(os.path.join(directory, f"member_{k}"), b, tokenizer)
             for k, b in enumerate(meta["biases"])
         ]
         per, shared = zip(*(eqx.partition(m, eqx.is_inexact_array) for m in models))
@@ -458,7 +467,7 @@ def load_reward_source(directory: str, tokenizer, *, eos_ids: Sequence[int] = ()
         with open(prm) as f:
             meta = json.load(f)
         return ProcessReward(
-            _load_scalar(directory, meta["bias"], rx.ValueModel),
+            _load_scalar(directory, meta["bias"], tokenizer, rx.ValueModel),
             rx.data.separator_id(tokenizer, meta["separator"]),
             aggregation=meta["aggregation"],
             score_kind=meta["score"],
@@ -469,7 +478,7 @@ def load_reward_source(directory: str, tokenizer, *, eos_ids: Sequence[int] = ()
             f"reward model {directory!r}: no config.json, ensemble.json or prm.json (export "
             "one with the reward or prm stage)"
         )
-    return ModelReward(_load_scalar(directory, 0.0))
+    return ModelReward(_load_scalar(directory, 0.0, tokenizer))
 
 
 def stage_reward_source(

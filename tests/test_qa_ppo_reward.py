@@ -94,3 +94,16 @@ def test_a_reward_model_with_a_smaller_vocabulary_than_the_tokenizer_is_refused(
     fits = pl.runs.load_reward_source(_tiny_reward_dir(tmp_path / "fits", 259), tok)
     s, _ = fits.scores(jnp.asarray([[1, 200, 258]]), jnp.ones((1, 3), bool))
     assert bool(jnp.all(jnp.isfinite(s)))
+
+
+def test_bradley_terry_and_the_ensemble_refuse_what_would_be_nan():
+    """A NaN margin and an ensemble of no member made every loss or reward NaN; a tie
+    (chosen and rejected scored alike) is log 2 plus the centring term, as in TRL."""
+    with pytest.raises(ValueError, match=r"^margin must be a finite number, got nan"):
+        rx.losses.bradley_terry_loss(1.0, 0.0, margin=float("nan"))
+    tie = rx.losses.bradley_terry_loss(0.5, 0.5, center_coef=0.01)
+    assert float(tie) == pytest.approx(float(jnp.log(2.0)) + 0.01)
+    with pytest.raises(ValueError, match="member_scores is empty"):
+        rx.losses.conservative_reward(jnp.zeros((0,)), penalty=1.0)
+    one = rx.losses.conservative_reward(jnp.asarray([1.5]), penalty=1.0)  # σ = 0
+    assert float(one) == 1.5

@@ -39,11 +39,13 @@ def conservative_reward(
     - `penalty`: $\lambda \geq 0$.
     - `mode`: one of the modes above.
 
-    **Returns:** the scalar reward.
+    **Returns:** the scalar reward. No member (`K = 0`) raises `ValueError`.
     """
     check_choice("mode", mode, ENSEMBLE_MODES)
     check_non_negative("penalty", penalty)
     r = jnp.asarray(member_scores)
+    if r.shape[-1:] == (0,):
+        raise ValueError("member_scores is empty: an ensemble has at least one member")
     if mode == "min":
         return jnp.min(r)
     mean = jnp.mean(r)

@@ -1,10 +1,17 @@
 """Reward modelling: the Bradley-Terry pairwise loss."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float
 
-from ._validation import Hyperparameter, check_non_negative, is_python_number
+from ._validation import (
+    Hyperparameter,
+    check_non_negative,
+    check_python_number,
+    is_python_number,
+)
 from .defaults import REWARD_CENTER_COEF, REWARD_MARGIN
 
 
@@ -28,13 +35,15 @@ def bradley_terry_loss(
     **Arguments:**
 
     - `chosen_reward`, `rejected_reward`: scalar rewards of the pair.
-    - `margin`: scalar margin $m$ (per pair, e.g. from a rating difference).
+    - `margin`: scalar margin $m$ (per pair, e.g. from a rating difference); a Python
+      number must be finite.
     - `center_coef`: $\lambda_c \geq 0$.
 
     **Returns:** the scalar loss.
     """
     rc = jnp.asarray(chosen_reward)
     rr = jnp.asarray(rejected_reward)
+    check_python_number("margin", margin, math.isfinite, "a finite number")
     check_non_negative("center_coef", center_coef)
     loss = -jax.nn.log_sigmoid(rc - rr - margin)
     if not (is_python_number(center_coef) and center_coef == 0.0):

@@ -107,3 +107,18 @@ def test_bradley_terry_and_the_ensemble_refuse_what_would_be_nan():
         rx.losses.conservative_reward(jnp.zeros((0,)), penalty=1.0)
     one = rx.losses.conservative_reward(jnp.asarray([1.5]), penalty=1.0)  # σ = 0
     assert float(one) == 1.5
+
+
+def test_a_directory_of_the_other_kind_of_reward_model_is_refused_by_its_field(tmp_path):
+    """`ppo.reward_source=prm` with a plain reward model's directory: the refusal names
+    the stage's fields, as every other refusal of a setting does."""
+    import dataclasses
+
+    tok = data.ByteTokenizer()
+    rm = _tiny_reward_dir(tmp_path / "rm", 259)
+    c = dataclasses.replace(pl.animal_task_config().ppo, reward_source="prm", reward_model=rm)
+    kw = dict(task=[], tokenizer=tok, judge=None, judges={})
+    with pytest.raises(ValueError, match=r"^ppo\.reward_source='prm' but ppo\.reward_model='"):
+        pl.runs.stage_reward_source(c, key="ppo", **kw)
+    with pytest.raises(ValueError, match=r"^reward_source='prm' but reward_model='"):
+        pl.runs.stage_reward_source(c, **kw)  # without a section, the bare field names

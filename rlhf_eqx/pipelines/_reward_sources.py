@@ -490,8 +490,10 @@ def stage_reward_source(
     judges: dict,
     run_reward: RewardSource | None = None,
     columns: Mapping[str, Mapping[str, Any]] | None = None,
+    key: str = "",
 ) -> RewardSource:
-    """The reward source of a PPO / GRPO stage config `c` (`c.reward_source`,
+    """The reward source of a PPO / GRPO stage config `c` (section `key`, e.g. `ppo`, in
+    the messages that refuse a directory holding the other kind of model; `c.reward_source`,
     `c.reward_model`): the user's `c.reward_functions` when it names some
     (`BatchFunctionReward`, given `columns`, `{prompt: {column: value}}`: a data file's
     other columns), else the `task` reward functions; the run's reward model
@@ -500,6 +502,7 @@ def stage_reward_source(
     `judge.model` is loaded as `--model` is: a short model name, a run or checkpoint
     directory, a `.gguf` file); a process reward model from a directory."""
     eos = tuple(i for i in (tokenizer.eos_id,) if i is not None)
+    at = f"{key}." if key else ""
     if c.reward_source == "task":
         own = user_reward_functions(c)
         if own is not None:
@@ -526,11 +529,12 @@ def stage_reward_source(
     elif run_reward is not None:
         source = run_reward
     else:
-        raise ValueError(f"reward_source={c.reward_source!r} needs reward_model=DIR")
+        raise ValueError(f"{at}reward_source={c.reward_source!r} needs {at}reward_model=DIR")
     is_prm = isinstance(source, ProcessReward)
     if is_prm != (c.reward_source == "prm"):
+        where = f"{at}reward_model={c.reward_model!r}" if c.reward_model else "the run"
         raise ValueError(
-            f"reward_source={c.reward_source!r} but {c.reward_model or 'the run'} holds "
+            f"{at}reward_source={c.reward_source!r} but {where} holds "
             + ("a process reward model" if is_prm else "a reward model, not a process reward model")
         )
     return source
@@ -564,7 +568,7 @@ def prompt_file_reward(
         )
     task = [match] if match is not None else []
     source = stage_reward_source(
-        c, task=task, tokenizer=tokenizer, judge=judge, judges=judges, columns=columns
+        c, task=task, tokenizer=tokenizer, judge=judge, judges=judges, columns=columns, key=name
     )
     return source, match
 
@@ -625,21 +629,27 @@ def user_reward_functions(c, key: str = "") -> BatchFunctionReward | None:
     return BatchFunctionReward(load_reward_functions(specs, weights, field=field))
 
 
-def task_reward_source(env, c) -> RewardSource:
-    """The reward source of a PPO / GRPO stage on the built-in task (`c.reward_source`):
-    the animal scorer (or the user's `reward_functions`), the run's reward model, or the
-    judge (`base` or `sft`)."""
+def task_reward_source(env, c, key: str = "") -> RewardSource:
+    """The reward source of a PPO / GRPO stage on the built-in task (`c.reward_source`;
+    `key` the stage's section, for the messages): the animal scorer (or the user's
+    `reward_functions`), the run's reward model, or the judge (`base` or `sft`)."""
     task = [RewardFunction("animal", lambda p, t: animal_score(t))]
     judges = {"base": env.base, "sft": env.policies.get("sft")}
     return stage_reward_source(
-        c, task=task, tokenizer=env.tok, judge=env.cfg.judge, judges=judges, run_reward=env.reward
+        c,
+        task=task,
+        tokenizer=env.tok,
+        judge=env.cfg.judge,
+        judges=judges,
+        run_reward=env.reward,
+        key=key,
     )
 
 
 def scored_on_task(env, c, run, name: str):
     """PPO or GRPO (`run`) from SFT on the built-in task's training prompts, rewards from
     `c.reward_source` (`task_reward_source`)."""
-    source = task_reward_source(env, c)
+    source = task_reward_source(env, c, name)
     return run(env.policies["sft"], env.tok, TRAIN_PROMPTS, reward=source, cfg=c, ctx=env.ctx(name))
 
 

@@ -149,7 +149,7 @@ _GRPO = (
     "kl_cov_coef entropy_rho rollout_correction"
 )
 STAGE_KEYS = {
-    "sft": "steps batch_size max_length optim samples lora mode constant" + _OPTIONS,
+    "sft": "steps batch_size max_length optim samples packing lora mode constant" + _OPTIONS,
     "reward": "steps batch_size max_length optim pairs_per_prompt heldout_fraction eval_every "
     "ensemble ensemble_mode ensemble_penalty center_coef margin" + _OPTIONS,
     "dpo": "steps batch_size max_length optim beta loss_type rounds samples packing lora "

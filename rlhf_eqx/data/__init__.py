@@ -130,6 +130,10 @@ from ._quality import (
     preference_quality as preference_quality,
 )
 from ._sentencepiece_tokenizer import SentencePieceTokenizer as SentencePieceTokenizer
+from ._sft_packing import (
+    PackedSequenceBatch as PackedSequenceBatch,
+    pack_sft as pack_sft,
+)
 from ._sharding import (
     assign_shards as assign_shards,
     prompt_hash as prompt_hash,

@@ -22,7 +22,7 @@ from ._data_prep import (
     preference_split,
     trained_policy,
 )
-from ._field_checks import _positive
+from ._field_checks import _fail, _positive
 from ._registry import Outcome, Stage, StageEnv, register_stage
 from ._runs import RunContext, RunResult, final_policy, run_on_rows, train_setup
 from ._sampled_eval import heldout_samples
@@ -35,10 +35,16 @@ class SFTConfig(BatchStageConfig, SFTSettings):
     """Supervised fine-tuning on best-of-`samples` completions (by noisy labels) of the
     base model for the training prompts; the step's settings are
     `rlhf_eqx.train.SFTSettings` (`mode`, `constant`). On a data file, the assistant
-    turns of a conversation it trains on are `data.assistant_turns`."""
+    turns of a conversation it trains on are `data.assistant_turns`, and `packing`
+    packs whole sequences into the rows (`data.pack_sft`: best-fit decreasing, each
+    sequence attending within itself; TRL's `SFTConfig(packing=True,
+    packing_strategy="bfd", padding_free=True)`): a step is then `batch_size` rows of
+    `max_length` tokens each holding as many sequences as fit, instead of `batch_size`
+    sequences each padded to `max_length`."""
 
     optim: OptimizerSettings = _optim(2e-5)
     samples: int = 4
+    packing: bool = False
     lora: LoRASettings = LoRASettings()
 
     def check(self, name: str, *, device_count: int = 1) -> None:
@@ -50,22 +56,57 @@ class SFTConfig(BatchStageConfig, SFTSettings):
 def run_sft(model, tok, records: Sequence, *, cfg: SFTConfig, ctx: RunContext) -> RunResult:
     """Supervised fine-tuning (NLL of the completion tokens) on `(prompt, completion)`
     records (tuples, or `data.DemonstrationRecord`s, whose `spans` say which completion
-    text is trained), `cfg.steps` steps of `cfg.batch_size` rows, LoRA per `cfg.lora`."""
+    text is trained), `cfg.steps` steps of `cfg.batch_size` rows, LoRA per `cfg.lora`.
+    With `cfg.packing` the rows are packed (`sft_packed_rows`) and the result's
+    `info["packing"]` says how full they are (`packing_report`)."""
     validate_stage("sft", cfg)
-    full = sft_rows(records, tok, cfg, ctx.prompt_length)
+    rows = sft_packed_rows if cfg.packing else sft_rows
+    full = rows(records, tok, cfg, ctx.prompt_length)
     k_lora, ctx_key = jax.random.split(ctx.key)
     state, _, step = train_setup(model, cfg, cfg.steps, k_lora, rx.train.make_sft_step)
-    return run_on_rows(state, step, full, cfg, ctx, ctx_key, policy_of=lambda s: s.model)
+    res = run_on_rows(state, step, full, cfg, ctx, ctx_key, policy_of=lambda s: s.model)
+    if cfg.packing:
+        res.info["packing"] = packing_report(full)
+    return res
+
+
+def _sft_sequences(records, tok, c, prompt_length: int) -> list[data.TokenizedSequence]:
+    seqs, _ = data.tokenize_demonstrations(
+        list(records), tok, max_length=c.max_length, max_prompt_length=prompt_length, add_eos=False
+    )
+    return seqs
 
 
 def sft_rows(records, tok, c, prompt_length: int):
     """`run_sft`'s batch of every `(prompt, completion)` record
     (`data.tokenize_demonstrations`: no EOS, `c.max_length`, prompts cut to
     `prompt_length`; a conversation's record with `spans` trains on those only)."""
-    seqs, _ = data.tokenize_demonstrations(
-        list(records), tok, max_length=c.max_length, max_prompt_length=prompt_length, add_eos=False
-    )
+    seqs = _sft_sequences(records, tok, c, prompt_length)
     return data.collate_sft(seqs, max_length=c.max_length, pad_id=tok.pad_id)
+
+
+def sft_packed_rows(records, tok, c, prompt_length: int) -> data.PackedSequenceBatch:
+    """`run_sft`'s rows with `c.packing`: the sequences of `sft_rows` (tokenised alike)
+    packed whole into rows of `c.max_length` tokens (`data.pack_sft`, best-fit
+    decreasing; TRL's `packing_strategy="bfd"`), one `sequences` axis for all rows, so
+    every step of `c.batch_size` rows has one shape."""
+    seqs = _sft_sequences(records, tok, c, prompt_length)
+    return data.pack_sft(seqs, max_length=c.max_length, pad_id=tok.pad_id)
+
+
+def packing_report(rows: data.PackedSequenceBatch) -> dict:
+    """How full packed rows are: `{"sequences", "rows", "row_length",
+    "padding_fraction", "unpacked_padding_fraction"}` (padded positions over all
+    positions, packed and with each sequence in a row of its own)."""
+    R, L = rows.tokens.shape
+    n, real = int(np.sum(np.asarray(rows.sequences))), int(np.sum(np.asarray(rows.mask)))
+    return {
+        "sequences": n,
+        "rows": R,
+        "row_length": L,
+        "padding_fraction": 1.0 - real / (R * L),
+        "unpacked_padding_fraction": 1.0 - real / (n * L),
+    }
 
 
 def sft(env: StageEnv, c: SFTConfig) -> Outcome:
@@ -116,6 +157,13 @@ def sft_on_data(env: StageEnv, c: SFTConfig) -> Outcome:
     hb = sft_rows(held, tok, c, env.cfg.sampling.prompt_length)
     before = float(nll(policy, hb))
     res = run_sft(policy, tok, train, cfg=c, ctx=env.ctx(""))
+    packing = res.info.get("packing")
+    if packing is not None:
+        env.say(
+            f"sft: packed {packing['sequences']} sequences into {packing['rows']} rows of "
+            f"{packing['row_length']} tokens ({packing['padding_fraction']:.0%} padding; "
+            f"{packing['unpacked_padding_fraction']:.0%} with one sequence a row)"
+        )
     trained = trained_policy(env, res.state.model)
     after = float(nll(trained, hb))
     env.summary["sft"] = {
@@ -124,7 +172,20 @@ def sft_on_data(env: StageEnv, c: SFTConfig) -> Outcome:
         "heldout_perplexity": float(np.exp(after)),
         "sampled": sft_samples(env, policy, trained, held, prompted),
     }
+    if packing is not None:
+        env.summary["sft"]["packing"] = packing
     return Outcome(res, policy=trained)
+
+
+def check_packing(cfg, run) -> None:
+    """Packing applies to SFT on a data file only."""
+    del run
+    if cfg.data.path is None and cfg.sft.packing:
+        why = (
+            "the built-in task's sft stage trains on its own samples, unpacked; packing "
+            "applies to sft on a data file"
+        )
+        _fail("sft.packing", cfg.sft.packing, why)
 
 
 register_stage(
@@ -138,5 +199,6 @@ register_stage(
         help="supervised fine-tuning",
         task=dict(steps=30, batch_size=16, samples=2, optim=_optim(5e-4)),
         key_stream=("split", 1),
+        check_run=check_packing,
     )
 )

@@ -533,10 +533,32 @@ def test_unknown_architecture_names_the_key(tok512, tmp_path):
 
 
 def test_unsupported_tensor_type_names_the_tensor(tok512, tmp_path):
-    path = _write_by_hand(tmp_path / "q5.gguf", tok512, types={"blk.0.ffn_up.weight": T.Q5_0})
+    # a Q4_0 tensor declared IQ4_NL (blocks of the same 18 bytes), a type not read
+    path = _write_by_hand(tmp_path / "q4.gguf", tok512, types={"blk.0.ffn_up.weight": T.Q4_0})
+    path = _retyped(path, "blk.0.ffn_up.weight", int(T.IQ4_NL))
     with pytest.raises(ValueError) as excinfo:
         rx.load_gguf(path)
-    _one_line_error(excinfo, path, "blk.0.ffn_up.weight", "Q5_0")
+    _one_line_error(excinfo, path, "blk.0.ffn_up.weight", "IQ4_NL")
+
+
+def test_q5_0_and_q5_1_tensors_load_as_the_gguf_package_decodes_them(tok512, tmp_path):
+    """llama.cpp's Q4_K_M files of models whose width is not a multiple of 256 store most
+    matrices as Q5_0 (SmolLM2's 576): the model equals the same file with those tensors
+    written as the float32 values the `gguf` package decodes, bit for bit; with
+    `quantized=True` they are decoded once at load."""
+    types = {"blk.0.attn_q.weight": T.Q5_0, "blk.0.ffn_up.weight": T.Q5_0,
+             "blk.0.ffn_down.weight": T.Q5_1, "token_embd.weight": T.Q5_1}  # fmt: skip
+    path = _write_by_hand(tmp_path / "q5.gguf", tok512, types=types)
+
+    def decoded(t):
+        a = gguf.quants.dequantize(t.data, t.tensor_type)
+        return np.asarray(a, np.float32), gguf.GGMLQuantizationType.F32
+
+    f32 = _rewritten(path, tmp_path / "q5-as-f32.gguf", decoded)
+    want, _ = rx.load_gguf(f32)
+    for quantized in (False, True):
+        got, _ = rx.load_gguf(path, quantized=quantized)
+        np.testing.assert_array_equal(_logits(got), _logits(want))
 
 
 def _retyped(path, name: str, type_id: int) -> str:
@@ -927,26 +949,46 @@ def test_big_endian_block_types_load_as_their_originals(tok512, tmp_path):
 
     others = {"blk.0.attn_q.weight": T.Q5_K, "blk.0.attn_k.weight": T.Q4_1}
     path = _write_by_hand(tmp_path / "others.gguf", tok512, types=others, D=256, F=256)
+
+    def swapped(t):
+        a = np.array(t.data)
+        if t.tensor_type.name in ("Q4_1", "Q5_K"):
+            blocks = a.reshape(-1, gguf.GGML_QUANT_SIZES[t.tensor_type][1])
+            for at in (0, 2):  # d, then m (Q4_1) or dmin (Q5_K)
+                blocks[:, [at, at + 1]] = blocks[:, [at + 1, at]]
+        return a, t.tensor_type  # float32: swapped by the writer
+
+    big = _rewritten(path, tmp_path / "others-be.gguf", swapped, gguf.GGUFEndian.BIG)
+    want, _ = rx.load_gguf(path)
+    for quantized in (False, True):
+        got, _ = rx.load_gguf(big, quantized=quantized)
+        np.testing.assert_allclose(_logits(got), _logits(want), rtol=1e-5, atol=1e-5)
+
+    # Q5_0 / Q5_1 hold a 32-bit field of high bits besides their scales: refused there
+    q5 = _write_by_hand(tmp_path / "q5.gguf", tok512, types={"blk.0.ffn_up.weight": T.Q5_0})
+    big = _rewritten(
+        q5, tmp_path / "q5-be.gguf", lambda t: (t.data, t.tensor_type), gguf.GGUFEndian.BIG
+    )
+    with pytest.raises(ValueError) as excinfo:
+        rx.load_gguf(big)
+    _one_line_error(excinfo, big, "blk.0.ffn_up.weight", "Q5_0", "other byte order")
+
+
+def _rewritten(path, out, tensor, endianess=None) -> str:
+    """The GGUF file `path` written again to `out` (in `endianess`, default little) with
+    its metadata and each tensor `t` as `tensor(t) -> (array, GGML type)`."""
     reader = gguf.GGUFReader(path)
-    big = os.fspath(tmp_path / "others-be.gguf")
-    w = gguf.GGUFWriter(big, "llama", endianess=gguf.GGUFEndian.BIG)
+    w = gguf.GGUFWriter(os.fspath(out), "llama", endianess=endianess or gguf.GGUFEndian.LITTLE)
     for key, f in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
         sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
         w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
     for t in reader.tensors:
-        a = np.array(t.data)
-        if t.tensor_type.name in ("Q4_1", "Q5_K"):
-            blocks = a.reshape(-1, gguf.GGML_QUANT_SIZES[t.tensor_type][1])
-            for at in (0, 2):  # d, then m (Q4_1) or dmin (Q5_K)
-                blocks[:, [at, at + 1]] = blocks[:, [at + 1, at]]
-        w.add_tensor(t.name, a, raw_dtype=t.tensor_type)  # float32: swapped by the writer
+        a, kind = tensor(t)
+        w.add_tensor(t.name, a, raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    want, _ = rx.load_gguf(path)
-    for quantized in (False, True):
-        got, _ = rx.load_gguf(big, quantized=quantized)
-        np.testing.assert_allclose(_logits(got), _logits(want), rtol=1e-5, atol=1e-5)
+    return os.fspath(out)

@@ -41,7 +41,11 @@ from ._hf_config import GEMMA, config_from_hf
 from ._hf_tensors import _layer_names, arrays_from_tensors, check_float16_range
 from ._llama2c import permute_rotary_rows
 
-DENSE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+DENSE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+DENSE_TYPES += ("Q4_K", "Q5_K", "Q6_K")
+"""The tensor types a GGUF file may hold, each dequantised by the `gguf` package (Q5_0 /
+Q5_1: llama.cpp's `Q4_K_M` / `Q5_K_M` files of models whose width is not a multiple of
+256, SmolLM2's 576 or Qwen2.5-0.5B's 896, store most matrices in them)."""
 _TOP = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -261,6 +265,13 @@ def open_gguf(path: str):
     if problem is not None:
         raise ValueError(f"{path}: {problem}")
     if reader.byte_order == "S":  # written on a machine of the other byte order
+        for t in reader.tensors:
+            if t.tensor_type.name in _UNSWAPPED:
+                raise ValueError(
+                    f"{path}: tensor {t.name!r} has GGML type {t.tensor_type.name} in a file "
+                    "of the other byte order, which is not supported (convert the file on "
+                    "its own machine, or to little-endian first)"
+                )
         reader.tensors = [_host_order(t) for t in reader.tensors]
     return reader
 
@@ -306,6 +317,9 @@ BLOCK_SCALES = {
 # scales, and a BF16 value as one two-byte "block" (llama.cpp's `gguf_convert_endian.py`
 # swaps the same ones).
 _HALF_FIELDS = {"BF16": (0,), **BLOCK_SCALES}
+# Block types whose other fields (Q5_0 / Q5_1's 32-bit high bits) would need swapping too,
+# in a layout no tool writes that could be checked against: refused in such a file.
+_UNSWAPPED = ("Q5_0", "Q5_1")
 
 
 def _host_order(t):
@@ -497,7 +511,8 @@ def load_gguf_policy(
 
     - `path`: a `.gguf` file whose `general.architecture` is `llama` (Llama 2/3.x,
       Mistral), `qwen2`, `qwen3`, `gemma`, `gemma2` or `gemma3`, with tensors of type
-      F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K or Q6_K.
+      F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K (Q5_0 / Q5_1
+      always dequantised, also with `quantized=True`).
     - `quantized`: `False` dequantises every tensor (`gguf.quants.dequantize`) to a
       dense model; `True` keeps the q/k/v/o, gate/up/down projections, the token
       embedding and an untied LM head in the file's packed blocks (`GGUFWeight`,

@@ -50,6 +50,10 @@ BUILTIN_REFUSED = [
     ),
     (["reward.ensemble_penalty=0.5"], r"^reward\.ensemble_penalty=0\.5: combines the members"),
     (["reward.ensemble_mode=min"], r"^reward\.ensemble_mode='min': combines the members"),
+    (
+        ["reward.ensemble=2", "reward.ensemble_penalty=0.5", "reward.ensemble_mode=min"],
+        r"^reward\.ensemble_penalty=0\.5: weighs the members' spread in ensemble_mode std or var",
+    ),
     (["ops.rollback=false", "ops.lr_backoff=2"], r"^ops\.lr_backoff=2\.0: applies to the"),
     (["ops.rollback=false", "ops.max_rollbacks=1"], r"^ops\.max_rollbacks=1: applies to the"),
     (["ops.tracker_group=g"], r"^ops\.tracker_group='g': no tracker of the run groups runs"),
@@ -101,7 +105,8 @@ def test_the_defaults_and_the_settings_that_are_read_pass(pairs):
     _validate(["distill.lmbda=0"])
     _validate(["distill.lmbda=0", "distill.seq_kd=true", "distill.temperature=0.7"])  # teacher's
     _validate(["ops.rollback=false", "ops.loss_spike=5", "ops.kl_spike=3"])  # spikes noted
-    _validate(["reward.ensemble=2", "reward.ensemble_penalty=0.5", "reward.ensemble_mode=min"])
+    _validate(["reward.ensemble=2", "reward.ensemble_penalty=0.5", "reward.ensemble_mode=var"])
+    _validate(["reward.ensemble=2", "reward.ensemble_mode=min"])
     _validate(["data.chat_template=none"])  # `rlhf_eqx sample` renders its prompts with it
     read = ["data.eval_prompts=3", "eval_samples=2", "data.limit=6", "dpo.beta=0.2"]
     _validate([*read, f"data.path={pairs}"], stage="dpo")

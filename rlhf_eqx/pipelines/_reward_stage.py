@@ -95,6 +95,13 @@ class RewardConfig(BatchStageConfig, RewardSettings):
                         f"combines the members of an ensemble; {name}.ensemble=1 trains one "
                         f"reward model (set {name}.ensemble >= 2)",
                     )
+        elif self.ensemble_mode in ("min", "mean") and self.ensemble_penalty != 0:
+            _fail(
+                f"{name}.ensemble_penalty",
+                self.ensemble_penalty,
+                f"weighs the members' spread in ensemble_mode std or var; "
+                f"{name}.ensemble_mode={self.ensemble_mode} reads no penalty",
+            )
 
 
 class RewardRunState(eqx.Module):

@@ -425,3 +425,34 @@ def tiny_policies(vocab_size: int, *seeds: int) -> tuple:
         max_seq_len=48,
     )
     return tuple(rx.Policy(cfg, key=jax.random.key(s)) for s in seeds)
+
+
+def quadratic_run():
+    """`(state, iteration)` of a tiny run for `run_loop`: SGD on a noisy quadratic in a
+    3-vector, each iteration's noise from its key, logging the squared norm as `loss`."""
+    opt = optax.sgd(0.1)
+    state = rx.train.init_train_state({"w": jnp.full((3,), 2.0)}, opt)
+
+    def iteration(state, key, i):
+        g = jax.grad(lambda p: jnp.sum((p["w"] - jax.random.normal(key, (3,))) ** 2))(state.params)
+        updates, opt_state = opt.update(g, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        new = eqx.tree_at(lambda s: (s.params, s.opt_state), state, (params, opt_state))
+        return new, [{"loss": jnp.sum(params["w"] ** 2)}], {}
+
+    return state, iteration
+
+
+class CountingEnv(rx.envs.Environment):
+    """The `Environment` docstring's example: three turns, each observation one token
+    (7), a turn's reward its length; no stop ids of its own."""
+
+    max_observation_tokens: int = eqx.field(static=True, default=1)
+
+    def reset(self, key, prompt, prompt_mask):
+        return jnp.zeros((), jnp.int32), jnp.zeros((1,), jnp.int32), jnp.zeros((1,), bool)
+
+    def step(self, state, completion, completion_mask):
+        obs, obs_mask = jnp.full((1,), 7, jnp.int32), jnp.ones((1,), bool)
+        reward = jnp.sum(completion_mask).astype(jnp.float32)
+        return state + 1, obs, obs_mask, reward, state + 1 >= 3

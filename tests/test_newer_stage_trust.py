@@ -17,10 +17,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 import safetensors.numpy
-from helpers import tiny_policies
+from helpers import CountingEnv, quadratic_run, tiny_policies
 from jaxtyping import TypeCheckError
 
 import rlhf_eqx as rx
@@ -140,27 +139,13 @@ def test_kto_refuses_examples_of_one_label(tmp_path):
 # --- resume: every checkpoint damaged --------------------------------------------------
 
 
-def _quadratic():
-    opt = optax.sgd(0.1)
-    state = rx.train.init_train_state({"w": jnp.full((3,), 2.0)}, opt)
-
-    def iteration(state, key, i):
-        g = jax.grad(lambda p: jnp.sum((p["w"] - jax.random.normal(key, (3,))) ** 2))(state.params)
-        updates, opt_state = opt.update(g, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        new = eqx.tree_at(lambda s: (s.params, s.opt_state), state, (params, opt_state))
-        return new, [{"loss": jnp.sum(params["w"] ** 2)}], {}
-
-    return state, iteration
-
-
 def _damage(path):
     with open(os.path.join(path, "state.eqx"), "r+b") as f:
         f.write(b"\x00garbage")
 
 
 def test_a_resume_with_every_checkpoint_damaged_is_refused(tmp_path):
-    state, iteration = _quadratic()
+    state, iteration = quadratic_run()
     ops = pl.OpsConfig(quiet=True, checkpoint_every=1, keep=2)
     log = pl.tools.MetricsLog(str(tmp_path), "q", quiet=True)
     ck = str(tmp_path / "ck")
@@ -357,24 +342,10 @@ def test_a_full_disk_on_the_command_line_is_one_line_and_keeps_the_checkpoints(
 # --- environments -----------------------------------------------------------------------
 
 
-class _Count(Environment):
-    """The `Environment` docstring's example: three turns, no stop ids of its own."""
-
-    max_observation_tokens: int = eqx.field(static=True, default=1)
-
-    def reset(self, key, prompt, prompt_mask):
-        return jnp.zeros((), jnp.int32), jnp.zeros((1,), jnp.int32), jnp.zeros((1,), bool)
-
-    def step(self, state, completion, completion_mask):
-        obs, obs_mask = jnp.full((1,), 7, jnp.int32), jnp.ones((1,), bool)
-        reward = jnp.sum(completion_mask).astype(jnp.float32)
-        return state + 1, obs, obs_mask, reward, state + 1 >= 3
-
-
 def test_environments_declare_stop_ids_with_a_default():
     tok = data.load_tokenizer(asset_path("tok512.bin"))
-    assert _Count().stop_ids == ()
-    assert pl.runs.turn_stop_ids(_Count(), tok) == (tok.eos_id,)
+    assert CountingEnv().stop_ids == ()
+    assert pl.runs.turn_stop_ids(CountingEnv(), tok) == (tok.eos_id,)
     animal = rx.envs.AnimalFollowUpEnv(tok)
     assert animal.stop_ids and pl.runs.turn_stop_ids(animal, tok) == animal.stop_ids
     assert "stop_ids" in Environment.__doc__
@@ -394,7 +365,7 @@ def test_run_multiturn_runs_an_environment_without_stop_ids(tmp_path):
         prompt_length=8,
     )
     res = pl.runs.run_multiturn(
-        policy, tok, ["Once upon a time", "The cat"], _Count(), cfg=cfg, ctx=ctx
+        policy, tok, ["Once upon a time", "The cat"], CountingEnv(), cfg=cfg, ctx=ctx
     )
     assert res.loop.iterations == 1 and res.loop.stopped == "done"
 

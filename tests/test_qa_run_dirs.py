@@ -9,13 +9,10 @@ import errno
 import json
 import os
 
-import equinox as eqx
 import jax
-import jax.numpy as jnp
-import optax
 import pytest
+from helpers import quadratic_run
 
-import rlhf_eqx as rx
 from rlhf_eqx import pipelines as pl
 from rlhf_eqx.__main__ import main
 
@@ -86,24 +83,10 @@ def test_a_run_refused_by_a_run_that_took_the_new_directory_first_leaves_it(tmp_
     other[0].release()
 
 
-def _quadratic():
-    opt = optax.sgd(0.1)
-    state = rx.train.init_train_state({"w": jnp.full((3,), 2.0)}, opt)
-
-    def iteration(state, key, i):
-        g = jax.grad(lambda p: jnp.sum((p["w"] - jax.random.normal(key, (3,))) ** 2))(state.params)
-        updates, opt_state = opt.update(g, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        new = eqx.tree_at(lambda s: (s.params, s.opt_state), state, (params, opt_state))
-        return new, [{"loss": jnp.sum(params["w"] ** 2)}], {}
-
-    return state, iteration
-
-
 def test_a_resume_past_a_damaged_checkpoint_sets_it_aside_and_keeps_the_whole_ones(
     tmp_path, capsys
 ):
-    state, iteration = _quadratic()
+    state, iteration = quadratic_run()
     log = pl.tools.MetricsLog(str(tmp_path), "q", quiet=True)
     ck = str(tmp_path / "ck")
     kw = dict(key=jax.random.key(0), log=log, checkpoint_dir=ck)

@@ -4,12 +4,12 @@ int64) and 0 / 1 integer attention masks, and samples exactly what it samples fr
 same values as JAX int32 ids and bool masks. A mask value other than 0 and 1 is refused
 naming the argument; the shape checks still refuse a prompt of the wrong rank."""
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jaxtyping
 import numpy as np
 import pytest
+from helpers import CountingEnv
 
 import rlhf_eqx as rx
 from rlhf_eqx.assets import STORIES260K, TOK512, asset_path
@@ -37,20 +37,6 @@ KEYS = jax.random.split(KEY, 2)
 SAMPLING = dict(max_new_tokens=4, temperature=1.0)
 
 
-class _Count(rx.envs.Environment):
-    """Three turns, each answered with one token; a turn's reward is its length."""
-
-    max_observation_tokens: int = eqx.field(static=True, default=1)
-
-    def reset(self, key, prompt, prompt_mask):
-        return jnp.zeros((), jnp.int32), jnp.zeros((1,), jnp.int32), jnp.zeros((1,), bool)
-
-    def step(self, state, completion, completion_mask):
-        obs, obs_mask = jnp.full((1,), 7, jnp.int32), jnp.ones((1,), bool)
-        reward = jnp.sum(completion_mask).astype(jnp.float32)
-        return state + 1, obs, obs_mask, reward, state + 1 >= 3
-
-
 def _decoding(policy, prompts, masks):
     decoding = rx.ContinuousDecoding(policy, prompts, masks, KEYS, slots=1, **SAMPLING)
     while not decoding.done:
@@ -75,10 +61,10 @@ ENTRY_POINTS = {
         policy, policy, p, m, KEY, k=2, **SAMPLING
     ),
     "rollout_multiturn": lambda policy, p, m: rx.envs.rollout_multiturn(
-        policy, _Count(), p, m, KEY, **ROLLOUT
+        policy, CountingEnv(), p, m, KEY, **ROLLOUT
     ),
     "rollout_multiturn_host": lambda policy, p, m: rx.envs.rollout_multiturn_host(
-        policy, _Count(), p, m, KEY, **ROLLOUT
+        policy, CountingEnv(), p, m, KEY, **ROLLOUT
     ),
 }
 
@@ -126,7 +112,7 @@ def test_int64_ids_past_the_int32_range_are_refused_not_wrapped(policy):
     with pytest.raises(ValueError, match="row 1 has id 4294967301 at position 3"):
         rx.generate_continuous(policy, ids, np.asarray(MASK), KEYS, slots=1, **SAMPLING)
     with pytest.raises(ValueError, match="row 1 has id 4294967301 at position 3"):
-        rx.envs.rollout_multiturn(policy, _Count(), ids, np.asarray(MASK), KEY, **ROLLOUT)
+        rx.envs.rollout_multiturn(policy, CountingEnv(), ids, np.asarray(MASK), KEY, **ROLLOUT)
 
 
 def test_the_shape_checks_still_refuse_a_prompt_of_the_wrong_rank(policy):

@@ -217,3 +217,10 @@ def test_packing_is_refused_on_the_built_in_task():
     with pytest.raises(pl.ConfigError) as e:
         pl.config.validate_config(cfg)
     assert "sft.packing=True" in str(e.value) and "data file" in str(e.value)
+
+
+def test_a_run_from_before_sft_packing_resumes_unpacked():
+    new = pl.config.config_to_dict(pl.animal_task_config())
+    old = {k: (dict(v) if isinstance(v, dict) else v) for k, v in new.items()}
+    del old["sft"]["packing"]
+    assert pl.loop.check_resumable(old, new, where="run") == []

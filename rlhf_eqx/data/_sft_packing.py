@@ -27,6 +27,7 @@ from jaxtyping import Array, Bool, Int
 from ._batches import _is_array, _validate
 from ._collate import _check_completions, _check_ids
 from ._errors import DataError
+from ._packing import _positive
 from ._tokenized import TokenizedSequence
 
 
@@ -85,13 +86,6 @@ def _best_fit_decreasing(sizes: Sequence[int], capacity: int, slots: int | None)
         if slots is None or len(rows[r]) < slots:
             bisect.insort(open_rows, (room - sizes[i], r))
     return rows
-
-
-def _positive(name: str, value: object, *, allow_none: bool = True) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise DataError(f"{name} must be a positive int, got {value!r}")
 
 
 def pack_sft(

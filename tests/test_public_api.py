@@ -155,7 +155,8 @@ STAGE_KEYS = {
     "dpo": "steps batch_size max_length optim beta loss_type rounds samples packing lora "
     "label_smoothing reference rpo_alpha loss_kwargs" + _OPTIONS,
     "ppo": "rollouts prompts_per_rollout epochs kl_target optim lora minibatches "
-    f"gamma lam kl_coef reward_source reward_model reward_functions reward_weights {_PPO}"
+    f"gamma lam kl_coef reward_source reward_model reward_functions reward_weights {_PPO} "
+    "kl_estimator whiten_rewards missing_eos_penalty"
     + _OPTIONS,
     "grpo": "rollouts prompts_per_rollout epochs kl_target optim lora "
     "reward_source reward_model reward_functions reward_weights staleness overlap "

@@ -10,6 +10,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, Float
 
 import rlhf_eqx as rx
 from rlhf_eqx import data
@@ -25,7 +26,15 @@ from ._data_prep import (
     split_records,
     trained_policy,
 )
-from ._field_checks import _at_least, _check_options, _divides, _fail, _positive, _within
+from ._field_checks import (
+    _at_least,
+    _check_options,
+    _choice,
+    _divides,
+    _fail,
+    _positive,
+    _within,
+)
 from ._lr_scale import build_optimizer
 from ._monitor import model_flops
 from ._registry import Outcome, Stage, StageEnv, register_stage
@@ -39,21 +48,37 @@ from ._reward_sources import (
     scored_on_task,
 )
 from ._rl_rollouts import _policy_and_reference, _sample_and_compare
-from ._rollout import RewardFunction
+from ._rollout import RewardFunction, Rollout
 from ._runs import RunContext, RunResult, final_policy, rl_step_settings, run_loop, take_rows
 from ._sampled_eval import sampled_comparison
 from ._validation import validate_stage
 
+KL_ESTIMATORS = ("k1", "k3")
+"""The values of `ppo.kl_estimator` (TRL `PPOConfig.kl_estimator`)."""
+_PRM_WHITEN = (
+    "a process reward model's step rewards join the shaped rewards through GAE's "
+    "linearity (add_token_rewards), which whitening the rewards would break"
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class PPOConfig(RolloutStageConfig, PPOSettings):
-    """PPO (Schulman et al. 2017; Ouyang et al. 2022) with a value model and KL-shaped
+    r"""PPO (Schulman et al. 2017; Ouyang et al. 2022) with a value model and KL-shaped
     rewards; `epochs` x `minibatches` updates per rollout of `prompts_per_rollout`
     completions. The step's settings are `rlhf_eqx.train.PPOSettings` (`clip_eps`,
     `vf_coef`, `ent_coef`, ...; its `temperature` is `sampling.temperature`, and with
     `mode="seq-mean-token-sum-norm"` its `constant` is by default
     `sampling.max_new_tokens`). The
-    user's `reward_functions` (with `reward_weights`) are `RolloutStageConfig`'s."""
+    user's `reward_functions` (with `reward_weights`) are `RolloutStageConfig`'s.
+
+    TRL `PPOConfig`'s rollout settings, with its defaults: `kl_estimator` (`"k1"`
+    $-\log r$ or `"k3"` $e^{\log r} - 1 - \log r$, $\log r = \log\pi_{\rm ref} -
+    \log\pi_\theta$: the per-token KL of the shaped rewards and of
+    `objective/kl`), `whiten_rewards` (scale the shaped rewards to unit variance over
+    the rollout's completion tokens before GAE, their mean kept, as TRL; the advantages
+    are whitened after GAE either way) and `missing_eos_penalty` (`None`: off; a
+    number >= 0 subtracted from the score of every completion cut at
+    `sampling.max_new_tokens` without a stop id or stop string)."""
 
     temperature: float = dataclasses.field(
         default=SamplingConfig.temperature, metadata=_SET_BY_SAMPLING
@@ -64,12 +89,25 @@ class PPOConfig(RolloutStageConfig, PPOSettings):
     lam: float = 0.95
     kl_coef: float = 0.05
     reward_source: str = "reward_model"
+    kl_estimator: str = "k1"
+    whiten_rewards: bool = False
+    missing_eos_penalty: float | None = None
 
     def check(self, name: str, *, device_count: int = 1) -> None:
         """PPO's own rules: minibatches divide the rollout (and its rows the devices), a
         KL coefficient >= 0, γ and λ in [0, 1], reward functions that import, one finite
-        weight each, scored with `reward_source=task`."""
+        weight each, scored with `reward_source=task`; a `kl_estimator` of TRL's (k1,
+        k3), a `missing_eos_penalty` of None or >= 0, and no `whiten_rewards` with a
+        process reward model (its step rewards join the shaped rewards after them)."""
         check_reward_functions(name, self)
+        _choice(f"{name}.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        if not isinstance(self.whiten_rewards, bool):
+            _fail(f"{name}.whiten_rewards", self.whiten_rewards, "must be true or false")
+        if self.whiten_rewards and self.reward_source == "prm":
+            why = f"not with {name}.reward_source=prm: {_PRM_WHITEN}"
+            _fail(f"{name}.whiten_rewards", True, why)
+        if self.missing_eos_penalty is not None:
+            _at_least(f"{name}.missing_eos_penalty", self.missing_eos_penalty, 0)
         _positive(f"{name}.minibatches", self.minibatches)
         if self.prompts_per_rollout % self.minibatches:
             _fail(
@@ -86,6 +124,49 @@ class PPOConfig(RolloutStageConfig, PPOSettings):
         _check_options(name, self, self.prompts_per_rollout // self.minibatches)
         _within(f"{name}.gamma", self.gamma, 0, 1)
         _within(f"{name}.lam", self.lam, 0, 1)
+
+
+def ppo_rollout_batch(
+    model,
+    reference,
+    roll: Rollout,
+    scores: Float[Array, " B"],
+    cfg: PPOConfig,
+    *,
+    temperature: float,
+    whiten: bool = True,
+):
+    r"""The `PPOBatch` of a rollout and its statistics, as TRL's `PPOTrainer` makes them:
+    the score of every completion cut at `max_new_tokens` (`roll.truncated`) lowered by
+    `cfg.missing_eos_penalty` when set ($s_i \leftarrow s_i - p\,\mathbb 1[\text{no
+    EOS}_i]$), then `prepare_ppo_batch` (KL-shaped rewards with `cfg.kl_estimator`,
+    `cfg.whiten_rewards`, GAE with `cfg.gamma`, `cfg.lam`, the advantages whitened when
+    `whiten`) at the sampling `temperature`, `old_logp` the sampler's log-probabilities.
+    `stats` has `missing_eos`, the fraction of penalised completions, when the penalty is
+    on; `objective/scores` is the mean of the penalised scores, as in TRL."""
+    if cfg.missing_eos_penalty is not None:
+        cut = jnp.asarray(roll.truncated, jnp.float32)
+        scores = scores - jnp.float32(cfg.missing_eos_penalty) * cut
+    batch, stats = rx.train.prepare_ppo_batch(
+        model,
+        reference,
+        roll.tokens,
+        roll.mask,
+        roll.completion_mask,
+        scores,
+        kl_coef=cfg.kl_coef,
+        gamma=cfg.gamma,
+        lam=cfg.lam,
+        kl_kind=cfg.kl_estimator,
+        whiten=whiten,
+        whiten_rewards=cfg.whiten_rewards,
+        temperature=temperature,
+    )
+    if cfg.missing_eos_penalty is not None:
+        stats = {**stats, "missing_eos": jnp.mean(cut)}
+    m = roll.completion_mask & roll.mask
+    batch = eqx.tree_at(lambda b: b.old_logp, batch, jnp.where(m, roll.logprobs, 0.0))
+    return batch, stats
 
 
 def run_ppo(
@@ -135,16 +216,14 @@ def run_ppo(
         per_token = scored.token_rewards is not None  # a PRM: its step scores, per token
         scores = jnp.asarray(0.0 * scored.scores if per_token else scored.scores, jnp.float32)
         info.update(scored.metrics, score=float(np.mean(scored.scores)))
-        batch, stats = rx.train.prepare_ppo_batch(
+        if per_token and cfg.whiten_rewards:
+            raise ValueError(f"ppo.whiten_rewards=True: {_PRM_WHITEN}")
+        batch, stats = ppo_rollout_batch(
             (pol_now, val_now),
             reference,
-            roll.tokens,
-            roll.mask,
-            roll.completion_mask,
+            roll,
             scores,
-            kl_coef=cfg.kl_coef,
-            gamma=cfg.gamma,
-            lam=cfg.lam,
+            cfg,
             temperature=ctx.temperature,
             whiten=not per_token,
         )
@@ -153,8 +232,6 @@ def run_ppo(
                 batch, scored.token_rewards, gamma=cfg.gamma, lam=cfg.lam
             )
             stats = {**stats, **more}
-        m = roll.completion_mask & roll.mask
-        batch = eqx.tree_at(lambda b: b.old_logp, batch, jnp.where(m, roll.logprobs, 0.0))
         info.update({k: float(v) for k, v in stats.items()})
         metrics = []
         for e in range(cfg.epochs):

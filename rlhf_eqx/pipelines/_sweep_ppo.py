@@ -4,7 +4,8 @@ seed's reward model, trained once per seed before the members and shared by that
 grid points). Per rollout, the rollouts of all members are sampled in one vmapped
 sampler call (each member its own prompts, `rows_at` with its seed, and key); then per
 member the score, the reference log-probabilities, the KL-shaped rewards and GAE
-(`prepare_ppo_batch`, with the member's `ppo.kl_coef`), and the `ppo.epochs` x
+(`ppo_rollout_batch` as in `run_ppo`: the member's `ppo.kl_coef`, `ppo.kl_estimator`,
+`ppo.whiten_rewards` and `ppo.missing_eos_penalty`), and the `ppo.epochs` x
 `ppo.minibatches` updates of every member in one vmapped program each, member `m`'s
 minibatch its separate run's rows (its own permutation per epoch) and key.
 
@@ -24,6 +25,7 @@ import rlhf_eqx as rx
 
 from ._config import ConfigError
 from ._lr_scale import build_optimizer
+from ._ppo_stage import ppo_rollout_batch
 from ._registry import stage_key
 from ._rl_rollouts import _compare, _policy_and_reference
 from ._rollout import sampling_options
@@ -92,20 +94,14 @@ def ppo_sweep(
             _, inf = _compare(roll, references[m])
             scored = sources[mem.seed].score(roll)
             inf.update(scored.metrics, score=float(np.mean(scored.scores)))
-            batch, stats = rx.train.prepare_ppo_batch(
+            batch, stats = ppo_rollout_batch(
                 member(st.train, m).model,
                 references[m],
-                roll.tokens,
-                roll.mask,
-                roll.completion_mask,
+                roll,
                 jnp.asarray(scored.scores, jnp.float32),
-                kl_coef=mem.cfg.ppo.kl_coef,
-                gamma=c0.gamma,
-                lam=c0.lam,
+                mem.cfg.ppo,
                 temperature=sampling.temperature,
             )
-            done = roll.completion_mask & roll.mask
-            batch = eqx.tree_at(lambda b: b.old_logp, batch, jnp.where(done, roll.logprobs, 0.0))
             inf.update({k: float(v) for k, v in stats.items()})
             info[m] = inf
             guard[m] = alive[m] and inf["kl"] > c0.kl_target

@@ -19,7 +19,7 @@ from ..losses import (
     whiten_advantages,
 )
 from ..models import AbstractSelectiveLM
-from ..ops import masked_sum, previous_real_index
+from ..ops import masked_sum, masked_whiten, previous_real_index
 from ._accumulate import tempered_entropies, tempered_logprobs, vmap_model
 from ._rl_settings import SampledSettings
 from ._state import combine
@@ -59,6 +59,7 @@ def compute_advantages(
     lam: float = 0.95,
     kl_kind: KLKind = "k1",
     whiten: bool = True,
+    whiten_rewards: bool = False,
 ) -> tuple[Float[Array, "B T"], Float[Array, "B T"], dict[str, Float[Array, ""]]]:
     r"""PPO advantages of a rollout: KL-shaped per-token rewards → GAE → whitening.
 
@@ -69,10 +70,18 @@ def compute_advantages(
     `PPOTrainer`), with `kl_shaped_rewards`, `gae` and `whiten_advantages` (masked mean
     and variance over the whole batch). The returns are not whitened.
 
+    With `whiten_rewards` (TRL `PPOConfig.whiten_rewards`, default off) the shaped
+    rewards are scaled before GAE,
+    $r \leftarrow (r - \mu_r)/\sqrt{\sigma_r^2 + 10^{-8}} + \mu_r$ with the masked mean
+    and unbiased variance over every completion token of the batch: unit variance, the
+    mean kept (TRL's `masked_whiten(rewards, shift_mean=False)`). `whiten` whitens the
+    advantages after GAE (TRL always does).
+
     **Arguments:** `scores` `[B]` (reward-model scores), `logp` / `ref_logp` `[B, T]`
     (token log-probabilities of the sampling policy and the reference), `values`
     `[B, T]` (token-aligned, see `token_values`), `completion_mask` `[B, T]`; `kl_coef`
-    $\beta_{\rm KL}$, `gamma`, `lam`, `kl_kind` (see `kl_penalty`), `whiten`.
+    $\beta_{\rm KL}$, `gamma`, `lam`, `kl_kind` (see `kl_penalty`; TRL's
+    `kl_estimator` is `"k1"` or `"k3"`), `whiten`, `whiten_rewards`.
 
     **Returns:** `(advantages, returns, stats)` with the TRL metrics
     `objective/kl` (mean over sequences of the summed per-token KL), `objective/scores`,
@@ -90,6 +99,8 @@ def compute_advantages(
     rewards = jax.vmap(
         lambda s, a, b, mi: kl_shaped_rewards(s, a, b, mi, kl_coef=kl_coef, kind=kl_kind)
     )(scores.astype(f32), logp, ref_logp, m)
+    if whiten_rewards:
+        rewards = masked_whiten(rewards, m, shift_mean=False)
     adv, ret = jax.vmap(lambda r, v, mi: gae(r, v, mi, gamma=gamma, lam=lam))(
         rewards, values.astype(f32), m
     )
@@ -163,7 +174,7 @@ def policy_logps_and_values(model, frozen, tokens, mask, select, key, *, tempera
 
 @eqx.filter_jit
 def _prepare(model, reference, tokens, mask, completion_mask, scores, kl_coef, settings):
-    gamma, lam, kl_kind, whiten, temperature = settings
+    gamma, lam, kl_kind, whiten, whiten_rewards, temperature = settings
     logits, values = policy_and_values(model, None, tokens, mask, None)
     logp = tempered_logprobs(logits, tokens, mask, temperature)
     ref_logits = vmap_model(reference, tokens, mask, None)
@@ -180,6 +191,7 @@ def _prepare(model, reference, tokens, mask, completion_mask, scores, kl_coef, s
         lam=lam,
         kl_kind=kl_kind,
         whiten=whiten,
+        whiten_rewards=whiten_rewards,
     )
     zero = jnp.zeros_like(logp)
     batch = PPOBatch(
@@ -207,6 +219,7 @@ def prepare_ppo_batch(
     lam: float = 0.95,
     kl_kind: KLKind = "k1",
     whiten: bool = True,
+    whiten_rewards: bool = False,
     temperature: float = SampledSettings.temperature,
 ) -> tuple[PPOBatch, dict[str, Float[Array, ""]]]:
     """Turn sampled sequences and their scores into a `PPOBatch` (one jitted pass).
@@ -216,7 +229,9 @@ def prepare_ppo_batch(
     policy. Computes the sampling policy's token log-probabilities and the reference's
     at the sampling `temperature` (logits / T, as `rlhf_eqx.generate` reports them, so
     an on-policy ratio is exactly 1), the token-aligned values, then
-    `compute_advantages`. Pass the same `temperature` to `make_ppo_step`.
+    `compute_advantages` (with `kl_kind`, `whiten` of the advantages and
+    `whiten_rewards` of the shaped rewards). Pass the same `temperature` to
+    `make_ppo_step`.
 
     **Returns:** `(batch, stats)`; `stats` as `compute_advantages`.
     """
@@ -231,5 +246,5 @@ def prepare_ppo_batch(
         completion_mask,
         scores.astype(jnp.float32),
         coef,
-        (gamma, lam, kl_kind, whiten, float(temperature)),
+        (gamma, lam, kl_kind, bool(whiten), bool(whiten_rewards), float(temperature)),
     )

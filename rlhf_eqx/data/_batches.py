@@ -117,6 +117,11 @@ class PreferenceBatch(eqx.Module):
     `ref_chosen_logp` / `ref_rejected_logp` hold the reference model's summed completion
     log-probabilities when they were computed once and cached; `None` means the step
     computes them on the fly.
+
+    `margins` holds each pair's own reward margin $m_i$ (a preference file's `margin`
+    column, TRL's `RewardTrainer` convention): the reward-model loss is then
+    $-\\log\\sigma(r_c - r_r - m - m_i)$ (`rlhf_eqx.train.reward_loss`); `None` (the
+    default): no per-pair margin. DPO does not read it.
     """
 
     chosen_tokens: Int[Array, "B T"]
@@ -127,6 +132,7 @@ class PreferenceBatch(eqx.Module):
     rejected_completion_mask: Bool[Array, "B T"]
     ref_chosen_logp: Float[Array, " B"] | None = None
     ref_rejected_logp: Float[Array, " B"] | None = None
+    margins: Float[Array, " B"] | None = None
 
     def __check_init__(self):
         _validate(
@@ -138,7 +144,7 @@ class PreferenceBatch(eqx.Module):
                 "rejected_mask",
                 "rejected_completion_mask",
             ),
-            ("ref_chosen_logp", "ref_rejected_logp"),
+            ("ref_chosen_logp", "ref_rejected_logp", "margins"),
         )
 
 

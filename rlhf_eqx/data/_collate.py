@@ -239,7 +239,10 @@ def collate_preferences(
       `pad_id` must lie in `[0, vocab_size)` (an id outside gives NaN logits or wraps
       around inside the model), else `DataError` names the row, position and id.
 
-    **Returns:** the `PreferenceBatch` (with no cached reference log-probabilities).
+    **Returns:** the `PreferenceBatch` (with no cached reference log-probabilities), its
+    `margins` the pairs' own margins (float32 `[B]`) when every pair has one, `None`
+    when none has (a batch where some pairs have a margin and others not is refused:
+    `DataError` naming the first pair without one).
     """
     (c_tokens, c_mask, c_cmask), (r_tokens, r_mask, r_cmask) = _right_padded(
         [[p.chosen for p in pairs], [p.rejected for p in pairs]],
@@ -256,7 +259,23 @@ def collate_preferences(
         rejected_tokens=jnp.asarray(r_tokens),
         rejected_mask=jnp.asarray(r_mask),
         rejected_completion_mask=jnp.asarray(r_cmask),
+        margins=_pair_margins(pairs),
     )
+
+
+def _pair_margins(pairs: Sequence[TokenizedPair]) -> jnp.ndarray | None:
+    """The pairs' margins as float32 `[B]`, `None` when no pair has one (`DataError`
+    naming the first pair without one when only some have)."""
+    margins = [getattr(p, "margin", None) for p in pairs]
+    if all(m is None for m in margins):
+        return None
+    if any(m is None for m in margins):
+        i, j = margins.index(None), next(k for k, m in enumerate(margins) if m is not None)
+        raise DataError(
+            f"pair {i} has no margin, though pair {j} has one: collate pairs that all "
+            "have a margin, or none"
+        )
+    return jnp.asarray(np.asarray(margins, dtype=np.float32))
 
 
 def collate_sft(

@@ -28,10 +28,21 @@ completions starting with a space (TRL's `extract_prompt` does the same split).
 Pairs that cannot be split (no shared prefix ending in `\\n\\nAssistant:`, no shared
 message prefix before an assistant turn), pairs with identical completions and pairs
 with an empty (or blank) completion are skipped and counted in `dataset.report`.
+
+**Margins.** A record of any layout may carry a numeric `margin` (TRL's
+`RewardTrainer` column; e.g. a rating difference, Llama 2's margin loss): it is kept as
+`PreferenceRecord.margin`, tokenised and collated into `PreferenceBatch.margins`, and the
+reward-model loss becomes $-\\log\\sigma(r_c - r_r - m - m_i)$ (`rlhf_eqx.train.reward_loss`).
+A margin that is not a finite number (a string, a boolean, `null`, `NaN`) is refused
+naming the file, the line (a table's row) and the column; a file where some pairs have
+a margin and others not is refused naming the first pair without one. DPO reads no
+margin, as TRL's `DPOTrainer` does not.
 """
 
 import dataclasses
 import functools
+import math
+import numbers
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -77,6 +88,10 @@ class PreferenceRecord:
     `messages`: a pair of conversations as the reader split them, `{"prompt": (message,
     ...), "chosen": (...), "rejected": (...)}` (the shared messages, then each reply's),
     which a model's chat template renders itself; `None` for text pairs. Not compared.
+
+    `margin`: the pair's own reward margin $m_i$ (a file's `margin` column, as TRL's
+    `RewardTrainer` reads it), which the reward-model loss subtracts from the reward
+    difference; `None` (the default): none.
     """
 
     prompt: str
@@ -85,6 +100,7 @@ class PreferenceRecord:
     messages: Mapping[str, tuple[Mapping[str, Any], ...]] | None = dataclasses.field(
         default=None, compare=False, repr=False
     )
+    margin: float | None = None
 
 
 def _preference_texts(records: Sequence) -> list[tuple[str, str, str]]:
@@ -97,6 +113,68 @@ def _preference_texts(records: Sequence) -> list[tuple[str, str, str]]:
                 raise DataError(f"preference records need a string .{key}, got {type(r).__name__}")
         texts.append((r.prompt, r.chosen, r.rejected))
     return texts
+
+
+def _preference_margins(records: Sequence) -> list[float | None]:
+    """The `.margin` of each record as a float (`None` for a record without one, or an
+    object without a `.margin`; `DataError` naming the record for one that is not a
+    finite number)."""
+    out = []
+    for i, r in enumerate(records):
+        margin = getattr(r, "margin", None)
+        if margin is not None and not _is_finite_number(margin):
+            raise DataError(
+                f"preference record {i} has margin {margin!r}: a pair's margin must be a "
+                "finite number (or None)"
+            )
+        out.append(None if margin is None else float(margin))
+    return out
+
+
+def _is_finite_number(value: object) -> bool:
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, numbers.Real)
+        and math.isfinite(float(value))
+    )
+
+
+def _margin_field(record: dict) -> float | None:
+    """`record["margin"]` as a float, `None` when the record has no `margin`
+    (`Malformed` naming the key when it is not a finite number)."""
+    if "margin" not in record:
+        return None
+    value = record["margin"]
+    if not _is_finite_number(value):
+        got = "null" if value is None else f"{type(value).__name__} {value!r}"
+        raise Malformed(
+            "wrong type", f"'margin' must be a finite number (the pair's margin), got {got}"
+        )
+    return float(value)
+
+
+def _with_margin(parse):
+    """`parse`, with the record's `margin` (`_margin_field`) kept on the pair it gives."""
+
+    def parse_with_margin(record: dict) -> PreferenceRecord:
+        margin = _margin_field(record)
+        pair = parse(record)
+        return pair if margin is None else dataclasses.replace(pair, margin=margin)
+
+    return parse_with_margin
+
+
+def _check_margins(records: Sequence[PreferenceRecord], locations: Sequence[str | None]) -> None:
+    """Refuse a file where some pairs have a `margin` and others not (`DataError` naming
+    the first pair without one and the first with one)."""
+    has = [r.margin is not None for r in records]
+    if all(has) or not any(has):
+        return
+    where = lambda i: locations[i] if i < len(locations) and locations[i] else f"pair {i}"
+    raise DataError(
+        f"{where(has.index(False))}: no 'margin' (missing or null), though "
+        f"{where(has.index(True))} has one: give every pair a margin or none"
+    )
 
 
 def split_hh_transcript(chosen: str, rejected: str) -> tuple[str, str, str] | None:
@@ -285,12 +363,13 @@ def _preference_parser(fmt: str, tmpl: ChatTemplate):
             "the chat template's assistant turn does not start with its generation "
             "prompt, so conversations cannot be split into prompt and completion"
         )
-    return {
+    parse = {
         "hh": _parse_hh,
         "plain": _parse_plain,
         "messages": lambda r: _parse_messages(r, tmpl),
         "sharegpt": lambda r: _parse_sharegpt(r, tmpl),
     }[fmt]
+    return _with_margin(parse)
 
 
 def load_preferences(
@@ -320,11 +399,14 @@ def load_preferences(
       `{"chosen": "response_a", "rejected": "response_b"}` (fields: `COLUMN_NAMES`).
     - `split`: the split of a `DatasetDict` directory (or give the path as `DIR:SPLIT`).
 
-    **Returns:** a `PreferenceDataset` of `PreferenceRecord(prompt, chosen, rejected)`;
-    `dataset.report` counts what was read, kept and skipped (with reasons).
+    **Returns:** a `PreferenceDataset` of `PreferenceRecord(prompt, chosen, rejected)`,
+    each with its `margin` when the file has a `margin` column (see the module
+    docstring); `dataset.report` counts what was read, kept and skipped (with reasons).
 
     **Raises:** `DataError` (a `ValueError`) naming the file and line (a table's row and
-    column) for malformed input when not `lenient`, and for an unknown format.
+    column) for malformed input when not `lenient` (a `margin` that is not a finite
+    number among it), for an unknown format, and for a file where some pairs have a
+    `margin` and others not (even when `lenient`).
     """
     tmpl = resolve_template(template)
     records, report = load_records(
@@ -340,4 +422,5 @@ def load_preferences(
         columns=columns,
         split=split,
     )
+    _check_margins(records, report.locations)
     return PreferenceDataset(records, report, report.locations)

@@ -26,7 +26,7 @@ from typing import TypeVar
 
 from ._errors import DataError
 from ._io import common_prefix_length
-from ._preferences import _preference_texts
+from ._preferences import _preference_margins, _preference_texts
 from ._tokenized import (
     SequenceLengths,
     TokenizedPair,
@@ -196,17 +196,21 @@ def tokenize_preferences(
     - `add_bos` / `add_eos`: start prompts with BOS / end completions with EOS
       (`add_bos=None`: as the tokenizer asks, `wants_bos`).
 
-    **Returns:** `(pairs, report)`: a `TokenizedPair` for each kept record, and a
-    `TokenizeReport` counting truncated, dropped and boundary-merged records.
+    **Returns:** `(pairs, report)`: a `TokenizedPair` for each kept record (with the
+    record's `margin`, when it has one), and a `TokenizeReport` counting truncated,
+    dropped and boundary-merged records.
     """
+    records = list(records)
+    texts = _preference_texts(records)
+    margins = _preference_margins(records)
     return _tokenize(
-        [(prompt, [chosen, rejected]) for prompt, chosen, rejected in _preference_texts(records)],
+        [(prompt, [chosen, rejected]) for prompt, chosen, rejected in texts],
         tokenizer,
         lengths=resolve_lengths(lengths, max_length, max_prompt_length, max_completion_length),
         truncation=truncation,
         add_bos=add_bos,
         add_eos=add_eos,
-        build=lambda _, seqs: TokenizedPair(*seqs),
+        build=lambda i, seqs: TokenizedPair(*seqs, margin=margins[i]),
     )
 
 

@@ -106,10 +106,12 @@ class TokenizedSequence:
 @dataclasses.dataclass(frozen=True)
 class TokenizedPair:
     """The two sequences of a preference pair (their prompts are equal unless a token
-    merged across the prompt/completion boundary)."""
+    merged across the prompt/completion boundary), and the pair's own reward margin
+    (`PreferenceRecord.margin`; `None`: none)."""
 
     chosen: TokenizedSequence
     rejected: TokenizedSequence
+    margin: float | None = None
 
 
 MAX_TRUNCATED_ROWS = 5

@@ -35,8 +35,9 @@ def bradley_terry_loss(
     **Arguments:**
 
     - `chosen_reward`, `rejected_reward`: scalar rewards of the pair.
-    - `margin`: scalar margin $m$ (per pair, e.g. from a rating difference); a Python
-      number must be finite.
+    - `margin`: scalar margin $m$ of this pair (e.g. from a rating difference: TRL's
+      `margin` column, which the reward step passes as the settings' margin plus the
+      batch's `PreferenceBatch.margins`); a Python number must be finite.
     - `center_coef`: $\lambda_c \geq 0$.
 
     **Returns:** the scalar loss.

@@ -153,6 +153,12 @@ def run_reward(
     """
     validate_stage("reward", cfg)
     pairs = list(pairs)
+    if cfg.ensemble > 1 and any(getattr(p, "margin", None) is not None for p in pairs):
+        raise data.DataError(
+            f"reward.ensemble={cfg.ensemble}: the pairs have their own margins (a 'margin' "
+            "column), which an ensemble's members do not read; train one reward model "
+            "(reward.ensemble=1) or drop the column"
+        )
     val: list = []
     if cfg.eval_every:
         seed = ctx.ops.seed if validation_seed is None else validation_seed
@@ -316,6 +322,15 @@ def reward_on_data(env: StageEnv, c: RewardConfig) -> Outcome:
         held, tok, max_length=c.max_length, prompt_length=env.cfg.sampling.prompt_length
     )
     ctx = env.ctx("")
+    margins = _margin_summary(train)
+    if margins is not None:
+        message = (
+            f"per-pair margins read from the 'margin' column: {margins['pairs']} pairs, mean "
+            f"{margins['mean']:.4g}, from {margins['min']:.4g} to {margins['max']:.4g}; the "
+            f"loss is -log sigmoid(r_chosen - r_rejected - {c.margin:g} - margin)"
+        )
+        ctx.log.write({"event": "margins", "message": message, **margins})
+        ctx.log.info(message)
     seed = data_validation_seed(ctx.ops.seed)
     res = run_reward(env.base, tok, train, cfg=c, ctx=ctx, validation_seed=seed)
     rm = res.state.model
@@ -334,7 +349,23 @@ def reward_on_data(env: StageEnv, c: RewardConfig) -> Outcome:
         "heldout_pairs": len(held),
         **res.info,
     }
+    if margins is not None:
+        env.summary["reward_model"]["margins"] = margins
     return Outcome(res)
+
+
+def _margin_summary(pairs: Sequence) -> dict[str, Any] | None:
+    """`{"pairs", "mean", "min", "max"}` of the pairs' own margins (`PreferenceRecord.margin`,
+    a file's `margin` column); `None` when no pair has one."""
+    values = [p.margin for p in pairs if getattr(p, "margin", None) is not None]
+    if not values:
+        return None
+    return {
+        "pairs": len(values),
+        "mean": float(np.mean(values)),
+        "min": float(min(values)),
+        "max": float(max(values)),
+    }
 
 
 register_stage(

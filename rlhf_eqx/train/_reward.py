@@ -61,13 +61,29 @@ def _pair_scores(model, batch, key):
     return scores[:b], scores[b:], jnp.ones((b,), jnp.float32)
 
 
+def _pair_margins(batch, margin):
+    """The margin of each pair of `batch`: `margin` itself (the settings' scalar, as
+    given) when the batch has no per-pair `margins` (a `PackedPreferenceBatch` has
+    none), else `margin + batch.margins` (float32 `[B]`)."""
+    margins = getattr(batch, "margins", None) if isinstance(batch, PreferenceBatch) else None
+    if margins is None:
+        return margin
+    return margin + margins.astype(jnp.float32)
+
+
 def _bradley_terry_sums(rc, rr, w, *, margin, center_coef):
     """The Bradley-Terry loss of scored pairs as `make_step` parts: numerators,
     denominators and metrics, pair `i` weighted by `w[i]` (1 for a real pair, 0 for
-    padding, a bootstrap count in an ensemble)."""
-    losses = jax.vmap(
-        lambda a, b: bradley_terry_loss(a, b, margin=margin, center_coef=center_coef)
-    )(rc, rr)
+    padding, a bootstrap count in an ensemble); `margin` a scalar for every pair or
+    one per pair (`[P]`, `_pair_margins`)."""
+    if getattr(margin, "ndim", 0) == 1:
+        losses = jax.vmap(
+            lambda a, b, m: bradley_terry_loss(a, b, margin=m, center_coef=center_coef)
+        )(rc, rr, margin)
+    else:
+        losses = jax.vmap(
+            lambda a, b: bradley_terry_loss(a, b, margin=margin, center_coef=center_coef)
+        )(rc, rr)
     real = w > 0
     wsum = lambda x: jnp.sum(jnp.where(real, w * x, 0.0))
     n = jnp.sum(w)
@@ -85,8 +101,12 @@ def _bradley_terry_sums(rc, rr, w, *, margin, center_coef):
 def reward_loss(settings: RewardSettings | None = None, **shortcuts: Any) -> LossFn:
     r"""The Bradley-Terry loss function for `make_step` on a `PreferenceBatch` or a
     shared-prompt `PackedPreferenceBatch` (needs an `AbstractBranchScorer`):
-    $\frac1B\sum_i -\log\sigma(r^w_i - r^l_i - m) + \lambda_c (r^w_i + r^l_i)^2$, with
-    `settings` (a `RewardSettings`, or its fields as keywords).
+    $\frac1B\sum_i -\log\sigma(r^w_i - r^l_i - m - m_i) + \lambda_c (r^w_i + r^l_i)^2$,
+    with `settings` (a `RewardSettings`, or its fields as keywords). $m_i$ is the pair's
+    own margin, `PreferenceBatch.margins` (a preference file's `margin` column, as TRL's
+    `RewardTrainer` reads it), added to the settings' `margin` $m$ (default 0, so the
+    column alone is TRL's loss); $m_i = 0$ for a batch without `margins`, whose losses
+    and gradients are those of the scalar margin alone, bit for bit.
     """
     s = settings_from(RewardSettings, settings, shortcuts, where="reward_loss")
     center_coef, margin = s.center_coef, s.margin
@@ -99,7 +119,8 @@ def reward_loss(settings: RewardSettings | None = None, **shortcuts: Any) -> Los
     ):
         model = combine(params, frozen)
         rc, rr, w = _pair_scores(model, batch, key)
-        return _bradley_terry_sums(rc, rr, w, margin=margin, center_coef=center_coef)
+        m = _pair_margins(batch, margin)
+        return _bradley_terry_sums(rc, rr, w, margin=m, center_coef=center_coef)
 
     return loss_fn
 
@@ -116,7 +137,7 @@ def make_reward_step(optimizer, settings: RewardSettings, options: StepOptions) 
     r"""Build the reward-model update (Bradley-Terry pairwise loss).
 
     $$\mathcal{L}(\phi) = \frac1B\sum_{i}
-    -\log\sigma\big(r_\phi(x_i, y^w_i) - r_\phi(x_i, y^l_i) - m\big)
+    -\log\sigma\big(r_\phi(x_i, y^w_i) - r_\phi(x_i, y^l_i) - m - m_i\big)
     + \lambda_c\,(r^w_i + r^l_i)^2$$
 
     (Ouyang et al. 2022; TRL `RewardTrainer`, `center_rewards_coefficient` = $\lambda_c$),
@@ -126,7 +147,9 @@ def make_reward_step(optimizer, settings: RewardSettings, options: StepOptions) 
     `Policy`) is refused when the step is first traced. A shared-prompt
     `PackedPreferenceBatch` (`data.pack_preferences`) runs each prompt once and gives the
     same losses and gradients; it needs a model meeting `AbstractBranchScorer`
-    (`RewardModel` does).
+    (`RewardModel` does). $m_i$: the batch's per-pair `margins` when it has them (added
+    to the settings' `margin` $m$; Touvron et al. 2023, TRL's `margin` column), else 0
+    (a `PackedPreferenceBatch` carries none).
 
     **Arguments:** `settings`, a `RewardSettings` (`center_coef`, `margin`);
     `optimizer`, `options` (a `StepOptions`) and `**shortcuts`: see `step_builder`.

@@ -87,6 +87,7 @@ def _pairs_file(tmp_path) -> str:
     [
         ("ppo", [], "sweep ppo --data: not supported .*sft, dpo, kto, reward, grpo"),
         ("dpo", ["dpo.packing=true"], "dpo.packing=True: a DPO sweep"),
+        ("sft", ["sft.packing=true"], "sft.packing=True: an SFT sweep"),
         ("reward", ["reward.ensemble=2"], "reward.ensemble=2: a sweep trains one"),
     ],
 )

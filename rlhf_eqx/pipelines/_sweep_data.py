@@ -75,10 +75,11 @@ def check_data_sweep(stage: str, cfg) -> None:
             f"sweep {stage} --data: not supported (stages that sweep a data file: "
             f"{', '.join(DATA_STAGES)}; data.path must be unset for the built-in task)"
         )
-    if stage == "dpo" and cfg.dpo.packing:
+    if stage in ("dpo", "sft") and getattr(cfg, stage).packing:
         raise ConfigError(
-            "dpo.packing=True: a DPO sweep trains every member on the same fixed-shape "
-            "batches of rows (dpo.packing=false)"
+            f"{stage}.packing=True: {'an' if stage == 'sft' else 'a'} {stage.upper()} sweep "
+            "trains every member on the same "
+            f"fixed-shape batches of rows ({stage}.packing=false)"
         )
     if stage == "reward":
         check_reward_sweep(cfg.reward)

@@ -281,3 +281,27 @@ def test_dpo_ignores_the_margins():
         jax.tree.leaves(eqx.filter(b[0], eqx.is_array)),
     ):
         assert np.array_equal(np.asarray(x), np.asarray(y))
+
+
+# ----------------------------------------------------------------------------- the stage
+
+
+@pytest.mark.slow
+def test_reward_stage_on_a_file_with_margins_reports_them(tmp_path, capsys):
+    from rlhf_eqx import pipelines as pl
+    from rlhf_eqx.__main__ import main
+
+    rows = [_plain(i, margin=float(i % 3)) for i in range(40)]
+    path = _write_jsonl(tmp_path / "pairs.jsonl", rows)
+    out = tmp_path / "run"
+    argv = ["reward", "--data", str(path), "--out", str(out), "--set", "reward.steps=2"]
+    assert main([*argv, "--set", "ops.quiet=true", "--set", "ops.monitor=false"]) == 0
+    rm = json.loads((out / "summary.json").read_text())["reward_model"]
+    assert rm["margins"]["min"] == 0.0 and rm["margins"]["max"] == 2.0
+    assert rm["margins"]["pairs"] == rm["train_pairs"] + rm["validation_pairs"]
+    events = [r for r in pl.tools.read_records(str(out)) if r.get("event") == "margins"]
+    assert len(events) == 1 and "per-pair margins read" in events[0]["message"]
+    argv = ["reward", "--data", str(path), "--out", str(tmp_path / "ens"), "--quiet"]
+    capsys.readouterr()
+    assert main([*argv, "--set", "reward.steps=2", "--set", "reward.ensemble=2"]) == 1
+    assert "reward.ensemble=2: the pairs have their own margins" in capsys.readouterr().err

@@ -65,7 +65,7 @@ def _pair_margins(batch, margin):
     """The margin of each pair of `batch`: `margin` itself (the settings' scalar, as
     given) when the batch has no per-pair `margins` (a `PackedPreferenceBatch` has
     none), else `margin + batch.margins` (float32 `[B]`)."""
-    margins = getattr(batch, "margins", None) if isinstance(batch, PreferenceBatch) else None
+    margins = getattr(batch, "margins", None)
     if margins is None:
         return margin
     return margin + margins.astype(jnp.float32)

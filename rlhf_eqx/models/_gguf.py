@@ -19,12 +19,18 @@ llama.cpp's converter (`convert_hf_to_gguf.py`) changes two things on the way, u
 here: for the `llama` architecture (Llama, Mistral) the q/k output rows are permuted
 from rotate-half to interleaved rotary pairs (`w.reshape(n_head, 2, hd/2, in)
 .swapaxes(1, 2)`; Qwen and Gemma use llama.cpp's NeoX rotary and are stored as is), and
-Gemma's RMSNorm weights are stored as `1 + w`. Llama 3.x rope scaling is stored as the
+Gemma's RMSNorm weights are stored as `1 + w`. A `llama` file may hold q/k/v biases
+(`blk.N.attn_q.bias`, ...: Llama-architecture checkpoints trained with biases, converted as
+`llama`); they are read (q/k permuted back like the weights, an absent one of the three
+zero, as llama.cpp takes each as optional) and the model gets `attn_bias`. An
+`attn_output.bias` is read only when it is zero: the decoder has no output-projection
+bias. Llama 3.x rope scaling is stored as the
 per-frequency divisors `rope_freqs.weight`, recognised here as Meta's `llama3` rule.
 Gemma 2/3's attention scale is not stored: llama.cpp uses `head_dim^-1/2`, and
 `(d_model / n_heads)^-1/2` for the 27B models, and so does this reader.
 """  # noqa: E501 (markdown table rows cannot be wrapped)
 
+import dataclasses
 import math
 import os
 import re
@@ -63,6 +69,15 @@ _LAYER = {
 }
 _UNSET = object()
 _BLOCK = re.compile(r"blk\.(\d+)\.")
+_QKV_BIAS = re.compile(r"blk\.\d+\.attn_[qkv]\.bias")
+_OUTPUT_BIAS = re.compile(r"blk\.\d+\.attn_output\.bias")
+FILE_KEYS = (
+    "general.architecture", "general.type", "general.file_type",
+    "general.quantization_version", "general.alignment",
+)  # fmt: skip
+"""The `general.*` keys that describe a file's encoding, not the model: what a writer
+computes from the model and the tensor types it writes (`general_metadata` leaves them
+out)."""
 
 
 def gguf_names(n_layers: int, post_norms: bool) -> dict[str, str]:
@@ -363,8 +378,29 @@ def field(reader, key: str, path: str, default: Any = _UNSET) -> Any:
     return scalar(f.types[0], f.parts[f.data[0]])
 
 
+def general_metadata(reader, path: str) -> dict[str, Any]:
+    """The `general.*` metadata of a GGUF file that describe the model (`general.name`,
+    `.basename`, `.finetune`, `.size_label`, `.license`, `.author`, `.organization`,
+    `.tags`, `.base_model.*`, ...), as `{key: value}` (a string, number, bool or list
+    of them), in the file's order; the keys of the file's encoding (`FILE_KEYS`:
+    architecture, type, file type, quantization version, alignment) left out."""
+    return {
+        key: field(reader, key, path)
+        for key in reader.fields
+        if key.startswith("general.") and key not in FILE_KEYS
+    }
+
+
 def read_config(reader, path: str, *, dtype: str | None = None):
-    """`(family, TransformerConfig)` of a GGUF file (`dtype` default float32)."""
+    """`(family, TransformerConfig)` of a GGUF file (`dtype` default float32); a `llama`
+    file holding q/k/v biases gives `attn_bias=True`."""
+    family, cfg = _read_config(reader, path, dtype)
+    if family in PERMUTED and any(_QKV_BIAS.fullmatch(t.name) for t in reader.tensors):
+        cfg = dataclasses.replace(cfg, attn_bias=True)
+    return family, cfg
+
+
+def _read_config(reader, path: str, dtype: str | None):
     tensors = {t.name: t for t in reader.tensors}
     meta = lambda key, *d: field(reader, key, path, *d)
     if meta("general.type", None) == "adapter":
@@ -449,6 +485,21 @@ def unpermute(hf_name: str, rows: np.ndarray, cfg: TransformerConfig) -> np.ndar
     return permute_rotary_rows(flat, heads).reshape(rows.shape)
 
 
+def _zero_output_bias(t, path: str, cfg: TransformerConfig) -> bool:
+    """Whether `t` is an `attn_output.bias` that is all zero (nothing to hold: skipped);
+    one that is not is a `ValueError` naming it (the decoder has no such bias)."""
+    if not _OUTPUT_BIAS.fullmatch(t.name):
+        return False
+    shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+    if shape == (cfg.d_model,) and not np.any(dense(t, path)):
+        return True
+    raise ValueError(
+        f"{path}: tensor {t.name!r} is not supported: a bias on the attention output "
+        "projection, which this decoder does not have (it holds q/k/v biases only; an "
+        f"all-zero {t.name!r} of shape ({cfg.d_model},) is read as none)"
+    )
+
+
 def check_tensors(reader, path: str, family: str, cfg: TransformerConfig) -> None:
     """Refuse a tensor of an unsupported type, one that is not part of the architecture,
     or one of the wrong shape (naming it), and name the first missing tensor."""
@@ -457,7 +508,7 @@ def check_tensors(reader, path: str, family: str, cfg: TransformerConfig) -> Non
     shapes = expected_shapes(cfg)
     for t in reader.tensors:
         check_type(t, path)
-        if t.name == "rope_freqs.weight":
+        if t.name == "rope_freqs.weight" or _zero_output_bias(t, path, cfg):
             continue
         name = by_gguf.get(t.name)
         if name not in shapes:
@@ -473,7 +524,8 @@ def check_tensors(reader, path: str, family: str, cfg: TransformerConfig) -> Non
             )
     present = {t.name for t in reader.tensors}
     for hf in shapes:
-        if names[hf] not in present:
+        optional = family in PERMUTED and hf.endswith("_proj.bias")  # zero when absent
+        if names[hf] not in present and not optional:
             raise ValueError(f"{path}: tensor {names[hf]!r} is missing from the file")
 
 
@@ -483,8 +535,8 @@ def hf_tensors(reader, path: str, family: str, cfg: TransformerConfig) -> dict[s
     by_gguf = {g: h for h, g in gguf_names(cfg.n_layers, cfg.post_norms).items()}
     tensors: dict[str, np.ndarray] = {}
     for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
-            continue
+        if t.name == "rope_freqs.weight" or _OUTPUT_BIAS.fullmatch(t.name):
+            continue  # an attention output bias is zero (`check_tensors`)
         name = by_gguf[t.name]
         arr = dense(t, path)
         if family in PERMUTED and (".q_proj." in name or ".k_proj." in name):
@@ -494,6 +546,12 @@ def hf_tensors(reader, path: str, family: str, cfg: TransformerConfig) -> dict[s
         if cfg.dtype == "float16":
             check_float16_range({t.name: arr}, path)
         tensors[name] = arr
+    if family in PERMUTED and cfg.attn_bias:  # llama.cpp's `llama` biases are each optional
+        shapes = expected_shapes(cfg)
+        for i in range(cfg.n_layers):
+            for p in "qkv":
+                name = f"model.layers.{i}.self_attn.{p}_proj.bias"
+                tensors.setdefault(name, np.zeros(shapes[name], np.float32))
     return tensors
 
 
@@ -510,7 +568,8 @@ def load_gguf_policy(
     **Arguments:**
 
     - `path`: a `.gguf` file whose `general.architecture` is `llama` (Llama 2/3.x,
-      Mistral), `qwen2`, `qwen3`, `gemma`, `gemma2` or `gemma3`, with tensors of type
+      Mistral; with q/k/v biases when the file holds them, an `attn_output.bias` only
+      when it is zero), `qwen2`, `qwen3`, `gemma`, `gemma2` or `gemma3`, with tensors of type
       F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K (Q5_0 / Q5_1
       always dequantised, also with `quantized=True`).
     - `quantized`: `False` dequantises every tensor (`gguf.quants.dequantize`) to a
@@ -527,7 +586,9 @@ def load_gguf_policy(
 
     **Returns:** a `Policy` that computes what llama.cpp computes from the file (on
     SmolLM2-135M-Instruct Q4_1, float32 logits within 4e-5 of transformers' GGUF
-    loader).
+    loader). The file's model card (`general.name`, `.license`, ...) is not part of the
+    policy (a pytree of arrays): `write_gguf(..., general=path)` carries it from the file
+    to a written one.
 
     Raises `ValueError` naming the file and the metadata key for an unsupported
     architecture or feature, the tensor (and its type) for an unsupported tensor type, a

@@ -18,6 +18,7 @@ Mistral is written with `general.architecture = llama`; a `llama` file with a sl
 window reads as Mistral.
 """
 
+import dataclasses
 import math
 from typing import Any
 
@@ -265,6 +266,20 @@ def _same(cfg: TransformerConfig, back: TransformerConfig, field: str) -> bool:
     return mine == theirs
 
 
+def gguf_family(cfg: TransformerConfig) -> str:
+    """The family `cfg` is written as: `hf_family`'s, but q/k/v biases with a sliding
+    window on every layer or a `llama3` rope scaling are written as `llama` (Mistral /
+    Llama with biases, which llama.cpp's `llama` architecture holds and its `qwen2` does
+    not: no window, no `rope_freqs.weight`)."""
+    family = hf_family(cfg)
+    if family != "qwen2":
+        return family
+    if cfg.sliding_window is not None:
+        return "mistral"
+    rs = cfg.rope_scaling
+    return "llama" if rs is not None and rs.kind == "llama3" else family
+
+
 def gguf_metadata(cfg: TransformerConfig) -> tuple[str, dict[str, Any]]:
     """`(architecture, {key: value})`: llama.cpp's metadata for `cfg` (ints are written as
     uint32, floats as float32, strings as strings).
@@ -273,7 +288,7 @@ def gguf_metadata(cfg: TransformerConfig) -> tuple[str, dict[str, Any]]:
     express it (it would read back differently, e.g. a Gemma 2 attention scale other
     than the one llama.cpp assumes, or a window on Qwen).
     """
-    family = hf_family(cfg)
+    family = gguf_family(cfg)
     arch = "llama" if family == "mistral" else family
     hd = cfg.head_dim
     meta: dict[str, Any] = {
@@ -316,6 +331,8 @@ def gguf_metadata(cfg: TransformerConfig) -> tuple[str, dict[str, Any]]:
         back = config_from_hf(config, dtype=cfg.dtype)
     except ValueError as e:
         raise ValueError(f"this configuration cannot be written as GGUF: {e}") from None
+    if arch == "llama" and cfg.attn_bias:  # read back from the bias tensors written
+        back = dataclasses.replace(back, attn_bias=True)
     for field in cfg.__dataclass_fields__:
         if field not in ("remat", "dtype") and not _same(cfg, back, field):
             raise ValueError(

@@ -6,7 +6,12 @@ The tensors are the Hugging Face ones (`tensors_from_model`) under llama.cpp's n
 permuted to interleaved rotary pairs for the `llama` architecture (Llama, Mistral) and
 Gemma's RMSNorm weights stored as `1 + w`. Norms, biases and other 1-D tensors are
 float32 (as llama.cpp writes them); a Llama 3.x `llama3` rope scaling becomes the
-tensor `rope_freqs.weight`. Files are written to a temporary file in the target's
+tensor `rope_freqs.weight`. q/k/v biases are written under `qwen2`, or under `llama`
+(their q/k rows permuted like the weights') with a window or a `llama3` rope scaling,
+which llama.cpp's `qwen2` does not hold (`gguf_family`). The model card (`general.name`,
+`.license`, `.author`, ...) is written from `general=`, a mapping or the file the model
+was loaded from; `general.file_type` and `.quantization_version` are always those of
+the file written. Files are written to a temporary file in the target's
 directory, flushed to disk and renamed over the target (`os.replace`), so the target is
 either the old file or the complete new one.
 
@@ -20,7 +25,7 @@ with the q/k row permutation of `W`). llama.cpp adds `alpha / r · B A` to `W`.
 import dataclasses
 import os
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax.numpy as jnp
@@ -29,11 +34,17 @@ from jaxtyping import PyTree
 
 from ._build import check_finite, model_config, where_layers
 from ._config import TransformerConfig
-from ._gguf import gguf_names, gguf_package, interleave_rotary_rows
+from ._gguf import (
+    FILE_KEYS,
+    general_metadata,
+    gguf_names,
+    gguf_package,
+    interleave_rotary_rows,
+    open_gguf,
+)
 from ._gguf_config import PERMUTED, gguf_metadata, llama3_rope_factors
 from ._heads import Policy
 from ._hf import NoSpace, cannot_write, disk_full, prepare_parent, remove_created
-from ._hf_export import hf_family
 from ._hf_tensors import tensors_from_model
 from ._lora import layer_ranks_and_scales, merge_lora
 from ._peft import _MODULES
@@ -42,9 +53,10 @@ from ._quant import dequantize
 _DTYPES = ("f32", "f16", "bf16", "q8_0")
 
 
-def _llama_cpp_rows(name: str, arr: np.ndarray, cfg: TransformerConfig) -> np.ndarray:
-    """Permute the output rows of a q/k weight (or a LoRA `B`) as llama.cpp stores them."""
-    if hf_family(cfg) not in PERMUTED or not (".q_proj." in name or ".k_proj." in name):
+def _llama_cpp_rows(name: str, arr: np.ndarray, cfg: TransformerConfig, arch: str) -> np.ndarray:
+    """Permute the output rows of a q/k weight or bias (or a LoRA `B`) as llama.cpp stores
+    them in a file of architecture `arch`."""
+    if arch not in PERMUTED or not (".q_proj." in name or ".k_proj." in name):
         return arr
     return interleave_rotary_rows(arr, cfg.n_heads if ".q_proj." in name else cfg.n_kv_heads)
 
@@ -155,12 +167,64 @@ def _add_metadata(writer, meta: dict) -> None:
             writer.add_uint32(key, int(value))
 
 
+def _general_entries(general: Mapping[str, Any] | str | os.PathLike) -> list:
+    """`[(key, value, GGUFValueType, item type)]` of the `general=` of `write_gguf`:
+    a mapping checked key by key, or a GGUF file's `general_metadata`."""
+    gguf = gguf_package()
+    V = gguf.GGUFValueType
+    if isinstance(general, str | os.PathLike):
+        source = os.fspath(general)
+        general = general_metadata(open_gguf(source), source)
+    if not isinstance(general, Mapping):
+        raise TypeError(
+            "save_gguf: general must be a mapping of `general.*` keys or a GGUF file's path, "
+            f"got {type(general).__name__}"
+        )
+
+    def kind(key: str, value: Any):
+        if isinstance(value, bool):
+            return V.BOOL
+        if isinstance(value, str):
+            return V.STRING
+        if isinstance(value, float):
+            return V.FLOAT32
+        if isinstance(value, int) and -(2**63) <= value < 2**64:
+            if 0 <= value < 2**32:
+                return V.UINT32
+            return V.INT32 if -(2**31) <= value < 0 else V.INT64 if value < 0 else V.UINT64
+        raise ValueError(
+            f"save_gguf: general[{key!r}] = {value!r} is not supported: a string, number, "
+            "bool, or a non-empty list of one of them is expected"
+        )
+
+    entries = []
+    for key, value in general.items():
+        if not isinstance(key, str) or not key.startswith("general."):
+            raise ValueError(f"save_gguf: general key {key!r} is not a `general.*` key")
+        if key in FILE_KEYS:
+            raise ValueError(
+                f"save_gguf: `{key}` is not taken from general=: it describes the file "
+                "written and is computed from the model and dtype"
+            )
+        if isinstance(value, list | tuple):
+            if not value:
+                raise ValueError(f"save_gguf: general[{key!r}] is an empty list")
+            kinds = {kind(key, v) for v in value}
+            if len(kinds) != 1:
+                raise ValueError(f"save_gguf: general[{key!r}] mixes value types")
+            entries.append((key, list(value), V.ARRAY, kinds.pop()))
+        else:
+            entries.append((key, value, kind(key, value), None))
+    return entries
+
+
 def write_gguf(
     model: Policy,
     path: str | os.PathLike,
     *,
     dtype: str = "f16",
     metadata: Callable[[Any], None] | None = None,
+    general: Mapping[str, Any] | str | os.PathLike | None = None,
 ) -> None:
     """Write a `Policy` as a llama.cpp GGUF file (the weights and the architecture's
     metadata; `rlhf_eqx.save_gguf` adds the tokenizer and chat template).
@@ -178,6 +242,16 @@ def write_gguf(
       falls back to f16) or `"f32"`. 1-D tensors are always f32.
     - `metadata`: called with the `gguf.GGUFWriter` before the tensors are added, to
       write further key/value metadata (the tokenizer's `tokenizer.ggml.*`).
+    - `general`: the model card written as `general.*` metadata: a mapping
+      `{"general.name": ..., "general.license": ...}` (strings, numbers, bools or lists
+      of one of them), or the path of a GGUF file whose `general.*` keys are carried
+      (the model a policy was loaded from: its name, basename, finetune, size label,
+      license, author, tags, base models, ...). The keys of the file's encoding
+      (`general.architecture`, `.type`, `.file_type`, `.quantization_version`,
+      `.alignment`) are always the ones of the file written, from the model and
+      `dtype`: a mapping naming one is refused, a source file's are left out. To change
+      what no longer holds (a fine-tune's name), pass a mapping: `{**carried,
+      "general.finetune": "dpo"}`.
 
     A Mistral sliding window is written (`llama.attention.sliding_window`, read back by
     `load_gguf`), but llama.cpp's `llama` architecture attends to the whole context:
@@ -200,13 +274,14 @@ def write_gguf(
     gguf = gguf_package()
     cfg = model.cfg
     arch, meta = gguf_metadata(cfg)
+    card = _general_entries(general) if general is not None else []
     if where_layers(model)(model).lora is not None:
         model = merge_lora(dequantize(model, dtype="float32"))
     hf = tensors_from_model(dequantize(model, dtype="float32"), "float32")
     names = gguf_names(cfg.n_layers, cfg.post_norms)
     tensors = []
     for hf_name, arr in hf.items():
-        arr = _llama_cpp_rows(hf_name, np.asarray(arr, np.float32), cfg)
+        arr = _llama_cpp_rows(hf_name, np.asarray(arr, np.float32), cfg, arch)
         if cfg.norm_plus_one and hf_name.endswith("norm.weight"):
             arr = arr + np.float32(1.0)
         check_finite(arr, name=names[hf_name], source=path)
@@ -223,6 +298,8 @@ def write_gguf(
         writer.add_type(gguf.GGUFType.MODEL)
         writer.add_file_type(int(gguf.LlamaFileType[file_type]))
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        for key, value, kind, item in card:
+            writer.add_key_value(key, value, kind, sub_type=item)
         if metadata is not None:
             metadata(writer)
         for name, data, kind in tensors:
@@ -277,7 +354,8 @@ def save_gguf_adapter(
             if r == 0:  # a layer without an adapter
                 continue
             lora_a = np.ascontiguousarray(a[i][:, :r].T)
-            lora_b = _llama_cpp_rows(hf_name, np.ascontiguousarray(b[i][:r].T) * factor, cfg)
+            lora_b = np.ascontiguousarray(b[i][:r].T) * factor
+            lora_b = _llama_cpp_rows(hf_name, lora_b, cfg, arch)
             for suffix, arr in (("lora_a", lora_a), ("lora_b", lora_b)):
                 check_finite(arr, name=f"{base}.{suffix}", source=path)
                 tensors.append((f"{base}.{suffix}", arr))

@@ -69,9 +69,10 @@ def _hf_tensors(policy, tmp_path) -> dict[str, np.ndarray]:
     return safetensors_numpy.load_file(os.fspath(directory / "model.safetensors"))
 
 
-def _write_llama(path, policy, tmp_path, *, drop=(), extra=None, general=None) -> str:
+def _write_llama(path, policy, tmp_path, *, drop=(), extra=None, meta=None) -> str:
     """`policy` as llama.cpp's converter writes a Llama model with biases: architecture
-    `llama`, q/k weight and bias rows interleaved."""
+    `llama`, q/k weight and bias rows interleaved; `meta` adds keys
+    (`{key: (value, GGUFValueType)}`)."""
     cfg = policy.cfg
     w = gguf.GGUFWriter(os.fspath(path), "llama")
     for key, value in {
@@ -83,7 +84,7 @@ def _write_llama(path, policy, tmp_path, *, drop=(), extra=None, general=None) -
         w.add_uint32(f"llama.{key}", value)
     w.add_float32("llama.rope.freq_base", cfg.rope_theta)
     w.add_float32("llama.attention.layer_norm_rms_epsilon", cfg.norm_eps)
-    for key, (value, kind) in (general or {}).items():
+    for key, (value, kind) in (meta or {}).items():
         w.add_key_value(key, value, kind, sub_type=V.STRING if kind == V.ARRAY else None)
     names = dict(_NAMES)
     for i in range(cfg.n_layers):
@@ -207,7 +208,7 @@ _CARD = {
 
 
 def test_the_model_card_is_carried_and_the_encoding_keys_are_the_new_files(biased, tmp_path):
-    source = _write_llama(tmp_path / "card.gguf", biased, tmp_path, general=_CARD)
+    source = _write_llama(tmp_path / "card.gguf", biased, tmp_path, meta=_CARD)
     out = tmp_path / "out.gguf"
     write_gguf(load_gguf_policy(source), out, dtype="f32", general=source)
     fields = _fields(out)
@@ -236,3 +237,18 @@ def test_a_card_mapping_is_written_and_checked(biased, tmp_path):
             write_gguf(biased, tmp_path / "bad.gguf", dtype="f32", general=bad)
         assert said in str(excinfo.value)
         assert not (tmp_path / "bad.gguf").exists()
+
+
+def test_mistral_with_biases_round_trips_as_llama(biased, tmp_path):
+    """A `llama` file with a window and biases reads as Mistral with `attn_bias`, and is
+    written back as `llama` (llama.cpp's `qwen2` holds no window)."""
+    path = tmp_path / "m.gguf"
+    window = {"llama.attention.sliding_window": (16, V.UINT32)}
+    loaded = load_gguf_policy(_write_llama(path, biased, tmp_path, meta=window))
+    assert loaded.cfg.attn_bias and loaded.cfg.sliding_window == 16
+    again = tmp_path / "again.gguf"
+    write_gguf(loaded, again, dtype="f32")
+    assert _fields(again)["general.architecture"] == "llama"
+    back = load_gguf_policy(again)
+    assert back.cfg == loaded.cfg
+    np.testing.assert_array_equal(_logits(back), _logits(loaded))

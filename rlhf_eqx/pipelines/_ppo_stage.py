@@ -98,7 +98,7 @@ class PPOConfig(RolloutStageConfig, PPOSettings):
         KL coefficient >= 0, γ and λ in [0, 1], reward functions that import, one finite
         weight each, scored with `reward_source=task`; a `kl_estimator` of TRL's (k1,
         k3), a `missing_eos_penalty` of None or >= 0, and no `whiten_rewards` with a
-        process reward model (its step rewards join the shaped rewards after them)."""
+        process reward model (its step rewards join the shaped rewards after GAE)."""
         check_reward_functions(name, self)
         _choice(f"{name}.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         if not isinstance(self.whiten_rewards, bool):
@@ -135,7 +135,7 @@ def ppo_rollout_batch(
     *,
     temperature: float,
     whiten: bool = True,
-):
+) -> tuple[data.PPOBatch, dict[str, Float[Array, ""]]]:
     r"""The `PPOBatch` of a rollout and its statistics, as TRL's `PPOTrainer` makes them:
     the score of every completion cut at `max_new_tokens` (`roll.truncated`) lowered by
     `cfg.missing_eos_penalty` when set ($s_i \leftarrow s_i - p\,\mathbb 1[\text{no
@@ -183,7 +183,8 @@ def run_ppo(
     `RewardSource`: a reward model or ensemble, jitted; a judge; reward functions on the
     decoded text; a process reward model, whose step scores are per-token rewards,
     `add_token_rewards`), compute the reference log-probs, values and GAE advantages
-    once (`prepare_ppo_batch`; `old_logp` from the sampler), then `cfg.epochs` x
+    once (`ppo_rollout_batch`: `cfg.missing_eos_penalty`, `cfg.kl_estimator`,
+    `cfg.whiten_rewards` as TRL reads them; `old_logp` from the sampler), then `cfg.epochs` x
     `cfg.minibatches` PPO steps. The policy trains
     LoRA adapters (`cfg.lora`; the reference is the policy without them); the value
     model (`ValueModel.from_policy`) trains every weight. Stops early when the per-token

@@ -253,6 +253,32 @@ def test_constant_margins_equal_the_scalar_margin_and_no_margins_are_unchanged()
     assert np.array_equal(np.asarray(scalar[0]["bt"]), np.asarray(jnp.sum(per)))
 
 
+def test_an_ensembles_members_read_the_margins():
+    # constant per-pair margins c at scalar margin 0 == no margins at scalar margin c,
+    # every member; other margins change each member's loss
+    from rlhf_eqx.train import (
+        BootstrapBatch,
+        init_ensemble_state,
+        make_ensemble,
+        make_ensemble_reward_step,
+    )
+
+    make = lambda k: _BagReward(0.3 * jax.random.normal(k, (6,)))  # noqa: E731
+    ensemble = make_ensemble(make, jax.random.split(jax.random.key(0), 2), filter_spec=True)
+    opt = optax.sgd(0.1)
+    weights = jnp.asarray([[1.0, 2.0], [1.0, 0.0], [1.0, 1.0]])
+
+    def losses(pairs, margin):
+        step = make_ensemble_reward_step(opt, members=2, margin=margin, donate=False)
+        _, m = init_ensemble_state(ensemble, opt).apply(step, BootstrapBatch(pairs, weights))
+        return [float(m[f"member_{k}/loss"]) for k in range(2)]
+
+    with_c = losses(_tiny_pairs(jnp.full((3,), 0.7)), 0.0)
+    np.testing.assert_allclose(with_c, losses(_tiny_pairs(), 0.7), rtol=1e-6)
+    other = losses(_tiny_pairs(jnp.asarray([2.0, -1.0, 0.5])), 0.0)
+    assert all(abs(a - b) > 1e-3 for a, b in zip(other, with_c))
+
+
 def test_micro_batches_split_the_margins():
     model = _BagReward(jnp.linspace(-0.5, 0.5, 6))
     batch = _tiny_pairs(jnp.asarray([0.5, -1.0, 2.0]))
@@ -301,7 +327,6 @@ def test_reward_stage_on_a_file_with_margins_reports_them(tmp_path, capsys):
     assert rm["margins"]["pairs"] == rm["train_pairs"] + rm["validation_pairs"]
     events = [r for r in pl.tools.read_records(str(out)) if r.get("event") == "margins"]
     assert len(events) == 1 and "per-pair margins read" in events[0]["message"]
+    # an ensemble's members train on the margins too
     argv = ["reward", "--data", str(path), "--out", str(tmp_path / "ens"), "--quiet"]
-    capsys.readouterr()
-    assert main([*argv, "--set", "reward.steps=2", "--set", "reward.ensemble=2"]) == 1
-    assert "reward.ensemble=2: the pairs have their own margins" in capsys.readouterr().err
+    assert main([*argv, "--set", "reward.steps=2", "--set", "reward.ensemble=2"]) == 0

@@ -153,12 +153,6 @@ def run_reward(
     """
     validate_stage("reward", cfg)
     pairs = list(pairs)
-    if cfg.ensemble > 1 and any(getattr(p, "margin", None) is not None for p in pairs):
-        raise data.DataError(
-            f"reward.ensemble={cfg.ensemble}: the pairs have their own margins (a 'margin' "
-            "column), which an ensemble's members do not read; train one reward model "
-            "(reward.ensemble=1) or drop the column"
-        )
     val: list = []
     if cfg.eval_every:
         seed = ctx.ops.seed if validation_seed is None else validation_seed

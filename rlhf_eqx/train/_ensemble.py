@@ -42,7 +42,7 @@ from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray, PyTree, UInt32
 from ..data import BootstrapBatch, PackedPreferenceBatch, PreferenceBatch
 from ..losses import ENSEMBLE_MODES, EnsembleMode, conservative_reward
 from ._builder import step_builder
-from ._reward import _bradley_terry_sums, _pair_scores, _reward_std, _scores
+from ._reward import _bradley_terry_sums, _pair_margins, _pair_scores, _reward_std, _scores
 from ._settings import RewardSettings, StepOptions
 from ._state import TrainState, combine, partition_trainable
 from ._step import LossFn, Step, make_step
@@ -300,7 +300,8 @@ def _bootstrap_weights(key, num_pairs: int, members: int, method: str):
 
 
 def _member_reward_loss(settings: RewardSettings) -> LossFn:
-    """The Bradley-Terry loss of one member on `(pairs, weights)` (`weights` `None`: all 1)."""
+    """The Bradley-Terry loss of one member on `(pairs, weights)` (`weights` `None`: all 1),
+    each pair at its own margin when the batch has them (`_pair_margins`)."""
     center_coef, margin = settings.center_coef, settings.margin
 
     def loss_fn(params, frozen, batch, key):
@@ -309,7 +310,8 @@ def _member_reward_loss(settings: RewardSettings) -> LossFn:
         rc, rr, w = _pair_scores(model, pairs, key)
         if weights is not None:
             w = w * weights.reshape(-1).astype(jnp.float32)
-        return _bradley_terry_sums(rc, rr, w, margin=margin, center_coef=center_coef)
+        m = _pair_margins(pairs, margin)
+        return _bradley_terry_sums(rc, rr, w, margin=m, center_coef=center_coef)
 
     return loss_fn
 

@@ -1,6 +1,8 @@
 """Pretrained checkpoints paired with their tokenizers (above the models and data layers)."""
 
 import os
+from collections.abc import Mapping
+from typing import Any
 
 from .data import (
     DataError,
@@ -111,6 +113,7 @@ def save_gguf(
     tokenizer: Tokenizer,
     dtype: str = "f16",
     chat_template: str | None = None,
+    general: Mapping[str, Any] | str | os.PathLike | None = None,
 ) -> None:
     """Write a `Policy` as a llama.cpp GGUF file with its tokenizer and chat template.
 
@@ -129,6 +132,12 @@ def save_gguf(
       `"f32"` for the matrices.
     - `chat_template`: a Jinja chat template for `tokenizer.chat_template` (default:
       the tokenizer's own, when it has one).
+    - `general`: the model card (`general.*` metadata: name, license, author, base
+      models, ...): the path of a GGUF file whose card is carried (the file the model
+      was loaded from), or a mapping (`{**rlhf_eqx.models.read_gguf_card(src),
+      "general.finetune": "dpo"}`); none by default. The keys of the file's encoding
+      (file type, quantization version, ...) are always the written file's
+      (`rlhf_eqx.models.write_gguf`).
 
     The tokenizer's end-of-turn ids (`stop_ids` besides EOS) are written as
     `tokenizer.ggml.eot_token_id` (and a second as `eom_token_id`), which `load_gguf`
@@ -157,4 +166,4 @@ def save_gguf(
             why = str(e).removeprefix("add_tokenizer_metadata: ")
             raise DataError(f"save_gguf: {os.fspath(path)}: {why}") from None
 
-    write_gguf(model, path, dtype=dtype, metadata=metadata)
+    write_gguf(model, path, dtype=dtype, metadata=metadata, general=general)

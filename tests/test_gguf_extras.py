@@ -252,3 +252,27 @@ def test_mistral_with_biases_round_trips_as_llama(biased, tmp_path):
     back = load_gguf_policy(again)
     assert back.cfg == loaded.cfg
     np.testing.assert_array_equal(_logits(back), _logits(loaded))
+
+
+def test_save_gguf_carries_a_card_from_a_file_or_a_mapping(tmp_path):
+    from rlhf_eqx.assets import asset_path
+    from rlhf_eqx.models import read_gguf_card
+
+    policy, tok = rx.load_llama2c(asset_path("stories260K.bin"), asset_path("tok512.bin"))
+    card = {"general.name": "stories260K", "general.license": "mit", "general.tags": ["tiny"]}
+    first = tmp_path / "first.gguf"
+    rx.save_gguf(policy, first, tokenizer=tok, dtype="f32", general=card)
+    assert read_gguf_card(first) == card
+    loaded, loaded_tok = rx.load_gguf(first)
+    # carried from the file as it is, or edited for a fine-tune
+    carried = tmp_path / "carried.gguf"
+    rx.save_gguf(loaded, carried, tokenizer=loaded_tok, general=first)
+    assert read_gguf_card(carried) == card
+    tuned = tmp_path / "tuned.gguf"
+    edited = {**read_gguf_card(first), "general.finetune": "dpo"}
+    rx.save_gguf(loaded, tuned, tokenizer=loaded_tok, general=edited)
+    assert read_gguf_card(tuned) == edited
+    # without it, no card
+    plain = tmp_path / "plain.gguf"
+    rx.save_gguf(loaded, plain, tokenizer=loaded_tok)
+    assert read_gguf_card(plain) == {}

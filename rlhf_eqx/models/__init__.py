@@ -6,7 +6,11 @@ from ._config import RopeScaling as RopeScaling, TransformerConfig as Transforme
 from ._decode_attention import cached_attention as cached_attention
 from ._decoder_layer import LORA_TARGETS as LORA_TARGETS, DecoderLayer as DecoderLayer
 from ._draft import truncated_draft as truncated_draft
-from ._gguf import load_gguf_policy as load_gguf_policy, open_gguf as open_gguf
+from ._gguf import (
+    load_gguf_policy as load_gguf_policy,
+    open_gguf as open_gguf,
+    read_gguf_card as read_gguf_card,
+)
 from ._gguf_blocks import (
     GGUF_BLOCKS as GGUF_BLOCKS,
     GGUFMixedWeight as GGUFMixedWeight,

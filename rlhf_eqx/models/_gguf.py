@@ -391,6 +391,17 @@ def general_metadata(reader, path: str) -> dict[str, Any]:
     }
 
 
+def read_gguf_card(path: str | os.PathLike) -> dict[str, Any]:
+    """The model card of the GGUF file `path`: its `general.*` metadata that describe the
+    model (`general.name`, `.basename`, `.finetune`, `.size_label`, `.license`,
+    `.author`, `.tags`, `.base_model.*`, ...) as `{key: value}`, in the file's order,
+    without the keys of the file's encoding (architecture, type, file type, quantization
+    version, alignment). Edit it and pass it to `rlhf_eqx.save_gguf(..., general=card)`
+    for a fine-tune's file: `{**read_gguf_card(src), "general.finetune": "dpo"}`."""
+    path = os.fspath(path)
+    return general_metadata(open_gguf(path), path)
+
+
 def read_config(reader, path: str, *, dtype: str | None = None):
     """`(family, TransformerConfig)` of a GGUF file (`dtype` default float32); a `llama`
     file holding q/k/v biases gives `attn_bias=True`."""

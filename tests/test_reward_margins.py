@@ -330,3 +330,10 @@ def test_reward_stage_on_a_file_with_margins_reports_them(tmp_path, capsys):
     # an ensemble's members train on the margins too
     argv = ["reward", "--data", str(path), "--out", str(tmp_path / "ens"), "--quiet"]
     assert main([*argv, "--set", "reward.steps=2", "--set", "reward.ensemble=2"]) == 0
+
+
+def test_a_margin_column_of_another_name_is_mapped(tmp_path):
+    rows = [_plain(i) | {"gap": float(i)} for i in range(3)]
+    path = _write_jsonl(tmp_path / "gap.jsonl", rows)
+    pairs = data.load_preferences(path, columns={"margin": "gap"})
+    assert [p.margin for p in pairs] == [0.0, 1.0, 2.0]

@@ -18,6 +18,7 @@ COLUMN_NAMES: tuple[str, ...] = (
     "prompt",
     "chosen",
     "rejected",
+    "margin",
     "conversations",
     "question",
     "answer",
@@ -30,10 +31,10 @@ COLUMN_NAMES: tuple[str, ...] = (
     "messages",
 )
 """The field names the readers know, the targets of a column mapping: preferences
-(`prompt`, `chosen`, `rejected`, `conversations`), prompts (`prompt`, `question`,
-`answer`, `turns`), unpaired records (`prompt`, `completion`, `label`), stepwise
-records (`prompt`, `completions`, `labels`) and demonstrations (`text`, `prompt` and
-`completion`, `messages`)."""
+(`prompt`, `chosen`, `rejected`, `conversations`, and a pair's `margin`), prompts
+(`prompt`, `question`, `answer`, `turns`), unpaired records (`prompt`, `completion`,
+`label`), stepwise records (`prompt`, `completions`, `labels`) and demonstrations
+(`text`, `prompt` and `completion`, `messages`)."""
 
 
 def check_columns(columns: Mapping[str, str] | None) -> dict[str, str]:

@@ -228,7 +228,7 @@ def test_a_run_refuses_whitened_rewards_with_step_rewards(tmp_path):
 def test_a_ppo_sweep_member_with_the_settings_equals_its_separate_run(tmp_path):
     """The sweep reads `ppo.kl_estimator`, `ppo.whiten_rewards` and
     `ppo.missing_eos_penalty` as its separate run does (`ppo_rollout_batch`)."""
-    from test_sweep_runs import POLICY_SUMMARY, assert_same_run, tiny_config
+    from test_sweep_runs import POLICY_SUMMARY, assert_same_run, step_records, tiny_config
 
     sets = [
         "reward.steps=2",
@@ -246,6 +246,9 @@ def test_a_ppo_sweep_member_with_the_settings_equals_its_separate_run(tmp_path):
     (mem,) = res.members
     run_dir = str(tmp_path / mem.name)
     summary = pl.run_pipeline(dataclasses.replace(mem.cfg, out=run_dir))
-    assert_same_run(os.path.join(res.out, "members", mem.name), run_dir, "ppo")
+    member_dir = os.path.join(res.out, "members", mem.name)
+    assert_same_run(member_dir, run_dir, "ppo")
+    # the member's rollouts were penalised (and the fraction logged) as the run's
+    assert any("rollout/missing_eos" in r for r in step_records(member_dir, "ppo"))
     for k in POLICY_SUMMARY:
         assert res.summaries[mem.name][k] == pytest.approx(summary["ppo"][k], abs=1e-4), k

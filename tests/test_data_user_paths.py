@@ -202,8 +202,7 @@ def test_data_filter_is_refused_by_the_stages_that_do_not_filter(tmp_path, capsy
     assert main(argv) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(
-        f"error: invalid configuration: data.filter=identical: {stage} does not filter "
-        "its records"
+        f"error: invalid configuration: data.filter=identical: {stage} does not filter its records"
     ), line
 
 

@@ -156,16 +156,15 @@ STAGE_KEYS = {
     "label_smoothing reference rpo_alpha loss_kwargs" + _OPTIONS,
     "ppo": "rollouts prompts_per_rollout epochs kl_target optim lora minibatches "
     f"gamma lam kl_coef reward_source reward_model reward_functions reward_weights {_PPO} "
-    "kl_estimator whiten_rewards missing_eos_penalty"
-    + _OPTIONS,
+    "kl_estimator whiten_rewards missing_eos_penalty" + _OPTIONS,
     "grpo": "rollouts prompts_per_rollout epochs kl_target optim lora "
     "reward_source reward_model reward_functions reward_weights staleness overlap "
     "sampler_device placement trainer_devices sampler_devices trainer_mesh sampler_mesh "
     f"dynamic_sampling partial_rollouts overlong_buffer {_GRPO}" + _OPTIONS,
     "kto": "steps batch_size max_length optim beta desirable_weight undesirable_weight "
     "loss_type samples lora" + _OPTIONS,
-    "distill": "steps batch_size max_length optim beta temperature lmbda seq_kd teacher samples lora"
-    + _OPTIONS,
+    "distill": "steps batch_size max_length optim beta temperature lmbda seq_kd teacher "
+    "samples lora" + _OPTIONS,
     "prm": "steps batch_size max_length optim separator aggregation score"
     " train_on_last_step_only" + _OPTIONS,
     "judge": "model template yes no score",

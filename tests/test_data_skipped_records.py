@@ -46,6 +46,7 @@ def test_the_lines_the_reader_left_out_are_named(tmp_path, capsys, stage):
     assert skipped == {reason: 1}
 
 
+@pytest.mark.slow  # a whole run of a stage (8-15 s): in the slow suite
 def test_eval_prompts_zero_samples_no_held_out_completions(tmp_path):
     """`data.eval_prompts=0` is none, as the setting says: the run samples no held-out
     completion (`sampled.prompts` 0, no NLL or KL of samples)."""

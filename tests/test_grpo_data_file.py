@@ -139,6 +139,7 @@ def test_grpo_on_prompts_without_answers_scores_with_the_users_functions(tmp_pat
     assert quality["duplicate_prompts"] == 1 and "without_answer" not in quality
 
 
+@pytest.mark.slow  # a whole run of a stage (8-15 s): in the slow suite
 def test_grpo_with_functions_on_answered_prompts_still_reports_the_exact_match(tmp_path, rewards):
     path = _prompts(tmp_path / "p.jsonl", answers=True)
     argv = ["grpo", "--data", path, "--out", str(tmp_path / "run"), *_SMALL]

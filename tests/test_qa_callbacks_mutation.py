@@ -75,6 +75,7 @@ def _summary(run_dir):
         return json.load(f)
 
 
+@pytest.mark.slow  # a whole run of a stage (8-15 s): in the slow suite
 def test_a_callback_changing_the_held_out_results_leaves_the_summary_as_it_was(tmp_path):
     """The held-out `on_evaluate` gets the stage's summary entry: a callback that empties
     it made the pipeline fail on the missing score and wrote its changes into

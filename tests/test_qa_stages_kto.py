@@ -76,6 +76,7 @@ def _first_step(tmp_path, loss_type):
     return next(r for r in records if r.get("step") == 0 and "loss" in r)
 
 
+@pytest.mark.slow  # a whole run of a stage (8-15 s): in the slow suite
 def test_apo_zero_unpaired_counts_no_mismatched_rows(tmp_path):
     """`apo_zero_unpaired` has no reference point: its rows are the examples alone, so
     its model FLOPs per step are half of `kto`'s (which also reads a mismatched row per

@@ -18,6 +18,7 @@ def _same(a: float, b: float) -> bool:
     return (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-12, abs=1e-12)
 
 
+@pytest.mark.slow  # a whole run of a stage (8-15 s): in the slow suite
 def test_a_non_finite_member_number_is_in_its_points_mean(tmp_path):
     cfg = pl.apply_overrides(pl.animal_task_config(), TINY)
     grid = {"sft.optim.learning_rate": [5e-4, 1e6]}

@@ -53,6 +53,7 @@ def _part(run_dir, names, summary, *, resume):
     assert "tracker " not in out.stderr, out.stderr[-2000:]
 
 
+@pytest.mark.slow  # a whole run of a stage (8-15 s): in the slow suite
 def test_mlflow_holds_the_resumed_runs_summary_without_the_stop_reason(tmp_path, monkeypatch):
     _need("mlflow")
     _offline(monkeypatch)
@@ -70,6 +71,7 @@ def test_mlflow_holds_the_resumed_runs_summary_without_the_stop_reason(tmp_path,
     assert run.info.status == "FINISHED"
 
 
+@pytest.mark.slow  # a whole run of a stage (8-15 s): in the slow suite
 def test_wandb_holds_the_resumed_runs_summary_without_the_stop_reason(tmp_path, monkeypatch):
     _need("wandb")
     _offline(monkeypatch)

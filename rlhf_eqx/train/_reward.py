@@ -76,14 +76,11 @@ def _bradley_terry_sums(rc, rr, w, *, margin, center_coef):
     denominators and metrics, pair `i` weighted by `w[i]` (1 for a real pair, 0 for
     padding, a bootstrap count in an ensemble); `margin` a scalar for every pair or
     one per pair (`[P]`, `_pair_margins`)."""
-    if getattr(margin, "ndim", 0) == 1:
-        losses = jax.vmap(
-            lambda a, b, m: bradley_terry_loss(a, b, margin=m, center_coef=center_coef)
-        )(rc, rr, margin)
-    else:
-        losses = jax.vmap(
-            lambda a, b: bradley_terry_loss(a, b, margin=margin, center_coef=center_coef)
-        )(rc, rr)
+    per_pair = 0 if getattr(margin, "ndim", 0) == 1 else None
+    losses = jax.vmap(
+        lambda a, b, m: bradley_terry_loss(a, b, margin=m, center_coef=center_coef),
+        in_axes=(0, 0, per_pair),
+    )(rc, rr, margin)
     real = w > 0
     wsum = lambda x: jnp.sum(jnp.where(real, w * x, 0.0))
     n = jnp.sum(w)

@@ -73,8 +73,9 @@ class PPOConfig(RolloutStageConfig, PPOSettings):
 
     TRL `PPOConfig`'s rollout settings, with its defaults: `kl_estimator` (`"k1"`
     $-\log r$ or `"k3"` $e^{\log r} - 1 - \log r$, $\log r = \log\pi_{\rm ref} -
-    \log\pi_\theta$: the per-token KL of the shaped rewards and of
-    `objective/kl`), `whiten_rewards` (scale the shaped rewards to unit variance over
+    \log\pi_\theta$: the per-token KL of the shaped rewards, of `objective/kl` (summed per
+    completion) and of `rollout/kl` (its mean per completion token), the measure
+    `kl_target` guards), `whiten_rewards` (scale the shaped rewards to unit variance over
     the rollout's completion tokens before GAE, their mean kept, as TRL; the advantages
     are whitened after GAE either way) and `missing_eos_penalty` (`None`: off; a
     number >= 0 subtracted from the score of every completion cut at
@@ -143,7 +144,9 @@ def ppo_rollout_batch(
     `cfg.whiten_rewards`, GAE with `cfg.gamma`, `cfg.lam`, the advantages whitened when
     `whiten`) at the sampling `temperature`, `old_logp` the sampler's log-probabilities.
     `stats` has `missing_eos`, the fraction of penalised completions, when the penalty is
-    on; `objective/scores` is the mean of the penalised scores, as in TRL."""
+    on; `objective/scores` is the mean of the penalised scores, as in TRL; `kl` is the
+    per-token mean of the `cfg.kl_estimator` estimate over the completion tokens
+    (`objective/kl` × rows / tokens), the measure `cfg.kl_target` guards."""
     if cfg.missing_eos_penalty is not None:
         cut = jnp.asarray(roll.truncated, jnp.float32)
         scores = scores - jnp.float32(cfg.missing_eos_penalty) * cut
@@ -165,6 +168,10 @@ def ppo_rollout_batch(
     if cfg.missing_eos_penalty is not None:
         stats = {**stats, "missing_eos": jnp.mean(cut)}
     m = roll.completion_mask & roll.mask
+    # The KL guard's measure in the estimator of the shaped rewards: objective/kl, TRL's
+    # mean over completions of their summed estimates, per completion token instead.
+    rows, tokens = jnp.float32(roll.tokens.shape[0]), jnp.sum(m, dtype=jnp.float32)
+    stats = {**stats, "kl": stats["objective/kl"] * rows / jnp.maximum(tokens, 1.0)}
     batch = eqx.tree_at(lambda b: b.old_logp, batch, jnp.where(m, roll.logprobs, 0.0))
     return batch, stats
 
@@ -188,7 +195,8 @@ def run_ppo(
     `cfg.minibatches` PPO steps. The policy trains
     LoRA adapters (`cfg.lora`; the reference is the policy without them); the value
     model (`ValueModel.from_policy`) trains every weight. Stops early when the per-token
-    KL to the reference exceeds `cfg.kl_target`.
+    KL to the reference (`rollout/kl`, in `cfg.kl_estimator`'s estimate) exceeds
+    `cfg.kl_target`.
     """
     validate_stage("ppo", cfg)
     source = as_reward_source(reward)

@@ -1,0 +1,65 @@
+"""The reinforcement-learning stages' settings have the effect their fields document:
+the KL guard reads the KL estimate the user chose (`ppo.kl_estimator`), the one logged."""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+from helpers import tiny_policies
+
+from rlhf_eqx import data, pipelines as pl
+
+_PROMPTS = [f"Once {i}" for i in range(8)]
+
+
+def _eos_policy():
+    """A tiny policy whose EOS logit is raised on some states (completions of several
+    lengths)."""
+    (policy,) = tiny_policies(259, 0)
+    column = 0.5 * jax.random.normal(jax.random.key(5), (16,))
+    eos = data.ByteTokenizer().eos_id
+    return eqx.tree_at(lambda p: p.lm_head, policy, policy.lm_head.at[:, eos].set(column))
+
+
+class _Lengths(pl.runs.RewardSource):
+    """Scores `len(text) % 3`; keeps each rollout's number of rows and completion tokens."""
+
+    def __init__(self):
+        self.rows, self.tokens = [], []
+
+    def score(self, rollout):
+        m = np.asarray(rollout.completion_mask & rollout.mask)
+        self.rows.append(m.shape[0])
+        self.tokens.append(int(m.sum()))
+        s = np.asarray([float(len(t) % 3) for t in rollout.texts], np.float32)
+        return pl.runs.Scored(s, {}, None)
+
+
+def _ppo(tmp_path, name, source, **changes):
+    cfg = pl.PipelineConfig().ppo
+    optim = dataclasses.replace(cfg.optim, warmup_ratio=0.0, learning_rate=5e-2)
+    cfg = dataclasses.replace(
+        cfg, rollouts=2, prompts_per_rollout=8, epochs=1, minibatches=1, optim=optim, **changes
+    )
+    log = pl.tools.MetricsLog(str(tmp_path), name, quiet=True)
+    ops = pl.OpsConfig(monitor=False, quiet=True)
+    ctx = pl.RunContext(ops=ops, log=log, key=jax.random.key(0), prompt_length=16, max_new_tokens=8)
+    res = pl.runs.run_ppo(
+        _eos_policy(), data.ByteTokenizer(), _PROMPTS, reward=source, cfg=cfg, ctx=ctx
+    )
+    recs = [r for r in pl.tools.read_records(str(tmp_path)) if r.get("stage") == name]
+    return res, [r for r in recs if "step" in r]
+
+
+def test_the_ppo_kl_guard_reads_the_chosen_kl_estimator(tmp_path):
+    """With `ppo.kl_estimator=k3`, `rollout/kl` (what `ppo.kl_target` compares) is the k3
+    estimate per completion token: TRL's `objective/kl` (the summed estimate, averaged
+    over the completions) times rows over tokens, not the k1 estimate of the rollout."""
+    source = _Lengths()
+    _, recs = _ppo(tmp_path, "k3", source, kl_estimator="k3", kl_target=10.0)
+    last = recs[-1]
+    per_token = last["rollout/objective/kl"] * source.rows[-1] / source.tokens[-1]
+    assert last["rollout/objective/kl"] > 1e-4  # the policy has moved from the reference
+    assert last["rollout/kl"] == pytest.approx(per_token, rel=1e-4)

@@ -9,7 +9,7 @@ from jaxtyping import Float, Float32
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
-_ROPE_KINDS = ("linear", "llama3")
+_ROPE_KINDS = ("linear", "llama3", "yarn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,14 +19,27 @@ class RopeScaling:
     **Arguments:**
 
     - `kind`: `"linear"` (position interpolation, Chen et al. 2023: every inverse
-      frequency divided by `factor`) or `"llama3"` (Meta's Llama 3.1 rule: wavelengths
+      frequency divided by `factor`), `"llama3"` (Meta's Llama 3.1 rule: wavelengths
       longer than `original_max_position / low_freq_factor` are divided by `factor`,
       shorter than `original_max_position / high_freq_factor` are kept, and the band
-      between is interpolated smoothly).
+      between is interpolated smoothly) or `"yarn"` (YaRN, Peng et al. 2023,
+      arXiv:2309.00071, as transformers' `_compute_yarn_parameters` computes it; see
+      `yarn_inv_freq`).
     - `factor`: the context extension factor.
     - `low_freq_factor`, `high_freq_factor`, `original_max_position`: the `llama3`
       parameters (Hugging Face `rope_scaling` fields `low_freq_factor`,
-      `high_freq_factor`, `original_max_position_embeddings`).
+      `high_freq_factor`, `original_max_position_embeddings`); `original_max_position`
+      is YaRN's pretraining context too (`config_from_hf` fills it with
+      `max_position_embeddings` when `rope_scaling` leaves it out, as transformers does).
+    - `beta_fast`, `beta_slow`: YaRN's rotation counts bounding the ramp between
+      extrapolated and interpolated frequencies (transformers' defaults 32 and 1).
+    - `mscale`, `mscale_all_dim`: YaRN's attention-factor multipliers (DeepSeek's
+      fields; both set and nonzero: `attention_factor = m(factor, mscale) /
+      m(factor, mscale_all_dim)` with `m(s, k) = 0.1·k·ln s + 1` for `s > 1`, else 1).
+    - `attention_factor`: YaRN's scale of the cos / sin tables (`None`: from `mscale`
+      / `mscale_all_dim`, or `0.1·ln(factor) + 1`; see `attention_scale`).
+    - `truncate`: round YaRN's ramp bounds outward to whole dimensions (transformers'
+      default `True`; gpt-oss writes `false`).
     """
 
     kind: str
@@ -34,6 +47,12 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
 
     def __post_init__(self):
         if self.kind not in _ROPE_KINDS:
@@ -45,13 +64,93 @@ class RopeScaling:
                 "RopeScaling.high_freq_factor must exceed low_freq_factor, got "
                 f"{self.high_freq_factor!r} <= {self.low_freq_factor!r}"
             )
+        if self.kind != "yarn":
+            return
+        orig = self.original_max_position
+        if isinstance(orig, bool) or not isinstance(orig, int) or orig <= 0:
+            raise ValueError(
+                f"RopeScaling.original_max_position must be a positive int, got {orig!r}"
+            )
+        for name in ("beta_fast", "beta_slow"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"RopeScaling.{name} must be a positive number, got {value!r}")
+        for name in ("mscale", "mscale_all_dim", "attention_factor"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+            ):
+                raise ValueError(f"RopeScaling.{name} must be a number or None, got {value!r}")
+        if not isinstance(self.truncate, bool):
+            raise ValueError(f"RopeScaling.truncate must be True or False, got {self.truncate!r}")
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor YaRN multiplies the cos / sin tables by (1 for the other kinds), as
+        transformers' `_compute_yarn_parameters` returns it: `attention_factor` when
+        set, else `m(factor, mscale) / m(factor, mscale_all_dim)` when both are set and
+        nonzero, else `m(factor, 1)`, with `m(s, k) = 0.1·k·ln s + 1` (1 when `s ≤ 1`).
+        Both queries and keys are scaled, so the attention logits grow by its square."""
+        if self.kind != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+
+        def m(scale: float, k: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * k * math.log(scale) + 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return float(m(self.factor, self.mscale) / m(self.factor, self.mscale_all_dim))
+        return m(self.factor)
+
+    def yarn_range(self, dim: int, theta: float) -> tuple[int | float, int | float]:
+        """YaRN's ramp bounds `(low, high)` over the `dim / 2` frequency indices: the
+        index `d(r) = dim·ln(original_max_position / (2π r)) / (2 ln theta)` at which a
+        frequency turns `r` times over the pretraining context, for `r = beta_fast` and
+        `beta_slow` (rounded down / up with `truncate`), clipped to `[0, dim - 1]`."""
+
+        def d(rotations: float) -> float:
+            orig = self.original_max_position
+            return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+        low, high = d(self.beta_fast), d(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        return max(low, 0), min(high, dim - 1)
+
+    def yarn_inv_freq(self, theta: float, dim: int) -> Float32[np.ndarray, " half"]:
+        """YaRN's inverse frequencies `[dim / 2]` (float32, as transformers computes them):
+        with `p_i = theta^(2i / dim)`, `γ_i = clip((i - low) / (high - low), 0, 1)` (the
+        ramp between `yarn_range`'s bounds; `high` nudged by 0.001 when equal to `low`),
+        `inv_i = (1 / (factor·p_i))·γ_i + (1 / p_i)·(1 - γ_i)`: high frequencies (below
+        `low`) are kept, low frequencies (above `high`) interpolated by `factor`."""
+        exponent = np.arange(0, dim, 2).astype(np.float32) / np.float32(dim)
+        pos = (np.float32(theta) ** exponent).astype(np.float32)
+        extrapolation = (np.float32(1.0) / pos).astype(np.float32)
+        interpolation = (np.float32(1.0) / (np.float32(self.factor) * pos)).astype(np.float32)
+        low, high = self.yarn_range(dim, theta)
+        if low == high:
+            high += 0.001  # transformers' guard against a zero-width ramp
+        ramp = (np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low)
+        keep = np.float32(1.0) - np.clip(ramp, 0, 1).astype(np.float32)
+        out = interpolation * (np.float32(1.0) - keep) + extrapolation * keep
+        return out.astype(np.float32)
 
     def apply(self, inv_freq: Float[np.ndarray, " half"]) -> Float32[np.ndarray, " half"]:
-        """The rescaled inverse frequencies (float32, as Hugging Face computes them)."""
+        """The rescaled inverse frequencies (float32, as Hugging Face computes them) of
+        a `linear` or `llama3` scaling; YaRN's depend on the rotary base and width
+        (`yarn_inv_freq`, which `TransformerConfig.inv_freq` calls)."""
         inv_freq = inv_freq.astype(np.float32)
         factor = np.float32(self.factor)
         if self.kind == "linear":
             return (inv_freq / factor).astype(np.float32)
+        if self.kind == "yarn":
+            raise ValueError(
+                "RopeScaling.apply: a yarn scaling needs the rotary base and width; "
+                "call yarn_inv_freq(theta, head_dim) or TransformerConfig.inv_freq()"
+            )
         old = np.float32(self.original_max_position)
         low, high = np.float32(self.low_freq_factor), np.float32(self.high_freq_factor)
         wavelen = np.float32(2 * math.pi) / inv_freq
@@ -103,7 +202,7 @@ class TransformerConfig:
       back (Mistral, Gemma 2/3 local layers).
     - `window_layers`: per layer, whether it uses the sliding window (`None`: every
       layer, when `sliding_window` is set). Carried through the layer scan as data.
-    - `rope_scaling`: a `RopeScaling` (Llama 3.x `llama3`, `linear`), or `None`.
+    - `rope_scaling`: a `RopeScaling` (Llama 3.x `llama3`, `linear`, `yarn`), or `None`.
     - `rope_local_theta`: rotary base of the sliding-window layers, without scaling
       (Gemma 3); `None` uses the global rotary embedding everywhere.
     - `remat`: what the backward pass recomputes of each layer, for less activation
@@ -248,9 +347,21 @@ class TransformerConfig:
             self.head_dim
         )
         inv = (np.float32(1.0) / (np.float32(theta) ** exponent)).astype(np.float32)
-        if self.rope_scaling is not None and not (local and self.rope_local_theta is not None):
-            inv = self.rope_scaling.apply(inv)
+        rs = self.rope_scaling
+        if rs is not None and not (local and self.rope_local_theta is not None):
+            if rs.kind == "yarn":
+                return rs.yarn_inv_freq(theta, self.head_dim)
+            inv = rs.apply(inv)
         return inv
+
+    def rope_attention_factor(self, *, local: bool = False) -> float:
+        """The factor the rotary cos / sin tables are multiplied by (YaRN's attention
+        factor, `RopeScaling.attention_scale`; 1 without YaRN and on the local layers of
+        `rope_local_theta`, which are not scaled)."""
+        rs = self.rope_scaling
+        if rs is None or (local and self.rope_local_theta is not None):
+            return 1.0
+        return rs.attention_scale
 
     def num_params(self) -> int:
         """Number of parameters of a `Policy` with this configuration."""

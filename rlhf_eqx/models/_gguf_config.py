@@ -2,7 +2,8 @@
 
 llama.cpp's keys are `{arch}.block_count`, `.embedding_length`, `.feed_forward_length`,
 `.attention.head_count(_kv)`, `.attention.key_length` (head_dim), `.rope.freq_base`,
-`.rope.dimension_count`, `.rope.scaling.type/factor`, `.attention.layer_norm_rms_epsilon`,
+`.rope.dimension_count`, `.rope.scaling.type/factor` (YaRN: `.original_context_length`,
+`.yarn_beta_fast/slow`), `.attention.layer_norm_rms_epsilon`,
 `.context_length`, `.attention.sliding_window` and Gemma 2's `.attn_logit_softcapping`
 / `.final_logit_softcapping`; `general.architecture` names `{arch}`. Llama 3.x rope
 scaling is the tensor `rope_freqs.weight` (each inverse frequency's divisor), matched
@@ -70,12 +71,48 @@ def _rope(get, number, arch: str, path: str, names) -> dict[str, Any] | None:
         return {"rope_type": "rope_freqs"}  # resolved against the tensor in `read_config`
     if kind == "none":
         return None
+    if kind == "yarn":
+        return _yarn(get, number, arch, path)
     if kind != "linear":
         raise ValueError(
             f"{path}: `{arch}.rope.scaling.type` = {kind!r} is not supported: "
-            "implemented rotary scalings are 'linear' and llama3 (rope_freqs.weight)"
+            "implemented rotary scalings are 'linear', 'yarn' and llama3 (rope_freqs.weight)"
         )
     return {"rope_type": "linear", "factor": number("rope.scaling.factor")}
+
+
+# llama.cpp's YaRN keys that scale the attention beyond transformers' default: their
+# value when absent, which is all that reads as a `rope_scaling` here
+_YARN_ATTENTION_KEYS = {
+    "rope.scaling.yarn_log_multiplier": 0.0,
+    "rope.scaling.yarn_attn_factor": 1.0,
+    "rope.scaling.yarn_ext_factor": None,
+}
+
+
+def _yarn(get, number, arch: str, path: str) -> dict[str, Any]:
+    """`rope_scaling` of a `yarn` file, as llama.cpp's converter writes transformers'
+    fields: `.rope.scaling.factor`, `.original_context_length` (absent:
+    `.context_length`), `.yarn_beta_fast` / `.yarn_beta_slow` (absent: 32 / 1). The
+    attention factor is transformers' default `0.1·ln(factor) + 1`; a file that sets
+    `.yarn_log_multiplier`, `.yarn_attn_factor` or `.yarn_ext_factor` otherwise is
+    refused (llama.cpp folds them into its rotation differently per architecture)."""
+    for key, inactive in _YARN_ATTENTION_KEYS.items():
+        value = get(f"{arch}.{key}", inactive)
+        if value != inactive and not (key.endswith("ext_factor") and value in (-1.0, 1.0)):
+            raise ValueError(
+                f"{path}: `{arch}.{key}` = {value!r} is not supported: a yarn scaling is read "
+                "with transformers' default attention factor only"
+            )
+    config: dict[str, Any] = {"rope_type": "yarn", "factor": number("rope.scaling.factor")}
+    original = number("rope.scaling.original_context_length", None)
+    if original is not None:  # else `max_position_embeddings`, i.e. `.context_length`
+        config["original_max_position_embeddings"] = original
+    for key, field in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+        value = number(f"rope.scaling.{key}", None)
+        if value is not None:
+            config[field] = value
+    return config
 
 
 def llama3_from_factors(factors: np.ndarray, cfg: TransformerConfig, path: str) -> RopeScaling:
@@ -124,10 +161,11 @@ _INT_KEYS = (
     "vocab_size", "context_length", "embedding_length", "block_count", "feed_forward_length",
     "attention.head_count", "attention.head_count_kv", "attention.key_length",
     "rope.dimension_count", "attention.sliding_window", "expert_count",
+    "rope.scaling.original_context_length",
 )  # fmt: skip
 _POSITIVE_KEYS = (
     "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.freq_base_swa",
-    "rope.scaling.factor",
+    "rope.scaling.factor", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
 )  # fmt: skip
 _COUNTS = ("sliding_window", "expert_count")  # the integers that may be 0 (none)
 
@@ -310,6 +348,12 @@ def gguf_metadata(cfg: TransformerConfig) -> tuple[str, dict[str, Any]]:
     if rs is not None and rs.kind == "linear":
         meta[f"{arch}.rope.scaling.type"] = "linear"
         meta[f"{arch}.rope.scaling.factor"] = float(rs.factor)
+    if rs is not None and rs.kind == "yarn":
+        meta[f"{arch}.rope.scaling.type"] = "yarn"
+        meta[f"{arch}.rope.scaling.factor"] = float(rs.factor)
+        meta[f"{arch}.rope.scaling.original_context_length"] = rs.original_max_position
+        meta[f"{arch}.rope.scaling.yarn_beta_fast"] = float(rs.beta_fast)
+        meta[f"{arch}.rope.scaling.yarn_beta_slow"] = float(rs.beta_slow)
     if cfg.sliding_window is not None:
         meta[f"{arch}.attention.sliding_window"] = cfg.sliding_window
     for name, value in (

@@ -3,7 +3,7 @@
 
 | family | `architectures` / `model_type` | switches set |
 | --- | --- | --- |
-| Llama 2/3.x | `LlamaForCausalLM` / `llama` | `rope_scaling` (`llama3`, `linear`) |
+| Llama 2/3.x | `LlamaForCausalLM` / `llama` | `rope_scaling` (`llama3`, `linear`, `yarn`) |
 | Mistral | `MistralForCausalLM` / `mistral` | `sliding_window` on every layer |
 | Qwen2/2.5 | `Qwen2ForCausalLM` / `qwen2` | `attn_bias`; window on layers ≥ `max_window_layers` with `use_sliding_window` |
 | Qwen3 | `Qwen3ForCausalLM` / `qwen3` | `qk_norm` (no q/k/v bias) |
@@ -130,7 +130,7 @@ def hf_head(config: dict[str, Any], *, source: str = "config.json") -> str:
     return "score"
 
 
-def _int(config, name: str, source: str, default: Any = _UNSET) -> int:
+def _int(config, name: str, source: str, default: Any = _UNSET) -> int | None:
     value = config.get(name)
     if value is None:
         if default is _UNSET:
@@ -240,8 +240,51 @@ def _rope(config, source: str) -> tuple[float, RopeScaling | None, float | None]
             )
         rs = RopeScaling("llama3", get("factor"), low, high, original)
         return theta, rs, local_theta
+    if kind == "yarn":
+        return theta, _yarn(config, scaling, f"{source}: {field}", source, field), local_theta
     raise _err(
-        source, f"{field}.rope_type", kind, "implemented rotary scalings are 'linear' and 'llama3'"
+        source,
+        f"{field}.rope_type",
+        kind,
+        "implemented rotary scalings are 'linear', 'llama3' and 'yarn'",
+    )
+
+
+def _yarn(config, scaling, where: str, source: str, field: str) -> RopeScaling:
+    """A `yarn` scaling read as transformers' `_compute_yarn_parameters` reads it:
+    `original_max_position_embeddings` falls back to the config's
+    `max_position_embeddings`, a missing or zero `beta_fast` / `beta_slow` to 32 / 1,
+    `truncate` to true; `mscale`, `mscale_all_dim` and `attention_factor` stay unset
+    when absent (`RopeScaling.attention_scale` resolves them)."""
+    original = _int(scaling, "original_max_position_embeddings", where, None)
+    if original is None:
+        original = _int(config, "max_position_embeddings", source, None)
+    if original is None:
+        raise ValueError(
+            f"{where}: a yarn scaling needs `original_max_position_embeddings` (or the "
+            "config's `max_position_embeddings`), the pretraining context"
+        )
+    if original <= 0:
+        raise _err(
+            source, f"{field}.original_max_position_embeddings", original, "a positive integer"
+        )
+    betas = {}
+    for name, default in (("beta_fast", 32.0), ("beta_slow", 1.0)):
+        value = _float(scaling, name, where, 0.0)
+        if value < 0:
+            raise _err(source, f"{field}.{name}", value, "a positive number is expected")
+        betas[name] = value or default  # transformers: `get(name) or default`
+    truncate = _flag(scaling, "truncate", where, True)  # null: falsy, no rounding
+    return RopeScaling(
+        "yarn",
+        _positive(scaling, "factor", where),
+        original_max_position=original,
+        beta_fast=betas["beta_fast"],
+        beta_slow=betas["beta_slow"],
+        mscale=_float(scaling, "mscale", where, None),
+        mscale_all_dim=_float(scaling, "mscale_all_dim", where, None),
+        attention_factor=_float(scaling, "attention_factor", where, None),
+        truncate=truncate,
     )
 
 

@@ -25,6 +25,20 @@ def rope_scaling_json(rs: RopeScaling | None) -> dict[str, Any] | None:
         return None
     if rs.kind == "linear":
         return {"rope_type": "linear", "factor": rs.factor}
+    if rs.kind == "yarn":
+        out = {
+            "rope_type": "yarn",
+            "factor": rs.factor,
+            "original_max_position_embeddings": rs.original_max_position,
+            "beta_fast": rs.beta_fast,
+            "beta_slow": rs.beta_slow,
+        }
+        for name in ("mscale", "mscale_all_dim", "attention_factor"):
+            if getattr(rs, name) is not None:
+                out[name] = getattr(rs, name)
+        if not rs.truncate:
+            out["truncate"] = False
+        return out
     return {
         "rope_type": "llama3",
         "factor": rs.factor,

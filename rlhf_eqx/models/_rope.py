@@ -5,14 +5,21 @@ from jaxtyping import Array, Float, Int
 
 
 def rope_tables(
-    positions: Int[Array, "*B T"], inv_freq: Float[Array, " half"]
+    positions: Int[Array, "*B T"],
+    inv_freq: Float[Array, " half"],
+    attention_factor: float = 1.0,
 ) -> tuple[Float[Array, "*B T hd"], Float[Array, "*B T hd"]]:
     """cos/sin tables `[..., T, head_dim]` in float32 (rotate-half layout, as in Hugging Face
-    Llama)."""
+    Llama), multiplied by `attention_factor` (YaRN's, `TransformerConfig.rope_attention_factor`:
+    transformers scales both tables, so queries and keys, by it; 1 leaves them as is)."""
     freqs = inv_freq.reshape((1,) * positions.ndim + inv_freq.shape)
     angles = positions.astype(jnp.float32)[..., None] * freqs
     angles = jnp.concatenate([angles, angles], axis=-1)
-    return jnp.cos(angles), jnp.sin(angles)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if attention_factor != 1.0:
+        factor = jnp.float32(attention_factor)
+        cos, sin = cos * factor, sin * factor
+    return cos, sin
 
 
 def apply_rope(

@@ -2,7 +2,6 @@
 function of the registry (each stage module's, e.g. `_dpo_stage.dpo_on_data`), in a run
 directory of its own."""
 
-import json
 import os
 import sys
 from collections.abc import Sequence
@@ -14,6 +13,7 @@ from ._callbacks import after_evaluation
 from ._config import (
     ConfigError,
 )
+from ._metrics import json_text
 from ._monitor import measure_matmul_peak
 from ._pipeline_config import (
     PipelineConfig,
@@ -171,5 +171,5 @@ def _run_on_data(
         plot_run(run_dir)
     except ImportError:
         pass
-    say(json.dumps(summary, indent=1))
+    say(json_text(summary, indent=1))
     return summary

@@ -1,7 +1,20 @@
-"""The metrics log (`metrics.jsonl`, and the run's experiment trackers) and progress bars."""
+"""The metrics log (`metrics.jsonl`, and the run's experiment trackers) and progress bars;
+how a run writes its JSON files for other tools and reads them back.
+
+**Non-finite numbers in JSON.** A NaN or infinite number (a diverged loss, the KL of a
+policy far from its reference) is written as the string `"NaN"`, `"Infinity"` or
+`"-Infinity"` in every JSON file a run writes for other tools (`metrics.jsonl`,
+`summary.json`, `seeds_summary.json`, a sweep's `sweep_summary.json` and its members'
+files): the bare tokens Python writes by default are not JSON (`jq`, JavaScript's
+`JSON.parse` and most readers refuse the file). The strings are the tokens' own
+spelling, so `float(s)` in Python and `Number(s)` in JavaScript read them back; the
+library's readers (`read_json`, `from_json`) read both these files and older ones with
+the bare tokens."""
 
 import errno
 import json
+import math
+import numbers
 import os
 import sys
 from collections.abc import Callable
@@ -18,6 +31,51 @@ class DiskFullError(OSError):
 
     def __str__(self) -> str:
         return str(self.strerror)
+
+
+NONFINITE_JSON: dict[str, float] = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+"""How a non-finite number is written in the run's JSON files, and read back."""
+
+
+def to_json(value: Any) -> Any:
+    """`value` (dicts, lists and tuples of JSON values) with every NaN or infinite number
+    replaced by its string in `NONFINITE_JSON`: what `json.dumps(..., allow_nan=False)`
+    accepts."""
+    if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
+        x = float(value)
+        if math.isfinite(x):
+            return value
+        return "NaN" if x != x else ("Infinity" if x > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: to_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_json(v) for v in value]
+    return value
+
+
+def from_json(value: Any) -> Any:
+    """`value` read from a run's JSON file with the strings of `NONFINITE_JSON` read
+    back as the numbers they stand for (what `to_json` wrote); the bare tokens of older
+    files are numbers already (`json.loads` reads them)."""
+    if isinstance(value, str):
+        return NONFINITE_JSON.get(value, value)
+    if isinstance(value, dict):
+        return {k: from_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [from_json(v) for v in value]
+    return value
+
+
+def json_text(value: Any, **kwargs: Any) -> str:
+    """`value` as JSON text (`json.dumps` with `kwargs`), non-finite numbers as strings
+    (`to_json`): a file any JSON reader reads."""
+    return json.dumps(to_json(value), allow_nan=False, **kwargs)
+
+
+def read_json(path: str) -> Any:
+    """The JSON value of the file `path`, non-finite numbers read back (`from_json`)."""
+    with open(path) as f:
+        return from_json(json.load(f))
 
 
 def _float(v: Any) -> Any:
@@ -67,7 +125,7 @@ class MetricsLog:
 
     def write(self, record: dict) -> None:
         line = {"stage": self.stage, **{k: _float(v) for k, v in record.items()}}
-        text = json.dumps(line) + "\n"
+        text = json_text(line) + "\n"  # trackers get the numbers themselves (below)
         try:
             with open(self.path, "a") as f:
                 f.write(text)

@@ -112,23 +112,99 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def config_changes(old: dict, new: dict) -> list[tuple[str, object, object]]:
-    """The `(field, old, new)` of every dotted field that differs between two config
-    dicts (`config_to_dict`), sorted by field."""
+_ABSENT = object()  # a field one of two config dicts does not have
+
+
+def _changes(old: dict, new: dict) -> list[tuple[str, object, object]]:
+    """The `(field, old, new)` of every dotted field that differs, `_ABSENT` for a side
+    that lacks it."""
     a, b = _flatten(old), _flatten(new)
-    missing = object()
     changed = []
     for k in sorted(set(a) | set(b)):
-        va, vb = a.get(k, missing), b.get(k, missing)
+        va, vb = a.get(k, _ABSENT), b.get(k, _ABSENT)
         if va != vb:
-            changed.append((k, None if va is missing else va, None if vb is missing else vb))
+            changed.append((k, va, vb))
     return changed
+
+
+def config_changes(old: dict, new: dict) -> list[tuple[str, object, object]]:
+    """The `(field, old, new)` of every dotted field that differs between two config
+    dicts (`config_to_dict`), sorted by field (`None` for a side that lacks it)."""
+    return [(k, _none(a), _none(b)) for k, a, b in _changes(old, new)]
+
+
+def _none(value: object) -> object:
+    return None if value is _ABSENT else value
+
+
+def _show(value: object, other: object) -> str:
+    """A changed value as a refusal names it: its `repr`; a side that lacks the field
+    as `None`, or, where the other side is `None` too, as what it is."""
+    if value is not _ABSENT:
+        return repr(value)
+    return "(not in the stored config)" if other is None else "None"
+
+
+def _dataclass_type(hint: object) -> type | None:
+    """The dataclass a field's type hint names (alone or in a union), else `None`."""
+    import typing
+
+    for t in (hint, *typing.get_args(hint)):
+        if isinstance(t, type) and dataclasses.is_dataclass(t):
+            return t
+    return None
+
+
+def _is_setting(dotted: str) -> bool:
+    """Whether the dotted name is a setting of this version's `PipelineConfig` (or lies
+    within the value of one: a key of `data.columns`)."""
+    from ._config_io import _hints, _settings_of
+    from ._pipeline_config import PipelineConfig
+    from ._registry import section_types
+
+    sections = section_types()
+    cls: type = PipelineConfig
+    for part in dotted.split("."):
+        if cls is PipelineConfig and part in sections:
+            cls = sections[part]
+            continue
+        names = {f.name for f in _settings_of(cls)} - (
+            {"sections"} if cls is PipelineConfig else set()
+        )
+        if part not in names:
+            return False
+        inner = _dataclass_type(_hints(cls)[part])
+        if inner is None:
+            return True  # a value (a number, a list, a mapping): what follows is in it
+        cls = inner
+    return True
+
+
+def unused_fields(old: dict) -> list[str]:
+    """The settings of the stored config dict `old` that this version of the library no
+    longer has (removed since the run was written), each named once: a removed section
+    as itself, not field by field. A resume does not use them, and they are no change
+    (`check_resumable`)."""
+    out: dict[str, None] = {}
+    for k in _flatten(old):
+        parts = k.split(".")
+        for i in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:i])
+            if not _is_setting(prefix):
+                out[prefix] = None
+                break
+    return list(out)
+
+
+def _under(field: str, names) -> bool:
+    return any(field == n or field.startswith(n + ".") for n in names)
 
 
 def _added_since(old: dict, new: dict) -> set[str]:
     """The dotted fields `new` (a whole `PipelineConfig`'s dict) has and `old` lacks that
-    hold their class defaults: settings added to the library after `old` was written,
-    which the run that wrote it had as those defaults."""
+    hold their class defaults, or that belong to a section `old` lacks altogether:
+    settings added to the library after `old` was written, which the run that wrote it
+    had as those defaults (a stage registered since it was written never ran in it)."""
     from ._config_io import config_to_dict
     from ._pipeline_config import PipelineConfig
 
@@ -138,7 +214,12 @@ def _added_since(old: dict, new: dict) -> set[str]:
         return set()
     defaults = _flatten(config_to_dict(PipelineConfig()))
     missing = object()
-    return {k for k, v in lacking.items() if defaults.get(k, missing) == v}
+    sections = {k for k, v in new.items() if isinstance(v, dict) and k not in old}
+    return {
+        k
+        for k, v in lacking.items()
+        if defaults.get(k, missing) == v or k.split(".")[0] in sections
+    }
 
 
 def _same_path(a: object, b: object) -> bool:
@@ -152,29 +233,124 @@ def _same_path(a: object, b: object) -> bool:
         return False
 
 
+# The inputs a run records the fingerprint of (`_rundir.check_data`, `check_model`):
+# their config fields and the file that holds the fingerprint.
+_INPUT_FIELDS = {
+    "data.path": "data.json",
+    "model.source": "model.json",
+    "model.tokenizer": "model.json",
+}
+
+
+def _input_run_dir(where: str) -> str | None:
+    """The run directory of `where` (a run directory, or a checkpoint of one:
+    `<run>/<stage>/checkpoints/iter_*`) that records its inputs' fingerprints."""
+    path = where
+    for _ in range(4):
+        if any(os.path.isfile(os.path.join(path, n)) for n in set(_INPUT_FIELDS.values())):
+            return path
+        path = os.path.dirname(os.path.normpath(path))
+        if not path:
+            return None
+    return None
+
+
+def moved_inputs(where: str, new: dict, changes) -> list[tuple[str, object, object]]:
+    """The `changes` of `data.path`, `model.source` or `model.tokenizer` (one file or
+    directory for another) whose contents are those the run recorded (`data.json`,
+    `model.json` in the run directory of `where`: the same size and SHA-256): a data
+    file or model moved or renamed, which a resume accepts. A changed path whose
+    contents differ from the recorded ones is refused (`RunDirError`) naming both paths.
+    A run that recorded no fingerprint, or a path that cannot be read, moves nothing
+    (the change is a change of configuration)."""
+    fields = {k: (a, b) for k, a, b in changes if k in _INPUT_FIELDS}
+    run_dir = _input_run_dir(where) if fields else None
+    if run_dir is None:
+        return []
+    out = []
+    for name in dict.fromkeys(_INPUT_FIELDS[k] for k in fields):
+        keys = [k for k in fields if _INPUT_FIELDS[k] == name]
+        recorded = _json_or_none(os.path.join(run_dir, name))
+        if not isinstance(recorded, dict):
+            continue
+        now = _fingerprint(name, new)
+        if now is None:
+            continue
+        if (recorded.get("size"), recorded.get("sha256")) != now:
+            moves = "; ".join(f"{k}: {fields[k][0]!r} -> {fields[k][1]!r}" for k in keys)
+            what = "data file" if name == "data.json" else "model's files"
+            raise RunDirError(
+                f"{run_dir}: cannot resume: the {what} at the new path differs from the one "
+                f"the run started on ({moves}; size {recorded.get('size')} -> {now[0]} "
+                f"bytes, sha256 {str(recorded.get('sha256'))[:12]}... -> {now[1][:12]}..., "
+                f"recorded in {name}); resume with the file the run started on, or start "
+                "a new run on it (another --out, or --overwrite)"
+            )
+        out += [(k, *fields[k]) for k in keys]
+    return out
+
+
+def _json_or_none(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _fingerprint(name: str, new: dict) -> tuple[int, str] | None:
+    """`(size, sha256)` of the data file (`data.json`) or the model's files
+    (`model.json`) the config dict `new` names, as the run records them; `None` when
+    they cannot be read."""
+    from ._config import ConfigError
+    from ._rundir import data_fingerprint, files_fingerprint
+
+    try:
+        if name == "data.json":
+            path = (new.get("data") or {}).get("path")
+            if not isinstance(path, str):
+                return None
+            fp = data_fingerprint(path)
+            return fp["size"], fp["sha256"]
+        from ._pipeline import model_files
+
+        model = new.get("model") or {}
+        files = model_files(model.get("source", "builtin"), model.get("tokenizer"))
+        return files_fingerprint(files) if files else None
+    except (OSError, ValueError, ConfigError):
+        return None
+
+
 def check_resumable(old: dict, new: dict, *, where: str) -> list[tuple[str, object, object]]:
     """Refuse (`RunDirError`) a resume whose configuration differs from the stored one
     `old` outside `resumable_fields()` and `iteration_fields()`, naming every such field
     with both values; returns all the changes (the allowed ones included). A field the
     stored configuration lacks (one added to the library since) is no change while it
-    holds its default, nor is a path written another way that names the same file or
-    directory from here (`data.path=pairs.jsonl` then `/home/me/pairs.jsonl`)."""
+    holds its default, nor is a field this version no longer has (`unused_fields`: a
+    resume names them once), nor a path written another way that names the same file or
+    directory from here (`data.path=pairs.jsonl` then `/home/me/pairs.jsonl`), nor a data
+    file or model moved or renamed with the contents the run recorded (`moved_inputs`:
+    its contents differing is refused, naming both paths)."""
     added = _added_since(old, new)
+    unused = unused_fields(old)
     changes = [
-        c for c in config_changes(old, new) if c[0] not in added and not _same_path(c[1], c[2])
+        (k, a, b)
+        for k, a, b in _changes(old, new)
+        if k not in added and not _under(k, unused) and not _same_path(a, b)
     ]
+    moved = {k for k, _, _ in moved_inputs(where, new, changes)}
     counts = iteration_fields()
     resumable = resumable_fields()
-    bad = [c for c in changes if c[0] not in resumable and c[0] not in counts]
+    bad = [c for c in changes if c[0] not in resumable and c[0] not in counts and c[0] not in moved]
     if bad:
-        lines = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in bad)
+        lines = "; ".join(f"{k}: {_show(a, b)} -> {_show(b, a)}" for k, a, b in bad)
         raise RunDirError(
             f"{where}: cannot resume with a different configuration ({lines}). Only "
             f"iteration counts ({', '.join(_running(counts, new))}) and "
             f"{', '.join(_running(resumable, new))} may change on resume; start a new run "
             "(another --out, or --overwrite) to train with other settings"
         )
-    return changes
+    return [(k, _none(a), _none(b)) for k, a, b in changes]
 
 
 def _running(fields, new: dict) -> list[str]:

@@ -52,7 +52,14 @@ from ..data import dataset_files
 from ._checkpoints import newest_meta
 from ._config_io import config_to_dict
 from ._loop_state import check_iteration_count, check_logged_steps
-from ._metrics import DiskFullError, bad_line, drop_records, fsync_dir, repair_metrics
+from ._metrics import (
+    DiskFullError,
+    bad_line,
+    drop_records,
+    fsync_dir,
+    json_text,
+    repair_metrics,
+)
 from ._pipeline_config import (
     PipelineConfig,
 )
@@ -60,7 +67,9 @@ from ._resume_rules import (
     RunDirError,
     check_resumable,
     check_upstream_counts,
+    moved_inputs,
     requested_iterations,
+    unused_fields,
 )
 
 # A `config.json` alone (a run that stopped before it logged anything) is no run.
@@ -409,6 +418,7 @@ def open_run_dir(
             # Every check before anything in the directory changes: a refused resume
             # leaves it as it was.
             changes = check_resumable(old, new, where=run_dir)
+            notes += resume_notes(run_dir, old, new, changes)
             _check_same_data_stages(run_dir, old, new)
             check_upstream_counts(run_dir, changes, _stages_with_checkpoints)
             metrics = os.path.join(run_dir, "metrics.jsonl")
@@ -435,6 +445,28 @@ def open_run_dir(
         lock.release()
         raise
     return RunDir(run_dir, lock, resume, notes, replaced)
+
+
+def resume_notes(run_dir: str, old: dict, new: dict, changes) -> list[str]:
+    """The lines a resume that `check_resumable` accepted prints about its stored
+    configuration `old`: each data file or model that moved with the same contents
+    (`moved_inputs`), and the settings this version no longer has (`unused_fields`),
+    named once."""
+    notes = []
+    for field, a, b in moved_inputs(run_dir, new, changes):
+        what, record = ("data file", DATA_NAME) if field == "data.path" else ("model", MODEL_NAME)
+        notes.append(
+            f"{field}: the {what} moved ({a} -> {b}); its contents are the same (size and "
+            f"SHA-256 as recorded in {record}): the run goes on with {b}"
+        )
+    unused = unused_fields(old)
+    if unused:
+        notes.append(
+            f"{os.path.join(run_dir, 'config.json')}: {', '.join(unused)}: no longer used "
+            "(settings this version of the library does not have); the run goes on without "
+            "them"
+        )
+    return notes
 
 
 def _check_same_data_stages(run_dir: str, old: dict, new: dict) -> None:
@@ -639,12 +671,14 @@ def check_recorded(run_dir: str, name: str, new: dict, what: str, resume: bool) 
 
 def write_json_atomic(path: str, obj) -> None:
     """Write `obj` as JSON to `path` through a temporary file and a rename (a crash
-    leaves the old file or the new one). A full disk raises `OSError` naming the
-    directory, with the temporary file removed."""
+    leaves the old file or the new one); a NaN or infinite number as the string `"NaN"`,
+    `"Infinity"` or `"-Infinity"` (`json_text`: bare tokens are not JSON). A full disk
+    raises `OSError` naming the directory, with the temporary file removed."""
     tmp = f"{path}.tmp{os.getpid()}"
+    text = json_text(obj, indent=1)
     try:
         with open(tmp, "w") as f:
-            json.dump(obj, f, indent=1)
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

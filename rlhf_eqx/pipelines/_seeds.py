@@ -16,10 +16,18 @@ import sys
 from collections.abc import Callable, Mapping
 
 from ._config import ConfigError
+from ._metrics import from_json
 from ._pipeline import run_pipeline
 from ._pipeline_config import PipelineConfig
-from ._resume_rules import RunDirError, check_resumable, resumable_fields
-from ._rundir import RunLock, holds_run, holds_runs, removed_if_nothing_ran, write_json_atomic
+from ._resume_rules import RunDirError, check_resumable, moved_inputs, resumable_fields
+from ._rundir import (
+    RunLock,
+    holds_run,
+    holds_runs,
+    removed_if_nothing_ran,
+    resume_notes,
+    write_json_atomic,
+)
 from ._validation import validate_config
 
 SEEDS_SUMMARY = "seeds_summary.json"
@@ -57,12 +65,17 @@ def _finished(cfg: PipelineConfig, run_dir: str) -> dict | None:
         with open(config_path) as f:
             old = json.load(f)
         with open(summary_path) as f:
-            summary = json.load(f)
+            summary = from_json(json.load(f))
     except ValueError as e:
         raise RunDirError(f"{run_dir}: a stored file is not JSON ({e})") from None
-    changes = check_resumable(old, config_to_dict(cfg), where=run_dir)
-    if any(field not in _keeps_summary() for field, _, _ in changes):
+    new = config_to_dict(cfg)
+    changes = check_resumable(old, new, where=run_dir)
+    # a data file or model that moved with the same contents leaves the summary as it is
+    moved = {field for field, _, _ in moved_inputs(run_dir, new, changes)}
+    if any(field not in _keeps_summary() and field not in moved for field, _, _ in changes):
         return None
+    for note in resume_notes(run_dir, old, new, changes):
+        print(f"note: {note}", file=sys.stderr)
     return summary
 
 
@@ -138,11 +151,21 @@ def _numbers(tree: Mapping, prefix: str = "") -> dict[str, float]:
 
 def spread(values: list[float]) -> dict:
     """`mean`, sample standard deviation `std` (`ddof` 1; `None` for one value), `min`
-    and `max` of `values`."""
+    and `max` of `values`. A NaN or infinite value makes the mean and std NaN (or
+    infinite), never one of the other seeds alone: `min` and `max` are those of the
+    values that are not NaN (NaN when every one is), and the summary names the seeds
+    (`summarize_seeds`: `nonfinite`)."""
     n = len(values)
-    mean = math.fsum(values) / n
-    std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else None
-    return {"mean": mean, "std": std, "min": min(values), "max": max(values)}
+    finite = [v for v in values if math.isfinite(v)]
+    if len(finite) == n:
+        mean = math.fsum(values) / n
+        std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else None
+    else:
+        mean = sum(values) / n  # NaN, or ±inf when the non-finite ones are one infinity
+        std = math.nan if n > 1 else None
+    ordered = [v for v in values if v == v]
+    low, high = (min(ordered), max(ordered)) if ordered else (math.nan, math.nan)
+    return {"mean": mean, "std": std, "min": low, "max": high}
 
 
 def summarize_seeds(summaries: Mapping[int, dict]) -> dict:
@@ -152,7 +175,9 @@ def summarize_seeds(summaries: Mapping[int, dict]) -> dict:
     {"seeds", "values", "mean", "std", "min", "max"}}}`: for every numeric entry of the
     summaries under its dotted path (`ppo.score`, `reward_model.heldout_accuracy`, ...),
     the seeds that report it, their values in that order, and `spread` of the values
-    (`std`: the sample standard deviation over seeds, `None` with one seed).
+    (`std`: the sample standard deviation over seeds, `None` with one seed). An entry
+    that is NaN or infinite for some seed also has `nonfinite`, those seeds (its mean
+    is then NaN or infinite, not the mean of the others).
     """
     seeds = sorted(summaries)
     per_seed = {s: _numbers(summaries[s]) for s in seeds}
@@ -162,6 +187,9 @@ def summarize_seeds(summaries: Mapping[int, dict]) -> dict:
         have = [s for s in seeds if p in per_seed[s]]
         values = [per_seed[s][p] for s in have]
         metrics[p] = {"seeds": have, "values": values, **spread(values)}
+        bad = [s for s, v in zip(have, values) if not math.isfinite(v)]
+        if bad:
+            metrics[p]["nonfinite"] = bad
     stopped = {str(s): summaries[s].get("stopped", "done") for s in seeds}
     return {"seeds": seeds, "stopped": stopped, "metrics": metrics}
 

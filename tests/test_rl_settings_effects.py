@@ -63,3 +63,29 @@ def test_the_ppo_kl_guard_reads_the_chosen_kl_estimator(tmp_path):
     per_token = last["rollout/objective/kl"] * source.rows[-1] / source.tokens[-1]
     assert last["rollout/objective/kl"] > 1e-4  # the policy has moved from the reference
     assert last["rollout/kl"] == pytest.approx(per_token, rel=1e-4)
+
+
+def test_an_overlong_buffer_past_the_completion_budget_is_refused_by_name(tmp_path):
+    """`grpo.overlong_buffer` longer than `sampling.max_new_tokens` (the punishment's ramp
+    would start before the completion): refused naming the field with the configuration,
+    and by `run_grpo` before it samples; the budget itself is accepted."""
+    sets = ["sampling.max_new_tokens=16", "grpo.overlong_buffer=17"]
+    cfg = dataclasses.replace(pl.apply_overrides(pl.animal_task_config(), sets), stages=("grpo",))
+    with pytest.raises(pl.ConfigError, match=r"^grpo\.overlong_buffer=17: must be 0 \(off\) or"):
+        pl.config.validate_config(cfg)
+    ok = pl.apply_overrides(cfg, ["grpo.overlong_buffer=16"])
+    pl.config.validate_config(ok)
+    log = pl.tools.MetricsLog(str(tmp_path), "grpo", quiet=True)
+    ctx = pl.RunContext(
+        ops=pl.OpsConfig(monitor=False, quiet=True),
+        log=log,
+        key=jax.random.key(0),
+        prompt_length=8,
+        max_new_tokens=4,
+    )
+    grpo = dataclasses.replace(cfg.grpo, overlong_buffer=5, prompts_per_rollout=2, group_size=2)
+    fns = [pl.runs.RewardFunction("length", lambda p, t: float(len(t)))]
+    with pytest.raises(pl.ConfigError, match=r"^grpo\.overlong_buffer=5: .*max_new_tokens=4 "):
+        pl.runs.run_grpo(
+            _eos_policy(), data.ByteTokenizer(), _PROMPTS, reward=fns, cfg=grpo, ctx=ctx
+        )

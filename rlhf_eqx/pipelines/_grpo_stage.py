@@ -152,7 +152,14 @@ class GRPOConfig(RolloutStageConfig, GRPOSettings):
       with dropped groups (zero advantage), so every step has one shape.
     - `overlong_buffer`: DAPO's soft overlong punishment (TRL
       `soft_overlong_punishment`): a completion longer than `max_new_tokens -
-      overlong_buffer` tokens loses up to 1 reward linearly (0: off, >= 0)."""
+      overlong_buffer` tokens loses up to 1 reward linearly (0: off; at most
+      `sampling.max_new_tokens`).
+
+    KL: `kl_target` (the KL guard) compares `rollout/kl`, the per-token k1 estimate
+    (log pi_old - log pi_ref, averaged over the completion tokens) of the rollout's
+    sampling policy, measured before the update; the steps' `kl` is the k3 estimate of
+    the loss's KL term under the policy being trained (TRL's `kl` metric), logged with
+    any `beta`."""
 
     temperature: float = dataclasses.field(
         default=SamplingConfig.temperature, metadata=_SET_BY_SAMPLING
@@ -243,6 +250,27 @@ class GRPOConfig(RolloutStageConfig, GRPOSettings):
                         getattr(self, field),
                         f"must be empty unless {name}.placement=split",
                     )
+
+
+def check_overlong_buffer(name: str, buffer: int, max_new_tokens: int) -> None:
+    """`buffer` (the field `name`, DAPO's soft overlong punishment) is 0 (off) or at most
+    `sampling.max_new_tokens`, the length its ramp ends at; `ConfigError` naming the field
+    otherwise."""
+    if buffer > max_new_tokens:
+        _fail(
+            name,
+            buffer,
+            f"must be 0 (off) or at most sampling.max_new_tokens={max_new_tokens} (the "
+            "punishment ramps over the last overlong_buffer tokens of the completion budget)",
+        )
+
+
+def _check_run(cfg, run) -> None:
+    """The GRPO rules with the sampling settings: `grpo.partial_rollouts` and
+    `grpo.overlong_buffer` within `sampling.max_new_tokens`."""
+    n = cfg.sampling.max_new_tokens
+    check_partial_rollouts("grpo.partial_rollouts", cfg.grpo.partial_rollouts, n)
+    check_overlong_buffer("grpo.overlong_buffer", cfg.grpo.overlong_buffer, n)
 
 
 class OffPolicyState(eqx.Module):
@@ -381,6 +409,7 @@ def run_grpo(
     """
     validate_stage("grpo", cfg)
     check_partial_rollouts("grpo.partial_rollouts", cfg.partial_rollouts, ctx.max_new_tokens)
+    check_overlong_buffer("grpo.overlong_buffer", cfg.overlong_buffer, ctx.max_new_tokens)
     source = as_reward_source(reward)
     k_lora, ctx_key = jax.random.split(ctx.key)
     pol, spec, reference = _policy_and_reference(policy, cfg.lora, k_lora)
@@ -780,9 +809,7 @@ register_stage(
         needs=lambda cfg: scored_needs(cfg, "grpo"),
         sections=("sft", "judge"),
         help="GRPO, rewards from grpo.reward_source",
-        check_run=lambda cfg, run: check_partial_rollouts(
-            "grpo.partial_rollouts", cfg.grpo.partial_rollouts, cfg.sampling.max_new_tokens
-        ),
+        check_run=_check_run,
         task=dict(
             rollouts=12,
             prompts_per_rollout=8,

@@ -374,7 +374,11 @@ def rollout_multiturn(
       the vocabulary), `pad_id`: as for `rlhf_eqx.generate`. A penalty's context is the
       episode's whole buffer so far (prompt, earlier turns, observations); its generated
       counts cover the policy's tokens of every turn (the log-probabilities stay the
-      policy's own, before the penalties).
+      policy's own, before the penalties). With `eos_id=None` (the default) or `()` no
+      id ends a turn, as no id ends a completion of `rlhf_eqx.generate`: every turn runs
+      to `max_new_tokens` (or the buffer's end) and counts as cut, so every episode that
+      plays a turn is `truncated` (what `mask_truncated_completions` would drop whole); pass the
+      tokenizer's stop ids, or the environment's `stop_ids`, as the pipelines do.
     - `num_samples`: episodes per prompt (a GRPO group), each prompt prefilled once.
     - `episode_reward`: `"sum"` of the turn rewards, or `"last"` (the final turn's).
 

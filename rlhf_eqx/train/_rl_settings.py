@@ -69,10 +69,13 @@ class PPOSettings(SampledSettings):
 
     - `clip_eps`: the ratio clip $\epsilon > 0$; `clip_eps_high` (`None`: the same) the
       upper one (clip-higher); `dual_clip` $c > 1$ (`None`: off).
-    - `vf_coef`: $c_v \geq 0$, weight of the value loss (0.5).
-    - `vf_clip_eps`: the value clip around the rollout's values, $> 0$ (`None`: off).
+    - `vf_coef`: $c_v \geq 0$, weight of the value loss, itself
+      $\tfrac12\max((V - R)^2, (V_{\rm clip} - R)^2)$ as TRL's (0.5, the PPO paper's;
+      TRL's `PPOConfig.vf_coef` default is 0.1).
+    - `vf_clip_eps`: the value clip around the rollout's values, $> 0$ (`None`: off;
+      TRL's `cliprange_value`, 0.2).
     - `ent_coef`: $c_e$, weight of the entropy bonus (0.01; 0 skips the entropies'
-      gradient).
+      gradient; TRL's `PPOTrainer` has no entropy bonus: 0 matches it).
     - `mode`, `constant`: aggregation over the completion tokens (`aggregate_parts`).
     - `temperature`: the sampling temperature (`SampledSettings`).
     - `policy_loss`: the per-token policy loss, `"ppo"` (`ppo_policy_loss` with

@@ -1,10 +1,13 @@
 """PNG plots of a run directory (needs matplotlib: `pip install 'rlhf_eqx[plot]'`)."""
 
 import json
+import math
 import os
 import sys
 from collections import defaultdict
+from typing import NamedTuple
 
+from ._metrics import from_json, step_ranges
 from ._rundir import holds_runs
 
 # What each panel shows: the first metric name a stage logged wins; the panel is titled
@@ -22,7 +25,8 @@ _MAX_BOUNDARIES = 60  # iteration boundaries drawn when a stage has at most this
 
 
 def read_records(run_dir: str) -> list[dict]:
-    """Every record of `run_dir/metrics.jsonl`. A torn last line (a run killed while
+    """Every record of `run_dir/metrics.jsonl`, a non-finite number (`"NaN"`, or the bare
+    `NaN` of an older file) read as one (`from_json`). A torn last line (a run killed while
     writing it) is skipped with a note; any other line that is not a JSON object is an
     error naming the file and the line."""
     path = os.path.join(run_dir, "metrics.jsonl")
@@ -35,7 +39,7 @@ def read_records(run_dir: str) -> list[dict]:
         if not line.strip():
             continue
         try:
-            rec = json.loads(line)
+            rec = from_json(json.loads(line))
         except json.JSONDecodeError as e:
             if n == len(lines):  # no newline after it: torn by a crash
                 print(f"note: {path}:{n}: skipped a torn last line", file=sys.stderr)
@@ -80,16 +84,17 @@ def plot_run(run_dir: str) -> list[str]:
     dotted lines where an iteration of several steps begins — a rollout, a round — and
     red lines at rollbacks) and, with a `summary.json`, `summary.png` (held-out score and
     win rate of each stage of the summary that reports a score: `base`, `sft`, `dpo`,
-    `kto`, `distill`, ...). A run over several seeds (`--seeds`) has each `seed-<s>/`
-    drawn; a sweep is refused (a `ValueError`) naming its `plots/` and
-    `members/<name>/`. A run without step records yet (an empty `metrics.jsonl`, or
-    events alone) draws no stage, with a note. Returns the files written."""
+    `kto`, `distill`, ...). A step whose value is NaN or infinite has no point on the
+    line: it is marked `×` at the foot of the panel (in red, named in the legend) and a
+    note on stderr names the stage, the metric and the steps. A run over several seeds
+    (`--seeds`) has each `seed-<s>/` drawn; a sweep has its `plots/` drawn again as the
+    sweep drew them (`sweep_summary.json`, each member's `metrics.jsonl` and
+    `summary.json`; a sweep that has not finished is refused, a `ValueError`). A run
+    without step records yet (an empty `metrics.jsonl`, or events alone) draws no stage,
+    with a note. Returns the files written."""
     many = holds_runs(run_dir)
     if many == "a sweep":
-        raise ValueError(
-            f"{run_dir} is a sweep: its plots are in {os.path.join(run_dir, 'plots')}/; "
-            f"plot one member with: rlhf_eqx plot {os.path.join(run_dir, 'members', '<name>')}"
-        )
+        return _plot_sweep(run_dir)
     if many is not None:
         return _plot_seeds(run_dir)
     records = read_records(run_dir)
@@ -111,11 +116,7 @@ def plot_run(run_dir: str) -> list[str]:
         panels = []
         for title, names in _PANELS.items():
             for name in names:
-                pts = [
-                    (r["step"], r[name])
-                    for r in recs
-                    if isinstance(r.get(name), (int, float)) and "step" in r
-                ]
+                pts = [(r["step"], r[name]) for r in recs if _number(r.get(name)) and "step" in r]
                 if pts:
                     panels.append((title, name, pts))
                     break
@@ -123,6 +124,7 @@ def plot_run(run_dir: str) -> list[str]:
             continue
         fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 2.8), squeeze=False)
         starts = _iteration_starts(recs)
+        odd = []
         for ax, (title, name, pts) in zip(axes[0], panels):
             xs, ys = zip(*pts)
             for x in starts:
@@ -130,6 +132,21 @@ def plot_run(run_dir: str) -> list[str]:
             for x in rollbacks.get(stage, ()):
                 ax.axvline(x, color="tab:red", lw=0.8)
             ax.plot(xs, ys, lw=1, marker="o" if len(xs) < 12 else None, ms=3)
+            bad = [x for x, y in pts if not math.isfinite(y)]
+            if bad:
+                where = step_ranges(sorted(set(bad)))
+                odd.append(f"{name} (steps {where})")
+                ax.plot(
+                    bad,
+                    [0.03] * len(bad),
+                    ls="none",
+                    marker="x",
+                    color="tab:red",
+                    transform=ax.get_xaxis_transform(),
+                    clip_on=False,
+                    label=f"not finite: steps {where}",
+                )
+                ax.legend(fontsize=6)
             ax.set_title(f"{name}\n({title})", fontsize=8)
             ax.set_xlabel("step", fontsize=8)
             ax.tick_params(labelsize=7)
@@ -140,11 +157,17 @@ def plot_run(run_dir: str) -> list[str]:
         fig.savefig(path, dpi=90)
         plt.close(fig)
         written.append(path)
+        if odd:
+            print(
+                f"note: {path}: not finite (NaN or infinite): {', '.join(odd)}; marked x at "
+                "the foot of the panel, no point on the line",
+                file=sys.stderr,
+            )
     summary_path = os.path.join(run_dir, "summary.json")
     if os.path.isfile(summary_path):
         with open(summary_path) as f:
             try:
-                summary = json.load(f)
+                summary = from_json(json.load(f))
             except json.JSONDecodeError as e:
                 raise ValueError(f"{summary_path}:{e.lineno}: not JSON ({e.msg})") from None
         items = summary.items() if isinstance(summary, dict) else ()
@@ -171,6 +194,57 @@ def plot_run(run_dir: str) -> list[str]:
 
 def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _plot_sweep(run_dir: str) -> list[str]:
+    """The plots of a finished sweep in `run_dir`, drawn again into its `plots/`
+    (`plot_sweep`: its grid points and members from `sweep_summary.json`, each member's
+    records and how it stopped from `members/<name>/`)."""
+    from ._sweep_report import plot_sweep
+
+    path = os.path.join(run_dir, "sweep_summary.json")
+    try:
+        with open(path) as f:
+            points = from_json(json.load(f)).get("points")
+    except FileNotFoundError:
+        raise ValueError(
+            f"{run_dir} is a sweep without its {os.path.basename(path)} (not finished: "
+            f"resume it to draw {os.path.join(run_dir, 'plots')}/); plot one member with: "
+            "rlhf_eqx plot "
+            f"{os.path.join(run_dir, 'members', '<name>')}"
+        ) from None
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise ValueError(f"{path}: not a sweep summary ({e})") from None
+    if not isinstance(points, dict):
+        raise ValueError(f"{path}: not a sweep summary (no 'points')")
+    members, summaries = [], {}
+    for point, p in points.items():
+        for name in p.get("members") or ():
+            members.append(_SweepMember(str(name), str(point)))
+            done = os.path.join(run_dir, "members", str(name), "summary.json")
+            summary = _json_or_empty(done)
+            if name in (p.get("diverged") or ()):
+                summary["stopped"] = "diverged"
+            summaries[name] = summary
+    return plot_sweep(
+        run_dir, members, summaries, lambda mem: os.path.join(run_dir, "members", mem.name)
+    )
+
+
+class _SweepMember(NamedTuple):
+    """A member of a finished sweep as its plots need it: its name and grid point."""
+
+    name: str
+    point_name: str
+
+
+def _json_or_empty(path: str) -> dict:
+    try:
+        with open(path) as f:
+            value = from_json(json.load(f))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _plot_seeds(run_dir: str) -> list[str]:

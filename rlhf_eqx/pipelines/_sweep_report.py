@@ -6,10 +6,12 @@ one standard error (matplotlib optional)."""
 import json
 import math
 import os
+import sys
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from ._metrics import from_json
 from ._sweep_grid import Member
 
 
@@ -97,7 +99,8 @@ def format_sweep_table(result: dict, columns: Sequence[str] = TABLE_METRICS) -> 
 
 
 def member_records(member_dir: str) -> list[dict]:
-    """The step records of a member's `metrics.jsonl` (no events, no evaluations)."""
+    """The step records of a member's `metrics.jsonl` (no events, no evaluations),
+    non-finite numbers read back (`from_json`)."""
     path = os.path.join(member_dir, "metrics.jsonl")
     out = []
     if not os.path.isfile(path):
@@ -105,7 +108,7 @@ def member_records(member_dir: str) -> list[dict]:
     with open(path) as f:
         for line in f:
             if line.strip():
-                rec = json.loads(line)
+                rec = from_json(json.loads(line))
                 if "event" not in rec and not rec.get("eval") and "step" in rec:
                     out.append(rec)
     return out
@@ -113,7 +116,7 @@ def member_records(member_dir: str) -> list[dict]:
 
 def plot_sweep(
     out: str,
-    members: Sequence[Member],
+    members: Sequence,
     summaries: Mapping[str, dict],
     member_dir,
     *,
@@ -125,9 +128,14 @@ def plot_sweep(
     step) is drawn through the steps that have it; after a member stopped (its KL guard)
     a point's mean and band are over the seeds still running. The legend names a point's
     diverged members (`beta=0.5 (1 of 2 diverged, left out)`), and a point whose every
-    member diverged, which has no line. `member_dir(member) ->
-    directory`. Needs matplotlib (`ImportError` otherwise). **Returns:** the files
-    written."""
+    member diverged, which has no line. A value that is NaN or infinite (a member that
+    did not stop, but whose metric is not finite at some steps) is left out of its
+    point's mean at those steps and never silently: each such step is marked `×` at the
+    foot of the plot in the point's colour, the legend names the member and the steps,
+    and one line on stderr per member names its metrics and steps. `members`: the
+    sweep's `Member`s (or anything with their `name` and `point_name`);
+    `member_dir(member) -> directory`. Needs matplotlib (`ImportError` otherwise).
+    **Returns:** the files written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -135,6 +143,8 @@ def plot_sweep(
 
     by_point: dict[str, list[dict[str, dict[int, float]]]] = {}
     counts: dict[str, list[int]] = {}  # per grid point: [members, diverged]
+    # per metric, per grid point: {member: the steps where its value is not finite}
+    nonfinite: dict[str, dict[str, dict[str, list[int]]]] = {}
     names: list[str] = []
     for mem in members:
         count = counts.setdefault(mem.point_name, [0, 0])
@@ -147,29 +157,53 @@ def plot_sweep(
             for k, v in r.items():
                 if isinstance(v, int | float) and not isinstance(v, bool):
                     if k not in ("step", "iteration"):
-                        series.setdefault(k, {})[int(r["step"])] = float(v)
                         if k not in names:
                             names.append(k)
+                        if not math.isfinite(v):
+                            point = nonfinite.setdefault(k, {}).setdefault(mem.point_name, {})
+                            point.setdefault(mem.name, []).append(int(r["step"]))
+                            continue
+                        series.setdefault(k, {})[int(r["step"])] = float(v)
         by_point.setdefault(mem.point_name, []).append(series)
     wanted = [k for k in names if metrics is None or k in metrics]
     wanted = [k for k in wanted if k not in ("nonfinite", "empty_batch", "lr_scale")]
+    _say_nonfinite(out, {k: nonfinite[k] for k in wanted if k in nonfinite})
     os.makedirs(os.path.join(out, "plots"), exist_ok=True)
     files = []
     for k in wanted:
         fig, ax = plt.subplots(figsize=(5, 3.2))
+        foot = ax.get_xaxis_transform()  # x in steps, y in axes units: the plot's foot
         for point, (n, bad) in counts.items():
             runs = [r[k] for r in by_point.get(point, []) if k in r]
             x, mean, se = _mean_band(runs) if runs else (np.zeros(0), None, None)
             label = point if not bad else f"{point} ({bad} of {n} diverged, left out)"
+            odd = nonfinite.get(k, {}).get(point, {})
+            color = None
             if not x.size:
                 if bad == n:  # every seed diverged: named in the legend, no line
                     ax.plot([], [], ls="none", marker="x", color="k", label=label)
-                continue
-            ax.plot(x, mean, label=label, lw=1.2, marker="o" if x.size < 12 else None, ms=3)
-            band = ~np.isnan(se)
-            if band.any():
-                lo, hi = mean - se, mean + se
-                ax.fill_between(x, lo, hi, where=band, alpha=0.25)
+            else:
+                (line,) = ax.plot(
+                    x, mean, label=label, lw=1.2, marker="o" if x.size < 12 else None, ms=3
+                )
+                color = line.get_color()
+                band = ~np.isnan(se)
+                if band.any():
+                    lo, hi = mean - se, mean + se
+                    ax.fill_between(x, lo, hi, where=band, alpha=0.25, color=color)
+            for name, steps in odd.items():
+                (mark,) = ax.plot(
+                    steps,
+                    [0.03] * len(steps),
+                    ls="none",
+                    marker="x",
+                    ms=6,
+                    color=color,
+                    transform=foot,
+                    label=f"{name}: not finite at steps {_ranges(steps)}, left out",
+                    clip_on=False,
+                )
+                color = mark.get_color()
         ax.set_xlabel("step")
         ax.set_ylabel(k)
         seeds = max((len(r) for r in by_point.values()), default=0)
@@ -181,6 +215,28 @@ def plot_sweep(
         plt.close(fig)
         files.append(path)
     return files
+
+
+def _ranges(steps: Sequence[int]) -> str:
+    from ._metrics import step_ranges
+
+    return step_ranges(sorted(set(steps)))
+
+
+def _say_nonfinite(out: str, nonfinite: Mapping[str, Mapping[str, Mapping[str, list]]]) -> None:
+    """One line on stderr per member with metrics that are NaN or infinite at some steps:
+    which, at which steps, and that the plots mark them."""
+    per_member: dict[str, list[str]] = {}
+    for k, points in nonfinite.items():
+        for steps_of in points.values():
+            for name, steps in steps_of.items():
+                per_member.setdefault(name, []).append(f"{k} (steps {_ranges(steps)})")
+    for name, what in per_member.items():
+        print(
+            f"note: {os.path.join(out, 'plots')}: {name}: not finite: {', '.join(what)}; "
+            "marked x at the foot of those plots and left out of its point's mean there",
+            file=sys.stderr,
+        )
 
 
 def _mean_band(runs: Sequence[Mapping[int, float]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

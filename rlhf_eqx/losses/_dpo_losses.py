@@ -218,26 +218,36 @@ class LossSpec(NamedTuple):
     # the metrics' log-probabilities are per-token averages (TRL's `CPOTrainer` /
     # `ORPOTrainer` log them so; its `DPOTrainer` logs sums for every loss type)
     per_token_metrics: bool = False
+    # the hyperparameters besides `beta` the loss reads (`label_smoothing` and the
+    # built-in keywords `bco_delta`, `discopop_tau`, `simpo_gamma`); the others it ignores
+    reads: tuple[str, ...] = ()
 
 
+_SMOOTHING = ("label_smoothing",)
 # The one list of DPO-family losses; names are TRL's `loss_type`s.
 DPO_LOSSES: dict[str, LossSpec] = {
-    "sigmoid": LossSpec(_sigmoid),
-    "robust": LossSpec(_robust),
+    "sigmoid": LossSpec(_sigmoid, reads=_SMOOTHING),
+    "robust": LossSpec(_robust, reads=_SMOOTHING),
     "hinge": LossSpec(_hinge),
     "ipo": LossSpec(_ipo, length_normalised=True),
-    "exo_pair": LossSpec(_exo_pair),
+    "exo_pair": LossSpec(_exo_pair, reads=_SMOOTHING),
     "nca_pair": LossSpec(_nca_pair),
-    "bco_pair": LossSpec(_bco_pair),
+    "bco_pair": LossSpec(_bco_pair, reads=("bco_delta",)),
     "sppo_hard": LossSpec(_sppo_hard),
     "apo_zero": LossSpec(_apo_zero),
     "apo_down": LossSpec(_apo_down),
-    "discopop": LossSpec(_discopop),
-    "sigmoid_norm": LossSpec(_sigmoid, length_normalised=True),
-    "simpo": LossSpec(_simpo, length_normalised=True, reference_free=True, per_token_metrics=True),
+    "discopop": LossSpec(_discopop, reads=("discopop_tau",)),
+    "sigmoid_norm": LossSpec(_sigmoid, length_normalised=True, reads=_SMOOTHING),
+    "simpo": LossSpec(
+        _simpo,
+        length_normalised=True,
+        reference_free=True,
+        per_token_metrics=True,
+        reads=(*_SMOOTHING, "simpo_gamma"),
+    ),
     "orpo": LossSpec(_orpo, length_normalised=True, reference_free=True, per_token_metrics=True),
-    "aot": LossSpec(_aot, batch=True),
-    "aot_pair": LossSpec(_aot_pair, batch=True),
+    "aot": LossSpec(_aot, batch=True, reads=_SMOOTHING),
+    "aot_pair": LossSpec(_aot_pair, batch=True, reads=_SMOOTHING),
 }
 
 DPO_LOSS_TYPES: tuple[str, ...] = tuple(DPO_LOSSES)

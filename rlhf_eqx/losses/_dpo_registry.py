@@ -224,9 +224,13 @@ def resolve_dpo_loss(
 ) -> LossSpec:
     """The `LossSpec` of a `loss_type` (a name or a `DPOLossFn`), with a `ValueError`
     naming `loss_type` for an unknown name or a callable that cannot take `loss_kwargs`.
-    A built-in loss takes only `bco_delta`, `discopop_tau`, `simpo_gamma` (others are a
+    A built-in loss takes only the one of `bco_delta`, `discopop_tau`, `simpo_gamma` it
+    reads (`dpo_loss_hyperparameters`; another of them, which it would ignore, is a
+    `ValueError` naming `loss_kwargs` and the loss that reads it; an unknown name a
     `TypeError`, as an unknown keyword); a custom one takes any but those, and no
-    `label_smoothing` other than 0."""
+    `label_smoothing` other than 0. (`label_smoothing` itself is not checked against a
+    built-in loss here: `make_dpo_step` refuses it for a loss without label smoothing,
+    `LossSpec.reads`.)"""
     if isinstance(loss_type, str):
         check_choice("loss_type", loss_type, dpo_loss_types())
         spec = DPO_LOSSES.get(loss_type) or _REGISTERED[loss_type]
@@ -239,11 +243,23 @@ def resolve_dpo_loss(
         )
     names = set(loss_kwargs or {})
     if spec.custom is None:
+        own = [n for n in spec.reads if n in _BUILTIN_KWARGS]
         if names - set(_BUILTIN_KWARGS):
             raise TypeError(
                 f"loss_type={loss_type!r} takes no keyword arguments "
-                f"{sorted(names - set(_BUILTIN_KWARGS))} (its own are {_BUILTIN_KWARGS}; "
-                "only a custom loss_type receives others)"
+                f"{sorted(names - set(_BUILTIN_KWARGS))} (its own: "
+                f"{', '.join(own) if own else 'none'}; only a custom loss_type receives others)"
+            )
+        unread = sorted(names - set(spec.reads))
+        if unread:
+            readers = {
+                n: ", ".join(repr(t) for t, sp in DPO_LOSSES.items() if n in sp.reads)
+                for n in unread
+            }
+            raise ValueError(
+                f"loss_kwargs={dict(loss_kwargs or {})!r}: loss_type={loss_type!r} does not "
+                f"read {', '.join(f'{n} (read by {readers[n]})' for n in unread)}; its own "
+                f"keyword arguments: {', '.join(own) if own else 'none'}"
             )
         return spec
     if names & set(LENGTH_ARGUMENTS):

@@ -63,8 +63,15 @@ class DPOConfig(BatchStageConfig, DPOSettings):
 
     def check(self, name: str, *, device_count: int = 1) -> None:
         """DPO's own rules: a cached (or no) reference, rounds >= 1, two samples or more per
-        prompt, no packing with a loss that sorts over a batch's pairs."""
+        prompt, no packing or micro-batches with a loss that sorts over a batch's pairs,
+        and label smoothing only for a loss that smooths its labels."""
         del device_count
+        try:
+            rx.train.dpo_loss_fn(self)
+        except ValueError as e:
+            if str(e).startswith("label_smoothing="):
+                _fail(f"{name}.label_smoothing", self.label_smoothing, str(e).split(": ", 1)[1])
+            raise
         if self.reference == "model":
             _fail(
                 f"{name}.reference",
@@ -80,6 +87,12 @@ class DPOConfig(BatchStageConfig, DPOSettings):
                 "batches"
             )
             _fail(f"{name}.packing", self.packing, why)
+        if self.options.micro_batches != 1 and self.loss_type in DPO_BATCH_LOSS_TYPES:
+            why = (
+                f"loss_type={self.loss_type!r} sorts over a whole batch's pairs and needs "
+                "micro_batches=1"
+            )
+            _fail(f"{name}.options.micro_batches", self.options.micro_batches, why)
 
 
 _ONLINE_UNPACKED = (

@@ -9,6 +9,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 from ..data import PackedPreferenceBatch, PreferenceBatch
 from ..losses import (
     DPO_BATCH_LOSS_TYPES,
+    DPO_LOSS_TYPES,
     dpo_batch_loss,
     dpo_implicit_rewards,
     registered_dpo_loss,
@@ -43,6 +44,7 @@ def dpo_loss_fn(settings: DPOSettings | None = None, **shortcuts: Any) -> LossFn
     reference, rpo_alpha = s.reference, s.rpo_alpha
     extra = dict(s.loss_kwargs or {})
     spec = resolve_dpo_loss(loss_type, loss_kwargs=extra, label_smoothing=label_smoothing)
+    _check_smoothing_read(spec, loss_type, label_smoothing)
     uses_reference = reference != "none" and not spec.reference_free
     sg = jax.lax.stop_gradient
     f32 = jnp.float32
@@ -138,6 +140,21 @@ def dpo_loss_fn(settings: DPOSettings | None = None, **shortcuts: Any) -> LossFn
     return loss_fn
 
 
+def _check_smoothing_read(spec, loss_type: object, label_smoothing: object) -> None:
+    """Refuse a `label_smoothing` other than 0 for a built-in loss that does not read it
+    (`hinge`, `ipo`, ...: TRL's `DPOTrainer` ignores it there); a traced value is not
+    checked. A custom loss's is refused by `resolve_dpo_loss`."""
+    if spec.custom is not None or "label_smoothing" in spec.reads:
+        return
+    if not isinstance(label_smoothing, int | float) or label_smoothing == 0.0:
+        return
+    smoothed = [t for t in DPO_LOSS_TYPES if "label_smoothing" in resolve_dpo_loss(t).reads]
+    raise ValueError(
+        f"label_smoothing={label_smoothing!r}: loss_type={loss_type!r} does not smooth its "
+        f"labels (the losses that do: {', '.join(smoothed)}); leave it at 0"
+    )
+
+
 def _metric_logps(spec, out, c, r, rc, rr):
     r"""The log-probabilities the metrics are taken of, as TRL logs them.
 
@@ -183,6 +200,9 @@ def make_dpo_step(optimizer, settings: DPOSettings, options: StepOptions) -> Ste
     - `settings`: a `DPOSettings` with the fields below (TRL's defaults).
     - `beta`, `loss_type`, `label_smoothing`: see `rlhf_eqx.losses.dpo_loss`. `beta`
       and `label_smoothing` may be JAX arrays (e.g. traced, to `jax.vmap` a run over β).
+      A `label_smoothing` other than 0 with a loss that does not smooth its labels
+      (any but `sigmoid`, `robust`, `exo_pair`, `sigmoid_norm`, `simpo`, `aot`,
+      `aot_pair`) raises `ValueError`: it would have no effect.
       `loss_type` may also be a user's per-pair loss, or its name once registered with
       `rlhf_eqx.losses.register_dpo_loss` (see there): a callable
       `fn(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, *, beta,

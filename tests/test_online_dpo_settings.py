@@ -1,0 +1,82 @@
+"""The DPO settings of the `dpo` and `online-dpo` stages and of `make_dpo_step` either act
+on the loss or are refused in one line naming the field: label smoothing for a loss that
+smooths its labels, a built-in loss's hyperparameter for the loss that reads it, and a
+loss that sorts over the batch on whole batches only."""
+
+import re
+
+import jax.numpy as jnp
+import optax
+import pytest
+
+import rlhf_eqx as rx
+from rlhf_eqx import pipelines as pl
+
+# TRL's `DPOTrainer` applies `label_smoothing` to these losses only (the others ignore it)
+SMOOTHED = {"sigmoid", "robust", "exo_pair", "sigmoid_norm", "simpo", "aot", "aot_pair"}
+READS = {"bco_pair": "bco_delta", "discopop": "discopop_tau", "simpo": "simpo_gamma"}
+
+
+def _refused(overrides: list[str], field: str) -> str:
+    with pytest.raises(pl.ConfigError, match=rf"^{re.escape(field)}=") as e:
+        pl.config.validate_config(pl.apply_overrides(pl.PipelineConfig(), overrides))
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def _accepted(overrides: list[str]) -> None:
+    pl.config.validate_config(pl.apply_overrides(pl.PipelineConfig(), overrides))
+
+
+@pytest.mark.parametrize("loss_type", sorted(set(rx.losses.DPO_LOSS_TYPES) - SMOOTHED))
+def test_label_smoothing_of_a_loss_without_it_is_refused(loss_type):
+    with pytest.raises(ValueError, match=r"^label_smoothing=0\.1: loss_type=") as e:
+        rx.train.make_dpo_step(optax.sgd(0.1), loss_type=loss_type, label_smoothing=0.1)
+    assert "sigmoid" in str(e.value)  # names the losses that read it
+    msg = _refused([f"dpo.loss_type={loss_type}", "dpo.label_smoothing=0.1"], "dpo.label_smoothing")
+    assert loss_type in msg
+
+
+@pytest.mark.parametrize("loss_type", sorted(SMOOTHED))
+def test_label_smoothing_of_a_smoothing_loss_is_accepted(loss_type):
+    rx.train.make_dpo_step(optax.sgd(0.1), loss_type=loss_type, label_smoothing=0.1)
+    _accepted([f"dpo.loss_type={loss_type}", "dpo.label_smoothing=0.1"])
+
+
+def test_label_smoothing_changes_the_loss_it_is_accepted_for():
+    c, r, rc, rr = (jnp.array([x]) for x in (-3.0, -5.0, -4.0, -4.5))
+    plain = rx.losses.dpo_batch_loss(c, r, rc, rr, label_smoothing=0.0)
+    smoothed = rx.losses.dpo_batch_loss(c, r, rc, rr, label_smoothing=0.1)
+    assert float(jnp.abs(plain - smoothed)[0]) > 1e-3
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "bco_pair", "discopop"])
+def test_a_builtin_hyperparameter_of_another_loss_is_refused(loss_type):
+    other = "simpo_gamma"
+    with pytest.raises(ValueError, match=rf"^loss_kwargs=.*{other}") as e:
+        rx.train.DPOSettings(loss_type=loss_type, loss_kwargs={other: 1.0})
+    assert "simpo" in str(e.value).split(other, 1)[1]  # whose hyperparameter it is
+    _refused(
+        [f"dpo.loss_type={loss_type}", f'dpo.loss_kwargs={{"{other}": 1.0}}'], "dpo.loss_kwargs"
+    )
+
+
+@pytest.mark.parametrize("loss_type, name", sorted(READS.items()))
+def test_a_builtin_hyperparameter_is_accepted_by_its_loss_and_changes_it(loss_type, name):
+    s = rx.train.DPOSettings(loss_type=loss_type, loss_kwargs={name: 0.3})
+    _accepted([f"dpo.loss_type={loss_type}", f'dpo.loss_kwargs={{"{name}": 0.3}}'])
+    c, r, rc, rr, n = (jnp.array([x]) for x in (-3.0, -5.0, -4.0, -4.5, 3.0))
+    kw = dict(loss_type=loss_type, chosen_len=n, rejected_len=n)
+    assert float(rx.losses.dpo_batch_loss(c, r, rc, rr, **kw, **s.loss_kwargs)[0]) != float(
+        rx.losses.dpo_batch_loss(c, r, rc, rr, **kw)[0]
+    )
+
+
+@pytest.mark.parametrize("loss_type", ["aot", "aot_pair"])
+def test_a_batch_sorting_loss_with_micro_batches_is_refused_naming_the_field(loss_type):
+    msg = _refused(
+        [f"dpo.loss_type={loss_type}", "dpo.options.micro_batches=2", "dpo.batch_size=4"],
+        "dpo.options.micro_batches",
+    )
+    assert loss_type in msg
+    _accepted([f"dpo.loss_type={loss_type}", "dpo.batch_size=4"])

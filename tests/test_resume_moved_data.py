@@ -140,3 +140,36 @@ def test_a_moved_data_file_without_a_recorded_fingerprint_is_still_a_change(tmp_
     os.rename(old, new)
     with pytest.raises(pl.loop.RunDirError, match="data.path: .*pairs.jsonl' -> .*renamed"):
         _run(run_dir, 4, resume=True, data=new)
+
+
+def test_a_run_over_seeds_reads_back_its_finished_seeds_after_the_data_moved(tmp_path, capsys):
+    calls = []
+
+    def one_seed(c, **kw):
+        """A finished run of one seed on `c.data.path`: its configuration, the data's
+        fingerprint, a step record and its summary."""
+        calls.append(c.ops.seed)
+        with pl.tools.open_run_dir(c, c.out, **kw) as rd:
+            pl.tools.check_data(c.out, c.data.path, resume=rd.resume)
+            pl.tools.MetricsLog(c.out, "dpo", quiet=True).write({"step": 0, "loss": 0.5})
+            with open(os.path.join(c.out, "summary.json"), "w") as f:
+                json.dump({"stopped": "done", "dpo": {"loss": 0.5}}, f)
+        return {"stopped": "done", "dpo": {"loss": 0.5}}
+
+    def config(data):
+        cfg = pl.PipelineConfig(stages=("dpo",), out=str(tmp_path / "seeds"))
+        return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(data)))
+
+    old = _pairs(tmp_path / "pairs.jsonl")
+    pl.tools.run_seeds(config(old), 2, run=one_seed)
+    new = tmp_path / "renamed.jsonl"
+    os.rename(old, new)
+    capsys.readouterr()
+    pl.tools.run_seeds(config(new), 2, resume=True, run=one_seed)
+    assert calls == [0, 1]  # both seeds read back, not run again
+    moved = [x for x in capsys.readouterr().err.splitlines() if "the data file moved" in x]
+    assert len(moved) == 2 and all(str(new) in x for x in moved)
+
+    (tmp_path / "other.jsonl").write_text(new.read_text().replace("ran", "hid"))
+    with pytest.raises(pl.loop.RunDirError, match="other.jsonl"):
+        pl.tools.run_seeds(config(tmp_path / "other.jsonl"), 2, resume=True, run=one_seed)

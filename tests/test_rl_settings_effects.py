@@ -89,3 +89,38 @@ def test_an_overlong_buffer_past_the_completion_budget_is_refused_by_name(tmp_pa
         pl.runs.run_grpo(
             _eos_policy(), data.ByteTokenizer(), _PROMPTS, reward=fns, cfg=grpo, ctx=ctx
         )
+
+
+def _grpo(tmp_path, name, reward, **changes):
+    cfg = pl.PipelineConfig().grpo
+    optim = dataclasses.replace(cfg.optim, warmup_ratio=0.0, learning_rate=5e-2)
+    cfg = dataclasses.replace(
+        cfg, rollouts=2, prompts_per_rollout=2, group_size=2, optim=optim, **changes
+    )
+    log = pl.tools.MetricsLog(str(tmp_path), name, quiet=True)
+    ops = pl.OpsConfig(monitor=False, quiet=True)
+    ctx = pl.RunContext(ops=ops, log=log, key=jax.random.key(0), prompt_length=16, max_new_tokens=6)
+    pl.runs.run_grpo(_eos_policy(), data.ByteTokenizer(), _PROMPTS, reward=reward, cfg=cfg, ctx=ctx)
+    return [r for r in pl.tools.read_records(str(tmp_path)) if r.get("stage") == name]
+
+
+def test_equal_rewards_with_a_kl_term_say_the_kl_term_moves_the_policy(tmp_path):
+    """A rollout whose groups all tie has zero advantages, but with `grpo.beta > 0` the
+    KL term still has a gradient once the policy has left the reference: the
+    `no_signal` event says so rather than calling the update zero."""
+    calls = []
+
+    def first_then_tied(prompt, text):  # varied rewards in the first rollout only
+        calls.append(text)
+        return float(len(calls) % 2) if len(calls) <= 4 else 1.0  # 1, 0 in each group
+
+    fns = [pl.runs.RewardFunction("tied", first_then_tied)]
+    recs = _grpo(tmp_path, "tied", fns, beta=0.5, kl_target=10.0)
+    steps = [r for r in recs if "step" in r and "grad_norm" in r]
+    assert steps[0]["frac_reward_zero_std"] < 1.0 and steps[1]["frac_reward_zero_std"] == 1.0
+    assert steps[1]["grad_norm"] > 0  # the KL term's gradient: the update is not zero
+    (note,) = [r for r in recs if r.get("event") == "no_signal"]
+    assert note["message"] == (
+        "rollout 1: every group has equal rewards; the advantages are zero and only the "
+        "KL term (grpo.beta=0.5) moves the policy"
+    )

@@ -572,7 +572,12 @@ def run_grpo(
         if info["frac_reward_zero_std"] == 1.0:
             ctx.log.event(
                 "no_signal",
-                f"rollout {r}: every group has equal rewards; the update is zero",
+                f"rollout {r}: every group has equal rewards; the advantages are zero"
+                + (
+                    f" and only the KL term (grpo.beta={cfg.beta}) moves the policy"
+                    if cfg.beta
+                    else " and so is the update"
+                ),
                 iteration=r,
             )
         own = roll.completion_mask & roll.mask

@@ -80,3 +80,27 @@ def test_a_batch_sorting_loss_with_micro_batches_is_refused_naming_the_field(los
     )
     assert loss_type in msg
     _accepted([f"dpo.loss_type={loss_type}", "dpo.batch_size=4"])
+
+
+# --- the judge that labels online DPO's pairs (`run_online_dpo(label=...)`) ---------------
+
+
+@pytest.fixture(scope="module")
+def builtin():
+    return pl.tools.load_model("builtin")
+
+
+def test_a_judge_template_without_the_completion_is_refused(builtin):
+    """A template that never shows the judge the completion scores every completion of a
+    prompt alike (online DPO would get no pair): refused as the `judge.template` setting
+    is, in one line naming `template`."""
+    policy, tok = builtin
+    for t in ("Q: {prompt} Good?", "Q: {prompt} {{completion}} Good?"):
+        with pytest.raises(ValueError, match=r"^template=.*\{completion\}") as e:
+            rx.train.judge_reward(policy, tok, template=t, yes_token="y", no_token="n")
+        assert "\n" not in str(e.value)
+    judge = rx.train.judge_reward(
+        policy, tok, template="Q: {prompt} A: {completion!s} Good?", yes_token="y", no_token="n"
+    )
+    scores = judge.score(["Once", "Once"], [" upon a time", " there was a cat"])
+    assert scores[0] != scores[1]  # the completion reaches the judge

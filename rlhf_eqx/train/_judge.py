@@ -22,6 +22,7 @@ are kept apart:
 
 import dataclasses
 import math
+import string
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -244,7 +245,8 @@ def judge_reward(
       the tokenizer asks for it (`data.wants_bos`: not SmolLM2's, whose BOS id is
       `<|im_start|>`, which its chat template writes).
     - `template`: a format string with `{prompt}` and `{completion}` fields (literal
-      braces doubled), or a function `(prompt, completion) -> str`. It should end where
+      braces doubled; one without `{completion}` is refused), or a function
+      `(prompt, completion) -> str`. It should end where
       the verdict comes, e.g. `"...Is the answer correct? Answer:"`.
     - `yes_token`, `no_token`: the verdict tokens, as strings that encode to one token
       each (e.g. `" Yes"`, `" No"`), or ids; two different tokens.
@@ -277,6 +279,12 @@ def judge_reward(
                 f"template must be a format string with only {{prompt}} and {{completion}} "
                 f"fields (double literal braces): {e!r}"
             ) from None
+        fields = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
+        if "completion" not in fields:
+            raise ValueError(
+                f"template={template!r}: must contain {{completion}} (what the judge reads; "
+                "without it every completion of a prompt gets the same score)"
+            )
     chat_template = None
     if chat:
         if getattr(tokenizer, "chat_template", None) is None:

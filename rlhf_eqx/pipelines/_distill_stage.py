@@ -40,14 +40,17 @@ class DistillConfig(BatchStageConfig):
     """Generalized knowledge distillation (GKD, Agarwal et al. 2024; TRL `GKDTrainer`
     defaults): the student (SFT on the built-in task, `model.source` on a data file)
     moves toward `teacher`'s token distributions by the generalized JSD with
-    interpolation `beta` (0: forward KL, 1: reverse KL) at `temperature`; a fraction
+    interpolation `beta` (0: forward KL, 1: reverse KL), computed at temperature 1 as
+    TRL computes it (`temperature`, TRL's `GKDConfig.temperature`, is the temperature
+    the sampled completions are drawn at); a fraction
     `lmbda` of the steps trains on the student's own samples (on-policy), the rest on
     fixed completions (the data file's chosen responses, or `samples` samples per prompt
     of the teacher on the built-in task) or, with `seq_kd` (TRL's `GKDConfig.seq_kd`,
     sequence-level KD, Kim & Rush 2016), on the teacher's samples for the rows' prompts,
     drawn afresh each step with the run's sampling settings at `temperature`. `teacher`:
-    a stage of the same run (`grpo`, `dpo`, `ppo`, `online-dpo`, `kto`) or a Hugging Face
-    checkpoint directory; it must share the student's vocabulary (a directory's or a GGUF
+    a stage of the same run that trains a policy (`grpo`, `dpo`, `ppo`, `online-dpo`,
+    `kto`, ...: `teacher_stages()`), a short model name, a Hugging Face checkpoint or run
+    directory or a `.gguf` file; it must share the student's vocabulary (a directory's or a GGUF
     file's `vocab_size` is checked against the student's before anything is loaded) and
     may differ in size.
     `beta` and `lmbda` in [0, 1], `temperature` > 0."""

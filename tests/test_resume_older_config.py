@@ -83,3 +83,18 @@ def test_a_resume_names_the_settings_no_longer_used_once(tmp_path):
     assert "ppo.old_knob, ppo.old_scale, old_stage: no longer used" in named[0]
     with open(path) as f:
         assert "old_stage" not in json.load(f)  # the resumed run's configuration
+
+
+def test_eval_of_a_run_written_by_an_older_version_takes_its_sampling_settings(tmp_path):
+    """`rlhf_eqx eval --model RUN` reads the run's evaluation settings from its
+    `config.json`; one the library no longer has is not read (not an error)."""
+    import argparse
+
+    run = tmp_path / "run"
+    run.mkdir()
+    stored = _dict(pl.apply_overrides(pl.animal_task_config(), ["sampling.temperature=0.7"]))
+    stored["sampling"]["old_knob"] = 3
+    (run / "config.json").write_text(json.dumps(stored))
+    args = argparse.Namespace(command="eval", model=str(run), config=None, overrides=[])
+    cfg = pl.config.command_line_config(args)
+    assert cfg.sampling.temperature == 0.7

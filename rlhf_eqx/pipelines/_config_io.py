@@ -480,7 +480,9 @@ def model_run_dir(source: str) -> str:
 def run_eval_settings(cfg: PipelineConfig, run_dir: str) -> PipelineConfig:
     """`cfg` with the `EVAL_SETTINGS` of the run in `run_dir` (its `config.json`, when
     `run_dir` is a run directory: one with `stages` and `model`); `cfg` itself otherwise.
-    A run's `config.json` that does not load is a `ConfigError` naming it."""
+    Settings the run's version had and this one no longer has are not read
+    (`unused_fields`); a run's `config.json` that does not load is a `ConfigError`
+    naming it."""
     path = os.path.join(run_dir, "config.json")
     try:
         with open(path) as f:
@@ -489,6 +491,9 @@ def run_eval_settings(cfg: PipelineConfig, run_dir: str) -> PipelineConfig:
         return cfg
     if not isinstance(saved, dict) or not {"stages", "model"} <= set(saved):
         return cfg
+    from ._resume_rules import without_unused
+
+    saved = without_unused(saved)  # a run of an older version: settings it no longer has
     d = config_to_dict(cfg)
     for name in EVAL_SETTINGS:  # just these: the run's other sections are not read
         *sections, key = name.split(".")

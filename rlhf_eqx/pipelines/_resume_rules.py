@@ -196,6 +196,22 @@ def unused_fields(old: dict) -> list[str]:
     return list(out)
 
 
+def without_unused(d: dict) -> dict:
+    """The config dict `d` (a stored `config.json`) without the settings this version no
+    longer has (`unused_fields`): what `config_from_dict` reads."""
+    unused = unused_fields(d)
+    if not unused:
+        return d
+    out = json.loads(json.dumps(d))
+    for dotted in unused:
+        *path, last = dotted.split(".")
+        node = out
+        for part in path:
+            node = node[part]
+        del node[last]
+    return out
+
+
 def _under(field: str, names) -> bool:
     return any(field == n or field.startswith(n + ".") for n in names)
 
@@ -381,7 +397,7 @@ def _stored_config(run_dir: str):
 
     try:
         with open(os.path.join(run_dir, "config.json")) as f:
-            return config_from_dict(PipelineConfig, json.load(f))
+            return config_from_dict(PipelineConfig, without_unused(json.load(f)))
     except (OSError, ValueError, ConfigError):
         return None
 

@@ -155,6 +155,16 @@ class GRPOConfig(RolloutStageConfig, GRPOSettings):
       overlong_buffer` tokens loses up to 1 reward linearly (0: off; at most
       `sampling.max_new_tokens`).
 
+    TRL `GRPOConfig` names: `num_generations` is `group_size`, `epsilon` /
+    `epsilon_high` `clip_eps` / `clip_eps_high`, `scale_rewards` `scale`, `loss_type`
+    `mode` (`grpo`: `seq-mean-token-mean`, `bnpo` / `dapo`: `token-mean`, `dr_grpo`:
+    `seq-mean-token-sum-norm`), `num_iterations` `epochs`, `importance_sampling_level`
+    `importance`; `delta`, `beta`, `mask_truncated_completions` and `reward_weights` keep
+    their names; `max_grad_norm` is `optim.max_grad_norm`, `max_prompt_length` and
+    `max_completion_length` `sampling.prompt_length` and `sampling.max_new_tokens`,
+    `temperature`, `top_p`, `top_k`, `min_p` and `repetition_penalty` the `sampling`
+    section's (the rollouts' filters; the log-probabilities are the tempered policy's).
+
     KL: `kl_target` (the KL guard) compares `rollout/kl`, the per-token k1 estimate
     (log pi_old - log pi_ref, averaged over the completion tokens) of the rollout's
     sampling policy, measured before the update; the steps' `kl` is the k3 estimate of

@@ -79,7 +79,11 @@ class PPOConfig(RolloutStageConfig, PPOSettings):
     the rollout's completion tokens before GAE, their mean kept, as TRL; the advantages
     are whitened after GAE either way) and `missing_eos_penalty` (`None`: off; a
     number >= 0 subtracted from the score of every completion cut at
-    `sampling.max_new_tokens` without a stop id or stop string)."""
+    `sampling.max_new_tokens` without a stop id or stop string). Other TRL names:
+    `num_ppo_epochs` is `epochs`, `num_mini_batches` `minibatches`, `cliprange` /
+    `cliprange_value` `clip_eps` / `vf_clip_eps`, `response_length`
+    `sampling.max_new_tokens`; `kl_coef`, `vf_coef`, `gamma` and `lam` keep their names
+    (`rlhf_eqx.train.PPOSettings` says where its defaults differ from TRL's)."""
 
     temperature: float = dataclasses.field(
         default=SamplingConfig.temperature, metadata=_SET_BY_SAMPLING

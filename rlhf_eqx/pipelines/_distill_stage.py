@@ -66,7 +66,8 @@ class DistillConfig(BatchStageConfig):
 
     def check(self, name: str, *, device_count: int = 1) -> None:
         """Distillation's own rules: β and λ in [0, 1], a temperature > 0 (and its default
-        with `lmbda=0` and no `seq_kd`, which sample nothing at it), samples >= 1, and a
+        with `lmbda=0` and no `seq_kd`, which sample nothing at it), samples >= 1 (and
+        their default with `lmbda=1` or `seq_kd`, which never train on them), and a
         teacher that is a teacher stage, a short model name (`MODEL_NAMES`, as `--model`
         takes), a checkpoint or run directory or a `.gguf` file."""
         from ._pipeline import MODEL_NAMES, closest_name
@@ -84,6 +85,14 @@ class DistillConfig(BatchStageConfig):
                 "(the loss is at temperature 1)",
             )
         _positive(f"{name}.samples", self.samples)
+        if not self.trains_fixed_completions and self.samples != DistillConfig.samples:
+            why = "lmbda=1" if self.lmbda == 1 else "seq_kd"
+            _fail(
+                f"{name}.samples",
+                self.samples,
+                f"with {name}.{why} no step trains on the fixed teacher samples (every step "
+                "samples its completions afresh), so nothing reads it",
+            )
         t = self.teacher
         gguf = is_gguf_file(t) and os.path.isfile(t)
         named = t in teacher_stages() or t in MODEL_NAMES
@@ -95,6 +104,12 @@ class DistillConfig(BatchStageConfig):
                 f"({', '.join(MODEL_NAMES)}), a checkpoint directory or a .gguf file"
                 f"{closest_name(t, (*teacher_stages(), *MODEL_NAMES))}",
             )
+
+    @property
+    def trains_fixed_completions(self) -> bool:
+        """Whether some steps train on the fixed completions (neither on-policy, `lmbda <
+        1`, nor the teacher's fresh samples, no `seq_kd`)."""
+        return self.lmbda < 1 and not self.seq_kd
 
     @property
     def samples_completions(self) -> bool:

@@ -463,8 +463,8 @@ def resume_notes(run_dir: str, old: dict, new: dict, changes) -> list[str]:
     if unused:
         notes.append(
             f"{os.path.join(run_dir, 'config.json')}: {', '.join(unused)}: no longer used "
-            "(settings this version of the library does not have); the run goes on without "
-            "them"
+            "(settings neither this version of the library nor a stage registered now has); "
+            "the run goes on without them"
         )
     return notes
 

@@ -25,6 +25,11 @@ Adapters whose layers differ in rank or scale (PEFT's `rank_pattern` / `alpha_pa
 and rank-stabilised LoRA's `alpha / √r`, Kalajdzievski 2023, arXiv:2312.03732), as
 `load_lora_adapter` reads them, are `LayerwiseLoRAAdapter`s: the same stacked arrays,
 zero-padded to the largest rank, with a frozen per-layer `scale`.
+
+DoRA (Liu et al. 2024, arXiv:2402.09353; PEFT's `use_dora`) splits each adapted weight
+into a trainable magnitude and a direction: `LoRAConfig(use_dora=True)` attaches
+`DoRAAdapter`s (see there), which PEFT's adapter files read and write
+(`lora_magnitude_vector`).
 """
 
 import dataclasses
@@ -42,7 +47,7 @@ from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 from ._build import model_config, where_layers
 from ._config import TransformerConfig
 from ._decoder_layer import LORA_TARGETS, DecoderLayer
-from ._layers import AbstractQuantizedWeight, LoRAAdapter
+from ._layers import AbstractQuantizedWeight, LoRAAdapter, matmul
 
 
 class LayerwiseLoRAAdapter(eqx.Module):
@@ -76,9 +81,94 @@ class LayerwiseLoRAAdapter(eqx.Module):
         return unscaled * jax.lax.stop_gradient(self.scale).astype(x.dtype)
 
 
+def _dense_columns(weight, lo: int, hi: int) -> Float[Array, "*L i o"]:
+    """Output columns `[lo, hi)` of a base weight as float32 (a quantised one dequantised)."""
+    if isinstance(weight, AbstractQuantizedWeight):
+        return weight.dequantize(jnp.float32)[..., lo:hi]
+    return weight[..., lo:hi].astype(jnp.float32)
+
+
+def _dora_norm(dense, a, b, scale) -> Float[Array, "*L o"]:
+    """`‖W + s·A B‖` over the input axis for each output column (float32), per layer:
+    PEFT's `get_weight_norm` (its rows `[out, in]` are these columns `[in, out]`).
+
+    Kept apart from the surrounding computation (`optimization_barrier`), so that XLA
+    compiles it alike wherever it is called: the magnitudes `apply_lora` computes equal
+    the norm of the forward pass bit for bit, and a fresh adapter (`B = 0`) adds exactly
+    zero."""
+    dense, a, b, scale = jax.lax.optimization_barrier((dense, a, b, scale))
+    delta = jnp.einsum("...ir,...ro->...io", a.astype(jnp.float32), b.astype(jnp.float32))
+    s = jnp.asarray(scale, jnp.float32)[..., None, None]
+    return jax.lax.optimization_barrier(jnp.sqrt(jnp.sum(jnp.square(dense + s * delta), axis=-2)))
+
+
+class DoRAAdapter(eqx.Module):
+    """A stack of DoRA adapters (Liu et al. 2024, "DoRA: Weight-Decomposed Low-Rank
+    Adaptation", arXiv:2402.09353), as Hugging Face PEFT computes them (`use_dora`).
+
+    The adapted projection `W [in, o]` (output columns `columns` of the base weight)
+    becomes `W' = m / ‖W + s·A B‖ ⊙ (W + s·A B)`, the norm taken over the input axis for
+    each output column and `m [o]` a trainable magnitude, initialised to `‖W‖` so that a
+    fresh adapter (`B = 0`) leaves the model's outputs as they were. As PEFT does (and the
+    paper's section 4.3 advises), the norm is a constant of the backward pass
+    (`stop_gradient`): gradients reach `m`, `A` and `B` through `g = m / ‖W + s·A B‖` and
+    the low-rank product only. The layer's output becomes that of `W'`:
+
+    `y = x W + Δ(x)`, `Δ(x) = (g - 1) ⊙ (x̃ W) + g ⊙ (x̃ A B · s)`
+
+    with `x̃ = dropout(x)` (PEFT's form: with dropout active the base product is taken
+    again on the dropped input), the bias, if any, left unscaled. `s` is `alpha / r`
+    (`alpha / √r` with rsLoRA).
+
+    Fields: `a [L, in, r]`, `b [L, r, o]` and `magnitude [L, o]` (float32, trained);
+    `scale [L]` (frozen; 0 marks a layer without an adapter, which then adds nothing);
+    `weight`: the decoder's base weight this projection reads (the very array, or
+    quantised weight, of the layer stack; not a copy), frozen: `lora_filter` leaves it
+    out. It is dequantised per layer for the norm (an int8, NF4 or GGUF base works as
+    PEFT's DoRA on a quantised base does) and multiplied again for `x̃ W`, which costs
+    one more product of the adapted columns per call. `ranks`, `columns` (the output
+    columns `[lo, hi)` of `weight`), `dropout`, `rslora` are static.
+    """
+
+    a: Float[Array, "*L i r"]
+    b: Float[Array, "*L r o"]
+    magnitude: Float[Array, "*L o"]
+    scale: Float[Array, "*L"]
+    weight: PyTree
+    ranks: tuple[int, ...] = eqx.field(static=True)
+    columns: tuple[int, int] = eqx.field(static=True)
+    dropout: float = eqx.field(static=True)
+    rslora: bool = eqx.field(static=True, default=False)
+
+    def __call__(
+        self, x: Float[Array, "*N i"], key: PRNGKeyArray | None = None
+    ) -> Float[Array, "*N o"]:
+        if key is not None and self.dropout > 0.0:
+            keep = jax.random.bernoulli(key, 1.0 - self.dropout, x.shape)
+            x = jnp.where(keep, x / (1.0 - self.dropout), jnp.zeros_like(x))
+        lo, hi = self.columns
+        scale = jax.lax.stop_gradient(self.scale).astype(jnp.float32)
+        weight = jax.lax.stop_gradient(self.weight)
+        norm = jax.lax.stop_gradient(
+            _dora_norm(_dense_columns(weight, lo, hi), self.a, self.b, scale)
+        )
+        g = self.magnitude.astype(jnp.float32) / norm
+        if isinstance(weight, AbstractQuantizedWeight):
+            base = matmul(x, weight)[..., lo:hi]  # the frozen product keeps the packed weight
+        else:  # recomputed in the backward pass: no copy of the columns is kept
+            product = lambda x, w: matmul(x, w[..., lo:hi].astype(x.dtype))
+            base = jax.checkpoint(product)(x, weight)
+        low_rank = matmul(matmul(x, self.a.astype(x.dtype)), self.b.astype(x.dtype))
+        low_rank = low_rank * scale.astype(x.dtype)
+        g = g.reshape((1,) * (base.ndim - 1) + g.shape).astype(x.dtype)
+        delta = (g - 1) * base + g * low_rank
+        return jnp.where(scale != 0, delta, jnp.zeros_like(delta))
+
+
 def layer_ranks_and_scales(adapter: PyTree, n_layers: int) -> tuple[list[int], list[float]]:
-    """Each layer's rank and scale of a stacked `LoRAAdapter` or `LayerwiseLoRAAdapter`."""
-    if isinstance(adapter, LayerwiseLoRAAdapter):
+    """Each layer's rank and scale of a stacked `LoRAAdapter`, `LayerwiseLoRAAdapter` or
+    `DoRAAdapter`."""
+    if isinstance(adapter, (LayerwiseLoRAAdapter, DoRAAdapter)):
         scales = np.asarray(adapter.scale, np.float32).reshape(-1)
         return list(adapter.ranks), [float(s) for s in scales]
     return [int(adapter.a.shape[-1])] * n_layers, [adapter.scale] * n_layers
@@ -104,6 +194,10 @@ class LoRAConfig:
       2023: the update's size no longer shrinks as the rank grows). The adapters are
       then `LayerwiseLoRAAdapter`s, which `save_lora_adapter` writes with PEFT's
       `use_rslora`.
+    - `use_dora`: weight-decomposed adapters (DoRA, Liu et al. 2024; PEFT's
+      `use_dora`): each adapted projection also trains a magnitude per output feature,
+      initialised to the base weight's column norm (`DoRAAdapter`). The base may be
+      dense or quantised.
     """
 
     rank: int | numbers.Integral = 16
@@ -111,8 +205,11 @@ class LoRAConfig:
     dropout: float | numbers.Real = 0.05
     targets: Collection[str] = ("q", "v")
     use_rslora: bool = False
+    use_dora: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.use_dora, bool):
+            raise ValueError(f"LoRAConfig.use_dora must be True or False, got {self.use_dora!r}")
         targets = self.targets
         if targets is None:
             raise ValueError(f"LoRAConfig.targets is None; choose from {list(LORA_TARGETS)}")
@@ -214,7 +311,11 @@ def apply_lora(model: PyTree, config: LoRAConfig, *, key: PRNGKeyArray) -> PyTre
 
     **Returns:** the same model with `layers.lora = {target: LoRAAdapter}`, `a [L, in,
     r]` uniform on `±1/√in` and `b [L, r, out]` zero (float32), so its outputs are
-    unchanged. The base arrays are shared with the input model, not copied.
+    unchanged. The base arrays are shared with the input model, not copied. With
+    `config.use_dora` the adapters are `DoRAAdapter`s whose magnitudes are the base
+    weight's column norms (dequantised for an int8 / NF4 / GGUF base), so the outputs are
+    unchanged too. Quantise the base (if at all) before attaching DoRA adapters: each
+    holds the base weight it was built on.
     """
     where = where_layers(model)
     if where(model).lora is not None:
@@ -224,7 +325,24 @@ def apply_lora(model: PyTree, config: LoRAConfig, *, key: PRNGKeyArray) -> PyTre
     arrays = _init_adapters(
         key, cfg.n_layers, tuple(shapes[t] for t in config.targets), config.rank
     )
-    if config.use_rslora:
+    if config.use_dora:
+        layers = where(model)
+        adapters = {}
+        for name, (a, b) in zip(config.targets, arrays):
+            weight, columns = base_columns(layers, name, cfg)
+            scale = jnp.full((cfg.n_layers,), config.scale, jnp.float32)
+            adapters[name] = DoRAAdapter(
+                a=a,
+                b=b,
+                magnitude=dora_magnitude(weight, columns, a, b, scale),
+                scale=scale,
+                weight=weight,
+                ranks=(config.rank,) * cfg.n_layers,
+                columns=columns,
+                dropout=config.dropout,
+                rslora=config.use_rslora,
+            )
+    elif config.use_rslora:
         make = lambda a, b: LayerwiseLoRAAdapter(
             a=a,
             b=b,
@@ -241,7 +359,8 @@ def apply_lora(model: PyTree, config: LoRAConfig, *, key: PRNGKeyArray) -> PyTre
 
 
 def lora_filter(model: PyTree, *, head: bool | None = None) -> PyTree:
-    """Filter spec for `eqx.partition`: `True` on the adapter arrays and, on a
+    """Filter spec for `eqx.partition`: `True` on the adapter arrays (DoRA's magnitudes
+    included, its copy-free reference to the base weight not) and, on a
     `RewardModel` or `ValueModel`, on its scalar read-out (`head`, `bias`).
 
     A reward or value model trained with LoRA trains its scalar head beside the
@@ -274,8 +393,10 @@ def lora_filter(model: PyTree, *, head: bool | None = None) -> PyTree:
     adapters = {}
     for name, adapter in lora.items():
         adapters[name] = jax.tree_util.tree_map(eqx.is_array, adapter)
-        if isinstance(adapter, LayerwiseLoRAAdapter):  # the per-layer scale is frozen
+        if isinstance(adapter, (LayerwiseLoRAAdapter, DoRAAdapter)):  # frozen per-layer scale
             adapters[name] = eqx.tree_at(lambda ad: ad.scale, adapters[name], False)
+        if isinstance(adapter, DoRAAdapter):  # the base weight it reads is the frozen base's
+            adapters[name] = eqx.tree_at(lambda ad: ad.weight, adapters[name], False)
     spec = eqx.tree_at(lambda m: where(m).lora, spec, adapters)
     if scalar and head is not False:
         spec = eqx.tree_at(lambda m: (m.head, m.bias), spec, (True, True))
@@ -316,6 +437,38 @@ def _column_range(name: str, cfg: TransformerConfig) -> tuple[int, int]:
     }.get(name, (0, -1))
 
 
+def base_columns(layers: DecoderLayer, name: str, cfg: TransformerConfig) -> tuple[PyTree, tuple]:
+    """`(weight, (lo, hi))`: the stacked base weight of projection `name` (the fused
+    `wqkv` / `w_gate_up` for q, k, v / gate, up) and the output columns that are it."""
+    field = _COLUMNS[name]
+    weight = getattr(layers, field)
+    lo, hi = _column_range(name, cfg)
+    return weight, (lo, weight.shape[-1] if hi < 0 else hi)
+
+
+def dora_magnitude(weight, columns: tuple[int, int], a, b, scale) -> Float[Array, "L o"]:
+    """`‖W + s·A B‖` of each layer's output columns (float32, `[L, o]`): DoRA's initial
+    magnitude (`B = 0`: the base weight's column norms), one layer at a time."""
+    lo, hi = columns
+    return jax.lax.map(
+        lambda args: _dora_norm(_dense_columns(args[0], lo, hi), *args[1:]),
+        (weight, a, b, jnp.asarray(scale, jnp.float32)),
+    )
+
+
+@functools.partial(jax.jit, static_argnums=(5, 6))
+def _fold_dora(w, a, b, magnitude, scale, lo: int, hi: int):
+    """`w[..., lo:hi] = m / ‖W + s·A B‖ · (W + s·A B)` per layer where `scale ≠ 0`
+    (PEFT's DoRA merge), in float32, cast back to `w.dtype`."""
+    dense = w[..., lo:hi].astype(jnp.float32)
+    delta = jnp.einsum("lir,lro->lio", a.astype(jnp.float32), b.astype(jnp.float32))
+    updated = dense + jnp.asarray(scale, jnp.float32)[:, None, None] * delta
+    norm = jnp.sqrt(jnp.sum(jnp.square(updated), axis=-2))
+    g = magnitude.astype(jnp.float32) / norm
+    folded = jnp.where((scale != 0)[:, None, None], g[:, None, :] * updated, dense)
+    return w.at[..., lo:hi].set(folded.astype(w.dtype))
+
+
 @functools.partial(jax.jit, static_argnums=(4, 5))
 def _add_low_rank(w, a, b, scale, lo: int, hi: int):
     """`w[..., lo:hi] += a @ b · scale` per layer (`scale` one value or `[L]`), in
@@ -328,7 +481,9 @@ def _add_low_rank(w, a, b, scale, lo: int, hi: int):
 
 def merge_lora(model: PyTree) -> PyTree:
     """Fold the adapters into the base weights: `W[:, cols] += A @ B · (alpha / rank)`
-    (per layer `A[l] @ B[l] · scale[l]` for a `LayerwiseLoRAAdapter`).
+    (per layer `A[l] @ B[l] · scale[l]` for a `LayerwiseLoRAAdapter`; for a `DoRAAdapter`
+    `W[:, cols] = m / ‖W + s·A B‖ · (W + s·A B)`, the norm over the input axis of each
+    column, as PEFT merges DoRA).
 
     q/k/v update their column ranges of the fused `wqkv`, gate/up those of
     `w_gate_up`. The sum is computed in float32 and cast back to the base dtype.
@@ -352,7 +507,12 @@ def merge_lora(model: PyTree) -> PyTree:
             )
         lo, hi = _column_range(name, cfg)
         hi = w.shape[-1] if hi < 0 else hi
-        new[field] = _add_low_rank(w, adapter.a, adapter.b, adapter.scale, lo, hi)
+        if isinstance(adapter, DoRAAdapter):
+            new[field] = _fold_dora(
+                w, adapter.a, adapter.b, adapter.magnitude, adapter.scale, lo, hi
+            )
+        else:
+            new[field] = _add_low_rank(w, adapter.a, adapter.b, adapter.scale, lo, hi)
     fields = sorted(new)
     model = eqx.tree_at(
         lambda m: [getattr(where(m), f) for f in fields], model, [new[f] for f in fields]
@@ -366,11 +526,12 @@ def count_params(model: PyTree, filter_spec: PyTree | None = None) -> int:
     `count_params(model, lora_filter(model))` counts the trainable adapter parameters.
     Int8 weights count their int8 entries and their scales. A `LayerwiseLoRAAdapter`
     counts each layer's own rank, `ranks[l] · (in + out)`, not the zero padding up to the
-    largest rank (the figure PEFT's `print_trainable_parameters` gives).
+    largest rank (the figure PEFT's `print_trainable_parameters` gives); a `DoRAAdapter`
+    adds its magnitudes (`out` per adapted layer) and not the base weight it reads.
     """
     if filter_spec is not None:
         model = eqx.filter(model, filter_spec)
-    is_layerwise = lambda x: isinstance(x, LayerwiseLoRAAdapter)
+    is_layerwise = lambda x: isinstance(x, (LayerwiseLoRAAdapter, DoRAAdapter))
     total = 0
     for leaf in jax.tree_util.tree_leaves(model, is_leaf=is_layerwise):
         if is_layerwise(leaf):
@@ -380,9 +541,14 @@ def count_params(model: PyTree, filter_spec: PyTree | None = None) -> int:
     return int(total)
 
 
-def _layerwise_size(adapter: LayerwiseLoRAAdapter) -> int:
-    """Elements of `adapter` without the zero padding beyond each layer's rank."""
+def _layerwise_size(adapter: "LayerwiseLoRAAdapter | DoRAAdapter") -> int:
+    """Elements of `adapter` without the zero padding beyond each layer's rank (nor, for a
+    `DoRAAdapter`, the base weight it reads, counted with the base; its magnitudes count
+    for the adapted layers)."""
     total = sum(x.size for x in (adapter.scale,) if eqx.is_array(x))
+    if isinstance(adapter, DoRAAdapter) and eqx.is_array(adapter.magnitude):
+        width = adapter.magnitude.shape[-1]
+        total += width * sum(1 for r in adapter.ranks if r > 0)
     rank_sum, r = sum(adapter.ranks), max(adapter.ranks, default=0)
     for x in (adapter.a, adapter.b):
         if eqx.is_array(x) and r > 0:

@@ -38,6 +38,13 @@ projection get rank 0 (a `LayerwiseLoRAAdapter` holding zeros there). Saving wri
 `target_modules` regex. A tensor of a module the config does not adapt is refused
 (PEFT would drop it).
 
+**DoRA.** With `use_dora` (PEFT's switch, one for the whole adapter) each adapted
+module also has `...{proj}.lora_magnitude_vector` `[out]` (float32 here): the magnitude
+`m` of `DoRAAdapter`, one value per output feature (PEFT's DoRA on a `Linear` stores
+`‖W + s·B A‖` over the input dimension of `W [out, in]`, the same numbers). Saving a
+model whose adapters are all `DoRAAdapter`s writes `use_dora: true` and those tensors;
+a mix of DoRA and plain adapters cannot be one PEFT config and is refused.
+
 **Reward and value models.** A `RewardModel` or `ValueModel` is saved as PEFT saves a
 sequence classifier's adapter (`task_type` `SEQ_CLS`, `modules_to_save` `["classifier",
 "score"]`): its head as `base_model.model.score.weight` `[1, D]` beside the adapters, so
@@ -64,7 +71,14 @@ from ._build import check_finite, model_config, where_layers
 from ._heads import RewardModel, ValueModel
 from ._hf import _load_file, _read_json, _write_atomically
 from ._layers import LoRAAdapter
-from ._lora import LayerwiseLoRAAdapter, layer_ranks_and_scales, lora_shapes
+from ._lora import (
+    DoRAAdapter,
+    LayerwiseLoRAAdapter,
+    base_columns,
+    dora_magnitude,
+    layer_ranks_and_scales,
+    lora_shapes,
+)
 
 _MODULES = {
     "q": "self_attn.q_proj",
@@ -79,7 +93,8 @@ _PREFIX = "base_model.model.model.layers."
 _SCORE = "base_model.model.score.weight"  # a sequence classifier's head, `[1, D]`
 _SCORE_MODULES = ["classifier", "score"]  # PEFT's `modules_to_save` for `SEQ_CLS`
 _NAME = re.compile(
-    r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight"
+    r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\."
+    r"(?:lora_([AB])\.weight|lora_(magnitude_vector))"
 )
 _CONFIG, _WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 _PICKLED = "adapter_model.bin"  # PEFT before 0.6 and `safe_serialization=False`
@@ -111,7 +126,7 @@ def _patterns(lora: dict, n_layers: int) -> tuple[int, float, bool, dict, dict]:
     per: dict[str, dict[int, tuple[int, float]]] = {}
     for name, ad in lora.items():
         ranks, scales = layer_ranks_and_scales(ad, n_layers)
-        exact = not isinstance(ad, LayerwiseLoRAAdapter)
+        exact = isinstance(ad, LoRAAdapter)  # a float64 scale; the others are float32
         per[name] = {
             i: (r, _alpha(sc, r, rslora, exact))
             for i, (r, sc) in enumerate(zip(ranks, scales))
@@ -164,7 +179,8 @@ def save_lora_adapter(
       sequence classifier's (see the module docstring; a nonzero `bias` is a
       `ValueError`). Adapters that differ in rank or scale, by projection or by
       layer, are written with PEFT's `rank_pattern` / `alpha_pattern`, and those loaded
-      with `use_rslora` with it again (see the module docstring).
+      with `use_rslora` with it again (see the module docstring). `DoRAAdapter`s are
+      written with `use_dora` and their magnitudes (`lora_magnitude_vector`).
     - `directory`: created if needed; `adapter_config.json` and
       `adapter_model.safetensors` are written there (float32), through a fresh directory
       swapped into place as `save_hf` does (a full disk raises one `OSError` line naming
@@ -190,6 +206,13 @@ def save_lora_adapter(
     rank, alpha, rslora, rank_pattern, alpha_pattern = _patterns(lora, n_layers)
     target_modules, layers_to_transform = _selection(lora, n_layers)
     dropout = next(iter(lora.values())).dropout
+    dora = {name for name, ad in lora.items() if isinstance(ad, DoRAAdapter)}
+    if dora and len(dora) != len(lora):
+        raise ValueError(
+            f"save_lora_adapter: the adapters of {sorted(dora)} are DoRA and those of "
+            f"{sorted(set(lora) - dora)} are not; PEFT's `use_dora` holds for the whole "
+            "adapter: attach them all with or all without use_dora"
+        )
     tensors = {}
     for name, ad in lora.items():
         a, b = np.asarray(ad.a, np.float32), np.asarray(ad.b, np.float32)
@@ -201,6 +224,9 @@ def save_lora_adapter(
                 continue
             tensors[f"{stem}.lora_A.weight"] = np.ascontiguousarray(a[i][:, :r].T)
             tensors[f"{stem}.lora_B.weight"] = np.ascontiguousarray(b[i][:r].T)
+            if name in dora:
+                magnitude = np.asarray(ad.magnitude[i], np.float32)
+                tensors[f"{stem}.lora_magnitude_vector"] = magnitude
     if scorer:
         tensors[_SCORE] = np.asarray(model.head, np.float32)[None]
     for name, arr in tensors.items():  # what load_lora_adapter would refuse to read back
@@ -220,7 +246,7 @@ def save_lora_adapter(
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": rslora,
-        "use_dora": False,
+        "use_dora": bool(dora),
         "inference_mode": True,
         "init_lora_weights": True,
         "modules_to_save": _SCORE_MODULES if scorer else None,
@@ -250,8 +276,10 @@ def _check(config: dict[str, Any], path: str) -> None:
         raise ValueError(
             f"{path}: `peft_type` = {config.get('peft_type')!r} is not supported: only LORA"
         )
+    if not isinstance(config.get("use_dora", False), bool):
+        value = config["use_dora"]
+        raise ValueError(f"{path}: `use_dora` must be true or false, got {value!r}")
     for field, inactive in (
-        ("use_dora", False),
         ("fan_in_fan_out", False),
         ("layer_replication", None),
         ("alora_invocation_tokens", None),
@@ -398,8 +426,10 @@ def load_lora_adapter(model: PyTree, directory: str | os.PathLike) -> PyTree:
     modules have none) the adapter is a plain LoRA and loads, a saved bias is refused.
     Raises `FileNotFoundError` naming a missing file, and `ValueError` naming the file
     (and field or tensor) for unreadable JSON or safetensors, unsupported PEFT options
-    (DoRA, `lora_bias`, `modules_to_save`, ...), unknown modules, mis-shaped tensors and
-    tensors holding NaN or ±inf."""
+    (`lora_bias`, `modules_to_save`, ...), unknown modules, mis-shaped tensors and
+    tensors holding NaN or ±inf. With `use_dora` the adapters are `DoRAAdapter`s holding
+    the `lora_magnitude_vector` tensors (on a dense or quantised base: quantise it
+    before loading the adapter)."""
     directory = os.fspath(directory)
     where = where_layers(model)
     if where(model).lora is not None:
@@ -422,6 +452,7 @@ def load_lora_adapter(model: PyTree, directory: str | os.PathLike) -> PyTree:
         raise ValueError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
     _check(config, config_path)
     rslora = bool(config.get("use_rslora", False))
+    dora = bool(config.get("use_dora", False))
     dropout = config.get("lora_dropout")
     dropout = 0.0 if dropout is None else dropout
     if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
@@ -459,7 +490,12 @@ def load_lora_adapter(model: PyTree, directory: str | os.PathLike) -> PyTree:
             )
         if arr.dtype.kind not in "fV":  # ml_dtypes bfloat16 has kind 'V'
             raise ValueError(f"{weights_path}: tensor {name!r} has non-float dtype {arr.dtype}")
-        found.setdefault(by_module[m.group(3)], {})[(int(m.group(1)), m.group(4))] = arr
+        if m.group(5) and not dora:
+            raise ValueError(
+                f"{weights_path}: tensor {name!r} is a DoRA magnitude but `use_dora` is "
+                f"{config.get('use_dora')!r} in {_CONFIG}"
+            )
+        found.setdefault(by_module[m.group(3)], {})[(int(m.group(1)), m.group(4) or "M")] = arr
     if not found:
         raise ValueError(
             f"{weights_path}: no LoRA tensor (`target_modules` = "
@@ -478,8 +514,9 @@ def load_lora_adapter(model: PyTree, directory: str | os.PathLike) -> PyTree:
         ]
         for i, part in parts:
             if not adapted[i]:
+                suffix = "lora_magnitude_vector" if part == "M" else f"lora_{part}.weight"
                 raise ValueError(
-                    f"{weights_path}: tensor {_PREFIX}{i}.{_MODULES[target]}.lora_{part}.weight "
+                    f"{weights_path}: tensor {_PREFIX}{i}.{_MODULES[target]}.{suffix} "
                     "belongs to a module that `target_modules` / `layers_to_transform` / "
                     f"`exclude_modules` do not adapt{_string_target_hint(config)}"
                 )
@@ -521,7 +558,19 @@ def load_lora_adapter(model: PyTree, directory: str | os.PathLike) -> PyTree:
         scales = [
             al / (math.sqrt(r) if rslora else r) if r else 0.0 for r, al in zip(ranks, alphas)
         ]
-        if rslora or len(set(zip(ranks, scales))) > 1:
+        if dora:
+            adapters[target] = _dora_adapter(
+                where(model),
+                target,
+                cfg,
+                parts,
+                (a, b),
+                ranks,
+                scales,
+                (dropout, rslora),
+                weights_path,
+            )
+        elif rslora or len(set(zip(ranks, scales))) > 1:
             adapters[target] = LayerwiseLoRAAdapter(
                 a=jnp.asarray(a),
                 b=jnp.asarray(b),
@@ -534,6 +583,48 @@ def load_lora_adapter(model: PyTree, directory: str | os.PathLike) -> PyTree:
             make = lambda a, b: LoRAAdapter(a=a, b=b, scale=scales[0], dropout=dropout)
             adapters[target] = jax.vmap(make)(jnp.asarray(a), jnp.asarray(b))
     return eqx.tree_at(lambda m: where(m).lora, model, adapters, is_leaf=lambda x: x is None)
+
+
+def _dora_adapter(layers, target, cfg, parts, ab, ranks, scales, flags, path) -> DoRAAdapter:
+    """The `DoRAAdapter` of projection `target` from its loaded `a`, `b` and the
+    `lora_magnitude_vector` tensors `[out]` of its adapted layers (`parts[(i, "M")]`);
+    a layer without an adapter gets its base column norms (it adds nothing)."""
+    a, b = ab
+    dropout, rslora = flags
+    weight, columns = base_columns(layers, target, cfg)
+    scale = jnp.asarray(scales, jnp.float32)
+    magnitude = np.array(dora_magnitude(weight, columns, jnp.asarray(a), jnp.asarray(b), scale))
+    fan_out = columns[1] - columns[0]
+    for i, r in enumerate(ranks):
+        if r == 0:
+            continue
+        name = f"{_PREFIX}{i}.{_MODULES[target]}.lora_magnitude_vector"
+        if (i, "M") not in parts:
+            raise ValueError(f"{path}: tensor {name!r} is missing (`use_dora` is true)")
+        got = parts[(i, "M")]
+        if got.shape != (fan_out,):
+            raise ValueError(
+                f"{path}: tensor {name!r} has shape {got.shape}, expected ({fan_out},) (one "
+                f"magnitude per output feature of the base model's {target} projection)"
+            )
+        magnitude[i] = np.asarray(got, np.float32)
+    stray = sorted(i for i, part in parts if part == "M" and ranks[i] == 0)
+    if stray:
+        raise ValueError(
+            f"{path}: tensor {_PREFIX}{stray[0]}.{_MODULES[target]}.lora_magnitude_vector "
+            "belongs to a module without lora_A / lora_B"
+        )
+    return DoRAAdapter(
+        a=jnp.asarray(a),
+        b=jnp.asarray(b),
+        magnitude=jnp.asarray(magnitude),
+        scale=scale,
+        weight=weight,
+        ranks=tuple(ranks),
+        columns=columns,
+        dropout=dropout,
+        rslora=rslora,
+    )
 
 
 def _string_target_hint(config: dict[str, Any]) -> str:

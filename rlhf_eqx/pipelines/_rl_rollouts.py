@@ -71,7 +71,8 @@ def _compare(roll: Rollout, reference):
     sampling temperature (`roll.temperature`, that of `roll.logprobs` and of the policy's
     log-probs in the steps; TRL's GRPO and PPO temper the reference's logits too, so that
     the policy as it starts is at KL 0) and `info`: the per-token KL of the samples to
-    the reference (`kl`, the KL guard's measure) and the fraction of completions cut at
+    the reference (`kl`, the k1 estimate: GRPO's KL guard measure; PPO replaces it with
+    its `kl_estimator`'s, `ppo_rollout_batch`) and the fraction of completions cut at
     `max_new_tokens` (`truncated`)."""
     m = roll.completion_mask & roll.mask
     ref_logp = token_logps(reference, roll.tokens, roll.mask, roll.temperature)

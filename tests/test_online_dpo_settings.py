@@ -104,3 +104,19 @@ def test_a_judge_template_without_the_completion_is_refused(builtin):
     )
     scores = judge.score(["Once", "Once"], [" upon a time", " there was a cat"])
     assert scores[0] != scores[1]  # the completion reaches the judge
+
+
+@pytest.mark.parametrize("value", ["sigmoid,sft", "[sigmoid, bco_pair]", "sigmoid bco_pair"])
+def test_a_list_of_loss_types_is_refused_pointing_at_the_weighted_sum(value):
+    """TRL's `loss_type=[...]` with `loss_weights` (MPO) is one custom loss here: the
+    refusal says so (and that TRL's `"sft"` term is `rpo_alpha`), in one line."""
+    with pytest.raises(ValueError, match=r"^loss_type=.*one loss_type") as e:
+        rx.train.DPOSettings(loss_type=value)
+    assert "loss_weights" in str(e.value) and "\n" not in str(e.value)
+    assert ("rpo_alpha" in str(e.value)) == ("sft" in value)
+    msg = _refused([f"dpo.loss_type={value}"], "dpo.loss_type")
+    assert "register_dpo_loss" in msg
+
+
+def test_an_unknown_keyword_of_a_builtin_loss_is_refused_naming_loss_kwargs():
+    _refused(['dpo.loss_kwargs={"margin": 1.0}'], "dpo.loss_kwargs")

@@ -3,6 +3,7 @@ turns a `loss_type` (a built-in name, a registered name or a callable) into the
 `LossSpec` that `dpo_loss` / `dpo_batch_loss` and `make_dpo_step` use."""
 
 import inspect
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -183,6 +184,20 @@ def registered_dpo_loss(loss_type: object) -> object:
     return None if spec is None else spec.custom
 
 
+def _check_name(loss_type: str) -> None:
+    """A `loss_type` name is one of `dpo_loss_types()`; a list of them (TRL's
+    `loss_type=[...]` with `loss_weights`) is refused with what stands for it here."""
+    names = [n for n in re.split(r"[\s,\[\]()'\"]+", loss_type) if n]
+    if len(names) > 1 and loss_type not in dpo_loss_types():
+        sft = "; TRL's 'sft' term is rpo_alpha" if "sft" in names else ""
+        raise ValueError(
+            f"{names} is a list: one loss_type per run (a weighted sum of losses, TRL's "
+            "loss_type list with loss_weights, is one custom loss_type: register it with "
+            f"rlhf_eqx.losses.register_dpo_loss{sft})"
+        )
+    check_choice("loss_type", loss_type, dpo_loss_types())
+
+
 def dpo_loss_types() -> tuple[str, ...]:
     """Every valid `loss_type` name now: `DPO_LOSS_TYPES`, then the registered ones."""
     return DPO_LOSS_TYPES + tuple(_REGISTERED)
@@ -194,7 +209,7 @@ def dpo_loss_hyperparameters(loss_type: object) -> tuple[str, ...]:
     after its four log-probabilities, but `beta` and the `LENGTH_ARGUMENTS` (which the
     step passes itself). A `ValueError` names an unknown `loss_type`."""
     if isinstance(loss_type, str):
-        check_choice("loss_type", loss_type, dpo_loss_types())
+        _check_name(loss_type)
         custom = None if loss_type in DPO_LOSSES else _REGISTERED[loss_type].custom
     elif callable(loss_type):
         custom = loss_type
@@ -232,7 +247,7 @@ def resolve_dpo_loss(
     built-in loss here: `make_dpo_step` refuses it for a loss without label smoothing,
     `LossSpec.reads`.)"""
     if isinstance(loss_type, str):
-        check_choice("loss_type", loss_type, dpo_loss_types())
+        _check_name(loss_type)
         spec = DPO_LOSSES.get(loss_type) or _REGISTERED[loss_type]
     elif callable(loss_type):
         spec = LossSpec(None, custom=loss_type, name=callable_name(loss_type))
@@ -246,8 +261,8 @@ def resolve_dpo_loss(
         own = [n for n in spec.reads if n in _BUILTIN_KWARGS]
         if names - set(_BUILTIN_KWARGS):
             raise TypeError(
-                f"loss_type={loss_type!r} takes no keyword arguments "
-                f"{sorted(names - set(_BUILTIN_KWARGS))} (its own: "
+                f"loss_kwargs={dict(loss_kwargs or {})!r}: loss_type={loss_type!r} takes no "
+                f"keyword arguments {sorted(names - set(_BUILTIN_KWARGS))} (its own: "
                 f"{', '.join(own) if own else 'none'}; only a custom loss_type receives others)"
             )
         unread = sorted(names - set(spec.reads))

@@ -286,3 +286,30 @@ def test_kv_cache_decode_equals_the_forward_pass():
     for t in range(3, seq.shape[0]):
         logits, cache = step(model, seq[t], cache, jnp.int32(t))
         np.testing.assert_allclose(logits, full[t], rtol=1e-5, atol=1e-5)
+
+
+def test_a_packed_gguf_base_takes_dora_adapters():
+    """The norm reads the dequantised weight (as PEFT's DoRA on a quantised base does):
+    a GGUF-block base (llama.cpp's Q8_0 / Q4_0) works like a dense one."""
+    cfg = rx.TransformerConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=2, d_ff=64,
+                               max_seq_len=16)  # fmt: skip
+    dense = rx.Policy(cfg, key=jax.random.key(0))
+    layers = dense.transformer.layers
+    packed = eqx.tree_at(
+        lambda p: (p.transformer.layers.wqkv, p.transformer.layers.w_down),
+        dense,
+        (
+            rx.models.quantize_gguf(layers.wqkv, "Q8_0"),
+            rx.models.quantize_gguf(layers.w_down, "Q4_0"),
+        ),
+    )
+    config = rx.LoRAConfig(rank=2, targets=("q", "down"), dropout=0.0, use_dora=True)
+    tokens = jnp.arange(8, dtype=jnp.int32)[None]
+    mask = jnp.ones(tokens.shape, bool)
+    fresh = rx.apply_lora(packed, config, key=jax.random.key(1))
+    np.testing.assert_allclose(fresh(tokens, mask), packed(tokens, mask), rtol=1e-6, atol=1e-6)
+    model = _trained(fresh)
+    # folded into the dequantised base (merge_lora refuses a packed one), the same outputs
+    merged = rx.merge_lora(rx.models.dequantize(model, dtype="float32"))
+    np.testing.assert_allclose(model(tokens, mask), merged(tokens, mask), rtol=1e-4, atol=1e-5)
+    assert not np.allclose(model(tokens, mask), packed(tokens, mask), atol=1e-3)

@@ -219,9 +219,13 @@ def make_dpo_step(optimizer, settings: DPOSettings, options: StepOptions) -> Ste
       `compute_reference_logps`; `"none"` — reference-free (TRL `reference_free`).
       `"simpo"` and `"orpo"` never use a reference.
     - `rpo_alpha`: weight of the chosen NLL term (`None`: no term).
-    - `loss_kwargs`: further keyword arguments of `dpo_batch_loss` (`bco_delta`,
-      `discopop_tau`, `simpo_gamma`), or of a custom `loss_type` (its hyperparameters,
-      which may be traced too).
+    - `loss_kwargs`: further keyword arguments of `dpo_batch_loss` (`bco_delta` of
+      `"bco_pair"`, `discopop_tau` of `"discopop"`, `simpo_gamma` of `"simpo"`; another
+      loss's is refused), or of a custom `loss_type` (its hyperparameters, which may be
+      traced too). `bco_delta` is a fixed $\delta$ (default 0) here and in the `dpo`
+      stages, where TRL's `DPOTrainer` updates it each step to the running mean of the
+      implicit rewards (`RunningMoments`; `rlhf_eqx.losses.RunningMean` keeps such a
+      mean): `"bco_pair"` with the default is TRL's at $\delta = 0$.
     - `optimizer`, `options` (a `StepOptions`) and `**shortcuts` (`beta=0.2`,
       `micro_batches=2`): see `step_builder`.
 

@@ -1,6 +1,7 @@
 """YaRN rotary scaling (Peng et al. 2023, arXiv:2309.00071) as transformers computes it
 (`_compute_yarn_parameters`), read from `config.json` and GGUF metadata."""
 
+import dataclasses
 import json
 import math
 
@@ -127,6 +128,11 @@ def test_missing_fields_take_transformers_defaults():
     assert rs.truncate is False  # a null `truncate` is falsy in transformers
     assert rs.attention_scale == pytest.approx(0.1 * math.log(4.0) + 1.0)
     assert rx.models.config_from_hf(rx.models.config_to_hf(cfg)) == cfg
+    # transformers 5's `rope_parameters` hold the same fields beside `rope_theta`
+    params = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "beta_fast": 0}
+    new = rx.models.config_from_hf(_qwen2_config({"rope_parameters": params}))
+    assert new.rope_theta == 1e6
+    assert new.rope_scaling == dataclasses.replace(rs, truncate=True)
 
 
 def test_bad_yarn_fields_are_refused_naming_the_field():
@@ -196,3 +202,41 @@ def test_gguf_metadata_round_trip(tmp_path):
     )
     with pytest.raises(ValueError, match="rope_scaling"):
         rx.models.write_gguf(policy, tmp_path / "n.gguf", dtype="f32")
+
+
+def _llama_gguf_with(tmp_path, add):
+    """A Llama GGUF file whose metadata `add(writer)` completes with yarn keys, written
+    with llama.cpp's own key names (`gguf.Keys.Rope`)."""
+    gguf = pytest.importorskip("gguf", reason="GGUF files need the gguf package")
+    cfg = rx.TransformerConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, d_ff=32)
+    path = tmp_path / "m.gguf"
+    keys = gguf.Keys.Rope
+
+    def metadata(writer):
+        writer.add_string(keys.SCALING_TYPE.format(arch="llama"), "yarn")
+        writer.add_float32(keys.SCALING_FACTOR.format(arch="llama"), 4.0)
+        writer.add_uint32(keys.SCALING_ORIG_CTX_LEN.format(arch="llama"), 512)
+        add(writer, keys)
+
+    rx.models.write_gguf(rx.Policy(cfg, key=jax.random.key(0)), path, dtype="f32",
+                         metadata=metadata)  # fmt: skip
+    return path
+
+
+def test_llama_cpp_yarn_keys_read_as_transformers_fields(tmp_path):
+    def betas(writer, keys):
+        writer.add_float32(keys.SCALING_YARN_BETA_FAST.format(arch="llama"), 16.0)
+
+    cfg = rx.models.load_gguf_policy(_llama_gguf_with(tmp_path, betas)).cfg
+    assert cfg.rope_scaling == rx.RopeScaling(
+        "yarn", 4.0, original_max_position=512, beta_fast=16.0, beta_slow=1.0
+    )
+
+
+def test_llama_cpp_yarn_attention_keys_are_refused_naming_the_key(tmp_path):
+    def log_multiplier(writer, keys):
+        writer.add_float32(keys.SCALING_YARN_LOG_MUL.format(arch="llama"), 0.1)
+
+    path = _llama_gguf_with(tmp_path, log_multiplier)
+    with pytest.raises(ValueError, match=r"`llama\.rope\.scaling\.yarn_log_multiplier` = 0\.1"):
+        rx.models.load_gguf_policy(path)

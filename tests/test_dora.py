@@ -313,3 +313,21 @@ def test_a_packed_gguf_base_takes_dora_adapters():
     merged = rx.merge_lora(rx.models.dequantize(model, dtype="float32"))
     np.testing.assert_allclose(model(tokens, mask), merged(tokens, mask), rtol=1e-4, atol=1e-5)
     assert not np.allclose(model(tokens, mask), packed(tokens, mask), atol=1e-3)
+
+
+def test_a_small_magnitude_change_shows_in_bfloat16():
+    """`g - 1` is taken in float32: a magnitude 0.3% above the norm rescales a bfloat16
+    projection by 0.3% (in bfloat16 `g` itself would round to 1)."""
+    import dataclasses
+
+    policy = rx.Policy(dataclasses.replace(CFG, dtype="bfloat16"), key=jax.random.key(0))
+    config = rx.LoRAConfig(rank=4, alpha=8.0, dropout=0.0, targets=("o",), use_dora=True)
+    model = rx.apply_lora(policy, config, key=jax.random.key(1))
+    stack = model.transformer.layers.lora["o"]
+    layer = jax.tree_util.tree_map(lambda t: t[0], stack)
+    layer = eqx.tree_at(lambda ad: ad.magnitude, layer, layer.magnitude * 1.003)
+    x = jax.random.normal(jax.random.key(2), (4, CFG.q_size)).astype(jnp.bfloat16)
+    base = np.asarray(x, np.float32) @ np.asarray(layer.weight, np.float32)
+    delta = np.asarray(layer(x), np.float32)
+    np.testing.assert_allclose(delta, 0.003 * base, rtol=0.05, atol=2e-3 * np.abs(base).max())
+    assert np.abs(delta).max() > 1e-3 * np.abs(base).max()

@@ -120,3 +120,76 @@ def test_a_list_of_loss_types_is_refused_pointing_at_the_weighted_sum(value):
 
 def test_an_unknown_keyword_of_a_builtin_loss_is_refused_naming_loss_kwargs():
     _refused(['dpo.loss_kwargs={"margin": 1.0}'], "dpo.loss_kwargs")
+
+
+# --- `dpo.reference`: what the runs compute -------------------------------------------------
+
+_PAIRS = [
+    ("Once upon a time", " a dog ran far away.", " the."),
+    ("The cat", " sat on a big mat.", " mat mat"),
+    ("Tom had", " a red ball.", " a"),
+    ("The sun", " was warm and bright.", " sun sun sun"),
+]
+
+
+def _seen_references(tmp_path, builtin, **settings) -> tuple[list[bool], list[dict]]:
+    """Whether each step's batch carried reference log-probabilities, and its metrics."""
+    from rlhf_eqx import data
+
+    policy, tok = builtin
+    seen = []
+
+    def make_step(optimizer, cfg, *, options):
+        step = rx.train.make_dpo_step(optimizer, cfg, options=options)
+
+        def recorded(params, opt_state, batch, **kw):
+            seen.append(batch.ref_chosen_logp is not None)
+            return step(params, opt_state, batch, **kw)
+
+        return recorded
+
+    ctx = pl.RunContext(
+        ops=pl.OpsConfig(quiet=True, monitor=False),
+        log=pl.tools.MetricsLog(str(tmp_path / str(settings)), "dpo", quiet=True),
+        key=__import__("jax").random.key(0),
+        prompt_length=8,
+    )
+    cfg = pl.DPOConfig(steps=2, batch_size=2, max_length=24, **settings)
+    pairs = [data.PreferenceRecord(*p) for p in _PAIRS]
+    res = pl.runs.run_dpo(policy, tok, pairs, cfg=cfg, ctx=ctx, make_step=make_step)
+    return seen, res.loop.history
+
+
+@pytest.mark.parametrize(
+    "settings, scored",
+    [
+        ({}, True),
+        ({"reference": "none"}, False),
+        ({"loss_type": "simpo"}, False),
+        ({"loss_type": "orpo"}, False),
+        ({"loss_type": "ipo"}, True),
+    ],
+)
+def test_the_reference_is_computed_only_for_a_step_that_reads_it(
+    tmp_path, builtin, settings, scored
+):
+    seen, history = _seen_references(tmp_path, builtin, **settings)
+    assert seen == [scored, scored]
+    assert all(jnp.isfinite(h["loss"]) for h in history)
+
+
+def test_a_reference_free_run_of_the_dpo_step_skips_the_reference(tmp_path, builtin):
+    """`reference="none"` (TRL `reference_free`): the rewards are β·log π of the policy."""
+    from rlhf_eqx import data
+
+    policy, tok = builtin
+    ctx = pl.RunContext(
+        ops=pl.OpsConfig(quiet=True, monitor=False),
+        log=pl.tools.MetricsLog(str(tmp_path), "dpo", quiet=True),
+        key=__import__("jax").random.key(0),
+        prompt_length=8,
+    )
+    cfg = pl.DPOConfig(steps=1, batch_size=2, max_length=24, reference="none", beta=0.5)
+    pairs = [data.PreferenceRecord(*p) for p in _PAIRS]
+    h = pl.runs.run_dpo(policy, tok, pairs, cfg=cfg, ctx=ctx).loop.history[0]
+    assert h["rewards/chosen"] == pytest.approx(0.5 * h["logps/chosen"], rel=1e-5)

@@ -16,7 +16,7 @@ import numpy as np
 import rlhf_eqx as rx
 from rlhf_eqx import data
 
-from ..losses import DPO_BATCH_LOSS_TYPES
+from ..losses import DPO_BATCH_LOSS_TYPES, DPO_REFERENCE_FREE_LOSS_TYPES
 from ..train import DPOSettings
 from ._config import BatchStageConfig, LoRASettings, _optim
 from ._data_prep import implicit_accuracy, preference_split, trained_policy
@@ -121,7 +121,8 @@ def run_dpo(
     make_step: Callable | None = None,
 ) -> RunResult:
     """Offline DPO (Rafailov et al. 2023) on fixed pairs: reference log-probs computed
-    once (the reference is the model without its adapters), `cfg.steps` steps. With
+    once (the reference is the model without its adapters; none when the steps read
+    none, `reads_reference`), `cfg.steps` steps. With
     `cfg.packing`, on token-budget batches (`packed_steps`).
 
     `make_step(optimizer, cfg, *, options)`: the update (default
@@ -133,25 +134,42 @@ def run_dpo(
     make_step = make_step or rx.train.make_dpo_step
     state, reference, step = train_setup(model, cfg, cfg.steps, k_lora, make_step)
     run = dict(steps=cfg.steps, ctx=ctx, ctx_key=ctx_key, policy_of=lambda s: s.model)
+    scored = reads_reference(cfg)
     if cfg.packing:
         batches = packed_steps(
             pairs, tok, cfg=cfg, prompt_length=ctx.prompt_length, seed=ctx.ops.seed
         )
+        at = shuffled_batches(range(len(batches)), ctx.ops.seed)
         return run_offline(
             state,
             step,
-            referenced_batches(reference, batches, ctx.ops.seed),
+            referenced_batches(reference, batches, ctx.ops.seed)
+            if scored
+            else lambda i: batches[at(i)],
             tokens_per_iteration=int(batches[0].tokens.size),
             **run,
         )
     full = collate_pairs(pairs, tok, max_length=cfg.max_length, prompt_length=ctx.prompt_length)
+    n = full.chosen_tokens.shape[0]
     return run_offline(
         state,
         step,
-        referenced_rows(reference, full, cfg.batch_size, ctx.ops.seed),
+        referenced_rows(reference, full, cfg.batch_size, ctx.ops.seed)
+        if scored
+        else lambda i: take_rows(full, rows_at(n, cfg.batch_size, ctx.ops.seed, i)),
         tokens_per_iteration=2 * cfg.batch_size * cfg.max_length,
         **run,
     )
+
+
+def reads_reference(cfg: DPOConfig) -> bool:
+    """Whether the run's steps read the reference log-probabilities: not with
+    `reference="none"` (TRL `reference_free`) or a loss defined without a reference
+    (`simpo`, `orpo`); the runs then skip the reference's forward passes (a `make_step`
+    of the runs gets no `ref_chosen_logp` / `ref_rejected_logp` then)."""
+    if cfg.reference == "none":
+        return False
+    return not (isinstance(cfg.loss_type, str) and cfg.loss_type in DPO_REFERENCE_FREE_LOSS_TYPES)
 
 
 def referenced_batches(reference, batches: Sequence, seed: int) -> Callable[[int], object]:
@@ -266,6 +284,7 @@ def run_online_dpo(
     k_lora, ctx_key = jax.random.split(ctx.key)
     make_step = make_step or rx.train.make_dpo_step
     state, reference, step = train_setup(model, cfg, cfg.rounds * cfg.steps, k_lora, make_step)
+    scored = reads_reference(cfg)
 
     def iteration(state, key, r):
         k_sample, k_steps = jax.random.split(key)
@@ -288,7 +307,8 @@ def run_online_dpo(
             )
             return state, [], info
         full = collate_pairs(pairs, tok, max_length=cfg.max_length, prompt_length=ctx.prompt_length)
-        full = rx.train.compute_reference_logps(reference, full)
+        if scored:
+            full = rx.train.compute_reference_logps(reference, full)
         n = full.chosen_tokens.shape[0]
         state, metrics = _round_steps(state, step, full, n, cfg, ctx.ops.seed + r, k_steps)
         return state, metrics, info
@@ -298,7 +318,8 @@ def run_online_dpo(
     flops = model_flops(
         rx.count_params(state.model),
         train_tokens=cfg.steps * 2 * cfg.batch_size * cfg.max_length,
-        forward_tokens=sampled + 2 * len(prompts) * cfg.max_length,  # + reference, <= 1 pair/prompt
+        # + reference (when read), <= 1 pair/prompt
+        forward_tokens=sampled + 2 * len(prompts) * cfg.max_length * scored,
     )
     return run_loop(
         state,

@@ -193,3 +193,25 @@ def test_a_reference_free_run_of_the_dpo_step_skips_the_reference(tmp_path, buil
     pairs = [data.PreferenceRecord(*p) for p in _PAIRS]
     h = pl.runs.run_dpo(policy, tok, pairs, cfg=cfg, ctx=ctx).loop.history[0]
     assert h["rewards/chosen"] == pytest.approx(0.5 * h["logps/chosen"], rel=1e-5)
+
+
+def _needs_margin(c, r, rc, rr, *, beta, margin):
+    return jnp.maximum(0.0, margin - beta * ((c - rc) - (r - rr)))
+
+
+rx.losses.register_dpo_loss("settings_test_needs_margin", _needs_margin)
+
+
+def test_a_stage_config_whose_field_gives_its_loss_a_hyperparameter_passes_its_checks():
+    """A DPO variant's stage settings (a `DPOConfig` subclass whose field is its loss's
+    hyperparameter without a default) pass the stage's checks."""
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class MarginConfig(pl.DPOConfig):
+        loss_type: str = "settings_test_needs_margin"
+        margin: float = 0.5
+
+    MarginConfig().check("margin")
+    with pytest.raises(pl.ConfigError, match=r"^margin\.label_smoothing=0\.1: "):
+        pl.DPOConfig(loss_type="hinge", label_smoothing=0.1).check("margin")

@@ -16,7 +16,7 @@ import numpy as np
 import rlhf_eqx as rx
 from rlhf_eqx import data
 
-from ..losses import DPO_BATCH_LOSS_TYPES, DPO_REFERENCE_FREE_LOSS_TYPES
+from ..losses import DPO_BATCH_LOSS_TYPES, DPO_LOSS_TYPES, DPO_REFERENCE_FREE_LOSS_TYPES
 from ..train import DPOSettings
 from ._config import BatchStageConfig, LoRASettings, _optim
 from ._data_prep import implicit_accuracy, preference_split, trained_policy
@@ -66,12 +66,11 @@ class DPOConfig(BatchStageConfig, DPOSettings):
         prompt, no packing or micro-batches with a loss that sorts over a batch's pairs,
         and label smoothing only for a loss that smooths its labels."""
         del device_count
-        try:
-            rx.train.dpo_loss_fn(self)
-        except ValueError as e:
-            if str(e).startswith("label_smoothing="):
+        if isinstance(self.loss_type, str) and self.loss_type in DPO_LOSS_TYPES:
+            try:  # a built-in loss's rule (a custom one's: `DPOSettings`)
+                rx.train.dpo_loss_fn(loss_type=self.loss_type, label_smoothing=self.label_smoothing)
+            except ValueError as e:
                 _fail(f"{name}.label_smoothing", self.label_smoothing, str(e).split(": ", 1)[1])
-            raise
         if self.reference == "model":
             _fail(
                 f"{name}.reference",

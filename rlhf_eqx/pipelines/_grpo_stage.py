@@ -167,7 +167,8 @@ class GRPOConfig(RolloutStageConfig, GRPOSettings):
 
     KL: `kl_target` (the KL guard) compares `rollout/kl`, the per-token k1 estimate
     (log pi_old - log pi_ref, averaged over the completion tokens) of the rollout's
-    sampling policy, measured before the update; the steps' `kl` is the k3 estimate of
+    sampling policy, measured before the update (with `staleness` that policy is
+    `staleness` updates behind the trained one); the steps' `kl` is the k3 estimate of
     the loss's KL term under the policy being trained (TRL's `kl` metric), logged with
     any `beta`."""
 

@@ -998,6 +998,33 @@ def test_tensorboard_added_on_resume_holds_the_earlier_steps_once(tmp_path):
     assert got == [(0, 1.0), (1, 0.9), (2, 0.75), (3, 0.7)]
 
 
+def test_tensorboard_added_on_resume_gets_the_non_finite_steps_as_numbers(tmp_path):
+    # metrics.jsonl holds NaN and infinities as the strings "NaN", "-Infinity" (JSON)
+    _need("tensorboardX", "tensorboard")
+    run_dir = str(tmp_path / "run")
+    log = pl.tools.MetricsLog(run_dir, "sft", quiet=True)
+    log.write({"iteration": 0, "step": 0, "loss": 1.0, "kl": 0.5})
+    log.write({"iteration": 1, "step": 1, "loss": math.nan, "kl": -math.inf})
+    with pl.trackers.open_trackers(["tensorboard"], run_dir, {}, resume=True):
+        pass
+    events = _tensorboard_events(os.path.join(run_dir, "tensorboard", "sft"))
+    assert events["sft/loss"][0] == (0, 1.0) and events["sft/loss"][1][0] == 1
+    assert math.isnan(events["sft/loss"][1][1])
+    assert events["sft/kl"] == [(0, 0.5), (1, -math.inf)]
+
+
+def test_the_summary_files_non_finite_strings_reach_the_trackers_as_numbers(tmp_path):
+    pl.trackers.register_tracker("test-records", _Records)
+    _Records.seen = []
+    run_dir = str(tmp_path / "r")
+    with pl.trackers.open_trackers(["test-records"], run_dir, {}):
+        with open(os.path.join(run_dir, "summary.json"), "w") as f:  # as a run writes it
+            json.dump({"dpo": {"loss": "NaN", "kl": "Infinity", "note": "x"}}, f)
+    [values] = [s[1] for s in _Records.seen if s[0] == "summary"]
+    assert math.isnan(values["dpo"].pop("loss"))
+    assert values == {"dpo": {"kl": math.inf, "note": "x"}}
+
+
 # --- resume of a real run: a clean stop, and kill -9 ------------------------------------
 
 _PAUSE_MODULE = """

@@ -101,9 +101,11 @@ def _logged(run_dir: str) -> Iterator[tuple[int, dict[str, float], str]]:
             lines = f.readlines()
     except FileNotFoundError:
         return
+    from ._metrics import from_json  # (the metrics log imports the trackers)
+
     for line in lines:
         try:
-            record = json.loads(line)
+            record = from_json(json.loads(line))  # non-finite numbers are strings there
         except ValueError:  # a torn last line
             continue
         if "step" in record and "event" not in record:

@@ -211,8 +211,9 @@ class Trackers:
             path = os.path.join(self.run_dir, "summary.json")
             try:
                 if os.path.getmtime(path) >= self.started - 1.0:
-                    with open(path) as f:
-                        self.summary(json.load(f))
+                    from ._metrics import read_json  # (the metrics log imports this module)
+
+                    self.summary(read_json(path))  # non-finite numbers read back
             except (OSError, ValueError):
                 pass
         with _silenced(self.quiet):

@@ -51,7 +51,13 @@ from ._reward_sources import (
     scored_on_task,
 )
 from ._rl_rollouts import _compare, _dispatch_sample, _policy_and_reference
-from ._rollout import RewardFunction, Rollout, finish_rollout, group_signal
+from ._rollout import (
+    RewardFunction,
+    Rollout,
+    finish_rollout,
+    group_signal,
+    no_signal_message,
+)
 from ._runs import RunContext, RunResult, final_policy, rl_step_settings, run_loop
 from ._sampled_eval import sampled_comparison
 from ._validation import validate_stage
@@ -583,12 +589,7 @@ def run_grpo(
         if info["frac_reward_zero_std"] == 1.0:
             ctx.log.event(
                 "no_signal",
-                f"rollout {r}: every group has equal rewards; the advantages are zero"
-                + (
-                    f" and only the KL term (grpo.beta={cfg.beta}) moves the policy"
-                    if cfg.beta
-                    else " and so is the update"
-                ),
+                no_signal_message(r, cfg.beta),
                 iteration=r,
             )
         own = roll.completion_mask & roll.mask

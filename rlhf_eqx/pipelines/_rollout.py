@@ -349,6 +349,16 @@ def group_signal(rewards: Float[Array | np.ndarray, " B"], group_size: int) -> f
     return float(np.mean(np.std(groups, axis=1) == 0.0))
 
 
+def no_signal_message(rollout: int, beta: float) -> str:
+    """The `no_signal` event of a rollout whose groups all have equal rewards: zero
+    advantages, and an update that only the KL term (`beta > 0`) still has."""
+    return f"rollout {rollout}: every group has equal rewards; the advantages are zero" + (
+        f" and only the KL term (grpo.beta={beta}) moves the policy"
+        if beta
+        else " and so is the update"
+    )
+
+
 @eqx.filter_jit
 def reward_model_scores(
     reward_model, tokens: Int[Array, "B T"], mask: Bool[Array, "B T"]

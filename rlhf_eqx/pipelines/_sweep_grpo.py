@@ -25,7 +25,7 @@ from ._config import ConfigError
 from ._registry import stage_key
 from ._reward_sources import RewardSource, as_reward_source, task_reward_source
 from ._rl_rollouts import _compare
-from ._rollout import group_signal, sampling_options
+from ._rollout import group_signal, no_signal_message, sampling_options
 from ._runs import rows_at
 from ._sweep_grid import Member
 from ._sweep_program import Iteration, SweepRun, keep_where, key_data, stack
@@ -139,8 +139,7 @@ def rollouts_sweep(
             inf.update(scored.metrics, score=float(rewards.mean()))
             inf["frac_reward_zero_std"] = group_signal(rewards, G)
             if alive[m] and inf["frac_reward_zero_std"] == 1.0:
-                msg = f"rollout {r}: every group has equal rewards; the update is zero"
-                events.append((m, "no_signal", msg))
+                events.append((m, "no_signal", no_signal_message(r, mem.cfg.grpo.beta)))
             info[m] = inf
             batches.append(
                 rx.train.GRPOBatch(

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import math
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -166,11 +167,6 @@ def test_load_hf_of_a_yarn_qwen2_checkpoint_gives_the_logits_of_the_model(tmp_pa
     )  # the scaling shows
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the decoder builds its rotary tables without rope_attention_factor "
-    "(models/_transformer.py `_rope`)",
-)
 def test_attention_factor_scales_the_attention_logits():
     """cos and sin both scaled by `a` multiply q·k by `a²`: the same as a query scale `a²`
     times larger."""
@@ -187,6 +183,39 @@ def test_attention_factor_scales_the_attention_logits():
     one = rx.Policy(scaled, key=jax.random.key(1))(tokens, mask)
     two = rx.Policy(by_scale, key=jax.random.key(1))(tokens, mask)
     np.testing.assert_allclose(one, two, rtol=1e-5, atol=1e-5)
+
+
+def test_kv_cache_decode_equals_the_forward_pass_with_an_attention_factor():
+    """Prefill, decode steps and a decode chunk scale their rotary tables as the full
+    forward pass does."""
+    base = rx.models.config_from_hf(_qwen2_config({}))
+    rs = rx.RopeScaling("yarn", 4.0, original_max_position=16, attention_factor=1.4)
+    cfg = base.__class__(**{**base.__dict__, "rope_scaling": rs})
+    assert cfg.rope_attention_factor() == pytest.approx(1.4)
+    unit = base.__class__(
+        **{**base.__dict__, "rope_scaling": dataclasses.replace(rs, attention_factor=1.0)}
+    )
+
+    def sharp(c):  # larger query / key weights: attention far from uniform
+        p = rx.Policy(c, key=jax.random.key(3))
+        return eqx.tree_at(lambda p: p.transformer.layers.wqkv, p, p.transformer.layers.wqkv * 8)
+
+    policy, plain = sharp(cfg), sharp(unit)
+    seq = jnp.asarray([3, 1, 4, 1, 5, 9, 2, 6, 5, 3], jnp.int32)
+    full = policy(seq, jnp.ones(seq.shape, bool))
+    assert np.abs(np.asarray(plain(seq, jnp.ones(seq.shape, bool)) - full)).max() > 1e-3
+
+    @eqx.filter_jit
+    def cached(model):
+        logits, cache = model.prefill(seq[:4], jnp.ones((4,), bool), cache_size=seq.shape[0])
+        outs = [logits]
+        for t in range(4, 7):
+            logits, cache = model.decode_step(seq[t], cache, index=t, position=jnp.int32(t))
+            outs.append(logits)
+        chunk, _ = model.decode_chunk(seq[7:], cache, index=7, position=7)
+        return jnp.concatenate([jnp.stack(outs), chunk])
+
+    np.testing.assert_allclose(cached(policy), full[3:], rtol=1e-5, atol=1e-5)
 
 
 def test_gguf_metadata_round_trip(tmp_path):

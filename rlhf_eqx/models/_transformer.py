@@ -66,10 +66,15 @@ def _per_layer(cfg: TransformerConfig) -> tuple[Int[Array, " L"], Bool[Array, " 
 
 def _rope(cfg: TransformerConfig, positions: Int[Array, "*B T"]):
     """Global and (Gemma 3) local rotary tables; the local ones are `None` when shared."""
-    glob = rope_tables(positions, jnp.asarray(cfg.inv_freq()))
+    glob = rope_tables(positions, jnp.asarray(cfg.inv_freq()), cfg.rope_attention_factor())
     if cfg.rope_local_theta is None:
         return glob, None
-    return glob, rope_tables(positions, jnp.asarray(cfg.inv_freq(local=True)))
+    local = rope_tables(
+        positions,
+        jnp.asarray(cfg.inv_freq(local=True)),
+        cfg.rope_attention_factor(local=True),
+    )
+    return glob, local
 
 
 def _select(rope, local: Bool[Array, ""]):

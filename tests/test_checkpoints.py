@@ -515,7 +515,7 @@ def test_hf_load_hand_built_checkpoint(tmp_path, arch, kw, sharded):
     "field, kw",
     [
         ("rope_scaling.rope_type", dict(rope_scaling={"rope_type": "dynamic", "factor": 8.0})),
-        ("rope_scaling.rope_type", dict(rope_scaling={"type": "yarn", "factor": 2.0})),
+        ("rope_scaling.rope_type", dict(rope_scaling={"type": "longrope", "factor": 2.0})),
         ("attention_bias", dict(attention_bias=True)),
         ("mlp_bias", dict(mlp_bias=True)),
         ("partial_rotary_factor", dict(partial_rotary_factor=0.5)),
@@ -540,7 +540,7 @@ def test_hf_load_hand_built_checkpoint(tmp_path, arch, kw, sharded):
         ),
         (
             "rope_parameters.rope_type",
-            dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}),
+            dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}),
         ),
     ],
 )

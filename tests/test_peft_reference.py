@@ -65,7 +65,6 @@ def test_bias_setting_without_saved_biases_is_a_plain_lora():
 @pytest.mark.parametrize(
     "case, message",
     [
-        ("dora", "`use_dora` = True is not supported"),
         ("lm_head_saved", r"`modules_to_save` = \['lm_head'\] is not supported"),
     ],
 )

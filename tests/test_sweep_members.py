@@ -118,3 +118,39 @@ def test_a_resume_of_the_built_in_task_compares_the_prerequisites_sections(tmp_p
         pl.sweep("dpo", cfg, seeds=1, out=out, resume=True)
     assert "differs from the stored one (sft.steps: " in str(e.value)
     assert "kto" not in str(e.value)
+
+
+def test_a_resume_takes_the_data_file_moved_with_the_same_bytes_and_refuses_other_bytes(
+    tmp_path, capsys
+):
+    code, line = _cli_stopped_sweep(tmp_path, capsys, {})
+    assert code == 1 and "bad.jsonl:1" in line
+    moved = tmp_path / "moved.jsonl"
+    os.replace(tmp_path / "bad.jsonl", moved)
+    argv = ["sweep", "dpo", "--data", str(moved), "--seeds", "1", "--grid", "dpo.beta=0.1,0.2"]
+    argv += ["--out", str(tmp_path / "s"), "--quiet", "--resume"]
+    code = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and "moved.jsonl:1" in err[-1], err  # resumed: the reader's refusal
+    assert any("data.path: the data file moved" in e and "contents are the same" in e for e in err)
+    moved.write_text('{"prompt": "Twice"}\n')  # other bytes at the new path
+    code = main(argv)
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "the data file at the new path differs" in line, line
+
+
+def test_a_resume_of_a_sweep_whose_spec_holds_a_setting_since_removed_names_it_once(
+    tmp_path, capsys
+):
+    code, line = _cli_stopped_sweep(tmp_path, capsys, {})
+    assert code == 1
+    path = tmp_path / "s" / "sweep.json"
+    spec = json.loads(path.read_text())
+    spec["dpo"]["retired_setting"] = 3  # as a spec written by an older version
+    path.write_text(json.dumps(spec))
+    argv = ["sweep", "dpo", "--data", str(tmp_path / "bad.jsonl"), "--seeds", "1", "--quiet"]
+    argv += ["--grid", "dpo.beta=0.1,0.2", "--out", str(tmp_path / "s"), "--resume"]
+    code = main(argv)
+    note, line = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and "bad.jsonl:1" in line, line  # resumed
+    assert "sweep.json: dpo.retired_setting: no longer used" in note, note

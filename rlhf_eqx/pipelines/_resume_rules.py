@@ -347,19 +347,12 @@ def check_resumable(old: dict, new: dict, *, where: str) -> list[tuple[str, obje
     directory from here (`data.path=pairs.jsonl` then `/home/me/pairs.jsonl`), nor a data
     file or model moved or renamed with the contents the run recorded (`moved_inputs`:
     its contents differing is refused, naming both paths)."""
-    added = _added_since(old, new)
-    unused = unused_fields(old)
-    changes = [
-        (k, a, b)
-        for k, a, b in _changes(old, new)
-        if k not in added and not _under(k, unused) and not _same_path(a, b)
-    ]
-    moved = {k for k, _, _ in moved_inputs(where, new, changes)}
+    changes, moved = resume_changes(old, new, where=where)
     counts = iteration_fields()
     resumable = resumable_fields()
     bad = [c for c in changes if c[0] not in resumable and c[0] not in counts and c[0] not in moved]
     if bad:
-        lines = "; ".join(f"{k}: {_show(a, b)} -> {_show(b, a)}" for k, a, b in bad)
+        lines = shown_changes(bad)
         raise RunDirError(
             f"{where}: cannot resume with a different configuration ({lines}). Only "
             f"iteration counts ({', '.join(_running(counts, new))}) and "
@@ -367,6 +360,28 @@ def check_resumable(old: dict, new: dict, *, where: str) -> list[tuple[str, obje
             "(another --out, or --overwrite) to train with other settings"
         )
     return [(k, _none(a), _none(b)) for k, a, b in changes]
+
+
+def resume_changes(old: dict, new: dict, *, where: str) -> tuple[list, set[str]]:
+    """`(changes, moved)`: the `(field, old, new)` changes (`_ABSENT` for a side that
+    lacks the field) of the stored config dict `old` to `new` that a resume must weigh,
+    and the fields among them that name a data file or model moved with its recorded
+    contents (`moved_inputs`, which refuses one whose contents differ). Not changes: a
+    field added to the library since `old` was written that holds its default, a field
+    this version no longer has (`unused_fields`), a path written another way."""
+    added = _added_since(old, new)
+    unused = unused_fields(old)
+    changes = [
+        (k, a, b)
+        for k, a, b in _changes(old, new)
+        if k not in added and not _under(k, unused) and not _same_path(a, b)
+    ]
+    return changes, {k for k, _, _ in moved_inputs(where, new, changes)}
+
+
+def shown_changes(changes) -> str:
+    """`changes` (`resume_changes`) as a refusal names them: `field: old -> new; ...`."""
+    return "; ".join(f"{k}: {_show(a, b)} -> {_show(b, a)}" for k, a, b in changes)
 
 
 def _running(fields, new: dict) -> list[str]:

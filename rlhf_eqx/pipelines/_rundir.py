@@ -447,11 +447,13 @@ def open_run_dir(
     return RunDir(run_dir, lock, resume, notes, replaced)
 
 
-def resume_notes(run_dir: str, old: dict, new: dict, changes) -> list[str]:
+def resume_notes(
+    run_dir: str, old: dict, new: dict, changes, *, stored: str = "config.json"
+) -> list[str]:
     """The lines a resume that `check_resumable` accepted prints about its stored
-    configuration `old`: each data file or model that moved with the same contents
-    (`moved_inputs`), and the settings this version no longer has (`unused_fields`),
-    named once."""
+    configuration `old` (the file `stored` of `run_dir`): each data file or model that
+    moved with the same contents (`moved_inputs`), and the settings this version no
+    longer has (`unused_fields`), named once."""
     notes = []
     for field, a, b in moved_inputs(run_dir, new, changes):
         what, record = ("data file", DATA_NAME) if field == "data.path" else ("model", MODEL_NAME)
@@ -462,7 +464,7 @@ def resume_notes(run_dir: str, old: dict, new: dict, changes) -> list[str]:
     unused = unused_fields(old)
     if unused:
         notes.append(
-            f"{os.path.join(run_dir, 'config.json')}: {', '.join(unused)}: no longer used "
+            f"{os.path.join(run_dir, stored)}: {', '.join(unused)}: no longer used "
             "(settings neither this version of the library nor a stage registered now has); "
             "the run goes on without them"
         )

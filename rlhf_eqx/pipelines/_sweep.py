@@ -57,7 +57,7 @@ from ._pipeline import (
 )
 from ._pipeline_config import PipelineConfig, animal_task_config
 from ._registry import get_stage
-from ._resume_rules import RunDirError, config_changes
+from ._resume_rules import RunDirError, config_changes, resume_changes, shown_changes
 from ._run_checks import check_sweep_ops
 from ._rundir import (
     RunLock,
@@ -65,6 +65,7 @@ from ._rundir import (
     holds_run,
     holds_runs,
     removed_if_nothing_ran,
+    resume_notes,
     write_json_atomic,
 )
 from ._sweep_data import check_data_sweep, data_sweep
@@ -174,16 +175,25 @@ def _take_dir(out: str, spec: dict, resume: bool, read: Sequence[str]) -> bool:
         old = json.load(f)
     if isinstance(old.get("ops"), dict):  # a spec written when these fields were kept
         old["ops"] = {k: v for k, v in old["ops"].items() if k not in _OPERATIONAL}
-    diff = config_changes(
-        {k: v for k, v in old.items() if k in read}, {k: v for k, v in spec.items() if k in read}
-    )
+    # the sweep's own names compared as they are; the configuration as a run's resume
+    # weighs it (fields added or removed since, a data file or model moved)
+    own, cfg_old, cfg_new = ("stage", "grid", "seeds"), {}, {}
+    for k in read:
+        if k not in own:
+            cfg_old.update({k: old[k]} if k in old else {})
+            cfg_new.update({k: spec[k]} if k in spec else {})
+    changes, moved = resume_changes(cfg_old, cfg_new, where=out)
+    diff = [c for c in changes if c[0] not in moved]
+    diff += config_changes({k: old.get(k) for k in own}, {k: spec.get(k) for k in own})
     if diff:
-        named = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in diff)
+        named = shown_changes(diff)
         raise RunDirError(
             f"{path}: the resumed sweep differs from the stored one ({named}); only ops "
             "fields of logging and checkpointing, and the sections of stages the sweep does "
             "not run, may change"
         )
+    for note in resume_notes(out, cfg_old, cfg_new, changes, stored=SWEEP_SPEC):
+        print(f"note: {note}", file=sys.stderr)
     before, now = list(old.get("grid") or {}), list(spec["grid"])
     if before != now:  # the members' names and their order on the stacked axis follow it
         raise RunDirError(

@@ -292,6 +292,7 @@ def test_two_processes_read_their_shards_and_reduce_the_global_batch(tmp_path):
         assert bool(r["same"])  # `check_shapes=False` builds the same global batch
 
 
+@pytest.mark.slow
 def test_two_processes_with_different_batch_shapes_are_refused_by_name(tmp_path):
     """Batches whose rows differ between the processes would compile different programs
     in each (gloo then aborts both with "Received data size doesn't match expected size");

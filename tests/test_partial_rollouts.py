@@ -157,6 +157,7 @@ def _stopped_early(pending, rows, pad_id):
     return dataclasses.replace(pending, out=grown)
 
 
+@pytest.mark.slow
 def test_a_rows_continuation_does_not_depend_on_the_other_rows(builtin):
     """Row `b` continues with the key `fold_in(key, b)` whichever other rows still run:
     with all 16 rows running, 13 (16 sampled, 3 of them padding), 5 (8 sampled), 2 or 1,

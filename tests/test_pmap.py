@@ -111,7 +111,7 @@ def test_pmap_reward_equals_one_device(getkey):
     )
 
 
-@pytest.mark.parametrize("reference", ["model", "cached"])
+@pytest.mark.parametrize("reference", ["model", pytest.param("cached", marks=pytest.mark.slow)])
 def test_pmap_dpo_equals_one_device(getkey, reference):
     policy = rx.Policy(tiny_config(), key=getkey())
     ref = rx.Policy(tiny_config(), key=getkey())
@@ -160,7 +160,7 @@ def test_pmap_ppo_equals_one_device(getkey):
     assert 0.0 < float(m["policy/clipfrac"]) < 1.0
 
 
-@pytest.mark.parametrize("scale", ["group", "batch"])
+@pytest.mark.parametrize("scale", ["group", pytest.param("batch", marks=pytest.mark.slow)])
 def test_pmap_grpo_equals_one_device(getkey, scale):
     policy = rx.Policy(tiny_config(), key=getkey())
     ref = rx.Policy(tiny_config(), key=getkey())

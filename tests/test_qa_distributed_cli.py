@@ -139,6 +139,7 @@ def test_cli_two_processes_join_one_run():
     assert runs[0][1] == runs[1][1]  # the same seed samples the same text in each process
 
 
+@pytest.mark.slow
 def test_main_in_a_program_that_joined_already_does_not_join_again():
     """`main` called by a program that ran `initialize_distributed` itself (with the
     variables set, as a launcher does) runs on in the run it joined."""

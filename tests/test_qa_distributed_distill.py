@@ -71,7 +71,9 @@ def _compare(build, student, batch, teacher, **kw):
         )
 
 
-@pytest.mark.parametrize("chunk", [4, 1])  # unrolled chunks; a scan over 20 chunks
+@pytest.mark.parametrize(
+    "chunk", [pytest.param(4, marks=pytest.mark.slow), 1]
+)  # unrolled chunks; a scan over 20 chunks
 def test_shard_map_distill_step_equals_one_device(getkey, chunk):
     cfg = tiny_config()
     student, teacher = rx.Policy(cfg, key=getkey()), rx.Policy(cfg, key=getkey())

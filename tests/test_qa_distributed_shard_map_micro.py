@@ -50,7 +50,7 @@ def _compare(build, params, batch, **extra):
         )
 
 
-@pytest.mark.parametrize("algorithm", ["sft", "dpo", "gkd"])
+@pytest.mark.parametrize("algorithm", ["sft", pytest.param("dpo", marks=pytest.mark.slow), "gkd"])
 def test_shard_map_micro_batched_step_equals_one_device(getkey, algorithm):
     cfg = tiny_config()
     policy, other = rx.Policy(cfg, key=getkey()), rx.Policy(cfg, key=getkey())

@@ -63,16 +63,19 @@ FIELDS = ("tokens", "mask", "loss_mask", "turn_ids", "num_turns", "truncated", "
     "settings",
     [
         dict(max_total_tokens=22, max_new_tokens=6, max_turns=5, eos_id=(3, STOP)),
-        dict(
-            max_total_tokens=40,
-            max_new_tokens=4,
-            max_turns=6,
-            eos_id=STOP,
-            top_k=20,
-            top_p=0.9,
-            repetition_penalty=1.3,
-            presence_penalty=0.5,
-            frequency_penalty=0.3,
+        pytest.param(
+            dict(
+                max_total_tokens=40,
+                max_new_tokens=4,
+                max_turns=6,
+                eos_id=STOP,
+                top_k=20,
+                top_p=0.9,
+                repetition_penalty=1.3,
+                presence_penalty=0.5,
+                frequency_penalty=0.3,
+            ),
+            marks=pytest.mark.slow,
         ),
     ],
 )

@@ -36,6 +36,7 @@ def test_generate_batch_marks_nan_logits(broken, settings):
     _all_marked(rx.generate_batch(broken, PROMPTS, MASKS, KEYS, max_new_tokens=3, **settings))
 
 
+@pytest.mark.slow
 def test_continuous_paged_and_speculative_mark_nan_logits(broken):
     _all_marked(rx.generate_continuous(broken, PROMPTS, MASKS, KEYS, slots=1, max_new_tokens=3))
     out, _ = rx.generate_paged(broken, PROMPTS, MASKS, KEYS, slots=2, max_new_tokens=3)

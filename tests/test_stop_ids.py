@@ -135,7 +135,8 @@ def test_built_in_tokenizers_stop_at_eos_and_bos_only():
 def test_run_exports_and_text_environments_keep_the_end_of_turn(gemma, tmp_path):
     """A run's `<stage>/hf` export names every stop id in its `generation_config.json`
     (transformers' `generate` then stops there too), and an environment without stop ids
-    of its own ends its turns at the tokenizer's."""
+    of its own ends its turns where a single-turn completion stops (the tokenizer's stop
+    ids and BOS, `default_stop_ids`)."""
     policy, tok = rx.load_gguf(gemma)
     pl.runs.export_policy(policy, str(tmp_path), "sft", tokenizer_file=str(gemma))
     generation = json.loads((tmp_path / "sft" / "hf" / "generation_config.json").read_text())
@@ -145,5 +146,6 @@ def test_run_exports_and_text_environments_keep_the_end_of_turn(gemma, tmp_path)
     class Plain:  # an environment that names no stop ids
         stop_ids = ()
 
-    assert pl.runs.turn_stop_ids(Plain(), tok) == (EOS, EOT)
-    assert pl.runs.turn_stop_ids(Plain(), data.ByteTokenizer()) == (2,)
+    assert pl.runs.turn_stop_ids(Plain(), tok) == (EOS, BOS, EOT)
+    byte = data.ByteTokenizer()
+    assert pl.runs.turn_stop_ids(Plain(), byte) == tuple(sorted({byte.eos_id, byte.bos_id}))

@@ -33,7 +33,7 @@ from ._model_checks import check_episode_length, model_sizes, run_tokenizer
 from ._monitor import model_flops
 from ._registry import Outcome, Stage, StageEnv, register_stage
 from ._rl_rollouts import _per_token_kl, _policy_and_reference
-from ._rollout import encode_prompts, filters_of, group_signal, token_logps
+from ._rollout import default_stop_ids, encode_prompts, filters_of, group_signal, token_logps
 from ._runs import RunContext, RunResult, final_policy, rows_at, run_loop
 from ._task import HELDOUT_PROMPTS, TRAIN_PROMPTS
 from ._validation import validate_stage
@@ -204,10 +204,10 @@ def stage_environment(c, tok, name: str = "multiturn"):
 
 def turn_stop_ids(env, tok) -> tuple[int, ...]:
     """The ids that end a policy turn: the environment's `stop_ids`
-    (`rlhf_eqx.envs.Environment`), else the tokenizer's (EOS and its model's end-of-turn
-    ids; EOS alone for a tokenizer without `stop_ids`)."""
+    (`rlhf_eqx.envs.Environment`), else those a single-turn completion stops at
+    (`default_stop_ids`: EOS, its model's end-of-turn ids and BOS)."""
     own = tuple(getattr(env, "stop_ids", ()) or ())
-    return own or tuple(int(i) for i in (getattr(tok, "stop_ids", None) or (tok.eos_id,)))
+    return own or default_stop_ids(tok)
 
 
 def _length(env, cfg, prompt_length: int) -> int:
@@ -236,7 +236,7 @@ def multiturn_metrics(policy, base, env, tok, key, cfg, ctx, samples: int):
 def run_multiturn(policy, tok, prompts: Sequence[str], env, *, cfg, ctx: RunContext) -> RunResult:
     """GRPO on multi-turn episodes against the jittable environment `env` (an
     `rlhf_eqx.envs.Environment`; each policy turn ends at one of its `stop_ids`, or at
-    the tokenizer's EOS when it declares none: `turn_stop_ids`): per rollout,
+    the ids a completion stops at when it declares none: `turn_stop_ids`): per rollout,
     `cfg.group_size` episodes for each of `cfg.prompts_per_rollout` prompts, rewarded
     per episode; the environment's tokens are masked out of the loss; reference
     log-probs on the policy's tokens once per rollout; `cfg.epochs` steps on it."""

@@ -80,7 +80,7 @@ def test_plot_names_a_line_that_is_not_a_json_object(tmp_path, capsys):
     assert err == f"error: {path}:2: not a JSON object (list)\n"
 
 
-def test_plot_draws_each_seed_of_a_seeds_run_and_points_a_sweep_to_its_plots(tmp_path, capsys):
+def test_plot_draws_each_seed_of_a_seeds_run_and_refuses_an_unfinished_sweep(tmp_path, capsys):
     root = tmp_path / "seeds"
     for seed in (2, 1):
         _metrics(root / f"seed-{seed}", [_step("sft", 0), _step("sft", 1), ""])

@@ -1,6 +1,7 @@
 """DoRA adapters (Liu et al. 2024, arXiv:2402.09353) as Hugging Face PEFT computes,
 merges, saves and loads them (`LoraConfig(use_dora=True)`)."""
 
+import functools
 import json
 import os
 
@@ -24,6 +25,21 @@ CFG = rx.TransformerConfig(
     attn_bias=True,  # Qwen2's q/k/v biases: DoRA leaves them unscaled
 )
 TARGETS = ("q", "v", "o", "up", "down")
+Q, KV = CFG.q_size, CFG.kv_size
+# each target's base weight in the layer stack and its output columns there
+BASE = {"q": ("wqkv", (0, Q)), "v": ("wqkv", (Q + KV, Q + 2 * KV)),
+        "o": ("wo", (0, CFG.d_model)), "up": ("w_gate_up", (CFG.d_ff, 2 * CFG.d_ff)),
+        "down": ("w_down", (0, CFG.d_model))}  # fmt: skip
+
+
+def _weight(model, target, layer=None):
+    """`(weight, columns)` the decoder layer passes to `target`'s adapter (one layer's
+    weight with `layer`, else the stack)."""
+    field, columns = BASE[target]
+    weight = getattr(model.transformer.layers, field)
+    if layer is not None:
+        weight = jax.tree_util.tree_map(lambda t: t[layer], weight)
+    return weight, columns
 
 
 def _tokens():
@@ -64,13 +80,19 @@ def test_a_fresh_dora_adapter_leaves_the_model_unchanged():
         ad.magnitude, jnp.linalg.norm(policy.transformer.layers.wqkv[..., : CFG.q_size], axis=1),
         rtol=1e-6,
     )  # fmt: skip
-    assert ad.weight is policy.transformer.layers.wqkv  # the base array, not a copy
     # g = m / ‖W‖ is exactly 1: each adapter of each layer adds exactly zero
     xs = {n: jax.random.normal(jax.random.key(4), (5, ad.a.shape[1]))
           for n, ad in model.transformer.layers.lora.items()}  # fmt: skip
+
+    def delta(n, ad, w):
+        return ad(xs[n], weight=w, columns=BASE[n][1])
+
     deltas = eqx.filter_jit(
-        lambda lora: {n: jax.vmap(lambda ad: ad(xs[n]))(ad) for n, ad in lora.items()}
-    )(model.transformer.layers.lora)
+        lambda m: {
+            n: jax.vmap(functools.partial(delta, n))(ad, _weight(m, n)[0])
+            for n, ad in m.transformer.layers.lora.items()
+        }  # fmt: skip
+    )(model)
     for name, delta in deltas.items():
         assert delta.shape[0] == CFG.n_layers and not np.any(np.asarray(delta)), name
     # the model's outputs (XLA may order the base products' sums differently: rounding)
@@ -99,14 +121,14 @@ def test_gradients_match_peft_with_the_norm_detached(rslora):
     model = _trained(_dora(_policy(), rslora=rslora))
     ad = model.transformer.layers.lora["v"]
     layer = jax.tree_util.tree_map(lambda t: t[1], ad)  # layer 1, as the scan slices it
-    lo, hi = layer.columns
+    weight, (lo, hi) = _weight(model, "v", 1)
     x = jax.random.normal(jax.random.key(5), (6, CFG.d_model))
     c = jax.random.normal(jax.random.key(6), (6, hi - lo))
-    base = layer.weight[..., lo:hi]
+    base = weight[..., lo:hi]
 
-    def loss(trainable):
+    def loss(trainable):  # as the decoder layer calls it: its own product is `base`
         ad = eqx.combine(trainable, frozen)
-        return jnp.sum((x @ base + ad(x)) * c)
+        return jnp.sum((x @ base + ad(x, weight=weight, columns=(lo, hi), base=x @ base)) * c)
 
     trainable, frozen = eqx.partition(layer, lambda t: False)
     parts = (layer.a, layer.b, layer.magnitude)
@@ -116,7 +138,9 @@ def test_gradients_match_peft_with_the_norm_detached(rslora):
     s = float(layer.scale)
     assert s == pytest.approx(8.0 / (2.0 if rslora else 4.0))
     y, dm, da, db = _peft_reference(x, base, layer.a, layer.b, layer.magnitude, s, c)
-    np.testing.assert_allclose(x @ base + layer(x), y, rtol=1e-5, atol=1e-5)
+    for given in (x @ base, None):  # the layer's product, or taken again
+        out = layer(x, weight=weight, columns=(lo, hi), base=given)
+        np.testing.assert_allclose(x @ base + out, y, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(grads.magnitude, dm, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(grads.a, da, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(grads.b, db, rtol=1e-4, atol=1e-5)
@@ -168,12 +192,15 @@ def test_dropout_follows_peft_on_the_dropped_input():
     key = jax.random.key(8)
     keep = jax.random.bernoulli(key, 0.5, x.shape)
     dropped = np.where(keep, np.asarray(x) * 2.0, 0.0)
-    w = np.asarray(layer.weight, np.float64)
+    weight, columns = _weight(model, "o", 0)
+    w = np.asarray(weight, np.float64)
     a, b, m = (np.asarray(t, np.float64) for t in (layer.a, layer.b, layer.magnitude))
     s = float(layer.scale)
     g = m / np.linalg.norm(w + s * a @ b, axis=0)
     expected = (g - 1) * (dropped @ w) + g * s * (dropped @ a @ b)
-    np.testing.assert_allclose(layer(x, key), expected, rtol=1e-5, atol=1e-5)
+    # the layer's product of the undropped input is not what the dropped one needs
+    got = layer(x, key, weight=weight, columns=columns, base=x @ weight)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_peft_adapter_round_trip_with_peft_names(tmp_path):
@@ -217,10 +244,12 @@ def test_a_peft_written_dora_adapter_loads(tmp_path):
     x = rng.normal(size=(3, CFG.d_model)).astype(np.float32)
     w = np.asarray(policy.transformer.layers.wqkv[0][:, : CFG.q_size], np.float64)
     y, *_ = _peft_reference(x, w, a.T, b.T, m.astype(np.float32), 2.0, np.zeros((3, 1)))
-    np.testing.assert_allclose(x @ w + ad(jnp.asarray(x)), y, rtol=1e-5, atol=1e-5)
+    got = ad(jnp.asarray(x), weight=_weight(policy, "q", 0)[0], columns=BASE["q"][1])
+    np.testing.assert_allclose(x @ w + got, y, rtol=1e-5, atol=1e-5)
     # layer 1 is not adapted: its output is the base's
     other = jax.tree_util.tree_map(lambda t: t[1], model.transformer.layers.lora["q"])
-    assert not np.any(np.asarray(other(jnp.asarray(x))))
+    got = other(jnp.asarray(x), weight=_weight(policy, "q", 1)[0], columns=BASE["q"][1])
+    assert not np.any(np.asarray(got))
 
 
 def test_refusals_are_one_line_naming_the_field(tmp_path):
@@ -327,7 +356,56 @@ def test_a_small_magnitude_change_shows_in_bfloat16():
     layer = jax.tree_util.tree_map(lambda t: t[0], stack)
     layer = eqx.tree_at(lambda ad: ad.magnitude, layer, layer.magnitude * 1.003)
     x = jax.random.normal(jax.random.key(2), (4, CFG.q_size)).astype(jnp.bfloat16)
-    base = np.asarray(x, np.float32) @ np.asarray(layer.weight, np.float32)
-    delta = np.asarray(layer(x), np.float32)
+    weight = model.transformer.layers.wo[0]
+    base = np.asarray(x, np.float32) @ np.asarray(weight, np.float32)
+    delta = np.asarray(layer(x, weight=weight, columns=(0, CFG.d_model)), np.float32)
     np.testing.assert_allclose(delta, 0.003 * base, rtol=0.05, atol=2e-3 * np.abs(base).max())
     assert np.abs(delta).max() > 1e-3 * np.abs(base).max()
+
+
+def test_the_base_weight_is_one_leaf_of_the_model_through_quantize_and_checkpoints(tmp_path):
+    """The adapters hold no reference to the base weight: the model's pytree has each
+    array once, `quantize_int8` leaves no float copy of a projection, and a checkpoint
+    (`eqx.tree_serialise_leaves`, as the pipelines write one) stores the base once and
+    restores one array per leaf."""
+    policy = _policy()
+    model = _trained(_dora(policy))
+    leaves = jax.tree_util.tree_leaves(model)
+    assert len({id(x) for x in leaves}) == len(leaves)
+    assert len(leaves) == len(jax.tree_util.tree_leaves(policy)) + 4 * len(TARGETS)
+    dense = {getattr(policy.transformer.layers, f).shape for f, _ in BASE.values()}
+    int8 = rx.quantize_int8(model)
+    float_leaves = [
+        x for x in jax.tree_util.tree_leaves(int8) if jnp.issubdtype(x.dtype, jnp.floating)
+    ]
+    assert not [x.shape for x in float_leaves if x.shape in dense]
+    tokens, mask = _tokens()
+    want = int8(tokens, mask)
+    np.testing.assert_allclose(want, model(tokens, mask), rtol=0.05, atol=0.05)
+    for name, tree in (("base", policy), ("dora", model), ("int8", int8)):
+        eqx.tree_serialise_leaves(tmp_path / f"{name}.eqx", tree)
+    size = lambda name: (tmp_path / f"{name}.eqx").stat().st_size
+    adapters = sum(x.nbytes for x in jax.tree_util.tree_leaves(model.transformer.layers.lora))
+    assert size("dora") - size("base") < adapters + 4096  # the adapters, not a base copy
+    restored = eqx.tree_deserialise_leaves(tmp_path / "int8.eqx", int8)
+    leaves = jax.tree_util.tree_leaves(restored)
+    assert len({id(x) for x in leaves}) == len(leaves)
+    np.testing.assert_array_equal(restored(tokens, mask), want)
+
+
+def test_memory_estimate_counts_the_base_once_and_trains_the_adapters_only():
+    config = rx.LoRAConfig(rank=4, alpha=8.0, dropout=0.0, targets=TARGETS, use_dora=True)
+    model = rx.apply_lora(rx.Policy(CFG, key=jax.random.key(0)), config, key=jax.random.key(1))
+    est = rx.estimate_memory(CFG, (1, 1), (2, 8), lora=config, reference="none")
+    assert est.trainable_params == rx.models.count_params(model, rx.lora_filter(model))
+    unique = {id(x): x for x in jax.tree_util.tree_leaves(model)}  # each array once
+    assert est.params == sum(x.nbytes for x in unique.values())
+
+
+def test_partition_specs_split_magnitudes_like_the_columns_they_scale():
+    model = _dora(_policy())
+    specs = rx.models.partition_specs(model, fsdp=True).transformer.layers.lora
+    assert specs["q"].magnitude == jax.sharding.PartitionSpec(None, "model")
+    assert specs["q"].b == jax.sharding.PartitionSpec(None, None, "model")
+    assert specs["o"].magnitude == jax.sharding.PartitionSpec(None, "data")
+    assert specs["o"].scale == jax.sharding.PartitionSpec(None)

@@ -127,12 +127,16 @@ def _sharded_bytes(tree, specs, sizes: Mapping[str, int]) -> int:
 
 def _trainable_leaves(shapes, *, lora: bool):
     """Which leaves of a shape-only model the optimiser sees (as `partition_trainable`):
-    floating-point leaves, and with LoRA only the adapters."""
+    floating-point leaves, and with LoRA only the adapters, without the frozen per-layer
+    `scale` of a `LayerwiseLoRAAdapter` or `DoRAAdapter` (as `lora_filter`)."""
 
     def trainable(path, x):
         if not jnp.issubdtype(x.dtype, jnp.inexact):
             return False
-        return not lora or any(getattr(k, "name", None) == "lora" for k in path)
+        if not lora:
+            return True
+        names = [getattr(k, "name", None) for k in path]
+        return "lora" in names and names[-1] != "scale"
 
     return jax.tree_util.tree_map_with_path(trainable, shapes)
 

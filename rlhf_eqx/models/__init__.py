@@ -49,6 +49,7 @@ from ._llama2c import (
     read_llama2c_header as read_llama2c_header,
 )
 from ._lora import (
+    DoRAAdapter as DoRAAdapter,
     LayerwiseLoRAAdapter as LayerwiseLoRAAdapter,
     LoRAConfig as LoRAConfig,
     apply_lora as apply_lora,

@@ -58,30 +58,39 @@ class DecoderLayer(eqx.Module):
         self.mlp_post_norm = norm(D) if cfg.post_norms else None
         self.lora = None
 
-    def _lora(self, name: str, x, keys):
+    def _plus_lora(self, name: str, out, x, keys, weight, columns=None, base=None):
+        """`out` (the projection `name` of `x`: the output columns `columns` of `x ·
+        weight`, plus a bias if any) with its adapter's update added. An adapter that
+        reads the base weight (`reads_base`: DoRA) is given the layer's `weight`, the
+        `columns` and `base`, the bias-free product of those columns (`out` itself by
+        default)."""
         if self.lora is None or name not in self.lora:
-            return None
+            return out
+        adapter = self.lora[name]
         key = None if keys is None else keys[LORA_TARGETS.index(name)]
-        return self.lora[name](x, key)
-
-    def _plus_lora(self, name: str, out, x, keys):
-        delta = self._lora(name, x, keys)
-        return out if delta is None else out + delta
+        if getattr(adapter, "reads_base", False):
+            columns = (0, weight.shape[-1]) if columns is None else columns
+            base = out if base is None else base
+            return out + adapter(x, key, weight=weight, columns=columns, base=base)
+        return out + adapter(x, key)
 
     def qkv(self, h: Float[Array, "*B T D"], cfg: TransformerConfig, keys=None):
         """Project to `q [..., T, H, hd]`, `k`, `v [..., T, K, hd]` (before QK-norm and rotary)."""
         lead = h.shape[:-1]
-        qkv = matmul(h, self.wqkv)
+        product = matmul(h, self.wqkv)
+        qkv = product
         if self.bqkv is not None:
             qkv = qkv + self.bqkv.astype(qkv.dtype).reshape((1,) * len(lead) + (-1,))
         Q, KV, hd = cfg.q_size, cfg.kv_size, cfg.head_dim
-        q = self._plus_lora("q", qkv[..., :Q], h, keys)
-        k = self._plus_lora("k", qkv[..., Q : Q + KV], h, keys)
-        v = self._plus_lora("v", qkv[..., Q + KV :], h, keys)
+        out = {}
+        for name, (lo, hi) in (("q", (0, Q)), ("k", (Q, Q + KV)), ("v", (Q + KV, Q + 2 * KV))):
+            out[name] = self._plus_lora(
+                name, qkv[..., lo:hi], h, keys, self.wqkv, (lo, hi), product[..., lo:hi]
+            )
         return (
-            q.reshape(lead + (cfg.n_heads, hd)),
-            k.reshape(lead + (cfg.n_kv_heads, hd)),
-            v.reshape(lead + (cfg.n_kv_heads, hd)),
+            out["q"].reshape(lead + (cfg.n_heads, hd)),
+            out["k"].reshape(lead + (cfg.n_kv_heads, hd)),
+            out["v"].reshape(lead + (cfg.n_kv_heads, hd)),
         )
 
     def mlp(
@@ -89,10 +98,11 @@ class DecoderLayer(eqx.Module):
     ) -> Float[Array, "*B T D"]:
         """The gated MLP `down(act(gate(h)) · up(h))` of the normalised input `h`."""
         gu = matmul(h, self.w_gate_up)
-        gate = self._plus_lora("gate", gu[..., : cfg.d_ff], h, keys)
-        up = self._plus_lora("up", gu[..., cfg.d_ff :], h, keys)
+        F = cfg.d_ff
+        gate = self._plus_lora("gate", gu[..., :F], h, keys, self.w_gate_up, (0, F))
+        up = self._plus_lora("up", gu[..., F:], h, keys, self.w_gate_up, (F, 2 * F))
         act = gated_activation(gate, up, cfg.mlp_activation)
-        return self._plus_lora("down", matmul(act, self.w_down), act, keys)
+        return self._plus_lora("down", matmul(act, self.w_down), act, keys, self.w_down)
 
     def block(
         self,
@@ -120,7 +130,7 @@ class DecoderLayer(eqx.Module):
             q, cos, sin, x = (gather_positions(a, at) for a in (q, cos, sin, x))
         o, collected = attend(apply_rope(q, cos, sin), k, v)
         o = o.reshape(o.shape[:-2] + (-1,))
-        a = self._plus_lora("o", matmul(o, self.wo), o, keys)
+        a = self._plus_lora("o", matmul(o, self.wo), o, keys, self.wo)
         if self.attn_post_norm is not None:
             a = norm(a, self.attn_post_norm)
         x = x + a

@@ -37,6 +37,7 @@ import functools
 import math
 import numbers
 from collections.abc import Collection
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -106,7 +107,7 @@ class DoRAAdapter(eqx.Module):
     """A stack of DoRA adapters (Liu et al. 2024, "DoRA: Weight-Decomposed Low-Rank
     Adaptation", arXiv:2402.09353), as Hugging Face PEFT computes them (`use_dora`).
 
-    The adapted projection `W [in, o]` (output columns `columns` of the base weight)
+    The adapted projection `W [in, o]` (output columns `[lo, hi)` of the base weight)
     becomes `W' = m / ‖W + s·A B‖ ⊙ (W + s·A B)`, the norm taken over the input axis for
     each output column and `m [o]` a trainable magnitude, initialised to `‖W‖` so that a
     fresh adapter (`B = 0`) leaves the model's outputs as they were. As PEFT does (and the
@@ -117,53 +118,69 @@ class DoRAAdapter(eqx.Module):
     `y = x W + Δ(x)`, `Δ(x) = (g - 1) ⊙ (x̃ W) + g ⊙ (x̃ A B · s)`
 
     with `x̃ = dropout(x)` (PEFT's form: with dropout active the base product is taken
-    again on the dropped input), the bias, if any, left unscaled. `s` is `alpha / r`
-    (`alpha / √r` with rsLoRA).
+    again on the dropped input; without, `x W` is the layer's own product), the bias, if
+    any, left unscaled. `s` is `alpha / r` (`alpha / √r` with rsLoRA).
 
     Fields: `a [L, in, r]`, `b [L, r, o]` and `magnitude [L, o]` (float32, trained);
     `scale [L]` (frozen; 0 marks a layer without an adapter, which then adds nothing);
-    `weight`: the decoder's base weight this projection reads (the very array, or
-    quantised weight, of the layer stack; not a copy), frozen: `lora_filter` leaves it
-    out. It is dequantised per layer for the norm (an int8, NF4 or GGUF base works as
-    PEFT's DoRA on a quantised base does) and multiplied again for `x̃ W`, which costs
-    one more product of the adapted columns per call. `ranks`, `columns` (the output
-    columns `[lo, hi)` of `weight`), `dropout`, `rslora` are static.
+    `ranks`, `dropout`, `rslora` (static). The adapter holds no base weight: the decoder
+    layer passes its own at call time (`weight`, the columns `(lo, hi)` of it that are
+    this projection, and `base`, `x W` of those columns without the bias), so the base
+    stays one array of the model (one leaf to save, quantise, shard and count). The
+    weight is dequantised per layer for the norm (an int8, NF4 or GGUF base works as
+    PEFT's DoRA on a quantised base does).
     """
 
     a: Float[Array, "*L i r"]
     b: Float[Array, "*L r o"]
     magnitude: Float[Array, "*L o"]
     scale: Float[Array, "*L"]
-    weight: PyTree
     ranks: tuple[int, ...] = eqx.field(static=True)
-    columns: tuple[int, int] = eqx.field(static=True)
     dropout: float = eqx.field(static=True)
     rslora: bool = eqx.field(static=True, default=False)
+    reads_base: ClassVar[bool] = True  # the decoder layer passes weight, columns and base
 
     def __call__(
-        self, x: Float[Array, "*N i"], key: PRNGKeyArray | None = None
+        self,
+        x: Float[Array, "*N i"],
+        key: PRNGKeyArray | None = None,
+        *,
+        weight: PyTree,
+        columns: tuple[int, int],
+        base: Float[Array, "*N o"] | None = None,
     ) -> Float[Array, "*N o"]:
-        if key is not None and self.dropout > 0.0:
+        """`Δ(x)` of one layer: `weight` is that layer's base weight (dense or quantised),
+        `columns` the output columns `(lo, hi)` of it that are this projection, `base`
+        the bias-free `x · weight[:, lo:hi]` the layer computed (taken again from `x`
+        when `None`, and from the dropped input when dropout is active)."""
+        lo, hi = columns
+        weight = jax.lax.stop_gradient(weight)
+        dropped = key is not None and self.dropout > 0.0
+        if dropped:
             keep = jax.random.bernoulli(key, 1.0 - self.dropout, x.shape)
             x = jnp.where(keep, x / (1.0 - self.dropout), jnp.zeros_like(x))
-        lo, hi = self.columns
+        if dropped or base is None:
+            base = _base_product(x, weight, lo, hi)
         scale = jax.lax.stop_gradient(self.scale).astype(jnp.float32)
-        weight = jax.lax.stop_gradient(self.weight)
         norm = jax.lax.stop_gradient(
             _dora_norm(_dense_columns(weight, lo, hi), self.a, self.b, scale)
         )
         g = self.magnitude.astype(jnp.float32) / norm
-        if isinstance(weight, AbstractQuantizedWeight):
-            base = matmul(x, weight)[..., lo:hi]  # the frozen product keeps the packed weight
-        else:  # recomputed in the backward pass: no copy of the columns is kept
-            product = lambda x, w: matmul(x, w[..., lo:hi].astype(x.dtype))
-            base = jax.checkpoint(product)(x, weight)
         low_rank = matmul(matmul(x, self.a.astype(x.dtype)), self.b.astype(x.dtype))
         low_rank = low_rank * scale.astype(x.dtype)
         g = g.reshape((1,) * (base.ndim - 1) + g.shape)
         # `g - 1` in float32: in bfloat16 a magnitude within 0.4% of the norm would round to 0
-        delta = (g - 1).astype(x.dtype) * base + g.astype(x.dtype) * low_rank
+        delta = (g - 1).astype(x.dtype) * base.astype(x.dtype) + g.astype(x.dtype) * low_rank
         return jnp.where(scale != 0, delta, jnp.zeros_like(delta))
+
+
+def _base_product(x, weight, lo: int, hi: int):
+    """`x · weight[:, lo:hi]` (the frozen base's columns; a quantised weight stays packed)."""
+    if isinstance(weight, AbstractQuantizedWeight):
+        return matmul(x, weight)[..., lo:hi]
+    # recomputed in the backward pass: no copy of the columns is kept
+    product = lambda x, w: matmul(x, w[..., lo:hi].astype(x.dtype))
+    return jax.checkpoint(product)(x, weight)
 
 
 def layer_ranks_and_scales(adapter: PyTree, n_layers: int) -> tuple[list[int], list[float]]:
@@ -315,8 +332,10 @@ def apply_lora(model: PyTree, config: LoRAConfig, *, key: PRNGKeyArray) -> PyTre
     unchanged. The base arrays are shared with the input model, not copied. With
     `config.use_dora` the adapters are `DoRAAdapter`s whose magnitudes are the base
     weight's column norms (dequantised for an int8 / NF4 / GGUF base), so the outputs are
-    unchanged too. Quantise the base (if at all) before attaching DoRA adapters: each
-    holds the base weight it was built on.
+    unchanged too. DoRA adapters hold no base weight (the layer passes its own at call
+    time): quantising the base afterwards keeps one copy of it, and the magnitudes then
+    stay those of the weight they were taken from, as when PEFT loads a DoRA adapter onto
+    a quantised base.
     """
     where = where_layers(model)
     if where(model).lora is not None:
@@ -337,9 +356,7 @@ def apply_lora(model: PyTree, config: LoRAConfig, *, key: PRNGKeyArray) -> PyTre
                 b=b,
                 magnitude=dora_magnitude(weight, columns, a, b, scale),
                 scale=scale,
-                weight=weight,
                 ranks=(config.rank,) * cfg.n_layers,
-                columns=columns,
                 dropout=config.dropout,
                 rslora=config.use_rslora,
             )
@@ -361,7 +378,7 @@ def apply_lora(model: PyTree, config: LoRAConfig, *, key: PRNGKeyArray) -> PyTre
 
 def lora_filter(model: PyTree, *, head: bool | None = None) -> PyTree:
     """Filter spec for `eqx.partition`: `True` on the adapter arrays (DoRA's magnitudes
-    included, its copy-free reference to the base weight not) and, on a
+    included) and, on a
     `RewardModel` or `ValueModel`, on its scalar read-out (`head`, `bias`).
 
     A reward or value model trained with LoRA trains its scalar head beside the
@@ -396,8 +413,6 @@ def lora_filter(model: PyTree, *, head: bool | None = None) -> PyTree:
         adapters[name] = jax.tree_util.tree_map(eqx.is_array, adapter)
         if isinstance(adapter, (LayerwiseLoRAAdapter, DoRAAdapter)):  # frozen per-layer scale
             adapters[name] = eqx.tree_at(lambda ad: ad.scale, adapters[name], False)
-        if isinstance(adapter, DoRAAdapter):  # the base weight it reads is the frozen base's
-            adapters[name] = eqx.tree_at(lambda ad: ad.weight, adapters[name], False)
     spec = eqx.tree_at(lambda m: where(m).lora, spec, adapters)
     if scalar and head is not False:
         spec = eqx.tree_at(lambda m: (m.head, m.bias), spec, (True, True))
@@ -528,7 +543,7 @@ def count_params(model: PyTree, filter_spec: PyTree | None = None) -> int:
     Int8 weights count their int8 entries and their scales. A `LayerwiseLoRAAdapter`
     counts each layer's own rank, `ranks[l] · (in + out)`, not the zero padding up to the
     largest rank (the figure PEFT's `print_trainable_parameters` gives); a `DoRAAdapter`
-    adds its magnitudes (`out` per adapted layer) and not the base weight it reads.
+    adds its magnitudes (`out` per adapted layer).
     """
     if filter_spec is not None:
         model = eqx.filter(model, filter_spec)
@@ -543,9 +558,8 @@ def count_params(model: PyTree, filter_spec: PyTree | None = None) -> int:
 
 
 def _layerwise_size(adapter: "LayerwiseLoRAAdapter | DoRAAdapter") -> int:
-    """Elements of `adapter` without the zero padding beyond each layer's rank (nor, for a
-    `DoRAAdapter`, the base weight it reads, counted with the base; its magnitudes count
-    for the adapted layers)."""
+    """Elements of `adapter` without the zero padding beyond each layer's rank (a
+    `DoRAAdapter`'s magnitudes count for the adapted layers)."""
     total = sum(x.size for x in (adapter.scale,) if eqx.is_array(x))
     if isinstance(adapter, DoRAAdapter) and eqx.is_array(adapter.magnitude):
         width = adapter.magnitude.shape[-1]

@@ -619,9 +619,7 @@ def _dora_adapter(layers, target, cfg, parts, ab, ranks, scales, flags, path) ->
         b=jnp.asarray(b),
         magnitude=jnp.asarray(magnitude),
         scale=scale,
-        weight=weight,
         ranks=tuple(ranks),
-        columns=columns,
         dropout=dropout,
         rslora=rslora,
     )

@@ -23,10 +23,10 @@ units, so XLA re-lays out the slices `q`, `k`, `v`, `gate`, `up` after the produ
 communication differs from an interleaved (head-major) layout.
 
 A LoRA adapter follows the weight it updates: `a` is split like the weight's input
-axis and `b` like its output axis. An `Int8Weight` splits `q` like the dense weight and
-its per-column `scale` like the columns; a `GGUFWeight`'s packed rows (its output
-columns) are split like the columns, never inside a row. Leaves the rules do not name
-are replicated.
+axis and `b` (and a DoRA adapter's `magnitude`) like its output axis. An `Int8Weight`
+splits `q` like the dense weight and its per-column `scale` like the columns; a
+`GGUFWeight`'s packed rows (its output columns) are split like the columns, never inside
+a row. Leaves the rules do not name are replicated.
 """
 
 from collections.abc import Hashable
@@ -65,7 +65,7 @@ def _trailing_rule(names, fsdp_axis, model_axis) -> tuple | None:
         i = attrs.index("lora")
         targets = [n for kind, n in names if kind == "dict"]
         leaf = attrs[-1] if len(attrs) > i + 1 else None
-        if not targets or leaf not in ("a", "b"):
+        if not targets or leaf not in ("a", "b", "magnitude"):
             return None
         target = targets[-1]
         if target in _COLUMN_TARGETS:
@@ -74,6 +74,8 @@ def _trailing_rule(names, fsdp_axis, model_axis) -> tuple | None:
             in_axis, out_axis = model_axis, fsdp_axis
         else:
             return None
+        if leaf == "magnitude":  # DoRA's, one per output column
+            return (out_axis,)
         return (in_axis, None) if leaf == "a" else (None, out_axis)
     for j in range(len(attrs) - 1, -1, -1):
         name = attrs[j]

@@ -409,3 +409,15 @@ def test_partition_specs_split_magnitudes_like_the_columns_they_scale():
     assert specs["q"].b == jax.sharding.PartitionSpec(None, None, "model")
     assert specs["o"].magnitude == jax.sharding.PartitionSpec(None, "data")
     assert specs["o"].scale == jax.sharding.PartitionSpec(None)
+
+
+def test_save_gguf_adapter_refuses_dora_saying_what_to_write_instead(tmp_path):
+    pytest.importorskip("gguf", reason="GGUF files need the gguf package")
+    model = _trained(_dora(_policy()))
+    with pytest.raises(ValueError, match=r"DoRA.*merge_lora.*save_gguf$") as info:
+        rx.models.save_gguf_adapter(model, tmp_path / "a.gguf")
+    assert "\n" not in str(info.value) and not (tmp_path / "a.gguf").exists()
+    rx.models.write_gguf(rx.merge_lora(model), tmp_path / "m.gguf", dtype="f32")
+    again = rx.models.load_gguf_policy(tmp_path / "m.gguf")
+    tokens, mask = _tokens()
+    np.testing.assert_allclose(again(tokens, mask), model(tokens, mask), rtol=1e-4, atol=1e-5)

@@ -46,7 +46,7 @@ from ._gguf_config import PERMUTED, gguf_metadata, llama3_rope_factors
 from ._heads import Policy
 from ._hf import NoSpace, cannot_write, disk_full, prepare_parent, remove_created
 from ._hf_tensors import tensors_from_model
-from ._lora import layer_ranks_and_scales, merge_lora
+from ._lora import DoRAAdapter, layer_ranks_and_scales, merge_lora
 from ._peft import _MODULES
 from ._quant import dequantize
 
@@ -327,13 +327,22 @@ def save_gguf_adapter(
 
     With the base model written by `save_gguf(without_lora(model), ...)`, llama.cpp
     (`--lora`) computes the adapted model. Raises `ValueError` when the model has no
-    adapters or an adapter holds NaN or ±inf (naming the tensor; nothing is written).
+    adapters, has DoRA adapters (`DoRAAdapter`: the format has no magnitudes; write
+    `save_gguf(merge_lora(model), ...)` instead) or an adapter holds NaN or ±inf (naming
+    the tensor; nothing is written).
     """
     path = os.fspath(path)
     gguf = gguf_package()
     lora = where_layers(model)(model).lora
     if lora is None:
         raise ValueError("save_gguf_adapter: the model has no LoRA adapters; call apply_lora first")
+    dora = sorted(name for name, ad in lora.items() if isinstance(ad, DoRAAdapter))
+    if dora:
+        raise ValueError(
+            f"save_gguf_adapter: the adapters of {dora} are DoRA, whose magnitudes llama.cpp's "
+            "LoRA adapter format cannot hold; fold them in with merge_lora and write the "
+            "model with save_gguf"
+        )
     cfg = model_config(model)
     arch, _ = gguf_metadata(cfg)
     ranks, scales = layer_ranks_and_scales(next(iter(lora.values())), cfg.n_layers)

@@ -171,6 +171,7 @@ STAGE_KEYS = {
 }
 OPTIM_KEYS = "learning_rate warmup_ratio weight_decay max_grad_norm schedule b1 b2 eps"
 OPTIONS_KEYS = "micro_batches axis_name donate nonfinite check_token_ids"
+LORA_KEYS = "rank alpha dropout targets use_rslora use_dora"  # lora.use_dora: DoRA adapters
 
 
 def test_stage_config_keys_are_the_documented_ones():
@@ -182,6 +183,8 @@ def test_stage_config_keys_are_the_documented_ones():
         if "optim" in d[stage]:
             assert set(d[stage]["optim"]) == set(OPTIM_KEYS.split()), stage
             assert set(d[stage]["options"]) == set(OPTIONS_KEYS.split()), stage
+        if "lora" in d[stage]:
+            assert set(d[stage]["lora"]) == set(LORA_KEYS.split()), stage
     # the stage configs are the train records (same fields, defaults and checks)
     records = {
         "sft": rx.train.SFTSettings,

@@ -184,16 +184,19 @@ class DataConfig:
 class LoRASettings:
     """LoRA adapters (Hu et al. 2021; PEFT defaults): rank `rank`, scale `alpha / rank`
     (`alpha / √rank` with `use_rslora`: rank-stabilised LoRA, Kalajdzievski 2023),
-    `dropout` on the adapter input, on the projections `targets`. `rank=0`: train every
-    weight instead. With `rank > 0` these are the fields of the models' record
-    `rlhf_eqx.LoRAConfig` (`lora_config()`), which cannot express "no adapters"; checked
-    when built (`ConfigError`)."""
+    `dropout` on the adapter input, on the projections `targets`; `use_dora`: DoRA
+    adapters (Liu et al. 2024; PEFT's `use_dora`), each adapted projection also training
+    a magnitude per output feature, saved as PEFT saves them (`lora_magnitude_vector`).
+    `rank=0`: train every weight instead. With `rank > 0` these are the fields of the
+    models' record `rlhf_eqx.LoRAConfig` (`lora_config()`), which cannot express "no
+    adapters"; checked when built (`ConfigError`)."""
 
     rank: int = 16
     alpha: float = 32.0
     dropout: float = 0.05
     targets: tuple[str, ...] = ("q", "v")
     use_rslora: bool = False
+    use_dora: bool = False
 
     def __post_init__(self):
         try:
@@ -222,6 +225,7 @@ class LoRASettings:
             dropout=self.dropout,
             targets=self.targets,
             use_rslora=self.use_rslora,
+            use_dora=self.use_dora,
         )
 
 

@@ -428,8 +428,8 @@ def load_lora_adapter(model: PyTree, directory: str | os.PathLike) -> PyTree:
     (and field or tensor) for unreadable JSON or safetensors, unsupported PEFT options
     (`lora_bias`, `modules_to_save`, ...), unknown modules, mis-shaped tensors and
     tensors holding NaN or ±inf. With `use_dora` the adapters are `DoRAAdapter`s holding
-    the `lora_magnitude_vector` tensors (on a dense or quantised base: quantise it
-    before loading the adapter)."""
+    the `lora_magnitude_vector` tensors, on a dense or quantised base (which they read
+    at call time, holding no copy of it)."""
     directory = os.fspath(directory)
     where = where_layers(model)
     if where(model).lora is not None:

@@ -37,7 +37,25 @@ from ._tokenized import (
 from ._tokenizer import Tokenizer
 
 _TRUNCATIONS = ("keep_end", "drop")
+_EOS_MODES = (True, False, "auto")
 T = TypeVar("T")
+
+
+def ends_turn(tokenizer: Tokenizer, ids: Sequence[int]) -> bool:
+    """Whether the completion `ids` already end their turn: their last id, past any
+    trailing ids that decode to whitespace alone (ChatML writes `"<|im_end|>\\n"`), is
+    the tokenizer's EOS or one of its `stop_ids` (an end-of-turn id such as Llama 3's
+    `<|eot_id|>`)."""
+    stops = {tokenizer.eos_id, *(getattr(tokenizer, "stop_ids", None) or ())}
+    k = len(ids)
+    while k and ids[k - 1] not in stops and not tokenizer.decode([ids[k - 1]]).strip():
+        k -= 1
+    return k > 0 and ids[k - 1] in stops
+
+
+def _check_add_eos(add_eos: object) -> None:
+    if not any(add_eos is m or (isinstance(m, str) and add_eos == m) for m in _EOS_MODES):
+        raise DataError(f"add_eos must be True, False or 'auto', got {add_eos!r}")
 
 
 def wants_bos(tokenizer: Tokenizer, add_bos: bool | None = None) -> bool:
@@ -129,17 +147,19 @@ def _tokenize(
     lengths: SequenceLengths,
     truncation: str,
     add_bos: bool | None,
-    add_eos: bool,
+    add_eos: bool | str,
     build: Callable[[int, list[TokenizedSequence]], T],
 ) -> tuple[list[T], TokenizeReport]:
     """`build(index in items, fitted sequences)` of each kept item, and the report
     (`build` may drop the item by raising `_Drop` with the reason)."""
     _check_truncation(truncation)
-    report = TokenizeReport(lengths=lengths, truncation=truncation, eos=add_eos)
+    _check_add_eos(add_eos)
+    report = TokenizeReport(lengths=lengths, truncation=truncation, eos=bool(add_eos))
     out = []
     add_bos = wants_bos(tokenizer, add_bos)
     bos = [tokenizer.bos_id] if add_bos else []
     eos = [tokenizer.eos_id] if add_eos else []
+    auto = add_eos == "auto"
     for i, (prompt, completions) in enumerate(items):
         report.total += 1
         prompt_ids = tokenizer.encode(prompt)
@@ -150,10 +170,11 @@ def _tokenize(
             for completion in completions:
                 p, c, m = _split_ids(tokenizer, prompt, completion, prompt_ids)
                 merged |= m
+                end = [] if auto and ends_turn(tokenizer, c) else eos
                 seqs.append(
                     _fit(
                         bos + p,
-                        c + eos,
+                        c + end,
                         lengths=lengths,
                         truncation=truncation,
                         add_bos=add_bos,
@@ -181,7 +202,7 @@ def tokenize_preferences(
     max_completion_length: int | None = None,
     truncation: str = "keep_end",
     add_bos: bool | None = None,
-    add_eos: bool = True,
+    add_eos: bool | str = True,
 ) -> tuple[list[TokenizedPair], TokenizeReport]:
     """Tokenise preference records (`.prompt`, `.chosen`, `.rejected`) into pairs.
 
@@ -194,7 +215,10 @@ def tokenize_preferences(
       that name in `lengths`.
     - `truncation`: `"keep_end"` (truncate; see the module docstring) or `"drop"`.
     - `add_bos` / `add_eos`: start prompts with BOS / end completions with EOS
-      (`add_bos=None`: as the tokenizer asks, `wants_bos`).
+      (`add_bos=None`: as the tokenizer asks, `wants_bos`; `add_eos="auto"`: EOS after
+      each completion that does not end its turn already, `ends_turn`, e.g. one a chat
+      template closed with its end-of-turn token, so that every completion ends
+      exactly once).
 
     **Returns:** `(pairs, report)`: a `TokenizedPair` for each kept record (with the
     record's `margin`, when it has one), and a `TokenizeReport` counting truncated,
@@ -224,7 +248,7 @@ def tokenize_sft(
     max_completion_length: int | None = None,
     truncation: str = "keep_end",
     add_bos: bool | None = None,
-    add_eos: bool = True,
+    add_eos: bool | str = True,
 ) -> tuple[list[TokenizedSequence], TokenizeReport]:
     """Tokenise `(prompt, completion)` records for supervised fine-tuning.
 
@@ -251,7 +275,7 @@ def tokenize_sft(
             return s
         prompt, (completion,) = items[i]
         flags = _trained_tokens(tokenizer, prompt, completion, spans[i], len(s.completion))
-        flags = (flags + [True] * add_eos)[: len(s.completion)]
+        flags = (flags + [True] * bool(add_eos))[: len(s.completion)]
         if not any(flags):
             raise _Drop("no trained token")
         return TokenizedSequence(s.prompt, s.completion, tuple(flags))

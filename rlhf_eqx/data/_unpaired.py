@@ -236,7 +236,7 @@ def tokenize_unpaired(
     max_completion_length: int | None = None,
     truncation: str = "keep_end",
     add_bos: bool | None = None,
-    add_eos: bool = True,
+    add_eos: bool | str = True,
 ) -> tuple[list[TokenizedUnpaired], TokenizeReport]:
     """Tokenise unpaired records (`.prompt`, `.completion`, `.label`).
 

@@ -549,6 +549,20 @@ def is_preference_file(path: str, **options) -> bool:
 # --- what the data-file stages share ---------------------------------------------------
 
 
+DATA_EOS = "auto"
+"""How a data file's completions end (`data.tokenize_sft`'s `add_eos`): with EOS, as
+TRL's trainers append it to each completion (`SFTTrainer`, `DPOTrainer`, `KTOTrainer`,
+`RewardTrainer`), unless the chat template ended the turn with its end-of-turn token
+already (ChatML's `<|im_end|>`), so that each completion ends exactly once and the model
+learns to stop."""
+
+
+def data_ctx(env):
+    """The `RunContext` of a data-file stage: `env.ctx("")` with its completions ended
+    (`add_eos=DATA_EOS`)."""
+    return dataclasses.replace(env.ctx(""), add_eos=DATA_EOS)
+
+
 def trained_policy(env, model):
     """`final_policy` (adapters merged, a quantised base decoded first: the merged
     policy is dense) of a data-file stage's trained model; `env`, the stage's, is the
@@ -584,9 +598,11 @@ def preference_split(env, c) -> tuple[list, list]:
     return train, held
 
 
-def located_preference_split(env, c) -> tuple[list, list, list]:
+def located_preference_split(env, c, *, log_cuts: bool = True) -> tuple[list, list, list]:
     """`preference_split`, and where each training pair is in the file (its
-    `FilePlace`, `record_numbers`; `None` when not known), in the order of the pairs."""
+    `FilePlace`, `record_numbers`; `None` when not known), in the order of the pairs.
+    `log_cuts=False`: no `truncation` event (a stage that leaves records out afterwards
+    reports the cuts of those it keeps: `report_cuts`)."""
     cfg, tok = env.cfg, env.tok
     log = env.ctx("").log
     fmt = "auto" if cfg.data.format == "preference" else cfg.data.format  # sft's name
@@ -596,9 +612,10 @@ def located_preference_split(env, c) -> tuple[list, list, list]:
     places = record_numbers(records, raw, train)
     lengths = _lengths(env, c)
     train, quality = quality_report(train, tok, lengths, cfg.data, log, records.report)
-    _, report = data.tokenize_preferences(train, tok, lengths=lengths, add_eos=False)
+    _, report = data.tokenize_preferences(train, tok, lengths=lengths, add_eos=DATA_EOS)
     numbers = [places.get(id(r)) for r in train]
-    _log_cuts(env, c, report, "pairs", numbers)
+    if log_cuts:
+        _log_cuts(env, c, report, "pairs", numbers)
     quality_counts = {
         "identical": len(quality.identical),
         "empty": len(quality.empty),
@@ -624,6 +641,23 @@ def _log_cuts(env, c, report, what: str, numbers: Sequence) -> None:
         "prompts out with data.filter=long_prompt",
         numbers,
     )
+
+
+def report_cuts(env, c, records: Sequence, numbers: Sequence, what: str) -> None:
+    """The `truncation` event (`log_truncation`) and `summary["truncation"]` of the
+    `(prompt, completion)` records a data-file stage with settings `c` trains on, after
+    it left some out (`located_preference_split(log_cuts=False)`), tokenised as it
+    trains on them; `numbers`: where each is in the file, `what` their noun."""
+    _, report = data.tokenize_sft(
+        list(records), env.tok, lengths=_lengths(env, c), add_eos=DATA_EOS
+    )
+    _log_cuts(env, c, report, what, numbers)
+    env.summary["truncation"] = {
+        "records": report.total,
+        "prompt_truncated": report.prompt_truncated,
+        "completion_truncated": report.completion_truncated,
+        "policy": report.summary(),
+    }
 
 
 def _lengths(env, c) -> "data.SequenceLengths":
@@ -718,9 +752,12 @@ def demonstration_split(env, c, records, rendered: bool = False) -> tuple[list, 
     return train, held
 
 
-def located_demonstration_split(env, c, records, rendered: bool = False) -> tuple[list, list, list]:
+def located_demonstration_split(
+    env, c, records, rendered: bool = False, *, log_cuts: bool = True
+) -> tuple[list, list, list]:
     """`demonstration_split`, and where each training demonstration is in the file (its
-    `FilePlace`, `record_numbers`; `None` when not known), in their order."""
+    `FilePlace`, `record_numbers`; `None` when not known), in their order; `log_cuts` as
+    in `located_preference_split`."""
     text = records.report.format == "text"
     by = (lambda r: r.completion) if text else None
     raw, held = split_records(records, env.cfg.data, by)
@@ -732,9 +769,10 @@ def located_demonstration_split(env, c, records, rendered: bool = False) -> tupl
     places = record_numbers(records, raw, train)
     lengths = _lengths(env, c)
     train, quality = demo_quality(train, env, lengths, records.report)
-    _, report = data.tokenize_demonstrations(train, env.tok, lengths=lengths, add_eos=False)
+    _, report = data.tokenize_demonstrations(train, env.tok, lengths=lengths, add_eos=DATA_EOS)
     numbers = [places.get(id(r)) for r in train]
-    _log_cuts(env, c, report, "demonstrations", numbers)
+    if log_cuts:
+        _log_cuts(env, c, report, "demonstrations", numbers)
     _summarise_split(env, records.report, train, held, report, quality)
     return train, held, numbers
 

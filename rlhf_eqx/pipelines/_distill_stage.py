@@ -19,11 +19,14 @@ from rlhf_eqx import data
 from ..train import DistillSettings
 from ._config import BatchStageConfig, LoRASettings, _optim
 from ._data_prep import (
+    DATA_EOS,
+    data_ctx,
     demonstrations,
     located_demonstration_split,
     located_preference_split,
     log_left_out,
     prompt_tokens,
+    report_cuts,
     trained_policy,
 )
 from ._field_checks import _above, _fail, _positive, _within
@@ -243,11 +246,17 @@ def load_teacher(directory: str, student) -> rx.Policy:
 
 
 def completions_batch(
-    records: Sequence[tuple[str, str]], tok, *, max_length: int, prompt_length: int
+    records: Sequence[tuple[str, str]],
+    tok,
+    *,
+    max_length: int,
+    prompt_length: int,
+    add_eos: bool | str = False,
 ) -> rx.train.DistillBatch:
-    """`(prompt, completion)` records as a right-padded `DistillBatch` (no EOS)."""
+    """`(prompt, completion)` records as a right-padded `DistillBatch`; `add_eos` as
+    `RunContext.add_eos` (default no EOS: sampled completions hold theirs)."""
     seqs, _ = data.tokenize_sft(
-        list(records), tok, max_length=max_length, max_prompt_length=prompt_length, add_eos=False
+        list(records), tok, max_length=max_length, max_prompt_length=prompt_length, add_eos=add_eos
     )
     b = data.collate_sft(seqs, max_length=max_length, pad_id=tok.pad_id)
     return rx.train.DistillBatch(b.tokens, b.mask, b.completion_mask)
@@ -408,7 +417,8 @@ def distill_on_data(env: StageEnv, c: DistillConfig) -> Outcome:
     teacher = load_teacher(c.teacher, policy)
     records, rendered = demonstrations(env)
     if records is None:
-        train, held, numbers = located_preference_split(env, c)
+        train, held, numbers = located_preference_split(env, c, log_cuts=False)
+        what = "pairs"
     elif records.report.format == "text":
         raise ValueError(
             f"data.path={cfg.data.path}: language-modelling text has no prompt; distill "
@@ -416,7 +426,10 @@ def distill_on_data(env: StageEnv, c: DistillConfig) -> Outcome:
             "messages records)"
         )
     else:
-        train, held, numbers = located_demonstration_split(env, c, records, rendered)
+        train, held, numbers = located_demonstration_split(
+            env, c, records, rendered, log_cuts=False
+        )
+        what = "demonstrations"
     train, held = _completion_pairs(train), _completion_pairs(held)
     if c.samples_completions:
         # sampled steps (on-policy, seq_kd) sample from the prompt: it must fit whole
@@ -452,13 +465,16 @@ def distill_on_data(env: StageEnv, c: DistillConfig) -> Outcome:
                 "from whole prompts; data.filter=long_prompt drops them from the start)"
             )
         train = fits
-    lengths = dict(max_length=c.max_length, prompt_length=s.prompt_length)
+        numbers = [n for n, ok in zip(numbers, whole) if ok]
+    # the cuts of the records trained on, after the prompts left out (if any)
+    report_cuts(env, c, train, numbers, what)
+    lengths = dict(max_length=c.max_length, prompt_length=s.prompt_length, add_eos=DATA_EOS)
     comps = completions_batch(train, tok, **lengths)
     hb = completions_batch(held, tok, **lengths)
     env.say(f"distill: {len(train)} training / {len(held)} held-out prompts, teacher {c.teacher}")
     kw = dict(beta=c.beta)  # at the loss's temperature, τ = 1 (as TRL's GKDTrainer)
     before = distill_divergence(policy, teacher, hb, **kw)
-    ctx = env.ctx("")
+    ctx = data_ctx(env)
     res = run_distill(policy, teacher, tok, [r[0] for r in train], comps, cfg=c, ctx=ctx)
     trained = trained_policy(env, res.state.model)
     env.summary["distill"] = {

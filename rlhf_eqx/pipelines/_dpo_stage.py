@@ -19,7 +19,7 @@ from rlhf_eqx import data
 from ..losses import DPO_BATCH_LOSS_TYPES, DPO_LOSS_TYPES, DPO_REFERENCE_FREE_LOSS_TYPES
 from ..train import DPOSettings
 from ._config import BatchStageConfig, LoRASettings, _optim
-from ._data_prep import implicit_accuracy, preference_split, trained_policy
+from ._data_prep import DATA_EOS, data_ctx, implicit_accuracy, preference_split, trained_policy
 from ._evaluate import binomial_se
 from ._field_checks import _fail, _positive
 from ._monitor import model_flops
@@ -136,7 +136,12 @@ def run_dpo(
     scored = reads_reference(cfg)
     if cfg.packing:
         batches = packed_steps(
-            pairs, tok, cfg=cfg, prompt_length=ctx.prompt_length, seed=ctx.ops.seed
+            pairs,
+            tok,
+            cfg=cfg,
+            prompt_length=ctx.prompt_length,
+            seed=ctx.ops.seed,
+            add_eos=ctx.add_eos,
         )
         at = shuffled_batches(range(len(batches)), ctx.ops.seed)
         return run_offline(
@@ -148,7 +153,13 @@ def run_dpo(
             tokens_per_iteration=int(batches[0].tokens.size),
             **run,
         )
-    full = collate_pairs(pairs, tok, max_length=cfg.max_length, prompt_length=ctx.prompt_length)
+    full = collate_pairs(
+        pairs,
+        tok,
+        max_length=cfg.max_length,
+        prompt_length=ctx.prompt_length,
+        add_eos=ctx.add_eos,
+    )
     n = full.chosen_tokens.shape[0]
     return run_offline(
         state,
@@ -218,13 +229,24 @@ def referenced_rows(reference, full, batch_size: int, seed: int) -> Callable[[in
 
 
 def packed_steps(
-    pairs: Sequence[data.PreferenceRecord], tok, *, cfg: DPOConfig, prompt_length: int, seed: int
+    pairs: Sequence[data.PreferenceRecord],
+    tok,
+    *,
+    cfg: DPOConfig,
+    prompt_length: int,
+    seed: int,
+    add_eos: bool | str = False,
 ) -> list[rx.PackedPreferenceBatch]:
     """Token-budget DPO batches (`data.pack_preference_steps`): rows of `2 · max_length`
     tokens (any pair fits) holding up to 4 pairs each with their prompt written once, as
-    many rows a step as hold `cfg.batch_size` pairs on average; one shape for every step."""
+    many rows a step as hold `cfg.batch_size` pairs on average; one shape for every step.
+    `add_eos` as `RunContext.add_eos`."""
     tokenized, _ = data.tokenize_preferences(
-        list(pairs), tok, max_length=cfg.max_length, max_prompt_length=prompt_length, add_eos=False
+        list(pairs),
+        tok,
+        max_length=cfg.max_length,
+        max_prompt_length=prompt_length,
+        add_eos=add_eos,
     )
     return data.pack_preference_steps(
         tokenized,
@@ -375,7 +397,11 @@ def dpo_heldout_metrics(env: StageEnv, reference, trained, held: Sequence, c: DP
     standard error `heldout_reward_accuracy_se`; and `sampled`, the two models' samples on
     the held-out prompts (`sampling` and `eval_samples` of the run's configuration)."""
     held_batch = collate_pairs(
-        held, env.tok, max_length=c.max_length, prompt_length=env.cfg.sampling.prompt_length
+        held,
+        env.tok,
+        max_length=c.max_length,
+        prompt_length=env.cfg.sampling.prompt_length,
+        add_eos=DATA_EOS,
     )
     accuracy = float(implicit_accuracy(trained, reference, held_batch, c.beta))
     n_held = held_batch.chosen_tokens.shape[0]
@@ -391,7 +417,7 @@ def dpo_on_data(env: StageEnv, c: DPOConfig) -> Outcome:
     held-out samples (`dpo_heldout_metrics`)."""
     policy = env.base
     train, held = preference_split(env, c)
-    res = run_dpo(policy, env.tok, train, cfg=c, ctx=env.ctx(""))
+    res = run_dpo(policy, env.tok, train, cfg=c, ctx=data_ctx(env))
     trained = trained_policy(env, res.state.model)
     env.summary["dpo"] = dpo_heldout_metrics(env, policy, trained, held, c)
     return Outcome(res, policy=trained)

@@ -19,7 +19,9 @@ from ..losses import KTO_LOSS_TYPES
 from ..train import KTOSettings
 from ._config import BatchStageConfig, DataConfig, LoRASettings, _optim
 from ._data_prep import (
+    DATA_EOS,
     chat_records,
+    data_ctx,
     implicit_accuracy,
     is_preference_file,
     log_filter,
@@ -87,12 +89,14 @@ def collate_unpaired_records(
     max_length: int,
     prompt_length: int,
     kl: bool = True,
+    add_eos: bool | str = False,
 ) -> rx.train.KTOBatch:
-    """Tokenise `prompt + completion` (no EOS) right-padded to `max_length`, with (`kl`)
-    the mismatched rows KTO's reference point needs (`data.collate_unpaired`;
-    `loss_type="apo_zero_unpaired"` reads none)."""
+    """Tokenise `prompt + completion` right-padded to `max_length`, with (`kl`) the
+    mismatched rows KTO's reference point needs (`data.collate_unpaired`;
+    `loss_type="apo_zero_unpaired"` reads none); `add_eos` as `RunContext.add_eos`
+    (default no EOS: sampled completions hold theirs)."""
     tokenized, _ = data.tokenize_unpaired(
-        list(records), tok, max_length=max_length, max_prompt_length=prompt_length, add_eos=False
+        list(records), tok, max_length=max_length, max_prompt_length=prompt_length, add_eos=add_eos
     )
     return data.collate_unpaired(tokenized, pad_id=tok.pad_id, max_length=max_length, kl=kl)
 
@@ -114,7 +118,12 @@ def run_kto(
         )
     kl = cfg.loss_type == "kto"  # the other loss has no reference point
     full = collate_unpaired_records(
-        records, tok, max_length=cfg.max_length, prompt_length=ctx.prompt_length, kl=kl
+        records,
+        tok,
+        max_length=cfg.max_length,
+        prompt_length=ctx.prompt_length,
+        kl=kl,
+        add_eos=ctx.add_eos,
     )
     k_lora, ctx_key = jax.random.split(ctx.key)
     settings = rx.train.KTOSettings(
@@ -221,7 +230,7 @@ def kto_on_data(env: StageEnv, c: KTOConfig) -> Outcome:
     the held-out part is split by prompt before any splitting of pairs;
     `summary["kto"]` also counts the training examples of each kind."""
     train, held, held_pairs = kto_examples(env, c)
-    res = run_kto(env.base, env.tok, train, cfg=c, ctx=env.ctx(""))
+    res = run_kto(env.base, env.tok, train, cfg=c, ctx=data_ctx(env))
     trained = trained_policy(env, res.state.model)
     good = sum(bool(r.label) for r in train)
     counts = {"train_desirable": good, "train_undesirable": len(train) - good}
@@ -296,7 +305,7 @@ def _unpaired_truncation(
     their number in the file (`numbers`: `record_numbers` of the examples;
     `truncated_records`)."""
     _, report = data.tokenize_unpaired(
-        records, tok, max_length=max_length, max_prompt_length=prompt_length, add_eos=False
+        records, tok, max_length=max_length, max_prompt_length=prompt_length, add_eos=DATA_EOS
     )
     named = log_truncation(
         log,
@@ -381,13 +390,14 @@ def kto_data_metrics(
     `held_pairs` (a preference file's), and held-out samples (`reuse`: as in
     `sampled_comparison`)."""
     policy, tok, pl = env.base, env.tok, env.cfg.sampling.prompt_length
-    held_batch = collate_unpaired_records(held, tok, max_length=c.max_length, prompt_length=pl)
+    lengths = dict(max_length=c.max_length, prompt_length=pl, add_eos=DATA_EOS)
+    held_batch = collate_unpaired_records(held, tok, **lengths)
     out = kto_heldout_metrics(trained, policy, held_batch, c.beta)
     note = _one_kind_held_out(env.cfg.data, held)
     if note:
         out["note"] = note
     if held_pairs is not None:
-        hb = collate_pairs(held_pairs, tok, max_length=c.max_length, prompt_length=pl)
+        hb = collate_pairs(held_pairs, tok, **lengths)
         out["heldout_pair_accuracy"] = float(implicit_accuracy(trained, policy, hb, c.beta))
     out["sampled"] = heldout_samples(env, policy, trained, held, reuse)
     return out

@@ -19,7 +19,7 @@ from rlhf_eqx import data
 from ..losses import ENSEMBLE_MODES
 from ..train import RewardSettings
 from ._config import BatchStageConfig, _optim
-from ._data_prep import preference_split
+from ._data_prep import DATA_EOS, data_ctx, preference_split
 from ._evaluate import binomial_se, reward_accuracy
 from ._field_checks import _at_least, _choice, _fail, _positive
 from ._lr_scale import build_optimizer
@@ -166,12 +166,9 @@ def run_reward(
                 f"reward.heldout_fraction={cfg.heldout_fraction}: {len(pairs)} pairs are too "
                 "few to hold some out; the last model is kept",
             )
-    full = collate_pairs(pairs, tok, max_length=cfg.max_length, prompt_length=ctx.prompt_length)
-    val_batch = (
-        collate_pairs(val, tok, max_length=cfg.max_length, prompt_length=ctx.prompt_length)
-        if val
-        else None
-    )
+    lengths = dict(max_length=cfg.max_length, prompt_length=ctx.prompt_length)
+    full = collate_pairs(pairs, tok, **lengths, add_eos=ctx.add_eos)
+    val_batch = collate_pairs(val, tok, **lengths, add_eos=ctx.add_eos) if val else None
     k_init, ctx_key = jax.random.split(ctx.key)
     opt = build_optimizer(cfg.optim, cfg.steps)
     K = cfg.ensemble
@@ -313,9 +310,13 @@ def reward_on_data(env: StageEnv, c: RewardConfig) -> Outcome:
     tok = env.tok
     train, held = preference_split(env, c)
     held_batch = collate_pairs(
-        held, tok, max_length=c.max_length, prompt_length=env.cfg.sampling.prompt_length
+        held,
+        tok,
+        max_length=c.max_length,
+        prompt_length=env.cfg.sampling.prompt_length,
+        add_eos=DATA_EOS,
     )
-    ctx = env.ctx("")
+    ctx = data_ctx(env)
     margins = _margin_summary(train)
     if margins is not None:
         message = (

@@ -45,7 +45,11 @@ class RunContext:
     every `ops.eval_every` iterations on the current policy (LoRA merged). `peak_flops`
     (`measure_matmul_peak`, once per run) turns on the per-iteration MFU. `callbacks`
     (`Callback`s) are called by the run's loop: every run function that takes this
-    context gets them."""
+    context gets them. `add_eos`: how the completions of the records a run tokenises end
+    (`data.tokenize_sft`'s keyword): `False` on the built-in task, whose sampled
+    completions hold their own EOS where the model stopped; `"auto"` on a data file
+    (TRL's EOS after each completion, unless its chat template ended the turn with its
+    end-of-turn token already), so that the model learns to stop."""
 
     ops: OpsConfig
     log: MetricsLog
@@ -67,6 +71,7 @@ class RunContext:
     evaluate: Callable[[object], dict] | None = None
     peak_flops: float | None = None
     callbacks: Sequence[Any] = ()
+    add_eos: bool | str = False
 
 
 @dataclasses.dataclass
@@ -367,11 +372,17 @@ def run_on_rows(
 
 
 def collate_pairs(
-    pairs: Sequence[data.PreferenceRecord], tok, *, max_length: int, prompt_length: int
+    pairs: Sequence[data.PreferenceRecord],
+    tok,
+    *,
+    max_length: int,
+    prompt_length: int,
+    add_eos: bool | str = False,
 ) -> rx.PreferenceBatch:
-    """Tokenise `prompt + chosen` / `prompt + rejected` (no EOS: completions stop at a
-    length limit), right-padded to `max_length`."""
+    """Tokenise `prompt + chosen` / `prompt + rejected`, right-padded to `max_length`;
+    `add_eos` as `RunContext.add_eos` (default no EOS: sampled completions carry their
+    own)."""
     tokenized, _ = data.tokenize_preferences(
-        list(pairs), tok, max_length=max_length, max_prompt_length=prompt_length, add_eos=False
+        list(pairs), tok, max_length=max_length, max_prompt_length=prompt_length, add_eos=add_eos
     )
     return data.collate_preferences(tokenized, max_length=max_length, pad_id=tok.pad_id)

@@ -16,6 +16,7 @@ from rlhf_eqx import data
 from ..train import OptimizerSettings, SFTSettings
 from ._config import BatchStageConfig, LoRASettings, _optim
 from ._data_prep import (
+    data_ctx,
     demonstration_split,
     demonstrations,
     nll,
@@ -61,7 +62,7 @@ def run_sft(model, tok, records: Sequence, *, cfg: SFTConfig, ctx: RunContext) -
     `info["packing"]` says how full they are (`packing_report`)."""
     validate_stage("sft", cfg)
     rows = sft_packed_rows if cfg.packing else sft_rows
-    full = rows(records, tok, cfg, ctx.prompt_length)
+    full = rows(records, tok, cfg, ctx.prompt_length, add_eos=ctx.add_eos)
     k_lora, ctx_key = jax.random.split(ctx.key)
     state, _, step = train_setup(model, cfg, cfg.steps, k_lora, rx.train.make_sft_step)
     res = run_on_rows(state, step, full, cfg, ctx, ctx_key, policy_of=lambda s: s.model)
@@ -70,27 +71,36 @@ def run_sft(model, tok, records: Sequence, *, cfg: SFTConfig, ctx: RunContext) -
     return res
 
 
-def _sft_sequences(records, tok, c, prompt_length: int) -> list[data.TokenizedSequence]:
+def _sft_sequences(
+    records, tok, c, prompt_length: int, add_eos: bool | str
+) -> list[data.TokenizedSequence]:
     seqs, _ = data.tokenize_demonstrations(
-        list(records), tok, max_length=c.max_length, max_prompt_length=prompt_length, add_eos=False
+        list(records),
+        tok,
+        max_length=c.max_length,
+        max_prompt_length=prompt_length,
+        add_eos=add_eos,
     )
     return seqs
 
 
-def sft_rows(records, tok, c, prompt_length: int):
+def sft_rows(records, tok, c, prompt_length: int, *, add_eos: bool | str = False):
     """`run_sft`'s batch of every `(prompt, completion)` record
-    (`data.tokenize_demonstrations`: no EOS, `c.max_length`, prompts cut to
-    `prompt_length`; a conversation's record with `spans` trains on those only)."""
-    seqs = _sft_sequences(records, tok, c, prompt_length)
+    (`data.tokenize_demonstrations`: `c.max_length`, prompts cut to `prompt_length`, EOS
+    as `add_eos` says, `RunContext.add_eos`: none by default, as sampled completions
+    hold theirs; a conversation's record with `spans` trains on those only)."""
+    seqs = _sft_sequences(records, tok, c, prompt_length, add_eos)
     return data.collate_sft(seqs, max_length=c.max_length, pad_id=tok.pad_id)
 
 
-def sft_packed_rows(records, tok, c, prompt_length: int) -> data.PackedSequenceBatch:
+def sft_packed_rows(
+    records, tok, c, prompt_length: int, *, add_eos: bool | str = False
+) -> data.PackedSequenceBatch:
     """`run_sft`'s rows with `c.packing`: the sequences of `sft_rows` (tokenised alike)
     packed whole into rows of `c.max_length` tokens (`data.pack_sft`, best-fit
     decreasing; TRL's `packing_strategy="bfd"`), one `sequences` axis for all rows, so
     every step of `c.batch_size` rows has one shape."""
-    seqs = _sft_sequences(records, tok, c, prompt_length)
+    seqs = _sft_sequences(records, tok, c, prompt_length, add_eos)
     return data.pack_sft(seqs, max_length=c.max_length, pad_id=tok.pad_id)
 
 
@@ -154,9 +164,10 @@ def sft_on_data(env: StageEnv, c: SFTConfig) -> Outcome:
     samples (`sft_samples`)."""
     policy, tok = env.base, env.tok
     train, held, prompted = sft_split(env, c)
-    hb = sft_rows(held, tok, c, env.cfg.sampling.prompt_length)
+    ctx = data_ctx(env)
+    hb = sft_rows(held, tok, c, env.cfg.sampling.prompt_length, add_eos=ctx.add_eos)
     before = float(nll(policy, hb))
-    res = run_sft(policy, tok, train, cfg=c, ctx=env.ctx(""))
+    res = run_sft(policy, tok, train, cfg=c, ctx=ctx)
     packing = res.info.get("packing")
     if packing is not None:
         env.say(

@@ -60,6 +60,10 @@ TASK_ONLY_FIELDS: dict[str, tuple[str, ...]] = {
 completions of the task's prompts it samples (`samples`, `pairs_per_prompt`) and the
 rounds of fresh samples (`dpo.rounds`); on a data file the pairs, examples or prompts are
 the file's."""
+SAMPLE_TRAINING_SECTIONS: tuple[str, ...] = ("sft", "reward", "dpo", "kto", "distill")
+"""The sections whose stages train, on the built-in task, on sampled sequences of up to
+`sampling.prompt_length + sampling.max_new_tokens` tokens, each cut to the section's
+`max_length` (`check_sample_room`)."""
 UNEVALUATED_STAGES: tuple[str, ...] = ("sft", "reward")
 """The built-in task's stages without a periodic evaluation against SFT
 (`ops.eval_every`): SFT is what the others are compared with, and the reward model
@@ -212,6 +216,26 @@ def sampled_length(cfg: Any) -> tuple[str, int]:
     return what, s.prompt_length + s.max_new_tokens
 
 
+def check_sample_room(cfg: Any, run: tuple[str, ...]) -> None:
+    """On the built-in task, each running `SAMPLE_TRAINING_SECTIONS` section's
+    `max_length` holds a whole sample (`sampled_length`): a shorter one would cut the
+    samples it trains on, and train on the cut text with the label of the whole (as
+    TRL's `max_length` would, its trainers' default being long enough)."""
+    if cfg.data.path is not None:
+        return
+    what, tokens = sampled_length(cfg)
+    for key in dict.fromkeys(find_stage(st).key for st in run):
+        c = getattr(cfg, key)
+        if key in SAMPLE_TRAINING_SECTIONS and c.max_length < tokens:
+            _fail(
+                f"{key}.max_length",
+                c.max_length,
+                f"must hold the samples it trains on, {what} = {tokens} tokens (a sample "
+                f"would be cut and trained on with the label of the whole); raise "
+                f"{key}.max_length or lower sampling.max_new_tokens",
+            )
+
+
 def check_scorer_context(cfg: Any, run: tuple[str, ...]) -> None:
     """Each reward model a rollout stage of `run` scores its samples with (`<stage>.reward_model`:
     one, an ensemble's members, a PRM) and a judge checkpoint (`judge.model`, not the
@@ -245,9 +269,10 @@ def validate_run(cfg: Any, run: tuple[str, ...], *, device_count: int = 1) -> No
     fields (`validate_stage`), then what the stages that run combine with other sections
     (a batch above the prompt length, the reward source and the judge, each stage's
     `check_run`: the teacher, a multi-turn episode's length; every length the run reads
-    within the model's context, `read_lengths`, and the sampled length within each
-    reward model's and judge's, `check_scorer_context`); `ConfigError` naming the first bad
-    field."""
+    within the model's context, `read_lengths`; on the built-in task a whole sample within
+    each batch stage's `max_length`, `check_sample_room`; and the sampled length within
+    each reward model's and judge's, `check_scorer_context`); `ConfigError` naming the
+    first bad field."""
     from ._validation import validate_judge
 
     _check_stages(cfg, run)
@@ -272,6 +297,7 @@ def validate_run(cfg: Any, run: tuple[str, ...], *, device_count: int = 1) -> No
         if st.check_run is not None:
             st.check_run(cfg, run)
     check_context(cfg, read_lengths(cfg, run))
+    check_sample_room(cfg, run)
     check_scorer_context(cfg, run)
     check_unread(cfg, run, uses_judge)
     if uses_judge:

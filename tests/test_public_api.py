@@ -153,7 +153,7 @@ STAGE_KEYS = {
     "reward": "steps batch_size max_length optim pairs_per_prompt heldout_fraction eval_every "
     "ensemble ensemble_mode ensemble_penalty center_coef margin" + _OPTIONS,
     "dpo": "steps batch_size max_length optim beta loss_type rounds samples packing lora "
-    "label_smoothing reference rpo_alpha loss_kwargs" + _OPTIONS,
+    "label_smoothing reference rpo_alpha loss_kwargs missing_eos_penalty" + _OPTIONS,
     "ppo": "rollouts prompts_per_rollout epochs kl_target optim lora minibatches "
     f"gamma lam kl_coef reward_source reward_model reward_functions reward_weights {_PPO} "
     "kl_estimator whiten_rewards missing_eos_penalty" + _OPTIONS,

@@ -21,7 +21,7 @@ from ..train import DPOSettings
 from ._config import BatchStageConfig, LoRASettings, _optim
 from ._data_prep import DATA_EOS, data_ctx, implicit_accuracy, preference_split, trained_policy
 from ._evaluate import binomial_se
-from ._field_checks import _fail, _positive
+from ._field_checks import _at_least, _fail, _positive
 from ._monitor import model_flops
 from ._registry import Outcome, Stage, StageEnv, register_stage
 from ._rollout import sample_rollout, sampling_options
@@ -52,7 +52,11 @@ class DPOConfig(BatchStageConfig, DPOSettings):
     `packing` (offline DPO on a data file): token-budget batches
     (`data.pack_preference_steps`), each prompt written once before both completions and
     several pairs to a row, about `batch_size` pairs a step and one shape for all steps,
-    instead of `batch_size` rows padded to `max_length`."""
+    instead of `batch_size` rows padded to `max_length`.
+    `missing_eos_penalty` (online DPO, which samples; `None`: off; a number >= 0, TRL's
+    `OnlineDPOConfig.missing_eos_penalty`): subtracted from the label of every sample cut
+    at `sampling.max_new_tokens` without a stop (`penalised_labels`), before the pairs
+    are formed."""
 
     steps: int = 20
     reference: str = "cached"
@@ -60,6 +64,7 @@ class DPOConfig(BatchStageConfig, DPOSettings):
     samples: int = 4
     packing: bool = False
     lora: LoRASettings = LoRASettings()
+    missing_eos_penalty: float | None = None
 
     def check(self, name: str, *, device_count: int = 1) -> None:
         """DPO's own rules: a cached (or no) reference, rounds >= 1, two samples or more per
@@ -78,6 +83,8 @@ class DPOConfig(BatchStageConfig, DPOSettings):
                 "must be cached or none (the runs cache the reference log-probabilities)",
             )
         _positive(f"{name}.rounds", self.rounds)
+        if self.missing_eos_penalty is not None:
+            _at_least(f"{name}.missing_eos_penalty", self.missing_eos_penalty, 0)
         if self.samples < 2:
             _fail(f"{name}.samples", self.samples, "must be >= 2 (pairs need two completions)")
         if self.packing and self.loss_type in DPO_BATCH_LOSS_TYPES:
@@ -272,6 +279,17 @@ def best_worst_pairs(
     return pairs
 
 
+def penalised_labels(labels, truncated, cfg: DPOConfig) -> list[float]:
+    """The labels of a round's samples with `cfg.missing_eos_penalty` (when set)
+    subtracted from those of the samples cut at the length limit without a stop
+    (`truncated`, the rollout's): TRL's `scores[~contains_eos] -= missing_eos_penalty`,
+    so that a sample that never ends loses against one that does."""
+    if cfg.missing_eos_penalty is None:
+        return list(labels)
+    cut = np.asarray(truncated, dtype=np.float64)
+    return (np.asarray(labels, dtype=np.float64) - cfg.missing_eos_penalty * cut).tolist()
+
+
 def _round_steps(state, step, pairs, count: int, cfg: DPOConfig, seed: int, key: jax.Array):
     """One round of online DPO's updates: `cfg.steps` steps on `cfg.batch_size` of the
     first `count` rows of `pairs` (step `s`: the rows `rows_at(count, cfg.batch_size,
@@ -296,9 +314,11 @@ def run_online_dpo(
 ) -> RunResult:
     """Online (iterative) DPO: for each of `cfg.rounds` rounds, sample `cfg.samples`
     completions per prompt from the current policy, label them with
-    `label(prompts, texts, round)` (a reward model or a judge), pair best and worst,
-    cache the reference log-probs and take `cfg.steps` DPO steps (Xu et al. 2023; Guo et
-    al. 2024). Packing is refused (`cfg.packing`): the rounds' fresh pairs train unpacked."""
+    `label(prompts, texts, round)` (a reward model or a judge), lower the labels of
+    the samples cut without a stop by `cfg.missing_eos_penalty` (when set:
+    `penalised_labels`; the round's `missing_eos` is the fraction cut), pair best and
+    worst, cache the reference log-probs and take `cfg.steps` DPO steps (Xu et al. 2023;
+    Guo et al. 2024). Packing is refused (`cfg.packing`): the rounds' fresh pairs train unpacked."""
     validate_stage("dpo", cfg)
     if cfg.packing:  # the built-in stages refuse it earlier (`_check_packing`)
         _fail("packing", cfg.packing, f"online DPO {_ONLINE_UNPACKED}")
@@ -317,9 +337,12 @@ def run_online_dpo(
             group_size=cfg.samples,
             **sampling_options(ctx),
         )
-        labels = label(roll.prompts, roll.texts, r)
+        truncated = np.asarray(roll.truncated)
+        labels = penalised_labels(label(roll.prompts, roll.texts, r), truncated, cfg)
         pairs = best_worst_pairs(prompts, roll.texts, labels, cfg.samples)
         info = {"pairs": float(len(pairs)), "label_mean": float(np.mean(labels))}
+        if cfg.missing_eos_penalty is not None:
+            info["missing_eos"] = float(np.mean(truncated))
         if not pairs:
             ctx.log.event(
                 "no_signal",

@@ -52,14 +52,15 @@ rollouts, `distill` its on-policy completions (`distill.lmbda > 0`)."""
 TASK_ONLY_FIELDS: dict[str, tuple[str, ...]] = {
     "sft": ("samples",),
     "reward": ("pairs_per_prompt",),
-    "dpo": ("rounds", "samples"),
+    "dpo": ("rounds", "samples", "missing_eos_penalty"),
     "kto": ("samples",),
     "distill": ("samples",),
 }
 """The settings of a stage section that only its run on the built-in task reads: how many
 completions of the task's prompts it samples (`samples`, `pairs_per_prompt`) and the
 rounds of fresh samples (`dpo.rounds`); on a data file the pairs, examples or prompts are
-the file's."""
+the file's (`dpo.missing_eos_penalty` lowers the labels of samples, which offline DPO
+on a file has none of)."""
 SAMPLE_TRAINING_SECTIONS: tuple[str, ...] = ("sft", "reward", "dpo", "kto", "distill")
 """The sections whose stages train, on the built-in task, on sampled sequences of up to
 `sampling.prompt_length + sampling.max_new_tokens` tokens, each cut to the section's

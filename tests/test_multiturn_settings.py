@@ -148,7 +148,8 @@ def test_single_turn_sampling_settings_are_refused_for_the_episodes(
     assert len(err) == 1 and err[0].count(field) >= 1, err
     assert applies.format(stage=stage) in err[0]
     # a run with a single-turn stage that samples with them takes them
-    cfg = pl.apply_overrides(pl.animal_task_config(), [setting, f"stages=sft,{stage},grpo"])
+    room = "sft.max_length=92"  # a whole sample of 32 + 60 tokens (the SFT stage trains on it)
+    cfg = pl.apply_overrides(pl.animal_task_config(), [setting, room, f"stages=sft,{stage},grpo"])
     pl.config.validate_config(cfg)
 
 

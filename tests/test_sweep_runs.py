@@ -279,3 +279,24 @@ def test_ppo_sweep_members_equal_their_separate_runs(tmp_path):
         assert res.summaries[mem.name]["stopped"] == summary["ppo"]["stopped"]
         for k in POLICY_SUMMARY:
             assert res.summaries[mem.name][k] == pytest.approx(summary["ppo"][k], abs=1e-4), k
+
+
+def test_an_online_dpo_sweep_penalises_samples_without_a_stop_as_its_run_does(tmp_path):
+    # dpo.missing_eos_penalty lowers the labels of samples cut at sampling.max_new_tokens
+    # before the pairs are formed: the member's pairs, steps and weights are its run's
+    cfg = pl.apply_overrides(
+        tiny_config(), ["dpo.missing_eos_penalty=2.0", "sampling.max_new_tokens=24"]
+    )
+    res = pl.sweep("dpo", cfg, seeds=1, grid={}, out=str(tmp_path / "s"), export=True)
+    (mem,) = res.members
+    run_dir = str(tmp_path / "run")
+    pl.run_pipeline(dataclasses.replace(mem.cfg, out=run_dir))
+    member_dir = os.path.join(str(tmp_path / "s"), "members", mem.name)
+    with open(os.path.join(member_dir, "metrics.jsonl")) as f:
+        ours = [json.loads(line) for line in f if line.strip()]
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        theirs = [json.loads(line) for line in f if line.strip()]
+    key = "rollout/missing_eos"
+    cut = lambda recs: [r[key] for r in recs if key in r]  # noqa: E731
+    assert cut(theirs) and cut(ours) == cut(theirs)
+    assert_same_run(member_dir, run_dir)

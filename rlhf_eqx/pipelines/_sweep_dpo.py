@@ -19,7 +19,7 @@ import numpy as np
 
 import rlhf_eqx as rx
 
-from ._dpo_stage import best_worst_pairs
+from ._dpo_stage import best_worst_pairs, penalised_labels
 from ._registry import stage_key
 from ._rollout import sampling_options
 from ._runs import collate_pairs, rows_at, take_rows
@@ -80,9 +80,13 @@ def dpo_sweep(
             if not alive[m]:
                 continue
             roll = rolls[m]
+            truncated = np.asarray(roll.truncated)  # as run_online_dpo penalises them
             labels = starts[mem.seed].label(roll.prompts, roll.texts, r)
+            labels = penalised_labels(labels, truncated, mem.cfg.dpo)
             pairs = best_worst_pairs(TRAIN_PROMPTS, roll.texts, labels, c0.samples)
             info[m] = {"pairs": float(len(pairs)), "label_mean": float(np.mean(labels))}
+            if mem.cfg.dpo.missing_eos_penalty is not None:
+                info[m]["missing_eos"] = float(np.mean(truncated))
             if not pairs:
                 msg = f"round {r}: all completions of every prompt got the same label; no pairs"
                 events.append((m, "no_signal", msg))

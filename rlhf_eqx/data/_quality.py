@@ -179,6 +179,7 @@ def preference_quality(
     *,
     tokenizer: Tokenizer | None = None,
     lengths: SequenceLengths | None = None,
+    add_eos: bool | str = True,
 ) -> PreferenceQuality:
     """Examine preference records before training (see the module docstring).
 
@@ -189,6 +190,9 @@ def preference_quality(
     - `tokenizer`: when given, lengths are counted in tokens and the records are
       tokenised with `lengths` to measure the truncation rate.
     - `lengths`: the `SequenceLengths` training will use (default `SequenceLengths()`).
+    - `add_eos`: how training ends the completions (`tokenize_preferences`'s `add_eos`:
+      `True`, `False` or `"auto"`, EOS unless the completion ends its turn already), so
+      that the truncation rate is that of the training sequences.
 
     **Returns:** a `PreferenceQuality`; `print(report.summary())` for a run log.
     """
@@ -206,7 +210,7 @@ def preference_quality(
     responses = [t for _, c, r in fields for t in (c, r)]
     truncation = None
     if tokenizer is not None:
-        _, truncation = tokenize_preferences(records, tokenizer, lengths=lengths)
+        _, truncation = tokenize_preferences(records, tokenizer, lengths=lengths, add_eos=add_eos)
     return PreferenceQuality(
         total=len(fields),
         identical=tuple(found["identical"]),

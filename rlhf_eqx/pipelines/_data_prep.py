@@ -281,7 +281,7 @@ def quality_report(
 
     **Returns:** `(records to train on, report)`.
     """
-    report = data.preference_quality(records, tokenizer=tok, lengths=lengths)
+    report = data.preference_quality(records, tokenizer=tok, lengths=lengths, add_eos=DATA_EOS)
     counts = {
         "pairs": report.total,
         "distinct_prompts": report.distinct_prompts,

@@ -44,6 +44,7 @@ BUILTIN_REFUSED = [
         r"^dpo\.lora\.alpha=3\.0: dpo\.lora\.rank=0 trains every weight without LoRA",
     ),
     (["grpo.lora.rank=0", "grpo.lora.targets=q"], r"^grpo\.lora\.targets=q: grpo\.lora"),
+    (["sft.lora.rank=0", "sft.lora.use_dora=true"], r"^sft\.lora\.use_dora=True: sft\.lora"),
     (
         ["distill.lmbda=0", "distill.temperature=0.7"],
         r"^distill\.temperature=0\.7: samples the on-policy completions only",

@@ -85,7 +85,7 @@ def check_section(name: str, c: Any, *, device_count: int = 1) -> None:
 
 
 def check_full_finetune(name: str, c: Any) -> None:
-    """Refuse an adapter setting (`alpha`, `dropout`, `targets`, `use_rslora`) of the
+    """Refuse an adapter setting (`alpha`, `dropout`, `targets`, `use_rslora`, `use_dora`) of the
     section `name` changed while `lora.rank=0` trains every weight without adapters,
     which reads none of them; a value of the usual defaults (`LoRASettings()`), of the
     built-in task's or of the settings class's own is not refused."""
@@ -94,7 +94,7 @@ def check_full_finetune(name: str, c: Any) -> None:
         return
     own = {f.name: f.default for f in dataclasses.fields(type(c))}.get("lora")
     usual = [LoRASettings(), TASK_STAGE_SETTINGS["lora"], own]
-    for field in ("alpha", "dropout", "targets", "use_rslora"):
+    for field in ("alpha", "dropout", "targets", "use_rslora", "use_dora"):
         value = getattr(lora, field)
         if all(value != getattr(d, field) for d in usual if isinstance(d, LoRASettings)):
             _fail(

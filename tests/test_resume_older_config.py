@@ -98,3 +98,21 @@ def test_eval_of_a_run_written_by_an_older_version_takes_its_sampling_settings(t
     args = argparse.Namespace(command="eval", model=str(run), config=None, overrides=[])
     cfg = pl.config.command_line_config(args)
     assert cfg.sampling.temperature == 0.7
+
+
+def test_a_setting_renamed_since_is_refused_not_dropped():
+    """A stored setting this version no longer has, in a section that gained one since
+    (`optim.lr` then, `optim.learning_rate` now), may be the same setting renamed: the
+    stored value would be lost for the new name's default, so the resume is refused,
+    naming it, rather than going on without it."""
+    new = _dict()
+    old = json.loads(json.dumps(new))
+    rate = old["dpo"]["optim"].pop("learning_rate")
+    old["dpo"]["optim"]["lr"] = rate * 3
+    with pytest.raises(pl.loop.RunDirError) as e:
+        pl.loop.check_resumable(old, new, where="run")
+    assert f"dpo.optim.lr: {rate * 3!r} -> None" in str(e.value)
+    old["dpo"]["optim"]["learning_rate"] = rate  # the field of that name kept: no rename
+    old["dpo"]["optim"]["lr"] = None
+    assert pl.loop.check_resumable(old, new, where="run") == []
+    assert "renamed? resume with the version that wrote the run" in str(e.value)

@@ -353,8 +353,15 @@ def check_resumable(old: dict, new: dict, *, where: str) -> list[tuple[str, obje
     bad = [c for c in changes if c[0] not in resumable and c[0] not in counts and c[0] not in moved]
     if bad:
         lines = shown_changes(bad)
+        renamed = _renamed(old, new) & {k for k, _, _ in bad}
+        hint = (
+            f" ({', '.join(sorted(renamed))}: no longer a setting, beside one added since: "
+            "renamed? resume with the version that wrote the run)"
+            if renamed
+            else ""
+        )
         raise RunDirError(
-            f"{where}: cannot resume with a different configuration ({lines}). Only "
+            f"{where}: cannot resume with a different configuration ({lines}){hint}. Only "
             f"iteration counts ({', '.join(_running(counts, new))}) and "
             f"{', '.join(_running(resumable, new))} may change on resume; start a new run "
             "(another --out, or --overwrite) to train with other settings"
@@ -370,13 +377,28 @@ def resume_changes(old: dict, new: dict, *, where: str) -> tuple[list, set[str]]
     field added to the library since `old` was written that holds its default, a field
     this version no longer has (`unused_fields`), a path written another way."""
     added = _added_since(old, new)
-    unused = unused_fields(old)
+    renamed = _renamed(old, new)
+    unused = [u for u in unused_fields(old) if u not in renamed]
     changes = [
         (k, a, b)
         for k, a, b in _changes(old, new)
         if k not in added and not _under(k, unused) and not _same_path(a, b)
     ]
     return changes, {k for k, _, _ in moved_inputs(where, new, changes)}
+
+
+def _renamed(old: dict, new: dict) -> set[str]:
+    """The settings of `old` this version no longer has (`unused_fields`) in a section
+    where `new` has a setting `old` lacks: perhaps one setting under a new name
+    (`optim.lr` -> `optim.learning_rate`), whose stored value the new name would not
+    carry over. A resume weighs them as changes, not as settings no longer used."""
+    leaves = _flatten(old)
+    sections = {k.rsplit(".", 1)[0] for k in _flatten(new) if k not in leaves and "." in k}
+    return {
+        u
+        for u in unused_fields(old)
+        if u in leaves and "." in u and u.rsplit(".", 1)[0] in sections
+    }
 
 
 def shown_changes(changes) -> str:

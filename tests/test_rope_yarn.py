@@ -269,3 +269,32 @@ def test_llama_cpp_yarn_attention_keys_are_refused_naming_the_key(tmp_path):
     path = _llama_gguf_with(tmp_path, log_multiplier)
     with pytest.raises(ValueError, match=r"`llama\.rope\.scaling\.yarn_log_multiplier` = 0\.1"):
         rx.models.load_gguf_policy(path)
+
+
+@pytest.mark.parametrize("kind", ["linear", "llama3", "yarn"])
+def test_numpy_scalar_fields_are_kept_as_python_numbers_and_export(kind, tmp_path):
+    """Fields read with NumPy (`np.float32`, `np.int64`) are taken as the numbers they are
+    and stored as Python ones: `save_hf` writes them to `config.json` and reads them back."""
+    fields = {
+        "linear": {},
+        "llama3": {"low_freq_factor": np.float32(1.0), "high_freq_factor": np.float64(4.0)},
+        "yarn": {"beta_fast": np.float32(8.0), "attention_factor": np.float32(1.25)},
+    }[kind]
+    if kind != "linear":
+        fields["original_max_position"] = np.int64(16)
+    rs = rx.RopeScaling(kind, np.float32(4.0), **fields)
+    for field in dataclasses.fields(rs):
+        value = getattr(rs, field.name)
+        assert value is None or type(value) in (str, bool, int, float), field.name
+    assert rs == rx.RopeScaling(kind, 4.0, **{k: v.item() for k, v in fields.items()})
+    policy = rx.Policy(_cfg(rs, head_dim=16), key=jax.random.key(0))
+    rx.save_hf(policy, tmp_path / "ckpt")
+    loaded = rx.load_hf(tmp_path / "ckpt", dtype="float32")
+    assert loaded.cfg.rope_scaling == rs
+
+
+def test_a_field_that_is_not_finite_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"^RopeScaling\.factor must be a finite number, got inf"):
+        rx.RopeScaling("yarn", math.inf, original_max_position=16)
+    with pytest.raises(ValueError, match=r"^RopeScaling\.mscale must be a finite number"):
+        rx.RopeScaling("yarn", 4.0, original_max_position=16, mscale=math.nan)

@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import numbers
 
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +11,16 @@ from jaxtyping import Float, Float32
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 _ROPE_KINDS = ("linear", "llama3", "yarn")
+_ROPE_OPTIONAL = ("mscale", "mscale_all_dim", "attention_factor")
+_ROPE_NUMBERS = (
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position",
+    "beta_fast",
+    "beta_slow",
+    *_ROPE_OPTIONAL,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,23 +51,38 @@ class RopeScaling:
       / `mscale_all_dim`, or `0.1·ln(factor) + 1`; see `attention_scale`).
     - `truncate`: round YaRN's ramp bounds outward to whole dimensions (transformers'
       default `True`; gpt-oss writes `false`).
+
+    The numbers must be finite; NumPy scalars are stored as Python numbers (so that
+    `save_hf` and `save_gguf` write them).
     """
 
     kind: str
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position: int = 8192
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    attention_factor: float | None = None
+    factor: float | numbers.Real
+    low_freq_factor: float | numbers.Real = 1.0
+    high_freq_factor: float | numbers.Real = 4.0
+    original_max_position: int | numbers.Integral = 8192
+    beta_fast: float | numbers.Real = 32.0
+    beta_slow: float | numbers.Real = 1.0
+    mscale: float | numbers.Real | None = None
+    mscale_all_dim: float | numbers.Real | None = None
+    attention_factor: float | numbers.Real | None = None
     truncate: bool = True
 
     def __post_init__(self):
         if self.kind not in _ROPE_KINDS:
             raise ValueError(f"RopeScaling.kind must be one of {_ROPE_KINDS}, got {self.kind!r}")
+        for name in _ROPE_NUMBERS:  # numpy scalars stored as Python numbers, as JSON takes
+            value = getattr(self, name)
+            if value is None and name in _ROPE_OPTIONAL:
+                continue
+            integral = name == "original_max_position"
+            kind = numbers.Integral if integral else numbers.Real
+            if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value):
+                what = "an int" if integral else "a finite number"
+                raise ValueError(f"RopeScaling.{name} must be {what}, got {value!r}")
+            if type(value) not in (int, float):  # np.float64 too, a float subclass
+                plain = int(value) if isinstance(value, numbers.Integral) else float(value)
+                object.__setattr__(self, name, plain)
         if not self.factor > 0:
             raise ValueError(f"RopeScaling.factor must be positive, got {self.factor!r}")
         if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
@@ -67,22 +93,14 @@ class RopeScaling:
         if self.kind != "yarn":
             return
         orig = self.original_max_position
-        if isinstance(orig, bool) or not isinstance(orig, int) or orig <= 0:
+        if orig <= 0:
             raise ValueError(
                 f"RopeScaling.original_max_position must be a positive int, got {orig!r}"
             )
         for name in ("beta_fast", "beta_slow"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            if not value > 0:
                 raise ValueError(f"RopeScaling.{name} must be a positive number, got {value!r}")
-        for name in ("mscale", "mscale_all_dim", "attention_factor"):
-            value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not math.isfinite(value)
-            ):
-                raise ValueError(f"RopeScaling.{name} must be a number or None, got {value!r}")
         if not isinstance(self.truncate, bool):
             raise ValueError(f"RopeScaling.truncate must be True or False, got {self.truncate!r}")
 

@@ -3,6 +3,8 @@ tokens follow the target's distribution exactly (a chi-square test against the e
 joint probabilities), log-probs are the target's, stop ids and budgets per row, bad
 arguments, one compile; and the multi-token cached decode it verifies with."""
 
+import json
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -425,3 +427,21 @@ def test_sampled_tokens_follow_the_targets_distribution(settings):
     # the test has power: the draft's own samples fail it
     own = rx.generate_batch(draft, prompts, masks, jax.random.key(7), max_new_tokens=n, **settings)
     assert _chi2_pvalue(own.tokens[:, 3:], exact, n) < P_VALUE
+
+
+def test_a_truncated_draft_of_a_policy_with_per_layer_adapters_keeps_its_layers_ranks(tmp_path):
+    """DoRA and per-layer-rank adapters carry their layers' ranks as static fields: the
+    draft's adapters count and save its own layers only."""
+    policy = rx.Policy(WINDOWED, key=jax.random.key(2))
+    dora = rx.apply_lora(policy, rx.LoRAConfig(rank=2, use_dora=True), key=jax.random.key(3))
+    draft = rx.models.truncated_draft(dora, 2)
+    direct = rx.apply_lora(
+        rx.models.truncated_draft(policy, 2),
+        rx.LoRAConfig(rank=2, use_dora=True),
+        key=jax.random.key(3),
+    )
+    trainable = lambda m: rx.count_params(eqx.filter(m, rx.lora_filter(m)))  # noqa: E731
+    assert trainable(draft) == trainable(direct)
+    rx.save_lora_adapter(draft, str(tmp_path / "adapter"))
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config.get("layers_to_transform") in (None, [0, 1])

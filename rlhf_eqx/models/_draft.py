@@ -46,9 +46,24 @@ def truncated_draft(policy: Policy, n_layers: int) -> Policy:
     window_layers = None if cfg.window_layers is None else cfg.window_layers[:n]
     cfg = dataclasses.replace(cfg, n_layers=n, window_layers=window_layers)
     layers = jax.tree.map(lambda a: a[:n] if eqx.is_array(a) else a, policy.transformer.layers)
+    if layers.lora is not None:  # per-layer adapters' static ranks, cut as their arrays are
+        lora = {name: _first_ranks(adapter, n) for name, adapter in layers.lora.items()}
+        layers = copy.copy(layers)
+        object.__setattr__(layers, "lora", lora)
     transformer = eqx.tree_at(lambda t: t.layers, policy.transformer, layers)
     # the config is a static field, out of `tree_at`'s reach, and `Transformer.__init__`
     # draws fresh weights: set it on a copy
     transformer = copy.copy(transformer)
     object.__setattr__(transformer, "cfg", cfg)
     return eqx.tree_at(lambda p: p.transformer, policy, transformer)
+
+
+def _first_ranks(adapter, n: int):
+    """`adapter` (a stacked LoRA or DoRA adapter) with its static per-layer `ranks`, when
+    it has them (`LayerwiseLoRAAdapter`, `DoRAAdapter`), cut to the first `n` layers."""
+    ranks = getattr(adapter, "ranks", None)
+    if not isinstance(ranks, tuple):
+        return adapter
+    out = copy.copy(adapter)
+    object.__setattr__(out, "ranks", ranks[:n])
+    return out

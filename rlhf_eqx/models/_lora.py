@@ -128,7 +128,10 @@ class DoRAAdapter(eqx.Module):
     this projection, and `base`, `x W` of those columns without the bias), so the base
     stays one array of the model (one leaf to save, quantise, shard and count). The
     weight is dequantised per layer for the norm (an int8, NF4 or GGUF base works as
-    PEFT's DoRA on a quantised base does).
+    PEFT's DoRA on a quantised base does). Every call computes the norm again, so each
+    decode step of a sampler pays for it (on a packed GGUF base many times what a LoRA
+    adapter costs; about twice on a float32 base): to sample many tokens, fold the
+    adapters first (`merge_lora`, after `dequantize` for a quantised base).
     """
 
     a: Float[Array, "*L i r"]
@@ -518,7 +521,7 @@ def merge_lora(model: PyTree) -> PyTree:
         w = new[field]
         if isinstance(w, AbstractQuantizedWeight):
             raise TypeError(
-                f"merge_lora: the base `{field}` is a {type(w).__name__}; "
+                f"merge_lora: the base `{field}` is quantised ({type(w).__name__}); "
                 "merging into a quantised base is not supported — call dequantize(model) first"
             )
         lo, hi = _column_range(name, cfg)

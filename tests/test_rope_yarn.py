@@ -298,3 +298,15 @@ def test_a_field_that_is_not_finite_is_refused_naming_it():
         rx.RopeScaling("yarn", math.inf, original_max_position=16)
     with pytest.raises(ValueError, match=r"^RopeScaling\.mscale must be a finite number"):
         rx.RopeScaling("yarn", 4.0, original_max_position=16, mscale=math.nan)
+
+
+def test_fields_a_scaling_does_not_read_hold_their_defaults_and_export(tmp_path):
+    """A `linear` scaling given `original_max_position` (some `config.json` files write
+    it) equals the one without: `save_hf` writes what it reads and reads back the same."""
+    rs = rx.RopeScaling("linear", 2.0, original_max_position=4096, beta_fast=8.0)
+    assert rs == rx.RopeScaling("linear", 2.0)
+    llama3 = rx.RopeScaling("llama3", 8.0, original_max_position=64, beta_slow=2.0)
+    assert llama3 == rx.RopeScaling("llama3", 8.0, original_max_position=64)
+    policy = rx.Policy(_cfg(rs, head_dim=16), key=jax.random.key(0))
+    rx.save_hf(policy, tmp_path / "ckpt")
+    assert rx.load_hf(tmp_path / "ckpt", dtype="float32").cfg.rope_scaling == rs

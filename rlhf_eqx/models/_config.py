@@ -23,6 +23,24 @@ _ROPE_NUMBERS = (
 )
 
 
+_ROPE_READS = {
+    "linear": ("kind", "factor"),
+    "llama3": ("kind", "factor", "low_freq_factor", "high_freq_factor", "original_max_position"),
+    "yarn": (
+        "kind",
+        "factor",
+        "original_max_position",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "attention_factor",
+        "truncate",
+    ),
+}
+"""The fields of `RopeScaling` each kind reads; the others hold their defaults."""
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """Rescaled rotary frequencies for long contexts.
@@ -53,7 +71,10 @@ class RopeScaling:
       default `True`; gpt-oss writes `false`).
 
     The numbers must be finite; NumPy scalars are stored as Python numbers (so that
-    `save_hf` and `save_gguf` write them).
+    `save_hf` and `save_gguf` write them). A field the kind does not read holds its
+    default (a `linear` scaling's `original_max_position`, which some `config.json`
+    files give, is not kept), so that two scalings that compute the same frequencies
+    are equal.
     """
 
     kind: str
@@ -85,6 +106,9 @@ class RopeScaling:
                 object.__setattr__(self, name, plain)
         if not self.factor > 0:
             raise ValueError(f"RopeScaling.factor must be positive, got {self.factor!r}")
+        for f in dataclasses.fields(self):  # one value for what the kind does not read
+            if f.name not in _ROPE_READS[self.kind]:
+                object.__setattr__(self, f.name, f.default)
         if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
             raise ValueError(
                 "RopeScaling.high_freq_factor must exceed low_freq_factor, got "

@@ -58,9 +58,16 @@ def _need(module: str, extra: str):
         pytest.skip(f"{module} is not installed (pip install 'rlhf_eqx[{extra}]')")
 
 
+_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}  # as runs write them
+
+
 def _records(path):
+    """The records of a `metrics.jsonl`, its non-finite numbers read back from their strings."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [json.loads(line) for line in f if line.strip()]
+    return [
+        {k: _NONFINITE.get(v, v) if isinstance(v, str) else v for k, v in r.items()} for r in lines
+    ]
 
 
 def _steps(run_dir: str) -> dict[str, list[dict]]:

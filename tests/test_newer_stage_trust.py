@@ -345,7 +345,8 @@ def test_a_full_disk_on_the_command_line_is_one_line_and_keeps_the_checkpoints(
 def test_environments_declare_stop_ids_with_a_default():
     tok = data.load_tokenizer(asset_path("tok512.bin"))
     assert CountingEnv().stop_ids == ()
-    assert pl.runs.turn_stop_ids(CountingEnv(), tok) == (tok.eos_id,)
+    # none of its own: where a single-turn completion of this tokenizer stops (EOS, BOS)
+    assert pl.runs.turn_stop_ids(CountingEnv(), tok) == tuple(sorted({tok.eos_id, tok.bos_id}))
     animal = rx.envs.AnimalFollowUpEnv(tok)
     assert animal.stop_ids and pl.runs.turn_stop_ids(animal, tok) == animal.stop_ids
     assert "stop_ids" in Environment.__doc__

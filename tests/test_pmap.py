@@ -132,6 +132,7 @@ def test_pmap_dpo_equals_one_device(getkey, reference):
     )
 
 
+@pytest.mark.slow  # PPO replicated: tests/test_mesh.py (fast)
 def test_pmap_ppo_equals_one_device(getkey):
     policy = rx.Policy(tiny_config(), key=getkey())
     value = rx.ValueModel.from_policy(policy, key=getkey())

@@ -92,6 +92,7 @@ def test_cli_joins_a_one_process_run_from_the_environment():
     assert done.stdout.startswith("Once")
 
 
+@pytest.mark.slow
 def test_cli_runs_without_the_variables_join_nothing():
     done = _cli(_env())
     assert done.returncode == 0, done.stderr[-3000:]

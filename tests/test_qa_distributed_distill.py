@@ -81,6 +81,7 @@ def test_shard_map_distill_step_equals_one_device(getkey, chunk):
     _compare(make_distill_step, student, batch, teacher, beta=0.4, chunk=chunk)
 
 
+@pytest.mark.slow
 def test_shard_map_distill_step_other_students_and_cached_teacher(getkey):
     cfg = tiny_config()
     teacher = rx.Policy(cfg, key=getkey())

@@ -34,6 +34,7 @@ from ._runs import (
     run_loop,
     run_offline,
     shuffled_batches,
+    shuffled_rows,
     take_rows,
     train_setup,
 )
@@ -150,13 +151,12 @@ def run_dpo(
             seed=ctx.ops.seed,
             add_eos=ctx.add_eos,
         )
-        at = shuffled_batches(range(len(batches)), ctx.ops.seed)
         return run_offline(
             state,
             step,
             referenced_batches(reference, batches, ctx.ops.seed)
             if scored
-            else lambda i: batches[at(i)],
+            else shuffled_batches(batches, ctx.ops.seed),
             tokens_per_iteration=int(batches[0].tokens.size),
             **run,
         )
@@ -167,13 +167,12 @@ def run_dpo(
         prompt_length=ctx.prompt_length,
         add_eos=ctx.add_eos,
     )
-    n = full.chosen_tokens.shape[0]
     return run_offline(
         state,
         step,
         referenced_rows(reference, full, cfg.batch_size, ctx.ops.seed)
         if scored
-        else lambda i: take_rows(full, rows_at(n, cfg.batch_size, ctx.ops.seed, i)),
+        else shuffled_rows(full, cfg.batch_size, ctx.ops.seed),
         tokens_per_iteration=2 * cfg.batch_size * cfg.max_length,
         **run,
     )

@@ -7,7 +7,7 @@ import sys
 from collections import defaultdict
 from typing import NamedTuple
 
-from ._metrics import from_json, step_ranges
+from ._metrics import from_json, read_json, step_ranges
 from ._rundir import holds_runs
 
 # What each panel shows: the first metric name a stage logged wins; the panel is titled
@@ -204,8 +204,7 @@ def _plot_sweep(run_dir: str) -> list[str]:
 
     path = os.path.join(run_dir, "sweep_summary.json")
     try:
-        with open(path) as f:
-            points = from_json(json.load(f)).get("points")
+        points = read_json(path).get("points")
     except FileNotFoundError:
         raise ValueError(
             f"{run_dir} is a sweep without its {os.path.basename(path)} (not finished: "
@@ -240,8 +239,7 @@ class _SweepMember(NamedTuple):
 
 def _json_or_empty(path: str) -> dict:
     try:
-        with open(path) as f:
-            value = from_json(json.load(f))
+        value = read_json(path)
     except (OSError, ValueError):
         return {}
     return value if isinstance(value, dict) else {}

@@ -482,8 +482,7 @@ def _fold_dora(w, a, b, magnitude, scale, lo: int, hi: int):
     dense = w[..., lo:hi].astype(jnp.float32)
     delta = jnp.einsum("lir,lro->lio", a.astype(jnp.float32), b.astype(jnp.float32))
     updated = dense + jnp.asarray(scale, jnp.float32)[:, None, None] * delta
-    norm = jnp.sqrt(jnp.sum(jnp.square(updated), axis=-2))
-    g = magnitude.astype(jnp.float32) / norm
+    g = magnitude.astype(jnp.float32) / _dora_norm(dense, a, b, scale)  # the forward's norm
     folded = jnp.where((scale != 0)[:, None, None], g[:, None, :] * updated, dense)
     return w.at[..., lo:hi].set(folded.astype(w.dtype))
 
